@@ -1,0 +1,45 @@
+# gemps: the two set-up commands are `make demo` and `make test`; each builds .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The torch requirement and where it comes from. The default is what this project tests with;
+# on a CPU-only machine with network access add the CPU index, e.g.
+#   make demo TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+
+.PHONY: demo test lint typecheck unit integration e2e proto clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e '.[torch,dev]'
+	touch $@
+
+demo: $(BIN)/.installed  ## the main job: train GEM on this machine (server + 4 local workers)
+	$(BIN)/gemps demo
+
+test: lint typecheck  ## everything CI runs: lint, types, unit + integration + e2e tests
+	$(BIN)/python -m pytest
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(BIN)/.installed
+	$(BIN)/mypy
+
+unit: $(BIN)/.installed
+	$(BIN)/python -m pytest tests/unit
+
+integration: $(BIN)/.installed
+	$(BIN)/python -m pytest tests/integration
+
+e2e: $(BIN)/.installed
+	$(BIN)/python -m pytest tests/e2e
+
+proto: $(BIN)/.installed  ## regenerate proto/gemps_proto/v1/*_pb2*.py(i) from the .proto
+	$(BIN)/python proto/generate.py
+
+clean:
+	rm -rf $(VENV) runs .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,159 @@
+"""The `gemps` command line. Each subcommand imports what it needs lazily, so `gemps server`
+runs without torch installed."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _add_server(parser: argparse.ArgumentParser) -> None:
+    from gemps_server import config
+
+    parser.description = "Run the gemps parameter server (flag > GEMPS_* environment variable > default)."
+    config.add_arguments(parser)
+    parser.set_defaults(run=_run_server)
+
+
+def _run_server(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from gemps_server import app, config
+
+    try:
+        server_config = config.from_sources(args)
+    except ValueError as error:
+        print(f"gemps server: {error}", file=sys.stderr)
+        return 2
+    _configure_logging(server_config.log_level)
+    asyncio.run(app.serve(server_config))
+    return 0
+
+
+def _add_status(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT (default 127.0.0.1:50051)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
+    parser.set_defaults(run=_run_status)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from gemps.client import Client
+    from gemps.errors import GempsError
+    from gemps.retry import NO_RETRY
+
+    client = Client(args.server, timeout=args.timeout, retry=NO_RETRY)
+    try:
+        status = client.status()
+    except GempsError as error:
+        print(f"gemps status: {args.server}: {error}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    c = status.config
+    print(f"server          {args.server}")
+    print(f"initialized     {status.initialized}")
+    print(f"version         {status.version}")
+    print(f"active workers  {status.active_workers}")
+    print(f"parameters      {status.num_parameters} in {len(status.spec)} tensors")
+    print(f"commits         {status.commits_applied} applied, {status.commits_rejected} rejected")
+    print(f"rule            {c.rule} (eta={c.learning_rate:g} mu={c.momentum:g} kappa={c.kappa:g} pi_max={c.pi_max:g})")
+    print(f"uptime          {status.uptime_seconds:.0f}s")
+    return 0
+
+
+# name -> (one-line help, function that adds the command's flags). Only the command being run
+# gets its flags built, so `gemps server` never imports torch, even where it is installed.
+Adder = Callable[[argparse.ArgumentParser], None]
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    from gemps import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="gemps", description="gemps: an asynchronous parameter server with Gradient Energy Matching."
+    )
+    parser.add_argument("--version", action="version", version=f"gemps {__version__}")
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (summary, add_flags) in COMMANDS.items():
+        command = subparsers.add_parser(
+            name, help=summary, description=summary, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        if name == chosen:
+            add_flags(command)
+    return parser
+
+
+def _add_worker(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Train on the shard the server assigns, commit every step, leave on SIGTERM."
+
+    def run(args: argparse.Namespace) -> int:
+        from gemps_worker import cli
+
+        _configure_logging("info")
+        return cli.run(args)
+
+    # The flags come from the worker's option dataclass, which needs torch only to run.
+    try:
+        from gemps_worker.cli import add_arguments
+    except ImportError as error:
+        parser.set_defaults(run=_missing_torch("worker", error))
+        return
+    add_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def _missing_torch(command: str, error: ImportError) -> Command:
+    """A command that explains what to install (the flags of these commands need torch)."""
+    message = f"gemps {command} needs the torch extra: pip install 'gemps[torch]' ({error})"
+
+    def explain(args: argparse.Namespace) -> int:
+        print(message, file=sys.stderr)
+        return 2
+
+    return explain
+
+
+def _add_demo(parser: argparse.ArgumentParser) -> None:
+    try:
+        from gemps_worker import demo
+    except ImportError as error:
+        parser.set_defaults(run=_missing_torch("demo", error))
+        return
+    parser.description = demo.__doc__
+    demo.add_arguments(parser)
+
+
+COMMANDS: dict[str, tuple[str, Adder]] = {
+    "server": ("run the parameter server", _add_server),
+    "status": ("print a server's status", _add_status),
+    "worker": ("run one reference training worker", _add_worker),
+    "demo": ("train on this machine: a server and local workers, no containers", _add_demo),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    run: Command | None = getattr(args, "run", None)
+    if run is None:
+        parser.print_help()
+        return 2
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""The synchronous gemps client: register, pull, commit, leave, status.
+
+Retries UNAVAILABLE with exponential backoff and jitter, re-registers transparently when the
+server has forgotten this worker (lease expiry, server restart), and raises typed GempsError
+subclasses instead of raw grpc errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+import grpc
+import numpy as np
+
+from gemps import errors
+from gemps.records import (
+    CentralVariable,
+    CommitResult,
+    ParameterSpec,
+    Registration,
+    ServerStatus,
+    Shard,
+    TrainingConfig,
+    flatten,
+    spec_of,
+)
+from gemps.retry import RetryPolicy
+from gemps_proto.codec import array_to_tensor, tensor_to_array
+from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
+
+log = logging.getLogger("gemps.client")
+
+T = TypeVar("T")
+
+PAYLOAD_KINDS = {"gradient": pb.PAYLOAD_KIND_GRADIENT, "update": pb.PAYLOAD_KIND_UPDATE}
+
+
+class Client:
+    """A connection to a gemps server, used by one worker (not thread-safe; one per thread).
+
+    >>> with Client("127.0.0.1:50051") as client:
+    ...     client.register({"w": np.zeros((3, 2), np.float32)})
+    ...     result = client.commit({"w": np.ones((3, 2), np.float32)}, loss=0.7)
+    """
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        name: str = "",
+        timeout: float = 60.0,
+        retry: RetryPolicy | None = None,
+        max_message_mb: int = 512,
+    ) -> None:
+        self.target = target
+        self.name = name
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        limit = min(max_message_mb * 1024 * 1024, 2**31 - 1)
+        self._channel = grpc.insecure_channel(
+            target,
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+        )
+        self._stub = pb_grpc.ParameterServerStub(self._channel)
+        self._registered_with: Mapping[str, np.ndarray] | None = None
+        self._spec: tuple[ParameterSpec, ...] = ()
+        self.registration: Registration | None = None
+        self.central: CentralVariable | None = None  # the newest central variable received
+
+    # -- worker lifecycle ----------------------------------------------------------------------
+
+    def register(self, parameters: Mapping[str, np.ndarray]) -> Registration:
+        """Announce this worker with its named initial parameters (in a fixed order).
+
+        The first worker's values initialise the central variable; later workers must have the
+        same names and shapes, and receive the central variable instead.
+        """
+        self._registered_with = {k: np.asarray(v, dtype=np.float32) for k, v in parameters.items()}
+        self._spec = spec_of(self._registered_with)
+        return self._register(flatten(self._registered_with))
+
+    def pull(self) -> CentralVariable:
+        """The newest central variable (no payload is sent when ours is already current).
+
+        Works without registering too (an observer such as an evaluator): such a read-only
+        pull holds no lease and takes the parameter spec from the server's Status.
+        """
+        if self.registration is None and not self._spec:
+            self._spec = self.status().spec
+        known = self.central.version if self.central is not None else -1
+
+        def send() -> pb.PullResponse:
+            return self._call(self._stub.Pull, pb.PullRequest(worker_id=self._worker_id(), known_version=known))
+
+        reply = send() if self.registration is None else self._with_reregistration(send)
+        if not reply.unchanged:
+            self.central = CentralVariable(reply.version, tensor_to_array(reply.parameters), self._spec)
+        assert self.central is not None
+        return self.central
+
+    def commit(
+        self,
+        payload: np.ndarray | Mapping[str, np.ndarray],
+        *,
+        kind: str = "gradient",
+        loss: float | None = None,
+        num_samples: int | None = None,
+        base_version: int | None = None,
+    ) -> CommitResult:
+        """Send a gradient (the server applies -eta*g) or an update (applied as given).
+
+        `payload` is a flat float32 vector in spec order or a mapping by parameter name.
+        `base_version` defaults to the version of the central variable last received.
+        Returns the new central variable (one round trip per step).
+        """
+        self._require_registered()
+        assert self.central is not None
+        if kind not in PAYLOAD_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(PAYLOAD_KINDS)}, not {kind!r}")
+        flat = flatten(payload) if isinstance(payload, Mapping) else np.asarray(payload, dtype=np.float32)
+        tensor = array_to_tensor(flat.reshape(-1))
+        base = self.central.version if base_version is None else base_version
+
+        def send() -> pb.CommitResponse:
+            request = pb.CommitRequest(
+                worker_id=self._worker_id(),
+                base_version=base,
+                kind=PAYLOAD_KINDS[kind],
+                payload=tensor,
+                loss=loss,
+                num_samples=num_samples,
+            )
+            return self._call(self._stub.Commit, request)
+
+        def after_reregistration(registration: Registration) -> None:
+            nonlocal base  # the server may have restarted with an older version
+            base = min(base, registration.version)
+
+        reply = self._with_reregistration(send, after_reregistration)
+        self.central = CentralVariable(reply.version, tensor_to_array(reply.parameters), self._spec)
+        return CommitResult(reply.version, reply.staleness, reply.scaling_mean, self.central)
+
+    def leave(self) -> None:
+        """Leave cleanly; the server frees this worker's state and shard."""
+        if self.registration is None:
+            return
+        with contextlib.suppress(errors.WorkerNotFoundError):  # already evicted: nothing to free
+            self._call(self._stub.Leave, pb.LeaveRequest(worker_id=self.registration.worker_id))
+        self.registration = None
+
+    def status(self) -> ServerStatus:
+        return ServerStatus.from_proto(self._call(self._stub.Status, pb.StatusRequest()))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            self.leave()
+        except errors.GempsError as error:
+            log.warning("leave failed while closing: %s", error)
+        finally:
+            self.close()
+
+    @property
+    def worker_id(self) -> str | None:
+        return self.registration.worker_id if self.registration else None
+
+    @property
+    def spec(self) -> tuple[ParameterSpec, ...]:
+        return self._spec
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _register(self, initial: np.ndarray) -> Registration:
+        request = pb.RegisterRequest(
+            spec=[s.to_proto() for s in self._spec],
+            initial_parameters=array_to_tensor(initial),
+            worker_name=self.name,
+        )
+        reply = self._call(self._stub.Register, request)
+        self.registration = Registration(
+            worker_id=reply.worker_id,
+            lease_ttl_seconds=reply.lease_ttl_seconds,
+            config=TrainingConfig.from_proto(reply.config),
+            shard=Shard(reply.shard.index, reply.shard.count),
+            version=reply.version,
+        )
+        self.central = CentralVariable(reply.version, tensor_to_array(reply.parameters), self._spec)
+        return self.registration
+
+    def _with_reregistration(
+        self, call: Callable[[], T], on_reregistered: Callable[[Registration], None] | None = None
+    ) -> T:
+        """Run `call`; if the server forgot us, register again (once) and repeat it."""
+        try:
+            return call()
+        except errors.GempsError as error:
+            if not errors.server_forgot_worker(error):
+                raise
+            log.warning("server forgot worker %s (%s); registering again", self._worker_id(), error.message)
+        # Our newest copy of the central variable re-initialises a server that lost its state.
+        initial = self.central.flat if self.central is not None else flatten(self._registered_with or {})
+        registration = self._register(initial)
+        if on_reregistered is not None:
+            on_reregistered(registration)
+        return call()
+
+    def _call(self, method: Callable[..., T], request: object) -> T:
+        """Call with a deadline, retrying UNAVAILABLE with backoff; raise typed errors."""
+        delays = self.retry.delays()
+        while True:
+            try:
+                return method(request, timeout=self.timeout)
+            except grpc.RpcError as rpc_error:
+                error = errors.from_rpc_error(rpc_error)
+            if not isinstance(error, errors.ServerUnavailableError):
+                raise error
+            delay = next(delays, None)
+            if delay is None:
+                raise errors.ServerUnavailableError(
+                    f"{self.target} unreachable after {self.retry.max_attempts} attempts: {error.message}"
+                )
+            log.debug("server unavailable, retrying in %.2fs: %s", delay, error.message)
+            time.sleep(delay)
+
+    def _require_registered(self) -> None:
+        if self.registration is None:
+            raise errors.NotRegisteredError("call register() before pull() or commit()")
+
+    def _worker_id(self) -> str:
+        return self.registration.worker_id if self.registration else ""

@@ -1,0 +1,96 @@
+"""Typed exceptions for the SDK: callers catch these, never raw grpc errors."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class GempsError(Exception):
+    """Base class of every error the SDK raises. `code` is the gRPC status, when there is one."""
+
+    code: grpc.StatusCode | None = None
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        #: the server's short label for the failure (e.g. "bad_shape", "unknown_worker"), if any
+        self.reason = reason
+        if code is not None:
+            self.code = code
+
+
+class InvalidArgumentError(GempsError):
+    """The server rejected the request's content (shape, dtype, NaN/Inf, version...)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class WorkerNotFoundError(GempsError):
+    """The server does not know this worker (never registered, left, or evicted)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPreconditionError(GempsError):
+    """The server is not in a state to serve this (spec mismatch, not initialised)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class UnauthenticatedError(GempsError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class ResourceExhaustedError(GempsError):
+    """A limit was hit: message size, number of workers."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class ServerUnavailableError(GempsError):
+    """The server could not be reached, even after retrying."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceededError(GempsError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class NotRegisteredError(GempsError):
+    """A worker call was made before `Client.register`."""
+
+
+_BY_CODE: dict[grpc.StatusCode, type[GempsError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgumentError,
+        WorkerNotFoundError,
+        FailedPreconditionError,
+        UnauthenticatedError,
+        ResourceExhaustedError,
+        ServerUnavailableError,
+        DeadlineExceededError,
+    )
+    if cls.code is not None
+}
+
+
+# Must equal gemps_server.errors.REASON_METADATA_KEY (the SDK does not import the server).
+REASON_METADATA_KEY = "gemps-reason"
+# Reasons that mean the server has no state for this worker: registering again fixes them.
+FORGOTTEN_REASONS = frozenset({"unknown_worker", "not_initialized"})
+
+
+def from_rpc_error(error: grpc.RpcError) -> GempsError:
+    """Translate a grpc error into the matching GempsError subclass."""
+    if not isinstance(error, grpc.Call):
+        return GempsError(str(error))
+    code = error.code()
+    reason = next((str(v) for k, v in error.trailing_metadata() or () if k == REASON_METADATA_KEY), "")
+    cls = _BY_CODE.get(code, GempsError)
+    return cls(f"{code.name}: {error.details() or ''}", code, reason)
+
+
+def server_forgot_worker(error: GempsError) -> bool:
+    return error.reason in FORGOTTEN_REASONS

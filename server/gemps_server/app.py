@@ -1,0 +1,147 @@
+"""Server lifecycle: build the grpc.aio server, serve, and shut down gracefully."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
+from gemps_server.applier import Applier
+from gemps_server.config import ServerConfig
+from gemps_server.metrics import ServerMetrics
+from gemps_server.rules import RuleParams
+from gemps_server.servicer import ParameterServerServicer
+from gemps_server.state import ServerState
+from gemps_server.workers import WorkerRegistry
+
+log = logging.getLogger("gemps.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+# Lease checks run this often relative to the TTL, so eviction lags the TTL by at most a quarter.
+LEASE_CHECKS_PER_TTL = 4
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class ParameterServer:
+    """One gemps server: `await start()`, then `await wait_closed()` or `await stop()`."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.metrics = ServerMetrics()
+        self.state = ServerState(
+            config.rule,
+            RuleParams(config.learning_rate, config.momentum, config.kappa, config.pi_max),
+            WorkerRegistry(config.max_workers, config.lease_ttl),
+        )
+        self.applier = Applier(observer=self.metrics.observe_operation)
+        self.servicer = ParameterServerServicer(config, self.state, self.applier, self.metrics)
+        self.health = health.aio.HealthServicer()
+        self.port = 0
+        self.metrics_port = 0
+        self._server: grpc.aio.Server | None = None
+        self._metrics_server: object | None = None
+        self._lease_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> int:
+        limit = self.config.max_message_bytes
+        server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        )
+        pb_grpc.add_ParameterServerServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
+        self.port = server.add_insecure_port(_hostport(self.config.host, self.config.port))
+        if self.port == 0:
+            raise OSError(f"could not bind {_hostport(self.config.host, self.config.port)}")
+        self.applier.start()
+        await server.start()
+        self._server = server
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._start_metrics()
+        self._lease_task = asyncio.create_task(self._expire_leases(), name="gemps-leases")
+        if self.config.port_file:
+            # Written last, via a rename, so a reader never sees a partial file.
+            tmp = Path(self.config.port_file + ".tmp")
+            tmp.write_text(f"{self.port}\n{self.metrics_port if self.config.metrics_port >= 0 else -1}\n")
+            tmp.replace(self.config.port_file)
+        log.info(
+            "serving gemps.v1.ParameterServer on %s rule=%s eta=%g mu=%g kappa=%g pi_max=%g metrics=%s",
+            _hostport(self.config.host, self.port),
+            self.config.rule,
+            self.config.learning_rate,
+            self.config.momentum,
+            self.config.kappa,
+            self.config.pi_max,
+            self.metrics_port if self.metrics_port else "off",
+        )
+        return self.port
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Report NOT_SERVING, let in-flight RPCs finish for up to `grace` seconds, then stop."""
+        await self.health.enter_graceful_shutdown()
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lease_task
+        if self._server is not None:
+            await self._server.stop(grace)
+        await asyncio.to_thread(self.applier.stop)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()  # type: ignore[attr-defined]
+        log.info("stopped at version %d with %d workers", self.state.version, len(self.state.registry))
+
+    async def wait_closed(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    def _start_metrics(self) -> None:
+        if self.config.metrics_port < 0:
+            return
+        host = self.config.metrics_host or self.config.host
+        server, _thread = start_http_server(self.config.metrics_port, addr=host, registry=self.metrics.registry)
+        self._metrics_server = server
+        self.metrics_port = server.server_port
+        self.metrics.queue_depth.set_function(lambda: self.applier.depth)
+
+    async def _expire_leases(self) -> None:
+        period = self.config.lease_ttl / LEASE_CHECKS_PER_TTL
+        while True:
+            await asyncio.sleep(period)
+            await self.servicer.evict_expired()
+
+
+async def serve(config: ServerConfig, ready: threading.Event | None = None) -> None:
+    """Run a server until SIGTERM or SIGINT, then shut it down gracefully."""
+    server = ParameterServer(config)
+    await server.start()
+    if ready is not None:
+        ready.set()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not on the main thread
+            loop.add_signal_handler(sig, stop.set)
+    closed = asyncio.create_task(server.wait_closed())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({closed, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    log.info("shutting down")
+    await server.stop()
+    closed.cancel()
+    stopping.cancel()

@@ -1,0 +1,76 @@
+"""The single FIFO applier: state-changing operations run one at a time, in arrival order.
+
+gRPC handlers (on the asyncio event loop) submit operations; one dedicated thread runs them in
+the order they were submitted and hands each result back to its handler's future. The math
+runs off the event loop, so network I/O for other requests overlaps it, and no worker can be
+starved: there is no polling order, only the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+# Called on the applier thread after each operation with (seconds queued, seconds running).
+Observer = Callable[[float, float], None]
+
+_Item = tuple[Callable[[], Any], "asyncio.Future[Any]", asyncio.AbstractEventLoop, float]
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # the handler was cancelled (client went away): nothing to deliver
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class Applier:
+    def __init__(self, observer: Observer | None = None) -> None:
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._observer = observer
+        self._thread = threading.Thread(target=self._run, name="gemps-applier", daemon=True)
+
+    @property
+    def depth(self) -> int:
+        """Operations waiting to run (not counting the one running)."""
+        return self._queue.qsize()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def submit(self, operation: Callable[[], T]) -> T:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._queue.put((operation, future, loop, time.perf_counter()))
+        return await future
+
+    def stop(self) -> None:
+        """Run what is queued, then end the thread."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            operation, future, loop, queued_at = item
+            started = time.perf_counter()
+            result: Any = None
+            error: BaseException | None = None
+            try:
+                result = operation()
+            except Exception as exc:  # delivered to the handler that submitted it
+                error = exc
+            finished = time.perf_counter()
+            if self._observer is not None:
+                self._observer(started - queued_at, finished - started)
+            with contextlib.suppress(RuntimeError):  # event loop closed: the server is shutting down
+                loop.call_soon_threadsafe(_settle, future, result, error)

@@ -1,0 +1,16 @@
+"""Staleness-adaptive SGD (DynSGD / lambda-softsync style): theta <- theta + Delta / (tau + 1)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gemps_server.rules.base import ApplyStats, CommitRule
+
+
+class AdaptiveStalenessRule(CommitRule):
+    name = "adaptive-staleness"
+
+    def apply(self, theta: np.ndarray, update: np.ndarray, worker_id: str, staleness: int) -> ApplyStats:
+        update /= np.float32(staleness + 1)
+        theta += update
+        return ApplyStats.constant(1.0 / (staleness + 1))

@@ -1,0 +1,75 @@
+"""The commit-rule interface: how a worker's update moves the central variable."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+# Parameters past this many get their median scaling estimated from an evenly strided sample:
+# an exact median is a partial sort of P values on every commit, too slow for the hot path.
+MEDIAN_SAMPLE_SIZE = 65_536
+
+
+@dataclass(frozen=True)
+class RuleParams:
+    learning_rate: float = 0.05
+    momentum: float = 0.9
+    kappa: float = 1.0
+    pi_max: float = 5.0
+
+
+@dataclass(frozen=True)
+class ApplyStats:
+    """How one commit was scaled (GEM's pi per parameter; a constant for the other rules)."""
+
+    scaling_mean: float
+    scaling_median: float
+    fraction_at_zero: float
+    fraction_at_max: float
+
+    @classmethod
+    def constant(cls, scale: float, scale_max: float = float("inf")) -> ApplyStats:
+        return cls(scale, scale, float(scale == 0.0), float(scale >= scale_max))
+
+    @classmethod
+    def of(cls, scaling: np.ndarray, scale_max: float) -> ApplyStats:
+        size = scaling.size
+        if size == 0:
+            return cls.constant(0.0)
+        stride = max(1, size // MEDIAN_SAMPLE_SIZE)
+        return cls(
+            scaling_mean=float(scaling.mean(dtype=np.float64)),
+            scaling_median=float(np.median(scaling[::stride])),
+            fraction_at_zero=np.count_nonzero(scaling <= 0.0) / size,
+            fraction_at_max=np.count_nonzero(scaling >= scale_max) / size,
+        )
+
+
+class CommitRule(ABC):
+    """Applies worker updates to the central variable, one at a time, in FIFO order.
+
+    The applier calls every method from one thread, never concurrently. `apply` moves `theta`
+    in place; `update` is the commit's Delta (already -eta*g for gradients) and is scratch space
+    the rule may overwrite.
+    """
+
+    name: ClassVar[str]
+    #: float32 vectors of P parameters kept per registered worker (for memory accounting).
+    vectors_per_worker: ClassVar[int] = 0
+
+    def __init__(self, params: RuleParams, num_parameters: int) -> None:
+        self.params = params
+        self.num_parameters = num_parameters
+
+    def add_worker(self, worker_id: str, theta: np.ndarray) -> None:  # noqa: B027 (optional hook)
+        """A worker registered while the central variable is `theta`."""
+
+    def remove_worker(self, worker_id: str) -> None:  # noqa: B027 (optional hook)
+        """A worker left or was evicted: free its state."""
+
+    @abstractmethod
+    def apply(self, theta: np.ndarray, update: np.ndarray, worker_id: str, staleness: int) -> ApplyStats:
+        """Move theta in place by this worker's update, computed `staleness` commits ago."""

@@ -1,0 +1,63 @@
+"""Real `gemps server` processes on free ports, and raw stubs for sending malformed requests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+from gemps_proto.codec import array_to_tensor
+from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
+from gemps_server.process import ServerProcess
+
+StartServer = Callable[..., ServerProcess]
+
+
+@pytest.fixture
+def start_server() -> Iterator[StartServer]:
+    """Start servers with ServerConfig options; all are stopped after the test."""
+    started: list[ServerProcess] = []
+
+    def start(**options: object) -> ServerProcess:
+        server = ServerProcess(**options).start()  # type: ignore[arg-type]
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def server(start_server: StartServer) -> ServerProcess:
+    return start_server()
+
+
+def open_stub(target: str, max_message_mb: int = 64) -> pb_grpc.ParameterServerStub:
+    limit = max_message_mb * 1024 * 1024
+    channel = grpc.insecure_channel(
+        target, options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+    )
+    return pb_grpc.ParameterServerStub(channel)
+
+
+SPEC = [
+    pb.ParameterSpec(name="layer.weight", shape=[4, 3], dtype=pb.DTYPE_FLOAT32),
+    pb.ParameterSpec(name="layer.bias", shape=[4], dtype=pb.DTYPE_FLOAT32),
+]
+NUM_PARAMETERS = 16
+
+
+def register(stub: pb_grpc.ParameterServerStub, spec: list[pb.ParameterSpec] | None = None) -> pb.RegisterResponse:
+    initial = np.linspace(-1, 1, NUM_PARAMETERS, dtype=np.float32)
+    return stub.Register(
+        pb.RegisterRequest(spec=SPEC if spec is None else spec, initial_parameters=array_to_tensor(initial))
+    )
+
+
+def central(stub: pb_grpc.ParameterServerStub) -> tuple[int, bytes]:
+    reply = stub.Pull(pb.PullRequest(known_version=-1))
+    return reply.version, reply.parameters.data

@@ -1,0 +1,74 @@
+"""Plain reference implementations of DESIGN.md section 1, written for clarity, not speed.
+
+Each keeps its own copy of theta and version and computes every step from scratch in float32,
+the way the design states it; the server's in-place implementation must agree to rounding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+EPS = F32(1e-16)
+
+
+class ReferenceServer:
+    """Server-side rules exactly as DESIGN.md section 1 writes them."""
+
+    def __init__(self, rule: str, theta0: np.ndarray, eta: float, mu: float, kappa: float, pi_max: float) -> None:
+        self.rule = rule
+        self.theta = theta0.astype(F32).copy()
+        self.version = 0
+        self.eta, self.mu, self.kappa, self.pi_max = F32(eta), F32(mu), F32(kappa), F32(pi_max)
+        self.m: dict[str, np.ndarray] = {}
+        self.s: dict[str, np.ndarray] = {}
+        self.v = np.zeros_like(self.theta)
+
+    def register(self, worker: str) -> None:
+        self.m[worker] = np.zeros_like(self.theta)
+        self.s[worker] = self.theta.copy()
+
+    def leave(self, worker: str) -> None:
+        del self.m[worker], self.s[worker]
+
+    def commit(self, worker: str, payload: np.ndarray, base_version: int, is_gradient: bool = True) -> None:
+        tau = self.version - base_version
+        delta = (-self.eta * payload).astype(F32) if is_gradient else payload.astype(F32)
+        if self.rule == "gem":
+            self.m[worker] = self.mu * self.m[worker] + delta
+            c = np.abs(self.theta - self.s[worker])
+            pi = np.clip((self.kappa * np.abs(self.m[worker]) - c) / (np.abs(delta) + EPS), 0, self.pi_max)
+            self.s[worker] = self.theta.copy()
+            self.theta = self.theta + pi.astype(F32) * delta
+        elif self.rule == "downpour":
+            self.theta = self.theta + delta
+        elif self.rule == "adaptive-staleness":
+            self.theta = self.theta + delta / F32(tau + 1)
+        elif self.rule == "momentum":
+            self.v = self.mu * self.v + delta
+            self.theta = self.theta + self.v
+        else:
+            raise ValueError(self.rule)
+        self.version += 1
+
+
+class WorkerSideGemWorker:
+    """The GEM reference code's worker-side computation, rearranged to run at commit time.
+
+    In the reference code each worker keeps its own proxy m and the central variable it last
+    read, pulls theta, computes pi itself and pushes pi*Delta; the central node only adds. Here
+    the pull happens atomically with the commit (the server's view), which makes the two agree.
+    """
+
+    def __init__(self, theta_at_join: np.ndarray, eta: float, mu: float, kappa: float, pi_max: float) -> None:
+        self.m = np.zeros_like(theta_at_join)
+        self.previous_central = theta_at_join.copy()
+        self.eta, self.mu, self.kappa, self.pi_max = F32(eta), F32(mu), F32(kappa), F32(pi_max)
+
+    def scaled_update(self, central: np.ndarray, gradient: np.ndarray) -> np.ndarray:
+        delta = (-self.eta * gradient).astype(F32)
+        self.m = self.mu * self.m + delta
+        movement = np.abs(central - self.previous_central)
+        pi = np.clip((self.kappa * np.abs(self.m) - movement) / (np.abs(delta) + EPS), 0, self.pi_max)
+        self.previous_central = central.copy()
+        return pi.astype(F32) * delta

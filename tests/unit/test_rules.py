@@ -1,0 +1,132 @@
+"""Server-side commit rules equal plain reference implementations over random commit sequences."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from gemps_proto.codec import array_to_tensor
+from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_server.rules import RuleParams, create_rule, rule_names
+from gemps_server.state import ParamSpec, ServerState
+from gemps_server.workers import WorkerRegistry
+from tests.unit.reference_rules import ReferenceServer, WorkerSideGemWorker
+
+P = 257  # odd size: no accidental alignment luck
+SPEC = [ParamSpec("w", (16, 16)), ParamSpec("b", (1,))]
+RTOL, ATOL = 2e-5, 1e-6
+
+
+def make_state(rule: str, params: RuleParams) -> ServerState:
+    return ServerState(rule, params, WorkerRegistry(max_workers=64, lease_ttl=3600))
+
+
+def random_gradient(rng: np.random.Generator) -> np.ndarray:
+    # Mixed scales and exact zeros exercise the clamp at 0, at pi_max and the epsilon.
+    g = rng.normal(size=P).astype(np.float32) * rng.choice([0.01, 1.0, 10.0], size=P).astype(np.float32)
+    g[rng.random(P) < 0.05] = 0.0
+    return g
+
+
+def run_random_sequence(rule: str, params: RuleParams, seed: int, steps: int = 300) -> None:
+    """Interleave registrations, leaves and commits with random staleness; compare every step."""
+    rng = np.random.default_rng(seed)
+    chooser = random.Random(seed)
+    theta0 = rng.normal(size=P).astype(np.float32)
+    state = make_state(rule, params)
+    ref = ReferenceServer(rule, theta0, params.learning_rate, params.momentum, params.kappa, params.pi_max)
+    base_versions: dict[str, int] = {}
+
+    def join() -> None:
+        reg = state.register("w", SPEC, array_to_tensor(theta0))
+        ref.register(reg.worker.worker_id)
+        base_versions[reg.worker.worker_id] = reg.snapshot.version
+
+    for _ in range(5):
+        join()
+    for step in range(steps):
+        if step % 60 == 59:  # churn: one leaves, one joins
+            leaver = chooser.choice(sorted(base_versions))
+            state.leave(leaver)
+            ref.leave(leaver)
+            del base_versions[leaver]
+            join()
+        worker = chooser.choice(sorted(base_versions))
+        # A worker commits on the version it last received, or an older one it held on to.
+        base = max(0, base_versions[worker] - chooser.choice([0, 0, 1, 3]))
+        is_gradient = chooser.random() < 0.8
+        payload = random_gradient(rng)
+        kind = pb.PAYLOAD_KIND_GRADIENT if is_gradient else pb.PAYLOAD_KIND_UPDATE
+        outcome = state.commit(worker, base, kind, array_to_tensor(payload))
+        ref.commit(worker, payload, base, is_gradient)
+        assert outcome.snapshot.version == ref.version
+        assert outcome.staleness == ref.version - 1 - base
+        np.testing.assert_allclose(state.theta_copy(), ref.theta, rtol=RTOL, atol=ATOL, err_msg=f"step {step}")
+        base_versions[worker] = outcome.snapshot.version
+
+
+@pytest.mark.parametrize("rule", rule_names())
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rule_matches_reference(rule: str, seed: int) -> None:
+    run_random_sequence(rule, RuleParams(learning_rate=0.05, momentum=0.9, kappa=1.0, pi_max=5.0), seed)
+
+
+@pytest.mark.parametrize("kappa,pi_max,momentum", [(2.0, 5.0, 0.9), (4.0, 2.0, 0.5), (1.0, 10.0, 0.0)])
+def test_gem_matches_reference_for_other_hyperparameters(kappa: float, pi_max: float, momentum: float) -> None:
+    run_random_sequence("gem", RuleParams(0.1, momentum, kappa, pi_max), seed=7)
+
+
+def test_gem_equals_worker_side_reference_code_rearranged() -> None:
+    rng = np.random.default_rng(11)
+    chooser = random.Random(11)
+    params = RuleParams(0.05, 0.9, 1.0, 5.0)
+    theta0 = rng.normal(size=P).astype(np.float32)
+    state = make_state("gem", params)
+    central = theta0.copy()  # the reference code's central node only adds what workers push
+    workers: dict[str, WorkerSideGemWorker] = {}
+    versions: dict[str, int] = {}
+    for _ in range(6):
+        reg = state.register("w", SPEC, array_to_tensor(theta0))
+        workers[reg.worker.worker_id] = WorkerSideGemWorker(central, 0.05, 0.9, 1.0, 5.0)
+        versions[reg.worker.worker_id] = reg.snapshot.version
+    for _ in range(400):
+        worker = chooser.choice(sorted(workers))
+        gradient = random_gradient(rng)
+        outcome = state.commit(worker, versions[worker], pb.PAYLOAD_KIND_GRADIENT, array_to_tensor(gradient))
+        central = central + workers[worker].scaled_update(central, gradient)
+        versions[worker] = outcome.snapshot.version
+        np.testing.assert_allclose(state.theta_copy(), central, rtol=RTOL, atol=ATOL)
+
+
+def test_gem_first_commit_of_a_worker_is_unscaled() -> None:
+    # m = Delta and no central movement yet, so pi = |Delta| / |Delta| = 1 wherever Delta != 0.
+    rule = create_rule("gem", RuleParams(), 4)
+    theta = np.zeros(4, np.float32)
+    rule.add_worker("a", theta)
+    update = np.array([0.1, -0.2, 0.3, 0.0], np.float32)
+    stats = rule.apply(theta, update.copy(), "a", staleness=0)
+    np.testing.assert_allclose(theta, update)
+    # The zero entry has no proxy energy either: pi = 0 / eps = 0.
+    assert stats.fraction_at_zero == pytest.approx(0.25)
+    assert stats.scaling_mean == pytest.approx(0.75)
+
+
+def test_gem_scales_down_stale_updates_once_central_moved() -> None:
+    # Worker b's proxy energy is small; the central variable moved a lot since it joined: pi -> 0.
+    rule = create_rule("gem", RuleParams(momentum=0.0), 3)
+    theta = np.zeros(3, np.float32)
+    rule.add_worker("a", theta)
+    rule.add_worker("b", theta)
+    for _ in range(5):
+        rule.apply(theta, np.full(3, 1.0, np.float32), "a", staleness=0)
+    before = theta.copy()
+    stats = rule.apply(theta, np.full(3, 0.5, np.float32), "b", staleness=5)
+    np.testing.assert_array_equal(theta, before)
+    assert stats.fraction_at_zero == 1.0 and stats.scaling_mean == 0.0
+
+
+def test_unknown_rule_lists_valid_names() -> None:
+    with pytest.raises(ValueError, match="gem, downpour, adaptive-staleness, momentum"):
+        create_rule("sync", RuleParams(), 3)

@@ -1,0 +1,1 @@
+"""Reference worker for gemps: datasets, models, training loop, the embedded demo."""

@@ -1,0 +1,31 @@
+"""Held-out loss and accuracy of a model, and loading a flat central variable into it."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 1024) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy (0..1) over (x, y)."""
+    model.eval()
+    device = next(model.parameters()).device
+    total_loss, correct = 0.0, 0
+    for start in range(0, len(x), batch_size):
+        inputs = torch.from_numpy(x[start : start + batch_size]).to(device)
+        targets = torch.from_numpy(y[start : start + batch_size]).to(device)
+        logits = model(inputs)
+        total_loss += float(F.cross_entropy(logits, targets, reduction="sum"))
+        correct += int((logits.argmax(dim=1) == targets).sum())
+    model.train()
+    return total_loss / len(x), correct / len(x)
+
+
+@torch.no_grad()
+def load_flat(model: nn.Module, flat: np.ndarray) -> None:
+    """Copy a flat float32 vector (named_parameters order) into the model's parameters."""
+    vector = torch.from_numpy(np.array(flat, dtype=np.float32, copy=True))
+    torch.nn.utils.vector_to_parameters(vector.to(next(model.parameters()).device), model.parameters())
