@@ -19,6 +19,7 @@ from gemps.errors import (
 from gemps.records import (
     CentralVariable,
     CommitResult,
+    Evaluation,
     ParameterSpec,
     Registration,
     ServerStatus,
@@ -34,6 +35,7 @@ __all__ = [
     "Client",
     "CommitResult",
     "DeadlineExceededError",
+    "Evaluation",
     "FailedPreconditionError",
     "GempsError",
     "InvalidArgumentError",

@@ -153,6 +153,15 @@ class Client:
             self._call(self._stub.Leave, pb.LeaveRequest(worker_id=self.registration.worker_id))
         self.registration = None
 
+    def report_evaluation(
+        self, version: int, loss: float, accuracy: float, num_samples: int, dataset: str = ""
+    ) -> None:
+        """Report held-out figures of the central variable at `version` (for evaluators)."""
+        report = pb.EvaluationReport(
+            version=version, loss=loss, accuracy=accuracy, num_samples=num_samples, dataset=dataset
+        )
+        self._call(self._stub.ReportEvaluation, report)
+
     def status(self) -> ServerStatus:
         return ServerStatus.from_proto(self._call(self._stub.Status, pb.StatusRequest()))
 

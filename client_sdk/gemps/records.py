@@ -92,6 +92,15 @@ class CommitResult:
 
 
 @dataclass(frozen=True)
+class Evaluation:
+    version: int
+    loss: float
+    accuracy: float
+    num_samples: int
+    dataset: str
+
+
+@dataclass(frozen=True)
 class ServerStatus:
     initialized: bool
     version: int
@@ -102,9 +111,16 @@ class ServerStatus:
     commits_rejected: int
     spec: tuple[ParameterSpec, ...]
     uptime_seconds: float
+    last_evaluation: Evaluation | None
 
     @classmethod
     def from_proto(cls, message: pb.StatusResponse) -> ServerStatus:
+        e = message.last_evaluation
+        evaluation = (
+            Evaluation(e.version, e.loss, e.accuracy, e.num_samples, e.dataset)
+            if message.HasField("last_evaluation")
+            else None
+        )
         return cls(
             message.initialized,
             message.version,
@@ -115,6 +131,7 @@ class ServerStatus:
             message.commits_rejected,
             tuple(ParameterSpec.from_proto(s) for s in message.spec),
             message.uptime_seconds,
+            evaluation,
         )
 
 

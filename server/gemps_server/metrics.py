@@ -59,6 +59,17 @@ class ServerMetrics:
             "gemps_training_loss", "Training loss reported with the last commit that carried one.", registry=r
         )
         self.queue_depth = Gauge("gemps_queue_depth", "Operations waiting for the applier.", registry=r)
+        self.held_out_loss = Gauge(
+            "gemps_heldout_loss", "Evaluator's held-out loss of the central variable.", registry=r
+        )
+        self.held_out_accuracy = Gauge(
+            "gemps_heldout_accuracy_ratio",
+            "Evaluator's held-out accuracy (0..1) of the central variable.",
+            registry=r,
+        )
+        self.evaluated_version = Gauge(
+            "gemps_heldout_evaluated_version", "Central version the last evaluation measured.", registry=r
+        )
 
     def observe_operation(self, queued_seconds: float, run_seconds: float) -> None:
         self.operation_duration.labels("queue_wait").observe(queued_seconds)
@@ -74,6 +85,11 @@ class ServerMetrics:
         self.version.set(version)
         if loss is not None:
             self.training_loss.set(loss)
+
+    def evaluated(self, version: int, loss: float, accuracy: float) -> None:
+        self.evaluated_version.set(version)
+        self.held_out_loss.set(loss)
+        self.held_out_accuracy.set(accuracy)
 
     def rejected(self, reason: str) -> None:
         self.commits.labels("rejected", reason).inc()

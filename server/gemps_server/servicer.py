@@ -19,7 +19,7 @@ from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_server.applier import Applier
 from gemps_server.config import ServerConfig
-from gemps_server.errors import REASON_METADATA_KEY, ServiceError
+from gemps_server.errors import REASON_METADATA_KEY, InvalidArgument, ServiceError
 from gemps_server.metrics import ServerMetrics
 from gemps_server.state import ServerState, parse_spec
 
@@ -46,6 +46,18 @@ def maps_service_errors(handler: Handler[Request, Response]) -> Handler[Request,
     return wrapper
 
 
+def check_evaluation(report: pb.EvaluationReport, current_version: int) -> None:
+    if not (math.isfinite(report.loss) and report.loss >= 0):
+        raise InvalidArgument(f"held-out loss {report.loss} must be finite and >= 0", reason="bad_evaluation")
+    if not 0.0 <= report.accuracy <= 1.0:
+        raise InvalidArgument(f"accuracy {report.accuracy} outside [0, 1]", reason="bad_evaluation")
+    if report.version > current_version:
+        raise InvalidArgument(
+            f"evaluated version {report.version} is ahead of the server's version {current_version}",
+            reason="bad_evaluation",
+        )
+
+
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def __init__(self, config: ServerConfig, state: ServerState, applier: Applier, metrics: ServerMetrics) -> None:
         self._config = config
@@ -54,6 +66,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self._metrics = metrics
         self._started = time.monotonic()
         self.commits_rejected = 0
+        self.last_evaluation: pb.EvaluationReport | None = None
 
     def training_config(self) -> pb.TrainingConfig:
         c = self._config
@@ -153,7 +166,23 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             commits_rejected=self.commits_rejected,
             spec=[pb.ParameterSpec(name=s.name, shape=s.shape, dtype=pb.DTYPE_FLOAT32) for s in state.spec],
             uptime_seconds=time.monotonic() - self._started,
+            last_evaluation=self.last_evaluation,
         )
+
+    @maps_service_errors
+    async def ReportEvaluation(self, request: pb.EvaluationReport, context: Context) -> pb.ReportEvaluationResponse:
+        check_evaluation(request, self._state.version)
+        self.last_evaluation = request
+        self._metrics.evaluated(request.version, request.loss, request.accuracy)
+        log.info(
+            "evaluation: version=%d held_out_loss=%.4f held_out_accuracy=%.4f samples=%d dataset=%s",
+            request.version,
+            request.loss,
+            request.accuracy,
+            request.num_samples,
+            request.dataset or "-",
+        )
+        return pb.ReportEvaluationResponse()
 
     async def evict_expired(self) -> None:
         state = self._state

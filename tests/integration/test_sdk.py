@@ -125,3 +125,19 @@ def test_numpy_only_use_without_torch(server: ServerProcess) -> None:
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "1"
+
+
+def test_evaluation_reports_reach_status(server: ServerProcess) -> None:
+    with gemps.Client(server.target) as worker, gemps.Client(server.target) as evaluator:
+        worker.register(PARAMS)
+        worker.commit(np.ones(8, np.float32))
+        assert evaluator.status().last_evaluation is None
+        evaluator.report_evaluation(version=1, loss=0.25, accuracy=0.9, num_samples=100, dataset="digits")
+        assert evaluator.status().last_evaluation == gemps.Evaluation(1, 0.25, 0.9, 100, "digits")
+        with pytest.raises(gemps.InvalidArgumentError, match="outside \\[0, 1\\]") as info:
+            evaluator.report_evaluation(version=1, loss=0.25, accuracy=1.5, num_samples=100)
+        assert info.value.reason == "bad_evaluation"
+        with pytest.raises(gemps.InvalidArgumentError, match="ahead of the server's version 1"):
+            evaluator.report_evaluation(version=7, loss=0.25, accuracy=0.5, num_samples=100)
+        assert evaluator.status().last_evaluation.accuracy == 0.9  # type: ignore[union-attr]
+    assert "evaluation: version=1 held_out_loss=0.2500" in server.log()

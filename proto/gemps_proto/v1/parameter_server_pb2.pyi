@@ -151,12 +151,30 @@ class LeaveResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class EvaluationReport(_message.Message):
+    __slots__ = ("version", "loss", "accuracy", "num_samples", "dataset")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    loss: float
+    accuracy: float
+    num_samples: int
+    dataset: str
+    def __init__(self, version: _Optional[int] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., num_samples: _Optional[int] = ..., dataset: _Optional[str] = ...) -> None: ...
+
+class ReportEvaluationResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("initialized", "version", "active_workers", "num_parameters", "config", "commits_applied", "commits_rejected", "spec", "uptime_seconds")
+    __slots__ = ("initialized", "version", "active_workers", "num_parameters", "config", "commits_applied", "commits_rejected", "spec", "uptime_seconds", "last_evaluation")
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +184,7 @@ class StatusResponse(_message.Message):
     COMMITS_REJECTED_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVALUATION_FIELD_NUMBER: _ClassVar[int]
     initialized: bool
     version: int
     active_workers: int
@@ -175,4 +194,5 @@ class StatusResponse(_message.Message):
     commits_rejected: int
     spec: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
     uptime_seconds: float
-    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., active_workers: _Optional[int] = ..., num_parameters: _Optional[int] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., commits_applied: _Optional[int] = ..., commits_rejected: _Optional[int] = ..., spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
+    last_evaluation: EvaluationReport
+    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., active_workers: _Optional[int] = ..., num_parameters: _Optional[int] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., commits_applied: _Optional[int] = ..., commits_rejected: _Optional[int] = ..., spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ...) -> None: ...

@@ -59,6 +59,11 @@ class ParameterServerStub:
                 request_serializer=gemps__proto_dot_v1_dot_parameter__server__pb2.StatusRequest.SerializeToString,
                 response_deserializer=gemps__proto_dot_v1_dot_parameter__server__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.ReportEvaluation = channel.unary_unary(
+                '/gemps.v1.ParameterServer/ReportEvaluation',
+                request_serializer=gemps__proto_dot_v1_dot_parameter__server__pb2.EvaluationReport.SerializeToString,
+                response_deserializer=gemps__proto_dot_v1_dot_parameter__server__pb2.ReportEvaluationResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -99,6 +104,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportEvaluation(self, request, context):
+        """An evaluator's held-out loss and accuracy, exposed in metrics, logs and Status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +138,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=gemps__proto_dot_v1_dot_parameter__server__pb2.StatusRequest.FromString,
                     response_serializer=gemps__proto_dot_v1_dot_parameter__server__pb2.StatusResponse.SerializeToString,
+            ),
+            'ReportEvaluation': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportEvaluation,
+                    request_deserializer=gemps__proto_dot_v1_dot_parameter__server__pb2.EvaluationReport.FromString,
+                    response_serializer=gemps__proto_dot_v1_dot_parameter__server__pb2.ReportEvaluationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +280,33 @@ class ParameterServer:
             '/gemps.v1.ParameterServer/Status',
             gemps__proto_dot_v1_dot_parameter__server__pb2.StatusRequest.SerializeToString,
             gemps__proto_dot_v1_dot_parameter__server__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportEvaluation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gemps.v1.ParameterServer/ReportEvaluation',
+            gemps__proto_dot_v1_dot_parameter__server__pb2.EvaluationReport.SerializeToString,
+            gemps__proto_dot_v1_dot_parameter__server__pb2.ReportEvaluationResponse.FromString,
             options,
             channel_credentials,
             insecure,

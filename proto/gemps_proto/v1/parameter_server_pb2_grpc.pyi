@@ -46,6 +46,8 @@ class ParameterServerStub:
     """Leave cleanly, freeing the worker's server-side state and shard."""
     Status: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.StatusRequest, _parameter_server_pb2.StatusResponse]
     """Server state for humans and tools."""
+    ReportEvaluation: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.EvaluationReport, _parameter_server_pb2.ReportEvaluationResponse]
+    """An evaluator's held-out loss and accuracy, exposed in metrics, logs and Status."""
 
 @_typing.type_check_only
 class ParameterServerAsyncStub(ParameterServerStub):
@@ -60,6 +62,8 @@ class ParameterServerAsyncStub(ParameterServerStub):
     """Leave cleanly, freeing the worker's server-side state and shard."""
     Status: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.StatusRequest, _parameter_server_pb2.StatusResponse]  # type: ignore[assignment]
     """Server state for humans and tools."""
+    ReportEvaluation: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.EvaluationReport, _parameter_server_pb2.ReportEvaluationResponse]  # type: ignore[assignment]
+    """An evaluator's held-out loss and accuracy, exposed in metrics, logs and Status."""
 
 class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -101,5 +105,13 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_parameter_server_pb2.StatusResponse, _abc.Awaitable[_parameter_server_pb2.StatusResponse]]:
         """Server state for humans and tools."""
+
+    @_abc_1.abstractmethod
+    def ReportEvaluation(
+        self,
+        request: _parameter_server_pb2.EvaluationReport,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.ReportEvaluationResponse, _abc.Awaitable[_parameter_server_pb2.ReportEvaluationResponse]]:
+        """An evaluator's held-out loss and accuracy, exposed in metrics, logs and Status."""
 
 def add_ParameterServerServicer_to_server(servicer: ParameterServerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
