@@ -115,6 +115,24 @@ def _add_worker(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
+def _add_evaluate(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Evaluate the central variable on held-out data periodically; report it to the server."
+
+    def run(args: argparse.Namespace) -> int:
+        from gemps_worker import cli
+
+        _configure_logging("info")
+        return cli.run_evaluate(args)
+
+    try:
+        from gemps_worker.cli import add_evaluator_arguments
+    except ImportError as error:
+        parser.set_defaults(run=_missing_torch("evaluate", error))
+        return
+    add_evaluator_arguments(parser)
+    parser.set_defaults(run=run)
+
+
 def _missing_torch(command: str, error: ImportError) -> Command:
     """A command that explains what to install (the flags of these commands need torch)."""
     message = f"gemps {command} needs the torch extra: pip install 'gemps[torch]' ({error})"
@@ -140,6 +158,7 @@ COMMANDS: dict[str, tuple[str, Adder]] = {
     "server": ("run the parameter server", _add_server),
     "status": ("print a server's status", _add_status),
     "worker": ("run one reference training worker", _add_worker),
+    "evaluate": ("measure the central variable on held-out data, periodically", _add_evaluate),
     "demo": ("train on this machine: a server and local workers, no containers", _add_demo),
 }
 

@@ -143,7 +143,15 @@ class Client:
 
         reply = self._with_reregistration(send, after_reregistration)
         self.central = CentralVariable(reply.version, tensor_to_array(reply.parameters), self._spec)
-        return CommitResult(reply.version, reply.staleness, reply.scaling_mean, self.central)
+        return CommitResult(
+            reply.version,
+            reply.staleness,
+            reply.scaling_mean,
+            self.central,
+            reply.scaling_median,
+            reply.scaling_at_zero,
+            reply.scaling_at_max,
+        )
 
     def leave(self) -> None:
         """Leave cleanly; the server frees this worker's state and shard."""

@@ -70,11 +70,20 @@ class RemoteModel:
         self._load(result.parameters)
         return result
 
-    def commit_update(self, update: torch.Tensor, loss: float | None = None) -> CommitResult:
-        """Commit a flat update (applied as given, e.g. accumulated local steps) and load the reply."""
+    def commit_update(self, update: torch.Tensor, loss: float | None = None, *, load: bool = True) -> CommitResult:
+        """Commit a flat update (applied as given, e.g. accumulated local steps).
+
+        With `load` (the default) the model then holds the returned central variable; without,
+        the model keeps its own values (elastic averaging keeps a local variable).
+        """
         result = self.client.commit(update.detach().cpu().numpy().astype(np.float32), kind="update", loss=loss)
-        self._load(result.parameters)
+        if load:
+            self._load(result.parameters)
         return result
+
+    def parameters_vector(self) -> torch.Tensor:
+        """The model's parameters as one flat float32 CPU vector (a copy), in spec order."""
+        return torch.nn.utils.parameters_to_vector(self._parameters).detach().to("cpu", torch.float32).clone()
 
     def pull(self) -> int:
         """Load the newest central variable into the model; returns its version."""

@@ -89,6 +89,9 @@ class CommitResult:
     staleness: int
     scaling_mean: float
     parameters: CentralVariable
+    scaling_median: float = 1.0
+    scaling_at_zero: float = 0.0  # fraction of parameters GEM scaled by 0
+    scaling_at_max: float = 0.0  # fraction clamped at pi_max
 
 
 @dataclass(frozen=True)

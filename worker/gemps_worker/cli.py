@@ -1,4 +1,4 @@
-"""`gemps worker`: one reference worker process, configured by flags or GEMPS_* variables."""
+"""`gemps worker` and `gemps evaluate`: configured by flags or GEMPS_* variables."""
 
 from __future__ import annotations
 
@@ -10,9 +10,13 @@ from types import FrameType
 
 from gemps.errors import GempsError
 from gemps_proto import options
+from gemps_worker.evaluator import EvaluatorOptions, run_evaluator
+from gemps_worker.idx import DatasetError
 from gemps_worker.training import WorkerOptions, mean, run_worker
 
 log = logging.getLogger("gemps.worker")
+
+EXIT_DIVERGED = 3  # the training loss became NaN/Inf
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,12 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        worker_options = options.from_sources(WorkerOptions, args)
-    except ValueError as error:
-        print(f"gemps worker: {error}")
-        return 2
+def add_evaluator_arguments(parser: argparse.ArgumentParser) -> None:
+    options.add_arguments(parser, EvaluatorOptions)
+    parser.set_defaults(run=run_evaluate)
+
+
+def _stop_on_signals() -> threading.Event:
+    """SIGTERM/SIGINT set the returned event: the loop finishes its step, then leaves cleanly."""
     stop = threading.Event()
 
     def request_stop(signum: int, frame: FrameType | None) -> None:
@@ -34,9 +39,28 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    return stop
+
+
+def run_evaluate(args: argparse.Namespace) -> int:
     try:
-        summary = run_worker(worker_options, stop)
-    except GempsError as error:
+        evaluator_options = options.from_sources(EvaluatorOptions, args)
+        run_evaluator(evaluator_options, _stop_on_signals())
+    except (ValueError, DatasetError, GempsError) as error:
+        log.error("evaluator failed: %s", error)
+        return 1
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        worker_options = options.from_sources(WorkerOptions, args)
+    except ValueError as error:
+        log.error("%s", error)
+        return 2
+    try:
+        summary = run_worker(worker_options, _stop_on_signals())
+    except (ValueError, DatasetError, GempsError) as error:
         log.error("worker failed: %s", error)
         return 1
     log.info(

@@ -1,11 +1,14 @@
-"""Training data: scikit-learn's bundled handwritten digits (offline) and a synthetic set."""
+"""Training data: scikit-learn's bundled digits (offline default), MNIST and Fashion-MNIST (IDX
+files from a folder, or downloaded with checksum verification), and a synthetic set."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+
+from gemps_worker.idx import IdxFile, IdxSource, fetch, read_idx
 
 # Held-out fraction and split seed are fixed so every worker and the evaluator agree on the split.
 TEST_FRACTION = 0.2
@@ -51,12 +54,55 @@ def load_synthetic(samples: int = 4096, features: int = 32, classes: int = 4, se
     return _split("synthetic", x.astype(np.float32), y.astype(np.int64), classes)
 
 
-LOADERS: dict[str, Callable[[], Dataset]] = {"digits": load_digits, "synthetic": load_synthetic}
+MNIST = IdxSource(
+    mirrors=("https://ossci-datasets.s3.amazonaws.com/mnist", "https://storage.googleapis.com/cvdf-datasets/mnist"),
+    train_images=IdxFile("train-images-idx3-ubyte.gz", "f68b3c2dcbeaaa9fbdd348bbdeb94873"),
+    train_labels=IdxFile("train-labels-idx1-ubyte.gz", "d53e105ee54ea40749a09fcbcd1e9432"),
+    test_images=IdxFile("t10k-images-idx3-ubyte.gz", "9fb629c4189551a2d022fa330f9573f3"),
+    test_labels=IdxFile("t10k-labels-idx1-ubyte.gz", "ec29112dd5afa0611ce80d1b7f02629c"),
+)
+FASHION_MNIST = IdxSource(
+    mirrors=("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com",),
+    train_images=IdxFile("train-images-idx3-ubyte.gz", "8d4fb7e6c68d591d4c3dfef9ec88bf0d"),
+    train_labels=IdxFile("train-labels-idx1-ubyte.gz", "25c81989df183df01b3e8a0aad5dffbe"),
+    test_images=IdxFile("t10k-images-idx3-ubyte.gz", "bef4ecab320f06d8554ea6380940ec79"),
+    test_labels=IdxFile("t10k-labels-idx1-ubyte.gz", "bb300cfdad3c16e7a12a480ee83cd310"),
+)
+# (source, subfolder of --data-dir, pixel mean, pixel std) for standardising 0..1 pixels
+IDX_DATASETS = {
+    "mnist": (MNIST, "mnist", 0.1307, 0.3081),
+    "fashion-mnist": (FASHION_MNIST, "fashion-mnist", 0.2860, 0.3530),
+}
+DATASETS = ("digits", "mnist", "fashion-mnist", "synthetic")
 
 
-def load_dataset(name: str) -> Dataset:
-    try:
-        loader = LOADERS[name]
-    except KeyError:
-        raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(LOADERS)}") from None
-    return loader()
+def load_idx_dataset(name: str, source: IdxSource, folder: Path, mean: float, std: float, download: bool) -> Dataset:
+    """A 28x28 IDX dataset with its official train/test split, standardised per pixel value."""
+    paths = fetch(source, folder, download)
+
+    def images(file: IdxFile) -> np.ndarray:
+        pixels = read_idx(paths[file.name]).astype(np.float32) / 255.0
+        return ((pixels - mean) / std)[:, None, :, :]
+
+    def labels(file: IdxFile) -> np.ndarray:
+        return read_idx(paths[file.name]).astype(np.int64)
+
+    return Dataset(
+        name,
+        images(source.train_images),
+        labels(source.train_labels),
+        images(source.test_images),
+        labels(source.test_labels),
+        10,
+    )
+
+
+def load_dataset(name: str, data_dir: str | Path = "data", download: bool = True) -> Dataset:
+    if name == "digits":
+        return load_digits()
+    if name == "synthetic":
+        return load_synthetic()
+    if name in IDX_DATASETS:
+        source, folder, mean, std = IDX_DATASETS[name]
+        return load_idx_dataset(name, source, Path(data_dir) / folder, mean, std, download)
+    raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")

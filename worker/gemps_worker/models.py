@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -29,7 +30,40 @@ def digits_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     )
 
 
-MODELS: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {"mlp": mlp, "digits-cnn": digits_cnn}
+class PaperCnn(nn.Module):
+    """The MNIST CNN of the GEM paper's Appendix A (its reference code's model): two 5x5
+    convolutions (10 and 20 channels, dropout on the second) and three fully connected layers
+    320 -> 300 -> 200 -> classes."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 10, kernel_size=5)
+        self.conv2 = nn.Conv2d(10, 20, kernel_size=5)
+        self.conv2_drop = nn.Dropout2d()
+        self.fc1 = nn.Linear(320, 300)
+        self.fc2 = nn.Linear(300, 200)
+        self.fc3 = nn.Linear(200, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(F.max_pool2d(self.conv1(x), 2))
+        x = F.relu(F.max_pool2d(self.conv2_drop(self.conv2(x)), 2))
+        x = F.relu(self.fc1(x.flatten(1)))
+        x = F.relu(self.fc2(x))
+        logits: torch.Tensor = self.fc3(x)  # cross_entropy applies the log-softmax
+        return logits
+
+
+def mnist_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    if tuple(input_shape) != (1, 28, 28):
+        raise ValueError(f"mnist-cnn needs 1x28x28 images (mnist, fashion-mnist), not {list(input_shape)}")
+    return PaperCnn(num_classes)
+
+
+MODELS: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {
+    "mlp": mlp,
+    "digits-cnn": digits_cnn,
+    "mnist-cnn": mnist_cnn,
+}
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int = 0) -> nn.Module:

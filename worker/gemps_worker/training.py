@@ -1,4 +1,4 @@
-"""The reference worker: register, train on the assigned shard, commit every step, leave."""
+"""The reference worker: register, train on the assigned shard, commit, leave cleanly."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -14,10 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from gemps.client import Client
-from gemps.errors import GempsError
 from gemps.pytorch import RemoteModel
-from gemps_worker.datasets import LOADERS, load_dataset
+from gemps.records import Registration
+from gemps_worker.datasets import DATASETS, Dataset, load_dataset
+from gemps_worker.metrics import WorkerMetrics
 from gemps_worker.models import MODELS, build_model
+from gemps_worker.modes import MODES, Diverged, create_mode
 from gemps_worker.sharding import epoch_batches
 
 log = logging.getLogger("gemps.worker")
@@ -26,15 +29,25 @@ log = logging.getLogger("gemps.worker")
 @dataclass(frozen=True)
 class WorkerOptions:
     server: str = field(default="127.0.0.1:50051", metadata={"help": "parameter server HOST:PORT"})
-    dataset: str = field(default="digits", metadata={"help": "training data", "choices": tuple(LOADERS)})
+    dataset: str = field(default="digits", metadata={"help": "training data", "choices": DATASETS})
+    data_dir: str = field(default="data", metadata={"help": "folder of IDX files for mnist / fashion-mnist"})
+    download: bool = field(default=True, metadata={"help": "download missing IDX files (checksums verified)"})
     model: str = field(default="digits-cnn", metadata={"help": "model to train", "choices": tuple(MODELS)})
+    mode: str = field(
+        default="server",
+        metadata={"help": "worker mode; 'server' uses the one the server announces", "choices": ("server", *MODES)},
+    )
+    agn_steps: int = field(default=4, metadata={"help": "agn: local steps (lambda) per commit"})
+    easgd_alpha: float = field(default=0.5, metadata={"help": "easgd: elastic moving rate alpha"})
+    easgd_period: int = field(default=4, metadata={"help": "easgd: local steps between commits"})
     epochs: int = field(default=1, metadata={"help": "passes over this worker's shard"})
     max_steps: int = field(default=0, metadata={"help": "stop after this many commits (0: no limit)"})
     seed: int = field(default=0, metadata={"help": "seed for this worker's data order"})
     name: str = field(default="", metadata={"help": "worker name shown in server logs"})
     device: str = field(default="auto", metadata={"help": "torch device: auto (CUDA when present), cpu, cuda"})
     threads: int = field(default=1, metadata={"help": "torch CPU threads for this worker"})
-    report_file: str = field(default="", metadata={"help": "append one JSON line per step here"})
+    metrics_port: int = field(default=-1, metadata={"help": "serve this worker's /metrics here (-1: off)"})
+    report_file: str = field(default="", metadata={"help": "append one JSON line per commit here"})
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,9 @@ class StepRecord:
     staleness: int
     scaling_mean: float
     time: float
+    scaling_median: float = 1.0
+    scaling_at_zero: float = 0.0
+    scaling_at_max: float = 0.0
 
 
 @dataclass
@@ -54,6 +70,15 @@ class WorkerSummary:
     first_losses: list[float] = field(default_factory=list)
     last_losses: list[float] = field(default_factory=list)
     stopped_early: bool = False
+    diverged: bool = False
+
+
+@dataclass
+class WorkerHooks:
+    """Callbacks for code that runs workers in-process (the experiment runner)."""
+
+    on_registered: Callable[[Registration], None] | None = None
+    on_step: Callable[[StepRecord], None] | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,59 +87,94 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def run_worker(options: WorkerOptions, stop: threading.Event | None = None) -> WorkerSummary:
-    """Train until the epochs or max_steps are done, or `stop` is set; always leave cleanly."""
+def run_worker(
+    options: WorkerOptions,
+    stop: threading.Event | None = None,
+    hooks: WorkerHooks | None = None,
+    data: Dataset | None = None,
+) -> WorkerSummary:
+    """Train until the epochs or max_steps are done, `stop` is set, or the loss diverges;
+    always leave the server cleanly."""
     stop = stop or threading.Event()
-    torch.set_num_threads(options.threads)
+    hooks = hooks or WorkerHooks()
     device = resolve_device(options.device)
-    data = load_dataset(options.dataset)
+    data = data or load_dataset(options.dataset, options.data_dir, options.download)
     model = build_model(options.model, data.input_shape, data.num_classes).to(device)
     train_x = torch.from_numpy(data.train_x).to(device)
     train_y = torch.from_numpy(data.train_y).to(device)
+    metrics = WorkerMetrics()
+    if options.metrics_port >= 0:
+        log.info("worker metrics on port %d", metrics.serve(options.metrics_port))
     summary = WorkerSummary()
     report = open(options.report_file, "a") if options.report_file else None  # noqa: SIM115
     try:
         with RemoteModel(model, Client(options.server, name=options.name)) as remote:
             reg = remote.registration
-            if reg.config.worker_mode != "gradient":
-                raise GempsError(
-                    f"the server asks for worker mode {reg.config.worker_mode!r}; this reference worker "
-                    "implements 'gradient' only so far"
-                )
+            mode_name = reg.config.worker_mode if options.mode == "server" else options.mode
+            mode = create_mode(
+                mode_name,
+                remote,
+                reg.config.learning_rate,
+                options.agn_steps,
+                options.easgd_alpha,
+                options.easgd_period,
+            )
             log.info(
-                "registered %s: shard %d/%d rule=%s eta=%g batch=%d device=%s",
+                "registered %s: shard %d/%d rule=%s mode=%s eta=%g batch=%d device=%s",
                 reg.worker_id,
                 reg.shard.index,
                 reg.shard.count,
                 reg.config.rule,
+                mode_name,
                 reg.config.learning_rate,
                 reg.config.batch_size,
                 device,
             )
+            if hooks.on_registered is not None:
+                hooks.on_registered(reg)
+            started = time.perf_counter()
             for epoch in range(options.epochs):
-                batches = epoch_batches(len(train_x), reg.shard, reg.config.batch_size, epoch, options.seed)
-                for batch in batches:
+                for batch in epoch_batches(len(train_x), reg.shard, reg.config.batch_size, epoch, options.seed):
                     if stop.is_set() or (options.max_steps and summary.steps >= options.max_steps):
                         summary.stopped_early = stop.is_set()
                         return summary
                     index = torch.from_numpy(batch).to(device)
-                    remote.zero_grad()
-                    loss = F.cross_entropy(model(train_x[index]), train_y[index])
-                    loss.backward()  # type: ignore[no-untyped-call]
-                    loss_value = float(loss.detach())
-                    result = remote.step(loss=loss_value, num_samples=len(batch))
+
+                    def loss_of_batch(index: torch.Tensor = index) -> torch.Tensor:
+                        return F.cross_entropy(model(train_x[index]), train_y[index])
+
+                    try:
+                        committed = mode.on_batch(loss_of_batch, len(batch))
+                    except Diverged as error:
+                        log.warning("diverged after %d commits: %s; leaving", summary.steps, error)
+                        summary.diverged = True
+                        return summary
+                    if committed is None:
+                        continue
+                    now = time.perf_counter()
+                    metrics.step_duration.observe(now - started)
+                    started = now
+                    result = committed.result
                     summary.steps += 1
                     summary.final_version = result.version
-                    _remember(summary, loss_value)
+                    _remember(summary, committed.loss)
+                    metrics.commits.inc()
+                    metrics.loss.set(committed.loss)
+                    metrics.staleness.set(result.staleness)
+                    record = StepRecord(
+                        summary.steps,
+                        result.version,
+                        committed.loss,
+                        result.staleness,
+                        result.scaling_mean,
+                        time.time(),
+                        result.scaling_median,
+                        result.scaling_at_zero,
+                        result.scaling_at_max,
+                    )
+                    if hooks.on_step is not None:
+                        hooks.on_step(record)
                     if report is not None:
-                        record = StepRecord(
-                            summary.steps,
-                            result.version,
-                            loss_value,
-                            result.staleness,
-                            result.scaling_mean,
-                            time.time(),
-                        )
                         report.write(json.dumps(asdict(record)) + "\n")
     finally:
         if report is not None:

@@ -1,0 +1,165 @@
+"""The reference worker against real servers: each mode, SIGTERM, the evaluator."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import gemps
+from gemps.pytorch import RemoteModel
+from gemps_server.process import ServerProcess
+from gemps_worker.datasets import load_digits
+from gemps_worker.modes import AgnMode, EasgdMode
+from gemps_worker.training import StepRecord, WorkerHooks, WorkerOptions, run_worker
+from tests.integration.conftest import StartServer
+
+
+def wait_for(condition: object, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+# Local SGD in agn/easgd has no momentum: it gets a larger step than GEM's momentum proxy.
+@pytest.mark.parametrize(
+    "mode,rule,eta", [("gradient", "gem", 0.05), ("agn", "downpour", 0.3), ("easgd", "downpour", 0.3)]
+)
+def test_each_mode_trains_against_a_real_server(mode: str, rule: str, eta: float, start_server: StartServer) -> None:
+    server = start_server(rule=rule, learning_rate=eta)
+    records: list[StepRecord] = []
+    options = WorkerOptions(
+        server=server.target, model="mlp", mode=mode, epochs=20, max_steps=60, agn_steps=2, easgd_period=2
+    )
+    summary = run_worker(options, hooks=WorkerHooks(on_step=records.append))
+    assert summary.steps == 60 and not summary.diverged
+    assert [r.version for r in records] == list(range(1, 61))  # one worker: every commit is its own
+    first, last = np.mean([r.loss for r in records[:10]]), np.mean([r.loss for r in records[-10:]])
+    assert last < 0.7 * first, (first, last)
+    with gemps.Client(server.target) as client:
+        assert client.status().active_workers == 0  # left cleanly
+
+
+def tiny_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def test_agn_commits_the_accumulated_update_over_lambda(start_server: StartServer) -> None:
+    server = start_server(rule="downpour", learning_rate=0.1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with RemoteModel(model, server.target) as remote:
+        start = remote.parameters_vector()
+        mode = AgnMode(remote, learning_rate=0.1, local_steps=3)
+        assert mode.on_batch(lambda: tiny_step(model, x, y), 8) is None
+        assert mode.on_batch(lambda: tiny_step(model, x, y), 8) is None
+        local_before_third = remote.parameters_vector()
+        committed = mode.on_batch(lambda: tiny_step(model, x, y), 8)
+        assert committed is not None
+        # Replay the third local step to know where the local variable ended.
+        check = torch.nn.Linear(4, 3)
+        torch.nn.utils.vector_to_parameters(local_before_third, check.parameters())
+        tiny_step(check, x, y).backward()
+        local_end = local_before_third - 0.1 * torch.cat([p.grad.reshape(-1) for p in check.parameters()])
+        expected = start + (local_end - start) / 3
+        np.testing.assert_allclose(committed.result.parameters.flat, expected.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(remote.parameters_vector().numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_easgd_moves_center_and_local_variable_elastically(start_server: StartServer) -> None:
+    server = start_server(rule="downpour")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with RemoteModel(model, server.target) as remote:
+        center_before = remote.parameters_vector()
+        mode = EasgdMode(remote, learning_rate=0.5, alpha=0.25, period=1)
+        committed = mode.on_batch(lambda: tiny_step(model, x, y), 8)
+        assert committed is not None
+        local_after = remote.parameters_vector()
+        center_after = torch.from_numpy(committed.result.parameters.flat.copy())
+        # x_sgd is where local SGD took x; e = alpha*(x_sgd - center); center += e; x = x_sgd - e.
+        elastic = center_after - center_before
+        x_sgd = local_after + elastic
+        torch.testing.assert_close(elastic, 0.25 * (x_sgd - center_before), rtol=1e-5, atol=1e-6)
+        assert float(elastic.abs().sum()) > 0
+
+
+def test_sigterm_makes_the_worker_leave_cleanly(server: ServerProcess) -> None:
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "gemps.cli", "worker", "--server", server.target, "--epochs", "1000", "--name", "w"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    observer = gemps.Client(server.target)
+    try:
+        wait_for(lambda: observer.status().version >= 5)
+        worker.send_signal(signal.SIGTERM)
+        output, _ = worker.communicate(timeout=30)
+    finally:
+        worker.kill()
+    assert worker.returncode == 0, output
+    assert "stopped by signal" in output
+    assert observer.status().active_workers == 0
+    assert "worker left" in server.log()  # a clean Leave, not an eviction
+    observer.close()
+
+
+def test_evaluator_reports_held_out_figures(server: ServerProcess) -> None:
+    run_worker(WorkerOptions(server=server.target, model="mlp", epochs=3, max_steps=40))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gemps.cli",
+            "evaluate",
+            "--server",
+            server.target,
+            "--model",
+            "mlp",
+            "--max-evaluations",
+            "1",
+            "--interval",
+            "0.1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    with gemps.Client(server.target) as client:
+        evaluation = client.status().last_evaluation
+    assert evaluation is not None and evaluation.version == 40
+    assert evaluation.accuracy > 0.5 and evaluation.num_samples == len(load_digits().test_x)
+    assert "held-out loss" in result.stderr
+
+
+def test_evaluator_refuses_a_model_that_does_not_fit(server: ServerProcess) -> None:
+    run_worker(WorkerOptions(server=server.target, max_steps=1))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gemps.cli",
+            "evaluate",
+            "--server",
+            server.target,
+            "--model",
+            "mlp",
+            "--max-evaluations",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "do not fit model 'mlp'" in result.stderr

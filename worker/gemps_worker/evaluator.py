@@ -1,0 +1,79 @@
+"""`gemps evaluate`: measure the central variable on held-out data, periodically, and report it.
+
+Pulls theta (read-only: holds no lease), evaluates held-out loss and accuracy whenever the
+version moved, and reports the figures to the server (ReportEvaluation), which exposes them in
+its metrics, logs and Status.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gemps.client import Client
+from gemps.errors import FailedPreconditionError
+from gemps.records import ParameterSpec
+from gemps_worker.datasets import DATASETS, load_dataset
+from gemps_worker.evaluation import evaluate, load_flat
+from gemps_worker.models import MODELS, build_model
+
+log = logging.getLogger("gemps.evaluator")
+
+
+@dataclass(frozen=True)
+class EvaluatorOptions:
+    server: str = field(default="127.0.0.1:50051", metadata={"help": "parameter server HOST:PORT"})
+    dataset: str = field(default="digits", metadata={"help": "held-out data", "choices": DATASETS})
+    data_dir: str = field(default="data", metadata={"help": "folder of IDX files for mnist / fashion-mnist"})
+    download: bool = field(default=True, metadata={"help": "download missing IDX files (checksums verified)"})
+    model: str = field(default="digits-cnn", metadata={"help": "the workers' model", "choices": tuple(MODELS)})
+    interval: float = field(default=5.0, metadata={"help": "seconds between evaluations"})
+    max_evaluations: int = field(default=0, metadata={"help": "stop after this many (0: until stopped)"})
+
+
+@dataclass(frozen=True)
+class EvaluationResult:
+    version: int
+    loss: float
+    accuracy: float
+
+
+def run_evaluator(
+    options: EvaluatorOptions,
+    stop: threading.Event | None = None,
+    on_result: Callable[[EvaluationResult], None] | None = None,
+) -> list[EvaluationResult]:
+    stop = stop or threading.Event()
+    data = load_dataset(options.dataset, options.data_dir, options.download)
+    model = build_model(options.model, data.input_shape, data.num_classes)
+    expected = tuple(ParameterSpec(n, tuple(p.shape)) for n, p in model.named_parameters())
+    results: list[EvaluationResult] = []
+    last_version = -1
+    with Client(options.server, name="evaluator") as client:
+        while not stop.is_set():
+            try:
+                central = client.pull()
+            except FailedPreconditionError:  # no worker has registered yet
+                stop.wait(options.interval)
+                continue
+            if central.spec != expected:
+                raise ValueError(
+                    f"the server's parameters do not fit model {options.model!r}: start the evaluator "
+                    "with the workers' --model"
+                )
+            if central.version != last_version:
+                load_flat(model, central.flat)
+                loss, accuracy = evaluate(model, data.test_x, data.test_y)
+                client.report_evaluation(central.version, loss, accuracy, len(data.test_x), data.name)
+                result = EvaluationResult(central.version, loss, accuracy)
+                results.append(result)
+                last_version = central.version
+                log.info("version %d: held-out loss %.4f accuracy %.2f%%", central.version, loss, 100 * accuracy)
+                if on_result is not None:
+                    on_result(result)
+                if options.max_evaluations and len(results) >= options.max_evaluations:
+                    break
+            stop.wait(options.interval)
+    return results

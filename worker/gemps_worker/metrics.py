@@ -1,0 +1,26 @@
+"""A worker's own /metrics (optional; Prometheus finds every replica by service discovery)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.commits = Counter("gemps_worker_commits", "Commits this worker made.", registry=r)
+        self.loss = Gauge("gemps_worker_training_loss", "Training loss of the last commit.", registry=r)
+        self.staleness = Gauge("gemps_worker_staleness", "Staleness of the last commit.", registry=r)
+        self.step_duration = Histogram(
+            "gemps_worker_step_duration_seconds",
+            "Wall time per commit: local compute plus round trip.",
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_port)
