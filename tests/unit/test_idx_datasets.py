@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 import gzip
 import hashlib
-import re
 import http.server
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
