@@ -133,6 +133,18 @@ def _add_evaluate(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
+def _add_experiment(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Run the GEM paper's comparisons with the real server (resumable) and write curves, figures and RESULTS.md."
+    )
+    try:
+        from gemps_worker.experiment.main import add_arguments
+    except ImportError as error:
+        parser.set_defaults(run=_missing_torch("experiment", error))
+        return
+    add_arguments(parser)
+
+
 def _missing_torch(command: str, error: ImportError) -> Command:
     """A command that explains what to install (the flags of these commands need torch)."""
     message = f"gemps {command} needs the torch extra: pip install 'gemps[torch]' ({error})"
@@ -159,6 +171,7 @@ COMMANDS: dict[str, tuple[str, Adder]] = {
     "status": ("print a server's status", _add_status),
     "worker": ("run one reference training worker", _add_worker),
     "evaluate": ("measure the central variable on held-out data, periodically", _add_evaluate),
+    "experiment": ("the paper's comparisons, reproduced with the real service", _add_experiment),
     "demo": ("train on this machine: a server and local workers, no containers", _add_demo),
 }
 

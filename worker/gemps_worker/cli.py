@@ -8,6 +8,8 @@ import signal
 import threading
 from types import FrameType
 
+import torch
+
 from gemps.errors import GempsError
 from gemps_proto import options
 from gemps_worker.evaluator import EvaluatorOptions, run_evaluator
@@ -58,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         log.error("%s", error)
         return 2
+    torch.set_num_threads(worker_options.threads)
     try:
         summary = run_worker(worker_options, _stop_on_signals())
     except (ValueError, DatasetError, GempsError) as error:

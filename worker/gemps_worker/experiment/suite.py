@@ -1,0 +1,42 @@
+"""Which runs make up the paper's comparisons (full) and the reduced version CI runs (quick)."""
+
+from __future__ import annotations
+
+from gemps_worker.experiment.runner import RunConfig
+
+WORKER_COUNTS = (5, 10, 20, 30, 100)
+COMPARED_RULES = ("gem", "downpour", "adaptive-staleness")
+# The worker count used for the eta, kappa and worker-mode comparisons.
+REFERENCE_WORKERS = 30
+
+
+def full_suite(epochs: int = 10) -> list[RunConfig]:
+    runs = [RunConfig("momentum-n1", "momentum", 1, epochs=epochs)]
+    runs += [RunConfig(f"{rule}-n{n}", rule, n, epochs=epochs) for n in WORKER_COUNTS for rule in COMPARED_RULES]
+    n = REFERENCE_WORKERS
+    runs += [
+        RunConfig("momentum-n1-eta0.1", "momentum", 1, learning_rate=0.1, epochs=epochs),
+        RunConfig(f"gem-n{n}-eta0.1", "gem", n, learning_rate=0.1, epochs=epochs),
+        RunConfig(f"downpour-n{n}-eta0.1", "downpour", n, learning_rate=0.1, epochs=epochs),
+    ]
+    runs += [RunConfig(f"gem-n{n}-kappa{k}", "gem", n, kappa=float(k), epochs=epochs) for k in (2, 3, 4)]
+    # Worker-side modes commit updates; the server adds them as they come (downpour).
+    runs += [
+        RunConfig(f"agn-n{n}", "downpour", n, mode="agn", epochs=epochs),
+        RunConfig(f"easgd-n{n}", "downpour", n, mode="easgd", epochs=epochs),
+    ]
+    return runs
+
+
+def quick_suite() -> list[RunConfig]:
+    """A few workers, few steps: checks the whole pipeline, not the paper's claims."""
+    return [
+        RunConfig("momentum-n1", "momentum", 1, epochs=2),
+        RunConfig("gem-n4", "gem", 4, epochs=2),
+        RunConfig("downpour-n4", "downpour", 4, epochs=2),
+        RunConfig("adaptive-staleness-n4", "adaptive-staleness", 4, epochs=2),
+        RunConfig("agn-n4", "downpour", 4, mode="agn", epochs=2),
+    ]
+
+
+SUITES = {"full": full_suite, "quick": quick_suite}
