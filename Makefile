@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo test lint typecheck unit integration e2e proto clean
+.PHONY: demo test lint typecheck unit integration e2e proto dashboards system-deps clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,11 @@ $(BIN)/.installed: pyproject.toml
 demo: $(BIN)/.installed  ## the main job: train GEM on this machine (server + 4 local workers)
 	$(BIN)/gemps demo
 
-test: lint typecheck  ## everything CI runs: lint, types, unit + integration + e2e tests
-	$(BIN)/python -m pytest
+test: lint typecheck system-deps  ## everything CI runs: lint, types, unit + integration + e2e tests
+	GEMPS_REQUIRE_PROMETHEUS=1 $(BIN)/python -m pytest
+
+system-deps:  ## Prometheus + promtool for the observability tests (apt; sudo when not root)
+	tools/install-system-deps
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
@@ -40,6 +43,9 @@ e2e: $(BIN)/.installed
 
 proto: $(BIN)/.installed  ## regenerate proto/gemps_proto/v1/*_pb2*.py(i) from the .proto
 	$(BIN)/python proto/generate.py
+
+dashboards: $(BIN)/.installed  ## regenerate deploy/grafana/dashboards/*.json
+	$(BIN)/python deploy/grafana/generate.py
 
 clean:
 	rm -rf $(VENV) runs .mypy_cache .ruff_cache .pytest_cache

@@ -12,12 +12,14 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
+from prometheus_client import disable_created_metrics, start_http_server
 
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
+from gemps_server import logs
 from gemps_server.applier import Applier
 from gemps_server.config import ServerConfig
+from gemps_server.logs import event
 from gemps_server.metrics import ServerMetrics
 from gemps_server.rules import RuleParams
 from gemps_server.servicer import ParameterServerServicer
@@ -46,7 +48,8 @@ class ParameterServer:
             RuleParams(config.learning_rate, config.momentum, config.kappa, config.pi_max),
             WorkerRegistry(config.max_workers, config.lease_ttl),
         )
-        self.applier = Applier(observer=self.metrics.observe_operation)
+        self.applier = Applier(observer=self.metrics.applier_ran)
+        self._observe_state()
         self.servicer = ParameterServerServicer(config, self.state, self.applier, self.metrics)
         self.health = health.aio.HealthServicer()
         self.port = 0
@@ -81,15 +84,16 @@ class ParameterServer:
             tmp = Path(self.config.port_file + ".tmp")
             tmp.write_text(f"{self.port}\n{self.metrics_port if self.config.metrics_port >= 0 else -1}\n")
             tmp.replace(self.config.port_file)
-        log.info(
-            "serving gemps.v1.ParameterServer on %s rule=%s eta=%g mu=%g kappa=%g pi_max=%g metrics=%s",
-            _hostport(self.config.host, self.port),
-            self.config.rule,
-            self.config.learning_rate,
-            self.config.momentum,
-            self.config.kappa,
-            self.config.pi_max,
-            self.metrics_port if self.metrics_port else "off",
+        event(
+            log,
+            "serving",
+            address=_hostport(self.config.host, self.port),
+            rule=self.config.rule,
+            learning_rate=self.config.learning_rate,
+            momentum=self.config.momentum,
+            kappa=self.config.kappa,
+            pi_max=self.config.pi_max,
+            metrics_port=self.metrics_port if self.metrics_port else None,
         )
         return self.port
 
@@ -105,7 +109,7 @@ class ParameterServer:
         await asyncio.to_thread(self.applier.stop)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()  # type: ignore[attr-defined]
-        log.info("stopped at version %d with %d workers", self.state.version, len(self.state.registry))
+        event(log, "stopped", version=self.state.version, active=len(self.state.registry))
 
     async def wait_closed(self) -> None:
         if self._server is not None:
@@ -118,7 +122,31 @@ class ParameterServer:
         server, _thread = start_http_server(self.config.metrics_port, addr=host, registry=self.metrics.registry)
         self._metrics_server = server
         self.metrics_port = server.server_port
-        self.metrics.queue_depth.set_function(lambda: self.applier.depth)
+
+    def _observe_state(self) -> None:
+        c, state = self.config, self.state
+        self.metrics.describe_server(
+            c.rule,
+            learning_rate=c.learning_rate,
+            momentum=c.momentum,
+            kappa=c.kappa,
+            pi_max=c.pi_max,
+            worker_mode=c.worker_mode,
+        )
+
+        def rule_state_bytes() -> int:
+            # Read at scrape time from another thread: a stale-by-one value is fine for a gauge.
+            rule = state.rule
+            vectors = rule.vectors_per_worker if rule is not None else 0
+            return vectors * state.num_parameters * 4 * len(state.registry)
+
+        self.metrics.observe(
+            version=lambda: state.version,
+            parameters=lambda: state.num_parameters,
+            rule_state_bytes=rule_state_bytes,
+            active_workers=lambda: len(state.registry),
+            queue_depth=lambda: self.applier.depth,
+        )
 
     async def _expire_leases(self) -> None:
         period = self.config.lease_ttl / LEASE_CHECKS_PER_TTL
@@ -128,7 +156,15 @@ class ParameterServer:
 
 
 async def serve(config: ServerConfig, ready: threading.Event | None = None) -> None:
-    """Run a server until SIGTERM or SIGINT, then shut it down gracefully."""
+    """Run a server until SIGTERM or SIGINT, then shut it down gracefully.
+
+    Owns the process's logging (the configured level and format: text or JSON lines) and its
+    prometheus_client settings.
+    """
+    logs.configure(config.log_level, config.log_format)
+    # No `<name>_created` series next to every counter, histogram and summary: in the text format
+    # Prometheus stores them as gauges of their own, doubling the server's series for nothing.
+    disable_created_metrics()  # type: ignore[no-untyped-call]
     server = ParameterServer(config)
     await server.start()
     if ready is not None:
@@ -141,7 +177,7 @@ async def serve(config: ServerConfig, ready: threading.Event | None = None) -> N
     closed = asyncio.create_task(server.wait_closed())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({closed, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    log.info("shutting down")
+    event(log, "shutting down")
     await server.stop()
     closed.cancel()
     stopping.cancel()

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gemps_proto import options
+from gemps_server.logs import LOG_FORMATS
 from gemps_server.rules import rule_names
 
 WORKER_MODES = ("gradient", "agn", "easgd")
@@ -44,6 +45,10 @@ class ServerConfig:
     metrics_port: int = field(default=9109, metadata={"help": "Prometheus /metrics port; -1 disables"})
     metrics_host: str = field(default="", metadata={"help": "metrics address (default: same as --host)"})
     log_level: str = field(default="info", metadata={"help": "log level", "choices": LOG_LEVELS})
+    log_format: str = field(
+        default="text",
+        metadata={"help": "log lines: text (key=value fields) or json (one object per line)", "choices": LOG_FORMATS},
+    )
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -58,6 +63,8 @@ class ServerConfig:
             found.append(f"unknown worker_mode {self.worker_mode!r} (choose from {', '.join(WORKER_MODES)})")
         if self.log_level not in LOG_LEVELS:
             found.append(f"unknown log_level {self.log_level!r} (choose from {', '.join(LOG_LEVELS)})")
+        if self.log_format not in LOG_FORMATS:
+            found.append(f"unknown log_format {self.log_format!r} (choose from {', '.join(LOG_FORMATS)})")
         if not 0 <= self.port <= 65535:
             found.append(f"port {self.port} outside 0..65535")
         if not -1 <= self.metrics_port <= 65535:

@@ -1,36 +1,114 @@
-"""Prometheus metrics of one server instance (its own registry, so several can share a process)."""
+"""Prometheus metrics of one server instance (its own registry, so several can share a process).
+
+Names follow Prometheus conventions: base units (`_seconds`, `_bytes`, `_ratio`), `_total` on
+counters, and no per-worker labels anywhere: label values come from small fixed sets (outcome,
+rejection reason, RPC method, phase, ...), so 100 workers cost no more series than one.
+docs/OBSERVABILITY.md lists every metric with the dashboard panel that shows it.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import math
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, Summary
+from prometheus_client.process_collector import ProcessCollector
 
 from gemps_server.rules import ApplyStats
 
-STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# Staleness in updates: fine where most commits land (0..16 at 10 workers), up to a few hundred
+# (100 workers) and beyond.
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
+# GEM's pi is clamped to [0, pi_max] (default 5); the other rules scale by 1 or 1/(tau+1).
 SCALING_BUCKETS = (0.0, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 10.0)
-DURATION_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+DURATION_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+# Why a Commit can be refused (the `reason` of its ServiceError). Their series exist from the
+# start at 0, so "rejected by reason" panels and rate() show 0 rather than nothing.
+COMMIT_REJECTION_REASONS = (
+    "unknown_worker",
+    "not_initialized",
+    "bad_kind",
+    "bad_payload",
+    "bad_shape",
+    "bad_version",
+    "non_finite",
+)
+RPC_METHODS = ("Register", "Pull", "Commit", "Leave", "Status", "ReportEvaluation")
+DEPARTURE_CAUSES = ("left", "evicted")
+# Longest `dataset` label value taken from an evaluator's report.
+MAX_DATASET_LABEL = 64
+
+
+Reading = Callable[[], float]
 
 
 class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        self.info = Info("gemps_server", "The server's commit rule and its hyperparameters.", registry=r)
+
+        # -- commits ------------------------------------------------------------------------
         self.commits = Counter(
             "gemps_commits",
             "Commits by outcome (applied/rejected) and rejection reason.",
             ["outcome", "reason"],
             registry=r,
         )
+        self.commits.labels("applied", "")
+        for reason in COMMIT_REJECTION_REASONS:
+            self.commits.labels("rejected", reason)
         self.staleness = Histogram(
             "gemps_commit_staleness",
-            "Staleness tau of applied commits, in updates.",
+            "Staleness tau of applied commits: commits applied since the one the worker computed on.",
             buckets=STALENESS_BUCKETS,
             registry=r,
         )
+        self.samples = Counter(
+            "gemps_training_samples", "Training samples behind applied commits, as workers report them.", registry=r
+        )
+        self.training_loss = Summary(
+            "gemps_training_loss",
+            "Training (mini-batch) loss workers report with their commits.",
+            registry=r,
+        )
+        self.commit_duration = Histogram(
+            "gemps_commit_duration_seconds",
+            "Applied commits by phase: queue_wait (FIFO queue before the applier) and apply (the rule).",
+            ["phase"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.applier_busy = Counter(
+            "gemps_applier_busy_seconds",
+            "Time the single applier thread spent running operations (rate: its utilisation, 0..1).",
+            registry=r,
+        )
+
+        # -- the commit rule's scaling (GEM's pi; constant for the other rules) ---------------
         self.scaling = Histogram(
             "gemps_scaling_factor",
             "Mean per-parameter scaling (GEM's pi) of each applied commit.",
             buckets=SCALING_BUCKETS,
+            registry=r,
+        )
+        self.scaling_median_per_commit = Histogram(
+            "gemps_commit_median_scaling_factor",
+            "Median per-parameter scaling (GEM's pi) of each applied commit.",
+            buckets=SCALING_BUCKETS,
+            registry=r,
+        )
+        self.clamped = Histogram(
+            "gemps_commit_clamped_ratio",
+            "Fraction of parameters whose scaling sits at a bound (zero: pi=0, max: pi=pi_max), per commit.",
+            ["bound"],
+            buckets=RATIO_BUCKETS,
             registry=r,
         )
         self.scaling_median = Gauge(
@@ -46,50 +124,137 @@ class ServerMetrics:
             "Fraction of parameters clamped at pi_max in the last commit.",
             registry=r,
         )
-        self.operation_duration = Histogram(
-            "gemps_commit_duration_seconds",
-            "Applier time per operation, by phase (queue wait, apply).",
-            ["phase"],
+        self.energy = Summary(
+            "gemps_gem_energy",
+            "GEM's compliance condition per commit, averaged over parameters: side=proxy is kappa*|m_i|, "
+            "side=central is |theta - s_i| + pi*|Delta| (the central variable's movement over the "
+            "worker's round trip).",
+            ["side"],
+            registry=r,
+        )
+
+        # -- RPCs and traffic -----------------------------------------------------------------
+        self.rpc_duration = Histogram(
+            "gemps_rpc_duration_seconds",
+            "Server-side handling time per RPC, by method (a Commit's includes queue wait and apply).",
+            ["method"],
             buckets=DURATION_BUCKETS,
             registry=r,
         )
+        self.received = Counter(
+            "gemps_received_bytes", "Request message bytes received, by RPC method.", ["method"], registry=r
+        )
+        self.sent = Counter("gemps_sent_bytes", "Response message bytes sent, by RPC method.", ["method"], registry=r)
+        for method in RPC_METHODS:
+            self.received.labels(method)
+            self.sent.labels(method)
+
+        # -- workers and the central variable -------------------------------------------------
+        self.registrations = Counter("gemps_registrations", "Workers that registered.", registry=r)
+        self.departures = Counter(
+            "gemps_departures", "Workers gone, by cause (left, or evicted after lease expiry).", ["cause"], registry=r
+        )
+        for cause in DEPARTURE_CAUSES:
+            self.departures.labels(cause)
         self.active_workers = Gauge("gemps_active_workers", "Registered workers holding a lease.", registry=r)
         self.version = Gauge("gemps_central_version", "Commits applied to the central variable.", registry=r)
-        self.training_loss = Gauge(
-            "gemps_training_loss", "Training loss reported with the last commit that carried one.", registry=r
+        self.parameters = Gauge("gemps_parameters", "Parameters in the central variable (0 until set).", registry=r)
+        self.rule_state = Gauge(
+            "gemps_rule_state_bytes", "Memory the commit rule keeps (GEM: 2 vectors per active worker).", registry=r
         )
         self.queue_depth = Gauge("gemps_queue_depth", "Operations waiting for the applier.", registry=r)
+
+        # -- the evaluator's held-out figures (series appear with the first report) -------------
         self.held_out_loss = Gauge(
-            "gemps_heldout_loss", "Evaluator's held-out loss of the central variable.", registry=r
+            "gemps_heldout_loss", "Evaluator's held-out loss of the central variable.", ["dataset"], registry=r
         )
         self.held_out_accuracy = Gauge(
             "gemps_heldout_accuracy_ratio",
             "Evaluator's held-out accuracy (0..1) of the central variable.",
+            ["dataset"],
             registry=r,
         )
         self.evaluated_version = Gauge(
-            "gemps_heldout_evaluated_version", "Central version the last evaluation measured.", registry=r
+            "gemps_heldout_evaluated_version",
+            "Central version the last evaluation measured.",
+            ["dataset"],
+            registry=r,
         )
 
-    def observe_operation(self, queued_seconds: float, run_seconds: float) -> None:
-        self.operation_duration.labels("queue_wait").observe(queued_seconds)
-        self.operation_duration.labels("apply").observe(run_seconds)
+    # -- wiring ----------------------------------------------------------------------------------
 
-    def applied(self, staleness: int, stats: ApplyStats, version: int, loss: float | None) -> None:
+    def describe_server(self, rule: str, **hyperparameters: float | str) -> None:
+        labels = {key: f"{value:g}" if isinstance(value, float) else value for key, value in hyperparameters.items()}
+        self.info.info({"rule": rule, **labels})
+
+    def observe(
+        self,
+        *,
+        version: Reading,
+        parameters: Reading,
+        rule_state_bytes: Reading,
+        active_workers: Reading,
+        queue_depth: Reading,
+    ) -> None:
+        """Gauges that read the live state when scraped, so they can never go stale."""
+        self.version.set_function(version)
+        self.parameters.set_function(parameters)
+        self.rule_state.set_function(rule_state_bytes)
+        self.active_workers.set_function(active_workers)
+        self.queue_depth.set_function(queue_depth)
+
+    # -- events ----------------------------------------------------------------------------------
+
+    def applier_ran(self, queued_seconds: float, run_seconds: float) -> None:
+        """Applier observer: called on its thread after every operation (commit or not)."""
+        self.applier_busy.inc(run_seconds)
+
+    def applied(
+        self,
+        staleness: int,
+        stats: ApplyStats,
+        loss: float | None,
+        num_samples: int | None,
+        queued_seconds: float,
+        apply_seconds: float,
+    ) -> None:
         self.commits.labels("applied", "").inc()
         self.staleness.observe(staleness)
+        self.commit_duration.labels("queue_wait").observe(queued_seconds)
+        self.commit_duration.labels("apply").observe(apply_seconds)
         self.scaling.observe(stats.scaling_mean)
+        self.scaling_median_per_commit.observe(stats.scaling_median)
+        self.clamped.labels("zero").observe(stats.fraction_at_zero)
+        self.clamped.labels("max").observe(stats.fraction_at_max)
         self.scaling_median.set(stats.scaling_median)
         self.scaling_at_zero.set(stats.fraction_at_zero)
         self.scaling_at_max.set(stats.fraction_at_max)
-        self.version.set(version)
-        if loss is not None:
-            self.training_loss.set(loss)
-
-    def evaluated(self, version: int, loss: float, accuracy: float) -> None:
-        self.evaluated_version.set(version)
-        self.held_out_loss.set(loss)
-        self.held_out_accuracy.set(accuracy)
+        if math.isfinite(stats.proxy_energy) and math.isfinite(stats.central_energy):
+            self.energy.labels("proxy").observe(stats.proxy_energy)
+            self.energy.labels("central").observe(stats.central_energy)
+        if loss is not None and math.isfinite(loss):
+            self.training_loss.observe(loss)
+        if num_samples:
+            self.samples.inc(num_samples)
 
     def rejected(self, reason: str) -> None:
         self.commits.labels("rejected", reason).inc()
+
+    def rpc(self, method: str, seconds: float, received_bytes: int, sent_bytes: int) -> None:
+        self.rpc_duration.labels(method).observe(seconds)
+        self.received.labels(method).inc(received_bytes)
+        if sent_bytes:
+            self.sent.labels(method).inc(sent_bytes)
+
+    def registered(self) -> None:
+        self.registrations.inc()
+
+    def departed(self, cause: str, count: int = 1) -> None:
+        if count:
+            self.departures.labels(cause).inc(count)
+
+    def evaluated(self, dataset: str, version: int, loss: float, accuracy: float) -> None:
+        label = (dataset or "unknown")[:MAX_DATASET_LABEL]
+        self.evaluated_version.labels(label).set(version)
+        self.held_out_loss.labels(label).set(loss)
+        self.held_out_accuracy.labels(label).set(accuracy)

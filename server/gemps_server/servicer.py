@@ -20,8 +20,9 @@ from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_server.applier import Applier
 from gemps_server.config import ServerConfig
 from gemps_server.errors import REASON_METADATA_KEY, InvalidArgument, ServiceError
+from gemps_server.logs import Throttle, event
 from gemps_server.metrics import ServerMetrics
-from gemps_server.state import ServerState, parse_spec
+from gemps_server.state import CommitOutcome, Registration, ServerState, parse_spec
 
 log = logging.getLogger("gemps.server")
 
@@ -32,18 +33,33 @@ Handler = Callable[[Any, Request, Context], Awaitable[Response]]
 
 
 def maps_service_errors(handler: Handler[Request, Response]) -> Handler[Request, Response]:
-    """The one place where ServiceError becomes a gRPC status code and message."""
+    """The one place where ServiceError becomes a gRPC status code and message.
+
+    Also where every RPC is measured: handling time and message bytes in and out, by method.
+    """
+    method = handler.__name__
 
     @functools.wraps(handler)
     async def wrapper(self: ParameterServerServicer, request: Request, context: Context) -> Response:
+        started = time.perf_counter()
+        sent = 0
         try:
-            return await handler(self, request, context)
+            response = await handler(self, request, context)
+            sent = _message_bytes(response)
+            return response
         except ServiceError as error:
-            self.on_rejected(handler.__name__, error)
+            self.on_rejected(method, error)
             await context.abort(error.code, error.message, trailing_metadata=((REASON_METADATA_KEY, error.reason),))
             raise  # unreachable: abort raises
+        finally:
+            self._metrics.rpc(method, time.perf_counter() - started, _message_bytes(request), sent)
 
     return wrapper
+
+
+def _message_bytes(message: object) -> int:
+    size = getattr(message, "ByteSize", None)
+    return int(size()) if size is not None else 0
 
 
 def check_evaluation(report: pb.EvaluationReport, current_version: int) -> None:
@@ -67,6 +83,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self._started = time.monotonic()
         self.commits_rejected = 0
         self.last_evaluation: pb.EvaluationReport | None = None
+        # A misbehaving client can send thousands of bad requests a second: log at most one line
+        # per (method, reason) a second, counting the lines left out; the metrics count every one.
+        self._rejection_log = Throttle(interval=1.0)
 
     def training_config(self) -> pb.TrainingConfig:
         c = self._config
@@ -84,23 +103,48 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         if method == "Commit":
             self.commits_rejected += 1
             self._metrics.rejected(error.reason)
-        log.info("rejected %s: code=%s reason=%s: %s", method, error.code.name, error.reason, error.message)
+        suppressed = self._rejection_log.allow((method, error.reason))
+        if suppressed is not None:
+            event(
+                log,
+                "rejected",
+                method=method,
+                code=error.code.name,
+                reason=error.reason,
+                detail=error.message,
+                suppressed=suppressed,
+            )
 
     @maps_service_errors
     async def Register(self, request: pb.RegisterRequest, context: Context) -> pb.RegisterResponse:
         spec = parse_spec(request.spec)
         initial = request.initial_parameters if request.HasField("initial_parameters") else None
         state = self._state
-        registration = await self._applier.submit(lambda: state.register(request.worker_name, spec, initial))
+
+        def register() -> tuple[bool, Registration]:
+            # Runs on the applier: whether this registration initialised theta is exact here.
+            first = not state.initialized
+            return first, state.register(request.worker_name, spec, initial)
+
+        initialised, registration = await self._applier.submit(register)
         worker = registration.worker
-        self._metrics.active_workers.set(len(state.registry))
-        log.info(
-            "worker joined: id=%s name=%s shard=%d active=%d version=%d",
-            worker.worker_id,
-            worker.name or "-",
-            worker.slot,
-            len(state.registry),
-            registration.snapshot.version,
+        self._metrics.registered()
+        if initialised:
+            event(
+                log,
+                "central variable initialised",
+                parameters=state.num_parameters,
+                tensors=len(state.spec),
+                worker_id=worker.worker_id,
+            )
+        event(
+            log,
+            "worker joined",
+            worker_id=worker.worker_id,
+            name=worker.name or None,
+            shard=worker.slot,
+            active=len(state.registry),
+            version=registration.snapshot.version,
         )
         return pb.RegisterResponse(
             worker_id=worker.worker_id,
@@ -127,29 +171,48 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @maps_service_errors
     async def Commit(self, request: pb.CommitRequest, context: Context) -> pb.CommitResponse:
         state = self._state
-        outcome = await self._applier.submit(
-            lambda: state.commit(request.worker_id, request.base_version, request.kind, request.payload)
+        submitted = time.perf_counter()
+        started = finished = submitted
+
+        def commit() -> CommitOutcome:
+            nonlocal started, finished
+            started = time.perf_counter()
+            try:
+                return state.commit(request.worker_id, request.base_version, request.kind, request.payload)
+            finally:
+                finished = time.perf_counter()
+
+        outcome = await self._applier.submit(commit)
+        self._metrics.applied(
+            outcome.staleness,
+            outcome.stats,
+            loss=request.loss if request.HasField("loss") else None,
+            num_samples=request.num_samples if request.HasField("num_samples") else None,
+            queued_seconds=started - submitted,
+            apply_seconds=finished - started,
         )
-        loss = request.loss if request.HasField("loss") and math.isfinite(request.loss) else None
-        self._metrics.applied(outcome.staleness, outcome.stats, outcome.snapshot.version, loss)
         return pb.CommitResponse(
             version=outcome.snapshot.version,
             parameters=bytes_to_tensor(outcome.snapshot.data, state.num_parameters),
             staleness=outcome.staleness,
             scaling_mean=outcome.stats.scaling_mean,
+            scaling_median=outcome.stats.scaling_median,
+            scaling_at_zero=outcome.stats.fraction_at_zero,
+            scaling_at_max=outcome.stats.fraction_at_max,
         )
 
     @maps_service_errors
     async def Leave(self, request: pb.LeaveRequest, context: Context) -> pb.LeaveResponse:
         state = self._state
         worker = await self._applier.submit(lambda: state.leave(request.worker_id))
-        self._metrics.active_workers.set(len(state.registry))
-        log.info(
-            "worker left: id=%s name=%s commits=%d active=%d",
-            worker.worker_id,
-            worker.name or "-",
-            worker.commits,
-            len(state.registry),
+        self._metrics.departed("left")
+        event(
+            log,
+            "worker left",
+            worker_id=worker.worker_id,
+            name=worker.name or None,
+            commits=worker.commits,
+            active=len(state.registry),
         )
         return pb.LeaveResponse()
 
@@ -173,25 +236,30 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     async def ReportEvaluation(self, request: pb.EvaluationReport, context: Context) -> pb.ReportEvaluationResponse:
         check_evaluation(request, self._state.version)
         self.last_evaluation = request
-        self._metrics.evaluated(request.version, request.loss, request.accuracy)
-        log.info(
-            "evaluation: version=%d held_out_loss=%.4f held_out_accuracy=%.4f samples=%d dataset=%s",
-            request.version,
-            request.loss,
-            request.accuracy,
-            request.num_samples,
-            request.dataset or "-",
+        self._metrics.evaluated(request.dataset, request.version, request.loss, request.accuracy)
+        event(
+            log,
+            "evaluation",
+            version=request.version,
+            held_out_loss=request.loss,
+            held_out_accuracy=request.accuracy,
+            samples=request.num_samples,
+            dataset=request.dataset or None,
         )
         return pb.ReportEvaluationResponse()
 
     async def evict_expired(self) -> None:
         state = self._state
-        for worker in await self._applier.submit(state.evict_expired):
-            log.info(
-                "worker evicted: id=%s name=%s lease_ttl=%gs commits=%d",
-                worker.worker_id,
-                worker.name or "-",
-                self._config.lease_ttl,
-                worker.commits,
+        evicted = await self._applier.submit(state.evict_expired)
+        self._metrics.departed("evicted", len(evicted))
+        for worker in evicted:
+            event(
+                log,
+                "worker evicted",
+                level=logging.WARNING,
+                worker_id=worker.worker_id,
+                name=worker.name or None,
+                lease_ttl_seconds=self._config.lease_ttl,
+                commits=worker.commits,
+                active=len(state.registry),
             )
-        self._metrics.active_workers.set(len(state.registry))

@@ -140,4 +140,4 @@ def test_evaluation_reports_reach_status(server: ServerProcess) -> None:
         with pytest.raises(gemps.InvalidArgumentError, match="ahead of the server's version 1"):
             evaluator.report_evaluation(version=7, loss=0.25, accuracy=0.5, num_samples=100)
         assert evaluator.status().last_evaluation.accuracy == 0.9  # type: ignore[union-attr]
-    assert "evaluation: version=1 held_out_loss=0.2500" in server.log()
+    assert "evaluation version=1 held_out_loss=0.25 held_out_accuracy=0.9" in server.log()

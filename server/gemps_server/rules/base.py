@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -23,19 +24,35 @@ class RuleParams:
 
 @dataclass(frozen=True)
 class ApplyStats:
-    """How one commit was scaled (GEM's pi per parameter; a constant for the other rules)."""
+    """How one commit was scaled (GEM's pi per parameter; a constant for the other rules).
+
+    The energies are GEM's two sides of its compliance condition, averaged over parameters
+    (NaN for rules without a proxy): `proxy_energy` = mean kappa*|m_i|, the target a single
+    momentum-SGD worker sets; `central_energy` = mean (|theta - s_i| + pi*|Delta|), the central
+    variable's movement over worker i's round trip: what the other workers moved it since i's
+    last commit plus what this commit adds. GEM picks pi so the two are equal wherever pi is not
+    clamped; central above proxy means the others already spent more than the proxy's energy.
+    """
 
     scaling_mean: float
     scaling_median: float
     fraction_at_zero: float
     fraction_at_max: float
+    proxy_energy: float = math.nan
+    central_energy: float = math.nan
 
     @classmethod
     def constant(cls, scale: float, scale_max: float = float("inf")) -> ApplyStats:
         return cls(scale, scale, float(scale == 0.0), float(scale >= scale_max))
 
     @classmethod
-    def of(cls, scaling: np.ndarray, scale_max: float) -> ApplyStats:
+    def of(
+        cls,
+        scaling: np.ndarray,
+        scale_max: float,
+        proxy_energy: float = math.nan,
+        central_energy: float = math.nan,
+    ) -> ApplyStats:
         size = scaling.size
         if size == 0:
             return cls.constant(0.0)
@@ -45,6 +62,8 @@ class ApplyStats:
             scaling_median=float(np.median(scaling[::stride])),
             fraction_at_zero=np.count_nonzero(scaling <= 0.0) / size,
             fraction_at_max=np.count_nonzero(scaling >= scale_max) / size,
+            proxy_energy=proxy_energy,
+            central_energy=central_energy,
         )
 
 

@@ -57,6 +57,10 @@ class GemRule(CommitRule):
         np.abs(proxy, out=scaling)
         if p.kappa != 1.0:
             scaling *= np.float32(p.kappa)
+        # The energies for metrics: reductions over buffers the rule fills anyway, no extra pass.
+        size = max(1, scaling.size)
+        proxy_energy = float(scaling.sum()) / size
+        others_energy = float(movement.sum()) / size
         scaling -= movement
         denominator = movement  # movement is no longer needed: reuse its buffer
         np.abs(update, out=denominator)
@@ -64,7 +68,9 @@ class GemRule(CommitRule):
         with np.errstate(over="ignore"):  # a huge ratio is clipped to pi_max right after
             scaling /= denominator
         np.clip(scaling, 0.0, p.pi_max, out=scaling)
-        stats = ApplyStats.of(scaling, p.pi_max)
+        # pi*(|Delta| + eps) summed: this commit's share of the central variable's movement.
+        own_energy = float(np.dot(scaling, denominator)) / size
+        stats = ApplyStats.of(scaling, p.pi_max, proxy_energy, others_energy + own_energy)
         np.copyto(state.last_seen_theta, theta)
         scaling *= update
         theta += scaling

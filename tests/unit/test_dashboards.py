@@ -1,0 +1,211 @@
+"""The Grafana dashboards and provisioning in deploy/: generated, well-formed, wired together.
+
+Whether every query returns data from a real Prometheus is tests/e2e/test_observability.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.cog.plugins import register_default_plugins
+from grafana_foundation_sdk.models import dashboard as dashboard_models
+from grafana_foundation_sdk.models import heatmap, stat, timeseries
+from grafana_foundation_sdk.models import prometheus as prometheus_models
+from prometheus_client import generate_latest
+
+from gemps_server.metrics import ServerMetrics
+from gemps_server.rules import ApplyStats
+from gemps_worker.metrics import WorkerMetrics
+
+ROOT = Path(__file__).resolve().parents[2]
+GRAFANA = ROOT / "deploy" / "grafana"
+DASHBOARD_DIR = GRAFANA / "dashboards"
+PANEL_OPTIONS = {"timeseries": timeseries.Options, "heatmap": heatmap.Options, "stat": stat.Options}
+GRID_WIDTH = 24
+
+
+def load_generator() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gemps_grafana_generate", GRAFANA / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def generator() -> ModuleType:
+    return load_generator()
+
+
+def committed() -> dict[str, str]:
+    return {path.name: path.read_text() for path in sorted(DASHBOARD_DIR.glob("*.json"))}
+
+
+def panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for panel in dashboard["panels"]:
+        yield panel
+        yield from panel.get("panels", [])  # a collapsed row holds its panels
+
+
+def test_committed_json_equals_a_fresh_generation(generator: ModuleType) -> None:
+    fresh = {name: generator.render(model) for name, model in generator.dashboards().items()}
+    assert sorted(fresh) == sorted(committed()), "dashboard files differ from the generator's"
+    for name, text in fresh.items():
+        assert committed()[name] == text, f"{name} is stale: run python deploy/grafana/generate.py"
+
+
+def test_generator_check_mode_reports_stale_files(generator: ModuleType, tmp_path: Path) -> None:
+    assert generator.main(["--check", "--out", str(tmp_path)]) == 1  # nothing there yet
+    assert generator.main(["--out", str(tmp_path)]) == 0
+    assert generator.main(["--check", "--out", str(tmp_path)]) == 0
+    (tmp_path / "gemps-server.json").write_text("{}")
+    assert generator.main(["--check", "--out", str(tmp_path)]) == 1
+
+
+@pytest.mark.parametrize("name", sorted(committed()))
+def test_dashboard_round_trips_through_the_sdk_models(name: str) -> None:
+    """Decoding with grafana-foundation-sdk and encoding again changes nothing: no unknown or
+    misspelled keys (the decoder drops them), every query decodes as a Prometheus query and
+    every panel's options as its panel type's options."""
+    register_default_plugins()
+    text = committed()[name]
+    model = dashboard_models.Dashboard.from_json(json.loads(text))
+    assert json.dumps(model, cls=JSONEncoder, indent=2, sort_keys=True) + "\n" == text
+    for panel in model.panels or []:
+        if isinstance(panel, dashboard_models.RowPanel):
+            continue
+        assert panel.type_val in PANEL_OPTIONS, panel.type_val
+        assert isinstance(panel.options, PANEL_OPTIONS[panel.type_val]), panel.title
+        assert panel.targets, f"panel {panel.title!r} has no query"
+        for target in panel.targets:
+            assert isinstance(target, prometheus_models.Dataquery), panel.title
+            assert target.expr.strip(), panel.title
+
+
+def test_the_round_trip_check_catches_a_misspelled_key() -> None:
+    register_default_plugins()
+    data = json.loads(committed()["gemps-server.json"])
+    data["panels"][0]["targets"][0]["exprr"] = data["panels"][0]["targets"][0].pop("expr")
+    model = dashboard_models.Dashboard.from_json(data)
+    assert json.loads(json.dumps(model, cls=JSONEncoder)) != data
+
+
+def provisioned_datasource() -> dict[str, Any]:
+    config = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    assert config["apiVersion"] == 1
+    (datasource,) = config["datasources"]
+    return dict(datasource)
+
+
+@pytest.mark.parametrize("name", sorted(committed()))
+def test_dashboard_is_wired_to_the_provisioned_datasource(name: str) -> None:
+    text = committed()[name]
+    assert "${" not in text and "__inputs" not in text, "import placeholders cannot be provisioned"
+    dashboard = json.loads(text)
+    datasource = provisioned_datasource()
+    assert datasource["type"] == "prometheus" and datasource["uid"] == "gemps-prometheus"
+    expected = {"type": "prometheus", "uid": datasource["uid"]}
+    assert re.fullmatch(r"[a-z0-9-]{8,40}", dashboard["uid"])
+    ids = [panel["id"] for panel in panels(dashboard)]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for panel in panels(dashboard):
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"] == expected, panel["title"]
+        assert panel.get("description"), f"panel {panel['title']!r} needs a description (what it means)"
+        ref_ids = [target["refId"] for target in panel["targets"]]
+        assert len(ref_ids) == len(set(ref_ids)) and all(ref_ids), panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == expected, panel["title"]
+
+
+@pytest.mark.parametrize("name", sorted(committed()))
+def test_panels_fit_the_grid_without_overlapping(name: str) -> None:
+    taken: set[tuple[int, int]] = set()
+    for panel in panels(json.loads(committed()[name])):
+        pos = panel["gridPos"]
+        assert pos["x"] >= 0 and pos["w"] > 0 and pos["x"] + pos["w"] <= GRID_WIDTH, panel["title"]
+        cells = {(x, y) for x in range(pos["x"], pos["x"] + pos["w"]) for y in range(pos["y"], pos["y"] + pos["h"])}
+        assert not cells & taken, f"panel {panel['title']!r} overlaps another"
+        taken |= cells
+
+
+def test_dashboards_cover_the_figures_the_issue_asks_for() -> None:
+    titles = {panel["title"] for text in committed().values() for panel in panels(json.loads(text))}
+    for wanted in (
+        "Throughput",
+        "Staleness distribution over time",
+        "Median pi",
+        "Training and held-out loss",
+        "Held-out accuracy",
+        "Active workers",
+        "Commit latency p50 / p99",
+        "Queue depth and applier utilisation",
+        "Rejected commits by reason",
+        "Proxy vs central energy",
+    ):
+        assert wanted in titles
+
+
+def exposed_sample_names() -> set[str]:
+    """Sample names of a server's /metrics page after some traffic of every kind."""
+    metrics = ServerMetrics()
+    metrics.observe(
+        version=lambda: 3, parameters=lambda: 10, rule_state_bytes=lambda: 80, active_workers=lambda: 1, queue_depth=int
+    )
+    stats = ApplyStats.of(np.array([0.0, 1.0, 5.0], np.float32), 5.0, proxy_energy=0.1, central_energy=0.2)
+    metrics.applied(2, stats, loss=0.5, num_samples=64, queued_seconds=1e-4, apply_seconds=2e-4)
+    metrics.rejected("non_finite")
+    metrics.rpc("Commit", 0.001, 100, 200)
+    metrics.registered()
+    metrics.departed("evicted")
+    metrics.applier_ran(1e-4, 2e-4)
+    metrics.evaluated("digits", 3, 0.4, 0.9)
+    worker = WorkerMetrics()  # the reference worker's own /metrics (gemps_worker_*)
+    worker.step_duration.observe(0.01)
+    worker.commits.inc()
+    text = generate_latest(metrics.registry).decode() + generate_latest(worker.registry).decode()
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_every_metric_a_dashboard_queries_is_exposed() -> None:
+    exposed = exposed_sample_names() | {"up"}
+    queried = {
+        name
+        for text in committed().values()
+        for panel in panels(json.loads(text))
+        for target in panel.get("targets", [])
+        for name in re.findall(r"\b((?:gemps|process)_[a-z0-9_]+)\b", target["expr"])
+    }
+    assert len(queried) >= 20
+    assert queried - exposed == set()
+
+
+def test_prometheus_scrapes_the_jobs_the_dashboards_name() -> None:
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    named = {job for text in committed().values() for job in re.findall(r'job="([^"]+)"', text)}
+    assert named <= set(jobs)
+    # Scaled compose services are found by DNS: one A record per replica.
+    for job, service, port in (("gemps-server", "ps", 9109), ("gemps-worker", "worker", 9110)):
+        (discovery,) = jobs[job]["dns_sd_configs"]
+        assert discovery["names"] == [service] and discovery["type"] == "A" and discovery["port"] == port
+    assert jobs["gemps-evaluator"]["dns_sd_configs"][0]["names"] == ["evaluator"]
+
+
+def test_dashboard_provider_loads_the_dashboard_folder() -> None:
+    config = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "gemps.yml").read_text())
+    (provider,) = config["providers"]
+    assert provider["type"] == "file" and provider["options"]["path"].startswith("/")
