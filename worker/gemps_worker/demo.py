@@ -35,19 +35,21 @@ from gemps_worker.training import read_report
 
 @dataclass(frozen=True)
 class Sample:
-    """One look at the run from outside: what the evaluator and the server's metrics say."""
+    """One look at the run from outside: the evaluator's figures and the server's metrics."""
 
     time: float
     version: int
     held_out_loss: float
     held_out_accuracy: float
+    training_loss: float  # means over the commits since the previous sample
     median_scaling: float
+    mean_scaling: float
     mean_staleness: float
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
-    parser.add_argument("--epochs", type=int, default=8, help="epochs per worker over the training set (default 8)")
+    parser.add_argument("--epochs", type=int, default=10, help="epochs per worker over the training set (default 10)")
     parser.add_argument("--rule", default="gem", choices=rule_names(), help="commit rule (default gem)")
     parser.add_argument("--learning-rate", type=float, default=0.05, help="eta (default 0.05)")
     parser.add_argument("--model", default="digits-cnn", choices=tuple(MODELS), help="model (default digits-cnn)")
@@ -80,11 +82,11 @@ def run(args: argparse.Namespace) -> int:
         workers = [_start_worker(server.target, args, i, out) for i in range(args.workers)]
         progress = ProgressLine(total=args.workers * steps_per_worker)
         observer = Client(server.target)
-        metrics_url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+        looker = _Looker(observer, f"http://127.0.0.1:{server.metrics_port}/metrics", model, data, started)
         try:
             while True:
                 finished = all(w.poll() is not None for w in workers)
-                sample = _look(observer, metrics_url, model, data, started)
+                sample = looker.look()
                 if sample is not None:
                     samples.append(sample)
                     progress.update(sample.version, _progress_fields(sample, samples))
@@ -153,21 +155,44 @@ def _start_worker(target: str, args: argparse.Namespace, index: int, out: Path) 
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _look(observer: Client, metrics_url: str, model: nn.Module, data: Dataset, started: float) -> Sample | None:
-    """Pull the central variable, evaluate it on held-out data, read the server's figures."""
-    try:
-        central = observer.pull()
-    except GempsError:  # not initialised yet (no worker registered), or shutting down
-        return None
-    load_flat(model, central.flat)
-    loss, accuracy = evaluate(model, data.test_x, data.test_y)
-    try:
-        figures = ServerFigures.from_metrics(scrape(metrics_url))
-    except OSError:
-        figures = ServerFigures(float("nan"), float("nan"))
-    return Sample(
-        time.monotonic() - started, central.version, loss, accuracy, figures.median_scaling, figures.mean_staleness
-    )
+class _Looker:
+    """Pulls the central variable, evaluates it on held-out data, reads the server's metrics."""
+
+    def __init__(self, observer: Client, metrics_url: str, model: nn.Module, data: Dataset, started: float) -> None:
+        self.observer, self.metrics_url, self.model, self.data, self.started = (
+            observer,
+            metrics_url,
+            model,
+            data,
+            started,
+        )
+        self._previous_metrics: dict[str, float] = {}
+        self._figures = ServerFigures.unknown()
+
+    def look(self) -> Sample | None:
+        try:
+            central = self.observer.pull()
+        except GempsError:  # not initialised yet (no worker registered), or shutting down
+            return None
+        load_flat(self.model, central.flat)
+        loss, accuracy = evaluate(self.model, self.data.test_x, self.data.test_y)
+        try:
+            metrics = scrape(self.metrics_url)
+            self._figures = ServerFigures.between(self._previous_metrics, metrics).or_else(self._figures)
+            self._previous_metrics = metrics
+        except OSError:
+            pass  # keep the last figures
+        figures = self._figures
+        return Sample(
+            time.monotonic() - self.started,
+            central.version,
+            loss,
+            accuracy,
+            figures.training_loss,
+            figures.median_scaling,
+            figures.mean_scaling,
+            figures.mean_staleness,
+        )
 
 
 def _progress_fields(sample: Sample, samples: list[Sample]) -> str:
@@ -176,8 +201,9 @@ def _progress_fields(sample: Sample, samples: list[Sample]) -> str:
         previous = samples[-2]
         rate = (sample.version - previous.version) / max(sample.time - previous.time, 1e-9)
     return (
-        f"{rate:6.0f} commits/s  held-out loss {sample.held_out_loss:.3f}  acc {sample.held_out_accuracy:6.2%}  "
-        f"median pi {sample.median_scaling:.2f}  staleness {sample.mean_staleness:.1f}"
+        f"{rate:5.0f} commits/s  train loss {sample.training_loss:.3f}  held-out {sample.held_out_loss:.3f} "
+        f"acc {sample.held_out_accuracy:6.2%}  pi median {sample.median_scaling:.2f} mean {sample.mean_scaling:.2f}  "
+        f"staleness {sample.mean_staleness:.1f}"
     )
 
 

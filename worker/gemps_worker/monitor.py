@@ -1,27 +1,64 @@
-"""Reads a running server's figures for progress displays: Status RPC plus its /metrics page."""
+"""Reads a running server's /metrics for progress displays: figures over the last interval."""
 
 from __future__ import annotations
 
+import math
 import urllib.request
+from collections import defaultdict
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
 
 def scrape(url: str, timeout: float = 2.0) -> dict[str, float]:
-    """Prometheus text exposition at `url` as {sample name: value} (labels dropped, last wins)."""
+    """Prometheus text exposition at `url` as {sample name: value summed over label sets}."""
     with urllib.request.urlopen(url, timeout=timeout) as response:
         text = response.read().decode()
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    totals: dict[str, float] = defaultdict(float)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] += sample.value
+    return dict(totals)
+
+
+def _interval_mean(before: dict[str, float], after: dict[str, float], metric: str) -> float:
+    """Mean of a histogram's or summary's observations between two scrapes (NaN if none)."""
+    count = after.get(f"{metric}_count", 0.0) - before.get(f"{metric}_count", 0.0)
+    total = after.get(f"{metric}_sum", 0.0) - before.get(f"{metric}_sum", 0.0)
+    return total / count if count > 0 else math.nan
 
 
 @dataclass(frozen=True)
 class ServerFigures:
-    median_scaling: float
+    """Means over the commits applied between two scrapes."""
+
+    training_loss: float
+    median_scaling: float  # mean over commits of each commit's median pi
+    mean_scaling: float
     mean_staleness: float
 
     @classmethod
-    def from_metrics(cls, samples: dict[str, float]) -> ServerFigures:
-        count = samples.get("gemps_commit_staleness_count", 0.0)
-        staleness = samples.get("gemps_commit_staleness_sum", 0.0) / count if count else 0.0
-        return cls(samples.get("gemps_scaling_factor_median", float("nan")), staleness)
+    def between(cls, before: dict[str, float], after: dict[str, float]) -> ServerFigures:
+        return cls(
+            _interval_mean(before, after, "gemps_training_loss"),
+            _interval_mean(before, after, "gemps_commit_median_scaling_factor"),
+            _interval_mean(before, after, "gemps_scaling_factor"),
+            _interval_mean(before, after, "gemps_commit_staleness"),
+        )
+
+    def or_else(self, previous: ServerFigures) -> ServerFigures:
+        """These figures, with those that had no commits to average taken from `previous`."""
+        return ServerFigures(
+            *(
+                mine if not math.isnan(mine) else theirs
+                for mine, theirs in zip(
+                    (self.training_loss, self.median_scaling, self.mean_scaling, self.mean_staleness),
+                    (previous.training_loss, previous.median_scaling, previous.mean_scaling, previous.mean_staleness),
+                    strict=True,
+                )
+            )
+        )
+
+    @classmethod
+    def unknown(cls) -> ServerFigures:
+        return cls(math.nan, math.nan, math.nan, math.nan)

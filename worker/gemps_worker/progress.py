@@ -18,6 +18,7 @@ class ProgressLine:
         self.interactive = self.stream.isatty()
         self._last_plain = 0.0
         self._width = 0
+        self._finished = False
 
     def update(self, done: int, fields: str) -> None:
         fraction = min(done / self.total, 1.0)
@@ -27,8 +28,9 @@ class ProgressLine:
             self.stream.write("\r" + line.ljust(self._width))
             self._width = len(line)
             self.stream.flush()
-        elif time.monotonic() - self._last_plain >= PLAIN_INTERVAL or done >= self.total:
+        elif time.monotonic() - self._last_plain >= PLAIN_INTERVAL or (done >= self.total and not self._finished):
             self._last_plain = time.monotonic()
+            self._finished = done >= self.total
             print(line, file=self.stream, flush=True)
 
     def close(self) -> None:
