@@ -4,19 +4,11 @@ runs without torch installed."""
 from __future__ import annotations
 
 import argparse
-import logging
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 
 Command = Callable[[argparse.Namespace], int]
-
-
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
 
 
 def _add_server(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +29,6 @@ def _run_server(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"gemps server: {error}", file=sys.stderr)
         return 2
-    _configure_logging(server_config.log_level)
     asyncio.run(app.serve(server_config))
     return 0
 
@@ -96,58 +87,28 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     return parser
 
 
-def _add_worker(parser: argparse.ArgumentParser) -> None:
-    parser.description = "Train on the shard the server assigns, commit every step, leave on SIGTERM."
+def _worker_package_command(module: str, description: str = "") -> Adder:
+    """A command from the worker package: it needs torch, so it is imported only when chosen.
 
-    def run(args: argparse.Namespace) -> int:
-        from gemps_worker import cli
+    `module` provides `add_arguments(parser)`, which adds the flags and sets `run`.
+    """
 
-        _configure_logging("info")
-        return cli.run(args)
+    def add(parser: argparse.ArgumentParser) -> None:
+        try:
+            add_arguments: Adder = importlib.import_module(module).add_arguments
+        except ImportError as error:
+            parser.set_defaults(run=_missing_torch(parser.prog, error))
+            return
+        if description:
+            parser.description = description
+        add_arguments(parser)
 
-    # The flags come from the worker's option dataclass, which needs torch only to run.
-    try:
-        from gemps_worker.cli import add_arguments
-    except ImportError as error:
-        parser.set_defaults(run=_missing_torch("worker", error))
-        return
-    add_arguments(parser)
-    parser.set_defaults(run=run)
-
-
-def _add_evaluate(parser: argparse.ArgumentParser) -> None:
-    parser.description = "Evaluate the central variable on held-out data periodically; report it to the server."
-
-    def run(args: argparse.Namespace) -> int:
-        from gemps_worker import cli
-
-        _configure_logging("info")
-        return cli.run_evaluate(args)
-
-    try:
-        from gemps_worker.cli import add_evaluator_arguments
-    except ImportError as error:
-        parser.set_defaults(run=_missing_torch("evaluate", error))
-        return
-    add_evaluator_arguments(parser)
-    parser.set_defaults(run=run)
-
-
-def _add_experiment(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "Run the GEM paper's comparisons with the real server (resumable) and write curves, figures and RESULTS.md."
-    )
-    try:
-        from gemps_worker.experiment.main import add_arguments
-    except ImportError as error:
-        parser.set_defaults(run=_missing_torch("experiment", error))
-        return
-    add_arguments(parser)
+    return add
 
 
 def _missing_torch(command: str, error: ImportError) -> Command:
     """A command that explains what to install (the flags of these commands need torch)."""
-    message = f"gemps {command} needs the torch extra: pip install 'gemps[torch]' ({error})"
+    message = f"{command} needs the torch extra: pip install 'gemps[torch]' ({error})"
 
     def explain(args: argparse.Namespace) -> int:
         print(message, file=sys.stderr)
@@ -156,23 +117,34 @@ def _missing_torch(command: str, error: ImportError) -> Command:
     return explain
 
 
-def _add_demo(parser: argparse.ArgumentParser) -> None:
-    try:
-        from gemps_worker import demo
-    except ImportError as error:
-        parser.set_defaults(run=_missing_torch("demo", error))
-        return
-    parser.description = demo.__doc__
-    demo.add_arguments(parser)
-
-
 COMMANDS: dict[str, tuple[str, Adder]] = {
     "server": ("run the parameter server", _add_server),
     "status": ("print a server's status", _add_status),
-    "worker": ("run one reference training worker", _add_worker),
-    "evaluate": ("measure the central variable on held-out data, periodically", _add_evaluate),
-    "experiment": ("the paper's comparisons, reproduced with the real service", _add_experiment),
-    "demo": ("train on this machine: a server and local workers, no containers", _add_demo),
+    "worker": (
+        "run one reference training worker",
+        _worker_package_command(
+            "gemps_worker.cli", "Train on the shard the server assigns, commit every step, leave on SIGTERM."
+        ),
+    ),
+    "evaluate": (
+        "measure the central variable on held-out data, periodically",
+        _worker_package_command(
+            "gemps_worker.evaluator_cli",
+            "Evaluate the central variable on held-out data periodically; report it to the server.",
+        ),
+    ),
+    "experiment": (
+        "the paper's comparisons, reproduced with the real service",
+        _worker_package_command(
+            "gemps_worker.experiment.main",
+            "Run the GEM paper's comparisons with the real server (resumable) and write curves, figures "
+            "and RESULTS.md.",
+        ),
+    ),
+    "demo": (
+        "train on this machine: a server and local workers, no containers",
+        _worker_package_command("gemps_worker.demo"),
+    ),
 }
 
 

@@ -60,3 +60,10 @@ def test_readme_documents_every_server_option() -> None:
     for field in dataclasses.fields(ServerConfig):
         assert f"`{flag(field.name)}`" in readme, field.name
         assert f"`GEMPS_{field.name.upper()}`" in readme, field.name
+
+
+def test_worker_commands_without_torch_say_what_to_install() -> None:
+    script = "import sys; sys.modules['torch'] = None; from gemps.cli import main; sys.exit(main(['worker']))"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "needs the torch extra: pip install 'gemps[torch]'" in result.stderr

@@ -113,27 +113,14 @@ def test_sigterm_makes_the_worker_leave_cleanly(server: ServerProcess) -> None:
     observer.close()
 
 
+def evaluate_once(server: ServerProcess, *flags: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "gemps.cli", "evaluate", "--server", server.target, "--max-evaluations", "1"]
+    return subprocess.run([*command, *flags], capture_output=True, text=True, timeout=120)
+
+
 def test_evaluator_reports_held_out_figures(server: ServerProcess) -> None:
     run_worker(WorkerOptions(server=server.target, model="mlp", epochs=3, max_steps=40))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gemps.cli",
-            "evaluate",
-            "--server",
-            server.target,
-            "--model",
-            "mlp",
-            "--max-evaluations",
-            "1",
-            "--interval",
-            "0.1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = evaluate_once(server, "--model", "mlp", "--interval", "0.1")
     assert result.returncode == 0, result.stderr
     with gemps.Client(server.target) as client:
         evaluation = client.status().last_evaluation
@@ -143,23 +130,7 @@ def test_evaluator_reports_held_out_figures(server: ServerProcess) -> None:
 
 
 def test_evaluator_refuses_a_model_that_does_not_fit(server: ServerProcess) -> None:
-    run_worker(WorkerOptions(server=server.target, max_steps=1))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gemps.cli",
-            "evaluate",
-            "--server",
-            server.target,
-            "--model",
-            "mlp",
-            "--max-evaluations",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run_worker(WorkerOptions(server=server.target, max_steps=1))  # digits-cnn
+    result = evaluate_once(server, "--model", "mlp")
     assert result.returncode == 1
     assert "do not fit model 'mlp'" in result.stderr

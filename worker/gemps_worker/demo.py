@@ -48,6 +48,7 @@ class Sample:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
     parser.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
     parser.add_argument("--epochs", type=int, default=10, help="epochs per worker over the training set (default 10)")
     parser.add_argument("--rule", default="gem", choices=rule_names(), help="commit rule (default gem)")

@@ -1,0 +1,29 @@
+"""`gemps evaluate`: the evaluator, configured by flags or GEMPS_* variables."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from gemps.errors import GempsError
+from gemps_proto import options
+from gemps_worker.evaluator import EvaluatorOptions, run_evaluator
+from gemps_worker.idx import DatasetError
+from gemps_worker.signals import configure_logging, stop_on_signals
+
+log = logging.getLogger("gemps.evaluator")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    options.add_arguments(parser, EvaluatorOptions)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging()
+    try:
+        run_evaluator(options.from_sources(EvaluatorOptions, args), stop_on_signals())
+    except (ValueError, DatasetError, GempsError) as error:
+        log.error("evaluator failed: %s", error)
+        return 1
+    return 0
