@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", type=Path, default=None, help="report folder (default: OUT/report)")
     parser.add_argument("--force", action="store_true", help="rerun runs that already have results")
     parser.add_argument("--list", action="store_true", help="list the suite's runs and exit")
+    parser.add_argument(
+        "--markdown", type=Path, default=None, help="where RESULTS.md goes (default: REPORT/RESULTS.md)"
+    )
     parser.add_argument("--discussion", type=Path, default=None, help="markdown appended to RESULTS.md")
     parser.set_defaults(run=main)
 
@@ -82,8 +85,9 @@ def main(args: argparse.Namespace) -> int:
         if sys.argv[1:2] == ["experiment"]
         else "gemps experiment"
     )
-    write_results_markdown(report / "RESULTS.md", summaries, checks, drawn, command, discussion)
+    markdown = args.markdown or report / "RESULTS.md"
+    write_results_markdown(markdown, summaries, checks, drawn, command, discussion)
     for check in checks:
         print(f"{'met' if check.passed else 'NOT met'}: {check.claim} ({check.detail})")
-    print(f"report: {report / 'RESULTS.md'}")
+    print(f"report: {markdown}")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -118,7 +119,7 @@ def write_results_markdown(
     command: str,
     discussion: str,
 ) -> None:
-    rel = [p.relative_to(path.parent).as_posix() if p.is_relative_to(path.parent) else str(p) for p in drawn]
+    rel = [os.path.relpath(p, path.parent) for p in drawn]
     check_lines = [f"- {'met' if c.passed else 'NOT met'}: {c.claim} ({c.detail})" for c in checks]
     text = f"""# Results: GEM against asynchronous SGD, reproduced with the real service
 
