@@ -101,18 +101,23 @@ def figure_3(path: Path, gem: Sequence[RunResult]) -> Path:
     return _save(fig, path)
 
 
-def figure_6(path: Path, gem: RunResult, downpour: RunResult, proxy: RunResult) -> Path:
-    """A misspecified learning rate (eta = 0.1): DOWNPOUR fails where GEM converges."""
+def figure_6(path: Path, pairs: Sequence[tuple[RunResult, RunResult]], proxy: RunResult) -> Path:
+    """A misspecified learning rate: DOWNPOUR fails where GEM converges. One panel per worker
+    count, each with GEM, DOWNPOUR and the one-worker momentum proxy at the same eta."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run, style in ((gem, "-"), (downpour, "-"), (proxy, "k--")):
-        curve = step_curve(run)
-        label = f"{run.config.rule}, {run.config.workers} workers"
-        if run.diverged_workers:
-            label += f" ({run.diverged_workers} diverged)"
-        ax.plot(curve.steps, smooth(curve.values["loss"], SMOOTHING), style, label=label)
-    ax.set(title=f"eta = {gem.config.learning_rate:g}", xlabel="worker step", ylabel="training loss", yscale="log")
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, len(pairs), figsize=(6.5 * len(pairs), 4.5), sharey=True, squeeze=False)
+    for ax, (gem, downpour) in zip(axes[0], pairs, strict=True):
+        for run, style in ((gem, "-"), (downpour, "-"), (proxy, "k--")):
+            curve = step_curve(run)
+            label = f"{run.config.rule}, {run.config.workers} worker{'s' if run.config.workers > 1 else ''}"
+            ax.plot(curve.steps, smooth(curve.values["loss"], SMOOTHING), style, label=label)
+        ax.set(
+            title=f"eta = {gem.config.learning_rate:g}, {gem.config.workers} workers",
+            xlabel="worker step",
+            ylabel="training loss",
+            yscale="log",
+        )
+        ax.legend(fontsize=8)
     return _save(fig, path)
 
 

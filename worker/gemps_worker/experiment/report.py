@@ -12,7 +12,7 @@ from pathlib import Path
 from gemps_worker.experiment import figures
 from gemps_worker.experiment.analysis import CURVE_FIELDS, Check, Summary, by_name, compare_to_proxy, step_curve
 from gemps_worker.experiment.runner import RunResult
-from gemps_worker.experiment.suite import REFERENCE_WORKERS
+from gemps_worker.experiment.suite import ETA_WORKERS, MISSPECIFIED_ETA, REFERENCE_WORKERS
 
 
 def write_curves(results: Sequence[RunResult], folder: Path) -> None:
@@ -68,10 +68,15 @@ def draw_figures(results: Sequence[RunResult], folder: Path) -> list[Path]:
                 folder / "fig2_downpour_adaptive.png", series("downpour"), series("adaptive-staleness"), proxy
             )
         )
+    eta = f"eta{MISSPECIFIED_ETA:g}"
+    pairs = [
+        (runs[f"gem-n{n}-{eta}"], runs[f"downpour-n{n}-{eta}"])
+        for n in ETA_WORKERS
+        if f"gem-n{n}-{eta}" in runs and f"downpour-n{n}-{eta}" in runs
+    ]
+    if pairs and f"momentum-n1-{eta}" in runs:
+        drawn.append(figures.figure_6(folder / "fig6_eta.png", pairs, runs[f"momentum-n1-{eta}"]))
     n = REFERENCE_WORKERS
-    eta = [runs.get(f"gem-n{n}-eta0.1"), runs.get(f"downpour-n{n}-eta0.1"), runs.get("momentum-n1-eta0.1")]
-    if all(eta):
-        drawn.append(figures.figure_6(folder / "fig6_eta.png", *eta))  # type: ignore[arg-type]
     kappas = [runs[k] for k in (f"gem-n{n}", *(f"gem-n{n}-kappa{k}" for k in (2, 3, 4))) if k in runs]
     if len(kappas) > 1:
         drawn.append(figures.figure_8(folder / "fig8_kappa.png", kappas, proxy))

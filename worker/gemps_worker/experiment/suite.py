@@ -6,19 +6,25 @@ from gemps_worker.experiment.runner import RunConfig
 
 WORKER_COUNTS = (5, 10, 20, 30, 100)
 COMPARED_RULES = ("gem", "downpour", "adaptive-staleness")
-# The worker count used for the eta, kappa and worker-mode comparisons.
+# The worker count used for the kappa and worker-mode comparisons.
 REFERENCE_WORKERS = 30
+# Worker counts for the misspecified learning rate: 10, where DOWNPOUR still trains at eta = 0.05,
+# and the reference count.
+ETA_WORKERS = (10, REFERENCE_WORKERS)
+MISSPECIFIED_ETA = 0.1
 
 
 def full_suite(epochs: int = 10) -> list[RunConfig]:
     runs = [RunConfig("momentum-n1", "momentum", 1, epochs=epochs)]
     runs += [RunConfig(f"{rule}-n{n}", rule, n, epochs=epochs) for n in WORKER_COUNTS for rule in COMPARED_RULES]
+    eta = MISSPECIFIED_ETA
+    runs.append(RunConfig(f"momentum-n1-eta{eta:g}", "momentum", 1, learning_rate=eta, epochs=epochs))
+    for n in ETA_WORKERS:
+        runs += [
+            RunConfig(f"{rule}-n{n}-eta{eta:g}", rule, n, learning_rate=eta, epochs=epochs)
+            for rule in ("gem", "downpour")
+        ]
     n = REFERENCE_WORKERS
-    runs += [
-        RunConfig("momentum-n1-eta0.1", "momentum", 1, learning_rate=0.1, epochs=epochs),
-        RunConfig(f"gem-n{n}-eta0.1", "gem", n, learning_rate=0.1, epochs=epochs),
-        RunConfig(f"downpour-n{n}-eta0.1", "downpour", n, learning_rate=0.1, epochs=epochs),
-    ]
     runs += [RunConfig(f"gem-n{n}-kappa{k}", "gem", n, kappa=float(k), epochs=epochs) for k in (2, 3, 4)]
     # Worker-side modes commit updates; the server adds them as they come (downpour).
     runs += [
