@@ -29,7 +29,8 @@ def full_suite(epochs: int = 10) -> list[RunConfig]:
     # Worker-side modes commit updates; the server adds them as they come (downpour).
     runs += [
         RunConfig(f"agn-n{n}", "downpour", n, mode="agn", epochs=epochs),
-        RunConfig(f"easgd-n{n}", "downpour", n, mode="easgd", epochs=epochs),
+        # EASGD is stable for alpha = beta / p with beta = 0.9 (Zhang et al. 2015): p elastic pulls.
+        RunConfig(f"easgd-n{n}", "downpour", n, mode="easgd", easgd_alpha=0.9 / n, epochs=epochs),
     ]
     return runs
 
