@@ -86,11 +86,11 @@ def summarize(result: RunResult) -> Summary:
     final_loss = float(np.nanmean(curve.values["loss"][-tail:])) if steps else float("nan")
     settled = [r for r in result.records if r["version"] > WARMUP_FRACTION * result.final_version]
 
-    def pooled(field: str, reduce: str = "mean") -> float:
+    def pooled(field: str) -> float:
+        """Mean over the settled commits (for scaling_median: the mean of per-commit medians,
+        which keeps the trend a median of medians hides once most commits' medians are 0)."""
         values = np.array([r[field] for r in settled], dtype=float)
-        if values.size == 0:
-            return float("nan")
-        return float(np.median(values) if reduce == "median" else np.mean(values))
+        return float(np.mean(values)) if values.size else float("nan")
 
     return Summary(
         c.name,
@@ -104,7 +104,7 @@ def summarize(result: RunResult) -> Summary:
         final_loss,
         result.final_loss,
         result.final_accuracy,
-        pooled("scaling_median", "median"),
+        pooled("scaling_median"),
         pooled("scaling_mean"),
         pooled("scaling_at_zero"),
         pooled("scaling_at_max"),

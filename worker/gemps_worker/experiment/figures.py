@@ -93,7 +93,7 @@ def figure_3(path: Path, gem: Sequence[RunResult]) -> Path:
             color=color,
             label=f"{label}: pi = pi_max",
         )
-    axes[0].set(title="median pi per commit", xlabel="worker step", yscale="symlog")
+    axes[0].set(title="median pi per commit", xlabel="worker step")
     axes[1].set(title="mean pi per commit", xlabel="worker step")
     axes[2].set(title="fraction of parameters clamped", xlabel="worker step", ylim=(0, 1))
     axes[0].legend(fontsize=8)
@@ -141,15 +141,21 @@ def figure_8(path: Path, kappas: Sequence[RunResult], proxy: RunResult) -> Path:
     return _save(fig, path)
 
 
+def mini_batches_per_commit(run: RunResult) -> int:
+    c = run.config
+    return {"agn": c.agn_steps, "easgd": c.easgd_period}.get(c.mode, 1)
+
+
 def figure_modes(path: Path, runs: Sequence[RunResult], proxy: RunResult) -> Path:
-    """GEM against DOWNPOUR, adaptive staleness, AGN and asynchronous EASGD at one worker count."""
+    """GEM against DOWNPOUR, adaptive staleness, AGN and asynchronous EASGD at one worker count,
+    by mini-batches each worker processed (AGN and EASGD commit once per several)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run in runs:
+    for run in [*runs, proxy]:
         curve = step_curve(run)
-        ax.plot(curve.steps, smooth(curve.values["loss"], SMOOTHING), label=run.config.name)
-    curve = step_curve(proxy)
-    ax.plot(curve.steps, smooth(curve.values["loss"], SMOOTHING), "k--", label="momentum proxy")
-    ax.set(title="methods compared", xlabel="worker step (commits per worker)", ylabel="training loss", yscale="log")
+        style = "k--" if run is proxy else "-"
+        label = "momentum proxy (1 worker)" if run is proxy else run.config.name
+        ax.plot(curve.steps * mini_batches_per_commit(run), smooth(curve.values["loss"], SMOOTHING), style, label=label)
+    ax.set(title="methods compared", xlabel="mini-batches per worker", ylabel="training loss", yscale="log")
     ax.legend(fontsize=8)
     return _save(fig, path)

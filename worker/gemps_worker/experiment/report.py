@@ -103,7 +103,7 @@ def proxy_checks(summaries: Sequence[Summary]) -> list[Check]:
 def summary_table(summaries: Sequence[Summary]) -> str:
     header = (
         "| run | workers | eta | kappa | commits | steps/worker | final train loss | held-out loss | "
-        "held-out acc | median pi | mean pi | pi=0 | pi=max | mean staleness | diverged | wall s |"
+        "held-out acc | median pi (mean over commits) | mean pi | pi=0 | pi=max | mean staleness | diverged | wall s |"
     )
     lines = [header, "|" + "---|" * 16]
     for s in summaries:
