@@ -17,6 +17,7 @@ from gemps.errors import FailedPreconditionError
 from gemps.records import ParameterSpec
 from gemps_worker.datasets import DATASETS, load_dataset
 from gemps_worker.evaluation import evaluate, load_flat
+from gemps_worker.metrics import EvaluatorMetrics
 from gemps_worker.models import MODELS, build_model
 
 log = logging.getLogger("gemps.evaluator")
@@ -31,6 +32,7 @@ class EvaluatorOptions:
     model: str = field(default="digits-cnn", metadata={"help": "the workers' model", "choices": tuple(MODELS)})
     interval: float = field(default=5.0, metadata={"help": "seconds between evaluations"})
     max_evaluations: int = field(default=0, metadata={"help": "stop after this many (0: until stopped)"})
+    metrics_port: int = field(default=-1, metadata={"help": "serve the evaluator's /metrics here (-1: off)"})
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,9 @@ def run_evaluator(
     data = load_dataset(options.dataset, options.data_dir, options.download)
     model = build_model(options.model, data.input_shape, data.num_classes)
     expected = tuple(ParameterSpec(n, tuple(p.shape)) for n, p in model.named_parameters())
+    metrics = EvaluatorMetrics()
+    if options.metrics_port >= 0:
+        log.info("evaluator metrics on port %d", metrics.serve(options.metrics_port))
     results: list[EvaluationResult] = []
     last_version = -1
     with Client(options.server, name="evaluator") as client:
@@ -70,6 +75,7 @@ def run_evaluator(
                 result = EvaluationResult(central.version, loss, accuracy)
                 results.append(result)
                 last_version = central.version
+                metrics.observe(result.version, result.loss, result.accuracy)
                 log.info("version %d: held-out loss %.4f accuracy %.2f%%", central.version, loss, 100 * accuracy)
                 if on_result is not None:
                     on_result(result)

@@ -1,4 +1,5 @@
-"""A worker's own /metrics (optional; Prometheus finds every replica by service discovery)."""
+"""The worker's and the evaluator's own /metrics (optional; Prometheus finds every replica by
+service discovery)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
-class WorkerMetrics:
+class _Served:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_port)
+
+
+class WorkerMetrics(_Served):
+    def __init__(self) -> None:
+        super().__init__()
         r = self.registry
         self.commits = Counter("gemps_worker_commits", "Commits this worker made.", registry=r)
         self.loss = Gauge("gemps_worker_training_loss", "Training loss of the last commit.", registry=r)
@@ -21,6 +31,20 @@ class WorkerMetrics:
             registry=r,
         )
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(server.server_port)
+
+class EvaluatorMetrics(_Served):
+    def __init__(self) -> None:
+        super().__init__()
+        r = self.registry
+        self.evaluations = Counter("gemps_evaluator_evaluations", "Evaluations of the central variable.", registry=r)
+        self.version = Gauge("gemps_evaluator_version", "Central version of the last evaluation.", registry=r)
+        self.loss = Gauge("gemps_evaluator_heldout_loss", "Held-out loss of the last evaluation.", registry=r)
+        self.accuracy = Gauge(
+            "gemps_evaluator_heldout_accuracy_ratio", "Held-out accuracy (0..1) of the last evaluation.", registry=r
+        )
+
+    def observe(self, version: int, loss: float, accuracy: float) -> None:
+        self.evaluations.inc()
+        self.version.set(version)
+        self.loss.set(loss)
+        self.accuracy.set(accuracy)

@@ -1,0 +1,289 @@
+"""docker-compose.yml, run for real with podman: both images are built from the compose file's
+own build sections, `podman-compose up --scale worker=4` starts the server, the workers, the
+evaluator and Prometheus (all services but Grafana, which has no image in this workplace),
+training progress is read through the server's Status RPC and through Prometheus' HTTP API,
+workers are scaled down and up while training continues, and everything is torn down.
+
+Needs podman and podman-compose, which CI installs first with
+`../shared/tools/container-rig --prometheus-tag v2.53.0`. Without them these tests fail with
+that advice; they skip only when asked to with GEMPS_SKIP_CONTAINER_TESTS=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+import gemps
+from gemps.records import ServerStatus
+from gemps.retry import NO_RETRY
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+SCRAPE_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+RIG = "../shared/tools/container-rig --prometheus-tag v2.53.0"
+SERVICES = ("ps", "worker", "evaluator", "prometheus")  # not grafana: no image of it here
+WORKERS = 4
+# This workplace's only CPU PyTorch is a local torch==2.13.0 wheel that pip inside builds finds
+# through the rig's pip configuration; the PyTorch index is unreachable. Users keep the defaults.
+BUILD_ARGS = ("TORCH_REQUIREMENT=torch==2.13.0", "TORCH_INDEX_URL=")
+
+pytestmark = pytest.mark.timeout(900)  # the first test builds the images (minutes on a fresh machine)
+
+T = TypeVar("T")
+
+
+def wait_until(what: str, probe: Callable[[], T | None], timeout: float, explain: Callable[[], str] = str) -> T:
+    """Poll `probe` until it returns something truthy; fail with `explain()` at the deadline."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while True:
+        try:
+            value = probe()
+        except Exception as error:  # the thing being waited for may not answer yet
+            value, last = None, error
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what} (last error: {last!r})\n{explain()}")
+        time.sleep(1.0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(args: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def scrape_jobs() -> dict[str, str]:
+    """Prometheus job name by compose service, from deploy/prometheus/prometheus.yml."""
+    jobs = {}
+    for job in yaml.safe_load(SCRAPE_CONFIG.read_text())["scrape_configs"]:
+        for sd in job.get("dns_sd_configs", []):
+            for name in sd["names"]:
+                jobs[name] = job["job_name"]
+    return jobs
+
+
+@dataclass
+class Stack:
+    project: str
+    env: dict[str, str]
+    grpc_port: int
+    prometheus_port: int
+
+    def compose(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return run(["podman-compose", "-f", str(COMPOSE_FILE), "-p", self.project, *args], timeout, self.env)
+
+    def containers(self, service: str, include_stopped: bool = False) -> list[str]:
+        """Container names of one service, by replica number."""
+        labels = [f"label=io.podman.compose.project={self.project}", f"label=com.docker.compose.service={service}"]
+        args = ["podman", "ps", *(["-a"] if include_stopped else []), "--format", "json"]
+        for label in labels:
+            args += ["--filter", label]
+        found = json.loads(run(args, 60).stdout or "[]")
+        found.sort(key=lambda c: int(c["Labels"]["com.docker.compose.container-number"]))
+        return [c["Names"][0] for c in found]
+
+    def status(self) -> ServerStatus:
+        with gemps.Client(f"127.0.0.1:{self.grpc_port}", timeout=5.0, retry=NO_RETRY) as client:
+            return client.status()
+
+    def prometheus(self, path: str, **params: str) -> Any:
+        url = f"http://127.0.0.1:{self.prometheus_port}{path}?{urllib.parse.urlencode(params)}"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            reply = json.loads(response.read())
+        assert reply["status"] == "success", reply
+        return reply["data"]
+
+    def targets_up(self, job: str) -> int:
+        targets = self.prometheus("/api/v1/targets", state="active")["activeTargets"]
+        return sum(t["labels"]["job"] == job and t["health"] == "up" for t in targets)
+
+    def query(self, expression: str) -> float | None:
+        result = self.prometheus("/api/v1/query", query=expression)["result"]
+        return float(result[0]["value"][1]) if result else None
+
+    def diagnostics(self) -> str:
+        """What the containers say, for failure messages."""
+        lines = [run(["podman", "ps", "-a", "--filter", f"label=io.podman.compose.project={self.project}"], 60).stdout]
+        for service in SERVICES:
+            for name in self.containers(service, include_stopped=True)[:2]:
+                logs = subprocess.run(["podman", "logs", "--tail", "15", name], capture_output=True, text=True)
+                lines.append(f"--- {name}\n{logs.stdout}{logs.stderr}")
+        return "\n".join(lines)
+
+    def down(self) -> None:
+        """Tear everything down, volumes included, whatever state the test left it in.
+
+        Workers and the evaluator go first, as `docker compose down` does, so they leave while the
+        server still answers. podman-compose's own `down` knows only the first replica of a
+        scaled service, and cannot remove `ps` while replicas that depend on it exist.
+        """
+        replicas = self.containers("worker", include_stopped=True) + self.containers("evaluator", include_stopped=True)
+        if replicas:
+            subprocess.run(["podman", "stop", "-t", "20", *replicas], capture_output=True, timeout=120)
+            subprocess.run(["podman", "rm", "-f", *replicas], capture_output=True, timeout=120)
+        subprocess.run(
+            ["podman-compose", "-f", str(COMPOSE_FILE), "-p", self.project, "down", "-v", "--remove-orphans"],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            timeout=300,
+        )
+
+    def leftovers(self) -> list[str]:
+        """Containers, volumes and networks of this project that still exist."""
+        label = f"label=io.podman.compose.project={self.project}"
+        found = []
+        for command, field in ((["ps", "-a"], "Names"), (["volume", "ls"], "Name"), (["network", "ls"], "Name")):
+            listing = run(["podman", *command, "--filter", label, "--format", f"{{{{.{field}}}}}"], 60)
+            found += [f"{command[0]} {name}" for name in listing.stdout.split()]
+        return found
+
+    def wait_for_workers(self, count: int, timeout: float = 300) -> ServerStatus:
+        """`count` workers registered, and the version still moving."""
+        status = wait_until(
+            f"{count} active workers",
+            lambda: (s := self.status()).active_workers == count and s,
+            timeout,
+            self.diagnostics,
+        )
+        return wait_until(
+            "100 more commits",
+            lambda: (s := self.status()).version >= status.version + 100 and s,
+            120,
+            self.diagnostics,
+        )
+
+
+def require_podman() -> None:
+    if os.environ.get("GEMPS_SKIP_CONTAINER_TESTS") == "1":
+        pytest.skip("GEMPS_SKIP_CONTAINER_TESTS=1: container tests skipped on request")
+    missing = [tool for tool in ("podman", "podman-compose") if shutil.which(tool) is None]
+    if missing:
+        pytest.fail(f"{' and '.join(missing)} not found: run `{RIG}` first (CI does)")
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    require_podman()
+    grpc_port, prometheus_port = free_port(), free_port()
+    env = {
+        **os.environ,
+        "BUILDAH_FORMAT": "docker",  # keep the Dockerfiles' HEALTHCHECK (OCI images have none)
+        "GEMPS_HOST_PORT": str(grpc_port),
+        "PROMETHEUS_HOST_PORT": str(prometheus_port),
+        "GEMPS_EPOCHS": "100000",  # train until stopped
+        "GEMPS_EVAL_INTERVAL": "2",
+    }
+    stack = Stack(f"gemps-e2e-{os.getpid()}", env, grpc_port, prometheus_port)
+    build_args = [arg for pair in (("--build-arg", a) for a in BUILD_ARGS) for arg in pair]
+    stack.compose("build", *build_args, "ps", "worker", timeout=840)
+    try:
+        stack.compose("up", "-d", "--scale", f"worker={WORKERS}", *SERVICES)
+        yield stack
+    finally:
+        stack.down()
+        assert not stack.leftovers(), f"teardown left behind: {stack.leftovers()}"
+
+
+def image_of(service: str) -> str:
+    image = yaml.safe_load(COMPOSE_FILE.read_text())["services"][service]["image"]
+    assert isinstance(image, str)
+    return image
+
+
+def in_image(image: str, code: str) -> str:
+    return run(["podman", "run", "--rm", "--entrypoint", "python", image, "-c", code], 300).stdout.strip()
+
+
+def test_images_run_unprivileged_with_cpu_torch_only_in_the_worker(stack: Stack) -> None:
+    server, worker = image_of("ps"), image_of("worker")
+    for image in (server, worker):
+        config = json.loads(run(["podman", "image", "inspect", image], 60).stdout)[0]
+        print(f"{image}: {config['Size'] / 1e6:.0f} MB")
+        assert config["Config"]["User"] == "10001:10001"
+        healthcheck = config.get("Healthcheck") or config["Config"]["Healthcheck"]  # podman, docker
+        assert "/opt/gemps/healthcheck.py" in " ".join(healthcheck["Test"])
+    probe = "import importlib.util, os; print(importlib.util.find_spec('torch') is None, os.getuid())"
+    assert in_image(server, probe) == "True 10001"  # the server image carries no torch
+    assert in_image(worker, "import os, torch; print(torch.version.cuda, os.getuid())") == "None 10001"
+
+
+def test_training_progresses_through_status_and_prometheus(stack: Stack) -> None:
+    (ps,) = stack.containers("ps")
+    # podman here has no systemd to run health checks on a timer: run the compose-defined one.
+    wait_until(
+        "the ps health check to pass",
+        lambda: subprocess.run(["podman", "healthcheck", "run", ps], capture_output=True).returncode == 0,
+        90,
+        stack.diagnostics,
+    )
+    status = stack.wait_for_workers(WORKERS)
+    assert status.initialized and status.commits_applied >= 100
+    evaluation = wait_until(
+        "a held-out accuracy of 90% from the evaluator",
+        lambda: (e := stack.status().last_evaluation) is not None and e.accuracy >= 0.9 and e,
+        180,
+        stack.diagnostics,
+    )
+    assert evaluation.version > 0
+
+    jobs = scrape_jobs()
+    wait_until(
+        f"Prometheus to scrape the server and {WORKERS} workers",
+        lambda: stack.targets_up(jobs["ps"]) == 1 and stack.targets_up(jobs["worker"]) == WORKERS,
+        120,
+        lambda: json.dumps(stack.prometheus("/api/v1/targets", state="active"), indent=1)[:4000],
+    )
+    seen = wait_until("gemps_central_version in Prometheus", lambda: stack.query("gemps_central_version"), 60)
+    wait_until("gemps_central_version to grow", lambda: (stack.query("gemps_central_version") or 0) > seen, 60)
+    assert (stack.query("sum(gemps_worker_commits_total)") or 0) > 0
+
+
+def test_workers_scale_down_and_up_while_training(stack: Stack) -> None:
+    jobs = scrape_jobs()
+    stack.wait_for_workers(WORKERS)
+    # Down to 2, as `docker compose up -d --scale worker=2` does: stop the highest replicas.
+    # (podman-compose cannot scale down.) SIGTERM: each finishes its step and leaves cleanly.
+    leaving = stack.containers("worker")[2:]
+    run(["podman", "stop", "-t", "20", *leaving], 120)
+    for name in leaving:
+        logs = run(["podman", "logs", name], 60)
+        assert "stopped by signal" in logs.stdout + logs.stderr, name
+    run(["podman", "rm", *leaving], 60)
+    status = stack.wait_for_workers(2, timeout=60)  # they left: no lease to wait out
+    wait_until("Prometheus to drop the stopped workers", lambda: stack.targets_up(jobs["worker"]) == 2, 90)
+
+    # Up to 6 while the other two keep training.
+    stack.compose("up", "-d", "--no-deps", "--scale", "worker=6", "worker")
+    grown = stack.wait_for_workers(6)
+    assert grown.version > status.version
+    assert len(stack.containers("worker")) == 6
+    wait_until("Prometheus to scrape 6 workers", lambda: stack.targets_up(jobs["worker"]) == 6, 120)
+
+    stats = json.loads(
+        run(["podman", "stats", "--no-stream", "--format", "json", *stack.containers("worker")], 60).stdout
+    )
+    for entry in stats:
+        print(f"{entry['name']}: {entry['mem_usage']}")  # the README's sizing advice comes from these
