@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo test lint typecheck unit integration e2e proto dashboards system-deps clean
+.PHONY: demo test lint typecheck unit integration e2e proto dashboards system-deps soak experiment clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,13 @@ proto: $(BIN)/.installed  ## regenerate proto/gemps_proto/v1/*_pb2*.py(i) from t
 
 dashboards: $(BIN)/.installed  ## regenerate deploy/grafana/dashboards/*.json
 	$(BIN)/python deploy/grafana/generate.py
+
+soak: $(BIN)/.installed  ## 100 clients for 10 minutes; results in docs/results/soak.json
+	$(BIN)/python scripts/soak.py --clients 100 --duration 600 --out docs/results/soak.json
+
+experiment: $(BIN)/.installed  ## the paper's comparisons (about an hour on 2 cores); docs/RESULTS.md
+	$(BIN)/gemps experiment --out runs/experiment --report docs/results --markdown docs/RESULTS.md \
+		--discussion docs/results/discussion.md
 
 clean:
 	rm -rf $(VENV) runs .mypy_cache .ruff_cache .pytest_cache

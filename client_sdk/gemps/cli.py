@@ -7,6 +7,11 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gemps.client import Client
+    from gemps.retry import RetryPolicy
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -33,18 +38,45 @@ def _run_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    """How to reach a server that requires TLS or a token (defaults: GEMPS_* variables, as the SDK)."""
+    group = parser.add_argument_group("connection (defaults from GEMPS_AUTH_TOKEN, GEMPS_TLS_* variables)")
+    group.add_argument("--token", default=None, help="bearer token (env GEMPS_AUTH_TOKEN)")
+    group.add_argument("--tls", action="store_true", default=None, help="use TLS (env GEMPS_TLS)")
+    group.add_argument("--tls-ca", default=None, help="PEM CA to verify the server; implies --tls (env GEMPS_TLS_CA)")
+    group.add_argument("--tls-client-cert", default=None, help="PEM client certificate for mutual TLS")
+    group.add_argument("--tls-client-key", default=None, help="PEM key of --tls-client-cert")
+    group.add_argument("--tls-server-name", default=None, help="name expected in the server's certificate")
+
+
+def _client(args: argparse.Namespace, timeout: float, retry: RetryPolicy | None = None) -> Client:
+    from gemps.client import Client
+
+    return Client(
+        args.server,
+        timeout=timeout,
+        retry=retry,
+        token=args.token,
+        tls=args.tls,
+        ca_cert=args.tls_ca,
+        client_cert=args.tls_client_cert,
+        client_key=args.tls_client_key,
+        server_name=args.tls_server_name,
+    )
+
+
 def _add_status(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT (default 127.0.0.1:50051)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
+    _add_connection_flags(parser)
     parser.set_defaults(run=_run_status)
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    from gemps.client import Client
     from gemps.errors import GempsError
     from gemps.retry import NO_RETRY
 
-    client = Client(args.server, timeout=args.timeout, retry=NO_RETRY)
+    client = _client(args, timeout=args.timeout, retry=NO_RETRY)
     try:
         status = client.status()
     except GempsError as error:
@@ -61,6 +93,67 @@ def _run_status(args: argparse.Namespace) -> int:
     print(f"commits         {status.commits_applied} applied, {status.commits_rejected} rejected")
     print(f"rule            {c.rule} (eta={c.learning_rate:g} mu={c.momentum:g} kappa={c.kappa:g} pi_max={c.pi_max:g})")
     print(f"uptime          {status.uptime_seconds:.0f}s")
+    return 0
+
+
+def _add_export(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Write the central variable as a state dict in safetensors format (no pickle): from a checkpoint "
+        "file, the newest good checkpoint in a directory, or a running server. Load it with "
+        "model.load_state_dict(safetensors.torch.load_file(OUT))."
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("checkpoint", nargs="?", help="checkpoint file, or a --checkpoint-dir to take the newest from")
+    source.add_argument("--server", help="HOST:PORT of a running server to pull the central variable from")
+    parser.add_argument("--out", required=True, help="file to write (safetensors)")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the server")
+    _add_connection_flags(parser)
+    parser.set_defaults(run=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from gemps_server.checkpoint import Checkpoint, CheckpointError, export_state_dict, load, load_latest
+
+    try:
+        if args.server:
+            from gemps.errors import GempsError
+
+            client = _client(args, timeout=args.timeout)
+            try:
+                central = client.pull()
+            except GempsError as error:
+                print(f"gemps export: {args.server}: {error}", file=sys.stderr)
+                return 1
+            finally:
+                client.close()
+            checkpoint = Checkpoint(
+                version=central.version,
+                commits_applied=central.version,
+                spec=tuple((s.name, s.shape) for s in central.spec),
+                theta=central.flat,
+            )
+            origin = args.server
+        else:
+            source = Path(args.checkpoint)
+            if source.is_dir():
+                found = load_latest(source)
+                if found is None:
+                    print(f"gemps export: no readable checkpoint in {source}", file=sys.stderr)
+                    return 1
+                path, checkpoint = found
+            else:
+                path, checkpoint = source, load(source)
+            origin = str(path)
+    except (CheckpointError, OSError, ValueError) as error:
+        print(f"gemps export: {error}", file=sys.stderr)
+        return 1
+    size = export_state_dict(checkpoint, Path(args.out), metadata={"source": origin})
+    print(
+        f"wrote {args.out}: version {checkpoint.version}, {len(checkpoint.spec)} tensors, "
+        f"{checkpoint.num_parameters} parameters, {size} bytes"
+    )
     return 0
 
 
@@ -120,6 +213,7 @@ def _missing_torch(command: str, error: ImportError) -> Command:
 COMMANDS: dict[str, tuple[str, Adder]] = {
     "server": ("run the parameter server", _add_server),
     "status": ("print a server's status", _add_status),
+    "export": ("write the central variable as a safetensors state dict (from a checkpoint or a server)", _add_export),
     "worker": (
         "run one reference training worker",
         _worker_package_command(

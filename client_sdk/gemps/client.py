@@ -1,16 +1,23 @@
 """The synchronous gemps client: register, pull, commit, leave, status.
 
-Retries UNAVAILABLE with exponential backoff and jitter, re-registers transparently when the
-server has forgotten this worker (lease expiry, server restart), and raises typed GempsError
-subclasses instead of raw grpc errors.
+Every call has a deadline. Retries UNAVAILABLE and DEADLINE_EXCEEDED with exponential backoff
+and jitter, re-registers transparently when the server has forgotten this worker (lease expiry,
+server restart), never has one commit applied twice (each commit carries a request id that its
+retries reuse; the server deduplicates), and raises typed GempsError subclasses instead of raw
+grpc errors. TLS (optionally with a client certificate) and a bearer token come from arguments
+or from GEMPS_* environment variables, so reference workers in containers need no code.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
+import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -38,6 +45,90 @@ log = logging.getLogger("gemps.client")
 T = TypeVar("T")
 
 PAYLOAD_KINDS = {"gradient": pb.PAYLOAD_KIND_GRADIENT, "update": pb.PAYLOAD_KIND_UPDATE}
+# Failures worth another attempt: the server is down, restarting, paused or overloaded.
+RETRIED = (errors.ServerUnavailableError, errors.DeadlineExceededError)
+# How soon a disconnected channel tries the server again (gRPC's default grows to 120 s).
+RECONNECT_BACKOFF_MS = (200, 2000)  # initial, max
+
+Pem = str | bytes  # a PEM file's path, or its content
+
+
+def _pem(value: Pem | None) -> bytes | None:
+    if value is None or value == "":
+        return None
+    return value if isinstance(value, bytes) else Path(value).read_bytes()
+
+
+def _env_flag(raw: str) -> bool:
+    return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class Connection:
+    """How to reach a server: TLS material and a bearer token (None: plaintext, no token).
+
+    `resolve` fills what the caller left out from GEMPS_AUTH_TOKEN (or the file in
+    GEMPS_AUTH_TOKEN_FILE), GEMPS_TLS (1: TLS with the system's root certificates), GEMPS_TLS_CA,
+    GEMPS_TLS_CLIENT_CERT, GEMPS_TLS_CLIENT_KEY and GEMPS_TLS_SERVER_NAME.
+    """
+
+    token: str | None = None
+    tls: bool = False
+    ca_cert: bytes | None = None  # PEM roots to verify the server (None: the system's)
+    client_cert: bytes | None = None  # PEM chain for mutual TLS
+    client_key: bytes | None = None
+    server_name: str | None = None  # expected name in the server's certificate, if not the target's
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        token: str | None = None,
+        tls: bool | None = None,
+        ca_cert: Pem | None = None,
+        client_cert: Pem | None = None,
+        client_key: Pem | None = None,
+        server_name: str | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> Connection:
+        env = os.environ if environ is None else environ
+        if token is None:
+            token = env.get("GEMPS_AUTH_TOKEN") or None
+            if token is None and env.get("GEMPS_AUTH_TOKEN_FILE"):
+                token = Path(env["GEMPS_AUTH_TOKEN_FILE"]).read_text().strip()
+        if tls is False:  # plaintext asked for: certificates from the environment do not apply
+            if ca_cert or client_cert or client_key:
+                raise ValueError("TLS certificates given but tls=False")
+            env = {key: value for key, value in env.items() if not key.startswith("GEMPS_TLS")}
+        ca = _pem(ca_cert if ca_cert is not None else env.get("GEMPS_TLS_CA"))
+        cert = _pem(client_cert if client_cert is not None else env.get("GEMPS_TLS_CLIENT_CERT"))
+        key = _pem(client_key if client_key is not None else env.get("GEMPS_TLS_CLIENT_KEY"))
+        if (cert is None) != (key is None):
+            raise ValueError("a client certificate and its key go together: give both or neither")
+        if tls is None:
+            tls = _env_flag(env.get("GEMPS_TLS", "")) or ca is not None or cert is not None
+        return cls(
+            token=token or None,
+            tls=tls,
+            ca_cert=ca,
+            client_cert=cert,
+            client_key=key,
+            server_name=server_name or env.get("GEMPS_TLS_SERVER_NAME") or None,
+        )
+
+    def channel(self, target: str, options: list[tuple[str, object]]) -> grpc.Channel:
+        if not self.tls:
+            return grpc.insecure_channel(target, options=options)
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=self.ca_cert, private_key=self.client_key, certificate_chain=self.client_cert
+        )
+        if self.server_name:
+            options = [*options, ("grpc.ssl_target_name_override", self.server_name)]
+        return grpc.secure_channel(target, credentials, options=options)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
 
 class Client:
@@ -56,17 +147,41 @@ class Client:
         timeout: float = 60.0,
         retry: RetryPolicy | None = None,
         max_message_mb: int = 512,
+        token: str | None = None,
+        tls: bool | None = None,
+        ca_cert: Pem | None = None,
+        client_cert: Pem | None = None,
+        client_key: Pem | None = None,
+        server_name: str | None = None,
     ) -> None:
+        """`timeout` is every call's deadline in seconds. TLS and token arguments left out come
+        from GEMPS_* environment variables (see `Connection`); PEM arguments are paths or bytes."""
         self.target = target
         self.name = name
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
-        limit = min(max_message_mb * 1024 * 1024, 2**31 - 1)
-        self._channel = grpc.insecure_channel(
-            target,
-            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+        self.connection = Connection.resolve(
+            token=token,
+            tls=tls,
+            ca_cert=ca_cert,
+            client_cert=client_cert,
+            client_key=client_key,
+            server_name=server_name,
         )
+        limit = min(max_message_mb * 1024 * 1024, 2**31 - 1)
+        self._channel = self.connection.channel(
+            target,
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+                ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+            ],
+        )
+        self._metadata = self.connection.metadata
         self._stub = pb_grpc.ParameterServerStub(self._channel)
+        #: attempts retried after UNAVAILABLE or DEADLINE_EXCEEDED, over this client's life
+        self.retries = 0
         self._registered_with: Mapping[str, np.ndarray] | None = None
         self._spec: tuple[ParameterSpec, ...] = ()
         self.registration: Registration | None = None
@@ -125,6 +240,9 @@ class Client:
         flat = flatten(payload) if isinstance(payload, Mapping) else np.asarray(payload, dtype=np.float32)
         tensor = array_to_tensor(flat.reshape(-1))
         base = self.central.version if base_version is None else base_version
+        # Every attempt of this commit (retries, after registering again) carries the same id,
+        # so the server applies it at most once.
+        request_id = uuid.uuid4().hex
 
         def send() -> pb.CommitResponse:
             request = pb.CommitRequest(
@@ -134,6 +252,7 @@ class Client:
                 payload=tensor,
                 loss=loss,
                 num_samples=num_samples,
+                request_id=request_id,
             )
             return self._call(self._stub.Commit, request)
 
@@ -232,21 +351,24 @@ class Client:
         return call()
 
     def _call(self, method: Callable[..., T], request: object) -> T:
-        """Call with a deadline, retrying UNAVAILABLE with backoff; raise typed errors."""
+        """Call with a deadline, retrying UNAVAILABLE and DEADLINE_EXCEEDED with backoff; raise typed errors."""
         delays = self.retry.delays()
         while True:
             try:
-                return method(request, timeout=self.timeout)
+                return method(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as rpc_error:
                 error = errors.from_rpc_error(rpc_error)
-            if not isinstance(error, errors.ServerUnavailableError):
+            if not isinstance(error, RETRIED):
                 raise error
             delay = next(delays, None)
             if delay is None:
-                raise errors.ServerUnavailableError(
-                    f"{self.target} unreachable after {self.retry.max_attempts} attempts: {error.message}"
+                raise type(error)(
+                    f"{self.target} unreachable after {self.retry.max_attempts} attempts: {error.message}",
+                    error.code,
+                    error.reason,
                 )
-            log.debug("server unavailable, retrying in %.2fs: %s", delay, error.message)
+            self.retries += 1
+            log.debug("%s, retrying in %.2fs", error.message, delay)
             time.sleep(delay)
 
     def _require_registered(self) -> None:

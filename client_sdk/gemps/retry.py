@@ -1,4 +1,5 @@
-"""Exponential backoff with full jitter, for calls that failed with UNAVAILABLE."""
+"""Exponential backoff with full jitter, for calls that failed with UNAVAILABLE or
+DEADLINE_EXCEEDED (server down, restarting, paused or overloaded)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    max_attempts: int = 8
+    """Up to `max_attempts` tries per call. The defaults ride out about 20 s to 40 s of outage
+    (a server restarted by its supervisor) before giving up."""
+
+    max_attempts: int = 15
     initial_backoff: float = 0.1  # seconds
-    max_backoff: float = 5.0
+    max_backoff: float = 4.0
     multiplier: float = 2.0
 
     def delays(self, rng: random.Random | None = None) -> Iterator[float]:

@@ -15,14 +15,15 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import disable_created_metrics, start_http_server
 
 from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_server import logs
 from gemps_server.applier import Applier
+from gemps_server.checkpointer import Checkpointer
 from gemps_server.config import ServerConfig
 from gemps_server.logs import event
 from gemps_server.metrics import ServerMetrics
 from gemps_server.rules import RuleParams
-from gemps_server.servicer import ParameterServerServicer
+from gemps_server.security import TokenAuthInterceptor, exposure_warnings, server_credentials
+from gemps_server.servicer import ParameterServerServicer, add_to_server
 from gemps_server.state import ServerState
 from gemps_server.workers import WorkerRegistry
 
@@ -50,7 +51,16 @@ class ParameterServer:
         )
         self.applier = Applier(observer=self.metrics.applier_ran)
         self._observe_state()
-        self.servicer = ParameterServerServicer(config, self.state, self.applier, self.metrics)
+        self.checkpointer = (
+            Checkpointer(config, self.state, self.applier, self.metrics) if config.checkpoint_dir else None
+        )
+        self.servicer = ParameterServerServicer(
+            config,
+            self.state,
+            self.applier,
+            self.metrics,
+            on_committed=self.checkpointer.committed if self.checkpointer is not None else None,
+        )
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.metrics_port = 0
@@ -59,19 +69,36 @@ class ParameterServer:
         self._lease_task: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
-        limit = self.config.max_message_bytes
+        config = self.config
+        if self.checkpointer is not None:
+            self.checkpointer.restore()  # before serving: workers register against the restored state
+        token = config.token()
+        interceptors = []
+        if token:
+            interceptors.append(
+                TokenAuthInterceptor(token, on_refused=lambda method: self.metrics.refusal("unauthenticated"))
+            )
+        limit = config.max_message_bytes
         server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+            interceptors=interceptors,
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
         )
-        pb_grpc.add_ParameterServerServicer_to_server(self.servicer, server)
+        add_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
         )
-        self.port = server.add_insecure_port(_hostport(self.config.host, self.config.port))
+        address = _hostport(config.host, config.port)
+        if config.tls:
+            credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+            self.port = server.add_secure_port(address, credentials)
+        else:
+            self.port = server.add_insecure_port(address)
         if self.port == 0:
-            raise OSError(f"could not bind {_hostport(self.config.host, self.config.port)}")
+            raise OSError(f"could not bind {address}")
+        for warning in exposure_warnings(config.host, tls=config.tls, token=bool(token)):
+            event(log, "insecure listener", level=logging.WARNING, warning=warning)
         self.applier.start()
         await server.start()
         self._server = server
@@ -79,6 +106,8 @@ class ParameterServer:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._start_metrics()
         self._lease_task = asyncio.create_task(self._expire_leases(), name="gemps-leases")
+        if self.checkpointer is not None:
+            self.checkpointer.start()
         if self.config.port_file:
             # Written last, via a rename, so a reader never sees a partial file.
             tmp = Path(self.config.port_file + ".tmp")
@@ -94,11 +123,18 @@ class ParameterServer:
             kappa=self.config.kappa,
             pi_max=self.config.pi_max,
             metrics_port=self.metrics_port if self.metrics_port else None,
+            tls="mutual" if config.tls_client_ca else config.tls,
+            auth="token" if token else None,
+            version=self.state.version,
+            checkpoint_dir=config.checkpoint_dir or None,
         )
         return self.port
 
-    async def stop(self, grace: float = 5.0) -> None:
-        """Report NOT_SERVING, let in-flight RPCs finish for up to `grace` seconds, then stop."""
+    async def stop(self, grace: float | None = None) -> None:
+        """Shut down gracefully: report NOT_SERVING, refuse new RPCs and give in-flight ones up to
+        `grace` seconds (default: the config's shutdown_grace), apply every queued commit, write the
+        final checkpoint, stop."""
+        grace = self.config.shutdown_grace if grace is None else grace
         await self.health.enter_graceful_shutdown()
         if self._lease_task is not None:
             self._lease_task.cancel()
@@ -106,7 +142,11 @@ class ParameterServer:
                 await self._lease_task
         if self._server is not None:
             await self._server.stop(grace)
-        await asyncio.to_thread(self.applier.stop)
+        if self.checkpointer is not None:
+            await self.checkpointer.stop_schedule()
+        await asyncio.to_thread(self.applier.stop)  # runs what is still queued
+        if self.checkpointer is not None:
+            await self.checkpointer.write_final()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()  # type: ignore[attr-defined]
         event(log, "stopped", version=self.state.version, active=len(self.state.registry))
@@ -166,7 +206,11 @@ async def serve(config: ServerConfig, ready: threading.Event | None = None) -> N
     # Prometheus stores them as gauges of their own, doubling the server's series for nothing.
     disable_created_metrics()  # type: ignore[no-untyped-call]
     server = ParameterServer(config)
-    await server.start()
+    try:
+        await server.start()
+    except (OSError, ValueError) as error:  # a port in use, an unusable checkpoint dir or key file
+        event(log, "cannot start", level=logging.ERROR, error=f"{type(error).__name__}: {error}")
+        raise SystemExit(2) from None
     if ready is not None:
         ready.set()
     stop = asyncio.Event()
@@ -177,7 +221,7 @@ async def serve(config: ServerConfig, ready: threading.Event | None = None) -> N
     closed = asyncio.create_task(server.wait_closed())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({closed, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    event(log, "shutting down")
+    event(log, "shutting down", grace_seconds=config.shutdown_grace)
     await server.stop()
     closed.cancel()
     stopping.cancel()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from gemps_proto import options
 from gemps_server.logs import LOG_FORMATS
@@ -15,6 +16,11 @@ from gemps_server.rules import rule_names
 
 WORKER_MODES = ("gradient", "agn", "easgd")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def valid_token(token: str) -> bool:
+    """A bearer token fits an HTTP/2 header value: visible ASCII, no spaces, not empty."""
+    return bool(token) and all(33 <= ord(c) <= 126 for c in token)
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,35 @@ class ServerConfig:
     log_format: str = field(
         default="text",
         metadata={"help": "log lines: text (key=value fields) or json (one object per line)", "choices": LOG_FORMATS},
+    )
+    # -- checkpoints and shutdown ----------------------------------------------------------------
+    checkpoint_dir: str = field(
+        default="",
+        metadata={"help": "write checkpoints here and restore the latest on start; empty: no checkpoints"},
+    )
+    checkpoint_every: int = field(
+        default=1000, metadata={"help": "checkpoint after this many commits since the last one; 0: not by count"}
+    )
+    checkpoint_interval: float = field(
+        default=60.0, metadata={"help": "checkpoint this often, seconds, when the version moved; 0: not by time"}
+    )
+    checkpoint_keep: int = field(default=3, metadata={"help": "checkpoints kept; older ones are deleted"})
+    shutdown_grace: float = field(
+        default=10.0,
+        metadata={"help": "seconds in-flight RPCs get to finish on SIGTERM before the final checkpoint"},
+    )
+    # -- security and limits -----------------------------------------------------------------------
+    tls_cert: str = field(default="", metadata={"help": "PEM certificate chain: serve TLS (needs --tls-key)"})
+    tls_key: str = field(default="", metadata={"help": "PEM private key of --tls-cert"})
+    tls_client_ca: str = field(
+        default="", metadata={"help": "PEM CA bundle: require client certificates it signed (mutual TLS)"}
+    )
+    auth_token: str = field(
+        default="", metadata={"help": "require 'authorization: Bearer TOKEN' on every RPC except health checks"}
+    )
+    auth_token_file: str = field(default="", metadata={"help": "read the bearer token from this file instead"})
+    max_registrations_per_minute: int = field(
+        default=600, metadata={"help": "Register calls accepted per minute (bursts up to this); 0: no limit"}
     )
 
     def __post_init__(self) -> None:
@@ -87,7 +122,42 @@ class ServerConfig:
             found.append("batch_size must be >= 1")
         if self.max_message_mb < 1:
             found.append("max_message_mb must be >= 1")
+        if self.checkpoint_every < 0:
+            found.append("checkpoint_every must be >= 0")
+        if self.checkpoint_interval < 0:
+            found.append("checkpoint_interval must be >= 0")
+        if self.checkpoint_keep < 1:
+            found.append("checkpoint_keep must be >= 1")
+        if self.shutdown_grace < 0:
+            found.append("shutdown_grace must be >= 0")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            found.append("tls_cert and tls_key go together: give both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            found.append("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        if self.auth_token and self.auth_token_file:
+            found.append("give auth_token or auth_token_file, not both")
+        if self.auth_token and not valid_token(self.auth_token):
+            found.append("auth_token must be printable ASCII without spaces")
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                found.append(f"{name} {path!r} is not a readable file")
+        if self.max_registrations_per_minute < 0:
+            found.append("max_registrations_per_minute must be >= 0")
         return found
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
+
+    def token(self) -> str:
+        """The bearer token clients must send ('' when auth is off); reads auth_token_file."""
+        if not self.auth_token_file:
+            return self.auth_token
+        token = Path(self.auth_token_file).read_text().strip()
+        if not valid_token(token):
+            raise ValueError(f"auth_token_file {self.auth_token_file}: the token must be visible ASCII, no spaces")
+        return token
 
     @property
     def max_message_bytes(self) -> int:

@@ -37,11 +37,19 @@ COMMIT_REJECTION_REASONS = (
     "bad_shape",
     "bad_version",
     "non_finite",
+    "bad_request_id",
+    "malformed",
 )
 RPC_METHODS = ("Register", "Pull", "Commit", "Leave", "Status", "ReportEvaluation")
 DEPARTURE_CAUSES = ("left", "evicted")
+CHECKPOINT_OUTCOMES = ("written", "failed")
+# Requests refused before reaching a handler's logic: no or a wrong token, registration rate.
+REFUSAL_REASONS = ("unauthenticated", "registration_rate")
 # Longest `dataset` label value taken from an evaluator's report.
 MAX_DATASET_LABEL = 64
+# Distinct `dataset` label values kept; reports naming further datasets go under "other", so a
+# client cannot grow the server's series (and memory) without bound.
+MAX_DATASET_LABELS = 8
 
 
 Reading = Callable[[], float]
@@ -164,6 +172,36 @@ class ServerMetrics:
         )
         self.queue_depth = Gauge("gemps_queue_depth", "Operations waiting for the applier.", registry=r)
 
+        # -- reliability and security ----------------------------------------------------------
+        self.duplicates = Counter(
+            "gemps_duplicate_commits",
+            "Retried commits recognised by request id and answered without applying them again.",
+            registry=r,
+        )
+        self.checkpoints = Counter(
+            "gemps_checkpoints", "Checkpoint writes by outcome (written, failed).", ["outcome"], registry=r
+        )
+        for outcome in CHECKPOINT_OUTCOMES:
+            self.checkpoints.labels(outcome)
+        self.checkpoint_duration = Histogram(
+            "gemps_checkpoint_duration_seconds",
+            "Time to write one checkpoint (serialise, fsync, rename).",
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.checkpoint_version = Gauge(
+            "gemps_checkpoint_version", "Central version of the newest checkpoint written or restored.", registry=r
+        )
+        self.checkpoint_bytes = Gauge("gemps_checkpoint_bytes", "Size of the newest checkpoint written.", registry=r)
+        self.refused = Counter(
+            "gemps_refused_requests",
+            "Requests refused by a guard: reason=unauthenticated (bad or no token), registration_rate.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REFUSAL_REASONS:
+            self.refused.labels(reason)
+
         # -- the evaluator's held-out figures (series appear with the first report) -------------
         self.held_out_loss = Gauge(
             "gemps_heldout_loss", "Evaluator's held-out loss of the central variable.", ["dataset"], registry=r
@@ -174,6 +212,7 @@ class ServerMetrics:
             ["dataset"],
             registry=r,
         )
+        self._datasets: set[str] = set()
         self.evaluated_version = Gauge(
             "gemps_heldout_evaluated_version",
             "Central version the last evaluation measured.",
@@ -253,8 +292,27 @@ class ServerMetrics:
         if count:
             self.departures.labels(cause).inc(count)
 
+    def duplicate(self) -> None:
+        self.duplicates.inc()
+
+    def checkpointed(self, version: int, size: int, seconds: float) -> None:
+        self.checkpoints.labels("written").inc()
+        self.checkpoint_duration.observe(seconds)
+        self.checkpoint_version.set(version)
+        self.checkpoint_bytes.set(size)
+
+    def checkpoint_failed(self) -> None:
+        self.checkpoints.labels("failed").inc()
+
+    def refusal(self, reason: str) -> None:
+        self.refused.labels(reason).inc()
+
     def evaluated(self, dataset: str, version: int, loss: float, accuracy: float) -> None:
         label = (dataset or "unknown")[:MAX_DATASET_LABEL]
+        if label not in self._datasets:
+            if len(self._datasets) >= MAX_DATASET_LABELS:
+                label = "other"
+            self._datasets.add(label)
         self.evaluated_version.labels(label).set(version)
         self.held_out_loss.labels(label).set(loss)
         self.held_out_accuracy.labels(label).set(accuracy)

@@ -13,15 +13,17 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from gemps_proto.codec import bytes_to_tensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_server.applier import Applier
 from gemps_server.config import ServerConfig
-from gemps_server.errors import REASON_METADATA_KEY, InvalidArgument, ServiceError
+from gemps_server.errors import REASON_METADATA_KEY, InvalidArgument, ResourceExhausted, ServiceError
 from gemps_server.logs import Throttle, event
 from gemps_server.metrics import ServerMetrics
+from gemps_server.security import RateLimiter
 from gemps_server.state import CommitOutcome, Registration, ServerState, parse_spec
 
 log = logging.getLogger("gemps.server")
@@ -30,6 +32,45 @@ Request = TypeVar("Request")
 Response = TypeVar("Response")
 Context = grpc.aio.ServicerContext[Any, Any]
 Handler = Callable[[Any, Request, Context], Awaitable[Response]]
+
+
+class MalformedRequest:
+    """Stands in for a request whose bytes are not a valid message of the method's type, so the
+    handler can answer INVALID_ARGUMENT (gRPC itself would answer UNKNOWN)."""
+
+    def __init__(self, message_type: str, size: int, error: str) -> None:
+        self.message_type = message_type
+        self.size = size
+        self.error = error
+
+    def ByteSize(self) -> int:  # the protobuf name: the RPC metrics call it
+        return self.size
+
+
+def lenient_parser(message_class: type[Message]) -> Callable[[bytes], Message | MalformedRequest]:
+    def parse(data: bytes) -> Message | MalformedRequest:
+        try:
+            return message_class.FromString(data)
+        except DecodeError as error:
+            return MalformedRequest(message_class.DESCRIPTOR.full_name, len(data), str(error))
+
+    return parse
+
+
+def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server) -> None:
+    """Register the servicer like the generated add_ParameterServerServicer_to_server, but with
+    request parsing that turns undecodable bytes into INVALID_ARGUMENT."""
+    service = pb.DESCRIPTOR.services_by_name["ParameterServer"]
+    handlers = {
+        method.name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name),
+            request_deserializer=lenient_parser(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+        for method in service.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
 
 
 def maps_service_errors(handler: Handler[Request, Response]) -> Handler[Request, Response]:
@@ -44,6 +85,10 @@ def maps_service_errors(handler: Handler[Request, Response]) -> Handler[Request,
         started = time.perf_counter()
         sent = 0
         try:
+            if isinstance(request, MalformedRequest):
+                raise InvalidArgument(
+                    f"request is not a valid {request.message_type}: {request.error}", reason="malformed"
+                )
             response = await handler(self, request, context)
             sent = _message_bytes(response)
             return response
@@ -75,11 +120,21 @@ def check_evaluation(report: pb.EvaluationReport, current_version: int) -> None:
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
-    def __init__(self, config: ServerConfig, state: ServerState, applier: Applier, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        state: ServerState,
+        applier: Applier,
+        metrics: ServerMetrics,
+        on_committed: Callable[[int], None] | None = None,
+    ) -> None:
         self._config = config
         self._state = state
         self._applier = applier
         self._metrics = metrics
+        # Called on the event loop with the new version after each applied commit (checkpoints).
+        self._on_committed = on_committed
+        self._registrations = RateLimiter(config.max_registrations_per_minute)
         self._started = time.monotonic()
         self.commits_rejected = 0
         self.last_evaluation: pb.EvaluationReport | None = None
@@ -117,6 +172,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @maps_service_errors
     async def Register(self, request: pb.RegisterRequest, context: Context) -> pb.RegisterResponse:
+        if not self._registrations.allow():
+            self._metrics.refusal("registration_rate")
+            raise ResourceExhausted(
+                f"more than {self._config.max_registrations_per_minute} registrations in a minute; retry later "
+                "(raise --max-registrations-per-minute)",
+                reason="registration_rate",
+            )
         spec = parse_spec(request.spec)
         initial = request.initial_parameters if request.HasField("initial_parameters") else None
         state = self._state
@@ -178,11 +240,28 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             nonlocal started, finished
             started = time.perf_counter()
             try:
-                return state.commit(request.worker_id, request.base_version, request.kind, request.payload)
+                return state.commit(
+                    request.worker_id, request.base_version, request.kind, request.payload, request.request_id
+                )
             finally:
                 finished = time.perf_counter()
 
         outcome = await self._applier.submit(commit)
+        if outcome.duplicate:
+            self._metrics.duplicate()
+            suppressed = self._rejection_log.allow(("Commit", "duplicate"))
+            if suppressed is not None:
+                event(
+                    log,
+                    "duplicate commit",
+                    worker_id=request.worker_id,
+                    request_id=request.request_id,
+                    version=outcome.snapshot.version,
+                    suppressed=suppressed,
+                )
+            return self._commit_response(outcome)
+        if self._on_committed is not None:
+            self._on_committed(outcome.snapshot.version)
         self._metrics.applied(
             outcome.staleness,
             outcome.stats,
@@ -191,9 +270,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             queued_seconds=started - submitted,
             apply_seconds=finished - started,
         )
+        return self._commit_response(outcome)
+
+    def _commit_response(self, outcome: CommitOutcome) -> pb.CommitResponse:
         return pb.CommitResponse(
             version=outcome.snapshot.version,
-            parameters=bytes_to_tensor(outcome.snapshot.data, state.num_parameters),
+            parameters=bytes_to_tensor(outcome.snapshot.data, self._state.num_parameters),
             staleness=outcome.staleness,
             scaling_mean=outcome.stats.scaling_mean,
             scaling_median=outcome.stats.scaling_median,

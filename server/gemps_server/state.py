@@ -15,7 +15,9 @@ import numpy as np
 
 from gemps_proto.codec import TensorDecodeError, all_finite, dtype_name, num_elements, tensor_to_array
 from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_server.checkpoint import Checkpoint
 from gemps_server.errors import FailedPrecondition, InvalidArgument
+from gemps_server.ledger import MAX_REQUEST_ID_LENGTH, CommitLedger, Receipt
 from gemps_server.rules import ApplyStats, CommitRule, RuleParams, create_rule
 from gemps_server.workers import WorkerRecord, WorkerRegistry
 
@@ -55,6 +57,9 @@ class CommitOutcome:
     snapshot: Snapshot
     staleness: int
     stats: ApplyStats
+    # A retry of a commit already applied: nothing changed; staleness and stats are the
+    # original's, the snapshot is the current central variable.
+    duplicate: bool = False
 
 
 def parse_spec(spec: Sequence[pb.ParameterSpec]) -> list[ParamSpec]:
@@ -105,6 +110,7 @@ class ServerState:
         self.rule: CommitRule | None = None
         self.snapshot = Snapshot(0, b"")
         self.commits_applied = 0
+        self.ledger = CommitLedger(capacity=registry.max_workers)
         self._theta = np.empty(0, dtype=np.float32)
         self._update = np.empty(0, dtype=np.float32)
 
@@ -142,8 +148,22 @@ class ServerState:
         self.rule.add_worker(worker.worker_id, self._theta)
         return Registration(worker, self.snapshot)
 
-    def commit(self, worker_id: str, base_version: int, kind: int, payload: pb.Tensor) -> CommitOutcome:
+    def commit(
+        self, worker_id: str, base_version: int, kind: int, payload: pb.Tensor, request_id: str = ""
+    ) -> CommitOutcome:
         rule = self.require_initialized()
+        if len(request_id) > MAX_REQUEST_ID_LENGTH:
+            raise InvalidArgument(
+                f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_LENGTH}",
+                reason="bad_request_id",
+            )
+        receipt = self.ledger.lookup(request_id)
+        if receipt is not None:
+            # Checked before the worker: the retry may come from the same worker after it
+            # registered again (lease expiry, server restart) under a new id.
+            if worker_id in self.registry:
+                self.registry.touch(worker_id)
+            return CommitOutcome(self.snapshot, receipt.staleness, receipt.stats, duplicate=True)
         worker = self.registry.get(worker_id)
         gradient = self._validated_payload(kind, payload, base_version)
         staleness = self.version - base_version
@@ -156,6 +176,7 @@ class ServerState:
         worker.commits += 1
         self.registry.touch(worker_id)
         self.snapshot = Snapshot(self.version + 1, self._theta.tobytes())
+        self.ledger.record(worker_id, request_id, Receipt(self.version, staleness, stats))
         return CommitOutcome(self.snapshot, staleness, stats)
 
     def leave(self, worker_id: str) -> WorkerRecord:
@@ -172,8 +193,51 @@ class ServerState:
 
     # -- helpers -------------------------------------------------------------------------------
 
+    def checkpoint(self, config: dict[str, object]) -> Checkpoint:
+        """Everything a restarted server needs, consistent at one version (run on the applier:
+        the rule's global state and the ledger change with every commit)."""
+        rule = self.require_initialized()
+        return Checkpoint(
+            version=self.snapshot.version,
+            commits_applied=self.commits_applied,
+            spec=tuple((s.name, s.shape) for s in self.spec),
+            theta=np.frombuffer(self.snapshot.data, dtype=np.float32),
+            config=config,
+            rule_state=rule.global_state(),
+            receipts=self.ledger.entries(),
+        )
+
+    def restore(self, checkpoint: Checkpoint) -> list[str]:
+        """Serve `checkpoint`'s central variable (before any worker registers); returns warnings.
+
+        Workers are not restored: they register again, with fresh per-worker rule state.
+        """
+        if self.rule is not None:
+            raise RuntimeError("restore() needs a server that is not initialised yet")
+        warnings = []
+        self.spec = [ParamSpec(name, shape) for name, shape in checkpoint.spec]
+        self._theta = np.array(checkpoint.theta, dtype=np.float32, copy=True).reshape(-1)
+        self._update = np.empty_like(self._theta)
+        rule = create_rule(self.rule_name, self.rule_params, self._theta.size)
+        if checkpoint.rule_state:
+            if checkpoint.config.get("rule") == self.rule_name:
+                try:
+                    rule.load_global_state(dict(checkpoint.rule_state))
+                except ValueError as error:
+                    warnings.append(f"rule state not restored: {error}")
+            else:
+                warnings.append(
+                    f"rule state of {checkpoint.config.get('rule')!r} not restored into rule {self.rule_name!r}"
+                )
+        self.rule = rule
+        self.commits_applied = checkpoint.commits_applied
+        self.snapshot = Snapshot(checkpoint.version, self._theta.tobytes())
+        self.ledger.restore(dict(checkpoint.receipts))
+        return warnings
+
     def _forget(self, worker_id: str) -> None:
         self.registry.remove(worker_id)
+        self.ledger.forget_worker(worker_id)
         if self.rule is not None:
             self.rule.remove_worker(worker_id)
 

@@ -114,20 +114,22 @@ class PullResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., unchanged: _Optional[bool] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("worker_id", "base_version", "kind", "payload", "loss", "num_samples")
+    __slots__ = ("worker_id", "base_version", "kind", "payload", "loss", "num_samples", "request_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     base_version: int
     kind: PayloadKind
     payload: Tensor
     loss: float
     num_samples: int
-    def __init__(self, worker_id: _Optional[str] = ..., base_version: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., payload: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ...) -> None: ...
+    request_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., base_version: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., payload: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("version", "parameters", "staleness", "scaling_mean", "scaling_median", "scaling_at_zero", "scaling_at_max")

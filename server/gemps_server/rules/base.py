@@ -89,6 +89,15 @@ class CommitRule(ABC):
     def remove_worker(self, worker_id: str) -> None:  # noqa: B027 (optional hook)
         """A worker left or was evicted: free its state."""
 
+    def global_state(self) -> dict[str, np.ndarray]:
+        """Copies of the rule's state shared by all workers (for checkpoints); none by default."""
+        return {}
+
+    def load_global_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore what `global_state` returned (from a checkpoint); raises ValueError if it does not fit."""
+        if state:
+            raise ValueError(f"rule {self.name!r} keeps no global state, got {sorted(state)}")
+
     @abstractmethod
     def apply(self, theta: np.ndarray, update: np.ndarray, worker_id: str, staleness: int) -> ApplyStats:
         """Move theta in place by this worker's update, computed `staleness` commits ago."""

@@ -18,6 +18,15 @@ class MomentumRule(CommitRule):
         super().__init__(params, num_parameters)
         self._velocity = np.zeros(num_parameters, dtype=np.float32)
 
+    def global_state(self) -> dict[str, np.ndarray]:
+        return {"velocity": self._velocity.copy()}
+
+    def load_global_state(self, state: dict[str, np.ndarray]) -> None:
+        velocity = state.get("velocity")
+        if velocity is None or set(state) != {"velocity"} or velocity.shape != self._velocity.shape:
+            raise ValueError(f"momentum rule state must be one 'velocity' of shape {list(self._velocity.shape)}")
+        np.copyto(self._velocity, velocity)
+
     def apply(self, theta: np.ndarray, update: np.ndarray, worker_id: str, staleness: int) -> ApplyStats:
         self._velocity *= np.float32(self.params.momentum)
         self._velocity += update

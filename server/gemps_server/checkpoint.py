@@ -1,0 +1,297 @@
+"""Checkpoints: the central variable and what it takes to resume serving it, in safetensors files.
+
+One file per checkpoint, `checkpoint-<version, 12 digits>.safetensors`: tensors (the flat central
+variable, plus any global state of the commit rule such as the `momentum` rule's velocity) and
+string metadata (format, version, commit count, parameter spec, training config, the commit
+ledger's receipts for deduplicating retries, a CRC-32 of the tensor bytes). safetensors has no
+code paths that execute data: no pickle anywhere. Per-worker GEM state (m_i, s_i) is not saved:
+after a restart workers register again and start with fresh state, as a new worker would.
+
+Writes are atomic: a temporary file in the same directory, fsync, rename over the final name,
+fsync of the directory. A crash at any point leaves either the old set of checkpoints or the old
+set plus the complete new one, never a torn file under a checkpoint's name. Loading checks the
+format, the spec against the data, the CRC and finiteness; a file that fails is renamed to
+`*.corrupt` and the next older one is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import tempfile
+import time
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from gemps_server.ledger import MAX_REQUEST_ID_LENGTH, Receipt
+
+FORMAT = "gemps-checkpoint"
+FORMAT_VERSION = "1"
+THETA_KEY = "central_variable"
+RULE_STATE_PREFIX = "rule."
+SUFFIX = ".safetensors"
+NAME_PATTERN = re.compile(r"^checkpoint-(\d{12,})\.safetensors$")
+TEMPORARY_PREFIX = ".checkpoint-"
+TEMPORARY_SUFFIX = ".tmp"
+CORRUPT_SUFFIX = ".corrupt"
+
+
+class CheckpointError(Exception):
+    """A checkpoint file is unreadable, incomplete or inconsistent."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Everything a server needs to resume: theta at `version` and how it got there."""
+
+    version: int
+    commits_applied: int
+    spec: tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape) in the central variable's order
+    theta: np.ndarray  # flat float32, the concatenation of the spec's parameters
+    config: Mapping[str, Any] = field(default_factory=dict)  # the training config when written
+    rule_state: Mapping[str, np.ndarray] = field(default_factory=dict)
+    receipts: Mapping[str, Receipt] = field(default_factory=dict)
+    created: float = 0.0  # unix time
+
+    @property
+    def num_parameters(self) -> int:
+        return int(self.theta.size)
+
+    def named(self) -> dict[str, np.ndarray]:
+        """The central variable by parameter name, each in its own shape (a state dict)."""
+        out, offset = {}, 0
+        for name, shape in self.spec:
+            size = math.prod(shape)
+            out[name] = self.theta[offset : offset + size].reshape(shape)
+            offset += size
+        return out
+
+
+def checkpoint_path(directory: Path, version: int) -> Path:
+    return directory / f"checkpoint-{version:012d}{SUFFIX}"
+
+
+def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """(version, path) of every checkpoint file in `directory`, oldest first."""
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in directory.iterdir():
+        match = NAME_PATTERN.match(path.name)
+        if match is not None and path.is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def _crc(tensors: Mapping[str, np.ndarray]) -> str:
+    crc = 0
+    for key in sorted(tensors):
+        crc = zlib.crc32(np.ascontiguousarray(tensors[key]).data, crc)
+    return f"{crc:08x}"
+
+
+def _fsync_path(path: Path, directory: bool = False) -> None:
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _metadata(checkpoint: Checkpoint, tensors: Mapping[str, np.ndarray]) -> dict[str, str]:
+    from gemps_server import __version__
+
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "gemps_version": __version__,
+        "version": str(checkpoint.version),
+        "commits_applied": str(checkpoint.commits_applied),
+        "spec": json.dumps([{"name": name, "shape": list(shape)} for name, shape in checkpoint.spec]),
+        "config": json.dumps(dict(checkpoint.config), sort_keys=True),
+        "receipts": json.dumps({rid: r.to_list() for rid, r in checkpoint.receipts.items()}),
+        "created": repr(checkpoint.created or time.time()),
+        "crc32": _crc(tensors),
+    }
+
+
+def write_atomically(path: Path, write: Callable[[Path], None]) -> int:
+    """Run `write(temporary path)`, fsync, rename to `path`, fsync the directory; return bytes."""
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=TEMPORARY_PREFIX, suffix=TEMPORARY_SUFFIX, dir=directory)
+    os.close(fd)
+    temporary = Path(name)
+    try:
+        write(temporary)
+        _fsync_path(temporary)
+        size = temporary.stat().st_size
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
+        raise
+    _fsync_path(directory, directory=True)
+    return size
+
+
+def save(directory: Path, checkpoint: Checkpoint) -> tuple[Path, int]:
+    """Write `checkpoint` atomically; returns its path and size in bytes."""
+    tensors: dict[str, np.ndarray] = {THETA_KEY: np.ascontiguousarray(checkpoint.theta, dtype=np.float32)}
+    for key, value in checkpoint.rule_state.items():
+        tensors[RULE_STATE_PREFIX + key] = np.ascontiguousarray(value, dtype=np.float32)
+    metadata = _metadata(checkpoint, tensors)
+    path = checkpoint_path(directory, checkpoint.version)
+    size = write_atomically(path, lambda tmp: safetensors.numpy.save_file(tensors, str(tmp), metadata=metadata))
+    return path, size
+
+
+def _parse_spec(raw: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    entries = json.loads(raw)
+    if not isinstance(entries, list) or not entries:
+        raise CheckpointError("spec must be a non-empty list")
+    spec, seen = [], set()
+    for entry in entries:
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"bad spec entry {entry!r}")
+        name, shape = entry.get("name"), entry.get("shape")
+        if not isinstance(name, str) or not name or name in seen:
+            raise CheckpointError(f"bad or repeated parameter name in spec: {name!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise CheckpointError(f"bad shape for {name!r}: {shape!r}")
+        seen.add(name)
+        spec.append((name, tuple(shape)))
+    return tuple(spec)
+
+
+def _parse_receipts(raw: str) -> dict[str, Receipt]:
+    entries = json.loads(raw)
+    if not isinstance(entries, dict):
+        raise CheckpointError("receipts must be an object")
+    receipts = {}
+    for request_id, values in entries.items():
+        if not request_id or len(request_id) > MAX_REQUEST_ID_LENGTH or not isinstance(values, list):
+            raise CheckpointError(f"bad receipt for request {request_id[:40]!r}")
+        receipts[request_id] = Receipt.from_list(values)
+    return receipts
+
+
+def load(path: Path) -> Checkpoint:
+    """Read and verify one checkpoint file; raises CheckpointError when anything is off."""
+    try:
+        with safetensors.safe_open(str(path), framework="numpy") as f:
+            metadata = f.metadata() or {}
+            tensors = {key: np.array(f.get_tensor(key)) for key in f.keys()}  # noqa: SIM118 (not a dict)
+    except (OSError, safetensors.SafetensorError) as error:
+        raise CheckpointError(f"{path}: not a readable safetensors file: {error}") from None
+    try:
+        return _from_parts(metadata, tensors)
+    except CheckpointError as error:
+        raise CheckpointError(f"{path}: {error}") from None
+    except (ValueError, TypeError, KeyError, AttributeError) as error:  # malformed metadata values
+        raise CheckpointError(f"{path}: malformed metadata: {error!r}") from None
+
+
+def _from_parts(metadata: dict[str, str], tensors: dict[str, np.ndarray]) -> Checkpoint:
+    if metadata.get("format") != FORMAT:
+        raise CheckpointError(f"not a gemps checkpoint (format {metadata.get('format')!r})")
+    if metadata.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"unsupported checkpoint format version {metadata.get('format_version')!r}")
+    if metadata.get("crc32") != _crc(tensors):
+        raise CheckpointError("tensor data does not match its CRC-32: the file is damaged")
+    version, commits = int(metadata["version"]), int(metadata["commits_applied"])
+    if version < 0 or commits < 0:
+        raise CheckpointError(f"negative version {version} or commit count {commits}")
+    spec = _parse_spec(metadata["spec"])
+    theta = tensors.get(THETA_KEY)
+    if theta is None or theta.dtype != np.float32 or theta.ndim != 1:
+        raise CheckpointError(f"missing or malformed {THETA_KEY!r} tensor")
+    expected = sum(math.prod(shape) for _, shape in spec)
+    if theta.size != expected:
+        raise CheckpointError(f"{THETA_KEY} has {theta.size} values but the spec describes {expected}")
+    rule_state = {}
+    for key, value in tensors.items():
+        if key == THETA_KEY:
+            continue
+        if not key.startswith(RULE_STATE_PREFIX) or value.dtype != np.float32:
+            raise CheckpointError(f"unexpected tensor {key!r}")
+        rule_state[key[len(RULE_STATE_PREFIX) :]] = value
+    for key, value in (("theta", theta), *rule_state.items()):
+        if value.size and not np.isfinite(value).all():
+            raise CheckpointError(f"{key} contains NaN or Inf")
+    config = json.loads(metadata.get("config", "{}"))
+    if not isinstance(config, dict):
+        raise CheckpointError("config must be an object")
+    return Checkpoint(
+        version=version,
+        commits_applied=commits,
+        spec=spec,
+        theta=theta,
+        config=config,
+        rule_state=rule_state,
+        receipts=_parse_receipts(metadata.get("receipts", "{}")),
+        created=float(metadata.get("created", "0")),
+    )
+
+
+def load_latest(
+    directory: Path, on_corrupt: Callable[[Path, CheckpointError], None] | None = None
+) -> tuple[Path, Checkpoint] | None:
+    """The newest checkpoint in `directory` that loads; damaged newer ones are renamed `*.corrupt`."""
+    for _, path in reversed(list_checkpoints(directory)):
+        try:
+            return path, load(path)
+        except CheckpointError as error:
+            if on_corrupt is not None:
+                on_corrupt(path, error)
+            with contextlib.suppress(OSError):
+                path.rename(path.with_name(path.name + CORRUPT_SUFFIX))
+    return None
+
+
+def prune(directory: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints; returns the deleted paths."""
+    removed = []
+    for _, path in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+def remove_temporaries(directory: Path) -> list[Path]:
+    """Delete leftovers of writes that never reached their rename (a crash mid-write)."""
+    if not directory.is_dir():
+        return []
+    removed = []
+    for path in directory.iterdir():
+        if path.name.startswith(TEMPORARY_PREFIX) and path.name.endswith(TEMPORARY_SUFFIX):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
+def export_state_dict(checkpoint: Checkpoint, out: Path, metadata: Mapping[str, str] | None = None) -> int:
+    """Write the central variable by parameter name as safetensors (atomically); returns bytes.
+
+    `safetensors.torch.load_file(out)` gives a state dict for `model.load_state_dict(...)`.
+    """
+    tensors = {name: np.ascontiguousarray(value) for name, value in checkpoint.named().items()}
+    info = {"format": "gemps-export", "version": str(checkpoint.version), **(metadata or {})}
+    return write_atomically(out, lambda tmp: safetensors.numpy.save_file(tensors, str(tmp), metadata=info))
+
+
+def spec_of(names_and_shapes: Sequence[tuple[str, Sequence[int]]]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((name, tuple(int(d) for d in shape)) for name, shape in names_and_shapes)

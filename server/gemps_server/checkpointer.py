@@ -1,0 +1,183 @@
+"""When to checkpoint: every N commits, every T seconds when the version moved, and at shutdown;
+and restoring the newest checkpoint when the server starts.
+
+The consistent view (central variable, rule state, commit ledger at one version) is taken on the
+applier, between two operations, which costs a copy of the rule's global state at most; the
+file is written on a worker thread, so commits keep flowing while it is serialised and synced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gemps_server.applier import Applier
+from gemps_server.checkpoint import Checkpoint, CheckpointError, load_latest, prune, remove_temporaries, save
+from gemps_server.config import ServerConfig
+from gemps_server.logs import event
+from gemps_server.metrics import ServerMetrics
+from gemps_server.state import ServerState
+
+log = logging.getLogger("gemps.server")
+
+# After a failed write (a full disk, say), wait this long before the next attempt: no retry
+# (and no error line) on every commit.
+FAILURE_BACKOFF_SECONDS = 10.0
+# Training-config fields recorded in checkpoints and compared when one is restored.
+CONFIG_FIELDS = ("rule", "learning_rate", "momentum", "kappa", "pi_max", "worker_mode", "batch_size", "num_shards")
+
+
+def training_config(config: ServerConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in CONFIG_FIELDS}
+
+
+class Checkpointer:
+    def __init__(self, config: ServerConfig, state: ServerState, applier: Applier, metrics: ServerMetrics) -> None:
+        self.directory = Path(config.checkpoint_dir)
+        self.every = config.checkpoint_every
+        self.interval = config.checkpoint_interval
+        self.keep = config.checkpoint_keep
+        self._config = training_config(config)
+        self._state = state
+        self._applier = applier
+        self._metrics = metrics
+        self.last_version: int | None = None  # of the newest checkpoint written or restored
+        self.failed = False  # the last write failed
+        self._due = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+
+    # -- start-up ------------------------------------------------------------------------------
+
+    def restore(self) -> Checkpoint | None:
+        """Load the newest good checkpoint into the (still empty) state; None when there is none.
+
+        Raises OSError when the directory cannot be created or written: better not to start than
+        to train for hours without the checkpoints the operator asked for.
+        """
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if not os.access(self.directory, os.W_OK | os.X_OK):
+            raise PermissionError(f"checkpoint_dir {self.directory} is not writable")
+        for path in remove_temporaries(self.directory):
+            event(log, "checkpoint temporary removed", level=logging.WARNING, path=str(path))
+
+        def corrupt(path: Path, error: CheckpointError) -> None:
+            event(log, "checkpoint unreadable", level=logging.ERROR, path=str(path), error=str(error))
+
+        found = load_latest(self.directory, on_corrupt=corrupt)
+        if found is None:
+            event(log, "no checkpoint to restore", directory=str(self.directory))
+            return None
+        path, checkpoint = found
+        for warning in self._state.restore(checkpoint):
+            event(log, "checkpoint restore warning", level=logging.WARNING, detail=warning)
+        differences = {
+            key: f"{checkpoint.config.get(key)!r} -> {value!r}"
+            for key, value in self._config.items()
+            if checkpoint.config.get(key) != value
+        }
+        if differences:
+            event(
+                log,
+                "training config differs from the checkpoint's",
+                level=logging.WARNING,
+                **{key: str(change) for key, change in differences.items()},
+            )
+        self.last_version = checkpoint.version
+        self._metrics.checkpoint_version.set(checkpoint.version)
+        event(
+            log,
+            "checkpoint restored",
+            path=str(path),
+            version=checkpoint.version,
+            parameters=checkpoint.num_parameters,
+            requests=len(checkpoint.receipts),
+        )
+        return checkpoint
+
+    # -- while serving ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="gemps-checkpoints")
+
+    def committed(self, version: int) -> None:
+        """After each applied commit (on the event loop): checkpoint when N commits went by."""
+        if self._due_by_count(version):
+            self._due.set()
+
+    def _due_by_count(self, version: int) -> bool:
+        return bool(self.every) and version - (self.last_version or 0) >= self.every
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._due.wait(), self.interval or None)
+            self._due.clear()
+            await self.write()
+            if self.failed:
+                await asyncio.sleep(FAILURE_BACKOFF_SECONDS)
+            elif not self._due_by_count(self._state.version):
+                self._due.clear()  # set by commits during the write, against the previous checkpoint
+
+    async def write(self, *, applier_running: bool = True) -> Path | None:
+        """Write a checkpoint if the version moved since the last one; returns its path."""
+        async with self._lock:
+            state = self._state
+            if not state.initialized or state.version == self.last_version:
+                return None
+            view = self._view()
+            checkpoint = await self._applier.submit(view) if applier_running else view()
+            if checkpoint.version == self.last_version:
+                return None
+            started = time.perf_counter()
+            try:
+                path, size, removed = await asyncio.to_thread(self._save, checkpoint)
+            except Exception as error:  # a full disk must not take the server down
+                self.failed = True
+                self._metrics.checkpoint_failed()
+                event(
+                    log,
+                    "checkpoint failed",
+                    level=logging.ERROR,
+                    directory=str(self.directory),
+                    version=checkpoint.version,
+                    error=f"{type(error).__name__}: {error}",
+                )
+                return None
+            seconds = time.perf_counter() - started
+            self.failed = False
+            self.last_version = checkpoint.version
+            self._metrics.checkpointed(checkpoint.version, size, seconds)
+            event(log, "checkpoint written", path=str(path), version=checkpoint.version, bytes=size, seconds=seconds)
+            for old in removed:
+                event(log, "checkpoint pruned", level=logging.DEBUG, path=str(old))
+            return path
+
+    async def stop_schedule(self) -> None:
+        """Stop the schedule, after any write in progress (before the applier stops: a write
+        waiting for an applier that no longer runs would never finish)."""
+        async with self._lock:
+            if self._task is not None:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+                self._task = None
+
+    async def write_final(self) -> Path | None:
+        """The shutdown checkpoint, once the applier has drained and stopped."""
+        await self.stop_schedule()
+        return await self.write(applier_running=False)
+
+    def _view(self) -> Callable[[], Checkpoint]:
+        state, config = self._state, dict(self._config)
+        return lambda: state.checkpoint(config)
+
+    def _save(self, checkpoint: Checkpoint) -> tuple[Path, int, list[Path]]:
+        path, size = save(self.directory, checkpoint)
+        return path, size, prune(self.directory, self.keep)

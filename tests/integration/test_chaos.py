@@ -1,0 +1,266 @@
+"""Chaos against real processes: the server SIGKILLed mid-training and restarted (as a supervisor
+would), a worker SIGKILLed, the server paused with SIGSTOP. Training carries on by itself."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gemps
+from gemps_server.checkpoint import list_checkpoints
+from gemps_server.process import ServerProcess
+
+torch = pytest.importorskip("torch")
+
+from gemps_worker.datasets import load_digits  # noqa: E402
+from gemps_worker.evaluation import evaluate, load_flat  # noqa: E402
+from gemps_worker.models import build_model  # noqa: E402
+
+# The training run: mlp on the bundled digits, equal budgets with and without faults. Big
+# batches keep the gradient noise, and so the run-to-run spread of the final accuracy, small.
+WORKERS = 2
+EPOCHS = 60
+BATCH = 256
+KILLS = (0.25, 0.5, 0.75)  # fractions of the faulty run's commits at which the server dies
+SERVER_OPTIONS = {"batch_size": BATCH, "lease_ttl": 30.0}
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not reached in {timeout}s"
+        time.sleep(0.05)
+
+
+def start_worker(target: str, index: int, log: Path, *args: str) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [
+                *(sys.executable, "-m", "gemps.cli", "worker", "--server", target, "--model", "mlp"),
+                *("--seed", str(index), "--name", f"w{index}", *args),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def held_out_accuracy(target: str) -> float:
+    data = load_digits()
+    model = build_model("mlp", data.input_shape, data.num_classes)
+    with gemps.Client(target) as observer:
+        load_flat(model, observer.pull().flat)
+    return evaluate(model, data.test_x, data.test_y)[1]
+
+
+def metrics(server: ServerProcess) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as reply:
+        lines = reply.read().decode().splitlines()
+    return {
+        name: float(value)
+        for line in lines
+        if line and not line.startswith("#")
+        for name, _, value in [line.rpartition(" ")]
+    }
+
+
+@dataclass
+class Run:
+    """A server and its reference workers, all with the same training budget."""
+
+    name: str
+    directory: Path
+    server: ServerProcess
+    workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    restarts: list[ServerProcess] = field(default_factory=list)
+
+    @property
+    def current(self) -> ServerProcess:
+        return self.restarts[-1] if self.restarts else self.server
+
+    def logs(self) -> list[str]:
+        return [(self.directory / f"w{i}.log").read_text(errors="replace") for i in range(WORKERS)]
+
+    def reports(self) -> list[list[dict[str, float]]]:
+        return [
+            [json.loads(line) for line in (self.directory / f"w{i}.jsonl").read_text().splitlines()]
+            for i in range(WORKERS)
+        ]
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> Iterator[list[Run]]:
+    made: list[Run] = []
+    yield made
+    for run in made:
+        for worker in run.workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+        for server in (run.server, *run.restarts):
+            server.stop()
+
+
+def start_run(runs: list[Run], root: Path, name: str, **options: object) -> Run:
+    directory = root / name
+    directory.mkdir()
+    server = ServerProcess(log_path=directory / "server.log", **SERVER_OPTIONS, **options).start()  # type: ignore[arg-type]
+    run = Run(name, directory, server)
+    runs.append(run)
+    for i in range(WORKERS):
+        run.workers.append(
+            start_worker(
+                server.target,
+                i,
+                directory / f"w{i}.log",
+                "--epochs",
+                str(EPOCHS),
+                "--report-file",
+                str(directory / f"w{i}.jsonl"),
+            )
+        )
+    return run
+
+
+def test_training_survives_three_server_kills(tmp_path: Path, runs: list[Run]) -> None:
+    steps = EPOCHS * (len(load_digits().train_x) // BATCH)  # per worker: the same budget in both runs
+    checkpoints = tmp_path / "checkpoints"
+    faulty = start_run(runs, tmp_path, "faulty", checkpoint_dir=checkpoints, checkpoint_every=10)
+    clean = start_run(runs, tmp_path, "clean")
+    kills: list[tuple[float, int]] = []  # (when the restart served, newest checkpoint's version at the kill)
+    for fraction in KILLS:
+        threshold = int(fraction * WORKERS * steps)
+        observer = gemps.Client(faulty.current.target, retry=gemps.RetryPolicy(max_attempts=3))
+        wait_for(lambda: observer.status().version >= threshold, 240, f"version {threshold}")  # noqa: B023
+        observer.close()
+        port = faulty.current.port
+        faulty.current.kill()  # SIGKILL: no shutdown, no final checkpoint
+        newest = list_checkpoints(checkpoints)[-1][0]
+        # A supervisor restarts it on the same address; the workers find it by themselves.
+        faulty.restarts.append(
+            ServerProcess(
+                port=port,
+                log_path=faulty.directory / f"server-{len(kills)}.log",
+                checkpoint_dir=checkpoints,
+                checkpoint_every=10,
+                **SERVER_OPTIONS,  # type: ignore[arg-type]
+            ).start()
+        )
+        kills.append((time.time(), newest))
+        restored = re.search(r"checkpoint restored path=\S+ version=(\d+)", faulty.current.log())
+        assert restored is not None and int(restored.group(1)) == newest  # never older than the newest
+
+    for run in (faulty, clean):
+        for worker in run.workers:
+            assert worker.wait(300) == 0, "\n".join(run.logs())
+    for run in (faulty, clean):
+        for log in run.logs():  # every worker spent its whole budget, each commit acknowledged once
+            assert f"done: {steps} commits" in log, log
+    assert all("registering again" in log for log in faulty.logs())  # they reconnected by themselves
+
+    # Versions never go back past the newest checkpoint at a kill: every reply from the restarted
+    # server is at least that version.
+    records = [record for report in faulty.reports() for record in report]
+    assert len(records) == WORKERS * steps
+    for restarted_at, newest in kills:
+        after = [record["version"] for record in records if record["time"] > restarted_at]
+        assert after and min(after) >= newest, (restarted_at, newest, min(after))
+
+    faulty_accuracy, clean_accuracy = held_out_accuracy(faulty.current.target), held_out_accuracy(clean.server.target)
+    print(f"\nheld-out accuracy: {faulty_accuracy:.4f} with 3 server kills, {clean_accuracy:.4f} without")
+    assert clean_accuracy > 0.9
+    assert abs(faulty_accuracy - clean_accuracy) <= 0.01
+
+
+def test_a_killed_worker_is_evicted_and_the_others_carry_on(tmp_path: Path, runs: list[Run]) -> None:
+    server = ServerProcess(log_path=tmp_path / "server.log", lease_ttl=1.5).start()
+    run = Run("evict", tmp_path, server)
+    runs.append(run)
+    for i in range(3):
+        run.workers.append(start_worker(server.target, i, tmp_path / f"w{i}.log", "--epochs", "100000"))
+    observer = gemps.Client(server.target)
+    wait_for(lambda: observer.status().active_workers == 3 and observer.status().version >= 30, 120, "3 workers")
+    parameters = observer.status().num_parameters
+    run.workers[0].kill()  # SIGKILL: no Leave
+    run.workers[0].wait()
+    wait_for(lambda: observer.status().active_workers == 2, 30, "eviction")
+    assert re.search(r"worker evicted worker_id=\w+ name=w0 ", server.log())
+    seen = metrics(server)
+    # Its GEM state is freed: 2 vectors of P floats for each of the 2 workers left.
+    assert seen["gemps_rule_state_bytes"] == 2 * 2 * 4 * parameters
+    assert seen['gemps_departures_total{cause="evicted"}'] == 1
+    version = observer.status().version
+    wait_for(lambda: observer.status().version >= version + 50, 60, "training goes on")
+    for worker in run.workers[1:]:
+        worker.send_signal(signal.SIGTERM)  # they leave cleanly
+        assert worker.wait(60) == 0
+    seen = metrics(server)
+    assert seen["gemps_registrations_total"] == 3  # the others never had to register again
+    assert seen['gemps_departures_total{cause="left"}'] == 2
+    assert observer.status().active_workers == 0
+    observer.close()
+
+
+def test_a_paused_server_makes_clients_time_out_retry_and_carry_on() -> None:
+    params = {"w": np.zeros(1000, np.float32)}
+    acked = [0, 0, 0]
+    failures: list[BaseException] = []
+    versions: list[list[int]] = [[], [], []]
+    stop = threading.Event()
+    with ServerProcess() as server:
+        clients = [
+            gemps.Client(
+                server.target,
+                timeout=1.0,
+                retry=gemps.RetryPolicy(max_attempts=100, initial_backoff=0.05, max_backoff=0.5),
+            )
+            for _ in range(3)
+        ]
+
+        def train(index: int) -> None:
+            client = clients[index]
+            try:
+                client.register(params)
+                while not stop.is_set():
+                    versions[index].append(client.commit(np.full(1000, 0.01, np.float32)).version)
+                    acked[index] += 1
+                client.leave()
+            except BaseException as error:  # reported below
+                failures.append(error)
+
+        threads = [threading.Thread(target=train, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: min(acked) >= 10, 60, "commits before the pause")
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: all(c.retries >= 1 for c in clients) or failures, 60, "every client timing out")
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        resumed = list(acked)
+        wait_for(lambda: all(a >= r + 10 for a, r in zip(acked, resumed, strict=True)) or failures, 60, "carrying on")
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+        assert not failures, failures
+        for seen in versions:  # each client's view only moves forward
+            assert all(a < b for a, b in itertools.pairwise(seen)), seen
+        status = clients[0].status()
+        # A commit whose deadline passed may still have been applied after the pause: its retry
+        # got the recorded outcome, so the server applied exactly what clients saw acknowledged.
+        assert status.commits_applied == sum(acked)
+        for client in clients:
+            client.close()
