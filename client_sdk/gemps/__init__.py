@@ -13,6 +13,7 @@ from gemps.errors import (
     NotRegisteredError,
     ResourceExhaustedError,
     ServerUnavailableError,
+    StoppedError,
     UnauthenticatedError,
     WorkerNotFoundError,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "ServerStatus",
     "ServerUnavailableError",
     "Shard",
+    "StoppedError",
     "TrainingConfig",
     "UnauthenticatedError",
     "WorkerNotFoundError",

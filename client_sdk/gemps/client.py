@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -153,10 +154,13 @@ class Client:
         client_cert: Pem | None = None,
         client_key: Pem | None = None,
         server_name: str | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         """`timeout` is every call's deadline in seconds. TLS and token arguments left out come
-        from GEMPS_* environment variables (see `Connection`); PEM arguments are paths or bytes."""
+        from GEMPS_* environment variables (see `Connection`); PEM arguments are paths or bytes.
+        Setting `stop` (e.g. from a SIGTERM handler) ends a wait to retry with StoppedError."""
         self.target = target
+        self._stop = stop
         self.name = name
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
@@ -353,6 +357,7 @@ class Client:
     def _call(self, method: Callable[..., T], request: object) -> T:
         """Call with a deadline, retrying UNAVAILABLE and DEADLINE_EXCEEDED with backoff; raise typed errors."""
         delays = self.retry.delays()
+        self._retrying: errors.GempsError | None = None
         while True:
             try:
                 return method(request, timeout=self.timeout, metadata=self._metadata)
@@ -368,8 +373,15 @@ class Client:
                     error.reason,
                 )
             self.retries += 1
-            log.debug("%s, retrying in %.2fs", error.message, delay)
-            time.sleep(delay)
+            # The first retry of a call is worth a line: the user sees why nothing happens.
+            log.log(
+                logging.INFO if self._retrying is None else logging.DEBUG, "%s; retrying in %.2fs", error.message, delay
+            )
+            self._retrying = error
+            if self._stop is not None and self._stop.wait(delay):
+                raise errors.StoppedError(f"stopped while retrying {self.target}: {error.message}", error.code)
+            if self._stop is None:
+                time.sleep(delay)
 
     def _require_registered(self) -> None:
         if self.registration is None:

@@ -57,6 +57,10 @@ class DeadlineExceededError(GempsError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class StoppedError(GempsError):
+    """The client's stop event was set while it waited to retry an unreachable server."""
+
+
 class NotRegisteredError(GempsError):
     """A worker call was made before `Client.register`."""
 

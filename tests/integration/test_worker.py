@@ -134,3 +134,25 @@ def test_evaluator_refuses_a_model_that_does_not_fit(server: ServerProcess) -> N
     result = evaluate_once(server, "--model", "mlp")
     assert result.returncode == 1
     assert "do not fit model 'mlp'" in result.stderr
+
+
+def test_sigterm_stops_a_worker_waiting_for_an_unreachable_server(server: ServerProcess) -> None:
+    port = server.port
+    server.kill()  # nothing listens there any more: the worker retries with backoff
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "gemps.cli", "worker", "--server", f"127.0.0.1:{port}", "--name", "w"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert worker.stdout is not None
+    try:
+        for line in worker.stdout:  # the first retry is logged: now it is waiting to retry
+            if "retrying in" in line:
+                break
+        worker.send_signal(signal.SIGTERM)
+        output, _ = worker.communicate(timeout=15)  # well before its retries would run out
+    finally:
+        worker.kill()
+    assert worker.returncode == 0, output
+    assert "stopped while retrying" in output and "stopped by signal" in output

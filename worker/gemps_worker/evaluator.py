@@ -56,7 +56,7 @@ def run_evaluator(
         log.info("evaluator metrics on port %d", metrics.serve(options.metrics_port))
     results: list[EvaluationResult] = []
     last_version = -1
-    with Client(options.server, name="evaluator") as client:
+    with Client(options.server, name="evaluator", stop=stop) as client:
         while not stop.is_set():
             try:
                 central = client.pull()

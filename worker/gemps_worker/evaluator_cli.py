@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from gemps.errors import GempsError
+from gemps.errors import GempsError, StoppedError
 from gemps_proto import options
 from gemps_worker.evaluator import EvaluatorOptions, run_evaluator
 from gemps_worker.idx import DatasetError
@@ -23,6 +23,8 @@ def run(args: argparse.Namespace) -> int:
     configure_logging()
     try:
         run_evaluator(options.from_sources(EvaluatorOptions, args), stop_on_signals())
+    except StoppedError:
+        return 0  # stopped by a signal while the server was unreachable
     except (ValueError, DatasetError, GempsError) as error:
         log.error("evaluator failed: %s", error)
         return 1

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from gemps.client import Client
+from gemps.errors import StoppedError
 from gemps.pytorch import RemoteModel
 from gemps.records import Registration
 from gemps_worker.datasets import DATASETS, Dataset, load_dataset
@@ -108,7 +109,7 @@ def run_worker(
     summary = WorkerSummary()
     report = open(options.report_file, "a") if options.report_file else None  # noqa: SIM115
     try:
-        with RemoteModel(model, Client(options.server, name=options.name)) as remote:
+        with RemoteModel(model, Client(options.server, name=options.name, stop=stop)) as remote:
             reg = remote.registration
             mode_name = reg.config.worker_mode if options.mode == "server" else options.mode
             mode = create_mode(
@@ -176,6 +177,9 @@ def run_worker(
                         hooks.on_step(record)
                     if report is not None:
                         report.write(json.dumps(asdict(record)) + "\n")
+    except StoppedError as error:  # SIGTERM while the server was unreachable
+        log.warning("%s", error.message)
+        summary.stopped_early = True
     finally:
         if report is not None:
             report.close()
