@@ -20,12 +20,11 @@ import numpy as np
 from torch import nn
 
 from gemps.client import Client
-from gemps.errors import GempsError
-from gemps.records import ParameterSpec
+from gemps.records import CentralVariable
 from gemps_server.process import ServerProcess
 from gemps_server.rules import rule_names
 from gemps_worker.datasets import Dataset, load_dataset
-from gemps_worker.evaluation import evaluate, load_flat
+from gemps_worker.evaluation import evaluate, evaluate_central, load_flat
 from gemps_worker.models import MODELS, build_model
 from gemps_worker.monitor import ServerFigures, scrape
 from gemps_worker.plots import plot_training
@@ -111,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     load_flat(model, central.flat)
     loss, accuracy = evaluate(model, data.test_x, data.test_y)
     elapsed = time.monotonic() - started
-    checkpoint = _save_checkpoint(out / "model.npz", central.flat, central.spec, central.version)
+    checkpoint = _save_checkpoint(out / "model.npz", central)
     records = {i: read_report(out / f"worker-{i}.jsonl") for i in range(args.workers)}
     (out / "curves.json").write_text(
         json.dumps(
@@ -171,12 +170,10 @@ class _Looker:
         self._figures = ServerFigures.unknown()
 
     def look(self) -> Sample | None:
-        try:
-            central = self.observer.pull()
-        except GempsError:  # not initialised yet (no worker registered), or shutting down
+        measured = evaluate_central(self.observer, self.model, self.data)
+        if measured is None:  # not initialised yet (no worker registered), or shutting down
             return None
-        load_flat(self.model, central.flat)
-        loss, accuracy = evaluate(self.model, self.data.test_x, self.data.test_y)
+        version, loss, accuracy = measured
         try:
             metrics = scrape(self.metrics_url)
             self._figures = ServerFigures.between(self._previous_metrics, metrics).or_else(self._figures)
@@ -186,7 +183,7 @@ class _Looker:
         figures = self._figures
         return Sample(
             time.monotonic() - self.started,
-            central.version,
+            version,
             loss,
             accuracy,
             figures.training_loss,
@@ -208,11 +205,8 @@ def _progress_fields(sample: Sample, samples: list[Sample]) -> str:
     )
 
 
-def _save_checkpoint(path: Path, flat: np.ndarray, spec: tuple[ParameterSpec, ...], version: int) -> Path:
-    arrays: dict[str, Any] = {}
-    offset = 0
-    for s in spec:
-        arrays[s.name] = flat[offset : offset + s.size].reshape(s.shape)
-        offset += s.size
-    np.savez(path, **arrays, __version__=np.array(version))
+def _save_checkpoint(path: Path, central: CentralVariable) -> Path:
+    """The trained central variable by parameter name, as .npz (loads with allow_pickle=False)."""
+    arrays: dict[str, Any] = {**central.named(), "__version__": np.array(central.version)}
+    np.savez(path, **arrays)
     return path

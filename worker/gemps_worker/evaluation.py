@@ -7,6 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gemps.client import Client
+from gemps.errors import GempsError
+from gemps_worker.datasets import Dataset
+
 
 @torch.no_grad()
 def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 1024) -> tuple[float, float]:
@@ -29,3 +33,15 @@ def load_flat(model: nn.Module, flat: np.ndarray) -> None:
     """Copy a flat float32 vector (named_parameters order) into the model's parameters."""
     vector = torch.from_numpy(np.array(flat, dtype=np.float32, copy=True))
     torch.nn.utils.vector_to_parameters(vector.to(next(model.parameters()).device), model.parameters())
+
+
+def evaluate_central(observer: Client, model: nn.Module, data: Dataset) -> tuple[int, float, float] | None:
+    """Pull the newest central variable and measure it on held-out data: (version, loss, accuracy);
+    None while the server has no central variable (nobody registered) or cannot be reached."""
+    try:
+        central = observer.pull()
+    except GempsError:
+        return None
+    load_flat(model, central.flat)
+    loss, accuracy = evaluate(model, data.test_x, data.test_y)
+    return central.version, loss, accuracy

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import urllib.request
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -48,16 +48,8 @@ class ServerFigures:
 
     def or_else(self, previous: ServerFigures) -> ServerFigures:
         """These figures, with those that had no commits to average taken from `previous`."""
-        return ServerFigures(
-            *(
-                mine if not math.isnan(mine) else theirs
-                for mine, theirs in zip(
-                    (self.training_loss, self.median_scaling, self.mean_scaling, self.mean_staleness),
-                    (previous.training_loss, previous.median_scaling, previous.mean_scaling, previous.mean_staleness),
-                    strict=True,
-                )
-            )
-        )
+        kept = {f.name: getattr(previous, f.name) for f in fields(self) if math.isnan(getattr(self, f.name))}
+        return replace(self, **kept)
 
     @classmethod
     def unknown(cls) -> ServerFigures:

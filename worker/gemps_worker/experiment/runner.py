@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from gemps.client import Client
-from gemps.errors import GempsError
 from gemps_server.process import ServerProcess
 from gemps_worker.datasets import Dataset, load_dataset
-from gemps_worker.evaluation import evaluate, load_flat
+from gemps_worker.evaluation import evaluate_central
 from gemps_worker.experiment.pool import PoolSpec
 from gemps_worker.models import build_model
 from gemps_worker.training import WorkerOptions
@@ -149,13 +148,8 @@ def _start_pools(config: RunConfig, target: str, folder: Path) -> list[subproces
 
 
 def _evaluate(observer: Client, model: Any, data: Dataset, started: float) -> HeldOut | None:
-    try:
-        central = observer.pull()
-    except GempsError:  # nobody registered yet
-        return None
-    load_flat(model, central.flat)
-    loss, accuracy = evaluate(model, data.test_x, data.test_y)
-    return HeldOut(time.monotonic() - started, central.version, loss, accuracy)
+    measured = evaluate_central(observer, model, data)
+    return None if measured is None else HeldOut(time.monotonic() - started, *measured)
 
 
 def _collect(folder: Path) -> tuple[list[dict[str, Any]], dict[str, str]]:
