@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo test lint typecheck unit integration e2e proto dashboards system-deps soak experiment clean
+.PHONY: demo test lint typecheck unit integration e2e proto dashboards system-deps soak experiment bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,9 @@ soak: $(BIN)/.installed  ## 100 clients for 10 minutes; results in docs/results/
 experiment: $(BIN)/.installed  ## the paper's comparisons (about an hour on 2 cores); docs/RESULTS.md
 	$(BIN)/gemps experiment --out runs/experiment --report docs/results --markdown docs/RESULTS.md \
 		--discussion docs/results/discussion.md
+
+bench: $(BIN)/.installed  ## throughput, latency, fairness, memory vs ceilings and peers (~20 min); docs/PERFORMANCE.md
+	$(BIN)/gemps bench --out runs/bench --figure docs/results/performance.png
 
 clean:
 	rm -rf $(VENV) runs .mypy_cache .ruff_cache .pytest_cache

@@ -239,6 +239,10 @@ COMMANDS: dict[str, tuple[str, Adder]] = {
         "train on this machine: a server and local workers, no containers",
         _worker_package_command("gemps_worker.demo"),
     ),
+    "bench": (
+        "benchmark gemps against the transport and memory ceilings and peer parameter servers",
+        _worker_package_command("benchmarks.cli"),
+    ),
 }
 
 

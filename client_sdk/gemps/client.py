@@ -11,6 +11,7 @@ or from GEMPS_* environment variables, so reference workers in containers need n
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -37,7 +38,8 @@ from gemps.records import (
     spec_of,
 )
 from gemps.retry import RetryPolicy
-from gemps_proto.codec import array_to_tensor, tensor_to_array
+from gemps_proto.chunks import DEFAULT_CHUNK_BYTES, PayloadAssembler, data_frames, read_data
+from gemps_proto.codec import WIRE_DTYPE_NAMES, array_to_tensor, decode, encode, numpy_dtype, tensor_to_array
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 
@@ -52,6 +54,15 @@ RETRIED = (errors.ServerUnavailableError, errors.DeadlineExceededError)
 RECONNECT_BACKOFF_MS = (200, 2000)  # initial, max
 
 Pem = str | bytes  # a PEM file's path, or its content
+# Payloads past this many bytes go through CommitStream by default: gRPC Python moves large
+# messages faster in pieces (docs/PERFORMANCE.md), and past 2 GiB one message cannot carry them.
+STREAM_THRESHOLD_BYTES = 1 << 20
+STREAMING_CHOICES = ("auto", "always", "never")
+_COMMIT_STREAM = "/gemps.v1.ParameterServer/CommitStream"
+
+
+def _raw(data: bytes) -> bytes:
+    return data
 
 
 def _pem(value: Pem | None) -> bytes | None:
@@ -155,10 +166,27 @@ class Client:
         client_key: Pem | None = None,
         server_name: str | None = None,
         stop: threading.Event | None = None,
+        wire_dtype: str = "float32",
+        streaming: str = "auto",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
         """`timeout` is every call's deadline in seconds. TLS and token arguments left out come
         from GEMPS_* environment variables (see `Connection`); PEM arguments are paths or bytes.
-        Setting `stop` (e.g. from a SIGTERM handler) ends a wait to retry with StoppedError."""
+        Setting `stop` (e.g. from a SIGTERM handler) ends a wait to retry with StoppedError.
+
+        `wire_dtype` is how commits and replies travel: "float32", or "bfloat16" (half the
+        bytes; values rounded to bfloat16 both ways, the central variable stays float32).
+        `streaming` picks Commit or CommitStream: "auto" streams payloads past 1 MiB in pieces
+        of `chunk_bytes`; "always"; "never"."""
+        if wire_dtype not in WIRE_DTYPE_NAMES:
+            raise ValueError(f"wire_dtype must be one of {', '.join(WIRE_DTYPE_NAMES)}, not {wire_dtype!r}")
+        if streaming not in STREAMING_CHOICES:
+            raise ValueError(f"streaming must be one of {', '.join(STREAMING_CHOICES)}, not {streaming!r}")
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be > 0, not {chunk_bytes}")
+        self.wire_dtype = WIRE_DTYPE_NAMES[wire_dtype]
+        self.streaming = streaming
+        self.chunk_bytes = chunk_bytes
         self.target = target
         self._stop = stop
         self.name = name
@@ -184,6 +212,7 @@ class Client:
         )
         self._metadata = self.connection.metadata
         self._stub = pb_grpc.ParameterServerStub(self._channel)
+        self._commit_stream = self._channel.stream_stream(_COMMIT_STREAM, _raw, _raw)
         #: attempts retried after UNAVAILABLE or DEADLINE_EXCEEDED, over this client's life
         self.retries = 0
         self._registered_with: Mapping[str, np.ndarray] | None = None
@@ -214,7 +243,8 @@ class Client:
         known = self.central.version if self.central is not None else -1
 
         def send() -> pb.PullResponse:
-            return self._call(self._stub.Pull, pb.PullRequest(worker_id=self._worker_id(), known_version=known))
+            request = pb.PullRequest(worker_id=self._worker_id(), known_version=known, reply_dtype=self.wire_dtype)
+            return self._call(self._stub.Pull, request)
 
         reply = send() if self.registration is None else self._with_reregistration(send)
         if not reply.unchanged:
@@ -242,30 +272,36 @@ class Client:
         if kind not in PAYLOAD_KINDS:
             raise ValueError(f"kind must be one of {', '.join(PAYLOAD_KINDS)}, not {kind!r}")
         flat = flatten(payload) if isinstance(payload, Mapping) else np.asarray(payload, dtype=np.float32)
-        tensor = array_to_tensor(flat.reshape(-1))
+        flat = flat.reshape(-1)
+        data = encode(flat, self.wire_dtype)
+        streamed = self.streaming == "always" or (self.streaming == "auto" and len(data) > STREAM_THRESHOLD_BYTES)
         base = self.central.version if base_version is None else base_version
         # Every attempt of this commit (retries, after registering again) carries the same id,
         # so the server applies it at most once.
         request_id = uuid.uuid4().hex
 
-        def send() -> pb.CommitResponse:
+        def send() -> tuple[pb.CommitResponse, np.ndarray]:
             request = pb.CommitRequest(
                 worker_id=self._worker_id(),
                 base_version=base,
                 kind=PAYLOAD_KINDS[kind],
-                payload=tensor,
+                payload=pb.Tensor(dtype=self.wire_dtype, shape=[flat.size], data=b"" if streamed else data),
                 loss=loss,
                 num_samples=num_samples,
                 request_id=request_id,
+                reply_dtype=self.wire_dtype,
             )
-            return self._call(self._stub.Commit, request)
+            if streamed:
+                return self._call(self._commit_streamed, (request, data))
+            reply = self._call(self._stub.Commit, request)
+            return reply, tensor_to_array(reply.parameters)
 
         def after_reregistration(registration: Registration) -> None:
             nonlocal base  # the server may have restarted with an older version
             base = min(base, registration.version)
 
-        reply = self._with_reregistration(send, after_reregistration)
-        self.central = CentralVariable(reply.version, tensor_to_array(reply.parameters), self._spec)
+        reply, parameters = self._with_reregistration(send, after_reregistration)
+        self.central = CentralVariable(reply.version, parameters, self._spec)
         return CommitResult(
             reply.version,
             reply.staleness,
@@ -275,6 +311,22 @@ class Client:
             reply.scaling_at_zero,
             reply.scaling_at_max,
         )
+
+    def _commit_streamed(
+        self, call: tuple[pb.CommitRequest, bytes], timeout: float, metadata: tuple[tuple[str, str], ...]
+    ) -> tuple[pb.CommitResponse, np.ndarray]:
+        """One CommitStream attempt: the header, the payload in pieces; the reply likewise."""
+        request, data = call
+        header_frame = pb.CommitChunk(header=request).SerializeToString()
+        frames = itertools.chain((header_frame,), data_frames(data, self.chunk_bytes))
+        replies = iter(self._commit_stream(frames, timeout=timeout, metadata=metadata))
+        header = pb.CommitResponseChunk.FromString(next(replies)).header
+        parameters = header.parameters
+        assembler = PayloadAssembler(numpy_dtype(parameters.dtype).itemsize * int(np.prod(parameters.shape)))
+        for message in replies:
+            piece = read_data(message)
+            assembler.add(piece if piece is not None else pb.CommitResponseChunk.FromString(message).data)
+        return header, decode(parameters.dtype, tuple(parameters.shape), assembler.result())
 
     def leave(self) -> None:
         """Leave cleanly; the server frees this worker's state and shard."""
@@ -321,12 +373,20 @@ class Client:
     # -- internals -----------------------------------------------------------------------------
 
     def _register(self, initial: np.ndarray) -> Registration:
-        request = pb.RegisterRequest(
-            spec=[s.to_proto() for s in self._spec],
-            initial_parameters=array_to_tensor(initial),
-            worker_name=self.name,
-        )
-        reply = self._call(self._stub.Register, request)
+        request = pb.RegisterRequest(spec=[s.to_proto() for s in self._spec], worker_name=self.name)
+        if initial.nbytes <= STREAM_THRESHOLD_BYTES:
+            request.initial_parameters.CopyFrom(array_to_tensor(initial))
+            reply = self._call(self._stub.Register, request)
+        else:
+            # Large: without the initial values first. Only the first worker of a server needs to
+            # send them; 100 workers registering at once would otherwise send 100 copies of P floats.
+            try:
+                reply = self._call(self._stub.Register, request)
+            except errors.GempsError as error:
+                if error.reason != "not_initialized":
+                    raise
+                request.initial_parameters.CopyFrom(array_to_tensor(initial))
+                reply = self._call(self._stub.Register, request)
         self.registration = Registration(
             worker_id=reply.worker_id,
             lease_ttl_seconds=reply.lease_ttl_seconds,
@@ -334,7 +394,9 @@ class Client:
             shard=Shard(reply.shard.index, reply.shard.count),
             version=reply.version,
         )
-        self.central = CentralVariable(reply.version, tensor_to_array(reply.parameters), self._spec)
+        # No parameters in the reply: ours initialised the central variable, which equals them.
+        flat = tensor_to_array(reply.parameters) if reply.HasField("parameters") else initial.reshape(-1)
+        self.central = CentralVariable(reply.version, flat, self._spec)
         return self.registration
 
     def _with_reregistration(

@@ -15,6 +15,8 @@ batch-norm running statistics stay local to each worker.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -25,9 +27,10 @@ from gemps.records import CentralVariable, CommitResult, Registration
 class RemoteModel:
     """Binds a torch model to a gemps server: registers it and keeps it on the central variable."""
 
-    def __init__(self, model: torch.nn.Module, client: Client | str, *, name: str = "") -> None:
+    def __init__(self, model: torch.nn.Module, client: Client | str, *, name: str = "", **client_options: Any) -> None:
+        """`client_options` go to gemps.Client when `client` is an address (wire_dtype="bfloat16", ...)."""
         self.model = model
-        self.client = Client(client, name=name) if isinstance(client, str) else client
+        self.client = Client(client, name=name, **client_options) if isinstance(client, str) else client
         self._owns_client = isinstance(client, str)
         self._parameters = [p for _, p in model.named_parameters()]
         if not self._parameters:

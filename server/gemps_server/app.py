@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import disable_created_metrics, start_http_server
 
+from gemps_proto.allocator import keep_large_allocations
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server import logs
 from gemps_server.applier import Applier
@@ -46,7 +47,7 @@ class ParameterServer:
         self.metrics = ServerMetrics()
         self.state = ServerState(
             config.rule,
-            RuleParams(config.learning_rate, config.momentum, config.kappa, config.pi_max),
+            RuleParams(config.learning_rate, config.momentum, config.kappa, config.pi_max, config.gem_kernel),
             WorkerRegistry(config.max_workers, config.lease_ttl),
         )
         self.applier = Applier(observer=self.metrics.applier_ran)
@@ -81,7 +82,14 @@ class ParameterServer:
         limit = config.max_message_bytes
         server = grpc.aio.server(
             interceptors=interceptors,
-            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                # No BDP probing: flow-control windows stay at gRPC's default instead of growing to
+                # megabytes per stream, so large payloads wait in the clients, not in this process
+                # (1M parameters, 8 clients: 44 MB less peak memory, throughput within noise).
+                ("grpc.http2.bdp_probe", 0),
+            ],
         )
         add_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -202,6 +210,7 @@ async def serve(config: ServerConfig, ready: threading.Event | None = None) -> N
     prometheus_client settings.
     """
     logs.configure(config.log_level, config.log_format)
+    keep_large_allocations()
     # No `<name>_created` series next to every counter, histogram and summary: in the text format
     # Prometheus stores them as gauges of their own, doubling the server's series for nothing.
     disable_created_metrics()  # type: ignore[no-untyped-call]

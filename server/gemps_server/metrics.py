@@ -279,11 +279,17 @@ class ServerMetrics:
     def rejected(self, reason: str) -> None:
         self.commits.labels("rejected", reason).inc()
 
-    def rpc(self, method: str, seconds: float, received_bytes: int, sent_bytes: int) -> None:
+    def rpc(self, method: str, seconds: float, received_bytes: int = 0, sent_bytes: int = 0) -> None:
         self.rpc_duration.labels(method).observe(seconds)
         self.received.labels(method).inc(received_bytes)
         if sent_bytes:
             self.sent.labels(method).inc(sent_bytes)
+
+    def message_received(self, method: str, size: int) -> None:
+        self.received.labels(method).inc(size)
+
+    def message_sent(self, method: str, size: int) -> None:
+        self.sent.labels(method).inc(size)
 
     def registered(self) -> None:
         self.registrations.inc()

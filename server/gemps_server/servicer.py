@@ -5,16 +5,18 @@ Kept thin on purpose: the rules live in state.py and rules/, ordering in applier
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar, Union
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from gemps_proto.chunks import PayloadAssembler, data_frames, read_data
 from gemps_proto.codec import bytes_to_tensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -24,7 +26,14 @@ from gemps_server.errors import REASON_METADATA_KEY, InvalidArgument, ResourceEx
 from gemps_server.logs import Throttle, event
 from gemps_server.metrics import ServerMetrics
 from gemps_server.security import RateLimiter
-from gemps_server.state import CommitOutcome, Registration, ServerState, parse_spec
+from gemps_server.state import (
+    CommitOutcome,
+    Registration,
+    ServerState,
+    WirePayload,
+    check_reply_dtype,
+    parse_spec,
+)
 
 log = logging.getLogger("gemps.server")
 
@@ -32,6 +41,8 @@ Request = TypeVar("Request")
 Response = TypeVar("Response")
 Context = grpc.aio.ServicerContext[Any, Any]
 Handler = Callable[[Any, Request, Context], Awaitable[Response]]
+# What CommitStream's parser hands the handler: a data piece, a header, or undecodable bytes.
+Chunk = Union[pb.CommitChunk, memoryview, "MalformedRequest"]
 
 
 class MalformedRequest:
@@ -47,8 +58,14 @@ class MalformedRequest:
         return self.size
 
 
-def lenient_parser(message_class: type[Message]) -> Callable[[bytes], Message | MalformedRequest]:
+def lenient_parser(
+    message_class: type[Message], on_bytes: Callable[[int], None] = lambda size: None
+) -> Callable[[bytes], Message | MalformedRequest]:
+    """Parses a request; `on_bytes` is told its size (the metrics: protobuf's ByteSize on a large
+    message costs a serialization)."""
+
     def parse(data: bytes) -> Message | MalformedRequest:
+        on_bytes(len(data))
         try:
             return message_class.FromString(data)
         except DecodeError as error:
@@ -57,54 +74,76 @@ def lenient_parser(message_class: type[Message]) -> Callable[[bytes], Message | 
     return parse
 
 
+def chunk_parser(on_bytes: Callable[[int], None]) -> Callable[[bytes], pb.CommitChunk | memoryview | MalformedRequest]:
+    """CommitStream's request parser: a data piece comes back as a memoryview of the message
+    (no copy), anything else as the protobuf message."""
+    parse_message = lenient_parser(pb.CommitChunk)
+
+    def parse(data: bytes) -> pb.CommitChunk | memoryview | MalformedRequest:
+        on_bytes(len(data))
+        piece = read_data(data)
+        return piece if piece is not None else parse_message(data)  # type: ignore[return-value]
+
+    return parse
+
+
+def metered_serializer(on_bytes: Callable[[int], None]) -> Callable[[Message | bytes], bytes]:
+    """Serializes a reply (bytes are already serialized, e.g. framed data pieces) and tells `on_bytes` its size."""
+
+    def serialize(message: Message | bytes) -> bytes:
+        data = message if isinstance(message, bytes) else message.SerializeToString()
+        on_bytes(len(data))
+        return data
+
+    return serialize
+
+
 def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server) -> None:
     """Register the servicer like the generated add_ParameterServerServicer_to_server, but with
-    request parsing that turns undecodable bytes into INVALID_ARGUMENT."""
+    request parsing that turns undecodable bytes into INVALID_ARGUMENT, and byte metrics."""
     service = pb.DESCRIPTOR.services_by_name["ParameterServer"]
-    handlers = {
-        method.name: grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, method.name),
-            request_deserializer=lenient_parser(getattr(pb, method.input_type.name)),
-            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
-        )
-        for method in service.methods
-    }
+    metrics = servicer.metrics
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for method in service.methods:
+        received = functools.partial(metrics.message_received, method.name)
+        sent = metered_serializer(functools.partial(metrics.message_sent, method.name))
+        if method.name == "CommitStream":
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                servicer.CommitStream, request_deserializer=chunk_parser(received), response_serializer=sent
+            )
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                getattr(servicer, method.name),
+                request_deserializer=lenient_parser(getattr(pb, method.input_type.name), received),
+                response_serializer=sent,
+            )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
 
 
 def maps_service_errors(handler: Handler[Request, Response]) -> Handler[Request, Response]:
-    """The one place where ServiceError becomes a gRPC status code and message.
-
-    Also where every RPC is measured: handling time and message bytes in and out, by method.
-    """
+    """The one place where ServiceError becomes a gRPC status code and message (unary RPCs;
+    CommitStream does the same through `_abort`). Also times every RPC, by method."""
     method = handler.__name__
 
     @functools.wraps(handler)
     async def wrapper(self: ParameterServerServicer, request: Request, context: Context) -> Response:
         started = time.perf_counter()
-        sent = 0
         try:
             if isinstance(request, MalformedRequest):
-                raise InvalidArgument(
-                    f"request is not a valid {request.message_type}: {request.error}", reason="malformed"
-                )
-            response = await handler(self, request, context)
-            sent = _message_bytes(response)
-            return response
+                raise malformed(request)
+            return await handler(self, request, context)
         except ServiceError as error:
-            self.on_rejected(method, error)
-            await context.abort(error.code, error.message, trailing_metadata=((REASON_METADATA_KEY, error.reason),))
+            await self._abort(method, error, context)
             raise  # unreachable: abort raises
         finally:
-            self._metrics.rpc(method, time.perf_counter() - started, _message_bytes(request), sent)
+            self.metrics.rpc(method, time.perf_counter() - started)
 
     return wrapper
 
 
-def _message_bytes(message: object) -> int:
-    size = getattr(message, "ByteSize", None)
-    return int(size()) if size is not None else 0
+def malformed(request: MalformedRequest) -> InvalidArgument:
+    return InvalidArgument(f"request is not a valid {request.message_type}: {request.error}", reason="malformed")
 
 
 def check_evaluation(report: pb.EvaluationReport, current_version: int) -> None:
@@ -131,7 +170,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self._config = config
         self._state = state
         self._applier = applier
-        self._metrics = metrics
+        self.metrics = metrics
+        # CommitStream payloads buffered at once: each costs P values of memory; the rest wait
+        # in gRPC flow control, not in this process.
+        self._receive_slots = asyncio.Semaphore(config.max_streamed_payloads)
         # Called on the event loop with the new version after each applied commit (checkpoints).
         self._on_committed = on_committed
         self._registrations = RateLimiter(config.max_registrations_per_minute)
@@ -154,10 +196,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             batch_size=c.batch_size,
         )
 
+    async def _abort(self, method: str, error: ServiceError, context: Context) -> None:
+        self.on_rejected(method, error)
+        await context.abort(error.code, error.message, trailing_metadata=((REASON_METADATA_KEY, error.reason),))
+
     def on_rejected(self, method: str, error: ServiceError) -> None:
         if method == "Commit":
             self.commits_rejected += 1
-            self._metrics.rejected(error.reason)
+            self.metrics.rejected(error.reason)
         suppressed = self._rejection_log.allow((method, error.reason))
         if suppressed is not None:
             event(
@@ -173,7 +219,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @maps_service_errors
     async def Register(self, request: pb.RegisterRequest, context: Context) -> pb.RegisterResponse:
         if not self._registrations.allow():
-            self._metrics.refusal("registration_rate")
+            self.metrics.refusal("registration_rate")
             raise ResourceExhausted(
                 f"more than {self._config.max_registrations_per_minute} registrations in a minute; retry later "
                 "(raise --max-registrations-per-minute)",
@@ -190,7 +236,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
         initialised, registration = await self._applier.submit(register)
         worker = registration.worker
-        self._metrics.registered()
+        self.metrics.registered()
         if initialised:
             event(
                 log,
@@ -208,13 +254,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             active=len(state.registry),
             version=registration.snapshot.version,
         )
+        theta = registration.snapshot.data()
         return pb.RegisterResponse(
             worker_id=worker.worker_id,
             lease_ttl_seconds=self._config.lease_ttl,
             config=self.training_config(),
             shard=pb.Shard(index=worker.slot, count=self._config.num_shards),
             version=registration.snapshot.version,
-            parameters=bytes_to_tensor(registration.snapshot.data, state.num_parameters),
+            # None for the worker whose initial_parameters became theta: it has them already.
+            parameters=None if initialised or theta is None else bytes_to_tensor(theta, state.num_parameters),
         )
 
     @maps_service_errors
@@ -223,15 +271,77 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         state.require_initialized()
         if request.worker_id:
             state.registry.touch(request.worker_id)
+        reply_dtype = check_reply_dtype(request.reply_dtype)
         snapshot = state.snapshot
         if request.known_version == snapshot.version:
             return pb.PullResponse(version=snapshot.version, unchanged=True)
+        if snapshot.data(reply_dtype) is None:  # encoded on the applier: theta may be moving
+            snapshot = await self._applier.submit(lambda: state.encoded(reply_dtype))
         return pb.PullResponse(
-            version=snapshot.version, parameters=bytes_to_tensor(snapshot.data, state.num_parameters)
+            version=snapshot.version,
+            parameters=bytes_to_tensor(snapshot.data(reply_dtype) or b"", state.num_parameters, reply_dtype),
         )
 
     @maps_service_errors
     async def Commit(self, request: pb.CommitRequest, context: Context) -> pb.CommitResponse:
+        outcome = await self._apply_commit(request, WirePayload.of(request.payload))
+        return self._commit_response(outcome, request.reply_dtype, with_parameters=True)
+
+    async def CommitStream(  # type: ignore[override]  # also yields pre-framed bytes (see chunks.py)
+        self, requests: AsyncIterator[Chunk], context: Context
+    ) -> AsyncIterator[pb.CommitResponseChunk | bytes]:
+        """Commit with the payload and the reply's parameters in pieces (see CommitChunk)."""
+        started = time.perf_counter()
+        try:
+            try:
+                header = await self._stream_header(requests)
+                # Bounded: the rest wait in gRPC flow control, holding no buffer here.
+                async with self._receive_slots:
+                    payload = await self._receive_payload(header, requests)
+                    outcome = await self._apply_commit(header, payload)
+            except ServiceError as error:
+                await self._abort("CommitStream", error, context)
+                return
+            dtype = check_reply_dtype(header.reply_dtype)
+            yield pb.CommitResponseChunk(header=self._commit_response(outcome, dtype, with_parameters=False))
+            for frame in data_frames(outcome.snapshot.data(dtype) or b""):
+                yield frame
+        finally:
+            self.metrics.rpc("CommitStream", time.perf_counter() - started)
+
+    async def _stream_header(self, requests: AsyncIterator[Chunk]) -> pb.CommitRequest:
+        first = await anext(requests, None)
+        if isinstance(first, MalformedRequest):
+            raise malformed(first)
+        if not isinstance(first, pb.CommitChunk) or first.WhichOneof("part") != "header":
+            raise InvalidArgument(
+                "CommitStream must start with a header chunk (CommitChunk.header)", reason="malformed"
+            )
+        return first.header
+
+    async def _receive_payload(self, header: pb.CommitRequest, requests: AsyncIterator[Chunk]) -> WirePayload:
+        """The data pieces after the header, checked against the size it announced before any is buffered."""
+        shape = tuple(header.payload.shape)
+        expected = self._state.expected_payload_bytes(header.payload.dtype, shape)
+        assembler = PayloadAssembler(expected)
+        async for chunk in requests:
+            if isinstance(chunk, MalformedRequest):
+                raise malformed(chunk)
+            if isinstance(chunk, pb.CommitChunk):
+                if chunk.WhichOneof("part") != "data":
+                    raise InvalidArgument("CommitStream sent a second header", reason="malformed")
+                chunk = memoryview(chunk.data)
+            try:
+                assembler.add(chunk)
+            except ValueError as error:
+                raise InvalidArgument(f"payload: {error}", reason="bad_payload") from None
+        try:
+            return WirePayload(header.payload.dtype, shape, assembler.result())
+        except ValueError as error:
+            raise InvalidArgument(f"payload: {error}", reason="bad_payload") from None
+
+    async def _apply_commit(self, request: pb.CommitRequest, payload: WirePayload) -> CommitOutcome:
+        """Submit a commit to the applier; metrics, logs and checkpoints once it is applied."""
         state = self._state
         submitted = time.perf_counter()
         started = finished = submitted
@@ -241,14 +351,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             started = time.perf_counter()
             try:
                 return state.commit(
-                    request.worker_id, request.base_version, request.kind, request.payload, request.request_id
+                    request.worker_id,
+                    request.base_version,
+                    request.kind,
+                    payload,
+                    request.request_id,
+                    request.reply_dtype,
                 )
             finally:
                 finished = time.perf_counter()
 
         outcome = await self._applier.submit(commit)
         if outcome.duplicate:
-            self._metrics.duplicate()
+            self.metrics.duplicate()
             suppressed = self._rejection_log.allow(("Commit", "duplicate"))
             if suppressed is not None:
                 event(
@@ -259,10 +374,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                     version=outcome.snapshot.version,
                     suppressed=suppressed,
                 )
-            return self._commit_response(outcome)
+            return outcome
         if self._on_committed is not None:
             self._on_committed(outcome.snapshot.version)
-        self._metrics.applied(
+        self.metrics.applied(
             outcome.staleness,
             outcome.stats,
             loss=request.loss if request.HasField("loss") else None,
@@ -270,12 +385,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             queued_seconds=started - submitted,
             apply_seconds=finished - started,
         )
-        return self._commit_response(outcome)
+        return outcome
 
-    def _commit_response(self, outcome: CommitOutcome) -> pb.CommitResponse:
+    def _commit_response(self, outcome: CommitOutcome, reply_dtype: int, with_parameters: bool) -> pb.CommitResponse:
+        dtype = check_reply_dtype(reply_dtype)
+        data = (outcome.snapshot.data(dtype) or b"") if with_parameters else b""
         return pb.CommitResponse(
             version=outcome.snapshot.version,
-            parameters=bytes_to_tensor(outcome.snapshot.data, self._state.num_parameters),
+            parameters=bytes_to_tensor(data, self._state.num_parameters, dtype),
             staleness=outcome.staleness,
             scaling_mean=outcome.stats.scaling_mean,
             scaling_median=outcome.stats.scaling_median,
@@ -287,7 +404,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     async def Leave(self, request: pb.LeaveRequest, context: Context) -> pb.LeaveResponse:
         state = self._state
         worker = await self._applier.submit(lambda: state.leave(request.worker_id))
-        self._metrics.departed("left")
+        self.metrics.departed("left")
         event(
             log,
             "worker left",
@@ -318,7 +435,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     async def ReportEvaluation(self, request: pb.EvaluationReport, context: Context) -> pb.ReportEvaluationResponse:
         check_evaluation(request, self._state.version)
         self.last_evaluation = request
-        self._metrics.evaluated(request.dataset, request.version, request.loss, request.accuracy)
+        self.metrics.evaluated(request.dataset, request.version, request.loss, request.accuracy)
         event(
             log,
             "evaluation",
@@ -333,7 +450,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     async def evict_expired(self) -> None:
         state = self._state
         evicted = await self._applier.submit(state.evict_expired)
-        self._metrics.departed("evicted", len(evicted))
+        self.metrics.departed("evicted", len(evicted))
         for worker in evicted:
             event(
                 log,

@@ -10,10 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
-from gemps_proto.codec import TensorDecodeError, all_finite, dtype_name, num_elements, tensor_to_array
+from gemps_proto.codec import (
+    TensorDecodeError,
+    all_finite,
+    decode,
+    dtype_name,
+    encode,
+    num_elements,
+    numpy_dtype,
+    tensor_to_array,
+)
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.checkpoint import Checkpoint
 from gemps_server.errors import FailedPrecondition, InvalidArgument
@@ -38,12 +48,33 @@ class ParamSpec:
         return f"{self.name!r} {list(self.shape)}"
 
 
+# Wire formats a reply's parameters may use.
+REPLY_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16)
+
+
 @dataclass(frozen=True)
 class Snapshot:
-    """The central variable at one version, already encoded for the wire."""
+    """The central variable at one version, encoded for the wire in the formats asked for so
+    far (each produced once per version, on the applier, then shared by every reply)."""
 
     version: int
-    data: bytes
+    encodings: dict[int, bytes]
+
+    def data(self, dtype: int = pb.DTYPE_FLOAT32) -> bytes | None:
+        return self.encodings.get(dtype)
+
+
+@dataclass(frozen=True)
+class WirePayload:
+    """A commit's payload as it came: dtype and shape from the request, the raw bytes."""
+
+    dtype: int
+    shape: tuple[int, ...]
+    data: bytes | memoryview
+
+    @classmethod
+    def of(cls, tensor: pb.Tensor) -> WirePayload:
+        return cls(tensor.dtype, tuple(tensor.shape), tensor.data)
 
 
 @dataclass(frozen=True)
@@ -100,6 +131,18 @@ def spec_differences(server: Sequence[ParamSpec], worker: Sequence[ParamSpec]) -
     return found
 
 
+def check_reply_dtype(dtype: int) -> pb.DType:
+    """The wire format a reply's parameters use (float32 when unspecified); InvalidArgument if unknown."""
+    if dtype == pb.DTYPE_UNSPECIFIED:
+        return pb.DTYPE_FLOAT32
+    if dtype not in REPLY_DTYPES:
+        raise InvalidArgument(
+            f"reply_dtype {dtype_name(dtype)} is not one of {', '.join(dtype_name(d) for d in REPLY_DTYPES)}",
+            reason="bad_dtype",
+        )
+    return cast(pb.DType, dtype)
+
+
 class ServerState:
     def __init__(self, rule_name: str, rule_params: RuleParams, registry: WorkerRegistry) -> None:
         create_rule(rule_name, rule_params, 0)  # fail fast on an unknown rule name
@@ -108,11 +151,10 @@ class ServerState:
         self.registry = registry
         self.spec: list[ParamSpec] = []
         self.rule: CommitRule | None = None
-        self.snapshot = Snapshot(0, b"")
+        self.snapshot = Snapshot(0, {pb.DTYPE_FLOAT32: b""})
         self.commits_applied = 0
         self.ledger = CommitLedger(capacity=registry.max_workers)
         self._theta = np.empty(0, dtype=np.float32)
-        self._update = np.empty(0, dtype=np.float32)
 
     @property
     def initialized(self) -> bool:
@@ -132,7 +174,8 @@ class ServerState:
     # -- operations run by the applier --------------------------------------------------------
 
     def register(self, worker_name: str, spec: Sequence[ParamSpec], initial: pb.Tensor | None) -> Registration:
-        if self.rule is None:
+        first = self.rule is None
+        if first:
             self._initialize(spec, initial)
         elif differences := spec_differences(self.spec, spec):
             shown = differences[:MAX_LISTED_DIFFERENCES]
@@ -146,12 +189,20 @@ class ServerState:
         assert self.rule is not None
         worker = self.registry.add(worker_name)
         self.rule.add_worker(worker.worker_id, self._theta)
-        return Registration(worker, self.snapshot)
+        # The worker that initialised theta already holds it: no P-sized encoding for its reply.
+        return Registration(worker, self.snapshot if initial is not None and first else self.encoded(pb.DTYPE_FLOAT32))
 
     def commit(
-        self, worker_id: str, base_version: int, kind: int, payload: pb.Tensor, request_id: str = ""
+        self,
+        worker_id: str,
+        base_version: int,
+        kind: int,
+        payload: WirePayload,
+        request_id: str = "",
+        reply_dtype: int = pb.DTYPE_FLOAT32,
     ) -> CommitOutcome:
         rule = self.require_initialized()
+        reply_dtype = check_reply_dtype(reply_dtype)
         if len(request_id) > MAX_REQUEST_ID_LENGTH:
             raise InvalidArgument(
                 f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_LENGTH}",
@@ -163,21 +214,27 @@ class ServerState:
             # registered again (lease expiry, server restart) under a new id.
             if worker_id in self.registry:
                 self.registry.touch(worker_id)
-            return CommitOutcome(self.snapshot, receipt.staleness, receipt.stats, duplicate=True)
+            return CommitOutcome(self.encoded(reply_dtype), receipt.staleness, receipt.stats, duplicate=True)
         worker = self.registry.get(worker_id)
         gradient = self._validated_payload(kind, payload, base_version)
         staleness = self.version - base_version
-        if kind == pb.PAYLOAD_KIND_GRADIENT:
-            np.multiply(gradient, np.float32(-self.rule_params.learning_rate), out=self._update)
-        else:
-            np.copyto(self._update, gradient)
-        stats = rule.apply(self._theta, self._update, worker_id, staleness)
+        scale = -self.rule_params.learning_rate if kind == pb.PAYLOAD_KIND_GRADIENT else 1.0
+        stats = rule.apply(self._theta, gradient, worker_id, staleness, scale)
         self.commits_applied += 1
         worker.commits += 1
         self.registry.touch(worker_id)
-        self.snapshot = Snapshot(self.version + 1, self._theta.tobytes())
+        self.snapshot = Snapshot(self.version + 1, {})
+        self.encoded(reply_dtype)
         self.ledger.record(worker_id, request_id, Receipt(self.version, staleness, stats))
         return CommitOutcome(self.snapshot, staleness, stats)
+
+    def encoded(self, dtype: int) -> Snapshot:
+        """The current snapshot, with `dtype`'s encoding produced if it is not there yet."""
+        snapshot = self.snapshot
+        if dtype not in snapshot.encodings:
+            values = self._theta
+            snapshot.encodings[dtype] = encode(values, dtype)
+        return snapshot
 
     def leave(self, worker_id: str) -> WorkerRecord:
         worker = self.registry.get(worker_id)
@@ -201,7 +258,7 @@ class ServerState:
             version=self.snapshot.version,
             commits_applied=self.commits_applied,
             spec=tuple((s.name, s.shape) for s in self.spec),
-            theta=np.frombuffer(self.snapshot.data, dtype=np.float32),
+            theta=self._theta.copy(),
             config=config,
             rule_state=rule.global_state(),
             receipts=self.ledger.entries(),
@@ -217,7 +274,6 @@ class ServerState:
         warnings = []
         self.spec = [ParamSpec(name, shape) for name, shape in checkpoint.spec]
         self._theta = np.array(checkpoint.theta, dtype=np.float32, copy=True).reshape(-1)
-        self._update = np.empty_like(self._theta)
         rule = create_rule(self.rule_name, self.rule_params, self._theta.size)
         if checkpoint.rule_state:
             if checkpoint.config.get("rule") == self.rule_name:
@@ -231,7 +287,7 @@ class ServerState:
                 )
         self.rule = rule
         self.commits_applied = checkpoint.commits_applied
-        self.snapshot = Snapshot(checkpoint.version, self._theta.tobytes())
+        self.snapshot = Snapshot(checkpoint.version, {})
         self.ledger.restore(dict(checkpoint.receipts))
         return warnings
 
@@ -265,22 +321,37 @@ class ServerState:
             raise InvalidArgument("initial_parameters contains NaN or Inf", reason="non_finite")
         self.spec = list(spec)
         self._theta = values.reshape(-1).copy()
-        self._update = np.empty_like(self._theta)
         self.rule = create_rule(self.rule_name, self.rule_params, size)
-        self.snapshot = Snapshot(0, self._theta.tobytes())
+        self.snapshot = Snapshot(0, {})
 
-    def _validated_payload(self, kind: int, payload: pb.Tensor, base_version: int) -> np.ndarray:
+    def expected_payload_bytes(self, dtype: int, shape: tuple[int, ...]) -> int:
+        """Bytes a payload of this dtype and shape must have; InvalidArgument unless it is flat [P]."""
+        self.require_initialized()
+        try:
+            itemsize = numpy_dtype(dtype).itemsize
+        except TensorDecodeError as error:
+            raise InvalidArgument(f"payload: {error}", reason="bad_payload") from None
+        self._check_payload_shape(shape)
+        return self.num_parameters * itemsize
+
+    def _check_payload_shape(self, shape: tuple[int, ...]) -> None:
+        if shape != (self.num_parameters,):
+            raise InvalidArgument(
+                f"payload shape {list(shape)} does not match the central variable's "
+                f"[{self.num_parameters}] (all registered parameters, flattened in spec order)",
+                reason="bad_shape",
+            )
+
+    def _validated_payload(self, kind: int, payload: WirePayload, base_version: int) -> np.ndarray:
         if kind not in (pb.PAYLOAD_KIND_GRADIENT, pb.PAYLOAD_KIND_UPDATE):
             raise InvalidArgument(
                 f"payload kind {kind} is not PAYLOAD_KIND_GRADIENT or PAYLOAD_KIND_UPDATE", reason="bad_kind"
             )
-        values = self._decode(payload, "payload")
-        if values.shape != (self.num_parameters,):
-            raise InvalidArgument(
-                f"payload shape {list(values.shape)} does not match the central variable's "
-                f"[{self.num_parameters}] (all registered parameters, flattened in spec order)",
-                reason="bad_shape",
-            )
+        try:
+            values = decode(payload.dtype, payload.shape, payload.data)
+        except TensorDecodeError as error:
+            raise InvalidArgument(f"payload: {error}", reason="bad_payload") from None
+        self._check_payload_shape(values.shape)
         if base_version < 0:
             raise InvalidArgument(f"base_version {base_version} is negative", reason="bad_version")
         if base_version > self.version:

@@ -130,3 +130,56 @@ def test_gem_scales_down_stale_updates_once_central_moved() -> None:
 def test_unknown_rule_lists_valid_names() -> None:
     with pytest.raises(ValueError, match="gem, downpour, adaptive-staleness, momentum"):
         create_rule("sync", RuleParams(), 3)
+
+
+def test_gem_in_blocks_equals_gem_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block boundaries and the median's strided sample across them change nothing."""
+    from gemps_server.rules import base, gem
+
+    monkeypatch.setattr(base, "STATS_SAMPLE_SIZE", 10)  # stride 26 over P=257: samples straddle blocks
+    rng = np.random.default_rng(5)
+    theta0 = rng.normal(size=P).astype(np.float32)
+    results = []
+    for block in (37, 10**9):
+        monkeypatch.setattr(gem, "BLOCK", block)
+        rule = create_rule("gem", RuleParams(), P)
+        theta = theta0.copy()
+        for worker in ("a", "b"):
+            rule.add_worker(worker, theta)
+        stats = [rule.apply(theta, random_gradient(np.random.default_rng(i)), "ab"[i % 2], 0, -0.05) for i in range(20)]
+        results.append((theta, stats))
+    (blocked, blocked_stats), (whole, whole_stats) = results
+    np.testing.assert_array_equal(blocked, whole)
+    for ours, reference in zip(blocked_stats, whole_stats, strict=True):
+        assert ours.scaling_median == reference.scaling_median
+        assert ours.scaling_mean == pytest.approx(reference.scaling_mean, rel=1e-6)
+        assert ours.fraction_at_zero == reference.fraction_at_zero
+        assert ours.fraction_at_max == reference.fraction_at_max
+        assert ours.central_energy == pytest.approx(reference.central_energy, rel=1e-5)
+
+
+def test_numba_kernel_equals_numpy_pass() -> None:
+    """The optional compiled kernel moves theta, the proxy and s_i exactly as the numpy pass does."""
+    pytest.importorskip("numba", reason="the numba extra is not installed")
+    size = 70_000  # two numpy blocks
+    rng = np.random.default_rng(3)
+    theta0 = rng.normal(size=size).astype(np.float32)
+    results = []
+    for kernel in ("numpy", "numba"):
+        rule = create_rule("gem", RuleParams(kappa=2.0, gem_kernel=kernel), size)
+        theta = theta0.copy()
+        rule.add_worker("a", theta)
+        rule.add_worker("b", theta)
+        stats = [rule.apply(theta, rng_gradient(i, size), "ab"[i % 2], 0, -0.05) for i in range(12)]
+        results.append((theta, stats))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    assert results[0][1] == results[1][1]
+
+
+def rng_gradient(seed: int, size: int) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=size).astype(np.float32)
+
+
+def test_unknown_gem_kernel_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown gem kernel 'cuda'"):
+        create_rule("gem", RuleParams(gem_kernel="cuda"), 4)

@@ -25,6 +25,7 @@ from gemps_server.process import ServerProcess
 from gemps_server.rules import rule_names
 from gemps_worker.datasets import Dataset, load_dataset
 from gemps_worker.evaluation import evaluate, evaluate_central, load_flat
+from gemps_worker.launch import worker_command
 from gemps_worker.models import MODELS, build_model
 from gemps_worker.monitor import ServerFigures, scrape
 from gemps_worker.plots import plot_training
@@ -56,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default="digits", help="dataset (default digits)")
     parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder (default runs/demo)")
     parser.add_argument("--interval", type=float, default=0.5, help="seconds between progress updates")
+    parser.add_argument(
+        "--wire-dtype", default="float32", choices=("float32", "bfloat16"), help="wire format (default float32)"
+    )
     parser.set_defaults(run=run)
 
 
@@ -131,16 +135,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _start_worker(target: str, args: argparse.Namespace, index: int, out: Path) -> subprocess.Popen[bytes]:
-    argv = [
-        sys.executable,
-        "-m",
-        "gemps.cli",
-        "worker",
-        "--server",
+    argv = worker_command(
         target,
-        "--dataset",
         args.dataset,
-        "--model",
         args.model,
         "--epochs",
         str(args.epochs),
@@ -150,7 +147,9 @@ def _start_worker(target: str, args: argparse.Namespace, index: int, out: Path) 
         f"worker-{index}",
         "--report-file",
         str(out / f"worker-{index}.jsonl"),
-    ]
+        "--wire-dtype",
+        args.wire_dtype,
+    )
     with open(out / f"worker-{index}.log", "wb") as log:
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 

@@ -31,6 +31,13 @@ class WorkerMetrics(_Served):
             registry=r,
         )
 
+    def observe_commit(self, duration: float, loss: float, staleness: int) -> None:
+        """One commit: `duration` is the wall time since the previous one (or the first batch)."""
+        self.step_duration.observe(duration)
+        self.commits.inc()
+        self.loss.set(loss)
+        self.staleness.set(staleness)
+
 
 class EvaluatorMetrics(_Served):
     def __init__(self) -> None:

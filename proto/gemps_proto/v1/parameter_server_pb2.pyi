@@ -11,6 +11,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DTYPE_UNSPECIFIED: _ClassVar[DType]
     DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
 
 class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -19,6 +20,7 @@ class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PAYLOAD_KIND_UPDATE: _ClassVar[PayloadKind]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
+DTYPE_BFLOAT16: DType
 PAYLOAD_KIND_UNSPECIFIED: PayloadKind
 PAYLOAD_KIND_GRADIENT: PayloadKind
 PAYLOAD_KIND_UPDATE: PayloadKind
@@ -96,12 +98,14 @@ class RegisterResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "known_version")
+    __slots__ = ("worker_id", "known_version", "reply_dtype")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     known_version: int
-    def __init__(self, worker_id: _Optional[str] = ..., known_version: _Optional[int] = ...) -> None: ...
+    reply_dtype: DType
+    def __init__(self, worker_id: _Optional[str] = ..., known_version: _Optional[int] = ..., reply_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("version", "parameters", "unchanged")
@@ -114,7 +118,7 @@ class PullResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., unchanged: _Optional[bool] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("worker_id", "base_version", "kind", "payload", "loss", "num_samples", "request_id")
+    __slots__ = ("worker_id", "base_version", "kind", "payload", "loss", "num_samples", "request_id", "reply_dtype")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +126,7 @@ class CommitRequest(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     base_version: int
     kind: PayloadKind
@@ -129,7 +134,24 @@ class CommitRequest(_message.Message):
     loss: float
     num_samples: int
     request_id: str
-    def __init__(self, worker_id: _Optional[str] = ..., base_version: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., payload: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    reply_dtype: DType
+    def __init__(self, worker_id: _Optional[str] = ..., base_version: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., payload: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., request_id: _Optional[str] = ..., reply_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class CommitChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: CommitRequest
+    data: bytes
+    def __init__(self, header: _Optional[_Union[CommitRequest, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class CommitResponseChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: CommitResponse
+    data: bytes
+    def __init__(self, header: _Optional[_Union[CommitResponse, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("version", "parameters", "staleness", "scaling_mean", "scaling_median", "scaling_at_zero", "scaling_at_max")

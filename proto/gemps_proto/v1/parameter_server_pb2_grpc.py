@@ -49,6 +49,11 @@ class ParameterServerStub:
                 request_serializer=gemps__proto_dot_v1_dot_parameter__server__pb2.CommitRequest.SerializeToString,
                 response_deserializer=gemps__proto_dot_v1_dot_parameter__server__pb2.CommitResponse.FromString,
                 _registered_method=True)
+        self.CommitStream = channel.stream_stream(
+                '/gemps.v1.ParameterServer/CommitStream',
+                request_serializer=gemps__proto_dot_v1_dot_parameter__server__pb2.CommitChunk.SerializeToString,
+                response_deserializer=gemps__proto_dot_v1_dot_parameter__server__pb2.CommitResponseChunk.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/gemps.v1.ParameterServer/Leave',
                 request_serializer=gemps__proto_dot_v1_dot_parameter__server__pb2.LeaveRequest.SerializeToString,
@@ -85,6 +90,13 @@ class ParameterServerServicer:
 
     def Commit(self, request, context):
         """Apply a gradient or update in FIFO order; the reply carries the new central variable.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitStream(self, request_iterator, context):
+        """Commit, with the payload and the reply's parameters streamed in chunks (see CommitChunk).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -128,6 +140,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=gemps__proto_dot_v1_dot_parameter__server__pb2.CommitRequest.FromString,
                     response_serializer=gemps__proto_dot_v1_dot_parameter__server__pb2.CommitResponse.SerializeToString,
+            ),
+            'CommitStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.CommitStream,
+                    request_deserializer=gemps__proto_dot_v1_dot_parameter__server__pb2.CommitChunk.FromString,
+                    response_serializer=gemps__proto_dot_v1_dot_parameter__server__pb2.CommitResponseChunk.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
@@ -226,6 +243,33 @@ class ParameterServer:
             '/gemps.v1.ParameterServer/Commit',
             gemps__proto_dot_v1_dot_parameter__server__pb2.CommitRequest.SerializeToString,
             gemps__proto_dot_v1_dot_parameter__server__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gemps.v1.ParameterServer/CommitStream',
+            gemps__proto_dot_v1_dot_parameter__server__pb2.CommitChunk.SerializeToString,
+            gemps__proto_dot_v1_dot_parameter__server__pb2.CommitResponseChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,6 +42,8 @@ class ParameterServerStub:
     """Fetch the central variable (skipped when the caller already holds the current version)."""
     Commit: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.CommitRequest, _parameter_server_pb2.CommitResponse]
     """Apply a gradient or update in FIFO order; the reply carries the new central variable."""
+    CommitStream: _grpc.StreamStreamMultiCallable[_parameter_server_pb2.CommitChunk, _parameter_server_pb2.CommitResponseChunk]
+    """Commit, with the payload and the reply's parameters streamed in chunks (see CommitChunk)."""
     Leave: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.LeaveRequest, _parameter_server_pb2.LeaveResponse]
     """Leave cleanly, freeing the worker's server-side state and shard."""
     Status: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.StatusRequest, _parameter_server_pb2.StatusResponse]
@@ -58,6 +60,8 @@ class ParameterServerAsyncStub(ParameterServerStub):
     """Fetch the central variable (skipped when the caller already holds the current version)."""
     Commit: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.CommitRequest, _parameter_server_pb2.CommitResponse]  # type: ignore[assignment]
     """Apply a gradient or update in FIFO order; the reply carries the new central variable."""
+    CommitStream: _aio.StreamStreamMultiCallable[_parameter_server_pb2.CommitChunk, _parameter_server_pb2.CommitResponseChunk]  # type: ignore[assignment]
+    """Commit, with the payload and the reply's parameters streamed in chunks (see CommitChunk)."""
     Leave: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.LeaveRequest, _parameter_server_pb2.LeaveResponse]  # type: ignore[assignment]
     """Leave cleanly, freeing the worker's server-side state and shard."""
     Status: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.StatusRequest, _parameter_server_pb2.StatusResponse]  # type: ignore[assignment]
@@ -89,6 +93,14 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_parameter_server_pb2.CommitResponse, _abc.Awaitable[_parameter_server_pb2.CommitResponse]]:
         """Apply a gradient or update in FIFO order; the reply carries the new central variable."""
+
+    @_abc_1.abstractmethod
+    def CommitStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_parameter_server_pb2.CommitChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_parameter_server_pb2.CommitResponseChunk], _abc.AsyncIterator[_parameter_server_pb2.CommitResponseChunk]]:
+        """Commit, with the payload and the reply's parameters streamed in chunks (see CommitChunk)."""
 
     @_abc_1.abstractmethod
     def Leave(

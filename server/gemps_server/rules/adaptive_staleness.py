@@ -10,7 +10,10 @@ from gemps_server.rules.base import ApplyStats, CommitRule
 class AdaptiveStalenessRule(CommitRule):
     name = "adaptive-staleness"
 
-    def apply(self, theta: np.ndarray, update: np.ndarray, worker_id: str, staleness: int) -> ApplyStats:
-        update /= np.float32(staleness + 1)
-        theta += update
+    def apply(
+        self, theta: np.ndarray, update: np.ndarray, worker_id: str, staleness: int, scale: float = 1.0
+    ) -> ApplyStats:
+        delta = np.multiply(update, np.float32(scale), out=self.scratch(update))
+        delta /= np.float32(staleness + 1)  # after scaling, as the rule is written: same rounding
+        theta += delta
         return ApplyStats.constant(1.0 / (staleness + 1))

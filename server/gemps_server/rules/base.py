@@ -9,9 +9,15 @@ from typing import ClassVar
 
 import numpy as np
 
-# Parameters past this many get their median scaling estimated from an evenly strided sample:
-# an exact median is a partial sort of P values on every commit, too slow for the hot path.
-MEDIAN_SAMPLE_SIZE = 65_536
+# Commit statistics (pi's mean, median, clamped fractions; GEM's energies) come from an evenly
+# strided sample of at most this many parameters: exact for smaller models, an estimate past it.
+# Exact figures would cost reductions over all P on every commit, in the applier's critical path.
+STATS_SAMPLE_SIZE = 8_192
+
+
+def sample_stride(size: int) -> int:
+    """Stride of the statistics' sample: at most STATS_SAMPLE_SIZE of `size` parameters."""
+    return max(1, -(-size // STATS_SAMPLE_SIZE))
 
 
 @dataclass(frozen=True)
@@ -20,6 +26,7 @@ class RuleParams:
     momentum: float = 0.9
     kappa: float = 1.0
     pi_max: float = 5.0
+    gem_kernel: str = "numpy"  # how GEM's update runs: "numpy" (blocked), or "numba" (optional, compiled)
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,7 @@ class ApplyStats:
         size = scaling.size
         if size == 0:
             return cls.constant(0.0)
-        stride = max(1, size // MEDIAN_SAMPLE_SIZE)
+        stride = sample_stride(size)
         return cls(
             scaling_mean=float(scaling.mean(dtype=np.float64)),
             scaling_median=float(np.median(scaling[::stride])),
@@ -71,8 +78,8 @@ class CommitRule(ABC):
     """Applies worker updates to the central variable, one at a time, in FIFO order.
 
     The applier calls every method from one thread, never concurrently. `apply` moves `theta`
-    in place; `update` is the commit's Delta (already -eta*g for gradients) and is scratch space
-    the rule may overwrite.
+    in place by the commit's Delta = scale * update (scale is -eta for gradients, 1 for updates);
+    `update` may be read-only (it aliases the request's bytes) and is never written.
     """
 
     name: ClassVar[str]
@@ -82,6 +89,7 @@ class CommitRule(ABC):
     def __init__(self, params: RuleParams, num_parameters: int) -> None:
         self.params = params
         self.num_parameters = num_parameters
+        self._scratch: np.ndarray | None = None
 
     def add_worker(self, worker_id: str, theta: np.ndarray) -> None:  # noqa: B027 (optional hook)
         """A worker registered while the central variable is `theta`."""
@@ -99,5 +107,20 @@ class CommitRule(ABC):
             raise ValueError(f"rule {self.name!r} keeps no global state, got {sorted(state)}")
 
     @abstractmethod
-    def apply(self, theta: np.ndarray, update: np.ndarray, worker_id: str, staleness: int) -> ApplyStats:
-        """Move theta in place by this worker's update, computed `staleness` commits ago."""
+    def apply(
+        self, theta: np.ndarray, update: np.ndarray, worker_id: str, staleness: int, scale: float = 1.0
+    ) -> ApplyStats:
+        """Move theta in place by scale * update, this worker's, computed `staleness` commits ago."""
+
+    def scaled(self, update: np.ndarray, scale: float) -> np.ndarray:
+        """scale * update in the rule's scratch buffer, or update itself when scale is 1."""
+        if scale == 1.0:
+            return update
+        scaled: np.ndarray = np.multiply(update, np.float32(scale), out=self.scratch(update))
+        return scaled
+
+    def scratch(self, like: np.ndarray) -> np.ndarray:
+        """A float32 buffer shaped like `like`, owned by the rule (allocated once)."""
+        if self._scratch is None or self._scratch.shape != like.shape:
+            self._scratch = np.empty(like.shape, dtype=np.float32)
+        return self._scratch

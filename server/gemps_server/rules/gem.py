@@ -10,15 +10,28 @@ For worker i (m_i = 0 and s_i = theta when it registers), per commit with update
 
 This is the paper's Algorithm 1 with Appendix B's kappa, moved to the server, which already
 holds theta and every commit: workers stay stateless.
+
+The update runs block by block (BLOCK parameters at a time): each block's fifteen numpy
+operations work on data that stays in the CPU cache, so a commit reads and writes each of its
+five vectors about once instead of once per operation, and needs no P-sized scratch vectors.
+The statistics a commit reports (pi's mean, median and clamped fractions, the energies) come
+from pi at an evenly strided sample of at most STATS_SAMPLE_SIZE parameters, computed from
+the same inputs before the update: exact up to that size, an estimate past it, and no
+reductions in the update's pass. (A numba kernel was measured too: 3x faster math, but +125 MB
+resident and +2 s start-up for LLVM; see docs/PERFORMANCE.md.)
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from gemps_server.rules import base
 from gemps_server.rules.base import ApplyStats, CommitRule, RuleParams
+from gemps_server.rules.gem_numba import GemUpdate, gem_update_kernel
 
 EPSILON = np.float32(1e-16)
+#: parameters per block: 256 KiB per float32 vector, so a block's vectors stay in cache (fastest of 4K-1M here)
+BLOCK = 65_536
 
 
 class _WorkerState:
@@ -29,6 +42,32 @@ class _WorkerState:
         self.last_seen_theta = theta.copy()
 
 
+def _scaling(
+    theta: np.ndarray,
+    proxy: np.ndarray,
+    last_seen: np.ndarray,
+    delta: np.ndarray,
+    params: RuleParams,
+    out: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> None:
+    """Moves the proxy (m <- mu*m + Delta, in place) and fills `out` = (pi, c, |Delta| + eps)."""
+    pi, movement, denominator = out
+    proxy *= np.float32(params.momentum)
+    proxy += delta
+    np.subtract(theta, last_seen, out=movement)
+    np.abs(movement, out=movement)
+    np.abs(proxy, out=pi)
+    if params.kappa != 1.0:
+        pi *= np.float32(params.kappa)
+    pi -= movement
+    np.abs(delta, out=denominator)
+    denominator += EPSILON
+    with np.errstate(over="ignore"):  # a huge ratio is clipped to pi_max right after
+        pi /= denominator
+    np.maximum(pi, np.float32(0.0), out=pi)  # maximum/minimum: np.clip is several times slower
+    np.minimum(pi, np.float32(params.pi_max), out=pi)
+
+
 class GemRule(CommitRule):
     name = "gem"
     vectors_per_worker = 2
@@ -36,9 +75,18 @@ class GemRule(CommitRule):
     def __init__(self, params: RuleParams, num_parameters: int) -> None:
         super().__init__(params, num_parameters)
         self._workers: dict[str, _WorkerState] = {}
-        # Scratch buffers reused by every commit: no allocation on the hot path.
-        self._movement = np.empty(num_parameters, dtype=np.float32)
-        self._scaling = np.empty(num_parameters, dtype=np.float32)
+        block = min(BLOCK, max(1, num_parameters))
+        # Block-sized scratch, reused by every block of every commit.
+        self._delta, self._movement, self._pi, self._denominator = (np.empty(block, dtype=np.float32) for _ in range(4))
+        self._sampled = np.arange(0, num_parameters, base.sample_stride(num_parameters))
+        self._compiled: GemUpdate | None = None
+        if params.gem_kernel == "numba":
+            try:
+                self._compiled = gem_update_kernel()
+            except ImportError as error:
+                raise ValueError(f"gem kernel 'numba' needs numba: pip install 'gemps[numba]' ({error})") from None
+        elif params.gem_kernel != "numpy":
+            raise ValueError(f"unknown gem kernel {params.gem_kernel!r}; valid: numpy, numba")
 
     def add_worker(self, worker_id: str, theta: np.ndarray) -> None:
         self._workers[worker_id] = _WorkerState(theta)
@@ -46,32 +94,47 @@ class GemRule(CommitRule):
     def remove_worker(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
 
-    def apply(self, theta: np.ndarray, update: np.ndarray, worker_id: str, staleness: int) -> ApplyStats:
+    def apply(
+        self, theta: np.ndarray, update: np.ndarray, worker_id: str, staleness: int, scale: float = 1.0
+    ) -> ApplyStats:
         state = self._workers[worker_id]
-        p = self.params
-        proxy, movement, scaling = state.proxy, self._movement, self._scaling
-        proxy *= np.float32(p.momentum)
-        proxy += update
-        np.subtract(theta, state.last_seen_theta, out=movement)
-        np.abs(movement, out=movement)
-        np.abs(proxy, out=scaling)
-        if p.kappa != 1.0:
-            scaling *= np.float32(p.kappa)
-        # The energies for metrics: reductions over buffers the rule fills anyway, no extra pass.
-        size = max(1, scaling.size)
-        proxy_energy = float(scaling.sum()) / size
-        others_energy = float(movement.sum()) / size
-        scaling -= movement
-        denominator = movement  # movement is no longer needed: reuse its buffer
-        np.abs(update, out=denominator)
-        denominator += EPSILON
-        with np.errstate(over="ignore"):  # a huge ratio is clipped to pi_max right after
-            scaling /= denominator
-        np.clip(scaling, 0.0, p.pi_max, out=scaling)
-        # pi*(|Delta| + eps) summed: this commit's share of the central variable's movement.
-        own_energy = float(np.dot(scaling, denominator)) / size
-        stats = ApplyStats.of(scaling, p.pi_max, proxy_energy, others_energy + own_energy)
-        np.copyto(state.last_seen_theta, theta)
-        scaling *= update
-        theta += scaling
+        if theta.size == 0:
+            return ApplyStats.constant(0.0)
+        stats = self._sample_stats(theta, state, update, scale)  # before the update changes its inputs
+        if self._compiled is not None:
+            p = self.params
+            scalars = (np.float32(v) for v in (scale, p.momentum, p.kappa, p.pi_max))
+            self._compiled(theta, state.proxy, state.last_seen_theta, update, *scalars, EPSILON)
+            return stats
+        for start in range(0, theta.size, BLOCK):
+            end = min(start + BLOCK, theta.size)
+            self._apply_block(
+                theta[start:end], state.proxy[start:end], state.last_seen_theta[start:end], update[start:end], scale
+            )
         return stats
+
+    def _sample_stats(self, theta: np.ndarray, state: _WorkerState, update: np.ndarray, scale: float) -> ApplyStats:
+        """ApplyStats from pi at the sampled parameters (all of them up to STATS_SAMPLE_SIZE)."""
+        at = self._sampled
+        delta = update[at] * np.float32(scale)
+        proxy = state.proxy[at]  # a copy (fancy indexing): moving it leaves the worker's proxy alone
+        scratch = (np.empty_like(delta), np.empty_like(delta), np.empty_like(delta))
+        _scaling(theta[at], proxy, state.last_seen_theta[at], delta, self.params, scratch)
+        pi, movement, denominator = scratch
+        proxy_energy = np.abs(proxy)
+        proxy_energy *= np.float32(self.params.kappa)
+        # pi*(|Delta| + eps): this commit's share of the central variable's movement.
+        central_energy = float(movement.mean(dtype=np.float64)) + float(np.dot(pi, denominator)) / pi.size
+        return ApplyStats.of(pi, self.params.pi_max, float(proxy_energy.mean(dtype=np.float64)), central_energy)
+
+    def _apply_block(
+        self, theta: np.ndarray, proxy: np.ndarray, last_seen: np.ndarray, update: np.ndarray, scale: float
+    ) -> None:
+        """GEM on one block, in place."""
+        n = theta.size
+        delta, movement, pi = self._delta[:n], self._movement[:n], self._pi[:n]
+        np.multiply(update, np.float32(scale), out=delta)
+        _scaling(theta, proxy, last_seen, delta, self.params, (pi, movement, self._denominator[:n]))
+        np.copyto(last_seen, theta)
+        np.multiply(pi, delta, out=movement)  # movement's buffer is free again
+        theta += movement

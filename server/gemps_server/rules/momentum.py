@@ -27,8 +27,10 @@ class MomentumRule(CommitRule):
             raise ValueError(f"momentum rule state must be one 'velocity' of shape {list(self._velocity.shape)}")
         np.copyto(self._velocity, velocity)
 
-    def apply(self, theta: np.ndarray, update: np.ndarray, worker_id: str, staleness: int) -> ApplyStats:
+    def apply(
+        self, theta: np.ndarray, update: np.ndarray, worker_id: str, staleness: int, scale: float = 1.0
+    ) -> ApplyStats:
         self._velocity *= np.float32(self.params.momentum)
-        self._velocity += update
+        self._velocity += self.scaled(update, scale)
         theta += self._velocity
         return ApplyStats.constant(1.0)

@@ -1,0 +1,3 @@
+from benchmarks.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,200 @@
+"""docs/PERFORMANCE.md's tables, target verdicts and figure, from one suite run's JSON."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+Run = dict[str, Any]
+CEILINGS = ("echo-unary", "echo-stream")
+PEERS = ("torch-rpc", "reference-p2p")
+MB = 2**20
+
+
+def _find(runs: Iterable[Run], system: str, size: int, clients: int) -> Run | None:
+    return next(
+        (r for r in runs if r["system"] == system and r["num_parameters"] == size and r["clients"] == clients), None
+    )
+
+
+def _rate(run: Run | None) -> float:
+    return float(run["commits_per_second"]) if run else math.nan
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b and math.isfinite(a) and math.isfinite(b) else "n/a"
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("**met**" if ok else "**not met**")
+
+
+def memory_bound(size: int, clients: int) -> float:
+    """The issue's server memory bound for gem: (2n + 3) * 4P bytes + 150 MB."""
+    return (2 * clients + 3) * 4 * size + 150e6
+
+
+def throughput_table(data: dict[str, Any]) -> list[str]:
+    runs: list[Run] = data["runs"]
+    lines = [
+        "| P | clients | gemps commits/s | vs echo-unary | vs echo-stream | vs memcpy ceiling | vs torch-rpc "
+        "| vs reference-p2p | bf16 commits/s (vs f32) | p50 / p99 ms | Jain | staleness (n-1) "
+        "| server RSS MB (bound) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    cells = sorted({(r["num_parameters"], r["clients"]) for r in runs if r["system"] == "gemps"})
+    for size, clients in cells:
+        gemps = _find(runs, "gemps", size, clients)
+        assert gemps is not None
+        rate = _rate(gemps)
+        ratios = [_ratio(rate, _rate(_find(runs, s, size, clients))) for s in (*CEILINGS,)]
+        ceiling = _ratio(rate, gemps["memory_ceiling_commits_per_second"])
+        peers = [_ratio(rate, _rate(_find(runs, s, size, clients))) for s in PEERS]
+        bf16 = _find(runs, "gemps-bfloat16", size, clients)
+        bf16_text = f"{_rate(bf16):.2f} ({_ratio(_rate(bf16), rate)})" if bf16 else "-"
+        rss = gemps["server_peak_rss_bytes"] or 0
+        lines.append(
+            f"| {size:,} | {clients} | {rate:.2f} | {ratios[0]} | {ratios[1]} | {ceiling} | {peers[0]} | {peers[1]} "
+            f"| {bf16_text} | {gemps['latency_p50_ms']:.0f} / {gemps['latency_p99_ms']:.0f} "
+            f"| {gemps['jain_index']:.3f} | {gemps['mean_staleness']:.2f} ({clients - 1}) "
+            f"| {rss / MB:.0f} ({memory_bound(size, clients) / MB:.0f}) |"
+        )
+    return lines
+
+
+def systems_table(data: dict[str, Any]) -> list[str]:
+    lines = [
+        "| system | P | clients | commits/s | p50 ms | p99 ms | Jain | server peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["runs"]:
+        rss = r["server_peak_rss_bytes"]
+        lines.append(
+            f"| {r['system']} | {r['num_parameters']:,} | {r['clients']} | {r['commits_per_second']:.2f} "
+            f"| {r['latency_p50_ms']:.0f} | {r['latency_p99_ms']:.0f} | {r['jain_index']:.3f} "
+            f"| {rss / MB:.0f} |"
+            if rss
+            else f"| {r['system']} | {r['num_parameters']:,} | {r['clients']} "
+            f"| {r['commits_per_second']:.2f} | {r['latency_p50_ms']:.0f} | {r['latency_p99_ms']:.0f} "
+            f"| {r['jain_index']:.3f} | - |"
+        )
+    return lines
+
+
+def targets(data: dict[str, Any]) -> list[str]:
+    """Each of the issue's targets with its number and verdict (n/a where the cell did not run)."""
+    runs: list[Run] = data["runs"]
+    out = ["| target | measured | verdict |", "|---|---|---|"]
+
+    def row(name: str, measured: str, ok: bool | None) -> None:
+        out.append(f"| {name} | {measured} | {_verdict(ok)} |")
+
+    g, e = _find(runs, "gemps", 1_000_000, 8), _find(runs, "echo-unary", 1_000_000, 8)
+    ratio = _rate(g) / _rate(e) if g and e else math.nan
+    row(
+        "1M params, 8 clients: >= 0.8x transport ceiling (unary echo)",
+        f"{ratio:.2f}x",
+        None if math.isnan(ratio) else ratio >= 0.8,
+    )
+    for size in (10_000_000, 50_000_000):
+        g, e = _find(runs, "gemps", size, 8), _find(runs, "echo-unary", size, 8)
+        ratio = _rate(g) / _rate(e) if g and e else math.nan
+        row(
+            f"{size // 1_000_000}M params, 8 clients: >= 1.5x unary echo",
+            f"{ratio:.2f}x",
+            None if math.isnan(ratio) else ratio >= 1.5,
+        )
+    for peer in PEERS:
+        found = []
+        for size in sorted({r["num_parameters"] for r in runs}):
+            g, p = _find(runs, "gemps", size, 8), _find(runs, peer, size, 8)
+            if g and p:
+                found.append((size, _rate(g) / _rate(p)))
+        text = ", ".join(f"{s / 1e6:g}M: {r:.2f}x" for s, r in found) or "not run"
+        row(f"ahead of {peer} at every size, 8 clients", text, all(r > 1 for _, r in found) if found else None)
+    g100 = [r for r in runs if r["system"] == "gemps" and r["clients"] == 100]
+    for r in g100:
+        size = r["num_parameters"]
+        g8 = _find(runs, "gemps", size, 8)
+        jain_ok = r["jain_index"] >= 0.99
+        stale_ok = abs(r["mean_staleness"] - 99) <= 9.9
+        rate_ok = g8 is not None and _rate(r) >= 0.9 * _rate(g8)
+        row(f"100 clients, P={size:,}: Jain >= 0.99", f"{r['jain_index']:.4f}", jain_ok)
+        row(f"100 clients, P={size:,}: mean staleness within 10% of 99", f"{r['mean_staleness']:.2f}", stale_ok)
+        row(f"100 clients, P={size:,}: commits/s >= 0.9x the 8-client figure", _ratio(_rate(r), _rate(g8)), rate_ok)
+    over = [
+        (
+            r["num_parameters"],
+            r["clients"],
+            r["server_peak_rss_bytes"] / memory_bound(r["num_parameters"], r["clients"]),
+        )
+        for r in runs
+        if r["system"] == "gemps" and r["server_peak_rss_bytes"]
+    ]
+    worst = max(over, key=lambda t: t[2]) if over else None
+    row(
+        "server RSS <= (2n+3)*4P + 150 MB (gem), every cell",
+        f"worst: P={worst[0]:,} n={worst[1]} at {worst[2]:.2f}x the bound" if worst else "not run",
+        all(t[2] <= 1 for t in over) if over else None,
+    )
+    cost = data.get("worker_cost") or {}
+    if cost:
+        row(
+            "worker RSS <= 1.25x bare `import torch`",
+            f"{cost['rss_ratio']:.2f}x ({cost['worker_peak_rss_mb']:.0f} MB vs "
+            f"{cost['bare_import_peak_rss_mb']:.0f} MB)",
+            bool(cost["rss_target_met"]),
+        )
+        row(
+            "worker start-up to first commit <= 2x bare import",
+            f"{cost['startup_ratio']:.2f}x ({cost['worker_startup_to_first_commit_s']:.2f} s vs "
+            f"{cost['bare_import_wall_s']:.2f} s)",
+            bool(cost["startup_target_met"]),
+        )
+    g, b = _find(runs, "gemps", 10_000_000, 8), _find(runs, "gemps-bfloat16", 10_000_000, 8)
+    ratio = _rate(b) / _rate(g) if g and b else math.nan
+    row("bf16 wire: >= 1.5x commits/s at 10M params", f"{ratio:.2f}x", None if math.isnan(ratio) else ratio >= 1.5)
+    return out
+
+
+def figure(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs: list[Run] = data["runs"]
+    systems = ["gemps", "gemps-bfloat16", "gemps-numba", *CEILINGS, *PEERS]
+    fig, (by_size, by_clients) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for system in systems:
+        points = sorted(
+            (r["num_parameters"], r["commits_per_second"]) for r in runs if r["system"] == system and r["clients"] == 8
+        )
+        if points:
+            by_size.plot(*zip(*points, strict=True), marker="o", label=system)
+        points = sorted(
+            (r["clients"], r["commits_per_second"])
+            for r in runs
+            if r["system"] == system and r["num_parameters"] == 1_000_000
+        )
+        if points:
+            by_clients.plot(*zip(*points, strict=True), marker="o", label=system)
+    sizes = sorted({r["num_parameters"] for r in runs})
+    by_size.plot(sizes, [memory_ceiling_of(data, s) for s in sizes], "k--", label="memcpy ceiling")
+    by_size.set(xscale="log", yscale="log", xlabel="parameters (float32)", ylabel="commits/s", title="8 clients")
+    by_clients.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="commits/s", title="1M parameters")
+    for axes in (by_size, by_clients):
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def memory_ceiling_of(data: dict[str, Any], size: int) -> float:
+    from benchmarks.ceilings import memory_ceiling
+
+    return memory_ceiling(size, data["memcpy_bytes_per_second"])

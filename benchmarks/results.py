@@ -1,0 +1,75 @@
+"""What one load run measured, and the figures derived from it (shared by every system benchmarked)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+def jain_index(counts: list[int]) -> float:
+    """Jain's fairness index of per-client counts: 1 when all equal, 1/n when one client got everything."""
+    values = np.asarray(counts, dtype=np.float64)
+    if values.size == 0 or not values.any():
+        return float("nan")
+    return float(values.sum() ** 2 / (values.size * np.square(values).sum()))
+
+
+@dataclass
+class LoadResult:
+    """One system under one load: `clients` concurrent clients committing P float32 parameters.
+
+    Only commits that completed inside the measurement window (after warm-up) count.
+    """
+
+    system: str  # "gemps", "echo-unary", "echo-stream", "torch-rpc", "reference-p2p", ...
+    num_parameters: int
+    clients: int
+    seconds: float  # length of the measurement window
+    latencies: list[float]  # seconds per commit round trip, every commit in the window
+    per_client_commits: list[int]  # commits each client completed in the window
+    server_peak_rss_bytes: int | None = None  # the serving process's peak resident memory
+    staleness: list[int] | None = None  # per commit, where the system reports it
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def commits(self) -> int:
+        return sum(self.per_client_commits)
+
+    @property
+    def commits_per_second(self) -> float:
+        return self.commits / self.seconds if self.seconds > 0 else float("nan")
+
+    def latency_percentile(self, q: float) -> float:
+        return float(np.percentile(self.latencies, q)) if self.latencies else float("nan")
+
+    @property
+    def fairness(self) -> float:
+        return jain_index(self.per_client_commits)
+
+    @property
+    def mean_staleness(self) -> float:
+        return float(np.mean(self.staleness)) if self.staleness else float("nan")
+
+    def summary(self) -> dict[str, Any]:
+        """The derived figures (what tables and JSON report), without the raw samples."""
+        return {
+            "system": self.system,
+            "num_parameters": self.num_parameters,
+            "clients": self.clients,
+            "seconds": self.seconds,
+            "commits": self.commits,
+            "commits_per_second": self.commits_per_second,
+            "latency_p50_ms": 1e3 * self.latency_percentile(50),
+            "latency_p99_ms": 1e3 * self.latency_percentile(99),
+            "jain_index": self.fairness,
+            "mean_staleness": self.mean_staleness,
+            "server_peak_rss_bytes": self.server_peak_rss_bytes,
+            "notes": self.notes,
+            **self.extra,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)

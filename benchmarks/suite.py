@@ -1,0 +1,165 @@
+"""The benchmark matrix: every system at every model size and client count, in one run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.ceilings import memcpy_bandwidth, memory_ceiling
+from benchmarks.echo import EchoClientFactory, EchoServer
+from benchmarks.gemps_load import GempsClientFactory
+from benchmarks.loadgen import LoadPlan, run_load
+from benchmarks.results import LoadResult
+from gemps_proto.chunks import DEFAULT_CHUNK_BYTES
+from gemps_server.process import ServerProcess
+
+PEERS = ("torch-rpc", "reference-p2p")
+
+
+@dataclass(frozen=True)
+class SuiteSpec:
+    sizes: tuple[int, ...]
+    clients: tuple[int, ...]
+    peer_clients: tuple[int, ...]  # client counts the peers run at (a process per client)
+    variant_clients: tuple[int, ...]  # client counts gemps also runs with bfloat16 wire and the numba kernel
+    seconds: Callable[[int], tuple[float, float]]  # size -> (warm-up, window)
+    worker_cost_repeats: int
+    memory_fraction: float = 0.6  # skip cells estimated to need more of the available memory
+
+
+def _full_seconds(size: int) -> tuple[float, float]:
+    return (2.0, 6.0) if size <= 1_000_000 else (3.0, 10.0) if size <= 10_000_000 else (6.0, 20.0)
+
+
+FULL = SuiteSpec(
+    sizes=(100_000, 1_000_000, 10_000_000, 50_000_000),
+    clients=(1, 8, 32, 100),
+    peer_clients=(8,),
+    variant_clients=(8,),
+    seconds=_full_seconds,
+    worker_cost_repeats=3,
+)
+# CI: every system and code path once, at sizes that take seconds; checks the harness, not the numbers.
+QUICK = SuiteSpec(
+    sizes=(10_000, 300_000),
+    clients=(1, 2),
+    peer_clients=(2,),
+    variant_clients=(2,),
+    seconds=lambda size: (0.5, 1.5),
+    worker_cost_repeats=1,
+)
+
+
+def estimated_bytes(size: int, clients: int) -> int:
+    """Memory a cell needs on this host: each client holds about four P-float buffers (gradient,
+    serialized request, reply, decoded reply); the server (2n + 3) plus one per request in flight."""
+    vector = 4 * size
+    return clients * 4 * vector + (3 * clients + 3) * vector
+
+
+def available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 8 << 30
+
+
+def progress(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class SuiteResults:
+    mode: str
+    host: dict[str, Any]
+    memcpy_bytes_per_second: float
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    worker_cost: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, result: LoadResult, **extra: Any) -> None:
+        summary = result.summary() | extra
+        summary["memory_ceiling_commits_per_second"] = memory_ceiling(
+            result.num_parameters, self.memcpy_bytes_per_second
+        )
+        self.runs.append(summary)
+        progress(
+            f"{result.system:>14} P={result.num_parameters:>10,} n={result.clients:>3}: "
+            f"{result.commits_per_second:8.2f} commits/s, p50 {summary['latency_p50_ms']:.0f} ms"
+        )
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.__dict__, indent=1, default=float) + "\n")
+
+
+def _gemps(
+    size: int, clients: int, plan: LoadPlan, results: SuiteResults, wire: str = "float32", kernel: str = "numpy"
+) -> None:
+    """gemps with the gem rule; the system's name says what differs from the defaults."""
+    name = "-".join(["gemps", *(v for v, default in ((wire, "float32"), (kernel, "numpy")) if v != default)])
+    with ServerProcess(
+        rule="gem", gem_kernel=kernel, metrics_port=-1, log_level="warning", max_workers=max(256, clients)
+    ) as server:
+        factory = GempsClientFactory(server.target, size, (("wire_dtype", wire),))
+        result = run_load(name, factory, plan, server.pid)
+    results.add(result, wire_dtype=wire, gem_kernel=kernel)
+
+
+def _echo(size: int, plan: LoadPlan, results: SuiteResults) -> None:
+    with EchoServer() as echo:
+        for streamed in (False, True):
+            factory = EchoClientFactory(echo.target, streamed, DEFAULT_CHUNK_BYTES)
+            results.add(run_load("echo-stream" if streamed else "echo-unary", factory, plan, echo.pid))
+
+
+def _peer(name: str, size: int, clients: int, warmup: float, window: float, results: SuiteResults) -> None:
+    from benchmarks.peers import reference_p2p, torch_rpc
+
+    run = torch_rpc.run if name == "torch-rpc" else reference_p2p.run
+    try:
+        results.add(run(size, clients, window, warmup))
+    except Exception as error:  # a peer failing is a finding, not a reason to lose the run
+        progress(f"{name} P={size:,} n={clients} failed: {error}")
+        results.skipped.append({"system": name, "num_parameters": size, "clients": clients, "why": str(error)})
+
+
+def run_suite(spec: SuiteSpec, mode: str, out: Path) -> SuiteResults:
+    results = SuiteResults(
+        mode=mode,
+        host={"cpus": os.cpu_count(), "available_bytes": available_bytes(), "python": sys.version.split()[0]},
+        memcpy_bytes_per_second=memcpy_bandwidth(),
+    )
+    progress(f"memcpy bandwidth {results.memcpy_bytes_per_second / 1e9:.1f} GB/s (read + write)")
+    for size in spec.sizes:
+        warmup, window = spec.seconds(size)
+        for clients in spec.clients:
+            need = estimated_bytes(size, clients)
+            if need > spec.memory_fraction * results.host["available_bytes"]:
+                why = f"needs ~{need / 2**30:.0f} GiB, {spec.memory_fraction:.0%} of available memory is the limit"
+                results.skipped.append({"system": "all", "num_parameters": size, "clients": clients, "why": why})
+                progress(f"skip P={size:,} n={clients}: {why}")
+                continue
+            plan = LoadPlan(size, clients, window, warmup)
+            _echo(size, plan, results)
+            _gemps(size, clients, plan, results)
+            if clients in spec.variant_clients:
+                _gemps(size, clients, plan, results, wire="bfloat16")
+                _gemps(size, clients, plan, results, kernel="numba")
+            if clients in spec.peer_clients:
+                for peer in PEERS:
+                    _peer(peer, size, clients, warmup, window, results)
+            results.save(out)
+    if spec.worker_cost_repeats:
+        # In a fresh process: children forked from this one would count its buffers as theirs.
+        command = [sys.executable, "-m", "benchmarks.worker_cost", "--repeats", str(spec.worker_cost_repeats)]
+        results.worker_cost = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+    results.save(out)
+    return results

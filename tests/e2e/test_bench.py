@@ -1,0 +1,42 @@
+"""`gemps bench --quick`: every system and reference point of the suite runs and is reported.
+
+Checks the harness, not the numbers (those are docs/PERFORMANCE.md's, from the full suite)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SYSTEMS = {"echo-unary", "echo-stream", "gemps", "gemps-bfloat16", "gemps-numba", "torch-rpc", "reference-p2p"}
+
+
+def test_quick_bench_measures_every_system_and_writes_the_report(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    done = subprocess.run(
+        [sys.executable, "-m", "gemps.cli", "bench", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    assert data["mode"] == "quick" and data["memcpy_bytes_per_second"] > 0
+    assert not data["skipped"], data["skipped"]
+    assert {run["system"] for run in data["runs"]} == SYSTEMS
+    for run in data["runs"]:
+        assert run["commits"] > 0, run
+        assert run["latency_p50_ms"] > 0 and run["jain_index"] > 0, run
+        assert run["server_peak_rss_bytes"] and run["server_peak_rss_bytes"] > 0, run
+    gemps_runs = [r for r in data["runs"] if r["system"] == "gemps"]
+    assert {(r["num_parameters"], r["clients"]) for r in gemps_runs} == {
+        (size, clients) for size in (10_000, 300_000) for clients in (1, 2)
+    }
+    for run in gemps_runs:  # GEM's FIFO: every other client commits once between two of yours
+        assert abs(run["mean_staleness"] - (run["clients"] - 1)) < 0.5, run
+    cost = data["worker_cost"]
+    assert cost["worker_peak_rss_mb"] > 0 and cost["worker_startup_to_first_commit_s"] > 0
+    tables = (out / "tables.md").read_text()
+    assert "## Targets" in tables and "| 300,000 | 2 |" in tables
+    assert (out / "performance.png").stat().st_size > 10_000

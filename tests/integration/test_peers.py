@@ -1,0 +1,101 @@
+"""The benchmark's peer parameter servers, as real processes: they measure, apply GEM, and fail loudly."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+from benchmarks.peers import reference_p2p, torch_rpc
+from benchmarks.peers.common import ChildSpec, PeerConfig, PeerError, client_gradient, initial_theta, run_processes
+from gemps_server.rules import RuleParams, create_rule
+
+PEERS = [pytest.param(torch_rpc, id="torch-rpc"), pytest.param(reference_p2p, id="reference-p2p")]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("peer", PEERS)
+def test_two_clients_commit_inside_the_window(peer: ModuleType) -> None:
+    result = peer.run(10_000, clients=2, duration=2.0, warmup=0.5)
+
+    assert result.system == peer.SYSTEM
+    assert (result.num_parameters, result.clients, result.seconds) == (10_000, 2, 2.0)
+    assert len(result.per_client_commits) == 2
+    assert all(commits > 0 for commits in result.per_client_commits)
+    assert len(result.latencies) == result.commits
+    assert all(latency > 0 for latency in result.latencies)
+    assert result.staleness is not None and len(result.staleness) == result.commits
+    # Only the lower bound holds for both: another client commits any number of times while one is
+    # descheduled between getting theta and queueing its next commit (3 busy processes, 2 cores).
+    assert min(result.staleness) >= 0
+    assert result.server_peak_rss_bytes is not None and result.server_peak_rss_bytes > 0
+    assert result.notes
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("peer", PEERS)
+def test_server_applies_gemps_gem_rule(peer: ModuleType) -> None:
+    size, seed = 10_000, 3
+    result = peer.measure(PeerConfig(size, clients=1, duration=0.5, warmup=0.1, seed=seed, keep_final_theta=True))
+
+    commits = result.extra["total_commits"][0]
+    assert commits > 0
+    assert set(result.staleness) == {0}  # one client: every gradient is based on the latest theta
+    params = RuleParams()
+    theta = initial_theta(size, seed)
+    rule = create_rule("gem", params, size)
+    rule.add_worker("client", theta)
+    gradient = client_gradient(size, seed, 0)
+    for _ in range(commits):
+        rule.apply(theta, gradient * np.float32(-params.learning_rate), "client", 0)
+    np.testing.assert_array_equal(result.extra["final_theta"][0], theta)
+
+
+def test_rejects_an_impossible_configuration() -> None:
+    with pytest.raises(ValueError):
+        PeerConfig(10, clients=0, duration=1.0)
+
+
+# Process handling: children of run_processes (module-level so the forkserver can import them).
+
+
+def _report(value: int) -> int:
+    return value
+
+
+def _raise() -> None:
+    raise RuntimeError("the child's own message")
+
+
+def _die_silently() -> None:
+    os._exit(3)
+
+
+def _hang() -> None:
+    time.sleep(600)
+
+
+def test_processes_report_by_name() -> None:
+    reports = run_processes([ChildSpec("a", _report, (1,)), ChildSpec("b", _report, (2,))], 30.0, preload=["torch"])
+
+    assert reports == {"a": 1, "b": 2}
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [(_raise, "the child's own message"), (_die_silently, "exited with code 3 without reporting")],
+)
+def test_a_failing_process_fails_the_run_and_stops_the_rest(target: Callable[[], None], message: str) -> None:
+    began = time.monotonic()
+    with pytest.raises(PeerError, match=message):
+        run_processes([ChildSpec("failing", target, ()), ChildSpec("hanging", _hang, ())], 30.0, preload=["torch"])
+    assert time.monotonic() - began < 20.0
+
+
+def test_a_run_past_its_deadline_fails_instead_of_hanging() -> None:
+    with pytest.raises(PeerError, match="timed out waiting for reports from hanging"):
+        run_processes([ChildSpec("quick", _report, (1,)), ChildSpec("hanging", _hang, ())], 2.0, preload=["torch"])

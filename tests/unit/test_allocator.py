@@ -1,0 +1,15 @@
+"""The allocator setting gemps' processes apply at start (see gemps_proto/allocator.py)."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+
+from gemps_proto.allocator import keep_large_allocations
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a no-op without glibc")
+def test_glibc_thresholds_are_raised() -> None:
+    assert keep_large_allocations() is True
+    assert keep_large_allocations() is True  # idempotent: the server may call it again on restart
