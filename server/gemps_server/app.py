@@ -14,7 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import disable_created_metrics, start_http_server
 
-from gemps_proto.allocator import keep_large_allocations
+from gemps_proto.allocator import keep_large_allocations_for
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server import logs
 from gemps_server.applier import Applier
@@ -73,6 +73,7 @@ class ParameterServer:
         config = self.config
         if self.checkpointer is not None:
             self.checkpointer.restore()  # before serving: workers register against the restored state
+            keep_large_allocations_for(4 * self.state.num_parameters)  # see gemps_proto/allocator.py
         token = config.token()
         interceptors = []
         if token:
@@ -210,7 +211,6 @@ async def serve(config: ServerConfig, ready: threading.Event | None = None) -> N
     prometheus_client settings.
     """
     logs.configure(config.log_level, config.log_format)
-    keep_large_allocations()
     # No `<name>_created` series next to every counter, histogram and summary: in the text format
     # Prometheus stores them as gauges of their own, doubling the server's series for nothing.
     disable_created_metrics()  # type: ignore[no-untyped-call]

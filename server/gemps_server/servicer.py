@@ -16,6 +16,7 @@ from typing import Any, TypeVar, Union
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from gemps_proto.allocator import keep_large_allocations_for
 from gemps_proto.chunks import PayloadAssembler, data_frames, read_data
 from gemps_proto.codec import bytes_to_tensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
@@ -238,6 +239,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         worker = registration.worker
         self.metrics.registered()
         if initialised:
+            keep_large_allocations_for(4 * state.num_parameters)
             event(
                 log,
                 "central variable initialised",

@@ -13,17 +13,18 @@ import numpy as np
 def test_demo_trains_and_writes_its_outputs(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     result = subprocess.run(
-        [sys.executable, "-m", "gemps.cli", "demo", "--workers", "2", "--epochs", "4", "--out", str(out)],
+        [sys.executable, "-m", "gemps.cli", "demo", "--workers", "2", "--epochs", "6", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     accuracy = float(re.search(r"held-out accuracy (\d+\.\d+)%", result.stdout).group(1))  # type: ignore[union-attr]
+    # 6 epochs: 95-97% here; at 4 epochs asynchronous runs spread over 89-92%, too close to the bar.
     assert accuracy >= 90.0, result.stdout
     assert "commits/s" in result.stdout  # live progress was shown
     with np.load(out / "model.npz", allow_pickle=False) as checkpoint:  # no pickle inside
-        assert int(checkpoint["__version__"]) == 2 * 4 * 22
+        assert int(checkpoint["__version__"]) == 2 * 6 * 22
         assert checkpoint["0.weight"].shape == (16, 1, 3, 3)
     assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "worker joined" in (out / "server.log").read_text()
