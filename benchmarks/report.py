@@ -71,14 +71,10 @@ def systems_table(data: dict[str, Any]) -> list[str]:
     ]
     for r in data["runs"]:
         rss = r["server_peak_rss_bytes"]
+        rss_text = f"{rss / MB:.0f}" if rss else "-"
         lines.append(
             f"| {r['system']} | {r['num_parameters']:,} | {r['clients']} | {r['commits_per_second']:.2f} "
-            f"| {r['latency_p50_ms']:.0f} | {r['latency_p99_ms']:.0f} | {r['jain_index']:.3f} "
-            f"| {rss / MB:.0f} |"
-            if rss
-            else f"| {r['system']} | {r['num_parameters']:,} | {r['clients']} "
-            f"| {r['commits_per_second']:.2f} | {r['latency_p50_ms']:.0f} | {r['latency_p99_ms']:.0f} "
-            f"| {r['jain_index']:.3f} | - |"
+            f"| {r['latency_p50_ms']:.0f} | {r['latency_p99_ms']:.0f} | {r['jain_index']:.3f} | {rss_text} |"
         )
     return lines
 

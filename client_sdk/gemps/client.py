@@ -39,7 +39,15 @@ from gemps.records import (
 )
 from gemps.retry import RetryPolicy
 from gemps_proto.chunks import DEFAULT_CHUNK_BYTES, PayloadAssembler, data_frames, read_data
-from gemps_proto.codec import WIRE_DTYPE_NAMES, array_to_tensor, decode, encode, numpy_dtype, tensor_to_array
+from gemps_proto.codec import (
+    WIRE_DTYPE_NAMES,
+    array_to_tensor,
+    decode,
+    encode,
+    num_elements,
+    numpy_dtype,
+    tensor_to_array,
+)
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 
@@ -322,7 +330,7 @@ class Client:
         replies = iter(self._commit_stream(frames, timeout=timeout, metadata=metadata))
         header = pb.CommitResponseChunk.FromString(next(replies)).header
         parameters = header.parameters
-        assembler = PayloadAssembler(numpy_dtype(parameters.dtype).itemsize * int(np.prod(parameters.shape)))
+        assembler = PayloadAssembler(numpy_dtype(parameters.dtype).itemsize * num_elements(parameters.shape))
         for message in replies:
             piece = read_data(message)
             assembler.add(piece if piece is not None else pb.CommitResponseChunk.FromString(message).data)
