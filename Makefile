@@ -27,6 +27,7 @@ system-deps:  ## Prometheus + promtool for the observability tests (apt; sudo wh
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/ruff format --check .
 
 typecheck: $(BIN)/.installed

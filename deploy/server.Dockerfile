@@ -21,6 +21,7 @@ COPY proto proto
 COPY server server
 COPY client_sdk client_sdk
 COPY worker worker
+COPY cli cli
 # Not needed to run, so left behind: pip, setuptools and the libraries' own test suites.
 RUN /opt/gemps/bin/pip install --no-cache-dir --no-deps . \
     && /opt/gemps/bin/pip uninstall --yes --quiet pip setuptools \

@@ -51,6 +51,7 @@ COPY proto proto
 COPY server server
 COPY client_sdk client_sdk
 COPY worker worker
+COPY cli cli
 RUN /opt/gemps/bin/pip install --no-cache-dir --no-deps . \
     && rm -rf build ./*.egg-info
 COPY deploy/healthcheck.py /opt/gemps/healthcheck.py

@@ -34,14 +34,10 @@ from typing import Any
 import grpc
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-for folder in ("proto", "server", "client_sdk"):  # runnable from a checkout without installing
-    sys.path.insert(0, str(ROOT / folder))
-
-from gemps_proto.codec import array_to_tensor  # noqa: E402
-from gemps_proto.v1 import parameter_server_pb2 as pb  # noqa: E402
-from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc  # noqa: E402
-from gemps_server.process import ServerProcess  # noqa: E402
+from gemps_proto.codec import array_to_tensor
+from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
+from gemps_worker.cluster import ServerProcess
 
 RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 MAX_ATTEMPTS = 10

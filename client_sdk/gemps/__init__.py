@@ -1,8 +1,11 @@
 """gemps SDK: talk to a gemps parameter server from your own workers.
 
 The core (Client, errors, records) needs only numpy and grpcio; `gemps.pytorch` adds the torch
-helper and is imported only when you use it.
+helper and is imported only when you use it. `gemps.options` builds configuration dataclasses
+from flags and GEMPS_* variables, for your own workers as for gemps' commands.
 """
+
+import importlib.metadata
 
 from gemps.client import Client
 from gemps.errors import (
@@ -28,8 +31,9 @@ from gemps.records import (
     TrainingConfig,
 )
 from gemps.retry import RetryPolicy
+from gemps_proto.reasons import Reason
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("gemps")  # pyproject.toml's, the one definition
 
 __all__ = [
     "CentralVariable",
@@ -42,6 +46,7 @@ __all__ = [
     "InvalidArgumentError",
     "NotRegisteredError",
     "ParameterSpec",
+    "Reason",
     "Registration",
     "ResourceExhaustedError",
     "RetryPolicy",

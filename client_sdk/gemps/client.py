@@ -13,41 +13,24 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 import grpc
 import numpy as np
 
-from gemps import errors
-from gemps.records import (
-    CentralVariable,
-    CommitResult,
-    ParameterSpec,
-    Registration,
-    ServerStatus,
-    Shard,
-    TrainingConfig,
-    flatten,
-    spec_of,
-)
+from gemps import errors, serde
+from gemps.connection import Connection, Pem
+from gemps.records import CentralVariable, CommitResult, Evaluation, ParameterSpec, Registration, ServerStatus
 from gemps.retry import RetryPolicy
+from gemps_proto import serde as shared
 from gemps_proto.chunks import DEFAULT_CHUNK_BYTES, PayloadAssembler, data_frames, read_data
-from gemps_proto.codec import (
-    WIRE_DTYPE_NAMES,
-    array_to_tensor,
-    decode,
-    encode,
-    num_elements,
-    numpy_dtype,
-    tensor_to_array,
-)
+from gemps_proto.codec import WIRE_DTYPE_NAMES, decode, encode, expected_nbytes, tensor_to_array
+from gemps_proto.reasons import Reason
+from gemps_proto.schema import PayloadKind, flatten, spec_of
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 
@@ -55,13 +38,11 @@ log = logging.getLogger("gemps.client")
 
 T = TypeVar("T")
 
-PAYLOAD_KINDS = {"gradient": pb.PAYLOAD_KIND_GRADIENT, "update": pb.PAYLOAD_KIND_UPDATE}
 # Failures worth another attempt: the server is down, restarting, paused or overloaded.
 RETRIED = (errors.ServerUnavailableError, errors.DeadlineExceededError)
 # How soon a disconnected channel tries the server again (gRPC's default grows to 120 s).
 RECONNECT_BACKOFF_MS = (200, 2000)  # initial, max
 
-Pem = str | bytes  # a PEM file's path, or its content
 # Payloads past this many bytes go through CommitStream by default: gRPC Python moves large
 # messages faster in pieces (docs/PERFORMANCE.md), and past 2 GiB one message cannot carry them.
 STREAM_THRESHOLD_BYTES = 1 << 20
@@ -71,84 +52,6 @@ _COMMIT_STREAM = "/gemps.v1.ParameterServer/CommitStream"
 
 def _raw(data: bytes) -> bytes:
     return data
-
-
-def _pem(value: Pem | None) -> bytes | None:
-    if value is None or value == "":
-        return None
-    return value if isinstance(value, bytes) else Path(value).read_bytes()
-
-
-def _env_flag(raw: str) -> bool:
-    return raw.strip().lower() in ("1", "true", "yes", "on")
-
-
-@dataclass(frozen=True)
-class Connection:
-    """How to reach a server: TLS material and a bearer token (None: plaintext, no token).
-
-    `resolve` fills what the caller left out from GEMPS_AUTH_TOKEN (or the file in
-    GEMPS_AUTH_TOKEN_FILE), GEMPS_TLS (1: TLS with the system's root certificates), GEMPS_TLS_CA,
-    GEMPS_TLS_CLIENT_CERT, GEMPS_TLS_CLIENT_KEY and GEMPS_TLS_SERVER_NAME.
-    """
-
-    token: str | None = None
-    tls: bool = False
-    ca_cert: bytes | None = None  # PEM roots to verify the server (None: the system's)
-    client_cert: bytes | None = None  # PEM chain for mutual TLS
-    client_key: bytes | None = None
-    server_name: str | None = None  # expected name in the server's certificate, if not the target's
-
-    @classmethod
-    def resolve(
-        cls,
-        *,
-        token: str | None = None,
-        tls: bool | None = None,
-        ca_cert: Pem | None = None,
-        client_cert: Pem | None = None,
-        client_key: Pem | None = None,
-        server_name: str | None = None,
-        environ: Mapping[str, str] | None = None,
-    ) -> Connection:
-        env = os.environ if environ is None else environ
-        if token is None:
-            token = env.get("GEMPS_AUTH_TOKEN") or None
-            if token is None and env.get("GEMPS_AUTH_TOKEN_FILE"):
-                token = Path(env["GEMPS_AUTH_TOKEN_FILE"]).read_text().strip()
-        if tls is False:  # plaintext asked for: certificates from the environment do not apply
-            if ca_cert or client_cert or client_key:
-                raise ValueError("TLS certificates given but tls=False")
-            env = {key: value for key, value in env.items() if not key.startswith("GEMPS_TLS")}
-        ca = _pem(ca_cert if ca_cert is not None else env.get("GEMPS_TLS_CA"))
-        cert = _pem(client_cert if client_cert is not None else env.get("GEMPS_TLS_CLIENT_CERT"))
-        key = _pem(client_key if client_key is not None else env.get("GEMPS_TLS_CLIENT_KEY"))
-        if (cert is None) != (key is None):
-            raise ValueError("a client certificate and its key go together: give both or neither")
-        if tls is None:
-            tls = _env_flag(env.get("GEMPS_TLS", "")) or ca is not None or cert is not None
-        return cls(
-            token=token or None,
-            tls=tls,
-            ca_cert=ca,
-            client_cert=cert,
-            client_key=key,
-            server_name=server_name or env.get("GEMPS_TLS_SERVER_NAME") or None,
-        )
-
-    def channel(self, target: str, options: list[tuple[str, object]]) -> grpc.Channel:
-        if not self.tls:
-            return grpc.insecure_channel(target, options=options)
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=self.ca_cert, private_key=self.client_key, certificate_chain=self.client_cert
-        )
-        if self.server_name:
-            options = [*options, ("grpc.ssl_target_name_override", self.server_name)]
-        return grpc.secure_channel(target, credentials, options=options)
-
-    @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
 
 class Client:
@@ -251,8 +154,7 @@ class Client:
         known = self.central.version if self.central is not None else -1
 
         def send() -> pb.PullResponse:
-            request = pb.PullRequest(worker_id=self._worker_id(), known_version=known, reply_dtype=self.wire_dtype)
-            return self._call(self._stub.Pull, request)
+            return self._call(self._stub.Pull, serde.pull_request(self._worker_id(), known, self.wire_dtype))
 
         reply = send() if self.registration is None else self._with_reregistration(send)
         if not reply.unchanged:
@@ -277,8 +179,10 @@ class Client:
         """
         self._require_registered()
         assert self.central is not None
-        if kind not in PAYLOAD_KINDS:
-            raise ValueError(f"kind must be one of {', '.join(PAYLOAD_KINDS)}, not {kind!r}")
+        kinds = {k.label: k for k in PayloadKind}
+        if kind not in kinds:
+            raise ValueError(f"kind must be one of {', '.join(kinds)}, not {kind!r}")
+        payload_kind = kinds[kind]
         flat = flatten(payload) if isinstance(payload, Mapping) else np.asarray(payload, dtype=np.float32)
         flat = flat.reshape(-1)
         data = encode(flat, self.wire_dtype)
@@ -289,15 +193,16 @@ class Client:
         request_id = uuid.uuid4().hex
 
         def send() -> tuple[pb.CommitResponse, np.ndarray]:
-            request = pb.CommitRequest(
+            request = serde.commit_request(
                 worker_id=self._worker_id(),
                 base_version=base,
-                kind=PAYLOAD_KINDS[kind],
-                payload=pb.Tensor(dtype=self.wire_dtype, shape=[flat.size], data=b"" if streamed else data),
+                kind=payload_kind,
+                wire_dtype=self.wire_dtype,
+                num_parameters=flat.size,
+                data=b"" if streamed else data,
                 loss=loss,
                 num_samples=num_samples,
                 request_id=request_id,
-                reply_dtype=self.wire_dtype,
             )
             if streamed:
                 return self._call(self._commit_streamed, (request, data))
@@ -310,15 +215,7 @@ class Client:
 
         reply, parameters = self._with_reregistration(send, after_reregistration)
         self.central = CentralVariable(reply.version, parameters, self._spec)
-        return CommitResult(
-            reply.version,
-            reply.staleness,
-            reply.scaling_mean,
-            self.central,
-            reply.scaling_median,
-            reply.scaling_at_zero,
-            reply.scaling_at_max,
-        )
+        return serde.commit_result_from_proto(reply, self.central)
 
     def _commit_streamed(
         self, call: tuple[pb.CommitRequest, bytes], timeout: float, metadata: tuple[tuple[str, str], ...]
@@ -330,7 +227,7 @@ class Client:
         replies = iter(self._commit_stream(frames, timeout=timeout, metadata=metadata))
         header = pb.CommitResponseChunk.FromString(next(replies)).header
         parameters = header.parameters
-        assembler = PayloadAssembler(numpy_dtype(parameters.dtype).itemsize * num_elements(parameters.shape))
+        assembler = PayloadAssembler(expected_nbytes(parameters.dtype, parameters.shape))
         for message in replies:
             piece = read_data(message)
             assembler.add(piece if piece is not None else pb.CommitResponseChunk.FromString(message).data)
@@ -348,13 +245,11 @@ class Client:
         self, version: int, loss: float, accuracy: float, num_samples: int, dataset: str = ""
     ) -> None:
         """Report held-out figures of the central variable at `version` (for evaluators)."""
-        report = pb.EvaluationReport(
-            version=version, loss=loss, accuracy=accuracy, num_samples=num_samples, dataset=dataset
-        )
+        report = shared.evaluation_to_proto(Evaluation(version, loss, accuracy, num_samples, dataset))
         self._call(self._stub.ReportEvaluation, report)
 
     def status(self) -> ServerStatus:
-        return ServerStatus.from_proto(self._call(self._stub.Status, pb.StatusRequest()))
+        return shared.status_from_proto(self._call(self._stub.Status, pb.StatusRequest()))
 
     def close(self) -> None:
         self._channel.close()
@@ -381,27 +276,21 @@ class Client:
     # -- internals -----------------------------------------------------------------------------
 
     def _register(self, initial: np.ndarray) -> Registration:
-        request = pb.RegisterRequest(spec=[s.to_proto() for s in self._spec], worker_name=self.name)
+        def send(values: np.ndarray | None) -> pb.RegisterResponse:
+            return self._call(self._stub.Register, serde.register_request(self._spec, self.name, values))
+
         if initial.nbytes <= STREAM_THRESHOLD_BYTES:
-            request.initial_parameters.CopyFrom(array_to_tensor(initial))
-            reply = self._call(self._stub.Register, request)
+            reply = send(initial)
         else:
             # Large: without the initial values first. Only the first worker of a server needs to
             # send them; 100 workers registering at once would otherwise send 100 copies of P floats.
             try:
-                reply = self._call(self._stub.Register, request)
+                reply = send(None)
             except errors.GempsError as error:
-                if error.reason != "not_initialized":
+                if error.reason != Reason.NOT_INITIALIZED:
                     raise
-                request.initial_parameters.CopyFrom(array_to_tensor(initial))
-                reply = self._call(self._stub.Register, request)
-        self.registration = Registration(
-            worker_id=reply.worker_id,
-            lease_ttl_seconds=reply.lease_ttl_seconds,
-            config=TrainingConfig.from_proto(reply.config),
-            shard=Shard(reply.shard.index, reply.shard.count),
-            version=reply.version,
-        )
+                reply = send(initial)
+        self.registration = shared.registration_from_proto(reply)
         # No parameters in the reply: ours initialised the central variable, which equals them.
         flat = tensor_to_array(reply.parameters) if reply.HasField("parameters") else initial.reshape(-1)
         self.central = CentralVariable(reply.version, flat, self._spec)

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import grpc
 
+from gemps_proto import reasons
+from gemps_proto.reasons import Reason
+
 
 class GempsError(Exception):
     """Base class of every error the SDK raises. `code` is the gRPC status, when there is one."""
 
     code: grpc.StatusCode | None = None
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None, reason: str = "") -> None:
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, reason: Reason | str = "") -> None:
         super().__init__(message)
         self.message = message
-        #: the server's short label for the failure (e.g. "bad_shape", "unknown_worker"), if any
-        self.reason = reason
+        #: why the server refused (a gemps.Reason, equal to its label such as "bad_shape"); a
+        #: label this SDK does not know stays a plain string; "" when the server gave none
+        self.reason: Reason | str = reasons.parse(reason) or reason
         if code is not None:
             self.code = code
 
@@ -80,10 +84,8 @@ _BY_CODE: dict[grpc.StatusCode, type[GempsError]] = {
 }
 
 
-# Must equal gemps_server.errors.REASON_METADATA_KEY (the SDK does not import the server).
-REASON_METADATA_KEY = "gemps-reason"
 # Reasons that mean the server has no state for this worker: registering again fixes them.
-FORGOTTEN_REASONS = frozenset({"unknown_worker", "not_initialized"})
+FORGOTTEN_REASONS = frozenset({Reason.UNKNOWN_WORKER, Reason.NOT_INITIALIZED})
 
 
 def from_rpc_error(error: grpc.RpcError) -> GempsError:
@@ -91,7 +93,7 @@ def from_rpc_error(error: grpc.RpcError) -> GempsError:
     if not isinstance(error, grpc.Call):
         return GempsError(str(error))
     code = error.code()
-    reason = next((str(v) for k, v in error.trailing_metadata() or () if k == REASON_METADATA_KEY), "")
+    reason = next((str(v) for k, v in error.trailing_metadata() or () if k == reasons.METADATA_KEY), "")
     cls = _BY_CODE.get(code, GempsError)
     return cls(f"{code.name}: {error.details() or ''}", code, reason)
 

@@ -1,4 +1,4 @@
-"""Tensor <-> numpy conversion shared by the server and the SDK (hand-written, not generated).
+"""The tensor codec: numpy arrays <-> gemps.v1.Tensor bytes, shared by the server and the SDK.
 
 Tensors travel as raw little-endian bytes. Decoding float32 is zero-copy (`np.frombuffer`), so
 the returned array is read-only and aliases the message's bytes. bfloat16 is a wire format
@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
+#: the central variable's dtype, and the wire's default
+FLOAT32: int = pb.DTYPE_FLOAT32
 _NUMPY_DTYPES: dict[int, np.dtype] = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_BFLOAT16: np.dtype("<u2")}
-_WIRE_DTYPES: dict[np.dtype, int] = {np.dtype("<f4"): pb.DTYPE_FLOAT32}
 _BLOCK = 65_536  # elements per block of the bfloat16 encoder: its working set stays in cache
-#: wire formats by the names users pass (SDK, CLI flags)
-WIRE_DTYPE_NAMES: dict[str, pb.DType] = {"float32": pb.DTYPE_FLOAT32, "bfloat16": pb.DTYPE_BFLOAT16}
+#: wire formats by the names users pass (SDK, CLI flags): DTYPE_BFLOAT16 is "bfloat16"
+WIRE_DTYPE_NAMES: dict[str, int] = {
+    pb.DType.Name(dtype).removeprefix("DTYPE_").lower(): dtype for dtype in _NUMPY_DTYPES
+}
 
 
 class TensorDecodeError(ValueError):
@@ -40,21 +44,18 @@ def numpy_dtype(dtype: int) -> np.dtype:
         raise TensorDecodeError(f"unsupported dtype {dtype_name(dtype)}; supported: {supported}") from None
 
 
-def wire_dtype(dtype: np.dtype) -> int:
-    try:
-        return _WIRE_DTYPES[np.dtype(dtype).newbyteorder("<")]
-    except KeyError:
-        raise TensorDecodeError(f"unsupported numpy dtype {dtype}; convert to float32") from None
-
-
 def num_elements(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
 def tensor_to_array(tensor: pb.Tensor) -> np.ndarray:
     """Decode a Tensor as float32 (without copying when it is float32); raises TensorDecodeError."""
-    # Read once: each read of a bytes field copies it out of the message.
-    return decode(tensor.dtype, tuple(tensor.shape), tensor.data)
+    return received(tensor).decode()
+
+
+def received(tensor: pb.Tensor) -> EncodedTensor:
+    """A Tensor's parts, for decoding later (its bytes field is read once: each read copies it)."""
+    return EncodedTensor(tensor.dtype, tuple(tensor.shape), tensor.data)
 
 
 def decode(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> np.ndarray:
@@ -70,6 +71,24 @@ def decode(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryv
     if dtype == pb.DTYPE_BFLOAT16:
         return bfloat16_to_float32(np.frombuffer(data, dtype="<u2")).reshape(shape)
     return np.frombuffer(data, dtype="<f4").reshape(shape)
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    """A tensor as it came off the wire: its dtype, shape and raw bytes, decoded on demand."""
+
+    dtype: int
+    shape: tuple[int, ...]
+    data: bytes | bytearray | memoryview
+
+    def decode(self) -> np.ndarray:
+        """float32 values (aliasing `data` for float32); raises TensorDecodeError."""
+        return decode(self.dtype, self.shape, self.data)
+
+
+def expected_nbytes(dtype: int, shape: Sequence[int]) -> int:
+    """Bytes a tensor of this dtype and shape has; raises TensorDecodeError for an unknown dtype."""
+    return num_elements(shape) * numpy_dtype(dtype).itemsize
 
 
 def float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
@@ -115,9 +134,9 @@ def array_to_tensor(array: np.ndarray) -> pb.Tensor:
     return pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=array.shape, data=array.tobytes())
 
 
-def bytes_to_tensor(data: bytes, num_parameters: int, dtype: pb.DType = pb.DTYPE_FLOAT32) -> pb.Tensor:
+def bytes_to_tensor(data: bytes, num_parameters: int, dtype: int = pb.DTYPE_FLOAT32) -> pb.Tensor:
     """Wrap already-encoded bytes of a flat vector (avoids a second copy)."""
-    return pb.Tensor(dtype=dtype, shape=[num_parameters], data=data)
+    return pb.Tensor(dtype=dtype, shape=[num_parameters], data=data)  # type: ignore[arg-type]
 
 
 def all_finite(array: np.ndarray) -> bool:

@@ -14,17 +14,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import disable_created_metrics, start_http_server
 
-from gemps_proto.allocator import keep_large_allocations_for
+from gemps_proto.reasons import Reason
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server import logs
+from gemps_server.allocator import keep_large_allocations_for
 from gemps_server.applier import Applier
-from gemps_server.checkpointer import Checkpointer
+from gemps_server.checkpoint_schedule import Checkpointer
 from gemps_server.config import ServerConfig
 from gemps_server.logs import event
 from gemps_server.metrics import ServerMetrics
-from gemps_server.rules import RuleParams
 from gemps_server.security import TokenAuthInterceptor, exposure_warnings, server_credentials
-from gemps_server.servicer import ParameterServerServicer, add_to_server
+from gemps_server.service import ParameterService
+from gemps_server.servicer import GempsServicer, add_to_server
 from gemps_server.state import ServerState
 from gemps_server.workers import WorkerRegistry
 
@@ -46,22 +47,21 @@ class ParameterServer:
         self.config = config
         self.metrics = ServerMetrics()
         self.state = ServerState(
-            config.rule,
-            RuleParams(config.learning_rate, config.momentum, config.kappa, config.pi_max, config.gem_kernel),
-            WorkerRegistry(config.max_workers, config.lease_ttl),
+            config.training, WorkerRegistry(config.max_workers, config.lease_ttl), gem_kernel=config.gem_kernel
         )
-        self.applier = Applier(observer=self.metrics.applier_ran)
+        self.applier = Applier(observer=lambda timing: self.metrics.applier_ran(timing.run_seconds))
         self._observe_state()
         self.checkpointer = (
             Checkpointer(config, self.state, self.applier, self.metrics) if config.checkpoint_dir else None
         )
-        self.servicer = ParameterServerServicer(
+        self.service = ParameterService(
             config,
             self.state,
             self.applier,
             self.metrics,
             on_committed=self.checkpointer.committed if self.checkpointer is not None else None,
         )
+        self.servicer = GempsServicer(self.service, self.metrics, config.max_streamed_payloads)
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.metrics_port = 0
@@ -73,12 +73,12 @@ class ParameterServer:
         config = self.config
         if self.checkpointer is not None:
             self.checkpointer.restore()  # before serving: workers register against the restored state
-            keep_large_allocations_for(4 * self.state.num_parameters)  # see gemps_proto/allocator.py
+            keep_large_allocations_for(4 * self.state.num_parameters)  # see allocator.py
         token = config.token()
         interceptors = []
         if token:
             interceptors.append(
-                TokenAuthInterceptor(token, on_refused=lambda method: self.metrics.refusal("unauthenticated"))
+                TokenAuthInterceptor(token, on_refused=lambda method: self.metrics.refusal(Reason.UNAUTHENTICATED))
             )
         limit = config.max_message_bytes
         server = grpc.aio.server(
@@ -126,11 +126,7 @@ class ParameterServer:
             log,
             "serving",
             address=_hostport(self.config.host, self.port),
-            rule=self.config.rule,
-            learning_rate=self.config.learning_rate,
-            momentum=self.config.momentum,
-            kappa=self.config.kappa,
-            pi_max=self.config.pi_max,
+            **self.config.training.as_dict(),
             metrics_port=self.metrics_port if self.metrics_port else None,
             tls="mutual" if config.tls_client_ca else config.tls,
             auth="token" if token else None,
@@ -173,15 +169,8 @@ class ParameterServer:
         self.metrics_port = server.server_port
 
     def _observe_state(self) -> None:
-        c, state = self.config, self.state
-        self.metrics.describe_server(
-            c.rule,
-            learning_rate=c.learning_rate,
-            momentum=c.momentum,
-            kappa=c.kappa,
-            pi_max=c.pi_max,
-            worker_mode=c.worker_mode,
-        )
+        state = self.state
+        self.metrics.describe_server(self.config.training)
 
         def rule_state_bytes() -> int:
             # Read at scrape time from another thread: a stale-by-one value is fine for a gauge.
@@ -201,7 +190,7 @@ class ParameterServer:
         period = self.config.lease_ttl / LEASE_CHECKS_PER_TTL
         while True:
             await asyncio.sleep(period)
-            await self.servicer.evict_expired()
+            await self.service.evict_expired()
 
 
 async def serve(config: ServerConfig, ready: threading.Event | None = None) -> None:

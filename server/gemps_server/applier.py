@@ -14,23 +14,39 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
-# Called on the applier thread after each operation with (seconds queued, seconds running).
-Observer = Callable[[float, float], None]
 
-_Item = tuple[Callable[[], Any], "asyncio.Future[Any]", asyncio.AbstractEventLoop, float]
+@dataclass(frozen=True)
+class Timing:
+    """Where an operation's time went: waiting in the FIFO queue, then running."""
+
+    queued_seconds: float
+    run_seconds: float
 
 
-def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+@dataclass(frozen=True)
+class Timed(Generic[T]):
+    result: T
+    timing: Timing
+
+
+# Called on the applier thread after each operation (the utilisation metric).
+Observer = Callable[[Timing], None]
+
+_Item = tuple[Callable[[], Any], "asyncio.Future[Timed[Any]]", asyncio.AbstractEventLoop, float]
+
+
+def _settle(future: asyncio.Future[Timed[Any]], outcome: Timed[Any] | None, error: BaseException | None) -> None:
     if future.done():  # the handler was cancelled (client went away): nothing to deliver
         return
     if error is not None:
         future.set_exception(error)
     else:
-        future.set_result(result)
+        future.set_result(outcome)  # type: ignore[arg-type]
 
 
 class Applier:
@@ -48,8 +64,13 @@ class Applier:
         self._thread.start()
 
     async def submit(self, operation: Callable[[], T]) -> T:
+        """Run `operation` after everything submitted before it; its result (or exception)."""
+        return (await self.submit_timed(operation)).result
+
+    async def submit_timed(self, operation: Callable[[], T]) -> Timed[T]:
+        """submit(), with how long the operation waited and ran (measured here, once)."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
+        future: asyncio.Future[Timed[T]] = loop.create_future()
         self._queue.put((operation, future, loop, time.perf_counter()))
         return await future
 
@@ -69,8 +90,8 @@ class Applier:
                 result = operation()
             except Exception as exc:  # delivered to the handler that submitted it
                 error = exc
-            finished = time.perf_counter()
+            timing = Timing(started - queued_at, time.perf_counter() - started)
             if self._observer is not None:
-                self._observer(started - queued_at, finished - started)
+                self._observer(timing)
             with contextlib.suppress(RuntimeError):  # event loop closed: the server is shutting down
-                loop.call_soon_threadsafe(_settle, future, result, error)
+                loop.call_soon_threadsafe(_settle, future, Timed(result, timing), error)

@@ -1,20 +1,22 @@
-"""Server configuration: a frozen dataclass, settable by flag and by GEMPS_* environment variable.
+"""Server configuration: a frozen dataclass composed of the training configuration the server
+announces (gemps_proto.schema.TrainingConfig) and the options of this process.
 
-Precedence is flag > environment variable > default (see gemps_proto.options).
+The command line (`gemps server`) sets every field by flag or GEMPS_* environment variable, the
+training config's fields included (`--learning-rate`, `GEMPS_LEARNING_RATE`); field metadata
+carries their help text and choices.
 """
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from gemps_proto import options
+from gemps_proto.schema import TrainingConfig
 from gemps_server.logs import LOG_FORMATS
 from gemps_server.rules import rule_names
+from gemps_server.rules.gem import GEM_KERNELS
 
-WORKER_MODES = ("gradient", "agn", "easgd")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -25,27 +27,19 @@ def valid_token(token: str) -> bool:
 
 @dataclass(frozen=True)
 class ServerConfig:
+    training: TrainingConfig = field(default_factory=TrainingConfig)
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on (0.0.0.0 for all)"})
     port: int = field(default=50051, metadata={"help": "gRPC port; 0 picks a free one"})
     port_file: str = field(
         default="", metadata={"help": "once serving, write the gRPC port and the metrics port (lines 1, 2) here"}
     )
-    rule: str = field(default="gem", metadata={"help": "commit rule", "choices": rule_names()})
-    learning_rate: float = field(default=0.05, metadata={"help": "eta: a gradient g is applied as -eta*g"})
-    momentum: float = field(default=0.9, metadata={"help": "mu: GEM proxy momentum / momentum rule"})
-    kappa: float = field(default=1.0, metadata={"help": "GEM proxy amplification"})
-    pi_max: float = field(default=5.0, metadata={"help": "GEM clamp on the scaling factor pi"})
     gem_kernel: str = field(
         default="numpy",
         metadata={
             "help": "GEM's update: numpy (blocked), or numba (compiled, ~3x faster math, +125 MB; pip install numba)",
-            "choices": ["numpy", "numba"],
+            "choices": GEM_KERNELS,
         },
     )
-    worker_mode: str = field(
-        default="gradient", metadata={"help": "training mode announced to workers", "choices": WORKER_MODES}
-    )
-    batch_size: int = field(default=64, metadata={"help": "mini-batch size announced to workers"})
     lease_ttl: float = field(
         default=60.0, metadata={"help": "seconds without a commit or pull before a worker is evicted"}
     )
@@ -103,10 +97,11 @@ class ServerConfig:
 
     def problems(self) -> list[str]:
         found = []
-        if self.rule not in rule_names():
-            found.append(f"unknown rule {self.rule!r} (choose from {', '.join(rule_names())})")
-        if self.worker_mode not in WORKER_MODES:
-            found.append(f"unknown worker_mode {self.worker_mode!r} (choose from {', '.join(WORKER_MODES)})")
+        if self.training.rule not in rule_names():
+            found.append(f"unknown rule {self.training.rule!r} (choose from {', '.join(rule_names())})")
+        found += self.training.problems()
+        if self.gem_kernel not in GEM_KERNELS:
+            found.append(f"unknown gem_kernel {self.gem_kernel!r} (choose from {', '.join(GEM_KERNELS)})")
         if self.log_level not in LOG_LEVELS:
             found.append(f"unknown log_level {self.log_level!r} (choose from {', '.join(LOG_LEVELS)})")
         if self.log_format not in LOG_FORMATS:
@@ -115,22 +110,12 @@ class ServerConfig:
             found.append(f"port {self.port} outside 0..65535")
         if not -1 <= self.metrics_port <= 65535:
             found.append(f"metrics_port {self.metrics_port} outside -1..65535")
-        if self.learning_rate <= 0:
-            found.append("learning_rate must be > 0")
-        if not 0 <= self.momentum < 1:
-            found.append("momentum must be in [0, 1)")
-        if self.kappa <= 0:
-            found.append("kappa must be > 0")
-        if self.pi_max <= 0:
-            found.append("pi_max must be > 0")
         if self.lease_ttl <= 0:
             found.append("lease_ttl must be > 0")
         if self.max_workers < 1:
             found.append("max_workers must be >= 1")
         if self.num_shards < 0:
             found.append("num_shards must be >= 0")
-        if self.batch_size < 1:
-            found.append("batch_size must be >= 1")
         if self.max_streamed_payloads < 1:
             found.append("max_streamed_payloads must be >= 1")
         if self.max_message_mb < 1:
@@ -176,17 +161,7 @@ class ServerConfig:
     def max_message_bytes(self) -> int:
         return min(self.max_message_mb * 1024 * 1024, 2**31 - 1)
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    options.add_arguments(parser, ServerConfig)
-
-
-def from_sources(args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
-    """Build the config with precedence: flag > GEMPS_* environment variable > default."""
-    return options.from_sources(ServerConfig, args, environ)
-
-
-def parse(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
-    parser = argparse.ArgumentParser(prog="gemps server")
-    add_arguments(parser)
-    return from_sources(parser.parse_args(argv), environ)
+    def recorded_settings(self) -> dict[str, Any]:
+        """The settings a checkpoint records and compares on restore: the training config and
+        how the data is sharded."""
+        return {**self.training.as_dict(), "num_shards": self.num_shards}

@@ -1,36 +1,31 @@
-"""Service errors, each tied to its gRPC status code; the servicer maps them in one place."""
+"""Why the server refuses a request, by kind: each kind is one gRPC status code, mapped in the
+servicer (the only place that knows about gRPC); the `reason` is one of gemps_proto.reasons."""
 
 from __future__ import annotations
 
-import grpc
-
-# Trailing-metadata key carrying `ServiceError.reason`, so clients can act on it without
-# parsing messages (e.g. re-register on "unknown_worker" or "not_initialized").
-REASON_METADATA_KEY = "gemps-reason"
+from gemps_proto.reasons import Reason
 
 
 class ServiceError(Exception):
-    """A request the server refuses. `reason` is a short label for metrics and logs."""
+    """A request the server refuses, with the reason clients and metrics see."""
 
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
-
-    def __init__(self, message: str, reason: str) -> None:
+    def __init__(self, message: str, reason: Reason) -> None:
         super().__init__(message)
         self.message = message
         self.reason = reason
 
 
 class InvalidArgument(ServiceError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    """The request's content is wrong (shape, dtype, NaN/Inf, version, ...)."""
 
 
 class NotFound(ServiceError):
-    code = grpc.StatusCode.NOT_FOUND
+    """The worker is unknown (never registered, left, evicted)."""
 
 
 class FailedPrecondition(ServiceError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    """The server is not in a state to serve this (not initialised, spec mismatch)."""
 
 
 class ResourceExhausted(ServiceError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    """A limit was hit (workers, registration rate)."""

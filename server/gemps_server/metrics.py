@@ -14,6 +14,9 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, Summary
 from prometheus_client.process_collector import ProcessCollector
 
+from gemps_proto.reasons import Reason
+from gemps_proto.schema import TrainingConfig
+from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.rules import ApplyStats
 
 # Staleness in updates: fine where most commits land (0..16 at 10 workers), up to a few hundred
@@ -27,24 +30,14 @@ DURATION_BUCKETS = (
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 
-# Why a Commit can be refused (the `reason` of its ServiceError). Their series exist from the
-# start at 0, so "rejected by reason" panels and rate() show 0 rather than nothing.
-COMMIT_REJECTION_REASONS = (
-    "unknown_worker",
-    "not_initialized",
-    "bad_kind",
-    "bad_payload",
-    "bad_shape",
-    "bad_version",
-    "non_finite",
-    "bad_request_id",
-    "malformed",
-)
-RPC_METHODS = ("Register", "Pull", "Commit", "Leave", "Status", "ReportEvaluation")
+# Why a commit can be refused (gemps_proto.reasons). Their series exist from the start at 0, so
+# "rejected by reason" panels and rate() show 0 rather than nothing.
+COMMIT_REJECTION_REASONS = tuple(reason.value for reason in Reason)
+RPC_METHODS = tuple(method.name for method in pb.DESCRIPTOR.services_by_name["ParameterServer"].methods)
 DEPARTURE_CAUSES = ("left", "evicted")
 CHECKPOINT_OUTCOMES = ("written", "failed")
 # Requests refused before reaching a handler's logic: no or a wrong token, registration rate.
-REFUSAL_REASONS = ("unauthenticated", "registration_rate")
+REFUSAL_REASONS = (Reason.UNAUTHENTICATED.value, Reason.REGISTRATION_RATE.value)
 # Longest `dataset` label value taken from an evaluator's report.
 MAX_DATASET_LABEL = 64
 # Distinct `dataset` label values kept; reports naming further datasets go under "other", so a
@@ -60,7 +53,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
-        self.info = Info("gemps_server", "The server's commit rule and its hyperparameters.", registry=r)
+        self.info = Info("gemps_server", "The training config the server announces.", registry=r)
 
         # -- commits ------------------------------------------------------------------------
         self.commits = Counter(
@@ -222,9 +215,10 @@ class ServerMetrics:
 
     # -- wiring ----------------------------------------------------------------------------------
 
-    def describe_server(self, rule: str, **hyperparameters: float | str) -> None:
-        labels = {key: f"{value:g}" if isinstance(value, float) else value for key, value in hyperparameters.items()}
-        self.info.info({"rule": rule, **labels})
+    def describe_server(self, training: TrainingConfig) -> None:
+        """The training config as the info metric's labels, one per field."""
+        values = training.as_dict().items()
+        self.info.info({key: f"{value:g}" if isinstance(value, float) else str(value) for key, value in values})
 
     def observe(
         self,
@@ -244,8 +238,8 @@ class ServerMetrics:
 
     # -- events ----------------------------------------------------------------------------------
 
-    def applier_ran(self, queued_seconds: float, run_seconds: float) -> None:
-        """Applier observer: called on its thread after every operation (commit or not)."""
+    def applier_ran(self, run_seconds: float) -> None:
+        """Called on the applier's thread after every operation it ran (commit or not)."""
         self.applier_busy.inc(run_seconds)
 
     def applied(
@@ -276,14 +270,11 @@ class ServerMetrics:
         if num_samples:
             self.samples.inc(num_samples)
 
-    def rejected(self, reason: str) -> None:
-        self.commits.labels("rejected", reason).inc()
+    def rejected(self, reason: Reason) -> None:
+        self.commits.labels("rejected", reason.value).inc()
 
-    def rpc(self, method: str, seconds: float, received_bytes: int = 0, sent_bytes: int = 0) -> None:
+    def rpc(self, method: str, seconds: float) -> None:
         self.rpc_duration.labels(method).observe(seconds)
-        self.received.labels(method).inc(received_bytes)
-        if sent_bytes:
-            self.sent.labels(method).inc(sent_bytes)
 
     def message_received(self, method: str, size: int) -> None:
         self.received.labels(method).inc(size)
@@ -310,8 +301,8 @@ class ServerMetrics:
     def checkpoint_failed(self) -> None:
         self.checkpoints.labels("failed").inc()
 
-    def refusal(self, reason: str) -> None:
-        self.refused.labels(reason).inc()
+    def refusal(self, reason: Reason) -> None:
+        self.refused.labels(reason.value).inc()
 
     def evaluated(self, dataset: str, version: int, loss: float, accuracy: float) -> None:
         label = (dataset or "unknown")[:MAX_DATASET_LABEL]

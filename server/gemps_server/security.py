@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from gemps_server.errors import REASON_METADATA_KEY
+from gemps_proto import reasons
 from gemps_server.logs import Throttle, event
 
 log = logging.getLogger("gemps.server")
@@ -103,7 +103,7 @@ async def _deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> No
     await context.abort(
         grpc.StatusCode.UNAUTHENTICATED,
         "missing or wrong bearer token: send 'authorization: Bearer <token>'",
-        trailing_metadata=((REASON_METADATA_KEY, "unauthenticated"),),
+        trailing_metadata=((reasons.METADATA_KEY, reasons.Reason.UNAUTHENTICATED.value),),
     )
 
 

@@ -1,86 +1,83 @@
-"""The central variable, its version, the commit rule and the registered workers.
+"""The central variable, its version, the commit rule and the registered workers: the domain.
 
 Every mutating method here runs on the applier thread, one call at a time, in arrival order
 (see applier.py); the event loop only reads `snapshot`, which is replaced atomically.
 Every check on a request happens before anything is mutated, so a rejected request never
-touches the central variable.
+touches the central variable. Nothing here knows about gRPC or protobuf messages: serde.py
+turns requests into the types below and outcomes back into replies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import cast
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from gemps_proto.codec import (
+    FLOAT32,
+    WIRE_DTYPE_NAMES,
+    EncodedTensor,
     TensorDecodeError,
     all_finite,
-    decode,
     dtype_name,
     encode,
-    num_elements,
-    numpy_dtype,
-    tensor_to_array,
+    expected_nbytes,
 )
-from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_server.checkpoint import Checkpoint
+from gemps_proto.reasons import Reason
+from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
 from gemps_server.errors import FailedPrecondition, InvalidArgument
 from gemps_server.ledger import MAX_REQUEST_ID_LENGTH, CommitLedger, Receipt
-from gemps_server.rules import ApplyStats, CommitRule, RuleParams, create_rule
+from gemps_server.rules import ApplyStats, CommitRule, create_rule
 from gemps_server.workers import WorkerRecord, WorkerRegistry
 
 # How many spec differences a FAILED_PRECONDITION message spells out before summarising.
 MAX_LISTED_DIFFERENCES = 5
 
 
-@dataclass(frozen=True)
-class ParamSpec:
-    name: str
-    shape: tuple[int, ...]
-
-    @property
-    def size(self) -> int:
-        return num_elements(self.shape)
-
-    def describe(self) -> str:
-        return f"{self.name!r} {list(self.shape)}"
-
-
-# Wire formats a reply's parameters may use.
-REPLY_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16)
-
-
-@dataclass(frozen=True)
 class Snapshot:
-    """The central variable at one version, encoded for the wire in the formats asked for so
-    far (each produced once per version, on the applier, then shared by every reply)."""
+    """The central variable at one version as wire bytes: one encoding per wire dtype, each made
+    the first time a reply asks for it (on the applier, while theta holds this version) and then
+    shared by every reply of that version. Read from the event loop; written on the applier."""
 
-    version: int
-    encodings: dict[int, bytes]
+    __slots__ = ("_encodings", "version")
 
-    def data(self, dtype: int = pb.DTYPE_FLOAT32) -> bytes | None:
-        return self.encodings.get(dtype)
+    def __init__(self, version: int, encodings: Mapping[int, bytes] | None = None) -> None:
+        self.version = version
+        self._encodings: dict[int, bytes] = dict(encodings or {})
+
+    def data(self, dtype: int = FLOAT32) -> bytes | None:
+        """The encoding in `dtype`, or None if no reply of this version asked for it yet."""
+        return self._encodings.get(dtype)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Snapshot):
+            return NotImplemented
+        return (self.version, self._encodings) == (other.version, other._encodings)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable: its encodings are added to
+
+    def __repr__(self) -> str:
+        return f"Snapshot(version={self.version}, encodings={sorted(self._encodings)})"
+
+    def store(self, dtype: int, data: bytes) -> None:
+        """Keep `dtype`'s encoding (on the applier, while theta holds this version)."""
+        self._encodings[dtype] = data
 
 
 @dataclass(frozen=True)
-class WirePayload:
-    """A commit's payload as it came: dtype and shape from the request, the raw bytes."""
+class Commit:
+    """One worker's commit as the domain sees it (serde.py builds it from the request). The kind
+    and the reply dtype are the wire's values, checked here in the protocol's order."""
 
-    dtype: int
-    shape: tuple[int, ...]
-    data: bytes | memoryview
-
-    @classmethod
-    def of(cls, tensor: pb.Tensor) -> WirePayload:
-        return cls(tensor.dtype, tuple(tensor.shape), tensor.data)
-
-
-@dataclass(frozen=True)
-class Registration:
-    worker: WorkerRecord
-    snapshot: Snapshot
+    worker_id: str
+    base_version: int
+    kind: int  # a PayloadKind
+    payload: EncodedTensor
+    request_id: str = ""
+    reply_dtype: int = FLOAT32  # wire dtype of the snapshot the reply carries
+    loss: float | None = None  # the mini-batch's training loss (metrics only)
+    num_samples: int | None = None  # the mini-batch's size (metrics only)
 
 
 @dataclass(frozen=True)
@@ -93,29 +90,48 @@ class CommitOutcome:
     duplicate: bool = False
 
 
-def parse_spec(spec: Sequence[pb.ParameterSpec]) -> list[ParamSpec]:
-    """Validate a worker's parameter spec; raises InvalidArgument naming the bad entry."""
+@dataclass(frozen=True)
+class Admission:
+    """A registration's result: the worker's record and the central variable it starts from."""
+
+    worker: WorkerRecord
+    snapshot: Snapshot
+    initialized_theta: bool  # this worker's initial parameters became the central variable
+
+
+@dataclass(frozen=True)
+class StateImage:
+    """Everything a restarted server needs, consistent at one version (see checkpoints.py)."""
+
+    version: int
+    commits_applied: int
+    spec: tuple[ParameterSpec, ...]
+    theta: np.ndarray  # flat float32, the concatenation of the spec's parameters
+    rule: str = ""  # the rule whose global state `rule_state` is
+    rule_state: Mapping[str, np.ndarray] = field(default_factory=dict)
+    receipts: Mapping[str, Receipt] = field(default_factory=dict)
+
+    @property
+    def num_parameters(self) -> int:
+        return int(self.theta.size)
+
+
+def check_spec(spec: Sequence[ParameterSpec]) -> None:
+    """Raises InvalidArgument naming the first bad entry of a worker's parameter spec."""
     if not spec:
-        raise InvalidArgument("parameter spec is empty: send at least one parameter", reason="bad_spec")
-    parsed, seen = [], set()
+        raise InvalidArgument("parameter spec is empty: send at least one parameter", Reason.BAD_SPEC)
+    seen = set()
     for index, entry in enumerate(spec):
         if not entry.name:
-            raise InvalidArgument(f"parameter {index} has no name", reason="bad_spec")
+            raise InvalidArgument(f"parameter {index} has no name", Reason.BAD_SPEC)
         if entry.name in seen:
-            raise InvalidArgument(f"parameter name {entry.name!r} appears twice", reason="bad_spec")
-        if entry.dtype != pb.DTYPE_FLOAT32:
-            raise InvalidArgument(
-                f"parameter {entry.name!r} has dtype {dtype_name(entry.dtype)}; the central variable is DTYPE_FLOAT32",
-                reason="bad_dtype",
-            )
+            raise InvalidArgument(f"parameter name {entry.name!r} appears twice", Reason.BAD_SPEC)
         if any(d < 0 for d in entry.shape):
-            raise InvalidArgument(f"parameter {entry.name!r} has negative shape {list(entry.shape)}", reason="bad_spec")
+            raise InvalidArgument(f"parameter {entry.name!r} has negative shape {list(entry.shape)}", Reason.BAD_SPEC)
         seen.add(entry.name)
-        parsed.append(ParamSpec(entry.name, tuple(entry.shape)))
-    return parsed
 
 
-def spec_differences(server: Sequence[ParamSpec], worker: Sequence[ParamSpec]) -> list[str]:
+def spec_differences(server: Sequence[ParameterSpec], worker: Sequence[ParameterSpec]) -> list[str]:
     """Human-readable differences between the server's spec and a worker's, in order."""
     found = []
     if len(server) != len(worker):
@@ -131,27 +147,38 @@ def spec_differences(server: Sequence[ParamSpec], worker: Sequence[ParamSpec]) -
     return found
 
 
-def check_reply_dtype(dtype: int) -> pb.DType:
-    """The wire format a reply's parameters use (float32 when unspecified); InvalidArgument if unknown."""
-    if dtype == pb.DTYPE_UNSPECIFIED:
-        return pb.DTYPE_FLOAT32
-    if dtype not in REPLY_DTYPES:
-        raise InvalidArgument(
-            f"reply_dtype {dtype_name(dtype)} is not one of {', '.join(dtype_name(d) for d in REPLY_DTYPES)}",
-            reason="bad_dtype",
-        )
-    return cast(pb.DType, dtype)
+def check_reply_dtype(dtype: int) -> None:
+    """InvalidArgument unless replies can carry the central variable in `dtype`."""
+    if dtype not in WIRE_DTYPE_NAMES.values():
+        supported = ", ".join(dtype_name(d) for d in WIRE_DTYPE_NAMES.values())
+        raise InvalidArgument(f"reply_dtype {dtype_name(dtype)} is not one of {supported}", Reason.BAD_DTYPE)
+
+
+def _payload_kind(value: int) -> PayloadKind:
+    try:
+        return PayloadKind(value)
+    except ValueError:
+        kinds = " or ".join(kind.wire_name for kind in PayloadKind)
+        raise InvalidArgument(f"payload kind {value} is not {kinds}", Reason.BAD_KIND) from None
+
+
+def _decoded(tensor: EncodedTensor, what: str) -> np.ndarray:
+    try:
+        return tensor.decode()
+    except TensorDecodeError as error:
+        raise InvalidArgument(f"{what}: {error}", Reason.BAD_PAYLOAD) from None
 
 
 class ServerState:
-    def __init__(self, rule_name: str, rule_params: RuleParams, registry: WorkerRegistry) -> None:
-        create_rule(rule_name, rule_params, 0)  # fail fast on an unknown rule name
-        self.rule_name = rule_name
-        self.rule_params = rule_params
+    def __init__(self, training: TrainingConfig, registry: WorkerRegistry, gem_kernel: str = "numpy") -> None:
+        self._training = training
+        self._gem_kernel = gem_kernel
+        self._new_rule(0)  # fail fast on an unknown rule name or kernel
+        self.rule_name = training.rule
         self.registry = registry
-        self.spec: list[ParamSpec] = []
+        self.spec: tuple[ParameterSpec, ...] = ()
         self.rule: CommitRule | None = None
-        self.snapshot = Snapshot(0, {pb.DTYPE_FLOAT32: b""})
+        self.snapshot = Snapshot(0, {FLOAT32: b""})
         self.commits_applied = 0
         self.ledger = CommitLedger(capacity=registry.max_workers)
         self._theta = np.empty(0, dtype=np.float32)
@@ -173,7 +200,8 @@ class ServerState:
 
     # -- operations run by the applier --------------------------------------------------------
 
-    def register(self, worker_name: str, spec: Sequence[ParamSpec], initial: pb.Tensor | None) -> Registration:
+    def register(self, worker_name: str, spec: Sequence[ParameterSpec], initial: EncodedTensor | None) -> Admission:
+        check_spec(spec)
         first = self.rule is None
         if first:
             self._initialize(spec, initial)
@@ -184,56 +212,47 @@ class ServerState:
                 "parameter spec does not match the central variable's: "
                 + "; ".join(shown)
                 + (f"; and {more} more" if more > 0 else ""),
-                reason="spec_mismatch",
+                Reason.SPEC_MISMATCH,
             )
         assert self.rule is not None
         worker = self.registry.add(worker_name)
         self.rule.add_worker(worker.worker_id, self._theta)
         # The worker that initialised theta already holds it: no P-sized encoding for its reply.
-        return Registration(worker, self.snapshot if initial is not None and first else self.encoded(pb.DTYPE_FLOAT32))
+        initialized = first and initial is not None
+        return Admission(worker, self.snapshot if initialized else self.encoded(FLOAT32), initialized)
 
-    def commit(
-        self,
-        worker_id: str,
-        base_version: int,
-        kind: int,
-        payload: WirePayload,
-        request_id: str = "",
-        reply_dtype: int = pb.DTYPE_FLOAT32,
-    ) -> CommitOutcome:
+    def commit(self, commit: Commit) -> CommitOutcome:
         rule = self.require_initialized()
-        reply_dtype = check_reply_dtype(reply_dtype)
-        if len(request_id) > MAX_REQUEST_ID_LENGTH:
+        check_reply_dtype(commit.reply_dtype)
+        if len(commit.request_id) > MAX_REQUEST_ID_LENGTH:
             raise InvalidArgument(
-                f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_LENGTH}",
-                reason="bad_request_id",
+                f"request_id has {len(commit.request_id)} characters; at most {MAX_REQUEST_ID_LENGTH}",
+                Reason.BAD_REQUEST_ID,
             )
-        receipt = self.ledger.lookup(request_id)
+        receipt = self.ledger.lookup(commit.request_id)
         if receipt is not None:
             # Checked before the worker: the retry may come from the same worker after it
             # registered again (lease expiry, server restart) under a new id.
-            if worker_id in self.registry:
-                self.registry.touch(worker_id)
-            return CommitOutcome(self.encoded(reply_dtype), receipt.staleness, receipt.stats, duplicate=True)
-        worker = self.registry.get(worker_id)
-        gradient = self._validated_payload(kind, payload, base_version)
-        staleness = self.version - base_version
-        scale = -self.rule_params.learning_rate if kind == pb.PAYLOAD_KIND_GRADIENT else 1.0
-        stats = rule.apply(self._theta, gradient, worker_id, staleness, scale)
+            if commit.worker_id in self.registry:
+                self.registry.touch(commit.worker_id)
+            return CommitOutcome(self.encoded(commit.reply_dtype), receipt.staleness, receipt.stats, duplicate=True)
+        worker = self.registry.get(commit.worker_id)
+        kind, payload = self._validated_payload(commit)
+        staleness = self.version - commit.base_version
+        stats = rule.apply(self._theta, payload, kind, commit.worker_id, staleness)
         self.commits_applied += 1
         worker.commits += 1
-        self.registry.touch(worker_id)
-        self.snapshot = Snapshot(self.version + 1, {})
-        self.encoded(reply_dtype)
-        self.ledger.record(worker_id, request_id, Receipt(self.version, staleness, stats))
+        self.registry.touch(commit.worker_id)
+        self.snapshot = Snapshot(self.version + 1)
+        self.encoded(commit.reply_dtype)
+        self.ledger.record(commit.worker_id, commit.request_id, Receipt(self.version, staleness, stats))
         return CommitOutcome(self.snapshot, staleness, stats)
 
     def encoded(self, dtype: int) -> Snapshot:
         """The current snapshot, with `dtype`'s encoding produced if it is not there yet."""
         snapshot = self.snapshot
-        if dtype not in snapshot.encodings:
-            values = self._theta
-            snapshot.encodings[dtype] = encode(values, dtype)
+        if snapshot.data(dtype) is None:
+            snapshot.store(dtype, encode(self._theta, dtype))
         return snapshot
 
     def leave(self, worker_id: str) -> WorkerRecord:
@@ -248,48 +267,68 @@ class ServerState:
             self._forget(worker_id)
         return evicted
 
-    # -- helpers -------------------------------------------------------------------------------
-
-    def checkpoint(self, config: dict[str, object]) -> Checkpoint:
+    def image(self) -> StateImage:
         """Everything a restarted server needs, consistent at one version (run on the applier:
         the rule's global state and the ledger change with every commit)."""
         rule = self.require_initialized()
-        return Checkpoint(
+        return StateImage(
             version=self.snapshot.version,
             commits_applied=self.commits_applied,
-            spec=tuple((s.name, s.shape) for s in self.spec),
+            spec=self.spec,
             theta=self._theta.copy(),
-            config=config,
+            rule=self.rule_name,
             rule_state=rule.global_state(),
             receipts=self.ledger.entries(),
         )
 
-    def restore(self, checkpoint: Checkpoint) -> list[str]:
-        """Serve `checkpoint`'s central variable (before any worker registers); returns warnings.
+    def restore(self, image: StateImage) -> list[str]:
+        """Serve `image`'s central variable (before any worker registers); returns warnings.
 
         Workers are not restored: they register again, with fresh per-worker rule state.
         """
         if self.rule is not None:
             raise RuntimeError("restore() needs a server that is not initialised yet")
         warnings = []
-        self.spec = [ParamSpec(name, shape) for name, shape in checkpoint.spec]
-        self._theta = np.array(checkpoint.theta, dtype=np.float32, copy=True).reshape(-1)
-        rule = create_rule(self.rule_name, self.rule_params, self._theta.size)
-        if checkpoint.rule_state:
-            if checkpoint.config.get("rule") == self.rule_name:
+        self.spec = tuple(image.spec)
+        self._theta = np.array(image.theta, dtype=np.float32, copy=True).reshape(-1)
+        rule = self._new_rule(self._theta.size)
+        if image.rule_state:
+            if image.rule == self.rule_name:
                 try:
-                    rule.load_global_state(dict(checkpoint.rule_state))
+                    rule.load_global_state(dict(image.rule_state))
                 except ValueError as error:
                     warnings.append(f"rule state not restored: {error}")
             else:
-                warnings.append(
-                    f"rule state of {checkpoint.config.get('rule')!r} not restored into rule {self.rule_name!r}"
-                )
+                warnings.append(f"rule state of {image.rule!r} not restored into rule {self.rule_name!r}")
         self.rule = rule
-        self.commits_applied = checkpoint.commits_applied
-        self.snapshot = Snapshot(checkpoint.version, {})
-        self.ledger.restore(dict(checkpoint.receipts))
+        self.commits_applied = image.commits_applied
+        self.snapshot = Snapshot(image.version)
+        self.ledger.restore(dict(image.receipts))
         return warnings
+
+    # -- checks, readable from the event loop ------------------------------------------------
+
+    def require_initialized(self) -> CommitRule:
+        if self.rule is None:
+            raise FailedPrecondition(
+                "central variable not initialised: no worker has registered yet", Reason.NOT_INITIALIZED
+            )
+        return self.rule
+
+    def expected_payload_bytes(self, dtype: int, shape: tuple[int, ...]) -> int:
+        """Bytes a payload of this dtype and shape must have; InvalidArgument unless it is flat [P]."""
+        self.require_initialized()
+        try:
+            size = expected_nbytes(dtype, shape)
+        except TensorDecodeError as error:
+            raise InvalidArgument(f"payload: {error}", Reason.BAD_PAYLOAD) from None
+        self._check_payload_shape(shape)
+        return size
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _new_rule(self, num_parameters: int) -> CommitRule:
+        return create_rule(self._training, num_parameters, kernel=self._gem_kernel)
 
     def _forget(self, worker_id: str) -> None:
         self.registry.remove(worker_id)
@@ -297,75 +336,44 @@ class ServerState:
         if self.rule is not None:
             self.rule.remove_worker(worker_id)
 
-    def require_initialized(self) -> CommitRule:
-        if self.rule is None:
-            raise FailedPrecondition(
-                "central variable not initialised: no worker has registered yet", reason="not_initialized"
-            )
-        return self.rule
-
-    def _initialize(self, spec: Sequence[ParamSpec], initial: pb.Tensor | None) -> None:
+    def _initialize(self, spec: Sequence[ParameterSpec], initial: EncodedTensor | None) -> None:
         if initial is None:
             raise FailedPrecondition(
                 "central variable not initialised: the first worker to register must send initial_parameters",
-                reason="not_initialized",
+                Reason.NOT_INITIALIZED,
             )
         size = sum(s.size for s in spec)
-        values = self._decode(initial, "initial_parameters")
+        values = _decoded(initial, "initial_parameters")
         if values.size != size:
             raise InvalidArgument(
-                f"initial_parameters has {values.size} values but the spec describes {size}",
-                reason="bad_shape",
+                f"initial_parameters has {values.size} values but the spec describes {size}", Reason.BAD_SHAPE
             )
         if not all_finite(values):
-            raise InvalidArgument("initial_parameters contains NaN or Inf", reason="non_finite")
-        self.spec = list(spec)
+            raise InvalidArgument("initial_parameters contains NaN or Inf", Reason.NON_FINITE)
+        self.spec = tuple(spec)
         self._theta = values.reshape(-1).copy()
-        self.rule = create_rule(self.rule_name, self.rule_params, size)
-        self.snapshot = Snapshot(0, {})
-
-    def expected_payload_bytes(self, dtype: int, shape: tuple[int, ...]) -> int:
-        """Bytes a payload of this dtype and shape must have; InvalidArgument unless it is flat [P]."""
-        self.require_initialized()
-        try:
-            itemsize = numpy_dtype(dtype).itemsize
-        except TensorDecodeError as error:
-            raise InvalidArgument(f"payload: {error}", reason="bad_payload") from None
-        self._check_payload_shape(shape)
-        return self.num_parameters * itemsize
+        self.rule = self._new_rule(size)
+        self.snapshot = Snapshot(0)
 
     def _check_payload_shape(self, shape: tuple[int, ...]) -> None:
         if shape != (self.num_parameters,):
             raise InvalidArgument(
                 f"payload shape {list(shape)} does not match the central variable's "
                 f"[{self.num_parameters}] (all registered parameters, flattened in spec order)",
-                reason="bad_shape",
+                Reason.BAD_SHAPE,
             )
 
-    def _validated_payload(self, kind: int, payload: WirePayload, base_version: int) -> np.ndarray:
-        if kind not in (pb.PAYLOAD_KIND_GRADIENT, pb.PAYLOAD_KIND_UPDATE):
-            raise InvalidArgument(
-                f"payload kind {kind} is not PAYLOAD_KIND_GRADIENT or PAYLOAD_KIND_UPDATE", reason="bad_kind"
-            )
-        try:
-            values = decode(payload.dtype, payload.shape, payload.data)
-        except TensorDecodeError as error:
-            raise InvalidArgument(f"payload: {error}", reason="bad_payload") from None
+    def _validated_payload(self, commit: Commit) -> tuple[PayloadKind, np.ndarray]:
+        kind = _payload_kind(commit.kind)
+        values = _decoded(commit.payload, "payload")
         self._check_payload_shape(values.shape)
-        if base_version < 0:
-            raise InvalidArgument(f"base_version {base_version} is negative", reason="bad_version")
-        if base_version > self.version:
+        if commit.base_version < 0:
+            raise InvalidArgument(f"base_version {commit.base_version} is negative", Reason.BAD_VERSION)
+        if commit.base_version > self.version:
             raise InvalidArgument(
-                f"base_version {base_version} is ahead of the server's version {self.version}",
-                reason="bad_version",
+                f"base_version {commit.base_version} is ahead of the server's version {self.version}",
+                Reason.BAD_VERSION,
             )
         if not all_finite(values):
-            raise InvalidArgument("payload contains NaN or Inf", reason="non_finite")
-        return values
-
-    @staticmethod
-    def _decode(tensor: pb.Tensor, field: str) -> np.ndarray:
-        try:
-            return tensor_to_array(tensor)
-        except TensorDecodeError as error:
-            raise InvalidArgument(f"{field}: {error}", reason="bad_payload") from None
+            raise InvalidArgument("payload contains NaN or Inf", Reason.NON_FINITE)
+        return kind, values

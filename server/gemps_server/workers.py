@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gemps_proto.reasons import Reason
 from gemps_server.errors import NotFound, ResourceExhausted
 
 
@@ -41,7 +42,7 @@ class WorkerRegistry:
         if len(self._workers) >= self.max_workers:
             raise ResourceExhausted(
                 f"server is full: {self.max_workers} workers registered (raise --max-workers)",
-                reason="max_workers",
+                Reason.MAX_WORKERS,
             )
         if self._free_slots:
             slot = heapq.heappop(self._free_slots)
@@ -58,7 +59,7 @@ class WorkerRegistry:
             raise NotFound(
                 f"unknown worker {worker_id!r}: never registered, left, or evicted after "
                 f"{self.lease_ttl:g}s without a commit; register again",
-                reason="unknown_worker",
+                Reason.UNKNOWN_WORKER,
             ) from None
 
     def touch(self, worker_id: str) -> WorkerRecord:
@@ -75,6 +76,3 @@ class WorkerRegistry:
     def expired(self) -> list[str]:
         deadline = self._clock() - self.lease_ttl
         return [w.worker_id for w in self._workers.values() if w.last_seen < deadline]
-
-    def records(self) -> list[WorkerRecord]:
-        return list(self._workers.values())

@@ -15,7 +15,7 @@ SYSTEMS = {"echo-unary", "echo-stream", "gemps", "gemps-bfloat16", "gemps-numba"
 def test_quick_bench_measures_every_system_and_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     done = subprocess.run(
-        [sys.executable, "-m", "gemps.cli", "bench", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "gemps_cli", "bench", "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,

@@ -4,22 +4,23 @@ evaluator and Prometheus (all services but Grafana, which has no image in this w
 training progress is read through the server's Status RPC and through Prometheus' HTTP API,
 workers are scaled down and up while training continues, and everything is torn down.
 
-Needs podman and podman-compose, which CI installs first with
-`../shared/tools/container-rig --prometheus-tag v2.53.0`. Without them these tests fail with
-that advice; they skip only when asked to with GEMPS_SKIP_CONTAINER_TESTS=1.
+Needs podman and podman-compose (tools/install-system-deps: Debian's packages, or in this
+workplace `../shared/tools/container-rig --prometheus-tag v2.53.0`, which CI runs first), and the
+base images the Dockerfiles and Prometheus start from: podman pulls them, or in this workplace,
+which reaches no image registry, the rig builds stand-ins for them. Without either these tests
+fail with one line saying which; they skip only when asked to with GEMPS_SKIP_CONTAINER_TESTS=1.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-import socket
 import subprocess
-import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,6 +31,7 @@ import yaml
 import gemps
 from gemps.records import ServerStatus
 from gemps.retry import NO_RETRY
+from tests.helpers import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -44,28 +46,6 @@ BUILD_ARGS = ("TORCH_REQUIREMENT=torch==2.13.0", "TORCH_INDEX_URL=")
 pytestmark = pytest.mark.timeout(900)  # the first test builds the images (minutes on a fresh machine)
 
 T = TypeVar("T")
-
-
-def wait_until(what: str, probe: Callable[[], T | None], timeout: float, explain: Callable[[], str] = str) -> T:
-    """Poll `probe` until it returns something truthy; fail with `explain()` at the deadline."""
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while True:
-        try:
-            value = probe()
-        except Exception as error:  # the thing being waited for may not answer yet
-            value, last = None, error
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what} (last error: {last!r})\n{explain()}")
-        time.sleep(1.0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run(args: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -162,18 +142,23 @@ class Stack:
 
     def wait_for_workers(self, count: int, timeout: float = 300) -> ServerStatus:
         """`count` workers registered, and the version still moving."""
-        status = wait_until(
-            f"{count} active workers",
-            lambda: (s := self.status()).active_workers == count and s,
+        status: ServerStatus = wait_for(
+            lambda: s if (s := self.status()).active_workers == count else None,
             timeout,
-            self.diagnostics,
+            f"{count} active workers",
+            poll=1.0,
+            tolerate=(Exception,),
+            explain=self.diagnostics,
         )
-        return wait_until(
-            "100 more commits",
-            lambda: (s := self.status()).version >= status.version + 100 and s,
+        moved: ServerStatus = wait_for(
+            lambda: s if (s := self.status()).version >= status.version + 100 else None,
             120,
-            self.diagnostics,
+            "100 more commits",
+            poll=1.0,
+            tolerate=(Exception,),
+            explain=self.diagnostics,
         )
+        return moved
 
 
 def require_podman() -> None:
@@ -184,9 +169,96 @@ def require_podman() -> None:
         pytest.fail(f"{' and '.join(missing)} not found: run `{RIG}` first (CI does)")
 
 
+def qualified(image: str) -> str:
+    """An image reference in full, as Docker reads a short one: python:3.11-slim is
+    docker.io/library/python:3.11-slim, prom/prometheus:v2.53.0 is docker.io/prom/prometheus:v2.53.0."""
+    first, _, rest = image.partition("/")
+    if not rest:
+        image = f"docker.io/library/{image}"
+    elif "." not in first and ":" not in first and first != "localhost":
+        image = f"docker.io/{image}"
+    if ":" not in image.rsplit("/", 1)[-1] and "@" not in image:
+        image += ":latest"
+    return image
+
+
+def from_images(dockerfile: Path, build_args: dict[str, str]) -> list[str]:
+    """The images a Dockerfile's FROM lines start from, its global ARGs resolved; not its own stages."""
+    values: dict[str, str] = {}
+    stages: set[str] = set()
+    images: list[str] = []
+    for line in dockerfile.read_text().splitlines():
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        keyword = words[0].upper()
+        if keyword == "ARG" and not images:  # ARGs before the first FROM are the ones FROM sees
+            name, _, default = words[1].partition("=")
+            values[name] = build_args.get(name, default)
+        elif keyword == "FROM":
+            words = [word for word in words[1:] if not word.startswith("--")]  # --platform=...
+            image = re.sub(
+                r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)",
+                lambda m: values.get(m[1] or m[3]) or m[2] or "",
+                words[0],
+            )
+            if image.lower() not in stages and image != "scratch":
+                images.append(image)
+            if len(words) == 3 and words[1].upper() == "AS":
+                stages.add(words[2].lower())
+    return images
+
+
+def base_images() -> list[str]:
+    """The images that `compose build` and `compose up` of SERVICES start from, in full."""
+    services = yaml.safe_load(COMPOSE_FILE.read_text())["services"]
+    given = dict(arg.split("=", 1) for arg in BUILD_ARGS)
+    images = []
+    for name in SERVICES:
+        build = services[name].get("build")
+        if build is None:
+            images.append(services[name]["image"])
+            continue
+        args = build.get("args") or {}
+        if isinstance(args, list):
+            args = dict(arg.split("=", 1) for arg in args if "=" in arg)
+        dockerfile = ROOT / build.get("context", ".") / build.get("dockerfile", "Dockerfile")
+        images += from_images(dockerfile, {**args, **given})
+    return list(dict.fromkeys(map(qualified, images)))
+
+
+# How podman says that it reached no registry (DNS, routing, refused, timed out), not that the
+# registry refused the image.
+UNREACHABLE = re.compile(
+    r"pinging container registry|dial tcp|no such host|network is unreachable|no route to host|"
+    r"connection refused|i/o timeout|TLS handshake timeout|proxyconnect"
+)
+
+
+def require_base_images() -> None:
+    """The base images are here, or podman can pull them; else fail now, in one line, rather than
+    minutes into a build that fails in its own words."""
+    for image in base_images():
+        if subprocess.run(["podman", "image", "exists", image], capture_output=True, timeout=60).returncode == 0:
+            continue
+        absent = f"cannot build the images: base image {image} is not present and"
+        try:
+            pull = subprocess.run(["podman", "pull", "--quiet", image], capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{absent} pulling it took over 300 s", pytrace=False)
+        if pull.returncode == 0:
+            continue
+        if UNREACHABLE.search(pull.stderr):
+            reason = f"no image registry is reachable from this machine; on this workplace run `{RIG}` first"
+            pytest.fail(f"{absent} {reason}", pytrace=False)
+        error = " ".join(pull.stderr.split()) or f"exit status {pull.returncode}"
+        pytest.fail(f"{absent} pulling it failed: {error}", pytrace=False)
+
+
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     require_podman()
+    require_base_images()
     grpc_port, prometheus_port = free_port(), free_port()
     env = {
         **os.environ,
@@ -233,31 +305,49 @@ def test_images_run_unprivileged_with_cpu_torch_only_in_the_worker(stack: Stack)
 def test_training_progresses_through_status_and_prometheus(stack: Stack) -> None:
     (ps,) = stack.containers("ps")
     # podman here has no systemd to run health checks on a timer: run the compose-defined one.
-    wait_until(
-        "the ps health check to pass",
+    wait_for(
         lambda: subprocess.run(["podman", "healthcheck", "run", ps], capture_output=True).returncode == 0,
         90,
-        stack.diagnostics,
+        "the ps health check to pass",
+        poll=1.0,
+        tolerate=(Exception,),
+        explain=stack.diagnostics,
     )
     status = stack.wait_for_workers(WORKERS)
     assert status.initialized and status.commits_applied >= 100
-    evaluation = wait_until(
-        "a held-out accuracy of 90% from the evaluator",
-        lambda: (e := stack.status().last_evaluation) is not None and e.accuracy >= 0.9 and e,
+    evaluation = wait_for(
+        lambda: e if (e := stack.status().last_evaluation) is not None and e.accuracy >= 0.9 else None,
         180,
-        stack.diagnostics,
+        "a held-out accuracy of 90% from the evaluator",
+        poll=1.0,
+        tolerate=(Exception,),
+        explain=stack.diagnostics,
     )
     assert evaluation.version > 0
 
     jobs = scrape_jobs()
-    wait_until(
-        f"Prometheus to scrape the server and {WORKERS} workers",
+    wait_for(
         lambda: stack.targets_up(jobs["ps"]) == 1 and stack.targets_up(jobs["worker"]) == WORKERS,
         120,
-        lambda: json.dumps(stack.prometheus("/api/v1/targets", state="active"), indent=1)[:4000],
+        f"Prometheus to scrape the server and {WORKERS} workers",
+        poll=1.0,
+        tolerate=(Exception,),
+        explain=lambda: json.dumps(stack.prometheus("/api/v1/targets", state="active"), indent=1)[:4000],
     )
-    seen = wait_until("gemps_central_version in Prometheus", lambda: stack.query("gemps_central_version"), 60)
-    wait_until("gemps_central_version to grow", lambda: (stack.query("gemps_central_version") or 0) > seen, 60)
+    seen = wait_for(
+        lambda: stack.query("gemps_central_version"),
+        60,
+        "gemps_central_version in Prometheus",
+        poll=1.0,
+        tolerate=(Exception,),
+    )
+    wait_for(
+        lambda: (stack.query("gemps_central_version") or 0) > seen,
+        60,
+        "gemps_central_version to grow",
+        poll=1.0,
+        tolerate=(Exception,),
+    )
     assert (stack.query("sum(gemps_worker_commits_total)") or 0) > 0
 
 
@@ -273,14 +363,26 @@ def test_workers_scale_down_and_up_while_training(stack: Stack) -> None:
         assert "stopped by signal" in logs.stdout + logs.stderr, name
     run(["podman", "rm", *leaving], 60)
     status = stack.wait_for_workers(2, timeout=60)  # they left: no lease to wait out
-    wait_until("Prometheus to drop the stopped workers", lambda: stack.targets_up(jobs["worker"]) == 2, 90)
+    wait_for(
+        lambda: stack.targets_up(jobs["worker"]) == 2,
+        90,
+        "Prometheus to drop the stopped workers",
+        poll=1.0,
+        tolerate=(Exception,),
+    )
 
     # Up to 6 while the other two keep training.
     stack.compose("up", "-d", "--no-deps", "--scale", "worker=6", "worker")
     grown = stack.wait_for_workers(6)
     assert grown.version > status.version
     assert len(stack.containers("worker")) == 6
-    wait_until("Prometheus to scrape 6 workers", lambda: stack.targets_up(jobs["worker"]) == 6, 120)
+    wait_for(
+        lambda: stack.targets_up(jobs["worker"]) == 6,
+        120,
+        "Prometheus to scrape 6 workers",
+        poll=1.0,
+        tolerate=(Exception,),
+    )
 
     stats = json.loads(
         run(["podman", "stats", "--no-stream", "--format", "json", *stack.containers("worker")], 60).stdout

@@ -13,7 +13,7 @@ import numpy as np
 def test_demo_trains_and_writes_its_outputs(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     result = subprocess.run(
-        [sys.executable, "-m", "gemps.cli", "demo", "--workers", "2", "--epochs", "6", "--out", str(out)],
+        [sys.executable, "-m", "gemps_cli", "demo", "--workers", "2", "--epochs", "6", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=240,

@@ -16,7 +16,7 @@ def test_quick_experiment_writes_curves_figures_and_report(tmp_path: Path) -> No
     command = [
         sys.executable,
         "-m",
-        "gemps.cli",
+        "gemps_cli",
         "experiment",
         "--suite",
         "quick",
@@ -32,7 +32,7 @@ def test_quick_experiment_writes_curves_figures_and_report(tmp_path: Path) -> No
     assert set(summaries) == {c.name for c in quick_suite()}
     for config in quick_suite():
         s = summaries[config.name]
-        commits_per_worker = 44 if config.mode == "gradient" else 44 // 4  # 2 epochs of 22 batches
+        commits_per_worker = 44 if config.training.worker_mode == "gradient" else 44 // 4  # 2 epochs of 22 batches
         assert s["commits"] == config.workers * commits_per_worker, s
         assert s["diverged_workers"] == 0
         with open(report / "curves" / f"{config.name}.csv") as f:

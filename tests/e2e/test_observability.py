@@ -15,13 +15,12 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,7 +33,8 @@ import gemps
 from gemps_proto.codec import array_to_tensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
-from gemps_server.process import ServerProcess
+from gemps_worker.cluster import ServerProcess
+from tests.helpers import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRAPE_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
@@ -56,24 +56,6 @@ def require_tool(name: str) -> str:
             pytest.fail(message)
         pytest.skip(message)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def wait_for(what: str, condition: Callable[[], T | None], timeout: float, poll: float = 0.2) -> T:
-    """Poll `condition` until it returns something other than None/False; fail after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if result is not None and result is not False:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(poll)
 
 
 def fetch(url: str, timeout: float = 5.0) -> str:
@@ -253,7 +235,7 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 def gemps_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "gemps.cli", *args]
+    return [sys.executable, "-m", "gemps_cli", *args]
 
 
 @pytest.mark.timeout(180)
@@ -276,9 +258,9 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
         )
         prometheus = Prometheus(binary, config, tmp_path, prometheus_port)
         try:
-            wait_for("prometheus to start", prometheus.ready, timeout=30)
+            wait_for(prometheus.ready, 30, "prometheus to start")
             started = time.time()
-            wait_for("a first scrape of the server", lambda: prometheus.value('up{job="gemps-server"}') == 1, 20)
+            wait_for(lambda: prometheus.value('up{job="gemps-server"}') == 1, 20, "a first scrape of the server")
 
             def run(name: str, *args: str) -> subprocess.Popen[bytes]:
                 with open(logs / f"{name}.log", "wb") as log:
@@ -292,7 +274,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
                 workers.append(run(f"worker{i}", "worker", *args, "--metrics-port", str(port)))
             run("evaluator", "evaluate", "--server", server.target, "--interval", "1")
             with gemps.Client(server.target) as observer:
-                wait_for("the first registration", lambda: observer.status().initialized, timeout=60)
+                wait_for(lambda: observer.status().initialized, 60, "the first registration")
             send_unknown_worker_commit(server.target)
 
             def check_workers_alive() -> None:
@@ -309,7 +291,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
                 )
                 return len(moving) == WORKERS
 
-            wait_for("prometheus to see every worker training", workers_seen_training, timeout=120, poll=0.5)
+            wait_for(workers_seen_training, 120, "prometheus to see every worker training", poll=0.5)
             for worker in workers:  # SIGTERM: finish the step, leave cleanly, exit 0
                 worker.send_signal(signal.SIGTERM)
             for worker in workers:
@@ -318,12 +300,12 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
                 final_version = observer.status().version
             assert final_version >= WORKERS * MIN_COMMITS_PER_WORKER
             wait_for(
-                "prometheus to scrape the final version and an evaluation",
                 lambda: (
                     prometheus.value("gemps_central_version") == final_version
                     and prometheus.value("max(gemps_heldout_evaluated_version)") is not None
                 ),
-                timeout=30,
+                30,
+                "prometheus to scrape the final version and an evaluation",
             )
             end = time.time()
 

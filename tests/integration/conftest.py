@@ -1,8 +1,10 @@
-"""Real `gemps server` processes on free ports, and raw stubs for sending malformed requests."""
+"""Real servers on free ports: in this process by default, as child processes where the process
+boundary is the point; raw stubs for sending malformed requests."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -11,18 +13,20 @@ import pytest
 from gemps_proto.codec import array_to_tensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
-from gemps_server.process import ServerProcess
+from gemps_worker.cluster import ServerProcess
+from tests.helpers import InProcessServer
 
-StartServer = Callable[..., ServerProcess]
+StartServer = Callable[..., InProcessServer]
+StartServerProcess = Callable[..., ServerProcess]
 
 
 @pytest.fixture
 def start_server() -> Iterator[StartServer]:
-    """Start servers with ServerConfig options; all are stopped after the test."""
-    started: list[ServerProcess] = []
+    """Start in-process servers with `gemps server` options; all are stopped after the test."""
+    started: list[InProcessServer] = []
 
-    def start(**options: object) -> ServerProcess:
-        server = ServerProcess(**options).start()  # type: ignore[arg-type]
+    def start(**options: Any) -> InProcessServer:
+        server = InProcessServer(**options).start()
         started.append(server)
         return server
 
@@ -32,8 +36,23 @@ def start_server() -> Iterator[StartServer]:
 
 
 @pytest.fixture
-def server(start_server: StartServer) -> ServerProcess:
+def server(start_server: StartServer) -> InProcessServer:
     return start_server()
+
+
+@pytest.fixture
+def start_server_process() -> Iterator[StartServerProcess]:
+    """Start `gemps server` child processes; all are stopped after the test."""
+    started: list[ServerProcess] = []
+
+    def start(**options: Any) -> ServerProcess:
+        server = ServerProcess(**options).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.close()
 
 
 def open_stub(target: str, max_message_mb: int = 64) -> pb_grpc.ParameterServerStub:

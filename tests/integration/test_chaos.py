@@ -8,21 +8,18 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import gemps
-from gemps_server.checkpoint import list_checkpoints
-from gemps_server.process import ServerProcess
+from gemps_server.checkpoints import list_checkpoints
+from gemps_worker.cluster import LocalCluster, ServerProcess
+from tests.helpers import scrape_series, wait_for
 
 torch = pytest.importorskip("torch")
 
@@ -39,25 +36,6 @@ KILLS = (0.25, 0.5, 0.75)  # fractions of the faulty run's commits at which the 
 SERVER_OPTIONS = {"batch_size": BATCH, "lease_ttl": 30.0}
 
 
-def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not reached in {timeout}s"
-        time.sleep(0.05)
-
-
-def start_worker(target: str, index: int, log: Path, *args: str) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            [
-                *(sys.executable, "-m", "gemps.cli", "worker", "--server", target, "--model", "mlp"),
-                *("--seed", str(index), "--name", f"w{index}", *args),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-
-
 def held_out_accuracy(target: str) -> float:
     data = load_digits()
     model = build_model("mlp", data.input_shape, data.num_classes)
@@ -67,135 +45,88 @@ def held_out_accuracy(target: str) -> float:
 
 
 def metrics(server: ServerProcess) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as reply:
-        lines = reply.read().decode().splitlines()
-    return {
-        name: float(value)
-        for line in lines
-        if line and not line.startswith("#")
-        for name, _, value in [line.rpartition(" ")]
-    }
+    return scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics")
 
 
-@dataclass
-class Run:
-    """A server and its reference workers, all with the same training budget."""
+def worker_logs(cluster: LocalCluster) -> list[str]:
+    return [cluster.log(f"w{i}") for i in range(WORKERS)]
 
-    name: str
-    directory: Path
-    server: ServerProcess
-    workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    restarts: list[ServerProcess] = field(default_factory=list)
 
-    @property
-    def current(self) -> ServerProcess:
-        return self.restarts[-1] if self.restarts else self.server
-
-    def logs(self) -> list[str]:
-        return [(self.directory / f"w{i}.log").read_text(errors="replace") for i in range(WORKERS)]
-
-    def reports(self) -> list[list[dict[str, float]]]:
-        return [
-            [json.loads(line) for line in (self.directory / f"w{i}.jsonl").read_text().splitlines()]
-            for i in range(WORKERS)
-        ]
+def worker_reports(cluster: LocalCluster) -> list[list[dict[str, float]]]:
+    return [
+        [json.loads(line) for line in (cluster.folder / f"w{i}.jsonl").read_text().splitlines()] for i in range(WORKERS)
+    ]
 
 
 @pytest.fixture
-def runs(tmp_path: Path) -> Iterator[list[Run]]:
-    made: list[Run] = []
+def clusters() -> Iterator[list[LocalCluster]]:
+    made: list[LocalCluster] = []
     yield made
-    for run in made:
-        for worker in run.workers:
-            if worker.poll() is None:
-                worker.kill()
-                worker.wait()
-        for server in (run.server, *run.restarts):
-            server.stop()
+    for cluster in made:
+        cluster.__exit__(None, None, None)
 
 
-def start_run(runs: list[Run], root: Path, name: str, **options: object) -> Run:
-    directory = root / name
-    directory.mkdir()
-    server = ServerProcess(log_path=directory / "server.log", **SERVER_OPTIONS, **options).start()  # type: ignore[arg-type]
-    run = Run(name, directory, server)
-    runs.append(run)
+def start_run(clusters: list[LocalCluster], root: Path, name: str, **options: object) -> LocalCluster:
+    """A server and its reference workers, all with the same training budget."""
+    cluster = LocalCluster(root / name, server={**SERVER_OPTIONS, **options}).__enter__()
+    clusters.append(cluster)
     for i in range(WORKERS):
-        run.workers.append(
-            start_worker(
-                server.target,
-                i,
-                directory / f"w{i}.log",
-                "--epochs",
-                str(EPOCHS),
-                "--report-file",
-                str(directory / f"w{i}.jsonl"),
-            )
-        )
-    return run
+        cluster.start_worker(f"w{i}", model="mlp", seed=i, epochs=EPOCHS, report_file=cluster.folder / f"w{i}.jsonl")
+    return cluster
 
 
-def test_training_survives_three_server_kills(tmp_path: Path, runs: list[Run]) -> None:
+def test_training_survives_three_server_kills(tmp_path: Path, clusters: list[LocalCluster]) -> None:
     steps = EPOCHS * (len(load_digits().train_x) // BATCH)  # per worker: the same budget in both runs
     checkpoints = tmp_path / "checkpoints"
-    faulty = start_run(runs, tmp_path, "faulty", checkpoint_dir=checkpoints, checkpoint_every=10)
-    clean = start_run(runs, tmp_path, "clean")
+    faulty = start_run(clusters, tmp_path, "faulty", checkpoint_dir=checkpoints, checkpoint_every=10)
+    clean = start_run(clusters, tmp_path, "clean")
     kills: list[tuple[float, int]] = []  # (when the restart served, newest checkpoint's version at the kill)
     for fraction in KILLS:
         threshold = int(fraction * WORKERS * steps)
-        observer = gemps.Client(faulty.current.target, retry=gemps.RetryPolicy(max_attempts=3))
+        observer = gemps.Client(faulty.target, retry=gemps.RetryPolicy(max_attempts=3))
         wait_for(lambda: observer.status().version >= threshold, 240, f"version {threshold}")  # noqa: B023
         observer.close()
-        port = faulty.current.port
-        faulty.current.kill()  # SIGKILL: no shutdown, no final checkpoint
+        port = faulty.server.port
+        faulty.server.kill()  # SIGKILL: no shutdown, no final checkpoint
         newest = list_checkpoints(checkpoints)[-1][0]
         # A supervisor restarts it on the same address; the workers find it by themselves.
-        faulty.restarts.append(
-            ServerProcess(
-                port=port,
-                log_path=faulty.directory / f"server-{len(kills)}.log",
-                checkpoint_dir=checkpoints,
-                checkpoint_every=10,
-                **SERVER_OPTIONS,  # type: ignore[arg-type]
-            ).start()
-        )
+        faulty.start_server(port=port)
         kills.append((time.time(), newest))
-        restored = re.search(r"checkpoint restored path=\S+ version=(\d+)", faulty.current.log())
+        restored = re.search(r"checkpoint restored path=\S+ version=(\d+)", faulty.server.log())
         assert restored is not None and int(restored.group(1)) == newest  # never older than the newest
 
-    for run in (faulty, clean):
-        for worker in run.workers:
-            assert worker.wait(300) == 0, "\n".join(run.logs())
-    for run in (faulty, clean):
-        for log in run.logs():  # every worker spent its whole budget, each commit acknowledged once
+    for cluster in (faulty, clean):
+        assert set(cluster.wait_processes(timeout=300).values()) == {0}, "\n".join(worker_logs(cluster))
+    for cluster in (faulty, clean):
+        for log in worker_logs(cluster):  # every worker spent its whole budget, each commit acknowledged once
             assert f"done: {steps} commits" in log, log
-    assert all("registering again" in log for log in faulty.logs())  # they reconnected by themselves
+    assert all("registering again" in log for log in worker_logs(faulty))  # they reconnected by themselves
 
     # Versions never go back past the newest checkpoint at a kill: every reply from the restarted
     # server is at least that version.
-    records = [record for report in faulty.reports() for record in report]
+    records = [record for report in worker_reports(faulty) for record in report]
     assert len(records) == WORKERS * steps
     for restarted_at, newest in kills:
         after = [record["version"] for record in records if record["time"] > restarted_at]
         assert after and min(after) >= newest, (restarted_at, newest, min(after))
 
-    faulty_accuracy, clean_accuracy = held_out_accuracy(faulty.current.target), held_out_accuracy(clean.server.target)
+    faulty_accuracy, clean_accuracy = held_out_accuracy(faulty.target), held_out_accuracy(clean.target)
     print(f"\nheld-out accuracy: {faulty_accuracy:.4f} with 3 server kills, {clean_accuracy:.4f} without")
     assert clean_accuracy > 0.9
     assert abs(faulty_accuracy - clean_accuracy) <= 0.01
 
 
-def test_a_killed_worker_is_evicted_and_the_others_carry_on(tmp_path: Path, runs: list[Run]) -> None:
-    server = ServerProcess(log_path=tmp_path / "server.log", lease_ttl=1.5).start()
-    run = Run("evict", tmp_path, server)
-    runs.append(run)
+def test_a_killed_worker_is_evicted_and_the_others_carry_on(tmp_path: Path, clusters: list[LocalCluster]) -> None:
+    cluster = LocalCluster(tmp_path, server={"lease_ttl": 1.5}).__enter__()
+    clusters.append(cluster)
+    server = cluster.server
     for i in range(3):
-        run.workers.append(start_worker(server.target, i, tmp_path / f"w{i}.log", "--epochs", "100000"))
-    observer = gemps.Client(server.target)
+        cluster.start_worker(f"w{i}", model="mlp", seed=i, epochs=100000)
+    observer = cluster.observer()
     wait_for(lambda: observer.status().active_workers == 3 and observer.status().version >= 30, 120, "3 workers")
     parameters = observer.status().num_parameters
-    run.workers[0].kill()  # SIGKILL: no Leave
-    run.workers[0].wait()
+    cluster.processes["w0"].kill()  # SIGKILL: no Leave
+    cluster.processes["w0"].wait()
     wait_for(lambda: observer.status().active_workers == 2, 30, "eviction")
     assert re.search(r"worker evicted worker_id=\w+ name=w0 ", server.log())
     seen = metrics(server)
@@ -204,14 +135,14 @@ def test_a_killed_worker_is_evicted_and_the_others_carry_on(tmp_path: Path, runs
     assert seen['gemps_departures_total{cause="evicted"}'] == 1
     version = observer.status().version
     wait_for(lambda: observer.status().version >= version + 50, 60, "training goes on")
-    for worker in run.workers[1:]:
+    for name in ("w1", "w2"):
+        worker = cluster.processes[name]
         worker.send_signal(signal.SIGTERM)  # they leave cleanly
         assert worker.wait(60) == 0
     seen = metrics(server)
     assert seen["gemps_registrations_total"] == 3  # the others never had to register again
     assert seen['gemps_departures_total{cause="left"}'] == 2
     assert observer.status().active_workers == 0
-    observer.close()
 
 
 def test_a_paused_server_makes_clients_time_out_retry_and_carry_on() -> None:

@@ -9,8 +9,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -19,21 +20,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import gemps
 from gemps_proto.codec import array_to_tensor
+from gemps_proto.schema import ParameterSpec
 from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_server import process
-from gemps_server.checkpoint import list_checkpoints, load, load_latest
-from gemps_server.process import ServerProcess
+from gemps_server.checkpoints import list_checkpoints, load, load_latest
+from gemps_worker.cluster import ServerProcess
+from tests.helpers import wait_for
 from tests.integration.conftest import NUM_PARAMETERS, StartServer, open_stub, register
 
 PARAMS = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(2, np.float32)}
 QUICK_RETRY = gemps.RetryPolicy(max_attempts=60, initial_backoff=0.05, max_backoff=0.5)
-
-
-def wait_for(condition: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout}s"
-        time.sleep(0.05)
 
 
 def versions(directory: Path) -> list[int]:
@@ -46,11 +41,11 @@ def servers() -> Iterator[list[ServerProcess]]:
     started: list[ServerProcess] = []
     yield started
     for server in started:
-        server.stop()
+        server.close()
 
 
-def start(servers: list[ServerProcess], **options: object) -> ServerProcess:
-    server = ServerProcess(**options).start()  # type: ignore[arg-type]
+def start(servers: list[ServerProcess], **options: Any) -> ServerProcess:
+    server = ServerProcess(**options).start()
     servers.append(server)
     return server
 
@@ -70,8 +65,8 @@ def test_sigterm_writes_a_final_checkpoint_and_a_restart_restores_it(
     # ... and the final one at shutdown; older ones pruned to checkpoint_keep=2.
     assert len(versions(tmp_path)) == 2 and versions(tmp_path)[-1] == 12
     final = load(list_checkpoints(tmp_path)[-1][1])
-    np.testing.assert_array_equal(final.theta, last.parameters.flat)
-    assert final.spec == (("w", (2, 3)), ("b", (2,))) and final.config["rule"] == "gem"
+    np.testing.assert_array_equal(final.image.theta, last.parameters.flat)
+    assert final.image.spec == (ParameterSpec("w", (2, 3)), ParameterSpec("b", (2,))) and final.config["rule"] == "gem"
     assert re.search(r"checkpoint written path=\S+ version=12 bytes=\d+ seconds=", server.log())
 
     restarted = start(servers, port=server.port, **options)
@@ -82,7 +77,7 @@ def test_sigterm_writes_a_final_checkpoint_and_a_restart_restores_it(
     # continues from the restored central variable.
     result = client.commit(np.ones(8, np.float32))
     assert result.version == 13
-    np.testing.assert_allclose(result.parameters.flat, final.theta - 0.05, rtol=1e-6)
+    np.testing.assert_allclose(result.parameters.flat, final.image.theta - 0.05, rtol=1e-6)
     client.close()
 
 
@@ -103,7 +98,7 @@ def test_sigkill_restarts_from_the_newest_checkpoint(tmp_path: Path, servers: li
     stub = open_stub(restarted.target)
     reply = stub.Pull(pb.PullRequest(known_version=-1))
     assert reply.version == newest.version  # never further back than the newest checkpoint
-    np.testing.assert_array_equal(np.frombuffer(reply.parameters.data, np.float32), newest.theta)
+    np.testing.assert_array_equal(np.frombuffer(reply.parameters.data, np.float32), newest.image.theta)
 
 
 def test_time_based_checkpoints(tmp_path: Path, servers: list[ServerProcess]) -> None:
@@ -154,7 +149,7 @@ def test_a_retried_commit_is_applied_once_even_across_a_restart(tmp_path: Path, 
 # The server process kills itself after writing a checkpoint past GEMPS_TEST_CRASH_FROM, just
 # before renaming it into place.
 CRASHING_BOOTSTRAP = (
-    "import os, re, signal\n"
+    "import os, re, signal, sys\n"
     "_replace = os.replace\n"
     "def replace(src, dst, *args, **kwargs):\n"
     "    match = re.search(r'checkpoint-(\\d+)\\.safetensors$', str(dst))\n"
@@ -162,7 +157,7 @@ CRASHING_BOOTSTRAP = (
     "        os.kill(os.getpid(), signal.SIGKILL)\n"
     "    return _replace(src, dst, *args, **kwargs)\n"
     "os.replace = replace\n"
-) + process._BOOTSTRAP
+) + "from gemps_cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
 
 
 def test_a_crash_between_write_and_rename_leaves_the_previous_checkpoint(
@@ -170,8 +165,7 @@ def test_a_crash_between_write_and_rename_leaves_the_previous_checkpoint(
 ) -> None:
     options = {"checkpoint_dir": tmp_path, "checkpoint_every": 4, "checkpoint_interval": 0}
     monkeypatch.setenv("GEMPS_TEST_CRASH_FROM", "5")
-    monkeypatch.setattr(process, "_BOOTSTRAP", CRASHING_BOOTSTRAP)
-    server = start(servers, **options)
+    server = start(servers, command=(sys.executable, "-c", CRASHING_BOOTSTRAP), **options)
     monkeypatch.undo()
     stub = open_stub(server.target)
     worker = register(stub).worker_id
@@ -181,7 +175,7 @@ def test_a_crash_between_write_and_rename_leaves_the_previous_checkpoint(
     with pytest.raises(grpc.RpcError):  # the process dies while writing the next checkpoint
         for version in range(4, 20):
             commit(stub, worker, version, f"r{version}")
-    assert server._process is not None and server._process.wait(30) == -9
+    assert wait_for(lambda: server.returncode is not None, what="the crash") and server.returncode == -9
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
     assert len(leftovers) == 1 and versions(tmp_path) == [4]  # written, never renamed
     found = load_latest(tmp_path)
@@ -234,7 +228,7 @@ def test_graceful_shutdown_finishes_queued_commits_then_checkpoints(
     # Every acknowledged commit is in the final checkpoint (some applied ones may have lost
     # their reply to the shutdown: those are in too, and a retry would be deduplicated).
     assert final.version >= sum(acked) > 0
-    assert final.version == final.commits_applied
+    assert final.version == final.image.commits_applied
     log = server.log()
     assert log.index("shutting down") < log.index(f"version={final.version} bytes=") < log.index("stopped")
 
@@ -259,7 +253,7 @@ def test_export_loads_into_a_torch_model(tmp_path: Path, start_server: StartServ
         for source in (["--server", server.target], [str(tmp_path / "ckpt")]):
             out = tmp_path / "model.safetensors"
             result = subprocess.run(
-                [sys.executable, "-m", "gemps.cli", "export", *source, "--out", str(out)],
+                [sys.executable, "-m", "gemps_cli", "export", *source, "--out", str(out)],
                 capture_output=True,
                 text=True,
                 timeout=120,
@@ -273,7 +267,7 @@ def test_export_loads_into_a_torch_model(tmp_path: Path, start_server: StartServ
             out.unlink()
     (tmp_path / "empty").mkdir()
     missing = subprocess.run(
-        [sys.executable, "-m", "gemps.cli", "export", str(tmp_path / "empty"), "--out", str(tmp_path / "x")],
+        [sys.executable, "-m", "gemps_cli", "export", str(tmp_path / "empty"), "--out", str(tmp_path / "x")],
         capture_output=True,
         text=True,
         timeout=120,

@@ -8,15 +8,24 @@ import threading
 
 import grpc
 import numpy as np
+import pytest
 
 import gemps
 from gemps_proto.codec import array_to_tensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
-from gemps_server.process import ServerProcess
+from gemps_worker.cluster import ServerProcess
+from tests.integration.conftest import StartServerProcess
 
 CLIENTS = 8
 TARGET_VERSION = 1600  # about 200 commits per client
+
+
+@pytest.fixture
+def server(start_server_process: StartServerProcess) -> ServerProcess:
+    """A server in its own process: in this one its event loop would compete with the clients for
+    the GIL, and whose turn comes when is what these tests measure."""
+    return start_server_process()
 
 
 def commit_until_target(target: str, name: str, start: threading.Barrier, versions: list[int]) -> None:

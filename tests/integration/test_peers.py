@@ -9,10 +9,12 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+from gemps_bench.peers import reference_p2p, torch_rpc
+from gemps_bench.peers.common import ChildSpec, PeerConfig, PeerError, client_gradient, initial_theta, run_processes
 
-from benchmarks.peers import reference_p2p, torch_rpc
-from benchmarks.peers.common import ChildSpec, PeerConfig, PeerError, client_gradient, initial_theta, run_processes
-from gemps_server.rules import RuleParams, create_rule
+from gemps_proto.schema import PayloadKind
+from gemps_server.rules import create_rule
+from tests.helpers import training
 
 PEERS = [pytest.param(torch_rpc, id="torch-rpc"), pytest.param(reference_p2p, id="reference-p2p")]
 
@@ -45,13 +47,12 @@ def test_server_applies_gemps_gem_rule(peer: ModuleType) -> None:
     commits = result.extra["total_commits"][0]
     assert commits > 0
     assert set(result.staleness) == {0}  # one client: every gradient is based on the latest theta
-    params = RuleParams()
     theta = initial_theta(size, seed)
-    rule = create_rule("gem", params, size)
+    rule = create_rule(training("gem"), size)
     rule.add_worker("client", theta)
     gradient = client_gradient(size, seed, 0)
     for _ in range(commits):
-        rule.apply(theta, gradient * np.float32(-params.learning_rate), "client", 0)
+        rule.apply(theta, gradient, PayloadKind.GRADIENT, "client", 0)
     np.testing.assert_array_equal(result.extra["final_theta"][0], theta)
 
 

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 import gemps
-from gemps_server.process import ServerProcess
-from tests.integration.conftest import StartServer
+from gemps_worker.cluster import ServerProcess
+from tests.helpers import InProcessServer
+from tests.integration.conftest import StartServer, StartServerProcess
 
 PARAMS = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(2, np.float32)}
 
 
-def test_register_pull_commit_leave(server: ServerProcess) -> None:
+def test_register_pull_commit_leave(server: InProcessServer) -> None:
     with gemps.Client(server.target, name="t") as client:
         registration = client.register(PARAMS)
         assert registration.config.rule == "gem" and registration.version == 0
@@ -53,7 +54,7 @@ def test_shards_are_distinct_and_reused(start_server: StartServer) -> None:
         c.__exit__(None, None, None)
 
 
-def test_typed_errors(server: ServerProcess) -> None:
+def test_typed_errors(server: InProcessServer) -> None:
     with gemps.Client(server.target) as client:
         with pytest.raises(gemps.NotRegisteredError):
             client.commit(np.zeros(8, np.float32))
@@ -87,8 +88,8 @@ def test_reregisters_after_eviction(start_server: StartServer) -> None:
         assert result.version == 1
 
 
-def test_retries_and_reregisters_across_a_server_restart(start_server: StartServer) -> None:
-    server = start_server()
+def test_retries_and_reregisters_across_a_server_restart(start_server_process: StartServerProcess) -> None:
+    server = start_server_process()
     client = gemps.Client(
         server.target, retry=gemps.RetryPolicy(max_attempts=30, initial_backoff=0.05, max_backoff=0.5)
     )
@@ -107,10 +108,10 @@ def test_retries_and_reregisters_across_a_server_restart(start_server: StartServ
     finally:
         restarter.join()
         client.close()
-        restarted.stop()
+        restarted.close()
 
 
-def test_numpy_only_use_without_torch(server: ServerProcess) -> None:
+def test_numpy_only_use_without_torch(server: InProcessServer) -> None:
     script = textwrap.dedent(
         f"""
         import sys
@@ -127,7 +128,7 @@ def test_numpy_only_use_without_torch(server: ServerProcess) -> None:
     assert result.stdout.strip() == "1"
 
 
-def test_evaluation_reports_reach_status(server: ServerProcess) -> None:
+def test_evaluation_reports_reach_status(server: InProcessServer) -> None:
     with gemps.Client(server.target) as worker, gemps.Client(server.target) as evaluator:
         worker.register(PARAMS)
         worker.commit(np.ones(8, np.float32))

@@ -8,6 +8,7 @@ import ipaddress
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 import gemps
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
-from gemps_server.process import ServerProcess
+from tests.helpers import InProcessServer
 from tests.integration.conftest import StartServer, register
 
 TOKEN = "correct-horse-battery-staple-0123456789"
@@ -116,11 +117,12 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 # -- helpers ---------------------------------------------------------------------------------------
 
 
-def status_code(call: object) -> grpc.StatusCode:
+def status_code(call: Callable[[], object]) -> grpc.StatusCode:
     try:
-        call()  # type: ignore[operator]
+        call()
     except grpc.RpcError as error:
-        return error.code()  # type: ignore[no-any-return]
+        code: grpc.StatusCode = error.code()
+        return code
     return grpc.StatusCode.OK
 
 
@@ -160,7 +162,7 @@ def test_token_is_required_except_for_health_checks(start_server: StartServer) -
     replies = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
     assert status_code(lambda: list(replies)) == grpc.StatusCode.UNAUTHENTICATED
     # Raw bytes to a method that does not exist: refused before anything else.
-    raw = channel.unary_unary("/gemps.v1.ParameterServer/Nope")
+    raw: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary("/gemps.v1.ParameterServer/Nope")
     assert status_code(lambda: raw(b"\x00", timeout=10)) == grpc.StatusCode.UNAUTHENTICATED
     assert "unauthenticated" in server.log()
 
@@ -178,7 +180,7 @@ def test_sdk_sends_the_token_from_argument_or_environment(
     monkeypatch.setenv("GEMPS_AUTH_TOKEN", TOKEN)
     assert gemps.Client(server.target).status().version == 1
     result = subprocess.run(
-        [sys.executable, "-m", "gemps.cli", "status", "--server", server.target],
+        [sys.executable, "-m", "gemps_cli", "status", "--server", server.target],
         capture_output=True,
         text=True,
         timeout=60,
@@ -255,7 +257,7 @@ def test_registrations_per_minute(start_server: StartServer) -> None:
     ids=["neither", "token"],
 )
 def test_warns_loudly_when_listening_beyond_loopback_unprotected(options: dict[str, object], warned: bool) -> None:
-    with ServerProcess(host="0.0.0.0", **options) as server:  # type: ignore[arg-type]
+    with InProcessServer(host="0.0.0.0", **options) as server:
         log = server.log()
     assert "WARNING" in log and "insecure listener" in log  # with a token only: about clear text
     assert ("NEITHER TLS NOR a token" in log) is warned

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 
@@ -10,19 +9,28 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from gemps_proto.options import flag
+from gemps.options import flag, options_of
 from gemps_server.config import ServerConfig
-from gemps_server.process import ServerProcess
+from gemps_worker.cluster import ServerProcess
+from tests.helpers import InProcessServer
+
+# `gemps server` with torch and scikit-learn unimportable: any import of them fails.
+WITHOUT_TORCH = (
+    "import sys\n"
+    "sys.modules.update(torch=None, sklearn=None)\n"
+    "from gemps_cli.main import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
 
 
-def test_health_reports_serving(server: ServerProcess) -> None:
+def test_health_reports_serving(server: InProcessServer) -> None:
     stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.target))
     for service in ("", "gemps.v1.ParameterServer"):
         reply = stub.Check(health_pb2.HealthCheckRequest(service=service))
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_reflection_lists_the_service(server: ServerProcess) -> None:
+def test_reflection_lists_the_service(server: InProcessServer) -> None:
     stub = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(server.target))
     replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
     services = {s.name for reply in replies for s in reply.list_services_response.service}
@@ -32,23 +40,23 @@ def test_reflection_lists_the_service(server: ServerProcess) -> None:
 
 def test_server_help_documents_every_option() -> None:
     help_text = subprocess.run(
-        [sys.executable, "-m", "gemps.cli", "server", "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "gemps_cli", "server", "--help"], capture_output=True, text=True, check=True
     ).stdout
-    for field in dataclasses.fields(ServerConfig):
+    for field in options_of(ServerConfig):
         assert flag(field.name) in help_text, field.name
         assert f"GEMPS_{field.name.upper()}" in help_text, field.name
 
 
 def test_server_rejects_invalid_configuration_clearly() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "gemps.cli", "server", "--momentum", "1.5"], capture_output=True, text=True
+        [sys.executable, "-m", "gemps_cli", "server", "--momentum", "1.5"], capture_output=True, text=True
     )
     assert result.returncode == 2
     assert "momentum must be in [0, 1)" in result.stderr
 
 
 def test_server_starts_without_torch() -> None:
-    with ServerProcess(block_modules=("torch", "sklearn")) as server:
+    with ServerProcess(command=(sys.executable, "-c", WITHOUT_TORCH)) as server:
         stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.target))
         assert stub.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
 
@@ -57,13 +65,13 @@ def test_readme_documents_every_server_option() -> None:
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    for field in dataclasses.fields(ServerConfig):
+    for field in options_of(ServerConfig):
         assert f"`{flag(field.name)}`" in readme, field.name
         assert f"`GEMPS_{field.name.upper()}`" in readme, field.name
 
 
 def test_worker_commands_without_torch_say_what_to_install() -> None:
-    script = "import sys; sys.modules['torch'] = None; from gemps.cli import main; sys.exit(main(['worker']))"
+    script = "import sys; sys.modules['torch'] = None; from gemps_cli.main import main; sys.exit(main(['worker']))"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "needs the torch extra: pip install 'gemps[torch]'" in result.stderr

@@ -13,7 +13,7 @@ import gemps
 from gemps_proto.chunks import data_frames, frame_data
 from gemps_proto.codec import bfloat16_to_float32, float32_to_bfloat16
 from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_server.process import ServerProcess
+from tests.helpers import InProcessServer
 from tests.integration.conftest import NUM_PARAMETERS, StartServer, central, open_stub, register
 
 P = 300_000  # 1.2 MB: several pieces at the default 1 MiB, and at the 64 KiB used below
@@ -52,7 +52,7 @@ def test_bfloat16_wire_format_rounds_both_ways(start_server: StartServer) -> Non
         np.testing.assert_array_equal(result.parameters.flat, bfloat16_to_float32(float32_to_bfloat16(exact)))
 
 
-def _stream(server: ServerProcess, frames: list[bytes]) -> list[bytes]:
+def _stream(server: InProcessServer, frames: list[bytes]) -> list[bytes]:
     channel = grpc.insecure_channel(server.target)
     call = channel.stream_stream("/gemps.v1.ParameterServer/CommitStream", _raw, _raw)
     try:
@@ -90,7 +90,7 @@ def _bad_streams(worker_id: str) -> Iterator[tuple[str, list[bytes], str]]:
 
 
 @pytest.mark.parametrize("case", [name for name, _, _ in _bad_streams("w")])
-def test_malformed_streams_are_refused_and_theta_is_untouched(server: ServerProcess, case: str) -> None:
+def test_malformed_streams_are_refused_and_theta_is_untouched(server: InProcessServer, case: str) -> None:
     stub = open_stub(server.target)
     worker_id = register(stub).worker_id
     before = central(stub)
@@ -106,7 +106,7 @@ def test_malformed_streams_are_refused_and_theta_is_untouched(server: ServerProc
     assert header.version == before[0] + 1
 
 
-def test_unknown_reply_dtype_is_refused_before_theta_moves(server: ServerProcess) -> None:
+def test_unknown_reply_dtype_is_refused_before_theta_moves(server: InProcessServer) -> None:
     stub = open_stub(server.target)
     worker_id = register(stub).worker_id
     before = central(stub)

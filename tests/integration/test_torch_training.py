@@ -10,12 +10,13 @@ from torch import nn
 
 import gemps
 from gemps.pytorch import RemoteModel
-from gemps_server.process import ServerProcess
 from gemps_worker.datasets import load_digits
 from gemps_worker.evaluation import evaluate
+from tests.helpers import InProcessServer
+from tests.integration.conftest import StartServer
 
 
-def test_training_through_the_sdk_lowers_held_out_loss(server: ServerProcess) -> None:
+def test_training_through_the_sdk_lowers_held_out_loss(server: InProcessServer) -> None:
     torch.manual_seed(0)
     data = load_digits()
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
@@ -38,19 +39,20 @@ def test_training_through_the_sdk_lowers_held_out_loss(server: ServerProcess) ->
     assert accuracy_after > 0.85 > accuracy_before
 
 
-def test_parameters_without_gradients_commit_zeros(start_server: object) -> None:
-    server: ServerProcess = start_server(rule="downpour")  # type: ignore[operator]
-    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
-    model[0].requires_grad_(False)  # frozen layer: no .grad, must stay where it is
-    frozen = model[0].weight.detach().clone()
+def test_parameters_without_gradients_commit_zeros(start_server: StartServer) -> None:
+    server = start_server(rule="downpour")
+    first = nn.Linear(3, 2)
+    model = nn.Sequential(first, nn.Linear(2, 1))
+    first.requires_grad_(False)  # frozen layer: no .grad, must stay where it is
+    frozen = first.weight.detach().clone()
     with RemoteModel(model, server.target) as remote:
         out = model(torch.ones(4, 3)).sum()
         out.backward()
         remote.step(loss=out)
-    torch.testing.assert_close(model[0].weight.detach(), frozen)
+    torch.testing.assert_close(first.weight.detach(), frozen)
 
 
-def test_second_worker_receives_the_central_variable(server: ServerProcess) -> None:
+def test_second_worker_receives_the_central_variable(server: InProcessServer) -> None:
     torch.manual_seed(1)
     first = nn.Linear(4, 2)
     torch.manual_seed(2)
@@ -60,6 +62,6 @@ def test_second_worker_receives_the_central_variable(server: ServerProcess) -> N
         torch.testing.assert_close(first.weight, second.weight)  # θ came from the first
 
 
-def test_model_that_does_not_match_is_refused(server: ServerProcess) -> None:
+def test_model_that_does_not_match_is_refused(server: InProcessServer) -> None:
     with RemoteModel(nn.Linear(4, 2), server.target), pytest.raises(gemps.FailedPreconditionError):
         RemoteModel(nn.Linear(4, 3), server.target)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -13,18 +12,11 @@ import torch
 
 import gemps
 from gemps.pytorch import RemoteModel
-from gemps_server.process import ServerProcess
 from gemps_worker.datasets import load_digits
 from gemps_worker.modes import AgnMode, EasgdMode
 from gemps_worker.training import StepRecord, WorkerHooks, WorkerOptions, run_worker
+from tests.helpers import InProcessServer, wait_for
 from tests.integration.conftest import StartServer
-
-
-def wait_for(condition: object, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 # Local SGD in agn/easgd has no momentum: it gets a larger step than GEM's momentum proxy.
@@ -67,7 +59,9 @@ def test_agn_commits_the_accumulated_update_over_lambda(start_server: StartServe
         check = torch.nn.Linear(4, 3)
         torch.nn.utils.vector_to_parameters(local_before_third, check.parameters())
         tiny_step(check, x, y).backward()
-        local_end = local_before_third - 0.1 * torch.cat([p.grad.reshape(-1) for p in check.parameters()])
+        grads = [p.grad for p in check.parameters()]
+        assert all(g is not None for g in grads)
+        local_end = local_before_third - 0.1 * torch.cat([g.reshape(-1) for g in grads if g is not None])
         expected = start + (local_end - start) / 3
         np.testing.assert_allclose(committed.result.parameters.flat, expected.numpy(), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(remote.parameters_vector().numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
@@ -92,16 +86,16 @@ def test_easgd_moves_center_and_local_variable_elastically(start_server: StartSe
         assert float(elastic.abs().sum()) > 0
 
 
-def test_sigterm_makes_the_worker_leave_cleanly(server: ServerProcess) -> None:
+def test_sigterm_makes_the_worker_leave_cleanly(server: InProcessServer) -> None:
     worker = subprocess.Popen(
-        [sys.executable, "-m", "gemps.cli", "worker", "--server", server.target, "--epochs", "1000", "--name", "w"],
+        [sys.executable, "-m", "gemps_cli", "worker", "--server", server.target, "--epochs", "1000", "--name", "w"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     observer = gemps.Client(server.target)
     try:
-        wait_for(lambda: observer.status().version >= 5)
+        wait_for(lambda: observer.status().version >= 5, timeout=60.0)
         worker.send_signal(signal.SIGTERM)
         output, _ = worker.communicate(timeout=30)
     finally:
@@ -113,12 +107,12 @@ def test_sigterm_makes_the_worker_leave_cleanly(server: ServerProcess) -> None:
     observer.close()
 
 
-def evaluate_once(server: ServerProcess, *flags: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "gemps.cli", "evaluate", "--server", server.target, "--max-evaluations", "1"]
+def evaluate_once(server: InProcessServer, *flags: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "gemps_cli", "evaluate", "--server", server.target, "--max-evaluations", "1"]
     return subprocess.run([*command, *flags], capture_output=True, text=True, timeout=120)
 
 
-def test_evaluator_reports_held_out_figures(server: ServerProcess) -> None:
+def test_evaluator_reports_held_out_figures(server: InProcessServer) -> None:
     run_worker(WorkerOptions(server=server.target, model="mlp", epochs=3, max_steps=40))
     result = evaluate_once(server, "--model", "mlp", "--interval", "0.1")
     assert result.returncode == 0, result.stderr
@@ -129,18 +123,18 @@ def test_evaluator_reports_held_out_figures(server: ServerProcess) -> None:
     assert "held-out loss" in result.stderr
 
 
-def test_evaluator_refuses_a_model_that_does_not_fit(server: ServerProcess) -> None:
+def test_evaluator_refuses_a_model_that_does_not_fit(server: InProcessServer) -> None:
     run_worker(WorkerOptions(server=server.target, max_steps=1))  # digits-cnn
     result = evaluate_once(server, "--model", "mlp")
     assert result.returncode == 1
     assert "do not fit model 'mlp'" in result.stderr
 
 
-def test_sigterm_stops_a_worker_waiting_for_an_unreachable_server(server: ServerProcess) -> None:
+def test_sigterm_stops_a_worker_waiting_for_an_unreachable_server(server: InProcessServer) -> None:
     port = server.port
-    server.kill()  # nothing listens there any more: the worker retries with backoff
+    server.stop()  # nothing listens there any more: the worker retries with backoff
     worker = subprocess.Popen(
-        [sys.executable, "-m", "gemps.cli", "worker", "--server", f"127.0.0.1:{port}", "--name", "w"],
+        [sys.executable, "-m", "gemps_cli", "worker", "--server", f"127.0.0.1:{port}", "--name", "w"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gemps_bench.worker_cost import measure_worker_cost
 
-from benchmarks.worker_cost import measure_worker_cost
 from gemps_worker import datasets
 from gemps_worker.datasets import bundled_digits_file, load_digits, read_digits_csv, sklearn_digits
 

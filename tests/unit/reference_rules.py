@@ -71,4 +71,5 @@ class WorkerSideGemWorker:
         movement = np.abs(central - self.previous_central)
         pi = np.clip((self.kappa * np.abs(self.m) - movement) / (np.abs(delta) + EPS), 0, self.pi_max)
         self.previous_central = central.copy()
-        return pi.astype(F32) * delta
+        scaled: np.ndarray = pi.astype(F32) * delta
+        return scaled

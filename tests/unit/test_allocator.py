@@ -1,4 +1,4 @@
-"""The allocator setting gemps' processes apply at start (see gemps_proto/allocator.py)."""
+"""The allocator setting gemps' processes apply at start (see gemps_server/allocator.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import platform
 
 import pytest
 
-from gemps_proto.allocator import GLIBC_MMAP_THRESHOLD_MAX, keep_large_allocations, keep_large_allocations_for
+from gemps_server.allocator import GLIBC_MMAP_THRESHOLD_MAX, keep_large_allocations, keep_large_allocations_for
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a no-op without glibc")

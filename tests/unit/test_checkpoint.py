@@ -7,14 +7,15 @@ import json
 import os
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import safetensors.numpy
 
-from gemps_proto.codec import array_to_tensor
-from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_server.checkpoint import (
+from gemps_proto.codec import EncodedTensor
+from gemps_proto.schema import ParameterSpec, PayloadKind
+from gemps_server.checkpoints import (
     Checkpoint,
     CheckpointError,
     checkpoint_path,
@@ -26,29 +27,29 @@ from gemps_server.checkpoint import (
     remove_temporaries,
     save,
 )
-from gemps_server.config import ServerConfig
 from gemps_server.errors import InvalidArgument
 from gemps_server.ledger import CommitLedger, Receipt
-from gemps_server.rules import ApplyStats, RuleParams
+from gemps_server.rules import ApplyStats
 from gemps_server.security import RateLimiter, TokenAuthInterceptor, exposure_warnings, is_loopback
-from gemps_server.state import ParamSpec, ServerState
+from gemps_server.state import Commit, ServerState, StateImage
 from gemps_server.workers import WorkerRegistry
+from tests.helpers import encoded, server_config, training
 
-SPEC = (("layer.weight", (2, 3)), ("layer.bias", (2,)))
+SPEC = (ParameterSpec("layer.weight", (2, 3)), ParameterSpec("layer.bias", (2,)))
 STATS = ApplyStats(0.5, 0.25, 0.1, 0.2)
 
 
-def make_checkpoint(version: int = 7, **overrides: object) -> Checkpoint:
-    fields: dict[str, object] = {
+def make_checkpoint(version: int = 7, **overrides: Any) -> Checkpoint:
+    fields: dict[str, Any] = {
         "version": version,
         "commits_applied": version,
         "spec": SPEC,
         "theta": np.arange(8, dtype=np.float32) * 0.5,
-        "config": {"rule": "gem", "learning_rate": 0.05},
+        "rule": "gem",
         "receipts": {"req-a": Receipt(version, 2, STATS)},
     }
     fields.update(overrides)
-    return Checkpoint(**fields)  # type: ignore[arg-type]
+    return Checkpoint(StateImage(**fields), config={"rule": "gem", "learning_rate": 0.05})
 
 
 def test_round_trip_keeps_everything(tmp_path: Path) -> None:
@@ -56,11 +57,11 @@ def test_round_trip_keeps_everything(tmp_path: Path) -> None:
     path, size = save(tmp_path, original)
     assert path == checkpoint_path(tmp_path, 7) and path.stat().st_size == size
     restored = load(path)
-    np.testing.assert_array_equal(restored.theta, original.theta)
-    np.testing.assert_array_equal(restored.rule_state["velocity"], original.rule_state["velocity"])
-    assert (restored.version, restored.commits_applied, restored.spec) == (7, 7, SPEC)
+    np.testing.assert_array_equal(restored.image.theta, original.image.theta)
+    np.testing.assert_array_equal(restored.image.rule_state["velocity"], original.image.rule_state["velocity"])
+    assert (restored.version, restored.image.commits_applied, restored.image.spec) == (7, 7, SPEC)
     assert restored.config == original.config
-    assert restored.receipts == {"req-a": Receipt(7, 2, STATS)}
+    assert restored.image.receipts == {"req-a": Receipt(7, 2, STATS)}
     assert restored.named()["layer.weight"].shape == (2, 3)
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left behind
 
@@ -165,7 +166,8 @@ def test_a_crash_before_the_rename_leaves_the_previous_checkpoint(tmp_path: Path
 
 def test_export_is_a_state_dict_by_parameter_name(tmp_path: Path) -> None:
     out = tmp_path / "model.safetensors"
-    export_state_dict(make_checkpoint(), out)
+    checkpoint = make_checkpoint()
+    export_state_dict(checkpoint.named(), checkpoint.version, out)
     tensors = safetensors.numpy.load_file(str(out))
     assert {k: v.shape for k, v in tensors.items()} == {"layer.weight": (2, 3), "layer.bias": (2,)}
     np.testing.assert_array_equal(tensors["layer.bias"], [3.0, 3.5])
@@ -200,25 +202,23 @@ def test_receipts_reject_malformed_numbers() -> None:
 
 
 def new_state(rule: str = "gem") -> ServerState:
-    return ServerState(rule, RuleParams(), WorkerRegistry(max_workers=8, lease_ttl=60))
+    return ServerState(training(rule), WorkerRegistry(max_workers=8, lease_ttl=60))
 
 
 def register(state: ServerState) -> str:
-    initial = array_to_tensor(np.arange(8, dtype=np.float32))
-    spec = [ParamSpec(name, shape) for name, shape in SPEC]
-    return state.register("w", spec, initial).worker.worker_id
+    return state.register("w", SPEC, encoded(np.arange(8, dtype=np.float32))).worker.worker_id
 
 
-def gradient(value: float = 1.0) -> pb.Tensor:
-    return array_to_tensor(np.full(8, value, np.float32))
+def gradient(value: float = 1.0) -> EncodedTensor:
+    return encoded(np.full(8, value, np.float32))
 
 
 def test_a_retried_commit_is_applied_once() -> None:
     state = new_state()
     worker = register(state)
-    first = state.commit(worker, 0, pb.PAYLOAD_KIND_GRADIENT, gradient(), request_id="r1")
+    first = state.commit(Commit(worker, 0, PayloadKind.GRADIENT, gradient(), request_id="r1"))
     theta = state.theta_copy()
-    again = state.commit(worker, 0, pb.PAYLOAD_KIND_GRADIENT, gradient(), request_id="r1")
+    again = state.commit(Commit(worker, 0, PayloadKind.GRADIENT, gradient(), request_id="r1"))
     assert again.duplicate and not first.duplicate
     assert (again.snapshot.version, again.staleness, again.stats) == (1, first.staleness, first.stats)
     np.testing.assert_array_equal(state.theta_copy(), theta)
@@ -226,10 +226,10 @@ def test_a_retried_commit_is_applied_once() -> None:
     # Even from a new registration of the same client (lease expired, server restarted).
     state.leave(worker)
     other = register(state)
-    assert state.commit(other, 0, pb.PAYLOAD_KIND_GRADIENT, gradient(), request_id="r1").duplicate
-    assert not state.commit(other, 1, pb.PAYLOAD_KIND_GRADIENT, gradient(), request_id="r2").duplicate
+    assert state.commit(Commit(other, 0, PayloadKind.GRADIENT, gradient(), request_id="r1")).duplicate
+    assert not state.commit(Commit(other, 1, PayloadKind.GRADIENT, gradient(), request_id="r2")).duplicate
     with pytest.raises(InvalidArgument, match="request_id has 129 characters"):
-        state.commit(other, 2, pb.PAYLOAD_KIND_GRADIENT, gradient(), request_id="x" * 129)
+        state.commit(Commit(other, 2, PayloadKind.GRADIENT, gradient(), request_id="x" * 129))
 
 
 @pytest.mark.parametrize("rule", ["gem", "momentum"])
@@ -237,25 +237,25 @@ def test_restore_continues_exactly_where_the_checkpoint_was(rule: str) -> None:
     live = new_state(rule)
     worker = register(live)
     for version in range(3):
-        live.commit(worker, version, pb.PAYLOAD_KIND_GRADIENT, gradient(version + 1.0), request_id=f"r{version}")
-    snapshot = live.checkpoint({"rule": rule})
+        live.commit(Commit(worker, version, PayloadKind.GRADIENT, gradient(version + 1.0), request_id=f"r{version}"))
+    snapshot = live.image()
     restored = new_state(rule)
     assert restored.restore(snapshot) == []
     assert (restored.version, restored.commits_applied) == (3, 3)
     np.testing.assert_array_equal(restored.theta_copy(), live.theta_copy())
-    assert restored.commit("anyone", 0, pb.PAYLOAD_KIND_GRADIENT, gradient(), request_id="r2").duplicate
+    assert restored.commit(Commit("anyone", 0, PayloadKind.GRADIENT, gradient(), request_id="r2")).duplicate
     # The same next commit moves both identically (GEM: a new worker's first commit in both).
     again = register(restored)
     fresh = register(live)
-    a = live.commit(fresh, 3, pb.PAYLOAD_KIND_GRADIENT, gradient(0.5), request_id="n")
-    b = restored.commit(again, 3, pb.PAYLOAD_KIND_GRADIENT, gradient(0.5), request_id="n")
+    a = live.commit(Commit(fresh, 3, PayloadKind.GRADIENT, gradient(0.5), request_id="n"))
+    b = restored.commit(Commit(again, 3, PayloadKind.GRADIENT, gradient(0.5), request_id="n"))
     assert a.snapshot == b.snapshot
 
 
 def test_restore_into_another_rule_drops_the_rule_state_with_a_warning() -> None:
     live = new_state("momentum")
     register(live)
-    warnings = new_state("gem").restore(live.checkpoint({"rule": "momentum"}))
+    warnings = new_state("gem").restore(live.image())
     assert warnings and "not restored" in warnings[0]
 
 
@@ -307,7 +307,7 @@ def test_exposure_warnings() -> None:
 )
 def test_invalid_security_and_checkpoint_options(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        ServerConfig(**overrides)  # type: ignore[arg-type]
+        server_config(**overrides)
 
 
 def test_evaluation_dataset_labels_are_bounded() -> None:
@@ -324,7 +324,7 @@ def test_evaluation_dataset_labels_are_bounded() -> None:
 
 
 def test_client_connection_from_arguments_and_environment(tmp_path: Path) -> None:
-    from gemps.client import Connection
+    from gemps.connection import Connection
 
     ca = tmp_path / "ca.pem"
     ca.write_bytes(b"-----BEGIN CERTIFICATE-----\n")

@@ -24,6 +24,7 @@ from grafana_foundation_sdk.models import heatmap, stat, timeseries
 from grafana_foundation_sdk.models import prometheus as prometheus_models
 from prometheus_client import generate_latest
 
+from gemps_proto.reasons import Reason
 from gemps_server.metrics import ServerMetrics
 from gemps_server.rules import ApplyStats
 from gemps_worker.metrics import WorkerMetrics
@@ -167,11 +168,13 @@ def exposed_sample_names() -> set[str]:
     )
     stats = ApplyStats.of(np.array([0.0, 1.0, 5.0], np.float32), 5.0, proxy_energy=0.1, central_energy=0.2)
     metrics.applied(2, stats, loss=0.5, num_samples=64, queued_seconds=1e-4, apply_seconds=2e-4)
-    metrics.rejected("non_finite")
-    metrics.rpc("Commit", 0.001, 100, 200)
+    metrics.rejected(Reason.NON_FINITE)
+    metrics.rpc("Commit", 0.001)
+    metrics.message_received("Commit", 100)
+    metrics.message_sent("Commit", 200)
     metrics.registered()
     metrics.departed("evicted")
-    metrics.applier_ran(1e-4, 2e-4)
+    metrics.applier_ran(2e-4)
     metrics.evaluated("digits", 3, 0.4, 0.9)
     worker = WorkerMetrics()  # the reference worker's own /metrics (gemps_worker_*)
     worker.step_duration.observe(0.01)

@@ -1,12 +1,13 @@
 """The deployment files: Dockerfiles pass hadolint, docker-compose.yml validates against the
-Compose Specification's schema, the Kubernetes manifests validate with kubernetes-validate, and
-each has the shape the containers need. Also deploy/healthcheck.py against a real server.
+Compose Specification's schema (check-jsonschema's copy), the Kubernetes manifests validate with
+kubernetes-validate, and each has the shape the containers need. Also deploy/healthcheck.py against a real server.
 
 Running them for real is tests/e2e/test_containers.py.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -14,20 +15,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
 from gemps import __version__
-from gemps_server.process import ServerProcess
+from tests.helpers import InProcessServer
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DOCKERFILES = sorted(DEPLOY.glob("*.Dockerfile"))
 COMPOSE_FILE = ROOT / "docker-compose.yml"
-# The Compose Specification's JSON schema is data of this workplace, not of the project.
-COMPOSE_SCHEMA = Path(os.environ.get("GEMPS_COMPOSE_SCHEMA", ROOT.parent / "shared" / "schemas" / "compose-spec.json"))
 K8S = DEPLOY / "k8s"
 K8S_VERSION = "1.30.0"  # the oldest Kubernetes the manifests are for (gRPC probes: GA in 1.27)
 HEALTHCHECK = DEPLOY / "healthcheck.py"
@@ -115,20 +113,59 @@ def test_the_build_context_leaves_out_the_venv_and_git() -> None:
     rules = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
     rules = [rule for rule in rules if rule and not rule.startswith("#")]
     assert rules[0] == "*"  # an allow-list: what is not named below stays out
-    for needed in ("!pyproject.toml", "!README.md", "!proto/", "!server/", "!client_sdk/", "!worker/"):
+    for needed in ("!pyproject.toml", "!README.md", "!proto/", "!server/", "!client_sdk/", "!worker/", "!cli/"):
         assert needed in rules
 
 
 # ---- docker-compose.yml ----------------------------------------------------------------------
 
 
+def check_compose(*paths: Path) -> list[dict[str, Any]]:
+    """check-jsonschema's validation errors for compose files, against the Compose Specification
+    schema it ships (vendor.compose-spec): no download, and the schema's own JSON Schema draft."""
+    command = [tool("check-jsonschema", "check-jsonschema"), "--builtin-schema", "vendor.compose-spec"]
+    result = subprocess.run(
+        [*command, "--output-format", "JSON", *map(str, paths)], capture_output=True, text=True, timeout=120
+    )
+    try:
+        report = json.loads(result.stdout)
+    except json.JSONDecodeError:
+        pytest.fail(f"check-jsonschema exited {result.returncode} without a report:\n{result.stdout}{result.stderr}")
+    assert not report.get("parse_errors"), report["parse_errors"]  # the key is there when it fails
+    assert (result.returncode == 0) == (report["status"] == "ok") == (not report["errors"]), result.stdout
+    errors: list[dict[str, Any]] = report["errors"]
+    return errors
+
+
 def test_compose_file_validates_against_the_compose_spec_schema() -> None:
-    if not COMPOSE_SCHEMA.exists():
-        pytest.fail(f"compose-spec schema not found at {COMPOSE_SCHEMA} (set GEMPS_COMPOSE_SCHEMA)")
-    schema = yaml.safe_load(COMPOSE_SCHEMA.read_text())
-    validator = jsonschema.Draft7Validator(schema)
-    errors = sorted(validator.iter_errors(compose()), key=lambda e: list(e.absolute_path))
-    assert not errors, "\n".join(f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors)
+    errors = check_compose(COMPOSE_FILE)
+    assert not errors, "\n".join(f"{e['path']}: {e['message']}" for e in errors)
+
+
+def test_the_compose_spec_schema_rejects_a_broken_compose_file(tmp_path: Path) -> None:
+    """The check above can fail: each of these edits to docker-compose.yml is an error, found where it is."""
+    broken = {
+        "$.services.ps": lambda c: c["services"]["ps"].update(imagee=c["services"]["ps"].pop("image")),
+        "$.services.worker.depends_on.ps.condition": lambda c: c["services"]["worker"]["depends_on"]["ps"].update(
+            condition="service_happy"
+        ),
+        "$.services.ps.healthcheck.retries": lambda c: c["services"]["ps"]["healthcheck"].update(retries=[3]),
+        "$.volumes": lambda c: c.update(volumes=["checkpoints"]),
+    }
+    files = {}
+    for number, (where, edit) in enumerate(broken.items()):
+        data = compose()
+        edit(data)
+        files[where] = tmp_path / f"broken-{number}.yml"
+        files[where].write_text(yaml.safe_dump(data))
+    errors = check_compose(COMPOSE_FILE, *files.values())
+    found: dict[str, set[str]] = {}
+    for error in errors:
+        places = [error["path"], *(error.get(m, {}).get("path") for m in ("best_match", "best_deep_match"))]
+        found.setdefault(error["filename"], set()).update(p for p in places if p)
+    assert str(COMPOSE_FILE) not in found
+    for where, path in files.items():
+        assert where in found.get(str(path), set()), (where, found.get(str(path)))
 
 
 def test_compose_services() -> None:
@@ -250,7 +287,7 @@ def run_healthcheck(*args: str, env: dict[str, str] | None = None) -> subprocess
 
 
 def test_healthcheck_reports_a_serving_server_and_fails_without_one() -> None:
-    with ServerProcess() as server:
+    with InProcessServer() as server:
         serving = run_healthcheck("--target", server.target)
         own = run_healthcheck(env={"GEMPS_HOST": "0.0.0.0", "GEMPS_PORT": str(server.port)})
         upstream = run_healthcheck("--upstream", env={"GEMPS_SERVER": server.target})

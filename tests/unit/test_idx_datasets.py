@@ -41,7 +41,7 @@ def mirror(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
         (served / name).write_bytes(packed)
         md5[name] = hashlib.md5(packed).hexdigest()
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
-    handler.log_message = lambda *args: None  # type: ignore[attr-defined, assignment]
+    handler.log_message = lambda *args: None  # type: ignore[attr-defined]
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()

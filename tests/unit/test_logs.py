@@ -8,8 +8,9 @@ import logging
 from collections.abc import Iterator
 
 import pytest
+from gemps_cli.server import parse_config
 
-from gemps_server import config, logs
+from gemps_server import logs
 from gemps_server.config import ServerConfig
 
 
@@ -87,9 +88,9 @@ def test_unknown_format_is_refused() -> None:
 
 
 def test_log_format_is_a_server_option() -> None:
-    assert config.parse([], environ={}).log_format == "text"
-    assert config.parse([], environ={"GEMPS_LOG_FORMAT": "json"}).log_format == "json"
-    assert config.parse(["--log-format", "text"], environ={"GEMPS_LOG_FORMAT": "json"}).log_format == "text"
+    assert parse_config([], environ={}).log_format == "text"
+    assert parse_config([], environ={"GEMPS_LOG_FORMAT": "json"}).log_format == "json"
+    assert parse_config(["--log-format", "text"], environ={"GEMPS_LOG_FORMAT": "json"}).log_format == "text"
     with pytest.raises(ValueError, match="unknown log_format 'xml'"):
         ServerConfig(log_format="xml")
 

@@ -9,8 +9,10 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gemps_proto.schema import PayloadKind, TrainingConfig
 from gemps_server.metrics import COMMIT_REJECTION_REASONS, MAX_DATASET_LABEL, ServerMetrics
-from gemps_server.rules import ApplyStats, RuleParams, create_rule, rule_names
+from gemps_server.rules import ApplyStats, create_rule, rule_names
+from tests.helpers import training
 
 F32 = np.float32
 P = 300
@@ -28,8 +30,7 @@ def reference_energies(
 @pytest.mark.parametrize("kappa,pi_max,momentum", [(1.0, 5.0, 0.9), (2.0, 2.0, 0.5)])
 def test_gem_energies_match_the_reference(kappa: float, pi_max: float, momentum: float) -> None:
     rng = np.random.default_rng(3)
-    params = RuleParams(0.05, momentum, kappa, pi_max)
-    rule = create_rule("gem", params, P)
+    rule = create_rule(training("gem", learning_rate=0.05, momentum=momentum, kappa=kappa, pi_max=pi_max), P)
     theta = rng.normal(size=P).astype(F32)
     workers = ["a", "b", "c"]
     proxies = {w: np.zeros(P, F32) for w in workers}
@@ -42,29 +43,29 @@ def test_gem_energies_match_the_reference(kappa: float, pi_max: float, momentum:
         proxies[w] = F32(momentum) * proxies[w] + delta
         expected = reference_energies(theta, seen[w], proxies[w], delta, kappa, pi_max)
         seen[w] = theta.copy()
-        stats = rule.apply(theta, delta.copy(), w, staleness=0)
+        stats = rule.apply(theta, delta.copy(), PayloadKind.UPDATE, w, staleness=0)
         assert stats.proxy_energy == pytest.approx(expected[0], rel=1e-4)
         assert stats.central_energy == pytest.approx(expected[1], rel=1e-4)
 
 
 def test_a_first_commit_complies_exactly() -> None:
     # No central movement yet and m = Delta: pi = kappa (below the clamp), so central = proxy.
-    rule = create_rule("gem", RuleParams(kappa=2.0), 4)
+    rule = create_rule(training("gem", kappa=2.0), 4)
     theta = np.zeros(4, F32)
     rule.add_worker("a", theta)
-    stats = rule.apply(theta, np.array([0.1, -0.2, 0.3, 0.4], F32), "a", staleness=0)
+    stats = rule.apply(theta, np.array([0.1, -0.2, 0.3, 0.4], F32), PayloadKind.UPDATE, "a", staleness=0)
     assert stats.proxy_energy == pytest.approx(2 * 0.25)
     assert stats.central_energy == pytest.approx(stats.proxy_energy)
 
 
 def test_central_energy_exceeds_the_proxy_when_others_overshot() -> None:
-    rule = create_rule("gem", RuleParams(momentum=0.0), 3)
+    rule = create_rule(training("gem", momentum=0.0), 3)
     theta = np.zeros(3, F32)
     rule.add_worker("a", theta)
     rule.add_worker("b", theta)
     for _ in range(5):
-        rule.apply(theta, np.full(3, 1.0, F32), "a", staleness=0)
-    stats = rule.apply(theta, np.full(3, 0.5, F32), "b", staleness=5)
+        rule.apply(theta, np.full(3, 1.0, F32), PayloadKind.UPDATE, "a", staleness=0)
+    stats = rule.apply(theta, np.full(3, 0.5, F32), PayloadKind.UPDATE, "b", staleness=5)
     assert stats.fraction_at_zero == 1.0
     assert stats.proxy_energy == pytest.approx(0.5)
     assert stats.central_energy > stats.proxy_energy  # pi = 0: the others' movement alone
@@ -72,10 +73,10 @@ def test_central_energy_exceeds_the_proxy_when_others_overshot() -> None:
 
 @pytest.mark.parametrize("rule_name", [name for name in rule_names() if name != "gem"])
 def test_rules_without_a_proxy_report_no_energy(rule_name: str) -> None:
-    rule = create_rule(rule_name, RuleParams(), 3)
+    rule = create_rule(training(rule_name), 3)
     theta = np.zeros(3, F32)
     rule.add_worker("a", theta)
-    stats = rule.apply(theta, np.ones(3, F32), "a", staleness=1)
+    stats = rule.apply(theta, np.ones(3, F32), PayloadKind.UPDATE, "a", staleness=1)
     assert math.isnan(stats.proxy_energy) and math.isnan(stats.central_energy)
     metrics = ServerMetrics()
     metrics.applied(1, stats, loss=None, num_samples=None, queued_seconds=0.0, apply_seconds=0.0)
@@ -120,11 +121,11 @@ def test_series_exist_before_anything_happens_so_rates_read_zero() -> None:
 
 def test_labels_come_from_small_fixed_sets() -> None:
     metrics = ServerMetrics()
-    metrics.describe_server("gem", learning_rate=0.05, momentum=0.9, kappa=1.0, pi_max=5.0, worker_mode="gradient")
-    metrics.rpc("Pull", 0.001, 10, 1000)
+    metrics.describe_server(TrainingConfig())
+    metrics.rpc("Pull", 0.001)
     metrics.evaluated("x" * 500, 1, 0.5, 0.5)
     allowed = {"outcome", "reason", "phase", "bound", "side", "method", "cause", "dataset", "le", "quantile"}
-    info = {"rule", "learning_rate", "momentum", "kappa", "pi_max", "worker_mode"}
+    info = set(TrainingConfig().as_dict())  # one label per field of the training config
     for (name, labels), _ in samples(metrics).items():
         keys = {key for key, _ in labels}
         assert keys <= (allowed | info if name == "gemps_server_info" else allowed), name

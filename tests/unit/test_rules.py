@@ -7,20 +7,20 @@ import random
 import numpy as np
 import pytest
 
-from gemps_proto.codec import array_to_tensor
-from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_server.rules import RuleParams, create_rule, rule_names
-from gemps_server.state import ParamSpec, ServerState
+from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
+from gemps_server.rules import create_rule, rule_names
+from gemps_server.state import Commit, ServerState
 from gemps_server.workers import WorkerRegistry
+from tests.helpers import encoded, training
 from tests.unit.reference_rules import ReferenceServer, WorkerSideGemWorker
 
 P = 257  # odd size: no accidental alignment luck
-SPEC = [ParamSpec("w", (16, 16)), ParamSpec("b", (1,))]
+SPEC = [ParameterSpec("w", (16, 16)), ParameterSpec("b", (1,))]
 RTOL, ATOL = 2e-5, 1e-6
 
 
-def make_state(rule: str, params: RuleParams) -> ServerState:
-    return ServerState(rule, params, WorkerRegistry(max_workers=64, lease_ttl=3600))
+def make_state(params: TrainingConfig) -> ServerState:
+    return ServerState(params, WorkerRegistry(max_workers=64, lease_ttl=3600))
 
 
 def random_gradient(rng: np.random.Generator) -> np.ndarray:
@@ -30,17 +30,17 @@ def random_gradient(rng: np.random.Generator) -> np.ndarray:
     return g
 
 
-def run_random_sequence(rule: str, params: RuleParams, seed: int, steps: int = 300) -> None:
+def run_random_sequence(params: TrainingConfig, seed: int, steps: int = 300) -> None:
     """Interleave registrations, leaves and commits with random staleness; compare every step."""
     rng = np.random.default_rng(seed)
     chooser = random.Random(seed)
     theta0 = rng.normal(size=P).astype(np.float32)
-    state = make_state(rule, params)
-    ref = ReferenceServer(rule, theta0, params.learning_rate, params.momentum, params.kappa, params.pi_max)
+    state = make_state(params)
+    ref = ReferenceServer(params.rule, theta0, params.learning_rate, params.momentum, params.kappa, params.pi_max)
     base_versions: dict[str, int] = {}
 
     def join() -> None:
-        reg = state.register("w", SPEC, array_to_tensor(theta0))
+        reg = state.register("w", SPEC, encoded(theta0))
         ref.register(reg.worker.worker_id)
         base_versions[reg.worker.worker_id] = reg.snapshot.version
 
@@ -58,8 +58,8 @@ def run_random_sequence(rule: str, params: RuleParams, seed: int, steps: int = 3
         base = max(0, base_versions[worker] - chooser.choice([0, 0, 1, 3]))
         is_gradient = chooser.random() < 0.8
         payload = random_gradient(rng)
-        kind = pb.PAYLOAD_KIND_GRADIENT if is_gradient else pb.PAYLOAD_KIND_UPDATE
-        outcome = state.commit(worker, base, kind, array_to_tensor(payload))
+        kind = PayloadKind.GRADIENT if is_gradient else PayloadKind.UPDATE
+        outcome = state.commit(Commit(worker, base, kind, encoded(payload)))
         ref.commit(worker, payload, base, is_gradient)
         assert outcome.snapshot.version == ref.version
         assert outcome.staleness == ref.version - 1 - base
@@ -70,31 +70,31 @@ def run_random_sequence(rule: str, params: RuleParams, seed: int, steps: int = 3
 @pytest.mark.parametrize("rule", rule_names())
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_rule_matches_reference(rule: str, seed: int) -> None:
-    run_random_sequence(rule, RuleParams(learning_rate=0.05, momentum=0.9, kappa=1.0, pi_max=5.0), seed)
+    run_random_sequence(training(rule, learning_rate=0.05, momentum=0.9, kappa=1.0, pi_max=5.0), seed)
 
 
 @pytest.mark.parametrize("kappa,pi_max,momentum", [(2.0, 5.0, 0.9), (4.0, 2.0, 0.5), (1.0, 10.0, 0.0)])
 def test_gem_matches_reference_for_other_hyperparameters(kappa: float, pi_max: float, momentum: float) -> None:
-    run_random_sequence("gem", RuleParams(0.1, momentum, kappa, pi_max), seed=7)
+    run_random_sequence(training("gem", learning_rate=0.1, momentum=momentum, kappa=kappa, pi_max=pi_max), seed=7)
 
 
 def test_gem_equals_worker_side_reference_code_rearranged() -> None:
     rng = np.random.default_rng(11)
     chooser = random.Random(11)
-    params = RuleParams(0.05, 0.9, 1.0, 5.0)
+    params = training("gem", learning_rate=0.05, momentum=0.9, kappa=1.0, pi_max=5.0)
     theta0 = rng.normal(size=P).astype(np.float32)
-    state = make_state("gem", params)
+    state = make_state(params)
     central = theta0.copy()  # the reference code's central node only adds what workers push
     workers: dict[str, WorkerSideGemWorker] = {}
     versions: dict[str, int] = {}
     for _ in range(6):
-        reg = state.register("w", SPEC, array_to_tensor(theta0))
+        reg = state.register("w", SPEC, encoded(theta0))
         workers[reg.worker.worker_id] = WorkerSideGemWorker(central, 0.05, 0.9, 1.0, 5.0)
         versions[reg.worker.worker_id] = reg.snapshot.version
     for _ in range(400):
         worker = chooser.choice(sorted(workers))
         gradient = random_gradient(rng)
-        outcome = state.commit(worker, versions[worker], pb.PAYLOAD_KIND_GRADIENT, array_to_tensor(gradient))
+        outcome = state.commit(Commit(worker, versions[worker], PayloadKind.GRADIENT, encoded(gradient)))
         central = central + workers[worker].scaled_update(central, gradient)
         versions[worker] = outcome.snapshot.version
         np.testing.assert_allclose(state.theta_copy(), central, rtol=RTOL, atol=ATOL)
@@ -102,11 +102,11 @@ def test_gem_equals_worker_side_reference_code_rearranged() -> None:
 
 def test_gem_first_commit_of_a_worker_is_unscaled() -> None:
     # m = Delta and no central movement yet, so pi = |Delta| / |Delta| = 1 wherever Delta != 0.
-    rule = create_rule("gem", RuleParams(), 4)
+    rule = create_rule(training("gem"), 4)
     theta = np.zeros(4, np.float32)
     rule.add_worker("a", theta)
     update = np.array([0.1, -0.2, 0.3, 0.0], np.float32)
-    stats = rule.apply(theta, update.copy(), "a", staleness=0)
+    stats = rule.apply(theta, update.copy(), PayloadKind.UPDATE, "a", staleness=0)
     np.testing.assert_allclose(theta, update)
     # The zero entry has no proxy energy either: pi = 0 / eps = 0.
     assert stats.fraction_at_zero == pytest.approx(0.25)
@@ -115,21 +115,21 @@ def test_gem_first_commit_of_a_worker_is_unscaled() -> None:
 
 def test_gem_scales_down_stale_updates_once_central_moved() -> None:
     # Worker b's proxy energy is small; the central variable moved a lot since it joined: pi -> 0.
-    rule = create_rule("gem", RuleParams(momentum=0.0), 3)
+    rule = create_rule(training("gem", momentum=0.0), 3)
     theta = np.zeros(3, np.float32)
     rule.add_worker("a", theta)
     rule.add_worker("b", theta)
     for _ in range(5):
-        rule.apply(theta, np.full(3, 1.0, np.float32), "a", staleness=0)
+        rule.apply(theta, np.full(3, 1.0, np.float32), PayloadKind.UPDATE, "a", staleness=0)
     before = theta.copy()
-    stats = rule.apply(theta, np.full(3, 0.5, np.float32), "b", staleness=5)
+    stats = rule.apply(theta, np.full(3, 0.5, np.float32), PayloadKind.UPDATE, "b", staleness=5)
     np.testing.assert_array_equal(theta, before)
     assert stats.fraction_at_zero == 1.0 and stats.scaling_mean == 0.0
 
 
 def test_unknown_rule_lists_valid_names() -> None:
     with pytest.raises(ValueError, match="gem, downpour, adaptive-staleness, momentum"):
-        create_rule("sync", RuleParams(), 3)
+        create_rule(training("sync"), 3)
 
 
 def test_gem_in_blocks_equals_gem_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,11 +142,14 @@ def test_gem_in_blocks_equals_gem_in_one_pass(monkeypatch: pytest.MonkeyPatch) -
     results = []
     for block in (37, 10**9):
         monkeypatch.setattr(gem, "BLOCK", block)
-        rule = create_rule("gem", RuleParams(), P)
+        rule = create_rule(training("gem"), P)
         theta = theta0.copy()
         for worker in ("a", "b"):
             rule.add_worker(worker, theta)
-        stats = [rule.apply(theta, random_gradient(np.random.default_rng(i)), "ab"[i % 2], 0, -0.05) for i in range(20)]
+        stats = [
+            rule.apply(theta, random_gradient(np.random.default_rng(i)), PayloadKind.GRADIENT, "ab"[i % 2], 0)
+            for i in range(20)
+        ]
         results.append((theta, stats))
     (blocked, blocked_stats), (whole, whole_stats) = results
     np.testing.assert_array_equal(blocked, whole)
@@ -166,11 +169,11 @@ def test_numba_kernel_equals_numpy_pass() -> None:
     theta0 = rng.normal(size=size).astype(np.float32)
     results = []
     for kernel in ("numpy", "numba"):
-        rule = create_rule("gem", RuleParams(kappa=2.0, gem_kernel=kernel), size)
+        rule = create_rule(training("gem", kappa=2.0), size, kernel=kernel)
         theta = theta0.copy()
         rule.add_worker("a", theta)
         rule.add_worker("b", theta)
-        stats = [rule.apply(theta, rng_gradient(i, size), "ab"[i % 2], 0, -0.05) for i in range(12)]
+        stats = [rule.apply(theta, rng_gradient(i, size), PayloadKind.GRADIENT, "ab"[i % 2], 0) for i in range(12)]
         results.append((theta, stats))
     np.testing.assert_array_equal(results[0][0], results[1][0])
     assert results[0][1] == results[1][1]
@@ -182,4 +185,4 @@ def rng_gradient(seed: int, size: int) -> np.ndarray:
 
 def test_unknown_gem_kernel_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown gem kernel 'cuda'"):
-        create_rule("gem", RuleParams(gem_kernel="cuda"), 4)
+        create_rule(training("gem"), 4, kernel="cuda")

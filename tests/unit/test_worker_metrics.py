@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 from gemps_worker.metrics import EvaluatorMetrics, WorkerMetrics
-from gemps_worker.monitor import scrape
+from tests.helpers import scrape
 
 
 def test_evaluator_metrics_are_served() -> None:
@@ -24,20 +26,37 @@ def test_worker_metrics_are_served() -> None:
     assert samples["gemps_worker_step_duration_seconds_count"] == 1
 
 
-def test_server_figures_are_interval_means_carried_forward_when_idle() -> None:
+def test_commit_figures_are_interval_means_carried_forward_when_idle() -> None:
     import math
 
-    from gemps_worker.monitor import ServerFigures
+    from gemps_worker.commit_log import CommitFigures
+    from gemps_worker.training import StepRecord
 
-    before = {"gemps_training_loss_sum": 10.0, "gemps_training_loss_count": 4.0}
-    after = {
-        "gemps_training_loss_sum": 13.0,
-        "gemps_training_loss_count": 6.0,
-        "gemps_commit_staleness_sum": 6.0,
-        "gemps_commit_staleness_count": 2.0,
-    }
-    figures = ServerFigures.between(before, after)
+    def record(loss: float, staleness: int) -> StepRecord:
+        return StepRecord(step=1, version=1, loss=loss, staleness=staleness, scaling_mean=math.nan, time=0.0)
+
+    figures = CommitFigures.of([record(1.0, 2), record(2.0, 4)])
     assert figures.training_loss == 1.5 and figures.mean_staleness == 3.0
     assert math.isnan(figures.mean_scaling)
-    idle = ServerFigures.between(after, after).or_else(figures)  # no commits in between
+    idle = CommitFigures.of([]).or_else(figures)  # no commits in between
     assert idle.training_loss == 1.5 and idle.mean_staleness == 3.0
+
+
+def test_report_tail_reads_only_complete_new_lines(tmp_path: Path) -> None:
+    import json
+    from dataclasses import asdict
+
+    from gemps_worker.commit_log import ReportTail
+    from gemps_worker.training import StepRecord
+
+    path = tmp_path / "worker.jsonl"
+    tail = ReportTail(path)
+    assert tail.read_new() == []  # not written yet
+    first = StepRecord(step=1, version=3, loss=0.5, staleness=1, scaling_mean=1.0, time=0.0)
+    with open(path, "w") as report:
+        report.write(json.dumps(asdict(first)) + "\n" + '{"step": 2, "ver')  # a line still being written
+    assert tail.read_new() == [first]
+    with open(path, "a") as report:
+        report.write('sion": 4, "loss": 0.25, "staleness": 0, "scaling_mean": 1.0, "time": 1.0}\n')
+    assert [r.version for r in tail.read_new()] == [4]
+    assert tail.read_new() == []

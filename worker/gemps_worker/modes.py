@@ -18,8 +18,10 @@ import torch
 
 from gemps.pytorch import RemoteModel
 from gemps.records import CommitResult
+from gemps_proto.schema import WorkerMode
 
-MODES = ("gradient", "agn", "easgd")
+#: the modes by name: the ones the protocol defines (TrainingConfig.worker_mode)
+MODES = tuple(mode.value for mode in WorkerMode)
 
 LossFunction = Callable[[], torch.Tensor]
 
@@ -116,10 +118,10 @@ class EasgdMode(TrainingMode):
 def create_mode(
     name: str, remote: RemoteModel, learning_rate: float, agn_steps: int, easgd_alpha: float, easgd_period: int
 ) -> TrainingMode:
-    if name == "gradient":
+    if name == WorkerMode.GRADIENT:
         return GradientMode(remote, learning_rate)
-    if name == "agn":
+    if name == WorkerMode.AGN:
         return AgnMode(remote, learning_rate, agn_steps)
-    if name == "easgd":
+    if name == WorkerMode.EASGD:
         return EasgdMode(remote, learning_rate, easgd_alpha, easgd_period)
     raise ValueError(f"unknown worker mode {name!r}; choose from {', '.join(MODES)}")

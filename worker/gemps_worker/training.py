@@ -19,6 +19,7 @@ from gemps.client import Client
 from gemps.errors import StoppedError
 from gemps.pytorch import RemoteModel
 from gemps.records import Registration
+from gemps_proto.codec import WIRE_DTYPE_NAMES
 from gemps_worker.datasets import DATASETS, Dataset, load_dataset
 from gemps_worker.models import MODELS, build_model
 from gemps_worker.modes import MODES, Diverged, create_mode
@@ -49,7 +50,7 @@ class WorkerOptions:
     threads: int = field(default=1, metadata={"help": "torch CPU threads for this worker"})
     wire_dtype: str = field(
         default="float32",
-        metadata={"help": "how commits and replies travel", "choices": ["float32", "bfloat16"]},
+        metadata={"help": "how commits and replies travel", "choices": tuple(WIRE_DTYPE_NAMES)},
     )
     metrics_port: int = field(default=-1, metadata={"help": "serve this worker's /metrics here (-1: off)"})
     report_file: str = field(default="", metadata={"help": "append one JSON line per commit here"})
@@ -134,7 +135,8 @@ def run_worker(
     train_y = torch.from_numpy(data.train_y).to(device)
     metrics = commit_metrics(options.metrics_port)
     summary = WorkerSummary()
-    report = open(options.report_file, "a") if options.report_file else None  # noqa: SIM115
+    # Line-buffered: observers (the demo) read the lines while the worker trains.
+    report = open(options.report_file, "a", buffering=1) if options.report_file else None  # noqa: SIM115
     try:
         with RemoteModel(
             model, Client(options.server, name=options.name, stop=stop, wire_dtype=options.wire_dtype)

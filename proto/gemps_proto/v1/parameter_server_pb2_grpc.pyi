@@ -6,6 +6,10 @@ gemps parameter-server protocol, version 1.
 The central variable is a flat float32 vector of P parameters: the concatenation, in spec
 order, of every named parameter, each flattened in row-major (C) order. Tensors travel as
 raw little-endian bytes with their dtype and shape, never as repeated floats.
+
+A refused call carries its gRPC status code and, in trailing metadata under `gemps-reason`,
+a label naming the cause (e.g. "unknown_worker", "non_finite"); gemps_proto/reasons.py lists
+them. gemps_proto/schema.py is the typed Python face of the shared messages below.
 """
 
 from collections import abc as _abc

@@ -1,9 +1,16 @@
-"""Commit rules, one per module, looked up by name."""
+"""Commit rules, one per module, looked up by name (the server's public strategy API).
+
+A rule subclasses CommitRule, names itself (`name`), takes its hyperparameters as keyword-only
+constructor parameters named like TrainingConfig fields, and is listed in `_RULES` below.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+from gemps_proto.schema import TrainingConfig
 from gemps_server.rules.adaptive_staleness import AdaptiveStalenessRule
-from gemps_server.rules.base import ApplyStats, CommitRule, RuleParams
+from gemps_server.rules.base import ApplyStats, CommitRule
 from gemps_server.rules.downpour import DownpourRule
 from gemps_server.rules.gem import GemRule
 from gemps_server.rules.momentum import MomentumRule
@@ -17,12 +24,17 @@ def rule_names() -> list[str]:
     return list(_RULES)
 
 
-def create_rule(name: str, params: RuleParams, num_parameters: int) -> CommitRule:
+def rule_class(name: str) -> type[CommitRule]:
+    """The rule called `name`; ValueError listing the valid names otherwise."""
     try:
-        rule_class = _RULES[name]
+        return _RULES[name]
     except KeyError:
         raise ValueError(f"unknown commit rule {name!r}; valid rules: {', '.join(_RULES)}") from None
-    return rule_class(params, num_parameters)
 
 
-__all__ = ["ApplyStats", "CommitRule", "RuleParams", "create_rule", "rule_names"]
+def create_rule(config: TrainingConfig, num_parameters: int, **options: Any) -> CommitRule:
+    """`config.rule`'s rule with its hyperparameters; `options` (e.g. `kernel`) go to rules that take them."""
+    return rule_class(config.rule).from_config(config, num_parameters, **options)
+
+
+__all__ = ["ApplyStats", "CommitRule", "create_rule", "rule_class", "rule_names"]

@@ -10,8 +10,8 @@ from gemps_server.rules.base import ApplyStats, CommitRule
 class AdaptiveStalenessRule(CommitRule):
     name = "adaptive-staleness"
 
-    def apply(
-        self, theta: np.ndarray, update: np.ndarray, worker_id: str, staleness: int, scale: float = 1.0
+    def apply_scaled(
+        self, theta: np.ndarray, update: np.ndarray, scale: float, worker_id: str, staleness: int
     ) -> ApplyStats:
         delta = np.multiply(update, np.float32(scale), out=self.scratch(update))
         delta /= np.float32(staleness + 1)  # after scaling, as the rule is written: same rounding

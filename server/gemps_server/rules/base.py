@@ -1,13 +1,22 @@
-"""The commit-rule interface: how a worker's update moves the central variable."""
+"""The commit-rule interface: how a worker's commit moves the central variable.
+
+A rule owns its hyperparameters (Flower's strategy style): they are the keyword-only parameters
+of its constructor, named like the TrainingConfig fields they come from, so `create_rule` hands
+each rule exactly what it uses and nothing else. Every rule takes the learning rate: it turns a
+gradient g into the update Delta = -eta * g (an update commit is taken as Delta itself).
+"""
 
 from __future__ import annotations
 
+import inspect
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 import numpy as np
+
+from gemps_proto.schema import PayloadKind, TrainingConfig
 
 # Commit statistics (pi's mean, median, clamped fractions; GEM's energies) come from an evenly
 # strided sample of at most this many parameters: exact for smaller models, an estimate past it.
@@ -18,15 +27,6 @@ STATS_SAMPLE_SIZE = 8_192
 def sample_stride(size: int) -> int:
     """Stride of the statistics' sample: at most STATS_SAMPLE_SIZE of `size` parameters."""
     return max(1, -(-size // STATS_SAMPLE_SIZE))
-
-
-@dataclass(frozen=True)
-class RuleParams:
-    learning_rate: float = 0.05
-    momentum: float = 0.9
-    kappa: float = 1.0
-    pi_max: float = 5.0
-    gem_kernel: str = "numpy"  # how GEM's update runs: "numpy" (blocked), or "numba" (optional, compiled)
 
 
 @dataclass(frozen=True)
@@ -74,22 +74,39 @@ class ApplyStats:
         )
 
 
+_TRAINING_FIELDS = frozenset(f.name for f in fields(TrainingConfig))
+
+
 class CommitRule(ABC):
-    """Applies worker updates to the central variable, one at a time, in FIFO order.
+    """Applies worker commits to the central variable, one at a time, in FIFO order.
 
     The applier calls every method from one thread, never concurrently. `apply` moves `theta`
-    in place by the commit's Delta = scale * update (scale is -eta for gradients, 1 for updates);
-    `update` may be read-only (it aliases the request's bytes) and is never written.
+    in place by the commit's Delta; the payload may be read-only (it aliases the request's
+    bytes) and is never written.
     """
 
     name: ClassVar[str]
     #: float32 vectors of P parameters kept per registered worker (for memory accounting).
     vectors_per_worker: ClassVar[int] = 0
 
-    def __init__(self, params: RuleParams, num_parameters: int) -> None:
-        self.params = params
+    def __init__(self, num_parameters: int, *, learning_rate: float) -> None:
         self.num_parameters = num_parameters
+        self.learning_rate = learning_rate
         self._scratch: np.ndarray | None = None
+
+    @classmethod
+    def hyperparameters(cls) -> tuple[str, ...]:
+        """The TrainingConfig fields this rule takes (its constructor's keyword-only parameters)."""
+        parameters = inspect.signature(cls.__init__).parameters.values()
+        return tuple(p.name for p in parameters if p.kind is p.KEYWORD_ONLY and p.name in _TRAINING_FIELDS)
+
+    @classmethod
+    def from_config(cls, config: TrainingConfig, num_parameters: int, **options: Any) -> CommitRule:
+        """The rule with its hyperparameters from `config`; `options` it does not take are ignored."""
+        accepted = inspect.signature(cls.__init__).parameters
+        chosen = {name: getattr(config, name) for name in cls.hyperparameters()}
+        chosen.update({key: value for key, value in options.items() if key in accepted})
+        return cls(num_parameters, **chosen)
 
     def add_worker(self, worker_id: str, theta: np.ndarray) -> None:  # noqa: B027 (optional hook)
         """A worker registered while the central variable is `theta`."""
@@ -106,11 +123,18 @@ class CommitRule(ABC):
         if state:
             raise ValueError(f"rule {self.name!r} keeps no global state, got {sorted(state)}")
 
-    @abstractmethod
     def apply(
-        self, theta: np.ndarray, update: np.ndarray, worker_id: str, staleness: int, scale: float = 1.0
+        self, theta: np.ndarray, payload: np.ndarray, kind: PayloadKind, worker_id: str, staleness: int
     ) -> ApplyStats:
-        """Move theta in place by scale * update, this worker's, computed `staleness` commits ago."""
+        """Move theta in place by this worker's commit, computed `staleness` commits ago."""
+        scale = -self.learning_rate if kind is PayloadKind.GRADIENT else 1.0
+        return self.apply_scaled(theta, payload, scale, worker_id, staleness)
+
+    @abstractmethod
+    def apply_scaled(
+        self, theta: np.ndarray, update: np.ndarray, scale: float, worker_id: str, staleness: int
+    ) -> ApplyStats:
+        """Move theta in place by the rule applied to Delta = scale * update."""
 
     def scaled(self, update: np.ndarray, scale: float) -> np.ndarray:
         """scale * update in the rule's scratch buffer, or update itself when scale is 1."""

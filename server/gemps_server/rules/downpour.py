@@ -10,8 +10,8 @@ from gemps_server.rules.base import ApplyStats, CommitRule
 class DownpourRule(CommitRule):
     name = "downpour"
 
-    def apply(
-        self, theta: np.ndarray, update: np.ndarray, worker_id: str, staleness: int, scale: float = 1.0
+    def apply_scaled(
+        self, theta: np.ndarray, update: np.ndarray, scale: float, worker_id: str, staleness: int
     ) -> ApplyStats:
         theta += self.scaled(update, scale)
         return ApplyStats.constant(1.0)

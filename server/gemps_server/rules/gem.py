@@ -26,10 +26,12 @@ from __future__ import annotations
 import numpy as np
 
 from gemps_server.rules import base
-from gemps_server.rules.base import ApplyStats, CommitRule, RuleParams
+from gemps_server.rules.base import ApplyStats, CommitRule
 from gemps_server.rules.gem_numba import GemUpdate, gem_update_kernel
 
 EPSILON = np.float32(1e-16)
+#: how GEM's update runs: blocked numpy, or the optional compiled kernel (gem_numba.py)
+GEM_KERNELS = ("numpy", "numba")
 #: parameters per block: 256 KiB per float32 vector, so a block's vectors stay in cache (fastest of 4K-1M here)
 BLOCK = 65_536
 
@@ -42,51 +44,35 @@ class _WorkerState:
         self.last_seen_theta = theta.copy()
 
 
-def _scaling(
-    theta: np.ndarray,
-    proxy: np.ndarray,
-    last_seen: np.ndarray,
-    delta: np.ndarray,
-    params: RuleParams,
-    out: tuple[np.ndarray, np.ndarray, np.ndarray],
-) -> None:
-    """Moves the proxy (m <- mu*m + Delta, in place) and fills `out` = (pi, c, |Delta| + eps)."""
-    pi, movement, denominator = out
-    proxy *= np.float32(params.momentum)
-    proxy += delta
-    np.subtract(theta, last_seen, out=movement)
-    np.abs(movement, out=movement)
-    np.abs(proxy, out=pi)
-    if params.kappa != 1.0:
-        pi *= np.float32(params.kappa)
-    pi -= movement
-    np.abs(delta, out=denominator)
-    denominator += EPSILON
-    with np.errstate(over="ignore"):  # a huge ratio is clipped to pi_max right after
-        pi /= denominator
-    np.maximum(pi, np.float32(0.0), out=pi)  # maximum/minimum: np.clip is several times slower
-    np.minimum(pi, np.float32(params.pi_max), out=pi)
-
-
 class GemRule(CommitRule):
     name = "gem"
     vectors_per_worker = 2
 
-    def __init__(self, params: RuleParams, num_parameters: int) -> None:
-        super().__init__(params, num_parameters)
+    def __init__(
+        self,
+        num_parameters: int,
+        *,
+        learning_rate: float,
+        momentum: float,
+        kappa: float,
+        pi_max: float,
+        kernel: str = "numpy",
+    ) -> None:
+        super().__init__(num_parameters, learning_rate=learning_rate)
+        self.momentum, self.kappa, self.pi_max = momentum, kappa, pi_max
         self._workers: dict[str, _WorkerState] = {}
         block = min(BLOCK, max(1, num_parameters))
         # Block-sized scratch, reused by every block of every commit.
         self._delta, self._movement, self._pi, self._denominator = (np.empty(block, dtype=np.float32) for _ in range(4))
         self._sampled = np.arange(0, num_parameters, base.sample_stride(num_parameters))
         self._compiled: GemUpdate | None = None
-        if params.gem_kernel == "numba":
+        if kernel == "numba":
             try:
                 self._compiled = gem_update_kernel()
             except ImportError as error:
                 raise ValueError(f"gem kernel 'numba' needs numba: pip install 'gemps[numba]' ({error})") from None
-        elif params.gem_kernel != "numpy":
-            raise ValueError(f"unknown gem kernel {params.gem_kernel!r}; valid: numpy, numba")
+        elif kernel != "numpy":
+            raise ValueError(f"unknown gem kernel {kernel!r}; valid: {', '.join(GEM_KERNELS)}")
 
     def add_worker(self, worker_id: str, theta: np.ndarray) -> None:
         self._workers[worker_id] = _WorkerState(theta)
@@ -94,16 +80,15 @@ class GemRule(CommitRule):
     def remove_worker(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
 
-    def apply(
-        self, theta: np.ndarray, update: np.ndarray, worker_id: str, staleness: int, scale: float = 1.0
+    def apply_scaled(
+        self, theta: np.ndarray, update: np.ndarray, scale: float, worker_id: str, staleness: int
     ) -> ApplyStats:
         state = self._workers[worker_id]
         if theta.size == 0:
             return ApplyStats.constant(0.0)
         stats = self._sample_stats(theta, state, update, scale)  # before the update changes its inputs
         if self._compiled is not None:
-            p = self.params
-            scalars = (np.float32(v) for v in (scale, p.momentum, p.kappa, p.pi_max))
+            scalars = (np.float32(v) for v in (scale, self.momentum, self.kappa, self.pi_max))
             self._compiled(theta, state.proxy, state.last_seen_theta, update, *scalars, EPSILON)
             return stats
         for start in range(0, theta.size, BLOCK):
@@ -119,13 +104,38 @@ class GemRule(CommitRule):
         delta = update[at] * np.float32(scale)
         proxy = state.proxy[at]  # a copy (fancy indexing): moving it leaves the worker's proxy alone
         scratch = (np.empty_like(delta), np.empty_like(delta), np.empty_like(delta))
-        _scaling(theta[at], proxy, state.last_seen_theta[at], delta, self.params, scratch)
+        self._scaling(theta[at], proxy, state.last_seen_theta[at], delta, scratch)
         pi, movement, denominator = scratch
         proxy_energy = np.abs(proxy)
-        proxy_energy *= np.float32(self.params.kappa)
+        proxy_energy *= np.float32(self.kappa)
         # pi*(|Delta| + eps): this commit's share of the central variable's movement.
         central_energy = float(movement.mean(dtype=np.float64)) + float(np.dot(pi, denominator)) / pi.size
-        return ApplyStats.of(pi, self.params.pi_max, float(proxy_energy.mean(dtype=np.float64)), central_energy)
+        return ApplyStats.of(pi, self.pi_max, float(proxy_energy.mean(dtype=np.float64)), central_energy)
+
+    def _scaling(
+        self,
+        theta: np.ndarray,
+        proxy: np.ndarray,
+        last_seen: np.ndarray,
+        delta: np.ndarray,
+        out: tuple[np.ndarray, np.ndarray, np.ndarray],
+    ) -> None:
+        """Moves the proxy (m <- mu*m + Delta, in place) and fills `out` = (pi, c, |Delta| + eps)."""
+        pi, movement, denominator = out
+        proxy *= np.float32(self.momentum)
+        proxy += delta
+        np.subtract(theta, last_seen, out=movement)
+        np.abs(movement, out=movement)
+        np.abs(proxy, out=pi)
+        if self.kappa != 1.0:
+            pi *= np.float32(self.kappa)
+        pi -= movement
+        np.abs(delta, out=denominator)
+        denominator += EPSILON
+        with np.errstate(over="ignore"):  # a huge ratio is clipped to pi_max right after
+            pi /= denominator
+        np.maximum(pi, np.float32(0.0), out=pi)  # maximum/minimum: np.clip is several times slower
+        np.minimum(pi, np.float32(self.pi_max), out=pi)
 
     def _apply_block(
         self, theta: np.ndarray, proxy: np.ndarray, last_seen: np.ndarray, update: np.ndarray, scale: float
@@ -134,7 +144,7 @@ class GemRule(CommitRule):
         n = theta.size
         delta, movement, pi = self._delta[:n], self._movement[:n], self._pi[:n]
         np.multiply(update, np.float32(scale), out=delta)
-        _scaling(theta, proxy, last_seen, delta, self.params, (pi, movement, self._denominator[:n]))
+        self._scaling(theta, proxy, last_seen, delta, (pi, movement, self._denominator[:n]))
         np.copyto(last_seen, theta)
         np.multiply(pi, delta, out=movement)  # movement's buffer is free again
         theta += movement

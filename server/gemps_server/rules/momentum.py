@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from gemps_server.rules.base import ApplyStats, CommitRule, RuleParams
+from gemps_server.rules.base import ApplyStats, CommitRule
 
 
 class MomentumRule(CommitRule):
     name = "momentum"
 
-    def __init__(self, params: RuleParams, num_parameters: int) -> None:
-        super().__init__(params, num_parameters)
+    def __init__(self, num_parameters: int, *, learning_rate: float, momentum: float) -> None:
+        super().__init__(num_parameters, learning_rate=learning_rate)
+        self.momentum = momentum
         self._velocity = np.zeros(num_parameters, dtype=np.float32)
 
     def global_state(self) -> dict[str, np.ndarray]:
@@ -27,10 +28,10 @@ class MomentumRule(CommitRule):
             raise ValueError(f"momentum rule state must be one 'velocity' of shape {list(self._velocity.shape)}")
         np.copyto(self._velocity, velocity)
 
-    def apply(
-        self, theta: np.ndarray, update: np.ndarray, worker_id: str, staleness: int, scale: float = 1.0
+    def apply_scaled(
+        self, theta: np.ndarray, update: np.ndarray, scale: float, worker_id: str, staleness: int
     ) -> ApplyStats:
-        self._velocity *= np.float32(self.params.momentum)
+        self._velocity *= np.float32(self.momentum)
         self._velocity += self.scaled(update, scale)
         theta += self._velocity
         return ApplyStats.constant(1.0)

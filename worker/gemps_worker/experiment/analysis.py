@@ -94,11 +94,11 @@ def summarize(result: RunResult) -> Summary:
 
     return Summary(
         c.name,
-        c.rule,
+        c.training.rule,
         c.workers,
-        c.learning_rate,
-        c.kappa,
-        c.mode,
+        c.training.learning_rate,
+        c.training.kappa,
+        c.training.worker_mode,
         result.final_version,
         steps,
         final_loss,

@@ -109,10 +109,10 @@ def figure_6(path: Path, pairs: Sequence[tuple[RunResult, RunResult]], proxy: Ru
     for ax, (gem, downpour) in zip(axes[0], pairs, strict=True):
         for run, style in ((gem, "-"), (downpour, "-"), (proxy, "k--")):
             curve = step_curve(run)
-            label = f"{run.config.rule}, {run.config.workers} worker{'s' if run.config.workers > 1 else ''}"
+            label = f"{run.config.training.rule}, {run.config.workers} worker{'s' if run.config.workers > 1 else ''}"
             ax.plot(curve.steps, smooth(curve.values["loss"], SMOOTHING), style, label=label)
         ax.set(
-            title=f"eta = {gem.config.learning_rate:g}, {gem.config.workers} workers",
+            title=f"eta = {gem.config.training.learning_rate:g}, {gem.config.workers} workers",
             xlabel="worker step",
             ylabel="training loss",
             yscale="log",
@@ -127,7 +127,7 @@ def figure_8(path: Path, kappas: Sequence[RunResult], proxy: RunResult) -> Path:
     fig, (loss_ax, pi_ax) = plt.subplots(1, 2, figsize=(13, 4.5))
     for run in kappas:
         curve = step_curve(run)
-        label = f"kappa = {run.config.kappa:g}"
+        label = f"kappa = {run.config.training.kappa:g}"
         loss_ax.plot(curve.steps, smooth(curve.values["loss"], SMOOTHING), label=label)
         pi_ax.plot(curve.steps, smooth(curve.values["scaling_mean"], SMOOTHING), label=label)
     curve = step_curve(proxy)
@@ -143,7 +143,7 @@ def figure_8(path: Path, kappas: Sequence[RunResult], proxy: RunResult) -> Path:
 
 def mini_batches_per_commit(run: RunResult) -> int:
     c = run.config
-    return {"agn": c.agn_steps, "easgd": c.easgd_period}.get(c.mode, 1)
+    return {"agn": c.agn_steps, "easgd": c.easgd_period}.get(c.training.worker_mode, 1)
 
 
 def figure_modes(path: Path, runs: Sequence[RunResult], proxy: RunResult) -> Path:

@@ -23,6 +23,7 @@ import torch
 from gemps.client import Client
 from gemps.errors import GempsError
 from gemps.records import Registration
+from gemps_proto.reasons import Reason
 from gemps_worker.datasets import load_dataset
 from gemps_worker.training import StepRecord, WorkerHooks, WorkerOptions, run_worker
 
@@ -72,7 +73,7 @@ def run_pool(spec: PoolSpec) -> int:
                 summary = run_worker(options, hooks=WorkerHooks(on_registered, on_step), data=data)
                 outcome = "diverged" if summary.diverged else "done"
             except GempsError as error:  # e.g. the server refused a non-finite gradient
-                outcome = "diverged" if error.reason == "non_finite" else f"error: {error}"
+                outcome = "diverged" if error.reason == Reason.NON_FINITE else f"error: {error}"
                 barrier.abort()
             except threading.BrokenBarrierError:
                 outcome = "error: the run could not start (another worker failed to register)"

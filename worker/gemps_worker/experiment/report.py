@@ -54,7 +54,9 @@ def draw_figures(results: Sequence[RunResult], folder: Path) -> list[Path]:
         found = [
             r
             for name, r in runs.items()
-            if r.config.rule == rule and r.config.mode == "gradient" and name == f"{rule}-n{r.config.workers}"
+            if r.config.training.rule == rule
+            and r.config.training.worker_mode == "gradient"
+            and name == f"{rule}-n{r.config.workers}"
         ]
         return sorted(found, key=lambda r: r.config.workers)
 
@@ -80,11 +82,14 @@ def draw_figures(results: Sequence[RunResult], folder: Path) -> list[Path]:
     kappas = [runs[k] for k in (f"gem-n{n}", *(f"gem-n{n}-kappa{k}" for k in (2, 3, 4))) if k in runs]
     if len(kappas) > 1:
         drawn.append(figures.figure_8(folder / "fig8_kappa.png", kappas, proxy))
-    workers = max((r.config.workers for r in results if r.config.mode != "gradient"), default=0)
+    workers = max((r.config.workers for r in results if r.config.training.worker_mode != "gradient"), default=0)
     modes = [
         r
         for r in results
-        if r.config.workers == workers and r.config.learning_rate == 0.05 and r.config.kappa == 1.0 and workers > 0
+        if r.config.workers == workers
+        and r.config.training.learning_rate == 0.05
+        and r.config.training.kappa == 1.0
+        and workers > 0
     ]
     if modes:
         drawn.append(figures.figure_modes(folder / "fig_methods.png", modes, proxy))

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from gemps.client import Client
-from gemps_server.process import ServerProcess
+from gemps.options import values_of
+from gemps_proto.schema import TrainingConfig
+from gemps_worker.cluster import LocalCluster
 from gemps_worker.datasets import Dataset, load_dataset
 from gemps_worker.evaluation import evaluate_central
 from gemps_worker.experiment.pool import PoolSpec
@@ -28,12 +29,8 @@ MAX_POOLS = 2
 @dataclass(frozen=True)
 class RunConfig:
     name: str
-    rule: str
     workers: int
-    learning_rate: float = 0.05
-    momentum: float = 0.9
-    kappa: float = 1.0
-    mode: str = "gradient"
+    training: TrainingConfig = field(default_factory=TrainingConfig)  # the server's: rule, eta, worker mode, ...
     epochs: int = 10
     model: str = "digits-cnn"
     dataset: str = "digits"
@@ -73,7 +70,7 @@ class RunResult:
     @classmethod
     def load(cls, path: Path) -> RunResult:
         raw = json.loads(path.read_text())
-        raw["config"] = RunConfig(**raw["config"])
+        raw["config"] = _run_config(raw["config"])
         raw["held_out"] = [HeldOut(**h) for h in raw["held_out"]]
         return cls(**raw)
 
@@ -84,27 +81,23 @@ def run(config: RunConfig, folder: Path, eval_interval: float = 1.0) -> RunResul
     model = build_model(config.model, data.input_shape, data.num_classes)
     started = time.monotonic()
     held_out: list[HeldOut] = []
-    server_options = {
-        "rule": config.rule,
-        "learning_rate": config.learning_rate,
-        "momentum": config.momentum,
-        "kappa": config.kappa,
-        "worker_mode": config.mode,
+    server = {
+        **values_of(config.training),
         "max_workers": max(256, config.workers),
         "lease_ttl": 300.0,
         "metrics_port": -1,
         "log_level": "warning",
     }
-    with ServerProcess(log_path=folder / "server.log", **server_options) as server:  # type: ignore[arg-type]
-        pools = _start_pools(config, server.target, folder)
-        with Client(server.target) as observer:
-            while any(p.poll() is None for p in pools):
-                sample = _evaluate(observer, model, data, started)
-                if sample is not None:
-                    held_out.append(sample)
-                time.sleep(eval_interval)
-            final = _evaluate(observer, model, data, started)
-        failed = [p.returncode for p in pools if p.returncode != 0]
+    with LocalCluster(folder, server=server) as cluster:
+        _start_pools(config, cluster)
+        observer = cluster.observer()
+        while cluster.running():
+            sample = _evaluate(observer, model, data, started)
+            if sample is not None:
+                held_out.append(sample)
+            time.sleep(eval_interval)
+        final = _evaluate(observer, model, data, started)
+        failed = cluster.failed()
         if failed:
             raise RuntimeError(f"{config.name}: worker pools failed ({failed}); see {folder}/pool-*.log")
     assert final is not None
@@ -117,34 +110,39 @@ def run(config: RunConfig, folder: Path, eval_interval: float = 1.0) -> RunResul
     return result
 
 
-def _start_pools(config: RunConfig, target: str, folder: Path) -> list[subprocess.Popen[bytes]]:
+def _start_pools(config: RunConfig, cluster: LocalCluster) -> None:
     pools = min(MAX_POOLS, config.workers)
     sizes = [config.workers // pools + (1 if i < config.workers % pools else 0) for i in range(pools)]
     options = WorkerOptions(
-        server=target,
+        server=cluster.target,
         dataset=config.dataset,
         model=config.model,
-        mode=config.mode,
+        mode=config.training.worker_mode,
         epochs=config.epochs,
         agn_steps=config.agn_steps,
         easgd_alpha=config.easgd_alpha,
         easgd_period=config.easgd_period,
     )
-    processes, first = [], 0
+    first = 0
     for i, size in enumerate(sizes):
-        spec = PoolSpec(target, first, size, config.workers, asdict(options), str(folder / f"records-{i}.jsonl"))
-        spec_path = folder / f"pool-{i}.json"
+        spec = PoolSpec(
+            cluster.target, first, size, config.workers, asdict(options), str(cluster.folder / f"records-{i}.jsonl")
+        )
+        spec_path = cluster.folder / f"pool-{i}.json"
         spec_path.write_text(json.dumps(asdict(spec)))
-        with open(folder / f"pool-{i}.log", "wb") as log_file:
-            processes.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "gemps_worker.experiment.pool", str(spec_path)],
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                )
-            )
+        cluster.start_process(f"pool-{i}", [sys.executable, "-m", "gemps_worker.experiment.pool", str(spec_path)])
         first += size
-    return processes
+
+
+def _run_config(raw: dict[str, Any]) -> RunConfig:
+    """A RunConfig from result.json (also from before the training config was its own field)."""
+    raw = dict(raw)
+    training = raw.pop("training", None)
+    if training is None:  # the older, flat layout: training fields beside the others, "mode" for worker_mode
+        training = {f.name: raw.pop(f.name) for f in fields(TrainingConfig) if f.name in raw}
+        if "mode" in raw:
+            training["worker_mode"] = raw.pop("mode")
+    return RunConfig(training=TrainingConfig(**training), **raw)
 
 
 def _evaluate(observer: Client, model: Any, data: Dataset, started: float) -> HeldOut | None:

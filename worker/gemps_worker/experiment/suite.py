@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
+from gemps_proto.schema import TrainingConfig
 from gemps_worker.experiment.runner import RunConfig
 
 WORKER_COUNTS = (5, 10, 20, 30, 100)
@@ -14,23 +18,30 @@ ETA_WORKERS = (10, REFERENCE_WORKERS)
 MISSPECIFIED_ETA = 0.1
 
 
+def training(rule: str, **changes: Any) -> TrainingConfig:
+    """The paper's training config (the defaults) with another rule and other changes."""
+    return replace(TrainingConfig(rule=rule), **changes)
+
+
 def full_suite(epochs: int = 10) -> list[RunConfig]:
-    runs = [RunConfig("momentum-n1", "momentum", 1, epochs=epochs)]
-    runs += [RunConfig(f"{rule}-n{n}", rule, n, epochs=epochs) for n in WORKER_COUNTS for rule in COMPARED_RULES]
+    runs = [RunConfig("momentum-n1", 1, training("momentum"), epochs=epochs)]
+    runs += [
+        RunConfig(f"{rule}-n{n}", n, training(rule), epochs=epochs) for n in WORKER_COUNTS for rule in COMPARED_RULES
+    ]
     eta = MISSPECIFIED_ETA
-    runs.append(RunConfig(f"momentum-n1-eta{eta:g}", "momentum", 1, learning_rate=eta, epochs=epochs))
+    runs.append(RunConfig(f"momentum-n1-eta{eta:g}", 1, training("momentum", learning_rate=eta), epochs=epochs))
     for n in ETA_WORKERS:
         runs += [
-            RunConfig(f"{rule}-n{n}-eta{eta:g}", rule, n, learning_rate=eta, epochs=epochs)
+            RunConfig(f"{rule}-n{n}-eta{eta:g}", n, training(rule, learning_rate=eta), epochs=epochs)
             for rule in ("gem", "downpour")
         ]
     n = REFERENCE_WORKERS
-    runs += [RunConfig(f"gem-n{n}-kappa{k}", "gem", n, kappa=float(k), epochs=epochs) for k in (2, 3, 4)]
+    runs += [RunConfig(f"gem-n{n}-kappa{k}", n, training("gem", kappa=float(k)), epochs=epochs) for k in (2, 3, 4)]
     # Worker-side modes commit updates; the server adds them as they come (downpour).
     runs += [
-        RunConfig(f"agn-n{n}", "downpour", n, mode="agn", epochs=epochs),
+        RunConfig(f"agn-n{n}", n, training("downpour", worker_mode="agn"), epochs=epochs),
         # EASGD is stable for alpha = beta / p with beta = 0.9 (Zhang et al. 2015): p elastic pulls.
-        RunConfig(f"easgd-n{n}", "downpour", n, mode="easgd", easgd_alpha=0.9 / n, epochs=epochs),
+        RunConfig(f"easgd-n{n}", n, training("downpour", worker_mode="easgd"), easgd_alpha=0.9 / n, epochs=epochs),
     ]
     return runs
 
@@ -38,12 +49,9 @@ def full_suite(epochs: int = 10) -> list[RunConfig]:
 def quick_suite() -> list[RunConfig]:
     """A few workers, few steps: checks the whole pipeline, not the paper's claims."""
     return [
-        RunConfig("momentum-n1", "momentum", 1, epochs=2),
-        RunConfig("gem-n4", "gem", 4, epochs=2),
-        RunConfig("downpour-n4", "downpour", 4, epochs=2),
-        RunConfig("adaptive-staleness-n4", "adaptive-staleness", 4, epochs=2),
-        RunConfig("agn-n4", "downpour", 4, mode="agn", epochs=2),
+        RunConfig("momentum-n1", 1, training("momentum"), epochs=2),
+        RunConfig("gem-n4", 4, training("gem"), epochs=2),
+        RunConfig("downpour-n4", 4, training("downpour"), epochs=2),
+        RunConfig("adaptive-staleness-n4", 4, training("adaptive-staleness"), epochs=2),
+        RunConfig("agn-n4", 4, training("downpour", worker_mode="agn"), epochs=2),
     ]
-
-
-SUITES = {"full": full_suite, "quick": quick_suite}

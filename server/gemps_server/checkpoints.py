@@ -1,4 +1,4 @@
-"""Checkpoints: the central variable and what it takes to resume serving it, in safetensors files.
+"""Checkpoint files: the central variable and what it takes to resume serving it, in safetensors.
 
 One file per checkpoint, `checkpoint-<version, 12 digits>.safetensors`: tensors (the flat central
 variable, plus any global state of the commit rule such as the `momentum` rule's velocity) and
@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,9 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from gemps_proto.schema import ParameterSpec, unflatten
 from gemps_server.ledger import MAX_REQUEST_ID_LENGTH, Receipt
+from gemps_server.state import StateImage
 
 FORMAT = "gemps-checkpoint"
 FORMAT_VERSION = "1"
@@ -52,29 +53,20 @@ class CheckpointError(Exception):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """Everything a server needs to resume: theta at `version` and how it got there."""
+    """What a server needs to resume (the state's image at one version), and the training
+    config it was written under."""
 
-    version: int
-    commits_applied: int
-    spec: tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape) in the central variable's order
-    theta: np.ndarray  # flat float32, the concatenation of the spec's parameters
+    image: StateImage
     config: Mapping[str, Any] = field(default_factory=dict)  # the training config when written
-    rule_state: Mapping[str, np.ndarray] = field(default_factory=dict)
-    receipts: Mapping[str, Receipt] = field(default_factory=dict)
     created: float = 0.0  # unix time
 
     @property
-    def num_parameters(self) -> int:
-        return int(self.theta.size)
+    def version(self) -> int:
+        return self.image.version
 
     def named(self) -> dict[str, np.ndarray]:
         """The central variable by parameter name, each in its own shape (a state dict)."""
-        out, offset = {}, 0
-        for name, shape in self.spec:
-            size = math.prod(shape)
-            out[name] = self.theta[offset : offset + size].reshape(shape)
-            offset += size
-        return out
+        return unflatten(self.image.theta, self.image.spec)
 
 
 def checkpoint_path(directory: Path, version: int) -> Path:
@@ -112,15 +104,16 @@ def _fsync_path(path: Path, directory: bool = False) -> None:
 def _metadata(checkpoint: Checkpoint, tensors: Mapping[str, np.ndarray]) -> dict[str, str]:
     from gemps_server import __version__
 
+    image = checkpoint.image
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "gemps_version": __version__,
-        "version": str(checkpoint.version),
-        "commits_applied": str(checkpoint.commits_applied),
-        "spec": json.dumps([{"name": name, "shape": list(shape)} for name, shape in checkpoint.spec]),
+        "version": str(image.version),
+        "commits_applied": str(image.commits_applied),
+        "spec": json.dumps([{"name": entry.name, "shape": list(entry.shape)} for entry in image.spec]),
         "config": json.dumps(dict(checkpoint.config), sort_keys=True),
-        "receipts": json.dumps({rid: r.to_list() for rid, r in checkpoint.receipts.items()}),
+        "receipts": json.dumps({rid: r.to_list() for rid, r in image.receipts.items()}),
         "created": repr(checkpoint.created or time.time()),
         "crc32": _crc(tensors),
     }
@@ -148,8 +141,9 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> int:
 
 def save(directory: Path, checkpoint: Checkpoint) -> tuple[Path, int]:
     """Write `checkpoint` atomically; returns its path and size in bytes."""
-    tensors: dict[str, np.ndarray] = {THETA_KEY: np.ascontiguousarray(checkpoint.theta, dtype=np.float32)}
-    for key, value in checkpoint.rule_state.items():
+    image = checkpoint.image
+    tensors: dict[str, np.ndarray] = {THETA_KEY: np.ascontiguousarray(image.theta, dtype=np.float32)}
+    for key, value in image.rule_state.items():
         tensors[RULE_STATE_PREFIX + key] = np.ascontiguousarray(value, dtype=np.float32)
     metadata = _metadata(checkpoint, tensors)
     path = checkpoint_path(directory, checkpoint.version)
@@ -157,7 +151,7 @@ def save(directory: Path, checkpoint: Checkpoint) -> tuple[Path, int]:
     return path, size
 
 
-def _parse_spec(raw: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def _parse_spec(raw: str) -> tuple[ParameterSpec, ...]:
     entries = json.loads(raw)
     if not isinstance(entries, list) or not entries:
         raise CheckpointError("spec must be a non-empty list")
@@ -171,7 +165,7 @@ def _parse_spec(raw: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
         if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
             raise CheckpointError(f"bad shape for {name!r}: {shape!r}")
         seen.add(name)
-        spec.append((name, tuple(shape)))
+        spec.append(ParameterSpec(name, tuple(shape)))
     return tuple(spec)
 
 
@@ -217,7 +211,7 @@ def _from_parts(metadata: dict[str, str], tensors: dict[str, np.ndarray]) -> Che
     theta = tensors.get(THETA_KEY)
     if theta is None or theta.dtype != np.float32 or theta.ndim != 1:
         raise CheckpointError(f"missing or malformed {THETA_KEY!r} tensor")
-    expected = sum(math.prod(shape) for _, shape in spec)
+    expected = sum(entry.size for entry in spec)
     if theta.size != expected:
         raise CheckpointError(f"{THETA_KEY} has {theta.size} values but the spec describes {expected}")
     rule_state = {}
@@ -233,16 +227,16 @@ def _from_parts(metadata: dict[str, str], tensors: dict[str, np.ndarray]) -> Che
     config = json.loads(metadata.get("config", "{}"))
     if not isinstance(config, dict):
         raise CheckpointError("config must be an object")
-    return Checkpoint(
+    image = StateImage(
         version=version,
         commits_applied=commits,
         spec=spec,
         theta=theta,
-        config=config,
+        rule=str(config.get("rule", "")),
         rule_state=rule_state,
         receipts=_parse_receipts(metadata.get("receipts", "{}")),
-        created=float(metadata.get("created", "0")),
     )
+    return Checkpoint(image, config=config, created=float(metadata.get("created", "0")))
 
 
 def load_latest(
@@ -283,15 +277,13 @@ def remove_temporaries(directory: Path) -> list[Path]:
     return removed
 
 
-def export_state_dict(checkpoint: Checkpoint, out: Path, metadata: Mapping[str, str] | None = None) -> int:
-    """Write the central variable by parameter name as safetensors (atomically); returns bytes.
+def export_state_dict(
+    named: Mapping[str, np.ndarray], version: int, out: Path, metadata: Mapping[str, str] | None = None
+) -> int:
+    """Write parameters by name as safetensors (atomically); returns bytes.
 
     `safetensors.torch.load_file(out)` gives a state dict for `model.load_state_dict(...)`.
     """
-    tensors = {name: np.ascontiguousarray(value) for name, value in checkpoint.named().items()}
-    info = {"format": "gemps-export", "version": str(checkpoint.version), **(metadata or {})}
+    tensors = {name: np.ascontiguousarray(value, dtype=np.float32) for name, value in named.items()}
+    info = {"format": "gemps-export", "version": str(version), **(metadata or {})}
     return write_atomically(out, lambda tmp: safetensors.numpy.save_file(tensors, str(tmp), metadata=info))
-
-
-def spec_of(names_and_shapes: Sequence[tuple[str, Sequence[int]]]) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    return tuple((name, tuple(int(d) for d in shape)) for name, shape in names_and_shapes)

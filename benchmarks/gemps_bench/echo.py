@@ -10,10 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +19,8 @@ from types import TracebackType
 import grpc
 import numpy as np
 
-from gemps_proto.allocator import keep_large_allocations
+from gemps_server.allocator import keep_large_allocations
+from gemps_worker.cluster import ChildProcess
 
 SERVICE = "gemps.bench.Echo"
 MAX_MESSAGE = 2**31 - 1
@@ -55,46 +53,35 @@ async def _serve(port_file: Path) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    port_file.write_text(str(port))
+    temporary = port_file.with_suffix(".tmp")  # renamed: a reader never sees a partial file
+    temporary.write_text(f"{port}\n")
+    temporary.replace(port_file)
     await server.wait_for_termination()
 
 
-class EchoServer:
-    """The echo server in a child process on a free port."""
+class EchoServer(ChildProcess):
+    """The echo server in a child process on a free port (`with EchoServer() as echo: echo.target`)."""
 
     def __init__(self) -> None:
-        self._dir = tempfile.TemporaryDirectory(prefix="gemps-echo-")
-        self._process: subprocess.Popen[bytes] | None = None
+        super().__init__(name="echo")
         self.port = 0
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    @property
-    def pid(self) -> int:
-        assert self._process is not None
-        return self._process.pid
+    def command(self, port_file: Path) -> list[str]:
+        return [sys.executable, "-m", "gemps_bench.echo", "--port-file", str(port_file)]
 
     def __enter__(self) -> EchoServer:
-        port_file = Path(self._dir.name) / "port"
-        self._process = subprocess.Popen([sys.executable, "-m", "benchmarks.echo", "--port-file", str(port_file)])
-        deadline = time.monotonic() + 30
-        while not port_file.exists() or not port_file.read_text():
-            if self._process.poll() is not None or time.monotonic() > deadline:
-                self.__exit__(None, None, None)
-                raise RuntimeError("echo server did not start")
-            time.sleep(0.02)
-        self.port = int(port_file.read_text())
+        (self.port,) = self.start_process()
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.kill()
-            self._process.wait()
-        self._dir.cleanup()
+        self.kill()
+        self.close()
 
 
 def chunked(data: bytes, chunk_bytes: int) -> Iterator[bytes]:

@@ -1,7 +1,7 @@
 """What the peer parameter servers share: the per-commit work, the client loop, and process handling.
 
 Both peers do exactly gemps' work per commit (gemps' own GEM rule on a flat float32 central variable,
-`CentralVariable`), their clients run the same closed loop (`commit_loop`) with the load generator's
+`PeerState`), their clients run the same closed loop (`commit_loop`) with the load generator's
 pre-made gradients, and their processes are run by `run_processes`: one result per process through a
 queue, every wait bounded, every process killed on failure or when done.
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -26,11 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.loadgen import pre_made_gradient
-from benchmarks.memory import peak_rss
-from benchmarks.results import LoadResult
-from gemps_proto.allocator import keep_large_allocations
-from gemps_server.rules import CommitRule, RuleParams, create_rule
+from gemps_bench.loadgen import pre_made_gradient
+from gemps_bench.memory import peak_rss
+from gemps_bench.results import LoadResult
+from gemps_proto.schema import TrainingConfig
+from gemps_server.allocator import keep_large_allocations
+from gemps_server.rules import CommitRule, create_rule
 
 LOCALHOST = "127.0.0.1"
 # Seconds every process gets to start and rendezvous, on top of a per-client share (2 cores, 33 processes).
@@ -79,18 +79,19 @@ def client_name(client: int) -> str:
     return f"client{client}"
 
 
-class CentralVariable:
-    """The server side of one commit, the same as gemps': theta moved by gemps' GEM rule, one commit at a time.
+class PeerState:
+    """A peer's server side of one commit, the same as gemps': theta moved by gemps' GEM rule (with the
+    default training config), one commit at a time.
 
     Not thread-safe: a peer serialises calls to `apply` its own way (a lock, a single serving loop).
     """
 
     def __init__(self, num_parameters: int, seed: int) -> None:
-        params = RuleParams()
+        training = TrainingConfig(rule="gem")
         self.theta = initial_theta(num_parameters, seed)
         self.version = 0
-        self._rule: CommitRule = create_rule("gem", params, num_parameters)
-        self._scale = np.float32(-params.learning_rate)
+        self._rule: CommitRule = create_rule(training, num_parameters)
+        self._scale = np.float32(-training.learning_rate)
         self._version_sent: dict[str, int] = {}  # the version of the theta each client holds
 
     def add_client(self, client_id: str) -> None:
@@ -108,7 +109,7 @@ class CentralVariable:
         """
         staleness = self.staleness(client_id)
         np.multiply(gradient, self._scale, out=gradient)  # in place: no P-sized copy per commit
-        self._rule.apply(self.theta, gradient, client_id, staleness)
+        self._rule.apply_scaled(self.theta, gradient, 1.0, client_id, staleness)
         self.version += 1
         self._version_sent[client_id] = self.version
         return staleness
@@ -190,13 +191,6 @@ def build_result(
 
 def own_peak_rss() -> int | None:
     return peak_rss(os.getpid())
-
-
-def free_port() -> int:
-    """A TCP port free right now on localhost (another process could take it before we bind it: rare)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((LOCALHOST, 0))
-        return int(probe.getsockname()[1])
 
 
 def set_rendezvous_env(port: int) -> None:

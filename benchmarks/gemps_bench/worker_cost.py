@@ -8,7 +8,7 @@ the two, because the machine is shared and absolute timings drift:
 - startup_ratio: wall time from spawning the worker to the server applying its first commit,
   over the bare import's wall time (target <= 2.0).
 
-Run alone: `python -m benchmarks.worker_cost [--repeats N] [--max-steps N]` prints JSON.
+Run alone: `python -m gemps_bench.worker_cost [--repeats N] [--max-steps N]` prints JSON.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from gemps.client import Client
-from gemps_server.process import ServerProcess
-from gemps_worker.launch import worker_command
+from gemps_worker.cluster import ServerProcess, worker_argv
 
 RSS_TARGET = 1.25
 STARTUP_TARGET = 2.0
@@ -39,7 +38,7 @@ Figures = dict[str, float | int | str]
 
 
 @dataclass(frozen=True)
-class Sample:
+class ProcessSample:
     wall_s: float  # spawn to the event measured (exit, or first commit applied)
     peak_rss_bytes: int
     imported_s: float = math.nan  # bare import only: spawn to `import torch` done, before teardown
@@ -70,7 +69,7 @@ def _read(log: IO[bytes]) -> str:
 _BARE_IMPORT = "import torch\nimport time\nprint(time.monotonic())"
 
 
-def bare_import_sample() -> Sample:
+def bare_import_sample() -> ProcessSample:
     """Wall time and peak RSS of `python -c 'import torch'`: the floor any worker pays."""
     start = time.monotonic()
     process = subprocess.Popen([sys.executable, "-c", _BARE_IMPORT], stdout=subprocess.PIPE)
@@ -81,12 +80,12 @@ def bare_import_sample() -> Sample:
         printed = process.stdout.read()
     if code != 0:
         raise RuntimeError(f"bare `import torch` exited with {code}")
-    return Sample(wall, rss, float(printed) - start)
+    return ProcessSample(wall, rss, float(printed) - start)
 
 
-def worker_argv(target: str, max_steps: int) -> list[str]:
+def default_worker(target: str, max_steps: int) -> list[str]:
     """`gemps worker` as users run it: the defaults (digits, digits-cnn, one thread), spelled out."""
-    return worker_command(target, "digits", "digits-cnn", "--threads", "1", "--max-steps", str(max_steps))
+    return worker_argv(target, dataset="digits", model="digits-cnn", threads=1, max_steps=max_steps)
 
 
 def _wait_for_commit(client: Client, before: int, process: subprocess.Popen[bytes], started: float) -> float:
@@ -102,12 +101,12 @@ def _wait_for_commit(client: Client, before: int, process: subprocess.Popen[byte
         time.sleep(POLL_INTERVAL)
 
 
-def worker_sample(client: Client, max_steps: int) -> Sample:
+def worker_sample(client: Client, max_steps: int) -> ProcessSample:
     """Spawn one reference worker; time its first applied commit, then its peak RSS once it exits."""
     before = client.status().commits_applied
     with tempfile.TemporaryFile() as log:
         started = time.monotonic()
-        process = subprocess.Popen(worker_argv(client.target, max_steps), stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(default_worker(client.target, max_steps), stdout=log, stderr=subprocess.STDOUT)
         try:
             first_commit = _wait_for_commit(client, before, process, started)
         except (RuntimeError, TimeoutError) as error:
@@ -116,10 +115,10 @@ def worker_sample(client: Client, max_steps: int) -> Sample:
         code, rss = _reap(process)
         if code != 0:
             raise RuntimeError(f"worker exited with {code}:\n{_read(log)}")
-    return Sample(first_commit, rss)
+    return ProcessSample(first_commit, rss)
 
 
-def _median(samples: list[Sample], attribute: str) -> float:
+def _median(samples: list[ProcessSample], attribute: str) -> float:
     return float(statistics.median(getattr(s, attribute) for s in samples))
 
 
@@ -128,7 +127,7 @@ def _listed(values: Iterable[float]) -> str:
     return ",".join(f"{v:.4g}" for v in values)
 
 
-def summarize(bare: list[Sample], workers: list[Sample]) -> Figures:
+def summarize(bare: list[ProcessSample], workers: list[ProcessSample]) -> Figures:
     """Medians, the two ratios against their targets, and the raw samples."""
     bare_rss, worker_rss = _median(bare, "peak_rss_bytes"), _median(workers, "peak_rss_bytes")
     bare_wall, worker_wall = _median(bare, "wall_s"), _median(workers, "wall_s")
@@ -158,8 +157,8 @@ def summarize(bare: list[Sample], workers: list[Sample]) -> Figures:
 
 def measure_worker_cost(repeats: int = 3, max_steps: int = 20) -> Figures:
     """Alternate bare imports and reference workers `repeats` times against one gem server."""
-    bare: list[Sample] = []
-    workers: list[Sample] = []
+    bare: list[ProcessSample] = []
+    workers: list[ProcessSample] = []
     with ServerProcess(rule="gem", metrics_port=-1) as server, Client(server.target, timeout=10.0) as client:
         for repeat in range(1, repeats + 1):
             bare.append(bare_import_sample())

@@ -5,10 +5,10 @@ batch-update server in "Implementing Batch RPC Processing Using Asynchronous Exe
 (https://pytorch.org/tutorials/intermediate/rpc_param_server_tutorial.html,
 https://pytorch.org/tutorials/intermediate/rpc_async_execution.html), without the batching:
 
-- rank 0, named "ps", owns a `ParameterServer` (the flat float32 central variable and gemps' GEM rule)
+- rank 0, named "ps", owns a `RpcParameterServer` (the flat float32 central variable and gemps' GEM rule)
   behind an RRef, and starts every trainer's loop with `rpc_async(trainer, _run_trainer, (ps_rref, ...))`;
 - one trainer process per client (ranks 1..n, "trainer0".."trainer{n-1}") commits in a closed loop with
-  `rpc_sync(ps_rref.owner(), ParameterServer.update_and_fetch_model, args=(ps_rref, name, gradient))`;
+  `rpc_sync(ps_rref.owner(), RpcParameterServer.update_and_fetch_model, args=(ps_rref, name, gradient))`;
 - that static method resolves the RRef with `local_value()` and, under one lock, applies the commit at
   once (asynchronous SGD: no batching) and returns a copy of the new model with its version and the
   commit's staleness. The copy is taken under the lock because RPC serialises the reply after the
@@ -41,22 +41,22 @@ import warnings
 import torch
 import torch.distributed.rpc as rpc
 
-from benchmarks.peers.common import (
-    CentralVariable,
+from gemps_bench.peers.common import (
     ChildSpec,
     ClientReport,
     PeerConfig,
+    PeerState,
     ServerReport,
     Window,
     build_result,
     client_gradient,
     commit_loop,
-    free_port,
     own_peak_rss,
     run_processes,
     set_rendezvous_env,
 )
-from benchmarks.results import LoadResult
+from gemps_bench.results import LoadResult
+from gemps_worker.cluster import free_port
 
 SYSTEM = "torch-rpc"
 PS_NAME = "ps"
@@ -71,23 +71,23 @@ def trainer_name(client: int) -> str:
     return f"trainer{client}"
 
 
-class ParameterServer:
+class RpcParameterServer:
     """The central variable behind the RRef; every commit goes through `update_and_fetch_model`."""
 
     def __init__(self, num_parameters: int, seed: int, clients: list[str]) -> None:
-        self.central = CentralVariable(num_parameters, seed)
+        self.central = PeerState(num_parameters, seed)
         for client in clients:
             self.central.add_client(client)
         self.lock = threading.Lock()
 
     @staticmethod
-    def connect(ps_rref: rpc.RRef[ParameterServer]) -> int:
+    def connect(ps_rref: rpc.RRef[RpcParameterServer]) -> int:
         """A no-op round trip: trainers open their connection to the server before the common start."""
         return int(ps_rref.local_value().central.version)
 
     @staticmethod
     def update_and_fetch_model(
-        ps_rref: rpc.RRef[ParameterServer], client_id: str, gradient: torch.Tensor
+        ps_rref: rpc.RRef[RpcParameterServer], client_id: str, gradient: torch.Tensor
     ) -> tuple[torch.Tensor, int, int]:
         """Apply one client's gradient now; return (the new model, its version, the commit's staleness)."""
         self = ps_rref.local_value()
@@ -112,17 +112,19 @@ def _backend_options(threads: int) -> rpc.TensorPipeRpcBackendOptions:
     )
 
 
-def _run_trainer(ps_rref: rpc.RRef[ParameterServer], client: int, config: PeerConfig, window: Window) -> ClientReport:
+def _run_trainer(
+    ps_rref: rpc.RRef[RpcParameterServer], client: int, config: PeerConfig, window: Window
+) -> ClientReport:
     """A trainer's whole loop, run on the trainer by the server's rpc_async (the tutorials' pattern)."""
     name = trainer_name(client)
     gradient = torch.from_numpy(client_gradient(config.num_parameters, config.seed, client))
     owner = ps_rref.owner()
-    rpc.rpc_sync(owner, ParameterServer.connect, args=(ps_rref,))
+    rpc.rpc_sync(owner, RpcParameterServer.connect, args=(ps_rref,))
     latest: list[torch.Tensor] = []
 
     def commit() -> int:
         model, _version, staleness = rpc.rpc_sync(
-            owner, ParameterServer.update_and_fetch_model, args=(ps_rref, name, gradient)
+            owner, RpcParameterServer.update_and_fetch_model, args=(ps_rref, name, gradient)
         )
         latest[:] = [model]
         return int(staleness)
@@ -138,7 +140,7 @@ def _serve(config: PeerConfig, port: int) -> tuple[ServerReport, list[ClientRepo
     # One RPC thread per trainer's commit in flight, plus a few for RRef bookkeeping.
     _init_rpc(PS_NAME, 0, config.clients + 1, config.clients + 8, port)
     names = [trainer_name(client) for client in range(config.clients)]
-    server = ParameterServer(config.num_parameters, config.seed, names)
+    server = RpcParameterServer(config.num_parameters, config.seed, names)
     ps_rref = rpc.RRef(server)
     margin = START_MARGIN_SECONDS + START_MARGIN_PER_CLIENT * config.clients
     window = Window(time.monotonic() + margin, config.warmup, config.duration)
@@ -165,7 +167,8 @@ def measure(config: PeerConfig) -> LoadResult:
     server, clients = reports[PS_NAME]
     notes = (
         "torch.distributed.rpc after PyTorch's parameter-server tutorials (TensorPipe: shm transport and CMA "
-        "channel on one host): one trainer process per client calls rpc_sync(ParameterServer.update_and_fetch_model); "
+        "channel on one host): one trainer process per client calls "
+        "rpc_sync(RpcParameterServer.update_and_fetch_model); "
         "the server applies gemps' GEM rule under a threading.Lock (not FIFO; no batching) and replies with a copy "
         "of theta"
     )

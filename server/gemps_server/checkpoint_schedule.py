@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gemps_server.applier import Applier
-from gemps_server.checkpoint import Checkpoint, CheckpointError, load_latest, prune, remove_temporaries, save
+from gemps_server.checkpoints import Checkpoint, CheckpointError, load_latest, prune, remove_temporaries, save
 from gemps_server.config import ServerConfig
 from gemps_server.logs import event
 from gemps_server.metrics import ServerMetrics
@@ -29,12 +29,6 @@ log = logging.getLogger("gemps.server")
 # After a failed write (a full disk, say), wait this long before the next attempt: no retry
 # (and no error line) on every commit.
 FAILURE_BACKOFF_SECONDS = 10.0
-# Training-config fields recorded in checkpoints and compared when one is restored.
-CONFIG_FIELDS = ("rule", "learning_rate", "momentum", "kappa", "pi_max", "worker_mode", "batch_size", "num_shards")
-
-
-def training_config(config: ServerConfig) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in CONFIG_FIELDS}
 
 
 class Checkpointer:
@@ -43,7 +37,7 @@ class Checkpointer:
         self.every = config.checkpoint_every
         self.interval = config.checkpoint_interval
         self.keep = config.checkpoint_keep
-        self._config = training_config(config)
+        self._config: dict[str, Any] = config.recorded_settings()
         self._state = state
         self._applier = applier
         self._metrics = metrics
@@ -75,7 +69,7 @@ class Checkpointer:
             event(log, "no checkpoint to restore", directory=str(self.directory))
             return None
         path, checkpoint = found
-        for warning in self._state.restore(checkpoint):
+        for warning in self._state.restore(checkpoint.image):
             event(log, "checkpoint restore warning", level=logging.WARNING, detail=warning)
         differences = {
             key: f"{checkpoint.config.get(key)!r} -> {value!r}"
@@ -96,8 +90,8 @@ class Checkpointer:
             "checkpoint restored",
             path=str(path),
             version=checkpoint.version,
-            parameters=checkpoint.num_parameters,
-            requests=len(checkpoint.receipts),
+            parameters=checkpoint.image.num_parameters,
+            requests=len(checkpoint.image.receipts),
         )
         return checkpoint
 
@@ -176,7 +170,7 @@ class Checkpointer:
 
     def _view(self) -> Callable[[], Checkpoint]:
         state, config = self._state, dict(self._config)
-        return lambda: state.checkpoint(config)
+        return lambda: Checkpoint(state.image(), config)
 
     def _save(self, checkpoint: Checkpoint) -> tuple[Path, int, list[Path]]:
         path, size = save(self.directory, checkpoint)

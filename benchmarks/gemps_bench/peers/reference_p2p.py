@@ -49,23 +49,23 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from benchmarks.peers.common import (
+from gemps_bench.peers.common import (
     LOCALHOST,
-    CentralVariable,
     ChildSpec,
     ClientReport,
     PeerConfig,
+    PeerState,
     ServerReport,
     Window,
     build_result,
     client_gradient,
     commit_loop,
-    free_port,
     own_peak_rss,
     run_processes,
     set_rendezvous_env,
 )
-from benchmarks.results import LoadResult
+from gemps_bench.results import LoadResult
+from gemps_worker.cluster import free_port
 
 SYSTEM = "reference-p2p"
 MASTER_RANK = 0
@@ -107,7 +107,7 @@ def _send_to_workers(tensor: torch.Tensor, workers: range) -> None:
         dist.send(tensor, dst=rank)
 
 
-def _serve_queue(central: CentralVariable, queue: socket.socket, clients: int) -> None:
+def _serve_queue(central: PeerState, queue: socket.socket, clients: int) -> None:
     """Serve ready workers one at a time until each has said it is done."""
     theta = torch.from_numpy(central.theta)  # shares memory: sends always carry the current theta
     gradient = torch.empty(central.theta.size, dtype=torch.float32)
@@ -130,7 +130,7 @@ def _master(config: PeerConfig, port: int) -> ServerReport:
     """Rank 0: hold the central variable, serve the queue, report the peak RSS before exiting."""
     _init_group(MASTER_RANK, config.clients + 1, port)
     workers = range(1, config.clients + 1)
-    central = CentralVariable(config.num_parameters, config.seed)
+    central = PeerState(config.num_parameters, config.seed)
     for rank in workers:
         central.add_client(worker_name(rank))
     _send_to_workers(torch.from_numpy(central.theta), workers)

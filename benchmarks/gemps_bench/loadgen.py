@@ -22,8 +22,8 @@ from typing import Protocol
 
 import numpy as np
 
-from benchmarks.results import LoadResult
-from gemps_proto.allocator import keep_large_allocations
+from gemps_bench.results import LoadResult
+from gemps_server.allocator import keep_large_allocations
 
 # Seconds a run may take beyond its warm-up and window before the driver gives up on it.
 STRAGGLER_GRACE = 120.0
@@ -145,7 +145,7 @@ def run_load(system: str, factory: ClientFactory, plan: LoadPlan, server_pid: in
     Every client connects (and registers) first; then a common start; commits completed in
     [start + warmup, start + warmup + duration] count.
     """
-    from benchmarks.memory import peak_rss
+    from gemps_bench.memory import peak_rss
 
     context = mp.get_context("spawn")
     out: mp.Queue[_ClientRecord] = context.Queue()

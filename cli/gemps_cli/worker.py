@@ -7,8 +7,8 @@ import logging
 
 import torch
 
+from gemps import options
 from gemps.errors import GempsError
-from gemps_proto import options
 from gemps_worker.idx import DatasetError
 from gemps_worker.signals import configure_logging, stop_on_signals
 from gemps_worker.training import WorkerOptions, mean, run_worker
@@ -19,6 +19,7 @@ EXIT_DIVERGED = 3  # the training loss became NaN/Inf
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Train on the shard the server assigns, commit every step, leave on SIGTERM."
     options.add_arguments(parser, WorkerOptions)
     parser.set_defaults(run=run)
 

@@ -191,6 +191,6 @@ def figure(data: dict[str, Any], path: Path) -> None:
 
 
 def memory_ceiling_of(data: dict[str, Any], size: int) -> float:
-    from benchmarks.ceilings import memory_ceiling
+    from gemps_bench.ceilings import memory_ceiling
 
     return memory_ceiling(size, data["memcpy_bytes_per_second"])

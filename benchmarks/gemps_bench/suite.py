@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.ceilings import memcpy_bandwidth, memory_ceiling
-from benchmarks.echo import EchoClientFactory, EchoServer
-from benchmarks.gemps_load import GempsClientFactory
-from benchmarks.loadgen import LoadPlan, run_load
-from benchmarks.results import LoadResult
+from gemps_bench.ceilings import memcpy_bandwidth, memory_ceiling
+from gemps_bench.echo import EchoClientFactory, EchoServer
+from gemps_bench.gemps_load import GempsClientFactory
+from gemps_bench.loadgen import LoadPlan, run_load
+from gemps_bench.results import LoadResult
 from gemps_proto.chunks import DEFAULT_CHUNK_BYTES
-from gemps_server.process import ServerProcess
+from gemps_worker.cluster import ServerProcess
 
 PEERS = ("torch-rpc", "reference-p2p")
 
@@ -121,7 +121,7 @@ def _echo(size: int, plan: LoadPlan, results: SuiteResults) -> None:
 
 
 def _peer(name: str, size: int, clients: int, warmup: float, window: float, results: SuiteResults) -> None:
-    from benchmarks.peers import reference_p2p, torch_rpc
+    from gemps_bench.peers import reference_p2p, torch_rpc
 
     run = torch_rpc.run if name == "torch-rpc" else reference_p2p.run
     try:
@@ -159,7 +159,7 @@ def run_suite(spec: SuiteSpec, mode: str, out: Path) -> SuiteResults:
             results.save(out)
     if spec.worker_cost_repeats:
         # In a fresh process: children forked from this one would count its buffers as theirs.
-        command = [sys.executable, "-m", "benchmarks.worker_cost", "--repeats", str(spec.worker_cost_repeats)]
+        command = [sys.executable, "-m", "gemps_bench.worker_cost", "--repeats", str(spec.worker_cost_repeats)]
         results.worker_cost = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
     results.save(out)
     return results

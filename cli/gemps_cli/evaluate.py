@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from gemps import options
 from gemps.errors import GempsError, StoppedError
-from gemps_proto import options
 from gemps_worker.evaluator import EvaluatorOptions, run_evaluator
 from gemps_worker.idx import DatasetError
 from gemps_worker.signals import configure_logging, stop_on_signals
@@ -15,6 +15,7 @@ log = logging.getLogger("gemps.evaluator")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Evaluate the central variable on held-out data periodically; report it to the server."
     options.add_arguments(parser, EvaluatorOptions)
     parser.set_defaults(run=run)
 

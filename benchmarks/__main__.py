@@ -1,3 +1,0 @@
-from benchmarks.cli import main
-
-raise SystemExit(main())

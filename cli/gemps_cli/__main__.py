@@ -1,0 +1,5 @@
+import sys
+
+from gemps_cli.main import main
+
+sys.exit(main())

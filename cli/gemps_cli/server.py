@@ -1,0 +1,38 @@
+"""`gemps server`: run the parameter server, configured by flags or GEMPS_* variables."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping, Sequence
+
+from gemps import options
+from gemps_server.config import ServerConfig
+from gemps_server.rules import rule_names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Run the gemps parameter server (flag > GEMPS_* environment variable > default)."
+    options.add_arguments(parser, ServerConfig, choices={"rule": rule_names()})
+    parser.set_defaults(run=run)
+
+
+def parse_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """The configuration `gemps server ARGV` runs with (raises ValueError for invalid values)."""
+    parser = argparse.ArgumentParser(prog="gemps server")
+    add_arguments(parser)
+    return options.from_sources(ServerConfig, parser.parse_args(argv), environ)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from gemps_server import app
+
+    try:
+        config = options.from_sources(ServerConfig, args)
+    except ValueError as error:
+        print(f"gemps server: {error}", file=sys.stderr)
+        return 2
+    asyncio.run(app.serve(config))
+    return 0

@@ -1,0 +1,90 @@
+"""How to reach a server: TLS material and a bearer token, from arguments or GEMPS_* variables."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+Pem = str | bytes  # a PEM file's path, or its content
+
+
+def _pem(value: Pem | None) -> bytes | None:
+    if value is None or value == "":
+        return None
+    return value if isinstance(value, bytes) else Path(value).read_bytes()
+
+
+def _env_flag(raw: str) -> bool:
+    return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class Connection:
+    """How to reach a server: TLS material and a bearer token (None: plaintext, no token).
+
+    `resolve` fills what the caller left out from GEMPS_AUTH_TOKEN (or the file in
+    GEMPS_AUTH_TOKEN_FILE), GEMPS_TLS (1: TLS with the system's root certificates), GEMPS_TLS_CA,
+    GEMPS_TLS_CLIENT_CERT, GEMPS_TLS_CLIENT_KEY and GEMPS_TLS_SERVER_NAME.
+    """
+
+    token: str | None = None
+    tls: bool = False
+    ca_cert: bytes | None = None  # PEM roots to verify the server (None: the system's)
+    client_cert: bytes | None = None  # PEM chain for mutual TLS
+    client_key: bytes | None = None
+    server_name: str | None = None  # expected name in the server's certificate, if not the target's
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        token: str | None = None,
+        tls: bool | None = None,
+        ca_cert: Pem | None = None,
+        client_cert: Pem | None = None,
+        client_key: Pem | None = None,
+        server_name: str | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> Connection:
+        env = os.environ if environ is None else environ
+        if token is None:
+            token = env.get("GEMPS_AUTH_TOKEN") or None
+            if token is None and env.get("GEMPS_AUTH_TOKEN_FILE"):
+                token = Path(env["GEMPS_AUTH_TOKEN_FILE"]).read_text().strip()
+        if tls is False:  # plaintext asked for: certificates from the environment do not apply
+            if ca_cert or client_cert or client_key:
+                raise ValueError("TLS certificates given but tls=False")
+            env = {key: value for key, value in env.items() if not key.startswith("GEMPS_TLS")}
+        ca = _pem(ca_cert if ca_cert is not None else env.get("GEMPS_TLS_CA"))
+        cert = _pem(client_cert if client_cert is not None else env.get("GEMPS_TLS_CLIENT_CERT"))
+        key = _pem(client_key if client_key is not None else env.get("GEMPS_TLS_CLIENT_KEY"))
+        if (cert is None) != (key is None):
+            raise ValueError("a client certificate and its key go together: give both or neither")
+        if tls is None:
+            tls = _env_flag(env.get("GEMPS_TLS", "")) or ca is not None or cert is not None
+        return cls(
+            token=token or None,
+            tls=tls,
+            ca_cert=ca,
+            client_cert=cert,
+            client_key=key,
+            server_name=server_name or env.get("GEMPS_TLS_SERVER_NAME") or None,
+        )
+
+    def channel(self, target: str, options: list[tuple[str, object]]) -> grpc.Channel:
+        if not self.tls:
+            return grpc.insecure_channel(target, options=options)
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=self.ca_cert, private_key=self.client_key, certificate_chain=self.client_cert
+        )
+        if self.server_name:
+            options = [*options, ("grpc.ssl_target_name_override", self.server_name)]
+        return grpc.secure_channel(target, credentials, options=options)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()

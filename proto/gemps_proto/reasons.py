@@ -1,0 +1,46 @@
+"""Why the server refuses a request: one label per cause, shared by the server and every client.
+
+A refused RPC carries its gRPC status code and, in the trailing metadata under `gemps-reason`,
+one of these labels, so clients act on the cause without parsing messages (the SDK registers
+again on `unknown_worker` and `not_initialized`). The server counts rejections by the same
+labels in its metrics. A client in another language reads the label as a plain string.
+"""
+
+from __future__ import annotations
+
+import enum
+
+#: trailing-metadata key of a refused RPC's reason label
+METADATA_KEY = "gemps-reason"
+
+
+class Reason(str, enum.Enum):
+    """A refusal's cause. Members are strings, so `error.reason == "non_finite"` works too."""
+
+    MALFORMED = "malformed"  # bytes that are not a valid message of the method's type
+    UNAUTHENTICATED = "unauthenticated"  # missing or wrong bearer token
+    REGISTRATION_RATE = "registration_rate"  # more registrations than the rate limit allows
+    MAX_WORKERS = "max_workers"  # every worker slot is taken
+    BAD_SPEC = "bad_spec"  # an empty, unnamed, repeated or negative-shaped parameter spec
+    BAD_DTYPE = "bad_dtype"  # a dtype the central variable or the wire does not support
+    SPEC_MISMATCH = "spec_mismatch"  # a spec that differs from the central variable's
+    NOT_INITIALIZED = "not_initialized"  # no worker has set the central variable yet
+    UNKNOWN_WORKER = "unknown_worker"  # never registered, left, or evicted
+    BAD_KIND = "bad_kind"  # a payload kind other than gradient or update
+    BAD_PAYLOAD = "bad_payload"  # tensor bytes that do not match their dtype and shape
+    BAD_SHAPE = "bad_shape"  # a payload that is not flat [P]
+    BAD_VERSION = "bad_version"  # a base version below zero or ahead of the server's
+    NON_FINITE = "non_finite"  # NaN or Inf in a payload or in initial parameters
+    BAD_REQUEST_ID = "bad_request_id"  # a request id past its length limit
+    BAD_EVALUATION = "bad_evaluation"  # an evaluator's figures out of range
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def parse(label: str) -> Reason | None:
+    """The Reason a label names; None for a label this version does not know (or none)."""
+    try:
+        return Reason(label)
+    except ValueError:
+        return None

@@ -1,0 +1,178 @@
+"""The protocol's shared data types in plain Python (no protobuf): what server, SDK and tools agree on.
+
+Each type here is the typed face of one message or enum of `gemps.v1` (parameter_server.proto);
+tests/unit/test_schema.py pins the two together, so a field added to one and not the other
+fails the build. Everything else derives from these definitions: the server's flags and GEMPS_*
+variables, its checkpoint metadata, Status and logs, the SDK's records, the demo's and the
+experiments' options.
+
+`TrainingConfig` is the configuration the server owns and announces at Register. Its field
+metadata carries the help text and, where the protocol fixes them, the valid choices; the valid
+commit rules are the server's (its rule registry), so they are checked there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class PayloadKind(enum.IntEnum):
+    """What a commit carries: gemps.v1.PayloadKind, whose wire values these are (0 is unspecified)."""
+
+    GRADIENT = 1  # the server's rule applies the update -eta * g
+    UPDATE = 2  # applied as given (e.g. accumulated local steps)
+
+    @property
+    def label(self) -> str:
+        """How users name it: "gradient", "update"."""
+        return self.name.lower()
+
+    @property
+    def wire_name(self) -> str:
+        """Its name in the .proto: PAYLOAD_KIND_GRADIENT, PAYLOAD_KIND_UPDATE."""
+        return f"PAYLOAD_KIND_{self.name}"
+
+
+class WorkerMode(str, enum.Enum):
+    """How reference workers train, as the server announces it (TrainingConfig.worker_mode)."""
+
+    GRADIENT = "gradient"  # commit every mini-batch's gradient
+    AGN = "agn"  # accumulated gradient normalization: lambda local steps, commit the mean update
+    EASGD = "easgd"  # asynchronous elastic averaging: commit alpha * (x - theta) every period
+
+
+def _option(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
+    metadata: dict[str, Any] = {"help": help}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The training configuration the server owns (gemps.v1.TrainingConfig): the commit rule, its
+    hyperparameters, and what reference workers should do. Defaults are the GEM paper's."""
+
+    rule: str = _option("gem", "commit rule")
+    learning_rate: float = _option(0.05, "eta: a gradient g is applied as -eta*g")
+    momentum: float = _option(0.9, "mu: GEM's proxy momentum, and the momentum rule's")
+    kappa: float = _option(1.0, "kappa: GEM's proxy amplification")
+    pi_max: float = _option(5.0, "clamp on GEM's scaling factor pi")
+    worker_mode: str = _option(
+        WorkerMode.GRADIENT.value, "training mode announced to workers", [m.value for m in WorkerMode]
+    )
+    batch_size: int = _option(64, "mini-batch size announced to workers")
+
+    def problems(self) -> list[str]:
+        """What is wrong with these values (empty when nothing is); the rule name is the server's to check."""
+        found = []
+        if self.worker_mode not in {m.value for m in WorkerMode}:
+            modes = ", ".join(m.value for m in WorkerMode)
+            found.append(f"unknown worker_mode {self.worker_mode!r} (choose from {modes})")
+        if not self.learning_rate > 0:
+            found.append("learning_rate must be > 0")
+        if not 0 <= self.momentum < 1:
+            found.append("momentum must be in [0, 1)")
+        if not self.kappa > 0:
+            found.append("kappa must be > 0")
+        if not self.pi_max > 0:
+            found.append("pi_max must be > 0")
+        if self.batch_size < 1:
+            found.append("batch_size must be >= 1")
+        return found
+
+    def as_dict(self) -> dict[str, Any]:
+        """Field name -> value (checkpoint metadata, logs, metrics labels)."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class ParameterSpec:
+    """One named parameter of the model (gemps.v1.ParameterSpec; the central variable is float32)."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def describe(self) -> str:
+        return f"{self.name!r} {list(self.shape)}"
+
+
+def spec_of(parameters: Mapping[str, np.ndarray]) -> tuple[ParameterSpec, ...]:
+    """The spec of named arrays, in mapping order."""
+    return tuple(ParameterSpec(name, tuple(int(d) for d in np.shape(value))) for name, value in parameters.items())
+
+
+def flatten(parameters: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Concatenate named arrays, in mapping order, into one float32 vector (the wire's layout)."""
+    if not parameters:
+        return np.empty(0, dtype=np.float32)
+    return np.concatenate([np.asarray(v, dtype=np.float32).reshape(-1) for v in parameters.values()])
+
+
+def unflatten(flat: np.ndarray, spec: Sequence[ParameterSpec]) -> dict[str, np.ndarray]:
+    """Per-parameter views (no copy) of a flat vector laid out in spec order."""
+    return dict(_views(flat, spec))
+
+
+def _views(flat: np.ndarray, spec: Sequence[ParameterSpec]) -> Iterator[tuple[str, np.ndarray]]:
+    offset = 0
+    for entry in spec:
+        yield entry.name, flat[offset : offset + entry.size].reshape(entry.shape)
+        offset += entry.size
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The slice of the training data a worker should use (gemps.v1.Shard)."""
+
+    index: int  # distinct among active workers (lowest free slot)
+    count: int  # disjoint shards; 0: the whole training set, in an order seeded by `index`
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What the server tells a worker that registered (gemps.v1.RegisterResponse, θ aside)."""
+
+    worker_id: str
+    lease_ttl_seconds: float  # commit or pull at least this often, or be evicted
+    config: TrainingConfig
+    shard: Shard
+    version: int  # of the central variable when the worker registered
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """An evaluator's held-out figures of the central variable at one version (gemps.v1.EvaluationReport)."""
+
+    version: int
+    loss: float
+    accuracy: float  # in [0, 1]
+    num_samples: int
+    dataset: str = ""
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """The server's state for humans and tools (gemps.v1.StatusResponse)."""
+
+    initialized: bool
+    version: int
+    active_workers: int
+    num_parameters: int
+    config: TrainingConfig
+    commits_applied: int
+    commits_rejected: int
+    spec: tuple[ParameterSpec, ...]
+    uptime_seconds: float
+    last_evaluation: Evaluation | None

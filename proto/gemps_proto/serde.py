@@ -1,0 +1,107 @@
+"""Paired to_proto / from_proto functions for the schema both ends convert (gemps_proto.schema).
+
+The server and the SDK each have their own serde for the messages only they build; what both
+read and write (parameter specs, the training config, shards, registrations, evaluations and
+status) is converted here, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from gemps_proto.schema import (
+    Evaluation,
+    ParameterSpec,
+    Registration,
+    ServerStatus,
+    Shard,
+    TrainingConfig,
+)
+from gemps_proto.v1 import parameter_server_pb2 as pb
+
+
+def spec_to_proto(spec: Iterable[ParameterSpec]) -> list[pb.ParameterSpec]:
+    return [pb.ParameterSpec(name=entry.name, shape=entry.shape, dtype=pb.DTYPE_FLOAT32) for entry in spec]
+
+
+def spec_from_proto(messages: Iterable[pb.ParameterSpec]) -> tuple[ParameterSpec, ...]:
+    """Names and shapes only: whether the entries are valid is the server's to check."""
+    return tuple(ParameterSpec(message.name, tuple(message.shape)) for message in messages)
+
+
+def training_config_to_proto(config: TrainingConfig) -> pb.TrainingConfig:
+    return pb.TrainingConfig(**config.as_dict())
+
+
+def training_config_from_proto(message: pb.TrainingConfig) -> TrainingConfig:
+    return TrainingConfig(**{f.name: getattr(message, f.name) for f in dataclasses.fields(TrainingConfig)})
+
+
+def shard_to_proto(shard: Shard) -> pb.Shard:
+    return pb.Shard(index=shard.index, count=shard.count)
+
+
+def shard_from_proto(message: pb.Shard) -> Shard:
+    return Shard(message.index, message.count)
+
+
+def registration_to_proto(registration: Registration) -> pb.RegisterResponse:
+    """The reply without the central variable's values (the server adds them when due)."""
+    return pb.RegisterResponse(
+        worker_id=registration.worker_id,
+        lease_ttl_seconds=registration.lease_ttl_seconds,
+        config=training_config_to_proto(registration.config),
+        shard=shard_to_proto(registration.shard),
+        version=registration.version,
+    )
+
+
+def registration_from_proto(message: pb.RegisterResponse) -> Registration:
+    return Registration(
+        worker_id=message.worker_id,
+        lease_ttl_seconds=message.lease_ttl_seconds,
+        config=training_config_from_proto(message.config),
+        shard=shard_from_proto(message.shard),
+        version=message.version,
+    )
+
+
+def evaluation_to_proto(evaluation: Evaluation) -> pb.EvaluationReport:
+    return pb.EvaluationReport(**dataclasses.asdict(evaluation))
+
+
+def evaluation_from_proto(message: pb.EvaluationReport) -> Evaluation:
+    return Evaluation(**{f.name: getattr(message, f.name) for f in dataclasses.fields(Evaluation)})
+
+
+def status_to_proto(status: ServerStatus) -> pb.StatusResponse:
+    return pb.StatusResponse(
+        initialized=status.initialized,
+        version=status.version,
+        active_workers=status.active_workers,
+        num_parameters=status.num_parameters,
+        config=training_config_to_proto(status.config),
+        commits_applied=status.commits_applied,
+        commits_rejected=status.commits_rejected,
+        spec=spec_to_proto(status.spec),
+        uptime_seconds=status.uptime_seconds,
+        last_evaluation=None if status.last_evaluation is None else evaluation_to_proto(status.last_evaluation),
+    )
+
+
+def status_from_proto(message: pb.StatusResponse) -> ServerStatus:
+    return ServerStatus(
+        initialized=message.initialized,
+        version=message.version,
+        active_workers=message.active_workers,
+        num_parameters=message.num_parameters,
+        config=training_config_from_proto(message.config),
+        commits_applied=message.commits_applied,
+        commits_rejected=message.commits_rejected,
+        spec=spec_from_proto(message.spec),
+        uptime_seconds=message.uptime_seconds,
+        last_evaluation=(
+            evaluation_from_proto(message.last_evaluation) if message.HasField("last_evaluation") else None
+        ),
+    )

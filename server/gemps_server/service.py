@@ -1,0 +1,227 @@
+"""The parameter service: what each RPC does, in domain terms, between the servicer and the state.
+
+Every state change goes through the applier (one at a time, in arrival order); this is where its
+outcome is counted in the metrics, logged, and handed to the checkpoint schedule. Reads that
+need no ordering (a current snapshot, Status) are answered here directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from gemps_proto.codec import EncodedTensor
+from gemps_proto.reasons import Reason
+from gemps_proto.schema import Evaluation, ParameterSpec, Registration, ServerStatus, Shard
+from gemps_server.allocator import keep_large_allocations_for
+from gemps_server.applier import Applier
+from gemps_server.config import ServerConfig
+from gemps_server.errors import InvalidArgument, ResourceExhausted, ServiceError
+from gemps_server.logs import Throttle, event
+from gemps_server.metrics import ServerMetrics
+from gemps_server.security import RateLimiter
+from gemps_server.state import Admission, Commit, CommitOutcome, ServerState, Snapshot, check_reply_dtype
+
+log = logging.getLogger("gemps.server")
+
+
+def check_evaluation(report: Evaluation, current_version: int) -> None:
+    if not (math.isfinite(report.loss) and report.loss >= 0):
+        raise InvalidArgument(f"held-out loss {report.loss} must be finite and >= 0", Reason.BAD_EVALUATION)
+    if not 0.0 <= report.accuracy <= 1.0:
+        raise InvalidArgument(f"accuracy {report.accuracy} outside [0, 1]", Reason.BAD_EVALUATION)
+    if report.version > current_version:
+        raise InvalidArgument(
+            f"evaluated version {report.version} is ahead of the server's version {current_version}",
+            Reason.BAD_EVALUATION,
+        )
+
+
+class ParameterService:
+    def __init__(
+        self,
+        config: ServerConfig,
+        state: ServerState,
+        applier: Applier,
+        metrics: ServerMetrics,
+        on_committed: Callable[[int], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.state = state
+        self._applier = applier
+        self._metrics = metrics
+        # Called on the event loop with the new version after each applied commit (checkpoints).
+        self._on_committed = on_committed
+        self._registrations = RateLimiter(config.max_registrations_per_minute)
+        self._started = time.monotonic()
+        self.commits_rejected = 0
+        self.last_evaluation: Evaluation | None = None
+        # A misbehaving client can send thousands of bad requests a second: log at most one line
+        # per (method, reason) a second, counting the lines left out; the metrics count every one.
+        self._rejection_log = Throttle(interval=1.0)
+
+    # -- the RPCs' work ----------------------------------------------------------------------
+
+    async def register(
+        self, worker_name: str, spec: tuple[ParameterSpec, ...], initial: EncodedTensor | None
+    ) -> tuple[Admission, Registration]:
+        if not self._registrations.allow():
+            self._metrics.refusal(Reason.REGISTRATION_RATE)
+            raise ResourceExhausted(
+                f"more than {self.config.max_registrations_per_minute} registrations in a minute; retry later "
+                "(raise --max-registrations-per-minute)",
+                Reason.REGISTRATION_RATE,
+            )
+        state = self.state
+        admission = await self._applier.submit(lambda: state.register(worker_name, spec, initial))
+        worker = admission.worker
+        self._metrics.registered()
+        if admission.initialized_theta:
+            keep_large_allocations_for(4 * state.num_parameters)
+            event(
+                log,
+                "central variable initialised",
+                parameters=state.num_parameters,
+                tensors=len(state.spec),
+                worker_id=worker.worker_id,
+            )
+        event(
+            log,
+            "worker joined",
+            worker_id=worker.worker_id,
+            name=worker.name or None,
+            shard=worker.slot,
+            active=len(state.registry),
+            version=admission.snapshot.version,
+        )
+        registration = Registration(
+            worker_id=worker.worker_id,
+            lease_ttl_seconds=self.config.lease_ttl,
+            config=self.config.training,
+            shard=Shard(worker.slot, self.config.num_shards),
+            version=admission.snapshot.version,
+        )
+        return admission, registration
+
+    async def pull(self, worker_id: str, known_version: int, reply_dtype: int) -> Snapshot:
+        """The current snapshot, encoded in `reply_dtype` unless the caller already has its version."""
+        state = self.state
+        state.require_initialized()
+        if worker_id:
+            state.registry.touch(worker_id)
+        check_reply_dtype(reply_dtype)
+        snapshot = state.snapshot
+        if known_version != snapshot.version and snapshot.data(reply_dtype) is None:
+            # Encoded on the applier: theta may be moving.
+            snapshot = await self._applier.submit(lambda: state.encoded(reply_dtype))
+        return snapshot
+
+    async def commit(self, commit: Commit) -> CommitOutcome:
+        """Apply a commit in FIFO order; metrics, logs and checkpoints once it is applied."""
+        state = self.state
+        timed = await self._applier.submit_timed(lambda: state.commit(commit))
+        outcome = timed.result
+        if outcome.duplicate:
+            self._metrics.duplicate()
+            suppressed = self._rejection_log.allow(("Commit", "duplicate"))
+            if suppressed is not None:
+                event(
+                    log,
+                    "duplicate commit",
+                    worker_id=commit.worker_id,
+                    request_id=commit.request_id,
+                    version=outcome.snapshot.version,
+                    suppressed=suppressed,
+                )
+            return outcome
+        if self._on_committed is not None:
+            self._on_committed(outcome.snapshot.version)
+        self._metrics.applied(
+            outcome.staleness,
+            outcome.stats,
+            loss=commit.loss,
+            num_samples=commit.num_samples,
+            queued_seconds=timed.timing.queued_seconds,
+            apply_seconds=timed.timing.run_seconds,
+        )
+        return outcome
+
+    async def leave(self, worker_id: str) -> None:
+        state = self.state
+        worker = await self._applier.submit(lambda: state.leave(worker_id))
+        self._metrics.departed("left")
+        event(
+            log,
+            "worker left",
+            worker_id=worker.worker_id,
+            name=worker.name or None,
+            commits=worker.commits,
+            active=len(state.registry),
+        )
+
+    def status(self) -> ServerStatus:
+        state = self.state
+        return ServerStatus(
+            initialized=state.initialized,
+            version=state.version,
+            active_workers=len(state.registry),
+            num_parameters=state.num_parameters,
+            config=self.config.training,
+            commits_applied=state.commits_applied,
+            commits_rejected=self.commits_rejected,
+            spec=state.spec,
+            uptime_seconds=time.monotonic() - self._started,
+            last_evaluation=self.last_evaluation,
+        )
+
+    def report_evaluation(self, evaluation: Evaluation) -> None:
+        check_evaluation(evaluation, self.state.version)
+        self.last_evaluation = evaluation
+        self._metrics.evaluated(evaluation.dataset, evaluation.version, evaluation.loss, evaluation.accuracy)
+        event(
+            log,
+            "evaluation",
+            version=evaluation.version,
+            held_out_loss=evaluation.loss,
+            held_out_accuracy=evaluation.accuracy,
+            samples=evaluation.num_samples,
+            dataset=evaluation.dataset or None,
+        )
+
+    # -- housekeeping --------------------------------------------------------------------------
+
+    async def evict_expired(self) -> None:
+        """Forget the workers whose lease ran out (the app calls this periodically)."""
+        state = self.state
+        evicted = await self._applier.submit(state.evict_expired)
+        self._metrics.departed("evicted", len(evicted))
+        for worker in evicted:
+            event(
+                log,
+                "worker evicted",
+                level=logging.WARNING,
+                worker_id=worker.worker_id,
+                name=worker.name or None,
+                lease_ttl_seconds=self.config.lease_ttl,
+                commits=worker.commits,
+                active=len(state.registry),
+            )
+
+    def rejected(self, method: str, error: ServiceError, status: str) -> None:
+        """Count and log (throttled) a request refused with gRPC status `status`."""
+        if method == "Commit":
+            self.commits_rejected += 1
+            self._metrics.rejected(error.reason)
+        suppressed = self._rejection_log.allow((method, error.reason))
+        if suppressed is not None:
+            event(
+                log,
+                "rejected",
+                method=method,
+                code=status,
+                reason=error.reason.value,
+                detail=error.message,
+                suppressed=suppressed,
+            )

@@ -1,0 +1,172 @@
+"""What the tests share: waiting, free ports, reading /metrics, and a server in this process.
+
+`InProcessServer` runs the real ParameterServer (real gRPC, real port, real applier thread) on
+a background event loop in the test process, like hivemind's background-server fixtures: fast
+to start and open to inspection (`.server.state`). Tests where the process boundary is the point
+(signals, restarts, a server without torch) use gemps_worker.cluster.ServerProcess instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import logging
+import threading
+import time
+import urllib.request
+from collections import defaultdict
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+from prometheus_client import disable_created_metrics
+from prometheus_client.parser import text_string_to_metric_families
+
+from gemps_proto.codec import EncodedTensor, array_to_tensor, received
+from gemps_proto.schema import TrainingConfig
+from gemps_server import logs
+from gemps_server.app import ParameterServer
+from gemps_server.config import ServerConfig
+from gemps_worker.cluster import free_port
+
+__all__ = ["free_port"]  # re-exported: the harness's, for tests that need a port number up front
+T = TypeVar("T")
+TRAINING_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingConfig))
+
+
+def wait_for(
+    condition: Callable[[], T | None],
+    timeout: float = 30.0,
+    what: str = "condition",
+    poll: float = 0.05,
+    *,
+    tolerate: tuple[type[Exception], ...] = (),
+    explain: Callable[[], str] | None = None,
+) -> T:
+    """Poll `condition` until it returns something truthy, and return that; fail at the deadline.
+
+    Exceptions of the `tolerate` types count as "not yet" (a service still starting); `explain()`
+    adds context (logs) to the failure.
+    """
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while True:
+        try:
+            value = condition()
+        except tolerate as error:
+            value, last = None, error
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            detail = f" (last error: {last!r})" if last is not None else ""
+            pytest.fail(
+                f"timed out after {timeout:g}s waiting for {what}{detail}" + (f"\n{explain()}" if explain else "")
+            )
+        time.sleep(poll)
+
+
+def scrape(url: str, timeout: float = 5.0) -> dict[str, float]:
+    """A /metrics page as {sample name: value summed over its label sets}."""
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        text = response.read().decode()
+    totals: dict[str, float] = defaultdict(float)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] += sample.value
+    return dict(totals)
+
+
+def scrape_series(url: str, timeout: float = 10.0) -> dict[str, float]:
+    """A /metrics page as {series as written (`name{label="value"}`): value}."""
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        lines = reply.read().decode().splitlines()
+    return {
+        name: float(value)
+        for line in lines
+        if line and not line.startswith("#")
+        for name, _, value in [line.rpartition(" ")]
+    }
+
+
+def server_config(**options: Any) -> ServerConfig:
+    """A ServerConfig from flat option names, as `gemps server` takes them (`rule=`, `lease_ttl=`)."""
+    training = {name: options.pop(name) for name in list(options) if name in TRAINING_FIELDS}
+    return ServerConfig(training=TrainingConfig(**training), **options)
+
+
+class InProcessServer:
+    """`with InProcessServer(rule="gem") as server: server.target` (options as in server_config).
+
+    Its log lines (text format) are kept for `log()`; while it runs, the gemps.server logger
+    logs at INFO. Two at once in one test share their log lines.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        self.config = server_config(**{"host": "127.0.0.1", "port": 0, "metrics_port": 0, **options})
+        self.server = ParameterServer(self.config)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="in-process-server", daemon=True)
+        self._log = io.StringIO()
+        self._handler = logging.StreamHandler(self._log)
+        self._handler.setFormatter(logs.formatter("text"))
+        self._logger = logging.getLogger("gemps.server")
+        self._saved_level = self._logger.level
+        self.stopped = False
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def metrics_port(self) -> int:
+        return self.server.metrics_port
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> InProcessServer:
+        disable_created_metrics()  # as `gemps server` does
+        self._logger.addHandler(self._handler)
+        self._logger.setLevel(logging.INFO)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(timeout=30)
+        return self
+
+    def stop(self, grace: float = 0.0) -> None:
+        """Graceful shutdown (final checkpoint included), then the loop and its thread end."""
+        if self.stopped:
+            return
+        self.stopped = True
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.stop(grace), self._loop).result(timeout=60)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            self._loop.close()
+            self._logger.removeHandler(self._handler)
+            self._logger.setLevel(self._saved_level)
+
+    def log(self) -> str:
+        return self._log.getvalue()
+
+    def __enter__(self) -> InProcessServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def encoded(values: np.ndarray) -> EncodedTensor:
+    """Values as a request would carry them (float32 wire bytes), for the state's methods."""
+    return received(array_to_tensor(values))
+
+
+def training(rule: str = "gem", **changes: Any) -> TrainingConfig:
+    """The default training config with `rule` and other changes (learning_rate=..., ...)."""
+    return dataclasses.replace(TrainingConfig(rule=rule), **changes)

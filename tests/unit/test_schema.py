@@ -1,0 +1,116 @@
+"""The protocol's Python face (gemps_proto.schema) against the .proto, and what derives from it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, get_type_hints
+
+import pytest
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+
+from gemps_proto import reasons, schema
+from gemps_proto import serde as shared
+from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_server.rules import rule_class, rule_names
+
+# Python type of each protobuf scalar type the schema uses.
+SCALARS = {
+    FieldDescriptor.TYPE_DOUBLE: float,
+    FieldDescriptor.TYPE_UINT32: int,
+    FieldDescriptor.TYPE_UINT64: int,
+    FieldDescriptor.TYPE_INT64: int,
+    FieldDescriptor.TYPE_STRING: str,
+    FieldDescriptor.TYPE_BOOL: bool,
+}
+# Message fields the Python face leaves out on purpose.
+WIRE_ONLY = {"ParameterSpec": {"dtype"}, "RegisterResponse": {"parameters"}}
+FACES: list[tuple[type[Any], Any]] = [
+    (schema.TrainingConfig, pb.TrainingConfig.DESCRIPTOR),
+    (schema.ParameterSpec, pb.ParameterSpec.DESCRIPTOR),
+    (schema.Shard, pb.Shard.DESCRIPTOR),
+    (schema.Registration, pb.RegisterResponse.DESCRIPTOR),
+    (schema.Evaluation, pb.EvaluationReport.DESCRIPTOR),
+    (schema.ServerStatus, pb.StatusResponse.DESCRIPTOR),
+]
+
+
+@pytest.mark.parametrize("face,message", FACES, ids=[face.__name__ for face, _ in FACES])
+def test_each_schema_type_has_its_messages_fields(face: type[Any], message: Descriptor) -> None:
+    wire = {f.name for f in message.fields} - WIRE_ONLY.get(message.name, set())
+    assert {f.name for f in dataclasses.fields(face)} == wire
+    hints = get_type_hints(face)
+    for field in message.fields:
+        if field.name in wire and field.type in SCALARS and not field.is_repeated:
+            assert hints[field.name] is SCALARS[field.type], field.name
+
+
+def test_payload_kinds_are_the_wire_enum() -> None:
+    named = {pb.PayloadKind.Name(v): v for v in pb.PayloadKind.values() if v != pb.PAYLOAD_KIND_UNSPECIFIED}
+    assert {kind.wire_name: int(kind) for kind in schema.PayloadKind} == named
+    assert [kind.label for kind in schema.PayloadKind] == ["gradient", "update"]
+
+
+def test_worker_modes_are_the_training_configs_choices() -> None:
+    choices = next(f for f in dataclasses.fields(schema.TrainingConfig) if f.name == "worker_mode").metadata["choices"]
+    assert tuple(mode.value for mode in schema.WorkerMode) == choices
+
+
+def test_training_config_and_status_survive_the_wire() -> None:
+    config = schema.TrainingConfig(rule="momentum", learning_rate=0.1, kappa=2.0, worker_mode="agn", batch_size=32)
+    assert shared.training_config_from_proto(shared.training_config_to_proto(config)) == config
+    status = schema.ServerStatus(
+        initialized=True,
+        version=7,
+        active_workers=2,
+        num_parameters=10,
+        config=config,
+        commits_applied=7,
+        commits_rejected=1,
+        spec=(schema.ParameterSpec("w", (2, 5)),),
+        uptime_seconds=3.5,
+        last_evaluation=schema.Evaluation(6, 0.25, 0.875, 100, "digits"),
+    )
+    assert shared.status_from_proto(shared.status_to_proto(status)) == status
+    assert shared.status_from_proto(shared.status_to_proto(dataclasses.replace(status, last_evaluation=None))) == (
+        dataclasses.replace(status, last_evaluation=None)
+    )
+
+
+def test_training_config_problems_name_the_field() -> None:
+    assert schema.TrainingConfig().problems() == []
+    bad = schema.TrainingConfig(learning_rate=0.0, momentum=1.0, kappa=-1.0, pi_max=0.0, worker_mode="x", batch_size=0)
+    problems = " ".join(bad.problems())
+    for name in ("learning_rate", "momentum", "kappa", "pi_max", "worker_mode", "batch_size"):
+        assert name in problems
+
+
+def test_flat_vectors_and_named_parameters_round_trip() -> None:
+    import numpy as np
+
+    named = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.array([7.0], np.float32)}
+    spec = schema.spec_of(named)
+    assert spec == (schema.ParameterSpec("w", (2, 3)), schema.ParameterSpec("b", (1,)))
+    back = schema.unflatten(schema.flatten(named), spec)
+    assert list(back) == ["w", "b"] and all(np.array_equal(back[k], named[k]) for k in named)
+
+
+def test_reasons_are_labels_clients_can_compare_as_strings() -> None:
+    labels = [reason.value for reason in reasons.Reason]
+    assert len(set(labels)) == len(labels) and all(label == label.lower() for label in labels)
+    label: str = "non_finite"  # as a client in another language would hold it
+    assert label == reasons.Reason.NON_FINITE and str(reasons.Reason.NON_FINITE) == label
+    assert reasons.parse("unknown_worker") is reasons.Reason.UNKNOWN_WORKER
+    assert reasons.parse("from a newer server") is None and reasons.parse("") is None
+
+
+@pytest.mark.parametrize("name", rule_names())
+def test_each_rule_takes_its_hyperparameters_from_the_training_config(name: str) -> None:
+    taken = rule_class(name).hyperparameters()
+    assert "learning_rate" in taken  # every rule turns a gradient into -eta * g
+    assert set(taken) <= {f.name for f in dataclasses.fields(schema.TrainingConfig)}
+
+
+def test_rules_own_only_the_hyperparameters_they_use() -> None:
+    assert rule_class("gem").hyperparameters() == ("learning_rate", "momentum", "kappa", "pi_max")
+    assert rule_class("momentum").hyperparameters() == ("learning_rate", "momentum")
+    assert rule_class("downpour").hyperparameters() == ("learning_rate",)
