@@ -116,7 +116,13 @@ def valid_payload(target: Target, request: pb.CommitRequest) -> bool:
     return bool(np.isfinite(np.frombuffer(tensor.data, "<f4")).all())
 
 
+# Wire formats a reply may ask for (unspecified means float32).
+REPLY_DTYPES = (pb.DTYPE_UNSPECIFIED, pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16)
+
+
 def commit_code(target: Target, request: pb.CommitRequest) -> Code:
+    if request.reply_dtype not in REPLY_DTYPES:  # checked first (raw bytes can set it)
+        return Code.INVALID_ARGUMENT
     if len(request.request_id) > 128:
         return Code.INVALID_ARGUMENT
     if request.worker_id != target.worker_id:
@@ -125,7 +131,9 @@ def commit_code(target: Target, request: pb.CommitRequest) -> Code:
 
 
 def pull_code(target: Target, request: pb.PullRequest) -> Code:
-    return Code.OK if request.worker_id in ("", target.worker_id) else Code.NOT_FOUND
+    if request.worker_id not in ("", target.worker_id):
+        return Code.NOT_FOUND
+    return Code.OK if request.reply_dtype in REPLY_DTYPES else Code.INVALID_ARGUMENT  # after the worker
 
 
 def evaluation_code(target: Target, report: pb.EvaluationReport) -> Code:
