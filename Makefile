@@ -10,7 +10,7 @@ TORCH_INDEX ?=
 
 .PHONY: demo test lint typecheck unit integration e2e proto dashboards system-deps soak experiment bench clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml server/gemps_server/_native.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e '.[torch,dev]'

@@ -8,6 +8,16 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
+# A C compiler for the server's compiled loops (server/gemps_server/_native.c), in this stage only:
+# the runtime stage gets the built extension, not the compiler. Python's headers come with the
+# official image; a Debian-based stand-in needs python3-dev for them. Unpinned (DL3008): whichever
+# gcc the base image's Debian has builds it the same, and none of it reaches the runtime stage.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && { python3 -c "import sysconfig, os, sys; sys.exit(not os.path.exists(sysconfig.get_paths()['include'] + '/Python.h'))" \
+         || apt-get install -y --no-install-recommends python3-dev; } \
+    && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/gemps
 WORKDIR /src
 # The dependencies come from pyproject.toml alone, in a layer of their own: editing the source
@@ -22,8 +32,10 @@ COPY server server
 COPY client_sdk client_sdk
 COPY worker worker
 COPY cli cli
-# Not needed to run, so left behind: pip, setuptools and the libraries' own test suites.
+# Not needed to run, so left behind: pip, setuptools and the libraries' own test suites. The
+# import check fails the build if the compiled loops were not built (their build is optional).
 RUN /opt/gemps/bin/pip install --no-cache-dir --no-deps . \
+    && /opt/gemps/bin/python -c "import gemps_server._native" \
     && /opt/gemps/bin/pip uninstall --yes --quiet pip setuptools \
     && find /opt/gemps/lib -depth -type d -name tests -path '*/site-packages/*' -exec rm -rf {} +
 

@@ -145,7 +145,7 @@ def run_load(system: str, factory: ClientFactory, plan: LoadPlan, server_pid: in
     Every client connects (and registers) first; then a common start; commits completed in
     [start + warmup, start + warmup + duration] count.
     """
-    from gemps_bench.memory import peak_rss
+    from gemps_bench.procfs import WindowCpu, peak_rss
 
     context = mp.get_context("spawn")
     out: mp.Queue[_ClientRecord] = context.Queue()
@@ -161,6 +161,8 @@ def run_load(system: str, factory: ClientFactory, plan: LoadPlan, server_pid: in
         start.connected.wait(timeout=STRAGGLER_GRACE)
     start.release()
     start_at = start.at.value
+    window = (start_at + plan.warmup, start_at + plan.warmup + plan.duration)
+    cpu = WindowCpu(server_pid, *window).start() if server_pid else None
     records = _collect(out, plan.clients, processes, deadline=start_at + plan.warmup + plan.duration + STRAGGLER_GRACE)
     for process in processes:
         process.join(timeout=10)
@@ -168,8 +170,9 @@ def run_load(system: str, factory: ClientFactory, plan: LoadPlan, server_pid: in
             process.kill()
     if errors := [r.error for r in records if r.error]:
         raise RuntimeError(f"{system}: {len(errors)} client(s) failed; first: {errors[0]}")
-    window = (start_at + plan.warmup, start_at + plan.warmup + plan.duration)
-    return _windowed(system, plan, records, window, peak_rss(server_pid) if server_pid else None)
+    result = _windowed(system, plan, records, window, peak_rss(server_pid) if server_pid else None)
+    result.server_cpu_seconds = cpu.seconds if cpu is not None else None
+    return result
 
 
 def _collect(

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from gemps_bench import report
-from gemps_bench.suite import FULL, QUICK, run_suite
+from gemps_bench.suite import FULL, QUICK, SuiteSpec, run_suite
 
 DESCRIPTION = (
     "Benchmark gemps against the gRPC transport ceiling, the memory-bandwidth ceiling and peer parameter servers "
@@ -15,11 +15,11 @@ DESCRIPTION = (
 )
 
 
-def run_bench(out: Path, figure: Path | None = None, quick: bool = False, report_only: bool = False) -> int:
-    """Run the suite (unless `report_only`), then write OUT/tables.md and the figure from OUT/results.json."""
+def run_bench(out: Path, spec: SuiteSpec | None = None, figure: Path | None = None) -> int:
+    """Run `spec` (none: rebuild the report from OUT/results.json), then write OUT/tables.md and the figure."""
     results_path = out / "results.json"
-    if not report_only:
-        run_suite(QUICK if quick else FULL, "quick" if quick else "full", results_path)
+    if spec is not None:
+        run_suite(spec, "quick" if spec.sizes == QUICK.sizes else "full" if spec == FULL else "subset", results_path)
     data = json.loads(results_path.read_text())
     tables = out / "tables.md"
     sections = [

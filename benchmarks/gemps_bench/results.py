@@ -30,6 +30,7 @@ class LoadResult:
     latencies: list[float]  # seconds per commit round trip, every commit in the window
     per_client_commits: list[int]  # commits each client completed in the window
     server_peak_rss_bytes: int | None = None  # the serving process's peak resident memory
+    server_cpu_seconds: float | None = None  # CPU time the serving process used inside the window
     staleness: list[int] | None = None  # per commit, where the system reports it
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -44,6 +45,13 @@ class LoadResult:
 
     def latency_percentile(self, q: float) -> float:
         return float(np.percentile(self.latencies, q)) if self.latencies else float("nan")
+
+    @property
+    def server_cpu_ms_per_commit(self) -> float:
+        """The server's CPU milliseconds per commit: what a given load costs in cores."""
+        if self.server_cpu_seconds is None or not self.commits:
+            return float("nan")
+        return 1e3 * self.server_cpu_seconds / self.commits
 
     @property
     def fairness(self) -> float:
@@ -67,6 +75,7 @@ class LoadResult:
             "jain_index": self.fairness,
             "mean_staleness": self.mean_staleness,
             "server_peak_rss_bytes": self.server_peak_rss_bytes,
+            "server_cpu_ms_per_commit": self.server_cpu_ms_per_commit,
             "notes": self.notes,
             **self.extra,
         }

@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,18 @@ from gemps_bench.results import LoadResult
 from gemps_proto.chunks import DEFAULT_CHUNK_BYTES
 from gemps_worker.cluster import ServerProcess
 
-PEERS = ("torch-rpc", "reference-p2p")
+CEILINGS = ("echo-unary", "echo-stream")
+# gemps with the defaults, and each variant with what differs from them.
+GEMPS_VARIANTS: dict[str, dict[str, str]] = {
+    "gemps": {},
+    "gemps-bfloat16": {"wire": "bfloat16"},  # half the bytes on the wire
+    "gemps-numpy": {"kernel": "numpy"},  # the fallback GEM kernel, without the compiled one
+}
+# torch-rpc: TensorPipe as it picks on one host (shared memory, cross-memory attach);
+# torch-rpc-tcp: what it does between machines (its uv transport and basic channel).
+PEERS = ("torch-rpc", "torch-rpc-tcp", "reference-p2p")
+WORKER_COST = "worker-cost"
+SYSTEMS = (*CEILINGS, *GEMPS_VARIANTS, *PEERS, WORKER_COST)
 
 
 @dataclass(frozen=True)
@@ -28,10 +39,44 @@ class SuiteSpec:
     sizes: tuple[int, ...]
     clients: tuple[int, ...]
     peer_clients: tuple[int, ...]  # client counts the peers run at (a process per client)
-    variant_clients: tuple[int, ...]  # client counts gemps also runs with bfloat16 wire and the numba kernel
+    variant_clients: tuple[int, ...]  # client counts gemps' variants run at
     seconds: Callable[[int], tuple[float, float]]  # size -> (warm-up, window)
     worker_cost_repeats: int
     memory_fraction: float = 0.6  # skip cells estimated to need more of the available memory
+    systems: tuple[str, ...] = SYSTEMS
+
+    def runs(self, system: str, clients: int) -> bool:
+        if system not in self.systems:
+            return False
+        if system in PEERS:
+            return clients in self.peer_clients
+        if system in GEMPS_VARIANTS and system != "gemps":
+            return clients in self.variant_clients
+        return True
+
+
+def select(
+    spec: SuiteSpec,
+    sizes: Sequence[int] | None = None,
+    clients: Sequence[int] | None = None,
+    systems: Sequence[str] | None = None,
+) -> SuiteSpec:
+    """`spec` narrowed to some cells (`gemps bench --sizes 1M --clients 8 --systems gemps,echo-unary`):
+    chosen client counts apply to every chosen system, peers and variants included."""
+    unknown = sorted(set(systems or ()) - set(SYSTEMS))
+    if unknown:
+        raise ValueError(f"unknown systems {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    chosen = tuple(systems) if systems else spec.systems
+    counts = tuple(clients) if clients else None
+    return replace(
+        spec,
+        sizes=tuple(sizes) if sizes else spec.sizes,
+        clients=counts or spec.clients,
+        peer_clients=counts or spec.peer_clients,
+        variant_clients=counts or spec.variant_clients,
+        systems=chosen,
+        worker_cost_repeats=spec.worker_cost_repeats if WORKER_COST in chosen else 0,
+    )
 
 
 def _full_seconds(size: int) -> tuple[float, float]:
@@ -100,30 +145,34 @@ class SuiteResults:
         path.write_text(json.dumps(self.__dict__, indent=1, default=float) + "\n")
 
 
-def _gemps(
-    size: int, clients: int, plan: LoadPlan, results: SuiteResults, wire: str = "float32", kernel: str = "numpy"
-) -> None:
-    """gemps with the gem rule; the system's name says what differs from the defaults."""
-    name = "-".join(["gemps", *(v for v, default in ((wire, "float32"), (kernel, "numpy")) if v != default)])
+def _gemps(system: str, clients: int, plan: LoadPlan, results: SuiteResults) -> None:
+    """gemps with the gem rule, as the variant `system` says."""
+    variant = GEMPS_VARIANTS[system]
+    wire, kernel = variant.get("wire", "float32"), variant.get("kernel", "auto")
     with ServerProcess(
         rule="gem", gem_kernel=kernel, metrics_port=-1, log_level="warning", max_workers=max(256, clients)
     ) as server:
-        factory = GempsClientFactory(server.target, size, (("wire_dtype", wire),))
-        result = run_load(name, factory, plan, server.pid)
+        factory = GempsClientFactory(server.target, plan.num_parameters, (("wire_dtype", wire),))
+        result = run_load(system, factory, plan, server.pid)
     results.add(result, wire_dtype=wire, gem_kernel=kernel)
 
 
-def _echo(size: int, plan: LoadPlan, results: SuiteResults) -> None:
+def _echo(plan: LoadPlan, results: SuiteResults, systems: Sequence[str]) -> None:
     with EchoServer() as echo:
-        for streamed in (False, True):
-            factory = EchoClientFactory(echo.target, streamed, DEFAULT_CHUNK_BYTES)
-            results.add(run_load("echo-stream" if streamed else "echo-unary", factory, plan, echo.pid))
+        for system in systems:
+            factory = EchoClientFactory(echo.target, system == "echo-stream", DEFAULT_CHUNK_BYTES)
+            results.add(run_load(system, factory, plan, echo.pid))
 
 
 def _peer(name: str, size: int, clients: int, warmup: float, window: float, results: SuiteResults) -> None:
     from gemps_bench.peers import reference_p2p, torch_rpc
 
-    run = torch_rpc.run if name == "torch-rpc" else reference_p2p.run
+    runs: dict[str, Callable[..., LoadResult]] = {
+        "torch-rpc": torch_rpc.run,
+        "torch-rpc-tcp": torch_rpc.run_tcp,
+        "reference-p2p": reference_p2p.run,
+    }
+    run = runs[name]
     try:
         results.add(run(size, clients, window, warmup))
     except Exception as error:  # a peer failing is a finding, not a reason to lose the run
@@ -148,13 +197,14 @@ def run_suite(spec: SuiteSpec, mode: str, out: Path) -> SuiteResults:
                 progress(f"skip P={size:,} n={clients}: {why}")
                 continue
             plan = LoadPlan(size, clients, window, warmup)
-            _echo(size, plan, results)
-            _gemps(size, clients, plan, results)
-            if clients in spec.variant_clients:
-                _gemps(size, clients, plan, results, wire="bfloat16")
-                _gemps(size, clients, plan, results, kernel="numba")
-            if clients in spec.peer_clients:
-                for peer in PEERS:
+            ceilings = [system for system in CEILINGS if spec.runs(system, clients)]
+            if ceilings:
+                _echo(plan, results, ceilings)
+            for system in GEMPS_VARIANTS:
+                if spec.runs(system, clients):
+                    _gemps(system, clients, plan, results)
+            for peer in PEERS:
+                if spec.runs(peer, clients):
                     _peer(peer, size, clients, warmup, window, results)
             results.save(out)
     if spec.worker_cost_repeats:

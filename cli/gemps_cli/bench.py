@@ -3,14 +3,48 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from gemps_bench.main import DESCRIPTION, run_bench
+from gemps_bench.suite import FULL, QUICK, SYSTEMS, select
+
+_UNITS = {"K": 1_000, "M": 1_000_000}
+
+
+def _count(text: str) -> int:
+    """100000, 100K, 1M, 2.5M."""
+    text = text.strip().upper()
+    scale = _UNITS.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        values = [_count(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of counts: {text!r} (e.g. 100K,1M,10M)") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"counts must be >= 1: {text!r}")
+    return values
+
+
+def _systems(text: str) -> list[str]:
+    chosen = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = sorted(set(chosen) - set(SYSTEMS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown systems {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    return chosen
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
     parser.add_argument("--quick", action="store_true", help="tiny sizes, seconds per cell: checks the harness (CI)")
+    parser.add_argument("--sizes", type=_counts, default=None, help="only these model sizes, e.g. 100K,1M")
+    parser.add_argument("--clients", type=_counts, default=None, help="only these client counts, e.g. 1,8")
+    parser.add_argument(
+        "--systems", type=_systems, default=None, help=f"only these systems (comma-separated): {', '.join(SYSTEMS)}"
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/bench"), help="folder for results.json and tables")
     parser.add_argument("--figure", type=Path, default=None, help="write the plot here (default OUT/performance.png)")
     parser.add_argument("--report-only", action="store_true", help="rebuild tables and figure from OUT/results.json")
@@ -18,4 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_bench(args.out, args.figure, quick=args.quick, report_only=args.report_only)
+    if args.report_only:
+        return run_bench(args.out, None, args.figure)
+    try:
+        spec = select(QUICK if args.quick else FULL, args.sizes, args.clients, args.systems)
+    except ValueError as error:
+        print(f"gemps bench: {error}", file=sys.stderr)
+        return 2
+    return run_bench(args.out, spec, args.figure)

@@ -28,7 +28,7 @@ from gemps.records import CentralVariable, CommitResult, Evaluation, ParameterSp
 from gemps.retry import RetryPolicy
 from gemps_proto import serde as shared
 from gemps_proto.chunks import DEFAULT_CHUNK_BYTES, PayloadAssembler, data_frames, read_data
-from gemps_proto.codec import WIRE_DTYPE_NAMES, decode, encode, expected_nbytes, tensor_to_array
+from gemps_proto.codec import WIRE_DTYPE_NAMES, decode, expected_nbytes, wire_view
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import PayloadKind, flatten, spec_of
 from gemps_proto.v1 import parameter_server_pb2 as pb
@@ -47,7 +47,7 @@ RECONNECT_BACKOFF_MS = (200, 2000)  # initial, max
 # messages faster in pieces (docs/PERFORMANCE.md), and past 2 GiB one message cannot carry them.
 STREAM_THRESHOLD_BYTES = 1 << 20
 STREAMING_CHOICES = ("auto", "always", "never")
-_COMMIT_STREAM = "/gemps.v1.ParameterServer/CommitStream"
+_METHOD = "/gemps.v1.ParameterServer/"
 
 
 def _raw(data: bytes) -> bytes:
@@ -123,7 +123,11 @@ class Client:
         )
         self._metadata = self.connection.metadata
         self._stub = pb_grpc.ParameterServerStub(self._channel)
-        self._commit_stream = self._channel.stream_stream(_COMMIT_STREAM, _raw, _raw)
+        # The calls that carry θ send and receive bytes: serde frames and reads θ without copies.
+        self._register_raw = self._channel.unary_unary(_METHOD + "Register", _raw, _raw)
+        self._pull_raw = self._channel.unary_unary(_METHOD + "Pull", _raw, _raw)
+        self._commit_raw = self._channel.unary_unary(_METHOD + "Commit", _raw, _raw)
+        self._commit_stream = self._channel.stream_stream(_METHOD + "CommitStream", _raw, _raw)
         #: attempts retried after UNAVAILABLE or DEADLINE_EXCEEDED, over this client's life
         self.retries = 0
         self._registered_with: Mapping[str, np.ndarray] | None = None
@@ -153,12 +157,13 @@ class Client:
             self._spec = self.status().spec
         known = self.central.version if self.central is not None else -1
 
-        def send() -> pb.PullResponse:
-            return self._call(self._stub.Pull, serde.pull_request(self._worker_id(), known, self.wire_dtype))
+        def send() -> tuple[pb.PullResponse, np.ndarray | None]:
+            request = serde.pull_request(self._worker_id(), known, self.wire_dtype)
+            return serde.pull_reply(self._call(self._pull_raw, request))
 
-        reply = send() if self.registration is None else self._with_reregistration(send)
-        if not reply.unchanged:
-            self.central = CentralVariable(reply.version, tensor_to_array(reply.parameters), self._spec)
+        reply, parameters = send() if self.registration is None else self._with_reregistration(send)
+        if parameters is not None:
+            self.central = CentralVariable(reply.version, parameters, self._spec)
         assert self.central is not None
         return self.central
 
@@ -185,7 +190,7 @@ class Client:
         payload_kind = kinds[kind]
         flat = flatten(payload) if isinstance(payload, Mapping) else np.asarray(payload, dtype=np.float32)
         flat = flat.reshape(-1)
-        data = encode(flat, self.wire_dtype)
+        data = wire_view(flat, self.wire_dtype)  # float32: a view of `flat`, not a copy
         streamed = self.streaming == "always" or (self.streaming == "auto" and len(data) > STREAM_THRESHOLD_BYTES)
         base = self.central.version if base_version is None else base_version
         # Every attempt of this commit (retries, after registering again) carries the same id,
@@ -199,15 +204,15 @@ class Client:
                 kind=payload_kind,
                 wire_dtype=self.wire_dtype,
                 num_parameters=flat.size,
-                data=b"" if streamed else data,
+                data=data,
                 loss=loss,
                 num_samples=num_samples,
                 request_id=request_id,
+                streamed=streamed,
             )
             if streamed:
                 return self._call(self._commit_streamed, (request, data))
-            reply = self._call(self._stub.Commit, request)
-            return reply, tensor_to_array(reply.parameters)
+            return serde.commit_reply(self._call(self._commit_raw, request))
 
         def after_reregistration(registration: Registration) -> None:
             nonlocal base  # the server may have restarted with an older version
@@ -218,11 +223,10 @@ class Client:
         return serde.commit_result_from_proto(reply, self.central)
 
     def _commit_streamed(
-        self, call: tuple[pb.CommitRequest, bytes], timeout: float, metadata: tuple[tuple[str, str], ...]
+        self, call: tuple[bytes, bytes | memoryview], timeout: float, metadata: tuple[tuple[str, str], ...]
     ) -> tuple[pb.CommitResponse, np.ndarray]:
         """One CommitStream attempt: the header, the payload in pieces; the reply likewise."""
-        request, data = call
-        header_frame = pb.CommitChunk(header=request).SerializeToString()
+        header_frame, data = call
         frames = itertools.chain((header_frame,), data_frames(data, self.chunk_bytes))
         replies = iter(self._commit_stream(frames, timeout=timeout, metadata=metadata))
         header = pb.CommitResponseChunk.FromString(next(replies)).header
@@ -276,24 +280,25 @@ class Client:
     # -- internals -----------------------------------------------------------------------------
 
     def _register(self, initial: np.ndarray) -> Registration:
-        def send(values: np.ndarray | None) -> pb.RegisterResponse:
-            return self._call(self._stub.Register, serde.register_request(self._spec, self.name, values))
+        def send(values: np.ndarray | None) -> tuple[Registration, np.ndarray | None]:
+            request = serde.register_request(self._spec, self.name, values)
+            return serde.register_reply(self._call(self._register_raw, request))
 
         if initial.nbytes <= STREAM_THRESHOLD_BYTES:
-            reply = send(initial)
+            registration, theta = send(initial)
         else:
             # Large: without the initial values first. Only the first worker of a server needs to
             # send them; 100 workers registering at once would otherwise send 100 copies of P floats.
             try:
-                reply = send(None)
+                registration, theta = send(None)
             except errors.GempsError as error:
                 if error.reason != Reason.NOT_INITIALIZED:
                     raise
-                reply = send(initial)
-        self.registration = shared.registration_from_proto(reply)
+                registration, theta = send(initial)
+        self.registration = registration
         # No parameters in the reply: ours initialised the central variable, which equals them.
-        flat = tensor_to_array(reply.parameters) if reply.HasField("parameters") else initial.reshape(-1)
-        self.central = CentralVariable(reply.version, flat, self._spec)
+        flat = initial.reshape(-1) if theta is None else theta
+        self.central = CentralVariable(registration.version, flat, self._spec)
         return self.registration
 
     def _with_reregistration(

@@ -1,27 +1,51 @@
 """The client's side of the wire: the requests the SDK sends and the replies it reads.
 
 Paired with the server's serde (server/gemps_server/serde.py); what both ends convert is in
-gemps_proto.serde.
+gemps_proto.serde. Requests and replies that carry θ are bytes: θ is framed into a request with
+one copy and read out of a reply as a view of the received bytes (gemps_proto.serde.with_tensor
+and parse_with_tensor), never copied through a protobuf message.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from gemps.records import CentralVariable, CommitResult, ParameterSpec
+from gemps.records import CentralVariable, CommitResult, ParameterSpec, Registration
 from gemps_proto import serde as shared
-from gemps_proto.codec import array_to_tensor
+from gemps_proto.codec import FLOAT32, encode
 from gemps_proto.schema import PayloadKind
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
+# Field numbers of the θ-sized tensors in gemps.v1 (parameter_server.proto).
+REGISTER_INITIAL_FIELD = pb.RegisterRequest.DESCRIPTOR.fields_by_name["initial_parameters"].number
+REGISTER_REPLY_FIELD = pb.RegisterResponse.DESCRIPTOR.fields_by_name["parameters"].number
+PULL_REPLY_FIELD = pb.PullResponse.DESCRIPTOR.fields_by_name["parameters"].number
+COMMIT_PAYLOAD_FIELD = pb.CommitRequest.DESCRIPTOR.fields_by_name["payload"].number
+COMMIT_REPLY_FIELD = pb.CommitResponse.DESCRIPTOR.fields_by_name["parameters"].number
 
-def register_request(
-    spec: tuple[ParameterSpec, ...], worker_name: str, initial: np.ndarray | None
-) -> pb.RegisterRequest:
+
+def register_request(spec: tuple[ParameterSpec, ...], worker_name: str, initial: np.ndarray | None) -> bytes:
     request = pb.RegisterRequest(spec=shared.spec_to_proto(spec), worker_name=worker_name)
-    if initial is not None:
-        request.initial_parameters.CopyFrom(array_to_tensor(initial))
-    return request
+    if initial is None:
+        return request.SerializeToString()
+    return shared.with_tensor(request, REGISTER_INITIAL_FIELD, FLOAT32, [initial.size], encode(initial))
+
+
+def register_reply(data: bytes) -> tuple[Registration, np.ndarray | None]:
+    """The registration, and the central variable (None for the worker whose values set it)."""
+    reply, parameters = shared.parse_with_tensor(pb.RegisterResponse, REGISTER_REPLY_FIELD, data)
+    return shared.registration_from_proto(reply), None if parameters is None else parameters.decode()
+
+
+def pull_request(worker_id: str, known_version: int, wire_dtype: int) -> bytes:
+    request = pb.PullRequest(worker_id=worker_id, known_version=known_version, reply_dtype=wire_dtype)  # type: ignore[arg-type]
+    return request.SerializeToString()
+
+
+def pull_reply(data: bytes) -> tuple[pb.PullResponse, np.ndarray | None]:
+    """The reply's version and flag, and the central variable unless it is unchanged."""
+    reply, parameters = shared.parse_with_tensor(pb.PullResponse, PULL_REPLY_FIELD, data)
+    return reply, None if parameters is None or reply.unchanged else parameters.decode()
 
 
 def commit_request(
@@ -31,26 +55,35 @@ def commit_request(
     kind: PayloadKind,
     wire_dtype: int,
     num_parameters: int,
-    data: bytes,
+    data: bytes | memoryview,
     loss: float | None,
     num_samples: int | None,
     request_id: str,
-) -> pb.CommitRequest:
-    """A Commit request; with empty `data` for CommitStream (the payload follows in pieces)."""
-    return pb.CommitRequest(
+    streamed: bool = False,
+) -> bytes:
+    """A Commit request with its payload; for CommitStream (`streamed`) the payload's dtype and
+    shape only: its data follows in pieces."""
+    header = pb.CommitRequest(
         worker_id=worker_id,
         base_version=base_version,
         kind=kind.value,  # type: ignore[arg-type]
-        payload=pb.Tensor(dtype=wire_dtype, shape=[num_parameters], data=data),  # type: ignore[arg-type]
         loss=loss,
         num_samples=num_samples,
         request_id=request_id,
         reply_dtype=wire_dtype,  # type: ignore[arg-type]
     )
+    if streamed:
+        header.payload.dtype = wire_dtype  # type: ignore[assignment]
+        header.payload.shape.append(num_parameters)
+        return pb.CommitChunk(header=header).SerializeToString()
+    return shared.with_tensor(header, COMMIT_PAYLOAD_FIELD, wire_dtype, [num_parameters], data)
 
 
-def pull_request(worker_id: str, known_version: int, wire_dtype: int) -> pb.PullRequest:
-    return pb.PullRequest(worker_id=worker_id, known_version=known_version, reply_dtype=wire_dtype)  # type: ignore[arg-type]
+def commit_reply(data: bytes) -> tuple[pb.CommitResponse, np.ndarray]:
+    """The reply's figures and the central variable (a read-only view of `data`)."""
+    reply, parameters = shared.parse_with_tensor(pb.CommitResponse, COMMIT_REPLY_FIELD, data)
+    assert parameters is not None, "a CommitResponse always carries the central variable"
+    return reply, parameters.decode()
 
 
 def commit_result_from_proto(reply: pb.CommitResponse, central: CentralVariable) -> CommitResult:

@@ -1,10 +1,9 @@
 """Chunked payloads for CommitStream (hand-written, not generated).
 
 CommitChunk and CommitResponseChunk carry their data pieces in field 2 (`bytes data`). Data
-messages are framed and read here directly in protobuf's wire format (a tag, a varint length,
-the bytes), which is stable and documented: a piece goes into or out of a message with one copy
-instead of protobuf's two, and reading one is a memoryview slice. Headers, and anything not
-framed exactly like that, go through protobuf itself.
+messages are framed and read here directly in protobuf's wire format (wire.py): a piece goes
+into or out of a message with one copy instead of protobuf's two, and reading one is a
+memoryview slice. Headers, and anything not framed exactly like that, go through protobuf itself.
 """
 
 from __future__ import annotations
@@ -13,23 +12,17 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from gemps_proto.wire import WireError, length_prefix, read_varint
+
 #: bytes per data piece: large unary messages are slow in gRPC Python, 1 MiB pieces are not
 DEFAULT_CHUNK_BYTES = 1 << 20
-_DATA_TAG = (2 << 3) | 2  # field 2, wire type 2 (length-delimited)
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+_DATA_FIELD = 2
+_DATA_TAG = (_DATA_FIELD << 3) | 2  # field 2, wire type 2 (length-delimited)
 
 
 def frame_data(piece: bytes | memoryview) -> bytes:
     """A serialized chunk message whose only field is `data = piece`."""
-    return b"".join((bytes((_DATA_TAG,)), _varint(len(piece)), piece))
+    return b"".join((length_prefix(_DATA_FIELD, len(piece)), piece))
 
 
 def data_frames(data: bytes | memoryview, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
@@ -45,15 +38,9 @@ def read_data(message: bytes) -> memoryview | None:
     """The data piece of a serialized chunk message framed as frame_data does, else None."""
     if not message or message[0] != _DATA_TAG:
         return None
-    length, shift, position = 0, 0, 1
-    while position < len(message) and shift < 64:
-        byte = message[position]
-        length |= (byte & 0x7F) << shift
-        position += 1
-        if not byte & 0x80:
-            break
-        shift += 7
-    else:
+    try:
+        length, position = read_varint(message, 1)
+    except WireError:
         return None
     if position + length != len(message):
         return None  # anything else (more fields, a truncated piece): protobuf decides

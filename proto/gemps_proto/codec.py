@@ -126,6 +126,16 @@ def encode(values: np.ndarray, dtype: int = pb.DTYPE_FLOAT32) -> bytes:
     return np.ascontiguousarray(values, dtype="<f4").tobytes()
 
 
+def wire_view(values: np.ndarray, dtype: int = pb.DTYPE_FLOAT32) -> bytes | memoryview:
+    """The wire bytes of float32 values in `dtype`: a view of `values` itself (no copy) when they
+    already are little-endian float32 in one piece, else encode()'s copy. The caller keeps
+    `values` unchanged while the view is in use."""
+    array = np.asarray(values)
+    if dtype == pb.DTYPE_FLOAT32 and array.dtype == np.dtype("<f4") and array.flags.c_contiguous:
+        return array.reshape(-1).data.cast("B")
+    return encode(array, dtype)
+
+
 def array_to_tensor(array: np.ndarray) -> pb.Tensor:
     """Encode an array (converted to little-endian float32 when needed) as a Tensor."""
     array = np.asarray(array)

@@ -1,39 +1,65 @@
-"""Keep large allocations in the heap, so a commit's P-sized buffers reuse memory already mapped.
+"""glibc's allocator, set for a process that moves θ-sized buffers every commit.
 
-glibc serves allocations past its mmap threshold (at most 32 MiB) with fresh mmap()s, and a
-fresh mapping is zeroed page by page on first touch: copying 40 MB into new bytes took 34 ms here
-instead of 8 ms. Every commit allocates such buffers (the payload, the reply's snapshot), so
-processes that move P-sized messages (the server, workers, benchmark clients) raise the threshold
-once at start. Freed blocks then stay mapped for reuse: peak memory is unchanged, RSS does not
-drop between commits (it stays at its high-water mark). A no-op where glibc is not the C library.
+Each commit allocates a few buffers of one float32 vector each (4P bytes: the request gRPC hands
+over, the reply, gRPC's own copies) and frees them moments later. With glibc's defaults a
+buffer of that size is either mmap()ed afresh every time (past its mmap threshold, which it
+raises by itself only up to 32 MiB) or taken from the top of the heap, which is trimmed back as
+soon as the commit frees it. Either way every commit maps fresh pages, and the kernel faults
+and zeroes each one on first touch: copying 40 MB into new bytes took 34 ms here instead of 8.
+
+`tune_for(4P)`, called once θ's size is known, keeps those buffers in the heap (mmap threshold
+four vectors) and the memory they free mapped for the next commit (trim threshold four vectors
+more), so the same pages serve commit after commit: no fault, no zeroing, no brk per commit.
+What stays mapped is bounded by those four vectors (docs/PERFORMANCE.md has the soak and the
+memory bound measured with it). A no-op where glibc is not the C library.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from collections.abc import Callable
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_GLIBC_DEFAULT_MMAP_THRESHOLD = 128 << 10
+_MIN_TRIM_THRESHOLD = 2 << 20
 _ONE_GIB = 1 << 30
-# glibc's largest automatic mmap threshold on 64-bit: below it, freed blocks are reused anyway.
-GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
+#: buffers per commit kept in the heap and kept mapped once freed
+BUFFERS_KEPT = 4
 
 
-def keep_large_allocations_for(buffer_bytes: int) -> bool:
-    """keep_large_allocations() when a process's recurring buffers are past glibc's own ceiling;
-    smaller models keep glibc's defaults, which return memory between bursts."""
-    return buffer_bytes >= GLIBC_MMAP_THRESHOLD_MAX and keep_large_allocations()
+def _mallopt() -> Callable[[int, int], int] | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        mallopt: Callable[[int, int], int] = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        return None
+    return mallopt
+
+
+def thresholds_for(buffer_bytes: int) -> tuple[int, int]:
+    """(mmap threshold, trim threshold) for recurring buffers of `buffer_bytes` each."""
+    mmap_threshold = min(max(BUFFERS_KEPT * buffer_bytes, _GLIBC_DEFAULT_MMAP_THRESHOLD), _ONE_GIB)
+    trim_threshold = min(max(2 * BUFFERS_KEPT * buffer_bytes, _MIN_TRIM_THRESHOLD), 2 * _ONE_GIB - 1)
+    return mmap_threshold, trim_threshold
+
+
+def tune_for(buffer_bytes: int) -> bool:
+    """Keep recurring buffers of `buffer_bytes` in the heap and mapped; True when glibc took it."""
+    mallopt = _mallopt()
+    if mallopt is None:
+        return False
+    mmap_threshold, trim_threshold = thresholds_for(buffer_bytes)
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
 
 
 def keep_large_allocations() -> bool:
-    """Raise glibc's mmap and trim thresholds; True when they were set."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+    """The most a process can keep: every allocation up to 1 GiB in the heap, nothing trimmed
+    (the benchmark's echo server and load generator, whose best case is the ceiling)."""
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, _ONE_GIB)) and bool(mallopt(_M_TRIM_THRESHOLD, 2 * _ONE_GIB - 1))

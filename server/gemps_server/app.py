@@ -17,7 +17,7 @@ from prometheus_client import disable_created_metrics, start_http_server
 from gemps_proto.reasons import Reason
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server import logs
-from gemps_server.allocator import keep_large_allocations_for
+from gemps_server.allocator import tune_for
 from gemps_server.applier import Applier
 from gemps_server.checkpoint_schedule import Checkpointer
 from gemps_server.config import ServerConfig
@@ -73,7 +73,7 @@ class ParameterServer:
         config = self.config
         if self.checkpointer is not None:
             self.checkpointer.restore()  # before serving: workers register against the restored state
-            keep_large_allocations_for(4 * self.state.num_parameters)  # see allocator.py
+            tune_for(4 * self.state.num_parameters)  # see allocator.py
         token = config.token()
         interceptors = []
         if token:

@@ -34,9 +34,9 @@ class ServerConfig:
         default="", metadata={"help": "once serving, write the gRPC port and the metrics port (lines 1, 2) here"}
     )
     gem_kernel: str = field(
-        default="numpy",
+        default="auto",
         metadata={
-            "help": "GEM's update: numpy (blocked), or numba (compiled, ~3x faster math, +125 MB; pip install numba)",
+            "help": "GEM's update: compiled (one C pass, exact statistics), numpy (blocked); auto: compiled if built",
             "choices": GEM_KERNELS,
         },
     )

@@ -1,23 +1,39 @@
 """The server's side of the wire: requests into domain types, outcomes into replies.
 
 Paired with the SDK's serde (client_sdk/gemps/serde.py); what both ends convert is in
-gemps_proto.serde. Checks that need only the message (a dtype, a payload kind) happen here and
-raise InvalidArgument; checks against the server's state happen in state.py.
+gemps_proto.serde. Checks against the server's state, in the protocol's order, happen in
+state.py; here only what needs nothing but the message (a spec entry's dtype).
+
+θ never goes through a protobuf message on the hot path. A request's tensor (a commit's payload,
+the first worker's initial parameters) is a memoryview of the received bytes; a reply carrying θ
+is its small header, serialised by protobuf, joined with the snapshot's bytes framed in the
+wire format (gemps_proto.wire): one copy of θ per reply, nothing per field.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
 from gemps_proto import serde as shared
-from gemps_proto.codec import FLOAT32, EncodedTensor, bytes_to_tensor, dtype_name, received
+from gemps_proto.codec import FLOAT32, EncodedTensor, dtype_name, received
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import ParameterSpec, Registration
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.errors import InvalidArgument
 from gemps_server.state import Admission, Commit, CommitOutcome, Snapshot
+
+M = TypeVar("M", bound=Message)
+
+# Field numbers of the θ-sized tensors in gemps.v1 (parameter_server.proto).
+COMMIT_PAYLOAD_FIELD = pb.CommitRequest.DESCRIPTOR.fields_by_name["payload"].number
+REGISTER_INITIAL_FIELD = pb.RegisterRequest.DESCRIPTOR.fields_by_name["initial_parameters"].number
+COMMIT_REPLY_FIELD = pb.CommitResponse.DESCRIPTOR.fields_by_name["parameters"].number
+PULL_REPLY_FIELD = pb.PullResponse.DESCRIPTOR.fields_by_name["parameters"].number
+REGISTER_REPLY_FIELD = pb.RegisterResponse.DESCRIPTOR.fields_by_name["parameters"].number
 
 
 class MalformedRequest:
@@ -32,11 +48,29 @@ class MalformedRequest:
         return InvalidArgument(f"request is not a valid {self.message_type}: {self.error}", Reason.MALFORMED)
 
 
-def parse_request(message_class: type[Message], data: bytes) -> Message | MalformedRequest:
+@dataclass(frozen=True)
+class WithTensor(Generic[M]):
+    """A request whose θ-sized tensor field was kept out of protobuf: the message without that
+    tensor's data, and the tensor (its data a view of the received bytes), or None if absent."""
+
+    message: M
+    tensor: EncodedTensor | None
+
+
+def parse_request(message_class: type[M], data: bytes) -> M | MalformedRequest:
     try:
         return message_class.FromString(data)
     except DecodeError as error:
         return MalformedRequest(message_class.DESCRIPTOR.full_name, str(error))
+
+
+def parse_with_tensor(message_class: type[M], field_number: int, data: bytes) -> WithTensor[M] | MalformedRequest:
+    """Parse a request, its tensor field `field_number` without copying the tensor's data."""
+    try:
+        message, tensor = shared.parse_with_tensor(message_class, field_number, data)
+    except DecodeError as error:
+        return MalformedRequest(message_class.DESCRIPTOR.full_name, str(error))
+    return WithTensor(message, tensor)
 
 
 def reply_dtype_from_proto(dtype: int) -> int:
@@ -56,21 +90,21 @@ def spec_from_proto(messages: Sequence[pb.ParameterSpec]) -> tuple[ParameterSpec
     return shared.spec_from_proto(messages)
 
 
-def initial_parameters_from_proto(request: pb.RegisterRequest) -> EncodedTensor | None:
-    return received(request.initial_parameters) if request.HasField("initial_parameters") else None
+def with_parameters(header: Message, field_number: int, snapshot: Snapshot, dtype: int, num_parameters: int) -> bytes:
+    """`header` serialised, with the snapshot's θ in `dtype` framed as Tensor field `field_number`."""
+    return shared.with_tensor(header, field_number, dtype, [num_parameters], snapshot.data(dtype) or b"")
 
 
-def admission_to_proto(admission: Admission, registration: Registration, num_parameters: int) -> pb.RegisterResponse:
-    reply = shared.registration_to_proto(registration)
-    # No values for the worker whose initial_parameters became theta: it has them already.
-    theta = admission.snapshot.data()
-    if not admission.initialized_theta and theta is not None:
-        reply.parameters.CopyFrom(bytes_to_tensor(theta, num_parameters))
-    return reply
+def admission_to_proto(admission: Admission, registration: Registration, num_parameters: int) -> bytes:
+    """The RegisterResponse; without θ for the worker whose initial_parameters became it."""
+    header = shared.registration_to_proto(registration)
+    if admission.initialized_theta or admission.snapshot.data(FLOAT32) is None:
+        return header.SerializeToString()
+    return with_parameters(header, REGISTER_REPLY_FIELD, admission.snapshot, FLOAT32, num_parameters)
 
 
 def commit_from_proto(request: pb.CommitRequest, payload: EncodedTensor | None = None) -> Commit:
-    """The domain's Commit; `payload` is the streamed one (CommitStream), else the request's own."""
+    """The domain's Commit; `payload` when it was received apart (a view, or CommitStream's pieces)."""
     return Commit(
         worker_id=request.worker_id,
         base_version=request.base_version,
@@ -83,15 +117,11 @@ def commit_from_proto(request: pb.CommitRequest, payload: EncodedTensor | None =
     )
 
 
-def outcome_to_proto(
-    outcome: CommitOutcome, reply_dtype: int, num_parameters: int, with_parameters: bool = True
-) -> pb.CommitResponse:
-    """The reply; without parameter bytes for CommitStream, which sends them in pieces after it."""
-    data = (outcome.snapshot.data(reply_dtype) or b"") if with_parameters else b""
+def outcome_header(outcome: CommitOutcome) -> pb.CommitResponse:
+    """The CommitResponse's fields other than the parameters."""
     stats = outcome.stats
     return pb.CommitResponse(
         version=outcome.snapshot.version,
-        parameters=bytes_to_tensor(data, num_parameters, reply_dtype),
         staleness=outcome.staleness,
         scaling_mean=stats.scaling_mean,
         scaling_median=stats.scaling_median,
@@ -100,11 +130,23 @@ def outcome_to_proto(
     )
 
 
-def pull_to_proto(snapshot: Snapshot, reply_dtype: int, num_parameters: int) -> pb.PullResponse:
-    return pb.PullResponse(
-        version=snapshot.version,
-        parameters=bytes_to_tensor(snapshot.data(reply_dtype) or b"", num_parameters, reply_dtype),
-    )
+def outcome_to_proto(outcome: CommitOutcome, dtype: int, theta: bytes | memoryview, num_parameters: int) -> bytes:
+    """The serialized CommitResponse, with `theta`: the commit's version of θ, in the reply's `dtype`."""
+    return shared.with_tensor(outcome_header(outcome), COMMIT_REPLY_FIELD, dtype, [num_parameters], theta)
+
+
+def stream_header_to_proto(outcome: CommitOutcome, reply_dtype: int, num_parameters: int) -> pb.CommitResponseChunk:
+    """CommitStream's first reply: the CommitResponse whose parameters say dtype and shape; the
+    data follows in pieces."""
+    header = outcome_header(outcome)
+    header.parameters.dtype = reply_dtype  # type: ignore[assignment]
+    header.parameters.shape.append(num_parameters)
+    return pb.CommitResponseChunk(header=header)
+
+
+def pull_to_proto(snapshot: Snapshot, reply_dtype: int, num_parameters: int) -> bytes:
+    header = pb.PullResponse(version=snapshot.version)
+    return with_parameters(header, PULL_REPLY_FIELD, snapshot, reply_dtype, num_parameters)
 
 
 def unchanged_to_proto(version: int) -> pb.PullResponse:

@@ -11,11 +11,12 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from gemps_proto.codec import EncodedTensor
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import Evaluation, ParameterSpec, Registration, ServerStatus, Shard
-from gemps_server.allocator import keep_large_allocations_for
+from gemps_server.allocator import tune_for
 from gemps_server.applier import Applier
 from gemps_server.config import ServerConfig
 from gemps_server.errors import InvalidArgument, ResourceExhausted, ServiceError
@@ -25,6 +26,11 @@ from gemps_server.security import RateLimiter
 from gemps_server.state import Admission, Commit, CommitOutcome, ServerState, Snapshot, check_reply_dtype
 
 log = logging.getLogger("gemps.server")
+
+R = TypeVar("R")
+# Commits of models up to this size (about 0.2 ms of GEM's update) may run on the event loop
+# when the applier is idle; larger ones always go to its thread, so the loop keeps serving.
+INLINE_MAX_PARAMETERS = 250_000
 
 
 def check_evaluation(report: Evaluation, current_version: int) -> None:
@@ -79,7 +85,7 @@ class ParameterService:
         worker = admission.worker
         self._metrics.registered()
         if admission.initialized_theta:
-            keep_large_allocations_for(4 * state.num_parameters)
+            tune_for(4 * state.num_parameters)
             event(
                 log,
                 "central variable initialised",
@@ -118,11 +124,19 @@ class ParameterService:
             snapshot = await self._applier.submit(lambda: state.encoded(reply_dtype))
         return snapshot
 
-    async def commit(self, commit: Commit) -> CommitOutcome:
-        """Apply a commit in FIFO order; metrics, logs and checkpoints once it is applied."""
+    async def commit(self, commit: Commit, reply: Callable[[CommitOutcome, ServerState], R]) -> tuple[CommitOutcome, R]:
+        """Apply a commit in FIFO order and build its `reply` on the applier right after, while θ
+        holds the commit's version (a unary reply is framed straight from it); metrics, logs and
+        checkpoints once it is applied."""
         state = self.state
-        timed = await self._applier.submit_timed(lambda: state.commit(commit))
-        outcome = timed.result
+
+        def apply() -> tuple[CommitOutcome, R]:
+            outcome = state.commit(commit)
+            return outcome, reply(outcome, state)
+
+        # Small models: applied on the event loop when the applier is idle (see Applier.submit_timed).
+        timed = await self._applier.submit_timed(apply, inline=state.num_parameters <= INLINE_MAX_PARAMETERS)
+        outcome, built = timed.result
         if outcome.duplicate:
             self._metrics.duplicate()
             suppressed = self._rejection_log.allow(("Commit", "duplicate"))
@@ -135,7 +149,7 @@ class ParameterService:
                     version=outcome.snapshot.version,
                     suppressed=suppressed,
                 )
-            return outcome
+            return outcome, built
         if self._on_committed is not None:
             self._on_committed(outcome.snapshot.version)
         self._metrics.applied(
@@ -146,7 +160,7 @@ class ParameterService:
             queued_seconds=timed.timing.queued_seconds,
             apply_seconds=timed.timing.run_seconds,
         )
-        return outcome
+        return outcome, built
 
     async def leave(self, worker_id: str) -> None:
         state = self.state

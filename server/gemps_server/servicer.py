@@ -27,8 +27,9 @@ from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_server import serde
 from gemps_server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, ServiceError
 from gemps_server.metrics import ServerMetrics
-from gemps_server.serde import MalformedRequest
+from gemps_server.serde import MalformedRequest, WithTensor
 from gemps_server.service import ParameterService
+from gemps_server.state import CommitOutcome, ServerState
 
 F = TypeVar("F", bound=Callable[..., Any])
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -44,14 +45,20 @@ STATUS_CODES: dict[type[ServiceError], grpc.StatusCode] = {
 }
 
 
+# Requests whose θ-sized tensor field is read without copying (serde.parse_with_tensor).
+TENSOR_FIELDS = {"Commit": serde.COMMIT_PAYLOAD_FIELD, "Register": serde.REGISTER_INITIAL_FIELD}
+
+
 def _request_parser(
-    message_class: type[Message], on_bytes: Callable[[int], None]
-) -> Callable[[bytes], Message | MalformedRequest]:
+    message_class: type[Message], tensor_field: int | None, on_bytes: Callable[[int], None]
+) -> Callable[[bytes], Message | WithTensor[Any] | MalformedRequest]:
     """Parses a request; `on_bytes` is told its size (protobuf's ByteSize on a large message costs
     a serialization)."""
 
-    def parse(data: bytes) -> Message | MalformedRequest:
+    def parse(data: bytes) -> Message | WithTensor[Any] | MalformedRequest:
         on_bytes(len(data))
+        if tensor_field is not None:
+            return serde.parse_with_tensor(message_class, tensor_field, data)
         return serde.parse_request(message_class, data)
 
     return parse
@@ -64,7 +71,7 @@ def _chunk_parser(on_bytes: Callable[[int], None]) -> Callable[[bytes], Chunk]:
     def parse(data: bytes) -> Chunk:
         on_bytes(len(data))
         piece = read_data(data)
-        return piece if piece is not None else serde.parse_request(pb.CommitChunk, data)  # type: ignore[return-value]
+        return piece if piece is not None else serde.parse_request(pb.CommitChunk, data)
 
     return parse
 
@@ -96,7 +103,9 @@ def add_to_server(servicer: GempsServicer, server: grpc.aio.Server) -> None:
         else:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
                 getattr(servicer, method.name),
-                request_deserializer=_request_parser(getattr(pb, method.input_type.name), received),
+                request_deserializer=_request_parser(
+                    getattr(pb, method.input_type.name), TENSOR_FIELDS.get(method.name), received
+                ),
                 response_serializer=sent,
             )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
@@ -155,15 +164,19 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
     def _num_parameters(self) -> int:
         return self.service.state.num_parameters
 
+    # Replies carrying θ are returned serialized (bytes): see serde.with_parameters.
+
     @rpc
-    async def Register(self, request: pb.RegisterRequest, context: Context) -> pb.RegisterResponse:
+    async def Register(  # type: ignore[override]
+        self, received: WithTensor[pb.RegisterRequest], context: Context
+    ) -> bytes:
+        request = received.message
         spec = serde.spec_from_proto(request.spec)
-        initial = serde.initial_parameters_from_proto(request)
-        admission, registration = await self.service.register(request.worker_name, spec, initial)
+        admission, registration = await self.service.register(request.worker_name, spec, received.tensor)
         return serde.admission_to_proto(admission, registration, self._num_parameters)
 
     @rpc
-    async def Pull(self, request: pb.PullRequest, context: Context) -> pb.PullResponse:
+    async def Pull(self, request: pb.PullRequest, context: Context) -> pb.PullResponse | bytes:  # type: ignore[override]
         reply_dtype = serde.reply_dtype_from_proto(request.reply_dtype)
         snapshot = await self.service.pull(request.worker_id, request.known_version, reply_dtype)
         if request.known_version == snapshot.version:
@@ -171,10 +184,15 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         return serde.pull_to_proto(snapshot, reply_dtype, self._num_parameters)
 
     @rpc
-    async def Commit(self, request: pb.CommitRequest, context: Context) -> pb.CommitResponse:
-        commit = serde.commit_from_proto(request)
-        outcome = await self.service.commit(commit)
-        return serde.outcome_to_proto(outcome, commit.reply_dtype, self._num_parameters)
+    async def Commit(self, received: WithTensor[pb.CommitRequest], context: Context) -> bytes:  # type: ignore[override]
+        commit = serde.commit_from_proto(received.message, received.tensor)
+        dtype, size = commit.reply_dtype, self._num_parameters
+
+        def framed(outcome: CommitOutcome, state: ServerState) -> bytes:  # on the applier: θ is the commit's
+            return serde.outcome_to_proto(outcome, dtype, state.theta_wire(dtype), size)
+
+        _, reply = await self.service.commit(commit, framed)
+        return reply
 
     @rpc
     async def CommitStream(  # type: ignore[override]  # also yields pre-framed bytes (see chunks.py)
@@ -186,9 +204,9 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         async with self._receive_slots:
             payload = await self._receive_payload(header, requests)
             commit = serde.commit_from_proto(header, payload)
-            outcome = await self.service.commit(commit)
-        reply = serde.outcome_to_proto(outcome, commit.reply_dtype, self._num_parameters, with_parameters=False)
-        yield pb.CommitResponseChunk(header=reply)
+            # The reply goes out in pieces after the applier has moved on: from the snapshot's encoding.
+            outcome, _ = await self.service.commit(commit, lambda outcome, state: state.encoded(commit.reply_dtype))
+        yield serde.stream_header_to_proto(outcome, commit.reply_dtype, self._num_parameters)
         for frame in data_frames(outcome.snapshot.data(commit.reply_dtype) or b""):
             yield frame
 

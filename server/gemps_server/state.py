@@ -19,15 +19,16 @@ from gemps_proto.codec import (
     WIRE_DTYPE_NAMES,
     EncodedTensor,
     TensorDecodeError,
-    all_finite,
     dtype_name,
     encode,
     expected_nbytes,
+    wire_view,
 )
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
 from gemps_server.errors import FailedPrecondition, InvalidArgument
 from gemps_server.ledger import MAX_REQUEST_ID_LENGTH, CommitLedger, Receipt
+from gemps_server.native import all_finite
 from gemps_server.rules import ApplyStats, CommitRule, create_rule
 from gemps_server.workers import WorkerRecord, WorkerRegistry
 
@@ -243,10 +244,15 @@ class ServerState:
         self.commits_applied += 1
         worker.commits += 1
         self.registry.touch(commit.worker_id)
-        self.snapshot = Snapshot(self.version + 1)
-        self.encoded(commit.reply_dtype)
+        self.snapshot = Snapshot(self.version + 1)  # encoded when a reply asks (encoded(), theta_wire())
         self.ledger.record(commit.worker_id, commit.request_id, Receipt(self.version, staleness, stats))
         return CommitOutcome(self.snapshot, staleness, stats)
+
+    def theta_wire(self, dtype: int) -> bytes | memoryview:
+        """θ's wire bytes in `dtype` now: the snapshot's encoding when there is one, else for float32
+        a view of θ itself, valid only until the next operation changes it (use it on the applier,
+        within the operation that asked: to frame a reply straight from θ, with no copy of its own)."""
+        return self.snapshot.data(dtype) or wire_view(self._theta, dtype)
 
     def encoded(self, dtype: int) -> Snapshot:
         """The current snapshot, with `dtype`'s encoding produced if it is not there yet."""

@@ -9,7 +9,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-SYSTEMS = {"echo-unary", "echo-stream", "gemps", "gemps-bfloat16", "gemps-numba", "torch-rpc", "reference-p2p"}
+SYSTEMS = {
+    "echo-unary",
+    "echo-stream",
+    "gemps",
+    "gemps-bfloat16",
+    "gemps-numpy",
+    "torch-rpc",
+    "torch-rpc-tcp",
+    "reference-p2p",
+}
 
 
 def test_quick_bench_measures_every_system_and_writes_the_report(tmp_path: Path) -> None:
@@ -29,6 +38,7 @@ def test_quick_bench_measures_every_system_and_writes_the_report(tmp_path: Path)
         assert run["commits"] > 0, run
         assert run["latency_p50_ms"] > 0 and run["jain_index"] > 0, run
         assert run["server_peak_rss_bytes"] and run["server_peak_rss_bytes"] > 0, run
+        assert run["server_cpu_ms_per_commit"] > 0, run  # the server's CPU time inside the window
     gemps_runs = [r for r in data["runs"] if r["system"] == "gemps"]
     assert {(r["num_parameters"], r["clients"]) for r in gemps_runs} == {
         (size, clients) for size in (10_000, 300_000) for clients in (1, 2)
@@ -40,3 +50,28 @@ def test_quick_bench_measures_every_system_and_writes_the_report(tmp_path: Path)
     tables = (out / "tables.md").read_text()
     assert "## Targets" in tables and "| 300,000 | 2 |" in tables
     assert (out / "performance.png").stat().st_size > 10_000
+    assert "server CPU ms/commit" in tables
+
+
+def test_a_chosen_cell_runs_alone(tmp_path: Path) -> None:
+    out = tmp_path / "cell"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "gemps_cli", "bench", "--quick", "--sizes", "20K", "--clients", "2"),
+            *("--systems", "gemps,echo-unary", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    assert {(r["system"], r["num_parameters"], r["clients"]) for r in data["runs"]} == {
+        ("gemps", 20_000, 2),
+        ("echo-unary", 20_000, 2),
+    }
+    assert data["worker_cost"] == {}
+    refused = subprocess.run(
+        [sys.executable, "-m", "gemps_cli", "bench", "--systems", "gemps,redis"], capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and "unknown systems redis" in refused.stderr

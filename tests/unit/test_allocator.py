@@ -1,4 +1,4 @@
-"""The allocator setting gemps' processes apply at start (see gemps_server/allocator.py)."""
+"""The allocator settings gemps' processes apply (see gemps_server/allocator.py)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,20 @@ import platform
 
 import pytest
 
-from gemps_server.allocator import GLIBC_MMAP_THRESHOLD_MAX, keep_large_allocations, keep_large_allocations_for
+from gemps_server.allocator import BUFFERS_KEPT, keep_large_allocations, thresholds_for, tune_for
+
+glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a no-op without glibc")
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a no-op without glibc")
+@glibc
 def test_glibc_thresholds_are_raised() -> None:
     assert keep_large_allocations() is True
     assert keep_large_allocations() is True  # idempotent: the server may call it again on restart
+    assert tune_for(4 * 100_000) is True
 
 
-def test_small_models_keep_glibc_defaults() -> None:
-    assert keep_large_allocations_for(GLIBC_MMAP_THRESHOLD_MAX - 1) is False
+def test_thresholds_keep_a_commits_buffers_and_no_more() -> None:
+    mmap, trim = thresholds_for(4_000_000)  # 1M parameters
+    assert mmap == BUFFERS_KEPT * 4_000_000 and trim == 2 * BUFFERS_KEPT * 4_000_000
+    assert thresholds_for(100) == (128 << 10, 2 << 20)  # tiny models: glibc's own floor
+    assert thresholds_for(4 << 30) == (1 << 30, (2 << 30) - 1)  # huge ones: capped

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from gemps_bench.loadgen import pre_made_gradient
-from gemps_bench.memory import peak_rss
+from gemps_bench.procfs import WindowCpu, peak_rss
 from gemps_bench.results import LoadResult
 from gemps_proto.schema import TrainingConfig
 from gemps_server.allocator import keep_large_allocations
@@ -149,6 +149,7 @@ class ClientReport:
 class ServerReport:
     peak_rss_bytes: int | None
     commits_applied: int
+    cpu_seconds: float | None = None  # the server process's CPU time inside the window
 
 
 def commit_loop(commit: Callable[[], int], window: Window) -> ClientReport:
@@ -183,6 +184,7 @@ def build_result(
         latencies=[latency for c in clients for latency in c.latencies],
         per_client_commits=[len(c.latencies) for c in clients],
         server_peak_rss_bytes=server.peak_rss_bytes,
+        server_cpu_seconds=server.cpu_seconds,
         staleness=[s for c in clients for s in c.staleness],
         notes=notes,
         extra=extra,
@@ -191,6 +193,11 @@ def build_result(
 
 def own_peak_rss() -> int | None:
     return peak_rss(os.getpid())
+
+
+def own_window_cpu(window: Window) -> WindowCpu:
+    """This process's CPU time inside the window (the server side of a peer), sampled by a thread."""
+    return WindowCpu(os.getpid(), window.measure_from, window.measure_to).start()
 
 
 def set_rendezvous_env(port: int) -> None:

@@ -61,6 +61,7 @@ from gemps_bench.peers.common import (
     client_gradient,
     commit_loop,
     own_peak_rss,
+    own_window_cpu,
     run_processes,
     set_rendezvous_env,
 )
@@ -138,11 +139,12 @@ def _master(config: PeerConfig, port: int) -> ServerReport:
     with _open_queue() as queue:
         margin = START_MARGIN_SECONDS + START_MARGIN_PER_CLIENT * config.clients
         timing = torch.tensor([time.monotonic() + margin, queue.getsockname()[1]], dtype=torch.float64)
+        cpu = own_window_cpu(Window(float(timing[0]), config.warmup, config.duration))
         _send_to_workers(timing, workers)
         _serve_queue(central, queue, config.clients)
     dist.barrier()
     dist.destroy_process_group()
-    return ServerReport(own_peak_rss(), central.version)
+    return ServerReport(own_peak_rss(), central.version, cpu.seconds)
 
 
 def _worker(rank: int, config: PeerConfig, port: int) -> ClientReport:

@@ -16,7 +16,10 @@ https://pytorch.org/tutorials/intermediate/rpc_async_execution.html), without th
 
 TensorPipe backend, rendezvous on 127.0.0.1 (`MASTER_ADDR`/`MASTER_PORT`, a free port). On one host
 TensorPipe picks its shared-memory transport for messages and its CMA channel (process_vm_readv, one
-copy) for tensors, not TCP (seen with TP_VERBOSE_LOGGING=5): what a user running it on one host gets.
+copy) for tensors, not TCP (seen with TP_VERBOSE_LOGGING=5): what a user running it on one host gets
+(system `torch-rpc`). Between machines it has neither: `torch-rpc-tcp` restricts it to its `uv`
+transport and `basic` channel, TCP through the kernel as gRPC's, which is the fair comparison for a
+parameter server whose workers run elsewhere.
 
 Staleness is not bounded by clients - 1: `threading.Lock` is not FIFO, so a client's commit can wait
 while another client commits twice, and a client descheduled between two commits (more busy processes
@@ -52,6 +55,7 @@ from gemps_bench.peers.common import (
     client_gradient,
     commit_loop,
     own_peak_rss,
+    own_window_cpu,
     run_processes,
     set_rendezvous_env,
 )
@@ -59,6 +63,9 @@ from gemps_bench.results import LoadResult
 from gemps_worker.cluster import free_port
 
 SYSTEM = "torch-rpc"
+SYSTEM_TCP = "torch-rpc-tcp"
+# TensorPipe restricted to TCP: what it does between machines (private options of the backend).
+TCP_ONLY = {"_transports": ["uv"], "_channels": ["basic"]}
 PS_NAME = "ps"
 RPC_TIMEOUT_SECONDS = 60.0  # one commit round trip; far above any healthy one
 # The common start, after the server has asked every trainer to run: time for them to connect.
@@ -96,19 +103,22 @@ class RpcParameterServer:
             return torch.from_numpy(self.central.theta.copy()), self.central.version, staleness
 
 
-def _init_rpc(name: str, rank: int, world_size: int, threads: int, port: int) -> None:
+def _init_rpc(name: str, rank: int, world_size: int, threads: int, port: int, tcp: bool) -> None:
     set_rendezvous_env(port)
     torch.set_num_threads(1)
     # RPC's own rendezvous uses a deprecated torch.distributed path and warns about it in every process.
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
     rpc.init_rpc(  # type: ignore[no-untyped-call]
-        name, rank=rank, world_size=world_size, rpc_backend_options=_backend_options(threads)
+        name, rank=rank, world_size=world_size, rpc_backend_options=_backend_options(threads, tcp)
     )
 
 
-def _backend_options(threads: int) -> rpc.TensorPipeRpcBackendOptions:
+def _backend_options(threads: int, tcp: bool) -> rpc.TensorPipeRpcBackendOptions:
     return rpc.TensorPipeRpcBackendOptions(
-        num_worker_threads=threads, rpc_timeout=RPC_TIMEOUT_SECONDS, init_method="env://"
+        num_worker_threads=threads,
+        rpc_timeout=RPC_TIMEOUT_SECONDS,
+        init_method="env://",
+        **(TCP_ONLY if tcp else {}),  # type: ignore[arg-type]
     )
 
 
@@ -135,46 +145,53 @@ def _run_trainer(
     return report
 
 
-def _serve(config: PeerConfig, port: int) -> tuple[ServerReport, list[ClientReport]]:
+def _serve(config: PeerConfig, port: int, tcp: bool) -> tuple[ServerReport, list[ClientReport]]:
     """Rank 0: own the parameter server, start every trainer's loop, gather their reports."""
     # One RPC thread per trainer's commit in flight, plus a few for RRef bookkeeping.
-    _init_rpc(PS_NAME, 0, config.clients + 1, config.clients + 8, port)
+    _init_rpc(PS_NAME, 0, config.clients + 1, config.clients + 8, port, tcp)
     names = [trainer_name(client) for client in range(config.clients)]
     server = RpcParameterServer(config.num_parameters, config.seed, names)
     ps_rref = rpc.RRef(server)
     margin = START_MARGIN_SECONDS + START_MARGIN_PER_CLIENT * config.clients
     window = Window(time.monotonic() + margin, config.warmup, config.duration)
+    cpu = own_window_cpu(window)
     futures = [
         rpc.rpc_async(name, _run_trainer, args=(ps_rref, client, config, window), timeout=config.deadline_seconds())
         for client, name in enumerate(names)
     ]
     reports: list[ClientReport] = [future.wait() for future in futures]
     rpc.shutdown(graceful=True, timeout=RPC_TIMEOUT_SECONDS)
-    return ServerReport(own_peak_rss(), server.central.version), reports
+    return ServerReport(own_peak_rss(), server.central.version, cpu.seconds), reports
 
 
-def _trainer_process(client: int, config: PeerConfig, port: int) -> None:
+def _trainer_process(client: int, config: PeerConfig, port: int, tcp: bool) -> None:
     """Ranks 1..n: join the RPC group and serve the server's call to `_run_trainer` until everyone is done."""
-    _init_rpc(trainer_name(client), client + 1, config.clients + 1, TRAINER_THREADS, port)
+    _init_rpc(trainer_name(client), client + 1, config.clients + 1, TRAINER_THREADS, port, tcp)
     rpc.shutdown(graceful=True, timeout=config.deadline_seconds())
 
 
-def measure(config: PeerConfig) -> LoadResult:
+def measure(config: PeerConfig, tcp: bool = False) -> LoadResult:
     port = free_port()
-    children = [ChildSpec(PS_NAME, _serve, (config, port))]
-    children += [ChildSpec(trainer_name(c), _trainer_process, (c, config, port)) for c in range(config.clients)]
+    children = [ChildSpec(PS_NAME, _serve, (config, port, tcp))]
+    children += [ChildSpec(trainer_name(c), _trainer_process, (c, config, port, tcp)) for c in range(config.clients)]
     reports = run_processes(children, config.deadline_seconds(), preload=["torch", "torch.distributed.rpc", __name__])
     server, clients = reports[PS_NAME]
+    transport = "uv transport (TCP) and basic channel only" if tcp else "shm transport and CMA channel on one host"
     notes = (
-        "torch.distributed.rpc after PyTorch's parameter-server tutorials (TensorPipe: shm transport and CMA "
-        "channel on one host): one trainer process per client calls "
+        f"torch.distributed.rpc after PyTorch's parameter-server tutorials (TensorPipe: {transport}): "
+        "one trainer process per client calls "
         "rpc_sync(RpcParameterServer.update_and_fetch_model); "
         "the server applies gemps' GEM rule under a threading.Lock (not FIFO; no batching) and replies with a copy "
         "of theta"
     )
-    return build_result(SYSTEM, config, clients, server, notes)
+    return build_result(SYSTEM_TCP if tcp else SYSTEM, config, clients, server, notes)
 
 
 def run(num_parameters: int, clients: int, duration: float, warmup: float = 1.0, seed: int = 0) -> LoadResult:
     """`clients` trainer processes committing P float32 gradients to a torch.distributed.rpc parameter server."""
     return measure(PeerConfig(num_parameters, clients, duration, warmup, seed))
+
+
+def run_tcp(num_parameters: int, clients: int, duration: float, warmup: float = 1.0, seed: int = 0) -> LoadResult:
+    """run(), with TensorPipe restricted to TCP, as between machines."""
+    return measure(PeerConfig(num_parameters, clients, duration, warmup, seed), tcp=True)

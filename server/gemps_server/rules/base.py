@@ -24,6 +24,16 @@ from gemps_proto.schema import PayloadKind, TrainingConfig
 STATS_SAMPLE_SIZE = 8_192
 
 
+def median(values: np.ndarray) -> float:
+    """np.median's value (the mean of the two middle ones for an even count), by a partial sort:
+    half np.median's time, which checks for NaN and handles axes the statistics do not need."""
+    middle = values.size // 2
+    if values.size % 2:
+        return float(np.partition(values, middle)[middle])
+    ordered = np.partition(values, (middle - 1, middle))
+    return (float(ordered[middle - 1]) + float(ordered[middle])) / 2
+
+
 def sample_stride(size: int) -> int:
     """Stride of the statistics' sample: at most STATS_SAMPLE_SIZE of `size` parameters."""
     return max(1, -(-size // STATS_SAMPLE_SIZE))
@@ -66,7 +76,7 @@ class ApplyStats:
         stride = sample_stride(size)
         return cls(
             scaling_mean=float(scaling.mean(dtype=np.float64)),
-            scaling_median=float(np.median(scaling[::stride])),
+            scaling_median=median(scaling[::stride]),
             fraction_at_zero=np.count_nonzero(scaling <= 0.0) / size,
             fraction_at_max=np.count_nonzero(scaling >= scale_max) / size,
             proxy_energy=proxy_energy,

@@ -11,27 +11,32 @@ For worker i (m_i = 0 and s_i = theta when it registers), per commit with update
 This is the paper's Algorithm 1 with Appendix B's kappa, moved to the server, which already
 holds theta and every commit: workers stay stateless.
 
-The update runs block by block (BLOCK parameters at a time): each block's fifteen numpy
-operations work on data that stays in the CPU cache, so a commit reads and writes each of its
-five vectors about once instead of once per operation, and needs no P-sized scratch vectors.
-The statistics a commit reports (pi's mean, median and clamped fractions, the energies) come
-from pi at an evenly strided sample of at most STATS_SAMPLE_SIZE parameters, computed from
-the same inputs before the update: exact up to that size, an estimate past it, and no
-reductions in the update's pass. (A numba kernel was measured too: 3x faster math, but +125 MB
-resident and +2 s start-up for LLVM; see docs/PERFORMANCE.md.)
+Two kernels compute it, bit for bit alike (a test checks it):
+
+- `compiled` (../_native.c, built with the package; the default when it is there): one pass over
+  the parameters, without the GIL, that also sums the commit's statistics (pi's mean, clamped
+  fractions, the energies) exactly over every parameter; pi's median comes from every
+  stride-th parameter (STATS_SAMPLE_SIZE of them at most).
+- `numpy`: block by block (BLOCK parameters at a time), so each block's fifteen numpy
+  operations work on data that stays in the CPU cache and need no P-sized scratch vectors; its
+  statistics come from pi at the same strided sample, computed before the update from the same
+  inputs: exact up to STATS_SAMPLE_SIZE parameters, an estimate past it.
+
+`auto` picks `compiled` when the extension was built (it is optional: a machine without a C
+compiler still installs gemps) and `numpy` otherwise. docs/PERFORMANCE.md has the measurements.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from gemps_server.native import compiled
 from gemps_server.rules import base
 from gemps_server.rules.base import ApplyStats, CommitRule
-from gemps_server.rules.gem_numba import GemUpdate, gem_update_kernel
 
 EPSILON = np.float32(1e-16)
-#: how GEM's update runs: blocked numpy, or the optional compiled kernel (gem_numba.py)
-GEM_KERNELS = ("numpy", "numba")
+#: how GEM's update runs: `auto` (compiled if built, else numpy), `compiled`, `numpy`
+GEM_KERNELS = ("auto", "compiled", "numpy")
 #: parameters per block: 256 KiB per float32 vector, so a block's vectors stay in cache (fastest of 4K-1M here)
 BLOCK = 65_536
 
@@ -56,7 +61,7 @@ class GemRule(CommitRule):
         momentum: float,
         kappa: float,
         pi_max: float,
-        kernel: str = "numpy",
+        kernel: str = "auto",
     ) -> None:
         super().__init__(num_parameters, learning_rate=learning_rate)
         self.momentum, self.kappa, self.pi_max = momentum, kappa, pi_max
@@ -64,15 +69,14 @@ class GemRule(CommitRule):
         block = min(BLOCK, max(1, num_parameters))
         # Block-sized scratch, reused by every block of every commit.
         self._delta, self._movement, self._pi, self._denominator = (np.empty(block, dtype=np.float32) for _ in range(4))
-        self._sampled = np.arange(0, num_parameters, base.sample_stride(num_parameters))
-        self._compiled: GemUpdate | None = None
-        if kernel == "numba":
-            try:
-                self._compiled = gem_update_kernel()
-            except ImportError as error:
-                raise ValueError(f"gem kernel 'numba' needs numba: pip install 'gemps[numba]' ({error})") from None
-        elif kernel != "numpy":
+        self._stride = base.sample_stride(num_parameters)
+        self._sampled = np.arange(0, num_parameters, self._stride)
+        if kernel not in GEM_KERNELS:
             raise ValueError(f"unknown gem kernel {kernel!r}; valid: {', '.join(GEM_KERNELS)}")
+        if kernel == "compiled" and compiled is None:
+            raise ValueError("gem kernel 'compiled' is not built here (no C compiler at install?): use auto or numpy")
+        self.kernel = "compiled" if kernel != "numpy" and compiled is not None else "numpy"
+        self._samples = np.empty(self._sampled.size, dtype=np.float32)  # pi at the sampled parameters
 
     def add_worker(self, worker_id: str, theta: np.ndarray) -> None:
         self._workers[worker_id] = _WorkerState(theta)
@@ -86,17 +90,32 @@ class GemRule(CommitRule):
         state = self._workers[worker_id]
         if theta.size == 0:
             return ApplyStats.constant(0.0)
+        if self.kernel == "compiled":
+            return self._apply_compiled(theta, state, update, scale)
         stats = self._sample_stats(theta, state, update, scale)  # before the update changes its inputs
-        if self._compiled is not None:
-            scalars = (np.float32(v) for v in (scale, self.momentum, self.kappa, self.pi_max))
-            self._compiled(theta, state.proxy, state.last_seen_theta, update, *scalars, EPSILON)
-            return stats
         for start in range(0, theta.size, BLOCK):
             end = min(start + BLOCK, theta.size)
             self._apply_block(
                 theta[start:end], state.proxy[start:end], state.last_seen_theta[start:end], update[start:end], scale
             )
         return stats
+
+    def _apply_compiled(self, theta: np.ndarray, state: _WorkerState, update: np.ndarray, scale: float) -> ApplyStats:
+        assert compiled is not None
+        values = (scale, self.momentum, self.kappa, self.pi_max, EPSILON)
+        pi_sum, at_zero, at_max, proxy_energy, central_energy = compiled.gem_update(
+            theta, state.proxy, state.last_seen_theta, np.ascontiguousarray(update, np.float32),
+            *(float(np.float32(v)) for v in values), self._stride, self._samples,
+        )  # fmt: skip
+        size = theta.size
+        return ApplyStats(
+            scaling_mean=pi_sum / size,
+            scaling_median=base.median(self._samples),
+            fraction_at_zero=at_zero / size,
+            fraction_at_max=at_max / size,
+            proxy_energy=proxy_energy / size,
+            central_energy=central_energy / size,
+        )
 
     def _sample_stats(self, theta: np.ndarray, state: _WorkerState, update: np.ndarray, scale: float) -> ApplyStats:
         """ApplyStats from pi at the sampled parameters (all of them up to STATS_SAMPLE_SIZE)."""

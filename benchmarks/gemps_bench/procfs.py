@@ -1,0 +1,66 @@
+"""What /proc says about a process (Linux): resident memory and CPU time, and the CPU time a
+process spends inside a measurement window."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+
+def _status_field(pid: int, name: str) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(name + ":"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return None
+
+
+def peak_rss(pid: int) -> int | None:
+    """The process's peak resident set size so far (VmHWM), bytes; None once it has exited."""
+    return _status_field(pid, "VmHWM")
+
+
+def current_rss(pid: int) -> int | None:
+    """The process's resident set size now (VmRSS), bytes."""
+    return _status_field(pid, "VmRSS")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time the process (all its threads) has used, seconds; None once gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime in clock ticks
+
+
+class WindowCpu:
+    """The CPU seconds process `pid` uses between two monotonic instants, sampled by a thread:
+    start() before the window, `seconds` after it ends (None when a sample was missed)."""
+
+    def __init__(self, pid: int, begin: float, end: float) -> None:
+        self._pid, self._begin, self._end = pid, begin, end
+        self._samples: list[float | None] = []
+        self._thread = threading.Thread(target=self._run, name="window-cpu", daemon=True)
+
+    def start(self) -> WindowCpu:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        for instant in (self._begin, self._end):
+            time.sleep(max(0.0, instant - time.monotonic()))
+            self._samples.append(cpu_seconds(self._pid))
+
+    @property
+    def seconds(self) -> float | None:
+        self._thread.join(timeout=max(0.0, self._end - time.monotonic()) + 5.0)
+        if len(self._samples) != 2 or None in self._samples:
+            return None
+        before, after = self._samples
+        assert before is not None and after is not None
+        return after - before
