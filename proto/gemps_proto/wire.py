@@ -10,7 +10,7 @@ framed exactly as expected is left to protobuf itself (the readers return None).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 VARINT = 0
@@ -26,6 +26,8 @@ class WireError(ValueError):
 
 def varint(value: int) -> bytes:
     """The varint encoding of a non-negative integer (negative int64 values take 10 bytes)."""
+    if 0 <= value < 0x80:
+        return _SMALL_VARINTS[value]
     if value < 0:
         value += 1 << 64
     out = bytearray()
@@ -34,6 +36,9 @@ def varint(value: int) -> bytes:
         value >>= 7
     out.append(value)
     return bytes(out)
+
+
+_SMALL_VARINTS = [bytes((value,)) for value in range(0x80)]
 
 
 def tag(field_number: int, wire_type: int) -> bytes:
@@ -57,29 +62,31 @@ def read_varint(data: bytes | memoryview, position: int) -> tuple[int, int]:
     raise WireError("truncated or overlong varint")
 
 
-@dataclass(frozen=True)
-class Field:
-    """One field of a message: where it starts, where its value starts, where it ends."""
-
-    number: int
-    wire_type: int
-    start: int
-    value_start: int
-    end: int
+# A field, as fields() gives it: (number, wire type, start, value start, end) in the message.
+Field = tuple[int, int, int, int, int]
 
 
-def fields(data: bytes | memoryview) -> Iterator[Field]:
-    """The fields of a serialized message, in order; WireError on anything malformed."""
+def fields(data: bytes | memoryview) -> list[Field]:
+    """The fields of a serialized message, in order; WireError on anything malformed. (Tuples,
+    not objects, and the common one-byte varints inline: this runs twice per commit.)"""
+    found: list[Field] = []
     position, size = 0, len(data)
     while position < size:
-        key, value_start = read_varint(data, position)
+        key = data[position]
+        if key < 0x80:
+            value_start = position + 1
+        else:
+            key, value_start = read_varint(data, position)
         number, wire_type = key >> 3, key & 7
         if number == 0:
             raise WireError("field number 0")
         if wire_type == VARINT:
             _, end = read_varint(data, value_start)
         elif wire_type == LENGTH_DELIMITED:
-            length, value_start = read_varint(data, value_start)
+            if value_start < size and data[value_start] < 0x80:
+                length, value_start = data[value_start], value_start + 1
+            else:
+                length, value_start = read_varint(data, value_start)
             end = value_start + length
         elif wire_type == FIXED64:
             end = value_start + 8
@@ -89,8 +96,9 @@ def fields(data: bytes | memoryview) -> Iterator[Field]:
             raise WireError(f"wire type {wire_type}")
         if end > size:
             raise WireError("truncated field")
-        yield Field(number, wire_type, position, value_start, end)
+        found.append((number, wire_type, position, value_start, end))
         position = end
+    return found
 
 
 def tensor_field(field_number: int, dtype: int, shape: Sequence[int], data_length: int) -> bytes:
@@ -122,22 +130,22 @@ def split_tensor_field(message: bytes, field_number: int) -> SplitTensor | None:
     message is not framed the plain way (the field twice, its data twice) or not well-formed."""
     view = memoryview(message)
     try:
-        found = [f for f in fields(view) if f.number == field_number]
-        if len(found) != 1 or found[0].wire_type != LENGTH_DELIMITED:
+        found = [f for f in fields(view) if f[0] == field_number]
+        if len(found) != 1 or found[0][1] != LENGTH_DELIMITED:
             return None
-        field = found[0]
-        tensor = view[field.value_start : field.end]
-        data_fields = [f for f in fields(tensor) if f.number == 3]
+        _, _, start, value_start, end = found[0]
+        tensor = view[value_start:end]
+        data_fields = [f for f in fields(tensor) if f[0] == 3]
     except WireError:
         return None
-    if len(data_fields) > 1 or (data_fields and data_fields[0].wire_type != LENGTH_DELIMITED):
+    if len(data_fields) > 1 or (data_fields and data_fields[0][1] != LENGTH_DELIMITED):
         return None
-    rest = bytes(view[: field.start]) + bytes(view[field.end :])
+    rest = bytes(view[:start]) + bytes(view[end:])
     if not data_fields:
         return SplitTensor(rest, bytes(tensor), view[0:0])
-    data = data_fields[0]
+    _, _, data_start, data_value_start, data_end = data_fields[0]
     return SplitTensor(
         rest,
-        bytes(tensor[: data.start]) + bytes(tensor[data.end :]),
-        tensor[data.value_start : data.end],
+        bytes(tensor[:data_start]) + bytes(tensor[data_end:]),
+        tensor[data_value_start:data_end],
     )

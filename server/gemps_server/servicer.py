@@ -204,10 +204,15 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         async with self._receive_slots:
             payload = await self._receive_payload(header, requests)
             commit = serde.commit_from_proto(header, payload)
-            # The reply goes out in pieces after the applier has moved on: from the snapshot's encoding.
-            outcome, _ = await self.service.commit(commit, lambda outcome, state: state.encoded(commit.reply_dtype))
-        yield serde.stream_header_to_proto(outcome, commit.reply_dtype, self._num_parameters)
-        for frame in data_frames(outcome.snapshot.data(commit.reply_dtype) or b""):
+            dtype = commit.reply_dtype
+
+            def pieces(outcome: CommitOutcome, state: ServerState) -> list[bytes]:
+                # On the applier, while θ is the commit's version: its pieces, framed (one copy of θ).
+                return list(data_frames(state.theta_wire(dtype)))
+
+            outcome, frames = await self.service.commit(commit, pieces)
+        yield serde.stream_header_to_proto(outcome, dtype, self._num_parameters)
+        for frame in frames:
             yield frame
 
     async def _receive_payload(self, header: pb.CommitRequest, requests: AsyncIterator[Chunk]) -> EncodedTensor:
