@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
 
 import grpc
@@ -28,7 +28,7 @@ from gemps.records import CentralVariable, CommitResult, Evaluation, ParameterSp
 from gemps.retry import RetryPolicy
 from gemps_proto import serde as shared
 from gemps_proto.chunks import DEFAULT_CHUNK_BYTES, PayloadAssembler, data_frames, read_data
-from gemps_proto.codec import WIRE_DTYPE_NAMES, decode, expected_nbytes, wire_view
+from gemps_proto.codec import WIRE_DTYPE_NAMES, decode, expected_nbytes, num_elements, wire_view
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import PayloadKind, flatten, spec_of
 from gemps_proto.v1 import parameter_server_pb2 as pb
@@ -37,17 +37,20 @@ from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 log = logging.getLogger("gemps.client")
 
 T = TypeVar("T")
+ChunkMessage = TypeVar("ChunkMessage", pb.CommitResponseChunk, pb.PullResponseChunk)
 
 # Failures worth another attempt: the server is down, restarting, paused or overloaded.
 RETRIED = (errors.ServerUnavailableError, errors.DeadlineExceededError)
 # How soon a disconnected channel tries the server again (gRPC's default grows to 120 s).
 RECONNECT_BACKOFF_MS = (200, 2000)  # initial, max
 
-# Payloads past this many bytes go through CommitStream by default: gRPC Python's synchronous
-# client reads a large unary reply slowly (at 10M parameters, 40 MB: half the rate of the same
-# reply in 1 MiB pieces; at 1M a unary commit is the faster, docs/PERFORMANCE.md), and past
-# 2 GiB one message cannot carry it.
-STREAM_THRESHOLD_BYTES = 8 << 20
+# Payloads past this many bytes go through CommitStream (and θ through PullStream) by default:
+# the server holds a few θ-sized buffers for streams however many clients commit at once, where
+# every unary commit in flight holds its request and its reply (1M parameters, 100 clients:
+# 2.1 GB against 0.9 GB); gRPC Python's synchronous client reads a large unary reply slowly (at
+# 10M parameters, half the rate of the same reply in pieces); past 2 GiB one message cannot carry
+# it. docs/PERFORMANCE.md has the measurements.
+STREAM_THRESHOLD_BYTES = 1 << 20
 STREAMING_CHOICES = ("auto", "always", "never")
 _METHOD = "/gemps.v1.ParameterServer/"
 
@@ -89,7 +92,7 @@ class Client:
 
         `wire_dtype` is how commits and replies travel: "float32", or "bfloat16" (half the
         bytes; values rounded to bfloat16 both ways, the central variable stays float32).
-        `streaming` picks Commit or CommitStream: "auto" streams payloads past 8 MiB in pieces
+        `streaming` picks Commit or CommitStream: "auto" streams payloads past 1 MiB in pieces
         of `chunk_bytes`; "always"; "never"."""
         if wire_dtype not in WIRE_DTYPE_NAMES:
             raise ValueError(f"wire_dtype must be one of {', '.join(WIRE_DTYPE_NAMES)}, not {wire_dtype!r}")
@@ -128,6 +131,7 @@ class Client:
         # The calls that carry θ send and receive bytes: serde frames and reads θ without copies.
         self._register_raw = self._channel.unary_unary(_METHOD + "Register", _raw, _raw)
         self._pull_raw = self._channel.unary_unary(_METHOD + "Pull", _raw, _raw)
+        self._pull_stream = self._channel.unary_stream(_METHOD + "PullStream", _raw, _raw)
         self._commit_raw = self._channel.unary_unary(_METHOD + "Commit", _raw, _raw)
         self._commit_stream = self._channel.stream_stream(_METHOD + "CommitStream", _raw, _raw)
         #: attempts retried after UNAVAILABLE or DEADLINE_EXCEEDED, over this client's life
@@ -161,6 +165,8 @@ class Client:
 
         def send() -> tuple[pb.PullResponse, np.ndarray | None]:
             request = serde.pull_request(self._worker_id(), known, self.wire_dtype)
+            if self._streams(expected_nbytes(self.wire_dtype, [self._num_parameters()])):
+                return self._call(self._pull_streamed, request)
             return serde.pull_reply(self._call(self._pull_raw, request))
 
         reply, parameters = send() if self.registration is None else self._with_reregistration(send)
@@ -193,7 +199,7 @@ class Client:
         flat = flatten(payload) if isinstance(payload, Mapping) else np.asarray(payload, dtype=np.float32)
         flat = flat.reshape(-1)
         data = wire_view(flat, self.wire_dtype)  # float32: a view of `flat`, not a copy
-        streamed = self.streaming == "always" or (self.streaming == "auto" and len(data) > STREAM_THRESHOLD_BYTES)
+        streamed = self._streams(len(data))
         base = self.central.version if base_version is None else base_version
         # Every attempt of this commit (retries, after registering again) carries the same id,
         # so the server applies it at most once.
@@ -232,12 +238,17 @@ class Client:
         frames = itertools.chain((header_frame,), data_frames(data, self.chunk_bytes))
         replies = iter(self._commit_stream(frames, timeout=timeout, metadata=metadata))
         header = pb.CommitResponseChunk.FromString(next(replies)).header
-        parameters = header.parameters
-        assembler = PayloadAssembler(expected_nbytes(parameters.dtype, parameters.shape))
-        for message in replies:
-            piece = read_data(message)
-            assembler.add(piece if piece is not None else pb.CommitResponseChunk.FromString(message).data)
-        return header, decode(parameters.dtype, tuple(parameters.shape), assembler.result())
+        return header, _read_pieces(header.parameters, replies, pb.CommitResponseChunk)
+
+    def _pull_streamed(
+        self, request: bytes, timeout: float, metadata: tuple[tuple[str, str], ...]
+    ) -> tuple[pb.PullResponse, np.ndarray | None]:
+        """One PullStream attempt: the header, then (unless unchanged) θ in pieces."""
+        replies = iter(self._pull_stream(request, timeout=timeout, metadata=metadata))
+        header = pb.PullResponseChunk.FromString(next(replies)).header
+        if header.unchanged:
+            return header, None
+        return header, _read_pieces(header.parameters, replies, pb.PullResponseChunk)
 
     def leave(self) -> None:
         """Leave cleanly; the server frees this worker's state and shard."""
@@ -282,21 +293,29 @@ class Client:
     # -- internals -----------------------------------------------------------------------------
 
     def _register(self, initial: np.ndarray) -> Registration:
-        def send(values: np.ndarray | None) -> tuple[Registration, np.ndarray | None]:
-            request = serde.register_request(self._spec, self.name, values)
+        def send(values: np.ndarray | None, omit_parameters: bool = False) -> tuple[Registration, np.ndarray | None]:
+            request = serde.register_request(self._spec, self.name, values, omit_parameters=omit_parameters)
             return serde.register_reply(self._call(self._register_raw, request))
 
         if initial.nbytes <= STREAM_THRESHOLD_BYTES:
             registration, theta = send(initial)
         else:
             # Large: without the initial values first. Only the first worker of a server needs to
-            # send them; 100 workers registering at once would otherwise send 100 copies of P floats.
+            # send them; 100 workers registering at once would otherwise send 100 copies of P
+            # floats, and receive 100 more: θ comes by PullStream instead, in pieces.
+            streamed = self._streams(initial.nbytes)
             try:
-                registration, theta = send(None)
+                registration, theta = send(None, omit_parameters=streamed)
             except errors.GempsError as error:
                 if error.reason != Reason.NOT_INITIALIZED:
                     raise
-                registration, theta = send(initial)
+                # Ours initialise θ, unless another worker's got there first.
+                registration, theta = send(initial, omit_parameters=streamed)
+            if streamed and not registration.initialized_central:  # θ is another worker's: read it
+                self.registration = registration
+                self.central = None
+                self.pull()
+                return registration
         self.registration = registration
         # No parameters in the reply: ours initialised the central variable, which equals them.
         flat = initial.reshape(-1) if theta is None else theta
@@ -349,9 +368,25 @@ class Client:
             if self._stop is None:
                 time.sleep(delay)
 
+    def _streams(self, nbytes: int) -> bool:
+        """Whether θ-sized messages of `nbytes` go in pieces (CommitStream, PullStream)."""
+        return self.streaming == "always" or (self.streaming == "auto" and nbytes > STREAM_THRESHOLD_BYTES)
+
+    def _num_parameters(self) -> int:
+        return sum(num_elements(entry.shape) for entry in self._spec)
+
     def _require_registered(self) -> None:
         if self.registration is None:
             raise errors.NotRegisteredError("call register() before pull() or commit()")
 
     def _worker_id(self) -> str:
         return self.registration.worker_id if self.registration else ""
+
+
+def _read_pieces(parameters: pb.Tensor, replies: Iterator[bytes], chunk_class: type[ChunkMessage]) -> np.ndarray:
+    """A streamed reply's θ: the data pieces after its header, which announced dtype and shape."""
+    assembler = PayloadAssembler(expected_nbytes(parameters.dtype, parameters.shape))
+    for message in replies:
+        piece = read_data(message)
+        assembler.add(piece if piece is not None else chunk_class.FromString(message).data)
+    return decode(parameters.dtype, tuple(parameters.shape), assembler.result())

@@ -24,8 +24,12 @@ COMMIT_PAYLOAD_FIELD = pb.CommitRequest.DESCRIPTOR.fields_by_name["payload"].num
 COMMIT_REPLY_FIELD = pb.CommitResponse.DESCRIPTOR.fields_by_name["parameters"].number
 
 
-def register_request(spec: tuple[ParameterSpec, ...], worker_name: str, initial: np.ndarray | None) -> bytes:
-    request = pb.RegisterRequest(spec=shared.spec_to_proto(spec), worker_name=worker_name)
+def register_request(
+    spec: tuple[ParameterSpec, ...], worker_name: str, initial: np.ndarray | None, *, omit_parameters: bool = False
+) -> bytes:
+    request = pb.RegisterRequest(
+        spec=shared.spec_to_proto(spec), worker_name=worker_name, omit_parameters=omit_parameters
+    )
     if initial is None:
         return request.SerializeToString()
     return shared.with_tensor(request, REGISTER_INITIAL_FIELD, FLOAT32, [initial.size], encode(initial))

@@ -50,9 +50,13 @@ def read_data(message: bytes) -> memoryview | None:
 class PayloadAssembler:
     """Collects data pieces into one preallocated buffer of the size the header announced."""
 
-    def __init__(self, expected_bytes: int) -> None:
+    def __init__(self, expected_bytes: int, into: np.ndarray | None = None) -> None:
+        """`into`: a writable uint8 array of `expected_bytes` to assemble in (else a new one)."""
+        if into is not None and into.nbytes != expected_bytes:
+            raise ValueError(f"the buffer holds {into.nbytes} bytes, the payload {expected_bytes}")
         self.expected_bytes = expected_bytes
-        self._buffer = np.empty(expected_bytes, dtype=np.uint8)  # not zeroed: every byte is written
+        # Not zeroed: every byte is written before result() returns it.
+        self._buffer = np.empty(expected_bytes, dtype=np.uint8) if into is None else into
         self.received = 0
 
     def add(self, piece: bytes | memoryview) -> None:

@@ -25,6 +25,7 @@ class Reason(str, enum.Enum):
     BAD_DTYPE = "bad_dtype"  # a dtype the central variable or the wire does not support
     SPEC_MISMATCH = "spec_mismatch"  # a spec that differs from the central variable's
     NOT_INITIALIZED = "not_initialized"  # no worker has set the central variable yet
+    INITIALIZING = "initializing"  # another worker is setting the central variable: retry shortly
     UNKNOWN_WORKER = "unknown_worker"  # never registered, left, or evicted
     BAD_KIND = "bad_kind"  # a payload kind other than gradient or update
     BAD_PAYLOAD = "bad_payload"  # tensor bytes that do not match their dtype and shape

@@ -149,6 +149,7 @@ class Registration:
     config: TrainingConfig
     shard: Shard
     version: int  # of the central variable when the worker registered
+    initialized_central: bool = False  # this worker's initial values became the central variable
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ def registration_to_proto(registration: Registration) -> pb.RegisterResponse:
         config=training_config_to_proto(registration.config),
         shard=shard_to_proto(registration.shard),
         version=registration.version,
+        initialized_central=registration.initialized_central,
     )
 
 
@@ -73,6 +74,7 @@ def registration_from_proto(message: pb.RegisterResponse) -> Registration:
         config=training_config_from_proto(message.config),
         shard=shard_from_proto(message.shard),
         version=message.version,
+        initialized_central=message.initialized_central,
     )
 
 

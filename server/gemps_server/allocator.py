@@ -10,8 +10,12 @@ and zeroes each one on first touch: copying 40 MB into new bytes took 34 ms here
 `tune_for(4P)`, called once θ's size is known, keeps those buffers in the heap (mmap threshold
 four vectors) and the memory they free mapped for the next commit (trim threshold four vectors
 more), so the same pages serve commit after commit: no fault, no zeroing, no brk per commit.
-What stays mapped is bounded by those four vectors (docs/PERFORMANCE.md has the soak and the
-memory bound measured with it). A no-op where glibc is not the C library.
+That holds while four vectors fit in HEAP_BUFFERS_MAX (32 MiB: up to 2M parameters). Past it θ
+travels by CommitStream, whose buffers are pooled and reused (buffers.py), and the θ-sized
+arrays left are long-lived (θ, each worker's rule state): those are mmapped, so a worker that
+leaves gives its memory back, and no freed buffer is stranded in the middle of the heap
+(at 10M parameters with 8 clients that was 170 MB of resident free heap). A no-op where glibc
+is not the C library.
 """
 
 from __future__ import annotations
@@ -27,33 +31,49 @@ _MIN_TRIM_THRESHOLD = 2 << 20
 _ONE_GIB = 1 << 30
 #: buffers per commit kept in the heap and kept mapped once freed
 BUFFERS_KEPT = 4
+#: the most those buffers may take together; past it θ-sized allocations are mmapped instead
+HEAP_BUFFERS_MAX = 32 << 20
+#: large models: every allocation from this size up is mmapped (θ-sized ones included)
+_LARGE_MODEL_MMAP_THRESHOLD = 8 << 20
 
 
-def _mallopt() -> Callable[[int, int], int] | None:
+def _glibc(function: str) -> Callable[[int], int] | Callable[[int, int], int] | None:
     name = ctypes.util.find_library("c")
     if name is None:
         return None
     try:
-        mallopt: Callable[[int, int], int] = ctypes.CDLL(name).mallopt
+        found: Callable[..., int] = getattr(ctypes.CDLL(name), function)
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
         return None
-    return mallopt
+    return found
+
+
+def _mallopt() -> Callable[[int, int], int] | None:
+    return _glibc("mallopt")  # type: ignore[return-value]
 
 
 def thresholds_for(buffer_bytes: int) -> tuple[int, int]:
     """(mmap threshold, trim threshold) for recurring buffers of `buffer_bytes` each."""
-    mmap_threshold = min(max(BUFFERS_KEPT * buffer_bytes, _GLIBC_DEFAULT_MMAP_THRESHOLD), _ONE_GIB)
-    trim_threshold = min(max(2 * BUFFERS_KEPT * buffer_bytes, _MIN_TRIM_THRESHOLD), 2 * _ONE_GIB - 1)
+    if BUFFERS_KEPT * buffer_bytes > HEAP_BUFFERS_MAX:
+        return _LARGE_MODEL_MMAP_THRESHOLD, 2 * _LARGE_MODEL_MMAP_THRESHOLD
+    mmap_threshold = max(BUFFERS_KEPT * buffer_bytes, _GLIBC_DEFAULT_MMAP_THRESHOLD)
+    trim_threshold = max(2 * BUFFERS_KEPT * buffer_bytes, _MIN_TRIM_THRESHOLD)
     return mmap_threshold, trim_threshold
 
 
 def tune_for(buffer_bytes: int) -> bool:
-    """Keep recurring buffers of `buffer_bytes` in the heap and mapped; True when glibc took it."""
-    mallopt = _mallopt()
-    if mallopt is None:
+    """Keep recurring buffers of `buffer_bytes` in the heap and mapped; True when glibc took it.
+
+    Also hands back the free memory the heap holds by then: the first worker's initial values
+    arrive as one message, which gRPC receives in thousands of small pieces that fill the heap
+    and are freed, leaving up to the size of θ resident and unused (50M parameters: 190 MB)."""
+    mallopt, malloc_trim = _mallopt(), _glibc("malloc_trim")
+    if mallopt is None or malloc_trim is None:
         return False
     mmap_threshold, trim_threshold = thresholds_for(buffer_bytes)
-    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+    tuned = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+    malloc_trim(0)  # type: ignore[call-arg]
+    return tuned
 
 
 def keep_large_allocations() -> bool:

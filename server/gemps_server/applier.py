@@ -116,18 +116,28 @@ class Applier:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            operation, future, loop, queued_at = item
-            started = time.perf_counter()
-            result: Any = None
-            error: BaseException | None = None
-            try:
-                result = operation()
-            except Exception as exc:  # delivered to the handler that submitted it
-                error = exc
-            timing = Timing(started - queued_at, time.perf_counter() - started)
-            with self._pending_lock:
-                self._pending -= 1
-            if self._observer is not None:
-                self._observer(timing)
-            with contextlib.suppress(RuntimeError):  # event loop closed: the server is shutting down
-                loop.call_soon_threadsafe(_settle, future, Timed(result, timing), error)
+            self._execute(*item)
+            # Dropped now: kept, it (a commit and its reply, θ-sized) would live on while the thread waits.
+            item = None
+
+    def _execute(
+        self,
+        operation: Callable[[], Any],
+        future: asyncio.Future[Any],
+        loop: asyncio.AbstractEventLoop,
+        queued_at: float,
+    ) -> None:
+        started = time.perf_counter()
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = operation()
+        except Exception as exc:  # delivered to the handler that submitted it
+            error = exc
+        timing = Timing(started - queued_at, time.perf_counter() - started)
+        with self._pending_lock:
+            self._pending -= 1
+        if self._observer is not None:
+            self._observer(timing)
+        with contextlib.suppress(RuntimeError):  # event loop closed: the server is shutting down
+            loop.call_soon_threadsafe(_settle, future, Timed(result, timing), error)

@@ -51,7 +51,9 @@ class ServerConfig:
     max_message_mb: int = field(default=512, metadata={"help": "largest gRPC message accepted, MiB"})
     max_streamed_payloads: int = field(
         default=2,
-        metadata={"help": "CommitStream payloads buffered at once (each holds P values; others wait in flow control)"},
+        metadata={
+            "help": "CommitStreams served at once, each in a reused buffer of P values (others wait in flow control)"
+        },
     )
     metrics_port: int = field(default=9109, metadata={"help": "Prometheus /metrics port; -1 disables"})
     metrics_host: str = field(default="", metadata={"help": "metrics address (default: same as --host)"})

@@ -29,3 +29,7 @@ class FailedPrecondition(ServiceError):
 
 class ResourceExhausted(ServiceError):
     """A limit was hit (workers, registration rate)."""
+
+
+class Unavailable(ServiceError):
+    """Not now, soon: the caller should retry with backoff (the central variable is being set)."""

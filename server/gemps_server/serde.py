@@ -95,10 +95,13 @@ def with_parameters(header: Message, field_number: int, snapshot: Snapshot, dtyp
     return shared.with_tensor(header, field_number, dtype, [num_parameters], snapshot.data(dtype) or b"")
 
 
-def admission_to_proto(admission: Admission, registration: Registration, num_parameters: int) -> bytes:
-    """The RegisterResponse; without θ for the worker whose initial_parameters became it."""
+def admission_to_proto(
+    admission: Admission, registration: Registration, num_parameters: int, *, include_parameters: bool = True
+) -> bytes:
+    """The RegisterResponse; without θ for the worker whose initial_parameters became it, and
+    when the worker asked to pull it apart (`include_parameters` False)."""
     header = shared.registration_to_proto(registration)
-    if admission.initialized_theta or admission.snapshot.data(FLOAT32) is None:
+    if not include_parameters or admission.initialized_theta or admission.snapshot.data(FLOAT32) is None:
         return header.SerializeToString()
     return with_parameters(header, REGISTER_REPLY_FIELD, admission.snapshot, FLOAT32, num_parameters)
 
@@ -139,14 +142,31 @@ def stream_header_to_proto(outcome: CommitOutcome, reply_dtype: int, num_paramet
     """CommitStream's first reply: the CommitResponse whose parameters say dtype and shape; the
     data follows in pieces."""
     header = outcome_header(outcome)
-    header.parameters.dtype = reply_dtype  # type: ignore[assignment]
-    header.parameters.shape.append(num_parameters)
+    _announce(header.parameters, reply_dtype, num_parameters)
     return pb.CommitResponseChunk(header=header)
+
+
+def _announce(parameters: pb.Tensor, dtype: int, num_parameters: int) -> None:
+    """A streamed reply's Tensor header: dtype and shape, the data to follow in pieces."""
+    parameters.dtype = dtype  # type: ignore[assignment]
+    parameters.shape.append(num_parameters)
 
 
 def pull_to_proto(snapshot: Snapshot, reply_dtype: int, num_parameters: int) -> bytes:
     header = pb.PullResponse(version=snapshot.version)
     return with_parameters(header, PULL_REPLY_FIELD, snapshot, reply_dtype, num_parameters)
+
+
+def pull_stream_header_to_proto(
+    version: int, unchanged: bool, reply_dtype: int, num_parameters: int
+) -> pb.PullResponseChunk:
+    """PullStream's first reply: the PullResponse whose parameters say dtype and shape (unless
+    `unchanged`); the data follows in pieces."""
+    if unchanged:
+        return pb.PullResponseChunk(header=unchanged_to_proto(version))
+    header = pb.PullResponse(version=version)
+    _announce(header.parameters, reply_dtype, num_parameters)
+    return pb.PullResponseChunk(header=header)
 
 
 def unchanged_to_proto(version: int) -> pb.PullResponse:

@@ -71,8 +71,13 @@ class ParameterService:
     # -- the RPCs' work ----------------------------------------------------------------------
 
     async def register(
-        self, worker_name: str, spec: tuple[ParameterSpec, ...], initial: EncodedTensor | None
+        self,
+        worker_name: str,
+        spec: tuple[ParameterSpec, ...],
+        initial: EncodedTensor | None,
+        include_parameters: bool = True,
     ) -> tuple[Admission, Registration]:
+        """Admit a worker; `include_parameters` False when its reply leaves θ out (it pulls θ next)."""
         if not self._registrations.allow():
             self._metrics.refusal(Reason.REGISTRATION_RATE)
             raise ResourceExhausted(
@@ -81,7 +86,7 @@ class ParameterService:
                 Reason.REGISTRATION_RATE,
             )
         state = self.state
-        admission = await self._applier.submit(lambda: state.register(worker_name, spec, initial))
+        admission = await self._applier.submit(lambda: state.register(worker_name, spec, initial, include_parameters))
         worker = admission.worker
         self._metrics.registered()
         if admission.initialized_theta:
@@ -108,6 +113,7 @@ class ParameterService:
             config=self.config.training,
             shard=Shard(worker.slot, self.config.num_shards),
             version=admission.snapshot.version,
+            initialized_central=admission.initialized_theta,
         )
         return admission, registration
 

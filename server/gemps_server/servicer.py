@@ -7,7 +7,6 @@ every RPC is timed here, once.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import time
@@ -25,7 +24,15 @@ from gemps_proto.reasons import Reason
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_server import serde
-from gemps_server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, ServiceError
+from gemps_server.buffers import Buffer, BufferPool
+from gemps_server.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    ServiceError,
+    Unavailable,
+)
 from gemps_server.metrics import ServerMetrics
 from gemps_server.serde import MalformedRequest, WithTensor
 from gemps_server.service import ParameterService
@@ -42,6 +49,7 @@ STATUS_CODES: dict[type[ServiceError], grpc.StatusCode] = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -96,17 +104,20 @@ def add_to_server(servicer: GempsServicer, server: grpc.aio.Server) -> None:
     for method in service.methods:
         received = functools.partial(metrics.message_received, method.name)
         sent = _metered_serializer(functools.partial(metrics.message_sent, method.name))
-        if method.name == "CommitStream":
+        behaviour = getattr(servicer, method.name)
+        if method.client_streaming:  # CommitStream
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(
-                servicer.CommitStream, request_deserializer=_chunk_parser(received), response_serializer=sent
+                behaviour, request_deserializer=_chunk_parser(received), response_serializer=sent
+            )
+            continue
+        parse = _request_parser(getattr(pb, method.input_type.name), TENSOR_FIELDS.get(method.name), received)
+        if method.server_streaming:  # PullStream
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                behaviour, request_deserializer=parse, response_serializer=sent
             )
         else:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                getattr(servicer, method.name),
-                request_deserializer=_request_parser(
-                    getattr(pb, method.input_type.name), TENSOR_FIELDS.get(method.name), received
-                ),
-                response_serializer=sent,
+                behaviour, request_deserializer=parse, response_serializer=sent
             )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
@@ -128,6 +139,8 @@ def rpc(handler: F) -> F:
         async def streaming(self: GempsServicer, requests: Any, context: Context) -> AsyncIterator[Any]:
             started = time.perf_counter()
             try:
+                if isinstance(requests, MalformedRequest):  # a unary request (PullStream's) that did not parse
+                    raise requests.refusal()
                 async for reply in handler(self, requests, context):
                     yield reply
             except ServiceError as error:
@@ -156,9 +169,9 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
     def __init__(self, service: ParameterService, metrics: ServerMetrics, max_streamed_payloads: int) -> None:
         self.service = service
         self.metrics = metrics
-        # CommitStream payloads buffered at once: each costs P values of memory; the rest wait
-        # in gRPC flow control, not in this process.
-        self._receive_slots = asyncio.Semaphore(max_streamed_payloads)
+        # CommitStreams in progress at once (receiving, applying or replying), each in a buffer
+        # of about 4P bytes; the rest wait in gRPC flow control, not in this process.
+        self._stream_buffers = BufferPool(max_streamed_payloads)
 
     @property
     def _num_parameters(self) -> int:
@@ -172,8 +185,9 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
     ) -> bytes:
         request = received.message
         spec = serde.spec_from_proto(request.spec)
-        admission, registration = await self.service.register(request.worker_name, spec, received.tensor)
-        return serde.admission_to_proto(admission, registration, self._num_parameters)
+        include = not request.omit_parameters
+        admission, registration = await self.service.register(request.worker_name, spec, received.tensor, include)
+        return serde.admission_to_proto(admission, registration, self._num_parameters, include_parameters=include)
 
     @rpc
     async def Pull(self, request: pb.PullRequest, context: Context) -> pb.PullResponse | bytes:  # type: ignore[override]
@@ -182,6 +196,20 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         if request.known_version == snapshot.version:
             return serde.unchanged_to_proto(snapshot.version)
         return serde.pull_to_proto(snapshot, reply_dtype, self._num_parameters)
+
+    @rpc
+    async def PullStream(  # type: ignore[override]  # also yields pre-framed bytes (see chunks.py)
+        self, request: pb.PullRequest, context: Context
+    ) -> AsyncIterator[pb.PullResponseChunk | bytes]:
+        """Pull with the parameters in pieces, read from the version's one shared encoding: a
+        pull holds no copy of θ of its own, however many run at once."""
+        reply_dtype = serde.reply_dtype_from_proto(request.reply_dtype)
+        snapshot = await self.service.pull(request.worker_id, request.known_version, reply_dtype)
+        unchanged = request.known_version == snapshot.version
+        yield serde.pull_stream_header_to_proto(snapshot.version, unchanged, reply_dtype, self._num_parameters)
+        if not unchanged:
+            for frame in data_frames(snapshot.data(reply_dtype) or b""):
+                yield frame
 
     @rpc
     async def Commit(self, received: WithTensor[pb.CommitRequest], context: Context) -> bytes:  # type: ignore[override]
@@ -200,26 +228,28 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
     ) -> AsyncIterator[pb.CommitResponseChunk | bytes]:
         """Commit with the payload and the reply's parameters in pieces (see CommitChunk)."""
         header = await _stream_header(requests)
-        # Bounded: the rest wait in gRPC flow control, holding no buffer here.
-        async with self._receive_slots:
-            payload = await self._receive_payload(header, requests)
-            commit = serde.commit_from_proto(header, payload)
-            dtype = commit.reply_dtype
+        dtype = serde.reply_dtype_from_proto(header.reply_dtype)
+        # One pooled buffer per stream: the payload is assembled in it, then the reply's θ is
+        # copied into the same bytes. Streams past the pool wait in gRPC flow control.
+        async with self._stream_buffers.buffer() as buffer:
+            payload = await self._receive_payload(header, requests, buffer)
 
-            def pieces(outcome: CommitOutcome, state: ServerState) -> list[bytes]:
-                # On the applier, while θ is the commit's version: its pieces, framed (one copy of θ).
-                return list(data_frames(state.theta_wire(dtype)))
+            def reply(outcome: CommitOutcome, state: ServerState) -> memoryview:
+                # On the applier, while θ is the commit's version; the payload is applied, done with.
+                return buffer.copy_in(state.theta_wire(dtype))
 
-            outcome, frames = await self.service.commit(commit, pieces)
-        yield serde.stream_header_to_proto(outcome, dtype, self._num_parameters)
-        for frame in frames:
-            yield frame
+            outcome, data = await self.service.commit(serde.commit_from_proto(header, payload), reply)
+            yield serde.stream_header_to_proto(outcome, dtype, self._num_parameters)
+            for frame in data_frames(data):  # framed as they go: one piece at a time
+                yield frame
 
-    async def _receive_payload(self, header: pb.CommitRequest, requests: AsyncIterator[Chunk]) -> EncodedTensor:
+    async def _receive_payload(
+        self, header: pb.CommitRequest, requests: AsyncIterator[Chunk], buffer: Buffer
+    ) -> EncodedTensor:
         """The data pieces after the header, checked against the size it announced before any is buffered."""
         shape = tuple(header.payload.shape)
         expected = self.service.state.expected_payload_bytes(header.payload.dtype, shape)
-        assembler = PayloadAssembler(expected)
+        assembler = PayloadAssembler(expected, into=buffer.take(expected))
         async for chunk in requests:
             if isinstance(chunk, MalformedRequest):
                 raise chunk.refusal()

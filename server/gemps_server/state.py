@@ -9,6 +9,8 @@ turns requests into the types below and outcomes back into replies.
 
 from __future__ import annotations
 
+import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -26,7 +28,7 @@ from gemps_proto.codec import (
 )
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
-from gemps_server.errors import FailedPrecondition, InvalidArgument
+from gemps_server.errors import FailedPrecondition, InvalidArgument, Unavailable
 from gemps_server.ledger import MAX_REQUEST_ID_LENGTH, CommitLedger, Receipt
 from gemps_server.native import all_finite
 from gemps_server.rules import ApplyStats, CommitRule, create_rule
@@ -34,14 +36,21 @@ from gemps_server.workers import WorkerRecord, WorkerRegistry
 
 # How many spec differences a FAILED_PRECONDITION message spells out before summarising.
 MAX_LISTED_DIFFERENCES = 5
+# How long the worker told to initialise the central variable has to send its values, while
+# the others registering without values are asked to retry: n workers starting at once then
+# upload one copy of θ, not n.
+INITIALIZER_GRACE_SECONDS = 30.0
 
 
 class Snapshot:
     """The central variable at one version as wire bytes: one encoding per wire dtype, each made
     the first time a reply asks for it (on the applier, while theta holds this version) and then
-    shared by every reply of that version. Read from the event loop; written on the applier."""
+    shared by every reply of that version. Read from the event loop; written on the applier.
 
-    __slots__ = ("_encodings", "version")
+    The state holds the current snapshot weakly (ServerState.snapshot): its encodings live as
+    long as a reply that sends them, so an idle server holds no copy of θ beyond θ itself."""
+
+    __slots__ = ("__weakref__", "_encodings", "version")
 
     def __init__(self, version: int, encodings: Mapping[int, bytes] | None = None) -> None:
         self.version = version
@@ -179,10 +188,12 @@ class ServerState:
         self.registry = registry
         self.spec: tuple[ParameterSpec, ...] = ()
         self.rule: CommitRule | None = None
-        self.snapshot = Snapshot(0, {FLOAT32: b""})
+        self._version = 0
+        self._latest: weakref.ref[Snapshot] = weakref.ref(Snapshot(0))  # dead at once: see `snapshot`
         self.commits_applied = 0
         self.ledger = CommitLedger(capacity=registry.max_workers)
         self._theta = np.empty(0, dtype=np.float32)
+        self._initializer_until = 0.0  # monotonic deadline of the worker asked for initial values
 
     @property
     def initialized(self) -> bool:
@@ -194,14 +205,27 @@ class ServerState:
 
     @property
     def version(self) -> int:
-        return self.snapshot.version
+        return self._version
+
+    @property
+    def snapshot(self) -> Snapshot:
+        """The current version's snapshot: the one replies are still sending, if any is (so its
+        encodings are shared), else a new one without encodings."""
+        snapshot = self._latest()
+        if snapshot is None or snapshot.version != self._version:
+            snapshot = Snapshot(self._version)
+            self._latest = weakref.ref(snapshot)
+        return snapshot
 
     def theta_copy(self) -> np.ndarray:
         return self._theta.copy()
 
     # -- operations run by the applier --------------------------------------------------------
 
-    def register(self, worker_name: str, spec: Sequence[ParameterSpec], initial: EncodedTensor | None) -> Admission:
+    def register(
+        self, worker_name: str, spec: Sequence[ParameterSpec], initial: EncodedTensor | None, encode_theta: bool = True
+    ) -> Admission:
+        """Admit a worker; `encode_theta` False when its reply will not carry θ (it pulls θ apart)."""
         check_spec(spec)
         first = self.rule is None
         if first:
@@ -220,7 +244,8 @@ class ServerState:
         self.rule.add_worker(worker.worker_id, self._theta)
         # The worker that initialised theta already holds it: no P-sized encoding for its reply.
         initialized = first and initial is not None
-        return Admission(worker, self.snapshot if initialized else self.encoded(FLOAT32), initialized)
+        encoded = encode_theta and not initialized
+        return Admission(worker, self.encoded(FLOAT32) if encoded else self.snapshot, initialized)
 
     def commit(self, commit: Commit) -> CommitOutcome:
         rule = self.require_initialized()
@@ -244,7 +269,7 @@ class ServerState:
         self.commits_applied += 1
         worker.commits += 1
         self.registry.touch(commit.worker_id)
-        self.snapshot = Snapshot(self.version + 1)  # encoded when a reply asks (encoded(), theta_wire())
+        self._version += 1  # its snapshot is encoded when a reply asks (encoded(), theta_wire())
         self.ledger.record(commit.worker_id, commit.request_id, Receipt(self.version, staleness, stats))
         return CommitOutcome(self.snapshot, staleness, stats)
 
@@ -278,7 +303,7 @@ class ServerState:
         the rule's global state and the ledger change with every commit)."""
         rule = self.require_initialized()
         return StateImage(
-            version=self.snapshot.version,
+            version=self._version,
             commits_applied=self.commits_applied,
             spec=self.spec,
             theta=self._theta.copy(),
@@ -308,7 +333,7 @@ class ServerState:
                 warnings.append(f"rule state of {image.rule!r} not restored into rule {self.rule_name!r}")
         self.rule = rule
         self.commits_applied = image.commits_applied
-        self.snapshot = Snapshot(image.version)
+        self._version = image.version
         self.ledger.restore(dict(image.receipts))
         return warnings
 
@@ -344,8 +369,16 @@ class ServerState:
 
     def _initialize(self, spec: Sequence[ParameterSpec], initial: EncodedTensor | None) -> None:
         if initial is None:
+            now = time.monotonic()
+            if now < self._initializer_until:
+                raise Unavailable(
+                    "the central variable is being initialised by another worker; retry shortly",
+                    Reason.INITIALIZING,
+                )
+            self._initializer_until = now + INITIALIZER_GRACE_SECONDS
             raise FailedPrecondition(
-                "central variable not initialised: the first worker to register must send initial_parameters",
+                "central variable not initialised: the first worker to register must send initial_parameters "
+                f"(this one: the others are asked to retry for {INITIALIZER_GRACE_SECONDS:.0f} s)",
                 Reason.NOT_INITIALIZED,
             )
         size = sum(s.size for s in spec)
@@ -359,7 +392,7 @@ class ServerState:
         self.spec = tuple(spec)
         self._theta = values.reshape(-1).copy()
         self.rule = self._new_rule(size)
-        self.snapshot = Snapshot(0)
+        self._version = 0
 
     def _check_payload_shape(self, shape: tuple[int, ...]) -> None:
         if shape != (self.num_parameters,):

@@ -155,6 +155,17 @@ def test_first_register_without_initial_parameters(server: InProcessServer) -> N
     assert not stub.Status(pb.StatusRequest()).initialized
 
 
+def test_one_worker_at_a_time_is_asked_for_the_initial_values(server: InProcessServer) -> None:
+    """Workers starting together register without values first; the first is told to send them,
+    the others to retry (UNAVAILABLE) until it has: one upload of θ, not one per worker."""
+    stub = open_stub(server.target)
+    expect_error(lambda: stub.Register(pb.RegisterRequest(spec=SPEC)), Code.FAILED_PRECONDITION, "initial_parameters")
+    for _ in range(3):
+        expect_error(lambda: stub.Register(pb.RegisterRequest(spec=SPEC)), Code.UNAVAILABLE, "another worker")
+    assert register(stub).version == 0  # the told one's values (any worker's, in fact) initialise it
+    assert stub.Register(pb.RegisterRequest(spec=SPEC)).version == 0  # the others now get in
+
+
 def test_first_register_with_wrong_initial_size(server: InProcessServer) -> None:
     stub = open_stub(server.target)
     request = pb.RegisterRequest(spec=SPEC, initial_parameters=array_to_tensor(np.zeros(5, np.float32)))

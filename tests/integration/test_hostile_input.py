@@ -69,6 +69,24 @@ class Target:
         self.codes[(method, "OK")] += 1
         return Code.OK, reply
 
+    def pull_stream(self, request: bytes) -> tuple[Code, pb.PullResponse | None, bytes]:
+        """PullStream with raw request bytes: the code, the header and the data pieces joined."""
+        self.sent["PullStream"] += 1
+        call: grpc.UnaryStreamMultiCallable[bytes, bytes] = self.channel.unary_stream(
+            "/gemps.v1.ParameterServer/PullStream"
+        )
+        try:
+            replies = [pb.PullResponseChunk.FromString(r) for r in call(request, timeout=DEADLINE)]
+        except grpc.RpcError as error:
+            code = error.code()
+            assert code != Code.DEADLINE_EXCEEDED, "PullStream hung"
+            self.codes[("PullStream", code.name)] += 1
+            return code, None, b""
+        self.codes[("PullStream", "OK")] += 1
+        assert replies and replies[0].WhichOneof("part") == "header"
+        assert all(r.WhichOneof("part") == "data" for r in replies[1:])
+        return Code.OK, replies[0].header, b"".join(r.data for r in replies[1:])
+
 
 @pytest.fixture(scope="module")
 def target() -> object:
@@ -302,6 +320,12 @@ def run_pull(target: Target) -> None:
             assert reply.unchanged == (known_version == target.version)  # type: ignore[attr-defined]
             if not reply.unchanged:  # type: ignore[attr-defined]
                 assert reply.parameters.data == target.theta  # type: ignore[attr-defined]
+        # PullStream answers the same request the same way, θ in pieces.
+        streamed_code, header, data = target.pull_stream(request.SerializeToString())
+        assert streamed_code == code, (streamed_code, code, request)
+        if header is not None:
+            assert (header.version, header.unchanged) == (reply.version, reply.unchanged)  # type: ignore[attr-defined]
+            assert data == (b"" if header.unchanged else target.theta)
 
     case()
 
@@ -330,6 +354,7 @@ def run_evaluation(target: Target) -> None:
 METHODS: dict[str, tuple[Any, Any]] = {
     "Register": (pb.RegisterRequest, lambda t, r: register_code(r)),
     "Pull": (pb.PullRequest, pull_code),
+    "PullStream": (pb.PullRequest, pull_code),
     "Commit": (pb.CommitRequest, commit_code),
     "Leave": (pb.LeaveRequest, lambda t, r: Code.NOT_FOUND),
     "Status": (pb.StatusRequest, lambda t, r: Code.OK),
@@ -343,15 +368,18 @@ def run_raw(target: Target) -> None:
     @settings(max_examples=EXAMPLES["raw"], **SETTINGS)
     @given(st.sampled_from([*METHODS, "Nope"]), st.binary(max_size=300))
     def case(method: str, data: bytes) -> None:
-        call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = target.channel.unary_unary(
-            f"/gemps.v1.ParameterServer/{method}"
-        )
         target.sent[f"raw {method}"] += 1
-        try:
-            call(data, timeout=DEADLINE)
-            code = Code.OK
-        except grpc.RpcError as error:
-            code = error.code()
+        if method == "PullStream":
+            code, _, _ = target.pull_stream(data)
+        else:
+            call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = target.channel.unary_unary(
+                f"/gemps.v1.ParameterServer/{method}"
+            )
+            try:
+                call(data, timeout=DEADLINE)
+                code = Code.OK
+            except grpc.RpcError as error:
+                code = error.code()
         target.codes[(f"raw {method}", code.name)] += 1
         if method == "Nope":
             assert code == Code.UNIMPLEMENTED

@@ -4,6 +4,7 @@ commits, and every malformed stream refused with INVALID_ARGUMENT before theta i
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -13,7 +14,7 @@ import gemps
 from gemps_proto.chunks import data_frames, frame_data
 from gemps_proto.codec import bfloat16_to_float32, float32_to_bfloat16
 from gemps_proto.v1 import parameter_server_pb2 as pb
-from tests.helpers import InProcessServer
+from tests.helpers import InProcessServer, scrape_series
 from tests.integration.conftest import NUM_PARAMETERS, StartServer, central, open_stub, register
 
 P = 300_000  # 1.2 MB: several pieces at the default 1 MiB, and at the 64 KiB used below
@@ -121,3 +122,60 @@ def test_unknown_reply_dtype_is_refused_before_theta_moves(server: InProcessServ
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "reply_dtype" in (info.value.details() or "")
     assert central(stub) == before
+
+
+def test_large_models_register_without_theta_and_pull_it_in_pieces(
+    start_server: StartServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the streaming threshold a later worker's Register reply leaves θ out (n registering
+    at once would hold n copies) and θ comes by PullStream, in pieces: the same values as Pull."""
+    monkeypatch.setattr(gemps.client, "STREAM_THRESHOLD_BYTES", 65_536)  # P floats are 1.2 MB
+    server = start_server(rule="downpour", learning_rate=0.5)
+    gradient = np.random.default_rng(2).standard_normal(P, dtype=np.float32)
+    with (
+        gemps.Client(server.target, chunk_bytes=65_536) as first,
+        gemps.Client(server.target, chunk_bytes=65_536) as later,
+        gemps.Client(server.target, wire_dtype="bfloat16") as rounded,
+        gemps.Client(server.target, streaming="never") as unary,
+    ):
+        assert first.register({"theta": np.zeros(P, np.float32)}).initialized_central
+        theta = first.commit(gradient).parameters.flat
+        sent = scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics")
+        assert sent['gemps_sent_bytes_total{method="PullStream"}'] == 0  # its own values: nothing to read
+
+        registration = later.register({"theta": np.ones(P, np.float32)})
+        assert registration.version == 1 and not registration.initialized_central and later.central is not None
+        np.testing.assert_array_equal(later.central.flat, theta)
+        rounded.register({"theta": np.ones(P, np.float32)})
+        assert rounded.central is not None
+        np.testing.assert_array_equal(rounded.central.flat, bfloat16_to_float32(float32_to_bfloat16(theta)))
+        unary.register({"theta": np.ones(P, np.float32)})
+        assert later.pull() is later.central  # current: the header says unchanged, no data follows
+
+        sent = scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics")
+        # θ went out by PullStream (float32 once, bfloat16 once, plus the pieces' framing) ...
+        assert 6 * P <= sent['gemps_sent_bytes_total{method="PullStream"}'] < 6 * P + 4096
+        # ... and by Register only to the worker that did not stream: the others' replies were small.
+        assert 4 * P <= sent['gemps_sent_bytes_total{method="Register"}'] < 4 * P + 4096
+
+
+def test_large_models_starting_together_upload_theta_once(
+    start_server: StartServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six workers of a large model registering at once against a fresh server: one sends its
+    initial values, the others wait for it (retrying) and read θ by PullStream; all hold it."""
+    monkeypatch.setattr(gemps.client, "STREAM_THRESHOLD_BYTES", 65_536)
+    server = start_server()
+    clients = [gemps.Client(server.target, chunk_bytes=65_536) for _ in range(6)]
+    values = [np.full(P, float(i), np.float32) for i in range(6)]
+    try:
+        with ThreadPoolExecutor(len(clients)) as pool:
+            list(pool.map(lambda c, v: c.register({"theta": v}), clients, values))
+        thetas = [c.central.flat for c in clients if c.central is not None]
+        assert len(thetas) == 6 and all(np.array_equal(t, thetas[0]) for t in thetas)
+        assert any(np.array_equal(thetas[0], v) for v in values)
+        received = scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics")
+        assert 4 * P <= received['gemps_received_bytes_total{method="Register"}'] < 5 * P  # one upload
+    finally:
+        for client in clients:
+            client.close()

@@ -72,30 +72,34 @@ class Shard(_message.Message):
     def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("spec", "initial_parameters", "worker_name")
+    __slots__ = ("spec", "initial_parameters", "worker_name", "omit_parameters")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     INITIAL_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
+    OMIT_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     spec: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
     initial_parameters: Tensor
     worker_name: str
-    def __init__(self, spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., initial_parameters: _Optional[_Union[Tensor, _Mapping]] = ..., worker_name: _Optional[str] = ...) -> None: ...
+    omit_parameters: bool
+    def __init__(self, spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., initial_parameters: _Optional[_Union[Tensor, _Mapping]] = ..., worker_name: _Optional[str] = ..., omit_parameters: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "lease_ttl_seconds", "config", "shard", "version", "parameters")
+    __slots__ = ("worker_id", "lease_ttl_seconds", "config", "shard", "version", "parameters", "initialized_central")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_CENTRAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     lease_ttl_seconds: float
     config: TrainingConfig
     shard: Shard
     version: int
     parameters: Tensor
-    def __init__(self, worker_id: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    initialized_central: bool
+    def __init__(self, worker_id: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., initialized_central: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker_id", "known_version", "reply_dtype")
@@ -116,6 +120,14 @@ class PullResponse(_message.Message):
     parameters: Tensor
     unchanged: bool
     def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., unchanged: _Optional[bool] = ...) -> None: ...
+
+class PullResponseChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PullResponse
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PullResponse, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("worker_id", "base_version", "kind", "payload", "loss", "num_samples", "request_id", "reply_dtype")

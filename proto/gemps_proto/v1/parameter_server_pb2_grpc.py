@@ -44,6 +44,11 @@ class ParameterServerStub:
                 request_serializer=gemps__proto_dot_v1_dot_parameter__server__pb2.PullRequest.SerializeToString,
                 response_deserializer=gemps__proto_dot_v1_dot_parameter__server__pb2.PullResponse.FromString,
                 _registered_method=True)
+        self.PullStream = channel.unary_stream(
+                '/gemps.v1.ParameterServer/PullStream',
+                request_serializer=gemps__proto_dot_v1_dot_parameter__server__pb2.PullRequest.SerializeToString,
+                response_deserializer=gemps__proto_dot_v1_dot_parameter__server__pb2.PullResponseChunk.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/gemps.v1.ParameterServer/Commit',
                 request_serializer=gemps__proto_dot_v1_dot_parameter__server__pb2.CommitRequest.SerializeToString,
@@ -83,6 +88,13 @@ class ParameterServerServicer:
 
     def Pull(self, request, context):
         """Fetch the central variable (skipped when the caller already holds the current version).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullStream(self, request, context):
+        """Pull, with the parameters streamed in pieces (see PullResponseChunk): for large models.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -135,6 +147,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Pull,
                     request_deserializer=gemps__proto_dot_v1_dot_parameter__server__pb2.PullRequest.FromString,
                     response_serializer=gemps__proto_dot_v1_dot_parameter__server__pb2.PullResponse.SerializeToString,
+            ),
+            'PullStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullStream,
+                    request_deserializer=gemps__proto_dot_v1_dot_parameter__server__pb2.PullRequest.FromString,
+                    response_serializer=gemps__proto_dot_v1_dot_parameter__server__pb2.PullResponseChunk.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
@@ -216,6 +233,33 @@ class ParameterServer:
             '/gemps.v1.ParameterServer/Pull',
             gemps__proto_dot_v1_dot_parameter__server__pb2.PullRequest.SerializeToString,
             gemps__proto_dot_v1_dot_parameter__server__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gemps.v1.ParameterServer/PullStream',
+            gemps__proto_dot_v1_dot_parameter__server__pb2.PullRequest.SerializeToString,
+            gemps__proto_dot_v1_dot_parameter__server__pb2.PullResponseChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,6 +44,8 @@ class ParameterServerStub:
     """Announce a worker and its parameter spec; the first one initialises the central variable."""
     Pull: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.PullRequest, _parameter_server_pb2.PullResponse]
     """Fetch the central variable (skipped when the caller already holds the current version)."""
+    PullStream: _grpc.UnaryStreamMultiCallable[_parameter_server_pb2.PullRequest, _parameter_server_pb2.PullResponseChunk]
+    """Pull, with the parameters streamed in pieces (see PullResponseChunk): for large models."""
     Commit: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.CommitRequest, _parameter_server_pb2.CommitResponse]
     """Apply a gradient or update in FIFO order; the reply carries the new central variable."""
     CommitStream: _grpc.StreamStreamMultiCallable[_parameter_server_pb2.CommitChunk, _parameter_server_pb2.CommitResponseChunk]
@@ -62,6 +64,8 @@ class ParameterServerAsyncStub(ParameterServerStub):
     """Announce a worker and its parameter spec; the first one initialises the central variable."""
     Pull: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.PullRequest, _parameter_server_pb2.PullResponse]  # type: ignore[assignment]
     """Fetch the central variable (skipped when the caller already holds the current version)."""
+    PullStream: _aio.UnaryStreamMultiCallable[_parameter_server_pb2.PullRequest, _parameter_server_pb2.PullResponseChunk]  # type: ignore[assignment]
+    """Pull, with the parameters streamed in pieces (see PullResponseChunk): for large models."""
     Commit: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.CommitRequest, _parameter_server_pb2.CommitResponse]  # type: ignore[assignment]
     """Apply a gradient or update in FIFO order; the reply carries the new central variable."""
     CommitStream: _aio.StreamStreamMultiCallable[_parameter_server_pb2.CommitChunk, _parameter_server_pb2.CommitResponseChunk]  # type: ignore[assignment]
@@ -89,6 +93,14 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_parameter_server_pb2.PullResponse, _abc.Awaitable[_parameter_server_pb2.PullResponse]]:
         """Fetch the central variable (skipped when the caller already holds the current version)."""
+
+    @_abc_1.abstractmethod
+    def PullStream(
+        self,
+        request: _parameter_server_pb2.PullRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_parameter_server_pb2.PullResponseChunk], _abc.AsyncIterator[_parameter_server_pb2.PullResponseChunk]]:
+        """Pull, with the parameters streamed in pieces (see PullResponseChunk): for large models."""
 
     @_abc_1.abstractmethod
     def Commit(
