@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from gemps_bench.results import LoadResult
+from gemps_bench.results import LoadResult, share_in_window
 from gemps_server.allocator import keep_large_allocations
 
 # Seconds a run may take beyond its warm-up and window before the driver gives up on it.
@@ -200,9 +200,12 @@ def _windowed(
     latencies: list[float] = []
     staleness: list[int] = []
     counts: list[int] = []
+    progress: list[float] = []
     for record in records:
         inside = [i for i, t in enumerate(record.finished_at) if begin <= t <= end]
         counts.append(len(inside))
+        round_trips = zip(record.finished_at, record.latencies, strict=True)
+        progress.append(sum(share_in_window(done - latency, done, begin, end) for done, latency in round_trips))
         latencies += [record.latencies[i] for i in inside]
         if record.staleness:
             staleness += [record.staleness[i] for i in inside]
@@ -213,6 +216,7 @@ def _windowed(
         seconds=end - begin,
         latencies=latencies,
         per_client_commits=counts,
+        per_client_progress=progress,
         server_peak_rss_bytes=rss,
         staleness=staleness or None,
     )

@@ -27,7 +27,7 @@ import numpy as np
 
 from gemps_bench.loadgen import pre_made_gradient
 from gemps_bench.procfs import WindowCpu, peak_rss
-from gemps_bench.results import LoadResult
+from gemps_bench.results import LoadResult, share_in_window
 from gemps_proto.schema import TrainingConfig
 from gemps_server.allocator import keep_large_allocations
 from gemps_server.rules import CommitRule, create_rule
@@ -142,6 +142,7 @@ class ClientReport:
     latencies: list[float] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
     total_commits: int = 0  # warm-up and late commits included
+    progress: float = 0.0  # commits in the window, those at its edges by their share inside
     final_theta: np.ndarray | None = None
 
 
@@ -163,6 +164,7 @@ def commit_loop(commit: Callable[[], int], window: Window) -> ClientReport:
         staleness = commit()
         done = time.monotonic()
         report.total_commits += 1
+        report.progress += share_in_window(began, done, window.measure_from, window.measure_to)
         if window.contains(done):
             report.latencies.append(done - began)
             report.staleness.append(staleness)
@@ -183,6 +185,7 @@ def build_result(
         seconds=config.duration,
         latencies=[latency for c in clients for latency in c.latencies],
         per_client_commits=[len(c.latencies) for c in clients],
+        per_client_progress=[c.progress for c in clients],
         server_peak_rss_bytes=server.peak_rss_bytes,
         server_cpu_seconds=server.cpu_seconds,
         staleness=[s for c in clients for s in c.staleness],
