@@ -7,26 +7,14 @@ import sys
 from pathlib import Path
 
 from gemps_bench.main import DESCRIPTION, run_bench
-from gemps_bench.suite import FULL, QUICK, SYSTEMS, select
-
-_UNITS = {"K": 1_000, "M": 1_000_000}
-
-
-def _count(text: str) -> int:
-    """100000, 100K, 1M, 2.5M."""
-    text = text.strip().upper()
-    scale = _UNITS.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
+from gemps_bench.suite import FULL, QUICK, SYSTEMS, parse_counts, select
 
 
 def _counts(text: str) -> list[int]:
     try:
-        values = [_count(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of counts: {text!r} (e.g. 100K,1M,10M)") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"counts must be >= 1: {text!r}")
-    return values
+        return parse_counts(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _systems(text: str) -> list[str]:

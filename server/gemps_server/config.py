@@ -14,6 +14,7 @@ from typing import Any
 
 from gemps_proto.schema import TrainingConfig
 from gemps_server.logs import LOG_FORMATS
+from gemps_server.native import compiled
 from gemps_server.rules import rule_names
 from gemps_server.rules.gem import GEM_KERNELS
 
@@ -104,6 +105,8 @@ class ServerConfig:
         found += self.training.problems()
         if self.gem_kernel not in GEM_KERNELS:
             found.append(f"unknown gem_kernel {self.gem_kernel!r} (choose from {', '.join(GEM_KERNELS)})")
+        elif self.gem_kernel == "compiled" and compiled is None:
+            found.append("gem_kernel 'compiled' is not built here (no C compiler at install?): use auto or numpy")
         if self.log_level not in LOG_LEVELS:
             found.append(f"unknown log_level {self.log_level!r} (choose from {', '.join(LOG_LEVELS)})")
         if self.log_format not in LOG_FORMATS:

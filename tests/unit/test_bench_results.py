@@ -1,5 +1,5 @@
 """The benchmark's fairness figures: Jain's index, its ceiling for whole counts, and progress
-counted by each round trip's share of the window."""
+counted by each round trip's share of the window; the counts its command line reads."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 
 import pytest
 from gemps_bench.results import LoadResult, jain_index, share_in_window, whole_count_ceiling
+from gemps_bench.suite import parse_counts
 
 
 def test_jain_index_spans_one_to_one_over_n() -> None:
@@ -42,3 +43,10 @@ def test_round_robin_service_is_perfectly_fair_by_progress_not_by_whole_counts()
     result = LoadResult("x", 1, clients, 10.0, [], counts, per_client_progress=progress)
     assert result.fairness == pytest.approx(1.0)
     assert result.summary()["jain_index_whole_commits"] == jain_index(counts)
+
+
+def test_bench_counts_read_units_and_refuse_what_is_not_a_count() -> None:
+    assert parse_counts("100K, 1M,2.5M,8") == [100_000, 1_000_000, 2_500_000, 8]
+    for bad in ("", "0", "1M,ten", "-5"):
+        with pytest.raises(ValueError):
+            parse_counts(bad)

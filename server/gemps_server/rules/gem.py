@@ -45,7 +45,9 @@ class _WorkerState:
     __slots__ = ("last_seen_theta", "proxy")
 
     def __init__(self, theta: np.ndarray) -> None:
-        self.proxy = np.zeros_like(theta)
+        # np.zeros, not zeros_like: calloc'd pages stay unmapped until the first commit writes
+        # them, so registering does not hold this θ-sized vector beside the request's bytes.
+        self.proxy = np.zeros(theta.shape, theta.dtype)
         self.last_seen_theta = theta.copy()
 
 

@@ -1,0 +1,148 @@
+"""Where a server's time goes: one closed-loop client, py-spy on the server, samples per thread.
+
+    .venv/bin/python scripts/profile_server.py --system gemps --size 100K --seconds 10 --raw /tmp/gemps.txt
+    .venv/bin/python scripts/profile_server.py --system echo --size 100K
+
+Starts a real `gemps server` with its defaults (or the benchmark's bare gRPC echo), commits a
+fixed gradient in a closed loop from this process through the SDK (or the echo client), and
+records the server with `py-spy record --threads --native` (py-spy is in the dev extra; it needs
+ptrace rights over its own children, which most containers allow). Prints commits/s, the server's
+and this client's CPU milliseconds per commit, and for each server thread its busy samples (not
+waiting in epoll, a futex, a condition or the GIL) with the frames that hold them.
+docs/PERFORMANCE.md keeps the profiles this printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from gemps_bench.echo import EchoClient, EchoServer
+from gemps_bench.procfs import cpu_seconds
+from gemps_bench.suite import parse_counts
+
+import gemps
+from gemps_worker.cluster import ServerProcess
+
+# Leaf frames that mean a thread is waiting, not working.
+IDLE_FRAMES = (
+    "epoll_wait",
+    "futex",
+    "pthread_cond_wait",
+    "pthread_cond_timedwait",
+    "sem_wait",
+    "poll",
+    "select",
+    "take_gil",
+    "PyThread_acquire_lock_timed",
+    "clock_nanosleep",
+)
+WARM_UP_COMMITS = 20
+
+
+def closed_loop(commit: Callable[[], object], server_pid: int, seconds: float) -> dict[str, float]:
+    """Commit back to back for `seconds`; rates and CPU per commit of the server and of this process."""
+    for _ in range(WARM_UP_COMMITS):
+        commit()
+    commits, began, server_began, mine_began = 0, time.monotonic(), cpu_seconds(server_pid), time.process_time()
+    while time.monotonic() - began < seconds:
+        commit()
+        commits += 1
+    elapsed = time.monotonic() - began
+    server_used = (cpu_seconds(server_pid) or 0.0) - (server_began or 0.0)
+    return {
+        "commits_per_second": commits / elapsed,
+        "server_cpu_ms_per_commit": 1e3 * server_used / commits,
+        "client_cpu_ms_per_commit": 1e3 * (time.process_time() - mine_began) / commits,
+    }
+
+
+def record(pid: int, seconds: float, raw: Path) -> subprocess.Popen[bytes]:
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    command = [spy, "record", "--pid", str(pid), "--duration", str(max(1, int(seconds))), "--rate", "200"]
+    command += ["--threads", "--native", "--format", "raw", "--output", str(raw)]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def summarize(raw: Path, top: int = 12) -> str:
+    """Per thread: samples, busy samples, the busiest leaf frames and inclusive frames."""
+    samples: collections.Counter[str] = collections.Counter()
+    busy: collections.Counter[str] = collections.Counter()
+    leaves: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    inclusive: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for line in raw.read_text().splitlines():
+        stack, _, count_text = line.rstrip().rpartition(" ")
+        if not stack:
+            continue
+        count, frames = int(count_text), stack.split(";")
+        thread = frames[0].split(":")[-1].strip()
+        samples[thread] += count
+        leaf = re.sub(r"\s*\(.*", "", frames[-1])
+        if any(word in frame for frame in frames[-4:] for word in IDLE_FRAMES):  # unnamed libc leaves too
+            continue
+        busy[thread] += count
+        leaves[thread][leaf] += count
+        for name in {re.sub(r"\s*\((.*?):\d+\)", r" (\1)", frame) for frame in frames[1:]}:
+            inclusive[thread][name] += count
+    lines = []
+    for thread, total in samples.most_common():
+        lines.append(f"== thread {thread}: {total} samples, {busy[thread]} busy")
+        lines += [f"   self {n:6d}  {name}" for name, n in leaves[thread].most_common(top)]
+        lines += [
+            f"   incl {n:6d}  {name[:140]}"
+            for name, n in inclusive[thread].most_common(3 * top)
+            if n >= 0.05 * max(busy[thread], 1) and not name.startswith("0x")
+        ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--system", choices=("gemps", "echo"), default="gemps")
+    parser.add_argument("--size", default="100K", help="float32 parameters, e.g. 100K or 1M")
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of the measured loop")
+    parser.add_argument("--raw", type=Path, default=None, help="keep py-spy's raw samples here")
+    parser.add_argument("--no-profile", action="store_true", help="measure rates and CPU only")
+    parser.add_argument("--summarize", type=Path, default=None, help="only print the summary of this raw file")
+    args = parser.parse_args()
+    if args.summarize:
+        print(summarize(args.summarize))
+        return
+    size = parse_counts(args.size)[0]
+    gradient = np.random.default_rng(0).standard_normal(size, dtype=np.float32) * np.float32(1e-3)
+    raw = args.raw or Path(tempfile.mkdtemp(prefix="gemps-profile-")) / "server.txt"
+    spy: subprocess.Popen[bytes] | None = None
+    if args.system == "gemps":
+        with ServerProcess(metrics_port=-1, log_level="warning") as server:
+            client = gemps.Client(server.target)
+            client.register({"theta": np.zeros(size, np.float32)})
+            spy = None if args.no_profile else record(server.pid, args.seconds - 1, raw)
+            figures = closed_loop(lambda: client.commit(gradient), server.pid, args.seconds)
+            client.close()
+    else:
+        with EchoServer() as echo:
+            echo_client = EchoClient(echo.target, streamed=False, chunk_bytes=1 << 20)
+            spy = None if args.no_profile else record(echo.pid, args.seconds - 1, raw)
+            figures = closed_loop(lambda: echo_client.commit(gradient), echo.pid, args.seconds)
+            echo_client.close()
+    print(f"{args.system} P={size:,}: " + ", ".join(f"{name} {value:.3f}" for name, value in figures.items()))
+    if spy is not None:
+        spy.wait()
+        if raw.exists():
+            print(f"py-spy raw samples: {raw}")
+            print(summarize(raw))
+        else:
+            print("py-spy recorded nothing (no ptrace rights here?)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
