@@ -1,5 +1,7 @@
-"""The soak test's one-minute version: 100 clients against one server (scripts/soak.py; the
-ten-minute run's results are in docs/RELIABILITY.md)."""
+"""The soak test's short version: 100 clients against one server for 150 s (scripts/soak.py;
+the ten-minute run's results are in docs/RELIABILITY.md). Memory counts after 60 s: the server
+returns freed memory to the system, and under this load its RSS climbs for about a minute and
+a half before it levels off (the ten-minute run's per-minute medians show it)."""
 
 from __future__ import annotations
 
@@ -14,14 +16,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_one_minute_soak(tmp_path: Path) -> None:
+@pytest.mark.timeout(400)
+def test_short_soak(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "soak.py"), "--clients", "100", "--duration", "60", "--out", str(out)],
+        [
+            *(sys.executable, str(ROOT / "scripts" / "soak.py"), "--clients", "100"),
+            *("--duration", "150", "--warmup", "0.4", "--out", str(out)),
+        ],
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=380,
     )
     assert out.exists(), result.stderr[-4000:]
     soak = json.loads(out.read_text())
