@@ -13,8 +13,8 @@ from gemps_server.checkpoints import CheckpointError, export_state_dict, load, l
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Write the central variable as a state dict in safetensors format (no pickle): from a checkpoint "
-        "file, the newest good checkpoint in a directory, or a running server. Load it with "
+        "Write the central variable and the model's buffers as a state dict in safetensors format (no "
+        "pickle): from a checkpoint file, the newest good checkpoint in a directory, or a running server. Load it with "
         "model.load_state_dict(safetensors.torch.load_file(OUT))."
     )
     source = parser.add_mutually_exclusive_group(required=True)
@@ -37,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             finally:
                 client.close()
-            named, version, origin = central.named(), central.version, args.server
+            named, version, origin = central.state_dict(), central.version, args.server
+            parameters, buffers = central.flat.size, central.buffers.size
         else:
             source = Path(args.checkpoint)
             if source.is_dir():
@@ -49,10 +50,11 @@ def run(args: argparse.Namespace) -> int:
             else:
                 path, checkpoint = source, load(source)
             named, version, origin = checkpoint.named(), checkpoint.version, str(path)
+            parameters, buffers = checkpoint.image.theta.size, checkpoint.image.buffers.size
     except (CheckpointError, OSError, ValueError) as error:
         print(f"gemps export: {error}", file=sys.stderr)
         return 1
     size = export_state_dict(named, version, Path(args.out), metadata={"source": origin})
-    parameters = sum(value.size for value in named.values())
-    print(f"wrote {args.out}: version {version}, {len(named)} tensors, {parameters} parameters, {size} bytes")
+    counts = f"{parameters} parameters" + (f", {buffers} buffer values" if buffers else "")
+    print(f"wrote {args.out}: version {version}, {len(named)} tensors, {counts}, {size} bytes")
     return 0

@@ -32,7 +32,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"version         {status.version}")
     print(f"active workers  {status.active_workers}")
     print(f"parameters      {status.num_parameters} in {len(status.spec)} tensors")
+    if status.buffer_spec:
+        print(f"buffers         {sum(entry.size for entry in status.buffer_spec)} in {len(status.buffer_spec)} tensors")
     print(f"commits         {status.commits_applied} applied, {status.commits_rejected} rejected")
     print(f"rule            {status.config.rule} ({settings})")
+    print(f"learning rate   {status.learning_rate:g} now ({status.config.lr_schedule} schedule)")
     print(f"uptime          {status.uptime_seconds:.0f}s")
     return 0

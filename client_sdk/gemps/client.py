@@ -138,20 +138,28 @@ class Client:
         self.retries = 0
         self._registered_with: Mapping[str, np.ndarray] | None = None
         self._spec: tuple[ParameterSpec, ...] = ()
+        self._buffer_spec: tuple[ParameterSpec, ...] = ()
+        self._registered_buffers = np.empty(0, dtype=np.float32)
         self.registration: Registration | None = None
         self.central: CentralVariable | None = None  # the newest central variable received
 
     # -- worker lifecycle ----------------------------------------------------------------------
 
-    def register(self, parameters: Mapping[str, np.ndarray]) -> Registration:
-        """Announce this worker with its named initial parameters (in a fixed order).
+    def register(
+        self, parameters: Mapping[str, np.ndarray], buffers: Mapping[str, np.ndarray] | None = None
+    ) -> Registration:
+        """Announce this worker with its named initial parameters (in a fixed order), and the
+        model's buffers if it has any (state that is not trained, e.g. batch-norm statistics).
 
-        The first worker's values initialise the central variable; later workers must have the
-        same names and shapes, and receive the central variable instead.
+        The first worker's values initialise the central variable and buffers; later workers must
+        have the same names and shapes, and receive the central ones instead.
         """
         self._registered_with = {k: np.asarray(v, dtype=np.float32) for k, v in parameters.items()}
         self._spec = spec_of(self._registered_with)
-        return self._register(flatten(self._registered_with))
+        named_buffers = {k: np.asarray(v, dtype=np.float32) for k, v in (buffers or {}).items()}
+        self._buffer_spec = spec_of(named_buffers)
+        self._registered_buffers = flatten(named_buffers)
+        return self._register(flatten(self._registered_with), self._registered_buffers)
 
     def pull(self) -> CentralVariable:
         """The newest central variable (no payload is sent when ours is already current).
@@ -160,7 +168,8 @@ class Client:
         pull holds no lease and takes the parameter spec from the server's Status.
         """
         if self.registration is None and not self._spec:
-            self._spec = self.status().spec
+            status = self.status()
+            self._spec, self._buffer_spec = status.spec, status.buffer_spec
         known = self.central.version if self.central is not None else -1
 
         def send() -> tuple[pb.PullResponse, np.ndarray | None]:
@@ -171,7 +180,7 @@ class Client:
 
         reply, parameters = send() if self.registration is None else self._with_reregistration(send)
         if parameters is not None:
-            self.central = CentralVariable(reply.version, parameters, self._spec)
+            self.central = self._central(reply.version, parameters, serde.buffers_from_proto(reply))
         assert self.central is not None
         return self.central
 
@@ -183,12 +192,15 @@ class Client:
         loss: float | None = None,
         num_samples: int | None = None,
         base_version: int | None = None,
+        buffer_delta: np.ndarray | Mapping[str, np.ndarray] | None = None,
     ) -> CommitResult:
         """Send a gradient (the server applies -eta*g) or an update (applied as given).
 
         `payload` is a flat float32 vector in spec order or a mapping by parameter name.
         `base_version` defaults to the version of the central variable last received.
-        Returns the new central variable (one round trip per step).
+        `buffer_delta`, for a model with buffers: how they changed since the central ones were
+        last loaded (flat in buffer spec order, or by name); the server adds it to its buffers.
+        Returns the new central variable and buffers (one round trip per step).
         """
         self._require_registered()
         assert self.central is not None
@@ -201,6 +213,9 @@ class Client:
         data = wire_view(flat, self.wire_dtype)  # float32: a view of `flat`, not a copy
         streamed = self._streams(len(data))
         base = self.central.version if base_version is None else base_version
+        delta = None
+        if buffer_delta is not None:
+            delta = flatten(buffer_delta) if isinstance(buffer_delta, Mapping) else np.asarray(buffer_delta, np.float32)
         # Every attempt of this commit (retries, after registering again) carries the same id,
         # so the server applies it at most once.
         request_id = uuid.uuid4().hex
@@ -217,6 +232,7 @@ class Client:
                 num_samples=num_samples,
                 request_id=request_id,
                 streamed=streamed,
+                buffer_delta=delta,
             )
             if streamed:
                 return self._call(self._commit_streamed, (request, data))
@@ -227,7 +243,7 @@ class Client:
             base = min(base, registration.version)
 
         reply, parameters = self._with_reregistration(send, after_reregistration)
-        self.central = CentralVariable(reply.version, parameters, self._spec)
+        self.central = self._central(reply.version, parameters, serde.buffers_from_proto(reply))
         return serde.commit_result_from_proto(reply, self.central)
 
     def _commit_streamed(
@@ -290,27 +306,47 @@ class Client:
     def spec(self) -> tuple[ParameterSpec, ...]:
         return self._spec
 
+    @property
+    def buffer_spec(self) -> tuple[ParameterSpec, ...]:
+        return self._buffer_spec
+
     # -- internals -----------------------------------------------------------------------------
 
-    def _register(self, initial: np.ndarray) -> Registration:
-        def send(values: np.ndarray | None, omit_parameters: bool = False) -> tuple[Registration, np.ndarray | None]:
-            request = serde.register_request(self._spec, self.name, values, omit_parameters=omit_parameters)
+    def _central(self, version: int, flat: np.ndarray, buffers: np.ndarray | None) -> CentralVariable:
+        """A central variable received; `buffers` None keeps the ones held (replies leave them out
+        for a model without buffers)."""
+        if buffers is None:
+            buffers = self.central.buffers if self.central is not None else self._registered_buffers
+        return CentralVariable(version, flat, self._spec, buffers, self._buffer_spec)
+
+    def _register(self, initial: np.ndarray, initial_buffers: np.ndarray) -> Registration:
+        def send(
+            values: np.ndarray | None, omit_parameters: bool = False
+        ) -> tuple[Registration, np.ndarray | None, np.ndarray | None]:
+            request = serde.register_request(
+                self._spec,
+                self.name,
+                values,
+                omit_parameters=omit_parameters,
+                buffer_spec=self._buffer_spec,
+                buffers=initial_buffers,
+            )
             return serde.register_reply(self._call(self._register_raw, request))
 
         if initial.nbytes <= STREAM_THRESHOLD_BYTES:
-            registration, theta = send(initial)
+            registration, theta, buffers = send(initial)
         else:
             # Large: without the initial values first. Only the first worker of a server needs to
             # send them; 100 workers registering at once would otherwise send 100 copies of P
             # floats, and receive 100 more: θ comes by PullStream instead, in pieces.
             streamed = self._streams(initial.nbytes)
             try:
-                registration, theta = send(None, omit_parameters=streamed)
+                registration, theta, buffers = send(None, omit_parameters=streamed)
             except errors.GempsError as error:
                 if error.reason != Reason.NOT_INITIALIZED:
                     raise
                 # Ours initialise θ, unless another worker's got there first.
-                registration, theta = send(initial, omit_parameters=streamed)
+                registration, theta, buffers = send(initial, omit_parameters=streamed)
             if streamed and not registration.initialized_central:  # θ is another worker's: read it
                 self.registration = registration
                 self.central = None
@@ -319,7 +355,9 @@ class Client:
         self.registration = registration
         # No parameters in the reply: ours initialised the central variable, which equals them.
         flat = initial.reshape(-1) if theta is None else theta
-        self.central = CentralVariable(registration.version, flat, self._spec)
+        self.central = CentralVariable(
+            registration.version, flat, self._spec, initial_buffers if buffers is None else buffers, self._buffer_spec
+        )
         return self.registration
 
     def _with_reregistration(
@@ -334,7 +372,8 @@ class Client:
             log.warning("server forgot worker %s (%s); registering again", self._worker_id(), error.message)
         # Our newest copy of the central variable re-initialises a server that lost its state.
         initial = self.central.flat if self.central is not None else flatten(self._registered_with or {})
-        registration = self._register(initial)
+        buffers = self.central.buffers if self.central is not None else self._registered_buffers
+        registration = self._register(initial, buffers)
         if on_reregistered is not None:
             on_reregistered(registration)
         return call()

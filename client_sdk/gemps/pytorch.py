@@ -1,20 +1,35 @@
-"""Torch helper: `loss.backward(); sync.step()` sends the gradients and loads the central variable.
+"""Torch helpers: keep a model on the central variable, as a wrapper or as a drop-in optimizer.
 
-    sync = RemoteModel(model, "127.0.0.1:50051")
+    optimizer = RemoteOptimizer(model, "127.0.0.1:50051")   # instead of torch.optim.SGD(...)
     for inputs, targets in loader:
-        sync.zero_grad()
+        optimizer.zero_grad()
         loss = F.cross_entropy(model(inputs), targets)
         loss.backward()
-        sync.step(loss=loss.item(), num_samples=len(targets))
-    sync.close()
+        optimizer.step()
+    optimizer.close()
 
-Works with any torch.nn.Module: every parameter (in `named_parameters()` order) is part of the
-central variable; a parameter without a gradient this step contributes zeros. Buffers such as
-batch-norm running statistics stay local to each worker.
+`RemoteModel` is the same with the commit's figures returned (`remote.step(loss=...)`).
+
+What travels, for any torch.nn.Module:
+- the parameters that train (`requires_grad=True`), in `named_parameters()` order, are the
+  central variable; a parameter without a gradient this step contributes zeros. Frozen
+  parameters (`requires_grad=False`, e.g. a pretrained backbone) are not sent at all: every
+  worker keeps its own copy, so load the same weights into every worker's model;
+- the persistent buffers (those in `state_dict()`: batch-norm running mean and variance and
+  `num_batches_tracked`, ...) live on the server too. Each commit carries how the worker's
+  buffers changed since it last loaded the central ones, the server adds that change to its
+  buffers (as DOWNPOUR adds updates), and every reply brings the central buffers back. With one
+  worker this is exactly local training; with many, the running statistics see every worker's
+  batches. Integer buffers travel as float32 (exact up to 2**24) and are rounded back. A model
+  without buffers sends nothing more than before.
+
+So `gemps export` and `client.pull().state_dict()` give a state dict that loads with
+`model.load_state_dict(..., strict=True)` when the model has no frozen parameters.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -22,6 +37,42 @@ import torch
 
 from gemps.client import Client
 from gemps.records import CentralVariable, CommitResult, Registration
+
+
+def trained_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters that make up the central variable, in order: those that require grad."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers that travel: those `state_dict()` holds, in `named_buffers()` order."""
+    kept = set(model.state_dict().keys())
+    return [(name, b) for name, b in model.named_buffers() if name in kept]
+
+
+def _flat(tensors: Iterable[torch.Tensor]) -> np.ndarray:
+    parts = [t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors]
+    return torch.cat(parts).numpy() if parts else np.empty(0, dtype=np.float32)
+
+
+@torch.no_grad()
+def load_central(model: torch.nn.Module, central: CentralVariable) -> None:
+    """Copy a central variable (its parameters and buffers) into `model`, on the model's devices."""
+    parameters = [p for _, p in trained_parameters(model)]
+    if parameters:
+        vector = torch.from_numpy(np.array(central.flat, dtype=np.float32, copy=True))
+        torch.nn.utils.vector_to_parameters(vector.to(parameters[0].device), parameters)
+    _load_buffers(model, central)
+
+
+def _load_buffers(model: torch.nn.Module, central: CentralVariable) -> None:
+    named = dict(persistent_buffers(model))
+    for name, values in central.named_buffers().items():
+        buffer = named[name]
+        source = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
+        if not buffer.is_floating_point():
+            source = source.round()
+        buffer.copy_(source.to(buffer.dtype).reshape(buffer.shape))
 
 
 class RemoteModel:
@@ -32,16 +83,20 @@ class RemoteModel:
         self.model = model
         self.client = Client(client, name=name, **client_options) if isinstance(client, str) else client
         self._owns_client = isinstance(client, str)
-        self._parameters = [p for _, p in model.named_parameters()]
+        named = trained_parameters(model)
+        self._parameters = [p for _, p in named]
         if not self._parameters:
-            raise ValueError("the model has no parameters to train")
+            raise ValueError("the model has no parameters to train (none requires grad)")
+        self._buffers = persistent_buffers(model)
         size = sum(p.numel() for p in self._parameters)
         # Staging buffers between torch (any device) and the wire; reused every step.
         self._grad = torch.zeros(size, dtype=torch.float32)
         self._central = torch.zeros(size, dtype=torch.float32)
+        self._loaded_buffers = np.empty(0, dtype=np.float32)  # the buffers as last loaded or sent
         try:
             self.registration: Registration = self.client.register(
-                {n: p.detach().cpu().numpy() for n, p in model.named_parameters()}
+                {n: p.detach().cpu().numpy() for n, p in named},
+                {n: b.detach().cpu().to(torch.float32).numpy() for n, b in self._buffers},
             )
         except BaseException:
             if self._owns_client:
@@ -54,6 +109,11 @@ class RemoteModel:
     def version(self) -> int:
         assert self.client.central is not None
         return self.client.central.version
+
+    @property
+    def trained(self) -> list[torch.nn.Parameter]:
+        """The parameters that make up the central variable, in its order."""
+        return self._parameters
 
     def zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)
@@ -69,7 +129,9 @@ class RemoteModel:
                 self._grad[offset : offset + n].copy_(p.grad.detach().reshape(-1))
             offset += n
         loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
-        result = self.client.commit(self._grad.numpy(), loss=loss_value, num_samples=num_samples)
+        result = self.client.commit(
+            self._grad.numpy(), loss=loss_value, num_samples=num_samples, buffer_delta=self._buffer_delta()
+        )
         self._load(result.parameters)
         return result
 
@@ -79,7 +141,8 @@ class RemoteModel:
         With `load` (the default) the model then holds the returned central variable; without,
         the model keeps its own values (elastic averaging keeps a local variable).
         """
-        result = self.client.commit(update.detach().cpu().numpy().astype(np.float32), kind="update", loss=loss)
+        update_values = update.detach().cpu().numpy().astype(np.float32)
+        result = self.client.commit(update_values, kind="update", loss=loss, buffer_delta=self._buffer_delta())
         if load:
             self._load(result.parameters)
         return result
@@ -107,6 +170,69 @@ class RemoteModel:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _buffer_delta(self) -> np.ndarray | None:
+        """How the buffers changed since last loaded or sent; None when they did not (or there are none)."""
+        if not self._buffers:
+            return None
+        current = _flat(b for _, b in self._buffers)
+        delta = current - self._loaded_buffers
+        self._loaded_buffers = current  # sent: not to be counted again if the reply is not loaded
+        return delta if delta.any() else None
+
     def _load(self, central: CentralVariable) -> None:
         self._central.numpy()[:] = central.flat
         torch.nn.utils.vector_to_parameters(self._central, self._parameters)
+        if self._buffers:
+            _load_buffers(self.model, central)
+            self._loaded_buffers = _flat(b for _, b in self._buffers)
+
+
+class RemoteOptimizer(torch.optim.Optimizer):
+    """A drop-in `torch.optim.Optimizer` that trains `model` on a gemps server: `step()` commits
+    the gradients and loads the central variable and buffers the server returns.
+
+    The server owns the learning rate (and its schedule) and the update rule, so the optimizer
+    has no hyperparameters of its own: constructing it with `lr=` or with parameter groups, or
+    changing a group's `lr` later, is refused rather than silently ignored. A learning-rate
+    scheduler cannot drive it either: use the server's `--lr-schedule`.
+    """
+
+    def __init__(self, model: torch.nn.Module, client: Client | str, *, name: str = "", **client_options: Any) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                "RemoteOptimizer takes the model itself (its buffers travel too), not model.parameters(): "
+                "RemoteOptimizer(model, address)"
+            )
+        if "lr" in client_options or "learning_rate" in client_options:
+            raise TypeError("the gemps server owns the learning rate: set it there (--learning-rate, --lr-schedule)")
+        self.remote = RemoteModel(model, client, name=name, **client_options)
+        super().__init__(self.remote.trained, defaults={})
+        self.last_result: CommitResult | None = None
+
+    @property
+    def version(self) -> int:
+        """Version of the central variable the model now holds."""
+        return self.remote.version
+
+    def step(self, closure: Callable[[], float] | None = None, **commit: Any) -> float | None:  # type: ignore[override]
+        """Commit the current gradients (after `closure()` if given, which recomputes the loss);
+        `commit` may carry `loss=` and `num_samples=` for the server's metrics."""
+        if len(self.param_groups) != 1 or any(key != "params" for key in self.param_groups[0]):
+            raise ValueError("RemoteOptimizer has one parameter group and no per-group settings: the server owns them")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+            commit.setdefault("loss", float(loss))
+        self.last_result = self.remote.step(**commit)
+        return loss
+
+    def close(self) -> None:
+        """Leave the server (and close the connection if this optimizer opened it)."""
+        self.remote.close()
+
+    def __enter__(self) -> RemoteOptimizer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -6,7 +6,7 @@ status) are gemps_proto.schema's, re-exported here; the two below exist only on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -20,18 +20,31 @@ from gemps_proto.schema import (
     unflatten,
 )
 
+_NO_BUFFERS = np.empty(0, dtype=np.float32)
+
 
 @dataclass(frozen=True)
 class CentralVariable:
-    """The central variable at one version: a flat read-only float32 vector plus its spec."""
+    """The central variable at one version: a flat read-only float32 vector plus its spec, and the
+    model's buffers (state that is not trained, e.g. batch-norm running statistics) likewise."""
 
     version: int
     flat: np.ndarray
     spec: tuple[ParameterSpec, ...]
+    buffers: np.ndarray = field(default_factory=lambda: _NO_BUFFERS)
+    buffer_spec: tuple[ParameterSpec, ...] = ()
 
     def named(self) -> dict[str, np.ndarray]:
         """Per-parameter views (no copy) in spec order."""
         return unflatten(self.flat, self.spec)
+
+    def named_buffers(self) -> dict[str, np.ndarray]:
+        """Per-buffer views (no copy) in buffer spec order."""
+        return unflatten(self.buffers, self.buffer_spec)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Parameters and buffers by name: what `model.load_state_dict` takes (after torch.from_numpy)."""
+        return {**self.named(), **self.named_buffers()}
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import numpy as np
 
 from gemps.records import CentralVariable, CommitResult, ParameterSpec, Registration
 from gemps_proto import serde as shared
-from gemps_proto.codec import FLOAT32, encode
+from gemps_proto.codec import FLOAT32, encode, received
 from gemps_proto.schema import PayloadKind
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
@@ -25,20 +25,45 @@ COMMIT_REPLY_FIELD = pb.CommitResponse.DESCRIPTOR.fields_by_name["parameters"].n
 
 
 def register_request(
-    spec: tuple[ParameterSpec, ...], worker_name: str, initial: np.ndarray | None, *, omit_parameters: bool = False
+    spec: tuple[ParameterSpec, ...],
+    worker_name: str,
+    initial: np.ndarray | None,
+    *,
+    omit_parameters: bool = False,
+    buffer_spec: tuple[ParameterSpec, ...] = (),
+    buffers: np.ndarray | None = None,
 ) -> bytes:
     request = pb.RegisterRequest(
-        spec=shared.spec_to_proto(spec), worker_name=worker_name, omit_parameters=omit_parameters
+        spec=shared.spec_to_proto(spec),
+        worker_name=worker_name,
+        omit_parameters=omit_parameters,
+        buffer_spec=shared.spec_to_proto(buffer_spec),
     )
+    if buffer_spec and buffers is not None:
+        set_tensor(request.initial_buffers, buffers)
     if initial is None:
         return request.SerializeToString()
     return shared.with_tensor(request, REGISTER_INITIAL_FIELD, FLOAT32, [initial.size], encode(initial))
 
 
-def register_reply(data: bytes) -> tuple[Registration, np.ndarray | None]:
-    """The registration, and the central variable (None for the worker whose values set it)."""
+def set_tensor(tensor: pb.Tensor, values: np.ndarray) -> None:
+    """A small float32 tensor (buffers) set in a message the plain way."""
+    tensor.dtype = FLOAT32  # type: ignore[assignment]
+    tensor.shape.append(values.size)
+    tensor.data = encode(values.reshape(-1), FLOAT32)
+
+
+def buffers_from_proto(reply: pb.RegisterResponse | pb.PullResponse | pb.CommitResponse) -> np.ndarray | None:
+    """A reply's central buffers; None when it carries none (a model without buffers, or unchanged)."""
+    return received(reply.buffers).decode() if reply.HasField("buffers") else None
+
+
+def register_reply(data: bytes) -> tuple[Registration, np.ndarray | None, np.ndarray | None]:
+    """The registration, the central variable (None for the worker whose values set it) and the
+    central buffers (None when the model has none)."""
     reply, parameters = shared.parse_with_tensor(pb.RegisterResponse, REGISTER_REPLY_FIELD, data)
-    return shared.registration_from_proto(reply), None if parameters is None else parameters.decode()
+    registration = shared.registration_from_proto(reply)
+    return registration, None if parameters is None else parameters.decode(), buffers_from_proto(reply)
 
 
 def pull_request(worker_id: str, known_version: int, wire_dtype: int) -> bytes:
@@ -64,6 +89,7 @@ def commit_request(
     num_samples: int | None,
     request_id: str,
     streamed: bool = False,
+    buffer_delta: np.ndarray | None = None,
 ) -> bytes:
     """A Commit request with its payload; for CommitStream (`streamed`) the payload's dtype and
     shape only: its data follows in pieces."""
@@ -76,6 +102,8 @@ def commit_request(
         request_id=request_id,
         reply_dtype=wire_dtype,  # type: ignore[arg-type]
     )
+    if buffer_delta is not None:
+        set_tensor(header.buffer_delta, buffer_delta)
     if streamed:
         header.payload.dtype = wire_dtype  # type: ignore[assignment]
         header.payload.shape.append(num_parameters)

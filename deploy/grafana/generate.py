@@ -222,6 +222,16 @@ def training_dashboard() -> dashboard_builders.Dashboard:
             maximum=1,
         )
     )
+    d.with_panel(
+        timeseries(
+            "Learning rate eta",
+            "eta at the current central version, from the server's learning-rate schedule (--lr-schedule, "
+            "--lr-warmup-commits): what the next gradient commit is scaled by. Flat under the constant schedule.",
+            [Query("gemps_learning_rate", "eta")],
+            width=24,
+            minimum=0,
+        )
+    )
     d.with_row(dashboard_builders.Row("GEM scaling factor pi (paper Figure 3)"))
     d.with_panel(
         timeseries(

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from gemps_proto.schedules import CONSTANT, SCHEDULES
+
 
 class PayloadKind(enum.IntEnum):
     """What a commit carries: gemps.v1.PayloadKind, whose wire values these are (0 is unspecified)."""
@@ -69,6 +71,13 @@ class TrainingConfig:
         WorkerMode.GRADIENT.value, "training mode announced to workers", [m.value for m in WorkerMode]
     )
     batch_size: int = _option(64, "mini-batch size announced to workers")
+    # eta at central version v (commits applied): learning_rate * warm-up(v) * decay(v), see schedules.py
+    lr_schedule: str = _option(CONSTANT, "eta's decay over central versions v (commits applied)", SCHEDULES)
+    lr_warmup_commits: int = _option(0, "linear warm-up: eta scaled by min(1, (v+1)/this); 0: none")
+    lr_step_size: int = _option(1000, "step: multiply eta by lr_gamma every this many versions")
+    lr_gamma: float = _option(0.1, "step: the factor, in (0, 1]")
+    lr_total_commits: int = _option(10000, "cosine: versions until eta reaches lr_min")
+    lr_min: float = _option(0.0, "cosine: the final eta, in [0, learning_rate]")
 
     def problems(self) -> list[str]:
         """What is wrong with these values (empty when nothing is); the rule name is the server's to check."""
@@ -86,6 +95,18 @@ class TrainingConfig:
             found.append("pi_max must be > 0")
         if self.batch_size < 1:
             found.append("batch_size must be >= 1")
+        if self.lr_schedule not in SCHEDULES:
+            found.append(f"unknown lr_schedule {self.lr_schedule!r} (choose from {', '.join(SCHEDULES)})")
+        if self.lr_warmup_commits < 0:
+            found.append("lr_warmup_commits must be >= 0")
+        if self.lr_step_size < 1:
+            found.append("lr_step_size must be >= 1")
+        if not 0 < self.lr_gamma <= 1:
+            found.append("lr_gamma must be in (0, 1]")
+        if self.lr_total_commits < 1:
+            found.append("lr_total_commits must be >= 1")
+        if not 0 <= self.lr_min <= self.learning_rate:
+            found.append("lr_min must be in [0, learning_rate]")
         return found
 
     def as_dict(self) -> dict[str, Any]:
@@ -177,3 +198,5 @@ class ServerStatus:
     spec: tuple[ParameterSpec, ...]
     uptime_seconds: float
     last_evaluation: Evaluation | None
+    learning_rate: float = 0.0  # eta at `version`, from the schedule
+    buffer_spec: tuple[ParameterSpec, ...] = ()  # the model's buffers (not trained), in wire order

@@ -98,6 +98,8 @@ def status_to_proto(status: ServerStatus) -> pb.StatusResponse:
         spec=spec_to_proto(status.spec),
         uptime_seconds=status.uptime_seconds,
         last_evaluation=None if status.last_evaluation is None else evaluation_to_proto(status.last_evaluation),
+        learning_rate=status.learning_rate,
+        buffer_spec=spec_to_proto(status.buffer_spec),
     )
 
 
@@ -115,6 +117,8 @@ def status_from_proto(message: pb.StatusResponse) -> ServerStatus:
         last_evaluation=(
             evaluation_from_proto(message.last_evaluation) if message.HasField("last_evaluation") else None
         ),
+        learning_rate=message.learning_rate,
+        buffer_spec=spec_from_proto(message.buffer_spec),
     )
 
 

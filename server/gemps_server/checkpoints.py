@@ -1,8 +1,9 @@
 """Checkpoint files: the central variable and what it takes to resume serving it, in safetensors.
 
 One file per checkpoint, `checkpoint-<version, 12 digits>.safetensors`: tensors (the flat central
-variable, plus any global state of the commit rule such as the `momentum` rule's velocity) and
-string metadata (format, version, commit count, parameter spec, training config, the commit
+variable, the model's buffers if it has any, plus any global state of the commit rule such as
+the `momentum` rule's velocity) and string metadata (format, version, commit count, parameter
+and buffer specs, training config, the commit
 ledger's receipts for deduplicating retries, a CRC-32 of the tensor bytes). safetensors has no
 code paths that execute data: no pickle anywhere. Per-worker GEM state (m_i, s_i) is not saved:
 after a restart workers register again and start with fresh state, as a new worker would.
@@ -39,6 +40,7 @@ from gemps_server.state import StateImage
 FORMAT = "gemps-checkpoint"
 FORMAT_VERSION = "1"
 THETA_KEY = "central_variable"
+BUFFERS_KEY = "buffers"
 RULE_STATE_PREFIX = "rule."
 SUFFIX = ".safetensors"
 NAME_PATTERN = re.compile(r"^checkpoint-(\d{12,})\.safetensors$")
@@ -65,8 +67,8 @@ class Checkpoint:
         return self.image.version
 
     def named(self) -> dict[str, np.ndarray]:
-        """The central variable by parameter name, each in its own shape (a state dict)."""
-        return unflatten(self.image.theta, self.image.spec)
+        """The central variable and the buffers by name, each in its own shape (a state dict)."""
+        return {**unflatten(self.image.theta, self.image.spec), **unflatten(self.image.buffers, self.image.buffer_spec)}
 
 
 def checkpoint_path(directory: Path, version: int) -> Path:
@@ -111,12 +113,17 @@ def _metadata(checkpoint: Checkpoint, tensors: Mapping[str, np.ndarray]) -> dict
         "gemps_version": __version__,
         "version": str(image.version),
         "commits_applied": str(image.commits_applied),
-        "spec": json.dumps([{"name": entry.name, "shape": list(entry.shape)} for entry in image.spec]),
+        "spec": _spec_json(image.spec),
+        "buffer_spec": _spec_json(image.buffer_spec),
         "config": json.dumps(dict(checkpoint.config), sort_keys=True),
         "receipts": json.dumps({rid: r.to_list() for rid, r in image.receipts.items()}),
         "created": repr(checkpoint.created or time.time()),
         "crc32": _crc(tensors),
     }
+
+
+def _spec_json(spec: tuple[ParameterSpec, ...]) -> str:
+    return json.dumps([{"name": entry.name, "shape": list(entry.shape)} for entry in spec])
 
 
 def write_atomically(path: Path, write: Callable[[Path], None]) -> int:
@@ -143,6 +150,8 @@ def save(directory: Path, checkpoint: Checkpoint) -> tuple[Path, int]:
     """Write `checkpoint` atomically; returns its path and size in bytes."""
     image = checkpoint.image
     tensors: dict[str, np.ndarray] = {THETA_KEY: np.ascontiguousarray(image.theta, dtype=np.float32)}
+    if image.buffer_spec:
+        tensors[BUFFERS_KEY] = np.ascontiguousarray(image.buffers, dtype=np.float32)
     for key, value in image.rule_state.items():
         tensors[RULE_STATE_PREFIX + key] = np.ascontiguousarray(value, dtype=np.float32)
     metadata = _metadata(checkpoint, tensors)
@@ -151,11 +160,12 @@ def save(directory: Path, checkpoint: Checkpoint) -> tuple[Path, int]:
     return path, size
 
 
-def _parse_spec(raw: str) -> tuple[ParameterSpec, ...]:
+def _parse_spec(raw: str, seen: set[str] | None = None, *, allow_empty: bool = False) -> tuple[ParameterSpec, ...]:
+    """Entries with unique names (also against `seen`, which collects them)."""
     entries = json.loads(raw)
-    if not isinstance(entries, list) or not entries:
+    if not isinstance(entries, list) or not (entries or allow_empty):
         raise CheckpointError("spec must be a non-empty list")
-    spec, seen = [], set()
+    spec, seen = [], set() if seen is None else seen
     for entry in entries:
         if not isinstance(entry, dict):
             raise CheckpointError(f"bad spec entry {entry!r}")
@@ -207,21 +217,19 @@ def _from_parts(metadata: dict[str, str], tensors: dict[str, np.ndarray]) -> Che
     version, commits = int(metadata["version"]), int(metadata["commits_applied"])
     if version < 0 or commits < 0:
         raise CheckpointError(f"negative version {version} or commit count {commits}")
-    spec = _parse_spec(metadata["spec"])
-    theta = tensors.get(THETA_KEY)
-    if theta is None or theta.dtype != np.float32 or theta.ndim != 1:
-        raise CheckpointError(f"missing or malformed {THETA_KEY!r} tensor")
-    expected = sum(entry.size for entry in spec)
-    if theta.size != expected:
-        raise CheckpointError(f"{THETA_KEY} has {theta.size} values but the spec describes {expected}")
+    names: set[str] = set()
+    spec = _parse_spec(metadata["spec"], names)
+    buffer_spec = _parse_spec(metadata.get("buffer_spec", "[]"), names, allow_empty=True)
+    theta = _flat_tensor(tensors, THETA_KEY, spec)
+    buffers = _flat_tensor(tensors, BUFFERS_KEY, buffer_spec) if buffer_spec else np.empty(0, np.float32)
     rule_state = {}
     for key, value in tensors.items():
-        if key == THETA_KEY:
+        if key in (THETA_KEY, BUFFERS_KEY):
             continue
         if not key.startswith(RULE_STATE_PREFIX) or value.dtype != np.float32:
             raise CheckpointError(f"unexpected tensor {key!r}")
         rule_state[key[len(RULE_STATE_PREFIX) :]] = value
-    for key, value in (("theta", theta), *rule_state.items()):
+    for key, value in (("theta", theta), ("buffers", buffers), *rule_state.items()):
         if value.size and not np.isfinite(value).all():
             raise CheckpointError(f"{key} contains NaN or Inf")
     config = json.loads(metadata.get("config", "{}"))
@@ -235,8 +243,20 @@ def _from_parts(metadata: dict[str, str], tensors: dict[str, np.ndarray]) -> Che
         rule=str(config.get("rule", "")),
         rule_state=rule_state,
         receipts=_parse_receipts(metadata.get("receipts", "{}")),
+        buffer_spec=buffer_spec,
+        buffers=buffers,
     )
     return Checkpoint(image, config=config, created=float(metadata.get("created", "0")))
+
+
+def _flat_tensor(tensors: Mapping[str, np.ndarray], key: str, spec: tuple[ParameterSpec, ...]) -> np.ndarray:
+    value = tensors.get(key)
+    if value is None or value.dtype != np.float32 or value.ndim != 1:
+        raise CheckpointError(f"missing or malformed {key!r} tensor")
+    expected = sum(entry.size for entry in spec)
+    if value.size != expected:
+        raise CheckpointError(f"{key} has {value.size} values but the spec describes {expected}")
+    return value
 
 
 def load_latest(

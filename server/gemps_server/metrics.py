@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.process_collector import ProcessCollector
 
 from gemps_proto.reasons import Reason
+from gemps_proto.schedules import learning_rate_at
 from gemps_proto.schema import TrainingConfig
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.rules import ApplyStats
@@ -164,6 +165,13 @@ class ServerMetrics:
             self.departures.labels(cause)
         self.active_workers = Gauge("gemps_active_workers", "Registered workers holding a lease.", registry=r)
         self.version = Gauge("gemps_central_version", "Commits applied to the central variable.", registry=r)
+        self.learning_rate = Gauge(
+            "gemps_learning_rate",
+            "eta at the current central version, from the learning-rate schedule: what the next gradient "
+            "commit is scaled by.",
+            registry=r,
+        )
+        self._training = TrainingConfig()  # the announced config (describe_server), for eta's schedule
         self.parameters = Gauge("gemps_parameters", "Parameters in the central variable (0 until set).", registry=r)
         self.rule_state = Gauge(
             "gemps_rule_state_bytes", "Memory the commit rule keeps (GEM: 2 vectors per active worker).", registry=r
@@ -222,6 +230,7 @@ class ServerMetrics:
 
     def describe_server(self, training: TrainingConfig) -> None:
         """The training config as the info metric's labels, one per field."""
+        self._training = training
         values = training.as_dict().items()
         self.info.info({key: f"{value:g}" if isinstance(value, float) else str(value) for key, value in values})
 
@@ -234,8 +243,10 @@ class ServerMetrics:
         active_workers: Reading,
         queue_depth: Reading,
     ) -> None:
-        """Gauges that read the live state when scraped, so they can never go stale."""
+        """Gauges that read the live state when scraped, so they can never go stale (eta: the
+        described training config's schedule at the live version)."""
         self.version.set_function(version)
+        self.learning_rate.set_function(lambda: learning_rate_at(self._training, int(version())))
         self.parameters.set_function(parameters)
         self.rule_state.set_function(rule_state_bytes)
         self.active_workers.set_function(active_workers)

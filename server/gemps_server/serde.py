@@ -90,6 +90,20 @@ def spec_from_proto(messages: Sequence[pb.ParameterSpec]) -> tuple[ParameterSpec
     return shared.spec_from_proto(messages)
 
 
+def buffers_from_proto(request: pb.RegisterRequest) -> tuple[tuple[ParameterSpec, ...], EncodedTensor | None]:
+    """A registering worker's buffer spec and initial buffers (None when it sent none)."""
+    initial = received(request.initial_buffers) if request.HasField("initial_buffers") else None
+    return spec_from_proto(request.buffer_spec), initial
+
+
+def set_buffers(tensor: pb.Tensor, snapshot: Snapshot) -> None:
+    """A reply's `buffers` field: the snapshot's buffers whole (small), left unset when there are none."""
+    if snapshot.buffers:
+        tensor.dtype = FLOAT32  # type: ignore[assignment]
+        tensor.shape.append(len(snapshot.buffers) // 4)
+        tensor.data = snapshot.buffers
+
+
 def with_parameters(header: Message, field_number: int, snapshot: Snapshot, dtype: int, num_parameters: int) -> bytes:
     """`header` serialised, with the snapshot's θ in `dtype` framed as Tensor field `field_number`."""
     return shared.with_tensor(header, field_number, dtype, [num_parameters], snapshot.data(dtype) or b"")
@@ -101,6 +115,7 @@ def admission_to_proto(
     """The RegisterResponse; without θ for the worker whose initial_parameters became it, and
     when the worker asked to pull it apart (`include_parameters` False)."""
     header = shared.registration_to_proto(registration)
+    set_buffers(header.buffers, admission.snapshot)
     if not include_parameters or admission.initialized_theta or admission.snapshot.data(FLOAT32) is None:
         return header.SerializeToString()
     return with_parameters(header, REGISTER_REPLY_FIELD, admission.snapshot, FLOAT32, num_parameters)
@@ -117,13 +132,14 @@ def commit_from_proto(request: pb.CommitRequest, payload: EncodedTensor | None =
         reply_dtype=reply_dtype_from_proto(request.reply_dtype),
         loss=request.loss if request.HasField("loss") else None,
         num_samples=request.num_samples if request.HasField("num_samples") else None,
+        buffer_delta=received(request.buffer_delta) if request.HasField("buffer_delta") else None,
     )
 
 
 def outcome_header(outcome: CommitOutcome) -> pb.CommitResponse:
     """The CommitResponse's fields other than the parameters."""
     stats = outcome.stats
-    return pb.CommitResponse(
+    header = pb.CommitResponse(
         version=outcome.snapshot.version,
         staleness=outcome.staleness,
         scaling_mean=stats.scaling_mean,
@@ -131,6 +147,8 @@ def outcome_header(outcome: CommitOutcome) -> pb.CommitResponse:
         scaling_at_zero=stats.fraction_at_zero,
         scaling_at_max=stats.fraction_at_max,
     )
+    set_buffers(header.buffers, outcome.snapshot)
+    return header
 
 
 def outcome_to_proto(outcome: CommitOutcome, dtype: int, theta: bytes | memoryview, num_parameters: int) -> bytes:
@@ -154,17 +172,19 @@ def _announce(parameters: pb.Tensor, dtype: int, num_parameters: int) -> None:
 
 def pull_to_proto(snapshot: Snapshot, reply_dtype: int, num_parameters: int) -> bytes:
     header = pb.PullResponse(version=snapshot.version)
+    set_buffers(header.buffers, snapshot)
     return with_parameters(header, PULL_REPLY_FIELD, snapshot, reply_dtype, num_parameters)
 
 
 def pull_stream_header_to_proto(
-    version: int, unchanged: bool, reply_dtype: int, num_parameters: int
+    snapshot: Snapshot, unchanged: bool, reply_dtype: int, num_parameters: int
 ) -> pb.PullResponseChunk:
     """PullStream's first reply: the PullResponse whose parameters say dtype and shape (unless
     `unchanged`); the data follows in pieces."""
     if unchanged:
-        return pb.PullResponseChunk(header=unchanged_to_proto(version))
-    header = pb.PullResponse(version=version)
+        return pb.PullResponseChunk(header=unchanged_to_proto(snapshot.version))
+    header = pb.PullResponse(version=snapshot.version)
+    set_buffers(header.buffers, snapshot)
     _announce(header.parameters, reply_dtype, num_parameters)
     return pb.PullResponseChunk(header=header)
 

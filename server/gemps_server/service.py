@@ -76,6 +76,8 @@ class ParameterService:
         spec: tuple[ParameterSpec, ...],
         initial: EncodedTensor | None,
         include_parameters: bool = True,
+        buffer_spec: tuple[ParameterSpec, ...] = (),
+        initial_buffers: EncodedTensor | None = None,
     ) -> tuple[Admission, Registration]:
         """Admit a worker; `include_parameters` False when its reply leaves θ out (it pulls θ next)."""
         if not self._registrations.allow():
@@ -86,7 +88,9 @@ class ParameterService:
                 Reason.REGISTRATION_RATE,
             )
         state = self.state
-        admission = await self._applier.submit(lambda: state.register(worker_name, spec, initial, include_parameters))
+        admission = await self._applier.submit(
+            lambda: state.register(worker_name, spec, initial, include_parameters, buffer_spec, initial_buffers)
+        )
         worker = admission.worker
         self._metrics.registered()
         if admission.initialized_theta:
@@ -192,8 +196,10 @@ class ParameterService:
             commits_applied=state.commits_applied,
             commits_rejected=self.commits_rejected,
             spec=state.spec,
+            buffer_spec=state.buffer_spec,
             uptime_seconds=time.monotonic() - self._started,
             last_evaluation=self.last_evaluation,
+            learning_rate=state.learning_rate,
         )
 
     def report_evaluation(self, evaluation: Evaluation) -> None:

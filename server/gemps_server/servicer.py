@@ -24,7 +24,6 @@ from gemps_proto.reasons import Reason
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_server import serde
-from gemps_server.buffers import Buffer, BufferPool
 from gemps_server.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -37,6 +36,7 @@ from gemps_server.metrics import ServerMetrics
 from gemps_server.serde import MalformedRequest, WithTensor
 from gemps_server.service import ParameterService
 from gemps_server.state import CommitOutcome, ServerState
+from gemps_server.stream_buffers import Buffer, BufferPool
 
 F = TypeVar("F", bound=Callable[..., Any])
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -186,7 +186,10 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         request = received.message
         spec = serde.spec_from_proto(request.spec)
         include = not request.omit_parameters
-        admission, registration = await self.service.register(request.worker_name, spec, received.tensor, include)
+        buffer_spec, initial_buffers = serde.buffers_from_proto(request)
+        admission, registration = await self.service.register(
+            request.worker_name, spec, received.tensor, include, buffer_spec, initial_buffers
+        )
         return serde.admission_to_proto(admission, registration, self._num_parameters, include_parameters=include)
 
     @rpc
@@ -206,7 +209,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         reply_dtype = serde.reply_dtype_from_proto(request.reply_dtype)
         snapshot = await self.service.pull(request.worker_id, request.known_version, reply_dtype)
         unchanged = request.known_version == snapshot.version
-        yield serde.pull_stream_header_to_proto(snapshot.version, unchanged, reply_dtype, self._num_parameters)
+        yield serde.pull_stream_header_to_proto(snapshot, unchanged, reply_dtype, self._num_parameters)
         if not unchanged:
             for frame in data_frames(snapshot.data(reply_dtype) or b""):
                 yield frame

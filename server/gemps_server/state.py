@@ -27,6 +27,7 @@ from gemps_proto.codec import (
     wire_view,
 )
 from gemps_proto.reasons import Reason
+from gemps_proto.schedules import learning_rate_at
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
 from gemps_server.errors import FailedPrecondition, InvalidArgument, Unavailable
 from gemps_server.ledger import MAX_REQUEST_ID_LENGTH, CommitLedger, Receipt
@@ -48,13 +49,20 @@ class Snapshot:
     shared by every reply of that version. Read from the event loop; written on the applier.
 
     The state holds the current snapshot weakly (ServerState.snapshot): its encodings live as
-    long as a reply that sends them, so an idle server holds no copy of θ beyond θ itself."""
+    long as a reply that sends them, so an idle server holds no copy of θ beyond θ itself.
 
-    __slots__ = ("__weakref__", "_encodings", "version")
+    `buffers` are the model's buffers at this version (float32 bytes, empty for a model without
+    them), set on the applier with the first encoding or outcome: small, so every reply of the
+    version carries them whole."""
 
-    def __init__(self, version: int, encodings: Mapping[int, bytes] | None = None) -> None:
+    __slots__ = ("__weakref__", "_encodings", "buffers", "version")
+
+    def __init__(
+        self, version: int, encodings: Mapping[int, bytes] | None = None, buffers: bytes | None = None
+    ) -> None:
         self.version = version
         self._encodings: dict[int, bytes] = dict(encodings or {})
+        self.buffers = buffers
 
     def data(self, dtype: int = FLOAT32) -> bytes | None:
         """The encoding in `dtype`, or None if no reply of this version asked for it yet."""
@@ -63,7 +71,7 @@ class Snapshot:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Snapshot):
             return NotImplemented
-        return (self.version, self._encodings) == (other.version, other._encodings)
+        return (self.version, self._encodings, self.buffers) == (other.version, other._encodings, other.buffers)
 
     __hash__ = None  # type: ignore[assignment]  # mutable: its encodings are added to
 
@@ -88,6 +96,7 @@ class Commit:
     reply_dtype: int = FLOAT32  # wire dtype of the snapshot the reply carries
     loss: float | None = None  # the mini-batch's training loss (metrics only)
     num_samples: int | None = None  # the mini-batch's size (metrics only)
+    buffer_delta: EncodedTensor | None = None  # how the worker's buffers changed since it loaded them
 
 
 @dataclass(frozen=True)
@@ -120,35 +129,41 @@ class StateImage:
     rule: str = ""  # the rule whose global state `rule_state` is
     rule_state: Mapping[str, np.ndarray] = field(default_factory=dict)
     receipts: Mapping[str, Receipt] = field(default_factory=dict)
+    buffer_spec: tuple[ParameterSpec, ...] = ()
+    buffers: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.float32))  # flat, buffer_spec order
 
     @property
     def num_parameters(self) -> int:
         return int(self.theta.size)
 
 
-def check_spec(spec: Sequence[ParameterSpec]) -> None:
-    """Raises InvalidArgument naming the first bad entry of a worker's parameter spec."""
+def check_spec(spec: Sequence[ParameterSpec], buffer_spec: Sequence[ParameterSpec] = ()) -> None:
+    """Raises InvalidArgument naming the first bad entry of a worker's parameter (or buffer) spec;
+    names are unique across both (they are the keys of one state dict)."""
     if not spec:
         raise InvalidArgument("parameter spec is empty: send at least one parameter", Reason.BAD_SPEC)
     seen = set()
-    for index, entry in enumerate(spec):
-        if not entry.name:
-            raise InvalidArgument(f"parameter {index} has no name", Reason.BAD_SPEC)
-        if entry.name in seen:
-            raise InvalidArgument(f"parameter name {entry.name!r} appears twice", Reason.BAD_SPEC)
-        if any(d < 0 for d in entry.shape):
-            raise InvalidArgument(f"parameter {entry.name!r} has negative shape {list(entry.shape)}", Reason.BAD_SPEC)
-        seen.add(entry.name)
+    for what, entries in (("parameter", spec), ("buffer", buffer_spec)):
+        for index, entry in enumerate(entries):
+            if not entry.name:
+                raise InvalidArgument(f"{what} {index} has no name", Reason.BAD_SPEC)
+            if entry.name in seen:
+                raise InvalidArgument(f"{what} name {entry.name!r} appears twice", Reason.BAD_SPEC)
+            if any(d < 0 for d in entry.shape):
+                raise InvalidArgument(f"{what} {entry.name!r} has negative shape {list(entry.shape)}", Reason.BAD_SPEC)
+            seen.add(entry.name)
 
 
-def spec_differences(server: Sequence[ParameterSpec], worker: Sequence[ParameterSpec]) -> list[str]:
+def spec_differences(
+    server: Sequence[ParameterSpec], worker: Sequence[ParameterSpec], what: str = "parameter"
+) -> list[str]:
     """Human-readable differences between the server's spec and a worker's, in order."""
     found = []
     if len(server) != len(worker):
-        found.append(f"server has {len(server)} parameters, worker sent {len(worker)}")
+        found.append(f"server has {len(server)} {what}s, worker sent {len(worker)}")
     for index, (ours, theirs) in enumerate(zip(server, worker, strict=False)):
         if ours != theirs:
-            found.append(f"parameter {index}: server has {ours.describe()}, worker sent {theirs.describe()}")
+            found.append(f"{what} {index}: server has {ours.describe()}, worker sent {theirs.describe()}")
     server_names, worker_names = {s.name for s in server}, {s.name for s in worker}
     if missing := sorted(server_names - worker_names):
         found.append(f"missing from worker: {', '.join(missing)}")
@@ -193,6 +208,8 @@ class ServerState:
         self.commits_applied = 0
         self.ledger = CommitLedger(capacity=registry.max_workers)
         self._theta = np.empty(0, dtype=np.float32)
+        self.buffer_spec: tuple[ParameterSpec, ...] = ()
+        self._buffers = np.empty(0, dtype=np.float32)  # replaced, never changed in place
         self._initializer_until = 0.0  # monotonic deadline of the worker asked for initial values
 
     @property
@@ -206,6 +223,11 @@ class ServerState:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def learning_rate(self) -> float:
+        """eta at the current version: what the next gradient commit is scaled by."""
+        return learning_rate_at(self._training, self._version)
 
     @property
     def snapshot(self) -> Snapshot:
@@ -223,14 +245,23 @@ class ServerState:
     # -- operations run by the applier --------------------------------------------------------
 
     def register(
-        self, worker_name: str, spec: Sequence[ParameterSpec], initial: EncodedTensor | None, encode_theta: bool = True
+        self,
+        worker_name: str,
+        spec: Sequence[ParameterSpec],
+        initial: EncodedTensor | None,
+        encode_theta: bool = True,
+        buffer_spec: Sequence[ParameterSpec] = (),
+        initial_buffers: EncodedTensor | None = None,
     ) -> Admission:
-        """Admit a worker; `encode_theta` False when its reply will not carry θ (it pulls θ apart)."""
-        check_spec(spec)
+        """Admit a worker; `encode_theta` False when its reply will not carry θ (it pulls θ apart).
+        The first worker's `initial_buffers` become the central buffers."""
+        check_spec(spec, buffer_spec)
         first = self.rule is None
         if first:
-            self._initialize(spec, initial)
-        elif differences := spec_differences(self.spec, spec):
+            self._initialize(spec, initial, buffer_spec, initial_buffers)
+        elif differences := spec_differences(self.spec, spec) + spec_differences(
+            self.buffer_spec, buffer_spec, "buffer"
+        ):
             shown = differences[:MAX_LISTED_DIFFERENCES]
             more = len(differences) - len(shown)
             raise FailedPrecondition(
@@ -245,7 +276,7 @@ class ServerState:
         # The worker that initialised theta already holds it: no P-sized encoding for its reply.
         initialized = first and initial is not None
         encoded = encode_theta and not initialized
-        return Admission(worker, self.encoded(FLOAT32) if encoded else self.snapshot, initialized)
+        return Admission(worker, self.encoded(FLOAT32) if encoded else self._with_buffers(self.snapshot), initialized)
 
     def commit(self, commit: Commit) -> CommitOutcome:
         rule = self.require_initialized()
@@ -264,14 +295,16 @@ class ServerState:
             return CommitOutcome(self.encoded(commit.reply_dtype), receipt.staleness, receipt.stats, duplicate=True)
         worker = self.registry.get(commit.worker_id)
         kind, payload = self._validated_payload(commit)
+        buffers = self._buffers_after(commit.buffer_delta)  # checked before θ moves
         staleness = self.version - commit.base_version
-        stats = rule.apply(self._theta, payload, kind, commit.worker_id, staleness)
+        stats = rule.apply(self._theta, payload, kind, commit.worker_id, staleness, version=self.version)
+        self._buffers = buffers
         self.commits_applied += 1
         worker.commits += 1
         self.registry.touch(commit.worker_id)
         self._version += 1  # its snapshot is encoded when a reply asks (encoded(), theta_wire())
         self.ledger.record(commit.worker_id, commit.request_id, Receipt(self.version, staleness, stats))
-        return CommitOutcome(self.snapshot, staleness, stats)
+        return CommitOutcome(self._with_buffers(self.snapshot), staleness, stats)
 
     def theta_wire(self, dtype: int) -> bytes | memoryview:
         """θ's wire bytes in `dtype` now: the snapshot's encoding when there is one, else for float32
@@ -281,9 +314,15 @@ class ServerState:
 
     def encoded(self, dtype: int) -> Snapshot:
         """The current snapshot, with `dtype`'s encoding produced if it is not there yet."""
-        snapshot = self.snapshot
+        snapshot = self._with_buffers(self.snapshot)
         if snapshot.data(dtype) is None:
             snapshot.store(dtype, encode(self._theta, dtype))
+        return snapshot
+
+    def _with_buffers(self, snapshot: Snapshot) -> Snapshot:
+        """`snapshot` with this version's buffers (on the applier: they change with commits)."""
+        if snapshot.buffers is None:
+            snapshot.buffers = self._buffers.tobytes()
         return snapshot
 
     def leave(self, worker_id: str) -> WorkerRecord:
@@ -310,6 +349,8 @@ class ServerState:
             rule=self.rule_name,
             rule_state=rule.global_state(),
             receipts=self.ledger.entries(),
+            buffer_spec=self.buffer_spec,
+            buffers=self._buffers,  # never changed in place: no copy needed
         )
 
     def restore(self, image: StateImage) -> list[str]:
@@ -322,6 +363,8 @@ class ServerState:
         warnings = []
         self.spec = tuple(image.spec)
         self._theta = np.array(image.theta, dtype=np.float32, copy=True).reshape(-1)
+        self.buffer_spec = tuple(image.buffer_spec)
+        self._buffers = np.array(image.buffers, dtype=np.float32, copy=True).reshape(-1)
         rule = self._new_rule(self._theta.size)
         if image.rule_state:
             if image.rule == self.rule_name:
@@ -367,7 +410,13 @@ class ServerState:
         if self.rule is not None:
             self.rule.remove_worker(worker_id)
 
-    def _initialize(self, spec: Sequence[ParameterSpec], initial: EncodedTensor | None) -> None:
+    def _initialize(
+        self,
+        spec: Sequence[ParameterSpec],
+        initial: EncodedTensor | None,
+        buffer_spec: Sequence[ParameterSpec] = (),
+        initial_buffers: EncodedTensor | None = None,
+    ) -> None:
         if initial is None:
             now = time.monotonic()
             if now < self._initializer_until:
@@ -389,10 +438,48 @@ class ServerState:
             )
         if not all_finite(values):
             raise InvalidArgument("initial_parameters contains NaN or Inf", Reason.NON_FINITE)
+        buffers = self._initial_buffers(buffer_spec, initial_buffers)
         self.spec = tuple(spec)
+        self.buffer_spec = tuple(buffer_spec)
+        self._buffers = buffers
         self._theta = values.reshape(-1).copy()
         self.rule = self._new_rule(size)
         self._version = 0
+
+    @staticmethod
+    def _initial_buffers(buffer_spec: Sequence[ParameterSpec], initial: EncodedTensor | None) -> np.ndarray:
+        size = sum(entry.size for entry in buffer_spec)
+        if initial is None:
+            if size:
+                raise InvalidArgument(
+                    f"buffer_spec describes {size} values but initial_buffers is missing", Reason.BAD_SHAPE
+                )
+            return np.empty(0, dtype=np.float32)
+        values = _decoded(initial, "initial_buffers").reshape(-1)
+        if values.size != size:
+            raise InvalidArgument(
+                f"initial_buffers has {values.size} values but buffer_spec describes {size}", Reason.BAD_SHAPE
+            )
+        if not all_finite(values):
+            raise InvalidArgument("initial_buffers contains NaN or Inf", Reason.NON_FINITE)
+        return np.array(values, dtype=np.float32, copy=True)
+
+    def _buffers_after(self, delta: EncodedTensor | None) -> np.ndarray:
+        """The central buffers once `delta` is added (DOWNPOUR for buffers: see docs); checked, not kept."""
+        if delta is None:
+            return self._buffers
+        values = _decoded(delta, "buffer_delta")
+        if values.shape != self._buffers.shape:
+            raise InvalidArgument(
+                f"buffer_delta shape {list(values.shape)} does not match the central buffers' "
+                f"[{self._buffers.size}] (all registered buffers, flattened in buffer spec order)",
+                Reason.BAD_SHAPE,
+            )
+        with np.errstate(over="ignore"):  # an overflow is refused just below
+            updated: np.ndarray = self._buffers + values
+        if not all_finite(updated):
+            raise InvalidArgument("buffer_delta contains NaN or Inf, or makes a buffer overflow", Reason.NON_FINITE)
+        return updated
 
     def _check_payload_shape(self, shape: tuple[int, ...]) -> None:
         if shape != (self.num_parameters,):

@@ -23,8 +23,9 @@ from tests.helpers import scrape_series, wait_for
 
 torch = pytest.importorskip("torch")
 
+from gemps.pytorch import load_central  # noqa: E402
 from gemps_worker.datasets import load_digits  # noqa: E402
-from gemps_worker.evaluation import evaluate, load_flat  # noqa: E402
+from gemps_worker.evaluation import evaluate  # noqa: E402
 from gemps_worker.models import build_model  # noqa: E402
 
 # The training run: mlp on the bundled digits, equal budgets with and without faults. Big
@@ -40,7 +41,7 @@ def held_out_accuracy(target: str) -> float:
     data = load_digits()
     model = build_model("mlp", data.input_shape, data.num_classes)
     with gemps.Client(target) as observer:
-        load_flat(model, observer.pull().flat)
+        load_central(model, observer.pull())
     return evaluate(model, data.test_x, data.test_y)[1]
 
 

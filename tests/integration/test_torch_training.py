@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gemps
+import gemps.pytorch
 from gemps.pytorch import RemoteModel
 from gemps_worker.datasets import load_digits
 from gemps_worker.evaluation import evaluate
@@ -45,11 +48,115 @@ def test_parameters_without_gradients_commit_zeros(start_server: StartServer) ->
     model = nn.Sequential(first, nn.Linear(2, 1))
     first.requires_grad_(False)  # frozen layer: no .grad, must stay where it is
     frozen = first.weight.detach().clone()
+    unused = nn.Linear(2, 2)  # trains, but gets no gradient this step: commits zeros
+    model.add_module("unused", unused)
+    before = unused.weight.detach().clone()
     with RemoteModel(model, server.target) as remote:
-        out = model(torch.ones(4, 3)).sum()
+        out = model[1](model[0](torch.ones(4, 3))).sum()
         out.backward()
         remote.step(loss=out)
+        # Frozen parameters are not part of the central variable: nothing of them on the wire.
+        assert [entry.name for entry in remote.client.spec] == ["1.weight", "1.bias", "unused.weight", "unused.bias"]
     torch.testing.assert_close(first.weight.detach(), frozen)
+    torch.testing.assert_close(unused.weight.detach(), before)
+
+
+def batch_norm_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_one_workers_batch_norm_statistics_are_the_servers(server: InProcessServer) -> None:
+    torch.manual_seed(0)
+    model = batch_norm_model()
+    inputs = torch.randn(32, 4) * 3 + 1
+    with RemoteModel(model, server.target) as remote:
+        for _ in range(5):
+            remote.zero_grad()
+            loss = model(inputs).pow(2).mean()
+            loss.backward()
+            result = remote.step(loss=loss)
+        # One worker: the server's buffers are exactly what local training gives (deltas add up).
+        local = {name: value.numpy().astype(np.float32) for name, value in model.state_dict().items()}
+        for name, value in result.parameters.named_buffers().items():
+            np.testing.assert_allclose(value, local[name], rtol=1e-6, atol=1e-6)
+        assert result.parameters.named_buffers()["1.num_batches_tracked"] == 5
+        assert float(model.state_dict()["1.running_mean"].abs().sum()) > 0  # the statistics moved from their defaults
+        # The central state dict loads strictly into a fresh model and evaluates as this one.
+        fresh = batch_norm_model()
+        fresh.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in result.parameters.state_dict().items()})
+        model.eval()
+        fresh.eval()
+        torch.testing.assert_close(fresh(inputs), model(inputs))
+        assert int(fresh.state_dict()["1.num_batches_tracked"]) == 5
+
+
+def test_two_workers_statistics_add_up(server: InProcessServer) -> None:
+    torch.manual_seed(0)
+    first, second = batch_norm_model(), batch_norm_model()
+    with RemoteModel(first, server.target) as one, RemoteModel(second, server.target) as two:
+        for remote, model, shift in ((one, first, 5.0), (two, second, -5.0)):
+            remote.zero_grad()
+            model(torch.randn(16, 4) + shift).sum().backward()
+            remote.step()
+        central = two.client.pull().named_buffers()
+    assert central["1.num_batches_tracked"] == 2  # both workers' batches counted
+    # Each worker now holds the central statistics, which reflect both workers' batches.
+    np.testing.assert_array_equal(second.state_dict()["1.running_mean"].numpy(), central["1.running_mean"])
+
+
+def train_digits(model: nn.Module, step: Callable[[torch.Tensor], None], steps: int = 60) -> None:
+    data = load_digits()
+    x, y = torch.from_numpy(data.train_x), torch.from_numpy(data.train_y)
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        batch = torch.from_numpy(rng.choice(len(x), size=32, replace=False))
+        step(F.cross_entropy(model(x[batch]), y[batch]))
+
+
+def digits_model() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def test_the_optimizer_facade_trains_exactly_as_remote_model(start_server: StartServer) -> None:
+    """The same model, data and seed through RemoteModel and through the drop-in optimizer, each
+    against its own fresh server: bit-identical parameters and buffers, hence the same accuracy."""
+    data = load_digits()
+    wrapped, dropped_in = digits_model(), digits_model()
+    with RemoteModel(wrapped, start_server().target) as remote:
+
+        def remote_step(loss: torch.Tensor) -> None:
+            remote.zero_grad()
+            loss.backward()
+            remote.step(loss=loss)
+
+        train_digits(wrapped, remote_step)
+    with gemps.pytorch.RemoteOptimizer(dropped_in, start_server().target) as optimizer:
+
+        def optimizer_step(loss: torch.Tensor) -> None:
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step(loss=loss.item())
+
+        train_digits(dropped_in, optimizer_step)
+        assert optimizer.version == 60
+    for (name, a), (_, b) in zip(wrapped.state_dict().items(), dropped_in.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    accuracy = evaluate(wrapped, data.test_x, data.test_y)[1]
+    assert accuracy == evaluate(dropped_in, data.test_x, data.test_y)[1] and accuracy > 0.8
+
+
+def test_the_optimizer_refuses_what_it_cannot_honour(server: InProcessServer) -> None:
+    model = nn.Linear(4, 2)
+    with pytest.raises(TypeError, match="takes the model itself"):
+        gemps.pytorch.RemoteOptimizer(model.parameters(), server.target)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="owns the learning rate"):
+        gemps.pytorch.RemoteOptimizer(model, server.target, lr=0.1)
+    with gemps.pytorch.RemoteOptimizer(model, server.target) as optimizer:
+        optimizer.param_groups[0]["lr"] = 0.01  # what a torch LR scheduler would do
+        model(torch.ones(1, 4)).sum().backward()
+        with pytest.raises(ValueError, match="the server owns them"):
+            optimizer.step()
 
 
 def test_second_worker_receives_the_central_variable(server: InProcessServer) -> None:

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from gemps_worker.models import MODELS, build_model
 
-SHAPES = {"mlp": (1, 8, 8), "digits-cnn": (1, 8, 8), "mnist-cnn": (1, 28, 28)}
+SHAPES = {"mlp": (1, 8, 8), "digits-cnn": (1, 8, 8), "mnist-cnn": (1, 28, 28), "resnet-bn": (1, 8, 8)}
 
 
 @pytest.mark.parametrize("name", list(MODELS))

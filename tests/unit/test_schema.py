@@ -23,7 +23,7 @@ SCALARS = {
     FieldDescriptor.TYPE_BOOL: bool,
 }
 # Message fields the Python face leaves out on purpose.
-WIRE_ONLY = {"ParameterSpec": {"dtype"}, "RegisterResponse": {"parameters"}}
+WIRE_ONLY = {"ParameterSpec": {"dtype"}, "RegisterResponse": {"parameters", "buffers"}}
 FACES: list[tuple[type[Any], Any]] = [
     (schema.TrainingConfig, pb.TrainingConfig.DESCRIPTOR),
     (schema.ParameterSpec, pb.ParameterSpec.DESCRIPTOR),
@@ -69,6 +69,8 @@ def test_training_config_and_status_survive_the_wire() -> None:
         spec=(schema.ParameterSpec("w", (2, 5)),),
         uptime_seconds=3.5,
         last_evaluation=schema.Evaluation(6, 0.25, 0.875, 100, "digits"),
+        learning_rate=0.025,
+        buffer_spec=(schema.ParameterSpec("bn.running_mean", (5,)),),
     )
     assert shared.status_from_proto(shared.status_to_proto(status)) == status
     assert shared.status_from_proto(shared.status_to_proto(dataclasses.replace(status, last_evaluation=None))) == (

@@ -19,13 +19,14 @@ from torch import nn
 
 from gemps.client import Client
 from gemps.options import values_of
+from gemps.pytorch import load_central
 from gemps.records import CentralVariable
 from gemps_proto.codec import WIRE_DTYPE_NAMES
 from gemps_proto.schema import TrainingConfig
 from gemps_worker.cluster import LocalCluster
 from gemps_worker.commit_log import CommitFigures, ReportTail
 from gemps_worker.datasets import DATASETS, Dataset, load_dataset
-from gemps_worker.evaluation import evaluate, evaluate_central, load_flat
+from gemps_worker.evaluation import evaluate, evaluate_central
 from gemps_worker.models import MODELS, build_model
 from gemps_worker.plots import plot_training
 from gemps_worker.progress import ProgressLine
@@ -114,7 +115,7 @@ def run_demo(options: DemoOptions) -> int:
     if failed:
         print(f"gemps demo: {', '.join(failed)} failed; see {out}/worker-*.log", file=sys.stderr)
         return 1
-    load_flat(model, central.flat)
+    load_central(model, central)
     loss, accuracy = evaluate(model, data.test_x, data.test_y)
     elapsed = time.monotonic() - started
     checkpoint = _save_checkpoint(out / "model.npz", central)
@@ -180,7 +181,7 @@ def _progress_fields(sample: ProgressSample, samples: list[ProgressSample]) -> s
 
 
 def _save_checkpoint(path: Path, central: CentralVariable) -> Path:
-    """The trained central variable by parameter name, as .npz (loads with allow_pickle=False)."""
-    arrays: dict[str, Any] = {**central.named(), "__version__": np.array(central.version)}
+    """The trained central variable and buffers by name, as .npz (loads with allow_pickle=False)."""
+    arrays: dict[str, Any] = {**central.state_dict(), "__version__": np.array(central.version)}
     np.savez(path, **arrays)
     return path

@@ -1,4 +1,4 @@
-"""Held-out loss and accuracy of a model, and loading a flat central variable into it."""
+"""Held-out loss and accuracy of a model, and of the central variable."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from torch import nn
 
 from gemps.client import Client
 from gemps.errors import GempsError
+from gemps.pytorch import load_central
 from gemps_worker.datasets import Dataset
 
 
@@ -28,13 +29,6 @@ def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 1
     return total_loss / len(x), correct / len(x)
 
 
-@torch.no_grad()
-def load_flat(model: nn.Module, flat: np.ndarray) -> None:
-    """Copy a flat float32 vector (named_parameters order) into the model's parameters."""
-    vector = torch.from_numpy(np.array(flat, dtype=np.float32, copy=True))
-    torch.nn.utils.vector_to_parameters(vector.to(next(model.parameters()).device), model.parameters())
-
-
 def evaluate_central(observer: Client, model: nn.Module, data: Dataset) -> tuple[int, float, float] | None:
     """Pull the newest central variable and measure it on held-out data: (version, loss, accuracy);
     None while the server has no central variable (nobody registered) or cannot be reached."""
@@ -42,6 +36,6 @@ def evaluate_central(observer: Client, model: nn.Module, data: Dataset) -> tuple
         central = observer.pull()
     except GempsError:
         return None
-    load_flat(model, central.flat)
+    load_central(model, central)
     loss, accuracy = evaluate(model, data.test_x, data.test_y)
     return central.version, loss, accuracy

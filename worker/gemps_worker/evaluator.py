@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 from gemps.client import Client
 from gemps.errors import FailedPreconditionError
+from gemps.pytorch import load_central, trained_parameters
 from gemps.records import ParameterSpec
 from gemps_worker.datasets import DATASETS, load_dataset
-from gemps_worker.evaluation import evaluate, load_flat
+from gemps_worker.evaluation import evaluate
 from gemps_worker.metrics import EvaluatorMetrics
 from gemps_worker.models import MODELS, build_model
 
@@ -50,7 +51,7 @@ def run_evaluator(
     stop = stop or threading.Event()
     data = load_dataset(options.dataset, options.data_dir, options.download)
     model = build_model(options.model, data.input_shape, data.num_classes)
-    expected = tuple(ParameterSpec(n, tuple(p.shape)) for n, p in model.named_parameters())
+    expected = tuple(ParameterSpec(n, tuple(p.shape)) for n, p in trained_parameters(model))
     metrics = EvaluatorMetrics()
     if options.metrics_port >= 0:
         log.info("evaluator metrics on port %d", metrics.serve(options.metrics_port))
@@ -69,7 +70,7 @@ def run_evaluator(
                     "with the workers' --model"
                 )
             if central.version != last_version:
-                load_flat(model, central.flat)
+                load_central(model, central)
                 loss, accuracy = evaluate(model, data.test_x, data.test_y)
                 client.report_evaluation(central.version, loss, accuracy, len(data.test_x), data.name)
                 result = EvaluationResult(central.version, loss, accuracy)

@@ -59,10 +59,48 @@ def mnist_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return PaperCnn(num_classes)
 
 
+class ResidualBlock(nn.Module):
+    """Two 3x3 convolutions with batch norm and an identity (or 1x1, when the shape changes) shortcut."""
+
+    def __init__(self, channels_in: int, channels_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels_in, channels_out, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels_out)
+        self.conv2 = nn.Conv2d(channels_out, channels_out, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels_out)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or channels_in != channels_out:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(channels_in, channels_out, 1, stride=stride, bias=False), nn.BatchNorm2d(channels_out)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        result: torch.Tensor = F.relu(out + self.shortcut(x))
+        return result
+
+
+def resnet_bn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """A small ResNet with batch norm (stem, two residual stages, global average pooling): the
+    usual architecture whose running statistics must reach the server for exports to evaluate."""
+    return nn.Sequential(
+        nn.Conv2d(input_shape[0], 16, 3, padding=1, bias=False),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        ResidualBlock(16, 16, stride=1),
+        ResidualBlock(16, 32, stride=2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, num_classes),
+    )
+
+
 MODELS: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {
     "mlp": mlp,
     "digits-cnn": digits_cnn,
     "mnist-cnn": mnist_cnn,
+    "resnet-bn": resnet_bn,
 }
 
 

@@ -5,6 +5,10 @@
   from the central variable, commit the accumulated update divided by lambda.
 - easgd (asynchronous elastic averaging SGD, Zhang et al. 2015): keep a local variable x;
   every `period` local steps pull theta, commit e = alpha*(x - theta) and move x <- x - e.
+
+Local SGD steps follow the server's learning-rate schedule: a mode's learning rate (the config's
+by default) is scaled by the schedule's factor at the central version the worker last loaded
+(gemps_proto.schedules), so they take eta(v) as the server would apply it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from gemps.pytorch import RemoteModel
 from gemps.records import CommitResult
+from gemps_proto.schedules import schedule_factor
 from gemps_proto.schema import WorkerMode
 
 #: the modes by name: the ones the protocol defines (TrainingConfig.worker_mode)
@@ -39,7 +44,12 @@ class Committed:
 class TrainingMode(ABC):
     def __init__(self, remote: RemoteModel, learning_rate: float) -> None:
         self.remote = remote
-        self.learning_rate = learning_rate
+        self.learning_rate = learning_rate  # at factor 1 of the server's schedule
+
+    def local_learning_rate(self) -> float:
+        """eta for a local step: the learning rate scaled by the server's schedule at the central
+        version last loaded."""
+        return self.learning_rate * schedule_factor(self.remote.registration.config, self.remote.version)
 
     @abstractmethod
     def on_batch(self, loss_of_batch: LossFunction, batch_size: int) -> Committed | None:
@@ -56,9 +66,10 @@ class TrainingMode(ABC):
 
     @torch.no_grad()
     def _local_sgd_step(self) -> None:
+        eta = self.local_learning_rate()
         for p in self.remote.model.parameters():
             if p.grad is not None:
-                p.add_(p.grad, alpha=-self.learning_rate)
+                p.add_(p.grad, alpha=-eta)
 
 
 class GradientMode(TrainingMode):

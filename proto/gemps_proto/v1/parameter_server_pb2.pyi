@@ -46,7 +46,7 @@ class ParameterSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class TrainingConfig(_message.Message):
-    __slots__ = ("rule", "learning_rate", "momentum", "kappa", "pi_max", "worker_mode", "batch_size")
+    __slots__ = ("rule", "learning_rate", "momentum", "kappa", "pi_max", "worker_mode", "batch_size", "lr_schedule", "lr_warmup_commits", "lr_step_size", "lr_gamma", "lr_total_commits", "lr_min")
     RULE_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,12 @@ class TrainingConfig(_message.Message):
     PI_MAX_FIELD_NUMBER: _ClassVar[int]
     WORKER_MODE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LR_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    LR_WARMUP_COMMITS_FIELD_NUMBER: _ClassVar[int]
+    LR_STEP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LR_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    LR_TOTAL_COMMITS_FIELD_NUMBER: _ClassVar[int]
+    LR_MIN_FIELD_NUMBER: _ClassVar[int]
     rule: str
     learning_rate: float
     momentum: float
@@ -61,7 +67,13 @@ class TrainingConfig(_message.Message):
     pi_max: float
     worker_mode: str
     batch_size: int
-    def __init__(self, rule: _Optional[str] = ..., learning_rate: _Optional[float] = ..., momentum: _Optional[float] = ..., kappa: _Optional[float] = ..., pi_max: _Optional[float] = ..., worker_mode: _Optional[str] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    lr_schedule: str
+    lr_warmup_commits: int
+    lr_step_size: int
+    lr_gamma: float
+    lr_total_commits: int
+    lr_min: float
+    def __init__(self, rule: _Optional[str] = ..., learning_rate: _Optional[float] = ..., momentum: _Optional[float] = ..., kappa: _Optional[float] = ..., pi_max: _Optional[float] = ..., worker_mode: _Optional[str] = ..., batch_size: _Optional[int] = ..., lr_schedule: _Optional[str] = ..., lr_warmup_commits: _Optional[int] = ..., lr_step_size: _Optional[int] = ..., lr_gamma: _Optional[float] = ..., lr_total_commits: _Optional[int] = ..., lr_min: _Optional[float] = ...) -> None: ...
 
 class Shard(_message.Message):
     __slots__ = ("index", "count")
@@ -72,19 +84,23 @@ class Shard(_message.Message):
     def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("spec", "initial_parameters", "worker_name", "omit_parameters")
+    __slots__ = ("spec", "initial_parameters", "worker_name", "omit_parameters", "buffer_spec", "initial_buffers")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     INITIAL_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     OMIT_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SPEC_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     spec: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
     initial_parameters: Tensor
     worker_name: str
     omit_parameters: bool
-    def __init__(self, spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., initial_parameters: _Optional[_Union[Tensor, _Mapping]] = ..., worker_name: _Optional[str] = ..., omit_parameters: _Optional[bool] = ...) -> None: ...
+    buffer_spec: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
+    initial_buffers: Tensor
+    def __init__(self, spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., initial_parameters: _Optional[_Union[Tensor, _Mapping]] = ..., worker_name: _Optional[str] = ..., omit_parameters: _Optional[bool] = ..., buffer_spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., initial_buffers: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "lease_ttl_seconds", "config", "shard", "version", "parameters", "initialized_central")
+    __slots__ = ("worker_id", "lease_ttl_seconds", "config", "shard", "version", "parameters", "initialized_central", "buffers")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +108,7 @@ class RegisterResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_CENTRAL_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     lease_ttl_seconds: float
     config: TrainingConfig
@@ -99,7 +116,8 @@ class RegisterResponse(_message.Message):
     version: int
     parameters: Tensor
     initialized_central: bool
-    def __init__(self, worker_id: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., initialized_central: _Optional[bool] = ...) -> None: ...
+    buffers: Tensor
+    def __init__(self, worker_id: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., initialized_central: _Optional[bool] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker_id", "known_version", "reply_dtype")
@@ -112,14 +130,16 @@ class PullRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., known_version: _Optional[int] = ..., reply_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("version", "parameters", "unchanged")
+    __slots__ = ("version", "parameters", "unchanged", "buffers")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     UNCHANGED_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
     version: int
     parameters: Tensor
     unchanged: bool
-    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., unchanged: _Optional[bool] = ...) -> None: ...
+    buffers: Tensor
+    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., unchanged: _Optional[bool] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class PullResponseChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -130,7 +150,7 @@ class PullResponseChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullResponse, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("worker_id", "base_version", "kind", "payload", "loss", "num_samples", "request_id", "reply_dtype")
+    __slots__ = ("worker_id", "base_version", "kind", "payload", "loss", "num_samples", "request_id", "reply_dtype", "buffer_delta")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +159,7 @@ class CommitRequest(_message.Message):
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REPLY_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_DELTA_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     base_version: int
     kind: PayloadKind
@@ -147,7 +168,8 @@ class CommitRequest(_message.Message):
     num_samples: int
     request_id: str
     reply_dtype: DType
-    def __init__(self, worker_id: _Optional[str] = ..., base_version: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., payload: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., request_id: _Optional[str] = ..., reply_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    buffer_delta: Tensor
+    def __init__(self, worker_id: _Optional[str] = ..., base_version: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., payload: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., request_id: _Optional[str] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., buffer_delta: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class CommitChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -166,7 +188,7 @@ class CommitResponseChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[CommitResponse, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("version", "parameters", "staleness", "scaling_mean", "scaling_median", "scaling_at_zero", "scaling_at_max")
+    __slots__ = ("version", "parameters", "staleness", "scaling_mean", "scaling_median", "scaling_at_zero", "scaling_at_max", "buffers")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +196,7 @@ class CommitResponse(_message.Message):
     SCALING_MEDIAN_FIELD_NUMBER: _ClassVar[int]
     SCALING_AT_ZERO_FIELD_NUMBER: _ClassVar[int]
     SCALING_AT_MAX_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
     version: int
     parameters: Tensor
     staleness: int
@@ -181,7 +204,8 @@ class CommitResponse(_message.Message):
     scaling_median: float
     scaling_at_zero: float
     scaling_at_max: float
-    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., staleness: _Optional[int] = ..., scaling_mean: _Optional[float] = ..., scaling_median: _Optional[float] = ..., scaling_at_zero: _Optional[float] = ..., scaling_at_max: _Optional[float] = ...) -> None: ...
+    buffers: Tensor
+    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., staleness: _Optional[int] = ..., scaling_mean: _Optional[float] = ..., scaling_median: _Optional[float] = ..., scaling_at_zero: _Optional[float] = ..., scaling_at_max: _Optional[float] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id",)
@@ -216,7 +240,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("initialized", "version", "active_workers", "num_parameters", "config", "commits_applied", "commits_rejected", "spec", "uptime_seconds", "last_evaluation")
+    __slots__ = ("initialized", "version", "active_workers", "num_parameters", "config", "commits_applied", "commits_rejected", "spec", "uptime_seconds", "last_evaluation", "learning_rate", "buffer_spec")
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +251,8 @@ class StatusResponse(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LAST_EVALUATION_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SPEC_FIELD_NUMBER: _ClassVar[int]
     initialized: bool
     version: int
     active_workers: int
@@ -237,4 +263,6 @@ class StatusResponse(_message.Message):
     spec: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
     uptime_seconds: float
     last_evaluation: EvaluationReport
-    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., active_workers: _Optional[int] = ..., num_parameters: _Optional[int] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., commits_applied: _Optional[int] = ..., commits_rejected: _Optional[int] = ..., spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ...) -> None: ...
+    learning_rate: float
+    buffer_spec: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
+    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., active_workers: _Optional[int] = ..., num_parameters: _Optional[int] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., commits_applied: _Optional[int] = ..., commits_rejected: _Optional[int] = ..., spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., learning_rate: _Optional[float] = ..., buffer_spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ...) -> None: ...

@@ -1,7 +1,10 @@
 """Commit rules, one per module, looked up by name (the server's public strategy API).
 
 A rule subclasses CommitRule, names itself (`name`), takes its hyperparameters as keyword-only
-constructor parameters named like TrainingConfig fields, and is listed in `_RULES` below.
+constructor parameters named like TrainingConfig fields, and is listed in `_RULES` below. Every
+rule also takes `schedule`, eta's factor over central versions, which `from_config` builds from
+the config's lr_* fields (gemps_proto.schedules); a constructor that overrides CommitRule's
+passes it on.
 """
 
 from __future__ import annotations

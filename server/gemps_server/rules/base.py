@@ -3,7 +3,9 @@
 A rule owns its hyperparameters (Flower's strategy style): they are the keyword-only parameters
 of its constructor, named like the TrainingConfig fields they come from, so `create_rule` hands
 each rule exactly what it uses and nothing else. Every rule takes the learning rate: it turns a
-gradient g into the update Delta = -eta * g (an update commit is taken as Delta itself).
+gradient g applied at central version v into the update Delta = -eta(v) * g, eta following the
+config's learning-rate schedule (gemps_proto.schedules, which every rule takes as `schedule`);
+an update commit is taken as Delta itself.
 """
 
 from __future__ import annotations
@@ -11,12 +13,18 @@ from __future__ import annotations
 import inspect
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
 
+from gemps_proto.schedules import schedule_factor
 from gemps_proto.schema import PayloadKind, TrainingConfig
+
+#: eta's factor at a central version (eta(v) = learning_rate * schedule(v))
+Schedule = Callable[[int], float]
 
 # Commit statistics (pi's mean, median, clamped fractions; GEM's energies) come from an evenly
 # strided sample of at most this many parameters: exact for smaller models, an estimate past it.
@@ -32,6 +40,11 @@ def median(values: np.ndarray) -> float:
         return float(np.partition(values, middle)[middle])
     ordered = np.partition(values, (middle - 1, middle))
     return (float(ordered[middle - 1]) + float(ordered[middle])) / 2
+
+
+def constant_schedule(version: int) -> float:
+    """The constant schedule: eta = learning_rate at every version."""
+    return 1.0
 
 
 def sample_stride(size: int) -> int:
@@ -99,9 +112,10 @@ class CommitRule(ABC):
     #: float32 vectors of P parameters kept per registered worker (for memory accounting).
     vectors_per_worker: ClassVar[int] = 0
 
-    def __init__(self, num_parameters: int, *, learning_rate: float) -> None:
+    def __init__(self, num_parameters: int, *, learning_rate: float, schedule: Schedule = constant_schedule) -> None:
         self.num_parameters = num_parameters
         self.learning_rate = learning_rate
+        self.schedule = schedule
         self._scratch: np.ndarray | None = None
 
     @classmethod
@@ -112,9 +126,11 @@ class CommitRule(ABC):
 
     @classmethod
     def from_config(cls, config: TrainingConfig, num_parameters: int, **options: Any) -> CommitRule:
-        """The rule with its hyperparameters from `config`; `options` it does not take are ignored."""
+        """The rule with its hyperparameters and learning-rate schedule from `config`; `options` it
+        does not take are ignored."""
         accepted = inspect.signature(cls.__init__).parameters
-        chosen = {name: getattr(config, name) for name in cls.hyperparameters()}
+        chosen: dict[str, Any] = {name: getattr(config, name) for name in cls.hyperparameters()}
+        chosen["schedule"] = partial(schedule_factor, config)
         chosen.update({key: value for key, value in options.items() if key in accepted})
         return cls(num_parameters, **chosen)
 
@@ -133,11 +149,22 @@ class CommitRule(ABC):
         if state:
             raise ValueError(f"rule {self.name!r} keeps no global state, got {sorted(state)}")
 
+    def learning_rate_at(self, version: int) -> float:
+        """eta at central version `version`: learning_rate times the schedule's factor."""
+        return self.learning_rate * self.schedule(version)
+
     def apply(
-        self, theta: np.ndarray, payload: np.ndarray, kind: PayloadKind, worker_id: str, staleness: int
+        self,
+        theta: np.ndarray,
+        payload: np.ndarray,
+        kind: PayloadKind,
+        worker_id: str,
+        staleness: int,
+        version: int = 0,
     ) -> ApplyStats:
-        """Move theta in place by this worker's commit, computed `staleness` commits ago."""
-        scale = -self.learning_rate if kind is PayloadKind.GRADIENT else 1.0
+        """Move theta in place by this worker's commit, computed `staleness` commits ago and applied
+        at central version `version` (the one before it; a gradient g moves theta by -eta(version)*g)."""
+        scale = -self.learning_rate_at(version) if kind is PayloadKind.GRADIENT else 1.0
         return self.apply_scaled(theta, payload, scale, worker_id, staleness)
 
     @abstractmethod

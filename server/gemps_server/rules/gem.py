@@ -32,7 +32,7 @@ import numpy as np
 
 from gemps_server.native import compiled
 from gemps_server.rules import base
-from gemps_server.rules.base import ApplyStats, CommitRule
+from gemps_server.rules.base import ApplyStats, CommitRule, Schedule, constant_schedule
 
 EPSILON = np.float32(1e-16)
 #: how GEM's update runs: `auto` (compiled if built, else numpy), `compiled`, `numpy`
@@ -63,9 +63,10 @@ class GemRule(CommitRule):
         momentum: float,
         kappa: float,
         pi_max: float,
+        schedule: Schedule = constant_schedule,
         kernel: str = "auto",
     ) -> None:
-        super().__init__(num_parameters, learning_rate=learning_rate)
+        super().__init__(num_parameters, learning_rate=learning_rate, schedule=schedule)
         self.momentum, self.kappa, self.pi_max = momentum, kappa, pi_max
         self._workers: dict[str, _WorkerState] = {}
         block = min(BLOCK, max(1, num_parameters))

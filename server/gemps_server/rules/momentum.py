@@ -1,21 +1,26 @@
 """One global velocity: v <- mu*v + Delta, theta <- theta + v.
 
 With a single worker this is synchronous momentum SGD, the proxy GEM aims to match and the
-paper's reference curve.
+paper's reference curve. Under a learning-rate schedule each gradient enters the velocity as
+Delta = -eta(v)*g with the eta of the version it is applied at, so the velocity keeps the eta of
+past commits (Sutskever et al.'s form; torch.optim.SGD instead scales its whole buffer by the
+current eta: the two agree while eta is constant).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from gemps_server.rules.base import ApplyStats, CommitRule
+from gemps_server.rules.base import ApplyStats, CommitRule, Schedule, constant_schedule
 
 
 class MomentumRule(CommitRule):
     name = "momentum"
 
-    def __init__(self, num_parameters: int, *, learning_rate: float, momentum: float) -> None:
-        super().__init__(num_parameters, learning_rate=learning_rate)
+    def __init__(
+        self, num_parameters: int, *, learning_rate: float, momentum: float, schedule: Schedule = constant_schedule
+    ) -> None:
+        super().__init__(num_parameters, learning_rate=learning_rate, schedule=schedule)
         self.momentum = momentum
         self._velocity = np.zeros(num_parameters, dtype=np.float32)
 

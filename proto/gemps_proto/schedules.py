@@ -1,0 +1,69 @@
+"""Learning-rate schedules: the server's eta as a function of the central version.
+
+The server owns eta. A gradient g committed to the server is applied as -eta(v)*g, where v is
+the central version the commit is applied at: the number of commits applied before it (the
+first commit is applied at v = 0; Status reports eta at the current version, the one the next
+commit gets). With eta0 = learning_rate, W = lr_warmup_commits, S = lr_step_size,
+gamma = lr_gamma, T = lr_total_commits and eta_min = lr_min:
+
+    eta(v)    = eta0 * warmup(v) * decay(v)
+    warmup(v) = min(1, (v + 1) / W)     when W > 0, else 1
+    decay(v)  = 1                                                            constant
+              = gamma ** floor(v / S)                                        step
+              = (eta_min + (eta0 - eta_min) * (1 + cos(pi * min(v, T) / T)) / 2) / eta0   cosine
+
+Each factor is torch.optim.lr_scheduler's closed form with the version as its step count:
+warmup is LinearLR(start_factor=1/W, total_iters=W-1) (the first commit gets eta0/W, commit W
+and later ones the full factor), step is StepLR(step_size=S, gamma=gamma), cosine is
+CosineAnnealingLR(T_max=T, eta_min=eta_min), held at eta_min after T versions where torch's
+would rise again. Warm-up and decay multiply (LambdaLR with their product as lr_lambda): both
+count from version 0, so T includes the warm-up.
+
+Workers that take local SGD steps (agn, easgd) use the same eta at the version they last loaded.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # schema.py imports the names below
+    from gemps_proto.schema import TrainingConfig
+
+CONSTANT = "constant"
+STEP = "step"
+COSINE = "cosine"
+#: the schedules by name (TrainingConfig.lr_schedule)
+SCHEDULES = (CONSTANT, STEP, COSINE)
+
+
+def warmup_factor(config: TrainingConfig, version: int) -> float:
+    """min(1, (v + 1) / W): linear warm-up over lr_warmup_commits versions (1 when there is none)."""
+    if config.lr_warmup_commits <= 0:
+        return 1.0
+    return min(1.0, (version + 1) / config.lr_warmup_commits)
+
+
+def decay_factor(config: TrainingConfig, version: int) -> float:
+    """The schedule's decay at `version`, relative to learning_rate. An empty name (the
+    protocol's default: a server that announces no schedule) is the constant schedule."""
+    name = config.lr_schedule
+    if name in (CONSTANT, ""):
+        return 1.0
+    if name == STEP:
+        return float(config.lr_gamma ** (version // config.lr_step_size))
+    if name == COSINE:
+        total = config.lr_total_commits
+        cosine = (1 + math.cos(math.pi * min(version, total) / total)) / 2
+        return (config.lr_min + (config.learning_rate - config.lr_min) * cosine) / config.learning_rate
+    raise ValueError(f"unknown lr_schedule {name!r} (choose from {', '.join(SCHEDULES)})")
+
+
+def schedule_factor(config: TrainingConfig, version: int) -> float:
+    """η(v) / learning_rate: warm-up times decay."""
+    return warmup_factor(config, version) * decay_factor(config, version)
+
+
+def learning_rate_at(config: TrainingConfig, version: int) -> float:
+    """η at central version `version`: what a gradient committed at that version is scaled by."""
+    return config.learning_rate * schedule_factor(config, version)

@@ -1,0 +1,160 @@
+"""The model's buffers (batch-norm running statistics and the like) on a real server: registered
+with the parameters, changed by each commit's buffer_delta, returned in every reply, refused
+when malformed without touching anything, kept in checkpoints across a restart, exported by
+name; a model without buffers sees no new field on the wire."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+import gemps
+from gemps_proto.codec import array_to_tensor
+from gemps_proto.schema import ParameterSpec
+from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_server.checkpoints import list_checkpoints, load
+from tests.helpers import InProcessServer
+from tests.integration.conftest import StartServerProcess, open_stub, register
+
+PARAMS = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(2, np.float32)}
+BUFFERS = {"bn.running_mean": np.zeros(3, np.float32), "bn.running_var": np.ones(3, np.float32)}
+DELTA = np.array([0.5, -0.25, 1.0, 0.0, 2.0, -0.5], np.float32)
+GRADIENT = np.ones(8, np.float32)
+
+
+def test_buffers_change_by_each_commits_delta_and_travel_in_every_reply(server: InProcessServer) -> None:
+    with gemps.Client(server.target) as first, gemps.Client(server.target) as second:
+        first.register(PARAMS, BUFFERS)
+        assert first.central is not None
+        np.testing.assert_array_equal(first.central.buffers, [0, 0, 0, 1, 1, 1])
+        result = first.commit(GRADIENT, buffer_delta=DELTA)
+        expected = np.array([0.5, -0.25, 1.0, 1.0, 3.0, 0.5], np.float32)
+        np.testing.assert_array_equal(result.parameters.buffers, expected)
+        np.testing.assert_array_equal(result.parameters.named_buffers()["bn.running_var"], expected[3:])
+        # By name too, and a commit without a delta leaves them as they are.
+        result = first.commit(GRADIENT, buffer_delta={"bn.running_mean": DELTA[:3], "bn.running_var": DELTA[3:]})
+        expected = expected + DELTA
+        np.testing.assert_array_equal(result.parameters.buffers, expected)
+        np.testing.assert_array_equal(first.commit(GRADIENT).parameters.buffers, expected)
+        # A later worker's own buffers do not count: it receives the central ones, as with θ.
+        second.register(PARAMS, {name: value + 7 for name, value in BUFFERS.items()})
+        assert second.central is not None
+        np.testing.assert_array_equal(second.central.buffers, expected)
+        np.testing.assert_array_equal(second.pull().buffers, expected)
+        state = second.central.state_dict()
+        assert list(state) == ["w", "b", "bn.running_mean", "bn.running_var"]
+        status = second.status()
+        assert status.buffer_spec == (ParameterSpec("bn.running_mean", (3,)), ParameterSpec("bn.running_var", (3,)))
+
+
+def test_bad_buffers_are_refused_and_touch_nothing(server: InProcessServer) -> None:
+    with gemps.Client(server.target) as client:
+        client.register(PARAMS, BUFFERS)
+        before = client.commit(GRADIENT, buffer_delta=np.full(6, 3e38, np.float32)).parameters  # finite, near the top
+        for delta, text in (
+            (np.ones(5, np.float32), "buffer_delta shape [5]"),
+            (np.full(6, np.nan, np.float32), "NaN or Inf"),
+            (np.full(6, 3e38, np.float32), "overflow"),  # finite, but the sum is not
+        ):
+            with pytest.raises(gemps.GempsError) as refused:
+                client.commit(GRADIENT, buffer_delta=delta)
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and text in refused.value.message
+        after = client.pull()
+        assert after.version == before.version  # nothing applied: not θ, not the buffers
+        np.testing.assert_array_equal(after.flat, before.flat)
+        np.testing.assert_array_equal(after.buffers, before.buffers)
+        with gemps.Client(server.target) as other:
+            with pytest.raises(gemps.GempsError) as mismatch:
+                other.register(PARAMS, {"bn.running_mean": np.zeros(4, np.float32)})
+            assert mismatch.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "buffer 0: server has 'bn.running_mean' [3], worker sent 'bn.running_mean' [4]" in (
+                mismatch.value.message
+            )
+
+
+def test_first_registration_with_a_buffer_spec_needs_the_values(server: InProcessServer) -> None:
+    stub = open_stub(server.target)
+    request = pb.RegisterRequest(
+        spec=[pb.ParameterSpec(name="w", shape=[2], dtype=pb.DTYPE_FLOAT32)],
+        initial_parameters=array_to_tensor(np.zeros(2, np.float32)),
+        buffer_spec=[pb.ParameterSpec(name="w", shape=[1], dtype=pb.DTYPE_FLOAT32)],
+        initial_buffers=array_to_tensor(np.zeros(1, np.float32)),
+    )
+    with pytest.raises(grpc.RpcError) as same_name:
+        stub.Register(request)
+    assert same_name.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "buffer name 'w' appears twice" in str(same_name.value.details())
+    request.buffer_spec[0].name = "n"
+    request.ClearField("initial_buffers")
+    with pytest.raises(grpc.RpcError) as missing:
+        stub.Register(request)
+    assert "initial_buffers is missing" in str(missing.value.details())
+    assert not stub.Status(pb.StatusRequest()).initialized
+
+
+def test_a_model_without_buffers_gets_no_buffer_fields(server: InProcessServer) -> None:
+    stub = open_stub(server.target)
+    registered = register(stub)
+    assert not registered.HasField("buffers")
+    reply = stub.Commit(
+        pb.CommitRequest(
+            worker_id=registered.worker_id,
+            kind=pb.PAYLOAD_KIND_GRADIENT,
+            payload=array_to_tensor(np.ones(16, np.float32)),
+        )
+    )
+    assert not reply.HasField("buffers")
+    assert not stub.Pull(pb.PullRequest(worker_id=registered.worker_id, known_version=-1)).HasField("buffers")
+
+
+def test_buffers_survive_a_restart_and_are_exported_by_name(
+    tmp_path: Path, start_server_process: StartServerProcess
+) -> None:
+    directory = tmp_path / "ckpt"
+    options = {"checkpoint_dir": directory, "checkpoint_every": 1, "checkpoint_interval": 0}
+    server = start_server_process(**options)
+    with gemps.Client(server.target) as client:
+        client.register(PARAMS, BUFFERS)
+        trained = client.commit(GRADIENT, buffer_delta=DELTA).parameters
+    assert server.stop() == 0
+    saved = load(list_checkpoints(directory)[-1][1])
+    np.testing.assert_array_equal(saved.image.buffers, trained.buffers)
+    restarted = start_server_process(port=server.port, **options)
+    with gemps.Client(restarted.target) as client:
+        client.register(PARAMS, BUFFERS)  # not the initialiser now: it receives the restored buffers
+        assert client.central is not None
+        np.testing.assert_array_equal(client.central.buffers, trained.buffers)
+        np.testing.assert_array_equal(client.central.flat, trained.flat)
+    out = tmp_path / "model.safetensors"
+    result = subprocess.run(
+        [sys.executable, "-m", "gemps_cli", "export", str(directory), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "4 tensors, 8 parameters, 6 buffer values" in result.stdout
+    from safetensors.numpy import load_file
+
+    exported = load_file(str(out))
+    np.testing.assert_array_equal(exported["bn.running_var"], trained.named_buffers()["bn.running_var"])
+    np.testing.assert_array_equal(exported["w"], trained.named()["w"])
+
+
+def test_gemps_status_shows_the_buffers_and_eta(server: InProcessServer) -> None:
+    with gemps.Client(server.target) as client:
+        client.register(PARAMS, BUFFERS)
+        shown = subprocess.run(
+            [sys.executable, "-m", "gemps_cli", "status", "--server", server.target],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert shown.returncode == 0, shown.stderr
+    assert "buffers         6 in 2 tensors" in shown.stdout
+    assert "learning rate   0.05 now (constant schedule)" in shown.stdout
