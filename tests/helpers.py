@@ -133,7 +133,15 @@ class InProcessServer:
         self._logger.addHandler(self._handler)
         self._logger.setLevel(logging.INFO)
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(timeout=30)
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(timeout=30)
+        except BaseException:
+            self.stopped = True  # nothing to stop gracefully; leave the loop and the logger as found
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            self._logger.removeHandler(self._handler)
+            self._logger.setLevel(self._saved_level)
+            raise
         return self
 
     def stop(self, grace: float = 0.0) -> None:

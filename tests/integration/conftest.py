@@ -31,7 +31,7 @@ def start_server() -> Iterator[StartServer]:
         return server
 
     yield start
-    for server in started:
+    for server in reversed(started):  # last in, first out: each restores the log level it found
         server.stop()
 
 
