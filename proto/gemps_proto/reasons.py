@@ -34,6 +34,8 @@ class Reason(str, enum.Enum):
     NON_FINITE = "non_finite"  # NaN or Inf in a payload or in initial parameters
     BAD_REQUEST_ID = "bad_request_id"  # a request id past its length limit
     BAD_EVALUATION = "bad_evaluation"  # an evaluator's figures out of range
+    TOO_LONG = "too_long"  # a worker name or dataset label past its length limit
+    STREAM_IDLE = "stream_idle"  # a CommitStream that sent nothing for --stream-idle-timeout seconds
 
     def __str__(self) -> str:
         return self.value

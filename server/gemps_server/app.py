@@ -34,6 +34,8 @@ log = logging.getLogger("gemps.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 # Lease checks run this often relative to the TTL, so eviction lags the TTL by at most a quarter.
 LEASE_CHECKS_PER_TTL = 4
+# Exit status when the final checkpoint failed and acknowledged commits were lost (2: cannot start).
+EXIT_CHECKPOINT_LOST = 3
 
 
 def _hostport(host: str, port: int) -> str:
@@ -61,7 +63,9 @@ class ParameterServer:
             self.metrics,
             on_committed=self.checkpointer.committed if self.checkpointer is not None else None,
         )
-        self.servicer = GempsServicer(self.service, self.metrics, config.max_streamed_payloads)
+        self.servicer = GempsServicer(
+            self.service, self.metrics, config.max_streamed_payloads, config.stream_idle_timeout
+        )
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.metrics_port = 0
@@ -135,10 +139,11 @@ class ParameterServer:
         )
         return self.port
 
-    async def stop(self, grace: float | None = None) -> None:
+    async def stop(self, grace: float | None = None) -> bool:
         """Shut down gracefully: report NOT_SERVING, refuse new RPCs and give in-flight ones up to
         `grace` seconds (default: the config's shutdown_grace), apply every queued commit, write the
-        final checkpoint, stop."""
+        final checkpoint, stop. False when checkpoints are on and the final one failed: commits
+        were acknowledged that no checkpoint holds (logged with the versions lost)."""
         grace = self.config.shutdown_grace if grace is None else grace
         await self.health.enter_graceful_shutdown()
         if self._lease_task is not None:
@@ -150,11 +155,26 @@ class ParameterServer:
         if self.checkpointer is not None:
             await self.checkpointer.stop_schedule()
         await asyncio.to_thread(self.applier.stop)  # runs what is still queued
+        durable = True
         if self.checkpointer is not None:
             await self.checkpointer.write_final()
+            durable = self.checkpointer.last_version == self.state.version or not self.state.initialized
         if self._metrics_server is not None:
             self._metrics_server.shutdown()  # type: ignore[attr-defined]
+        if not durable:
+            assert self.checkpointer is not None
+            newest = self.checkpointer.last_version
+            event(
+                log,
+                "stopped without a final checkpoint",
+                level=logging.ERROR,
+                version=self.state.version,
+                newest_checkpoint=newest,
+                lost=f"{(newest or 0) + 1}..{self.state.version}",
+            )
+            return False
         event(log, "stopped", version=self.state.version, active=len(self.state.registry))
+        return True
 
     async def wait_closed(self) -> None:
         if self._server is not None:
@@ -220,6 +240,8 @@ async def serve(config: ServerConfig, ready: threading.Event | None = None) -> N
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({closed, stopping}, return_when=asyncio.FIRST_COMPLETED)
     event(log, "shutting down", grace_seconds=config.shutdown_grace)
-    await server.stop()
+    durable = await server.stop()
     closed.cancel()
     stopping.cancel()
+    if not durable:  # acknowledged commits are in no checkpoint: say so with the exit status too
+        raise SystemExit(EXIT_CHECKPOINT_LOST)

@@ -44,6 +44,7 @@ class Checkpointer:
         self.last_version: int | None = None  # of the newest checkpoint written or restored
         self.failed = False  # the last write failed
         self._due = asyncio.Event()
+        self._stopping = asyncio.Event()
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
 
@@ -109,13 +110,18 @@ class Checkpointer:
         return bool(self.every) and version - (self.last_version or 0) >= self.every
 
     async def _run(self) -> None:
-        while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._due.wait(), self.interval or None)
+        # Ends when told to, never by cancellation: on Python 3.11 asyncio.wait_for can swallow a
+        # cancellation that arrives as the event it waits for is set (every commit sets it with
+        # --checkpoint-every 1); the loop then went on to write() and waited forever for the lock
+        # held by stop_schedule(), which waited for the loop: shutdown hung.
+        while not self._stopping.is_set():
+            await _wait(self._due, self.interval or None)
+            if self._stopping.is_set():
+                return
             self._due.clear()
             await self.write()
             if self.failed:
-                await asyncio.sleep(FAILURE_BACKOFF_SECONDS)
+                await _wait(self._stopping, FAILURE_BACKOFF_SECONDS)
             elif not self._due_by_count(self._state.version):
                 self._due.clear()  # set by commits during the write, against the previous checkpoint
 
@@ -156,12 +162,11 @@ class Checkpointer:
     async def stop_schedule(self) -> None:
         """Stop the schedule, after any write in progress (before the applier stops: a write
         waiting for an applier that no longer runs would never finish)."""
-        async with self._lock:
-            if self._task is not None:
-                self._task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._task
-                self._task = None
+        self._stopping.set()
+        self._due.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
 
     async def write_final(self) -> Path | None:
         """The shutdown checkpoint, once the applier has drained and stopped."""
@@ -175,3 +180,9 @@ class Checkpointer:
     def _save(self, checkpoint: Checkpoint) -> tuple[Path, int, list[Path]]:
         path, size = save(self.directory, checkpoint)
         return path, size, prune(self.directory, self.keep)
+
+
+async def _wait(event: asyncio.Event, timeout: float | None) -> None:
+    """Until `event` is set or `timeout` seconds passed (None: no timeout)."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout)

@@ -43,6 +43,9 @@ THETA_KEY = "central_variable"
 BUFFERS_KEY = "buffers"
 RULE_STATE_PREFIX = "rule."
 SUFFIX = ".safetensors"
+# Versions and counts are int64 on the wire (base_version) and uint64 in replies: a checkpoint
+# claiming more is not one this server wrote.
+MAX_COUNT = 2**63 - 1
 NAME_PATTERN = re.compile(r"^checkpoint-(\d{12,})\.safetensors$")
 TEMPORARY_PREFIX = ".checkpoint-"
 TEMPORARY_SUFFIX = ".tmp"
@@ -160,9 +163,29 @@ def save(directory: Path, checkpoint: Checkpoint) -> tuple[Path, int]:
     return path, size
 
 
+def _json(raw: str) -> Any:
+    """Strict JSON (no NaN or Infinity); a crafted file raises CheckpointError, never anything
+    that would stop the start instead of falling back to the older file."""
+
+    def refuse(constant: str) -> None:
+        raise CheckpointError(f"{constant} in metadata")
+
+    try:
+        return json.loads(raw, parse_constant=refuse)
+    except RecursionError:
+        raise CheckpointError("metadata JSON nested too deeply") from None
+
+
+def _count(metadata: Mapping[str, str], key: str) -> int:
+    value = int(metadata[key])
+    if not 0 <= value <= MAX_COUNT:
+        raise CheckpointError(f"{key} {value} outside 0..{MAX_COUNT}")
+    return value
+
+
 def _parse_spec(raw: str, seen: set[str] | None = None, *, allow_empty: bool = False) -> tuple[ParameterSpec, ...]:
     """Entries with unique names (also against `seen`, which collects them)."""
-    entries = json.loads(raw)
+    entries = _json(raw)
     if not isinstance(entries, list) or not (entries or allow_empty):
         raise CheckpointError("spec must be a non-empty list")
     spec, seen = [], set() if seen is None else seen
@@ -172,7 +195,7 @@ def _parse_spec(raw: str, seen: set[str] | None = None, *, allow_empty: bool = F
         name, shape = entry.get("name"), entry.get("shape")
         if not isinstance(name, str) or not name or name in seen:
             raise CheckpointError(f"bad or repeated parameter name in spec: {name!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(type(d) is int and 0 <= d <= MAX_COUNT for d in shape):
             raise CheckpointError(f"bad shape for {name!r}: {shape!r}")
         seen.add(name)
         spec.append(ParameterSpec(name, tuple(shape)))
@@ -180,14 +203,19 @@ def _parse_spec(raw: str, seen: set[str] | None = None, *, allow_empty: bool = F
 
 
 def _parse_receipts(raw: str) -> dict[str, Receipt]:
-    entries = json.loads(raw)
+    entries = _json(raw)
     if not isinstance(entries, dict):
         raise CheckpointError("receipts must be an object")
     receipts = {}
     for request_id, values in entries.items():
         if not request_id or len(request_id) > MAX_REQUEST_ID_LENGTH or not isinstance(values, list):
             raise CheckpointError(f"bad receipt for request {request_id[:40]!r}")
-        receipts[request_id] = Receipt.from_list(values)
+        if any(type(value) not in (int, float) for value in values):
+            raise CheckpointError(f"receipt for request {request_id[:40]!r} is not numbers")
+        receipt = Receipt.from_list(values)
+        if receipt.version > MAX_COUNT or receipt.staleness > MAX_COUNT:
+            raise CheckpointError(f"receipt for request {request_id[:40]!r} has an impossible version")
+        receipts[request_id] = receipt
     return receipts
 
 
@@ -200,11 +228,16 @@ def load(path: Path) -> Checkpoint:
     except (OSError, safetensors.SafetensorError) as error:
         raise CheckpointError(f"{path}: not a readable safetensors file: {error}") from None
     try:
-        return _from_parts(metadata, tensors)
+        checkpoint = _from_parts(metadata, tensors)
     except CheckpointError as error:
         raise CheckpointError(f"{path}: {error}") from None
-    except (ValueError, TypeError, KeyError, AttributeError) as error:  # malformed metadata values
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as error:  # malformed values
         raise CheckpointError(f"{path}: malformed metadata: {error!r}") from None
+    named = NAME_PATTERN.match(path.name)
+    if named is not None and int(named.group(1)) != checkpoint.version:
+        # Otherwise a renamed old file would sort as the newest and be restored over newer state.
+        raise CheckpointError(f"{path}: its name says version {int(named.group(1))}, its metadata {checkpoint.version}")
+    return checkpoint
 
 
 def _from_parts(metadata: dict[str, str], tensors: dict[str, np.ndarray]) -> Checkpoint:
@@ -214,9 +247,9 @@ def _from_parts(metadata: dict[str, str], tensors: dict[str, np.ndarray]) -> Che
         raise CheckpointError(f"unsupported checkpoint format version {metadata.get('format_version')!r}")
     if metadata.get("crc32") != _crc(tensors):
         raise CheckpointError("tensor data does not match its CRC-32: the file is damaged")
-    version, commits = int(metadata["version"]), int(metadata["commits_applied"])
-    if version < 0 or commits < 0:
-        raise CheckpointError(f"negative version {version} or commit count {commits}")
+    if int(metadata["version"]) < 0 or int(metadata["commits_applied"]) < 0:
+        raise CheckpointError(f"negative version {metadata['version']} or commit count {metadata['commits_applied']}")
+    version, commits = _count(metadata, "version"), _count(metadata, "commits_applied")
     names: set[str] = set()
     spec = _parse_spec(metadata["spec"], names)
     buffer_spec = _parse_spec(metadata.get("buffer_spec", "[]"), names, allow_empty=True)
@@ -232,7 +265,7 @@ def _from_parts(metadata: dict[str, str], tensors: dict[str, np.ndarray]) -> Che
     for key, value in (("theta", theta), ("buffers", buffers), *rule_state.items()):
         if value.size and not np.isfinite(value).all():
             raise CheckpointError(f"{key} contains NaN or Inf")
-    config = json.loads(metadata.get("config", "{}"))
+    config = _json(metadata.get("config", "{}"))
     if not isinstance(config, dict):
         raise CheckpointError("config must be an object")
     image = StateImage(

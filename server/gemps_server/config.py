@@ -56,6 +56,12 @@ class ServerConfig:
             "help": "CommitStreams served at once, each in a reused buffer of P values (others wait in flow control)"
         },
     )
+    stream_idle_timeout: float = field(
+        default=30.0,
+        metadata={
+            "help": "seconds a CommitStream may wait between its pieces before it is refused (it may hold a buffer)"
+        },
+    )
     metrics_port: int = field(default=9109, metadata={"help": "Prometheus /metrics port; -1 disables"})
     metrics_host: str = field(default="", metadata={"help": "metrics address (default: same as --host)"})
     log_level: str = field(default="info", metadata={"help": "log level", "choices": LOG_LEVELS})
@@ -123,6 +129,8 @@ class ServerConfig:
             found.append("num_shards must be >= 0")
         if self.max_streamed_payloads < 1:
             found.append("max_streamed_payloads must be >= 1")
+        if not self.stream_idle_timeout > 0:
+            found.append("stream_idle_timeout must be > 0")
         if self.max_message_mb < 1:
             found.append("max_message_mb must be >= 1")
         if self.checkpoint_every < 0:

@@ -31,5 +31,9 @@ class ResourceExhausted(ServiceError):
     """A limit was hit (workers, registration rate)."""
 
 
+class DeadlineExceeded(ServiceError):
+    """The client took too long (a stream that stopped sending while it held a buffer)."""
+
+
 class Unavailable(ServiceError):
     """Not now, soon: the caller should retry with backoff (the central variable is being set)."""

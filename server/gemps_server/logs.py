@@ -29,6 +29,16 @@ _FIELDS_ATTR = "gemps_fields"
 FieldValue = str | int | float | bool | None
 
 
+# The most characters of one field a log line keeps (a refusal can quote megabytes of request).
+MAX_FIELD_CHARS = 1000
+
+
+def _clipped(text: str) -> str:
+    if len(text) <= MAX_FIELD_CHARS:
+        return text
+    return f"{text[:MAX_FIELD_CHARS]}... ({len(text) - MAX_FIELD_CHARS} more characters)"
+
+
 def _text_value(value: FieldValue) -> str:
     if value is None:
         return "-"
@@ -36,9 +46,12 @@ def _text_value(value: FieldValue) -> str:
         return "true" if value else "false"
     if isinstance(value, float):
         return f"{value:.6g}"
-    text = str(value)
-    if text == "" or any(c in text for c in ' ="\\\n\t'):
-        return json.dumps(text)
+    text = _clipped(str(value))
+    # Quoted and escaped (ASCII only) whenever it holds anything but plain printable text: a
+    # client's string must not end the line, move the cursor, recolour or reorder the terminal
+    # (CR, ANSI escapes, NUL, bidi controls are all not printable).
+    if text == "" or not text.isprintable() or any(c in text for c in ' ="\\'):
+        return json.dumps(text).replace("\x7f", "\\u007f")
     return text
 
 
@@ -57,9 +70,11 @@ def event(logger: logging.Logger, name: str, /, *, level: int = logging.INFO, **
 def _json_value(value: Any) -> Any:
     if isinstance(value, float) and value != value:  # NaN is not JSON
         return None
-    if value is None or isinstance(value, str | int | float | bool):
+    if isinstance(value, str):
+        return _clipped(value)
+    if value is None or isinstance(value, int | float | bool):
         return value
-    return str(value)
+    return _clipped(str(value))
 
 
 class JsonFormatter(logging.Formatter):

@@ -24,7 +24,7 @@ from gemps_proto.reasons import Reason
 from gemps_proto.schema import ParameterSpec, Registration
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.errors import InvalidArgument
-from gemps_server.state import Admission, Commit, CommitOutcome, Snapshot
+from gemps_server.state import Admission, Commit, CommitOutcome, Snapshot, check_spec_length
 
 M = TypeVar("M", bound=Message)
 
@@ -80,7 +80,9 @@ def reply_dtype_from_proto(dtype: int) -> int:
 
 
 def spec_from_proto(messages: Sequence[pb.ParameterSpec]) -> tuple[ParameterSpec, ...]:
-    """A worker's spec; InvalidArgument for an entry whose dtype is not the central variable's."""
+    """A worker's spec; InvalidArgument for an entry whose dtype is not the central variable's, or
+    for more entries than a spec may have (checked before reading any)."""
+    check_spec_length(len(messages))
     for entry in messages:
         if entry.dtype != pb.DTYPE_FLOAT32:
             raise InvalidArgument(

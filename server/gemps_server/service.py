@@ -23,7 +23,15 @@ from gemps_server.errors import InvalidArgument, ResourceExhausted, ServiceError
 from gemps_server.logs import Throttle, event
 from gemps_server.metrics import ServerMetrics
 from gemps_server.security import RateLimiter
-from gemps_server.state import Admission, Commit, CommitOutcome, ServerState, Snapshot, check_reply_dtype
+from gemps_server.state import (
+    Admission,
+    Commit,
+    CommitOutcome,
+    ServerState,
+    Snapshot,
+    check_name,
+    check_reply_dtype,
+)
 
 log = logging.getLogger("gemps.server")
 
@@ -33,7 +41,12 @@ R = TypeVar("R")
 INLINE_MAX_PARAMETERS = 250_000
 
 
+# The RPCs that commit: a refusal of either counts as a rejected commit (Status, metrics).
+COMMIT_METHODS = frozenset({"Commit", "CommitStream"})
+
+
 def check_evaluation(report: Evaluation, current_version: int) -> None:
+    check_name("dataset", report.dataset)
     if not (math.isfinite(report.loss) and report.loss >= 0):
         raise InvalidArgument(f"held-out loss {report.loss} must be finite and >= 0", Reason.BAD_EVALUATION)
     if not 0.0 <= report.accuracy <= 1.0:
@@ -237,7 +250,7 @@ class ParameterService:
 
     def rejected(self, method: str, error: ServiceError, status: str) -> None:
         """Count and log (throttled) a request refused with gRPC status `status`."""
-        if method == "Commit":
+        if method in COMMIT_METHODS:
             self.commits_rejected += 1
             self._metrics.rejected(error.reason)
         suppressed = self._rejection_log.allow((method, error.reason))

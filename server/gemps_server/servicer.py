@@ -7,6 +7,7 @@ every RPC is timed here, once.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import time
@@ -25,6 +26,7 @@ from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_server import serde
 from gemps_server.errors import (
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -50,6 +52,7 @@ STATUS_CODES: dict[type[ServiceError], grpc.StatusCode] = {
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 
@@ -166,9 +169,13 @@ def rpc(handler: F) -> F:
 
 
 class GempsServicer(pb_grpc.ParameterServerServicer):
-    def __init__(self, service: ParameterService, metrics: ServerMetrics, max_streamed_payloads: int) -> None:
+    def __init__(
+        self, service: ParameterService, metrics: ServerMetrics, max_streamed_payloads: int, stream_idle_timeout: float
+    ) -> None:
         self.service = service
         self.metrics = metrics
+        # A stream that stops sending is refused after this long: it may hold one of the buffers.
+        self._idle_timeout = stream_idle_timeout
         # CommitStreams in progress at once (receiving, applying or replying), each in a buffer
         # of about 4P bytes; the rest wait in gRPC flow control, not in this process.
         self._stream_buffers = BufferPool(max_streamed_payloads)
@@ -230,7 +237,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         self, requests: AsyncIterator[Chunk], context: Context
     ) -> AsyncIterator[pb.CommitResponseChunk | bytes]:
         """Commit with the payload and the reply's parameters in pieces (see CommitChunk)."""
-        header = await _stream_header(requests)
+        header = await _stream_header(requests, self._idle_timeout)
         dtype = serde.reply_dtype_from_proto(header.reply_dtype)
         # One pooled buffer per stream: the payload is assembled in it, then the reply's θ is
         # copied into the same bytes. Streams past the pool wait in gRPC flow control.
@@ -253,7 +260,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         shape = tuple(header.payload.shape)
         expected = self.service.state.expected_payload_bytes(header.payload.dtype, shape)
         assembler = PayloadAssembler(expected, into=buffer.take(expected))
-        async for chunk in requests:
+        while (chunk := await _next_piece(requests, self._idle_timeout)) is not None:
             if isinstance(chunk, MalformedRequest):
                 raise chunk.refusal()
             if isinstance(chunk, pb.CommitChunk):
@@ -284,8 +291,18 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         return pb.ReportEvaluationResponse()
 
 
-async def _stream_header(requests: AsyncIterator[Chunk]) -> pb.CommitRequest:
-    first = await anext(requests, None)
+async def _next_piece(requests: AsyncIterator[Chunk], timeout: float) -> Chunk | None:
+    """The stream's next piece (None at its end); DeadlineExceeded after `timeout` seconds of silence."""
+    try:
+        return await asyncio.wait_for(anext(requests, None), timeout)
+    except asyncio.TimeoutError:
+        raise DeadlineExceeded(
+            f"CommitStream sent nothing for {timeout:g} s (the server's --stream-idle-timeout)", Reason.STREAM_IDLE
+        ) from None
+
+
+async def _stream_header(requests: AsyncIterator[Chunk], timeout: float) -> pb.CommitRequest:
+    first = await _next_piece(requests, timeout)
     if isinstance(first, MalformedRequest):
         raise first.refusal()
     if not isinstance(first, pb.CommitChunk) or first.WhichOneof("part") != "header":

@@ -37,6 +37,12 @@ from gemps_server.workers import WorkerRecord, WorkerRegistry
 
 # How many spec differences a FAILED_PRECONDITION message spells out before summarising.
 MAX_LISTED_DIFFERENCES = 5
+# The most characters in a worker's name or an evaluation's dataset label: they are kept in
+# memory, logged and sent back in Status (a 50 MiB name would be all three).
+MAX_NAME_LENGTH = 256
+# The most named tensors in a spec (parameters and buffers together): the largest published
+# models have a few thousand; a million-entry spec took the event loop seconds to read.
+MAX_SPEC_ENTRIES = 65_536
 # How long the worker told to initialise the central variable has to send its values, while
 # the others registering without values are asked to retry: n workers starting at once then
 # upload one copy of θ, not n.
@@ -142,6 +148,7 @@ def check_spec(spec: Sequence[ParameterSpec], buffer_spec: Sequence[ParameterSpe
     names are unique across both (they are the keys of one state dict)."""
     if not spec:
         raise InvalidArgument("parameter spec is empty: send at least one parameter", Reason.BAD_SPEC)
+    check_spec_length(len(spec) + len(buffer_spec))
     seen = set()
     for what, entries in (("parameter", spec), ("buffer", buffer_spec)):
         for index, entry in enumerate(entries):
@@ -152,6 +159,24 @@ def check_spec(spec: Sequence[ParameterSpec], buffer_spec: Sequence[ParameterSpe
             if any(d < 0 for d in entry.shape):
                 raise InvalidArgument(f"{what} {entry.name!r} has negative shape {list(entry.shape)}", Reason.BAD_SPEC)
             seen.add(entry.name)
+    if sum(entry.size for entry in spec) == 0:
+        raise InvalidArgument(
+            "parameter spec describes no values: every parameter has a 0 in its shape", Reason.BAD_SPEC
+        )
+
+
+def check_spec_length(entries: int) -> None:
+    """InvalidArgument for a spec of more than MAX_SPEC_ENTRIES tensors (before it is read)."""
+    if entries > MAX_SPEC_ENTRIES:
+        raise InvalidArgument(
+            f"spec has {entries} entries; at most {MAX_SPEC_ENTRIES} parameters and buffers together", Reason.BAD_SPEC
+        )
+
+
+def check_name(what: str, value: str) -> None:
+    """InvalidArgument for a name or label longer than MAX_NAME_LENGTH characters."""
+    if len(value) > MAX_NAME_LENGTH:
+        raise InvalidArgument(f"{what} has {len(value)} characters; at most {MAX_NAME_LENGTH}", Reason.TOO_LONG)
 
 
 def spec_differences(
@@ -255,6 +280,7 @@ class ServerState:
     ) -> Admission:
         """Admit a worker; `encode_theta` False when its reply will not carry θ (it pulls θ apart).
         The first worker's `initial_buffers` become the central buffers."""
+        check_name("worker_name", worker_name)
         check_spec(spec, buffer_spec)
         first = self.rule is None
         if first:

@@ -119,6 +119,8 @@ def register_code(request: pb.RegisterRequest) -> Code:
         if not entry.name or entry.name in seen or entry.dtype != pb.DTYPE_FLOAT32 or any(d < 0 for d in entry.shape):
             return Code.INVALID_ARGUMENT
         seen.add(entry.name)
+    if sum(math.prod(entry.shape) for entry in request.spec) == 0:  # a model of no values
+        return Code.INVALID_ARGUMENT
     same = [(s.name, list(s.shape)) for s in request.spec] == [(s.name, list(s.shape)) for s in SPEC]
     return Code.OK if same else Code.FAILED_PRECONDITION
 

@@ -101,6 +101,10 @@ def test_malformed_streams_are_refused_and_theta_is_untouched(server: InProcessS
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert fragment in (info.value.details() or ""), info.value.details()
     assert central(stub) == before
+    assert stub.Status(pb.StatusRequest()).commits_rejected == 1  # counted as a rejected commit
+    series = scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics")
+    rejected = [value for name, value in series.items() if name.startswith('gemps_commits_total{outcome="rejected"')]
+    assert sum(rejected) == 1  # ... in the metrics too
     # Still serving: a good streamed commit goes through.
     replies = _stream(server, [_header(worker_id, [NUM_PARAMETERS], base=before[0]), frame_data(_good())])
     header = pb.CommitResponseChunk.FromString(replies[0]).header

@@ -105,6 +105,17 @@ def rewrite(path: Path, metadata: dict[str, str], tensors: dict[str, np.ndarray]
         ({"spec": "not json"}, "malformed metadata"),
         ({"version": "-1"}, "negative version"),
         ({"receipts": json.dumps({"r": [1, 2]})}, "malformed metadata"),
+        # Crafted: metadata is outside the CRC, so whatever it says must raise CheckpointError (the
+        # server falls back to an older file) and never restore values Status could not send.
+        ({"spec": "[" * 100_000 + "]" * 100_000}, "nested too deeply"),
+        ({"receipts": '{"r": [Infinity, 0, 1, 1, 0, 0]}'}, "Infinity in metadata"),
+        ({"receipts": '{"r": [NaN, 0, 1, 1, 0, 0]}'}, "NaN in metadata"),
+        ({"receipts": '{"r": [true, 0, 1, 1, 0, 0]}'}, "not numbers"),
+        ({"receipts": json.dumps({"r": [2**64, 0, 1, 1, 0, 0]})}, "impossible version"),
+        ({"version": str(2**64)}, "outside 0.."),
+        ({"commits_applied": str(2**70)}, "outside 0.."),
+        ({"spec": json.dumps([{"name": "w", "shape": [True, 8]}])}, "bad shape"),
+        ({"config": '{"a": ' * 50_000 + "1" + "}" * 50_000}, "nested too deeply"),
     ],
 )
 def test_inconsistent_metadata_is_refused(tmp_path: Path, change: dict[str, str], message: str) -> None:
@@ -114,6 +125,17 @@ def test_inconsistent_metadata_is_refused(tmp_path: Path, change: dict[str, str]
     rewrite(path, {**metadata, **change})
     with pytest.raises(CheckpointError, match=message):
         load(path)
+
+
+def test_a_file_whose_name_disagrees_with_its_metadata_is_not_restored(tmp_path: Path) -> None:
+    save(tmp_path, make_checkpoint(5))
+    old, _ = save(tmp_path, make_checkpoint(3))
+    renamed = checkpoint_path(tmp_path, 9)
+    old.rename(renamed)  # an old file under a newer name would sort first
+    with pytest.raises(CheckpointError, match="its name says version 9, its metadata 3"):
+        load(renamed)
+    found = load_latest(tmp_path)
+    assert found is not None and found[1].version == 5
 
 
 def test_non_finite_values_are_refused(tmp_path: Path) -> None:

@@ -45,6 +45,29 @@ def test_render_text_quotes_what_would_break_key_value_parsing() -> None:
     assert text == 'e a="" b="say \\"hi\\"" c="x=y" d=- e=true f=0.333333'
 
 
+def test_render_text_escapes_every_control_a_client_could_send() -> None:
+    hostile: dict[str, logs.FieldValue] = {
+        "cr": "a\rb",
+        "ansi": "\x1b[31mred",
+        "nul": "a\x00b",
+        "bidi": "abc\u202edcba",
+        "delete": "a\x7fb",
+    }
+    text = logs.render_text("e", hostile)
+    assert text.isprintable() and text.isascii()  # one line, nothing a terminal would act on
+    assert text == ('e cr="a\\rb" ansi="\\u001b[31mred" nul="a\\u0000b" bidi="abc\\u202edcba" delete="a\\u007fb"')
+    assert logs.render_text("e", {"w": "wörker"}) == "e w=wörker"  # plain printable text stays as it is
+
+
+def test_long_fields_are_clipped_in_both_formats(root_logging: None) -> None:
+    long = "x" * (logs.MAX_FIELD_CHARS + 5000)
+    clipped = "x" * logs.MAX_FIELD_CHARS + "... (5000 more characters)"
+    assert logs.render_text("e", {"name": long}) == f'e name="{clipped}"'
+    stream = capture("json")
+    logs.event(logging.getLogger("gemps.server"), "e", name=long)
+    assert len(json.loads(stream.getvalue())["name"]) < logs.MAX_FIELD_CHARS + 40
+
+
 def test_json_lines_have_the_event_and_typed_fields(root_logging: None) -> None:
     stream = capture("json")
     log = logging.getLogger("gemps.server")

@@ -1,0 +1,114 @@
+"""Limits on what a client can make the server keep or wait for (issue 15, items 6, 8 and 10):
+names and labels, spec sizes and empty models are refused up front, with the right status and
+reason, and leave nothing behind; a stream that stops sending is refused and frees its buffer."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+import gemps
+from gemps_proto.codec import array_to_tensor
+from gemps_proto.reasons import METADATA_KEY
+from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_server.state import MAX_NAME_LENGTH, MAX_SPEC_ENTRIES
+from tests.helpers import InProcessServer
+from tests.integration.conftest import SPEC, StartServer, open_stub, register
+
+
+def refused(call: object) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call()  # type: ignore[operator]
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    return info.value
+
+
+def reason(error: grpc.RpcError) -> str:
+    metadata: Any = error.trailing_metadata()
+    return str(dict(metadata or ())[METADATA_KEY])
+
+
+def test_a_long_worker_name_is_refused_and_not_kept(server: InProcessServer) -> None:
+    stub = open_stub(server.target)
+    request = pb.RegisterRequest(
+        spec=SPEC, initial_parameters=array_to_tensor(np.zeros(16, np.float32)), worker_name="w" * (8 << 20)
+    )
+    error = refused(lambda: stub.Register(request))
+    assert reason(error) == "too_long" and f"at most {MAX_NAME_LENGTH}" in str(error.details())
+    assert stub.Status(pb.StatusRequest()).active_workers == 0
+    request.worker_name = "w" * MAX_NAME_LENGTH  # the limit itself is fine
+    assert stub.Register(request).worker_id
+    log = server.log()
+    assert "worker_name has 8388608 characters" in log and "w" * 2000 not in log  # logged, clipped
+
+
+def test_a_long_dataset_label_is_refused_and_status_stays_small(server: InProcessServer) -> None:
+    stub = open_stub(server.target)
+    register(stub)
+    report = pb.EvaluationReport(version=0, loss=0.5, accuracy=0.5, num_samples=10, dataset="d" * (1 << 20))
+    assert reason(refused(lambda: stub.ReportEvaluation(report))) == "too_long"
+    status = stub.Status(pb.StatusRequest())
+    assert not status.HasField("last_evaluation") and status.ByteSize() < 10_000
+
+
+def test_a_spec_with_too_many_entries_is_refused_before_it_is_read(server: InProcessServer) -> None:
+    stub = open_stub(server.target, max_message_mb=256)
+    entry = pb.ParameterSpec(name="p", shape=[1], dtype=pb.DTYPE_FLOAT32)
+    request = pb.RegisterRequest(spec=[entry] * (MAX_SPEC_ENTRIES + 1))
+    error = refused(lambda: stub.Register(request))
+    assert reason(error) == "bad_spec" and f"{MAX_SPEC_ENTRIES + 1} entries" in str(error.details())
+
+
+def test_a_model_without_values_cannot_take_the_server(server: InProcessServer) -> None:
+    stub = open_stub(server.target)
+    empty = [pb.ParameterSpec(name="nothing", shape=[0, 3], dtype=pb.DTYPE_FLOAT32)]
+    request = pb.RegisterRequest(spec=empty, initial_parameters=array_to_tensor(np.zeros(0, np.float32)))
+    assert reason(refused(lambda: stub.Register(request))) == "bad_spec"
+    assert not stub.Status(pb.StatusRequest()).initialized
+    assert register(stub).worker_id  # an honest worker still initialises it
+
+
+def test_streams_that_stop_sending_are_refused_and_free_their_buffers(start_server: StartServer) -> None:
+    """Two CommitStreams send a header and then nothing, holding both buffers: the server refuses
+    them after --stream-idle-timeout, and a streamed commit behind them goes through."""
+    server = start_server(max_streamed_payloads=2, stream_idle_timeout=1.0)
+    stub = open_stub(server.target)
+    worker_id = register(stub).worker_id
+    release = threading.Event()
+    codes: list[tuple[grpc.StatusCode, str]] = []
+
+    def stall() -> None:
+        header = pb.CommitRequest(
+            worker_id=worker_id, kind=pb.PAYLOAD_KIND_GRADIENT, payload=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[16])
+        )
+
+        def frames() -> Iterator[bytes]:
+            yield pb.CommitChunk(header=header).SerializeToString()
+            release.wait(60)  # and then nothing
+
+        channel = grpc.insecure_channel(server.target)
+        call = channel.stream_stream("/gemps.v1.ParameterServer/CommitStream", lambda b: b, lambda b: b)
+        try:
+            list(call(frames(), timeout=60))
+        except grpc.RpcError as error:
+            codes.append((error.code(), reason(error)))
+        finally:
+            channel.close()
+
+    stalled = [threading.Thread(target=stall) for _ in range(2)]
+    for thread in stalled:
+        thread.start()
+    try:
+        with gemps.Client(server.target, streaming="always", timeout=30) as client:
+            client.register({"layer.weight": np.zeros((4, 3), np.float32), "layer.bias": np.zeros(4, np.float32)})
+            assert client.commit(np.ones(16, np.float32)).version >= 1
+    finally:
+        release.set()
+        for thread in stalled:
+            thread.join(30)
+    assert codes == [(grpc.StatusCode.DEADLINE_EXCEEDED, "stream_idle")] * 2

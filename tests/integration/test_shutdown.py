@@ -1,0 +1,70 @@
+"""Shutdown against real server processes (issue 15, items 4 and 5): SIGTERM right after a burst
+of commits with a checkpoint per commit never hangs and loses nothing; a final checkpoint that
+cannot be written ends the process with a non-zero status naming the versions lost."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+
+import gemps
+from gemps_server.app import EXIT_CHECKPOINT_LOST
+from gemps_server.checkpoints import list_checkpoints, load
+from gemps_worker.cluster import ServerProcess
+from tests.helpers import wait_for
+
+PARAMS = {"w": np.zeros(64, np.float32)}
+WORKERS = 4
+ROUNDS = 6  # the hang this guards against came in about half the runs
+FEW_RETRIES = gemps.RetryPolicy(max_attempts=2, initial_backoff=0.05, max_backoff=0.1)
+
+
+def committing(target: str, acknowledged: list[int], stop: threading.Event) -> None:
+    """Commit until the server goes away (or `stop`), recording every version acknowledged."""
+    try:
+        with gemps.Client(target, retry=FEW_RETRIES, timeout=10) as client:
+            client.register(PARAMS)
+            while not stop.is_set():
+                acknowledged.append(client.commit(np.ones(64, np.float32)).version)
+    except gemps.GempsError:
+        pass  # the server shut down under us: expected
+
+
+def test_sigterm_in_a_burst_stops_promptly_with_every_acknowledged_commit_checkpointed(tmp_path: Path) -> None:
+    for round_ in range(ROUNDS):
+        directory = tmp_path / f"round-{round_}"
+        server = ServerProcess(checkpoint_dir=directory, checkpoint_every=1, checkpoint_interval=0, shutdown_grace=2)
+        acknowledged: list[int] = []
+        stop = threading.Event()
+        with server:
+            threads = [
+                threading.Thread(target=committing, args=(server.target, acknowledged, stop)) for _ in range(WORKERS)
+            ]
+            for thread in threads:
+                thread.start()
+            wait_for(lambda seen=acknowledged: len(seen) >= 50, what="a burst of commits")  # type: ignore[misc]
+            code = server.stop(timeout=30)  # SIGTERM while commits arrive; SIGKILL only if it hangs
+            stop.set()
+            for thread in threads:
+                thread.join(30)
+            assert code == 0, f"round {round_}: exit {code}\n{server.log()[-3000:]}"
+        newest = load(list_checkpoints(directory)[-1][1])
+        assert newest.version >= max(acknowledged), f"round {round_}: an acknowledged commit is not in the checkpoint"
+
+
+def test_a_final_checkpoint_that_cannot_be_written_exits_non_zero_naming_the_lost_versions(tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoints"
+    server = ServerProcess(checkpoint_dir=directory, checkpoint_every=0, checkpoint_interval=0)
+    with server:
+        with gemps.Client(server.target) as client:
+            client.register(PARAMS)
+            for _ in range(3):
+                client.commit(np.ones(64, np.float32))
+        directory.rename(tmp_path / "moved")  # the disk under the server goes away ...
+        directory.write_text("not a directory")  # ... and something else is in its place
+        assert server.stop(timeout=30) == EXIT_CHECKPOINT_LOST
+        log = server.log()
+    assert "checkpoint failed" in log
+    assert "stopped without a final checkpoint version=3 newest_checkpoint=- lost=1..3" in log
