@@ -11,7 +11,8 @@ GEM state). Meanwhile the server's resident memory is sampled from /proc.
 Pass criteria (exit 0, `"passed": true` in the JSON): no errors; the server's commit count
 equals the number of commits the clients saw acknowledged; resident memory after warm-up grows
 by less than 5% (median of the last tenth of the samples against the median of the first tenth
-after warm-up); the server shuts down cleanly on SIGTERM.
+after warm-up; `--max-growth-pct` for short runs, in which the allocator is still settling);
+the server shuts down cleanly on SIGTERM.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ MAX_ATTEMPTS = 10
 RPC_TIMEOUT = 30.0
 CHURN_EVERY = 200  # commits between a client's leave + register
 PULL_EVERY = 25  # commits between pulls
-RSS_LIMIT_PCT = 5.0
+RSS_LIMIT_PCT = 5.0  # the ten-minute run's bound; short runs pass a looser one (--max-growth-pct)
 
 
 @dataclass
@@ -212,10 +213,11 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         **memory,
         "rss_samples": [[t, round(rss / 2**20, 2)] for t, rss in samples],
     }
+    result["rss_limit_pct"] = args.max_growth_pct
     result["criteria"] = {
         "no_errors": result["errors"] == 0 and result["server_tracebacks"] == 0,
         "acked_equals_applied": totals.acked == status.commits_applied,
-        "rss_growth_under_5pct": memory["rss_growth_pct"] < RSS_LIMIT_PCT,
+        "rss_growth_within_limit": memory["rss_growth_pct"] < args.max_growth_pct,
         "clean_shutdown": exit_code == 0,
     }
     result["passed"] = all(result["criteria"].values())
@@ -242,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
     parser.add_argument("--parameters", type=int, default=50_000, help="size of the central variable")
     parser.add_argument("--warmup", type=float, default=0.2, help="fraction of the duration before memory counts")
+    parser.add_argument(
+        "--max-growth-pct",
+        type=float,
+        default=RSS_LIMIT_PCT,
+        help="RSS growth after warm-up that fails the run, in %% (short runs see the allocator settle, not a leak)",
+    )
     parser.add_argument("--sample-interval", type=float, default=1.0, help="seconds between memory samples")
     parser.add_argument("--checkpoint-every", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
