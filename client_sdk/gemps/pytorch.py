@@ -62,11 +62,12 @@ def load_central(model: torch.nn.Module, central: CentralVariable) -> None:
     if parameters:
         vector = torch.from_numpy(np.array(central.flat, dtype=np.float32, copy=True))
         torch.nn.utils.vector_to_parameters(vector.to(parameters[0].device), parameters)
-    _load_buffers(model, central)
+    _load_buffers(persistent_buffers(model), central)
 
 
-def _load_buffers(model: torch.nn.Module, central: CentralVariable) -> None:
-    named = dict(persistent_buffers(model))
+def _load_buffers(buffers: Iterable[tuple[str, torch.Tensor]], central: CentralVariable) -> None:
+    """Copy the central buffers into `buffers` (the model's persistent ones, by name)."""
+    named = dict(buffers)
     for name, values in central.named_buffers().items():
         buffer = named[name]
         source = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
@@ -183,7 +184,7 @@ class RemoteModel:
         self._central.numpy()[:] = central.flat
         torch.nn.utils.vector_to_parameters(self._central, self._parameters)
         if self._buffers:
-            _load_buffers(self.model, central)
+            _load_buffers(self._buffers, central)  # listed once: state_dict() per step is not free
             self._loaded_buffers = _flat(b for _, b in self._buffers)
 
 
