@@ -142,6 +142,11 @@ class Client:
         self._registered_buffers = np.empty(0, dtype=np.float32)
         self.registration: Registration | None = None
         self.central: CentralVariable | None = None  # the newest central variable received
+        # This client's identity, the same at every registration: the server deduplicates its
+        # commits by (client_id, request_id), also after it registers again, and keeps one registration of it.
+        self.client_id = uuid.uuid4().hex
+        # The server's `history` from its last Pull reply: "unchanged" needs version and history.
+        self._history = ""
 
     # -- worker lifecycle ----------------------------------------------------------------------
 
@@ -173,12 +178,14 @@ class Client:
         known = self.central.version if self.central is not None else -1
 
         def send() -> tuple[pb.PullResponse, np.ndarray | None]:
-            request = serde.pull_request(self._worker_id(), known, self.wire_dtype)
+            request = serde.pull_request(self._worker_id(), known, self.wire_dtype, self._history)
             if self._streams(expected_nbytes(self.wire_dtype, [self._num_parameters()])):
                 return self._call(self._pull_streamed, request)
             return serde.pull_reply(self._call(self._pull_raw, request))
 
         reply, parameters = send() if self.registration is None else self._with_reregistration(send)
+        if reply.history:
+            self._history = reply.history
         if parameters is not None:
             self.central = self._central(reply.version, parameters, serde.buffers_from_proto(reply))
         assert self.central is not None
@@ -330,6 +337,7 @@ class Client:
                 omit_parameters=omit_parameters,
                 buffer_spec=self._buffer_spec,
                 buffers=initial_buffers,
+                client_id=self.client_id,
             )
             return serde.register_reply(self._call(self._register_raw, request))
 

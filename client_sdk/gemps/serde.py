@@ -32,12 +32,14 @@ def register_request(
     omit_parameters: bool = False,
     buffer_spec: tuple[ParameterSpec, ...] = (),
     buffers: np.ndarray | None = None,
+    client_id: str = "",
 ) -> bytes:
     request = pb.RegisterRequest(
         spec=shared.spec_to_proto(spec),
         worker_name=worker_name,
         omit_parameters=omit_parameters,
         buffer_spec=shared.spec_to_proto(buffer_spec),
+        client_id=client_id,
     )
     if buffer_spec and buffers is not None:
         set_tensor(request.initial_buffers, buffers)
@@ -66,8 +68,13 @@ def register_reply(data: bytes) -> tuple[Registration, np.ndarray | None, np.nda
     return registration, None if parameters is None else parameters.decode(), buffers_from_proto(reply)
 
 
-def pull_request(worker_id: str, known_version: int, wire_dtype: int) -> bytes:
-    request = pb.PullRequest(worker_id=worker_id, known_version=known_version, reply_dtype=wire_dtype)  # type: ignore[arg-type]
+def pull_request(worker_id: str, known_version: int, wire_dtype: int, known_history: str = "") -> bytes:
+    request = pb.PullRequest(
+        worker_id=worker_id,
+        known_version=known_version,
+        reply_dtype=wire_dtype,  # type: ignore[arg-type]
+        known_history=known_history,
+    )
     return request.SerializeToString()
 
 

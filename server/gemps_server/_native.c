@@ -1,5 +1,5 @@
-/* The server's compiled loops: GEM's update (the default `--gem-kernel`) and the finiteness
- * check of a payload, each one pass over P floats without the GIL.
+/* The server's compiled loops: GEM's update (the default `--gem-kernel`) and the finiteness check
+ * of a payload, each one pass over P floats without the GIL.
  *
  * GEM's update, in one compiled pass over the parameters:
  *
@@ -10,6 +10,11 @@
  *     pi      = clip((kappa * |m_i| - c) / (|Delta| + eps), 0, pi_max)
  *     s_i    <- theta
  *     theta  <- theta + pi * Delta
+ *
+ * The new theta and m_i are written to separate output buffers and theta, m_i, s_i are only read:
+ * the caller keeps the result only when every new value is finite (a commit that would overflow
+ * theta is refused with nothing changed), and then s_i <- theta is a swap of buffers, not a copy.
+ * The finiteness of the outputs is summed in the same pass (x - x is 0 for a finite x, NaN else).
  *
  * The float32 operations are gem.py's numpy pass, one by one and in the same order, each rounded
  * to float32 (built with -ffp-contract=off: no fused multiply-add), so both kernels move theta,
@@ -29,17 +34,90 @@
 
 typedef struct {
     double pi_sum, proxy_energy, central_energy, at_zero, at_max;
+    float theta_peak, proxy_peak; /* max |theta| and max |m_i| after the update (update_into only) */
 } Sums;
 
-/* The pass itself. Built for AVX2 and for the x86-64 baseline, picked at load time (ifunc).
- * Each block runs twice: first the update, one parameter at a time in gem.py's order, leaving
- * pi and the energies' terms in L1 scratch; then the block's sums, which the `omp simd`
- * reduction lets the compiler vectorise (sums of the statistics only: theta, m_i and s_i do
- * not depend on their order). Sums in one pass with the update kept it from vectorising. */
-__attribute__((target_clones("avx2", "default"))) static void
-update(float *restrict t, float *restrict m, float *restrict s, const float *restrict u, Py_ssize_t n, float scale,
-       float momentum, float kappa, float pi_max, float epsilon, Py_ssize_t stride, float *restrict sampled,
-       Sums *restrict sums)
+/* One parameter of GEM's update, in gem.py's order; `T_OUT` and `M_OUT` are where the new theta
+ * and m_i go (theta and m_i themselves when in place, which also stores s_i <- theta). */
+#define GEM_PARAMETER(T_OUT, M_OUT, STORE_S)                                                             \
+    do {                                                                                                 \
+        const float delta = scale * bu[j];                                                               \
+        float velocity = momentum * bm[j];                                                               \
+        velocity = velocity + delta;                                                                     \
+        M_OUT[j] = velocity;                                                                             \
+        const float current = bt[j];                                                                     \
+        const float movement = fabsf(current - bs[j]);                                                   \
+        float pi = fabsf(velocity);                                                                      \
+        if (amplify) {                                                                                   \
+            pi = pi * kappa;                                                                             \
+        }                                                                                                \
+        proxies[j] = pi; /* kappa * |m_i| */                                                             \
+        pi = pi - movement;                                                                              \
+        const float denominator = fabsf(delta) + epsilon;                                                \
+        pi = pi / denominator;                                                                           \
+        pi = pi < 0.0f ? 0.0f : pi; /* as numpy's maximum and minimum: NaN stays NaN */                  \
+        pi = pi > pi_max ? pi_max : pi;                                                                  \
+        STORE_S;                                                                                         \
+        const float step = pi * delta;                                                                   \
+        T_OUT[j] = current + step;                                                                       \
+        pis[j] = pi;                                                                                     \
+        centrals[j] = movement + pi * denominator;                                                       \
+    } while (0)
+
+/* A block's sums, once its update is done (pis, proxies, centrals in L1 scratch; bto, bmo its new
+ * theta and m_i). `checked` (a constant where it is inlined): also whether every new value is
+ * finite (0 if not) and their peaks; in place the caller's bound already guarantees both. The
+ * `omp simd` reduction lets the compiler vectorise them (sums of the statistics only: theta, m_i
+ * and s_i do not depend on their order). */
+static inline __attribute__((always_inline)) int
+block_sums(const float *restrict bto, const float *restrict bmo, const float *restrict pis,
+           const float *restrict proxies, const float *restrict centrals, Py_ssize_t start, Py_ssize_t length,
+           float pi_max, Py_ssize_t stride, float *restrict sampled, Sums *restrict sums, const int checked)
+{
+    float pi_sum = 0.0f, proxy_sum = 0.0f, central_sum = 0.0f, at_zero = 0.0f, at_max = 0.0f, bad = 0.0f;
+    float theta_peak = 0.0f, proxy_peak = 0.0f;
+    if (checked) {
+#pragma omp simd reduction(+ : bad) reduction(max : theta_peak, proxy_peak)
+        for (Py_ssize_t j = 0; j < length; j++) {
+            bad += (bto[j] - bto[j]) + (bmo[j] - bmo[j]); /* 0 while every new value is finite */
+            const float theta_size = fabsf(bto[j]), proxy_size = fabsf(bmo[j]); /* a ternary vectorises, fmaxf not */
+            theta_peak = theta_size > theta_peak ? theta_size : theta_peak;
+            proxy_peak = proxy_size > proxy_peak ? proxy_size : proxy_peak;
+        }
+        if (bad != 0.0f) {
+            return 0;
+        }
+    }
+#pragma omp simd reduction(+ : pi_sum, proxy_sum, central_sum, at_zero, at_max)
+    for (Py_ssize_t j = 0; j < length; j++) {
+        pi_sum += pis[j];
+        proxy_sum += proxies[j];
+        central_sum += centrals[j];
+        at_zero += pis[j] <= 0.0f ? 1.0f : 0.0f;
+        at_max += pis[j] >= pi_max ? 1.0f : 0.0f;
+    }
+    for (Py_ssize_t k = ((start + stride - 1) / stride) * stride; k < start + length; k += stride) {
+        sampled[k / stride] = pis[k - start];
+    }
+    sums->pi_sum += pi_sum;
+    sums->proxy_energy += proxy_sum;
+    sums->central_energy += central_sum;
+    sums->at_zero += at_zero;
+    sums->at_max += at_max;
+    sums->theta_peak = theta_peak > sums->theta_peak ? theta_peak : sums->theta_peak;
+    sums->proxy_peak = proxy_peak > sums->proxy_peak ? proxy_peak : sums->proxy_peak;
+    return 1;
+}
+
+/* The pass itself, in place: only when the caller has shown that no value can overflow (gem.py's
+ * bound, which also stands in for the peaks: they are not measured here). Built for AVX2 and for the x86-64 baseline, picked at load time (ifunc). Each block
+ * runs twice: first the update, one parameter at a time in gem.py's order, leaving pi and the
+ * energies' terms in L1 scratch; then the block's sums (block_sums). Sums in one pass with the
+ * update kept it from vectorising. */
+__attribute__((target_clones("avx2", "default"))) static int
+update_in_place(float *restrict t, float *restrict m, float *restrict s, const float *restrict u, Py_ssize_t n,
+                float scale, float momentum, float kappa, float pi_max, float epsilon, Py_ssize_t stride,
+                float *restrict sampled, Sums *restrict sums)
 {
     float pis[BLOCK], proxies[BLOCK], centrals[BLOCK];
     const int amplify = kappa != 1.0f;
@@ -48,80 +126,143 @@ update(float *restrict t, float *restrict m, float *restrict s, const float *res
         float *restrict bt = t + start, *restrict bm = m + start, *restrict bs = s + start;
         const float *restrict bu = u + start;
         for (Py_ssize_t j = 0; j < length; j++) {
-            const float delta = scale * bu[j];
-            float velocity = momentum * bm[j];
-            velocity = velocity + delta;
-            bm[j] = velocity;
-            const float current = bt[j];
-            const float movement = fabsf(current - bs[j]);
-            float pi = fabsf(velocity);
-            if (amplify) {
-                pi = pi * kappa;
-            }
-            proxies[j] = pi; /* kappa * |m_i| */
-            pi = pi - movement;
-            const float denominator = fabsf(delta) + epsilon;
-            pi = pi / denominator;
-            pi = pi < 0.0f ? 0.0f : pi; /* as numpy's maximum and minimum: NaN stays NaN */
-            pi = pi > pi_max ? pi_max : pi;
-            bs[j] = current;
-            const float step = pi * delta;
-            bt[j] = current + step;
-            pis[j] = pi;
-            centrals[j] = movement + pi * denominator;
+            GEM_PARAMETER(bt, bm, bs[j] = current);
         }
-        float pi_sum = 0.0f, proxy_sum = 0.0f, central_sum = 0.0f, at_zero = 0.0f, at_max = 0.0f;
-#pragma omp simd reduction(+ : pi_sum, proxy_sum, central_sum, at_zero, at_max)
-        for (Py_ssize_t j = 0; j < length; j++) {
-            pi_sum += pis[j];
-            proxy_sum += proxies[j];
-            central_sum += centrals[j];
-            at_zero += pis[j] <= 0.0f ? 1.0f : 0.0f;
-            at_max += pis[j] >= pi_max ? 1.0f : 0.0f;
+        if (!block_sums(bt, bm, pis, proxies, centrals, start, length, pi_max, stride, sampled, sums, 0)) {
+            return 0;
         }
-        for (Py_ssize_t k = ((start + stride - 1) / stride) * stride; k < start + length; k += stride) {
-            sampled[k / stride] = pis[k - start];
-        }
-        sums->pi_sum += pi_sum;
-        sums->proxy_energy += proxy_sum;
-        sums->central_energy += central_sum;
-        sums->at_zero += at_zero;
-        sums->at_max += at_max;
     }
+    return 1;
+}
+
+/* The same pass into t_out and m_out, theta, m_i and s_i only read: returns 0 at the first block
+ * with a value that is not finite (the caller then drops the outputs: nothing it keeps was
+ * written). */
+__attribute__((target_clones("avx2", "default"))) static int
+update_into(const float *restrict t, const float *restrict m, const float *restrict s, const float *restrict u,
+            float *restrict t_out, float *restrict m_out, Py_ssize_t n, float scale, float momentum, float kappa,
+            float pi_max, float epsilon, Py_ssize_t stride, float *restrict sampled, Sums *restrict sums)
+{
+    float pis[BLOCK], proxies[BLOCK], centrals[BLOCK];
+    const int amplify = kappa != 1.0f;
+    for (Py_ssize_t start = 0; start < n; start += BLOCK) {
+        const Py_ssize_t length = start + BLOCK < n ? BLOCK : n - start;
+        const float *restrict bt = t + start, *restrict bm = m + start, *restrict bs = s + start;
+        const float *restrict bu = u + start;
+        float *restrict nt = t_out + start, *restrict nm = m_out + start;
+        for (Py_ssize_t j = 0; j < length; j++) {
+            GEM_PARAMETER(nt, nm, (void)0);
+        }
+        if (!block_sums(nt, nm, pis, proxies, centrals, start, length, pi_max, stride, sampled, sums, 1)) {
+            return 0;
+        }
+    }
+    return 1;
 }
 
 static PyObject *
 gem_update(PyObject *self, PyObject *args)
 {
-    Py_buffer theta, proxy, last_seen, gradient, samples;
+    Py_buffer theta, proxy, last_seen, gradient, theta_out, proxy_out, samples;
+    PyObject *theta_out_object, *proxy_out_object;
     float scale, momentum, kappa, pi_max, epsilon;
     Py_ssize_t stride;
-    if (!PyArg_ParseTuple(args, "w*w*w*y*fffffnw*", &theta, &proxy, &last_seen, &gradient, &scale, &momentum,
-                          &kappa, &pi_max, &epsilon, &stride, &samples)) {
+    if (!PyArg_ParseTuple(args, "w*w*w*y*OOfffffnw*", &theta, &proxy, &last_seen, &gradient, &theta_out_object,
+                          &proxy_out_object, &scale, &momentum, &kappa, &pi_max, &epsilon, &stride, &samples)) {
         return NULL;
     }
     PyObject *result = NULL;
+    const int in_place = theta_out_object == Py_None;
+    int have_outputs = 0;
+    if (!in_place) {
+        if (PyObject_GetBuffer(theta_out_object, &theta_out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            goto done;
+        }
+        if (PyObject_GetBuffer(proxy_out_object, &proxy_out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            PyBuffer_Release(&theta_out);
+            goto done;
+        }
+        have_outputs = 1;
+    }
     const Py_ssize_t n = theta.len / (Py_ssize_t)sizeof(float);
     if (theta.len % (Py_ssize_t)sizeof(float) || proxy.len != theta.len || last_seen.len != theta.len ||
         gradient.len != theta.len || stride < 1 ||
+        (have_outputs && (theta_out.len != theta.len || proxy_out.len != theta.len)) ||
         samples.len < ((n + stride - 1) / stride) * (Py_ssize_t)sizeof(float)) {
         PyErr_SetString(PyExc_ValueError, "gem_update: buffers of different sizes");
         goto done;
     }
-    Sums sums = {0.0, 0.0, 0.0, 0.0, 0.0};
+    if (have_outputs && (theta_out.buf == theta.buf || theta_out.buf == proxy.buf || proxy_out.buf == proxy.buf ||
+                         proxy_out.buf == theta.buf || theta_out.buf == proxy_out.buf)) {
+        PyErr_SetString(PyExc_ValueError, "gem_update: the outputs must be buffers of their own");
+        goto done;
+    }
+    Sums sums = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0f, 0.0f};
+    int finite;
     Py_BEGIN_ALLOW_THREADS
-    update((float *)theta.buf, (float *)proxy.buf, (float *)last_seen.buf, (const float *)gradient.buf, n, scale,
-           momentum, kappa, pi_max, epsilon, stride, (float *)samples.buf, &sums);
+    if (have_outputs) {
+        finite = update_into((const float *)theta.buf, (const float *)proxy.buf, (const float *)last_seen.buf,
+                             (const float *)gradient.buf, (float *)theta_out.buf, (float *)proxy_out.buf, n, scale,
+                             momentum, kappa, pi_max, epsilon, stride, (float *)samples.buf, &sums);
+    } else {
+        finite = update_in_place((float *)theta.buf, (float *)proxy.buf, (float *)last_seen.buf,
+                                 (const float *)gradient.buf, n, scale, momentum, kappa, pi_max, epsilon, stride,
+                                 (float *)samples.buf, &sums);
+    }
     Py_END_ALLOW_THREADS
-    result = Py_BuildValue("(dnndd)", sums.pi_sum, (Py_ssize_t)sums.at_zero, (Py_ssize_t)sums.at_max,
-                           sums.proxy_energy, sums.central_energy);
+    result = Py_BuildValue("(idnndddd)", finite, sums.pi_sum, (Py_ssize_t)sums.at_zero, (Py_ssize_t)sums.at_max,
+                           sums.proxy_energy, sums.central_energy, (double)sums.theta_peak,
+                           (double)sums.proxy_peak);
 done:
+    if (have_outputs) {
+        PyBuffer_Release(&theta_out);
+        PyBuffer_Release(&proxy_out);
+    }
     PyBuffer_Release(&theta);
     PyBuffer_Release(&proxy);
     PyBuffer_Release(&last_seen);
     PyBuffer_Release(&gradient);
     PyBuffer_Release(&samples);
     return result;
+}
+
+/* max |x| over the values, or NaN/Inf when one is NaN or +-Inf (a NaN is kept by the sum of
+ * x - x, which a maximum would skip). One pass: the payload's finiteness check and its peak. */
+__attribute__((target_clones("avx2", "default"))) static float
+peak_of(const float *restrict values, Py_ssize_t n)
+{
+    float peak = 0.0f;
+    for (Py_ssize_t start = 0; start < n; start += BLOCK) {
+        const Py_ssize_t end = start + BLOCK < n ? start + BLOCK : n;
+        float sum = 0.0f, block_peak = 0.0f;
+#pragma omp simd reduction(+ : sum) reduction(max : block_peak)
+        for (Py_ssize_t j = start; j < end; j++) {
+            sum += values[j] - values[j];
+            const float size = fabsf(values[j]);
+            block_peak = size > block_peak ? size : block_peak; /* a ternary vectorises, fmaxf not */
+        }
+        if (sum != 0.0f) {
+            return sum; /* NaN */
+        }
+        peak = fmaxf(peak, block_peak);
+    }
+    return peak;
+}
+
+static PyObject *
+max_abs(PyObject *self, PyObject *args)
+{
+    Py_buffer values;
+    if (!PyArg_ParseTuple(args, "y*", &values)) {
+        return NULL;
+    }
+    const Py_ssize_t n = values.len / (Py_ssize_t)sizeof(float);
+    float peak;
+    Py_BEGIN_ALLOW_THREADS
+    peak = peak_of((const float *)values.buf, n);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&values);
+    return PyFloat_FromDouble((double)peak);
 }
 
 /* 1 when every float is finite: x - x is 0 for a finite x and NaN for +-Inf and NaN, and a sum
@@ -161,10 +302,15 @@ all_finite(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"all_finite", all_finite, METH_VARARGS, "all_finite(float32 buffer) -> True when no value is NaN or +-Inf."},
+    {"max_abs", max_abs, METH_VARARGS,
+     "max_abs(float32 buffer) -> the largest |value| (0.0 when empty), NaN when a value is NaN or +-Inf."},
     {"gem_update", gem_update, METH_VARARGS,
-     "gem_update(theta, proxy, last_seen, update, scale, momentum, kappa, pi_max, epsilon, stride, samples)\n"
-     "GEM's update in place; returns (sum of pi, count at 0, count at pi_max, sum of kappa*|m|,\n"
-     "sum of |theta - s| + pi*(|Delta| + eps)) and writes pi at every stride-th parameter to samples."},
+     "gem_update(theta, proxy, last_seen, update, theta_out, proxy_out, scale, momentum, kappa, pi_max, epsilon,\n"
+     "stride, samples)\n"
+     "GEM's update: in place when theta_out is None, else into theta_out and proxy_out (the inputs only read;\n"
+     "outputs partial when not finite). Returns (1 if every new value is finite else 0, sum of pi, count at 0,\n"
+     "count at pi_max, sum of kappa*|m|, sum of |theta - s| + pi*(|Delta| + eps), max |new theta|, max |new m|)\n"
+     "and writes pi at every stride-th parameter to samples."},
     {NULL, NULL, 0, NULL},
 };
 

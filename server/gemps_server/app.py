@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import disable_created_metrics, start_http_server
 
@@ -21,6 +21,8 @@ from gemps_server.allocator import tune_for
 from gemps_server.applier import Applier
 from gemps_server.checkpoint_schedule import Checkpointer
 from gemps_server.config import ServerConfig
+from gemps_server.descriptors import connection_budget, raise_open_file_limit
+from gemps_server.health import HealthServicer
 from gemps_server.logs import event
 from gemps_server.metrics import ServerMetrics
 from gemps_server.security import TokenAuthInterceptor, exposure_warnings, server_credentials
@@ -66,7 +68,7 @@ class ParameterServer:
         self.servicer = GempsServicer(
             self.service, self.metrics, config.max_streamed_payloads, config.stream_idle_timeout
         )
-        self.health = health.aio.HealthServicer()
+        self.health = HealthServicer()  # its Watch streams end at shutdown (health.py)
         self.port = 0
         self.metrics_port = 0
         self._server: grpc.aio.Server | None = None
@@ -85,6 +87,11 @@ class ParameterServer:
                 TokenAuthInterceptor(token, on_refused=lambda method: self.metrics.refusal(Reason.UNAUTHENTICATED))
             )
         limit = config.max_message_bytes
+        # Connections within the open-file budget (descriptors.py); those that never finish their
+        # handshake or sit without an RPC are closed, so idle ones cannot hold every place.
+        connections = connection_budget(config.max_connections, raise_open_file_limit())
+        if connections < config.max_connections:
+            event(log, "connections capped", level=logging.WARNING, max_connections=connections)
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -94,6 +101,9 @@ class ParameterServer:
                 # megabytes per stream, so large payloads wait in the clients, not in this process
                 # (1M parameters, 8 clients: 44 MB less peak memory, throughput within noise).
                 ("grpc.http2.bdp_probe", 0),
+                ("grpc.max_allowed_incoming_connections", connections),
+                ("grpc.server_handshake_timeout_ms", int(config.handshake_timeout * 1000)),
+                ("grpc.max_connection_idle_ms", int(config.connection_idle_timeout * 1000)),
             ],
         )
         add_to_server(self.servicer, server)

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import safetensors
+
 from gemps_server.applier import Applier
 from gemps_server.checkpoints import Checkpoint, CheckpointError, load_latest, prune, remove_temporaries, save
 from gemps_server.config import ServerConfig
@@ -29,6 +31,8 @@ log = logging.getLogger("gemps.server")
 # After a failed write (a full disk, say), wait this long before the next attempt: no retry
 # (and no error line) on every commit.
 FAILURE_BACKOFF_SECONDS = 10.0
+# Room a checkpoint's metadata may take besides its tensors (specs, receipts, config), bytes.
+METADATA_ROOM = 1 << 20
 
 
 class Checkpointer:
@@ -178,8 +182,33 @@ class Checkpointer:
         return lambda: Checkpoint(state.image(), config)
 
     def _save(self, checkpoint: Checkpoint) -> tuple[Path, int, list[Path]]:
-        path, size = save(self.directory, checkpoint)
-        return path, size, prune(self.directory, self.keep)
+        """Write, then keep the newest `keep`. On a full disk, first make room by deleting the
+        oldest beyond `keep - 1` (never the newest: at least one good file stays) and try once
+        more: a disk that holds exactly `keep` checkpoints would otherwise never take another,
+        since the old ones are pruned only after a new one is written."""
+        try:
+            path, size = save(self.directory, checkpoint)
+            removed = []
+        except (OSError, safetensors.SafetensorError):  # safetensors reports ENOSPC in its own type
+            if self._free_bytes() >= _file_bytes(checkpoint):
+                raise  # not for want of space
+            removed = prune(self.directory, max(1, self.keep - 1))
+            if not removed:
+                raise
+            event(log, "checkpoint disk full: pruned early", level=logging.WARNING, removed=len(removed))
+            path, size = save(self.directory, checkpoint)
+        return path, size, removed + prune(self.directory, self.keep)
+
+    def _free_bytes(self) -> int:
+        stats = os.statvfs(self.directory)
+        return stats.f_bavail * stats.f_frsize
+
+
+def _file_bytes(checkpoint: Checkpoint) -> int:
+    """About what the checkpoint's file takes: its tensors, plus room for the metadata."""
+    image = checkpoint.image
+    tensors = image.theta.nbytes + image.buffers.nbytes + sum(value.nbytes for value in image.rule_state.values())
+    return tensors + METADATA_ROOM
 
 
 async def _wait(event: asyncio.Event, timeout: float | None) -> None:

@@ -34,7 +34,14 @@ import safetensors
 import safetensors.numpy
 
 from gemps_proto.schema import ParameterSpec, unflatten
-from gemps_server.ledger import MAX_REQUEST_ID_LENGTH, Receipt
+from gemps_server.ledger import (
+    KEY_SEPARATOR,
+    LEGACY_SCOPE,
+    MAX_REQUEST_ID_LENGTH,
+    Receipt,
+    receipt_key,
+    valid_client_id,
+)
 from gemps_server.state import StateImage
 
 FORMAT = "gemps-checkpoint"
@@ -119,7 +126,9 @@ def _metadata(checkpoint: Checkpoint, tensors: Mapping[str, np.ndarray]) -> dict
         "spec": _spec_json(image.spec),
         "buffer_spec": _spec_json(image.buffer_spec),
         "config": json.dumps(dict(checkpoint.config), sort_keys=True),
-        "receipts": json.dumps({rid: r.to_list() for rid, r in image.receipts.items()}),
+        # By (client scope, request id) (ledger.receipt_key); "receipts", by request id alone, is
+        # what checkpoints written before scopes hold (read as the legacy scope).
+        "client_receipts": json.dumps({key: r.to_list() for key, r in image.receipts.items()}),
         "created": repr(checkpoint.created or time.time()),
         "crc32": _crc(tensors),
     }
@@ -158,6 +167,9 @@ def save(directory: Path, checkpoint: Checkpoint) -> tuple[Path, int]:
     for key, value in image.rule_state.items():
         tensors[RULE_STATE_PREFIX + key] = np.ascontiguousarray(value, dtype=np.float32)
     metadata = _metadata(checkpoint, tensors)
+    # The loader's own checks (finiteness, counts, specs, receipts) before anything is written:
+    # a file it would quarantine at the next start must not replace a good one (CheckpointError).
+    _from_parts(metadata, tensors)
     path = checkpoint_path(directory, checkpoint.version)
     size = write_atomically(path, lambda tmp: safetensors.numpy.save_file(tensors, str(tmp), metadata=metadata))
     return path, size
@@ -202,20 +214,26 @@ def _parse_spec(raw: str, seen: set[str] | None = None, *, allow_empty: bool = F
     return tuple(spec)
 
 
-def _parse_receipts(raw: str) -> dict[str, Receipt]:
+def _parse_receipts(raw: str, scoped: bool = True) -> dict[str, Receipt]:
+    """Receipts by ledger.receipt_key; `scoped` False: by request id alone (older checkpoints)."""
     entries = _json(raw)
     if not isinstance(entries, dict):
         raise CheckpointError("receipts must be an object")
     receipts = {}
-    for request_id, values in entries.items():
+    for key, values in entries.items():
+        scope, separator, request_id = key.partition(KEY_SEPARATOR) if scoped else (LEGACY_SCOPE, "", key)
+        if scoped and not separator:
+            raise CheckpointError(f"receipt {key[:40]!r} names no client")
         if not request_id or len(request_id) > MAX_REQUEST_ID_LENGTH or not isinstance(values, list):
-            raise CheckpointError(f"bad receipt for request {request_id[:40]!r}")
+            raise CheckpointError(f"bad receipt for request {key[:40]!r}")
+        if not valid_client_id(scope):
+            raise CheckpointError(f"bad client of receipt {key[:40]!r}")
         if any(type(value) not in (int, float) for value in values):
             raise CheckpointError(f"receipt for request {request_id[:40]!r} is not numbers")
         receipt = Receipt.from_list(values)
         if receipt.version > MAX_COUNT or receipt.staleness > MAX_COUNT:
             raise CheckpointError(f"receipt for request {request_id[:40]!r} has an impossible version")
-        receipts[request_id] = receipt
+        receipts[receipt_key(scope, request_id)] = receipt
     return receipts
 
 
@@ -275,7 +293,11 @@ def _from_parts(metadata: dict[str, str], tensors: dict[str, np.ndarray]) -> Che
         theta=theta,
         rule=str(config.get("rule", "")),
         rule_state=rule_state,
-        receipts=_parse_receipts(metadata.get("receipts", "{}")),
+        receipts=(
+            _parse_receipts(metadata["client_receipts"])
+            if "client_receipts" in metadata
+            else _parse_receipts(metadata.get("receipts", "{}"), scoped=False)
+        ),
         buffer_spec=buffer_spec,
         buffers=buffers,
     )

@@ -42,7 +42,11 @@ class ServerConfig:
         },
     )
     lease_ttl: float = field(
-        default=60.0, metadata={"help": "seconds without a commit or pull before a worker is evicted"}
+        default=60.0,
+        metadata={
+            "help": "seconds without a commit or pull before a worker is evicted; on a full server, a worker "
+            "this long without a commit gives its place to a newcomer"
+        },
     )
     max_workers: int = field(default=256, metadata={"help": "most workers registered at once"})
     num_shards: int = field(
@@ -97,6 +101,20 @@ class ServerConfig:
     auth_token_file: str = field(default="", metadata={"help": "read the bearer token from this file instead"})
     max_registrations_per_minute: int = field(
         default=600, metadata={"help": "Register calls accepted per minute (bursts up to this); 0: no limit"}
+    )
+    max_connections: int = field(
+        default=1000,
+        metadata={
+            "help": "client connections at once; more are closed on arrival (capped below the open-file "
+            "limit, whose soft value is raised to the hard one at start)"
+        },
+    )
+    handshake_timeout: float = field(
+        default=5.0, metadata={"help": "seconds a new connection has to finish its TLS/HTTP/2 handshake"}
+    )
+    connection_idle_timeout: float = field(
+        default=120.0,
+        metadata={"help": "seconds a connection may stay open without an RPC in flight (clients reconnect)"},
     )
 
     def __post_init__(self) -> None:
@@ -155,6 +173,12 @@ class ServerConfig:
                 found.append(f"{name} {path!r} is not a readable file")
         if self.max_registrations_per_minute < 0:
             found.append("max_registrations_per_minute must be >= 0")
+        if self.max_connections < 1:
+            found.append("max_connections must be >= 1")
+        if not self.handshake_timeout > 0:
+            found.append("handshake_timeout must be > 0")
+        if not self.connection_idle_timeout > 0:
+            found.append("connection_idle_timeout must be > 0")
         return found
 
     @property

@@ -1,12 +1,21 @@
-"""Commit deduplication: the outcome of recent commits by their client-chosen request id.
+"""Commit deduplication: the outcome of each client's last commit, by its client-chosen request id.
 
 A client that lost a Commit's reply (the server crashed, paused, or the deadline passed) sends
 the same commit again with the same `request_id`. When the first one was applied, the server
-must not apply it again: it answers with the recorded outcome instead. Each worker has at most
-one commit in flight, so remembering each worker's last commit is enough; a worker that left or
-was evicted keeps its last one in a bounded FIFO (it may be retrying from a new registration).
-The ledger lives on the applier thread, like the rest of the state, and goes into checkpoints so
-that a retry across a server restart is recognised too.
+must not apply it again: it answers with the recorded outcome instead.
+
+Request ids are unique per client, not globally: two clients may well both count `step-1`,
+`step-2`, ... So a receipt belongs to a *scope*: the client's `client_id` (sent at Register,
+the same for every registration of one client process, so a retry is recognised after the
+client registered again: lease expiry, server restart), or, for a client that sends none, its
+worker id (a retry is then recognised only within that registration). Each scope has at most one
+commit in flight, so remembering each scope's last commit is enough; a scope without a
+registered worker keeps its last receipt in a bounded FIFO (it may be retrying from a new
+registration). The ledger lives on the applier thread, like the rest of the state, and goes into
+checkpoints so that a retry across a server restart is recognised too.
+
+Checkpoints written before scopes existed hold receipts by request id alone: they are restored
+under the empty scope and match a retry from any client (as they did when written).
 """
 
 from __future__ import annotations
@@ -18,6 +27,29 @@ from gemps_server.rules import ApplyStats
 
 # Longest request id accepted: ids are opaque, and this bounds the ledger's memory.
 MAX_REQUEST_ID_LENGTH = 128
+# Longest client id accepted (printable ASCII without spaces: it never holds KEY_SEPARATOR).
+MAX_CLIENT_ID_LENGTH = 128
+# A receipt's key in checkpoints: scope, separator, request id ("" scope: written before scopes).
+KEY_SEPARATOR = "\n"
+MAX_KEY_LENGTH = MAX_CLIENT_ID_LENGTH + len(KEY_SEPARATOR) + MAX_REQUEST_ID_LENGTH
+LEGACY_SCOPE = ""
+
+
+def valid_client_id(client_id: str) -> bool:
+    """At most MAX_CLIENT_ID_LENGTH visible ASCII characters (empty: none given)."""
+    return len(client_id) <= MAX_CLIENT_ID_LENGTH and all(33 <= ord(c) <= 126 for c in client_id)
+
+
+def receipt_key(scope: str, request_id: str) -> str:
+    return f"{scope}{KEY_SEPARATOR}{request_id}"
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """(scope, request id) of a receipt_key (the scope never holds the separator)."""
+    scope, separator, request_id = key.partition(KEY_SEPARATOR)
+    if not separator:
+        raise ValueError(f"receipt key {key[:40]!r} names no scope")
+    return scope, request_id
 
 
 @dataclass(frozen=True)
@@ -43,50 +75,62 @@ class Receipt:
 
 
 class CommitLedger:
-    """Receipts of each active worker's last commit, plus the last commits of up to `capacity`
-    departed workers (and those restored from a checkpoint), oldest dropped first."""
+    """The receipt of each active scope's last commit, plus the last receipts of up to `capacity`
+    scopes without a registered worker (and those restored from a checkpoint), oldest dropped first."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._receipts: dict[str, Receipt] = {}  # request id -> receipt
-        self._last_of_worker: dict[str, str] = {}  # worker id -> its last request id
-        self._departed: OrderedDict[str, None] = OrderedDict()  # request ids of departed workers
+        self._last: dict[str, tuple[str, Receipt]] = {}  # scope -> (its last request id, receipt)
+        self._departed: OrderedDict[str, None] = OrderedDict()  # scopes with no registered worker
+        self._legacy: OrderedDict[str, Receipt] = OrderedDict()  # request id -> receipt, from old checkpoints
 
     def __len__(self) -> int:
-        return len(self._receipts)
+        return len(self._last) + len(self._legacy)
 
-    def lookup(self, request_id: str) -> Receipt | None:
-        return self._receipts.get(request_id) if request_id else None
+    def lookup(self, scope: str, request_id: str) -> Receipt | None:
+        if not request_id:
+            return None
+        found = self._last.get(scope)
+        if found is not None and found[0] == request_id:
+            return found[1]
+        return self._legacy.get(request_id)
 
-    def record(self, worker_id: str, request_id: str, receipt: Receipt) -> None:
+    def record(self, scope: str, request_id: str, receipt: Receipt) -> None:
         if not request_id:
             return
-        previous = self._last_of_worker.get(worker_id)
-        if previous is not None and previous != request_id:
-            self._receipts.pop(previous, None)
-        self._last_of_worker[worker_id] = request_id
-        self._receipts[request_id] = receipt
+        self._last[scope] = (request_id, receipt)
+        self._departed.pop(scope, None)
 
-    def forget_worker(self, worker_id: str) -> None:
-        """The worker left or was evicted: keep its last receipt among the departed ones."""
-        request_id = self._last_of_worker.pop(worker_id, None)
-        if request_id is not None:
-            self._keep_departed(request_id)
+    def activate(self, scope: str) -> None:
+        """A worker of `scope` registered: its receipt is kept for as long as it stays."""
+        self._departed.pop(scope, None)
+
+    def depart(self, scope: str) -> None:
+        """The scope's worker left or was evicted: keep its last receipt among the departed ones."""
+        if scope in self._last:
+            self._keep_departed(scope)
 
     def entries(self) -> dict[str, Receipt]:
-        """Every receipt held (for checkpoints)."""
-        return dict(self._receipts)
+        """Every receipt held, by receipt_key (for checkpoints)."""
+        found = {receipt_key(LEGACY_SCOPE, request_id): receipt for request_id, receipt in self._legacy.items()}
+        found.update({receipt_key(scope, request_id): receipt for scope, (request_id, receipt) in self._last.items()})
+        return found
 
     def restore(self, receipts: dict[str, Receipt]) -> None:
-        """Receipts from a checkpoint: their workers are gone, so they count as departed."""
-        for request_id, receipt in receipts.items():
-            self._receipts[request_id] = receipt
-            self._keep_departed(request_id)
+        """Receipts from a checkpoint, by receipt_key: their workers are gone, so they count as departed."""
+        for key, receipt in receipts.items():
+            scope, request_id = split_key(key)
+            if scope == LEGACY_SCOPE:
+                self._legacy[request_id] = receipt
+                while len(self._legacy) > self.capacity:
+                    self._legacy.popitem(last=False)
+                continue
+            self._last[scope] = (request_id, receipt)
+            self._keep_departed(scope)
 
-    def _keep_departed(self, request_id: str) -> None:
-        self._departed[request_id] = None
-        self._departed.move_to_end(request_id)
+    def _keep_departed(self, scope: str) -> None:
+        self._departed[scope] = None
+        self._departed.move_to_end(scope)
         while len(self._departed) > self.capacity:
             oldest, _ = self._departed.popitem(last=False)
-            if oldest not in self._last_of_worker.values():
-                self._receipts.pop(oldest, None)
+            self._last.pop(oldest, None)

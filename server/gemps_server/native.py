@@ -7,6 +7,7 @@ without it elsewhere. `compiled` is the module, or None.
 from __future__ import annotations
 
 import importlib
+import math
 from types import ModuleType
 
 import numpy as np
@@ -30,3 +31,15 @@ def all_finite(values: np.ndarray) -> bool:
     if compiled is not None and values.dtype == np.float32 and values.flags.c_contiguous:
         return bool(compiled.all_finite(values.reshape(-1)))
     return numpy_all_finite(values)
+
+
+def max_abs(values: np.ndarray) -> float:
+    """The largest |value| (0.0 when there are none), NaN when one is NaN or +-Inf: a finiteness
+    check that also gives the bound the rules use to update in place (rules/gem.py)."""
+    if values.size == 0:
+        return 0.0
+    if compiled is not None and values.dtype == np.float32 and values.flags.c_contiguous:
+        return float(compiled.max_abs(values.reshape(-1)))
+    if not numpy_all_finite(values):
+        return math.nan
+    return float(np.abs(values).max())

@@ -112,11 +112,17 @@ def with_parameters(header: Message, field_number: int, snapshot: Snapshot, dtyp
 
 
 def admission_to_proto(
-    admission: Admission, registration: Registration, num_parameters: int, *, include_parameters: bool = True
+    admission: Admission,
+    registration: Registration,
+    num_parameters: int,
+    *,
+    include_parameters: bool = True,
+    history: str = "",
 ) -> bytes:
     """The RegisterResponse; without θ for the worker whose initial_parameters became it, and
     when the worker asked to pull it apart (`include_parameters` False)."""
     header = shared.registration_to_proto(registration)
+    header.history = history
     set_buffers(header.buffers, admission.snapshot)
     if not include_parameters or admission.initialized_theta or admission.snapshot.data(FLOAT32) is None:
         return header.SerializeToString()
@@ -172,24 +178,24 @@ def _announce(parameters: pb.Tensor, dtype: int, num_parameters: int) -> None:
     parameters.shape.append(num_parameters)
 
 
-def pull_to_proto(snapshot: Snapshot, reply_dtype: int, num_parameters: int) -> bytes:
-    header = pb.PullResponse(version=snapshot.version)
+def pull_to_proto(snapshot: Snapshot, reply_dtype: int, num_parameters: int, history: str = "") -> bytes:
+    header = pb.PullResponse(version=snapshot.version, history=history)
     set_buffers(header.buffers, snapshot)
     return with_parameters(header, PULL_REPLY_FIELD, snapshot, reply_dtype, num_parameters)
 
 
 def pull_stream_header_to_proto(
-    snapshot: Snapshot, unchanged: bool, reply_dtype: int, num_parameters: int
+    snapshot: Snapshot, unchanged: bool, reply_dtype: int, num_parameters: int, history: str = ""
 ) -> pb.PullResponseChunk:
     """PullStream's first reply: the PullResponse whose parameters say dtype and shape (unless
     `unchanged`); the data follows in pieces."""
     if unchanged:
-        return pb.PullResponseChunk(header=unchanged_to_proto(snapshot.version))
-    header = pb.PullResponse(version=snapshot.version)
+        return pb.PullResponseChunk(header=unchanged_to_proto(snapshot.version, history))
+    header = pb.PullResponse(version=snapshot.version, history=history)
     set_buffers(header.buffers, snapshot)
     _announce(header.parameters, reply_dtype, num_parameters)
     return pb.PullResponseChunk(header=header)
 
 
-def unchanged_to_proto(version: int) -> pb.PullResponse:
-    return pb.PullResponse(version=version, unchanged=True)
+def unchanged_to_proto(version: int, history: str = "") -> pb.PullResponse:
+    return pb.PullResponse(version=version, unchanged=True, history=history)

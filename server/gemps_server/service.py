@@ -91,6 +91,7 @@ class ParameterService:
         include_parameters: bool = True,
         buffer_spec: tuple[ParameterSpec, ...] = (),
         initial_buffers: EncodedTensor | None = None,
+        client_id: str = "",
     ) -> tuple[Admission, Registration]:
         """Admit a worker; `include_parameters` False when its reply leaves θ out (it pulls θ next)."""
         if not self._registrations.allow():
@@ -102,10 +103,23 @@ class ParameterService:
             )
         state = self.state
         admission = await self._applier.submit(
-            lambda: state.register(worker_name, spec, initial, include_parameters, buffer_spec, initial_buffers)
+            lambda: state.register(
+                worker_name, spec, initial, include_parameters, buffer_spec, initial_buffers, client_id=client_id
+            )
         )
         worker = admission.worker
         self._metrics.registered()
+        if (displaced := admission.displaced) is not None:
+            self._metrics.departed("evicted")
+            event(
+                log,
+                "worker evicted",
+                level=logging.WARNING,
+                worker_id=displaced.worker_id,
+                name=displaced.name or None,
+                reason="server full; no commit for longer than the lease",
+                commits=displaced.commits,
+            )
         if admission.initialized_theta:
             tune_for(4 * state.num_parameters)
             event(

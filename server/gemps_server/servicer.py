@@ -184,6 +184,14 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
     def _num_parameters(self) -> int:
         return self.service.state.num_parameters
 
+    @property
+    def _history(self) -> str:
+        return self.service.state.history
+
+    def _known_version(self, request: pb.PullRequest) -> int:
+        """The version the caller holds, if it counts in this server's history; else -1 (none)."""
+        return request.known_version if request.known_history == self._history else -1
+
     # Replies carrying θ are returned serialized (bytes): see serde.with_parameters.
 
     @rpc
@@ -195,17 +203,20 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         include = not request.omit_parameters
         buffer_spec, initial_buffers = serde.buffers_from_proto(request)
         admission, registration = await self.service.register(
-            request.worker_name, spec, received.tensor, include, buffer_spec, initial_buffers
+            request.worker_name, spec, received.tensor, include, buffer_spec, initial_buffers, request.client_id
         )
-        return serde.admission_to_proto(admission, registration, self._num_parameters, include_parameters=include)
+        return serde.admission_to_proto(
+            admission, registration, self._num_parameters, include_parameters=include, history=self._history
+        )
 
     @rpc
     async def Pull(self, request: pb.PullRequest, context: Context) -> pb.PullResponse | bytes:  # type: ignore[override]
         reply_dtype = serde.reply_dtype_from_proto(request.reply_dtype)
-        snapshot = await self.service.pull(request.worker_id, request.known_version, reply_dtype)
-        if request.known_version == snapshot.version:
-            return serde.unchanged_to_proto(snapshot.version)
-        return serde.pull_to_proto(snapshot, reply_dtype, self._num_parameters)
+        known = self._known_version(request)
+        snapshot = await self.service.pull(request.worker_id, known, reply_dtype)
+        if known == snapshot.version:
+            return serde.unchanged_to_proto(snapshot.version, self._history)
+        return serde.pull_to_proto(snapshot, reply_dtype, self._num_parameters, self._history)
 
     @rpc
     async def PullStream(  # type: ignore[override]  # also yields pre-framed bytes (see chunks.py)
@@ -214,9 +225,10 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         """Pull with the parameters in pieces, read from the version's one shared encoding: a
         pull holds no copy of θ of its own, however many run at once."""
         reply_dtype = serde.reply_dtype_from_proto(request.reply_dtype)
-        snapshot = await self.service.pull(request.worker_id, request.known_version, reply_dtype)
-        unchanged = request.known_version == snapshot.version
-        yield serde.pull_stream_header_to_proto(snapshot, unchanged, reply_dtype, self._num_parameters)
+        known = self._known_version(request)
+        snapshot = await self.service.pull(request.worker_id, known, reply_dtype)
+        unchanged = known == snapshot.version
+        yield serde.pull_stream_header_to_proto(snapshot, unchanged, reply_dtype, self._num_parameters, self._history)
         if not unchanged:
             for frame in data_frames(snapshot.data(reply_dtype) or b""):
                 yield frame

@@ -9,7 +9,9 @@ turns requests into the types below and outcomes back into replies.
 
 from __future__ import annotations
 
+import math
 import time
+import uuid
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,9 +32,9 @@ from gemps_proto.reasons import Reason
 from gemps_proto.schedules import learning_rate_at
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
 from gemps_server.errors import FailedPrecondition, InvalidArgument, Unavailable
-from gemps_server.ledger import MAX_REQUEST_ID_LENGTH, CommitLedger, Receipt
-from gemps_server.native import all_finite
-from gemps_server.rules import ApplyStats, CommitRule, create_rule
+from gemps_server.ledger import MAX_CLIENT_ID_LENGTH, MAX_REQUEST_ID_LENGTH, CommitLedger, Receipt, valid_client_id
+from gemps_server.native import all_finite, max_abs
+from gemps_server.rules import ApplyStats, CommitRule, NonFiniteUpdate, create_rule
 from gemps_server.workers import WorkerRecord, WorkerRegistry
 
 # How many spec differences a FAILED_PRECONDITION message spells out before summarising.
@@ -122,6 +124,7 @@ class Admission:
     worker: WorkerRecord
     snapshot: Snapshot
     initialized_theta: bool  # this worker's initial parameters became the central variable
+    displaced: WorkerRecord | None = None  # an idle worker evicted to make room (workers.idlest)
 
 
 @dataclass(frozen=True)
@@ -220,7 +223,12 @@ def _decoded(tensor: EncodedTensor, what: str) -> np.ndarray:
 
 
 class ServerState:
-    def __init__(self, training: TrainingConfig, registry: WorkerRegistry, gem_kernel: str = "numpy") -> None:
+    def __init__(
+        self,
+        training: TrainingConfig,
+        registry: WorkerRegistry,
+        gem_kernel: str = "numpy",
+    ) -> None:
         self._training = training
         self._gem_kernel = gem_kernel
         self._new_rule(0)  # fail fast on an unknown rule name or kernel
@@ -231,6 +239,9 @@ class ServerState:
         self._version = 0
         self._latest: weakref.ref[Snapshot] = weakref.ref(Snapshot(0))  # dead at once: see `snapshot`
         self.commits_applied = 0
+        # Versions count in this process's history: a restarted server may reach the same number
+        # with other values (commits lost since its checkpoint), so "unchanged" needs both.
+        self.history = uuid.uuid4().hex
         self.ledger = CommitLedger(capacity=registry.max_workers)
         self._theta = np.empty(0, dtype=np.float32)
         self.buffer_spec: tuple[ParameterSpec, ...] = ()
@@ -277,10 +288,17 @@ class ServerState:
         encode_theta: bool = True,
         buffer_spec: Sequence[ParameterSpec] = (),
         initial_buffers: EncodedTensor | None = None,
+        client_id: str = "",
     ) -> Admission:
         """Admit a worker; `encode_theta` False when its reply will not carry θ (it pulls θ apart).
-        The first worker's `initial_buffers` become the central buffers."""
+        The first worker's `initial_buffers` become the central buffers. A client holds one
+        registration: `client_id`'s previous one, if any, is replaced (a retried Register whose
+        reply was lost leaves no orphan holding rule state), its commit receipts carried over."""
         check_name("worker_name", worker_name)
+        if not valid_client_id(client_id):
+            raise InvalidArgument(
+                f"client_id must be at most {MAX_CLIENT_ID_LENGTH} visible ASCII characters", Reason.BAD_CLIENT_ID
+            )
         check_spec(spec, buffer_spec)
         first = self.rule is None
         if first:
@@ -297,12 +315,19 @@ class ServerState:
                 Reason.SPEC_MISMATCH,
             )
         assert self.rule is not None
-        worker = self.registry.add(worker_name)
+        if (previous := self.registry.of_client(client_id)) is not None:
+            self._forget(previous.worker_id)
+        displaced = self.registry.idlest() if self.registry.full else None
+        if displaced is not None:
+            self._forget(displaced.worker_id)
+        worker = self.registry.add(worker_name, client_id)
+        self.ledger.activate(worker.scope)
         self.rule.add_worker(worker.worker_id, self._theta)
         # The worker that initialised theta already holds it: no P-sized encoding for its reply.
         initialized = first and initial is not None
         encoded = encode_theta and not initialized
-        return Admission(worker, self.encoded(FLOAT32) if encoded else self._with_buffers(self.snapshot), initialized)
+        snapshot = self.encoded(FLOAT32) if encoded else self._with_buffers(self.snapshot)
+        return Admission(worker, snapshot, initialized, displaced)
 
     def commit(self, commit: Commit) -> CommitOutcome:
         rule = self.require_initialized()
@@ -312,24 +337,26 @@ class ServerState:
                 f"request_id has {len(commit.request_id)} characters; at most {MAX_REQUEST_ID_LENGTH}",
                 Reason.BAD_REQUEST_ID,
             )
-        receipt = self.ledger.lookup(commit.request_id)
-        if receipt is not None:
-            # Checked before the worker: the retry may come from the same worker after it
-            # registered again (lease expiry, server restart) under a new id.
-            if commit.worker_id in self.registry:
-                self.registry.touch(commit.worker_id)
-            return CommitOutcome(self.encoded(commit.reply_dtype), receipt.staleness, receipt.stats, duplicate=True)
         worker = self.registry.get(commit.worker_id)
-        kind, payload = self._validated_payload(commit)
+        # By the worker's client, not by request id alone: two clients may count their ids alike.
+        # A retry from a client that registered again (lease expiry, server restart) is found too.
+        receipt = self.ledger.lookup(worker.scope, commit.request_id)
+        if receipt is not None:
+            self.registry.touch(commit.worker_id, committed=True)
+            return CommitOutcome(self.encoded(commit.reply_dtype), receipt.staleness, receipt.stats, duplicate=True)
+        kind, payload, peak = self._validated_payload(commit)
         buffers = self._buffers_after(commit.buffer_delta)  # checked before θ moves
         staleness = self.version - commit.base_version
-        stats = rule.apply(self._theta, payload, kind, commit.worker_id, staleness, version=self.version)
+        try:  # the rule writes into spare buffers and swaps them in only if every value is finite
+            self._theta, stats = rule.step(self._theta, payload, kind, commit.worker_id, staleness, self.version, peak)
+        except NonFiniteUpdate as error:
+            raise InvalidArgument(f"commit refused, nothing changed: {error}", Reason.NON_FINITE) from None
         self._buffers = buffers
         self.commits_applied += 1
         worker.commits += 1
-        self.registry.touch(commit.worker_id)
+        self.registry.touch(commit.worker_id, committed=True)
         self._version += 1  # its snapshot is encoded when a reply asks (encoded(), theta_wire())
-        self.ledger.record(commit.worker_id, commit.request_id, Receipt(self.version, staleness, stats))
+        self.ledger.record(worker.scope, commit.request_id, Receipt(self.version, staleness, stats))
         return CommitOutcome(self._with_buffers(self.snapshot), staleness, stats)
 
     def theta_wire(self, dtype: int) -> bytes | memoryview:
@@ -431,8 +458,9 @@ class ServerState:
         return create_rule(self._training, num_parameters, kernel=self._gem_kernel)
 
     def _forget(self, worker_id: str) -> None:
-        self.registry.remove(worker_id)
-        self.ledger.forget_worker(worker_id)
+        worker = self.registry.remove(worker_id)
+        if worker is not None:
+            self.ledger.depart(worker.scope)
         if self.rule is not None:
             self.rule.remove_worker(worker_id)
 
@@ -515,7 +543,8 @@ class ServerState:
                 Reason.BAD_SHAPE,
             )
 
-    def _validated_payload(self, commit: Commit) -> tuple[PayloadKind, np.ndarray]:
+    def _validated_payload(self, commit: Commit) -> tuple[PayloadKind, np.ndarray, float]:
+        """The kind, the values and max |value| (which GEM's overflow bound uses), checked."""
         kind = _payload_kind(commit.kind)
         values = _decoded(commit.payload, "payload")
         self._check_payload_shape(values.shape)
@@ -526,6 +555,7 @@ class ServerState:
                 f"base_version {commit.base_version} is ahead of the server's version {self.version}",
                 Reason.BAD_VERSION,
             )
-        if not all_finite(values):
+        peak = max_abs(values)  # NaN when a value is not finite: one pass for both
+        if not math.isfinite(peak):
             raise InvalidArgument("payload contains NaN or Inf", Reason.NON_FINITE)
-        return kind, values
+        return kind, values, peak

@@ -17,8 +17,15 @@ class WorkerRecord:
     worker_id: str
     name: str
     slot: int  # distinct among active workers: the worker's shard index
-    last_seen: float
+    last_seen: float  # its last request (commit or pull): the lease
     commits: int = 0
+    last_commit: float = 0.0  # when it last committed (registered, before its first commit)
+    client_id: str = ""  # the client's identity across its registrations ("" when it sent none)
+
+    @property
+    def scope(self) -> str:
+        """Whose request ids this worker's are (see ledger.py): its client's, else its own."""
+        return self.client_id or self.worker_id
 
 
 class WorkerRegistry:
@@ -29,6 +36,7 @@ class WorkerRegistry:
         self.lease_ttl = lease_ttl
         self._clock = clock
         self._workers: dict[str, WorkerRecord] = {}
+        self._by_client: dict[str, str] = {}  # client id -> its registered worker's id
         self._free_slots: list[int] = []  # min-heap of slots released by departed workers
         self._next_slot = 0
 
@@ -38,7 +46,12 @@ class WorkerRegistry:
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self._workers
 
-    def add(self, name: str) -> WorkerRecord:
+    def of_client(self, client_id: str) -> WorkerRecord | None:
+        """The registered worker of `client_id`, if any (never for "")."""
+        worker_id = self._by_client.get(client_id) if client_id else None
+        return self._workers.get(worker_id) if worker_id is not None else None
+
+    def add(self, name: str, client_id: str = "") -> WorkerRecord:
         if len(self._workers) >= self.max_workers:
             raise ResourceExhausted(
                 f"server is full: {self.max_workers} workers registered (raise --max-workers)",
@@ -48,8 +61,11 @@ class WorkerRegistry:
             slot = heapq.heappop(self._free_slots)
         else:
             slot, self._next_slot = self._next_slot, self._next_slot + 1
-        record = WorkerRecord(uuid.uuid4().hex, name, slot, self._clock())
+        now = self._clock()
+        record = WorkerRecord(uuid.uuid4().hex, name, slot, now, last_commit=now, client_id=client_id)
         self._workers[record.worker_id] = record
+        if client_id:
+            self._by_client[client_id] = record.worker_id
         return record
 
     def get(self, worker_id: str) -> WorkerRecord:
@@ -62,15 +78,33 @@ class WorkerRegistry:
                 Reason.UNKNOWN_WORKER,
             ) from None
 
-    def touch(self, worker_id: str) -> WorkerRecord:
+    def touch(self, worker_id: str, committed: bool = False) -> WorkerRecord:
         record = self.get(worker_id)
         record.last_seen = self._clock()
+        if committed:
+            record.last_commit = record.last_seen
         return record
+
+    @property
+    def full(self) -> bool:
+        return len(self._workers) >= self.max_workers
+
+    def idlest(self) -> WorkerRecord | None:
+        """The worker longest without a commit, if that is longer than the lease TTL: a full
+        registry gives its place to a newcomer. Pulls keep a lease alive, not a place in a full
+        server: otherwise cheap pulls let registrations that never commit (each holding GEM
+        state of 2P floats) lock honest workers out for as long as they like."""
+        if not self._workers:
+            return None
+        idle = min(self._workers.values(), key=lambda record: record.last_commit)
+        return idle if self._clock() - idle.last_commit > self.lease_ttl else None
 
     def remove(self, worker_id: str) -> WorkerRecord | None:
         record = self._workers.pop(worker_id, None)
         if record is not None:
             heapq.heappush(self._free_slots, record.slot)
+            if self._by_client.get(record.client_id) == worker_id:
+                del self._by_client[record.client_id]
         return record
 
     def expired(self) -> list[str]:

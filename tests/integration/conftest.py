@@ -70,10 +70,14 @@ SPEC = [
 NUM_PARAMETERS = 16
 
 
-def register(stub: pb_grpc.ParameterServerStub, spec: list[pb.ParameterSpec] | None = None) -> pb.RegisterResponse:
+def register(
+    stub: pb_grpc.ParameterServerStub, spec: list[pb.ParameterSpec] | None = None, client_id: str = ""
+) -> pb.RegisterResponse:
     initial = np.linspace(-1, 1, NUM_PARAMETERS, dtype=np.float32)
     return stub.Register(
-        pb.RegisterRequest(spec=SPEC if spec is None else spec, initial_parameters=array_to_tensor(initial))
+        pb.RegisterRequest(
+            spec=SPEC if spec is None else spec, initial_parameters=array_to_tensor(initial), client_id=client_id
+        )
     )
 
 

@@ -126,7 +126,7 @@ def test_a_retried_commit_is_applied_once_even_across_a_restart(tmp_path: Path, 
     options = {"checkpoint_dir": tmp_path, "checkpoint_every": 1, "checkpoint_interval": 0}
     server = start(servers, **options)
     stub = open_stub(server.target)
-    worker = register(stub).worker_id
+    worker = register(stub, client_id="client-1").worker_id  # request ids are this client's
     first = commit(stub, worker, 0, "req-1")
     again = commit(stub, worker, 0, "req-1")  # a retry: same request id
     assert (first.version, again.version) == (1, 1)
@@ -137,7 +137,7 @@ def test_a_retried_commit_is_applied_once_even_across_a_restart(tmp_path: Path, 
 
     restarted = start(servers, port=server.port, **options)
     stub = open_stub(restarted.target)
-    worker = register(stub).worker_id  # registered again, under a new id
+    worker = register(stub, client_id="client-1").worker_id  # registered again, under a new id
     retried = commit(stub, worker, 1, "req-1")
     assert retried.version == 1 and stub.Status(pb.StatusRequest()).commits_applied == 1
     assert commit(stub, worker, 1, "req-2").version == 2

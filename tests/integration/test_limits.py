@@ -1,6 +1,7 @@
 """Limits on what a client can make the server keep or wait for (issue 15, items 6, 8 and 10):
 names and labels, spec sizes and empty models are refused up front, with the right status and
-reason, and leave nothing behind; a stream that stops sending is refused and frees its buffer."""
+reason, and leave nothing behind; a stream that stops sending is refused and frees its buffer;
+registrations that never commit cannot hold a full server."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from gemps_proto.codec import array_to_tensor
 from gemps_proto.reasons import METADATA_KEY
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.state import MAX_NAME_LENGTH, MAX_SPEC_ENTRIES
-from tests.helpers import InProcessServer
+from tests.helpers import InProcessServer, wait_for
 from tests.integration.conftest import SPEC, StartServer, open_stub, register
 
 
@@ -112,3 +113,50 @@ def test_streams_that_stop_sending_are_refused_and_free_their_buffers(start_serv
         for thread in stalled:
             thread.join(30)
     assert codes == [(grpc.StatusCode.DEADLINE_EXCEEDED, "stream_idle")] * 2
+
+
+def test_registrations_kept_alive_by_pulls_alone_give_way_to_a_newcomer(start_server: StartServer) -> None:
+    """A full server whose places are held by workers that only pull (cheap; each holds GEM state)
+    admits a newcomer in the place of the one longest without a commit, once that is longer
+    than the lease TTL; a worker that commits keeps its place."""
+    server = start_server(max_workers=3, lease_ttl=1.0)
+    stub = open_stub(server.target)
+    committer = register(stub).worker_id
+    squatters = [register(stub).worker_id for _ in range(2)]
+    stop = threading.Event()
+
+    def keep_alive() -> None:  # the squatters pull, the committer commits, until the test ends
+        payload = array_to_tensor(np.zeros(16, np.float32))
+        while not stop.wait(0.05):
+            for worker_id in squatters:
+                stub.Pull(pb.PullRequest(worker_id=worker_id, known_version=-1))
+            version = stub.Status(pb.StatusRequest()).version
+            stub.Commit(
+                pb.CommitRequest(
+                    worker_id=committer, base_version=version, kind=pb.PAYLOAD_KIND_UPDATE, payload=payload
+                )
+            )
+
+    thread = threading.Thread(target=keep_alive)
+    thread.start()
+    try:
+        with pytest.raises(grpc.RpcError) as full:
+            register(stub)
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # within the lease: still full
+        newcomer = wait_for(lambda: _try_register(stub), timeout=20, what="a place for the newcomer")
+    finally:
+        stop.set()
+        thread.join(30)
+    registry = server.server.state.registry
+    assert newcomer in registry and committer in registry
+    assert sum(worker_id in registry for worker_id in squatters) == 1
+    assert "worker evicted" in server.log() and "server full" in server.log()
+
+
+def _try_register(stub: Any) -> str | None:
+    try:
+        return str(register(stub).worker_id)
+    except grpc.RpcError as error:
+        if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        return None

@@ -1,19 +1,24 @@
-"""Shutdown against real server processes (issue 15, items 4 and 5): SIGTERM right after a burst
-of commits with a checkpoint per commit never hangs and loses nothing; a final checkpoint that
-cannot be written ends the process with a non-zero status naming the versions lost."""
+"""Shutdown against real server processes (issue 15, items 4, 5 and 11b): SIGTERM right after a
+burst of commits with a checkpoint per commit never hangs and loses nothing; a final checkpoint
+that cannot be written ends the process with a non-zero status naming the versions lost; an open
+Health.Watch stream does not hold shutdown."""
 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
+import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import gemps
 from gemps_server.app import EXIT_CHECKPOINT_LOST
 from gemps_server.checkpoints import list_checkpoints, load
 from gemps_worker.cluster import ServerProcess
 from tests.helpers import wait_for
+from tests.integration.conftest import StartServer
 
 PARAMS = {"w": np.zeros(64, np.float32)}
 WORKERS = 4
@@ -68,3 +73,20 @@ def test_a_final_checkpoint_that_cannot_be_written_exits_non_zero_naming_the_los
         log = server.log()
     assert "checkpoint failed" in log
     assert "stopped without a final checkpoint version=3 newest_checkpoint=- lost=1..3" in log
+
+
+def test_an_open_health_watch_does_not_hold_shutdown_for_the_grace_period(start_server: StartServer) -> None:
+    """A Watch stream is told NOT_SERVING and ended: shutdown waits for real work, not for it."""
+    server = start_server()
+    channel = grpc.insecure_channel(server.target)
+    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
+    statuses = [next(watch).status]  # SERVING: the stream is open
+    grace = 20.0
+    started = time.monotonic()
+    server.stop(grace=grace)
+    took = time.monotonic() - started
+    statuses += [reply.status for reply in watch]  # ends (status OK) instead of being cancelled
+    channel.close()
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert statuses == [serving, not_serving]
+    assert took < grace / 4, f"shutdown took {took:.1f} s of a {grace:g} s grace period"

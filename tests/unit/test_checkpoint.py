@@ -15,6 +15,7 @@ import safetensors.numpy
 
 from gemps_proto.codec import EncodedTensor
 from gemps_proto.schema import ParameterSpec, PayloadKind
+from gemps_server import checkpoints
 from gemps_server.checkpoints import (
     Checkpoint,
     CheckpointError,
@@ -28,7 +29,7 @@ from gemps_server.checkpoints import (
     save,
 )
 from gemps_server.errors import InvalidArgument
-from gemps_server.ledger import CommitLedger, Receipt
+from gemps_server.ledger import LEGACY_SCOPE, CommitLedger, Receipt, receipt_key
 from gemps_server.rules import ApplyStats
 from gemps_server.security import RateLimiter, TokenAuthInterceptor, exposure_warnings, is_loopback
 from gemps_server.state import Commit, ServerState, StateImage
@@ -46,7 +47,7 @@ def make_checkpoint(version: int = 7, **overrides: Any) -> Checkpoint:
         "spec": SPEC,
         "theta": np.arange(8, dtype=np.float32) * 0.5,
         "rule": "gem",
-        "receipts": {"req-a": Receipt(version, 2, STATS)},
+        "receipts": {receipt_key("client-1", "req-a"): Receipt(version, 2, STATS)},
     }
     fields.update(overrides)
     return Checkpoint(StateImage(**fields), config={"rule": "gem", "learning_rate": 0.05})
@@ -61,7 +62,7 @@ def test_round_trip_keeps_everything(tmp_path: Path) -> None:
     np.testing.assert_array_equal(restored.image.rule_state["velocity"], original.image.rule_state["velocity"])
     assert (restored.version, restored.image.commits_applied, restored.image.spec) == (7, 7, SPEC)
     assert restored.config == original.config
-    assert restored.image.receipts == {"req-a": Receipt(7, 2, STATS)}
+    assert restored.image.receipts == {receipt_key("client-1", "req-a"): Receipt(7, 2, STATS)}
     assert restored.named()["layer.weight"].shape == (2, 3)
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left behind
 
@@ -104,14 +105,16 @@ def rewrite(path: Path, metadata: dict[str, str], tensors: dict[str, np.ndarray]
         ({"spec": json.dumps([{"name": "w", "shape": [3]}])}, "spec describes 3"),
         ({"spec": "not json"}, "malformed metadata"),
         ({"version": "-1"}, "negative version"),
-        ({"receipts": json.dumps({"r": [1, 2]})}, "malformed metadata"),
+        ({"client_receipts": json.dumps({"c\nr": [1, 2]})}, "malformed metadata"),
+        ({"client_receipts": json.dumps({"r": [1, 0, 1, 1, 0, 0]})}, "names no client"),
+        ({"client_receipts": json.dumps({"a b\nr": [1, 0, 1, 1, 0, 0]})}, "bad client"),
         # Crafted: metadata is outside the CRC, so whatever it says must raise CheckpointError (the
         # server falls back to an older file) and never restore values Status could not send.
         ({"spec": "[" * 100_000 + "]" * 100_000}, "nested too deeply"),
-        ({"receipts": '{"r": [Infinity, 0, 1, 1, 0, 0]}'}, "Infinity in metadata"),
-        ({"receipts": '{"r": [NaN, 0, 1, 1, 0, 0]}'}, "NaN in metadata"),
-        ({"receipts": '{"r": [true, 0, 1, 1, 0, 0]}'}, "not numbers"),
-        ({"receipts": json.dumps({"r": [2**64, 0, 1, 1, 0, 0]})}, "impossible version"),
+        ({"client_receipts": '{"c\\nr": [Infinity, 0, 1, 1, 0, 0]}'}, "Infinity in metadata"),
+        ({"client_receipts": '{"c\\nr": [NaN, 0, 1, 1, 0, 0]}'}, "NaN in metadata"),
+        ({"client_receipts": '{"c\\nr": [true, 0, 1, 1, 0, 0]}'}, "not numbers"),
+        ({"client_receipts": json.dumps({"c\nr": [2**64, 0, 1, 1, 0, 0]})}, "impossible version"),
         ({"version": str(2**64)}, "outside 0.."),
         ({"commits_applied": str(2**70)}, "outside 0.."),
         ({"spec": json.dumps([{"name": "w", "shape": [True, 8]}])}, "bad shape"),
@@ -141,7 +144,14 @@ def test_a_file_whose_name_disagrees_with_its_metadata_is_not_restored(tmp_path:
 def test_non_finite_values_are_refused(tmp_path: Path) -> None:
     theta = np.arange(8, dtype=np.float32)
     theta[3] = np.nan
-    path, _ = save(tmp_path, make_checkpoint(theta=theta))
+    with pytest.raises(CheckpointError, match="NaN or Inf"):  # never written ...
+        save(tmp_path, make_checkpoint(theta=theta))
+    assert list(tmp_path.iterdir()) == []
+    path, _ = save(tmp_path, make_checkpoint())  # ... nor loaded, with a CRC that matches
+    with safetensors.safe_open(str(path), framework="numpy") as f:
+        metadata = dict(f.metadata())
+    tensors = {"central_variable": theta}
+    rewrite(path, {**metadata, "crc32": checkpoints._crc(tensors)}, tensors)
     with pytest.raises(CheckpointError, match="NaN or Inf"):
         load(path)
 
@@ -198,20 +208,24 @@ def test_export_is_a_state_dict_by_parameter_name(tmp_path: Path) -> None:
 # -- the ledger -------------------------------------------------------------------------------
 
 
-def test_ledger_keeps_each_workers_last_commit_and_a_bounded_tail_of_departed_ones() -> None:
+def test_ledger_keeps_each_clients_last_commit_and_a_bounded_tail_of_departed_ones() -> None:
     ledger = CommitLedger(capacity=2)
-    ledger.record("w1", "a", Receipt(1, 0, STATS))
-    ledger.record("w1", "b", Receipt(2, 0, STATS))
-    assert ledger.lookup("a") is None and ledger.lookup("b") == Receipt(2, 0, STATS)
-    ledger.record("w2", "", Receipt(3, 0, STATS))  # no id: nothing to remember
-    assert len(ledger) == 1 and ledger.lookup("") is None
-    for worker, request in (("w1", "b"), ("w3", "c"), ("w4", "d")):
-        ledger.record(worker, request, Receipt(4, 0, STATS))
-        ledger.forget_worker(worker)
-    assert ledger.lookup("b") is None  # the oldest departed receipt went first
-    assert ledger.lookup("c") is not None and ledger.lookup("d") is not None
-    ledger.restore({"e": Receipt(9, 1, STATS)})
-    assert ledger.lookup("e") == Receipt(9, 1, STATS) and ledger.lookup("c") is None
+    ledger.record("c1", "a", Receipt(1, 0, STATS))
+    ledger.record("c1", "b", Receipt(2, 0, STATS))
+    assert ledger.lookup("c1", "a") is None and ledger.lookup("c1", "b") == Receipt(2, 0, STATS)
+    assert ledger.lookup("c2", "b") is None  # request ids are per client
+    ledger.record("c2", "", Receipt(3, 0, STATS))  # no id: nothing to remember
+    assert len(ledger) == 1 and ledger.lookup("c2", "") is None
+    for client, request in (("c1", "b"), ("c3", "c"), ("c4", "d")):
+        ledger.record(client, request, Receipt(4, 0, STATS))
+        ledger.depart(client)
+    assert ledger.lookup("c1", "b") is None  # the oldest departed receipt went first
+    assert ledger.lookup("c3", "c") is not None and ledger.lookup("c4", "d") is not None
+    ledger.restore({receipt_key("c5", "e"): Receipt(9, 1, STATS)})
+    assert ledger.lookup("c5", "e") == Receipt(9, 1, STATS) and ledger.lookup("c3", "c") is None
+    # From a checkpoint written before clients had scopes: any client's retry matches.
+    ledger.restore({receipt_key(LEGACY_SCOPE, "old"): Receipt(5, 0, STATS)})
+    assert ledger.lookup("anyone", "old") == Receipt(5, 0, STATS)
 
 
 def test_receipts_reject_malformed_numbers() -> None:
@@ -227,8 +241,8 @@ def new_state(rule: str = "gem") -> ServerState:
     return ServerState(training(rule), WorkerRegistry(max_workers=8, lease_ttl=60))
 
 
-def register(state: ServerState) -> str:
-    return state.register("w", SPEC, encoded(np.arange(8, dtype=np.float32))).worker.worker_id
+def register(state: ServerState, client_id: str = "client-1") -> str:
+    return state.register("w", SPEC, encoded(np.arange(8, dtype=np.float32)), client_id=client_id).worker.worker_id
 
 
 def gradient(value: float = 1.0) -> EncodedTensor:
@@ -265,9 +279,9 @@ def test_restore_continues_exactly_where_the_checkpoint_was(rule: str) -> None:
     assert restored.restore(snapshot) == []
     assert (restored.version, restored.commits_applied) == (3, 3)
     np.testing.assert_array_equal(restored.theta_copy(), live.theta_copy())
-    assert restored.commit(Commit("anyone", 0, PayloadKind.GRADIENT, gradient(), request_id="r2")).duplicate
+    again = register(restored)  # the same client, registered again
+    assert restored.commit(Commit(again, 0, PayloadKind.GRADIENT, gradient(), request_id="r2")).duplicate
     # The same next commit moves both identically (GEM: a new worker's first commit in both).
-    again = register(restored)
     fresh = register(live)
     a = live.commit(Commit(fresh, 3, PayloadKind.GRADIENT, gradient(0.5), request_id="n"))
     b = restored.commit(Commit(again, 3, PayloadKind.GRADIENT, gradient(0.5), request_id="n"))

@@ -23,7 +23,7 @@ SCALARS = {
     FieldDescriptor.TYPE_BOOL: bool,
 }
 # Message fields the Python face leaves out on purpose.
-WIRE_ONLY = {"ParameterSpec": {"dtype"}, "RegisterResponse": {"parameters", "buffers"}}
+WIRE_ONLY = {"ParameterSpec": {"dtype"}, "RegisterResponse": {"parameters", "buffers", "history"}}
 FACES: list[tuple[type[Any], Any]] = [
     (schema.TrainingConfig, pb.TrainingConfig.DESCRIPTOR),
     (schema.ParameterSpec, pb.ParameterSpec.DESCRIPTOR),

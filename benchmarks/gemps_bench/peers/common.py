@@ -109,7 +109,8 @@ class PeerState:
         """
         staleness = self.staleness(client_id)
         np.multiply(gradient, self._scale, out=gradient)  # in place: no P-sized copy per commit
-        self._rule.apply_scaled(self.theta, gradient, 1.0, client_id, staleness)
+        # In place, unless the update comes near float32's range (then a new array: see rules/base.py).
+        self.theta, _ = self._rule.step_scaled(self.theta, gradient, 1.0, client_id, staleness)
         self.version += 1
         self._version_sent[client_id] = self.version
         return staleness

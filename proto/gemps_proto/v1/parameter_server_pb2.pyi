@@ -84,23 +84,25 @@ class Shard(_message.Message):
     def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("spec", "initial_parameters", "worker_name", "omit_parameters", "buffer_spec", "initial_buffers")
+    __slots__ = ("spec", "initial_parameters", "worker_name", "omit_parameters", "buffer_spec", "initial_buffers", "client_id")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     INITIAL_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     OMIT_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     BUFFER_SPEC_FIELD_NUMBER: _ClassVar[int]
     INITIAL_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     spec: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
     initial_parameters: Tensor
     worker_name: str
     omit_parameters: bool
     buffer_spec: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
     initial_buffers: Tensor
-    def __init__(self, spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., initial_parameters: _Optional[_Union[Tensor, _Mapping]] = ..., worker_name: _Optional[str] = ..., omit_parameters: _Optional[bool] = ..., buffer_spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., initial_buffers: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    client_id: str
+    def __init__(self, spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., initial_parameters: _Optional[_Union[Tensor, _Mapping]] = ..., worker_name: _Optional[str] = ..., omit_parameters: _Optional[bool] = ..., buffer_spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., initial_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "lease_ttl_seconds", "config", "shard", "version", "parameters", "initialized_central", "buffers")
+    __slots__ = ("worker_id", "lease_ttl_seconds", "config", "shard", "version", "parameters", "initialized_central", "buffers", "history")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +111,7 @@ class RegisterResponse(_message.Message):
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_CENTRAL_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     lease_ttl_seconds: float
     config: TrainingConfig
@@ -117,29 +120,34 @@ class RegisterResponse(_message.Message):
     parameters: Tensor
     initialized_central: bool
     buffers: Tensor
-    def __init__(self, worker_id: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., initialized_central: _Optional[bool] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    history: str
+    def __init__(self, worker_id: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., initialized_central: _Optional[bool] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., history: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "known_version", "reply_dtype")
+    __slots__ = ("worker_id", "known_version", "reply_dtype", "known_history")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLY_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_HISTORY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     known_version: int
     reply_dtype: DType
-    def __init__(self, worker_id: _Optional[str] = ..., known_version: _Optional[int] = ..., reply_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    known_history: str
+    def __init__(self, worker_id: _Optional[str] = ..., known_version: _Optional[int] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., known_history: _Optional[str] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("version", "parameters", "unchanged", "buffers")
+    __slots__ = ("version", "parameters", "unchanged", "buffers", "history")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     version: int
     parameters: Tensor
     unchanged: bool
     buffers: Tensor
-    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., unchanged: _Optional[bool] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    history: str
+    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., unchanged: _Optional[bool] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., history: _Optional[str] = ...) -> None: ...
 
 class PullResponseChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -13,7 +13,7 @@ from typing import Any
 
 from gemps_proto.schema import TrainingConfig
 from gemps_server.rules.adaptive_staleness import AdaptiveStalenessRule
-from gemps_server.rules.base import ApplyStats, CommitRule
+from gemps_server.rules.base import ApplyStats, CommitRule, NonFiniteUpdate
 from gemps_server.rules.downpour import DownpourRule
 from gemps_server.rules.gem import GemRule
 from gemps_server.rules.momentum import MomentumRule
@@ -40,4 +40,4 @@ def create_rule(config: TrainingConfig, num_parameters: int, **options: Any) -> 
     return rule_class(config.rule).from_config(config, num_parameters, **options)
 
 
-__all__ = ["ApplyStats", "CommitRule", "create_rule", "rule_class", "rule_names"]
+__all__ = ["ApplyStats", "CommitRule", "NonFiniteUpdate", "create_rule", "rule_class", "rule_names"]

@@ -10,10 +10,22 @@ from gemps_server.rules.base import ApplyStats, CommitRule
 class AdaptiveStalenessRule(CommitRule):
     name = "adaptive-staleness"
 
-    def apply_scaled(
-        self, theta: np.ndarray, update: np.ndarray, scale: float, worker_id: str, staleness: int
-    ) -> ApplyStats:
-        delta = np.multiply(update, np.float32(scale), out=self.scratch(update))
-        delta /= np.float32(staleness + 1)  # after scaling, as the rule is written: same rounding
-        theta += delta
-        return ApplyStats.constant(1.0 / (staleness + 1))
+    def step_scaled(
+        self,
+        theta: np.ndarray,
+        update: np.ndarray,
+        scale: float,
+        worker_id: str,
+        staleness: int,
+        update_peak: float | None = None,
+    ) -> tuple[np.ndarray, ApplyStats]:
+        bound = self.in_place_bound(self.peak_of(theta), self.update_peak(update, scale, update_peak))
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused by checked()
+            delta = np.multiply(update, np.float32(scale), out=self.scratch(update))
+            delta /= np.float32(staleness + 1)  # after scaling, as the rule is written: same rounding
+            if bound is not None:  # cannot overflow
+                theta += delta
+                self.remember_peak(theta, bound)
+                return theta, ApplyStats.constant(1.0 / (staleness + 1))
+            updated = np.add(theta, delta, out=self.take_spare(theta))
+        return self.checked(theta, updated), ApplyStats.constant(1.0 / (staleness + 1))

@@ -6,6 +6,15 @@ each rule exactly what it uses and nothing else. Every rule takes the learning r
 gradient g applied at central version v into the update Delta = -eta(v) * g, eta following the
 config's learning-rate schedule (gemps_proto.schedules, which every rule takes as `schedule`);
 an update commit is taken as Delta itself.
+
+A commit of finite values can still overflow float32 (3e38 times pi_max): it is refused with
+NonFiniteUpdate and leaves theta and every worker's and the rule's state exactly as they were.
+A rule changes nothing before it knows the commit is acceptable:
+- in place, as before, when a bound shows no value can overflow: the rule keeps a bound on
+  max |theta| (and on its own state's), and the caller passes max |payload|, which its
+  finiteness check found in the same pass: no pass over theta is added;
+- otherwise into spare buffers, checked for finiteness, and swapped in only if they pass (which
+  also measures the peaks again, tightening bounds that grew loose over many commits).
 """
 
 from __future__ import annotations
@@ -22,9 +31,15 @@ import numpy as np
 
 from gemps_proto.schedules import schedule_factor
 from gemps_proto.schema import PayloadKind, TrainingConfig
+from gemps_server.native import max_abs
 
 #: eta's factor at a central version (eta(v) = learning_rate * schedule(v))
 Schedule = Callable[[int], float]
+#: an update runs in place only when every value it computes is bounded by this: half of float32's
+#: largest, a margin far beyond the rounding of the few float32 operations per parameter
+SAFE_MAGNITUDE = float(np.finfo(np.float32).max) / 2
+#: above 1 + the relative error of the float32 operations behind one value (each at most 2**-24)
+ROUNDING = 1.0 + 2.0**-20
 
 # Commit statistics (pi's mean, median, clamped fractions; GEM's energies) come from an evenly
 # strided sample of at most this many parameters: exact for smaller models, an estimate past it.
@@ -100,12 +115,18 @@ class ApplyStats:
 _TRAINING_FIELDS = frozenset(f.name for f in fields(TrainingConfig))
 
 
+class NonFiniteUpdate(ValueError):
+    """The commit would make the central variable or the rule's state NaN or infinite (finite
+    inputs can overflow float32): the rule refused it and changed nothing."""
+
+
 class CommitRule(ABC):
     """Applies worker commits to the central variable, one at a time, in FIFO order.
 
-    The applier calls every method from one thread, never concurrently. `apply` moves `theta`
-    in place by the commit's Delta; the payload may be read-only (it aliases the request's
-    bytes) and is never written.
+    The applier calls every method from one thread, never concurrently. `step` returns the
+    central variable after the commit's Delta as a new array, and takes the old one over (as a
+    spare buffer, or as GEM's s_i): the caller drops it. The payload may be read-only (it aliases
+    the request's bytes) and is never written.
     """
 
     name: ClassVar[str]
@@ -117,6 +138,8 @@ class CommitRule(ABC):
         self.learning_rate = learning_rate
         self.schedule = schedule
         self._scratch: np.ndarray | None = None
+        self._spare: np.ndarray | None = None  # the next theta is written here (see `step`)
+        self._theta_peak: tuple[np.ndarray, float] | None = None  # a bound on max |theta| it last returned
 
     @classmethod
     def hyperparameters(cls) -> tuple[str, ...]:
@@ -153,6 +176,25 @@ class CommitRule(ABC):
         """eta at central version `version`: learning_rate times the schedule's factor."""
         return self.learning_rate * self.schedule(version)
 
+    def step(
+        self,
+        theta: np.ndarray,
+        payload: np.ndarray,
+        kind: PayloadKind,
+        worker_id: str,
+        staleness: int,
+        version: int = 0,
+        payload_peak: float | None = None,
+    ) -> tuple[np.ndarray, ApplyStats]:
+        """theta after this worker's commit, computed `staleness` commits ago and applied at central
+        version `version` (the one before it; a gradient g moves theta by -eta(version)*g), with
+        how it was scaled: a new array, or `theta` moved in place when no value can overflow. The
+        rule may keep `theta`: the caller uses only the array returned. Raises NonFiniteUpdate,
+        with nothing changed, when theta or the rule's state would not be finite.
+        `payload_peak`: max |payload| when the caller already knows it (from its finiteness check)."""
+        scale = -self.learning_rate_at(version) if kind is PayloadKind.GRADIENT else 1.0
+        return self.step_scaled(theta, payload, scale, worker_id, staleness, payload_peak)
+
     def apply(
         self,
         theta: np.ndarray,
@@ -162,16 +204,66 @@ class CommitRule(ABC):
         staleness: int,
         version: int = 0,
     ) -> ApplyStats:
-        """Move theta in place by this worker's commit, computed `staleness` commits ago and applied
-        at central version `version` (the one before it; a gradient g moves theta by -eta(version)*g)."""
-        scale = -self.learning_rate_at(version) if kind is PayloadKind.GRADIENT else 1.0
-        return self.apply_scaled(theta, payload, scale, worker_id, staleness)
+        """`step` in place, for callers that keep their own theta array (tests, benchmarks): a copy
+        of theta goes in and the result is copied back. The server uses `step`."""
+        updated, stats = self.step(theta.copy(), payload, kind, worker_id, staleness, version)
+        np.copyto(theta, updated)
+        return stats
 
     @abstractmethod
-    def apply_scaled(
-        self, theta: np.ndarray, update: np.ndarray, scale: float, worker_id: str, staleness: int
-    ) -> ApplyStats:
-        """Move theta in place by the rule applied to Delta = scale * update."""
+    def step_scaled(
+        self,
+        theta: np.ndarray,
+        update: np.ndarray,
+        scale: float,
+        worker_id: str,
+        staleness: int,
+        update_peak: float | None = None,
+    ) -> tuple[np.ndarray, ApplyStats]:
+        """`step` with Delta = scale * update."""
+
+    def take_spare(self, like: np.ndarray) -> np.ndarray:
+        """A float32 buffer shaped like `like` for the next theta (the one handed back last, if any)."""
+        spare, self._spare = self._spare, None
+        if spare is None or spare.shape != like.shape:
+            spare = np.empty(like.shape, dtype=np.float32)
+        return spare
+
+    def keep_spare(self, array: np.ndarray) -> None:
+        """Keep `array` (the previous theta, or a refused result) for the next `take_spare`."""
+        self._spare = array
+
+    def checked(self, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+        """`new` as the next theta when it is finite (the rule keeps `old` as its spare); otherwise
+        keeps `new` as the spare and raises NonFiniteUpdate."""
+        peak = max_abs(new)  # NaN when a value is not
+        if not math.isfinite(peak):
+            self.keep_spare(new)
+            raise NonFiniteUpdate("the update would make the central variable overflow to infinity (or NaN)")
+        self.keep_spare(old)
+        self.remember_peak(new, peak)
+        return new
+
+    def peak_of(self, theta: np.ndarray) -> float:
+        """A bound on max |theta|: the one kept for the array this rule returned last, else one pass."""
+        if self._theta_peak is not None and self._theta_peak[0] is theta:
+            return self._theta_peak[1]
+        return max_abs(theta)
+
+    def remember_peak(self, theta: np.ndarray, peak: float) -> None:
+        """`peak` bounds max |theta| for the array about to be returned."""
+        self._theta_peak = (theta, peak)
+
+    @staticmethod
+    def in_place_bound(*terms: float) -> float | None:
+        """The sum of `terms` (bounds on magnitudes), widened for rounding, when it stays below
+        SAFE_MAGNITUDE, so the update cannot overflow and may run in place; else None (NaN too)."""
+        bound = sum(terms) * ROUNDING
+        return bound if bound < SAFE_MAGNITUDE else None
+
+    def update_peak(self, update: np.ndarray, scale: float, known: float | None) -> float:
+        """A bound on max |scale * update|."""
+        return abs(scale) * (max_abs(update) if known is None else known) * ROUNDING
 
     def scaled(self, update: np.ndarray, scale: float) -> np.ndarray:
         """scale * update in the rule's scratch buffer, or update itself when scale is 1."""

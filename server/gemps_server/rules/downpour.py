@@ -10,8 +10,21 @@ from gemps_server.rules.base import ApplyStats, CommitRule
 class DownpourRule(CommitRule):
     name = "downpour"
 
-    def apply_scaled(
-        self, theta: np.ndarray, update: np.ndarray, scale: float, worker_id: str, staleness: int
-    ) -> ApplyStats:
-        theta += self.scaled(update, scale)
-        return ApplyStats.constant(1.0)
+    def step_scaled(
+        self,
+        theta: np.ndarray,
+        update: np.ndarray,
+        scale: float,
+        worker_id: str,
+        staleness: int,
+        update_peak: float | None = None,
+    ) -> tuple[np.ndarray, ApplyStats]:
+        bound = self.in_place_bound(self.peak_of(theta), self.update_peak(update, scale, update_peak))
+        if bound is not None:  # cannot overflow
+            theta += self.scaled(update, scale)
+            self.remember_peak(theta, bound)
+            return theta, ApplyStats.constant(1.0)
+        updated = self.take_spare(theta)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused by checked()
+            np.add(theta, self.scaled(update, scale), out=updated)
+        return self.checked(theta, updated), ApplyStats.constant(1.0)

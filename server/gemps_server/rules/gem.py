@@ -11,28 +11,33 @@ For worker i (m_i = 0 and s_i = theta when it registers), per commit with update
 This is the paper's Algorithm 1 with Appendix B's kappa, moved to the server, which already
 holds theta and every commit: workers stay stateless.
 
-Two kernels compute it, bit for bit alike (a test checks it):
-
-- `compiled` (../_native.c, built with the package; the default when it is there): one pass over
-  the parameters, without the GIL, that also sums the commit's statistics (pi's mean, clamped
-  fractions, the energies) exactly over every parameter; pi's median comes from every
-  stride-th parameter (STATS_SAMPLE_SIZE of them at most).
-- `numpy`: block by block (BLOCK parameters at a time), so each block's fifteen numpy
-  operations work on data that stays in the CPU cache and need no P-sized scratch vectors; its
-  statistics come from pi at the same strided sample, computed before the update from the same
-  inputs: exact up to STATS_SAMPLE_SIZE parameters, an estimate past it.
-
-`auto` picks `compiled` when the extension was built (it is optional: a machine without a C
-compiler still installs gemps) and `numpy` otherwise. docs/PERFORMANCE.md has the measurements.
+No commit can make theta, m_i or s_i NaN or infinite (finite payloads can overflow float32):
+- `compiled` updates in place when a bound shows that no new value can come within a factor 2 of
+  float32's largest (the bound takes max |theta|, max |m_i| and max |s_i| that the previous
+  pass found in its cache, and max |payload| from the payload's finiteness check: no extra pass);
+- otherwise, and always for `numpy`, the new theta and m_i go to two spare vectors and are kept
+  only when every value is finite (else NonFiniteUpdate, with theta, m_i and s_i untouched).
+  Keeping them is a swap of buffers: s_i takes the old theta's (s_i <- theta, without a copy),
+  m_i the spare's, and the old s_i and m_i become the spares (2 vectors, allocated at the first
+  such commit). Out of place costs about a third more time than in place: output pages are read
+  before they are written.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from gemps_server.native import compiled
+from gemps_server.native import all_finite, compiled, max_abs
 from gemps_server.rules import base
-from gemps_server.rules.base import ApplyStats, CommitRule, Schedule, constant_schedule
+from gemps_server.rules.base import (
+    ROUNDING,
+    SAFE_MAGNITUDE,
+    ApplyStats,
+    CommitRule,
+    NonFiniteUpdate,
+    Schedule,
+    constant_schedule,
+)
 
 EPSILON = np.float32(1e-16)
 #: how GEM's update runs: `auto` (compiled if built, else numpy), `compiled`, `numpy`
@@ -42,13 +47,15 @@ BLOCK = 65_536
 
 
 class _WorkerState:
-    __slots__ = ("last_seen_theta", "proxy")
+    __slots__ = ("last_seen_peak", "last_seen_theta", "proxy", "proxy_peak")
 
-    def __init__(self, theta: np.ndarray) -> None:
+    def __init__(self, theta: np.ndarray, theta_peak: float) -> None:
         # np.zeros, not zeros_like: calloc'd pages stay unmapped until the first commit writes
         # them, so registering does not hold this θ-sized vector beside the request's bytes.
         self.proxy = np.zeros(theta.shape, theta.dtype)
         self.last_seen_theta = theta.copy()
+        self.proxy_peak = 0.0  # max |m_i|
+        self.last_seen_peak = theta_peak  # max |s_i|
 
 
 class GemRule(CommitRule):
@@ -80,38 +87,105 @@ class GemRule(CommitRule):
             raise ValueError("gem kernel 'compiled' is not built here (no C compiler at install?): use auto or numpy")
         self.kernel = "compiled" if kernel != "numpy" and compiled is not None else "numpy"
         self._samples = np.empty(self._sampled.size, dtype=np.float32)  # pi at the sampled parameters
+        self._spare_proxy: np.ndarray | None = None  # the next m_i is written here
 
     def add_worker(self, worker_id: str, theta: np.ndarray) -> None:
-        self._workers[worker_id] = _WorkerState(theta)
+        self._workers[worker_id] = _WorkerState(theta, self.peak_of(theta) if self.kernel == "compiled" else 0.0)
 
     def remove_worker(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
 
-    def apply_scaled(
-        self, theta: np.ndarray, update: np.ndarray, scale: float, worker_id: str, staleness: int
-    ) -> ApplyStats:
+    def step_scaled(
+        self,
+        theta: np.ndarray,
+        update: np.ndarray,
+        scale: float,
+        worker_id: str,
+        staleness: int,
+        update_peak: float | None = None,
+    ) -> tuple[np.ndarray, ApplyStats]:
         state = self._workers[worker_id]
         if theta.size == 0:
-            return ApplyStats.constant(0.0)
+            return theta, ApplyStats.constant(0.0)
+        theta_peak = self.peak_of(theta) if self.kernel == "compiled" else 0.0
+        bounds = self._bounds(theta_peak, state, update, scale, update_peak) if self.kernel == "compiled" else None
+        if bounds is not None:
+            finite, stats, _, _ = self._apply_compiled(theta, state, update, scale, None, None)
+            assert finite, "GEM's bound let through a value that is not finite"
+            state.proxy_peak, state.last_seen_peak = bounds[1], theta_peak
+            self.remember_peak(theta, bounds[0])
+            return theta, stats
+        theta_out, proxy_out = self.take_spare(theta), self._take_spare_proxy(theta)
         if self.kernel == "compiled":
-            return self._apply_compiled(theta, state, update, scale)
-        stats = self._sample_stats(theta, state, update, scale)  # before the update changes its inputs
-        for start in range(0, theta.size, BLOCK):
-            end = min(start + BLOCK, theta.size)
-            self._apply_block(
-                theta[start:end], state.proxy[start:end], state.last_seen_theta[start:end], update[start:end], scale
+            finite, stats, new_peak, proxy_peak = self._apply_compiled(
+                theta, state, update, scale, theta_out, proxy_out
             )
-        return stats
+        else:
+            stats = self._sample_stats(theta, state, update, scale)  # from the same inputs as the update
+            finite, new_peak, proxy_peak = True, 0.0, 0.0
+            for start in range(0, theta.size, BLOCK):
+                end = min(start + BLOCK, theta.size)
+                finite = self._apply_block(
+                    theta[start:end], state.proxy[start:end], state.last_seen_theta[start:end], update[start:end],
+                    scale, theta_out[start:end], proxy_out[start:end],
+                )  # fmt: skip
+                if not finite:
+                    break
+        if not finite:
+            self.keep_spare(theta_out)
+            self._spare_proxy = proxy_out
+            raise NonFiniteUpdate(
+                "the update would make the central variable or the worker's GEM proxy overflow to infinity (or NaN)"
+            )
+        # s_i <- theta (the old theta's buffer), m_i <- its new values; the old ones are the next spares.
+        self.keep_spare(state.last_seen_theta)
+        self._spare_proxy = state.proxy
+        state.last_seen_theta, state.proxy = theta, proxy_out
+        state.proxy_peak, state.last_seen_peak = proxy_peak, theta_peak
+        if self.kernel == "compiled":  # the numpy kernel never runs in place: it needs no bounds
+            self.remember_peak(theta_out, new_peak)
+        return theta_out, stats
 
-    def _apply_compiled(self, theta: np.ndarray, state: _WorkerState, update: np.ndarray, scale: float) -> ApplyStats:
+    def _bounds(
+        self, theta_peak: float, state: _WorkerState, update: np.ndarray, scale: float, update_peak: float | None
+    ) -> tuple[float, float] | None:
+        """Bounds on max |theta| and max |m_i| after this commit when no value GEM computes for it
+        can reach SAFE_MAGNITUDE (so none can overflow), else None: |Delta| <= |scale| max|u|,
+        |m_i'| <= mu max|m_i| + |Delta|, pi <= pi_max, |theta - s_i| <= max|theta| + max|s_i|,
+        |theta'| <= max|theta| + pi_max |Delta|. The bounds stand in for the peaks of the in-place
+        pass (which does not measure them), widened by ROUNDING for float32's rounding; a bound
+        that has grown too loose sends a commit out of place, which measures the peaks again."""
+        delta = abs(scale) * (max_abs(update) if update_peak is None else update_peak) * ROUNDING
+        proxy = (abs(self.momentum) * state.proxy_peak + delta) * ROUNDING
+        theta = (theta_peak + abs(self.pi_max) * delta) * ROUNDING
+        largest = max(delta, proxy * max(1.0, abs(self.kappa)), theta_peak + state.last_seen_peak, theta)
+        return (theta, proxy) if largest < SAFE_MAGNITUDE else None  # None for NaN too
+
+    def _take_spare_proxy(self, like: np.ndarray) -> np.ndarray:
+        spare, self._spare_proxy = self._spare_proxy, None
+        if spare is None or spare.shape != like.shape:
+            spare = np.empty(like.shape, dtype=np.float32)
+        return spare
+
+    def _apply_compiled(
+        self,
+        theta: np.ndarray,
+        state: _WorkerState,
+        update: np.ndarray,
+        scale: float,
+        theta_out: np.ndarray | None,
+        proxy_out: np.ndarray | None,
+    ) -> tuple[bool, ApplyStats, float, float]:
+        """The compiled pass (in place when `theta_out` is None): (all finite, statistics,
+        max |new theta|, max |new m_i|)."""
         assert compiled is not None
         values = (scale, self.momentum, self.kappa, self.pi_max, EPSILON)
-        pi_sum, at_zero, at_max, proxy_energy, central_energy = compiled.gem_update(
-            theta, state.proxy, state.last_seen_theta, np.ascontiguousarray(update, np.float32),
+        finite, pi_sum, at_zero, at_max, proxy_energy, central_energy, theta_peak, proxy_peak = compiled.gem_update(
+            theta, state.proxy, state.last_seen_theta, np.ascontiguousarray(update, np.float32), theta_out, proxy_out,
             *(float(np.float32(v)) for v in values), self._stride, self._samples,
         )  # fmt: skip
         size = theta.size
-        return ApplyStats(
+        stats = ApplyStats(
             scaling_mean=pi_sum / size,
             scaling_median=base.median(self._samples),
             fraction_at_zero=at_zero / size,
@@ -119,19 +193,22 @@ class GemRule(CommitRule):
             proxy_energy=proxy_energy / size,
             central_energy=central_energy / size,
         )
+        return bool(finite), stats, theta_peak, proxy_peak
 
     def _sample_stats(self, theta: np.ndarray, state: _WorkerState, update: np.ndarray, scale: float) -> ApplyStats:
         """ApplyStats from pi at the sampled parameters (all of them up to STATS_SAMPLE_SIZE)."""
         at = self._sampled
-        delta = update[at] * np.float32(scale)
+        with np.errstate(over="ignore"):
+            delta = update[at] * np.float32(scale)
         proxy = state.proxy[at]  # a copy (fancy indexing): moving it leaves the worker's proxy alone
         scratch = (np.empty_like(delta), np.empty_like(delta), np.empty_like(delta))
         self._scaling(theta[at], proxy, state.last_seen_theta[at], delta, scratch)
         pi, movement, denominator = scratch
-        proxy_energy = np.abs(proxy)
-        proxy_energy *= np.float32(self.kappa)
-        # pi*(|Delta| + eps): this commit's share of the central variable's movement.
-        central_energy = float(movement.mean(dtype=np.float64)) + float(np.dot(pi, denominator)) / pi.size
+        with np.errstate(over="ignore", invalid="ignore"):  # statistics of a commit refused for overflowing
+            proxy_energy = np.abs(proxy)
+            proxy_energy *= np.float32(self.kappa)
+            # pi*(|Delta| + eps): this commit's share of the central variable's movement.
+            central_energy = float(movement.mean(dtype=np.float64)) + float(np.dot(pi, denominator)) / pi.size
         return ApplyStats.of(pi, self.pi_max, float(proxy_energy.mean(dtype=np.float64)), central_energy)
 
     def _scaling(
@@ -141,32 +218,43 @@ class GemRule(CommitRule):
         last_seen: np.ndarray,
         delta: np.ndarray,
         out: tuple[np.ndarray, np.ndarray, np.ndarray],
+        proxy_out: np.ndarray | None = None,
     ) -> None:
-        """Moves the proxy (m <- mu*m + Delta, in place) and fills `out` = (pi, c, |Delta| + eps)."""
+        """Moves the proxy (m <- mu*m + Delta: into `proxy_out`, or in place) and fills
+        `out` = (pi, c, |Delta| + eps)."""
         pi, movement, denominator = out
-        proxy *= np.float32(self.momentum)
-        proxy += delta
-        np.subtract(theta, last_seen, out=movement)
-        np.abs(movement, out=movement)
-        np.abs(proxy, out=pi)
-        if self.kappa != 1.0:
-            pi *= np.float32(self.kappa)
-        pi -= movement
-        np.abs(delta, out=denominator)
-        denominator += EPSILON
-        with np.errstate(over="ignore"):  # a huge ratio is clipped to pi_max right after
-            pi /= denominator
+        moved = proxy if proxy_out is None else proxy_out
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused after the block
+            np.multiply(proxy, np.float32(self.momentum), out=moved)
+            moved += delta
+            np.subtract(theta, last_seen, out=movement)
+            np.abs(movement, out=movement)
+            np.abs(moved, out=pi)
+            if self.kappa != 1.0:
+                pi *= np.float32(self.kappa)
+            pi -= movement
+            np.abs(delta, out=denominator)
+            denominator += EPSILON
+            pi /= denominator  # a huge ratio is clipped to pi_max right after
         np.maximum(pi, np.float32(0.0), out=pi)  # maximum/minimum: np.clip is several times slower
         np.minimum(pi, np.float32(self.pi_max), out=pi)
 
     def _apply_block(
-        self, theta: np.ndarray, proxy: np.ndarray, last_seen: np.ndarray, update: np.ndarray, scale: float
-    ) -> None:
-        """GEM on one block, in place."""
+        self,
+        theta: np.ndarray,
+        proxy: np.ndarray,
+        last_seen: np.ndarray,
+        update: np.ndarray,
+        scale: float,
+        theta_out: np.ndarray,
+        proxy_out: np.ndarray,
+    ) -> bool:
+        """GEM on one block, into `theta_out` and `proxy_out`; False when a new value is not finite."""
         n = theta.size
         delta, movement, pi = self._delta[:n], self._movement[:n], self._pi[:n]
-        np.multiply(update, np.float32(scale), out=delta)
-        self._scaling(theta, proxy, last_seen, delta, (pi, movement, self._denominator[:n]))
-        np.copyto(last_seen, theta)
-        np.multiply(pi, delta, out=movement)  # movement's buffer is free again
-        theta += movement
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.multiply(update, np.float32(scale), out=delta)
+            self._scaling(theta, proxy, last_seen, delta, (pi, movement, self._denominator[:n]), proxy_out)
+            np.multiply(pi, delta, out=movement)  # movement's buffer is free again
+            np.add(theta, movement, out=theta_out)
+        return all_finite(theta_out) and all_finite(proxy_out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gemps_server.native import max_abs
 from gemps_server.rules.base import ApplyStats, CommitRule, Schedule, constant_schedule
 
 
@@ -23,6 +24,8 @@ class MomentumRule(CommitRule):
         super().__init__(num_parameters, learning_rate=learning_rate, schedule=schedule)
         self.momentum = momentum
         self._velocity = np.zeros(num_parameters, dtype=np.float32)
+        self._spare_velocity = np.empty(0, dtype=np.float32)  # the next velocity is written out of place here
+        self._velocity_peak = 0.0  # a bound on max |velocity|
 
     def global_state(self) -> dict[str, np.ndarray]:
         return {"velocity": self._velocity.copy()}
@@ -32,11 +35,37 @@ class MomentumRule(CommitRule):
         if velocity is None or set(state) != {"velocity"} or velocity.shape != self._velocity.shape:
             raise ValueError(f"momentum rule state must be one 'velocity' of shape {list(self._velocity.shape)}")
         np.copyto(self._velocity, velocity)
+        self._velocity_peak = max_abs(self._velocity)
 
-    def apply_scaled(
-        self, theta: np.ndarray, update: np.ndarray, scale: float, worker_id: str, staleness: int
-    ) -> ApplyStats:
-        self._velocity *= np.float32(self.momentum)
-        self._velocity += self.scaled(update, scale)
-        theta += self._velocity
-        return ApplyStats.constant(1.0)
+    def step_scaled(
+        self,
+        theta: np.ndarray,
+        update: np.ndarray,
+        scale: float,
+        worker_id: str,
+        staleness: int,
+        update_peak: float | None = None,
+    ) -> tuple[np.ndarray, ApplyStats]:
+        velocity_bound = self.in_place_bound(
+            abs(self.momentum) * self._velocity_peak, self.update_peak(update, scale, update_peak)
+        )
+        bound = self.in_place_bound(self.peak_of(theta), velocity_bound) if velocity_bound is not None else None
+        if bound is not None and velocity_bound is not None:  # cannot overflow
+            self._velocity *= np.float32(self.momentum)
+            self._velocity += self.scaled(update, scale)
+            theta += self._velocity
+            self._velocity_peak = velocity_bound
+            self.remember_peak(theta, bound)
+            return theta, ApplyStats.constant(1.0)
+        if self._spare_velocity.shape != self._velocity.shape:
+            self._spare_velocity = np.empty_like(self._velocity)
+        velocity, updated = self._spare_velocity, self.take_spare(theta)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused by checked()
+            np.multiply(self._velocity, np.float32(self.momentum), out=velocity)
+            velocity += self.scaled(update, scale)
+            np.add(theta, velocity, out=updated)
+        # theta + v is finite only where v is: one check covers the velocity too.
+        updated = self.checked(theta, updated)
+        self._velocity, self._spare_velocity = velocity, self._velocity
+        self._velocity_peak = max_abs(velocity)
+        return updated, ApplyStats.constant(1.0)
