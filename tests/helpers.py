@@ -25,6 +25,7 @@ import pytest
 from prometheus_client import disable_created_metrics
 from prometheus_client.parser import text_string_to_metric_families
 
+from gemps.client import Client
 from gemps_proto.codec import EncodedTensor, array_to_tensor, received
 from gemps_proto.schema import TrainingConfig
 from gemps_server import logs
@@ -178,3 +179,62 @@ def encoded(values: np.ndarray) -> EncodedTensor:
 def training(rule: str = "gem", **changes: Any) -> TrainingConfig:
     """The default training config with `rule` and other changes (learning_rate=..., ...)."""
     return dataclasses.replace(TrainingConfig(rule=rule), **changes)
+
+
+def start_partitions(start: Callable[..., InProcessServer], count: int, **options: Any) -> list[InProcessServer]:
+    """`count` in-process servers holding the partitions of one θ, in θ order (workers reach
+    partition 0; it announces the others at ":PORT", i.e. on the host workers reached it at).
+    `count` 1 is a plain server. `start` is the start_server fixture (it stops them)."""
+    if count == 1:
+        return [start(**options)]
+    common = {**options, "partitions": count}
+    others = [start(**common, partition_index=index) for index in range(1, count)]
+    addresses = ",".join(["", *(f":{server.port}" for server in others)])
+    return [start(**common, partition_index=0, partition_addresses=addresses), *others]
+
+
+class CommitLoops:
+    """Clients committing `payload` in threads, as fast as replies come, until `stop()`: each
+    registers `parameters` first and leaves at the end. `acked[i]` counts client i's acknowledged
+    commits and `versions[i]` the versions its replies carried; `failures` collects what any raised."""
+
+    def __init__(
+        self, clients: list[Client], parameters: dict[str, np.ndarray], payload: np.ndarray, kind: str = "gradient"
+    ) -> None:
+        self.clients = clients
+        self.acked = [0] * len(clients)
+        self.versions: list[list[int]] = [[] for _ in clients]
+        self.failures: list[BaseException] = []
+        self._stop = threading.Event()
+        self._parameters, self._payload, self._kind = parameters, payload, kind
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(len(clients))]
+
+    def start(self) -> CommitLoops:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def _run(self, index: int) -> None:
+        client = self.clients[index]
+        try:
+            client.register(self._parameters)
+            while not self._stop.is_set():
+                self.versions[index].append(client.commit(self._payload, kind=self._kind).version)
+                self.acked[index] += 1
+            client.leave()
+        except BaseException as error:  # reported by the test through `failures`
+            self.failures.append(error)
+
+    def wait_each(self, more: int, timeout: float, what: str) -> None:
+        """Until every client has `more` acknowledged commits than now (or one failed)."""
+        baseline = list(self.acked)
+        wait_for(
+            lambda: all(a >= b + more for a, b in zip(self.acked, baseline, strict=True)) or self.failures,
+            timeout,
+            what,
+        )
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout)

@@ -145,7 +145,7 @@ def run_load(system: str, factory: ClientFactory, plan: LoadPlan, server_pid: in
     Every client connects (and registers) first; then a common start; commits completed in
     [start + warmup, start + warmup + duration] count.
     """
-    from gemps_bench.procfs import WindowCpu, peak_rss
+    from gemps_bench.procfs import WindowCpu, tree_peak_rss
 
     context = mp.get_context("spawn")
     out: mp.Queue[_ClientRecord] = context.Queue()
@@ -170,8 +170,10 @@ def run_load(system: str, factory: ClientFactory, plan: LoadPlan, server_pid: in
             process.kill()
     if errors := [r.error for r in records if r.error]:
         raise RuntimeError(f"{system}: {len(errors)} client(s) failed; first: {errors[0]}")
-    result = _windowed(system, plan, records, window, peak_rss(server_pid) if server_pid else None)
-    result.server_cpu_seconds = cpu.seconds if cpu is not None else None
+    result = _windowed(system, plan, records, window, tree_peak_rss(server_pid) if server_pid else None)
+    if cpu is not None:
+        result.server_cpu_seconds = cpu.seconds
+        result.server_child_cpu_seconds = cpu.per_child
     return result
 
 

@@ -29,6 +29,9 @@ def run_bench(out: Path, spec: SuiteSpec | None = None, figure: Path | None = No
         "## gemps against the ceilings and peers",
         *report.throughput_table(data),
         "",
+        "## Partitions of θ (K server processes)",
+        *report.partitions_table(data),
+        "",
         "## Every run",
         *report.systems_table(data),
     ]

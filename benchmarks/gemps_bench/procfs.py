@@ -38,13 +38,28 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime in clock ticks
 
 
+def children(pid: int) -> list[int]:
+    """The process's child processes (e.g. a `gemps server --partitions K`'s partitions)."""
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return []
+
+
+def tree_peak_rss(pid: int) -> int | None:
+    """Peak resident memory of the process and its children, summed (each one's own peak)."""
+    peaks = [peak_rss(p) for p in (pid, *children(pid))]
+    return sum(p for p in peaks if p is not None) if peaks[0] is not None else None
+
+
 class WindowCpu:
-    """The CPU seconds process `pid` uses between two monotonic instants, sampled by a thread:
-    start() before the window, `seconds` after it ends (None when a sample was missed)."""
+    """The CPU seconds process `pid` and its children use between two monotonic instants,
+    sampled by a thread: start() before the window, `seconds` (the total) and `per_child`
+    after it ends (None when a sample was missed)."""
 
     def __init__(self, pid: int, begin: float, end: float) -> None:
         self._pid, self._begin, self._end = pid, begin, end
-        self._samples: list[float | None] = []
+        self._samples: list[dict[int, float | None]] = []
         self._thread = threading.Thread(target=self._run, name="window-cpu", daemon=True)
 
     def start(self) -> WindowCpu:
@@ -54,13 +69,24 @@ class WindowCpu:
     def _run(self) -> None:
         for instant in (self._begin, self._end):
             time.sleep(max(0.0, instant - time.monotonic()))
-            self._samples.append(cpu_seconds(self._pid))
+            self._samples.append({p: cpu_seconds(p) for p in (self._pid, *children(self._pid))})
+
+    def _deltas(self) -> dict[int, float] | None:
+        self._thread.join(timeout=max(0.0, self._end - time.monotonic()) + 5.0)
+        if len(self._samples) != 2:
+            return None
+        before, after = self._samples
+        if set(before) != set(after) or None in before.values() or None in after.values():
+            return None  # a process came or went inside the window
+        return {p: after[p] - before[p] for p in before}  # type: ignore[operator]
 
     @property
     def seconds(self) -> float | None:
-        self._thread.join(timeout=max(0.0, self._end - time.monotonic()) + 5.0)
-        if len(self._samples) != 2 or None in self._samples:
-            return None
-        before, after = self._samples
-        assert before is not None and after is not None
-        return after - before
+        deltas = self._deltas()
+        return None if deltas is None else sum(deltas.values())
+
+    @property
+    def per_child(self) -> list[float] | None:
+        """Each child's CPU seconds in the window, in pid order (empty: no children)."""
+        deltas = self._deltas()
+        return None if deltas is None else [deltas[p] for p in sorted(deltas) if p != self._pid]

@@ -84,6 +84,41 @@ def systems_table(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+PARTITION_SYSTEMS = {1: "gemps", 2: "gemps-2p", 4: "gemps-4p"}
+
+
+def _ms(value: float) -> str:
+    return f"{value:.2f}" if math.isfinite(value) else "-"
+
+
+def partitions_table(data: dict[str, Any]) -> list[str]:
+    """θ split across K server processes: commits/s against K = 1 in the same run, the server's CPU
+    per commit (all processes), the busiest partition's, and the commits/s K partitions would
+    reach with a core each and clients that keep up (1000 / the busiest partition's ms)."""
+    runs: list[Run] = data["runs"]
+    lines = [
+        "| P | clients | K | commits/s | vs K=1 | server CPU ms/commit (all) | busiest partition CPU ms/commit "
+        "| commits/s with a core per partition | p50 / p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    cells = sorted({(r["num_parameters"], r["clients"]) for r in runs if r["system"] in PARTITION_SYSTEMS.values()})
+    for size, clients in cells:
+        single = _find(runs, "gemps", size, clients)
+        for count, system in PARTITION_SYSTEMS.items():
+            run = _find(runs, system, size, clients)
+            if run is None or (count > 1 and single is None):
+                continue
+            total = float(run.get("server_cpu_ms_per_commit", math.nan))
+            busiest = total if count == 1 else float(run.get("busiest_partition_cpu_ms_per_commit", math.nan))
+            projected = 1e3 / busiest if busiest > 0 else math.nan
+            lines.append(
+                f"| {size:,} | {clients} | {count} | {_rate(run):.2f} | {_ratio(_rate(run), _rate(single))} "
+                f"| {_ms(total)} | {_ms(busiest)} | {projected:.1f} "
+                f"| {run['latency_p50_ms']:.0f} / {run['latency_p99_ms']:.0f} |"
+            )
+    return lines
+
+
 def targets(data: dict[str, Any]) -> list[str]:
     """Each target with its number and verdict (n/a where the cells did not run)."""
     runs: list[Run] = data["runs"]

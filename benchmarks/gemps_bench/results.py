@@ -52,6 +52,8 @@ class LoadResult:
     per_client_progress: list[float] | None = None
     server_peak_rss_bytes: int | None = None  # the serving process's peak resident memory
     server_cpu_seconds: float | None = None  # CPU time the serving process used inside the window
+    # The same for each of its child processes (a partitioned server's partitions), if any.
+    server_child_cpu_seconds: list[float] | None = None
     staleness: list[int] | None = None  # per commit, where the system reports it
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -73,6 +75,15 @@ class LoadResult:
         if self.server_cpu_seconds is None or not self.commits:
             return float("nan")
         return 1e3 * self.server_cpu_seconds / self.commits
+
+    @property
+    def busiest_child_cpu_ms_per_commit(self) -> float:
+        """CPU milliseconds per commit of the busiest child process (a partition of θ): what one
+        partition needs of its core per commit, so 1000 / this bounds the commits/s of K
+        partitions that each have a core."""
+        if not self.server_child_cpu_seconds or not self.commits:
+            return float("nan")
+        return 1e3 * max(self.server_child_cpu_seconds) / self.commits
 
     @property
     def fairness(self) -> float:
@@ -100,6 +111,7 @@ class LoadResult:
             "mean_staleness": self.mean_staleness,
             "server_peak_rss_bytes": self.server_peak_rss_bytes,
             "server_cpu_ms_per_commit": self.server_cpu_ms_per_commit,
+            "busiest_partition_cpu_ms_per_commit": self.busiest_child_cpu_ms_per_commit,
             "notes": self.notes,
             **self.extra,
         }

@@ -26,7 +26,10 @@ GEMPS_VARIANTS: dict[str, dict[str, str]] = {
     "gemps": {},
     "gemps-bfloat16": {"wire": "bfloat16"},  # half the bytes on the wire
     "gemps-numpy": {"kernel": "numpy"},  # the fallback GEM kernel, without the compiled one
+    "gemps-2p": {"partitions": "2"},  # θ split across 2 server processes
+    "gemps-4p": {"partitions": "4"},  # and 4 (on this 2-core machine: oversubscribed)
 }
+PARTITIONED = ("gemps-2p", "gemps-4p")
 # torch-rpc: TensorPipe as it picks on one host (shared memory, cross-memory attach);
 # torch-rpc-tcp: what it does between machines (its uv transport and basic channel).
 PEERS = ("torch-rpc", "torch-rpc-tcp", "reference-p2p")
@@ -40,6 +43,7 @@ class SuiteSpec:
     clients: tuple[int, ...]
     peer_clients: tuple[int, ...]  # client counts the peers run at (a process per client)
     variant_clients: tuple[int, ...]  # client counts gemps' variants run at
+    partition_clients: tuple[int, ...]  # client counts the partitioned variants (and K = 1) run at
     seconds: Callable[[int], tuple[float, float]]  # size -> (warm-up, window)
     worker_cost_repeats: int
     memory_fraction: float = 0.6  # skip cells estimated to need more of the available memory
@@ -50,6 +54,8 @@ class SuiteSpec:
             return False
         if system in PEERS:
             return clients in self.peer_clients
+        if system in PARTITIONED:
+            return clients in self.partition_clients
         if system in GEMPS_VARIANTS and system != "gemps":
             return clients in self.variant_clients
         return True
@@ -94,6 +100,7 @@ def select(
         clients=counts or spec.clients,
         peer_clients=counts or spec.peer_clients,
         variant_clients=counts or spec.variant_clients,
+        partition_clients=counts or spec.partition_clients,
         systems=chosen,
         worker_cost_repeats=spec.worker_cost_repeats if WORKER_COST in chosen else 0,
     )
@@ -108,6 +115,7 @@ FULL = SuiteSpec(
     clients=(1, 8, 32, 100),
     peer_clients=(8,),
     variant_clients=(8,),
+    partition_clients=(8, 32),
     seconds=_full_seconds,
     worker_cost_repeats=3,
 )
@@ -117,6 +125,7 @@ QUICK = SuiteSpec(
     clients=(1, 2),
     peer_clients=(2,),
     variant_clients=(2,),
+    partition_clients=(2,),
     seconds=lambda size: (0.5, 1.5),
     worker_cost_repeats=1,
 )
@@ -169,12 +178,18 @@ def _gemps(system: str, clients: int, plan: LoadPlan, results: SuiteResults) -> 
     """gemps with the gem rule, as the variant `system` says."""
     variant = GEMPS_VARIANTS[system]
     wire, kernel = variant.get("wire", "float32"), variant.get("kernel", "auto")
+    partitions = int(variant.get("partitions", "1"))
     with ServerProcess(
-        rule="gem", gem_kernel=kernel, metrics_port=-1, log_level="warning", max_workers=max(256, clients)
+        rule="gem",
+        gem_kernel=kernel,
+        metrics_port=-1,
+        log_level="warning",
+        max_workers=max(256, clients),
+        partitions=partitions,
     ) as server:
         factory = GempsClientFactory(server.target, plan.num_parameters, (("wire_dtype", wire),))
         result = run_load(system, factory, plan, server.pid)
-    results.add(result, wire_dtype=wire, gem_kernel=kernel)
+    results.add(result, wire_dtype=wire, gem_kernel=kernel, partitions=partitions)
 
 
 def _echo(plan: LoadPlan, results: SuiteResults, systems: Sequence[str]) -> None:

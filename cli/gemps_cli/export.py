@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
 from gemps.errors import GempsError
 from gemps_cli.connection import add_connection_flags, connect
-from gemps_server.checkpoints import CheckpointError, export_state_dict, load, load_latest
+from gemps_server.checkpoints import (
+    Checkpoint,
+    CheckpointError,
+    assemble_partitions,
+    export_state_dict,
+    load,
+    load_latest,
+)
+
+# `gemps server --partitions K --checkpoint-dir D` keeps partition i's checkpoints in D/partition-i.
+PARTITION_DIR = re.compile(r"partition-(\d+)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +37,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
+def partition_dirs(directory: Path) -> list[Path]:
+    """The per-partition checkpoint directories in `directory`, in partition order (none: not partitioned)."""
+    found = [(m, p) for p in directory.iterdir() if p.is_dir() and (m := PARTITION_DIR.fullmatch(p.name))]
+    return [path for _, path in sorted(found, key=lambda item: int(item[0].group(1)))]
+
+
+def load_newest(directory: Path) -> tuple[Path, Checkpoint]:
+    found = load_latest(directory)
+    if found is None:
+        raise CheckpointError(f"no readable checkpoint in {directory}")
+    return found
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         if args.server:
@@ -41,16 +65,15 @@ def run(args: argparse.Namespace) -> int:
             parameters, buffers = central.flat.size, central.buffers.size
         else:
             source = Path(args.checkpoint)
-            if source.is_dir():
-                found = load_latest(source)
-                if found is None:
-                    print(f"gemps export: no readable checkpoint in {source}", file=sys.stderr)
-                    return 1
-                path, checkpoint = found
-            else:
-                path, checkpoint = source, load(source)
-            named, version, origin = checkpoint.named(), checkpoint.version, str(path)
-            parameters, buffers = checkpoint.image.theta.size, checkpoint.image.buffers.size
+            checkpoints = [load_newest(folder) for folder in partition_dirs(source)] if source.is_dir() else []
+            if not checkpoints:
+                checkpoints = [load_newest(source) if source.is_dir() else (source, load(source))]
+            origin = ", ".join(str(path) for path, _ in checkpoints)
+            images = [checkpoint.image for _, checkpoint in checkpoints]
+            loaded = [checkpoint for _, checkpoint in checkpoints]
+            named = assemble_partitions(loaded) if len(loaded) > 1 else loaded[0].named()
+            version = checkpoints[0][1].version  # with partitions: partition 0's
+            parameters, buffers = sum(i.theta.size for i in images), sum(i.buffers.size for i in images)
     except (CheckpointError, OSError, ValueError) as error:
         print(f"gemps export: {error}", file=sys.stderr)
         return 1

@@ -34,5 +34,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"gemps server: {error}", file=sys.stderr)
         return 2
+    if config.partitions > 1 and config.partition_index == -1:  # all partitions, one process each
+        from gemps_cli.partitions import PartitionSupervisor
+
+        app.configure_logs(config, origin="supervisor")
+        return PartitionSupervisor(config).run()
     asyncio.run(app.serve(config))
     return 0

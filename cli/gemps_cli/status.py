@@ -19,23 +19,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     client = connect(args, timeout=args.timeout, retry=NO_RETRY)
+    unreachable = ""
     try:
-        status = client.status()
+        first = client.status()
+        try:
+            statuses = client.statuses() if first.layout is not None else [first]
+        except GempsError as error:  # e.g. through a port-forward to partition 0 alone
+            statuses, unreachable = [first], str(error)
     except GempsError as error:
         print(f"gemps status: {args.server}: {error}", file=sys.stderr)
         return 1
     finally:
         client.close()
+    status = statuses[0]
     settings = " ".join(f"{name}={value:g}" for name, value in status.config.as_dict().items() if type(value) is float)
     print(f"server          {args.server}")
     print(f"initialized     {status.initialized}")
     print(f"version         {status.version}")
     print(f"active workers  {status.active_workers}")
-    print(f"parameters      {status.num_parameters} in {len(status.spec)} tensors")
+    parameters = status.layout.num_parameters if status.layout is not None else status.num_parameters
+    print(f"parameters      {parameters} in {len(status.spec)} tensors")
     if status.buffer_spec:
         print(f"buffers         {sum(entry.size for entry in status.buffer_spec)} in {len(status.buffer_spec)} tensors")
     print(f"commits         {status.commits_applied} applied, {status.commits_rejected} rejected")
     print(f"rule            {status.config.rule} ({settings})")
     print(f"learning rate   {status.learning_rate:g} now ({status.config.lr_schedule} schedule)")
     print(f"uptime          {status.uptime_seconds:.0f}s")
+    if unreachable:
+        print(
+            f"partitions      {len(status.layout.partitions) if status.layout else 1}, not all reachable from "
+            f"here ({unreachable}): the figures above are partition 0's"
+        )
+    elif status.layout is not None:  # θ is partitioned: the figures above are partition 0's
+        print(f"partitions      {len(statuses)} (figures above: partition 0's)")
+        for index, (part, where) in enumerate(zip(statuses, client.targets, strict=True)):
+            assert part.layout is not None
+            share = part.layout.partitions[index]
+            print(
+                f"  {index}  {where:<21} values {share.start}..{share.stop - 1}  version {part.version}  "
+                f"workers {part.active_workers}  commits {part.commits_applied} applied, "
+                f"{part.commits_rejected} rejected"
+            )
     return 0

@@ -12,7 +12,9 @@ import numpy as np
 
 from gemps_proto.schema import (
     Evaluation,
+    Layout,
     ParameterSpec,
+    Partition,
     Registration,
     ServerStatus,
     Shard,
@@ -33,6 +35,8 @@ class CentralVariable:
     spec: tuple[ParameterSpec, ...]
     buffers: np.ndarray = field(default_factory=lambda: _NO_BUFFERS)
     buffer_spec: tuple[ParameterSpec, ...] = ()
+    # Each partition's version when θ is partitioned (`version` is partition 0's), else (version,).
+    versions: tuple[int, ...] = ()
 
     def named(self) -> dict[str, np.ndarray]:
         """Per-parameter views (no copy) in spec order."""
@@ -62,7 +66,9 @@ __all__ = [
     "CentralVariable",
     "CommitResult",
     "Evaluation",
+    "Layout",
     "ParameterSpec",
+    "Partition",
     "Registration",
     "ServerStatus",
     "Shard",

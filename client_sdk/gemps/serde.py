@@ -8,6 +8,8 @@ and parse_with_tensor), never copied through a protobuf message.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from gemps.records import CentralVariable, CommitResult, ParameterSpec, Registration
@@ -125,14 +127,35 @@ def commit_reply(data: bytes) -> tuple[pb.CommitResponse, np.ndarray]:
     return reply, parameters.decode()
 
 
-def commit_result_from_proto(reply: pb.CommitResponse, central: CentralVariable) -> CommitResult:
-    """The reply's figures; `central` holds its parameters (decoded by the caller, unary or streamed)."""
+def commit_result_from_proto(
+    replies: Sequence[pb.CommitResponse], sizes: Sequence[int], central: CentralVariable
+) -> CommitResult:
+    """The replies' figures, one reply per partition of θ (`sizes`: how many values each holds);
+    `central` holds their parameters (decoded by the caller, unary or streamed). With several,
+    the version is partition 0's, the staleness the largest, and each scaling statistic the
+    mean of the partitions' weighted by their sizes (the median: an estimate)."""
+    if len(replies) == 1:
+        reply = replies[0]
+        return CommitResult(
+            version=reply.version,
+            staleness=reply.staleness,
+            scaling_mean=reply.scaling_mean,
+            parameters=central,
+            scaling_median=reply.scaling_median,
+            scaling_at_zero=reply.scaling_at_zero,
+            scaling_at_max=reply.scaling_at_max,
+        )
+    total = sum(sizes)
+
+    def weighted(name: str) -> float:
+        return float(sum(getattr(reply, name) * size for reply, size in zip(replies, sizes, strict=True))) / total
+
     return CommitResult(
-        version=reply.version,
-        staleness=reply.staleness,
-        scaling_mean=reply.scaling_mean,
+        version=replies[0].version,
+        staleness=max(reply.staleness for reply in replies),
+        scaling_mean=weighted("scaling_mean"),
         parameters=central,
-        scaling_median=reply.scaling_median,
-        scaling_at_zero=reply.scaling_at_zero,
-        scaling_at_max=reply.scaling_at_max,
+        scaling_median=weighted("scaling_median"),
+        scaling_at_zero=weighted("scaling_at_zero"),
+        scaling_at_max=weighted("scaling_at_max"),
     )

@@ -37,6 +37,8 @@ DATASOURCE_UID = "gemps-prometheus"  # provisioning/datasources/prometheus.yml
 DATASOURCE = dashboard_models.DataSourceRef(type_val="prometheus", uid=DATASOURCE_UID)
 TAGS = ["gemps"]
 RATE = "$__rate_interval"
+# Legend text naming a server series' partition of θ (empty for a single server: no such label).
+PARTITION = "{{partition}}"
 
 
 @dataclass(frozen=True)
@@ -306,27 +308,41 @@ def training_dashboard() -> dashboard_builders.Dashboard:
 
 
 def server_dashboard() -> dashboard_builders.Dashboard:
-    """Operations: throughput, latency, queue, workers, rejections, traffic, resources."""
+    """Operations: throughput, latency, queue, workers, rejections, traffic, resources.
+
+    With θ partitioned (`gemps server --partitions K`, or K server pods) every server series
+    carries a `partition` label: the panels show one series per partition (a worker's commit is
+    applied once by each), named by PARTITION in their legends (empty for a single server)."""
     d = _dashboard(
         "gemps-server",
         "gemps - server",
         "Is the parameter server keeping up? Throughput, latency, the FIFO queue, workers, rejections.",
     )
-    d.with_panel(stat("Central version", "Commits applied to the central variable.", [Query("gemps_central_version")]))
-    d.with_panel(stat("Active workers", "Workers holding a lease.", [Query("gemps_active_workers")]))
+    d.with_panel(
+        stat(
+            "Central version",
+            "Commits applied to the central variable (per partition of θ).",
+            [Query("gemps_central_version", PARTITION)],
+        )
+    )
+    d.with_panel(stat("Active workers", "Workers holding a lease.", [Query("gemps_active_workers", PARTITION)]))
     d.with_panel(
         stat(
             "Commits per second",
-            "Applied commits per second.",
-            [Query(f'sum(rate(gemps_commits_total{{outcome="applied"}}[{RATE}]))')],
+            "Applied commits per second (per partition of θ).",
+            [Query(f'sum by (partition) (rate(gemps_commits_total{{outcome="applied"}}[{RATE}]))', PARTITION)],
             unit="ops",
         )
     )
     d.with_panel(
         stat(
             "Scrape targets up",
-            "Targets Prometheus scrapes successfully, by job (server, workers, evaluator).",
-            [Query('sum by (job) (up{job=~"gemps-.*"})', "{{job}}")],
+            "Targets Prometheus scrapes successfully, by job (server, workers, evaluator), and the server "
+            "processes answering (1, or the K partitions of θ of `gemps server --partitions K`).",
+            [
+                Query('sum by (job) (up{job=~"gemps-.*"})', "{{job}}"),
+                Query("count(gemps_central_version)", "server partitions"),
+            ],
         )
     )
     d.with_row(dashboard_builders.Row("Throughput and latency"))
@@ -335,8 +351,11 @@ def server_dashboard() -> dashboard_builders.Dashboard:
             "Throughput",
             "Applied commits and training samples per second (samples as workers report them).",
             [
-                Query(f'sum(rate(gemps_commits_total{{outcome="applied"}}[{RATE}]))', "commits/s"),
-                Query(f"sum(rate(gemps_training_samples_total[{RATE}]))", "samples/s"),
+                Query(
+                    f'sum by (partition) (rate(gemps_commits_total{{outcome="applied"}}[{RATE}]))',
+                    f"commits/s {PARTITION}",
+                ),
+                Query(f"sum by (partition) (rate(gemps_training_samples_total[{RATE}]))", f"samples/s {PARTITION}"),
             ],
             unit="ops",
             minimum=0,
@@ -363,9 +382,9 @@ def server_dashboard() -> dashboard_builders.Dashboard:
             "Operations waiting for the single FIFO applier (sampled at scrape, and the window's maximum), "
             "and the fraction of time the applier was busy: near 1, the server is the bottleneck.",
             [
-                Query("gemps_queue_depth", "queued"),
-                Query(f"max_over_time(gemps_queue_depth[{RATE}])", "queued (max)"),
-                Query(f"rate(gemps_applier_busy_seconds_total[{RATE}])", "applier busy (0..1)"),
+                Query("gemps_queue_depth", f"queued {PARTITION}"),
+                Query(f"max_over_time(gemps_queue_depth[{RATE}])", f"queued (max) {PARTITION}"),
+                Query(f"rate(gemps_applier_busy_seconds_total[{RATE}])", f"applier busy (0..1) {PARTITION}"),
             ],
             minimum=0,
         )
@@ -387,7 +406,7 @@ def server_dashboard() -> dashboard_builders.Dashboard:
             "Active workers",
             "Workers holding a lease, and joins and departures (left, or evicted after the lease TTL).",
             [
-                Query("gemps_active_workers", "active"),
+                Query("gemps_active_workers", f"active {PARTITION}"),
                 Query(f"sum(increase(gemps_registrations_total[{RATE}]))", "joined"),
                 Query(f"sum by (cause) (increase(gemps_departures_total[{RATE}]))", "{{cause}}"),
             ],
@@ -428,8 +447,8 @@ def server_dashboard() -> dashboard_builders.Dashboard:
             "Resident memory of the server process, and the part the commit rule keeps for its workers "
             "(GEM: 2 float32 vectors of every parameter per active worker).",
             [
-                Query('process_resident_memory_bytes{job="gemps-server"}', "resident"),
-                Query("gemps_rule_state_bytes", "commit rule state"),
+                Query('process_resident_memory_bytes{job="gemps-server"}', f"resident {PARTITION}"),
+                Query("gemps_rule_state_bytes", f"commit rule state {PARTITION}"),
             ],
             unit="bytes",
             width=8,
@@ -440,7 +459,7 @@ def server_dashboard() -> dashboard_builders.Dashboard:
         timeseries(
             "Server CPU",
             "CPU seconds per second used by the server process (all threads).",
-            [Query(f'rate(process_cpu_seconds_total{{job="gemps-server"}}[{RATE}])', "cpu")],
+            [Query(f'rate(process_cpu_seconds_total{{job="gemps-server"}}[{RATE}])', f"cpu {PARTITION}")],
             unit="percentunit",
             width=8,
             minimum=0,

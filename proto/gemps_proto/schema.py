@@ -162,6 +162,42 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class Partition:
+    """One server process's share of θ (gemps.v1.Partition): elements [start, stop)."""
+
+    address: str  # "": the address the reply came from; ":PORT": that host, this port; else a target
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How θ is split across server processes (gemps.v1.Layout), as one of them announces it."""
+
+    index: int  # the partition that announced it
+    partitions: tuple[Partition, ...]
+    num_parameters: int  # P, the whole central variable
+
+
+def partition_bounds(num_parameters: int, count: int) -> list[tuple[int, int]]:
+    """[start, stop) of each of `count` contiguous partitions of P elements, balanced by element
+    count: the first P mod count partitions hold one element more."""
+    if count < 1:
+        raise ValueError(f"partition count must be >= 1, not {count}")
+    base, extra = divmod(num_parameters, count)
+    bounds, start = [], 0
+    for index in range(count):
+        stop = start + base + (1 if index < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+@dataclass(frozen=True)
 class Registration:
     """What the server tells a worker that registered (gemps.v1.RegisterResponse, θ aside)."""
 
@@ -171,6 +207,7 @@ class Registration:
     shard: Shard
     version: int  # of the central variable when the worker registered
     initialized_central: bool = False  # this worker's initial values became the central variable
+    layout: Layout | None = None  # set when θ is partitioned (version is then this partition's)
 
 
 @dataclass(frozen=True)
@@ -200,3 +237,4 @@ class ServerStatus:
     last_evaluation: Evaluation | None
     learning_rate: float = 0.0  # eta at `version`, from the schedule
     buffer_spec: tuple[ParameterSpec, ...] = ()  # the model's buffers (not trained), in wire order
+    layout: Layout | None = None  # set when θ is partitioned: the figures above are this partition's

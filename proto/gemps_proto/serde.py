@@ -19,7 +19,9 @@ from gemps_proto import wire
 from gemps_proto.codec import EncodedTensor, received
 from gemps_proto.schema import (
     Evaluation,
+    Layout,
     ParameterSpec,
+    Partition,
     Registration,
     ServerStatus,
     Shard,
@@ -55,6 +57,25 @@ def shard_from_proto(message: pb.Shard) -> Shard:
     return Shard(message.index, message.count)
 
 
+def layout_to_proto(layout: Layout | None) -> pb.Layout | None:
+    if layout is None:
+        return None
+    return pb.Layout(
+        index=layout.index,
+        partitions=[pb.Partition(address=p.address, start=p.start, stop=p.stop) for p in layout.partitions],
+        num_parameters=layout.num_parameters,
+    )
+
+
+def layout_from_proto(message: pb.RegisterResponse | pb.StatusResponse) -> Layout | None:
+    """The message's layout, None when it has none (one server holds all of θ)."""
+    if not message.HasField("layout"):
+        return None
+    layout = message.layout
+    partitions = tuple(Partition(p.address, p.start, p.stop) for p in layout.partitions)
+    return Layout(layout.index, partitions, layout.num_parameters)
+
+
 def registration_to_proto(registration: Registration) -> pb.RegisterResponse:
     """The reply without the central variable's values (the server adds them when due)."""
     return pb.RegisterResponse(
@@ -64,6 +85,7 @@ def registration_to_proto(registration: Registration) -> pb.RegisterResponse:
         shard=shard_to_proto(registration.shard),
         version=registration.version,
         initialized_central=registration.initialized_central,
+        layout=layout_to_proto(registration.layout),
     )
 
 
@@ -75,6 +97,7 @@ def registration_from_proto(message: pb.RegisterResponse) -> Registration:
         shard=shard_from_proto(message.shard),
         version=message.version,
         initialized_central=message.initialized_central,
+        layout=layout_from_proto(message),
     )
 
 
@@ -100,6 +123,7 @@ def status_to_proto(status: ServerStatus) -> pb.StatusResponse:
         last_evaluation=None if status.last_evaluation is None else evaluation_to_proto(status.last_evaluation),
         learning_rate=status.learning_rate,
         buffer_spec=spec_to_proto(status.buffer_spec),
+        layout=layout_to_proto(status.layout),
     )
 
 
@@ -119,6 +143,7 @@ def status_from_proto(message: pb.StatusResponse) -> ServerStatus:
         ),
         learning_rate=message.learning_rate,
         buffer_spec=spec_from_proto(message.buffer_spec),
+        layout=layout_from_proto(message),
     )
 
 

@@ -24,11 +24,11 @@ from gemps_server.config import ServerConfig
 from gemps_server.descriptors import connection_budget, raise_open_file_limit
 from gemps_server.health import HealthServicer
 from gemps_server.logs import event
-from gemps_server.metrics import ServerMetrics
+from gemps_server.metrics import ServerMetrics, exposed
 from gemps_server.security import TokenAuthInterceptor, exposure_warnings, server_credentials
 from gemps_server.service import ParameterService
 from gemps_server.servicer import GempsServicer, add_to_server
-from gemps_server.state import ServerState
+from gemps_server.state import PartitionOf, ServerState
 from gemps_server.workers import WorkerRegistry
 
 log = logging.getLogger("gemps.server")
@@ -51,7 +51,10 @@ class ParameterServer:
         self.config = config
         self.metrics = ServerMetrics()
         self.state = ServerState(
-            config.training, WorkerRegistry(config.max_workers, config.lease_ttl), gem_kernel=config.gem_kernel
+            config.training,
+            WorkerRegistry(config.max_workers, config.lease_ttl),
+            gem_kernel=config.gem_kernel,
+            partition=PartitionOf(config.partition, config.partitions),
         )
         self.applier = Applier(observer=lambda timing: self.metrics.applier_ran(timing.run_seconds))
         self._observe_state()
@@ -146,6 +149,7 @@ class ParameterServer:
             auth="token" if token else None,
             version=self.state.version,
             checkpoint_dir=config.checkpoint_dir or None,
+            partition=f"{config.partition} of {config.partitions}" if config.partitions > 1 else None,
         )
         return self.port
 
@@ -194,7 +198,9 @@ class ParameterServer:
         if self.config.metrics_port < 0:
             return
         host = self.config.metrics_host or self.config.host
-        server, _thread = start_http_server(self.config.metrics_port, addr=host, registry=self.metrics.registry)
+        labels = {"partition": str(self.config.partition)} if self.config.partitions > 1 else {}
+        registry = exposed(self.metrics.registry, labels)
+        server, _thread = start_http_server(self.config.metrics_port, addr=host, registry=registry)
         self._metrics_server = server
         self.metrics_port = server.server_port
 
@@ -223,13 +229,19 @@ class ParameterServer:
             await self.service.evict_expired()
 
 
+def configure_logs(config: ServerConfig, origin: str = "") -> None:
+    """The process's logging as the config says (level; text or JSON lines), each line's logger
+    tagged with `origin` when given (several processes of one server sharing a terminal)."""
+    logs.configure(config.log_level, config.log_format, origin=origin)
+
+
 async def serve(config: ServerConfig, ready: threading.Event | None = None) -> None:
     """Run a server until SIGTERM or SIGINT, then shut it down gracefully.
 
     Owns the process's logging (the configured level and format: text or JSON lines) and its
     prometheus_client settings.
     """
-    logs.configure(config.log_level, config.log_format)
+    configure_logs(config, f"partition {config.partition}" if config.partitions > 1 else "")
     # No `<name>_created` series next to every counter, histogram and summary: in the text format
     # Prometheus stores them as gauges of their own, doubling the server's series for nothing.
     disable_created_metrics()  # type: ignore[no-untyped-call]

@@ -42,7 +42,7 @@ from gemps_server.ledger import (
     receipt_key,
     valid_client_id,
 )
-from gemps_server.state import StateImage
+from gemps_server.state import PartitionOf, StateImage
 
 FORMAT = "gemps-checkpoint"
 FORMAT_VERSION = "1"
@@ -78,7 +78,27 @@ class Checkpoint:
 
     def named(self) -> dict[str, np.ndarray]:
         """The central variable and the buffers by name, each in its own shape (a state dict)."""
+        if self.image.partition.count > 1:
+            raise CheckpointError(
+                f"this checkpoint holds {self.image.partition} of the model: export all partitions together"
+            )
         return {**unflatten(self.image.theta, self.image.spec), **unflatten(self.image.buffers, self.image.buffer_spec)}
+
+
+def assemble_partitions(checkpoints: list[Checkpoint]) -> dict[str, np.ndarray]:
+    """The state dict of θ from one checkpoint per partition (any order; buffers: partition 0's).
+
+    Each partition's version is its own: the result holds each range as of its checkpoint."""
+    ordered = sorted(checkpoints, key=lambda c: c.image.partition.index)
+    count = ordered[0].image.partition.count if ordered else 0
+    found = [c.image.partition.index for c in ordered]
+    if found != list(range(count)) or any(c.image.partition.count != count for c in ordered):
+        raise CheckpointError(f"need one checkpoint of each of {count} partitions, got partitions {found}")
+    first = ordered[0].image
+    if any(c.image.spec != first.spec for c in ordered):
+        raise CheckpointError("the partitions' checkpoints describe different models")
+    theta = np.concatenate([c.image.theta for c in ordered])
+    return {**unflatten(theta, first.spec), **unflatten(first.buffers, first.buffer_spec)}
 
 
 def checkpoint_path(directory: Path, version: int) -> Path:
@@ -125,6 +145,7 @@ def _metadata(checkpoint: Checkpoint, tensors: Mapping[str, np.ndarray]) -> dict
         "commits_applied": str(image.commits_applied),
         "spec": _spec_json(image.spec),
         "buffer_spec": _spec_json(image.buffer_spec),
+        "partition": json.dumps({"index": image.partition.index, "count": image.partition.count}),
         "config": json.dumps(dict(checkpoint.config), sort_keys=True),
         # By (client scope, request id) (ledger.receipt_key); "receipts", by request id alone, is
         # what checkpoints written before scopes hold (read as the legacy scope).
@@ -271,8 +292,14 @@ def _from_parts(metadata: dict[str, str], tensors: dict[str, np.ndarray]) -> Che
     names: set[str] = set()
     spec = _parse_spec(metadata["spec"], names)
     buffer_spec = _parse_spec(metadata.get("buffer_spec", "[]"), names, allow_empty=True)
-    theta = _flat_tensor(tensors, THETA_KEY, spec)
-    buffers = _flat_tensor(tensors, BUFFERS_KEY, buffer_spec) if buffer_spec else np.empty(0, np.float32)
+    partition = _parse_partition(metadata.get("partition", '{"index": 0, "count": 1}'), spec)
+    start, stop = partition.bounds(sum(entry.size for entry in spec))
+    theta = _flat_tensor(tensors, THETA_KEY, stop - start)
+    buffers = (
+        _flat_tensor(tensors, BUFFERS_KEY, sum(entry.size for entry in buffer_spec))
+        if buffer_spec
+        else np.empty(0, np.float32)
+    )
     rule_state = {}
     for key, value in tensors.items():
         if key in (THETA_KEY, BUFFERS_KEY):
@@ -300,18 +327,31 @@ def _from_parts(metadata: dict[str, str], tensors: dict[str, np.ndarray]) -> Che
         ),
         buffer_spec=buffer_spec,
         buffers=buffers,
+        partition=partition,
     )
     return Checkpoint(image, config=config, created=float(metadata.get("created", "0")))
 
 
-def _flat_tensor(tensors: Mapping[str, np.ndarray], key: str, spec: tuple[ParameterSpec, ...]) -> np.ndarray:
+def _flat_tensor(tensors: Mapping[str, np.ndarray], key: str, expected: int) -> np.ndarray:
     value = tensors.get(key)
     if value is None or value.dtype != np.float32 or value.ndim != 1:
         raise CheckpointError(f"missing or malformed {key!r} tensor")
-    expected = sum(entry.size for entry in spec)
     if value.size != expected:
         raise CheckpointError(f"{key} has {value.size} values but the spec describes {expected}")
     return value
+
+
+def _parse_partition(raw: str, spec: tuple[ParameterSpec, ...]) -> PartitionOf:
+    """The partition of θ a checkpoint holds (files from before partitions hold all of it)."""
+    value = _json(raw)
+    if not isinstance(value, dict) or set(value) != {"index", "count"}:
+        raise CheckpointError(f"partition must be an object with index and count, not {raw[:100]!r}")
+    index, count = value["index"], value["count"]
+    if not all(type(n) is int for n in (index, count)) or not 0 <= index < count:
+        raise CheckpointError(f"partition index {index!r} of {count!r} is not a partition")
+    if count > sum(entry.size for entry in spec):
+        raise CheckpointError(f"{count} partitions of a model with fewer values")
+    return PartitionOf(index, count)
 
 
 def load_latest(

@@ -34,6 +34,26 @@ class ServerConfig:
     port_file: str = field(
         default="", metadata={"help": "once serving, write the gRPC port and the metrics port (lines 1, 2) here"}
     )
+    # -- partitions of θ (docs/ARCHITECTURE.md, "Partitions") ---------------------------------------
+    partitions: int = field(
+        default=1,
+        metadata={"help": "split θ into this many contiguous ranges, each held by its own server process"},
+    )
+    partition_index: int = field(
+        default=-1,
+        metadata={
+            "help": "serve only this partition (0-based; e.g. a Kubernetes pod's ordinal); "
+            "-1: run all of them here, one process each on consecutive ports"
+        },
+    )
+    partition_addresses: str = field(
+        default="",
+        metadata={
+            "help": "how workers reach each partition, announced by partition 0: comma-separated targets "
+            "in partition order, or one with {index} (e.g. gemps-server-{index}.gemps-server:50051); "
+            "':PORT' means the host workers reached partition 0 at"
+        },
+    )
     gem_kernel: str = field(
         default="auto",
         metadata={
@@ -179,7 +199,34 @@ class ServerConfig:
             found.append("handshake_timeout must be > 0")
         if not self.connection_idle_timeout > 0:
             found.append("connection_idle_timeout must be > 0")
+        found += self._partition_problems()
         return found
+
+    def _partition_problems(self) -> list[str]:
+        if self.partitions < 1:
+            return ["partitions must be >= 1"]
+        if not -1 <= self.partition_index < self.partitions:
+            return [f"partition_index {self.partition_index} outside -1..{self.partitions - 1}"]
+        if self.partition_addresses and "{index}" not in self.partition_addresses:
+            listed = len(self.partition_addresses.split(","))
+            if listed != self.partitions:
+                return [f"partition_addresses lists {listed} addresses for {self.partitions} partitions"]
+        if self.partitions > 1 and self.partition_index == 0 and not self.partition_addresses:
+            return ["partition 0 of several announces the layout: give partition_addresses"]
+        return []
+
+    @property
+    def partition(self) -> int:
+        """The partition this process serves (0 when θ is not partitioned)."""
+        return max(self.partition_index, 0)
+
+    def partition_address_list(self) -> tuple[str, ...]:
+        """How workers reach each partition (empty when unknown: only partition 0 must know)."""
+        if not self.partition_addresses:
+            return ()
+        if "{index}" in self.partition_addresses:
+            return tuple(self.partition_addresses.replace("{index}", str(i)) for i in range(self.partitions))
+        return tuple(address.strip() for address in self.partition_addresses.split(","))
 
     @property
     def tls(self) -> bool:

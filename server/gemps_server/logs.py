@@ -106,15 +106,30 @@ def formatter(fmt: str) -> logging.Formatter:
     raise ValueError(f"unknown log format {fmt!r} (choose from {', '.join(LOG_FORMATS)})")
 
 
-def configure(level: str = "info", fmt: str = "text", stream: IO[str] | None = None) -> None:
-    """Send every log record to `stream` (stderr) in `fmt`, replacing the root logger's handlers."""
+def configure(level: str = "info", fmt: str = "text", stream: IO[str] | None = None, origin: str = "") -> None:
+    """Send every log record to `stream` (stderr) in `fmt`, replacing the root logger's handlers.
+    `origin` tags each line's logger name (`gemps.server[partition 1]`): several processes of one
+    service writing to one terminal stay apart."""
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(formatter(fmt))
+    if origin:
+        handler.addFilter(_Tag(origin))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
+
+
+class _Tag(logging.Filter):
+    def __init__(self, origin: str) -> None:
+        super().__init__()
+        self.origin = origin
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.endswith("]"):
+            record.name = f"{record.name}[{self.origin}]"
+        return True
 
 
 class Throttle:

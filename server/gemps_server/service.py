@@ -15,7 +15,16 @@ from typing import TypeVar
 
 from gemps_proto.codec import EncodedTensor
 from gemps_proto.reasons import Reason
-from gemps_proto.schema import Evaluation, ParameterSpec, Registration, ServerStatus, Shard
+from gemps_proto.schema import (
+    Evaluation,
+    Layout,
+    ParameterSpec,
+    Partition,
+    Registration,
+    ServerStatus,
+    Shard,
+    partition_bounds,
+)
 from gemps_server.allocator import tune_for
 from gemps_server.applier import Applier
 from gemps_server.config import ServerConfig
@@ -145,6 +154,7 @@ class ParameterService:
             shard=Shard(worker.slot, self.config.num_shards),
             version=admission.snapshot.version,
             initialized_central=admission.initialized_theta,
+            layout=self.layout(),
         )
         return admission, registration
 
@@ -227,7 +237,21 @@ class ParameterService:
             uptime_seconds=time.monotonic() - self._started,
             last_evaluation=self.last_evaluation,
             learning_rate=state.learning_rate,
+            layout=self.layout(),
         )
+
+    def layout(self) -> Layout | None:
+        """How θ is partitioned, as this partition announces it (None: this server holds all of θ).
+        Ranges are all empty until θ is initialised; addresses are "" where this process was
+        not told them (only partition 0 must know: workers learn the layout from it)."""
+        config = self.config
+        if config.partitions == 1:
+            return None
+        total = sum(entry.size for entry in self.state.spec)
+        addresses = config.partition_address_list() or ("",) * config.partitions
+        bounds = partition_bounds(total, config.partitions)
+        partitions = tuple(Partition(a, start, stop) for a, (start, stop) in zip(addresses, bounds, strict=True))
+        return Layout(config.partition, partitions, total)
 
     def report_evaluation(self, evaluation: Evaluation) -> None:
         check_evaluation(evaluation, self.state.version)

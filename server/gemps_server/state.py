@@ -30,7 +30,7 @@ from gemps_proto.codec import (
 )
 from gemps_proto.reasons import Reason
 from gemps_proto.schedules import learning_rate_at
-from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
+from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig, partition_bounds
 from gemps_server.errors import FailedPrecondition, InvalidArgument, Unavailable
 from gemps_server.ledger import MAX_CLIENT_ID_LENGTH, MAX_REQUEST_ID_LENGTH, CommitLedger, Receipt, valid_client_id
 from gemps_server.native import all_finite, max_abs
@@ -128,22 +128,48 @@ class Admission:
 
 
 @dataclass(frozen=True)
+class PartitionOf:
+    """Which contiguous range of θ a server holds: partition `index` of `count` (0 of 1: all of
+    it). The range follows from P alone (gemps_proto.schema.partition_bounds), so it is fixed
+    when θ is initialised and every partition computes the same layout."""
+
+    index: int = 0
+    count: int = 1
+
+    def bounds(self, num_parameters: int) -> tuple[int, int]:
+        """[start, stop) of this partition in a central variable of `num_parameters` values."""
+        return partition_bounds(num_parameters, self.count)[self.index]
+
+    def __str__(self) -> str:
+        return f"partition {self.index} of {self.count}"
+
+
+ALL_OF_THETA = PartitionOf()
+
+
+@dataclass(frozen=True)
 class StateImage:
     """Everything a restarted server needs, consistent at one version (see checkpoints.py)."""
 
     version: int
     commits_applied: int
     spec: tuple[ParameterSpec, ...]
-    theta: np.ndarray  # flat float32, the concatenation of the spec's parameters
+    theta: np.ndarray  # flat float32: the spec's parameters concatenated (a partition: its range)
     rule: str = ""  # the rule whose global state `rule_state` is
     rule_state: Mapping[str, np.ndarray] = field(default_factory=dict)
     receipts: Mapping[str, Receipt] = field(default_factory=dict)
     buffer_spec: tuple[ParameterSpec, ...] = ()
     buffers: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.float32))  # flat, buffer_spec order
+    partition: PartitionOf = ALL_OF_THETA
 
     @property
     def num_parameters(self) -> int:
         return int(self.theta.size)
+
+    @property
+    def total_parameters(self) -> int:
+        """P of the whole central variable (this image holds `num_parameters` of them)."""
+        return sum(entry.size for entry in self.spec)
 
 
 def check_spec(spec: Sequence[ParameterSpec], buffer_spec: Sequence[ParameterSpec] = ()) -> None:
@@ -228,8 +254,11 @@ class ServerState:
         training: TrainingConfig,
         registry: WorkerRegistry,
         gem_kernel: str = "numpy",
+        partition: PartitionOf = ALL_OF_THETA,
     ) -> None:
         self._training = training
+        self.partition = partition
+        self.bounds = (0, 0)  # [start, stop) of θ held here, once initialised
         self._gem_kernel = gem_kernel
         self._new_rule(0)  # fail fast on an unknown rule name or kernel
         self.rule_name = training.rule
@@ -404,6 +433,7 @@ class ServerState:
             receipts=self.ledger.entries(),
             buffer_spec=self.buffer_spec,
             buffers=self._buffers,  # never changed in place: no copy needed
+            partition=self.partition,
         )
 
     def restore(self, image: StateImage) -> list[str]:
@@ -413,6 +443,8 @@ class ServerState:
         """
         if self.rule is not None:
             raise RuntimeError("restore() needs a server that is not initialised yet")
+        if image.partition != self.partition:
+            raise ValueError(f"the checkpoint holds {image.partition}; this server serves {self.partition}")
         warnings = []
         self.spec = tuple(image.spec)
         self._theta = np.array(image.theta, dtype=np.float32, copy=True).reshape(-1)
@@ -430,6 +462,7 @@ class ServerState:
         self.rule = rule
         self.commits_applied = image.commits_applied
         self._version = image.version
+        self.bounds = self.partition.bounds(image.total_parameters)
         self.ledger.restore(dict(image.receipts))
         return warnings
 
@@ -484,20 +517,32 @@ class ServerState:
                 f"(this one: the others are asked to retry for {INITIALIZER_GRACE_SECONDS:.0f} s)",
                 Reason.NOT_INITIALIZED,
             )
-        size = sum(s.size for s in spec)
-        values = _decoded(initial, "initial_parameters")
-        if values.size != size:
+        total = sum(s.size for s in spec)
+        if total < self.partition.count:
             raise InvalidArgument(
-                f"initial_parameters has {values.size} values but the spec describes {size}", Reason.BAD_SHAPE
+                f"the model has {total} values, fewer than the {self.partition.count} partitions of θ it is split into",
+                Reason.BAD_SPEC,
+            )
+        start, stop = self.partition.bounds(total)
+        values = _decoded(initial, "initial_parameters").reshape(-1)
+        if values.size == total and total != stop - start:
+            values = values[start:stop]  # all of θ sent to one partition: it keeps its range
+        elif values.size != stop - start:
+            held = "" if self.partition.count == 1 else f" ({self.partition}: {stop - start} of them, or all)"
+            raise InvalidArgument(
+                f"initial_parameters has {values.size} values but the spec describes {total}{held}", Reason.BAD_SHAPE
             )
         if not all_finite(values):
             raise InvalidArgument("initial_parameters contains NaN or Inf", Reason.NON_FINITE)
+        if buffer_spec and self.partition.index != 0:
+            raise InvalidArgument(f"buffers are held by partition 0, not {self.partition}", Reason.BAD_SPEC)
         buffers = self._initial_buffers(buffer_spec, initial_buffers)
         self.spec = tuple(spec)
         self.buffer_spec = tuple(buffer_spec)
         self._buffers = buffers
-        self._theta = values.reshape(-1).copy()
-        self.rule = self._new_rule(size)
+        self._theta = values.copy()
+        self.rule = self._new_rule(self._theta.size)
+        self.bounds = (start, stop)
         self._version = 0
 
     @staticmethod

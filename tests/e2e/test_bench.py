@@ -15,6 +15,8 @@ SYSTEMS = {
     "gemps",
     "gemps-bfloat16",
     "gemps-numpy",
+    "gemps-2p",
+    "gemps-4p",
     "torch-rpc",
     "torch-rpc-tcp",
     "reference-p2p",
@@ -51,6 +53,11 @@ def test_quick_bench_measures_every_system_and_writes_the_report(tmp_path: Path)
     assert "## Targets" in tables and "| 300,000 | 2 |" in tables
     assert (out / "performance.png").stat().st_size > 10_000
     assert "server CPU ms/commit" in tables
+    for run in data["runs"]:  # a partitioned server: each partition's CPU, the busiest reported
+        if run["system"] in ("gemps-2p", "gemps-4p"):
+            assert run["partitions"] == int(run["system"][-2]) and run["busiest_partition_cpu_ms_per_commit"] > 0
+            assert run["busiest_partition_cpu_ms_per_commit"] <= run["server_cpu_ms_per_commit"]
+    assert "## Partitions of θ" in tables and "| 300,000 | 2 | 4 |" in tables
 
 
 def test_a_chosen_cell_runs_alone(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 import gemps
-from gemps.records import ServerStatus
+from gemps.records import Evaluation, ServerStatus
 from gemps.retry import NO_RETRY
 from tests.helpers import free_port, wait_for
 
@@ -139,6 +139,18 @@ class Stack:
             listing = run(["podman", *command, "--filter", label, "--format", f"{{{{.{field}}}}}"], 60)
             found += [f"{command[0]} {name}" for name in listing.stdout.split()]
         return found
+
+    def wait_for_evaluation(self, accuracy: float, timeout: float = 180) -> Evaluation:
+        """The evaluator's first report of at least `accuracy` held out."""
+        evaluation: Evaluation = wait_for(
+            lambda: e if (e := self.status().last_evaluation) is not None and e.accuracy >= accuracy else None,
+            timeout,
+            f"a held-out accuracy of {accuracy:.0%} from the evaluator",
+            poll=1.0,
+            tolerate=(Exception,),
+            explain=self.diagnostics,
+        )
+        return evaluation
 
     def wait_for_workers(self, count: int, timeout: float = 300) -> ServerStatus:
         """`count` workers registered, and the version still moving."""
@@ -255,8 +267,9 @@ def require_base_images() -> None:
         pytest.fail(f"{absent} pulling it failed: {error}", pytrace=False)
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
+def running_stack(name: str, workers: int, **variables: str) -> Iterator[Stack]:
+    """Build the images (cached after the first time), start the stack with `workers` replicas
+    and the extra `variables` in its environment, and tear it down after."""
     require_podman()
     require_base_images()
     grpc_port, prometheus_port = free_port(), free_port()
@@ -267,16 +280,22 @@ def stack() -> Iterator[Stack]:
         "PROMETHEUS_HOST_PORT": str(prometheus_port),
         "GEMPS_EPOCHS": "100000",  # train until stopped
         "GEMPS_EVAL_INTERVAL": "2",
+        **variables,
     }
-    stack = Stack(f"gemps-e2e-{os.getpid()}", env, grpc_port, prometheus_port)
+    stack = Stack(f"gemps-{name}-{os.getpid()}", env, grpc_port, prometheus_port)
     build_args = [arg for pair in (("--build-arg", a) for a in BUILD_ARGS) for arg in pair]
     stack.compose("build", *build_args, "ps", "worker", timeout=840)
     try:
-        stack.compose("up", "-d", "--scale", f"worker={WORKERS}", *SERVICES)
+        stack.compose("up", "-d", "--scale", f"worker={workers}", *SERVICES)
         yield stack
     finally:
         stack.down()
         assert not stack.leftovers(), f"teardown left behind: {stack.leftovers()}"
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    yield from running_stack("e2e", WORKERS)
 
 
 def image_of(service: str) -> str:
@@ -315,14 +334,7 @@ def test_training_progresses_through_status_and_prometheus(stack: Stack) -> None
     )
     status = stack.wait_for_workers(WORKERS)
     assert status.initialized and status.commits_applied >= 100
-    evaluation = wait_for(
-        lambda: e if (e := stack.status().last_evaluation) is not None and e.accuracy >= 0.9 else None,
-        180,
-        "a held-out accuracy of 90% from the evaluator",
-        poll=1.0,
-        tolerate=(Exception,),
-        explain=stack.diagnostics,
-    )
+    evaluation = stack.wait_for_evaluation(0.9)
     assert evaluation.version > 0
 
     jobs = scrape_jobs()

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 import gemps
 from gemps_server.checkpoints import list_checkpoints
 from gemps_worker.cluster import LocalCluster, ServerProcess
-from tests.helpers import scrape_series, wait_for
+from tests.helpers import CommitLoops, scrape_series, wait_for
 
 torch = pytest.importorskip("torch")
 
@@ -147,11 +146,6 @@ def test_a_killed_worker_is_evicted_and_the_others_carry_on(tmp_path: Path, clus
 
 
 def test_a_paused_server_makes_clients_time_out_retry_and_carry_on() -> None:
-    params = {"w": np.zeros(1000, np.float32)}
-    acked = [0, 0, 0]
-    failures: list[BaseException] = []
-    versions: list[list[int]] = [[], [], []]
-    stop = threading.Event()
     with ServerProcess() as server:
         clients = [
             gemps.Client(
@@ -161,38 +155,21 @@ def test_a_paused_server_makes_clients_time_out_retry_and_carry_on() -> None:
             )
             for _ in range(3)
         ]
-
-        def train(index: int) -> None:
-            client = clients[index]
-            try:
-                client.register(params)
-                while not stop.is_set():
-                    versions[index].append(client.commit(np.full(1000, 0.01, np.float32)).version)
-                    acked[index] += 1
-                client.leave()
-            except BaseException as error:  # reported below
-                failures.append(error)
-
-        threads = [threading.Thread(target=train, args=(i,)) for i in range(3)]
-        for thread in threads:
-            thread.start()
-        wait_for(lambda: min(acked) >= 10, 60, "commits before the pause")
+        loops = CommitLoops(clients, {"w": np.zeros(1000, np.float32)}, np.full(1000, 0.01, np.float32)).start()
+        loops.wait_each(10, 60, "commits before the pause")
         os.kill(server.pid, signal.SIGSTOP)
         try:
-            wait_for(lambda: all(c.retries >= 1 for c in clients) or failures, 60, "every client timing out")
+            wait_for(lambda: all(c.retries >= 1 for c in clients) or loops.failures, 60, "every client timing out")
         finally:
             os.kill(server.pid, signal.SIGCONT)
-        resumed = list(acked)
-        wait_for(lambda: all(a >= r + 10 for a, r in zip(acked, resumed, strict=True)) or failures, 60, "carrying on")
-        stop.set()
-        for thread in threads:
-            thread.join(60)
-        assert not failures, failures
-        for seen in versions:  # each client's view only moves forward
+        loops.wait_each(10, 60, "carrying on")
+        loops.stop()
+        assert not loops.failures, loops.failures
+        for seen in loops.versions:  # each client's view only moves forward
             assert all(a < b for a, b in itertools.pairwise(seen)), seen
         status = clients[0].status()
         # A commit whose deadline passed may still have been applied after the pause: its retry
         # got the recorded outcome, so the server applied exactly what clients saw acknowledged.
-        assert status.commits_applied == sum(acked)
+        assert status.commits_applied == sum(loops.acked)
         for client in clients:
             client.close()

@@ -17,14 +17,16 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
+from gemps_cli.partitions import Partition, PartitionMetrics
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.cog.plugins import register_default_plugins
 from grafana_foundation_sdk.models import dashboard as dashboard_models
 from grafana_foundation_sdk.models import heatmap, stat, timeseries
 from grafana_foundation_sdk.models import prometheus as prometheus_models
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from gemps_proto.reasons import Reason
+from gemps_server.config import ServerConfig
 from gemps_server.metrics import ServerMetrics
 from gemps_server.rules import ApplyStats
 from gemps_worker.metrics import WorkerMetrics
@@ -179,7 +181,10 @@ def exposed_sample_names() -> set[str]:
     worker = WorkerMetrics()  # the reference worker's own /metrics (gemps_worker_*)
     worker.step_duration.observe(0.01)
     worker.commits.inc()
-    text = generate_latest(metrics.registry).decode() + generate_latest(worker.registry).decode()
+    # `gemps server --partitions K`'s own (gemps_partition_up), here for a partition not answering.
+    supervisor = CollectorRegistry()
+    supervisor.register(PartitionMetrics([Partition(0, ServerConfig(), Path("unused.port"))]))
+    text = "".join(generate_latest(r).decode() for r in (metrics.registry, worker.registry, supervisor))
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from gemps_cli.server import parse_config
 
 from gemps import __version__
 from tests.helpers import InProcessServer
@@ -259,6 +260,26 @@ def test_k8s_server_is_a_statefulset_with_headless_service_pvc_and_grpc_probes()
     assert spec["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9109"
 
 
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_k8s_server_pods_are_the_partitions(replicas: int) -> None:
+    """Pod i of the StatefulSet serves partition i of `replicas` (GEMPS_PARTITIONS, kept equal to
+    them); each pod's configuration, as `gemps server` reads it from that pod's environment, is
+    valid, and partition 0 announces every pod by its stable DNS name."""
+    server = k8s("StatefulSet", "gemps-ps")
+    (container,) = server["spec"]["template"]["spec"]["containers"]
+    (source,) = container["envFrom"]
+    shared = k8s("ConfigMap", source["configMapRef"]["name"])["data"]
+    assert shared["GEMPS_PARTITIONS"] == str(server["spec"]["replicas"])
+    index_from = next(e for e in container["env"] if e["name"] == "GEMPS_PARTITION_INDEX")["valueFrom"]
+    assert index_from == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+    plain = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    for ordinal in range(replicas):
+        environ = {**shared, **plain, "GEMPS_PARTITIONS": str(replicas), "GEMPS_PARTITION_INDEX": str(ordinal)}
+        config = parse_config([], environ)
+        assert (config.partition, config.partitions) == (ordinal, replicas)
+        assert config.partition_address_list() == tuple(f"gemps-ps-{i}.gemps-ps:50051" for i in range(replicas))
+
+
 @pytest.mark.parametrize("name,command", [("gemps-worker", "worker"), ("gemps-evaluator", "evaluate")])
 def test_k8s_workers_and_evaluator(name: str, command: str) -> None:
     deployment = k8s("Deployment", name)
@@ -268,7 +289,7 @@ def test_k8s_workers_and_evaluator(name: str, command: str) -> None:
     assert container["args"] == [command]
     (source,) = container["envFrom"]
     config = k8s("ConfigMap", source["configMapRef"]["name"])["data"]
-    assert config["GEMPS_SERVER"] == "gemps-ps:50051"
+    assert config["GEMPS_SERVER"] == "gemps-ps-0.gemps-ps:50051"  # partition 0, which announces the others
     assert template["metadata"]["annotations"]["prometheus.io/port"] == config["GEMPS_METRICS_PORT"] == "9110"
     assert template["spec"]["securityContext"]["runAsNonRoot"] is True
 

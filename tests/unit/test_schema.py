@@ -31,6 +31,8 @@ FACES: list[tuple[type[Any], Any]] = [
     (schema.Registration, pb.RegisterResponse.DESCRIPTOR),
     (schema.Evaluation, pb.EvaluationReport.DESCRIPTOR),
     (schema.ServerStatus, pb.StatusResponse.DESCRIPTOR),
+    (schema.Partition, pb.Partition.DESCRIPTOR),
+    (schema.Layout, pb.Layout.DESCRIPTOR),
 ]
 
 
@@ -116,3 +118,9 @@ def test_rules_own_only_the_hyperparameters_they_use() -> None:
     assert rule_class("gem").hyperparameters() == ("learning_rate", "momentum", "kappa", "pi_max")
     assert rule_class("momentum").hyperparameters() == ("learning_rate", "momentum")
     assert rule_class("downpour").hyperparameters() == ("learning_rate",)
+
+
+def test_a_layout_survives_the_wire() -> None:
+    layout = schema.Layout(1, (schema.Partition("", 0, 6), schema.Partition(":50052", 6, 11)), 11)
+    assert shared.layout_from_proto(pb.StatusResponse(layout=shared.layout_to_proto(layout))) == layout
+    assert shared.layout_from_proto(pb.StatusResponse()) is None  # one server: no layout on the wire

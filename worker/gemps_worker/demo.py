@@ -37,6 +37,9 @@ from gemps_worker.training import StepRecord, read_report
 class DemoOptions:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     workers: int = field(default=4, metadata={"help": "worker processes"})
+    partitions: int = field(
+        default=1, metadata={"help": "server processes, each holding one range of θ (gemps server --partitions)"}
+    )
     epochs: int = field(default=10, metadata={"help": "epochs per worker over the training set"})
     model: str = field(default="digits-cnn", metadata={"help": "model", "choices": tuple(MODELS)})
     dataset: str = field(default="digits", metadata={"help": "dataset", "choices": DATASETS})
@@ -47,7 +50,9 @@ class DemoOptions:
     )
 
     def problems(self) -> list[str]:
-        return ["workers and epochs must be at least 1"] if self.workers < 1 or self.epochs < 1 else []
+        if self.workers < 1 or self.epochs < 1 or self.partitions < 1:
+            return ["workers, epochs and partitions must be at least 1"]
+        return []
 
 
 @dataclass(frozen=True)
@@ -77,13 +82,13 @@ def run_demo(options: DemoOptions) -> int:
     print(
         f"gemps demo: {options.workers} workers x {steps_per_worker} steps, rule={training.rule}, "
         f"eta={training.learning_rate}, {options.model} on {options.dataset} ({len(data.train_x)} train / "
-        f"{len(data.test_x)} held-out)",
+        f"{len(data.test_x)} held-out)" + (f", θ in {options.partitions} partitions" if options.partitions > 1 else ""),
         flush=True,
     )
     started = time.monotonic()
     samples: list[ProgressSample] = []
     reports = [out / f"worker-{i}.jsonl" for i in range(options.workers)]
-    with LocalCluster(out, server=values_of(training)) as cluster:
+    with LocalCluster(out, server={**values_of(training), "partitions": options.partitions}) as cluster:
         for i, report in enumerate(reports):
             cluster.start_worker(
                 f"worker-{i}",

@@ -1,0 +1,235 @@
+"""`gemps server --partitions K` on one machine: one server process per partition of θ.
+
+Partition i listens on the configured port + i, keeps its checkpoints in
+`<checkpoint_dir>/partition-<i>`, and logs as `gemps.server[partition i]`. The metrics port
+serves every partition's metrics as one target (each sample labelled `partition="i"`, plus
+`gemps_partition_up`); the partitions' own metrics listen on free loopback ports. Partitions 1..K-1
+start first; partition 0 starts last, told where the others are (":PORT": the host a worker
+reached partition 0 at), so a worker that can register has the whole layout. A partition that
+dies is started again on its port, from its checkpoints (as Kubernetes restarts a pod); SIGTERM
+or SIGINT stops them all gracefully. The exit status is the worst of the partitions'.
+
+Children are configured through GEMPS_* variables (flags > variables > defaults in each), so a
+token never appears on a command line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import FrameType
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from gemps.options import env_var, values_of
+from gemps_server.config import ServerConfig
+
+log = logging.getLogger("gemps.partitions")
+
+POLL_SECONDS = 0.1
+STARTUP_TIMEOUT_SECONDS = 60.0
+RESTART_DELAY_SECONDS = 1.0
+# A partition that cannot start this many times in a row (exit 2: bad configuration, a port in
+# use, an unusable checkpoint) stops the whole server rather than retrying forever.
+MAX_FAILED_STARTS = 3
+EXIT_CANNOT_START = 2
+
+
+@dataclass
+class Partition:
+    """One child server process and where it serves."""
+
+    index: int
+    config: ServerConfig
+    port_file: Path
+    process: subprocess.Popen[bytes] | None = None
+    port: int = 0  # bound, once started: a restart reuses it (the layout names it)
+    metrics_port: int = -1
+    failed_starts: int = 0
+    exit_codes: list[int] = field(default_factory=list)
+
+    def environment(self) -> dict[str, str]:
+        values = values_of(replace(self.config, port=self.port or self.config.port, port_file=str(self.port_file)))
+        env = {key: value for key, value in os.environ.items() if not key.startswith("GEMPS_")}
+        env.update({env_var(name): str(value) for name, value in values.items()})
+        return env
+
+    def start(self) -> None:
+        self.port_file.unlink(missing_ok=True)
+        command = [sys.executable, "-m", "gemps_cli", "server"]
+        self.process = subprocess.Popen(command, env=self.environment())
+
+    def metrics_text(self) -> str | None:
+        """Its /metrics page; None while it does not answer (restarting)."""
+        if self.metrics_port <= 0:
+            return None
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as response:
+                return str(response.read().decode())
+        except OSError:
+            return None
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_SECONDS) -> bool:
+        """True once its port file is there; False if it exited first."""
+        assert self.process is not None
+        deadline = time.monotonic() + timeout
+        while not self.port_file.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(POLL_SECONDS)
+        self.port, self.metrics_port = (int(line) for line in self.port_file.read_text().split())
+        return True
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+def child_config(config: ServerConfig, index: int, addresses: str = "") -> ServerConfig:
+    """Partition `index`'s configuration: its own ports and checkpoint directory (and for
+    partition 0, the `addresses` of all, unless the operator gave them)."""
+
+    def offset(port: int) -> int:
+        return port + index if port > 0 else port  # 0: any free port
+
+    checkpoints = str(Path(config.checkpoint_dir) / f"partition-{index}") if config.checkpoint_dir else ""
+    return replace(
+        config,
+        partition_index=index,
+        port=offset(config.port),
+        # Its metrics on a free loopback port: the supervisor serves them all on metrics_port.
+        metrics_port=-1 if config.metrics_port < 0 else 0,
+        metrics_host="127.0.0.1",
+        checkpoint_dir=checkpoints,
+        partition_addresses=config.partition_addresses or (addresses if index == 0 else ""),
+    )
+
+
+class PartitionMetrics:
+    """Every partition's metrics as one Prometheus target: the families of each one's /metrics
+    (its samples already labelled with its partition) merged by name, and `gemps_partition_up`."""
+
+    def __init__(self, partitions: list[Partition]) -> None:
+        self._partitions = partitions
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        up = GaugeMetricFamily(
+            "gemps_partition_up", "1 while the partition's server answers, else 0.", labels=["partition"]
+        )
+        for partition in list(self._partitions):
+            text = partition.metrics_text()
+            up.add_metric([str(partition.index)], 0 if text is None else 1)
+            for family in text_string_to_metric_families(text or ""):
+                merged = families.setdefault(
+                    family.name, Metric(family.name, family.documentation, family.type, family.unit)
+                )
+                merged.samples.extend(family.samples)
+        yield from families.values()
+        yield up
+
+
+class PartitionSupervisor:
+    def __init__(self, config: ServerConfig) -> None:
+        if config.partitions < 2 or config.partition_index != -1:
+            raise ValueError("the supervisor runs all partitions of a partitioned server (partitions >= 2, index -1)")
+        self.config = config
+        self._dir = tempfile.TemporaryDirectory(prefix="gemps-partitions-")
+        self.partitions: list[Partition] = []  # in θ order, once started
+        self._stopping = threading.Event()
+        self.metrics_port = -1
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        try:
+            if not self._start_all():
+                return self._stop_all() or EXIT_CANNOT_START
+            self._serve_metrics()
+            self._write_port_file()
+            ports = ", ".join(str(partition.port) for partition in self.partitions)
+            log.info("serving %d partitions on ports %s", len(self.partitions), ports)
+            while not self._stopping.wait(POLL_SECONDS):
+                for partition in self.partitions:
+                    if not partition.running() and not self._restart(partition):
+                        self._stopping.set()
+                        return self._stop_all() or EXIT_CANNOT_START
+            return self._stop_all()
+        finally:
+            self._dir.cleanup()
+
+    def _start_all(self) -> bool:
+        """Partitions 1..K-1, then partition 0 told their ports; False if one could not start."""
+        folder = Path(self._dir.name)
+        for index in range(1, self.config.partitions):
+            self.partitions.append(Partition(index, child_config(self.config, index), folder / f"{index}.port"))
+            self.partitions[-1].start()
+        if not all(partition.wait_ready() for partition in self.partitions):
+            return False
+        addresses = ",".join(["", *(f":{partition.port}" for partition in self.partitions)])
+        first = Partition(0, child_config(self.config, 0, addresses), folder / "0.port")
+        self.partitions.insert(0, first)
+        first.start()
+        return first.wait_ready()
+
+    def _restart(self, partition: Partition) -> bool:
+        """Start a partition that exited again, on its port; False after too many failed starts."""
+        assert partition.process is not None
+        code = partition.process.returncode
+        partition.exit_codes.append(code)
+        log.warning("partition %d exited with status %d; starting it again", partition.index, code)
+        if self._stopping.wait(RESTART_DELAY_SECONDS):
+            return True
+        partition.start()
+        if partition.wait_ready():
+            partition.failed_starts = 0
+            return True
+        partition.failed_starts += 1
+        if partition.failed_starts >= MAX_FAILED_STARTS:
+            log.error("partition %d failed to start %d times: stopping", partition.index, partition.failed_starts)
+            return False
+        return True
+
+    def _stop_all(self) -> int:
+        """SIGTERM every partition (each shuts down gracefully); the worst exit status."""
+        for partition in self.partitions:
+            if partition.running():
+                assert partition.process is not None
+                partition.process.send_signal(signal.SIGTERM)
+        codes = []
+        for partition in self.partitions:
+            if partition.process is not None:
+                codes.append(partition.process.wait())
+        return max((code for code in codes if code > 0), default=0)
+
+    def _serve_metrics(self) -> None:
+        if self.config.metrics_port < 0:
+            return
+        registry = CollectorRegistry(auto_describe=True)
+        registry.register(PartitionMetrics(self.partitions))
+        host = self.config.metrics_host or self.config.host
+        server, _thread = start_http_server(self.config.metrics_port, addr=host, registry=registry)
+        self.metrics_port = server.server_port
+
+    def _write_port_file(self) -> None:
+        """Partition 0's gRPC port, where workers go, and the metrics port (as one server writes them)."""
+        if not self.config.port_file:
+            return
+        tmp = Path(self.config.port_file + ".tmp")
+        tmp.write_text(f"{self.partitions[0].port}\n{self.metrics_port}\n")
+        tmp.replace(self.config.port_file)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._stopping.set()
