@@ -69,7 +69,11 @@ class ParameterServer:
             on_committed=self.checkpointer.committed if self.checkpointer is not None else None,
         )
         self.servicer = GempsServicer(
-            self.service, self.metrics, config.max_streamed_payloads, config.stream_idle_timeout
+            self.service,
+            self.metrics,
+            config.max_streamed_payloads,
+            config.stream_idle_timeout,
+            reply_budget_bytes=config.max_reply_mb * 1024 * 1024,
         )
         self.health = HealthServicer()  # its Watch streams end at shutdown (health.py)
         self.port = 0
@@ -107,6 +111,14 @@ class ParameterServer:
                 ("grpc.max_allowed_incoming_connections", connections),
                 ("grpc.server_handshake_timeout_ms", int(config.handshake_timeout * 1000)),
                 ("grpc.max_connection_idle_ms", int(config.connection_idle_timeout * 1000)),
+                # What one connection can hold: its RPCs at once, each a request of at most
+                # max_message_bytes; replies wait in the servicer's reply budget.
+                ("grpc.max_concurrent_streams", config.max_streams_per_connection),
+                # A reply sits in gRPC until its client reads it, and grpc.aio cannot cancel one
+                # call from the server: closing the connection is what frees it. So none lives
+                # longer than age + grace (honest clients reconnect on GOAWAY).
+                ("grpc.max_connection_age_ms", int(config.max_connection_age * 1000)),
+                ("grpc.max_connection_age_grace_ms", int(config.connection_age_grace * 1000)),
             ],
         )
         add_to_server(self.servicer, server)

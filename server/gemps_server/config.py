@@ -136,6 +136,31 @@ class ServerConfig:
         default=120.0,
         metadata={"help": "seconds a connection may stay open without an RPC in flight (clients reconnect)"},
     )
+    max_streams_per_connection: int = field(
+        default=100,
+        metadata={"help": "RPCs at once on one client connection (HTTP/2 streams); more are refused by the transport"},
+    )
+    max_reply_mb: int = field(
+        default=128,
+        metadata={
+            "help": "MiB of replies carrying the parameters (Register, Pull, Commit, PullStream) held at once "
+            "until their clients read them; more wait, holding nothing, before theirs is built"
+        },
+    )
+    max_connection_age: float = field(
+        default=300.0,
+        metadata={
+            "help": "seconds a client connection may live; then it is told to go away (GOAWAY: clients "
+            "reconnect) and closed --connection-age-grace seconds later"
+        },
+    )
+    connection_age_grace: float = field(
+        default=60.0,
+        metadata={
+            "help": "seconds RPCs in flight get to finish after GOAWAY; then the connection is closed, "
+            "freeing what its client never read"
+        },
+    )
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -199,6 +224,14 @@ class ServerConfig:
             found.append("handshake_timeout must be > 0")
         if not self.connection_idle_timeout > 0:
             found.append("connection_idle_timeout must be > 0")
+        if self.max_streams_per_connection < 1:
+            found.append("max_streams_per_connection must be >= 1")
+        if self.max_reply_mb < 1:
+            found.append("max_reply_mb must be >= 1")
+        if not self.max_connection_age > 0:
+            found.append("max_connection_age must be > 0")
+        if not self.connection_age_grace > 0:
+            found.append("connection_age_grace must be > 0")
         found += self._partition_problems()
         return found
 

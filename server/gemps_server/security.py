@@ -96,7 +96,11 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         suppressed = self._log.allow(method)
         if suppressed is not None:
             event(log, "unauthenticated", level=logging.WARNING, method=method, suppressed=suppressed)
-        return _refusal(await continuation(handler_call_details))
+        # Refused by a handler that takes a stream of requests and reads none of it: with the
+        # method's own unary handler grpc.aio would first receive the whole request (up to
+        # --max-message-mb: the window opens to the length it declares) and only then refuse.
+        # On the wire the refusal is the same status whatever the method's shape.
+        return _REFUSAL
 
 
 async def _deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
@@ -112,15 +116,8 @@ async def _deny_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]
     yield  # pragma: no cover (abort raised)
 
 
-def _refusal(handler: Handler | None) -> Handler:
-    """A handler of the same shape as `handler` that refuses without reading the request."""
-    if handler is not None and handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(_deny_stream)
-    if handler is not None and handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_deny)
-    if handler is not None and handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(_deny_stream)
-    return grpc.unary_unary_rpc_method_handler(_deny)
+#: answers UNAUTHENTICATED at once: request-streaming, so grpc.aio reads no request message first
+_REFUSAL: Handler = grpc.stream_stream_rpc_method_handler(_deny_stream)
 
 
 class RateLimiter:

@@ -35,9 +35,10 @@ from gemps_server.errors import (
     Unavailable,
 )
 from gemps_server.metrics import ServerMetrics
+from gemps_server.reply_budget import ReplyBudget
 from gemps_server.serde import MalformedRequest, WithTensor
 from gemps_server.service import ParameterService
-from gemps_server.state import CommitOutcome, ServerState
+from gemps_server.state import CommitOutcome, ServerState, Snapshot
 from gemps_server.stream_buffers import Buffer, BufferPool
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -170,10 +171,17 @@ def rpc(handler: F) -> F:
 
 class GempsServicer(pb_grpc.ParameterServerServicer):
     def __init__(
-        self, service: ParameterService, metrics: ServerMetrics, max_streamed_payloads: int, stream_idle_timeout: float
+        self,
+        service: ParameterService,
+        metrics: ServerMetrics,
+        max_streamed_payloads: int,
+        stream_idle_timeout: float,
+        reply_budget_bytes: int,
     ) -> None:
         self.service = service
         self.metrics = metrics
+        # Replies carrying θ that gRPC holds until their client reads them (reply_budget.py).
+        self._replies = ReplyBudget(reply_budget_bytes)
         # A stream that stops sending is refused after this long: it may hold one of the buffers.
         self._idle_timeout = stream_idle_timeout
         # CommitStreams in progress at once (receiving, applying or replying), each in a buffer
@@ -192,6 +200,27 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         """The version the caller holds, if it counts in this server's history; else -1 (none)."""
         return request.known_version if request.known_history == self._history else -1
 
+    async def _hold_reply(self, context: Context) -> None:
+        """Take a reply of θ (float32 at most) from the budget until this call is over: sent,
+        refused, cancelled, or dropped with its connection."""
+        nbytes = 4 * self._num_parameters
+        await self._replies.take(nbytes)
+        # (the stub types the callback as a class of its own; any callable of the context works)
+        context.add_done_callback(lambda _context: self._replies.give_back(nbytes))  # type: ignore[arg-type]
+
+    async def _pull(self, request: pb.PullRequest, context: Context) -> tuple[Snapshot, bool]:
+        """The snapshot a Pull replies with, and whether it is unchanged for the caller; a reply
+        with θ holds its budget first (before the snapshot is taken: waiting pins no version)."""
+        known = self._known_version(request)
+        held = known != self.service.state.version
+        if held:
+            await self._hold_reply(context)
+        snapshot = await self.service.pull(request.worker_id, known, serde.reply_dtype_from_proto(request.reply_dtype))
+        unchanged = known == snapshot.version
+        if not unchanged and not held:  # the version moved since the check above
+            await self._hold_reply(context)
+        return snapshot, unchanged
+
     # Replies carrying θ are returned serialized (bytes): see serde.with_parameters.
 
     @rpc
@@ -202,6 +231,8 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         spec = serde.spec_from_proto(request.spec)
         include = not request.omit_parameters
         buffer_spec, initial_buffers = serde.buffers_from_proto(request)
+        if include and self.service.state.initialized:
+            await self._hold_reply(context)
         admission, registration = await self.service.register(
             request.worker_name, spec, received.tensor, include, buffer_spec, initial_buffers, request.client_id
         )
@@ -212,9 +243,8 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
     @rpc
     async def Pull(self, request: pb.PullRequest, context: Context) -> pb.PullResponse | bytes:  # type: ignore[override]
         reply_dtype = serde.reply_dtype_from_proto(request.reply_dtype)
-        known = self._known_version(request)
-        snapshot = await self.service.pull(request.worker_id, known, reply_dtype)
-        if known == snapshot.version:
+        snapshot, unchanged = await self._pull(request, context)
+        if unchanged:
             return serde.unchanged_to_proto(snapshot.version, self._history)
         return serde.pull_to_proto(snapshot, reply_dtype, self._num_parameters, self._history)
 
@@ -225,9 +255,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         """Pull with the parameters in pieces, read from the version's one shared encoding: a
         pull holds no copy of θ of its own, however many run at once."""
         reply_dtype = serde.reply_dtype_from_proto(request.reply_dtype)
-        known = self._known_version(request)
-        snapshot = await self.service.pull(request.worker_id, known, reply_dtype)
-        unchanged = known == snapshot.version
+        snapshot, unchanged = await self._pull(request, context)
         yield serde.pull_stream_header_to_proto(snapshot, unchanged, reply_dtype, self._num_parameters, self._history)
         if not unchanged:
             for frame in data_frames(snapshot.data(reply_dtype) or b""):
@@ -237,6 +265,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
     async def Commit(self, received: WithTensor[pb.CommitRequest], context: Context) -> bytes:  # type: ignore[override]
         commit = serde.commit_from_proto(received.message, received.tensor)
         dtype, size = commit.reply_dtype, self._num_parameters
+        await self._hold_reply(context)
 
         def framed(outcome: CommitOutcome, state: ServerState) -> bytes:  # on the applier: θ is the commit's
             return serde.outcome_to_proto(outcome, dtype, state.theta_wire(dtype), size)

@@ -1,0 +1,211 @@
+"""Memory a client can make the server hold (issue 15, items 1 and 2): a server process on
+loopback, attacked over raw HTTP/2 (h2), its resident memory read from /proc.
+
+- Item 1: a client without the token declares a large message and sends it; the server must
+  refuse it without reading it.
+- Item 2: a client opens many Pulls on a connection whose receive window is zero and never
+  reads; what the server holds for it is bounded by --max-reply-mb, and the connection (and
+  with it every reply it held) is gone after --max-connection-age plus its grace.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from pathlib import Path
+
+import grpc
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import h2.settings
+import pytest
+
+from gemps_proto.v1 import parameter_server_pb2 as pb
+from tests.integration.conftest import StartServerProcess, open_stub
+
+pytestmark = pytest.mark.timeout(90)
+
+MIB = 1024 * 1024
+PARAMETERS = 1_000_000  # θ of 4 MB: a Pull's reply
+SPEC = [pb.ParameterSpec(name="w", shape=[PARAMETERS], dtype=pb.DTYPE_FLOAT32)]
+REGISTER = "/gemps.v1.ParameterServer/Register"
+PULL = "/gemps.v1.ParameterServer/Pull"
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
+def _text(header: bytes | str) -> str:
+    return header.decode() if isinstance(header, bytes) else header
+
+
+def grpc_frame(message: bytes) -> bytes:
+    return b"\x00" + struct.pack(">I", len(message)) + message
+
+
+class RawConnection:
+    """An HTTP/2 client on one socket that speaks just enough gRPC to misbehave."""
+
+    def __init__(self, port: int, receive_window: int | None = None) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        if receive_window is not None:
+            self.h2.local_settings = h2.settings.Settings(
+                client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: receive_window}
+            )
+        self.h2.initiate_connection()
+        self.statuses: dict[int, str] = {}  # stream id: grpc-status, once the server ended it
+        self.closed_by_server = False
+        self._flush()
+
+    def _flush(self) -> None:
+        data = self.h2.data_to_send()
+        if data:
+            self.sock.sendall(data)
+
+    def open(self, method: str, body: bytes | None = None) -> int:
+        """A call to `method`; with `body`, its request is sent whole and the stream half-closed."""
+        stream = self.h2.get_next_available_stream_id()
+        headers = [(":method", "POST"), (":scheme", "http"), (":path", method), (":authority", "gemps")]
+        self.h2.send_headers(stream, [*headers, ("content-type", "application/grpc"), ("te", "trailers")])
+        if body is not None:
+            self.h2.send_data(stream, body, end_stream=True)
+        self._flush()
+        return stream
+
+    def pump(self, seconds: float) -> None:
+        """Handle what the server sends for `seconds`, reading none of the calls' data."""
+        deadline = time.monotonic() + seconds
+        while not self.closed_by_server and (left := deadline - time.monotonic()) > 0:
+            self._receive(left)
+
+    def _receive(self, timeout: float) -> None:
+        self.sock.settimeout(timeout)
+        try:
+            data = self.sock.recv(1 << 16)
+        except TimeoutError:
+            return
+        except ConnectionResetError:
+            data = b""
+        if not data:
+            self.closed_by_server = True
+            return
+        try:
+            events = self.h2.receive_data(data)
+        except h2.exceptions.ProtocolError:  # frames after GOAWAY: only the socket's end matters now
+            return
+        for event in events:
+            if isinstance(event, h2.events.TrailersReceived | h2.events.ResponseReceived):
+                status = {_text(key): _text(value) for key, value in event.headers or ()}.get("grpc-status")
+                if status is not None:
+                    self.statuses[event.stream_id] = status
+            elif isinstance(event, h2.events.StreamReset):
+                self.statuses.setdefault(event.stream_id, "reset")
+        self._flush()
+
+    def send_all_but_the_last_byte(self, streams: list[int], declared: int, seconds: float) -> int:
+        """Declare a message of `declared` bytes on each stream and send all of it but its last
+        byte, as far as flow control allows within `seconds`; the bytes the server took."""
+        sent = dict.fromkeys(streams, 0)
+        total = 5 + declared - 1
+        zeros = bytes(16384)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            open_streams = [s for s in streams if s not in self.statuses and sent[s] < total]
+            if not open_streams or self.closed_by_server:
+                break
+            for stream in open_streams:
+                while sent[stream] < total:
+                    room = min(self.h2.local_flow_control_window(stream), self.h2.max_outbound_frame_size)
+                    if room <= 0:
+                        break
+                    piece = zeros[: min(room, total - sent[stream])]
+                    if sent[stream] == 0:
+                        piece = (b"\x00" + struct.pack(">I", declared) + piece)[: len(piece)]
+                    self.h2.send_data(stream, piece)
+                    sent[stream] += len(piece)
+                    self._flush()
+            self._receive(0.05)
+        return sum(sent.values())
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_client_without_the_token_cannot_make_the_server_hold_its_message(
+    start_server_process: StartServerProcess,
+) -> None:
+    """Item 1: 4 calls declaring 64 MiB each, sent but for the last byte, without a token."""
+    server = start_server_process(auth_token="sekrit", max_message_mb=512)
+    before = rss_mib(server.pid)
+    attacker = RawConnection(server.port)
+    try:
+        streams = [attacker.open(REGISTER) for _ in range(4)]
+        attacker.send_all_but_the_last_byte(streams, 64 * MIB, seconds=30)
+        for _ in range(20):  # the refusals, if they have not arrived yet
+            if len(attacker.statuses) == len(streams):
+                break
+            attacker.pump(0.1)
+        held = rss_mib(server.pid) - before
+        # Each call refused UNAUTHENTICATED (16) before its message was read; before the fix the
+        # server opened each stream's window to 64 MiB and buffered all of it (+256 MiB).
+        assert held < 16, f"the server holds {held:.0f} MiB more for 4 refused calls"
+        assert attacker.statuses == dict.fromkeys(streams, str(grpc.StatusCode.UNAUTHENTICATED.value[0]))
+    finally:
+        attacker.close()
+
+
+def test_replies_a_client_never_reads_are_bounded_and_freed_with_its_connection(
+    start_server_process: StartServerProcess,
+) -> None:
+    """Item 2: 60 Pulls of a 4 MB θ on a connection with a zero receive window, never read."""
+    server = start_server_process(max_reply_mb=16, max_connection_age=3.0, connection_age_grace=2.0)
+    stub = open_stub(server.target)
+    stub.Register(
+        pb.RegisterRequest(
+            spec=SPEC,
+            initial_parameters=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[PARAMETERS], data=bytes(4 * PARAMETERS)),
+            omit_parameters=True,
+        )
+    )
+    stub.Pull(pb.PullRequest(known_version=-1))  # warm: one reply built and sent
+    before = rss_mib(server.pid)
+    reader = RawConnection(server.port, receive_window=0)
+    try:
+        started = time.monotonic()
+        for _ in range(60):
+            reader.open(PULL, grpc_frame(pb.PullRequest(known_version=-1).SerializeToString()))
+        reader.pump(1.5)
+        held = rss_mib(server.pid) - before
+        # At most 16 MiB of replies (4 of θ), each held about twice (the message and gRPC's copy);
+        # before the fix every call held its reply: +460 MiB.
+        assert held < 2 * 16 + 16, f"the server holds {held:.0f} MiB more for 60 unread Pulls"
+
+        # An honest reader is served meanwhile (its calls wait their turn, or reconnect on GOAWAY).
+        honest = open_stub(server.target)
+        for _attempt in range(10):
+            try:
+                reply = honest.Pull(pb.PullRequest(known_version=-1), timeout=20)
+                break
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+        else:
+            pytest.fail("an honest Pull was never served")
+        assert len(reply.parameters.data) == 4 * PARAMETERS
+
+        # The server closes the connection after its age and grace (3 + 2 s), and with it frees
+        # what the reader never read; before the fix it stayed open as long as the client liked.
+        reader.pump(20 - (time.monotonic() - started))
+        assert reader.closed_by_server, "the server kept the unread connection open"
+        time.sleep(0.5)
+        after = rss_mib(server.pid) - before
+        assert after < 16, f"{after:.0f} MiB still held after the server closed the connection"
+    finally:
+        reader.close()
