@@ -41,6 +41,7 @@ from gemps_server.state import (
     check_name,
     check_reply_dtype,
 )
+from gemps_server.workers import WorkerRecord
 
 log = logging.getLogger("gemps.server")
 
@@ -119,16 +120,7 @@ class ParameterService:
         worker = admission.worker
         self._metrics.registered()
         if (displaced := admission.displaced) is not None:
-            self._metrics.departed("evicted")
-            event(
-                log,
-                "worker evicted",
-                level=logging.WARNING,
-                worker_id=displaced.worker_id,
-                name=displaced.name or None,
-                reason="server full; no commit for longer than the lease",
-                commits=displaced.commits,
-            )
+            self._evicted([displaced], reason="server full; no commit for longer than the lease")
         if admission.initialized_theta:
             tune_for(4 * state.num_parameters)
             event(
@@ -272,18 +264,22 @@ class ParameterService:
     async def evict_expired(self) -> None:
         """Forget the workers whose lease ran out (the app calls this periodically)."""
         state = self.state
-        evicted = await self._applier.submit(state.evict_expired)
-        self._metrics.departed("evicted", len(evicted))
-        for worker in evicted:
+        self._evicted(await self._applier.submit(state.evict_expired), reason="lease expired")
+
+    def _evicted(self, workers: list[WorkerRecord], reason: str) -> None:
+        """Count and log workers the server forgot without their leaving."""
+        self._metrics.departed("evicted", len(workers))
+        for worker in workers:
             event(
                 log,
                 "worker evicted",
                 level=logging.WARNING,
                 worker_id=worker.worker_id,
                 name=worker.name or None,
+                reason=reason,
                 lease_ttl_seconds=self.config.lease_ttl,
                 commits=worker.commits,
-                active=len(state.registry),
+                active=len(self.state.registry),
             )
 
     def rejected(self, method: str, error: ServiceError, status: str) -> None:
