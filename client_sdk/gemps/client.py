@@ -441,9 +441,14 @@ class Client:
         mine = initial if initial.size == endpoint.size else initial[endpoint.start : endpoint.stop]
         self._received(endpoint, registration.version, mine if theta is None else theta)
 
-    def _begin_pull(self, endpoint: Endpoint) -> Callable[[], PullReply]:
+    def _pull_request(self, endpoint: Endpoint) -> tuple[bytes, bool]:
+        """A Pull of one server's slice, and whether it goes by PullStream."""
         request = serde.pull_request(endpoint.worker_id, endpoint.version, self.wire_dtype, endpoint.history)
-        if self._streams(expected_nbytes(self.wire_dtype, [endpoint.size])):
+        return request, self._streams(expected_nbytes(self.wire_dtype, [endpoint.size]))
+
+    def _begin_pull(self, endpoint: Endpoint) -> Callable[[], PullReply]:
+        request, streamed = self._pull_request(endpoint)
+        if streamed:
             replies = iter(endpoint.pull_stream(request, timeout=self.timeout, metadata=self._metadata))
             return lambda: _read_pull_stream(replies)
         future = endpoint.pull.future(request, timeout=self.timeout, metadata=self._metadata)
@@ -453,8 +458,8 @@ class Client:
         """Pull one server's slice, with retries (and registering again if it forgot us)."""
 
         def send() -> PullReply:
-            request = serde.pull_request(endpoint.worker_id, endpoint.version, self.wire_dtype, endpoint.history)
-            if self._streams(expected_nbytes(self.wire_dtype, [endpoint.size])):
+            request, streamed = self._pull_request(endpoint)  # after registering again: the new worker id
+            if streamed:
                 return self._call(self._pull_streamed_at(endpoint), request)
             return serde.pull_reply(self._call(endpoint.pull, request))
 
