@@ -53,7 +53,7 @@ T = TypeVar("T")
 ChunkMessage = TypeVar("ChunkMessage", pb.CommitResponseChunk, pb.PullResponseChunk)
 
 # Failures worth another attempt: the server is down, restarting, paused or overloaded.
-RETRIED = (errors.ServerUnavailableError, errors.DeadlineExceededError)
+RETRIED = (errors.ServerUnavailableError, errors.DeadlineExceededError, errors.ServerBusyError)
 
 # Payloads past this many bytes go through CommitStream (and θ through PullStream) by default:
 # the server holds a few θ-sized buffers for streams however many clients commit at once, where
@@ -398,33 +398,42 @@ class Client:
             initial = initial[endpoint.start : endpoint.stop]
         buffer_spec = self._buffer_spec if first else ()
 
-        def send(values: np.ndarray | None, omit_parameters: bool = False) -> tuple[Registration, Any, Any]:
+        def send(
+            values: np.ndarray | None, omit_parameters: bool = False, streamed: bool = False
+        ) -> tuple[Registration, Any, Any]:
             request = serde.register_request(
                 self._spec,
                 self.name,
                 values,
                 omit_parameters=omit_parameters,
                 buffer_spec=buffer_spec,
-                buffers=initial_buffers if first else None,
+                buffers=initial_buffers if first and values is not None else None,  # with θ's, or not at all
                 client_id=self.client_id,
+                streamed=streamed,
             )
-            return serde.register_reply(self._call(endpoint.register, request))
+            if not streamed:
+                return serde.register_reply(self._call(endpoint.register, request))
+            assert values is not None
+            data = serde.register_stream_data(values, buffer_spec, initial_buffers if first else None)
+            return serde.register_reply(self._call(self._register_streamed_at(endpoint), (request, data)))
 
         pull_next = False
-        if initial.nbytes <= STREAM_THRESHOLD_BYTES:
+        nbytes = initial.nbytes + (initial_buffers.nbytes if first else 0)
+        if nbytes <= STREAM_THRESHOLD_BYTES:
             registration, theta, buffers = send(initial)
         else:
             # Large: without the initial values first. Only the first worker of a server needs to
             # send them; 100 workers registering at once would otherwise send 100 copies of P
             # floats, and receive 100 more: θ comes by PullStream instead, in pieces.
-            streamed = self._streams(initial.nbytes)
+            streamed = self._streams(nbytes)
             try:
                 registration, theta, buffers = send(None, omit_parameters=streamed)
             except errors.GempsError as error:
                 if error.reason != Reason.NOT_INITIALIZED:
                     raise
-                # Ours initialise θ, unless another worker's got there first.
-                registration, theta, buffers = send(initial, omit_parameters=streamed)
+                # Ours initialise θ, unless another worker's got there first; streamed, in
+                # pieces: the server accepts messages of --max-message-mb at most.
+                registration, theta, buffers = send(initial, omit_parameters=streamed, streamed=streamed)
             pull_next = streamed and not registration.initialized_central  # θ is another worker's
         endpoint.registration = registration
         if first:
@@ -469,6 +478,17 @@ class Client:
         def attempt(request: bytes, timeout: float, metadata: Metadata) -> PullReply:
             """One PullStream attempt: the header, then (unless unchanged) θ in pieces."""
             return _read_pull_stream(iter(endpoint.pull_stream(request, timeout=timeout, metadata=metadata)))
+
+        return attempt
+
+    def _register_streamed_at(
+        self, endpoint: Endpoint
+    ) -> Callable[[tuple[bytes, list[bytes | memoryview]], float, Metadata], bytes]:
+        def attempt(call: tuple[bytes, list[bytes | memoryview]], timeout: float, metadata: Metadata) -> bytes:
+            """One RegisterStream attempt: the header, then the initial values in pieces."""
+            header, parts = call
+            frames = itertools.chain((header,), *(data_frames(part, self.chunk_bytes) for part in parts))
+            return endpoint.register_stream(frames, timeout=timeout, metadata=metadata)
 
         return attempt
 

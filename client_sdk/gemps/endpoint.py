@@ -66,6 +66,7 @@ class Endpoint:
         )
         self.stub = pb_grpc.ParameterServerStub(self.channel)
         self.register = self.channel.unary_unary(_METHOD + "Register", _raw, _raw)
+        self.register_stream = self.channel.stream_unary(_METHOD + "RegisterStream", _raw, _raw)
         self.pull = self.channel.unary_unary(_METHOD + "Pull", _raw, _raw)
         self.pull_stream = self.channel.unary_stream(_METHOD + "PullStream", _raw, _raw)
         self.commit = self.channel.unary_unary(_METHOD + "Commit", _raw, _raw)

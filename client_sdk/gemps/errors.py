@@ -51,6 +51,10 @@ class ResourceExhaustedError(GempsError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class ServerBusyError(ResourceExhaustedError):
+    """The server had its most RPCs in progress (its --max-concurrent-rpcs): retried, as when unreachable."""
+
+
 class ServerUnavailableError(GempsError):
     """The server could not be reached, even after retrying."""
 
@@ -68,6 +72,10 @@ class StoppedError(GempsError):
 class NotRegisteredError(GempsError):
     """A worker call was made before `Client.register`."""
 
+
+# How grpc.aio words its own refusals (there is no gemps reason in them).
+CONCURRENT_RPC_LIMIT = "Concurrent RPC limit exceeded!"
+MESSAGE_TOO_LARGE = "Received message larger than max"
 
 _BY_CODE: dict[grpc.StatusCode, type[GempsError]] = {
     cls.code: cls
@@ -94,8 +102,17 @@ def from_rpc_error(error: grpc.RpcError) -> GempsError:
         return GempsError(str(error))
     code = error.code()
     reason = next((str(v) for k, v in error.trailing_metadata() or () if k == reasons.METADATA_KEY), "")
+    details = error.details() or ""
     cls = _BY_CODE.get(code, GempsError)
-    return cls(f"{code.name}: {error.details() or ''}", code, reason)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not reason:  # refused by gRPC itself, not gemps
+        if details == CONCURRENT_RPC_LIMIT:
+            cls = ServerBusyError
+        elif MESSAGE_TOO_LARGE in details:
+            details += (
+                " (the server's --max-message-mb limits each request message; the SDK sends payloads "
+                "past 1 MiB in pieces unless streaming='never')"
+            )
+    return cls(f"{code.name}: {details}", code, reason)
 
 
 def server_forgot_worker(error: GempsError) -> bool:

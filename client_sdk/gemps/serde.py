@@ -14,7 +14,7 @@ import numpy as np
 
 from gemps.records import CentralVariable, CommitResult, ParameterSpec, Registration
 from gemps_proto import serde as shared
-from gemps_proto.codec import FLOAT32, encode, received
+from gemps_proto.codec import FLOAT32, encode, received, wire_view
 from gemps_proto.schema import PayloadKind
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
@@ -35,7 +35,10 @@ def register_request(
     buffer_spec: tuple[ParameterSpec, ...] = (),
     buffers: np.ndarray | None = None,
     client_id: str = "",
+    streamed: bool = False,
 ) -> bytes:
+    """A Register request; for RegisterStream (`streamed`) the initial tensors' dtype and shape
+    only, in a RegisterChunk: their data follows in pieces (register_stream_data)."""
     request = pb.RegisterRequest(
         spec=shared.spec_to_proto(spec),
         worker_name=worker_name,
@@ -43,11 +46,37 @@ def register_request(
         buffer_spec=shared.spec_to_proto(buffer_spec),
         client_id=client_id,
     )
-    if buffer_spec and buffers is not None:
+    with_buffers = bool(buffer_spec) and buffers is not None
+    if streamed:
+        assert initial is not None, "a streamed Register carries initial values"
+        announce(request.initial_parameters, initial.size)
+        if with_buffers:
+            assert buffers is not None
+            announce(request.initial_buffers, buffers.size)
+        return pb.RegisterChunk(header=request).SerializeToString()
+    if with_buffers:
+        assert buffers is not None
         set_tensor(request.initial_buffers, buffers)
     if initial is None:
         return request.SerializeToString()
     return shared.with_tensor(request, REGISTER_INITIAL_FIELD, FLOAT32, [initial.size], encode(initial))
+
+
+def register_stream_data(
+    initial: np.ndarray, buffer_spec: tuple[ParameterSpec, ...], buffers: np.ndarray | None
+) -> list[bytes | memoryview]:
+    """What follows a streamed Register's header, in order: the parameters', then the buffers'
+    float32 bytes (views, not copies: the caller leaves the arrays unchanged meanwhile)."""
+    parts = [wire_view(initial)]
+    if buffer_spec and buffers is not None:
+        parts.append(wire_view(buffers.reshape(-1)))
+    return parts
+
+
+def announce(tensor: pb.Tensor, size: int) -> None:
+    """A flat float32 tensor's dtype and shape, its data left to follow in pieces."""
+    tensor.dtype = FLOAT32  # type: ignore[assignment]
+    tensor.shape.append(size)
 
 
 def set_tensor(tensor: pb.Tensor, values: np.ndarray) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 from collections.abc import Callable
 
 _M_TRIM_THRESHOLD = -1
@@ -33,10 +34,13 @@ _ONE_GIB = 1 << 30
 BUFFERS_KEPT = 4
 #: the most those buffers may take together; past it θ-sized allocations are mmapped instead
 HEAP_BUFFERS_MAX = 32 << 20
+#: how often a server hands the heap's free pages back to the OS (trim())
+TRIM_INTERVAL_SECONDS = 5.0
 #: large models: every allocation from this size up is mmapped (θ-sized ones included)
 _LARGE_MODEL_MMAP_THRESHOLD = 8 << 20
 
 
+@functools.cache  # find_library runs ldconfig: once per process
 def _glibc(function: str) -> Callable[[int], int] | Callable[[int, int], int] | None:
     name = ctypes.util.find_library("c")
     if name is None:
@@ -64,16 +68,30 @@ def thresholds_for(buffer_bytes: int) -> tuple[int, int]:
 def tune_for(buffer_bytes: int) -> bool:
     """Keep recurring buffers of `buffer_bytes` in the heap and mapped; True when glibc took it.
 
-    Also hands back the free memory the heap holds by then: the first worker's initial values
-    arrive as one message, which gRPC receives in thousands of small pieces that fill the heap
-    and are freed, leaving up to the size of θ resident and unused (50M parameters: 190 MB)."""
-    mallopt, malloc_trim = _mallopt(), _glibc("malloc_trim")
-    if mallopt is None or malloc_trim is None:
+    Also hands back the free memory the heap holds by then (trim()): the first worker's initial
+    values, received in many small pieces (50M parameters in one message: 190 MB)."""
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
     mmap_threshold, trim_threshold = thresholds_for(buffer_bytes)
     tuned = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
-    malloc_trim(0)  # type: ignore[call-arg]
+    trim()
     return tuned
+
+
+def trim() -> bool:
+    """Hand every free page of the heap back to the OS; True when glibc did it.
+
+    glibc's free() gives memory back only from the top of the heap. gRPC receives a large request
+    in many small pieces spread through the heap, so once such requests are freed their pages
+    stay resident, free but stranded between live allocations: 8 refused requests of 40 MiB left
+    190 MiB so. A server calls this every TRIM_INTERVAL_SECONDS; the cost is a walk of the heap,
+    and at most one commit per interval finds the pages of its buffers to map again."""
+    malloc_trim = _glibc("malloc_trim")
+    if malloc_trim is None:
+        return False
+    malloc_trim(0)  # type: ignore[call-arg]
+    return True
 
 
 def keep_large_allocations() -> bool:

@@ -17,7 +17,7 @@ from prometheus_client import disable_created_metrics, start_http_server
 from gemps_proto.reasons import Reason
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server import logs
-from gemps_server.allocator import tune_for
+from gemps_server.allocator import TRIM_INTERVAL_SECONDS, trim, tune_for
 from gemps_server.applier import Applier
 from gemps_server.checkpoint_schedule import Checkpointer
 from gemps_server.config import ServerConfig
@@ -81,6 +81,7 @@ class ParameterServer:
         self._server: grpc.aio.Server | None = None
         self._metrics_server: object | None = None
         self._lease_task: asyncio.Task[None] | None = None
+        self._trim_task: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
         config = self.config
@@ -101,9 +102,14 @@ class ParameterServer:
             event(log, "connections capped", level=logging.WARNING, max_connections=connections)
         server = grpc.aio.server(
             interceptors=interceptors,
+            # In total: at most this many requests being received, each of at most `limit` bytes
+            # (more calls are refused before a byte of theirs is read).
+            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
             options=[
                 ("grpc.max_receive_message_length", limit),
-                ("grpc.max_send_message_length", limit),
+                # Replies are as large as θ needs (protobuf's 2 GiB at most); what they hold while
+                # unread is bounded by the reply budget.
+                ("grpc.max_send_message_length", 2**31 - 1),
                 # No BDP probing: flow-control windows stay at gRPC's default instead of growing to
                 # megabytes per stream, so large payloads wait in the clients, not in this process
                 # (1M parameters, 8 clients: 44 MB less peak memory, throughput within noise).
@@ -144,6 +150,7 @@ class ParameterServer:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._start_metrics()
         self._lease_task = asyncio.create_task(self._expire_leases(), name="gemps-leases")
+        self._trim_task = asyncio.create_task(self._trim_heap(), name="gemps-heap-trim")
         if self.checkpointer is not None:
             self.checkpointer.start()
         if self.config.port_file:
@@ -172,10 +179,11 @@ class ParameterServer:
         were acknowledged that no checkpoint holds (logged with the versions lost)."""
         grace = self.config.shutdown_grace if grace is None else grace
         await self.health.enter_graceful_shutdown()
-        if self._lease_task is not None:
-            self._lease_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._lease_task
+        for task in (self._lease_task, self._trim_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._server is not None:
             await self._server.stop(grace)
         if self.checkpointer is not None:
@@ -233,6 +241,11 @@ class ParameterServer:
             active_workers=lambda: len(state.registry),
             queue_depth=lambda: self.applier.depth,
         )
+
+    async def _trim_heap(self) -> None:
+        while True:
+            await asyncio.sleep(TRIM_INTERVAL_SECONDS)
+            await asyncio.to_thread(trim)  # off the event loop: it walks the heap
 
     async def _expire_leases(self) -> None:
         period = self.config.lease_ttl / LEASE_CHECKS_PER_TTL

@@ -73,7 +73,20 @@ class ServerConfig:
         default=0,
         metadata={"help": "disjoint data shards; 0: every worker uses all data in its own order"},
     )
-    max_message_mb: int = field(default=512, metadata={"help": "largest gRPC message accepted, MiB"})
+    max_message_mb: int = field(
+        default=4,
+        metadata={
+            "help": "largest request message accepted, MiB (the SDK sends larger payloads and initial values "
+            "in pieces; replies are not limited by it)"
+        },
+    )
+    max_concurrent_rpcs: int = field(
+        default=512,
+        metadata={
+            "help": "RPCs in progress at once, server-wide; more are refused RESOURCE_EXHAUSTED before their "
+            "request is read (the SDK retries them)"
+        },
+    )
     max_streamed_payloads: int = field(
         default=2,
         metadata={
@@ -196,6 +209,8 @@ class ServerConfig:
             found.append("stream_idle_timeout must be > 0")
         if self.max_message_mb < 1:
             found.append("max_message_mb must be >= 1")
+        if self.max_concurrent_rpcs < 1:
+            found.append("max_concurrent_rpcs must be >= 1")
         if self.checkpoint_every < 0:
             found.append("checkpoint_every must be >= 0")
         if self.checkpoint_interval < 0:

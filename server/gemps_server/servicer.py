@@ -12,7 +12,7 @@ import functools
 import inspect
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import grpc
 from google.protobuf.message import Message
@@ -20,8 +20,9 @@ from google.protobuf.message import Message
 from gemps_proto import reasons
 from gemps_proto import serde as shared
 from gemps_proto.chunks import PayloadAssembler, data_frames, read_data
-from gemps_proto.codec import EncodedTensor
+from gemps_proto.codec import EncodedTensor, TensorDecodeError, expected_nbytes, num_elements
 from gemps_proto.reasons import Reason
+from gemps_proto.schema import ParameterSpec
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_server import serde
@@ -43,8 +44,11 @@ from gemps_server.stream_buffers import Buffer, BufferPool
 
 F = TypeVar("F", bound=Callable[..., Any])
 Context = grpc.aio.ServicerContext[Any, Any]
-# What CommitStream's parser hands the handler: a data piece, a header, or undecodable bytes.
-Chunk = pb.CommitChunk | memoryview | MalformedRequest
+# What a client-streaming RPC's parser hands the handler: a data piece, a header, or undecodable bytes.
+ChunkMessage = pb.CommitChunk | pb.RegisterChunk
+Chunk = ChunkMessage | memoryview | MalformedRequest
+# The request message of each client-streaming RPC: a header, then data pieces.
+CHUNK_CLASSES: dict[str, type[ChunkMessage]] = {"CommitStream": pb.CommitChunk, "RegisterStream": pb.RegisterChunk}
 
 #: the gRPC status of each kind of refusal
 STATUS_CODES: dict[type[ServiceError], grpc.StatusCode] = {
@@ -76,14 +80,14 @@ def _request_parser(
     return parse
 
 
-def _chunk_parser(on_bytes: Callable[[int], None]) -> Callable[[bytes], Chunk]:
-    """CommitStream's request parser: a data piece comes back as a memoryview of the message
-    (no copy), anything else as the protobuf message."""
+def _chunk_parser(chunk_class: type[ChunkMessage], on_bytes: Callable[[int], None]) -> Callable[[bytes], Chunk]:
+    """A client-streaming RPC's request parser: a data piece comes back as a memoryview of the
+    message (no copy), anything else as the protobuf message."""
 
     def parse(data: bytes) -> Chunk:
         on_bytes(len(data))
         piece = read_data(data)
-        return piece if piece is not None else serde.parse_request(pb.CommitChunk, data)
+        return piece if piece is not None else serde.parse_request(chunk_class, data)
 
     return parse
 
@@ -109,10 +113,14 @@ def add_to_server(servicer: GempsServicer, server: grpc.aio.Server) -> None:
         received = functools.partial(metrics.message_received, method.name)
         sent = _metered_serializer(functools.partial(metrics.message_sent, method.name))
         behaviour = getattr(servicer, method.name)
-        if method.client_streaming:  # CommitStream
-            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
-                behaviour, request_deserializer=_chunk_parser(received), response_serializer=sent
+        if method.client_streaming:  # CommitStream, RegisterStream
+            make_handler = (
+                grpc.stream_stream_rpc_method_handler
+                if method.server_streaming
+                else grpc.stream_unary_rpc_method_handler
             )
+            parse_chunk = _chunk_parser(CHUNK_CLASSES[method.name], received)
+            handlers[method.name] = make_handler(behaviour, request_deserializer=parse_chunk, response_serializer=sent)
             continue
         parse = _request_parser(getattr(pb, method.input_type.name), TENSOR_FIELDS.get(method.name), received)
         if method.server_streaming:  # PullStream
@@ -132,10 +140,20 @@ def rpc(handler: F) -> F:
     the reason in trailing metadata: the one place where refusals become status codes."""
     method = handler.__name__
 
-    async def refuse(self: GempsServicer, error: ServiceError, context: Context) -> None:
+    def refuse(self: GempsServicer, error: ServiceError, context: Context) -> None:
+        """Set the refusal's status on the call, which then ends without a reply.
+
+        Not `context.abort()`: the AbortError it raises carries this error as its context, and
+        through their tracebacks the frames holding the request, in reference cycles that only
+        the cyclic garbage collector frees, much later. Refused requests of up to
+        --max-message-mb then stayed resident (issue 15, item 8). Dropping the traceback and
+        raising nothing frees the request as soon as the call ends."""
+        error.__traceback__ = None
         code = STATUS_CODES[type(error)]
         self.service.rejected(method, error, code.name)
-        await context.abort(code, error.message, trailing_metadata=((reasons.METADATA_KEY, error.reason.value),))
+        context.set_code(code)
+        context.set_details(error.message)
+        context.set_trailing_metadata(((reasons.METADATA_KEY, error.reason.value),))
 
     if inspect.isasyncgenfunction(handler):
 
@@ -148,7 +166,7 @@ def rpc(handler: F) -> F:
                 async for reply in handler(self, requests, context):
                     yield reply
             except ServiceError as error:
-                await refuse(self, error, context)
+                refuse(self, error, context)
             finally:
                 self.metrics.rpc(method, time.perf_counter() - started)
 
@@ -162,7 +180,8 @@ def rpc(handler: F) -> F:
                 raise request.refusal()
             return await handler(self, request, context)
         except ServiceError as error:
-            await refuse(self, error, context)
+            refuse(self, error, context)
+            return None  # the status set above is sent; gRPC discards a reply after a refusal
         finally:
             self.metrics.rpc(method, time.perf_counter() - started)
 
@@ -187,6 +206,8 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         # CommitStreams in progress at once (receiving, applying or replying), each in a buffer
         # of about 4P bytes; the rest wait in gRPC flow control, not in this process.
         self._stream_buffers = BufferPool(max_streamed_payloads)
+        # One upload of initial values at a time (RegisterStream): only the first is ever used.
+        self._initial_upload = asyncio.Lock()
 
     @property
     def _num_parameters(self) -> int:
@@ -229,16 +250,68 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
     ) -> bytes:
         request = received.message
         spec = serde.spec_from_proto(request.spec)
-        include = not request.omit_parameters
         buffer_spec, initial_buffers = serde.buffers_from_proto(request)
+        return await self._register(request, spec, received.tensor, buffer_spec, initial_buffers, context)
+
+    @rpc
+    async def RegisterStream(  # type: ignore[override]
+        self, requests: AsyncIterator[Chunk], context: Context
+    ) -> bytes:
+        """Register with the initial values in pieces (see RegisterChunk). They are read only when
+        they initialise θ, one upload at a time, into a buffer of the size the header announced
+        once the spec has said that size is right."""
+        header = await _stream_header(requests, self._idle_timeout, pb.RegisterChunk)
+        spec = serde.spec_from_proto(header.spec)
+        buffer_spec = serde.spec_from_proto(header.buffer_spec)
+        if self.service.state.initialized or not header.HasField("initial_parameters"):
+            return await self._register(header, spec, None, buffer_spec, None, context)
+        async with self._initial_upload:  # the first worker's: others wait, then find θ initialised
+            initial: tuple[EncodedTensor | None, EncodedTensor | None] = (None, None)
+            if not self.service.state.initialized:
+                initial = await self._receive_initial_values(header, spec, buffer_spec, requests)
+            return await self._register(header, spec, initial[0], buffer_spec, initial[1], context)
+
+    async def _register(
+        self,
+        request: pb.RegisterRequest,
+        spec: tuple[ParameterSpec, ...],
+        initial: EncodedTensor | None,
+        buffer_spec: tuple[ParameterSpec, ...],
+        initial_buffers: EncodedTensor | None,
+        context: Context,
+    ) -> bytes:
+        include = not request.omit_parameters
         if include and self.service.state.initialized:
             await self._hold_reply(context)
         admission, registration = await self.service.register(
-            request.worker_name, spec, received.tensor, include, buffer_spec, initial_buffers, request.client_id
+            request.worker_name, spec, initial, include, buffer_spec, initial_buffers, request.client_id
         )
         return serde.admission_to_proto(
             admission, registration, self._num_parameters, include_parameters=include, history=self._history
         )
+
+    async def _receive_initial_values(
+        self,
+        header: pb.RegisterRequest,
+        spec: tuple[ParameterSpec, ...],
+        buffer_spec: tuple[ParameterSpec, ...],
+        requests: AsyncIterator[Chunk],
+    ) -> tuple[EncodedTensor, EncodedTensor | None]:
+        """The initial parameters and buffers in the pieces after the header, in that order; their
+        sizes are checked against the spec before a byte is buffered."""
+        parameters = header.initial_parameters
+        buffers = header.initial_buffers if header.HasField("initial_buffers") else None
+        parameter_bytes = _announced_bytes(parameters, "initial_parameters")
+        buffer_bytes = 0 if buffers is None else _announced_bytes(buffers, "initial_buffers")
+        self.service.state.initial_range(spec, num_elements(parameters.shape))
+        if buffers is not None:
+            self.service.state.check_buffer_count(buffer_spec, num_elements(buffers.shape))
+        assembler = PayloadAssembler(parameter_bytes + buffer_bytes)
+        data = await self._assemble(requests, assembler, "RegisterStream", pb.RegisterChunk)
+        initial = EncodedTensor(parameters.dtype, tuple(parameters.shape), data[:parameter_bytes])
+        if buffers is None:
+            return initial, None
+        return initial, EncodedTensor(buffers.dtype, tuple(buffers.shape), data[parameter_bytes:])
 
     @rpc
     async def Pull(self, request: pb.PullRequest, context: Context) -> pb.PullResponse | bytes:  # type: ignore[override]
@@ -278,7 +351,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         self, requests: AsyncIterator[Chunk], context: Context
     ) -> AsyncIterator[pb.CommitResponseChunk | bytes]:
         """Commit with the payload and the reply's parameters in pieces (see CommitChunk)."""
-        header = await _stream_header(requests, self._idle_timeout)
+        header = await _stream_header(requests, self._idle_timeout, pb.CommitChunk)
         dtype = serde.reply_dtype_from_proto(header.reply_dtype)
         # One pooled buffer per stream: the payload is assembled in it, then the reply's θ is
         # copied into the same bytes. Streams past the pool wait in gRPC flow control.
@@ -301,19 +374,29 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         shape = tuple(header.payload.shape)
         expected = self.service.state.expected_payload_bytes(header.payload.dtype, shape)
         assembler = PayloadAssembler(expected, into=buffer.take(expected))
-        while (chunk := await _next_piece(requests, self._idle_timeout)) is not None:
+        data = await self._assemble(requests, assembler, "CommitStream", pb.CommitChunk)
+        return EncodedTensor(header.payload.dtype, shape, data)
+
+    async def _assemble(
+        self, requests: AsyncIterator[Chunk], assembler: PayloadAssembler, method: str, chunk_class: type[ChunkMessage]
+    ) -> memoryview:
+        """The data pieces after a stream's header, into `assembler`; InvalidArgument for anything
+        else, or more or fewer bytes than announced; DeadlineExceeded when the client stalls."""
+        while (chunk := await _next_piece(requests, self._idle_timeout, method)) is not None:
             if isinstance(chunk, MalformedRequest):
                 raise chunk.refusal()
-            if isinstance(chunk, pb.CommitChunk):
+            if isinstance(chunk, chunk_class):
                 if chunk.WhichOneof("part") != "data":
-                    raise InvalidArgument("CommitStream sent a second header", Reason.MALFORMED)
+                    raise InvalidArgument(f"{method} sent a second header", Reason.MALFORMED)
                 chunk = memoryview(chunk.data)
+            elif not isinstance(chunk, memoryview):
+                raise InvalidArgument(f"{method} sent a {type(chunk).__name__}", Reason.MALFORMED)
             try:
                 assembler.add(chunk)
             except ValueError as error:
                 raise InvalidArgument(f"payload: {error}", Reason.BAD_PAYLOAD) from None
         try:
-            return EncodedTensor(header.payload.dtype, shape, assembler.result())
+            return assembler.result()
         except ValueError as error:
             raise InvalidArgument(f"payload: {error}", Reason.BAD_PAYLOAD) from None
 
@@ -332,20 +415,42 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         return pb.ReportEvaluationResponse()
 
 
-async def _next_piece(requests: AsyncIterator[Chunk], timeout: float) -> Chunk | None:
+async def _next_piece(requests: AsyncIterator[Chunk], timeout: float, method: str) -> Chunk | None:
     """The stream's next piece (None at its end); DeadlineExceeded after `timeout` seconds of silence."""
     try:
         return await asyncio.wait_for(anext(requests, None), timeout)
     except asyncio.TimeoutError:
         raise DeadlineExceeded(
-            f"CommitStream sent nothing for {timeout:g} s (the server's --stream-idle-timeout)", Reason.STREAM_IDLE
+            f"{method} sent nothing for {timeout:g} s (the server's --stream-idle-timeout)", Reason.STREAM_IDLE
         ) from None
 
 
-async def _stream_header(requests: AsyncIterator[Chunk], timeout: float) -> pb.CommitRequest:
-    first = await _next_piece(requests, timeout)
+@overload
+async def _stream_header(
+    requests: AsyncIterator[Chunk], timeout: float, chunk_class: type[pb.CommitChunk]
+) -> pb.CommitRequest: ...
+@overload
+async def _stream_header(
+    requests: AsyncIterator[Chunk], timeout: float, chunk_class: type[pb.RegisterChunk]
+) -> pb.RegisterRequest: ...
+async def _stream_header(
+    requests: AsyncIterator[Chunk], timeout: float, chunk_class: type[ChunkMessage]
+) -> pb.CommitRequest | pb.RegisterRequest:
+    """A client-streaming RPC's first message, its header."""
+    method = chunk_class.__name__.removesuffix("Chunk") + "Stream"
+    first = await _next_piece(requests, timeout, method)
     if isinstance(first, MalformedRequest):
         raise first.refusal()
-    if not isinstance(first, pb.CommitChunk) or first.WhichOneof("part") != "header":
-        raise InvalidArgument("CommitStream must start with a header chunk (CommitChunk.header)", Reason.MALFORMED)
+    if not isinstance(first, chunk_class) or first.WhichOneof("part") != "header":
+        raise InvalidArgument(
+            f"{method} must start with a header chunk ({chunk_class.__name__}.header)", Reason.MALFORMED
+        )
     return first.header
+
+
+def _announced_bytes(tensor: pb.Tensor, what: str) -> int:
+    """The bytes a streamed tensor's header announces; InvalidArgument for a bad dtype or shape."""
+    try:
+        return expected_nbytes(tensor.dtype, tuple(tensor.shape))
+    except TensorDecodeError as error:
+        raise InvalidArgument(f"{what}: {error}", Reason.BAD_PAYLOAD) from None

@@ -517,21 +517,9 @@ class ServerState:
                 f"(this one: the others are asked to retry for {INITIALIZER_GRACE_SECONDS:.0f} s)",
                 Reason.NOT_INITIALIZED,
             )
-        total = sum(s.size for s in spec)
-        if total < self.partition.count:
-            raise InvalidArgument(
-                f"the model has {total} values, fewer than the {self.partition.count} partitions of θ it is split into",
-                Reason.BAD_SPEC,
-            )
-        start, stop = self.partition.bounds(total)
         values = _decoded(initial, "initial_parameters").reshape(-1)
-        if values.size == total and total != stop - start:
-            values = values[start:stop]  # all of θ sent to one partition: it keeps its range
-        elif values.size != stop - start:
-            held = "" if self.partition.count == 1 else f" ({self.partition}: {stop - start} of them, or all)"
-            raise InvalidArgument(
-                f"initial_parameters has {values.size} values but the spec describes {total}{held}", Reason.BAD_SHAPE
-            )
+        values = values[self.initial_range(spec, values.size)]
+        start, stop = self.partition.bounds(sum(s.size for s in spec))
         if not all_finite(values):
             raise InvalidArgument("initial_parameters contains NaN or Inf", Reason.NON_FINITE)
         if buffer_spec and self.partition.index != 0:
@@ -545,6 +533,35 @@ class ServerState:
         self.bounds = (start, stop)
         self._version = 0
 
+    def initial_range(self, spec: Sequence[ParameterSpec], count: int) -> slice:
+        """Which of `count` initial values this partition keeps: its own range when all P came,
+        all of them when just that range came; InvalidArgument for any other count. Also checked
+        on a streamed upload's header, before any value is received."""
+        total = sum(s.size for s in spec)
+        if total < self.partition.count:
+            raise InvalidArgument(
+                f"the model has {total} values, fewer than the {self.partition.count} partitions of θ it is split into",
+                Reason.BAD_SPEC,
+            )
+        start, stop = self.partition.bounds(total)
+        if count == total:
+            return slice(start, stop)  # all of θ sent to one partition: it keeps its range
+        if count != stop - start:
+            held = "" if self.partition.count == 1 else f" ({self.partition}: {stop - start} of them, or all)"
+            raise InvalidArgument(
+                f"initial_parameters has {count} values but the spec describes {total}{held}", Reason.BAD_SHAPE
+            )
+        return slice(None)
+
+    @staticmethod
+    def check_buffer_count(buffer_spec: Sequence[ParameterSpec], count: int) -> None:
+        """InvalidArgument unless `count` initial buffer values are what `buffer_spec` describes."""
+        size = sum(entry.size for entry in buffer_spec)
+        if count != size:
+            raise InvalidArgument(
+                f"initial_buffers has {count} values but buffer_spec describes {size}", Reason.BAD_SHAPE
+            )
+
     @staticmethod
     def _initial_buffers(buffer_spec: Sequence[ParameterSpec], initial: EncodedTensor | None) -> np.ndarray:
         size = sum(entry.size for entry in buffer_spec)
@@ -555,10 +572,7 @@ class ServerState:
                 )
             return np.empty(0, dtype=np.float32)
         values = _decoded(initial, "initial_buffers").reshape(-1)
-        if values.size != size:
-            raise InvalidArgument(
-                f"initial_buffers has {values.size} values but buffer_spec describes {size}", Reason.BAD_SHAPE
-            )
+        ServerState.check_buffer_count(buffer_spec, values.size)
         if not all_finite(values):
             raise InvalidArgument("initial_buffers contains NaN or Inf", Reason.NON_FINITE)
         return np.array(values, dtype=np.float32, copy=True)

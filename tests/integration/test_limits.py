@@ -34,7 +34,10 @@ def reason(error: grpc.RpcError) -> str:
     return str(dict(metadata or ())[METADATA_KEY])
 
 
-def test_a_long_worker_name_is_refused_and_not_kept(server: InProcessServer) -> None:
+def test_a_long_worker_name_is_refused_and_not_kept(start_server: StartServer) -> None:
+    # Within a raised --max-message-mb: at the default (4) gRPC refuses an 8 MiB request unread
+    # (test_reliability_memory.py); here the name reaches the server's own check.
+    server = start_server(max_message_mb=16)
     stub = open_stub(server.target)
     request = pb.RegisterRequest(
         spec=SPEC, initial_parameters=array_to_tensor(np.zeros(16, np.float32)), worker_name="w" * (8 << 20)

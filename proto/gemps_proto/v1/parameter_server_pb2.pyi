@@ -121,6 +121,14 @@ class RegisterRequest(_message.Message):
     client_id: str
     def __init__(self, spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., initial_parameters: _Optional[_Union[Tensor, _Mapping]] = ..., worker_name: _Optional[str] = ..., omit_parameters: _Optional[bool] = ..., buffer_spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., initial_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., client_id: _Optional[str] = ...) -> None: ...
 
+class RegisterChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: RegisterRequest
+    data: bytes
+    def __init__(self, header: _Optional[_Union[RegisterRequest, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class RegisterResponse(_message.Message):
     __slots__ = ("worker_id", "lease_ttl_seconds", "config", "shard", "version", "parameters", "initialized_central", "buffers", "history", "layout")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class ParameterServerStub:
                 request_serializer=gemps__proto_dot_v1_dot_parameter__server__pb2.RegisterRequest.SerializeToString,
                 response_deserializer=gemps__proto_dot_v1_dot_parameter__server__pb2.RegisterResponse.FromString,
                 _registered_method=True)
+        self.RegisterStream = channel.stream_unary(
+                '/gemps.v1.ParameterServer/RegisterStream',
+                request_serializer=gemps__proto_dot_v1_dot_parameter__server__pb2.RegisterChunk.SerializeToString,
+                response_deserializer=gemps__proto_dot_v1_dot_parameter__server__pb2.RegisterResponse.FromString,
+                _registered_method=True)
         self.Pull = channel.unary_unary(
                 '/gemps.v1.ParameterServer/Pull',
                 request_serializer=gemps__proto_dot_v1_dot_parameter__server__pb2.PullRequest.SerializeToString,
@@ -81,6 +86,13 @@ class ParameterServerServicer:
 
     def Register(self, request, context):
         """Announce a worker and its parameter spec; the first one initialises the central variable.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterStream(self, request_iterator, context):
+        """Register, with the initial values streamed in pieces (see RegisterChunk).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -141,6 +153,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
                     request_deserializer=gemps__proto_dot_v1_dot_parameter__server__pb2.RegisterRequest.FromString,
+                    response_serializer=gemps__proto_dot_v1_dot_parameter__server__pb2.RegisterResponse.SerializeToString,
+            ),
+            'RegisterStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.RegisterStream,
+                    request_deserializer=gemps__proto_dot_v1_dot_parameter__server__pb2.RegisterChunk.FromString,
                     response_serializer=gemps__proto_dot_v1_dot_parameter__server__pb2.RegisterResponse.SerializeToString,
             ),
             'Pull': grpc.unary_unary_rpc_method_handler(
@@ -205,6 +222,33 @@ class ParameterServer:
             target,
             '/gemps.v1.ParameterServer/Register',
             gemps__proto_dot_v1_dot_parameter__server__pb2.RegisterRequest.SerializeToString,
+            gemps__proto_dot_v1_dot_parameter__server__pb2.RegisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/gemps.v1.ParameterServer/RegisterStream',
+            gemps__proto_dot_v1_dot_parameter__server__pb2.RegisterChunk.SerializeToString,
             gemps__proto_dot_v1_dot_parameter__server__pb2.RegisterResponse.FromString,
             options,
             channel_credentials,

@@ -42,6 +42,8 @@ class ParameterServerStub:
     def __new__(cls, channel: _aio.Channel) -> ParameterServerAsyncStub: ...
     Register: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.RegisterRequest, _parameter_server_pb2.RegisterResponse]
     """Announce a worker and its parameter spec; the first one initialises the central variable."""
+    RegisterStream: _grpc.StreamUnaryMultiCallable[_parameter_server_pb2.RegisterChunk, _parameter_server_pb2.RegisterResponse]
+    """Register, with the initial values streamed in pieces (see RegisterChunk)."""
     Pull: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.PullRequest, _parameter_server_pb2.PullResponse]
     """Fetch the central variable (skipped when the caller already holds the current version)."""
     PullStream: _grpc.UnaryStreamMultiCallable[_parameter_server_pb2.PullRequest, _parameter_server_pb2.PullResponseChunk]
@@ -62,6 +64,8 @@ class ParameterServerAsyncStub(ParameterServerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Register: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.RegisterRequest, _parameter_server_pb2.RegisterResponse]  # type: ignore[assignment]
     """Announce a worker and its parameter spec; the first one initialises the central variable."""
+    RegisterStream: _aio.StreamUnaryMultiCallable[_parameter_server_pb2.RegisterChunk, _parameter_server_pb2.RegisterResponse]  # type: ignore[assignment]
+    """Register, with the initial values streamed in pieces (see RegisterChunk)."""
     Pull: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.PullRequest, _parameter_server_pb2.PullResponse]  # type: ignore[assignment]
     """Fetch the central variable (skipped when the caller already holds the current version)."""
     PullStream: _aio.UnaryStreamMultiCallable[_parameter_server_pb2.PullRequest, _parameter_server_pb2.PullResponseChunk]  # type: ignore[assignment]
@@ -85,6 +89,14 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_parameter_server_pb2.RegisterResponse, _abc.Awaitable[_parameter_server_pb2.RegisterResponse]]:
         """Announce a worker and its parameter spec; the first one initialises the central variable."""
+
+    @_abc_1.abstractmethod
+    def RegisterStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_parameter_server_pb2.RegisterChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.RegisterResponse, _abc.Awaitable[_parameter_server_pb2.RegisterResponse]]:
+        """Register, with the initial values streamed in pieces (see RegisterChunk)."""
 
     @_abc_1.abstractmethod
     def Pull(
