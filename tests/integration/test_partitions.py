@@ -122,9 +122,11 @@ def partition_pids(supervisor_pid: int) -> dict[int, int]:
     for pid in map(int, children):
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:  # exited, not reaped yet
+        except OSError:  # exited and gone
             continue
-        index = next(v for v in environ if v.startswith(b"GEMPS_PARTITION_INDEX="))
+        index = next((v for v in environ if v.startswith(b"GEMPS_PARTITION_INDEX=")), None)
+        if index is None:  # exited, not reaped yet: a zombie's environ reads empty
+            continue
         found[int(index.split(b"=")[1])] = pid
     return found
 
