@@ -1,22 +1,66 @@
-"""`gemps experiment`: the GEM paper's comparisons with the real server; curves, figures, RESULTS.md."""
+"""`gemps experiment`: the GEM paper's comparisons, and GEM against AGN, DynSGD and asynchronous
+EASGD, with the real server; curves, figures, RESULTS.md."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from gemps_worker.experiment.suite import full_suite, quick_suite
+from gemps_worker.datasets import DATASETS
+from gemps_worker.experiment.analysis import base_name
+from gemps_worker.experiment.runner import RunConfig
+from gemps_worker.experiment.suite import SUITE_HELP, SUITES, with_seeds
 from gemps_worker.experiment.suite_runner import run_suite
+from gemps_worker.models import MODELS
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Run the GEM paper's comparisons with the real server (resumable) and write curves, figures and RESULTS.md."
+        "Run a suite of training runs with the real server (resumable: finished runs are reused) and write "
+        "curves, figures, summary.json and RESULTS.md. Suites: "
+        + "; ".join(f"{name}: {text}" for name, text in SUITE_HELP.items())
+        + ". With --seeds N every run is repeated N times (seed 0 keeps the run's name, seed k is NAME-sK), "
+        "and RESULTS.md and summary_by_config.json give mean ± sd over seeds."
     )
-    parser.add_argument("--suite", choices=("full", "quick"), default="full", help="which runs (default full)")
-    parser.add_argument("--runs", nargs="*", default=None, help="only these run names (see --list)")
-    parser.add_argument("--epochs", type=int, default=10, help="epochs per worker in the full suite (default 10)")
+    parser.add_argument(
+        "--suite",
+        choices=tuple(SUITES),
+        default="full",
+        help="which runs (default full): " + "; ".join(f"{name}: {text}" for name, text in SUITE_HELP.items()),
+    )
+    parser.add_argument(
+        "--runs", nargs="*", default=None, help="only these run names (see --list; a name without -sK: all its seeds)"
+    )
+    parser.add_argument(
+        "--epochs", type=int, default=10, help="epochs per worker in the full, agn-sweep and agn suites (default 10)"
+    )
+    parser.add_argument(
+        "--seeds",
+        type=_positive,
+        default=1,
+        help="runs per configuration (default 1): seed 0 keeps the name, seed k >= 1 is NAME-sK; seed k orders "
+        "worker i's data with seed k*100000+i and builds the initial weights with seed k; the report adds "
+        "mean ± sd over seeds and judges the proxy checks on the means",
+    )
+    parser.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default=None,
+        help="train every run on this data set instead of digits (mnist, fashion-mnist: IDX files from ./data, "
+        "downloaded and checked when missing); use another --out",
+    )
+    parser.add_argument(
+        "--model", choices=tuple(MODELS), default=None, help="every run's model instead of digits-cnn (e.g. mnist-cnn)"
+    )
     parser.add_argument(
         "--out", type=Path, default=Path("runs/experiment"), help="raw results (default runs/experiment)"
     )
@@ -31,19 +75,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    suite = full_suite(args.epochs) if args.suite == "full" else quick_suite()
+    if args.dataset not in (None, "digits") and args.model is None:
+        print(
+            f"gemps experiment: --dataset {args.dataset} needs --model (e.g. mnist-cnn for 28x28 images, mlp)",
+            file=sys.stderr,
+        )
+        return 2
+    suite = with_seeds(SUITES[args.suite](args.epochs), args.seeds)
+    if args.dataset is not None or args.model is not None:
+        suite = [replace(c, dataset=args.dataset or c.dataset, model=args.model or c.model) for c in suite]
     if args.runs:
         unknown = set(args.runs) - {c.name for c in suite}
         if unknown:
             print(f"gemps experiment: unknown runs {sorted(unknown)}; see --list", file=sys.stderr)
             return 2
-        suite = [c for c in suite if c.name in args.runs]
+        suite = [c for c in suite if c.name in args.runs or base_name(c.name) in args.runs]
     if args.list:
         for c in suite:
             t = c.training
             print(
-                f"{c.name:28s} rule={t.rule} workers={c.workers} eta={t.learning_rate:g} kappa={t.kappa:g} "
-                f"mode={t.worker_mode} epochs={c.epochs}"
+                f"{c.name:30s} rule={t.rule} workers={c.workers} eta={t.learning_rate:g} kappa={t.kappa:g} "
+                f"mode={t.worker_mode} {_mode_settings(c)}epochs={c.epochs} seed={c.seed} "
+                f"dataset={c.dataset} model={c.model}"
             )
         return 0
     report = args.report or args.out / "report"
@@ -52,3 +105,16 @@ def run(args: argparse.Namespace) -> int:
     return run_suite(
         suite, args.out, report, args.markdown or report / "RESULTS.md", discussion, args.force, command.strip()
     )
+
+
+def _mode_settings(c: RunConfig) -> str:
+    """The worker mode's own settings for --list (with a trailing space), empty for gradient."""
+    mode = c.training.worker_mode
+    local = f"local={c.local_optimizer}" + (f"@{c.local_learning_rate:g} " if c.local_learning_rate else " ")
+    if mode == "agn":
+        return f"agn_steps={c.agn_steps} {local}"
+    if mode == "dynsgd":
+        return f"dynsgd_steps={c.dynsgd_steps} {local}"
+    if mode == "easgd":
+        return f"easgd_period={c.easgd_period} easgd_alpha={c.easgd_alpha:g} {local}"
+    return ""

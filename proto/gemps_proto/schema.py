@@ -48,6 +48,7 @@ class WorkerMode(str, enum.Enum):
     GRADIENT = "gradient"  # commit every mini-batch's gradient
     AGN = "agn"  # accumulated gradient normalization: lambda local steps, commit the mean update
     EASGD = "easgd"  # asynchronous elastic averaging: commit alpha * (x - theta) every period
+    DYNSGD = "dynsgd"  # lambda local steps, commit the accumulated update (the server divides by staleness + 1)
 
 
 def _option(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:

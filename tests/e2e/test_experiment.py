@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gemps_worker.experiment.suite import quick_suite
+
+DIGITS_CNN_PARAMETERS = 38_282
 
 
 def test_quick_experiment_writes_curves_figures_and_report(tmp_path: Path) -> None:
@@ -35,6 +39,10 @@ def test_quick_experiment_writes_curves_figures_and_report(tmp_path: Path) -> No
         commits_per_worker = 44 if config.training.worker_mode == "gradient" else 44 // 4  # 2 epochs of 22 batches
         assert s["commits"] == config.workers * commits_per_worker, s
         assert s["diverged_workers"] == 0
+        # The final central variable on all 1,438 training images; 8 bytes per parameter per commit
+        # (payload out, theta back; none of the quick suite's modes is easgd).
+        assert 0 < s["final_train_loss_full"] < 10 and 0 <= s["final_train_accuracy_full"] <= 1
+        assert s["bytes_moved"] == pytest.approx(s["commits"] * 8 * DIGITS_CNN_PARAMETERS / 1e6)
         with open(report / "curves" / f"{config.name}.csv") as f:
             rows = list(csv.DictReader(f))
         assert len(rows) == commits_per_worker
@@ -47,7 +55,24 @@ def test_quick_experiment_writes_curves_figures_and_report(tmp_path: Path) -> No
         assert (report / figure).read_bytes()[:4] == b"\x89PNG"
     markdown = (report / "RESULTS.md").read_text()
     assert "| gem-n4 | 4 |" in markdown and "momentum proxy" in markdown
+    assert "full-train loss" in markdown and "MB moved" in markdown
+    assert json.loads((report / "summary_by_config.json").read_text()) == []  # one seed: no mean ± sd
 
     # Resumable: a second invocation reuses every run instead of training again.
     again = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and again.stdout.count("reusing") == len(quick_suite())
+
+    # A second seed of the one-worker proxy: seed 0 is reused under its plain name, seed 1 runs
+    # (its initial weights registered first, with seed 1) as momentum-n1-s1; mean ± sd over both.
+    seeded_report = tmp_path / "seeded"
+    seeded = subprocess.run(
+        [*command[:-1], str(seeded_report), "--seeds", "2", "--runs", "momentum-n1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert seeded.returncode == 0, seeded.stdout + seeded.stderr
+    assert seeded.stdout.count("reusing") == 1 and "momentum-n1-s1: 1 workers" in seeded.stdout
+    (by_config,) = json.loads((seeded_report / "summary_by_config.json").read_text())
+    assert by_config["name"] == "momentum-n1" and by_config["runs"] == 2 and by_config["seeds"] == [0, 1]
+    assert "## Mean ± sd over seeds" in (seeded_report / "RESULTS.md").read_text()

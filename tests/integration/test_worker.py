@@ -68,6 +68,8 @@ def test_agn_commits_the_accumulated_update_over_lambda(start_server: StartServe
 
 
 def test_easgd_moves_center_and_local_variable_elastically(start_server: StartServer) -> None:
+    """Algorithm 1 of Zhang et al.: at each communication, e = alpha (x - centre), the centre
+    moves by +e and the local variable by -e (then its SGD step, the gradient taken at x)."""
     server = start_server(rule="downpour")
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
@@ -75,14 +77,16 @@ def test_easgd_moves_center_and_local_variable_elastically(start_server: StartSe
     with RemoteModel(model, server.target) as remote:
         center_before = remote.parameters_vector()
         mode = EasgdMode(remote, learning_rate=0.5, alpha=0.25, period=1)
+        first = mode.on_batch(lambda: tiny_step(model, x, y), 8)
+        assert first is not None  # t = 0: x is the centre, so e = 0 and the centre stays
+        torch.testing.assert_close(torch.from_numpy(first.result.parameters.flat.copy()), center_before)
+        x_local = remote.parameters_vector()  # moved by its SGD step alone
+        assert float((x_local - center_before).abs().sum()) > 0
         committed = mode.on_batch(lambda: tiny_step(model, x, y), 8)
         assert committed is not None
-        local_after = remote.parameters_vector()
         center_after = torch.from_numpy(committed.result.parameters.flat.copy())
-        # x_sgd is where local SGD took x; e = alpha*(x_sgd - center); center += e; x = x_sgd - e.
         elastic = center_after - center_before
-        x_sgd = local_after + elastic
-        torch.testing.assert_close(elastic, 0.25 * (x_sgd - center_before), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(elastic, 0.25 * (x_local - center_before), rtol=1e-5, atol=1e-6)
         assert float(elastic.abs().sum()) > 0
 
 

@@ -1,13 +1,21 @@
-"""How a worker turns mini-batches into commits.
+"""How a worker turns mini-batches into commits, each mode as its paper defines it.
 
 - gradient: commit every mini-batch's gradient; the server applies -eta*g (and GEM's pi).
-- agn (Accumulated Gradient Normalization, Hermans et al. 2017): take lambda local SGD steps
-  from the central variable, commit the accumulated update divided by lambda.
-- easgd (asynchronous elastic averaging SGD, Zhang et al. 2015): keep a local variable x;
-  every `period` local steps pull theta, commit e = alpha*(x - theta) and move x <- x - e.
+- agn (Accumulated Gradient Normalization; Hermans, Spanakis & Möckel 2017, arXiv:1710.02368,
+  its AGN worker algorithm; dist-keras's ADAGWorker): from the central variable θ0 just received,
+  take λ local steps to θλ, commit the normalised accumulated update (θλ - θ0)/λ and continue
+  from the central variable the reply carries. The server adds it as given (rule downpour).
+- dynsgd (Jiang et al., SIGMOD 2017, in the form the AGN paper compares against; dist-keras's
+  DynSGDWorker): the same λ local steps, the accumulated update θλ - θ0 committed undivided; the
+  server scales it by 1/(τ+1), τ its staleness (rule adaptive-staleness).
+- easgd (asynchronous EASGD; Zhang, Choromanska & LeCun 2015, Algorithm 1): the worker keeps its
+  own variable x. At local step t, with x the variable before the step: when τ divides t, read
+  the centre x̃, commit e = alpha(x - x̃) (the server adds it: x̃ ← x̃ + e) and move x ← x - e; then
+  x ← x - η g(x), the gradient taken at x before the elastic move. alpha = ηρ, the moving rate.
 
-Local SGD steps follow the server's learning-rate schedule: a mode's learning rate (the config's
-by default) is scaled by the schedule's factor at the central version the worker last loaded
+Local steps use plain SGD (the papers' algorithms), or Adam (the AGN paper's experiments), whose
+state carries over from one window to the next as in dist-keras. Their learning rate follows the
+server's schedule: scaled by the schedule's factor at the central version the worker last loaded
 (gemps_proto.schedules), so they take eta(v) as the server would apply it.
 """
 
@@ -27,6 +35,8 @@ from gemps_proto.schema import WorkerMode
 
 #: the modes by name: the ones the protocol defines (TrainingConfig.worker_mode)
 MODES = tuple(mode.value for mode in WorkerMode)
+#: optimizers for local steps, and the learning rate each uses when none is given (None: the server's eta)
+LOCAL_OPTIMIZERS: dict[str, float | None] = {"sgd": None, "adam": 1e-3}
 
 LossFunction = Callable[[], torch.Tensor]
 
@@ -41,10 +51,28 @@ class Committed:
     loss: float  # mean training loss over the mini-batches this commit covers
 
 
+@dataclass(frozen=True)
+class LocalTraining:
+    """How modes that train locally do it: their windows, EASGD's moving rate, the optimizer."""
+
+    agn_steps: int = 4  # lambda
+    dynsgd_steps: int = 10  # lambda
+    easgd_alpha: float = 0.5
+    easgd_period: int = 4  # tau
+    optimizer: str = "sgd"
+    learning_rate: float = 0.0  # 0: the optimizer's default (sgd: the server's eta)
+
+
 class TrainingMode(ABC):
-    def __init__(self, remote: RemoteModel, learning_rate: float) -> None:
+    def __init__(self, remote: RemoteModel, learning_rate: float, optimizer: str = "sgd") -> None:
+        if optimizer not in LOCAL_OPTIMIZERS:
+            raise ValueError(f"unknown local optimizer {optimizer!r}; choose from {', '.join(LOCAL_OPTIMIZERS)}")
         self.remote = remote
         self.learning_rate = learning_rate  # at factor 1 of the server's schedule
+        # Plain SGD is written out in _local_step: constructing any torch.optim optimizer first
+        # imports torch._dynamo (1.2 s here), long enough for a short lease to expire before a
+        # new worker's first commit.
+        self.adam = torch.optim.Adam(remote.trained, lr=learning_rate) if optimizer == "adam" else None
 
     def local_learning_rate(self) -> float:
         """eta for a local step: the learning rate scaled by the server's schedule at the central
@@ -65,11 +93,17 @@ class TrainingMode(ABC):
         return value
 
     @torch.no_grad()
-    def _local_sgd_step(self) -> None:
+    def _local_step(self) -> None:
+        """One step of the local optimizer with the gradients just computed."""
         eta = self.local_learning_rate()
-        for p in self.remote.model.parameters():
-            if p.grad is not None:
-                p.add_(p.grad, alpha=-eta)
+        if self.adam is None:
+            for p in self.remote.trained:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-eta)
+            return
+        for group in self.adam.param_groups:
+            group["lr"] = eta
+        self.adam.step()
 
 
 class GradientMode(TrainingMode):
@@ -78,12 +112,20 @@ class GradientMode(TrainingMode):
         return Committed(self.remote.step(loss=loss, num_samples=batch_size), loss)
 
 
-class AgnMode(TrainingMode):
-    def __init__(self, remote: RemoteModel, learning_rate: float, local_steps: int) -> None:
-        super().__init__(remote, learning_rate)
+class AccumulatedMode(TrainingMode):
+    """λ local steps from the central variable, then commit (θλ - θ0) / `divisor` and continue
+    from the central variable the reply carries: AGN (divisor λ) and DynSGD (divisor 1)."""
+
+    name = "accumulated"
+
+    def __init__(
+        self, remote: RemoteModel, learning_rate: float, local_steps: int, divisor: int, optimizer: str = "sgd"
+    ) -> None:
+        super().__init__(remote, learning_rate, optimizer)
         if local_steps < 1:
-            raise ValueError("agn needs at least one local step")
+            raise ValueError(f"{self.name} needs at least one local step")
         self.local_steps = local_steps
+        self.divisor = divisor
         self._start: torch.Tensor | None = None
         self._losses: list[float] = []
 
@@ -91,48 +133,74 @@ class AgnMode(TrainingMode):
         if self._start is None:
             self._start = self.remote.parameters_vector()
         self._losses.append(self._backward(loss_of_batch))
-        self._local_sgd_step()
+        self._local_step()
         if len(self._losses) < self.local_steps:
             return None
-        update = (self.remote.parameters_vector() - self._start) / self.local_steps
+        update = (self.remote.parameters_vector() - self._start) / self.divisor
         loss = sum(self._losses) / len(self._losses)
         self._start, self._losses = None, []
         return Committed(self.remote.commit_update(update, loss=loss), loss)
 
 
+class AgnMode(AccumulatedMode):
+    name = "agn"
+
+    def __init__(self, remote: RemoteModel, learning_rate: float, local_steps: int, optimizer: str = "sgd") -> None:
+        super().__init__(remote, learning_rate, local_steps, divisor=local_steps, optimizer=optimizer)
+
+
+class DynSgdMode(AccumulatedMode):
+    name = "dynsgd"
+
+    def __init__(self, remote: RemoteModel, learning_rate: float, local_steps: int, optimizer: str = "sgd") -> None:
+        super().__init__(remote, learning_rate, local_steps, divisor=1, optimizer=optimizer)
+
+
 class EasgdMode(TrainingMode):
-    def __init__(self, remote: RemoteModel, learning_rate: float, alpha: float, period: int) -> None:
-        super().__init__(remote, learning_rate)
+    def __init__(
+        self, remote: RemoteModel, learning_rate: float, alpha: float, period: int, optimizer: str = "sgd"
+    ) -> None:
+        super().__init__(remote, learning_rate, optimizer)
         if not 0 < alpha <= 1 or period < 1:
             raise ValueError("easgd needs 0 < alpha <= 1 and period >= 1")
         self.alpha = alpha
         self.period = period
+        self._step = 0  # t: local steps taken
         self._losses: list[float] = []
+        self._result: CommitResult | None = None  # the newest commit's, reported with the window's losses
 
     def on_batch(self, loss_of_batch: LossFunction, batch_size: int) -> Committed | None:
-        self._losses.append(self._backward(loss_of_batch))
-        self._local_sgd_step()
-        if len(self._losses) < self.period:
+        loss = self._backward(loss_of_batch)  # g(x), at x before any elastic move
+        self._losses.append(loss)
+        if self._step % self.period == 0:
+            central = torch.from_numpy(self.remote.client.pull().flat.copy())
+            local = self.remote.parameters_vector()
+            elastic = self.alpha * (local - central)
+            self._result = self.remote.commit_update(elastic, loss=loss, load=False)
+            with torch.no_grad():  # x <- x - e: the local variable is pulled toward the centre
+                device = next(self.remote.model.parameters()).device
+                torch.nn.utils.vector_to_parameters((local - elastic).to(device), self.remote.trained)
+        self._local_step()  # x <- x - eta g(x)
+        self._step += 1
+        if self._step % self.period != 0 or self._result is None:
             return None
-        central = torch.from_numpy(self.remote.client.pull().flat.copy())
-        local = self.remote.parameters_vector()
-        elastic = self.alpha * (local - central)
-        loss = sum(self._losses) / len(self._losses)
-        self._losses = []
-        result = self.remote.commit_update(elastic, loss=loss, load=False)
-        with torch.no_grad():  # x <- x - e: the local variable is pulled toward the center
-            device = next(self.remote.model.parameters()).device
-            torch.nn.utils.vector_to_parameters((local - elastic).to(device), self.remote.model.parameters())
-        return Committed(result, loss)
+        # A window of τ local steps ends: report it, with the commit that opened it.
+        losses, self._losses = self._losses, []
+        return Committed(self._result, sum(losses) / len(losses))
 
 
-def create_mode(
-    name: str, remote: RemoteModel, learning_rate: float, agn_steps: int, easgd_alpha: float, easgd_period: int
-) -> TrainingMode:
+def create_mode(name: str, remote: RemoteModel, learning_rate: float, local: LocalTraining) -> TrainingMode:
+    """The worker mode `name`; `learning_rate` is the server's eta (the default for sgd local steps)."""
     if name == WorkerMode.GRADIENT:
         return GradientMode(remote, learning_rate)
+    if local.optimizer not in LOCAL_OPTIMIZERS:
+        raise ValueError(f"unknown local optimizer {local.optimizer!r}; choose from {', '.join(LOCAL_OPTIMIZERS)}")
+    default = LOCAL_OPTIMIZERS[local.optimizer]
+    local_rate = local.learning_rate or (learning_rate if default is None else default)
     if name == WorkerMode.AGN:
-        return AgnMode(remote, learning_rate, agn_steps)
+        return AgnMode(remote, local_rate, local.agn_steps, local.optimizer)
+    if name == WorkerMode.DYNSGD:
+        return DynSgdMode(remote, local_rate, local.dynsgd_steps, local.optimizer)
     if name == WorkerMode.EASGD:
-        return EasgdMode(remote, learning_rate, easgd_alpha, easgd_period)
+        return EasgdMode(remote, local_rate, local.easgd_alpha, local.easgd_period, local.optimizer)
     raise ValueError(f"unknown worker mode {name!r}; choose from {', '.join(MODES)}")

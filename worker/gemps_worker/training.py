@@ -22,7 +22,7 @@ from gemps.records import Registration
 from gemps_proto.codec import WIRE_DTYPE_NAMES
 from gemps_worker.datasets import DATASETS, Dataset, load_dataset
 from gemps_worker.models import MODELS, build_model
-from gemps_worker.modes import MODES, Diverged, create_mode
+from gemps_worker.modes import LOCAL_OPTIMIZERS, MODES, Diverged, LocalTraining, create_mode
 from gemps_worker.sharding import epoch_batches
 
 log = logging.getLogger("gemps.worker")
@@ -40,8 +40,20 @@ class WorkerOptions:
         metadata={"help": "worker mode; 'server' uses the one the server announces", "choices": ("server", *MODES)},
     )
     agn_steps: int = field(default=4, metadata={"help": "agn: local steps (lambda) per commit"})
-    easgd_alpha: float = field(default=0.5, metadata={"help": "easgd: elastic moving rate alpha"})
-    easgd_period: int = field(default=4, metadata={"help": "easgd: local steps between commits"})
+    dynsgd_steps: int = field(default=10, metadata={"help": "dynsgd: local steps (lambda) per commit"})
+    easgd_alpha: float = field(default=0.5, metadata={"help": "easgd: elastic moving rate alpha (= eta * rho)"})
+    easgd_period: int = field(default=4, metadata={"help": "easgd: local steps (tau) between commits"})
+    local_optimizer: str = field(
+        default="sgd",
+        metadata={
+            "help": "agn, dynsgd, easgd: optimizer of the local steps (adam keeps its state across windows)",
+            "choices": tuple(LOCAL_OPTIMIZERS),
+        },
+    )
+    local_learning_rate: float = field(
+        default=0.0,
+        metadata={"help": "agn, dynsgd, easgd: local steps' learning rate; 0: sgd the server's eta, adam 0.001"},
+    )
     epochs: int = field(default=1, metadata={"help": "passes over this worker's shard"})
     max_steps: int = field(default=0, metadata={"help": "stop after this many commits (0: no limit)"})
     seed: int = field(default=0, metadata={"help": "seed for this worker's data order"})
@@ -143,14 +155,15 @@ def run_worker(
         ) as remote:
             reg = remote.registration
             mode_name = reg.config.worker_mode if options.mode == "server" else options.mode
-            mode = create_mode(
-                mode_name,
-                remote,
-                reg.config.learning_rate,
+            local = LocalTraining(
                 options.agn_steps,
+                options.dynsgd_steps,
                 options.easgd_alpha,
                 options.easgd_period,
+                options.local_optimizer,
+                options.local_learning_rate,
             )
+            mode = create_mode(mode_name, remote, reg.config.learning_rate, local)
             log.info(
                 "registered %s: shard %d/%d rule=%s mode=%s eta=%g batch=%d device=%s",
                 reg.worker_id,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -76,6 +78,46 @@ class Summary:
     mean_staleness: float
     diverged_workers: int
     wall_seconds: float
+    # The final central variable on the whole training set (NaN for results from before).
+    final_train_loss_full: float = math.nan
+    final_train_accuracy_full: float = math.nan
+    bytes_moved: float = math.nan  # MB (10^6 bytes) sent and received by all workers: see bytes_moved()
+    seed: int = 0
+    # When the central variable's held-out accuracy first reached TARGET_ACCURACY (NaN: never):
+    # wall-clock seconds, and mini-batches per worker.
+    seconds_to_target: float = math.nan
+    steps_to_target: float = math.nan
+
+
+#: the held-out accuracy whose first crossing measures how fast a run converges
+TARGET_ACCURACY = 0.95
+
+
+def mini_batches_per_commit(run: RunResult) -> int:
+    c = run.config
+    return {"agn": c.agn_steps, "dynsgd": c.dynsgd_steps, "easgd": c.easgd_period}.get(c.training.worker_mode, 1)
+
+
+def steps_at_version(run: RunResult, version: int) -> float:
+    """Mini-batches per worker behind central version `version` (commits spread evenly over workers)."""
+    return version * mini_batches_per_commit(run) / max(run.config.workers, 1)
+
+
+def first_reaching(run: RunResult, accuracy: float) -> tuple[float, float]:
+    """(seconds, mini-batches per worker) when held-out accuracy first reached `accuracy`; NaNs if never."""
+    for h in sorted(run.held_out, key=lambda h: h.time):
+        if h.accuracy >= accuracy:
+            return h.time, steps_at_version(run, h.version)
+    return math.nan, math.nan
+
+
+def bytes_moved(commits: int, num_parameters: int, worker_mode: str) -> float:
+    """MB (10^6 bytes) the workers moved: each commit sends its payload (4P bytes, float32) and
+    receives θ (4P); the easgd mode also pulls θ (4P) before each commit. NaN when P is unknown."""
+    if num_parameters <= 0:
+        return math.nan
+    vectors_per_commit = 3 if worker_mode == "easgd" else 2
+    return commits * vectors_per_commit * 4 * num_parameters / 1e6
 
 
 def summarize(result: RunResult) -> Summary:
@@ -85,6 +127,7 @@ def summarize(result: RunResult) -> Summary:
     tail = max(1, math.ceil(steps * FINAL_FRACTION))
     final_loss = float(np.nanmean(curve.values["loss"][-tail:])) if steps else float("nan")
     settled = [r for r in result.records if r["version"] > WARMUP_FRACTION * result.final_version]
+    reached = first_reaching(result, TARGET_ACCURACY)
 
     def pooled(field: str) -> float:
         """Mean over the settled commits (for scaling_median: the mean of per-commit medians,
@@ -93,24 +136,30 @@ def summarize(result: RunResult) -> Summary:
         return float(np.mean(values)) if values.size else float("nan")
 
     return Summary(
-        c.name,
-        c.training.rule,
-        c.workers,
-        c.training.learning_rate,
-        c.training.kappa,
-        c.training.worker_mode,
-        result.final_version,
-        steps,
-        final_loss,
-        result.final_loss,
-        result.final_accuracy,
-        pooled("scaling_median"),
-        pooled("scaling_mean"),
-        pooled("scaling_at_zero"),
-        pooled("scaling_at_max"),
-        pooled("staleness"),
-        result.diverged_workers,
-        result.wall_seconds,
+        name=c.name,
+        rule=c.training.rule,
+        workers=c.workers,
+        learning_rate=c.training.learning_rate,
+        kappa=c.training.kappa,
+        mode=c.training.worker_mode,
+        commits=result.final_version,
+        worker_steps=steps,
+        final_training_loss=final_loss,
+        held_out_loss=result.final_loss,
+        held_out_accuracy=result.final_accuracy,
+        median_pi=pooled("scaling_median"),
+        mean_pi=pooled("scaling_mean"),
+        fraction_pi_zero=pooled("scaling_at_zero"),
+        fraction_pi_max=pooled("scaling_at_max"),
+        mean_staleness=pooled("staleness"),
+        diverged_workers=result.diverged_workers,
+        wall_seconds=result.wall_seconds,
+        final_train_loss_full=result.final_train_loss_full,
+        final_train_accuracy_full=result.final_train_accuracy_full,
+        bytes_moved=bytes_moved(result.final_version, result.num_parameters, c.training.worker_mode),
+        seed=c.seed,
+        seconds_to_target=reached[0],
+        steps_to_target=reached[1],
     )
 
 
@@ -121,13 +170,29 @@ class Check:
     detail: str
 
 
-def compare_to_proxy(gem: Summary, proxy: Summary, max_loss_ratio: float = 2.0, max_points: float = 2.0) -> Check:
-    """GEM with n workers vs the one-worker momentum proxy at equal worker steps."""
+class Measured(Protocol):
+    """What the proxy comparison reads: a run's Summary, or an Aggregate's means over seeds."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def final_training_loss(self) -> float: ...
+    @property
+    def held_out_accuracy(self) -> float: ...
+
+
+def compare_to_proxy(
+    gem: Measured, proxy: Measured, max_loss_ratio: float = 2.0, max_points: float = 2.0, label: str = ""
+) -> Check:
+    """GEM with n workers vs the one-worker momentum proxy at equal worker steps (`label`, e.g.
+    "mean over 3 seeds", goes before the claim)."""
     ratio = gem.final_training_loss / proxy.final_training_loss
     points = 100 * (proxy.held_out_accuracy - gem.held_out_accuracy)
     passed = ratio <= max_loss_ratio and points <= max_points
+    prefix = f"{label}: " if label else ""
     return Check(
-        f"{gem.name}: training loss <= {max_loss_ratio:g}x the momentum proxy's, accuracy within {max_points:g} points",
+        f"{prefix}{gem.name}: training loss <= {max_loss_ratio:g}x the momentum proxy's, "
+        f"accuracy within {max_points:g} points",
         passed,
         f"loss ratio {ratio:.2f}, accuracy {100 * gem.held_out_accuracy:.2f}% vs {100 * proxy.held_out_accuracy:.2f}%",
     )
@@ -135,3 +200,87 @@ def compare_to_proxy(gem: Summary, proxy: Summary, max_loss_ratio: float = 2.0, 
 
 def by_name(summaries: Sequence[Summary]) -> dict[str, Summary]:
     return {s.name: s for s in summaries}
+
+
+# -- repeats of one configuration with other seeds ---------------------------------------------
+
+_SEED_SUFFIX = re.compile(r"-s(\d+)$")
+
+
+def seeded_name(name: str, seed: int) -> str:
+    """Seed 0 keeps the configuration's name (its results stay reusable); seed k >= 1 is NAME-sK."""
+    return name if seed == 0 else f"{name}-s{seed}"
+
+
+def base_name(name: str) -> str:
+    """The configuration a run repeats: its name without a trailing -sK."""
+    return _SEED_SUFFIX.sub("", name)
+
+
+# Summary fields given as mean ± sd over seeds (sample sd, ddof=1).
+AGGREGATED_FIELDS = (
+    "held_out_accuracy",
+    "held_out_loss",
+    "final_training_loss",
+    "final_train_loss_full",
+    "final_train_accuracy_full",
+    "mean_staleness",
+    "commits",
+    "bytes_moved",
+    "wall_seconds",
+    "seconds_to_target",
+    "steps_to_target",
+)
+# Fields that are NaN for runs that never got there: averaged over the runs that did.
+REACHED_FIELDS = ("seconds_to_target", "steps_to_target")
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """One configuration over its seeds: the mean and sample standard deviation of each field."""
+
+    name: str  # the base name
+    rule: str
+    workers: int
+    mode: str
+    runs: int
+    seeds: tuple[int, ...]
+    mean: dict[str, float]
+    sd: dict[str, float]
+
+    @property
+    def final_training_loss(self) -> float:
+        return self.mean["final_training_loss"]
+
+    @property
+    def held_out_accuracy(self) -> float:
+        return self.mean["held_out_accuracy"]
+
+
+def group_by_config(summaries: Sequence[Summary]) -> dict[str, list[Summary]]:
+    """Summaries grouped by base name, in order of first appearance."""
+    groups: dict[str, list[Summary]] = {}
+    for s in summaries:
+        groups.setdefault(base_name(s.name), []).append(s)
+    return groups
+
+
+def aggregate(name: str, group: Sequence[Summary]) -> Aggregate:
+    if not group:
+        raise ValueError(f"{name}: no runs to aggregate")
+    mean: dict[str, float] = {}
+    sd: dict[str, float] = {}
+    for f in AGGREGATED_FIELDS:
+        values = np.array([float(getattr(s, f)) for s in group])
+        if f in REACHED_FIELDS:
+            values = values[~np.isnan(values)]
+            mean[f"{f}_runs"] = float(len(values))
+        mean[f] = float(np.mean(values)) if len(values) else math.nan
+        sd[f] = float(np.std(values, ddof=1)) if len(values) > 1 else math.nan
+    first = group[0]
+    return Aggregate(name, first.rule, first.workers, first.mode, len(group), tuple(s.seed for s in group), mean, sd)
+
+
+def aggregates(summaries: Sequence[Summary], min_runs: int = 2) -> list[Aggregate]:
+    """Mean ± sd over seeds for every configuration with at least `min_runs` runs."""
+    return [aggregate(name, group) for name, group in group_by_config(summaries).items() if len(group) >= min_runs]

@@ -1,4 +1,5 @@
-"""PNG figures shaped like the GEM paper's Figures 1, 2, 3, 6 and 8, from experiment runs."""
+"""PNG figures shaped like the GEM paper's Figures 1, 2, 3, 6 and 8, from experiment runs, and
+the comparison of GEM with AGN, DynSGD and EASGD (held-out accuracy by time and by worker steps)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from gemps_worker.experiment.analysis import smooth, step_curve
+from gemps_worker.experiment.analysis import mini_batches_per_commit, smooth, step_curve, steps_at_version
 from gemps_worker.experiment.runner import RunResult
 
 SMOOTHING = 9  # worker steps in the moving average of mini-batch losses
@@ -141,9 +142,54 @@ def figure_8(path: Path, kappas: Sequence[RunResult], proxy: RunResult) -> Path:
     return _save(fig, path)
 
 
-def mini_batches_per_commit(run: RunResult) -> int:
-    c = run.config
-    return {"agn": c.agn_steps, "easgd": c.easgd_period}.get(c.training.worker_mode, 1)
+# Points of the common grid that seeds' held-out curves are interpolated onto.
+GRID_POINTS = 200
+
+
+def held_out_series(run: RunResult, by: str) -> tuple[np.ndarray, np.ndarray]:
+    """(x, held-out accuracy in %) of a run, x in wall-clock seconds (by="time") or in
+    mini-batches per worker (by="steps": versions / workers x mini-batches per commit)."""
+    if by == "time":
+        x = np.array([h.time for h in run.held_out], dtype=float)
+    else:
+        x = np.array([steps_at_version(run, h.version) for h in run.held_out], dtype=float)
+    y = np.array([100 * h.accuracy for h in run.held_out], dtype=float)
+    order = np.argsort(x, kind="stable")
+    return x[order], y[order]
+
+
+def mean_band(series: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Several seeds' curves on one grid, 0 .. the shortest curve's end: (grid, mean, min, max)."""
+    usable = [(x, y) for x, y in series if len(x)]
+    if not usable:
+        empty = np.array([])
+        return empty, empty, empty, empty
+    end = min(float(x[-1]) for x, _ in usable)
+    grid = np.linspace(0.0, end, GRID_POINTS) if end > 0 else np.array([0.0])
+    stacked = np.vstack([np.interp(grid, x, y) for x, y in usable])
+    return grid, stacked.mean(axis=0), stacked.min(axis=0), stacked.max(axis=0)
+
+
+def figure_comparison(path: Path, workers: int, methods: Sequence[tuple[str, Sequence[RunResult]]]) -> Path:
+    """Held-out accuracy of each method (its seeds' runs: mean, min-max band) against wall-clock
+    seconds and against mini-batches per worker, at one worker count."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    for ax, by, xlabel in (
+        (axes[0], "time", "wall-clock seconds"),
+        (axes[1], "steps", "mini-batches per worker"),
+    ):
+        for label, runs in methods:
+            grid, mean, low, high = mean_band([held_out_series(r, by) for r in runs])
+            if not len(grid):
+                continue
+            name = label if len(runs) == 1 else f"{label} (mean of {len(runs)}, min-max)"
+            (line,) = ax.plot(grid, mean, label=name)
+            if len(runs) > 1:
+                ax.fill_between(grid, low, high, color=line.get_color(), alpha=0.2)
+        ax.set(title=f"{workers} workers: held-out accuracy", xlabel=xlabel, ylabel="%", ylim=(0, 100))
+        ax.legend(fontsize=8)
+    return _save(fig, path)
 
 
 def figure_modes(path: Path, runs: Sequence[RunResult], proxy: RunResult) -> Path:

@@ -34,17 +34,30 @@ START_TIMEOUT = 300.0
 @dataclass(frozen=True)
 class PoolSpec:
     server: str
-    first_index: int  # global index of this pool's first worker (its data-order seed)
+    first_index: int  # global index of this pool's first worker
     threads: int
     total_workers: int  # across all pools: training starts once all have registered
     options: dict[str, object]  # WorkerOptions fields shared by every loop
     records_path: str
+    seed: int = 0  # the run's: worker k's data-order seed is seed * SEED_STRIDE + k
+
+
+# Apart enough that no two runs' workers share a data-order seed (runs have far fewer workers).
+SEED_STRIDE = 100_000
+
+
+def data_seed(run_seed: int, index: int) -> int:
+    """The data-order seed of the run's worker `index` (seed 0: the index, as before seeds)."""
+    return run_seed * SEED_STRIDE + index
 
 
 def wait_until_registered(server: str, count: int, timeout: float = START_TIMEOUT) -> None:
+    """Until `count` workers have registered. A commit (version > 0) also tells: no worker trains
+    before all have registered, and with few, short loops another pool's workers can register,
+    train and leave between two polls of this one (it then waited START_TIMEOUT and lost its loops)."""
     deadline = time.monotonic() + timeout
     with Client(server) as client:
-        while client.status().active_workers < count:
+        while (status := client.status()).active_workers < count and status.version == 0:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"fewer than {count} workers registered after {timeout:.0f}s")
             time.sleep(0.05)
@@ -68,7 +81,7 @@ def run_pool(spec: PoolSpec) -> int:
                 with lock:
                     records.write(line + "\n")
 
-            options = WorkerOptions(**{**asdict(base), "seed": index, "name": f"worker-{index}"})
+            options = WorkerOptions(**{**asdict(base), "seed": data_seed(spec.seed, index), "name": f"worker-{index}"})
             try:
                 summary = run_worker(options, hooks=WorkerHooks(on_registered, on_step), data=data)
                 outcome = "diverged" if summary.diverged else "done"
@@ -77,6 +90,9 @@ def run_pool(spec: PoolSpec) -> int:
                 barrier.abort()
             except threading.BrokenBarrierError:
                 outcome = "error: the run could not start (another worker failed to register)"
+            except TimeoutError as error:  # raised by the barrier's action, in one loop's thread
+                outcome = f"error: {error}"
+                barrier.abort()
             with lock:
                 outcomes[index] = outcome
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -12,10 +14,11 @@ from typing import Any
 
 from gemps.client import Client
 from gemps.options import values_of
+from gemps.pytorch import RemoteModel
 from gemps_proto.schema import TrainingConfig
 from gemps_worker.cluster import LocalCluster
 from gemps_worker.datasets import Dataset, load_dataset
-from gemps_worker.evaluation import evaluate_central
+from gemps_worker.evaluation import evaluate, evaluate_central
 from gemps_worker.experiment.pool import PoolSpec
 from gemps_worker.models import build_model
 from gemps_worker.training import WorkerOptions
@@ -37,6 +40,12 @@ class RunConfig:
     agn_steps: int = 4
     easgd_alpha: float = 0.5
     easgd_period: int = 4
+    # Repeats of one configuration: worker k's data-order seed is seed * 100_000 + k, and for
+    # seed > 0 the initial central variable is built with this seed (seed 0: the workers' own, seed 0).
+    seed: int = 0
+    dynsgd_steps: int = 10
+    local_optimizer: str = "sgd"  # agn, dynsgd, easgd: optimizer of the local steps (sgd, adam)
+    local_learning_rate: float = 0.0  # 0: sgd the server's eta, adam 0.001
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,10 @@ class RunResult:
     outcomes: dict[str, str]  # worker index -> done | diverged | error: ...
     wall_seconds: float
     extra: dict[str, Any] = field(default_factory=dict)
+    # The final central variable on the whole training set (NaN in results from before they were measured).
+    final_train_loss_full: float = math.nan
+    final_train_accuracy_full: float = math.nan
+    num_parameters: int = 0  # P, the central variable's size (0: unknown)
 
     @property
     def diverged_workers(self) -> int:
@@ -72,13 +85,31 @@ class RunResult:
         raw = json.loads(path.read_text())
         raw["config"] = _run_config(raw["config"])
         raw["held_out"] = [HeldOut(**h) for h in raw["held_out"]]
-        return cls(**raw)
+        result = cls(**raw)
+        if not result.num_parameters:  # saved before P was recorded
+            result.num_parameters = parameter_count(result.config.model, result.config.dataset)
+        return result
+
+
+@functools.cache
+def parameter_count(model: str, dataset: str) -> int:
+    """P of `model` on `dataset` (0 where the dataset cannot be loaded here)."""
+    try:
+        data = load_dataset(dataset)
+    except Exception as error:  # e.g. IDX files absent and no network
+        log.warning("cannot count %s's parameters: %s", model, error)
+        return 0
+    return _trained_size(build_model(model, data.input_shape, data.num_classes))
+
+
+def _trained_size(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def run(config: RunConfig, folder: Path, eval_interval: float = 1.0) -> RunResult:
     folder.mkdir(parents=True, exist_ok=True)
     data = load_dataset(config.dataset)
-    model = build_model(config.model, data.input_shape, data.num_classes)
+    model = build_model(config.model, data.input_shape, data.num_classes, seed=config.seed)
     started = time.monotonic()
     held_out: list[HeldOut] = []
     server = {
@@ -89,6 +120,8 @@ def run(config: RunConfig, folder: Path, eval_interval: float = 1.0) -> RunResul
         "log_level": "warning",
     }
     with LocalCluster(folder, server=server) as cluster:
+        if config.seed:
+            _initialise_central(cluster.target, model)
         _start_pools(config, cluster)
         observer = cluster.observer()
         while cluster.running():
@@ -102,9 +135,22 @@ def run(config: RunConfig, folder: Path, eval_interval: float = 1.0) -> RunResul
             raise RuntimeError(f"{config.name}: worker pools failed ({failed}); see {folder}/pool-*.log")
     assert final is not None
     held_out.append(final)
+    wall_seconds = time.monotonic() - started
+    # `model` holds the final central variable (the last _evaluate loaded it).
+    train_loss, train_accuracy = evaluate(model, data.train_x, data.train_y)
     records, outcomes = _collect(folder)
     result = RunResult(
-        config, records, held_out, final.version, final.loss, final.accuracy, outcomes, time.monotonic() - started
+        config,
+        records,
+        held_out,
+        final.version,
+        final.loss,
+        final.accuracy,
+        outcomes,
+        wall_seconds,
+        final_train_loss_full=train_loss,
+        final_train_accuracy_full=train_accuracy,
+        num_parameters=_trained_size(model),
     )
     result.save(folder / "result.json")
     return result
@@ -122,11 +168,20 @@ def _start_pools(config: RunConfig, cluster: LocalCluster) -> None:
         agn_steps=config.agn_steps,
         easgd_alpha=config.easgd_alpha,
         easgd_period=config.easgd_period,
+        dynsgd_steps=config.dynsgd_steps,
+        local_optimizer=config.local_optimizer,
+        local_learning_rate=config.local_learning_rate,
     )
     first = 0
     for i, size in enumerate(sizes):
         spec = PoolSpec(
-            cluster.target, first, size, config.workers, asdict(options), str(cluster.folder / f"records-{i}.jsonl")
+            cluster.target,
+            first,
+            size,
+            config.workers,
+            asdict(options),
+            str(cluster.folder / f"records-{i}.jsonl"),
+            seed=config.seed,
         )
         spec_path = cluster.folder / f"pool-{i}.json"
         spec_path.write_text(json.dumps(asdict(spec)))
@@ -134,8 +189,16 @@ def _start_pools(config: RunConfig, cluster: LocalCluster) -> None:
         first += size
 
 
+def _initialise_central(target: str, model: Any) -> None:
+    """Make `model`'s weights the central variable: register them first, then leave at once
+    (the server keeps θ; the workers that register next receive it instead of their own)."""
+    with RemoteModel(model, target, name="initialiser"):
+        pass
+
+
 def _run_config(raw: dict[str, Any]) -> RunConfig:
-    """A RunConfig from result.json (also from before the training config was its own field)."""
+    """A RunConfig from result.json (also from before the training config was its own field, and
+    from before seed, dynsgd_steps and the local optimizer: their defaults)."""
     raw = dict(raw)
     training = raw.pop("training", None)
     if training is None:  # the older, flat layout: training fields beside the others, "mode" for worker_mode
