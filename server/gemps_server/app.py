@@ -17,7 +17,7 @@ from prometheus_client import disable_created_metrics, start_http_server
 from gemps_proto.reasons import Reason
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server import logs
-from gemps_server.allocator import TRIM_INTERVAL_SECONDS, trim, tune_for
+from gemps_server.allocator import TRIM_INTERVAL_SECONDS, one_arena, trim, tune_for
 from gemps_server.applier import Applier
 from gemps_server.checkpoint_schedule import Checkpointer
 from gemps_server.config import ServerConfig
@@ -270,6 +270,7 @@ async def serve(config: ServerConfig, ready: threading.Event | None = None) -> N
     # No `<name>_created` series next to every counter, histogram and summary: in the text format
     # Prometheus stores them as gauges of their own, doubling the server's series for nothing.
     disable_created_metrics()  # type: ignore[no-untyped-call]
+    one_arena()  # before the server's threads exist (allocator.py)
     server = ParameterServer(config)
     try:
         await server.start()
