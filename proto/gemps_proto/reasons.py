@@ -37,6 +37,7 @@ class Reason(str, enum.Enum):
     BAD_EVALUATION = "bad_evaluation"  # an evaluator's figures out of range
     TOO_LONG = "too_long"  # a worker name or dataset label past its length limit
     STREAM_IDLE = "stream_idle"  # a CommitStream that sent nothing for --stream-idle-timeout seconds
+    TOO_LARGE = "too_large"  # a model of more values than the server's --max-parameters
 
     def __str__(self) -> str:
         return self.value

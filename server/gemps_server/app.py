@@ -55,6 +55,7 @@ class ParameterServer:
             WorkerRegistry(config.max_workers, config.lease_ttl),
             gem_kernel=config.gem_kernel,
             partition=PartitionOf(config.partition, config.partitions),
+            max_parameters=config.max_parameters,
         )
         self.applier = Applier(observer=lambda timing: self.metrics.applier_ran(timing.run_seconds))
         self._observe_state()

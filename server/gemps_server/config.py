@@ -80,6 +80,14 @@ class ServerConfig:
             "in pieces; replies are not limited by it)"
         },
     )
+    max_parameters: int = field(
+        default=1 << 28,
+        metadata={
+            "help": "most values (parameters of this process's range, and buffers) a model may have; a first "
+            "worker's larger model is refused RESOURCE_EXHAUSTED before its values are read (default 2**28: 1 GiB "
+            "of float32 θ, several times that with the rule's state)"
+        },
+    )
     max_concurrent_rpcs: int = field(
         default=512,
         metadata={
@@ -209,6 +217,8 @@ class ServerConfig:
             found.append("stream_idle_timeout must be > 0")
         if self.max_message_mb < 1:
             found.append("max_message_mb must be >= 1")
+        if self.max_parameters < 1:
+            found.append("max_parameters must be >= 1")
         if self.max_concurrent_rpcs < 1:
             found.append("max_concurrent_rpcs must be >= 1")
         if self.checkpoint_every < 0:

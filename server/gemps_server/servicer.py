@@ -303,9 +303,9 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         buffers = header.initial_buffers if header.HasField("initial_buffers") else None
         parameter_bytes = _announced_bytes(parameters, "initial_parameters")
         buffer_bytes = 0 if buffers is None else _announced_bytes(buffers, "initial_buffers")
-        self.service.state.initial_range(spec, num_elements(parameters.shape))
-        if buffers is not None:
-            self.service.state.check_buffer_count(buffer_spec, num_elements(buffers.shape))
+        self.service.state.check_upload(
+            spec, buffer_spec, num_elements(parameters.shape), None if buffers is None else num_elements(buffers.shape)
+        )
         assembler = PayloadAssembler(parameter_bytes + buffer_bytes)
         data = await self._assemble(requests, assembler, "RegisterStream", pb.RegisterChunk)
         initial = EncodedTensor(parameters.dtype, tuple(parameters.shape), data[:parameter_bytes])

@@ -31,7 +31,7 @@ from gemps_proto.codec import (
 from gemps_proto.reasons import Reason
 from gemps_proto.schedules import learning_rate_at
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig, partition_bounds
-from gemps_server.errors import FailedPrecondition, InvalidArgument, Unavailable
+from gemps_server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from gemps_server.ledger import MAX_CLIENT_ID_LENGTH, MAX_REQUEST_ID_LENGTH, CommitLedger, Receipt, valid_client_id
 from gemps_server.native import all_finite, max_abs
 from gemps_server.rules import ApplyStats, CommitRule, NonFiniteUpdate, create_rule
@@ -255,9 +255,11 @@ class ServerState:
         registry: WorkerRegistry,
         gem_kernel: str = "numpy",
         partition: PartitionOf = ALL_OF_THETA,
+        max_parameters: int | None = None,
     ) -> None:
         self._training = training
         self.partition = partition
+        self.max_parameters = max_parameters  # None: no limit (ServerConfig.max_parameters)
         self.bounds = (0, 0)  # [start, stop) of θ held here, once initialised
         self._gem_kernel = gem_kernel
         self._new_rule(0)  # fail fast on an unknown rule name or kernel
@@ -517,6 +519,7 @@ class ServerState:
                 f"(this one: the others are asked to retry for {INITIALIZER_GRACE_SECONDS:.0f} s)",
                 Reason.NOT_INITIALIZED,
             )
+        self.check_size(spec, buffer_spec)
         values = _decoded(initial, "initial_parameters").reshape(-1)
         values = values[self.initial_range(spec, values.size)]
         start, stop = self.partition.bounds(sum(s.size for s in spec))
@@ -532,6 +535,36 @@ class ServerState:
         self.rule = self._new_rule(self._theta.size)
         self.bounds = (start, stop)
         self._version = 0
+
+    def check_upload(
+        self,
+        spec: Sequence[ParameterSpec],
+        buffer_spec: Sequence[ParameterSpec],
+        parameter_count: int,
+        buffer_count: int | None,
+    ) -> None:
+        """Everything the first worker's initial values must satisfy that their header already
+        says (their sizes): checked before a streamed upload's data is received."""
+        check_spec(spec, buffer_spec)
+        self.check_size(spec, buffer_spec)
+        self.initial_range(spec, parameter_count)
+        if buffer_count is not None:
+            self.check_buffer_count(buffer_spec, buffer_count)
+
+    def check_size(self, spec: Sequence[ParameterSpec], buffer_spec: Sequence[ParameterSpec]) -> None:
+        """ResourceExhausted when this process would hold more than max_parameters values of θ
+        (its range) and buffers together: the first worker decides θ's size, this bounds it."""
+        if self.max_parameters is None:
+            return
+        start, stop = self.partition.bounds(sum(s.size for s in spec))
+        held = stop - start + sum(entry.size for entry in buffer_spec)
+        if held > self.max_parameters:
+            where = "" if self.partition.count == 1 else f" ({self.partition}: {stop - start} of θ's values)"
+            raise ResourceExhausted(
+                f"the model has {held} values to hold here{where}; this server holds at most "
+                f"{self.max_parameters} (its --max-parameters)",
+                Reason.TOO_LARGE,
+            )
 
     def initial_range(self, spec: Sequence[ParameterSpec], count: int) -> slice:
         """Which of `count` initial values this partition keeps: its own range when all P came,

@@ -176,3 +176,33 @@ def test_once_theta_exists_an_upload_is_answered_without_reading_it(start_server
     assert after[series] - before[series] < 4096  # the header alone: its values are not needed
     pulled = stub.Pull(pb.PullRequest(worker_id=reply.worker_id, known_version=-1))
     np.testing.assert_array_equal(np.frombuffer(pulled.parameters.data, np.float32), values)
+
+
+def test_a_model_past_max_parameters_is_refused_before_its_values_are_read(start_server: StartServer) -> None:
+    """The first worker decides θ's size; --max-parameters bounds it (buffers count too), from the
+    header alone, and the SDK's large-model path is refused at its first, value-less Register."""
+    server = start_server(max_message_mb=1, max_parameters=P)
+    stub = open_stub(server.target)
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.RegisterStream(_upload(_header(P, buffers=BUFFERS), bytes(4 * (P + BUFFERS))))
+    assert _refusal(refused.value) == (grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.TOO_LARGE.value)
+    assert "--max-parameters" in str(refused.value.details())
+    received = scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics")
+    assert received['gemps_received_bytes_total{method="RegisterStream"}'] < 4096  # the header alone
+    with (
+        gemps.Client(server.target, chunk_bytes=PIECE) as sdk,
+        pytest.raises(gemps.ResourceExhaustedError) as too_large,
+    ):
+        sdk.register(*_model(1.0))  # P + BUFFERS values
+    assert too_large.value.reason == Reason.TOO_LARGE
+    assert not stub.Status(pb.StatusRequest()).initialized
+    assert stub.RegisterStream(_upload(_header(P), bytes(4 * P))).initialized_central  # P values: within
+
+
+def test_max_parameters_bounds_each_partitions_range(start_server: StartServer) -> None:
+    """With θ in 2 partitions each process holds half: a model twice the limit fits."""
+    servers = start_partitions(start_server, 2, max_message_mb=1, max_parameters=P // 2 + BUFFERS)
+    parameters, buffers = _model(1.0)
+    with gemps.Client(servers[0].target, chunk_bytes=PIECE) as first:
+        assert first.register(parameters, buffers).initialized_central
+        assert first.central is not None and first.central.flat.size == P
