@@ -2,13 +2,16 @@
 
     .venv/bin/python scripts/profile_server.py --system gemps --size 100K --seconds 10 --raw /tmp/gemps.txt
     .venv/bin/python scripts/profile_server.py --system echo --size 100K
+    .venv/bin/python scripts/profile_server.py --system gemps --size 1M --partitions 2
 
 Starts a real `gemps server` with its defaults (or the benchmark's bare gRPC echo), commits a
 fixed gradient in a closed loop from this process through the SDK (or the echo client), and
 records the server with `py-spy record --threads --native` (py-spy is in the dev extra; it needs
 ptrace rights over its own children, which most containers allow). Prints commits/s, the server's
 and this client's CPU milliseconds per commit, and for each server thread its busy samples (not
-waiting in epoll, a futex, a condition or the GIL) with the frames that hold them.
+waiting in epoll, a futex, a condition or the GIL) with the frames that hold them. With
+`--partitions K` the server is a supervisor and K partition processes: py-spy follows them
+(`--subprocesses`), CPU is summed over all of them, and threads are named by their partition.
 docs/PERFORMANCE.md keeps the profiles this printed.
 """
 
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import functools
 import re
 import shutil
 import subprocess
@@ -27,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 from gemps_bench.echo import EchoClient, EchoServer
-from gemps_bench.procfs import cpu_seconds
+from gemps_bench.procfs import cpu_seconds, partition_pids
 from gemps_bench.suite import parse_counts
 
 import gemps
@@ -49,31 +54,52 @@ IDLE_FRAMES = (
 WARM_UP_COMMITS = 20
 
 
-def closed_loop(commit: Callable[[], object], server_pid: int, seconds: float) -> dict[str, float]:
-    """Commit back to back for `seconds`; rates and CPU per commit of the server and of this process."""
+def tree_cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds used so far by each named process (0 for one that is gone)."""
+    return {name: cpu_seconds(pid) or 0.0 for name, pid in pids.items()}
+
+
+def closed_loop(commit: Callable[[], object], server_pids: dict[str, int], seconds: float) -> dict[str, float]:
+    """Commit back to back for `seconds`; rates, and CPU per commit of the server's processes
+    (together, and the busiest one) and of this process."""
     for _ in range(WARM_UP_COMMITS):
         commit()
-    commits, began, server_began, mine_began = 0, time.monotonic(), cpu_seconds(server_pid), time.process_time()
+    commits, began, server_began, mine_began = 0, time.monotonic(), tree_cpu_seconds(server_pids), time.process_time()
     while time.monotonic() - began < seconds:
         commit()
         commits += 1
     elapsed = time.monotonic() - began
-    server_used = (cpu_seconds(server_pid) or 0.0) - (server_began or 0.0)
-    return {
+    server_used = {name: used - server_began[name] for name, used in tree_cpu_seconds(server_pids).items()}
+    figures = {
         "commits_per_second": commits / elapsed,
-        "server_cpu_ms_per_commit": 1e3 * server_used / commits,
+        "server_cpu_ms_per_commit": 1e3 * sum(server_used.values()) / commits,
         "client_cpu_ms_per_commit": 1e3 * (time.process_time() - mine_began) / commits,
     }
+    if len(server_pids) > 1:
+        figures["busiest_process_cpu_ms_per_commit"] = 1e3 * max(server_used.values()) / commits
+    return figures
 
 
-def record(pid: int, seconds: float, raw: Path) -> subprocess.Popen[bytes]:
+def record(pid: int, seconds: float, raw: Path, subprocesses: bool) -> subprocess.Popen[bytes]:
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     command = [spy, "record", "--pid", str(pid), "--duration", str(max(1, int(seconds))), "--rate", "200"]
     command += ["--threads", "--native", "--format", "raw", "--output", str(raw)]
+    command += ["--subprocesses"] if subprocesses else []
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
-def summarize(raw: Path, top: int = 12) -> str:
+def thread_of(frames: list[str], process_names: dict[int, str]) -> tuple[str, list[str]]:
+    """The sampled thread's name and its stack. Under `--subprocesses` py-spy puts the process
+    chain first (`process PID:"command"`), and the innermost process names the thread."""
+    process = ""
+    while frames and frames[0].startswith("process "):
+        pid = int(frames[0].split(":", 1)[0].split()[1])
+        process = process_names.get(pid, f"process {pid}") + " "
+        frames = frames[1:]
+    return process + frames[0].split(":")[-1].strip(), frames
+
+
+def summarize(raw: Path, process_names: dict[int, str] | None = None, top: int = 12) -> str:
     """Per thread: samples, busy samples, the busiest leaf frames and inclusive frames."""
     samples: collections.Counter[str] = collections.Counter()
     busy: collections.Counter[str] = collections.Counter()
@@ -83,8 +109,8 @@ def summarize(raw: Path, top: int = 12) -> str:
         stack, _, count_text = line.rstrip().rpartition(" ")
         if not stack:
             continue
-        count, frames = int(count_text), stack.split(";")
-        thread = frames[0].split(":")[-1].strip()
+        count = int(count_text)
+        thread, frames = thread_of(stack.split(";"), process_names or {})
         samples[thread] += count
         leaf = re.sub(r"\s*\(.*", "", frames[-1])
         if any(word in frame for frame in frames[-4:] for word in IDLE_FRAMES):  # unnamed libc leaves too
@@ -110,6 +136,7 @@ def main() -> None:
     parser.add_argument("--system", choices=("gemps", "echo"), default="gemps")
     parser.add_argument("--size", default="100K", help="float32 parameters, e.g. 100K or 1M")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of the measured loop")
+    parser.add_argument("--partitions", type=int, default=1, help="run the server as K partition processes")
     parser.add_argument("--raw", type=Path, default=None, help="keep py-spy's raw samples here")
     parser.add_argument("--no-profile", action="store_true", help="measure rates and CPU only")
     parser.add_argument("--summarize", type=Path, default=None, help="only print the summary of this raw file")
@@ -117,29 +144,35 @@ def main() -> None:
     if args.summarize:
         print(summarize(args.summarize))
         return
+    if args.partitions < 1 or (args.partitions > 1 and args.system != "gemps"):
+        parser.error("--partitions must be at least 1, and more than 1 only with --system gemps")
     size = parse_counts(args.size)[0]
     gradient = np.random.default_rng(0).standard_normal(size, dtype=np.float32) * np.float32(1e-3)
     raw = args.raw or Path(tempfile.mkdtemp(prefix="gemps-profile-")) / "server.txt"
-    spy: subprocess.Popen[bytes] | None = None
-    if args.system == "gemps":
-        with ServerProcess(metrics_port=-1, log_level="warning") as server:
-            client = gemps.Client(server.target)
+    with contextlib.ExitStack() as running:
+        if args.system == "gemps":
+            partitioned = {"partitions": args.partitions} if args.partitions > 1 else {}
+            server = running.enter_context(ServerProcess(metrics_port=-1, log_level="warning", **partitioned))
+            client = running.enter_context(gemps.Client(server.target))
             client.register({"theta": np.zeros(size, np.float32)})
-            spy = None if args.no_profile else record(server.pid, args.seconds - 1, raw)
-            figures = closed_loop(lambda: client.commit(gradient), server.pid, args.seconds)
-            client.close()
-    else:
-        with EchoServer() as echo:
+            pids = {"server": server.pid}
+            pids.update({f"partition {index}": pid for index, pid in sorted(partition_pids(server.pid).items())})
+            commit: Callable[[], object] = functools.partial(client.commit, gradient)
+        else:
+            echo = running.enter_context(EchoServer())
             echo_client = EchoClient(echo.target, streamed=False, chunk_bytes=1 << 20)
-            spy = None if args.no_profile else record(echo.pid, args.seconds - 1, raw)
-            figures = closed_loop(lambda: echo_client.commit(gradient), echo.pid, args.seconds)
-            echo_client.close()
-    print(f"{args.system} P={size:,}: " + ", ".join(f"{name} {value:.3f}" for name, value in figures.items()))
+            running.callback(echo_client.close)
+            pids, commit = {"server": echo.pid}, functools.partial(echo_client.commit, gradient)
+        spy = None if args.no_profile else record(pids["server"], args.seconds - 1, raw, len(pids) > 1)
+        figures = closed_loop(commit, pids, args.seconds)
+        if spy is not None:
+            spy.wait()  # before the server stops: its shutdown is not part of the profile
+    shape = f" K={args.partitions}" if args.partitions > 1 else ""
+    print(f"{args.system}{shape} P={size:,}: " + ", ".join(f"{name} {value:.3f}" for name, value in figures.items()))
     if spy is not None:
-        spy.wait()
         if raw.exists():
             print(f"py-spy raw samples: {raw}")
-            print(summarize(raw))
+            print(summarize(raw, {pid: name for name, pid in pids.items()}))
         else:
             print("py-spy recorded nothing (no ptrace rights here?)", file=sys.stderr)
 

@@ -46,6 +46,21 @@ def children(pid: int) -> list[int]:
         return []
 
 
+def partition_pids(supervisor_pid: int) -> dict[int, int]:
+    """Partition index -> pid of a `gemps server --partitions K` supervisor's live children."""
+    found = {}
+    for pid in children(supervisor_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # exited and gone
+            continue
+        index = next((v for v in environ if v.startswith(b"GEMPS_PARTITION_INDEX=")), None)
+        if index is None:  # exited, not reaped yet: a zombie's environ reads empty
+            continue
+        found[int(index.split(b"=")[1])] = pid
+    return found
+
+
 def tree_peak_rss(pid: int) -> int | None:
     """Peak resident memory of the process and its children, summed (each one's own peak)."""
     peaks = [peak_rss(p) for p in (pid, *children(pid))]

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import safetensors.numpy
+from gemps_bench.procfs import partition_pids
 
 from gemps import Client, RetryPolicy
 from gemps.records import CentralVariable
@@ -113,22 +114,6 @@ def test_a_model_smaller_than_the_partition_count_is_refused(start_server: Start
     servers = start_partitions(start_server, 3)
     with Client(servers[0].target, timeout=10) as client, pytest.raises(InvalidArgumentError, match="fewer than"):
         client.register({"w": np.zeros(2, np.float32)})
-
-
-def partition_pids(supervisor_pid: int) -> dict[int, int]:
-    """Partition index -> pid of the `gemps server --partitions K` supervisor's children."""
-    children = Path(f"/proc/{supervisor_pid}/task/{supervisor_pid}/children").read_text().split()
-    found = {}
-    for pid in map(int, children):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:  # exited and gone
-            continue
-        index = next((v for v in environ if v.startswith(b"GEMPS_PARTITION_INDEX=")), None)
-        if index is None:  # exited, not reaped yet: a zombie's environ reads empty
-            continue
-        found[int(index.split(b"=")[1])] = pid
-    return found
 
 
 def test_a_killed_partition_restarts_from_its_checkpoint_and_training_carries_on(tmp_path: Path) -> None:

@@ -1,0 +1,53 @@
+"""scripts/profile_server.py's reading of py-spy's raw samples, with and without `--subprocesses`."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "profile_server.py"
+
+
+def load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("profile_server", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SUPERVISOR = 'process 100:"python -m gemps_cli server --partitions 2"'
+PARTITION = 'process 101:"python -m gemps_cli server"'
+RAW = "\n".join(
+    [
+        # one process: the thread comes first
+        "thread (7): MainThread;run (gemps_cli/server.py:10);sendmsg (libc.so.6) 5",
+        "thread (7): MainThread;run (gemps_cli/server.py:10);epoll_wait (libc.so.6) 9",
+        # under --subprocesses: the process chain, then the thread
+        f"{SUPERVISOR};{PARTITION};thread (101): MainThread;run (gemps_cli/server.py:10);sendmsg (libc.so.6) 3",
+        f"{SUPERVISOR};{PARTITION};thread (102): gemps-applier;gem_update (gemps_server/_native.c:1) 4",
+        f"{SUPERVISOR};thread (100): MainThread;wait (gemps_cli/partitions.py:5);futex (libc.so.6) 2",
+    ]
+)
+
+
+def test_samples_are_counted_per_thread_and_named_by_their_process(tmp_path: Path) -> None:
+    raw = tmp_path / "server.txt"
+    raw.write_text(RAW + "\n")
+    summary = load_script().summarize(raw, {100: "server", 101: "partition 1"})
+    headers = [line for line in summary.splitlines() if line.startswith("== thread")]
+    assert headers == [
+        "== thread MainThread: 14 samples, 5 busy",
+        "== thread partition 1 gemps-applier: 4 samples, 4 busy",
+        "== thread partition 1 MainThread: 3 samples, 3 busy",
+        "== thread server MainThread: 2 samples, 0 busy",
+    ]
+    assert "self      4  gem_update" in summary
+
+
+def test_a_process_missing_from_the_names_is_named_by_its_pid(tmp_path: Path) -> None:
+    raw = tmp_path / "server.txt"
+    raw.write_text(RAW + "\n")
+    summary = load_script().summarize(raw)
+    assert "== thread process 101 MainThread: 3 samples, 3 busy" in summary
