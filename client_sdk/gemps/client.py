@@ -41,8 +41,8 @@ from gemps.records import (
 )
 from gemps.retry import RetryPolicy
 from gemps_proto import serde as shared
-from gemps_proto.chunks import DEFAULT_CHUNK_BYTES, PayloadAssembler, data_frames, read_data
 from gemps_proto.codec import WIRE_DTYPE_NAMES, decode, expected_nbytes, num_elements, wire_view
+from gemps_proto.framing import DEFAULT_CHUNK_BYTES, PayloadAssembler, data_frames, read_data
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import PayloadKind, flatten, spec_of
 from gemps_proto.v1 import parameter_server_pb2 as pb

@@ -2,8 +2,8 @@
 
 Paired with the server's serde (server/gemps_server/serde.py); what both ends convert is in
 gemps_proto.serde. Requests and replies that carry θ are bytes: θ is framed into a request with
-one copy and read out of a reply as a view of the received bytes (gemps_proto.serde.with_tensor
-and parse_with_tensor), never copied through a protobuf message.
+one copy and read out of a reply as a view of the received bytes (gemps_proto.framing), never
+copied through a protobuf message.
 """
 
 from __future__ import annotations
@@ -13,17 +13,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from gemps.records import CentralVariable, CommitResult, ParameterSpec, Registration
+from gemps_proto import framing
 from gemps_proto import serde as shared
 from gemps_proto.codec import FLOAT32, encode, received, wire_view
 from gemps_proto.schema import PayloadKind
 from gemps_proto.v1 import parameter_server_pb2 as pb
-
-# Field numbers of the θ-sized tensors in gemps.v1 (parameter_server.proto).
-REGISTER_INITIAL_FIELD = pb.RegisterRequest.DESCRIPTOR.fields_by_name["initial_parameters"].number
-REGISTER_REPLY_FIELD = pb.RegisterResponse.DESCRIPTOR.fields_by_name["parameters"].number
-PULL_REPLY_FIELD = pb.PullResponse.DESCRIPTOR.fields_by_name["parameters"].number
-COMMIT_PAYLOAD_FIELD = pb.CommitRequest.DESCRIPTOR.fields_by_name["payload"].number
-COMMIT_REPLY_FIELD = pb.CommitResponse.DESCRIPTOR.fields_by_name["parameters"].number
 
 
 def register_request(
@@ -49,17 +43,17 @@ def register_request(
     with_buffers = bool(buffer_spec) and buffers is not None
     if streamed:
         assert initial is not None, "a streamed Register carries initial values"
-        announce(request.initial_parameters, initial.size)
+        framing.announce(request.initial_parameters, FLOAT32, initial.size)
         if with_buffers:
             assert buffers is not None
-            announce(request.initial_buffers, buffers.size)
+            framing.announce(request.initial_buffers, FLOAT32, buffers.size)
         return pb.RegisterChunk(header=request).SerializeToString()
     if with_buffers:
         assert buffers is not None
-        set_tensor(request.initial_buffers, buffers)
+        framing.set_float32(request.initial_buffers, encode(buffers.reshape(-1)))
     if initial is None:
         return request.SerializeToString()
-    return shared.with_tensor(request, REGISTER_INITIAL_FIELD, FLOAT32, [initial.size], encode(initial))
+    return framing.with_tensor(request, framing.REGISTER_INITIAL_FIELD, FLOAT32, [initial.size], encode(initial))
 
 
 def register_stream_data(
@@ -73,19 +67,6 @@ def register_stream_data(
     return parts
 
 
-def announce(tensor: pb.Tensor, size: int) -> None:
-    """A flat float32 tensor's dtype and shape, its data left to follow in pieces."""
-    tensor.dtype = FLOAT32  # type: ignore[assignment]
-    tensor.shape.append(size)
-
-
-def set_tensor(tensor: pb.Tensor, values: np.ndarray) -> None:
-    """A small float32 tensor (buffers) set in a message the plain way."""
-    tensor.dtype = FLOAT32  # type: ignore[assignment]
-    tensor.shape.append(values.size)
-    tensor.data = encode(values.reshape(-1), FLOAT32)
-
-
 def buffers_from_proto(reply: pb.RegisterResponse | pb.PullResponse | pb.CommitResponse) -> np.ndarray | None:
     """A reply's central buffers; None when it carries none (a model without buffers, or unchanged)."""
     return received(reply.buffers).decode() if reply.HasField("buffers") else None
@@ -94,7 +75,7 @@ def buffers_from_proto(reply: pb.RegisterResponse | pb.PullResponse | pb.CommitR
 def register_reply(data: bytes) -> tuple[Registration, np.ndarray | None, np.ndarray | None]:
     """The registration, the central variable (None for the worker whose values set it) and the
     central buffers (None when the model has none)."""
-    reply, parameters = shared.parse_with_tensor(pb.RegisterResponse, REGISTER_REPLY_FIELD, data)
+    reply, parameters = framing.parse_with_tensor(pb.RegisterResponse, framing.REGISTER_REPLY_FIELD, data)
     registration = shared.registration_from_proto(reply)
     return registration, None if parameters is None else parameters.decode(), buffers_from_proto(reply)
 
@@ -111,7 +92,7 @@ def pull_request(worker_id: str, known_version: int, wire_dtype: int, known_hist
 
 def pull_reply(data: bytes) -> tuple[pb.PullResponse, np.ndarray | None]:
     """The reply's version and flag, and the central variable unless it is unchanged."""
-    reply, parameters = shared.parse_with_tensor(pb.PullResponse, PULL_REPLY_FIELD, data)
+    reply, parameters = framing.parse_with_tensor(pb.PullResponse, framing.PULL_REPLY_FIELD, data)
     return reply, None if parameters is None or reply.unchanged else parameters.decode()
 
 
@@ -141,17 +122,16 @@ def commit_request(
         reply_dtype=wire_dtype,  # type: ignore[arg-type]
     )
     if buffer_delta is not None:
-        set_tensor(header.buffer_delta, buffer_delta)
+        framing.set_float32(header.buffer_delta, encode(buffer_delta.reshape(-1)))
     if streamed:
-        header.payload.dtype = wire_dtype  # type: ignore[assignment]
-        header.payload.shape.append(num_parameters)
+        framing.announce(header.payload, wire_dtype, num_parameters)
         return pb.CommitChunk(header=header).SerializeToString()
-    return shared.with_tensor(header, COMMIT_PAYLOAD_FIELD, wire_dtype, [num_parameters], data)
+    return framing.with_tensor(header, framing.COMMIT_PAYLOAD_FIELD, wire_dtype, [num_parameters], data)
 
 
 def commit_reply(data: bytes) -> tuple[pb.CommitResponse, np.ndarray]:
     """The reply's figures and the central variable (a read-only view of `data`)."""
-    reply, parameters = shared.parse_with_tensor(pb.CommitResponse, COMMIT_REPLY_FIELD, data)
+    reply, parameters = framing.parse_with_tensor(pb.CommitResponse, framing.COMMIT_REPLY_FIELD, data)
     assert parameters is not None, "a CommitResponse always carries the central variable"
     return reply, parameters.decode()
 

@@ -144,11 +144,6 @@ def array_to_tensor(array: np.ndarray) -> pb.Tensor:
     return pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=array.shape, data=array.tobytes())
 
 
-def bytes_to_tensor(data: bytes, num_parameters: int, dtype: int = pb.DTYPE_FLOAT32) -> pb.Tensor:
-    """Wrap already-encoded bytes of a flat vector (avoids a second copy)."""
-    return pb.Tensor(dtype=dtype, shape=[num_parameters], data=data)  # type: ignore[arg-type]
-
-
 def all_finite(array: np.ndarray) -> bool:
     """True when no element is NaN or +-Inf (np.isfinite: as fast as a float32 sum here, and exact)."""
     return bool(np.isfinite(array).all())

@@ -2,21 +2,17 @@
 
 The server and the SDK each have their own serde for the messages only they build; what both
 read and write (parameter specs, the training config, shards, registrations, evaluations and
-status) is converted here, once. So is the one way θ crosses the wire in either direction:
-framed by hand (`with_tensor`: one copy) and read as a view (`parse_with_tensor`: no copy),
-never built into or parsed out of a protobuf message.
+status) is converted here, once. How θ itself crosses the wire is gemps_proto.framing's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TypeVar
 
 from google.protobuf.message import Message
 
-from gemps_proto import wire
-from gemps_proto.codec import EncodedTensor, received
 from gemps_proto.schema import (
     Evaluation,
     Layout,
@@ -145,25 +141,3 @@ def status_from_proto(message: pb.StatusResponse) -> ServerStatus:
         buffer_spec=spec_from_proto(message.buffer_spec),
         layout=layout_from_proto(message),
     )
-
-
-def with_tensor(
-    header: Message, field_number: int, dtype: int, shape: Sequence[int], data: bytes | memoryview
-) -> bytes:
-    """`header` serialised, plus Tensor field `field_number` holding `data`: the bytes of the whole
-    message, `data` copied once (protobuf would copy it into the message and again out of it)."""
-    framed = wire.tensor_field(field_number, dtype, shape, len(data))
-    return b"".join((header.SerializeToString(), framed, data))
-
-
-def parse_with_tensor(message_class: type[M], field_number: int, data: bytes) -> tuple[M, EncodedTensor | None]:
-    """A message and its Tensor field `field_number` (None if absent), the tensor's data a view of
-    `data` (no copy). Raises protobuf's DecodeError for bytes that are not such a message."""
-    split = wire.split_tensor_field(data, field_number)
-    if split is None:  # absent, framed unusually, or malformed: protobuf decides, with copies
-        message = message_class.FromString(data)
-        field = message.DESCRIPTOR.fields_by_number[field_number].name
-        return message, received(getattr(message, field)) if message.HasField(field) else None
-    message = message_class.FromString(split.rest)
-    parts = pb.Tensor.FromString(split.tensor)
-    return message, EncodedTensor(parts.dtype, tuple(parts.shape), split.data)

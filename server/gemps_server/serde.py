@@ -7,7 +7,7 @@ state.py; here only what needs nothing but the message (a spec entry's dtype).
 θ never goes through a protobuf message on the hot path. A request's tensor (a commit's payload,
 the first worker's initial parameters) is a memoryview of the received bytes; a reply carrying θ
 is its small header, serialised by protobuf, joined with the snapshot's bytes framed in the
-wire format (gemps_proto.wire): one copy of θ per reply, nothing per field.
+wire format (gemps_proto.framing): one copy of θ per reply, nothing per field.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Generic, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
+from gemps_proto import framing
 from gemps_proto import serde as shared
 from gemps_proto.codec import FLOAT32, EncodedTensor, dtype_name, received
 from gemps_proto.reasons import Reason
@@ -27,13 +28,6 @@ from gemps_server.errors import InvalidArgument
 from gemps_server.state import Admission, Commit, CommitOutcome, Snapshot, check_spec_length
 
 M = TypeVar("M", bound=Message)
-
-# Field numbers of the θ-sized tensors in gemps.v1 (parameter_server.proto).
-COMMIT_PAYLOAD_FIELD = pb.CommitRequest.DESCRIPTOR.fields_by_name["payload"].number
-REGISTER_INITIAL_FIELD = pb.RegisterRequest.DESCRIPTOR.fields_by_name["initial_parameters"].number
-COMMIT_REPLY_FIELD = pb.CommitResponse.DESCRIPTOR.fields_by_name["parameters"].number
-PULL_REPLY_FIELD = pb.PullResponse.DESCRIPTOR.fields_by_name["parameters"].number
-REGISTER_REPLY_FIELD = pb.RegisterResponse.DESCRIPTOR.fields_by_name["parameters"].number
 
 
 class MalformedRequest:
@@ -67,7 +61,7 @@ def parse_request(message_class: type[M], data: bytes) -> M | MalformedRequest:
 def parse_with_tensor(message_class: type[M], field_number: int, data: bytes) -> WithTensor[M] | MalformedRequest:
     """Parse a request, its tensor field `field_number` without copying the tensor's data."""
     try:
-        message, tensor = shared.parse_with_tensor(message_class, field_number, data)
+        message, tensor = framing.parse_with_tensor(message_class, field_number, data)
     except DecodeError as error:
         return MalformedRequest(message_class.DESCRIPTOR.full_name, str(error))
     return WithTensor(message, tensor)
@@ -101,14 +95,12 @@ def buffers_from_proto(request: pb.RegisterRequest) -> tuple[tuple[ParameterSpec
 def set_buffers(tensor: pb.Tensor, snapshot: Snapshot) -> None:
     """A reply's `buffers` field: the snapshot's buffers whole (small), left unset when there are none."""
     if snapshot.buffers:
-        tensor.dtype = FLOAT32  # type: ignore[assignment]
-        tensor.shape.append(len(snapshot.buffers) // 4)
-        tensor.data = snapshot.buffers
+        framing.set_float32(tensor, snapshot.buffers)
 
 
 def with_parameters(header: Message, field_number: int, snapshot: Snapshot, dtype: int, num_parameters: int) -> bytes:
     """`header` serialised, with the snapshot's θ in `dtype` framed as Tensor field `field_number`."""
-    return shared.with_tensor(header, field_number, dtype, [num_parameters], snapshot.data(dtype) or b"")
+    return framing.with_tensor(header, field_number, dtype, [num_parameters], snapshot.data(dtype) or b"")
 
 
 def admission_to_proto(
@@ -126,7 +118,7 @@ def admission_to_proto(
     set_buffers(header.buffers, admission.snapshot)
     if not include_parameters or admission.initialized_theta or admission.snapshot.data(FLOAT32) is None:
         return header.SerializeToString()
-    return with_parameters(header, REGISTER_REPLY_FIELD, admission.snapshot, FLOAT32, num_parameters)
+    return with_parameters(header, framing.REGISTER_REPLY_FIELD, admission.snapshot, FLOAT32, num_parameters)
 
 
 def commit_from_proto(request: pb.CommitRequest, payload: EncodedTensor | None = None) -> Commit:
@@ -161,27 +153,21 @@ def outcome_header(outcome: CommitOutcome) -> pb.CommitResponse:
 
 def outcome_to_proto(outcome: CommitOutcome, dtype: int, theta: bytes | memoryview, num_parameters: int) -> bytes:
     """The serialized CommitResponse, with `theta`: the commit's version of θ, in the reply's `dtype`."""
-    return shared.with_tensor(outcome_header(outcome), COMMIT_REPLY_FIELD, dtype, [num_parameters], theta)
+    return framing.with_tensor(outcome_header(outcome), framing.COMMIT_REPLY_FIELD, dtype, [num_parameters], theta)
 
 
 def stream_header_to_proto(outcome: CommitOutcome, reply_dtype: int, num_parameters: int) -> pb.CommitResponseChunk:
     """CommitStream's first reply: the CommitResponse whose parameters say dtype and shape; the
     data follows in pieces."""
     header = outcome_header(outcome)
-    _announce(header.parameters, reply_dtype, num_parameters)
+    framing.announce(header.parameters, reply_dtype, num_parameters)
     return pb.CommitResponseChunk(header=header)
-
-
-def _announce(parameters: pb.Tensor, dtype: int, num_parameters: int) -> None:
-    """A streamed reply's Tensor header: dtype and shape, the data to follow in pieces."""
-    parameters.dtype = dtype  # type: ignore[assignment]
-    parameters.shape.append(num_parameters)
 
 
 def pull_to_proto(snapshot: Snapshot, reply_dtype: int, num_parameters: int, history: str = "") -> bytes:
     header = pb.PullResponse(version=snapshot.version, history=history)
     set_buffers(header.buffers, snapshot)
-    return with_parameters(header, PULL_REPLY_FIELD, snapshot, reply_dtype, num_parameters)
+    return with_parameters(header, framing.PULL_REPLY_FIELD, snapshot, reply_dtype, num_parameters)
 
 
 def pull_stream_header_to_proto(
@@ -193,7 +179,7 @@ def pull_stream_header_to_proto(
         return pb.PullResponseChunk(header=unchanged_to_proto(snapshot.version, history))
     header = pb.PullResponse(version=snapshot.version, history=history)
     set_buffers(header.buffers, snapshot)
-    _announce(header.parameters, reply_dtype, num_parameters)
+    framing.announce(header.parameters, reply_dtype, num_parameters)
     return pb.PullResponseChunk(header=header)
 
 

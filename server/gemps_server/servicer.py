@@ -19,8 +19,8 @@ from google.protobuf.message import Message
 
 from gemps_proto import reasons
 from gemps_proto import serde as shared
-from gemps_proto.chunks import PayloadAssembler, data_frames, read_data
 from gemps_proto.codec import EncodedTensor, TensorDecodeError, expected_nbytes, num_elements
+from gemps_proto.framing import COMMIT_PAYLOAD_FIELD, REGISTER_INITIAL_FIELD, PayloadAssembler, data_frames, read_data
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import ParameterSpec
 from gemps_proto.v1 import parameter_server_pb2 as pb
@@ -62,7 +62,7 @@ STATUS_CODES: dict[type[ServiceError], grpc.StatusCode] = {
 
 
 # Requests whose θ-sized tensor field is read without copying (serde.parse_with_tensor).
-TENSOR_FIELDS = {"Commit": serde.COMMIT_PAYLOAD_FIELD, "Register": serde.REGISTER_INITIAL_FIELD}
+TENSOR_FIELDS = {"Commit": COMMIT_PAYLOAD_FIELD, "Register": REGISTER_INITIAL_FIELD}
 
 
 def _request_parser(
