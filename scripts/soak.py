@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from gemps_proto.codec import array_to_tensor
+from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_worker.cluster import ServerProcess
@@ -79,8 +79,8 @@ async def call(method: Any, request: Any, totals: Totals) -> Any:
 
 async def client(index: int, target: str, parameters: int, stop: asyncio.Event, totals: Totals, seed: int) -> None:
     rng = np.random.default_rng(seed + index)
-    initial = array_to_tensor(rng.normal(scale=0.01, size=parameters).astype(np.float32))
-    gradient = array_to_tensor(rng.normal(scale=0.001, size=parameters).astype(np.float32))
+    initial = tensor_to_proto(rng.normal(scale=0.01, size=parameters).astype(np.float32))
+    gradient = tensor_to_proto(rng.normal(scale=0.001, size=parameters).astype(np.float32))
     spec = [pb.ParameterSpec(name="w", shape=[parameters], dtype=pb.DTYPE_FLOAT32)]
     async with grpc.aio.insecure_channel(
         target, options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]

@@ -26,8 +26,9 @@ from prometheus_client import disable_created_metrics
 from prometheus_client.parser import text_string_to_metric_families
 
 from gemps.client import Client
-from gemps_proto.codec import EncodedTensor, array_to_tensor, received
+from gemps_proto.codec import EncodedTensor
 from gemps_proto.schema import TrainingConfig
+from gemps_proto.serde import tensor_from_proto, tensor_to_proto
 from gemps_server import logs
 from gemps_server.app import ParameterServer
 from gemps_server.config import ServerConfig
@@ -173,7 +174,7 @@ class InProcessServer:
 
 def encoded(values: np.ndarray) -> EncodedTensor:
     """Values as a request would carry them (float32 wire bytes), for the state's methods."""
-    return received(array_to_tensor(values))
+    return tensor_from_proto(tensor_to_proto(values))
 
 
 def training(rule: str = "gem", **changes: Any) -> TrainingConfig:

@@ -15,8 +15,9 @@ import numpy as np
 from gemps.records import CentralVariable, CommitResult, ParameterSpec, Registration
 from gemps_proto import framing
 from gemps_proto import serde as shared
-from gemps_proto.codec import FLOAT32, encode, received, wire_view
+from gemps_proto.codec import FLOAT32, encode, wire_view
 from gemps_proto.schema import PayloadKind
+from gemps_proto.serde import tensor_from_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 
@@ -69,7 +70,7 @@ def register_stream_data(
 
 def buffers_from_proto(reply: pb.RegisterResponse | pb.PullResponse | pb.CommitResponse) -> np.ndarray | None:
     """A reply's central buffers; None when it carries none (a model without buffers, or unchanged)."""
-    return received(reply.buffers).decode() if reply.HasField("buffers") else None
+    return tensor_from_proto(reply.buffers).decode() if reply.HasField("buffers") else None
 
 
 def register_reply(data: bytes) -> tuple[Registration, np.ndarray | None, np.ndarray | None]:

@@ -1,4 +1,4 @@
-"""The tensor codec: numpy arrays <-> gemps.v1.Tensor bytes, shared by the server and the SDK.
+"""The tensor codec: numpy arrays <-> a tensor's raw wire bytes, shared by the server and the SDK.
 
 Tensors travel as raw little-endian bytes. Decoding float32 is zero-copy (`np.frombuffer`), so
 the returned array is read-only and aliases the message's bytes. bfloat16 is a wire format
@@ -13,16 +13,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gemps_proto.v1 import parameter_server_pb2 as pb
-
+# gemps.v1.DType's values, by number: the codec (and the server's domain, which uses it) knows
+# nothing of protobuf messages. tests/unit/test_codec_and_registry.py checks them against the .proto.
+UNSPECIFIED = 0
 #: the central variable's dtype, and the wire's default
-FLOAT32: int = pb.DTYPE_FLOAT32
-_NUMPY_DTYPES: dict[int, np.dtype] = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_BFLOAT16: np.dtype("<u2")}
+FLOAT32 = 1
+BFLOAT16 = 2
+DTYPE_NAMES = {UNSPECIFIED: "DTYPE_UNSPECIFIED", FLOAT32: "DTYPE_FLOAT32", BFLOAT16: "DTYPE_BFLOAT16"}
+_NUMPY_DTYPES: dict[int, np.dtype] = {FLOAT32: np.dtype("<f4"), BFLOAT16: np.dtype("<u2")}
 _BLOCK = 65_536  # elements per block of the bfloat16 encoder: its working set stays in cache
 #: wire formats by the names users pass (SDK, CLI flags): DTYPE_BFLOAT16 is "bfloat16"
-WIRE_DTYPE_NAMES: dict[str, int] = {
-    pb.DType.Name(dtype).removeprefix("DTYPE_").lower(): dtype for dtype in _NUMPY_DTYPES
-}
+WIRE_DTYPE_NAMES: dict[str, int] = {DTYPE_NAMES[dtype].removeprefix("DTYPE_").lower(): dtype for dtype in _NUMPY_DTYPES}
 
 
 class TensorDecodeError(ValueError):
@@ -30,10 +31,7 @@ class TensorDecodeError(ValueError):
 
 
 def dtype_name(dtype: int) -> str:
-    try:
-        return pb.DType.Name(dtype)
-    except ValueError:
-        return f"unknown dtype {dtype}"
+    return DTYPE_NAMES.get(dtype, f"unknown dtype {dtype}")
 
 
 def numpy_dtype(dtype: int) -> np.dtype:
@@ -48,16 +46,6 @@ def num_elements(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
-def tensor_to_array(tensor: pb.Tensor) -> np.ndarray:
-    """Decode a Tensor as float32 (without copying when it is float32); raises TensorDecodeError."""
-    return received(tensor).decode()
-
-
-def received(tensor: pb.Tensor) -> EncodedTensor:
-    """A Tensor's parts, for decoding later (its bytes field is read once: each read copies it)."""
-    return EncodedTensor(tensor.dtype, tuple(tensor.shape), tensor.data)
-
-
 def decode(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> np.ndarray:
     """float32 values of raw tensor bytes; float32 data is aliased, not copied."""
     itemsize = numpy_dtype(dtype).itemsize
@@ -68,7 +56,7 @@ def decode(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryv
         raise TensorDecodeError(
             f"{len(data)} bytes of data but shape {list(shape)} of {dtype_name(dtype)} needs {expected}"
         )
-    if dtype == pb.DTYPE_BFLOAT16:
+    if dtype == BFLOAT16:
         return bfloat16_to_float32(np.frombuffer(data, dtype="<u2")).reshape(shape)
     return np.frombuffer(data, dtype="<f4").reshape(shape)
 
@@ -118,30 +106,22 @@ def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
     return out.view("<f4")
 
 
-def encode(values: np.ndarray, dtype: int = pb.DTYPE_FLOAT32) -> bytes:
+def encode(values: np.ndarray, dtype: int = FLOAT32) -> bytes:
     """Raw wire bytes of float32 values in `dtype`."""
-    if dtype == pb.DTYPE_BFLOAT16:
+    if dtype == BFLOAT16:
         return float32_to_bfloat16(values).tobytes()
     numpy_dtype(dtype)  # raises for an unknown dtype
     return np.ascontiguousarray(values, dtype="<f4").tobytes()
 
 
-def wire_view(values: np.ndarray, dtype: int = pb.DTYPE_FLOAT32) -> bytes | memoryview:
+def wire_view(values: np.ndarray, dtype: int = FLOAT32) -> bytes | memoryview:
     """The wire bytes of float32 values in `dtype`: a view of `values` itself (no copy) when they
     already are little-endian float32 in one piece, else encode()'s copy. The caller keeps
     `values` unchanged while the view is in use."""
     array = np.asarray(values)
-    if dtype == pb.DTYPE_FLOAT32 and array.dtype == np.dtype("<f4") and array.flags.c_contiguous:
+    if dtype == FLOAT32 and array.dtype == np.dtype("<f4") and array.flags.c_contiguous:
         return array.reshape(-1).data.cast("B")
     return encode(array, dtype)
-
-
-def array_to_tensor(array: np.ndarray) -> pb.Tensor:
-    """Encode an array (converted to little-endian float32 when needed) as a Tensor."""
-    array = np.asarray(array)
-    if array.dtype != np.dtype("<f4"):
-        array = array.astype("<f4")
-    return pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=array.shape, data=array.tobytes())
 
 
 def all_finite(array: np.ndarray) -> bool:

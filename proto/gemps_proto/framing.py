@@ -20,7 +20,8 @@ import numpy as np
 from google.protobuf.message import Message
 
 from gemps_proto import wire
-from gemps_proto.codec import FLOAT32, EncodedTensor, received
+from gemps_proto.codec import FLOAT32, EncodedTensor
+from gemps_proto.serde import tensor_from_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 M = TypeVar("M", bound=Message)
@@ -57,7 +58,7 @@ def parse_with_tensor(message_class: type[M], field_number: int, data: bytes) ->
     if split is None:  # absent, framed unusually, or malformed: protobuf decides, with copies
         message = message_class.FromString(data)
         field = message.DESCRIPTOR.fields_by_number[field_number].name
-        return message, received(getattr(message, field)) if message.HasField(field) else None
+        return message, tensor_from_proto(getattr(message, field)) if message.HasField(field) else None
     message = message_class.FromString(split.rest)
     parts = pb.Tensor.FromString(split.tensor)
     return message, EncodedTensor(parts.dtype, tuple(parts.shape), split.data)

@@ -11,8 +11,10 @@ import dataclasses
 from collections.abc import Iterable
 from typing import TypeVar
 
+import numpy as np
 from google.protobuf.message import Message
 
+from gemps_proto.codec import EncodedTensor
 from gemps_proto.schema import (
     Evaluation,
     Layout,
@@ -26,6 +28,19 @@ from gemps_proto.schema import (
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 M = TypeVar("M", bound=Message)
+
+
+def tensor_to_proto(array: np.ndarray) -> pb.Tensor:
+    """A Tensor of an array's values (converted to little-endian float32 when needed)."""
+    array = np.asarray(array)
+    if array.dtype != np.dtype("<f4"):
+        array = array.astype("<f4")
+    return pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=array.shape, data=array.tobytes())
+
+
+def tensor_from_proto(tensor: pb.Tensor) -> EncodedTensor:
+    """A Tensor's parts, decoded on demand (its bytes field is read once: each read copies it)."""
+    return EncodedTensor(tensor.dtype, tuple(tensor.shape), tensor.data)
 
 
 def spec_to_proto(spec: Iterable[ParameterSpec]) -> list[pb.ParameterSpec]:

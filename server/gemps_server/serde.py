@@ -20,9 +20,10 @@ from google.protobuf.message import DecodeError, Message
 
 from gemps_proto import framing
 from gemps_proto import serde as shared
-from gemps_proto.codec import FLOAT32, EncodedTensor, dtype_name, received
+from gemps_proto.codec import FLOAT32, EncodedTensor, dtype_name
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import ParameterSpec, Registration
+from gemps_proto.serde import tensor_from_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.errors import InvalidArgument
 from gemps_server.state import Admission, Commit, CommitOutcome, Snapshot, check_spec_length
@@ -88,7 +89,7 @@ def spec_from_proto(messages: Sequence[pb.ParameterSpec]) -> tuple[ParameterSpec
 
 def buffers_from_proto(request: pb.RegisterRequest) -> tuple[tuple[ParameterSpec, ...], EncodedTensor | None]:
     """A registering worker's buffer spec and initial buffers (None when it sent none)."""
-    initial = received(request.initial_buffers) if request.HasField("initial_buffers") else None
+    initial = tensor_from_proto(request.initial_buffers) if request.HasField("initial_buffers") else None
     return spec_from_proto(request.buffer_spec), initial
 
 
@@ -127,12 +128,12 @@ def commit_from_proto(request: pb.CommitRequest, payload: EncodedTensor | None =
         worker_id=request.worker_id,
         base_version=request.base_version,
         kind=request.kind,
-        payload=received(request.payload) if payload is None else payload,
+        payload=tensor_from_proto(request.payload) if payload is None else payload,
         request_id=request.request_id,
         reply_dtype=reply_dtype_from_proto(request.reply_dtype),
         loss=request.loss if request.HasField("loss") else None,
         num_samples=request.num_samples if request.HasField("num_samples") else None,
-        buffer_delta=received(request.buffer_delta) if request.HasField("buffer_delta") else None,
+        buffer_delta=tensor_from_proto(request.buffer_delta) if request.HasField("buffer_delta") else None,
     )
 
 

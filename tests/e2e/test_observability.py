@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 import gemps
-from gemps_proto.codec import array_to_tensor
+from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_worker.cluster import ServerProcess
@@ -84,7 +84,7 @@ def send_unknown_worker_commit(target: str) -> None:
             worker_id="no-such-worker",
             base_version=0,
             kind=pb.PAYLOAD_KIND_GRADIENT,
-            payload=array_to_tensor(np.zeros(4, np.float32)),
+            payload=tensor_to_proto(np.zeros(4, np.float32)),
         )
         with pytest.raises(grpc.RpcError) as refused:
             stub.Commit(request)

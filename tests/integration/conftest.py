@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from gemps_proto.codec import array_to_tensor
+from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_worker.cluster import ServerProcess
@@ -76,7 +76,7 @@ def register(
     initial = np.linspace(-1, 1, NUM_PARAMETERS, dtype=np.float32)
     return stub.Register(
         pb.RegisterRequest(
-            spec=SPEC if spec is None else spec, initial_parameters=array_to_tensor(initial), client_id=client_id
+            spec=SPEC if spec is None else spec, initial_parameters=tensor_to_proto(initial), client_id=client_id
         )
     )
 

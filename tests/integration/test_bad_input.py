@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from gemps_proto.codec import array_to_tensor
+from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from tests.helpers import InProcessServer
@@ -19,7 +19,7 @@ Code = grpc.StatusCode
 
 
 def good_payload() -> pb.Tensor:
-    return array_to_tensor(np.full(NUM_PARAMETERS, 0.5, np.float32))
+    return tensor_to_proto(np.full(NUM_PARAMETERS, 0.5, np.float32))
 
 
 def commit_request(worker_id: str, **overrides: object) -> pb.CommitRequest:
@@ -84,12 +84,12 @@ BAD_COMMITS: dict[str, tuple[dict[str, object], grpc.StatusCode, tuple[str, ...]
         ("unsupported dtype",),
     ),
     "mismatched shape": (
-        {"payload": array_to_tensor(np.zeros(NUM_PARAMETERS + 1, np.float32))},
+        {"payload": tensor_to_proto(np.zeros(NUM_PARAMETERS + 1, np.float32))},
         Code.INVALID_ARGUMENT,
         ("payload shape [17]", "[16]"),
     ),
     "per-parameter shape instead of flat": (
-        {"payload": array_to_tensor(np.zeros((4, 4), np.float32))},
+        {"payload": tensor_to_proto(np.zeros((4, 4), np.float32))},
         Code.INVALID_ARGUMENT,
         ("payload shape [4, 4]",),
     ),
@@ -99,12 +99,12 @@ BAD_COMMITS: dict[str, tuple[dict[str, object], grpc.StatusCode, tuple[str, ...]
         ("negative dimension",),
     ),
     "NaN in gradient": (
-        {"payload": array_to_tensor(np.where(np.arange(NUM_PARAMETERS) == 3, np.nan, 1.0).astype(np.float32))},
+        {"payload": tensor_to_proto(np.where(np.arange(NUM_PARAMETERS) == 3, np.nan, 1.0).astype(np.float32))},
         Code.INVALID_ARGUMENT,
         ("NaN or Inf",),
     ),
     "Inf in gradient": (
-        {"payload": array_to_tensor(np.where(np.arange(NUM_PARAMETERS) == 0, -np.inf, 1.0).astype(np.float32))},
+        {"payload": tensor_to_proto(np.where(np.arange(NUM_PARAMETERS) == 0, -np.inf, 1.0).astype(np.float32))},
         Code.INVALID_ARGUMENT,
         ("NaN or Inf",),
     ),
@@ -168,7 +168,7 @@ def test_one_worker_at_a_time_is_asked_for_the_initial_values(server: InProcessS
 
 def test_first_register_with_wrong_initial_size(server: InProcessServer) -> None:
     stub = open_stub(server.target)
-    request = pb.RegisterRequest(spec=SPEC, initial_parameters=array_to_tensor(np.zeros(5, np.float32)))
+    request = pb.RegisterRequest(spec=SPEC, initial_parameters=tensor_to_proto(np.zeros(5, np.float32)))
     expect_error(lambda: stub.Register(request), Code.INVALID_ARGUMENT, "5 values", "describes 16")
     assert not stub.Status(pb.StatusRequest()).initialized
 

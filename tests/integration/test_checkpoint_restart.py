@@ -19,8 +19,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import gemps
-from gemps_proto.codec import array_to_tensor
 from gemps_proto.schema import ParameterSpec
+from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.checkpoints import list_checkpoints, load, load_latest
 from gemps_worker.cluster import ServerProcess
@@ -116,7 +116,7 @@ def commit(stub: object, worker_id: str, base: int, request_id: str) -> pb.Commi
         worker_id=worker_id,
         base_version=base,
         kind=pb.PAYLOAD_KIND_GRADIENT,
-        payload=array_to_tensor(np.full(NUM_PARAMETERS, 0.5, np.float32)),
+        payload=tensor_to_proto(np.full(NUM_PARAMETERS, 0.5, np.float32)),
         request_id=request_id,
     )
     return stub.Commit(request)  # type: ignore[attr-defined, no-any-return]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import gemps
-from gemps_proto.codec import array_to_tensor
+from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_worker.cluster import ServerProcess
@@ -53,10 +53,10 @@ async def commit_as_fast_as_possible(target: str, versions: list[int], start: as
     """One client on its own connection: the next commit leaves the moment the reply arrives."""
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.ParameterServerStub(channel)
-        initial = array_to_tensor(np.zeros(1000, np.float32))
+        initial = tensor_to_proto(np.zeros(1000, np.float32))
         spec = [pb.ParameterSpec(name="w", shape=[1000], dtype=pb.DTYPE_FLOAT32)]
         reply = await stub.Register(pb.RegisterRequest(spec=spec, initial_parameters=initial))
-        gradient = array_to_tensor(np.full(1000, 1e-4, np.float32))
+        gradient = tensor_to_proto(np.full(1000, 1e-4, np.float32))
         base = reply.version
         await start.wait()
         while base < TARGET_VERSION:

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gemps_proto.codec import array_to_tensor
+from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_worker.cluster import ServerProcess
 from tests.integration.conftest import NUM_PARAMETERS, SPEC, central, open_stub, register
@@ -100,7 +100,7 @@ def target() -> object:
                     worker_id=worker_id,
                     base_version=version,
                     kind=pb.PAYLOAD_KIND_GRADIENT,
-                    payload=array_to_tensor(np.full(NUM_PARAMETERS, 0.1, np.float32)),
+                    payload=tensor_to_proto(np.full(NUM_PARAMETERS, 0.1, np.float32)),
                     request_id=uuid.uuid4().hex,
                 )
             )
@@ -229,7 +229,7 @@ def commit_requests(draw: st.DrawFn, worker_id: str, version: int) -> pb.CommitR
         worker_id=worker_id,  # unknown ones: the "worker" defect
         base_version=draw(st.integers(0, version)) if good else draw(INT64),
         kind=draw(st.sampled_from([pb.PAYLOAD_KIND_GRADIENT, pb.PAYLOAD_KIND_UPDATE])) if good else draw(INT32),  # type: ignore[arg-type]
-        payload=array_to_tensor(values) if good else draw(tensors()),
+        payload=tensor_to_proto(values) if good else draw(tensors()),
         request_id=draw(st.text(max_size=64)),
     )
     if draw(st.booleans()):
@@ -255,7 +255,7 @@ def commit_requests(draw: st.DrawFn, worker_id: str, version: int) -> pb.CommitR
     elif defect == "non_finite":
         broken = values.copy()
         broken[draw(st.integers(0, NUM_PARAMETERS - 1))] = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
-        payload.CopyFrom(array_to_tensor(broken))
+        payload.CopyFrom(tensor_to_proto(broken))
     else:
         request.request_id = draw(st.text(min_size=129, max_size=300))
     return request

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import gemps
-from gemps_proto.codec import array_to_tensor
 from gemps_proto.reasons import METADATA_KEY
+from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.state import MAX_NAME_LENGTH, MAX_SPEC_ENTRIES
 from tests.helpers import InProcessServer, wait_for
@@ -40,7 +40,7 @@ def test_a_long_worker_name_is_refused_and_not_kept(start_server: StartServer) -
     server = start_server(max_message_mb=16)
     stub = open_stub(server.target)
     request = pb.RegisterRequest(
-        spec=SPEC, initial_parameters=array_to_tensor(np.zeros(16, np.float32)), worker_name="w" * (8 << 20)
+        spec=SPEC, initial_parameters=tensor_to_proto(np.zeros(16, np.float32)), worker_name="w" * (8 << 20)
     )
     error = refused(lambda: stub.Register(request))
     assert reason(error) == "too_long" and f"at most {MAX_NAME_LENGTH}" in str(error.details())
@@ -71,7 +71,7 @@ def test_a_spec_with_too_many_entries_is_refused_before_it_is_read(server: InPro
 def test_a_model_without_values_cannot_take_the_server(server: InProcessServer) -> None:
     stub = open_stub(server.target)
     empty = [pb.ParameterSpec(name="nothing", shape=[0, 3], dtype=pb.DTYPE_FLOAT32)]
-    request = pb.RegisterRequest(spec=empty, initial_parameters=array_to_tensor(np.zeros(0, np.float32)))
+    request = pb.RegisterRequest(spec=empty, initial_parameters=tensor_to_proto(np.zeros(0, np.float32)))
     assert reason(refused(lambda: stub.Register(request))) == "bad_spec"
     assert not stub.Status(pb.StatusRequest()).initialized
     assert register(stub).worker_id  # an honest worker still initialises it
@@ -129,7 +129,7 @@ def test_registrations_kept_alive_by_pulls_alone_give_way_to_a_newcomer(start_se
     stop = threading.Event()
 
     def keep_alive() -> None:  # the squatters pull, the committer commits, until the test ends
-        payload = array_to_tensor(np.zeros(16, np.float32))
+        payload = tensor_to_proto(np.zeros(16, np.float32))
         while not stop.wait(0.05):
             for worker_id in squatters:
                 try:

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import gemps
-from gemps_proto.codec import array_to_tensor
 from gemps_proto.schema import ParameterSpec
+from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.checkpoints import list_checkpoints, load
 from tests.helpers import InProcessServer
@@ -81,9 +81,9 @@ def test_first_registration_with_a_buffer_spec_needs_the_values(server: InProces
     stub = open_stub(server.target)
     request = pb.RegisterRequest(
         spec=[pb.ParameterSpec(name="w", shape=[2], dtype=pb.DTYPE_FLOAT32)],
-        initial_parameters=array_to_tensor(np.zeros(2, np.float32)),
+        initial_parameters=tensor_to_proto(np.zeros(2, np.float32)),
         buffer_spec=[pb.ParameterSpec(name="w", shape=[1], dtype=pb.DTYPE_FLOAT32)],
-        initial_buffers=array_to_tensor(np.zeros(1, np.float32)),
+        initial_buffers=tensor_to_proto(np.zeros(1, np.float32)),
     )
     with pytest.raises(grpc.RpcError) as same_name:
         stub.Register(request)
@@ -105,7 +105,7 @@ def test_a_model_without_buffers_gets_no_buffer_fields(server: InProcessServer) 
         pb.CommitRequest(
             worker_id=registered.worker_id,
             kind=pb.PAYLOAD_KIND_GRADIENT,
-            payload=array_to_tensor(np.ones(16, np.float32)),
+            payload=tensor_to_proto(np.ones(16, np.float32)),
         )
     )
     assert not reply.HasField("buffers")

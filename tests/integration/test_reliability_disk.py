@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gemps_proto.codec import array_to_tensor
+from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.checkpoints import list_checkpoints, load
 from tests.helpers import wait_for
@@ -44,7 +44,7 @@ def test_a_disk_that_holds_exactly_keep_checkpoints_keeps_taking_new_ones(
     )
     stub = open_stub(server.target)
     spec = [pb.ParameterSpec(name="w", shape=[SIZE], dtype=pb.DTYPE_FLOAT32)]
-    initial = array_to_tensor(np.zeros(SIZE, np.float32))
+    initial = tensor_to_proto(np.zeros(SIZE, np.float32))
     worker_id = stub.Register(pb.RegisterRequest(spec=spec, initial_parameters=initial)).worker_id
     checkpointer = server.server.checkpointer
     assert checkpointer is not None
@@ -54,7 +54,7 @@ def test_a_disk_that_holds_exactly_keep_checkpoints_keeps_taking_new_ones(
                 worker_id=worker_id,
                 base_version=version - 1,
                 kind=pb.PAYLOAD_KIND_UPDATE,
-                payload=array_to_tensor(np.full(SIZE, 1e-3, np.float32)),
+                payload=tensor_to_proto(np.full(SIZE, 1e-3, np.float32)),
             )
         )
         # One checkpoint per commit, each waited for, so the disk fills up for certain.

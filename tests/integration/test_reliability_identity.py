@@ -11,8 +11,8 @@ import grpc
 import numpy as np
 import pytest
 
-from gemps_proto.codec import array_to_tensor
 from gemps_proto.reasons import METADATA_KEY
+from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_server.rules.gem import GemRule
@@ -24,7 +24,7 @@ INITIAL = np.linspace(-1, 1, NUM_PARAMETERS, dtype=np.float32)
 
 def register(stub: pb_grpc.ParameterServerStub, client_id: str = "") -> pb.RegisterResponse:
     return stub.Register(
-        pb.RegisterRequest(spec=SPEC, initial_parameters=array_to_tensor(INITIAL), client_id=client_id)
+        pb.RegisterRequest(spec=SPEC, initial_parameters=tensor_to_proto(INITIAL), client_id=client_id)
     )
 
 
@@ -34,7 +34,7 @@ def commit(stub: pb_grpc.ParameterServerStub, worker_id: str, request_id: str, v
             worker_id=worker_id,
             base_version=0,
             kind=pb.PAYLOAD_KIND_GRADIENT,
-            payload=array_to_tensor(np.full(NUM_PARAMETERS, value, np.float32)),
+            payload=tensor_to_proto(np.full(NUM_PARAMETERS, value, np.float32)),
             request_id=request_id,
         )
     )

@@ -10,9 +10,9 @@ import grpc
 import numpy as np
 import pytest
 
-from gemps_proto.codec import array_to_tensor
 from gemps_proto.reasons import METADATA_KEY
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
+from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.checkpoints import Checkpoint, CheckpointError, list_checkpoints, load, save
 from gemps_server.rules import create_rule
@@ -37,7 +37,7 @@ def rule_state(server: InProcessServer) -> dict[str, bytes]:
 
 
 def commit(stub: Any, worker_id: str, version: int, values: np.ndarray, kind: Any) -> pb.CommitResponse:
-    request = pb.CommitRequest(worker_id=worker_id, base_version=version, kind=kind, payload=array_to_tensor(values))
+    request = pb.CommitRequest(worker_id=worker_id, base_version=version, kind=kind, payload=tensor_to_proto(values))
     reply: pb.CommitResponse = stub.Commit(request)
     return reply
 

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from gemps.retry import RetryPolicy
-from gemps_proto.codec import TensorDecodeError, all_finite, array_to_tensor, tensor_to_array
+from gemps_proto import codec
+from gemps_proto.codec import TensorDecodeError, all_finite
+from gemps_proto.serde import tensor_from_proto, tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.errors import NotFound, ResourceExhausted
 from gemps_server.workers import WorkerRegistry
@@ -12,21 +14,21 @@ from gemps_server.workers import WorkerRegistry
 
 def test_round_trip_is_exact_and_little_endian() -> None:
     values = np.array([[1.5, -0.0], [np.float32(1e-38), 3.4e38]], dtype=np.float32)
-    tensor = array_to_tensor(values)
+    tensor = tensor_to_proto(values)
     assert tensor.data[:4] == b"\x00\x00\xc0\x3f"  # 1.5 in little-endian IEEE 754
-    np.testing.assert_array_equal(tensor_to_array(tensor), values)
+    np.testing.assert_array_equal(tensor_from_proto(tensor).decode(), values)
 
 
 def test_big_endian_and_float64_inputs_are_converted() -> None:
     for values in (np.arange(3, dtype=">f4"), np.arange(3, dtype=np.float64)):
-        np.testing.assert_array_equal(tensor_to_array(array_to_tensor(values)), [0, 1, 2])
+        np.testing.assert_array_equal(tensor_from_proto(tensor_to_proto(values)).decode(), [0, 1, 2])
 
 
 def test_decode_errors_say_what_is_wrong() -> None:
     with pytest.raises(TensorDecodeError, match="7 bytes of data but shape \\[2\\] of DTYPE_FLOAT32 needs 8"):
-        tensor_to_array(pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[2], data=b"1234567"))
+        tensor_from_proto(pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[2], data=b"1234567")).decode()
     with pytest.raises(TensorDecodeError, match="unsupported dtype"):
-        tensor_to_array(pb.Tensor(dtype=pb.DTYPE_UNSPECIFIED, shape=[0]))
+        tensor_from_proto(pb.Tensor(dtype=pb.DTYPE_UNSPECIFIED, shape=[0])).decode()
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -66,3 +68,11 @@ def test_retry_backoff_grows_and_is_capped() -> None:
     delays = list(RetryPolicy(max_attempts=6, initial_backoff=0.1, max_backoff=0.4).delays(random.Random(0)))
     assert len(delays) == 5
     assert all(0 <= d <= cap for d, cap in zip(delays, [0.1, 0.2, 0.4, 0.4, 0.4], strict=True))
+
+
+def test_the_codecs_dtype_numbers_are_the_protos() -> None:
+    """The codec knows gemps.v1.DType by number (so the server's domain imports no protobuf)."""
+    assert {pb.DType.Name(value): value for value in pb.DType.values()} == {
+        name: value for value, name in codec.DTYPE_NAMES.items()
+    }
+    assert (codec.FLOAT32, codec.BFLOAT16) == (pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gemps_proto import wire
-from gemps_proto.codec import array_to_tensor
+from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server import serde
 from gemps_server.serde import MalformedRequest, WithTensor
@@ -34,7 +34,7 @@ def test_a_framed_reply_parses_as_protobuf_builds_it(size: int, dtype: int) -> N
 
 def test_a_commit_is_split_without_copying_its_payload() -> None:
     request = pb.CommitRequest(
-        worker_id="w", base_version=4, kind=pb.PAYLOAD_KIND_GRADIENT, payload=array_to_tensor(np.ones(5, np.float32))
+        worker_id="w", base_version=4, kind=pb.PAYLOAD_KIND_GRADIENT, payload=tensor_to_proto(np.ones(5, np.float32))
     )
     data = request.SerializeToString()
     split = wire.split_tensor_field(data, 4)
@@ -48,7 +48,7 @@ def test_a_commit_is_split_without_copying_its_payload() -> None:
 
 
 def test_unusual_framings_are_left_to_protobuf() -> None:
-    one = pb.CommitRequest(payload=array_to_tensor(np.ones(2, np.float32))).SerializeToString()
+    one = pb.CommitRequest(payload=tensor_to_proto(np.ones(2, np.float32))).SerializeToString()
     twice = one + one  # valid protobuf: the two payloads merge
     assert wire.split_tensor_field(twice, 4) is None
     parsed = serde.parse_with_tensor(pb.CommitRequest, 4, twice)
