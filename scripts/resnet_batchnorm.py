@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 
 from gemps_worker.cluster import LocalCluster
 from gemps_worker.datasets import load_dataset
-from gemps_worker.evaluation import evaluate
-from gemps_worker.evaluator import EvaluatorOptions, run_evaluator
+from gemps_worker.evaluation_loop import EvaluatorOptions, run_evaluator
+from gemps_worker.held_out import evaluate
 from gemps_worker.models import build_model
 
 MODEL = "resnet-bn"

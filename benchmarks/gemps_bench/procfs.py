@@ -24,11 +24,6 @@ def peak_rss(pid: int) -> int | None:
     return _status_field(pid, "VmHWM")
 
 
-def current_rss(pid: int) -> int | None:
-    """The process's resident set size now (VmRSS), bytes."""
-    return _status_field(pid, "VmRSS")
-
-
 def cpu_seconds(pid: int) -> float | None:
     """User plus system CPU time the process (all its threads) has used, seconds; None once gone."""
     try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -115,6 +115,3 @@ class LoadResult:
             "notes": self.notes,
             **self.extra,
         }
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)

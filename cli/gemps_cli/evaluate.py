@@ -7,7 +7,7 @@ import logging
 
 from gemps import options
 from gemps.errors import GempsError, StoppedError
-from gemps_worker.evaluator import EvaluatorOptions, run_evaluator
+from gemps_worker.evaluation_loop import EvaluatorOptions, run_evaluator
 from gemps_worker.idx import DatasetError
 from gemps_worker.signals import configure_logging, stop_on_signals
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from gemps_worker.datasets import DATASETS
 from gemps_worker.experiment.analysis import base_name
-from gemps_worker.experiment.runner import RunConfig
+from gemps_worker.experiment.single_run import RunConfig
 from gemps_worker.experiment.suite import SUITE_HELP, SUITES, with_seeds
-from gemps_worker.experiment.suite_runner import run_suite
+from gemps_worker.experiment.suite_run import run_suite
 from gemps_worker.models import MODELS
 
 

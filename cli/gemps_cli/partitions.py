@@ -19,10 +19,8 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -36,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gemps.options import env_var, values_of
 from gemps_server.config import ServerConfig
+from gemps_worker.processes import GEMPS_COMMAND, ChildExitedError, launch, wait_for_port_file
 
 log = logging.getLogger("gemps.partitions")
 
@@ -49,8 +48,8 @@ EXIT_CANNOT_START = 2
 
 
 @dataclass
-class Partition:
-    """One child server process and where it serves."""
+class PartitionProcess:
+    """The child server process that holds one partition of θ, and where it serves."""
 
     index: int
     config: ServerConfig
@@ -68,9 +67,7 @@ class Partition:
         return env
 
     def start(self) -> None:
-        self.port_file.unlink(missing_ok=True)
-        command = [sys.executable, "-m", "gemps_cli", "server"]
-        self.process = subprocess.Popen(command, env=self.environment())
+        self.process = launch([*GEMPS_COMMAND, "server"], self.port_file, env=self.environment())
 
     def metrics_text(self) -> str | None:
         """Its /metrics page; None while it does not answer (restarting)."""
@@ -83,14 +80,13 @@ class Partition:
             return None
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_SECONDS) -> bool:
-        """True once its port file is there; False if it exited first."""
+        """True once its port file is there; False if it exited first or `timeout` passed."""
         assert self.process is not None
-        deadline = time.monotonic() + timeout
-        while not self.port_file.exists():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                return False
-            time.sleep(POLL_SECONDS)
-        self.port, self.metrics_port = (int(line) for line in self.port_file.read_text().split())
+        try:
+            ports = wait_for_port_file(self.process, self.port_file, timeout=timeout, poll_seconds=POLL_SECONDS)
+        except (ChildExitedError, TimeoutError):
+            return False
+        self.port, self.metrics_port = ports
         return True
 
     def running(self) -> bool:
@@ -121,7 +117,7 @@ class PartitionMetrics:
     """Every partition's metrics as one Prometheus target: the families of each one's /metrics
     (its samples already labelled with its partition) merged by name, and `gemps_partition_up`."""
 
-    def __init__(self, partitions: list[Partition]) -> None:
+    def __init__(self, partitions: list[PartitionProcess]) -> None:
         self._partitions = partitions
 
     def collect(self) -> Iterator[Metric]:
@@ -147,7 +143,7 @@ class PartitionSupervisor:
             raise ValueError("the supervisor runs all partitions of a partitioned server (partitions >= 2, index -1)")
         self.config = config
         self._dir = tempfile.TemporaryDirectory(prefix="gemps-partitions-")
-        self.partitions: list[Partition] = []  # in θ order, once started
+        self.partitions: list[PartitionProcess] = []  # in θ order, once started
         self._stopping = threading.Event()
         self.metrics_port = -1
 
@@ -174,17 +170,17 @@ class PartitionSupervisor:
         """Partitions 1..K-1, then partition 0 told their ports; False if one could not start."""
         folder = Path(self._dir.name)
         for index in range(1, self.config.partitions):
-            self.partitions.append(Partition(index, child_config(self.config, index), folder / f"{index}.port"))
+            self.partitions.append(PartitionProcess(index, child_config(self.config, index), folder / f"{index}.port"))
             self.partitions[-1].start()
         if not all(partition.wait_ready() for partition in self.partitions):
             return False
         addresses = ",".join(["", *(f":{partition.port}" for partition in self.partitions)])
-        first = Partition(0, child_config(self.config, 0, addresses), folder / "0.port")
+        first = PartitionProcess(0, child_config(self.config, 0, addresses), folder / "0.port")
         self.partitions.insert(0, first)
         first.start()
         return first.wait_ready()
 
-    def _restart(self, partition: Partition) -> bool:
+    def _restart(self, partition: PartitionProcess) -> bool:
         """Start a partition that exited again, on its port; False after too many failed starts."""
         assert partition.process is not None
         code = partition.process.returncode

@@ -161,6 +161,10 @@ class Shard:
     index: int  # distinct among active workers (lowest free slot)
     count: int  # disjoint shards; 0: the whole training set, in an order seeded by `index`
 
+    def __iter__(self) -> Iterator[int]:
+        """`index, count = shard`, the shape the README gives it."""
+        return iter((self.index, self.count))
+
 
 @dataclass(frozen=True)
 class Partition:

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 
 from gemps.pytorch import load_central  # noqa: E402
 from gemps_worker.datasets import load_digits  # noqa: E402
-from gemps_worker.evaluation import evaluate  # noqa: E402
+from gemps_worker.held_out import evaluate  # noqa: E402
 from gemps_worker.models import build_model  # noqa: E402
 
 # The training run: mlp on the bundled digits, equal budgets with and without faults. Big

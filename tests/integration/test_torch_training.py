@@ -14,7 +14,7 @@ import gemps
 import gemps.pytorch
 from gemps.pytorch import RemoteModel
 from gemps_worker.datasets import load_digits
-from gemps_worker.evaluation import evaluate
+from gemps_worker.held_out import evaluate
 from tests.helpers import InProcessServer
 from tests.integration.conftest import StartServer
 

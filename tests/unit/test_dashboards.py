@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from gemps_cli.partitions import Partition, PartitionMetrics
+from gemps_cli.partitions import PartitionMetrics, PartitionProcess
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.cog.plugins import register_default_plugins
 from grafana_foundation_sdk.models import dashboard as dashboard_models
@@ -183,7 +183,7 @@ def exposed_sample_names() -> set[str]:
     worker.commits.inc()
     # `gemps server --partitions K`'s own (gemps_partition_up), here for a partition not answering.
     supervisor = CollectorRegistry()
-    supervisor.register(PartitionMetrics([Partition(0, ServerConfig(), Path("unused.port"))]))
+    supervisor.register(PartitionMetrics([PartitionProcess(0, ServerConfig(), Path("unused.port"))]))
     text = "".join(generate_latest(r).decode() for r in (metrics.registry, worker.registry, supervisor))
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 

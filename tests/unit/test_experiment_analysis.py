@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gemps_proto.schema import TrainingConfig
-from gemps_worker.experiment import figures
+from gemps_worker.experiment import paper_figures
 from gemps_worker.experiment.analysis import (
     Summary,
     aggregate,
@@ -33,7 +33,7 @@ from gemps_worker.experiment.report import (
     write_aggregates,
     write_results_markdown,
 )
-from gemps_worker.experiment.runner import HeldOut, RunConfig, RunResult
+from gemps_worker.experiment.single_run import HeldOut, RunConfig, RunResult
 from gemps_worker.experiment.suite import (
     AGN_CHOSEN,
     COMPARISON_WORKERS,
@@ -428,11 +428,11 @@ def test_report_without_new_runs_keeps_its_shape(tmp_path: Path) -> None:
 def test_mean_band_interpolates_seeds_onto_one_grid() -> None:
     a = (np.array([0.0, 10.0]), np.array([0.0, 100.0]))
     b = (np.array([0.0, 5.0, 20.0]), np.array([0.0, 50.0, 60.0]))
-    grid, mean, low, high = figures.mean_band([a, b])
+    grid, mean, low, high = paper_figures.mean_band([a, b])
     assert grid[0] == 0.0 and grid[-1] == 10.0  # the shorter curve's end
     assert mean[-1] == pytest.approx((100.0 + 53.333333) / 2, rel=1e-4)
     assert low[-1] == pytest.approx(53.333333, rel=1e-4) and high[-1] == 100.0
-    empty = figures.mean_band([])
+    empty = paper_figures.mean_band([])
     assert all(len(x) == 0 for x in empty)
 
 

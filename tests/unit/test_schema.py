@@ -46,6 +46,16 @@ def test_each_schema_type_has_its_messages_fields(face: type[Any], message: Desc
             assert hints[field.name] is SCALARS[field.type], field.name
 
 
+def test_a_shard_unpacks_as_index_and_count() -> None:
+    """The README's `(index, count)`, without losing the record's fields, equality or frozenness."""
+    shard = schema.Shard(2, 5)
+    index, count = shard
+    assert (index, count) == (shard.index, shard.count) == (2, 5)
+    assert shard == schema.Shard(2, 5) != schema.Shard(5, 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        shard.index = 3  # type: ignore[misc]
+
+
 def test_payload_kinds_are_the_wire_enum() -> None:
     named = {pb.PayloadKind.Name(v): v for v in pb.PayloadKind.values() if v != pb.PAYLOAD_KIND_UNSPECIFIED}
     assert {kind.wire_name: int(kind) for kind in schema.PayloadKind} == named

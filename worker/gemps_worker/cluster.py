@@ -1,6 +1,6 @@
 """A gemps cluster on this machine: a server process, worker processes, observers, torn down together.
 
-One harness for everything that runs gemps locally: the demo, the experiment runner, the chaos
+One harness for everything that runs gemps locally: the demo, the experiment runs, the chaos
 tests and the benchmarks. Servers start on free ports and say so through a port file (written
 last, via a rename); every process logs to its own file; leaving the `with` block stops the
 workers (SIGTERM, then SIGKILL), closes the observers and stops the server gracefully.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,9 +28,8 @@ from typing import Any
 
 from gemps.client import Client
 from gemps.options import to_argv
+from gemps_worker.processes import GEMPS_COMMAND, ChildExitedError, launch, wait_for_port_file
 
-#: how this interpreter runs a `gemps` command (works without the console script on PATH)
-GEMPS_COMMAND = (sys.executable, "-m", "gemps_cli")
 POLL_SECONDS = 0.02
 
 
@@ -77,18 +75,16 @@ class ChildProcess:
 
     def start_process(self) -> list[int]:
         """Start the child and wait for its port file; returns the numbers in it."""
-        self.port_file.unlink(missing_ok=True)
-        with open(self.log_path, "ab") as log:
-            self._process = subprocess.Popen(self.command(self.port_file), stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.startup_timeout
-        while not self.port_file.exists():
-            if self._process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self._process.returncode}:\n{self.log()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"{self.name} not ready after {self.startup_timeout}s:\n{self.log()}")
-            time.sleep(POLL_SECONDS)
-        return [int(line) for line in self.port_file.read_text().split()]
+        self._process = launch(self.command(self.port_file), self.port_file, log_path=self.log_path)
+        try:
+            return wait_for_port_file(
+                self._process, self.port_file, timeout=self.startup_timeout, poll_seconds=POLL_SECONDS
+            )
+        except ChildExitedError as exited:
+            raise RuntimeError(f"{self.name} exited with {exited.returncode}:\n{self.log()}") from None
+        except TimeoutError:
+            self.stop()
+            raise TimeoutError(f"{self.name} not ready after {self.startup_timeout}s:\n{self.log()}") from None
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM (a graceful shutdown), then SIGKILL after `timeout`; returns the exit code."""
@@ -199,16 +195,6 @@ class LocalCluster:
         server = ServerProcess(log_path=self.folder / f"{name}.log", command=self.server_command, **options)
         self.servers.append(server)
         return server.start()
-
-    def restart_server(self, *, kill: bool = False) -> ServerProcess:
-        """Stop the server (SIGKILL with `kill`, else SIGTERM) and start it again on the same port,
-        as a supervisor would: workers find it by themselves."""
-        old = self.server
-        if kill:
-            old.kill()
-        else:
-            old.stop()
-        return self.start_server(port=old.port)
 
     def start_process(self, name: str, argv: Sequence[str]) -> subprocess.Popen[bytes]:
         """Any process of the run (a worker, a pool of worker loops), logging to NAME.log."""

@@ -26,11 +26,11 @@ from gemps_proto.schema import TrainingConfig
 from gemps_worker.cluster import LocalCluster
 from gemps_worker.commit_log import CommitFigures, ReportTail
 from gemps_worker.datasets import DATASETS, Dataset, load_dataset
-from gemps_worker.evaluation import evaluate, evaluate_central
+from gemps_worker.held_out import evaluate, evaluate_central
 from gemps_worker.models import MODELS, build_model
-from gemps_worker.plots import plot_training
 from gemps_worker.progress import ProgressLine
 from gemps_worker.training import StepRecord, read_report
+from gemps_worker.training_plot import plot_training
 
 
 @dataclass(frozen=True)

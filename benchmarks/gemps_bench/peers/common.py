@@ -75,10 +75,6 @@ def client_gradient(num_parameters: int, seed: int, client: int) -> np.ndarray:
     return pre_made_gradient(num_parameters, seed=seed + client)
 
 
-def client_name(client: int) -> str:
-    return f"client{client}"
-
-
 class PeerState:
     """A peer's server side of one commit, the same as gemps': theta moved by gemps' GEM rule (with the
     default training config), one commit at a time.

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import numpy as np
 
-from gemps_worker.experiment.runner import RunResult
+from gemps_worker.experiment.single_run import RunResult
 
 # "Final" figures average the last this-fraction of worker steps (mini-batch losses are noisy).
 FINAL_FRACTION = 0.1
@@ -196,10 +196,6 @@ def compare_to_proxy(
         passed,
         f"loss ratio {ratio:.2f}, accuracy {100 * gem.held_out_accuracy:.2f}% vs {100 * proxy.held_out_accuracy:.2f}%",
     )
-
-
-def by_name(summaries: Sequence[Summary]) -> dict[str, Summary]:
-    return {s.name: s for s in summaries}
 
 
 # -- repeats of one configuration with other seeds ---------------------------------------------

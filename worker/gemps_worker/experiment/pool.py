@@ -6,7 +6,7 @@ CPU cores, so per-worker step times stretch and staleness is set by the schedule
 independent machines; every worker still has its own connection, registration, lease, shard and
 per-worker GEM state on the server.
 
-    python -m gemps_worker.experiment.pool SPEC_JSON   (written by runner.py)
+    python -m gemps_worker.experiment.pool SPEC_JSON   (written by single_run.py)
 """
 
 from __future__ import annotations

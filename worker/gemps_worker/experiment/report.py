@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from gemps_worker.experiment import figures
+from gemps_worker.experiment import paper_figures
 from gemps_worker.experiment.analysis import (
     CURVE_FIELDS,
     TARGET_ACCURACY,
@@ -25,7 +25,7 @@ from gemps_worker.experiment.analysis import (
     group_by_config,
     step_curve,
 )
-from gemps_worker.experiment.runner import RunConfig, RunResult
+from gemps_worker.experiment.single_run import RunConfig, RunResult
 from gemps_worker.experiment.suite import ETA_WORKERS, MISSPECIFIED_ETA, REFERENCE_WORKERS
 
 _COMPARISON = re.compile(r"^cmp-(?P<method>.+)-n(?P<workers>\d+)$")
@@ -73,7 +73,7 @@ def comparison_figures(results: Sequence[RunResult], folder: Path) -> list[Path]
             methods = by_workers.setdefault(int(match["workers"]), {})
             methods.setdefault(match["method"], []).append(r)
     return [
-        figures.figure_comparison(folder / f"fig_compare_n{n}.png", n, list(methods.items()))
+        paper_figures.figure_comparison(folder / f"fig_compare_n{n}.png", n, list(methods.items()))
         for n, methods in sorted(by_workers.items())
     ]
 
@@ -97,11 +97,11 @@ def draw_figures(results: Sequence[RunResult], folder: Path) -> list[Path]:
 
     gem = series("gem")
     if gem:
-        drawn.append(figures.figure_1(folder / "fig1_gem_workers.png", gem, proxy))
-        drawn.append(figures.figure_3(folder / "fig3_pi.png", gem))
+        drawn.append(paper_figures.figure_1(folder / "fig1_gem_workers.png", gem, proxy))
+        drawn.append(paper_figures.figure_3(folder / "fig3_pi.png", gem))
     if series("downpour") and series("adaptive-staleness"):
         drawn.append(
-            figures.figure_2(
+            paper_figures.figure_2(
                 folder / "fig2_downpour_adaptive.png", series("downpour"), series("adaptive-staleness"), proxy
             )
         )
@@ -112,11 +112,11 @@ def draw_figures(results: Sequence[RunResult], folder: Path) -> list[Path]:
         if f"gem-n{n}-{eta}" in runs and f"downpour-n{n}-{eta}" in runs
     ]
     if pairs and f"momentum-n1-{eta}" in runs:
-        drawn.append(figures.figure_6(folder / "fig6_eta.png", pairs, runs[f"momentum-n1-{eta}"]))
+        drawn.append(paper_figures.figure_6(folder / "fig6_eta.png", pairs, runs[f"momentum-n1-{eta}"]))
     n = REFERENCE_WORKERS
     kappas = [runs[k] for k in (f"gem-n{n}", *(f"gem-n{n}-kappa{k}" for k in (2, 3, 4))) if k in runs]
     if len(kappas) > 1:
-        drawn.append(figures.figure_8(folder / "fig8_kappa.png", kappas, proxy))
+        drawn.append(paper_figures.figure_8(folder / "fig8_kappa.png", kappas, proxy))
     workers = max((r.config.workers for r in results if r.config.training.worker_mode != "gradient"), default=0)
     modes = [
         r
@@ -128,7 +128,7 @@ def draw_figures(results: Sequence[RunResult], folder: Path) -> list[Path]:
         and workers > 0
     ]
     if modes:
-        drawn.append(figures.figure_modes(folder / "fig_methods.png", modes, proxy))
+        drawn.append(paper_figures.figure_modes(folder / "fig_methods.png", modes, proxy))
     return drawn
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from gemps_proto.schema import TrainingConfig
 from gemps_worker.experiment.analysis import seeded_name
-from gemps_worker.experiment.runner import RunConfig
+from gemps_worker.experiment.single_run import RunConfig
 
 WORKER_COUNTS = (5, 10, 20, 30, 100)
 COMPARED_RULES = ("gem", "downpour", "adaptive-staleness")

@@ -16,7 +16,7 @@ from gemps_worker.experiment.report import (
     write_results_markdown,
     write_summaries,
 )
-from gemps_worker.experiment.runner import RunConfig, RunResult, run
+from gemps_worker.experiment.single_run import RunConfig, RunResult, run
 
 log = logging.getLogger("gemps.experiment")
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from gemps_worker.experiment.analysis import mini_batches_per_commit, smooth, step_curve, steps_at_version
-from gemps_worker.experiment.runner import RunResult
+from gemps_worker.experiment.single_run import RunResult
 
 SMOOTHING = 9  # worker steps in the moving average of mini-batch losses
 

@@ -18,8 +18,8 @@ from gemps.pytorch import RemoteModel
 from gemps_proto.schema import TrainingConfig
 from gemps_worker.cluster import LocalCluster
 from gemps_worker.datasets import Dataset, load_dataset
-from gemps_worker.evaluation import evaluate, evaluate_central
 from gemps_worker.experiment.pool import PoolSpec
+from gemps_worker.held_out import evaluate, evaluate_central
 from gemps_worker.models import build_model
 from gemps_worker.training import WorkerOptions
 

@@ -17,7 +17,7 @@ from gemps.errors import FailedPreconditionError
 from gemps.pytorch import load_central, trained_parameters
 from gemps.records import ParameterSpec
 from gemps_worker.datasets import DATASETS, load_dataset
-from gemps_worker.evaluation import evaluate
+from gemps_worker.held_out import evaluate
 from gemps_worker.metrics import EvaluatorMetrics
 from gemps_worker.models import MODELS, build_model
 
