@@ -16,8 +16,8 @@ import numpy as np
 
 from gemps_bench.suite import parse_counts
 from gemps_proto.schema import PayloadKind, TrainingConfig
-from gemps_server.rules import create_rule
-from gemps_server.rules.gem import GEM_KERNELS
+from gemps_server.domain.rules import create_rule
+from gemps_server.domain.rules.gem import GEM_KERNELS
 
 # theta, m_i, s_i read and written, Delta read: 7 float32 vectors per commit.
 VECTORS_TOUCHED = 7

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from gemps import options
-from gemps_server.rules import rule_names
+from gemps_server.domain.rules import rule_names
 from gemps_worker import demo
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from gemps.errors import GempsError
 from gemps_cli.connection import add_connection_flags, connect
-from gemps_server.checkpoints import (
+from gemps_server.checkpoint_files import (
     Checkpoint,
     CheckpointError,
     assemble_partitions,

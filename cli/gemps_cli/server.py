@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 from gemps import options
 from gemps_server.config import ServerConfig
-from gemps_server.rules import rule_names
+from gemps_server.domain.rules import rule_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,9 +1,16 @@
 """gemps parameter server: GEM and other asynchronous commit rules behind a gRPC service.
 
+Layout: `wire/` holds everything gRPC (the servicer, client-stream assembly, the reply budget,
+the stream buffer pool, the protobuf messages); `service` is the one door to the domain;
+`domain/` holds the central variable and what moves it (state, records, validation, rules,
+applier, ledger, workers, errors) and knows no protobuf. Around them: `app` wires the process
+together, with `config`, `metrics`, `logs`, `security`, `checkpoint_files` (the on-disk format)
+and `checkpoint_writer` (when, and on which thread, to write one).
+
 Public API, for the command line and tools: `config` (ServerConfig), `app` (ParameterServer,
-serve), `rules` (the commit rules: strategies by name), `checkpoints` (the checkpoint file
-format: load, export) and `allocator` (process memory tuning). Every other module is internal
-to the server; the import contracts in pyproject.toml enforce it (docs/ARCHITECTURE.md).
+serve), `domain.rules` (the commit rules: strategies by name), `checkpoint_files` (the checkpoint
+file format: load, export) and `allocator` (process memory tuning). Every other module is
+internal to the server; the import contracts in pyproject.toml enforce it (docs/ARCHITECTURE.md).
 """
 
 import importlib.metadata

@@ -18,18 +18,19 @@ from gemps_proto.reasons import Reason
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server import logs
 from gemps_server.allocator import TRIM_INTERVAL_SECONDS, one_arena, trim, tune_for
-from gemps_server.applier import Applier
-from gemps_server.checkpoint_schedule import Checkpointer
+from gemps_server.checkpoint_writer import Checkpointer
 from gemps_server.config import ServerConfig
 from gemps_server.descriptors import connection_budget, raise_open_file_limit
-from gemps_server.health import HealthServicer
+from gemps_server.domain.applier import Applier
+from gemps_server.domain.records import PartitionOf
+from gemps_server.domain.state import ServerState
+from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.logs import event
 from gemps_server.metrics import ServerMetrics, exposed
 from gemps_server.security import TokenAuthInterceptor, exposure_warnings, server_credentials
 from gemps_server.service import ParameterService
-from gemps_server.servicer import GempsServicer, add_to_server
-from gemps_server.state import PartitionOf, ServerState
-from gemps_server.workers import WorkerRegistry
+from gemps_server.wire.grpc_servicer import GempsServicer, add_to_server
+from gemps_server.wire.health import HealthServicer
 
 log = logging.getLogger("gemps.server")
 
@@ -90,6 +91,41 @@ class ParameterServer:
             self.checkpointer.restore()  # before serving: workers register against the restored state
             tune_for(4 * self.state.num_parameters)  # see allocator.py
         token = config.token()
+        server = self._grpc_server(token)
+        self.port = self._bind(server, token)
+        self.applier.start()
+        await server.start()
+        self._server = server
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._start_metrics()
+        self._lease_task = asyncio.create_task(self._expire_leases(), name="gemps-leases")
+        self._trim_task = asyncio.create_task(self._trim_heap(), name="gemps-heap-trim")
+        if self.checkpointer is not None:
+            self.checkpointer.start()
+        if self.config.port_file:
+            # Written last, via a rename, so a reader never sees a partial file.
+            tmp = Path(self.config.port_file + ".tmp")
+            tmp.write_text(f"{self.port}\n{self.metrics_port if self.config.metrics_port >= 0 else -1}\n")
+            tmp.replace(self.config.port_file)
+        event(
+            log,
+            "serving",
+            address=_hostport(self.config.host, self.port),
+            **self.config.training.as_dict(),
+            metrics_port=self.metrics_port if self.metrics_port else None,
+            tls="mutual" if config.tls_client_ca else config.tls,
+            auth="token" if token else None,
+            version=self.state.version,
+            checkpoint_dir=config.checkpoint_dir or None,
+            partition=f"{config.partition} of {config.partitions}" if config.partitions > 1 else None,
+        )
+        return self.port
+
+    def _grpc_server(self, token: str) -> grpc.aio.Server:
+        """The gRPC server with its limits (memory before trust: DESIGN §3b), this server's
+        servicer, health and reflection; not yet bound or started."""
+        config = self.config
         interceptors = []
         if token:
             interceptors.append(
@@ -134,44 +170,22 @@ class ParameterServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
         )
+        return server
+
+    def _bind(self, server: grpc.aio.Server, token: str) -> int:
+        """Bind the configured address (TLS when configured); the port bound."""
+        config = self.config
         address = _hostport(config.host, config.port)
         if config.tls:
             credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-            self.port = server.add_secure_port(address, credentials)
+            port = server.add_secure_port(address, credentials)
         else:
-            self.port = server.add_insecure_port(address)
-        if self.port == 0:
+            port = server.add_insecure_port(address)
+        if port == 0:
             raise OSError(f"could not bind {address}")
         for warning in exposure_warnings(config.host, tls=config.tls, token=bool(token)):
             event(log, "insecure listener", level=logging.WARNING, warning=warning)
-        self.applier.start()
-        await server.start()
-        self._server = server
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        self._start_metrics()
-        self._lease_task = asyncio.create_task(self._expire_leases(), name="gemps-leases")
-        self._trim_task = asyncio.create_task(self._trim_heap(), name="gemps-heap-trim")
-        if self.checkpointer is not None:
-            self.checkpointer.start()
-        if self.config.port_file:
-            # Written last, via a rename, so a reader never sees a partial file.
-            tmp = Path(self.config.port_file + ".tmp")
-            tmp.write_text(f"{self.port}\n{self.metrics_port if self.config.metrics_port >= 0 else -1}\n")
-            tmp.replace(self.config.port_file)
-        event(
-            log,
-            "serving",
-            address=_hostport(self.config.host, self.port),
-            **self.config.training.as_dict(),
-            metrics_port=self.metrics_port if self.metrics_port else None,
-            tls="mutual" if config.tls_client_ca else config.tls,
-            auth="token" if token else None,
-            version=self.state.version,
-            checkpoint_dir=config.checkpoint_dir or None,
-            partition=f"{config.partition} of {config.partitions}" if config.partitions > 1 else None,
-        )
-        return self.port
+        return port
 
     async def stop(self, grace: float | None = None) -> bool:
         """Shut down gracefully: report NOT_SERVING, refuse new RPCs and give in-flight ones up to

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from gemps_proto.schema import TrainingConfig
+from gemps_server.domain.rules import rule_names
+from gemps_server.domain.rules.gem import GEM_KERNELS
 from gemps_server.logs import LOG_FORMATS
 from gemps_server.native import compiled
-from gemps_server.rules import rule_names
-from gemps_server.rules.gem import GEM_KERNELS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -201,6 +201,14 @@ class ServerConfig:
             found.append(f"unknown log_level {self.log_level!r} (choose from {', '.join(LOG_LEVELS)})")
         if self.log_format not in LOG_FORMATS:
             found.append(f"unknown log_format {self.log_format!r} (choose from {', '.join(LOG_FORMATS)})")
+        found += self._limit_problems()
+        found += self._security_problems()
+        found += self._connection_problems()
+        found += self._partition_problems()
+        return found
+
+    def _limit_problems(self) -> list[str]:
+        found = []
         if not 0 <= self.port <= 65535:
             found.append(f"port {self.port} outside 0..65535")
         if not -1 <= self.metrics_port <= 65535:
@@ -229,6 +237,10 @@ class ServerConfig:
             found.append("checkpoint_keep must be >= 1")
         if self.shutdown_grace < 0:
             found.append("shutdown_grace must be >= 0")
+        return found
+
+    def _security_problems(self) -> list[str]:
+        found = []
         if bool(self.tls_cert) != bool(self.tls_key):
             found.append("tls_cert and tls_key go together: give both or neither")
         if self.tls_client_ca and not self.tls_cert:
@@ -241,6 +253,10 @@ class ServerConfig:
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 found.append(f"{name} {path!r} is not a readable file")
+        return found
+
+    def _connection_problems(self) -> list[str]:
+        found = []
         if self.max_registrations_per_minute < 0:
             found.append("max_registrations_per_minute must be >= 0")
         if self.max_connections < 1:
@@ -257,7 +273,6 @@ class ServerConfig:
             found.append("max_connection_age must be > 0")
         if not self.connection_age_grace > 0:
             found.append("connection_age_grace must be > 0")
-        found += self._partition_problems()
         return found
 
     def _partition_problems(self) -> list[str]:

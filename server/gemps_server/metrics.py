@@ -19,7 +19,7 @@ from gemps_proto.reasons import Reason
 from gemps_proto.schedules import learning_rate_at
 from gemps_proto.schema import TrainingConfig
 from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_server.rules import ApplyStats
+from gemps_server.domain.rules import ApplyStats
 
 # Staleness in updates: fine where most commits land (0..16 at 10 workers), up to a few hundred
 # (100 workers) and beyond.

@@ -1,17 +1,19 @@
-"""The parameter service: what each RPC does, in domain terms, between the servicer and the state.
+"""The parameter service: what each RPC does, in domain terms; the one door to the domain.
 
-Every state change goes through the applier (one at a time, in arrival order); this is where its
-outcome is counted in the metrics, logged, and handed to the checkpoint schedule. Reads that
-need no ordering (a current snapshot, Status) are answered here directly.
+A wire (today the gRPC servicer) hands it domain records and gets domain records back, never
+protobuf messages, and never reaches the state itself. Every state
+change goes through the applier (one at a time, in arrival order); this is where its outcome is
+counted in the metrics, logged, and handed to the checkpoint writer. Reads that need no
+ordering (a current snapshot, Status, what a stream's header must be checked against) are
+answered here directly.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Sequence
 
 from gemps_proto.codec import EncodedTensor
 from gemps_proto.reasons import Reason
@@ -26,26 +28,19 @@ from gemps_proto.schema import (
     partition_bounds,
 )
 from gemps_server.allocator import tune_for
-from gemps_server.applier import Applier
 from gemps_server.config import ServerConfig
-from gemps_server.errors import InvalidArgument, ResourceExhausted, ServiceError
+from gemps_server.domain.applier import Applier, Timed
+from gemps_server.domain.errors import ResourceExhausted, ServiceError
+from gemps_server.domain.records import Admission, Commit, CommitOutcome, R, ReplyWriter, Snapshot
+from gemps_server.domain.state import ServerState
+from gemps_server.domain.validation import check_evaluation, check_reply_dtype, check_upload
+from gemps_server.domain.workers import WorkerRecord
 from gemps_server.logs import Throttle, event
 from gemps_server.metrics import ServerMetrics
 from gemps_server.security import RateLimiter
-from gemps_server.state import (
-    Admission,
-    Commit,
-    CommitOutcome,
-    ServerState,
-    Snapshot,
-    check_name,
-    check_reply_dtype,
-)
-from gemps_server.workers import WorkerRecord
 
 log = logging.getLogger("gemps.server")
 
-R = TypeVar("R")
 # Commits of models up to this size (about 0.2 ms of GEM's update) may run on the event loop
 # when the applier is idle; larger ones always go to its thread, so the loop keeps serving.
 INLINE_MAX_PARAMETERS = 250_000
@@ -53,19 +48,6 @@ INLINE_MAX_PARAMETERS = 250_000
 
 # The RPCs that commit: a refusal of either counts as a rejected commit (Status, metrics).
 COMMIT_METHODS = frozenset({"Commit", "CommitStream"})
-
-
-def check_evaluation(report: Evaluation, current_version: int) -> None:
-    check_name("dataset", report.dataset)
-    if not (math.isfinite(report.loss) and report.loss >= 0):
-        raise InvalidArgument(f"held-out loss {report.loss} must be finite and >= 0", Reason.BAD_EVALUATION)
-    if not 0.0 <= report.accuracy <= 1.0:
-        raise InvalidArgument(f"accuracy {report.accuracy} outside [0, 1]", Reason.BAD_EVALUATION)
-    if report.version > current_version:
-        raise InvalidArgument(
-            f"evaluated version {report.version} is ahead of the server's version {current_version}",
-            Reason.BAD_EVALUATION,
-        )
 
 
 class ParameterService:
@@ -78,7 +60,7 @@ class ParameterService:
         on_committed: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config
-        self.state = state
+        self._state = state
         self._applier = applier
         self._metrics = metrics
         # Called on the event loop with the new version after each applied commit (checkpoints).
@@ -90,6 +72,45 @@ class ParameterService:
         # A misbehaving client can send thousands of bad requests a second: log at most one line
         # per (method, reason) a second, counting the lines left out; the metrics count every one.
         self._rejection_log = Throttle(interval=1.0)
+
+    # -- what the wire reads (no ordering needed: the event loop reads, the applier writes) -----
+
+    @property
+    def initialized(self) -> bool:
+        """Whether θ holds values (the first worker registered, or a checkpoint was restored)."""
+        return self._state.initialized
+
+    def check_upload(
+        self,
+        spec: Sequence[ParameterSpec],
+        buffer_spec: Sequence[ParameterSpec],
+        parameter_count: int,
+        buffer_count: int | None,
+    ) -> None:
+        """Refuse, before a byte of it is received, a streamed first upload whose header's sizes
+        (`parameter_count` values, `buffer_count` buffer values or None) cannot initialise θ."""
+        state = self._state
+        counts = (parameter_count, buffer_count)
+        check_upload(spec, buffer_spec, counts, state.partition, state.max_parameters)
+
+    @property
+    def num_parameters(self) -> int:
+        """P held here: the length of θ (this partition's range), 0 before it is initialised."""
+        return self._state.num_parameters
+
+    def expected_payload_bytes(self, dtype: int, shape: tuple[int, ...]) -> int:
+        """Bytes a streamed commit's payload of this dtype and shape must have; refused unless θ
+        is initialised and the shape is flat [P]."""
+        return self._state.expected_payload_bytes(dtype, shape)
+
+    @property
+    def version(self) -> int:
+        return self._state.version
+
+    @property
+    def history(self) -> str:
+        """This process's history token: a version counts in it only (see ServerState.history)."""
+        return self._state.history
 
     # -- the RPCs' work ----------------------------------------------------------------------
 
@@ -111,7 +132,7 @@ class ParameterService:
                 "(raise --max-registrations-per-minute)",
                 Reason.REGISTRATION_RATE,
             )
-        state = self.state
+        state = self._state
         admission = await self._applier.submit(
             lambda: state.register(
                 worker_name, spec, initial, include_parameters, buffer_spec, initial_buffers, client_id=client_id
@@ -152,29 +173,37 @@ class ParameterService:
 
     async def pull(self, worker_id: str, known_version: int, reply_dtype: int) -> Snapshot:
         """The current snapshot, encoded in `reply_dtype` unless the caller already has its version."""
-        state = self.state
+        snapshot, encode = self._current(worker_id, known_version, reply_dtype)
+        if encode:  # on the applier: theta may be moving
+            snapshot = await self._applier.submit(functools.partial(self._state.encoded, reply_dtype))
+        return snapshot
+
+    def _current(self, worker_id: str, known_version: int, reply_dtype: int) -> tuple[Snapshot, bool]:
+        """The current snapshot, and whether the applier must encode it in `reply_dtype` first."""
+        state = self._state
         state.require_initialized()
         if worker_id:
             state.registry.touch(worker_id)
         check_reply_dtype(reply_dtype)
         snapshot = state.snapshot
-        if known_version != snapshot.version and snapshot.data(reply_dtype) is None:
-            # Encoded on the applier: theta may be moving.
-            snapshot = await self._applier.submit(lambda: state.encoded(reply_dtype))
-        return snapshot
+        return snapshot, known_version != snapshot.version and snapshot.data(reply_dtype) is None
 
-    async def commit(self, commit: Commit, reply: Callable[[CommitOutcome, ServerState], R]) -> tuple[CommitOutcome, R]:
-        """Apply a commit in FIFO order and build its `reply` on the applier right after, while θ
-        holds the commit's version (a unary reply is framed straight from it); metrics, logs and
-        checkpoints once it is applied."""
-        state = self.state
-
-        def apply() -> tuple[CommitOutcome, R]:
-            outcome = state.commit(commit)
-            return outcome, reply(outcome, state)
-
+    async def commit(self, commit: Commit, reply: ReplyWriter[R]) -> tuple[CommitOutcome, R]:
+        """Apply a commit in FIFO order, with its `reply` written by the state right after, while θ
+        holds the commit's version (see ReplyWriter); metrics, logs and checkpoints once it is
+        applied. The applier runs the state's own method: no frame of this file in between."""
+        apply = functools.partial(self._state.commit_and_reply, commit, reply)
         # Small models: applied on the event loop when the applier is idle (see Applier.submit_timed).
-        timed = await self._applier.submit_timed(apply, inline=state.num_parameters <= INLINE_MAX_PARAMETERS)
+        inline = self._state.num_parameters <= INLINE_MAX_PARAMETERS
+        timed = await self._applier.submit_timed(apply, inline=inline)
+        return self._committed(commit, timed)
+
+    def _committed(
+        self,
+        commit: Commit,
+        timed: Timed[tuple[CommitOutcome, R]],
+    ) -> tuple[CommitOutcome, R]:
+        """A commit's bookkeeping once the applier ran it."""
         outcome, built = timed.result
         if outcome.duplicate:
             self._metrics.duplicate()
@@ -202,7 +231,7 @@ class ParameterService:
         return outcome, built
 
     async def leave(self, worker_id: str) -> None:
-        state = self.state
+        state = self._state
         worker = await self._applier.submit(lambda: state.leave(worker_id))
         self._metrics.departed("left")
         event(
@@ -215,7 +244,7 @@ class ParameterService:
         )
 
     def status(self) -> ServerStatus:
-        state = self.state
+        state = self._state
         return ServerStatus(
             initialized=state.initialized,
             version=state.version,
@@ -239,14 +268,14 @@ class ParameterService:
         config = self.config
         if config.partitions == 1:
             return None
-        total = sum(entry.size for entry in self.state.spec)
+        total = sum(entry.size for entry in self._state.spec)
         addresses = config.partition_address_list() or ("",) * config.partitions
         bounds = partition_bounds(total, config.partitions)
         partitions = tuple(Partition(a, start, stop) for a, (start, stop) in zip(addresses, bounds, strict=True))
         return Layout(config.partition, partitions, total)
 
     def report_evaluation(self, evaluation: Evaluation) -> None:
-        check_evaluation(evaluation, self.state.version)
+        check_evaluation(evaluation, self._state.version)
         self.last_evaluation = evaluation
         self._metrics.evaluated(evaluation.dataset, evaluation.version, evaluation.loss, evaluation.accuracy)
         event(
@@ -263,7 +292,7 @@ class ParameterService:
 
     async def evict_expired(self) -> None:
         """Forget the workers whose lease ran out (the app calls this periodically)."""
-        state = self.state
+        state = self._state
         self._evicted(await self._applier.submit(state.evict_expired), reason="lease expired")
 
     def _evicted(self, workers: list[WorkerRecord], reason: str) -> None:
@@ -279,7 +308,7 @@ class ParameterService:
                 reason=reason,
                 lease_ttl_seconds=self.config.lease_ttl,
                 commits=worker.commits,
-                active=len(self.state.registry),
+                active=len(self._state.registry),
             )
 
     def rejected(self, method: str, error: ServiceError, status: str) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import gemps
-from gemps_server.checkpoints import list_checkpoints
+from gemps_server.checkpoint_files import list_checkpoints
 from gemps_worker.cluster import LocalCluster, ServerProcess
 from tests.helpers import CommitLoops, scrape_series, wait_for
 

@@ -22,7 +22,7 @@ import gemps
 from gemps_proto.schema import ParameterSpec
 from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_server.checkpoints import list_checkpoints, load, load_latest
+from gemps_server.checkpoint_files import list_checkpoints, load, load_latest
 from gemps_worker.cluster import ServerProcess
 from tests.helpers import wait_for
 from tests.integration.conftest import NUM_PARAMETERS, StartServer, open_stub, register

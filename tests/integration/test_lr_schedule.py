@@ -14,7 +14,7 @@ import gemps
 from gemps.pytorch import RemoteModel
 from gemps_proto.schedules import learning_rate_at
 from gemps_proto.schema import TrainingConfig
-from gemps_server.checkpoints import list_checkpoints, load
+from gemps_server.checkpoint_files import list_checkpoints, load
 from gemps_worker.modes import AgnMode
 from tests.helpers import scrape, training
 from tests.integration.conftest import StartServer, StartServerProcess

@@ -17,7 +17,7 @@ import gemps
 from gemps_proto.schema import ParameterSpec
 from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_server.checkpoints import list_checkpoints, load
+from gemps_server.checkpoint_files import list_checkpoints, load
 from tests.helpers import InProcessServer
 from tests.integration.conftest import StartServerProcess, open_stub, register
 

@@ -22,8 +22,8 @@ from gemps_bench.procfs import partition_pids
 from gemps import Client, RetryPolicy
 from gemps.records import CentralVariable
 from gemps_proto.schema import partition_bounds
-from gemps_server.checkpoints import list_checkpoints
-from gemps_server.rules import rule_names
+from gemps_server.checkpoint_files import list_checkpoints
+from gemps_server.domain.rules import rule_names
 from gemps_worker.cluster import ServerProcess
 from tests.helpers import CommitLoops, scrape_series, start_partitions, wait_for
 from tests.integration.conftest import StartServer

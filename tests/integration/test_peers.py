@@ -13,7 +13,7 @@ from gemps_bench.peers import reference_p2p, torch_rpc
 from gemps_bench.peers.common import ChildSpec, PeerConfig, PeerError, client_gradient, initial_theta, run_processes
 
 from gemps_proto.schema import PayloadKind
-from gemps_server.rules import create_rule
+from gemps_server.domain.rules import create_rule
 from tests.helpers import training
 
 PEERS = [pytest.param(torch_rpc, id="torch-rpc"), pytest.param(reference_p2p, id="reference-p2p")]

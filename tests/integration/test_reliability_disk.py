@@ -12,7 +12,7 @@ import pytest
 
 from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_server.checkpoints import list_checkpoints, load
+from gemps_server.checkpoint_files import list_checkpoints, load
 from tests.helpers import wait_for
 from tests.integration.conftest import StartServer, open_stub
 

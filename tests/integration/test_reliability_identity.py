@@ -15,7 +15,7 @@ from gemps_proto.reasons import METADATA_KEY
 from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
-from gemps_server.rules.gem import GemRule
+from gemps_server.domain.rules.gem import GemRule
 from tests.helpers import InProcessServer
 from tests.integration.conftest import NUM_PARAMETERS, SPEC, StartServer, open_stub
 

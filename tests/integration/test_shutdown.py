@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import gemps
 from gemps_server.app import EXIT_CHECKPOINT_LOST
-from gemps_server.checkpoints import list_checkpoints, load
+from gemps_server.checkpoint_files import list_checkpoints, load
 from gemps_worker.cluster import ServerProcess
 from tests.helpers import wait_for
 from tests.integration.conftest import StartServer

@@ -8,7 +8,7 @@ import gc
 import weakref
 from collections.abc import Callable
 
-from gemps_server.applier import Applier
+from gemps_server.domain.applier import Applier
 
 
 class Payload:

@@ -15,8 +15,8 @@ import safetensors.numpy
 
 from gemps_proto.codec import EncodedTensor
 from gemps_proto.schema import ParameterSpec, PayloadKind
-from gemps_server import checkpoints
-from gemps_server.checkpoints import (
+from gemps_server import checkpoint_files as checkpoints
+from gemps_server.checkpoint_files import (
     Checkpoint,
     CheckpointError,
     checkpoint_path,
@@ -28,12 +28,13 @@ from gemps_server.checkpoints import (
     remove_temporaries,
     save,
 )
-from gemps_server.errors import InvalidArgument
-from gemps_server.ledger import LEGACY_SCOPE, CommitLedger, Receipt, receipt_key
-from gemps_server.rules import ApplyStats
+from gemps_server.domain.errors import InvalidArgument
+from gemps_server.domain.ledger import LEGACY_SCOPE, CommitLedger, Receipt, receipt_key
+from gemps_server.domain.records import Commit, StateImage
+from gemps_server.domain.rules import ApplyStats
+from gemps_server.domain.state import ServerState
+from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.security import RateLimiter, TokenAuthInterceptor, exposure_warnings, is_loopback
-from gemps_server.state import Commit, ServerState, StateImage
-from gemps_server.workers import WorkerRegistry
 from tests.helpers import encoded, server_config, training
 
 SPEC = (ParameterSpec("layer.weight", (2, 3)), ParameterSpec("layer.bias", (2,)))

@@ -8,8 +8,8 @@ from gemps_proto import codec
 from gemps_proto.codec import TensorDecodeError, all_finite
 from gemps_proto.serde import tensor_from_proto, tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_server.errors import NotFound, ResourceExhausted
-from gemps_server.workers import WorkerRegistry
+from gemps_server.domain.errors import NotFound, ResourceExhausted
+from gemps_server.domain.workers import WorkerRegistry
 
 
 def test_round_trip_is_exact_and_little_endian() -> None:

@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from gemps_proto.reasons import Reason
 from gemps_server.config import ServerConfig
+from gemps_server.domain.rules import ApplyStats
 from gemps_server.metrics import ServerMetrics
-from gemps_server.rules import ApplyStats
 from gemps_worker.metrics import WorkerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,8 +10,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gemps_proto.schema import PayloadKind, TrainingConfig
+from gemps_server.domain.rules import ApplyStats, create_rule, rule_names
 from gemps_server.metrics import COMMIT_REJECTION_REASONS, MAX_DATASET_LABEL, ServerMetrics
-from gemps_server.rules import ApplyStats, create_rule, rule_names
 from tests.helpers import training
 
 F32 = np.float32

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
-from gemps_server.rules import create_rule, rule_names
-from gemps_server.state import Commit, ServerState
-from gemps_server.workers import WorkerRegistry
+from gemps_server.domain.records import Commit
+from gemps_server.domain.rules import create_rule, rule_names
+from gemps_server.domain.state import ServerState
+from gemps_server.domain.workers import WorkerRegistry
 from tests.helpers import encoded, training
 from tests.unit.reference_rules import ReferenceServer, WorkerSideGemWorker
 
@@ -134,7 +135,7 @@ def test_unknown_rule_lists_valid_names() -> None:
 
 def test_gem_in_blocks_equals_gem_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """Block boundaries and the median's strided sample across them change nothing."""
-    from gemps_server.rules import base, gem
+    from gemps_server.domain.rules import base, gem
 
     monkeypatch.setattr(base, "STATS_SAMPLE_SIZE", 10)  # stride 26 over P=257: samples straddle blocks
     rng = np.random.default_rng(5)

@@ -10,10 +10,11 @@ import pytest
 
 from gemps_proto.schedules import SCHEDULES, learning_rate_at
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
+from gemps_server.domain.records import Commit
+from gemps_server.domain.rules import create_rule, rule_names
+from gemps_server.domain.state import ServerState
+from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.metrics import ServerMetrics
-from gemps_server.rules import create_rule, rule_names
-from gemps_server.state import Commit, ServerState
-from gemps_server.workers import WorkerRegistry
 from tests.helpers import encoded, training
 
 F32 = np.float32

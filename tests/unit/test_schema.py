@@ -11,7 +11,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from gemps_proto import reasons, schema
 from gemps_proto import serde as shared
 from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_server.rules import rule_class, rule_names
+from gemps_server.domain.rules import rule_class, rule_names
 
 # Python type of each protobuf scalar type the schema uses.
 SCALARS = {

@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from gemps_server.stream_buffers import BufferPool
+from gemps_server.wire.stream_buffers import BufferPool
 
 
 def test_buffers_are_reused_and_grown_only_when_asked_for_more() -> None:

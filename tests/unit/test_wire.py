@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from gemps_proto import wire
 from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_server import serde
-from gemps_server.serde import MalformedRequest, WithTensor
+from gemps_server.wire import messages as serde
+from gemps_server.wire.messages import MalformedRequest, WithTensor
 
 
 @pytest.mark.parametrize("value", [1, 127, 128, 300, 2**32, 2**63 - 1, -1, -(2**63)])  # proto3 omits 0

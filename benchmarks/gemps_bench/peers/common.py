@@ -30,7 +30,7 @@ from gemps_bench.procfs import WindowCpu, peak_rss
 from gemps_bench.results import LoadResult, share_in_window
 from gemps_proto.schema import TrainingConfig
 from gemps_server.allocator import keep_large_allocations
-from gemps_server.rules import CommitRule, create_rule
+from gemps_server.domain.rules import CommitRule, create_rule
 
 LOCALHOST = "127.0.0.1"
 # Seconds every process gets to start and rendezvous, on top of a per-client share (2 cores, 33 processes).

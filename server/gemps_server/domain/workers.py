@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gemps_proto.reasons import Reason
-from gemps_server.errors import NotFound, ResourceExhausted
+from gemps_server.domain.errors import NotFound, ResourceExhausted
 
 
 @dataclass

@@ -19,12 +19,12 @@ from typing import Any
 
 import safetensors
 
-from gemps_server.applier import Applier
-from gemps_server.checkpoints import Checkpoint, CheckpointError, load_latest, prune, remove_temporaries, save
+from gemps_server.checkpoint_files import Checkpoint, CheckpointError, load_latest, prune, remove_temporaries, save
 from gemps_server.config import ServerConfig
+from gemps_server.domain.applier import Applier
+from gemps_server.domain.state import ServerState
 from gemps_server.logs import event
 from gemps_server.metrics import ServerMetrics
-from gemps_server.state import ServerState
 
 log = logging.getLogger("gemps.server")
 

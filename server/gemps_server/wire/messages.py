@@ -1,8 +1,9 @@
-"""The server's side of the wire: requests into domain types, outcomes into replies.
+"""The server's protobuf messages: requests into domain records, outcomes into replies.
 
-Paired with the SDK's serde (client_sdk/gemps/serde.py); what both ends convert is in
-gemps_proto.serde. Checks against the server's state, in the protocol's order, happen in
-state.py; here only what needs nothing but the message (a spec entry's dtype).
+Paired with the SDK's protobuf conversions (client_sdk/gemps); what both ends convert is in
+gemps_proto.serde. Checks against the server's state, in the protocol's order, happen in the
+domain (domain/validation.py, run by domain/state.py); here only what needs nothing but the
+message (a spec entry's dtype).
 
 θ never goes through a protobuf message on the hot path. A request's tensor (a commit's payload,
 the first worker's initial parameters) is a memoryview of the received bytes; a reply carrying θ
@@ -12,6 +13,7 @@ wire format (gemps_proto.framing): one copy of θ per reply, nothing per field.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -25,8 +27,10 @@ from gemps_proto.reasons import Reason
 from gemps_proto.schema import ParameterSpec, Registration
 from gemps_proto.serde import tensor_from_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_server.errors import InvalidArgument
-from gemps_server.state import Admission, Commit, CommitOutcome, Snapshot, check_spec_length
+from gemps_server.domain.errors import InvalidArgument
+from gemps_server.domain.records import Admission, Commit, CommitOutcome, ReplyWriter, Snapshot
+from gemps_server.domain.validation import check_spec_length
+from gemps_server.wire.stream_buffers import Buffer
 
 M = TypeVar("M", bound=Message)
 
@@ -155,6 +159,26 @@ def outcome_header(outcome: CommitOutcome) -> pb.CommitResponse:
 def outcome_to_proto(outcome: CommitOutcome, dtype: int, theta: bytes | memoryview, num_parameters: int) -> bytes:
     """The serialized CommitResponse, with `theta`: the commit's version of θ, in the reply's `dtype`."""
     return framing.with_tensor(outcome_header(outcome), framing.COMMIT_REPLY_FIELD, dtype, [num_parameters], theta)
+
+
+def commit_reply(dtype: int, num_parameters: int) -> ReplyWriter[bytes]:
+    """A unary Commit's reply writer: the serialized CommitResponse, framed by the state's call
+    on the applier straight from θ's bytes at the commit's version (one copy of θ)."""
+    return functools.partial(_framed_outcome, dtype, num_parameters)
+
+
+def _framed_outcome(dtype: int, num_parameters: int, outcome: CommitOutcome, theta: bytes | memoryview) -> bytes:
+    return outcome_to_proto(outcome, dtype, theta, num_parameters)
+
+
+def stream_commit_reply(buffer: Buffer) -> ReplyWriter[memoryview]:
+    """A CommitStream's reply writer: θ at the commit's version copied into the stream's pooled
+    `buffer` (the payload it held is applied, done with), then sent in pieces from there."""
+    return functools.partial(_copied_into, buffer)
+
+
+def _copied_into(buffer: Buffer, outcome: CommitOutcome, theta: bytes | memoryview) -> memoryview:
+    return buffer.copy_in(theta)
 
 
 def stream_header_to_proto(outcome: CommitOutcome, reply_dtype: int, num_parameters: int) -> pb.CommitResponseChunk:

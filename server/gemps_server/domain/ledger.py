@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from gemps_server.rules import ApplyStats
+from gemps_server.domain.rules import ApplyStats
 
 # Longest request id accepted: ids are opaque, and this bounds the ledger's memory.
 MAX_REQUEST_ID_LENGTH = 128

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from gemps_server.domain.rules.base import ApplyStats, CommitRule, Schedule, constant_schedule
+from gemps_server.domain.rules.overflow import OverflowGuard
 from gemps_server.native import max_abs
-from gemps_server.rules.base import ApplyStats, CommitRule, Schedule, constant_schedule
 
 
-class MomentumRule(CommitRule):
+class MomentumRule(OverflowGuard, CommitRule):
     name = "momentum"
 
     def __init__(

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from gemps_server.rules.base import ApplyStats, CommitRule
+from gemps_server.domain.rules.base import ApplyStats, CommitRule
+from gemps_server.domain.rules.overflow import OverflowGuard
 
 
-class DownpourRule(CommitRule):
+class DownpourRule(OverflowGuard, CommitRule):
     name = "downpour"
 
     def step_scaled(

@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from gemps_proto.schema import TrainingConfig
-from gemps_server.rules.adaptive_staleness import AdaptiveStalenessRule
-from gemps_server.rules.base import ApplyStats, CommitRule, NonFiniteUpdate
-from gemps_server.rules.downpour import DownpourRule
-from gemps_server.rules.gem import GemRule
-from gemps_server.rules.momentum import MomentumRule
+from gemps_server.domain.rules.adaptive_staleness import AdaptiveStalenessRule
+from gemps_server.domain.rules.base import ApplyStats, CommitRule, NonFiniteUpdate
+from gemps_server.domain.rules.downpour import DownpourRule
+from gemps_server.domain.rules.gem import GemRule
+from gemps_server.domain.rules.momentum import MomentumRule
 
 _RULES: dict[str, type[CommitRule]] = {
     rule.name: rule for rule in (GemRule, DownpourRule, AdaptiveStalenessRule, MomentumRule)

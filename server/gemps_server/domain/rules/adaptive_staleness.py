@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from gemps_server.rules.base import ApplyStats, CommitRule
+from gemps_server.domain.rules.base import ApplyStats, CommitRule
+from gemps_server.domain.rules.overflow import OverflowGuard
 
 
-class AdaptiveStalenessRule(CommitRule):
+class AdaptiveStalenessRule(OverflowGuard, CommitRule):
     name = "adaptive-staleness"
 
     def step_scaled(

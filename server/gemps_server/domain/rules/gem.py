@@ -27,17 +27,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from gemps_server.domain.rules import base
+from gemps_server.domain.rules.base import ApplyStats, CommitRule, NonFiniteUpdate, Schedule, constant_schedule
+from gemps_server.domain.rules.overflow import ROUNDING, SAFE_MAGNITUDE, OverflowGuard
 from gemps_server.native import all_finite, compiled, max_abs
-from gemps_server.rules import base
-from gemps_server.rules.base import (
-    ROUNDING,
-    SAFE_MAGNITUDE,
-    ApplyStats,
-    CommitRule,
-    NonFiniteUpdate,
-    Schedule,
-    constant_schedule,
-)
 
 EPSILON = np.float32(1e-16)
 #: how GEM's update runs: `auto` (compiled if built, else numpy), `compiled`, `numpy`
@@ -58,7 +51,7 @@ class _WorkerState:
         self.last_seen_peak = theta_peak  # max |s_i|
 
 
-class GemRule(CommitRule):
+class GemRule(OverflowGuard, CommitRule):
     name = "gem"
     vectors_per_worker = 2
 

@@ -34,7 +34,7 @@ import safetensors
 import safetensors.numpy
 
 from gemps_proto.schema import ParameterSpec, unflatten
-from gemps_server.ledger import (
+from gemps_server.domain.ledger import (
     KEY_SEPARATOR,
     LEGACY_SCOPE,
     MAX_REQUEST_ID_LENGTH,
@@ -42,8 +42,8 @@ from gemps_server.ledger import (
     receipt_key,
     valid_client_id,
 )
+from gemps_server.domain.records import PartitionOf, StateImage
 from gemps_server.native import all_finite
-from gemps_server.state import PartitionOf, StateImage
 
 FORMAT = "gemps-checkpoint"
 FORMAT_VERSION = "1"

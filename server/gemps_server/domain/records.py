@@ -1,0 +1,149 @@
+"""The domain's records: the central variable at one version (Snapshot), a commit and its
+outcome, a registration's admission, the partition of θ a server holds and the image a
+checkpoint keeps. Plain data, built by the wire from requests and by the state from its
+operations; nothing here knows about gRPC or protobuf messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import numpy as np
+
+from gemps_proto.codec import FLOAT32, EncodedTensor
+from gemps_proto.schema import ParameterSpec, partition_bounds
+from gemps_server.domain.ledger import Receipt
+from gemps_server.domain.rules import ApplyStats
+from gemps_server.domain.workers import WorkerRecord
+
+R = TypeVar("R")
+
+
+class Snapshot:
+    """The central variable at one version as wire bytes: one encoding per wire dtype, each made
+    the first time a reply asks for it (on the applier, while theta holds this version) and then
+    shared by every reply of that version. Read from the event loop; written on the applier.
+
+    The state holds the current snapshot weakly (ServerState.snapshot): its encodings live as
+    long as a reply that sends them, so an idle server holds no copy of θ beyond θ itself.
+
+    `buffers` are the model's buffers at this version (float32 bytes, empty for a model without
+    them), set on the applier with the first encoding or outcome: small, so every reply of the
+    version carries them whole."""
+
+    __slots__ = ("__weakref__", "_encodings", "buffers", "version")
+
+    def __init__(
+        self, version: int, encodings: Mapping[int, bytes] | None = None, buffers: bytes | None = None
+    ) -> None:
+        self.version = version
+        self._encodings: dict[int, bytes] = dict(encodings or {})
+        self.buffers = buffers
+
+    def data(self, dtype: int = FLOAT32) -> bytes | None:
+        """The encoding in `dtype`, or None if no reply of this version asked for it yet."""
+        return self._encodings.get(dtype)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Snapshot):
+            return NotImplemented
+        return (self.version, self._encodings, self.buffers) == (other.version, other._encodings, other.buffers)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable: its encodings are added to
+
+    def __repr__(self) -> str:
+        return f"Snapshot(version={self.version}, encodings={sorted(self._encodings)})"
+
+    def store(self, dtype: int, data: bytes) -> None:
+        """Keep `dtype`'s encoding (on the applier, while theta holds this version)."""
+        self._encodings[dtype] = data
+
+
+@dataclass(frozen=True)
+class Commit:
+    """One worker's commit as the domain sees it (the wire builds it from the request). The kind
+    and the reply dtype are the wire's values, checked here in the protocol's order."""
+
+    worker_id: str
+    base_version: int
+    kind: int  # a PayloadKind
+    payload: EncodedTensor
+    request_id: str = ""
+    reply_dtype: int = FLOAT32  # wire dtype of the snapshot the reply carries
+    loss: float | None = None  # the mini-batch's training loss (metrics only)
+    num_samples: int | None = None  # the mini-batch's size (metrics only)
+    buffer_delta: EncodedTensor | None = None  # how the worker's buffers changed since it loaded them
+
+
+@dataclass(frozen=True)
+class CommitOutcome:
+    snapshot: Snapshot
+    staleness: int
+    stats: ApplyStats
+    # A retry of a commit already applied: nothing changed; staleness and stats are the
+    # original's, the snapshot is the current central variable.
+    duplicate: bool = False
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A registration's result: the worker's record and the central variable it starts from."""
+
+    worker: WorkerRecord
+    snapshot: Snapshot
+    initialized_theta: bool  # this worker's initial parameters became the central variable
+    displaced: WorkerRecord | None = None  # an idle worker evicted to make room (workers.idlest)
+
+
+@dataclass(frozen=True)
+class PartitionOf:
+    """Which contiguous range of θ a server holds: partition `index` of `count` (0 of 1: all of
+    it). The range follows from P alone (gemps_proto.schema.partition_bounds), so it is fixed
+    when θ is initialised and every partition computes the same layout."""
+
+    index: int = 0
+    count: int = 1
+
+    def bounds(self, num_parameters: int) -> tuple[int, int]:
+        """[start, stop) of this partition in a central variable of `num_parameters` values."""
+        return partition_bounds(num_parameters, self.count)[self.index]
+
+    def __str__(self) -> str:
+        return f"partition {self.index} of {self.count}"
+
+
+ALL_OF_THETA = PartitionOf()
+
+
+@dataclass(frozen=True)
+class StateImage:
+    """Everything a restarted server needs, consistent at one version (see checkpoint_files.py)."""
+
+    version: int
+    commits_applied: int
+    spec: tuple[ParameterSpec, ...]
+    theta: np.ndarray  # flat float32: the spec's parameters concatenated (a partition: its range)
+    rule: str = ""  # the rule whose global state `rule_state` is
+    rule_state: Mapping[str, np.ndarray] = field(default_factory=dict)
+    receipts: Mapping[str, Receipt] = field(default_factory=dict)
+    buffer_spec: tuple[ParameterSpec, ...] = ()
+    buffers: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.float32))  # flat, buffer_spec order
+    partition: PartitionOf = ALL_OF_THETA
+
+    @property
+    def num_parameters(self) -> int:
+        return int(self.theta.size)
+
+    @property
+    def total_parameters(self) -> int:
+        """P of the whole central variable (this image holds `num_parameters` of them)."""
+        return sum(entry.size for entry in self.spec)
+
+
+#: Given a commit's outcome and θ's wire bytes at that commit's version (in the commit's reply
+#: dtype), produce its reply. The state calls it at the end of the commit, on the applier, while
+#: θ still holds that version: the bytes may be a view of θ itself, valid only during the call.
+#: The wire supplies it (a unary reply framed straight from θ, a stream's copy into its buffer).
+ReplyWriter = Callable[[CommitOutcome, bytes | memoryview], R]

@@ -1,0 +1,316 @@
+"""The central variable, its version, the commit rule and the registered workers: the domain.
+
+Every mutating method here runs on the applier thread, one call at a time, in arrival order
+(see applier.py); the event loop only reads `snapshot`, which is replaced atomically.
+Every check on a request (validation.py) happens before anything is mutated, so a rejected
+request never touches the central variable. Nothing here knows about gRPC or protobuf
+messages: the wire turns requests into the records (records.py) and outcomes back into replies.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+import weakref
+from collections.abc import Sequence
+
+import numpy as np
+
+from gemps_proto.codec import FLOAT32, EncodedTensor, encode, wire_view
+from gemps_proto.reasons import Reason
+from gemps_proto.schedules import learning_rate_at
+from gemps_proto.schema import ParameterSpec, TrainingConfig
+from gemps_server.domain import validation
+from gemps_server.domain.errors import FailedPrecondition, InvalidArgument, Unavailable
+from gemps_server.domain.ledger import CommitLedger, Receipt
+from gemps_server.domain.records import (
+    ALL_OF_THETA,
+    Admission,
+    Commit,
+    CommitOutcome,
+    PartitionOf,
+    R,
+    ReplyWriter,
+    Snapshot,
+    StateImage,
+)
+from gemps_server.domain.rules import CommitRule, NonFiniteUpdate, create_rule
+from gemps_server.domain.workers import WorkerRecord, WorkerRegistry
+
+# How long the worker told to initialise the central variable has to send its values, while
+# the others registering without values are asked to retry: n workers starting at once then
+# upload one copy of θ, not n.
+INITIALIZER_GRACE_SECONDS = 30.0
+
+
+class ServerState:
+    def __init__(
+        self,
+        training: TrainingConfig,
+        registry: WorkerRegistry,
+        gem_kernel: str = "numpy",
+        partition: PartitionOf = ALL_OF_THETA,
+        max_parameters: int | None = None,
+    ) -> None:
+        self._training = training
+        self.partition = partition
+        self.max_parameters = max_parameters  # None: no limit (ServerConfig.max_parameters)
+        self.bounds = (0, 0)  # [start, stop) of θ held here, once initialised
+        self._gem_kernel = gem_kernel
+        self._new_rule(0)  # fail fast on an unknown rule name or kernel
+        self.rule_name = training.rule
+        self.registry = registry
+        self.spec: tuple[ParameterSpec, ...] = ()
+        self.rule: CommitRule | None = None
+        self._version = 0
+        self._latest: weakref.ref[Snapshot] = weakref.ref(Snapshot(0))  # dead at once: see `snapshot`
+        self.commits_applied = 0
+        # Versions count in this process's history: a restarted server may reach the same number
+        # with other values (commits lost since its checkpoint), so "unchanged" needs both.
+        self.history = uuid.uuid4().hex
+        self.ledger = CommitLedger(capacity=registry.max_workers)
+        self._theta = np.empty(0, dtype=np.float32)
+        self.buffer_spec: tuple[ParameterSpec, ...] = ()
+        self._buffers = np.empty(0, dtype=np.float32)  # replaced, never changed in place
+        self._initializer_until = 0.0  # monotonic deadline of the worker asked for initial values
+
+    @property
+    def initialized(self) -> bool:
+        return self.rule is not None
+
+    @property
+    def num_parameters(self) -> int:
+        return self._theta.size
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def learning_rate(self) -> float:
+        """eta at the current version: what the next gradient commit is scaled by."""
+        return learning_rate_at(self._training, self._version)
+
+    @property
+    def snapshot(self) -> Snapshot:
+        """The current version's snapshot: the one replies are still sending, if any is (so its
+        encodings are shared), else a new one without encodings."""
+        snapshot = self._latest()
+        if snapshot is None or snapshot.version != self._version:
+            snapshot = Snapshot(self._version)
+            self._latest = weakref.ref(snapshot)
+        return snapshot
+
+    def theta_copy(self) -> np.ndarray:
+        return self._theta.copy()
+
+    # -- operations run by the applier --------------------------------------------------------
+
+    def register(
+        self,
+        worker_name: str,
+        spec: Sequence[ParameterSpec],
+        initial: EncodedTensor | None,
+        encode_theta: bool = True,
+        buffer_spec: Sequence[ParameterSpec] = (),
+        initial_buffers: EncodedTensor | None = None,
+        client_id: str = "",
+    ) -> Admission:
+        """Admit a worker; `encode_theta` False when its reply will not carry θ (it pulls θ apart).
+        The first worker's `initial_buffers` become the central buffers. A client holds one
+        registration: `client_id`'s previous one, if any, is replaced (a retried Register whose
+        reply was lost leaves no orphan holding rule state), its commit receipts carried over."""
+        validation.check_name("worker_name", worker_name)
+        validation.check_client_id(client_id)
+        validation.check_spec(spec, buffer_spec)
+        first = self.rule is None
+        if first:
+            self._initialize(spec, initial, buffer_spec, initial_buffers)
+        else:
+            validation.check_same_spec((self.spec, self.buffer_spec), (spec, buffer_spec))
+        assert self.rule is not None
+        if (previous := self.registry.of_client(client_id)) is not None:
+            self._forget(previous.worker_id)
+        displaced = self.registry.idlest() if self.registry.full else None
+        if displaced is not None:
+            self._forget(displaced.worker_id)
+        worker = self.registry.add(worker_name, client_id)
+        self.ledger.activate(worker.scope)
+        self.rule.add_worker(worker.worker_id, self._theta)
+        # The worker that initialised theta already holds it: no P-sized encoding for its reply.
+        initialized = first and initial is not None
+        encoded = encode_theta and not initialized
+        snapshot = self.encoded(FLOAT32) if encoded else self._with_buffers(self.snapshot)
+        return Admission(worker, snapshot, initialized, displaced)
+
+    def commit(self, commit: Commit) -> CommitOutcome:
+        """Apply one worker's commit (DESIGN §1): θ moves by the rule's step and the version goes
+        up by one, or a refusal (a ServiceError) leaves everything as it was. A retry of a commit
+        already applied changes nothing and answers as the original did."""
+        rule = self.require_initialized()
+        validation.check_reply_dtype(commit.reply_dtype)
+        validation.check_request_id(commit.request_id)
+        worker = self.registry.get(commit.worker_id)
+        # By the worker's client, not by request id alone: two clients may count their ids alike.
+        # A retry from a client that registered again (lease expiry, server restart) is found too.
+        receipt = self.ledger.lookup(worker.scope, commit.request_id)
+        if receipt is not None:
+            self.registry.touch(commit.worker_id, committed=True)
+            return CommitOutcome(self.encoded(commit.reply_dtype), receipt.staleness, receipt.stats, duplicate=True)
+        kind, payload, peak = validation.validated_payload(commit, self.num_parameters, self.version)
+        buffers = validation.buffers_after(self._buffers, commit.buffer_delta)  # checked before θ moves
+        staleness = self.version - commit.base_version
+        try:  # the rule writes into spare buffers and swaps them in only if every value is finite
+            self._theta, stats = rule.step(self._theta, payload, kind, commit.worker_id, staleness, self.version, peak)
+        except NonFiniteUpdate as error:
+            raise InvalidArgument(f"commit refused, nothing changed: {error}", Reason.NON_FINITE) from None
+        self._buffers = buffers
+        self.commits_applied += 1
+        worker.commits += 1
+        self.registry.touch(commit.worker_id, committed=True)
+        self._version += 1  # its snapshot is encoded when a reply asks (encoded(), theta_wire())
+        self.ledger.record(worker.scope, commit.request_id, Receipt(self.version, staleness, stats))
+        return CommitOutcome(self._with_buffers(self.snapshot), staleness, stats)
+
+    def commit_and_reply(self, commit: Commit, reply: ReplyWriter[R]) -> tuple[CommitOutcome, R]:
+        """`commit`, then its `reply` written while θ still holds the commit's version, from θ's
+        wire bytes in the commit's reply dtype (a view of θ itself where no encoding is shared):
+        the one operation the applier runs per commit, so no other commit moves θ in between."""
+        outcome = self.commit(commit)
+        return outcome, reply(outcome, self.theta_wire(commit.reply_dtype))
+
+    def theta_wire(self, dtype: int) -> bytes | memoryview:
+        """θ's wire bytes in `dtype` now: the snapshot's encoding when there is one, else for float32
+        a view of θ itself, valid only until the next operation changes it (use it on the applier,
+        within the operation that asked: to frame a reply straight from θ, with no copy of its own)."""
+        return self.snapshot.data(dtype) or wire_view(self._theta, dtype)
+
+    def encoded(self, dtype: int) -> Snapshot:
+        """The current snapshot, with `dtype`'s encoding produced if it is not there yet."""
+        snapshot = self._with_buffers(self.snapshot)
+        if snapshot.data(dtype) is None:
+            snapshot.store(dtype, encode(self._theta, dtype))
+        return snapshot
+
+    def _with_buffers(self, snapshot: Snapshot) -> Snapshot:
+        """`snapshot` with this version's buffers (on the applier: they change with commits)."""
+        if snapshot.buffers is None:
+            snapshot.buffers = self._buffers.tobytes()
+        return snapshot
+
+    def leave(self, worker_id: str) -> WorkerRecord:
+        worker = self.registry.get(worker_id)
+        self._forget(worker_id)
+        return worker
+
+    def evict_expired(self) -> list[WorkerRecord]:
+        evicted = []
+        for worker_id in self.registry.expired():
+            evicted.append(self.registry.get(worker_id))
+            self._forget(worker_id)
+        return evicted
+
+    def image(self) -> StateImage:
+        """Everything a restarted server needs, consistent at one version (run on the applier:
+        the rule's global state and the ledger change with every commit)."""
+        rule = self.require_initialized()
+        return StateImage(
+            version=self._version,
+            commits_applied=self.commits_applied,
+            spec=self.spec,
+            theta=self._theta.copy(),
+            rule=self.rule_name,
+            rule_state=rule.global_state(),
+            receipts=self.ledger.entries(),
+            buffer_spec=self.buffer_spec,
+            buffers=self._buffers,  # never changed in place: no copy needed
+            partition=self.partition,
+        )
+
+    def restore(self, image: StateImage) -> list[str]:
+        """Serve `image`'s central variable (before any worker registers); returns warnings.
+
+        Workers are not restored: they register again, with fresh per-worker rule state.
+        """
+        if self.rule is not None:
+            raise RuntimeError("restore() needs a server that is not initialised yet")
+        if image.partition != self.partition:
+            raise ValueError(f"the checkpoint holds {image.partition}; this server serves {self.partition}")
+        warnings = []
+        self.spec = tuple(image.spec)
+        self._theta = np.array(image.theta, dtype=np.float32, copy=True).reshape(-1)
+        self.buffer_spec = tuple(image.buffer_spec)
+        self._buffers = np.array(image.buffers, dtype=np.float32, copy=True).reshape(-1)
+        rule = self._new_rule(self._theta.size)
+        if image.rule_state:
+            if image.rule == self.rule_name:
+                try:
+                    rule.load_global_state(dict(image.rule_state))
+                except ValueError as error:
+                    warnings.append(f"rule state not restored: {error}")
+            else:
+                warnings.append(f"rule state of {image.rule!r} not restored into rule {self.rule_name!r}")
+        self.rule = rule
+        self.commits_applied = image.commits_applied
+        self._version = image.version
+        self.bounds = self.partition.bounds(image.total_parameters)
+        self.ledger.restore(dict(image.receipts))
+        return warnings
+
+    # -- checks, readable from the event loop ------------------------------------------------
+
+    def require_initialized(self) -> CommitRule:
+        if self.rule is None:
+            raise FailedPrecondition(
+                "central variable not initialised: no worker has registered yet", Reason.NOT_INITIALIZED
+            )
+        return self.rule
+
+    def expected_payload_bytes(self, dtype: int, shape: tuple[int, ...]) -> int:
+        """Bytes a payload of this dtype and shape must have; InvalidArgument unless it is flat [P]."""
+        self.require_initialized()
+        return validation.expected_payload_bytes(dtype, shape, self.num_parameters)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _new_rule(self, num_parameters: int) -> CommitRule:
+        return create_rule(self._training, num_parameters, kernel=self._gem_kernel)
+
+    def _forget(self, worker_id: str) -> None:
+        worker = self.registry.remove(worker_id)
+        if worker is not None:
+            self.ledger.depart(worker.scope)
+        if self.rule is not None:
+            self.rule.remove_worker(worker_id)
+
+    def _initialize(
+        self,
+        spec: Sequence[ParameterSpec],
+        initial: EncodedTensor | None,
+        buffer_spec: Sequence[ParameterSpec] = (),
+        initial_buffers: EncodedTensor | None = None,
+    ) -> None:
+        if initial is None:
+            now = time.monotonic()
+            if now < self._initializer_until:
+                raise Unavailable(
+                    "the central variable is being initialised by another worker; retry shortly",
+                    Reason.INITIALIZING,
+                )
+            self._initializer_until = now + INITIALIZER_GRACE_SECONDS
+            raise FailedPrecondition(
+                "central variable not initialised: the first worker to register must send initial_parameters "
+                f"(this one: the others are asked to retry for {INITIALIZER_GRACE_SECONDS:.0f} s)",
+                Reason.NOT_INITIALIZED,
+            )
+        validation.check_size(spec, buffer_spec, self.partition, self.max_parameters)
+        values = validation.initial_values(spec, initial, self.partition)
+        buffers = validation.initial_buffers(buffer_spec, initial_buffers, self.partition)
+        start, stop = self.partition.bounds(sum(s.size for s in spec))
+        self.spec = tuple(spec)
+        self.buffer_spec = tuple(buffer_spec)
+        self._buffers = buffers
+        self._theta = values.copy()
+        self.rule = self._new_rule(self._theta.size)
+        self.bounds = (start, stop)
+        self._version = 0

@@ -1,0 +1,29 @@
+"""Which gRPC status each kind of refusal is: one table, for every wire that answers refusals."""
+
+from __future__ import annotations
+
+import grpc
+
+from gemps_server.domain.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    ServiceError,
+    Unavailable,
+)
+
+#: the gRPC status of each kind of refusal
+STATUS_CODES: dict[type[ServiceError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+def status_of(error: ServiceError) -> grpc.StatusCode:
+    return STATUS_CODES[type(error)]

@@ -1,0 +1,148 @@
+"""Client-streaming RPCs (CommitStream, RegisterStream): a header message, then data pieces.
+
+How a stream's messages arrive (`Chunk`: a data piece as a memoryview of the received bytes, a
+header, or bytes that did not parse), how long the server waits for the next one, and how the
+data pieces are assembled into the bytes their header announced, refused as soon as they cannot
+be (more or fewer bytes, a second header).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import overload
+
+from gemps_proto.codec import EncodedTensor, TensorDecodeError, expected_nbytes, num_elements
+from gemps_proto.framing import PayloadAssembler, read_data
+from gemps_proto.reasons import Reason
+from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_server.domain.errors import DeadlineExceeded, InvalidArgument
+from gemps_server.wire.messages import MalformedRequest, parse_request
+from gemps_server.wire.stream_buffers import Buffer
+
+# What a client-streaming RPC's parser hands the handler: a data piece, a header, or undecodable bytes.
+ChunkMessage = pb.CommitChunk | pb.RegisterChunk
+Chunk = ChunkMessage | memoryview | MalformedRequest
+# The request message of each client-streaming RPC: a header, then data pieces.
+CHUNK_CLASSES: dict[str, type[ChunkMessage]] = {"CommitStream": pb.CommitChunk, "RegisterStream": pb.RegisterChunk}
+
+
+def chunk_parser(chunk_class: type[ChunkMessage], on_bytes: Callable[[int], None]) -> Callable[[bytes], Chunk]:
+    """A client-streaming RPC's request parser: a data piece comes back as a memoryview of the
+    message (no copy), anything else as the protobuf message; `on_bytes` is told each size."""
+
+    def parse(data: bytes) -> Chunk:
+        on_bytes(len(data))
+        piece = read_data(data)
+        return piece if piece is not None else parse_request(chunk_class, data)
+
+    return parse
+
+
+def method_of(chunk_class: type[ChunkMessage]) -> str:
+    """The RPC whose pieces `chunk_class` carries (CommitChunk: CommitStream)."""
+    return chunk_class.__name__.removesuffix("Chunk") + "Stream"
+
+
+async def next_piece(requests: AsyncIterator[Chunk], timeout: float, method: str) -> Chunk | None:
+    """The stream's next piece (None at its end); DeadlineExceeded after `timeout` seconds of silence."""
+    try:
+        return await asyncio.wait_for(anext(requests, None), timeout)
+    except asyncio.TimeoutError:
+        raise DeadlineExceeded(
+            f"{method} sent nothing for {timeout:g} s (the server's --stream-idle-timeout)", Reason.STREAM_IDLE
+        ) from None
+
+
+@overload
+async def stream_header(
+    requests: AsyncIterator[Chunk], timeout: float, chunk_class: type[pb.CommitChunk]
+) -> pb.CommitRequest: ...
+@overload
+async def stream_header(
+    requests: AsyncIterator[Chunk], timeout: float, chunk_class: type[pb.RegisterChunk]
+) -> pb.RegisterRequest: ...
+async def stream_header(
+    requests: AsyncIterator[Chunk], timeout: float, chunk_class: type[ChunkMessage]
+) -> pb.CommitRequest | pb.RegisterRequest:
+    """A client-streaming RPC's first message, its header."""
+    method = method_of(chunk_class)
+    first = await next_piece(requests, timeout, method)
+    if isinstance(first, MalformedRequest):
+        raise first.refusal()
+    if not isinstance(first, chunk_class) or first.WhichOneof("part") != "header":
+        raise InvalidArgument(
+            f"{method} must start with a header chunk ({chunk_class.__name__}.header)", Reason.MALFORMED
+        )
+    return first.header
+
+
+async def assemble(
+    requests: AsyncIterator[Chunk], assembler: PayloadAssembler, timeout: float, chunk_class: type[ChunkMessage]
+) -> memoryview:
+    """The data pieces after a stream's header, into `assembler`; InvalidArgument for anything
+    else, or more or fewer bytes than announced; DeadlineExceeded when the client stalls."""
+    method = method_of(chunk_class)
+    while (chunk := await next_piece(requests, timeout, method)) is not None:
+        if isinstance(chunk, MalformedRequest):
+            raise chunk.refusal()
+        if isinstance(chunk, chunk_class):
+            if chunk.WhichOneof("part") != "data":
+                raise InvalidArgument(f"{method} sent a second header", Reason.MALFORMED)
+            chunk = memoryview(chunk.data)
+        elif not isinstance(chunk, memoryview):
+            raise InvalidArgument(f"{method} sent a {type(chunk).__name__}", Reason.MALFORMED)
+        try:
+            assembler.add(chunk)
+        except ValueError as error:
+            raise InvalidArgument(f"payload: {error}", Reason.BAD_PAYLOAD) from None
+    try:
+        return assembler.result()
+    except ValueError as error:
+        raise InvalidArgument(f"payload: {error}", Reason.BAD_PAYLOAD) from None
+
+
+def announced_bytes(tensor: pb.Tensor, what: str) -> int:
+    """The bytes a streamed tensor's header announces; InvalidArgument for a bad dtype or shape."""
+    try:
+        return expected_nbytes(tensor.dtype, tuple(tensor.shape))
+    except TensorDecodeError as error:
+        raise InvalidArgument(f"{what}: {error}", Reason.BAD_PAYLOAD) from None
+
+
+async def receive_initial_values(
+    header: pb.RegisterRequest,
+    requests: AsyncIterator[Chunk],
+    timeout: float,
+    check_counts: Callable[[int, int | None], None],
+) -> tuple[EncodedTensor, EncodedTensor | None]:
+    """RegisterStream's initial parameters and buffers, in the pieces after the header in that
+    order; `check_counts` is given their value counts (buffers: None when absent) and refuses
+    them before a byte is buffered."""
+    parameters = header.initial_parameters
+    buffers = header.initial_buffers if header.HasField("initial_buffers") else None
+    parameter_bytes = announced_bytes(parameters, "initial_parameters")
+    buffer_bytes = 0 if buffers is None else announced_bytes(buffers, "initial_buffers")
+    check_counts(num_elements(parameters.shape), None if buffers is None else num_elements(buffers.shape))
+    assembler = PayloadAssembler(parameter_bytes + buffer_bytes)
+    data = await assemble(requests, assembler, timeout, pb.RegisterChunk)
+    initial = EncodedTensor(parameters.dtype, tuple(parameters.shape), data[:parameter_bytes])
+    if buffers is None:
+        return initial, None
+    return initial, EncodedTensor(buffers.dtype, tuple(buffers.shape), data[parameter_bytes:])
+
+
+async def receive_payload(
+    header: pb.CommitRequest,
+    requests: AsyncIterator[Chunk],
+    timeout: float,
+    buffer: Buffer,
+    expected_bytes: Callable[[int, tuple[int, ...]], int],
+) -> EncodedTensor:
+    """CommitStream's payload, in the pieces after the header, assembled into `buffer`; the size
+    the header announces is checked by `expected_bytes(dtype, shape)` before any is buffered."""
+    shape = tuple(header.payload.shape)
+    expected = expected_bytes(header.payload.dtype, shape)
+    assembler = PayloadAssembler(expected, into=buffer.take(expected))
+    data = await assemble(requests, assembler, timeout, pb.CommitChunk)
+    return EncodedTensor(header.payload.dtype, shape, data)
