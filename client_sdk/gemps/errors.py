@@ -115,5 +115,14 @@ def from_rpc_error(error: grpc.RpcError) -> GempsError:
     return cls(f"{code.name}: {details}", code, reason)
 
 
+# Failures worth another attempt: the server is down, restarting, paused or overloaded.
+RETRIED = (ServerUnavailableError, DeadlineExceededError, ServerBusyError)
+
+
 def server_forgot_worker(error: GempsError) -> bool:
     return error.reason in FORGOTTEN_REASONS
+
+
+def worth_another_attempt(error: GempsError) -> bool:
+    """Whether a call that failed so may succeed when done again (after registering again)."""
+    return isinstance(error, RETRIED) or server_forgot_worker(error)

@@ -1,11 +1,22 @@
 """Exponential backoff with full jitter, for calls that failed with UNAVAILABLE or
-DEADLINE_EXCEEDED (server down, restarting, paused or overloaded)."""
+DEADLINE_EXCEEDED (server down, restarting, paused or overloaded), and the loop that retries."""
 
 from __future__ import annotations
 
+import logging
 import random
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
+
+from gemps import errors
+
+log = logging.getLogger("gemps.client")
+
+T = TypeVar("T")
+P = ParamSpec("P")
 
 
 @dataclass(frozen=True)
@@ -28,3 +39,41 @@ class RetryPolicy:
 
 
 NO_RETRY = RetryPolicy(max_attempts=1)
+
+
+class Retrier:
+    """Runs attempts of a call to `target` until one succeeds, sleeping `policy`'s delays between
+    them, for failures worth another attempt (errors.RETRIED); counts the retries. Setting `stop`
+    ends a wait with StoppedError."""
+
+    def __init__(self, target: str, policy: RetryPolicy, stop: threading.Event | None = None) -> None:
+        self.target = target
+        self.policy = policy
+        self.stop = stop
+        #: attempts retried, over this retrier's life
+        self.retries = 0
+
+    def call(self, attempt: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """`attempt(*args, **kwargs)` until it returns; other errors, and the last one, are raised."""
+        delays = self.policy.delays()
+        retrying = False
+        while True:
+            try:
+                return attempt(*args, **kwargs)
+            except errors.RETRIED as failure:
+                error: errors.GempsError = failure
+            delay = next(delays, None)
+            if delay is None:
+                raise type(error)(
+                    f"{self.target} unreachable after {self.policy.max_attempts} attempts: {error.message}",
+                    error.code,
+                    error.reason,
+                )
+            self.retries += 1
+            # The first retry of a call is worth a line: the user sees why nothing happens.
+            log.log(logging.DEBUG if retrying else logging.INFO, "%s; retrying in %.2fs", error.message, delay)
+            retrying = True
+            if self.stop is not None and self.stop.wait(delay):
+                raise errors.StoppedError(f"stopped while retrying {self.target}: {error.message}", error.code)
+            if self.stop is None:
+                time.sleep(delay)

@@ -133,7 +133,7 @@ def test_large_models_register_without_theta_and_pull_it_in_pieces(
 ) -> None:
     """Past the streaming threshold a later worker's Register reply leaves θ out (n registering
     at once would hold n copies) and θ comes by PullStream, in pieces: the same values as Pull."""
-    monkeypatch.setattr(gemps.client, "STREAM_THRESHOLD_BYTES", 65_536)  # P floats are 1.2 MB
+    monkeypatch.setattr(gemps.grpc_transport, "STREAM_THRESHOLD_BYTES", 65_536)  # P floats are 1.2 MB
     server = start_server(rule="downpour", learning_rate=0.5)
     gradient = np.random.default_rng(2).standard_normal(P, dtype=np.float32)
     with (
@@ -168,7 +168,7 @@ def test_large_models_starting_together_upload_theta_once(
 ) -> None:
     """Six workers of a large model registering at once against a fresh server: one sends its
     initial values, the others wait for it (retrying) and read θ by PullStream; all hold it."""
-    monkeypatch.setattr(gemps.client, "STREAM_THRESHOLD_BYTES", 65_536)
+    monkeypatch.setattr(gemps.grpc_transport, "STREAM_THRESHOLD_BYTES", 65_536)
     server = start_server()
     clients = [gemps.Client(server.target, chunk_bytes=65_536) for _ in range(6)]
     values = [np.full(P, float(i), np.float32) for i in range(6)]

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gemps.endpoint import resolve_address
+from gemps.router import resolve_address
 from gemps_proto.schema import ParameterSpec, partition_bounds
-from gemps_server.checkpoints import Checkpoint, CheckpointError, assemble_partitions, load, save
+from gemps_server.checkpoint_files import Checkpoint, CheckpointError, assemble_partitions, load, save
 from gemps_server.config import ServerConfig
-from gemps_server.state import PartitionOf, StateImage
+from gemps_server.domain.records import PartitionOf, StateImage
 
 
 @pytest.mark.parametrize("size,count", [(10, 3), (10_007, 2), (10_007, 3), (5, 5), (8, 1), (1_000_000, 4)])

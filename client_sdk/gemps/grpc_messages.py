@@ -1,6 +1,6 @@
-"""The client's side of the wire: the requests the SDK sends and the replies it reads.
+"""The gRPC messages the SDK frames and the replies it reads, as the transport's records.
 
-Paired with the server's serde (server/gemps_server/serde.py); what both ends convert is in
+Paired with the server's wire messages (server/gemps_server/wire/messages.py); what both ends convert is in
 gemps_proto.serde. Requests and replies that carry θ are bytes: θ is framed into a request with
 one copy and read out of a reply as a view of the received bytes (gemps_proto.framing), never
 copied through a protobuf message.
@@ -8,11 +8,10 @@ copied through a protobuf message.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
-from gemps.records import CentralVariable, CommitResult, ParameterSpec, Registration
+from gemps.records import ParameterSpec, Registration
+from gemps.transport import Committed, Pulled
 from gemps_proto import framing
 from gemps_proto import serde as shared
 from gemps_proto.codec import FLOAT32, encode, wire_view
@@ -91,10 +90,15 @@ def pull_request(worker_id: str, known_version: int, wire_dtype: int, known_hist
     return request.SerializeToString()
 
 
-def pull_reply(data: bytes) -> tuple[pb.PullResponse, np.ndarray | None]:
+def pulled_from_proto(reply: pb.PullResponse, parameters: np.ndarray | None) -> Pulled:
+    """A Pull reply (unary or streamed) with its central variable, decoded by the caller."""
+    return Pulled(reply.version, parameters, buffers_from_proto(reply), reply.history)
+
+
+def pull_reply(data: bytes) -> Pulled:
     """The reply's version and flag, and the central variable unless it is unchanged."""
     reply, parameters = framing.parse_with_tensor(pb.PullResponse, framing.PULL_REPLY_FIELD, data)
-    return reply, None if parameters is None or reply.unchanged else parameters.decode()
+    return pulled_from_proto(reply, None if parameters is None or reply.unchanged else parameters.decode())
 
 
 def commit_request(
@@ -130,42 +134,22 @@ def commit_request(
     return framing.with_tensor(header, framing.COMMIT_PAYLOAD_FIELD, wire_dtype, [num_parameters], data)
 
 
-def commit_reply(data: bytes) -> tuple[pb.CommitResponse, np.ndarray]:
+def committed_from_proto(reply: pb.CommitResponse, parameters: np.ndarray) -> Committed:
+    """A Commit reply's figures (unary or streamed) with its central variable, decoded by the caller."""
+    return Committed(
+        version=reply.version,
+        staleness=reply.staleness,
+        scaling_mean=reply.scaling_mean,
+        scaling_median=reply.scaling_median,
+        scaling_at_zero=reply.scaling_at_zero,
+        scaling_at_max=reply.scaling_at_max,
+        parameters=parameters,
+        buffers=buffers_from_proto(reply),
+    )
+
+
+def commit_reply(data: bytes) -> Committed:
     """The reply's figures and the central variable (a read-only view of `data`)."""
     reply, parameters = framing.parse_with_tensor(pb.CommitResponse, framing.COMMIT_REPLY_FIELD, data)
     assert parameters is not None, "a CommitResponse always carries the central variable"
-    return reply, parameters.decode()
-
-
-def commit_result_from_proto(
-    replies: Sequence[pb.CommitResponse], sizes: Sequence[int], central: CentralVariable
-) -> CommitResult:
-    """The replies' figures, one reply per partition of θ (`sizes`: how many values each holds);
-    `central` holds their parameters (decoded by the caller, unary or streamed). With several,
-    the version is partition 0's, the staleness the largest, and each scaling statistic the
-    mean of the partitions' weighted by their sizes (the median: an estimate)."""
-    if len(replies) == 1:
-        reply = replies[0]
-        return CommitResult(
-            version=reply.version,
-            staleness=reply.staleness,
-            scaling_mean=reply.scaling_mean,
-            parameters=central,
-            scaling_median=reply.scaling_median,
-            scaling_at_zero=reply.scaling_at_zero,
-            scaling_at_max=reply.scaling_at_max,
-        )
-    total = sum(sizes)
-
-    def weighted(name: str) -> float:
-        return float(sum(getattr(reply, name) * size for reply, size in zip(replies, sizes, strict=True))) / total
-
-    return CommitResult(
-        version=replies[0].version,
-        staleness=max(reply.staleness for reply in replies),
-        scaling_mean=weighted("scaling_mean"),
-        parameters=central,
-        scaling_median=weighted("scaling_median"),
-        scaling_at_zero=weighted("scaling_at_zero"),
-        scaling_at_max=weighted("scaling_at_max"),
-    )
+    return committed_from_proto(reply, parameters.decode())

@@ -1,0 +1,279 @@
+"""The gRPC transport: one channel to one server process, one attempt per call.
+
+The calls that carry θ send and receive bytes that `gemps.grpc_messages` frames and reads without
+copies; past STREAM_THRESHOLD_BYTES they go in pieces (CommitStream, PullStream, RegisterStream).
+Every grpc.RpcError becomes a typed GempsError here; retries are the session's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+import grpc
+import numpy as np
+
+from gemps import errors
+from gemps import grpc_messages as messages
+from gemps.connection import Connection
+from gemps.records import Evaluation, Layout, Registration, ServerStatus
+from gemps.transport import CommitCall, Committed, Enrolment, PullCall, Pulled, Registered
+from gemps_proto import serde as shared
+from gemps_proto.codec import decode, expected_nbytes, wire_view
+from gemps_proto.framing import PayloadAssembler, data_frames, read_data
+from gemps_proto.reasons import Reason
+from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+ChunkMessage = TypeVar("ChunkMessage", pb.CommitResponseChunk, pb.PullResponseChunk)
+
+# Payloads past this many bytes go through CommitStream (and θ through PullStream) by default:
+# the server holds a few θ-sized buffers for streams however many clients commit at once, where
+# every unary commit in flight holds its request and its reply (1M parameters, 100 clients:
+# 2.1 GB against 0.9 GB); gRPC Python's synchronous client reads a large unary reply slowly (at
+# 10M parameters, half the rate of the same reply in pieces); past 2 GiB one message cannot carry
+# it. docs/PERFORMANCE.md has the measurements.
+STREAM_THRESHOLD_BYTES = 1 << 20
+STREAMING_CHOICES = ("auto", "always", "never")
+_METHOD = "/gemps.v1.ParameterServer/"
+# How soon a disconnected channel tries the server again (gRPC's default grows to 120 s).
+RECONNECT_BACKOFF_MS = (200, 2000)  # initial, max
+
+
+def _raw(data: bytes) -> bytes:
+    return data
+
+
+@contextlib.contextmanager
+def _typed_errors() -> Iterator[None]:
+    """Raise a grpc error as the matching GempsError subclass."""
+    try:
+        yield
+    except grpc.RpcError as rpc_error:
+        raise errors.from_rpc_error(rpc_error) from None
+
+
+class _Started(Generic[T]):
+    """A call in flight (a gRPC future or stream): `result()` reads its reply."""
+
+    def __init__(self, finish: Callable[[], T]) -> None:
+        self._finish = finish
+
+    def result(self) -> T:
+        with _typed_errors():
+            return self._finish()
+
+
+class GrpcTransport:
+    """A channel to one server process (all of θ, or one partition of it) and its calls.
+
+    `streaming` picks unary calls or streams: "auto" streams θ-sized messages past
+    STREAM_THRESHOLD_BYTES in pieces of `chunk_bytes`; "always"; "never"."""
+
+    def __init__(
+        self,
+        target: str,
+        connection: Connection,
+        *,
+        max_message_bytes: int,
+        timeout: float,
+        wire_dtype: int,
+        streaming: str = "auto",
+        chunk_bytes: int,
+    ) -> None:
+        self._target = target
+        self.timeout = timeout
+        self.wire_dtype = wire_dtype
+        self.streaming = streaming
+        self.chunk_bytes = chunk_bytes
+        self.metadata = connection.metadata
+        self.channel = connection.channel(
+            target,
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+                ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+            ],
+        )
+        self.stub = pb_grpc.ParameterServerStub(self.channel)
+        self._register = self.channel.unary_unary(_METHOD + "Register", _raw, _raw)
+        self._register_stream = self.channel.stream_unary(_METHOD + "RegisterStream", _raw, _raw)
+        self._pull = self.channel.unary_unary(_METHOD + "Pull", _raw, _raw)
+        self._pull_stream = self.channel.unary_stream(_METHOD + "PullStream", _raw, _raw)
+        self._commit = self.channel.unary_unary(_METHOD + "Commit", _raw, _raw)
+        self._commit_stream = self.channel.stream_stream(_METHOD + "CommitStream", _raw, _raw)
+
+    @property
+    def target(self) -> str:
+        return self._target
+
+    def streams(self, nbytes: int) -> bool:
+        """Whether θ-sized messages of `nbytes` go in pieces (CommitStream, PullStream)."""
+        return self.streaming == "always" or (self.streaming == "auto" and nbytes > STREAM_THRESHOLD_BYTES)
+
+    # -- Register --------------------------------------------------------------------------------
+
+    def register(self, enrolment: Enrolment, known_history: str) -> Registered:
+        """Register with this server. Large models first without the initial values: only the
+        first worker of a server needs to send them; 100 workers registering at once would
+        otherwise send 100 copies of P floats, and receive 100 more: θ comes by PullStream."""
+        values, buffers = enrolment.values, enrolment.buffers
+        nbytes = values.nbytes + (buffers.nbytes if buffers is not None else 0)
+        if nbytes <= STREAM_THRESHOLD_BYTES:
+            registration, theta, central_buffers = self._send_register(enrolment, values)
+            return Registered(registration, theta, central_buffers, registration.version)
+        streamed = self.streams(nbytes)
+        try:
+            registration, theta, central_buffers = self._send_register(enrolment, None, omit_parameters=streamed)
+        except errors.GempsError as error:
+            if error.reason != Reason.NOT_INITIALIZED:
+                raise
+            # Ours initialise θ, unless another worker's got there first; streamed, in pieces:
+            # the server accepts messages of --max-message-mb at most.
+            registration, theta, central_buffers = self._send_register(
+                enrolment, values, omit_parameters=streamed, streamed=streamed
+            )
+        if not streamed or registration.initialized_central:
+            return Registered(registration, theta, central_buffers, registration.version)
+        # θ is another worker's: read it in pieces.
+        pulled = self.pull(PullCall(registration.worker_id, -1, known_history, _held_size(values, registration.layout)))
+        assert pulled.parameters is not None
+        buffers_now = pulled.buffers if pulled.buffers is not None else central_buffers
+        return Registered(registration, pulled.parameters, buffers_now, pulled.version, pulled.history)
+
+    def _send_register(
+        self, enrolment: Enrolment, values: np.ndarray | None, omit_parameters: bool = False, streamed: bool = False
+    ) -> tuple[Registration, np.ndarray | None, np.ndarray | None]:
+        request = messages.register_request(
+            enrolment.spec,
+            enrolment.worker_name,
+            values,
+            omit_parameters=omit_parameters,
+            buffer_spec=enrolment.buffer_spec,
+            buffers=enrolment.buffers if values is not None else None,  # with θ's, or not at all
+            client_id=enrolment.client_id,
+            streamed=streamed,
+        )
+        with _typed_errors():
+            if not streamed:
+                return messages.register_reply(self._register(request, timeout=self.timeout, metadata=self.metadata))
+            assert values is not None
+            parts = messages.register_stream_data(values, enrolment.buffer_spec, enrolment.buffers)
+            frames = itertools.chain((request,), *(data_frames(part, self.chunk_bytes) for part in parts))
+            reply = self._register_stream(frames, timeout=self.timeout, metadata=self.metadata)
+            return messages.register_reply(reply)
+
+    # -- Pull --------------------------------------------------------------------------------------
+
+    def start_pull(self, call: PullCall) -> _Started[Pulled]:
+        request, streamed = self._pull_request(call)
+        with _typed_errors():
+            if streamed:
+                replies = iter(self._pull_stream(request, timeout=self.timeout, metadata=self.metadata))
+                return _Started(lambda: _read_pull_stream(replies))
+            future = self._pull.future(request, timeout=self.timeout, metadata=self.metadata)
+        return _Started(lambda: messages.pull_reply(future.result()))
+
+    def pull(self, call: PullCall) -> Pulled:
+        request, streamed = self._pull_request(call)
+        with _typed_errors():
+            if streamed:
+                return _read_pull_stream(iter(self._pull_stream(request, timeout=self.timeout, metadata=self.metadata)))
+            return messages.pull_reply(self._pull(request, timeout=self.timeout, metadata=self.metadata))
+
+    def _pull_request(self, call: PullCall) -> tuple[bytes, bool]:
+        """A Pull of one server's slice, and whether it goes by PullStream."""
+        request = messages.pull_request(call.worker_id, call.known_version, self.wire_dtype, call.known_history)
+        return request, self.streams(expected_nbytes(self.wire_dtype, [call.size]))
+
+    # -- Commit ----------------------------------------------------------------------------------
+
+    def start_commit(self, call: CommitCall) -> _Started[Committed]:
+        header, data, streamed = self._commit_request(call)
+        with _typed_errors():
+            if streamed:
+                replies = self._start_commit_stream(header, data)
+                return _Started(lambda: _read_commit_stream(replies))
+            future = self._commit.future(header, timeout=self.timeout, metadata=self.metadata)
+        return _Started(lambda: messages.commit_reply(future.result()))
+
+    def commit(self, call: CommitCall) -> Committed:
+        header, data, streamed = self._commit_request(call)
+        with _typed_errors():
+            if streamed:
+                return _read_commit_stream(self._start_commit_stream(header, data))
+            return messages.commit_reply(self._commit(header, timeout=self.timeout, metadata=self.metadata))
+
+    def _commit_request(self, call: CommitCall) -> tuple[bytes, bytes | memoryview, bool]:
+        """The Commit header, the payload's wire bytes, and whether they go by CommitStream."""
+        data = wire_view(call.payload, self.wire_dtype)  # float32: a view, not a copy
+        streamed = self.streams(len(data))
+        header = messages.commit_request(
+            worker_id=call.worker_id,
+            base_version=call.base_version,
+            kind=call.kind,
+            wire_dtype=self.wire_dtype,
+            num_parameters=call.payload.size,
+            data=data,
+            loss=call.loss,
+            num_samples=call.num_samples,
+            request_id=call.request_id,
+            streamed=streamed,
+            buffer_delta=call.buffer_delta,
+        )
+        return header, data, streamed
+
+    def _start_commit_stream(self, header: bytes, data: bytes | memoryview) -> Iterator[bytes]:
+        """A CommitStream: the header, the payload in pieces; the reply likewise."""
+        frames = itertools.chain((header,), data_frames(data, self.chunk_bytes))
+        return iter(self._commit_stream(frames, timeout=self.timeout, metadata=self.metadata))
+
+    # -- the small calls -------------------------------------------------------------------------
+
+    def leave(self, worker_id: str) -> None:
+        with _typed_errors():
+            self.stub.Leave(pb.LeaveRequest(worker_id=worker_id), timeout=self.timeout, metadata=self.metadata)
+
+    def status(self) -> ServerStatus:
+        with _typed_errors():
+            reply = self.stub.Status(pb.StatusRequest(), timeout=self.timeout, metadata=self.metadata)
+        return shared.status_from_proto(reply)
+
+    def report_evaluation(self, evaluation: Evaluation) -> None:
+        report = shared.evaluation_to_proto(evaluation)
+        with _typed_errors():
+            self.stub.ReportEvaluation(report, timeout=self.timeout, metadata=self.metadata)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _held_size(values: np.ndarray, layout: Layout | None) -> int:
+    """How many values a server holds: its own partition's, else all that were registered."""
+    return values.size if layout is None else layout.partitions[layout.index].size
+
+
+def _read_pull_stream(replies: Iterator[bytes]) -> Pulled:
+    """A PullStream's reply: the header, then (unless unchanged) θ in pieces."""
+    header = pb.PullResponseChunk.FromString(next(replies)).header
+    if header.unchanged:
+        return messages.pulled_from_proto(header, None)
+    return messages.pulled_from_proto(header, _read_pieces(header.parameters, replies, pb.PullResponseChunk))
+
+
+def _read_commit_stream(replies: Iterator[bytes]) -> Committed:
+    header = pb.CommitResponseChunk.FromString(next(replies)).header
+    return messages.committed_from_proto(header, _read_pieces(header.parameters, replies, pb.CommitResponseChunk))
+
+
+def _read_pieces(parameters: pb.Tensor, replies: Iterator[bytes], chunk_class: type[ChunkMessage]) -> np.ndarray:
+    """A streamed reply's θ: the data pieces after its header, which announced dtype and shape."""
+    assembler = PayloadAssembler(expected_nbytes(parameters.dtype, parameters.shape))
+    for message in replies:
+        piece = read_data(message)
+        assembler.add(piece if piece is not None else chunk_class.FromString(message).data)
+    return decode(parameters.dtype, tuple(parameters.shape), assembler.result())

@@ -1,0 +1,283 @@
+"""The partition router: one session per server process, in θ order, and θ assembled from them.
+
+θ may be partitioned across several server processes (docs/ARCHITECTURE.md): the client is given
+one address, learns the layout from that server's Register (or Status) reply, and then sends each
+commit's slices to their partitions concurrently (every call started, then each awaited: a
+transport's futures and streams run them, no thread of ours per partition), tracks each
+partition's version, and assembles θ from the replies. Buffers live on partition 0.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import numpy as np
+
+from gemps import errors
+from gemps.records import CentralVariable, CommitResult, Evaluation, Layout, ParameterSpec, Registration, ServerStatus
+from gemps.retry import Retrier
+from gemps.server_session import ServerSession, refuse_partition_count_change
+from gemps.transport import CommitCall, Committed, Enrolment, Pending, Transport
+from gemps_proto.codec import num_elements
+from gemps_proto.reasons import Reason
+from gemps_proto.schema import PayloadKind
+
+T = TypeVar("T")
+
+
+def resolve_address(announced: str, reached: str) -> str:
+    """Where a partition is, from the layout another one announced: "" is `reached` itself,
+    ":PORT" is `reached`'s host with that port, anything else a target as it stands."""
+    if not announced:
+        return reached
+    if announced.startswith(":"):
+        host, separator, _port = reached.rpartition(":")
+        if not separator:
+            raise ValueError(f"cannot tell the host of {reached!r} to reach partition at {announced!r}")
+        return host + announced
+    return announced
+
+
+def merge_commit_figures(replies: Sequence[Committed], sizes: Sequence[int], central: CentralVariable) -> CommitResult:
+    """One commit's figures from its replies, one per partition of θ (`sizes`: how many values
+    each holds). With several, the version is partition 0's, the staleness the largest, and each
+    scaling statistic the mean of the partitions' weighted by their sizes (the median: an estimate)."""
+    if len(replies) == 1:
+        reply = replies[0]
+        return CommitResult(
+            version=reply.version,
+            staleness=reply.staleness,
+            scaling_mean=reply.scaling_mean,
+            parameters=central,
+            scaling_median=reply.scaling_median,
+            scaling_at_zero=reply.scaling_at_zero,
+            scaling_at_max=reply.scaling_at_max,
+        )
+    total = sum(sizes)
+
+    def weighted(name: str) -> float:
+        return float(sum(getattr(reply, name) * size for reply, size in zip(replies, sizes, strict=True))) / total
+
+    return CommitResult(
+        version=replies[0].version,
+        staleness=max(reply.staleness for reply in replies),
+        scaling_mean=weighted("scaling_mean"),
+        parameters=central,
+        scaling_median=weighted("scaling_median"),
+        scaling_at_zero=weighted("scaling_at_zero"),
+        scaling_at_max=weighted("scaling_at_max"),
+    )
+
+
+class PartitionRouter:
+    """The server at `target`, then (when θ is partitioned) the others, each through a transport
+    that `connect` opens for an address; and what the client holds of θ: spec, slices, buffers."""
+
+    def __init__(
+        self, target: str, connect: Callable[[str], Transport], retrier: Retrier, *, worker_name: str, client_id: str
+    ) -> None:
+        self.target = target
+        self.connect = connect
+        self.retrier = retrier
+        self.worker_name = worker_name
+        self.client_id = client_id
+        self.sessions = [ServerSession(connect(target), retrier)]
+        self.layout: Layout | None = None  # how θ is partitioned; None: one server holds it all
+        self.spec: tuple[ParameterSpec, ...] = ()
+        self.buffer_spec: tuple[ParameterSpec, ...] = ()
+        self.registered_with: np.ndarray | None = None  # the initial values registered
+        self.buffers = np.empty(0, dtype=np.float32)  # the newest central buffers received (partition 0's)
+        self.central: CentralVariable | None = None  # the newest central variable received
+
+    @property
+    def registration(self) -> Registration | None:
+        return self.sessions[0].registration
+
+    @property
+    def targets(self) -> list[str]:
+        return [session.target for session in self.sessions]
+
+    # -- the calls -------------------------------------------------------------------------------
+
+    def register(
+        self,
+        spec: tuple[ParameterSpec, ...],
+        initial: np.ndarray,
+        buffer_spec: tuple[ParameterSpec, ...],
+        buffers: np.ndarray,
+    ) -> CentralVariable:
+        """Register with every server: the first with all of θ (its reply tells the layout and
+        adds the others), the others with their slice."""
+        self.spec, self.buffer_spec = spec, buffer_spec
+        self.registered_with, self.buffers = initial, buffers
+        self._register_at(0, initial)  # its reply tells the layout, which adds the others
+        for index in range(1, len(self.sessions)):
+            self._register_at(index, initial)
+        self.central = self._assemble()
+        return self.central
+
+    def pull(self) -> CentralVariable:
+        """The newest central variable from every server (no payload when ours is current);
+        unregistered, with the parameter spec and layout from the server's Status."""
+        if self.registration is None and not self.spec:
+            status = self.status()
+            self.spec, self.buffer_spec = status.spec, status.buffer_spec
+            self._adopt(status.layout)
+        sessions = self.sessions
+        replies = self._fan_out(lambda i: sessions[i].start_pull(), lambda i: sessions[i].pull(self._enrolment(i)))
+        changed = False
+        for session, pulled in zip(sessions, replies, strict=True):
+            if pulled.parameters is not None:
+                session.received(pulled.version, pulled.parameters, pulled.history)
+                self._received_buffers(pulled.buffers)
+                changed = True
+        if changed or self.central is None:
+            self.central = self._assemble()
+        return self.central
+
+    def commit(
+        self,
+        flat: np.ndarray,
+        *,
+        kind: PayloadKind,
+        loss: float | None,
+        num_samples: int | None,
+        base_version: int | None,
+        buffer_delta: np.ndarray | None,
+    ) -> CommitResult:
+        """Each server's slice of `flat`, concurrently; θ, versions and figures from the replies.
+        Every attempt carries the same request id, so each server applies it at most once."""
+        request_id = uuid.uuid4().hex
+        sessions = self.sessions
+        slices, bases = self._slices(flat), self._base_versions(base_version)
+        calls = [
+            CommitCall(
+                sessions[i].worker_id, bases[i], kind, slices[i], loss, num_samples, request_id,
+                buffer_delta if i == 0 else None,  # buffers live on partition 0
+            )
+            for i in range(len(sessions))
+        ]  # fmt: skip
+        replies = self._fan_out(
+            lambda i: sessions[i].start_commit(calls[i]), lambda i: sessions[i].commit(calls[i], self._enrolment(i))
+        )
+        for session, committed in zip(sessions, replies, strict=True):
+            session.received(committed.version, committed.parameters)
+            self._received_buffers(committed.buffers)
+        self.central = self._assemble()
+        return merge_commit_figures(replies, [session.size for session in sessions], self.central)
+
+    def leave(self) -> None:
+        for session in self.sessions:
+            session.leave()
+
+    def status(self) -> ServerStatus:
+        return self.sessions[0].status()
+
+    def statuses(self) -> list[ServerStatus]:
+        first = self.status()
+        self._adopt(first.layout)
+        return [first, *(session.status() for session in self.sessions[1:])]
+
+    def report_evaluation(self, evaluation: Evaluation) -> None:
+        self.sessions[0].report_evaluation(evaluation)
+
+    def close(self) -> None:
+        for session in self.sessions:
+            session.transport.close()
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _slices(self, flat: np.ndarray) -> list[np.ndarray]:
+        """Each server's slice of a payload (views); one server: all of it (the server checks its size)."""
+        if self.layout is None:
+            return [flat]
+        if flat.size != self.layout.num_parameters:
+            raise errors.InvalidArgumentError(
+                f"payload has {flat.size} values but the central variable has {self.layout.num_parameters}",
+                errors.InvalidArgumentError.code,
+                Reason.BAD_SHAPE,
+            )
+        return [flat[session.start : session.stop] for session in self.sessions]
+
+    def _base_versions(self, base_version: int | None) -> list[int]:
+        """Each server's base version: the version of its slice last received, or as many
+        versions behind it as `base_version` is behind partition 0's."""
+        assert self.central is not None
+        behind = None if base_version is None else self.central.version - base_version
+        return [session.version if behind is None else max(0, session.version - behind) for session in self.sessions]
+
+    def _fan_out(self, start: Callable[[int], Pending[T]], blocking: Callable[[int], T]) -> list[T]:
+        """One call per server (by index), concurrently: start them all, then wait for each. A
+        call that failed in a way worth another attempt is done again with `blocking` (retries,
+        registering again); other failures are raised. One server: `blocking`."""
+        if len(self.sessions) == 1:
+            return [blocking(0)]
+        started = [start(index) for index in range(len(self.sessions))]
+        results = []
+        for index, pending in enumerate(started):
+            try:
+                results.append(pending.result())
+            except errors.GempsError as error:
+                if not errors.worth_another_attempt(error):
+                    raise
+                results.append(blocking(index))
+        return results
+
+    def _register_at(self, index: int, initial: np.ndarray) -> None:
+        enrolment = self._enrolment(index, initial)
+        assert enrolment is not None
+        session = self.sessions[index]
+        registered = session.register(enrolment)
+        if index == 0:
+            self._adopt(registered.registration.layout)
+        self._received_buffers(registered.buffers)
+        session.hold(registered, enrolment.values)
+
+    def _enrolment(self, index: int, values: np.ndarray | None = None) -> Enrolment | None:
+        """What server `index` registers with: by default our newest copy of θ, which
+        re-initialises a server that lost its state (None before registering). The first gets
+        all of θ and the buffers."""
+        if values is None:
+            values = self.central.flat if self.central is not None else self.registered_with
+            if values is None:
+                return None
+        if index > 0:
+            session = self.sessions[index]
+            return Enrolment(self.spec, self.worker_name, self.client_id, values[session.start : session.stop])
+        return Enrolment(
+            self.spec, self.worker_name, self.client_id, values, self.buffer_spec, self.buffers, self.layout
+        )
+
+    def _adopt(self, layout: Layout | None) -> None:
+        """Take the layout a server announced: each session's range, and transports to partitions
+        not reached yet (addresses relative to the one this client was given)."""
+        if layout is None:
+            self.sessions[0].start, self.sessions[0].stop = 0, self._num_parameters()
+            return
+        if self.layout is None:
+            for partition in layout.partitions[len(self.sessions) :]:
+                address = resolve_address(partition.address, self.target)
+                self.sessions.append(ServerSession(self.connect(address), self.retrier))
+        refuse_partition_count_change(self.target, self.layout, layout)
+        for session, partition in zip(self.sessions, layout.partitions, strict=True):
+            session.start, session.stop = partition.start, partition.stop
+        self.layout = layout
+
+    def _assemble(self) -> CentralVariable:
+        """The central variable from the slices held (one server: its θ as received, no copy)."""
+        if len(self.sessions) == 1:
+            flat = self.sessions[0].flat
+        else:
+            flat = np.concatenate([session.flat for session in self.sessions])
+            flat.flags.writeable = False  # like a single server's, which is a view of the reply
+        versions = tuple(session.version for session in self.sessions)
+        return CentralVariable(versions[0], flat, self.spec, self.buffers, self.buffer_spec, versions)
+
+    def _received_buffers(self, buffers: np.ndarray | None) -> None:
+        if buffers is not None:  # replies leave them out for a model without buffers
+            self.buffers = buffers
+
+    def _num_parameters(self) -> int:
+        return sum(num_elements(entry.shape) for entry in self.spec)

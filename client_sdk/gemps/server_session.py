@@ -1,0 +1,138 @@
+"""This client's session with one server process: what it holds of that server, and reliable calls.
+
+θ may be split across several server processes ("partitions", docs/ARCHITECTURE.md): each holds
+the contiguous range [start, stop) of the flat central variable with its own version, worker id
+and lease. The client has one session per server process; a session keeps the registration it
+got there and the newest slice of θ it received, retries a transport's calls (`Retrier`) and
+registers again, once, when the server forgot the worker (lease expiry, server restart).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import replace
+
+import numpy as np
+
+from gemps import errors
+from gemps.records import Evaluation, Layout, Registration, ServerStatus
+from gemps.retry import Retrier
+from gemps.transport import CommitCall, Committed, Enrolment, Pending, PullCall, Pulled, Registered, Transport
+
+log = logging.getLogger("gemps.client")
+
+
+def refuse_partition_count_change(target: str, held: Layout | None, announced: Layout | None) -> None:
+    """A partitioned server cannot change its partition count while clients use it."""
+    if held is not None and announced is not None and len(announced.partitions) != len(held.partitions):
+        raise errors.FailedPreconditionError(
+            f"{target} now has {len(announced.partitions)} partitions, not {len(held.partitions)}: "
+            "a partitioned server cannot change its partition count while clients use it",
+            errors.FailedPreconditionError.code,
+        )
+
+
+class ServerSession:
+    """One server process (all of θ, or one partition of it) and what the client holds of it."""
+
+    def __init__(self, transport: Transport, retrier: Retrier) -> None:
+        self.transport = transport
+        self.retrier = retrier
+        self.start = 0  # the range of θ this server holds: [start, stop)
+        self.stop = 0
+        self.registration: Registration | None = None  # this server's registration of the client's worker
+        self.version = -1  # of the slice held in `flat`; -1: none yet
+        self.history = ""  # which history of this server `version` counts in ("unchanged" needs both)
+        self.flat = np.empty(0, dtype=np.float32)
+
+    @property
+    def target(self) -> str:
+        return self.transport.target
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def worker_id(self) -> str:
+        return self.registration.worker_id if self.registration else ""
+
+    def register(self, enrolment: Enrolment) -> Registered:
+        """Register with this server (retrying); `hold` its θ once the range is known."""
+        registered = self.retrier.call(self.transport.register, enrolment, self.history)
+        self.registration = registered.registration
+        return registered
+
+    def hold(self, registered: Registered, values: np.ndarray) -> None:
+        """Keep the θ a registration gave: the server's, or the `values` sent when they set it."""
+        if registered.parameters is not None:
+            self.version, self.flat = registered.version, registered.parameters.reshape(-1)
+        else:
+            mine = values if values.size == self.size else values[self.start : self.stop]
+            self.version, self.flat = registered.version, mine.reshape(-1)
+        if registered.history:
+            self.history = registered.history
+
+    def received(self, version: int, flat: np.ndarray, history: str = "") -> None:
+        self.version, self.flat = version, flat.reshape(-1)
+        if history:
+            self.history = history
+
+    def pull_call(self) -> PullCall:
+        return PullCall(self.worker_id, self.version, self.history, self.size)
+
+    def start_pull(self) -> Pending[Pulled]:
+        return self.transport.start_pull(self.pull_call())
+
+    def pull(self, enrolment: Enrolment | None) -> Pulled:
+        """Pull this server's slice (retrying); registered: with `enrolment` again if it forgot us."""
+        if self.registration is None:
+            return self.retrier.call(self.transport.pull, self.pull_call())
+        try:
+            return self.retrier.call(self.transport.pull, self.pull_call())
+        except errors.GempsError as error:
+            registered = self._register_again(error, enrolment)
+        pulled = self.retrier.call(self.transport.pull, self.pull_call())  # the new worker id
+        if pulled.parameters is None:  # unchanged since registering again: θ as registered
+            pulled = replace(pulled, version=self.version, parameters=self.flat)
+        return pulled if pulled.buffers is not None else replace(pulled, buffers=registered.buffers)
+
+    def start_commit(self, call: CommitCall) -> Pending[Committed]:
+        return self.transport.start_commit(call)
+
+    def commit(self, call: CommitCall, enrolment: Enrolment | None) -> Committed:
+        """Commit to this server (retrying); with `enrolment` again if it forgot us, then with the
+        base version clamped to the registration's (the server may have restarted older)."""
+        try:
+            return self.retrier.call(self.transport.commit, call)
+        except errors.GempsError as error:
+            registered = self._register_again(error, enrolment)
+        version = registered.registration.version
+        call = replace(call, worker_id=self.worker_id, base_version=min(call.base_version, version))
+        committed = self.retrier.call(self.transport.commit, call)
+        return committed if committed.buffers is not None else replace(committed, buffers=registered.buffers)
+
+    def status(self) -> ServerStatus:
+        return self.retrier.call(self.transport.status)
+
+    def report_evaluation(self, evaluation: Evaluation) -> None:
+        self.retrier.call(self.transport.report_evaluation, evaluation)
+
+    def leave(self) -> None:
+        """Leave this server, if registered there (already evicted: nothing to free)."""
+        if self.registration is None:
+            return
+        with contextlib.suppress(errors.WorkerNotFoundError):
+            self.retrier.call(self.transport.leave, self.worker_id)
+        self.registration = None
+
+    def _register_again(self, error: errors.GempsError, enrolment: Enrolment | None) -> Registered:
+        """Register with our newest copy of θ when the server forgot us; `error` otherwise."""
+        if enrolment is None or not errors.server_forgot_worker(error):
+            raise error
+        log.warning("%s forgot worker %s (%s); registering again", self.target, self.worker_id, error.message)
+        registered = self.register(enrolment)
+        refuse_partition_count_change(self.target, enrolment.layout, registered.registration.layout)
+        self.hold(registered, enrolment.values)
+        return registered

@@ -1,0 +1,121 @@
+"""The seam between the client and one server process: what a transport does, in domain terms.
+
+A transport carries one attempt of each call to one server process (all of θ, or one partition
+of it) and raises typed GempsError subclasses when it fails. It speaks numpy arrays and the
+SDK's records, never protobuf messages or channel objects, so transports other than gRPC
+(`gemps.grpc_transport`) can plug in. Retries and registering again when a server forgot the
+worker are the transport's caller's (`gemps.server_session`), written once for every transport.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import numpy as np
+
+from gemps.records import Evaluation, Layout, ParameterSpec, Registration, ServerStatus
+from gemps_proto.schema import PayloadKind
+
+Reply = TypeVar("Reply", covariant=True)
+
+
+@dataclass(frozen=True)
+class Enrolment:
+    """What a worker registers with at one server: the first server gets all of θ and the
+    buffers, a later partition its slice of θ only."""
+
+    spec: tuple[ParameterSpec, ...]
+    worker_name: str
+    client_id: str
+    values: np.ndarray  # flat float32 initial values: all of θ, or this partition's slice
+    buffer_spec: tuple[ParameterSpec, ...] = ()
+    buffers: np.ndarray | None = None
+    layout: Layout | None = None  # the layout the client holds: registering again may not change it
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A server's answer to Register: the registration, its θ (None: the values sent set it),
+    its buffers (None: the model has none) and the version and history that θ counts in."""
+
+    registration: Registration
+    parameters: np.ndarray | None
+    buffers: np.ndarray | None
+    version: int
+    history: str = ""
+
+
+@dataclass(frozen=True)
+class PullCall:
+    worker_id: str  # "" for a read-only pull
+    known_version: int  # of the slice held; -1: none
+    known_history: str
+    size: int  # how many values the server holds
+
+
+@dataclass(frozen=True)
+class Pulled:
+    version: int
+    parameters: np.ndarray | None  # None: unchanged since `known_version`
+    buffers: np.ndarray | None
+    history: str
+
+
+@dataclass(frozen=True)
+class CommitCall:
+    """One server's part of a commit: every attempt carries the same `request_id`."""
+
+    worker_id: str
+    base_version: int
+    kind: PayloadKind
+    payload: np.ndarray  # flat float32, in the server's range
+    loss: float | None
+    num_samples: int | None
+    request_id: str
+    buffer_delta: np.ndarray | None = None  # to the first server only
+
+
+@dataclass(frozen=True)
+class Committed:
+    """One server's reply to a commit: its figures, its θ after the commit and its buffers."""
+
+    version: int
+    staleness: int
+    scaling_mean: float
+    scaling_median: float
+    scaling_at_zero: float
+    scaling_at_max: float
+    parameters: np.ndarray
+    buffers: np.ndarray | None
+
+
+class Pending(Protocol[Reply]):
+    """A call started and not yet finished: `result()` waits for the reply or raises GempsError."""
+
+    def result(self) -> Reply: ...
+
+
+class Transport(Protocol):
+    """One server process, one attempt per call. Every failure is a GempsError."""
+
+    @property
+    def target(self) -> str: ...
+
+    def register(self, enrolment: Enrolment, known_history: str) -> Registered: ...
+
+    def pull(self, call: PullCall) -> Pulled: ...
+
+    def start_pull(self, call: PullCall) -> Pending[Pulled]: ...
+
+    def commit(self, call: CommitCall) -> Committed: ...
+
+    def start_commit(self, call: CommitCall) -> Pending[Committed]: ...
+
+    def leave(self, worker_id: str) -> None: ...
+
+    def status(self) -> ServerStatus: ...
+
+    def report_evaluation(self, evaluation: Evaluation) -> None: ...
+
+    def close(self) -> None: ...
