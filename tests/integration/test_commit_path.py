@@ -1,0 +1,145 @@
+"""The path of one commit, walked for real: from `RemoteModel.step()` to the rule that moves θ.
+
+docs/ARCHITECTURE.md lists the path as a numbered list of files, one item per file in call
+order. This test captures the Python stack at the two ends of a real commit against a real
+in-process server: on the worker's side where the SDK hands the request to gRPC, and on the
+server's side inside the rule while it applies the commit. Each stack, reduced to the project's
+files, must cross each file once (no return into a file it left, e.g. the servicer from the
+applier) and must be the list in the docs, so the docs cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import sys
+import threading
+import traceback
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import grpc
+import torch
+
+from gemps.pytorch import RemoteModel
+from tests.integration.conftest import StartServer
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE_DIRS = ("client_sdk", "server", "proto")
+GRPC_DIR = os.path.dirname(grpc.__file__)
+DOCS = REPO / "docs" / "ARCHITECTURE.md"
+SECTION = "## The path of one commit"
+# Past this many parameters the applier always runs a commit on its own thread (service.py).
+LARGE_MODEL_FEATURES = 1024  # Linear(1024, 300): 307,500 parameters
+
+
+def project_files(stack: traceback.StackSummary) -> list[str]:
+    """The project's files on `stack`, outermost first, each run of frames in one file as one."""
+    files: list[str] = []
+    for frame in stack:
+        path = Path(frame.filename).resolve()
+        if not path.is_relative_to(REPO) or path.relative_to(REPO).parts[0] not in PACKAGE_DIRS:
+            continue
+        relative = path.relative_to(REPO).as_posix()
+        if not files or files[-1] != relative:
+            files.append(relative)
+    return files
+
+
+def documented_path() -> list[str]:
+    """The files of docs/ARCHITECTURE.md's commit path, in its order."""
+    text = DOCS.read_text()
+    section = text[text.index(SECTION) :]
+    section = section[: section.find("\n## ", len(SECTION))]
+    return re.findall(r"^\d+\. `([\w/.]+\.py)`", section, flags=re.MULTILINE)
+
+
+class StackAtGrpc:
+    """The caller's stack the first time this thread enters grpc's Python package (a profile hook)."""
+
+    def __init__(self) -> None:
+        self.stack: traceback.StackSummary | None = None
+
+    def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
+        if self.stack is None and event == "call" and frame.f_code.co_filename.startswith(GRPC_DIR):
+            self.stack = traceback.extract_stack(frame)
+
+    def __enter__(self) -> StackAtGrpc:
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
+
+
+class StackInRule:
+    """The stack and thread where the server calls its rule's `step`, each time it applies a
+    commit; `rule_file` is the file of the rule's class, which the path enters next."""
+
+    def __init__(self) -> None:
+        self.stacks: list[tuple[str, traceback.StackSummary]] = []
+        self.rule_file = ""
+
+    def watch(self, rule: Any) -> None:
+        step = rule.step
+        self.rule_file = Path(inspect.getfile(type(rule))).resolve().relative_to(REPO).as_posix()
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            self.stacks.append((threading.current_thread().name, traceback.extract_stack()))
+            return step(*args, **kwargs)
+
+        rule.step = recorded  # the instance's: only this server's rule
+
+
+def one_step(target: str, features: int, recorder: StackInRule, server_state: Any) -> traceback.StackSummary:
+    """Register a linear model, then one training step; the SDK's stack where it enters gRPC."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(features, 300 if features > 64 else 10)
+    with RemoteModel(model, target) as remote:
+        recorder.watch(server_state().rule)
+        model(torch.randn(8, features)).square().mean().backward()
+        with StackAtGrpc() as sdk:
+            remote.step()
+    assert sdk.stack is not None, "the commit never reached gRPC"
+    return sdk.stack
+
+
+def test_docs_list_the_commit_path() -> None:
+    path = documented_path()
+    assert path, f"no numbered list of files under {SECTION!r} in {DOCS}"
+    assert len(path) == len(set(path)), f"the documented path crosses a file twice: {path}"
+    for file in path:
+        assert (REPO / file).is_file(), f"docs/ARCHITECTURE.md names {file}, which does not exist"
+
+
+def test_a_small_commit_crosses_each_file_once_as_documented(start_server: StartServer) -> None:
+    """A small model's commit runs inline on the server's event loop: the whole server path is
+    one stack, from the servicer to the rule."""
+    server = start_server(rule="gem")
+    recorder = StackInRule()
+    sdk_stack = one_step(server.target, 64, recorder, lambda: server.server.state)
+    sdk_files = project_files(sdk_stack)
+    assert len(recorder.stacks) == 1
+    thread, server_stack = recorder.stacks[0]
+    assert thread == "in-process-server", "a small commit on an idle applier runs on the event loop"
+    server_files = [*project_files(server_stack), recorder.rule_file]
+    walked = sdk_files + server_files
+    assert len(walked) == len(set(walked)), f"the commit path crosses a file twice: {walked}"
+    assert walked == documented_path()
+
+
+def test_a_large_commit_crosses_the_applier_thread_the_same_way(start_server: StartServer) -> None:
+    """Past the inline bound the applier's thread runs the commit: its stack is the tail of the
+    documented path, from the applier to the rule."""
+    server = start_server(rule="gem")
+    recorder = StackInRule()
+    one_step(server.target, LARGE_MODEL_FEATURES, recorder, lambda: server.server.state)
+    assert len(recorder.stacks) == 1
+    thread, server_stack = recorder.stacks[0]
+    assert thread != "in-process-server", "a large commit runs on the applier's thread"
+    server_files = [*project_files(server_stack), recorder.rule_file]
+    documented = documented_path()
+    assert server_files == documented[-len(server_files) :], (server_files, documented)
+    assert any("applier" in file for file in server_files)
