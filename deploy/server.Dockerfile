@@ -1,6 +1,6 @@
 # gemps parameter server: numpy, grpcio, protobuf and prometheus-client; no torch.
 #   docker build -f deploy/server.Dockerfile -t gemps-server .
-#   docker run --rm -p 50051:50051 -p 9109:9109 gemps-server      (options: GEMPS_* variables)
+#   docker run --rm -p 50051:50051 -p 51051:51051 -p 9109:9109 gemps-server      (options: GEMPS_* variables)
 ARG PYTHON_IMAGE=python:3.11-slim
 
 # ---- build: a virtual environment in /opt/gemps, copied whole into the runtime stage --------
@@ -58,11 +58,12 @@ ENV PATH=/opt/gemps/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     GEMPS_HOST=0.0.0.0 \
     GEMPS_PORT=50051 \
+    GEMPS_DATA_PORT=51051 \
     GEMPS_METRICS_PORT=9109 \
     GEMPS_CHECKPOINT_DIR=/var/lib/gemps
 WORKDIR /var/lib/gemps
 USER 10001:10001
-EXPOSE 50051 9109
+EXPOSE 50051 51051 9109
 # grpc.health.v1 through the image's own grpcio: no probe binary to download.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
     CMD ["python", "/opt/gemps/healthcheck.py"]

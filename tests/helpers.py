@@ -107,7 +107,7 @@ class InProcessServer:
     """
 
     def __init__(self, **options: Any) -> None:
-        self.config = server_config(**{"host": "127.0.0.1", "port": 0, "metrics_port": 0, **options})
+        self.config = server_config(**{"host": "127.0.0.1", "port": 0, "metrics_port": 0, "data_port": 0, **options})
         self.server = ParameterServer(self.config)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="in-process-server", daemon=True)

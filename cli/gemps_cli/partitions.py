@@ -1,6 +1,6 @@
 """`gemps server --partitions K` on one machine: one server process per partition of θ.
 
-Partition i listens on the configured port + i, keeps its checkpoints in
+Partition i listens on the configured port + i (its data plane on the data port + i), keeps its checkpoints in
 `<checkpoint_dir>/partition-<i>`, and logs as `gemps.server[partition i]`. The metrics port
 serves every partition's metrics as one target (each sample labelled `partition="i"`, plus
 `gemps_partition_up`); the partitions' own metrics listen on free loopback ports. Partitions 1..K-1
@@ -105,6 +105,7 @@ def child_config(config: ServerConfig, index: int, addresses: str = "") -> Serve
         config,
         partition_index=index,
         port=offset(config.port),
+        data_port=offset(config.data_port),
         # Its metrics on a free loopback port: the supervisor serves them all on metrics_port.
         metrics_port=-1 if config.metrics_port < 0 else 0,
         metrics_host="127.0.0.1",

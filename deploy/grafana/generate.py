@@ -364,11 +364,12 @@ def server_dashboard() -> dashboard_builders.Dashboard:
     d.with_panel(
         timeseries(
             "Commit latency p50 / p99",
-            "Server-side time per Commit RPC (queue wait + apply + encoding the reply), and the applier's "
+            "Server-side time per Commit (queue wait + apply + encoding the reply), by plane (grpc: the "
+            "Commit RPC; data: a commit frame on the data plane, received to reply sent), and the applier's "
             "two phases: queue_wait in the FIFO queue, apply running the rule.",
             [
-                Query(quantile(0.5, "gemps_rpc_duration_seconds", where='method="Commit"'), "Commit p50"),
-                Query(quantile(0.99, "gemps_rpc_duration_seconds", where='method="Commit"'), "Commit p99"),
+                Query(quantile(0.5, "gemps_rpc_duration_seconds", "plane", 'method="Commit"'), "Commit {{plane}} p50"),
+                Query(quantile(0.99, "gemps_rpc_duration_seconds", "plane", 'method="Commit"'), "Commit {{plane}} p99"),
                 Query(quantile(0.5, "gemps_commit_duration_seconds", "phase"), "{{phase}} p50"),
                 Query(quantile(0.99, "gemps_commit_duration_seconds", "phase"), "{{phase}} p99"),
             ],
@@ -431,10 +432,11 @@ def server_dashboard() -> dashboard_builders.Dashboard:
     d.with_panel(
         timeseries(
             "Network",
-            "Protobuf message bytes per second received and sent, by RPC method.",
+            "Bytes per second received and sent, by RPC method and plane (grpc: protobuf messages; "
+            "data: data-plane frames, θ's raw bytes included).",
             [
-                Query(f"sum by (method) (rate(gemps_received_bytes_total[{RATE}]))", "in {{method}}"),
-                Query(f"sum by (method) (rate(gemps_sent_bytes_total[{RATE}]))", "out {{method}}"),
+                Query(f"sum by (method, plane) (rate(gemps_received_bytes_total[{RATE}]))", "in {{method}} {{plane}}"),
+                Query(f"sum by (method, plane) (rate(gemps_sent_bytes_total[{RATE}]))", "out {{method}} {{plane}}"),
             ],
             unit="Bps",
             width=8,

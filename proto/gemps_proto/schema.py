@@ -203,6 +203,14 @@ def partition_bounds(num_parameters: int, count: int) -> list[tuple[int, int]]:
 
 
 @dataclass(frozen=True)
+class DataPlane:
+    """Where a server's data plane listens, and one registration's ticket to it (gemps.v1.DataPlane)."""
+
+    port: int  # on the host the client reached the server at
+    ticket: bytes = field(repr=False)  # a secret: kept out of logs and reprs
+
+
+@dataclass(frozen=True)
 class Registration:
     """What the server tells a worker that registered (gemps.v1.RegisterResponse, θ aside)."""
 
@@ -213,6 +221,7 @@ class Registration:
     version: int  # of the central variable when the worker registered
     initialized_central: bool = False  # this worker's initial values became the central variable
     layout: Layout | None = None  # set when θ is partitioned (version is then this partition's)
+    data_plane: DataPlane | None = None  # set when the server offers its data plane
 
 
 @dataclass(frozen=True)

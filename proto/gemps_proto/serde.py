@@ -16,6 +16,7 @@ from google.protobuf.message import Message
 
 from gemps_proto.codec import EncodedTensor
 from gemps_proto.schema import (
+    DataPlane,
     Evaluation,
     Layout,
     ParameterSpec,
@@ -87,6 +88,17 @@ def layout_from_proto(message: pb.RegisterResponse | pb.StatusResponse) -> Layou
     return Layout(layout.index, partitions, layout.num_parameters)
 
 
+def data_plane_to_proto(data_plane: DataPlane | None) -> pb.DataPlane | None:
+    return None if data_plane is None else pb.DataPlane(port=data_plane.port, ticket=data_plane.ticket)
+
+
+def data_plane_from_proto(message: pb.RegisterResponse) -> DataPlane | None:
+    """The data plane a Register reply announces; None when the server offers none."""
+    if not message.HasField("data_plane"):
+        return None
+    return DataPlane(message.data_plane.port, message.data_plane.ticket)
+
+
 def registration_to_proto(registration: Registration) -> pb.RegisterResponse:
     """The reply without the central variable's values (the server adds them when due)."""
     return pb.RegisterResponse(
@@ -97,6 +109,7 @@ def registration_to_proto(registration: Registration) -> pb.RegisterResponse:
         version=registration.version,
         initialized_central=registration.initialized_central,
         layout=layout_to_proto(registration.layout),
+        data_plane=data_plane_to_proto(registration.data_plane),
     )
 
 
@@ -109,6 +122,7 @@ def registration_from_proto(message: pb.RegisterResponse) -> Registration:
         version=message.version,
         initialized_central=message.initialized_central,
         layout=layout_from_proto(message),
+        data_plane=data_plane_from_proto(message),
     )
 
 

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 import threading
+from collections.abc import Awaitable
 from pathlib import Path
 
 import grpc
@@ -29,6 +30,7 @@ from gemps_server.logs import event
 from gemps_server.metrics import ServerMetrics, exposed
 from gemps_server.security import TokenAuthInterceptor, exposure_warnings, server_credentials
 from gemps_server.service import ParameterService
+from gemps_server.wire.data_plane import DataPlaneServer
 from gemps_server.wire.grpc_servicer import GempsServicer, add_to_server
 from gemps_server.wire.health import HealthServicer
 
@@ -78,7 +80,9 @@ class ParameterServer:
             reply_budget_bytes=config.max_reply_mb * 1024 * 1024,
         )
         self.health = HealthServicer()  # its Watch streams end at shutdown (health.py)
+        self.data_plane = DataPlaneServer(config, self.service, self.metrics) if config.data_plane_on else None
         self.port = 0
+        self.data_port = 0  # bound once started (0: the data plane is off)
         self.metrics_port = 0
         self._server: grpc.aio.Server | None = None
         self._metrics_server: object | None = None
@@ -94,6 +98,10 @@ class ParameterServer:
         server = self._grpc_server(token)
         self.port = self._bind(server, token)
         self.applier.start()
+        self.service.attach_loop(asyncio.get_running_loop())
+        if self.data_plane is not None:  # before gRPC serves: every registration can announce it
+            self.data_port = self.data_plane.start()
+            self.service.data_plane_port = self.data_port
         await server.start()
         self._server = server
         for service in ("", SERVICE_NAME):
@@ -112,6 +120,7 @@ class ParameterServer:
             log,
             "serving",
             address=_hostport(self.config.host, self.port),
+            data_port=self.data_port or None,
             **self.config.training.as_dict(),
             metrics_port=self.metrics_port if self.metrics_port else None,
             tls="mutual" if config.tls_client_ca else config.tls,
@@ -199,8 +208,13 @@ class ParameterServer:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        # Both doors close together: in-flight requests on either get `grace` to be answered.
+        closing: list[Awaitable[None]] = []
+        if self.data_plane is not None:
+            closing.append(asyncio.to_thread(self.data_plane.stop, grace))
         if self._server is not None:
-            await self._server.stop(grace)
+            closing.append(self._server.stop(grace))
+        await asyncio.gather(*closing)
         if self.checkpointer is not None:
             await self.checkpointer.stop_schedule()
         await asyncio.to_thread(self.applier.stop)  # runs what is still queued

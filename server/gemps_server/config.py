@@ -19,6 +19,7 @@ from gemps_server.logs import LOG_FORMATS
 from gemps_server.native import compiled
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+DATA_PLANE_MODES = ("on", "off")
 
 
 def valid_token(token: str) -> bool:
@@ -31,6 +32,18 @@ class ServerConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on (0.0.0.0 for all)"})
     port: int = field(default=50051, metadata={"help": "gRPC port; 0 picks a free one"})
+    data_plane: str = field(
+        default="on",
+        metadata={
+            "help": "offer the data plane (commits and pulls with θ's raw bytes on --data-port, announced at "
+            "Register); off: gRPC only",
+            "choices": DATA_PLANE_MODES,
+        },
+    )
+    data_port: int = field(
+        default=51051,
+        metadata={"help": "data-plane port (partition i: this + i); 0 picks a free one"},
+    )
     port_file: str = field(
         default="", metadata={"help": "once serving, write the gRPC port and the metrics port (lines 1, 2) here"}
     )
@@ -104,8 +117,20 @@ class ServerConfig:
     stream_idle_timeout: float = field(
         default=30.0,
         metadata={
-            "help": "seconds a CommitStream may wait between its pieces before it is refused (it may hold a buffer)"
+            "help": "seconds a CommitStream may wait between its pieces before it is refused (it may hold a buffer); "
+            "on the data plane: seconds without a byte in the middle of a frame or of a reply, then it is closed"
         },
+    )
+    data_plane_buffers: int = field(
+        default=4,
+        metadata={
+            "help": "data-plane requests carrying θ served at once, each in a reused buffer of P values (others "
+            "wait, holding nothing)"
+        },
+    )
+    max_data_connections: int = field(
+        default=256,
+        metadata={"help": "data-plane connections at once (one thread each); more are refused on arrival"},
     )
     metrics_port: int = field(default=9109, metadata={"help": "Prometheus /metrics port; -1 disables"})
     metrics_host: str = field(default="", metadata={"help": "metrics address (default: same as --host)"})
@@ -151,11 +176,17 @@ class ServerConfig:
         },
     )
     handshake_timeout: float = field(
-        default=5.0, metadata={"help": "seconds a new connection has to finish its TLS/HTTP/2 handshake"}
+        default=5.0,
+        metadata={
+            "help": "seconds a new connection has to finish its TLS/HTTP/2 handshake (data plane: TLS and HELLO)"
+        },
     )
     connection_idle_timeout: float = field(
         default=120.0,
-        metadata={"help": "seconds a connection may stay open without an RPC in flight (clients reconnect)"},
+        metadata={
+            "help": "seconds a connection (gRPC or data plane) may stay open without a request in flight "
+            "(clients reconnect)"
+        },
     )
     max_streams_per_connection: int = field(
         default=100,
@@ -211,6 +242,10 @@ class ServerConfig:
         found = []
         if not 0 <= self.port <= 65535:
             found.append(f"port {self.port} outside 0..65535")
+        if not 0 <= self.data_port <= 65535:
+            found.append(f"data_port {self.data_port} outside 0..65535")
+        if self.data_plane not in DATA_PLANE_MODES:
+            found.append(f"data_plane {self.data_plane!r}: choose on or off")
         if not -1 <= self.metrics_port <= 65535:
             found.append(f"metrics_port {self.metrics_port} outside -1..65535")
         if self.lease_ttl <= 0:
@@ -221,6 +256,8 @@ class ServerConfig:
             found.append("num_shards must be >= 0")
         if self.max_streamed_payloads < 1:
             found.append("max_streamed_payloads must be >= 1")
+        if self.data_plane_buffers < 1:
+            found.append("data_plane_buffers must be >= 1")
         if not self.stream_idle_timeout > 0:
             found.append("stream_idle_timeout must be > 0")
         if self.max_message_mb < 1:
@@ -261,6 +298,8 @@ class ServerConfig:
             found.append("max_registrations_per_minute must be >= 0")
         if self.max_connections < 1:
             found.append("max_connections must be >= 1")
+        if self.max_data_connections < 1:
+            found.append("max_data_connections must be >= 1")
         if not self.handshake_timeout > 0:
             found.append("handshake_timeout must be > 0")
         if not self.connection_idle_timeout > 0:
@@ -300,6 +339,10 @@ class ServerConfig:
         if "{index}" in self.partition_addresses:
             return tuple(self.partition_addresses.replace("{index}", str(i)) for i in range(self.partitions))
         return tuple(address.strip() for address in self.partition_addresses.split(","))
+
+    @property
+    def data_plane_on(self) -> bool:
+        return self.data_plane == "on"
 
     @property
     def tls(self) -> bool:

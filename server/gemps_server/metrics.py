@@ -36,6 +36,24 @@ DURATION_BUCKETS = (
 # "rejected by reason" panels and rate() show 0 rather than nothing.
 COMMIT_REJECTION_REASONS = tuple(reason.value for reason in Reason)
 RPC_METHODS = tuple(method.name for method in pb.DESCRIPTOR.services_by_name["ParameterServer"].methods)
+# Which door a request came through (DESIGN §3c): every gRPC method, and the data plane's two calls.
+PLANES = ("grpc", "data")
+DATA_PLANE_METHODS = ("Commit", "Pull")
+PLANE_METHODS = tuple(("grpc", method) for method in RPC_METHODS) + tuple(("data", m) for m in DATA_PLANE_METHODS)
+# Why the data plane closed a connection before or between requests (its requests' own refusals
+# count like gRPC's: gemps_commits_total, the rejected log line).
+DATA_PLANE_REFUSALS = (
+    "bad_frame",  # not a frame of this protocol (magic, version, op, flags, lengths)
+    "bad_hello",  # a first frame that is not a well-formed HELLO
+    "unauthenticated",  # a ticket that is not the worker's registration's, or another worker's request
+    "unknown_worker",  # a HELLO for a worker not registered
+    "handshake_timeout",  # TLS handshake and HELLO not done within --handshake-timeout
+    "tls",  # a TLS handshake that failed (no or a wrong client certificate, not TLS at all)
+    "idle_timeout",  # no request for --connection-idle-timeout
+    "stream_timeout",  # a frame, or a reply, stalled for --stream-idle-timeout
+    "too_many_connections",  # past --max-data-connections
+    "refused_unread",  # a request refused before its payload was read: the connection is closed
+)
 DEPARTURE_CAUSES = ("left", "evicted")
 CHECKPOINT_OUTCOMES = ("written", "failed")
 # Requests refused before reaching a handler's logic: no or a wrong token, registration rate.
@@ -169,18 +187,37 @@ class ServerMetrics:
         # -- RPCs and traffic -----------------------------------------------------------------
         self.rpc_duration = Histogram(
             "gemps_rpc_duration_seconds",
-            "Server-side handling time per RPC, by method (a Commit's includes queue wait and apply).",
-            ["method"],
+            "Server-side handling time per RPC, by method and plane (grpc, data); a Commit's includes queue "
+            "wait and apply.",
+            ["method", "plane"],
             buckets=DURATION_BUCKETS,
             registry=r,
         )
         self.received = Counter(
-            "gemps_received_bytes", "Request message bytes received, by RPC method.", ["method"], registry=r
+            "gemps_received_bytes",
+            "Request bytes received, by RPC method and plane (grpc: messages; data: frames).",
+            ["method", "plane"],
+            registry=r,
         )
-        self.sent = Counter("gemps_sent_bytes", "Response message bytes sent, by RPC method.", ["method"], registry=r)
-        self._rpc_duration = {method: self.rpc_duration.labels(method) for method in RPC_METHODS}
-        self._received = {method: self.received.labels(method) for method in RPC_METHODS}
-        self._sent = {method: self.sent.labels(method) for method in RPC_METHODS}
+        self.sent = Counter(
+            "gemps_sent_bytes",
+            "Response bytes sent, by RPC method and plane (grpc: messages; data: frames).",
+            ["method", "plane"],
+            registry=r,
+        )
+        self._rpc_duration = {(p, m): self.rpc_duration.labels(m, p) for p, m in PLANE_METHODS}
+        self._received = {(p, m): self.received.labels(m, p) for p, m in PLANE_METHODS}
+        self._sent = {(p, m): self.sent.labels(m, p) for p, m in PLANE_METHODS}
+        self.data_plane_refusals = Counter(
+            "gemps_data_plane_refusals",
+            "Data-plane connections closed by a guard, by reason (bad frame or hello, ticket, timeouts, "
+            "connection limit, a request refused before its payload was read).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in DATA_PLANE_REFUSALS:
+            self.data_plane_refusals.labels(reason)
+        self.data_plane_connections = Gauge("gemps_data_plane_connections", "Open data-plane connections.", registry=r)
 
         # -- workers and the central variable -------------------------------------------------
         self.registrations = Counter("gemps_registrations", "Workers that registered.", registry=r)
@@ -315,14 +352,17 @@ class ServerMetrics:
     def rejected(self, reason: Reason) -> None:
         self.commits.labels("rejected", reason.value).inc()
 
-    def rpc(self, method: str, seconds: float) -> None:
-        self._rpc_duration[method].observe(seconds)
+    def rpc(self, method: str, seconds: float, plane: str = "grpc") -> None:
+        self._rpc_duration[plane, method].observe(seconds)
 
-    def message_received(self, method: str, size: int) -> None:
-        self._received[method].inc(size)
+    def message_received(self, method: str, size: int, plane: str = "grpc") -> None:
+        self._received[plane, method].inc(size)
 
-    def message_sent(self, method: str, size: int) -> None:
-        self._sent[method].inc(size)
+    def message_sent(self, method: str, size: int, plane: str = "grpc") -> None:
+        self._sent[plane, method].inc(size)
+
+    def data_plane_refused(self, reason: str) -> None:
+        self.data_plane_refusals.labels(reason).inc()
 
     def registered(self) -> None:
         self.registrations.inc()

@@ -1,4 +1,5 @@
-"""The gRPC port's defences: TLS (optionally mutual), bearer-token auth, registration rate limit.
+"""The ports' defences: TLS (optionally mutual), bearer-token auth, registration rate limit, and the
+data plane's tickets.
 
 - TLS: `--tls-cert`/`--tls-key` (PEM); with `--tls-client-ca` clients must present a certificate
   signed by that CA (mutual TLS), or the handshake fails.
@@ -11,9 +12,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -142,3 +145,19 @@ class RateLimiter:
                 return False
             self._tokens -= 1.0
             return True
+
+
+class Tickets:
+    """Data-plane tickets (DESIGN §3c): HMAC-SHA256 of a worker id and its client id under a key
+    drawn at random when the process starts, so only this process can issue them, a ticket
+    proves one registration, and none outlives the process. Compared in constant time."""
+
+    def __init__(self) -> None:
+        self._key = secrets.token_bytes(32)
+
+    def issue(self, worker_id: str, client_id: str) -> bytes:
+        message = f"{worker_id}\0{client_id}".encode("utf-8", "surrogateescape")
+        return hmac.new(self._key, message, hashlib.sha256).digest()
+
+    def valid(self, ticket: bytes, worker_id: str, client_id: str) -> bool:
+        return hmac.compare_digest(ticket, self.issue(worker_id, client_id))

@@ -1,7 +1,9 @@
 """The parameter service: what each RPC does, in domain terms; the one door to the domain.
 
-A wire (today the gRPC servicer) hands it domain records and gets domain records back, never
-protobuf messages, and never reaches the state itself. Every state
+A wire (the gRPC servicer, the data plane) hands it domain records and gets domain records back,
+never protobuf messages, and never reaches the state itself. The gRPC servicer calls it from the
+event loop (`commit`, `pull`); the data plane from its connection threads (`commit_blocking`,
+`pull_blocking`): the same applier, ledger and bookkeeping behind both. Every state
 change goes through the applier (one at a time, in arrival order); this is where its outcome is
 counted in the metrics, logged, and handed to the checkpoint writer. Reads that need no
 ordering (a current snapshot, Status, what a stream's header must be checked against) are
@@ -10,14 +12,18 @@ answered here directly.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
 from gemps_proto.codec import EncodedTensor
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import (
+    DataPlane,
     Evaluation,
     Layout,
     ParameterSpec,
@@ -30,14 +36,14 @@ from gemps_proto.schema import (
 from gemps_server.allocator import tune_for
 from gemps_server.config import ServerConfig
 from gemps_server.domain.applier import Applier, Timed
-from gemps_server.domain.errors import ResourceExhausted, ServiceError
+from gemps_server.domain.errors import ResourceExhausted, ServiceError, Unauthenticated
 from gemps_server.domain.records import Admission, Commit, CommitOutcome, R, ReplyWriter, Snapshot
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.validation import check_evaluation, check_reply_dtype, check_upload
 from gemps_server.domain.workers import WorkerRecord
 from gemps_server.logs import Throttle, event
 from gemps_server.metrics import ServerMetrics
-from gemps_server.security import RateLimiter
+from gemps_server.security import RateLimiter, Tickets
 
 log = logging.getLogger("gemps.server")
 
@@ -63,8 +69,14 @@ class ParameterService:
         self._state = state
         self._applier = applier
         self._metrics = metrics
-        # Called on the event loop with the new version after each applied commit (checkpoints).
+        # Called on the event loop with the new version after each applied commit (checkpoints):
+        # from a data-plane thread through the loop (attach_loop), as it is not thread-safe.
         self._on_committed = on_committed
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # The data plane's port once it listens (None: off); registrations then carry a ticket.
+        self.data_plane_port: int | None = None
+        self._tickets = Tickets()
+        self._rejected_lock = threading.Lock()  # refusals are counted from several threads
         self._registrations = RateLimiter(config.max_registrations_per_minute)
         self._started = time.monotonic()
         self.commits_rejected = 0
@@ -168,14 +180,40 @@ class ParameterService:
             version=admission.snapshot.version,
             initialized_central=admission.initialized_theta,
             layout=self.layout(),
+            data_plane=self._data_plane_for(worker),
         )
         return admission, registration
+
+    def _data_plane_for(self, worker: WorkerRecord) -> DataPlane | None:
+        if self.data_plane_port is None:
+            return None
+        return DataPlane(self.data_plane_port, self._tickets.issue(worker.worker_id, worker.client_id))
+
+    def check_ticket(self, worker_id: str, ticket: bytes) -> None:
+        """Refuse a data-plane ticket that is not `worker_id`'s registration's: NotFound for a worker
+        not registered, Unauthenticated for a wrong ticket (compared in constant time)."""
+        worker = self._state.registry.get(worker_id)
+        if not self._tickets.valid(ticket, worker.worker_id, worker.client_id):
+            raise Unauthenticated(
+                "data-plane ticket is not this worker's registration's: register again", Reason.UNAUTHENTICATED
+            )
+
+    def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The event loop the checkpoint hook runs on (data-plane commits hand it over)."""
+        self._loop = loop
 
     async def pull(self, worker_id: str, known_version: int, reply_dtype: int) -> Snapshot:
         """The current snapshot, encoded in `reply_dtype` unless the caller already has its version."""
         snapshot, encode = self._current(worker_id, known_version, reply_dtype)
         if encode:  # on the applier: theta may be moving
             snapshot = await self._applier.submit(functools.partial(self._state.encoded, reply_dtype))
+        return snapshot
+
+    def pull_blocking(self, worker_id: str, known_version: int, reply_dtype: int) -> Snapshot:
+        """pull() for a thread other than the event loop's (the data plane's)."""
+        snapshot, encode = self._current(worker_id, known_version, reply_dtype)
+        if encode:
+            snapshot = self._applier.run_blocking(functools.partial(self._state.encoded, reply_dtype)).result
         return snapshot
 
     def _current(self, worker_id: str, known_version: int, reply_dtype: int) -> tuple[Snapshot, bool]:
@@ -196,14 +234,29 @@ class ParameterService:
         # Small models: applied on the event loop when the applier is idle (see Applier.submit_timed).
         inline = self._state.num_parameters <= INLINE_MAX_PARAMETERS
         timed = await self._applier.submit_timed(apply, inline=inline)
-        return self._committed(commit, timed)
+        return self._committed(commit, timed, self._on_committed)
+
+    def commit_blocking(self, commit: Commit, reply: ReplyWriter[R]) -> tuple[CommitOutcome, R]:
+        """commit() for a data-plane thread. Inline whatever the model's size when the applier is
+        idle: the calling thread has nothing else to serve (the event loop's limit is the loop's)."""
+        apply = functools.partial(self._state.commit_and_reply, commit, reply)
+        timed = self._applier.run_blocking(apply, inline=True)
+        return self._committed(commit, timed, self._committed_threadsafe)
+
+    def _committed_threadsafe(self, version: int) -> None:
+        """The checkpoint hook, handed to the event loop (it is not thread-safe); a loop already
+        closed is a server stopping: its final checkpoint comes after the data plane stopped."""
+        if self._on_committed is not None and self._loop is not None:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._on_committed, version)
 
     def _committed(
         self,
         commit: Commit,
         timed: Timed[tuple[CommitOutcome, R]],
+        on_committed: Callable[[int], None] | None,
     ) -> tuple[CommitOutcome, R]:
-        """A commit's bookkeeping once the applier ran it."""
+        """A commit's bookkeeping once the applier ran it, whichever wire it came through."""
         outcome, built = timed.result
         if outcome.duplicate:
             self._metrics.duplicate()
@@ -218,8 +271,8 @@ class ParameterService:
                     suppressed=suppressed,
                 )
             return outcome, built
-        if self._on_committed is not None:
-            self._on_committed(outcome.snapshot.version)
+        if on_committed is not None:
+            on_committed(outcome.snapshot.version)
         self._metrics.applied(
             outcome.staleness,
             outcome.stats,
@@ -314,7 +367,8 @@ class ParameterService:
     def rejected(self, method: str, error: ServiceError, status: str) -> None:
         """Count and log (throttled) a request refused with gRPC status `status`."""
         if method in COMMIT_METHODS:
-            self.commits_rejected += 1
+            with self._rejected_lock:
+                self.commits_rejected += 1
             self._metrics.rejected(error.reason)
         suppressed = self._rejection_log.allow((method, error.reason))
         if suppressed is not None:

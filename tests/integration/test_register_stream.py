@@ -74,7 +74,7 @@ def test_a_model_past_the_message_limit_initialises_theta_in_pieces(start_server
     # 600 KB range in one message, within the limit.
     received = scrape_series(f"http://127.0.0.1:{servers[0].metrics_port}/metrics")
     label = "" if partitions == 1 else ',partition="0"'
-    assert received[f'gemps_received_bytes_total{{method="RegisterStream"{label}}}'] >= 4 * P
+    assert received[f'gemps_received_bytes_total{{method="RegisterStream"{label},plane="grpc"}}'] >= 4 * P
 
 
 def test_a_model_past_the_message_limit_sent_whole_is_refused_with_a_hint(start_server: StartServer) -> None:
@@ -106,7 +106,7 @@ def test_an_upload_announcing_sizes_the_spec_does_not_have_is_refused_before_its
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert sent_reason in {reason.value, Reason.BAD_SPEC.value}
     received = scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics")
-    assert received['gemps_received_bytes_total{method="RegisterStream"}'] < 4096  # the header alone
+    assert received['gemps_received_bytes_total{method="RegisterStream",plane="grpc"}'] < 4096  # the header alone
     assert not stub.Status(pb.StatusRequest()).initialized
 
 
@@ -142,7 +142,7 @@ def test_a_stalled_upload_is_cut_off_and_the_next_initialises_theta(start_server
     stalled = stub.RegisterStream.future(stalling())
     # The stalling upload holds the upload lock once the server has read its first piece; only
     # then does the second start (else it may go first and find nothing to wait for).
-    series = 'gemps_received_bytes_total{method="RegisterStream"}'
+    series = 'gemps_received_bytes_total{method="RegisterStream",plane="grpc"}'
     wait_for(
         lambda: scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics").get(series, 0) >= 2 * P,
         20,
@@ -172,7 +172,7 @@ def test_once_theta_exists_an_upload_is_answered_without_reading_it(start_server
     reply = stub.RegisterStream(iter(frames))
     assert not reply.initialized_central and reply.worker_id
     after = scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics")
-    series = 'gemps_received_bytes_total{method="RegisterStream"}'
+    series = 'gemps_received_bytes_total{method="RegisterStream",plane="grpc"}'
     assert after[series] - before[series] < 4096  # the header alone: its values are not needed
     pulled = stub.Pull(pb.PullRequest(worker_id=reply.worker_id, known_version=-1))
     np.testing.assert_array_equal(np.frombuffer(pulled.parameters.data, np.float32), values)
@@ -188,7 +188,7 @@ def test_a_model_past_max_parameters_is_refused_before_its_values_are_read(start
     assert _refusal(refused.value) == (grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.TOO_LARGE.value)
     assert "--max-parameters" in str(refused.value.details())
     received = scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics")
-    assert received['gemps_received_bytes_total{method="RegisterStream"}'] < 4096  # the header alone
+    assert received['gemps_received_bytes_total{method="RegisterStream",plane="grpc"}'] < 4096  # the header alone
     with (
         gemps.Client(server.target, chunk_bytes=PIECE) as sdk,
         pytest.raises(gemps.ResourceExhaustedError) as too_large,

@@ -145,7 +145,7 @@ def test_large_models_register_without_theta_and_pull_it_in_pieces(
         assert first.register({"theta": np.zeros(P, np.float32)}).initialized_central
         theta = first.commit(gradient).parameters.flat
         sent = scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics")
-        assert sent['gemps_sent_bytes_total{method="PullStream"}'] == 0  # its own values: nothing to read
+        assert sent['gemps_sent_bytes_total{method="PullStream",plane="grpc"}'] == 0  # its own values: nothing to read
 
         registration = later.register({"theta": np.ones(P, np.float32)})
         assert registration.version == 1 and not registration.initialized_central and later.central is not None
@@ -158,9 +158,9 @@ def test_large_models_register_without_theta_and_pull_it_in_pieces(
 
         sent = scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics")
         # θ went out by PullStream (float32 once, bfloat16 once, plus the pieces' framing) ...
-        assert 6 * P <= sent['gemps_sent_bytes_total{method="PullStream"}'] < 6 * P + 4096
+        assert 6 * P <= sent['gemps_sent_bytes_total{method="PullStream",plane="grpc"}'] < 6 * P + 4096
         # ... and by Register only to the worker that did not stream: the others' replies were small.
-        assert 4 * P <= sent['gemps_sent_bytes_total{method="Register"}'] < 4 * P + 4096
+        assert 4 * P <= sent['gemps_sent_bytes_total{method="Register",plane="grpc"}'] < 4 * P + 4096
 
 
 def test_large_models_starting_together_upload_theta_once(
@@ -179,8 +179,10 @@ def test_large_models_starting_together_upload_theta_once(
         assert len(thetas) == 6 and all(np.array_equal(t, thetas[0]) for t in thetas)
         assert any(np.array_equal(thetas[0], v) for v in values)
         received = scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics")
-        streamed = received['gemps_received_bytes_total{method="RegisterStream"}']
-        assert 4 * P <= received['gemps_received_bytes_total{method="Register"}'] + streamed < 5 * P  # one upload
+        streamed = received['gemps_received_bytes_total{method="RegisterStream",plane="grpc"}']
+        assert (
+            4 * P <= received['gemps_received_bytes_total{method="Register",plane="grpc"}'] + streamed < 5 * P
+        )  # one upload
         assert streamed >= 4 * P  # in pieces: each message well under the server's --max-message-mb
     finally:
         for client in clients:

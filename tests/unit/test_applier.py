@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import random
+import threading
+import time
 import weakref
 from collections.abc import Callable
 
-from gemps_server.domain.applier import Applier
+from gemps_server.domain.applier import Applier, ApplierStopped
 
 
 class Payload:
@@ -49,3 +52,84 @@ def test_nothing_of_an_operation_outlives_its_result() -> None:
         assert reply() is None
     finally:
         applier.stop()
+
+
+def test_threads_and_an_event_loop_never_overlap_and_keep_each_submitters_order() -> None:
+    """Inline runs on several threads and on the event loop, and queued runs on the applier's
+    thread, at once: never two operations at a time, and each submitter's in its order."""
+    applier = Applier()
+    applier.start()
+    running = threading.Lock()  # taken without waiting: fails if another operation is running
+    overlaps: list[str] = []
+    done: dict[str, list[int]] = {}
+
+    def operation(submitter: str, i: int) -> Callable[[], int]:
+        def run() -> int:
+            if not running.acquire(blocking=False):
+                overlaps.append(f"{submitter}:{i}")
+                return i
+            try:
+                done.setdefault(submitter, []).append(i)
+                time.sleep(0.0002 if i % 2 == 0 else 0)  # long enough, now and then, to be caught
+            finally:
+                running.release()
+            return i
+
+        return run
+
+    count = 200
+    inline_runs: list[str] = []
+    pauses = random.Random(27)
+
+    def hammer(name: str) -> None:
+        for i in range(count):
+            timed = applier.run_blocking(operation(name, i), inline=i % 3 != 0)
+            assert timed.result == i
+            if timed.timing.queued_seconds == 0.0:
+                inline_runs.append(name)
+            time.sleep(pauses.random() * 0.0004)  # so that the applier is idle now and then: inline runs
+
+    async def loop_side() -> None:
+        for i in range(count):  # one at a time: its order is its submission order
+            timed = await applier.submit_timed(operation("loop", i), inline=i % 2 == 0)
+            assert timed.result == i
+            await asyncio.sleep(pauses.random() * 0.0004)
+
+    threads = [threading.Thread(target=hammer, args=(f"thread-{n}",)) for n in range(4)]
+    try:
+        for thread in threads:
+            thread.start()
+        asyncio.run(loop_side())
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        applier.stop()
+    assert not overlaps
+    assert len(set(inline_runs)) > 1  # the case in point: inline runs on several threads
+    assert set(done) == {"loop", *(f"thread-{n}" for n in range(4))}
+    assert all(order == list(range(count)) for order in done.values())
+
+
+def test_run_blocking_raises_the_operations_error_and_refuses_after_stop() -> None:
+    applier = Applier()
+    applier.start()
+
+    def fail() -> None:
+        raise ValueError("refused")
+
+    try:
+        for inline in (True, False):
+            try:
+                applier.run_blocking(fail, inline=inline)
+            except ValueError as error:
+                assert str(error) == "refused"
+            else:
+                raise AssertionError("no error")
+    finally:
+        applier.stop()
+    try:
+        applier.run_blocking(lambda: None)
+    except ApplierStopped:
+        pass
+    else:
+        raise AssertionError("ran after stop")

@@ -187,6 +187,8 @@ def test_compose_server_keeps_checkpoints_in_a_named_volume_and_has_a_health_che
     volume, target = ps["volumes"][0].split(":")
     assert target == "/var/lib/gemps" and volume in data["volumes"]
     assert ps["healthcheck"]["test"] == ["CMD", "python", "/opt/gemps/healthcheck.py"]
+    assert ps["environment"]["GEMPS_DATA_PORT"] == "51051"
+    assert "${GEMPS_BIND_ADDRESS:-127.0.0.1}:${GEMPS_HOST_DATA_PORT:-51051}:51051" in ps["ports"]
 
 
 def test_compose_workers_scale_without_clashes() -> None:
@@ -256,6 +258,10 @@ def test_k8s_server_is_a_statefulset_with_headless_service_pvc_and_grpc_probes()
     assert {"name": claim["metadata"]["name"], "mountPath": "/var/lib/gemps"} in container["volumeMounts"]
     assert container["readinessProbe"]["grpc"] == {"port": 50051, "service": "gemps.v1.ParameterServer"}
     assert container["livenessProbe"]["grpc"]["port"] == 50051
+    # The data plane's port: declared on the pod and the Service, and the one gemps server binds.
+    assert {"name": "data", "containerPort": 51051} in container["ports"]
+    assert {"name": "data", "port": 51051, "targetPort": "data"} in service["spec"]["ports"]
+    assert {"name": "GEMPS_DATA_PORT", "value": "51051"} in container["env"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert spec["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9109"
 

@@ -114,7 +114,9 @@ def test_series_exist_before_anything_happens_so_rates_read_zero() -> None:
     for reason in COMMIT_REJECTION_REASONS:
         assert got[("gemps_commits_total", (("outcome", "rejected"), ("reason", reason)))] == 0
     assert got[("gemps_departures_total", (("cause", "evicted"),))] == 0
-    assert got[("gemps_received_bytes_total", (("method", "Commit"),))] == 0
+    assert got[("gemps_received_bytes_total", (("method", "Commit"), ("plane", "grpc")))] == 0
+    assert got[("gemps_received_bytes_total", (("method", "Commit"), ("plane", "data")))] == 0
+    assert got[("gemps_data_plane_refusals_total", (("reason", "bad_hello"),))] == 0
     # ... but no held-out figure until an evaluator reports one (0 would read as a perfect loss).
     assert not any(name.startswith("gemps_heldout") for name, _ in got)
 
@@ -124,7 +126,7 @@ def test_labels_come_from_small_fixed_sets() -> None:
     metrics.describe_server(TrainingConfig())
     metrics.rpc("Pull", 0.001)
     metrics.evaluated("x" * 500, 1, 0.5, 0.5)
-    allowed = {"outcome", "reason", "phase", "bound", "side", "method", "cause", "dataset", "le", "quantile"}
+    allowed = {"outcome", "reason", "phase", "bound", "side", "method", "plane", "cause", "dataset", "le", "quantile"}
     info = set(TrainingConfig().as_dict())  # one label per field of the training config
     for (name, labels), _ in samples(metrics).items():
         keys = {key for key, _ in labels}

@@ -21,6 +21,7 @@ SCALARS = {
     FieldDescriptor.TYPE_INT64: int,
     FieldDescriptor.TYPE_STRING: str,
     FieldDescriptor.TYPE_BOOL: bool,
+    FieldDescriptor.TYPE_BYTES: bytes,
 }
 # Message fields the Python face leaves out on purpose.
 WIRE_ONLY = {"ParameterSpec": {"dtype"}, "RegisterResponse": {"parameters", "buffers", "history"}}
@@ -33,6 +34,7 @@ FACES: list[tuple[type[Any], Any]] = [
     (schema.ServerStatus, pb.StatusResponse.DESCRIPTOR),
     (schema.Partition, pb.Partition.DESCRIPTOR),
     (schema.Layout, pb.Layout.DESCRIPTOR),
+    (schema.DataPlane, pb.DataPlane.DESCRIPTOR),
 ]
 
 

@@ -134,7 +134,7 @@ class ServerProcess(ChildProcess):
         **options: object,
     ) -> None:
         super().__init__(log_path=log_path, startup_timeout=startup_timeout, name="server")
-        self.options: dict[str, object] = {"host": "127.0.0.1", "port": 0, "metrics_port": 0, **options}
+        self.options: dict[str, object] = {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "data_port": 0, **options}
         self.launcher = tuple(command)
         self.port = 0
         self.metrics_port = -1

@@ -1,9 +1,10 @@
 """The single FIFO applier: state-changing operations run one at a time, in arrival order.
 
-gRPC handlers (on the asyncio event loop) submit operations; one dedicated thread runs them in
-the order they were submitted and hands each result back to its handler's future. The math
-runs off the event loop, so network I/O for other requests overlaps it, and no worker can be
-starved: there is no polling order, only the queue.
+gRPC handlers (on the asyncio event loop) and data-plane connection threads submit operations;
+one dedicated thread runs them in the order they were submitted and hands each result back to
+its submitter (the handler's future, or a waiting thread). The math runs off the event loop, so
+network I/O for other requests overlaps it, and no worker can be starved: there is no polling
+order, only the queue.
 """
 
 from __future__ import annotations
@@ -34,10 +35,16 @@ class Timed(Generic[T]):
     timing: Timing
 
 
-# Called on the applier thread after each operation (the utilisation metric).
+# Called after each operation, on the thread that ran it (the utilisation metric).
 Observer = Callable[[Timing], None]
+# Hands an operation's outcome (or exception) to whoever submitted it.
+Deliver = Callable[["Timed[Any] | None", "BaseException | None"], None]
 
-_Item = tuple[Callable[[], Any], "asyncio.Future[Timed[Any]]", asyncio.AbstractEventLoop, float]
+_Item = tuple[Callable[[], Any], Deliver, float]
+
+
+class ApplierStopped(RuntimeError):
+    """An operation submitted from a thread after the applier stopped: it will never run."""
 
 
 def _settle(future: asyncio.Future[Timed[Any]], outcome: Timed[Any] | None, error: BaseException | None) -> None:
@@ -49,15 +56,43 @@ def _settle(future: asyncio.Future[Timed[Any]], outcome: Timed[Any] | None, erro
         future.set_result(outcome)  # type: ignore[arg-type]
 
 
+def _to_future(future: asyncio.Future[Timed[Any]], loop: asyncio.AbstractEventLoop) -> Deliver:
+    def deliver(outcome: Timed[Any] | None, error: BaseException | None) -> None:
+        with contextlib.suppress(RuntimeError):  # event loop closed: the server is shutting down
+            loop.call_soon_threadsafe(_settle, future, outcome, error)
+
+    return deliver
+
+
+class _Waiter:
+    """A thread's wait for its queued operation (run_blocking)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.outcome: Timed[Any] | None = None
+        self.error: BaseException | None = None
+
+    def deliver(self, outcome: Timed[Any] | None, error: BaseException | None) -> None:
+        self.outcome, self.error = outcome, error
+        self.done.set()
+
+
 class Applier:
     def __init__(self, observer: Observer | None = None) -> None:
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._observer = observer
         self._thread = threading.Thread(target=self._run, name="gemps-applier", daemon=True)
-        # Operations submitted and not finished; an inline one runs only when this is 0.
+        # Operations submitted and not finished; an inline one runs only when this is 0, so it is
+        # never overtaken by, nor overtakes, anything submitted before it.
         self._pending = 0
         self._pending_lock = threading.Lock()
+        # Held while any operation runs, on whichever thread: inline runs come from the event
+        # loop and from data-plane threads at once, and the applier's thread may pick up the next
+        # queued operation while an inline one still runs. Order comes from _pending, exclusion
+        # from this lock.
+        self._running = threading.Lock()
         self._accepting_inline = False
+        self._stopped = False
 
     @property
     def depth(self) -> int:
@@ -77,28 +112,50 @@ class Applier:
 
         `inline`: when nothing is queued or running, run it right here on the event loop instead
         of handing it to the applier's thread and back (two thread wake-ups, tens of
-        microseconds: most of a small commit's cost). Still one at a time and in order: the
-        applier's thread cannot start anything while it runs, and nothing else can be submitted
-        from this loop meanwhile. For short operations only: it holds the event loop.
+        microseconds: most of a small commit's cost). Still one at a time and in order (see
+        _claim_idle). For short operations only: it holds the event loop.
         """
-        if inline and self._accepting_inline:
-            with self._pending_lock:
-                idle = self._pending == 0
-                if idle:
-                    self._pending = 1
-            if idle:
-                return self._run_inline(operation)
+        if inline and self._claim_idle():
+            return self._run_inline(operation)
         with self._pending_lock:
             self._pending += 1
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Timed[T]] = loop.create_future()
-        self._queue.put((operation, future, loop, time.perf_counter()))
+        self._queue.put((operation, _to_future(future, loop), time.perf_counter()))
         return await future
+
+    def run_blocking(self, operation: Callable[[], T], inline: bool = False) -> Timed[T]:
+        """submit_timed() for a thread that is not the event loop's (a data-plane connection):
+        blocks it until the operation ran; `inline` as there, on the calling thread."""
+        if self._stopped:
+            raise ApplierStopped("the applier has stopped: the server is shutting down")
+        if inline and self._claim_idle():
+            return self._run_inline(operation)
+        with self._pending_lock:
+            self._pending += 1
+        waiter = _Waiter()
+        self._queue.put((operation, waiter.deliver, time.perf_counter()))
+        waiter.done.wait()
+        if waiter.error is not None:
+            raise waiter.error
+        assert waiter.outcome is not None
+        return waiter.outcome
+
+    def _claim_idle(self) -> bool:
+        """Count an inline operation as pending if nothing else is; False when something is."""
+        if not self._accepting_inline:
+            return False
+        with self._pending_lock:
+            if self._pending:
+                return False
+            self._pending = 1
+            return True
 
     def _run_inline(self, operation: Callable[[], T]) -> Timed[T]:
         started = time.perf_counter()
         try:
-            result = operation()
+            with self._running:
+                result = operation()
         finally:
             with self._pending_lock:
                 self._pending -= 1
@@ -110,6 +167,7 @@ class Applier:
     def stop(self) -> None:
         """Run what is queued, then end the thread."""
         self._accepting_inline = False
+        self._stopped = True
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
@@ -120,24 +178,20 @@ class Applier:
             # Dropped now: kept, it (a commit and its reply, θ-sized) would live on while the thread waits.
             item = None
 
-    def _execute(
-        self,
-        operation: Callable[[], Any],
-        future: asyncio.Future[Any],
-        loop: asyncio.AbstractEventLoop,
-        queued_at: float,
-    ) -> None:
-        started = time.perf_counter()
+    def _execute(self, operation: Callable[[], Any], deliver: Deliver, queued_at: float) -> None:
         result: Any = None
         error: BaseException | None = None
-        try:
-            result = operation()
-        except Exception as exc:  # delivered to the handler that submitted it
-            error = exc
-        timing = Timing(started - queued_at, time.perf_counter() - started)
+        with self._running:  # an inline operation claimed before this was queued may still run
+            started = time.perf_counter()
+            try:
+                result = operation()
+            except Exception as exc:  # delivered to whoever submitted it
+                error = exc
+            timing = Timing(started - queued_at, time.perf_counter() - started)
         with self._pending_lock:
             self._pending -= 1
         if self._observer is not None:
             self._observer(timing)
-        with contextlib.suppress(RuntimeError):  # event loop closed: the server is shutting down
-            loop.call_soon_threadsafe(_settle, future, Timed(result, timing), error)
+        outcome = Timed(result, timing) if error is None else None
+        result = None  # nothing of it held here once delivered
+        deliver(outcome, error)

@@ -37,3 +37,7 @@ class DeadlineExceeded(ServiceError):
 
 class Unavailable(ServiceError):
     """Not now, soon: the caller should retry with backoff (the central variable is being set)."""
+
+
+class Unauthenticated(ServiceError):
+    """The caller did not prove who it is (a data-plane ticket that is not its registration's)."""

@@ -1,7 +1,13 @@
-"""The gRPC wire: everything that knows gRPC and the protobuf messages.
+"""The server's wires: everything that knows gRPC, the protobuf messages and the data plane's
+frames; each calls the service (the one door to the domain).
 
-`grpc_servicer` (the RPC methods, thin: parse, call the service, frame; the `rpc` decorator that
-maps refusals to status codes), `streams` (client-stream assembly), `reply_budget` (replies held
-until read), `stream_buffers` (the CommitStream buffer pool), `messages` (requests into domain
-records, outcomes into replies, and the commit reply writers) and `health` (grpc.health.v1).
+gRPC: `grpc_servicer` (the RPC methods, thin: parse, call the service, frame; the `rpc` decorator
+that maps refusals to status codes), `streams` (client-stream assembly), `reply_budget` (replies
+held until read), `stream_buffers` (the CommitStream and data-plane buffer pools), `messages`
+(requests into domain records, outcomes into replies, and the commit reply writers) and `health`
+(grpc.health.v1). `status_codes`: the refusal → status code table both wires use.
+
+The data plane (DESIGN §3c, gemps_proto/dataplane.py): `data_plane` (the listener, connection
+limit, TLS, graceful stop), `data_plane_calls` (one connection: HELLO and ticket, then Commit and
+Pull frames) and `data_plane_io` (blocking exact reads into buffers, writes from θ's memory).
 """

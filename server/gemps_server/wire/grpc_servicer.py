@@ -77,8 +77,8 @@ def add_to_server(servicer: GempsServicer, server: grpc.aio.Server) -> None:
     metrics = servicer.metrics
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in service.methods:
-        received = functools.partial(metrics.message_received, method.name)
-        sent = _metered_serializer(functools.partial(metrics.message_sent, method.name))
+        received = functools.partial(metrics.message_received, method.name, plane="grpc")
+        sent = _metered_serializer(functools.partial(metrics.message_sent, method.name, plane="grpc"))
         behaviour = getattr(servicer, method.name)
         if method.client_streaming:  # CommitStream, RegisterStream
             make_handler = (

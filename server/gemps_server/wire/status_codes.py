@@ -1,4 +1,5 @@
-"""Which gRPC status each kind of refusal is: one table, for every wire that answers refusals."""
+"""Which gRPC status each kind of refusal is: one table for both wires (the gRPC servicer sets
+it on the call, the data plane sends its number in a DataPlaneError)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from gemps_server.domain.errors import (
     NotFound,
     ResourceExhausted,
     ServiceError,
+    Unauthenticated,
     Unavailable,
 )
 
@@ -22,6 +24,7 @@ STATUS_CODES: dict[type[ServiceError], grpc.StatusCode] = {
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
 }
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import numpy as np
 
@@ -33,6 +35,67 @@ class BufferPool:
                 yield buffer
             finally:
                 self._free.append(buffer.bytes)
+
+
+class _Waiter:
+    """A connection thread waiting for a buffer: the pool hands one to it directly."""
+
+    def __init__(self) -> None:
+        self.granted = threading.Event()
+        self.array: np.ndarray | None = None
+
+
+class ThreadBufferPool:
+    """BufferPool for the data plane's connection threads: `count` buffers, each reused, handed
+    to waiting threads in arrival order (a semaphore lets a newcomer take a freed buffer ahead of
+    threads already waiting: under load that starved some clients of turns)."""
+
+    # How often a thread waiting for a buffer checks whether it should give up (shutdown).
+    POLL_SECONDS = 0.25
+
+    def __init__(self, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"a buffer pool needs at least one buffer, not {count}")
+        self._free: list[np.ndarray] = [np.empty(0, np.uint8) for _ in range(count)]
+        self._waiting: deque[_Waiter] = deque()
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def buffer(self, give_up: Callable[[], bool]) -> Iterator[Buffer | None]:
+        """A buffer, waiting (in order) while all are in use; None if `give_up()` turned true first."""
+        array = self._take(give_up)
+        if array is None:
+            yield None
+            return
+        buffer = Buffer(array)
+        try:
+            yield buffer
+        finally:
+            self._give_back(buffer.bytes)
+
+    def _take(self, give_up: Callable[[], bool]) -> np.ndarray | None:
+        with self._lock:
+            if self._free and not self._waiting:
+                return self._free.pop()
+            waiter = _Waiter()
+            self._waiting.append(waiter)
+        while not waiter.granted.wait(self.POLL_SECONDS):
+            if give_up():
+                with self._lock:
+                    if waiter.array is None:  # not granted meanwhile: leave the line
+                        self._waiting.remove(waiter)
+                        return None
+                break
+        return waiter.array
+
+    def _give_back(self, array: np.ndarray) -> None:
+        with self._lock:
+            if not self._waiting:
+                self._free.append(array)
+                return
+            waiter = self._waiting.popleft()
+            waiter.array = array
+        waiter.granted.set()
 
 
 class Buffer:

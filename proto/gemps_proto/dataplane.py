@@ -1,0 +1,80 @@
+"""The data plane's frames (DESIGN §3c): commits and pulls with θ's bytes on a socket of their own.
+
+gRPC stays the control plane (Register, Leave, Status, health) and a complete data path; the data
+plane is a second door for the two calls that carry θ. A connection starts with a HELLO that
+carries the ticket of one registration (RegisterResponse.data_plane), then alternates one request
+and its reply. Every frame is
+
+    preamble (20 bytes, PREAMBLE)   magic, version, op, flags, header length, payload length
+    header                          a gemps.v1 message, serialized: the request or the reply
+                                    without its tensor's data (the tensor's dtype and shape are
+                                    announced in it), a DataPlaneHello, or a DataPlaneError
+    payload                         the tensor's raw little-endian bytes (θ, or a commit's payload)
+
+so the receiver knows every size before it reads a byte of it, reads the payload straight into
+the buffer it will use, and the sender writes θ from its own memory. Requests and replies are the
+gRPC path's messages: the same fields, the same checks, the same reasons.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+MAGIC = b"GMDP"
+VERSION = 1
+#: magic, version, op, flags (none defined: 0), header bytes, payload bytes
+PREAMBLE = struct.Struct("<4sBBHIQ")
+REPLY = 0x80  # a reply's op is its request's | REPLY
+
+
+class Op(enum.IntEnum):
+    """What a frame is. A reply carries its request's op with the REPLY bit; ERROR answers any."""
+
+    HELLO = 1  # header: DataPlaneHello; reply: an empty header
+    COMMIT = 2  # header: CommitRequest (payload announced); reply: CommitResponse (parameters announced)
+    PULL = 3  # header: PullRequest; reply: PullResponse (parameters announced unless unchanged)
+    ERROR = 0x7F  # header: DataPlaneError; sent for a refused request (the connection stays usable
+    # unless the frame could not be read whole: then the server closes it after the error)
+
+
+class FrameError(ValueError):
+    """Bytes that are not a data-plane frame of this version."""
+
+
+@dataclass(frozen=True)
+class Preamble:
+    op: int  # an Op, or an Op | REPLY
+    header_bytes: int
+    payload_bytes: int
+
+    def pack(self) -> bytes:
+        return PREAMBLE.pack(MAGIC, VERSION, self.op, 0, self.header_bytes, self.payload_bytes)
+
+    @property
+    def is_reply(self) -> bool:
+        return bool(self.op & REPLY) and self.op != Op.ERROR
+
+    @property
+    def request_op(self) -> int:
+        return self.op & ~REPLY
+
+
+def frame_start(op: int, header: bytes, payload_bytes: int = 0) -> bytes:
+    """A frame's preamble and header; its `payload_bytes` of payload follow."""
+    return Preamble(op, len(header), payload_bytes).pack() + header
+
+
+def read_preamble(data: bytes | bytearray | memoryview) -> Preamble:
+    """The preamble at the start of `data` (at least PREAMBLE.size bytes); FrameError if it is not one."""
+    magic, version, op, flags, header_bytes, payload_bytes = PREAMBLE.unpack_from(data)
+    if magic != MAGIC:
+        raise FrameError(f"not a gemps data-plane frame (magic {bytes(magic)!r})")
+    if version != VERSION:
+        raise FrameError(f"data-plane version {version}; this end speaks {VERSION}")
+    if flags:
+        raise FrameError(f"unknown flags {flags:#x}")
+    if op & ~REPLY not in {int(o) for o in Op} and op != Op.ERROR:
+        raise FrameError(f"unknown op {op:#x}")
+    return Preamble(op, header_bytes, payload_bytes)

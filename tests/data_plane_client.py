@@ -1,0 +1,129 @@
+"""A raw data-plane client for tests (gemps_proto/dataplane.py): a socket, a HELLO, then
+commits and pulls framed by hand, and whatever the server answers read back as it came."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from dataclasses import dataclass
+from types import TracebackType
+
+import numpy as np
+from google.protobuf.message import Message
+
+from gemps_proto import dataplane
+from gemps_proto.dataplane import REPLY, Op
+from gemps_proto.v1 import parameter_server_pb2 as pb
+
+
+@dataclass
+class Frame:
+    op: int
+    header: bytes
+    payload: bytes
+
+    @property
+    def error(self) -> pb.DataPlaneError | None:
+        return pb.DataPlaneError.FromString(self.header) if self.op == Op.ERROR else None
+
+    def message(self, message_class: type[Message]) -> Message:
+        return message_class.FromString(self.header)
+
+
+class DataPlaneClient:
+    def __init__(
+        self, port: int, host: str = "127.0.0.1", timeout: float = 10.0, tls: ssl.SSLContext | None = None
+    ) -> None:
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        if tls is not None:
+            try:
+                self.sock = tls.wrap_socket(self.sock, server_hostname=host)
+            except OSError:
+                self.sock.close()
+                raise
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> DataPlaneClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- frames ----------------------------------------------------------------------------
+
+    def send(self, op: int, header: bytes, payload: bytes = b"", payload_bytes: int | None = None) -> None:
+        """A frame; `payload_bytes` announces another length than the payload's (to lie)."""
+        announced = len(payload) if payload_bytes is None else payload_bytes
+        self.sock.sendall(dataplane.frame_start(op, header, announced) + payload)
+
+    def receive(self) -> Frame:
+        start = self._exactly(dataplane.PREAMBLE.size)
+        preamble = dataplane.read_preamble(start)
+        header = self._exactly(preamble.header_bytes)
+        return Frame(preamble.op, header, self._exactly(preamble.payload_bytes))
+
+    def closed_by_server(self) -> bool:
+        """Whether the server closed this connection (EOF or reset), reading anything before it."""
+        try:
+            while self.sock.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
+        return True
+
+    def _exactly(self, size: int) -> bytes:
+        data = bytearray(size)
+        view, filled = memoryview(data), 0
+        while filled < size:
+            count = self.sock.recv_into(view[filled:])
+            if count == 0:
+                raise ConnectionError(f"closed after {filled} of {size} bytes")
+            filled += count
+        return bytes(data)
+
+    # -- calls ------------------------------------------------------------------------------
+
+    def hello(self, worker_id: str, ticket: bytes) -> Frame:
+        self.send(Op.HELLO, pb.DataPlaneHello(worker_id=worker_id, ticket=ticket).SerializeToString())
+        return self.receive()
+
+    def commit(self, worker_id: str, payload: np.ndarray, base_version: int, request_id: str = "") -> Frame:
+        values = np.ascontiguousarray(payload, dtype=np.float32)
+        header = commit_header(worker_id, values.size, base_version, request_id)
+        self.send(Op.COMMIT, header, values.tobytes())
+        return self.receive()
+
+    def pull(self, worker_id: str, known_version: int = -1, known_history: str = "") -> Frame:
+        request = pb.PullRequest(worker_id=worker_id, known_version=known_version, known_history=known_history)
+        self.send(Op.PULL, request.SerializeToString())
+        return self.receive()
+
+
+def commit_header(
+    worker_id: str,
+    size: int,
+    base_version: int,
+    request_id: str = "",
+    kind: int = pb.PAYLOAD_KIND_GRADIENT,
+    **fields: object,
+) -> bytes:
+    """A CommitRequest announcing a float32 payload of `size` values (its data not included)."""
+    request = pb.CommitRequest(
+        worker_id=worker_id,
+        base_version=base_version,
+        kind=kind,  # type: ignore[arg-type]
+        request_id=request_id,
+        payload=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[size]),
+        **fields,  # type: ignore[arg-type]
+    )
+    return request.SerializeToString()
+
+
+def theta_of(frame: Frame) -> np.ndarray:
+    """The float32 θ a reply carries."""
+    assert frame.op in (Op.COMMIT | REPLY, Op.PULL | REPLY), frame.error
+    return np.frombuffer(frame.payload, dtype=np.float32)
