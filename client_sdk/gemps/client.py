@@ -1,7 +1,8 @@
 """The synchronous gemps client: register, pull, commit, leave, status.
 
 The client composes a partition router (`gemps.router`: one session per server process, θ
-assembled from their slices) and a transport per server process (`gemps.grpc_transport`). θ may
+assembled from their slices) and a transport per server process: gRPC (`gemps.grpc_transport`),
+with commits and pulls on the server's data plane by default (`gemps.data_plane_transport`). θ may
 be partitioned across several server processes (docs/ARCHITECTURE.md): the client is given one
 address and learns the rest from that server.
 
@@ -16,6 +17,7 @@ or from GEMPS_* environment variables, so reference workers in containers need n
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Callable, Mapping
@@ -24,6 +26,7 @@ import numpy as np
 
 from gemps import errors
 from gemps.connection import Connection, Pem
+from gemps.data_plane_transport import PLANES, DataPlaneTransport
 from gemps.grpc_transport import STREAMING_CHOICES, GrpcTransport
 from gemps.records import (
     CentralVariable,
@@ -72,6 +75,7 @@ class Client:
         wire_dtype: str = "float32",
         streaming: str = "auto",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        plane: str | None = None,
         connect: Callable[[str], Transport] | None = None,
     ) -> None:
         """`timeout` is every call's deadline in seconds. TLS and token arguments left out come
@@ -83,9 +87,15 @@ class Client:
         `streaming` picks Commit or CommitStream: "auto" streams payloads past 1 MiB in pieces
         of `chunk_bytes`; "always"; "never". With a partitioned server, per partition.
 
+        `plane` is how commits and pulls travel (DESIGN §3c): "auto" (the default, or
+        GEMPS_PLANE) on the data plane a server offers at Register when its port can be reached,
+        else gRPC; "data" only the data plane (raise when a server offers none or it cannot be
+        reached); "grpc" only gRPC. Register, Status and Leave always go by gRPC.
+
         `connect` opens the transport to the server process at an address (gemps.transport);
-        by default gRPC, with the options above."""
+        by default the one `plane` picks, with the options above."""
         _check_wire_options(wire_dtype, streaming, chunk_bytes)
+        self.plane = resolve_plane(plane)
         self.wire_dtype = WIRE_DTYPE_NAMES[wire_dtype]
         self.streaming = streaming
         self.chunk_bytes = chunk_bytes
@@ -107,11 +117,15 @@ class Client:
         self._max_message_bytes = min(max_message_mb * 1024 * 1024, 2**31 - 1)
         self._retrier = Retrier(target, self.retry, stop)
         self._router = PartitionRouter(
-            target, connect or self._connect_grpc, self._retrier, worker_name=name, client_id=self.client_id
+            target, connect or self._connect, self._retrier, worker_name=name, client_id=self.client_id
         )
 
-    def _connect_grpc(self, address: str) -> Transport:
-        """The transport to one server process: gRPC."""
+    def _connect(self, address: str) -> Transport:
+        """The transport to one server process: gRPC, and its data plane unless plane="grpc"."""
+        grpc = self._connect_grpc(address)
+        return grpc if self.plane == "grpc" else DataPlaneTransport(grpc, self.connection, mode=self.plane)
+
+    def _connect_grpc(self, address: str) -> GrpcTransport:
         return GrpcTransport(
             address,
             self.connection,
@@ -248,9 +262,26 @@ class Client:
         return self._router.central
 
     @property
+    def planes(self) -> list[str]:
+        """How each server's commits and pulls travel now, in θ order: "data" or "grpc" ("" for a
+        transport that does not say)."""
+        return [getattr(session.transport, "plane", "") for session in self._router.sessions]
+
+    @property
     def retries(self) -> int:
         """Attempts retried after UNAVAILABLE, DEADLINE_EXCEEDED or a busy server, over this client's life."""
         return self._retrier.retries
+
+
+def resolve_plane(plane: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The `plane` asked for, else GEMPS_PLANE's, else "auto"; ValueError for another value."""
+    source = "plane"
+    if plane is None:
+        environ = os.environ if environ is None else environ
+        plane, source = environ.get("GEMPS_PLANE") or "auto", "GEMPS_PLANE"
+    if plane not in PLANES:
+        raise ValueError(f"{source} must be one of {', '.join(PLANES)}, not {plane!r}")
+    return plane
 
 
 def _check_wire_options(wire_dtype: str, streaming: str, chunk_bytes: int) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import ssl
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +86,19 @@ class Connection:
         if self.server_name:
             options = [*options, ("grpc.ssl_target_name_override", self.server_name)]
         return grpc.secure_channel(target, credentials, options=options)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same trust for a plain socket (the data plane): these roots (else the system's) and
+        this client certificate. The caller checks the name: `server_name`, else the target's host."""
+        context = ssl.create_default_context(cadata=self.ca_cert.decode("ascii") if self.ca_cert else None)
+        if self.client_cert is not None and self.client_key is not None:
+            # ssl loads a certificate chain from files only: written to a private folder, then gone.
+            with tempfile.TemporaryDirectory() as folder:
+                cert, key = Path(folder, "cert.pem"), Path(folder, "key.pem")
+                cert.write_bytes(self.client_cert)
+                key.write_bytes(self.client_key)
+                context.load_cert_chain(cert, key)
+        return context
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:

@@ -92,6 +92,9 @@ _BY_CODE: dict[grpc.StatusCode, type[GempsError]] = {
 }
 
 
+_CODES_BY_NUMBER: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
+
+
 # Reasons that mean the server has no state for this worker: registering again fixes them.
 FORGOTTEN_REASONS = frozenset({Reason.UNKNOWN_WORKER, Reason.NOT_INITIALIZED})
 
@@ -100,9 +103,21 @@ def from_rpc_error(error: grpc.RpcError) -> GempsError:
     """Translate a grpc error into the matching GempsError subclass."""
     if not isinstance(error, grpc.Call):
         return GempsError(str(error))
-    code = error.code()
     reason = next((str(v) for k, v in error.trailing_metadata() or () if k == reasons.METADATA_KEY), "")
-    details = error.details() or ""
+    return from_status(error.code(), error.details() or "", reason)
+
+
+def from_status_number(number: int, details: str, reason: str = "") -> GempsError:
+    """A refusal that names its gRPC status by number (the data plane's DataPlaneError)."""
+    code = _CODES_BY_NUMBER.get(number)
+    if code is None:
+        return GempsError(f"status {number}: {details}", None, reason)
+    return from_status(code, details, reason)
+
+
+def from_status(code: grpc.StatusCode, details: str, reason: str = "") -> GempsError:
+    """The GempsError subclass of a status code, with the server's reason label (one mapping,
+    whichever way the refusal came)."""
     cls = _BY_CODE.get(code, GempsError)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not reason:  # refused by gRPC itself, not gemps
         if details == CONCURRENT_RPC_LIMIT:

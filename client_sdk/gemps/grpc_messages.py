@@ -1,5 +1,8 @@
 """The gRPC messages the SDK frames and the replies it reads, as the transport's records.
 
+Both transports use them: gRPC sends them whole, the data plane (gemps.data_plane_transport) as
+its frames' headers, with the tensors' data announced and sent raw beside them.
+
 Paired with the server's wire messages (server/gemps_server/wire/messages.py); what both ends convert is in
 gemps_proto.serde. Requests and replies that carry θ are bytes: θ is framed into a request with
 one copy and read out of a reply as a view of the received bytes (gemps_proto.framing), never
@@ -11,11 +14,10 @@ from __future__ import annotations
 import numpy as np
 
 from gemps.records import ParameterSpec, Registration
-from gemps.transport import Committed, Pulled
+from gemps.transport import CommitCall, Committed, PullCall, Pulled
 from gemps_proto import framing
 from gemps_proto import serde as shared
 from gemps_proto.codec import FLOAT32, encode, wire_view
-from gemps_proto.schema import PayloadKind
 from gemps_proto.serde import tensor_from_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
@@ -80,12 +82,13 @@ def register_reply(data: bytes) -> tuple[Registration, np.ndarray | None, np.nda
     return registration, None if parameters is None else parameters.decode(), buffers_from_proto(reply)
 
 
-def pull_request(worker_id: str, known_version: int, wire_dtype: int, known_history: str = "") -> bytes:
+def pull_request(call: PullCall, wire_dtype: int) -> bytes:
+    """A Pull request: gRPC's Pull and PullStream message, and a data-plane PULL's header."""
     request = pb.PullRequest(
-        worker_id=worker_id,
-        known_version=known_version,
+        worker_id=call.worker_id,
+        known_version=call.known_version,
         reply_dtype=wire_dtype,  # type: ignore[arg-type]
-        known_history=known_history,
+        known_history=call.known_history,
     )
     return request.SerializeToString()
 
@@ -101,37 +104,37 @@ def pull_reply(data: bytes) -> Pulled:
     return pulled_from_proto(reply, None if parameters is None or reply.unchanged else parameters.decode())
 
 
-def commit_request(
-    *,
-    worker_id: str,
-    base_version: int,
-    kind: PayloadKind,
-    wire_dtype: int,
-    num_parameters: int,
-    data: bytes | memoryview,
-    loss: float | None,
-    num_samples: int | None,
-    request_id: str,
-    streamed: bool = False,
-    buffer_delta: np.ndarray | None = None,
-) -> bytes:
-    """A Commit request with its payload; for CommitStream (`streamed`) the payload's dtype and
-    shape only: its data follows in pieces."""
+def commit_message(call: CommitCall, wire_dtype: int) -> pb.CommitRequest:
+    """A Commit request's fields, its payload aside; replies come in `wire_dtype` too."""
     header = pb.CommitRequest(
-        worker_id=worker_id,
-        base_version=base_version,
-        kind=kind.value,  # type: ignore[arg-type]
-        loss=loss,
-        num_samples=num_samples,
-        request_id=request_id,
+        worker_id=call.worker_id,
+        base_version=call.base_version,
+        kind=call.kind.value,  # type: ignore[arg-type]
+        loss=call.loss,
+        num_samples=call.num_samples,
+        request_id=call.request_id,
         reply_dtype=wire_dtype,  # type: ignore[arg-type]
     )
-    if buffer_delta is not None:
-        framing.set_float32(header.buffer_delta, encode(buffer_delta.reshape(-1)))
+    if call.buffer_delta is not None:
+        framing.set_float32(header.buffer_delta, encode(call.buffer_delta.reshape(-1)))
+    return header
+
+
+def announced_commit(call: CommitCall, wire_dtype: int) -> pb.CommitRequest:
+    """A Commit request whose payload's dtype and shape are announced, its data left to follow:
+    CommitStream's header, and a data-plane COMMIT's (its raw bytes after it)."""
+    header = commit_message(call, wire_dtype)
+    framing.announce(header.payload, wire_dtype, call.payload.size)
+    return header
+
+
+def commit_request(call: CommitCall, wire_dtype: int, data: bytes | memoryview, *, streamed: bool = False) -> bytes:
+    """A Commit request with its payload's wire bytes `data`; for CommitStream (`streamed`) the
+    payload's dtype and shape only: its data follows in pieces."""
     if streamed:
-        framing.announce(header.payload, wire_dtype, num_parameters)
-        return pb.CommitChunk(header=header).SerializeToString()
-    return framing.with_tensor(header, framing.COMMIT_PAYLOAD_FIELD, wire_dtype, [num_parameters], data)
+        return pb.CommitChunk(header=announced_commit(call, wire_dtype)).SerializeToString()
+    header = commit_message(call, wire_dtype)
+    return framing.with_tensor(header, framing.COMMIT_PAYLOAD_FIELD, wire_dtype, [call.payload.size], data)
 
 
 def committed_from_proto(reply: pb.CommitResponse, parameters: np.ndarray) -> Committed:

@@ -73,6 +73,8 @@ class GrpcTransport:
     `streaming` picks unary calls or streams: "auto" streams θ-sized messages past
     STREAM_THRESHOLD_BYTES in pieces of `chunk_bytes`; "always"; "never"."""
 
+    plane = "grpc"  # how its commits and pulls travel (gemps.Client.planes)
+
     def __init__(
         self,
         target: str,
@@ -187,7 +189,7 @@ class GrpcTransport:
 
     def _pull_request(self, call: PullCall) -> tuple[bytes, bool]:
         """A Pull of one server's slice, and whether it goes by PullStream."""
-        request = messages.pull_request(call.worker_id, call.known_version, self.wire_dtype, call.known_history)
+        request = messages.pull_request(call, self.wire_dtype)
         return request, self.streams(expected_nbytes(self.wire_dtype, [call.size]))
 
     # -- Commit ----------------------------------------------------------------------------------
@@ -212,19 +214,7 @@ class GrpcTransport:
         """The Commit header, the payload's wire bytes, and whether they go by CommitStream."""
         data = wire_view(call.payload, self.wire_dtype)  # float32: a view, not a copy
         streamed = self.streams(len(data))
-        header = messages.commit_request(
-            worker_id=call.worker_id,
-            base_version=call.base_version,
-            kind=call.kind,
-            wire_dtype=self.wire_dtype,
-            num_parameters=call.payload.size,
-            data=data,
-            loss=call.loss,
-            num_samples=call.num_samples,
-            request_id=call.request_id,
-            streamed=streamed,
-            buffer_delta=call.buffer_delta,
-        )
+        header = messages.commit_request(call, self.wire_dtype, data, streamed=streamed)
         return header, data, streamed
 
     def _start_commit_stream(self, header: bytes, data: bytes | memoryview) -> Iterator[bytes]:

@@ -40,6 +40,15 @@ def server(start_server: StartServer) -> InProcessServer:
     return start_server()
 
 
+@pytest.fixture(params=["data", "grpc"])
+def plane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every gemps.Client the test makes (child processes included) commits and pulls on this
+    plane (GEMPS_PLANE): a module's `pytestmark = pytest.mark.usefixtures("plane")` runs its SDK
+    tests over both."""
+    monkeypatch.setenv("GEMPS_PLANE", request.param)
+    return str(request.param)
+
+
 @pytest.fixture
 def start_server_process() -> Iterator[StartServerProcess]:
     """Start `gemps server` child processes; all are stopped after the test."""

@@ -21,6 +21,7 @@ from types import FrameType
 from typing import Any
 
 import grpc
+import pytest
 import torch
 
 from gemps.pytorch import RemoteModel
@@ -54,6 +55,12 @@ def documented_path() -> list[str]:
     section = text[text.index(SECTION) :]
     section = section[: section.find("\n## ", len(SECTION))]
     return re.findall(r"^\d+\. `([\w/.]+\.py)`", section, flags=re.MULTILINE)
+
+
+@pytest.fixture(autouse=True)
+def grpc_plane(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The documented path is the gRPC transport's: commits go there, not on the data plane."""
+    monkeypatch.setenv("GEMPS_PLANE", "grpc")
 
 
 class StackAtGrpc:

@@ -108,7 +108,8 @@ def test_streams_that_stop_sending_are_refused_and_free_their_buffers(start_serv
     for thread in stalled:
         thread.start()
     try:
-        with gemps.Client(server.target, streaming="always", timeout=30) as client:
+        # CommitStream's buffers are the point: this commit must take gRPC, not the data plane.
+        with gemps.Client(server.target, streaming="always", timeout=30, plane="grpc") as client:
             client.register({"layer.weight": np.zeros((4, 3), np.float32), "layer.bias": np.zeros(4, np.float32)})
             assert client.commit(np.ones(16, np.float32)).version >= 1
     finally:

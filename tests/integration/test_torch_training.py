@@ -18,6 +18,8 @@ from gemps_worker.held_out import evaluate
 from tests.helpers import InProcessServer
 from tests.integration.conftest import StartServer
 
+pytestmark = pytest.mark.usefixtures("plane")  # over the data plane and over gRPC
+
 
 def test_training_through_the_sdk_lowers_held_out_loss(server: InProcessServer) -> None:
     torch.manual_seed(0)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from gemps.client import Client
+from gemps.data_plane_transport import PLANES
 from gemps.errors import StoppedError
 from gemps.pytorch import RemoteModel
 from gemps.records import Registration
@@ -63,6 +64,14 @@ class WorkerOptions:
     wire_dtype: str = field(
         default="float32",
         metadata={"help": "how commits and replies travel", "choices": tuple(WIRE_DTYPE_NAMES)},
+    )
+    plane: str = field(
+        default="auto",
+        metadata={
+            "help": "how commits and pulls travel: auto (the server's data plane when offered and reachable, "
+            "else gRPC), data, grpc",
+            "choices": PLANES,
+        },
     )
     metrics_port: int = field(default=-1, metadata={"help": "serve this worker's /metrics here (-1: off)"})
     report_file: str = field(default="", metadata={"help": "append one JSON line per commit here"})
@@ -151,7 +160,8 @@ def run_worker(
     report = open(options.report_file, "a", buffering=1) if options.report_file else None  # noqa: SIM115
     try:
         with RemoteModel(
-            model, Client(options.server, name=options.name, stop=stop, wire_dtype=options.wire_dtype)
+            model,
+            Client(options.server, name=options.name, stop=stop, wire_dtype=options.wire_dtype, plane=options.plane),
         ) as remote:
             reg = remote.registration
             mode_name = reg.config.worker_mode if options.mode == "server" else options.mode

@@ -1,0 +1,206 @@
+"""One data-plane connection to one server process (gemps_proto.dataplane, DESIGN §3c).
+
+A TCP socket (TLS with the gRPC connection's settings when that uses TLS), a HELLO with one
+registration's ticket, then strictly one request and its reply at a time. Frames go out from
+their own memory (`sendmsg` of the preamble and header, then the payload's view) and θ comes in
+with `recv_into` straight into the array the caller keeps. Every failure is a typed GempsError and
+leaves the connection closed: a socket error is ServerUnavailableError (retried by the session,
+whose request id makes a commit exactly-once), a timeout DeadlineExceededError, an ERROR frame the
+error the gRPC path would have raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+from collections.abc import Iterator
+from typing import NoReturn, TypeVar
+
+import numpy as np
+from google.protobuf.message import DecodeError, Message
+
+from gemps import errors
+from gemps_proto import dataplane
+from gemps_proto.codec import TensorDecodeError, decode, expected_nbytes, numpy_dtype
+from gemps_proto.dataplane import REPLY, FrameError, Op
+from gemps_proto.v1 import parameter_server_pb2 as pb
+
+M = TypeVar("M", bound=Message)
+Payload = bytes | memoryview
+# Bytes handed to one TLS write: SSLSocket has no sendmsg, and it encrypts (copies) anyway.
+TLS_PIECE = 1 << 20
+
+
+class Unreachable(Exception):
+    """The data port could not be reached: the connection was refused or timed out, or TLS failed."""
+
+    def __init__(self, address: str, why: str) -> None:
+        super().__init__(f"{address}: {why}")
+        self.address = address
+        self.why = why
+
+
+def target_host(target: str) -> str:
+    """The host of a gRPC target ("host:port", "[v6]:port", "dns:///host:port"), where its data
+    plane listens too."""
+    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        target = target.removeprefix(scheme)
+    host, separator, _port = target.rpartition(":")
+    host = host if separator else target
+    return host.removeprefix("[").removesuffix("]")
+
+
+class DataConnection:
+    """An open data-plane connection that a HELLO has bound to one worker's registration."""
+
+    def __init__(self, sock: socket.socket, address: str) -> None:
+        self.sock = sock
+        self.address = address
+        self.closed = False
+        self.awaiting = False  # a request was sent and its reply not read yet
+
+    @classmethod
+    def open(
+        cls, host: str, port: int, *, timeout: float, tls: ssl.SSLContext | None, server_name: str | None = None
+    ) -> DataConnection:
+        """Connect (and shake hands under TLS); Unreachable when that fails."""
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as error:
+            raise Unreachable(address, _why(error)) from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            try:
+                sock = tls.wrap_socket(sock, server_hostname=server_name or host)
+            except OSError as error:  # ssl.SSLError included
+                sock.close()
+                raise Unreachable(address, f"TLS failed: {_why(error)}") from None
+        return cls(sock, address)
+
+    def hello(self, worker_id: str, ticket: bytes) -> None:
+        """Bind this connection to the registration of `worker_id`; its refusal raised typed. No
+        answer at all is Unreachable: a port that is not a data plane, or TLS refused late (1.3)."""
+        try:
+            self.send(Op.HELLO, pb.DataPlaneHello(worker_id=worker_id, ticket=ticket).SerializeToString())
+            _header, payload_bytes = self.receive(Op.HELLO)
+        except (errors.ServerUnavailableError, errors.DeadlineExceededError) as error:
+            raise Unreachable(self.address, f"HELLO not answered ({error.message})") from None
+        if payload_bytes:
+            self.protocol_error(f"a HELLO reply with {payload_bytes} bytes of payload")
+
+    # -- frames -------------------------------------------------------------------------------------
+
+    def send(self, op: int, header: bytes, payload: Payload = b"") -> None:
+        """A request frame, from the payload's own memory (a view of the caller's array)."""
+        data = memoryview(payload).cast("B")
+        views = [memoryview(dataplane.frame_start(op, header, len(data))), data]
+        self.awaiting = True
+        with self._typed():
+            if isinstance(self.sock, ssl.SSLSocket):
+                for view in views:
+                    for start in range(0, len(view), TLS_PIECE):
+                        self.sock.sendall(view[start : start + TLS_PIECE])
+                return
+            while views:
+                _advance(views, self.sock.sendmsg(views))
+
+    def receive(self, op: int) -> tuple[bytes, int]:
+        """The reply to a request `op`: its header and how many payload bytes follow (read them
+        with receive_tensor). An ERROR frame is raised as the GempsError it names."""
+        with self._typed():
+            preamble = dataplane.read_preamble(self._exactly(dataplane.PREAMBLE.size))
+            header = self._exactly(preamble.header_bytes)
+        if preamble.op == Op.ERROR:
+            refusal = self.parse(pb.DataPlaneError, bytes(header))
+            # Closed: after a refusal the server may close it (a request refused unread), and
+            # reconnecting costs one round trip on a path that is rare.
+            self.close()
+            raise errors.from_status_number(refusal.code, refusal.message, refusal.reason)
+        if preamble.op != op | REPLY:
+            self.protocol_error(f"op {preamble.op:#x} in reply to {op:#x}")
+        if preamble.payload_bytes == 0:
+            self.awaiting = False
+        return bytes(header), preamble.payload_bytes
+
+    def receive_tensor(self, announced: pb.Tensor, payload_bytes: int) -> np.ndarray:
+        """The payload the reply's header announced, read straight into a new array (the caller
+        keeps it), as float32 values: read-only, like the gRPC path's."""
+        shape = tuple(announced.shape)
+        try:
+            nbytes = expected_nbytes(announced.dtype, shape)
+            buffer = np.empty(nbytes // numpy_dtype(announced.dtype).itemsize, numpy_dtype(announced.dtype))
+        except TensorDecodeError as error:
+            self.protocol_error(str(error))
+        if nbytes != payload_bytes:
+            self.protocol_error(f"{payload_bytes} bytes of payload; the header announced {nbytes}")
+        data = buffer.data.cast("B")
+        with self._typed():
+            self._fill(data)
+        self.awaiting = False
+        values = decode(announced.dtype, shape, data)  # float32: `buffer` itself
+        values.flags.writeable = False
+        return values
+
+    def parse(self, message_class: type[M], header: bytes) -> M:
+        try:
+            return message_class.FromString(header)
+        except DecodeError as error:
+            self.protocol_error(f"a reply header that is not a {message_class.DESCRIPTOR.full_name}: {error}")
+
+    def protocol_error(self, what: str) -> NoReturn:
+        """The server said something this end does not expect: not retried."""
+        self.close()
+        raise errors.GempsError(f"data plane of {self.address}: {what}")
+
+    def close(self) -> None:
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _typed(self) -> Iterator[None]:
+        """Socket failures as the session's retryable errors, the connection closed (its state is unknown)."""
+        try:
+            yield
+        except TimeoutError:
+            self.close()
+            raise errors.DeadlineExceededError(
+                f"DEADLINE_EXCEEDED: data plane of {self.address} sent nothing within the timeout",
+                errors.DeadlineExceededError.code,
+            ) from None
+        except FrameError as error:
+            self.protocol_error(str(error))
+        except OSError as error:  # ConnectionError, ssl.SSLError, and a closed socket
+            self.close()
+            raise errors.ServerUnavailableError(
+                f"UNAVAILABLE: data plane of {self.address}: {_why(error)}", errors.ServerUnavailableError.code
+            ) from None
+
+    def _exactly(self, size: int) -> bytearray:
+        data = bytearray(size)
+        self._fill(memoryview(data))
+        return data
+
+    def _fill(self, view: memoryview) -> None:
+        filled = 0
+        while filled < len(view):
+            count = self.sock.recv_into(view[filled:])
+            if count == 0:
+                raise ConnectionResetError(f"closed by the server after {filled} of {len(view)} bytes")
+            filled += count
+
+
+def _advance(views: list[memoryview], count: int) -> None:
+    """Drop `count` sent bytes from the front of `views` (a partial sendmsg)."""
+    while views and count >= len(views[0]):
+        count -= len(views.pop(0))
+    if views and count:
+        views[0] = views[0][count:]
+
+
+def _why(error: OSError) -> str:
+    return error.strerror or str(error) or type(error).__name__

@@ -1,0 +1,250 @@
+"""The data-plane transport: gRPC for control, θ's bytes on a socket of their own (DESIGN §3c).
+
+A `DataPlaneTransport` composes a GrpcTransport, which carries Register, Leave, Status and
+ReportEvaluation (and every call when the data plane is not used), and sends Commit and Pull
+over the data plane that the server offered at Register (`Registration.data_plane`: a port on
+the host this transport reached, and a ticket). The frames' headers are the gRPC path's messages
+(`gemps.grpc_messages`), their replies read into the same records, so what a worker gets does not
+depend on the plane.
+
+The connection opens after each successful registration, and again when a call needs it after
+it broke. `mode` is the Client's `plane`: "auto" uses gRPC for this server from then on (one
+warning) when the offered port cannot be reached or refuses the connection; "data" raises. A
+broken connection mid-call is ServerUnavailableError: the session retries with the same request
+id (the server's ledger makes the commit exactly-once). A HELLO refused as an unknown worker is
+WorkerNotFoundError: the session registers again and gets a new ticket.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from gemps import errors
+from gemps import grpc_messages as messages
+from gemps.connection import Connection
+from gemps.data_plane_connection import DataConnection, Unreachable, target_host
+from gemps.grpc_transport import GrpcTransport
+from gemps.records import Evaluation, Registration, ServerStatus
+from gemps.transport import CommitCall, Committed, Enrolment, Pending, PullCall, Pulled, Registered
+from gemps_proto.codec import wire_view
+from gemps_proto.dataplane import Op
+from gemps_proto.reasons import Reason
+from gemps_proto.schema import DataPlane
+from gemps_proto.v1 import parameter_server_pb2 as pb
+
+log = logging.getLogger("gemps.client")
+
+T = TypeVar("T")
+#: the Client's `plane` choices: data plane when offered and reachable, else gRPC; only the data
+#: plane (raise when it cannot be used); only gRPC
+PLANES = ("auto", "data", "grpc")
+
+
+class _Reply(Generic[T]):
+    """A request sent on the data plane: `result()` reads its reply."""
+
+    def __init__(self, read: Callable[[], T]) -> None:
+        self._read = read
+
+    def result(self) -> T:
+        return self._read()
+
+
+class _Failed(Generic[T]):
+    """A call that failed before its request was sent: `result()` raises, as a gRPC future's does,
+    so a router that started calls on several servers retries this one like any other."""
+
+    def __init__(self, error: errors.GempsError) -> None:
+        self._error = error
+
+    def result(self) -> T:
+        raise self._error
+
+
+class DataPlaneTransport:
+    """One server process: Commit and Pull on its data plane, the rest (and the fallback) on gRPC."""
+
+    def __init__(self, grpc: GrpcTransport, connection: Connection, *, mode: str = "auto") -> None:
+        if mode not in ("auto", "data"):
+            raise ValueError(f"a data-plane transport's mode is auto or data, not {mode!r}")
+        self.grpc = grpc
+        self.mode = mode
+        self.host = target_host(grpc.target)
+        self._server_name = connection.server_name
+        self._tls: ssl.SSLContext | None = connection.ssl_context() if connection.tls else None
+        self._offer: DataPlane | None = None  # the newest registration's port and ticket
+        self._worker_id = ""  # whose registration the offer is
+        self._connection: DataConnection | None = None
+        self.fell_back = False  # auto: the data plane could not be used; gRPC from then on
+
+    @property
+    def target(self) -> str:
+        return self.grpc.target
+
+    @property
+    def plane(self) -> str:
+        """How commits and pulls travel now: "data" (the data plane), else "grpc"."""
+        return "data" if self._offer is not None and not self.fell_back else "grpc"
+
+    @property
+    def ticket(self) -> bytes | None:
+        return None if self._offer is None else self._offer.ticket
+
+    # -- Register: gRPC, then the data plane it offered ----------------------------------------------
+
+    def register(self, enrolment: Enrolment, known_history: str) -> Registered:
+        registered = self.grpc.register(enrolment, known_history)
+        self._attach(registered.registration)
+        return registered
+
+    def _attach(self, registration: Registration) -> None:
+        """Take a registration's offer and connect now: a port that cannot be reached is found at
+        once, while gRPC has just answered (later, a server restarting looks the same)."""
+        self._drop()
+        self._offer, self._worker_id = registration.data_plane, registration.worker_id
+        if self.fell_back:
+            return
+        if self._offer is None:
+            if self.mode == "data":
+                raise errors.FailedPreconditionError(
+                    f"{self.target} offers no data plane (started with --data-plane off?), and plane='data'",
+                    errors.FailedPreconditionError.code,
+                )
+            log.debug("%s offers no data plane: using gRPC", self.target)
+            return
+        try:
+            self._connection = self._open(self._offer)
+        except Unreachable as unreachable:
+            self._unusable(unreachable.address, unreachable.why)
+        except errors.GempsError as error:
+            if not errors.worth_another_attempt(error):  # refused: not for a retry to fix
+                self._unusable(f"{self.host}:{self._offer.port}", error.message, error)
+            # else: opened again by the next call, which raises what that one meets
+
+    def _open(self, offer: DataPlane) -> DataConnection:
+        connection = DataConnection.open(
+            self.host, offer.port, timeout=self.grpc.timeout, tls=self._tls, server_name=self._server_name
+        )
+        try:
+            connection.hello(self._worker_id, offer.ticket)
+        except BaseException:
+            connection.close()
+            raise
+        return connection
+
+    def _unusable(self, address: str, why: str, error: errors.GempsError | None = None) -> None:
+        """auto: gRPC for this server from then on, said once; data: raise."""
+        if self.mode == "data":
+            if error is not None:
+                raise error
+            raise errors.ServerUnavailableError(
+                f"UNAVAILABLE: data plane of {self.target} at {address} unreachable: {why}",
+                errors.ServerUnavailableError.code,
+            )
+        self.fell_back = True
+        log.warning("data plane of %s at %s cannot be used (%s): using gRPC for this server", self.target, address, why)
+
+    def _ready(self, worker_id: str) -> DataConnection | None:
+        """The connection for a call by `worker_id`, opened again if it broke; None: gRPC."""
+        if self.plane != "data" or not worker_id or worker_id != self._worker_id:
+            return None  # not offered, fallen back, or a read-only pull (no registration, no ticket)
+        assert self._offer is not None
+        if self._connection is not None and (self._connection.closed or self._connection.awaiting):
+            self._drop()  # broke, or a reply was never read (a fan-out that gave up): state unknown
+        if self._connection is None:
+            try:
+                self._connection = self._open(self._offer)
+            except Unreachable as unreachable:
+                raise self._stale_offer(unreachable) from None
+            except errors.GempsError as error:
+                if errors.worth_another_attempt(error):
+                    raise
+                self._unusable(f"{self.host}:{self._offer.port}", error.message, error)
+                return None
+        return self._connection
+
+    def _stale_offer(self, unreachable: Unreachable) -> errors.GempsError:
+        """The data port of our registration stopped answering. gRPC down too: the server is down
+        (retried). gRPC up: it restarted elsewhere or without a data plane, and registering again
+        gets its current offer (or none)."""
+        self.grpc.status()  # raises UNAVAILABLE while the server is down
+        return errors.WorkerNotFoundError(
+            f"data plane of {self.target} at {unreachable.address} unreachable ({unreachable.why}) while "
+            "gRPC answers: registering again for the server's current offer",
+            errors.WorkerNotFoundError.code,
+            Reason.UNKNOWN_WORKER,
+        )
+
+    # -- Commit and Pull ---------------------------------------------------------------------------
+
+    def start_commit(self, call: CommitCall) -> Pending[Committed]:
+        try:
+            connection = self._ready(call.worker_id)
+            if connection is None:
+                return self.grpc.start_commit(call)
+            header = messages.announced_commit(call, self.grpc.wire_dtype).SerializeToString()
+            connection.send(Op.COMMIT, header, wire_view(call.payload, self.grpc.wire_dtype))
+        except errors.GempsError as error:
+            return _Failed(error)
+        return _Reply(lambda: _committed(connection))
+
+    def commit(self, call: CommitCall) -> Committed:
+        return self.start_commit(call).result()
+
+    def start_pull(self, call: PullCall) -> Pending[Pulled]:
+        try:
+            connection = self._ready(call.worker_id)
+            if connection is None:
+                return self.grpc.start_pull(call)
+            connection.send(Op.PULL, messages.pull_request(call, self.grpc.wire_dtype))
+        except errors.GempsError as error:
+            return _Failed(error)
+        return _Reply(lambda: _pulled(connection))
+
+    def pull(self, call: PullCall) -> Pulled:
+        return self.start_pull(call).result()
+
+    # -- the small calls: gRPC -------------------------------------------------------------------
+
+    def leave(self, worker_id: str) -> None:
+        try:
+            self.grpc.leave(worker_id)
+        finally:  # the registration, and so its ticket, is gone
+            self._drop()
+            self._offer, self._worker_id = None, ""
+
+    def status(self) -> ServerStatus:
+        return self.grpc.status()
+
+    def report_evaluation(self, evaluation: Evaluation) -> None:
+        self.grpc.report_evaluation(evaluation)
+
+    def close(self) -> None:
+        self._drop()
+        self.grpc.close()
+
+    def _drop(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+
+def _committed(connection: DataConnection) -> Committed:
+    """A COMMIT's reply: the CommitResponse (θ announced, buffers whole), then θ's bytes."""
+    header, payload_bytes = connection.receive(Op.COMMIT)
+    reply = connection.parse(pb.CommitResponse, header)
+    return messages.committed_from_proto(reply, connection.receive_tensor(reply.parameters, payload_bytes))
+
+
+def _pulled(connection: DataConnection) -> Pulled:
+    """A PULL's reply: the PullResponse, then θ's bytes unless it is unchanged."""
+    header, payload_bytes = connection.receive(Op.PULL)
+    reply = connection.parse(pb.PullResponse, header)
+    if reply.unchanged:
+        if payload_bytes:
+            connection.protocol_error(f"an unchanged pull with {payload_bytes} bytes of payload")
+        return messages.pulled_from_proto(reply, None)
+    return messages.pulled_from_proto(reply, connection.receive_tensor(reply.parameters, payload_bytes))

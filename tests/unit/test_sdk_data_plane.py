@@ -1,0 +1,187 @@
+"""The SDK's data-plane pieces without a server: the headers it shares with the gRPC path, replies
+read into the same records, refusals into the same errors, frames over a socket pair."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+from gemps import errors
+from gemps import grpc_messages as messages
+from gemps.client import Client, resolve_plane
+from gemps.data_plane_connection import DataConnection, target_host
+from gemps.data_plane_transport import _committed, _pulled
+from gemps.transport import CommitCall, PullCall
+from gemps_proto import framing
+from gemps_proto.codec import BFLOAT16, FLOAT32, encode, wire_view
+from gemps_proto.dataplane import REPLY, Op, frame_start, read_preamble
+from gemps_proto.reasons import Reason
+from gemps_proto.schema import PayloadKind
+from gemps_proto.v1 import parameter_server_pb2 as pb
+
+THETA = np.linspace(-2, 2, 1000, dtype=np.float32)
+CALL = CommitCall(
+    worker_id="w1",
+    base_version=3,
+    kind=PayloadKind.UPDATE,
+    payload=np.arange(10, dtype=np.float32),
+    loss=0.5,
+    num_samples=32,
+    request_id="r1",
+    buffer_delta=np.ones(2, np.float32),
+)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[DataConnection, socket.socket]]:
+    """A connection and the socket of the "server" at its other end."""
+    client, server = socket.socketpair()
+    client.settimeout(5)
+    connection = DataConnection(client, "test")
+    yield connection, server
+    connection.close()
+    server.close()
+
+
+# -- requests: the gRPC path's messages, their tensors announced ------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [FLOAT32, BFLOAT16])
+def test_a_data_plane_commit_header_is_the_grpc_request_without_its_data(dtype: int) -> None:
+    data = wire_view(CALL.payload, dtype)
+    unary = pb.CommitRequest.FromString(messages.commit_request(CALL, dtype, data))
+    announced = messages.announced_commit(CALL, dtype)
+    assert unary.payload.data == bytes(data) and not announced.payload.data
+    assert (announced.payload.dtype, list(announced.payload.shape)) == (dtype, [10])
+    unary.payload.data = b""
+    assert announced == unary  # every other field the same, the buffer delta whole
+    assert announced.buffer_delta.data == encode(np.ones(2, np.float32))
+    streamed = messages.commit_request(CALL, dtype, data, streamed=True)
+    assert streamed == pb.CommitChunk(header=announced).SerializeToString()
+
+
+def test_a_pull_request_is_the_same_on_both_planes() -> None:
+    request = pb.PullRequest.FromString(messages.pull_request(PullCall("w1", 7, "h", 100), BFLOAT16))
+    assert (request.worker_id, request.known_version, request.known_history) == ("w1", 7, "h")
+    assert request.reply_dtype == BFLOAT16
+
+
+# -- replies: read into the records the gRPC path builds --------------------------------------------
+
+
+def commit_response() -> pb.CommitResponse:
+    reply = pb.CommitResponse(version=4, staleness=1, scaling_mean=0.5, scaling_median=0.25, scaling_at_max=2.0)
+    framing.set_float32(reply.buffers, encode(np.array([1, 2, 3], np.float32)))
+    return reply
+
+
+@pytest.mark.parametrize("dtype", [FLOAT32, BFLOAT16])
+def test_a_commit_reply_reads_as_the_grpc_reply_does(pair: tuple[DataConnection, socket.socket], dtype: int) -> None:
+    connection, server = pair
+    reply, data = commit_response(), encode(THETA, dtype)
+    unary = messages.commit_reply(framing.with_tensor(reply, framing.COMMIT_REPLY_FIELD, dtype, [THETA.size], data))
+    framing.announce(reply.parameters, dtype, THETA.size)
+    server.sendall(frame_start(Op.COMMIT | REPLY, reply.SerializeToString(), len(data)) + data)
+    connection.awaiting = True
+    committed = _committed(connection)
+    assert not connection.awaiting and not connection.closed
+    np.testing.assert_array_equal(committed.parameters, unary.parameters)
+    assert committed.parameters.dtype == np.float32 and not committed.parameters.flags.writeable
+    assert committed.buffers is not None and unary.buffers is not None
+    np.testing.assert_array_equal(committed.buffers, unary.buffers)
+    figures = ("version", "staleness", "scaling_mean", "scaling_median", "scaling_at_zero", "scaling_at_max")
+    assert [getattr(committed, f) for f in figures] == [getattr(unary, f) for f in figures]
+
+
+def test_an_unchanged_pull_carries_no_theta(pair: tuple[DataConnection, socket.socket]) -> None:
+    connection, server = pair
+    reply = pb.PullResponse(version=9, unchanged=True, history="h")
+    server.sendall(frame_start(Op.PULL | REPLY, reply.SerializeToString()))
+    pulled = _pulled(connection)
+    assert (pulled.version, pulled.parameters, pulled.buffers, pulled.history) == (9, None, None, "h")
+
+
+def test_a_refusal_is_the_error_grpc_would_raise(pair: tuple[DataConnection, socket.socket]) -> None:
+    connection, server = pair
+    refusal = pb.DataPlaneError(
+        code=grpc.StatusCode.NOT_FOUND.value[0], message="unknown worker", reason="unknown_worker"
+    )
+    server.sendall(frame_start(Op.ERROR, refusal.SerializeToString()))
+    with pytest.raises(errors.WorkerNotFoundError) as raised:
+        _committed(connection)
+    same = errors.from_status(grpc.StatusCode.NOT_FOUND, "unknown worker", "unknown_worker")
+    assert (raised.value.message, raised.value.code, raised.value.reason) == (same.message, same.code, same.reason)
+    assert raised.value.reason == Reason.UNKNOWN_WORKER and errors.server_forgot_worker(raised.value)
+    assert connection.closed  # the server may close it after a refusal: never reused
+    assert type(errors.from_status_number(99, "odd")) is errors.GempsError
+
+
+def test_a_connection_lost_mid_reply_is_retried_as_unavailable(pair: tuple[DataConnection, socket.socket]) -> None:
+    connection, server = pair
+    reply = commit_response()
+    framing.announce(reply.parameters, FLOAT32, THETA.size)
+    server.sendall(frame_start(Op.COMMIT | REPLY, reply.SerializeToString(), THETA.nbytes) + THETA.tobytes()[:100])
+    server.close()
+    with pytest.raises(errors.ServerUnavailableError, match="closed by the server after 100 of 4000 bytes"):
+        _committed(connection)
+    assert connection.closed and errors.worth_another_attempt(errors.ServerUnavailableError("x"))
+
+
+def test_a_reply_of_another_size_than_announced_is_a_protocol_error(pair: tuple[DataConnection, socket.socket]) -> None:
+    connection, server = pair
+    reply = commit_response()
+    framing.announce(reply.parameters, FLOAT32, THETA.size)
+    server.sendall(frame_start(Op.COMMIT | REPLY, reply.SerializeToString(), 12))
+    with pytest.raises(errors.GempsError, match="12 bytes of payload; the header announced 4000") as raised:
+        _committed(connection)
+    assert not errors.worth_another_attempt(raised.value) and connection.closed
+
+
+def test_a_large_frame_goes_out_whole_from_the_callers_memory(pair: tuple[DataConnection, socket.socket]) -> None:
+    """Partial sendmsg calls (the socket buffer is far smaller) resume where they stopped."""
+    connection, server = pair
+    payload = np.random.default_rng(0).standard_normal(2_000_000).astype(np.float32)  # 8 MB
+    received = bytearray()
+
+    def read_all() -> None:
+        while chunk := server.recv(1 << 20):
+            received.extend(chunk)
+
+    reader = threading.Thread(target=read_all)
+    reader.start()
+    connection.send(Op.COMMIT, b"header", wire_view(payload))
+    connection.sock.shutdown(socket.SHUT_WR)
+    reader.join(10)
+    preamble = read_preamble(received)
+    assert (preamble.op, preamble.header_bytes, preamble.payload_bytes) == (Op.COMMIT, 6, payload.nbytes)
+    assert received[20:26] == b"header" and bytes(received[26:]) == payload.tobytes()
+    assert connection.awaiting
+
+
+# -- where, and which plane ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("target", "host"),
+    [("127.0.0.1:50051", "127.0.0.1"), ("[::1]:50051", "::1"), ("dns:///gemps.svc:50051", "gemps.svc"), ("h", "h")],
+)
+def test_the_data_plane_is_on_the_host_grpc_reached(target: str, host: str) -> None:
+    assert target_host(target) == host
+
+
+def test_the_plane_is_checked_and_comes_from_the_environment() -> None:
+    assert resolve_plane(None, {}) == "auto"
+    assert resolve_plane(None, {"GEMPS_PLANE": "grpc"}) == "grpc"
+    assert resolve_plane("data", {"GEMPS_PLANE": "grpc"}) == "data"  # the argument wins
+    with pytest.raises(ValueError, match="GEMPS_PLANE must be one of auto, data, grpc, not 'tcp'"):
+        resolve_plane(None, {"GEMPS_PLANE": "tcp"})
+    with pytest.raises(ValueError, match="plane must be one of auto, data, grpc, not 'udp'"):
+        Client("127.0.0.1:1", plane="udp")
+    client = Client("127.0.0.1:1", plane="grpc")
+    assert client.plane == "grpc" and client.planes == ["grpc"]
+    client.close()
