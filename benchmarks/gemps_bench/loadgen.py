@@ -62,6 +62,9 @@ class _ClientRecord:
     latencies: list[float]
     staleness: list[int]
     error: str = ""
+    # CPU seconds this record's client process used inside the window (all its client threads),
+    # on one record per process: on 2 cores the clients share the machine with the server.
+    process_cpu_seconds: float | None = None
 
 
 def pre_made_gradient(num_parameters: int, seed: int) -> np.ndarray:
@@ -128,15 +131,27 @@ def _client_process(
     ]
     for thread in threads:
         thread.start()
+    window_cpu: float | None = None
     try:
         ready.wait(timeout=STRAGGLER_GRACE)
         start.connected.wait(timeout=STRAGGLER_GRACE)
-    except threading.BrokenBarrierError:
+        window_cpu = _cpu_in_window(start.wait() + plan.warmup, plan.duration)
+    except (threading.BrokenBarrierError, TimeoutError):
         start.connected.abort()  # a client failed to connect: its record says why
     for thread in threads:
         thread.join()
-    for record in records:
+    for index, record in enumerate(records):
+        record.process_cpu_seconds = window_cpu if index == 0 else None
         out.put(record)
+
+
+def _cpu_in_window(begin: float, duration: float) -> float:
+    """This process's CPU seconds (user + system, every thread) from `begin` for `duration` seconds."""
+    time.sleep(max(0.0, begin - time.monotonic()))
+    before = os.times()
+    time.sleep(max(0.0, begin + duration - time.monotonic()))
+    after = os.times()
+    return (after.user - before.user) + (after.system - before.system)
 
 
 def run_load(system: str, factory: ClientFactory, plan: LoadPlan, server_pid: int | None) -> LoadResult:
@@ -211,6 +226,7 @@ def _windowed(
         latencies += [record.latencies[i] for i in inside]
         if record.staleness:
             staleness += [record.staleness[i] for i in inside]
+    cpu = [r.process_cpu_seconds for r in records if r.process_cpu_seconds is not None]
     return LoadResult(
         system=system,
         num_parameters=plan.num_parameters,
@@ -221,4 +237,5 @@ def _windowed(
         per_client_progress=progress,
         server_peak_rss_bytes=rss,
         staleness=staleness or None,
+        client_cpu_seconds=sum(cpu) if cpu else None,
     )

@@ -55,6 +55,7 @@ class LoadResult:
     # The same for each of its child processes (a partitioned server's partitions), if any.
     server_child_cpu_seconds: list[float] | None = None
     staleness: list[int] | None = None  # per commit, where the system reports it
+    client_cpu_seconds: float | None = None  # CPU time the client processes used inside the window
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -75,6 +76,13 @@ class LoadResult:
         if self.server_cpu_seconds is None or not self.commits:
             return float("nan")
         return 1e3 * self.server_cpu_seconds / self.commits
+
+    @property
+    def client_cpu_ms_per_commit(self) -> float:
+        """The clients' CPU milliseconds per commit, all client processes together."""
+        if self.client_cpu_seconds is None or not self.commits:
+            return float("nan")
+        return 1e3 * self.client_cpu_seconds / self.commits
 
     @property
     def busiest_child_cpu_ms_per_commit(self) -> float:
@@ -111,6 +119,7 @@ class LoadResult:
             "mean_staleness": self.mean_staleness,
             "server_peak_rss_bytes": self.server_peak_rss_bytes,
             "server_cpu_ms_per_commit": self.server_cpu_ms_per_commit,
+            "client_cpu_ms_per_commit": self.client_cpu_ms_per_commit,
             "busiest_partition_cpu_ms_per_commit": self.busiest_child_cpu_ms_per_commit,
             "notes": self.notes,
             **self.extra,

@@ -14,16 +14,18 @@ from typing import Any
 
 from gemps_bench.ceilings import memcpy_bandwidth, memory_ceiling
 from gemps_bench.echo import EchoClientFactory, EchoServer
+from gemps_bench.echo_tcp import TcpEchoClientFactory, TcpEchoServer
 from gemps_bench.gemps_load import GempsClientFactory
 from gemps_bench.loadgen import LoadPlan, run_load
 from gemps_bench.results import LoadResult
 from gemps_proto.framing import DEFAULT_CHUNK_BYTES
 from gemps_worker.cluster import ServerProcess
 
-CEILINGS = ("echo-unary", "echo-stream")
+CEILINGS = ("echo-unary", "echo-stream", "echo-tcp")
 # gemps with the defaults, and each variant with what differs from them.
 GEMPS_VARIANTS: dict[str, dict[str, str]] = {
     "gemps": {},
+    "gemps-grpc": {"plane": "grpc"},  # commits and pulls through gRPC, not the data plane
     "gemps-bfloat16": {"wire": "bfloat16"},  # half the bytes on the wire
     "gemps-numpy": {"kernel": "numpy"},  # the fallback GEM kernel, without the compiled one
     "gemps-2p": {"partitions": "2"},  # θ split across 2 server processes
@@ -178,7 +180,7 @@ def _gemps(system: str, clients: int, plan: LoadPlan, results: SuiteResults) -> 
     """gemps with the gem rule, as the variant `system` says."""
     variant = GEMPS_VARIANTS[system]
     wire, kernel = variant.get("wire", "float32"), variant.get("kernel", "auto")
-    partitions = int(variant.get("partitions", "1"))
+    plane, partitions = variant.get("plane", "auto"), int(variant.get("partitions", "1"))
     with ServerProcess(
         rule="gem",
         gem_kernel=kernel,
@@ -187,16 +189,21 @@ def _gemps(system: str, clients: int, plan: LoadPlan, results: SuiteResults) -> 
         max_workers=max(256, clients),
         partitions=partitions,
     ) as server:
-        factory = GempsClientFactory(server.target, plan.num_parameters, (("wire_dtype", wire),))
-        result = run_load(system, factory, plan, server.pid)
-    results.add(result, wire_dtype=wire, gem_kernel=kernel, partitions=partitions)
+        options = (("wire_dtype", wire), ("plane", plane))
+        result = run_load(system, GempsClientFactory(server.target, plan.num_parameters, options), plan, server.pid)
+    results.add(result, wire_dtype=wire, gem_kernel=kernel, partitions=partitions, plane=plane)
 
 
 def _echo(plan: LoadPlan, results: SuiteResults, systems: Sequence[str]) -> None:
-    with EchoServer() as echo:
-        for system in systems:
-            factory = EchoClientFactory(echo.target, system == "echo-stream", DEFAULT_CHUNK_BYTES)
-            results.add(run_load(system, factory, plan, echo.pid))
+    grpc_echoes = [system for system in systems if system != "echo-tcp"]
+    if grpc_echoes:
+        with EchoServer() as echo:
+            for system in grpc_echoes:
+                factory = EchoClientFactory(echo.target, system == "echo-stream", DEFAULT_CHUNK_BYTES)
+                results.add(run_load(system, factory, plan, echo.pid))
+    if "echo-tcp" in systems:
+        with TcpEchoServer() as tcp_echo:
+            results.add(run_load("echo-tcp", TcpEchoClientFactory(tcp_echo.target), plan, tcp_echo.pid))
 
 
 def _peer(name: str, size: int, clients: int, warmup: float, window: float, results: SuiteResults) -> None:

@@ -12,7 +12,9 @@ from pathlib import Path
 SYSTEMS = {
     "echo-unary",
     "echo-stream",
+    "echo-tcp",
     "gemps",
+    "gemps-grpc",
     "gemps-bfloat16",
     "gemps-numpy",
     "gemps-2p",
@@ -21,6 +23,7 @@ SYSTEMS = {
     "torch-rpc-tcp",
     "reference-p2p",
 }
+GEMPS_SYSTEMS = {system for system in SYSTEMS if system.startswith("gemps")}
 
 
 def test_quick_bench_measures_every_system_and_writes_the_report(tmp_path: Path) -> None:
@@ -38,6 +41,8 @@ def test_quick_bench_measures_every_system_and_writes_the_report(tmp_path: Path)
     assert {run["system"] for run in data["runs"]} == SYSTEMS
     for run in data["runs"]:
         assert run["commits"] > 0, run
+        if run["system"] in GEMPS_SYSTEMS:  # the clients' CPU is measured too (they share the machine)
+            assert run["client_cpu_ms_per_commit"] > 0, run
         assert run["latency_p50_ms"] > 0 and run["jain_index"] > 0, run
         assert run["server_peak_rss_bytes"] and run["server_peak_rss_bytes"] > 0, run
         assert run["server_cpu_ms_per_commit"] > 0, run  # the server's CPU time inside the window
