@@ -2,8 +2,9 @@
 
 A wire (the gRPC servicer, the data plane) hands it domain records and gets domain records back,
 never protobuf messages, and never reaches the state itself. The gRPC servicer calls it from the
-event loop (`commit`, `pull`); the data plane from its connection threads (`commit_blocking`,
-`pull_blocking`): the same applier, ledger and bookkeeping behind both. Every state
+event loop (`commit`, `pull`); the data plane from its own loop's thread (`commit_then`,
+`pull_then`, which hand their outcome to a callback): the same applier, ledger and bookkeeping
+behind both. Every state
 change goes through the applier (one at a time, in arrival order); this is where its outcome is
 counted in the metrics, logged, and handed to the checkpoint writer. Reads that need no
 ordering (a current snapshot, Status, what a stream's header must be checked against) are
@@ -19,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from gemps_proto.codec import EncodedTensor
 from gemps_proto.reasons import Reason
@@ -46,6 +48,10 @@ from gemps_server.metrics import ServerMetrics
 from gemps_server.security import RateLimiter, Tickets
 
 log = logging.getLogger("gemps.server")
+
+T = TypeVar("T")
+# Hands an outcome (or the exception that refused it) to a caller that does not wait for it.
+Deliver = Callable[[T | None, BaseException | None], None]
 
 # Commits of models up to this size (about 0.2 ms of GEM's update) may run on the event loop
 # when the applier is idle; larger ones always go to its thread, so the loop keeps serving.
@@ -209,12 +215,18 @@ class ParameterService:
             snapshot = await self._applier.submit(functools.partial(self._state.encoded, reply_dtype))
         return snapshot
 
-    def pull_blocking(self, worker_id: str, known_version: int, reply_dtype: int) -> Snapshot:
-        """pull() for a thread other than the event loop's (the data plane's)."""
+    def pull_then(self, worker_id: str, known_version: int, reply_dtype: int, deliver: Deliver[Snapshot]) -> None:
+        """pull() for the data plane's loop: `deliver` gets the snapshot, at once unless the
+        applier must encode it first (then from the applier's thread)."""
         snapshot, encode = self._current(worker_id, known_version, reply_dtype)
-        if encode:
-            snapshot = self._applier.run_blocking(functools.partial(self._state.encoded, reply_dtype)).result
-        return snapshot
+        if not encode:
+            deliver(snapshot, None)
+            return
+
+        def encoded(timed: Timed[Snapshot] | None, error: BaseException | None) -> None:
+            deliver(None if timed is None else timed.result, error)
+
+        self._applier.submit_then(functools.partial(self._state.encoded, reply_dtype), encoded)
 
     def _current(self, worker_id: str, known_version: int, reply_dtype: int) -> tuple[Snapshot, bool]:
         """The current snapshot, and whether the applier must encode it in `reply_dtype` first."""
@@ -236,12 +248,21 @@ class ParameterService:
         timed = await self._applier.submit_timed(apply, inline=inline)
         return self._committed(commit, timed, self._on_committed)
 
-    def commit_blocking(self, commit: Commit, reply: ReplyWriter[R]) -> tuple[CommitOutcome, R]:
-        """commit() for a data-plane thread. Inline whatever the model's size when the applier is
-        idle: the calling thread has nothing else to serve (the event loop's limit is the loop's)."""
+    def commit_then(self, commit: Commit, reply: ReplyWriter[R], deliver: Deliver[tuple[CommitOutcome, R]]) -> None:
+        """commit() for the data plane's loop: `deliver` gets the outcome and the reply the writer
+        built. Small models run on the calling thread when the applier is idle (delivered at
+        once), as on the gRPC path's event loop; the rest on the applier's thread, so the loop
+        moves other connections' bytes meanwhile."""
         apply = functools.partial(self._state.commit_and_reply, commit, reply)
-        timed = self._applier.run_blocking(apply, inline=True)
-        return self._committed(commit, timed, self._committed_threadsafe)
+
+        def applied(timed: Timed[tuple[CommitOutcome, R]] | None, error: BaseException | None) -> None:
+            if timed is None:
+                deliver(None, error)
+            else:
+                deliver(self._committed(commit, timed, self._committed_threadsafe), None)
+
+        inline = self._state.num_parameters <= INLINE_MAX_PARAMETERS
+        self._applier.submit_then(apply, applied, inline=inline)
 
     def _committed_threadsafe(self, version: int) -> None:
         """The checkpoint hook, handed to the event loop (it is not thread-safe); a loop already

@@ -1,8 +1,8 @@
 """The single FIFO applier: state-changing operations run one at a time, in arrival order.
 
-gRPC handlers (on the asyncio event loop) and data-plane connection threads submit operations;
+gRPC handlers (on the asyncio event loop) and the data plane's loop submit operations;
 one dedicated thread runs them in the order they were submitted and hands each result back to
-its submitter (the handler's future, or a waiting thread). The math runs off the event loop, so
+its submitter (the handler's future, a callback, or a waiting thread). The math runs off the event loop, so
 network I/O for other requests overlaps it, and no worker can be starved: there is no polling
 order, only the queue.
 """
@@ -87,7 +87,7 @@ class Applier:
         self._pending = 0
         self._pending_lock = threading.Lock()
         # Held while any operation runs, on whichever thread: inline runs come from the event
-        # loop and from data-plane threads at once, and the applier's thread may pick up the next
+        # loop and from the data plane's loop at once, and the applier's thread may pick up the next
         # queued operation while an inline one still runs. Order comes from _pending, exclusion
         # from this lock.
         self._running = threading.Lock()
@@ -124,17 +124,28 @@ class Applier:
         self._queue.put((operation, _to_future(future, loop), time.perf_counter()))
         return await future
 
-    def run_blocking(self, operation: Callable[[], T], inline: bool = False) -> Timed[T]:
-        """submit_timed() for a thread that is not the event loop's (a data-plane connection):
-        blocks it until the operation ran; `inline` as there, on the calling thread."""
+    def submit_then(self, operation: Callable[[], T], deliver: Deliver, inline: bool = False) -> None:
+        """Run `operation` after everything submitted before it and hand its Timed outcome (or its
+        exception) to `deliver`: on the calling thread when it ran `inline` (as in submit_timed),
+        else on the applier's thread. For a caller that does not wait: the data plane's loop."""
         if self._stopped:
             raise ApplierStopped("the applier has stopped: the server is shutting down")
         if inline and self._claim_idle():
-            return self._run_inline(operation)
+            try:
+                timed = self._run_inline(operation)
+            except Exception as error:
+                deliver(None, error)
+                return
+            deliver(timed, None)
+            return
         with self._pending_lock:
             self._pending += 1
+        self._queue.put((operation, deliver, time.perf_counter()))
+
+    def run_blocking(self, operation: Callable[[], T], inline: bool = False) -> Timed[T]:
+        """submit_then() for a thread that waits for the outcome: blocks it until the operation ran."""
         waiter = _Waiter()
-        self._queue.put((operation, waiter.deliver, time.perf_counter()))
+        self.submit_then(operation, waiter.deliver, inline)
         waiter.done.wait()
         if waiter.error is not None:
             raise waiter.error

@@ -1,6 +1,7 @@
 """The data plane's listener (DESIGN §3c): a TCP port beside gRPC for Commit and Pull with θ's
-raw bytes, one blocking thread per connection (measured: 2-3x an asyncio server here; see
-scripts/transport_candidates.py), the protocol in data_plane_calls.py.
+raw bytes, every connection served by one thread with non-blocking sockets (data_plane_loop.py;
+measured against a thread per connection in docs/PERFORMANCE.md), the protocol in
+data_plane_calls.py.
 
 Memory before trust (DESIGN §3b): at most --max-data-connections connections (more are refused
 on arrival), each with one request in flight and nothing read before its HELLO's ticket is
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import socket
 import ssl
 import threading
@@ -29,13 +31,14 @@ from gemps_server.metrics import ServerMetrics
 from gemps_server.service import ParameterService
 from gemps_server.wire.data_plane_calls import Connection, Limits, error_header
 from gemps_server.wire.data_plane_io import Channel
-from gemps_server.wire.stream_buffers import ThreadBufferPool
+from gemps_server.wire.data_plane_loop import Body, Loop, Parked, Task
+from gemps_server.wire.stream_buffers import LoopBufferPool
 
 log = logging.getLogger("gemps.server")
 
 # Connections a listener lets wait for accept() (the kernel's queue, not this process's memory).
 BACKLOG = 128
-# How long stop() waits for a connection's thread to end after its socket was shut down.
+# How long stop() waits for the loop's thread beyond the grace.
 JOIN_SECONDS = 5.0
 
 
@@ -52,7 +55,7 @@ def tls_context(cert: str, key: str, client_ca: str = "") -> ssl.SSLContext:
 
 
 class DataPlaneServer:
-    """`start()` binds and accepts on a thread of its own; `stop(grace)` ends it gracefully."""
+    """`start()` binds and serves on a thread of its own; `stop(grace)` ends it gracefully."""
 
     def __init__(self, config: ServerConfig, service: ParameterService, metrics: ServerMetrics) -> None:
         self._config = config
@@ -64,18 +67,18 @@ class DataPlaneServer:
             idle_timeout=config.connection_idle_timeout,
             stream_timeout=config.stream_idle_timeout,
         )
-        self._pool = ThreadBufferPool(config.data_plane_buffers)
+        self._pool = LoopBufferPool(config.data_plane_buffers)
         self._tls = tls_context(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls else None
-        self._listener: socket.socket | None = None
-        self._acceptor: threading.Thread | None = None
-        self._connections: dict[Connection, threading.Thread] = {}
-        self._lock = threading.Lock()
-        self._closing = threading.Event()
+        self._loop = Loop()
+        self._connections: dict[Task, Connection] = {}
+        self._thread: threading.Thread | None = None
+        self._stop_at: float | None = None  # set (from stop()) when the server stops: the grace's end
+        self._stopping = threading.Event()
         self._refusal_log = Throttle(interval=1.0)
         self.port = 0
 
     def start(self) -> int:
-        """Bind --host:--data-port (0: a free port) and start accepting; the port bound."""
+        """Bind --host:--data-port (0: a free port) and start serving; the port bound."""
         family = socket.AF_INET6 if ":" in self._config.host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -85,65 +88,60 @@ class DataPlaneServer:
         except OSError:
             listener.close()
             raise
-        self._listener = listener
         self.port = listener.getsockname()[1]
-        self._acceptor = threading.Thread(target=self._accept_loop, name="gemps-data-accept", daemon=True)
-        self._acceptor.start()
+        self._loop.listen(listener, self._accept)
+        self._thread = threading.Thread(target=self._run, name="gemps-data-plane", daemon=True)
+        self._thread.start()
         return self.port
 
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while not self._closing.is_set():
+    def _run(self) -> None:
+        loop = self._loop
+        loop.thread_id = threading.get_ident()
+        try:
+            while not (self._stop_at is not None and self._stopped()):
+                loop.run_once()
+        finally:
+            loop.close()
+
+    # -- on the loop's thread ----------------------------------------------------------------------
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
             try:
-                sock, _address = self._listener.accept()
-            except OSError:  # the listener was shut down (stop), or a connection died in the queue
-                if self._closing.is_set():
-                    return
-                continue
+                sock, _address = listener.accept()
+            except BlockingIOError:
+                return
+            except OSError:  # a connection that died in the queue, or out of descriptors
+                return
             accepted_at = time.monotonic()
+            sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                full = len(self._connections) >= self._config.max_data_connections
-            if full:
+            if len(self._connections) >= self._config.max_data_connections:
                 self._refuse_connection(sock)
                 continue
             self._open(sock, accepted_at)
 
     def _open(self, sock: socket.socket, accepted_at: float) -> None:
-        connection = Connection(Channel(sock), self._service, self._metrics, self._limits, self._pool, accepted_at)
-        thread = threading.Thread(target=self._serve, args=(connection,), name="gemps-data-connection", daemon=True)
-        with self._lock:
-            self._connections[connection] = thread
-        self._metrics.data_plane_connections.inc()
-        thread.start()
-
-    def _serve(self, connection: Connection) -> None:
-        try:
-            if self._tls is not None and not self._handshake(connection):
+        if self._tls is not None:
+            try:
+                sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            except (ssl.SSLError, OSError) as error:
+                sock.close()
+                self._refused("tls", detail=str(error))
                 return
-            connection.serve()
-        except Exception as error:  # a bug must not take the listener down with it
-            event(log, "data-plane connection failed", level=logging.ERROR, error=f"{type(error).__name__}: {error}")
-        finally:
-            connection.channel.close()
-            with self._lock:
-                self._connections.pop(connection, None)
-            self._metrics.data_plane_connections.dec()
+        channel = Channel(sock)
+        connection = Connection(channel, self._service, self._metrics, self._limits, self._pool, accepted_at)
+        self._metrics.data_plane_connections.inc()
 
-    def _handshake(self, connection: Connection) -> bool:
-        """TLS on the accepted socket within --handshake-timeout; False (counted) if it failed."""
-        assert self._tls is not None
-        channel = connection.channel
-        channel.sock.settimeout(self._config.handshake_timeout)
-        try:
-            channel.sock = self._tls.wrap_socket(channel.sock, server_side=True)
-        except TimeoutError:
-            self._refused("handshake_timeout")
-            return False
-        except (ssl.SSLError, OSError) as error:
-            self._refused("tls", detail=str(error))
-            return False
-        return True
+        def body(task: Task) -> Body:
+            self._connections[task] = connection
+            try:
+                yield from connection.serve(task)
+            finally:
+                self._connections.pop(task, None)
+                self._metrics.data_plane_connections.dec()
+
+        self._loop.spawn(channel, body)
 
     def _refuse_connection(self, sock: socket.socket) -> None:
         """Past --max-data-connections: say so if it fits in the socket's buffer now (plain TCP
@@ -153,11 +151,8 @@ class DataPlaneServer:
                 f"more than {self._config.max_data_connections} data-plane connections (--max-data-connections)",
                 Reason.TOO_LARGE,
             )
-            try:
-                sock.setblocking(False)
+            with contextlib.suppress(OSError):
                 sock.send(frame_start(Op.ERROR, error_header(error)))
-            except OSError:
-                pass
         sock.close()
         self._refused("too_many_connections")
 
@@ -167,30 +162,50 @@ class DataPlaneServer:
         if suppressed is not None:
             event(log, "data-plane connection refused", reason=reason, detail=detail or None, suppressed=suppressed)
 
+    def _begin_stop(self) -> None:
+        """Stop accepting; close the connections waiting for a request (or a buffer); the others
+        finish the request they are serving (its reply is its acknowledgement)."""
+        self._loop.stop_listening()
+        self._pool.turn_away()
+        for task, connection in list(self._connections.items()):
+            connection.stopping = True
+            if task.waiting is not None and task.waiting.idle:
+                self._loop.finish(task)
+
+    def _stopped(self) -> bool:
+        """Done when no connection is left, or past the grace: then every socket is shut down, and
+        a connection that waits for the applier (which may be writing its reply) ends after it."""
+        assert self._stop_at is not None
+        if not self._connections:
+            return True
+        if time.monotonic() < self._stop_at:
+            return False
+        for task in list(self._connections):
+            task.channel.shutdown()
+            waiting = task.waiting
+            if not (isinstance(waiting, Parked) and waiting.pinned):
+                self._loop.finish(task)
+        return not self._connections
+
+    # -- from other threads ----------------------------------------------------------------------
+
     @property
     def connections(self) -> int:
-        with self._lock:
-            return len(self._connections)
+        return len(self._connections)
 
     def stop(self, grace: float) -> None:
         """Stop accepting; connections waiting for a request are closed now, those in the middle of
         one get `grace` seconds to send its reply, then every socket is shut down. Runs before
         the final checkpoint: a reply sent here is for a commit the state already applied."""
-        self._closing.set()
-        if self._listener is not None:
-            with contextlib.suppress(OSError):
-                self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() (Linux)
-            self._listener.close()
-        if self._acceptor is not None:
-            self._acceptor.join(JOIN_SECONDS)
-        with self._lock:
-            connections = dict(self._connections)
-        for connection in connections:
-            connection.stop_when_idle()
-        deadline = time.monotonic() + grace
-        for thread in connections.values():
-            thread.join(max(0.0, deadline - time.monotonic()))
-        for connection, thread in connections.items():
-            if thread.is_alive():
-                connection.channel.shutdown()
-                thread.join(JOIN_SECONDS)
+        if self._thread is None:
+            return
+        if not self._stopping.is_set():
+            self._stopping.set()
+            deadline = time.monotonic() + grace
+
+            def begin() -> None:
+                self._begin_stop()
+                self._stop_at = deadline
+
+            self._loop.post(begin)
+        self._thread.join(grace + JOIN_SECONDS if math.isfinite(grace) else None)

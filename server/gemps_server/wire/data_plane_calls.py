@@ -1,22 +1,24 @@
 """One data-plane connection (gemps_proto/dataplane.py): the HELLO and its ticket, then one
 request and its reply at a time, each a Commit or a Pull answered as the gRPC path answers it.
 
-Sizes are checked before the bytes they announce are read: the preamble's header length against
---max-message-mb, a commit's payload length against the dtype and shape its header announces
-(service.expected_payload_bytes). A request refused before its payload was read is answered with
-an ERROR frame and the connection closed (its unread bytes are never read); one refused after it
-was read whole (NaN, unknown worker, base version) leaves the connection usable. A payload lands
-in a pooled θ-sized buffer (recv_into); the reply's θ is copied into the same buffer on the
-applier while θ holds the commit's version, and sent from there.
+`Connection.serve` is the protocol, written as a generator the loop drives (data_plane_loop.py):
+each `yield` is something it waits for without holding the thread. Sizes are checked before the
+bytes they announce are read: the preamble's header length against --max-message-mb, a commit's
+payload length against the dtype and shape its header announces (service.expected_payload_bytes).
+A request refused before its payload was read is answered with an ERROR frame and the connection
+closed (its unread bytes are never read); one refused after it was read whole (NaN, unknown
+worker, base version) leaves the connection usable. A payload lands in a pooled θ-sized buffer;
+the reply's θ is copied into the same buffer on the applier while θ holds the commit's version,
+and sent from there.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
@@ -33,14 +35,16 @@ from gemps_server.domain.errors import (
     Unauthenticated,
 )
 from gemps_server.metrics import ServerMetrics
-from gemps_server.service import ParameterService
+from gemps_server.service import Deliver, ParameterService
 from gemps_server.wire import messages
-from gemps_server.wire.data_plane_io import Channel, Hangup, PeerClosed, Stalled
+from gemps_server.wire.data_plane_io import Channel, Hangup, PeerClosed, Stalled, pieces
+from gemps_server.wire.data_plane_loop import Handshake, Parked, ReadInto, Task, Wait, Write
 from gemps_server.wire.status_codes import status_of
-from gemps_server.wire.stream_buffers import ThreadBufferPool
+from gemps_server.wire.stream_buffers import Buffer, LoopBufferPool
 
 M = TypeVar("M", bound=Message)
 Request = TypeVar("Request", pb.CommitRequest, pb.PullRequest)
+Steps = Generator[Wait, Any, Any]
 # The slowest a payload or a reply may move, on average, once it started (1 MiB/s: 4 s more for
 # a 1M-parameter θ); what it is given on top of --stream-idle-timeout.
 MIN_BYTES_PER_SECOND = 1 << 20
@@ -92,7 +96,7 @@ def request_of(message_class: type[Request], header: bytearray, worker_id: str) 
 
 
 class Connection:
-    """Serves one accepted connection on its own thread until it ends (`serve`)."""
+    """Serves one accepted connection: `serve(task)` is the generator its loop task runs."""
 
     def __init__(
         self,
@@ -100,7 +104,7 @@ class Connection:
         service: ParameterService,
         metrics: ServerMetrics,
         limits: Limits,
-        pool: ThreadBufferPool,
+        pool: LoopBufferPool,
         accepted_at: float,
     ) -> None:
         self.channel = channel
@@ -109,43 +113,47 @@ class Connection:
         self._limits = limits
         self._pool = pool
         self._accepted_at = accepted_at
-        # Graceful stop: a connection waiting for its next request is closed at once, one in the
-        # middle of a request finishes it first (its reply is its acknowledgement).
-        self._lock = threading.Lock()
-        self._idle = False
-        self._stopping = False
+        self._task: Task | None = None
+        self.stopping = False  # the server is stopping: end after the request being served
 
-    def stop_when_idle(self) -> None:
-        with self._lock:
-            self._stopping = True
-            if self._idle:
-                self.channel.shutdown()
-
-    def serve(self) -> None:
-        """The HELLO, then requests until the peer leaves, a guard closes it, or the server stops."""
+    def serve(self, task: Task) -> Generator[Wait, Any, None]:
+        """The TLS handshake, the HELLO, then requests until the peer leaves, a guard closes the
+        connection, or the server stops."""
+        self._task = task
         try:
-            worker_id = self.hello()
-            while self.request(worker_id):
-                pass
+            if self.channel.tls:
+                yield from self._handshake()
+            worker_id = yield from self.hello()
+            while not self.stopping:
+                yield from self.request(worker_id)
         except Hangup as hangup:
             if hangup.reason is not None:
                 self._metrics.data_plane_refused(hangup.reason)
         except (PeerClosed, Stalled):
             pass  # nothing was pending: the peer went away (a stall here is past the reply)
 
+    def _handshake(self) -> Steps:
+        try:
+            yield Handshake(self._accepted_at + self._limits.handshake_timeout)
+        except Stalled:
+            raise Hangup("handshake_timeout") from None
+        except PeerClosed:
+            raise Hangup("tls") from None
+
     # -- the hello ----------------------------------------------------------------------------
 
-    def hello(self) -> str:
+    def hello(self) -> Generator[Wait, Any, str]:
         """Check the first frame, a HELLO with this worker's ticket, before anything else is read:
         the worker id it serves. Hangup otherwise (an ERROR frame sent first where one can be)."""
         deadline = self._accepted_at + self._limits.handshake_timeout
         timeout = self._limits.handshake_timeout
         try:
-            start = self.channel.read_bytes(dataplane.PREAMBLE.size, timeout, deadline)
-            preamble = self._preamble(start, "bad_hello")
+            start = yield from self._read_bytes(dataplane.PREAMBLE.size, timeout, deadline)
+            preamble = yield from self._preamble(start, "bad_hello")
             if preamble.op != Op.HELLO or preamble.payload_bytes or preamble.header_bytes > MAX_HELLO_BYTES:
-                self._refuse(InvalidArgument("the first frame must be a HELLO", Reason.MALFORMED), "bad_hello")
-            header = self.channel.read_bytes(preamble.header_bytes, timeout, deadline)
+                not_hello = InvalidArgument("the first frame must be a HELLO", Reason.MALFORMED)
+                raise (yield from self._refuse(not_hello, "bad_hello"))
+            header = yield from self._read_bytes(preamble.header_bytes, timeout, deadline)
         except Stalled:
             raise Hangup("handshake_timeout") from None
         except PeerClosed:
@@ -156,40 +164,37 @@ class Connection:
         except ServiceError as error:
             if isinstance(error, Unauthenticated):
                 self._metrics.refusal(Reason.UNAUTHENTICATED)  # as the gRPC port counts a bad token
-            self._refuse(error, HELLO_REFUSALS.get(error.reason, "bad_hello"))
-        self._send(Op.HELLO | REPLY, b"")
+            raise (yield from self._refuse(error, HELLO_REFUSALS.get(error.reason, "bad_hello"))) from None
+        yield from self._send(Op.HELLO | REPLY, b"")
         return hello.worker_id
 
     # -- requests ------------------------------------------------------------------------------
 
-    def request(self, worker_id: str) -> bool:
-        """Serve one request; False when the connection should end (the server is stopping)."""
+    def request(self, worker_id: str) -> Steps:
+        """Serve one request (waiting for it first, as long as --connection-idle-timeout)."""
         start = bytearray(dataplane.PREAMBLE.size)
         view = memoryview(start)
-        with self._lock:
-            if self._stopping:
-                return False
-            self._idle = True
         received = self.channel.received
         try:
-            self.channel.read_into(view[:1], self._limits.idle_timeout)
+            yield ReadInto(view[:1], self._limits.idle_timeout, idle=True)
         except Stalled:
             raise Hangup("idle_timeout") from None
-        with self._lock:
-            self._idle = False
         started = time.perf_counter()
         try:
-            self.channel.read_into(view[1:], self._limits.stream_timeout)
-            preamble = self._preamble(start, "bad_frame")
+            yield ReadInto(view[1:], self._limits.stream_timeout)
+            preamble = yield from self._preamble(start, "bad_frame")
             method = METHODS.get(preamble.op)
             if method is None:
-                self._refuse(InvalidArgument(f"op {preamble.op:#x} is not a request", Reason.MALFORMED), "bad_frame")
-            self._serve(method, worker_id, preamble, started, received)
+                raise (
+                    yield from self._refuse(
+                        InvalidArgument(f"op {preamble.op:#x} is not a request", Reason.MALFORMED), "bad_frame"
+                    )
+                )
+            yield from self._serve(method, worker_id, preamble, started, received)
         except Stalled:
             self._stalled()
-        return True
 
-    def _serve(self, method: str, worker_id: str, preamble: Preamble, started: float, received: int) -> None:
+    def _serve(self, method: str, worker_id: str, preamble: Preamble, started: float, received: int) -> Steps:
         sent = self.channel.sent
         try:
             if preamble.header_bytes > self._limits.max_header_bytes:
@@ -198,23 +203,23 @@ class Connection:
                         f"header of {preamble.header_bytes} bytes is past --max-message-mb", Reason.TOO_LARGE
                     )
                 )
-            header = self.channel.read_bytes(preamble.header_bytes, self._limits.stream_timeout)
+            header = yield from self._read_bytes(preamble.header_bytes, self._limits.stream_timeout)
             if method == "Commit":
-                self._commit(worker_id, preamble, header)
+                yield from self._commit(worker_id, preamble, header)
             else:
-                self._pull(worker_id, preamble, header)
+                yield from self._pull(worker_id, preamble, header)
         except Unread as unread:
             self._rejected(method, unread.error)
-            self._refuse(unread.error, "refused_unread")
+            raise (yield from self._refuse(unread.error, "refused_unread")) from None
         except ServiceError as error:  # the frame was read whole: the connection stays usable
             self._rejected(method, error)
-            self._send_error(error)
+            yield from self._send_error(error)
         finally:
             self._metrics.rpc(method, time.perf_counter() - started, plane="data")
             self._metrics.message_received(method, self.channel.received - received, plane="data")
             self._metrics.message_sent(method, self.channel.sent - sent, plane="data")
 
-    def _commit(self, worker_id: str, preamble: Preamble, header: bytearray) -> None:
+    def _commit(self, worker_id: str, preamble: Preamble, header: bytearray) -> Steps:
         service = self._service
         request = request_of(pb.CommitRequest, header, worker_id)
         dtype, shape = request.payload.dtype, tuple(request.payload.shape)
@@ -229,18 +234,21 @@ class Connection:
                 )
         except ServiceError as error:
             raise Unread(error) from None
-        with self._pool.buffer(lambda: self._stopping) as buffer:
-            if buffer is None:  # the server is stopping: closed unanswered, the client retries
-                raise Hangup(None)
-            data = buffer.take(expected).data  # recv_into lands the payload in the pooled buffer
-            self.channel.read_into(data, self._limits.stream_timeout, self._deadline(len(data)))
+        buffer = yield from self._take_buffer()
+        try:
+            data = buffer.take(expected).data  # the payload lands in the pooled buffer
+            yield ReadInto(data, self._limits.stream_timeout, self._deadline(len(data)))
             commit = messages.commit_from_proto(request, EncodedTensor(dtype, shape, data))
-            outcome, theta = service.commit_blocking(commit, messages.stream_commit_reply(buffer))
+            outcome, theta = yield from self._applied(
+                lambda deliver: service.commit_then(commit, messages.stream_commit_reply(buffer), deliver)
+            )
             reply = messages.outcome_header(outcome)
             framing.announce(reply.parameters, commit.reply_dtype, service.num_parameters)
-            self._send(Op.COMMIT | REPLY, reply.SerializeToString(), theta)
+            yield from self._send(Op.COMMIT | REPLY, reply.SerializeToString(), theta)
+        finally:
+            self._pool.give_back(buffer)
 
-    def _pull(self, worker_id: str, preamble: Preamble, header: bytearray) -> None:
+    def _pull(self, worker_id: str, preamble: Preamble, header: bytearray) -> Steps:
         service = self._service
         request = request_of(pb.PullRequest, header, worker_id)
         if preamble.payload_bytes:
@@ -249,55 +257,114 @@ class Connection:
         dtype = messages.reply_dtype_from_proto(request.reply_dtype)
         # A slot of the pool, though θ is sent from the version's shared encoding: what replies
         # to slow readers can pin is bounded by the pool, as for commits.
-        with self._pool.buffer(lambda: self._stopping) as slot:
-            if slot is None:
-                raise Hangup(None)
-            snapshot = service.pull_blocking(worker_id, known, dtype)
+        slot = yield from self._take_buffer()
+        try:
+            snapshot = yield from self._applied(lambda deliver: service.pull_then(worker_id, known, dtype, deliver))
             unchanged = known == snapshot.version
             reply = messages.pull_stream_header_to_proto(
                 snapshot, unchanged, dtype, service.num_parameters, service.history
             ).header
             data = b"" if unchanged else snapshot.data(dtype) or b""
-            self._send(Op.PULL | REPLY, reply.SerializeToString(), data)
+            yield from self._send(Op.PULL | REPLY, reply.SerializeToString(), data)
+        finally:
+            self._pool.give_back(slot)
+
+    # -- waits -----------------------------------------------------------------------------------
+
+    def _take_buffer(self) -> Generator[Wait, Any, Buffer]:
+        """A pooled buffer, waiting in line while all are in use; Hangup(None) (closed unanswered:
+        the client retries) when the server stops first."""
+        buffer = self._pool.take(self._granted)
+        if buffer is None:
+            try:
+                buffer = yield Parked()
+            finally:
+                self._pool.withdraw(self._granted)  # ended while waiting (a no-op once granted)
+        if buffer is None:
+            raise Hangup(None)
+        return buffer
+
+    def _granted(self, buffer: Buffer | None) -> None:
+        """The pool's answer to a wait (None: the server is stopping), for the loop to hand over."""
+        task = self._task
+        assert task is not None
+
+        def hand_over() -> None:
+            if task.done:  # ended before it got it
+                if buffer is not None:
+                    self._pool.give_back(buffer)
+            else:
+                task.resume(buffer)
+
+        task.loop.call_soon(hand_over)
+
+    def _applied(self, start: Callable[[Deliver[Any]], None]) -> Steps:
+        """What the service delivers for `start(deliver)`: at once when it ran on this thread (a
+        small model, the applier idle), else the applier's thread hands it over through the loop.
+        Pinned meanwhile: the applier may be writing the reply into this connection's buffer."""
+        task = self._task
+        assert task is not None
+        delivered: list[tuple[Any, BaseException | None]] = []
+
+        def deliver(value: Any, error: BaseException | None) -> None:
+            if task.loop.on_loop_thread():
+                delivered.append((value, error))
+            else:
+                task.loop.post(lambda: task.resume(value, error))
+
+        start(deliver)
+        if delivered:
+            value, error = delivered[0]
+            if error is not None:
+                raise error
+            return value
+        return (yield Parked(pinned=True))
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _preamble(self, data: bytearray, refusal: str) -> Preamble:
+    def _read_bytes(self, size: int, timeout: float, deadline: float | None = None) -> Generator[Wait, Any, bytearray]:
+        data = bytearray(size)
+        if size:
+            yield ReadInto(memoryview(data), timeout, deadline)
+        return data
+
+    def _preamble(self, data: bytearray, refusal: str) -> Generator[Wait, Any, Preamble]:
         try:
             return dataplane.read_preamble(data)
         except FrameError as error:
-            self._refuse(InvalidArgument(str(error), Reason.MALFORMED), refusal)
+            raise (yield from self._refuse(InvalidArgument(str(error), Reason.MALFORMED), refusal)) from None
 
     def _rejected(self, method: str, error: ServiceError) -> None:
         error.__traceback__ = None  # holds the request's frames otherwise (see grpc_servicer.rpc)
         self._service.rejected(method, error, status_of(error).name)
 
-    def _send(self, op: int, header: bytes, payload: bytes | memoryview = b"") -> None:
-        deadline = self._deadline(len(memoryview(payload).cast("B")))
-        self.channel.write_frame(op, header, payload, self._limits.stream_timeout, deadline)
+    def _send(self, op: int, header: bytes, payload: bytes | memoryview = b"") -> Steps:
+        data = memoryview(payload).cast("B")
+        start = dataplane.frame_start(op, header, len(data))
+        yield Write(pieces([start, data]), self._limits.stream_timeout, self._deadline(len(data)))
 
     def _deadline(self, nbytes: int) -> float:
         """When `nbytes` of payload must have moved: a client that trickles bytes just fast
         enough to beat the stall timeout still gives its pooled buffer back."""
         return time.monotonic() + self._limits.stream_timeout + nbytes / MIN_BYTES_PER_SECOND
 
-    def _send_error(self, error: ServiceError) -> None:
-        self._send(Op.ERROR, error_header(error))
+    def _send_error(self, error: ServiceError) -> Steps:
+        yield from self._send(Op.ERROR, error_header(error))
 
-    def _refuse(self, error: ServiceError, refusal: str) -> NoReturn:
-        """Answer `error` if the peer still listens, then end the connection (counted as `refusal`)."""
-        with contextlib.suppress(PeerClosed, Stalled, OSError):
-            self._send_error(error)
-        raise Hangup(refusal)
+    def _refuse(self, error: ServiceError, refusal: str) -> Generator[Wait, Any, Hangup]:
+        """Answer `error` if the peer still listens; the Hangup that ends the connection (counted
+        as `refusal`), for the caller to raise: `raise (yield from self._refuse(...))`."""
+        with contextlib.suppress(PeerClosed, Stalled):
+            yield from self._send_error(error)
+        return Hangup(refusal)
 
     def _stalled(self) -> NoReturn:
-        """No byte for --stream-idle-timeout in the middle of a frame or reply: end it."""
+        """No byte for --stream-idle-timeout in the middle of a frame or reply: end it (the error
+        is sent only if it fits now: never wait on this peer)."""
         error = DeadlineExceeded(
             f"nothing moved for {self._limits.stream_timeout:g}s in the middle of a frame", Reason.STREAM_IDLE
         )
-        self.channel.sock.settimeout(0.0)  # the error is sent only if it fits now: never wait on this peer
-        with contextlib.suppress(TimeoutError, OSError):
-            self.channel.sock.send(dataplane.frame_start(Op.ERROR, error_header(error)))
+        self.channel.try_send(dataplane.frame_start(Op.ERROR, error_header(error)))
         raise Hangup("stream_timeout")
 
 

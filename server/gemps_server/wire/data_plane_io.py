@@ -1,23 +1,22 @@
-"""Blocking socket I/O for one data-plane connection: exact reads into a caller's buffer, and
-writes of several pieces (a frame's start, θ's bytes) without joining them.
+"""Non-blocking socket I/O for one data-plane connection: reads into a caller's buffer and writes
+of several pieces (a frame's start, θ's bytes) without joining them, each as far as the socket
+allows now, plain TCP or TLS alike.
 
-Every read and write has a timeout: no byte for that long and the connection is given up
-(`Stalled`); the peer closing is `PeerClosed`. Both end the connection; neither is an error of
-the server's.
+Nothing here waits: a call moves what it can and says how much, and `wants` tells the loop
+(data_plane_loop.py) which readiness to wait for before the next try (TLS may need the socket
+writable to read, and readable to write). The peer closing or resetting is `PeerClosed`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import selectors
 import socket
 import ssl
-import time
 from collections.abc import Sequence
 
-from gemps_proto import dataplane
-
 Piece = bytes | bytearray | memoryview
-# Bytes handed to one TLS write (a record is at most 16 KiB; this bounds one call's wait).
+# Bytes handed to one TLS write (SSLSocket has no sendmsg, and encrypts, so copies, anyway).
 TLS_PIECE = 1 << 20
 
 
@@ -39,71 +38,77 @@ class PeerClosed(Exception):
 
 
 class Channel:
-    """One connection's socket (plain or TLS), in blocking mode with per-call timeouts."""
+    """One connection's socket (plain or TLS), non-blocking."""
 
     def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
         self.sock = sock
         self.received = 0  # bytes read so far (the byte metrics take differences)
         self.sent = 0
+        self.wants = selectors.EVENT_READ  # what the last call that moved nothing waits for
 
     @property
     def tls(self) -> bool:
         return isinstance(self.sock, ssl.SSLSocket)
 
-    def read_into(self, view: memoryview, timeout: float, deadline: float | None = None) -> None:
-        """Fill `view` from the socket: each wait at most `timeout` seconds (and none past
-        `deadline`, a time.monotonic() value)."""
-        filled, size = 0, len(view)
-        while filled < size:
-            self._set_timeout(timeout, deadline)
-            try:
-                count = self.sock.recv_into(view[filled:])
-            except TimeoutError:
-                raise Stalled from None
-            except (ConnectionError, ssl.SSLError, OSError):
-                raise PeerClosed from None
-            if count == 0:
-                raise PeerClosed
-            filled += count
-            self.received += count
-
-    def read_bytes(self, size: int, timeout: float, deadline: float | None = None) -> bytearray:
-        data = bytearray(size)
-        self.read_into(memoryview(data), timeout, deadline)
-        return data
-
-    def write(self, pieces: Sequence[Piece], timeout: float, deadline: float | None = None) -> None:
-        """Send `pieces` in order, from their own memory: sendmsg on a plain socket (one system
-        call for a small header and θ's bytes), under TLS piece by piece (it encrypts anyway).
-        Each wait at most `timeout`, none past `deadline`."""
-        views = [memoryview(piece).cast("B") for piece in pieces if len(piece)]
+    def read_some(self, view: memoryview) -> int:
+        """Read into `view` what has arrived (0: nothing yet; see `wants`)."""
         try:
-            while views:
-                self._set_timeout(timeout, deadline)
-                # (SSLSocket has no sendmsg)
-                count = self.sock.send(views[0][:TLS_PIECE]) if self.tls else self.sock.sendmsg(views)
-                self.sent += count
-                _advance(views, count)
-        except TimeoutError:
-            raise Stalled from None
+            count = self.sock.recv_into(view)
+        except (BlockingIOError, ssl.SSLWantReadError):
+            self.wants = selectors.EVENT_READ
+            return 0
+        except ssl.SSLWantWriteError:
+            self.wants = selectors.EVENT_WRITE
+            return 0
         except (ConnectionError, ssl.SSLError, OSError):
             raise PeerClosed from None
+        if count == 0:
+            raise PeerClosed
+        self.received += count
+        return count
 
-    def write_frame(
-        self, op: int, header: bytes, payload: Piece = b"", timeout: float = 5.0, deadline: float | None = None
-    ) -> None:
-        start = dataplane.frame_start(op, header, len(memoryview(payload).cast("B")))
-        self.write([start, payload], timeout, deadline)
+    def write_some(self, views: list[memoryview]) -> int:
+        """Send from the front of `views` what the socket takes now, dropping what went (0: none)."""
+        total = 0
+        try:
+            while views:
+                # one system call for a header and θ's bytes on a plain socket
+                count = self.sock.send(views[0][:TLS_PIECE]) if self.tls else self.sock.sendmsg(views)
+                total += count
+                advance(views, count)
+        except (BlockingIOError, ssl.SSLWantWriteError):
+            self.wants = selectors.EVENT_WRITE
+        except ssl.SSLWantReadError:
+            self.wants = selectors.EVENT_READ
+        except (ConnectionError, ssl.SSLError, OSError):
+            raise PeerClosed from None
+        self.sent += total
+        return total
 
-    def _set_timeout(self, timeout: float, deadline: float | None) -> None:
-        if deadline is not None:
-            timeout = min(timeout, deadline - time.monotonic())
-            if timeout <= 0:
-                raise Stalled
-        self.sock.settimeout(timeout)
+    def try_send(self, data: bytes) -> None:
+        """Send `data` only if the socket takes it now, and never mind if not (a last word)."""
+        with contextlib.suppress(OSError):  # ssl.SSLError included
+            self.sock.send(data)
+
+    def handshake(self) -> bool:
+        """Advance the TLS handshake; True once it is done, PeerClosed if it failed (a client
+        certificate missing or untrusted, plaintext, the peer gone)."""
+        assert isinstance(self.sock, ssl.SSLSocket)
+        try:
+            self.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self.wants = selectors.EVENT_READ
+            return False
+        except ssl.SSLWantWriteError:
+            self.wants = selectors.EVENT_WRITE
+            return False
+        except (ssl.SSLError, OSError) as error:
+            raise PeerClosed(str(error)) from None
+        return True
 
     def shutdown(self) -> None:
-        """Wake whatever waits on this socket (another thread's recv) and refuse further I/O."""
+        """Refuse further I/O (the peer sees the connection end)."""
         with contextlib.suppress(OSError):  # not connected any more
             self.sock.shutdown(socket.SHUT_RDWR)
 
@@ -112,7 +117,12 @@ class Channel:
             self.sock.close()
 
 
-def _advance(views: list[memoryview], count: int) -> None:
+def pieces(parts: Sequence[Piece]) -> list[memoryview]:
+    """Byte views of the non-empty `parts`, in order, for write_some."""
+    return [memoryview(part).cast("B") for part in parts if len(part)]
+
+
+def advance(views: list[memoryview], count: int) -> None:
     """Drop `count` sent bytes from the front of `views`."""
     while count and views:
         first = views[0]

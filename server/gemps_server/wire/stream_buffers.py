@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 
@@ -37,65 +36,47 @@ class BufferPool:
                 self._free.append(buffer.bytes)
 
 
-class _Waiter:
-    """A connection thread waiting for a buffer: the pool hands one to it directly."""
-
-    def __init__(self) -> None:
-        self.granted = threading.Event()
-        self.array: np.ndarray | None = None
+# A connection waiting for a buffer: called with one when it is its turn (None: give up).
+Grant = Callable[["Buffer | None"], None]
 
 
-class ThreadBufferPool:
-    """BufferPool for the data plane's connection threads: `count` buffers, each reused, handed
-    to waiting threads in arrival order (a semaphore lets a newcomer take a freed buffer ahead of
-    threads already waiting: under load that starved some clients of turns)."""
-
-    # How often a thread waiting for a buffer checks whether it should give up (shutdown).
-    POLL_SECONDS = 0.25
+class LoopBufferPool:
+    """BufferPool for the data plane's loop (one thread): `count` buffers, each reused, handed to
+    waiting connections in arrival order (first come, first served: under load, a freed buffer
+    taken by a newcomer ahead of those waiting starved some clients of turns)."""
 
     def __init__(self, count: int) -> None:
         if count < 1:
             raise ValueError(f"a buffer pool needs at least one buffer, not {count}")
         self._free: list[np.ndarray] = [np.empty(0, np.uint8) for _ in range(count)]
-        self._waiting: deque[_Waiter] = deque()
-        self._lock = threading.Lock()
+        self._waiting: deque[Grant] = deque()
 
-    @contextlib.contextmanager
-    def buffer(self, give_up: Callable[[], bool]) -> Iterator[Buffer | None]:
-        """A buffer, waiting (in order) while all are in use; None if `give_up()` turned true first."""
-        array = self._take(give_up)
-        if array is None:
-            yield None
-            return
-        buffer = Buffer(array)
-        try:
-            yield buffer
-        finally:
-            self._give_back(buffer.bytes)
+    def take(self, grant: Grant) -> Buffer | None:
+        """A buffer now; or None, and `grant` is called with one when it is this caller's turn."""
+        if self._free and not self._waiting:
+            return Buffer(self._free.pop())
+        self._waiting.append(grant)
+        return None
 
-    def _take(self, give_up: Callable[[], bool]) -> np.ndarray | None:
-        with self._lock:
-            if self._free and not self._waiting:
-                return self._free.pop()
-            waiter = _Waiter()
-            self._waiting.append(waiter)
-        while not waiter.granted.wait(self.POLL_SECONDS):
-            if give_up():
-                with self._lock:
-                    if waiter.array is None:  # not granted meanwhile: leave the line
-                        self._waiting.remove(waiter)
-                        return None
-                break
-        return waiter.array
+    def withdraw(self, grant: Grant) -> None:
+        """A waiting caller leaves the line (nothing happens if it is not in it)."""
+        with contextlib.suppress(ValueError):
+            self._waiting.remove(grant)
 
-    def _give_back(self, array: np.ndarray) -> None:
-        with self._lock:
-            if not self._waiting:
-                self._free.append(array)
-                return
-            waiter = self._waiting.popleft()
-            waiter.array = array
-        waiter.granted.set()
+    def give_back(self, buffer: Buffer) -> None:
+        if self._waiting:
+            self._waiting.popleft()(buffer)
+        else:
+            self._free.append(buffer.bytes)
+
+    def turn_away(self) -> None:
+        """Every caller still waiting gets None (the server is stopping)."""
+        while self._waiting:
+            self._waiting.popleft()(None)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
 
 
 class Buffer:

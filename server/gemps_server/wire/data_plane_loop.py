@@ -1,0 +1,307 @@
+"""The data plane's event loop: one thread moves every connection's bytes with non-blocking sockets.
+
+A connection's protocol (data_plane_calls.py) is a generator that yields what it waits for and
+is resumed with it, so it reads top to bottom as blocking code would:
+
+    yield ReadInto(view, ...)       bytes into a buffer of the caller's
+    yield Write([header, theta])    bytes out, from their own memory
+    yield Handshake(deadline)       the TLS handshake
+    value = yield Parked()          a pooled buffer, or the applier's result: resumed by `resume`
+
+An I/O wait that sees no byte move for its `stall` seconds, or passes its `deadline`, is resumed
+with Stalled; a peer that goes away, with PeerClosed. Why one thread and not one per connection:
+a thread per connection hands the GIL between threads on every frame, and with 8 clients at 100K
+parameters that cost more server CPU per commit than the commit itself (docs/PERFORMANCE.md).
+Work that takes long (GEM on a large θ) runs on the applier's thread meanwhile, and hands its
+result back here with `post`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import math
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable, Generator
+from typing import Any
+
+from gemps_server.logs import event
+from gemps_server.wire.data_plane_io import Channel, PeerClosed, Stalled
+
+log = logging.getLogger("gemps.server")
+
+# How often, at most, waits are checked against their stall timeouts and deadlines (and so how
+# late past one a connection may be closed): the loop never sleeps longer than this.
+TICK_SECONDS = 0.05
+
+
+class Wait:
+    """What a connection waits for. `attempt` tries to finish it now, without blocking."""
+
+    events = 0  # readiness to wait for when `attempt` could not finish (0: someone calls resume)
+    idle = False  # waiting for a new request: a stopping server closes such a connection at once
+    result: Any = None
+
+    def attempt(self, channel: Channel, now: float) -> bool:
+        raise NotImplementedError
+
+    def expires(self) -> float:
+        """When it fails with Stalled (math.inf: never)."""
+        return math.inf
+
+
+class _Timed(Wait):
+    def __init__(self, stall: float, deadline: float | None) -> None:
+        self.stall = stall
+        self.deadline = math.inf if deadline is None else deadline
+        self.moved_at = time.monotonic()
+
+    def expires(self) -> float:
+        return min(self.moved_at + self.stall, self.deadline)
+
+
+class ReadInto(_Timed):
+    """Fill `view`; Stalled when no byte comes for `stall` seconds, or past `deadline`."""
+
+    def __init__(self, view: memoryview, stall: float, deadline: float | None = None, *, idle: bool = False) -> None:
+        super().__init__(stall, deadline)
+        self.view = view
+        self.filled = 0
+        self.idle = idle
+
+    def attempt(self, channel: Channel, now: float) -> bool:
+        view, size = self.view, len(self.view)
+        while self.filled < size:
+            count = channel.read_some(view[self.filled :])
+            if not count:
+                self.events = channel.wants
+                return False
+            self.filled += count
+            self.moved_at = now
+        return True
+
+
+class Write(_Timed):
+    """Send the views in order; Stalled as ReadInto."""
+
+    def __init__(self, views: list[memoryview], stall: float, deadline: float | None = None) -> None:
+        super().__init__(stall, deadline)
+        self.views = views
+
+    def attempt(self, channel: Channel, now: float) -> bool:
+        while self.views:
+            if not channel.write_some(self.views):
+                self.events = channel.wants
+                return False
+            self.moved_at = now
+        return True
+
+
+class Handshake(_Timed):
+    """The TLS handshake, done by `deadline`."""
+
+    def __init__(self, deadline: float) -> None:
+        super().__init__(math.inf, deadline)
+
+    def attempt(self, channel: Channel, now: float) -> bool:
+        if channel.handshake():
+            return True
+        self.events = channel.wants
+        return False
+
+
+class Parked(Wait):
+    """Resumed by whoever holds the task (`Task.resume`): a buffer pool, the applier. `pinned`:
+    something outside the task writes into its memory until then (the applier, a reply into its
+    pooled buffer), so the task must not be ended before it is resumed."""
+
+    def __init__(self, *, pinned: bool = False) -> None:
+        self.pinned = pinned
+
+    def attempt(self, channel: Channel, now: float) -> bool:
+        return False
+
+
+Body = Generator[Wait, Any, None]
+
+
+def _nothing() -> Body:
+    return
+    yield  # a generator that ends at once
+
+
+class Task:
+    """One connection: its channel and the generator that serves it."""
+
+    def __init__(self, loop: Loop, channel: Channel) -> None:
+        self.loop = loop
+        self.channel = channel
+        self.body: Body = _nothing()
+        self.waiting: Wait | None = None
+        self.registered = 0  # the selector events it is registered for
+        self.done = False
+
+    def step(self, value: Any = None, error: BaseException | None = None) -> None:
+        """Run the body until it waits for something that is not there yet, or ends."""
+        now = time.monotonic()
+        while True:
+            try:
+                wait = self.body.throw(error) if error is not None else self.body.send(value)
+            except StopIteration:
+                self.loop.finish(self)
+                return
+            except Exception as failure:  # a bug must not take the loop down with it
+                failed = f"{type(failure).__name__}: {failure}"
+                event(log, "data-plane connection failed", level=logging.ERROR, error=failed)
+                self.loop.finish(self)
+                return
+            value, error = None, None
+            try:
+                if wait.attempt(self.channel, now):
+                    value = wait.result
+                    continue
+            except PeerClosed as closed:
+                error = closed
+                continue
+            self.waiting = wait
+            self.loop.watch(self, wait.events)
+            return
+
+    def ready(self, now: float) -> None:
+        """The socket is ready for what the task waits for: try again."""
+        wait = self.waiting
+        if wait is None or not wait.events:
+            return
+        try:
+            finished = wait.attempt(self.channel, now)
+        except PeerClosed as closed:
+            self._continue(None, closed)
+            return
+        if finished:
+            self._continue(wait.result, None)
+        else:
+            self.loop.watch(self, wait.events)
+
+    def resume(self, value: Any = None, error: BaseException | None = None) -> None:
+        """End a Parked wait with `value` (or `error`), on the loop's thread."""
+        self._continue(value, error)
+
+    def expire(self) -> None:
+        self._continue(None, Stalled())
+
+    def _continue(self, value: Any, error: BaseException | None) -> None:
+        if self.done:  # ended meanwhile (a server stopping): nothing to continue
+            return
+        self.waiting = None
+        self.step(value, error)  # ends in watch(): the next wait's events, or none
+
+
+class Loop:
+    """The selector, the tasks, the timers and the hand-over from other threads (`post`)."""
+
+    def __init__(self) -> None:
+        self.selector = selectors.DefaultSelector()
+        self.tasks: set[Task] = set()
+        self._posted: collections.deque[Callable[[], None]] = collections.deque()
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_reader.setblocking(False)
+        self._wake_writer.setblocking(False)
+        self.selector.register(self._wake_reader, selectors.EVENT_READ, None)
+        self._listeners: dict[socket.socket, Callable[[socket.socket], None]] = {}
+        self.thread_id = 0
+        self._next_check = 0.0
+
+    # -- from any thread ------------------------------------------------------------------------
+
+    def post(self, callback: Callable[[], None]) -> None:
+        """Run `callback` on the loop's thread, soon."""
+        self._posted.append(callback)
+        with contextlib.suppress(BlockingIOError, OSError):  # full: a wake-up is pending anyway
+            self._wake_writer.send(b"\0")
+
+    def on_loop_thread(self) -> bool:
+        return threading.get_ident() == self.thread_id
+
+    # -- on the loop's thread -------------------------------------------------------------------
+
+    def listen(self, listener: socket.socket, accept: Callable[[socket.socket], None]) -> None:
+        listener.setblocking(False)
+        self._listeners[listener] = accept
+        self.selector.register(listener, selectors.EVENT_READ, None)
+
+    def stop_listening(self) -> None:
+        """Close every listener: no connection is accepted any more."""
+        for listener in list(self._listeners):
+            self.selector.unregister(listener)
+            listener.close()
+        self._listeners.clear()
+
+    def spawn(self, channel: Channel, body: Callable[[Task], Body]) -> Task:
+        """Serve `channel` with the generator `body(task)` makes, starting now."""
+        task = Task(self, channel)
+        task.body = body(task)
+        self.tasks.add(task)
+        task.step()
+        return task
+
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        """post() from the loop's own thread: after what it is doing now, without a wake-up."""
+        self._posted.append(callback)
+
+    def watch(self, task: Task, events: int) -> None:
+        """Register `task`'s socket for `events` (0: for none)."""
+        if task.done or events == task.registered:
+            return
+        sock = task.channel.sock
+        if not task.registered:
+            self.selector.register(sock, events, task)
+        elif not events:
+            self.selector.unregister(sock)
+        else:
+            self.selector.modify(sock, events, task)
+        task.registered = events
+
+    def finish(self, task: Task) -> None:
+        """The task ended (or is ended): its socket closed, its body closed (a `finally` in it gives
+        back what it holds)."""
+        if task.done:
+            return
+        self.watch(task, 0)
+        task.done = True
+        self.tasks.discard(task)
+        task.body.close()
+        task.channel.close()
+
+    def run_once(self) -> None:
+        """Wait for readiness (at most a tick), then serve what is ready, posted, or expired."""
+        for key, _events in self.selector.select(TICK_SECONDS):
+            if key.data is not None:
+                key.data.ready(time.monotonic())
+            elif key.fileobj is self._wake_reader:
+                with contextlib.suppress(BlockingIOError):
+                    while self._wake_reader.recv(4096):
+                        pass
+            else:
+                listener = key.fileobj
+                assert isinstance(listener, socket.socket)
+                self._listeners[listener](listener)
+        while self._posted:
+            self._posted.popleft()()
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + TICK_SECONDS
+            for task in [t for t in self.tasks if t.waiting is not None and t.waiting.expires() <= now]:
+                if not task.done and task.waiting is not None:
+                    task.expire()
+
+    def close(self) -> None:
+        for task in list(self.tasks):
+            self.finish(task)
+        self.stop_listening()
+        self.selector.close()
+        self._wake_reader.close()
+        self._wake_writer.close()
