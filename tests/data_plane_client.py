@@ -32,8 +32,19 @@ class Frame:
 
 class DataPlaneClient:
     def __init__(
-        self, port: int, host: str = "127.0.0.1", timeout: float = 10.0, tls: ssl.SSLContext | None = None
+        self,
+        port: int,
+        host: str = "127.0.0.1",
+        timeout: float = 10.0,
+        tls: ssl.SSLContext | None = None,
+        local_socket: str = "",
     ) -> None:
+        """To `host`:`port`, or (`local_socket`) to a server's abstract Unix socket of that name."""
+        if local_socket:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(timeout)
+            self.sock.connect("\0" + local_socket)
+            return
         self.sock = socket.create_connection((host, port), timeout=timeout)
         if tls is not None:
             try:
@@ -55,15 +66,34 @@ class DataPlaneClient:
 
     # -- frames ----------------------------------------------------------------------------
 
-    def send(self, op: int, header: bytes, payload: bytes = b"", payload_bytes: int | None = None) -> None:
-        """A frame; `payload_bytes` announces another length than the payload's (to lie)."""
+    def send(
+        self,
+        op: int,
+        header: bytes,
+        payload: bytes = b"",
+        payload_bytes: int | None = None,
+        fds: list[int] | None = None,
+        flags: int = 0,
+    ) -> None:
+        """A frame; `payload_bytes` announces another length than the payload's (to lie); `fds`
+        pass descriptors with it (a local socket)."""
         announced = len(payload) if payload_bytes is None else payload_bytes
-        self.sock.sendall(dataplane.frame_start(op, header, announced) + payload)
+        data = dataplane.frame_start(op, header, announced, flags) + payload
+        if fds:
+            sent = socket.send_fds(self.sock, [data], fds)
+            if sent < len(data):
+                self.sock.sendall(data[sent:])
+        else:
+            self.sock.sendall(data)
 
-    def receive(self) -> Frame:
+    def receive(self, shared: memoryview | None = None) -> Frame:
+        """The next frame; a payload flagged SHARED read from `shared` (the attached memory)."""
         start = self._exactly(dataplane.PREAMBLE.size)
         preamble = dataplane.read_preamble(start)
         header = self._exactly(preamble.header_bytes)
+        if preamble.shared:
+            assert shared is not None, "a SHARED reply, and no shared memory here"
+            return Frame(preamble.op, header, bytes(shared[: preamble.payload_bytes]))
         return Frame(preamble.op, header, self._exactly(preamble.payload_bytes))
 
     def closed_by_server(self) -> bool:
@@ -95,6 +125,11 @@ class DataPlaneClient:
         values = np.ascontiguousarray(payload, dtype=np.float32)
         header = commit_header(worker_id, values.size, base_version, request_id)
         self.send(Op.COMMIT, header, values.tobytes())
+        return self.receive()
+
+    def attach(self, fds: list[int], size: int) -> Frame:
+        """An ATTACH announcing `size` bytes, passing `fds` (one memfd, for a well-behaved client)."""
+        self.send(Op.ATTACH, pb.DataPlaneAttach(bytes=size).SerializeToString(), fds=fds)
         return self.receive()
 
     def pull(self, worker_id: str, known_version: int = -1, known_history: str = "") -> Frame:

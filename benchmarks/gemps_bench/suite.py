@@ -25,6 +25,7 @@ CEILINGS = ("echo-unary", "echo-stream", "echo-tcp")
 # gemps with the defaults, and each variant with what differs from them.
 GEMPS_VARIANTS: dict[str, dict[str, str]] = {
     "gemps": {},
+    "gemps-tcp": {"shared_memory": "off"},  # the data plane over TCP, as between machines
     "gemps-grpc": {"plane": "grpc"},  # commits and pulls through gRPC, not the data plane
     "gemps-bfloat16": {"wire": "bfloat16"},  # half the bytes on the wire
     "gemps-numpy": {"kernel": "numpy"},  # the fallback GEM kernel, without the compiled one
@@ -181,6 +182,7 @@ def _gemps(system: str, clients: int, plan: LoadPlan, results: SuiteResults) -> 
     variant = GEMPS_VARIANTS[system]
     wire, kernel = variant.get("wire", "float32"), variant.get("kernel", "auto")
     plane, partitions = variant.get("plane", "auto"), int(variant.get("partitions", "1"))
+    shared_memory = variant.get("shared_memory", "on") == "on"
     with ServerProcess(
         rule="gem",
         gem_kernel=kernel,
@@ -189,9 +191,11 @@ def _gemps(system: str, clients: int, plan: LoadPlan, results: SuiteResults) -> 
         max_workers=max(256, clients),
         partitions=partitions,
     ) as server:
-        options = (("wire_dtype", wire), ("plane", plane))
+        options = (("wire_dtype", wire), ("plane", plane), ("shared_memory", shared_memory))
         result = run_load(system, GempsClientFactory(server.target, plan.num_parameters, options), plan, server.pid)
-    results.add(result, wire_dtype=wire, gem_kernel=kernel, partitions=partitions, plane=plane)
+    results.add(
+        result, wire_dtype=wire, gem_kernel=kernel, partitions=partitions, plane=plane, shared_memory=shared_memory
+    )
 
 
 def _echo(plan: LoadPlan, results: SuiteResults, systems: Sequence[str]) -> None:

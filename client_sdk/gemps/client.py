@@ -76,6 +76,7 @@ class Client:
         streaming: str = "auto",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         plane: str | None = None,
+        shared_memory: bool | None = None,
         connect: Callable[[str], Transport] | None = None,
     ) -> None:
         """`timeout` is every call's deadline in seconds. TLS and token arguments left out come
@@ -90,12 +91,15 @@ class Client:
         `plane` is how commits and pulls travel (DESIGN §3c): "auto" (the default, or
         GEMPS_PLANE) on the data plane a server offers at Register when its port can be reached,
         else gRPC; "data" only the data plane (raise when a server offers none or it cannot be
-        reached); "grpc" only gRPC. Register, Status and Leave always go by gRPC.
+        reached); "grpc" only gRPC. Register, Status and Leave always go by gRPC. On the server's
+        host the data plane goes through its local socket and shared memory, so θ crosses no
+        socket; `shared_memory` False (or GEMPS_SHARED_MEMORY=off) keeps it on TCP.
 
         `connect` opens the transport to the server process at an address (gemps.transport);
         by default the one `plane` picks, with the options above."""
         _check_wire_options(wire_dtype, streaming, chunk_bytes)
         self.plane = resolve_plane(plane)
+        self.shared_memory = resolve_shared_memory(shared_memory)
         self.wire_dtype = WIRE_DTYPE_NAMES[wire_dtype]
         self.streaming = streaming
         self.chunk_bytes = chunk_bytes
@@ -123,7 +127,9 @@ class Client:
     def _connect(self, address: str) -> Transport:
         """The transport to one server process: gRPC, and its data plane unless plane="grpc"."""
         grpc = self._connect_grpc(address)
-        return grpc if self.plane == "grpc" else DataPlaneTransport(grpc, self.connection, mode=self.plane)
+        if self.plane == "grpc":
+            return grpc
+        return DataPlaneTransport(grpc, self.connection, mode=self.plane, shared_memory=self.shared_memory)
 
     def _connect_grpc(self, address: str) -> GrpcTransport:
         return GrpcTransport(
@@ -273,6 +279,10 @@ class Client:
         return self._retrier.retries
 
 
+# How an on/off variable may be spelled.
+SWITCHES = {"on": True, "off": False, "1": True, "0": False, "true": True, "false": False, "yes": True, "no": False}
+
+
 def resolve_plane(plane: str | None, environ: Mapping[str, str] | None = None) -> str:
     """The `plane` asked for, else GEMPS_PLANE's, else "auto"; ValueError for another value."""
     source = "plane"
@@ -282,6 +292,17 @@ def resolve_plane(plane: str | None, environ: Mapping[str, str] | None = None) -
     if plane not in PLANES:
         raise ValueError(f"{source} must be one of {', '.join(PLANES)}, not {plane!r}")
     return plane
+
+
+def resolve_shared_memory(shared_memory: bool | None, environ: Mapping[str, str] | None = None) -> bool:
+    """`shared_memory` as asked, else GEMPS_SHARED_MEMORY's (on/off), else on."""
+    if shared_memory is not None:
+        return shared_memory
+    environ = os.environ if environ is None else environ
+    value = environ.get("GEMPS_SHARED_MEMORY", "on").strip().lower()
+    if value not in SWITCHES:
+        raise ValueError(f"GEMPS_SHARED_MEMORY must be on or off, not {value!r}")
+    return SWITCHES[value]
 
 
 def _check_wire_options(wire_dtype: str, streaming: str, chunk_bytes: int) -> None:

@@ -1,19 +1,25 @@
 """One data-plane connection to one server process (gemps_proto.dataplane, DESIGN §3c).
 
-A TCP socket (TLS with the gRPC connection's settings when that uses TLS), a HELLO with one
-registration's ticket, then strictly one request and its reply at a time. Frames go out from
-their own memory (`sendmsg` of the preamble and header, then the payload's view) and θ comes in
-with `recv_into` straight into the array the caller keeps. Every failure is a typed GempsError and
-leaves the connection closed: a socket error is ServerUnavailableError (retried by the session,
-whose request id makes a commit exactly-once), a timeout DeadlineExceededError, an ERROR frame the
-error the gRPC path would have raised.
+A TCP socket (TLS with the gRPC connection's settings when that uses TLS), or on the server's
+host its local Unix socket, a HELLO with one registration's ticket, then strictly one request and
+its reply at a time. Frames go out from their own memory (`sendmsg` of the preamble and header,
+then the payload's view) and θ comes in with `recv_into` straight into the array the caller keeps.
+A local connection may `attach` shared memory (a sealed memfd of θ's float32 size): payloads are
+then written into it and θ read out of it, and only headers cross the socket. Every failure is a
+typed GempsError and leaves the connection closed: a socket error is ServerUnavailableError
+(retried by the session, whose request id makes a commit exactly-once), a timeout
+DeadlineExceededError, an ERROR frame the error the gRPC path would have raised.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import mmap
+import os
 import socket
 import ssl
+import sys
 from collections.abc import Iterator
 from typing import NoReturn, TypeVar
 
@@ -23,7 +29,7 @@ from google.protobuf.message import DecodeError, Message
 from gemps import errors
 from gemps_proto import dataplane
 from gemps_proto.codec import TensorDecodeError, decode, expected_nbytes, numpy_dtype
-from gemps_proto.dataplane import REPLY, FrameError, Op
+from gemps_proto.dataplane import REPLY, SHARED, FrameError, Op
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 M = TypeVar("M", bound=Message)
@@ -51,6 +57,10 @@ def target_host(target: str) -> str:
     return host.removeprefix("[").removesuffix("]")
 
 
+#: whether this platform can attach shared memory (memfd, seals, descriptor passing)
+SHARED_MEMORY = sys.platform == "linux" and hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
+
+
 class DataConnection:
     """An open data-plane connection that a HELLO has bound to one worker's registration."""
 
@@ -59,6 +69,53 @@ class DataConnection:
         self.address = address
         self.closed = False
         self.awaiting = False  # a request was sent and its reply not read yet
+        self.local = sock.family == getattr(socket, "AF_UNIX", None)
+        self._shared: mmap.mmap | None = None  # the attached shared memory
+        self._shared_view = memoryview(b"")  # its bytes (slicing an mmap itself would copy them)
+
+    @property
+    def shared(self) -> bool:
+        """Payloads and θ travel through attached shared memory."""
+        return self._shared is not None
+
+    @classmethod
+    def open_local(cls, name: str, *, timeout: float) -> DataConnection:
+        """Connect to a server's local socket (an abstract Unix socket: on its host and in its
+        network namespace only); Unreachable when there is none of that name here."""
+        address = f"local socket {name}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect("\0" + name)
+        except OSError as error:
+            sock.close()
+            raise Unreachable(address, _why(error)) from None
+        return cls(sock, address)
+
+    def attach(self, size: int) -> None:
+        """Attach `size` bytes of shared memory (θ's float32 bytes on this server): a memfd sealed
+        against shrinking and growing, passed with an ATTACH frame. Its refusal is raised typed
+        (the server closes the connection after it)."""
+        fd = os.memfd_create("gemps-data-plane", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            shared = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            header = pb.DataPlaneAttach(bytes=size).SerializeToString()
+            self.awaiting = True
+            with self._typed():
+                socket.send_fds(self.sock, [dataplane.frame_start(Op.ATTACH, header)], [fd])
+        finally:
+            os.close(fd)  # the server has its own copy of the descriptor, and the mapping stays
+        try:
+            _header, payload_bytes = self.receive(Op.ATTACH)
+        except BaseException:
+            shared.close()
+            raise
+        if payload_bytes:
+            shared.close()
+            self.protocol_error(f"an ATTACH reply with {payload_bytes} bytes of payload")
+        self._shared, self._shared_view = shared, memoryview(shared)
 
     @classmethod
     def open(
@@ -93,9 +150,14 @@ class DataConnection:
     # -- frames -------------------------------------------------------------------------------------
 
     def send(self, op: int, header: bytes, payload: Payload = b"") -> None:
-        """A request frame, from the payload's own memory (a view of the caller's array)."""
+        """A request frame, from the payload's own memory (a view of the caller's array), or
+        through the shared memory when attached (copied there: the caller keeps its array)."""
         data = memoryview(payload).cast("B")
-        views = [memoryview(dataplane.frame_start(op, header, len(data))), data]
+        if self._shared is not None:
+            self._shared_view[: len(data)] = data
+            views = [memoryview(dataplane.frame_start(op, header, len(data), SHARED))]
+        else:
+            views = [memoryview(dataplane.frame_start(op, header, len(data))), data]
         self.awaiting = True
         with self._typed():
             if isinstance(self.sock, ssl.SSLSocket):
@@ -120,6 +182,8 @@ class DataConnection:
             raise errors.from_status_number(refusal.code, refusal.message, refusal.reason)
         if preamble.op != op | REPLY:
             self.protocol_error(f"op {preamble.op:#x} in reply to {op:#x}")
+        if preamble.shared != self.shared:
+            self.protocol_error("a reply through shared memory on a connection without, or not through it with")
         if preamble.payload_bytes == 0:
             self.awaiting = False
         return bytes(header), preamble.payload_bytes
@@ -136,8 +200,13 @@ class DataConnection:
         if nbytes != payload_bytes:
             self.protocol_error(f"{payload_bytes} bytes of payload; the header announced {nbytes}")
         data = buffer.data.cast("B")
-        with self._typed():
-            self._fill(data)
+        if self._shared is not None:
+            if nbytes > len(self._shared_view):
+                self.protocol_error(f"{nbytes} bytes announced, {len(self._shared_view)} shared")
+            data[:] = self._shared_view[:nbytes]  # copied out: the memory is the next request's
+        else:
+            with self._typed():
+                self._fill(data)
         self.awaiting = False
         values = decode(announced.dtype, shape, data)  # float32: `buffer` itself
         values.flags.writeable = False
@@ -158,6 +227,11 @@ class DataConnection:
         self.closed = True
         with contextlib.suppress(OSError):
             self.sock.close()
+        if self._shared is not None:
+            self._shared_view.release()
+            with contextlib.suppress(BufferError):  # a view still in use: unmapped when it goes
+                self._shared.close()
+            self._shared, self._shared_view = None, memoryview(b"")
 
     # -- internals ----------------------------------------------------------------------------------
 

@@ -7,9 +7,12 @@ the host this transport reached, and a ticket). The frames' headers are the gRPC
 (`gemps.grpc_messages`), their replies read into the same records, so what a worker gets does not
 depend on the plane.
 
-The connection opens after each successful registration, and again when a call needs it after
-it broke. `mode` is the Client's `plane`: "auto" uses gRPC for this server from then on (one
-warning) when the offered port cannot be reached or refuses the connection; "data" raises. A
+On the server's host the connection goes to its local socket (DataPlane.local_socket) when it is
+offered and reachable, else to the TCP port; a local connection attaches shared memory at its
+first commit (θ's bytes then cross no socket), unless `shared_memory` is off. The connection opens
+after each successful registration, and again when a call needs it after it broke. `mode` is
+the Client's `plane`: "auto" uses gRPC for this server from then on (one warning) when the
+offered port cannot be reached or refuses the connection; "data" raises. A
 broken connection mid-call is ServerUnavailableError: the session retries with the same request
 id (the server's ledger makes the commit exactly-once). A HELLO refused as an unknown worker is
 WorkerNotFoundError: the session registers again and gets a new ticket.
@@ -25,7 +28,7 @@ from typing import Generic, TypeVar
 from gemps import errors
 from gemps import grpc_messages as messages
 from gemps.connection import Connection
-from gemps.data_plane_connection import DataConnection, Unreachable, target_host
+from gemps.data_plane_connection import SHARED_MEMORY, DataConnection, Unreachable, target_host
 from gemps.grpc_transport import GrpcTransport
 from gemps.records import Evaluation, Registration, ServerStatus
 from gemps.transport import CommitCall, Committed, Enrolment, Pending, PullCall, Pulled, Registered
@@ -67,11 +70,16 @@ class _Failed(Generic[T]):
 class DataPlaneTransport:
     """One server process: Commit and Pull on its data plane, the rest (and the fallback) on gRPC."""
 
-    def __init__(self, grpc: GrpcTransport, connection: Connection, *, mode: str = "auto") -> None:
+    def __init__(
+        self, grpc: GrpcTransport, connection: Connection, *, mode: str = "auto", shared_memory: bool = True
+    ) -> None:
         if mode not in ("auto", "data"):
             raise ValueError(f"a data-plane transport's mode is auto or data, not {mode!r}")
         self.grpc = grpc
         self.mode = mode
+        # Same host: the local socket, and shared memory on it (both when offered and possible).
+        self._local = shared_memory and SHARED_MEMORY
+        self._attach_memory = self._local
         self.host = target_host(grpc.target)
         self._server_name = connection.server_name
         self._tls: ssl.SSLContext | None = connection.ssl_context() if connection.tls else None
@@ -88,6 +96,11 @@ class DataPlaneTransport:
     def plane(self) -> str:
         """How commits and pulls travel now: "data" (the data plane), else "grpc"."""
         return "data" if self._offer is not None and not self.fell_back else "grpc"
+
+    @property
+    def shared(self) -> bool:
+        """Commits and pulls go through shared memory with the server now."""
+        return self._connection is not None and not self._connection.closed and self._connection.shared
 
     @property
     def ticket(self) -> bytes | None:
@@ -125,14 +138,43 @@ class DataPlaneTransport:
             # else: opened again by the next call, which raises what that one meets
 
     def _open(self, offer: DataPlane) -> DataConnection:
+        """The local socket when offered and reachable (this host), else the TCP port; HELLO sent."""
+        if self._local and offer.local_socket:
+            try:
+                return self._hello(DataConnection.open_local(offer.local_socket, timeout=self.grpc.timeout), offer)
+            except (Unreachable, errors.GempsError) as failed:  # not this host (or refused): TCP says why
+                log.debug("local socket of %s not used (%s): TCP", self.target, failed)
+                self._local = self._attach_memory = False
         connection = DataConnection.open(
             self.host, offer.port, timeout=self.grpc.timeout, tls=self._tls, server_name=self._server_name
         )
+        return self._hello(connection, offer)
+
+    def _hello(self, connection: DataConnection, offer: DataPlane) -> DataConnection:
         try:
             connection.hello(self._worker_id, offer.ticket)
         except BaseException:
             connection.close()
             raise
+        return connection
+
+    def _shared(self, connection: DataConnection, size: int) -> DataConnection | None:
+        """`connection` with shared memory of `size` bytes attached where it can be (a local
+        connection); a refusal turns it off for this server (the refused connection is replaced)."""
+        if not (self._attach_memory and connection.local and not connection.shared):
+            return connection
+        try:
+            connection.attach(size)
+        except OSError as error:  # no memfd here (a sandbox): the local socket alone
+            log.debug("shared memory not attached to %s (%s)", self.target, error)
+            self._attach_memory = False
+        except errors.GempsError as error:
+            if errors.worth_another_attempt(error):
+                raise
+            log.debug("shared memory refused by %s (%s)", self.target, error.message)
+            self._attach_memory = False
+            self._drop()
+            return self._ready(self._worker_id)
         return connection
 
     def _unusable(self, address: str, why: str, error: errors.GempsError | None = None) -> None:
@@ -183,6 +225,8 @@ class DataPlaneTransport:
     def start_commit(self, call: CommitCall) -> Pending[Committed]:
         try:
             connection = self._ready(call.worker_id)
+            if connection is not None:  # shared memory: θ's float32 bytes on this server
+                connection = self._shared(connection, 4 * call.payload.size)
             if connection is None:
                 return self.grpc.start_commit(call)
             header = messages.announced_commit(call, self.grpc.wire_dtype).SerializeToString()

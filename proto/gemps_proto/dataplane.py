@@ -14,6 +14,11 @@ and its reply. Every frame is
 so the receiver knows every size before it reads a byte of it, reads the payload straight into
 the buffer it will use, and the sender writes θ from its own memory. Requests and replies are the
 gRPC path's messages: the same fields, the same checks, the same reasons.
+
+On the same host (DataPlane.local_socket, a Unix socket) a client may ATTACH shared memory once
+after its HELLO: one memfd, passed with the frame. From then on a frame flagged SHARED carries no
+payload bytes on the socket: its `payload bytes` are at the start of that memory (a request's
+payload written there by the client, a reply's θ by the server), so θ crosses no socket at all.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ from dataclasses import dataclass
 
 MAGIC = b"GMDP"
 VERSION = 1
-#: magic, version, op, flags (none defined: 0), header bytes, payload bytes
+#: magic, version, op, flags, header bytes, payload bytes
 PREAMBLE = struct.Struct("<4sBBHIQ")
 REPLY = 0x80  # a reply's op is its request's | REPLY
+SHARED = 0x1  # flag: the payload is in the attached shared memory, not on the socket
+FLAGS = SHARED  # every flag defined
 
 
 class Op(enum.IntEnum):
@@ -35,6 +42,7 @@ class Op(enum.IntEnum):
     HELLO = 1  # header: DataPlaneHello; reply: an empty header
     COMMIT = 2  # header: CommitRequest (payload announced); reply: CommitResponse (parameters announced)
     PULL = 3  # header: PullRequest; reply: PullResponse (parameters announced unless unchanged)
+    ATTACH = 4  # header: DataPlaneAttach, with one memfd (local connections only); reply: empty header
     ERROR = 0x7F  # header: DataPlaneError; sent for a refused request (the connection stays usable
     # unless the frame could not be read whole: then the server closes it after the error)
 
@@ -48,9 +56,15 @@ class Preamble:
     op: int  # an Op, or an Op | REPLY
     header_bytes: int
     payload_bytes: int
+    flags: int = 0
 
     def pack(self) -> bytes:
-        return PREAMBLE.pack(MAGIC, VERSION, self.op, 0, self.header_bytes, self.payload_bytes)
+        return PREAMBLE.pack(MAGIC, VERSION, self.op, self.flags, self.header_bytes, self.payload_bytes)
+
+    @property
+    def shared(self) -> bool:
+        """The payload is in the attached shared memory."""
+        return bool(self.flags & SHARED)
 
     @property
     def is_reply(self) -> bool:
@@ -61,9 +75,10 @@ class Preamble:
         return self.op & ~REPLY
 
 
-def frame_start(op: int, header: bytes, payload_bytes: int = 0) -> bytes:
-    """A frame's preamble and header; its `payload_bytes` of payload follow."""
-    return Preamble(op, len(header), payload_bytes).pack() + header
+def frame_start(op: int, header: bytes, payload_bytes: int = 0, flags: int = 0) -> bytes:
+    """A frame's preamble and header; its `payload_bytes` of payload follow (on the socket, or
+    in shared memory when `flags` has SHARED)."""
+    return Preamble(op, len(header), payload_bytes, flags).pack() + header
 
 
 def read_preamble(data: bytes | bytearray | memoryview) -> Preamble:
@@ -73,8 +88,8 @@ def read_preamble(data: bytes | bytearray | memoryview) -> Preamble:
         raise FrameError(f"not a gemps data-plane frame (magic {bytes(magic)!r})")
     if version != VERSION:
         raise FrameError(f"data-plane version {version}; this end speaks {VERSION}")
-    if flags:
+    if flags & ~FLAGS:
         raise FrameError(f"unknown flags {flags:#x}")
     if op & ~REPLY not in {int(o) for o in Op} and op != Op.ERROR:
         raise FrameError(f"unknown op {op:#x}")
-    return Preamble(op, header_bytes, payload_bytes)
+    return Preamble(op, header_bytes, payload_bytes, flags)

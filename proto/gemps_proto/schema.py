@@ -208,6 +208,7 @@ class DataPlane:
 
     port: int  # on the host the client reached the server at
     ticket: bytes = field(repr=False)  # a secret: kept out of logs and reprs
+    local_socket: str = ""  # the abstract Unix socket for a client on the server's host ("": none)
 
 
 @dataclass(frozen=True)

@@ -89,14 +89,17 @@ def layout_from_proto(message: pb.RegisterResponse | pb.StatusResponse) -> Layou
 
 
 def data_plane_to_proto(data_plane: DataPlane | None) -> pb.DataPlane | None:
-    return None if data_plane is None else pb.DataPlane(port=data_plane.port, ticket=data_plane.ticket)
+    if data_plane is None:
+        return None
+    return pb.DataPlane(port=data_plane.port, ticket=data_plane.ticket, local_socket=data_plane.local_socket)
 
 
 def data_plane_from_proto(message: pb.RegisterResponse) -> DataPlane | None:
     """The data plane a Register reply announces; None when the server offers none."""
     if not message.HasField("data_plane"):
         return None
-    return DataPlane(message.data_plane.port, message.data_plane.ticket)
+    offer = message.data_plane
+    return DataPlane(offer.port, offer.ticket, offer.local_socket)
 
 
 def registration_to_proto(registration: Registration) -> pb.RegisterResponse:

@@ -29,6 +29,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <string.h>
 
 #define BLOCK 1024 /* parameters per block: its scratch stays in L1, its float32 partial sums accurate */
 
@@ -117,7 +118,7 @@ block_sums(const float *restrict bto, const float *restrict bmo, const float *re
 __attribute__((target_clones("avx2", "default"))) static int
 update_in_place(float *restrict t, float *restrict m, float *restrict s, const float *restrict u, Py_ssize_t n,
                 float scale, float momentum, float kappa, float pi_max, float epsilon, Py_ssize_t stride,
-                float *restrict sampled, Sums *restrict sums)
+                float *restrict sampled, Sums *restrict sums, float *restrict mirror)
 {
     float pis[BLOCK], proxies[BLOCK], centrals[BLOCK];
     const int amplify = kappa != 1.0f;
@@ -127,6 +128,9 @@ update_in_place(float *restrict t, float *restrict m, float *restrict s, const f
         const float *restrict bu = u + start;
         for (Py_ssize_t j = 0; j < length; j++) {
             GEM_PARAMETER(bt, bm, bs[j] = current);
+        }
+        if (mirror != NULL) { /* the new theta, also where a reply reads it, while the block is in cache */
+            memcpy(mirror + start, bt, (size_t)length * sizeof(float));
         }
         if (!block_sums(bt, bm, pis, proxies, centrals, start, length, pi_max, stride, sampled, sums, 0)) {
             return 0;
@@ -141,7 +145,8 @@ update_in_place(float *restrict t, float *restrict m, float *restrict s, const f
 __attribute__((target_clones("avx2", "default"))) static int
 update_into(const float *restrict t, const float *restrict m, const float *restrict s, const float *restrict u,
             float *restrict t_out, float *restrict m_out, Py_ssize_t n, float scale, float momentum, float kappa,
-            float pi_max, float epsilon, Py_ssize_t stride, float *restrict sampled, Sums *restrict sums)
+            float pi_max, float epsilon, Py_ssize_t stride, float *restrict sampled, Sums *restrict sums,
+            float *restrict mirror)
 {
     float pis[BLOCK], proxies[BLOCK], centrals[BLOCK];
     const int amplify = kappa != 1.0f;
@@ -153,6 +158,9 @@ update_into(const float *restrict t, const float *restrict m, const float *restr
         for (Py_ssize_t j = 0; j < length; j++) {
             GEM_PARAMETER(nt, nm, (void)0);
         }
+        if (mirror != NULL) {
+            memcpy(mirror + start, nt, (size_t)length * sizeof(float));
+        }
         if (!block_sums(nt, nm, pis, proxies, centrals, start, length, pi_max, stride, sampled, sums, 1)) {
             return 0;
         }
@@ -163,17 +171,24 @@ update_into(const float *restrict t, const float *restrict m, const float *restr
 static PyObject *
 gem_update(PyObject *self, PyObject *args)
 {
-    Py_buffer theta, proxy, last_seen, gradient, theta_out, proxy_out, samples;
-    PyObject *theta_out_object, *proxy_out_object;
+    Py_buffer theta, proxy, last_seen, gradient, theta_out, proxy_out, samples, mirror;
+    PyObject *theta_out_object, *proxy_out_object, *mirror_object = Py_None;
     float scale, momentum, kappa, pi_max, epsilon;
     Py_ssize_t stride;
-    if (!PyArg_ParseTuple(args, "w*w*w*y*OOfffffnw*", &theta, &proxy, &last_seen, &gradient, &theta_out_object,
-                          &proxy_out_object, &scale, &momentum, &kappa, &pi_max, &epsilon, &stride, &samples)) {
+    if (!PyArg_ParseTuple(args, "w*w*w*y*OOfffffnw*|O", &theta, &proxy, &last_seen, &gradient, &theta_out_object,
+                          &proxy_out_object, &scale, &momentum, &kappa, &pi_max, &epsilon, &stride, &samples,
+                          &mirror_object)) {
         return NULL;
     }
     PyObject *result = NULL;
     const int in_place = theta_out_object == Py_None;
-    int have_outputs = 0;
+    int have_outputs = 0, have_mirror = 0;
+    if (mirror_object != Py_None) {
+        if (PyObject_GetBuffer(mirror_object, &mirror, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            goto done;
+        }
+        have_mirror = 1;
+    }
     if (!in_place) {
         if (PyObject_GetBuffer(theta_out_object, &theta_out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
             goto done;
@@ -188,6 +203,7 @@ gem_update(PyObject *self, PyObject *args)
     if (theta.len % (Py_ssize_t)sizeof(float) || proxy.len != theta.len || last_seen.len != theta.len ||
         gradient.len != theta.len || stride < 1 ||
         (have_outputs && (theta_out.len != theta.len || proxy_out.len != theta.len)) ||
+        (have_mirror && mirror.len != theta.len) ||
         samples.len < ((n + stride - 1) / stride) * (Py_ssize_t)sizeof(float)) {
         PyErr_SetString(PyExc_ValueError, "gem_update: buffers of different sizes");
         goto done;
@@ -197,17 +213,24 @@ gem_update(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "gem_update: the outputs must be buffers of their own");
         goto done;
     }
+    if (have_mirror && (mirror.buf == theta.buf || mirror.buf == proxy.buf || mirror.buf == last_seen.buf ||
+                        mirror.buf == gradient.buf || (have_outputs && (mirror.buf == theta_out.buf ||
+                                                                        mirror.buf == proxy_out.buf)))) {
+        PyErr_SetString(PyExc_ValueError, "gem_update: the mirror must be a buffer of its own");
+        goto done;
+    }
     Sums sums = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0f, 0.0f};
+    float *mirrored = have_mirror ? (float *)mirror.buf : NULL;
     int finite;
     Py_BEGIN_ALLOW_THREADS
     if (have_outputs) {
         finite = update_into((const float *)theta.buf, (const float *)proxy.buf, (const float *)last_seen.buf,
                              (const float *)gradient.buf, (float *)theta_out.buf, (float *)proxy_out.buf, n, scale,
-                             momentum, kappa, pi_max, epsilon, stride, (float *)samples.buf, &sums);
+                             momentum, kappa, pi_max, epsilon, stride, (float *)samples.buf, &sums, mirrored);
     } else {
         finite = update_in_place((float *)theta.buf, (float *)proxy.buf, (float *)last_seen.buf,
                                  (const float *)gradient.buf, n, scale, momentum, kappa, pi_max, epsilon, stride,
-                                 (float *)samples.buf, &sums);
+                                 (float *)samples.buf, &sums, mirrored);
     }
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("(idnndddd)", finite, sums.pi_sum, (Py_ssize_t)sums.at_zero, (Py_ssize_t)sums.at_max,
@@ -217,6 +240,9 @@ done:
     if (have_outputs) {
         PyBuffer_Release(&theta_out);
         PyBuffer_Release(&proxy_out);
+    }
+    if (have_mirror) {
+        PyBuffer_Release(&mirror);
     }
     PyBuffer_Release(&theta);
     PyBuffer_Release(&proxy);
@@ -265,6 +291,112 @@ max_abs(PyObject *self, PyObject *args)
     return PyFloat_FromDouble((double)peak);
 }
 
+/* peak_of() of `src` while it is copied to `dst`: one pass (a payload taken out of memory its
+ * sender can still write, then checked where the sender cannot reach it). */
+__attribute__((target_clones("avx2", "default"))) static float
+copy_peak_of(const float *restrict src, float *restrict dst, Py_ssize_t n)
+{
+    float peak = 0.0f, sum = 0.0f;
+    for (Py_ssize_t start = 0; start < n; start += BLOCK) {
+        const Py_ssize_t end = start + BLOCK < n ? start + BLOCK : n;
+        float block_peak = 0.0f;
+#pragma omp simd reduction(+ : sum) reduction(max : block_peak)
+        for (Py_ssize_t j = start; j < end; j++) {
+            const float value = src[j];
+            dst[j] = value;
+            sum += value - value;
+            const float size = fabsf(value);
+            block_peak = size > block_peak ? size : block_peak;
+        }
+        peak = fmaxf(peak, block_peak);
+    }
+    return sum != 0.0f ? sum : peak; /* NaN when a value is not finite */
+}
+
+static PyObject *
+copy_max_abs(PyObject *self, PyObject *args)
+{
+    Py_buffer source, target;
+    if (!PyArg_ParseTuple(args, "y*w*", &source, &target)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (source.len != target.len || source.len % (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "copy_max_abs: buffers of different sizes, or not of float32");
+    } else {
+        float peak;
+        Py_BEGIN_ALLOW_THREADS
+        peak = copy_peak_of((const float *)source.buf, (float *)target.buf, source.len / (Py_ssize_t)sizeof(float));
+        Py_END_ALLOW_THREADS
+        result = PyFloat_FromDouble((double)peak);
+    }
+    PyBuffer_Release(&source);
+    PyBuffer_Release(&target);
+    return result;
+}
+
+/* The k-th smallest of values[0..n) (0-based), by Hoare's selection in place: O(n). */
+static float
+select_kth(float *values, Py_ssize_t n, Py_ssize_t k)
+{
+    Py_ssize_t low = 0, high = n - 1;
+    while (low < high) {
+        const float pivot = values[low + (high - low) / 2];
+        Py_ssize_t i = low, j = high;
+        while (i <= j) {
+            while (values[i] < pivot) {
+                i++;
+            }
+            while (values[j] > pivot) {
+                j--;
+            }
+            if (i <= j) {
+                const float swap = values[i];
+                values[i] = values[j];
+                values[j] = swap;
+                i++;
+                j--;
+            }
+        }
+        if (k <= j) {
+            high = j;
+        } else if (k >= i) {
+            low = i;
+        } else {
+            return values[k];
+        }
+    }
+    return values[k];
+}
+
+static PyObject *
+median_in_place(PyObject *self, PyObject *args)
+{
+    Py_buffer values;
+    if (!PyArg_ParseTuple(args, "w*", &values)) {
+        return NULL;
+    }
+    const Py_ssize_t n = values.len / (Py_ssize_t)sizeof(float);
+    double middle = 0.0;
+    if (n > 0) {
+        float *data = (float *)values.buf;
+        Py_BEGIN_ALLOW_THREADS
+        const float upper = select_kth(data, n, n / 2);
+        if (n % 2) {
+            middle = upper;
+        } else { /* the lower middle: the largest of the n/2 values select_kth left below it */
+            float lower = data[0];
+            for (Py_ssize_t j = 1; j < n / 2; j++) {
+                lower = data[j] > lower ? data[j] : lower;
+            }
+            middle = ((double)lower + (double)upper) / 2.0;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&values);
+    return PyFloat_FromDouble(middle);
+}
+
 /* 1 when every float is finite: x - x is 0 for a finite x and NaN for +-Inf and NaN, and a sum
  * of those is 0 or NaN (never an overflow, whatever the values). */
 __attribute__((target_clones("avx2", "default"))) static int
@@ -304,13 +436,18 @@ static PyMethodDef methods[] = {
     {"all_finite", all_finite, METH_VARARGS, "all_finite(float32 buffer) -> True when no value is NaN or +-Inf."},
     {"max_abs", max_abs, METH_VARARGS,
      "max_abs(float32 buffer) -> the largest |value| (0.0 when empty), NaN when a value is NaN or +-Inf."},
+    {"copy_max_abs", copy_max_abs, METH_VARARGS,
+     "copy_max_abs(float32 source, float32 target) -> copies source to target and returns max_abs(source)."},
+    {"median_in_place", median_in_place, METH_VARARGS,
+     "median_in_place(float32 buffer) -> the median (the mean of the two middle values for an even count);\n"
+     "reorders the buffer. NaN-free values only (the caller's: pi is clipped)."},
     {"gem_update", gem_update, METH_VARARGS,
      "gem_update(theta, proxy, last_seen, update, theta_out, proxy_out, scale, momentum, kappa, pi_max, epsilon,\n"
-     "stride, samples)\n"
+     "stride, samples, mirror=None)\n"
      "GEM's update: in place when theta_out is None, else into theta_out and proxy_out (the inputs only read;\n"
      "outputs partial when not finite). Returns (1 if every new value is finite else 0, sum of pi, count at 0,\n"
      "count at pi_max, sum of kappa*|m|, sum of |theta - s| + pi*(|Delta| + eps), max |new theta|, max |new m|)\n"
-     "and writes pi at every stride-th parameter to samples."},
+     "and writes pi at every stride-th parameter to samples; the new theta also to mirror (a buffer of its own)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -102,6 +102,7 @@ class ParameterServer:
         if self.data_plane is not None:  # before gRPC serves: every registration can announce it
             self.data_port = self.data_plane.start()
             self.service.data_plane_port = self.data_port
+            self.service.data_plane_local = self.data_plane.local_socket
         await server.start()
         self._server = server
         for service in ("", SERVICE_NAME):

@@ -8,6 +8,7 @@ carries their help text and choices.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,14 @@ class ServerConfig:
     data_port: int = field(
         default=51051,
         metadata={"help": "data-plane port (partition i: this + i); 0 picks a free one"},
+    )
+    shared_memory: str = field(
+        default="on",
+        metadata={
+            "help": "offer clients on this host the data plane on a Unix socket, where they may attach shared "
+            "memory: θ then crosses no socket (Linux; clients elsewhere use --data-port); off: TCP only",
+            "choices": DATA_PLANE_MODES,
+        },
     )
     port_file: str = field(
         default="", metadata={"help": "once serving, write the gRPC port and the metrics port (lines 1, 2) here"}
@@ -246,6 +255,8 @@ class ServerConfig:
             found.append(f"data_port {self.data_port} outside 0..65535")
         if self.data_plane not in DATA_PLANE_MODES:
             found.append(f"data_plane {self.data_plane!r}: choose on or off")
+        if self.shared_memory not in DATA_PLANE_MODES:
+            found.append(f"shared_memory {self.shared_memory!r}: choose on or off")
         if not -1 <= self.metrics_port <= 65535:
             found.append(f"metrics_port {self.metrics_port} outside -1..65535")
         if self.lease_ttl <= 0:
@@ -343,6 +354,11 @@ class ServerConfig:
     @property
     def data_plane_on(self) -> bool:
         return self.data_plane == "on"
+
+    @property
+    def shared_memory_on(self) -> bool:
+        """Same-host clients get a Unix socket with shared memory (Linux only: memfd and seals)."""
+        return self.data_plane_on and self.shared_memory == "on" and sys.platform == "linux"
 
     @property
     def tls(self) -> bool:

@@ -53,6 +53,7 @@ DATA_PLANE_REFUSALS = (
     "stream_timeout",  # a frame, or a reply, stalled for --stream-idle-timeout
     "too_many_connections",  # past --max-data-connections
     "refused_unread",  # a request refused before its payload was read: the connection is closed
+    "bad_attach",  # shared memory refused: not one sealed memfd of θ's size, not local, or twice
 )
 DEPARTURE_CAUSES = ("left", "evicted")
 CHECKPOINT_OUTCOMES = ("written", "failed")

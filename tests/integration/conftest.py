@@ -40,12 +40,19 @@ def server(start_server: StartServer) -> InProcessServer:
     return start_server()
 
 
-@pytest.fixture(params=["data", "grpc"])
+# The routes a client's commits and pulls can take: the data plane through shared memory (a
+# client on the server's host), the data plane over TCP (as between hosts), gRPC.
+ROUTES = {"shared": ("data", "on"), "tcp": ("data", "off"), "grpc": ("grpc", "on")}
+
+
+@pytest.fixture(params=list(ROUTES))
 def plane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every gemps.Client the test makes (child processes included) commits and pulls on this
-    plane (GEMPS_PLANE): a module's `pytestmark = pytest.mark.usefixtures("plane")` runs its SDK
-    tests over both."""
-    monkeypatch.setenv("GEMPS_PLANE", request.param)
+    route (GEMPS_PLANE, GEMPS_SHARED_MEMORY): a module's `pytestmark =
+    pytest.mark.usefixtures("plane")` runs its SDK tests over each."""
+    plane, shared_memory = ROUTES[request.param]
+    monkeypatch.setenv("GEMPS_PLANE", plane)
+    monkeypatch.setenv("GEMPS_SHARED_MEMORY", shared_memory)
     return str(request.param)
 
 

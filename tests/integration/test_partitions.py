@@ -28,7 +28,7 @@ from gemps_worker.cluster import ServerProcess
 from tests.helpers import CommitLoops, scrape_series, start_partitions, wait_for
 from tests.integration.conftest import StartServer
 
-pytestmark = pytest.mark.usefixtures("plane")  # over the data plane and over gRPC
+pytestmark = pytest.mark.usefixtures("plane")  # over shared memory, the data plane over TCP, and gRPC
 
 # 10,007 values (prime): no partition count here divides it evenly.
 MODEL = {"conv": (7, 11, 13), "fc": (1000, 9), "bias": (6,)}

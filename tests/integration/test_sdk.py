@@ -16,7 +16,7 @@ from gemps_worker.cluster import ServerProcess
 from tests.helpers import InProcessServer
 from tests.integration.conftest import StartServer, StartServerProcess
 
-pytestmark = pytest.mark.usefixtures("plane")  # over the data plane and over gRPC
+pytestmark = pytest.mark.usefixtures("plane")  # over shared memory, the data plane over TCP, and gRPC
 
 PARAMS = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(2, np.float32)}
 

@@ -18,7 +18,7 @@ from gemps_worker.held_out import evaluate
 from tests.helpers import InProcessServer
 from tests.integration.conftest import StartServer
 
-pytestmark = pytest.mark.usefixtures("plane")  # over the data plane and over gRPC
+pytestmark = pytest.mark.usefixtures("plane")  # over shared memory, the data plane over TCP, and gRPC
 
 
 def test_training_through_the_sdk_lowers_held_out_loss(server: InProcessServer) -> None:

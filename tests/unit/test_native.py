@@ -7,6 +7,7 @@ import pytest
 
 from gemps_proto.codec import all_finite as numpy_all_finite
 from gemps_server import native
+from gemps_server.domain.rules.base import median
 
 
 def test_the_extension_was_built() -> None:
@@ -31,3 +32,23 @@ def test_other_layouts_fall_back_to_numpy() -> None:
     strided[3] = np.nan
     assert not native.all_finite(strided)
     assert native.all_finite(np.empty(0, np.float32))
+
+
+@pytest.mark.parametrize("size", [1, 2, 1023, 8192, 8193])
+def test_median_in_place_is_the_rules_median(size: int) -> None:
+    rng = np.random.default_rng(size)
+    values = rng.choice(np.array([0.0, 5.0, 0.25, 1.0, 3.5], np.float32), size)  # ties, as pi has
+    values[: size // 3] = rng.random(size // 3, dtype=np.float32)
+    assert native.median_in_place(values.copy()) == median(values)  # exactly: the same two values
+
+
+def test_copy_max_abs_copies_and_finds_the_peak_or_a_value_that_is_not_finite() -> None:
+    source = np.random.default_rng(0).standard_normal(100_003).astype(np.float32)
+    target = np.empty_like(source)
+    assert native.copy_max_abs(source, target) == float(np.abs(source).max())
+    np.testing.assert_array_equal(target, source)
+    source[77_777] = np.inf
+    assert np.isnan(native.copy_max_abs(source, target)) or np.isinf(native.copy_max_abs(source, target))
+    strided = np.empty(2 * source.size, np.float32)[::2]  # not contiguous: numpy's copy, same answer
+    source[77_777] = -9.0
+    assert native.copy_max_abs(source, strided) == 9.0 and np.array_equal(strided, source)

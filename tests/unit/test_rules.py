@@ -216,3 +216,25 @@ def rng_gradient(seed: int, size: int) -> np.ndarray:
 def test_unknown_gem_kernel_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown gem kernel 'cuda'"):
         create_rule(training("gem"), 4, kernel="cuda")
+
+
+@pytest.mark.parametrize("rule_name", rule_names())
+@pytest.mark.parametrize("kernel", ["compiled", "numpy"])
+def test_a_mirror_gets_the_new_theta_whichever_rule_writes_it(rule_name: str, kernel: str) -> None:
+    """step(mirror=...) leaves theta as without it, and the mirror holds the new theta: written by
+    the compiled GEM pass as it goes (in place and out of place), copied by the other rules."""
+    size = 3000
+    rng = np.random.default_rng(7)
+    theta0 = rng.normal(size=size).astype(np.float32)
+    plain, mirrored = (create_rule(training(rule_name), size, kernel=kernel) for _ in range(2))
+    theta_plain, theta_mirrored = theta0.copy(), theta0.copy()
+    for rule, theta in ((plain, theta_plain), (mirrored, theta_mirrored)):
+        rule.add_worker("a", theta)
+    mirror = np.full(size, np.nan, np.float32)
+    for step in range(6):
+        payload = rng_gradient(step, size) * (1e30 if step == 3 else 1)  # one out-of-place pass (loose bound)
+        theta_plain, _ = plain.step(theta_plain, payload, PayloadKind.GRADIENT, "a", 0, step)
+        theta_mirrored, _ = mirrored.step(theta_mirrored, payload, PayloadKind.GRADIENT, "a", 0, step, mirror=mirror)
+        np.testing.assert_array_equal(theta_mirrored, theta_plain)
+        np.testing.assert_array_equal(mirror, theta_plain)
+    assert mirrored.mirrors == (rule_name == "gem" and kernel == "compiled")

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%gemps_proto/v1/parameter_server.proto\x12\x08gemps.v1\"E\n\x06Tensor\x12\x1e\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0f.gemps.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"L\n\rParameterSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x1e\n\x05\x64type\x18\x03 \x01(\x0e\x32\x0f.gemps.v1.DType\"\x91\x02\n\x0eTrainingConfig\x12\x0c\n\x04rule\x18\x01 \x01(\t\x12\x15\n\rlearning_rate\x18\x02 \x01(\x01\x12\x10\n\x08momentum\x18\x03 \x01(\x01\x12\r\n\x05kappa\x18\x04 \x01(\x01\x12\x0e\n\x06pi_max\x18\x05 \x01(\x01\x12\x13\n\x0bworker_mode\x18\x06 \x01(\t\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12\x13\n\x0blr_schedule\x18\x08 \x01(\t\x12\x19\n\x11lr_warmup_commits\x18\t \x01(\x04\x12\x14\n\x0clr_step_size\x18\n \x01(\x04\x12\x10\n\x08lr_gamma\x18\x0b \x01(\x01\x12\x18\n\x10lr_total_commits\x18\x0c \x01(\x04\x12\x0e\n\x06lr_min\x18\r \x01(\x01\"%\n\x05Shard\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"9\n\tPartition\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x0c\n\x04stop\x18\x03 \x01(\x04\"X\n\x06Layout\x12\r\n\x05index\x18\x01 \x01(\r\x12\'\n\npartitions\x18\x02 \x03(\x0b\x32\x13.gemps.v1.Partition\x12\x16\n\x0enum_parameters\x18\x03 \x01(\x04\"\x80\x02\n\x0fRegisterRequest\x12%\n\x04spec\x18\x01 \x03(\x0b\x32\x17.gemps.v1.ParameterSpec\x12,\n\x12initial_parameters\x18\x02 \x01(\x0b\x32\x10.gemps.v1.Tensor\x12\x13\n\x0bworker_name\x18\x03 \x01(\t\x12\x17\n\x0fomit_parameters\x18\x04 \x01(\x08\x12,\n\x0b\x62uffer_spec\x18\x05 \x03(\x0b\x32\x17.gemps.v1.ParameterSpec\x12)\n\x0finitial_buffers\x18\x06 \x01(\x0b\x32\x10.gemps.v1.Tensor\x12\x11\n\tclient_id\x18\x07 \x01(\t\"T\n\rRegisterChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.gemps.v1.RegisterRequestH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\xdd\x02\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11lease_ttl_seconds\x18\x02 \x01(\x01\x12(\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x18.gemps.v1.TrainingConfig\x12\x1e\n\x05shard\x18\x04 \x01(\x0b\x32\x0f.gemps.v1.Shard\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12$\n\nparameters\x18\x06 \x01(\x0b\x32\x10.gemps.v1.Tensor\x12\x1b\n\x13initialized_central\x18\x07 \x01(\x08\x12!\n\x07\x62uffers\x18\x08 \x01(\x0b\x32\x10.gemps.v1.Tensor\x12\x0f\n\x07history\x18\t \x01(\t\x12 \n\x06layout\x18\x14 \x01(\x0b\x32\x10.gemps.v1.Layout\x12\'\n\ndata_plane\x18\x15 \x01(\x0b\x32\x13.gemps.v1.DataPlane\")\n\tDataPlane\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\"3\n\x0e\x44\x61taPlaneHello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\"?\n\x0e\x44\x61taPlaneError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"t\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rknown_version\x18\x02 \x01(\x03\x12$\n\x0breply_dtype\x18\x03 \x01(\x0e\x32\x0f.gemps.v1.DType\x12\x15\n\rknown_history\x18\x04 \x01(\t\"\x8c\x01\n\x0cPullResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12$\n\nparameters\x18\x02 \x01(\x0b\x32\x10.gemps.v1.Tensor\x12\x11\n\tunchanged\x18\x03 \x01(\x08\x12!\n\x07\x62uffers\x18\x04 \x01(\x0b\x32\x10.gemps.v1.Tensor\x12\x0f\n\x07history\x18\x05 \x01(\t\"U\n\x11PullResponseChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.gemps.v1.PullResponseH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\xa8\x02\n\rCommitRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x03\x12#\n\x04kind\x18\x03 \x01(\x0e\x32\x15.gemps.v1.PayloadKind\x12!\n\x07payload\x18\x04 \x01(\x0b\x32\x10.gemps.v1.Tensor\x12\x11\n\x04loss\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x0bnum_samples\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12$\n\x0breply_dtype\x18\x08 \x01(\x0e\x32\x0f.gemps.v1.DType\x12&\n\x0c\x62uffer_delta\x18\t \x01(\x0b\x32\x10.gemps.v1.TensorB\x07\n\x05_lossB\x0e\n\x0c_num_samples\"P\n\x0b\x43ommitChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.gemps.v1.CommitRequestH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"Y\n\x13\x43ommitResponseChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.gemps.v1.CommitResponseH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\xdc\x01\n\x0e\x43ommitResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12$\n\nparameters\x18\x02 \x01(\x0b\x32\x10.gemps.v1.Tensor\x12\x11\n\tstaleness\x18\x03 \x01(\x04\x12\x14\n\x0cscaling_mean\x18\x04 \x01(\x01\x12\x16\n\x0escaling_median\x18\x05 \x01(\x01\x12\x17\n\x0fscaling_at_zero\x18\x06 \x01(\x01\x12\x16\n\x0escaling_at_max\x18\x07 \x01(\x01\x12!\n\x07\x62uffers\x18\x08 \x01(\x0b\x32\x10.gemps.v1.Tensor\"!\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x0f\n\rLeaveResponse\"i\n\x10\x45valuationReport\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x10\n\x08\x61\x63\x63uracy\x18\x03 \x01(\x01\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x04\x12\x0f\n\x07\x64\x61taset\x18\x05 \x01(\t\"\x1a\n\x18ReportEvaluationResponse\"\x0f\n\rStatusRequest\"\x9e\x03\n\x0eStatusResponse\x12\x13\n\x0binitialized\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x16\n\x0e\x61\x63tive_workers\x18\x03 \x01(\r\x12\x16\n\x0enum_parameters\x18\x04 \x01(\x04\x12(\n\x06\x63onfig\x18\x05 \x01(\x0b\x32\x18.gemps.v1.TrainingConfig\x12\x17\n\x0f\x63ommits_applied\x18\x06 \x01(\x04\x12\x18\n\x10\x63ommits_rejected\x18\x07 \x01(\x04\x12%\n\x04spec\x18\x08 \x03(\x0b\x32\x17.gemps.v1.ParameterSpec\x12\x16\n\x0euptime_seconds\x18\t \x01(\x01\x12\x33\n\x0flast_evaluation\x18\n \x01(\x0b\x32\x1a.gemps.v1.EvaluationReport\x12\x15\n\rlearning_rate\x18\x0b \x01(\x01\x12,\n\x0b\x62uffer_spec\x18\x0c \x03(\x0b\x32\x17.gemps.v1.ParameterSpec\x12 \n\x06layout\x18\x14 \x01(\x0b\x32\x10.gemps.v1.Layout*E\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02*_\n\x0bPayloadKind\x12\x1c\n\x18PAYLOAD_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15PAYLOAD_KIND_GRADIENT\x10\x01\x12\x17\n\x13PAYLOAD_KIND_UPDATE\x10\x02\x32\xea\x04\n\x0fParameterServer\x12\x41\n\x08Register\x12\x19.gemps.v1.RegisterRequest\x1a\x1a.gemps.v1.RegisterResponse\x12G\n\x0eRegisterStream\x12\x17.gemps.v1.RegisterChunk\x1a\x1a.gemps.v1.RegisterResponse(\x01\x12\x35\n\x04Pull\x12\x15.gemps.v1.PullRequest\x1a\x16.gemps.v1.PullResponse\x12\x42\n\nPullStream\x12\x15.gemps.v1.PullRequest\x1a\x1b.gemps.v1.PullResponseChunk0\x01\x12;\n\x06\x43ommit\x12\x17.gemps.v1.CommitRequest\x1a\x18.gemps.v1.CommitResponse\x12H\n\x0c\x43ommitStream\x12\x15.gemps.v1.CommitChunk\x1a\x1d.gemps.v1.CommitResponseChunk(\x01\x30\x01\x12\x38\n\x05Leave\x12\x16.gemps.v1.LeaveRequest\x1a\x17.gemps.v1.LeaveResponse\x12;\n\x06Status\x12\x17.gemps.v1.StatusRequest\x1a\x18.gemps.v1.StatusResponse\x12R\n\x10ReportEvaluation\x12\x1a.gemps.v1.EvaluationReport\x1a\".gemps.v1.ReportEvaluationResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%gemps_proto/v1/parameter_server.proto\x12\x08gemps.v1\"E\n\x06Tensor\x12\x1e\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0f.gemps.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"L\n\rParameterSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x1e\n\x05\x64type\x18\x03 \x01(\x0e\x32\x0f.gemps.v1.DType\"\x91\x02\n\x0eTrainingConfig\x12\x0c\n\x04rule\x18\x01 \x01(\t\x12\x15\n\rlearning_rate\x18\x02 \x01(\x01\x12\x10\n\x08momentum\x18\x03 \x01(\x01\x12\r\n\x05kappa\x18\x04 \x01(\x01\x12\x0e\n\x06pi_max\x18\x05 \x01(\x01\x12\x13\n\x0bworker_mode\x18\x06 \x01(\t\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12\x13\n\x0blr_schedule\x18\x08 \x01(\t\x12\x19\n\x11lr_warmup_commits\x18\t \x01(\x04\x12\x14\n\x0clr_step_size\x18\n \x01(\x04\x12\x10\n\x08lr_gamma\x18\x0b \x01(\x01\x12\x18\n\x10lr_total_commits\x18\x0c \x01(\x04\x12\x0e\n\x06lr_min\x18\r \x01(\x01\"%\n\x05Shard\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"9\n\tPartition\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x0c\n\x04stop\x18\x03 \x01(\x04\"X\n\x06Layout\x12\r\n\x05index\x18\x01 \x01(\r\x12\'\n\npartitions\x18\x02 \x03(\x0b\x32\x13.gemps.v1.Partition\x12\x16\n\x0enum_parameters\x18\x03 \x01(\x04\"\x80\x02\n\x0fRegisterRequest\x12%\n\x04spec\x18\x01 \x03(\x0b\x32\x17.gemps.v1.ParameterSpec\x12,\n\x12initial_parameters\x18\x02 \x01(\x0b\x32\x10.gemps.v1.Tensor\x12\x13\n\x0bworker_name\x18\x03 \x01(\t\x12\x17\n\x0fomit_parameters\x18\x04 \x01(\x08\x12,\n\x0b\x62uffer_spec\x18\x05 \x03(\x0b\x32\x17.gemps.v1.ParameterSpec\x12)\n\x0finitial_buffers\x18\x06 \x01(\x0b\x32\x10.gemps.v1.Tensor\x12\x11\n\tclient_id\x18\x07 \x01(\t\"T\n\rRegisterChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.gemps.v1.RegisterRequestH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\xdd\x02\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11lease_ttl_seconds\x18\x02 \x01(\x01\x12(\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x18.gemps.v1.TrainingConfig\x12\x1e\n\x05shard\x18\x04 \x01(\x0b\x32\x0f.gemps.v1.Shard\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12$\n\nparameters\x18\x06 \x01(\x0b\x32\x10.gemps.v1.Tensor\x12\x1b\n\x13initialized_central\x18\x07 \x01(\x08\x12!\n\x07\x62uffers\x18\x08 \x01(\x0b\x32\x10.gemps.v1.Tensor\x12\x0f\n\x07history\x18\t \x01(\t\x12 \n\x06layout\x18\x14 \x01(\x0b\x32\x10.gemps.v1.Layout\x12\'\n\ndata_plane\x18\x15 \x01(\x0b\x32\x13.gemps.v1.DataPlane\"?\n\tDataPlane\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\x12\x14\n\x0clocal_socket\x18\x03 \x01(\t\"3\n\x0e\x44\x61taPlaneHello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\" \n\x0f\x44\x61taPlaneAttach\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\"?\n\x0e\x44\x61taPlaneError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"t\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rknown_version\x18\x02 \x01(\x03\x12$\n\x0breply_dtype\x18\x03 \x01(\x0e\x32\x0f.gemps.v1.DType\x12\x15\n\rknown_history\x18\x04 \x01(\t\"\x8c\x01\n\x0cPullResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12$\n\nparameters\x18\x02 \x01(\x0b\x32\x10.gemps.v1.Tensor\x12\x11\n\tunchanged\x18\x03 \x01(\x08\x12!\n\x07\x62uffers\x18\x04 \x01(\x0b\x32\x10.gemps.v1.Tensor\x12\x0f\n\x07history\x18\x05 \x01(\t\"U\n\x11PullResponseChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.gemps.v1.PullResponseH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\xa8\x02\n\rCommitRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x03\x12#\n\x04kind\x18\x03 \x01(\x0e\x32\x15.gemps.v1.PayloadKind\x12!\n\x07payload\x18\x04 \x01(\x0b\x32\x10.gemps.v1.Tensor\x12\x11\n\x04loss\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x0bnum_samples\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12$\n\x0breply_dtype\x18\x08 \x01(\x0e\x32\x0f.gemps.v1.DType\x12&\n\x0c\x62uffer_delta\x18\t \x01(\x0b\x32\x10.gemps.v1.TensorB\x07\n\x05_lossB\x0e\n\x0c_num_samples\"P\n\x0b\x43ommitChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.gemps.v1.CommitRequestH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"Y\n\x13\x43ommitResponseChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.gemps.v1.CommitResponseH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\xdc\x01\n\x0e\x43ommitResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12$\n\nparameters\x18\x02 \x01(\x0b\x32\x10.gemps.v1.Tensor\x12\x11\n\tstaleness\x18\x03 \x01(\x04\x12\x14\n\x0cscaling_mean\x18\x04 \x01(\x01\x12\x16\n\x0escaling_median\x18\x05 \x01(\x01\x12\x17\n\x0fscaling_at_zero\x18\x06 \x01(\x01\x12\x16\n\x0escaling_at_max\x18\x07 \x01(\x01\x12!\n\x07\x62uffers\x18\x08 \x01(\x0b\x32\x10.gemps.v1.Tensor\"!\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x0f\n\rLeaveResponse\"i\n\x10\x45valuationReport\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x10\n\x08\x61\x63\x63uracy\x18\x03 \x01(\x01\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x04\x12\x0f\n\x07\x64\x61taset\x18\x05 \x01(\t\"\x1a\n\x18ReportEvaluationResponse\"\x0f\n\rStatusRequest\"\x9e\x03\n\x0eStatusResponse\x12\x13\n\x0binitialized\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x16\n\x0e\x61\x63tive_workers\x18\x03 \x01(\r\x12\x16\n\x0enum_parameters\x18\x04 \x01(\x04\x12(\n\x06\x63onfig\x18\x05 \x01(\x0b\x32\x18.gemps.v1.TrainingConfig\x12\x17\n\x0f\x63ommits_applied\x18\x06 \x01(\x04\x12\x18\n\x10\x63ommits_rejected\x18\x07 \x01(\x04\x12%\n\x04spec\x18\x08 \x03(\x0b\x32\x17.gemps.v1.ParameterSpec\x12\x16\n\x0euptime_seconds\x18\t \x01(\x01\x12\x33\n\x0flast_evaluation\x18\n \x01(\x0b\x32\x1a.gemps.v1.EvaluationReport\x12\x15\n\rlearning_rate\x18\x0b \x01(\x01\x12,\n\x0b\x62uffer_spec\x18\x0c \x03(\x0b\x32\x17.gemps.v1.ParameterSpec\x12 \n\x06layout\x18\x14 \x01(\x0b\x32\x10.gemps.v1.Layout*E\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02*_\n\x0bPayloadKind\x12\x1c\n\x18PAYLOAD_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15PAYLOAD_KIND_GRADIENT\x10\x01\x12\x17\n\x13PAYLOAD_KIND_UPDATE\x10\x02\x32\xea\x04\n\x0fParameterServer\x12\x41\n\x08Register\x12\x19.gemps.v1.RegisterRequest\x1a\x1a.gemps.v1.RegisterResponse\x12G\n\x0eRegisterStream\x12\x17.gemps.v1.RegisterChunk\x1a\x1a.gemps.v1.RegisterResponse(\x01\x12\x35\n\x04Pull\x12\x15.gemps.v1.PullRequest\x1a\x16.gemps.v1.PullResponse\x12\x42\n\nPullStream\x12\x15.gemps.v1.PullRequest\x1a\x1b.gemps.v1.PullResponseChunk0\x01\x12;\n\x06\x43ommit\x12\x17.gemps.v1.CommitRequest\x1a\x18.gemps.v1.CommitResponse\x12H\n\x0c\x43ommitStream\x12\x15.gemps.v1.CommitChunk\x1a\x1d.gemps.v1.CommitResponseChunk(\x01\x30\x01\x12\x38\n\x05Leave\x12\x16.gemps.v1.LeaveRequest\x1a\x17.gemps.v1.LeaveResponse\x12;\n\x06Status\x12\x17.gemps.v1.StatusRequest\x1a\x18.gemps.v1.StatusResponse\x12R\n\x10ReportEvaluation\x12\x1a.gemps.v1.EvaluationReport\x1a\".gemps.v1.ReportEvaluationResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gemps_proto.v1.parameter_server_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=3186
-  _globals['_DTYPE']._serialized_end=3255
-  _globals['_PAYLOADKIND']._serialized_start=3257
-  _globals['_PAYLOADKIND']._serialized_end=3352
+  _globals['_DTYPE']._serialized_start=3242
+  _globals['_DTYPE']._serialized_end=3311
+  _globals['_PAYLOADKIND']._serialized_start=3313
+  _globals['_PAYLOADKIND']._serialized_end=3408
   _globals['_TENSOR']._serialized_start=51
   _globals['_TENSOR']._serialized_end=120
   _globals['_PARAMETERSPEC']._serialized_start=122
@@ -54,37 +54,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERRESPONSE']._serialized_start=1010
   _globals['_REGISTERRESPONSE']._serialized_end=1359
   _globals['_DATAPLANE']._serialized_start=1361
-  _globals['_DATAPLANE']._serialized_end=1402
-  _globals['_DATAPLANEHELLO']._serialized_start=1404
-  _globals['_DATAPLANEHELLO']._serialized_end=1455
-  _globals['_DATAPLANEERROR']._serialized_start=1457
-  _globals['_DATAPLANEERROR']._serialized_end=1520
-  _globals['_PULLREQUEST']._serialized_start=1522
-  _globals['_PULLREQUEST']._serialized_end=1638
-  _globals['_PULLRESPONSE']._serialized_start=1641
-  _globals['_PULLRESPONSE']._serialized_end=1781
-  _globals['_PULLRESPONSECHUNK']._serialized_start=1783
-  _globals['_PULLRESPONSECHUNK']._serialized_end=1868
-  _globals['_COMMITREQUEST']._serialized_start=1871
-  _globals['_COMMITREQUEST']._serialized_end=2167
-  _globals['_COMMITCHUNK']._serialized_start=2169
-  _globals['_COMMITCHUNK']._serialized_end=2249
-  _globals['_COMMITRESPONSECHUNK']._serialized_start=2251
-  _globals['_COMMITRESPONSECHUNK']._serialized_end=2340
-  _globals['_COMMITRESPONSE']._serialized_start=2343
-  _globals['_COMMITRESPONSE']._serialized_end=2563
-  _globals['_LEAVEREQUEST']._serialized_start=2565
-  _globals['_LEAVEREQUEST']._serialized_end=2598
-  _globals['_LEAVERESPONSE']._serialized_start=2600
-  _globals['_LEAVERESPONSE']._serialized_end=2615
-  _globals['_EVALUATIONREPORT']._serialized_start=2617
-  _globals['_EVALUATIONREPORT']._serialized_end=2722
-  _globals['_REPORTEVALUATIONRESPONSE']._serialized_start=2724
-  _globals['_REPORTEVALUATIONRESPONSE']._serialized_end=2750
-  _globals['_STATUSREQUEST']._serialized_start=2752
-  _globals['_STATUSREQUEST']._serialized_end=2767
-  _globals['_STATUSRESPONSE']._serialized_start=2770
-  _globals['_STATUSRESPONSE']._serialized_end=3184
-  _globals['_PARAMETERSERVER']._serialized_start=3355
-  _globals['_PARAMETERSERVER']._serialized_end=3973
+  _globals['_DATAPLANE']._serialized_end=1424
+  _globals['_DATAPLANEHELLO']._serialized_start=1426
+  _globals['_DATAPLANEHELLO']._serialized_end=1477
+  _globals['_DATAPLANEATTACH']._serialized_start=1479
+  _globals['_DATAPLANEATTACH']._serialized_end=1511
+  _globals['_DATAPLANEERROR']._serialized_start=1513
+  _globals['_DATAPLANEERROR']._serialized_end=1576
+  _globals['_PULLREQUEST']._serialized_start=1578
+  _globals['_PULLREQUEST']._serialized_end=1694
+  _globals['_PULLRESPONSE']._serialized_start=1697
+  _globals['_PULLRESPONSE']._serialized_end=1837
+  _globals['_PULLRESPONSECHUNK']._serialized_start=1839
+  _globals['_PULLRESPONSECHUNK']._serialized_end=1924
+  _globals['_COMMITREQUEST']._serialized_start=1927
+  _globals['_COMMITREQUEST']._serialized_end=2223
+  _globals['_COMMITCHUNK']._serialized_start=2225
+  _globals['_COMMITCHUNK']._serialized_end=2305
+  _globals['_COMMITRESPONSECHUNK']._serialized_start=2307
+  _globals['_COMMITRESPONSECHUNK']._serialized_end=2396
+  _globals['_COMMITRESPONSE']._serialized_start=2399
+  _globals['_COMMITRESPONSE']._serialized_end=2619
+  _globals['_LEAVEREQUEST']._serialized_start=2621
+  _globals['_LEAVEREQUEST']._serialized_end=2654
+  _globals['_LEAVERESPONSE']._serialized_start=2656
+  _globals['_LEAVERESPONSE']._serialized_end=2671
+  _globals['_EVALUATIONREPORT']._serialized_start=2673
+  _globals['_EVALUATIONREPORT']._serialized_end=2778
+  _globals['_REPORTEVALUATIONRESPONSE']._serialized_start=2780
+  _globals['_REPORTEVALUATIONRESPONSE']._serialized_end=2806
+  _globals['_STATUSREQUEST']._serialized_start=2808
+  _globals['_STATUSREQUEST']._serialized_end=2823
+  _globals['_STATUSRESPONSE']._serialized_start=2826
+  _globals['_STATUSRESPONSE']._serialized_end=3240
+  _globals['_PARAMETERSERVER']._serialized_start=3411
+  _globals['_PARAMETERSERVER']._serialized_end=4029
 # @@protoc_insertion_point(module_scope)

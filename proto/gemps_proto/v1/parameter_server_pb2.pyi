@@ -156,12 +156,14 @@ class RegisterResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., initialized_central: _Optional[bool] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., history: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., data_plane: _Optional[_Union[DataPlane, _Mapping]] = ...) -> None: ...
 
 class DataPlane(_message.Message):
-    __slots__ = ("port", "ticket")
+    __slots__ = ("port", "ticket", "local_socket")
     PORT_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     port: int
     ticket: bytes
-    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+    local_socket: str
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., local_socket: _Optional[str] = ...) -> None: ...
 
 class DataPlaneHello(_message.Message):
     __slots__ = ("worker_id", "ticket")
@@ -170,6 +172,12 @@ class DataPlaneHello(_message.Message):
     worker_id: str
     ticket: bytes
     def __init__(self, worker_id: _Optional[str] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+
+class DataPlaneAttach(_message.Message):
+    __slots__ = ("bytes",)
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    def __init__(self, bytes: _Optional[int] = ...) -> None: ...
 
 class DataPlaneError(_message.Message):
     __slots__ = ("code", "message", "reason")

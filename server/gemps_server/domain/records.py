@@ -75,6 +75,9 @@ class Commit:
     loss: float | None = None  # the mini-batch's training loss (metrics only)
     num_samples: int | None = None  # the mini-batch's size (metrics only)
     buffer_delta: EncodedTensor | None = None  # how the worker's buffers changed since it loaded them
+    # max |payload| (NaN when a value is not finite) where the wire measured it as the payload
+    # arrived (float32 payloads on the data plane): spares the applier a pass over it.
+    payload_peak: float | None = None
 
 
 @dataclass(frozen=True)

@@ -143,10 +143,11 @@ class ServerState:
         snapshot = self.encoded(FLOAT32) if encoded else self._with_buffers(self.snapshot)
         return Admission(worker, snapshot, initialized, displaced)
 
-    def commit(self, commit: Commit) -> CommitOutcome:
+    def commit(self, commit: Commit, mirror: np.ndarray | None = None) -> CommitOutcome:
         """Apply one worker's commit (DESIGN §1): θ moves by the rule's step and the version goes
         up by one, or a refusal (a ServiceError) leaves everything as it was. A retry of a commit
-        already applied changes nothing and answers as the original did."""
+        already applied changes nothing and answers as the original did. `mirror` (float32, P)
+        gets θ after the commit too (see CommitRule.step)."""
         rule = self.require_initialized()
         validation.check_reply_dtype(commit.reply_dtype)
         validation.check_request_id(commit.request_id)
@@ -161,7 +162,9 @@ class ServerState:
         buffers = validation.buffers_after(self._buffers, commit.buffer_delta)  # checked before θ moves
         staleness = self.version - commit.base_version
         try:  # the rule writes into spare buffers and swaps them in only if every value is finite
-            self._theta, stats = rule.step(self._theta, payload, kind, commit.worker_id, staleness, self.version, peak)
+            self._theta, stats = rule.step(
+                self._theta, payload, kind, commit.worker_id, staleness, self.version, peak, mirror
+            )
         except NonFiniteUpdate as error:
             raise InvalidArgument(f"commit refused, nothing changed: {error}", Reason.NON_FINITE) from None
         self._buffers = buffers
@@ -172,12 +175,21 @@ class ServerState:
         self.ledger.record(worker.scope, commit.request_id, Receipt(self.version, staleness, stats))
         return CommitOutcome(self._with_buffers(self.snapshot), staleness, stats)
 
-    def commit_and_reply(self, commit: Commit, reply: ReplyWriter[R]) -> tuple[CommitOutcome, R]:
+    def commit_and_reply(
+        self, commit: Commit, reply: ReplyWriter[R], mirror: np.ndarray | None = None
+    ) -> tuple[CommitOutcome, R]:
         """`commit`, then its `reply` written while θ still holds the commit's version, from θ's
         wire bytes in the commit's reply dtype (a view of θ itself where no encoding is shared):
-        the one operation the applier runs per commit, so no other commit moves θ in between."""
-        outcome = self.commit(commit)
-        return outcome, reply(outcome, self.theta_wire(commit.reply_dtype))
+        the one operation the applier runs per commit, so no other commit moves θ in between.
+        With `mirror` (float32 θ, where the reply is sent from) the rule writes θ there as it
+        computes it, and the reply is written from those bytes."""
+        if mirror is None:
+            outcome = self.commit(commit)
+            return outcome, reply(outcome, self.theta_wire(commit.reply_dtype))
+        outcome = self.commit(commit, mirror)
+        if outcome.duplicate:  # the rule did not run
+            np.copyto(mirror, self._theta)
+        return outcome, reply(outcome, mirror.data)
 
     def theta_wire(self, dtype: int) -> bytes | memoryview:
         """θ's wire bytes in `dtype` now: the snapshot's encoding when there is one, else for float32

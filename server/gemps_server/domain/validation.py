@@ -301,7 +301,8 @@ def validated_payload(commit: Commit, num_parameters: int, version: int) -> tupl
         raise InvalidArgument(
             f"base_version {commit.base_version} is ahead of the server's version {version}", Reason.BAD_VERSION
         )
-    peak = max_abs(values)  # NaN when a value is not finite: one pass for both
+    # NaN when a value is not finite: one pass for both (made by the wire, where it made one)
+    peak = max_abs(values) if commit.payload_peak is None else commit.payload_peak
     if not math.isfinite(peak):
         raise InvalidArgument("payload contains NaN or Inf", Reason.NON_FINITE)
     return kind, values, peak

@@ -1,7 +1,9 @@
 """The data plane's listener (DESIGN §3c): a TCP port beside gRPC for Commit and Pull with θ's
 raw bytes, every connection served by one thread with non-blocking sockets (data_plane_loop.py;
 measured against a thread per connection in docs/PERFORMANCE.md), the protocol in
-data_plane_calls.py.
+data_plane_calls.py. With --shared-memory on, also an abstract Unix socket with a random name
+(`local_socket`, announced at Register): reachable only from this server's network namespace, so
+only by clients on its host, which may attach shared memory there (shared_memory.py).
 
 Memory before trust (DESIGN §3b): at most --max-data-connections connections (more are refused
 on arrival), each with one request in flight and nothing read before its HELLO's ticket is
@@ -16,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
+import secrets
 import socket
 import ssl
 import threading
@@ -76,6 +80,7 @@ class DataPlaneServer:
         self._stopping = threading.Event()
         self._refusal_log = Throttle(interval=1.0)
         self.port = 0
+        self.local_socket = ""  # the Unix socket's abstract name (without its leading NUL), once bound
 
     def start(self) -> int:
         """Bind --host:--data-port (0: a free port) and start serving; the port bound."""
@@ -90,9 +95,25 @@ class DataPlaneServer:
             raise
         self.port = listener.getsockname()[1]
         self._loop.listen(listener, self._accept)
+        if self._config.shared_memory_on:
+            self._listen_locally()
         self._thread = threading.Thread(target=self._run, name="gemps-data-plane", daemon=True)
         self._thread.start()
         return self.port
+
+    def _listen_locally(self) -> None:
+        """The abstract Unix socket (no file: nothing to clean up, invisible outside this network
+        namespace); a random name, so a client elsewhere can never reach another server's."""
+        name = f"gemps-data-{os.getpid()}-{secrets.token_hex(8)}"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind("\0" + name)
+            listener.listen(BACKLOG)
+        except OSError:
+            listener.close()
+            raise
+        self._loop.listen(listener, self._accept)
+        self.local_socket = name
 
     def _run(self) -> None:
         loop = self._loop
@@ -115,14 +136,16 @@ class DataPlaneServer:
                 return
             accepted_at = time.monotonic()
             sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            local = sock.family == socket.AF_UNIX
+            if not local:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if len(self._connections) >= self._config.max_data_connections:
                 self._refuse_connection(sock)
                 continue
-            self._open(sock, accepted_at)
+            self._open(sock, accepted_at, local)
 
-    def _open(self, sock: socket.socket, accepted_at: float) -> None:
-        if self._tls is not None:
+    def _open(self, sock: socket.socket, accepted_at: float, local: bool) -> None:
+        if self._tls is not None and not local:  # a local socket's bytes never leave this host
             try:
                 sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
             except (ssl.SSLError, OSError) as error:
@@ -144,9 +167,9 @@ class DataPlaneServer:
         self._loop.spawn(channel, body)
 
     def _refuse_connection(self, sock: socket.socket) -> None:
-        """Past --max-data-connections: say so if it fits in the socket's buffer now (plain TCP
-        only: under TLS that would cost a handshake), then close."""
-        if self._tls is None:
+        """Past --max-data-connections: say so if it fits in the socket's buffer now (not under
+        TLS: that would cost a handshake), then close."""
+        if self._tls is None or sock.family == socket.AF_UNIX:
             error = ResourceExhausted(
                 f"more than {self._config.max_data_connections} data-plane connections (--max-data-connections)",
                 Reason.TOO_LARGE,

@@ -20,11 +20,12 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
+import numpy as np
 from google.protobuf.message import DecodeError, Message
 
 from gemps_proto import dataplane, framing
-from gemps_proto.codec import EncodedTensor
-from gemps_proto.dataplane import REPLY, FrameError, Op, Preamble
+from gemps_proto.codec import FLOAT32, EncodedTensor
+from gemps_proto.dataplane import REPLY, SHARED, FrameError, Op, Preamble
 from gemps_proto.reasons import Reason
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.errors import (
@@ -34,11 +35,14 @@ from gemps_server.domain.errors import (
     ServiceError,
     Unauthenticated,
 )
+from gemps_server.domain.records import ReplyWriter
 from gemps_server.metrics import ServerMetrics
+from gemps_server.native import copy_max_abs, max_abs
 from gemps_server.service import Deliver, ParameterService
-from gemps_server.wire import messages
-from gemps_server.wire.data_plane_io import Channel, Hangup, PeerClosed, Stalled, pieces
+from gemps_server.wire import messages, shared_memory
+from gemps_server.wire.data_plane_io import Channel, Hangup, PeerClosed, Stalled, close_fds, pieces
 from gemps_server.wire.data_plane_loop import Handshake, Parked, ReadInto, Task, Wait, Write
+from gemps_server.wire.shared_memory import SharedRegion
 from gemps_server.wire.status_codes import status_of
 from gemps_server.wire.stream_buffers import Buffer, LoopBufferPool
 
@@ -114,6 +118,7 @@ class Connection:
         self._pool = pool
         self._accepted_at = accepted_at
         self._task: Task | None = None
+        self._region: SharedRegion | None = None  # the shared memory attached (local connections)
         self.stopping = False  # the server is stopping: end after the request being served
 
     def serve(self, task: Task) -> Generator[Wait, Any, None]:
@@ -131,6 +136,9 @@ class Connection:
                 self._metrics.data_plane_refused(hangup.reason)
         except (PeerClosed, Stalled):
             pass  # nothing was pending: the peer went away (a stall here is past the reply)
+        finally:
+            if self._region is not None:
+                self._region.close()
 
     def _handshake(self) -> Steps:
         try:
@@ -159,6 +167,7 @@ class Connection:
         except PeerClosed:
             raise Hangup("bad_hello") from None
         try:
+            self._no_descriptors()
             hello = parsed(pb.DataPlaneHello, header)
             self._service.check_ticket(hello.worker_id, hello.ticket)
         except ServiceError as error:
@@ -183,6 +192,9 @@ class Connection:
         try:
             yield ReadInto(view[1:], self._limits.stream_timeout)
             preamble = yield from self._preamble(start, "bad_frame")
+            if preamble.op == Op.ATTACH:
+                yield from self._attach(preamble)
+                return
             method = METHODS.get(preamble.op)
             if method is None:
                 raise (
@@ -204,6 +216,9 @@ class Connection:
                     )
                 )
             header = yield from self._read_bytes(preamble.header_bytes, self._limits.stream_timeout)
+            self._no_descriptors(unread=True)
+            if preamble.shared and self._region is None:
+                raise Unread(InvalidArgument("a SHARED frame, and no shared memory attached", Reason.MALFORMED))
             if method == "Commit":
                 yield from self._commit(worker_id, preamble, header)
             else:
@@ -234,17 +249,23 @@ class Connection:
                 )
         except ServiceError as error:
             raise Unread(error) from None
+        region = self._region if preamble.shared else None
         buffer = yield from self._take_buffer()
         try:
             data = buffer.take(expected).data  # the payload lands in the pooled buffer
-            yield ReadInto(data, self._limits.stream_timeout, self._deadline(len(data)))
-            commit = messages.commit_from_proto(request, EncodedTensor(dtype, shape, data))
+            if region is None:
+                yield ReadInto(data, self._limits.stream_timeout, self._deadline(len(data)))
+            peak = _landed(data, dtype, None if region is None else region.view[:expected])
+            commit = messages.commit_from_proto(request, EncodedTensor(dtype, shape, data), peak)
+            # The reply's θ goes where the client reads it: the pooled buffer (then the socket), or
+            # its shared memory, where the rule writes float32 θ as it computes it (a mirror).
+            writer, mirror = _reply_into(buffer, region, commit.reply_dtype)
             outcome, theta = yield from self._applied(
-                lambda deliver: service.commit_then(commit, messages.stream_commit_reply(buffer), deliver)
+                lambda deliver: service.commit_then(commit, writer, deliver, mirror)
             )
             reply = messages.outcome_header(outcome)
             framing.announce(reply.parameters, commit.reply_dtype, service.num_parameters)
-            yield from self._send(Op.COMMIT | REPLY, reply.SerializeToString(), theta)
+            yield from self._send(Op.COMMIT | REPLY, reply.SerializeToString(), theta, shared=region is not None)
         finally:
             self._pool.give_back(buffer)
 
@@ -265,9 +286,42 @@ class Connection:
                 snapshot, unchanged, dtype, service.num_parameters, service.history
             ).header
             data = b"" if unchanged else snapshot.data(dtype) or b""
-            yield from self._send(Op.PULL | REPLY, reply.SerializeToString(), data)
+            if preamble.shared:
+                assert self._region is not None
+                data = self._region.buffer.copy_in(data)
+            yield from self._send(Op.PULL | REPLY, reply.SerializeToString(), data, shared=preamble.shared)
         finally:
             self._pool.give_back(slot)
+
+    def _attach(self, preamble: Preamble) -> Steps:
+        """ATTACH: map the memfd the frame carries as this connection's shared memory (local
+        connections, once, once θ is initialised). A refusal closes the connection."""
+        fds: list[int] = []
+        try:
+            if preamble.header_bytes > MAX_HELLO_BYTES or preamble.payload_bytes or preamble.shared:
+                raise InvalidArgument("an ATTACH is a small header and one descriptor", Reason.MALFORMED)
+            header = yield from self._read_bytes(preamble.header_bytes, self._limits.stream_timeout)
+            fds = self.channel.take_fds()
+            if not self.channel.local:
+                raise InvalidArgument("shared memory is for local (Unix socket) connections", Reason.MALFORMED)
+            if self._region is not None:
+                raise InvalidArgument("shared memory is attached already", Reason.MALFORMED)
+            if len(fds) != 1 or self.channel.fds_cut:
+                raise InvalidArgument(f"an ATTACH carries one descriptor, not {len(fds)}", Reason.MALFORMED)
+            request = parsed(pb.DataPlaneAttach, header)
+            self._service.require_initialized()
+            self._region = shared_memory.attach(fds.pop(), request.bytes, 4 * self._service.num_parameters)
+        except ServiceError as error:
+            close_fds(fds)
+            raise (yield from self._refuse(error, "bad_attach")) from None
+        yield from self._send(Op.ATTACH | REPLY, b"")
+
+    def _no_descriptors(self, unread: bool = False) -> None:
+        """Refuse a frame that passed descriptors (only an ATTACH may): InvalidArgument (or Unread)."""
+        if self.channel.fds or self.channel.fds_cut:
+            close_fds(self.channel.take_fds())
+            error = InvalidArgument("descriptors passed with a frame other than ATTACH", Reason.MALFORMED)
+            raise Unread(error) if unread else error
 
     # -- waits -----------------------------------------------------------------------------------
 
@@ -338,10 +392,12 @@ class Connection:
         error.__traceback__ = None  # holds the request's frames otherwise (see grpc_servicer.rpc)
         self._service.rejected(method, error, status_of(error).name)
 
-    def _send(self, op: int, header: bytes, payload: bytes | memoryview = b"") -> Steps:
+    def _send(self, op: int, header: bytes, payload: bytes | memoryview = b"", *, shared: bool = False) -> Steps:
+        """A frame; its payload on the socket, or (`shared`) already in the shared memory."""
         data = memoryview(payload).cast("B")
-        start = dataplane.frame_start(op, header, len(data))
-        yield Write(pieces([start, data]), self._limits.stream_timeout, self._deadline(len(data)))
+        start = dataplane.frame_start(op, header, len(data), SHARED if shared else 0)
+        sent: list[bytes | memoryview] = [start] if shared else [start, data]
+        yield Write(pieces(sent), self._limits.stream_timeout, self._deadline(0 if shared else len(data)))
 
     def _deadline(self, nbytes: int) -> float:
         """When `nbytes` of payload must have moved: a client that trickles bytes just fast
@@ -366,6 +422,30 @@ class Connection:
         )
         self.channel.try_send(dataplane.frame_start(Op.ERROR, error_header(error)))
         raise Hangup("stream_timeout")
+
+
+def _reply_into(
+    buffer: Buffer, region: SharedRegion | None, reply_dtype: int
+) -> tuple[ReplyWriter[memoryview], np.ndarray | None]:
+    """How a commit's reply gets θ: copied into the pooled buffer, or into the shared memory, or
+    (float32) written there by the rule itself."""
+    if region is None:
+        return messages.stream_commit_reply(buffer), None
+    if reply_dtype == FLOAT32:
+        return messages.mirrored_reply, region.floats
+    return messages.stream_commit_reply(region.buffer), None
+
+
+def _landed(data: memoryview, dtype: int, shared: memoryview | None) -> float | None:
+    """A payload in the pooled buffer `data`, copied there first from `shared` memory (before it
+    is checked: the client can still write there); its max |value| (NaN if one is not finite),
+    measured here on the loop's thread rather than on the applier's, for float32 payloads."""
+    if dtype != FLOAT32:
+        if shared is not None:
+            data[:] = shared
+        return None
+    values = np.frombuffer(data, np.float32)
+    return max_abs(values) if shared is None else copy_max_abs(np.frombuffer(shared, np.float32), values)
 
 
 def error_header(error: ServiceError) -> bytes:

@@ -5,11 +5,17 @@ allows now, plain TCP or TLS alike.
 Nothing here waits: a call moves what it can and says how much, and `wants` tells the loop
 (data_plane_loop.py) which readiness to wait for before the next try (TLS may need the socket
 writable to read, and readable to write). The peer closing or resetting is `PeerClosed`.
+
+On a local (Unix) socket reads also take the descriptors a peer passes (SCM_RIGHTS) into `fds`:
+the protocol claims the one an ATTACH carries, and refuses any other; what is left is closed with
+the channel, so a descriptor never outlives its connection.
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
+import os
 import selectors
 import socket
 import ssl
@@ -18,6 +24,9 @@ from collections.abc import Sequence
 Piece = bytes | bytearray | memoryview
 # Bytes handed to one TLS write (SSLSocket has no sendmsg, and encrypts, so copies, anyway).
 TLS_PIECE = 1 << 20
+# Room for one descriptor's ancillary data per read: a peer that passes more has the rest closed
+# by the kernel (MSG_CTRUNC), and is refused.
+FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize) if hasattr(socket, "CMSG_SPACE") else 0
 
 
 class Hangup(Exception):
@@ -43,18 +52,31 @@ class Channel:
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         self.sock = sock
+        self.local = sock.family == getattr(socket, "AF_UNIX", None)
         self.received = 0  # bytes read so far (the byte metrics take differences)
         self.sent = 0
         self.wants = selectors.EVENT_READ  # what the last call that moved nothing waits for
+        self.fds: list[int] = []  # descriptors passed and not claimed yet (local sockets)
+        self.fds_cut = False  # a peer passed more descriptors than one read takes
+
+    def take_fds(self) -> list[int]:
+        """The descriptors passed so far (the caller closes them); they are no longer the channel's."""
+        fds, self.fds = self.fds, []
+        return fds
 
     @property
     def tls(self) -> bool:
         return isinstance(self.sock, ssl.SSLSocket)
 
+    @property
+    def buffered(self) -> bool:
+        """Bytes already read from the socket wait in TLS's buffer (no readiness will report them)."""
+        return isinstance(self.sock, ssl.SSLSocket) and self.sock.pending() > 0
+
     def read_some(self, view: memoryview) -> int:
         """Read into `view` what has arrived (0: nothing yet; see `wants`)."""
         try:
-            count = self.sock.recv_into(view)
+            count = self._receive_fds(view) if self.local else self.sock.recv_into(view)
         except (BlockingIOError, ssl.SSLWantReadError):
             self.wants = selectors.EVENT_READ
             return 0
@@ -66,6 +88,17 @@ class Channel:
         if count == 0:
             raise PeerClosed
         self.received += count
+        return count
+
+    def _receive_fds(self, view: memoryview) -> int:
+        count, ancillary, flags, _address = self.sock.recvmsg_into([view], FD_SPACE)
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+                self.fds.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            self.fds_cut = True
         return count
 
     def write_some(self, views: list[memoryview]) -> int:
@@ -113,8 +146,15 @@ class Channel:
             self.sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
+        close_fds(self.take_fds())
         with contextlib.suppress(OSError):
             self.sock.close()
+
+
+def close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def pieces(parts: Sequence[Piece]) -> list[memoryview]:

@@ -126,8 +126,11 @@ def admission_to_proto(
     return with_parameters(header, framing.REGISTER_REPLY_FIELD, admission.snapshot, FLOAT32, num_parameters)
 
 
-def commit_from_proto(request: pb.CommitRequest, payload: EncodedTensor | None = None) -> Commit:
-    """The domain's Commit; `payload` when it was received apart (a view, or CommitStream's pieces)."""
+def commit_from_proto(
+    request: pb.CommitRequest, payload: EncodedTensor | None = None, payload_peak: float | None = None
+) -> Commit:
+    """The domain's Commit; `payload` when it was received apart (a view, or CommitStream's pieces),
+    and its max |value| when the wire measured it."""
     return Commit(
         worker_id=request.worker_id,
         base_version=request.base_version,
@@ -138,6 +141,7 @@ def commit_from_proto(request: pb.CommitRequest, payload: EncodedTensor | None =
         loss=request.loss if request.HasField("loss") else None,
         num_samples=request.num_samples if request.HasField("num_samples") else None,
         buffer_delta=tensor_from_proto(request.buffer_delta) if request.HasField("buffer_delta") else None,
+        payload_peak=payload_peak,
     )
 
 
@@ -179,6 +183,12 @@ def stream_commit_reply(buffer: Buffer) -> ReplyWriter[memoryview]:
 
 def _copied_into(buffer: Buffer, outcome: CommitOutcome, theta: bytes | memoryview) -> memoryview:
     return buffer.copy_in(theta)
+
+
+def mirrored_reply(outcome: CommitOutcome, theta: bytes | memoryview) -> memoryview:
+    """The reply writer for a commit whose θ the rule wrote where the reply is read (a mirror:
+    shared memory): θ's bytes are there already, nothing to copy."""
+    return memoryview(theta).cast("B")
 
 
 def stream_header_to_proto(outcome: CommitOutcome, reply_dtype: int, num_parameters: int) -> pb.CommitResponseChunk:

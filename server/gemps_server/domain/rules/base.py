@@ -172,15 +172,42 @@ class CommitRule(ABC):
         staleness: int,
         version: int = 0,
         payload_peak: float | None = None,
+        mirror: np.ndarray | None = None,
     ) -> tuple[np.ndarray, ApplyStats]:
         """theta after this worker's commit, computed `staleness` commits ago and applied at central
         version `version` (the one before it; a gradient g moves theta by -eta(version)*g), with
         how it was scaled: a new array, or `theta` moved in place when no value can overflow. The
         rule may keep `theta`: the caller uses only the array returned. Raises NonFiniteUpdate,
         with nothing changed, when theta or the rule's state would not be finite.
-        `payload_peak`: max |payload| when the caller already knows it (from its finiteness check)."""
+        `payload_peak`: max |payload| when the caller already knows it (from its finiteness check).
+        `mirror`: a float32 array of P (memory of its own) that gets the new theta too, where a
+        reply is sent from: a rule that `mirrors` writes it as it computes theta, without a pass of
+        its own (contents undefined after NonFiniteUpdate)."""
         scale = -self.learning_rate_at(version) if kind is PayloadKind.GRADIENT else 1.0
-        return self.step_scaled(theta, payload, scale, worker_id, staleness, payload_peak)
+        if mirror is not None and self.mirrors:
+            return self.step_mirrored(theta, payload, scale, worker_id, staleness, payload_peak, mirror)
+        updated, stats = self.step_scaled(theta, payload, scale, worker_id, staleness, payload_peak)
+        if mirror is not None:
+            np.copyto(mirror, updated)
+        return updated, stats
+
+    @property
+    def mirrors(self) -> bool:
+        """Whether step_mirrored writes the mirror as it computes theta (else `step` copies)."""
+        return False
+
+    def step_mirrored(
+        self,
+        theta: np.ndarray,
+        update: np.ndarray,
+        scale: float,
+        worker_id: str,
+        staleness: int,
+        update_peak: float | None,
+        mirror: np.ndarray,
+    ) -> tuple[np.ndarray, ApplyStats]:
+        """step_scaled, the new theta also written to `mirror`; for rules that `mirror`."""
+        raise NotImplementedError(f"rule {self.name!r} does not write a mirror")
 
     def apply(
         self,

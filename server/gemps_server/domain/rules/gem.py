@@ -25,12 +25,14 @@ No commit can make theta, m_i or s_i NaN or infinite (finite payloads can overfl
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from gemps_server.domain.rules import base
 from gemps_server.domain.rules.base import ApplyStats, CommitRule, NonFiniteUpdate, Schedule, constant_schedule
 from gemps_server.domain.rules.overflow import ROUNDING, SAFE_MAGNITUDE, OverflowGuard
-from gemps_server.native import all_finite, compiled, max_abs
+from gemps_server.native import all_finite, compiled, max_abs, median_in_place
 
 EPSILON = np.float32(1e-16)
 #: how GEM's update runs: `auto` (compiled if built, else numpy), `compiled`, `numpy`
@@ -82,6 +84,22 @@ class GemRule(OverflowGuard, CommitRule):
         self._samples = np.empty(self._sampled.size, dtype=np.float32)  # pi at the sampled parameters
         self._spare_proxy: np.ndarray | None = None  # the next m_i is written here
 
+    @property
+    def mirrors(self) -> bool:
+        return self.kernel == "compiled"  # the compiled pass writes it block by block, in cache
+
+    def step_mirrored(
+        self,
+        theta: np.ndarray,
+        update: np.ndarray,
+        scale: float,
+        worker_id: str,
+        staleness: int,
+        update_peak: float | None,
+        mirror: np.ndarray,
+    ) -> tuple[np.ndarray, ApplyStats]:
+        return self.step_scaled(theta, update, scale, worker_id, staleness, update_peak, mirror)
+
     def add_worker(self, worker_id: str, theta: np.ndarray) -> None:
         self._workers[worker_id] = _WorkerState(theta, self.peak_of(theta) if self.kernel == "compiled" else 0.0)
 
@@ -96,6 +114,7 @@ class GemRule(OverflowGuard, CommitRule):
         worker_id: str,
         staleness: int,
         update_peak: float | None = None,
+        mirror: np.ndarray | None = None,
     ) -> tuple[np.ndarray, ApplyStats]:
         state = self._workers[worker_id]
         if theta.size == 0:
@@ -103,7 +122,7 @@ class GemRule(OverflowGuard, CommitRule):
         theta_peak = self.peak_of(theta) if self.kernel == "compiled" else 0.0
         bounds = self._bounds(theta_peak, state, update, scale, update_peak) if self.kernel == "compiled" else None
         if bounds is not None:
-            finite, stats, _, _ = self._apply_compiled(theta, state, update, scale, None, None)
+            finite, stats, _, _ = self._apply_compiled(theta, state, update, scale, None, None, mirror)
             assert finite, "GEM's bound let through a value that is not finite"
             state.proxy_peak, state.last_seen_peak = bounds[1], theta_peak
             self.remember_peak(theta, bounds[0])
@@ -111,7 +130,7 @@ class GemRule(OverflowGuard, CommitRule):
         theta_out, proxy_out = self.take_spare(theta), self._take_spare_proxy(theta)
         if self.kernel == "compiled":
             finite, stats, new_peak, proxy_peak = self._apply_compiled(
-                theta, state, update, scale, theta_out, proxy_out
+                theta, state, update, scale, theta_out, proxy_out, mirror
             )
         else:
             stats = self._sample_stats(theta, state, update, scale)  # from the same inputs as the update
@@ -124,6 +143,8 @@ class GemRule(OverflowGuard, CommitRule):
                 )  # fmt: skip
                 if not finite:
                     break
+            if finite and mirror is not None:
+                np.copyto(mirror, theta_out)
         if not finite:
             self.keep_spare(theta_out)
             self._spare_proxy = proxy_out
@@ -168,19 +189,20 @@ class GemRule(OverflowGuard, CommitRule):
         scale: float,
         theta_out: np.ndarray | None,
         proxy_out: np.ndarray | None,
+        mirror: np.ndarray | None = None,
     ) -> tuple[bool, ApplyStats, float, float]:
-        """The compiled pass (in place when `theta_out` is None): (all finite, statistics,
-        max |new theta|, max |new m_i|)."""
+        """The compiled pass (in place when `theta_out` is None; the new theta also to `mirror`):
+        (all finite, statistics, max |new theta|, max |new m_i|)."""
         assert compiled is not None
         values = (scale, self.momentum, self.kappa, self.pi_max, EPSILON)
         finite, pi_sum, at_zero, at_max, proxy_energy, central_energy, theta_peak, proxy_peak = compiled.gem_update(
             theta, state.proxy, state.last_seen_theta, np.ascontiguousarray(update, np.float32), theta_out, proxy_out,
-            *(float(np.float32(v)) for v in values), self._stride, self._samples,
+            *(float(np.float32(v)) for v in values), self._stride, self._samples, mirror,
         )  # fmt: skip
         size = theta.size
         stats = ApplyStats(
             scaling_mean=pi_sum / size,
-            scaling_median=base.median(self._samples),
+            scaling_median=median_in_place(self._samples) if finite else math.nan,  # scratch: reordered
             fraction_at_zero=at_zero / size,
             fraction_at_max=at_max / size,
             proxy_energy=proxy_energy / size,
