@@ -189,6 +189,7 @@ def run_load(system: str, factory: ClientFactory, plan: LoadPlan, server_pid: in
     if cpu is not None:
         result.server_cpu_seconds = cpu.seconds
         result.server_child_cpu_seconds = cpu.per_child
+        result.server_shared_rss_bytes = cpu.shared_bytes
     return result
 
 

@@ -24,6 +24,12 @@ def peak_rss(pid: int) -> int | None:
     return _status_field(pid, "VmHWM")
 
 
+def shared_rss(pid: int) -> int | None:
+    """Resident shared memory the process maps (RssShmem), bytes: a gemps server's share of the
+    memory its local clients attached (theirs, mapped here); None once it has exited."""
+    return _status_field(pid, "RssShmem")
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User plus system CPU time the process (all its threads) has used, seconds; None once gone."""
     try:
@@ -65,11 +71,13 @@ def tree_peak_rss(pid: int) -> int | None:
 class WindowCpu:
     """The CPU seconds process `pid` and its children use between two monotonic instants,
     sampled by a thread: start() before the window, `seconds` (the total) and `per_child`
-    after it ends (None when a sample was missed)."""
+    after it ends (None when a sample was missed); `shared_bytes`, their resident shared memory
+    at the window's end (the clients are still connected then)."""
 
     def __init__(self, pid: int, begin: float, end: float) -> None:
         self._pid, self._begin, self._end = pid, begin, end
         self._samples: list[dict[int, float | None]] = []
+        self.shared_bytes: int | None = None
         self._thread = threading.Thread(target=self._run, name="window-cpu", daemon=True)
 
     def start(self) -> WindowCpu:
@@ -79,7 +87,9 @@ class WindowCpu:
     def _run(self) -> None:
         for instant in (self._begin, self._end):
             time.sleep(max(0.0, instant - time.monotonic()))
-            self._samples.append({p: cpu_seconds(p) for p in (self._pid, *children(self._pid))})
+            processes = (self._pid, *children(self._pid))
+            self._samples.append({p: cpu_seconds(p) for p in processes})
+        self.shared_bytes = sum(shared_rss(p) or 0 for p in processes)
 
     def _deltas(self) -> dict[int, float] | None:
         self._thread.join(timeout=max(0.0, self._end - time.monotonic()) + 5.0)

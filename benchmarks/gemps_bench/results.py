@@ -51,6 +51,8 @@ class LoadResult:
     # what fairness is judged on (whole counts of a few commits each cannot all be equal).
     per_client_progress: list[float] | None = None
     server_peak_rss_bytes: int | None = None  # the serving process's peak resident memory
+    # Of it, shared memory the clients attached and the server maps (theirs), at the window's end.
+    server_shared_rss_bytes: int | None = None
     server_cpu_seconds: float | None = None  # CPU time the serving process used inside the window
     # The same for each of its child processes (a partitioned server's partitions), if any.
     server_child_cpu_seconds: list[float] | None = None
@@ -118,6 +120,7 @@ class LoadResult:
             "jain_index_whole_commits_ceiling": whole_count_ceiling(self.commits, self.clients),
             "mean_staleness": self.mean_staleness,
             "server_peak_rss_bytes": self.server_peak_rss_bytes,
+            "server_shared_rss_bytes": self.server_shared_rss_bytes,
             "server_cpu_ms_per_commit": self.server_cpu_ms_per_commit,
             "client_cpu_ms_per_commit": self.client_cpu_ms_per_commit,
             "busiest_partition_cpu_ms_per_commit": self.busiest_child_cpu_ms_per_commit,

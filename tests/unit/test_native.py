@@ -35,10 +35,13 @@ def test_other_layouts_fall_back_to_numpy() -> None:
 
 
 @pytest.mark.parametrize("size", [1, 2, 1023, 8192, 8193])
-def test_median_in_place_is_the_rules_median(size: int) -> None:
+@pytest.mark.parametrize("clamped", [0.0, 0.5, 0.51, 0.9])  # the share at 0 and at 5, as pi is with many workers
+def test_median_in_place_is_the_rules_median(size: int, clamped: float) -> None:
     rng = np.random.default_rng(size)
     values = rng.choice(np.array([0.0, 5.0, 0.25, 1.0, 3.5], np.float32), size)  # ties, as pi has
     values[: size // 3] = rng.random(size // 3, dtype=np.float32)
+    values[: int(size * clamped)] = 0.0
+    values[size - int(size * clamped / 2) :] = 5.0
     assert native.median_in_place(values.copy()) == median(values)  # exactly: the same two values
 
 
