@@ -139,7 +139,7 @@ class ServerConfig:
     )
     max_data_connections: int = field(
         default=256,
-        metadata={"help": "data-plane connections at once (one thread each); more are refused on arrival"},
+        metadata={"help": "data-plane connections at once (TCP and local together); more are refused on arrival"},
     )
     metrics_port: int = field(default=9109, metadata={"help": "Prometheus /metrics port; -1 disables"})
     metrics_host: str = field(default="", metadata={"help": "metrics address (default: same as --host)"})

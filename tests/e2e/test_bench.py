@@ -14,6 +14,7 @@ SYSTEMS = {
     "echo-stream",
     "echo-tcp",
     "gemps",
+    "gemps-tcp",
     "gemps-grpc",
     "gemps-bfloat16",
     "gemps-numpy",
