@@ -1,11 +1,13 @@
-"""Where a server's time goes: one closed-loop client, py-spy on the server, samples per thread.
+"""Where a server's time goes: closed-loop clients, py-spy on the server, samples per thread.
 
     .venv/bin/python scripts/profile_server.py --system gemps --size 100K --seconds 10 --raw /tmp/gemps.txt
     .venv/bin/python scripts/profile_server.py --system echo --size 100K
     .venv/bin/python scripts/profile_server.py --system gemps --size 1M --partitions 2
+    .venv/bin/python scripts/profile_server.py --system gemps --size 1M --clients 8   # the bench's load
 
 Starts a real `gemps server` with its defaults (or the benchmark's bare gRPC echo), commits a
-fixed gradient in a closed loop from this process through the SDK (or the echo client), and
+fixed gradient in a closed loop from this process through the SDK (or the echo client; with
+`--clients N`, N SDK clients in the bench's load generator, two processes), and
 records the server with `py-spy record --threads --native` (py-spy is in the dev extra; it needs
 ptrace rights over its own children, which most containers allow). Prints commits/s, the server's
 and this client's CPU milliseconds per commit, and for each server thread its busy samples (not
@@ -26,12 +28,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from gemps_bench.echo import EchoClient, EchoServer
+from gemps_bench.gemps_load import GempsClientFactory
+from gemps_bench.loadgen import LoadPlan, run_load
 from gemps_bench.procfs import cpu_seconds, partition_pids
 from gemps_bench.suite import parse_counts
 
@@ -137,6 +142,9 @@ def main() -> None:
     parser.add_argument("--size", default="100K", help="float32 parameters, e.g. 100K or 1M")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of the measured loop")
     parser.add_argument("--partitions", type=int, default=1, help="run the server as K partition processes")
+    parser.add_argument(
+        "--clients", type=int, default=1, help="more than 1: that many SDK clients from the bench's load generator"
+    )
     parser.add_argument("--raw", type=Path, default=None, help="keep py-spy's raw samples here")
     parser.add_argument("--no-profile", action="store_true", help="measure rates and CPU only")
     parser.add_argument("--summarize", type=Path, default=None, help="only print the summary of this raw file")
@@ -146,7 +154,12 @@ def main() -> None:
         return
     if args.partitions < 1 or (args.partitions > 1 and args.system != "gemps"):
         parser.error("--partitions must be at least 1, and more than 1 only with --system gemps")
+    if args.clients < 1 or (args.clients > 1 and (args.system != "gemps" or args.partitions > 1)):
+        parser.error("--clients must be at least 1, and more than 1 only with --system gemps and one partition")
     size = parse_counts(args.size)[0]
+    if args.clients > 1:
+        profile_under_load(size, args.clients, args.seconds, args.raw, args.no_profile)
+        return
     gradient = np.random.default_rng(0).standard_normal(size, dtype=np.float32) * np.float32(1e-3)
     raw = args.raw or Path(tempfile.mkdtemp(prefix="gemps-profile-")) / "server.txt"
     with contextlib.ExitStack() as running:
@@ -175,6 +188,28 @@ def main() -> None:
             print(summarize(raw, {pid: name for name, pid in pids.items()}))
         else:
             print("py-spy recorded nothing (no ptrace rights here?)", file=sys.stderr)
+
+
+def profile_under_load(size: int, clients: int, seconds: float, raw: Path | None, no_profile: bool) -> None:
+    """The bench's closed loop (gemps_bench.loadgen), `clients` SDK clients; py-spy on the server
+    through the measured window (after a warm-up)."""
+    warmup = 3.0
+    raw = raw or Path(tempfile.mkdtemp(prefix="gemps-profile-")) / "server.txt"
+    spies: list[subprocess.Popen[bytes]] = []
+    with ServerProcess(metrics_port=-1, log_level="warning", max_workers=max(256, clients)) as server:
+        if not no_profile:
+            timer = threading.Timer(warmup, lambda: spies.append(record(server.pid, seconds - 1, raw, False)))
+            timer.start()
+        plan = LoadPlan(num_parameters=size, clients=clients, duration=seconds, warmup=warmup)
+        result = run_load("gemps", GempsClientFactory(server.target, size), plan, server.pid)
+        for spy in spies:
+            spy.wait()
+    summary = result.summary()
+    figures = ("commits_per_second", "server_cpu_ms_per_commit", "client_cpu_ms_per_commit", "jain_index")
+    print(f"gemps P={size:,} n={clients}: " + ", ".join(f"{name} {summary[name]:.3f}" for name in figures))
+    if spies and raw.exists():
+        print(f"py-spy raw samples: {raw}")
+        print(summarize(raw, {server.pid: "server"}))
 
 
 if __name__ == "__main__":

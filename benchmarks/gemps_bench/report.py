@@ -225,21 +225,25 @@ def figure(data: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs: list[Run] = data["runs"]
-    systems = ["gemps", "gemps-bfloat16", "gemps-numpy", *CEILINGS, *PEERS]
+    systems = ["gemps", "gemps-tcp", "gemps-grpc", "gemps-bfloat16", "gemps-numpy", *CEILINGS, *PEERS]
     fig, (by_size, by_clients) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for system in systems:
+    colors = plt.get_cmap("tab20").colors  # one each: more systems than the default cycle's 10
+    for system, color in zip(systems, colors[::2] + colors[1::2], strict=False):
+        # gemps and its variants solid, the ceilings dashed-dotted, the peers dotted
+        style = {"color": color, "marker": "o", "label": system}
+        style["linestyle"] = "-" if system.startswith("gemps") else ("-." if system in CEILINGS else ":")
         points = sorted(
             (r["num_parameters"], r["commits_per_second"]) for r in runs if r["system"] == system and r["clients"] == 8
         )
         if points:
-            by_size.plot(*zip(*points, strict=True), marker="o", label=system)
+            by_size.plot(*zip(*points, strict=True), **style)
         points = sorted(
             (r["clients"], r["commits_per_second"])
             for r in runs
             if r["system"] == system and r["num_parameters"] == 1_000_000
         )
         if points:
-            by_clients.plot(*zip(*points, strict=True), marker="o", label=system)
+            by_clients.plot(*zip(*points, strict=True), **style)
     sizes = sorted({r["num_parameters"] for r in runs})
     by_size.plot(sizes, [memory_ceiling_of(data, s) for s in sizes], "k--", label="memcpy ceiling")
     by_size.set(xscale="log", yscale="log", xlabel="parameters (float32)", ylabel="commits/s", title="8 clients")
