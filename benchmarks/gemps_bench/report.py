@@ -227,8 +227,9 @@ def figure(data: dict[str, Any], path: Path) -> None:
     runs: list[Run] = data["runs"]
     systems = ["gemps", "gemps-tcp", "gemps-grpc", "gemps-bfloat16", "gemps-numpy", *CEILINGS, *PEERS]
     fig, (by_size, by_clients) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = plt.get_cmap("tab20").colors  # one each: more systems than the default cycle's 10
-    for system, color in zip(systems, colors[::2] + colors[1::2], strict=False):
+    palette = plt.get_cmap("tab20")  # a colour each: more systems than the default cycle's 10
+    colors = [palette(i) for i in (*range(0, 20, 2), *range(1, 20, 2))]
+    for system, color in zip(systems, colors, strict=False):
         # gemps and its variants solid, the ceilings dashed-dotted, the peers dotted
         style = {"color": color, "marker": "o", "label": system}
         style["linestyle"] = "-" if system.startswith("gemps") else ("-." if system in CEILINGS else ":")
