@@ -28,16 +28,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import numpy as np
 from gemps_bench.echo import EchoClientFactory, EchoServer
 from gemps_bench.echo_tcp import LENGTH, TcpEchoClientFactory, TcpEchoServer
 from gemps_bench.loadgen import ClientFactory, LoadPlan, run_load
+from gemps_bench.loopback import LoopbackServer
 from gemps_bench.suite import parse_counts
-
-from gemps_worker.cluster import ChildProcess
 
 CANDIDATES = ("grpc-unary", "tcp-threads", "tcp-asyncio", "zmq", "flight")
 
@@ -180,28 +178,13 @@ SERVERS: dict[str, Callable[[Path], None]] = {
 }
 
 
-class CandidateServer(ChildProcess):
+class CandidateServer(LoopbackServer):
     def __init__(self, kind: str) -> None:
-        super().__init__(name=kind)
+        super().__init__(kind)
         self.kind = kind
-        self.port = 0
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
 
     def command(self, port_file: Path) -> list[str]:
         return [sys.executable, __file__, "--serve", self.kind, "--port-file", str(port_file)]
-
-    def __enter__(self) -> CandidateServer:
-        (self.port,) = self.start_process()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.kill()
-        self.close()
 
 
 @dataclass(frozen=True)
@@ -222,7 +205,7 @@ class FlightEchoClientFactory:
 
 def measure(kind: str, plan: LoadPlan) -> float:
     """Commits per second of the `kind` echo under `plan`."""
-    server: ChildProcess
+    server: LoopbackServer
     factory: ClientFactory
     if kind == "grpc-unary":
         server = EchoServer()

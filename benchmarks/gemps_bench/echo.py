@@ -14,13 +14,12 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
 import grpc
 import numpy as np
 
+from gemps_bench.loopback import LoopbackServer
 from gemps_server.allocator import keep_large_allocations
-from gemps_worker.cluster import ChildProcess
 
 SERVICE = "gemps.bench.Echo"
 MAX_MESSAGE = 2**31 - 1
@@ -59,29 +58,14 @@ async def _serve(port_file: Path) -> None:
     await server.wait_for_termination()
 
 
-class EchoServer(ChildProcess):
+class EchoServer(LoopbackServer):
     """The echo server in a child process on a free port (`with EchoServer() as echo: echo.target`)."""
 
     def __init__(self) -> None:
-        super().__init__(name="echo")
-        self.port = 0
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        super().__init__("echo")
 
     def command(self, port_file: Path) -> list[str]:
         return [sys.executable, "-m", "gemps_bench.echo", "--port-file", str(port_file)]
-
-    def __enter__(self) -> EchoServer:
-        (self.port,) = self.start_process()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.kill()
-        self.close()
 
 
 def chunked(data: bytes, chunk_bytes: int) -> Iterator[bytes]:

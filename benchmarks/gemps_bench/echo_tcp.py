@@ -15,12 +15,11 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
 import numpy as np
 
+from gemps_bench.loopback import LoopbackServer
 from gemps_server.allocator import keep_large_allocations
-from gemps_worker.cluster import ChildProcess
 
 LENGTH = struct.Struct("<Q")
 
@@ -62,29 +61,14 @@ def serve(port_file: Path) -> None:
         threading.Thread(target=_echo_connection, args=(connection,), daemon=True).start()
 
 
-class TcpEchoServer(ChildProcess):
+class TcpEchoServer(LoopbackServer):
     """The TCP echo server in a child process (`with TcpEchoServer() as echo: echo.target`)."""
 
     def __init__(self) -> None:
-        super().__init__(name="echo-tcp")
-        self.port = 0
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        super().__init__("echo-tcp")
 
     def command(self, port_file: Path) -> list[str]:
         return [sys.executable, "-m", "gemps_bench.echo_tcp", "--port-file", str(port_file)]
-
-    def __enter__(self) -> TcpEchoServer:
-        (self.port,) = self.start_process()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.kill()
-        self.close()
 
 
 class TcpEchoClient:
