@@ -7,9 +7,10 @@ bytes they announce are read: the preamble's header length against --max-message
 payload length against the dtype and shape its header announces (service.expected_payload_bytes).
 A request refused before its payload was read is answered with an ERROR frame and the connection
 closed (its unread bytes are never read); one refused after it was read whole (NaN, unknown
-worker, base version) leaves the connection usable. A payload lands in a pooled θ-sized buffer;
-the reply's θ is copied into the same buffer on the applier while θ holds the commit's version,
-and sent from there.
+worker, base version) leaves the connection usable. A payload lands in a pooled θ-sized buffer
+(read from the socket, or copied out of the client's shared memory); the reply's θ is copied into
+the same buffer while θ holds the commit's version and sent from there, or, with shared memory,
+written into the client's memory (by GEM's pass itself, for float32) and only announced.
 """
 
 from __future__ import annotations
