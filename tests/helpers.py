@@ -12,11 +12,14 @@ import asyncio
 import dataclasses
 import io
 import logging
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -239,3 +242,29 @@ class CommitLoops:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout)
+
+
+def server_outcome(folder: Path, *argv: str, timeout: float = 120) -> tuple[int | None, list[str]]:
+    """Run `gemps server ARGV` until it exits or serves (writes its port file, in `folder`): its
+    exit status (None: it served, and was then stopped) and the lines of its output."""
+    port_file, log = folder / "outcome.port", folder / "outcome.log"
+    port_file.unlink(missing_ok=True)
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gemps_cli", "server", "--port-file", str(port_file), *argv],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    try:
+        wait_for(lambda: process.poll() is not None or port_file.exists(), timeout, "the server to exit or serve")
+    finally:
+        serving = process.poll() is None
+        if serving:  # stopped gracefully: a supervisor takes its partitions with it
+            process.terminate()
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    return (None if serving else process.returncode), log.read_text().splitlines()

@@ -2,8 +2,9 @@
 
 Each field of a frozen dataclass becomes a flag named after it (`num_shards` -> `--num-shards`)
 and an environment variable (`GEMPS_NUM_SHARDS`); precedence is flag > variable > default, so a
-container is configured by environment alone. Field metadata gives the help text (`help`) and
-the valid `choices`. A field whose default is a dataclass (`field(default_factory=TrainingConfig)`)
+container is configured by environment alone. Field metadata gives the help text (`help`), the
+valid `choices`, and the `range` of valid values (gemps_proto.ranges; shown in the help, checked
+by the dataclass itself). A field whose default is a dataclass (`field(default_factory=TrainingConfig)`)
 contributes that dataclass's fields as flags of their own, so a configuration composed of
 others is still one flat list of options.
 
@@ -22,6 +23,8 @@ import dataclasses
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
+
+from gemps_proto.ranges import range_of
 
 T = TypeVar("T")
 Choices = Mapping[str, Sequence[str]]
@@ -73,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser, options: type[Any], choices: 
     choices = choices or {}
     for f in options_of(options):
         valid = choices.get(f.name, f.metadata.get("choices"))
+        bounds = range_of(f)
+        within = f"; range {bounds}" if bounds is not None else ""
         parser.add_argument(
             flag(f.name),
             dest=f.name,
@@ -80,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser, options: type[Any], choices: 
             default=None,
             metavar=None if valid else f.name.upper(),
             choices=valid,
-            help=f"{f.metadata.get('help', '')} (env {env_var(f.name)}; default {f.default!r})",
+            help=f"{f.metadata.get('help', '')} (env {env_var(f.name)}; default {f.default!r}{within})",
         )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from gemps_proto.ranges import FLOAT32_MAX, INT64_MAX, RANGE, UINT32_MAX, Range, out_of_range
 from gemps_proto.schedules import CONSTANT, SCHEDULES
 
 
@@ -51,11 +52,21 @@ class WorkerMode(str, enum.Enum):
     DYNSGD = "dynsgd"  # lambda local steps, commit the accumulated update (the server divides by staleness + 1)
 
 
-def _option(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
+def _option(default: Any, help: str, choices: Sequence[str] | None = None, within: Range | None = None) -> Any:
     metadata: dict[str, Any] = {"help": help}
     if choices is not None:
         metadata["choices"] = tuple(choices)
+    if within is not None:
+        metadata[RANGE] = within
     return field(default=default, metadata=metadata)
+
+
+# What the training options' types hold. Factors multiply float32 values of θ (a larger one makes
+# every update infinite, and every commit is refused); counts of versions are int64 like the
+# versions they are compared with (uint64 on the wire); the batch size is a uint32 on the wire.
+POSITIVE_FACTOR = Range(0, FLOAT32_MAX, low_open=True)
+VERSIONS = Range(0, INT64_MAX, unit="versions")
+SOME_VERSIONS = Range(1, INT64_MAX, unit="versions")
 
 
 @dataclass(frozen=True)
@@ -64,49 +75,35 @@ class TrainingConfig:
     hyperparameters, and what reference workers should do. Defaults are the GEM paper's."""
 
     rule: str = _option("gem", "commit rule")
-    learning_rate: float = _option(0.05, "eta: a gradient g is applied as -eta*g")
-    momentum: float = _option(0.9, "mu: GEM's proxy momentum, and the momentum rule's")
-    kappa: float = _option(1.0, "kappa: GEM's proxy amplification")
-    pi_max: float = _option(5.0, "clamp on GEM's scaling factor pi")
+    learning_rate: float = _option(0.05, "eta: a gradient g is applied as -eta*g", within=POSITIVE_FACTOR)
+    momentum: float = _option(
+        0.9, "mu: GEM's proxy momentum, and the momentum rule's", within=Range(0, 1, high_open=True)
+    )
+    kappa: float = _option(1.0, "kappa: GEM's proxy amplification", within=POSITIVE_FACTOR)
+    pi_max: float = _option(5.0, "clamp on GEM's scaling factor pi", within=POSITIVE_FACTOR)
     worker_mode: str = _option(
         WorkerMode.GRADIENT.value, "training mode announced to workers", [m.value for m in WorkerMode]
     )
-    batch_size: int = _option(64, "mini-batch size announced to workers")
+    batch_size: int = _option(64, "mini-batch size announced to workers", within=Range(1, UINT32_MAX))
     # eta at central version v (commits applied): learning_rate * warm-up(v) * decay(v), see schedules.py
     lr_schedule: str = _option(CONSTANT, "eta's decay over central versions v (commits applied)", SCHEDULES)
-    lr_warmup_commits: int = _option(0, "linear warm-up: eta scaled by min(1, (v+1)/this); 0: none")
-    lr_step_size: int = _option(1000, "step: multiply eta by lr_gamma every this many versions")
-    lr_gamma: float = _option(0.1, "step: the factor, in (0, 1]")
-    lr_total_commits: int = _option(10000, "cosine: versions until eta reaches lr_min")
-    lr_min: float = _option(0.0, "cosine: the final eta, in [0, learning_rate]")
+    lr_warmup_commits: int = _option(0, "linear warm-up: eta scaled by min(1, (v+1)/this); 0: none", within=VERSIONS)
+    lr_step_size: int = _option(1000, "step: multiply eta by lr_gamma every this many versions", within=SOME_VERSIONS)
+    lr_gamma: float = _option(0.1, "step: the factor", within=Range(0, 1, low_open=True))
+    lr_total_commits: int = _option(10000, "cosine: versions until eta reaches lr_min", within=SOME_VERSIONS)
+    lr_min: float = _option(0.0, "cosine: the final eta, at most learning_rate", within=Range(0, FLOAT32_MAX))
 
     def problems(self) -> list[str]:
-        """What is wrong with these values (empty when nothing is); the rule name is the server's to check."""
-        found = []
+        """What is wrong with these values (empty when nothing is): each outside its range (declared
+        with the field) or its choices, and lr_min above learning_rate. The rule name is the server's
+        to check (its registry)."""
+        found = out_of_range(self)
         if self.worker_mode not in {m.value for m in WorkerMode}:
             modes = ", ".join(m.value for m in WorkerMode)
             found.append(f"unknown worker_mode {self.worker_mode!r} (choose from {modes})")
-        if not self.learning_rate > 0:
-            found.append("learning_rate must be > 0")
-        if not 0 <= self.momentum < 1:
-            found.append("momentum must be in [0, 1)")
-        if not self.kappa > 0:
-            found.append("kappa must be > 0")
-        if not self.pi_max > 0:
-            found.append("pi_max must be > 0")
-        if self.batch_size < 1:
-            found.append("batch_size must be >= 1")
         if self.lr_schedule not in SCHEDULES:
             found.append(f"unknown lr_schedule {self.lr_schedule!r} (choose from {', '.join(SCHEDULES)})")
-        if self.lr_warmup_commits < 0:
-            found.append("lr_warmup_commits must be >= 0")
-        if self.lr_step_size < 1:
-            found.append("lr_step_size must be >= 1")
-        if not 0 < self.lr_gamma <= 1:
-            found.append("lr_gamma must be in (0, 1]")
-        if self.lr_total_commits < 1:
-            found.append("lr_total_commits must be >= 1")
-        if not 0 <= self.lr_min <= self.learning_rate:
+        if self.lr_min > self.learning_rate:
             found.append("lr_min must be in [0, learning_rate]")
         return found
 

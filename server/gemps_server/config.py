@@ -3,7 +3,8 @@ announces (gemps_proto.schema.TrainingConfig) and the options of this process.
 
 The command line (`gemps server`) sets every field by flag or GEMPS_* environment variable, the
 training config's fields included (`--learning-rate`, `GEMPS_LEARNING_RATE`); field metadata
-carries their help text and choices.
+carries their help text, choices and ranges (gemps_proto.ranges): every value is checked at
+start against what the types it meets can hold, and refused with one line naming it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gemps_proto.ranges import INT32_MAX, INT64_MAX, RANGE, UINT32_MAX, Range, out_of_range
 from gemps_proto.schema import TrainingConfig
 from gemps_server.domain.rules import rule_names
 from gemps_server.domain.rules.gem import GEM_KERNELS
@@ -21,6 +23,22 @@ from gemps_server.native import compiled
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DATA_PLANE_MODES = ("on", "off")
+MIB = 1 << 20
+
+# What the server's options' types hold. Durations meet gRPC's channel arguments, C ints of
+# milliseconds, so every duration fits one (about 24.8 days; a value gRPC is given is at least a
+# millisecond); counts of things held at once meet C ints too; data shards and worker slots are
+# uint32 on the wire (Shard); a request message is limited by gRPC in an int32 of bytes.
+MAX_SECONDS = INT32_MAX / 1000
+SECONDS = Range(0, MAX_SECONDS, low_open=True, unit="seconds")
+SECONDS_OR_ZERO = Range(0, MAX_SECONDS, unit="seconds")
+GRPC_SECONDS = Range(0.001, MAX_SECONDS, unit="seconds")
+PORT = Range(0, 65535)
+COUNT = Range(1, INT32_MAX)
+COUNT_OR_ZERO = Range(0, INT32_MAX)
+# θ-sized buffers held at once: each is allocated when first needed, but the data plane lists
+# them all at start, and more than this many copies of any θ could never be held anyway.
+BUFFERS = Range(1, 1 << 16)
 
 
 def valid_token(token: str) -> bool:
@@ -32,7 +50,7 @@ def valid_token(token: str) -> bool:
 class ServerConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on (0.0.0.0 for all)"})
-    port: int = field(default=50051, metadata={"help": "gRPC port; 0 picks a free one"})
+    port: int = field(default=50051, metadata={"help": "gRPC port; 0 picks a free one", RANGE: PORT})
     data_plane: str = field(
         default="on",
         metadata={
@@ -43,7 +61,7 @@ class ServerConfig:
     )
     data_port: int = field(
         default=51051,
-        metadata={"help": "data-plane port (partition i: this + i); 0 picks a free one"},
+        metadata={"help": "data-plane port (partition i: this + i); 0 picks a free one", RANGE: PORT},
     )
     shared_memory: str = field(
         default="on",
@@ -59,13 +77,17 @@ class ServerConfig:
     # -- partitions of θ (docs/ARCHITECTURE.md, "Partitions") ---------------------------------------
     partitions: int = field(
         default=1,
-        metadata={"help": "split θ into this many contiguous ranges, each held by its own server process"},
+        metadata={
+            "help": "split θ into this many contiguous ranges, each held by its own server process",
+            RANGE: Range(1, 65535),
+        },
     )
     partition_index: int = field(
         default=-1,
         metadata={
             "help": "serve only this partition (0-based; e.g. a Kubernetes pod's ordinal); "
-            "-1: run all of them here, one process each on consecutive ports"
+            "-1: run all of them here, one process each on consecutive ports",
+            RANGE: Range(-1, 65534),
         },
     )
     partition_addresses: str = field(
@@ -87,19 +109,26 @@ class ServerConfig:
         default=60.0,
         metadata={
             "help": "seconds without a commit or pull before a worker is evicted; on a full server, a worker "
-            "this long without a commit gives its place to a newcomer"
+            "this long without a commit gives its place to a newcomer",
+            RANGE: SECONDS,
         },
     )
-    max_workers: int = field(default=256, metadata={"help": "most workers registered at once"})
+    max_workers: int = field(
+        default=256, metadata={"help": "most workers registered at once", RANGE: Range(1, UINT32_MAX)}
+    )
     num_shards: int = field(
         default=0,
-        metadata={"help": "disjoint data shards; 0: every worker uses all data in its own order"},
+        metadata={
+            "help": "disjoint data shards; 0: every worker uses all data in its own order",
+            RANGE: Range(0, UINT32_MAX),
+        },
     )
     max_message_mb: int = field(
         default=4,
         metadata={
             "help": "largest request message accepted, MiB (the SDK sends larger payloads and initial values "
-            "in pieces; replies are not limited by it)"
+            "in pieces; replies are not limited by it)",
+            RANGE: Range(1, INT32_MAX // MIB, unit="MiB"),
         },
     )
     max_parameters: int = field(
@@ -107,41 +136,63 @@ class ServerConfig:
         metadata={
             "help": "most values (parameters of this process's range, and buffers) a model may have; a first "
             "worker's larger model is refused RESOURCE_EXHAUSTED before its values are read (default 2**28: 1 GiB "
-            "of float32 θ, several times that with the rule's state)"
+            "of float32 θ, several times that with the rule's state)",
+            RANGE: Range(1, INT64_MAX // 4),  # their bytes, 4 each, are counted in int64
         },
     )
     max_concurrent_rpcs: int = field(
         default=512,
         metadata={
             "help": "RPCs in progress at once, server-wide; more are refused RESOURCE_EXHAUSTED before their "
-            "request is read (the SDK retries them)"
+            "request is read (the SDK retries them); calls that need no token (health checks) never count "
+            "here: --max-unauthenticated-rpcs",
+            RANGE: COUNT,
         },
     )
     max_streamed_payloads: int = field(
         default=2,
         metadata={
-            "help": "CommitStreams served at once, each in a reused buffer of P values (others wait in flow control)"
+            "help": "CommitStreams served at once, each in a reused buffer of P values (others wait in flow "
+            "control, in arrival order)",
+            RANGE: BUFFERS,
         },
     )
     stream_idle_timeout: float = field(
         default=30.0,
         metadata={
-            "help": "seconds a CommitStream may wait between its pieces before it is refused (it may hold a buffer); "
-            "on the data plane: seconds without a byte in the middle of a frame or of a reply, then it is closed"
+            "help": "seconds a CommitStream or RegisterStream may wait between its pieces before it is refused (it "
+            "may hold a buffer or the upload); on the data plane: seconds without a byte in the middle of a frame "
+            "or of a reply, then it is closed",
+            RANGE: SECONDS,
         },
     )
     data_plane_buffers: int = field(
         default=4,
         metadata={
             "help": "data-plane requests carrying θ served at once, each in a reused buffer of P values (others "
-            "wait, holding nothing)"
+            "wait, holding nothing)",
+            RANGE: BUFFERS,
+        },
+    )
+    min_stream_rate_mb: float = field(
+        default=1.0,
+        metadata={
+            "help": "the slowest, in MiB/s on average, that a streamed payload or initial values (gRPC) and a "
+            "data-plane payload or reply may move: each gets --stream-idle-timeout plus its bytes at this "
+            "rate, so a client trickling bytes just often enough to beat the idle timeout is still cut off",
+            RANGE: Range(0, 1 << 20, low_open=True, unit="MiB/s"),
         },
     )
     max_data_connections: int = field(
         default=256,
-        metadata={"help": "data-plane connections at once (TCP and local together); more are refused on arrival"},
+        metadata={
+            "help": "data-plane connections at once (TCP and local together); more are refused on arrival",
+            RANGE: COUNT,
+        },
     )
-    metrics_port: int = field(default=9109, metadata={"help": "Prometheus /metrics port; -1 disables"})
+    metrics_port: int = field(
+        default=9109, metadata={"help": "Prometheus /metrics port; -1 disables", RANGE: Range(-1, 65535)}
+    )
     metrics_host: str = field(default="", metadata={"help": "metrics address (default: same as --host)"})
     log_level: str = field(default="info", metadata={"help": "log level", "choices": LOG_LEVELS})
     log_format: str = field(
@@ -154,15 +205,26 @@ class ServerConfig:
         metadata={"help": "write checkpoints here and restore the latest on start; empty: no checkpoints"},
     )
     checkpoint_every: int = field(
-        default=1000, metadata={"help": "checkpoint after this many commits since the last one; 0: not by count"}
+        default=1000,
+        metadata={
+            "help": "checkpoint after this many commits since the last one; 0: not by count",
+            RANGE: Range(0, INT64_MAX),
+        },
     )
     checkpoint_interval: float = field(
-        default=60.0, metadata={"help": "checkpoint this often, seconds, when the version moved; 0: not by time"}
+        default=60.0,
+        metadata={
+            "help": "checkpoint this often, seconds, when the version moved; 0: not by time",
+            RANGE: SECONDS_OR_ZERO,
+        },
     )
-    checkpoint_keep: int = field(default=3, metadata={"help": "checkpoints kept; older ones are deleted"})
+    checkpoint_keep: int = field(default=3, metadata={"help": "checkpoints kept; older ones are deleted", RANGE: COUNT})
     shutdown_grace: float = field(
         default=10.0,
-        metadata={"help": "seconds in-flight RPCs get to finish on SIGTERM before the final checkpoint"},
+        metadata={
+            "help": "seconds in-flight RPCs get to finish on SIGTERM before the final checkpoint",
+            RANGE: SECONDS_OR_ZERO,
+        },
     )
     # -- security and limits -----------------------------------------------------------------------
     tls_cert: str = field(default="", metadata={"help": "PEM certificate chain: serve TLS (needs --tls-key)"})
@@ -175,51 +237,93 @@ class ServerConfig:
     )
     auth_token_file: str = field(default="", metadata={"help": "read the bearer token from this file instead"})
     max_registrations_per_minute: int = field(
-        default=600, metadata={"help": "Register calls accepted per minute (bursts up to this); 0: no limit"}
+        default=600,
+        metadata={
+            "help": "Register calls accepted per minute (bursts up to this); 0: no limit",
+            RANGE: COUNT_OR_ZERO,
+        },
     )
     max_connections: int = field(
         default=1000,
         metadata={
             "help": "client connections at once; more are closed on arrival (capped below the open-file "
-            "limit, whose soft value is raised to the hard one at start)"
+            "limit, whose soft value is raised to the hard one at start)",
+            RANGE: COUNT,
         },
     )
     handshake_timeout: float = field(
         default=5.0,
         metadata={
-            "help": "seconds a new connection has to finish its TLS/HTTP/2 handshake (data plane: TLS and HELLO)"
+            "help": "seconds a new connection has to finish its TLS/HTTP/2 handshake (data plane: TLS and HELLO)",
+            RANGE: GRPC_SECONDS,
         },
     )
     connection_idle_timeout: float = field(
         default=120.0,
         metadata={
             "help": "seconds a connection (gRPC or data plane) may stay open without a request in flight "
-            "(clients reconnect)"
+            "(clients reconnect)",
+            RANGE: GRPC_SECONDS,
         },
     )
     max_streams_per_connection: int = field(
         default=100,
-        metadata={"help": "RPCs at once on one client connection (HTTP/2 streams); more are refused by the transport"},
+        metadata={
+            "help": "RPCs at once on one client connection (HTTP/2 streams); more are refused by the transport",
+            RANGE: COUNT,
+        },
     )
     max_reply_mb: int = field(
         default=128,
         metadata={
             "help": "MiB of replies carrying the parameters (Register, Pull, Commit, PullStream) held at once "
-            "until their clients read them; more wait, holding nothing, before theirs is built"
+            "until their clients read them; more wait, holding nothing, before theirs is built",
+            RANGE: Range(1, INT32_MAX, unit="MiB"),
         },
     )
     max_connection_age: float = field(
         default=300.0,
         metadata={
             "help": "seconds a client connection may live; then it is told to go away (GOAWAY: clients "
-            "reconnect) and closed --connection-age-grace seconds later"
+            "reconnect) and closed --connection-age-grace seconds later",
+            RANGE: GRPC_SECONDS,
         },
     )
     connection_age_grace: float = field(
         default=60.0,
         metadata={
             "help": "seconds RPCs in flight get to finish after GOAWAY; then the connection is closed, "
-            "freeing what its client never read"
+            "freeing what its client never read",
+            RANGE: GRPC_SECONDS,
+        },
+    )
+    max_unauthenticated_rpcs: int = field(
+        default=32,
+        metadata={
+            "help": "calls that need no token (health checks and Health.Watch streams) in progress at once; more "
+            "are refused RESOURCE_EXHAUSTED before their request is read. They never count in "
+            "--max-concurrent-rpcs, so probes cannot take what workers need",
+            RANGE: COUNT,
+        },
+    )
+    max_watches: int = field(
+        default=16,
+        metadata={
+            "help": "Health.Watch streams open at once (they count in --max-unauthenticated-rpcs too, and must "
+            "leave room there for health checks); more are refused RESOURCE_EXHAUSTED",
+            RANGE: COUNT,
+        },
+    )
+    max_watches_per_connection: int = field(
+        default=2,
+        metadata={"help": "Health.Watch streams open at once on one client connection", RANGE: COUNT},
+    )
+    supervisor_pid: int = field(
+        default=0,
+        metadata={
+            "help": "shut down when the process with this id stops being this one's parent (gemps server "
+            "--partitions K sets it for its partitions, which then die with it); 0: none",
+            RANGE: Range(0, INT32_MAX),
         },
     )
 
@@ -243,48 +347,22 @@ class ServerConfig:
             found.append(f"unknown log_format {self.log_format!r} (choose from {', '.join(LOG_FORMATS)})")
         found += self._limit_problems()
         found += self._security_problems()
-        found += self._connection_problems()
         found += self._partition_problems()
         return found
 
     def _limit_problems(self) -> list[str]:
-        found = []
-        if not 0 <= self.port <= 65535:
-            found.append(f"port {self.port} outside 0..65535")
-        if not 0 <= self.data_port <= 65535:
-            found.append(f"data_port {self.data_port} outside 0..65535")
+        found = out_of_range(self)
         if self.data_plane not in DATA_PLANE_MODES:
             found.append(f"data_plane {self.data_plane!r}: choose on or off")
         if self.shared_memory not in DATA_PLANE_MODES:
             found.append(f"shared_memory {self.shared_memory!r}: choose on or off")
-        if not -1 <= self.metrics_port <= 65535:
-            found.append(f"metrics_port {self.metrics_port} outside -1..65535")
-        if self.lease_ttl <= 0:
-            found.append("lease_ttl must be > 0")
-        if self.max_workers < 1:
-            found.append("max_workers must be >= 1")
-        if self.num_shards < 0:
-            found.append("num_shards must be >= 0")
-        if self.max_streamed_payloads < 1:
-            found.append("max_streamed_payloads must be >= 1")
-        if self.data_plane_buffers < 1:
-            found.append("data_plane_buffers must be >= 1")
-        if not self.stream_idle_timeout > 0:
-            found.append("stream_idle_timeout must be > 0")
-        if self.max_message_mb < 1:
-            found.append("max_message_mb must be >= 1")
-        if self.max_parameters < 1:
-            found.append("max_parameters must be >= 1")
-        if self.max_concurrent_rpcs < 1:
-            found.append("max_concurrent_rpcs must be >= 1")
-        if self.checkpoint_every < 0:
-            found.append("checkpoint_every must be >= 0")
-        if self.checkpoint_interval < 0:
-            found.append("checkpoint_interval must be >= 0")
-        if self.checkpoint_keep < 1:
-            found.append("checkpoint_keep must be >= 1")
-        if self.shutdown_grace < 0:
-            found.append("shutdown_grace must be >= 0")
+        if self.max_watches >= self.max_unauthenticated_rpcs:
+            found.append(
+                f"max_watches ({self.max_watches}) must be below max_unauthenticated_rpcs "
+                f"({self.max_unauthenticated_rpcs}): Watch streams would leave no room for health checks"
+            )
+        if self.max_watches_per_connection > self.max_watches:
+            found.append(f"max_watches_per_connection must be at most max_watches ({self.max_watches})")
         return found
 
     def _security_problems(self) -> list[str]:
@@ -303,32 +381,8 @@ class ServerConfig:
                 found.append(f"{name} {path!r} is not a readable file")
         return found
 
-    def _connection_problems(self) -> list[str]:
-        found = []
-        if self.max_registrations_per_minute < 0:
-            found.append("max_registrations_per_minute must be >= 0")
-        if self.max_connections < 1:
-            found.append("max_connections must be >= 1")
-        if self.max_data_connections < 1:
-            found.append("max_data_connections must be >= 1")
-        if not self.handshake_timeout > 0:
-            found.append("handshake_timeout must be > 0")
-        if not self.connection_idle_timeout > 0:
-            found.append("connection_idle_timeout must be > 0")
-        if self.max_streams_per_connection < 1:
-            found.append("max_streams_per_connection must be >= 1")
-        if self.max_reply_mb < 1:
-            found.append("max_reply_mb must be >= 1")
-        if not self.max_connection_age > 0:
-            found.append("max_connection_age must be > 0")
-        if not self.connection_age_grace > 0:
-            found.append("connection_age_grace must be > 0")
-        return found
-
     def _partition_problems(self) -> list[str]:
-        if self.partitions < 1:
-            return ["partitions must be >= 1"]
-        if not -1 <= self.partition_index < self.partitions:
+        if self.partition_index >= self.partitions:
             return [f"partition_index {self.partition_index} outside -1..{self.partitions - 1}"]
         if self.partition_addresses and "{index}" not in self.partition_addresses:
             listed = len(self.partition_addresses.split(","))
@@ -336,6 +390,12 @@ class ServerConfig:
                 return [f"partition_addresses lists {listed} addresses for {self.partitions} partitions"]
         if self.partitions > 1 and self.partition_index == 0 and not self.partition_addresses:
             return ["partition 0 of several announces the layout: give partition_addresses"]
+        if self.partitions > 1 and self.partition_index == -1:  # partition i listens on these ports + i
+            return [
+                f"{name} {port} + {self.partitions - 1} (the last partition's) is past 65535"
+                for name, port in (("port", self.port), ("data_port", self.data_port))
+                if port + self.partitions - 1 > 65535 and port > 0
+            ]
         return []
 
     @property
@@ -375,7 +435,12 @@ class ServerConfig:
 
     @property
     def max_message_bytes(self) -> int:
-        return min(self.max_message_mb * 1024 * 1024, 2**31 - 1)
+        return min(self.max_message_mb * MIB, INT32_MAX)
+
+    @property
+    def min_stream_bytes_per_second(self) -> float:
+        """--min-stream-rate-mb in bytes: the floor every streamed transfer is held to, on both planes."""
+        return self.min_stream_rate_mb * MIB
 
     def recorded_settings(self) -> dict[str, Any]:
         """The settings a checkpoint records and compares on restore: the training config and

@@ -52,7 +52,7 @@ def test_server_rejects_invalid_configuration_clearly() -> None:
         [sys.executable, "-m", "gemps_cli", "server", "--momentum", "1.5"], capture_output=True, text=True
     )
     assert result.returncode == 2
-    assert "momentum must be in [0, 1)" in result.stderr
+    assert "momentum 1.5 is outside [0, 1)" in result.stderr
 
 
 def test_server_starts_without_torch() -> None:

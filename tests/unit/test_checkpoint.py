@@ -338,7 +338,7 @@ def test_exposure_warnings() -> None:
         ({"tls_client_ca": "x"}, "needs tls_cert"),
         ({"auth_token": "has space"}, "auth_token must be printable ASCII"),
         ({"auth_token": "a", "auth_token_file": "b"}, "not both"),
-        ({"checkpoint_keep": 0}, "checkpoint_keep must be >= 1"),
+        ({"checkpoint_keep": 0}, r"checkpoint_keep 0 is outside \[1, "),
         ({"auth_token_file": "/nonexistent/token"}, "is not a readable file"),
     ],
 )

@@ -57,7 +57,8 @@ def test_partition_options_are_checked() -> None:
     template = ServerConfig(partitions=3, partition_index=0, partition_addresses="ps-{index}.ps:1")
     assert template.partition_address_list() == ("ps-0.ps:1", "ps-1.ps:1", "ps-2.ps:1")
     for options, problem in (
-        ({"partitions": 0}, "partitions must be >= 1"),
+        ({"partitions": 0}, r"partitions 0 is outside \[1, 65535\]"),
+        ({"partitions": 3, "port": 65534}, r"port 65534 \+ 2 \(the last partition's\) is past 65535"),
         ({"partitions": 2, "partition_index": 2}, "partition_index 2 outside -1..1"),
         ({"partitions": 2, "partition_index": 0}, "partition 0 of several announces the layout"),
         ({"partitions": 3, "partition_index": 0, "partition_addresses": "a:1,b:1"}, "lists 2 addresses for 3"),

@@ -1,0 +1,73 @@
+"""The range each option's value must lie in, declared once beside the option and checked at start.
+
+An option's range is what the types its value meets can hold: on the wire (`uint32`, `uint64`,
+`double`), at run time (float32 arithmetic on θ, gRPC's C `int` channel arguments, int64
+versions). A value outside it (NaN and infinities included, for a range with finite ends) is
+refused before anything runs, with one line naming the option, the value and the range, rather
+than starting a server that fails every call (`Value out of range`) or crashes with a traceback.
+
+A configuration dataclass declares a field's range in its metadata (`{"range": Range(...)}`);
+`out_of_range(instance)` lists the fields outside theirs. `gemps_proto.schema.TrainingConfig`
+holds the training options' ranges, the server's config the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+INT32_MAX = 2**31 - 1  # gRPC's channel arguments (C int); process ids
+UINT32_MAX = 2**32 - 1  # uint32 fields: batch size, shard index and count
+INT64_MAX = 2**63 - 1  # versions and counts (int64 base_version, checkpoint metadata)
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # factors applied to float32 values of θ
+
+RANGE = "range"  # the metadata key of a field's Range
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values from `low` to `high`, each end included unless it is open; finite values only."""
+
+    low: float
+    high: float
+    low_open: bool = False
+    high_open: bool = False
+    unit: str = ""
+
+    def admits(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False  # NaN compares false with everything, infinity is past any finite end
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        text = (
+            f"{'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}{')' if self.high_open else ']'}"
+        )
+        return f"{text} {self.unit}" if self.unit else text
+
+
+def _number(value: float) -> str:
+    if isinstance(value, int) or (float(value).is_integer() and abs(value) < 2**53):
+        return str(int(value))
+    return repr(float(value))
+
+
+def range_of(field: dataclasses.Field[object]) -> Range | None:
+    found = field.metadata.get(RANGE)
+    return found if isinstance(found, Range) else None
+
+
+def out_of_range(instance: object) -> list[str]:
+    """One line per field of a dataclass instance whose value is outside its declared range."""
+    found = []
+    for field in dataclasses.fields(instance):  # type: ignore[arg-type]
+        bounds = range_of(field)
+        value = getattr(instance, field.name)
+        if bounds is not None and not bounds.admits(value):
+            found.append(f"{field.name} {value!r} is outside {bounds}")
+    return found
