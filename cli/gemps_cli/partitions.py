@@ -9,6 +9,10 @@ reached partition 0 at), so a worker that can register has the whole layout. A p
 dies is started again on its port, from its checkpoints (as Kubernetes restarts a pod); SIGTERM
 or SIGINT stops them all gracefully. The exit status is the worst of the partitions'.
 
+The partitions die with the supervisor (each is given its pid: gemps_server.supervision), and
+the supervisor holds `<checkpoint_dir>/gemps.lock` while it runs, so a second supervisor on the same
+directory is refused rather than started beside it (gemps_server.directory_lock).
+
 Children are configured through GEMPS_* variables (flags > variables > defaults in each), so a
 token never appears on a command line.
 """
@@ -34,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gemps.options import env_var, values_of
 from gemps_server.config import ServerConfig
+from gemps_server.directory_lock import DirectoryLock
 from gemps_worker.processes import GEMPS_COMMAND, ChildExitedError, launch, wait_for_port_file
 
 log = logging.getLogger("gemps.partitions")
@@ -111,6 +116,7 @@ def child_config(config: ServerConfig, index: int, addresses: str = "") -> Serve
         metrics_host="127.0.0.1",
         checkpoint_dir=checkpoints,
         partition_addresses=config.partition_addresses or (addresses if index == 0 else ""),
+        supervisor_pid=os.getpid(),  # it dies with this process
     )
 
 
@@ -147,14 +153,20 @@ class PartitionSupervisor:
         self.partitions: list[PartitionProcess] = []  # in θ order, once started
         self._stopping = threading.Event()
         self.metrics_port = -1
+        self._directory = DirectoryLock(config.checkpoint_dir) if config.checkpoint_dir else None
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         try:
+            try:  # before any partition starts: a second supervisor is refused here, in one line
+                self._hold_directory()
+                self._serve_metrics()
+            except OSError as error:
+                log.error("cannot start: %s", error)
+                return EXIT_CANNOT_START
             if not self._start_all():
                 return self._stop_all() or EXIT_CANNOT_START
-            self._serve_metrics()
             self._write_port_file()
             ports = ", ".join(str(partition.port) for partition in self.partitions)
             log.info("serving %d partitions on ports %s", len(self.partitions), ports)
@@ -166,6 +178,16 @@ class PartitionSupervisor:
             return self._stop_all()
         finally:
             self._dir.cleanup()
+            if self._directory is not None:
+                self._directory.release()
+
+    def _hold_directory(self) -> None:
+        """The checkpoint directory of every partition, for this supervisor alone."""
+        if self._directory is None:
+            return
+        note = self._directory.acquire()
+        if note is not None:
+            log.warning("checkpoint directory %s: %s", self._directory.directory, note)
 
     def _start_all(self) -> bool:
         """Partitions 1..K-1, then partition 0 told their ports; False if one could not start."""
@@ -217,7 +239,10 @@ class PartitionSupervisor:
         registry = CollectorRegistry(auto_describe=True)
         registry.register(PartitionMetrics(self.partitions))
         host = self.config.metrics_host or self.config.host
-        server, _thread = start_http_server(self.config.metrics_port, addr=host, registry=registry)
+        try:
+            server, _thread = start_http_server(self.config.metrics_port, addr=host, registry=registry)
+        except OSError as error:
+            raise OSError(f"metrics: cannot listen on {host}:{self.config.metrics_port}: {error.strerror}") from None
         self.metrics_port = server.server_port
 
     def _write_port_file(self) -> None:

@@ -73,8 +73,9 @@ class NotRegisteredError(GempsError):
     """A worker call was made before `Client.register`."""
 
 
-# How grpc.aio words its own refusals (there is no gemps reason in them).
-CONCURRENT_RPC_LIMIT = "Concurrent RPC limit exceeded!"
+# How grpc.aio words its own refusals (there is no gemps reason in them); the server's own count
+# of calls in progress refuses with the same words.
+CONCURRENT_RPC_LIMIT = reasons.BUSY_DETAILS
 MESSAGE_TOO_LARGE = "Received message larger than max"
 
 _BY_CODE: dict[grpc.StatusCode, type[GempsError]] = {

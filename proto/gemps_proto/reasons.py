@@ -12,6 +12,9 @@ import enum
 
 #: trailing-metadata key of a refused RPC's reason label
 METADATA_KEY = "gemps-reason"
+#: the details of a refusal past --max-concurrent-rpcs, sent without a reason label: grpc.aio's own
+#: limiter refused so before the server counted calls itself, and clients recognise it by them
+BUSY_DETAILS = "Concurrent RPC limit exceeded!"
 
 
 class Reason(str, enum.Enum):
@@ -36,8 +39,11 @@ class Reason(str, enum.Enum):
     BAD_CLIENT_ID = "bad_client_id"  # a client id past its length limit or with spaces or controls
     BAD_EVALUATION = "bad_evaluation"  # an evaluator's figures out of range
     TOO_LONG = "too_long"  # a worker name or dataset label past its length limit
-    STREAM_IDLE = "stream_idle"  # a CommitStream that sent nothing for --stream-idle-timeout seconds
+    STREAM_IDLE = "stream_idle"  # a stream silent for --stream-idle-timeout, or slower than --min-stream-rate-mb
     TOO_LARGE = "too_large"  # a model of more values than the server's --max-parameters
+    BUSY = "busy"  # past --max-concurrent-rpcs (on the wire as gRPC's own refusal: BUSY_DETAILS, no label)
+    UNAUTHENTICATED_LIMIT = "unauthenticated_limit"  # calls that need no token past --max-unauthenticated-rpcs
+    WATCH_LIMIT = "watch_limit"  # Health.Watch streams past --max-watches or --max-watches-per-connection
 
     def __str__(self) -> str:
         return self.value

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
+import socket
 import threading
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -15,9 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import disable_created_metrics, start_http_server
 
-from gemps_proto.reasons import Reason
 from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_server import logs
+from gemps_server import logs, supervision
+from gemps_server.admission import Admission
 from gemps_server.allocator import TRIM_INTERVAL_SECONDS, one_arena, trim, tune_for
 from gemps_server.checkpoint_writer import Checkpointer
 from gemps_server.config import ServerConfig
@@ -28,11 +30,12 @@ from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.logs import event
 from gemps_server.metrics import ServerMetrics, exposed
-from gemps_server.security import TokenAuthInterceptor, exposure_warnings, server_credentials
+from gemps_server.security import exposure_warnings, server_credentials
 from gemps_server.service import ParameterService
 from gemps_server.wire.data_plane import DataPlaneServer
 from gemps_server.wire.grpc_servicer import GempsServicer, add_to_server
-from gemps_server.wire.health import HealthServicer
+from gemps_server.wire.health import FAREWELL_SECONDS, HealthServicer
+from gemps_server.wire.streams import Pace
 
 log = logging.getLogger("gemps.server")
 
@@ -76,10 +79,14 @@ class ParameterServer:
             self.service,
             self.metrics,
             config.max_streamed_payloads,
-            config.stream_idle_timeout,
+            Pace(config.stream_idle_timeout, config.min_stream_bytes_per_second),
             reply_budget_bytes=config.max_reply_mb * 1024 * 1024,
         )
-        self.health = HealthServicer()  # its Watch streams end at shutdown (health.py)
+        # Its Watch streams are bounded, and end at shutdown (health.py).
+        self.health = HealthServicer(
+            config.max_watches, config.max_watches_per_connection, on_refused=self.metrics.refusal
+        )
+        self.admission: Admission | None = None  # the token and the budgets of calls in progress, once started
         self.data_plane = DataPlaneServer(config, self.service, self.metrics) if config.data_plane_on else None
         self.port = 0
         self.data_port = 0  # bound once started (0: the data plane is off)
@@ -90,6 +97,16 @@ class ParameterServer:
         self._trim_task: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
+        """Bind every port and serve; OSError (a port in use, an unusable checkpoint directory or
+        one another server holds) or ValueError (a bad key file) when it cannot, with nothing
+        left held."""
+        try:
+            return await self._start()
+        except BaseException:
+            self._abandon()
+            raise
+
+    async def _start(self) -> int:
         config = self.config
         if self.checkpointer is not None:
             self.checkpointer.restore()  # before serving: workers register against the restored state
@@ -100,14 +117,14 @@ class ParameterServer:
         self.applier.start()
         self.service.attach_loop(asyncio.get_running_loop())
         if self.data_plane is not None:  # before gRPC serves: every registration can announce it
-            self.data_port = self.data_plane.start()
+            self.data_port = _listening("data plane", config.host, config.data_port, self.data_plane.start)
             self.service.data_plane_port = self.data_port
             self.service.data_plane_local = self.data_plane.local_socket
+        self._start_metrics()
         await server.start()
         self._server = server
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        self._start_metrics()
         self._lease_task = asyncio.create_task(self._expire_leases(), name="gemps-leases")
         self._trim_task = asyncio.create_task(self._trim_heap(), name="gemps-heap-trim")
         if self.checkpointer is not None:
@@ -132,15 +149,28 @@ class ParameterServer:
         )
         return self.port
 
+    def _abandon(self) -> None:
+        """After a failed start: let go of what was taken (ports, threads, the checkpoint
+        directory), so the process can exit or, in a test, start another server."""
+        if self.data_plane is not None and self.data_port:
+            self.data_plane.stop(0.0)
+        self.applier.stop()  # nothing was queued: its thread (if started) just ends
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()  # type: ignore[attr-defined]
+            self._metrics_server.server_close()  # type: ignore[attr-defined]
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+
     def _grpc_server(self, token: str) -> grpc.aio.Server:
         """The gRPC server with its limits (memory before trust: DESIGN §3b), this server's
         servicer, health and reflection; not yet bound or started."""
         config = self.config
-        interceptors = []
-        if token:
-            interceptors.append(
-                TokenAuthInterceptor(token, on_refused=lambda method: self.metrics.refusal(Reason.UNAUTHENTICATED))
-            )
+        # In total: at most max_concurrent_rpcs requests being received, each of at most `limit`
+        # bytes, plus max_unauthenticated_rpcs health checks (more calls are refused before a byte
+        # of theirs is read).
+        self.admission = Admission(
+            token, config.max_concurrent_rpcs, config.max_unauthenticated_rpcs, on_refused=self.metrics.refusal
+        )
         limit = config.max_message_bytes
         # Connections within the open-file budget (descriptors.py); those that never finish their
         # handshake or sit without an RPC are closed, so idle ones cannot hold every place.
@@ -148,11 +178,11 @@ class ParameterServer:
         if connections < config.max_connections:
             event(log, "connections capped", level=logging.WARNING, max_connections=connections)
         server = grpc.aio.server(
-            interceptors=interceptors,
-            # In total: at most this many requests being received, each of at most `limit` bytes
-            # (more calls are refused before a byte of theirs is read).
-            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+            interceptors=[self.admission],
             options=[
+                # One server per address: gRPC sets SO_REUSEPORT by default, and a second server on
+                # a port already served then shared its connections with the first (issue 28).
+                ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", limit),
                 # Replies are as large as θ needs (protobuf's 2 GiB at most); what they hold while
                 # unread is bounded by the reply budget.
@@ -186,13 +216,18 @@ class ParameterServer:
         """Bind the configured address (TLS when configured); the port bound."""
         config = self.config
         address = _hostport(config.host, config.port)
-        if config.tls:
-            credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-            port = server.add_secure_port(address, credentials)
-        else:
-            port = server.add_insecure_port(address)
+        if config.port:  # gRPC would log a failure of its own on stderr: ask the kernel first
+            _listening("gRPC", config.host, config.port, lambda: _probe(config.host, config.port))
+        try:
+            if config.tls:
+                credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+                port = server.add_secure_port(address, credentials)
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError:  # grpcio's "Failed to bind to address"
+            port = 0
         if port == 0:
-            raise OSError(f"could not bind {address}")
+            raise OSError(f"gRPC: cannot listen on {address}")
         for warning in exposure_warnings(config.host, tls=config.tls, token=bool(token)):
             event(log, "insecure listener", level=logging.WARNING, warning=warning)
         return port
@@ -214,7 +249,7 @@ class ParameterServer:
         if self.data_plane is not None:
             closing.append(asyncio.to_thread(self.data_plane.stop, grace))
         if self._server is not None:
-            closing.append(self._server.stop(grace))
+            closing.append(self._stop_grpc(self._server, grace))
         await asyncio.gather(*closing)
         if self.checkpointer is not None:
             await self.checkpointer.stop_schedule()
@@ -225,6 +260,9 @@ class ParameterServer:
             durable = self.checkpointer.last_version == self.state.version or not self.state.initialized
         if self._metrics_server is not None:
             self._metrics_server.shutdown()  # type: ignore[attr-defined]
+            self._metrics_server.server_close()  # type: ignore[attr-defined]
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         if not durable:
             assert self.checkpointer is not None
             newest = self.checkpointer.last_version
@@ -240,6 +278,24 @@ class ParameterServer:
         event(log, "stopped", version=self.state.version, active=len(self.state.registry))
         return True
 
+    async def _stop_grpc(self, server: grpc.aio.Server, grace: float) -> None:
+        """Calls in flight get up to `grace` seconds; new ones are refused UNAVAILABLE meanwhile
+        (health checks still answer, NOT_SERVING). Once no call that carries work is left, Watch
+        streams (told NOT_SERVING) get FAREWELL_SECONDS to end, then gRPC stops, cancelling what
+        remains: a Watch whose client never reads held the shutdown for the whole grace before
+        (issue 28, item 4). One call to server.stop(): grpc.aio's shutdown must not run twice at
+        once (a second one can cancel calls on a server the first has just destroyed)."""
+        assert self.admission is not None
+        self.admission.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.admission.calls.idle(), grace)
+        left = max(0.0, deadline - loop.time())
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.health.watches.none(), min(FAREWELL_SECONDS, left))
+        await server.stop(0)
+
     async def wait_closed(self) -> None:
         if self._server is not None:
             await self._server.wait_for_termination()
@@ -250,9 +306,13 @@ class ParameterServer:
         host = self.config.metrics_host or self.config.host
         labels = {"partition": str(self.config.partition)} if self.config.partitions > 1 else {}
         registry = exposed(self.metrics.registry, labels)
-        server, _thread = start_http_server(self.config.metrics_port, addr=host, registry=registry)
-        self._metrics_server = server
-        self.metrics_port = server.server_port
+
+        def start() -> int:
+            server, _thread = start_http_server(self.config.metrics_port, addr=host, registry=registry)
+            self._metrics_server = server
+            return int(server.server_port)
+
+        self.metrics_port = _listening("metrics", host, self.config.metrics_port, start)
 
     def _observe_state(self) -> None:
         state = self.state
@@ -284,10 +344,41 @@ class ParameterServer:
             await self.service.evict_expired()
 
 
+def _listening(what: str, host: str, port: int, start: Callable[[], int]) -> int:
+    """`start()` (which binds `host`:`port`), its bound port; its OSError said in one line
+    that names the listener and the address."""
+    try:
+        return start()
+    except OSError as error:
+        hint = " (is another server listening there?)" if error.errno == errno.EADDRINUSE else ""
+        reason = error.strerror or str(error)
+        raise OSError(f"{what}: cannot listen on {_hostport(host, port)}: {reason}{hint}") from None
+
+
+def _probe(host: str, port: int) -> int:
+    """Bind `host`:`port` as gRPC does (SO_REUSEADDR, which a listener's port does not share), then
+    let it go; OSError when it cannot be bound, e.g. another server listens there."""
+    family, kind, protocol, _name, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, protocol) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(address)
+    return port
+
+
 def configure_logs(config: ServerConfig, origin: str = "") -> None:
     """The process's logging as the config says (level; text or JSON lines), each line's logger
     tagged with `origin` when given (several processes of one server sharing a terminal)."""
     logs.configure(config.log_level, config.log_format, origin=origin)
+
+
+async def _watch_supervisor(pid: int, stop: asyncio.Event) -> None:
+    """Set `stop` once process `pid` is no longer this one's parent (0: no supervisor)."""
+    if not pid:
+        return
+    while supervision.parent_is(pid):
+        await asyncio.sleep(supervision.CHECK_SECONDS)
+    event(log, "supervisor gone", level=logging.WARNING, supervisor=pid)
+    stop.set()
 
 
 async def serve(config: ServerConfig, ready: threading.Event | None = None) -> None:
@@ -301,6 +392,11 @@ async def serve(config: ServerConfig, ready: threading.Event | None = None) -> N
     # Prometheus stores them as gauges of their own, doubling the server's series for nothing.
     disable_created_metrics()  # type: ignore[no-untyped-call]
     one_arena()  # before the server's threads exist (allocator.py)
+    if config.supervisor_pid:  # a partition: it dies with its supervisor (supervision.py)
+        supervision.die_with_parent()
+        if not supervision.parent_is(config.supervisor_pid):
+            event(log, "cannot start", level=logging.ERROR, error=f"supervisor {config.supervisor_pid} is gone")
+            raise SystemExit(2)
     server = ParameterServer(config)
     try:
         await server.start()
@@ -316,7 +412,9 @@ async def serve(config: ServerConfig, ready: threading.Event | None = None) -> N
             loop.add_signal_handler(sig, stop.set)
     closed = asyncio.create_task(server.wait_closed())
     stopping = asyncio.create_task(stop.wait())
+    watching = asyncio.create_task(_watch_supervisor(config.supervisor_pid, stop))
     await asyncio.wait({closed, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    watching.cancel()
     event(log, "shutting down", grace_seconds=config.shutdown_grace)
     durable = await server.stop()
     closed.cancel()

@@ -21,6 +21,7 @@ import safetensors
 
 from gemps_server.checkpoint_files import Checkpoint, CheckpointError, load_latest, prune, remove_temporaries, save
 from gemps_server.config import ServerConfig
+from gemps_server.directory_lock import DirectoryLock
 from gemps_server.domain.applier import Applier
 from gemps_server.domain.state import ServerState
 from gemps_server.logs import event
@@ -51,18 +52,24 @@ class Checkpointer:
         self._stopping = asyncio.Event()
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
+        self._directory_lock = DirectoryLock(self.directory)  # one server per directory
 
     # -- start-up ------------------------------------------------------------------------------
 
     def restore(self) -> Checkpoint | None:
         """Load the newest good checkpoint into the (still empty) state; None when there is none.
 
-        Raises OSError when the directory cannot be created or written: better not to start than
-        to train for hours without the checkpoints the operator asked for.
+        Raises OSError when the directory cannot be created or written, or another server holds
+        it (DirectoryInUse): better not to start than to train for hours without the checkpoints
+        the operator asked for, or to mix two servers' checkpoints. Holds the directory until
+        `close()` (or until the process ends).
         """
         self.directory.mkdir(parents=True, exist_ok=True)
         if not os.access(self.directory, os.W_OK | os.X_OK):
             raise PermissionError(f"checkpoint_dir {self.directory} is not writable")
+        note = self._directory_lock.acquire()
+        if note is not None:
+            event(log, "checkpoint directory lock", level=logging.WARNING, directory=str(self.directory), note=note)
         for path in remove_temporaries(self.directory):
             event(log, "checkpoint temporary removed", level=logging.WARNING, path=str(path))
 
@@ -99,6 +106,10 @@ class Checkpointer:
             requests=len(checkpoint.image.receipts),
         )
         return checkpoint
+
+    def close(self) -> None:
+        """Give the directory up for another server (after the final checkpoint)."""
+        self._directory_lock.release()
 
     # -- while serving ---------------------------------------------------------------------------
 

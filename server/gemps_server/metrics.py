@@ -57,8 +57,18 @@ DATA_PLANE_REFUSALS = (
 )
 DEPARTURE_CAUSES = ("left", "evicted")
 CHECKPOINT_OUTCOMES = ("written", "failed")
-# Requests refused before reaching a handler's logic: no or a wrong token, registration rate.
-REFUSAL_REASONS = (Reason.UNAUTHENTICATED.value, Reason.REGISTRATION_RATE.value)
+# Requests refused before reaching a handler's logic: no or a wrong token, registration rate, a
+# budget of calls in progress (--max-concurrent-rpcs, --max-unauthenticated-rpcs, Watch streams).
+REFUSAL_REASONS = tuple(
+    reason.value
+    for reason in (
+        Reason.UNAUTHENTICATED,
+        Reason.REGISTRATION_RATE,
+        Reason.BUSY,
+        Reason.UNAUTHENTICATED_LIMIT,
+        Reason.WATCH_LIMIT,
+    )
+)
 # Longest `dataset` label value taken from an evaluator's report.
 MAX_DATASET_LABEL = 64
 # Distinct `dataset` label values kept; reports naming further datasets go under "other", so a
@@ -265,7 +275,8 @@ class ServerMetrics:
         self.checkpoint_bytes = Gauge("gemps_checkpoint_bytes", "Size of the newest checkpoint written.", registry=r)
         self.refused = Counter(
             "gemps_refused_requests",
-            "Requests refused by a guard: reason=unauthenticated (bad or no token), registration_rate.",
+            "Requests refused by a guard: reason=unauthenticated (bad or no token), registration_rate, busy "
+            "(--max-concurrent-rpcs), unauthenticated_limit (--max-unauthenticated-rpcs), watch_limit.",
             ["reason"],
             registry=r,
         )

@@ -15,24 +15,20 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-import logging
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from gemps_proto import reasons
-from gemps_server.logs import Throttle, event
-
-log = logging.getLogger("gemps.server")
 
 AUTHORIZATION_KEY = "authorization"
 BEARER_PREFIX = "Bearer "
-# Methods open without a token: health checks only.
+# Methods open without a token: health checks only (admission.py gives them their own budget).
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 
 if TYPE_CHECKING:
@@ -70,13 +66,11 @@ def exposure_warnings(host: str, tls: bool, token: bool) -> list[str]:
     return []
 
 
-class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses any RPC (health checks aside) without `authorization: Bearer <token>`."""
+class BearerToken:
+    """The token every RPC but a health check must carry: `authorization: Bearer <token>`."""
 
-    def __init__(self, token: str, on_refused: Callable[[str], None] | None = None) -> None:
+    def __init__(self, token: str) -> None:
         self._expected = (BEARER_PREFIX + token).encode()
-        self._on_refused = on_refused
-        self._log = Throttle(interval=1.0)
 
     def authorized(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> bool:
         presented = [value for key, value in metadata or () if key == AUTHORIZATION_KEY]
@@ -86,41 +80,29 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         raw = value if isinstance(value, bytes) else value.encode("utf-8", "surrogateescape")
         return hmac.compare_digest(raw, self._expected)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Handler | None:
-        method = handler_call_details.method
-        if method.startswith(OPEN_METHOD_PREFIXES) or self.authorized(handler_call_details.invocation_metadata):
-            return await continuation(handler_call_details)
-        if self._on_refused is not None:
-            self._on_refused(method)
-        suppressed = self._log.allow(method)
-        if suppressed is not None:
-            event(log, "unauthenticated", level=logging.WARNING, method=method, suppressed=suppressed)
-        # Refused by a handler that takes a stream of requests and reads none of it: with the
-        # method's own unary handler grpc.aio would first receive the whole request (up to
-        # --max-message-mb: the window opens to the length it declares) and only then refuse.
-        # On the wire the refusal is the same status whatever the method's shape.
-        return _REFUSAL
+
+def refusal_handler(code: grpc.StatusCode, details: str, reason: reasons.Reason | None) -> Handler:
+    """A handler that refuses a call at once with `code`, `details` and `reason` (none: no label).
+
+    Request-streaming, for every method: grpc.aio calls it without reading the request, whereas
+    with the method's own unary handler it would first receive the whole request (up to
+    --max-message-mb: the window opens to the length it declares) and only then refuse. On the
+    wire a status-only reply is the same whatever the method's shape."""
+    trailing = ((reasons.METADATA_KEY, reason.value),) if reason is not None else ()
+
+    async def refuse(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await context.abort(code, details, trailing_metadata=trailing)
+        yield  # pragma: no cover (abort raised)
+
+    return grpc.stream_stream_rpc_method_handler(refuse)
 
 
-async def _deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-    await context.abort(
-        grpc.StatusCode.UNAUTHENTICATED,
-        "missing or wrong bearer token: send 'authorization: Bearer <token>'",
-        trailing_metadata=((reasons.METADATA_KEY, reasons.Reason.UNAUTHENTICATED.value),),
-    )
-
-
-async def _deny_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-    await _deny(request, context)
-    yield  # pragma: no cover (abort raised)
-
-
-#: answers UNAUTHENTICATED at once: request-streaming, so grpc.aio reads no request message first
-_REFUSAL: Handler = grpc.stream_stream_rpc_method_handler(_deny_stream)
+#: answers UNAUTHENTICATED at once, reading nothing of the request
+UNAUTHENTICATED_REFUSAL = refusal_handler(
+    grpc.StatusCode.UNAUTHENTICATED,
+    "missing or wrong bearer token: send 'authorization: Bearer <token>'",
+    reasons.Reason.UNAUTHENTICATED,
+)
 
 
 class RateLimiter:

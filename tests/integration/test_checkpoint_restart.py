@@ -5,6 +5,7 @@ graceful shutdown; `gemps export` into a torch model."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -288,7 +289,7 @@ def test_an_unusable_checkpoint_dir_stops_the_start(tmp_path: Path) -> None:
 def test_failing_checkpoint_writes_do_not_stop_training(tmp_path: Path, servers: list[ServerProcess]) -> None:
     directory = tmp_path / "checkpoints"
     server = start(servers, checkpoint_dir=directory, checkpoint_every=1, checkpoint_interval=0)
-    directory.rmdir()
+    shutil.rmtree(directory)  # the server's lock file and all
     directory.write_text("the disk is gone")  # every write now fails
     with gemps.Client(server.target) as client:
         client.register(PARAMS)

@@ -18,7 +18,7 @@ from gemps_proto.reasons import METADATA_KEY
 from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.validation import MAX_NAME_LENGTH, MAX_SPEC_ENTRIES
-from tests.helpers import InProcessServer, wait_for
+from tests.helpers import InProcessServer, scrape_series, wait_for
 from tests.integration.conftest import SPEC, StartServer, open_stub, register
 
 
@@ -86,13 +86,15 @@ def test_streams_that_stop_sending_are_refused_and_free_their_buffers(start_serv
     release = threading.Event()
     codes: list[tuple[grpc.StatusCode, str]] = []
 
-    def stall() -> None:
-        header = pb.CommitRequest(
+    header = pb.CommitChunk(
+        header=pb.CommitRequest(
             worker_id=worker_id, kind=pb.PAYLOAD_KIND_GRADIENT, payload=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[16])
         )
+    ).SerializeToString()
 
+    def stall() -> None:
         def frames() -> Iterator[bytes]:
-            yield pb.CommitChunk(header=header).SerializeToString()
+            yield header
             release.wait(60)  # and then nothing
 
         channel = grpc.insecure_channel(server.target)
@@ -107,6 +109,11 @@ def test_streams_that_stop_sending_are_refused_and_free_their_buffers(start_serv
     stalled = [threading.Thread(target=stall) for _ in range(2)]
     for thread in stalled:
         thread.start()
+    # Both hold a buffer once the server has read their headers; only then does the commit start
+    # (on a loaded machine it could otherwise take a buffer first and end the test before them).
+    header_bytes = 'gemps_received_bytes_total{method="CommitStream",plane="grpc"}'
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    wait_for(lambda: scrape_series(url).get(header_bytes, 0) >= 2 * len(header), 30, "both headers read")
     try:
         # CommitStream's buffers are the point: this commit must take gRPC, not the data plane.
         with gemps.Client(server.target, streaming="always", timeout=30, plane="grpc") as client:

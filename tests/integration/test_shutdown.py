@@ -1,7 +1,8 @@
-"""Shutdown against real server processes (issue 15, items 4, 5 and 11b): SIGTERM right after a
-burst of commits with a checkpoint per commit never hangs and loses nothing; a final checkpoint
-that cannot be written ends the process with a non-zero status naming the versions lost; an open
-Health.Watch stream does not hold shutdown."""
+"""Shutdown against real server processes (issue 15, items 4, 5 and 11b; issue 28, item 4):
+SIGTERM right after a burst of commits with a checkpoint per commit never hangs and loses
+nothing; a final checkpoint that cannot be written ends the process with a non-zero status naming
+the versions lost; an open Health.Watch stream does not hold shutdown, nor one whose client never
+reads."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from gemps_server.checkpoint_files import list_checkpoints, load
 from gemps_worker.cluster import ServerProcess
 from tests.helpers import wait_for
 from tests.integration.conftest import StartServer
+from tests.raw_http2 import RawConnection, grpc_frame
 
 PARAMS = {"w": np.zeros(64, np.float32)}
 WORKERS = 4
@@ -89,4 +91,30 @@ def test_an_open_health_watch_does_not_hold_shutdown_for_the_grace_period(start_
     channel.close()
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     assert statuses == [serving, not_serving]
+    assert took < grace / 4, f"shutdown took {took:.1f} s of a {grace:g} s grace period"
+
+
+def test_a_watch_whose_client_never_reads_does_not_hold_shutdown() -> None:
+    """Issue 28, item 4: a Watch on a connection whose receive window is zero. The server's write
+    of its first status never completes, and a graceful stop waited the whole grace for the
+    stream (20.2 s of 20 here). Now, once no call carrying work is left, Watch streams get a
+    moment to take NOT_SERVING and the rest are cancelled; reading watchers still end cleanly."""
+    grace = 20.0
+    server = ServerProcess(shutdown_grace=grace)
+    with server:
+        unread = RawConnection(server.port, receive_window=0)
+        request = grpc_frame(health_pb2.HealthCheckRequest(service="").SerializeToString())
+        stream = unread.open("/grpc.health.v1.Health/Watch", request)
+        unread.until(lambda: stream in unread.answered, 30, "the Watch's handler replying")
+        channel = grpc.insecure_channel(server.target)
+        reader = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
+        statuses = [next(reader).status]
+        started = time.monotonic()
+        code = server.stop(timeout=60)
+        took = time.monotonic() - started
+        statuses += [reply.status for reply in reader]  # the reading watcher still ends cleanly
+        channel.close()
+        unread.close()
+        assert code == 0, server.log()[-3000:]
+    assert statuses == [health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING]
     assert took < grace / 4, f"shutdown took {took:.1f} s of a {grace:g} s grace period"

@@ -34,7 +34,7 @@ from gemps_server.domain.records import Commit, StateImage
 from gemps_server.domain.rules import ApplyStats
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
-from gemps_server.security import RateLimiter, TokenAuthInterceptor, exposure_warnings, is_loopback
+from gemps_server.security import BearerToken, RateLimiter, exposure_warnings, is_loopback
 from tests.helpers import encoded, server_config, training
 
 SPEC = (ParameterSpec("layer.weight", (2, 3)), ParameterSpec("layer.bias", (2,)))
@@ -300,8 +300,8 @@ def test_restore_into_another_rule_drops_the_rule_state_with_a_warning() -> None
 
 
 def test_token_check() -> None:
-    interceptor = TokenAuthInterceptor("s3cret")
-    assert interceptor.authorized((("authorization", "Bearer s3cret"),))
+    token = BearerToken("s3cret")
+    assert token.authorized((("authorization", "Bearer s3cret"),))
     for metadata in (
         (),
         (("authorization", "Bearer s3cre"),),
@@ -310,7 +310,7 @@ def test_token_check() -> None:
         (("authorization", "Bearer s3cret"), ("authorization", "Bearer s3cret")),
         (("x-token", "Bearer s3cret"),),
     ):
-        assert not interceptor.authorized(metadata), metadata
+        assert not token.authorized(metadata), metadata
 
 
 def test_rate_limiter_refills_over_time() -> None:

@@ -70,6 +70,7 @@ class DataPlaneServer:
             handshake_timeout=config.handshake_timeout,
             idle_timeout=config.connection_idle_timeout,
             stream_timeout=config.stream_idle_timeout,
+            min_bytes_per_second=config.min_stream_bytes_per_second,
         )
         self._pool = LoopBufferPool(config.data_plane_buffers)
         self._tls = tls_context(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls else None

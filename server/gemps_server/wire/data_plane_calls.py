@@ -50,9 +50,6 @@ from gemps_server.wire.stream_buffers import Buffer, LoopBufferPool
 M = TypeVar("M", bound=Message)
 Request = TypeVar("Request", pb.CommitRequest, pb.PullRequest)
 Steps = Generator[Wait, Any, Any]
-# The slowest a payload or a reply may move, on average, once it started (1 MiB/s: 4 s more for
-# a 1M-parameter θ); what it is given on top of --stream-idle-timeout.
-MIN_BYTES_PER_SECOND = 1 << 20
 # A HELLO is a worker id and a 32-byte ticket: anything larger is not one.
 MAX_HELLO_BYTES = 4096
 METHODS: dict[int, str] = {Op.COMMIT: "Commit", Op.PULL: "Pull"}
@@ -66,6 +63,9 @@ class Limits:
     handshake_timeout: float  # accept to HELLO answered, TLS included
     idle_timeout: float  # between requests (--connection-idle-timeout)
     stream_timeout: float  # without a byte mid-frame or mid-reply (--stream-idle-timeout)
+    # the slowest a payload or a reply may move on average once it started, on top of
+    # stream_timeout (--min-stream-rate-mb, gRPC's streams' floor too; 1 MiB/s: 4 s more for 1M values)
+    min_bytes_per_second: float
 
 
 class Unread(Exception):
@@ -403,7 +403,7 @@ class Connection:
     def _deadline(self, nbytes: int) -> float:
         """When `nbytes` of payload must have moved: a client that trickles bytes just fast
         enough to beat the stall timeout still gives its pooled buffer back."""
-        return time.monotonic() + self._limits.stream_timeout + nbytes / MIN_BYTES_PER_SECOND
+        return time.monotonic() + self._limits.stream_timeout + nbytes / self._limits.min_bytes_per_second
 
     def _send_error(self, error: ServiceError) -> Steps:
         yield from self._send(Op.ERROR, error_header(error))

@@ -34,7 +34,7 @@ from gemps_server.wire.messages import MalformedRequest, WithTensor
 from gemps_server.wire.reply_budget import ReplyBudget
 from gemps_server.wire.status_codes import status_of
 from gemps_server.wire.stream_buffers import BufferPool
-from gemps_server.wire.streams import CHUNK_CLASSES, Chunk
+from gemps_server.wire.streams import CHUNK_CLASSES, Chunk, Pace
 
 F = TypeVar("F", bound=Callable[..., Any])
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -161,19 +161,22 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         service: ParameterService,
         metrics: ServerMetrics,
         max_streamed_payloads: int,
-        stream_idle_timeout: float,
+        pace: Pace,
         reply_budget_bytes: int,
     ) -> None:
         self.service = service
         self.metrics = metrics
         # Replies carrying θ that gRPC holds until their client reads them (reply_budget.py).
         self._replies = ReplyBudget(reply_budget_bytes)
-        # A stream that stops sending is refused after this long: it may hold one of the buffers.
-        self._idle_timeout = stream_idle_timeout
+        # A stream that stops sending or falls behind is refused: it may hold a buffer or the upload.
+        self._pace = pace
         # CommitStreams in progress at once (receiving, applying or replying), each in a buffer
-        # of about 4P bytes; the rest wait in gRPC flow control, not in this process.
+        # of about 4P bytes; the rest wait in gRPC flow control, not in this process, and are
+        # served in arrival order (asyncio's semaphore is first come, first served).
         self._stream_buffers = BufferPool(max_streamed_payloads)
         # One upload of initial values at a time (RegisterStream): only the first is ever used.
+        # Others wait in arrival order (asyncio's lock is first come, first served) for at most
+        # as long as the uploads ahead of them may take, each bounded by the pace.
         self._initial_upload = asyncio.Lock()
 
     def _known_version(self, request: pb.PullRequest) -> int:
@@ -221,7 +224,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         """Register with the initial values in pieces (see RegisterChunk). They are read only when
         they initialise θ, one upload at a time, into a buffer of the size the header announced
         once the spec has said that size is right."""
-        header = await streams.stream_header(requests, self._idle_timeout, pb.RegisterChunk)
+        header = await streams.stream_header(requests, self._pace.idle_timeout, pb.RegisterChunk)
         spec = messages.spec_from_proto(header.spec)
         buffer_spec = messages.spec_from_proto(header.buffer_spec)
         if self.service.initialized or not header.HasField("initial_parameters"):
@@ -230,7 +233,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
             initial: tuple[EncodedTensor | None, EncodedTensor | None] = (None, None)
             if not self.service.initialized:
                 check = functools.partial(self.service.check_upload, spec, buffer_spec)
-                initial = await streams.receive_initial_values(header, requests, self._idle_timeout, check)
+                initial = await streams.receive_initial_values(header, requests, self._pace, check)
             return await self._register(header, spec, initial[0], buffer_spec, initial[1], context)
 
     async def _register(
@@ -294,13 +297,13 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         self, requests: AsyncIterator[Chunk], context: Context
     ) -> AsyncIterator[pb.CommitResponseChunk | bytes]:
         """Commit with the payload and the reply's parameters in pieces (see CommitChunk)."""
-        header = await streams.stream_header(requests, self._idle_timeout, pb.CommitChunk)
+        header = await streams.stream_header(requests, self._pace.idle_timeout, pb.CommitChunk)
         dtype = messages.reply_dtype_from_proto(header.reply_dtype)
         # One pooled buffer per stream: the payload is assembled in it, then the reply's θ is
         # copied into the same bytes. Streams past the pool wait in gRPC flow control.
         async with self._stream_buffers.buffer() as buffer:
             expected = self.service.expected_payload_bytes
-            payload = await streams.receive_payload(header, requests, self._idle_timeout, buffer, expected)
+            payload = await streams.receive_payload(header, requests, self._pace, buffer, expected)
             commit = messages.commit_from_proto(header, payload)
             outcome, data = await self.service.commit(commit, messages.stream_commit_reply(buffer))
             yield messages.stream_header_to_proto(outcome, dtype, self.service.num_parameters)

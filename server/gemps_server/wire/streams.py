@@ -1,15 +1,24 @@
 """Client-streaming RPCs (CommitStream, RegisterStream): a header message, then data pieces.
 
 How a stream's messages arrive (`Chunk`: a data piece as a memoryview of the received bytes, a
-header, or bytes that did not parse), how long the server waits for the next one, and how the
+header, or bytes that did not parse), how long the server waits for them (`Pace`), and how the
 data pieces are assembled into the bytes their header announced, refused as soon as they cannot
 be (more or fewer bytes, a second header).
+
+A stream may hold the one upload of initial values or a pooled θ-sized buffer, so it must keep
+moving: at most --stream-idle-timeout between two pieces, and once its data began, on average at
+least --min-stream-rate-mb with the idle timeout as slack (the data plane's floor, one option for
+both planes). A client that trickles a few bytes just inside the idle timeout held the upload or
+a buffer for as long as it liked before (issue 28, item 3); now it is cut off after about the
+idle timeout, DEADLINE_EXCEEDED, reason `stream_idle`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import overload
 
 from gemps_proto.codec import EncodedTensor, TensorDecodeError, expected_nbytes, num_elements
@@ -44,6 +53,19 @@ def method_of(chunk_class: type[ChunkMessage]) -> str:
     return chunk_class.__name__.removesuffix("Chunk") + "Stream"
 
 
+@dataclass(frozen=True)
+class Pace:
+    """How long a stream may take: `idle_timeout` seconds between two pieces, and for its data,
+    on average at least `min_bytes_per_second` since it began, with `idle_timeout` as slack."""
+
+    idle_timeout: float  # --stream-idle-timeout
+    min_bytes_per_second: float  # --min-stream-rate-mb
+
+    def allowance(self, moved: int) -> float:
+        """Seconds since its data began by which a stream that has moved `moved` bytes must move more."""
+        return self.idle_timeout + moved / self.min_bytes_per_second
+
+
 async def next_piece(requests: AsyncIterator[Chunk], timeout: float, method: str) -> Chunk | None:
     """The stream's next piece (None at its end); DeadlineExceeded after `timeout` seconds of silence."""
     try:
@@ -51,6 +73,25 @@ async def next_piece(requests: AsyncIterator[Chunk], timeout: float, method: str
     except asyncio.TimeoutError:
         raise DeadlineExceeded(
             f"{method} sent nothing for {timeout:g} s (the server's --stream-idle-timeout)", Reason.STREAM_IDLE
+        ) from None
+
+
+async def next_data_piece(
+    requests: AsyncIterator[Chunk], pace: Pace, began: float, moved: int, method: str
+) -> Chunk | None:
+    """The next piece of a stream whose data began at `began` (monotonic) and has moved `moved`
+    bytes: waits at most the idle timeout, and no later than the pace allows."""
+    left = began + pace.allowance(moved) - time.monotonic()
+    if left >= pace.idle_timeout:
+        return await next_piece(requests, pace.idle_timeout, method)
+    try:
+        return await asyncio.wait_for(anext(requests, None), max(left, 0.0))
+    except asyncio.TimeoutError:
+        rate = pace.min_bytes_per_second / (1 << 20)
+        raise DeadlineExceeded(
+            f"{method} sent {moved} bytes in {time.monotonic() - began:.1f} s: slower than the server's "
+            f"--min-stream-rate-mb ({rate:g} MiB/s on average after --stream-idle-timeout)",
+            Reason.STREAM_IDLE,
         ) from None
 
 
@@ -78,12 +119,14 @@ async def stream_header(
 
 
 async def assemble(
-    requests: AsyncIterator[Chunk], assembler: PayloadAssembler, timeout: float, chunk_class: type[ChunkMessage]
+    requests: AsyncIterator[Chunk], assembler: PayloadAssembler, pace: Pace, chunk_class: type[ChunkMessage]
 ) -> memoryview:
     """The data pieces after a stream's header, into `assembler`; InvalidArgument for anything
-    else, or more or fewer bytes than announced; DeadlineExceeded when the client stalls."""
+    else, or more or fewer bytes than announced; DeadlineExceeded when the client stalls or
+    falls behind the pace."""
     method = method_of(chunk_class)
-    while (chunk := await next_piece(requests, timeout, method)) is not None:
+    began, moved = time.monotonic(), 0
+    while (chunk := await next_data_piece(requests, pace, began, moved, method)) is not None:
         if isinstance(chunk, MalformedRequest):
             raise chunk.refusal()
         if isinstance(chunk, chunk_class):
@@ -96,6 +139,7 @@ async def assemble(
             assembler.add(chunk)
         except ValueError as error:
             raise InvalidArgument(f"payload: {error}", Reason.BAD_PAYLOAD) from None
+        moved += chunk.nbytes
     try:
         return assembler.result()
     except ValueError as error:
@@ -113,7 +157,7 @@ def announced_bytes(tensor: pb.Tensor, what: str) -> int:
 async def receive_initial_values(
     header: pb.RegisterRequest,
     requests: AsyncIterator[Chunk],
-    timeout: float,
+    pace: Pace,
     check_counts: Callable[[int, int | None], None],
 ) -> tuple[EncodedTensor, EncodedTensor | None]:
     """RegisterStream's initial parameters and buffers, in the pieces after the header in that
@@ -125,7 +169,7 @@ async def receive_initial_values(
     buffer_bytes = 0 if buffers is None else announced_bytes(buffers, "initial_buffers")
     check_counts(num_elements(parameters.shape), None if buffers is None else num_elements(buffers.shape))
     assembler = PayloadAssembler(parameter_bytes + buffer_bytes)
-    data = await assemble(requests, assembler, timeout, pb.RegisterChunk)
+    data = await assemble(requests, assembler, pace, pb.RegisterChunk)
     initial = EncodedTensor(parameters.dtype, tuple(parameters.shape), data[:parameter_bytes])
     if buffers is None:
         return initial, None
@@ -135,7 +179,7 @@ async def receive_initial_values(
 async def receive_payload(
     header: pb.CommitRequest,
     requests: AsyncIterator[Chunk],
-    timeout: float,
+    pace: Pace,
     buffer: Buffer,
     expected_bytes: Callable[[int, tuple[int, ...]], int],
 ) -> EncodedTensor:
@@ -144,5 +188,5 @@ async def receive_payload(
     shape = tuple(header.payload.shape)
     expected = expected_bytes(header.payload.dtype, shape)
     assembler = PayloadAssembler(expected, into=buffer.take(expected))
-    data = await assemble(requests, assembler, timeout, pb.CommitChunk)
+    data = await assemble(requests, assembler, pace, pb.CommitChunk)
     return EncodedTensor(header.payload.dtype, shape, data)
