@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from gemps.errors import GempsError
+from gemps.records import CentralVariable
 from gemps_cli.connection import add_connection_flags, connect
 from gemps_server.checkpoint_files import (
     Checkpoint,
@@ -20,6 +22,9 @@ from gemps_server.checkpoint_files import (
 
 # `gemps server --partitions K --checkpoint-dir D` keeps partition i's checkpoints in D/partition-i.
 PARTITION_DIR = re.compile(r"partition-(\d+)")
+# A live server's partitions apply each commit one after the other: a pull may land between two
+# of them. Pull again this many times before calling the versions mixed.
+LIVE_PULLS = 5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--server", help="HOST:PORT of a running server to pull the central variable from")
     parser.add_argument("--out", required=True, help="file to write (safetensors)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the server")
+    parser.add_argument(
+        "--allow-mixed-versions",
+        action="store_true",
+        help="with partitions of θ at different versions (one restarted from an older checkpoint, say), export "
+        "them anyway: each range as of its own version. Without it such an export is refused (exit 1)",
+    )
     add_connection_flags(parser)
     parser.set_defaults(run=run)
 
@@ -50,18 +61,38 @@ def load_newest(directory: Path) -> tuple[Path, Checkpoint]:
     return found
 
 
+def mixed_versions(versions: Sequence[int]) -> str:
+    """'' when every partition is at one version, else why an export would mix them."""
+    if len(set(versions)) <= 1:
+        return ""
+    listed = ", ".join(f"partition {index} at {version}" for index, version in enumerate(versions))
+    return f"the partitions of θ are at different versions ({listed}): the export would mix them"
+
+
+def pull_live(args: argparse.Namespace) -> CentralVariable:
+    """The central variable of a running server; with partitions, pulled again (a few times) while
+    a commit in flight has reached some partitions and not the others yet."""
+    client = connect(args, timeout=args.timeout)
+    try:
+        central = client.pull()
+        for _ in range(LIVE_PULLS - 1):
+            if not mixed_versions(central.versions):
+                break
+            central = client.pull()
+        return central
+    finally:
+        client.close()
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         if args.server:
-            client = connect(args, timeout=args.timeout)
             try:
-                central = client.pull()
+                central = pull_live(args)
             except GempsError as error:
                 print(f"gemps export: {args.server}: {error}", file=sys.stderr)
                 return 1
-            finally:
-                client.close()
-            named, version, origin = central.state_dict(), central.version, args.server
+            named, versions, origin = central.state_dict(), list(central.versions), args.server
             parameters, buffers = central.flat.size, central.buffers.size
         else:
             source = Path(args.checkpoint)
@@ -72,12 +103,22 @@ def run(args: argparse.Namespace) -> int:
             images = [checkpoint.image for _, checkpoint in checkpoints]
             loaded = [checkpoint for _, checkpoint in checkpoints]
             named = assemble_partitions(loaded) if len(loaded) > 1 else loaded[0].named()
-            version = checkpoints[0][1].version  # with partitions: partition 0's
+            versions = [image.version for image in sorted(images, key=lambda image: image.partition.index)]
             parameters, buffers = sum(i.theta.size for i in images), sum(i.buffers.size for i in images)
     except (CheckpointError, OSError, ValueError) as error:
         print(f"gemps export: {error}", file=sys.stderr)
         return 1
-    size = export_state_dict(named, version, Path(args.out), metadata={"source": origin})
+    if len(versions) > 1:
+        print("partition versions: " + ", ".join(f"{index}: {version}" for index, version in enumerate(versions)))
+    if (mixed := mixed_versions(versions)) and not args.allow_mixed_versions:
+        print(f"gemps export: {mixed}; nothing written (--allow-mixed-versions writes it anyway)", file=sys.stderr)
+        return 1
+    version = versions[0]  # with partitions: partition 0's
+    metadata = {"source": origin}
+    if len(versions) > 1:
+        metadata["partition_versions"] = ",".join(map(str, versions))
+    size = export_state_dict(named, version, Path(args.out), metadata=metadata)
     counts = f"{parameters} parameters" + (f", {buffers} buffer values" if buffers else "")
-    print(f"wrote {args.out}: version {version}, {len(named)} tensors, {counts}, {size} bytes")
+    mixed_note = " (partitions at different versions, as asked)" if mixed else ""
+    print(f"wrote {args.out}: version {version}{mixed_note}, {len(named)} tensors, {counts}, {size} bytes")
     return 0

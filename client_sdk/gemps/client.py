@@ -40,8 +40,9 @@ from gemps.records import (
 from gemps.retry import Retrier, RetryPolicy
 from gemps.router import PartitionRouter
 from gemps.transport import Transport
-from gemps_proto.codec import WIRE_DTYPE_NAMES
+from gemps_proto.codec import WIRE_DTYPE_NAMES, all_finite
 from gemps_proto.framing import DEFAULT_CHUNK_BYTES
+from gemps_proto.reasons import Reason
 from gemps_proto.schema import PayloadKind, flatten, spec_of
 
 log = logging.getLogger("gemps.client")
@@ -185,19 +186,23 @@ class Client:
         `buffer_delta`, for a model with buffers: how they changed since the central ones were
         last loaded (flat in buffer spec order, or by name); the server adds it to its buffers.
         Returns the new central variable and buffers (one round trip per step). With partitions,
-        the slices are applied independently: complete when every partition has applied its own.
+        the slices are applied independently: complete when every partition has applied its own;
+        when one refuses after another applied, PartiallyAppliedError says which did, and θ holds
+        their replies. A payload or delta with NaN or Inf is refused here (InvalidArgumentError,
+        reason NON_FINITE) before any server sees it.
         """
         if self.registration is None:
             raise errors.NotRegisteredError("call register() before pull() or commit()")
         if kind not in PAYLOAD_KINDS:
             raise ValueError(f"kind must be one of {', '.join(PAYLOAD_KINDS)}, not {kind!r}")
+        flat = _finite("payload", _flat(payload).reshape(-1))
         return self._router.commit(
-            _flat(payload).reshape(-1),
+            flat,
             kind=PAYLOAD_KINDS[kind],
             loss=loss,
             num_samples=num_samples,
             base_version=base_version,
-            buffer_delta=None if buffer_delta is None else _flat(buffer_delta),
+            buffer_delta=None if buffer_delta is None else _finite("buffer_delta", _flat(buffer_delta)),
         )
 
     def leave(self) -> None:
@@ -312,6 +317,17 @@ def _check_wire_options(wire_dtype: str, streaming: str, chunk_bytes: int) -> No
         raise ValueError(f"streaming must be one of {', '.join(STREAMING_CHOICES)}, not {streaming!r}")
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be > 0, not {chunk_bytes}")
+
+
+def _finite(what: str, values: np.ndarray) -> np.ndarray:
+    """`values` when every one is finite; else InvalidArgumentError before anything is sent, so that
+    no partition of θ applies a commit that another would refuse (one pass: about 2 ms for 10M
+    float32 values here, docs/RELIABILITY.md)."""
+    if not all_finite(values):
+        raise errors.InvalidArgumentError(
+            f"{what} contains NaN or Inf: not sent", errors.InvalidArgumentError.code, Reason.NON_FINITE
+        )
+    return values
 
 
 def _flat(values: np.ndarray | Mapping[str, np.ndarray]) -> np.ndarray:

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import grpc
 
 from gemps_proto import reasons
 from gemps_proto.reasons import Reason
+
+if TYPE_CHECKING:
+    from gemps.records import CentralVariable
 
 
 class GempsError(Exception):
@@ -67,6 +73,49 @@ class DeadlineExceededError(GempsError):
 
 class StoppedError(GempsError):
     """The client's stop event was set while it waited to retry an unreachable server."""
+
+
+class PartiallyAppliedError(GempsError):
+    """A commit to partitions of θ that some applied and another refused (a commit is not atomic
+    across partitions). `applied` and `refused` name them by partition index; `code` and `reason`
+    are the first refusal's (`__cause__` is that error), and so is its class: raised as `of()`
+    makes it, it is also an instance of the refusal's class, so that `except InvalidArgumentError`
+    catches it as before. `central` is the client's copy of θ, in which the applying partitions'
+    replies are already loaded (as `Client.central`)."""
+
+    @classmethod
+    def of(
+        cls, refusal: GempsError, applied: Sequence[int], refused: Sequence[int], central: CentralVariable
+    ) -> PartiallyAppliedError:
+        kind = type(refusal)
+        if kind not in _PARTIAL_CLASSES:
+            _PARTIAL_CLASSES[kind] = type(f"PartiallyApplied{kind.__name__}", (cls, kind), {})
+        return _PARTIAL_CLASSES[kind](refusal, applied, refused, central)
+
+    def __init__(
+        self, refusal: GempsError, applied: Sequence[int], refused: Sequence[int], central: CentralVariable
+    ) -> None:
+        count = len(applied) + len(refused)
+        super().__init__(
+            f"commit applied by partition{_plural(applied)} {_listed(applied)} of {count} and refused by "
+            f"partition{_plural(refused)} {_listed(refused)}: {refusal.message}",
+            refusal.code,
+            refusal.reason,
+        )
+        self.applied = tuple(applied)
+        self.refused = tuple(refused)
+        self.central = central
+
+
+_PARTIAL_CLASSES: dict[type[GempsError], type[PartiallyAppliedError]] = {}
+
+
+def _listed(indices: Sequence[int]) -> str:
+    return ", ".join(map(str, indices))
+
+
+def _plural(indices: Sequence[int]) -> str:
+    return "s" if len(indices) > 1 else ""
 
 
 class NotRegisteredError(GempsError):

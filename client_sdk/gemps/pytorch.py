@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from gemps.client import Client
+from gemps.errors import PartiallyAppliedError
 from gemps.records import CentralVariable, CommitResult, Registration
 
 
@@ -130,9 +131,13 @@ class RemoteModel:
                 self._grad[offset : offset + n].copy_(p.grad.detach().reshape(-1))
             offset += n
         loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
-        result = self.client.commit(
-            self._grad.numpy(), loss=loss_value, num_samples=num_samples, buffer_delta=self._buffer_delta()
-        )
+        try:
+            result = self.client.commit(
+                self._grad.numpy(), loss=loss_value, num_samples=num_samples, buffer_delta=self._buffer_delta()
+            )
+        except PartiallyAppliedError as partial:
+            self._load(partial.central)  # what the partitions that applied it replied
+            raise
         self._load(result.parameters)
         return result
 
@@ -143,7 +148,12 @@ class RemoteModel:
         the model keeps its own values (elastic averaging keeps a local variable).
         """
         update_values = update.detach().cpu().numpy().astype(np.float32)
-        result = self.client.commit(update_values, kind="update", loss=loss, buffer_delta=self._buffer_delta())
+        try:
+            result = self.client.commit(update_values, kind="update", loss=loss, buffer_delta=self._buffer_delta())
+        except PartiallyAppliedError as partial:
+            if load:
+                self._load(partial.central)
+            raise
         if load:
             self._load(result.parameters)
         return result

@@ -126,7 +126,9 @@ class PartitionRouter:
             self.spec, self.buffer_spec = status.spec, status.buffer_spec
             self._adopt(status.layout)
         sessions = self.sessions
-        replies = self._fan_out(lambda i: sessions[i].start_pull(), lambda i: sessions[i].pull(self._enrolment(i)))
+        replies = _all_or_raise(
+            self._fan_out(lambda i: sessions[i].start_pull(), lambda i: sessions[i].pull(self._enrolment(i)))
+        )
         changed = False
         for session, pulled in zip(sessions, replies, strict=True):
             if pulled.parameters is not None:
@@ -159,14 +161,26 @@ class PartitionRouter:
             )
             for i in range(len(sessions))
         ]  # fmt: skip
-        replies = self._fan_out(
+        outcomes = self._fan_out(
             lambda i: sessions[i].start_commit(calls[i]), lambda i: sessions[i].commit(calls[i], self._enrolment(i))
         )
-        for session, committed in zip(sessions, replies, strict=True):
-            session.received(committed.version, committed.parameters)
-            self._received_buffers(committed.buffers)
+        replies: dict[int, Committed] = {}
+        refusals: dict[int, errors.GempsError] = {}
+        for index, outcome in enumerate(outcomes):
+            if isinstance(outcome, errors.GempsError):
+                refusals[index] = outcome
+                continue
+            replies[index] = outcome  # kept also when another partition refused: θ moved there
+            sessions[index].received(outcome.version, outcome.parameters)
+            self._received_buffers(outcome.buffers)
+        if refusals:
+            refusal = next(iter(refusals.values()))
+            if not replies:
+                raise refusal
+            self.central = self._assemble()
+            raise errors.PartiallyAppliedError.of(refusal, list(replies), list(refusals), self.central) from refusal
         self.central = self._assemble()
-        return merge_commit_figures(replies, [session.size for session in sessions], self.central)
+        return merge_commit_figures(list(replies.values()), [session.size for session in sessions], self.central)
 
     def leave(self) -> None:
         for session in self.sessions:
@@ -208,21 +222,26 @@ class PartitionRouter:
         behind = None if base_version is None else self.central.version - base_version
         return [session.version if behind is None else max(0, session.version - behind) for session in self.sessions]
 
-    def _fan_out(self, start: Callable[[int], Pending[T]], blocking: Callable[[int], T]) -> list[T]:
+    def _fan_out(self, start: Callable[[int], Pending[T]], blocking: Callable[[int], T]) -> list[T | errors.GempsError]:
         """One call per server (by index), concurrently: start them all, then wait for each. A
         call that failed in a way worth another attempt is done again with `blocking` (retries,
-        registering again); other failures are raised. One server: `blocking`."""
+        registering again); another failure takes its call's place in the list, so that what the
+        other servers did is known. One server: `blocking`, whose failure is raised."""
         if len(self.sessions) == 1:
             return [blocking(0)]
         started = [start(index) for index in range(len(self.sessions))]
-        results = []
+        results: list[T | errors.GempsError] = []
         for index, pending in enumerate(started):
             try:
                 results.append(pending.result())
             except errors.GempsError as error:
                 if not errors.worth_another_attempt(error):
-                    raise
-                results.append(blocking(index))
+                    results.append(error)
+                    continue
+                try:
+                    results.append(blocking(index))
+                except errors.GempsError as again:
+                    results.append(again)
         return results
 
     def _register_at(self, index: int, initial: np.ndarray) -> None:
@@ -281,3 +300,13 @@ class PartitionRouter:
 
     def _num_parameters(self) -> int:
         return sum(num_elements(entry.shape) for entry in self.spec)
+
+
+def _all_or_raise(outcomes: Sequence[T | errors.GempsError]) -> list[T]:
+    """Every call's result, or the first failure raised."""
+    results = []
+    for outcome in outcomes:
+        if isinstance(outcome, errors.GempsError):
+            raise outcome
+        results.append(outcome)
+    return results

@@ -14,12 +14,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
+import safetensors
 import safetensors.numpy
 from gemps_bench.procfs import partition_pids
 
-from gemps import Client, RetryPolicy
+from gemps import Client, InvalidArgumentError, PartiallyAppliedError, Reason, RetryPolicy
 from gemps.records import CentralVariable
 from gemps_proto.schema import partition_bounds
 from gemps_server.checkpoint_files import list_checkpoints
@@ -161,6 +163,51 @@ def test_a_killed_partition_restarts_from_its_checkpoint_and_training_carries_on
     np.testing.assert_array_equal(theta[boundary:], np.full(size - boundary, second.commits_applied, np.float32))
 
 
+def test_a_commit_refused_by_one_partition_says_which_applied_it_and_theta_follows(start_server: StartServer) -> None:
+    """Issue 28: an update that partition 0 applies and partition 1 refuses (its range would leave
+    float32) is a PartiallyAppliedError naming both, and the client's θ holds partition 0's reply."""
+    servers = start_partitions(start_server, 2, rule="downpour")
+    size = 1001
+    boundary = partition_bounds(size, 2)[0][1]
+    values = np.zeros(size, np.float32)
+    values[boundary:] = 3e38  # partition 1's range near float32's top
+    with Client(servers[0].target, timeout=10) as client:
+        client.register({"w": values})
+        with pytest.raises(PartiallyAppliedError) as partial:
+            client.commit(np.full(size, 3e38, np.float32), kind="update")  # finite, but 3e38 + 3e38 is not
+        error = partial.value
+        assert (error.applied, error.refused) == ((0,), (1,))
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT and error.reason == Reason.NON_FINITE
+        assert error.message.startswith("commit applied by partition 0 of 2 and refused by partition 1: ")
+        assert isinstance(error, InvalidArgumentError) and isinstance(error.__cause__, InvalidArgumentError)
+        central = client.central
+        assert central is error.central and central.versions == (1, 0)
+        np.testing.assert_array_equal(central.flat, np.full(size, 3e38, np.float32))  # partition 0 moved
+        observed = client.pull()
+        assert observed.versions == (1, 0)
+        np.testing.assert_array_equal(observed.flat, central.flat)
+
+
+def test_a_payload_or_buffer_delta_with_nan_reaches_no_partition(start_server: StartServer) -> None:
+    """Issue 28: the SDK checks finiteness before sending, so no partition applies a commit that
+    another would refuse for a NaN in its own range (the buffers' delta goes to partition 0 only)."""
+    servers = start_partitions(start_server, 2)
+    with Client(servers[0].target, timeout=10) as client:
+        client.register(initial(0), {"running_mean": np.zeros(5, np.float32)})
+        in_partition_1 = np.ones(10_007, np.float32)
+        in_partition_1[-1] = np.nan
+        bad_delta = np.array([0, 0, np.inf, 0, 0], np.float32)
+        for payload, delta, what in (
+            (in_partition_1, None, "payload"),
+            (np.ones(10_007, np.float32), bad_delta, "buffer_delta"),
+        ):
+            with pytest.raises(InvalidArgumentError, match=f"{what} contains NaN or Inf: not sent") as refused:
+                client.commit(payload, buffer_delta=delta)
+            assert refused.value.reason == Reason.NON_FINITE
+        statuses = client.statuses()
+        assert [(s.version, s.commits_rejected) for s in statuses] == [(0, 0), (0, 0)]
+
+
 def gemps_command(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gemps_cli", *argv], capture_output=True, text=True, timeout=120)
 
@@ -203,6 +250,36 @@ def test_status_and_export_assemble_every_partition(tmp_path: Path) -> None:
         np.testing.assert_array_equal(restored.buffers, trained.buffers)
     one = gemps_command("export", str(tmp_path / "ckpt" / "partition-1"), "--out", str(tmp_path / "x"))
     assert one.returncode == 1 and "partition 1 of 3" in one.stderr
+
+
+def test_export_refuses_partitions_at_different_versions_unless_asked(tmp_path: Path) -> None:
+    """Issue 28: partition 1 restarted from an older checkpoint than partition 0's (as after a
+    SIGKILL) holds θ's range at another version. `gemps export` names every partition's version and
+    refuses the mix, from the checkpoints and from the live server, unless --allow-mixed-versions."""
+    options: dict[str, Any] = {"partitions": 2, "checkpoint_dir": tmp_path / "ckpt", "checkpoint_every": 1}
+    with ServerProcess(**options) as server, Client(server.target, timeout=10) as client:
+        client.register(initial(0))
+        for _ in range(3):
+            client.commit(np.ones(10_007, np.float32))
+    newest = list_checkpoints(tmp_path / "ckpt" / "partition-1")[-1]
+    assert newest[0] == 3
+    newest[1].unlink()  # partition 1's newest is now an older one's
+    older = list_checkpoints(tmp_path / "ckpt" / "partition-1")[-1][0]
+    assert older < 3
+    out = tmp_path / "model.safetensors"
+    refused = gemps_command("export", str(tmp_path / "ckpt"), "--out", str(out))
+    assert refused.returncode == 1, refused.stdout
+    assert f"partition versions: 0: 3, 1: {older}" in refused.stdout
+    assert f"partition 0 at 3, partition 1 at {older}" in refused.stderr and "--allow-mixed-versions" in refused.stderr
+    assert not out.exists()
+    allowed = gemps_command("export", str(tmp_path / "ckpt"), "--out", str(out), "--allow-mixed-versions")
+    assert allowed.returncode == 0, allowed.stderr
+    assert f"partition versions: 0: 3, 1: {older}" in allowed.stdout
+    assert "different versions, as asked" in allowed.stdout
+    assert safetensors.safe_open(str(out), "numpy").metadata()["partition_versions"] == f"3,{older}"
+    with ServerProcess(**options) as server:  # restored from those: the live server holds the mix too
+        live = gemps_command("export", "--server", server.target, "--out", str(tmp_path / "live.safetensors"))
+        assert live.returncode == 1 and f"partition 0 at 3, partition 1 at {older}" in live.stderr
 
 
 def test_a_partitions_checkpoint_is_refused_by_a_server_of_another_layout(tmp_path: Path) -> None:
