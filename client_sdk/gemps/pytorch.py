@@ -23,13 +23,17 @@ What travels, for any torch.nn.Module:
   batches. Integer buffers travel as float32 (exact up to 2**24) and are rounded back. A model
   without buffers sends nothing more than before.
 
+θ is loaded into the parameters in place (each keeps its device, storage and dtype), through a
+pinned staging vector and non-blocking copies when a parameter lives on a GPU.
+
 So `gemps export` and `client.pull().state_dict()` give a state dict that loads with
 `model.load_state_dict(..., strict=True)` when the model has no frozen parameters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,12 +62,30 @@ def _flat(tensors: Iterable[torch.Tensor]) -> np.ndarray:
 
 @torch.no_grad()
 def load_central(model: torch.nn.Module, central: CentralVariable) -> None:
-    """Copy a central variable (its parameters and buffers) into `model`, on the model's devices."""
-    parameters = [p for _, p in trained_parameters(model)]
-    if parameters:
-        vector = torch.from_numpy(np.array(central.flat, dtype=np.float32, copy=True))
-        torch.nn.utils.vector_to_parameters(vector.to(parameters[0].device), parameters)
+    """Copy a central variable (its parameters and buffers) into `model`, in place on the model's
+    devices and in its dtypes."""
+    _copy_into([p for _, p in trained_parameters(model)], _host_tensor(central.flat))
     _load_buffers(persistent_buffers(model), central)
+
+
+def _host_tensor(values: np.ndarray) -> torch.Tensor:
+    """A CPU float32 tensor sharing `values`' memory, to read from (a reply's θ is read-only, which
+    torch.from_numpy warns about: nothing writes through this tensor)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(values)
+
+
+def _copy_into(parameters: Sequence[torch.Tensor], source: torch.Tensor) -> None:
+    """Each parameter's range of the flat `source`, copied into the parameter itself: its device,
+    storage and dtype stay as they are (vector_to_parameters would swap in views of `source`,
+    moving a CUDA model's parameters to the CPU). Non-blocking: from pinned memory the copies to a
+    GPU overlap, and the stream orders them before any kernel that reads the parameters."""
+    offset = 0
+    for parameter in parameters:
+        count = parameter.numel()
+        parameter.copy_(source[offset : offset + count].view_as(parameter), non_blocking=True)
+        offset += count
 
 
 def _load_buffers(buffers: Iterable[tuple[str, torch.Tensor]], central: CentralVariable) -> None:
@@ -91,9 +113,12 @@ class RemoteModel:
             raise ValueError("the model has no parameters to train (none requires grad)")
         self._buffers = persistent_buffers(model)
         size = sum(p.numel() for p in self._parameters)
-        # Staging buffers between torch (any device) and the wire; reused every step.
-        self._grad = torch.zeros(size, dtype=torch.float32)
-        self._central = torch.zeros(size, dtype=torch.float32)
+        # Staging between torch and the wire, reused every step: pinned when a parameter lives on
+        # a GPU, so that copies to and from it are asynchronous DMA.
+        self._gpus = sorted({p.device for p in self._parameters if p.device.type == "cuda"}, key=str)
+        self._grad = torch.zeros(size, dtype=torch.float32, pin_memory=bool(self._gpus))
+        self._central = torch.zeros(size, dtype=torch.float32, pin_memory=True) if self._gpus else None
+        self._loads_done: list[torch.cuda.Event] = []  # the last load's copies out of `_central`
         self._loaded_buffers = np.empty(0, dtype=np.float32)  # the buffers as last loaded or sent
         try:
             self.registration: Registration = self.client.register(
@@ -128,8 +153,10 @@ class RemoteModel:
             if p.grad is None:
                 self._grad[offset : offset + n].zero_()
             else:
-                self._grad[offset : offset + n].copy_(p.grad.detach().reshape(-1))
+                self._grad[offset : offset + n].copy_(p.grad.detach().reshape(-1), non_blocking=True)
             offset += n
+        for gpu in self._gpus:  # the gradients' copies into pinned memory are done before it is sent
+            torch.cuda.synchronize(gpu)
         loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
         try:
             result = self.client.commit(
@@ -190,9 +217,21 @@ class RemoteModel:
         self._loaded_buffers = current  # sent: not to be counted again if the reply is not loaded
         return delta if delta.any() else None
 
+    @torch.no_grad()
     def _load(self, central: CentralVariable) -> None:
-        self._central.numpy()[:] = central.flat
-        torch.nn.utils.vector_to_parameters(self._central, self._parameters)
+        """θ and the buffers into the model, in place (parameters keep their device, storage and
+        dtype). On a GPU through the pinned staging vector, whose previous copies must be done
+        before it is written again."""
+        if self._central is None:
+            _copy_into(self._parameters, _host_tensor(central.flat))  # CPU: straight from the reply
+        else:
+            for done in self._loads_done:
+                done.synchronize()
+            self._central.numpy()[:] = central.flat
+            _copy_into(self._parameters, self._central)
+            self._loads_done = [torch.cuda.Event() for _ in self._gpus]  # type: ignore[no-untyped-call]
+            for gpu, done in zip(self._gpus, self._loads_done, strict=True):
+                done.record(torch.cuda.current_stream(gpu))
         if self._buffers:
             _load_buffers(self._buffers, central)  # listed once: state_dict() per step is not free
             self._loaded_buffers = _flat(b for _, b in self._buffers)

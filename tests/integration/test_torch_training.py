@@ -148,6 +148,38 @@ def test_the_optimizer_facade_trains_exactly_as_remote_model(start_server: Start
     assert accuracy == evaluate(dropped_in, data.test_x, data.test_y)[1] and accuracy > 0.8
 
 
+def _placement(model: nn.Module) -> list[tuple[torch.device, int, torch.dtype]]:
+    return [(p.device, p.data_ptr(), p.dtype) for p in model.parameters()]
+
+
+def test_loads_copy_into_the_parameters_in_place(start_server: StartServer) -> None:
+    """Issue 28: θ is copied into each parameter, which keeps its device, storage (data pointer)
+    and dtype across registration, steps, pulls and load_central; vector_to_parameters replaced
+    their data with views of a CPU float32 vector (a CUDA model's parameters would move to the CPU).
+    A float64 layer shows the dtype; the values are the server's, converted."""
+    server = start_server(rule="downpour", learning_rate=0.5)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2).double())
+    before = _placement(model)
+    with RemoteModel(model, server.target) as remote:
+        assert _placement(model) == before
+        for _ in range(3):
+            remote.zero_grad()
+            model[1](model[0](torch.ones(2, 4)).double()).sum().backward()
+            result = remote.step()
+            assert _placement(model) == before
+        local = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()]).numpy()
+        np.testing.assert_array_equal(local, result.parameters.flat)
+        remote.pull()
+        gemps.pytorch.load_central(model, result.parameters)
+        assert _placement(model) == before
+    optimizer = gemps.pytorch.RemoteOptimizer(model, server.target)
+    with optimizer:
+        optimizer.zero_grad()
+        model[1](model[0](torch.ones(2, 4)).double()).sum().backward()
+        optimizer.step()
+        assert _placement(model) == before
+
+
 def test_the_optimizer_refuses_what_it_cannot_honour(server: InProcessServer) -> None:
     model = nn.Linear(4, 2)
     with pytest.raises(TypeError, match="takes the model itself"):
