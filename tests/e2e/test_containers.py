@@ -4,8 +4,9 @@ evaluator and Prometheus (all services but Grafana, which has no image in this w
 training progress is read through the server's Status RPC and through Prometheus' HTTP API,
 workers are scaled down and up while training continues, and everything is torn down.
 
-Needs podman and podman-compose (tools/install-system-deps: Debian's packages, or in this
-workplace `../shared/tools/container-rig --prometheus-tag v2.53.0`, which CI runs first), and the
+Needs podman and a podman-compose that honours --scale, 1.1 or later (tools/install-system-deps:
+Debian's podman and PyPI's podman-compose, or in this workplace
+`../shared/tools/container-rig --prometheus-tag v2.53.0`, which CI runs first), and the
 base images the Dockerfiles and Prometheus start from: podman pulls them, or in this workplace,
 which reaches no image registry, the rig builds stand-ins for them. Without either these tests
 fail with one line saying which; they skip only when asked to with GEMPS_SKIP_CONTAINER_TESTS=1.
@@ -83,6 +84,18 @@ class Stack:
         found = json.loads(run(args, 60).stdout or "[]")
         found.sort(key=lambda c: int(c["Labels"]["com.docker.compose.container-number"]))
         return [c["Names"][0] for c in found]
+
+    def require_workers(self, count: int) -> None:
+        """Right after `up --scale worker=N`: N worker containers, or fail now saying why (a
+        podman-compose before 1.1 accepts --scale and starts one, without a word)."""
+        started = len(self.containers("worker", include_stopped=True))
+        if started != count:
+            engine = run(["podman-compose", "--version"], 60).stdout.splitlines()[0]
+            pytest.fail(
+                f"`up --scale worker={count}` started {started} worker containers: {engine} ignores --scale "
+                "(1.1 or later honours it; tools/install-system-deps installs one)",
+                pytrace=False,
+            )
 
     def status(self) -> ServerStatus:
         with gemps.Client(f"127.0.0.1:{self.grpc_port}", timeout=5.0, retry=NO_RETRY) as client:
@@ -287,6 +300,7 @@ def running_stack(name: str, workers: int, **variables: str) -> Iterator[Stack]:
     stack.compose("build", *build_args, "ps", "worker", timeout=840)
     try:
         stack.compose("up", "-d", "--scale", f"worker={workers}", *SERVICES)
+        stack.require_workers(workers)
         yield stack
     finally:
         stack.down()
@@ -385,6 +399,7 @@ def test_workers_scale_down_and_up_while_training(stack: Stack) -> None:
 
     # Up to 6 while the other two keep training.
     stack.compose("up", "-d", "--no-deps", "--scale", "worker=6", "worker")
+    stack.require_workers(6)
     grown = stack.wait_for_workers(6)
     assert grown.version > status.version
     assert len(stack.containers("worker")) == 6
