@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"gemps export: {args.server}: {error}", file=sys.stderr)
                 return 1
             named, versions, origin = central.state_dict(), list(central.versions), args.server
-            parameters, buffers = central.flat.size, central.buffers.size
+            parameters, buffers = central.flat.size, central.buffers.size + central.integer_buffers.size
         else:
             source = Path(args.checkpoint)
             checkpoints = [load_newest(folder) for folder in partition_dirs(source)] if source.is_dir() else []

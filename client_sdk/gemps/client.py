@@ -29,6 +29,7 @@ from gemps.connection import Connection, Pem
 from gemps.data_plane_transport import PLANES, DataPlaneTransport
 from gemps.grpc_transport import STREAMING_CHOICES, GrpcTransport
 from gemps.records import (
+    Buffers,
     CentralVariable,
     CommitResult,
     Evaluation,
@@ -43,7 +44,7 @@ from gemps.transport import Transport
 from gemps_proto.codec import WIRE_DTYPE_NAMES, all_finite
 from gemps_proto.framing import DEFAULT_CHUNK_BYTES
 from gemps_proto.reasons import Reason
-from gemps_proto.schema import PayloadKind, flatten, spec_of
+from gemps_proto.schema import PayloadKind, buffer_spec_of, flatten, spec_of
 
 log = logging.getLogger("gemps.client")
 
@@ -152,11 +153,14 @@ class Client:
         model's buffers if it has any (state that is not trained, e.g. batch-norm statistics).
 
         The first worker's values initialise the central variable and buffers; later workers must
-        have the same names and shapes, and receive the central ones instead.
+        have the same names, shapes and buffer kinds, and receive the central ones instead. Integer
+        buffers (batch norm's `num_batches_tracked`) are kept and carried as int64, exactly; the
+        others as float32.
         """
         named = {k: np.asarray(v, dtype=np.float32) for k, v in parameters.items()}
-        named_buffers = {k: np.asarray(v, dtype=np.float32) for k, v in (buffers or {}).items()}
-        self._router.register(spec_of(named), flatten(named), spec_of(named_buffers), flatten(named_buffers))
+        named_buffers = {k: np.asarray(v) for k, v in (buffers or {}).items()}
+        buffer_spec = buffer_spec_of(named_buffers)
+        self._router.register(spec_of(named), flatten(named), buffer_spec, Buffers.of(named_buffers, buffer_spec))
         assert self.registration is not None
         return self.registration
 
@@ -176,7 +180,7 @@ class Client:
         loss: float | None = None,
         num_samples: int | None = None,
         base_version: int | None = None,
-        buffer_delta: np.ndarray | Mapping[str, np.ndarray] | None = None,
+        buffer_delta: np.ndarray | Mapping[str, np.ndarray] | Buffers | None = None,
     ) -> CommitResult:
         """Send a gradient (the server applies -eta*g) or an update (applied as given).
 
@@ -184,7 +188,8 @@ class Client:
         `base_version` defaults to the version of the central variable last received (with
         partitions, partition 0's: the others' are taken as many versions behind their own).
         `buffer_delta`, for a model with buffers: how they changed since the central ones were
-        last loaded (flat in buffer spec order, or by name); the server adds it to its buffers.
+        last loaded (flat in buffer spec order, by name, or as Buffers by kind: integer buffers'
+        changes are rounded to int64); the server adds it to its buffers.
         Returns the new central variable and buffers (one round trip per step). With partitions,
         the slices are applied independently: complete when every partition has applied its own;
         when one refuses after another applied, PartiallyAppliedError says which did, and θ holds
@@ -202,7 +207,7 @@ class Client:
             loss=loss,
             num_samples=num_samples,
             base_version=base_version,
-            buffer_delta=None if buffer_delta is None else _finite("buffer_delta", _flat(buffer_delta)),
+            buffer_delta=None if buffer_delta is None else self._buffer_delta(buffer_delta),
         )
 
     def leave(self) -> None:
@@ -237,6 +242,22 @@ class Client:
             log.warning("leave failed while closing: %s", error)
         finally:
             self.close()
+
+    def _buffer_delta(self, delta: np.ndarray | Mapping[str, np.ndarray] | Buffers) -> Buffers:
+        """The delta by kind, as the buffer spec splits it; InvalidArgumentError (BAD_SHAPE) when
+        it does not fit the spec, before anything is sent."""
+        try:
+            by_kind = delta if isinstance(delta, Buffers) else Buffers.of(delta, self.buffer_spec)
+        except (ValueError, KeyError) as error:
+            sent = sorted(delta) if isinstance(delta, Mapping) else f"shape {list(np.asarray(delta).shape)}"
+            expected = sum(entry.size for entry in self.buffer_spec)
+            raise errors.InvalidArgumentError(
+                f"buffer_delta {sent} does not fit the buffer spec ({expected} values: {error})",
+                errors.InvalidArgumentError.code,
+                Reason.BAD_SHAPE,
+            ) from None
+        _finite("buffer_delta", by_kind.floats)
+        return by_kind
 
     # -- what the client holds -------------------------------------------------------------------
 

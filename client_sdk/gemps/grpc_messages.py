@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from gemps.records import ParameterSpec, Registration
+from gemps.records import Buffers, ParameterSpec, Registration
 from gemps.transport import CommitCall, Committed, PullCall, Pulled
 from gemps_proto import framing
 from gemps_proto import serde as shared
-from gemps_proto.codec import FLOAT32, encode, wire_view
-from gemps_proto.serde import tensor_from_proto
+from gemps_proto.codec import FLOAT32, INT64, encode, wire_view
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 
@@ -29,7 +28,7 @@ def register_request(
     *,
     omit_parameters: bool = False,
     buffer_spec: tuple[ParameterSpec, ...] = (),
-    buffers: np.ndarray | None = None,
+    buffers: Buffers | None = None,
     client_id: str = "",
     streamed: bool = False,
 ) -> bytes:
@@ -48,33 +47,44 @@ def register_request(
         framing.announce(request.initial_parameters, FLOAT32, initial.size)
         if with_buffers:
             assert buffers is not None
-            framing.announce(request.initial_buffers, FLOAT32, buffers.size)
+            if buffers.floats.size:
+                framing.announce(request.initial_buffers, FLOAT32, buffers.floats.size)
+            if buffers.integers.size:
+                framing.announce(request.initial_integer_buffers, INT64, buffers.integers.size)
         return pb.RegisterChunk(header=request).SerializeToString()
     if with_buffers:
         assert buffers is not None
-        framing.set_float32(request.initial_buffers, encode(buffers.reshape(-1)))
+        shared.set_buffers(request.initial_buffers, request.initial_integer_buffers, buffers)
     if initial is None:
         return request.SerializeToString()
     return framing.with_tensor(request, framing.REGISTER_INITIAL_FIELD, FLOAT32, [initial.size], encode(initial))
 
 
 def register_stream_data(
-    initial: np.ndarray, buffer_spec: tuple[ParameterSpec, ...], buffers: np.ndarray | None
+    initial: np.ndarray, buffer_spec: tuple[ParameterSpec, ...], buffers: Buffers | None
 ) -> list[bytes | memoryview]:
-    """What follows a streamed Register's header, in order: the parameters', then the buffers'
-    float32 bytes (views, not copies: the caller leaves the arrays unchanged meanwhile)."""
+    """What follows a streamed Register's header, in order: the parameters', then the float
+    buffers' float32 bytes and the integer buffers' int64 bytes (the parameters' a view, not a
+    copy: the caller leaves the array unchanged meanwhile)."""
     parts = [wire_view(initial)]
     if buffer_spec and buffers is not None:
-        parts.append(wire_view(buffers.reshape(-1)))
+        parts.append(wire_view(buffers.floats.reshape(-1)))
+        parts.append(np.ascontiguousarray(buffers.integers, dtype="<i8").tobytes())
     return parts
 
 
-def buffers_from_proto(reply: pb.RegisterResponse | pb.PullResponse | pb.CommitResponse) -> np.ndarray | None:
+def buffers_from_proto(reply: pb.RegisterResponse | pb.PullResponse | pb.CommitResponse) -> Buffers | None:
     """A reply's central buffers; None when it carries none (a model without buffers, or unchanged)."""
-    return tensor_from_proto(reply.buffers).decode() if reply.HasField("buffers") else None
+    found = shared.buffers_from_proto(reply, "buffers", "integer_buffers")
+    if found is None:
+        return None
+    return Buffers(
+        np.empty(0, np.float32) if found.floats is None else found.floats.decode(),
+        np.empty(0, np.int64) if found.integers is None else found.integers.decode_int64(),
+    )
 
 
-def register_reply(data: bytes) -> tuple[Registration, np.ndarray | None, np.ndarray | None]:
+def register_reply(data: bytes) -> tuple[Registration, np.ndarray | None, Buffers | None]:
     """The registration, the central variable (None for the worker whose values set it) and the
     central buffers (None when the model has none)."""
     reply, parameters = framing.parse_with_tensor(pb.RegisterResponse, framing.REGISTER_REPLY_FIELD, data)
@@ -116,7 +126,7 @@ def commit_message(call: CommitCall, wire_dtype: int) -> pb.CommitRequest:
         reply_dtype=wire_dtype,  # type: ignore[arg-type]
     )
     if call.buffer_delta is not None:
-        framing.set_float32(header.buffer_delta, encode(call.buffer_delta.reshape(-1)))
+        shared.set_buffers(header.buffer_delta, header.integer_buffer_delta, call.buffer_delta)
     return header
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from gemps import errors
 from gemps import grpc_messages as messages
 from gemps.connection import Connection
-from gemps.records import Evaluation, Layout, Registration, ServerStatus
+from gemps.records import Buffers, Evaluation, Layout, Registration, ServerStatus
 from gemps.transport import CommitCall, Committed, Enrolment, PullCall, Pulled, Registered
 from gemps_proto import serde as shared
 from gemps_proto.codec import decode, expected_nbytes, wire_view
@@ -149,7 +149,7 @@ class GrpcTransport:
 
     def _send_register(
         self, enrolment: Enrolment, values: np.ndarray | None, omit_parameters: bool = False, streamed: bool = False
-    ) -> tuple[Registration, np.ndarray | None, np.ndarray | None]:
+    ) -> tuple[Registration, np.ndarray | None, Buffers | None]:
         request = messages.register_request(
             enrolment.spec,
             enrolment.worker_name,

@@ -20,8 +20,8 @@ What travels, for any torch.nn.Module:
   buffers changed since it last loaded the central ones, the server adds that change to its
   buffers (as DOWNPOUR adds updates), and every reply brings the central buffers back. With one
   worker this is exactly local training; with many, the running statistics see every worker's
-  batches. Integer buffers travel as float32 (exact up to 2**24) and are rounded back. A model
-  without buffers sends nothing more than before.
+  batches. Integer buffers (`num_batches_tracked`) travel and are kept as int64, exactly; the
+  others as float32. A model without buffers sends nothing more than before.
 
 θ is loaded into the parameters in place (each keeps its device, storage and dtype), through a
 pinned staging vector and non-blocking copies when a parameter lives on a GPU.
@@ -41,7 +41,7 @@ import torch
 
 from gemps.client import Client
 from gemps.errors import PartiallyAppliedError
-from gemps.records import CentralVariable, CommitResult, Registration
+from gemps.records import Buffers, CentralVariable, CommitResult, Registration
 
 
 def trained_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -55,9 +55,23 @@ def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
     return [(name, b) for name, b in model.named_buffers() if name in kept]
 
 
-def _flat(tensors: Iterable[torch.Tensor]) -> np.ndarray:
-    parts = [t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors]
-    return torch.cat(parts).numpy() if parts else np.empty(0, dtype=np.float32)
+def _flat(tensors: Iterable[torch.Tensor], dtype: torch.dtype = torch.float32) -> np.ndarray:
+    parts = [t.detach().reshape(-1).to("cpu", dtype) for t in tensors]
+    return torch.cat(parts).numpy() if parts else torch.empty(0, dtype=dtype).numpy()
+
+
+def _wire_dtype(buffer: torch.Tensor) -> torch.dtype:
+    """How a buffer travels: floating ones as float32, integer (and boolean) ones as int64."""
+    return torch.float32 if buffer.is_floating_point() or buffer.is_complex() else torch.int64
+
+
+def _buffer_values(buffers: Sequence[tuple[str, torch.Tensor]]) -> Buffers:
+    """The model's buffers by kind, each flat in order (as the client splits them)."""
+    tensors = [b for _, b in buffers]
+    return Buffers(
+        _flat((b for b in tensors if _wire_dtype(b) == torch.float32), torch.float32),
+        _flat((b for b in tensors if _wire_dtype(b) == torch.int64), torch.int64),
+    )
 
 
 @torch.no_grad()
@@ -92,11 +106,8 @@ def _load_buffers(buffers: Iterable[tuple[str, torch.Tensor]], central: CentralV
     """Copy the central buffers into `buffers` (the model's persistent ones, by name)."""
     named = dict(buffers)
     for name, values in central.named_buffers().items():
-        buffer = named[name]
-        source = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
-        if not buffer.is_floating_point():
-            source = source.round()
-        buffer.copy_(source.to(buffer.dtype).reshape(buffer.shape))
+        buffer = named[name]  # integer ones arrive as int64: exact
+        buffer.copy_(_host_tensor(values).reshape(buffer.shape))
 
 
 class RemoteModel:
@@ -119,11 +130,11 @@ class RemoteModel:
         self._grad = torch.zeros(size, dtype=torch.float32, pin_memory=bool(self._gpus))
         self._central = torch.zeros(size, dtype=torch.float32, pin_memory=True) if self._gpus else None
         self._loads_done: list[torch.cuda.Event] = []  # the last load's copies out of `_central`
-        self._loaded_buffers = np.empty(0, dtype=np.float32)  # the buffers as last loaded or sent
+        self._loaded_buffers = Buffers()  # the buffers as last loaded or sent
         try:
             self.registration: Registration = self.client.register(
                 {n: p.detach().cpu().numpy() for n, p in named},
-                {n: b.detach().cpu().to(torch.float32).numpy() for n, b in self._buffers},
+                {n: b.detach().cpu().to(_wire_dtype(b)).numpy() for n, b in self._buffers},
             )
         except BaseException:
             if self._owns_client:
@@ -208,14 +219,14 @@ class RemoteModel:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _buffer_delta(self) -> np.ndarray | None:
+    def _buffer_delta(self) -> Buffers | None:
         """How the buffers changed since last loaded or sent; None when they did not (or there are none)."""
         if not self._buffers:
             return None
-        current = _flat(b for _, b in self._buffers)
-        delta = current - self._loaded_buffers
+        current, loaded = _buffer_values(self._buffers), self._loaded_buffers
+        delta = Buffers(current.floats - loaded.floats, current.integers - loaded.integers)
         self._loaded_buffers = current  # sent: not to be counted again if the reply is not loaded
-        return delta if delta.any() else None
+        return delta if delta.floats.any() or delta.integers.any() else None
 
     @torch.no_grad()
     def _load(self, central: CentralVariable) -> None:
@@ -234,7 +245,7 @@ class RemoteModel:
                 done.record(torch.cuda.current_stream(gpu))
         if self._buffers:
             _load_buffers(self._buffers, central)  # listed once: state_dict() per step is not free
-            self._loaded_buffers = _flat(b for _, b in self._buffers)
+            self._loaded_buffers = _buffer_values(self._buffers)
 
 
 class RemoteOptimizer(torch.optim.Optimizer):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gemps_proto.schema import (
+    Buffers,
     Evaluation,
     Layout,
     ParameterSpec,
@@ -23,12 +24,15 @@ from gemps_proto.schema import (
 )
 
 _NO_BUFFERS = np.empty(0, dtype=np.float32)
+_NO_INTEGER_BUFFERS = np.empty(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
 class CentralVariable:
     """The central variable at one version: a flat read-only float32 vector plus its spec, and the
-    model's buffers (state that is not trained, e.g. batch-norm running statistics) likewise."""
+    model's buffers (state that is not trained, e.g. batch-norm running statistics) likewise: the
+    float ones flat as float32 in `buffers`, the integer ones (`num_batches_tracked`) flat as int64
+    in `integer_buffers`, each in buffer spec order; `named_buffers()` puts them together."""
 
     version: int
     flat: np.ndarray
@@ -37,14 +41,15 @@ class CentralVariable:
     buffer_spec: tuple[ParameterSpec, ...] = ()
     # Each partition's version when θ is partitioned (`version` is partition 0's), else (version,).
     versions: tuple[int, ...] = ()
+    integer_buffers: np.ndarray = field(default_factory=lambda: _NO_INTEGER_BUFFERS)
 
     def named(self) -> dict[str, np.ndarray]:
         """Per-parameter views (no copy) in spec order."""
         return unflatten(self.flat, self.spec)
 
     def named_buffers(self) -> dict[str, np.ndarray]:
-        """Per-buffer views (no copy) in buffer spec order."""
-        return unflatten(self.buffers, self.buffer_spec)
+        """Per-buffer views (no copy) in buffer spec order: float32, and int64 for integer buffers."""
+        return Buffers(self.buffers, self.integer_buffers).named(self.buffer_spec)
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Parameters and buffers by name: what `model.load_state_dict` takes (after torch.from_numpy)."""
@@ -63,6 +68,7 @@ class CommitResult:
 
 
 __all__ = [
+    "Buffers",
     "CentralVariable",
     "CommitResult",
     "Evaluation",

@@ -16,7 +16,16 @@ from typing import TypeVar
 import numpy as np
 
 from gemps import errors
-from gemps.records import CentralVariable, CommitResult, Evaluation, Layout, ParameterSpec, Registration, ServerStatus
+from gemps.records import (
+    Buffers,
+    CentralVariable,
+    CommitResult,
+    Evaluation,
+    Layout,
+    ParameterSpec,
+    Registration,
+    ServerStatus,
+)
 from gemps.retry import Retrier
 from gemps.server_session import ServerSession, refuse_partition_count_change
 from gemps.transport import CommitCall, Committed, Enrolment, Pending, Transport
@@ -88,7 +97,7 @@ class PartitionRouter:
         self.spec: tuple[ParameterSpec, ...] = ()
         self.buffer_spec: tuple[ParameterSpec, ...] = ()
         self.registered_with: np.ndarray | None = None  # the initial values registered
-        self.buffers = np.empty(0, dtype=np.float32)  # the newest central buffers received (partition 0's)
+        self.buffers = Buffers()  # the newest central buffers received (partition 0's)
         self.central: CentralVariable | None = None  # the newest central variable received
 
     @property
@@ -106,7 +115,7 @@ class PartitionRouter:
         spec: tuple[ParameterSpec, ...],
         initial: np.ndarray,
         buffer_spec: tuple[ParameterSpec, ...],
-        buffers: np.ndarray,
+        buffers: Buffers,
     ) -> CentralVariable:
         """Register with every server: the first with all of θ (its reply tells the layout and
         adds the others), the others with their slice."""
@@ -147,7 +156,7 @@ class PartitionRouter:
         loss: float | None,
         num_samples: int | None,
         base_version: int | None,
-        buffer_delta: np.ndarray | None,
+        buffer_delta: Buffers | None,
     ) -> CommitResult:
         """Each server's slice of `flat`, concurrently; θ, versions and figures from the replies.
         Every attempt carries the same request id, so each server applies it at most once."""
@@ -292,9 +301,11 @@ class PartitionRouter:
             flat = np.concatenate([session.flat for session in self.sessions])
             flat.flags.writeable = False  # like a single server's, which is a view of the reply
         versions = tuple(session.version for session in self.sessions)
-        return CentralVariable(versions[0], flat, self.spec, self.buffers, self.buffer_spec, versions)
+        return CentralVariable(
+            versions[0], flat, self.spec, self.buffers.floats, self.buffer_spec, versions, self.buffers.integers
+        )
 
-    def _received_buffers(self, buffers: np.ndarray | None) -> None:
+    def _received_buffers(self, buffers: Buffers | None) -> None:
         if buffers is not None:  # replies leave them out for a model without buffers
             self.buffers = buffers
 

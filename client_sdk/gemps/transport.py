@@ -14,7 +14,7 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
-from gemps.records import Evaluation, Layout, ParameterSpec, Registration, ServerStatus
+from gemps.records import Buffers, Evaluation, Layout, ParameterSpec, Registration, ServerStatus
 from gemps_proto.schema import PayloadKind
 
 Reply = TypeVar("Reply", covariant=True)
@@ -30,7 +30,7 @@ class Enrolment:
     client_id: str
     values: np.ndarray  # flat float32 initial values: all of θ, or this partition's slice
     buffer_spec: tuple[ParameterSpec, ...] = ()
-    buffers: np.ndarray | None = None
+    buffers: Buffers | None = None
     layout: Layout | None = None  # the layout the client holds: registering again may not change it
 
 
@@ -41,7 +41,7 @@ class Registered:
 
     registration: Registration
     parameters: np.ndarray | None
-    buffers: np.ndarray | None
+    buffers: Buffers | None
     version: int
     history: str = ""
 
@@ -58,7 +58,7 @@ class PullCall:
 class Pulled:
     version: int
     parameters: np.ndarray | None  # None: unchanged since `known_version`
-    buffers: np.ndarray | None
+    buffers: Buffers | None
     history: str
 
 
@@ -73,7 +73,7 @@ class CommitCall:
     loss: float | None
     num_samples: int | None
     request_id: str
-    buffer_delta: np.ndarray | None = None  # to the first server only
+    buffer_delta: Buffers | None = None  # to the first server only
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class Committed:
     scaling_at_zero: float
     scaling_at_max: float
     parameters: np.ndarray
-    buffers: np.ndarray | None
+    buffers: Buffers | None
 
 
 class Pending(Protocol[Reply]):

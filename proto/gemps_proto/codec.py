@@ -19,7 +19,14 @@ UNSPECIFIED = 0
 #: the central variable's dtype, and the wire's default
 FLOAT32 = 1
 BFLOAT16 = 2
-DTYPE_NAMES = {UNSPECIFIED: "DTYPE_UNSPECIFIED", FLOAT32: "DTYPE_FLOAT32", BFLOAT16: "DTYPE_BFLOAT16"}
+#: the model's integer buffers, exactly (never θ's wire dtype: decode_int64 alone reads it)
+INT64 = 3
+DTYPE_NAMES = {
+    UNSPECIFIED: "DTYPE_UNSPECIFIED",
+    FLOAT32: "DTYPE_FLOAT32",
+    BFLOAT16: "DTYPE_BFLOAT16",
+    INT64: "DTYPE_INT64",
+}
 _NUMPY_DTYPES: dict[int, np.dtype] = {FLOAT32: np.dtype("<f4"), BFLOAT16: np.dtype("<u2")}
 _BLOCK = 65_536  # elements per block of the bfloat16 encoder: its working set stays in cache
 #: wire formats by the names users pass (SDK, CLI flags): DTYPE_BFLOAT16 is "bfloat16"
@@ -61,6 +68,20 @@ def decode(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryv
     return np.frombuffer(data, dtype="<f4").reshape(shape)
 
 
+def decode_int64(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> np.ndarray:
+    """int64 values of raw tensor bytes (aliased, not copied); TensorDecodeError unless `dtype` is
+    INT64 and the bytes fit the shape."""
+    if dtype != INT64:
+        raise TensorDecodeError(f"dtype {dtype_name(dtype)} where DTYPE_INT64 was expected")
+    if any(d < 0 for d in shape):
+        raise TensorDecodeError(f"negative dimension in shape {list(shape)}")
+    if len(data) != num_elements(shape) * 8:
+        raise TensorDecodeError(
+            f"{len(data)} bytes of data but shape {list(shape)} of DTYPE_INT64 needs {num_elements(shape) * 8}"
+        )
+    return np.frombuffer(data, dtype="<i8").reshape(shape)
+
+
 @dataclass(frozen=True)
 class EncodedTensor:
     """A tensor as it came off the wire: its dtype, shape and raw bytes, decoded on demand."""
@@ -72,6 +93,19 @@ class EncodedTensor:
     def decode(self) -> np.ndarray:
         """float32 values (aliasing `data` for float32); raises TensorDecodeError."""
         return decode(self.dtype, self.shape, self.data)
+
+    def decode_int64(self) -> np.ndarray:
+        """int64 values (aliasing `data`); raises TensorDecodeError unless it is an int64 tensor."""
+        return decode_int64(self.dtype, self.shape, self.data)
+
+
+@dataclass(frozen=True)
+class EncodedBuffers:
+    """A model's buffers as they came off the wire, by kind (None: that tensor was not sent): the
+    floating ones' float32 tensor and the integer ones' int64 tensor (gemps_proto.schema.Buffers)."""
+
+    floats: EncodedTensor | None
+    integers: EncodedTensor | None = None
 
 
 def expected_nbytes(dtype: int, shape: Sequence[int]) -> int:

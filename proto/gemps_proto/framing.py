@@ -20,7 +20,7 @@ import numpy as np
 from google.protobuf.message import Message
 
 from gemps_proto import wire
-from gemps_proto.codec import FLOAT32, EncodedTensor
+from gemps_proto.codec import EncodedTensor
 from gemps_proto.serde import tensor_from_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
@@ -68,12 +68,6 @@ def announce(tensor: pb.Tensor, dtype: int, size: int) -> None:
     """A streamed flat tensor's header: its dtype and shape, the data left to follow in pieces."""
     tensor.dtype = dtype  # type: ignore[assignment]
     tensor.shape.append(size)
-
-
-def set_float32(tensor: pb.Tensor, data: bytes) -> None:
-    """A small flat float32 tensor (the model's buffers) set whole, the plain protobuf way."""
-    announce(tensor, FLOAT32, len(data) // 4)
-    tensor.data = data
 
 
 # -- the data pieces of the streaming RPCs ---------------------------------------------------------

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from gemps_proto.codec import FLOAT32, INT64
 from gemps_proto.ranges import FLOAT32_MAX, INT64_MAX, RANGE, UINT32_MAX, Range, out_of_range
 from gemps_proto.schedules import CONSTANT, SCHEDULES
 
@@ -114,22 +115,95 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class ParameterSpec:
-    """One named parameter of the model (gemps.v1.ParameterSpec; the central variable is float32)."""
+    """One named parameter of the model (gemps.v1.ParameterSpec; the central variable is float32),
+    or one buffer: float32 (any floating buffer) or int64 (an integer one, carried exactly)."""
 
     name: str
     shape: tuple[int, ...]
+    dtype: int = FLOAT32  # a gemps_proto.codec dtype: FLOAT32, or INT64 for an integer buffer
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def integer(self) -> bool:
+        return self.dtype == INT64
+
     def describe(self) -> str:
-        return f"{self.name!r} {list(self.shape)}"
+        return f"{self.name!r} {list(self.shape)}" + (" int64" if self.integer else "")
 
 
 def spec_of(parameters: Mapping[str, np.ndarray]) -> tuple[ParameterSpec, ...]:
     """The spec of named arrays, in mapping order."""
     return tuple(ParameterSpec(name, tuple(int(d) for d in np.shape(value))) for name, value in parameters.items())
+
+
+def buffer_spec_of(buffers: Mapping[str, np.ndarray]) -> tuple[ParameterSpec, ...]:
+    """The buffer spec of named arrays, in mapping order: integer (and boolean) arrays are int64
+    entries, carried exactly; the others float32."""
+    return tuple(
+        ParameterSpec(name, tuple(int(d) for d in np.shape(value)), INT64 if _integral(value) else FLOAT32)
+        for name, value in buffers.items()
+    )
+
+
+def _integral(value: np.ndarray) -> bool:
+    kind: str = np.asarray(value).dtype.kind
+    return kind in "iub"
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """A model's buffer values by kind, each flat in buffer-spec order: the float32 entries'
+    (`floats`) and the int64 entries' (`integers`, exact: batch norm's num_batches_tracked passes
+    2**24, where float32 stops counting). The wire carries each as a tensor of its own."""
+
+    floats: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))
+    integers: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+
+    @property
+    def size(self) -> int:
+        return int(self.floats.size + self.integers.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.floats.nbytes + self.integers.nbytes)
+
+    @classmethod
+    def of(cls, values: Mapping[str, np.ndarray] | np.ndarray, spec: Sequence[ParameterSpec]) -> Buffers:
+        """Values by name, or one flat array of every entry in spec order, split by the spec's kinds."""
+        if not isinstance(values, Mapping):
+            flat = np.asarray(values).reshape(-1)
+            values = dict(_views(flat, spec))
+        floats = [np.asarray(values[e.name], np.float32).reshape(-1) for e in spec if not e.integer]
+        integers = [_int64(values[e.name]).reshape(-1) for e in spec if e.integer]
+        return cls(
+            np.concatenate(floats) if floats else np.empty(0, np.float32),
+            np.concatenate(integers) if integers else np.empty(0, np.int64),
+        )
+
+    def named(self, spec: Sequence[ParameterSpec]) -> dict[str, np.ndarray]:
+        """Per-buffer views (no copy), in spec order: float32 and int64 arrays by kind."""
+        floats = _views(self.floats, [e for e in spec if not e.integer])
+        integers = _views(self.integers, [e for e in spec if e.integer])
+        found = {**dict(floats), **dict(integers)}
+        return {entry.name: found[entry.name] for entry in spec}
+
+    def sizes_match(self, spec: Sequence[ParameterSpec]) -> bool:
+        return (self.floats.size, self.integers.size) == buffer_counts(spec)
+
+
+def buffer_counts(spec: Sequence[ParameterSpec]) -> tuple[int, int]:
+    """(float32 values, int64 values) a buffer spec describes."""
+    integers = sum(entry.size for entry in spec if entry.integer)
+    return sum(entry.size for entry in spec) - integers, integers
+
+
+def _int64(value: np.ndarray) -> np.ndarray:
+    """Integer values as int64; floating ones rounded (a flat delta of every buffer is float)."""
+    array = np.asarray(value)
+    return array.astype(np.int64) if _integral(array) else np.rint(array).astype(np.int64)
 
 
 def flatten(parameters: Mapping[str, np.ndarray]) -> np.ndarray:

@@ -14,8 +14,9 @@ from typing import TypeVar
 import numpy as np
 from google.protobuf.message import Message
 
-from gemps_proto.codec import EncodedTensor
+from gemps_proto.codec import FLOAT32, EncodedBuffers, EncodedTensor
 from gemps_proto.schema import (
+    Buffers,
     DataPlane,
     Evaluation,
     Layout,
@@ -44,13 +45,32 @@ def tensor_from_proto(tensor: pb.Tensor) -> EncodedTensor:
     return EncodedTensor(tensor.dtype, tuple(tensor.shape), tensor.data)
 
 
+def set_buffers(floats: pb.Tensor, integers: pb.Tensor, buffers: Buffers) -> None:
+    """A message's pair of buffer tensors (`buffers` and `integer_buffers`, or the initial or delta
+    pair), each set whole: small. A kind the model has none of stays unset."""
+    if buffers.floats.size:
+        floats.CopyFrom(tensor_to_proto(buffers.floats.reshape(-1)))
+    if buffers.integers.size:
+        values = np.ascontiguousarray(buffers.integers, dtype="<i8").reshape(-1)
+        integers.CopyFrom(pb.Tensor(dtype=pb.DTYPE_INT64, shape=values.shape, data=values.tobytes()))
+
+
+def buffers_from_proto(message: Message, floats: str, integers: str) -> EncodedBuffers | None:
+    """A message's pair of buffer tensors, by field name; None when it has neither."""
+    found = [
+        tensor_from_proto(getattr(message, name)) if message.HasField(name) else None for name in (floats, integers)
+    ]
+    return None if found == [None, None] else EncodedBuffers(*found)
+
+
 def spec_to_proto(spec: Iterable[ParameterSpec]) -> list[pb.ParameterSpec]:
-    return [pb.ParameterSpec(name=entry.name, shape=entry.shape, dtype=pb.DTYPE_FLOAT32) for entry in spec]
+    return [pb.ParameterSpec(name=entry.name, shape=entry.shape, dtype=entry.dtype) for entry in spec]  # type: ignore[arg-type]
 
 
 def spec_from_proto(messages: Iterable[pb.ParameterSpec]) -> tuple[ParameterSpec, ...]:
-    """Names and shapes only: whether the entries are valid is the server's to check."""
-    return tuple(ParameterSpec(message.name, tuple(message.shape)) for message in messages)
+    """Names, shapes and dtypes (unspecified: float32): whether the entries are valid is the
+    server's to check."""
+    return tuple(ParameterSpec(message.name, tuple(message.shape), message.dtype or FLOAT32) for message in messages)
 
 
 def training_config_to_proto(config: TrainingConfig) -> pb.TrainingConfig:

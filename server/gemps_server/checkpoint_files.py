@@ -1,7 +1,8 @@
 """Checkpoint files: the central variable and what it takes to resume serving it, in safetensors.
 
 One file per checkpoint, `checkpoint-<version, 12 digits>.safetensors`: tensors (the flat central
-variable, the model's buffers if it has any, plus any global state of the commit rule such as
+variable, the model's buffers if it has any (float ones as float32, integer ones as int64,
+exactly), plus any global state of the commit rule such as
 the `momentum` rule's velocity) and string metadata (format, version, commit count, parameter
 and buffer specs, training config, the commit
 ledger's receipts for deduplicating retries, a CRC-32 of the tensor bytes). safetensors has no
@@ -33,7 +34,8 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from gemps_proto.schema import ParameterSpec, unflatten
+from gemps_proto.codec import FLOAT32, INT64
+from gemps_proto.schema import Buffers, ParameterSpec, buffer_counts, unflatten
 from gemps_server.domain.ledger import (
     KEY_SEPARATOR,
     LEGACY_SCOPE,
@@ -49,6 +51,9 @@ FORMAT = "gemps-checkpoint"
 FORMAT_VERSION = "1"
 THETA_KEY = "central_variable"
 BUFFERS_KEY = "buffers"
+INTEGER_BUFFERS_KEY = "integer_buffers"
+# A spec entry's "dtype" in the metadata, when it is not float32 (files before integer buffers: none).
+SPEC_DTYPES = {"int64": INT64}
 RULE_STATE_PREFIX = "rule."
 SUFFIX = ".safetensors"
 # Versions and counts are int64 on the wire (base_version) and uint64 in replies: a checkpoint
@@ -83,7 +88,7 @@ class Checkpoint:
             raise CheckpointError(
                 f"this checkpoint holds {self.image.partition} of the model: export all partitions together"
             )
-        return {**unflatten(self.image.theta, self.image.spec), **unflatten(self.image.buffers, self.image.buffer_spec)}
+        return {**unflatten(self.image.theta, self.image.spec), **self.image.buffers.named(self.image.buffer_spec)}
 
 
 def assemble_partitions(checkpoints: list[Checkpoint]) -> dict[str, np.ndarray]:
@@ -99,7 +104,7 @@ def assemble_partitions(checkpoints: list[Checkpoint]) -> dict[str, np.ndarray]:
     if any(c.image.spec != first.spec for c in ordered):
         raise CheckpointError("the partitions' checkpoints describe different models")
     theta = np.concatenate([c.image.theta for c in ordered])
-    return {**unflatten(theta, first.spec), **unflatten(first.buffers, first.buffer_spec)}
+    return {**unflatten(theta, first.spec), **first.buffers.named(first.buffer_spec)}
 
 
 def checkpoint_path(directory: Path, version: int) -> Path:
@@ -157,7 +162,11 @@ def _metadata(checkpoint: Checkpoint, tensors: Mapping[str, np.ndarray]) -> dict
 
 
 def _spec_json(spec: tuple[ParameterSpec, ...]) -> str:
-    return json.dumps([{"name": entry.name, "shape": list(entry.shape)} for entry in spec])
+    names = {dtype: name for name, dtype in SPEC_DTYPES.items()}
+    return json.dumps([
+        {"name": entry.name, "shape": list(entry.shape), **({"dtype": names[entry.dtype]} if entry.integer else {})}
+        for entry in spec
+    ])  # fmt: skip
 
 
 def write_atomically(path: Path, write: Callable[[Path], None]) -> int:
@@ -184,8 +193,11 @@ def save(directory: Path, checkpoint: Checkpoint) -> tuple[Path, int]:
     """Write `checkpoint` atomically; returns its path and size in bytes."""
     image = checkpoint.image
     tensors: dict[str, np.ndarray] = {THETA_KEY: np.ascontiguousarray(image.theta, dtype=np.float32)}
-    if image.buffer_spec:
-        tensors[BUFFERS_KEY] = np.ascontiguousarray(image.buffers, dtype=np.float32)
+    floats, integers = buffer_counts(image.buffer_spec)
+    if floats:
+        tensors[BUFFERS_KEY] = np.ascontiguousarray(image.buffers.floats, dtype=np.float32)
+    if integers:
+        tensors[INTEGER_BUFFERS_KEY] = np.ascontiguousarray(image.buffers.integers, dtype=np.int64)
     for key, value in image.rule_state.items():
         tensors[RULE_STATE_PREFIX + key] = np.ascontiguousarray(value, dtype=np.float32)
     metadata = _metadata(checkpoint, tensors)
@@ -217,8 +229,11 @@ def _count(metadata: Mapping[str, str], key: str) -> int:
     return value
 
 
-def _parse_spec(raw: str, seen: set[str] | None = None, *, allow_empty: bool = False) -> tuple[ParameterSpec, ...]:
-    """Entries with unique names (also against `seen`, which collects them)."""
+def _parse_spec(
+    raw: str, seen: set[str] | None = None, *, allow_empty: bool = False, integers: bool = False
+) -> tuple[ParameterSpec, ...]:
+    """Entries with unique names (also against `seen`, which collects them); `integers`: int64
+    entries allowed (a buffer spec)."""
     entries = _json(raw)
     if not isinstance(entries, list) or not (entries or allow_empty):
         raise CheckpointError("spec must be a non-empty list")
@@ -226,13 +241,15 @@ def _parse_spec(raw: str, seen: set[str] | None = None, *, allow_empty: bool = F
     for entry in entries:
         if not isinstance(entry, dict):
             raise CheckpointError(f"bad spec entry {entry!r}")
-        name, shape = entry.get("name"), entry.get("shape")
+        name, shape, dtype = entry.get("name"), entry.get("shape"), entry.get("dtype", "float32")
         if not isinstance(name, str) or not name or name in seen:
             raise CheckpointError(f"bad or repeated parameter name in spec: {name!r}")
         if not isinstance(shape, list) or not all(type(d) is int and 0 <= d <= MAX_COUNT for d in shape):
             raise CheckpointError(f"bad shape for {name!r}: {shape!r}")
+        if dtype != "float32" and (not integers or dtype not in SPEC_DTYPES):
+            raise CheckpointError(f"bad dtype for {name!r}: {dtype!r}")
         seen.add(name)
-        spec.append(ParameterSpec(name, tuple(shape)))
+        spec.append(ParameterSpec(name, tuple(shape), SPEC_DTYPES.get(dtype, FLOAT32)))
     return tuple(spec)
 
 
@@ -292,23 +309,23 @@ def _from_parts(metadata: dict[str, str], tensors: dict[str, np.ndarray], check_
     version, commits = _count(metadata, "version"), _count(metadata, "commits_applied")
     names: set[str] = set()
     spec = _parse_spec(metadata["spec"], names)
-    buffer_spec = _parse_spec(metadata.get("buffer_spec", "[]"), names, allow_empty=True)
+    buffer_spec = _parse_spec(metadata.get("buffer_spec", "[]"), names, allow_empty=True, integers=True)
     partition = _parse_partition(metadata.get("partition", '{"index": 0, "count": 1}'), spec)
     start, stop = partition.bounds(sum(entry.size for entry in spec))
     theta = _flat_tensor(tensors, THETA_KEY, stop - start)
-    buffers = (
-        _flat_tensor(tensors, BUFFERS_KEY, sum(entry.size for entry in buffer_spec))
-        if buffer_spec
-        else np.empty(0, np.float32)
+    float_count, integer_count = buffer_counts(buffer_spec)
+    buffers = Buffers(
+        _flat_tensor(tensors, BUFFERS_KEY, float_count) if float_count else np.empty(0, np.float32),
+        _flat_tensor(tensors, INTEGER_BUFFERS_KEY, integer_count, np.int64) if integer_count else np.empty(0, np.int64),
     )
     rule_state = {}
     for key, value in tensors.items():
-        if key in (THETA_KEY, BUFFERS_KEY):
+        if key in (THETA_KEY, BUFFERS_KEY, INTEGER_BUFFERS_KEY):
             continue
         if not key.startswith(RULE_STATE_PREFIX) or value.dtype != np.float32:
             raise CheckpointError(f"unexpected tensor {key!r}")
         rule_state[key[len(RULE_STATE_PREFIX) :]] = value
-    for key, value in (("theta", theta), ("buffers", buffers), *rule_state.items()):
+    for key, value in (("theta", theta), ("buffers", buffers.floats), *rule_state.items()):
         if value.size and not all_finite(value):  # one pass, no array of booleans
             raise CheckpointError(f"{key} contains NaN or Inf")
     config = _json(metadata.get("config", "{}"))
@@ -333,9 +350,11 @@ def _from_parts(metadata: dict[str, str], tensors: dict[str, np.ndarray], check_
     return Checkpoint(image, config=config, created=float(metadata.get("created", "0")))
 
 
-def _flat_tensor(tensors: Mapping[str, np.ndarray], key: str, expected: int) -> np.ndarray:
+def _flat_tensor(
+    tensors: Mapping[str, np.ndarray], key: str, expected: int, dtype: type[np.generic] = np.float32
+) -> np.ndarray:
     value = tensors.get(key)
-    if value is None or value.dtype != np.float32 or value.ndim != 1:
+    if value is None or value.dtype != dtype or value.ndim != 1:
         raise CheckpointError(f"missing or malformed {key!r} tensor")
     if value.size != expected:
         raise CheckpointError(f"{key} has {value.size} values but the spec describes {expected}")
@@ -396,10 +415,14 @@ def remove_temporaries(directory: Path) -> list[Path]:
 def export_state_dict(
     named: Mapping[str, np.ndarray], version: int, out: Path, metadata: Mapping[str, str] | None = None
 ) -> int:
-    """Write parameters by name as safetensors (atomically); returns bytes.
+    """Write parameters by name as safetensors (atomically); returns bytes. Integer arrays (integer
+    buffers) are written as int64, exactly; the others as float32.
 
     `safetensors.torch.load_file(out)` gives a state dict for `model.load_state_dict(...)`.
     """
-    tensors = {name: np.ascontiguousarray(value, dtype=np.float32) for name, value in named.items()}
+    tensors = {  # np.asarray keeps a scalar's shape () (num_batches_tracked); ascontiguousarray makes it [1]
+        name: np.asarray(value, dtype=np.int64 if value.dtype.kind in "iub" else np.float32, order="C")
+        for name, value in named.items()
+    }
     info = {"format": "gemps-export", "version": str(version), **(metadata or {})}
     return write_atomically(out, lambda tmp: safetensors.numpy.save_file(tensors, str(tmp), metadata=info))

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from gemps_proto.codec import EncodedTensor
+from gemps_proto.codec import EncodedBuffers, EncodedTensor
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import (
     DataPlane,
@@ -107,12 +107,13 @@ class ParameterService:
         spec: Sequence[ParameterSpec],
         buffer_spec: Sequence[ParameterSpec],
         parameter_count: int,
-        buffer_count: int | None,
+        buffer_counts: tuple[int, int] | None,
     ) -> None:
         """Refuse, before a byte of it is received, a streamed first upload whose header's sizes
-        (`parameter_count` values, `buffer_count` buffer values or None) cannot initialise θ."""
+        (`parameter_count` values, `buffer_counts` float32 and int64 buffer values, or None) cannot
+        initialise θ."""
         state = self._state
-        counts = (parameter_count, buffer_count)
+        counts = (parameter_count, buffer_counts)
         check_upload(spec, buffer_spec, counts, state.partition, state.max_parameters)
 
     @property
@@ -147,7 +148,7 @@ class ParameterService:
         initial: EncodedTensor | None,
         include_parameters: bool = True,
         buffer_spec: tuple[ParameterSpec, ...] = (),
-        initial_buffers: EncodedTensor | None = None,
+        initial_buffers: EncodedBuffers | None = None,
         client_id: str = "",
     ) -> tuple[Admission, Registration]:
         """Admit a worker; `include_parameters` False when its reply leaves θ out (it pulls θ next)."""

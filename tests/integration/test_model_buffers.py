@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import gemps
+from gemps_proto.codec import INT64
 from gemps_proto.schema import ParameterSpec
 from gemps_proto.serde import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
@@ -123,7 +124,7 @@ def test_buffers_survive_a_restart_and_are_exported_by_name(
         trained = client.commit(GRADIENT, buffer_delta=DELTA).parameters
     assert server.stop() == 0
     saved = load(list_checkpoints(directory)[-1][1])
-    np.testing.assert_array_equal(saved.image.buffers, trained.buffers)
+    np.testing.assert_array_equal(saved.image.buffers.floats, trained.buffers)
     restarted = start_server_process(port=server.port, **options)
     with gemps.Client(restarted.target) as client:
         client.register(PARAMS, BUFFERS)  # not the initialiser now: it receives the restored buffers
@@ -158,3 +159,60 @@ def test_gemps_status_shows_the_buffers_and_eta(server: InProcessServer) -> None
     assert shown.returncode == 0, shown.stderr
     assert "buffers         6 in 2 tensors" in shown.stdout
     assert "learning rate   0.05 now (constant schedule)" in shown.stdout
+
+
+# 2**24: where float32 stops counting
+COUNTED: dict[str, np.ndarray] = {**BUFFERS, "bn.num_batches_tracked": np.array(2**24, np.int64)}
+
+
+@pytest.mark.usefixtures("plane")  # commits and pulls over the data plane and over gRPC
+@pytest.mark.parametrize("streaming", ["never", "always"])  # unary calls, and RegisterStream/PullStream/CommitStream
+def test_integer_buffers_count_past_2_to_the_24_exactly_everywhere(
+    tmp_path: Path, start_server_process: StartServerProcess, streaming: str
+) -> None:
+    """Issue 28: an integer buffer is int64 on the wire, on the server, in checkpoints and in the
+    export, so num_batches_tracked counts on past 2**24 (float32 stayed at 16,777,216)."""
+    directory = tmp_path / "ckpt"
+    options = {"checkpoint_dir": directory, "checkpoint_every": 1, "checkpoint_interval": 0}
+    server = start_server_process(**options)
+    counted = 2**24
+    with gemps.Client(server.target, streaming=streaming) as client, gemps.Client(server.target) as observer:
+        client.register(PARAMS, COUNTED)
+        assert client.buffer_spec[-1] == ParameterSpec("bn.num_batches_tracked", (), INT64)
+        for _ in range(3):
+            delta = {**{name: np.zeros_like(value) for name, value in BUFFERS.items()}}
+            delta["bn.num_batches_tracked"] = np.array(1)
+            named = client.commit(GRADIENT, buffer_delta=delta).parameters.named_buffers()
+            counted += 1
+            assert named["bn.num_batches_tracked"].dtype == np.int64
+            assert int(named["bn.num_batches_tracked"]) == counted
+        assert int(observer.pull().named_buffers()["bn.num_batches_tracked"]) == counted
+        assert observer.status().buffer_spec == client.buffer_spec
+    assert server.stop() == 0
+    saved = load(list_checkpoints(directory)[-1][1])
+    assert saved.image.buffers.integers.tolist() == [counted]
+    restarted = start_server_process(port=server.port, **options)
+    with gemps.Client(restarted.target, streaming=streaming) as client:
+        client.register(PARAMS, COUNTED)  # not the initialiser now: it receives the restored count
+        assert client.central is not None
+        assert int(client.central.named_buffers()["bn.num_batches_tracked"]) == counted
+    out = tmp_path / "model.safetensors"
+    result = subprocess.run(
+        [sys.executable, "-m", "gemps_cli", "export", str(directory), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    from safetensors.numpy import load_file
+
+    exported = load_file(str(out))["bn.num_batches_tracked"]
+    assert exported.dtype == np.int64 and int(exported) == counted
+
+
+def test_a_float_spec_for_an_integer_buffer_is_a_mismatch(server: InProcessServer) -> None:
+    """The buffer spec says each buffer's kind: a worker whose counter is float does not match."""
+    with gemps.Client(server.target) as first, gemps.Client(server.target) as second:
+        first.register(PARAMS, COUNTED)
+        with pytest.raises(gemps.FailedPreconditionError, match=r"num_batches_tracked.* int64"):
+            second.register(PARAMS, {**COUNTED, "bn.num_batches_tracked": np.array(0.0, np.float32)})

@@ -92,6 +92,23 @@ def test_one_workers_batch_norm_statistics_are_the_servers(server: InProcessServ
         assert int(fresh.state_dict()["1.num_batches_tracked"]) == 5
 
 
+def test_num_batches_tracked_counts_past_2_to_the_24(server: InProcessServer) -> None:
+    """Issue 28: batch norm's counter travels and is kept as int64, so after 2**24 batches it still
+    counts (as float32 it stayed at 16,777,216), in the model and on the server."""
+    model = batch_norm_model()
+    norm = model[1]
+    assert isinstance(norm, nn.BatchNorm1d) and norm.num_batches_tracked is not None
+    norm.num_batches_tracked.fill_(2**24)
+    with RemoteModel(model, server.target) as remote:
+        for _ in range(3):
+            remote.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            result = remote.step()
+        assert int(norm.num_batches_tracked) == 2**24 + 3
+        assert int(result.parameters.named_buffers()["1.num_batches_tracked"]) == 2**24 + 3
+        assert norm.num_batches_tracked.dtype == torch.int64
+
+
 def test_two_workers_statistics_add_up(server: InProcessServer) -> None:
     torch.manual_seed(0)
     first, second = batch_norm_model(), batch_norm_model()

@@ -27,7 +27,7 @@ from gemps.records import (
 )
 from gemps.transport import CommitCall, Committed, Enrolment, PullCall, Pulled, Registered
 from gemps_proto.reasons import Reason
-from gemps_proto.schema import PayloadKind, partition_bounds
+from gemps_proto.schema import Buffers, PayloadKind, partition_bounds
 
 T = TypeVar("T")
 
@@ -62,7 +62,7 @@ class MemoryServer:
     layout: Layout | None = None  # what it announces when θ is partitioned
     scaling: float = 1.0  # the scaling figures it reports for every commit
     theta: np.ndarray | None = None
-    buffers: np.ndarray | None = None
+    buffers: Buffers | None = None
     version: int = 0
     history: str = "first"
     fail_next: int = 0  # calls still to refuse with UNAVAILABLE
@@ -99,7 +99,7 @@ class MemoryServer:
             self.theta = (values if values.size == stop - start else values[start:stop]).copy()
             self.spec, self.buffer_spec = enrolment.spec, enrolment.buffer_spec
             if enrolment.buffer_spec and enrolment.buffers is not None:
-                self.buffers = enrolment.buffers.copy()
+                self.buffers = enrolment.buffers
         worker_id = f"{self.target}/worker-{next(self._ids)}"
         self.workers = {w: c for w, c in self.workers.items() if c != enrolment.client_id}
         self.workers[worker_id] = enrolment.client_id
@@ -137,7 +137,8 @@ class MemoryServer:
         step = -self.learning_rate * call.payload if call.kind is PayloadKind.GRADIENT else call.payload
         self.theta = (self.theta + step).astype(np.float32)
         if call.buffer_delta is not None and self.buffers is not None:
-            self.buffers = self.buffers + call.buffer_delta
+            delta = call.buffer_delta
+            self.buffers = Buffers(self.buffers.floats + delta.floats, self.buffers.integers + delta.integers)
         staleness = self.version - call.base_version
         self.version += 1
         scaling = self.scaling
@@ -192,8 +193,8 @@ class MemoryServer:
         partition = self.layout.partitions[self.layout.index]
         return partition.start, partition.stop
 
-    def _buffers(self) -> np.ndarray | None:
-        return None if self.buffers is None or not self.buffer_spec else self.buffers.copy()
+    def _buffers(self) -> Buffers | None:
+        return None if self.buffers is None or not self.buffer_spec else self.buffers  # never changed in place
 
 
 def memory_cluster(

@@ -175,7 +175,9 @@ def test_buffers_go_to_and_come_from_partition_0_only() -> None:
     delta = np.array([1.0, 2.0, 3.0], np.float32)
     result = client.commit(np.zeros(P, np.float32), buffer_delta={"running_mean": delta})
     assert servers[1].commits[0].buffer_delta is None
-    np.testing.assert_array_equal(servers[0].commits[0].buffer_delta, delta)
+    delivered = servers[0].commits[0].buffer_delta
+    assert delivered is not None
+    np.testing.assert_array_equal(delivered.floats, delta)
     np.testing.assert_array_equal(result.parameters.buffers, delta)
     assert result.parameters.named_buffers().keys() == {"running_mean"}
 

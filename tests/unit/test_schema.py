@@ -24,7 +24,7 @@ SCALARS = {
     FieldDescriptor.TYPE_BYTES: bytes,
 }
 # Message fields the Python face leaves out on purpose.
-WIRE_ONLY = {"ParameterSpec": {"dtype"}, "RegisterResponse": {"parameters", "buffers", "history"}}
+WIRE_ONLY = {"RegisterResponse": {"parameters", "buffers", "integer_buffers", "history"}}
 FACES: list[tuple[type[Any], Any]] = [
     (schema.TrainingConfig, pb.TrainingConfig.DESCRIPTOR),
     (schema.ParameterSpec, pb.ParameterSpec.DESCRIPTOR),

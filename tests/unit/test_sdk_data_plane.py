@@ -21,7 +21,8 @@ from gemps_proto import framing
 from gemps_proto.codec import BFLOAT16, FLOAT32, encode, wire_view
 from gemps_proto.dataplane import REPLY, Op, frame_start, read_preamble
 from gemps_proto.reasons import Reason
-from gemps_proto.schema import PayloadKind
+from gemps_proto.schema import Buffers, PayloadKind
+from gemps_proto.serde import set_buffers
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 THETA = np.linspace(-2, 2, 1000, dtype=np.float32)
@@ -33,7 +34,7 @@ CALL = CommitCall(
     loss=0.5,
     num_samples=32,
     request_id="r1",
-    buffer_delta=np.ones(2, np.float32),
+    buffer_delta=Buffers(np.ones(2, np.float32), np.array([1], np.int64)),
 )
 
 
@@ -61,6 +62,7 @@ def test_a_data_plane_commit_header_is_the_grpc_request_without_its_data(dtype: 
     unary.payload.data = b""
     assert announced == unary  # every other field the same, the buffer delta whole
     assert announced.buffer_delta.data == encode(np.ones(2, np.float32))
+    assert announced.integer_buffer_delta.data == np.array([1], "<i8").tobytes()
     streamed = messages.commit_request(CALL, dtype, data, streamed=True)
     assert streamed == pb.CommitChunk(header=announced).SerializeToString()
 
@@ -76,7 +78,9 @@ def test_a_pull_request_is_the_same_on_both_planes() -> None:
 
 def commit_response() -> pb.CommitResponse:
     reply = pb.CommitResponse(version=4, staleness=1, scaling_mean=0.5, scaling_median=0.25, scaling_at_max=2.0)
-    framing.set_float32(reply.buffers, encode(np.array([1, 2, 3], np.float32)))
+    set_buffers(
+        reply.buffers, reply.integer_buffers, Buffers(np.array([1, 2, 3], np.float32), np.array([2**40], np.int64))
+    )
     return reply
 
 
@@ -93,7 +97,8 @@ def test_a_commit_reply_reads_as_the_grpc_reply_does(pair: tuple[DataConnection,
     np.testing.assert_array_equal(committed.parameters, unary.parameters)
     assert committed.parameters.dtype == np.float32 and not committed.parameters.flags.writeable
     assert committed.buffers is not None and unary.buffers is not None
-    np.testing.assert_array_equal(committed.buffers, unary.buffers)
+    np.testing.assert_array_equal(committed.buffers.floats, unary.buffers.floats)
+    assert committed.buffers.integers.tolist() == unary.buffers.integers.tolist() == [2**40]
     figures = ("version", "staleness", "scaling_mean", "scaling_median", "scaling_at_zero", "scaling_at_max")
     assert [getattr(committed, f) for f in figures] == [getattr(unary, f) for f in figures]
 

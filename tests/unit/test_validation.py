@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from gemps_proto.codec import BFLOAT16, FLOAT32, EncodedTensor
+from gemps_proto.codec import BFLOAT16, FLOAT32, INT64, EncodedBuffers, EncodedTensor
 from gemps_proto.reasons import Reason
-from gemps_proto.schema import Evaluation, ParameterSpec, PayloadKind
+from gemps_proto.schema import Buffers, Evaluation, ParameterSpec, PayloadKind
 from gemps_server.domain import validation
 from gemps_server.domain.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError
 from gemps_server.domain.records import Commit, PartitionOf
@@ -18,6 +18,7 @@ from tests.helpers import encoded
 
 SPEC = (ParameterSpec("w", (2, 3)), ParameterSpec("b", (4,)))  # 10 values
 BUFFERS = (ParameterSpec("mean", (2,)),)
+MIXED_BUFFERS = (*BUFFERS, ParameterSpec("count", (), INT64))  # an integer buffer too
 ALL = PartitionOf()
 
 
@@ -84,12 +85,13 @@ def test_sizes_of_the_first_upload() -> None:
     assert validation.initial_range(SPEC, 5, second) == slice(None)
     refused(InvalidArgument, Reason.BAD_SHAPE, validation.initial_range, SPEC, 7, second)
     refused(InvalidArgument, Reason.BAD_SPEC, validation.initial_range, SPEC, 10, PartitionOf(0, 11))
-    validation.check_buffer_count(BUFFERS, 2)
-    refused(InvalidArgument, Reason.BAD_SHAPE, validation.check_buffer_count, BUFFERS, 3)
-    validation.check_upload(SPEC, BUFFERS, (10, 2), ALL, None)
-    refused(InvalidArgument, Reason.BAD_SHAPE, validation.check_upload, SPEC, BUFFERS, (10, 1), ALL, None)
-    refused(InvalidArgument, Reason.BAD_SHAPE, validation.check_upload, SPEC, BUFFERS, (9, 2), ALL, None)
-    refused(ResourceExhausted, Reason.TOO_LARGE, validation.check_upload, SPEC, BUFFERS, (10, 2), ALL, 3)
+    validation.check_buffer_count(MIXED_BUFFERS, (2, 1))
+    refused(InvalidArgument, Reason.BAD_SHAPE, validation.check_buffer_count, MIXED_BUFFERS, (3, 1))
+    refused(InvalidArgument, Reason.BAD_SHAPE, validation.check_buffer_count, MIXED_BUFFERS, (2, 0))
+    validation.check_upload(SPEC, MIXED_BUFFERS, (10, (2, 1)), ALL, None)
+    refused(InvalidArgument, Reason.BAD_SHAPE, validation.check_upload, SPEC, MIXED_BUFFERS, (10, (1, 1)), ALL, None)
+    refused(InvalidArgument, Reason.BAD_SHAPE, validation.check_upload, SPEC, MIXED_BUFFERS, (9, (2, 1)), ALL, None)
+    refused(ResourceExhausted, Reason.TOO_LARGE, validation.check_upload, SPEC, MIXED_BUFFERS, (10, (2, 1)), ALL, 3)
 
 
 def test_initial_values_and_buffers() -> None:
@@ -100,23 +102,40 @@ def test_initial_values_and_buffers() -> None:
     refused(InvalidArgument, Reason.NON_FINITE, validation.initial_values, SPEC, encoded(bad), ALL)
     short = EncodedTensor(FLOAT32, (10,), b"\0" * 8)
     refused(InvalidArgument, Reason.BAD_PAYLOAD, validation.initial_values, SPEC, short, ALL)
-    buffers = validation.initial_buffers(BUFFERS, encoded(np.array([1.0, 2.0], np.float32)), ALL)
-    assert buffers.dtype == np.float32 and buffers.tolist() == [1.0, 2.0] and buffers.flags.writeable
+    buffers = validation.initial_buffers(MIXED_BUFFERS, both(np.array([1.0, 2.0], np.float32), [2**24 + 1]), ALL)
+    assert (
+        buffers.floats.dtype == np.float32 and buffers.floats.tolist() == [1.0, 2.0] and buffers.floats.flags.writeable
+    )
+    assert buffers.integers.dtype == np.int64 and buffers.integers.tolist() == [2**24 + 1]
     assert validation.initial_buffers((), None, ALL).size == 0
-    refused(InvalidArgument, Reason.BAD_SHAPE, validation.initial_buffers, BUFFERS, None, ALL)
-    refused(InvalidArgument, Reason.BAD_SPEC, validation.initial_buffers, BUFFERS, None, PartitionOf(1, 2))
-    infinite = encoded(np.array([1.0, np.inf], np.float32))
-    refused(InvalidArgument, Reason.NON_FINITE, validation.initial_buffers, BUFFERS, infinite, ALL)
+    refused(InvalidArgument, Reason.BAD_SHAPE, validation.initial_buffers, MIXED_BUFFERS, None, ALL)
+    refused(InvalidArgument, Reason.BAD_SPEC, validation.initial_buffers, MIXED_BUFFERS, None, PartitionOf(1, 2))
+    infinite = both(np.array([1.0, np.inf], np.float32), [0])
+    refused(InvalidArgument, Reason.NON_FINITE, validation.initial_buffers, MIXED_BUFFERS, infinite, ALL)
+    as_float = EncodedBuffers(encoded(np.array([1.0, 2.0], np.float32)), encoded(np.array([1.0], np.float32)))
+    refused(InvalidArgument, Reason.BAD_PAYLOAD, validation.initial_buffers, MIXED_BUFFERS, as_float, ALL)
+
+
+def both(floats: np.ndarray, integers: list[int]) -> EncodedBuffers:
+    values = np.array(integers, "<i8")
+    return EncodedBuffers(encoded(floats), EncodedTensor(INT64, values.shape, values.tobytes()))
 
 
 def test_buffers_after_a_delta() -> None:
-    central = np.array([1.0, 2.0], np.float32)
+    central = Buffers(np.array([1.0, 2.0], np.float32), np.array([2**24], np.int64))
     assert validation.buffers_after(central, None) is central
-    updated = validation.buffers_after(central, encoded(np.array([0.5, -1.0], np.float32)))
-    assert updated.tolist() == [1.5, 1.0] and central.tolist() == [1.0, 2.0]
-    refused(InvalidArgument, Reason.BAD_SHAPE, validation.buffers_after, central, encoded(np.ones(3, np.float32)))
-    overflow = encoded(np.array([3e38, 0.0], np.float32))
-    refused(InvalidArgument, Reason.NON_FINITE, validation.buffers_after, np.array([3e38, 0.0], np.float32), overflow)
+    updated = validation.buffers_after(central, both(np.array([0.5, -1.0], np.float32), [1]))
+    assert updated.floats.tolist() == [1.5, 1.0] and central.floats.tolist() == [1.0, 2.0]
+    assert updated.integers.tolist() == [2**24 + 1]  # exact: float32 would stay at 2**24
+    only_integers = validation.buffers_after(central, EncodedBuffers(None, both(central.floats, [3]).integers))
+    assert only_integers.floats is central.floats and only_integers.integers.tolist() == [2**24 + 3]
+    wrong_shape = both(np.ones(3, np.float32), [1])
+    refused(InvalidArgument, Reason.BAD_SHAPE, validation.buffers_after, central, wrong_shape)
+    overflow = both(np.array([3e38, 0.0], np.float32), [0])
+    near_top = Buffers(np.array([3e38, 0.0], np.float32), np.array([0], np.int64))
+    refused(InvalidArgument, Reason.NON_FINITE, validation.buffers_after, near_top, overflow)
+    top = Buffers(central.floats, np.array([2**63 - 1], np.int64))
+    refused(InvalidArgument, Reason.BAD_PAYLOAD, validation.buffers_after, top, both(central.floats * 0, [1]))
 
 
 def test_commit_fields() -> None:

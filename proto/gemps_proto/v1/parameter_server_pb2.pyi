@@ -12,6 +12,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_UNSPECIFIED: _ClassVar[DType]
     DTYPE_FLOAT32: _ClassVar[DType]
     DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_INT64: _ClassVar[DType]
 
 class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -21,6 +22,7 @@ class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_BFLOAT16: DType
+DTYPE_INT64: DType
 PAYLOAD_KIND_UNSPECIFIED: PayloadKind
 PAYLOAD_KIND_GRADIENT: PayloadKind
 PAYLOAD_KIND_UPDATE: PayloadKind
@@ -104,7 +106,7 @@ class Layout(_message.Message):
     def __init__(self, index: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[Partition, _Mapping]]] = ..., num_parameters: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("spec", "initial_parameters", "worker_name", "omit_parameters", "buffer_spec", "initial_buffers", "client_id")
+    __slots__ = ("spec", "initial_parameters", "worker_name", "omit_parameters", "buffer_spec", "initial_buffers", "client_id", "initial_integer_buffers")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     INITIAL_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +114,7 @@ class RegisterRequest(_message.Message):
     BUFFER_SPEC_FIELD_NUMBER: _ClassVar[int]
     INITIAL_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_INTEGER_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     spec: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
     initial_parameters: Tensor
     worker_name: str
@@ -119,7 +122,8 @@ class RegisterRequest(_message.Message):
     buffer_spec: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
     initial_buffers: Tensor
     client_id: str
-    def __init__(self, spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., initial_parameters: _Optional[_Union[Tensor, _Mapping]] = ..., worker_name: _Optional[str] = ..., omit_parameters: _Optional[bool] = ..., buffer_spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., initial_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., client_id: _Optional[str] = ...) -> None: ...
+    initial_integer_buffers: Tensor
+    def __init__(self, spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., initial_parameters: _Optional[_Union[Tensor, _Mapping]] = ..., worker_name: _Optional[str] = ..., omit_parameters: _Optional[bool] = ..., buffer_spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., initial_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., client_id: _Optional[str] = ..., initial_integer_buffers: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class RegisterChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -130,7 +134,7 @@ class RegisterChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[RegisterRequest, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "lease_ttl_seconds", "config", "shard", "version", "parameters", "initialized_central", "buffers", "history", "layout", "data_plane")
+    __slots__ = ("worker_id", "lease_ttl_seconds", "config", "shard", "version", "parameters", "initialized_central", "buffers", "history", "integer_buffers", "layout", "data_plane")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +144,7 @@ class RegisterResponse(_message.Message):
     INITIALIZED_CENTRAL_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
+    INTEGER_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
@@ -151,9 +156,10 @@ class RegisterResponse(_message.Message):
     initialized_central: bool
     buffers: Tensor
     history: str
+    integer_buffers: Tensor
     layout: Layout
     data_plane: DataPlane
-    def __init__(self, worker_id: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., initialized_central: _Optional[bool] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., history: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., data_plane: _Optional[_Union[DataPlane, _Mapping]] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., initialized_central: _Optional[bool] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., history: _Optional[str] = ..., integer_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., data_plane: _Optional[_Union[DataPlane, _Mapping]] = ...) -> None: ...
 
 class DataPlane(_message.Message):
     __slots__ = ("port", "ticket", "local_socket")
@@ -202,18 +208,20 @@ class PullRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., known_version: _Optional[int] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., known_history: _Optional[str] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("version", "parameters", "unchanged", "buffers", "history")
+    __slots__ = ("version", "parameters", "unchanged", "buffers", "history", "integer_buffers")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
+    INTEGER_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     version: int
     parameters: Tensor
     unchanged: bool
     buffers: Tensor
     history: str
-    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., unchanged: _Optional[bool] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., history: _Optional[str] = ...) -> None: ...
+    integer_buffers: Tensor
+    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., unchanged: _Optional[bool] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., history: _Optional[str] = ..., integer_buffers: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class PullResponseChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -224,7 +232,7 @@ class PullResponseChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullResponse, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("worker_id", "base_version", "kind", "payload", "loss", "num_samples", "request_id", "reply_dtype", "buffer_delta")
+    __slots__ = ("worker_id", "base_version", "kind", "payload", "loss", "num_samples", "request_id", "reply_dtype", "buffer_delta", "integer_buffer_delta")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +242,7 @@ class CommitRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REPLY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     BUFFER_DELTA_FIELD_NUMBER: _ClassVar[int]
+    INTEGER_BUFFER_DELTA_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     base_version: int
     kind: PayloadKind
@@ -243,7 +252,8 @@ class CommitRequest(_message.Message):
     request_id: str
     reply_dtype: DType
     buffer_delta: Tensor
-    def __init__(self, worker_id: _Optional[str] = ..., base_version: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., payload: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., request_id: _Optional[str] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., buffer_delta: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    integer_buffer_delta: Tensor
+    def __init__(self, worker_id: _Optional[str] = ..., base_version: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., payload: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., request_id: _Optional[str] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., buffer_delta: _Optional[_Union[Tensor, _Mapping]] = ..., integer_buffer_delta: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class CommitChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -262,7 +272,7 @@ class CommitResponseChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[CommitResponse, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("version", "parameters", "staleness", "scaling_mean", "scaling_median", "scaling_at_zero", "scaling_at_max", "buffers")
+    __slots__ = ("version", "parameters", "staleness", "scaling_mean", "scaling_median", "scaling_at_zero", "scaling_at_max", "buffers", "integer_buffers")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +281,7 @@ class CommitResponse(_message.Message):
     SCALING_AT_ZERO_FIELD_NUMBER: _ClassVar[int]
     SCALING_AT_MAX_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    INTEGER_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     version: int
     parameters: Tensor
     staleness: int
@@ -279,7 +290,8 @@ class CommitResponse(_message.Message):
     scaling_at_zero: float
     scaling_at_max: float
     buffers: Tensor
-    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., staleness: _Optional[int] = ..., scaling_mean: _Optional[float] = ..., scaling_median: _Optional[float] = ..., scaling_at_zero: _Optional[float] = ..., scaling_at_max: _Optional[float] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    integer_buffers: Tensor
+    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., staleness: _Optional[int] = ..., scaling_mean: _Optional[float] = ..., scaling_median: _Optional[float] = ..., scaling_at_zero: _Optional[float] = ..., scaling_at_max: _Optional[float] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., integer_buffers: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id",)

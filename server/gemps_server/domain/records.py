@@ -12,8 +12,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from gemps_proto.codec import FLOAT32, EncodedTensor
-from gemps_proto.schema import ParameterSpec, partition_bounds
+from gemps_proto.codec import FLOAT32, EncodedBuffers, EncodedTensor
+from gemps_proto.schema import Buffers, ParameterSpec, partition_bounds
 from gemps_server.domain.ledger import Receipt
 from gemps_server.domain.rules import ApplyStats
 from gemps_server.domain.workers import WorkerRecord
@@ -29,14 +29,14 @@ class Snapshot:
     The state holds the current snapshot weakly (ServerState.snapshot): its encodings live as
     long as a reply that sends them, so an idle server holds no copy of θ beyond θ itself.
 
-    `buffers` are the model's buffers at this version (float32 bytes, empty for a model without
-    them), set on the applier with the first encoding or outcome: small, so every reply of the
-    version carries them whole."""
+    `buffers` are the model's buffers at this version (never changed in place; empty for a model
+    without them), set on the applier with the first encoding or outcome: small, so every reply of
+    the version carries them whole."""
 
     __slots__ = ("__weakref__", "_encodings", "buffers", "version")
 
     def __init__(
-        self, version: int, encodings: Mapping[int, bytes] | None = None, buffers: bytes | None = None
+        self, version: int, encodings: Mapping[int, bytes] | None = None, buffers: Buffers | None = None
     ) -> None:
         self.version = version
         self._encodings: dict[int, bytes] = dict(encodings or {})
@@ -49,7 +49,11 @@ class Snapshot:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Snapshot):
             return NotImplemented
-        return (self.version, self._encodings, self.buffers) == (other.version, other._encodings, other.buffers)
+        return (self.version, self._encodings, self.buffers is None) == (
+            other.version,
+            other._encodings,
+            other.buffers is None,
+        ) and _same_buffers(self.buffers, other.buffers)
 
     __hash__ = None  # type: ignore[assignment]  # mutable: its encodings are added to
 
@@ -59,6 +63,12 @@ class Snapshot:
     def store(self, dtype: int, data: bytes) -> None:
         """Keep `dtype`'s encoding (on the applier, while theta holds this version)."""
         self._encodings[dtype] = data
+
+
+def _same_buffers(ours: Buffers | None, theirs: Buffers | None) -> bool:
+    if ours is None or theirs is None:
+        return ours is theirs
+    return np.array_equal(ours.floats, theirs.floats) and np.array_equal(ours.integers, theirs.integers)
 
 
 @dataclass(frozen=True)
@@ -74,7 +84,7 @@ class Commit:
     reply_dtype: int = FLOAT32  # wire dtype of the snapshot the reply carries
     loss: float | None = None  # the mini-batch's training loss (metrics only)
     num_samples: int | None = None  # the mini-batch's size (metrics only)
-    buffer_delta: EncodedTensor | None = None  # how the worker's buffers changed since it loaded them
+    buffer_delta: EncodedBuffers | None = None  # how the worker's buffers changed since it loaded them
     # max |payload| (NaN when a value is not finite) where the wire measured it as the payload
     # arrived (float32 payloads on the data plane): spares the applier a pass over it.
     payload_peak: float | None = None
@@ -132,7 +142,7 @@ class StateImage:
     rule_state: Mapping[str, np.ndarray] = field(default_factory=dict)
     receipts: Mapping[str, Receipt] = field(default_factory=dict)
     buffer_spec: tuple[ParameterSpec, ...] = ()
-    buffers: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.float32))  # flat, buffer_spec order
+    buffers: Buffers = field(default_factory=Buffers)  # by kind, each flat in buffer_spec order
     partition: PartitionOf = ALL_OF_THETA
 
     @property

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gemps_proto.codec import FLOAT32, EncodedTensor, encode, wire_view
+from gemps_proto.codec import FLOAT32, EncodedBuffers, EncodedTensor, encode, wire_view
 from gemps_proto.reasons import Reason
 from gemps_proto.schedules import learning_rate_at
-from gemps_proto.schema import ParameterSpec, TrainingConfig
+from gemps_proto.schema import Buffers, ParameterSpec, TrainingConfig
 from gemps_server.domain import validation
 from gemps_server.domain.errors import FailedPrecondition, InvalidArgument, Unavailable
 from gemps_server.domain.ledger import CommitLedger, Receipt
@@ -71,7 +71,7 @@ class ServerState:
         self.ledger = CommitLedger(capacity=registry.max_workers)
         self._theta = np.empty(0, dtype=np.float32)
         self.buffer_spec: tuple[ParameterSpec, ...] = ()
-        self._buffers = np.empty(0, dtype=np.float32)  # replaced, never changed in place
+        self._buffers = Buffers()  # replaced, never changed in place
         self._initializer_until = 0.0  # monotonic deadline of the worker asked for initial values
 
     @property
@@ -113,7 +113,7 @@ class ServerState:
         initial: EncodedTensor | None,
         encode_theta: bool = True,
         buffer_spec: Sequence[ParameterSpec] = (),
-        initial_buffers: EncodedTensor | None = None,
+        initial_buffers: EncodedBuffers | None = None,
         client_id: str = "",
     ) -> Admission:
         """Admit a worker; `encode_theta` False when its reply will not carry θ (it pulls θ apart).
@@ -207,7 +207,7 @@ class ServerState:
     def _with_buffers(self, snapshot: Snapshot) -> Snapshot:
         """`snapshot` with this version's buffers (on the applier: they change with commits)."""
         if snapshot.buffers is None:
-            snapshot.buffers = self._buffers.tobytes()
+            snapshot.buffers = self._buffers
         return snapshot
 
     def leave(self, worker_id: str) -> WorkerRecord:
@@ -252,7 +252,10 @@ class ServerState:
         self.spec = tuple(image.spec)
         self._theta = np.array(image.theta, dtype=np.float32, copy=True).reshape(-1)
         self.buffer_spec = tuple(image.buffer_spec)
-        self._buffers = np.array(image.buffers, dtype=np.float32, copy=True).reshape(-1)
+        self._buffers = Buffers(
+            np.array(image.buffers.floats, dtype=np.float32, copy=True).reshape(-1),
+            np.array(image.buffers.integers, dtype=np.int64, copy=True).reshape(-1),
+        )
         rule = self._new_rule(self._theta.size)
         if image.rule_state:
             if image.rule == self.rule_name:
@@ -300,7 +303,7 @@ class ServerState:
         spec: Sequence[ParameterSpec],
         initial: EncodedTensor | None,
         buffer_spec: Sequence[ParameterSpec] = (),
-        initial_buffers: EncodedTensor | None = None,
+        initial_buffers: EncodedBuffers | None = None,
     ) -> None:
         if initial is None:
             now = time.monotonic()

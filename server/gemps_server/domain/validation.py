@@ -13,9 +13,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gemps_proto.codec import WIRE_DTYPE_NAMES, EncodedTensor, TensorDecodeError, dtype_name, expected_nbytes
+from gemps_proto.codec import (
+    WIRE_DTYPE_NAMES,
+    EncodedBuffers,
+    EncodedTensor,
+    TensorDecodeError,
+    dtype_name,
+    expected_nbytes,
+)
 from gemps_proto.reasons import Reason
-from gemps_proto.schema import Evaluation, ParameterSpec, PayloadKind
+from gemps_proto.schema import Buffers, Evaluation, ParameterSpec, PayloadKind, buffer_counts
 from gemps_server.domain.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from gemps_server.domain.ledger import MAX_CLIENT_ID_LENGTH, MAX_REQUEST_ID_LENGTH, valid_client_id
 from gemps_server.domain.records import Commit, PartitionOf
@@ -158,22 +165,28 @@ def initial_range(spec: Sequence[ParameterSpec], count: int, partition: Partitio
     return slice(None)
 
 
-def check_buffer_count(buffer_spec: Sequence[ParameterSpec], count: int) -> None:
-    """InvalidArgument unless `count` initial buffer values are what `buffer_spec` describes."""
-    size = sum(entry.size for entry in buffer_spec)
-    if count != size:
-        raise InvalidArgument(f"initial_buffers has {count} values but buffer_spec describes {size}", Reason.BAD_SHAPE)
+def check_buffer_count(buffer_spec: Sequence[ParameterSpec], counts: tuple[int, int]) -> None:
+    """InvalidArgument unless the (float32, int64) counts of initial buffer values are what
+    `buffer_spec` describes."""
+    for what, count, size in zip(
+        ("initial_buffers", "initial_integer_buffers"), counts, buffer_counts(buffer_spec), strict=True
+    ):
+        if count != size:
+            kind = "float32" if what == "initial_buffers" else "int64"
+            raise InvalidArgument(
+                f"{what} has {count} values but buffer_spec describes {size} of {kind}", Reason.BAD_SHAPE
+            )
 
 
 def check_upload(
     spec: Sequence[ParameterSpec],
     buffer_spec: Sequence[ParameterSpec],
-    counts: tuple[int, int | None],
+    counts: tuple[int, tuple[int, int] | None],
     partition: PartitionOf,
     max_parameters: int | None,
 ) -> None:
     """Everything the first worker's initial values must satisfy that their header already says:
-    `counts` of parameter and buffer values (None: no buffers sent)."""
+    `counts` of parameter values and of (float32, int64) buffer values (None: no buffers sent)."""
     check_spec(spec, buffer_spec)
     check_size(spec, buffer_spec, partition, max_parameters)
     initial_range(spec, counts[0], partition)
@@ -202,11 +215,19 @@ def initial_values(spec: Sequence[ParameterSpec], initial: EncodedTensor, partit
     return values
 
 
+def decoded_int64(tensor: EncodedTensor, what: str) -> np.ndarray:
+    """`tensor`'s int64 values; InvalidArgument (BAD_PAYLOAD) naming `what` when they do not decode."""
+    try:
+        return tensor.decode_int64()
+    except TensorDecodeError as error:
+        raise InvalidArgument(f"{what}: {error}", Reason.BAD_PAYLOAD) from None
+
+
 def initial_buffers(
-    buffer_spec: Sequence[ParameterSpec], initial: EncodedTensor | None, partition: PartitionOf
-) -> np.ndarray:
-    """The first worker's buffers as a new flat float32 array, checked against `buffer_spec`
-    (only partition 0 holds buffers)."""
+    buffer_spec: Sequence[ParameterSpec], initial: EncodedBuffers | None, partition: PartitionOf
+) -> Buffers:
+    """The first worker's buffers as new flat arrays (float32, int64), checked against
+    `buffer_spec` (only partition 0 holds buffers)."""
     if buffer_spec and partition.index != 0:
         raise InvalidArgument(f"buffers are held by partition 0, not {partition}", Reason.BAD_SPEC)
     size = sum(entry.size for entry in buffer_spec)
@@ -215,31 +236,52 @@ def initial_buffers(
             raise InvalidArgument(
                 f"buffer_spec describes {size} values but initial_buffers is missing", Reason.BAD_SHAPE
             )
-        return np.empty(0, dtype=np.float32)
-    values = decoded(initial, "initial_buffers").reshape(-1)
-    check_buffer_count(buffer_spec, values.size)
-    if not all_finite(values):
+        return Buffers()
+    floats = np.empty(0, np.float32) if initial.floats is None else decoded(initial.floats, "initial_buffers")
+    integers = (
+        np.empty(0, np.int64)
+        if initial.integers is None
+        else decoded_int64(initial.integers, "initial_integer_buffers")
+    )
+    floats, integers = floats.reshape(-1), integers.reshape(-1)
+    check_buffer_count(buffer_spec, (floats.size, integers.size))
+    if not all_finite(floats):
         raise InvalidArgument("initial_buffers contains NaN or Inf", Reason.NON_FINITE)
-    return np.array(values, dtype=np.float32, copy=True)
+    return Buffers(np.array(floats, dtype=np.float32, copy=True), np.array(integers, dtype=np.int64, copy=True))
 
 
-def buffers_after(buffers: np.ndarray, delta: EncodedTensor | None) -> np.ndarray:
-    """The central `buffers` once `delta` is added (DOWNPOUR for buffers: see docs): a new array,
-    checked for shape and finiteness; `buffers` itself when there is no delta."""
+def buffers_after(buffers: Buffers, delta: EncodedBuffers | None) -> Buffers:
+    """The central `buffers` once `delta` is added (DOWNPOUR for buffers: see docs): new arrays,
+    checked for shape, finiteness and (integers) int64's range; `buffers` itself when there is
+    no delta. Integer buffers add exactly."""
     if delta is None:
         return buffers
-    values = decoded(delta, "buffer_delta")
-    if values.shape != buffers.shape:
+    floats, integers = buffers.floats, buffers.integers
+    if delta.floats is not None:
+        values = decoded(delta.floats, "buffer_delta")
+        _check_delta_shape("buffer_delta", values, floats)
+        with np.errstate(over="ignore"):  # an overflow is refused just below
+            floats = floats + values
+        if not all_finite(floats):
+            raise InvalidArgument("buffer_delta contains NaN or Inf, or makes a buffer overflow", Reason.NON_FINITE)
+    if delta.integers is not None:
+        steps = decoded_int64(delta.integers, "integer_buffer_delta")
+        _check_delta_shape("integer_buffer_delta", steps, integers)
+        added = integers + steps  # wraps around on overflow: refused just below
+        if ((integers ^ added) & (steps ^ added) < 0).any():  # the sign flipped against both addends
+            raise InvalidArgument("integer_buffer_delta makes a buffer leave int64's range", Reason.BAD_PAYLOAD)
+        integers = added
+    return Buffers(floats, integers)
+
+
+def _check_delta_shape(what: str, values: np.ndarray, central: np.ndarray) -> None:
+    if values.shape != central.shape:
+        kind = "float32" if central.dtype == np.float32 else "int64"
         raise InvalidArgument(
-            f"buffer_delta shape {list(values.shape)} does not match the central buffers' "
-            f"[{buffers.size}] (all registered buffers, flattened in buffer spec order)",
+            f"{what} shape {list(values.shape)} does not match the central {kind} buffers' "
+            f"[{central.size}] (the registered {kind} buffers, flattened in buffer spec order)",
             Reason.BAD_SHAPE,
         )
-    with np.errstate(over="ignore"):  # an overflow is refused just below
-        updated: np.ndarray = buffers + values
-    if not all_finite(updated):
-        raise InvalidArgument("buffer_delta contains NaN or Inf, or makes a buffer overflow", Reason.NON_FINITE)
-    return updated
 
 
 # -- commits ---------------------------------------------------------------------------------

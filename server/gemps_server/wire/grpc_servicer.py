@@ -20,7 +20,7 @@ from google.protobuf.message import Message
 
 from gemps_proto import reasons
 from gemps_proto import serde as shared
-from gemps_proto.codec import EncodedTensor
+from gemps_proto.codec import EncodedBuffers, EncodedTensor
 from gemps_proto.framing import COMMIT_PAYLOAD_FIELD, REGISTER_INITIAL_FIELD, data_frames
 from gemps_proto.schema import ParameterSpec
 from gemps_proto.v1 import parameter_server_pb2 as pb
@@ -226,11 +226,11 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         once the spec has said that size is right."""
         header = await streams.stream_header(requests, self._pace.idle_timeout, pb.RegisterChunk)
         spec = messages.spec_from_proto(header.spec)
-        buffer_spec = messages.spec_from_proto(header.buffer_spec)
+        buffer_spec = messages.buffer_spec_from_proto(header.buffer_spec)
         if self.service.initialized or not header.HasField("initial_parameters"):
             return await self._register(header, spec, None, buffer_spec, None, context)
         async with self._initial_upload:  # the first worker's: others wait, then find θ initialised
-            initial: tuple[EncodedTensor | None, EncodedTensor | None] = (None, None)
+            initial: tuple[EncodedTensor | None, EncodedBuffers | None] = (None, None)
             if not self.service.initialized:
                 check = functools.partial(self.service.check_upload, spec, buffer_spec)
                 initial = await streams.receive_initial_values(header, requests, self._pace, check)
@@ -242,7 +242,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         spec: tuple[ParameterSpec, ...],
         initial: EncodedTensor | None,
         buffer_spec: tuple[ParameterSpec, ...],
-        initial_buffers: EncodedTensor | None,
+        initial_buffers: EncodedBuffers | None,
         context: Context,
     ) -> bytes:
         include = not request.omit_parameters

@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError, Message
 
 from gemps_proto import framing
 from gemps_proto import serde as shared
-from gemps_proto.codec import FLOAT32, EncodedTensor, dtype_name
+from gemps_proto.codec import FLOAT32, EncodedBuffers, EncodedTensor, dtype_name
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import ParameterSpec, Registration
 from gemps_proto.serde import tensor_from_proto
@@ -81,26 +81,39 @@ def reply_dtype_from_proto(dtype: int) -> int:
 def spec_from_proto(messages: Sequence[pb.ParameterSpec]) -> tuple[ParameterSpec, ...]:
     """A worker's spec; InvalidArgument for an entry whose dtype is not the central variable's, or
     for more entries than a spec may have (checked before reading any)."""
+    return _spec_of_dtypes(messages, "parameter", (pb.DTYPE_FLOAT32,))
+
+
+def buffer_spec_from_proto(messages: Sequence[pb.ParameterSpec]) -> tuple[ParameterSpec, ...]:
+    """A worker's buffer spec: float32 entries, and int64 ones for integer buffers (kept exact)."""
+    return _spec_of_dtypes(messages, "buffer", (pb.DTYPE_FLOAT32, pb.DTYPE_INT64))
+
+
+def _spec_of_dtypes(
+    messages: Sequence[pb.ParameterSpec], what: str, dtypes: tuple[int, ...]
+) -> tuple[ParameterSpec, ...]:
     check_spec_length(len(messages))
     for entry in messages:
-        if entry.dtype != pb.DTYPE_FLOAT32:
+        if entry.dtype not in dtypes:
+            allowed = " or ".join(dtype_name(dtype) for dtype in dtypes)
             raise InvalidArgument(
-                f"parameter {entry.name!r} has dtype {dtype_name(entry.dtype)}; the central variable is DTYPE_FLOAT32",
+                f"{what} {entry.name!r} has dtype {dtype_name(entry.dtype)}; {what}s are {allowed}",
                 Reason.BAD_DTYPE,
             )
     return shared.spec_from_proto(messages)
 
 
-def buffers_from_proto(request: pb.RegisterRequest) -> tuple[tuple[ParameterSpec, ...], EncodedTensor | None]:
+def buffers_from_proto(request: pb.RegisterRequest) -> tuple[tuple[ParameterSpec, ...], EncodedBuffers | None]:
     """A registering worker's buffer spec and initial buffers (None when it sent none)."""
-    initial = tensor_from_proto(request.initial_buffers) if request.HasField("initial_buffers") else None
-    return spec_from_proto(request.buffer_spec), initial
+    initial = shared.buffers_from_proto(request, "initial_buffers", "initial_integer_buffers")
+    return buffer_spec_from_proto(request.buffer_spec), initial
 
 
-def set_buffers(tensor: pb.Tensor, snapshot: Snapshot) -> None:
-    """A reply's `buffers` field: the snapshot's buffers whole (small), left unset when there are none."""
-    if snapshot.buffers:
-        framing.set_float32(tensor, snapshot.buffers)
+def set_buffers(header: pb.RegisterResponse | pb.PullResponse | pb.CommitResponse, snapshot: Snapshot) -> None:
+    """A reply's `buffers` and `integer_buffers`: the snapshot's whole (small), each left unset
+    when the model has none of its kind."""
+    if snapshot.buffers is not None:
+        shared.set_buffers(header.buffers, header.integer_buffers, snapshot.buffers)
 
 
 def with_parameters(header: Message, field_number: int, snapshot: Snapshot, dtype: int, num_parameters: int) -> bytes:
@@ -120,7 +133,7 @@ def admission_to_proto(
     when the worker asked to pull it apart (`include_parameters` False)."""
     header = shared.registration_to_proto(registration)
     header.history = history
-    set_buffers(header.buffers, admission.snapshot)
+    set_buffers(header, admission.snapshot)
     if not include_parameters or admission.initialized_theta or admission.snapshot.data(FLOAT32) is None:
         return header.SerializeToString()
     return with_parameters(header, framing.REGISTER_REPLY_FIELD, admission.snapshot, FLOAT32, num_parameters)
@@ -140,7 +153,7 @@ def commit_from_proto(
         reply_dtype=reply_dtype_from_proto(request.reply_dtype),
         loss=request.loss if request.HasField("loss") else None,
         num_samples=request.num_samples if request.HasField("num_samples") else None,
-        buffer_delta=tensor_from_proto(request.buffer_delta) if request.HasField("buffer_delta") else None,
+        buffer_delta=shared.buffers_from_proto(request, "buffer_delta", "integer_buffer_delta"),
         payload_peak=payload_peak,
     )
 
@@ -156,7 +169,7 @@ def outcome_header(outcome: CommitOutcome) -> pb.CommitResponse:
         scaling_at_zero=stats.fraction_at_zero,
         scaling_at_max=stats.fraction_at_max,
     )
-    set_buffers(header.buffers, outcome.snapshot)
+    set_buffers(header, outcome.snapshot)
     return header
 
 
@@ -201,7 +214,7 @@ def stream_header_to_proto(outcome: CommitOutcome, reply_dtype: int, num_paramet
 
 def pull_to_proto(snapshot: Snapshot, reply_dtype: int, num_parameters: int, history: str = "") -> bytes:
     header = pb.PullResponse(version=snapshot.version, history=history)
-    set_buffers(header.buffers, snapshot)
+    set_buffers(header, snapshot)
     return with_parameters(header, framing.PULL_REPLY_FIELD, snapshot, reply_dtype, num_parameters)
 
 
@@ -213,7 +226,7 @@ def pull_stream_header_to_proto(
     if unchanged:
         return pb.PullResponseChunk(header=unchanged_to_proto(snapshot.version, history))
     header = pb.PullResponse(version=snapshot.version, history=history)
-    set_buffers(header.buffers, snapshot)
+    set_buffers(header, snapshot)
     framing.announce(header.parameters, reply_dtype, num_parameters)
     return pb.PullResponseChunk(header=header)
 

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import overload
 
-from gemps_proto.codec import EncodedTensor, TensorDecodeError, expected_nbytes, num_elements
+from gemps_proto.codec import EncodedBuffers, EncodedTensor, TensorDecodeError, expected_nbytes, num_elements
 from gemps_proto.framing import PayloadAssembler, read_data
 from gemps_proto.reasons import Reason
 from gemps_proto.v1 import parameter_server_pb2 as pb
@@ -154,26 +154,40 @@ def announced_bytes(tensor: pb.Tensor, what: str) -> int:
         raise InvalidArgument(f"{what}: {error}", Reason.BAD_PAYLOAD) from None
 
 
+# A RegisterRequest's buffer tensors, in the order their data follows the parameters' in RegisterStream.
+INITIAL_BUFFER_FIELDS = ("initial_buffers", "initial_integer_buffers")
+
+
 async def receive_initial_values(
     header: pb.RegisterRequest,
     requests: AsyncIterator[Chunk],
     pace: Pace,
-    check_counts: Callable[[int, int | None], None],
-) -> tuple[EncodedTensor, EncodedTensor | None]:
-    """RegisterStream's initial parameters and buffers, in the pieces after the header in that
-    order; `check_counts` is given their value counts (buffers: None when absent) and refuses
-    them before a byte is buffered."""
-    parameters = header.initial_parameters
-    buffers = header.initial_buffers if header.HasField("initial_buffers") else None
-    parameter_bytes = announced_bytes(parameters, "initial_parameters")
-    buffer_bytes = 0 if buffers is None else announced_bytes(buffers, "initial_buffers")
-    check_counts(num_elements(parameters.shape), None if buffers is None else num_elements(buffers.shape))
-    assembler = PayloadAssembler(parameter_bytes + buffer_bytes)
-    data = await assemble(requests, assembler, pace, pb.RegisterChunk)
-    initial = EncodedTensor(parameters.dtype, tuple(parameters.shape), data[:parameter_bytes])
-    if buffers is None:
-        return initial, None
-    return initial, EncodedTensor(buffers.dtype, tuple(buffers.shape), data[parameter_bytes:])
+    check_counts: Callable[[int, tuple[int, int] | None], None],
+) -> tuple[EncodedTensor, EncodedBuffers | None]:
+    """RegisterStream's initial parameters, float buffers and integer buffers, in the pieces after
+    the header in that order; `check_counts` is given their value counts (buffers: None when
+    neither tensor is announced) and refuses them before a byte is buffered."""
+    announced = [
+        header.initial_parameters,
+        *(getattr(header, name) if header.HasField(name) else None for name in INITIAL_BUFFER_FIELDS),
+    ]
+    sizes = [0 if tensor is None else announced_bytes(tensor, name) for tensor, name in zip(
+        announced, ("initial_parameters", *INITIAL_BUFFER_FIELDS), strict=True
+    )]  # fmt: skip
+    counts = [0 if tensor is None else num_elements(tensor.shape) for tensor in announced]
+    buffers_sent = announced[1] is not None or announced[2] is not None
+    check_counts(counts[0], (counts[1], counts[2]) if buffers_sent else None)
+    data = await assemble(requests, PayloadAssembler(sum(sizes)), pace, pb.RegisterChunk)
+    parts: list[EncodedTensor | None] = []
+    offset = 0
+    for tensor, size in zip(announced, sizes, strict=True):
+        parts.append(
+            None if tensor is None else EncodedTensor(tensor.dtype, tuple(tensor.shape), data[offset : offset + size])
+        )
+        offset += size
+    initial = parts[0]
+    assert initial is not None
+    return initial, EncodedBuffers(parts[1], parts[2]) if buffers_sent else None
 
 
 async def receive_payload(
