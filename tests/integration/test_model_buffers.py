@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import safetensors.numpy
 
 import gemps
 from gemps_proto.codec import INT64
@@ -113,6 +114,18 @@ def test_a_model_without_buffers_gets_no_buffer_fields(server: InProcessServer) 
     assert not stub.Pull(pb.PullRequest(worker_id=registered.worker_id, known_version=-1)).HasField("buffers")
 
 
+def export(directory: Path, out: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, np.ndarray]]:
+    """`gemps export DIRECTORY --out OUT`, which must succeed, and the tensors it wrote."""
+    result = subprocess.run(
+        [sys.executable, "-m", "gemps_cli", "export", str(directory), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    return result, safetensors.numpy.load_file(str(out))
+
+
 def test_buffers_survive_a_restart_and_are_exported_by_name(
     tmp_path: Path, start_server_process: StartServerProcess
 ) -> None:
@@ -131,18 +144,8 @@ def test_buffers_survive_a_restart_and_are_exported_by_name(
         assert client.central is not None
         np.testing.assert_array_equal(client.central.buffers, trained.buffers)
         np.testing.assert_array_equal(client.central.flat, trained.flat)
-    out = tmp_path / "model.safetensors"
-    result = subprocess.run(
-        [sys.executable, "-m", "gemps_cli", "export", str(directory), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
+    result, exported = export(directory, tmp_path / "model.safetensors")
     assert "4 tensors, 8 parameters, 6 buffer values" in result.stdout
-    from safetensors.numpy import load_file
-
-    exported = load_file(str(out))
     np.testing.assert_array_equal(exported["bn.running_var"], trained.named_buffers()["bn.running_var"])
     np.testing.assert_array_equal(exported["w"], trained.named()["w"])
 
@@ -196,18 +199,8 @@ def test_integer_buffers_count_past_2_to_the_24_exactly_everywhere(
         client.register(PARAMS, COUNTED)  # not the initialiser now: it receives the restored count
         assert client.central is not None
         assert int(client.central.named_buffers()["bn.num_batches_tracked"]) == counted
-    out = tmp_path / "model.safetensors"
-    result = subprocess.run(
-        [sys.executable, "-m", "gemps_cli", "export", str(directory), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    from safetensors.numpy import load_file
-
-    exported = load_file(str(out))["bn.num_batches_tracked"]
-    assert exported.dtype == np.int64 and int(exported) == counted
+    counter = export(directory, tmp_path / "model.safetensors")[1]["bn.num_batches_tracked"]
+    assert counter.dtype == np.int64 and counter.shape == () and int(counter) == counted
 
 
 def test_a_float_spec_for_an_integer_buffer_is_a_mismatch(server: InProcessServer) -> None:
