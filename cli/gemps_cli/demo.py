@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from gemps import options
+from gemps_cli.checked import checked_options
 from gemps_server.domain.rules import rule_names
 from gemps_worker import demo
 
@@ -17,13 +17,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        demo_options = options.from_sources(demo.DemoOptions, args)
-    except ValueError as error:
-        print(f"gemps demo: {error}", file=sys.stderr)
-        return 2
-    problems = demo_options.problems() + demo_options.training.problems()
-    if problems:
-        print(f"gemps demo: {'; '.join(problems)}", file=sys.stderr)
-        return 2
-    return demo.run_demo(demo_options)
+    demo_options = checked_options(demo.DemoOptions, args, "demo")
+    return 2 if demo_options is None else demo.run_demo(demo_options)

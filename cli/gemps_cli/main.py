@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 Command = Callable[[argparse.Namespace], int]
 
-# name -> (one-line help, module under gemps_cli, the extra its imports need: "" or "torch")
+# name -> (one-line help, module under gemps_cli, the extra its imports need: "", "torch" or "ray")
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "server": ("run the parameter server", "server", ""),
     "status": ("print a server's status", "status", ""),
@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "evaluate": ("measure the central variable on held-out data, periodically", "evaluate", "torch"),
     "experiment": ("the paper's comparisons, reproduced with the real service", "experiment", "torch"),
     "demo": ("train on this machine: a server and local workers, no containers", "demo", "torch"),
+    "ray": ("train on a Ray cluster: partitions, workers and the evaluator as Ray actors", "ray_job", "ray"),
     "bench": (
         "benchmark gemps against the transport and memory ceilings and peer parameter servers",
         "bench",

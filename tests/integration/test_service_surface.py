@@ -15,9 +15,9 @@ from gemps_worker.cluster import ServerProcess
 from tests.helpers import InProcessServer
 
 # `gemps server` with torch and scikit-learn unimportable: any import of them fails.
-WITHOUT_TORCH = (
+WITHOUT_EXTRAS = (  # neither the torch extra nor the ray extra importable
     "import sys\n"
-    "sys.modules.update(torch=None, sklearn=None)\n"
+    "sys.modules.update(torch=None, sklearn=None, ray=None)\n"
     "from gemps_cli.main import main\n"
     "sys.exit(main(sys.argv[1:]))\n"
 )
@@ -55,8 +55,8 @@ def test_server_rejects_invalid_configuration_clearly() -> None:
     assert "momentum 1.5 is outside [0, 1)" in result.stderr
 
 
-def test_server_starts_without_torch() -> None:
-    with ServerProcess(command=(sys.executable, "-c", WITHOUT_TORCH)) as server:
+def test_server_starts_without_torch_or_ray() -> None:
+    with ServerProcess(command=(sys.executable, "-c", WITHOUT_EXTRAS)) as server:
         stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.target))
         assert stub.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
 
@@ -75,3 +75,9 @@ def test_worker_commands_without_torch_say_what_to_install() -> None:
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "needs the torch extra: pip install 'gemps[torch]'" in result.stderr
+
+
+def test_gemps_ray_without_ray_says_what_to_install() -> None:
+    result = subprocess.run([sys.executable, "-c", WITHOUT_EXTRAS, "ray"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "needs the ray extra: pip install 'gemps[ray]'" in result.stderr

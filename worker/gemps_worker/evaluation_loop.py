@@ -47,14 +47,18 @@ def run_evaluator(
     options: EvaluatorOptions,
     stop: threading.Event | None = None,
     on_result: Callable[[EvaluationResult], None] | None = None,
+    metrics: EvaluatorMetrics | None = None,
 ) -> list[EvaluationResult]:
+    """Evaluate until `stop` is set (or `max_evaluations`); `metrics`: served by the caller
+    (default: a new one, served on `options.metrics_port` unless -1)."""
     stop = stop or threading.Event()
     data = load_dataset(options.dataset, options.data_dir, options.download)
     model = build_model(options.model, data.input_shape, data.num_classes)
     expected = tuple(ParameterSpec(n, tuple(p.shape)) for n, p in trained_parameters(model))
-    metrics = EvaluatorMetrics()
-    if options.metrics_port >= 0:
-        log.info("evaluator metrics on port %d", metrics.serve(options.metrics_port))
+    if metrics is None:
+        metrics = EvaluatorMetrics()
+        if options.metrics_port >= 0:
+            log.info("evaluator metrics on port %d", metrics.serve(options.metrics_port))
     results: list[EvaluationResult] = []
     last_version = -1
     with Client(options.server, name="evaluator", stop=stop) as client:

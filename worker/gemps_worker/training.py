@@ -144,9 +144,11 @@ def run_worker(
     stop: threading.Event | None = None,
     hooks: WorkerHooks | None = None,
     data: Dataset | None = None,
+    metrics: CommitMetrics | None = None,
 ) -> WorkerSummary:
     """Train until the epochs or max_steps are done, `stop` is set, or the loss diverges;
-    always leave the server cleanly."""
+    always leave the server cleanly. `metrics`: served by the caller (default: per
+    `options.metrics_port`)."""
     stop = stop or threading.Event()
     hooks = hooks or WorkerHooks()
     device = resolve_device(options.device)
@@ -154,7 +156,7 @@ def run_worker(
     model = build_model(options.model, data.input_shape, data.num_classes).to(device)
     train_x = torch.from_numpy(data.train_x).to(device)
     train_y = torch.from_numpy(data.train_y).to(device)
-    metrics = commit_metrics(options.metrics_port)
+    metrics = metrics or commit_metrics(options.metrics_port)
     summary = WorkerSummary()
     # Line-buffered: observers (the demo) read the lines while the worker trains.
     report = open(options.report_file, "a", buffering=1) if options.report_file else None  # noqa: SIM115

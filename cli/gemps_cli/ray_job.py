@@ -1,0 +1,120 @@
+"""`gemps ray`: train on a Ray cluster: the partitions, workers and evaluator as Ray actors.
+
+Joins the cluster --address names (`ray start --head` on this machine: the default, auto), places
+the --partitions server processes on distinct nodes where there are enough, starts --workers
+reference workers (or your --train function) spread over the nodes, follows the run, and writes
+to --out on this machine: model.safetensors (θ and buffers by name, pulled at the end),
+summary.json (where each partition ran, each worker's outcome, the held-out curve) and
+prometheus-targets.json (a file_sd_configs list of every metrics endpoint). Ctrl-C stops the job
+cleanly: workers leave, partitions write their final checkpoints, the export is still written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from gemps import options
+from gemps_cli.checked import checked_options
+from gemps_server.checkpoint_files import export_state_dict
+from gemps_server.domain.rules import rule_names
+from gemps_worker.on_ray import JobFailed, RayJobOptions, RayJobResult, run_job
+from gemps_worker.on_ray.actors import TrainFunction
+from gemps_worker.on_ray.records import StatusSample, TimedEvaluation
+from gemps_worker.signals import configure_logging
+
+EXIT_INTERRUPTED = 130
+PRINT_EVERY = 5.0  # seconds between progress lines
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
+    options.add_arguments(parser, RayJobOptions, choices={"rule": rule_names()})
+    parser.add_argument(
+        "--train",
+        default="",
+        metavar="MODULE:FUNCTION",
+        help="run this function in every worker actor instead of the reference worker: it gets a "
+        "gemps_worker.on_ray.WorkerContext (its .server for RemoteOptimizer/RemoteModel) and must be "
+        "importable on every node (installed, or shipped with `ray job submit --working-dir`)",
+    )
+    parser.set_defaults(run=run)
+
+
+def training_function(spec: str) -> TrainFunction:
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"--train {spec!r}: give MODULE:FUNCTION")
+    function: TrainFunction = getattr(importlib.import_module(module), name)
+    return function
+
+
+class _Progress:
+    """A line every few seconds: version, commits/s since the last line, held-out accuracy."""
+
+    def __init__(self) -> None:
+        self.last: StatusSample | None = None
+
+    def __call__(self, sample: StatusSample, evaluation: TimedEvaluation | None) -> None:
+        if self.last is not None and sample.time - self.last.time < PRINT_EVERY:
+            return
+        rate = 0.0 if self.last is None else (sample.version - self.last.version) / (sample.time - self.last.time)
+        held_out = "" if evaluation is None else f"  held-out acc {evaluation.accuracy:6.2%} (v{evaluation.version})"
+        print(f"v{sample.version:<7d} {rate:6.1f} commits/s  workers {sample.active_workers}{held_out}", flush=True)
+        self.last = sample
+
+
+def run(args: argparse.Namespace) -> int:
+    job = checked_options(RayJobOptions, args, "ray")
+    if job is None:
+        return 2
+    try:
+        train = training_function(args.train) if args.train else None
+    except (ValueError, ImportError, AttributeError) as error:
+        print(f"gemps ray: {error}", file=sys.stderr)
+        return 2
+    configure_logging()
+    what = args.train or f"{job.model} on {job.dataset}, {job.epochs} epochs each"
+    print(f"gemps ray: {job.partitions} partitions, {job.workers} workers ({what}), rule={job.training.rule}")
+    try:
+        result = run_job(job, train=train, on_progress=_Progress())
+    except JobFailed as error:
+        print(f"gemps ray: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # before the workers started: nothing to collect
+        print("gemps ray: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    write_outputs(Path(job.out), result)
+    return EXIT_INTERRUPTED if result.stopped else 0
+
+
+def write_outputs(out: Path, result: RayJobResult) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model = out / "model.safetensors"
+    source = {"source": f"ray job {result.name}"}
+    export_state_dict(result.export.tensors, result.export.version, model, metadata=source)
+    summary = {
+        "job": result.name,
+        "seconds": result.seconds,
+        "stopped": result.stopped,
+        "nodes": result.nodes,
+        "partitions": [asdict(endpoint) for endpoint in result.partitions],
+        "workers": [{k: v for k, v in asdict(o).items() if k != "value"} for o in result.outcomes],
+        "export": {"file": str(model), "version": result.export.version},
+        "final": None if result.final is None else asdict(result.final),
+        "evaluations": [asdict(e) for e in result.evaluations],
+        "samples": [asdict(s) for s in result.samples],
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    nodes = ", ".join(f"{e.index}: {e.node_id[:12]} ({e.target})" for e in result.partitions)
+    print(f"partitions on Ray nodes  {nodes}")
+    workers = sum(o.commits for o in result.outcomes)
+    ending = " (stopped before the end)" if result.stopped else ""
+    print(f"done in {result.seconds:.0f}s{ending}: version {result.export.version}, {workers} commits by the workers")
+    if result.final is not None:
+        print(f"held-out loss {result.final.loss:.4f}, held-out accuracy {result.final.accuracy:.2%}")
+    print(f"model   {model}\nsummary {out / 'summary.json'}\ntargets {out / 'prometheus-targets.json'}")

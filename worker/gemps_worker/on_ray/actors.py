@@ -1,0 +1,300 @@
+"""The Ray actors of a gemps job: a partition's server, a worker, the held-out evaluator.
+
+Plain classes: gemps_worker.on_ray.job makes them Ray actors (`ray.remote(...).options(...)`)
+with their resources, placement and restart policy, so they stay readable and testable as
+classes. Each runs on whichever node Ray placed it and reaches the others through gemps' own
+protocol, never through Ray's object store: Ray places, restarts and collects; gemps trains.
+
+Torch is imported only inside the worker and evaluator methods, so a driver without torch can
+launch a job on a cluster that has it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from gemps.client import Client
+from gemps.records import ServerStatus
+from gemps.retry import RetryPolicy
+from gemps_worker.cluster import ServerProcess
+from gemps_worker.on_ray.records import (
+    ExportedModel,
+    PartitionEndpoint,
+    TimedEvaluation,
+    WorkerContext,
+    WorkerOutcome,
+)
+from gemps_worker.signals import configure_logging
+
+log = logging.getLogger("gemps.ray")
+
+TrainFunction = Callable[[WorkerContext], Any]
+
+#: a partition's record of its ports and starts, in its folder: a restarted actor serves on the
+#: same ports, which the layout and the workers already name
+STATE_FILE = "partition.json"
+SERVER_LOG = "server.log"
+START_ATTEMPTS = 5  # a restart may find its port held a moment longer by the server that died
+START_RETRY_SECONDS = 1.0
+WATCH_SECONDS = 0.2
+OBSERVER_RETRY = RetryPolicy(max_attempts=3, initial_backoff=0.1, max_backoff=1.0)
+
+
+def node_id() -> str:
+    return str(ray.get_runtime_context().get_node_id())
+
+
+def node_address() -> str:
+    """This node's IP address as Ray knows it: where the others reach what runs here."""
+    return str(ray.util.get_node_ip_address())
+
+
+def partition_folder(work_dir: str, job: str, index: int) -> Path:
+    """Partition `index`'s folder on this node: checkpoints (so `gemps export WORK_DIR` assembles
+    θ where the folders share storage), its server's log and its state file."""
+    root = Path(work_dir) if work_dir else Path(tempfile.gettempdir()) / "gemps-ray" / job
+    return root / f"partition-{index}"
+
+
+class PartitionServer:
+    """One partition of θ: the real `gemps server` process on this actor's node, with its
+    checkpoint folder and its own free gRPC, data-plane and metrics ports.
+
+    Partition 0 is told the others' addresses (`addresses`, full HOST:PORT: they run on other
+    nodes). When the server exits by itself, the actor exits with it and Ray restarts the actor
+    (`max_restarts`), which starts the server again on the same ports from its newest checkpoint,
+    as `gemps server --partitions K` restarts a partition locally. A killed actor takes its
+    server with it (Ray ends a dead worker's child processes).
+    """
+
+    def __init__(
+        self,
+        index: int,
+        count: int,
+        *,
+        job: str,
+        work_dir: str,
+        host: str,
+        server_options: Mapping[str, object],
+        addresses: str = "",
+        startup_timeout: float = 120.0,
+    ) -> None:
+        configure_logging()
+        self.index = index
+        self.folder = partition_folder(work_dir, job, index)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        state = self._read_state()
+        self.host = host or node_address()
+        partition: dict[str, object] = {}
+        if count > 1:
+            partition = {"partitions": count, "partition_index": index}
+            if index == 0:
+                partition["partition_addresses"] = addresses
+        options: dict[str, Any] = {
+            **server_options,
+            **partition,
+            "host": self.host,
+            "port": state.get("port", 0),
+            "metrics_port": state.get("metrics_port", 0),
+            "checkpoint_dir": str(self.folder),
+        }
+        self.starts = int(state.get("starts", 0)) + 1
+        self.server = self._start(options, startup_timeout)
+        self._write_state({"port": self.server.port, "metrics_port": self.server.metrics_port, "starts": self.starts})
+        self._stopping = threading.Event()
+        self._observer: Client | None = None
+        threading.Thread(target=self._exit_with_the_server, name="watch-server", daemon=True).start()
+        log.info("partition %d serving on %s:%d (start %d)", index, self.host, self.server.port, self.starts)
+
+    def _start(self, options: Mapping[str, Any], startup_timeout: float) -> ServerProcess:
+        for attempt in range(1, START_ATTEMPTS + 1):
+            server = ServerProcess(log_path=self.folder / SERVER_LOG, startup_timeout=startup_timeout, **options)
+            try:
+                return server.start()
+            except RuntimeError:  # exited before serving: e.g. its port not yet released
+                server.close()
+                if attempt == START_ATTEMPTS:
+                    raise
+                log.warning("partition %d: server exited at start (attempt %d); retrying", self.index, attempt)
+                time.sleep(START_RETRY_SECONDS)
+        raise AssertionError("unreachable")
+
+    def _read_state(self) -> dict[str, int]:
+        try:
+            return {key: int(value) for key, value in json.loads((self.folder / STATE_FILE).read_text()).items()}
+        except FileNotFoundError:
+            return {}
+
+    def _write_state(self, state: Mapping[str, int]) -> None:
+        tmp = self.folder / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(self.folder / STATE_FILE)
+
+    def _exit_with_the_server(self) -> None:
+        while not self._stopping.wait(WATCH_SECONDS):
+            code = self.server.returncode
+            if code is not None and not self._stopping.is_set():
+                log.error("partition %d: server exited with %s; the actor exits so Ray restarts it", self.index, code)
+                os._exit(1)
+
+    def endpoint(self) -> PartitionEndpoint:
+        return PartitionEndpoint(
+            self.index,
+            node_id(),
+            self.host,
+            self.server.port,
+            self.server.metrics_port,
+            self.server.pid,
+            self.starts,
+            str(self.folder),
+        )
+
+    def _client(self) -> Client:
+        if self._observer is None:  # an observer: holds no lease
+            self._observer = Client(f"{self.host}:{self.server.port}", timeout=10.0, retry=OBSERVER_RETRY)
+        return self._observer
+
+    def status(self) -> ServerStatus:
+        return self._client().status()
+
+    def export(self) -> ExportedModel:
+        """θ and the buffers by name, as this server (partition 0: with the others') holds them now."""
+        central = self._client().pull()
+        return ExportedModel(central.version, {name: value.copy() for name, value in central.state_dict().items()})
+
+    def log(self) -> str:
+        return self.server.log()
+
+    def stop(self) -> int | None:
+        """A graceful shutdown (the final checkpoint); the server's exit status."""
+        self._stopping.set()
+        if self._observer is not None:
+            self._observer.close()
+        code = self.server.stop(timeout=60.0)
+        self.server.close()
+        return code
+
+
+class TrainingWorker:
+    """A worker: the reference worker (`options`: gemps worker's WorkerOptions fields), or a
+    user's training function given a WorkerContext. `stop()` may be called while `train()` runs
+    (the actor runs two calls at once)."""
+
+    def __init__(
+        self,
+        index: int,
+        count: int,
+        server: str,
+        *,
+        options: Mapping[str, object] | None = None,
+        train: TrainFunction | None = None,
+        metrics: bool = True,
+    ) -> None:
+        configure_logging()
+        self.index, self.count, self.server = index, count, server
+        self.options = dict(options or {})
+        self.train_function = train
+        self.metrics_port = -1
+        self._metrics: Any = None
+        if metrics and train is None:
+            from gemps_worker.metrics import WorkerMetrics
+
+            self._metrics = WorkerMetrics()
+            self.metrics_port = self._metrics.serve(0, host=node_address())
+        self._stop = threading.Event()
+        self._running = False
+        self._finished = threading.Event()
+
+    def node(self) -> tuple[str, str, int]:
+        """(Ray node id, node address, metrics port or -1)."""
+        return node_id(), node_address(), self.metrics_port
+
+    def train(self) -> WorkerOutcome:
+        self._running = True
+        try:
+            if self.train_function is not None:
+                context = WorkerContext(self.server, self.index, self.count, node_id(), self._stop)
+                value = self.train_function(context)
+                return WorkerOutcome(self.index, node_id(), 0, 0, self._stop.is_set(), value=value)
+            return self._reference_worker()
+        finally:
+            self._finished.set()
+
+    def _reference_worker(self) -> WorkerOutcome:
+        import torch
+
+        from gemps_worker.training import WorkerOptions, run_worker
+
+        options = WorkerOptions(
+            **{"name": f"worker-{self.index}", "seed": self.index, **self.options, "server": self.server}  # type: ignore[arg-type]
+        )
+        torch.set_num_threads(options.threads)
+        summary = run_worker(options, self._stop, metrics=self._metrics)
+        return WorkerOutcome(
+            self.index, node_id(), summary.steps, summary.final_version, summary.stopped_early, summary.diverged
+        )
+
+    def stop(self, timeout: float = 60.0) -> bool:
+        """Ask the training loop to finish its step and leave; True once it has (or never ran)."""
+        self._stop.set()
+        return not self._running or self._finished.wait(timeout)
+
+
+class HeldOutEvaluator:
+    """`gemps evaluate` in an actor: evaluates θ every `interval` seconds (when the version moved),
+    reports to the server, and keeps each result with its time for the driver."""
+
+    def __init__(self, options: Mapping[str, object]) -> None:
+        from gemps_worker.evaluation_loop import EvaluatorOptions
+        from gemps_worker.metrics import EvaluatorMetrics
+
+        configure_logging()
+        self.options = EvaluatorOptions(**options)  # type: ignore[arg-type]
+        self.metrics = EvaluatorMetrics()
+        self.metrics_port = self.metrics.serve(0, host=node_address())
+        self.results: list[TimedEvaluation] = []
+        self.error = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="evaluator", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from gemps_worker.evaluation_loop import run_evaluator
+
+        try:
+            run_evaluator(self.options, self._stop, self._keep, metrics=self.metrics)
+        except Exception as error:  # reported to the driver, which goes on without figures
+            self.error = f"{type(error).__name__}: {error}"
+            log.exception("evaluator failed")
+
+    def _keep(self, result: Any) -> None:
+        self.results.append(TimedEvaluation(time.time(), result.version, result.loss, result.accuracy))
+
+    def node(self) -> tuple[str, str, int]:
+        return node_id(), node_address(), self.metrics_port
+
+    def evaluations(self) -> tuple[list[TimedEvaluation], str]:
+        """Every evaluation so far, and the error that ended the loop ('' if none)."""
+        return list(self.results), self.error
+
+    def final(self) -> TimedEvaluation | None:
+        """Stop the periodic loop, then evaluate θ once more as it is now."""
+        from dataclasses import replace
+
+        from gemps_worker.evaluation_loop import run_evaluator
+
+        self._stop.set()
+        self._thread.join(timeout=60.0)
+        before = len(self.results)
+        run_evaluator(replace(self.options, max_evaluations=1), threading.Event(), self._keep, metrics=self.metrics)
+        return self.results[-1] if len(self.results) > before else None

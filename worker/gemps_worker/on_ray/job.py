@@ -1,0 +1,472 @@
+"""The driver of a gemps job on a Ray cluster: place, start, follow, collect, stop.
+
+    with RayJob(RayJobOptions(partitions=2, workers=8)) as job:  # partitions, evaluator, workers up
+        outcomes = job.wait(on_progress=print)                    # until every worker is done
+        model = job.export()                                      # θ and buffers, to the driver
+    # leaving the block: workers leave, partitions stop gracefully (final checkpoints), all freed
+
+- Partitions: one actor each, in a placement group of one bundle per partition, STRICT_SPREAD
+  (each on its own node) when there are at least as many nodes as partitions, else SPREAD.
+  Partitions 1..K-1 start first; partition 0 starts last, told their HOST:PORT, so a worker that
+  can register gets the whole layout (as `gemps server --partitions K` does on one machine).
+- Workers: one actor each, SPREAD over the nodes, with `max_restarts` and as many retries of
+  their training call: a restarted worker registers again and trains its budget again.
+- Everything is reached through actors, never from the driver directly, so the driver may run
+  anywhere Ray reaches (the head, a laptop through Ray Client).
+- Ctrl-C or `ray.cancel` of the task running the job raises KeyboardInterrupt in the driver;
+  leaving the `with` block then stops everything in order, as at the end of a run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import ray
+import ray.exceptions
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from gemps.options import values_of
+from gemps_worker.on_ray.actors import HeldOutEvaluator, PartitionServer, TrainFunction, TrainingWorker
+from gemps_worker.on_ray.options import RayJobOptions
+from gemps_worker.on_ray.records import (
+    ExportedModel,
+    PartitionEndpoint,
+    StatusSample,
+    TimedEvaluation,
+    WorkerOutcome,
+)
+from gemps_worker.prometheus_targets import EVALUATOR_JOB, SERVER_JOB, WORKER_JOB, ScrapeTarget, write_targets
+
+log = logging.getLogger("gemps.ray")
+
+TARGETS_FILE = "prometheus-targets.json"
+STOP_TIMEOUT = 60.0  # seconds a worker gets to finish its step and leave, a partition to shut down
+LOOK_TIMEOUT = 10.0  # seconds for a look at partition 0 or the evaluator before going on without it
+
+Progress = Callable[[StatusSample, TimedEvaluation | None], None]
+
+
+class JobFailed(RuntimeError):
+    """A worker failed for good (its restarts spent, or its training function raised)."""
+
+
+@dataclass
+class RayJobResult:
+    """What `run_job` collected; `stopped`: ended by Ctrl-C or ray.cancel before the workers finished."""
+
+    name: str
+    nodes: list[str]  # Ray node ids alive at the start
+    partitions: list[PartitionEndpoint]
+    outcomes: list[WorkerOutcome]
+    export: ExportedModel
+    evaluations: list[TimedEvaluation] = field(default_factory=list)
+    samples: list[StatusSample] = field(default_factory=list)
+    final: TimedEvaluation | None = None
+    stopped: bool = False
+    seconds: float = 0.0
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """While stopping, a further Ctrl-C is noted, not raised, so the stop runs to its end. Ray's
+    cancel of a running task is such an interrupt, repeated until the task ends (every couple of
+    seconds): without this, a stop taking longer was cut short. Main thread only (signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def note(signum: int, frame: object) -> None:
+        log.warning("interrupted again: still stopping the job")
+
+    previous = signal.signal(signal.SIGINT, note)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def alive_nodes() -> list[dict[str, Any]]:
+    return [node for node in ray.nodes() if node.get("Alive")]
+
+
+def spread_strategy(partitions: int, nodes: int) -> str:
+    """Each partition on its own node when there are enough nodes (STRICT_SPREAD), else as spread
+    as the nodes allow (SPREAD)."""
+    return "STRICT_SPREAD" if partitions <= nodes else "SPREAD"
+
+
+class RayJob:
+    """A gemps job on the Ray cluster `options.address` names (a context manager).
+
+    `train`: a user's training function run by every worker actor (`train(context)`, see
+    WorkerContext); None runs the reference worker on `options.model` / `options.dataset` with
+    the held-out evaluator beside it. `server_options` and `worker_options` add ServerConfig and
+    WorkerOptions fields (by name) to what `options` sets.
+    """
+
+    def __init__(
+        self,
+        options: RayJobOptions,
+        *,
+        train: TrainFunction | None = None,
+        server_options: Mapping[str, object] | None = None,
+        worker_options: Mapping[str, object] | None = None,
+        name: str = "",
+    ) -> None:
+        problems = options.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.options = options
+        self.train_function = train
+        self.server_options = {
+            **values_of(options.training),
+            "checkpoint_every": options.checkpoint_every,
+            **(server_options or {}),
+        }
+        self.worker_options = {
+            "dataset": options.dataset,
+            "data_dir": options.data_dir,
+            "model": options.model,
+            "epochs": options.epochs,
+            "wire_dtype": options.wire_dtype,
+            **(worker_options or {}),
+        }
+        self.name = name or f"gemps-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        self.out = Path(options.out)
+        self.nodes: list[str] = []
+        self.placement: PlacementGroup | None = None
+        self.partition_actors: list[Any] = []
+        self.partitions: list[PartitionEndpoint] = []
+        self.worker_actors: list[Any] = []
+        self.evaluator: Any = None
+        self.samples: list[StatusSample] = []
+        self._training: dict[Any, int] = {}  # train() call -> worker index
+        self._targets: dict[str, ScrapeTarget] = {}
+        self._looks: dict[str, Any] = {}  # refresh(): questions asked, not yet answered
+
+    @property
+    def target(self) -> str:
+        """Partition 0's address: where workers register."""
+        return self.partitions[0].target
+
+    # -- start ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> RayJob:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if not ray.is_initialized():
+            ray.init(address=self.options.address, log_to_driver=True)
+        self.nodes = [node["NodeID"] for node in alive_nodes()]
+        self._warn_if_short()
+        self._start_partitions()
+        self._start_evaluator()
+        self._start_workers()
+        self.refresh()  # the partitions' targets now; the others' as they come up
+        log.info("job %s: %d partitions on nodes %s", self.name, len(self.partitions), self.partition_nodes())
+
+    def _warn_if_short(self) -> None:
+        """Ray queues actors that do not fit (an autoscaler may add nodes for them): say so."""
+        evaluator = self.options.evaluator_cpus if self.options.evaluate and self.train_function is None else 0.0
+        needed = (
+            self.options.partitions * self.options.partition_cpus
+            + self.options.workers * self.options.worker_cpus
+            + evaluator
+        )
+        available = float(ray.cluster_resources().get("CPU", 0.0))
+        if needed > available:
+            log.warning(
+                "the job reserves %g CPUs and the cluster has %g: some actors wait until CPUs free up or nodes "
+                "join (lower --worker-cpus / --partition-cpus, or give `ray start` a larger --num-cpus)",
+                needed,
+                available,
+            )
+
+    def _start_partitions(self) -> None:
+        count, cpus = self.options.partitions, self.options.partition_cpus
+        fitting = [node for node in alive_nodes() if node["Resources"].get("CPU", 0.0) >= cpus]
+        strategy = spread_strategy(count, len(fitting))
+        self.placement = placement_group([{"CPU": cpus}] * count, strategy=strategy, name=f"{self.name}-partitions")
+        ready, _ = ray.wait([self.placement.ready()], timeout=self.options.startup_timeout)
+        if not ready:
+            raise JobFailed(
+                f"Ray could not place {count} partitions of {cpus} CPU ({strategy}) within "
+                f"{self.options.startup_timeout:g}s: {len(fitting)} nodes have that much CPU"
+            )
+        others = [self._partition_actor(index) for index in range(1, count)]
+        self.partition_actors = others
+        endpoints = self._get([actor.endpoint.remote() for actor in others], self.options.startup_timeout)
+        addresses = ",".join(["", *(endpoint.target for endpoint in endpoints)])
+        first = self._partition_actor(0, addresses)
+        self.partition_actors = [first, *others]
+        self.partitions = [self._get([first.endpoint.remote()], self.options.startup_timeout)[0], *endpoints]
+
+    def _partition_actor(self, index: int, addresses: str = "") -> Any:
+        assert self.placement is not None
+        actor_class = ray.remote(PartitionServer).options(
+            num_cpus=self.options.partition_cpus,
+            max_restarts=self.options.partition_restarts,
+            max_task_retries=self.options.partition_restarts,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=index),
+        )
+        return actor_class.remote(
+            index,
+            self.options.partitions,
+            job=self.name,
+            work_dir=self.options.work_dir,
+            host=self.options.host,
+            server_options=self.server_options,
+            addresses=addresses,
+            startup_timeout=self.options.startup_timeout,
+        )
+
+    def _start_evaluator(self) -> None:
+        if not self.options.evaluate or self.train_function is not None:
+            return
+        options = {
+            "server": self.target,
+            "dataset": self.options.dataset,
+            "data_dir": self.options.data_dir,
+            "model": self.options.model,
+            "interval": self.options.interval,
+        }
+        self.evaluator = (
+            ray.remote(HeldOutEvaluator)
+            .options(num_cpus=self.options.evaluator_cpus, max_restarts=1, max_task_retries=1)
+            .remote(options)
+        )
+
+    def _start_workers(self) -> None:
+        actor_class = ray.remote(TrainingWorker).options(
+            num_cpus=self.options.worker_cpus,
+            num_gpus=self.options.worker_gpus,
+            max_restarts=self.options.worker_restarts,
+            max_task_retries=self.options.worker_restarts,
+            max_concurrency=2,  # stop() while train() runs
+            scheduling_strategy="SPREAD",
+        )
+        count = self.options.workers
+        self.worker_actors = [
+            actor_class.remote(index, count, self.target, options=self.worker_options, train=self.train_function)
+            for index in range(count)
+        ]
+        self._training = {actor.train.remote(): index for index, actor in enumerate(self.worker_actors)}
+
+    # -- follow --------------------------------------------------------------------------------
+
+    def wait(self, on_progress: Progress | None = None) -> list[WorkerOutcome]:
+        """Until every worker is done, looking every `interval` seconds; each worker's outcome.
+
+        Raises JobFailed when one failed for good (the others keep running until stop())."""
+        outcomes: dict[int, WorkerOutcome] = {}
+        pending = list(self._training)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.options.interval)
+            for call in ready:
+                index = self._training[call]
+                try:
+                    outcomes[index] = ray.get(call)
+                except ray.exceptions.RayError as error:
+                    raise JobFailed(f"worker {index} failed: {error}") from error
+            sample = self.sample()
+            if sample is not None and on_progress is not None:
+                on_progress(sample, self.latest_evaluation())
+            self.refresh()
+        return [outcomes[index] for index in sorted(outcomes)]
+
+    def sample(self) -> StatusSample | None:
+        """Partition 0's version now (None while it does not answer: restarting)."""
+        try:
+            status = self._get([self.partition_actors[0].status.remote()], LOOK_TIMEOUT)[0]
+        except JobFailed:
+            return None
+        sample = StatusSample(time.time(), status.version, status.active_workers)
+        self.samples.append(sample)
+        return sample
+
+    def evaluations(self) -> list[TimedEvaluation]:
+        if self.evaluator is None:
+            return []
+        try:
+            results, error = self._get([self.evaluator.evaluations.remote()], LOOK_TIMEOUT)[0]
+        except JobFailed:
+            return []
+        if error:
+            log.warning("the evaluator stopped: %s", error)
+        return list(results)
+
+    def latest_evaluation(self) -> TimedEvaluation | None:
+        found = self.evaluations()
+        return found[-1] if found else None
+
+    def final_evaluation(self) -> TimedEvaluation | None:
+        """Stop the evaluator's loop and evaluate θ once more, as it is now."""
+        if self.evaluator is None:
+            return None
+        result: TimedEvaluation | None = self._get([self.evaluator.final.remote()], STOP_TIMEOUT)[0]
+        return result
+
+    def export(self) -> ExportedModel:
+        """θ and the buffers by name, pulled by partition 0's actor (with every partition's slice)."""
+        model: ExportedModel = self._get([self.partition_actors[0].export.remote()], STOP_TIMEOUT)[0]
+        return model
+
+    def partition_nodes(self) -> list[str]:
+        return [endpoint.node_id for endpoint in self.partitions]
+
+    def refresh(self) -> None:
+        """Look at every actor again, without waiting (a restarted one may have a new process, a
+        worker a new metrics port), and rewrite the Prometheus targets where something moved."""
+        targets = dict(self._targets)
+        for index, actor in enumerate(self.partition_actors):
+            self.partitions[index] = self._look(f"p{index}", actor.endpoint) or self.partitions[index]
+        for endpoint in self.partitions:
+            labels = {"partition": str(endpoint.index), "ray_node": endpoint.node_id}
+            targets[f"p{endpoint.index}"] = ScrapeTarget(f"{endpoint.host}:{endpoint.metrics_port}", SERVER_JOB, labels)
+        for index, actor in enumerate(self.worker_actors):
+            node = self._look(f"w{index}", actor.node)
+            if node is not None and node[2] > 0:
+                labels = {"worker": str(index), "ray_node": node[0]}
+                targets[f"w{index}"] = ScrapeTarget(f"{node[1]}:{node[2]}", WORKER_JOB, labels)
+        if self.evaluator is not None:
+            node = self._look("evaluator", self.evaluator.node)
+            if node is not None:
+                targets["evaluator"] = ScrapeTarget(f"{node[1]}:{node[2]}", EVALUATOR_JOB, {"ray_node": node[0]})
+        if targets != self._targets:
+            self._targets = targets
+            write_targets(self.out / TARGETS_FILE, targets.values())
+
+    def _look(self, key: str, method: Any) -> Any:
+        """The answer of the last `method.remote()` made under `key` if it has come (then the next
+        refresh asks again), else None; one question at a time per actor."""
+        call = self._looks.get(key)
+        if call is None:
+            call = self._looks[key] = method.remote()
+        ready, _ = ray.wait([call], timeout=0)
+        if not ready:
+            return None
+        del self._looks[key]
+        try:
+            return ray.get(call)
+        except ray.exceptions.RayError:
+            return None
+
+    # -- stop ----------------------------------------------------------------------------------
+
+    def stop_workers(self) -> None:
+        """Workers finish their step and leave the server; then their actors are released."""
+        if self.worker_actors:
+            self._answers([actor.stop.remote() for actor in self.worker_actors], STOP_TIMEOUT)
+        for actor in self.worker_actors:
+            ray.kill(actor, no_restart=True)
+        self.worker_actors, self._training = [], {}
+
+    def stop(self) -> None:
+        """Workers leave, the evaluator ends, partitions shut down gracefully (each writes its
+        final checkpoint), then every actor and the placement group are released. Safe to call
+        twice, and after a failed start."""
+        with interrupts_deferred():
+            self._stop()
+
+    def _stop(self) -> None:
+        try:
+            self.stop_workers()
+            if self.evaluator is not None:  # before the partitions go: it would only retry them
+                ray.kill(self.evaluator, no_restart=True)
+                self.evaluator = None
+            if self.partition_actors:
+                codes = self._answers([actor.stop.remote() for actor in self.partition_actors], STOP_TIMEOUT)
+                for index, code in enumerate(codes):
+                    if code != 0:
+                        log.warning("partition %d stopped with status %s", index, code)
+        finally:  # whatever went wrong above, nothing of the job is left holding the cluster
+            evaluator = [] if self.evaluator is None else [self.evaluator]
+            for actor in [*self.worker_actors, *evaluator, *self.partition_actors]:
+                ray.kill(actor, no_restart=True)
+            self.worker_actors, self.evaluator, self.partition_actors = [], None, []
+            if self.placement is not None:
+                remove_placement_group(self.placement)
+                self.placement = None
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _get(calls: list[Any], timeout: float) -> list[Any]:
+        try:
+            return list(ray.get(calls, timeout=timeout))
+        except ray.exceptions.GetTimeoutError:
+            raise JobFailed(f"no answer from the actors within {timeout:g}s") from None
+        except ray.exceptions.RayError as error:
+            raise JobFailed(str(error)) from error
+
+    @staticmethod
+    def _answers(calls: list[Any], timeout: float) -> list[Any]:
+        """Each call's result, or None where it failed or did not answer within `timeout`."""
+        ready, _ = ray.wait(calls, num_returns=len(calls), timeout=timeout)
+        answered = set(ready)
+        results: list[Any] = []
+        for call in calls:
+            try:
+                results.append(ray.get(call) if call in answered else None)
+            except ray.exceptions.RayError:
+                results.append(None)
+        return results
+
+
+def run_job(
+    options: RayJobOptions,
+    *,
+    train: TrainFunction | None = None,
+    server_options: Mapping[str, object] | None = None,
+    worker_options: Mapping[str, object] | None = None,
+    on_progress: Progress | None = None,
+) -> RayJobResult:
+    """Run a job to its end (or to Ctrl-C / ray.cancel: then `stopped`), with the export, the
+    evaluations and where everything ran collected to the driver."""
+    started = time.monotonic()
+    with RayJob(options, train=train, server_options=server_options, worker_options=worker_options) as job:
+        stopped = False
+        try:
+            outcomes = job.wait(on_progress)
+        except KeyboardInterrupt:
+            stopped, outcomes = True, []
+        with interrupts_deferred():
+            if stopped:
+                log.warning("interrupted: stopping the workers")
+                job.stop_workers()
+            final = job.final_evaluation()
+            result = RayJobResult(
+                job.name,
+                job.nodes,
+                job.partitions,
+                outcomes,
+                job.export(),
+                job.evaluations(),
+                job.samples,
+                final,
+                stopped,
+                time.monotonic() - started,
+            )
+            job.stop()  # here, still deferring interrupts (leaving the block would stop it again: a no-op)
+    return result
