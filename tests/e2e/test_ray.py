@@ -173,7 +173,7 @@ def scrape(target: str) -> str:
         return str(reply.read().decode())
 
 
-def partition_state(folder: Path) -> dict[str, int]:
+def partition_state(folder: Path) -> dict[str, Any]:
     return dict(json.loads((folder / STATE_FILE).read_text()))
 
 

@@ -40,8 +40,9 @@ log = logging.getLogger("gemps.ray")
 
 TrainFunction = Callable[[WorkerContext], Any]
 
-#: a partition's record of its ports and starts, in its folder: a restarted actor serves on the
-#: same ports, which the layout and the workers already name
+#: a partition's record of its job, ports and starts, in its folder: a restarted actor of the same
+#: job serves on the same ports, which the layout and the workers already name (a later job over
+#: the same --work-dir resumes from the checkpoints there, on fresh ports)
 STATE_FILE = "partition.json"
 SERVER_LOG = "server.log"
 START_ATTEMPTS = 5  # a restart may find its port held a moment longer by the server that died
@@ -93,6 +94,7 @@ class PartitionServer:
         self.index = index
         self.folder = partition_folder(work_dir, job, index)
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.job = job
         state = self._read_state()
         self.host = host or node_address()
         partition: dict[str, object] = {}
@@ -110,7 +112,7 @@ class PartitionServer:
         }
         self.starts = int(state.get("starts", 0)) + 1
         self.server = self._start(options, startup_timeout)
-        self._write_state({"port": self.server.port, "metrics_port": self.server.metrics_port, "starts": self.starts})
+        self._write_state(self.server.port, self.server.metrics_port)
         self._stopping = threading.Event()
         self._observer: Client | None = None
         threading.Thread(target=self._exit_with_the_server, name="watch-server", daemon=True).start()
@@ -130,14 +132,18 @@ class PartitionServer:
         raise AssertionError("unreachable")
 
     def _read_state(self) -> dict[str, int]:
+        """This job's earlier start here ({} if none): ports and starts."""
         try:
-            return {key: int(value) for key, value in json.loads((self.folder / STATE_FILE).read_text()).items()}
+            state = json.loads((self.folder / STATE_FILE).read_text())
         except FileNotFoundError:
             return {}
+        if state.get("job") != self.job:
+            return {}
+        return {key: int(state[key]) for key in ("port", "metrics_port", "starts")}
 
-    def _write_state(self, state: Mapping[str, int]) -> None:
+    def _write_state(self, port: int, metrics_port: int) -> None:
         tmp = self.folder / (STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(state))
+        tmp.write_text(json.dumps({"job": self.job, "port": port, "metrics_port": metrics_port, "starts": self.starts}))
         tmp.replace(self.folder / STATE_FILE)
 
     def _exit_with_the_server(self) -> None:

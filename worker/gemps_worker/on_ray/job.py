@@ -177,7 +177,13 @@ class RayJob:
 
     def start(self) -> None:
         if not ray.is_initialized():
-            ray.init(address=self.options.address, log_to_driver=True)
+            try:
+                ray.init(address=self.options.address, log_to_driver=True)
+            except ConnectionError as error:
+                raise JobFailed(
+                    f"cannot join the Ray cluster at {self.options.address!r} ({error}): start one with "
+                    "`ray start --head`, or give --address"
+                ) from error
         self.nodes = [node["NodeID"] for node in alive_nodes()]
         self._warn_if_short()
         self._start_partitions()
