@@ -25,38 +25,26 @@ from typing import Any
 # Every node's address as Ray gives it to actors is then loopback (read when ray is imported).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-import ray
-from ray.cluster_utils import Cluster
-
 from gemps_worker.on_ray import RayJobOptions, run_job
+from gemps_worker.on_ray.local import local_cluster
 
 TOTAL_CPUS = 3
 SLICE = 0.25
 
 
 def one_run(nodes: int, options: RayJobOptions) -> dict[str, Any]:
-    per_node: dict[str, Any] = {"num_cpus": TOTAL_CPUS / nodes, "node_ip_address": "127.0.0.1"}
-    cluster = Cluster(initialize_head=True, head_node_args={**per_node, "include_dashboard": False})
-    try:
-        for _ in range(nodes - 1):
-            cluster.add_node(**per_node)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address)
+    with local_cluster(nodes, TOTAL_CPUS / nodes):
         started = time.time()
         result = run_job(options)
-        placed = sorted({endpoint.node_id for endpoint in result.partitions})
-        return {
-            "nodes": nodes,
-            "started": started,
-            "seconds": result.seconds,
-            "partition_nodes": len(placed),
-            "final": None if result.final is None else asdict(result.final),
-            "samples": [asdict(sample) for sample in result.samples],
-            "evaluations": [asdict(evaluation) for evaluation in result.evaluations],
-        }
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    return {
+        "nodes": nodes,
+        "started": started,
+        "seconds": result.seconds,
+        "partition_nodes": len({endpoint.node_id for endpoint in result.partitions}),
+        "final": None if result.final is None else asdict(result.final),
+        "samples": [asdict(sample) for sample in result.samples],
+        "evaluations": [asdict(evaluation) for evaluation in result.evaluations],
+    }
 
 
 def figures(run: dict[str, Any]) -> dict[str, float | None]:

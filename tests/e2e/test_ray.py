@@ -41,10 +41,10 @@ from gemps.retry import RetryPolicy  # noqa: E402
 from gemps_server.checkpoint_files import assemble_partitions, load_latest  # noqa: E402
 from gemps_worker.on_ray import RayJob, RayJobOptions, WorkerContext, run_job  # noqa: E402
 from gemps_worker.on_ray.actors import STATE_FILE  # noqa: E402
+from gemps_worker.on_ray.local import LOOPBACK, local_cluster  # noqa: E402
 from tests.helpers import wait_for  # noqa: E402
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-LOOPBACK = "127.0.0.1"
 NODES = 3
 CPUS_PER_NODE = 1
 # Small slices of each node's one CPU, so a job's actors fit beside each other on 3 CPUs.
@@ -56,17 +56,8 @@ STEPS_PER_EPOCH = 1437 // 64  # digits' training set in batches of the default 6
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    nodes: dict[str, Any] = {"num_cpus": CPUS_PER_NODE, "node_ip_address": LOOPBACK}
-    made = Cluster(initialize_head=True, head_node_args={**nodes, "include_dashboard": False})
-    try:
-        for _ in range(NODES - 1):
-            made.add_node(**nodes)
-        made.wait_for_nodes()
-        ray.init(address=made.address)
+    with local_cluster(NODES, CPUS_PER_NODE) as made:
         yield made
-    finally:
-        ray.shutdown()
-        made.shutdown()
 
 
 def small_job(folder: Path, **options: Any) -> RayJobOptions:

@@ -327,10 +327,15 @@ class RayJob:
         return found[-1] if found else None
 
     def final_evaluation(self) -> TimedEvaluation | None:
-        """Stop the evaluator's loop and evaluate θ once more, as it is now."""
+        """Stop the evaluator's loop and evaluate θ once more, as it is now (None without an
+        evaluator, or when it fails: the run's other results still count)."""
         if self.evaluator is None:
             return None
-        result: TimedEvaluation | None = self._get([self.evaluator.final.remote()], STOP_TIMEOUT)[0]
+        try:
+            result: TimedEvaluation | None = self._get([self.evaluator.final.remote()], STOP_TIMEOUT)[0]
+        except JobFailed as error:
+            log.warning("no final evaluation: %s", error)
+            return None
         return result
 
     def export(self) -> ExportedModel:
