@@ -209,6 +209,8 @@ import numpy as np
 fd, size = int(sys.argv[1]), int(sys.argv[2])
 values = np.frombuffer(mmap.mmap(fd, size), np.float32)
 poison = np.array([np.nan, np.inf, 3e38, 1e-3], np.float32)
+values.fill(np.nan)
+print("scribbling", flush=True)  # the test commits only once poison is in the memory
 while True:
     for value in poison:
         values.fill(value)
@@ -226,10 +228,14 @@ def test_a_client_scribbling_on_its_memory_cannot_put_an_unchecked_value_into_th
     fd = memfd(4 * size)
     with local(reply) as client:
         assert client.attach([fd], 4 * size).op == Op.ATTACH | REPLY
-        scribbler = subprocess.Popen([sys.executable, "-c", SCRIBBLER, str(fd), str(4 * size)], pass_fds=[fd])
-        outcomes = []
+        scribbler = subprocess.Popen(
+            [sys.executable, "-c", SCRIBBLER, str(fd), str(4 * size)], pass_fds=[fd], stdout=subprocess.PIPE, text=True
+        )
+        outcomes: list[str] = []
         try:
-            for _ in range(100):
+            assert scribbler.stdout is not None and scribbler.stdout.readline() == "scribbling\n"
+            # Bounded, and long enough to see poison: about half of the scribbler's time is NaN or inf.
+            while len(outcomes) < 1000 and (len(outcomes) < 100 or "non_finite" not in outcomes):
                 client.send(Op.COMMIT, commit_header(reply.worker_id, size, 0), payload_bytes=4 * size, flags=SHARED)
                 frame = client.receive(memoryview(bytearray(4 * size)))
                 outcomes.append("applied" if frame.error is None else frame.error.reason)
