@@ -28,6 +28,7 @@ DTYPE_NAMES = {
     INT64: "DTYPE_INT64",
 }
 _NUMPY_DTYPES: dict[int, np.dtype] = {FLOAT32: np.dtype("<f4"), BFLOAT16: np.dtype("<u2")}
+_INT64 = np.dtype("<i8")
 _BLOCK = 65_536  # elements per block of the bfloat16 encoder: its working set stays in cache
 #: wire formats by the names users pass (SDK, CLI flags): DTYPE_BFLOAT16 is "bfloat16"
 WIRE_DTYPE_NAMES: dict[str, int] = {DTYPE_NAMES[dtype].removeprefix("DTYPE_").lower(): dtype for dtype in _NUMPY_DTYPES}
@@ -71,15 +72,12 @@ def decode(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryv
 def decode_int64(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> np.ndarray:
     """int64 values of raw tensor bytes (aliased, not copied); TensorDecodeError unless `dtype` is
     INT64 and the bytes fit the shape."""
-    if dtype != INT64:
-        raise TensorDecodeError(f"dtype {dtype_name(dtype)} where DTYPE_INT64 was expected")
     if any(d < 0 for d in shape):
         raise TensorDecodeError(f"negative dimension in shape {list(shape)}")
-    if len(data) != num_elements(shape) * 8:
-        raise TensorDecodeError(
-            f"{len(data)} bytes of data but shape {list(shape)} of DTYPE_INT64 needs {num_elements(shape) * 8}"
-        )
-    return np.frombuffer(data, dtype="<i8").reshape(shape)
+    expected = expected_int64_nbytes(dtype, shape)
+    if len(data) != expected:
+        raise TensorDecodeError(f"{len(data)} bytes of data but shape {list(shape)} of DTYPE_INT64 needs {expected}")
+    return np.frombuffer(data, dtype=_INT64).reshape(shape)
 
 
 @dataclass(frozen=True)
@@ -109,8 +107,16 @@ class EncodedBuffers:
 
 
 def expected_nbytes(dtype: int, shape: Sequence[int]) -> int:
-    """Bytes a tensor of this dtype and shape has; raises TensorDecodeError for an unknown dtype."""
+    """Bytes a tensor of θ's wire dtypes of this shape has; raises TensorDecodeError for another
+    dtype (INT64 too: θ-sized buffers are sized by it)."""
     return num_elements(shape) * numpy_dtype(dtype).itemsize
+
+
+def expected_int64_nbytes(dtype: int, shape: Sequence[int]) -> int:
+    """Bytes an integer-buffer tensor of this shape has; raises TensorDecodeError unless it is INT64."""
+    if dtype != INT64:
+        raise TensorDecodeError(f"dtype {dtype_name(dtype)} where DTYPE_INT64 was expected")
+    return num_elements(shape) * _INT64.itemsize
 
 
 def float32_to_bfloat16(values: np.ndarray) -> np.ndarray:

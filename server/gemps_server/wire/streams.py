@@ -21,7 +21,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import overload
 
-from gemps_proto.codec import EncodedBuffers, EncodedTensor, TensorDecodeError, expected_nbytes, num_elements
+from gemps_proto.codec import (
+    EncodedBuffers,
+    EncodedTensor,
+    TensorDecodeError,
+    expected_int64_nbytes,
+    expected_nbytes,
+    num_elements,
+)
 from gemps_proto.framing import PayloadAssembler, read_data
 from gemps_proto.reasons import Reason
 from gemps_proto.v1 import parameter_server_pb2 as pb
@@ -146,16 +153,22 @@ async def assemble(
         raise InvalidArgument(f"payload: {error}", Reason.BAD_PAYLOAD) from None
 
 
-def announced_bytes(tensor: pb.Tensor, what: str) -> int:
-    """The bytes a streamed tensor's header announces; InvalidArgument for a bad dtype or shape."""
+def announced_bytes(
+    tensor: pb.Tensor, what: str, size_of: Callable[[int, tuple[int, ...]], int] = expected_nbytes
+) -> int:
+    """The bytes a streamed tensor's header announces, by `size_of(dtype, shape)`; InvalidArgument
+    for a bad dtype or shape."""
     try:
-        return expected_nbytes(tensor.dtype, tuple(tensor.shape))
+        return size_of(tensor.dtype, tuple(tensor.shape))
     except TensorDecodeError as error:
         raise InvalidArgument(f"{what}: {error}", Reason.BAD_PAYLOAD) from None
 
 
 # A RegisterRequest's buffer tensors, in the order their data follows the parameters' in RegisterStream.
 INITIAL_BUFFER_FIELDS = ("initial_buffers", "initial_integer_buffers")
+# How each of RegisterStream's tensors is sized: θ and the float buffers in θ's wire dtypes, the
+# integer buffers in int64 alone.
+_INITIAL_SIZES = (expected_nbytes, expected_nbytes, expected_int64_nbytes)
 
 
 async def receive_initial_values(
@@ -171,8 +184,8 @@ async def receive_initial_values(
         header.initial_parameters,
         *(getattr(header, name) if header.HasField(name) else None for name in INITIAL_BUFFER_FIELDS),
     ]
-    sizes = [0 if tensor is None else announced_bytes(tensor, name) for tensor, name in zip(
-        announced, ("initial_parameters", *INITIAL_BUFFER_FIELDS), strict=True
+    sizes = [0 if tensor is None else announced_bytes(tensor, name, size_of) for tensor, name, size_of in zip(
+        announced, ("initial_parameters", *INITIAL_BUFFER_FIELDS), _INITIAL_SIZES, strict=True
     )]  # fmt: skip
     counts = [0 if tensor is None else num_elements(tensor.shape) for tensor in announced]
     buffers_sent = announced[1] is not None or announced[2] is not None
