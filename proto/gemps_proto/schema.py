@@ -172,10 +172,19 @@ class Buffers:
 
     @classmethod
     def of(cls, values: Mapping[str, np.ndarray] | np.ndarray, spec: Sequence[ParameterSpec]) -> Buffers:
-        """Values by name, or one flat array of every entry in spec order, split by the spec's kinds."""
+        """Values by name, or one flat array of every entry in spec order, split by the spec's kinds;
+        ValueError unless they are exactly the spec's entries, each of its size."""
         if not isinstance(values, Mapping):
             flat = np.asarray(values).reshape(-1)
+            if flat.size != sum(entry.size for entry in spec):
+                raise ValueError(f"{flat.size} values where the spec has {sum(entry.size for entry in spec)}")
             values = dict(_views(flat, spec))
+        unknown = sorted(set(values) - {entry.name for entry in spec})
+        if unknown:
+            raise ValueError(f"no buffer named {', '.join(unknown)} in the spec")
+        for entry in spec:
+            if np.size(values[entry.name]) != entry.size:
+                raise ValueError(f"{entry.name} has {np.size(values[entry.name])} values, the spec {entry.size}")
         floats = [np.asarray(values[e.name], np.float32).reshape(-1) for e in spec if not e.integer]
         integers = [_int64(values[e.name]).reshape(-1) for e in spec if e.integer]
         return cls(
@@ -189,9 +198,6 @@ class Buffers:
         integers = _views(self.integers, [e for e in spec if e.integer])
         found = {**dict(floats), **dict(integers)}
         return {entry.name: found[entry.name] for entry in spec}
-
-    def sizes_match(self, spec: Sequence[ParameterSpec]) -> bool:
-        return (self.floats.size, self.integers.size) == buffer_counts(spec)
 
 
 def buffer_counts(spec: Sequence[ParameterSpec]) -> tuple[int, int]:

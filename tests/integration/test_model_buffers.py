@@ -60,6 +60,9 @@ def test_bad_buffers_are_refused_and_touch_nothing(server: InProcessServer) -> N
         before = client.commit(GRADIENT, buffer_delta=np.full(6, 3e38, np.float32)).parameters  # finite, near the top
         for delta, text in (
             (np.ones(5, np.float32), "buffer_delta shape [5]"),
+            (np.ones(7, np.float32), "buffer_delta shape [7]"),  # too long: not cut to fit
+            ({**BUFFERS, "bn.extra": np.ones(1, np.float32)}, "no buffer named bn.extra"),
+            ({"bn.running_mean": np.ones(4, np.float32), "bn.running_var": np.ones(2, np.float32)}, "has 4 values"),
             (np.full(6, np.nan, np.float32), "NaN or Inf"),
             (np.full(6, 3e38, np.float32), "overflow"),  # finite, but the sum is not
         ):
