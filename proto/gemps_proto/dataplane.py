@@ -47,6 +47,9 @@ class Op(enum.IntEnum):
     # unless the frame could not be read whole: then the server closes it after the error)
 
 
+_OPS = frozenset(int(op) for op in Op)
+
+
 class FrameError(ValueError):
     """Bytes that are not a data-plane frame of this version."""
 
@@ -90,6 +93,6 @@ def read_preamble(data: bytes | bytearray | memoryview) -> Preamble:
         raise FrameError(f"data-plane version {version}; this end speaks {VERSION}")
     if flags & ~FLAGS:
         raise FrameError(f"unknown flags {flags:#x}")
-    if op & ~REPLY not in {int(o) for o in Op} and op != Op.ERROR:
+    if op & ~REPLY not in _OPS:
         raise FrameError(f"unknown op {op:#x}")
     return Preamble(op, header_bytes, payload_bytes, flags)

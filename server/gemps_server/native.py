@@ -61,6 +61,6 @@ def copy_max_abs(source: np.ndarray, target: np.ndarray) -> float:
 
 def median_in_place(values: np.ndarray) -> float:
     """rules.base.median's value for contiguous float32 `values` without NaN, which it reorders:
-    a compiled selection in O(n) without the GIL (the compiled kernel's statistics use it)."""
+    a compiled selection in O(n), GIL held (samples are short; the compiled kernel's statistics use it)."""
     assert compiled is not None and values.dtype == np.float32 and values.flags.c_contiguous
     return float(compiled.median_in_place(values.reshape(-1)))

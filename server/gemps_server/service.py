@@ -20,7 +20,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 import numpy as np
 
@@ -39,7 +38,7 @@ from gemps_proto.schema import (
 )
 from gemps_server.allocator import tune_for
 from gemps_server.config import ServerConfig
-from gemps_server.domain.applier import Applier, Timed
+from gemps_server.domain.applier import Applier, Deliver, Timed
 from gemps_server.domain.errors import ResourceExhausted, ServiceError, Unauthenticated
 from gemps_server.domain.records import Admission, Commit, CommitOutcome, R, ReplyWriter, Snapshot
 from gemps_server.domain.state import ServerState
@@ -51,9 +50,6 @@ from gemps_server.security import RateLimiter, Tickets
 
 log = logging.getLogger("gemps.server")
 
-T = TypeVar("T")
-# Hands an outcome (or the exception that refused it) to a caller that does not wait for it.
-Deliver = Callable[[T | None, BaseException | None], None]
 
 # Commits of models up to this size (about 0.2 ms of GEM's update) may run on the event loop
 # when the applier is idle; larger ones always go to its thread, so the loop keeps serving.

@@ -37,10 +37,10 @@ class Timed(Generic[T]):
 
 # Called after each operation, on the thread that ran it (the utilisation metric).
 Observer = Callable[[Timing], None]
-# Hands an operation's outcome (or exception) to whoever submitted it.
-Deliver = Callable[["Timed[Any] | None", "BaseException | None"], None]
+# Hands an outcome (or the exception that refused it) to whoever submitted it, not waiting for it.
+Deliver = Callable[[T | None, BaseException | None], None]
 
-_Item = tuple[Callable[[], Any], Deliver, float]
+_Item = tuple[Callable[[], Any], "Deliver[Timed[Any]]", float]
 
 
 class ApplierStopped(RuntimeError):
@@ -56,7 +56,7 @@ def _settle(future: asyncio.Future[Timed[Any]], outcome: Timed[Any] | None, erro
         future.set_result(outcome)  # type: ignore[arg-type]
 
 
-def _to_future(future: asyncio.Future[Timed[Any]], loop: asyncio.AbstractEventLoop) -> Deliver:
+def _to_future(future: asyncio.Future[Timed[Any]], loop: asyncio.AbstractEventLoop) -> Deliver[Timed[Any]]:
     def deliver(outcome: Timed[Any] | None, error: BaseException | None) -> None:
         with contextlib.suppress(RuntimeError):  # event loop closed: the server is shutting down
             loop.call_soon_threadsafe(_settle, future, outcome, error)
@@ -124,7 +124,7 @@ class Applier:
         self._queue.put((operation, _to_future(future, loop), time.perf_counter()))
         return await future
 
-    def submit_then(self, operation: Callable[[], T], deliver: Deliver, inline: bool = False) -> None:
+    def submit_then(self, operation: Callable[[], T], deliver: Deliver[Timed[T]], inline: bool = False) -> None:
         """Run `operation` after everything submitted before it and hand its Timed outcome (or its
         exception) to `deliver`: on the calling thread when it ran `inline` (as in submit_timed),
         else on the applier's thread. For a caller that does not wait: the data plane's loop."""
@@ -189,7 +189,7 @@ class Applier:
             # Dropped now: kept, it (a commit and its reply, θ-sized) would live on while the thread waits.
             item = None
 
-    def _execute(self, operation: Callable[[], Any], deliver: Deliver, queued_at: float) -> None:
+    def _execute(self, operation: Callable[[], Any], deliver: Deliver[Timed[Any]], queued_at: float) -> None:
         result: Any = None
         error: BaseException | None = None
         with self._running:  # an inline operation claimed before this was queued may still run

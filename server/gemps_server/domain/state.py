@@ -157,6 +157,8 @@ class ServerState:
         receipt = self.ledger.lookup(worker.scope, commit.request_id)
         if receipt is not None:
             self.registry.touch(commit.worker_id, committed=True)
+            if mirror is not None:  # the rule does not run: θ is copied as it is
+                np.copyto(mirror, self._theta)
             return CommitOutcome(self.encoded(commit.reply_dtype), receipt.staleness, receipt.stats, duplicate=True)
         kind, payload, peak = validation.validated_payload(commit, self.num_parameters, self.version)
         buffers = validation.buffers_after(self._buffers, commit.buffer_delta)  # checked before θ moves
@@ -183,13 +185,8 @@ class ServerState:
         the one operation the applier runs per commit, so no other commit moves θ in between.
         With `mirror` (float32 θ, where the reply is sent from) the rule writes θ there as it
         computes it, and the reply is written from those bytes."""
-        if mirror is None:
-            outcome = self.commit(commit)
-            return outcome, reply(outcome, self.theta_wire(commit.reply_dtype))
         outcome = self.commit(commit, mirror)
-        if outcome.duplicate:  # the rule did not run
-            np.copyto(mirror, self._theta)
-        return outcome, reply(outcome, mirror.data)
+        return outcome, reply(outcome, self.theta_wire(commit.reply_dtype) if mirror is None else mirror.data)
 
     def theta_wire(self, dtype: int) -> bytes | memoryview:
         """θ's wire bytes in `dtype` now: the snapshot's encoding when there is one, else for float32

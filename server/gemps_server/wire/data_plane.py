@@ -37,6 +37,7 @@ from gemps_server.wire.data_plane_calls import Connection, Limits, error_header
 from gemps_server.wire.data_plane_io import Channel
 from gemps_server.wire.data_plane_loop import Body, Loop, Parked, Task
 from gemps_server.wire.stream_buffers import LoopBufferPool
+from gemps_server.wire.streams import Pace
 
 log = logging.getLogger("gemps.server")
 
@@ -69,8 +70,7 @@ class DataPlaneServer:
             max_header_bytes=config.max_message_bytes,
             handshake_timeout=config.handshake_timeout,
             idle_timeout=config.connection_idle_timeout,
-            stream_timeout=config.stream_idle_timeout,
-            min_bytes_per_second=config.min_stream_bytes_per_second,
+            pace=Pace(config.stream_idle_timeout, config.min_stream_bytes_per_second),
         )
         self._pool = LoopBufferPool(config.data_plane_buffers)
         self._tls = tls_context(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls else None
@@ -131,12 +131,10 @@ class DataPlaneServer:
         while True:
             try:
                 sock, _address = listener.accept()
-            except BlockingIOError:
-                return
-            except OSError:  # a connection that died in the queue, or out of descriptors
+            except OSError:  # none waiting, one that died in the queue, or out of descriptors
                 return
             accepted_at = time.monotonic()
-            sock.setblocking(False)
+            sock.setblocking(False)  # accept() hands out blocking sockets; refusing one must not block
             local = sock.family == socket.AF_UNIX
             if not local:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

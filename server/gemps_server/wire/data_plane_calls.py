@@ -29,6 +29,7 @@ from gemps_proto.codec import FLOAT32, EncodedTensor
 from gemps_proto.dataplane import REPLY, SHARED, FrameError, Op, Preamble
 from gemps_proto.reasons import Reason
 from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_server.domain.applier import Deliver
 from gemps_server.domain.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -39,13 +40,14 @@ from gemps_server.domain.errors import (
 from gemps_server.domain.records import ReplyWriter
 from gemps_server.metrics import ServerMetrics
 from gemps_server.native import copy_max_abs, max_abs
-from gemps_server.service import Deliver, ParameterService
+from gemps_server.service import ParameterService
 from gemps_server.wire import messages, shared_memory
 from gemps_server.wire.data_plane_io import Channel, Hangup, PeerClosed, Stalled, close_fds, pieces
 from gemps_server.wire.data_plane_loop import Handshake, Parked, ReadInto, Task, Wait, Write
 from gemps_server.wire.shared_memory import SharedRegion
 from gemps_server.wire.status_codes import status_of
 from gemps_server.wire.stream_buffers import Buffer, LoopBufferPool
+from gemps_server.wire.streams import Pace
 
 M = TypeVar("M", bound=Message)
 Request = TypeVar("Request", pb.CommitRequest, pb.PullRequest)
@@ -62,10 +64,13 @@ class Limits:
     max_header_bytes: int  # --max-message-mb
     handshake_timeout: float  # accept to HELLO answered, TLS included
     idle_timeout: float  # between requests (--connection-idle-timeout)
-    stream_timeout: float  # without a byte mid-frame or mid-reply (--stream-idle-timeout)
-    # the slowest a payload or a reply may move on average once it started, on top of
-    # stream_timeout (--min-stream-rate-mb, gRPC's streams' floor too; 1 MiB/s: 4 s more for 1M values)
-    min_bytes_per_second: float
+    # gRPC's streams' pace: no byte for pace.idle_timeout mid-frame or mid-reply, and a payload
+    # or a reply moving slower than pace.min_bytes_per_second on average, end the connection
+    pace: Pace
+
+    @property
+    def stream_timeout(self) -> float:
+        return self.pace.idle_timeout
 
 
 class Unread(Exception):
@@ -403,7 +408,7 @@ class Connection:
     def _deadline(self, nbytes: int) -> float:
         """When `nbytes` of payload must have moved: a client that trickles bytes just fast
         enough to beat the stall timeout still gives its pooled buffer back."""
-        return time.monotonic() + self._limits.stream_timeout + nbytes / self._limits.min_bytes_per_second
+        return time.monotonic() + self._limits.pace.allowance(nbytes)
 
     def _send_error(self, error: ServiceError) -> Steps:
         yield from self._send(Op.ERROR, error_header(error))

@@ -74,7 +74,6 @@ class Wait:
 
     events = 0  # readiness to wait for when `attempt` could not finish (0: someone calls resume)
     idle = False  # waiting for a new request: a stopping server closes such a connection at once
-    result: Any = None
 
     def attempt(self, channel: Channel, now: float) -> bool:
         raise NotImplementedError
@@ -199,7 +198,7 @@ class Task:
                 return
             try:
                 if wait.attempt(self.channel, now):
-                    value = wait.result
+                    value = None
                     continue
             except PeerClosed as closed:
                 error = closed
@@ -219,7 +218,7 @@ class Task:
             self._continue(None, closed)
             return
         if finished:
-            self._continue(wait.result, None)
+            self._continue(None, None)
         else:
             self.loop.watch(self, wait.events)
 

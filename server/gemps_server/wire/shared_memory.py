@@ -36,7 +36,6 @@ class SharedRegion:
         self.view = memoryview(self._map)
         self.buffer = Buffer(np.frombuffer(self._map, np.uint8))
         self.floats = np.frombuffer(self._map, np.float32)  # θ's float32 values, as a rule's mirror
-        self.size = size
 
     def close(self) -> None:
         """Unmap it (once nothing uses it any more: a reply may still be reading from a view)."""

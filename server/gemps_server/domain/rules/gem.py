@@ -143,8 +143,6 @@ class GemRule(OverflowGuard, CommitRule):
                 )  # fmt: skip
                 if not finite:
                     break
-            if finite and mirror is not None:
-                np.copyto(mirror, theta_out)
         if not finite:
             self.keep_spare(theta_out)
             self._spare_proxy = proxy_out
