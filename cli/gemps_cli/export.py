@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 from gemps.errors import GempsError
 from gemps.records import CentralVariable
 from gemps_cli.connection import add_connection_flags, connect
+from gemps_proto.schema import PARTITION_FOLDER
 from gemps_server.checkpoint_files import (
     Checkpoint,
     CheckpointError,
@@ -20,8 +20,6 @@ from gemps_server.checkpoint_files import (
     load_latest,
 )
 
-# `gemps server --partitions K --checkpoint-dir D` keeps partition i's checkpoints in D/partition-i.
-PARTITION_DIR = re.compile(r"partition-(\d+)")
 # A live server's partitions apply each commit one after the other: a pull may land between two
 # of them. Pull again this many times before calling the versions mixed.
 LIVE_PULLS = 5
@@ -50,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def partition_dirs(directory: Path) -> list[Path]:
     """The per-partition checkpoint directories in `directory`, in partition order (none: not partitioned)."""
-    found = [(m, p) for p in directory.iterdir() if p.is_dir() and (m := PARTITION_DIR.fullmatch(p.name))]
+    found = [(m, p) for p in directory.iterdir() if p.is_dir() and (m := PARTITION_FOLDER.fullmatch(p.name))]
     return [path for _, path in sorted(found, key=lambda item: int(item[0].group(1)))]
 
 

@@ -37,6 +37,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from gemps.options import env_var, values_of
+from gemps_proto.schema import partition_folder
 from gemps_server.config import ServerConfig
 from gemps_server.directory_lock import DirectoryLock
 from gemps_worker.processes import GEMPS_COMMAND, ChildExitedError, launch, wait_for_port_file
@@ -105,7 +106,7 @@ def child_config(config: ServerConfig, index: int, addresses: str = "") -> Serve
     def offset(port: int) -> int:
         return port + index if port > 0 else port  # 0: any free port
 
-    checkpoints = str(Path(config.checkpoint_dir) / f"partition-{index}") if config.checkpoint_dir else ""
+    checkpoints = str(Path(config.checkpoint_dir) / partition_folder(index)) if config.checkpoint_dir else ""
     return replace(
         config,
         partition_index=index,

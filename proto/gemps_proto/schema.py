@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -277,6 +278,15 @@ def partition_bounds(num_parameters: int, count: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+# A partitioned server's checkpoint directory D holds partition i's in D/partition-i (the local
+# supervisor and the Ray job write them there; `gemps export D` finds them by this pattern).
+PARTITION_FOLDER = re.compile(r"partition-(\d+)")
+
+
+def partition_folder(index: int) -> str:
+    return f"partition-{index}"
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import ray
 from gemps.client import Client
 from gemps.records import ServerStatus
 from gemps.retry import RetryPolicy
+from gemps_proto import schema
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.on_ray.records import (
     ExportedModel,
@@ -64,7 +65,7 @@ def partition_folder(work_dir: str, job: str, index: int) -> Path:
     """Partition `index`'s folder on this node: checkpoints (so `gemps export WORK_DIR` assembles
     θ where the folders share storage), its server's log and its state file."""
     root = Path(work_dir) if work_dir else Path(tempfile.gettempdir()) / "gemps-ray" / job
-    return root / f"partition-{index}"
+    return root / schema.partition_folder(index)
 
 
 class PartitionServer:
@@ -88,7 +89,7 @@ class PartitionServer:
         host: str,
         server_options: Mapping[str, object],
         addresses: str = "",
-        startup_timeout: float = 120.0,
+        startup_timeout: float,
     ) -> None:
         configure_logging()
         self.index = index
@@ -178,9 +179,6 @@ class PartitionServer:
         central = self._client().pull()
         return ExportedModel(central.version, {name: value.copy() for name, value in central.state_dict().items()})
 
-    def log(self) -> str:
-        return self.server.log()
-
     def stop(self) -> int | None:
         """A graceful shutdown (the final checkpoint); the server's exit status."""
         self._stopping.set()
@@ -204,7 +202,6 @@ class TrainingWorker:
         *,
         options: Mapping[str, object] | None = None,
         train: TrainFunction | None = None,
-        metrics: bool = True,
     ) -> None:
         configure_logging()
         self.index, self.count, self.server = index, count, server
@@ -212,7 +209,7 @@ class TrainingWorker:
         self.train_function = train
         self.metrics_port = -1
         self._metrics: Any = None
-        if metrics and train is None:
+        if train is None:  # the reference worker's metrics; a user's function keeps its own
             from gemps_worker.metrics import WorkerMetrics
 
             self._metrics = WorkerMetrics()
@@ -292,6 +289,11 @@ class HeldOutEvaluator:
     def evaluations(self) -> tuple[list[TimedEvaluation], str]:
         """Every evaluation so far, and the error that ended the loop ('' if none)."""
         return list(self.results), self.error
+
+    def latest(self) -> tuple[TimedEvaluation | None, str]:
+        """The newest evaluation (None before the first), and the error as `evaluations`': what
+        the driver's progress needs, without sending every evaluation each time."""
+        return (self.results[-1] if self.results else None), self.error
 
     def final(self) -> TimedEvaluation | None:
         """Stop the periodic loop, then evaluate θ once more as it is now."""

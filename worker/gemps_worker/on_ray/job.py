@@ -150,6 +150,7 @@ class RayJob:
         self.partitions: list[PartitionEndpoint] = []
         self.worker_actors: list[Any] = []
         self.evaluator: Any = None
+        self._evaluator_failed = False  # its error is logged once
         self.samples: list[StatusSample] = []
         self._training: dict[Any, int] = {}  # train() call -> worker index
         self._targets: dict[str, ScrapeTarget] = {}
@@ -312,19 +313,26 @@ class RayJob:
         return sample
 
     def evaluations(self) -> list[TimedEvaluation]:
-        if self.evaluator is None:
-            return []
-        try:
-            results, error = self._get([self.evaluator.evaluations.remote()], LOOK_TIMEOUT)[0]
-        except JobFailed:
-            return []
-        if error:
-            log.warning("the evaluator stopped: %s", error)
-        return list(results)
+        found: list[TimedEvaluation] = self._ask_evaluator("evaluations", [])
+        return found
 
     def latest_evaluation(self) -> TimedEvaluation | None:
-        found = self.evaluations()
-        return found[-1] if found else None
+        found: TimedEvaluation | None = self._ask_evaluator("latest", None)
+        return found
+
+    def _ask_evaluator(self, method: str, otherwise: Any) -> Any:
+        """The evaluator's `method` (its value, error), or `otherwise` without one; its error is
+        logged once."""
+        if self.evaluator is None:
+            return otherwise
+        try:
+            value, error = self._get([getattr(self.evaluator, method).remote()], LOOK_TIMEOUT)[0]
+        except JobFailed:
+            return otherwise
+        if error and not self._evaluator_failed:
+            self._evaluator_failed = True
+            log.warning("the evaluator stopped: %s", error)
+        return value
 
     def final_evaluation(self) -> TimedEvaluation | None:
         """Stop the evaluator's loop and evaluate θ once more, as it is now (None without an
