@@ -144,12 +144,13 @@ def buffer_spec_of(buffers: Mapping[str, np.ndarray]) -> tuple[ParameterSpec, ..
     """The buffer spec of named arrays, in mapping order: integer (and boolean) arrays are int64
     entries, carried exactly; the others float32."""
     return tuple(
-        ParameterSpec(name, tuple(int(d) for d in np.shape(value)), INT64 if _integral(value) else FLOAT32)
+        ParameterSpec(name, tuple(int(d) for d in np.shape(value)), INT64 if integral(value) else FLOAT32)
         for name, value in buffers.items()
     )
 
 
-def _integral(value: np.ndarray) -> bool:
+def integral(value: np.ndarray) -> bool:
+    """Whether an array holds integers (or booleans): an int64 buffer, carried exactly."""
     kind: str = np.asarray(value).dtype.kind
     return kind in "iub"
 
@@ -210,7 +211,7 @@ def buffer_counts(spec: Sequence[ParameterSpec]) -> tuple[int, int]:
 def _int64(value: np.ndarray) -> np.ndarray:
     """Integer values as int64; floating ones rounded (a flat delta of every buffer is float)."""
     array = np.asarray(value)
-    return array.astype(np.int64) if _integral(array) else np.rint(array).astype(np.int64)
+    return array.astype(np.int64) if integral(array) else np.rint(array).astype(np.int64)
 
 
 def flatten(parameters: Mapping[str, np.ndarray]) -> np.ndarray:

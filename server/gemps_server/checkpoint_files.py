@@ -35,7 +35,7 @@ import safetensors
 import safetensors.numpy
 
 from gemps_proto.codec import FLOAT32, INT64
-from gemps_proto.schema import Buffers, ParameterSpec, buffer_counts, unflatten
+from gemps_proto.schema import Buffers, ParameterSpec, buffer_counts, integral, unflatten
 from gemps_server.domain.ledger import (
     KEY_SEPARATOR,
     LEGACY_SCOPE,
@@ -421,7 +421,7 @@ def export_state_dict(
     `safetensors.torch.load_file(out)` gives a state dict for `model.load_state_dict(...)`.
     """
     tensors = {  # np.asarray keeps a scalar's shape () (num_batches_tracked); ascontiguousarray makes it [1]
-        name: np.asarray(value, dtype=np.int64 if value.dtype.kind in "iub" else np.float32, order="C")
+        name: np.asarray(value, dtype=np.int64 if integral(value) else np.float32, order="C")
         for name, value in named.items()
     }
     info = {"format": "gemps-export", "version": str(version), **(metadata or {})}

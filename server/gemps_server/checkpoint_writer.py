@@ -218,12 +218,7 @@ class Checkpointer:
 def _file_bytes(checkpoint: Checkpoint) -> int:
     """About what the checkpoint's file takes: its tensors, plus room for the metadata."""
     image = checkpoint.image
-    tensors = (
-        image.theta.nbytes
-        + image.buffers.floats.nbytes
-        + image.buffers.integers.nbytes
-        + sum(value.nbytes for value in image.rule_state.values())
-    )
+    tensors = image.theta.nbytes + image.buffers.nbytes + sum(value.nbytes for value in image.rule_state.values())
     return tensors + METADATA_ROOM
 
 
