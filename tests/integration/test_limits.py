@@ -119,6 +119,9 @@ def test_streams_that_stop_sending_are_refused_and_free_their_buffers(start_serv
         with gemps.Client(server.target, streaming="always", timeout=30, plane="grpc") as client:
             client.register({"layer.weight": np.zeros((4, 3), np.float32), "layer.bias": np.zeros(4, np.float32)})
             assert client.commit(np.ones(16, np.float32)).version >= 1
+        # The commit can go through on the first refusal's buffer before the other stream's timer
+        # fires: ending that stream's frames then would make it an incomplete payload instead.
+        wait_for(lambda: len(codes) == 2, 30, "both stalled streams refused")
     finally:
         release.set()
         for thread in stalled:
