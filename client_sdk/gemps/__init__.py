@@ -9,6 +9,7 @@ import importlib.metadata
 
 from gemps.client import Client
 from gemps.errors import (
+    CommitSupersededError,
     DeadlineExceededError,
     FailedPreconditionError,
     GempsError,
@@ -41,6 +42,7 @@ __all__ = [
     "CentralVariable",
     "Client",
     "CommitResult",
+    "CommitSupersededError",
     "DeadlineExceededError",
     "Evaluation",
     "FailedPreconditionError",

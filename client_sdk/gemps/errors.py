@@ -71,6 +71,13 @@ class DeadlineExceededError(GempsError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class CommitSupersededError(GempsError):
+    """The server refused an attempt of a commit because a later commit of this client was applied
+    first (reason `superseded`): an old attempt the network delivered late. Nothing was applied."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class StoppedError(GempsError):
     """The client's stop event was set while it waited to retry an unreachable server."""
 
@@ -137,6 +144,7 @@ _BY_CODE: dict[grpc.StatusCode, type[GempsError]] = {
         ResourceExhaustedError,
         ServerUnavailableError,
         DeadlineExceededError,
+        CommitSupersededError,
     )
     if cls.code is not None
 }

@@ -123,6 +123,7 @@ def commit_message(call: CommitCall, wire_dtype: int) -> pb.CommitRequest:
         loss=call.loss,
         num_samples=call.num_samples,
         request_id=call.request_id,
+        sequence=call.sequence,
         reply_dtype=wire_dtype,  # type: ignore[arg-type]
     )
     if call.buffer_delta is not None:

@@ -99,6 +99,7 @@ class PartitionRouter:
         self.registered_with: np.ndarray | None = None  # the initial values registered
         self.buffers = Buffers()  # the newest central buffers received (partition 0's)
         self.central: CentralVariable | None = None  # the newest central variable received
+        self._sequence = 0  # the number of this client's last commit (see CommitCall.sequence)
 
     @property
     def registration(self) -> Registration | None:
@@ -159,14 +160,17 @@ class PartitionRouter:
         buffer_delta: Buffers | None,
     ) -> CommitResult:
         """Each server's slice of `flat`, concurrently; θ, versions and figures from the replies.
-        Every attempt carries the same request id, so each server applies it at most once."""
+        Every attempt carries the same request id and number, so each server applies it at most
+        once, also when an old attempt arrives after later commits (see CommitCall)."""
         request_id = uuid.uuid4().hex
+        self._sequence += 1
         sessions = self.sessions
         slices, bases = self._slices(flat), self._base_versions(base_version)
         calls = [
             CommitCall(
                 sessions[i].worker_id, bases[i], kind, slices[i], loss, num_samples, request_id,
                 buffer_delta if i == 0 else None,  # buffers live on partition 0
+                self._sequence,
             )
             for i in range(len(sessions))
         ]  # fmt: skip

@@ -64,7 +64,9 @@ class Pulled:
 
 @dataclass(frozen=True)
 class CommitCall:
-    """One server's part of a commit: every attempt carries the same `request_id`."""
+    """One server's part of a commit: every attempt carries the same `request_id` and `sequence`
+    (the commit's place among its client's: the server refuses an attempt that arrives after a
+    later commit of the client was applied, so a late attempt is never applied again)."""
 
     worker_id: str
     base_version: int
@@ -74,6 +76,7 @@ class CommitCall:
     num_samples: int | None
     request_id: str
     buffer_delta: Buffers | None = None  # to the first server only
+    sequence: int = 0  # 1, 2, ... per client; 0: unnumbered
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ class Reason(str, enum.Enum):
     BAD_VERSION = "bad_version"  # a base version below zero or ahead of the server's
     NON_FINITE = "non_finite"  # NaN or Inf in a payload or in initial parameters
     BAD_REQUEST_ID = "bad_request_id"  # a request id past its length limit
+    SUPERSEDED = "superseded"  # a late attempt of a commit its client has moved past (a later one was applied)
     BAD_CLIENT_ID = "bad_client_id"  # a client id past its length limit or with spaces or controls
     BAD_EVALUATION = "bad_evaluation"  # an evaluator's figures out of range
     TOO_LONG = "too_long"  # a worker name or dataset label past its length limit

@@ -229,10 +229,33 @@ def test_ledger_keeps_each_clients_last_commit_and_a_bounded_tail_of_departed_on
     assert ledger.lookup("anyone", "old") == Receipt(5, 0, STATS)
 
 
+def test_a_late_attempt_of_a_numbered_commit_is_superseded_whatever_order_it_arrives_in() -> None:
+    """A commit numbered at or below the client's last applied one, under another request id, is an
+    old attempt delivered late (issue 37, item 0): the request id alone no longer finds it."""
+    ledger = CommitLedger(capacity=2)
+    for sequence, request in enumerate("abc", start=1):
+        assert ledger.lookup("c1", request) is None and ledger.superseded("c1", sequence) is None
+        ledger.record("c1", request, Receipt(sequence, 0, STATS, sequence))
+    assert ledger.lookup("c1", "a") is None  # a's receipt is gone: only the last is kept ...
+    assert ledger.superseded("c1", 1) == 3 and ledger.superseded("c1", 3) == 3  # ... and yet refused
+    assert ledger.superseded("c1", 4) is None and ledger.superseded("c2", 1) is None  # per client
+    assert ledger.superseded("c1", 0) is None  # unnumbered: request ids alone, as before
+    ledger.record("c1", "u", Receipt(4, 0, STATS))  # an unnumbered commit keeps the client's mark
+    assert ledger.superseded("c1", 2) == 3
+    ledger.depart("c1")  # a client between registrations still refuses its late attempts
+    assert ledger.superseded("c1", 3) == 3
+    restored = CommitLedger(capacity=2)
+    restored.restore(ledger.entries())  # and so does a server restarted from a checkpoint
+    assert restored.superseded("c1", 2) == 3 and restored.lookup("c1", "u") is not None
+
+
 def test_receipts_reject_malformed_numbers() -> None:
     with pytest.raises(ValueError):
         Receipt.from_list([1.5, 0, 1, 1, 0, 0])
-    assert Receipt.from_list(Receipt(3, 1, STATS).to_list()) == Receipt(3, 1, STATS)
+    with pytest.raises(ValueError):
+        Receipt.from_list([1, 0, 1, 1, 0, 0, -2])  # a negative sequence
+    assert Receipt.from_list(Receipt(3, 1, STATS, 12).to_list()) == Receipt(3, 1, STATS, 12)
+    assert Receipt.from_list([3, 1, 0.5, 0.25, 0.1, 0.2]) == Receipt(3, 1, STATS)  # before numbering
 
 
 # -- the state: deduplication and restore -------------------------------------------------------

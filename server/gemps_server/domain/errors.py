@@ -39,5 +39,9 @@ class Unavailable(ServiceError):
     """Not now, soon: the caller should retry with backoff (the central variable is being set)."""
 
 
+class Aborted(ServiceError):
+    """The request lost a race it cannot win: a late attempt of a commit its client has moved past."""
+
+
 class Unauthenticated(ServiceError):
     """The caller did not prove who it is (a data-plane ticket that is not its registration's)."""

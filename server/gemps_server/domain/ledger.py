@@ -8,11 +8,20 @@ Request ids are unique per client, not globally: two clients may well both count
 `step-2`, ... So a receipt belongs to a *scope*: the client's `client_id` (sent at Register,
 the same for every registration of one client process, so a retry is recognised after the
 client registered again: lease expiry, server restart), or, for a client that sends none, its
-worker id (a retry is then recognised only within that registration). Each scope has at most one
-commit in flight, so remembering each scope's last commit is enough; a scope without a
-registered worker keeps its last receipt in a bounded FIFO (it may be retrying from a new
-registration). The ledger lives on the applier thread, like the rest of the state, and goes into
-checkpoints so that a retry across a server restart is recognised too.
+worker id (a retry is then recognised only within that registration).
+
+Each scope has at most one commit in flight, but the network may still hold an old attempt of an
+earlier one: a request sitting in TCP retransmission behind a cut cable arrives after its retry
+succeeded and after later commits of the same client. Its request id is no longer the scope's
+last, so request ids alone cannot tell it from a new commit. Clients therefore number their
+commits (`sequence`: 1, 2, ... per client, the same on every attempt): a commit numbered at or
+below the scope's last applied number is such a late attempt, and is refused (`superseded`).
+Remembering each scope's last commit and the highest number applied is then enough, whatever
+order the network delivers attempts in. Unnumbered commits (sequence 0, clients that do not
+count) are deduplicated by their last request id only. A scope without a registered worker keeps
+its last receipt in a bounded FIFO (it may be retrying from a new registration). The ledger
+lives on the applier thread, like the rest of the state, and goes into checkpoints so that a
+retry across a server restart is recognised too.
 
 Checkpoints written before scopes existed hold receipts by request id alone: they are restored
 under the empty scope and match a retry from any client (as they did when written).
@@ -20,6 +29,7 @@ under the empty scope and match a retry from any client (as they did when writte
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -54,24 +64,31 @@ def split_key(key: str) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class Receipt:
-    """What a commit did: the version it produced, its staleness and how it was scaled."""
+    """What a commit did: the version it produced, its staleness and how it was scaled, and its
+    place among its client's commits (0: unnumbered)."""
 
     version: int
     staleness: int
     stats: ApplyStats
+    sequence: int = 0
 
     def to_list(self) -> list[float]:
         s = self.stats
-        return [self.version, self.staleness, s.scaling_mean, s.scaling_median, s.fraction_at_zero, s.fraction_at_max]
+        scaling = [s.scaling_mean, s.scaling_median, s.fraction_at_zero, s.fraction_at_max]
+        return [self.version, self.staleness, *scaling, self.sequence]
 
     @classmethod
     def from_list(cls, values: list[float]) -> Receipt:
-        if len(values) != 6:
-            raise ValueError(f"a receipt has 6 numbers, not {len(values)}")
-        version, staleness, mean, median, zero, at_max = values
-        if int(version) != version or int(staleness) != staleness or version < 0 or staleness < 0:
-            raise ValueError(f"bad receipt version/staleness {version!r}, {staleness!r}")
-        return cls(int(version), int(staleness), ApplyStats(float(mean), float(median), float(zero), float(at_max)))
+        """Seven numbers; six in checkpoints written before commits were numbered (sequence 0)."""
+        if len(values) not in (6, 7):
+            raise ValueError(f"a receipt has 6 or 7 numbers, not {len(values)}")
+        version, staleness, mean, median, zero, at_max, *numbered = values
+        sequence = numbered[0] if numbered else 0
+        counts = (version, staleness, sequence)
+        if any(int(count) != count or count < 0 for count in counts):
+            raise ValueError(f"bad receipt version/staleness/sequence {version!r}, {staleness!r}, {sequence!r}")
+        stats = ApplyStats(float(mean), float(median), float(zero), float(at_max))
+        return cls(int(version), int(staleness), stats, int(sequence))
 
 
 class CommitLedger:
@@ -95,9 +112,20 @@ class CommitLedger:
             return found[1]
         return self._legacy.get(request_id)
 
+    def superseded(self, scope: str, sequence: int) -> int | None:
+        """The highest number applied for `scope` when a commit numbered `sequence` (not found by
+        `lookup`) is a late attempt its client has moved past; None when it may be applied."""
+        found = self._last.get(scope)
+        if not sequence or found is None or sequence > found[1].sequence:
+            return None
+        return found[1].sequence
+
     def record(self, scope: str, request_id: str, receipt: Receipt) -> None:
         if not request_id:
             return
+        previous = self._last.get(scope)
+        if previous is not None and previous[1].sequence > receipt.sequence:  # an unnumbered commit
+            receipt = dataclasses.replace(receipt, sequence=previous[1].sequence)  # keeps the mark
         self._last[scope] = (request_id, receipt)
         self._departed.pop(scope, None)
 

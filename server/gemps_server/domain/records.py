@@ -81,6 +81,7 @@ class Commit:
     kind: int  # a PayloadKind
     payload: EncodedTensor
     request_id: str = ""
+    sequence: int = 0  # its place among its client's commits (0: unnumbered; see ledger.py)
     reply_dtype: int = FLOAT32  # wire dtype of the snapshot the reply carries
     loss: float | None = None  # the mini-batch's training loss (metrics only)
     num_samples: int | None = None  # the mini-batch's size (metrics only)

@@ -21,7 +21,7 @@ from gemps_proto.reasons import Reason
 from gemps_proto.schedules import learning_rate_at
 from gemps_proto.schema import Buffers, ParameterSpec, TrainingConfig
 from gemps_server.domain import validation
-from gemps_server.domain.errors import FailedPrecondition, InvalidArgument, Unavailable
+from gemps_server.domain.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 from gemps_server.domain.ledger import CommitLedger, Receipt
 from gemps_server.domain.records import (
     ALL_OF_THETA,
@@ -160,6 +160,13 @@ class ServerState:
             if mirror is not None:  # the rule does not run: θ is copied as it is
                 np.copyto(mirror, self._theta)
             return CommitOutcome(self.encoded(commit.reply_dtype), receipt.staleness, receipt.stats, duplicate=True)
+        applied = self.ledger.superseded(worker.scope, commit.sequence)
+        if applied is not None:  # an old attempt, delivered after later commits of its client
+            raise Aborted(
+                f"commit {commit.sequence} of this client arrived after its commit {applied} was applied: "
+                "a late attempt, refused; nothing changed",
+                Reason.SUPERSEDED,
+            )
         kind, payload, peak = validation.validated_payload(commit, self.num_parameters, self.version)
         buffers = validation.buffers_after(self._buffers, commit.buffer_delta)  # checked before θ moves
         staleness = self.version - commit.base_version
@@ -174,7 +181,7 @@ class ServerState:
         worker.commits += 1
         self.registry.touch(commit.worker_id, committed=True)
         self._version += 1  # its snapshot is encoded when a reply asks (encoded(), theta_wire())
-        self.ledger.record(worker.scope, commit.request_id, Receipt(self.version, staleness, stats))
+        self.ledger.record(worker.scope, commit.request_id, Receipt(self.version, staleness, stats, commit.sequence))
         return CommitOutcome(self._with_buffers(self.snapshot), staleness, stats)
 
     def commit_and_reply(

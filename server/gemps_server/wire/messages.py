@@ -150,6 +150,7 @@ def commit_from_proto(
         kind=request.kind,
         payload=tensor_from_proto(request.payload) if payload is None else payload,
         request_id=request.request_id,
+        sequence=request.sequence,
         reply_dtype=reply_dtype_from_proto(request.reply_dtype),
         loss=request.loss if request.HasField("loss") else None,
         num_samples=request.num_samples if request.HasField("num_samples") else None,

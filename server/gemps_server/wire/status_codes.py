@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 
 from gemps_server.domain.errors import (
+    Aborted,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -25,6 +26,7 @@ STATUS_CODES: dict[type[ServiceError], grpc.StatusCode] = {
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    Aborted: grpc.StatusCode.ABORTED,
 }
 
 

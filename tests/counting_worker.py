@@ -1,0 +1,100 @@
+"""A worker whose commits count themselves, for fault tests on simulated hosts.
+
+Under `downpour`, an update of ones moves every value of θ by exactly 1, so once the run is over
+each partition's θ (and its version) says how many commits it applied. This worker commits such
+updates until a stop file appears or its budget is spent, and records for each partition how many
+commits it acknowledged and how many ended in doubt (an error after which the commit may or may
+not have been applied there), and the longest wait between two acknowledged commits (`gap`, wall
+clock: when a fault began to show, and when training resumed). Exactly-once then reads, per
+partition:
+
+    acknowledged <= applied <= acknowledged + in doubt
+
+    python -m tests.counting_worker --target 10.231.0.1:50051 --parameters 100000 --out w0.json \
+        --stop-file stop [--commits 1000] [--timeout 5]
+
+It writes `--out` (JSON) when it ends, and `--out` with ".ready" appended once it has
+registered. `--observe` instead prints every partition's version and θ's range once, as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+import gemps
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop_file = Path(args.stop_file)
+    with gemps.Client(args.target, name=args.name, timeout=args.timeout, stop=stop) as client:
+        client.register({"theta": np.zeros(args.parameters, np.float32)})
+        Path(args.out + ".ready").write_text("registered\n")
+        partitions = len(client.targets)
+        acknowledged, in_doubt = [0] * partitions, [0] * partitions
+        failures: list[str] = []
+        last_ack, gap = time.time(), (0.0, 0.0)
+        ones = np.ones(args.parameters, np.float32)
+        while len(failures) + acknowledged[0] < args.commits and not stop_file.exists() and not stop.is_set():
+            try:
+                client.commit(ones, kind="update")
+            except gemps.PartiallyAppliedError as partial:
+                failures.append(f"{type(partial).__name__}: {partial}")
+                for index in partial.applied:
+                    acknowledged[index] += 1
+                for index in partial.refused:  # refused for sure only when the server said so
+                    in_doubt[index] += int(partial.code is None or partial.reason == "")
+            except gemps.GempsError as error:
+                failures.append(f"{type(error).__name__}: {error}")
+                for index in range(partitions):
+                    in_doubt[index] += 1
+                if isinstance(error, gemps.StoppedError):
+                    break
+            else:
+                for index in range(partitions):
+                    acknowledged[index] += 1
+                now = time.time()
+                if now - last_ack > gap[1] - gap[0]:
+                    gap = (last_ack, now)
+                last_ack = now
+            if args.pause:
+                time.sleep(args.pause)
+        client.leave()
+    return {"acknowledged": acknowledged, "in_doubt": in_doubt, "failures": failures, "gap": gap}
+
+
+def observe(target: str) -> dict[str, object]:
+    with gemps.Client(target, timeout=30) as client:
+        versions = [status.version for status in client.statuses()]
+        theta = client.pull().flat
+        return {"versions": versions, "theta_min": float(theta.min()), "theta_max": float(theta.max())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--observe", action="store_true")
+    parser.add_argument("--name", default="counter")
+    parser.add_argument("--parameters", type=int, default=100_000)
+    parser.add_argument("--out", default="counting-worker.json")
+    parser.add_argument("--stop-file", default="stop")
+    parser.add_argument("--commits", type=int, default=10**9)
+    parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds between commits")
+    args = parser.parse_args()
+    if args.observe:
+        print(json.dumps(observe(args.target)))
+        return
+    Path(args.out).write_text(json.dumps(run(args)))
+
+
+if __name__ == "__main__":
+    main()

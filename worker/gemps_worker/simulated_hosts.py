@@ -1,0 +1,161 @@
+"""Hosts with real links on this one machine: network namespaces joined to a switch by veth pairs.
+
+Everything past one machine is tested on these (docs/RELIABILITY.md, "Simulated hosts"): each
+host is a network namespace with its own network stack, so a client on one reaches a server on
+another over TCP, as between machines (the data plane's local socket and shared memory are out
+of reach there). Each host's cable is a veth pair to a switch namespace (one bridge), shaped with
+`tc ... tbf` on both ends (1 Gbit/s by default; this kernel has no netem).
+
+    with SimulatedNetwork() as network:
+        server, workers = network.add_host("server"), network.add_host("workers")
+        process = server.start(["python", "-m", "gemps_cli", "server", "--host", server.address])
+        network.cut(server)   # `ip link set ... down` on the switch's end: packets are dropped
+        network.heal(server)  # back up; TCP retransmits what it held
+        server.kill()         # SIGKILL every process in the host, as when a machine dies
+
+Needs root (CAP_NET_ADMIN) and iproute2; `unavailable_reason()` says why not, in one line.
+Namespaces, links and processes are named after this process's pid, so two runs never meet, and
+`close()` removes everything it made. Addresses are private to the namespaces: no packet leaves
+them, and the host's own stack never sees one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+SUBNET = "10.231.0"  # hosts are SUBNET.1, SUBNET.2, ... inside the namespaces only
+DEFAULT_RATE = "1gbit"
+
+
+def unavailable_reason() -> str | None:
+    """Why simulated hosts cannot be made here (one line), or None when they can."""
+    if os.geteuid() != 0:
+        return "simulated hosts need root (network namespaces, veth, tc)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"simulated hosts need iproute2's `{tool}`"
+    return None
+
+
+def _run(*argv: str) -> None:
+    completed = subprocess.run(list(argv), capture_output=True, text=True)
+    if completed.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({completed.returncode}): {completed.stderr.strip()}")
+
+
+def _shape(namespace: str, device: str, rate: str) -> None:
+    """tbf on `device`'s egress: `rate`, a burst large enough for that rate at any kernel HZ."""
+    _run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf",
+         "rate", rate, "burst", "1mb", "latency", "50ms")  # fmt: skip
+
+
+@dataclass
+class Host:
+    """One simulated machine: a network namespace, its address, and the processes started in it."""
+
+    name: str
+    namespace: str
+    address: str
+    switch_port: str  # the cable's end in the switch namespace (what cut/heal switch)
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """`argv` run inside this host."""
+        return ["ip", "netns", "exec", self.namespace, *argv]
+
+    def start(
+        self, argv: Sequence[str], *, log_path: Path | None = None, env: Mapping[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start `argv` on this host (output to `log_path`, else inherited)."""
+        if log_path is None:
+            process = subprocess.Popen(self.command(argv), env=env)
+        else:
+            with open(log_path, "ab") as log:
+                process = subprocess.Popen(self.command(argv), stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.processes.append(process)
+        return process
+
+    def pids(self) -> list[int]:
+        """Every process inside this host's namespace, whoever started it."""
+        found = subprocess.run(["ip", "netns", "pids", self.namespace], capture_output=True, text=True)
+        return [int(pid) for pid in found.stdout.split()]
+
+    def kill(self) -> None:
+        """SIGKILL every process on the host, as when the machine dies: no shutdown, no goodbye."""
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for process in self.processes:
+            process.wait()
+
+
+class SimulatedNetwork:
+    """A switch namespace with one bridge, and hosts cabled to it (a context manager)."""
+
+    def __init__(self, rate: str = DEFAULT_RATE) -> None:
+        self.rate = rate
+        self.prefix = f"g{os.getpid() % 100_000:05d}"  # interface names stay within 15 characters
+        self.switch = f"{self.prefix}-switch"
+        self.hosts: list[Host] = []
+        self._open = False
+
+    def __enter__(self) -> SimulatedNetwork:
+        return self.open()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def open(self) -> SimulatedNetwork:
+        reason = unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(reason)
+        _run("ip", "netns", "add", self.switch)
+        self._open = True
+        _run("ip", "-n", self.switch, "link", "add", "bridge", "type", "bridge")
+        _run("ip", "-n", self.switch, "link", "set", "bridge", "up")
+        return self
+
+    def add_host(self, name: str) -> Host:
+        """A new host cabled to the switch, its link shaped to this network's rate."""
+        index = len(self.hosts) + 1
+        namespace, port, inside = f"{self.prefix}-{name}", f"{self.prefix}p{index}", f"{self.prefix}h{index}"
+        host = Host(name, namespace, f"{SUBNET}.{index}", port)
+        _run("ip", "netns", "add", namespace)
+        self.hosts.append(host)
+        _run("ip", "link", "add", inside, "netns", namespace, "type", "veth",
+             "peer", "name", port, "netns", self.switch)  # fmt: skip
+        _run("ip", "-n", namespace, "link", "set", inside, "name", "eth0")
+        _run("ip", "-n", namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
+        for device, where in (("lo", namespace), ("eth0", namespace)):
+            _run("ip", "-n", where, "link", "set", device, "up")
+        _run("ip", "-n", self.switch, "link", "set", port, "master", "bridge")
+        _run("ip", "-n", self.switch, "link", "set", port, "up")
+        _shape(namespace, "eth0", self.rate)
+        _shape(self.switch, port, self.rate)
+        return host
+
+    def cut(self, host: Host) -> None:
+        """Pull the host's cable: nothing passes either way until `heal` (connections stay open)."""
+        _run("ip", "-n", self.switch, "link", "set", host.switch_port, "down")
+
+    def heal(self, host: Host) -> None:
+        _run("ip", "-n", self.switch, "link", "set", host.switch_port, "up")
+
+    def close(self) -> None:
+        """Kill every host's processes and delete every namespace this network made."""
+        for host in self.hosts:
+            host.kill()
+        for namespace in [host.namespace for host in self.hosts] + ([self.switch] if self._open else []):
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+        self.hosts.clear()
+        self._open = False
