@@ -1,7 +1,7 @@
 """θ partitioned across several servers: the same commits give the same θ, bit for bit.
 
 Every rule is elementwise, so partition i applying its slice of each commit in the same order
-as one server would computes exactly that server's values for its range (DESIGN.md 3a).
+as one server would computes exactly that server's values for its range (DESIGN §3a).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Plain reference implementations of DESIGN.md section 1, written for clarity, not speed.
+"""Plain reference implementations of DESIGN §1 (docs/DESIGN.md), written for clarity, not speed.
 
 Each keeps its own copy of theta and version and computes every step from scratch in float32,
 the way the design states it; the server's in-place implementation must agree to rounding.
@@ -13,7 +13,7 @@ EPS = F32(1e-16)
 
 
 class ReferenceServer:
-    """Server-side rules exactly as DESIGN.md section 1 writes them."""
+    """Server-side rules exactly as DESIGN §1 writes them."""
 
     def __init__(self, rule: str, theta0: np.ndarray, eta: float, mu: float, kappa: float, pi_max: float) -> None:
         self.rule = rule

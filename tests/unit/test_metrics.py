@@ -21,7 +21,7 @@ P = 300
 def reference_energies(
     theta: np.ndarray, seen: np.ndarray, proxy: np.ndarray, delta: np.ndarray, kappa: float, pi_max: float
 ) -> tuple[float, float]:
-    """DESIGN.md section 1 written out: proxy = mean kappa*|m|, central = mean |theta - s| + pi*|Delta|."""
+    """DESIGN §1 written out: proxy = mean kappa*|m|, central = mean |theta - s| + pi*|Delta|."""
     movement = np.abs(theta - seen)
     pi = np.clip((F32(kappa) * np.abs(proxy) - movement) / (np.abs(delta) + F32(1e-16)), 0, pi_max)
     return float(np.mean(F32(kappa) * np.abs(proxy))), float(np.mean(movement + pi * np.abs(delta)))
