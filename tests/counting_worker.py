@@ -14,7 +14,10 @@ partition:
         --stop-file stop [--commits 1000] [--timeout 5]
 
 It writes `--out` (JSON) when it ends, and `--out` with ".ready" appended once it has
-registered. `--observe` instead prints every partition's version and θ's range once, as JSON.
+registered. With `--mark-file`, it also records the acknowledgements counted when that file
+first appears (`acknowledged_at_mark`: the test creates it right after a fault, to tell the
+commits a dead server acknowledged from those of its successor). `--observe` instead prints every
+partition's version and θ's range once, as JSON.
 """
 
 from __future__ import annotations
@@ -42,23 +45,28 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         acknowledged, in_doubt = [0] * partitions, [0] * partitions
         failures: list[str] = []
         last_ack, gap = time.time(), (0.0, 0.0)
+        at_mark: list[int] | None = None
+        mark_file = Path(args.mark_file) if args.mark_file else None
         ones = np.ones(args.parameters, np.float32)
         while len(failures) + acknowledged[0] < args.commits and not stop_file.exists() and not stop.is_set():
             try:
                 client.commit(ones, kind="update")
             except gemps.PartiallyAppliedError as partial:
+                at_mark = at_mark or _marked(mark_file, acknowledged)
                 failures.append(f"{type(partial).__name__}: {partial}")
                 for index in partial.applied:
                     acknowledged[index] += 1
                 for index in partial.refused:  # refused for sure only when the server said so
                     in_doubt[index] += int(partial.code is None or partial.reason == "")
             except gemps.GempsError as error:
+                at_mark = at_mark or _marked(mark_file, acknowledged)
                 failures.append(f"{type(error).__name__}: {error}")
                 for index in range(partitions):
                     in_doubt[index] += 1
                 if isinstance(error, gemps.StoppedError):
                     break
             else:
+                at_mark = at_mark or _marked(mark_file, acknowledged)
                 for index in range(partitions):
                     acknowledged[index] += 1
                 now = time.time()
@@ -68,7 +76,14 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             if args.pause:
                 time.sleep(args.pause)
         client.leave()
-    return {"acknowledged": acknowledged, "in_doubt": in_doubt, "failures": failures, "gap": gap}
+    record = {"acknowledged": acknowledged, "in_doubt": in_doubt, "failures": failures, "gap": gap}
+    return {**record, "acknowledged_at_mark": at_mark or _marked(mark_file, acknowledged)}
+
+
+def _marked(mark_file: Path | None, acknowledged: list[int]) -> list[int] | None:
+    """A copy of the counts when the mark file exists (checked once each commit has returned, before
+    it is counted: a commit that returns after the fault was acknowledged by the successor)."""
+    return list(acknowledged) if mark_file is not None and mark_file.exists() else None
 
 
 def observe(target: str) -> dict[str, object]:
@@ -88,6 +103,7 @@ def main() -> None:
     parser.add_argument("--stop-file", default="stop")
     parser.add_argument("--commits", type=int, default=10**9)
     parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--mark-file", default="", help="see the module's docstring")
     parser.add_argument("--pause", type=float, default=0.0, help="seconds between commits")
     args = parser.parse_args()
     if args.observe:

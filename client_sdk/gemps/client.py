@@ -38,6 +38,7 @@ from gemps.records import (
     Registration,
     ServerStatus,
 )
+from gemps.resolver import Target, as_resolver
 from gemps.retry import Retrier, RetryPolicy
 from gemps.router import PartitionRouter
 from gemps.transport import Transport
@@ -61,7 +62,7 @@ class Client:
 
     def __init__(
         self,
-        target: str = "127.0.0.1:50051",
+        target: Target = "127.0.0.1:50051",
         *,
         name: str = "",
         timeout: float = 60.0,
@@ -97,6 +98,11 @@ class Client:
         host the data plane goes through its local socket and shared memory, so θ crosses no
         socket; `shared_memory` False (or GEMPS_SHARED_MEMORY=off) keeps it on TCP.
 
+        `target` is where the server is: "host:port" (the simple default), or, for a server that
+        can move to another machine, a callable returning that or a `gemps.resolver.Resolver`,
+        asked again when it stops answering (partitions other than 0 are found again through the
+        layout partition 0 announces).
+
         `connect` opens the transport to the server process at an address (gemps.transport);
         by default the one `plane` picks, with the options above."""
         _check_wire_options(wire_dtype, streaming, chunk_bytes)
@@ -105,7 +111,7 @@ class Client:
         self.wire_dtype = WIRE_DTYPE_NAMES[wire_dtype]
         self.streaming = streaming
         self.chunk_bytes = chunk_bytes
-        self.target = target
+        resolver = as_resolver(target)
         self.name = name
         # This client's identity at every registration: the server deduplicates its commits by
         # (client_id, request_id), also after it registers again, and keeps one registration of it.
@@ -121,10 +127,11 @@ class Client:
             server_name=server_name,
         )
         self._max_message_bytes = min(max_message_mb * 1024 * 1024, 2**31 - 1)
-        self._retrier = Retrier(target, self.retry, stop)
+        self._retrier = Retrier("", self.retry, stop)
         self._router = PartitionRouter(
-            target, connect or self._connect, self._retrier, worker_name=name, client_id=self.client_id
+            resolver, connect or self._connect, self._retrier, worker_name=name, client_id=self.client_id
         )
+        self._retrier.target = self._router.target
 
     def _connect(self, address: str) -> Transport:
         """The transport to one server process: gRPC, and its data plane unless plane="grpc"."""
@@ -277,6 +284,11 @@ class Client:
     @property
     def buffer_spec(self) -> tuple[ParameterSpec, ...]:
         return self._router.buffer_spec
+
+    @property
+    def target(self) -> str:
+        """Where partition 0 (or the only server) is reached now."""
+        return self._router.target
 
     @property
     def targets(self) -> list[str]:

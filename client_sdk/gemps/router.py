@@ -5,10 +5,15 @@ one address, learns the layout from that server's Register (or Status) reply, an
 commit's slices to their partitions concurrently (every call started, then each awaited: a
 transport's futures and streams run them, no thread of ours per partition), tracks each
 partition's version, and assembles θ from the replies. Buffers live on partition 0.
+
+Partitions can move (restarted on another machine, on fresh ports). When one stops answering, its
+session asks the router where it is now: partition 0 through the client's resolver
+(gemps.resolver), any other through the layout partition 0 announces now.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -26,6 +31,7 @@ from gemps.records import (
     Registration,
     ServerStatus,
 )
+from gemps.resolver import Resolver
 from gemps.retry import Retrier
 from gemps.server_session import ServerSession, refuse_partition_count_change
 from gemps.transport import CommitCall, Committed, Enrolment, Pending, Transport
@@ -34,6 +40,7 @@ from gemps_proto.reasons import Reason
 from gemps_proto.schema import PayloadKind
 
 T = TypeVar("T")
+log = logging.getLogger("gemps.client")
 
 
 def resolve_address(announced: str, reached: str) -> str:
@@ -85,14 +92,21 @@ class PartitionRouter:
     that `connect` opens for an address; and what the client holds of θ: spec, slices, buffers."""
 
     def __init__(
-        self, target: str, connect: Callable[[str], Transport], retrier: Retrier, *, worker_name: str, client_id: str
+        self,
+        resolver: Resolver,
+        connect: Callable[[str], Transport],
+        retrier: Retrier,
+        *,
+        worker_name: str,
+        client_id: str,
     ) -> None:
-        self.target = target
+        self.resolver = resolver
+        self.target = resolver.resolve()  # where partition 0 is now
         self.connect = connect
         self.retrier = retrier
         self.worker_name = worker_name
         self.client_id = client_id
-        self.sessions = [ServerSession(connect(target), retrier)]
+        self.sessions = [ServerSession(connect(self.target), retrier, lambda: self._follow(0))]
         self.layout: Layout | None = None  # how θ is partitioned; None: one server holds it all
         self.spec: tuple[ParameterSpec, ...] = ()
         self.buffer_spec: tuple[ParameterSpec, ...] = ()
@@ -251,6 +265,7 @@ class PartitionRouter:
                 if not errors.worth_another_attempt(error):
                     results.append(error)
                     continue
+                self.sessions[index].suspect(error)
                 try:
                     results.append(blocking(index))
                 except errors.GempsError as again:
@@ -289,13 +304,38 @@ class PartitionRouter:
             self.sessions[0].start, self.sessions[0].stop = 0, self._num_parameters()
             return
         if self.layout is None:
-            for partition in layout.partitions[len(self.sessions) :]:
-                address = resolve_address(partition.address, self.target)
-                self.sessions.append(ServerSession(self.connect(address), self.retrier))
+            for index in range(len(self.sessions), len(layout.partitions)):
+                address = resolve_address(layout.partitions[index].address, self.target)
+                follow = self._follower(index)
+                self.sessions.append(ServerSession(self.connect(address), self.retrier, follow))
         refuse_partition_count_change(self.target, self.layout, layout)
         for session, partition in zip(self.sessions, layout.partitions, strict=True):
             session.start, session.stop = partition.start, partition.stop
         self.layout = layout
+
+    def _follower(self, index: int) -> Callable[[], Transport | None]:
+        return lambda: self._follow(index)
+
+    def _follow(self, index: int) -> Transport | None:
+        """A transport to partition `index` at its address now, when that is not where its session
+        is: partition 0's from the resolver, another's from the layout partition 0 announces now
+        (one attempt: the caller retries). None when it did not move, or nobody can say."""
+        try:
+            if index == 0:
+                address = self.resolver.resolve()
+            else:
+                layout = self.sessions[0].transport.status().layout
+                if layout is None or len(layout.partitions) != len(self.sessions):
+                    return None
+                address = resolve_address(layout.partitions[index].address, self.target)
+        except Exception as error:  # a resolver of the user's may raise anything: keep the last address
+            log.debug("where partition %d is now is not known (%s): trying %s again", index, error, self.target)
+            return None
+        if address == self.sessions[index].target:
+            return None
+        if index == 0:
+            self.target = address
+        return self.connect(address)
 
     def _assemble(self) -> CentralVariable:
         """The central variable from the slices held (one server: its θ as received, no copy)."""

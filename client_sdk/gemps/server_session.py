@@ -5,13 +5,20 @@ the contiguous range [start, stop) of the flat central variable with its own ver
 and lease. The client has one session per server process; a session keeps the registration it
 got there and the newest slice of θ it received, retries a transport's calls (`Retrier`) and
 registers again, once, when the server forgot the worker (lease expiry, server restart).
+
+A server process can also move (restarted on another machine, on fresh ports). After a call to it
+failed in a way worth another attempt, the session asks `follow` (the router's: where is this
+partition now?) before the next attempt, and moves its transport to the new address when there is
+one; the attempt then goes there, with the same request id and number, so nothing is applied twice.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import replace
+from typing import TypeVar
 
 import numpy as np
 
@@ -21,6 +28,9 @@ from gemps.retry import Retrier
 from gemps.transport import CommitCall, Committed, Enrolment, Pending, PullCall, Pulled, Registered, Transport
 
 log = logging.getLogger("gemps.client")
+T = TypeVar("T")
+# Where a server process is now: a transport to its new address when it moved, else None.
+Follow = Callable[[], "Transport | None"]
 
 
 def refuse_partition_count_change(target: str, held: Layout | None, announced: Layout | None) -> None:
@@ -36,9 +46,12 @@ def refuse_partition_count_change(target: str, held: Layout | None, announced: L
 class ServerSession:
     """One server process (all of θ, or one partition of it) and what the client holds of it."""
 
-    def __init__(self, transport: Transport, retrier: Retrier) -> None:
+    def __init__(self, transport: Transport, retrier: Retrier, follow: Follow | None = None) -> None:
         self.transport = transport
         self.retrier = retrier
+        self.follow = follow
+        self.moves = 0  # how often this session followed its server to another address
+        self._suspect = False  # a call failed in a way worth another attempt: it may have moved
         self.start = 0  # the range of θ this server holds: [start, stop)
         self.stop = 0
         self.registration: Registration | None = None  # this server's registration of the client's worker
@@ -60,7 +73,7 @@ class ServerSession:
 
     def register(self, enrolment: Enrolment) -> Registered:
         """Register with this server (retrying); `hold` its θ once the range is known."""
-        registered = self.retrier.call(self.transport.register, enrolment, self.history)
+        registered = self._reliably(lambda transport: transport.register(enrolment, self.history))
         self.registration = registered.registration
         return registered
 
@@ -83,49 +96,82 @@ class ServerSession:
         return PullCall(self.worker_id, self.version, self.history, self.size)
 
     def start_pull(self) -> Pending[Pulled]:
+        if self._suspect:
+            self._follow()
         return self.transport.start_pull(self.pull_call())
 
     def pull(self, enrolment: Enrolment | None) -> Pulled:
         """Pull this server's slice (retrying); registered: with `enrolment` again if it forgot us."""
         if self.registration is None:
-            return self.retrier.call(self.transport.pull, self.pull_call())
+            return self._reliably(lambda transport: transport.pull(self.pull_call()))
         try:
-            return self.retrier.call(self.transport.pull, self.pull_call())
+            return self._reliably(lambda transport: transport.pull(self.pull_call()))
         except errors.GempsError as error:
             registered = self._register_again(error, enrolment)
-        pulled = self.retrier.call(self.transport.pull, self.pull_call())  # the new worker id
+        pulled = self._reliably(lambda transport: transport.pull(self.pull_call()))  # the new worker id
         if pulled.parameters is None:  # unchanged since registering again: θ as registered
             pulled = replace(pulled, version=self.version, parameters=self.flat)
         return pulled if pulled.buffers is not None else replace(pulled, buffers=registered.buffers)
 
     def start_commit(self, call: CommitCall) -> Pending[Committed]:
+        if self._suspect:
+            self._follow()
         return self.transport.start_commit(call)
 
     def commit(self, call: CommitCall, enrolment: Enrolment | None) -> Committed:
         """Commit to this server (retrying); with `enrolment` again if it forgot us, then with the
         base version clamped to the registration's (the server may have restarted older)."""
         try:
-            return self.retrier.call(self.transport.commit, call)
+            return self._reliably(lambda transport: transport.commit(call))
         except errors.GempsError as error:
             registered = self._register_again(error, enrolment)
         version = registered.registration.version
-        call = replace(call, worker_id=self.worker_id, base_version=min(call.base_version, version))
-        committed = self.retrier.call(self.transport.commit, call)
+        again = replace(call, worker_id=self.worker_id, base_version=min(call.base_version, version))
+        committed = self._reliably(lambda transport: transport.commit(again))
         return committed if committed.buffers is not None else replace(committed, buffers=registered.buffers)
 
     def status(self) -> ServerStatus:
-        return self.retrier.call(self.transport.status)
+        return self._reliably(lambda transport: transport.status())
 
     def report_evaluation(self, evaluation: Evaluation) -> None:
-        self.retrier.call(self.transport.report_evaluation, evaluation)
+        self._reliably(lambda transport: transport.report_evaluation(evaluation))
 
     def leave(self) -> None:
         """Leave this server, if registered there (already evicted: nothing to free)."""
         if self.registration is None:
             return
         with contextlib.suppress(errors.WorkerNotFoundError):
-            self.retrier.call(self.transport.leave, self.worker_id)
+            self._reliably(lambda transport: transport.leave(self.worker_id))
         self.registration = None
+
+    def suspect(self, error: errors.GempsError) -> None:
+        """A call here failed outside `_reliably` (a concurrent first attempt): before the next
+        one, look whether the server moved."""
+        if isinstance(error, errors.RETRIED):
+            self._suspect = True
+
+    def _reliably(self, call: Callable[[Transport], T]) -> T:
+        """`call` on this server's transport, retried; following the server when it moved."""
+
+        def attempt() -> T:
+            if self._suspect:
+                self._follow()
+            try:
+                return call(self.transport)
+            except errors.RETRIED:
+                self._suspect = True
+                raise
+
+        return self.retrier.call(attempt)
+
+    def _follow(self) -> None:
+        self._suspect = False
+        moved = self.follow() if self.follow is not None else None
+        if moved is None:
+            return
+        log.warning("%s moved to %s: following it", self.transport.target, moved.target)
+        self.transport.close()
+        self.transport, self.moves = moved, self.moves + 1
 
     def _register_again(self, error: errors.GempsError, enrolment: Enrolment | None) -> Registered:
         """Register with our newest copy of θ when the server forgot us; `error` otherwise."""

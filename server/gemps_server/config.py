@@ -16,6 +16,7 @@ from typing import Any
 
 from gemps_proto.ranges import INT32_MAX, INT64_MAX, RANGE, UINT32_MAX, Range, out_of_range
 from gemps_proto.schema import TrainingConfig
+from gemps_server import partition_addresses
 from gemps_server.domain.rules import rule_names
 from gemps_server.domain.rules.gem import GEM_KERNELS
 from gemps_server.logs import LOG_FORMATS
@@ -95,7 +96,8 @@ class ServerConfig:
         metadata={
             "help": "how workers reach each partition, announced by partition 0: comma-separated targets "
             "in partition order, or one with {index} (e.g. gemps-server-{index}.gemps-server:50051); "
-            "':PORT' means the host workers reached partition 0 at"
+            "':PORT' means the host workers reached partition 0 at; @PATH: a file holding either, read "
+            "again when it changes (a launcher rewrites it when a partition moves to another machine)"
         },
     )
     gem_kernel: str = field(
@@ -384,10 +386,10 @@ class ServerConfig:
     def _partition_problems(self) -> list[str]:
         if self.partition_index >= self.partitions:
             return [f"partition_index {self.partition_index} outside -1..{self.partitions - 1}"]
-        if self.partition_addresses and "{index}" not in self.partition_addresses:
-            listed = len(self.partition_addresses.split(","))
-            if listed != self.partitions:
-                return [f"partition_addresses lists {listed} addresses for {self.partitions} partitions"]
+        if self.partition_addresses and (
+            found := partition_addresses.problems(self.partition_addresses, self.partitions)
+        ):
+            return found
         if self.partitions > 1 and self.partition_index == 0 and not self.partition_addresses:
             return ["partition 0 of several announces the layout: give partition_addresses"]
         if self.partitions > 1 and self.partition_index == -1:  # partition i listens on these ports + i
@@ -404,12 +406,8 @@ class ServerConfig:
         return max(self.partition_index, 0)
 
     def partition_address_list(self) -> tuple[str, ...]:
-        """How workers reach each partition (empty when unknown: only partition 0 must know)."""
-        if not self.partition_addresses:
-            return ()
-        if "{index}" in self.partition_addresses:
-            return tuple(self.partition_addresses.replace("{index}", str(i)) for i in range(self.partitions))
-        return tuple(address.strip() for address in self.partition_addresses.split(","))
+        """How workers reach each partition now (empty when unknown: only partition 0 must know)."""
+        return partition_addresses.PartitionAddresses(self.partition_addresses, self.partitions).current()
 
     @property
     def data_plane_on(self) -> bool:

@@ -46,6 +46,7 @@ from gemps_server.domain.validation import check_evaluation, check_reply_dtype, 
 from gemps_server.domain.workers import WorkerRecord
 from gemps_server.logs import Throttle, event
 from gemps_server.metrics import ServerMetrics
+from gemps_server.partition_addresses import PartitionAddresses
 from gemps_server.security import RateLimiter, Tickets
 
 log = logging.getLogger("gemps.server")
@@ -85,6 +86,7 @@ class ParameterService:
         self._rejected_lock = threading.Lock()  # refusals are counted from several threads
         self._registrations = RateLimiter(config.max_registrations_per_minute)
         self._started = time.monotonic()
+        self._addresses = PartitionAddresses(config.partition_addresses, config.partitions)
         self.commits_rejected = 0
         self.last_evaluation: Evaluation | None = None
         # A misbehaving client can send thousands of bad requests a second: log at most one line
@@ -352,12 +354,13 @@ class ParameterService:
     def layout(self) -> Layout | None:
         """How θ is partitioned, as this partition announces it (None: this server holds all of θ).
         Ranges are all empty until θ is initialised; addresses are "" where this process was
-        not told them (only partition 0 must know: workers learn the layout from it)."""
+        not told them (only partition 0 must know: workers learn the layout from it), as they are
+        now: a partition moved by its launcher is announced where it went."""
         config = self.config
         if config.partitions == 1:
             return None
         total = sum(entry.size for entry in self._state.spec)
-        addresses = config.partition_address_list() or ("",) * config.partitions
+        addresses = self._addresses.current() or ("",) * config.partitions
         bounds = partition_bounds(total, config.partitions)
         partitions = tuple(Partition(a, start, stop) for a, (start, stop) in zip(addresses, bounds, strict=True))
         return Layout(config.partition, partitions, total)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from gemps_proto.schema import ParameterSpec, partition_bounds
 from gemps_server.checkpoint_files import Checkpoint, CheckpointError, assemble_partitions, load, save
 from gemps_server.config import ServerConfig
 from gemps_server.domain.records import PartitionOf, StateImage
+from gemps_server.partition_addresses import PartitionAddresses
 
 
 @pytest.mark.parametrize("size,count", [(10, 3), (10_007, 2), (10_007, 3), (5, 5), (8, 1), (1_000_000, 4)])
@@ -115,3 +117,26 @@ def test_crafted_partition_metadata_is_refused(tmp_path: Path, partition: str, e
     safetensors.numpy.save_file(tensors, str(path), metadata=metadata)
     with pytest.raises(CheckpointError, match=error):
         load(path)
+
+
+def test_partition_addresses_from_a_file_are_read_again_when_it_changes(tmp_path: Path) -> None:
+    """A launcher that restarts a partition on another machine rewrites the file; partition 0
+    announces the new address from then on (issue 34, item 2)."""
+    path = tmp_path / "addresses"
+    path.write_text("10.0.0.1:50051,10.0.0.2:50051\n")
+    config = ServerConfig(partitions=2, partition_index=0, partition_addresses=f"@{path}")
+    addresses = PartitionAddresses(config.partition_addresses, config.partitions)
+    assert addresses.current() == ("10.0.0.1:50051", "10.0.0.2:50051")
+
+    def rewrite(text: str, step: int) -> None:  # a new mtime even on a coarse clock
+        path.write_text(text)
+        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + step * 1_000_000_000))
+
+    rewrite("10.0.0.1:50051,10.0.0.3:50051\n", 1)
+    assert addresses.current() == ("10.0.0.1:50051", "10.0.0.3:50051")
+    rewrite("10.0.0.9:50051\n", 2)  # one address for two partitions: the last good list stays
+    assert addresses.current() == ("10.0.0.1:50051", "10.0.0.3:50051")
+    with pytest.raises(ValueError, match="lists 1 addresses for 2"):
+        ServerConfig(partitions=2, partition_index=0, partition_addresses=f"@{path}")
+    with pytest.raises(ValueError, match="No such file"):
+        ServerConfig(partitions=2, partition_index=0, partition_addresses=f"@{tmp_path / 'missing'}")
