@@ -31,6 +31,7 @@ from gemps.records import (
     ServerStatus,
     Shard,
     TrainingConfig,
+    WorkerStatus,
 )
 from gemps.retry import RetryPolicy
 from gemps_proto.reasons import Reason
@@ -61,4 +62,5 @@ __all__ = [
     "TrainingConfig",
     "UnauthenticatedError",
     "WorkerNotFoundError",
+    "WorkerStatus",
 ]
