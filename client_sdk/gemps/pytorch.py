@@ -293,7 +293,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def learning_rate(self) -> float:
         """η at the version the model holds, from the server's schedule: what a gradient committed
         now is scaled by, unless other workers' commits are applied first."""
-        return learning_rate_at(self._config, self.version)
+        return learning_rate_at(self._config(), self.version)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """torch's load_state_dict sets new groups through here: they refuse `lr` too."""
@@ -303,11 +303,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def _guard_groups(self) -> None:
         self.param_groups = [ServerOwnedGroup(group, self._config) for group in self.param_groups]
 
-    @property
     def _config(self) -> TrainingConfig:
-        registration = self.remote.client.registration
-        assert registration is not None  # registered in __init__; re-registering keeps one
-        return registration.config
+        """The server's training config: as it last registered this worker (a restarted server may
+        run another), else as it first did (after close())."""
+        return (self.remote.client.registration or self.remote.registration).config
 
     def step(self, closure: Callable[[], float] | None = None, **commit: Any) -> float | None:  # type: ignore[override]
         """Commit the current gradients (after `closure()` if given, which recomputes the loss);

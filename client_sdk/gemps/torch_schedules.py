@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,18 +46,18 @@ class ServerOwnedGroup(dict[str, Any]):
     """RemoteOptimizer's parameter group: `lr` and `initial_lr` are refused, read or written, with
     ServerOwnsLearningRateError instead of torch's KeyError (or a value the server would ignore)."""
 
-    def __init__(self, group: dict[str, Any], config: TrainingConfig) -> None:
+    def __init__(self, group: dict[str, Any], config: Callable[[], TrainingConfig]) -> None:
         super().__init__(group)
-        self.config = config  # the server's schedule, named in the error
+        self.config = config  # the server's, whose schedule the error names
 
     def __missing__(self, key: str) -> Any:
         if key in LR_KEYS:
-            raise ServerOwnsLearningRateError(refusal(_scheduler_being_built(), self.config))
+            raise ServerOwnsLearningRateError(refusal(_scheduler_being_built(), self.config()))
         raise KeyError(key)
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key in LR_KEYS:
-            raise ServerOwnsLearningRateError(refusal(_scheduler_being_built(), self.config))
+            raise ServerOwnsLearningRateError(refusal(_scheduler_being_built(), self.config()))
         super().__setitem__(key, value)
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickled (torch.save of a state dict) as a plain dict
