@@ -43,7 +43,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"version         {status.version}")
     lease = f" (each evicted after {status.lease_ttl_seconds:g}s unseen)" if status.lease_ttl_seconds else ""
     print(f"active workers  {status.active_workers}{lease}")
-    print_workers(status.workers)
     parameters = status.layout.num_parameters if status.layout is not None else status.num_parameters
     print(f"parameters      {parameters} in {len(status.spec)} tensors")
     if status.buffer_spec:
@@ -67,12 +66,16 @@ def run(args: argparse.Namespace) -> int:
                 f"workers {part.active_workers}  commits {part.commits_applied} applied, "
                 f"{part.commits_rejected} rejected"
             )
+    print_workers(status.workers, partitioned=status.layout is not None)
     return 0
 
 
-def print_workers(workers: tuple[WorkerStatus, ...]) -> None:
+def print_workers(workers: tuple[WorkerStatus, ...], *, partitioned: bool = False) -> None:
     """One line per registered worker, the longest unseen first: a worker that ended without
     leaving stays registered until its lease expires, and shows here as not seen for a while."""
+    if not workers:
+        return
+    print("workers         the longest unseen first" + (" (partition 0's)" if partitioned else ""))
     quietest = sorted(workers, key=lambda worker: -worker.seconds_since_seen)
     for worker in quietest[:MAX_WORKERS_LISTED]:
         print(

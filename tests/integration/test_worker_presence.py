@@ -102,6 +102,7 @@ def test_gemps_status_says_when_each_worker_was_last_seen(
         shown = capsys.readouterr().out
         statuses = busy.status()
     assert "active workers  2 (each evicted after 60s unseen)\n" in shown
+    assert "\nworkers         the longest unseen first\n" in shown
     rows = re.findall(
         r"^  shard (\d)    (\w+) +last seen [\d.]+s ago, last commit [\d.]+s ago, (\d) commits$", shown, re.M
     )
