@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from gemps.errors import GempsError
+from gemps.records import WorkerStatus
 from gemps.retry import NO_RETRY
 from gemps_cli.connection import add_connection_flags, connect
 
@@ -15,6 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
     add_connection_flags(parser)
     parser.set_defaults(run=run)
+
+
+# Workers listed at most: the quietest first, which are the ones a reader looks for.
+MAX_WORKERS_LISTED = 20
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"server          {args.server}")
     print(f"initialized     {status.initialized}")
     print(f"version         {status.version}")
-    print(f"active workers  {status.active_workers}")
+    lease = f" (each evicted after {status.lease_ttl_seconds:g}s unseen)" if status.lease_ttl_seconds else ""
+    print(f"active workers  {status.active_workers}{lease}")
     parameters = status.layout.num_parameters if status.layout is not None else status.num_parameters
     print(f"parameters      {parameters} in {len(status.spec)} tensors")
     if status.buffer_spec:
@@ -60,4 +66,26 @@ def run(args: argparse.Namespace) -> int:
                 f"workers {part.active_workers}  commits {part.commits_applied} applied, "
                 f"{part.commits_rejected} rejected"
             )
+    print_workers(status.workers, partitioned=status.layout is not None)
     return 0
+
+
+def print_workers(workers: tuple[WorkerStatus, ...], *, partitioned: bool = False) -> None:
+    """One line per registered worker, the longest unseen first: a worker that ended without
+    leaving stays registered until its lease expires, and shows here as not seen for a while."""
+    if not workers:
+        return
+    print("workers         the longest unseen first" + (" (partition 0's)" if partitioned else ""))
+    quietest = sorted(workers, key=lambda worker: -worker.seconds_since_seen)
+    for worker in quietest[:MAX_WORKERS_LISTED]:
+        print(
+            f"  shard {worker.shard:<4} {worker.name or '(no name)':<16} last seen {_age(worker.seconds_since_seen)} "
+            f"ago, last commit {_age(worker.seconds_since_commit)} ago, {worker.commits} commits"
+        )
+    if len(quietest) > MAX_WORKERS_LISTED:
+        rest = quietest[MAX_WORKERS_LISTED:]
+        print(f"  and {len(rest)} more, each seen within {_age(rest[0].seconds_since_seen)}")
+
+
+def _age(seconds: float) -> str:
+    return f"{seconds:.1f}s" if seconds < 10 else f"{seconds:.0f}s"

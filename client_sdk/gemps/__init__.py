@@ -32,6 +32,7 @@ from gemps.records import (
     ServerStatus,
     Shard,
     TrainingConfig,
+    WorkerStatus,
 )
 from gemps.retry import RetryPolicy
 from gemps_proto.reasons import Reason
@@ -63,4 +64,5 @@ __all__ = [
     "TrainingConfig",
     "UnauthenticatedError",
     "WorkerNotFoundError",
+    "WorkerStatus",
 ]

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from gemps import errors
+from gemps import at_exit, errors
 from gemps.connection import Connection, Pem
 from gemps.data_plane_transport import PLANES, DataPlaneTransport
 from gemps.grpc_transport import STREAMING_CHOICES, GrpcTransport
@@ -39,7 +39,7 @@ from gemps.records import (
     ServerStatus,
 )
 from gemps.resolver import Target, as_resolver
-from gemps.retry import Retrier, RetryPolicy
+from gemps.retry import NO_RETRY, Retrier, RetryPolicy
 from gemps.router import PartitionRouter
 from gemps.transport import Transport
 from gemps_proto.codec import WIRE_DTYPE_NAMES, all_finite
@@ -169,6 +169,7 @@ class Client:
         buffer_spec = buffer_spec_of(named_buffers)
         self._router.register(spec_of(named), flatten(named), buffer_spec, Buffers.of(named_buffers, buffer_spec))
         assert self.registration is not None
+        at_exit.arm(self)  # leave at exit if the program does not (gemps.at_exit)
         return self.registration
 
     def pull(self) -> CentralVariable:
@@ -220,6 +221,16 @@ class Client:
     def leave(self) -> None:
         """Leave cleanly; the server frees this worker's state and shard (each partition's)."""
         self._router.leave()
+        at_exit.disarm(self)
+
+    def leave_at_exit(self) -> None:
+        """Leave, one attempt per server: the interpreter is exiting and the program did not leave
+        (gemps.at_exit bounds the wait)."""
+        self._retrier.policy = NO_RETRY
+        try:
+            self._router.leave()
+        except errors.GempsError as error:
+            log.info("leaving at exit failed (the server evicts this worker when its lease expires): %s", error)
 
     def report_evaluation(
         self, version: int, loss: float, accuracy: float, num_samples: int, dataset: str = ""
@@ -237,6 +248,8 @@ class Client:
         return self._router.statuses()
 
     def close(self) -> None:
+        """Close the connections (without leaving: `with Client(...)` or `leave()` does)."""
+        at_exit.disarm(self)
         self._router.close()
 
     def __enter__(self) -> Client:

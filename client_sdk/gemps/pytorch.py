@@ -41,7 +41,18 @@ import torch
 
 from gemps.client import Client
 from gemps.errors import PartiallyAppliedError
-from gemps.records import Buffers, CentralVariable, CommitResult, Registration
+from gemps.records import Buffers, CentralVariable, CommitResult, Registration, TrainingConfig
+from gemps.torch_schedules import ServerOwnedGroup, ServerOwnsLearningRateError
+from gemps_proto.schedules import learning_rate_at
+
+__all__ = [
+    "RemoteModel",
+    "RemoteOptimizer",
+    "ServerOwnsLearningRateError",
+    "load_central",
+    "persistent_buffers",
+    "trained_parameters",
+]
 
 
 def trained_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -253,9 +264,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
     the gradients and loads the central variable and buffers the server returns.
 
     The server owns the learning rate (and its schedule) and the update rule, so the optimizer
-    has no hyperparameters of its own: constructing it with `lr=` or with parameter groups, or
-    changing a group's `lr` later, is refused rather than silently ignored. A learning-rate
-    scheduler cannot drive it either: use the server's `--lr-schedule`.
+    has no hyperparameters of its own: constructing it with `lr=` or with parameter groups is
+    refused rather than silently ignored, and so is reading or setting a group's `lr`, which is
+    what every torch LR scheduler does first: constructing one raises ServerOwnsLearningRateError
+    at that line, naming the `gemps server` flags that give its schedule (gemps.torch_schedules).
+    `learning_rate` is the server's η at the version the model holds.
     """
 
     def __init__(self, model: torch.nn.Module, client: Client | str, *, name: str = "", **client_options: Any) -> None:
@@ -268,12 +281,32 @@ class RemoteOptimizer(torch.optim.Optimizer):
             raise TypeError("the gemps server owns the learning rate: set it there (--learning-rate, --lr-schedule)")
         self.remote = RemoteModel(model, client, name=name, **client_options)
         super().__init__(self.remote.trained, defaults={})
+        self._guard_groups()
         self.last_result: CommitResult | None = None
 
     @property
     def version(self) -> int:
         """Version of the central variable the model now holds."""
         return self.remote.version
+
+    @property
+    def learning_rate(self) -> float:
+        """η at the version the model holds, from the server's schedule: what a gradient committed
+        now is scaled by, unless other workers' commits are applied first."""
+        return learning_rate_at(self._config(), self.version)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """torch's load_state_dict sets new groups through here: they refuse `lr` too."""
+        super().__setstate__(state)
+        self._guard_groups()
+
+    def _guard_groups(self) -> None:
+        self.param_groups = [ServerOwnedGroup(group, self._config) for group in self.param_groups]
+
+    def _config(self) -> TrainingConfig:
+        """The server's training config: as it last registered this worker (a restarted server may
+        run another), else as it first did (after close())."""
+        return (self.remote.client.registration or self.remote.registration).config
 
     def step(self, closure: Callable[[], float] | None = None, **commit: Any) -> float | None:  # type: ignore[override]
         """Commit the current gradients (after `closure()` if given, which recomputes the loss);

@@ -20,6 +20,7 @@ from gemps_proto.schema import (
     ServerStatus,
     Shard,
     TrainingConfig,
+    WorkerStatus,
     unflatten,
 )
 
@@ -79,4 +80,5 @@ __all__ = [
     "ServerStatus",
     "Shard",
     "TrainingConfig",
+    "WorkerStatus",
 ]

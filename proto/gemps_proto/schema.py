@@ -325,6 +325,18 @@ class Evaluation:
 
 
 @dataclass(frozen=True)
+class WorkerStatus:
+    """One registered worker as Status lists it (gemps.v1.WorkerStatus): ages, not clock times,
+    so that they need no clock shared with the server."""
+
+    name: str
+    shard: int  # its data shard's index: distinct among registered workers
+    commits: int  # applied, since it registered
+    seconds_since_seen: float  # since its last commit or pull: evicted when past the lease
+    seconds_since_commit: float  # since its last commit (or its registration)
+
+
+@dataclass(frozen=True)
 class ServerStatus:
     """The server's state for humans and tools (gemps.v1.StatusResponse)."""
 
@@ -341,3 +353,5 @@ class ServerStatus:
     learning_rate: float = 0.0  # eta at `version`, from the schedule
     buffer_spec: tuple[ParameterSpec, ...] = ()  # the model's buffers (not trained), in wire order
     layout: Layout | None = None  # set when θ is partitioned: the figures above are this partition's
+    workers: tuple[WorkerStatus, ...] = ()  # the registered workers, by shard
+    lease_ttl_seconds: float = 0.0  # a worker unseen this long is evicted (0: not said)

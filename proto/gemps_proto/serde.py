@@ -26,6 +26,7 @@ from gemps_proto.schema import (
     ServerStatus,
     Shard,
     TrainingConfig,
+    WorkerStatus,
 )
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
@@ -172,6 +173,8 @@ def status_to_proto(status: ServerStatus) -> pb.StatusResponse:
         learning_rate=status.learning_rate,
         buffer_spec=spec_to_proto(status.buffer_spec),
         layout=layout_to_proto(status.layout),
+        workers=[pb.WorkerStatus(**dataclasses.asdict(worker)) for worker in status.workers],
+        lease_ttl_seconds=status.lease_ttl_seconds,
     )
 
 
@@ -192,4 +195,9 @@ def status_from_proto(message: pb.StatusResponse) -> ServerStatus:
         learning_rate=message.learning_rate,
         buffer_spec=spec_from_proto(message.buffer_spec),
         layout=layout_from_proto(message),
+        workers=tuple(
+            WorkerStatus(**{f.name: getattr(worker, f.name) for f in dataclasses.fields(WorkerStatus)})
+            for worker in message.workers
+        ),
+        lease_ttl_seconds=message.lease_ttl_seconds,
     )

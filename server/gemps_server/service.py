@@ -349,6 +349,8 @@ class ParameterService:
             last_evaluation=self.last_evaluation,
             learning_rate=state.learning_rate,
             layout=self.layout(),
+            workers=state.registry.listing(),
+            lease_ttl_seconds=state.registry.lease_ttl,
         )
 
     def layout(self) -> Layout | None:

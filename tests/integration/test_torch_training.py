@@ -204,7 +204,9 @@ def test_the_optimizer_refuses_what_it_cannot_honour(server: InProcessServer) ->
     with pytest.raises(TypeError, match="owns the learning rate"):
         gemps.pytorch.RemoteOptimizer(model, server.target, lr=0.1)
     with gemps.pytorch.RemoteOptimizer(model, server.target) as optimizer:
-        optimizer.param_groups[0]["lr"] = 0.01  # what a torch LR scheduler would do
+        with pytest.raises(gemps.pytorch.ServerOwnsLearningRateError):  # at the line (test_torch_schedulers.py)
+            optimizer.param_groups[0]["lr"] = 0.01
+        optimizer.param_groups[0]["momentum"] = 0.9
         model(torch.ones(1, 4)).sum().backward()
         with pytest.raises(ValueError, match="the server owns them"):
             optimizer.step()

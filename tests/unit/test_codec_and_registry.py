@@ -6,6 +6,7 @@ import pytest
 from gemps.retry import RetryPolicy
 from gemps_proto import codec
 from gemps_proto.codec import TensorDecodeError, all_finite
+from gemps_proto.schema import WorkerStatus
 from gemps_proto.serde import tensor_from_proto, tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.errors import NotFound, ResourceExhausted
@@ -60,6 +61,25 @@ def test_registry_expires_silent_workers() -> None:
     registry.remove(quiet.worker_id)
     with pytest.raises(NotFound, match="register again"):
         registry.get(quiet.worker_id)
+
+
+def test_the_registry_lists_each_worker_with_how_long_ago_it_was_seen() -> None:
+    """Issue 37, item 4: Status lists the workers by shard, each with the age of its last request
+    (its lease) and of its last commit, so that one that ended without leaving shows."""
+    now = [100.0]
+    registry = WorkerRegistry(max_workers=4, lease_ttl=60, clock=lambda: now[0])
+    gone, busy = registry.add("gone"), registry.add("")
+    busy.commits = 3
+    now[0] = 130.0
+    registry.touch(busy.worker_id, committed=True)
+    now[0] = 142.5
+    registry.touch(busy.worker_id)  # a pull: seen, not committed
+    assert registry.listing() == (
+        WorkerStatus("gone", 0, 0, seconds_since_seen=42.5, seconds_since_commit=42.5),
+        WorkerStatus("", 1, 3, seconds_since_seen=0.0, seconds_since_commit=12.5),
+    )
+    registry.remove(gone.worker_id)
+    assert [worker.shard for worker in registry.listing()] == [1]
 
 
 def test_retry_backoff_grows_and_is_capped() -> None:

@@ -85,6 +85,8 @@ def test_training_config_and_status_survive_the_wire() -> None:
         last_evaluation=schema.Evaluation(6, 0.25, 0.875, 100, "digits"),
         learning_rate=0.025,
         buffer_spec=(schema.ParameterSpec("bn.running_mean", (5,)),),
+        workers=(schema.WorkerStatus("a", 0, 7, 1.5, 2.5), schema.WorkerStatus("", 1, 0, 40.0, 40.0)),
+        lease_ttl_seconds=60.0,
     )
     assert shared.status_from_proto(shared.status_to_proto(status)) == status
     assert shared.status_from_proto(shared.status_to_proto(dataclasses.replace(status, last_evaluation=None))) == (

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gemps_proto.reasons import Reason
+from gemps_proto.schema import WorkerStatus
 from gemps_server.domain.errors import NotFound, ResourceExhausted
 
 
@@ -98,6 +99,16 @@ class WorkerRegistry:
             return None
         idle = min(self._workers.values(), key=lambda record: record.last_commit)
         return idle if self._clock() - idle.last_commit > self.lease_ttl else None
+
+    def listing(self) -> tuple[WorkerStatus, ...]:
+        """The registered workers by shard, with how long ago each was last seen and last committed.
+        Status reads it on the event loop while the applier's thread may add or remove a worker:
+        the dict is copied in one step (under the GIL) before it is walked."""
+        now = self._clock()
+        return tuple(
+            WorkerStatus(w.name, w.slot, w.commits, now - w.last_seen, now - w.last_commit)
+            for w in sorted(self._workers.copy().values(), key=lambda w: w.slot)
+        )
 
     def remove(self, worker_id: str) -> WorkerRecord | None:
         record = self._workers.pop(worker_id, None)

@@ -1,0 +1,154 @@
+"""Issue 37, item 3: a torch LR scheduler on RemoteOptimizer, against a real server.
+
+PyTorch's examples/mnist/main.py, ported as a new user would (the import, the optimizer line and
+the data loader changed), raised `KeyError: 'lr'` from inside torch at its unchanged line
+`scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)`. The server owns the schedule:
+constructing any torch scheduler now raises a gemps error at that line, naming the `gemps server`
+flags that give the same schedule where gemps can express it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim import lr_scheduler
+
+import gemps
+import gemps.pytorch
+from gemps.pytorch import RemoteOptimizer
+from gemps_worker.datasets import load_digits
+from tests.helpers import InProcessServer
+from tests.integration.conftest import StartServer
+
+MakeScheduler = Callable[[torch.optim.Optimizer], object]
+
+
+class Net(nn.Module):
+    """The MNIST example's network, scaled to 8x8 digits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 8, 3, 1)
+        self.dropout = nn.Dropout(0.25)
+        self.fc1 = nn.Linear(8 * 3 * 3, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = self.fc1(torch.flatten(self.dropout(x), 1))
+        return F.log_softmax(x, dim=1)
+
+
+def test_the_mnist_examples_step_lr_line_reads_a_gemps_error_and_the_rest_trains(
+    server: InProcessServer, tmp_path: Path
+) -> None:
+    torch.manual_seed(1)
+    data = load_digits()
+    inputs = torch.from_numpy(data.train_x).reshape(-1, 1, 8, 8)
+    targets = torch.from_numpy(data.train_y)
+    model = Net()
+    optimizer = RemoteOptimizer(model, server.target)  # was: optim.Adadelta(model.parameters(), lr=args.lr)
+    with pytest.raises(gemps.GempsError) as refused:  # d2dfbb8: KeyError: 'lr' from inside torch
+        lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    error = refused.value
+    assert isinstance(error, gemps.pytorch.ServerOwnsLearningRateError) and isinstance(error, TypeError)
+    assert "the gemps server owns the learning rate and its schedule: a torch StepLR cannot drive" in str(error)
+    assert "gemps server --learning-rate LR --lr-schedule step --lr-step-size <K> --lr-gamma 0.7" in str(error)
+    assert "This server runs: --learning-rate 0.05 --lr-schedule constant." in str(error)
+    here = [entry for entry in refused.traceback if entry.path == Path(__file__)]
+    assert "lr_scheduler.StepLR(optimizer" in str(here[-1].statement)  # the user's line, then torch's
+    # The rest of the example: train() and the saved model, with nothing left over by the refusal.
+    model.train()
+    for batch in torch.arange(len(targets)).split(64):
+        optimizer.zero_grad()
+        loss = F.nll_loss(model(inputs[batch]), targets[batch])
+        loss.backward()
+        optimizer.step()
+    assert optimizer.version == len(targets.split(64))
+    assert optimizer.state_dict()["param_groups"] == [{"params": [0, 1, 2, 3]}]
+    torch.save(model.state_dict(), tmp_path / "mnist_cnn.pt")
+    optimizer.close()
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        pytest.param(
+            lambda o: lr_scheduler.StepLR(o, step_size=30, gamma=0.1),
+            "--lr-schedule step --lr-step-size <30*K> --lr-gamma 0.1\n",
+            id="StepLR",
+        ),
+        pytest.param(
+            lambda o: lr_scheduler.ExponentialLR(o, gamma=0.95),
+            "--lr-schedule step --lr-step-size <K> --lr-gamma 0.95\n",
+            id="ExponentialLR",
+        ),
+        pytest.param(
+            lambda o: lr_scheduler.MultiStepLR(o, milestones=[30, 60, 90], gamma=0.1),
+            "--lr-schedule step --lr-step-size <30*K> --lr-gamma 0.1\n",
+            id="MultiStepLR-every-30",
+        ),
+        pytest.param(
+            lambda o: lr_scheduler.CosineAnnealingLR(o, T_max=50, eta_min=0.001),
+            "--lr-schedule cosine --lr-total-commits <50*K> --lr-min 0.001\n",
+            id="CosineAnnealingLR",
+        ),
+        pytest.param(
+            lambda o: lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=5),
+            "--lr-warmup-commits <5*K>\n",
+            id="LinearLR-warm-up",
+        ),
+        pytest.param(
+            lambda o: lr_scheduler.MultiStepLR(o, milestones=[30, 80]),
+            "gemps has no schedule like MultiStepLR's (milestones [30, 80]",
+            id="MultiStepLR-uneven",
+        ),
+        pytest.param(
+            lambda o: lr_scheduler.LinearLR(o, start_factor=1.0, end_factor=0.1),
+            "gemps has no schedule like LinearLR's (a linear decay to 0.1·lr)",
+            id="LinearLR-decay",
+        ),
+        pytest.param(lambda o: lr_scheduler.ReduceLROnPlateau(o), "no schedule like ReduceLROnPlateau's", id="plateau"),
+        pytest.param(
+            lambda o: lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=100),
+            "no schedule like OneCycleLR's",
+            id="1cycle",
+        ),
+    ],
+)
+def test_each_torch_scheduler_is_refused_with_the_server_flags_of_its_schedule(
+    server: InProcessServer, make: MakeScheduler, said: str
+) -> None:
+    with RemoteOptimizer(nn.Linear(4, 2), server.target) as optimizer:
+        with pytest.raises(gemps.pytorch.ServerOwnsLearningRateError) as refused:
+            make(optimizer)
+        assert said in str(refused.value)
+        assert optimizer.param_groups[0].keys() == {"params"}  # nothing left in the group
+
+
+def test_a_groups_lr_is_refused_where_it_is_read_or_set_and_eta_comes_from_the_server(
+    start_server: StartServer,
+) -> None:
+    """Also without a scheduler: code setting or reading `lr` (a hand-made decay, a log line) hears
+    that the server owns it, and which schedule it runs; `learning_rate` is η from that schedule."""
+    server = start_server(learning_rate=0.1, lr_schedule="step", lr_step_size=2, lr_gamma=0.5)
+    model = nn.Linear(4, 2)
+    with RemoteOptimizer(model, server.target) as optimizer:
+        runs = "This server runs: --learning-rate 0.1 --lr-schedule step --lr-step-size 2 --lr-gamma 0.5."
+        with pytest.raises(gemps.pytorch.ServerOwnsLearningRateError, match=runs):
+            optimizer.param_groups[0]["lr"] = 0.01
+        with pytest.raises(gemps.pytorch.ServerOwnsLearningRateError, match=r"optimizer\.learning_rate is"):
+            print(optimizer.param_groups[0]["lr"])
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(torch.ones(1, 4)).sum().backward()
+            optimizer.step()
+        assert optimizer.learning_rate == optimizer.remote.client.status().learning_rate == 0.1 * 0.5
+        # A state dict round trip (torch replaces the groups) keeps them refusing.
+        optimizer.load_state_dict(optimizer.state_dict())
+        with pytest.raises(gemps.pytorch.ServerOwnsLearningRateError):
+            lr_scheduler.StepLR(optimizer, step_size=1)
