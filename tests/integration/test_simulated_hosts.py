@@ -269,6 +269,7 @@ def test_training_survives_its_partition_host_and_reaches_the_demos_bar(
     run.place([hosts[0], spare])
     for worker in workers:
         assert worker.wait(240) == 0, run.logs()
+    assert "worker joined" in (tmp_path / "p1-spare.log").read_text()  # they followed it there
     evaluate = [sys.executable, "-m", "tests.held_out_accuracy", "--target", run.target]
     measured = subprocess.run(run.workers_host.command(evaluate), capture_output=True, text=True, timeout=120)
     assert measured.returncode == 0, measured.stderr
