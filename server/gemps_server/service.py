@@ -100,6 +100,12 @@ class ParameterService:
         """Whether θ holds values (the first worker registered, or a checkpoint was restored)."""
         return self._state.initialized
 
+    def initial_upload_failed(self) -> None:
+        """The first worker's upload of θ's initial values broke off (refused, stalled, its client
+        gone): the next worker to register is asked for its values at once, instead of every other
+        worker being told to wait (`initializing`) for the rest of the grace period."""
+        self._state.release_initializer()
+
     def check_upload(
         self,
         spec: Sequence[ParameterSpec],

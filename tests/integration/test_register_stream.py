@@ -162,6 +162,51 @@ def test_a_stalled_upload_is_cut_off_and_the_next_initialises_theta(start_server
     np.testing.assert_array_equal(np.frombuffer(pulled.parameters.data, np.float32), values)
 
 
+def test_a_worker_asked_for_initial_values_whose_upload_breaks_off_hands_the_task_on(
+    start_server: StartServer,
+) -> None:
+    """The worker asked for θ's initial values starts its upload and is cut off (here it gives up:
+    its call is cancelled, as a deadline behind a cut cable does): the next worker to register is
+    asked for its values at once, not told to wait (`initializing`) for the rest of the 30 s grace,
+    which outlasts the SDK's retries (seen between simulated hosts, issue 34)."""
+    server = start_server(max_message_mb=1)
+    stub = open_stub(server.target)
+    spec = [pb.ParameterSpec(name="theta", shape=[P], dtype=pb.DTYPE_FLOAT32)]
+    with pytest.raises(grpc.RpcError) as asked:
+        stub.Register(pb.RegisterRequest(spec=spec))  # the first: asked for its values
+    assert _refusal(asked.value) == (grpc.StatusCode.FAILED_PRECONDITION, Reason.NOT_INITIALIZED.value)
+    release = threading.Event()
+
+    def breaking_off() -> Iterator[pb.RegisterChunk]:
+        yield _header(P)
+        yield pb.RegisterChunk(data=bytes(2 * P))
+        release.wait(30)
+
+    upload = stub.RegisterStream.future(breaking_off())
+    series = 'gemps_received_bytes_total{method="RegisterStream",plane="grpc"}'
+    try:
+        wait_for(
+            lambda: scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics").get(series, 0) >= 2 * P,
+            20,
+            "the server to read the upload's first piece",
+        )
+        upload.cancel()
+
+        def next_worker() -> tuple[grpc.StatusCode, str] | None:
+            """The next worker's answer once the server has seen the upload end (None before)."""
+            try:
+                stub.Register(pb.RegisterRequest(spec=spec))
+            except grpc.RpcError as refused:
+                answer = _refusal(refused)
+                return None if answer[1] == Reason.INITIALIZING.value else answer
+            return grpc.StatusCode.OK, ""
+
+        answer = wait_for(next_worker, 5.0, "the next worker to be asked for its values (not told to wait)")
+    finally:
+        release.set()
+    assert answer == (grpc.StatusCode.FAILED_PRECONDITION, Reason.NOT_INITIALIZED.value)
+
+
 def test_once_theta_exists_an_upload_is_answered_without_reading_it(start_server: StartServer) -> None:
     server = start_server(max_message_mb=1)
     stub = open_stub(server.target)

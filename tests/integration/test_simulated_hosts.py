@@ -120,8 +120,9 @@ class Run:
         return "\n".join(f"== {path.name}\n{path.read_text()[-3000:]}" for path in sorted(self.folder.glob("*.log")))
 
 
-def start_run(network: SimulatedNetwork, folder: Path) -> Run:
-    hosts = [network.add_host("p0"), network.add_host("p1")]
+def start_run(network: SimulatedNetwork, folder: Path, first_rate: str | None = None) -> Run:
+    """Partitions 0 and 1 on hosts of their own (partition 0's cable shaped to `first_rate`)."""
+    hosts = [network.add_host("p0", first_rate), network.add_host("p1")]
     run = Run(network, folder, hosts, network.add_host("w"), [], [])
     run.place(hosts)
     for index, host in enumerate(hosts):
@@ -188,6 +189,25 @@ def test_a_cable_cut_during_registration_registers_once_and_commits_once(
     applied = check_exactly_once(records, observed)
     assert all(int(r["acknowledged"][0]) > 0 for r in records)
     print(f"cut during registration: applied {applied}")
+
+
+def test_a_cable_cut_during_a_streamed_registration_registers_once(network: SimulatedNetwork, tmp_path: Path) -> None:
+    """The first worker uploads θ (10 MB, in pieces: RegisterStream) to partition 0 over a 100 Mbit/s
+    cable, which is cut for 5 s once 4 MB of it went down: the upload stalls, the server refuses the
+    stalled stream, and a registration is done again when the cable is back."""
+    run = start_run(network, tmp_path, first_rate="100mbit")
+    sent = network.bytes_to(run.partitions[0])
+    run.start_workers(parameters=2_500_000, plane="data")
+    wait_for(lambda: network.bytes_to(run.partitions[0]) - sent > 4_000_000, 60, "the upload under way")
+    network.cut(run.partitions[0])
+    time.sleep(5.0)
+    network.heal(run.partitions[0])
+    run.wait_registered()
+    time.sleep(3.0)
+    records, observed = run.finish()
+    applied = check_exactly_once(records, observed)
+    assert "RegisterStream" in (tmp_path / "p0-p0.log").read_text() or min(applied) > 0
+    print(f"cut during a streamed registration: applied {applied}")
 
 
 def test_a_cable_cut_during_streamed_commits_applies_none_twice(network: SimulatedNetwork, tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ them, and the host's own stack never sees one.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -125,8 +126,8 @@ class SimulatedNetwork:
         _run("ip", "-n", self.switch, "link", "set", "bridge", "up")
         return self
 
-    def add_host(self, name: str) -> Host:
-        """A new host cabled to the switch, its link shaped to this network's rate."""
+    def add_host(self, name: str, rate: str | None = None) -> Host:
+        """A new host cabled to the switch, its link shaped to `rate` (default: the network's)."""
         index = len(self.hosts) + 1
         namespace, port, inside = f"{self.prefix}-{name}", f"{self.prefix}p{index}", f"{self.prefix}h{index}"
         host = Host(name, namespace, f"{SUBNET}.{index}", port)
@@ -140,9 +141,17 @@ class SimulatedNetwork:
             _run("ip", "-n", where, "link", "set", device, "up")
         _run("ip", "-n", self.switch, "link", "set", port, "master", "bridge")
         _run("ip", "-n", self.switch, "link", "set", port, "up")
-        _shape(namespace, "eth0", self.rate)
-        _shape(self.switch, port, self.rate)
+        _shape(namespace, "eth0", rate or self.rate)
+        _shape(self.switch, port, rate or self.rate)
         return host
+
+    def bytes_to(self, host: Host) -> int:
+        """Bytes the switch has sent down `host`'s cable so far (to tell when an upload is under way)."""
+        found = subprocess.run(
+            ["ip", "-n", self.switch, "-s", "-j", "link", "show", "dev", host.switch_port],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return int(json.loads(found.stdout)[0]["stats64"]["tx"]["bytes"])
 
     def cut(self, host: Host) -> None:
         """Pull the host's cable: nothing passes either way until `heal` (connections stay open)."""

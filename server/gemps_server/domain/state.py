@@ -302,6 +302,11 @@ class ServerState:
         if self.rule is not None:
             self.rule.remove_worker(worker_id)
 
+    def release_initializer(self) -> None:
+        """End the grace period of the worker asked for initial values (its upload broke off). A
+        single float store, so safe from the event loop: at worst one more worker waits a retry."""
+        self._initializer_until = 0.0
+
     def _initialize(
         self,
         spec: Sequence[ParameterSpec],

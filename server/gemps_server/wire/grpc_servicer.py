@@ -233,7 +233,11 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
             initial: tuple[EncodedTensor | None, EncodedBuffers | None] = (None, None)
             if not self.service.initialized:
                 check = functools.partial(self.service.check_upload, spec, buffer_spec)
-                initial = await streams.receive_initial_values(header, requests, self._pace, check)
+                try:
+                    initial = await streams.receive_initial_values(header, requests, self._pace, check)
+                except BaseException:  # refused, stalled, or the client gave up (cancelled)
+                    self.service.initial_upload_failed()
+                    raise
             return await self._register(header, spec, initial[0], buffer_spec, initial[1], context)
 
     async def _register(
