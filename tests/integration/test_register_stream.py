@@ -207,6 +207,24 @@ def test_a_worker_asked_for_initial_values_whose_upload_breaks_off_hands_the_tas
     assert answer == (grpc.StatusCode.FAILED_PRECONDITION, Reason.NOT_INITIALIZED.value)
 
 
+def test_the_client_asked_for_initial_values_is_asked_again_the_others_wait(start_server: StartServer) -> None:
+    """A client asked for θ's initial values whose upload never reached the server (lost behind a
+    cut cable) registers again: it is asked again, not told to wait for itself until it gives up."""
+    server = start_server(max_message_mb=1)
+    stub = open_stub(server.target)
+    spec = [pb.ParameterSpec(name="theta", shape=[P], dtype=pb.DTYPE_FLOAT32)]
+
+    def answer(client_id: str) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Register(pb.RegisterRequest(spec=spec, client_id=client_id))
+        return _refusal(refused.value)
+
+    asked = (grpc.StatusCode.FAILED_PRECONDITION, Reason.NOT_INITIALIZED.value)
+    assert answer("client-a") == asked
+    assert answer("client-b") == (grpc.StatusCode.UNAVAILABLE, Reason.INITIALIZING.value)
+    assert answer("client-a") == asked
+
+
 def test_once_theta_exists_an_upload_is_answered_without_reading_it(start_server: StartServer) -> None:
     server = start_server(max_message_mb=1)
     stub = open_stub(server.target)

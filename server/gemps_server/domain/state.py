@@ -73,6 +73,7 @@ class ServerState:
         self.buffer_spec: tuple[ParameterSpec, ...] = ()
         self._buffers = Buffers()  # replaced, never changed in place
         self._initializer_until = 0.0  # monotonic deadline of the worker asked for initial values
+        self._initializer = ""  # its client id ("" when it sent none)
 
     @property
     def initialized(self) -> bool:
@@ -125,7 +126,7 @@ class ServerState:
         validation.check_spec(spec, buffer_spec)
         first = self.rule is None
         if first:
-            self._initialize(spec, initial, buffer_spec, initial_buffers)
+            self._initialize(spec, initial, buffer_spec, initial_buffers, client_id)
         else:
             validation.check_same_spec((self.spec, self.buffer_spec), (spec, buffer_spec))
         assert self.rule is not None
@@ -313,15 +314,19 @@ class ServerState:
         initial: EncodedTensor | None,
         buffer_spec: Sequence[ParameterSpec] = (),
         initial_buffers: EncodedBuffers | None = None,
+        client_id: str = "",
     ) -> None:
         if initial is None:
             now = time.monotonic()
-            if now < self._initializer_until:
+            # The client asked for the values is asked again (its upload may never have reached
+            # us: told to wait for itself, it would give up); the others wait for it.
+            asked_again = bool(client_id) and client_id == self._initializer
+            if now < self._initializer_until and not asked_again:
                 raise Unavailable(
                     "the central variable is being initialised by another worker; retry shortly",
                     Reason.INITIALIZING,
                 )
-            self._initializer_until = now + INITIALIZER_GRACE_SECONDS
+            self._initializer_until, self._initializer = now + INITIALIZER_GRACE_SECONDS, client_id
             raise FailedPrecondition(
                 "central variable not initialised: the first worker to register must send initial_parameters "
                 f"(this one: the others are asked to retry for {INITIALIZER_GRACE_SECONDS:.0f} s)",
