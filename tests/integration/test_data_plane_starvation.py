@@ -89,9 +89,10 @@ def test_slow_uploads_in_progress_do_not_hold_an_honest_workers_commits(start_se
     """Four workers' uploads stop halfway (their bytes still to come, well within the stall timeout
     and the floor's allowance) while they hold both pooled buffers. An honest worker must get 50
     commits through before any of them finishes. Before issue 37 it waited for the pool until the
-    uploads stalled out (30 s each, two rounds). Two of the uploads move to the two slow-lane
-    buffers and complete when their bytes come; the other two find the slow lane full and are
-    refused DEADLINE_EXCEEDED (the SDK would retry them)."""
+    uploads stalled out (60 s each, two rounds). Now the uploads, of workers not yet proven fast,
+    hold one pooled buffer at a time, each for its window: two move to the two slow-lane buffers
+    and complete when their bytes come; the other two find the slow lane full and are refused
+    DEADLINE_EXCEEDED (the SDK would retry them)."""
     server = start_server(rule="downpour", data_plane_buffers=2, slow_upload_buffers=2, stream_idle_timeout=60)
     stub = open_stub(server.target)
     payload = np.zeros(P, np.float32).tobytes()
@@ -109,6 +110,9 @@ def test_slow_uploads_in_progress_do_not_hold_an_honest_workers_commits(start_se
                 honest.more(50, "50 honest commits while four uploads are in progress", timeout=25)
             assert client.planes == ["data"] and transport_of(client).shared == (route == "shared")
             assert server.server.state.version == honest.acked  # none of the uploads applied yet
+        # Each upload's window passes (its pooled buffer was the newcomers' share): two move to the
+        # slow lane, two find it full.
+        wait_for(lambda: refusals(server).get("slow_upload", 0) == 2, 20, "two uploads refused: slow lane full")
         outcomes = []
         for uploader, _reply in uploaders:
             with contextlib.suppress(OSError):  # refused and closed already
