@@ -58,6 +58,7 @@ RETRY_FIRST = 1.0
 RETRY_MAX = 60.0
 RETRY_JITTER = 0.25
 RETRY_CONNECT_TIMEOUT = 2.0
+_now = time.monotonic  # the retries' clock (a seam for tests)
 
 
 class _Reply(Generic[T]):
@@ -221,7 +222,7 @@ class DataPlaneTransport:
                 why,
             )
         jitter = 1 + RETRY_JITTER * (2 * random.random() - 1)
-        self._retry_at = time.monotonic() + self._retry_wait * jitter
+        self._retry_at = _now() + self._retry_wait * jitter
 
     def _try_again(self) -> None:
         """Fallen back, and the wait is over: open the data plane again (the local socket and
@@ -242,7 +243,7 @@ class DataPlaneTransport:
 
     def _ready(self, worker_id: str) -> DataConnection | None:
         """The connection for a call by `worker_id`, opened again if it broke; None: gRPC."""
-        due = self._retry_at is not None and time.monotonic() >= self._retry_at
+        due = self._retry_at is not None and _now() >= self._retry_at
         if due and self._offer is not None and worker_id and worker_id == self._worker_id:
             self._try_again()
         if self.plane != "data" or not worker_id or worker_id != self._worker_id:

@@ -156,14 +156,10 @@ class Lanes:
         self.rate = INITIAL_RATE  # bytes/s of fast-lane payloads, a moving average
         self._proven: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._max_proven = max_proven  # --max-workers: the oldest, likely gone, forgotten first
-        self.moved = 0  # uploads moved to the slow lane, for tests and logs
 
     def window(self, nbytes: int) -> float:
         """Seconds a fast-lane payload of `nbytes` may take."""
         return UPLOAD_SLACK + nbytes / (FAST_FRACTION * self.rate)
-
-    def proven(self, worker_id: str) -> bool:
-        return worker_id in self._proven
 
     def turn_away(self) -> None:
         """The server is stopping: everyone waiting for a buffer of either lane gets None."""
@@ -226,7 +222,6 @@ class Lanes:
         moved = _view(slow, len(view))
         moved[:filled] = view[:filled]
         held.give_back()
-        self.moved += 1
         try:
             yield ReadInto(moved[filled:], read.stall, paced)
         except BaseException:
