@@ -212,7 +212,7 @@ class Lanes:
             held.give_back()
             raise Unread(
                 DeadlineExceeded(
-                    f"payload slower than a quarter of the rate others' arrive at ({self.rate / (1 << 20):.0f} "
+                    f"payload slower than a quarter of the rate at which others arrive ({self.rate / (1 << 20):.0f} "
                     "MiB/s), and every slow-upload buffer is taken (--slow-upload-buffers): retry",
                     Reason.STREAM_IDLE,
                 ),
