@@ -224,7 +224,7 @@ class ServerMetrics:
         self.data_plane_refusals = Counter(
             "gemps_data_plane_refusals",
             "Data-plane connections closed by a guard, by reason (bad frame or hello, ticket, timeouts, "
-            "connection limit, a request refused before its payload was read).",
+            "connection limits, a request refused before its payload was read, a slow upload without room).",
             ["reason"],
             registry=r,
         )
