@@ -12,7 +12,11 @@ offered and reachable, else to the TCP port; a local connection attaches shared 
 first commit (θ's bytes then cross no socket), unless `shared_memory` is off. The connection opens
 after each successful registration, and again when a call needs it after it broke. `mode` is
 the Client's `plane`: "auto" uses gRPC for this server from then on (one warning) when the
-offered port cannot be reached or refuses the connection; "data" raises. A
+offered port cannot be reached or refuses the connection, and tries the data plane again before
+a later call, after a wait that doubles with each failure (from RETRY_FIRST to RETRY_MAX seconds,
+jittered): a transient fault (a full server, a flood of connections, a restart) does not cost a
+worker the data plane for good. The retry happens before the call's request is sent, so each call
+goes whole on one plane, with the request id every attempt reuses. "data" raises. A
 broken connection mid-call is ServerUnavailableError: the session retries with the same request
 id (the server's ledger makes the commit exactly-once). A HELLO refused as an unknown worker is
 WorkerNotFoundError: the session registers again and gets a new ticket.
@@ -21,7 +25,9 @@ WorkerNotFoundError: the session registers again and gets a new ticket.
 from __future__ import annotations
 
 import logging
+import random
 import ssl
+import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -44,6 +50,15 @@ T = TypeVar("T")
 #: the Client's `plane` choices: data plane when offered and reachable, else gRPC; only the data
 #: plane (raise when it cannot be used); only gRPC
 PLANES = ("auto", "data", "grpc")
+# A transport that fell back to gRPC tries the data plane again after RETRY_FIRST seconds, then
+# after twice as long each time that fails, at most RETRY_MAX, each wait ±RETRY_JITTER of itself
+# (so workers that fell back together do not all come back at once); an attempt waits at most
+# RETRY_CONNECT_TIMEOUT for the connection and its HELLO.
+RETRY_FIRST = 1.0
+RETRY_MAX = 60.0
+RETRY_JITTER = 0.25
+RETRY_CONNECT_TIMEOUT = 2.0
+_now = time.monotonic  # the retries' clock (a seam for tests)
 
 
 class _Reply(Generic[T]):
@@ -78,15 +93,22 @@ class DataPlaneTransport:
         self.grpc = grpc
         self.mode = mode
         # Same host: the local socket, and shared memory on it (both when offered and possible).
-        self._local = shared_memory and SHARED_MEMORY
-        self._attach_memory = self._local
+        self._wants_local = shared_memory and SHARED_MEMORY
+        self._local = self._attach_memory = self._wants_local
         self.host = target_host(grpc.target)
         self._server_name = connection.server_name
         self._tls: ssl.SSLContext | None = connection.ssl_context() if connection.tls else None
         self._offer: DataPlane | None = None  # the newest registration's port and ticket
         self._worker_id = ""  # whose registration the offer is
         self._connection: DataConnection | None = None
-        self.fell_back = False  # auto: the data plane could not be used; gRPC from then on
+        self._retry_at: float | None = None  # fell back (auto): when to try the data plane again
+        self._retry_wait = RETRY_FIRST
+        self.returns = 0  # times the data plane was used again after a fallback
+
+    @property
+    def fell_back(self) -> bool:
+        """auto: the data plane could not be used; gRPC until a later attempt succeeds."""
+        return self._retry_at is not None
 
     @property
     def target(self) -> str:
@@ -137,16 +159,18 @@ class DataPlaneTransport:
                 self._unusable(f"{self.host}:{self._offer.port}", error.message, error)
             # else: opened again by the next call, which raises what that one meets
 
-    def _open(self, offer: DataPlane) -> DataConnection:
-        """The local socket when offered and reachable (this host), else the TCP port; HELLO sent."""
+    def _open(self, offer: DataPlane, timeout: float | None = None) -> DataConnection:
+        """The local socket when offered and reachable (this host), else the TCP port; HELLO sent,
+        each within `timeout` (the calls' own timeout by default)."""
+        timeout = self.grpc.timeout if timeout is None else timeout
         if self._local and offer.local_socket:
             try:
-                return self._hello(DataConnection.open_local(offer.local_socket, timeout=self.grpc.timeout), offer)
+                return self._hello(DataConnection.open_local(offer.local_socket, timeout=timeout), offer)
             except (Unreachable, errors.GempsError) as failed:  # not this host (or refused): TCP says why
                 log.debug("local socket of %s not used (%s): TCP", self.target, failed)
                 self._local = self._attach_memory = False
         connection = DataConnection.open(
-            self.host, offer.port, timeout=self.grpc.timeout, tls=self._tls, server_name=self._server_name
+            self.host, offer.port, timeout=timeout, tls=self._tls, server_name=self._server_name
         )
         return self._hello(connection, offer)
 
@@ -178,7 +202,7 @@ class DataPlaneTransport:
         return connection
 
     def _unusable(self, address: str, why: str, error: errors.GempsError | None = None) -> None:
-        """auto: gRPC for this server from then on, said once; data: raise."""
+        """auto: gRPC for this server until the next attempt (said once per fallback); data: raise."""
         if self.mode == "data":
             if error is not None:
                 raise error
@@ -186,11 +210,42 @@ class DataPlaneTransport:
                 f"UNAVAILABLE: data plane of {self.target} at {address} unreachable: {why}",
                 errors.ServerUnavailableError.code,
             )
-        self.fell_back = True
-        log.warning("data plane of %s at %s cannot be used (%s): using gRPC for this server", self.target, address, why)
+        if self.fell_back:  # a retry failed: wait twice as long
+            self._retry_wait = min(2 * self._retry_wait, RETRY_MAX)
+            log.debug("data plane of %s at %s still cannot be used (%s)", self.target, address, why)
+        else:
+            self._retry_wait = RETRY_FIRST
+            log.warning(
+                "data plane of %s at %s cannot be used (%s): using gRPC for this server, trying again later",
+                self.target,
+                address,
+                why,
+            )
+        jitter = 1 + RETRY_JITTER * (2 * random.random() - 1)
+        self._retry_at = _now() + self._retry_wait * jitter
+
+    def _try_again(self) -> None:
+        """Fallen back, and the wait is over: open the data plane again (the local socket and
+        shared memory too, if they were wanted). Nothing of any call is sent here."""
+        assert self._offer is not None
+        self._local = self._attach_memory = self._wants_local
+        try:
+            connection = self._open(self._offer, min(self.grpc.timeout, RETRY_CONNECT_TIMEOUT))
+        except Unreachable as unreachable:
+            self._unusable(unreachable.address, unreachable.why)
+            return
+        except errors.GempsError as error:
+            self._unusable(f"{self.host}:{self._offer.port}", error.message, error)
+            return
+        connection.sock.settimeout(self.grpc.timeout)  # the calls' timeout from now on
+        self._connection, self._retry_at, self.returns = connection, None, self.returns + 1
+        log.info("data plane of %s at %s usable again: commits and pulls go there", self.target, connection.address)
 
     def _ready(self, worker_id: str) -> DataConnection | None:
         """The connection for a call by `worker_id`, opened again if it broke; None: gRPC."""
+        due = self._retry_at is not None and _now() >= self._retry_at
+        if due and self._offer is not None and worker_id and worker_id == self._worker_id:
+            self._try_again()
         if self.plane != "data" or not worker_id or worker_id != self._worker_id:
             return None  # not offered, fallen back, or a read-only pull (no registration, no ticket)
         assert self._offer is not None

@@ -51,6 +51,22 @@ class Range:
         return f"{text} {self.unit}" if self.unit else text
 
 
+# What the server's options' types hold (gemps_server.config). Durations meet gRPC's channel arguments, C ints of
+# milliseconds, so every duration fits one (about 24.8 days; a value gRPC is given is at least a
+# millisecond); counts of things held at once meet C ints too; data shards and worker slots are
+# uint32 on the wire (Shard); a request message is limited by gRPC in an int32 of bytes.
+MAX_SECONDS = INT32_MAX / 1000
+SECONDS = Range(0, MAX_SECONDS, low_open=True, unit="seconds")
+SECONDS_OR_ZERO = Range(0, MAX_SECONDS, unit="seconds")
+GRPC_SECONDS = Range(0.001, MAX_SECONDS, unit="seconds")
+PORT = Range(0, 65535)
+COUNT = Range(1, INT32_MAX)
+COUNT_OR_ZERO = Range(0, INT32_MAX)
+# θ-sized buffers held at once: each is allocated when first needed, but the data plane lists
+# them all at start, and more than this many copies of any θ could never be held anyway.
+BUFFERS = Range(1, 1 << 16)
+
+
 def _number(value: float) -> str:
     if isinstance(value, int) or (float(value).is_integer() and abs(value) < 2**53):
         return str(int(value))

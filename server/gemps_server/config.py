@@ -14,9 +14,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gemps_proto.ranges import INT32_MAX, INT64_MAX, RANGE, UINT32_MAX, Range, out_of_range
+from gemps_proto.ranges import (
+    BUFFERS,
+    COUNT,
+    COUNT_OR_ZERO,
+    GRPC_SECONDS,
+    INT32_MAX,
+    INT64_MAX,
+    PORT,
+    RANGE,
+    SECONDS,
+    SECONDS_OR_ZERO,
+    UINT32_MAX,
+    Range,
+    out_of_range,
+)
 from gemps_proto.schema import TrainingConfig
 from gemps_server import partition_addresses
+from gemps_server.config_checks import partition_problems, security_problems, valid_token
 from gemps_server.domain.rules import rule_names
 from gemps_server.domain.rules.gem import GEM_KERNELS
 from gemps_server.logs import LOG_FORMATS
@@ -25,26 +40,6 @@ from gemps_server.native import compiled
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DATA_PLANE_MODES = ("on", "off")
 MIB = 1 << 20
-
-# What the server's options' types hold. Durations meet gRPC's channel arguments, C ints of
-# milliseconds, so every duration fits one (about 24.8 days; a value gRPC is given is at least a
-# millisecond); counts of things held at once meet C ints too; data shards and worker slots are
-# uint32 on the wire (Shard); a request message is limited by gRPC in an int32 of bytes.
-MAX_SECONDS = INT32_MAX / 1000
-SECONDS = Range(0, MAX_SECONDS, low_open=True, unit="seconds")
-SECONDS_OR_ZERO = Range(0, MAX_SECONDS, unit="seconds")
-GRPC_SECONDS = Range(0.001, MAX_SECONDS, unit="seconds")
-PORT = Range(0, 65535)
-COUNT = Range(1, INT32_MAX)
-COUNT_OR_ZERO = Range(0, INT32_MAX)
-# θ-sized buffers held at once: each is allocated when first needed, but the data plane lists
-# them all at start, and more than this many copies of any θ could never be held anyway.
-BUFFERS = Range(1, 1 << 16)
-
-
-def valid_token(token: str) -> bool:
-    """A bearer token fits an HTTP/2 header value: visible ASCII, no spaces, not empty."""
-    return bool(token) and all(33 <= ord(c) <= 126 for c in token)
 
 
 @dataclass(frozen=True)
@@ -176,6 +171,16 @@ class ServerConfig:
             RANGE: BUFFERS,
         },
     )
+    slow_upload_buffers: int = field(
+        default=4,
+        metadata={
+            "help": "data-plane commit payloads read at once on the slow lane, each in a reused buffer of P values "
+            "of its own: a payload slower than a quarter of the rate the server sees others arrive at moves there "
+            "(then its worker's next ones start there, waiting holding nothing) and gives its --data-plane-buffers "
+            "buffer back; with none free it is refused DEADLINE_EXCEEDED (stream_idle; the SDK retries)",
+            RANGE: BUFFERS,
+        },
+    )
     min_stream_rate_mb: float = field(
         default=1.0,
         metadata={
@@ -190,6 +195,23 @@ class ServerConfig:
         metadata={
             "help": "data-plane connections at once (TCP and local together); more are refused on arrival",
             RANGE: COUNT,
+        },
+    )
+    max_unproven_data_connections: int = field(
+        default=32,
+        metadata={
+            "help": "data-plane connections at once that have not yet proved a ticket with their HELLO (TLS "
+            "handshake included; at most --max-data-connections): past it, and when every place is taken, the "
+            "oldest of them is closed for the newcomer, so connections that send nothing cannot keep workers out",
+            RANGE: COUNT,
+        },
+    )
+    data_plane_hello_timeout: float = field(
+        default=2.0,
+        metadata={
+            "help": "seconds a data-plane connection has from accept to its HELLO answered (TLS handshake "
+            "included); then it is closed",
+            RANGE: SECONDS,
         },
     )
     metrics_port: int = field(
@@ -256,7 +278,8 @@ class ServerConfig:
     handshake_timeout: float = field(
         default=5.0,
         metadata={
-            "help": "seconds a new connection has to finish its TLS/HTTP/2 handshake (data plane: TLS and HELLO)",
+            "help": "seconds a new gRPC connection has to finish its TLS/HTTP/2 handshake (data plane: "
+            "--data-plane-hello-timeout)",
             RANGE: GRPC_SECONDS,
         },
     )
@@ -348,8 +371,8 @@ class ServerConfig:
         if self.log_format not in LOG_FORMATS:
             found.append(f"unknown log_format {self.log_format!r} (choose from {', '.join(LOG_FORMATS)})")
         found += self._limit_problems()
-        found += self._security_problems()
-        found += self._partition_problems()
+        found += security_problems(self)
+        found += partition_problems(self)
         return found
 
     def _limit_problems(self) -> list[str]:
@@ -366,39 +389,6 @@ class ServerConfig:
         if self.max_watches_per_connection > self.max_watches:
             found.append(f"max_watches_per_connection must be at most max_watches ({self.max_watches})")
         return found
-
-    def _security_problems(self) -> list[str]:
-        found = []
-        if bool(self.tls_cert) != bool(self.tls_key):
-            found.append("tls_cert and tls_key go together: give both or neither")
-        if self.tls_client_ca and not self.tls_cert:
-            found.append("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
-        if self.auth_token and self.auth_token_file:
-            found.append("give auth_token or auth_token_file, not both")
-        if self.auth_token and not valid_token(self.auth_token):
-            found.append("auth_token must be printable ASCII without spaces")
-        for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file"):
-            path = getattr(self, name)
-            if path and not Path(path).is_file():
-                found.append(f"{name} {path!r} is not a readable file")
-        return found
-
-    def _partition_problems(self) -> list[str]:
-        if self.partition_index >= self.partitions:
-            return [f"partition_index {self.partition_index} outside -1..{self.partitions - 1}"]
-        if self.partition_addresses and (
-            found := partition_addresses.problems(self.partition_addresses, self.partitions)
-        ):
-            return found
-        if self.partitions > 1 and self.partition_index == 0 and not self.partition_addresses:
-            return ["partition 0 of several announces the layout: give partition_addresses"]
-        if self.partitions > 1 and self.partition_index == -1:  # partition i listens on these ports + i
-            return [
-                f"{name} {port} + {self.partitions - 1} (the last partition's) is past 65535"
-                for name, port in (("port", self.port), ("data_port", self.data_port))
-                if port + self.partitions - 1 > 65535 and port > 0
-            ]
-        return []
 
     @property
     def partition(self) -> int:

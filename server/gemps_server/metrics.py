@@ -47,12 +47,14 @@ DATA_PLANE_REFUSALS = (
     "bad_hello",  # a first frame that is not a well-formed HELLO
     "unauthenticated",  # a ticket that is not the worker's registration's, or another worker's request
     "unknown_worker",  # a HELLO for a worker not registered
-    "handshake_timeout",  # TLS handshake and HELLO not done within --handshake-timeout
+    "handshake_timeout",  # TLS handshake and HELLO not done within --data-plane-hello-timeout
+    "unproven_limit",  # closed without a HELLO for a newcomer, past --max-unproven-data-connections
     "tls",  # a TLS handshake that failed (no or a wrong client certificate, not TLS at all)
     "idle_timeout",  # no request for --connection-idle-timeout
     "stream_timeout",  # a frame, or a reply, stalled for --stream-idle-timeout
     "too_many_connections",  # past --max-data-connections
     "refused_unread",  # a request refused before its payload was read: the connection is closed
+    "slow_upload",  # a payload too slow for the fast lane, and no slow-upload buffer free (refused unread)
     "bad_attach",  # shared memory refused: not one sealed memfd of θ's size, not local, or twice
 )
 DEPARTURE_CAUSES = ("left", "evicted")
@@ -222,7 +224,7 @@ class ServerMetrics:
         self.data_plane_refusals = Counter(
             "gemps_data_plane_refusals",
             "Data-plane connections closed by a guard, by reason (bad frame or hello, ticket, timeouts, "
-            "connection limit, a request refused before its payload was read).",
+            "connection limits, a request refused before its payload was read, a slow upload without room).",
             ["reason"],
             registry=r,
         )

@@ -26,6 +26,7 @@ P = 1000
 MAX_CONNECTIONS = 4
 QUICK = {
     "handshake_timeout": 0.5,
+    "data_plane_hello_timeout": 0.5,
     "connection_idle_timeout": 2.0,
     "stream_idle_timeout": 0.5,
     "max_data_connections": MAX_CONNECTIONS,

@@ -35,6 +35,7 @@ def test_mutual_tls_on_the_data_plane(start_server: StartServer, pki: Pki) -> No
         tls_key=pki.server.key,
         tls_client_ca=pki.ca.cert,
         handshake_timeout=1.0,
+        data_plane_hello_timeout=1.0,
     )
     stub = pb_grpc.ParameterServerStub(tls_channel(server.target, pki.ca.cert, pki.client))
     spec = [pb.ParameterSpec(name="w", shape=[P], dtype=pb.DTYPE_FLOAT32)]

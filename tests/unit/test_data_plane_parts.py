@@ -1,4 +1,4 @@
-"""The data plane's small parts: its loop's buffer pool, its tickets, its write bookkeeping."""
+"""The data plane's small parts: its lanes of buffers, its tickets, its write bookkeeping."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import threading
 
 from gemps_server.security import Tickets
 from gemps_server.wire.data_plane_io import Channel, advance, pieces
-from gemps_server.wire.stream_buffers import Buffer, LoopBufferPool
+from gemps_server.wire.data_plane_uploads import Lane
+from gemps_server.wire.stream_buffers import Buffer
 
 
-def test_the_loop_pool_is_bounded_reuses_its_buffers_and_turns_waiters_away_when_told() -> None:
-    pool = LoopBufferPool(1)
+def test_a_lane_is_bounded_reuses_its_buffers_and_turns_waiters_away_when_told() -> None:
+    pool = Lane(1)
     granted: list[Buffer | None] = []
     first = pool.take(granted.append)
     assert first is not None
@@ -25,7 +26,8 @@ def test_the_loop_pool_is_bounded_reuses_its_buffers_and_turns_waiters_away_when
     assert again is not None and again.take(1000).ctypes.data == memory.ctypes.data  # the same bytes
     assert pool.take(granted.append) is None
     pool.give_back(again)  # handed to the one waiting, not put back
-    assert granted[-1] is again and pool.take(granted.append) is None
+    handed = granted[-1]
+    assert handed is not None and handed.bytes is again.bytes and pool.take(granted.append) is None
 
 
 def test_a_ticket_proves_one_worker_of_one_client_to_this_process_only() -> None:
@@ -65,16 +67,35 @@ def read_all(sock: socket.socket, size: int) -> bytes:
     return bytes(data)
 
 
-def test_the_pool_hands_a_freed_buffer_to_the_longest_waiting_connection() -> None:
+def test_a_lane_hands_a_freed_buffer_to_the_longest_waiting_connection() -> None:
     """Waiters are served in arrival order: a freed buffer is not up for grabs (fairness under load)."""
-    pool = LoopBufferPool(1)
+    pool = Lane(1)
     order: list[int] = []
     held = pool.take(lambda buffer: None)
     assert held is not None
     for index in range(3):  # in line in this order
         assert pool.take(lambda buffer, index=index: order.append(index)) is None  # type: ignore[misc]
     assert pool.take(lambda buffer: order.append(99)) is None
-    pool.withdraw(pool._waiting[-1])  # the last one leaves the line (its connection ended)
+    pool.withdraw(pool._waiting[-1][0])  # the last one leaves the line (its connection ended)
     for _ in range(3):
         pool.give_back(held)
     assert order == [0, 1, 2] and pool.waiting == 0
+
+
+def test_newcomers_hold_their_share_of_a_lane_and_never_stand_in_the_others_way() -> None:
+    """Workers not yet proven fast hold at most `share` buffers; a proven worker's request takes a
+    free one past the newcomers waiting, and a newcomer's buffer freed goes to the next newcomer."""
+    lane = Lane(3, share=1)
+    order: list[str] = []
+    newcomer = lane.take(lambda buffer: order.append("first newcomer"), newcomer=True)
+    assert newcomer is not None
+    for name in ("second newcomer", "third newcomer"):  # past the share: in line
+        assert lane.take(lambda buffer, name=name: order.append(name), newcomer=True) is None  # type: ignore[misc]
+    proven = [lane.take(lambda buffer: order.append("proven")) for _ in range(2)]
+    assert all(buffer is not None for buffer in proven) and not order  # straight past them
+    assert lane.take(lambda buffer: order.append("proven, waiting")) is None  # all three in use
+    lane.give_back(newcomer, newcomer=True)  # the longest waiting that may take it: a newcomer
+    assert order == ["second newcomer"]
+    assert proven[0] is not None
+    lane.give_back(proven[0])  # the proven one (the third newcomer may not take it: share held)
+    assert order == ["second newcomer", "proven, waiting"] and lane.waiting == 1

@@ -3,6 +3,7 @@ read into the same records, refusals into the same errors, frames over a socket 
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 from collections.abc import Iterator
@@ -11,17 +12,19 @@ import grpc
 import numpy as np
 import pytest
 
-from gemps import errors
+from gemps import data_plane_transport, errors
 from gemps import grpc_messages as messages
 from gemps.client import Client, resolve_plane
+from gemps.connection import Connection
 from gemps.data_plane_connection import DataConnection, target_host
-from gemps.data_plane_transport import _committed, _pulled
+from gemps.data_plane_transport import DataPlaneTransport, _committed, _pulled
+from gemps.grpc_transport import GrpcTransport
 from gemps.transport import CommitCall, PullCall
 from gemps_proto import framing
 from gemps_proto.codec import BFLOAT16, FLOAT32, encode, wire_view
 from gemps_proto.dataplane import REPLY, Op, frame_start, read_preamble
 from gemps_proto.reasons import Reason
-from gemps_proto.schema import Buffers, PayloadKind
+from gemps_proto.schema import Buffers, DataPlane, PayloadKind
 from gemps_proto.serde import set_buffers
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
@@ -190,3 +193,56 @@ def test_the_plane_is_checked_and_comes_from_the_environment() -> None:
     client = Client("127.0.0.1:1", plane="grpc")
     assert client.plane == "grpc" and client.planes == ["grpc"]
     client.close()
+
+
+# -- a transport pushed to gRPC comes back ---------------------------------------------------------
+
+
+def test_a_transport_that_fell_back_tries_the_data_plane_again_with_a_bounded_jittered_backoff(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Waits of 1, 2, 4 ... s, at most 60, each ±25 % (here the longest, then the shortest); no
+    attempt before its time; a success is a return, and the next fallback starts again at 1 s."""
+    clock = [1000.0]
+    monkeypatch.setattr(data_plane_transport, "_now", lambda: clock[0])
+    monkeypatch.setattr(random, "random", lambda: 1.0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.close()  # nothing listens there: each attempt is refused at once
+    grpc_transport = GrpcTransport(
+        "127.0.0.1:1", Connection(), max_message_bytes=1 << 20, timeout=5, wire_dtype=FLOAT32, chunk_bytes=1 << 20
+    )
+    transport = DataPlaneTransport(grpc_transport, Connection(), shared_memory=False)
+    transport._offer, transport._worker_id = DataPlane(port=port, ticket=b"t" * 32), "w1"
+    transport._unusable("127.0.0.1:1", "a fault")  # as a refused connection does
+    waits = []
+    for _ in range(8):
+        assert transport.fell_back and transport.plane == "grpc" and transport._retry_at is not None
+        waits.append(round(transport._retry_at - clock[0], 3))
+        retry_at = transport._retry_at
+        clock[0] = retry_at - 0.001
+        assert transport._ready("w1") is None and transport._retry_at == retry_at  # not yet: no attempt
+        clock[0] = retry_at
+        assert transport._ready("w1") is None  # attempted, refused: gRPC, and a longer wait
+    assert waits == [1.25, 2.5, 5.0, 10.0, 20.0, 40.0, 75.0, 75.0]  # doubling, at most 60 s, +25 % here
+    monkeypatch.setattr(random, "random", lambda: 0.0)
+    with socket.create_server(("127.0.0.1", port)) as server:  # the data plane is back
+        answering = threading.Thread(target=_answer_hello, args=(server,))
+        answering.start()
+        clock[0] = transport._retry_at or 0.0
+        connection = transport._ready("w1")
+        assert connection is not None and transport.plane == "data" and transport.returns == 1
+        transport._drop()
+        answering.join(5)
+    transport._unusable("127.0.0.1:1", "another fault")
+    assert transport._retry_at == clock[0] + 0.75  # from 1 s again, -25 %
+    transport.close()
+
+
+def _answer_hello(server: socket.socket) -> None:
+    sock, _address = server.accept()
+    with sock:
+        preamble = read_preamble(sock.recv(20, socket.MSG_WAITALL))
+        sock.recv(preamble.header_bytes, socket.MSG_WAITALL)
+        sock.sendall(frame_start(Op.HELLO | REPLY, b""))
+        sock.recv(1)  # until the client closes

@@ -6,10 +6,12 @@ data_plane_calls.py. With --shared-memory on, also an abstract Unix socket with 
 only by clients on its host, which may attach shared memory there (shared_memory.py).
 
 Memory before trust (DESIGN §3b): at most --max-data-connections connections (more are refused
-on arrival), each with one request in flight and nothing read before its HELLO's ticket is
-checked; θ-sized buffers only from a pool of --data-plane-buffers; handshake, idle and stall
-timeouts. TLS with the gRPC port's certificates (client certificates required when
---tls-client-ca is set). Every connection closed by a guard is counted
+on arrival), of which at most --max-unproven-data-connections have not yet proved a ticket (past
+it, the oldest of those is closed for the newcomer), each with one request in flight and nothing
+read before its HELLO's ticket is checked, within --data-plane-hello-timeout of accept; θ-sized
+buffers only from the pools of --data-plane-buffers and --slow-upload-buffers
+(data_plane_uploads.py); idle and stall timeouts. TLS with the gRPC port's certificates (client
+certificates required when --tls-client-ca is set). Every connection closed by a guard is counted
 (gemps_data_plane_refusals_total{reason}).
 """
 
@@ -36,7 +38,7 @@ from gemps_server.service import ParameterService
 from gemps_server.wire.data_plane_calls import Connection, Limits, error_header
 from gemps_server.wire.data_plane_io import Channel
 from gemps_server.wire.data_plane_loop import Body, Loop, Parked, Task
-from gemps_server.wire.stream_buffers import LoopBufferPool
+from gemps_server.wire.data_plane_uploads import Lanes
 from gemps_server.wire.streams import Pace
 
 log = logging.getLogger("gemps.server")
@@ -68,14 +70,18 @@ class DataPlaneServer:
         self._metrics = metrics
         self._limits = Limits(
             max_header_bytes=config.max_message_bytes,
-            handshake_timeout=config.handshake_timeout,
+            handshake_timeout=config.data_plane_hello_timeout,
             idle_timeout=config.connection_idle_timeout,
             pace=Pace(config.stream_idle_timeout, config.min_stream_bytes_per_second),
         )
-        self._pool = LoopBufferPool(config.data_plane_buffers)
+        self._lanes = Lanes(config.data_plane_buffers, config.slow_upload_buffers, config.max_workers)
         self._tls = tls_context(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls else None
         self._loop = Loop()
         self._connections: dict[Task, Connection] = {}
+        # Connections whose HELLO has not proved a ticket yet, oldest first: a budget of their own
+        # (--max-unproven-data-connections), so those that send nothing cannot take every place.
+        self._unproven: dict[Task, None] = {}
+        self._unproven_budget = min(config.max_unproven_data_connections, config.max_data_connections)
         self._thread: threading.Thread | None = None
         self._stop_at: float | None = None  # set (from stop()) when the server stops: the grace's end
         self._stopping = threading.Event()
@@ -138,10 +144,20 @@ class DataPlaneServer:
             local = sock.family == socket.AF_UNIX
             if not local:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if len(self._connections) >= self._config.max_data_connections:
-                self._refuse_connection(sock)
-                continue
+            full = len(self._connections) >= self._config.max_data_connections
+            if full or len(self._unproven) >= self._unproven_budget:
+                if not self._unproven:  # every place is a worker's
+                    self._refuse_connection(sock)
+                    continue
+                self._evict_oldest_unproven()
             self._open(sock, accepted_at, local)
+
+    def _evict_oldest_unproven(self) -> None:
+        """Make room for a newcomer: the connection that has waited longest without a HELLO goes
+        (an honest client says HELLO at once, so it is proved long before it is the oldest)."""
+        task = next(iter(self._unproven))
+        self._loop.finish(task)  # its body's `finally` forgets it
+        self._refused("unproven_limit")
 
     def _open(self, sock: socket.socket, accepted_at: float, local: bool) -> None:
         if self._tls is not None and not local:  # a local socket's bytes never leave this host
@@ -152,15 +168,18 @@ class DataPlaneServer:
                 self._refused("tls", detail=str(error))
                 return
         channel = Channel(sock)
-        connection = Connection(channel, self._service, self._metrics, self._limits, self._pool, accepted_at)
+        connection = Connection(channel, self._service, self._metrics, self._limits, self._lanes, accepted_at)
         self._metrics.data_plane_connections.inc()
 
         def body(task: Task) -> Body:
             self._connections[task] = connection
+            self._unproven[task] = None
+            connection.on_proven = lambda: self._unproven.pop(task, None)
             try:
                 yield from connection.serve(task)
             finally:
                 self._connections.pop(task, None)
+                self._unproven.pop(task, None)
                 self._metrics.data_plane_connections.dec()
 
         self._loop.spawn(channel, body)
@@ -188,7 +207,7 @@ class DataPlaneServer:
         """Stop accepting; close the connections waiting for a request (or a buffer); the others
         finish the request they are serving (its reply is its acknowledgement)."""
         self._loop.stop_listening()
-        self._pool.turn_away()
+        self._lanes.turn_away()
         for task, connection in list(self._connections.items()):
             connection.stopping = True
             if task.waiting is not None and task.waiting.idle:

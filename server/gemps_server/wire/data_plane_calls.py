@@ -7,10 +7,11 @@ bytes they announce are read: the preamble's header length against --max-message
 payload length against the dtype and shape its header announces (service.expected_payload_bytes).
 A request refused before its payload was read is answered with an ERROR frame and the connection
 closed (its unread bytes are never read); one refused after it was read whole (NaN, unknown
-worker, base version) leaves the connection usable. A payload lands in a pooled θ-sized buffer
-(read from the socket, or copied out of the client's shared memory); the reply's θ is copied into
-the same buffer while θ holds the commit's version and sent from there, or, with shared memory,
-written into the client's memory (by GEM's pass itself, for float32) and only announced.
+worker, base version) leaves the connection usable. A payload lands in a θ-sized buffer: read
+from the socket on the fast or the slow lane (data_plane_uploads.py), or copied out of the
+client's shared memory into a pooled one; the reply's θ is copied into the same buffer while θ
+holds the commit's version and sent from there, or, with shared memory, written into the
+client's memory (by GEM's pass itself, for float32) and only announced.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ from gemps_server.metrics import ServerMetrics
 from gemps_server.native import copy_max_abs, max_abs
 from gemps_server.service import ParameterService
 from gemps_server.wire import messages, shared_memory
-from gemps_server.wire.data_plane_io import Channel, Hangup, PeerClosed, Stalled, close_fds, pieces
+from gemps_server.wire.data_plane_io import Channel, Hangup, PeerClosed, Stalled, Unread, close_fds, pieces
 from gemps_server.wire.data_plane_loop import Handshake, Parked, ReadInto, Task, Wait, Write
+from gemps_server.wire.data_plane_uploads import Held, Lanes, waited
 from gemps_server.wire.shared_memory import SharedRegion
 from gemps_server.wire.status_codes import status_of
-from gemps_server.wire.stream_buffers import Buffer, LoopBufferPool
+from gemps_server.wire.stream_buffers import Buffer
 from gemps_server.wire.streams import Pace
 
 M = TypeVar("M", bound=Message)
@@ -71,14 +73,6 @@ class Limits:
     @property
     def stream_timeout(self) -> float:
         return self.pace.idle_timeout
-
-
-class Unread(Exception):
-    """A request refused before its payload was read: answered, then the connection closes."""
-
-    def __init__(self, error: ServiceError) -> None:
-        super().__init__(error.message)
-        self.error = error
 
 
 def parsed(message_class: type[M], data: bytes | bytearray) -> M:
@@ -114,18 +108,19 @@ class Connection:
         service: ParameterService,
         metrics: ServerMetrics,
         limits: Limits,
-        pool: LoopBufferPool,
+        lanes: Lanes,
         accepted_at: float,
     ) -> None:
         self.channel = channel
         self._service = service
         self._metrics = metrics
         self._limits = limits
-        self._pool = pool
+        self._lanes = lanes
         self._accepted_at = accepted_at
         self._task: Task | None = None
         self._region: SharedRegion | None = None  # the shared memory attached (local connections)
         self.stopping = False  # the server is stopping: end after the request being served
+        self.on_proven: Callable[[], None] = _nothing  # called once its HELLO proved a ticket
 
     def serve(self, task: Task) -> Generator[Wait, Any, None]:
         """The TLS handshake, the HELLO, then requests until the peer leaves, a guard closes the
@@ -135,6 +130,7 @@ class Connection:
             if self.channel.tls:
                 yield from self._handshake()
             worker_id = yield from self.hello()
+            self.on_proven()
             while not self.stopping:
                 yield from self.request(worker_id)
         except Hangup as hangup:
@@ -231,7 +227,7 @@ class Connection:
                 yield from self._pull(worker_id, preamble, header)
         except Unread as unread:
             self._rejected(method, unread.error)
-            raise (yield from self._refuse(unread.error, "refused_unread")) from None
+            raise (yield from self._refuse(unread.error, unread.refusal)) from None
         except ServiceError as error:  # the frame was read whole: the connection stays usable
             self._rejected(method, error)
             yield from self._send_error(error)
@@ -256,11 +252,15 @@ class Connection:
         except ServiceError as error:
             raise Unread(error) from None
         region = self._region if preamble.shared else None
-        buffer = yield from self._take_buffer()
+        task = self._task
+        assert task is not None
+        if region is None:  # on the socket: read whole on the fast lane, or the slow one (uploads)
+            held = yield from self._lanes.receive(task, worker_id, expected, self._limits.pace)
+        else:  # in the client's memory: in hand, copied into a pooled buffer
+            held = yield from waited(self._lanes.pooled, task)
         try:
-            data = buffer.take(expected).data  # the payload lands in the pooled buffer
-            if region is None:
-                yield ReadInto(data, self._limits.stream_timeout, self._deadline(len(data)))
+            buffer = held.buffer
+            data = buffer.take(expected).data  # the payload, landed in the buffer
             peak = _landed(data, dtype, None if region is None else region.view[:expected])
             commit = messages.commit_from_proto(request, EncodedTensor(dtype, shape, data), peak)
             # The reply's θ goes where the client reads it: the pooled buffer (then the socket), or
@@ -273,7 +273,7 @@ class Connection:
             framing.announce(reply.parameters, commit.reply_dtype, service.num_parameters)
             yield from self._send(Op.COMMIT | REPLY, reply.SerializeToString(), theta, shared=region is not None)
         finally:
-            self._pool.give_back(buffer)
+            held.give_back()
 
     def _pull(self, worker_id: str, preamble: Preamble, header: bytearray) -> Steps:
         service = self._service
@@ -284,7 +284,8 @@ class Connection:
         dtype = messages.reply_dtype_from_proto(request.reply_dtype)
         # A slot of the pool, though θ is sent from the version's shared encoding: what replies
         # to slow readers can pin is bounded by the pool, as for commits.
-        slot = yield from self._take_buffer()
+        assert self._task is not None
+        slot: Held = yield from waited(self._lanes.pooled, self._task)
         try:
             snapshot = yield from self._applied(lambda deliver: service.pull_then(worker_id, known, dtype, deliver))
             unchanged = known == snapshot.version
@@ -297,7 +298,7 @@ class Connection:
                 data = self._region.buffer.copy_in(data)
             yield from self._send(Op.PULL | REPLY, reply.SerializeToString(), data, shared=preamble.shared)
         finally:
-            self._pool.give_back(slot)
+            slot.give_back()
 
     def _attach(self, preamble: Preamble) -> Steps:
         """ATTACH: map the memfd the frame carries as this connection's shared memory (local
@@ -330,33 +331,6 @@ class Connection:
             raise Unread(error) if unread else error
 
     # -- waits -----------------------------------------------------------------------------------
-
-    def _take_buffer(self) -> Generator[Wait, Any, Buffer]:
-        """A pooled buffer, waiting in line while all are in use; Hangup(None) (closed unanswered:
-        the client retries) when the server stops first."""
-        buffer = self._pool.take(self._granted)
-        if buffer is None:
-            try:
-                buffer = yield Parked()
-            finally:
-                self._pool.withdraw(self._granted)  # ended while waiting (a no-op once granted)
-        if buffer is None:
-            raise Hangup(None)
-        return buffer
-
-    def _granted(self, buffer: Buffer | None) -> None:
-        """The pool's answer to a wait (None: the server is stopping), for the loop to hand over."""
-        task = self._task
-        assert task is not None
-
-        def hand_over() -> None:
-            if task.done:  # ended before it got it
-                if buffer is not None:
-                    self._pool.give_back(buffer)
-            else:
-                task.resume(buffer)
-
-        task.loop.call_soon(hand_over)
 
     def _applied(self, start: Callable[[Deliver[Any]], None]) -> Steps:
         """What the service delivers for `start(deliver)`: at once when it ran on this thread (a
@@ -428,6 +402,10 @@ class Connection:
         )
         self.channel.try_send(dataplane.frame_start(Op.ERROR, error_header(error)))
         raise Hangup("stream_timeout")
+
+
+def _nothing() -> None:
+    pass
 
 
 def _reply_into(

@@ -21,6 +21,8 @@ import socket
 import ssl
 from collections.abc import Sequence
 
+from gemps_server.domain.errors import ServiceError
+
 Piece = bytes | bytearray | memoryview
 # Bytes handed to one TLS write (SSLSocket has no sendmsg, and encrypts, so copies, anyway).
 TLS_PIECE = 1 << 20
@@ -36,6 +38,16 @@ class Hangup(Exception):
     def __init__(self, reason: str | None) -> None:
         super().__init__(reason or "closed")
         self.reason = reason
+
+
+class Unread(Exception):
+    """A request refused before its payload was read: answered, then the connection closes (its
+    unread bytes are never read), counted as the data-plane refusal `refusal`."""
+
+    def __init__(self, error: ServiceError, refusal: str = "refused_unread") -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.refusal = refusal
 
 
 class Stalled(Exception):

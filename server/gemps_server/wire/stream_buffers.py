@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import numpy as np
 
@@ -34,49 +33,6 @@ class BufferPool:
                 yield buffer
             finally:
                 self._free.append(buffer.bytes)
-
-
-# A connection waiting for a buffer: called with one when it is its turn (None: give up).
-Grant = Callable[["Buffer | None"], None]
-
-
-class LoopBufferPool:
-    """BufferPool for the data plane's loop (one thread): `count` buffers, each reused, handed to
-    waiting connections in arrival order (first come, first served: under load, a freed buffer
-    taken by a newcomer ahead of those waiting starved some clients of turns)."""
-
-    def __init__(self, count: int) -> None:
-        if count < 1:
-            raise ValueError(f"a buffer pool needs at least one buffer, not {count}")
-        self._free: list[np.ndarray] = [np.empty(0, np.uint8) for _ in range(count)]
-        self._waiting: deque[Grant] = deque()
-
-    def take(self, grant: Grant) -> Buffer | None:
-        """A buffer now; or None, and `grant` is called with one when it is this caller's turn."""
-        if self._free and not self._waiting:
-            return Buffer(self._free.pop())
-        self._waiting.append(grant)
-        return None
-
-    def withdraw(self, grant: Grant) -> None:
-        """A waiting caller leaves the line (nothing happens if it is not in it)."""
-        with contextlib.suppress(ValueError):
-            self._waiting.remove(grant)
-
-    def give_back(self, buffer: Buffer) -> None:
-        if self._waiting:
-            self._waiting.popleft()(buffer)
-        else:
-            self._free.append(buffer.bytes)
-
-    def turn_away(self) -> None:
-        """Every caller still waiting gets None (the server is stopping)."""
-        while self._waiting:
-            self._waiting.popleft()(None)
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
 
 
 class Buffer:
