@@ -116,6 +116,15 @@ class ServerConfig:
     max_workers: int = field(
         default=256, metadata={"help": "most workers registered at once", RANGE: Range(1, UINT32_MAX)}
     )
+    noise_window: int = field(
+        default=0,
+        metadata={
+            "help": "gradient commits per window of the gradient noise scale's estimate (the large batch is "
+            "their mean; docs/OBSERVABILITY.md); 0: the workers registered when a window starts, at least 2; "
+            "1: no estimate",
+            RANGE: Range(0, UINT32_MAX),
+        },
+    )
     num_shards: int = field(
         default=0,
         metadata={

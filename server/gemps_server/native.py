@@ -64,3 +64,24 @@ def median_in_place(values: np.ndarray) -> float:
     a compiled selection in O(n), GIL held (samples are short; the compiled kernel's statistics use it)."""
     assert compiled is not None and values.dtype == np.float32 and values.flags.c_contiguous
     return float(compiled.median_in_place(values.reshape(-1)))
+
+
+#: how a commit moves the noise scale's window sum w (domain/noise.py): w = u, w += u, or w read only
+WINDOW_START, WINDOW_ADD, WINDOW_LAST = 0, 1, 2
+
+
+def noise_window(update: np.ndarray, window: np.ndarray, mode: int) -> tuple[float, float]:
+    """(|update|^2, |w + update|^2, or |update|^2 when `mode` starts the window) for the noise
+    scale's window sum w (float32, the update's size), which `mode` writes: WINDOW_START w = update,
+    WINDOW_ADD w += update, WINDOW_LAST leaves it (a window's last commit needs only the norm).
+    One compiled pass for contiguous float32, numpy otherwise (GEM's compiled pass folds the same
+    sums into its own: gem_update's `window`)."""
+    if compiled is not None and update.dtype == np.float32 and update.flags.c_contiguous:
+        payload, total = compiled.noise_window(update.reshape(-1), window, mode)
+        return float(payload), float(total)
+    payload = float(np.dot(update, update))
+    if mode == WINDOW_START:
+        np.copyto(window, update)
+        return payload, payload
+    summed = np.add(window, update, out=window if mode == WINDOW_ADD else None)
+    return payload, float(np.dot(summed, summed))

@@ -346,6 +346,7 @@ class ParameterService:
             uptime_seconds=time.monotonic() - self._started,
             last_evaluation=self.last_evaluation,
             learning_rate=state.learning_rate,
+            gradient_noise=state.noise.estimate,
             layout=self.layout(),
         )
 

@@ -1,0 +1,138 @@
+"""The gradient noise scale (domain/noise.py) against a plain reference and against the truth.
+
+Synthetic gradients: a fixed G plus Gaussian noise of per-sample covariance sigma^2 I, so a
+commit of batch B is G + N(0, sigma^2/B I), |G|^2 and tr(Sigma) = P sigma^2 are known, and
+B_noise = tr(Sigma)/|G|^2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from gemps_proto.schema import GradientNoise, ParameterSpec, PayloadKind, partition_bounds
+from gemps_server.domain.noise import EMA_DECAY, NOISE_WINDOW_OFF, MovingAverage, NoiseEstimator
+from gemps_server.domain.records import ALL_OF_THETA, Commit, PartitionOf
+from gemps_server.domain.state import ServerState
+from gemps_server.domain.workers import WorkerRegistry
+from gemps_server.native import WINDOW_ADD, WINDOW_LAST, WINDOW_START, compiled, noise_window
+from tests.helpers import encoded, training
+
+P = 10_007
+BATCH = 16
+SIGMA2 = 200.0  # per-sample noise variance per parameter: B_noise = P * SIGMA2 / |G|^2 = SIGMA2 with G_j = +-1
+# Every kernel path: GEM's compiled pass folds the sums in, the others measure them alone.
+OTHER_RULES = ("downpour", "adaptive-staleness", "momentum")
+RULES = [("gem", "compiled"), ("gem", "numpy"), *((rule, "auto") for rule in OTHER_RULES)]
+
+
+def synthetic(rng: np.random.Generator, commits: int, size: int = P) -> tuple[np.ndarray, list[np.ndarray]]:
+    truth = rng.choice([-1.0, 1.0], size=size)
+    noise = math.sqrt(SIGMA2 / BATCH)
+    return truth, [(truth + rng.normal(scale=noise, size=size)).astype(np.float32) for _ in range(commits)]
+
+
+def reference(gradients: list[np.ndarray], k: int, batch: float) -> tuple[float, float]:
+    """McCandlish et al.'s Appendix A estimators, written plainly in float64: (EMA |G|^2, EMA tr(Sigma))."""
+    square, trace = MovingAverage(EMA_DECAY), MovingAverage(EMA_DECAY)
+    for start in range(0, len(gradients) - k + 1, k):
+        window = [g.astype(np.float64) for g in gradients[start : start + k]]
+        small_batch, large_batch = batch, k * batch
+        small = float(np.mean([g @ g for g in window]))
+        mean = np.mean(window, axis=0)
+        large = float(mean @ mean)
+        square.add((large_batch * large - small_batch * small) / (large_batch - small_batch))
+        trace.add((small - large) / (1 / small_batch - 1 / large_batch))
+    return square.value, trace.value
+
+
+def served(
+    gradients: list[np.ndarray], rule: str, kernel: str, partition: PartitionOf = ALL_OF_THETA, window: int = 4
+) -> GradientNoise:
+    """The estimate a server (or one partition of θ) makes of these gradient commits, one worker."""
+    size = gradients[0].size
+    state = ServerState(
+        training(rule, learning_rate=1e-4, batch_size=BATCH),
+        WorkerRegistry(max_workers=4, lease_ttl=3600),
+        gem_kernel=kernel,
+        partition=partition,
+        noise_window=window,
+    )
+    worker = state.register("w", [ParameterSpec("w", (size,))], encoded(np.zeros(size, np.float32))).worker
+    start, stop = partition.bounds(size)
+    for g in gradients:
+        state.commit(Commit(worker.worker_id, state.version, PayloadKind.GRADIENT, encoded(g[start:stop])))
+    return state.noise.estimate
+
+
+@pytest.mark.parametrize(("rule", "kernel"), RULES)
+def test_the_estimate_is_the_plain_reference(rule: str, kernel: str) -> None:
+    if kernel == "compiled" and compiled is None:
+        pytest.skip("the compiled kernel is not built here")
+    _, gradients = synthetic(np.random.default_rng(1), 40)
+    estimate = served(gradients, rule, kernel)
+    square, trace = reference(gradients, 4, BATCH)
+    assert estimate.windows == 10 and estimate.window == 4 and estimate.batch_size == BATCH
+    # float32 sums in blocks against float64: agreement to float32's precision, relative to |g|^2
+    assert estimate.noise_trace == pytest.approx(trace, rel=1e-4)
+    assert estimate.gradient_square == pytest.approx(square, abs=1e-4 * float(gradients[0] @ gradients[0]))
+
+
+def test_the_estimate_converges_to_the_true_noise_scale() -> None:
+    """Within 10% of tr(Sigma), |G|^2 and B_noise after 200 windows (the EMA keeps ~40)."""
+    truth, gradients = synthetic(np.random.default_rng(2), 800)
+    estimate = served(gradients, "gem", "auto")
+    assert estimate.noise_trace == pytest.approx(P * SIGMA2, rel=0.1)
+    assert estimate.gradient_square == pytest.approx(float(truth @ truth), rel=0.1)
+    assert estimate.scale == pytest.approx(SIGMA2, rel=0.1)
+    assert estimate.useful_workers == pytest.approx(SIGMA2 / BATCH, rel=0.1)
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_partitions_add_up_to_the_whole(count: int) -> None:
+    _, gradients = synthetic(np.random.default_rng(3), 40)
+    whole = served(gradients, "gem", "auto")
+    parts = GradientNoise.combined([served(gradients, "gem", "auto", PartitionOf(i, count)) for i in range(count)])
+    assert parts.windows == whole.windows and parts.batch_size == whole.batch_size
+    assert parts.noise_trace == pytest.approx(whole.noise_trace, rel=1e-5)
+    assert parts.scale == pytest.approx(whole.scale, rel=1e-3)
+    assert len(partition_bounds(P, count)) == count
+
+
+def test_windows_follow_registered_workers_and_update_commits_are_not_measured() -> None:
+    estimator = NoiseEstimator(batch_size=BATCH)
+    assert estimator.window(PayloadKind.UPDATE, P, registered=8) is None
+    assert NoiseEstimator(NOISE_WINDOW_OFF).window(PayloadKind.GRADIENT, P, registered=8) is None
+    modes = []
+    for _ in range(8):
+        window = estimator.window(PayloadKind.GRADIENT, P, registered=8)
+        assert window is not None
+        modes.append(window.mode)
+        window.payload_square = window.window_square = 1.0
+        estimator.record(window, BATCH)
+    assert modes == [WINDOW_START, *[WINDOW_ADD] * 6, WINDOW_LAST]
+    assert estimator.estimate.windows == 1 and estimator.estimate.window == 8
+    assert estimator.window(PayloadKind.GRADIENT, P, registered=1) is not None  # one worker: windows of 2
+    again = estimator.window(PayloadKind.GRADIENT, P, registered=1)  # the last commit was refused: start over
+    assert again is not None and again.mode == WINDOW_START
+
+
+def test_no_estimate_reads_as_such() -> None:
+    assert math.isnan(GradientNoise().scale) and math.isnan(GradientNoise().useful_workers)
+    assert "no estimate yet" in GradientNoise().describe()
+    line = GradientNoise(gradient_square=1.0, noise_trace=900.0, batch_size=64, windows=5).describe(100)
+    assert line == "noise scale ≈ 900 samples: about 14.1 workers of batch 64 pay; 100 registered"
+
+
+@pytest.mark.parametrize("mode", [WINDOW_START, WINDOW_ADD, WINDOW_LAST])
+def test_the_compiled_window_pass_is_numpys(mode: int) -> None:
+    rng = np.random.default_rng(4)
+    update = rng.normal(size=5_000).astype(np.float32)
+    window = rng.normal(size=5_000).astype(np.float32)
+    expected_window = window.copy()
+    expected = noise_window(update.astype(np.float64), expected_window, mode)  # float64: numpy's path
+    found = noise_window(update, window, mode)
+    np.testing.assert_allclose(found, expected, rtol=1e-5)
+    np.testing.assert_allclose(window, expected_window, rtol=1e-6)
