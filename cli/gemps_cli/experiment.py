@@ -11,6 +11,8 @@ from pathlib import Path
 from gemps_worker.datasets import DATASETS
 from gemps_worker.experiment.analysis import base_name
 from gemps_worker.experiment.single_run import RunConfig
+from gemps_worker.experiment.speedup import SpeedupConfig
+from gemps_worker.experiment.speedup_fit import run_speedup
 from gemps_worker.experiment.suite import SUITE_HELP, SUITES, with_seeds
 from gemps_worker.experiment.suite_run import run_suite
 from gemps_worker.models import MODELS
@@ -33,9 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--suite",
-        choices=tuple(SUITES),
+        choices=(*SUITES, SPEEDUP),
         default="full",
-        help="which runs (default full): " + "; ".join(f"{name}: {text}" for name, text in SUITE_HELP.items()),
+        help="which runs (default full): "
+        + "; ".join(f"{name}: {text}" for name, text in {**SUITE_HELP, SPEEDUP: SPEEDUP_HELP}.items()),
     )
     parser.add_argument(
         "--runs", nargs="*", default=None, help="only these run names (see --list; a name without -sK: all its seeds)"
@@ -74,7 +77,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
+SPEEDUP = "speedup"
+SPEEDUP_HELP = (
+    "samples and commits to a held-out loss target with N = 1..64 workers per rule (GEM, DOWNPOUR, adaptive "
+    "staleness), McCandlish's critical batch fitted to them beside the server's noise-scale gauge "
+    "(gemps_worker.experiment.speedup; --seeds, --out, --markdown apply)"
+)
+
+
 def run(args: argparse.Namespace) -> int:
+    command = "gemps experiment " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["experiment"] else "gemps experiment"
+    if args.suite == SPEEDUP:
+        report = args.report or args.out / "report"
+        config = SpeedupConfig(seeds=args.seeds, dataset=args.dataset or "digits")
+        return run_speedup(config, args.out, report, args.markdown or report / "SPEEDUP.md", args.force, command)
     if args.dataset not in (None, "digits") and args.model is None:
         print(
             f"gemps experiment: --dataset {args.dataset} needs --model (e.g. mnist-cnn for 28x28 images, mlp)",
@@ -101,7 +117,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     report = args.report or args.out / "report"
     discussion = args.discussion.read_text() if args.discussion and args.discussion.exists() else ""
-    command = "gemps experiment " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["experiment"] else "gemps experiment"
     return run_suite(
         suite, args.out, report, args.markdown or report / "RESULTS.md", discussion, args.force, command.strip()
     )
