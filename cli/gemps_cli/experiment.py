@@ -74,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--markdown", type=Path, default=None, help="where RESULTS.md goes (default: REPORT/RESULTS.md)"
     )
     parser.add_argument("--discussion", type=Path, default=None, help="markdown appended to RESULTS.md")
+    parser.add_argument(
+        "--target-loss",
+        type=float,
+        default=SpeedupConfig.target_loss,
+        help=f"speedup suite: the held-out loss every run trains to (default {SpeedupConfig.target_loss:g})",
+    )
     parser.set_defaults(run=run)
 
 
@@ -89,7 +95,10 @@ def run(args: argparse.Namespace) -> int:
     command = "gemps experiment " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["experiment"] else "gemps experiment"
     if args.suite == SPEEDUP:
         report = args.report or args.out / "report"
-        config = SpeedupConfig(seeds=args.seeds, dataset=args.dataset or "digits")
+        if not 0 < args.target_loss < SpeedupConfig.diverged_loss:
+            print(f"gemps experiment: --target-loss must be in (0, {SpeedupConfig.diverged_loss:g})", file=sys.stderr)
+            return 2
+        config = SpeedupConfig(seeds=args.seeds, dataset=args.dataset or "digits", target_loss=args.target_loss)
         return run_speedup(config, args.out, report, args.markdown or report / "SPEEDUP.md", args.force, command)
     if args.dataset not in (None, "digits") and args.model is None:
         print(

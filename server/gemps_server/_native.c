@@ -53,18 +53,35 @@ typedef struct {
 } Sums;
 
 /* The gradient noise scale's window (domain/noise.py): the running sum w of a window of commits'
- * payloads u. The first commit of a window writes w = u (w is not read), the middle ones w += u,
- * the last one only reads w + u for its squared norm (w is not written): about two float streams
- * per commit over a window, beside GEM's seven. */
+ * payloads u, at every `wstride`-th parameter (w has one value per sampled parameter; wstride 1:
+ * all of them). The first commit of a window writes w = u (w is not read), the middle ones w += u,
+ * the last one only reads w + u for its squared norm (w is not written). The sample keeps w small
+ * enough to stay in cache and the gathering short (noise.py's NOISE_SAMPLE_SIZE): all of θ cost a
+ * quarter more server CPU per commit at 1M parameters (docs/PERFORMANCE.md). */
 enum { WINDOW_START = 0, WINDOW_ADD = 1, WINDOW_LAST = 2 };
 
-/* One block's |u|^2 and |w'|^2 (w' the window sum after this commit), w written as `mode` says:
- * in GEM's pass right after the block's update, while u is in cache. */
+/* One block's |u|^2 and |w'|^2 over the sampled parameters in [start, start + length) (w' the window
+ * sum after this commit), w written as `mode` says: in GEM's pass right after the block's update,
+ * while u is in cache. */
 static inline __attribute__((always_inline)) void
-block_noise(const float *restrict bu, float *restrict bw, Py_ssize_t length, int mode, Sums *restrict sums)
+block_noise(const float *restrict bu, float *restrict w, Py_ssize_t start, Py_ssize_t length, Py_ssize_t wstride,
+            int mode, Sums *restrict sums)
 {
     float payload = 0.0f, window = 0.0f;
-    if (mode == WINDOW_START) {
+    if (wstride > 1) { /* a few values per block: scalar, one division per block */
+        const Py_ssize_t first = (start + wstride - 1) / wstride, end = start + length;
+        const float *restrict value = bu + (first * wstride - start);
+        float *restrict slot = w + first;
+        for (Py_ssize_t k = first * wstride; k < end; k += wstride, value += wstride, slot++) {
+            const float sum = mode == WINDOW_START ? *value : *slot + *value;
+            if (mode != WINDOW_LAST) {
+                *slot = sum;
+            }
+            payload += *value * *value;
+            window += sum * sum;
+        }
+    } else if (mode == WINDOW_START) {
+        float *restrict bw = w + start;
 #pragma omp simd reduction(+ : payload)
         for (Py_ssize_t j = 0; j < length; j++) {
             bw[j] = bu[j];
@@ -72,6 +89,7 @@ block_noise(const float *restrict bu, float *restrict bw, Py_ssize_t length, int
         }
         window = payload;
     } else if (mode == WINDOW_ADD) {
+        float *restrict bw = w + start;
 #pragma omp simd reduction(+ : payload, window)
         for (Py_ssize_t j = 0; j < length; j++) {
             const float value = bu[j], sum = bw[j] + value;
@@ -80,6 +98,7 @@ block_noise(const float *restrict bu, float *restrict bw, Py_ssize_t length, int
             window += sum * sum;
         }
     } else {
+        const float *restrict bw = w + start;
 #pragma omp simd reduction(+ : payload, window)
         for (Py_ssize_t j = 0; j < length; j++) {
             const float value = bu[j], sum = bw[j] + value;
@@ -171,7 +190,7 @@ block_sums(const float *restrict bto, const float *restrict bmo, const float *re
 __attribute__((target_clones("avx2", "default"))) static int
 update_in_place(float *restrict t, float *restrict m, float *restrict s, const float *restrict u, Py_ssize_t n,
                 float scale, float momentum, float kappa, float pi_max, float epsilon, Py_ssize_t stride,
-                float *restrict sampled, Sums *restrict sums, float *restrict mirror, float *restrict window, int mode)
+                float *restrict sampled, Sums *restrict sums, float *restrict mirror, float *restrict window, Py_ssize_t wstride, int mode)
 {
     float pis[BLOCK], proxies[BLOCK], centrals[BLOCK];
     const int amplify = kappa != 1.0f;
@@ -186,7 +205,7 @@ update_in_place(float *restrict t, float *restrict m, float *restrict s, const f
             memcpy(mirror + start, bt, (size_t)length * sizeof(float));
         }
         if (window != NULL) {
-            block_noise(bu, window + start, length, mode, sums);
+            block_noise(bu, window, start, length, wstride, mode, sums);
         }
         if (!block_sums(bt, bm, pis, proxies, centrals, start, length, pi_max, stride, sampled, sums, 0)) {
             return 0;
@@ -202,7 +221,7 @@ __attribute__((target_clones("avx2", "default"))) static int
 update_into(const float *restrict t, const float *restrict m, const float *restrict s, const float *restrict u,
             float *restrict t_out, float *restrict m_out, Py_ssize_t n, float scale, float momentum, float kappa,
             float pi_max, float epsilon, Py_ssize_t stride, float *restrict sampled, Sums *restrict sums,
-            float *restrict mirror, float *restrict window, int mode)
+            float *restrict mirror, float *restrict window, Py_ssize_t wstride, int mode)
 {
     float pis[BLOCK], proxies[BLOCK], centrals[BLOCK];
     const int amplify = kappa != 1.0f;
@@ -218,7 +237,7 @@ update_into(const float *restrict t, const float *restrict m, const float *restr
             memcpy(mirror + start, nt, (size_t)length * sizeof(float));
         }
         if (window != NULL) { /* a refused commit's window is dropped whole (noise.py) */
-            block_noise(bu, window + start, length, mode, sums);
+            block_noise(bu, window, start, length, wstride, mode, sums);
         }
         if (!block_sums(nt, nm, pis, proxies, centrals, start, length, pi_max, stride, sampled, sums, 1)) {
             return 0;
@@ -233,11 +252,11 @@ gem_update(PyObject *self, PyObject *args)
     Py_buffer theta, proxy, last_seen, gradient, theta_out, proxy_out, samples, mirror, window;
     PyObject *theta_out_object, *proxy_out_object, *mirror_object = Py_None, *window_object = Py_None;
     float scale, momentum, kappa, pi_max, epsilon;
-    Py_ssize_t stride;
+    Py_ssize_t stride, wstride = 1;
     int mode = WINDOW_START;
-    if (!PyArg_ParseTuple(args, "w*w*w*y*OOfffffnw*|OOi", &theta, &proxy, &last_seen, &gradient, &theta_out_object,
+    if (!PyArg_ParseTuple(args, "w*w*w*y*OOfffffnw*|OOni", &theta, &proxy, &last_seen, &gradient, &theta_out_object,
                           &proxy_out_object, &scale, &momentum, &kappa, &pi_max, &epsilon, &stride, &samples,
-                          &mirror_object, &window_object, &mode)) {
+                          &mirror_object, &window_object, &wstride, &mode)) {
         return NULL;
     }
     PyObject *result = NULL;
@@ -269,8 +288,8 @@ gem_update(PyObject *self, PyObject *args)
     if (theta.len % (Py_ssize_t)sizeof(float) || proxy.len != theta.len || last_seen.len != theta.len ||
         gradient.len != theta.len || stride < 1 ||
         (have_outputs && (theta_out.len != theta.len || proxy_out.len != theta.len)) ||
-        (have_mirror && mirror.len != theta.len) || (have_window && window.len != theta.len) ||
-        mode < WINDOW_START || mode > WINDOW_LAST ||
+        (have_mirror && mirror.len != theta.len) || wstride < 1 || mode < WINDOW_START || mode > WINDOW_LAST ||
+        (have_window && window.len != ((n + wstride - 1) / wstride) * (Py_ssize_t)sizeof(float)) ||
         samples.len < ((n + stride - 1) / stride) * (Py_ssize_t)sizeof(float)) {
         PyErr_SetString(PyExc_ValueError, "gem_update: buffers of different sizes");
         goto done;
@@ -300,11 +319,11 @@ gem_update(PyObject *self, PyObject *args)
     if (have_outputs) {
         finite = update_into((const float *)theta.buf, (const float *)proxy.buf, (const float *)last_seen.buf,
                              (const float *)gradient.buf, (float *)theta_out.buf, (float *)proxy_out.buf, n, scale,
-                             momentum, kappa, pi_max, epsilon, stride, (float *)samples.buf, &sums, mirrored, windowed, mode);
+                             momentum, kappa, pi_max, epsilon, stride, (float *)samples.buf, &sums, mirrored, windowed, wstride, mode);
     } else {
         finite = update_in_place((float *)theta.buf, (float *)proxy.buf, (float *)last_seen.buf,
                                  (const float *)gradient.buf, n, scale, momentum, kappa, pi_max, epsilon, stride,
-                                 (float *)samples.buf, &sums, mirrored, windowed, mode);
+                                 (float *)samples.buf, &sums, mirrored, windowed, wstride, mode);
     }
     MAYBE_RESTORE_GIL()
     result = Py_BuildValue("(idnndddddd)", finite, sums.pi_sum, (Py_ssize_t)sums.at_zero, (Py_ssize_t)sums.at_max,
@@ -331,11 +350,11 @@ done:
 
 /* The noise window alone (block_noise over every block): for the rules without a compiled pass. */
 __attribute__((target_clones("avx2", "default"))) static void
-noise_pass(const float *restrict u, float *restrict w, Py_ssize_t n, int mode, Sums *restrict sums)
+noise_pass(const float *restrict u, float *restrict w, Py_ssize_t n, Py_ssize_t wstride, int mode, Sums *restrict sums)
 {
     for (Py_ssize_t start = 0; start < n; start += BLOCK) {
         const Py_ssize_t length = start + BLOCK < n ? BLOCK : n - start;
-        block_noise(u + start, w + start, length, mode, sums);
+        block_noise(u + start, w, start, length, wstride, mode, sums);
     }
 }
 
@@ -343,19 +362,23 @@ static PyObject *
 noise_window(PyObject *self, PyObject *args)
 {
     Py_buffer update, window;
+    Py_ssize_t wstride;
     int mode;
-    if (!PyArg_ParseTuple(args, "y*w*i", &update, &window, &mode)) {
+    if (!PyArg_ParseTuple(args, "y*w*ni", &update, &window, &wstride, &mode)) {
         return NULL;
     }
     PyObject *result = NULL;
-    if (update.len != window.len || update.len % (Py_ssize_t)sizeof(float) || update.buf == window.buf ||
+    const Py_ssize_t n = update.len / (Py_ssize_t)sizeof(float);
+    if (update.len % (Py_ssize_t)sizeof(float) || wstride < 1 ||
+        window.len != ((n + wstride - 1) / wstride) * (Py_ssize_t)sizeof(float) || update.buf == window.buf ||
         mode < WINDOW_START || mode > WINDOW_LAST) {
-        PyErr_SetString(PyExc_ValueError, "noise_window: float32 buffers of one size, of their own, and a mode 0..2");
+        PyErr_SetString(PyExc_ValueError,
+                        "noise_window: float32 buffers, the window one value per stride-th of the update's, and a "
+                        "mode 0..2");
     } else {
         Sums sums = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0f, 0.0f, 0.0, 0.0};
-        const Py_ssize_t n = update.len / (Py_ssize_t)sizeof(float);
-        MAYBE_RELEASE_GIL(n);
-        noise_pass((const float *)update.buf, (float *)window.buf, n, mode, &sums);
+        MAYBE_RELEASE_GIL(n / wstride);
+        noise_pass((const float *)update.buf, (float *)window.buf, n, wstride, mode, &sums);
         MAYBE_RESTORE_GIL()
         result = Py_BuildValue("(dd)", sums.payload_square, sums.window_square);
     }
@@ -575,11 +598,12 @@ static PyMethodDef methods[] = {
      "median_in_place(float32 buffer) -> the median (the mean of the two middle values for an even count);\n"
      "reorders the buffer. NaN-free values only (the caller's: pi is clipped)."},
     {"noise_window", noise_window, METH_VARARGS,
-     "noise_window(float32 update, float32 window, mode) -> (|update|^2, |window sum after it|^2); the window sum\n"
-     "is written as mode says: 0 starts it (= update), 1 adds update, 2 (a window's last commit) leaves it."},
+     "noise_window(float32 update, float32 window, stride, mode) -> (|u|^2, |window sum after it|^2) over u, the\n"
+     "update's every stride-th value; the window sum (one value per u's) is written as mode says: 0 starts it\n"
+     "(= u), 1 adds u, 2 (a window's last commit) leaves it."},
     {"gem_update", gem_update, METH_VARARGS,
      "gem_update(theta, proxy, last_seen, update, theta_out, proxy_out, scale, momentum, kappa, pi_max, epsilon,\n"
-     "stride, samples, mirror=None, window=None, mode=0)\n"
+     "stride, samples, mirror=None, window=None, window_stride=1, mode=0)\n"
      "GEM's update: in place when theta_out is None, else into theta_out and proxy_out (the inputs only read;\n"
      "outputs partial when not finite). Returns (1 if every new value is finite else 0, sum of pi, count at 0,\n"
      "count at pi_max, sum of kappa*|m|, sum of |theta - s| + pi*(|Delta| + eps), max |new theta|, max |new m|,\n"

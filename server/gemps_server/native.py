@@ -70,18 +70,19 @@ def median_in_place(values: np.ndarray) -> float:
 WINDOW_START, WINDOW_ADD, WINDOW_LAST = 0, 1, 2
 
 
-def noise_window(update: np.ndarray, window: np.ndarray, mode: int) -> tuple[float, float]:
-    """(|update|^2, |w + update|^2, or |update|^2 when `mode` starts the window) for the noise
-    scale's window sum w (float32, the update's size), which `mode` writes: WINDOW_START w = update,
-    WINDOW_ADD w += update, WINDOW_LAST leaves it (a window's last commit needs only the norm).
-    One compiled pass for contiguous float32, numpy otherwise (GEM's compiled pass folds the same
-    sums into its own: gem_update's `window`)."""
+def noise_window(update: np.ndarray, window: np.ndarray, stride: int, mode: int) -> tuple[float, float]:
+    """(|u|^2, |w + u|^2, or |u|^2 when `mode` starts the window) with u the update's every
+    `stride`-th value and w the noise scale's window sum (float32, one value per u's), which `mode`
+    writes: WINDOW_START w = u, WINDOW_ADD w += u, WINDOW_LAST leaves it (a window's last commit
+    needs only the norm). One compiled pass for contiguous float32, numpy otherwise (GEM's compiled
+    pass folds the same sums into its own: gem_update's `window`)."""
     if compiled is not None and update.dtype == np.float32 and update.flags.c_contiguous:
-        payload, total = compiled.noise_window(update.reshape(-1), window, mode)
+        payload, total = compiled.noise_window(update.reshape(-1), window, stride, mode)
         return float(payload), float(total)
-    payload = float(np.dot(update, update))
+    sampled = update.reshape(-1)[::stride]
+    payload = float(np.dot(sampled, sampled))
     if mode == WINDOW_START:
-        np.copyto(window, update)
+        np.copyto(window, sampled)
         return payload, payload
-    summed = np.add(window, update, out=window if mode == WINDOW_ADD else None)
+    summed = np.add(window, sampled, out=window if mode == WINDOW_ADD else None)
     return payload, float(np.dot(summed, summed))

@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 
 from gemps_proto.schema import GradientNoise, ParameterSpec, PayloadKind, partition_bounds
-from gemps_server.domain.noise import EMA_DECAY, NOISE_WINDOW_OFF, MovingAverage, NoiseEstimator
+from gemps_server.domain.noise import (
+    EMA_DECAY,
+    NOISE_SAMPLE_SIZE,
+    NOISE_WINDOW_OFF,
+    MovingAverage,
+    NoiseEstimator,
+)
 from gemps_server.domain.records import ALL_OF_THETA, Commit, PartitionOf
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
@@ -80,6 +86,18 @@ def test_the_estimate_is_the_plain_reference(rule: str, kernel: str) -> None:
     assert estimate.gradient_square == pytest.approx(square, abs=1e-4 * float(gradients[0] @ gradients[0]))
 
 
+@pytest.mark.parametrize(("rule", "kernel"), [("gem", "auto"), ("downpour", "auto")])
+def test_past_the_sample_size_the_sums_are_a_strided_sample_scaled_up(rule: str, kernel: str) -> None:
+    size = 3 * NOISE_SAMPLE_SIZE + 5  # every 4th parameter sampled
+    _, gradients = synthetic(np.random.default_rng(5), 40, size)
+    estimate = served(gradients, rule, kernel)
+    square, trace = reference([g[::4] for g in gradients], 4, BATCH)
+    scale = size / -(-size // 4)
+    assert estimate.noise_trace == pytest.approx(trace * scale, rel=1e-4)
+    assert estimate.gradient_square == pytest.approx(square * scale, abs=1e-4 * float(gradients[0] @ gradients[0]))
+    assert estimate.scale == pytest.approx(SIGMA2, rel=0.25)  # 10 windows only
+
+
 def test_the_estimate_converges_to_the_true_noise_scale() -> None:
     """Within 10% of tr(Sigma), |G|^2 and B_noise after 200 windows (the EMA keeps ~40)."""
     truth, gradients = synthetic(np.random.default_rng(2), 800)
@@ -126,13 +144,14 @@ def test_no_estimate_reads_as_such() -> None:
     assert line == "noise scale ≈ 900 samples: about 14.1 workers of batch 64 pay; 100 registered"
 
 
+@pytest.mark.parametrize("stride", [1, 7])
 @pytest.mark.parametrize("mode", [WINDOW_START, WINDOW_ADD, WINDOW_LAST])
-def test_the_compiled_window_pass_is_numpys(mode: int) -> None:
+def test_the_compiled_window_pass_is_numpys(mode: int, stride: int) -> None:
     rng = np.random.default_rng(4)
     update = rng.normal(size=5_000).astype(np.float32)
-    window = rng.normal(size=5_000).astype(np.float32)
+    window = rng.normal(size=-(-5_000 // stride)).astype(np.float32)
     expected_window = window.copy()
-    expected = noise_window(update.astype(np.float64), expected_window, mode)  # float64: numpy's path
-    found = noise_window(update, window, mode)
+    expected = noise_window(update.astype(np.float64), expected_window, stride, mode)  # float64: numpy's path
+    found = noise_window(update, window, stride, mode)
     np.testing.assert_allclose(found, expected, rtol=1e-5)
     np.testing.assert_allclose(window, expected_window, rtol=1e-6)

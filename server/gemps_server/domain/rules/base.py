@@ -106,17 +106,19 @@ class ApplyStats:
 @dataclass
 class NoiseWindow:
     """One gradient commit's share of the noise scale's estimate (domain/noise.py): the window's
-    running sum of gradients (float32, P), how this commit moves it (native.WINDOW_*), and what
-    was measured as the rule applied it: |g|^2 and |window sum after it|^2 (NaN until then)."""
+    running sum of gradients at every `stride`-th parameter (float32), how this commit moves it
+    (native.WINDOW_*), and what was measured as the rule applied it: |g|^2 and |window sum after
+    it|^2 over those parameters (NaN until then)."""
 
     total: np.ndarray
+    stride: int
     mode: int
     payload_square: float = math.nan
     window_square: float = math.nan
 
     def measure(self, payload: np.ndarray) -> None:
         """The sums in a pass of their own (for rules whose pass does not fold them in)."""
-        self.payload_square, self.window_square = noise_window(payload, self.total, self.mode)
+        self.payload_square, self.window_square = noise_window(payload, self.total, self.stride, self.mode)
 
 
 _TRAINING_FIELDS = frozenset(f.name for f in fields(TrainingConfig))

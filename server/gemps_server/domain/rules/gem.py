@@ -219,11 +219,11 @@ class GemRule(OverflowGuard, CommitRule):
         the noise `window`'s sums measured): (all finite, statistics, max |new theta|, max |new m_i|)."""
         assert compiled is not None
         values = (scale, self.momentum, self.kappa, self.pi_max, EPSILON)
-        total, mode = (None, 0) if window is None else (window.total, window.mode)
+        total, stride, mode = (None, 1, 0) if window is None else (window.total, window.stride, window.mode)
         (finite, pi_sum, at_zero, at_max, proxy_energy, central_energy, theta_peak, proxy_peak, payload_square,
          window_square) = compiled.gem_update(
             theta, state.proxy, state.last_seen_theta, np.ascontiguousarray(update, np.float32), theta_out, proxy_out,
-            *(float(np.float32(v)) for v in values), self._stride, self._samples, mirror, total, mode,
+            *(float(np.float32(v)) for v in values), self._stride, self._samples, mirror, total, stride, mode,
         )  # fmt: skip
         if window is not None:
             window.payload_square, window.window_square = payload_square, window_square
