@@ -35,10 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--suite",
-        choices=(*SUITES, SPEEDUP),
+        choices=(*SUITES, *SPEEDUP_SUITES),
         default="full",
         help="which runs (default full): "
-        + "; ".join(f"{name}: {text}" for name, text in {**SUITE_HELP, SPEEDUP: SPEEDUP_HELP}.items()),
+        + "; ".join(f"{name}: {text}" for name, text in {**SUITE_HELP, **SPEEDUP_SUITES}.items()),
     )
     parser.add_argument(
         "--runs", nargs="*", default=None, help="only these run names (see --list; a name without -sK: all its seeds)"
@@ -83,22 +83,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
-SPEEDUP = "speedup"
-SPEEDUP_HELP = (
-    "samples and commits to a held-out loss target with N = 1..64 workers per rule (GEM, DOWNPOUR, adaptive "
-    "staleness), McCandlish's critical batch fitted to them beside the server's noise-scale gauge "
-    "(gemps_worker.experiment.speedup; --seeds, --out, --markdown apply)"
-)
+SPEEDUP_SUITES = {
+    "speedup": "samples and commits to a held-out loss target (--target-loss) with N = 1..64 workers per rule (GEM, "
+    "DOWNPOUR, adaptive staleness), McCandlish's critical batch fitted to them beside the server's noise-scale gauge "
+    "(gemps_worker.experiment.speedup; --seeds, --out, --markdown apply)",
+    "speedup-quick": "the speedup suite reduced for CI: GEM with N = 1, 2, 4, one seed, to a held-out loss of 1.0",
+}
 
 
 def run(args: argparse.Namespace) -> int:
     command = "gemps experiment " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["experiment"] else "gemps experiment"
-    if args.suite == SPEEDUP:
+    if args.suite in SPEEDUP_SUITES:
         report = args.report or args.out / "report"
         if not 0 < args.target_loss < SpeedupConfig.diverged_loss:
             print(f"gemps experiment: --target-loss must be in (0, {SpeedupConfig.diverged_loss:g})", file=sys.stderr)
             return 2
         config = SpeedupConfig(seeds=args.seeds, dataset=args.dataset or "digits", target_loss=args.target_loss)
+        if args.suite == "speedup-quick":
+            config = replace(config, rules=("gem",), workers=(1, 2, 4), seeds=1, target_loss=1.0, status_every=10)
         return run_speedup(config, args.out, report, args.markdown or report / "SPEEDUP.md", args.force, command)
     if args.dataset not in (None, "digits") and args.model is None:
         print(
