@@ -37,6 +37,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8, help="registered workers: the window's k (default 8)")
     parser.add_argument("--commits", type=int, default=400, help="commits to each side (default 400)")
     parser.add_argument("--rule", default="gem")
+    parser.add_argument(
+        "--mirror",
+        action="store_true",
+        help="θ also written to a reply buffer as the rule computes it, as for a data-plane commit (default: "
+        "gRPC's path, the reply framed from θ afterwards)",
+    )
     args = parser.parse_args()
     size = args.parameters
     rng = np.random.default_rng(0)
@@ -51,12 +57,13 @@ def main() -> None:
     workers = [state.register(f"w{i}", spec, theta).worker.worker_id for i in range(args.workers)]
     estimators = {"with": NoiseEstimator(NOISE_WINDOW_AUTO), "without": NoiseEstimator(NOISE_WINDOW_OFF)}
     spent: dict[str, list[float]] = {name: [] for name in estimators}
+    mirror = np.empty(size, dtype=np.float32) if args.mirror else None
     for index in range(2 * args.commits):
         name = ("with", "without")[index % 2]
         state.noise = estimators[name]
         commit = Commit(workers[index % len(workers)], state.version, PayloadKind.GRADIENT, payloads[index % 8])
         started = time.process_time()
-        state.commit(commit)
+        state.commit(commit, mirror)
         spent[name].append(time.process_time() - started)
     skip = len(spent["with"]) // 10  # the first tenth warms caches and allocations
     kept = {name: np.array(values[skip:]) * 1e3 for name, values in spent.items()}

@@ -23,7 +23,15 @@ from gemps_server.domain.noise import (
 from gemps_server.domain.records import ALL_OF_THETA, Commit, PartitionOf
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
-from gemps_server.native import WINDOW_ADD, WINDOW_LAST, WINDOW_START, compiled, noise_window
+from gemps_server.native import (
+    WINDOW_ADD,
+    WINDOW_LAST,
+    WINDOW_START,
+    compiled,
+    noise_sample,
+    noise_window,
+    noise_window_size,
+)
 from tests.helpers import encoded, training
 
 P = 10_007
@@ -88,11 +96,13 @@ def test_the_estimate_is_the_plain_reference(rule: str, kernel: str) -> None:
 
 @pytest.mark.parametrize(("rule", "kernel"), [("gem", "auto"), ("downpour", "auto")])
 def test_past_the_sample_size_the_sums_are_a_strided_sample_scaled_up(rule: str, kernel: str) -> None:
-    size = 3 * NOISE_SAMPLE_SIZE + 5  # every 4th parameter sampled
+    size = 3 * NOISE_SAMPLE_SIZE + 5  # every 4th run of 16 parameters sampled, the last one short
     _, gradients = synthetic(np.random.default_rng(5), 40, size)
     estimate = served(gradients, rule, kernel)
-    square, trace = reference([g[::4] for g in gradients], 4, BATCH)
-    scale = size / -(-size // 4)
+    sample = noise_sample(size, 4)
+    assert sample.size == 768 * 16 + 5 and np.array_equal(sample[:20], [*range(16), *range(64, 68)])
+    square, trace = reference([g[sample] for g in gradients], 4, BATCH)
+    scale = size / sample.size
     assert estimate.noise_trace == pytest.approx(trace * scale, rel=1e-4)
     assert estimate.gradient_square == pytest.approx(square * scale, abs=1e-4 * float(gradients[0] @ gradients[0]))
     assert estimate.scale == pytest.approx(SIGMA2, rel=0.25)  # 10 windows only
@@ -148,8 +158,8 @@ def test_no_estimate_reads_as_such() -> None:
 @pytest.mark.parametrize("mode", [WINDOW_START, WINDOW_ADD, WINDOW_LAST])
 def test_the_compiled_window_pass_is_numpys(mode: int, stride: int) -> None:
     rng = np.random.default_rng(4)
-    update = rng.normal(size=5_000).astype(np.float32)
-    window = rng.normal(size=-(-5_000 // stride)).astype(np.float32)
+    update = rng.normal(size=5_000).astype(np.float32)  # 313 runs of 16, the last of 8: 45 sampled at stride 7
+    window = rng.normal(size=noise_window_size(5_000, stride)).astype(np.float32)
     expected_window = window.copy()
     expected = noise_window(update.astype(np.float64), expected_window, stride, mode)  # float64: numpy's path
     found = noise_window(update, window, stride, mode)

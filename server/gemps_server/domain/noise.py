@@ -14,12 +14,13 @@ Unequal batch sizes in a window take B_s as their harmonic mean, which keeps bot
 
 The sums are measured as the rule applies the commit (CommitRule.step's `window`: in GEM's
 compiled pass, else one pass of their own): |g|^2 per commit, and the window's running sum of g,
-whose squared norm is read at the window's last commit. Both are taken over an evenly strided
+whose squared norm is read at the window's last commit. Both are taken over an evenly spread
 sample of at most NOISE_SAMPLE_SIZE parameters and scaled up to all of them: exact up to that
-size, an estimate past it (as the commit statistics are, rules/base.py). The window's sum is a
-vector of the sample's size held here. Measured at 1M parameters (docs/PERFORMANCE.md): all of
-them cost a quarter more server CPU per commit (a θ-sized sum's memory traffic), a sample of 64K
-about 5%, this one about 1%.
+size, an estimate past it (as the commit statistics are, rules/base.py). The sample is runs of
+16 consecutive parameters (one cache line of the payload each), every stride-th run. The
+window's sum is a vector of the sample's size held here. Measured at 1M parameters
+(docs/PERFORMANCE.md): a sum over all of θ cost a quarter more server CPU per commit (its memory
+traffic), the sample about 1%.
 Everything is a sum over parameters, so partitions of θ each estimate their slice and the whole
 is the sum (schema.GradientNoise.combined). Update commits (local-step modes) are not measured:
 an update is several steps' movement, not a gradient at a batch (docs/OBSERVABILITY.md).
@@ -34,7 +35,7 @@ import numpy as np
 
 from gemps_proto.schema import GradientNoise, PayloadKind
 from gemps_server.domain.rules.base import NoiseWindow
-from gemps_server.native import WINDOW_ADD, WINDOW_LAST, WINDOW_START
+from gemps_server.native import WINDOW_ADD, WINDOW_LAST, WINDOW_START, noise_sample, noise_window_size
 
 #: --noise-window: 0 sizes each window by the workers registered when it starts (at least 2)
 NOISE_WINDOW_AUTO = 0
@@ -42,7 +43,7 @@ NOISE_WINDOW_AUTO = 0
 NOISE_WINDOW_OFF = 1
 #: each window's estimates enter their moving averages with weight 1 - this (about 20 windows' memory)
 EMA_DECAY = 0.95
-#: parameters the sums are taken over, at most: every stride-th, the stride ceil(P / this)
+#: parameters the sums are taken over, at most: every stride-th run of native.NOISE_RUN, the stride ceil(P / this)
 NOISE_SAMPLE_SIZE = 16_384
 
 
@@ -90,11 +91,11 @@ class NoiseEstimator:
         if self._count == 0:
             self._size = self.option or max(2, registered)
             self._small = self._inverse_batch = 0.0
-            self._stride = -(-num_parameters // NOISE_SAMPLE_SIZE)
-            sampled = -(-num_parameters // self._stride)
-            self._scale = num_parameters / sampled
-            if self._total.size != sampled:
-                self._total = np.empty(sampled, dtype=np.float32)  # written whole by WINDOW_START
+            self._stride = -(-num_parameters // NOISE_SAMPLE_SIZE)  # in runs of NOISE_RUN parameters
+            self._scale = num_parameters / noise_sample(num_parameters, self._stride).size
+            size = noise_window_size(num_parameters, self._stride)
+            if self._total.size != size:
+                self._total = np.empty(size, dtype=np.float32)  # written by WINDOW_START before it is read
         self._pending = True
         mode = WINDOW_START if self._count == 0 else WINDOW_LAST if self._count == self._size - 1 else WINDOW_ADD
         return NoiseWindow(self._total, self._stride, mode)
