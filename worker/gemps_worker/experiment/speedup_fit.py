@@ -10,6 +10,7 @@ reached the target with are fitted (a run that never reached it has no count).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,12 +124,20 @@ def plot(fits: Sequence[Fit], batch_size: int, path: Path) -> None:
         for p in fit.points:
             if p.reached < p.runs:
                 axis.annotate(f"{p.reached}/{p.runs} reached", (p.workers, means[~np.isnan(means)].max()), fontsize=7)
+        shown = (0.5, 4 * ns.max())  # a knee outside N's range is named in the legend, not drawn
         if math.isfinite(fit.critical_batch):
             dense = np.logspace(0, math.log10(max(ns.max(), 2)), 100)
             axis.plot(dense, fit.samples_min * (1 + dense * batch_size / fit.critical_batch), label="fit")
-            axis.axvline(fit.critical_batch / batch_size, linestyle="--", color="C1", label="knee B_crit/b")
+            knee = fit.critical_batch / batch_size
+            inside = shown[0] <= knee <= shown[1]
+            axis.axvline(knee if inside else np.nan, linestyle="--", color="C1", label=f"knee B_crit/b = {knee:.3g}")
         if math.isfinite(fit.gauge):
-            axis.axvline(fit.gauge / batch_size, linestyle=":", color="C2", label="gauge B_noise/b")
+            axis.axvline(
+                fit.gauge / batch_size,
+                linestyle=":",
+                color="C2",
+                label=f"gauge B_noise/b = {fit.gauge / batch_size:.3g}",
+            )
         axis.set(xscale="log", yscale="log", xlabel="workers N", title=fit.rule)
         axis.legend(fontsize=8)
     axes[0][0].set_ylabel("samples to target")
@@ -171,7 +180,7 @@ def run_speedup(config: SpeedupConfig, out: Path, report: Path, markdown_path: P
     figure = report / "speedup.png"
     plot(fits, config.batch_size, figure)
     markdown_path.parent.mkdir(parents=True, exist_ok=True)
-    markdown_path.write_text(markdown(fits, config.batch_size, str(figure), command))
+    markdown_path.write_text(markdown(fits, config.batch_size, os.path.relpath(figure, markdown_path.parent), command))
     for fit in fits:
         print(
             f"{fit.rule}: B_crit {fit.critical_batch:.0f} samples (knee at "
