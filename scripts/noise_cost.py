@@ -1,7 +1,8 @@
 """The gradient noise scale's cost, A/B in one run: the applier's CPU per commit (ServerState.commit:
 validation, the rule's pass, the ledger) with the estimate (--noise-window 0) and without it
-(--noise-window 1), commit by commit in turn on one state, so the machine's other load falls on
-both alike.
+(--noise-window 1), in pairs of commits on one state, in an order drawn at random per pair, so the
+machine's other load and the commit's position fall on both alike. `--null` measures the estimate
+off against off: what the method reads when there is nothing to find.
 
     .venv/bin/python scripts/noise_cost.py --parameters 1000000 --workers 8 --commits 400
 
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8, help="registered workers: the window's k (default 8)")
     parser.add_argument("--commits", type=int, default=400, help="commits to each side (default 400)")
     parser.add_argument("--rule", default="gem")
+    parser.add_argument("--null", action="store_true", help="the estimate off on both sides (the method's noise)")
     parser.add_argument(
         "--mirror",
         action="store_true",
@@ -55,21 +57,27 @@ def main() -> None:
     )
     spec = [ParameterSpec("w", (size,))]
     workers = [state.register(f"w{i}", spec, theta).worker.worker_id for i in range(args.workers)]
-    estimators = {"with": NoiseEstimator(NOISE_WINDOW_AUTO), "without": NoiseEstimator(NOISE_WINDOW_OFF)}
+    measured = NOISE_WINDOW_OFF if args.null else NOISE_WINDOW_AUTO
+    estimators = {"with": NoiseEstimator(measured), "without": NoiseEstimator(NOISE_WINDOW_OFF)}
     spent: dict[str, list[float]] = {name: [] for name in estimators}
     mirror = np.empty(size, dtype=np.float32) if args.mirror else None
-    for index in range(2 * args.commits):
-        name = ("with", "without")[index % 2]
-        state.noise = estimators[name]
-        commit = Commit(workers[index % len(workers)], state.version, PayloadKind.GRADIENT, payloads[index % 8])
-        started = time.process_time()
-        state.commit(commit, mirror)
-        spent[name].append(time.process_time() - started)
+    # Each pair of commits runs both, in an order drawn at random: a fixed order (with on even
+    # commits) read up to ±5% with the estimate off on both sides, from what differs by position.
+    order = np.random.default_rng(1)
+    for _ in range(args.commits):
+        pair = ("with", "without") if order.random() < 0.5 else ("without", "with")
+        for name in pair:
+            state.noise = estimators[name]
+            worker = workers[len(spent[name]) % len(workers)]
+            commit = Commit(worker, state.version, PayloadKind.GRADIENT, payloads[state.version % 8])
+            started = time.process_time()
+            state.commit(commit, mirror)
+            spent[name].append(time.process_time() - started)
     skip = len(spent["with"]) // 10  # the first tenth warms caches and allocations
     kept = {name: np.array(values[skip:]) * 1e3 for name, values in spent.items()}
     for name, values in kept.items():
         print(f"{name:8s} the estimate: median {np.median(values):.3f} ms, p10 {np.percentile(values, 10):.3f} ms")
-    paired = kept["with"] - kept["without"]  # each with the next one: the machine's load cancels out
+    paired = kept["with"] - kept["without"]  # each with its pair's other: the machine's load cancels out
     error = paired.std() / np.sqrt(paired.size)
     base = float(np.mean(kept["without"]))
     estimate = estimators["with"].estimate

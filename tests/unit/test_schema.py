@@ -35,6 +35,7 @@ FACES: list[tuple[type[Any], Any]] = [
     (schema.Partition, pb.Partition.DESCRIPTOR),
     (schema.Layout, pb.Layout.DESCRIPTOR),
     (schema.DataPlane, pb.DataPlane.DESCRIPTOR),
+    (schema.GradientNoise, pb.GradientNoise.DESCRIPTOR),
 ]
 
 
@@ -85,6 +86,7 @@ def test_training_config_and_status_survive_the_wire() -> None:
         last_evaluation=schema.Evaluation(6, 0.25, 0.875, 100, "digits"),
         learning_rate=0.025,
         buffer_spec=(schema.ParameterSpec("bn.running_mean", (5,)),),
+        gradient_noise=schema.GradientNoise(2.5, 900.0, 64.0, windows=12, window=8),
     )
     assert shared.status_from_proto(shared.status_to_proto(status)) == status
     assert shared.status_from_proto(shared.status_to_proto(dataclasses.replace(status, last_evaluation=None))) == (
