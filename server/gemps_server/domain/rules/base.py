@@ -106,9 +106,9 @@ class ApplyStats:
 @dataclass
 class NoiseWindow:
     """One gradient commit's share of the noise scale's estimate (domain/noise.py): the window's
-    running sum of gradients at every `stride`-th parameter (float32), how this commit moves it
-    (native.WINDOW_*), and what was measured as the rule applied it: |g|^2 and |window sum after
-    it|^2 over those parameters (NaN until then)."""
+    running sum of gradients over the sampled parameters (float32; every `stride`-th run of them,
+    native.noise_sample), how this commit moves it (native.WINDOW_*), and what was measured as the
+    rule applied it: |g|^2 and |window sum after it|^2 over those parameters (NaN until then)."""
 
     total: np.ndarray
     stride: int
