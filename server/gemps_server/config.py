@@ -16,6 +16,7 @@ from typing import Any
 
 from gemps_proto.ranges import INT32_MAX, INT64_MAX, RANGE, UINT32_MAX, Range, out_of_range
 from gemps_proto.schema import TrainingConfig
+from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NOISE_WINDOW_HELP, NOISE_WINDOWS
 from gemps_server.domain.rules import rule_names
 from gemps_server.domain.rules.gem import GEM_KERNELS
 from gemps_server.logs import LOG_FORMATS
@@ -116,15 +117,7 @@ class ServerConfig:
     max_workers: int = field(
         default=256, metadata={"help": "most workers registered at once", RANGE: Range(1, UINT32_MAX)}
     )
-    noise_window: int = field(
-        default=0,
-        metadata={
-            "help": "gradient commits per window of the gradient noise scale's estimate (the large batch is "
-            "their mean; docs/OBSERVABILITY.md); 0: the workers registered when a window starts, at least 2; "
-            "1: no estimate",
-            RANGE: Range(0, UINT32_MAX),
-        },
-    )
+    noise_window: int = field(default=NOISE_WINDOW_AUTO, metadata={"help": NOISE_WINDOW_HELP, RANGE: NOISE_WINDOWS})
     num_shards: int = field(
         default=0,
         metadata={

@@ -33,6 +33,7 @@ import math
 
 import numpy as np
 
+from gemps_proto.ranges import UINT32_MAX, Range
 from gemps_proto.schema import GradientNoise, PayloadKind
 from gemps_server.domain.rules.base import NoiseWindow
 from gemps_server.native import WINDOW_ADD, WINDOW_LAST, WINDOW_START, noise_sample, noise_window_size
@@ -41,6 +42,12 @@ from gemps_server.native import WINDOW_ADD, WINDOW_LAST, WINDOW_START, noise_sam
 NOISE_WINDOW_AUTO = 0
 #: --noise-window 1: no estimate (a window of one commit has no large batch to compare with)
 NOISE_WINDOW_OFF = 1
+#: the values --noise-window may take (a window's size is a uint32 in Status)
+NOISE_WINDOWS = Range(0, UINT32_MAX)
+NOISE_WINDOW_HELP = (
+    "gradient commits per window of the gradient noise scale's estimate (the large batch is their mean; "
+    "docs/OBSERVABILITY.md); 0: the workers registered when a window starts, at least 2; 1: no estimate"
+)
 #: each window's estimates enter their moving averages with weight 1 - this (about 20 windows' memory)
 EMA_DECAY = 0.95
 #: parameters the sums are taken over, at most: every stride-th run of native.NOISE_RUN, the stride ceil(P / this)
