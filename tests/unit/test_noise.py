@@ -139,7 +139,7 @@ def test_windows_follow_registered_workers_and_update_commits_are_not_measured()
         assert window is not None
         modes.append(window.mode)
         window.payload_square = window.window_square = 1.0
-        estimator.record(window, BATCH)
+        window.applied(window)  # as CommitRule.step does once the commit is applied
     assert modes == [WINDOW_START, *[WINDOW_ADD] * 6, WINDOW_LAST]
     assert estimator.estimate.windows == 1 and estimator.estimate.window == 8
     assert estimator.window(PayloadKind.GRADIENT, P, registered=1) is not None  # one worker: windows of 2

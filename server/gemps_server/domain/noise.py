@@ -20,7 +20,8 @@ size, an estimate past it (as the commit statistics are, rules/base.py). The sam
 16 consecutive parameters (one cache line of the payload each), every stride-th run. The
 window's sum is a vector of the sample's size held here. Measured at 1M parameters
 (docs/PERFORMANCE.md): a sum over all of θ cost a quarter more server CPU per commit (its memory
-traffic), the sample about 1%.
+traffic), the sample 2-4% of the applier's CPU per commit, 1-3% of the server's.
+
 Everything is a sum over parameters, so partitions of θ each estimate their slice and the whole
 is the sum (schema.GradientNoise.combined). Update commits (local-step modes) are not measured:
 an update is several steps' movement, not a gradient at a batch (docs/OBSERVABILITY.md).
@@ -88,9 +89,12 @@ class NoiseEstimator:
         self._gradient_square, self._noise_trace = MovingAverage(), MovingAverage()
         self.estimate = GradientNoise(batch_size=float(batch_size))
 
-    def window(self, kind: PayloadKind, num_parameters: int, registered: int) -> NoiseWindow | None:
-        """This commit's share of the estimate, for the rule to measure (CommitRule.step); None
-        when nothing is measured (off, an update commit, no parameters)."""
+    def window(
+        self, kind: PayloadKind, num_parameters: int, registered: int, num_samples: int | None = None
+    ) -> NoiseWindow | None:
+        """This commit's share of the estimate, for the rule to measure (CommitRule.step), which
+        hands it back to `record` once the commit is applied; None when nothing is measured (off,
+        an update commit, no parameters). `num_samples`: the commit's batch, if it says."""
         if self.option == NOISE_WINDOW_OFF or kind is not PayloadKind.GRADIENT or num_parameters == 0:
             return None
         if self._pending:  # the last commit was refused after its pass may have moved the sum: start over
@@ -105,12 +109,10 @@ class NoiseEstimator:
                 self._total = np.empty(size, dtype=np.float32)  # written by WINDOW_START before it is read
         self._pending = True
         mode = WINDOW_START if self._count == 0 else WINDOW_LAST if self._count == self._size - 1 else WINDOW_ADD
-        return NoiseWindow(self._total, self._stride, mode)
+        return NoiseWindow(self._total, self._stride, mode, lambda measured: self.record(measured, num_samples))
 
-    def record(self, window: NoiseWindow | None, num_samples: int | None) -> None:
+    def record(self, window: NoiseWindow, num_samples: int | None) -> None:
         """The commit `window` was handed for is applied and its sums measured."""
-        if window is None:
-            return
         self._pending = False
         self._small += window.payload_square * self._scale
         self._inverse_batch += 1.0 / (num_samples or self.default_batch)

@@ -166,7 +166,7 @@ class ServerState:
         kind, payload, peak = validation.validated_payload(commit, self.num_parameters, self.version)
         buffers = validation.buffers_after(self._buffers, commit.buffer_delta)  # checked before θ moves
         staleness = self.version - commit.base_version
-        window = self.noise.window(kind, self.num_parameters, len(self.registry))
+        window = self.noise.window(kind, self.num_parameters, len(self.registry), commit.num_samples)
         try:  # the rule writes into spare buffers and swaps them in only if every value is finite
             self._theta, stats = rule.step(
                 self._theta, payload, kind, commit.worker_id, staleness, self.version, peak, mirror, window
@@ -174,7 +174,6 @@ class ServerState:
         except NonFiniteUpdate as error:
             raise InvalidArgument(f"commit refused, nothing changed: {error}", Reason.NON_FINITE) from None
         self._buffers = buffers
-        self.noise.record(window, commit.num_samples)
         self.commits_applied += 1
         worker.commits += 1
         self.registry.touch(commit.worker_id, committed=True)

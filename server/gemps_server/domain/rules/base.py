@@ -108,11 +108,13 @@ class NoiseWindow:
     """One gradient commit's share of the noise scale's estimate (domain/noise.py): the window's
     running sum of gradients over the sampled parameters (float32; every `stride`-th run of them,
     native.noise_sample), how this commit moves it (native.WINDOW_*), and what was measured as the
-    rule applied it: |g|^2 and |window sum after it|^2 over those parameters (NaN until then)."""
+    rule applied it: |g|^2 and |window sum after it|^2 over those parameters (NaN until then).
+    `step` hands it to `applied` once the commit is applied and measured (not when refused)."""
 
     total: np.ndarray
     stride: int
     mode: int
+    applied: Callable[[NoiseWindow], None]
     payload_square: float = math.nan
     window_square: float = math.nan
 
@@ -204,7 +206,7 @@ class CommitRule(ABC):
         reply is sent from: a rule that `mirrors` writes it as it computes theta, without a pass of
         its own (contents undefined after NonFiniteUpdate).
         `window`: the noise scale's sums to measure for this commit, in the rule's pass where it
-        `folds_noise`, else in a pass of their own once the commit is applied."""
+        `folds_noise`, else in a pass of their own once the commit is applied; then handed back."""
         scale = -self.learning_rate_at(version) if kind is PayloadKind.GRADIENT else 1.0
         folded = window if self.folds_noise else None
         if mirror is not None and self.mirrors:
@@ -217,8 +219,10 @@ class CommitRule(ABC):
             updated, stats = self.step_scaled(theta, payload, scale, worker_id, staleness, payload_peak)
         if mirror is not None and not self.mirrors:
             np.copyto(mirror, updated)
-        if window is not None and folded is None:
-            window.measure(payload)
+        if window is not None:
+            if folded is None:
+                window.measure(payload)
+            window.applied(window)
         return updated, stats
 
     @property
