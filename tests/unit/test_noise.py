@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from gemps_proto.schema import GradientNoise, ParameterSpec, PayloadKind, partition_bounds
+from gemps_server.domain.errors import InvalidArgument
 from gemps_server.domain.noise import (
     EMA_DECAY,
     NOISE_SAMPLE_SIZE,
@@ -165,3 +166,29 @@ def test_the_compiled_window_pass_is_numpys(mode: int, stride: int) -> None:
     found = noise_window(update, window, stride, mode)
     np.testing.assert_allclose(found, expected, rtol=1e-5)
     np.testing.assert_allclose(window, expected_window, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rule", ["gem", "downpour"])
+def test_a_refused_commit_is_not_measured_and_its_window_starts_again(rule: str) -> None:
+    state = ServerState(
+        training(rule, learning_rate=1.0, batch_size=BATCH),
+        WorkerRegistry(max_workers=4, lease_ttl=3600),
+        gem_kernel="auto",
+        noise_window=2,
+    )
+    big = np.full(4, 3e38, np.float32)
+    worker = state.register("w", [ParameterSpec("w", (4,))], encoded(big)).worker.worker_id
+
+    def commit(gradient: np.ndarray) -> None:
+        state.commit(Commit(worker, state.version, PayloadKind.GRADIENT, encoded(gradient)))
+
+    commit(np.zeros(4, np.float32))  # the window's first commit
+    with pytest.raises(InvalidArgument):  # θ - g would overflow: refused, nothing changed
+        commit(-big)
+    assert state.noise.estimate.windows == 0
+    commit(np.ones(4, np.float32))  # starts the window again (the refused one may have moved its sum)
+    commit(np.ones(4, np.float32) * 3)
+    assert state.noise.estimate.windows == 1
+    # One window of g = 1 and 3 at B = BATCH: |G_s|^2 = (4 + 36)/2 = 20, |G_b|^2 = 16 (k = 2).
+    assert state.noise.estimate.gradient_square == pytest.approx(2 * 16 - 20)
+    assert state.noise.estimate.noise_trace == pytest.approx((20 - 16) * 2 * BATCH)
