@@ -103,21 +103,26 @@ noise_run(const float *restrict u, float *restrict w, Py_ssize_t length, int mod
     *window_sum += window;
 }
 
+/* Where the pass is in the sample: the next sampled run's first parameter and its place in w. */
+typedef struct {
+    Py_ssize_t at, slot;
+} SampleCursor;
+
 /* One block's |u|^2 and |w'|^2 over the sampled parameters in [start, start + length) (w' the window
- * sum after this commit): in GEM's pass right after the block's update, while u is in cache. */
+ * sum after this commit): in GEM's pass right after the block's update, while u is in cache. The
+ * cursor walks the sample across blocks in order (no division per block). */
 static inline __attribute__((always_inline)) void
 block_noise(const float *restrict bu, float *restrict w, Py_ssize_t start, Py_ssize_t length, Py_ssize_t wstride,
-            int mode, Sums *restrict sums)
+            int mode, SampleCursor *restrict cursor, Sums *restrict sums)
 {
     float payload = 0.0f, window = 0.0f;
+    const Py_ssize_t end = start + length;
     if (wstride == 1) {
         noise_run(bu, w + start, length, mode, &payload, &window);
-    } else { /* the sampled runs in this block: one division per block */
-        const Py_ssize_t end = start + length;
-        Py_ssize_t sampled = (start / NOISE_RUN + wstride - 1) / wstride; /* the first one's index in w */
-        for (Py_ssize_t at = sampled * wstride * NOISE_RUN; at < end; at += wstride * NOISE_RUN, sampled++) {
-            const Py_ssize_t stop = at + NOISE_RUN < end ? at + NOISE_RUN : end;
-            noise_run(bu + (at - start), w + sampled * NOISE_RUN, stop - at, mode, &payload, &window);
+    } else {
+        for (; cursor->at < end; cursor->at += wstride * NOISE_RUN, cursor->slot += NOISE_RUN) {
+            const Py_ssize_t stop = cursor->at + NOISE_RUN < end ? cursor->at + NOISE_RUN : end;
+            noise_run(bu + (cursor->at - start), w + cursor->slot, stop - cursor->at, mode, &payload, &window);
         }
     }
     sums->payload_square += payload;
@@ -208,6 +213,7 @@ update_in_place(float *restrict t, float *restrict m, float *restrict s, const f
 {
     float pis[BLOCK], proxies[BLOCK], centrals[BLOCK];
     const int amplify = kappa != 1.0f;
+    SampleCursor cursor = {0, 0};
     for (Py_ssize_t start = 0; start < n; start += BLOCK) {
         const Py_ssize_t length = start + BLOCK < n ? BLOCK : n - start;
         float *restrict bt = t + start, *restrict bm = m + start, *restrict bs = s + start;
@@ -219,7 +225,7 @@ update_in_place(float *restrict t, float *restrict m, float *restrict s, const f
             memcpy(mirror + start, bt, (size_t)length * sizeof(float));
         }
         if (window != NULL) {
-            block_noise(bu, window, start, length, wstride, mode, sums);
+            block_noise(bu, window, start, length, wstride, mode, &cursor, sums);
         }
         if (!block_sums(bt, bm, pis, proxies, centrals, start, length, pi_max, stride, sampled, sums, 0)) {
             return 0;
@@ -239,6 +245,7 @@ update_into(const float *restrict t, const float *restrict m, const float *restr
 {
     float pis[BLOCK], proxies[BLOCK], centrals[BLOCK];
     const int amplify = kappa != 1.0f;
+    SampleCursor cursor = {0, 0};
     for (Py_ssize_t start = 0; start < n; start += BLOCK) {
         const Py_ssize_t length = start + BLOCK < n ? BLOCK : n - start;
         const float *restrict bt = t + start, *restrict bm = m + start, *restrict bs = s + start;
@@ -251,7 +258,7 @@ update_into(const float *restrict t, const float *restrict m, const float *restr
             memcpy(mirror + start, nt, (size_t)length * sizeof(float));
         }
         if (window != NULL) { /* a refused commit's window is dropped whole (noise.py) */
-            block_noise(bu, window, start, length, wstride, mode, sums);
+            block_noise(bu, window, start, length, wstride, mode, &cursor, sums);
         }
         if (!block_sums(nt, nm, pis, proxies, centrals, start, length, pi_max, stride, sampled, sums, 1)) {
             return 0;
@@ -366,9 +373,10 @@ done:
 __attribute__((target_clones("avx2", "default"))) static void
 noise_pass(const float *restrict u, float *restrict w, Py_ssize_t n, Py_ssize_t wstride, int mode, Sums *restrict sums)
 {
+    SampleCursor cursor = {0, 0};
     for (Py_ssize_t start = 0; start < n; start += BLOCK) {
         const Py_ssize_t length = start + BLOCK < n ? BLOCK : n - start;
-        block_noise(u + start, w, start, length, wstride, mode, sums);
+        block_noise(u + start, w, start, length, wstride, mode, &cursor, sums);
     }
 }
 
