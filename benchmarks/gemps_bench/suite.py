@@ -29,6 +29,7 @@ GEMPS_VARIANTS: dict[str, dict[str, str]] = {
     "gemps-grpc": {"plane": "grpc"},  # commits and pulls through gRPC, not the data plane
     "gemps-bfloat16": {"wire": "bfloat16"},  # half the bytes on the wire
     "gemps-numpy": {"kernel": "numpy"},  # the fallback GEM kernel, without the compiled one
+    "gemps-no-noise": {"noise_window": "1"},  # without the gradient noise scale's sums (its cost: the difference)
     "gemps-2p": {"partitions": "2"},  # θ split across 2 server processes
     "gemps-4p": {"partitions": "4"},  # and 4 (on this 2-core machine: oversubscribed)
 }
@@ -183,9 +184,11 @@ def _gemps(system: str, clients: int, plan: LoadPlan, results: SuiteResults) -> 
     wire, kernel = variant.get("wire", "float32"), variant.get("kernel", "auto")
     plane, partitions = variant.get("plane", "auto"), int(variant.get("partitions", "1"))
     shared_memory = variant.get("shared_memory", "on") == "on"
+    noise_window = int(variant.get("noise_window", "0"))
     with ServerProcess(
         rule="gem",
         gem_kernel=kernel,
+        noise_window=noise_window,
         metrics_port=-1,
         log_level="warning",
         max_workers=max(256, clients),
@@ -194,7 +197,13 @@ def _gemps(system: str, clients: int, plan: LoadPlan, results: SuiteResults) -> 
         options = (("wire_dtype", wire), ("plane", plane), ("shared_memory", shared_memory))
         result = run_load(system, GempsClientFactory(server.target, plan.num_parameters, options), plan, server.pid)
     results.add(
-        result, wire_dtype=wire, gem_kernel=kernel, partitions=partitions, plane=plane, shared_memory=shared_memory
+        result,
+        wire_dtype=wire,
+        gem_kernel=kernel,
+        partitions=partitions,
+        plane=plane,
+        shared_memory=shared_memory,
+        noise_window=noise_window,
     )
 
 

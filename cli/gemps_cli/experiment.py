@@ -11,6 +11,8 @@ from pathlib import Path
 from gemps_worker.datasets import DATASETS
 from gemps_worker.experiment.analysis import base_name
 from gemps_worker.experiment.single_run import RunConfig
+from gemps_worker.experiment.speedup import SpeedupConfig
+from gemps_worker.experiment.speedup_fit import run_speedup
 from gemps_worker.experiment.suite import SUITE_HELP, SUITES, with_seeds
 from gemps_worker.experiment.suite_run import run_suite
 from gemps_worker.models import MODELS
@@ -33,9 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--suite",
-        choices=tuple(SUITES),
+        choices=(*SUITES, *SPEEDUP_SUITES),
         default="full",
-        help="which runs (default full): " + "; ".join(f"{name}: {text}" for name, text in SUITE_HELP.items()),
+        help="which runs (default full): "
+        + "; ".join(f"{name}: {text}" for name, text in {**SUITE_HELP, **SPEEDUP_SUITES}.items()),
     )
     parser.add_argument(
         "--runs", nargs="*", default=None, help="only these run names (see --list; a name without -sK: all its seeds)"
@@ -71,10 +74,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--markdown", type=Path, default=None, help="where RESULTS.md goes (default: REPORT/RESULTS.md)"
     )
     parser.add_argument("--discussion", type=Path, default=None, help="markdown appended to RESULTS.md")
+    parser.add_argument(
+        "--target-loss",
+        type=float,
+        default=SpeedupConfig.target_loss,
+        help=f"speedup suite: the held-out loss every run trains to (default {SpeedupConfig.target_loss:g})",
+    )
     parser.set_defaults(run=run)
 
 
+SPEEDUP_SUITES = {
+    "speedup": "samples and commits to a held-out loss target (--target-loss) with N = 1..64 workers per rule (GEM, "
+    "DOWNPOUR, adaptive staleness), McCandlish's critical batch fitted to them beside the server's noise-scale gauge "
+    "(gemps_worker.experiment.speedup; --seeds, --out, --markdown apply)",
+    "speedup-quick": "the speedup suite reduced for CI: GEM with N = 1, 2, 4, one seed, to a held-out loss of 1.0",
+}
+
+
 def run(args: argparse.Namespace) -> int:
+    command = "gemps experiment " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["experiment"] else "gemps experiment"
+    if args.suite in SPEEDUP_SUITES:
+        report = args.report or args.out / "report"
+        if not 0 < args.target_loss < SpeedupConfig.diverged_loss:
+            print(f"gemps experiment: --target-loss must be in (0, {SpeedupConfig.diverged_loss:g})", file=sys.stderr)
+            return 2
+        config = SpeedupConfig(seeds=args.seeds, dataset=args.dataset or "digits", target_loss=args.target_loss)
+        if args.suite == "speedup-quick":
+            config = replace(config, rules=("gem",), workers=(1, 2, 4), seeds=1, target_loss=1.0, status_every=10)
+        return run_speedup(config, args.out, report, args.markdown or report / "SPEEDUP.md", args.force, command)
     if args.dataset not in (None, "digits") and args.model is None:
         print(
             f"gemps experiment: --dataset {args.dataset} needs --model (e.g. mnist-cnn for 28x28 images, mlp)",
@@ -101,7 +128,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     report = args.report or args.out / "report"
     discussion = args.discussion.read_text() if args.discussion and args.discussion.exists() else ""
-    command = "gemps experiment " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["experiment"] else "gemps experiment"
     return run_suite(
         suite, args.out, report, args.markdown or report / "RESULTS.md", discussion, args.force, command.strip()
     )

@@ -54,7 +54,8 @@ def training_function(spec: str) -> TrainFunction:
 
 
 class _Progress:
-    """A line every few seconds: version, commits/s since the last line, held-out accuracy."""
+    """A line every few seconds: version, commits/s since the last line, held-out accuracy, and how
+    many workers the gradient noise scale says pay."""
 
     def __init__(self) -> None:
         self.last: StatusSample | None = None
@@ -64,7 +65,11 @@ class _Progress:
             return
         rate = 0.0 if self.last is None else (sample.version - self.last.version) / (sample.time - self.last.time)
         held_out = "" if evaluation is None else f"  held-out acc {evaluation.accuracy:6.2%} (v{evaluation.version})"
-        print(f"v{sample.version:<7d} {rate:6.1f} commits/s  workers {sample.active_workers}{held_out}", flush=True)
+        noise = sample.gradient_noise
+        pay = f"  noise scale {noise.scale:.0f} (~{noise.useful_workers:.1f} pay)"
+        print(
+            f"v{sample.version:<7d} {rate:6.1f} commits/s  workers {sample.active_workers}{pay}{held_out}", flush=True
+        )
         self.last = sample
 
 
@@ -117,4 +122,7 @@ def write_outputs(out: Path, result: RayJobResult) -> None:
     print(f"done in {result.seconds:.0f}s{ending}: version {result.export.version}, {workers} commits by the workers")
     if result.final is not None:
         print(f"held-out loss {result.final.loss:.4f}, held-out accuracy {result.final.accuracy:.2%}")
+    if result.samples:  # the newest estimate: how many of the job's workers paid (docs/OBSERVABILITY.md)
+        last = result.samples[-1]
+        print(last.gradient_noise.describe(last.active_workers))
     print(f"model   {model}\nsummary {out / 'summary.json'}\ntargets {out / 'prometheus-targets.json'}")

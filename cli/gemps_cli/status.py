@@ -50,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"commits         {status.commits_applied} applied, {status.commits_rejected} rejected")
     print(f"rule            {status.config.rule} ({settings})")
     print(f"learning rate   {status.learning_rate:g} now ({status.config.lr_schedule} schedule)")
+    # Partitions' sums add up to the whole of θ's; with some partitions unreachable, partition 0's slice only.
+    noise = client.gradient_noise(statuses).describe(status.active_workers)
+    what = noise.removeprefix("noise scale").lstrip(":").strip()
+    print(f"noise scale     {what}" + (" (partition 0's slice)" if unreachable else ""))
     print(f"uptime          {status.uptime_seconds:.0f}s")
     if unreachable:
         print(

@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from gemps.records import (
     CentralVariable,
     CommitResult,
     Evaluation,
+    GradientNoise,
     Layout,
     ParameterSpec,
     Registration,
@@ -246,6 +247,13 @@ class Client:
     def statuses(self) -> list[ServerStatus]:
         """Every partition's status, in θ order (one item when θ is not partitioned)."""
         return self._router.statuses()
+
+    def gradient_noise(self, statuses: Sequence[ServerStatus] | None = None) -> GradientNoise:
+        """The server's gradient noise scale estimate for the whole of θ (`.scale`, `.useful_workers`,
+        `.describe()`): each partition's sums added (GradientNoise.combined), from `statuses` when
+        given (every partition's, as `statuses()` returns them), else asked for."""
+        parts = self.statuses() if statuses is None else statuses
+        return GradientNoise.combined([status.gradient_noise for status in parts])
 
     def close(self) -> None:
         """Close the connections (without leaving: `with Client(...)` or `leave()` does)."""

@@ -13,6 +13,7 @@ import numpy as np
 from gemps_proto.schema import (
     Buffers,
     Evaluation,
+    GradientNoise,
     Layout,
     ParameterSpec,
     Partition,
@@ -73,6 +74,7 @@ __all__ = [
     "CentralVariable",
     "CommitResult",
     "Evaluation",
+    "GradientNoise",
     "Layout",
     "ParameterSpec",
     "Partition",

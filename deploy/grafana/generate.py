@@ -39,6 +39,9 @@ TAGS = ["gemps"]
 RATE = "$__rate_interval"
 # Legend text naming a server series' partition of θ (empty for a single server: no such label).
 PARTITION = "{{partition}}"
+# The whole model's gradient noise scale (samples): each partition's sums over its slice add up;
+# none while |G|^2's estimate is not positive (no estimate yet).
+NOISE_SCALE = "sum(gemps_gradient_noise_trace) / (sum(gemps_gradient_square) > 0)"
 
 
 @dataclass(frozen=True)
@@ -410,6 +413,20 @@ def server_dashboard() -> dashboard_builders.Dashboard:
                 Query("gemps_active_workers", f"active {PARTITION}"),
                 Query(f"sum(increase(gemps_registrations_total[{RATE}]))", "joined"),
                 Query(f"sum by (cause) (increase(gemps_departures_total[{RATE}]))", "{{cause}}"),
+            ],
+            minimum=0,
+        )
+    )
+    d.with_panel(
+        timeseries(
+            "Workers that pay (gradient noise scale)",
+            "The gradient noise scale B_noise = tr(Sigma)/|G|^2 that the server estimates from gradient commits "
+            "(McCandlish et al. 2018), in workers of the batch size it assumes: about the critical batch, past "
+            "which more workers buy no faster training, only staleness. Beside the registered workers. Partitions' "
+            "sums add up: the whole model's is sum(trace)/sum(|G|^2). Empty for local-step (update) commits.",
+            [
+                Query(f"{NOISE_SCALE} / max(gemps_gradient_noise_batch_size)", "workers that pay (B_noise / batch)"),
+                Query("max(gemps_active_workers)", "registered"),
             ],
             minimum=0,
         )

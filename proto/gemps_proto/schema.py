@@ -337,6 +337,64 @@ class WorkerStatus:
 
 
 @dataclass(frozen=True)
+class GradientNoise:
+    """The gradient noise scale the server estimates from gradient commits (gemps.v1.GradientNoise;
+    McCandlish et al. 2018, Appendix A): exponential moving averages of |G|^2 (the true gradient's
+    squared norm) and tr(Sigma) (the per-sample gradient covariance's trace) over windows of
+    consecutive commits, for the values this server holds. Both are sums over parameters, so a
+    partitioned θ's are the sums of its partitions' (`combined`).
+
+    B_noise = tr(Sigma)/|G|^2 approximates the critical batch size, past which more samples per
+    step stop buying fewer steps; `useful_workers` is B_noise in workers of `batch_size`.
+    """
+
+    gradient_square: float = 0.0  # EMA of the |G|^2 estimates
+    noise_trace: float = 0.0  # EMA of the tr(Sigma) estimates
+    batch_size: float = 0.0  # B_s assumed per commit (samples): the workers' reported, else the config's
+    windows: int = 0  # windows measured (0: no estimate yet, or no gradient commits)
+    window: int = 0  # commits per window now (k)
+
+    @property
+    def scale(self) -> float:
+        """B_noise in samples; NaN until there is an estimate (or while |G|^2's is not positive)."""
+        if self.windows == 0 or not self.gradient_square > 0.0:
+            return math.nan
+        return self.noise_trace / self.gradient_square
+
+    @property
+    def useful_workers(self) -> float:
+        """B_noise / batch_size: how many workers of that batch size pay; NaN without an estimate."""
+        return self.scale / self.batch_size if self.batch_size > 0 else math.nan
+
+    @classmethod
+    def combined(cls, parts: Sequence[GradientNoise]) -> GradientNoise:
+        """The whole of θ from its partitions' estimates (in θ order): squared norms and traces add
+        over a split vector; the batch size and window are partition 0's, the windows the fewest."""
+        if not parts:
+            return cls()
+        return cls(
+            gradient_square=sum(part.gradient_square for part in parts),
+            noise_trace=sum(part.noise_trace for part in parts),
+            batch_size=parts[0].batch_size,
+            windows=min(part.windows for part in parts),
+            window=parts[0].window,
+        )
+
+    def describe(self, registered: int | None = None) -> str:
+        """One line for humans: "noise scale ≈ 900 samples: about 14 workers of batch 64 pay; 100 registered"."""
+        if self.windows == 0:
+            return "noise scale: no estimate yet (it needs gradient commits; local-step updates are not measured)"
+        scale = self.scale
+        if not math.isfinite(scale):
+            return f"noise scale: not measurable yet (|G|^2 estimate not positive after {self.windows} windows)"
+        line = (
+            f"noise scale ≈ {scale:.3g} samples: about {self.useful_workers:.3g} workers of batch "
+            f"{self.batch_size:g} pay"
+        )
+        return line if registered is None else f"{line}; {registered} registered"
+
+
+@dataclass(frozen=True)
 class ServerStatus:
     """The server's state for humans and tools (gemps.v1.StatusResponse)."""
 
@@ -355,3 +413,4 @@ class ServerStatus:
     layout: Layout | None = None  # set when θ is partitioned: the figures above are this partition's
     workers: tuple[WorkerStatus, ...] = ()  # the registered workers, by shard
     lease_ttl_seconds: float = 0.0  # a worker unseen this long is evicted (0: not said)
+    gradient_noise: GradientNoise = field(default_factory=GradientNoise)  # this partition's sums

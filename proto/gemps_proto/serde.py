@@ -19,6 +19,7 @@ from gemps_proto.schema import (
     Buffers,
     DataPlane,
     Evaluation,
+    GradientNoise,
     Layout,
     ParameterSpec,
     Partition,
@@ -172,6 +173,7 @@ def status_to_proto(status: ServerStatus) -> pb.StatusResponse:
         last_evaluation=None if status.last_evaluation is None else evaluation_to_proto(status.last_evaluation),
         learning_rate=status.learning_rate,
         buffer_spec=spec_to_proto(status.buffer_spec),
+        gradient_noise=pb.GradientNoise(**dataclasses.asdict(status.gradient_noise)),
         layout=layout_to_proto(status.layout),
         workers=[pb.WorkerStatus(**dataclasses.asdict(worker)) for worker in status.workers],
         lease_ttl_seconds=status.lease_ttl_seconds,
@@ -194,6 +196,9 @@ def status_from_proto(message: pb.StatusResponse) -> ServerStatus:
         ),
         learning_rate=message.learning_rate,
         buffer_spec=spec_from_proto(message.buffer_spec),
+        gradient_noise=GradientNoise(
+            **{field.name: getattr(message.gradient_noise, field.name) for field in dataclasses.fields(GradientNoise)}
+        ),
         layout=layout_from_proto(message),
         workers=tuple(
             WorkerStatus(**{f.name: getattr(worker, f.name) for f in dataclasses.fields(WorkerStatus)})

@@ -1,4 +1,5 @@
-/* The server's compiled loops: GEM's update (the default `--gem-kernel`), the finiteness check of
+/* The server's compiled loops: GEM's update (the default `--gem-kernel`), the gradient noise scale's window
+ * sums (inside that pass, or alone: noise_window), the finiteness check of
  * a payload (also while copying it), and pi's median; each one pass, without the GIL when long.
  *
  * GEM's update, in one compiled pass over the parameters:
@@ -48,7 +49,85 @@
 typedef struct {
     double pi_sum, proxy_energy, central_energy, at_zero, at_max;
     float theta_peak, proxy_peak; /* max |theta| and max |m_i| after the update (update_into only) */
+    double payload_square, window_square; /* the noise scale's |g|^2 and |window sum|^2 (block_noise) */
 } Sums;
+
+/* The gradient noise scale's window (domain/noise.py): the running sum w of a window of commits'
+ * payloads u over a sample of the parameters, every `wstride`-th run of NOISE_RUN consecutive ones
+ * (wstride 1: all of them; w holds NOISE_RUN values per sampled run, window_size()). The first
+ * commit of a window writes w = u (w is not read), the middle ones w += u, the last one only reads
+ * w + u for its squared norm (w is not written). The sample keeps w in cache and its reads short
+ * (noise.py's NOISE_SAMPLE_SIZE); runs rather than single values read whole cache lines of u, and
+ * vectorise: all of θ cost a quarter more server CPU per commit at 1M parameters, single values
+ * 16,384 of them 2-5% (docs/PERFORMANCE.md). */
+enum { WINDOW_START = 0, WINDOW_ADD = 1, WINDOW_LAST = 2 };
+#define NOISE_RUN 16 /* a multiple of BLOCK's divisors: blocks start on a run */
+
+/* The window's length for n parameters: n, or NOISE_RUN per sampled run (the last may be short). */
+static Py_ssize_t
+window_size(Py_ssize_t n, Py_ssize_t wstride)
+{
+    return wstride == 1 ? n : ((n + NOISE_RUN - 1) / NOISE_RUN + wstride - 1) / wstride * NOISE_RUN;
+}
+
+/* |u|^2 and |w'|^2 of `length` consecutive values added to the sums, w written as `mode` says. */
+static inline __attribute__((always_inline)) void
+noise_run(const float *restrict u, float *restrict w, Py_ssize_t length, int mode, float *restrict payload_sum,
+          float *restrict window_sum)
+{
+    float payload = 0.0f, window = 0.0f;
+    if (mode == WINDOW_START) {
+#pragma omp simd reduction(+ : payload)
+        for (Py_ssize_t j = 0; j < length; j++) {
+            w[j] = u[j];
+            payload += u[j] * u[j];
+        }
+        window = payload;
+    } else if (mode == WINDOW_ADD) {
+#pragma omp simd reduction(+ : payload, window)
+        for (Py_ssize_t j = 0; j < length; j++) {
+            const float value = u[j], sum = w[j] + value;
+            w[j] = sum;
+            payload += value * value;
+            window += sum * sum;
+        }
+    } else {
+#pragma omp simd reduction(+ : payload, window)
+        for (Py_ssize_t j = 0; j < length; j++) {
+            const float value = u[j], sum = w[j] + value;
+            payload += value * value;
+            window += sum * sum;
+        }
+    }
+    *payload_sum += payload;
+    *window_sum += window;
+}
+
+/* Where the pass is in the sample: the next sampled run's first parameter and its place in w. */
+typedef struct {
+    Py_ssize_t at, slot;
+} SampleCursor;
+
+/* One block's |u|^2 and |w'|^2 over the sampled parameters in [start, start + length) (w' the window
+ * sum after this commit): in GEM's pass right after the block's update, while u is in cache. The
+ * cursor walks the sample across blocks in order (no division per block). */
+static inline __attribute__((always_inline)) void
+block_noise(const float *restrict bu, float *restrict w, Py_ssize_t start, Py_ssize_t length, Py_ssize_t wstride,
+            int mode, SampleCursor *restrict cursor, Sums *restrict sums)
+{
+    float payload = 0.0f, window = 0.0f;
+    const Py_ssize_t end = start + length;
+    if (wstride == 1) {
+        noise_run(bu, w + start, length, mode, &payload, &window);
+    } else {
+        for (; cursor->at < end; cursor->at += wstride * NOISE_RUN, cursor->slot += NOISE_RUN) {
+            const Py_ssize_t stop = cursor->at + NOISE_RUN < end ? cursor->at + NOISE_RUN : end;
+            noise_run(bu + (cursor->at - start), w + cursor->slot, stop - cursor->at, mode, &payload, &window);
+        }
+    }
+    sums->payload_square += payload;
+    sums->window_square += window;
+}
 
 /* One parameter of GEM's update, in gem.py's order; `T_OUT` and `M_OUT` are where the new theta
  * and m_i go (theta and m_i themselves when in place, which also stores s_i <- theta). */
@@ -130,10 +209,11 @@ block_sums(const float *restrict bto, const float *restrict bmo, const float *re
 __attribute__((target_clones("avx2", "default"))) static int
 update_in_place(float *restrict t, float *restrict m, float *restrict s, const float *restrict u, Py_ssize_t n,
                 float scale, float momentum, float kappa, float pi_max, float epsilon, Py_ssize_t stride,
-                float *restrict sampled, Sums *restrict sums, float *restrict mirror)
+                float *restrict sampled, Sums *restrict sums, float *restrict mirror, float *restrict window, Py_ssize_t wstride, int mode)
 {
     float pis[BLOCK], proxies[BLOCK], centrals[BLOCK];
     const int amplify = kappa != 1.0f;
+    SampleCursor cursor = {0, 0};
     for (Py_ssize_t start = 0; start < n; start += BLOCK) {
         const Py_ssize_t length = start + BLOCK < n ? BLOCK : n - start;
         float *restrict bt = t + start, *restrict bm = m + start, *restrict bs = s + start;
@@ -143,6 +223,9 @@ update_in_place(float *restrict t, float *restrict m, float *restrict s, const f
         }
         if (mirror != NULL) { /* the new theta, also where a reply reads it, while the block is in cache */
             memcpy(mirror + start, bt, (size_t)length * sizeof(float));
+        }
+        if (window != NULL) {
+            block_noise(bu, window, start, length, wstride, mode, &cursor, sums);
         }
         if (!block_sums(bt, bm, pis, proxies, centrals, start, length, pi_max, stride, sampled, sums, 0)) {
             return 0;
@@ -158,10 +241,11 @@ __attribute__((target_clones("avx2", "default"))) static int
 update_into(const float *restrict t, const float *restrict m, const float *restrict s, const float *restrict u,
             float *restrict t_out, float *restrict m_out, Py_ssize_t n, float scale, float momentum, float kappa,
             float pi_max, float epsilon, Py_ssize_t stride, float *restrict sampled, Sums *restrict sums,
-            float *restrict mirror)
+            float *restrict mirror, float *restrict window, Py_ssize_t wstride, int mode)
 {
     float pis[BLOCK], proxies[BLOCK], centrals[BLOCK];
     const int amplify = kappa != 1.0f;
+    SampleCursor cursor = {0, 0};
     for (Py_ssize_t start = 0; start < n; start += BLOCK) {
         const Py_ssize_t length = start + BLOCK < n ? BLOCK : n - start;
         const float *restrict bt = t + start, *restrict bm = m + start, *restrict bs = s + start;
@@ -173,6 +257,9 @@ update_into(const float *restrict t, const float *restrict m, const float *restr
         if (mirror != NULL) {
             memcpy(mirror + start, nt, (size_t)length * sizeof(float));
         }
+        if (window != NULL) { /* a refused commit's window is dropped whole (noise.py) */
+            block_noise(bu, window, start, length, wstride, mode, &cursor, sums);
+        }
         if (!block_sums(nt, nm, pis, proxies, centrals, start, length, pi_max, stride, sampled, sums, 1)) {
             return 0;
         }
@@ -183,18 +270,25 @@ update_into(const float *restrict t, const float *restrict m, const float *restr
 static PyObject *
 gem_update(PyObject *self, PyObject *args)
 {
-    Py_buffer theta, proxy, last_seen, gradient, theta_out, proxy_out, samples, mirror;
-    PyObject *theta_out_object, *proxy_out_object, *mirror_object = Py_None;
+    Py_buffer theta, proxy, last_seen, gradient, theta_out, proxy_out, samples, mirror, window;
+    PyObject *theta_out_object, *proxy_out_object, *mirror_object = Py_None, *window_object = Py_None;
     float scale, momentum, kappa, pi_max, epsilon;
-    Py_ssize_t stride;
-    if (!PyArg_ParseTuple(args, "w*w*w*y*OOfffffnw*|O", &theta, &proxy, &last_seen, &gradient, &theta_out_object,
+    Py_ssize_t stride, wstride = 1;
+    int mode = WINDOW_START;
+    if (!PyArg_ParseTuple(args, "w*w*w*y*OOfffffnw*|OOni", &theta, &proxy, &last_seen, &gradient, &theta_out_object,
                           &proxy_out_object, &scale, &momentum, &kappa, &pi_max, &epsilon, &stride, &samples,
-                          &mirror_object)) {
+                          &mirror_object, &window_object, &wstride, &mode)) {
         return NULL;
     }
     PyObject *result = NULL;
     const int in_place = theta_out_object == Py_None;
-    int have_outputs = 0, have_mirror = 0;
+    int have_outputs = 0, have_mirror = 0, have_window = 0;
+    if (window_object != Py_None) {
+        if (PyObject_GetBuffer(window_object, &window, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            goto done;
+        }
+        have_window = 1;
+    }
     if (mirror_object != Py_None) {
         if (PyObject_GetBuffer(mirror_object, &mirror, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
             goto done;
@@ -215,7 +309,8 @@ gem_update(PyObject *self, PyObject *args)
     if (theta.len % (Py_ssize_t)sizeof(float) || proxy.len != theta.len || last_seen.len != theta.len ||
         gradient.len != theta.len || stride < 1 ||
         (have_outputs && (theta_out.len != theta.len || proxy_out.len != theta.len)) ||
-        (have_mirror && mirror.len != theta.len) ||
+        (have_mirror && mirror.len != theta.len) || wstride < 1 || mode < WINDOW_START || mode > WINDOW_LAST ||
+        (have_window && window.len != window_size(n, wstride) * (Py_ssize_t)sizeof(float)) ||
         samples.len < ((n + stride - 1) / stride) * (Py_ssize_t)sizeof(float)) {
         PyErr_SetString(PyExc_ValueError, "gem_update: buffers of different sizes");
         goto done;
@@ -231,24 +326,34 @@ gem_update(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "gem_update: the mirror must be a buffer of its own");
         goto done;
     }
-    Sums sums = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0f, 0.0f};
+    if (have_window && (window.buf == theta.buf || window.buf == proxy.buf || window.buf == last_seen.buf ||
+                        window.buf == gradient.buf || (have_mirror && window.buf == mirror.buf) ||
+                        (have_outputs && (window.buf == theta_out.buf || window.buf == proxy_out.buf)))) {
+        PyErr_SetString(PyExc_ValueError, "gem_update: the window must be a buffer of its own");
+        goto done;
+    }
+    Sums sums = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0f, 0.0f, 0.0, 0.0};
     float *mirrored = have_mirror ? (float *)mirror.buf : NULL;
+    float *windowed = have_window ? (float *)window.buf : NULL;
     int finite;
     MAYBE_RELEASE_GIL(n);
     if (have_outputs) {
         finite = update_into((const float *)theta.buf, (const float *)proxy.buf, (const float *)last_seen.buf,
                              (const float *)gradient.buf, (float *)theta_out.buf, (float *)proxy_out.buf, n, scale,
-                             momentum, kappa, pi_max, epsilon, stride, (float *)samples.buf, &sums, mirrored);
+                             momentum, kappa, pi_max, epsilon, stride, (float *)samples.buf, &sums, mirrored, windowed, wstride, mode);
     } else {
         finite = update_in_place((float *)theta.buf, (float *)proxy.buf, (float *)last_seen.buf,
                                  (const float *)gradient.buf, n, scale, momentum, kappa, pi_max, epsilon, stride,
-                                 (float *)samples.buf, &sums, mirrored);
+                                 (float *)samples.buf, &sums, mirrored, windowed, wstride, mode);
     }
     MAYBE_RESTORE_GIL()
-    result = Py_BuildValue("(idnndddd)", finite, sums.pi_sum, (Py_ssize_t)sums.at_zero, (Py_ssize_t)sums.at_max,
+    result = Py_BuildValue("(idnndddddd)", finite, sums.pi_sum, (Py_ssize_t)sums.at_zero, (Py_ssize_t)sums.at_max,
                            sums.proxy_energy, sums.central_energy, (double)sums.theta_peak,
-                           (double)sums.proxy_peak);
+                           (double)sums.proxy_peak, sums.payload_square, sums.window_square);
 done:
+    if (have_window) {
+        PyBuffer_Release(&window);
+    }
     if (have_outputs) {
         PyBuffer_Release(&theta_out);
         PyBuffer_Release(&proxy_out);
@@ -261,6 +366,45 @@ done:
     PyBuffer_Release(&last_seen);
     PyBuffer_Release(&gradient);
     PyBuffer_Release(&samples);
+    return result;
+}
+
+/* The noise window alone (block_noise over every block): for the rules without a compiled pass. */
+__attribute__((target_clones("avx2", "default"))) static void
+noise_pass(const float *restrict u, float *restrict w, Py_ssize_t n, Py_ssize_t wstride, int mode, Sums *restrict sums)
+{
+    SampleCursor cursor = {0, 0};
+    for (Py_ssize_t start = 0; start < n; start += BLOCK) {
+        const Py_ssize_t length = start + BLOCK < n ? BLOCK : n - start;
+        block_noise(u + start, w, start, length, wstride, mode, &cursor, sums);
+    }
+}
+
+static PyObject *
+noise_window(PyObject *self, PyObject *args)
+{
+    Py_buffer update, window;
+    Py_ssize_t wstride;
+    int mode;
+    if (!PyArg_ParseTuple(args, "y*w*ni", &update, &window, &wstride, &mode)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    const Py_ssize_t n = update.len / (Py_ssize_t)sizeof(float);
+    if (update.len % (Py_ssize_t)sizeof(float) || wstride < 1 ||
+        window.len != window_size(n, wstride) * (Py_ssize_t)sizeof(float) || update.buf == window.buf ||
+        mode < WINDOW_START || mode > WINDOW_LAST) {
+        PyErr_SetString(PyExc_ValueError,
+                        "noise_window: float32 buffers, the window of the sample's size, and a mode 0..2");
+    } else {
+        Sums sums = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0f, 0.0f, 0.0, 0.0};
+        MAYBE_RELEASE_GIL(window_size(n, wstride));
+        noise_pass((const float *)update.buf, (float *)window.buf, n, wstride, mode, &sums);
+        MAYBE_RESTORE_GIL()
+        result = Py_BuildValue("(dd)", sums.payload_square, sums.window_square);
+    }
+    PyBuffer_Release(&update);
+    PyBuffer_Release(&window);
     return result;
 }
 
@@ -474,13 +618,18 @@ static PyMethodDef methods[] = {
     {"median_in_place", median_in_place, METH_VARARGS,
      "median_in_place(float32 buffer) -> the median (the mean of the two middle values for an even count);\n"
      "reorders the buffer. NaN-free values only (the caller's: pi is clipped)."},
+    {"noise_window", noise_window, METH_VARARGS,
+     "noise_window(float32 update, float32 window, stride, mode) -> (|u|^2, |window sum after it|^2) over u, the\n"
+     "update's every stride-th run of 16 values (stride 1: all); the window sum (16 values per run) is written as\n"
+     "mode says: 0 starts it (= u), 1 adds u, 2 (a window's last commit) leaves it."},
     {"gem_update", gem_update, METH_VARARGS,
      "gem_update(theta, proxy, last_seen, update, theta_out, proxy_out, scale, momentum, kappa, pi_max, epsilon,\n"
-     "stride, samples, mirror=None)\n"
+     "stride, samples, mirror=None, window=None, window_stride=1, mode=0)\n"
      "GEM's update: in place when theta_out is None, else into theta_out and proxy_out (the inputs only read;\n"
      "outputs partial when not finite). Returns (1 if every new value is finite else 0, sum of pi, count at 0,\n"
-     "count at pi_max, sum of kappa*|m|, sum of |theta - s| + pi*(|Delta| + eps), max |new theta|, max |new m|)\n"
-     "and writes pi at every stride-th parameter to samples; the new theta also to mirror (a buffer of its own)."},
+     "count at pi_max, sum of kappa*|m|, sum of |theta - s| + pi*(|Delta| + eps), max |new theta|, max |new m|,\n"
+     "|update|^2, |window sum|^2: noise_window's, in the same pass, when a window is given, else 0, 0) and writes\n"
+     "pi at every stride-th parameter to samples; the new theta also to mirror (a buffer of its own)."},
     {NULL, NULL, 0, NULL},
 };
 

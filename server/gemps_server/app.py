@@ -62,6 +62,7 @@ class ParameterServer:
             gem_kernel=config.gem_kernel,
             partition=PartitionOf(config.partition, config.partitions),
             max_parameters=config.max_parameters,
+            noise_window=config.noise_window,
         )
         self.applier = Applier(observer=lambda timing: self.metrics.applier_ran(timing.run_seconds))
         self._observe_state()
@@ -330,6 +331,7 @@ class ParameterServer:
             rule_state_bytes=rule_state_bytes,
             active_workers=lambda: len(state.registry),
             queue_depth=lambda: self.applier.depth,
+            gradient_noise=lambda: state.noise.estimate,
         )
 
     async def _trim_heap(self) -> None:

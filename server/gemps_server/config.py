@@ -32,6 +32,7 @@ from gemps_proto.ranges import (
 from gemps_proto.schema import TrainingConfig
 from gemps_server import partition_addresses
 from gemps_server.config_checks import partition_problems, security_problems, valid_token
+from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NOISE_WINDOW_HELP, NOISE_WINDOWS
 from gemps_server.domain.rules import rule_names
 from gemps_server.domain.rules.gem import GEM_KERNELS
 from gemps_server.logs import LOG_FORMATS
@@ -113,6 +114,7 @@ class ServerConfig:
     max_workers: int = field(
         default=256, metadata={"help": "most workers registered at once", RANGE: Range(1, UINT32_MAX)}
     )
+    noise_window: int = field(default=NOISE_WINDOW_AUTO, metadata={"help": NOISE_WINDOW_HELP, RANGE: NOISE_WINDOWS})
     num_shards: int = field(
         default=0,
         metadata={

@@ -17,7 +17,7 @@ from prometheus_client.process_collector import ProcessCollector
 
 from gemps_proto.reasons import Reason
 from gemps_proto.schedules import learning_rate_at
-from gemps_proto.schema import TrainingConfig
+from gemps_proto.schema import GradientNoise, TrainingConfig
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.rules import ApplyStats
 
@@ -254,6 +254,36 @@ class ServerMetrics:
         )
         self.queue_depth = Gauge("gemps_queue_depth", "Operations waiting for the applier.", registry=r)
 
+        # -- the gradient noise scale (domain/noise.py), for the values this server holds -------
+        # With partitions each one's are its slice's: the whole model's B_noise is
+        # sum(gemps_gradient_noise_trace) / sum(gemps_gradient_square) over partitions.
+        self.noise_scale = Gauge(
+            "gemps_gradient_noise_scale",
+            "Gradient noise scale B_noise = tr(Sigma)/|G|^2 in samples, from gradient commits (NaN until "
+            "estimated): about the critical batch size.",
+            registry=r,
+        )
+        self.useful_workers = Gauge(
+            "gemps_useful_workers",
+            "B_noise / gemps_gradient_noise_batch_size: how many workers of that batch size pay (NaN until estimated).",
+            registry=r,
+        )
+        self.noise_batch_size = Gauge(
+            "gemps_gradient_noise_batch_size",
+            "Samples per commit the noise scale assumes (the workers' reported num_samples, else the batch size).",
+            registry=r,
+        )
+        self.gradient_square = Gauge(
+            "gemps_gradient_square",
+            "Moving average of the |G|^2 estimates (the noise scale's denominator).",
+            registry=r,
+        )
+        self.noise_trace = Gauge(
+            "gemps_gradient_noise_trace",
+            "Moving average of the tr(Sigma) estimates (the noise scale's numerator).",
+            registry=r,
+        )
+
         # -- reliability and security ----------------------------------------------------------
         self.duplicates = Counter(
             "gemps_duplicate_commits",
@@ -319,6 +349,7 @@ class ServerMetrics:
         rule_state_bytes: Reading,
         active_workers: Reading,
         queue_depth: Reading,
+        gradient_noise: Callable[[], GradientNoise] = GradientNoise,
     ) -> None:
         """Gauges that read the live state when scraped, so they can never go stale (eta: the
         described training config's schedule at the live version)."""
@@ -328,6 +359,11 @@ class ServerMetrics:
         self.rule_state.set_function(rule_state_bytes)
         self.active_workers.set_function(active_workers)
         self.queue_depth.set_function(queue_depth)
+        self.noise_scale.set_function(lambda: gradient_noise().scale)
+        self.useful_workers.set_function(lambda: gradient_noise().useful_workers)
+        self.noise_batch_size.set_function(lambda: gradient_noise().batch_size)
+        self.gradient_square.set_function(lambda: gradient_noise().gradient_square)
+        self.noise_trace.set_function(lambda: gradient_noise().noise_trace)
 
     # -- events ----------------------------------------------------------------------------------
 

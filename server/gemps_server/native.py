@@ -6,6 +6,7 @@ without it elsewhere. `compiled` is the module, or None.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 from types import ModuleType
@@ -64,3 +65,44 @@ def median_in_place(values: np.ndarray) -> float:
     a compiled selection in O(n), GIL held (samples are short; the compiled kernel's statistics use it)."""
     assert compiled is not None and values.dtype == np.float32 and values.flags.c_contiguous
     return float(compiled.median_in_place(values.reshape(-1)))
+
+
+#: how a commit moves the noise scale's window sum w (domain/noise.py): w = u, w += u, or w read only
+WINDOW_START, WINDOW_ADD, WINDOW_LAST = 0, 1, 2
+#: the noise scale samples runs of this many consecutive parameters (_native.c's NOISE_RUN)
+NOISE_RUN = 16
+
+
+def noise_window_size(size: int, stride: int) -> int:
+    """The window sum's length for `size` parameters sampled every `stride`-th run: `size` for
+    stride 1, else NOISE_RUN per sampled run (the last run may have fewer parameters)."""
+    runs = -(-size // NOISE_RUN)
+    return size if stride == 1 else -(-runs // stride) * NOISE_RUN
+
+
+@functools.lru_cache(maxsize=4)
+def noise_sample(size: int, stride: int) -> np.ndarray:
+    """The sampled parameters' indices: every `stride`-th run of NOISE_RUN, in order."""
+    runs = np.arange(0, size, stride * NOISE_RUN)
+    indices = (runs[:, None] + np.arange(NOISE_RUN)[None, :]).reshape(-1)
+    return indices[indices < size]
+
+
+def noise_window(update: np.ndarray, window: np.ndarray, stride: int, mode: int) -> tuple[float, float]:
+    """(|u|^2, |w + u|^2, or |u|^2 when `mode` starts the window) with u the update's sampled
+    values (noise_sample) and w the noise scale's window sum (float32, noise_window_size), which
+    `mode` writes: WINDOW_START w = u, WINDOW_ADD w += u, WINDOW_LAST leaves it (a window's last
+    commit needs only the norm). One compiled pass for contiguous float32, numpy otherwise (GEM's
+    compiled pass folds the same sums into its own: gem_update's `window`)."""
+    flat = update.reshape(-1)
+    if compiled is not None and update.dtype == np.float32 and update.flags.c_contiguous:
+        payload, total = compiled.noise_window(flat, window, stride, mode)
+        return float(payload), float(total)
+    sampled = flat if stride == 1 else flat[noise_sample(flat.size, stride)]
+    slots = window[: sampled.size]
+    payload = float(np.dot(sampled, sampled))
+    if mode == WINDOW_START:
+        np.copyto(slots, sampled)
+        return payload, payload
+    summed = np.add(slots, sampled, out=slots if mode == WINDOW_ADD else None)
+    return payload, float(np.dot(summed, summed))

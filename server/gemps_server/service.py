@@ -354,6 +354,7 @@ class ParameterService:
             uptime_seconds=time.monotonic() - self._started,
             last_evaluation=self.last_evaluation,
             learning_rate=state.learning_rate,
+            gradient_noise=state.noise.estimate,
             layout=self.layout(),
             workers=state.registry.listing(),
             lease_ttl_seconds=state.registry.lease_ttl,

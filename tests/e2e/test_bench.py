@@ -18,6 +18,7 @@ SYSTEMS = {
     "gemps-grpc",
     "gemps-bfloat16",
     "gemps-numpy",
+    "gemps-no-noise",
     "gemps-2p",
     "gemps-4p",
     "torch-rpc",

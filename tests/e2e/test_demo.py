@@ -23,6 +23,7 @@ def test_demo_trains_and_writes_its_outputs(tmp_path: Path, partitions: int) -> 
     # and at 4 epochs asynchronous runs spread over 89-92%: too close to the bar.
     assert accuracy >= 90.0, result.stdout
     assert "commits/s" in result.stdout  # live progress was shown
+    assert "workers pay)" in result.stdout  # with the server's noise scale (docs/OBSERVABILITY.md)
     with np.load(out / "model.npz", allow_pickle=False) as checkpoint:  # no pickle inside
         assert int(checkpoint["__version__"]) == 2 * 8 * 22
         assert checkpoint["0.weight"].shape == (16, 1, 3, 3)

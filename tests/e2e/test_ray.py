@@ -106,6 +106,9 @@ def test_the_readme_command_trains_across_nodes(cluster: Cluster, tmp_path: Path
     # The demo's bar, measured by the evaluator actor on the final θ.
     assert summary["final"]["accuracy"] >= DEMO_BAR, result.stdout
     assert "held-out accuracy" in result.stdout and "commits/s" in result.stdout
+    # The noise scale over both partitions, in the progress lines and the summary.
+    assert " pay)" in result.stdout and "\nnoise scale" in result.stdout, result.stdout
+    assert summary["samples"][-1]["gradient_noise"]["windows"] > 0
 
     # The export collected to the driver is the servers' θ: their final checkpoints, assembled.
     version, theta = final_checkpoints(work)

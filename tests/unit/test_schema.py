@@ -35,6 +35,7 @@ FACES: list[tuple[type[Any], Any]] = [
     (schema.Partition, pb.Partition.DESCRIPTOR),
     (schema.Layout, pb.Layout.DESCRIPTOR),
     (schema.DataPlane, pb.DataPlane.DESCRIPTOR),
+    (schema.GradientNoise, pb.GradientNoise.DESCRIPTOR),
 ]
 
 
@@ -87,6 +88,7 @@ def test_training_config_and_status_survive_the_wire() -> None:
         buffer_spec=(schema.ParameterSpec("bn.running_mean", (5,)),),
         workers=(schema.WorkerStatus("a", 0, 7, 1.5, 2.5), schema.WorkerStatus("", 1, 0, 40.0, 40.0)),
         lease_ttl_seconds=60.0,
+        gradient_noise=schema.GradientNoise(2.5, 900.0, 64.0, windows=12, window=8),
     )
     assert shared.status_from_proto(shared.status_to_proto(status)) == status
     assert shared.status_from_proto(shared.status_to_proto(dataclasses.replace(status, last_evaluation=None))) == (

@@ -1,6 +1,7 @@
 """Train on this machine: a gemps server and N local worker processes, no containers.
 
-Shows live progress (commits/s, training loss, held-out accuracy, median pi, staleness) and ends
+Shows live progress (commits/s, training loss, held-out accuracy, median pi, staleness, the
+server's gradient noise scale and how many workers it says pay) and ends
 with the held-out accuracy, a checkpoint of the trained model (.npz, no pickle) and a PNG of the
 training curves in --out.
 """
@@ -8,6 +9,7 @@ training curves in --out.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,9 +20,10 @@ import numpy as np
 from torch import nn
 
 from gemps.client import Client
+from gemps.errors import GempsError
 from gemps.options import values_of
 from gemps.pytorch import load_central
-from gemps.records import CentralVariable
+from gemps.records import CentralVariable, GradientNoise
 from gemps_proto.codec import WIRE_DTYPE_NAMES
 from gemps_proto.schema import TrainingConfig
 from gemps_worker.cluster import LocalCluster
@@ -67,6 +70,8 @@ class ProgressSample:
     median_scaling: float
     mean_scaling: float
     mean_staleness: float
+    noise_scale: float = math.nan  # the server's gradient noise scale, samples (Status.gradient_noise)
+    useful_workers: float = math.nan  # and in workers of the batch size it assumes
 
 
 def run_demo(options: DemoOptions) -> int:
@@ -161,6 +166,10 @@ class _Looker:
         new: list[StepRecord] = [record for report in self.reports for record in report.read_new()]
         self._figures = CommitFigures.of(new).or_else(self._figures)
         figures = self._figures
+        try:
+            noise = self.observer.gradient_noise()
+        except GempsError:  # shutting down: the next look, if any, reads it again
+            noise = GradientNoise()
         return ProgressSample(
             time.monotonic() - self.started,
             version,
@@ -170,6 +179,8 @@ class _Looker:
             figures.median_scaling,
             figures.mean_scaling,
             figures.mean_staleness,
+            noise.scale,
+            noise.useful_workers,
         )
 
 
@@ -181,7 +192,8 @@ def _progress_fields(sample: ProgressSample, samples: list[ProgressSample]) -> s
     return (
         f"{rate:5.0f} commits/s  train loss {sample.training_loss:.3f}  held-out {sample.held_out_loss:.3f} "
         f"acc {sample.held_out_accuracy:6.2%}  pi median {sample.median_scaling:.2f} mean {sample.mean_scaling:.2f}  "
-        f"staleness {sample.mean_staleness:.1f}"
+        f"staleness {sample.mean_staleness:.1f}  noise scale {sample.noise_scale:.0f} "
+        f"(~{sample.useful_workers:.1f} workers pay)"
     )
 
 

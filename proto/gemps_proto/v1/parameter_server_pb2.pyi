@@ -341,8 +341,22 @@ class WorkerStatus(_message.Message):
     seconds_since_commit: float
     def __init__(self, name: _Optional[str] = ..., shard: _Optional[int] = ..., commits: _Optional[int] = ..., seconds_since_seen: _Optional[float] = ..., seconds_since_commit: _Optional[float] = ...) -> None: ...
 
+class GradientNoise(_message.Message):
+    __slots__ = ("gradient_square", "noise_trace", "batch_size", "windows", "window")
+    GRADIENT_SQUARE_FIELD_NUMBER: _ClassVar[int]
+    NOISE_TRACE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    gradient_square: float
+    noise_trace: float
+    batch_size: float
+    windows: int
+    window: int
+    def __init__(self, gradient_square: _Optional[float] = ..., noise_trace: _Optional[float] = ..., batch_size: _Optional[float] = ..., windows: _Optional[int] = ..., window: _Optional[int] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("initialized", "version", "active_workers", "num_parameters", "config", "commits_applied", "commits_rejected", "spec", "uptime_seconds", "last_evaluation", "learning_rate", "buffer_spec", "workers", "lease_ttl_seconds", "layout")
+    __slots__ = ("initialized", "version", "active_workers", "num_parameters", "config", "commits_applied", "commits_rejected", "spec", "uptime_seconds", "last_evaluation", "learning_rate", "buffer_spec", "workers", "lease_ttl_seconds", "gradient_noise", "layout")
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -357,6 +371,7 @@ class StatusResponse(_message.Message):
     BUFFER_SPEC_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_NOISE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     initialized: bool
     version: int
@@ -372,5 +387,6 @@ class StatusResponse(_message.Message):
     buffer_spec: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     lease_ttl_seconds: float
+    gradient_noise: GradientNoise
     layout: Layout
-    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., active_workers: _Optional[int] = ..., num_parameters: _Optional[int] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., commits_applied: _Optional[int] = ..., commits_rejected: _Optional[int] = ..., spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., learning_rate: _Optional[float] = ..., buffer_spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., lease_ttl_seconds: _Optional[float] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ...) -> None: ...
+    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., active_workers: _Optional[int] = ..., num_parameters: _Optional[int] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., commits_applied: _Optional[int] = ..., commits_rejected: _Optional[int] = ..., spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., learning_rate: _Optional[float] = ..., buffer_spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., lease_ttl_seconds: _Optional[float] = ..., gradient_noise: _Optional[_Union[GradientNoise, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ...) -> None: ...

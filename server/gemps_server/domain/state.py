@@ -23,6 +23,7 @@ from gemps_proto.schema import Buffers, ParameterSpec, TrainingConfig
 from gemps_server.domain import validation
 from gemps_server.domain.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 from gemps_server.domain.ledger import CommitLedger, Receipt
+from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NoiseEstimator
 from gemps_server.domain.records import (
     ALL_OF_THETA,
     Admission,
@@ -51,8 +52,10 @@ class ServerState:
         gem_kernel: str = "numpy",
         partition: PartitionOf = ALL_OF_THETA,
         max_parameters: int | None = None,
+        noise_window: int = NOISE_WINDOW_AUTO,
     ) -> None:
         self._training = training
+        self.noise = NoiseEstimator(noise_window, training.batch_size)  # the gradient noise scale (noise.py)
         self.partition = partition
         self.max_parameters = max_parameters  # None: no limit (ServerConfig.max_parameters)
         self.bounds = (0, 0)  # [start, stop) of θ held here, once initialised
@@ -171,9 +174,10 @@ class ServerState:
         kind, payload, peak = validation.validated_payload(commit, self.num_parameters, self.version)
         buffers = validation.buffers_after(self._buffers, commit.buffer_delta)  # checked before θ moves
         staleness = self.version - commit.base_version
+        window = self.noise.window(kind, self.num_parameters, len(self.registry), commit.num_samples)
         try:  # the rule writes into spare buffers and swaps them in only if every value is finite
             self._theta, stats = rule.step(
-                self._theta, payload, kind, commit.worker_id, staleness, self.version, peak, mirror
+                self._theta, payload, kind, commit.worker_id, staleness, self.version, peak, mirror, window
             )
         except NonFiniteUpdate as error:
             raise InvalidArgument(f"commit refused, nothing changed: {error}", Reason.NON_FINITE) from None

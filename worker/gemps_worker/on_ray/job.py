@@ -37,6 +37,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from gemps.options import values_of
+from gemps.records import GradientNoise
 from gemps_worker.on_ray.actors import HeldOutEvaluator, PartitionServer, TrainFunction, TrainingWorker
 from gemps_worker.on_ray.options import RayJobOptions
 from gemps_worker.on_ray.records import (
@@ -303,12 +304,12 @@ class RayJob:
         return [outcomes[index] for index in sorted(outcomes)]
 
     def sample(self) -> StatusSample | None:
-        """Partition 0's version now (None while it does not answer: restarting)."""
-        try:
-            status = self._get([self.partition_actors[0].status.remote()], LOOK_TIMEOUT)[0]
-        except JobFailed:
+        """Partition 0's version now (None while it restarts), all of θ's noise scale (while all answer)."""
+        statuses = self._answers([actor.status.remote() for actor in self.partition_actors], LOOK_TIMEOUT)
+        if statuses[0] is None:
             return None
-        sample = StatusSample(time.time(), status.version, status.active_workers)
+        noise = GradientNoise() if None in statuses else GradientNoise.combined([s.gradient_noise for s in statuses])
+        sample = StatusSample(time.time(), statuses[0].version, statuses[0].active_workers, noise)
         self.samples.append(sample)
         return sample
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from gemps.records import GradientNoise
+
 
 @dataclass(frozen=True)
 class PartitionEndpoint:
@@ -63,6 +65,7 @@ class StatusSample:
     time: float  # unix time
     version: int  # partition 0's
     active_workers: int
+    gradient_noise: GradientNoise = field(default_factory=GradientNoise)  # all of θ's (Client.gradient_noise)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import numpy as np
 
 from gemps_proto.schedules import schedule_factor
 from gemps_proto.schema import PayloadKind, TrainingConfig
+from gemps_server.native import noise_window
 
 #: eta's factor at a central version (eta(v) = learning_rate * schedule(v))
 Schedule = Callable[[int], float]
@@ -102,6 +103,26 @@ class ApplyStats:
         )
 
 
+@dataclass
+class NoiseWindow:
+    """One gradient commit's share of the noise scale's estimate (domain/noise.py): the window's
+    running sum of gradients over the sampled parameters (float32; every `stride`-th run of them,
+    native.noise_sample), how this commit moves it (native.WINDOW_*), and what was measured as the
+    rule applied it: |g|^2 and |window sum after it|^2 over those parameters (NaN until then).
+    `step` hands it to `applied` once the commit is applied and measured (not when refused)."""
+
+    total: np.ndarray
+    stride: int
+    mode: int
+    applied: Callable[[NoiseWindow], None]
+    payload_square: float = math.nan
+    window_square: float = math.nan
+
+    def measure(self, payload: np.ndarray) -> None:
+        """The sums in a pass of their own (for rules whose pass does not fold them in)."""
+        self.payload_square, self.window_square = noise_window(payload, self.total, self.stride, self.mode)
+
+
 _TRAINING_FIELDS = frozenset(f.name for f in fields(TrainingConfig))
 
 
@@ -173,6 +194,7 @@ class CommitRule(ABC):
         version: int = 0,
         payload_peak: float | None = None,
         mirror: np.ndarray | None = None,
+        window: NoiseWindow | None = None,
     ) -> tuple[np.ndarray, ApplyStats]:
         """theta after this worker's commit, computed `staleness` commits ago and applied at central
         version `version` (the one before it; a gradient g moves theta by -eta(version)*g), with
@@ -182,14 +204,31 @@ class CommitRule(ABC):
         `payload_peak`: max |payload| when the caller already knows it (from its finiteness check).
         `mirror`: a float32 array of P (memory of its own) that gets the new theta too, where a
         reply is sent from: a rule that `mirrors` writes it as it computes theta, without a pass of
-        its own (contents undefined after NonFiniteUpdate)."""
+        its own (contents undefined after NonFiniteUpdate).
+        `window`: the noise scale's sums to measure for this commit, in the rule's pass where it
+        `folds_noise`, else in a pass of their own once the commit is applied; then handed back."""
         scale = -self.learning_rate_at(version) if kind is PayloadKind.GRADIENT else 1.0
+        folded = window if self.folds_noise else None
         if mirror is not None and self.mirrors:
-            return self.step_mirrored(theta, payload, scale, worker_id, staleness, payload_peak, mirror)
-        updated, stats = self.step_scaled(theta, payload, scale, worker_id, staleness, payload_peak)
-        if mirror is not None:
+            updated, stats = self.step_mirrored(
+                theta, payload, scale, worker_id, staleness, payload_peak, mirror, folded
+            )
+        elif folded is not None:
+            updated, stats = self.step_measured(theta, payload, scale, worker_id, staleness, payload_peak, folded)
+        else:
+            updated, stats = self.step_scaled(theta, payload, scale, worker_id, staleness, payload_peak)
+        if mirror is not None and not self.mirrors:
             np.copyto(mirror, updated)
+        if window is not None:
+            if folded is None:
+                window.measure(payload)
+            window.applied(window)
         return updated, stats
+
+    @property
+    def folds_noise(self) -> bool:
+        """Whether step_measured and step_mirrored measure the noise window in the rule's own pass."""
+        return False
 
     @property
     def mirrors(self) -> bool:
@@ -205,9 +244,24 @@ class CommitRule(ABC):
         staleness: int,
         update_peak: float | None,
         mirror: np.ndarray,
+        window: NoiseWindow | None = None,
     ) -> tuple[np.ndarray, ApplyStats]:
-        """step_scaled, the new theta also written to `mirror`; for rules that `mirror`."""
+        """step_scaled, the new theta also written to `mirror`; for rules that `mirror` (and the
+        noise `window` measured, for rules that `folds_noise`)."""
         raise NotImplementedError(f"rule {self.name!r} does not write a mirror")
+
+    def step_measured(
+        self,
+        theta: np.ndarray,
+        update: np.ndarray,
+        scale: float,
+        worker_id: str,
+        staleness: int,
+        update_peak: float | None,
+        window: NoiseWindow,
+    ) -> tuple[np.ndarray, ApplyStats]:
+        """step_scaled, the noise `window` measured in the same pass; for rules that `folds_noise`."""
+        raise NotImplementedError(f"rule {self.name!r} does not fold the noise window into its pass")
 
     def apply(
         self,
