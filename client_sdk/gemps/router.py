@@ -7,7 +7,7 @@ transport's futures and streams run them, no thread of ours per partition), trac
 partition's version, and assembles θ from the replies. Buffers live on partition 0.
 
 Partitions can move (restarted on another machine, on fresh ports). When one stops answering, its
-session asks the router where it is now: partition 0 through the client's resolver
+transport (gemps.following) asks the router where it is now: partition 0 through the client's resolver
 (gemps.resolver), any other through the layout partition 0 announces now.
 """
 
@@ -106,7 +106,7 @@ class PartitionRouter:
         self.retrier = retrier
         self.worker_name = worker_name
         self.client_id = client_id
-        self.sessions = [ServerSession(connect(self.target), retrier, lambda: self._follow(0))]
+        self.sessions = [ServerSession(connect(self.target), retrier, self._follower(0))]
         self.layout: Layout | None = None  # how θ is partitioned; None: one server holds it all
         self.spec: tuple[ParameterSpec, ...] = ()
         self.buffer_spec: tuple[ParameterSpec, ...] = ()
@@ -226,7 +226,7 @@ class PartitionRouter:
 
     def close(self) -> None:
         for session in self.sessions:
-            session.transport.close()
+            session.link.close()
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -265,7 +265,7 @@ class PartitionRouter:
                 if not errors.worth_another_attempt(error):
                     results.append(error)
                     continue
-                self.sessions[index].suspect(error)
+                self.sessions[index].link.suspect(error)  # its next call looks where the server is first
                 try:
                     results.append(blocking(index))
                 except errors.GempsError as again:
@@ -306,8 +306,7 @@ class PartitionRouter:
         if self.layout is None:
             for index in range(len(self.sessions), len(layout.partitions)):
                 address = resolve_address(layout.partitions[index].address, self.target)
-                follow = self._follower(index)
-                self.sessions.append(ServerSession(self.connect(address), self.retrier, follow))
+                self.sessions.append(ServerSession(self.connect(address), self.retrier, self._follower(index)))
         refuse_partition_count_change(self.target, self.layout, layout)
         for session, partition in zip(self.sessions, layout.partitions, strict=True):
             session.start, session.stop = partition.start, partition.stop

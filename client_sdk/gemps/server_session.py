@@ -4,33 +4,26 @@
 the contiguous range [start, stop) of the flat central variable with its own version, worker id
 and lease. The client has one session per server process; a session keeps the registration it
 got there and the newest slice of θ it received, retries a transport's calls (`Retrier`) and
-registers again, once, when the server forgot the worker (lease expiry, server restart).
-
-A server process can also move (restarted on another machine, on fresh ports). After a call to it
-failed in a way worth another attempt, the session asks `follow` (the router's: where is this
-partition now?) before the next attempt, and moves its transport to the new address when there is
-one; the attempt then goes there, with the same request id and number, so nothing is applied twice.
+registers again, once, when the server forgot the worker (lease expiry, server restart). Its
+calls go through a FollowingTransport (gemps.following), which moves to where the server process
+is now when it was restarted on another machine (`follow`, the router's).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
 from dataclasses import replace
-from typing import TypeVar
 
 import numpy as np
 
 from gemps import errors
+from gemps.following import Follow, FollowingTransport
 from gemps.records import Evaluation, Layout, Registration, ServerStatus
 from gemps.retry import Retrier
 from gemps.transport import CommitCall, Committed, Enrolment, Pending, PullCall, Pulled, Registered, Transport
 
 log = logging.getLogger("gemps.client")
-T = TypeVar("T")
-# Where a server process is now: a transport to its new address when it moved, else None.
-Follow = Callable[[], "Transport | None"]
 
 
 def refuse_partition_count_change(target: str, held: Layout | None, announced: Layout | None) -> None:
@@ -47,11 +40,8 @@ class ServerSession:
     """One server process (all of θ, or one partition of it) and what the client holds of it."""
 
     def __init__(self, transport: Transport, retrier: Retrier, follow: Follow | None = None) -> None:
-        self.transport = transport
+        self.link = FollowingTransport(transport, follow)  # every call goes through it
         self.retrier = retrier
-        self.follow = follow
-        self.moves = 0  # how often this session followed its server to another address
-        self._suspect = False  # a call failed in a way worth another attempt: it may have moved
         self.start = 0  # the range of θ this server holds: [start, stop)
         self.stop = 0
         self.registration: Registration | None = None  # this server's registration of the client's worker
@@ -60,8 +50,13 @@ class ServerSession:
         self.flat = np.empty(0, dtype=np.float32)
 
     @property
+    def transport(self) -> Transport:
+        """The transport to where the server process is now."""
+        return self.link.transport
+
+    @property
     def target(self) -> str:
-        return self.transport.target
+        return self.link.target
 
     @property
     def size(self) -> int:
@@ -73,7 +68,7 @@ class ServerSession:
 
     def register(self, enrolment: Enrolment) -> Registered:
         """Register with this server (retrying); `hold` its θ once the range is known."""
-        registered = self._reliably(lambda transport: transport.register(enrolment, self.history))
+        registered = self.retrier.call(self.link.register, enrolment, self.history)
         self.registration = registered.registration
         return registered
 
@@ -96,82 +91,49 @@ class ServerSession:
         return PullCall(self.worker_id, self.version, self.history, self.size)
 
     def start_pull(self) -> Pending[Pulled]:
-        if self._suspect:
-            self._follow()
-        return self.transport.start_pull(self.pull_call())
+        return self.link.start_pull(self.pull_call())
 
     def pull(self, enrolment: Enrolment | None) -> Pulled:
         """Pull this server's slice (retrying); registered: with `enrolment` again if it forgot us."""
         if self.registration is None:
-            return self._reliably(lambda transport: transport.pull(self.pull_call()))
+            return self.retrier.call(self.link.pull, self.pull_call())
         try:
-            return self._reliably(lambda transport: transport.pull(self.pull_call()))
+            return self.retrier.call(self.link.pull, self.pull_call())
         except errors.GempsError as error:
             registered = self._register_again(error, enrolment)
-        pulled = self._reliably(lambda transport: transport.pull(self.pull_call()))  # the new worker id
+        pulled = self.retrier.call(self.link.pull, self.pull_call())  # the new worker id
         if pulled.parameters is None:  # unchanged since registering again: θ as registered
             pulled = replace(pulled, version=self.version, parameters=self.flat)
         return pulled if pulled.buffers is not None else replace(pulled, buffers=registered.buffers)
 
     def start_commit(self, call: CommitCall) -> Pending[Committed]:
-        if self._suspect:
-            self._follow()
-        return self.transport.start_commit(call)
+        return self.link.start_commit(call)
 
     def commit(self, call: CommitCall, enrolment: Enrolment | None) -> Committed:
         """Commit to this server (retrying); with `enrolment` again if it forgot us, then with the
         base version clamped to the registration's (the server may have restarted older)."""
         try:
-            return self._reliably(lambda transport: transport.commit(call))
+            return self.retrier.call(self.link.commit, call)
         except errors.GempsError as error:
             registered = self._register_again(error, enrolment)
         version = registered.registration.version
-        again = replace(call, worker_id=self.worker_id, base_version=min(call.base_version, version))
-        committed = self._reliably(lambda transport: transport.commit(again))
+        call = replace(call, worker_id=self.worker_id, base_version=min(call.base_version, version))
+        committed = self.retrier.call(self.link.commit, call)
         return committed if committed.buffers is not None else replace(committed, buffers=registered.buffers)
 
     def status(self) -> ServerStatus:
-        return self._reliably(lambda transport: transport.status())
+        return self.retrier.call(self.link.status)
 
     def report_evaluation(self, evaluation: Evaluation) -> None:
-        self._reliably(lambda transport: transport.report_evaluation(evaluation))
+        self.retrier.call(self.link.report_evaluation, evaluation)
 
     def leave(self) -> None:
         """Leave this server, if registered there (already evicted: nothing to free)."""
         if self.registration is None:
             return
         with contextlib.suppress(errors.WorkerNotFoundError):
-            self._reliably(lambda transport: transport.leave(self.worker_id))
+            self.retrier.call(self.link.leave, self.worker_id)
         self.registration = None
-
-    def suspect(self, error: errors.GempsError) -> None:
-        """A call here failed outside `_reliably` (a concurrent first attempt): before the next
-        one, look whether the server moved."""
-        if isinstance(error, errors.RETRIED):
-            self._suspect = True
-
-    def _reliably(self, call: Callable[[Transport], T]) -> T:
-        """`call` on this server's transport, retried; following the server when it moved."""
-
-        def attempt() -> T:
-            if self._suspect:
-                self._follow()
-            try:
-                return call(self.transport)
-            except errors.RETRIED:
-                self._suspect = True
-                raise
-
-        return self.retrier.call(attempt)
-
-    def _follow(self) -> None:
-        self._suspect = False
-        moved = self.follow() if self.follow is not None else None
-        if moved is None:
-            return
-        log.warning("%s moved to %s: following it", self.transport.target, moved.target)
-        self.transport.close()
-        self.transport, self.moves = moved, self.moves + 1
 
     def _register_again(self, error: errors.GempsError, enrolment: Enrolment | None) -> Registered:
         """Register with our newest copy of θ when the server forgot us; `error` otherwise."""

@@ -1,0 +1,96 @@
+"""A transport that follows its server process when it moves (DESIGN §3a).
+
+A server process can be restarted on another machine, on fresh ports. After a call to it failed in
+a way worth another attempt, the next call first asks `follow` (the router's: where is this server
+now?) and, when it moved, goes on through a transport to its new address. Retries of a commit then
+reach the new process with the same request id and number, so nothing is applied twice. It is a
+Transport itself, so the session's retries and the router's concurrent calls need not know.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+from gemps import errors
+from gemps.records import Evaluation, ServerStatus
+from gemps.transport import (
+    CommitCall,
+    Committed,
+    Enrolment,
+    Pending,
+    PullCall,
+    Pulled,
+    Registered,
+    Transport,
+)
+
+log = logging.getLogger("gemps.client")
+T = TypeVar("T")
+# Where a server process is now: a transport to its new address when it moved, else None.
+Follow = Callable[[], Transport | None]
+
+
+class FollowingTransport:
+    """`transport`, replaced by the one `follow` gives after a failure when its server moved."""
+
+    def __init__(self, transport: Transport, follow: Follow | None = None) -> None:
+        self.transport = transport
+        self.follow = follow
+        self.moves = 0  # how often it followed its server to another address
+        self._suspect = False  # a call failed in a way worth another attempt: the server may have moved
+
+    @property
+    def target(self) -> str:
+        return self.transport.target
+
+    def suspect(self, error: errors.GempsError) -> None:
+        """A call's failure seen elsewhere (a started call's result): look before the next one."""
+        if isinstance(error, errors.RETRIED):
+            self._suspect = True
+
+    def register(self, enrolment: Enrolment, known_history: str) -> Registered:
+        return self._call(lambda transport: transport.register(enrolment, known_history))
+
+    def pull(self, call: PullCall) -> Pulled:
+        return self._call(lambda transport: transport.pull(call))
+
+    def start_pull(self, call: PullCall) -> Pending[Pulled]:
+        return self._call(lambda transport: transport.start_pull(call))
+
+    def commit(self, call: CommitCall) -> Committed:
+        return self._call(lambda transport: transport.commit(call))
+
+    def start_commit(self, call: CommitCall) -> Pending[Committed]:
+        return self._call(lambda transport: transport.start_commit(call))
+
+    def leave(self, worker_id: str) -> None:
+        self._call(lambda transport: transport.leave(worker_id))
+
+    def status(self) -> ServerStatus:
+        return self._call(lambda transport: transport.status())
+
+    def report_evaluation(self, evaluation: Evaluation) -> None:
+        self._call(lambda transport: transport.report_evaluation(evaluation))
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def _call(self, call: Callable[[Transport], T]) -> T:
+        if self._suspect:
+            self._follow()
+        try:
+            return call(self.transport)
+        except errors.RETRIED:
+            self._suspect = True
+            raise
+
+    def _follow(self) -> None:
+        self._suspect = False
+        moved = self.follow() if self.follow is not None else None
+        if moved is None:
+            return
+        log.warning("%s moved to %s: following it", self.transport.target, moved.target)
+        self.transport.close()
+        self.transport, self.moves = moved, self.moves + 1
