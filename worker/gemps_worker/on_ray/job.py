@@ -421,9 +421,12 @@ class RayJob:
             if self.evaluator is not None:  # before the partitions go: it would only retry them
                 ray.kill(self.evaluator, no_restart=True)
                 self.evaluator = None
-            if self.partition_actors:
-                codes = answers([actor.stop.remote() for actor in self.partition_actors], STOP_TIMEOUT)
-                for index, code in enumerate(codes):
+            # A partition whose node was lost has no server to stop, and its actor waits for a node.
+            lost = {i for i, endpoint in enumerate(self.partitions) if self.faults.lost(endpoint.node_id)}
+            standing = {i: actor for i, actor in enumerate(self.partition_actors) if i not in lost}
+            if standing:
+                codes = answers([actor.stop.remote() for actor in standing.values()], STOP_TIMEOUT)
+                for index, code in zip(standing, codes, strict=True):
                     if code != 0:
                         log.warning("partition %d stopped with status %s", index, code)
         finally:  # whatever went wrong above, nothing of the job is left holding the cluster

@@ -5,7 +5,7 @@ so placement across nodes is Ray's real scheduling. Every node is on 127.0.0.1; 
 that address (and the partitions listen on it) only when `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`
 was set before ray was first imported: set it first thing in the program.
 
-`RemoveWorkerNode` removes a node mid-run as a machine dies (no drain), for the fault tests and figures.
+`RemoveNode` removes a node mid-run as a machine dies (no drain), for the fault tests and figures.
 """
 
 from __future__ import annotations
@@ -51,14 +51,14 @@ def local_cluster(nodes: int, cpus_per_node: float, *, head_cpus: float | None =
         cluster.shutdown()
 
 
-class RemoveWorkerNode:
-    """A progress callback for `RayJob.wait`: once partition 0's version reaches `version`, the
-    node holding the most workers and no partition (never the head) dies as a machine does
-    (`remove_node(allow_graceful=False)`). Waits for a later sample while the driver has not yet
-    seen where every worker runs."""
+class RemoveNode:
+    """A progress callback for `RayJob.wait`: once partition 0's version reaches `version`, a node
+    dies as a machine does (`remove_node(allow_graceful=False)`): partition `partition`'s, or
+    (None) the one holding the most workers and no partition, never the head. Waits for a later
+    sample while the driver has not yet seen where every worker runs."""
 
-    def __init__(self, cluster: Cluster, job: RayJob, version: int) -> None:
-        self.cluster, self.job, self.version = cluster, job, version
+    def __init__(self, cluster: Cluster, job: RayJob, version: int, partition: int | None = None) -> None:
+        self.cluster, self.job, self.version, self.partition = cluster, job, version, partition
         self.node_id = ""
         self.removed = 0.0  # unix time
         self.workers: list[int] = []  # those it held
@@ -71,13 +71,17 @@ class RemoveWorkerNode:
         if not all(worker in places for worker in workers):
             return
         head = self.cluster.head_node
-        spared = {*self.job.partition_nodes(), "" if head is None else head.node_id}
-        candidates = {node.node_id: node for node in self.cluster.worker_nodes if node.node_id not in spared}
-        held = {node: [i for i, w in enumerate(workers) if places[w].node_id == node] for node in candidates}
-        if not any(held.values()):
+        partitions = self.job.partition_nodes()
+        spared = {*partitions, "" if head is None else head.node_id}
+        nodes = {node.node_id: node for node in self.cluster.worker_nodes}
+        held = {node: [i for i, w in enumerate(workers) if places[w].node_id == node] for node in nodes}
+        if self.partition is not None:
+            self.node_id = partitions[self.partition]
+        elif any(held[node] for node in nodes if node not in spared):
+            self.node_id = max((node for node in nodes if node not in spared), key=lambda node: len(held[node]))
+        else:
             raise RuntimeError(f"no node holds workers and no partition: {places}")
-        self.node_id = max(held, key=lambda node: len(held[node]))
         self.workers = held[self.node_id]
         log.warning("removing Ray node %s (workers %s) at version %d", self.node_id[:12], self.workers, sample.version)
         self.removed = time.time()
-        self.cluster.remove_node(candidates[self.node_id], allow_graceful=False)
+        self.cluster.remove_node(nodes[self.node_id], allow_graceful=False)

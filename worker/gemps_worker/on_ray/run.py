@@ -54,29 +54,37 @@ def run_job(
     evaluations and where everything ran collected to the driver."""
     started = time.monotonic()
     with RayJob(options, train=train, server_options=server_options, worker_options=worker_options) as job:
-        stopped = False
-        try:
-            outcomes = job.wait(on_progress)
-        except KeyboardInterrupt:
-            stopped, outcomes = True, []
-        with interrupts_deferred():
-            if stopped:
-                log.warning("interrupted: stopping the workers")
-                job.stop_workers()
-            final = job.final_evaluation()
-            result = RayJobResult(
-                job.name,
-                job.nodes,
-                job.partitions,
-                outcomes,
-                job.export(),
-                job.evaluations(),
-                job.samples,
-                final,
-                stopped,
-                time.monotonic() - started,
-                job.faults.restarts,
-                job.faults.losses,
-            )
-            job.stop()  # here, still deferring interrupts (leaving the block would stop it again: a no-op)
+        return follow_job(job, on_progress, started)
+
+
+def follow_job(job: RayJob, on_progress: Progress | None = None, started: float | None = None) -> RayJobResult:
+    """Follow a started job to its end and collect its result, then stop it (as run_job does; for
+    code that needs the job's handles while it runs, as the node-loss test's progress callback
+    does). `started`: time.monotonic() the job's seconds count from (default: now)."""
+    started = time.monotonic() if started is None else started
+    stopped = False
+    try:
+        outcomes = job.wait(on_progress)
+    except KeyboardInterrupt:
+        stopped, outcomes = True, []
+    with interrupts_deferred():
+        if stopped:
+            log.warning("interrupted: stopping the workers")
+            job.stop_workers()
+        final = job.final_evaluation()
+        result = RayJobResult(
+            job.name,
+            job.nodes,
+            job.partitions,
+            outcomes,
+            job.export(),
+            job.evaluations(),
+            job.samples,
+            final,
+            stopped,
+            time.monotonic() - started,
+            job.faults.restarts,
+            job.faults.losses,
+        )
+        job.stop()  # here, still deferring interrupts (leaving the caller's `with` would stop it again: a no-op)
     return result
