@@ -63,6 +63,11 @@ def node_address() -> str:
     return str(ray.util.get_node_ip_address())
 
 
+def this_life(metrics_port: int) -> ActorPlace:
+    """Where this actor runs now: the driver tells a restarted actor by its new (node, pid)."""
+    return ActorPlace(node_id(), node_address(), metrics_port, os.getpid())
+
+
 def partition_folder(work_dir: str, job: str, index: int) -> Path:
     """Partition `index`'s folder on this node: checkpoints (so `gemps export WORK_DIR` assembles
     θ where the folders share storage), its server's log and its state file."""
@@ -227,7 +232,7 @@ class TrainingWorker:
         self._first_commit = 0.0
 
     def node(self) -> ActorPlace:
-        return ActorPlace(node_id(), node_address(), self.metrics_port, os.getpid())
+        return this_life(self.metrics_port)
 
     def train(self) -> WorkerOutcome:
         with self._lock:
@@ -315,7 +320,7 @@ class HeldOutEvaluator:
         self.results.append(TimedEvaluation(time.time(), result.version, result.loss, result.accuracy))
 
     def node(self) -> ActorPlace:
-        return ActorPlace(node_id(), node_address(), self.metrics_port, os.getpid())
+        return this_life(self.metrics_port)
 
     def since(self, after: float) -> tuple[list[TimedEvaluation], str]:
         """The evaluations made after unix time `after`, and the error that ended the loop ('' if
