@@ -3,11 +3,15 @@ training run per life, without a cluster: the cluster-wide behaviour is tests/e2
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+# As the e2e Ray tests do, before ray is first imported (it reads this then): run in one session
+# with them, whichever module imports ray first decides whether their nodes are on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 pytest.importorskip("ray")
 import ray.exceptions
 

@@ -88,6 +88,11 @@ class FaultLog:
         cause = "its node was lost" if lost else "its process died"
         log.warning("%s restarted on node %s (%s)", actor, place.node_id[:12], cause)
 
+    def gone(self, actor: str) -> bool:
+        """`actor`'s newest life seen ran on a node since lost: nothing of it is left to ask."""
+        place = self.places.get(actor)
+        return place is not None and self.lost(place.node_id)
+
     def restarts_of(self, actor: str) -> int:
         return sum(restart.actor == actor for restart in self.restarts)
 
@@ -111,7 +116,7 @@ class FaultLog:
         if not isinstance(error, ray.exceptions.RayActorError):  # its own error: the training function raised
             return f"{actor} failed: {error}"
         place = self.places.get(actor)
-        node = "" if place is None or not self.lost(place.node_id) else f"its node {place.node_id[:12]} was lost; "
+        node = f"its node {place.node_id[:12]} was lost; " if place is not None and self.gone(actor) else ""
         count = self.restarts_of(actor)
         return (
             f"{actor} failed for good after {count} restart{'' if count == 1 else 's'} "

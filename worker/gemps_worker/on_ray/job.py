@@ -401,9 +401,12 @@ class RayJob:
     # -- stop ----------------------------------------------------------------------------------
 
     def stop_workers(self) -> None:
-        """Workers finish their step and leave the server; then their actors are released."""
-        if self.worker_actors:
-            answers([actor.stop.remote() for actor in self.worker_actors], STOP_TIMEOUT)
+        """Workers finish their step and leave the server; then their actors are released. One
+        last seen on a lost node is not asked: nothing of it runs, and its restart may wait for
+        room on another node."""
+        standing = [actor for i, actor in enumerate(self.worker_actors) if not self.faults.gone(worker_name(i))]
+        if standing:
+            answers([actor.stop.remote() for actor in standing], STOP_TIMEOUT)
         for actor in self.worker_actors:
             ray.kill(actor, no_restart=True)
         self.worker_actors, self._training = [], {}
@@ -422,8 +425,9 @@ class RayJob:
                 ray.kill(self.evaluator, no_restart=True)
                 self.evaluator = None
             # A partition whose node was lost has no server to stop, and its actor waits for a node.
-            lost = {i for i, endpoint in enumerate(self.partitions) if self.faults.lost(endpoint.node_id)}
-            standing = {i: actor for i, actor in enumerate(self.partition_actors) if i not in lost}
+            standing = {
+                i: actor for i, actor in enumerate(self.partition_actors) if not self.faults.gone(partition_name(i))
+            }
             if standing:
                 codes = answers([actor.stop.remote() for actor in standing.values()], STOP_TIMEOUT)
                 for index, code in zip(standing, codes, strict=True):
