@@ -26,8 +26,8 @@ log = logging.getLogger("gemps.ray")
 #: inlined): ask the actor again; its restarted life trains again, a live one answers the same
 RESULT_LOST = (ray.exceptions.ObjectLostError,)
 
-
 EVALUATOR = "evaluator"
+PARTITION = "partition"
 
 
 class JobFailed(RuntimeError):
@@ -40,7 +40,7 @@ def worker_name(index: int) -> str:
 
 
 def partition_name(index: int) -> str:
-    return f"partition {index}"
+    return f"{PARTITION} {index}"
 
 
 def why(error: BaseException) -> str:
@@ -98,7 +98,8 @@ class FaultLog:
 
     def lost_partitions(self) -> str:
         """Why the job cannot go on when a partition's node was lost ('' while none was)."""
-        lost = [(actor, loss.node_id) for loss in self.losses for actor in loss.held if actor.startswith("partition ")]
+        held = [(actor, loss.node_id) for loss in self.losses for actor in loss.held]
+        lost = [(actor, node) for actor, node in held if actor.startswith(f"{PARTITION} ")]
         if not lost:
             return ""
         which = ", ".join(f"{actor} (node {node[:12]})" for actor, node in lost)
