@@ -1,6 +1,7 @@
 """A Ray node lost mid-run, on a real multi-node cluster built here: the workers it held come back
 on surviving nodes and the job finishes (issue 34, item 1); a partition's node lost ends the job
-with a message that says why (partitions do not move yet: item 2).
+with a message that says why (partitions do not move yet: item 2), and so does losing a worker
+whose restarts are spent.
 
 The cluster is a head with no CPUs (as Ray advises for real clusters: no actor lands there, so
 any node holding the job's actors can be lost without ending the cluster) and three nodes of 1
@@ -8,15 +9,17 @@ CPU, as the issue's. `RayJob(partitions=2, workers=4)` trains digits with the re
 and the evaluator; once partition 0's version passes LOSS_AT, the node that holds workers and no
 partition is removed without a drain, as a machine dies.
 
-CI cost: about two minutes on 2 shared cores (docs/RAY.md states the measured figures).
+CI cost: about two and a half minutes on 2 shared cores (docs/RAY.md states the measured figures).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,7 +32,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from gemps_worker.on_ray import JobFailed, RayJob, RayJobOptions  # noqa: E402
 from gemps_worker.on_ray.faults import EVALUATOR, worker_name  # noqa: E402
-from gemps_worker.on_ray.local import RemoveNode, local_cluster  # noqa: E402
+from gemps_worker.on_ray.local import LOOPBACK, RemoveNode, local_cluster  # noqa: E402
 from gemps_worker.on_ray.run import follow_job  # noqa: E402
 from tests.e2e.test_ray import CPUS_PER_NODE, DEMO_BAR, NODES, SLICE, STEPS_PER_EPOCH  # noqa: E402
 
@@ -44,14 +47,23 @@ def cluster() -> Iterator[Cluster]:
         yield made
 
 
-def job_options(folder: Path) -> RayJobOptions:
+def job_options(folder: Path, **options: Any) -> RayJobOptions:
     return RayJobOptions(
         partitions=2, workers=WORKERS, epochs=EPOCHS, interval=0.5, work_dir=str(folder / "work"),
-        out=str(folder / "out"), partition_cpus=SLICE, worker_cpus=SLICE, evaluator_cpus=SLICE,
+        out=str(folder / "out"), partition_cpus=SLICE, worker_cpus=SLICE, evaluator_cpus=SLICE, **options,
     )  # fmt: skip
 
 
+def whole(cluster: Cluster) -> Cluster:
+    """The cluster with its 3 CPU nodes again: a test before may have lost one."""
+    while len(cluster.worker_nodes) < NODES:
+        cluster.add_node(num_cpus=CPUS_PER_NODE, node_ip_address=LOOPBACK)
+    cluster.wait_for_nodes()
+    return cluster
+
+
 def test_workers_on_a_lost_node_come_back_elsewhere_and_the_job_finishes(cluster: Cluster, tmp_path: Path) -> None:
+    whole(cluster)
     with RayJob(job_options(tmp_path)) as job:
         loss = RemoveNode(cluster, job, LOSS_AT)
         result = follow_job(job, loss)
@@ -97,11 +109,28 @@ def test_workers_on_a_lost_node_come_back_elsewhere_and_the_job_finishes(cluster
 
 
 def test_a_lost_partition_node_ends_the_job_saying_why(cluster: Cluster, tmp_path: Path) -> None:
-    """Partitions do not move yet (issue 34, item 2): the job ends, and says so. Runs on what the
-    test above left: the head and two nodes, one partition on each."""
+    """Partitions do not move yet (issue 34, item 2): the job ends, and says so."""
+    whole(cluster)
     with RayJob(job_options(tmp_path)) as job:
         loss = RemoveNode(cluster, job, LOSS_AT, partition=1)
         with pytest.raises(JobFailed, match=r"lost the node of partition 1 .*does not move") as failed:
             follow_job(job, loss)
     print(f"\n{failed.value}")
     assert f"(node {loss.node_id[:12]})" in str(failed.value)
+
+
+def test_a_worker_whose_restarts_are_spent_ends_the_job_saying_which_how_many_and_why(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    whole(cluster)
+    with RayJob(job_options(tmp_path, worker_restarts=0)) as job:
+        loss = RemoveNode(cluster, job, LOSS_AT)
+        with pytest.raises(JobFailed) as failed:
+            follow_job(job, loss)
+    print(f"\n{failed.value}")
+    which = "|".join(map(str, loss.workers))
+    expected = (
+        rf"worker ({which}) failed for good after 0 restarts \(--worker-restarts 0\): "
+        rf"its node {loss.node_id[:12]} was lost; ActorDiedError: "
+    )
+    assert re.match(expected, str(failed.value)), failed.value
