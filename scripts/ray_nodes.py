@@ -8,6 +8,12 @@ multi-node machinery costs here, not what more machines would buy (docs/RAY.md's
 that).
 
     .venv/bin/python scripts/ray_nodes.py --out docs/results/ray-nodes.json --figure docs/results/ray-nodes.png
+
+With --node-loss VERSION it measures a fault instead (docs/RAY.md's fault table): the same job on
+a head with no CPUs and 3 nodes of 1 CPU, run without a fault and with the node that holds
+workers and no partition lost once partition 0 reaches VERSION, alternating:
+
+    .venv/bin/python scripts/ray_nodes.py --node-loss 120 --workers 4 --epochs 8 --out docs/results/ray-node-loss.json
 """
 
 from __future__ import annotations
@@ -25,8 +31,10 @@ from typing import Any
 # Every node's address as Ray gives it to actors is then loopback (read when ray is imported).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-from gemps_worker.on_ray import RayJobOptions, run_job
-from gemps_worker.on_ray.local import local_cluster
+from gemps_worker.on_ray import RayJob, RayJobOptions, run_job
+from gemps_worker.on_ray.faults import worker_name
+from gemps_worker.on_ray.local import RemoveNode, local_cluster
+from gemps_worker.on_ray.run import follow_job
 
 TOTAL_CPUS = 3
 SLICE = 0.25
@@ -45,6 +53,39 @@ def one_run(nodes: int, options: RayJobOptions) -> dict[str, Any]:
         "samples": [asdict(sample) for sample in result.samples],
         "evaluations": [asdict(evaluation) for evaluation in result.evaluations],
     }
+
+
+def node_loss_run(version: int | None, options: RayJobOptions) -> dict[str, Any]:
+    """One run on a head with no CPUs and 3 nodes of 1 CPU: without a fault (`version` None), or
+    losing the node of the most workers and no partition once partition 0 reaches `version`.
+    Seconds after the loss: until Ray marked the node dead, the driver saw each lost worker's new
+    life, and that life's first commit."""
+    with local_cluster(4, TOTAL_CPUS / 3, head_cpus=0) as cluster:
+        started, clock = time.time(), time.monotonic()  # the job's seconds count from here, as run_job's
+        with RayJob(options) as job:
+            loss = None if version is None else RemoveNode(cluster, job, version)
+            result = follow_job(job, loss, clock)
+    run: dict[str, Any] = {
+        "node_loss_at": version,
+        "started": started,
+        "seconds": result.seconds,
+        "final": None if result.final is None else asdict(result.final),
+        "samples": [asdict(sample) for sample in result.samples],
+        "evaluations": [asdict(evaluation) for evaluation in result.evaluations],
+        "node_losses": [asdict(lost) for lost in result.node_losses],
+        "restarts": [asdict(restart) for restart in result.restarts],
+    }
+    if loss is not None:
+        lost = [worker_name(index) for index in loss.workers]
+        restarts = [restart for restart in result.restarts if restart.actor in lost]
+        run["lost"] = {
+            "workers": loss.workers,
+            "held": [list(lost.held) for lost in result.node_losses],
+            "marked_dead_seconds": [lost.seen - loss.removed for lost in result.node_losses],
+            "restart_seen_seconds": [restart.seen - loss.removed for restart in restarts],
+            "first_commit_seconds": [result.outcomes[index].first_commit - loss.removed for index in loss.workers],
+        }
+    return run
 
 
 def figures(run: dict[str, Any]) -> dict[str, float | None]:
@@ -99,7 +140,12 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each, alternating 1, 3, 1, 3, ...")
+    parser.add_argument(
+        "--node-loss", type=int, default=0, metavar="VERSION", help="measure a lost worker node instead (above)"
+    )
     args = parser.parse_args()
+    if args.node_loss:
+        return measure_node_loss(args)
     runs = []
     for repeat in range(args.repeats):
         for nodes in (1, 3):
@@ -114,6 +160,25 @@ def main() -> int:
             print(f"{nodes} node(s), run {repeat + 1}: {json.dumps(run['figures'])}", flush=True)
     Path(args.out).write_text(json.dumps(runs, indent=1) + "\n")
     plot(runs, Path(args.figure))
+    return 0
+
+
+def measure_node_loss(args: argparse.Namespace) -> int:
+    runs = []
+    for repeat in range(args.repeats):
+        for version in (None, args.node_loss):
+            with tempfile.TemporaryDirectory(prefix="gemps-ray-node-loss-") as folder:
+                options = RayJobOptions(
+                    partitions=2, workers=args.workers, epochs=args.epochs, interval=0.5, work_dir=folder,
+                    out=folder, partition_cpus=SLICE, worker_cpus=SLICE, evaluator_cpus=SLICE,
+                )  # fmt: skip
+                run = {**node_loss_run(version, options), "repeat": repeat}
+            run["figures"] = figures(run)
+            runs.append(run)
+            print(
+                f"node loss at {version}, run {repeat + 1}: {json.dumps(run['figures'])} {run.get('lost')}", flush=True
+            )
+    Path(args.out).write_text(json.dumps(runs, indent=1) + "\n")
     return 0
 
 

@@ -4,7 +4,8 @@ Joins the cluster --address names (`ray start --head` on this machine: the defau
 the --partitions server processes on distinct nodes where there are enough, starts --workers
 reference workers (or your --train function) spread over the nodes, follows the run, and writes
 to --out on this machine: model.safetensors (θ and buffers by name, pulled at the end),
-summary.json (where each partition ran, each worker's outcome, the held-out curve) and
+summary.json (where each partition ran, each worker's outcome, the held-out curve, the nodes lost
+and the actors Ray restarted) and
 prometheus-targets.json (a file_sd_configs list of every metrics endpoint). Ctrl-C stops the job
 cleanly: workers leave, partitions write their final checkpoints, the export is still written.
 """
@@ -113,6 +114,8 @@ def write_outputs(out: Path, result: RayJobResult) -> None:
         "final": None if result.final is None else asdict(result.final),
         "evaluations": [asdict(e) for e in result.evaluations],
         "samples": [asdict(s) for s in result.samples],
+        "node_losses": [asdict(loss) for loss in result.node_losses],
+        "restarts": [asdict(restart) for restart in result.restarts],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     nodes = ", ".join(f"{e.index}: {e.node_id[:12]} ({e.target})" for e in result.partitions)
@@ -120,6 +123,11 @@ def write_outputs(out: Path, result: RayJobResult) -> None:
     workers = sum(o.commits for o in result.outcomes)
     ending = " (stopped before the end)" if result.stopped else ""
     print(f"done in {result.seconds:.0f}s{ending}: version {result.export.version}, {workers} commits by the workers")
+    for loss in result.node_losses:
+        print(f"lost Ray node {loss.node_id[:12]}, holding {', '.join(loss.held) or 'none of the job'}")
+    for restart in result.restarts:
+        cause = "its node lost" if restart.node_lost else "its process died"
+        print(f"restarted {restart.actor} on Ray node {restart.node_id[:12]} ({cause})")
     if result.final is not None:
         print(f"held-out loss {result.final.loss:.4f}, held-out accuracy {result.final.accuracy:.2%}")
     if result.samples:  # the newest estimate: how many of the job's workers paid (docs/OBSERVABILITY.md)

@@ -215,6 +215,9 @@ def test_killed_worker_and_partition_actors_come_back_and_no_commit_is_applied_t
         restarted = job.partitions[1]
         assert (restarted.node_id, restarted.port) == (second.node_id, second.port)  # its bundle's node, its port
         assert restarted.pid != second.pid
+        # The driver saw its new life: its process died, not its node.
+        partition_restarts = [r for r in job.faults.restarts if r.actor == "partition 1"]
+        assert [(r.node_id, r.node_lost) for r in partition_restarts] == [(second.node_id, False)], job.faults.restarts
         for worker in range(2):
             wait_for(
                 lambda w=worker: acks_of(acks, w) >= acked_before[w] + 30,  # type: ignore[misc]

@@ -18,8 +18,10 @@ This package is the only part of gemps that imports Ray (an import-linter contra
 that); `gemps ray` is its command line.
 """
 
-from gemps_worker.on_ray.job import JobFailed, RayJob, RayJobResult, run_job
+from gemps_worker.on_ray.faults import JobFailed
+from gemps_worker.on_ray.job import RayJob
 from gemps_worker.on_ray.options import RayJobOptions
 from gemps_worker.on_ray.records import WorkerContext
+from gemps_worker.on_ray.run import RayJobResult, run_job
 
 __all__ = ["JobFailed", "RayJob", "RayJobOptions", "RayJobResult", "WorkerContext", "run_job"]

@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from gemps.retry import RetryPolicy
 from gemps_proto import schema
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.on_ray.records import (
+    ActorPlace,
     ExportedModel,
     PartitionEndpoint,
     TimedEvaluation,
@@ -59,6 +61,11 @@ def node_id() -> str:
 def node_address() -> str:
     """This node's IP address as Ray knows it: where the others reach what runs here."""
     return str(ray.util.get_node_ip_address())
+
+
+def this_life(metrics_port: int) -> ActorPlace:
+    """Where this actor runs now: the driver tells a restarted actor by its new (node, pid)."""
+    return ActorPlace(node_id(), node_address(), metrics_port, os.getpid())
 
 
 def partition_folder(work_dir: str, job: str, index: int) -> Path:
@@ -191,8 +198,12 @@ class PartitionServer:
 
 class TrainingWorker:
     """A worker: the reference worker (`options`: gemps worker's WorkerOptions fields), or a
-    user's training function given a WorkerContext. `stop()` may be called while `train()` runs
-    (the actor runs two calls at once)."""
+    user's training function given a WorkerContext. `stop()` and `node()` may be called while
+    `train()` runs (the actor runs several calls at once).
+
+    One training run per life: Ray retries `train()` when the actor stops answering, and when
+    only the network did, the retry reaches this same life while its run goes on; it then waits
+    for that run's outcome instead of training twice. A restarted life trains its budget again."""
 
     def __init__(
         self,
@@ -215,47 +226,72 @@ class TrainingWorker:
             self._metrics = WorkerMetrics()
             self.metrics_port = self._metrics.serve(0, host=node_address())
         self._stop = threading.Event()
-        self._running = False
-        self._finished = threading.Event()
+        self._lock = threading.Lock()
+        self._training = False
+        self._outcome: Future[WorkerOutcome] = Future()
+        self._first_commit = 0.0
 
-    def node(self) -> tuple[str, str, int]:
-        """(Ray node id, node address, metrics port or -1)."""
-        return node_id(), node_address(), self.metrics_port
+    def node(self) -> ActorPlace:
+        return this_life(self.metrics_port)
 
     def train(self) -> WorkerOutcome:
-        self._running = True
+        with self._lock:
+            again, self._training = self._training, True
+        if again:
+            return self._outcome.result()
         try:
-            if self.train_function is not None:
-                context = WorkerContext(self.server, self.index, self.count, node_id(), self._stop)
-                value = self.train_function(context)
-                return WorkerOutcome(self.index, node_id(), 0, 0, self._stop.is_set(), value=value)
-            return self._reference_worker()
-        finally:
-            self._finished.set()
+            outcome = self._train()
+        except BaseException as error:
+            self._outcome.set_exception(error)
+            raise
+        self._outcome.set_result(outcome)
+        return outcome
+
+    def _train(self) -> WorkerOutcome:
+        if self.train_function is not None:
+            context = WorkerContext(self.server, self.index, self.count, node_id(), self._stop)
+            value = self.train_function(context)
+            return WorkerOutcome(self.index, node_id(), 0, 0, self._stop.is_set(), value=value)
+        return self._reference_worker()
 
     def _reference_worker(self) -> WorkerOutcome:
         import torch
 
-        from gemps_worker.training import WorkerOptions, run_worker
+        from gemps_worker.training import StepRecord, WorkerHooks, WorkerOptions, run_worker
 
         options = WorkerOptions(
             **{"name": f"worker-{self.index}", "seed": self.index, **self.options, "server": self.server}  # type: ignore[arg-type]
         )
         torch.set_num_threads(options.threads)
-        summary = run_worker(options, self._stop, metrics=self._metrics)
+
+        def first_commit(step: StepRecord) -> None:
+            self._first_commit = self._first_commit or step.time
+
+        summary = run_worker(options, self._stop, WorkerHooks(on_step=first_commit), metrics=self._metrics)
         return WorkerOutcome(
-            self.index, node_id(), summary.steps, summary.final_version, summary.stopped_early, summary.diverged
+            self.index,
+            node_id(),
+            summary.steps,
+            summary.final_version,
+            summary.stopped_early,
+            summary.diverged,
+            first_commit=self._first_commit,
         )
 
     def stop(self, timeout: float = 60.0) -> bool:
         """Ask the training loop to finish its step and leave; True once it has (or never ran)."""
         self._stop.set()
-        return not self._running or self._finished.wait(timeout)
+        with self._lock:
+            if not self._training:
+                return True
+        wait([self._outcome], timeout)
+        return self._outcome.done()
 
 
 class HeldOutEvaluator:
     """`gemps evaluate` in an actor: evaluates θ every `interval` seconds (when the version moved),
-    reports to the server, and keeps each result with its time for the driver."""
+    reports to the server, and keeps each result with its time for the driver. A restarted one
+    (its node lost) starts its loop again from the θ of the moment."""
 
     def __init__(self, options: Mapping[str, object]) -> None:
         from gemps_worker.evaluation_loop import EvaluatorOptions
@@ -283,17 +319,14 @@ class HeldOutEvaluator:
     def _keep(self, result: Any) -> None:
         self.results.append(TimedEvaluation(time.time(), result.version, result.loss, result.accuracy))
 
-    def node(self) -> tuple[str, str, int]:
-        return node_id(), node_address(), self.metrics_port
+    def node(self) -> ActorPlace:
+        return this_life(self.metrics_port)
 
-    def evaluations(self) -> tuple[list[TimedEvaluation], str]:
-        """Every evaluation so far, and the error that ended the loop ('' if none)."""
-        return list(self.results), self.error
-
-    def latest(self) -> tuple[TimedEvaluation | None, str]:
-        """The newest evaluation (None before the first), and the error as `evaluations`': what
-        the driver's progress needs, without sending every evaluation each time."""
-        return (self.results[-1] if self.results else None), self.error
+    def since(self, after: float) -> tuple[list[TimedEvaluation], str]:
+        """The evaluations made after unix time `after`, and the error that ended the loop ('' if
+        none). The driver keeps them: a restarted evaluator starts with none, and each look sends
+        only what is new."""
+        return [result for result in self.results if result.time > after], self.error
 
     def final(self) -> TimedEvaluation | None:
         """Stop the periodic loop, then evaluate θ once more as it is now."""

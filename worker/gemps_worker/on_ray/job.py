@@ -9,8 +9,12 @@
   (each on its own node) when there are at least as many nodes as partitions, else SPREAD.
   Partitions 1..K-1 start first; partition 0 starts last, told their HOST:PORT, so a worker that
   can register gets the whole layout (as `gemps server --partitions K` does on one machine).
-- Workers: one actor each, SPREAD over the nodes, with `max_restarts` and as many retries of
-  their training call: a restarted worker registers again and trains its budget again.
+- Workers: one actor each, SPREAD over the nodes (never pinned to one), with `max_restarts`.
+  Ray retries their training call (`max_task_retries=-1`) on the restarted actor, on a
+  surviving node when its node was lost, until those restarts are spent: a restarted worker
+  registers again and trains its budget again. The evaluator likewise, and its loss never fails
+  the run. The driver watches (gemps_worker.on_ray.faults): nodes lost and actors restarted go
+  into the result, and a failure says which actor, after how many restarts and why.
 - Everything is reached through actors, never from the driver directly, so the driver may run
   anywhere Ray reaches (the head, a laptop through Ray Client).
 - Ctrl-C or `ray.cancel` of the task running the job raises KeyboardInterrupt in the driver;
@@ -26,7 +30,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -39,8 +42,19 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from gemps.options import values_of
 from gemps.records import GradientNoise
 from gemps_worker.on_ray.actors import HeldOutEvaluator, PartitionServer, TrainFunction, TrainingWorker
+from gemps_worker.on_ray.calls import Looks, alive_nodes, answers, get_within
+from gemps_worker.on_ray.faults import (
+    EVALUATOR,
+    RESULT_LOST,
+    FaultLog,
+    JobFailed,
+    partition_name,
+    why,
+    worker_name,
+)
 from gemps_worker.on_ray.options import RayJobOptions
 from gemps_worker.on_ray.records import (
+    ActorPlace,
     ExportedModel,
     PartitionEndpoint,
     StatusSample,
@@ -56,26 +70,6 @@ STOP_TIMEOUT = 60.0  # seconds a worker gets to finish its step and leave, a par
 LOOK_TIMEOUT = 10.0  # seconds for a look at partition 0 or the evaluator before going on without it
 
 Progress = Callable[[StatusSample, TimedEvaluation | None], None]
-
-
-class JobFailed(RuntimeError):
-    """A worker failed for good (its restarts spent, or its training function raised)."""
-
-
-@dataclass
-class RayJobResult:
-    """What `run_job` collected; `stopped`: ended by Ctrl-C or ray.cancel before the workers finished."""
-
-    name: str
-    nodes: list[str]  # Ray node ids alive at the start
-    partitions: list[PartitionEndpoint]
-    outcomes: list[WorkerOutcome]
-    export: ExportedModel
-    evaluations: list[TimedEvaluation] = field(default_factory=list)
-    samples: list[StatusSample] = field(default_factory=list)
-    final: TimedEvaluation | None = None
-    stopped: bool = False
-    seconds: float = 0.0
 
 
 @contextlib.contextmanager
@@ -95,10 +89,6 @@ def interrupts_deferred() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-def alive_nodes() -> list[dict[str, Any]]:
-    return [node for node in ray.nodes() if node.get("Alive")]
 
 
 def spread_strategy(partitions: int, nodes: int) -> str:
@@ -151,11 +141,13 @@ class RayJob:
         self.partitions: list[PartitionEndpoint] = []
         self.worker_actors: list[Any] = []
         self.evaluator: Any = None
+        self._evaluations: list[TimedEvaluation] = []  # every life's: a restarted evaluator starts empty
         self._evaluator_failed = False  # its error is logged once
         self.samples: list[StatusSample] = []
+        self.faults = FaultLog()
         self._training: dict[Any, int] = {}  # train() call -> worker index
         self._targets: dict[str, ScrapeTarget] = {}
-        self._looks: dict[str, Any] = {}  # refresh(): questions asked, not yet answered
+        self._looks = Looks()  # refresh()'s questions
 
     @property
     def target(self) -> str:
@@ -187,6 +179,7 @@ class RayJob:
                     "`ray start --head`, or give --address"
                 ) from error
         self.nodes = [node["NodeID"] for node in alive_nodes()]
+        self.faults.nodes(self.nodes)
         self._warn_if_short()
         self._start_partitions()
         self._start_evaluator()
@@ -224,11 +217,11 @@ class RayJob:
             )
         others = [self._partition_actor(index) for index in range(1, count)]
         self.partition_actors = others
-        endpoints = self._get([actor.endpoint.remote() for actor in others], self.options.startup_timeout)
+        endpoints = get_within([actor.endpoint.remote() for actor in others], self.options.startup_timeout)
         addresses = ",".join(["", *(endpoint.target for endpoint in endpoints)])
         first = self._partition_actor(0, addresses)
         self.partition_actors = [first, *others]
-        self.partitions = [self._get([first.endpoint.remote()], self.options.startup_timeout)[0], *endpoints]
+        self.partitions = [get_within([first.endpoint.remote()], self.options.startup_timeout)[0], *endpoints]
 
     def _partition_actor(self, index: int, addresses: str = "") -> Any:
         assert self.placement is not None
@@ -259,9 +252,10 @@ class RayJob:
             "model": self.options.model,
             "interval": self.options.interval,
         }
+        restarts = self.options.worker_restarts  # its calls wait for its restart (-1), as the workers'
         self.evaluator = (
             ray.remote(HeldOutEvaluator)
-            .options(num_cpus=self.options.evaluator_cpus, max_restarts=1, max_task_retries=1)
+            .options(num_cpus=self.options.evaluator_cpus, max_restarts=restarts, max_task_retries=-1)
             .remote(options)
         )
 
@@ -270,9 +264,12 @@ class RayJob:
             num_cpus=self.options.worker_cpus,
             num_gpus=self.options.worker_gpus,
             max_restarts=self.options.worker_restarts,
-            max_task_retries=self.options.worker_restarts,
-            max_concurrency=2,  # stop() while train() runs
-            scheduling_strategy="SPREAD",
+            # Retry a call until the actor is back or its restarts are spent: a lost node first
+            # shows as an actor that does not answer (ActorUnavailableError), for as long as Ray
+            # takes to mark the node dead, and a bounded count of retries is spent in seconds.
+            max_task_retries=-1,
+            max_concurrency=4,  # train(), a retried train() waiting on it, stop(), node()
+            scheduling_strategy="SPREAD",  # not a placement group: a restart may land on any node
         )
         count = self.options.workers
         self.worker_actors = [
@@ -286,26 +283,40 @@ class RayJob:
     def wait(self, on_progress: Progress | None = None) -> list[WorkerOutcome]:
         """Until every worker is done, looking every `interval` seconds; each worker's outcome.
 
-        Raises JobFailed when one failed for good (the others keep running until stop())."""
+        Raises JobFailed when one failed for good, or a partition's node was lost (the others
+        keep running until stop())."""
         outcomes: dict[int, WorkerOutcome] = {}
-        pending = list(self._training)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.options.interval)
+        while self._training:
+            pending = list(self._training)
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=self.options.interval)
+            self.watch_nodes()  # first: what was lost explains a failure below
             for call in ready:
-                index = self._training[call]
+                index = self._training.pop(call)
                 try:
                     outcomes[index] = ray.get(call)
+                except RESULT_LOST as error:
+                    log.warning("worker %d's outcome went with its node (%s): asking again", index, why(error))
+                    self._training[self.worker_actors[index].train.remote()] = index
                 except ray.exceptions.RayError as error:
-                    raise JobFailed(f"worker {index} failed: {error}") from error
+                    message = self.faults.failure(worker_name(index), error, self.options.worker_restarts)
+                    raise JobFailed(message) from error
+            self.refresh()
             sample = self.sample()
             if sample is not None and on_progress is not None:
                 on_progress(sample, self.latest_evaluation())
-            self.refresh()
         return [outcomes[index] for index in sorted(outcomes)]
+
+    def watch_nodes(self) -> None:
+        """Note the nodes Ray lost since the last look. Workers and the evaluator come back on
+        their own; a partition does not move yet, so its node's loss ends the job."""
+        self.faults.nodes(node["NodeID"] for node in alive_nodes())
+        partitions = self.faults.lost_partitions()
+        if partitions:
+            raise JobFailed(partitions)
 
     def sample(self) -> StatusSample | None:
         """Partition 0's version now (None while it restarts), all of θ's noise scale (while all answer)."""
-        statuses = self._answers([actor.status.remote() for actor in self.partition_actors], LOOK_TIMEOUT)
+        statuses = answers([actor.status.remote() for actor in self.partition_actors], LOOK_TIMEOUT)
         if statuses[0] is None:
             return None
         noise = GradientNoise() if None in statuses else GradientNoise.combined([s.gradient_noise for s in statuses])
@@ -314,26 +325,25 @@ class RayJob:
         return sample
 
     def evaluations(self) -> list[TimedEvaluation]:
-        found: list[TimedEvaluation] = self._ask_evaluator("evaluations", [])
-        return found
+        """Every evaluation of the run, asking the evaluator once more (waiting, unlike refresh())."""
+        if self.evaluator is not None:
+            with contextlib.suppress(JobFailed):
+                self._keep_evaluations(get_within([self.evaluator.since.remote(self._evaluated())], LOOK_TIMEOUT)[0])
+        return list(self._evaluations)
 
     def latest_evaluation(self) -> TimedEvaluation | None:
-        found: TimedEvaluation | None = self._ask_evaluator("latest", None)
-        return found
+        return self._evaluations[-1] if self._evaluations else None
 
-    def _ask_evaluator(self, method: str, otherwise: Any) -> Any:
-        """The evaluator's `method` (its value, error), or `otherwise` without one; its error is
-        logged once."""
-        if self.evaluator is None:
-            return otherwise
-        try:
-            value, error = self._get([getattr(self.evaluator, method).remote()], LOOK_TIMEOUT)[0]
-        except JobFailed:
-            return otherwise
+    def _evaluated(self) -> float:
+        return self._evaluations[-1].time if self._evaluations else 0.0
+
+    def _keep_evaluations(self, answer: tuple[list[TimedEvaluation], str]) -> None:
+        """An answer of the evaluator's since(): its new results kept; its error logged once."""
+        found, error = answer
+        self._evaluations.extend(result for result in found if result.time > self._evaluated())
         if error and not self._evaluator_failed:
             self._evaluator_failed = True
             log.warning("the evaluator stopped: %s", error)
-        return value
 
     def final_evaluation(self) -> TimedEvaluation | None:
         """Stop the evaluator's loop and evaluate θ once more, as it is now (None without an
@@ -341,7 +351,7 @@ class RayJob:
         if self.evaluator is None:
             return None
         try:
-            result: TimedEvaluation | None = self._get([self.evaluator.final.remote()], STOP_TIMEOUT)[0]
+            result: TimedEvaluation | None = get_within([self.evaluator.final.remote()], STOP_TIMEOUT)[0]
         except JobFailed as error:
             log.warning("no final evaluation: %s", error)
             return None
@@ -349,7 +359,7 @@ class RayJob:
 
     def export(self) -> ExportedModel:
         """θ and the buffers by name, pulled by partition 0's actor (with every partition's slice)."""
-        model: ExportedModel = self._get([self.partition_actors[0].export.remote()], STOP_TIMEOUT)[0]
+        model: ExportedModel = get_within([self.partition_actors[0].export.remote()], STOP_TIMEOUT)[0]
         return model
 
     def partition_nodes(self) -> list[str]:
@@ -360,44 +370,44 @@ class RayJob:
         worker a new metrics port), and rewrite the Prometheus targets where something moved."""
         targets = dict(self._targets)
         for index, actor in enumerate(self.partition_actors):
-            self.partitions[index] = self._look(f"p{index}", actor.endpoint) or self.partitions[index]
+            self.partitions[index] = self._looks.look(f"p{index}", actor.endpoint.remote) or self.partitions[index]
         for endpoint in self.partitions:
+            self.faults.seen(
+                partition_name(endpoint.index),
+                ActorPlace(endpoint.node_id, endpoint.host, endpoint.metrics_port, endpoint.pid),
+            )
             labels = {"partition": str(endpoint.index), "ray_node": endpoint.node_id}
             targets[f"p{endpoint.index}"] = ScrapeTarget(f"{endpoint.host}:{endpoint.metrics_port}", SERVER_JOB, labels)
         for index, actor in enumerate(self.worker_actors):
-            node = self._look(f"w{index}", actor.node)
-            if node is not None and node[2] > 0:
-                labels = {"worker": str(index), "ray_node": node[0]}
-                targets[f"w{index}"] = ScrapeTarget(f"{node[1]}:{node[2]}", WORKER_JOB, labels)
+            place = self._looks.look(f"w{index}", actor.node.remote)
+            if place is not None:
+                self.faults.seen(worker_name(index), place)
+                if place.metrics_port > 0:
+                    labels = {"worker": str(index), "ray_node": place.node_id}
+                    targets[f"w{index}"] = ScrapeTarget(f"{place.address}:{place.metrics_port}", WORKER_JOB, labels)
         if self.evaluator is not None:
-            node = self._look("evaluator", self.evaluator.node)
-            if node is not None:
-                targets["evaluator"] = ScrapeTarget(f"{node[1]}:{node[2]}", EVALUATOR_JOB, {"ray_node": node[0]})
+            evaluator, after = self.evaluator, self._evaluated()
+            answer = self._looks.look("evaluations", lambda: evaluator.since.remote(after))
+            if answer is not None:
+                self._keep_evaluations(answer)
+            place = self._looks.look(EVALUATOR, evaluator.node.remote)
+            if place is not None:
+                self.faults.seen(EVALUATOR, place)
+                labels = {"ray_node": place.node_id}
+                targets["evaluator"] = ScrapeTarget(f"{place.address}:{place.metrics_port}", EVALUATOR_JOB, labels)
         if targets != self._targets:
             self._targets = targets
             write_targets(self.out / TARGETS_FILE, targets.values())
 
-    def _look(self, key: str, method: Any) -> Any:
-        """The answer of the last `method.remote()` made under `key` if it has come (then the next
-        refresh asks again), else None; one question at a time per actor."""
-        call = self._looks.get(key)
-        if call is None:
-            call = self._looks[key] = method.remote()
-        ready, _ = ray.wait([call], timeout=0)
-        if not ready:
-            return None
-        del self._looks[key]
-        try:
-            return ray.get(call)
-        except ray.exceptions.RayError:
-            return None
-
     # -- stop ----------------------------------------------------------------------------------
 
     def stop_workers(self) -> None:
-        """Workers finish their step and leave the server; then their actors are released."""
-        if self.worker_actors:
-            self._answers([actor.stop.remote() for actor in self.worker_actors], STOP_TIMEOUT)
+        """Workers finish their step and leave the server; then their actors are released. One
+        last seen on a lost node is not asked: nothing of it runs, and its restart may wait for
+        room on another node."""
+        standing = [actor for i, actor in enumerate(self.worker_actors) if not self.faults.gone(worker_name(i))]
+        if standing:
+            answers([actor.stop.remote() for actor in standing], STOP_TIMEOUT)
         for actor in self.worker_actors:
             ray.kill(actor, no_restart=True)
         self.worker_actors, self._training = [], {}
@@ -415,9 +425,13 @@ class RayJob:
             if self.evaluator is not None:  # before the partitions go: it would only retry them
                 ray.kill(self.evaluator, no_restart=True)
                 self.evaluator = None
-            if self.partition_actors:
-                codes = self._answers([actor.stop.remote() for actor in self.partition_actors], STOP_TIMEOUT)
-                for index, code in enumerate(codes):
+            # A partition whose node was lost has no server to stop, and its actor waits for a node.
+            standing = {
+                i: actor for i, actor in enumerate(self.partition_actors) if not self.faults.gone(partition_name(i))
+            }
+            if standing:
+                codes = answers([actor.stop.remote() for actor in standing.values()], STOP_TIMEOUT)
+                for index, code in zip(standing, codes, strict=True):
                     if code != 0:
                         log.warning("partition %d stopped with status %s", index, code)
         finally:  # whatever went wrong above, nothing of the job is left holding the cluster
@@ -428,65 +442,3 @@ class RayJob:
             if self.placement is not None:
                 remove_placement_group(self.placement)
                 self.placement = None
-
-    # -- helpers -------------------------------------------------------------------------------
-
-    @staticmethod
-    def _get(calls: list[Any], timeout: float) -> list[Any]:
-        try:
-            return list(ray.get(calls, timeout=timeout))
-        except ray.exceptions.GetTimeoutError:
-            raise JobFailed(f"no answer from the actors within {timeout:g}s") from None
-        except ray.exceptions.RayError as error:
-            raise JobFailed(str(error)) from error
-
-    @staticmethod
-    def _answers(calls: list[Any], timeout: float) -> list[Any]:
-        """Each call's result, or None where it failed or did not answer within `timeout`."""
-        ready, _ = ray.wait(calls, num_returns=len(calls), timeout=timeout)
-        answered = set(ready)
-        results: list[Any] = []
-        for call in calls:
-            try:
-                results.append(ray.get(call) if call in answered else None)
-            except ray.exceptions.RayError:
-                results.append(None)
-        return results
-
-
-def run_job(
-    options: RayJobOptions,
-    *,
-    train: TrainFunction | None = None,
-    server_options: Mapping[str, object] | None = None,
-    worker_options: Mapping[str, object] | None = None,
-    on_progress: Progress | None = None,
-) -> RayJobResult:
-    """Run a job to its end (or to Ctrl-C / ray.cancel: then `stopped`), with the export, the
-    evaluations and where everything ran collected to the driver."""
-    started = time.monotonic()
-    with RayJob(options, train=train, server_options=server_options, worker_options=worker_options) as job:
-        stopped = False
-        try:
-            outcomes = job.wait(on_progress)
-        except KeyboardInterrupt:
-            stopped, outcomes = True, []
-        with interrupts_deferred():
-            if stopped:
-                log.warning("interrupted: stopping the workers")
-                job.stop_workers()
-            final = job.final_evaluation()
-            result = RayJobResult(
-                job.name,
-                job.nodes,
-                job.partitions,
-                outcomes,
-                job.export(),
-                job.evaluations(),
-                job.samples,
-                final,
-                stopped,
-                time.monotonic() - started,
-            )
-            job.stop()  # here, still deferring interrupts (leaving the block would stop it again: a no-op)
-    return result

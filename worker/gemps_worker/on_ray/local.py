@@ -4,29 +4,42 @@
 so placement across nodes is Ray's real scheduling. Every node is on 127.0.0.1; Ray gives actors
 that address (and the partitions listen on it) only when `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`
 was set before ray was first imported: set it first thing in the program.
+
+`RemoveNode` removes a node mid-run as a machine dies (no drain), for the fault tests and figures.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import ray
 from ray.cluster_utils import Cluster
 
+from gemps_worker.on_ray.faults import worker_name
+from gemps_worker.on_ray.job import RayJob
+from gemps_worker.on_ray.records import StatusSample, TimedEvaluation
+
+log = logging.getLogger("gemps.ray")
+
 LOOPBACK = "127.0.0.1"
 LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's node address is loopback
 
 
 @contextlib.contextmanager
-def local_cluster(nodes: int, cpus_per_node: float) -> Iterator[Cluster]:
-    """`nodes` Ray nodes of `cpus_per_node` (logical) CPUs here, this process connected to them."""
+def local_cluster(nodes: int, cpus_per_node: float, *, head_cpus: float | None = None) -> Iterator[Cluster]:
+    """`nodes` Ray nodes of `cpus_per_node` (logical) CPUs here, this process connected to them.
+    `head_cpus`: the head's instead (0, as Ray advises for real clusters, keeps actors off the
+    head, so that a test may lose any node that holds them: losing the head ends the cluster)."""
     if os.environ.get(LOOPBACK_SWITCH) != "0":
         raise RuntimeError(f"set {LOOPBACK_SWITCH}=0 before importing ray: the nodes listen on {LOOPBACK} only")
     node: dict[str, Any] = {"num_cpus": cpus_per_node, "node_ip_address": LOOPBACK}
-    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    head = {**node, "include_dashboard": False} | ({} if head_cpus is None else {"num_cpus": head_cpus})
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         for _ in range(nodes - 1):
             cluster.add_node(**node)
@@ -36,3 +49,39 @@ def local_cluster(nodes: int, cpus_per_node: float) -> Iterator[Cluster]:
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+class RemoveNode:
+    """A progress callback for `RayJob.wait`: once partition 0's version reaches `version`, a node
+    dies as a machine does (`remove_node(allow_graceful=False)`): partition `partition`'s, or
+    (None) the one holding the most workers and no partition, never the head. Waits for a later
+    sample while the driver has not yet seen where every worker runs."""
+
+    def __init__(self, cluster: Cluster, job: RayJob, version: int, partition: int | None = None) -> None:
+        self.cluster, self.job, self.version, self.partition = cluster, job, version, partition
+        self.node_id = ""
+        self.removed = 0.0  # unix time
+        self.workers: list[int] = []  # those it held
+
+    def __call__(self, sample: StatusSample, evaluation: TimedEvaluation | None) -> None:
+        if self.removed or sample.version < self.version:
+            return
+        places = self.job.faults.places
+        workers = [worker_name(index) for index in range(len(self.job.worker_actors))]
+        if not all(worker in places for worker in workers):
+            return
+        head = self.cluster.head_node
+        partitions = self.job.partition_nodes()
+        spared = {*partitions, "" if head is None else head.node_id}
+        nodes = {node.node_id: node for node in self.cluster.worker_nodes}
+        held = {node: [i for i, w in enumerate(workers) if places[w].node_id == node] for node in nodes}
+        if self.partition is not None:
+            self.node_id = partitions[self.partition]
+        elif any(held[node] for node in nodes if node not in spared):
+            self.node_id = max((node for node in nodes if node not in spared), key=lambda node: len(held[node]))
+        else:
+            raise RuntimeError(f"no node holds workers and no partition: {places}")
+        self.workers = held[self.node_id]
+        log.warning("removing Ray node %s (workers %s) at version %d", self.node_id[:12], self.workers, sample.version)
+        self.removed = time.time()
+        self.cluster.remove_node(nodes[self.node_id], allow_graceful=False)

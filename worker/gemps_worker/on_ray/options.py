@@ -65,7 +65,11 @@ class RayJobOptions:
     )
     worker_restarts: int = field(
         default=3,
-        metadata={"help": "times Ray restarts a worker actor that died (it registers again)", RANGE: NON_NEGATIVE},
+        metadata={
+            "help": "times Ray restarts a worker actor, or the evaluator, that died or lost its node (on a "
+            "surviving node; a worker registers again and trains its budget again); then the job fails",
+            RANGE: NON_NEGATIVE,
+        },
     )
     partition_restarts: int = field(
         default=3,

@@ -50,6 +50,42 @@ class WorkerOutcome:
     stopped_early: bool
     diverged: bool = False
     value: Any = None  # what a user's training function returned
+    first_commit: float = 0.0  # unix time of this life's first acknowledged commit (0: none, or a user's function)
+
+
+@dataclass(frozen=True)
+class ActorPlace:
+    """Where one life of an actor runs: a restarted actor has a new pid, and a new node when its
+    node was lost."""
+
+    node_id: str
+    address: str  # the node's, as Ray knows it
+    metrics_port: int  # -1: none
+    pid: int
+
+    @property
+    def life(self) -> tuple[str, int]:
+        return self.node_id, self.pid
+
+
+@dataclass(frozen=True)
+class ActorRestart:
+    """A new life of one of the job's actors, as the driver saw it."""
+
+    actor: str  # "worker 2", "evaluator", "partition 1"
+    seen: float  # unix time the driver first saw the new life
+    node_id: str
+    previous_node_id: str
+    node_lost: bool  # its previous node had been lost (else its process died there)
+
+
+@dataclass(frozen=True)
+class NodeLoss:
+    """A Ray node the job ran on, marked dead by Ray (its raylet stopped answering)."""
+
+    seen: float  # unix time the driver saw it dead
+    node_id: str
+    held: tuple[str, ...]  # the job's actors last seen on it
 
 
 @dataclass(frozen=True)
