@@ -23,10 +23,16 @@ from typing import Any
 
 import pytest
 
-from gemps_server.checkpoint_files import list_checkpoints
+from gemps_server.checkpoint_files import TEMPORARY_PREFIX, list_checkpoints, load
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.processes import GEMPS_COMMAND
-from gemps_worker.simulated_hosts import Host, SimulatedNetwork, unavailable_reason
+from gemps_worker.simulated_hosts import (
+    Host,
+    SharedFolder,
+    SimulatedNetwork,
+    shared_folder_unavailable_reason,
+    unavailable_reason,
+)
 from tests.helpers import wait_for
 
 PORT, DATA_PORT = 50051, 51051
@@ -54,6 +60,8 @@ class Run:
     workers_host: Host
     servers: list[ServerProcess]
     workers: list[subprocess.Popen[bytes]]
+    storage: SharedFolder | None = None  # checkpoints on a storage host, else in the local folder
+    checkpoint_every: int = CHECKPOINT_EVERY
 
     @property
     def target(self) -> str:
@@ -69,19 +77,27 @@ class Run:
         return self.folder / "addresses"
 
     def start_partition(self, index: int, host: Host, rule: str = "downpour", shards: int = WORKERS) -> ServerProcess:
-        """Partition `index` on `host`, checkpointing into the folder every host sees."""
+        """Partition `index` on `host`, checkpointing into the folder every host sees (through the
+        storage host's cable when there is one)."""
+        command, checkpoints = host.command(GEMPS_COMMAND), self.checkpoints(index)
+        if self.storage is not None:
+            mount_point = self.folder / f"mount-{host.name}"
+            command = host.command([*self.storage.mounted(mount_point), *GEMPS_COMMAND])
+            checkpoints = mount_point / checkpoints.relative_to(self.storage.export)
         server = ServerProcess(
             log_path=self.folder / f"p{index}-{host.name}.log",
-            command=host.command(GEMPS_COMMAND),
+            command=command,
             host=host.address, port=PORT, data_port=DATA_PORT, rule=rule, partitions=2,
             partition_index=index, partition_addresses=f"@{self.addresses_file}", num_shards=shards,
-            checkpoint_dir=str(self.checkpoints(index)), checkpoint_every=CHECKPOINT_EVERY,
+            checkpoint_dir=str(checkpoints), checkpoint_every=self.checkpoint_every,
         )  # fmt: skip
         self.servers.append(server.start())
         return server
 
     def checkpoints(self, index: int) -> Path:
-        return self.folder / "checkpoints" / f"partition-{index}"
+        """Partition `index`'s checkpoint folder as this machine sees it."""
+        root = self.storage.export if self.storage is not None else self.folder
+        return root / "checkpoints" / f"partition-{index}"
 
     def place(self, hosts: list[Host]) -> None:
         """Tell partition 0 where each partition is now (a launcher's job when one moved)."""
@@ -120,10 +136,12 @@ class Run:
         return "\n".join(f"== {path.name}\n{path.read_text()[-3000:]}" for path in sorted(self.folder.glob("*.log")))
 
 
-def start_run(network: SimulatedNetwork, folder: Path, first_rate: str | None = None) -> Run:
+def start_run(
+    network: SimulatedNetwork, folder: Path, first_rate: str | None = None, storage: SharedFolder | None = None
+) -> Run:
     """Partitions 0 and 1 on hosts of their own (partition 0's cable shaped to `first_rate`)."""
     hosts = [network.add_host("p0", first_rate), network.add_host("p1")]
-    run = Run(network, folder, hosts, network.add_host("w"), [], [])
+    run = Run(network, folder, hosts, network.add_host("w"), [], [], storage)
     run.place(hosts)
     for index, host in enumerate(hosts):
         run.start_partition(index, host)
@@ -296,3 +314,43 @@ def test_training_survives_its_partition_host_and_reaches_the_demos_bar(
     accuracy = float(json.loads(measured.stdout)["accuracy"])
     print(f"training across a partition host's loss: held-out accuracy {accuracy:.2%}")
     assert accuracy >= 0.90, run.logs()
+
+
+def test_a_cable_cut_during_a_shared_checkpoint_write_stops_no_commit_and_leaves_a_good_checkpoint(
+    network: SimulatedNetwork, tmp_path: Path
+) -> None:
+    """Checkpoints go to a storage host (sshfs, as a network filesystem would), over a 50 Mbit/s
+    cable that is cut for 8 s while a checkpoint is being written: the write stalls and fails,
+    commits go on meanwhile, and once the cable is back the next checkpoint is written whole."""
+    reason = shared_folder_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    storage_host = network.add_host("storage", rate="50mbit")
+    storage = SharedFolder(storage_host, tmp_path / "shared", tmp_path / "keys")
+    run = start_run(network, tmp_path, storage=storage)
+    run.checkpoint_every = 100
+    run.start_workers(parameters=2_000_000, plane="data")  # 4 MB per partition: 0.7 s to write
+    run.wait_registered()
+    folder = run.checkpoints(1)
+    wait_for(lambda: any(folder.glob(f"{TEMPORARY_PREFIX}*")), 120, "a checkpoint being written", explain=run.logs)
+    network.cut(storage_host)
+    cut = time.time()
+    time.sleep(8.0)
+    network.heal(storage_host)
+    healed = time.time()
+    written = {version for version, _ in list_checkpoints(folder)}
+    wait_for(
+        lambda: {version for version, _ in list_checkpoints(folder)} - written,
+        120,
+        "a checkpoint written after the cable healed",
+        explain=run.logs,
+    )
+    records, observed = run.finish()
+    check_exactly_once(records, observed)
+    newest = list_checkpoints(folder)[-1][1]
+    assert load(newest).version > 0  # whole: its CRC and checks pass
+    assert not list(folder.glob(f"{TEMPORARY_PREFIX}*"))  # nothing half-written left behind
+    longest = max(float(r["gap"][1]) - float(r["gap"][0]) for r in records)
+    print(f"storage cut for {healed - cut:.1f} s during a checkpoint write: longest wait between commits "
+          f"{longest:.2f} s; newest checkpoint {newest.name}")  # fmt: skip
+    assert longest < healed - cut, "commits stopped while the checkpoint storage was cut off"

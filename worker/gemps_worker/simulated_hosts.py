@@ -27,6 +27,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,3 +169,60 @@ class SimulatedNetwork:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
         self.hosts.clear()
         self._open = False
+
+
+def shared_folder_unavailable_reason() -> str | None:
+    """Why a SharedFolder cannot be made here (one line), or None."""
+    for tool, package in (("sshfs", "sshfs"), ("sshd", "openssh-server"), ("ssh-keygen", "openssh-client")):
+        if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
+            return f"a shared folder between simulated hosts needs `{tool}` (Debian's {package})"
+    if not Path("/dev/fuse").exists():
+        return "a shared folder between simulated hosts needs /dev/fuse (sshfs)"
+    return None
+
+
+class SharedFolder:
+    """A folder that hosts reach over the network, as on a network filesystem: a storage host
+    exports `export` over SFTP (sshd, a key made for the purpose), and a program started with
+    `mounted(...)` sees it at a mount point through sshfs, in a mount namespace of its own. Reads
+    and writes there cross the storage host's cable: cutting it stalls them, as it would an NFS
+    share. Made for tests; nothing here is secure beyond the namespaces it lives in."""
+
+    PORT = 2222
+
+    def __init__(self, host: Host, export: Path, keys: Path) -> None:
+        self.host, self.export, self.keys = host, export, keys
+        export.mkdir(parents=True, exist_ok=True)
+        keys.mkdir(parents=True, exist_ok=True)
+        for name in ("client", "host"):
+            if not (keys / name).exists():
+                _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / name))
+        (keys / "authorized_keys").write_text((keys / "client.pub").read_text())
+        config = keys / "sshd_config"
+        config.write_text(
+            f"Port {self.PORT}\nListenAddress {host.address}\nHostKey {keys / 'host'}\n"
+            f"AuthorizedKeysFile {keys / 'authorized_keys'}\nPidFile {keys / 'sshd.pid'}\nStrictModes no\n"
+            "PermitRootLogin prohibit-password\nUsePAM no\nSubsystem sftp internal-sftp\n"
+        )
+        Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege separation directory
+        self.server = host.start(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)], log_path=keys / "sshd.log")
+        deadline = time.monotonic() + 10.0
+        while (
+            f":{self.PORT} " not in subprocess.run(host.command(["ss", "-ltn"]), capture_output=True, text=True).stdout
+        ):
+            if self.server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"sshd did not start: {(keys / 'sshd.log').read_text()[-500:]}")
+            time.sleep(0.05)
+
+    def mounted(self, mount_point: Path) -> list[str]:
+        """A command prefix: the program after it runs with the folder mounted at `mount_point`
+        (sshfs reconnects when the cable is back; a stalled request fails after about 3 s)."""
+        options = (
+            f"IdentityFile={self.keys / 'client'},StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,"
+            "reconnect,ServerAliveInterval=1,ServerAliveCountMax=3,ConnectTimeout=5"
+        )
+        mount = (
+            f'mkdir -p "{mount_point}" && sshfs -p {self.PORT} -o {options} '
+            f'root@{self.host.address}:"{self.export}" "{mount_point}" && exec "$@"'
+        )
+        return ["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh"]
