@@ -190,6 +190,8 @@ def run_load(system: str, factory: ClientFactory, plan: LoadPlan, server_pid: in
         raise RuntimeError(f"{system}: {len(errors)} client(s) failed; first: {errors[0]}")
     peaks = [tree_peak_rss(pid) for pid in servers]
     result = _windowed(system, plan, records, window, sum(p or 0 for p in peaks) if peaks and all(peaks) else None)
+    if cpus:
+        result.machine_busy_fraction = cpus[0].machine_busy
     if len(cpus) == 1:
         result.server_cpu_seconds = cpus[0].seconds
         result.server_child_cpu_seconds = cpus[0].per_child

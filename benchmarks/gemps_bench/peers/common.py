@@ -160,6 +160,7 @@ class ServerReport:
     peak_rss_bytes: int | None
     commits_applied: int
     cpu_seconds: float | None = None  # the server process's CPU time inside the window
+    machine_busy: float | None = None  # the share of the machine's cores busy inside the window
 
 
 def commit_loop(commit: Callable[[], int], window: Window) -> ClientReport:
@@ -197,6 +198,7 @@ def build_result(
         per_client_progress=[c.progress for c in clients],
         server_peak_rss_bytes=server.peak_rss_bytes,
         server_cpu_seconds=server.cpu_seconds,
+        machine_busy_fraction=server.machine_busy,
         staleness=[s for c in clients for s in c.staleness],
         notes=notes,
         extra=extra,

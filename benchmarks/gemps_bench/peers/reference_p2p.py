@@ -144,7 +144,7 @@ def _master(config: PeerConfig, port: int) -> ServerReport:
         _serve_queue(central, queue, config.clients)
     dist.barrier()
     dist.destroy_process_group()
-    return ServerReport(own_peak_rss(), central.version, cpu.seconds)
+    return ServerReport(own_peak_rss(), central.version, cpu.seconds, cpu.machine_busy)
 
 
 def _worker(rank: int, config: PeerConfig, port: int) -> ClientReport:

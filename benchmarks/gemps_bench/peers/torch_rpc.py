@@ -162,7 +162,7 @@ def _serve(config: PeerConfig, port: int, tcp: bool) -> tuple[ServerReport, list
     ]
     reports: list[ClientReport] = [future.wait() for future in futures]
     rpc.shutdown(graceful=True, timeout=RPC_TIMEOUT_SECONDS)
-    return ServerReport(own_peak_rss(), server.central.version, cpu.seconds), reports
+    return ServerReport(own_peak_rss(), server.central.version, cpu.seconds, cpu.machine_busy), reports
 
 
 def _trainer_process(client: int, config: PeerConfig, port: int, tcp: bool) -> None:
