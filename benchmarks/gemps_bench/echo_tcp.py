@@ -13,6 +13,7 @@ import socket
 import struct
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,8 +52,8 @@ def _echo_connection(sock: socket.socket) -> None:
             sock.sendall(payload)
 
 
-def serve(port_file: Path) -> None:
-    listener = socket.create_server(("127.0.0.1", 0))
+def serve(port_file: Path, address: str = "127.0.0.1") -> None:
+    listener = socket.create_server((address, 0))
     temporary = port_file.with_suffix(".tmp")  # renamed: a reader never sees a partial file
     temporary.write_text(f"{listener.getsockname()[1]}\n")
     temporary.replace(port_file)
@@ -62,13 +63,17 @@ def serve(port_file: Path) -> None:
 
 
 class TcpEchoServer(LoopbackServer):
-    """The TCP echo server in a child process (`with TcpEchoServer() as echo: echo.target`)."""
+    """The TCP echo server in a child process (`with TcpEchoServer() as echo: echo.target`);
+    elsewhere than on loopback: listening on `address`, started by `launcher` (a simulated host's
+    `Host.command([])`, benchmarks/gemps_bench/cross_host.py)."""
 
-    def __init__(self) -> None:
-        super().__init__("echo-tcp")
+    def __init__(self, address: str = "127.0.0.1", launcher: Sequence[str] = ()) -> None:
+        super().__init__("echo-tcp", address)
+        self.launcher = tuple(launcher)
 
     def command(self, port_file: Path) -> list[str]:
-        return [sys.executable, "-m", "gemps_bench.echo_tcp", "--port-file", str(port_file)]
+        module = [sys.executable, "-m", "gemps_bench.echo_tcp", "--port-file", str(port_file)]
+        return [*self.launcher, *module, "--address", self.address]
 
 
 class TcpEchoClient:
@@ -109,9 +114,10 @@ class TcpEchoClientFactory:
 def main() -> None:
     parser = argparse.ArgumentParser(description="raw TCP echo server (the benchmarks' socket ceiling)")
     parser.add_argument("--port-file", type=Path, required=True)
+    parser.add_argument("--address", default="127.0.0.1", help="the address to listen on")
     args = parser.parse_args()
     keep_large_allocations()  # the same allocator settings as gemps' server
-    serve(args.port_file)
+    serve(args.port_file, args.address)
 
 
 if __name__ == "__main__":

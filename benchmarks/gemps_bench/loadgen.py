@@ -22,6 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
+from gemps_bench.procfs import WindowCpu, tree_peak_rss
 from gemps_bench.results import LoadResult, share_in_window
 from gemps_server.allocator import keep_large_allocations
 
@@ -154,13 +155,14 @@ def _cpu_in_window(begin: float, duration: float) -> float:
     return (after.user - before.user) + (after.system - before.system)
 
 
-def run_load(system: str, factory: ClientFactory, plan: LoadPlan, server_pid: int | None) -> LoadResult:
+def run_load(system: str, factory: ClientFactory, plan: LoadPlan, server_pid: int | Sequence[int] | None) -> LoadResult:
     """Drive `plan.clients` clients from `factory` against a running server; count the window only.
 
     Every client connects (and registers) first; then a common start; commits completed in
-    [start + warmup, start + warmup + duration] count.
+    [start + warmup, start + warmup + duration] count. `server_pid` is the serving process, whose
+    CPU time and memory are measured with its children's, or several separate processes (the
+    partitions of θ on hosts of their own), each counted as one child.
     """
-    from gemps_bench.procfs import WindowCpu, tree_peak_rss
 
     context = mp.get_context("spawn")
     out: mp.Queue[_ClientRecord] = context.Queue()
@@ -177,7 +179,8 @@ def run_load(system: str, factory: ClientFactory, plan: LoadPlan, server_pid: in
     start.release()
     start_at = start.at.value
     window = (start_at + plan.warmup, start_at + plan.warmup + plan.duration)
-    cpu = WindowCpu(server_pid, *window).start() if server_pid else None
+    servers = [server_pid] if isinstance(server_pid, int) else list(server_pid or ())
+    cpus = [WindowCpu(pid, *window).start() for pid in servers]
     records = _collect(out, plan.clients, processes, deadline=start_at + plan.warmup + plan.duration + STRAGGLER_GRACE)
     for process in processes:
         process.join(timeout=10)
@@ -185,11 +188,20 @@ def run_load(system: str, factory: ClientFactory, plan: LoadPlan, server_pid: in
             process.kill()
     if errors := [r.error for r in records if r.error]:
         raise RuntimeError(f"{system}: {len(errors)} client(s) failed; first: {errors[0]}")
-    result = _windowed(system, plan, records, window, tree_peak_rss(server_pid) if server_pid else None)
-    if cpu is not None:
-        result.server_cpu_seconds = cpu.seconds
-        result.server_child_cpu_seconds = cpu.per_child
-        result.server_shared_rss_bytes = cpu.shared_bytes
+    peaks = [tree_peak_rss(pid) for pid in servers]
+    result = _windowed(system, plan, records, window, sum(p or 0 for p in peaks) if peaks and all(peaks) else None)
+    if cpus:
+        result.machine_busy_fraction = cpus[0].machine_busy
+    if len(cpus) == 1:
+        result.server_cpu_seconds = cpus[0].seconds
+        result.server_child_cpu_seconds = cpus[0].per_child
+        result.server_shared_rss_bytes = cpus[0].shared_bytes
+    elif cpus:
+        each = [cpu.seconds for cpu in cpus]
+        if all(seconds is not None for seconds in each):
+            result.server_child_cpu_seconds = [float(seconds or 0.0) for seconds in each]
+            result.server_cpu_seconds = sum(result.server_child_cpu_seconds)
+        result.server_shared_rss_bytes = sum(cpu.shared_bytes or 0 for cpu in cpus)
     return result
 
 

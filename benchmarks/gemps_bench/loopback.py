@@ -12,16 +12,18 @@ S = TypeVar("S", bound="LoopbackServer")
 
 
 class LoopbackServer(ChildProcess):
-    """Subclasses give `command(port_file)`: a child that binds 127.0.0.1 on a free port and
-    writes it to the port file. Killed on leaving the block."""
+    """Subclasses give `command(port_file)`: a child that binds `address` (127.0.0.1 unless a
+    subclass serves elsewhere) on a free port and writes it to the port file. Killed on leaving
+    the block."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, address: str = "127.0.0.1") -> None:
         super().__init__(name=name)
+        self.address = address
         self.port = 0
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.address}:{self.port}"
 
     def __enter__(self: S) -> S:
         (self.port,) = self.start_process()

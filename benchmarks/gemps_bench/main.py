@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from gemps_bench import report
+from gemps_bench.cross_host import CrossHostSpec, run_cross_host
 from gemps_bench.suite import FULL, QUICK, SuiteSpec, run_suite
 
 DESCRIPTION = (
@@ -47,5 +48,21 @@ def run_bench(out: Path, spec: SuiteSpec | None = None, figure: Path | None = No
     return 0
 
 
+def run_cross_host_bench(out: Path, spec: CrossHostSpec | None = None) -> int:
+    """`gemps bench --link RATE`: run `spec` between simulated hosts (none: rebuild the table from
+    OUT/cross-host.json), then write OUT/cross-host.md."""
+    results_path = out / "cross-host.json"
+    data = run_cross_host(spec, results_path) if spec is not None else json.loads(results_path.read_text())
+    rate = data["rate"]
+    sections = [f"## Between hosts (simulated, {rate} links)", *report.cross_host_table(data)]
+    if data["skipped"]:
+        sections += ["", "## Skipped", *[_skipped_line(skip) for skip in data["skipped"]]]
+    tables = out / "cross-host.md"
+    tables.write_text("\n".join(sections) + "\n")
+    print(f"results: {results_path}\ntables: {tables}")
+    return 0
+
+
 def _skipped_line(skip: dict[str, object]) -> str:
-    return f"- {skip['system']} P={skip['num_parameters']:,} n={skip['clients']}: {skip['why']}"
+    where = f" K={skip['partitions']}" if "partitions" in skip else ""
+    return f"- {skip['system']}{where} P={skip['num_parameters']:,} n={skip['clients']}: {skip['why']}"

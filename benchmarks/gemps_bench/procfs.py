@@ -39,6 +39,12 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime in clock ticks
 
 
+def machine_cpu_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of every core since boot (/proc/stat): busy is all but idle and iowait."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
 def children(pid: int) -> list[int]:
     """The process's child processes (e.g. a `gemps server --partitions K`'s partitions)."""
     try:
@@ -72,11 +78,14 @@ class WindowCpu:
     """The CPU seconds process `pid` and its children use between two monotonic instants,
     sampled by a thread: start() before the window, `seconds` (the total) and `per_child`
     after it ends (None when a sample was missed); `shared_bytes`, their resident shared memory
-    at the window's end (the clients are still connected then)."""
+    at the window's end (the clients are still connected then); `machine_busy`, the share of
+    the machine's cores busy in the window, whoever used them (on a shared machine: how much CPU
+    there was to spare)."""
 
     def __init__(self, pid: int, begin: float, end: float) -> None:
         self._pid, self._begin, self._end = pid, begin, end
         self._samples: list[dict[int, float | None]] = []
+        self._machine: list[tuple[int, int]] = []
         self.shared_bytes: int | None = None
         self._thread = threading.Thread(target=self._run, name="window-cpu", daemon=True)
 
@@ -89,6 +98,7 @@ class WindowCpu:
             time.sleep(max(0.0, instant - time.monotonic()))
             processes = (self._pid, *children(self._pid))
             self._samples.append({p: cpu_seconds(p) for p in processes})
+            self._machine.append(machine_cpu_ticks())
         self.shared_bytes = sum(shared_rss(p) or 0 for p in processes)
 
     def _deltas(self) -> dict[int, float] | None:
@@ -99,6 +109,13 @@ class WindowCpu:
         if set(before) != set(after) or None in before.values() or None in after.values():
             return None  # a process came or went inside the window
         return {p: after[p] - before[p] for p in before}  # type: ignore[operator]
+
+    @property
+    def machine_busy(self) -> float | None:
+        if self._deltas() is None or len(self._machine) != 2:
+            return None
+        (busy_before, total_before), (busy_after, total_after) = self._machine
+        return (busy_after - busy_before) / max(1, total_after - total_before)
 
     @property
     def seconds(self) -> float | None:

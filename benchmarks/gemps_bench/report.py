@@ -262,3 +262,39 @@ def memory_ceiling_of(data: dict[str, Any], size: int) -> float:
     from gemps_bench.ceilings import memory_ceiling
 
     return memory_ceiling(size, data["memcpy_bytes_per_second"])
+
+
+def cross_host_table(data: dict[str, Any]) -> list[str]:
+    """`gemps bench --link`: each system between simulated hosts, the share of its links it reached
+    (payload one way over K links' rate), its commits/s per link against echo-tcp's on one link
+    between the same hosts, and gemps' commits/s with K partitions (K hosts, K links) against one;
+    with the share of the machine's cores busy in the window (every simulated host shares them)."""
+    runs: list[Run] = data["runs"]
+    link_mb = data["link_bytes_per_second"] / 1e6
+
+    def find(system: str, size: int, clients: int, partitions: int = 1) -> Run | None:
+        matches = (r for r in runs if r["partitions"] == partitions)
+        return _find(matches, system, size, clients)
+
+    lines = [
+        f"| P | clients | system | K (links) | commits/s | payload MB/s each way (links: K x {link_mb:.0f}) "
+        "| of the links | vs echo-tcp (per link) | vs K=1 | client CPU ms/commit "
+        "| server CPU ms/commit (busiest partition) | machine's cores busy | p50 / p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        size, clients, partitions = r["num_parameters"], r["clients"], r["partitions"]
+        rate, echo = _rate(r), _rate(find("echo-tcp", size, clients))
+        single = find(r["system"], size, clients) if partitions > 1 else None
+        busiest = float(r.get("busiest_partition_cpu_ms_per_commit", math.nan))
+        server = _cpu(r) + (f" ({_ms(busiest)})" if partitions > 1 else "")
+        busy = r.get("machine_busy_fraction")
+        lines.append(
+            f"| {size:,} | {clients} | {r['system']} | {partitions} | {rate:.2f} "
+            f"| {r['payload_bytes_per_second_each_way'] / 1e6:.1f} | {r['link_fraction']:.2f} "
+            f"| {'-' if r['system'] == 'echo-tcp' else _ratio(rate / partitions, echo)} "
+            f"| {_ratio(rate, _rate(single)) if single else '-'} | {_cpu(r, 'client')} | {server} "
+            f"| {'-' if busy is None else f'{busy:.0%}'} "
+            f"| {r['latency_p50_ms']:.0f} / {r['latency_p99_ms']:.0f} |"
+        )
+    return lines

@@ -58,6 +58,7 @@ class LoadResult:
     server_child_cpu_seconds: list[float] | None = None
     staleness: list[int] | None = None  # per commit, where the system reports it
     client_cpu_seconds: float | None = None  # CPU time the client processes used inside the window
+    machine_busy_fraction: float | None = None  # of every core on the machine, busy inside the window
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -124,6 +125,7 @@ class LoadResult:
             "server_cpu_ms_per_commit": self.server_cpu_ms_per_commit,
             "client_cpu_ms_per_commit": self.client_cpu_ms_per_commit,
             "busiest_partition_cpu_ms_per_commit": self.busiest_child_cpu_ms_per_commit,
+            "machine_busy_fraction": self.machine_busy_fraction,
             "notes": self.notes,
             **self.extra,
         }

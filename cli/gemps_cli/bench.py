@@ -6,8 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from gemps_bench.main import DESCRIPTION, run_bench
+from gemps_bench import cross_host
+from gemps_bench.main import DESCRIPTION, run_bench, run_cross_host_bench
 from gemps_bench.suite import FULL, QUICK, SYSTEMS, parse_counts, select
+
+from gemps_worker.simulated_hosts import unavailable_reason
 
 
 def _counts(text: str) -> list[int]:
@@ -36,10 +39,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench"), help="folder for results.json and tables")
     parser.add_argument("--figure", type=Path, default=None, help="write the plot here (default OUT/performance.png)")
     parser.add_argument("--report-only", action="store_true", help="rebuild tables and figure from OUT/results.json")
+    parser.add_argument(
+        "--link",
+        type=_rate,
+        default=None,
+        metavar="RATE",
+        help="between simulated hosts instead (root): each partition's host on a link of RATE (e.g. 1gbit); "
+        f"systems {', '.join(cross_host.SYSTEMS)}; writes OUT/cross-host.json and OUT/cross-host.md",
+    )
+    parser.add_argument(
+        "--partitions", type=_counts, default=None, help="with --link: gemps' partition counts (default 1,2,4)"
+    )
     parser.set_defaults(run=run)
 
 
+def _rate(text: str) -> str:
+    try:
+        cross_host.rate_bits_per_second(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.link is not None:
+        return _run_cross_host(args)
     if args.report_only:
         return run_bench(args.out, None, args.figure)
     try:
@@ -48,3 +72,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"gemps bench: {error}", file=sys.stderr)
         return 2
     return run_bench(args.out, spec, args.figure)
+
+
+def _run_cross_host(args: argparse.Namespace) -> int:
+    if args.report_only:
+        return run_cross_host_bench(args.out, None)
+    defaults = cross_host.CrossHostSpec()
+    chosen = {
+        "sizes": tuple(args.sizes or (QUICK.sizes[-1:] if args.quick else defaults.sizes)),
+        "clients": tuple(args.clients or (QUICK.clients[-1:] if args.quick else defaults.clients)),
+        "partitions": tuple(args.partitions or defaults.partitions),
+        "systems": tuple(args.systems or defaults.systems),
+    }
+    reason = unavailable_reason()
+    try:
+        spec = cross_host.CrossHostSpec(args.link, quick=args.quick, **chosen)
+        if reason is not None:
+            raise ValueError(reason)
+    except ValueError as error:
+        print(f"gemps bench --link: {error}", file=sys.stderr)
+        return 2
+    return run_cross_host_bench(args.out, spec)

@@ -22,6 +22,7 @@ them, and the host's own stack never sees one.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -35,6 +36,8 @@ from types import TracebackType
 
 SUBNET = "10.231.0"  # hosts are SUBNET.1, SUBNET.2, ... inside the namespaces only
 DEFAULT_RATE = "1gbit"
+INTERFACE = "eth0"  # a host's one cable, as seen inside it
+_CLONE_NEWNET = 0x40000000  # <sched.h>; os.setns is Python 3.12+
 
 
 def unavailable_reason() -> str | None:
@@ -45,6 +48,17 @@ def unavailable_reason() -> str | None:
         if shutil.which(tool) is None:
             return f"simulated hosts need iproute2's `{tool}`"
     return None
+
+
+def enter_namespace(namespace: str) -> None:
+    """Move this process into a host's network namespace (what `ip netns exec` does first), for a
+    process forked where the host's command line cannot be used. Call it before any thread starts:
+    the namespace is the calling thread's, which threads started afterwards inherit."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/run/netns/{namespace}") as handle:
+        if libc.setns(handle.fileno(), _CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns into {namespace}: {os.strerror(errno)}")
 
 
 def _run(*argv: str) -> None:
@@ -136,13 +150,13 @@ class SimulatedNetwork:
         self.hosts.append(host)
         _run("ip", "link", "add", inside, "netns", namespace, "type", "veth",
              "peer", "name", port, "netns", self.switch)  # fmt: skip
-        _run("ip", "-n", namespace, "link", "set", inside, "name", "eth0")
-        _run("ip", "-n", namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
-        for device, where in (("lo", namespace), ("eth0", namespace)):
+        _run("ip", "-n", namespace, "link", "set", inside, "name", INTERFACE)
+        _run("ip", "-n", namespace, "addr", "add", f"{host.address}/24", "dev", INTERFACE)
+        for device, where in (("lo", namespace), (INTERFACE, namespace)):
             _run("ip", "-n", where, "link", "set", device, "up")
         _run("ip", "-n", self.switch, "link", "set", port, "master", "bridge")
         _run("ip", "-n", self.switch, "link", "set", port, "up")
-        _shape(namespace, "eth0", rate or self.rate)
+        _shape(namespace, INTERFACE, rate or self.rate)
         _shape(self.switch, port, rate or self.rate)
         return host
 

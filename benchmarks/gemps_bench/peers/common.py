@@ -47,6 +47,17 @@ class PeerError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where a peer's processes run: all on this host over loopback (the default), or its server on
+    one simulated host and its clients on another (network namespaces, gemps_worker.simulated_hosts),
+    the server listening on its host's address."""
+
+    server_address: str = LOCALHOST
+    server_namespace: str | None = None
+    clients_namespace: str | None = None
+
+
+@dataclass(frozen=True)
 class PeerConfig:
     num_parameters: int
     clients: int
@@ -54,6 +65,7 @@ class PeerConfig:
     warmup: float = 1.0
     seed: int = 0
     keep_final_theta: bool = False  # tests: report each client's last central variable (P floats each)
+    placement: Placement = Placement()
 
     def __post_init__(self) -> None:
         if self.num_parameters < 1 or self.clients < 1 or self.duration <= 0 or self.warmup < 0:
@@ -148,6 +160,7 @@ class ServerReport:
     peak_rss_bytes: int | None
     commits_applied: int
     cpu_seconds: float | None = None  # the server process's CPU time inside the window
+    machine_busy: float | None = None  # the share of the machine's cores busy inside the window
 
 
 def commit_loop(commit: Callable[[], int], window: Window) -> ClientReport:
@@ -185,6 +198,7 @@ def build_result(
         per_client_progress=[c.progress for c in clients],
         server_peak_rss_bytes=server.peak_rss_bytes,
         server_cpu_seconds=server.cpu_seconds,
+        machine_busy_fraction=server.machine_busy,
         staleness=[s for c in clients for s in c.staleness],
         notes=notes,
         extra=extra,
@@ -200,26 +214,43 @@ def own_window_cpu(window: Window) -> WindowCpu:
     return WindowCpu(os.getpid(), window.measure_from, window.measure_to).start()
 
 
-def set_rendezvous_env(port: int) -> None:
+def set_rendezvous_env(port: int, address: str = LOCALHOST) -> None:
     """torch.distributed's env:// rendezvous (forkserver children do not inherit the parent's environment)."""
-    os.environ["MASTER_ADDR"] = LOCALHOST
+    os.environ["MASTER_ADDR"] = address
     os.environ["MASTER_PORT"] = str(port)
 
 
 @dataclass(frozen=True)
 class ChildSpec:
-    """One process of a run: `target(*args)` is its whole life; what it returns is its report (picklable)."""
+    """One process of a run: `target(*args)` is its whole life; what it returns is its report (picklable).
+    With `namespace`, it runs inside that simulated host (see Placement)."""
 
     name: str
     target: Callable[..., Any]
     args: tuple[Any, ...]
+    namespace: str | None = None
+
+
+def _enter_host(namespace: str) -> None:
+    from gemps_worker.simulated_hosts import INTERFACE, enter_namespace
+
+    enter_namespace(namespace)  # first: the threads torch starts later inherit it
+    # gloo and TensorPipe listen on the address the machine's hostname resolves to, which is not
+    # in this host: name its interface instead.
+    os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"] = INTERFACE
 
 
 def _child_entry(
-    out: mp.Queue[tuple[str, str, Any]], name: str, target: Callable[..., Any], args: tuple[Any, ...]
+    out: mp.Queue[tuple[str, str, Any]],
+    name: str,
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    namespace: str | None,
 ) -> None:
     keep_large_allocations()  # the same allocator settings as gemps' processes get
     try:
+        if namespace is not None:
+            _enter_host(namespace)
         out.put(("ok", name, target(*args)))
     except BaseException:  # the parent fails the run with this traceback
         out.put(("error", name, traceback.format_exc()))
@@ -244,7 +275,10 @@ def run_processes(children: Sequence[ChildSpec], timeout: float, preload: Sequen
     out: mp.Queue[tuple[str, str, Any]] = context.Queue()
     processes: dict[str, BaseProcess] = {
         child.name: context.Process(
-            target=_child_entry, args=(out, child.name, child.target, child.args), name=child.name, daemon=True
+            target=_child_entry,
+            args=(out, child.name, child.target, child.args, child.namespace),
+            name=child.name,
+            daemon=True,
         )
         for child in children
     }

@@ -22,7 +22,8 @@ gradient in, the rule applied, the new central variable out) instead of the refe
 variable out, update in). The turn tensor carries the version the commit will produce and its
 staleness; the run is timed rather than a fixed update budget (a worker sends a "done" datagram when
 its window has closed); the model is one flat float32 tensor; gloo backend, `env://` rendezvous on
-127.0.0.1 (`MASTER_ADDR`/`MASTER_PORT`, a free port), UDP queue on a free port.
+127.0.0.1 (`MASTER_ADDR`/`MASTER_PORT`, a free port), UDP queue on a free port; between simulated
+hosts (`PeerConfig.placement`) on the master's host address instead.
 
 The master serves one worker at a time, in order of readiness, so every other worker commits at most
 once between a worker's datagram and its turn. Staleness is still not bounded by clients - 1: it also
@@ -50,7 +51,6 @@ import torch
 import torch.distributed as dist
 
 from gemps_bench.peers.common import (
-    LOCALHOST,
     ChildSpec,
     ClientReport,
     PeerConfig,
@@ -82,18 +82,18 @@ def worker_name(rank: int) -> str:
     return f"worker{rank}"
 
 
-def _init_group(rank: int, world_size: int, port: int) -> None:
-    set_rendezvous_env(port)
+def _init_group(rank: int, world_size: int, port: int, address: str) -> None:
+    set_rendezvous_env(port, address)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method="env://", rank=rank, world_size=world_size, timeout=timedelta(seconds=OP_TIMEOUT_SECONDS)
     )
 
 
-def _open_queue() -> socket.socket:
+def _open_queue(address: str) -> socket.socket:
     """The master's queue of ready workers (the reference's UDP socket; a free port instead of 8000)."""
     queue = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    queue.bind((LOCALHOST, 0))
+    queue.bind((address, 0))
     queue.settimeout(OP_TIMEOUT_SECONDS)
     return queue
 
@@ -129,14 +129,14 @@ def _serve_queue(central: PeerState, queue: socket.socket, clients: int) -> None
 
 def _master(config: PeerConfig, port: int) -> ServerReport:
     """Rank 0: hold the central variable, serve the queue, report the peak RSS before exiting."""
-    _init_group(MASTER_RANK, config.clients + 1, port)
+    _init_group(MASTER_RANK, config.clients + 1, port, config.placement.server_address)
     workers = range(1, config.clients + 1)
     central = PeerState(config.num_parameters, config.seed)
     for rank in workers:
         central.add_client(worker_name(rank))
     _send_to_workers(torch.from_numpy(central.theta), workers)
     dist.barrier()
-    with _open_queue() as queue:
+    with _open_queue(config.placement.server_address) as queue:
         margin = START_MARGIN_SECONDS + START_MARGIN_PER_CLIENT * config.clients
         timing = torch.tensor([time.monotonic() + margin, queue.getsockname()[1]], dtype=torch.float64)
         cpu = own_window_cpu(Window(float(timing[0]), config.warmup, config.duration))
@@ -144,19 +144,19 @@ def _master(config: PeerConfig, port: int) -> ServerReport:
         _serve_queue(central, queue, config.clients)
     dist.barrier()
     dist.destroy_process_group()
-    return ServerReport(own_peak_rss(), central.version, cpu.seconds)
+    return ServerReport(own_peak_rss(), central.version, cpu.seconds, cpu.machine_busy)
 
 
 def _worker(rank: int, config: PeerConfig, port: int) -> ClientReport:
     """Ranks 1..n: queue up, commit the pre-made gradient, get the central variable back, repeat."""
-    _init_group(rank, config.clients + 1, port)
+    _init_group(rank, config.clients + 1, port, config.placement.server_address)
     theta = torch.empty(config.num_parameters, dtype=torch.float32)
     dist.recv(theta, src=MASTER_RANK)
     dist.barrier()
     timing = torch.empty(2, dtype=torch.float64)
     dist.recv(timing, src=MASTER_RANK)
     window = Window(float(timing[0]), config.warmup, config.duration)
-    master = (LOCALHOST, int(timing[1]))
+    master = (config.placement.server_address, int(timing[1]))
     gradient = torch.from_numpy(client_gradient(config.num_parameters, config.seed, rank - 1))
     turn = torch.zeros(2, dtype=torch.int64)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as queue:
@@ -179,8 +179,12 @@ def _worker(rank: int, config: PeerConfig, port: int) -> ClientReport:
 
 def measure(config: PeerConfig) -> LoadResult:
     port = free_port()
-    children = [ChildSpec("master", _master, (config, port))]
-    children += [ChildSpec(worker_name(r), _worker, (r, config, port)) for r in range(1, config.clients + 1)]
+    where = config.placement
+    children = [ChildSpec("master", _master, (config, port), where.server_namespace)]
+    children += [
+        ChildSpec(worker_name(r), _worker, (r, config, port), where.clients_namespace)
+        for r in range(1, config.clients + 1)
+    ]
     reports = run_processes(children, config.deadline_seconds(), preload=["torch", "torch.distributed", __name__])
     clients: list[ClientReport] = [reports[worker_name(r)] for r in range(1, config.clients + 1)]
     notes = (

@@ -14,7 +14,8 @@ https://pytorch.org/tutorials/intermediate/rpc_async_execution.html), without th
   commit's staleness. The copy is taken under the lock because RPC serialises the reply after the
   method returns, while other commits already move theta.
 
-TensorPipe backend, rendezvous on 127.0.0.1 (`MASTER_ADDR`/`MASTER_PORT`, a free port). On one host
+TensorPipe backend, rendezvous on 127.0.0.1 (`MASTER_ADDR`/`MASTER_PORT`, a free port; between
+simulated hosts, `PeerConfig.placement`, on the server's host address). On one host
 TensorPipe picks its shared-memory transport for messages and its CMA channel (process_vm_readv, one
 copy) for tensors, not TCP (seen with TP_VERBOSE_LOGGING=5): what a user running it on one host gets
 (system `torch-rpc`). Between machines it has neither: `torch-rpc-tcp` restricts it to its `uv`
@@ -103,8 +104,8 @@ class RpcParameterServer:
             return torch.from_numpy(self.central.theta.copy()), self.central.version, staleness
 
 
-def _init_rpc(name: str, rank: int, world_size: int, threads: int, port: int, tcp: bool) -> None:
-    set_rendezvous_env(port)
+def _init_rpc(name: str, rank: int, world_size: int, threads: int, port: int, tcp: bool, address: str) -> None:
+    set_rendezvous_env(port, address)
     torch.set_num_threads(1)
     # RPC's own rendezvous uses a deprecated torch.distributed path and warns about it in every process.
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
@@ -148,7 +149,7 @@ def _run_trainer(
 def _serve(config: PeerConfig, port: int, tcp: bool) -> tuple[ServerReport, list[ClientReport]]:
     """Rank 0: own the parameter server, start every trainer's loop, gather their reports."""
     # One RPC thread per trainer's commit in flight, plus a few for RRef bookkeeping.
-    _init_rpc(PS_NAME, 0, config.clients + 1, config.clients + 8, port, tcp)
+    _init_rpc(PS_NAME, 0, config.clients + 1, config.clients + 8, port, tcp, config.placement.server_address)
     names = [trainer_name(client) for client in range(config.clients)]
     server = RpcParameterServer(config.num_parameters, config.seed, names)
     ps_rref = rpc.RRef(server)
@@ -161,19 +162,24 @@ def _serve(config: PeerConfig, port: int, tcp: bool) -> tuple[ServerReport, list
     ]
     reports: list[ClientReport] = [future.wait() for future in futures]
     rpc.shutdown(graceful=True, timeout=RPC_TIMEOUT_SECONDS)
-    return ServerReport(own_peak_rss(), server.central.version, cpu.seconds), reports
+    return ServerReport(own_peak_rss(), server.central.version, cpu.seconds, cpu.machine_busy), reports
 
 
 def _trainer_process(client: int, config: PeerConfig, port: int, tcp: bool) -> None:
     """Ranks 1..n: join the RPC group and serve the server's call to `_run_trainer` until everyone is done."""
-    _init_rpc(trainer_name(client), client + 1, config.clients + 1, TRAINER_THREADS, port, tcp)
+    rank, world = client + 1, config.clients + 1
+    _init_rpc(trainer_name(client), rank, world, TRAINER_THREADS, port, tcp, config.placement.server_address)
     rpc.shutdown(graceful=True, timeout=config.deadline_seconds())
 
 
 def measure(config: PeerConfig, tcp: bool = False) -> LoadResult:
     port = free_port()
-    children = [ChildSpec(PS_NAME, _serve, (config, port, tcp))]
-    children += [ChildSpec(trainer_name(c), _trainer_process, (c, config, port, tcp)) for c in range(config.clients)]
+    where = config.placement
+    children = [ChildSpec(PS_NAME, _serve, (config, port, tcp), where.server_namespace)]
+    children += [
+        ChildSpec(trainer_name(c), _trainer_process, (c, config, port, tcp), where.clients_namespace)
+        for c in range(config.clients)
+    ]
     reports = run_processes(children, config.deadline_seconds(), preload=["torch", "torch.distributed.rpc", __name__])
     server, clients = reports[PS_NAME]
     transport = "uv transport (TCP) and basic channel only" if tcp else "shm transport and CMA channel on one host"

@@ -1,0 +1,251 @@
+"""Between hosts: gemps, its bfloat16 wire, the socket ceiling and the TCP peers on simulated hosts
+with real links (gemps_worker.simulated_hosts), gemps with K = 1, 2, 4 partitions on hosts of their own.
+
+Hosts p0 .. p{K_max-1} hold the servers (one partition each; the other systems' server on p0),
+their cables shaped to the link's rate. One host, "clients", holds every client: it stands for the
+many worker machines of a real job, so its cable gets K_max times the rate, and the partitions'
+links, not one shared client cable, are what is measured. The clients run inside their host, in a
+load process (this module's `main`: loadgen's closed loop, as `gemps bench` drives it) that prints
+its LoadResult as JSON; the peers' processes are placed in the hosts by `peers.common.Placement`.
+Between hosts gemps' SDK takes the data plane over TCP on its own (its local socket is out of reach).
+
+Every figure is a ratio within the run: the payload's share of the links' rate (one way:
+commits/s x payload bytes per commit / (K x rate)), each system against echo-tcp between the same
+hosts, and gemps with K partitions against one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gemps_bench.echo_tcp import TcpEchoClientFactory, TcpEchoServer
+from gemps_bench.gemps_load import GempsClientFactory
+from gemps_bench.loadgen import STRAGGLER_GRACE, ClientFactory, LoadPlan, run_load
+from gemps_bench.results import LoadResult
+from gemps_bench.suite import FULL, QUICK, available_bytes, progress
+from gemps_worker.cluster import ServerProcess
+from gemps_worker.processes import GEMPS_COMMAND
+from gemps_worker.simulated_hosts import Host, SimulatedNetwork
+
+SYSTEMS = ("echo-tcp", "gemps", "gemps-bfloat16", "torch-rpc-tcp", "reference-p2p")
+PEERS = ("torch-rpc-tcp", "reference-p2p")
+PORT, DATA_PORT = 50051, 51051  # gemps' ports on each partition host
+CLIENTS_HOST = "clients"
+# Seconds a load process may take beyond its warm-up and window: start-up, registration, reports.
+LOAD_GRACE = STRAGGLER_GRACE + 60.0
+_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)\s*$", re.IGNORECASE)
+_RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}  # tc's: SI units
+
+
+def rate_bits_per_second(rate: str) -> float:
+    """A tc rate ("1gbit", "100mbit") in bits per second; ValueError when not one."""
+    match = _RATE.match(rate)
+    if match is None or float(match.group(1)) <= 0:
+        raise ValueError(f"not a link rate: {rate!r} (e.g. 1gbit, 100mbit)")
+    return float(match.group(1)) * _RATE_UNITS[match.group(2).lower()]
+
+
+@dataclass(frozen=True)
+class CrossHostSpec:
+    rate: str = "1gbit"
+    sizes: tuple[int, ...] = (100_000, 1_000_000, 10_000_000)
+    clients: tuple[int, ...] = (8,)
+    partitions: tuple[int, ...] = (1, 2, 4)  # gemps' K; the other systems run with one server
+    systems: tuple[str, ...] = SYSTEMS
+    quick: bool = False  # the quick suite's seconds per cell (CI), else the full suite's
+
+    def __post_init__(self) -> None:
+        rate_bits_per_second(self.rate)
+        unknown = sorted(set(self.systems) - set(SYSTEMS))
+        if unknown:
+            raise ValueError(f"not run between hosts: {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+        if not self.partitions or min(self.partitions) < 1:
+            raise ValueError(f"partition counts must be >= 1: {self.partitions}")
+
+    def seconds(self, size: int) -> tuple[float, float]:
+        """The suite's warm-up and window, the window three times as long from 10M up: 8 clients'
+        round over one 1 Gbit/s link takes ~5 s there (they fall into step: all upload, then all
+        download), and a 10 s window would count only two of them."""
+        if self.quick:
+            return QUICK.seconds(size)
+        warmup, window = FULL.seconds(size)
+        return (warmup, 3 * window if size >= 10_000_000 else window)
+
+    def cells(self) -> list[tuple[str, int]]:
+        """(system, K) in the order they run: the ceiling first, then gemps by K, then the rest."""
+        found = [("echo-tcp", 1)] if "echo-tcp" in self.systems else []
+        found += [("gemps", k) for k in self.partitions] if "gemps" in self.systems else []
+        return found + [(system, 1) for system in self.systems if system not in ("echo-tcp", "gemps")]
+
+    @property
+    def hosts_needed(self) -> int:
+        return max(k for _, k in self.cells()) if self.cells() else 1
+
+
+def payload_bytes(system: str, num_parameters: int) -> int:
+    """Bytes of θ (or its gradient) one commit carries each way."""
+    return num_parameters * (2 if system == "gemps-bfloat16" else 4)
+
+
+def link_figures(system: str, partitions: int, result: LoadResult, rate: str) -> dict[str, Any]:
+    """What a run reached of its links: payload MB/s each way (all links), and of the K links' rate."""
+    each_way = result.commits_per_second * payload_bytes(system, result.num_parameters)
+    links = partitions * rate_bits_per_second(rate) / 8
+    return {
+        "partitions": partitions,
+        "payload_bytes_per_commit": payload_bytes(system, result.num_parameters),
+        "payload_bytes_per_second_each_way": each_way,
+        "link_fraction": each_way / links,
+    }
+
+
+def _load_argv(system: str, target: str, plan: LoadPlan, server_pids: Sequence[int]) -> list[str]:
+    return [
+        *(sys.executable, "-m", "gemps_bench.cross_host", "--system", system, "--target", target),
+        *("--size", str(plan.num_parameters), "--clients", str(plan.clients)),
+        *("--warmup", str(plan.warmup), "--window", str(plan.duration)),
+        *("--server-pids", ",".join(str(pid) for pid in server_pids)),
+    ]
+
+
+def _load(host: Host, system: str, target: str, plan: LoadPlan, server_pids: Sequence[int]) -> LoadResult:
+    """Run one system's load inside `host` and read back its result."""
+    done = subprocess.run(
+        host.command(_load_argv(system, target, plan, server_pids)),
+        capture_output=True,
+        text=True,
+        timeout=plan.warmup + plan.duration + LOAD_GRACE,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{system}'s load process exited with {done.returncode}: {done.stderr[-2000:]}")
+    return LoadResult(**json.loads(done.stdout.splitlines()[-1]))
+
+
+class CrossHostRun:
+    """The simulated hosts of one run and the servers each cell starts on them."""
+
+    def __init__(self, network: SimulatedNetwork, spec: CrossHostSpec, logs: Path) -> None:
+        self.spec, self.logs = spec, logs
+        self.servers = [network.add_host(f"p{i}") for i in range(spec.hosts_needed)]
+        clients_rate = f"{spec.hosts_needed * rate_bits_per_second(spec.rate):.0f}bit"
+        self.clients = network.add_host(CLIENTS_HOST, clients_rate)
+
+    def measure(self, system: str, partitions: int, plan: LoadPlan) -> LoadResult:
+        if system == "echo-tcp":
+            host = self.servers[0]
+            with TcpEchoServer(host.address, host.command([])) as echo:
+                return _load(self.clients, system, echo.target, plan, [echo.pid])
+        if system in PEERS:
+            return self._peer(system, plan)
+        with contextlib.ExitStack() as stack:
+            servers = [stack.enter_context(self._partition(system, partitions, i, plan)) for i in range(partitions)]
+            target = f"{self.servers[0].address}:{PORT}"
+            return _load(self.clients, system, target, plan, [server.pid for server in servers])
+
+    def _partition(self, system: str, partitions: int, index: int, plan: LoadPlan) -> ServerProcess:
+        host = self.servers[index]
+        options: dict[str, Any] = {
+            "host": host.address, "port": PORT, "data_port": DATA_PORT, "rule": "gem", "metrics_port": -1,
+            "log_level": "warning", "max_workers": max(256, plan.clients),
+        }  # fmt: skip
+        if partitions > 1:
+            addresses = ",".join(f"{h.address}:{PORT}" for h in self.servers[:partitions])
+            options |= {"partitions": partitions, "partition_index": index, "partition_addresses": addresses}
+        log = self.logs / f"{system}-k{partitions}-p{index}.log"
+        return ServerProcess(log_path=log, command=host.command(GEMPS_COMMAND), **options)
+
+    def _peer(self, system: str, plan: LoadPlan) -> LoadResult:
+        from gemps_bench.peers import reference_p2p, torch_rpc
+        from gemps_bench.peers.common import PeerConfig, Placement
+
+        host = self.servers[0]
+        placement = Placement(host.address, host.namespace, self.clients.namespace)
+        config = PeerConfig(plan.num_parameters, plan.clients, plan.duration, plan.warmup, placement=placement)
+        return torch_rpc.measure(config, tcp=True) if system == "torch-rpc-tcp" else reference_p2p.measure(config)
+
+
+def run_cross_host(spec: CrossHostSpec, out: Path) -> dict[str, Any]:
+    """Every cell of `spec` between simulated hosts; the results (also written to `out`, JSON)."""
+    clients_rate = spec.hosts_needed * rate_bits_per_second(spec.rate)
+    data: dict[str, Any] = {
+        "mode": "cross-host" + (" quick" if spec.quick else ""),
+        "rate": spec.rate,
+        "link_bytes_per_second": rate_bits_per_second(spec.rate) / 8,
+        "clients_link_bytes_per_second": clients_rate / 8,
+        "host": {"cpus": os.cpu_count(), "available_bytes": available_bytes(), "python": sys.version.split()[0]},
+        "runs": [],
+        "skipped": [],
+    }
+    with SimulatedNetwork(spec.rate) as network, tempfile.TemporaryDirectory(prefix="gemps-cross-host-") as logs:
+        run = CrossHostRun(network, spec, Path(logs))
+        progress(f"{len(run.servers)} server hosts at {spec.rate}, the clients' host at {clients_rate / 1e9:g} Gbit/s")
+        for size in spec.sizes:
+            warmup, window = spec.seconds(size)
+            for clients in spec.clients:
+                plan = LoadPlan(size, clients, window, warmup)
+                for system, partitions in spec.cells():
+                    _cell(run, data, system, partitions, plan)
+                    _save(data, out)
+    _save(data, out)
+    return data
+
+
+def _cell(run: CrossHostRun, data: dict[str, Any], system: str, partitions: int, plan: LoadPlan) -> None:
+    cell = {"system": system, "partitions": partitions, "num_parameters": plan.num_parameters, "clients": plan.clients}
+    try:
+        result = run.measure(system, partitions, plan)
+    except Exception as error:  # a system failing is a finding, not a reason to lose the run
+        progress(f"{system} K={partitions} P={plan.num_parameters:,} n={plan.clients} failed: {error}")
+        data["skipped"].append(cell | {"why": str(error)})
+        return
+    summary = result.summary() | link_figures(system, partitions, result, run.spec.rate)
+    data["runs"].append(summary)
+    progress(
+        f"{system:>14} K={partitions} P={plan.num_parameters:>10,} n={plan.clients}: "
+        f"{summary['commits_per_second']:8.2f} commits/s, {summary['link_fraction']:.2f} of the links"
+    )
+
+
+def _save(data: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=float) + "\n")
+
+
+def _factory(system: str, target: str, num_parameters: int) -> ClientFactory:
+    if system == "echo-tcp":
+        return TcpEchoClientFactory(target)
+    wire = "bfloat16" if system == "gemps-bfloat16" else "float32"
+    return GempsClientFactory(target, num_parameters, (("wire_dtype", wire),))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """A load process inside the clients' host: one system's clients; its LoadResult as JSON on stdout."""
+    parser = argparse.ArgumentParser(description="one cross-host load (run by gemps bench --link)")
+    parser.add_argument("--system", choices=("echo-tcp", "gemps", "gemps-bfloat16"), required=True)
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--size", type=int, required=True)
+    parser.add_argument("--clients", type=int, required=True)
+    parser.add_argument("--warmup", type=float, required=True)
+    parser.add_argument("--window", type=float, required=True)
+    parser.add_argument("--server-pids", default="", help="the serving processes, comma-separated (their CPU)")
+    args = parser.parse_args(argv)
+    plan = LoadPlan(args.size, args.clients, args.window, args.warmup)
+    pids = [int(pid) for pid in args.server_pids.split(",") if pid]
+    result = run_load(args.system, _factory(args.system, args.target, args.size), plan, pids)
+    print(json.dumps(dataclasses.asdict(result)))
+
+
+if __name__ == "__main__":
+    main()
