@@ -270,13 +270,14 @@ class ParameterService:
         mirror: np.ndarray | None = None,
     ) -> None:
         """commit() for the data plane's loop: `deliver` gets the outcome and the reply the writer
-        built (from θ written to `mirror` as the rule computed it, when given: shared memory).
+        built (from θ written to `mirror` as the rule computed it, when given: the client's shared
+        memory, the domain's `out=`; the name stays the data plane's).
         Runs on the calling thread when the applier is idle (delivered at once), whatever the
         model's size: handing it to the applier's thread and back cost more server CPU per commit
         than the loop's I/O it would overlap (1M parameters, 8 clients: 2.5-2.8 ms against
         1.7-2.2, and 250-390 commits/s against 360-450, two runs each); else on the applier's
         thread, after what is queued there."""
-        apply = functools.partial(self._state.commit_and_reply, commit, reply, mirror)
+        apply = functools.partial(self._state.commit_and_reply, commit, reply, out=mirror)
 
         def applied(timed: Timed[tuple[CommitOutcome, R]] | None, error: BaseException | None) -> None:
             if timed is None:

@@ -19,6 +19,7 @@ class AdaptiveStalenessRule(OverflowGuard, CommitRule):
         worker_id: str,
         staleness: int,
         update_peak: float | None = None,
+        out: np.ndarray | None = None,
     ) -> tuple[np.ndarray, ApplyStats]:
         bound = self.in_place_bound(self.peak_of(theta), self.update_peak(update, scale, update_peak))
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused by checked()

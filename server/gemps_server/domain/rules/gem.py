@@ -85,20 +85,8 @@ class GemRule(OverflowGuard, CommitRule):
         self._spare_proxy: np.ndarray | None = None  # the next m_i is written here
 
     @property
-    def mirrors(self) -> bool:
+    def writes_out(self) -> bool:
         return self.kernel == "compiled"  # the compiled pass writes it block by block, in cache
-
-    def step_mirrored(
-        self,
-        theta: np.ndarray,
-        update: np.ndarray,
-        scale: float,
-        worker_id: str,
-        staleness: int,
-        update_peak: float | None,
-        mirror: np.ndarray,
-    ) -> tuple[np.ndarray, ApplyStats]:
-        return self.step_scaled(theta, update, scale, worker_id, staleness, update_peak, mirror)
 
     def add_worker(self, worker_id: str, theta: np.ndarray) -> None:
         self._workers[worker_id] = _WorkerState(theta, self.peak_of(theta) if self.kernel == "compiled" else 0.0)
@@ -114,7 +102,7 @@ class GemRule(OverflowGuard, CommitRule):
         worker_id: str,
         staleness: int,
         update_peak: float | None = None,
-        mirror: np.ndarray | None = None,
+        out: np.ndarray | None = None,
     ) -> tuple[np.ndarray, ApplyStats]:
         state = self._workers[worker_id]
         if theta.size == 0:
@@ -122,7 +110,7 @@ class GemRule(OverflowGuard, CommitRule):
         theta_peak = self.peak_of(theta) if self.kernel == "compiled" else 0.0
         bounds = self._bounds(theta_peak, state, update, scale, update_peak) if self.kernel == "compiled" else None
         if bounds is not None:
-            finite, stats, _, _ = self._apply_compiled(theta, state, update, scale, None, None, mirror)
+            finite, stats, _, _ = self._apply_compiled(theta, state, update, scale, None, None, out)
             assert finite, "GEM's bound let through a value that is not finite"
             state.proxy_peak, state.last_seen_peak = bounds[1], theta_peak
             self.remember_peak(theta, bounds[0])
@@ -130,7 +118,7 @@ class GemRule(OverflowGuard, CommitRule):
         theta_out, proxy_out = self.take_spare(theta), self._take_spare_proxy(theta)
         if self.kernel == "compiled":
             finite, stats, new_peak, proxy_peak = self._apply_compiled(
-                theta, state, update, scale, theta_out, proxy_out, mirror
+                theta, state, update, scale, theta_out, proxy_out, out
             )
         else:
             stats = self._sample_stats(theta, state, update, scale)  # from the same inputs as the update
@@ -187,15 +175,15 @@ class GemRule(OverflowGuard, CommitRule):
         scale: float,
         theta_out: np.ndarray | None,
         proxy_out: np.ndarray | None,
-        mirror: np.ndarray | None = None,
+        out: np.ndarray | None = None,
     ) -> tuple[bool, ApplyStats, float, float]:
-        """The compiled pass (in place when `theta_out` is None; the new theta also to `mirror`):
+        """The compiled pass (in place when `theta_out` is None; the new theta also to `out`):
         (all finite, statistics, max |new theta|, max |new m_i|)."""
         assert compiled is not None
         values = (scale, self.momentum, self.kappa, self.pi_max, EPSILON)
         finite, pi_sum, at_zero, at_max, proxy_energy, central_energy, theta_peak, proxy_peak = compiled.gem_update(
             theta, state.proxy, state.last_seen_theta, np.ascontiguousarray(update, np.float32), theta_out, proxy_out,
-            *(float(np.float32(v)) for v in values), self._stride, self._samples, mirror,
+            *(float(np.float32(v)) for v in values), self._stride, self._samples, out,
         )  # fmt: skip
         size = theta.size
         stats = ApplyStats(

@@ -46,6 +46,7 @@ class MomentumRule(OverflowGuard, CommitRule):
         worker_id: str,
         staleness: int,
         update_peak: float | None = None,
+        out: np.ndarray | None = None,
     ) -> tuple[np.ndarray, ApplyStats]:
         velocity_bound = self.in_place_bound(
             abs(self.momentum) * self._velocity_peak, self.update_peak(update, scale, update_peak)
