@@ -190,19 +190,15 @@ def _framed_outcome(dtype: int, num_parameters: int, outcome: CommitOutcome, the
 
 
 def stream_commit_reply(buffer: Buffer) -> ReplyWriter[memoryview]:
-    """A CommitStream's reply writer: θ at the commit's version copied into the stream's pooled
-    `buffer` (the payload it held is applied, done with), then sent in pieces from there."""
-    return functools.partial(_copied_into, buffer)
+    """The reply writer for θ sent from a buffer (a CommitStream's or the data plane's pooled
+    `buffer`, or the client's shared memory): θ at the commit's version placed at the buffer's
+    start (a payload it held is applied, done with), nothing copied when the rule already wrote it
+    there (the domain's `out=`), then sent in pieces from there."""
+    return functools.partial(_placed_in, buffer)
 
 
-def _copied_into(buffer: Buffer, outcome: CommitOutcome, theta: bytes | memoryview) -> memoryview:
+def _placed_in(buffer: Buffer, outcome: CommitOutcome, theta: bytes | memoryview) -> memoryview:
     return buffer.copy_in(theta)
-
-
-def mirrored_reply(outcome: CommitOutcome, theta: bytes | memoryview) -> memoryview:
-    """The reply writer for a commit whose θ the rule wrote where the reply is read (a mirror:
-    shared memory): θ's bytes are there already, nothing to copy."""
-    return memoryview(theta).cast("B")
 
 
 def stream_header_to_proto(outcome: CommitOutcome, reply_dtype: int, num_parameters: int) -> pb.CommitResponseChunk:
