@@ -19,7 +19,7 @@ from gemps import errors
 from gemps import grpc_messages as messages
 from gemps.connection import Connection
 from gemps.records import Buffers, Evaluation, Layout, Registration, ServerStatus
-from gemps.transport import CommitCall, Committed, Enrolment, PullCall, Pulled, Registered
+from gemps.transport import BlockingCalls, CommitCall, Committed, Enrolment, PullCall, Pulled, Registered
 from gemps_proto import serde as shared
 from gemps_proto.codec import decode, expected_nbytes, wire_view
 from gemps_proto.framing import PayloadAssembler, data_frames, read_data
@@ -67,7 +67,7 @@ class _Started(Generic[T]):
             return self._finish()
 
 
-class GrpcTransport:
+class GrpcTransport(BlockingCalls):
     """A channel to one server process (all of θ, or one partition of it) and its calls.
 
     `streaming` picks unary calls or streams: "auto" streams θ-sized messages past
@@ -180,13 +180,6 @@ class GrpcTransport:
             future = self._pull.future(request, timeout=self.timeout, metadata=self.metadata)
         return _Started(lambda: messages.pull_reply(future.result()))
 
-    def pull(self, call: PullCall) -> Pulled:
-        request, streamed = self._pull_request(call)
-        with _typed_errors():
-            if streamed:
-                return _read_pull_stream(iter(self._pull_stream(request, timeout=self.timeout, metadata=self.metadata)))
-            return messages.pull_reply(self._pull(request, timeout=self.timeout, metadata=self.metadata))
-
     def _pull_request(self, call: PullCall) -> tuple[bytes, bool]:
         """A Pull of one server's slice, and whether it goes by PullStream."""
         request = messages.pull_request(call, self.wire_dtype)
@@ -202,13 +195,6 @@ class GrpcTransport:
                 return _Started(lambda: _read_commit_stream(replies))
             future = self._commit.future(header, timeout=self.timeout, metadata=self.metadata)
         return _Started(lambda: messages.commit_reply(future.result()))
-
-    def commit(self, call: CommitCall) -> Committed:
-        header, data, streamed = self._commit_request(call)
-        with _typed_errors():
-            if streamed:
-                return _read_commit_stream(self._start_commit_stream(header, data))
-            return messages.commit_reply(self._commit(header, timeout=self.timeout, metadata=self.metadata))
 
     def _commit_request(self, call: CommitCall) -> tuple[bytes, bytes | memoryview, bool]:
         """The Commit header, the payload's wire bytes, and whether they go by CommitStream."""
