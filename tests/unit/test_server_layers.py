@@ -46,8 +46,8 @@ def test_the_rule_interface_holds_no_overflow_helpers() -> None:
 
 def registered_state(rule: str = "downpour") -> tuple[ServerState, str]:
     state = ServerState(training(rule, learning_rate=0.5), WorkerRegistry(max_workers=4, lease_ttl=3600))
-    admission = state.register("w", SPEC, encoded(np.arange(5, dtype=np.float32)))
-    return state, admission.worker.worker_id
+    registered = state.register("w", SPEC, encoded(np.arange(5, dtype=np.float32)))
+    return state, registered.worker.worker_id
 
 
 def test_the_reply_is_written_while_theta_holds_the_commits_version() -> None:

@@ -1,5 +1,5 @@
 """The domain's records: the central variable at one version (Snapshot), a commit and its
-outcome, a registration's admission, the partition of θ a server holds and the image a
+outcome, a registration's registered, the partition of θ a server holds and the image a
 checkpoint keeps. Plain data, built by the wire from requests and by the state from its
 operations; nothing here knows about gRPC or protobuf messages.
 """
@@ -102,7 +102,7 @@ class CommitOutcome:
 
 
 @dataclass(frozen=True)
-class Admission:
+class RegistrationOutcome:
     """A registration's result: the worker's record and the central variable it starts from."""
 
     worker: WorkerRecord

@@ -25,11 +25,11 @@ from gemps_server.domain.errors import Aborted, FailedPrecondition, InvalidArgum
 from gemps_server.domain.ledger import CommitLedger, Receipt
 from gemps_server.domain.records import (
     ALL_OF_THETA,
-    Admission,
     Commit,
     CommitOutcome,
     PartitionOf,
     R,
+    RegistrationOutcome,
     ReplyWriter,
     Snapshot,
     StateImage,
@@ -116,7 +116,7 @@ class ServerState:
         buffer_spec: Sequence[ParameterSpec] = (),
         initial_buffers: EncodedBuffers | None = None,
         client_id: str = "",
-    ) -> Admission:
+    ) -> RegistrationOutcome:
         """Admit a worker; `encode_theta` False when its reply will not carry θ (it pulls θ apart).
         The first worker's `initial_buffers` become the central buffers. A client holds one
         registration: `client_id`'s previous one, if any, is replaced (a retried Register whose
@@ -142,7 +142,7 @@ class ServerState:
         initialized = first and initial is not None
         encoded = encode_theta and not initialized
         snapshot = self.encoded(FLOAT32) if encoded else self._with_buffers(self.snapshot)
-        return Admission(worker, snapshot, initialized, displaced)
+        return RegistrationOutcome(worker, snapshot, initialized, displaced)
 
     def commit(self, commit: Commit, out: np.ndarray | None = None) -> CommitOutcome:
         """Apply one worker's commit (DESIGN §1): θ moves by the rule's step and the version goes
