@@ -17,7 +17,7 @@ import numpy as np
 
 from gemps import errors
 from gemps import grpc_messages as messages
-from gemps.connection import Connection
+from gemps.channel_security import ChannelSecurity
 from gemps.records import Buffers, Evaluation, Layout, Registration, ServerStatus
 from gemps.transport import BlockingCalls, CommitCall, Committed, Enrolment, PullCall, Pulled, Registered
 from gemps_proto import serde as shared
@@ -78,7 +78,7 @@ class GrpcTransport(BlockingCalls):
     def __init__(
         self,
         target: str,
-        connection: Connection,
+        security: ChannelSecurity,
         *,
         max_message_bytes: int,
         timeout: float,
@@ -91,8 +91,8 @@ class GrpcTransport(BlockingCalls):
         self.wire_dtype = wire_dtype
         self.streaming = streaming
         self.chunk_bytes = chunk_bytes
-        self.metadata = connection.metadata
-        self.channel = connection.channel(
+        self.metadata = security.metadata
+        self.channel = security.channel(
             target,
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
