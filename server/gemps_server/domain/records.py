@@ -159,5 +159,5 @@ class StateImage:
 #: Given a commit's outcome and θ's wire bytes at that commit's version (in the commit's reply
 #: dtype), produce its reply. The state calls it at the end of the commit, on the applier, while
 #: θ still holds that version: the bytes may be a view of θ itself, valid only during the call.
-#: The wire supplies it (a unary reply framed straight from θ, a stream's copy into its buffer).
+#: The wire supplies it (a unary reply framed straight from θ, θ placed in the buffer it is sent from).
 ReplyWriter = Callable[[CommitOutcome, bytes | memoryview], R]
