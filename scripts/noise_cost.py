@@ -60,7 +60,7 @@ def main() -> None:
     measured = NOISE_WINDOW_OFF if args.null else NOISE_WINDOW_AUTO
     estimators = {"with": NoiseEstimator(measured), "without": NoiseEstimator(NOISE_WINDOW_OFF)}
     spent: dict[str, list[float]] = {name: [] for name in estimators}
-    mirror = np.empty(size, dtype=np.float32) if args.mirror else None
+    out = np.empty(size, dtype=np.float32) if args.mirror else None  # the data plane's: θ written to the reply
     # Each pair of commits runs both, in an order drawn at random: a fixed order (with on even
     # commits) read up to ±5% with the estimate off on both sides, from what differs by position.
     order = np.random.default_rng(1)
@@ -71,7 +71,7 @@ def main() -> None:
             worker = workers[len(spent[name]) % len(workers)]
             commit = Commit(worker, state.version, PayloadKind.GRADIENT, payloads[state.version % 8])
             started = time.process_time()
-            state.commit(commit, mirror)
+            state.commit(commit, out)
             spent[name].append(time.process_time() - started)
     skip = len(spent["with"]) // 10  # the first tenth warms caches and allocations
     kept = {name: np.array(values[skip:]) * 1e3 for name, values in spent.items()}

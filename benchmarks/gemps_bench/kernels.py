@@ -30,11 +30,11 @@ def milliseconds_per_commit(kernel: str, size: int, repeats: int) -> float:
     gradient = rng.standard_normal(size, dtype=np.float32) * np.float32(1e-3)
     rule = create_rule(TrainingConfig(), size, kernel=kernel)
     rule.add_worker("w", theta)
-    rule.apply(theta, gradient, PayloadKind.GRADIENT, "w", 0)  # pages touched, caches warm
+    theta, _ = rule.step(theta, gradient, PayloadKind.GRADIENT, "w", 0)  # pages touched, caches warm
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
-        rule.apply(theta, gradient, PayloadKind.GRADIENT, "w", 0)
+        theta, _ = rule.step(theta, gradient, PayloadKind.GRADIENT, "w", 0)
         best = min(best, time.perf_counter() - started)
     return best * 1e3
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from gemps import at_exit, errors
-from gemps.connection import Connection, Pem
+from gemps.channel_security import ChannelSecurity, Pem
 from gemps.data_plane_transport import PLANES, DataPlaneTransport
 from gemps.grpc_transport import STREAMING_CHOICES, GrpcTransport
 from gemps.records import (
@@ -84,7 +84,7 @@ class Client:
         connect: Callable[[str], Transport] | None = None,
     ) -> None:
         """`timeout` is every call's deadline in seconds. TLS and token arguments left out come
-        from GEMPS_* environment variables (see `Connection`); PEM arguments are paths or bytes.
+        from GEMPS_* environment variables (see `ChannelSecurity`); PEM arguments are paths or bytes.
         Setting `stop` (e.g. from a SIGTERM handler) ends a wait to retry with StoppedError.
 
         `wire_dtype` is how commits and replies travel: "float32", or "bfloat16" (half the
@@ -119,7 +119,7 @@ class Client:
         self.client_id = uuid.uuid4().hex
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
-        self.connection = Connection.resolve(
+        self.security = ChannelSecurity.resolve(
             token=token,
             tls=tls,
             ca_cert=ca_cert,
@@ -139,12 +139,12 @@ class Client:
         grpc = self._connect_grpc(address)
         if self.plane == "grpc":
             return grpc
-        return DataPlaneTransport(grpc, self.connection, mode=self.plane, shared_memory=self.shared_memory)
+        return DataPlaneTransport(grpc, self.security, mode=self.plane, shared_memory=self.shared_memory)
 
     def _connect_grpc(self, address: str) -> GrpcTransport:
         return GrpcTransport(
             address,
-            self.connection,
+            self.security,
             max_message_bytes=self._max_message_bytes,
             timeout=self.timeout,
             wire_dtype=self.wire_dtype,

@@ -33,7 +33,7 @@ from typing import Generic, TypeVar
 
 from gemps import errors
 from gemps import grpc_messages as messages
-from gemps.connection import Connection
+from gemps.channel_security import ChannelSecurity as Connection  # renamed (issue 33 item 5)
 from gemps.data_plane_connection import SHARED_MEMORY, DataConnection, Unreachable, target_host
 from gemps.grpc_transport import GrpcTransport
 from gemps.records import Evaluation, Registration, ServerStatus

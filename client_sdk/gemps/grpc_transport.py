@@ -17,7 +17,7 @@ import numpy as np
 
 from gemps import errors
 from gemps import grpc_messages as messages
-from gemps.connection import Connection
+from gemps.channel_security import ChannelSecurity
 from gemps.records import Buffers, Evaluation, Layout, Registration, ServerStatus
 from gemps.transport import CommitCall, Committed, Enrolment, PullCall, Pulled, Registered
 from gemps_proto import serde as shared
@@ -78,7 +78,7 @@ class GrpcTransport:
     def __init__(
         self,
         target: str,
-        connection: Connection,
+        security: ChannelSecurity,
         *,
         max_message_bytes: int,
         timeout: float,
@@ -91,8 +91,8 @@ class GrpcTransport:
         self.wire_dtype = wire_dtype
         self.streaming = streaming
         self.chunk_bytes = chunk_bytes
-        self.metadata = connection.metadata
-        self.channel = connection.channel(
+        self.metadata = security.metadata
+        self.channel = security.channel(
             target,
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
@@ -172,20 +172,18 @@ class GrpcTransport:
     # -- Pull --------------------------------------------------------------------------------------
 
     def start_pull(self, call: PullCall) -> _Started[Pulled]:
+        return self._pull_call(call, blocking=False)
+
+    def pull(self, call: PullCall) -> Pulled:
+        return self._pull_call(call, blocking=True).result()
+
+    def _pull_call(self, call: PullCall, blocking: bool) -> _Started[Pulled]:
         request, streamed = self._pull_request(call)
         with _typed_errors():
             if streamed:
                 replies = iter(self._pull_stream(request, timeout=self.timeout, metadata=self.metadata))
                 return _Started(lambda: _read_pull_stream(replies))
-            future = self._pull.future(request, timeout=self.timeout, metadata=self.metadata)
-        return _Started(lambda: messages.pull_reply(future.result()))
-
-    def pull(self, call: PullCall) -> Pulled:
-        request, streamed = self._pull_request(call)
-        with _typed_errors():
-            if streamed:
-                return _read_pull_stream(iter(self._pull_stream(request, timeout=self.timeout, metadata=self.metadata)))
-            return messages.pull_reply(self._pull(request, timeout=self.timeout, metadata=self.metadata))
+            return self._unary(self._pull, request, messages.pull_reply, blocking)
 
     def _pull_request(self, call: PullCall) -> tuple[bytes, bool]:
         """A Pull of one server's slice, and whether it goes by PullStream."""
@@ -195,20 +193,18 @@ class GrpcTransport:
     # -- Commit ----------------------------------------------------------------------------------
 
     def start_commit(self, call: CommitCall) -> _Started[Committed]:
+        return self._commit_call(call, blocking=False)
+
+    def commit(self, call: CommitCall) -> Committed:
+        return self._commit_call(call, blocking=True).result()
+
+    def _commit_call(self, call: CommitCall, blocking: bool) -> _Started[Committed]:
         header, data, streamed = self._commit_request(call)
         with _typed_errors():
             if streamed:
                 replies = self._start_commit_stream(header, data)
                 return _Started(lambda: _read_commit_stream(replies))
-            future = self._commit.future(header, timeout=self.timeout, metadata=self.metadata)
-        return _Started(lambda: messages.commit_reply(future.result()))
-
-    def commit(self, call: CommitCall) -> Committed:
-        header, data, streamed = self._commit_request(call)
-        with _typed_errors():
-            if streamed:
-                return _read_commit_stream(self._start_commit_stream(header, data))
-            return messages.commit_reply(self._commit(header, timeout=self.timeout, metadata=self.metadata))
+            return self._unary(self._commit, header, messages.commit_reply, blocking)
 
     def _commit_request(self, call: CommitCall) -> tuple[bytes, bytes | memoryview, bool]:
         """The Commit header, the payload's wire bytes, and whether they go by CommitStream."""
@@ -221,6 +217,23 @@ class GrpcTransport:
         """A CommitStream: the header, the payload in pieces; the reply likewise."""
         frames = itertools.chain((header,), data_frames(data, self.chunk_bytes))
         return iter(self._commit_stream(frames, timeout=self.timeout, metadata=self.metadata))
+
+    def _unary(
+        self,
+        method: grpc.UnaryUnaryMultiCallable[bytes, bytes],
+        request: bytes,
+        read: Callable[[bytes], T],
+        blocking: bool,
+    ) -> _Started[T]:
+        """A unary call, started; made at once when the caller waits for it at once (`blocking`):
+        gRPC's blocking call reads the reply on the calling thread, where its future's reply comes
+        through the channel's own thread (100K parameters, one client: 0.97, 0.97, 0.81, 0.71 ms
+        of client CPU per commit blocking against 1.31, 1.34, 1.13, 1.15 through the future)."""
+        if blocking:
+            reply = method(request, timeout=self.timeout, metadata=self.metadata)
+            return _Started(lambda: read(reply))
+        future = method.future(request, timeout=self.timeout, metadata=self.metadata)
+        return _Started(lambda: read(future.result()))
 
     # -- the small calls -------------------------------------------------------------------------
 

@@ -65,7 +65,7 @@ class CallBudget:
         await self._none.wait()
 
 
-class Admission(grpc.aio.ServerInterceptor):
+class AdmissionInterceptor(grpc.aio.ServerInterceptor):
     """The token check and the two budgets of calls in progress."""
 
     def __init__(

@@ -19,7 +19,7 @@ from prometheus_client import disable_created_metrics, start_http_server
 
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server import logs, supervision
-from gemps_server.admission import Admission
+from gemps_server.admission import AdmissionInterceptor
 from gemps_server.allocator import TRIM_INTERVAL_SECONDS, one_arena, trim, tune_for
 from gemps_server.checkpoint_writer import Checkpointer
 from gemps_server.config import ServerConfig
@@ -87,7 +87,9 @@ class ParameterServer:
         self.health = HealthServicer(
             config.max_watches, config.max_watches_per_connection, on_refused=self.metrics.refusal
         )
-        self.admission: Admission | None = None  # the token and the budgets of calls in progress, once started
+        self.admission: AdmissionInterceptor | None = (
+            None  # the token and the budgets of calls in progress, once started
+        )
         self.data_plane = DataPlaneServer(config, self.service, self.metrics) if config.data_plane_on else None
         self.port = 0
         self.data_port = 0  # bound once started (0: the data plane is off)
@@ -169,7 +171,7 @@ class ParameterServer:
         # In total: at most max_concurrent_rpcs requests being received, each of at most `limit`
         # bytes, plus max_unauthenticated_rpcs health checks (more calls are refused before a byte
         # of theirs is read).
-        self.admission = Admission(
+        self.admission = AdmissionInterceptor(
             token, config.max_concurrent_rpcs, config.max_unauthenticated_rpcs, on_refused=self.metrics.refusal
         )
         limit = config.max_message_bytes

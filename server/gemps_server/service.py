@@ -2,13 +2,14 @@
 
 A wire (the gRPC servicer, the data plane) hands it domain records and gets domain records back,
 never protobuf messages, and never reaches the state itself. The gRPC servicer calls it from the
-event loop (`commit`, `pull`); the data plane from its own loop's thread (`commit_then`,
-`pull_then`, which hand their outcome to a callback): the same applier, ledger and bookkeeping
-behind both. Every state
-change goes through the applier (one at a time, in arrival order); this is where its outcome is
-counted in the metrics, logged, and handed to the checkpoint writer. Reads that need no
-ordering (a current snapshot, Status, what a stream's header must be checked against) are
-answered here directly.
+event loop (`commit`, `pull`, awaited); the data plane from its own loop's thread (`commit_then`,
+`pull_then`, which hand their outcome to a callback): each pair is kept because each of its
+callers needs its half (a selector loop without asyncio cannot await; a coroutine should not
+block on a callback), and both halves share the state's operation, the applier and the
+bookkeeping (`_current`, `_committed`). Every state change goes through the applier (one at a
+time, in arrival order); this is where its outcome is counted in the metrics, logged, and handed
+to the checkpoint writer. Reads that need no ordering (a current snapshot, Status, what a
+stream's header must be checked against) are answered here directly.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from gemps_server.allocator import tune_for
 from gemps_server.config import ServerConfig
 from gemps_server.domain.applier import Applier, Deliver, Timed
 from gemps_server.domain.errors import ResourceExhausted, ServiceError, Unauthenticated
-from gemps_server.domain.records import Admission, Commit, CommitOutcome, R, ReplyWriter, Snapshot
+from gemps_server.domain.records import Commit, CommitOutcome, R, RegistrationOutcome, ReplyWriter, Snapshot
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.validation import check_evaluation, check_reply_dtype, check_upload
 from gemps_server.domain.workers import WorkerRecord
@@ -154,7 +155,7 @@ class ParameterService:
         buffer_spec: tuple[ParameterSpec, ...] = (),
         initial_buffers: EncodedBuffers | None = None,
         client_id: str = "",
-    ) -> tuple[Admission, Registration]:
+    ) -> tuple[RegistrationOutcome, Registration]:
         """Admit a worker; `include_parameters` False when its reply leaves θ out (it pulls θ next)."""
         if not self._registrations.allow():
             self._metrics.refusal(Reason.REGISTRATION_RATE)
@@ -164,16 +165,16 @@ class ParameterService:
                 Reason.REGISTRATION_RATE,
             )
         state = self._state
-        admission = await self._applier.submit(
+        registered = await self._applier.submit(
             lambda: state.register(
                 worker_name, spec, initial, include_parameters, buffer_spec, initial_buffers, client_id=client_id
             )
         )
-        worker = admission.worker
+        worker = registered.worker
         self._metrics.registered()
-        if (displaced := admission.displaced) is not None:
+        if (displaced := registered.displaced) is not None:
             self._evicted([displaced], reason="server full; no commit for longer than the lease")
-        if admission.initialized_theta:
+        if registered.initialized_theta:
             tune_for(4 * state.num_parameters)
             event(
                 log,
@@ -189,19 +190,19 @@ class ParameterService:
             name=worker.name or None,
             shard=worker.slot,
             active=len(state.registry),
-            version=admission.snapshot.version,
+            version=registered.snapshot.version,
         )
         registration = Registration(
             worker_id=worker.worker_id,
             lease_ttl_seconds=self.config.lease_ttl,
             config=self.config.training,
             shard=Shard(worker.slot, self.config.num_shards),
-            version=admission.snapshot.version,
-            initialized_central=admission.initialized_theta,
+            version=registered.snapshot.version,
+            initialized_central=registered.initialized_theta,
             layout=self.layout(),
             data_plane=self._data_plane_for(worker),
         )
-        return admission, registration
+        return registered, registration
 
     def _data_plane_for(self, worker: WorkerRecord) -> DataPlane | None:
         if self.data_plane_port is None:
@@ -230,8 +231,9 @@ class ParameterService:
         return snapshot
 
     def pull_then(self, worker_id: str, known_version: int, reply_dtype: int, deliver: Deliver[Snapshot]) -> None:
-        """pull() for the data plane's loop: `deliver` gets the snapshot, at once unless the
-        applier must encode it first (then from the applier's thread)."""
+        """pull() for the data plane's loop (a thread that cannot await: the caller that needs
+        this half): `deliver` gets the snapshot, at once unless the applier must encode it first
+        (then from the applier's thread)."""
         snapshot, encode = self._current(worker_id, known_version, reply_dtype)
         if not encode:
             deliver(snapshot, None)
@@ -269,14 +271,16 @@ class ParameterService:
         deliver: Deliver[tuple[CommitOutcome, R]],
         mirror: np.ndarray | None = None,
     ) -> None:
-        """commit() for the data plane's loop: `deliver` gets the outcome and the reply the writer
-        built (from θ written to `mirror` as the rule computed it, when given: shared memory).
+        """commit() for the data plane's loop (a thread that cannot await: the caller that needs
+        this half; the gRPC servicer awaits commit()): `deliver` gets the outcome and the reply
+        the writer built (from θ written to `mirror` as the rule computed it, when given: the
+        client's shared memory, the domain's `out=`; the keyword stays the data plane's).
         Runs on the calling thread when the applier is idle (delivered at once), whatever the
         model's size: handing it to the applier's thread and back cost more server CPU per commit
         than the loop's I/O it would overlap (1M parameters, 8 clients: 2.5-2.8 ms against
         1.7-2.2, and 250-390 commits/s against 360-450, two runs each); else on the applier's
         thread, after what is queued there."""
-        apply = functools.partial(self._state.commit_and_reply, commit, reply, mirror)
+        apply = functools.partial(self._state.commit_and_reply, commit, reply, out=mirror)
 
         def applied(timed: Timed[tuple[CommitOutcome, R]] | None, error: BaseException | None) -> None:
             if timed is None:

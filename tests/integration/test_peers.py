@@ -52,7 +52,7 @@ def test_server_applies_gemps_gem_rule(peer: ModuleType) -> None:
     rule.add_worker("client", theta)
     gradient = client_gradient(size, seed, 0)
     for _ in range(commits):
-        rule.apply(theta, gradient, PayloadKind.GRADIENT, "client", 0)
+        theta, _ = rule.step(theta, gradient, PayloadKind.GRADIENT, "client", 0)
     np.testing.assert_array_equal(result.extra["final_theta"][0], theta)
 
 

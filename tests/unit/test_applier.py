@@ -10,8 +10,28 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from typing import Any, TypeVar
 
-from gemps_server.domain.applier import Applier, ApplierStopped
+from gemps_server.domain.applier import Applier, ApplierStopped, Timed
+
+T = TypeVar("T")
+
+
+def run_blocking(applier: Applier, operation: Callable[[], T], inline: bool = False) -> Timed[T]:
+    """A thread that waits for its operation, through the data plane's door (submit_then)."""
+    done = threading.Event()
+    outcome: list[Any] = [None, None]
+
+    def deliver(timed: Timed[T] | None, error: BaseException | None) -> None:
+        outcome[:] = [timed, error]
+        done.set()
+
+    applier.submit_then(operation, deliver, inline)
+    done.wait()
+    if outcome[1] is not None:
+        raise outcome[1]
+    assert outcome[0] is not None
+    return outcome[0]  # type: ignore[no-any-return]
 
 
 class Payload:
@@ -83,7 +103,7 @@ def test_threads_and_an_event_loop_never_overlap_and_keep_each_submitters_order(
 
     def hammer(name: str) -> None:
         for i in range(count):
-            timed = applier.run_blocking(operation(name, i), inline=i % 3 != 0)
+            timed = run_blocking(applier, operation(name, i), inline=i % 3 != 0)
             assert timed.result == i
             if timed.timing.queued_seconds == 0.0:
                 inline_runs.append(name)
@@ -120,7 +140,7 @@ def test_run_blocking_raises_the_operations_error_and_refuses_after_stop() -> No
     try:
         for inline in (True, False):
             try:
-                applier.run_blocking(fail, inline=inline)
+                run_blocking(applier, fail, inline=inline)
             except ValueError as error:
                 assert str(error) == "refused"
             else:
@@ -128,7 +148,7 @@ def test_run_blocking_raises_the_operations_error_and_refuses_after_stop() -> No
     finally:
         applier.stop()
     try:
-        applier.run_blocking(lambda: None)
+        run_blocking(applier, lambda: None)
     except ApplierStopped:
         pass
     else:

@@ -384,22 +384,22 @@ def test_evaluation_dataset_labels_are_bounded() -> None:
 
 
 def test_client_connection_from_arguments_and_environment(tmp_path: Path) -> None:
-    from gemps.connection import Connection
+    from gemps.channel_security import ChannelSecurity
 
     ca = tmp_path / "ca.pem"
     ca.write_bytes(b"-----BEGIN CERTIFICATE-----\n")
-    assert Connection.resolve(environ={}) == Connection()
+    assert ChannelSecurity.resolve(environ={}) == ChannelSecurity()
     env = {"GEMPS_AUTH_TOKEN": "t0k", "GEMPS_TLS_CA": str(ca)}
-    resolved = Connection.resolve(environ=env)
+    resolved = ChannelSecurity.resolve(environ=env)
     assert (resolved.token, resolved.tls, resolved.ca_cert) == ("t0k", True, ca.read_bytes())
     assert resolved.metadata == (("authorization", "Bearer t0k"),)
-    assert Connection.resolve(token="arg", environ=env).token == "arg"  # an argument beats the environment
-    assert not Connection.resolve(tls=False, environ=env).tls  # plaintext asked for: env certificates ignored
-    assert Connection.resolve(environ={"GEMPS_TLS": "1"}) == Connection(tls=True)  # system roots
+    assert ChannelSecurity.resolve(token="arg", environ=env).token == "arg"  # an argument beats the environment
+    assert not ChannelSecurity.resolve(tls=False, environ=env).tls  # plaintext asked for: env certificates ignored
+    assert ChannelSecurity.resolve(environ={"GEMPS_TLS": "1"}) == ChannelSecurity(tls=True)  # system roots
     token_file = tmp_path / "token"
     token_file.write_text("from-file\n")
-    assert Connection.resolve(environ={"GEMPS_AUTH_TOKEN_FILE": str(token_file)}).token == "from-file"
+    assert ChannelSecurity.resolve(environ={"GEMPS_AUTH_TOKEN_FILE": str(token_file)}).token == "from-file"
     with pytest.raises(ValueError, match="go together"):
-        Connection.resolve(client_cert=b"cert", environ={})
+        ChannelSecurity.resolve(client_cert=b"cert", environ={})
     with pytest.raises(ValueError, match="tls=False"):
-        Connection.resolve(tls=False, ca_cert=str(ca), environ={})
+        ChannelSecurity.resolve(tls=False, ca_cert=str(ca), environ={})

@@ -43,7 +43,7 @@ def test_gem_energies_match_the_reference(kappa: float, pi_max: float, momentum:
         proxies[w] = F32(momentum) * proxies[w] + delta
         expected = reference_energies(theta, seen[w], proxies[w], delta, kappa, pi_max)
         seen[w] = theta.copy()
-        stats = rule.apply(theta, delta.copy(), PayloadKind.UPDATE, w, staleness=0)
+        theta, stats = rule.step(theta, delta.copy(), PayloadKind.UPDATE, w, staleness=0)
         assert stats.proxy_energy == pytest.approx(expected[0], rel=1e-4)
         assert stats.central_energy == pytest.approx(expected[1], rel=1e-4)
 
@@ -53,7 +53,7 @@ def test_a_first_commit_complies_exactly() -> None:
     rule = create_rule(training("gem", kappa=2.0), 4)
     theta = np.zeros(4, F32)
     rule.add_worker("a", theta)
-    stats = rule.apply(theta, np.array([0.1, -0.2, 0.3, 0.4], F32), PayloadKind.UPDATE, "a", staleness=0)
+    theta, stats = rule.step(theta, np.array([0.1, -0.2, 0.3, 0.4], F32), PayloadKind.UPDATE, "a", staleness=0)
     assert stats.proxy_energy == pytest.approx(2 * 0.25)
     assert stats.central_energy == pytest.approx(stats.proxy_energy)
 
@@ -64,8 +64,8 @@ def test_central_energy_exceeds_the_proxy_when_others_overshot() -> None:
     rule.add_worker("a", theta)
     rule.add_worker("b", theta)
     for _ in range(5):
-        rule.apply(theta, np.full(3, 1.0, F32), PayloadKind.UPDATE, "a", staleness=0)
-    stats = rule.apply(theta, np.full(3, 0.5, F32), PayloadKind.UPDATE, "b", staleness=5)
+        theta, _ = rule.step(theta, np.full(3, 1.0, F32), PayloadKind.UPDATE, "a", staleness=0)
+    theta, stats = rule.step(theta, np.full(3, 0.5, F32), PayloadKind.UPDATE, "b", staleness=5)
     assert stats.fraction_at_zero == 1.0
     assert stats.proxy_energy == pytest.approx(0.5)
     assert stats.central_energy > stats.proxy_energy  # pi = 0: the others' movement alone
@@ -76,7 +76,7 @@ def test_rules_without_a_proxy_report_no_energy(rule_name: str) -> None:
     rule = create_rule(training(rule_name), 3)
     theta = np.zeros(3, F32)
     rule.add_worker("a", theta)
-    stats = rule.apply(theta, np.ones(3, F32), PayloadKind.UPDATE, "a", staleness=1)
+    theta, stats = rule.step(theta, np.ones(3, F32), PayloadKind.UPDATE, "a", staleness=1)
     assert math.isnan(stats.proxy_energy) and math.isnan(stats.central_energy)
     metrics = ServerMetrics()
     metrics.applied(1, stats, loss=None, num_samples=None, queued_seconds=0.0, apply_seconds=0.0)

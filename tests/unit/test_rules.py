@@ -107,7 +107,7 @@ def test_gem_first_commit_of_a_worker_is_unscaled() -> None:
     theta = np.zeros(4, np.float32)
     rule.add_worker("a", theta)
     update = np.array([0.1, -0.2, 0.3, 0.0], np.float32)
-    stats = rule.apply(theta, update.copy(), PayloadKind.UPDATE, "a", staleness=0)
+    theta, stats = rule.step(theta, update.copy(), PayloadKind.UPDATE, "a", staleness=0)
     np.testing.assert_allclose(theta, update)
     # The zero entry has no proxy energy either: pi = 0 / eps = 0.
     assert stats.fraction_at_zero == pytest.approx(0.25)
@@ -121,9 +121,9 @@ def test_gem_scales_down_stale_updates_once_central_moved() -> None:
     rule.add_worker("a", theta)
     rule.add_worker("b", theta)
     for _ in range(5):
-        rule.apply(theta, np.full(3, 1.0, np.float32), PayloadKind.UPDATE, "a", staleness=0)
+        theta, _ = rule.step(theta, np.full(3, 1.0, np.float32), PayloadKind.UPDATE, "a", staleness=0)
     before = theta.copy()
-    stats = rule.apply(theta, np.full(3, 0.5, np.float32), PayloadKind.UPDATE, "b", staleness=5)
+    theta, stats = rule.step(theta, np.full(3, 0.5, np.float32), PayloadKind.UPDATE, "b", staleness=5)
     np.testing.assert_array_equal(theta, before)
     assert stats.fraction_at_zero == 1.0 and stats.scaling_mean == 0.0
 
@@ -147,10 +147,11 @@ def test_gem_in_blocks_equals_gem_in_one_pass(monkeypatch: pytest.MonkeyPatch) -
         theta = theta0.copy()
         for worker in ("a", "b"):
             rule.add_worker(worker, theta)
-        stats = [
-            rule.apply(theta, random_gradient(np.random.default_rng(i)), PayloadKind.GRADIENT, "ab"[i % 2], 0)
-            for i in range(20)
-        ]
+        stats = []
+        for i in range(20):
+            gradient = random_gradient(np.random.default_rng(i))
+            theta, commit_stats = rule.step(theta, gradient, PayloadKind.GRADIENT, "ab"[i % 2], 0)
+            stats.append(commit_stats)
         results.append((theta, stats))
     (blocked, blocked_stats), (whole, whole_stats) = results
     np.testing.assert_array_equal(blocked, whole)
@@ -176,7 +177,10 @@ def test_compiled_kernel_equals_numpy_pass() -> None:
         theta = theta0.copy()
         rule.add_worker("a", theta)
         rule.add_worker("b", theta)
-        stats = [rule.apply(theta, rng_gradient(i, size), PayloadKind.GRADIENT, "ab"[i % 2], 0) for i in range(12)]
+        stats = []
+        for i in range(12):
+            theta, commit_stats = rule.step(theta, rng_gradient(i, size), PayloadKind.GRADIENT, "ab"[i % 2], 0)
+            stats.append(commit_stats)
         results.append((theta, stats))
     np.testing.assert_array_equal(results[0][0], results[1][0])
     for numpy_stats, compiled_stats in zip(results[0][1], results[1][1], strict=True):
@@ -197,9 +201,11 @@ def test_compiled_statistics_are_exact_and_match_numpy_below_the_sample_size(kap
         theta = theta0.copy()
         rule.add_worker("a", theta)
         rule.add_worker("b", theta)
-        per_kernel.append(
-            [rule.apply(theta, rng_gradient(i, size), PayloadKind.GRADIENT, "ab"[i % 2], 1) for i in range(8)]
-        )
+        stats = []
+        for i in range(8):
+            theta, commit_stats = rule.step(theta, rng_gradient(i, size), PayloadKind.GRADIENT, "ab"[i % 2], 1)
+            stats.append(commit_stats)
+        per_kernel.append(stats)
     for numpy_stats, compiled_stats in zip(*per_kernel, strict=True):
         assert compiled_stats.scaling_median == numpy_stats.scaling_median
         assert compiled_stats.fraction_at_zero == numpy_stats.fraction_at_zero
@@ -220,21 +226,21 @@ def test_unknown_gem_kernel_is_refused() -> None:
 
 @pytest.mark.parametrize("rule_name", rule_names())
 @pytest.mark.parametrize("kernel", ["compiled", "numpy"])
-def test_a_mirror_gets_the_new_theta_whichever_rule_writes_it(rule_name: str, kernel: str) -> None:
-    """step(mirror=...) leaves theta as without it, and the mirror holds the new theta: written by
+def test_out_gets_the_new_theta_whichever_rule_writes_it(rule_name: str, kernel: str) -> None:
+    """step(out=...) leaves theta as without it, and `out` holds the new theta: written by
     the compiled GEM pass as it goes (in place and out of place), copied by the other rules."""
     size = 3000
     rng = np.random.default_rng(7)
     theta0 = rng.normal(size=size).astype(np.float32)
-    plain, mirrored = (create_rule(training(rule_name), size, kernel=kernel) for _ in range(2))
-    theta_plain, theta_mirrored = theta0.copy(), theta0.copy()
-    for rule, theta in ((plain, theta_plain), (mirrored, theta_mirrored)):
+    plain, writing = (create_rule(training(rule_name), size, kernel=kernel) for _ in range(2))
+    theta_plain, theta_written = theta0.copy(), theta0.copy()
+    for rule, theta in ((plain, theta_plain), (writing, theta_written)):
         rule.add_worker("a", theta)
-    mirror = np.full(size, np.nan, np.float32)
+    out = np.full(size, np.nan, np.float32)
     for step in range(6):
         payload = rng_gradient(step, size) * (1e30 if step == 3 else 1)  # one out-of-place pass (loose bound)
         theta_plain, _ = plain.step(theta_plain, payload, PayloadKind.GRADIENT, "a", 0, step)
-        theta_mirrored, _ = mirrored.step(theta_mirrored, payload, PayloadKind.GRADIENT, "a", 0, step, mirror=mirror)
-        np.testing.assert_array_equal(theta_mirrored, theta_plain)
-        np.testing.assert_array_equal(mirror, theta_plain)
-    assert mirrored.mirrors == (rule_name == "gem" and kernel == "compiled")
+        theta_written, _ = writing.step(theta_written, payload, PayloadKind.GRADIENT, "a", 0, step, out=out)
+        np.testing.assert_array_equal(theta_written, theta_plain)
+        np.testing.assert_array_equal(out, theta_plain)
+    assert writing.writes_out == (rule_name == "gem" and kernel == "compiled")

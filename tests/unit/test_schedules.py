@@ -127,7 +127,7 @@ def test_every_rule_scales_a_gradient_by_eta_at_the_version_it_is_applied_at(rul
         made.add_worker("a", theta)
         # A worker's first commit, not stale: every rule applies Delta = -eta*g as it is (GEM's
         # pi is kappa = 1 there, the momentum rule's velocity starts at 0).
-        made.apply(theta, gradient, PayloadKind.GRADIENT, "a", staleness=0, version=version)
+        theta, _ = made.step(theta, gradient, PayloadKind.GRADIENT, "a", staleness=0, version=version)
         expected = F32(1.0) - F32(learning_rate_at(config, version)) * gradient
         np.testing.assert_allclose(theta, expected, rtol=1e-6)
 
@@ -136,7 +136,7 @@ def test_updates_are_applied_as_sent_whatever_the_schedule() -> None:
     made = create_rule(training("downpour", **SCHEDULED), 2)
     theta = np.zeros(2, F32)
     made.add_worker("a", theta)
-    made.apply(theta, np.array([1.0, -2.0], F32), PayloadKind.UPDATE, "a", staleness=0, version=7)
+    theta, _ = made.step(theta, np.array([1.0, -2.0], F32), PayloadKind.UPDATE, "a", staleness=0, version=7)
     np.testing.assert_array_equal(theta, [1.0, -2.0])
 
 
@@ -159,8 +159,8 @@ def test_the_momentum_rule_keeps_each_gradients_eta_in_its_velocity() -> None:
     made = create_rule(training("momentum", momentum=0.5, **SCHEDULED), 1)
     theta = np.zeros(1, F32)
     made.add_worker("a", theta)
-    made.apply(theta, np.ones(1, F32), PayloadKind.GRADIENT, "a", staleness=0, version=1)  # v = -0.5
-    made.apply(theta, np.ones(1, F32), PayloadKind.GRADIENT, "a", staleness=0, version=2)  # v = -0.25 - 0.25
+    theta, _ = made.step(theta, np.ones(1, F32), PayloadKind.GRADIENT, "a", 0, version=1)  # v = -0.5
+    theta, _ = made.step(theta, np.ones(1, F32), PayloadKind.GRADIENT, "a", 0, version=2)  # v = -0.25 - 0.25
     np.testing.assert_array_equal(theta, [-1.0])
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from gemps import data_plane_transport, errors
 from gemps import grpc_messages as messages
+from gemps.channel_security import ChannelSecurity
 from gemps.client import Client, resolve_plane
-from gemps.connection import Connection
 from gemps.data_plane_connection import DataConnection, target_host
 from gemps.data_plane_transport import DataPlaneTransport, _committed, _pulled
 from gemps.grpc_transport import GrpcTransport
@@ -210,9 +210,9 @@ def test_a_transport_that_fell_back_tries_the_data_plane_again_with_a_bounded_ji
     port = listener.getsockname()[1]
     listener.close()  # nothing listens there: each attempt is refused at once
     grpc_transport = GrpcTransport(
-        "127.0.0.1:1", Connection(), max_message_bytes=1 << 20, timeout=5, wire_dtype=FLOAT32, chunk_bytes=1 << 20
+        "127.0.0.1:1", ChannelSecurity(), max_message_bytes=1 << 20, timeout=5, wire_dtype=FLOAT32, chunk_bytes=1 << 20
     )
-    transport = DataPlaneTransport(grpc_transport, Connection(), shared_memory=False)
+    transport = DataPlaneTransport(grpc_transport, ChannelSecurity(), shared_memory=False)
     transport._offer, transport._worker_id = DataPlane(port=port, ticket=b"t" * 32), "w1"
     transport._unusable("127.0.0.1:1", "a fault")  # as a refused connection does
     waits = []

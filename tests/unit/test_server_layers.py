@@ -46,8 +46,8 @@ def test_the_rule_interface_holds_no_overflow_helpers() -> None:
 
 def registered_state(rule: str = "downpour") -> tuple[ServerState, str]:
     state = ServerState(training(rule, learning_rate=0.5), WorkerRegistry(max_workers=4, lease_ttl=3600))
-    admission = state.register("w", SPEC, encoded(np.arange(5, dtype=np.float32)))
-    return state, admission.worker.worker_id
+    registered = state.register("w", SPEC, encoded(np.arange(5, dtype=np.float32)))
+    return state, registered.worker.worker_id
 
 
 def test_the_reply_is_written_while_theta_holds_the_commits_version() -> None:
@@ -108,3 +108,18 @@ def test_the_stream_writer_copies_theta_into_the_streams_buffer() -> None:
     assert np.shares_memory(np.frombuffer(data, np.uint8), buffer.bytes)  # in the pooled buffer, not a new copy
     state.commit(Commit(worker_id=worker, base_version=1, kind=PayloadKind.UPDATE.value, payload=encoded(np.ones(5))))
     assert bytes(data) == (np.arange(5, dtype=np.float32) + 1).tobytes()  # θ moved on; the reply did not
+
+
+def test_the_buffer_writer_copies_nothing_when_the_rule_wrote_theta_there() -> None:
+    """θ written by the commit into the buffer's own memory (`out=`, as the shared-memory route
+    does): the writer hands back those bytes; the next reply from the buffer still copies."""
+    state, worker = registered_state()
+    buffer = Buffer(np.full(20, 0xFF, np.uint8))
+    floats = buffer.bytes.view(np.float32)
+    commit = Commit(worker_id=worker, base_version=0, kind=PayloadKind.UPDATE.value, payload=encoded(np.ones(5)))
+    _, data = state.commit_and_reply(commit, messages.stream_commit_reply(buffer), out=floats)
+    assert bytes(data) == (np.arange(5, dtype=np.float32) + 1).tobytes()
+    assert np.frombuffer(data, np.uint8).ctypes.data == buffer.bytes.ctypes.data
+    again = Commit(worker_id=worker, base_version=1, kind=PayloadKind.UPDATE.value, payload=encoded(np.ones(5)))
+    _, data = state.commit_and_reply(again, messages.stream_commit_reply(buffer))
+    assert bytes(data) == (np.arange(5, dtype=np.float32) + 2).tobytes()

@@ -28,7 +28,7 @@ import numpy as np
 from gemps_bench.loadgen import pre_made_gradient
 from gemps_bench.procfs import WindowCpu, peak_rss
 from gemps_bench.results import LoadResult, share_in_window
-from gemps_proto.schema import TrainingConfig
+from gemps_proto.schema import PayloadKind, TrainingConfig
 from gemps_server.allocator import keep_large_allocations
 from gemps_server.domain.rules import CommitRule, create_rule
 
@@ -118,7 +118,7 @@ class PeerState:
         staleness = self.staleness(client_id)
         np.multiply(gradient, self._scale, out=gradient)  # in place: no P-sized copy per commit
         # In place, unless the update comes near float32's range (then a new array: see rules/base.py).
-        self.theta, _ = self._rule.step_scaled(self.theta, gradient, 1.0, client_id, staleness)
+        self.theta, _ = self._rule.step(self.theta, gradient, PayloadKind.UPDATE, client_id, staleness)  # scaled above
         self.version += 1
         self._version_sent[client_id] = self.version
         return staleness

@@ -2,7 +2,7 @@
 
 gRPC handlers (on the asyncio event loop) and the data plane's loop submit operations;
 one dedicated thread runs them in the order they were submitted and hands each result back to
-its submitter (the handler's future, a callback, or a waiting thread). The math runs off the event loop, so
+its submitter (the handler's future, or a callback). The math runs off the event loop, so
 network I/O for other requests overlaps it, and no worker can be starved: there is no polling
 order, only the queue.
 """
@@ -62,19 +62,6 @@ def _to_future(future: asyncio.Future[Timed[Any]], loop: asyncio.AbstractEventLo
             loop.call_soon_threadsafe(_settle, future, outcome, error)
 
     return deliver
-
-
-class _Waiter:
-    """A thread's wait for its queued operation (run_blocking)."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.outcome: Timed[Any] | None = None
-        self.error: BaseException | None = None
-
-    def deliver(self, outcome: Timed[Any] | None, error: BaseException | None) -> None:
-        self.outcome, self.error = outcome, error
-        self.done.set()
 
 
 class Applier:
@@ -141,16 +128,6 @@ class Applier:
         with self._pending_lock:
             self._pending += 1
         self._queue.put((operation, deliver, time.perf_counter()))
-
-    def run_blocking(self, operation: Callable[[], T], inline: bool = False) -> Timed[T]:
-        """submit_then() for a thread that waits for the outcome: blocks it until the operation ran."""
-        waiter = _Waiter()
-        self.submit_then(operation, waiter.deliver, inline)
-        waiter.done.wait()
-        if waiter.error is not None:
-            raise waiter.error
-        assert waiter.outcome is not None
-        return waiter.outcome
 
     def _claim_idle(self) -> bool:
         """Count an inline operation as pending if nothing else is; False when something is."""

@@ -1,5 +1,5 @@
 """The domain's records: the central variable at one version (Snapshot), a commit and its
-outcome, a registration's admission, the partition of θ a server holds and the image a
+outcome, a registration's registered, the partition of θ a server holds and the image a
 checkpoint keeps. Plain data, built by the wire from requests and by the state from its
 operations; nothing here knows about gRPC or protobuf messages.
 """
@@ -102,7 +102,7 @@ class CommitOutcome:
 
 
 @dataclass(frozen=True)
-class Admission:
+class RegistrationOutcome:
     """A registration's result: the worker's record and the central variable it starts from."""
 
     worker: WorkerRecord
@@ -159,5 +159,5 @@ class StateImage:
 #: Given a commit's outcome and θ's wire bytes at that commit's version (in the commit's reply
 #: dtype), produce its reply. The state calls it at the end of the commit, on the applier, while
 #: θ still holds that version: the bytes may be a view of θ itself, valid only during the call.
-#: The wire supplies it (a unary reply framed straight from θ, a stream's copy into its buffer).
+#: The wire supplies it (a unary reply framed straight from θ, θ placed in the buffer it is sent from).
 ReplyWriter = Callable[[CommitOutcome, bytes | memoryview], R]

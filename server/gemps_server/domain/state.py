@@ -26,11 +26,11 @@ from gemps_server.domain.ledger import CommitLedger, Receipt
 from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NoiseEstimator
 from gemps_server.domain.records import (
     ALL_OF_THETA,
-    Admission,
     Commit,
     CommitOutcome,
     PartitionOf,
     R,
+    RegistrationOutcome,
     ReplyWriter,
     Snapshot,
     StateImage,
@@ -119,7 +119,7 @@ class ServerState:
         buffer_spec: Sequence[ParameterSpec] = (),
         initial_buffers: EncodedBuffers | None = None,
         client_id: str = "",
-    ) -> Admission:
+    ) -> RegistrationOutcome:
         """Admit a worker; `encode_theta` False when its reply will not carry θ (it pulls θ apart).
         The first worker's `initial_buffers` become the central buffers. A client holds one
         registration: `client_id`'s previous one, if any, is replaced (a retried Register whose
@@ -145,13 +145,13 @@ class ServerState:
         initialized = first and initial is not None
         encoded = encode_theta and not initialized
         snapshot = self.encoded(FLOAT32) if encoded else self._with_buffers(self.snapshot)
-        return Admission(worker, snapshot, initialized, displaced)
+        return RegistrationOutcome(worker, snapshot, initialized, displaced)
 
-    def commit(self, commit: Commit, mirror: np.ndarray | None = None) -> CommitOutcome:
+    def commit(self, commit: Commit, out: np.ndarray | None = None) -> CommitOutcome:
         """Apply one worker's commit (DESIGN §1): θ moves by the rule's step and the version goes
         up by one, or a refusal (a ServiceError) leaves everything as it was. A retry of a commit
-        already applied changes nothing and answers as the original did. `mirror` (float32, P)
-        gets θ after the commit too (see CommitRule.step)."""
+        already applied changes nothing and answers as the original did. `out` (float32, P), as
+        numpy's: it receives θ after the commit too (see CommitRule.step)."""
         rule = self.require_initialized()
         validation.check_reply_dtype(commit.reply_dtype)
         validation.check_request_id(commit.request_id)
@@ -161,8 +161,8 @@ class ServerState:
         receipt = self.ledger.lookup(worker.scope, commit.request_id)
         if receipt is not None:
             self.registry.touch(commit.worker_id, committed=True)
-            if mirror is not None:  # the rule does not run: θ is copied as it is
-                np.copyto(mirror, self._theta)
+            if out is not None:  # the rule does not run: θ is copied as it is
+                np.copyto(out, self._theta)
             return CommitOutcome(self.encoded(commit.reply_dtype), receipt.staleness, receipt.stats, duplicate=True)
         applied = self.ledger.superseded(worker.scope, commit.sequence)
         if applied is not None:  # an old attempt, delivered after later commits of its client
@@ -177,7 +177,7 @@ class ServerState:
         window = self.noise.window(kind, self.num_parameters, len(self.registry), commit.num_samples)
         try:  # the rule writes into spare buffers and swaps them in only if every value is finite
             self._theta, stats = rule.step(
-                self._theta, payload, kind, commit.worker_id, staleness, self.version, peak, mirror, window
+                self._theta, payload, kind, commit.worker_id, staleness, self.version, peak, out, window
             )
         except NonFiniteUpdate as error:
             raise InvalidArgument(f"commit refused, nothing changed: {error}", Reason.NON_FINITE) from None
@@ -185,23 +185,23 @@ class ServerState:
         self.commits_applied += 1
         worker.commits += 1
         self.registry.touch(commit.worker_id, committed=True)
-        self._version += 1  # its snapshot is encoded when a reply asks (encoded(), theta_wire())
+        self._version += 1  # its snapshot is encoded when a reply asks (encoded(), theta_bytes())
         self.ledger.record(worker.scope, commit.request_id, Receipt(self.version, staleness, stats, commit.sequence))
         return CommitOutcome(self._with_buffers(self.snapshot), staleness, stats)
 
     def commit_and_reply(
-        self, commit: Commit, reply: ReplyWriter[R], mirror: np.ndarray | None = None
+        self, commit: Commit, reply: ReplyWriter[R], out: np.ndarray | None = None
     ) -> tuple[CommitOutcome, R]:
         """`commit`, then its `reply` written while θ still holds the commit's version, from θ's
-        wire bytes in the commit's reply dtype (a view of θ itself where no encoding is shared):
-        the one operation the applier runs per commit, so no other commit moves θ in between.
-        With `mirror` (float32 θ, where the reply is sent from) the rule writes θ there as it
-        computes it, and the reply is written from those bytes."""
-        outcome = self.commit(commit, mirror)
-        return outcome, reply(outcome, self.theta_wire(commit.reply_dtype) if mirror is None else mirror.data)
+        bytes in the commit's reply dtype (a view of θ itself where no encoding is shared): the
+        one operation the applier runs per commit, so no other commit moves θ in between. With
+        `out` (float32, P: where the reply is read from) the rule writes θ there as it computes
+        it, and the reply is written from those bytes."""
+        outcome = self.commit(commit, out)
+        return outcome, reply(outcome, self.theta_bytes(commit.reply_dtype) if out is None else out.data)
 
-    def theta_wire(self, dtype: int) -> bytes | memoryview:
-        """θ's wire bytes in `dtype` now: the snapshot's encoding when there is one, else for float32
+    def theta_bytes(self, dtype: int) -> bytes | memoryview:
+        """θ's bytes in protocol dtype `dtype` now: the snapshot's encoding when there is one, else for float32
         a view of θ itself, valid only until the next operation changes it (use it on the applier,
         within the operation that asked: to frame a reply straight from θ, with no copy of its own)."""
         return self.snapshot.data(dtype) or wire_view(self._theta, dtype)

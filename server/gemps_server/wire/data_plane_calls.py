@@ -416,7 +416,7 @@ def _reply_into(
     if region is None:
         return messages.stream_commit_reply(buffer), None
     if reply_dtype == FLOAT32:
-        return messages.mirrored_reply, region.floats
+        return messages.stream_commit_reply(region.buffer), region.floats
     return messages.stream_commit_reply(region.buffer), None
 
 

@@ -252,11 +252,11 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         include = not request.omit_parameters
         if include and self.service.initialized:
             await self._hold_reply(context)
-        admission, registration = await self.service.register(
+        registered, registration = await self.service.register(
             request.worker_name, spec, initial, include, buffer_spec, initial_buffers, request.client_id
         )
-        return messages.admission_to_proto(
-            admission,
+        return messages.registered_to_proto(
+            registered,
             registration,
             self.service.num_parameters,
             include_parameters=include,

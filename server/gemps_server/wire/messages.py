@@ -28,7 +28,7 @@ from gemps_proto.schema import ParameterSpec, Registration
 from gemps_proto.serde import tensor_from_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.errors import InvalidArgument
-from gemps_server.domain.records import Admission, Commit, CommitOutcome, ReplyWriter, Snapshot
+from gemps_server.domain.records import Commit, CommitOutcome, RegistrationOutcome, ReplyWriter, Snapshot
 from gemps_server.domain.validation import check_spec_length
 from gemps_server.wire.stream_buffers import Buffer
 
@@ -121,8 +121,8 @@ def with_parameters(header: Message, field_number: int, snapshot: Snapshot, dtyp
     return framing.with_tensor(header, field_number, dtype, [num_parameters], snapshot.data(dtype) or b"")
 
 
-def admission_to_proto(
-    admission: Admission,
+def registered_to_proto(
+    registered: RegistrationOutcome,
     registration: Registration,
     num_parameters: int,
     *,
@@ -133,10 +133,10 @@ def admission_to_proto(
     when the worker asked to pull it apart (`include_parameters` False)."""
     header = shared.registration_to_proto(registration)
     header.history = history
-    set_buffers(header, admission.snapshot)
-    if not include_parameters or admission.initialized_theta or admission.snapshot.data(FLOAT32) is None:
+    set_buffers(header, registered.snapshot)
+    if not include_parameters or registered.initialized_theta or registered.snapshot.data(FLOAT32) is None:
         return header.SerializeToString()
-    return with_parameters(header, framing.REGISTER_REPLY_FIELD, admission.snapshot, FLOAT32, num_parameters)
+    return with_parameters(header, framing.REGISTER_REPLY_FIELD, registered.snapshot, FLOAT32, num_parameters)
 
 
 def commit_from_proto(
@@ -190,19 +190,15 @@ def _framed_outcome(dtype: int, num_parameters: int, outcome: CommitOutcome, the
 
 
 def stream_commit_reply(buffer: Buffer) -> ReplyWriter[memoryview]:
-    """A CommitStream's reply writer: θ at the commit's version copied into the stream's pooled
-    `buffer` (the payload it held is applied, done with), then sent in pieces from there."""
-    return functools.partial(_copied_into, buffer)
+    """The reply writer for θ sent from a buffer (a CommitStream's or the data plane's pooled
+    `buffer`, or the client's shared memory): θ at the commit's version placed at the buffer's
+    start (a payload it held is applied, done with), nothing copied when the rule already wrote it
+    there (the domain's `out=`), then sent in pieces from there."""
+    return functools.partial(_placed_in, buffer)
 
 
-def _copied_into(buffer: Buffer, outcome: CommitOutcome, theta: bytes | memoryview) -> memoryview:
+def _placed_in(buffer: Buffer, outcome: CommitOutcome, theta: bytes | memoryview) -> memoryview:
     return buffer.copy_in(theta)
-
-
-def mirrored_reply(outcome: CommitOutcome, theta: bytes | memoryview) -> memoryview:
-    """The reply writer for a commit whose θ the rule wrote where the reply is read (a mirror:
-    shared memory): θ's bytes are there already, nothing to copy."""
-    return memoryview(theta).cast("B")
 
 
 def stream_header_to_proto(outcome: CommitOutcome, reply_dtype: int, num_parameters: int) -> pb.CommitResponseChunk:

@@ -48,8 +48,10 @@ class Buffer:
         return self.bytes[:nbytes]
 
     def copy_in(self, data: bytes | memoryview) -> memoryview:
-        """`data` copied into the buffer's first bytes, as a view of them."""
+        """`data` copied into the buffer's first bytes, as a view of them; no copy when `data`
+        already is those bytes (θ written there by the rule)."""
         source = np.frombuffer(data, np.uint8)
         target = self.take(source.nbytes)
-        target[:] = source
+        if source.ctypes.data != target.ctypes.data:
+            target[:] = source
         return target.data

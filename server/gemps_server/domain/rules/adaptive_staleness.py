@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gemps_server.domain.rules.base import ApplyStats, CommitRule
+from gemps_server.domain.rules.base import ApplyStats, CommitRule, NoiseWindow
 from gemps_server.domain.rules.overflow import OverflowGuard
 
 
@@ -19,6 +19,8 @@ class AdaptiveStalenessRule(OverflowGuard, CommitRule):
         worker_id: str,
         staleness: int,
         update_peak: float | None = None,
+        out: np.ndarray | None = None,
+        window: NoiseWindow | None = None,
     ) -> tuple[np.ndarray, ApplyStats]:
         bound = self.in_place_bound(self.peak_of(theta), self.update_peak(update, scale, update_peak))
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused by checked()

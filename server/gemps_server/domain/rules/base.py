@@ -134,9 +134,11 @@ class NonFiniteUpdate(ValueError):
 class CommitRule(ABC):
     """Applies worker commits to the central variable, one at a time, in FIFO order.
 
-    The applier calls every method from one thread, never concurrently. `step` returns the
-    central variable after the commit's Delta as a new array, and takes the old one over (as a
-    spare buffer, or as GEM's s_i): the caller drops it. The payload may be read-only (it aliases
+    The applier calls every method from one thread, never concurrently. `step`, the one way to
+    apply a commit, returns the central variable after the commit's Delta as a new array, and
+    takes the old one over (as a spare buffer, or as GEM's s_i): the caller drops it (and keeps
+    the returned one, which may be the same array moved in place). A rule implements
+    `step_scaled`, which `step` calls with the learning rate applied. The payload may be read-only (it aliases
     the request's bytes) and is never written.
     """
 
@@ -193,7 +195,7 @@ class CommitRule(ABC):
         staleness: int,
         version: int = 0,
         payload_peak: float | None = None,
-        mirror: np.ndarray | None = None,
+        out: np.ndarray | None = None,
         window: NoiseWindow | None = None,
     ) -> tuple[np.ndarray, ApplyStats]:
         """theta after this worker's commit, computed `staleness` commits ago and applied at central
@@ -202,23 +204,17 @@ class CommitRule(ABC):
         rule may keep `theta`: the caller uses only the array returned. Raises NonFiniteUpdate,
         with nothing changed, when theta or the rule's state would not be finite.
         `payload_peak`: max |payload| when the caller already knows it (from its finiteness check).
-        `mirror`: a float32 array of P (memory of its own) that gets the new theta too, where a
-        reply is sent from: a rule that `mirrors` writes it as it computes theta, without a pass of
-        its own (contents undefined after NonFiniteUpdate).
+        `out`: as numpy's `out=`, a float32 array of P that receives the new theta; the rule's own
+        array is still the one returned (the rule keeps it, and `out` may be memory another
+        process reads). A rule that `writes_out` fills it as it computes theta, with no pass of
+        its own; for the others this copies it (contents undefined after NonFiniteUpdate).
         `window`: the noise scale's sums to measure for this commit, in the rule's pass where it
         `folds_noise`, else in a pass of their own once the commit is applied; then handed back."""
         scale = -self.learning_rate_at(version) if kind is PayloadKind.GRADIENT else 1.0
         folded = window if self.folds_noise else None
-        if mirror is not None and self.mirrors:
-            updated, stats = self.step_mirrored(
-                theta, payload, scale, worker_id, staleness, payload_peak, mirror, folded
-            )
-        elif folded is not None:
-            updated, stats = self.step_measured(theta, payload, scale, worker_id, staleness, payload_peak, folded)
-        else:
-            updated, stats = self.step_scaled(theta, payload, scale, worker_id, staleness, payload_peak)
-        if mirror is not None and not self.mirrors:
-            np.copyto(mirror, updated)
+        updated, stats = self.step_scaled(theta, payload, scale, worker_id, staleness, payload_peak, out, folded)
+        if out is not None and not self.writes_out:
+            np.copyto(out, updated)
         if window is not None:
             if folded is None:
                 window.measure(payload)
@@ -226,57 +222,14 @@ class CommitRule(ABC):
         return updated, stats
 
     @property
-    def folds_noise(self) -> bool:
-        """Whether step_measured and step_mirrored measure the noise window in the rule's own pass."""
+    def writes_out(self) -> bool:
+        """Whether step_scaled fills `out` itself as it computes theta (else `step` copies it there)."""
         return False
 
     @property
-    def mirrors(self) -> bool:
-        """Whether step_mirrored writes the mirror as it computes theta (else `step` copies)."""
+    def folds_noise(self) -> bool:
+        """Whether step_scaled measures the noise `window` in the rule's own pass (else `step` does, after)."""
         return False
-
-    def step_mirrored(
-        self,
-        theta: np.ndarray,
-        update: np.ndarray,
-        scale: float,
-        worker_id: str,
-        staleness: int,
-        update_peak: float | None,
-        mirror: np.ndarray,
-        window: NoiseWindow | None = None,
-    ) -> tuple[np.ndarray, ApplyStats]:
-        """step_scaled, the new theta also written to `mirror`; for rules that `mirror` (and the
-        noise `window` measured, for rules that `folds_noise`)."""
-        raise NotImplementedError(f"rule {self.name!r} does not write a mirror")
-
-    def step_measured(
-        self,
-        theta: np.ndarray,
-        update: np.ndarray,
-        scale: float,
-        worker_id: str,
-        staleness: int,
-        update_peak: float | None,
-        window: NoiseWindow,
-    ) -> tuple[np.ndarray, ApplyStats]:
-        """step_scaled, the noise `window` measured in the same pass; for rules that `folds_noise`."""
-        raise NotImplementedError(f"rule {self.name!r} does not fold the noise window into its pass")
-
-    def apply(
-        self,
-        theta: np.ndarray,
-        payload: np.ndarray,
-        kind: PayloadKind,
-        worker_id: str,
-        staleness: int,
-        version: int = 0,
-    ) -> ApplyStats:
-        """`step` in place, for callers that keep their own theta array (tests, benchmarks): a copy
-        of theta goes in and the result is copied back. The server uses `step`."""
-        updated, stats = self.step(theta.copy(), payload, kind, worker_id, staleness, version)
-        np.copyto(theta, updated)
-        return stats
 
     @abstractmethod
     def step_scaled(
@@ -287,5 +240,9 @@ class CommitRule(ABC):
         worker_id: str,
         staleness: int,
         update_peak: float | None = None,
+        out: np.ndarray | None = None,
+        window: NoiseWindow | None = None,
     ) -> tuple[np.ndarray, ApplyStats]:
-        """`step` with Delta = scale * update."""
+        """`step`'s work with Delta = scale * update, the one method a rule implements; `out` is
+        for rules that `writes_out`, `window` for rules that `folds_noise` (the others ignore them:
+        `step` copies theta to `out` and measures the window)."""

@@ -92,37 +92,12 @@ class GemRule(OverflowGuard, CommitRule):
         self._spare_proxy: np.ndarray | None = None  # the next m_i is written here
 
     @property
-    def mirrors(self) -> bool:
+    def writes_out(self) -> bool:
         return self.kernel == "compiled"  # the compiled pass writes it block by block, in cache
 
     @property
     def folds_noise(self) -> bool:
         return self.kernel == "compiled"  # the compiled pass sums |g|^2 while the payload is in cache
-
-    def step_mirrored(
-        self,
-        theta: np.ndarray,
-        update: np.ndarray,
-        scale: float,
-        worker_id: str,
-        staleness: int,
-        update_peak: float | None,
-        mirror: np.ndarray,
-        window: NoiseWindow | None = None,
-    ) -> tuple[np.ndarray, ApplyStats]:
-        return self.step_scaled(theta, update, scale, worker_id, staleness, update_peak, mirror, window)
-
-    def step_measured(
-        self,
-        theta: np.ndarray,
-        update: np.ndarray,
-        scale: float,
-        worker_id: str,
-        staleness: int,
-        update_peak: float | None,
-        window: NoiseWindow,
-    ) -> tuple[np.ndarray, ApplyStats]:
-        return self.step_scaled(theta, update, scale, worker_id, staleness, update_peak, None, window)
 
     def add_worker(self, worker_id: str, theta: np.ndarray) -> None:
         self._workers[worker_id] = _WorkerState(theta, self.peak_of(theta) if self.kernel == "compiled" else 0.0)
@@ -138,7 +113,7 @@ class GemRule(OverflowGuard, CommitRule):
         worker_id: str,
         staleness: int,
         update_peak: float | None = None,
-        mirror: np.ndarray | None = None,
+        out: np.ndarray | None = None,
         window: NoiseWindow | None = None,
     ) -> tuple[np.ndarray, ApplyStats]:
         state = self._workers[worker_id]
@@ -147,7 +122,7 @@ class GemRule(OverflowGuard, CommitRule):
         theta_peak = self.peak_of(theta) if self.kernel == "compiled" else 0.0
         bounds = self._bounds(theta_peak, state, update, scale, update_peak) if self.kernel == "compiled" else None
         if bounds is not None:
-            finite, stats, _, _ = self._apply_compiled(theta, state, update, scale, None, None, mirror, window)
+            finite, stats, _, _ = self._apply_compiled(theta, state, update, scale, None, None, out, window)
             assert finite, "GEM's bound let through a value that is not finite"
             state.proxy_peak, state.last_seen_peak = bounds[1], theta_peak
             self.remember_peak(theta, bounds[0])
@@ -155,7 +130,7 @@ class GemRule(OverflowGuard, CommitRule):
         theta_out, proxy_out = self.take_spare(theta), self._take_spare_proxy(theta)
         if self.kernel == "compiled":
             finite, stats, new_peak, proxy_peak = self._apply_compiled(
-                theta, state, update, scale, theta_out, proxy_out, mirror, window
+                theta, state, update, scale, theta_out, proxy_out, out, window
             )
         else:  # the base class measures a noise window after it (folds_noise is False)
             stats = self._sample_stats(theta, state, update, scale)  # from the same inputs as the update
@@ -212,18 +187,18 @@ class GemRule(OverflowGuard, CommitRule):
         scale: float,
         theta_out: np.ndarray | None,
         proxy_out: np.ndarray | None,
-        mirror: np.ndarray | None = None,
+        out: np.ndarray | None = None,
         window: NoiseWindow | None = None,
     ) -> tuple[bool, ApplyStats, float, float]:
-        """The compiled pass (in place when `theta_out` is None; the new theta also to `mirror`;
-        the noise `window`'s sums measured): (all finite, statistics, max |new theta|, max |new m_i|)."""
+        """The compiled pass (in place when `theta_out` is None; the new theta also to `out`; the
+        noise `window`'s sums measured): (all finite, statistics, max |new theta|, max |new m_i|)."""
         assert compiled is not None
         values = (scale, self.momentum, self.kappa, self.pi_max, EPSILON)
         total, stride, mode = (None, 1, 0) if window is None else (window.total, window.stride, window.mode)
         (finite, pi_sum, at_zero, at_max, proxy_energy, central_energy, theta_peak, proxy_peak, payload_square,
          window_square) = compiled.gem_update(
             theta, state.proxy, state.last_seen_theta, np.ascontiguousarray(update, np.float32), theta_out, proxy_out,
-            *(float(np.float32(v)) for v in values), self._stride, self._samples, mirror, total, stride, mode,
+            *(float(np.float32(v)) for v in values), self._stride, self._samples, out, total, stride, mode,
         )  # fmt: skip
         if window is not None:
             window.payload_square, window.window_square = payload_square, window_square

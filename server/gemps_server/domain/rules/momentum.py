@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gemps_server.domain.rules.base import ApplyStats, CommitRule, Schedule, constant_schedule
+from gemps_server.domain.rules.base import ApplyStats, CommitRule, NoiseWindow, Schedule, constant_schedule
 from gemps_server.domain.rules.overflow import OverflowGuard
 from gemps_server.native import max_abs
 
@@ -46,6 +46,8 @@ class MomentumRule(OverflowGuard, CommitRule):
         worker_id: str,
         staleness: int,
         update_peak: float | None = None,
+        out: np.ndarray | None = None,
+        window: NoiseWindow | None = None,
     ) -> tuple[np.ndarray, ApplyStats]:
         velocity_bound = self.in_place_bound(
             abs(self.momentum) * self._velocity_peak, self.update_peak(update, scale, update_peak)

@@ -1,4 +1,5 @@
-"""How to reach a server: TLS material and a bearer token, from arguments or GEMPS_* variables."""
+"""A channel's security settings: TLS material and a bearer token, from arguments or GEMPS_* variables
+(settings only: the sockets are `gemps.data_plane_connection` and gRPC's channels)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def _env_flag(raw: str) -> bool:
 
 
 @dataclass(frozen=True)
-class Connection:
+class ChannelSecurity:
     """How to reach a server: TLS material and a bearer token (None: plaintext, no token).
 
     `resolve` fills what the caller left out from GEMPS_AUTH_TOKEN (or the file in
@@ -51,7 +52,7 @@ class Connection:
         client_key: Pem | None = None,
         server_name: str | None = None,
         environ: Mapping[str, str] | None = None,
-    ) -> Connection:
+    ) -> ChannelSecurity:
         env = os.environ if environ is None else environ
         if token is None:
             token = env.get("GEMPS_AUTH_TOKEN") or None
