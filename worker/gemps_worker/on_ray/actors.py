@@ -17,6 +17,7 @@ import os
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, wait
 from pathlib import Path
@@ -66,6 +67,13 @@ def node_address() -> str:
     return str(ray.util.get_node_ip_address())
 
 
+def restarted() -> bool:
+    """This actor is a restart by Ray (the property warns about Ray's own use of an old API)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
 def this_life(metrics_port: int) -> ActorPlace:
     """Where this actor runs now: the driver tells a restarted actor by its new (node, pid)."""
     return ActorPlace(node_id(), node_address(), metrics_port, os.getpid())
@@ -110,7 +118,7 @@ class PartitionServer:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.job = job
         state = self._read_state()
-        if not state and ray.get_runtime_context().was_current_actor_reconstructed:
+        if not state and restarted():
             raise RuntimeError(
                 f"partition {index} restarted on node {node_id()[:12]} finds no record of job {job} in "
                 f"{self.folder}: its checkpoints stayed on the node it left. Give --work-dir on storage "
@@ -160,7 +168,8 @@ class PartitionServer:
             return {}
         if state.get("job") != self.job:
             return {}
-        return {"node": str(state.get("node", "")), **{key: int(state[key]) for key in ("port", "metrics_port", "starts")}}
+        numbers = {key: int(state[key]) for key in ("port", "metrics_port", "starts")}
+        return {"node": str(state.get("node", "")), **numbers}
 
     def _write_state(self, port: int, metrics_port: int) -> None:
         state = {"job": self.job, "node": node_id(), "port": port, "metrics_port": metrics_port, "starts": self.starts}
@@ -376,5 +385,7 @@ class HeldOutEvaluator:
         self._thread.join(timeout=60.0)
         before = len(self.results)
         once = replace(self.options, max_evaluations=1)
-        run_evaluator(once, threading.Event(), self._keep, metrics=self.metrics, target=self.target, retry=NODE_LOSS_RETRY)
+        run_evaluator(
+            once, threading.Event(), self._keep, metrics=self.metrics, target=self.target, retry=NODE_LOSS_RETRY
+        )
         return self.results[-1] if len(self.results) > before else None
