@@ -118,26 +118,31 @@ def resumed_after(result: RayJobResult, removed: float) -> float:
     return next(sample.time for sample in samples if sample.version > stalled) - removed
 
 
-def test_a_partition_on_a_lost_node_moves_to_another_and_the_job_finishes(cluster: Cluster, tmp_path: Path) -> None:
-    """Partition 1's node dies: Ray places its bundle on a surviving node and restarts its actor
-    there, from its newest checkpoint in --work-dir, on fresh ports; partition 0 announces the new
-    address and the workers follow it (issue 34, item 2)."""
+@pytest.mark.parametrize("moving", [1, 0])
+def test_a_partition_on_a_lost_node_moves_to_another_and_the_job_finishes(
+    cluster: Cluster, tmp_path: Path, moving: int
+) -> None:
+    """A partition's node dies: Ray places its bundle on a surviving node and restarts its actor
+    there, from its newest checkpoint in --work-dir, on fresh ports. Partition 1 moved: partition
+    0 announces its new address and the workers follow it; partition 0 moved: the workers ask its
+    actor where it is now (issue 34, item 2)."""
     whole(cluster)
+    staying = 1 - moving
     with RayJob(job_options(tmp_path)) as job:
-        loss = RemoveNode(cluster, job, LOSS_AT, partition=1)
+        loss = RemoveNode(cluster, job, LOSS_AT, partition=moving)
         before = list(job.partitions)
         result = follow_job(job, loss)
     outcomes, restarts = result.outcomes, result.restarts
-    moved = result.partitions[1]
-    print(f"\nremoved node {loss.node_id[:12]} holding partition 1 and workers {loss.workers}; restarts {restarts}")
+    moved = result.partitions[moving]
+    print(f"\nremoved node {loss.node_id[:12]} holding partition {moving}, workers {loss.workers}; restarts {restarts}")
 
-    # Ray marked the node dead; partition 1 restarted once, on another node, on a fresh port.
+    # Ray marked the node dead; the partition restarted once, on another node, on a fresh port.
     assert [lost.node_id for lost in result.node_losses] == [loss.node_id]
-    assert partition_name(1) in result.node_losses[0].held
-    own = [restart for restart in restarts if restart.actor == partition_name(1)]
+    assert partition_name(moving) in result.node_losses[0].held
+    own = [restart for restart in restarts if restart.actor == partition_name(moving)]
     assert len(own) == 1 and own[0].node_lost and own[0].previous_node_id == loss.node_id, restarts
-    assert moved.node_id != loss.node_id and moved.starts == 2 and moved.target != before[1].target
-    assert result.partitions[0] == before[0]  # partition 0 stayed where it was
+    assert moved.node_id != loss.node_id and moved.starts == 2 and moved.target != before[moving].target
+    assert result.partitions[staying] == before[staying]  # the other stayed where it was
     # Every worker spent its whole budget; those on the lost node came back once, elsewhere.
     budget = EPOCHS * STEPS_PER_EPOCH
     assert [outcome.commits for outcome in outcomes] == [budget] * WORKERS, outcomes
@@ -145,28 +150,28 @@ def test_a_partition_on_a_lost_node_moves_to_another_and_the_job_finishes(cluste
     for index in range(WORKERS):
         count = sum(restart.actor == worker_name(index) for restart in restarts)
         assert count == (1 if index in loss.workers else 0), restarts
-    # No commit applied twice. Partition 0 applied every acknowledged commit of the workers' last
-    # lives, and at most a budget more per lost life. Partition 1 resumed from its newest
-    # checkpoint and applied each later commit once: it is behind partition 0 by what it had
+    # No commit applied twice. The partition that stayed applied every acknowledged commit of the
+    # workers' last lives, and at most a budget more per lost life. The one that moved resumed from
+    # its newest checkpoint and applied each later commit once: it is behind by what it had
     # applied after that checkpoint (lost), never ahead.
     acknowledged = sum(outcome.commits for outcome in outcomes)
     work = tmp_path / "work"
     versions = [found[1].version for found in map(load_latest, sorted(work.glob("partition-*"))) if found]
-    log1 = (work / "partition-1" / "server.log").read_text()
-    restored = int(re.findall(r"checkpoint restored path=\S+ version=(\d+)", log1)[-1])
-    assert acknowledged <= versions[0] <= acknowledged + len(loss.workers) * budget, versions
-    lost = versions[0] - versions[1]
+    log = (work / f"partition-{moving}" / "server.log").read_text()
+    restored = int(re.findall(r"checkpoint restored path=\S+ version=(\d+)", log)[-1])
+    assert acknowledged <= versions[staying] <= acknowledged + len(loss.workers) * budget, versions
+    lost = versions[staying] - versions[moving]
     assert 0 <= lost <= job.options.checkpoint_every + WORKERS, versions
-    assert LOSS_AT - job.options.checkpoint_every <= restored <= versions[1], (restored, versions)
+    assert LOSS_AT - job.options.checkpoint_every <= restored <= versions[moving], (restored, versions)
     final = result.final
     assert final is not None and final.accuracy >= DEMO_BAR, final
-    # gemps ray's summary records the loss and partition 1's restart.
+    # gemps ray's summary records the loss and the partition's restart.
     write_outputs(tmp_path / "out", result)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert [lost["node_id"] for lost in summary["node_losses"]] == [loss.node_id]
-    assert partition_name(1) in {restart["actor"] for restart in summary["restarts"]}
+    assert partition_name(moving) in {restart["actor"] for restart in summary["restarts"]}
     print(
-        f"Ray marked the node dead {result.node_losses[0].seen - loss.removed:.1f}s after the loss; partition 1 "
+        f"Ray marked the node dead {result.node_losses[0].seen - loss.removed:.1f}s after the loss; partition {moving} "
         f"restored at version {restored}, seen restarted {own[0].seen - loss.removed:.1f}s after; commits resumed "
         f"{resumed_after(result, loss.removed):.1f}s after; {lost} acknowledged commits lost; "
         f"job {result.seconds:.1f}s; accuracy {final.accuracy:.1%}"
