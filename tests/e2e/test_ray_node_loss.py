@@ -34,8 +34,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from gemps_server.checkpoint_files import load_latest  # noqa: E402
 from gemps_worker.on_ray import JobFailed, RayJob, RayJobOptions  # noqa: E402
 from gemps_worker.on_ray.faults import EVALUATOR, partition_name, worker_name  # noqa: E402
-from gemps_worker.on_ray.local import LOOPBACK, RemoveNode, local_cluster  # noqa: E402
-from gemps_worker.on_ray.run import RayJobResult, follow_job  # noqa: E402
+from gemps_worker.on_ray.local import LOOPBACK, RemoveNode, local_cluster, resumed_after  # noqa: E402
+from gemps_worker.on_ray.run import follow_job  # noqa: E402
 from tests.e2e.test_ray import CPUS_PER_NODE, DEMO_BAR, NODES, SLICE, STEPS_PER_EPOCH  # noqa: E402
 
 EPOCHS = 8
@@ -110,14 +110,6 @@ def test_workers_on_a_lost_node_come_back_elsewhere_and_the_job_finishes(cluster
     assert {restart["actor"] for restart in summary["restarts"]} >= {worker_name(i) for i in loss.workers}
 
 
-def resumed_after(result: RayJobResult, removed: float) -> float:
-    """Seconds from the loss to partition 0's first version past the one it stalled at (the
-    workers wait for the lost partition); partition 0's version is sampled every 0.5 s."""
-    samples = [sample for sample in result.samples if sample.time >= removed + 1.0]
-    stalled = samples[0].version
-    return next(sample.time for sample in samples if sample.version > stalled) - removed
-
-
 @pytest.mark.parametrize("moving", [1, 0])
 def test_a_partition_on_a_lost_node_moves_to_another_and_the_job_finishes(
     cluster: Cluster, tmp_path: Path, moving: int
@@ -170,10 +162,12 @@ def test_a_partition_on_a_lost_node_moves_to_another_and_the_job_finishes(
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert [lost["node_id"] for lost in summary["node_losses"]] == [loss.node_id]
     assert partition_name(moving) in {restart["actor"] for restart in summary["restarts"]}
+    resumed = resumed_after(result.samples, loss.removed)
+    assert resumed is not None, result.samples
     print(
         f"Ray marked the node dead {result.node_losses[0].seen - loss.removed:.1f}s after the loss; partition {moving} "
         f"restored at version {restored}, seen restarted {own[0].seen - loss.removed:.1f}s after; commits resumed "
-        f"{resumed_after(result, loss.removed):.1f}s after; {lost} acknowledged commits lost; "
+        f"{resumed:.1f}s after; {lost} acknowledged commits lost; "
         f"job {result.seconds:.1f}s; accuracy {final.accuracy:.1%}"
     )
 

@@ -119,3 +119,12 @@ class RemoveNode:
         log.warning("removing Ray node %s (workers %s) at version %d", self.node_id[:12], self.workers, sample.version)
         self.removed = time.time()
         kill_node(self.cluster, nodes[self.node_id])
+
+
+def resumed_after(samples: list[StatusSample], removed: float) -> float | None:
+    """Seconds from a node's loss (unix time `removed`) to partition 0's first version past the
+    one it stood at a second later, when the workers wait for what the node held (None: it never
+    moved again). Sampled every `--interval`, so late by up to that."""
+    later = [sample for sample in samples if sample.time >= removed + 1.0]
+    moved = [sample.time for sample in later if sample.version > later[0].version] if later else []
+    return moved[0] - removed if moved else None
