@@ -279,9 +279,13 @@ class RayJob:
     def watch_partitions(self) -> None:
         """A partition Ray will not restart again ends the job, saying which, after how many
         restarts and why."""
-        for index, error in self.partition_group.failed_for_good(self._looks):
-            restarts = self.options.partition_restarts
-            raise JobFailed(self.faults.failure(partition_name(index), error, restarts, "--partition-restarts"))
+        failed = self.partition_group.failed_for_good(self._looks)
+        if failed:
+            index, error = failed[0]
+            message = self.faults.failure(
+                partition_name(index), error, self.options.partition_restarts, "--partition-restarts"
+            )
+            raise JobFailed(message) from error
 
     def sample(self) -> StatusSample | None:
         """Partition 0's version now (None while it restarts), all of θ's noise scale (while all answer)."""
