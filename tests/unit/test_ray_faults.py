@@ -132,3 +132,18 @@ def test_a_retried_train_call_waits_for_the_running_one_instead_of_training_twic
     assert runs == [3]
     assert outcomes[0] == outcomes[1] and outcomes[0].value == 42
     assert worker.stop(timeout=0)  # its run is over
+
+
+def test_a_partition_restarted_where_its_checkpoints_are_not_refuses_to_start_from_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Ray restarted it on another node, and its folder there has no record of the job: --work-dir
+    is not shared, and starting would serve a fresh θ for that partition."""
+    monkeypatch.setattr(actors, "node_id", lambda: "node-b")
+    monkeypatch.setattr(actors, "restarted", lambda: True)
+    with pytest.raises(
+        RuntimeError, match=r"partition 1 restarted on node node-b finds no record of job j1 .*--work-dir"
+    ):
+        actors.PartitionServer(
+            1, 2, job="j1", work_dir=str(tmp_path), host="127.0.0.1", server_options={}, startup_timeout=1.0
+        )
