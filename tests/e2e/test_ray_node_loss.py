@@ -10,7 +10,7 @@ and the evaluator; once partition 0's version passes LOSS_AT, the node that hold
 partition (or partition 1's) is removed without a drain, every process on it killed, as a
 machine dies.
 
-CI cost: about three and a half minutes on 2 shared cores (docs/RAY.md states the measured figures).
+CI cost: about four minutes on 2 shared cores (docs/RAY.md states the measured figures).
 """
 
 from __future__ import annotations

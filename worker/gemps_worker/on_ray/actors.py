@@ -130,7 +130,7 @@ class PartitionServer:
         if count > 1:
             partition = {"partitions": count, "partition_index": index}
             if index == 0:
-                partition["partition_addresses"] = f"@{self._addresses(addresses, restarted=bool(state))}"
+                partition["partition_addresses"] = f"@{self._addresses(addresses, again=bool(state))}"
         options: dict[str, Any] = {
             **server_options,
             **partition,
@@ -177,12 +177,12 @@ class PartitionServer:
         tmp.write_text(json.dumps(state))
         tmp.replace(self.folder / STATE_FILE)
 
-    def _addresses(self, addresses: str, *, restarted: bool) -> Path:
-        """Partition 0's addresses file: the layout it was started with, or on a restart of the job
-        the newest one the driver announced (kept in the folder; the driver announces again
+    def _addresses(self, addresses: str, *, again: bool) -> Path:
+        """Partition 0's addresses file: the layout it was started with, or when it starts `again` in
+        this job the newest one the driver announced (kept in the folder; the driver announces again
         when it sees this new life)."""
         path = self.folder / ADDRESSES_FILE
-        if not (restarted and path.exists()):
+        if not (again and path.exists()):
             write_addresses(path, addresses)
         return path
 
