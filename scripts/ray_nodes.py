@@ -3,7 +3,7 @@ held-out accuracy over time (docs/RAY.md).
 
 Both clusters have the same logical CPUs in total (3), on the same physical cores: the 3-node one
 has three raylets and three object stores instead of one, and Ray must place the partitions on
-distinct nodes (STRICT_SPREAD) instead of packing them. What this measures is what Ray's
+distinct nodes (SPREAD, while they have room) instead of packing them. What this measures is what Ray's
 multi-node machinery costs here, not what more machines would buy (docs/RAY.md's cost model does
 that).
 
@@ -14,6 +14,12 @@ a head with no CPUs and 3 nodes of 1 CPU, run without a fault and with the node 
 workers and no partition lost once partition 0 reaches VERSION, alternating:
 
     .venv/bin/python scripts/ray_nodes.py --node-loss 120 --workers 4 --epochs 8 --out docs/results/ray-node-loss.json
+
+With --lose-partition INDEX as well, the node lost is partition INDEX's (it moves to another node
+from its newest checkpoint; the workers follow):
+
+    .venv/bin/python scripts/ray_nodes.py --node-loss 120 --lose-partition 1 --workers 4 --epochs 8 \
+        --out docs/results/ray-partition-node-loss.json
 """
 
 from __future__ import annotations
@@ -31,9 +37,10 @@ from typing import Any
 # Every node's address as Ray gives it to actors is then loopback (read when ray is imported).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
+from gemps_server.checkpoint_files import load_latest
 from gemps_worker.on_ray import RayJob, RayJobOptions, run_job
-from gemps_worker.on_ray.faults import worker_name
-from gemps_worker.on_ray.local import RemoveNode, local_cluster
+from gemps_worker.on_ray.faults import partition_name, worker_name
+from gemps_worker.on_ray.local import RemoveNode, local_cluster, resumed_after
 from gemps_worker.on_ray.run import follow_job
 
 TOTAL_CPUS = 3
@@ -55,15 +62,16 @@ def one_run(nodes: int, options: RayJobOptions) -> dict[str, Any]:
     }
 
 
-def node_loss_run(version: int | None, options: RayJobOptions) -> dict[str, Any]:
+def node_loss_run(version: int | None, options: RayJobOptions, partition: int | None = None) -> dict[str, Any]:
     """One run on a head with no CPUs and 3 nodes of 1 CPU: without a fault (`version` None), or
-    losing the node of the most workers and no partition once partition 0 reaches `version`.
-    Seconds after the loss: until Ray marked the node dead, the driver saw each lost worker's new
-    life, and that life's first commit."""
+    losing the node of the most workers and no partition (or partition `partition`'s) once
+    partition 0 reaches `version`. Seconds after the loss: until Ray marked the node dead, the
+    driver saw each lost actor's new life, a lost worker's first commit, partition 0's version
+    moved again; and the commits a moved partition lost (its final version behind the other's)."""
     with local_cluster(4, TOTAL_CPUS / 3, head_cpus=0) as cluster:
         started, clock = time.time(), time.monotonic()  # the job's seconds count from here, as run_job's
         with RayJob(options) as job:
-            loss = None if version is None else RemoveNode(cluster, job, version)
+            loss = None if version is None else RemoveNode(cluster, job, version, partition)
             result = follow_job(job, loss, clock)
     run: dict[str, Any] = {
         "node_loss_at": version,
@@ -77,14 +85,22 @@ def node_loss_run(version: int | None, options: RayJobOptions) -> dict[str, Any]
     }
     if loss is not None:
         lost = [worker_name(index) for index in loss.workers]
+        lost += [] if partition is None else [partition_name(partition)]
         restarts = [restart for restart in result.restarts if restart.actor in lost]
         run["lost"] = {
             "workers": loss.workers,
+            "partition": partition,
             "held": [list(lost.held) for lost in result.node_losses],
             "marked_dead_seconds": [lost.seen - loss.removed for lost in result.node_losses],
-            "restart_seen_seconds": [restart.seen - loss.removed for restart in restarts],
+            "restart_seen_seconds": {restart.actor: restart.seen - loss.removed for restart in restarts},
             "first_commit_seconds": [result.outcomes[index].first_commit - loss.removed for index in loss.workers],
+            "resumed_seconds": resumed_after(result.samples, loss.removed),
         }
+        if partition is not None:  # the final checkpoints: the moved one is behind by what it lost
+            folders = sorted(Path(options.work_dir).glob("partition-*"))
+            versions = [found[1].version for found in map(load_latest, folders) if found]
+            run["lost"]["final_versions"] = versions
+            run["lost"]["acknowledged_lost"] = versions[1 - partition] - versions[partition]
     return run
 
 
@@ -143,6 +159,9 @@ def main() -> int:
     parser.add_argument(
         "--node-loss", type=int, default=0, metavar="VERSION", help="measure a lost worker node instead (above)"
     )
+    parser.add_argument(
+        "--lose-partition", type=int, default=None, metavar="INDEX", help="with --node-loss: partition INDEX's node"
+    )
     args = parser.parse_args()
     if args.node_loss:
         return measure_node_loss(args)
@@ -172,7 +191,7 @@ def measure_node_loss(args: argparse.Namespace) -> int:
                     partitions=2, workers=args.workers, epochs=args.epochs, interval=0.5, work_dir=folder,
                     out=folder, partition_cpus=SLICE, worker_cpus=SLICE, evaluator_cpus=SLICE,
                 )  # fmt: skip
-                run = {**node_loss_run(version, options), "repeat": repeat}
+                run = {**node_loss_run(version, options, args.lose_partition), "repeat": repeat}
             run["figures"] = figures(run)
             runs.append(run)
             print(

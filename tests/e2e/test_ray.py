@@ -275,7 +275,7 @@ def train_with_remote_optimizer(context: WorkerContext) -> int:
     data = load_digits()
     inputs, targets = torch.from_numpy(data.train_x).flatten(1), torch.from_numpy(data.train_y)
     model = torch.nn.Linear(inputs.shape[1], data.num_classes)
-    optimizer = RemoteOptimizer(model, gemps.Client(context.server, stop=context.stop))
+    optimizer = RemoteOptimizer(model, gemps.Client(context.target, stop=context.stop))  # as the README's
     generator = torch.Generator().manual_seed(context.index)
     steps = 0
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ pytest.importorskip("ray")
 import ray.exceptions
 
 from gemps_worker.on_ray import actors
+from gemps_worker.on_ray.addresses import ADDRESSES_FILE, layout, write_addresses
 from gemps_worker.on_ray.faults import EVALUATOR, FaultLog, partition_name, why, worker_name
 from gemps_worker.on_ray.records import ActorPlace, WorkerContext
 
@@ -67,15 +69,37 @@ def test_a_failure_says_which_actor_after_how_many_restarts_and_why() -> None:
     assert faults.failure(worker_name(0), raised, 3) == "worker 0 failed: bad batch"
 
 
-def test_losing_a_partition_node_ends_the_job_with_a_message_that_says_why() -> None:
+def test_losing_a_partition_node_without_a_work_dir_says_why_the_job_cannot_go_on() -> None:
     faults = FaultLog()
     faults.nodes(["a", "b"])
     faults.seen(partition_name(1), place("b", 10))
     faults.seen(worker_name(0), place("a", 11))
     faults.nodes(["a"])
-    message = faults.failure(worker_name(0), ValueError("partition 1 unreachable"), 3)
-    assert message.startswith("lost the node of partition 1 (node b): a partition does not move to another node yet")
-    assert "--work-dir" in message and message.endswith("(worker 0: ValueError: partition 1 unreachable)")
+    message = faults.lost_partitions()
+    assert message.startswith(
+        "lost the node of partition 1 (node b): its checkpoints were on that node (no --work-dir)"
+    )
+    assert "(no --work-dir)" in message and "Give --work-dir on storage every node sees" in message
+
+
+def test_a_partition_whose_restarts_are_spent_says_so_by_its_own_flag() -> None:
+    faults = FaultLog()
+    faults.nodes(["a", "b"])
+    faults.seen(partition_name(1), place("b", 10))
+    faults.nodes(["a"])
+    died = ray.exceptions.ActorDiedError()
+    assert faults.failure(partition_name(1), died, 0, "--partition-restarts").startswith(
+        "partition 1 failed for good after 0 restarts (--partition-restarts 0): its node b was lost; ActorDiedError"
+    )
+
+
+def test_partition_zero_announces_from_a_file_replaced_in_one_step(tmp_path: Path) -> None:
+    path = tmp_path / ADDRESSES_FILE
+    write_addresses(path, layout(["10.0.0.1:5000", "10.0.0.2:5001", "10.0.0.3:5002"]))
+    assert path.read_text() == ",10.0.0.2:5001,10.0.0.3:5002\n"  # partition 0: "" (reached at the worker's target)
+    write_addresses(path, layout(["", "10.0.0.4:6001", "10.0.0.3:5002"]))
+    assert path.read_text() == ",10.0.0.4:6001,10.0.0.3:5002\n"
+    assert [entry.name for entry in tmp_path.iterdir()] == [ADDRESSES_FILE]  # no temporary file left
 
 
 def test_why_is_one_line_ending_with_rays_cause() -> None:
@@ -108,3 +132,18 @@ def test_a_retried_train_call_waits_for_the_running_one_instead_of_training_twic
     assert runs == [3]
     assert outcomes[0] == outcomes[1] and outcomes[0].value == 42
     assert worker.stop(timeout=0)  # its run is over
+
+
+def test_a_partition_restarted_where_its_checkpoints_are_not_refuses_to_start_from_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Ray restarted it on another node, and its folder there has no record of the job: --work-dir
+    is not shared, and starting would serve a fresh θ for that partition."""
+    monkeypatch.setattr(actors, "node_id", lambda: "node-b")
+    monkeypatch.setattr(actors, "restarted", lambda: True)
+    with pytest.raises(
+        RuntimeError, match=r"partition 1 restarted on node node-b finds no record of job j1 .*--work-dir"
+    ):
+        actors.PartitionServer(
+            1, 2, job="j1", work_dir=str(tmp_path), host="127.0.0.1", server_options={}, startup_timeout=1.0
+        )

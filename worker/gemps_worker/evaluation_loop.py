@@ -16,6 +16,8 @@ from gemps.client import Client
 from gemps.errors import FailedPreconditionError
 from gemps.pytorch import load_central, trained_parameters
 from gemps.records import ParameterSpec
+from gemps.resolver import Target
+from gemps.retry import RetryPolicy
 from gemps_worker.datasets import DATASETS, load_dataset
 from gemps_worker.held_out import evaluate
 from gemps_worker.metrics import EvaluatorMetrics
@@ -48,9 +50,13 @@ def run_evaluator(
     stop: threading.Event | None = None,
     on_result: Callable[[EvaluationResult], None] | None = None,
     metrics: EvaluatorMetrics | None = None,
+    *,
+    target: Target | None = None,
+    retry: RetryPolicy | None = None,
 ) -> list[EvaluationResult]:
     """Evaluate until `stop` is set (or `max_evaluations`); `metrics`: served by the caller
-    (default: a new one, served on `options.metrics_port` unless -1)."""
+    (default: a new one, served on `options.metrics_port` unless -1). `target` and `retry` as
+    run_worker's (gemps_worker.training)."""
     stop = stop or threading.Event()
     data = load_dataset(options.dataset, options.data_dir, options.download)
     model = build_model(options.model, data.input_shape, data.num_classes)
@@ -61,7 +67,7 @@ def run_evaluator(
             log.info("evaluator metrics on port %d", metrics.serve(options.metrics_port))
     results: list[EvaluationResult] = []
     last_version = -1
-    with Client(options.server, name="evaluator", stop=stop) as client:
+    with Client(target or options.server, name="evaluator", stop=stop, retry=retry) as client:
         while not stop.is_set():
             try:
                 central = client.pull()

@@ -20,6 +20,8 @@ from gemps.data_plane_transport import PLANES
 from gemps.errors import StoppedError
 from gemps.pytorch import RemoteModel
 from gemps.records import Registration
+from gemps.resolver import Target
+from gemps.retry import RetryPolicy
 from gemps_proto.codec import WIRE_DTYPE_NAMES
 from gemps_worker.datasets import DATASETS, Dataset, load_dataset
 from gemps_worker.models import MODELS, build_model
@@ -145,10 +147,14 @@ def run_worker(
     hooks: WorkerHooks | None = None,
     data: Dataset | None = None,
     metrics: CommitMetrics | None = None,
+    *,
+    target: Target | None = None,
+    retry: RetryPolicy | None = None,
 ) -> WorkerSummary:
     """Train until the epochs or max_steps are done, `stop` is set, or the loss diverges;
     always leave the server cleanly. `metrics`: served by the caller (default: per
-    `options.metrics_port`)."""
+    `options.metrics_port`). `target`: where the server is when it can move (a resolver, see
+    gemps.resolver; default `options.server`); `retry`: the client's (default: the SDK's)."""
     stop = stop or threading.Event()
     hooks = hooks or WorkerHooks()
     device = resolve_device(options.device)
@@ -163,7 +169,14 @@ def run_worker(
     try:
         with RemoteModel(
             model,
-            Client(options.server, name=options.name, stop=stop, wire_dtype=options.wire_dtype, plane=options.plane),
+            Client(
+                target or options.server,
+                name=options.name,
+                stop=stop,
+                wire_dtype=options.wire_dtype,
+                plane=options.plane,
+                retry=retry,
+            ),
         ) as remote:
             reg = remote.registration
             mode_name = reg.config.worker_mode if options.mode == "server" else options.mode

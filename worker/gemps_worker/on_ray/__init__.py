@@ -9,7 +9,7 @@ job as Ray actors, placed across nodes, restarted by Ray, collected to the drive
 A user's training loop runs in the worker actors instead of the reference worker:
 
     def train(context):  # in each worker actor; the SDK unchanged
-        optimizer = RemoteOptimizer(model, Client(context.server, stop=context.stop))
+        optimizer = RemoteOptimizer(model, Client(context.target, stop=context.stop))  # follows partition 0
         ...
 
     run_job(RayJobOptions(workers=8, evaluate=False), train=train)

@@ -17,6 +17,7 @@ import os
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, wait
 from pathlib import Path
@@ -26,9 +27,11 @@ import ray
 
 from gemps.client import Client
 from gemps.records import ServerStatus
+from gemps.resolver import Resolver, StaticAddress
 from gemps.retry import RetryPolicy
 from gemps_proto import schema
 from gemps_worker.cluster import ServerProcess
+from gemps_worker.on_ray.addresses import ADDRESSES_FILE, NODE_LOSS_RETRY, write_addresses
 from gemps_worker.on_ray.records import (
     ActorPlace,
     ExportedModel,
@@ -43,9 +46,10 @@ log = logging.getLogger("gemps.ray")
 
 TrainFunction = Callable[[WorkerContext], Any]
 
-#: a partition's record of its job, ports and starts, in its folder: a restarted actor of the same
-#: job serves on the same ports, which the layout and the workers already name (a later job over
-#: the same --work-dir resumes from the checkpoints there, on fresh ports)
+#: a partition's record of its job, node, ports and starts, in its folder: a restarted actor of the
+#: same job on the same node serves on the same ports, which the layout and the workers already
+#: name; on another node (its node lost) on fresh ones, which partition 0 then announces (a later
+#: job over the same --work-dir resumes from the checkpoints there, on fresh ports)
 STATE_FILE = "partition.json"
 SERVER_LOG = "server.log"
 START_ATTEMPTS = 5  # a restart may find its port held a moment longer by the server that died
@@ -61,6 +65,13 @@ def node_id() -> str:
 def node_address() -> str:
     """This node's IP address as Ray knows it: where the others reach what runs here."""
     return str(ray.util.get_node_ip_address())
+
+
+def restarted() -> bool:
+    """This actor is a restart by Ray (the property warns about Ray's own use of an old API)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
 def this_life(metrics_port: int) -> ActorPlace:
@@ -80,10 +91,13 @@ class PartitionServer:
     checkpoint folder and its own free gRPC, data-plane and metrics ports.
 
     Partition 0 is told the others' addresses (`addresses`, full HOST:PORT: they run on other
-    nodes). When the server exits by itself, the actor exits with it and Ray restarts the actor
+    nodes) and announces them from its addresses file, which `announce` rewrites when one moved.
+    When the server exits by itself, the actor exits with it and Ray restarts the actor
     (`max_restarts`), which starts the server again on the same ports from its newest checkpoint,
     as `gemps server --partitions K` restarts a partition locally. A killed actor takes its
-    server with it (Ray ends a dead worker's child processes).
+    server with it (Ray ends a dead worker's child processes). When its node was lost, Ray
+    restarts it on another node: there it starts on fresh ports from the newest checkpoint in
+    --work-dir, which must then be storage every node sees (else it refuses to start from nothing).
     """
 
     def __init__(
@@ -104,18 +118,25 @@ class PartitionServer:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.job = job
         state = self._read_state()
+        if not state and restarted():
+            raise RuntimeError(
+                f"partition {index} restarted on node {node_id()[:12]} finds no record of job {job} in "
+                f"{self.folder}: its checkpoints stayed on the node it left. Give --work-dir on storage "
+                "every node sees so that a partition can move"
+            )
+        ports = state if state.get("node") == node_id() else {}  # another node: fresh ports
         self.host = host or node_address()
         partition: dict[str, object] = {}
         if count > 1:
             partition = {"partitions": count, "partition_index": index}
             if index == 0:
-                partition["partition_addresses"] = addresses
+                partition["partition_addresses"] = f"@{self._addresses(addresses, again=bool(state))}"
         options: dict[str, Any] = {
             **server_options,
             **partition,
             "host": self.host,
-            "port": state.get("port", 0),
-            "metrics_port": state.get("metrics_port", 0),
+            "port": ports.get("port", 0),
+            "metrics_port": ports.get("metrics_port", 0),
             "checkpoint_dir": str(self.folder),
         }
         self.starts = int(state.get("starts", 0)) + 1
@@ -139,20 +160,37 @@ class PartitionServer:
                 time.sleep(START_RETRY_SECONDS)
         raise AssertionError("unreachable")
 
-    def _read_state(self) -> dict[str, int]:
-        """This job's earlier start here ({} if none): ports and starts."""
+    def _read_state(self) -> dict[str, Any]:
+        """This job's earlier start here ({} if none): its node, ports and starts."""
         try:
             state = json.loads((self.folder / STATE_FILE).read_text())
         except FileNotFoundError:
             return {}
         if state.get("job") != self.job:
             return {}
-        return {key: int(state[key]) for key in ("port", "metrics_port", "starts")}
+        numbers = {key: int(state[key]) for key in ("port", "metrics_port", "starts")}
+        return {"node": str(state.get("node", "")), **numbers}
 
     def _write_state(self, port: int, metrics_port: int) -> None:
+        state = {"job": self.job, "node": node_id(), "port": port, "metrics_port": metrics_port, "starts": self.starts}
         tmp = self.folder / (STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps({"job": self.job, "port": port, "metrics_port": metrics_port, "starts": self.starts}))
+        tmp.write_text(json.dumps(state))
         tmp.replace(self.folder / STATE_FILE)
+
+    def _addresses(self, addresses: str, *, again: bool) -> Path:
+        """Partition 0's addresses file: the layout it was started with, or when it starts `again` in
+        this job the newest one the driver announced (kept in the folder; the driver announces again
+        when it sees this new life)."""
+        path = self.folder / ADDRESSES_FILE
+        if not (again and path.exists()):
+            write_addresses(path, addresses)
+        return path
+
+    def announce(self, addresses: str) -> None:
+        """Partition 0: announce this layout from now on (the driver's, when a partition moved).
+        The actor runs one call at a time, so it is the file's only writer."""
+        write_addresses(self.folder / ADDRESSES_FILE, addresses)
+        log.info("partition 0 announces %s", addresses)
 
     def _exit_with_the_server(self) -> None:
         while not self._stopping.wait(WATCH_SECONDS):
@@ -199,7 +237,8 @@ class PartitionServer:
 class TrainingWorker:
     """A worker: the reference worker (`options`: gemps worker's WorkerOptions fields), or a
     user's training function given a WorkerContext. `stop()` and `node()` may be called while
-    `train()` runs (the actor runs several calls at once).
+    `train()` runs (the actor runs several calls at once). `target`: where partition 0 is now
+    (default: `server` for good); its client retries long enough to ride out a partition's move.
 
     One training run per life: Ray retries `train()` when the actor stops answering, and when
     only the network did, the retry reaches this same life while its run goes on; it then waits
@@ -213,9 +252,11 @@ class TrainingWorker:
         *,
         options: Mapping[str, object] | None = None,
         train: TrainFunction | None = None,
+        target: Resolver | None = None,
     ) -> None:
         configure_logging()
         self.index, self.count, self.server = index, count, server
+        self.target = target or StaticAddress(server)
         self.options = dict(options or {})
         self.train_function = train
         self.metrics_port = -1
@@ -249,7 +290,7 @@ class TrainingWorker:
 
     def _train(self) -> WorkerOutcome:
         if self.train_function is not None:
-            context = WorkerContext(self.server, self.index, self.count, node_id(), self._stop)
+            context = WorkerContext(self.server, self.index, self.count, node_id(), self._stop, self.target)
             value = self.train_function(context)
             return WorkerOutcome(self.index, node_id(), 0, 0, self._stop.is_set(), value=value)
         return self._reference_worker()
@@ -267,7 +308,10 @@ class TrainingWorker:
         def first_commit(step: StepRecord) -> None:
             self._first_commit = self._first_commit or step.time
 
-        summary = run_worker(options, self._stop, WorkerHooks(on_step=first_commit), metrics=self._metrics)
+        hooks = WorkerHooks(on_step=first_commit)
+        summary = run_worker(
+            options, self._stop, hooks, metrics=self._metrics, target=self.target, retry=NODE_LOSS_RETRY
+        )
         return WorkerOutcome(
             self.index,
             node_id(),
@@ -291,14 +335,15 @@ class TrainingWorker:
 class HeldOutEvaluator:
     """`gemps evaluate` in an actor: evaluates θ every `interval` seconds (when the version moved),
     reports to the server, and keeps each result with its time for the driver. A restarted one
-    (its node lost) starts its loop again from the θ of the moment."""
+    (its node lost) starts its loop again from the θ of the moment. `target` as TrainingWorker's."""
 
-    def __init__(self, options: Mapping[str, object]) -> None:
+    def __init__(self, options: Mapping[str, object], target: Resolver | None = None) -> None:
         from gemps_worker.evaluation_loop import EvaluatorOptions
         from gemps_worker.metrics import EvaluatorMetrics
 
         configure_logging()
         self.options = EvaluatorOptions(**options)  # type: ignore[arg-type]
+        self.target = target or StaticAddress(self.options.server)
         self.metrics = EvaluatorMetrics()
         self.metrics_port = self.metrics.serve(0, host=node_address())
         self.results: list[TimedEvaluation] = []
@@ -311,7 +356,9 @@ class HeldOutEvaluator:
         from gemps_worker.evaluation_loop import run_evaluator
 
         try:
-            run_evaluator(self.options, self._stop, self._keep, metrics=self.metrics)
+            run_evaluator(
+                self.options, self._stop, self._keep, metrics=self.metrics, target=self.target, retry=NODE_LOSS_RETRY
+            )
         except Exception as error:  # reported to the driver, which goes on without figures
             self.error = f"{type(error).__name__}: {error}"
             log.exception("evaluator failed")
@@ -337,5 +384,8 @@ class HeldOutEvaluator:
         self._stop.set()
         self._thread.join(timeout=60.0)
         before = len(self.results)
-        run_evaluator(replace(self.options, max_evaluations=1), threading.Event(), self._keep, metrics=self.metrics)
+        once = replace(self.options, max_evaluations=1)
+        run_evaluator(
+            once, threading.Event(), self._keep, metrics=self.metrics, target=self.target, retry=NODE_LOSS_RETRY
+        )
         return self.results[-1] if len(self.results) > before else None

@@ -48,12 +48,12 @@ class Looks:
 
     def __init__(self) -> None:
         self._asked: dict[str, Any] = {}  # key -> the call not yet answered
-        self._failed: set[str] = set()  # keys whose failure was logged
+        self._errors: dict[str, ray.exceptions.RayError] = {}  # key -> how its last failed question failed
 
     def look(self, key: str, ask: Callable[[], Any]) -> Any:
         """The answer of the last `ask()` made under `key` if it has come (then the next look
         asks again), else None; one question at a time per key. A failure (the actor gone for
-        good) is logged once."""
+        good, or not answering while it restarts) is logged once, and kept until an answer."""
         call = self._asked.get(key)
         if call is None:
             call = self._asked[key] = ask()
@@ -62,9 +62,15 @@ class Looks:
             return None
         del self._asked[key]
         try:
-            return ray.get(call)
+            answer = ray.get(call)
         except ray.exceptions.RayError as error:
-            if key not in self._failed:
-                self._failed.add(key)
+            if key not in self._errors:
                 log.warning("no answer from %s: %s", key, why(error))
+            self._errors[key] = error
             return None
+        self._errors.pop(key, None)
+        return answer
+
+    def error(self, key: str) -> ray.exceptions.RayError | None:
+        """How the last question under `key` failed (None: it was answered, or is not yet)."""
+        return self._errors.get(key)

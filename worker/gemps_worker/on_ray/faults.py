@@ -6,8 +6,9 @@ have `max_task_retries=-1`): on the actor it restarts, on a surviving node when 
 lost, until the actor's `max_restarts` is spent. The driver does not resubmit those calls. It
 watches: the lives it sees (node, pid) and the nodes Ray marks dead go into the job's summary,
 and when a call fails for good, `FaultLog.failure` says which actor, after how many restarts and
-why. A partition cannot move yet (its layout names its address), so losing a partition's node
-ends the job, with a message that says so.
+why. A partition's actor is restarted the same way, on another node when its node was lost,
+from its checkpoints in --work-dir; without a --work-dir they stayed on the lost node, so losing
+a partition's node then ends the job, with a message that says so.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ PARTITION = "partition"
 
 
 class JobFailed(RuntimeError):
-    """A worker failed for good (its restarts spent, or its training function raised), or a
-    partition's node was lost."""
+    """A worker or a partition failed for good (its restarts spent, or a training function
+    raised), or a partition's node was lost without --work-dir."""
 
 
 def worker_name(index: int) -> str:
@@ -97,23 +98,21 @@ class FaultLog:
         return sum(restart.actor == actor for restart in self.restarts)
 
     def lost_partitions(self) -> str:
-        """Why the job cannot go on when a partition's node was lost ('' while none was)."""
+        """Why the job cannot go on when a partition's node was lost without --work-dir ('' while
+        none was)."""
         held = [(actor, loss.node_id) for loss in self.losses for actor in loss.held]
         lost = [(actor, node) for actor, node in held if actor.startswith(f"{PARTITION} ")]
         if not lost:
             return ""
         which = ", ".join(f"{actor} (node {node[:12]})" for actor, node in lost)
         return (
-            f"lost the node of {which}: a partition does not move to another node yet (the layout the "
-            "workers hold names its old address), so the job cannot go on. Run it again with the same "
-            "--work-dir on storage every node sees: the partitions resume from their newest checkpoints"
+            f"lost the node of {which}: its checkpoints were on that node (no --work-dir), so it cannot "
+            "move to another node and the job cannot go on. Give --work-dir on storage every node sees: "
+            "a partition then moves with its checkpoints"
         )
 
-    def failure(self, actor: str, error: BaseException, allowed: int) -> str:
-        """Why the job ends, `actor`'s call having failed with `error` (restarts `allowed`)."""
-        partitions = self.lost_partitions()
-        if partitions:
-            return f"{partitions} ({actor}: {why(error)})"
+    def failure(self, actor: str, error: BaseException, allowed: int, flag: str = "--worker-restarts") -> str:
+        """Why the job ends, `actor`'s call having failed with `error` (restarts `allowed` by `flag`)."""
         if not isinstance(error, ray.exceptions.RayActorError):  # its own error: the training function raised
             return f"{actor} failed: {error}"
         place = self.places.get(actor)
@@ -121,5 +120,5 @@ class FaultLog:
         count = self.restarts_of(actor)
         return (
             f"{actor} failed for good after {count} restart{'' if count == 1 else 's'} "
-            f"(--worker-restarts {allowed}): {node}{why(error)}"
+            f"({flag} {allowed}): {node}{why(error)}"
         )

@@ -5,10 +5,11 @@
         model = job.export()                                      # θ and buffers, to the driver
     # leaving the block: workers leave, partitions stop gracefully (final checkpoints), all freed
 
-- Partitions: one actor each, in a placement group of one bundle per partition, STRICT_SPREAD
-  (each on its own node) when there are at least as many nodes as partitions, else SPREAD.
-  Partitions 1..K-1 start first; partition 0 starts last, told their HOST:PORT, so a worker that
-  can register gets the whole layout (as `gemps server --partitions K` does on one machine).
+- Partitions: one actor each, in a placement group of one bundle per partition, SPREAD
+  (gemps_worker.on_ray.partitions). When a partition's node is lost, Ray places its bundle and
+  restarts its actor on another node, from its newest checkpoint in --work-dir, on fresh ports;
+  partition 0 announces the new layout, and the workers follow (partition 0 itself through its
+  actor: gemps_worker.on_ray.addresses). The job fails only when a partition's restarts are spent.
 - Workers: one actor each, SPREAD over the nodes (never pinned to one), with `max_restarts`.
   Ray retries their training call (`max_task_retries=-1`) on the restarted actor, on a
   surviving node when its node was lost, until those restarts are spent: a restarted worker
@@ -36,12 +37,10 @@ from typing import Any
 
 import ray
 import ray.exceptions
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from gemps.options import values_of
 from gemps.records import GradientNoise
-from gemps_worker.on_ray.actors import HeldOutEvaluator, PartitionServer, TrainFunction, TrainingWorker
+from gemps_worker.on_ray.actors import HeldOutEvaluator, TrainFunction, TrainingWorker
 from gemps_worker.on_ray.calls import Looks, alive_nodes, answers, get_within
 from gemps_worker.on_ray.faults import (
     EVALUATOR,
@@ -53,14 +52,8 @@ from gemps_worker.on_ray.faults import (
     worker_name,
 )
 from gemps_worker.on_ray.options import RayJobOptions
-from gemps_worker.on_ray.records import (
-    ActorPlace,
-    ExportedModel,
-    PartitionEndpoint,
-    StatusSample,
-    TimedEvaluation,
-    WorkerOutcome,
-)
+from gemps_worker.on_ray.partitions import Partitions
+from gemps_worker.on_ray.records import ExportedModel, PartitionEndpoint, StatusSample, TimedEvaluation, WorkerOutcome
 from gemps_worker.prometheus_targets import EVALUATOR_JOB, SERVER_JOB, WORKER_JOB, ScrapeTarget, write_targets
 
 log = logging.getLogger("gemps.ray")
@@ -89,12 +82,6 @@ def interrupts_deferred() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-def spread_strategy(partitions: int, nodes: int) -> str:
-    """Each partition on its own node when there are enough nodes (STRICT_SPREAD), else as spread
-    as the nodes allow (SPREAD)."""
-    return "STRICT_SPREAD" if partitions <= nodes else "SPREAD"
 
 
 class RayJob:
@@ -136,9 +123,7 @@ class RayJob:
         self.name = name or f"gemps-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.out = Path(options.out)
         self.nodes: list[str] = []
-        self.placement: PlacementGroup | None = None
-        self.partition_actors: list[Any] = []
-        self.partitions: list[PartitionEndpoint] = []
+        self.partition_group = Partitions(self.name, options, self.server_options)
         self.worker_actors: list[Any] = []
         self.evaluator: Any = None
         self._evaluations: list[TimedEvaluation] = []  # every life's: a restarted evaluator starts empty
@@ -151,8 +136,17 @@ class RayJob:
 
     @property
     def target(self) -> str:
-        """Partition 0's address: where workers register."""
-        return self.partitions[0].target
+        """Partition 0's address as last seen: where workers register."""
+        return self.partition_group.target
+
+    @property
+    def partitions(self) -> list[PartitionEndpoint]:
+        """Where each partition serves, as last seen."""
+        return self.partition_group.endpoints
+
+    @property
+    def partition_actors(self) -> list[Any]:
+        return self.partition_group.actors
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -181,7 +175,7 @@ class RayJob:
         self.nodes = [node["NodeID"] for node in alive_nodes()]
         self.faults.nodes(self.nodes)
         self._warn_if_short()
-        self._start_partitions()
+        self.partition_group.start()
         self._start_evaluator()
         self._start_workers()
         self.refresh()  # the partitions' targets now; the others' as they come up
@@ -204,44 +198,6 @@ class RayJob:
                 available,
             )
 
-    def _start_partitions(self) -> None:
-        count, cpus = self.options.partitions, self.options.partition_cpus
-        fitting = [node for node in alive_nodes() if node["Resources"].get("CPU", 0.0) >= cpus]
-        strategy = spread_strategy(count, len(fitting))
-        self.placement = placement_group([{"CPU": cpus}] * count, strategy=strategy, name=f"{self.name}-partitions")
-        ready, _ = ray.wait([self.placement.ready()], timeout=self.options.startup_timeout)
-        if not ready:
-            raise JobFailed(
-                f"Ray could not place {count} partitions of {cpus} CPU ({strategy}) within "
-                f"{self.options.startup_timeout:g}s: {len(fitting)} nodes have that much CPU"
-            )
-        others = [self._partition_actor(index) for index in range(1, count)]
-        self.partition_actors = others
-        endpoints = get_within([actor.endpoint.remote() for actor in others], self.options.startup_timeout)
-        addresses = ",".join(["", *(endpoint.target for endpoint in endpoints)])
-        first = self._partition_actor(0, addresses)
-        self.partition_actors = [first, *others]
-        self.partitions = [get_within([first.endpoint.remote()], self.options.startup_timeout)[0], *endpoints]
-
-    def _partition_actor(self, index: int, addresses: str = "") -> Any:
-        assert self.placement is not None
-        actor_class = ray.remote(PartitionServer).options(
-            num_cpus=self.options.partition_cpus,
-            max_restarts=self.options.partition_restarts,
-            max_task_retries=self.options.partition_restarts,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=index),
-        )
-        return actor_class.remote(
-            index,
-            self.options.partitions,
-            job=self.name,
-            work_dir=self.options.work_dir,
-            host=self.options.host,
-            server_options=self.server_options,
-            addresses=addresses,
-            startup_timeout=self.options.startup_timeout,
-        )
-
     def _start_evaluator(self) -> None:
         if not self.options.evaluate or self.train_function is not None:
             return
@@ -256,7 +212,7 @@ class RayJob:
         self.evaluator = (
             ray.remote(HeldOutEvaluator)
             .options(num_cpus=self.options.evaluator_cpus, max_restarts=restarts, max_task_retries=-1)
-            .remote(options)
+            .remote(options, self.partition_group.resolver())
         )
 
     def _start_workers(self) -> None:
@@ -272,8 +228,11 @@ class RayJob:
             scheduling_strategy="SPREAD",  # not a placement group: a restart may land on any node
         )
         count = self.options.workers
+        follow = self.partition_group.resolver()
         self.worker_actors = [
-            actor_class.remote(index, count, self.target, options=self.worker_options, train=self.train_function)
+            actor_class.remote(
+                index, count, self.target, options=self.worker_options, train=self.train_function, target=follow
+            )
             for index in range(count)
         ]
         self._training = {actor.train.remote(): index for index, actor in enumerate(self.worker_actors)}
@@ -283,8 +242,8 @@ class RayJob:
     def wait(self, on_progress: Progress | None = None) -> list[WorkerOutcome]:
         """Until every worker is done, looking every `interval` seconds; each worker's outcome.
 
-        Raises JobFailed when one failed for good, or a partition's node was lost (the others
-        keep running until stop())."""
+        Raises JobFailed when one failed for good, or a partition did (its restarts spent), or a
+        partition's node was lost without --work-dir (the others keep running until stop())."""
         outcomes: dict[int, WorkerOutcome] = {}
         while self._training:
             pending = list(self._training)
@@ -301,18 +260,32 @@ class RayJob:
                     message = self.faults.failure(worker_name(index), error, self.options.worker_restarts)
                     raise JobFailed(message) from error
             self.refresh()
+            self.watch_partitions()
             sample = self.sample()
             if sample is not None and on_progress is not None:
                 on_progress(sample, self.latest_evaluation())
         return [outcomes[index] for index in sorted(outcomes)]
 
     def watch_nodes(self) -> None:
-        """Note the nodes Ray lost since the last look. Workers and the evaluator come back on
-        their own; a partition does not move yet, so its node's loss ends the job."""
+        """Note the nodes Ray lost since the last look. Workers, the evaluator and partitions come
+        back on their own, a partition from its checkpoints in --work-dir: without one they
+        stayed on the lost node, so its loss ends the job."""
         self.faults.nodes(node["NodeID"] for node in alive_nodes())
-        partitions = self.faults.lost_partitions()
-        if partitions:
-            raise JobFailed(partitions)
+        if not self.options.work_dir:
+            partitions = self.faults.lost_partitions()
+            if partitions:
+                raise JobFailed(partitions)
+
+    def watch_partitions(self) -> None:
+        """A partition Ray will not restart again ends the job, saying which, after how many
+        restarts and why."""
+        failed = self.partition_group.failed_for_good(self._looks)
+        if failed:
+            index, error = failed[0]
+            message = self.faults.failure(
+                partition_name(index), error, self.options.partition_restarts, "--partition-restarts"
+            )
+            raise JobFailed(message) from error
 
     def sample(self) -> StatusSample | None:
         """Partition 0's version now (None while it restarts), all of θ's noise scale (while all answer)."""
@@ -369,13 +342,8 @@ class RayJob:
         """Look at every actor again, without waiting (a restarted one may have a new process, a
         worker a new metrics port), and rewrite the Prometheus targets where something moved."""
         targets = dict(self._targets)
-        for index, actor in enumerate(self.partition_actors):
-            self.partitions[index] = self._looks.look(f"p{index}", actor.endpoint.remote) or self.partitions[index]
+        self.partition_group.look(self._looks, self.faults)
         for endpoint in self.partitions:
-            self.faults.seen(
-                partition_name(endpoint.index),
-                ActorPlace(endpoint.node_id, endpoint.host, endpoint.metrics_port, endpoint.pid),
-            )
             labels = {"partition": str(endpoint.index), "ray_node": endpoint.node_id}
             targets[f"p{endpoint.index}"] = ScrapeTarget(f"{endpoint.host}:{endpoint.metrics_port}", SERVER_JOB, labels)
         for index, actor in enumerate(self.worker_actors):
@@ -425,20 +393,10 @@ class RayJob:
             if self.evaluator is not None:  # before the partitions go: it would only retry them
                 ray.kill(self.evaluator, no_restart=True)
                 self.evaluator = None
-            # A partition whose node was lost has no server to stop, and its actor waits for a node.
-            standing = {
-                i: actor for i, actor in enumerate(self.partition_actors) if not self.faults.gone(partition_name(i))
-            }
-            if standing:
-                codes = answers([actor.stop.remote() for actor in standing.values()], STOP_TIMEOUT)
-                for index, code in zip(standing, codes, strict=True):
-                    if code != 0:
-                        log.warning("partition %d stopped with status %s", index, code)
+            self.partition_group.stop(self.faults, STOP_TIMEOUT)
         finally:  # whatever went wrong above, nothing of the job is left holding the cluster
             evaluator = [] if self.evaluator is None else [self.evaluator]
-            for actor in [*self.worker_actors, *evaluator, *self.partition_actors]:
+            for actor in [*self.worker_actors, *evaluator]:
                 ray.kill(actor, no_restart=True)
-            self.worker_actors, self.evaluator, self.partition_actors = [], None, []
-            if self.placement is not None:
-                remove_placement_group(self.placement)
-                self.placement = None
+            self.worker_actors, self.evaluator = [], None
+            self.partition_group.release()

@@ -5,7 +5,8 @@ so placement across nodes is Ray's real scheduling. Every node is on 127.0.0.1; 
 that address (and the partitions listen on it) only when `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`
 was set before ray was first imported: set it first thing in the program.
 
-`RemoveNode` removes a node mid-run as a machine dies (no drain), for the fault tests and figures.
+`RemoveNode` removes a node mid-run as a machine dies (no drain, every process on it killed at
+once), for the fault tests and figures.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import ray
+from ray._private.ray_constants import PROCESS_TYPE_RAYLET
 from ray.cluster_utils import Cluster
 
 from gemps_worker.on_ray.faults import worker_name
@@ -49,6 +53,36 @@ def local_cluster(nodes: int, cpus_per_node: float, *, head_cpus: float | None =
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from Linux's /proc: a raylet's workers and what they started."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # it ended meanwhile
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found: list[int] = []
+    below = children.get(pid, [])
+    while below:
+        found.extend(below)
+        below = [child for process in below for child in children.get(process, [])]
+    return found
+
+
+def kill_node(cluster: Cluster, node: Any) -> None:
+    """Remove `node` as a machine dies. Ray's own removal kills the raylet only, and its workers
+    (a partition's actor and its server process) would go on serving for seconds more, until
+    they noticed: here they end with it."""
+    processes = [
+        pid for info in node.all_processes.get(PROCESS_TYPE_RAYLET, []) for pid in descendants(info.process.pid)
+    ]
+    cluster.remove_node(node, allow_graceful=False)
+    for pid in processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 class RemoveNode:
@@ -84,4 +118,13 @@ class RemoveNode:
         self.workers = held[self.node_id]
         log.warning("removing Ray node %s (workers %s) at version %d", self.node_id[:12], self.workers, sample.version)
         self.removed = time.time()
-        self.cluster.remove_node(nodes[self.node_id], allow_graceful=False)
+        kill_node(self.cluster, nodes[self.node_id])
+
+
+def resumed_after(samples: list[StatusSample], removed: float) -> float | None:
+    """Seconds from a node's loss (unix time `removed`) to partition 0's first version past the
+    one it stood at a second later, when the workers wait for what the node held (None: it never
+    moved again). Sampled every `--interval`, so late by up to that."""
+    later = [sample for sample in samples if sample.time >= removed + 1.0]
+    moved = [sample.time for sample in later if sample.version > later[0].version] if later else []
+    return moved[0] - removed if moved else None

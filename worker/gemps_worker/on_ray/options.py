@@ -73,7 +73,11 @@ class RayJobOptions:
     )
     partition_restarts: int = field(
         default=3,
-        metadata={"help": "times Ray restarts a partition actor that died (from its checkpoints)", RANGE: NON_NEGATIVE},
+        metadata={
+            "help": "times Ray restarts a partition actor that died or lost its node (from its checkpoints; on "
+            "another node with --work-dir on storage every node sees); then the job fails",
+            RANGE: NON_NEGATIVE,
+        },
     )
     checkpoint_every: int = field(
         default=100,
@@ -85,8 +89,9 @@ class RayJobOptions:
     work_dir: str = field(
         default="",
         metadata={
-            "help": "folder on each node for the partitions' checkpoints and logs (partition-<i>/; shared storage "
-            "lets a partition move to another node); empty: gemps-ray/<job> in the node's temporary folder"
+            "help": "folder on each node for the partitions' checkpoints and logs (partition-<i>/; storage every "
+            "node sees lets a partition move to another node when its node is lost); empty: gemps-ray/<job> in "
+            "the node's temporary folder"
         },
     )
     host: str = field(

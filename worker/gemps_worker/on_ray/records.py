@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from gemps.records import GradientNoise
+from gemps.resolver import Resolver
 
 
 @dataclass(frozen=True)
@@ -31,14 +32,16 @@ class PartitionEndpoint:
 
 @dataclass(frozen=True)
 class WorkerContext:
-    """What a user's training function gets, in its worker actor: pass `server` to RemoteOptimizer,
-    RemoteModel or gemps.Client (and `stop` as Client(stop=...)); return when `stop` is set."""
+    """What a user's training function gets, in its worker actor: pass `target` to gemps.Client
+    (and `stop` as Client(stop=...)), the client to RemoteOptimizer or RemoteModel; return when
+    `stop` is set."""
 
-    server: str  # partition 0's address: the one address a worker needs
+    server: str  # partition 0's address when the worker started: the one address a worker needs
     index: int  # this worker, 0..workers-1 (the server assigns data shards itself, at Register)
     workers: int
     node_id: str
     stop: threading.Event
+    target: Resolver  # partition 0's address now: follows it when Ray moves it to another node
 
 
 @dataclass(frozen=True)
