@@ -69,14 +69,6 @@ class Preamble:
         """The payload is in the attached shared memory."""
         return bool(self.flags & SHARED)
 
-    @property
-    def is_reply(self) -> bool:
-        return bool(self.op & REPLY) and self.op != Op.ERROR
-
-    @property
-    def request_op(self) -> int:
-        return self.op & ~REPLY
-
 
 def frame_start(op: int, header: bytes, payload_bytes: int = 0, flags: int = 0) -> bytes:
     """A frame's preamble and header; its `payload_bytes` of payload follow (on the socket, or

@@ -43,10 +43,14 @@ CALL = CommitCall(
 
 @pytest.fixture
 def pair() -> Iterator[tuple[DataConnection, socket.socket]]:
-    """A connection and the socket of the "server" at its other end."""
+    """A connection past its HELLO and the socket of the "server" at its other end."""
     client, server = socket.socketpair()
     client.settimeout(5)
     connection = DataConnection(client, "test")
+    server.sendall(frame_start(Op.HELLO | REPLY, b""))
+    connection.hello("w1", b"t" * 32)
+    hello = read_preamble(server.recv(20, socket.MSG_WAITALL))
+    server.recv(hello.header_bytes, socket.MSG_WAITALL)
     yield connection, server
     connection.close()
     server.close()
@@ -94,7 +98,7 @@ def test_a_commit_reply_reads_as_the_grpc_reply_does(pair: tuple[DataConnection,
     unary = messages.commit_reply(framing.with_tensor(reply, framing.COMMIT_REPLY_FIELD, dtype, [THETA.size], data))
     framing.announce(reply.parameters, dtype, THETA.size)
     server.sendall(frame_start(Op.COMMIT | REPLY, reply.SerializeToString(), len(data)) + data)
-    connection.awaiting = True
+    connection.send(Op.COMMIT, b"")
     committed = _committed(connection)
     assert not connection.awaiting and not connection.closed
     np.testing.assert_array_equal(committed.parameters, unary.parameters)
@@ -110,6 +114,7 @@ def test_an_unchanged_pull_carries_no_theta(pair: tuple[DataConnection, socket.s
     connection, server = pair
     reply = pb.PullResponse(version=9, unchanged=True, history="h")
     server.sendall(frame_start(Op.PULL | REPLY, reply.SerializeToString()))
+    connection.send(Op.PULL, b"")
     pulled = _pulled(connection)
     assert (pulled.version, pulled.parameters, pulled.buffers, pulled.history) == (9, None, None, "h")
 
@@ -120,6 +125,7 @@ def test_a_refusal_is_the_error_grpc_would_raise(pair: tuple[DataConnection, soc
         code=grpc.StatusCode.NOT_FOUND.value[0], message="unknown worker", reason="unknown_worker"
     )
     server.sendall(frame_start(Op.ERROR, refusal.SerializeToString()))
+    connection.send(Op.COMMIT, b"")
     with pytest.raises(errors.WorkerNotFoundError) as raised:
         _committed(connection)
     same = errors.from_status(grpc.StatusCode.NOT_FOUND, "unknown worker", "unknown_worker")
@@ -134,6 +140,8 @@ def test_a_connection_lost_mid_reply_is_retried_as_unavailable(pair: tuple[DataC
     reply = commit_response()
     framing.announce(reply.parameters, FLOAT32, THETA.size)
     server.sendall(frame_start(Op.COMMIT | REPLY, reply.SerializeToString(), THETA.nbytes) + THETA.tobytes()[:100])
+    connection.send(Op.COMMIT, b"")
+    server.recv(20, socket.MSG_WAITALL)  # read: a peer closing with bytes unread resets instead
     server.close()
     with pytest.raises(errors.ServerUnavailableError, match="closed by the server after 100 of 4000 bytes"):
         _committed(connection)
@@ -145,6 +153,7 @@ def test_a_reply_of_another_size_than_announced_is_a_protocol_error(pair: tuple[
     reply = commit_response()
     framing.announce(reply.parameters, FLOAT32, THETA.size)
     server.sendall(frame_start(Op.COMMIT | REPLY, reply.SerializeToString(), 12))
+    connection.send(Op.COMMIT, b"")
     with pytest.raises(errors.GempsError, match="12 bytes of payload; the header announced 4000") as raised:
         _committed(connection)
     assert not errors.worth_another_attempt(raised.value) and connection.closed

@@ -155,7 +155,7 @@ class Parked(Wait):
         return False
 
 
-Body = Generator[Wait, Any, None]
+Body = Generator[Wait, Any, Any]
 
 
 def _nothing() -> Body:
@@ -221,6 +221,27 @@ class Task:
             self._continue(None, None)
         else:
             self.loop.watch(self, wait.events)
+
+    def delivered(self, start: Callable[[Callable[[Any, BaseException | None], None]], None]) -> Body:
+        """What `start(deliver)` delivers (the service's asynchronous calls): at once when it ran on
+        this thread (a small model, the applier idle), else the applier's thread hands it over
+        through the loop. Pinned meanwhile: the applier may be writing the reply into this
+        task's buffer."""
+        delivered: list[tuple[Any, BaseException | None]] = []
+
+        def deliver(value: Any, error: BaseException | None) -> None:
+            if self.loop.on_loop_thread():
+                delivered.append((value, error))
+            else:
+                self.loop.post(lambda: self.resume(value, error))
+
+        start(deliver)
+        if delivered:
+            value, error = delivered[0]
+            if error is not None:
+                raise error
+            return value
+        return (yield Parked(pinned=True))
 
     def resume(self, value: Any = None, error: BaseException | None = None) -> None:
         """End a Parked wait with `value` (or `error`), on the loop's thread."""
