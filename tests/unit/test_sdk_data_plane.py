@@ -255,3 +255,87 @@ def _answer_hello(server: socket.socket) -> None:
         sock.recv(preamble.header_bytes, socket.MSG_WAITALL)
         sock.sendall(frame_start(Op.HELLO | REPLY, b""))
         sock.recv(1)  # until the client closes
+
+
+# -- the transport's states: one enum, one transition function ------------------------------------
+
+
+class FakeConnection(DataConnection):
+    """A connection past its HELLO on a socket pair; `attach` succeeds or is refused."""
+
+    def __init__(self, *, local: bool = False, refuse_attach: bool = False) -> None:
+        sock, self.peer = socket.socketpair()
+        super().__init__(sock, "fake")
+        self.local, self.refuse_attach, self.attached = local, refuse_attach, 0
+
+    def attach(self, size: int) -> None:
+        self.attached += 1
+        if self.refuse_attach:
+            self.close()  # as the server does after refusing an ATTACH
+            raise errors.InvalidArgumentError("shared memory is attached already", errors.InvalidArgumentError.code)
+
+    def close(self) -> None:
+        super().close()
+        self.peer.close()
+
+
+def offered_transport(monkeypatch: pytest.MonkeyPatch, *opened: FakeConnection) -> DataPlaneTransport:
+    """A transport whose registration offered a data plane; each connection it opens is the next
+    of `opened`."""
+    grpc_transport = GrpcTransport(
+        "127.0.0.1:1", Connection(), max_message_bytes=1 << 20, timeout=5, wire_dtype=FLOAT32, chunk_bytes=1 << 20
+    )
+    transport = DataPlaneTransport(grpc_transport, Connection())
+    connections = iter(opened)
+    monkeypatch.setattr(transport, "_open", lambda offer, timeout=None: next(connections))
+    transport._offer, transport._worker_id = DataPlane(port=1, ticket=b"t" * 32), "w1"
+    transport._become(data_plane_transport.Link.OFFERED)
+    return transport
+
+
+def test_the_states_a_transport_moves_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    Link = data_plane_transport.Link
+    first, second = FakeConnection(), FakeConnection()
+    transport = offered_transport(monkeypatch, first, second)
+    assert (transport.state, transport.plane) == (Link.OFFERED, "data")
+    assert transport._ready("w1") is first and transport.state is Link.CONNECTED
+    assert transport._ready("") is None  # a read-only pull: no registration, gRPC
+    first.close()  # broke: the next call opens another
+    assert transport._ready("w1") is second and transport.state is Link.CONNECTED
+    monkeypatch.setattr(transport.grpc, "leave", lambda worker_id: None)  # no gRPC server here
+    transport.leave("w1")
+    assert second.closed and transport.plane == "grpc" and transport._ready("w1") is None
+    assert transport.state is Link.NOT_OFFERED  # type: ignore[comparison-overlap]  # leave() moved it
+    transport.close()
+    assert transport.state is Link.CLOSED
+    with pytest.raises(RuntimeError, match="closed -> offered"):
+        transport._become(Link.OFFERED)
+
+
+def test_shared_memory_is_a_state_of_its_own_and_a_refusal_costs_one_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    Link = data_plane_transport.Link
+    local = FakeConnection(local=True)
+    transport = offered_transport(monkeypatch, local)
+    assert transport._ready("w1", 40) is local and transport.state is Link.SHARED and transport.shared
+    assert transport._ready("w1", 40) is local and local.attached == 1  # attached once
+    refusing, plain = FakeConnection(local=True, refuse_attach=True), FakeConnection(local=True)
+    transport = offered_transport(monkeypatch, refusing, plain)
+    assert transport._ready("w1", 40) is plain and transport.state is Link.CONNECTED  # without, from now on
+    assert refusing.closed and not transport._attach_memory and plain.attached == 0
+    transport.close()
+
+
+def test_only_the_moves_listed_are_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    Link = data_plane_transport.Link
+    assert all(Link.CLOSED in moves for state, moves in data_plane_transport.MOVES.items() if state is not Link.CLOSED)
+    assert not data_plane_transport.MOVES[Link.CLOSED]
+    transport = offered_transport(monkeypatch, FakeConnection())
+    with pytest.raises(RuntimeError, match="offered -> shared"):
+        transport._become(Link.SHARED)  # memory is attached to a connection, never to none
+    transport._unusable("here", "a fault")
+    assert transport.state is Link.FELL_BACK and transport._retry_at is not None and transport.plane == "grpc"
+    with pytest.raises(RuntimeError, match="fell back -> offered"):
+        transport._become(Link.OFFERED)  # only a successful return leaves a fallback
+    transport.close()
