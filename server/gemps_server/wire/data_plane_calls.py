@@ -59,7 +59,7 @@ from gemps_server.native import copy_max_abs, max_abs
 from gemps_server.service import ParameterService
 from gemps_server.wire import messages, shared_memory
 from gemps_server.wire.data_plane_io import Channel, Hangup, PeerClosed, Stalled, Unread, close_fds, pieces
-from gemps_server.wire.data_plane_loop import Handshake, ReadInto, Task, Wait, Write
+from gemps_server.wire.data_plane_loop import Call, Handshake, ReadInto, Task, Wait, Write
 from gemps_server.wire.data_plane_uploads import Held, Lanes, waited
 from gemps_server.wire.shared_memory import SharedRegion
 from gemps_server.wire.status_codes import status_of
@@ -243,9 +243,7 @@ class Connection:
             # The reply's θ goes where the client reads it: the pooled buffer (then the socket), or
             # its shared memory, where the rule writes float32 θ as it computes it (a mirror).
             writer, mirror = _reply_into(buffer, region, commit.reply_dtype)
-            outcome, theta = yield from task.delivered(
-                lambda deliver: service.commit_then(commit, writer, deliver, mirror)
-            )
+            outcome, theta = yield Call(lambda deliver: service.commit_then(commit, writer, deliver, mirror))
             reply = messages.outcome_header(outcome)
             framing.announce(reply.parameters, commit.reply_dtype, service.num_parameters)
             yield from self._send(reply.SerializeToString(), theta)
@@ -262,9 +260,7 @@ class Connection:
         assert task is not None
         slot: Held = yield from waited(self._lanes.pooled, task)
         try:
-            snapshot = yield from task.delivered(
-                lambda deliver: service.pull_then(request.worker_id, known, dtype, deliver)
-            )
+            snapshot = yield Call(lambda deliver: service.pull_then(request.worker_id, known, dtype, deliver))
             unchanged = known == snapshot.version
             reply = messages.pull_stream_header_to_proto(
                 snapshot, unchanged, dtype, service.num_parameters, service.history
