@@ -17,6 +17,7 @@ log = logging.getLogger("gemps.client")
 
 T = TypeVar("T")
 P = ParamSpec("P")
+S = TypeVar("S")
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,20 @@ class Retrier:
 
     def call(self, attempt: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`attempt(*args, **kwargs)` until it returns; other errors, and the last one, are raised."""
+        return self.call_on(_nothing, lambda _: attempt(*args, **kwargs), _nothing)
+
+    def call_on(self, pick: Callable[[], S], attempt: Callable[[S], T], failed: Callable[[], None]) -> T:
+        """`attempt(pick())` until it returns, as `call`: `pick` chooses what each attempt calls (a
+        session following its server when it moved) and `failed` hears of each failure worth
+        another attempt. The caller's file is entered for `pick` and left before the attempt."""
         delays = self.policy.delays()
         retrying = False
         while True:
             try:
-                return attempt(*args, **kwargs)
+                return attempt(pick())
             except errors.RETRIED as failure:
                 error: errors.GempsError = failure
+                failed()
             delay = next(delays, None)
             if delay is None:
                 raise type(error)(
@@ -77,3 +85,7 @@ class Retrier:
                 raise errors.StoppedError(f"stopped while retrying {self.target}: {error.message}", error.code)
             if self.stop is None:
                 time.sleep(delay)
+
+
+def _nothing() -> None:
+    pass
