@@ -27,7 +27,6 @@ import numpy as np
 from google.protobuf.message import DecodeError, Message
 
 from gemps import errors
-from gemps_proto.codec import TensorDecodeError, decode, expected_nbytes, numpy_dtype
 from gemps_proto.data_plane_events import (
     NEED_DATA,
     Attach,
@@ -40,8 +39,9 @@ from gemps_proto.data_plane_events import (
     ReplyReceived,
     Request,
 )
+from gemps_proto.data_plane_frames import Op
 from gemps_proto.data_plane_protocol import TLS_PIECE, ClientConnection, advance
-from gemps_proto.dataplane import Op
+from gemps_proto.tensor_codec import TensorDecodeError, decode, expected_nbytes, numpy_dtype
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 M = TypeVar("M", bound=Message)

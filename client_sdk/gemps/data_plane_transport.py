@@ -42,10 +42,10 @@ from gemps.data_plane_connection import SHARED_MEMORY, DataConnection, Unreachab
 from gemps.grpc_transport import GrpcTransport
 from gemps.records import Evaluation, Registration, ServerStatus
 from gemps.transport import CommitCall, Committed, Enrolment, Pending, PullCall, Pulled, Registered
-from gemps_proto.codec import wire_view
-from gemps_proto.dataplane import Op
+from gemps_proto.data_plane_frames import Op
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import DataPlane
+from gemps_proto.tensor_codec import wire_view
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 log = logging.getLogger("gemps.client")

@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass
 from typing import Final
 
-from gemps_proto.dataplane import Op
+from gemps_proto.data_plane_frames import Op
 from gemps_proto.reasons import Reason
 from gemps_proto.v1 import parameter_server_pb2 as pb
 

@@ -3,7 +3,7 @@
 The way h11 and hyper-h2 write HTTP: a `ServerConnection` or a `ClientConnection` is told what
 arrived and says what it means (`next_event`), and turns what its end says into bytes (`send`);
 it owns no socket, no thread and no clock (deadlines and timeouts are the caller's). Frames,
-preambles and the SHARED flag are defined once, in gemps_proto/dataplane.py; this module holds
+preambles and the SHARED flag are defined once, in gemps_proto/data_plane_frames.py; this module holds
 the order they come in and every refusal the protocol itself makes.
 
 Reading never copies a payload: `read_view()` is where the next bytes go, exactly as many as the
@@ -46,7 +46,7 @@ from gemps_proto.data_plane_events import (
     Request,
     ServerEvent,
 )
-from gemps_proto.dataplane import PREAMBLE, REPLY, SHARED, FrameError, Op, Preamble, frame_start, read_preamble
+from gemps_proto.data_plane_frames import PREAMBLE, REPLY, SHARED, FrameError, Op, Preamble, frame_start, read_preamble
 from gemps_proto.reasons import Reason
 from gemps_proto.v1 import parameter_server_pb2 as pb
 

@@ -28,7 +28,7 @@ import torch
 
 from gemps.data_plane_connection import DataConnection
 from gemps.pytorch import RemoteModel
-from gemps_proto.dataplane import Op, read_preamble
+from gemps_proto.data_plane_frames import Op, read_preamble
 from tests.integration.conftest import StartServer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -29,6 +29,7 @@ from gemps_proto.data_plane_events import (
     Request,
     ServerEvent,
 )
+from gemps_proto.data_plane_frames import MAGIC, PREAMBLE, REPLY, SHARED, VERSION, Op, frame_start, read_preamble
 from gemps_proto.data_plane_protocol import (
     MAX_HELLO_BYTES,
     ClientConnection,
@@ -36,7 +37,6 @@ from gemps_proto.data_plane_protocol import (
     State,
     advance,
 )
-from gemps_proto.dataplane import MAGIC, PREAMBLE, REPLY, SHARED, VERSION, Op, frame_start, read_preamble
 from gemps_proto.reasons import Reason
 from gemps_proto.v1 import parameter_server_pb2 as pb
 

@@ -20,12 +20,12 @@ from gemps.data_plane_connection import DataConnection, target_host
 from gemps.data_plane_transport import DataPlaneTransport, _committed, _pulled
 from gemps.grpc_transport import GrpcTransport
 from gemps.transport import CommitCall, PullCall
-from gemps_proto import framing
-from gemps_proto.codec import BFLOAT16, FLOAT32, encode, wire_view
-from gemps_proto.dataplane import REPLY, Op, frame_start, read_preamble
+from gemps_proto import grpc_framing
+from gemps_proto.data_plane_frames import REPLY, Op, frame_start, read_preamble
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import Buffers, DataPlane, PayloadKind
-from gemps_proto.serde import set_buffers
+from gemps_proto.schema_proto import set_buffers
+from gemps_proto.tensor_codec import BFLOAT16, FLOAT32, encode, wire_view
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 THETA = np.linspace(-2, 2, 1000, dtype=np.float32)
@@ -95,8 +95,10 @@ def commit_response() -> pb.CommitResponse:
 def test_a_commit_reply_reads_as_the_grpc_reply_does(pair: tuple[DataConnection, socket.socket], dtype: int) -> None:
     connection, server = pair
     reply, data = commit_response(), encode(THETA, dtype)
-    unary = messages.commit_reply(framing.with_tensor(reply, framing.COMMIT_REPLY_FIELD, dtype, [THETA.size], data))
-    framing.announce(reply.parameters, dtype, THETA.size)
+    unary = messages.commit_reply(
+        grpc_framing.with_tensor(reply, grpc_framing.COMMIT_REPLY_FIELD, dtype, [THETA.size], data)
+    )
+    grpc_framing.announce(reply.parameters, dtype, THETA.size)
     server.sendall(frame_start(Op.COMMIT | REPLY, reply.SerializeToString(), len(data)) + data)
     connection.send(Op.COMMIT, b"")
     committed = _committed(connection)
@@ -138,7 +140,7 @@ def test_a_refusal_is_the_error_grpc_would_raise(pair: tuple[DataConnection, soc
 def test_a_connection_lost_mid_reply_is_retried_as_unavailable(pair: tuple[DataConnection, socket.socket]) -> None:
     connection, server = pair
     reply = commit_response()
-    framing.announce(reply.parameters, FLOAT32, THETA.size)
+    grpc_framing.announce(reply.parameters, FLOAT32, THETA.size)
     server.sendall(frame_start(Op.COMMIT | REPLY, reply.SerializeToString(), THETA.nbytes) + THETA.tobytes()[:100])
     connection.send(Op.COMMIT, b"")
     server.recv(20, socket.MSG_WAITALL)  # read: a peer closing with bytes unread resets instead
@@ -151,7 +153,7 @@ def test_a_connection_lost_mid_reply_is_retried_as_unavailable(pair: tuple[DataC
 def test_a_reply_of_another_size_than_announced_is_a_protocol_error(pair: tuple[DataConnection, socket.socket]) -> None:
     connection, server = pair
     reply = commit_response()
-    framing.announce(reply.parameters, FLOAT32, THETA.size)
+    grpc_framing.announce(reply.parameters, FLOAT32, THETA.size)
     server.sendall(frame_start(Op.COMMIT | REPLY, reply.SerializeToString(), 12))
     connection.send(Op.COMMIT, b"")
     with pytest.raises(errors.GempsError, match="12 bytes of payload; the header announced 4000") as raised:

@@ -27,8 +27,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from gemps_proto import framing
-from gemps_proto.codec import FLOAT32, EncodedTensor
+from gemps_proto import grpc_framing
 from gemps_proto.data_plane_events import (
     NEED_DATA,
     AttachRequested,
@@ -42,9 +41,10 @@ from gemps_proto.data_plane_events import (
     Reply,
     ServerEvent,
 )
+from gemps_proto.data_plane_frames import Op
 from gemps_proto.data_plane_protocol import ServerConnection
-from gemps_proto.dataplane import Op
 from gemps_proto.reasons import Reason
+from gemps_proto.tensor_codec import FLOAT32, EncodedTensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.errors import (
     DeadlineExceeded,
@@ -245,7 +245,7 @@ class Connection:
             writer, mirror = _reply_into(buffer, region, commit.reply_dtype)
             outcome, theta = yield Call(lambda deliver: service.commit_then(commit, writer, deliver, mirror))
             reply = messages.outcome_header(outcome)
-            framing.announce(reply.parameters, commit.reply_dtype, service.num_parameters)
+            grpc_framing.announce(reply.parameters, commit.reply_dtype, service.num_parameters)
             yield from self._send(reply.SerializeToString(), theta)
         finally:
             held.give_back()
