@@ -19,9 +19,9 @@ import time
 
 import numpy as np
 
-from gemps_proto.codec import EncodedTensor
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
-from gemps_proto.serde import tensor_from_proto, tensor_to_proto
+from gemps_proto.schema_proto import tensor_from_proto, tensor_to_proto
+from gemps_proto.tensor_codec import EncodedTensor
 from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NOISE_WINDOW_OFF, NoiseEstimator
 from gemps_server.domain.records import Commit
 from gemps_server.domain.state import ServerState

@@ -28,8 +28,8 @@ import numpy as np
 from gemps_bench.suite import parse_counts
 
 import gemps
-from gemps_proto import dataplane
-from gemps_proto.dataplane import REPLY, Op
+from gemps_proto import data_plane_frames
+from gemps_proto.data_plane_frames import REPLY, Op
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_worker.cluster import ServerProcess
@@ -55,14 +55,14 @@ def _upload_once(sock: socket.socket, worker_id: str, size: int, rate: float) ->
         kind=pb.PAYLOAD_KIND_GRADIENT,
         payload=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[size]),
     ).SerializeToString()
-    sock.sendall(dataplane.frame_start(Op.COMMIT, header, 4 * size))
+    sock.sendall(data_plane_frames.frame_start(Op.COMMIT, header, 4 * size))
     chunk, left, due = bytes(CHUNK), 4 * size, time.monotonic()
     while left:
         due = max(due, time.monotonic()) + min(CHUNK, left) / rate  # never faster than `rate`, even after a wait
         sock.sendall(chunk[: min(CHUNK, left)])
         left -= min(CHUNK, left)
         time.sleep(max(0.0, due - time.monotonic()))
-    preamble = dataplane.read_preamble(_exactly(sock, dataplane.PREAMBLE.size))
+    preamble = data_plane_frames.read_preamble(_exactly(sock, data_plane_frames.PREAMBLE.size))
     _exactly(sock, preamble.header_bytes)
     _exactly(sock, preamble.payload_bytes)
     return preamble.op == Op.COMMIT | REPLY
@@ -80,15 +80,15 @@ def _uploader(target: str, size: int, rate: float, stop: Event, done: list[int])
                 reply = stub.Register(pb.RegisterRequest(spec=spec), timeout=30)
             with socket.create_connection(("127.0.0.1", reply.data_plane.port), timeout=60) as sock:
                 hello = pb.DataPlaneHello(worker_id=reply.worker_id, ticket=reply.data_plane.ticket)
-                sock.sendall(dataplane.frame_start(Op.HELLO, hello.SerializeToString()))
-                preamble = dataplane.read_preamble(_exactly(sock, dataplane.PREAMBLE.size))
+                sock.sendall(data_plane_frames.frame_start(Op.HELLO, hello.SerializeToString()))
+                preamble = data_plane_frames.read_preamble(_exactly(sock, data_plane_frames.PREAMBLE.size))
                 _exactly(sock, preamble.header_bytes)
                 if preamble.op != Op.HELLO | REPLY:
                     reply = None  # forgotten (or refused): register again
                     continue
                 while not stop.is_set() and _upload_once(sock, reply.worker_id, size, rate):
                     done[0] += 1
-        except (OSError, grpc.RpcError, dataplane.FrameError):
+        except (OSError, grpc.RpcError, data_plane_frames.FrameError):
             time.sleep(0.1)  # dropped or refused: connect again
 
 

@@ -1,4 +1,4 @@
-"""A raw data-plane client for tests (gemps_proto/dataplane.py): a socket, a HELLO, then
+"""A raw data-plane client for tests (gemps_proto/data_plane_frames.py): a socket, a HELLO, then
 commits and pulls framed by hand, and whatever the server answers read back as it came."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from types import TracebackType
 import numpy as np
 from google.protobuf.message import Message
 
-from gemps_proto import dataplane
-from gemps_proto.dataplane import REPLY, Op
+from gemps_proto import data_plane_frames
+from gemps_proto.data_plane_frames import REPLY, Op
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 
@@ -78,7 +78,7 @@ class DataPlaneClient:
         """A frame; `payload_bytes` announces another length than the payload's (to lie); `fds`
         pass descriptors with it (a local socket)."""
         announced = len(payload) if payload_bytes is None else payload_bytes
-        data = dataplane.frame_start(op, header, announced, flags) + payload
+        data = data_plane_frames.frame_start(op, header, announced, flags) + payload
         if fds:
             sent = socket.send_fds(self.sock, [data], fds)
             if sent < len(data):
@@ -88,8 +88,8 @@ class DataPlaneClient:
 
     def receive(self, shared: memoryview | None = None) -> Frame:
         """The next frame; a payload flagged SHARED read from `shared` (the attached memory)."""
-        start = self._exactly(dataplane.PREAMBLE.size)
-        preamble = dataplane.read_preamble(start)
+        start = self._exactly(data_plane_frames.PREAMBLE.size)
+        preamble = data_plane_frames.read_preamble(start)
         header = self._exactly(preamble.header_bytes)
         if preamble.shared:
             assert shared is not None, "a SHARED reply, and no shared memory here"

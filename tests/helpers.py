@@ -29,9 +29,9 @@ from prometheus_client import disable_created_metrics
 from prometheus_client.parser import text_string_to_metric_families
 
 from gemps.client import Client
-from gemps_proto.codec import EncodedTensor
 from gemps_proto.schema import TrainingConfig
-from gemps_proto.serde import tensor_from_proto, tensor_to_proto
+from gemps_proto.schema_proto import tensor_from_proto, tensor_to_proto
+from gemps_proto.tensor_codec import EncodedTensor
 from gemps_server import logs
 from gemps_server.app import ParameterServer
 from gemps_server.config import ServerConfig

@@ -18,7 +18,7 @@ from gemps_bench.echo_tcp import TcpEchoClientFactory, TcpEchoServer
 from gemps_bench.gemps_load import GempsClientFactory
 from gemps_bench.loadgen import LoadPlan, run_load
 from gemps_bench.results import LoadResult
-from gemps_proto.framing import DEFAULT_CHUNK_BYTES
+from gemps_proto.grpc_framing import DEFAULT_CHUNK_BYTES
 from gemps_worker.cluster import ServerProcess
 
 CEILINGS = ("echo-unary", "echo-stream", "echo-tcp")

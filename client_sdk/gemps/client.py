@@ -43,10 +43,10 @@ from gemps.resolver import Target, as_resolver
 from gemps.retry import NO_RETRY, Retrier, RetryPolicy
 from gemps.router import PartitionRouter
 from gemps.transport import Transport
-from gemps_proto.codec import WIRE_DTYPE_NAMES, all_finite
-from gemps_proto.framing import DEFAULT_CHUNK_BYTES
+from gemps_proto.grpc_framing import DEFAULT_CHUNK_BYTES
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import PayloadKind, buffer_spec_of, flatten, spec_of
+from gemps_proto.tensor_codec import WIRE_DTYPE_NAMES, all_finite
 
 log = logging.getLogger("gemps.client")
 

@@ -1,4 +1,4 @@
-"""One data-plane connection to one server process (gemps_proto.dataplane, DESIGN §3c).
+"""One data-plane connection to one server process (DESIGN §3c): the protocol core's client role on a socket.
 
 A TCP socket (TLS with the gRPC connection's settings when that uses TLS), or on the server's
 host its local Unix socket, a HELLO with one registration's ticket, then strictly one request and
@@ -27,15 +27,25 @@ import numpy as np
 from google.protobuf.message import DecodeError, Message
 
 from gemps import errors
-from gemps_proto import dataplane
-from gemps_proto.codec import TensorDecodeError, decode, expected_nbytes, numpy_dtype
-from gemps_proto.dataplane import REPLY, SHARED, FrameError, Op
+from gemps_proto.data_plane_events import (
+    NEED_DATA,
+    Attach,
+    ClientEvent,
+    Hello,
+    NeedData,
+    PayloadComplete,
+    ProtocolError,
+    Refused,
+    ReplyReceived,
+    Request,
+)
+from gemps_proto.data_plane_frames import Op
+from gemps_proto.data_plane_protocol import TLS_PIECE, ClientConnection, advance
+from gemps_proto.tensor_codec import TensorDecodeError, decode, expected_nbytes, numpy_dtype
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 M = TypeVar("M", bound=Message)
 Payload = bytes | memoryview
-# Bytes handed to one TLS write: SSLSocket has no sendmsg, and it encrypts (copies) anyway.
-TLS_PIECE = 1 << 20
 
 
 class Unreachable(Exception):
@@ -68,10 +78,15 @@ class DataConnection:
         self.sock = sock
         self.address = address
         self.closed = False
-        self.awaiting = False  # a request was sent and its reply not read yet
+        self._protocol = ClientConnection()
         self.local = sock.family == getattr(socket, "AF_UNIX", None)
         self._shared: mmap.mmap | None = None  # the attached shared memory
         self._shared_view = memoryview(b"")  # its bytes (slicing an mmap itself would copy them)
+
+    @property
+    def awaiting(self) -> bool:
+        """A request was sent and its reply (or that reply's θ) not read yet."""
+        return self._protocol.awaiting
 
     @property
     def shared(self) -> bool:
@@ -101,20 +116,15 @@ class DataConnection:
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             shared = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            header = pb.DataPlaneAttach(bytes=size).SerializeToString()
-            self.awaiting = True
             with self._typed():
-                socket.send_fds(self.sock, [dataplane.frame_start(Op.ATTACH, header)], [fd])
+                socket.send_fds(self.sock, [self._protocol.send(Attach(size))], [fd])
         finally:
             os.close(fd)  # the server has its own copy of the descriptor, and the mapping stays
         try:
-            _header, payload_bytes = self.receive(Op.ATTACH)
+            self.receive(Op.ATTACH)
         except BaseException:
             shared.close()
             raise
-        if payload_bytes:
-            shared.close()
-            self.protocol_error(f"an ATTACH reply with {payload_bytes} bytes of payload")
         self._shared, self._shared_view = shared, memoryview(shared)
 
     @classmethod
@@ -140,12 +150,11 @@ class DataConnection:
         """Bind this connection to the registration of `worker_id`; its refusal raised typed. No
         answer at all is Unreachable: a port that is not a data plane, or TLS refused late (1.3)."""
         try:
-            self.send(Op.HELLO, pb.DataPlaneHello(worker_id=worker_id, ticket=ticket).SerializeToString())
-            _header, payload_bytes = self.receive(Op.HELLO)
+            with self._typed():
+                self._write([memoryview(self._protocol.send(Hello(worker_id, ticket)))])
+            self.receive(Op.HELLO)
         except (errors.ServerUnavailableError, errors.DeadlineExceededError) as error:
             raise Unreachable(self.address, f"HELLO not answered ({error.message})") from None
-        if payload_bytes:
-            self.protocol_error(f"a HELLO reply with {payload_bytes} bytes of payload")
 
     # -- frames -------------------------------------------------------------------------------------
 
@@ -153,40 +162,26 @@ class DataConnection:
         """A request frame, from the payload's own memory (a view of the caller's array), or
         through the shared memory when attached (copied there: the caller keeps its array)."""
         data = memoryview(payload).cast("B")
-        if self._shared is not None:
+        start = memoryview(self._protocol.send(Request(Op(op), header, len(data))))
+        if self._shared is not None:  # the frame is flagged SHARED: only its start goes
             self._shared_view[: len(data)] = data
-            views = [memoryview(dataplane.frame_start(op, header, len(data), SHARED))]
-        else:
-            views = [memoryview(dataplane.frame_start(op, header, len(data))), data]
-        self.awaiting = True
         with self._typed():
-            if isinstance(self.sock, ssl.SSLSocket):
-                for view in views:
-                    for start in range(0, len(view), TLS_PIECE):
-                        self.sock.sendall(view[start : start + TLS_PIECE])
-                return
-            while views:
-                _advance(views, self.sock.sendmsg(views))
+            self._write([start] if self._shared is not None else [start, data])
 
     def receive(self, op: int) -> tuple[bytes, int]:
-        """The reply to a request `op`: its header and how many payload bytes follow (read them
-        with receive_tensor). An ERROR frame is raised as the GempsError it names."""
-        with self._typed():
-            preamble = dataplane.read_preamble(self._exactly(dataplane.PREAMBLE.size))
-            header = self._exactly(preamble.header_bytes)
-        if preamble.op == Op.ERROR:
-            refusal = self.parse(pb.DataPlaneError, bytes(header))
+        """The reply to the request `op` sent: its header and how many payload bytes follow (read
+        them with receive_tensor). An ERROR frame is raised as the GempsError it names."""
+        if self._protocol.awaited != op:
+            raise RuntimeError(f"no reply to op {op:#x} is awaited")
+        event = self._event()
+        if isinstance(event, Refused):
             # Closed: after a refusal the server may close it (a request refused unread), and
             # reconnecting costs one round trip on a path that is rare.
             self.close()
+            refusal = event.error
             raise errors.from_status_number(refusal.code, refusal.message, refusal.reason)
-        if preamble.op != op | REPLY:
-            self.protocol_error(f"op {preamble.op:#x} in reply to {op:#x}")
-        if preamble.shared != self.shared:
-            self.protocol_error("a reply through shared memory on a connection without, or not through it with")
-        if preamble.payload_bytes == 0:
-            self.awaiting = False
-        return bytes(header), preamble.payload_bytes
+        assert isinstance(event, ReplyReceived), event
+        return event.header, event.payload_bytes
 
     def receive_tensor(self, announced: pb.Tensor, payload_bytes: int) -> np.ndarray:
         """The payload the reply's header announced, read straight into a new array (the caller
@@ -205,9 +200,8 @@ class DataConnection:
                 self.protocol_error(f"{nbytes} bytes announced, {len(self._shared_view)} shared")
             data[:] = self._shared_view[:nbytes]  # copied out: the memory is the next request's
         else:
-            with self._typed():
-                self._fill(data)
-        self.awaiting = False
+            self._protocol.payload_into(data)
+            assert isinstance(self._event(), PayloadComplete)
         values = decode(announced.dtype, shape, data)  # float32: `buffer` itself
         values.flags.writeable = False
         return values
@@ -246,34 +240,39 @@ class DataConnection:
                 f"DEADLINE_EXCEEDED: data plane of {self.address} sent nothing within the timeout",
                 errors.DeadlineExceededError.code,
             ) from None
-        except FrameError as error:
-            self.protocol_error(str(error))
         except OSError as error:  # ConnectionError, ssl.SSLError, and a closed socket
             self.close()
             raise errors.ServerUnavailableError(
                 f"UNAVAILABLE: data plane of {self.address}: {_why(error)}", errors.ServerUnavailableError.code
             ) from None
 
-    def _exactly(self, size: int) -> bytearray:
-        data = bytearray(size)
-        self._fill(memoryview(data))
-        return data
+    def _event(self) -> ClientEvent:
+        """The protocol's next event, reading what it asks for (exactly: θ straight into the array
+        it was told to read it into); a ProtocolError closes the connection, raised typed."""
+        protocol, filled = self._protocol, 0
+        with self._typed():
+            while (event := protocol.next_event()) is NEED_DATA:
+                view = protocol.read_view()
+                count = self.sock.recv_into(view)
+                if count == 0:
+                    raise ConnectionResetError(f"closed by the server after {filled} of {filled + len(view)} bytes")
+                filled += count
+                protocol.received(count)
+        assert not isinstance(event, NeedData)
+        if isinstance(event, ProtocolError):
+            self.protocol_error(event.message)
+        return event
 
-    def _fill(self, view: memoryview) -> None:
-        filled = 0
-        while filled < len(view):
-            count = self.sock.recv_into(view[filled:])
-            if count == 0:
-                raise ConnectionResetError(f"closed by the server after {filled} of {len(view)} bytes")
-            filled += count
-
-
-def _advance(views: list[memoryview], count: int) -> None:
-    """Drop `count` sent bytes from the front of `views` (a partial sendmsg)."""
-    while views and count >= len(views[0]):
-        count -= len(views.pop(0))
-    if views and count:
-        views[0] = views[0][count:]
+    def _write(self, views: list[memoryview]) -> None:
+        """Every byte of `views`, from their own memory: one sendmsg for a header and θ's bytes on
+        a plain socket (resumed where a partial one stopped), TLS_PIECE at a time under TLS."""
+        if isinstance(self.sock, ssl.SSLSocket):
+            for view in views:
+                for start in range(0, len(view), TLS_PIECE):
+                    self.sock.sendall(view[start : start + TLS_PIECE])
+            return
+        while views:
+            advance(views, self.sock.sendmsg(views))
 
 
 def _why(error: OSError) -> str:

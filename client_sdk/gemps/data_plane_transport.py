@@ -20,10 +20,14 @@ goes whole on one plane, with the request id every attempt reuses. "data" raises
 broken connection mid-call is ServerUnavailableError: the session retries with the same request
 id (the server's ledger makes the commit exactly-once). A HELLO refused as an unknown worker is
 WorkerNotFoundError: the session registers again and gets a new ticket.
+
+Where the transport stands is one `Link` state, changed only by `_become` (the moves it allows
+are `MOVES`): not offered, offered, connected, shared, fell back, closed.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import random
 import ssl
@@ -33,15 +37,15 @@ from typing import Generic, TypeVar
 
 from gemps import errors
 from gemps import grpc_messages as messages
-from gemps.channel_security import ChannelSecurity as Connection  # renamed (issue 33 item 5)
+from gemps.channel_security import ChannelSecurity
 from gemps.data_plane_connection import SHARED_MEMORY, DataConnection, Unreachable, target_host
 from gemps.grpc_transport import GrpcTransport
 from gemps.records import Evaluation, Registration, ServerStatus
 from gemps.transport import CommitCall, Committed, Enrolment, Pending, PullCall, Pulled, Registered
-from gemps_proto.codec import wire_view
-from gemps_proto.dataplane import Op
+from gemps_proto.data_plane_frames import Op
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import DataPlane
+from gemps_proto.tensor_codec import wire_view
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 log = logging.getLogger("gemps.client")
@@ -59,6 +63,30 @@ RETRY_MAX = 60.0
 RETRY_JITTER = 0.25
 RETRY_CONNECT_TIMEOUT = 2.0
 _now = time.monotonic  # the retries' clock (a seam for tests)
+
+
+class Link(enum.Enum):
+    """Where a data-plane transport stands (`DataPlaneTransport.state`)."""
+
+    NOT_OFFERED = "not offered"  # no registration yet, or its server offers no data plane: gRPC
+    OFFERED = "offered"  # a registration's offer, no connection open: the next call opens one
+    CONNECTED = "connected"  # a connection whose HELLO was answered
+    SHARED = "shared"  # that connection with shared memory attached (a local socket)
+    FELL_BACK = "fell back"  # auto: the data plane could not be used; gRPC until `_retry_at`
+    CLOSED = "closed"  # the transport is closed
+
+
+#: the moves `_become` allows (a state may always become itself)
+MOVES: dict[Link, frozenset[Link]] = {
+    Link.NOT_OFFERED: frozenset({Link.OFFERED, Link.FELL_BACK, Link.CLOSED}),
+    Link.OFFERED: frozenset({Link.NOT_OFFERED, Link.CONNECTED, Link.FELL_BACK, Link.CLOSED}),
+    Link.CONNECTED: frozenset({Link.NOT_OFFERED, Link.OFFERED, Link.SHARED, Link.FELL_BACK, Link.CLOSED}),
+    Link.SHARED: frozenset({Link.NOT_OFFERED, Link.OFFERED, Link.FELL_BACK, Link.CLOSED}),
+    # a return, a retry that failed again, or a registration gone (the fallback's wait still runs)
+    Link.FELL_BACK: frozenset({Link.CONNECTED, Link.CLOSED}),
+    Link.CLOSED: frozenset(),
+}
+_OPEN = frozenset({Link.CONNECTED, Link.SHARED})
 
 
 class _Reply(Generic[T]):
@@ -86,13 +114,14 @@ class DataPlaneTransport:
     """One server process: Commit and Pull on its data plane, the rest (and the fallback) on gRPC."""
 
     def __init__(
-        self, grpc: GrpcTransport, connection: Connection, *, mode: str = "auto", shared_memory: bool = True
+        self, grpc: GrpcTransport, connection: ChannelSecurity, *, mode: str = "auto", shared_memory: bool = True
     ) -> None:
         if mode not in ("auto", "data"):
             raise ValueError(f"a data-plane transport's mode is auto or data, not {mode!r}")
         self.grpc = grpc
         self.mode = mode
         # Same host: the local socket, and shared memory on it (both when offered and possible).
+        # What this host turned out to allow, not where the transport stands (that is `state`).
         self._wants_local = shared_memory and SHARED_MEMORY
         self._local = self._attach_memory = self._wants_local
         self.host = target_host(grpc.target)
@@ -100,15 +129,34 @@ class DataPlaneTransport:
         self._tls: ssl.SSLContext | None = connection.ssl_context() if connection.tls else None
         self._offer: DataPlane | None = None  # the newest registration's port and ticket
         self._worker_id = ""  # whose registration the offer is
-        self._connection: DataConnection | None = None
-        self._retry_at: float | None = None  # fell back (auto): when to try the data plane again
+        self.state = Link.NOT_OFFERED
+        self._connection: DataConnection | None = None  # CONNECTED and SHARED only
+        self._retry_at: float | None = None  # FELL_BACK only: when to try the data plane again
         self._retry_wait = RETRY_FIRST
         self.returns = 0  # times the data plane was used again after a fallback
+
+    def _become(self, state: Link, connection: DataConnection | None = None, *, retry_at: float | None = None) -> None:
+        """The one place the state changes: a connection it no longer holds is closed; CONNECTED
+        and SHARED hold `connection`, FELL_BACK a time to try again (`retry_at`)."""
+        if state is not self.state and state not in MOVES[self.state]:
+            raise RuntimeError(f"data-plane transport of {self.target}: {self.state.value} -> {state.value}")
+        if state in _OPEN:
+            connection = connection or self._connection
+            assert connection is not None, state
+        else:
+            connection = None
+        if self._connection is not None and self._connection is not connection:
+            self._connection.close()
+        if state is Link.FELL_BACK:
+            assert retry_at is not None
+        elif self.state is Link.FELL_BACK and state is Link.CONNECTED:
+            self.returns += 1  # back on the data plane
+        self.state, self._connection, self._retry_at = state, connection, retry_at
 
     @property
     def fell_back(self) -> bool:
         """auto: the data plane could not be used; gRPC until a later attempt succeeds."""
-        return self._retry_at is not None
+        return self.state is Link.FELL_BACK
 
     @property
     def target(self) -> str:
@@ -117,12 +165,12 @@ class DataPlaneTransport:
     @property
     def plane(self) -> str:
         """How commits and pulls travel now: "data" (the data plane), else "grpc"."""
-        return "data" if self._offer is not None and not self.fell_back else "grpc"
+        return "data" if self._offer is not None and self.state in (Link.OFFERED, *_OPEN) else "grpc"
 
     @property
     def shared(self) -> bool:
         """Commits and pulls go through shared memory with the server now."""
-        return self._connection is not None and not self._connection.closed and self._connection.shared
+        return self.state is Link.SHARED and self._connection is not None and not self._connection.closed
 
     @property
     def ticket(self) -> bytes | None:
@@ -138,10 +186,10 @@ class DataPlaneTransport:
     def _attach(self, registration: Registration) -> None:
         """Take a registration's offer and connect now: a port that cannot be reached is found at
         once, while gRPC has just answered (later, a server restarting looks the same)."""
-        self._drop()
         self._offer, self._worker_id = registration.data_plane, registration.worker_id
         if self.fell_back:
             return
+        self._become(Link.NOT_OFFERED if self._offer is None else Link.OFFERED)
         if self._offer is None:
             if self.mode == "data":
                 raise errors.FailedPreconditionError(
@@ -151,7 +199,7 @@ class DataPlaneTransport:
             log.debug("%s offers no data plane: using gRPC", self.target)
             return
         try:
-            self._connection = self._open(self._offer)
+            self._become(Link.CONNECTED, self._open(self._offer))
         except Unreachable as unreachable:
             self._unusable(unreachable.address, unreachable.why)
         except errors.GempsError as error:
@@ -182,24 +230,24 @@ class DataPlaneTransport:
             raise
         return connection
 
-    def _shared(self, connection: DataConnection, size: int) -> DataConnection | None:
-        """`connection` with shared memory of `size` bytes attached where it can be (a local
-        connection); a refusal turns it off for this server (the refused connection is replaced)."""
-        if not (self._attach_memory and connection.local and not connection.shared):
-            return connection
+    def _attached(self, connection: DataConnection, size: int) -> bool:
+        """Attach shared memory of `size` bytes to `connection` (SHARED); False when the server
+        refused it, which costs the connection (OFFERED again): no more attempts for this server."""
         try:
             connection.attach(size)
         except OSError as error:  # no memfd here (a sandbox): the local socket alone
             log.debug("shared memory not attached to %s (%s)", self.target, error)
             self._attach_memory = False
+            return True
         except errors.GempsError as error:
             if errors.worth_another_attempt(error):
                 raise
             log.debug("shared memory refused by %s (%s)", self.target, error.message)
             self._attach_memory = False
-            self._drop()
-            return self._ready(self._worker_id)
-        return connection
+            self._become(Link.OFFERED)
+            return False
+        self._become(Link.SHARED)
+        return True
 
     def _unusable(self, address: str, why: str, error: errors.GempsError | None = None) -> None:
         """auto: gRPC for this server until the next attempt (said once per fallback); data: raise."""
@@ -222,7 +270,7 @@ class DataPlaneTransport:
                 why,
             )
         jitter = 1 + RETRY_JITTER * (2 * random.random() - 1)
-        self._retry_at = _now() + self._retry_wait * jitter
+        self._become(Link.FELL_BACK, retry_at=_now() + self._retry_wait * jitter)
 
     def _try_again(self) -> None:
         """Fallen back, and the wait is over: open the data plane again (the local socket and
@@ -238,11 +286,12 @@ class DataPlaneTransport:
             self._unusable(f"{self.host}:{self._offer.port}", error.message, error)
             return
         connection.sock.settimeout(self.grpc.timeout)  # the calls' timeout from now on
-        self._connection, self._retry_at, self.returns = connection, None, self.returns + 1
+        self._become(Link.CONNECTED, connection)  # a return
         log.info("data plane of %s at %s usable again: commits and pulls go there", self.target, connection.address)
 
-    def _ready(self, worker_id: str) -> DataConnection | None:
-        """The connection for a call by `worker_id`, opened again if it broke; None: gRPC."""
+    def _ready(self, worker_id: str, shared_bytes: int = 0) -> DataConnection | None:
+        """The connection for a call by `worker_id`, opened again if it broke, with `shared_bytes`
+        of shared memory attached where it can be (a local connection); None: gRPC."""
         due = self._retry_at is not None and _now() >= self._retry_at
         if due and self._offer is not None and worker_id and worker_id == self._worker_id:
             self._try_again()
@@ -250,18 +299,24 @@ class DataPlaneTransport:
             return None  # not offered, fallen back, or a read-only pull (no registration, no ticket)
         assert self._offer is not None
         if self._connection is not None and (self._connection.closed or self._connection.awaiting):
-            self._drop()  # broke, or a reply was never read (a fan-out that gave up): state unknown
-        if self._connection is None:
-            try:
-                self._connection = self._open(self._offer)
-            except Unreachable as unreachable:
-                raise self._stale_offer(unreachable) from None
-            except errors.GempsError as error:
-                if errors.worth_another_attempt(error):
-                    raise
-                self._unusable(f"{self.host}:{self._offer.port}", error.message, error)
-                return None
-        return self._connection
+            self._become(Link.OFFERED)  # broke, or a reply was never read (a fan-out that gave up)
+        for _attempt in range(2):  # a refused ATTACH costs its connection: one more, without
+            if self.state is Link.OFFERED:
+                try:
+                    self._become(Link.CONNECTED, self._open(self._offer))
+                except Unreachable as unreachable:
+                    raise self._stale_offer(unreachable) from None
+                except errors.GempsError as error:
+                    if errors.worth_another_attempt(error):
+                        raise
+                    self._unusable(f"{self.host}:{self._offer.port}", error.message, error)
+                    return None
+            connection = self._connection
+            assert connection is not None
+            wants_shared = shared_bytes and self._attach_memory and connection.local
+            if self.state is Link.SHARED or not wants_shared or self._attached(connection, shared_bytes):
+                return self._connection
+        raise AssertionError("unreachable: the second attempt attaches nothing")
 
     def _stale_offer(self, unreachable: Unreachable) -> errors.GempsError:
         """The data port of our registration stopped answering. gRPC down too: the server is down
@@ -279,9 +334,8 @@ class DataPlaneTransport:
 
     def start_commit(self, call: CommitCall) -> Pending[Committed]:
         try:
-            connection = self._ready(call.worker_id)
-            if connection is not None:  # shared memory: θ's float32 bytes on this server
-                connection = self._shared(connection, 4 * call.payload.size)
+            # shared memory where it can be: θ's float32 bytes on this server
+            connection = self._ready(call.worker_id, 4 * call.payload.size)
             if connection is None:
                 return self.grpc.start_commit(call)
             header = messages.announced_commit(call, self.grpc.wire_dtype).SerializeToString()
@@ -312,8 +366,9 @@ class DataPlaneTransport:
         try:
             self.grpc.leave(worker_id)
         finally:  # the registration, and so its ticket, is gone
-            self._drop()
             self._offer, self._worker_id = None, ""
+            if not self.fell_back:
+                self._become(Link.NOT_OFFERED)
 
     def status(self) -> ServerStatus:
         return self.grpc.status()
@@ -322,13 +377,13 @@ class DataPlaneTransport:
         self.grpc.report_evaluation(evaluation)
 
     def close(self) -> None:
-        self._drop()
+        self._become(Link.CLOSED)
         self.grpc.close()
 
     def _drop(self) -> None:
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
+        """Close the connection (the next call opens another)."""
+        if self.state in _OPEN:
+            self._become(Link.OFFERED)
 
 
 def _committed(connection: DataConnection) -> Committed:

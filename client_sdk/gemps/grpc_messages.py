@@ -4,8 +4,8 @@ Both transports use them: gRPC sends them whole, the data plane (gemps.data_plan
 its frames' headers, with the tensors' data announced and sent raw beside them.
 
 Paired with the server's wire messages (server/gemps_server/wire/messages.py); what both ends convert is in
-gemps_proto.serde. Requests and replies that carry θ are bytes: θ is framed into a request with
-one copy and read out of a reply as a view of the received bytes (gemps_proto.framing), never
+gemps_proto.schema_proto. Requests and replies that carry θ are bytes: θ is framed into a request with
+one copy and read out of a reply as a view of the received bytes (gemps_proto.grpc_framing), never
 copied through a protobuf message.
 """
 
@@ -15,9 +15,9 @@ import numpy as np
 
 from gemps.records import Buffers, ParameterSpec, Registration
 from gemps.transport import CommitCall, Committed, PullCall, Pulled
-from gemps_proto import framing
-from gemps_proto import serde as shared
-from gemps_proto.codec import FLOAT32, INT64, encode, wire_view
+from gemps_proto import grpc_framing
+from gemps_proto import schema_proto as shared
+from gemps_proto.tensor_codec import FLOAT32, INT64, encode, wire_view
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 
@@ -44,20 +44,22 @@ def register_request(
     with_buffers = bool(buffer_spec) and buffers is not None
     if streamed:
         assert initial is not None, "a streamed Register carries initial values"
-        framing.announce(request.initial_parameters, FLOAT32, initial.size)
+        grpc_framing.announce(request.initial_parameters, FLOAT32, initial.size)
         if with_buffers:
             assert buffers is not None
             if buffers.floats.size:
-                framing.announce(request.initial_buffers, FLOAT32, buffers.floats.size)
+                grpc_framing.announce(request.initial_buffers, FLOAT32, buffers.floats.size)
             if buffers.integers.size:
-                framing.announce(request.initial_integer_buffers, INT64, buffers.integers.size)
+                grpc_framing.announce(request.initial_integer_buffers, INT64, buffers.integers.size)
         return pb.RegisterChunk(header=request).SerializeToString()
     if with_buffers:
         assert buffers is not None
         shared.set_buffers(request.initial_buffers, request.initial_integer_buffers, buffers)
     if initial is None:
         return request.SerializeToString()
-    return framing.with_tensor(request, framing.REGISTER_INITIAL_FIELD, FLOAT32, [initial.size], encode(initial))
+    return grpc_framing.with_tensor(
+        request, grpc_framing.REGISTER_INITIAL_FIELD, FLOAT32, [initial.size], encode(initial)
+    )
 
 
 def register_stream_data(
@@ -87,7 +89,7 @@ def buffers_from_proto(reply: pb.RegisterResponse | pb.PullResponse | pb.CommitR
 def register_reply(data: bytes) -> tuple[Registration, np.ndarray | None, Buffers | None]:
     """The registration, the central variable (None for the worker whose values set it) and the
     central buffers (None when the model has none)."""
-    reply, parameters = framing.parse_with_tensor(pb.RegisterResponse, framing.REGISTER_REPLY_FIELD, data)
+    reply, parameters = grpc_framing.parse_with_tensor(pb.RegisterResponse, grpc_framing.REGISTER_REPLY_FIELD, data)
     registration = shared.registration_from_proto(reply)
     return registration, None if parameters is None else parameters.decode(), buffers_from_proto(reply)
 
@@ -110,7 +112,7 @@ def pulled_from_proto(reply: pb.PullResponse, parameters: np.ndarray | None) -> 
 
 def pull_reply(data: bytes) -> Pulled:
     """The reply's version and flag, and the central variable unless it is unchanged."""
-    reply, parameters = framing.parse_with_tensor(pb.PullResponse, framing.PULL_REPLY_FIELD, data)
+    reply, parameters = grpc_framing.parse_with_tensor(pb.PullResponse, grpc_framing.PULL_REPLY_FIELD, data)
     return pulled_from_proto(reply, None if parameters is None or reply.unchanged else parameters.decode())
 
 
@@ -135,7 +137,7 @@ def announced_commit(call: CommitCall, wire_dtype: int) -> pb.CommitRequest:
     """A Commit request whose payload's dtype and shape are announced, its data left to follow:
     CommitStream's header, and a data-plane COMMIT's (its raw bytes after it)."""
     header = commit_message(call, wire_dtype)
-    framing.announce(header.payload, wire_dtype, call.payload.size)
+    grpc_framing.announce(header.payload, wire_dtype, call.payload.size)
     return header
 
 
@@ -145,7 +147,7 @@ def commit_request(call: CommitCall, wire_dtype: int, data: bytes | memoryview, 
     if streamed:
         return pb.CommitChunk(header=announced_commit(call, wire_dtype)).SerializeToString()
     header = commit_message(call, wire_dtype)
-    return framing.with_tensor(header, framing.COMMIT_PAYLOAD_FIELD, wire_dtype, [call.payload.size], data)
+    return grpc_framing.with_tensor(header, grpc_framing.COMMIT_PAYLOAD_FIELD, wire_dtype, [call.payload.size], data)
 
 
 def committed_from_proto(reply: pb.CommitResponse, parameters: np.ndarray) -> Committed:
@@ -164,6 +166,6 @@ def committed_from_proto(reply: pb.CommitResponse, parameters: np.ndarray) -> Co
 
 def commit_reply(data: bytes) -> Committed:
     """The reply's figures and the central variable (a read-only view of `data`)."""
-    reply, parameters = framing.parse_with_tensor(pb.CommitResponse, framing.COMMIT_REPLY_FIELD, data)
+    reply, parameters = grpc_framing.parse_with_tensor(pb.CommitResponse, grpc_framing.COMMIT_REPLY_FIELD, data)
     assert parameters is not None, "a CommitResponse always carries the central variable"
     return committed_from_proto(reply, parameters.decode())

@@ -20,10 +20,10 @@ from gemps import grpc_messages as messages
 from gemps.channel_security import ChannelSecurity
 from gemps.records import Buffers, Evaluation, Layout, Registration, ServerStatus
 from gemps.transport import CommitCall, Committed, Enrolment, PullCall, Pulled, Registered
-from gemps_proto import serde as shared
-from gemps_proto.codec import decode, expected_nbytes, wire_view
-from gemps_proto.framing import PayloadAssembler, data_frames, read_data
+from gemps_proto import schema_proto as shared
+from gemps_proto.grpc_framing import PayloadAssembler, data_frames, read_data
 from gemps_proto.reasons import Reason
+from gemps_proto.tensor_codec import decode, expected_nbytes, wire_view
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 

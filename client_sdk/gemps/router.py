@@ -35,9 +35,9 @@ from gemps.resolver import Resolver
 from gemps.retry import Retrier
 from gemps.server_session import ServerSession, refuse_partition_count_change
 from gemps.transport import CommitCall, Committed, Enrolment, Pending, Transport
-from gemps_proto.codec import num_elements
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import PayloadKind
+from gemps_proto.tensor_codec import num_elements
 
 T = TypeVar("T")
 log = logging.getLogger("gemps.client")

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from gemps_proto.codec import FLOAT32, INT64
 from gemps_proto.ranges import FLOAT32_MAX, INT64_MAX, RANGE, UINT32_MAX, Range, out_of_range
 from gemps_proto.schedules import CONSTANT, SCHEDULES
+from gemps_proto.tensor_codec import FLOAT32, INT64
 
 
 class PayloadKind(enum.IntEnum):
@@ -121,7 +121,7 @@ class ParameterSpec:
 
     name: str
     shape: tuple[int, ...]
-    dtype: int = FLOAT32  # a gemps_proto.codec dtype: FLOAT32, or INT64 for an integer buffer
+    dtype: int = FLOAT32  # a gemps_proto.tensor_codec dtype: FLOAT32, or INT64 for an integer buffer
 
     @property
     def size(self) -> int:

@@ -34,8 +34,8 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from gemps_proto.codec import FLOAT32, INT64
 from gemps_proto.schema import Buffers, ParameterSpec, buffer_counts, integral, unflatten
+from gemps_proto.tensor_codec import FLOAT32, INT64
 from gemps_server.domain.ledger import (
     KEY_SEPARATOR,
     LEGACY_SCOPE,

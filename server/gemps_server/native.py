@@ -13,7 +13,7 @@ from types import ModuleType
 
 import numpy as np
 
-from gemps_proto.codec import all_finite as numpy_all_finite
+from gemps_proto.tensor_codec import all_finite as numpy_all_finite
 
 
 def _load() -> ModuleType | None:

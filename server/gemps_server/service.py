@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from gemps_proto.codec import EncodedBuffers, EncodedTensor
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import (
     DataPlane,
@@ -37,6 +36,7 @@ from gemps_proto.schema import (
     Shard,
     partition_bounds,
 )
+from gemps_proto.tensor_codec import EncodedBuffers, EncodedTensor
 from gemps_server.allocator import tune_for
 from gemps_server.config import ServerConfig
 from gemps_server.domain.applier import Applier, Deliver, Timed

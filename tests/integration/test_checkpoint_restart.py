@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import gemps
 from gemps_proto.schema import ParameterSpec
-from gemps_proto.serde import tensor_to_proto
+from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.checkpoint_files import list_checkpoints, load, load_latest
 from gemps_worker.cluster import ServerProcess

@@ -1,11 +1,13 @@
 """The path of one commit, walked for real: from `RemoteModel.step()` to the rule that moves θ.
 
-docs/ARCHITECTURE.md lists the path as a numbered list of files, one item per file in call
-order. This test captures the Python stack at the two ends of a real commit against a real
-in-process server: on the worker's side where the SDK hands the request to gRPC, and on the
-server's side inside the rule while it applies the commit. Each stack, reduced to the project's
-files, must cross each file once (no return into a file it left, e.g. the servicer from the
-applier) and must be the list in the docs, so the docs cannot drift from the code.
+docs/ARCHITECTURE.md lists the paths as numbered lists of files, one item per file in call
+order: gRPC's, and the data plane's (the default), over TCP and through shared memory alike.
+This test captures the Python stack at the two ends of a real commit against a real in-process
+server: on the worker's side where the SDK hands the request to gRPC, or writes its frame to
+the data plane's socket, and on the server's side inside the rule while it applies the commit.
+Each stack, reduced to the project's files, must cross each file once (no return into a file
+it left, e.g. the servicer from the applier) and must be the list in the docs, so the docs
+cannot drift from the code.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import grpc
 import pytest
 import torch
 
+from gemps.data_plane_connection import DataConnection
 from gemps.pytorch import RemoteModel
+from gemps_proto.data_plane_frames import Op, read_preamble
 from tests.integration.conftest import StartServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,6 +36,7 @@ PACKAGE_DIRS = ("client_sdk", "server", "proto")
 GRPC_DIR = os.path.dirname(grpc.__file__)
 DOCS = REPO / "docs" / "ARCHITECTURE.md"
 SECTION = "## The path of one commit"
+DATA_PLANE_SECTION = "## The path of one data-plane commit"
 # Past this many parameters the applier always runs a commit on its own thread (service.py).
 LARGE_MODEL_FEATURES = 1024  # Linear(1024, 300): 307,500 parameters
 
@@ -49,11 +54,11 @@ def project_files(stack: traceback.StackSummary) -> list[str]:
     return files
 
 
-def documented_path() -> list[str]:
-    """The files of docs/ARCHITECTURE.md's commit path, in its order."""
+def documented_path(title: str = SECTION) -> list[str]:
+    """The files of docs/ARCHITECTURE.md's commit path under `title`, in its order."""
     text = DOCS.read_text()
-    section = text[text.index(SECTION) :]
-    section = section[: section.find("\n## ", len(SECTION))]
+    section = text[text.index(title + "\n") :]
+    section = section[: section.find("\n## ", len(title))]
     return re.findall(r"^\d+\. `([\w/.]+\.py)`", section, flags=re.MULTILINE)
 
 
@@ -100,22 +105,47 @@ class StackInRule:
         rule.step = recorded  # the instance's: only this server's rule
 
 
-def one_step(target: str, features: int, recorder: StackInRule, server_state: Any) -> traceback.StackSummary:
-    """Register a linear model, then one training step; the SDK's stack where it enters gRPC."""
+class StackAtDataPlane:
+    """The caller's stack where the SDK writes a COMMIT frame to the data plane's socket."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.stack: traceback.StackSummary | None = None
+        write = DataConnection._write
+
+        def recorded(connection: DataConnection, views: list[memoryview]) -> None:
+            if self.stack is None and read_preamble(views[0]).op == Op.COMMIT:
+                self.stack = traceback.extract_stack()
+            write(connection, views)
+
+        monkeypatch.setattr(DataConnection, "_write", recorded)
+
+    def __enter__(self) -> StackAtDataPlane:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def one_step(
+    target: str, features: int, recorder: StackInRule, server_state: Any, sdk: StackAtGrpc | StackAtDataPlane
+) -> traceback.StackSummary:
+    """Register a linear model, then one training step; the SDK's stack where it hands the
+    commit to gRPC, or to the data plane's socket."""
     torch.manual_seed(0)
     model = torch.nn.Linear(features, 300 if features > 64 else 10)
     with RemoteModel(model, target) as remote:
         recorder.watch(server_state().rule)
         model(torch.randn(8, features)).square().mean().backward()
-        with StackAtGrpc() as sdk:
+        with sdk:
             remote.step()
-    assert sdk.stack is not None, "the commit never reached gRPC"
+    assert sdk.stack is not None, "the commit never reached its plane"
     return sdk.stack
 
 
-def test_docs_list_the_commit_path() -> None:
-    path = documented_path()
-    assert path, f"no numbered list of files under {SECTION!r} in {DOCS}"
+@pytest.mark.parametrize("title", [SECTION, DATA_PLANE_SECTION])
+def test_docs_list_the_commit_path(title: str) -> None:
+    path = documented_path(title)
+    assert path, f"no numbered list of files under {title!r} in {DOCS}"
     assert len(path) == len(set(path)), f"the documented path crosses a file twice: {path}"
     for file in path:
         assert (REPO / file).is_file(), f"docs/ARCHITECTURE.md names {file}, which does not exist"
@@ -126,7 +156,7 @@ def test_a_small_commit_crosses_each_file_once_as_documented(start_server: Start
     one stack, from the servicer to the rule."""
     server = start_server(rule="gem")
     recorder = StackInRule()
-    sdk_stack = one_step(server.target, 64, recorder, lambda: server.server.state)
+    sdk_stack = one_step(server.target, 64, recorder, lambda: server.server.state, StackAtGrpc())
     sdk_files = project_files(sdk_stack)
     assert len(recorder.stacks) == 1
     thread, server_stack = recorder.stacks[0]
@@ -142,7 +172,7 @@ def test_a_large_commit_crosses_the_applier_thread_the_same_way(start_server: St
     documented path, from the applier to the rule."""
     server = start_server(rule="gem")
     recorder = StackInRule()
-    one_step(server.target, LARGE_MODEL_FEATURES, recorder, lambda: server.server.state)
+    one_step(server.target, LARGE_MODEL_FEATURES, recorder, lambda: server.server.state, StackAtGrpc())
     assert len(recorder.stacks) == 1
     thread, server_stack = recorder.stacks[0]
     assert thread != "in-process-server", "a large commit runs on the applier's thread"
@@ -150,3 +180,23 @@ def test_a_large_commit_crosses_the_applier_thread_the_same_way(start_server: St
     documented = documented_path()
     assert server_files == documented[-len(server_files) :], (server_files, documented)
     assert any("applier" in file for file in server_files)
+
+
+@pytest.mark.parametrize("shared_memory", ["off", "on"])
+def test_a_data_plane_commit_crosses_each_file_once_as_documented(
+    start_server: StartServer, monkeypatch: pytest.MonkeyPatch, shared_memory: str
+) -> None:
+    """The default path: over TCP (as between hosts), or through shared memory (the server's
+    host). A small model's commit runs inline on the data plane's loop: from the loop's thread
+    to the rule, one stack."""
+    monkeypatch.setenv("GEMPS_PLANE", "data")
+    monkeypatch.setenv("GEMPS_SHARED_MEMORY", shared_memory)
+    server = start_server(rule="gem")
+    recorder = StackInRule()
+    sdk_stack = one_step(server.target, 64, recorder, lambda: server.server.state, StackAtDataPlane(monkeypatch))
+    assert len(recorder.stacks) == 1
+    thread, server_stack = recorder.stacks[0]
+    assert thread == "gemps-data-plane", "a small commit on an idle applier runs on the data plane's loop"
+    walked = [*project_files(sdk_stack), *project_files(server_stack), recorder.rule_file]
+    assert len(walked) == len(set(walked)), f"the commit path crosses a file twice: {walked}"
+    assert walked == documented_path(DATA_PLANE_SECTION)

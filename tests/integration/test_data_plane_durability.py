@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gemps_proto.dataplane import REPLY, SHARED, Op
-from gemps_proto.serde import tensor_to_proto
+from gemps_proto.data_plane_frames import REPLY, SHARED, Op
+from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.checkpoint_files import list_checkpoints, load
 from tests.data_plane_client import DataPlaneClient, Frame, commit_header

@@ -13,9 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from gemps_proto import dataplane
-from gemps_proto.dataplane import REPLY, Op
-from gemps_proto.serde import tensor_to_proto
+from gemps_proto import data_plane_frames
+from gemps_proto.data_plane_frames import REPLY, Op
+from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from tests.data_plane_client import DataPlaneClient, Frame, commit_header
 from tests.helpers import InProcessServer, scrape_series, wait_for
@@ -102,12 +102,12 @@ def test_garbage_instead_of_a_hello_is_refused_and_closed(server: InProcessServe
 def test_truncated_frames_and_a_silent_client_time_out(server: InProcessServer) -> None:
     baseline = baseline_threads(server)
     with raw(server) as silent, raw(server) as truncated:
-        truncated.sendall(dataplane.frame_start(Op.HELLO, b"\x0a\x01")[:-1])  # one byte short
+        truncated.sendall(data_plane_frames.frame_start(Op.HELLO, b"\x0a\x01")[:-1])  # one byte short
         assert closed(silent) and closed(truncated)  # after --handshake-timeout
     assert refusals(server)["handshake_timeout"] == 2
     reply = register(open_stub(server.target))
     with connected(reply) as client:  # a request cut short after a good hello
-        client.sock.sendall(dataplane.frame_start(Op.COMMIT, commit_header(reply.worker_id, P, 0), 4 * P)[:30])
+        client.sock.sendall(data_plane_frames.frame_start(Op.COMMIT, commit_header(reply.worker_id, P, 0), 4 * P)[:30])
         frame = client.receive()  # DEADLINE_EXCEEDED after --stream-idle-timeout, then closed
         assert frame.error is not None and frame.error.reason == "stream_idle"
         assert client.closed_by_server()
@@ -130,12 +130,12 @@ def test_oversized_header_and_lying_payload_lengths_are_refused_unread(server: I
     baseline = baseline_threads(server)
     reply = register(open_stub(server.target))
     cases = [
-        dataplane.Preamble(Op.COMMIT, 2 << 20, 0).pack(),  # header past --max-message-mb (1)
-        dataplane.frame_start(Op.COMMIT, commit_header(reply.worker_id, P, 0), 1 << 40),  # 1 TiB payload
-        dataplane.frame_start(Op.PULL, pb.PullRequest(worker_id=reply.worker_id).SerializeToString(), 8),
-        dataplane.frame_start(Op.COMMIT, b"\xff\xff\xff", 4 * P),  # a header that does not parse
-        dataplane.frame_start(Op.HELLO, b""),  # a second HELLO
-        dataplane.frame_start(Op.COMMIT | REPLY, b""),  # a reply from the client
+        data_plane_frames.Preamble(Op.COMMIT, 2 << 20, 0).pack(),  # header past --max-message-mb (1)
+        data_plane_frames.frame_start(Op.COMMIT, commit_header(reply.worker_id, P, 0), 1 << 40),  # 1 TiB payload
+        data_plane_frames.frame_start(Op.PULL, pb.PullRequest(worker_id=reply.worker_id).SerializeToString(), 8),
+        data_plane_frames.frame_start(Op.COMMIT, b"\xff\xff\xff", 4 * P),  # a header that does not parse
+        data_plane_frames.frame_start(Op.HELLO, b""),  # a second HELLO
+        data_plane_frames.frame_start(Op.COMMIT | REPLY, b""),  # a reply from the client
     ]
     for frame_bytes in cases:
         with connected(reply) as client:
@@ -170,7 +170,7 @@ def test_connections_past_the_limit_are_refused(server: InProcessServer) -> None
 def test_a_slow_sender_is_closed_after_the_stream_timeout(server: InProcessServer) -> None:
     baseline = baseline_threads(server)
     reply = register(open_stub(server.target))
-    start = dataplane.frame_start(Op.COMMIT, commit_header(reply.worker_id, P, 0), 4 * P)
+    start = data_plane_frames.frame_start(Op.COMMIT, commit_header(reply.worker_id, P, 0), 4 * P)
     with connected(reply) as client:
         client.sock.sendall(start + b"\0" * 100)  # then nothing more: the payload trickles to a halt
         frame = client.receive()
@@ -231,7 +231,7 @@ def test_a_client_killed_mid_frame_leaves_nothing(server: InProcessServer) -> No
     reply = register(open_stub(server.target))
     for cut in (5, 40, 2000):
         client = connected(reply)
-        whole = dataplane.frame_start(Op.COMMIT, commit_header(reply.worker_id, P, 0), 4 * P) + bytes(4 * P)
+        whole = data_plane_frames.frame_start(Op.COMMIT, commit_header(reply.worker_id, P, 0), 4 * P) + bytes(4 * P)
         client.sock.sendall(whole[:cut])
         client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset
         client.close()

@@ -1,4 +1,4 @@
-"""The data plane on the server's host (DESIGN §3c, gemps_proto/dataplane.py): a Unix socket
+"""The data plane on the server's host (DESIGN §3c, gemps_proto/data_plane_frames.py): a Unix socket
 beside the TCP port where a client attaches shared memory, so θ's bytes cross no socket. What a
 worker gets is what TCP and gRPC give, bit for bit; and against hostile input (DESIGN §3b) a
 descriptor that is not one sealed memfd of θ's size is refused and closed, a descriptor passed
@@ -20,9 +20,9 @@ import pytest
 
 import gemps
 from gemps.data_plane_transport import DataPlaneTransport
-from gemps_proto import dataplane
-from gemps_proto.dataplane import REPLY, SHARED, Op
-from gemps_proto.serde import tensor_to_proto
+from gemps_proto import data_plane_frames
+from gemps_proto.data_plane_frames import REPLY, SHARED, Op
+from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from tests.data_plane_client import DataPlaneClient, commit_header, theta_of
 from tests.helpers import InProcessServer, wait_for
@@ -184,7 +184,7 @@ def test_descriptors_with_any_other_frame_and_shared_frames_without_memory_are_r
         client.send(Op.COMMIT, commit_header(reply.worker_id, P, 0), payload_bytes=SIZE, flags=SHARED)
         assert client.receive().op == Op.ERROR and client.closed_by_server()
     fd = memfd(SIZE)
-    hello = dataplane.frame_start(
+    hello = data_plane_frames.frame_start(
         Op.HELLO, pb.DataPlaneHello(worker_id=reply.worker_id, ticket=reply.data_plane.ticket).SerializeToString()
     )
     with DataPlaneClient(0, local_socket=reply.data_plane.local_socket) as client:  # one with the HELLO

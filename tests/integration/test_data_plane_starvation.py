@@ -16,8 +16,8 @@ import pytest
 
 import gemps
 from gemps.data_plane_transport import DataPlaneTransport
-from gemps_proto import dataplane
-from gemps_proto.dataplane import REPLY, Op
+from gemps_proto import data_plane_frames
+from gemps_proto.data_plane_frames import REPLY, Op
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from tests.data_plane_client import DataPlaneClient, commit_header
 from tests.helpers import InProcessServer, scrape_series, wait_for
@@ -102,7 +102,7 @@ def test_slow_uploads_in_progress_do_not_hold_an_honest_workers_commits(start_se
         for _ in range(4):
             reply = register(stub)
             uploader = connected(reply)
-            uploader.sock.sendall(dataplane.frame_start(Op.COMMIT, commit_header(reply.worker_id, P, 0), 4 * P))
+            uploader.sock.sendall(data_plane_frames.frame_start(Op.COMMIT, commit_header(reply.worker_id, P, 0), 4 * P))
             uploader.sock.sendall(payload[:half])  # and the rest only at the end
             uploaders.append((uploader, reply))
         with honest_client(server, route) as client:

@@ -16,9 +16,9 @@ import grpc
 import numpy as np
 import pytest
 
-from gemps_proto.dataplane import REPLY, Op
+from gemps_proto.data_plane_frames import REPLY, Op
 from gemps_proto.reasons import METADATA_KEY, Reason
-from gemps_proto.serde import tensor_to_proto
+from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from tests.data_plane_client import DataPlaneClient, commit_header

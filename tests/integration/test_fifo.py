@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import gemps
-from gemps_proto.serde import tensor_to_proto
+from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_worker.cluster import ServerProcess

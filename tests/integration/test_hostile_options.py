@@ -23,7 +23,7 @@ from gemps_cli import server as server_command
 from gemps.options import env_var, flag
 from gemps_proto.ranges import Range, range_of
 from gemps_proto.schema import TrainingConfig
-from gemps_proto.serde import tensor_to_proto
+from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.config import ServerConfig
 from tests.helpers import InProcessServer, server_outcome

@@ -22,7 +22,7 @@ import pytest
 from gemps_bench.procfs import partition_pids
 
 from gemps import Client
-from gemps_proto.serde import tensor_to_proto
+from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_worker.cluster import ServerProcess, free_port

@@ -15,7 +15,7 @@ import pytest
 
 import gemps
 from gemps_proto.reasons import METADATA_KEY
-from gemps_proto.serde import tensor_to_proto
+from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.validation import MAX_NAME_LENGTH, MAX_SPEC_ENTRIES
 from tests.helpers import InProcessServer, scrape_series, wait_for

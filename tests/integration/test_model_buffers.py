@@ -15,9 +15,9 @@ import pytest
 import safetensors.numpy
 
 import gemps
-from gemps_proto.codec import INT64
 from gemps_proto.schema import ParameterSpec
-from gemps_proto.serde import tensor_to_proto
+from gemps_proto.schema_proto import tensor_to_proto
+from gemps_proto.tensor_codec import INT64
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.checkpoint_files import list_checkpoints, load
 from tests.helpers import InProcessServer

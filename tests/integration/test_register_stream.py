@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import gemps
-from gemps_proto.framing import data_frames
+from gemps_proto.grpc_framing import data_frames
 from gemps_proto.reasons import Reason
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from tests.helpers import scrape_series, start_partitions, wait_for

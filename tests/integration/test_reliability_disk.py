@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gemps_proto.serde import tensor_to_proto
+from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.checkpoint_files import list_checkpoints, load
 from tests.helpers import wait_for

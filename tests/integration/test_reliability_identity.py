@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from gemps_proto.reasons import METADATA_KEY
-from gemps_proto.serde import tensor_to_proto
+from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_server.domain.rules.gem import GemRule

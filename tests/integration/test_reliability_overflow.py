@@ -12,7 +12,7 @@ import pytest
 
 from gemps_proto.reasons import METADATA_KEY
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
-from gemps_proto.serde import tensor_to_proto
+from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.checkpoint_files import Checkpoint, CheckpointError, list_checkpoints, load, save
 from gemps_server.domain.records import StateImage

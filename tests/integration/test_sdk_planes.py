@@ -16,7 +16,7 @@ import pytest
 import gemps
 from gemps.data_plane_connection import DataConnection
 from gemps.data_plane_transport import DataPlaneTransport
-from gemps_proto.dataplane import Op
+from gemps_proto.data_plane_frames import Op
 from gemps_worker.cluster import ServerProcess
 from tests.helpers import InProcessServer, scrape_series, start_partitions, wait_for
 from tests.integration.conftest import StartServer, StartServerProcess
@@ -126,7 +126,7 @@ def test_a_large_model_on_the_data_plane(start_server: StartServer) -> None:
 
 
 def _bfloat16(values: np.ndarray) -> np.ndarray:
-    from gemps_proto.codec import bfloat16_to_float32, float32_to_bfloat16
+    from gemps_proto.tensor_codec import bfloat16_to_float32, float32_to_bfloat16
 
     return bfloat16_to_float32(float32_to_bfloat16(values))
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import gemps
-from gemps_proto.codec import bfloat16_to_float32, float32_to_bfloat16
-from gemps_proto.framing import data_frames, frame_data
+from gemps_proto.grpc_framing import data_frames, frame_data
+from gemps_proto.tensor_codec import bfloat16_to_float32, float32_to_bfloat16
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from tests.helpers import InProcessServer, scrape_series
 from tests.integration.conftest import NUM_PARAMETERS, StartServer, central, open_stub, register

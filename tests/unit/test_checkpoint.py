@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from gemps_proto.codec import EncodedTensor
 from gemps_proto.schema import ParameterSpec, PayloadKind
+from gemps_proto.tensor_codec import EncodedTensor
 from gemps_server import checkpoint_files as checkpoints
 from gemps_server.checkpoint_files import (
     Checkpoint,

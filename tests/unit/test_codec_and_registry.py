@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from gemps.retry import RetryPolicy
-from gemps_proto import codec
-from gemps_proto.codec import TensorDecodeError, all_finite
+from gemps_proto import tensor_codec
 from gemps_proto.schema import WorkerStatus
-from gemps_proto.serde import tensor_from_proto, tensor_to_proto
+from gemps_proto.schema_proto import tensor_from_proto, tensor_to_proto
+from gemps_proto.tensor_codec import TensorDecodeError, all_finite
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.errors import NotFound, ResourceExhausted
 from gemps_server.domain.workers import WorkerRegistry
@@ -93,6 +93,6 @@ def test_retry_backoff_grows_and_is_capped() -> None:
 def test_the_codecs_dtype_numbers_are_the_protos() -> None:
     """The codec knows gemps.v1.DType by number (so the server's domain imports no protobuf)."""
     assert {pb.DType.Name(value): value for value in pb.DType.values()} == {
-        name: value for value, name in codec.DTYPE_NAMES.items()
+        name: value for value, name in tensor_codec.DTYPE_NAMES.items()
     }
-    assert (codec.FLOAT32, codec.BFLOAT16) == (pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16)
+    assert (tensor_codec.FLOAT32, tensor_codec.BFLOAT16) == (pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16)

@@ -6,8 +6,9 @@ import select
 import socket
 import threading
 
+from gemps_proto.data_plane_protocol import advance
 from gemps_server.security import Tickets
-from gemps_server.wire.data_plane_io import Channel, advance, pieces
+from gemps_server.wire.data_plane_io import Channel, pieces
 from gemps_server.wire.data_plane_uploads import Lane
 from gemps_server.wire.stream_buffers import Buffer
 

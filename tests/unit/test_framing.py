@@ -1,12 +1,12 @@
-"""The streaming RPCs' data pieces (gemps_proto.framing) are exactly what protobuf would write and read."""
+"""The streaming RPCs' data pieces (gemps_proto.grpc_framing) are exactly what protobuf would write and read."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gemps_proto.codec import bfloat16_to_float32, decode, encode, float32_to_bfloat16
-from gemps_proto.framing import PayloadAssembler, data_frames, frame_data, read_data
+from gemps_proto.grpc_framing import PayloadAssembler, data_frames, frame_data, read_data
+from gemps_proto.tensor_codec import bfloat16_to_float32, decode, encode, float32_to_bfloat16
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 

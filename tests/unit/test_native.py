@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gemps_proto.codec import all_finite as numpy_all_finite
+from gemps_proto.tensor_codec import all_finite as numpy_all_finite
 from gemps_server import native
 from gemps_server.domain.rules.base import median
 

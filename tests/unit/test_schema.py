@@ -9,7 +9,7 @@ import pytest
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from gemps_proto import reasons, schema
-from gemps_proto import serde as shared
+from gemps_proto import schema_proto as shared
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.rules import rule_class, rule_names
 

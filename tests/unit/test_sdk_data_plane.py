@@ -20,12 +20,12 @@ from gemps.data_plane_connection import DataConnection, target_host
 from gemps.data_plane_transport import DataPlaneTransport, _committed, _pulled
 from gemps.grpc_transport import GrpcTransport
 from gemps.transport import CommitCall, PullCall
-from gemps_proto import framing
-from gemps_proto.codec import BFLOAT16, FLOAT32, encode, wire_view
-from gemps_proto.dataplane import REPLY, Op, frame_start, read_preamble
+from gemps_proto import grpc_framing
+from gemps_proto.data_plane_frames import REPLY, Op, frame_start, read_preamble
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import Buffers, DataPlane, PayloadKind
-from gemps_proto.serde import set_buffers
+from gemps_proto.schema_proto import set_buffers
+from gemps_proto.tensor_codec import BFLOAT16, FLOAT32, encode, wire_view
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 THETA = np.linspace(-2, 2, 1000, dtype=np.float32)
@@ -43,10 +43,14 @@ CALL = CommitCall(
 
 @pytest.fixture
 def pair() -> Iterator[tuple[DataConnection, socket.socket]]:
-    """A connection and the socket of the "server" at its other end."""
+    """A connection past its HELLO and the socket of the "server" at its other end."""
     client, server = socket.socketpair()
     client.settimeout(5)
     connection = DataConnection(client, "test")
+    server.sendall(frame_start(Op.HELLO | REPLY, b""))
+    connection.hello("w1", b"t" * 32)
+    hello = read_preamble(server.recv(20, socket.MSG_WAITALL))
+    server.recv(hello.header_bytes, socket.MSG_WAITALL)
     yield connection, server
     connection.close()
     server.close()
@@ -91,10 +95,12 @@ def commit_response() -> pb.CommitResponse:
 def test_a_commit_reply_reads_as_the_grpc_reply_does(pair: tuple[DataConnection, socket.socket], dtype: int) -> None:
     connection, server = pair
     reply, data = commit_response(), encode(THETA, dtype)
-    unary = messages.commit_reply(framing.with_tensor(reply, framing.COMMIT_REPLY_FIELD, dtype, [THETA.size], data))
-    framing.announce(reply.parameters, dtype, THETA.size)
+    unary = messages.commit_reply(
+        grpc_framing.with_tensor(reply, grpc_framing.COMMIT_REPLY_FIELD, dtype, [THETA.size], data)
+    )
+    grpc_framing.announce(reply.parameters, dtype, THETA.size)
     server.sendall(frame_start(Op.COMMIT | REPLY, reply.SerializeToString(), len(data)) + data)
-    connection.awaiting = True
+    connection.send(Op.COMMIT, b"")
     committed = _committed(connection)
     assert not connection.awaiting and not connection.closed
     np.testing.assert_array_equal(committed.parameters, unary.parameters)
@@ -110,6 +116,7 @@ def test_an_unchanged_pull_carries_no_theta(pair: tuple[DataConnection, socket.s
     connection, server = pair
     reply = pb.PullResponse(version=9, unchanged=True, history="h")
     server.sendall(frame_start(Op.PULL | REPLY, reply.SerializeToString()))
+    connection.send(Op.PULL, b"")
     pulled = _pulled(connection)
     assert (pulled.version, pulled.parameters, pulled.buffers, pulled.history) == (9, None, None, "h")
 
@@ -120,6 +127,7 @@ def test_a_refusal_is_the_error_grpc_would_raise(pair: tuple[DataConnection, soc
         code=grpc.StatusCode.NOT_FOUND.value[0], message="unknown worker", reason="unknown_worker"
     )
     server.sendall(frame_start(Op.ERROR, refusal.SerializeToString()))
+    connection.send(Op.COMMIT, b"")
     with pytest.raises(errors.WorkerNotFoundError) as raised:
         _committed(connection)
     same = errors.from_status(grpc.StatusCode.NOT_FOUND, "unknown worker", "unknown_worker")
@@ -132,8 +140,10 @@ def test_a_refusal_is_the_error_grpc_would_raise(pair: tuple[DataConnection, soc
 def test_a_connection_lost_mid_reply_is_retried_as_unavailable(pair: tuple[DataConnection, socket.socket]) -> None:
     connection, server = pair
     reply = commit_response()
-    framing.announce(reply.parameters, FLOAT32, THETA.size)
+    grpc_framing.announce(reply.parameters, FLOAT32, THETA.size)
     server.sendall(frame_start(Op.COMMIT | REPLY, reply.SerializeToString(), THETA.nbytes) + THETA.tobytes()[:100])
+    connection.send(Op.COMMIT, b"")
+    server.recv(20, socket.MSG_WAITALL)  # read: a peer closing with bytes unread resets instead
     server.close()
     with pytest.raises(errors.ServerUnavailableError, match="closed by the server after 100 of 4000 bytes"):
         _committed(connection)
@@ -143,8 +153,9 @@ def test_a_connection_lost_mid_reply_is_retried_as_unavailable(pair: tuple[DataC
 def test_a_reply_of_another_size_than_announced_is_a_protocol_error(pair: tuple[DataConnection, socket.socket]) -> None:
     connection, server = pair
     reply = commit_response()
-    framing.announce(reply.parameters, FLOAT32, THETA.size)
+    grpc_framing.announce(reply.parameters, FLOAT32, THETA.size)
     server.sendall(frame_start(Op.COMMIT | REPLY, reply.SerializeToString(), 12))
+    connection.send(Op.COMMIT, b"")
     with pytest.raises(errors.GempsError, match="12 bytes of payload; the header announced 4000") as raised:
         _committed(connection)
     assert not errors.worth_another_attempt(raised.value) and connection.closed
@@ -246,3 +257,87 @@ def _answer_hello(server: socket.socket) -> None:
         sock.recv(preamble.header_bytes, socket.MSG_WAITALL)
         sock.sendall(frame_start(Op.HELLO | REPLY, b""))
         sock.recv(1)  # until the client closes
+
+
+# -- the transport's states: one enum, one transition function ------------------------------------
+
+
+class FakeConnection(DataConnection):
+    """A connection past its HELLO on a socket pair; `attach` succeeds or is refused."""
+
+    def __init__(self, *, local: bool = False, refuse_attach: bool = False) -> None:
+        sock, self.peer = socket.socketpair()
+        super().__init__(sock, "fake")
+        self.local, self.refuse_attach, self.attached = local, refuse_attach, 0
+
+    def attach(self, size: int) -> None:
+        self.attached += 1
+        if self.refuse_attach:
+            self.close()  # as the server does after refusing an ATTACH
+            raise errors.InvalidArgumentError("shared memory is attached already", errors.InvalidArgumentError.code)
+
+    def close(self) -> None:
+        super().close()
+        self.peer.close()
+
+
+def offered_transport(monkeypatch: pytest.MonkeyPatch, *opened: FakeConnection) -> DataPlaneTransport:
+    """A transport whose registration offered a data plane; each connection it opens is the next
+    of `opened`."""
+    grpc_transport = GrpcTransport(
+        "127.0.0.1:1", ChannelSecurity(), max_message_bytes=1 << 20, timeout=5, wire_dtype=FLOAT32, chunk_bytes=1 << 20
+    )
+    transport = DataPlaneTransport(grpc_transport, ChannelSecurity())
+    connections = iter(opened)
+    monkeypatch.setattr(transport, "_open", lambda offer, timeout=None: next(connections))
+    transport._offer, transport._worker_id = DataPlane(port=1, ticket=b"t" * 32), "w1"
+    transport._become(data_plane_transport.Link.OFFERED)
+    return transport
+
+
+def test_the_states_a_transport_moves_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    Link = data_plane_transport.Link
+    first, second = FakeConnection(), FakeConnection()
+    transport = offered_transport(monkeypatch, first, second)
+    assert (transport.state, transport.plane) == (Link.OFFERED, "data")
+    assert transport._ready("w1") is first and transport.state is Link.CONNECTED
+    assert transport._ready("") is None  # a read-only pull: no registration, gRPC
+    first.close()  # broke: the next call opens another
+    assert transport._ready("w1") is second and transport.state is Link.CONNECTED
+    monkeypatch.setattr(transport.grpc, "leave", lambda worker_id: None)  # no gRPC server here
+    transport.leave("w1")
+    assert second.closed and transport.plane == "grpc" and transport._ready("w1") is None
+    assert transport.state is Link.NOT_OFFERED  # type: ignore[comparison-overlap]  # leave() moved it
+    transport.close()
+    assert transport.state is Link.CLOSED
+    with pytest.raises(RuntimeError, match="closed -> offered"):
+        transport._become(Link.OFFERED)
+
+
+def test_shared_memory_is_a_state_of_its_own_and_a_refusal_costs_one_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    Link = data_plane_transport.Link
+    local = FakeConnection(local=True)
+    transport = offered_transport(monkeypatch, local)
+    assert transport._ready("w1", 40) is local and transport.state is Link.SHARED and transport.shared
+    assert transport._ready("w1", 40) is local and local.attached == 1  # attached once
+    refusing, plain = FakeConnection(local=True, refuse_attach=True), FakeConnection(local=True)
+    transport = offered_transport(monkeypatch, refusing, plain)
+    assert transport._ready("w1", 40) is plain and transport.state is Link.CONNECTED  # without, from now on
+    assert refusing.closed and not transport._attach_memory and plain.attached == 0
+    transport.close()
+
+
+def test_only_the_moves_listed_are_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    Link = data_plane_transport.Link
+    assert all(Link.CLOSED in moves for state, moves in data_plane_transport.MOVES.items() if state is not Link.CLOSED)
+    assert not data_plane_transport.MOVES[Link.CLOSED]
+    transport = offered_transport(monkeypatch, FakeConnection())
+    with pytest.raises(RuntimeError, match="offered -> shared"):
+        transport._become(Link.SHARED)  # memory is attached to a connection, never to none
+    transport._unusable("here", "a fault")
+    assert transport.state is Link.FELL_BACK and transport._retry_at is not None and transport.plane == "grpc"
+    with pytest.raises(RuntimeError, match="fell back -> offered"):
+        transport._become(Link.OFFERED)  # only a successful return leaves a fallback
+    transport.close()

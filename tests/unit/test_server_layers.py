@@ -9,8 +9,8 @@ import inspect
 import numpy as np
 import pytest
 
-from gemps_proto.codec import BFLOAT16, FLOAT32, encode
 from gemps_proto.schema import ParameterSpec, PayloadKind
+from gemps_proto.tensor_codec import BFLOAT16, FLOAT32, encode
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.records import Commit, CommitOutcome
 from gemps_server.domain.rules import CommitRule, rule_class, rule_names

@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from gemps_proto.codec import BFLOAT16, FLOAT32, INT64, EncodedBuffers, EncodedTensor
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import Buffers, Evaluation, ParameterSpec, PayloadKind
+from gemps_proto.tensor_codec import BFLOAT16, FLOAT32, INT64, EncodedBuffers, EncodedTensor
 from gemps_server.domain import validation
 from gemps_server.domain.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError
 from gemps_server.domain.records import Commit, PartitionOf

@@ -1,4 +1,4 @@
-"""Hand-framed protobuf (gemps_proto.wire) is exactly what protobuf itself writes and reads."""
+"""Hand-framed protobuf (gemps_proto.protobuf_wire) is exactly what protobuf itself writes and reads."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gemps_proto import wire
-from gemps_proto.serde import tensor_to_proto
+from gemps_proto import protobuf_wire
+from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.wire import messages as serde
 from gemps_server.wire.messages import MalformedRequest, WithTensor
@@ -16,9 +16,9 @@ from gemps_server.wire.messages import MalformedRequest, WithTensor
 
 @pytest.mark.parametrize("value", [1, 127, 128, 300, 2**32, 2**63 - 1, -1, -(2**63)])  # proto3 omits 0
 def test_varints_round_trip_like_protobuf(value: int) -> None:
-    encoded = wire.varint(value)
+    encoded = protobuf_wire.varint(value)
     assert encoded == pb.CommitRequest(base_version=value).SerializeToString()[1:]
-    assert wire.read_varint(encoded, 0) == (value % 2**64, len(encoded))
+    assert protobuf_wire.read_varint(encoded, 0) == (value % 2**64, len(encoded))
 
 
 @pytest.mark.parametrize("size", [0, 1, 300, 70_000])
@@ -26,7 +26,7 @@ def test_varints_round_trip_like_protobuf(value: int) -> None:
 def test_a_framed_reply_parses_as_protobuf_builds_it(size: int, dtype: int) -> None:
     data = np.arange(size, dtype=np.float32).tobytes()[: size * (2 if dtype == pb.DTYPE_BFLOAT16 else 4)]
     header = pb.CommitResponse(version=7, staleness=3, scaling_mean=0.5)
-    framed = header.SerializeToString() + wire.tensor_field(2, dtype, [size], len(data)) + data
+    framed = header.SerializeToString() + protobuf_wire.tensor_field(2, dtype, [size], len(data)) + data
     expected = pb.CommitResponse(version=7, staleness=3, scaling_mean=0.5)
     expected.parameters.CopyFrom(pb.Tensor(dtype=dtype, shape=[size], data=data))  # type: ignore[arg-type]
     assert pb.CommitResponse.FromString(framed) == expected
@@ -37,7 +37,7 @@ def test_a_commit_is_split_without_copying_its_payload() -> None:
         worker_id="w", base_version=4, kind=pb.PAYLOAD_KIND_GRADIENT, payload=tensor_to_proto(np.ones(5, np.float32))
     )
     data = request.SerializeToString()
-    split = wire.split_tensor_field(data, 4)
+    split = protobuf_wire.split_tensor_field(data, 4)
     assert split is not None and split.data.obj is data  # a view of the received bytes
     assert bytes(split.data) == request.payload.data
     parsed = serde.parse_with_tensor(pb.CommitRequest, 4, data)
@@ -50,12 +50,14 @@ def test_a_commit_is_split_without_copying_its_payload() -> None:
 def test_unusual_framings_are_left_to_protobuf() -> None:
     one = pb.CommitRequest(payload=tensor_to_proto(np.ones(2, np.float32))).SerializeToString()
     twice = one + one  # valid protobuf: the two payloads merge
-    assert wire.split_tensor_field(twice, 4) is None
+    assert protobuf_wire.split_tensor_field(twice, 4) is None
     parsed = serde.parse_with_tensor(pb.CommitRequest, 4, twice)
     assert isinstance(parsed, WithTensor) and parsed.tensor is not None
     assert parsed.tensor.shape == (2, 2)  # protobuf's merge: repeated shape appended
-    assert wire.split_tensor_field(pb.CommitRequest(worker_id="w").SerializeToString(), 4) is None  # no payload
-    assert wire.split_tensor_field(one[:-3], 4) is None  # truncated
+    assert (
+        protobuf_wire.split_tensor_field(pb.CommitRequest(worker_id="w").SerializeToString(), 4) is None
+    )  # no payload
+    assert protobuf_wire.split_tensor_field(one[:-3], 4) is None  # truncated
     assert isinstance(serde.parse_with_tensor(pb.CommitRequest, 4, one[:-3]), MalformedRequest)
 
 

@@ -24,8 +24,8 @@ from gemps.errors import GempsError
 from gemps.options import values_of
 from gemps.pytorch import load_central
 from gemps.records import CentralVariable, GradientNoise
-from gemps_proto.codec import WIRE_DTYPE_NAMES
 from gemps_proto.schema import TrainingConfig
+from gemps_proto.tensor_codec import WIRE_DTYPE_NAMES
 from gemps_worker.cluster import LocalCluster
 from gemps_worker.commit_log import CommitFigures, ReportTail
 from gemps_worker.datasets import DATASETS, Dataset, load_dataset

@@ -22,7 +22,7 @@ from gemps.pytorch import RemoteModel
 from gemps.records import Registration
 from gemps.resolver import Target
 from gemps.retry import RetryPolicy
-from gemps_proto.codec import WIRE_DTYPE_NAMES
+from gemps_proto.tensor_codec import WIRE_DTYPE_NAMES
 from gemps_worker.datasets import DATASETS, Dataset, load_dataset
 from gemps_worker.models import MODELS, build_model
 from gemps_worker.modes import LOCAL_OPTIMIZERS, MODES, Diverged, LocalTraining, create_mode

@@ -12,8 +12,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from gemps_proto.codec import FLOAT32, EncodedBuffers, EncodedTensor
 from gemps_proto.schema import Buffers, ParameterSpec, partition_bounds
+from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor
 from gemps_server.domain.ledger import Receipt
 from gemps_server.domain.rules import ApplyStats
 from gemps_server.domain.workers import WorkerRecord

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gemps_proto.codec import FLOAT32, EncodedBuffers, EncodedTensor, encode, wire_view
 from gemps_proto.reasons import Reason
 from gemps_proto.schedules import learning_rate_at
 from gemps_proto.schema import Buffers, ParameterSpec, TrainingConfig
+from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor, encode, wire_view
 from gemps_server.domain import validation
 from gemps_server.domain.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 from gemps_server.domain.ledger import CommitLedger, Receipt

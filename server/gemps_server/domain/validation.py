@@ -13,7 +13,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gemps_proto.codec import (
+from gemps_proto.reasons import Reason
+from gemps_proto.schema import Buffers, Evaluation, ParameterSpec, PayloadKind, buffer_counts
+from gemps_proto.tensor_codec import (
     WIRE_DTYPE_NAMES,
     EncodedBuffers,
     EncodedTensor,
@@ -21,8 +23,6 @@ from gemps_proto.codec import (
     dtype_name,
     expected_nbytes,
 )
-from gemps_proto.reasons import Reason
-from gemps_proto.schema import Buffers, Evaluation, ParameterSpec, PayloadKind, buffer_counts
 from gemps_server.domain.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from gemps_server.domain.ledger import MAX_CLIENT_ID_LENGTH, MAX_REQUEST_ID_LENGTH, valid_client_id
 from gemps_server.domain.records import Commit, PartitionOf

@@ -7,7 +7,7 @@ held until read), `stream_buffers` (the CommitStream and data-plane buffer pools
 (requests into domain records, outcomes into replies, and the commit reply writers) and `health`
 (grpc.health.v1). `status_codes`: the refusal → status code table both wires use.
 
-The data plane (DESIGN §3c, gemps_proto/dataplane.py): `data_plane` (the listener, connection
+The data plane (DESIGN §3c, gemps_proto/data_plane_frames.py): `data_plane` (the listener, connection
 limit, TLS, graceful stop), `data_plane_loop` (one thread serving every connection, non-blocking),
 `data_plane_calls` (one connection's protocol: HELLO and ticket, then Commit and Pull frames) and
 `data_plane_io` (non-blocking reads into buffers, writes from θ's memory).

@@ -28,7 +28,8 @@ import threading
 import time
 from pathlib import Path
 
-from gemps_proto.dataplane import Op, frame_start
+from gemps_proto.data_plane_events import ErrorReply
+from gemps_proto.data_plane_protocol import ServerConnection
 from gemps_proto.reasons import Reason
 from gemps_server.config import ServerConfig
 from gemps_server.domain.errors import ResourceExhausted
@@ -193,7 +194,7 @@ class DataPlaneServer:
                 Reason.TOO_LARGE,
             )
             with contextlib.suppress(OSError):
-                sock.send(frame_start(Op.ERROR, error_header(error)))
+                sock.send(ServerConnection(0).send(ErrorReply(error_header(error))))
         sock.close()
         self._refused("too_many_connections")
 

@@ -1,10 +1,13 @@
-"""One data-plane connection (gemps_proto/dataplane.py): the HELLO and its ticket, then one
-request and its reply at a time, each a Commit or a Pull answered as the gRPC path answers it.
+"""One data-plane connection's server side: the HELLO and its ticket, then one request and its
+reply at a time, each a Commit or a Pull answered as the gRPC path answers it.
 
-`Connection.serve` is the protocol, written as a generator the loop drives (data_plane_loop.py):
-each `yield` is something it waits for without holding the thread. Sizes are checked before the
-bytes they announce are read: the preamble's header length against --max-message-mb, a commit's
-payload length against the dtype and shape its header announces (service.expected_payload_bytes).
+`Connection.serve` is written as a generator the loop drives (data_plane_loop.py): each `yield` is
+something it waits for without holding the thread. What the bytes mean, and every refusal that
+needs only them, is the protocol core's (gemps_proto/data_plane_protocol.py, a ServerConnection):
+this module reads exactly the bytes it asks for and does what needs the service, the kernel or
+the clock. Sizes are checked before the bytes they announce are read: the preamble's header
+length against --max-message-mb (the core), a commit's payload length against the dtype and shape
+its header announces (service.expected_payload_bytes, here).
 A request refused before its payload was read is answered with an ERROR frame and the connection
 closed (its unread bytes are never read); one refused after it was read whole (NaN, unknown
 worker, base version) leaves the connection usable. A payload lands in a θ-sized buffer: read
@@ -20,17 +23,29 @@ import contextlib
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 import numpy as np
-from google.protobuf.message import DecodeError, Message
 
-from gemps_proto import dataplane, framing
-from gemps_proto.codec import FLOAT32, EncodedTensor
-from gemps_proto.dataplane import REPLY, SHARED, FrameError, Op, Preamble
+from gemps_proto import grpc_framing
+from gemps_proto.data_plane_events import (
+    NEED_DATA,
+    AttachRequested,
+    CommitHeader,
+    ErrorReply,
+    HelloReceived,
+    NeedData,
+    PayloadComplete,
+    ProtocolError,
+    PullRequested,
+    Reply,
+    ServerEvent,
+)
+from gemps_proto.data_plane_frames import Op
+from gemps_proto.data_plane_protocol import ServerConnection
 from gemps_proto.reasons import Reason
+from gemps_proto.tensor_codec import FLOAT32, EncodedTensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_server.domain.applier import Deliver
 from gemps_server.domain.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -44,18 +59,14 @@ from gemps_server.native import copy_max_abs, max_abs
 from gemps_server.service import ParameterService
 from gemps_server.wire import messages, shared_memory
 from gemps_server.wire.data_plane_io import Channel, Hangup, PeerClosed, Stalled, Unread, close_fds, pieces
-from gemps_server.wire.data_plane_loop import Handshake, Parked, ReadInto, Task, Wait, Write
+from gemps_server.wire.data_plane_loop import Call, Handshake, ReadInto, Task, Wait, Write
 from gemps_server.wire.data_plane_uploads import Held, Lanes, waited
 from gemps_server.wire.shared_memory import SharedRegion
 from gemps_server.wire.status_codes import status_of
 from gemps_server.wire.stream_buffers import Buffer
 from gemps_server.wire.streams import Pace
 
-M = TypeVar("M", bound=Message)
-Request = TypeVar("Request", pb.CommitRequest, pb.PullRequest)
 Steps = Generator[Wait, Any, Any]
-# A HELLO is a worker id and a 32-byte ticket: anything larger is not one.
-MAX_HELLO_BYTES = 4096
 METHODS: dict[int, str] = {Op.COMMIT: "Commit", Op.PULL: "Pull"}
 # What a refused HELLO counts as, by its reason (anything else: bad_hello).
 HELLO_REFUSALS = {Reason.UNAUTHENTICATED: "unauthenticated", Reason.UNKNOWN_WORKER: "unknown_worker"}
@@ -75,32 +86,10 @@ class Limits:
         return self.pace.idle_timeout
 
 
-def parsed(message_class: type[M], data: bytes | bytearray) -> M:
-    try:
-        return message_class.FromString(bytes(data))
-    except DecodeError as error:
-        raise InvalidArgument(
-            f"header is not a valid {message_class.DESCRIPTOR.full_name}: {error}", Reason.MALFORMED
-        ) from None
-
-
-def request_of(message_class: type[Request], header: bytearray, worker_id: str) -> Request:
-    """The request a frame's header holds, for this connection's worker; Unread otherwise."""
-    try:
-        request = parsed(message_class, header)
-    except ServiceError as error:
-        raise Unread(error) from None
-    if request.worker_id != worker_id:
-        raise Unread(
-            Unauthenticated(
-                f"this connection serves worker {worker_id!r}, not {request.worker_id!r}", Reason.UNAUTHENTICATED
-            )
-        )
-    return request
-
-
 class Connection:
-    """Serves one accepted connection: `serve(task)` is the generator its loop task runs."""
+    """Serves one accepted connection: `serve(task)` is the generator its loop task runs. What
+    the frames mean is the protocol core's (gemps_proto/data_plane_protocol.py); this reads the
+    bytes it asks for, and does what needs the service, the kernel or the clock."""
 
     def __init__(
         self,
@@ -117,6 +106,7 @@ class Connection:
         self._limits = limits
         self._lanes = lanes
         self._accepted_at = accepted_at
+        self._protocol = ServerConnection(limits.max_header_bytes)
         self._task: Task | None = None
         self._region: SharedRegion | None = None  # the shared memory attached (local connections)
         self.stopping = False  # the server is stopping: end after the request being served
@@ -129,10 +119,10 @@ class Connection:
         try:
             if self.channel.tls:
                 yield from self._handshake()
-            worker_id = yield from self.hello()
+            yield from self.hello()
             self.on_proven()
             while not self.stopping:
-                yield from self.request(worker_id)
+                yield from self.request()
         except Hangup as hangup:
             if hangup.reason is not None:
                 self._metrics.data_plane_refused(hangup.reason)
@@ -152,39 +142,34 @@ class Connection:
 
     # -- the hello ----------------------------------------------------------------------------
 
-    def hello(self) -> Generator[Wait, Any, str]:
-        """Check the first frame, a HELLO with this worker's ticket, before anything else is read:
-        the worker id it serves. Hangup otherwise (an ERROR frame sent first where one can be)."""
+    def hello(self) -> Steps:
+        """Check the first frame, a HELLO with this worker's ticket, before anything else is read.
+        Hangup otherwise (an ERROR frame sent first where one can be)."""
         deadline = self._accepted_at + self._limits.handshake_timeout
-        timeout = self._limits.handshake_timeout
         try:
-            start = yield from self._read_bytes(dataplane.PREAMBLE.size, timeout, deadline)
-            preamble = yield from self._preamble(start, "bad_hello")
-            if preamble.op != Op.HELLO or preamble.payload_bytes or preamble.header_bytes > MAX_HELLO_BYTES:
-                not_hello = InvalidArgument("the first frame must be a HELLO", Reason.MALFORMED)
-                raise (yield from self._refuse(not_hello, "bad_hello"))
-            header = yield from self._read_bytes(preamble.header_bytes, timeout, deadline)
+            event = yield from self._event(self._limits.handshake_timeout, deadline)
         except Stalled:
             raise Hangup("handshake_timeout") from None
         except PeerClosed:
             raise Hangup("bad_hello") from None
+        if isinstance(event, ProtocolError):
+            raise (yield from self._refuse(error_of(event), event.refusal))
+        assert isinstance(event, HelloReceived), event
         try:
             self._no_descriptors()
-            hello = parsed(pb.DataPlaneHello, header)
-            self._service.check_ticket(hello.worker_id, hello.ticket)
+            self._service.check_ticket(event.worker_id, event.ticket)
         except ServiceError as error:
             if isinstance(error, Unauthenticated):
                 self._metrics.refusal(Reason.UNAUTHENTICATED)  # as the gRPC port counts a bad token
             raise (yield from self._refuse(error, HELLO_REFUSALS.get(error.reason, "bad_hello"))) from None
-        yield from self._send(Op.HELLO | REPLY, b"")
-        return hello.worker_id
+        yield from self._send(worker_id=event.worker_id)
 
     # -- requests ------------------------------------------------------------------------------
 
-    def request(self, worker_id: str) -> Steps:
+    def request(self) -> Steps:
         """Serve one request (waiting for it first, as long as --connection-idle-timeout)."""
-        start = bytearray(dataplane.PREAMBLE.size)
-        view = memoryview(start)
+        protocol = self._protocol
+        view = protocol.read_view()  # the next frame's preamble
         received = self.channel.received
         try:
             yield ReadInto(view[:1], self._limits.idle_timeout, idle=True)
@@ -193,38 +178,31 @@ class Connection:
         started = time.perf_counter()
         try:
             yield ReadInto(view[1:], self._limits.stream_timeout)
-            preamble = yield from self._preamble(start, "bad_frame")
-            if preamble.op == Op.ATTACH:
-                yield from self._attach(preamble)
+            protocol.received(len(view))
+            method = METHODS.get(protocol.frame.op) if protocol.frame is not None else None
+            if method is not None:
+                yield from self._serve(method, started, received)
                 return
-            method = METHODS.get(preamble.op)
-            if method is None:
-                raise (
-                    yield from self._refuse(
-                        InvalidArgument(f"op {preamble.op:#x} is not a request", Reason.MALFORMED), "bad_frame"
-                    )
-                )
-            yield from self._serve(method, worker_id, preamble, started, received)
+            event = yield from self._event(self._limits.stream_timeout)
+            if isinstance(event, ProtocolError):
+                raise (yield from self._refuse(error_of(event), event.refusal))
+            assert isinstance(event, AttachRequested), event
+            yield from self._attach(event)
         except Stalled:
             self._stalled()
 
-    def _serve(self, method: str, worker_id: str, preamble: Preamble, started: float, received: int) -> Steps:
+    def _serve(self, method: str, started: float, received: int) -> Steps:
         sent = self.channel.sent
         try:
-            if preamble.header_bytes > self._limits.max_header_bytes:
-                raise Unread(
-                    ResourceExhausted(
-                        f"header of {preamble.header_bytes} bytes is past --max-message-mb", Reason.TOO_LARGE
-                    )
-                )
-            header = yield from self._read_bytes(preamble.header_bytes, self._limits.stream_timeout)
+            event = yield from self._event(self._limits.stream_timeout)
+            if isinstance(event, ProtocolError):
+                raise Unread(error_of(event), event.refusal)
             self._no_descriptors(unread=True)
-            if preamble.shared and self._region is None:
-                raise Unread(InvalidArgument("a SHARED frame, and no shared memory attached", Reason.MALFORMED))
-            if method == "Commit":
-                yield from self._commit(worker_id, preamble, header)
+            if isinstance(event, CommitHeader):
+                yield from self._commit(event)
             else:
-                yield from self._pull(worker_id, preamble, header)
+                assert isinstance(event, PullRequested), event
+                yield from self._pull(event)
         except Unread as unread:
             self._rejected(method, unread.error)
             raise (yield from self._refuse(unread.error, unread.refusal)) from None
@@ -236,28 +214,27 @@ class Connection:
             self._metrics.message_received(method, self.channel.received - received, plane="data")
             self._metrics.message_sent(method, self.channel.sent - sent, plane="data")
 
-    def _commit(self, worker_id: str, preamble: Preamble, header: bytearray) -> Steps:
-        service = self._service
-        request = request_of(pb.CommitRequest, header, worker_id)
+    def _commit(self, header: CommitHeader) -> Steps:
+        service, request = self._service, header.request
         dtype, shape = request.payload.dtype, tuple(request.payload.shape)
         try:
-            if request.payload.data:
-                raise InvalidArgument("payload data goes after the header, not in it", Reason.BAD_PAYLOAD)
             expected = service.expected_payload_bytes(dtype, shape)
-            if preamble.payload_bytes != expected:
+            if header.payload_bytes != expected:
                 raise InvalidArgument(
-                    f"payload of {preamble.payload_bytes} bytes; its dtype and shape make {expected}",
+                    f"payload of {header.payload_bytes} bytes; its dtype and shape make {expected}",
                     Reason.BAD_PAYLOAD,
                 )
         except ServiceError as error:
             raise Unread(error) from None
-        region = self._region if preamble.shared else None
+        region = self._region if header.shared else None
         task = self._task
         assert task is not None
         if region is None:  # on the socket: read whole on the fast lane, or the slow one (uploads)
-            held = yield from self._lanes.receive(task, worker_id, expected, self._limits.pace)
+            held = yield from self._lanes.receive(task, request.worker_id, expected, self._limits.pace)
+            self._protocol.payload_landed()
         else:  # in the client's memory: in hand, copied into a pooled buffer
             held = yield from waited(self._lanes.pooled, task)
+        assert isinstance(self._protocol.next_event(), PayloadComplete)
         try:
             buffer = held.buffer
             data = buffer.take(expected).data  # the payload, landed in the buffer
@@ -266,62 +243,52 @@ class Connection:
             # The reply's θ goes where the client reads it: the pooled buffer (then the socket), or
             # its shared memory, where the rule writes float32 θ as it computes it (a mirror).
             writer, mirror = _reply_into(buffer, region, commit.reply_dtype)
-            outcome, theta = yield from self._applied(
-                lambda deliver: service.commit_then(commit, writer, deliver, mirror)
-            )
+            outcome, theta = yield Call(lambda deliver: service.commit_then(commit, writer, deliver, mirror))
             reply = messages.outcome_header(outcome)
-            framing.announce(reply.parameters, commit.reply_dtype, service.num_parameters)
-            yield from self._send(Op.COMMIT | REPLY, reply.SerializeToString(), theta, shared=region is not None)
+            grpc_framing.announce(reply.parameters, commit.reply_dtype, service.num_parameters)
+            yield from self._send(reply.SerializeToString(), theta)
         finally:
             held.give_back()
 
-    def _pull(self, worker_id: str, preamble: Preamble, header: bytearray) -> Steps:
-        service = self._service
-        request = request_of(pb.PullRequest, header, worker_id)
-        if preamble.payload_bytes:
-            raise Unread(InvalidArgument("a pull carries no payload", Reason.BAD_PAYLOAD))
+    def _pull(self, pull: PullRequested) -> Steps:
+        service, request = self._service, pull.request
         known = request.known_version if request.known_history == service.history else -1
         dtype = messages.reply_dtype_from_proto(request.reply_dtype)
         # A slot of the pool, though θ is sent from the version's shared encoding: what replies
         # to slow readers can pin is bounded by the pool, as for commits.
-        assert self._task is not None
-        slot: Held = yield from waited(self._lanes.pooled, self._task)
+        task = self._task
+        assert task is not None
+        slot: Held = yield from waited(self._lanes.pooled, task)
         try:
-            snapshot = yield from self._applied(lambda deliver: service.pull_then(worker_id, known, dtype, deliver))
+            snapshot = yield Call(lambda deliver: service.pull_then(request.worker_id, known, dtype, deliver))
             unchanged = known == snapshot.version
             reply = messages.pull_stream_header_to_proto(
                 snapshot, unchanged, dtype, service.num_parameters, service.history
             ).header
             data = b"" if unchanged else snapshot.data(dtype) or b""
-            if preamble.shared:
+            if pull.shared:
                 assert self._region is not None
                 data = self._region.buffer.copy_in(data)
-            yield from self._send(Op.PULL | REPLY, reply.SerializeToString(), data, shared=preamble.shared)
+            yield from self._send(reply.SerializeToString(), data)
         finally:
             slot.give_back()
 
-    def _attach(self, preamble: Preamble) -> Steps:
+    def _attach(self, attach: AttachRequested) -> Steps:
         """ATTACH: map the memfd the frame carries as this connection's shared memory (local
         connections, once, once θ is initialised). A refusal closes the connection."""
         fds: list[int] = []
         try:
-            if preamble.header_bytes > MAX_HELLO_BYTES or preamble.payload_bytes or preamble.shared:
-                raise InvalidArgument("an ATTACH is a small header and one descriptor", Reason.MALFORMED)
-            header = yield from self._read_bytes(preamble.header_bytes, self._limits.stream_timeout)
             fds = self.channel.take_fds()
             if not self.channel.local:
                 raise InvalidArgument("shared memory is for local (Unix socket) connections", Reason.MALFORMED)
-            if self._region is not None:
-                raise InvalidArgument("shared memory is attached already", Reason.MALFORMED)
             if len(fds) != 1 or self.channel.fds_cut:
                 raise InvalidArgument(f"an ATTACH carries one descriptor, not {len(fds)}", Reason.MALFORMED)
-            request = parsed(pb.DataPlaneAttach, header)
             self._service.require_initialized()
-            self._region = shared_memory.attach(fds.pop(), request.bytes, 4 * self._service.num_parameters)
+            self._region = shared_memory.attach(fds.pop(), attach.size, 4 * self._service.num_parameters)
         except ServiceError as error:
             close_fds(fds)
             raise (yield from self._refuse(error, "bad_attach")) from None
-        yield from self._send(Op.ATTACH | REPLY, b"")
+        yield from self._send()
 
     def _no_descriptors(self, unread: bool = False) -> None:
         """Refuse a frame that passed descriptors (only an ATTACH may): InvalidArgument (or Unread)."""
@@ -330,52 +297,29 @@ class Connection:
             error = InvalidArgument("descriptors passed with a frame other than ATTACH", Reason.MALFORMED)
             raise Unread(error) if unread else error
 
-    # -- waits -----------------------------------------------------------------------------------
-
-    def _applied(self, start: Callable[[Deliver[Any]], None]) -> Steps:
-        """What the service delivers for `start(deliver)`: at once when it ran on this thread (a
-        small model, the applier idle), else the applier's thread hands it over through the loop.
-        Pinned meanwhile: the applier may be writing the reply into this connection's buffer."""
-        task = self._task
-        assert task is not None
-        delivered: list[tuple[Any, BaseException | None]] = []
-
-        def deliver(value: Any, error: BaseException | None) -> None:
-            if task.loop.on_loop_thread():
-                delivered.append((value, error))
-            else:
-                task.loop.post(lambda: task.resume(value, error))
-
-        start(deliver)
-        if delivered:
-            value, error = delivered[0]
-            if error is not None:
-                raise error
-            return value
-        return (yield Parked(pinned=True))
-
     # -- helpers -------------------------------------------------------------------------------
 
-    def _read_bytes(self, size: int, timeout: float, deadline: float | None = None) -> Generator[Wait, Any, bytearray]:
-        data = bytearray(size)
-        if size:
-            yield ReadInto(memoryview(data), timeout, deadline)
-        return data
-
-    def _preamble(self, data: bytearray, refusal: str) -> Generator[Wait, Any, Preamble]:
-        try:
-            return dataplane.read_preamble(data)
-        except FrameError as error:
-            raise (yield from self._refuse(InvalidArgument(str(error), Reason.MALFORMED), refusal)) from None
+    def _event(self, stall: float, deadline: float | None = None) -> Generator[Wait, Any, ServerEvent]:
+        """The protocol's next event, reading exactly the bytes it asks for until there is one."""
+        protocol = self._protocol
+        while (event := protocol.next_event()) is NEED_DATA:
+            view = protocol.read_view()
+            yield ReadInto(view, stall, deadline)
+            protocol.received(len(view))
+        assert not isinstance(event, NeedData)
+        return event
 
     def _rejected(self, method: str, error: ServiceError) -> None:
         error.__traceback__ = None  # holds the request's frames otherwise (see grpc_servicer.rpc)
         self._service.rejected(method, error, status_of(error).name)
 
-    def _send(self, op: int, header: bytes, payload: bytes | memoryview = b"", *, shared: bool = False) -> Steps:
-        """A frame; its payload on the socket, or (`shared`) already in the shared memory."""
+    def _send(self, header: bytes = b"", payload: bytes | memoryview = b"", *, worker_id: str = "") -> Steps:
+        """The reply to the request read: its payload on the socket, from its own memory, or (a
+        SHARED request) already in the shared memory."""
+        frame = self._protocol.frame
+        shared = frame is not None and frame.shared
         data = memoryview(payload).cast("B")
-        start = dataplane.frame_start(op, header, len(data), SHARED if shared else 0)
+        start = self._protocol.send(Reply(header, len(data)), worker_id)
         sent: list[bytes | memoryview] = [start] if shared else [start, data]
         yield Write(pieces(sent), self._limits.stream_timeout, self._deadline(0 if shared else len(data)))
 
@@ -385,7 +329,8 @@ class Connection:
         return time.monotonic() + self._limits.pace.allowance(nbytes)
 
     def _send_error(self, error: ServiceError) -> Steps:
-        yield from self._send(Op.ERROR, error_header(error))
+        start = self._protocol.send(ErrorReply(error_header(error)))
+        yield Write(pieces([start]), self._limits.stream_timeout, self._deadline(0))
 
     def _refuse(self, error: ServiceError, refusal: str) -> Generator[Wait, Any, Hangup]:
         """Answer `error` if the peer still listens; the Hangup that ends the connection (counted
@@ -400,7 +345,7 @@ class Connection:
         error = DeadlineExceeded(
             f"nothing moved for {self._limits.stream_timeout:g}s in the middle of a frame", Reason.STREAM_IDLE
         )
-        self.channel.try_send(dataplane.frame_start(Op.ERROR, error_header(error)))
+        self.channel.try_send(self._protocol.send(ErrorReply(error_header(error))))
         raise Hangup("stream_timeout")
 
 
@@ -430,6 +375,15 @@ def _landed(data: memoryview, dtype: int, shared: memoryview | None) -> float | 
         return None
     values = np.frombuffer(data, np.float32)
     return max_abs(values) if shared is None else copy_max_abs(np.frombuffer(shared, np.float32), values)
+
+
+def error_of(refused: ProtocolError) -> ServiceError:
+    """A refusal of the protocol core as the service's error (what the gRPC path would raise)."""
+    if refused.reason is Reason.TOO_LARGE:
+        return ResourceExhausted(refused.message, refused.reason)
+    if refused.reason is Reason.UNAUTHENTICATED:
+        return Unauthenticated(refused.message, refused.reason)
+    return InvalidArgument(refused.message, refused.reason)
 
 
 def error_header(error: ServiceError) -> bytes:

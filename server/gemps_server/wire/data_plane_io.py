@@ -21,11 +21,10 @@ import socket
 import ssl
 from collections.abc import Sequence
 
+from gemps_proto.data_plane_protocol import TLS_PIECE, advance
 from gemps_server.domain.errors import ServiceError
 
 Piece = bytes | bytearray | memoryview
-# Bytes handed to one TLS write (SSLSocket has no sendmsg, and encrypts, so copies, anyway).
-TLS_PIECE = 1 << 20
 # Room for one descriptor's ancillary data per read: a peer that passes more has the rest closed
 # by the kernel (MSG_CTRUNC), and is refused.
 FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize) if hasattr(socket, "CMSG_SPACE") else 0
@@ -172,15 +171,3 @@ def close_fds(fds: Sequence[int]) -> None:
 def pieces(parts: Sequence[Piece]) -> list[memoryview]:
     """Byte views of the non-empty `parts`, in order, for write_some."""
     return [memoryview(part).cast("B") for part in parts if len(part)]
-
-
-def advance(views: list[memoryview], count: int) -> None:
-    """Drop `count` sent bytes from the front of `views`."""
-    while count and views:
-        first = views[0]
-        if count >= len(first):
-            count -= len(first)
-            views.pop(0)
-        else:
-            views[0] = first[count:]
-            count = 0

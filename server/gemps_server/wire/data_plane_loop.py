@@ -6,7 +6,8 @@ is resumed with it, so it reads top to bottom as blocking code would:
     yield ReadInto(view, ...)       bytes into a buffer of the caller's
     yield Write([header, theta])    bytes out, from their own memory
     yield Handshake(deadline)       the TLS handshake
-    value = yield Parked()          a pooled buffer, or the applier's result: resumed by `resume`
+    value = yield Parked()          a pooled buffer: resumed by `resume`
+    value = yield Call(start)       the service's result: the loop starts it, and hands it over
 
 An I/O wait that sees no byte move for its `stall` seconds, or passes its `deadline`, is resumed
 with Stalled; a peer that goes away, with PeerClosed. Why one thread and not one per connection:
@@ -155,6 +156,16 @@ class Parked(Wait):
         return False
 
 
+class Call(Parked):
+    """`result = yield Call(start)`: the loop calls `start(deliver)`, and the task goes on with
+    what `deliver(value, error)` hands over, at once or from the applier's thread. Pinned: the
+    applier may be writing the reply into this task's buffer meanwhile."""
+
+    def __init__(self, start: Callable[[Callable[[Any, BaseException | None], None]], None]) -> None:
+        super().__init__(pinned=True)
+        self.start = start
+
+
 Body = Generator[Wait, Any, None]
 
 
@@ -189,6 +200,9 @@ class Task:
                 self.loop.finish(self)
                 return
             value, error = None, None
+            if isinstance(wait, Call) and (delivered := self._start(wait)) is not None:
+                value, error = delivered
+                continue
             if wait.idle and not self.channel.buffered:
                 # A new request is read when the loop reports it, in its turn: one that arrived
                 # while this task finished the last must not overtake those already waiting.
@@ -221,6 +235,24 @@ class Task:
             self._continue(None, None)
         else:
             self.loop.watch(self, wait.events)
+
+    def _start(self, call: Call) -> tuple[Any, BaseException | None] | None:
+        """Start `call` (the service's asynchronous call): what it delivered at once when it ran
+        on this thread (a small model, the applier idle), else None and the applier's thread
+        hands the result over through the loop (`post`, then `resume`)."""
+        delivered: list[tuple[Any, BaseException | None]] = []
+
+        def deliver(value: Any, error: BaseException | None) -> None:
+            if self.loop.on_loop_thread():
+                delivered.append((value, error))
+            else:
+                self.loop.post(lambda: self.resume(value, error))
+
+        try:
+            call.start(deliver)
+        except Exception as error:  # refused before it was queued (an unknown worker): thrown in the task
+            return None, error
+        return delivered[0] if delivered else None
 
     def resume(self, value: Any = None, error: BaseException | None = None) -> None:
         """End a Parked wait with `value` (or `error`), on the loop's thread."""

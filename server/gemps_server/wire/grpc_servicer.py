@@ -19,10 +19,10 @@ import grpc
 from google.protobuf.message import Message
 
 from gemps_proto import reasons
-from gemps_proto import serde as shared
-from gemps_proto.codec import EncodedBuffers, EncodedTensor
-from gemps_proto.framing import COMMIT_PAYLOAD_FIELD, REGISTER_INITIAL_FIELD, data_frames
+from gemps_proto import schema_proto as shared
+from gemps_proto.grpc_framing import COMMIT_PAYLOAD_FIELD, REGISTER_INITIAL_FIELD, data_frames
 from gemps_proto.schema import ParameterSpec
+from gemps_proto.tensor_codec import EncodedBuffers, EncodedTensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_server.domain.errors import ServiceError
@@ -272,7 +272,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         return messages.pull_to_proto(snapshot, reply_dtype, self.service.num_parameters, self.service.history)
 
     @rpc
-    async def PullStream(  # type: ignore[override]  # also yields pre-framed bytes (gemps_proto.framing)
+    async def PullStream(  # type: ignore[override]  # also yields pre-framed bytes (gemps_proto.grpc_framing)
         self, request: pb.PullRequest, context: Context
     ) -> AsyncIterator[pb.PullResponseChunk | bytes]:
         """Pull with the parameters in pieces, read from the version's one shared encoding: a
@@ -297,7 +297,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         return reply
 
     @rpc
-    async def CommitStream(  # type: ignore[override]  # also yields pre-framed bytes (gemps_proto.framing)
+    async def CommitStream(  # type: ignore[override]  # also yields pre-framed bytes (gemps_proto.grpc_framing)
         self, requests: AsyncIterator[Chunk], context: Context
     ) -> AsyncIterator[pb.CommitResponseChunk | bytes]:
         """Commit with the payload and the reply's parameters in pieces (see CommitChunk)."""

@@ -1,14 +1,14 @@
 """The server's protobuf messages: requests into domain records, outcomes into replies.
 
 Paired with the SDK's protobuf conversions (client_sdk/gemps); what both ends convert is in
-gemps_proto.serde. Checks against the server's state, in the protocol's order, happen in the
+gemps_proto.schema_proto. Checks against the server's state, in the protocol's order, happen in the
 domain (domain/validation.py, run by domain/state.py); here only what needs nothing but the
 message (a spec entry's dtype).
 
 θ never goes through a protobuf message on the hot path. A request's tensor (a commit's payload,
 the first worker's initial parameters) is a memoryview of the received bytes; a reply carrying θ
 is its small header, serialised by protobuf, joined with the snapshot's bytes framed in the
-wire format (gemps_proto.framing): one copy of θ per reply, nothing per field.
+wire format (gemps_proto.grpc_framing): one copy of θ per reply, nothing per field.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from typing import Generic, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
-from gemps_proto import framing
-from gemps_proto import serde as shared
-from gemps_proto.codec import FLOAT32, EncodedBuffers, EncodedTensor, dtype_name
+from gemps_proto import grpc_framing as framing
+from gemps_proto import schema_proto as shared
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import ParameterSpec, Registration
-from gemps_proto.serde import tensor_from_proto
+from gemps_proto.schema_proto import tensor_from_proto
+from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor, dtype_name
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.errors import InvalidArgument
 from gemps_server.domain.records import Commit, CommitOutcome, RegistrationOutcome, ReplyWriter, Snapshot

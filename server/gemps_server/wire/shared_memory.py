@@ -1,4 +1,4 @@
-"""Shared memory a local data-plane client attaches (DataPlaneAttach, gemps_proto/dataplane.py).
+"""Shared memory a local data-plane client attaches (DataPlaneAttach, gemps_proto/data_plane_frames.py).
 
 The client makes a memfd of θ's float32 size, seals it against shrinking, and passes it over its
 Unix socket; the server maps it and from then on reads that client's payloads from it and writes

@@ -21,7 +21,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import overload
 
-from gemps_proto.codec import (
+from gemps_proto.grpc_framing import PayloadAssembler, read_data
+from gemps_proto.reasons import Reason
+from gemps_proto.tensor_codec import (
     EncodedBuffers,
     EncodedTensor,
     TensorDecodeError,
@@ -29,8 +31,6 @@ from gemps_proto.codec import (
     expected_nbytes,
     num_elements,
 )
-from gemps_proto.framing import PayloadAssembler, read_data
-from gemps_proto.reasons import Reason
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.errors import DeadlineExceeded, InvalidArgument
 from gemps_server.wire.messages import MalformedRequest, parse_request

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gemps_proto.codec import WIRE_DTYPE_NAMES
 from gemps_proto.ranges import INT32_MAX, INT64_MAX, RANGE, Range, out_of_range
 from gemps_proto.schema import TrainingConfig
+from gemps_proto.tensor_codec import WIRE_DTYPE_NAMES
 from gemps_worker.datasets import DATASETS
 from gemps_worker.models import MODELS
 

@@ -1,4 +1,4 @@
-"""The data plane's frames (DESIGN §3c): commits and pulls with θ's bytes on a socket of their own.
+"""The data plane's frames, defined once (DESIGN §3c): the 20-byte preamble, the ops and the SHARED flag.
 
 gRPC stays the control plane (Register, Leave, Status, health) and a complete data path; the data
 plane is a second door for the two calls that carry θ. A connection starts with a HELLO that
@@ -68,14 +68,6 @@ class Preamble:
     def shared(self) -> bool:
         """The payload is in the attached shared memory."""
         return bool(self.flags & SHARED)
-
-    @property
-    def is_reply(self) -> bool:
-        return bool(self.op & REPLY) and self.op != Op.ERROR
-
-    @property
-    def request_op(self) -> int:
-        return self.op & ~REPLY
 
 
 def frame_start(op: int, header: bytes, payload_bytes: int = 0, flags: int = 0) -> bytes:

@@ -1,8 +1,8 @@
-"""Paired to_proto / from_proto functions for the schema both ends convert (gemps_proto.schema).
+"""The schema's plain types to their gemps.v1 messages and back: paired to_proto / from_proto functions.
 
 The server and the SDK each have their own serde for the messages only they build; what both
 read and write (parameter specs, the training config, shards, registrations, evaluations and
-status) is converted here, once. How θ itself crosses the wire is gemps_proto.framing's.
+status) is converted here, once. How θ itself crosses the wire is gemps_proto.grpc_framing's.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import TypeVar
 import numpy as np
 from google.protobuf.message import Message
 
-from gemps_proto.codec import FLOAT32, EncodedBuffers, EncodedTensor
 from gemps_proto.schema import (
     Buffers,
     DataPlane,
@@ -29,6 +28,7 @@ from gemps_proto.schema import (
     TrainingConfig,
     WorkerStatus,
 )
+from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 M = TypeVar("M", bound=Message)

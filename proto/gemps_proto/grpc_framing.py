@@ -1,7 +1,7 @@
-"""How gemps frames θ on the wire, for both ends: the one definition (hand-written).
+"""θ inside gRPC's messages and streams, framed by hand in protobuf's format: the one definition, for both ends.
 
 θ-sized tensors never go through a protobuf message on the hot path. Three things are framed
-by hand in protobuf's own wire format (gemps_proto.wire), so any gRPC client still reads them:
+by hand in protobuf's own wire format (gemps_proto.protobuf_wire), so any gRPC client still reads them:
 - a message with one Tensor field: serialised with the tensor's data copied once
   (`with_tensor`), parsed with the data as a view of the received bytes (`parse_with_tensor`);
 - a streamed tensor's header: its dtype and shape announced, the data to follow (`announce`);
@@ -19,9 +19,9 @@ from typing import TypeVar
 import numpy as np
 from google.protobuf.message import Message
 
-from gemps_proto import wire
-from gemps_proto.codec import EncodedTensor
-from gemps_proto.serde import tensor_from_proto
+from gemps_proto import protobuf_wire
+from gemps_proto.schema_proto import tensor_from_proto
+from gemps_proto.tensor_codec import EncodedTensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 M = TypeVar("M", bound=Message)
@@ -36,7 +36,7 @@ COMMIT_REPLY_FIELD = pb.CommitResponse.DESCRIPTOR.fields_by_name["parameters"].n
 #: bytes per data piece: large unary messages are slow in gRPC Python, 1 MiB pieces are not
 DEFAULT_CHUNK_BYTES = 1 << 20
 _DATA_FIELD = 2  # `bytes data` in every chunk message
-_DATA_TAG = (_DATA_FIELD << 3) | wire.LENGTH_DELIMITED
+_DATA_TAG = (_DATA_FIELD << 3) | protobuf_wire.LENGTH_DELIMITED
 
 
 # -- one Tensor field, framed by hand ------------------------------------------------------------
@@ -47,14 +47,14 @@ def with_tensor(
 ) -> bytes:
     """`header` serialised, plus Tensor field `field_number` holding `data`: the bytes of the whole
     message, `data` copied once (protobuf would copy it into the message and again out of it)."""
-    framed = wire.tensor_field(field_number, dtype, shape, len(data))
+    framed = protobuf_wire.tensor_field(field_number, dtype, shape, len(data))
     return b"".join((header.SerializeToString(), framed, data))
 
 
 def parse_with_tensor(message_class: type[M], field_number: int, data: bytes) -> tuple[M, EncodedTensor | None]:
     """A message and its Tensor field `field_number` (None if absent), the tensor's data a view of
     `data` (no copy). Raises protobuf's DecodeError for bytes that are not such a message."""
-    split = wire.split_tensor_field(data, field_number)
+    split = protobuf_wire.split_tensor_field(data, field_number)
     if split is None:  # absent, framed unusually, or malformed: protobuf decides, with copies
         message = message_class.FromString(data)
         field = message.DESCRIPTOR.fields_by_number[field_number].name
@@ -75,7 +75,7 @@ def announce(tensor: pb.Tensor, dtype: int, size: int) -> None:
 
 def frame_data(piece: bytes | memoryview) -> bytes:
     """A serialized chunk message whose only field is `data = piece`."""
-    return b"".join((wire.length_prefix(_DATA_FIELD, len(piece)), piece))
+    return b"".join((protobuf_wire.length_prefix(_DATA_FIELD, len(piece)), piece))
 
 
 def data_frames(data: bytes | memoryview, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
@@ -92,8 +92,8 @@ def read_data(message: bytes) -> memoryview | None:
     if not message or message[0] != _DATA_TAG:
         return None
     try:
-        length, position = wire.read_varint(message, 1)
-    except wire.WireError:
+        length, position = protobuf_wire.read_varint(message, 1)
+    except protobuf_wire.WireError:
         return None
     if position + length != len(message):
         return None  # anything else (more fields, a truncated piece): protobuf decides
