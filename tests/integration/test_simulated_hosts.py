@@ -62,6 +62,7 @@ class Run:
     workers: list[subprocess.Popen[bytes]]
     storage: SharedFolder | None = None  # checkpoints on a storage host, else in the local folder
     checkpoint_every: int = CHECKPOINT_EVERY
+    healed: float = 0.0  # when the last cut cable came back (time.time())
 
     @property
     def target(self) -> str:
@@ -132,6 +133,23 @@ class Run:
         )
         return records, json.loads(observed.stdout)
 
+    def cut_partition_1(self, then: float) -> None:
+        """With commits flowing on both links for 2 s, partition 1's cable cut for 8 s, then healed;
+        training goes on for `then` seconds."""
+        time.sleep(2.0)
+        self.network.cut(self.partitions[1])
+        time.sleep(8.0)
+        self.network.heal(self.partitions[1])
+        self.healed = time.time()
+        time.sleep(then)
+
+    def check_resumed(self, fault: str) -> None:
+        """Stop the workers; none of their commits applied twice or lost, and each resumed."""
+        records, observed = self.finish()
+        applied = check_exactly_once(records, observed)
+        recovery = resumed_after(records, self.healed)
+        print(f"{fault}: applied {applied}, resumed {recovery:.2f} s after the heal")
+
     def logs(self) -> str:
         return "\n".join(f"== {path.name}\n{path.read_text()[-3000:]}" for path in sorted(self.folder.glob("*.log")))
 
@@ -180,16 +198,8 @@ def test_a_cable_cut_during_commits_applies_none_twice_and_training_resumes(
     run = start_run(network, tmp_path)
     run.start_workers(parameters=100_000, plane=plane)
     run.wait_registered()
-    time.sleep(2.0)  # commits flowing on both links
-    network.cut(run.partitions[1])
-    time.sleep(8.0)
-    network.heal(run.partitions[1])
-    healed = time.time()
-    time.sleep(6.0)
-    records, observed = run.finish()
-    applied = check_exactly_once(records, observed)
-    recovery = resumed_after(records, healed)
-    print(f"cut during commits ({plane}): applied {applied}, resumed {recovery:.2f} s after the heal")
+    run.cut_partition_1(then=6.0)
+    run.check_resumed(f"cut during commits ({plane})")
 
 
 def test_a_cable_cut_during_registration_registers_once_and_commits_once(
@@ -234,16 +244,8 @@ def test_a_cable_cut_during_streamed_commits_applies_none_twice(network: Simulat
     run = start_run(network, tmp_path)
     run.start_workers(parameters=1_200_000, plane="grpc")
     run.wait_registered()
-    time.sleep(2.0)
-    network.cut(run.partitions[1])
-    time.sleep(8.0)
-    network.heal(run.partitions[1])
-    healed = time.time()
-    time.sleep(8.0)
-    records, observed = run.finish()
-    applied = check_exactly_once(records, observed)
-    recovery = resumed_after(records, healed)
-    print(f"cut during streamed commits: applied {applied}, resumed {recovery:.2f} s after the heal")
+    run.cut_partition_1(then=8.0)
+    run.check_resumed("cut during streamed commits")
 
 
 def test_a_partition_host_killed_moves_to_a_spare_host_and_the_workers_follow(
