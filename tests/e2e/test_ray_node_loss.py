@@ -82,12 +82,16 @@ def test_workers_on_a_lost_node_come_back_elsewhere_and_the_job_finishes(cluster
     budget = EPOCHS * STEPS_PER_EPOCH
     assert [outcome.commits for outcome in outcomes] == [budget] * WORKERS, outcomes
     assert not any(outcome.stopped_early or outcome.diverged for outcome in outcomes)
+    # The driver sees a restart when one of its periodic looks finds the actor on a new node: on
+    # a loaded machine a restarted worker can finish before a look reaches it (1 run in a full
+    # suite), so the record is asked of one lost worker at least; the moves themselves of each.
+    assert any(restart.node_lost and restart.previous_node_id == loss.node_id for restart in restarts), restarts
     for index in range(WORKERS):
         own = [restart for restart in restarts if restart.actor == worker_name(index)]
         if index in loss.workers:
-            assert len(own) == 1 and own[0].node_lost, restarts
-            assert own[0].previous_node_id == loss.node_id != outcomes[index].node_id
-            assert outcomes[index].first_commit > loss.removed
+            assert len(own) <= 1 and all(restart.node_lost for restart in own), restarts
+            assert outcomes[index].node_id != loss.node_id  # its last life ran elsewhere ...
+            assert outcomes[index].first_commit > loss.removed  # ... and began after the loss
             print(f"worker {index}: first commit {outcomes[index].first_commit - loss.removed:.1f}s after the loss")
         else:
             assert not own, restarts
