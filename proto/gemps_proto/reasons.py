@@ -45,6 +45,7 @@ class Reason(str, enum.Enum):
     BUSY = "busy"  # past --max-concurrent-rpcs (on the wire as gRPC's own refusal: BUSY_DETAILS, no label)
     UNAUTHENTICATED_LIMIT = "unauthenticated_limit"  # calls that need no token past --max-unauthenticated-rpcs
     WATCH_LIMIT = "watch_limit"  # Health.Watch streams past --max-watches or --max-watches-per-connection
+    NOT_PRIMARY = "not_primary"  # a replica that is not its partition's primary now: try another replica
 
     def __str__(self) -> str:
         return self.value
