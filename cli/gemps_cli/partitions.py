@@ -1,4 +1,5 @@
-"""`gemps server --partitions K` on one machine: one server process per partition of θ.
+"""`gemps server --partitions K --replicas R` on one machine: one server process per partition
+of θ and replica of it.
 
 Partition i listens on the configured port + i (its data plane on the data port + i), keeps its checkpoints in
 `<checkpoint_dir>/partition-<i>`, and logs as `gemps.server[partition i]`. The metrics port
@@ -12,6 +13,12 @@ or SIGINT stops them all gracefully. The exit status is the worst of the partiti
 The partitions die with the supervisor (each is given its pid: gemps_server.supervision), and
 the supervisor holds `<checkpoint_dir>/gemps.lock` while it runs, so a second supervisor on the same
 directory is refused rather than started beside it (gemps_server.directory_lock).
+
+With replicas (R > 1), replica r of partition i listens on the ports + i + r * K (replica 0 where a
+partition without replicas would), keeps its checkpoints in `partition-<i>/replica-<r>`, and all
+of them share one etcd: --etcd, or a private one this supervisor starts (replication/local_etcd.py,
+a new job each run). Workers are given every replica of a partition: "host:P0|host:P1" (the
+layout partition 0 announces says so too), and go to whichever is primary.
 
 Children are configured through GEMPS_* variables (flags > variables > defaults in each), so a
 token never appears on a command line.
@@ -40,6 +47,7 @@ from gemps.options import env_var, values_of
 from gemps_proto.schema import partition_folder
 from gemps_server.config import ServerConfig
 from gemps_server.directory_lock import DirectoryLock
+from gemps_server.replication.local_etcd import LocalEtcd
 from gemps_worker.processes import GEMPS_COMMAND, ChildExitedError, launch, wait_for_port_file
 
 log = logging.getLogger("gemps.partitions")
@@ -60,6 +68,7 @@ class PartitionProcess:
     index: int
     config: ServerConfig
     port_file: Path
+    replica: int = 0
     process: subprocess.Popen[bytes] | None = None
     port: int = 0  # bound, once started: a restart reuses it (the layout names it)
     metrics_port: int = -1
@@ -99,19 +108,26 @@ class PartitionProcess:
         return self.process is not None and self.process.poll() is None
 
 
-def child_config(config: ServerConfig, index: int, addresses: str = "") -> ServerConfig:
-    """Partition `index`'s configuration: its own ports and checkpoint directory (and for
-    partition 0, the `addresses` of all, unless the operator gave them)."""
+def child_config(
+    config: ServerConfig, index: int, addresses: str = "", replica: int = 0, etcd: str = ""
+) -> ServerConfig:
+    """Partition `index`'s (replica `replica`'s) configuration: its own ports and checkpoint
+    directory (and for partition 0, the `addresses` of all, unless the operator gave them)."""
 
     def offset(port: int) -> int:
-        return port + index if port > 0 else port  # 0: any free port
+        return port + index + replica * config.partitions if port > 0 else port  # 0: any free port
 
     checkpoints = str(Path(config.checkpoint_dir) / partition_folder(index)) if config.checkpoint_dir else ""
+    if checkpoints and config.replicas > 1:
+        checkpoints = str(Path(checkpoints) / f"replica-{replica}")
     return replace(
         config,
-        partition_index=index,
+        partition_index=index if config.partitions > 1 else -1,
+        replica_index=replica if config.replicas > 1 else -1,
+        etcd=etcd or config.etcd,
         port=offset(config.port),
         data_port=offset(config.data_port),
+        replication_port=offset(config.replication_port),
         # Its metrics on a free loopback port: the supervisor serves them all on metrics_port.
         metrics_port=-1 if config.metrics_port < 0 else 0,
         metrics_host="127.0.0.1",
@@ -130,12 +146,13 @@ class PartitionMetrics:
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
-        up = GaugeMetricFamily(
-            "gemps_partition_up", "1 while the partition's server answers, else 0.", labels=["partition"]
-        )
+        replicated = any(partition.config.replicas > 1 for partition in self._partitions)
+        labels = ["partition", "replica"] if replicated else ["partition"]
+        up = GaugeMetricFamily("gemps_partition_up", "1 while the partition's server answers, else 0.", labels=labels)
         for partition in list(self._partitions):
             text = partition.metrics_text()
-            up.add_metric([str(partition.index)], 0 if text is None else 1)
+            values = [str(partition.index), str(partition.replica)] if replicated else [str(partition.index)]
+            up.add_metric(values, 0 if text is None else 1)
             for family in text_string_to_metric_families(text or ""):
                 merged = families.setdefault(
                     family.name, Metric(family.name, family.documentation, family.type, family.unit)
@@ -147,14 +164,17 @@ class PartitionMetrics:
 
 class PartitionSupervisor:
     def __init__(self, config: ServerConfig) -> None:
-        if config.partitions < 2 or config.partition_index != -1:
-            raise ValueError("the supervisor runs all partitions of a partitioned server (partitions >= 2, index -1)")
+        partitioned = config.partitions > 1 and config.partition_index == -1
+        replicated = config.replicas > 1 and config.replica_index == -1
+        if not (partitioned or replicated):
+            raise ValueError("the supervisor runs all partitions or replicas of a server (partitions or replicas >= 2)")
         self.config = config
         self._dir = tempfile.TemporaryDirectory(prefix="gemps-partitions-")
         self.partitions: list[PartitionProcess] = []  # in θ order, once started
         self._stopping = threading.Event()
         self.metrics_port = -1
         self._directory = DirectoryLock(config.checkpoint_dir) if config.checkpoint_dir else None
+        self._etcd: LocalEtcd | None = None  # a private etcd, when replicas have none given
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -169,8 +189,7 @@ class PartitionSupervisor:
             if not self._start_all():
                 return self._stop_all() or EXIT_CANNOT_START
             self._write_port_file()
-            ports = ", ".join(str(partition.port) for partition in self.partitions)
-            log.info("serving %d partitions on ports %s", len(self.partitions), ports)
+            self._say_where()
             while not self._stopping.wait(POLL_SECONDS):
                 for partition in self.partitions:
                     if not partition.running() and not self._restart(partition):
@@ -178,6 +197,8 @@ class PartitionSupervisor:
                         return self._stop_all() or EXIT_CANNOT_START
             return self._stop_all()
         finally:
+            if self._etcd is not None:
+                self._etcd.stop()
             self._dir.cleanup()
             if self._directory is not None:
                 self._directory.release()
@@ -191,25 +212,65 @@ class PartitionSupervisor:
             log.warning("checkpoint directory %s: %s", self._directory.directory, note)
 
     def _start_all(self) -> bool:
-        """Partitions 1..K-1, then partition 0 told their ports; False if one could not start."""
-        folder = Path(self._dir.name)
-        for index in range(1, self.config.partitions):
-            self.partitions.append(PartitionProcess(index, child_config(self.config, index), folder / f"{index}.port"))
-            self.partitions[-1].start()
+        """Partitions 1..K-1 (each replica), then partition 0 told their ports; False if one could
+        not start."""
+        config, folder = self.config, Path(self._dir.name)
+        etcd = config.etcd
+        if config.replicas > 1 and not etcd:
+            self._etcd = LocalEtcd().start()
+            etcd = self._etcd.endpoint
+            log.info("replicas decide their primary through a private etcd at %s", etcd)
+
+        def started(index: int, addresses: str = "") -> list[PartitionProcess]:
+            replicas = [
+                PartitionProcess(
+                    index, child_config(config, index, addresses, r, etcd), folder / f"{index}-{r}.port", r
+                )
+                for r in range(config.replicas)
+            ]
+            for replica in replicas:
+                replica.start()
+            return replicas
+
+        for index in range(1, config.partitions):
+            self.partitions += started(index)
         if not all(partition.wait_ready() for partition in self.partitions):
             return False
-        addresses = ",".join(["", *(f":{partition.port}" for partition in self.partitions)])
-        first = PartitionProcess(0, child_config(self.config, 0, addresses), folder / "0.port")
-        self.partitions.insert(0, first)
-        first.start()
-        return first.wait_ready()
+        announced = [
+            "|".join(f":{p.port}" for p in self.partitions if p.index == i) for i in range(1, config.partitions)
+        ]
+        first = started(0, ",".join(["", *announced]) if config.partitions > 1 else "")
+        self.partitions[:0] = first
+        return all(partition.wait_ready() for partition in first)
+
+    def workers_target(self, host: str = "127.0.0.1") -> str:
+        """Where workers go: partition 0, every replica of it ("host:P0|host:P1")."""
+        return "|".join(f"{host}:{p.port}" for p in self.partitions if p.index == 0)
+
+    def _say_where(self) -> None:
+        ports = ", ".join(str(partition.port) for partition in self.partitions)
+        if self.config.replicas == 1:
+            log.info("serving %d partitions on ports %s", len(self.partitions), ports)
+            return
+        log.info(
+            "serving %d partitions x %d replicas on ports %s; workers: --server '%s'",
+            self.config.partitions,
+            self.config.replicas,
+            ports,
+            self.workers_target(),
+        )
 
     def _restart(self, partition: PartitionProcess) -> bool:
         """Start a partition that exited again, on its port; False after too many failed starts."""
         assert partition.process is not None
         code = partition.process.returncode
         partition.exit_codes.append(code)
-        log.warning("partition %d exited with status %d; starting it again", partition.index, code)
+        log.warning(
+            "partition %d (replica %d) exited with status %d; starting it again",
+            partition.index,
+            partition.replica,
+            code,
+        )
         if self._stopping.wait(RESTART_DELAY_SECONDS):
             return True
         partition.start()

@@ -34,7 +34,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"gemps server: {error}", file=sys.stderr)
         return 2
-    if config.partitions > 1 and config.partition_index == -1:  # all partitions, one process each
+    supervised = (config.partitions > 1 and config.partition_index == -1) or (
+        config.replicas > 1 and config.replica_index == -1
+    )
+    if supervised:  # all partitions and replicas, one process each
         from gemps_cli.partitions import PartitionSupervisor
 
         app.configure_logs(config, origin="supervisor")

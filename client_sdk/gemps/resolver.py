@@ -10,11 +10,15 @@ through partition 0, which re-announces the layout (DESIGN §3a).
     gemps.Client(PortFile("/run/gemps/port", host="10.0.0.5"))  # a server's `--port-file`
 
 On Kubernetes the StatefulSet's DNS names already follow a moved pod: a static address is enough.
+
+A replicated partition (`gemps server --replicas R`) is reached at any of its replicas:
+"host1:50051|host2:50051". The one that is primary answers; the others refuse (`not_primary`),
+and the client goes on to the next, round the set, until one answers (after a failover too).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -62,13 +66,40 @@ class PortFile:
         return f"{self.host}:{port}"
 
 
+#: between the addresses of one partition's replicas, in a target or an announced layout
+REPLICA_SEPARATOR = "|"
+
+
+class Replicas:
+    """A partition's replicas: each `resolve()` after the first names the next one, round the set
+    (the client asks again only when the one it had failed or refused: not the primary)."""
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        if not addresses or any(not address for address in addresses):
+            raise ValueError(f"replicas need an address each, not {list(addresses)!r}")
+        self.addresses = tuple(addresses)
+        self._next = 0
+
+    @classmethod
+    def parse(cls, target: str) -> Replicas:
+        return cls(target.split(REPLICA_SEPARATOR))
+
+    def resolve(self) -> str:
+        address = self.addresses[self._next % len(self.addresses)]
+        self._next += 1
+        return address
+
+    def __repr__(self) -> str:
+        return f"Replicas({REPLICA_SEPARATOR.join(self.addresses)!r})"
+
+
 Target = str | Callable[[], str] | Resolver
 
 
 def as_resolver(target: Target) -> Resolver:
     """The resolver a Client's `target` stands for."""
     if isinstance(target, str):
-        return StaticAddress(target)
+        return Replicas.parse(target) if REPLICA_SEPARATOR in target else StaticAddress(target)
     if isinstance(target, Resolver):
         return target
     if callable(target):

@@ -31,7 +31,7 @@ from gemps.records import (
     Registration,
     ServerStatus,
 )
-from gemps.resolver import Resolver
+from gemps.resolver import REPLICA_SEPARATOR, Replicas, Resolver
 from gemps.retry import Retrier
 from gemps.server_session import ServerSession, refuse_partition_count_change
 from gemps.transport import CommitCall, Committed, Enrolment, Pending, Transport
@@ -45,7 +45,12 @@ log = logging.getLogger("gemps.client")
 
 def resolve_address(announced: str, reached: str) -> str:
     """Where a partition is, from the layout another one announced: "" is `reached` itself,
-    ":PORT" is `reached`'s host with that port, anything else a target as it stands."""
+    ":PORT" is `reached`'s host with that port, anything else a target as it stands; replicas
+    ("A|B") each so."""
+    if REPLICA_SEPARATOR in announced:
+        return REPLICA_SEPARATOR.join(resolve_address(one, reached) for one in announced.split(REPLICA_SEPARATOR))
+    if REPLICA_SEPARATOR in reached:
+        raise ValueError(f"cannot tell which replica of {reached!r} {announced!r} is relative to")
     if not announced:
         return reached
     if announced.startswith(":"):
@@ -114,6 +119,7 @@ class PartitionRouter:
         self.buffers = Buffers()  # the newest central buffers received (partition 0's)
         self.central: CentralVariable | None = None  # the newest central variable received
         self._sequence = 0  # the number of this client's last commit (see CommitCall.sequence)
+        self._replicas: dict[int, Replicas] = {}  # partitions announced as replica sets, by index
 
     @property
     def registration(self) -> Registration | None:
@@ -305,7 +311,7 @@ class PartitionRouter:
             return
         if self.layout is None:
             for index in range(len(self.sessions), len(layout.partitions)):
-                address = resolve_address(layout.partitions[index].address, self.target)
+                address = self._address_of(index, layout)
                 self.sessions.append(ServerSession(self.connect(address), self.retrier, self._follower(index)))
         refuse_partition_count_change(self.target, self.layout, layout)
         for session, partition in zip(self.sessions, layout.partitions, strict=True):
@@ -326,7 +332,7 @@ class PartitionRouter:
                 layout = self.sessions[0].transport.status().layout
                 if layout is None or len(layout.partitions) != len(self.sessions):
                     return None
-                address = resolve_address(layout.partitions[index].address, self.target)
+                address = self._address_of(index, layout)
         except Exception as error:  # a resolver of the user's may raise anything: keep the last address
             log.debug("where partition %d is now is not known (%s): trying %s again", index, error, self.target)
             return None
@@ -335,6 +341,17 @@ class PartitionRouter:
         if index == 0:
             self.target = address
         return self.connect(address)
+
+    def _address_of(self, index: int, layout: Layout) -> str:
+        """Partition `index`'s address as `layout` announces it; of a replicated one, the next
+        replica of its set (asked again: the last one failed or was not its primary)."""
+        address = resolve_address(layout.partitions[index].address, self.target)
+        if REPLICA_SEPARATOR not in address:
+            return address
+        replicas = self._replicas.get(index)
+        if replicas is None or REPLICA_SEPARATOR.join(replicas.addresses) != address:
+            replicas = self._replicas[index] = Replicas.parse(address)
+        return replicas.resolve()
 
     def _assemble(self) -> CentralVariable:
         """The central variable from the slices held (one server: its θ as received, no copy)."""

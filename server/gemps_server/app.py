@@ -30,6 +30,8 @@ from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.logs import event
 from gemps_server.metrics import ServerMetrics, exposed
+from gemps_server.replication.election import Election, Member
+from gemps_server.replication.replica import Replica, listen
 from gemps_server.security import exposure_warnings, server_credentials
 from gemps_server.service import ParameterService
 from gemps_server.wire.data_plane import DataPlaneServer
@@ -69,12 +71,19 @@ class ParameterServer:
         self.checkpointer = (
             Checkpointer(config, self.state, self.applier, self.metrics) if config.checkpoint_dir else None
         )
+        # A replicated partition's replica (its role decided by etcd, once started); None: no replicas.
+        self.replica = (
+            Replica(self.state, self.applier, config.replicas, config.replica_timeout, config.token())
+            if config.replicas > 1
+            else None
+        )
         self.service = ParameterService(
             config,
             self.state,
             self.applier,
             self.metrics,
             on_committed=self.checkpointer.committed if self.checkpointer is not None else None,
+            replicas=self.replica,
         )
         self.servicer = GempsServicer(
             self.service,
@@ -93,6 +102,7 @@ class ParameterServer:
         self.data_plane = DataPlaneServer(config, self.service, self.metrics) if config.data_plane_on else None
         self.port = 0
         self.data_port = 0  # bound once started (0: the data plane is off)
+        self.replication_port = 0  # bound once started (0: no replicas)
         self.metrics_port = 0
         self._server: grpc.aio.Server | None = None
         self._metrics_server: object | None = None
@@ -132,6 +142,7 @@ class ParameterServer:
         self._trim_task = asyncio.create_task(self._trim_heap(), name="gemps-heap-trim")
         if self.checkpointer is not None:
             self.checkpointer.start()
+        self._start_replica()
         if self.config.port_file:
             # Written last, via a rename, so a reader never sees a partial file.
             tmp = Path(self.config.port_file + ".tmp")
@@ -152,11 +163,35 @@ class ParameterServer:
         )
         return self.port
 
+    def _start_replica(self) -> None:
+        """Join the partition's replicas: listen for backups, then take part in the election."""
+        if self.replica is None:
+            return
+        config = self.config
+        bound: list[socket.socket] = []
+
+        def bind() -> int:
+            bound.append(listen(config.host, config.replication_port))
+            return int(bound[0].getsockname()[1])
+
+        self.replication_port = _listening("replication", config.host, config.replication_port, bind)
+        host = advertised_host(config)
+        me = Member(
+            f"partition-{config.partition}-replica-{config.replica}",
+            Replica.incarnation(),
+            _hostport(host, self.port),
+            _hostport(host, self.replication_port),
+        )
+        prefix = f"/gemps/{config.job}/partition/{config.partition}"
+        self.replica.start(Election(config.etcd, prefix, me, lease_seconds=config.replica_lease), bound[0])
+
     def _abandon(self) -> None:
         """After a failed start: let go of what was taken (ports, threads, the checkpoint
         directory), so the process can exit or, in a test, start another server."""
         if self.data_plane is not None and self.data_port:
             self.data_plane.stop(0.0)
+        if self.replica is not None:
+            self.replica.stop()
         self.applier.stop()  # nothing was queued: its thread (if started) just ends
         if self._metrics_server is not None:
             self._metrics_server.shutdown()  # type: ignore[attr-defined]
@@ -241,6 +276,8 @@ class ParameterServer:
         final checkpoint, stop. False when checkpoints are on and the final one failed: commits
         were acknowledged that no checkpoint holds (logged with the versions lost)."""
         grace = self.config.shutdown_grace if grace is None else grace
+        if self.replica is not None:  # resigns first: a backup takes over without waiting for the lease
+            await asyncio.to_thread(self.replica.stop)
         await self.health.enter_graceful_shutdown()
         for task in (self._lease_task, self._trim_task):
             if task is not None:
@@ -308,6 +345,8 @@ class ParameterServer:
             return
         host = self.config.metrics_host or self.config.host
         labels = {"partition": str(self.config.partition)} if self.config.partitions > 1 else {}
+        if self.config.replicas > 1:
+            labels["replica"] = str(self.config.replica)
         registry = exposed(self.metrics.registry, labels)
 
         def start() -> int:
@@ -346,6 +385,14 @@ class ParameterServer:
         while True:
             await asyncio.sleep(period)
             await self.service.evict_expired()
+
+
+def advertised_host(config: ServerConfig) -> str:
+    """The host others reach this process at: --advertise-host, else --host unless it listens on
+    every address (then this machine's name)."""
+    if config.advertise_host:
+        return config.advertise_host
+    return socket.gethostname() if config.host in ("", "0.0.0.0", "::") else config.host
 
 
 def _listening(what: str, host: str, port: int, start: Callable[[], int]) -> int:
@@ -391,7 +438,9 @@ async def serve(config: ServerConfig, ready: threading.Event | None = None) -> N
     Owns the process's logging (the configured level and format: text or JSON lines) and its
     prometheus_client settings.
     """
-    configure_logs(config, f"partition {config.partition}" if config.partitions > 1 else "")
+    origin = [f"partition {config.partition}"] if config.partitions > 1 else []
+    origin += [f"replica {config.replica}"] if config.replicas > 1 else []
+    configure_logs(config, " ".join(origin))
     # No `<name>_created` series next to every counter, histogram and summary: in the text format
     # Prometheus stores them as gauges of their own, doubling the server's series for nothing.
     disable_created_metrics()  # type: ignore[no-untyped-call]

@@ -31,7 +31,7 @@ from gemps_proto.ranges import (
 )
 from gemps_proto.schema import TrainingConfig
 from gemps_server import partition_addresses
-from gemps_server.config_checks import partition_problems, security_problems, valid_token
+from gemps_server.config_checks import partition_problems, replica_problems, security_problems, valid_token
 from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NOISE_WINDOW_HELP, NOISE_WINDOWS
 from gemps_server.domain.rules import rule_names
 from gemps_server.domain.rules.gem import GEM_KERNELS
@@ -94,6 +94,63 @@ class ServerConfig:
             "in partition order, or one with {index} (e.g. gemps-server-{index}.gemps-server:50051); "
             "':PORT' means the host workers reached partition 0 at; @PATH: a file holding either, read "
             "again when it changes (a launcher rewrites it when a partition moves to another machine)"
+        },
+    )
+    # -- replicas of each partition (DESIGN §3d) ------------------------------------
+    replicas: int = field(
+        default=1,
+        metadata={
+            "help": "replicas of each partition: a primary and R-1 backups, each a process of its own, that apply "
+            "every commit in the same order; a commit is acknowledged once every in-sync replica applied it. "
+            "Needs etcd (--etcd; on one machine without it, a private etcd is started)",
+            RANGE: Range(1, 9),
+        },
+    )
+    replica_index: int = field(
+        default=-1,
+        metadata={
+            "help": "serve only this replica of the partition (0-based; a pod's or container's ordinal); -1: run "
+            "all of them here",
+            RANGE: Range(-1, 8),
+        },
+    )
+    etcd: str = field(
+        default="",
+        metadata={"help": "etcd endpoints deciding each partition's primary (e.g. http://etcd:2379, comma-separated)"},
+    )
+    job: str = field(
+        default="gemps",
+        metadata={"help": "the job's name: its keys in etcd are under /gemps/JOB/ (a new job: a new name)"},
+    )
+    replication_port: int = field(
+        default=52051,
+        metadata={
+            "help": "port a primary's backups dial to receive its journal (replica r of partition i: this + "
+            "i * R + r when run here); 0 picks a free one",
+            RANGE: PORT,
+        },
+    )
+    advertise_host: str = field(
+        default="",
+        metadata={
+            "help": "the host other replicas and workers reach this process at (default: --host, or this "
+            "machine's name when --host listens on every address)"
+        },
+    )
+    replica_lease: float = field(
+        default=3.0,
+        metadata={
+            "help": "seconds a primary's etcd lease lasts: a dead or cut-off primary is replaced after about this "
+            "long, and stops acknowledging commits before it is",
+            RANGE: Range(1.0, 3600.0, unit="s"),
+        },
+    )
+    replica_timeout: float = field(
+        default=5.0,
+        metadata={
+            "help": "seconds a backup may leave a forwarded commit unapplied before it is dropped from the "
+            "in-sync set (commits wait for it until then); it is re-seeded when it catches up",
+            RANGE: Range(0.1, 3600.0, unit="s"),
         },
     )
     gem_kernel: str = field(
@@ -375,6 +432,7 @@ class ServerConfig:
         found += self._limit_problems()
         found += security_problems(self)
         found += partition_problems(self)
+        found += replica_problems(self)
         return found
 
     def _limit_problems(self) -> list[str]:
@@ -391,6 +449,11 @@ class ServerConfig:
         if self.max_watches_per_connection > self.max_watches:
             found.append(f"max_watches_per_connection must be at most max_watches ({self.max_watches})")
         return found
+
+    @property
+    def replica(self) -> int:
+        """The replica of its partition this process is (0 without replicas)."""
+        return max(self.replica_index, 0)
 
     @property
     def partition(self) -> int:

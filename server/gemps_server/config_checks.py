@@ -49,3 +49,15 @@ def partition_problems(config: ServerConfig) -> list[str]:
             if port + config.partitions - 1 > 65535 and port > 0
         ]
     return []
+
+
+def replica_problems(config: ServerConfig) -> list[str]:
+    if config.replica_index >= config.replicas:
+        return [f"replica_index {config.replica_index} outside -1..{config.replicas - 1}"]
+    if config.replicas > 1 and config.replica_index >= 0 and not config.etcd:
+        return ["a replica of a replicated partition needs etcd to tell it its role: give etcd (e.g. http://etcd:2379)"]
+    if config.replicas > 1 and config.tls:
+        return ["replicas with TLS are not supported yet: the replication stream is plain TCP (use a private network)"]
+    if config.replicas > 1 and not config.job.replace("-", "").replace("_", "").isalnum():
+        return [f"job {config.job!r}: letters, digits, '-' and '_' only (it names keys in etcd)"]
+    return []

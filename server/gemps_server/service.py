@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -58,6 +59,19 @@ log = logging.getLogger("gemps.server")
 INLINE_MAX_PARAMETERS = 250_000
 
 
+class Replicas(Protocol):
+    """A replicated partition's say in what this process answers (gemps_server.replication)."""
+
+    def require_primary(self) -> None:
+        """Unavailable (reason not_primary) unless this replica is its partition's primary now."""
+        ...
+
+    def when_replicated(self, position: int, done: Callable[[BaseException | None], None]) -> None:
+        """`done(None)` once every in-sync replica applied journal `position`; `done(error)` when
+        it may not be acknowledged (this replica lost its primacy)."""
+        ...
+
+
 # The RPCs that commit: a refusal of either counts as a rejected commit (Status, metrics).
 COMMIT_METHODS = frozenset({"Commit", "CommitStream"})
 
@@ -70,8 +84,11 @@ class ParameterService:
         applier: Applier,
         metrics: ServerMetrics,
         on_committed: Callable[[int], None] | None = None,
+        replicas: Replicas | None = None,
     ) -> None:
         self.config = config
+        # None: no replicas (every answer is this process's alone).
+        self.replicas = replicas
         self._state = state
         self._applier = applier
         self._metrics = metrics
@@ -157,6 +174,7 @@ class ParameterService:
         client_id: str = "",
     ) -> tuple[RegistrationOutcome, Registration]:
         """Admit a worker; `include_parameters` False when its reply leaves θ out (it pulls θ next)."""
+        self._require_primary()
         if not self._registrations.allow():
             self._metrics.refusal(Reason.REGISTRATION_RATE)
             raise ResourceExhausted(
@@ -246,6 +264,7 @@ class ParameterService:
 
     def _current(self, worker_id: str, known_version: int, reply_dtype: int) -> tuple[Snapshot, bool]:
         """The current snapshot, and whether the applier must encode it in `reply_dtype` first."""
+        self._require_primary()
         state = self._state
         state.require_initialized()
         if worker_id:
@@ -258,11 +277,36 @@ class ParameterService:
         """Apply a commit in FIFO order, with its `reply` written by the state right after, while θ
         holds the commit's version (see ReplyWriter); metrics, logs and checkpoints once it is
         applied. The applier runs the state's own method: no frame of this file in between."""
+        self._require_primary()
         apply = functools.partial(self._state.commit_and_reply, commit, reply)
         # Small models: applied on the event loop when the applier is idle (see Applier.submit_timed).
         inline = self._state.num_parameters <= INLINE_MAX_PARAMETERS
         timed = await self._applier.submit_timed(apply, inline=inline)
-        return self._committed(commit, timed, self._on_committed)
+        committed = self._committed(commit, timed, self._on_committed)
+        if self.replicas is not None:
+            await self._replicated(committed[0].position)
+        return committed
+
+    async def _replicated(self, position: int) -> None:
+        """Wait until the replicas applied journal `position`; its refusal raised."""
+        assert self.replicas is not None
+        loop = asyncio.get_running_loop()
+        replicated: asyncio.Future[None] = loop.create_future()
+
+        def settle(error: BaseException | None) -> None:
+            if replicated.done():
+                return
+            if error is None:
+                replicated.set_result(None)
+            else:
+                replicated.set_exception(error)
+
+        def done(error: BaseException | None) -> None:
+            with contextlib.suppress(RuntimeError):  # loop closed: the server is stopping
+                loop.call_soon_threadsafe(settle, error)
+
+        self.replicas.when_replicated(position, done)
+        await replicated
 
     def commit_then(
         self,
@@ -280,13 +324,22 @@ class ParameterService:
         than the loop's I/O it would overlap (1M parameters, 8 clients: 2.5-2.8 ms against
         1.7-2.2, and 250-390 commits/s against 360-450, two runs each); else on the applier's
         thread, after what is queued there."""
+        self._require_primary()
         apply = functools.partial(self._state.commit_and_reply, commit, reply, out=mirror)
+        replicas = self.replicas
 
         def applied(timed: Timed[tuple[CommitOutcome, R]] | None, error: BaseException | None) -> None:
             if timed is None:
                 deliver(None, error)
-            else:
-                deliver(self._committed(commit, timed, self._committed_threadsafe), None)
+                return
+            committed = self._committed(commit, timed, self._committed_threadsafe)
+            if replicas is None:
+                deliver(committed, None)
+            else:  # the reply is written; it is handed over once the replicas applied the commit
+                replicas.when_replicated(
+                    committed[0].position,
+                    lambda refusal: deliver(committed, None) if refusal is None else deliver(None, refusal),
+                )
 
         self._applier.submit_then(apply, applied, inline=True)
 
@@ -331,6 +384,7 @@ class ParameterService:
         return outcome, built
 
     async def leave(self, worker_id: str) -> None:
+        self._require_primary()
         state = self._state
         worker = await self._applier.submit(lambda: state.leave(worker_id))
         self._metrics.departed("left")
@@ -379,6 +433,7 @@ class ParameterService:
         return Layout(config.partition, partitions, total)
 
     def report_evaluation(self, evaluation: Evaluation) -> None:
+        self._require_primary()
         check_evaluation(evaluation, self._state.version)
         self.last_evaluation = evaluation
         self._metrics.evaluated(evaluation.dataset, evaluation.version, evaluation.loss, evaluation.accuracy)
@@ -392,10 +447,24 @@ class ParameterService:
             dataset=evaluation.dataset or None,
         )
 
+    def _require_primary(self) -> None:
+        if self.replicas is not None:
+            self.replicas.require_primary()
+
+    def _is_primary(self) -> bool:
+        try:
+            self._require_primary()
+        except ServiceError:
+            return False
+        return True
+
     # -- housekeeping --------------------------------------------------------------------------
 
     async def evict_expired(self) -> None:
-        """Forget the workers whose lease ran out (the app calls this periodically)."""
+        """Forget the workers whose lease ran out (the app calls this periodically); a backup
+        leaves that to its primary (it applies the evictions its primary journals)."""
+        if self.replicas is not None and not self._is_primary():
+            return
         state = self._state
         self._evicted(await self._applier.submit(state.evict_expired), reason="lease expired")
 

@@ -99,6 +99,9 @@ class CommitOutcome:
     # A retry of a commit already applied: nothing changed; staleness and stats are the
     # original's, the snapshot is the current central variable.
     duplicate: bool = False
+    # Its place in the journal (a duplicate: the newest entry's): the reply waits until the
+    # replicas applied that far (0: no replicas).
+    position: int = 0
 
 
 @dataclass(frozen=True)

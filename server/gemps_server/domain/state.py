@@ -22,6 +22,7 @@ from gemps_proto.schema import Buffers, ParameterSpec, TrainingConfig
 from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor, encode, wire_view
 from gemps_server.domain import validation
 from gemps_server.domain.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
+from gemps_server.domain.journal import Committed, Departed, Entry, Joined, Journal, NoJournal
 from gemps_server.domain.ledger import CommitLedger, Receipt
 from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NoiseEstimator
 from gemps_server.domain.records import (
@@ -77,6 +78,8 @@ class ServerState:
         self._buffers = Buffers()  # replaced, never changed in place
         self._initializer_until = 0.0  # monotonic deadline of the worker asked for initial values
         self._initializer = ""  # its client id ("" when it sent none)
+        # Where every change is recorded for the replicas (journal.py); none without replicas.
+        self.journal: Journal = NoJournal()
 
     @property
     def initialized(self) -> bool:
@@ -132,17 +135,13 @@ class ServerState:
             self._initialize(spec, initial, buffer_spec, initial_buffers, client_id)
         else:
             validation.check_same_spec((self.spec, self.buffer_spec), (spec, buffer_spec))
-        assert self.rule is not None
-        if (previous := self.registry.of_client(client_id)) is not None:
-            self._forget(previous.worker_id)
-        displaced = self.registry.idlest() if self.registry.full else None
-        if displaced is not None:
-            self._forget(displaced.worker_id)
-        worker = self.registry.add(worker_name, client_id)
-        self.ledger.activate(worker.scope)
-        self.rule.add_worker(worker.worker_id, self._theta)
+        worker, displaced = self._admit(worker_name, client_id)
         # The worker that initialised theta already holds it: no P-sized encoding for its reply.
         initialized = first and initial is not None
+        first_values = (initial, initial_buffers) if first else (None, None)
+        displaced_id = displaced.worker_id if displaced is not None else ""
+        joined = Joined(worker.worker_id, worker_name, client_id, spec, buffer_spec, *first_values, displaced_id)
+        self.journal.append(joined)
         encoded = encode_theta and not initialized
         snapshot = self.encoded(FLOAT32) if encoded else self._with_buffers(self.snapshot)
         return RegistrationOutcome(worker, snapshot, initialized, displaced)
@@ -163,7 +162,9 @@ class ServerState:
             self.registry.touch(commit.worker_id, committed=True)
             if out is not None:  # the rule does not run: θ is copied as it is
                 np.copyto(out, self._theta)
-            return CommitOutcome(self.encoded(commit.reply_dtype), receipt.staleness, receipt.stats, duplicate=True)
+            # Answered once everything journalled so far is replicated: the original may not be yet.
+            snapshot, last = self.encoded(commit.reply_dtype), self.journal.last
+            return CommitOutcome(snapshot, receipt.staleness, receipt.stats, duplicate=True, position=last)
         applied = self.ledger.superseded(worker.scope, commit.sequence)
         if applied is not None:  # an old attempt, delivered after later commits of its client
             raise Aborted(
@@ -187,7 +188,8 @@ class ServerState:
         self.registry.touch(commit.worker_id, committed=True)
         self._version += 1  # its snapshot is encoded when a reply asks (encoded(), theta_bytes())
         self.ledger.record(worker.scope, commit.request_id, Receipt(self.version, staleness, stats, commit.sequence))
-        return CommitOutcome(self._with_buffers(self.snapshot), staleness, stats)
+        position = self.journal.append(Committed(commit))
+        return CommitOutcome(self._with_buffers(self.snapshot), staleness, stats, position=position)
 
     def commit_and_reply(
         self, commit: Commit, reply: ReplyWriter[R], out: np.ndarray | None = None
@@ -222,6 +224,7 @@ class ServerState:
     def leave(self, worker_id: str) -> WorkerRecord:
         worker = self.registry.get(worker_id)
         self._forget(worker_id)
+        self.journal.append(Departed((worker_id,)))
         return worker
 
     def evict_expired(self) -> list[WorkerRecord]:
@@ -229,7 +232,25 @@ class ServerState:
         for worker_id in self.registry.expired():
             evicted.append(self.registry.get(worker_id))
             self._forget(worker_id)
+        if evicted:
+            self.journal.append(Departed(tuple(worker.worker_id for worker in evicted)))
         return evicted
+
+    def replay(self, entry: Entry) -> None:
+        """Apply a primary's journal entry (on a backup, in the primary's order): the same
+        operation through the same code, with what the primary decided (worker ids, evictions)
+        taken from the entry instead of decided again."""
+        if isinstance(entry, Committed):
+            self.commit(entry.commit)
+        elif isinstance(entry, Departed):
+            for worker_id in entry.worker_ids:
+                self._forget(worker_id)
+        else:
+            if self.rule is None:
+                if entry.initial is None:
+                    raise ValueError(f"journal: worker {entry.worker_id} joined before θ was initialised")
+                self._initialize(entry.spec, entry.initial, entry.buffer_spec, entry.initial_buffers, entry.client_id)
+            self._admit(entry.name, entry.client_id, entry.worker_id, entry.displaced)
 
     def image(self) -> StateImage:
         """Everything a restarted server needs, consistent at one version (run on the applier:
@@ -299,6 +320,26 @@ class ServerState:
 
     def _new_rule(self, num_parameters: int) -> CommitRule:
         return create_rule(self._training, num_parameters, kernel=self._gem_kernel)
+
+    def _admit(
+        self, name: str, client_id: str, worker_id: str = "", displaced_id: str | None = None
+    ) -> tuple[WorkerRecord, WorkerRecord | None]:
+        """Add a worker (a new id unless `worker_id` is given), replacing its client's previous
+        registration, and the idlest worker when the registry is full (unless `displaced_id` says
+        which one the primary displaced: "" none); the worker and the one displaced."""
+        assert self.rule is not None
+        if (previous := self.registry.of_client(client_id)) is not None:
+            self._forget(previous.worker_id)
+        if displaced_id is None:
+            displaced = self.registry.idlest() if self.registry.full else None
+        else:
+            displaced = self.registry.get(displaced_id) if displaced_id else None
+        if displaced is not None:
+            self._forget(displaced.worker_id)
+        worker = self.registry.add(name, client_id, worker_id=worker_id)
+        self.ledger.activate(worker.scope)
+        self.rule.add_worker(worker.worker_id, self._theta)
+        return worker, displaced
 
     def _forget(self, worker_id: str) -> None:
         worker = self.registry.remove(worker_id)

@@ -52,7 +52,9 @@ class WorkerRegistry:
         worker_id = self._by_client.get(client_id) if client_id else None
         return self._workers.get(worker_id) if worker_id is not None else None
 
-    def add(self, name: str, client_id: str = "") -> WorkerRecord:
+    def add(self, name: str, client_id: str = "", worker_id: str = "") -> WorkerRecord:
+        """A new worker record; `worker_id` is a new random one unless given (a replica replaying
+        its primary's registration)."""
         if len(self._workers) >= self.max_workers:
             raise ResourceExhausted(
                 f"server is full: {self.max_workers} workers registered (raise --max-workers)",
@@ -63,7 +65,7 @@ class WorkerRegistry:
         else:
             slot, self._next_slot = self._next_slot, self._next_slot + 1
         now = self._clock()
-        record = WorkerRecord(uuid.uuid4().hex, name, slot, now, last_commit=now, client_id=client_id)
+        record = WorkerRecord(worker_id or uuid.uuid4().hex, name, slot, now, last_commit=now, client_id=client_id)
         self._workers[record.worker_id] = record
         if client_id:
             self._by_client[client_id] = record.worker_id

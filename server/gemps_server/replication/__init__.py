@@ -1,4 +1,4 @@
-"""Replicated partitions (docs/DESIGN.md, "Replicas"): a primary and backups per partition of θ.
+"""Replicated partitions (DESIGN §3d): a primary and backups per partition of θ.
 
 The primary journals every state change in its applied order and forwards it to each backup,
 which applies it through the same domain code; a commit is acknowledged once every backup in the

@@ -1,0 +1,130 @@
+"""Journal entries (domain/journal.py) as replication frames, and back.
+
+A commit travels as the worker sent it (its payload in the worker's dtype, as a blob), so the
+backup runs the very same validation and rule on the very same bytes. `encode` copies each blob
+(on the primary's applier, inside the operation): the wire's buffers are reused once it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from gemps_proto.schema import ParameterSpec
+from gemps_proto.tensor_codec import EncodedBuffers, EncodedTensor
+from gemps_server.domain.journal import Committed, Departed, Entry, Joined
+from gemps_server.domain.records import Commit
+from gemps_server.replication.frames import ENTRY, Blob, Frame
+
+
+class BadEntry(ValueError):
+    """A frame that is not a journal entry this version can apply."""
+
+
+def encode(entry: Entry, position: int, epoch: int) -> Frame:
+    header: dict[str, Any] = {"position": position, "epoch": epoch}
+    blobs: list[Blob] = []
+
+    def tensor(value: EncodedTensor | None) -> list[Any] | None:
+        if value is None:
+            return None
+        blobs.append(bytes(value.data))
+        return [value.dtype, list(value.shape), len(blobs) - 1]
+
+    def buffers(value: EncodedBuffers | None) -> list[Any] | None:
+        return None if value is None else [tensor(value.floats), tensor(value.integers)]
+
+    if isinstance(entry, Committed):
+        c = entry.commit
+        header["commit"] = {
+            "worker_id": c.worker_id,
+            "base_version": c.base_version,
+            "kind": c.kind,
+            "payload": tensor(c.payload),
+            "request_id": c.request_id,
+            "sequence": c.sequence,
+            "reply_dtype": c.reply_dtype,
+            "loss": c.loss,
+            "num_samples": c.num_samples,
+            "buffer_delta": buffers(c.buffer_delta),
+            "payload_peak": c.payload_peak,
+        }
+    elif isinstance(entry, Departed):
+        header["departed"] = list(entry.worker_ids)
+    else:
+        header["joined"] = {
+            "worker_id": entry.worker_id,
+            "name": entry.name,
+            "client_id": entry.client_id,
+            "spec": _specs(entry.spec),
+            "buffer_spec": _specs(entry.buffer_spec),
+            "initial": tensor(entry.initial),
+            "initial_buffers": buffers(entry.initial_buffers),
+            "displaced": entry.displaced,
+        }
+    return Frame(ENTRY, header, blobs)
+
+
+def decode(frame: Frame) -> tuple[Entry, int, int]:
+    """The entry a frame holds, its position and its epoch; BadEntry when it holds none."""
+    header, blobs = frame.header, frame.blobs
+    try:
+        position, epoch = int(header["position"]), int(header["epoch"])
+        if "commit" in header:
+            c = header["commit"]
+            payload = _tensor(c["payload"], blobs)
+            if payload is None:
+                raise BadEntry("a commit without a payload")
+            commit = Commit(
+                worker_id=str(c["worker_id"]),
+                base_version=int(c["base_version"]),
+                kind=int(c["kind"]),
+                payload=payload,
+                request_id=str(c["request_id"]),
+                sequence=int(c["sequence"]),
+                reply_dtype=int(c["reply_dtype"]),
+                loss=None if c["loss"] is None else float(c["loss"]),
+                num_samples=None if c["num_samples"] is None else int(c["num_samples"]),
+                buffer_delta=_buffers(c["buffer_delta"], blobs),
+                payload_peak=None if c["payload_peak"] is None else float(c["payload_peak"]),
+            )
+            return Committed(commit), position, epoch
+        if "departed" in header:
+            return Departed(tuple(str(worker_id) for worker_id in header["departed"])), position, epoch
+        j = header["joined"]
+        joined = Joined(
+            worker_id=str(j["worker_id"]),
+            name=str(j["name"]),
+            client_id=str(j["client_id"]),
+            spec=_parse_specs(j["spec"]),
+            buffer_spec=_parse_specs(j["buffer_spec"]),
+            initial=_tensor(j["initial"], blobs),
+            initial_buffers=_buffers(j["initial_buffers"], blobs),
+            displaced=str(j["displaced"]),
+        )
+        return joined, position, epoch
+    except (KeyError, TypeError, ValueError, IndexError) as error:
+        if isinstance(error, BadEntry):
+            raise
+        raise BadEntry(f"malformed journal entry: {type(error).__name__}: {error}") from None
+
+
+def _specs(spec: Sequence[ParameterSpec]) -> list[list[Any]]:
+    return [[entry.name, list(entry.shape), entry.dtype] for entry in spec]
+
+
+def _parse_specs(raw: list[list[Any]]) -> tuple[ParameterSpec, ...]:
+    return tuple(ParameterSpec(str(name), tuple(int(n) for n in shape), int(dtype)) for name, shape, dtype in raw)
+
+
+def _tensor(raw: list[Any] | None, blobs: Sequence[Blob]) -> EncodedTensor | None:
+    if raw is None:
+        return None
+    dtype, shape, index = raw
+    return EncodedTensor(int(dtype), tuple(int(n) for n in shape), blobs[int(index)])
+
+
+def _buffers(raw: list[Any] | None, blobs: Sequence[Blob]) -> EncodedBuffers | None:
+    if raw is None:
+        return None
+    return EncodedBuffers(_tensor(raw[0], blobs), _tensor(raw[1], blobs))

@@ -1,0 +1,148 @@
+"""A backup's side of replication: dial the primary, adopt its image, apply its journal, acknowledge.
+
+Each entry is applied through the applier (one operation at a time, like the primary's) with
+`ServerState.replay`, then acknowledged by position. A frame of another epoch than the primary's
+this backup dialled ends the stream: a replica never applies anything from an older primary.
+When the stream ends for any reason the replica (replica.py) decides what next: dial again, or
+campaign.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+from gemps_server.domain.applier import Applier, Timed
+from gemps_server.domain.state import ServerState
+from gemps_server.logs import event
+from gemps_server.replication import entries, frames, image_codec
+from gemps_server.replication.forwarder import Peer
+
+log = logging.getLogger("gemps.server")
+T = TypeVar("T")
+
+#: seconds to connect to the primary and to hear its seed's first bytes
+CONNECT_SECONDS = 5.0
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _on_applier(applier: Applier, operation: Callable[[], T]) -> T:
+    """Run `operation` on the applier and wait for it (the follower is a thread of its own)."""
+    finished = threading.Event()
+    outcome: list[Timed[T] | None] = [None]
+    failure: list[BaseException | None] = [None]
+
+    def deliver(timed: Timed[T] | None, error: BaseException | None) -> None:
+        outcome[0], failure[0] = timed, error
+        finished.set()
+
+    applier.submit_then(operation, deliver)
+    finished.wait()
+    if failure[0] is not None:
+        raise failure[0]
+    assert outcome[0] is not None
+    return outcome[0].result
+
+
+class Follower:
+    """Follows the primary at `primary` (its replication address) in `epoch`; `on_end(why)` once the
+    stream ends (not when stopped)."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        applier: Applier,
+        me: Peer,
+        primary: str,
+        epoch: int,
+        token: str,
+        on_end: Callable[[str], None],
+    ) -> None:
+        self._state, self._applier, self._me = state, applier, me
+        self.primary, self.epoch = primary, epoch
+        self._token = token
+        self._on_end = on_end
+        self.applied = 0  # entries applied from this primary
+        self.seeded = False
+        self._stopped = False
+        self._sock: socket.socket | None = None
+        self._thread = threading.Thread(target=self._run, name="gemps-replication-follow", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+
+    def _run(self) -> None:
+        try:
+            self._follow()
+            why = "the primary ended the stream"
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            why = f"{type(error).__name__}: {error}"
+        if self._sock is not None:
+            self._sock.close()
+        if not self._stopped:
+            event(
+                log,
+                "replication stream ended",
+                level=logging.WARNING,
+                primary=self.primary,
+                epoch=self.epoch,
+                reason=why,
+            )
+            self._on_end(why)
+
+    def _follow(self) -> None:
+        sock = socket.create_connection(split_address(self.primary), timeout=CONNECT_SECONDS)
+        self._sock = sock
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        me = self._me
+        hello = {"name": me.name, "incarnation": me.incarnation, "address": me.address, "replication": me.replication}
+        frames.send(sock, frames.Frame(frames.HELLO, dict(hello, token=self._token, epoch=self.epoch)))
+        sock.settimeout(None)  # a primary may send nothing for long: no commits
+        while not self._stopped:
+            frame = frames.receive(sock)
+            if frame.kind == frames.REFUSED:
+                raise ConnectionError(f"refused by the primary: {frame.header.get('reason', '')}")
+            if int(frame.header.get("epoch", -1)) != self.epoch:
+                raise ConnectionError(
+                    f"a frame of epoch {frame.header.get('epoch')} from the primary of epoch {self.epoch}"
+                )
+            if frame.kind == frames.SEED:
+                image = image_codec.decode(bytes(frame.blobs[0]))
+                _on_applier(self._applier, functools.partial(self._state.adopt, image))
+                del image
+                position = int(frame.header["position"])
+                self.seeded = True
+                event(
+                    log,
+                    "seeded",
+                    primary=self.primary,
+                    epoch=self.epoch,
+                    position=position,
+                    version=self._state.version,
+                )
+            elif frame.kind == frames.ENTRY and self.seeded:
+                entry, position, _epoch = entries.decode(frame)
+                _on_applier(self._applier, functools.partial(self._state.replay, entry))
+                self.applied += 1
+            else:
+                raise ConnectionError(f"unexpected replication frame {frame.kind!r}")
+            frames.send(sock, frames.Frame(frames.ACK, {"position": position}))

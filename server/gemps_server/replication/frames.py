@@ -1,0 +1,101 @@
+"""The replication stream's frames: a JSON header and a body of raw byte blobs, on a TCP socket.
+
+    frame = length of header (u32 LE) | length of body (u64 LE) | header (JSON, UTF-8) | body
+
+The header says what the frame is (`kind`) and the lengths of the blobs the body holds, in order
+(a commit's payload, a seed's image): bytes are sent as they are, never inside JSON. Blocking
+sockets, one reader and one writer thread per peer: a replication stream is one connection per
+backup, not thousands of clients (the data plane's single-threaded loop answers that problem).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+_PREFIX = struct.Struct("<IQ")
+MAX_HEADER_BYTES = 1 << 20
+# What one frame's body may hold: a seed carries θ and every worker's rule state.
+MAX_BODY_BYTES = 1 << 40
+
+#: backup -> primary: who it is (name, incarnation, token, the epoch it expects)
+HELLO = "hello"
+#: primary -> backup: the whole state at a journal position (one blob: the image)
+SEED = "seed"
+#: primary -> backup: one journal entry
+ENTRY = "entry"
+#: backup -> primary: every entry up to `position` applied
+ACK = "ack"
+#: either way: why the stream ends
+REFUSED = "refused"
+
+
+class StreamClosed(ConnectionError):
+    """The peer closed the stream, or sent something that is not a frame."""
+
+
+Blob = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class Frame:
+    kind: str
+    header: dict[str, Any] = field(default_factory=dict)
+    blobs: Sequence[Blob] = ()
+
+    def encode(self) -> list[Blob]:
+        """The frame's bytes as buffers for one sendmsg (the blobs are not copied)."""
+        header = dict(self.header, kind=self.kind, blobs=[memoryview(blob).nbytes for blob in self.blobs])
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        body = sum(header["blobs"])
+        return [_PREFIX.pack(len(raw), body) + raw, *self.blobs]
+
+
+def send(sock: socket.socket, frame: Frame) -> None:
+    buffers = [memoryview(buffer).cast("B") for buffer in frame.encode()]
+    while buffers:
+        sent = sock.sendmsg(buffers)
+        while buffers and sent >= buffers[0].nbytes:
+            sent -= buffers[0].nbytes
+            buffers.pop(0)
+        if buffers and sent:
+            buffers[0] = buffers[0][sent:]
+
+
+def receive(sock: socket.socket) -> Frame:
+    """The next frame; StreamClosed at the end of the stream or on a malformed frame."""
+    header_bytes, body_bytes = _PREFIX.unpack(_read(sock, _PREFIX.size))
+    if header_bytes > MAX_HEADER_BYTES or body_bytes > MAX_BODY_BYTES:
+        raise StreamClosed(f"replication frame of {header_bytes} + {body_bytes} bytes: not from a gemps replica")
+    try:
+        header = json.loads(_read(sock, header_bytes))
+        kind, lengths = header.pop("kind"), header.pop("blobs")
+    except (ValueError, KeyError, TypeError) as error:
+        raise StreamClosed(f"malformed replication frame header: {error}") from None
+    if (
+        not isinstance(lengths, list)
+        or any(not isinstance(n, int) or n < 0 for n in lengths)
+        or sum(lengths) != body_bytes
+    ):
+        raise StreamClosed("replication frame: blob lengths do not add up to its body")
+    body = memoryview(_read(sock, body_bytes))
+    blobs, start = [], 0
+    for length in lengths:
+        blobs.append(body[start : start + length])
+        start += length
+    return Frame(str(kind), header, blobs)
+
+
+def _read(sock: socket.socket, count: int) -> bytearray:
+    data = bytearray(count)
+    view, done = memoryview(data), 0
+    while done < count:
+        got = sock.recv_into(view[done:], count - done)
+        if not got:
+            raise StreamClosed("the replication stream's peer closed it")
+        done += got
+    return data

@@ -1,0 +1,254 @@
+"""One replica of a partition: its role, decided by etcd, and what that role does.
+
+The coordinator (election.py) tells it when it became primary, lost its lease, or saw another
+replica become primary. As primary it journals to a Forwarder and answers workers; as a backup it
+follows the primary's stream (Follower) and refuses workers with `not_primary` (the SDK tries the
+partition's next replica). Its replication listener is always bound: backups dial a primary there.
+The service asks it two things (service.Replicas): whether it may answer a worker now, and when
+a commit may be acknowledged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import threading
+import uuid
+from collections.abc import Iterable
+from typing import TypeVar
+
+from gemps_proto.reasons import Reason
+from gemps_server.domain.applier import Applier
+from gemps_server.domain.errors import Unavailable
+from gemps_server.domain.journal import NoJournal
+from gemps_server.domain.state import ServerState
+from gemps_server.logs import event
+from gemps_server.replication import frames
+from gemps_server.replication.election import Coordinator, Election, Member
+from gemps_server.replication.follower import CONNECT_SECONDS, Follower, _on_applier
+from gemps_server.replication.forwarder import Done, Forwarder, Peer
+from gemps_server.replication.status import BACKUP, CANDIDATE, PRIMARY, ReplicationStatus
+
+log = logging.getLogger("gemps.server")
+T = TypeVar("T")
+
+#: seconds before a backup dials its primary again after the stream ended
+REDIAL_SECONDS = 0.5
+
+
+class Replica:
+    """This process as one of `replicas` replicas of its partition."""
+
+    def __init__(self, state: ServerState, applier: Applier, replicas: int, timeout: float, token: str) -> None:
+        self._state, self._applier = state, applier
+        self.replicas = replicas
+        self._timeout = timeout
+        self._token = token
+        self.me = Member("", "", "", "")  # known once started
+        self._lock = threading.RLock()  # role changes come from the coordinator and the follower's end
+        self.role = CANDIDATE
+        self.epoch = 0
+        self._primary: Member | None = None
+        self._forwarder: Forwarder | None = None
+        self._follower: Follower | None = None
+        self.failovers = 0
+        self.applied = 0  # entries applied from primaries, over this process's life
+        self._stopped = False
+        self._started = False
+
+    @staticmethod
+    def incarnation() -> str:
+        return uuid.uuid4().hex
+
+    def start(self, election: Election, listener: socket.socket) -> None:
+        """Take part in `election` (as its member), taking backups on `listener` when primary."""
+        self._election, self._listener, self.me = election, listener, election.me
+        self._coordinator = Coordinator(election, self._promoted, self._demoted, self._primary_is)
+        threading.Thread(target=self._accept, name="gemps-replication-listen", daemon=True).start()
+        self._coordinator.start()
+        self._started = True
+
+    def stop(self) -> None:
+        """Step down (the lease is given back, so a backup takes over at once) and let go."""
+        self._stopped = True
+        if not self._started:
+            return
+        self._coordinator.stop(resign=True)
+        with self._lock:
+            if self._forwarder is not None:
+                self._forwarder.close()
+            if self._follower is not None:
+                self._follower.stop()
+        self._listener.close()
+
+    # -- what the service asks (service.Replicas) ---------------------------------------------------
+
+    def require_primary(self) -> None:
+        if self.role == PRIMARY and self._started and self._election.holds():
+            return
+        primary = self._primary.address if self._primary is not None and self.role == BACKUP else ""
+        where = f"; the primary is at {primary}" if primary else "; no primary is known yet"
+        raise Unavailable(
+            f"replica {self.me.name} is a {self.role}, not its partition's primary{where}: retry at another replica",
+            Reason.NOT_PRIMARY,
+        )
+
+    def when_replicated(self, position: int, done: Done) -> None:
+        forwarder = self._forwarder
+        if forwarder is None:
+            done(Unavailable(f"replica {self.me.name} stopped being primary: retry", Reason.NOT_PRIMARY))
+        else:
+            forwarder.when_replicated(position, done)
+
+    def status(self) -> ReplicationStatus:
+        forwarder, follower = self._forwarder, self._follower
+        return ReplicationStatus(
+            name=self.me.name,
+            role=self.role,
+            epoch=self.epoch,
+            replicas=self.replicas,
+            primary=self._primary.address if self._primary is not None else "",
+            backups=forwarder.lags() if forwarder is not None else (),
+            forwarded=forwarder.forwarded if forwarder is not None else 0,
+            applied=self.applied + (follower.applied if follower is not None else 0),
+            failovers=self.failovers,
+        )
+
+    # -- the coordinator's news (its thread) ----------------------------------------------------------
+
+    def _promoted(self, epoch: int) -> None:
+        with self._lock:
+            self._let_go_of_primary()
+            forwarder = Forwarder(
+                self._state, self._applier, epoch, self._set_in_sync, self._election.holds, self._timeout
+            )
+            if not self._set_in_sync(()):  # only this replica is in sync until backups are seeded
+                forwarder.close()
+                event(log, "promotion abandoned", level=logging.WARNING, epoch=epoch)
+                return
+            self._set_journal(forwarder)
+            self._forwarder, self.role, self.epoch, self._primary = forwarder, PRIMARY, epoch, self.me
+            self.failovers += 1
+        event(log, "primary", replica=self.me.name, epoch=epoch, version=self._state.version, level=logging.WARNING)
+
+    def _demoted(self) -> None:
+        with self._lock:
+            forwarder, self._forwarder = self._forwarder, None
+            self.role, self._primary = CANDIDATE, None
+            if forwarder is not None:
+                forwarder.close()
+                self._set_journal(NoJournal())
+        event(log, "lost primacy", level=logging.WARNING, replica=self.me.name, epoch=self.epoch)
+
+    def _primary_is(self, primary: Member | None, epoch: int) -> None:
+        with self._lock:
+            if primary is None or self._stopped:
+                return
+            if (primary.name, primary.incarnation) == (self.me.name, self.me.incarnation):
+                return
+            if self.role == PRIMARY:  # another holds the key: this one's lease is gone
+                self._demoted()
+            self._primary, self.epoch, self.role = primary, epoch, BACKUP
+            follower = self._follower
+            if follower is None or follower.epoch != epoch or follower.primary != primary.replication:
+                self._follow(primary, epoch)
+
+    def _follow(self, primary: Member, epoch: int) -> None:
+        self._let_go_of_primary()
+        me = Peer(self.me.name, self.me.incarnation, self.me.address, self.me.replication)
+
+        def ended(why: str) -> None:
+            timer = threading.Timer(REDIAL_SECONDS, self._redial, args=(follower,))
+            timer.daemon = True
+            timer.start()
+
+        follower = Follower(self._state, self._applier, me, primary.replication, epoch, self._token, ended)
+        self._follower = follower
+        follower.start()
+
+    def _redial(self, ended: Follower) -> None:
+        with self._lock:
+            if self._follower is ended and self.role == BACKUP and self._primary is not None and not self._stopped:
+                self.applied += ended.applied
+                self._follow(self._primary, self.epoch)
+
+    def _let_go_of_primary(self) -> None:
+        """Stop following (the follower's thread is waited for: nothing of the old stream is applied
+        after this replica starts serving)."""
+        follower, self._follower = self._follower, None
+        if follower is not None:
+            follower.stop()
+            follower.join(timeout=2 * CONNECT_SECONDS)
+            self.applied += follower.applied
+
+    def _set_in_sync(self, backups: Iterable[Peer]) -> bool:
+        members = [self.me, *(Member(p.name, p.incarnation, p.address, p.replication) for p in backups)]
+        try:
+            return self._election.set_in_sync(members)
+        except Exception as error:  # etcd unreachable: nothing changes; the lease decides
+            event(log, "in-sync set not written", level=logging.WARNING, error=f"{type(error).__name__}: {error}")
+            return False
+
+    def _set_journal(self, journal: Forwarder | NoJournal) -> None:
+        def swap() -> None:
+            self._state.journal = journal
+
+        _on_applier(self._applier, swap)
+
+    # -- the replication listener --------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while not self._stopped:
+            try:
+                sock, _address = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._greet, args=(sock,), name="gemps-replication-hello", daemon=True).start()
+
+    def _greet(self, sock: socket.socket) -> None:
+        try:
+            sock.settimeout(CONNECT_SECONDS)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = frames.receive(sock)
+            header = hello.header
+            refusal = self._refusal(hello)
+            if refusal:
+                frames.send(sock, frames.Frame(frames.REFUSED, {"reason": refusal, "epoch": self.epoch}))
+                sock.close()
+                return
+            sock.settimeout(None)
+            peer = Peer(
+                str(header["name"]), str(header["incarnation"]), str(header["address"]), str(header["replication"])
+            )
+            forwarder = self._forwarder
+            if forwarder is None:
+                sock.close()
+                return
+            event(log, "backup joining", backup=peer.name, epoch=forwarder.epoch)
+            forwarder.attach(peer, sock)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            event(log, "replication hello failed", level=logging.WARNING, error=str(error))
+            sock.close()
+
+    def _refusal(self, hello: frames.Frame) -> str:
+        token = str(hello.header.get("token", ""))
+        if hello.kind != frames.HELLO:
+            return "the first frame must be a hello"
+        if not hmac.compare_digest(token.encode(), self._token.encode()):
+            return "wrong token"
+        if self.role != PRIMARY or self._forwarder is None:
+            return f"{self.me.name} is not primary"
+        if int(hello.header.get("epoch", -1)) != self.epoch:
+            return f"epoch {hello.header.get('epoch')} is not the primary's ({self.epoch})"
+        return ""
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The replication listener, bound (port 0: a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(16)
+    return sock

@@ -1,0 +1,191 @@
+"""Replicated partitions on one machine (issue 35): real etcd, real servers, real replication
+streams. Commits count themselves where counting is the point (updates of ones under `downpour`:
+θ's values are the commits applied); GEM where bit-identical state is (its per-worker state is
+the part most likely to drift). The faults between machines are in test_replica_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import gemps
+from gemps_server.replication import image_codec
+from gemps_server.replication.local_etcd import LocalEtcd
+from gemps_server.replication.status import BACKUP, PRIMARY, ReplicationStatus
+from gemps_worker.cluster import ServerProcess
+from tests.helpers import CommitLoops, InProcessServer, wait_for
+from tests.integration.conftest import StartServer, StartServerProcess
+
+LEASE = 1.0  # seconds: short, so failovers in tests take about this long
+PARAMETERS = 1000
+
+
+@pytest.fixture
+def etcd() -> Iterator[LocalEtcd]:
+    with LocalEtcd() as running:
+        yield running
+
+
+def replica_options(etcd: LocalEtcd, index: int, job: str, **options: Any) -> dict[str, Any]:
+    return {
+        "replicas": 2,
+        "replica_index": index,
+        "etcd": etcd.endpoint,
+        "job": job,
+        "replication_port": 0,
+        "replica_lease": LEASE,
+        "replica_timeout": 2.0,
+        **options,
+    }
+
+
+def status_of(server: InProcessServer) -> ReplicationStatus:
+    replica = server.server.replica
+    assert replica is not None
+    return replica.status()
+
+
+def wait_replicated(servers: list[InProcessServer], timeout: float = 30.0) -> InProcessServer:
+    """Until one server is primary and every other one is its backup, in sync and caught up; the primary."""
+
+    def settled() -> bool:
+        statuses = [status_of(server) for server in servers]
+        primaries = [status for status in statuses if status.role == PRIMARY]
+        if len(primaries) != 1 or sum(status.role == BACKUP for status in statuses) != len(servers) - 1:
+            return False
+        backups = primaries[0].backups
+        return len(backups) == len(servers) - 1 and all(b.in_sync and b.lag_commits == 0 for b in backups)
+
+    wait_for(
+        settled, timeout, "one primary, every backup in sync", explain=lambda: repr([status_of(s) for s in servers])
+    )
+    return next(server for server in servers if status_of(server).role == PRIMARY)
+
+
+def digest(server: InProcessServer) -> str:
+    """The replica's whole state, hashed (taken on its applier: consistent at one version)."""
+    inner = server.server
+    image = asyncio.run_coroutine_threadsafe(inner.applier.submit(inner.state.replica_image), server._loop).result(30)
+    return image_codec.digest(image)
+
+
+def test_a_backup_holds_the_primarys_state_bit_for_bit_under_gem(start_server: StartServer, etcd: LocalEtcd) -> None:
+    servers = [start_server(rule="gem", **replica_options(etcd, index, "bits")) for index in range(2)]
+    primary = wait_replicated(servers)
+    target = "|".join(server.target for server in servers)
+    rng = np.random.default_rng(0)
+    clients = [gemps.Client(target, name=f"w{i}") for i in range(3)]
+    loops = CommitLoops(
+        clients, {"w": np.zeros(PARAMETERS, np.float32)}, rng.standard_normal(PARAMETERS).astype(np.float32)
+    )
+    loops.start().wait_each(40, 60, "40 commits per worker")
+    loops.stop()
+    for client in clients:
+        client.close()
+    assert not loops.failures, loops.failures
+    wait_replicated(servers)
+    backup = next(server for server in servers if server is not primary)
+    assert primary.server.state.version == backup.server.state.version == sum(loops.acked)
+    assert digest(primary) == digest(backup)
+    assert status_of(backup).applied >= sum(loops.acked)
+
+
+def test_a_primary_that_stops_hands_over_and_no_commit_is_lost_or_applied_twice(
+    start_server: StartServer, etcd: LocalEtcd
+) -> None:
+    servers = [start_server(rule="downpour", **replica_options(etcd, index, "handover")) for index in range(2)]
+    primary = wait_replicated(servers)
+    backup = next(server for server in servers if server is not primary)
+    target = "|".join(server.target for server in servers)
+    clients = [gemps.Client(target, name=f"w{i}") for i in range(4)]
+    ones = np.ones(PARAMETERS, np.float32)
+    loops = CommitLoops(clients, {"w": np.zeros(PARAMETERS, np.float32)}, ones, kind="update").start()
+    loops.wait_each(20, 60, "20 commits per worker")
+    primary.stop(grace=1.0)  # resigns: the backup takes over without waiting for the lease
+    loops.wait_each(20, 60, "20 more commits per worker, at the backup")
+    loops.stop()
+    assert not loops.failures, loops.failures
+    assert status_of(backup).role == PRIMARY
+    theta = backup.server.state.theta_copy()
+    assert theta.min() == theta.max() == backup.server.state.version == sum(loops.acked)
+
+
+def replica_process(start: StartServerProcess, etcd: LocalEtcd, index: int, job: str, **options: Any) -> ServerProcess:
+    return start(**replica_options(etcd, index, job, rule="downpour", **options))
+
+
+def role_of(target: str) -> str:
+    with gemps.Client(target, timeout=5) as client:
+        replication = client.status().replication
+    return "" if replication is None else replication.role
+
+
+def test_sigkill_of_the_primary_loses_no_acknowledged_commit(
+    start_server_process: StartServerProcess, etcd: LocalEtcd
+) -> None:
+    """8 workers commit; the primary's process is SIGKILLed: every acknowledged commit is in the
+    promoted backup's θ exactly once, and commits are acknowledged again within seconds."""
+    servers = [replica_process(start_server_process, etcd, index, "sigkill") for index in range(2)]
+    targets = [server.target for server in servers]
+    wait_for(lambda: sorted(role_of(t) for t in targets) == [BACKUP, PRIMARY], 30, "a primary and a backup")
+    primary = next(server for server in servers if role_of(server.target) == PRIMARY)
+    survivor = next(server for server in servers if server is not primary)
+    clients = [gemps.Client("|".join(targets), name=f"w{i}", timeout=5) for i in range(8)]
+    ones = np.ones(PARAMETERS, np.float32)
+    loops = CommitLoops(clients, {"w": np.zeros(PARAMETERS, np.float32)}, ones, kind="update").start()
+    loops.wait_each(10, 60, "10 commits per worker")
+    os.kill(primary.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    loops.wait_each(5, 60, "5 more commits per worker, at the promoted backup")
+    resumed = time.monotonic() - killed
+    loops.stop()
+    assert not loops.failures, loops.failures
+    with gemps.Client(survivor.target, timeout=5) as observer:
+        status = observer.status()
+        theta = observer.pull().flat
+    assert status.replication is not None and status.replication.role == PRIMARY
+    assert theta.min() == theta.max() == status.version == sum(loops.acked)
+    print(f"SIGKILL of the primary: {sum(loops.acked)} acknowledged, all applied once; resumed within {resumed:.1f} s")
+    assert resumed < 15 * LEASE
+
+
+def test_a_backup_paused_past_the_timeout_is_dropped_then_reseeded(
+    start_server_process: StartServerProcess, etcd: LocalEtcd
+) -> None:
+    servers = [replica_process(start_server_process, etcd, index, "pause") for index in range(2)]
+    targets = [server.target for server in servers]
+    wait_for(lambda: sorted(role_of(t) for t in targets) == [BACKUP, PRIMARY], 30, "a primary and a backup")
+    backup = next(server for server in servers if role_of(server.target) == BACKUP)
+    primary = next(server for server in servers if server is not backup)
+    clients = [gemps.Client("|".join(targets), name=f"w{i}", timeout=10) for i in range(2)]
+    ones = np.ones(PARAMETERS, np.float32)
+    loops = CommitLoops(clients, {"w": np.zeros(PARAMETERS, np.float32)}, ones, kind="update").start()
+    loops.wait_each(10, 60, "10 commits per worker")
+    os.kill(backup.pid, signal.SIGSTOP)
+    try:
+        loops.wait_each(20, 30, "commits acknowledged while the backup is stopped (after it was dropped)")
+        with gemps.Client(primary.target, timeout=5) as observer:
+            replication = observer.status().replication
+        assert replication is not None and replication.under_replicated
+    finally:
+        os.kill(backup.pid, signal.SIGCONT)
+
+    def back_in_sync() -> bool:
+        with gemps.Client(primary.target, timeout=5) as observer:
+            replication = observer.status().replication
+        return replication is not None and not replication.under_replicated
+
+    wait_for(back_in_sync, 30, "the backup re-seeded and in sync again")
+    loops.wait_each(5, 30, "commits with the backup back")
+    loops.stop()
+    assert not loops.failures, loops.failures
+    with gemps.Client(primary.target, timeout=5) as observer:
+        version = observer.status().version
+    assert version == sum(loops.acked)

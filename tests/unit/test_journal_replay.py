@@ -1,0 +1,160 @@
+"""The journal and its replay (DESIGN §3d): a backup that applies a primary's entries, sent through
+the replication stream's encoding, holds the primary's θ, workers and ledger bit for bit, with
+the primary's decisions (worker ids, displacements, evictions) taken from the entries."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+from gemps_proto.schema import ParameterSpec, PayloadKind
+from gemps_proto.tensor_codec import BFLOAT16, INT64, EncodedBuffers, EncodedTensor, encode
+from gemps_server.domain.errors import InvalidArgument
+from gemps_server.domain.journal import Committed, Departed, Entry, Joined
+from gemps_server.domain.records import Commit
+from gemps_server.domain.state import ServerState
+from gemps_server.domain.workers import WorkerRegistry
+from gemps_server.replication import entries, frames
+from tests.helpers import encoded, training
+
+P = 64
+SPEC = (ParameterSpec("w", (P,)),)
+BUFFER_SPEC = (ParameterSpec("steps", (1,), INT64),)
+
+
+class ListJournal:
+    """A journal that keeps its entries, encoded as the replication stream sends them."""
+
+    def __init__(self) -> None:
+        self.frames: list[frames.Frame] = []
+
+    def append(self, entry: Entry) -> int:
+        self.frames.append(entries.encode(entry, len(self.frames) + 1, epoch=7))
+        return len(self.frames)
+
+    @property
+    def last(self) -> int:
+        return len(self.frames)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def new_state(rule: str, clock: Clock, max_workers: int = 3) -> ServerState:
+    return ServerState(training(rule, learning_rate=0.1), WorkerRegistry(max_workers, lease_ttl=10.0, clock=clock))
+
+
+def through_a_socket(frame: frames.Frame) -> frames.Frame:
+    """The frame as the other end of a socket receives it."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        frames.send(ours, frame)
+        return frames.receive(theirs)
+
+
+def replay_all(primary: ServerState, backup: ServerState, journal: ListJournal, start: int = 0) -> None:
+    for frame in journal.frames[start:]:
+        entry, _position, epoch = entries.decode(through_a_socket(frame))
+        assert epoch == 7
+        backup.replay(entry)
+
+
+def steps(value: int) -> EncodedBuffers:
+    return EncodedBuffers(None, EncodedTensor(INT64, (1,), np.array([value], np.int64).tobytes()))
+
+
+@pytest.mark.parametrize("rule", ["gem", "momentum", "downpour"])
+def test_a_replayed_journal_gives_the_same_state_bit_for_bit(rule: str) -> None:
+    clock = Clock()
+    primary, backup = new_state(rule, clock), new_state(rule, Clock())
+    journal = ListJournal()
+    primary.journal = journal
+    rng = np.random.default_rng(1)
+    initial = rng.standard_normal(P).astype(np.float32)
+    first = primary.register(
+        "a", SPEC, encoded(initial), buffer_spec=BUFFER_SPEC, initial_buffers=steps(0), client_id="ca"
+    )
+    second = primary.register("b", SPEC, None, buffer_spec=BUFFER_SPEC, client_id="cb")
+    workers = [first.worker.worker_id, second.worker.worker_id]
+    for index in range(30):
+        payload = rng.standard_normal(P).astype(np.float32)
+        data = encode(payload, BFLOAT16) if index % 3 == 0 else payload.tobytes()
+        dtype = BFLOAT16 if index % 3 == 0 else 1
+        commit = Commit(
+            worker_id=workers[index % 2],
+            base_version=max(0, primary.version - index % 4),
+            kind=PayloadKind.GRADIENT,
+            payload=EncodedTensor(dtype, (P,), data),
+            request_id=f"r{index}",
+            sequence=index // 2 + 1,
+            num_samples=32,
+            buffer_delta=steps(1),
+        )
+        primary.commit(commit)
+    primary.leave(workers[1])
+    third = primary.register("c", SPEC, None, buffer_spec=BUFFER_SPEC, client_id="cc")
+    clock.now = 100.0  # every lease ran out
+    assert len(primary.evict_expired()) == 2
+    replay_all(primary, backup, journal)
+    assert backup.version == primary.version == 30
+    assert backup.theta_copy().tobytes() == primary.theta_copy().tobytes()
+    assert backup.ledger.entries() == primary.ledger.entries()
+    assert len(backup.registry) == len(primary.registry) == 0
+    assert third.worker.worker_id not in backup.registry
+    assert backup.image().buffers.integers.tolist() == primary.image().buffers.integers.tolist() == [30]
+
+
+def test_replay_takes_the_primarys_worker_ids_and_displacements() -> None:
+    clock = Clock()
+    primary, backup = new_state("downpour", clock, max_workers=2), new_state("downpour", Clock(), max_workers=2)
+    journal = ListJournal()
+    primary.journal = journal
+    a = primary.register("a", SPEC, encoded(np.zeros(P, np.float32))).worker.worker_id
+    clock.now = 5.0
+    b = primary.register("b", SPEC, None).worker.worker_id
+    clock.now = 20.0  # both idle past the lease: a newcomer displaces the idlest (a)
+    joined = primary.register("c", SPEC, None)
+    assert joined.displaced is not None and joined.displaced.worker_id == a
+    replay_all(primary, backup, journal)
+    assert sorted(
+        w.worker_id for w in [backup.registry.get(b), backup.registry.get(joined.worker.worker_id)]
+    ) == sorted([b, joined.worker.worker_id])
+    assert a not in backup.registry
+    assert [w.slot for w in sorted(backup.registry._workers.values(), key=lambda w: w.worker_id)] == [
+        w.slot for w in sorted(primary.registry._workers.values(), key=lambda w: w.worker_id)
+    ]
+
+
+def test_refusals_and_duplicates_are_not_journalled() -> None:
+    primary = new_state("downpour", Clock())
+    journal = ListJournal()
+    primary.journal = journal
+    worker = primary.register("a", SPEC, encoded(np.zeros(P, np.float32))).worker.worker_id
+    commit = Commit(worker, 0, PayloadKind.UPDATE, encoded(np.ones(P, np.float32)), request_id="r1", sequence=1)
+    applied = primary.commit(commit)
+    assert applied.position == 2 and journal.last == 2
+    retried = primary.commit(commit)
+    assert retried.duplicate and retried.position == 2  # waits for what is journalled, adds nothing
+    with pytest.raises(InvalidArgument):
+        primary.commit(Commit(worker, 0, PayloadKind.UPDATE, encoded(np.full(P, np.nan, np.float32)), request_id="r2"))
+    assert journal.last == 2
+    assert [type(entries.decode(frame)[0]) for frame in journal.frames] == [Joined, Committed]
+
+
+def test_a_malformed_entry_is_refused_with_a_clear_error() -> None:
+    frame = entries.encode(Departed(("w1",)), 1, 1)
+    broken = frames.Frame(frame.kind, {"position": 1, "epoch": 1, "commit": {"worker_id": "w"}}, [])
+    with pytest.raises(entries.BadEntry, match="malformed journal entry"):
+        entries.decode(broken)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.sendall(b"\xff\xff\xff\xff" + b"\0" * 8)
+        with pytest.raises(frames.StreamClosed, match="not from a gemps replica"):
+            frames.receive(theirs)
