@@ -3,6 +3,7 @@ fencing when etcd stops answering, the in-sync rule, and the Coordinator's callb
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -162,3 +163,26 @@ def test_the_coordinator_thread_campaigns_and_resigns_on_stop(elect: MakeElectio
     finally:
         coordinator.stop(resign=True)
     assert b.primary() is None and promoted == [epoch]
+
+
+def test_a_dead_endpoint_is_skipped_for_the_next(etcd: LocalEtcd) -> None:
+    me = Member("replica-0", new_incarnation(), "127.0.0.1:5000", "127.0.0.1:6000")
+    closed = "http://127.0.0.1:1"  # nothing listens on port 1: refused at once
+    election = Election(f"{closed},{etcd.endpoint}", f"/gemps/test-{uuid.uuid4().hex[:8]}/partition/0", me, LEASE)
+    try:
+        with pytest.raises(CoordinationUnavailable, match=r"127\.0\.0\.1:1\b"):
+            election.primary()
+        assert election.primary() is None  # the next call went to the live endpoint
+    finally:
+        election.close()
+    with pytest.raises(ValueError, match="timeout"):
+        Election(etcd.endpoint, "/p", me, lease_seconds=3.0, timeout=2.0)  # over a third of the lease
+
+
+def test_local_etcd_stops_and_removes_its_data() -> None:
+    with etcd_server() as etcd:
+        data_dir, pid = etcd.data_dir, etcd.pid
+        assert data_dir is not None and data_dir.is_dir()
+    assert not data_dir.exists() and etcd.data_dir is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # gone (reaped by the stop)

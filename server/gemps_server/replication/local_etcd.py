@@ -78,6 +78,11 @@ class LocalEtcd:
             raise RuntimeError("etcd is not running")
         return self._process.pid
 
+    @property
+    def data_dir(self) -> Path | None:
+        """The temporary folder of its data and log (None when stopped)."""
+        return self._data_dir
+
     def start(self) -> LocalEtcd:
         for attempt in range(1, _START_ATTEMPTS + 1):
             try:
