@@ -117,8 +117,10 @@ def _clients(endpoints: str, timeout: float) -> list[Etcd3Client]:
 
 
 class Election:
-    """One replica's view of its partition's election; every call that reaches etcd takes at most
-    about `timeout` seconds and raises CoordinationUnavailable when etcd does not answer."""
+    """One replica's view of its partition's election. A call that reaches etcd raises
+    CoordinationUnavailable when etcd does not answer within `timeout` (default lease_seconds / 3;
+    it bounds connecting and each read, as requests' timeouts do). With several comma-separated
+    endpoints, a failed call moves the next one on to the next endpoint."""
 
     def __init__(
         self, endpoints: str, prefix: str, me: Member, lease_seconds: float = 3.0, timeout: float | None = None
@@ -161,7 +163,7 @@ class Election:
         if held is not None:
             if self.holds():
                 return held.epoch
-            self._demote("the lease was not renewed in time")  # a lapsed epoch is never regained
+            self._demote(held, "the lease was not renewed in time")  # a lapsed epoch is never regained
         if self.primary() is not None:
             return None
         listed, listed_revision = self._read_in_sync()
@@ -190,11 +192,12 @@ class Election:
             self._revoke_quietly(lease_id)
             return None
         epoch = int(response["header"]["revision"])  # the transaction's revision: the key's create_revision
+        won = _Term(epoch, lease_id)
         with self._lock:
             self._holds_until = sent_at + self.lease_seconds * HOLD_FRACTION
-            self._term = _Term(epoch, lease_id)
+            self._term = won
         if not self.holds():  # the transaction took longer than the lease can be trusted
-            self._demote("the campaign's answer came too late")
+            self._demote(won, "the campaign's answer came too late")
             return None
         log.info("%s: primary of %s, epoch %d", self.me.name, self.prefix, epoch)
         return epoch
@@ -208,7 +211,7 @@ class Election:
         if term is None:
             return False
         if not self.holds():
-            self._demote("the lease was not renewed in time")
+            self._demote(term, "the lease was not renewed in time")
             return False
         sent_at = time.monotonic()
         try:
@@ -216,14 +219,14 @@ class Election:
             holder = self._primary_revision() if ttl > 0 else None
         except CoordinationUnavailable:
             if not self.holds():
-                self._demote("etcd did not answer before the lease ran out")
+                self._demote(term, "etcd did not answer before the lease ran out")
                 return False
             raise
         if ttl <= 0:
-            self._demote("the lease expired")
+            self._demote(term, "the lease expired")
             return False
         if holder != term.epoch:  # deleted or re-created by someone else (an operator): not ours any more
-            self._demote("the primary key is no longer this epoch's")
+            self._demote(term, "the primary key is no longer this epoch's")
             return False
         with self._lock:
             if self._term is not term or time.monotonic() >= self._holds_until:
@@ -232,7 +235,7 @@ class Election:
                 lapsed = False
                 self._holds_until = sent_at + self.lease_seconds * HOLD_FRACTION
         if lapsed:
-            self._demote("the renewal's answer came after the lease ran out")
+            self._demote(term, "the renewal's answer came after the lease ran out")
             return False
         return True
 
@@ -253,7 +256,7 @@ class Election:
         }
         response = self._call("in-sync write", lambda client: client.transaction(txn))
         if not response.get("succeeded"):
-            self._demote("fenced: another epoch holds the primary key")
+            self._demote(term, "fenced: another epoch holds the primary key")
             return False
         return True
 
@@ -264,7 +267,7 @@ class Election:
         term = self._term
         if term is None:
             return
-        self._demote("resigned", revoke=False)
+        self._demote(term, "resigned", graceful=True)
         txn = {
             "compare": [
                 {"key": _b64(self.primary_key), "target": "CREATE", "result": "EQUAL", "create_revision": term.epoch}
@@ -273,7 +276,7 @@ class Election:
             "failure": [],
         }
         self._call("resign", lambda client: client.transaction(txn))
-        self._call("lease revoke", lambda client: Lease(term.lease_id, client).revoke())
+        self._revoke_quietly(term.lease_id)  # the key is gone; an already expired lease is no error here
 
     def close(self) -> None:
         """Close the HTTP connections (does not resign)."""
@@ -316,13 +319,15 @@ class Election:
 
     # -- plumbing -----------------------------------------------------------------------------------
 
-    def _demote(self, why: str, *, revoke: bool = True) -> None:
+    def _demote(self, term: _Term | None, why: str, *, graceful: bool = False) -> None:
+        """End `term` (unless already ended: a later term, won meanwhile, is left alone)."""
         with self._lock:
-            term, self._term, self._holds_until = self._term, None, 0.0
-        if term is None:
-            return
-        log.warning("%s: no longer primary of %s (epoch %d): %s", self.me.name, self.prefix, term.epoch, why)
-        if revoke:
+            if term is None or self._term is not term:
+                return
+            self._term, self._holds_until = None, 0.0
+        level = logging.INFO if graceful else logging.WARNING
+        log.log(level, "%s: no longer primary of %s (epoch %d): %s", self.me.name, self.prefix, term.epoch, why)
+        if not graceful:  # (resign revokes it itself)
             self._revoke_quietly(term.lease_id)  # the key may still be alive at etcd: free it for a backup
 
     def _revoke_quietly(self, lease_id: int) -> None:
