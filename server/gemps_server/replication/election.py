@@ -1,0 +1,455 @@
+"""Who is a partition's primary: decided by etcd, never by gemps itself (docs/DESIGN.md, "Replicas").
+
+Under a partition's prefix (`partition_prefix`) etcd holds two keys:
+
+- `primary`: the holder's `Member` as JSON, bound to the holder's lease. Its create_revision is the
+  **epoch**: it grows with every new primary, and a key re-created by anyone else gets a new one.
+- `in-sync`: the replicas that hold every acknowledged commit, as JSON [name, incarnation] pairs.
+  Only the epoch's holder writes it (a transaction fenced on the primary key's create_revision),
+  and only a listed replica may campaign, so a backup that missed commits can never be promoted.
+  Absent means a fresh job: anyone may campaign, and the winner lists itself.
+
+Fencing: a primary acknowledges commits only while `holds()`, which trusts the lease for 80 % of
+its TTL counted from when the last successful renewal was *sent*. etcd counts its expiry from when
+it received that request, which is later, so an old primary stops acknowledging before etcd lets
+anyone else win; the margin covers clock-rate drift between the two machines.
+
+`Coordinator` is the loop each replica runs: renew while primary, else watch and campaign.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+from etcd3gw.client import Etcd3Client
+from etcd3gw.exceptions import Etcd3Exception
+from etcd3gw.lease import Lease
+
+log = logging.getLogger("gemps.server")
+T = TypeVar("T")
+
+#: the share of the lease a primary trusts, counted from when its last renewal was sent
+HOLD_FRACTION = 0.8
+#: etcd's HTTP/JSON gateway path: etcd 3.4 and later (Debian bookworm's etcd-server is 3.4)
+API_PATH = "/v3/"
+
+
+class CoordinationUnavailable(Exception):
+    """etcd could not be reached in time, or answered with an error: who is primary is not known."""
+
+
+def partition_prefix(job: str, partition: int) -> str:
+    """The etcd prefix of one partition's election keys."""
+    return f"/gemps/{job}/partition/{partition}"
+
+
+def new_incarnation() -> str:
+    """A random id for this process: a restarted replica is a new incarnation, never in-sync."""
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class Member:
+    """One replica process, as the primary key and the in-sync list name it."""
+
+    name: str  # unique within the partition, e.g. "partition-0-replica-1"
+    incarnation: str  # this process's random id (new_incarnation())
+    address: str  # worker-facing gRPC host:port
+    replication: str  # host:port of its replication listener (backups dial the primary here)
+
+    @property
+    def identity(self) -> tuple[str, str]:
+        """(name, incarnation): what the in-sync list holds."""
+        return (self.name, self.incarnation)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Member:
+        fields = json.loads(text)
+        return cls(
+            name=str(fields["name"]),
+            incarnation=str(fields["incarnation"]),
+            address=str(fields["address"]),
+            replication=str(fields["replication"]),
+        )
+
+
+@dataclass(frozen=True)
+class _Term:
+    """What this replica holds while primary."""
+
+    epoch: int
+    lease_id: int
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def _clients(endpoints: str, timeout: float) -> list[Etcd3Client]:
+    """One gateway client per comma-separated endpoint ("http://host:port" or "host:port")."""
+    clients = []
+    for endpoint in filter(None, (part.strip() for part in endpoints.split(","))):
+        url = urlsplit(endpoint if "//" in endpoint else f"http://{endpoint}")
+        if url.hostname is None:
+            raise ValueError(f"etcd endpoint {endpoint!r}: expected http://host:port")
+        clients.append(
+            Etcd3Client(
+                host=url.hostname, port=url.port or 2379, protocol=url.scheme, timeout=timeout, api_path=API_PATH
+            )
+        )
+    if not clients:
+        raise ValueError("no etcd endpoint given")
+    return clients
+
+
+class Election:
+    """One replica's view of its partition's election. A call that reaches etcd raises
+    CoordinationUnavailable when etcd does not answer within `timeout` (default lease_seconds / 3;
+    it bounds connecting and each read, as requests' timeouts do). With several comma-separated
+    endpoints, a failed call moves the next one on to the next endpoint."""
+
+    def __init__(
+        self, endpoints: str, prefix: str, me: Member, lease_seconds: float = 3.0, timeout: float | None = None
+    ) -> None:
+        if lease_seconds <= 0:
+            raise ValueError(f"lease_seconds must be positive, not {lease_seconds}")
+        timeout = lease_seconds / 3 if timeout is None else timeout
+        # Longer, and one slow renewal could outlast the window holds() trusts.
+        if not 0 < timeout <= lease_seconds / 3:
+            raise ValueError(f"timeout must be in (0, lease_seconds / 3], not {timeout}")
+        self.me = me
+        self.prefix = prefix.rstrip("/")
+        self.lease_seconds = lease_seconds
+        self.timeout = timeout
+        self.primary_key = f"{self.prefix}/primary"
+        self.in_sync_key = f"{self.prefix}/in-sync"
+        self._ttl = max(1, math.ceil(lease_seconds))  # etcd grants whole seconds
+        self._clients = _clients(endpoints, timeout)
+        self._current = 0  # the endpoint calls go to; the next one after a failure
+        self._lock = threading.Lock()  # guards _term and _holds_until (the Coordinator's thread and callers)
+        self._term: _Term | None = None
+        self._holds_until = 0.0  # time.monotonic() until which holds() answers True
+
+    # -- what this replica holds ------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch this replica holds as primary (None: not primary)."""
+        term = self._term
+        return None if term is None else term.epoch
+
+    def holds(self) -> bool:
+        """Whether this replica may still acknowledge commits as primary (no I/O)."""
+        return self._term is not None and time.monotonic() < self._holds_until
+
+    def campaign(self) -> int | None:
+        """Try to become primary: the epoch when won; None when another holds it or this replica is
+        not in the in-sync list (it may lack acknowledged commits). Already primary: its epoch."""
+        held = self._term
+        if held is not None:
+            if self.holds():
+                return held.epoch
+            self._demote(held, "the lease was not renewed in time")  # a lapsed epoch is never regained
+        if self.primary() is not None:
+            return None
+        listed, listed_revision = self._read_in_sync()
+        if listed is not None and self.me.identity not in listed:
+            return None
+        sent_at = time.monotonic()  # the lease's clock starts no earlier than its grant was sent
+        lease_id = self._call("lease grant", lambda client: client.lease(self._ttl).id)
+        put_me = {"request_put": {"key": _b64(self.primary_key), "value": _b64(self.me.to_json()), "lease": lease_id}}
+        list_me = {"request_put": {"key": _b64(self.in_sync_key), "value": _b64(json.dumps([self.me.identity]))}}
+        txn = {
+            # Nobody holds it, and the in-sync list is the one read above (still absent, or still
+            # naming this replica): both checked where they are decided, in one transaction.
+            "compare": [
+                {"key": _b64(self.primary_key), "target": "CREATE", "result": "EQUAL", "create_revision": 0},
+                {"key": _b64(self.in_sync_key), "target": "MOD", "result": "EQUAL", "mod_revision": listed_revision},
+            ],
+            "success": [put_me] if listed is not None else [put_me, list_me],
+            "failure": [],
+        }
+        try:
+            response = self._call("campaign", lambda client: client.transaction(txn))
+        except CoordinationUnavailable:
+            self._revoke_quietly(lease_id)  # it may have won: give the key back rather than hold it unrenewed
+            raise
+        if not response.get("succeeded"):
+            self._revoke_quietly(lease_id)
+            return None
+        epoch = int(response["header"]["revision"])  # the transaction's revision: the key's create_revision
+        won = _Term(epoch, lease_id)
+        with self._lock:
+            self._holds_until = sent_at + self.lease_seconds * HOLD_FRACTION
+            self._term = won
+        if not self.holds():  # the transaction took longer than the lease can be trusted
+            self._demote(won, "the campaign's answer came too late")
+            return None
+        log.info("%s: primary of %s, epoch %d", self.me.name, self.prefix, epoch)
+        return epoch
+
+    def renew(self) -> bool:
+        """Keep the lease: True while held. False once it is gone (expired, lapsed past what holds()
+        trusts, or the key is no longer this epoch's): then this replica is demoted, for good, and
+        must campaign again for a new epoch. CoordinationUnavailable: etcd did not answer, and
+        holds() still trusts the lease for a while."""
+        term = self._term
+        if term is None:
+            return False
+        if not self.holds():
+            self._demote(term, "the lease was not renewed in time")
+            return False
+        sent_at = time.monotonic()
+        try:
+            ttl = self._call("lease keep-alive", lambda client: Lease(term.lease_id, client).refresh())
+            holder = self._primary_revision() if ttl > 0 else None
+        except CoordinationUnavailable:
+            if not self.holds():
+                self._demote(term, "etcd did not answer before the lease ran out")
+                return False
+            raise
+        if ttl <= 0:
+            self._demote(term, "the lease expired")
+            return False
+        if holder != term.epoch:  # deleted or re-created by someone else (an operator): not ours any more
+            self._demote(term, "the primary key is no longer this epoch's")
+            return False
+        with self._lock:
+            if self._term is not term or time.monotonic() >= self._holds_until:
+                lapsed = True  # lapsed while waiting for etcd: the epoch is not regained
+            else:
+                lapsed = False
+                self._holds_until = sent_at + self.lease_seconds * HOLD_FRACTION
+        if lapsed:
+            self._demote(term, "the renewal's answer came after the lease ran out")
+            return False
+        return True
+
+    def set_in_sync(self, members: Iterable[Member]) -> bool:
+        """Replace the in-sync list (this replica, the primary, is always listed first). False when
+        fenced: this replica does not hold the current epoch (then it is demoted)."""
+        term = self._term
+        if term is None:
+            return False
+        pairs = [self.me.identity]
+        pairs += [member.identity for member in members if member.identity not in pairs]
+        txn = {
+            "compare": [
+                {"key": _b64(self.primary_key), "target": "CREATE", "result": "EQUAL", "create_revision": term.epoch}
+            ],
+            "success": [{"request_put": {"key": _b64(self.in_sync_key), "value": _b64(json.dumps(pairs))}}],
+            "failure": [],
+        }
+        response = self._call("in-sync write", lambda client: client.transaction(txn))
+        if not response.get("succeeded"):
+            self._demote(term, "fenced: another epoch holds the primary key")
+            return False
+        return True
+
+    def resign(self) -> None:
+        """Step down (a graceful stop): holds() turns False at once, then the primary key is deleted
+        if it is still this epoch's, and the lease revoked, so a backup can win without waiting for
+        the lease to run out."""
+        term = self._term
+        if term is None:
+            return
+        self._demote(term, "resigned", graceful=True)
+        txn = {
+            "compare": [
+                {"key": _b64(self.primary_key), "target": "CREATE", "result": "EQUAL", "create_revision": term.epoch}
+            ],
+            "success": [{"request_delete_range": {"key": _b64(self.primary_key)}}],
+            "failure": [],
+        }
+        self._call("resign", lambda client: client.transaction(txn))
+        self._revoke_quietly(term.lease_id)  # the key is gone; an already expired lease is no error here
+
+    def close(self) -> None:
+        """Close the HTTP connections (does not resign)."""
+        for client in self._clients:
+            client.session.close()
+
+    # -- what etcd holds ----------------------------------------------------------------------------
+
+    def primary(self) -> tuple[Member, int] | None:
+        """The current primary and its epoch; None when there is none."""
+        found = self._call("read", lambda client: client.get(self.primary_key, metadata=True))
+        if not found:
+            return None
+        value, metadata = found[0]
+        try:
+            return Member.from_json(value), int(metadata["create_revision"])
+        except (ValueError, KeyError, TypeError) as error:
+            raise CoordinationUnavailable(f"malformed {self.primary_key}: {value!r}") from error
+
+    def in_sync(self) -> list[tuple[str, str]] | None:
+        """The in-sync list as (name, incarnation) pairs; None when the key is absent (a fresh job)."""
+        return self._read_in_sync()[0]
+
+    def _read_in_sync(self) -> tuple[list[tuple[str, str]] | None, int]:
+        """The in-sync list and the key's mod_revision (0 when absent)."""
+        found = self._call("read", lambda client: client.get(self.in_sync_key, metadata=True))
+        if not found:
+            return None, 0
+        value, metadata = found[0]
+        try:
+            return [(str(name), str(incarnation)) for name, incarnation in json.loads(value)], int(
+                metadata["mod_revision"]
+            )
+        except (ValueError, KeyError, TypeError) as error:
+            raise CoordinationUnavailable(f"malformed {self.in_sync_key}: {value!r}") from error
+
+    def _primary_revision(self) -> int | None:
+        found = self._call("read", lambda client: client.get(self.primary_key, metadata=True))
+        return int(found[0][1]["create_revision"]) if found else None
+
+    # -- plumbing -----------------------------------------------------------------------------------
+
+    def _demote(self, term: _Term | None, why: str, *, graceful: bool = False) -> None:
+        """End `term` (unless already ended: a later term, won meanwhile, is left alone)."""
+        with self._lock:
+            if term is None or self._term is not term:
+                return
+            self._term, self._holds_until = None, 0.0
+        level = logging.INFO if graceful else logging.WARNING
+        log.log(level, "%s: no longer primary of %s (epoch %d): %s", self.me.name, self.prefix, term.epoch, why)
+        if not graceful:  # (resign revokes it itself)
+            self._revoke_quietly(term.lease_id)  # the key may still be alive at etcd: free it for a backup
+
+    def _revoke_quietly(self, lease_id: int) -> None:
+        with contextlib.suppress(CoordinationUnavailable):  # unreachable: the lease runs out on its own
+            self._call("lease revoke", lambda client: Lease(lease_id, client).revoke())
+
+    def _call(self, what: str, request: Callable[[Etcd3Client], T]) -> T:
+        """Run one request against the current endpoint; errors become CoordinationUnavailable,
+        and the next call goes to the next endpoint."""
+        index = self._current
+        client = self._clients[index]
+        try:
+            return request(client)
+        # etcd3gw raises Etcd3Exception for timeouts, refused connections and error statuses;
+        # requests' other errors are OSErrors; a garbled answer is a ValueError or KeyError.
+        except (Etcd3Exception, OSError, ValueError, KeyError) as error:
+            self._current = (index + 1) % len(self._clients)
+            raise CoordinationUnavailable(f"etcd {what} at {client.base_url}: {error!r}") from error
+
+
+class Coordinator:
+    """The loop a replica runs in a daemon thread, every `interval` (default lease_seconds / 4):
+
+    - primary: renew; when that fails for good (or holds() turns False) call on_demoted once;
+    - otherwise: read who is primary and report changes through on_primary(member, epoch) (None
+      and 0 when there is none); when there is none, campaign, and on a win call on_promoted(epoch).
+
+    etcd unreachable: it keeps looping, logging once per outage. Nothing raises out of the thread.
+    """
+
+    def __init__(
+        self,
+        election: Election,
+        on_promoted: Callable[[int], None],
+        on_demoted: Callable[[], None],
+        on_primary: Callable[[Member | None, int], None],
+        interval: float | None = None,
+    ) -> None:
+        self.election = election
+        self.on_promoted = on_promoted
+        self.on_demoted = on_demoted
+        self.on_primary = on_primary
+        self.interval = election.lease_seconds / 4 if interval is None else interval
+        self._epoch: int | None = None  # promoted and not yet demoted
+        self._reported: tuple[Member | None, int] | None = None  # the last on_primary call
+        self._outage = False
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch this replica was promoted to and still holds (None: not primary)."""
+        return self._epoch
+
+    def step(self) -> None:
+        """One tick, synchronously."""
+        try:
+            if self._epoch is not None:
+                self._keep()
+            else:
+                self._follow_or_campaign()
+        except CoordinationUnavailable as error:
+            if not self._outage:
+                log.warning("%s: etcd unavailable: %s", self.election.me.name, error)
+                self._outage = True
+            if self._epoch is not None and not self.election.holds():
+                self._demote()
+            return
+        if self._outage:
+            log.info("%s: etcd reachable again", self.election.me.name)
+            self._outage = False
+
+    def _keep(self) -> None:
+        renewed = self.election.renew()
+        # not renewed, or the epoch lost elsewhere (a fenced in-sync write, a resign)
+        if not renewed or not self.election.holds() or self.election.epoch != self._epoch:
+            self._demote()
+
+    def _follow_or_campaign(self) -> None:
+        current = self.election.primary()
+        self._report(current or (None, 0))
+        if current is None:
+            epoch = self.election.campaign()
+            if epoch is not None:
+                self._epoch = epoch
+                self._reported = (self.election.me, epoch)  # no on_primary for itself: on_promoted says it
+                self.on_promoted(epoch)
+
+    def _report(self, current: tuple[Member | None, int]) -> None:
+        if current != self._reported:
+            self._reported = current
+            self.on_primary(*current)
+
+    def _demote(self) -> None:
+        self._epoch = None
+        self.on_demoted()
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the coordinator is already started")
+        self._thread = threading.Thread(target=self._run, name=f"coordinator-{self.election.me.name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            try:
+                self.step()
+            except Exception:  # a callback's bug: the replica must keep its election going
+                log.exception("%s: coordinator step failed", self.election.me.name)
+            self._stopping.wait(max(0.0, self.interval - (time.monotonic() - started)))
+
+    def stop(self, resign: bool = True) -> None:
+        """Stop the loop; when primary and `resign`, step down so a backup takes over at once.
+        on_demoted is not called: the caller is the one stopping."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if resign and self._epoch is not None:
+            try:
+                self.election.resign()
+            except CoordinationUnavailable as error:
+                log.warning("%s: could not resign (the lease runs out instead): %s", self.election.me.name, error)
+        self._epoch = None

@@ -1,0 +1,181 @@
+"""A private single-member etcd on loopback: `gemps server --replicas R` on one machine elects its
+partitions' primaries through one, and the tests run against a real one.
+
+The binary is Debian's `etcd-server` package (tools/install-system-deps installs it). Its data
+lives in a temporary folder, removed at stop: a throwaway coordinator for one job's life.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+log = logging.getLogger("gemps.server")
+
+#: how long etcd may take to answer after starting
+START_TIMEOUT = 10.0
+#: how long a stop waits for etcd to exit after SIGTERM before killing it
+STOP_TIMEOUT = 5.0
+_START_ATTEMPTS = 3  # a probed free port can be taken before etcd binds it: rare, so retry
+
+
+class EtcdNotInstalled(RuntimeError):
+    """No etcd binary on this machine."""
+
+
+def find_etcd() -> str:
+    """The etcd binary: first on PATH, else Debian's /usr/bin/etcd (PATH may lack /usr/bin in a
+    stripped-down environment)."""
+    found = shutil.which("etcd") or ("/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None)
+    if found is None:
+        raise EtcdNotInstalled(
+            "etcd not found on PATH or at /usr/bin/etcd: install Debian's `etcd-server` package "
+            "(apt-get install etcd-server, or tools/install-system-deps)"
+        )
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _scratch_root() -> str | None:
+    """Where the data folder goes: tmpfs when there is one. The data is thrown away at stop, so
+    fsync buys nothing, and on a busy disk it would slow every write etcd makes through raft."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+
+
+class LocalEtcd:
+    """One etcd process on free loopback ports; a context manager (start on enter, stop on exit).
+
+    `pause()`/`resume()` freeze and thaw it (SIGSTOP/SIGCONT): to clients it looks like a cut
+    cable, which is how the tests exercise fencing.
+    """
+
+    def __init__(self, binary: str | None = None, name: str = "gemps-local") -> None:
+        self.binary = binary or find_etcd()
+        self.name = name
+        self.endpoint = ""  # "http://127.0.0.1:PORT" once started
+        self._process: subprocess.Popen[bytes] | None = None
+        self._data_dir: Path | None = None
+        self._paused = False
+
+    @property
+    def pid(self) -> int:
+        if self._process is None:
+            raise RuntimeError("etcd is not running")
+        return self._process.pid
+
+    @property
+    def data_dir(self) -> Path | None:
+        """The temporary folder of its data and log (None when stopped)."""
+        return self._data_dir
+
+    def start(self) -> LocalEtcd:
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            try:
+                self._start_once()
+                return self
+            except OSError as error:
+                self.stop()
+                if attempt == _START_ATTEMPTS:
+                    raise
+                log.warning("etcd did not start (%s); trying other ports", error)
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> None:
+        self._data_dir = Path(tempfile.mkdtemp(prefix="gemps-etcd-", dir=_scratch_root()))
+        client_url = f"http://127.0.0.1:{_free_port()}"
+        peer_url = f"http://127.0.0.1:{_free_port()}"
+        argv = [
+            self.binary,
+            f"--name={self.name}",
+            f"--data-dir={self._data_dir / 'data'}",
+            f"--listen-client-urls={client_url}",
+            f"--advertise-client-urls={client_url}",
+            f"--listen-peer-urls={peer_url}",
+            f"--initial-advertise-peer-urls={peer_url}",
+            f"--initial-cluster={self.name}={peer_url}",
+            "--initial-cluster-state=new",
+            "--logger=zap",
+            "--log-outputs=stderr",
+            "--log-level=error",
+        ]
+        # Its log goes to a file, not a pipe: nobody reads a pipe while it runs, and a full one
+        # would block etcd. The file is quoted when it fails to start.
+        with open(self._data_dir / "etcd.log", "wb") as log_file:
+            self._process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.endpoint = client_url
+        self._wait_until_healthy()
+        log.info("etcd (pid %d) serving on %s", self._process.pid, self.endpoint)
+
+    def _wait_until_healthy(self) -> None:
+        assert self._process is not None
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if self._process.poll() is not None:
+                raise OSError(f"etcd exited with status {self._process.returncode}: {self._log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.endpoint}/health", timeout=1.0) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass  # not listening yet, or no leader yet (503)
+            if time.monotonic() > deadline:
+                raise OSError(f"etcd did not answer on {self.endpoint} within {START_TIMEOUT:g} s: {self._log_tail()}")
+            time.sleep(0.05)
+
+    def _log_tail(self, limit: int = 2000) -> str:
+        try:
+            assert self._data_dir is not None
+            return (self._data_dir / "etcd.log").read_bytes()[-limit:].decode(errors="replace")
+        except (OSError, AssertionError):
+            return "(no log)"
+
+    def pause(self) -> None:
+        """Freeze etcd (SIGSTOP): connections stay open and nothing answers."""
+        os.kill(self.pid, signal.SIGSTOP)
+        self._paused = True
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+        self._paused = False
+
+    def stop(self) -> None:
+        """Stop etcd and remove its data; idempotent."""
+        process, self._process = self._process, None
+        if process is not None:
+            if self._paused:
+                process.send_signal(signal.SIGCONT)  # a stopped process would not act on SIGTERM
+                self._paused = False
+            process.terminate()
+            try:
+                process.wait(STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self._data_dir is not None:
+            shutil.rmtree(self._data_dir, ignore_errors=True)
+            self._data_dir = None
+
+    def __enter__(self) -> LocalEtcd:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -1,0 +1,32 @@
+"""A real etcd for the tests that need one (Debian's `etcd-server`, from tools/install-system-deps).
+
+Without the binary these tests skip, unless GEMPS_REQUIRE_ETCD is set, or GEMPS_REQUIRE_PROMETHEUS
+(`make test` sets it after installing the system packages, etcd among them): there they fail.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from gemps_server.replication.local_etcd import EtcdNotInstalled, LocalEtcd, find_etcd
+
+
+def require_etcd() -> str:
+    """The etcd binary; skips the test (or fails it, where system packages are required) without."""
+    try:
+        return find_etcd()
+    except EtcdNotInstalled as missing:
+        if os.environ.get("GEMPS_REQUIRE_ETCD") or os.environ.get("GEMPS_REQUIRE_PROMETHEUS"):
+            pytest.fail(str(missing))
+        pytest.skip(str(missing))
+
+
+@contextmanager
+def etcd_server() -> Iterator[LocalEtcd]:
+    """A private etcd on free loopback ports for the block's duration; its data is removed after."""
+    with LocalEtcd(require_etcd()) as etcd:
+        yield etcd

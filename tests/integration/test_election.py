@@ -1,0 +1,188 @@
+"""The primary election against a real etcd: one winner, failover after a dead primary's lease,
+fencing when etcd stops answering, the in-sync rule, and the Coordinator's callbacks."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from gemps_server.replication.election import (
+    CoordinationUnavailable,
+    Coordinator,
+    Election,
+    Member,
+    new_incarnation,
+)
+from gemps_server.replication.local_etcd import LocalEtcd
+from tests.etcd_server import etcd_server
+from tests.helpers import wait_for
+
+LEASE = 2.0  # seconds: etcd's shortest lease is about that anyway (it raises shorter ones)
+EXPIRY = LEASE + 3.0  # etcd checks for expired leases every half second, and revokes through raft
+
+MakeElection = Callable[[str], Election]
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[LocalEtcd]:
+    with etcd_server() as server:
+        yield server
+
+
+@pytest.fixture
+def elect(etcd: LocalEtcd) -> Iterator[MakeElection]:
+    """Elections of one partition (a fresh prefix per test), closed after the test."""
+    prefix = f"/gemps/test-{uuid.uuid4().hex[:8]}/partition/0"
+    made: list[Election] = []
+
+    def make(name: str) -> Election:
+        me = Member(name, new_incarnation(), f"127.0.0.1:{5000 + len(made)}", f"127.0.0.1:{6000 + len(made)}")
+        election = Election(etcd.endpoint, prefix, me, lease_seconds=LEASE)
+        made.append(election)
+        return election
+
+    yield make
+    for election in made:
+        election.close()
+
+
+def test_one_of_two_wins_and_the_other_sees_it(elect: MakeElection) -> None:
+    a, b = elect("replica-0"), elect("replica-1")
+    epochs = [a.campaign(), b.campaign()]
+    assert epochs[0] is not None and epochs[1] is None
+    assert a.epoch == epochs[0] and a.holds() and b.epoch is None and not b.holds()
+    assert b.primary() == (a.me, epochs[0])  # the epoch is the key's create_revision
+    assert a.in_sync() == [a.me.identity]  # a fresh job: the winner lists itself
+    assert b.campaign() is None and a.campaign() == epochs[0]
+
+
+def test_failover_after_the_primary_stops_renewing_and_the_old_primary_is_fenced(elect: MakeElection) -> None:
+    a, b = elect("replica-0"), elect("replica-1")
+    old = a.campaign()
+    assert old is not None and a.renew()
+    assert a.set_in_sync([b.me]) and b.in_sync() == [a.me.identity, b.me.identity]
+    # a dies: it stops renewing without resigning; b wins once etcd expires a's lease
+    new = wait_for(b.campaign, timeout=EXPIRY, what="b to win after a's lease", poll=0.2)
+    assert new > old and b.primary() == (b.me, new)
+    assert not a.holds()  # it stopped trusting its lease long before etcd let b win
+    assert not a.set_in_sync([a.me])  # fenced by etcd: the primary key is another epoch's
+    assert a.epoch is None and not a.renew()
+    assert a.in_sync() == [a.me.identity, b.me.identity]
+
+
+def test_a_replica_not_in_sync_cannot_campaign(elect: MakeElection) -> None:
+    a, b, c = elect("replica-0"), elect("replica-1"), elect("replica-2")
+    assert a.campaign() is not None and a.set_in_sync([b.me])
+    a.resign()
+    assert a.primary() is None and not a.holds()
+    restarted = elect("replica-0")  # the same name, a new incarnation: it may lack commits
+    assert c.campaign() is None and restarted.campaign() is None
+    assert b.campaign() is not None
+
+
+def test_a_paused_etcd_fences_the_primary_within_the_lease(etcd: LocalEtcd, elect: MakeElection) -> None:
+    a = elect("replica-0")
+    assert a.campaign() is not None and a.renew()
+    renewed_at = time.monotonic()
+    etcd.pause()
+    try:
+        with pytest.raises(CoordinationUnavailable):
+            a.renew()  # times out: etcd does not answer
+        wait_for(lambda: not a.holds(), timeout=LEASE, what="holds() to turn False")
+        assert time.monotonic() - renewed_at < LEASE
+        fenced = False
+        try:
+            fenced = not a.set_in_sync([])
+        except CoordinationUnavailable:
+            fenced = True
+        assert fenced
+        assert not a.renew() and a.epoch is None  # demoted for good
+    finally:
+        etcd.resume()
+    assert not a.renew() and not a.holds()
+
+
+def test_the_coordinators_callbacks(etcd: LocalEtcd, elect: MakeElection) -> None:
+    a, b = elect("replica-0"), elect("replica-1")
+    events: dict[str, list[object]] = {"a": [], "b": []}
+
+    def coordinator(election: Election, key: str) -> Coordinator:
+        return Coordinator(
+            election,
+            on_promoted=lambda epoch: events[key].append(("promoted", epoch)),
+            on_demoted=lambda: events[key].append("demoted"),
+            on_primary=lambda member, epoch: events[key].append(("primary", member, epoch)),
+        )
+
+    ca, cb = coordinator(a, "a"), coordinator(b, "b")
+    ca.step()
+    first = ca.epoch
+    assert first is not None and events["a"] == [("primary", None, 0), ("promoted", first)]
+    cb.step()
+    cb.step()  # no change: nothing more reported
+    assert events["b"] == [("primary", a.me, first)]
+    assert a.set_in_sync([b.me])
+    ca.step()  # renews
+    assert events["a"] == [("primary", None, 0), ("promoted", first)]
+
+    etcd.pause()
+    try:
+        wait_for(lambda: not a.holds(), timeout=LEASE, what="holds() to turn False")
+        ca.step()
+        ca.step()
+        cb.step()  # etcd unreachable: logged, nothing raised
+    finally:
+        etcd.resume()
+    assert events["a"][-1] == "demoted" and events["a"].count("demoted") == 1
+
+    def b_promoted() -> bool:
+        cb.step()
+        return cb.epoch is not None
+
+    wait_for(b_promoted, timeout=EXPIRY, what="b to be promoted", poll=0.2)
+    second = cb.epoch
+    assert second is not None and second > first
+    ca.step()
+    assert events["a"][-1:] == [("primary", b.me, second)] and events["a"].count(("promoted", first)) == 1
+    assert ("promoted", second) in events["b"] and "demoted" not in events["b"]
+
+
+def test_the_coordinator_thread_campaigns_and_resigns_on_stop(elect: MakeElection) -> None:
+    a, b = elect("replica-0"), elect("replica-1")
+    promoted: list[int] = []
+    coordinator = Coordinator(a, on_promoted=promoted.append, on_demoted=lambda: None, on_primary=lambda *_: None)
+    coordinator.start()
+    try:
+        epoch = wait_for(lambda: promoted and promoted[0], timeout=5.0, what="promotion")
+        time.sleep(LEASE)  # the thread renews: still primary after a whole lease
+        assert a.holds() and b.primary() == (a.me, epoch)
+    finally:
+        coordinator.stop(resign=True)
+    assert b.primary() is None and promoted == [epoch]
+
+
+def test_a_dead_endpoint_is_skipped_for_the_next(etcd: LocalEtcd) -> None:
+    me = Member("replica-0", new_incarnation(), "127.0.0.1:5000", "127.0.0.1:6000")
+    closed = "http://127.0.0.1:1"  # nothing listens on port 1: refused at once
+    election = Election(f"{closed},{etcd.endpoint}", f"/gemps/test-{uuid.uuid4().hex[:8]}/partition/0", me, LEASE)
+    try:
+        with pytest.raises(CoordinationUnavailable, match=r"127\.0\.0\.1:1\b"):
+            election.primary()
+        assert election.primary() is None  # the next call went to the live endpoint
+    finally:
+        election.close()
+    with pytest.raises(ValueError, match="timeout"):
+        Election(etcd.endpoint, "/p", me, lease_seconds=3.0, timeout=2.0)  # over a third of the lease
+
+
+def test_local_etcd_stops_and_removes_its_data() -> None:
+    with etcd_server() as etcd:
+        data_dir, pid = etcd.data_dir, etcd.pid
+        assert data_dir is not None and data_dir.is_dir()
+    assert not data_dir.exists() and etcd.data_dir is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # gone (reaped by the stop)
