@@ -32,6 +32,7 @@ from gemps_proto.schema import (
     ParameterSpec,
     Partition,
     Registration,
+    ReplicationStatus,
     ServerStatus,
     Shard,
     partition_bounds,
@@ -70,6 +71,7 @@ class ParameterService:
         applier: Applier,
         metrics: ServerMetrics,
         on_committed: Callable[[int], None] | None = None,
+        replication: Callable[[], ReplicationStatus | None] | None = None,
     ) -> None:
         self.config = config
         self._state = state
@@ -78,6 +80,8 @@ class ParameterService:
         # Called on the event loop with the new version after each applied commit (checkpoints):
         # from a data-plane thread through the loop (attach_loop), as it is not thread-safe.
         self._on_committed = on_committed
+        # This replica's replication status, asked at each Status (None: not replicated).
+        self._replication = replication
         self._loop: asyncio.AbstractEventLoop | None = None
         # The data plane's port once it listens (None: off); registrations then carry a ticket,
         # and the name of its local socket for clients on this host ("": none).
@@ -362,6 +366,7 @@ class ParameterService:
             layout=self.layout(),
             workers=state.registry.listing(),
             lease_ttl_seconds=state.registry.lease_ttl,
+            replication=self._replication() if self._replication is not None else None,
         )
 
     def layout(self) -> Layout | None:
