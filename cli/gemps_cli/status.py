@@ -6,9 +6,10 @@ import argparse
 import sys
 
 from gemps.errors import GempsError
-from gemps.records import WorkerStatus
+from gemps.records import ReplicationStatus, ServerStatus, WorkerStatus
 from gemps.retry import NO_RETRY
 from gemps_cli.connection import add_connection_flags, connect
+from gemps_proto.schema import PRIMARY
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,8 +71,45 @@ def run(args: argparse.Namespace) -> int:
                 f"workers {part.active_workers}  commits {part.commits_applied} applied, "
                 f"{part.commits_rejected} rejected"
             )
+    print_replication(statuses)
     print_workers(status.workers, partitioned=status.layout is not None)
     return 0
+
+
+def print_replication(statuses: list[ServerStatus]) -> None:
+    """Each replicated partition's replica that answered: its role and epoch; on a primary, the
+    live replicas against R and each backup's lag; on a backup, the primary it follows."""
+    if all(status.replication is None for status in statuses):
+        return
+    if len(statuses) == 1:
+        head, *backups = replication_lines(statuses[0].replication)
+        print(f"replication     {head}")
+        for line in backups:
+            print(f"  {line}")
+        return
+    print("replication     by partition (the replica each partition's address reached)")
+    for index, status in enumerate(statuses):
+        head, *backups = replication_lines(status.replication)
+        print(f"  {index}  {head}")
+        for line in backups:
+            print(f"       {line}")
+
+
+def replication_lines(replication: ReplicationStatus | None) -> list[str]:
+    """A head line for the replica, then one line per backup (a primary's)."""
+    if replication is None:
+        return ["not replicated"]
+    r = replication
+    if r.role != PRIMARY:
+        follows = f"follows {r.primary}" if r.primary else "no primary known"
+        return [f"{r.role} {r.name}, epoch {r.epoch}, {follows} ({r.replicas} replicas configured)"]
+    under = " UNDER-REPLICATED" if r.under_replicated else ""
+    head = f"primary {r.name}, epoch {r.epoch}, {r.live}/{r.replicas} replicas live{under}"
+    return [head] + [
+        f"backup {backup.name:<16} {'in sync' if backup.in_sync else 'OUT OF SYNC':<11}  "
+        f"lag {backup.lag_commits} commits, {_age(backup.lag_seconds)}"
+        for backup in r.backups
+    ]
 
 
 def print_workers(workers: tuple[WorkerStatus, ...], *, partitioned: bool = False) -> None:

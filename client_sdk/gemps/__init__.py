@@ -24,12 +24,14 @@ from gemps.errors import (
     WorkerNotFoundError,
 )
 from gemps.records import (
+    BackupLag,
     CentralVariable,
     CommitResult,
     Evaluation,
     GradientNoise,
     ParameterSpec,
     Registration,
+    ReplicationStatus,
     ServerStatus,
     Shard,
     TrainingConfig,
@@ -41,6 +43,7 @@ from gemps_proto.reasons import Reason
 __version__ = importlib.metadata.version("gemps")  # pyproject.toml's, the one definition
 
 __all__ = [
+    "BackupLag",
     "CentralVariable",
     "Client",
     "CommitResult",
@@ -56,6 +59,7 @@ __all__ = [
     "PartiallyAppliedError",
     "Reason",
     "Registration",
+    "ReplicationStatus",
     "ResourceExhaustedError",
     "RetryPolicy",
     "ServerBusyError",

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gemps_proto.schema import (
+    BackupLag,
     Buffers,
     Evaluation,
     GradientNoise,
@@ -18,6 +19,7 @@ from gemps_proto.schema import (
     ParameterSpec,
     Partition,
     Registration,
+    ReplicationStatus,
     ServerStatus,
     Shard,
     TrainingConfig,
@@ -70,6 +72,7 @@ class CommitResult:
 
 
 __all__ = [
+    "BackupLag",
     "Buffers",
     "CentralVariable",
     "CommitResult",
@@ -79,6 +82,7 @@ __all__ = [
     "ParameterSpec",
     "Partition",
     "Registration",
+    "ReplicationStatus",
     "ServerStatus",
     "Shard",
     "TrainingConfig",

@@ -394,6 +394,47 @@ class GradientNoise:
         return line if registered is None else f"{line}; {registered} registered"
 
 
+#: a replica's role (gemps.v1.ReplicationStatus.role): serving workers and forwarding, applying
+#: what a primary forwards, or looking for one
+PRIMARY, BACKUP, CANDIDATE = "primary", "backup", "candidate"
+ROLES = (PRIMARY, BACKUP, CANDIDATE)
+
+
+@dataclass(frozen=True)
+class BackupLag:
+    """One backup as its primary sees it (gemps.v1.BackupLag)."""
+
+    name: str
+    in_sync: bool  # in the acknowledging (in-sync) set: every commit waits for it
+    lag_commits: int  # journal entries forwarded or queued that it has not acknowledged
+    lag_seconds: float  # age of the oldest entry it has not acknowledged (0 when none)
+
+
+@dataclass(frozen=True)
+class ReplicationStatus:
+    """A replica's role and epoch, and, on a primary, its backups (gemps.v1.ReplicationStatus):
+    what metrics, Status and `gemps status` show of a replicated partition."""
+
+    name: str  # this replica's name (unique within its partition)
+    role: str  # PRIMARY, BACKUP or CANDIDATE
+    epoch: int  # the primary's epoch this replica follows or holds (0: none known)
+    replicas: int  # R: how many replicas the partition is meant to have
+    primary: str = ""  # the worker-facing address of the primary (on a backup; "" when none known)
+    backups: tuple[BackupLag, ...] = field(default=())  # on a primary
+    forwarded: int = 0  # journal entries forwarded to backups, over this process's life
+    applied: int = 0  # journal entries applied from a primary (on a backup), over this process's life
+    failovers: int = 0  # times this replica became primary
+
+    @property
+    def live(self) -> int:
+        """Replicas acknowledging commits now: the primary and its in-sync backups (a backup: 0)."""
+        return 1 + sum(backup.in_sync for backup in self.backups) if self.role == PRIMARY else 0
+
+    @property
+    def under_replicated(self) -> bool:
+        return self.role == PRIMARY and self.live < self.replicas
+
+
 @dataclass(frozen=True)
 class ServerStatus:
     """The server's state for humans and tools (gemps.v1.StatusResponse)."""
@@ -414,3 +455,4 @@ class ServerStatus:
     workers: tuple[WorkerStatus, ...] = ()  # the registered workers, by shard
     lease_ttl_seconds: float = 0.0  # a worker unseen this long is evicted (0: not said)
     gradient_noise: GradientNoise = field(default_factory=GradientNoise)  # this partition's sums
+    replication: ReplicationStatus | None = None  # set when the partition is replicated: this replica's

@@ -15,6 +15,7 @@ import numpy as np
 from google.protobuf.message import Message
 
 from gemps_proto.schema import (
+    BackupLag,
     Buffers,
     DataPlane,
     Evaluation,
@@ -23,6 +24,7 @@ from gemps_proto.schema import (
     ParameterSpec,
     Partition,
     Registration,
+    ReplicationStatus,
     ServerStatus,
     Shard,
     TrainingConfig,
@@ -159,6 +161,43 @@ def evaluation_from_proto(message: pb.EvaluationReport) -> Evaluation:
     return Evaluation(**{f.name: getattr(message, f.name) for f in dataclasses.fields(Evaluation)})
 
 
+def replication_to_proto(replication: ReplicationStatus | None) -> pb.ReplicationStatus | None:
+    if replication is None:
+        return None
+    return pb.ReplicationStatus(
+        name=replication.name,
+        role=replication.role,
+        epoch=replication.epoch,
+        replicas=replication.replicas,
+        primary=replication.primary,
+        backups=[pb.BackupLag(**dataclasses.asdict(backup)) for backup in replication.backups],
+        forwarded=replication.forwarded,
+        applied=replication.applied,
+        failovers=replication.failovers,
+    )
+
+
+def replication_from_proto(message: pb.StatusResponse) -> ReplicationStatus | None:
+    """The replica's replication status; None when the partition is not replicated (unset)."""
+    if not message.HasField("replication"):
+        return None
+    replication = message.replication
+    return ReplicationStatus(
+        name=replication.name,
+        role=replication.role,
+        epoch=replication.epoch,
+        replicas=replication.replicas,
+        primary=replication.primary,
+        backups=tuple(
+            BackupLag(**{f.name: getattr(backup, f.name) for f in dataclasses.fields(BackupLag)})
+            for backup in replication.backups
+        ),
+        forwarded=replication.forwarded,
+        applied=replication.applied,
+        failovers=replication.failovers,
+    )
+
+
 def status_to_proto(status: ServerStatus) -> pb.StatusResponse:
     return pb.StatusResponse(
         initialized=status.initialized,
@@ -177,6 +216,7 @@ def status_to_proto(status: ServerStatus) -> pb.StatusResponse:
         layout=layout_to_proto(status.layout),
         workers=[pb.WorkerStatus(**dataclasses.asdict(worker)) for worker in status.workers],
         lease_ttl_seconds=status.lease_ttl_seconds,
+        replication=replication_to_proto(status.replication),
     )
 
 
@@ -205,4 +245,5 @@ def status_from_proto(message: pb.StatusResponse) -> ServerStatus:
             for worker in message.workers
         ),
         lease_ttl_seconds=message.lease_ttl_seconds,
+        replication=replication_from_proto(message),
     )

@@ -85,6 +85,8 @@ class ParameterServer:
             on_committed=self.checkpointer.committed if self.checkpointer is not None else None,
             replicas=self.replica,
         )
+        if self.replica is not None:
+            self.metrics.replication(self.replica.status)
         self.servicer = GempsServicer(
             self.service,
             self.metrics,

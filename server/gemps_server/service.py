@@ -33,6 +33,7 @@ from gemps_proto.schema import (
     ParameterSpec,
     Partition,
     Registration,
+    ReplicationStatus,
     ServerStatus,
     Shard,
     partition_bounds,
@@ -64,6 +65,10 @@ class Replicas(Protocol):
 
     def require_primary(self) -> None:
         """Unavailable (reason not_primary) unless this replica is its partition's primary now."""
+        ...
+
+    def status(self) -> ReplicationStatus:
+        """Its role, epoch and backups now (Status, metrics)."""
         ...
 
     def when_replicated(self, position: int, done: Callable[[BaseException | None], None]) -> None:
@@ -416,6 +421,7 @@ class ParameterService:
             layout=self.layout(),
             workers=state.registry.listing(),
             lease_ttl_seconds=state.registry.lease_ttl,
+            replication=self.replicas.status() if self.replicas is not None else None,
         )
 
     def layout(self) -> Layout | None:

@@ -9,6 +9,7 @@ unless GEMPS_REQUIRE_PROMETHEUS is set (CI sets it), where they fail instead.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -28,11 +29,14 @@ import grpc
 import numpy as np
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, start_http_server
 
 import gemps
+from gemps_proto.schema import PRIMARY, BackupLag, ReplicationStatus
 from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
+from gemps_server.metrics import ReplicationCollector
 from gemps_worker.cluster import ServerProcess
 from tests.helpers import free_port, wait_for
 
@@ -238,6 +242,27 @@ def gemps_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "gemps_cli", *args]
 
 
+@contextlib.contextmanager
+def replica_exporter() -> Iterator[str]:
+    """HOST:PORT of a /metrics page of the replication series a replicated partition's primary
+    exports (its record built by hand, its forwarded count moving): this run's server is not
+    replicated, and the dashboards' Replication row is checked for data like every other panel."""
+    forwarded = itertools.count(step=5)
+    backups = (BackupLag("r1", True, 0, 0.0), BackupLag("r2", False, 12, 0.8))
+
+    def status() -> ReplicationStatus:
+        return ReplicationStatus("r0", PRIMARY, epoch=3, replicas=3, backups=backups, forwarded=next(forwarded))
+
+    registry = CollectorRegistry()
+    registry.register(ReplicationCollector(status))
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        yield f"127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        thread.join(5)
+
+
 @pytest.mark.timeout(180)
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Path) -> None:
     binary = require_tool("prometheus")
@@ -246,11 +271,15 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
     logs = tmp_path / "logs"
     logs.mkdir()
     worker_ports = [free_port() for _ in range(WORKERS)]
-    with ServerProcess(rule="gem", log_path=logs / "server.log") as server, processes() as children:
+    with (
+        ServerProcess(rule="gem", log_path=logs / "server.log") as server,
+        processes() as children,
+        replica_exporter() as replica,
+    ):
         prometheus_port = free_port()
         config = scrape_config_for_test(
             {
-                "gemps-server": [f"127.0.0.1:{server.metrics_port}"],
+                "gemps-server": [f"127.0.0.1:{server.metrics_port}", replica],
                 "gemps-worker": [f"127.0.0.1:{port}" for port in worker_ports],
                 "gemps-evaluator": [],  # `gemps evaluate` serves no /metrics yet
                 "prometheus": [f"127.0.0.1:{prometheus_port}"],

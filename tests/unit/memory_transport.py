@@ -21,6 +21,7 @@ from gemps.records import (
     ParameterSpec,
     Partition,
     Registration,
+    ReplicationStatus,
     ServerStatus,
     Shard,
     TrainingConfig,
@@ -77,6 +78,7 @@ class MemoryServer:
     evaluations: list[Evaluation] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
     closed: bool = False
+    replication: ReplicationStatus | None = None  # what its Status reports of replication
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def forget_workers(self) -> None:
@@ -165,7 +167,7 @@ class MemoryServer:
         size = 0 if self.theta is None else self.theta.size
         return ServerStatus(
             self.theta is not None, self.version, len(self.workers), size, TrainingConfig(), 0, 0, self.spec, 0.0, None,
-            buffer_spec=self.buffer_spec, layout=self.layout,
+            buffer_spec=self.buffer_spec, layout=self.layout, replication=self.replication,
         )  # fmt: skip
 
     def report_evaluation(self, evaluation: Evaluation) -> None:

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,11 +27,13 @@ from grafana_foundation_sdk.models import dashboard as dashboard_models
 from grafana_foundation_sdk.models import heatmap, stat, timeseries
 from grafana_foundation_sdk.models import prometheus as prometheus_models
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gemps_proto.reasons import Reason
 from gemps_server.config import ServerConfig
 from gemps_server.domain.rules import ApplyStats
 from gemps_server.metrics import ServerMetrics
+from gemps_server.replication.status import PRIMARY, BackupLag, ReplicationStatus
 from gemps_worker.metrics import WorkerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,6 +167,11 @@ def test_dashboards_cover_the_figures_the_issue_asks_for() -> None:
         assert wanted in titles
 
 
+REPLICATED_PRIMARY = ReplicationStatus(
+    "r0", PRIMARY, epoch=4, replicas=3, backups=(BackupLag("r1", True, 0, 0.0), BackupLag("r2", False, 40, 2.5))
+)
+
+
 def exposed_sample_names() -> set[str]:
     """Sample names of a server's /metrics page after some traffic of every kind."""
     metrics = ServerMetrics()
@@ -178,6 +188,7 @@ def exposed_sample_names() -> set[str]:
     metrics.departed("evicted")
     metrics.applier_ran(2e-4)
     metrics.evaluated("digits", 3, 0.4, 0.9)
+    metrics.replication(lambda: REPLICATED_PRIMARY)  # a primary exports every replication series
     worker = WorkerMetrics()  # the reference worker's own /metrics (gemps_worker_*)
     worker.step_duration.observe(0.01)
     worker.commits.inc()
@@ -217,3 +228,146 @@ def test_dashboard_provider_loads_the_dashboard_folder() -> None:
     config = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "gemps.yml").read_text())
     (provider,) = config["providers"]
     assert provider["type"] == "file" and provider["options"]["path"].startswith("/")
+
+
+# -- the Replication row --------------------------------------------------------------------------
+
+REPLICATION_SERIES = {
+    "gemps_replica_role",
+    "gemps_replica_epoch",
+    "gemps_replicas_configured",
+    "gemps_replicas_live",
+    "gemps_partition_under_replicated",
+    "gemps_replication_lag_commits",
+    "gemps_replication_lag_seconds",
+    "gemps_replication_in_sync",
+    "gemps_replication_forwarded_total",
+    "gemps_replication_applied_total",
+    "gemps_failovers_total",
+}
+
+
+def row_panels(dashboard: dict[str, Any], title: str) -> list[dict[str, Any]]:
+    """The panels under the (expanded) row `title`: those after it up to the next row."""
+    top: list[dict[str, Any]] = dashboard["panels"]
+    start = next(i for i, panel in enumerate(top) if panel["type"] == "row" and panel["title"] == title)
+    rest = top[start + 1 :]
+    return rest[: next((i for i, panel in enumerate(rest) if panel["type"] == "row"), len(rest))]
+
+
+def replication_queries() -> dict[str, list[str]]:
+    """Panel title -> its PromQL, for the server dashboard's Replication row."""
+    return {
+        panel["title"]: [target["expr"] for target in panel["targets"]]
+        for panel in row_panels(json.loads(committed()["gemps-server.json"]), "Replication")
+    }
+
+
+def test_the_replication_row_shows_every_replication_series() -> None:
+    queries = replication_queries()
+    assert {
+        "Under-replicated partitions",
+        "Primaries per partition",
+        "Epoch",
+        "Failovers (1h)",
+        "Replicas by role",
+        "Epoch per replica",
+        "Live replicas vs configured",
+        "Journal entries forwarded and applied per second",
+        "Replication lag (commits)",
+        "Replication lag (seconds)",
+    } <= set(queries)
+    named = {name for exprs in queries.values() for e in exprs for name in re.findall(r"\bgemps_[a-z0-9_]+", e)}
+    assert named == REPLICATION_SERIES
+
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        message = "promtool not installed (Debian: apt-get install prometheus)"
+        if os.environ.get("GEMPS_REQUIRE_PROMETHEUS"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def for_promtool(expr: str) -> str:
+    return expr.replace("$__rate_interval", "1m")
+
+
+def test_replication_queries_are_valid_promql(tmp_path: Path) -> None:
+    rules = [
+        {"record": f"replication:query_{i}", "expr": for_promtool(expr)}
+        for i, expr in enumerate(e for exprs in replication_queries().values() for e in exprs)
+    ]
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "replication", "rules": rules}]}))
+    checked = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"{len(rules)} rules found" in checked.stdout
+    # ... and a broken one is refused (the check parses the PromQL).
+    path.write_text(yaml.safe_dump({"groups": [{"name": "r", "rules": [{"record": "r:q", "expr": "sum(("}]}]}))
+    assert subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True).returncode != 0
+
+
+def replication_page(status: ReplicationStatus) -> str:
+    """The /metrics page of a server whose replication reports `status`."""
+    metrics = ServerMetrics()
+    metrics.replication(lambda: status)
+    return generate_latest(metrics.registry).decode()
+
+
+def input_series(replicas: dict[str, ReplicationStatus]) -> list[dict[str, str]]:
+    """promtool's input series: what each replica (instance -> record) exports, as partition 0,
+    constant over the test (from the exposition itself: the names and labels are the real ones)."""
+    series = []
+    for instance, status in replicas.items():
+        for family in text_string_to_metric_families(replication_page(status)):
+            for sample in family.samples:
+                if sample.name in REPLICATION_SERIES:
+                    labels = {**sample.labels, "instance": instance, "partition": "0"}
+                    selector = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+                    series.append({"series": f"{sample.name}{{{selector}}}", "values": f"{sample.value:g}x20"})
+    return series
+
+
+def test_replication_queries_read_a_primary_and_its_backups_right(tmp_path: Path) -> None:
+    """The row's figures from a real PromQL engine (promtool's) over a primary with two backups, one
+    lagging out of the in-sync set, and one of those backups reporting too."""
+    backup = ReplicationStatus("r1", "backup", epoch=4, replicas=3, primary="a:50051", applied=100)
+    series = input_series({"a": REPLICATED_PRIMARY, "b": backup})
+    p0 = {"partition": "0"}
+
+    def expect(expr: str, *samples: tuple[dict[str, str], float]) -> dict[str, Any]:
+        listed = [
+            {"labels": "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}", "value": value}
+            for labels, value in samples
+        ]
+        return {"expr": for_promtool(expr), "eval_time": "2m", "exp_samples": listed}
+
+    queries = {e for exprs in replication_queries().values() for e in exprs}
+    checks = [
+        expect("sum(gemps_partition_under_replicated)", ({}, 1)),
+        expect('sum by (partition) (gemps_replica_role{role="primary"})', (p0, 1)),
+        expect("max by (partition) (gemps_replica_epoch)", (p0, 4)),
+        expect(
+            "sum by (role, partition) (gemps_replica_role)",
+            ({**p0, "role": "primary"}, 1),
+            ({**p0, "role": "backup"}, 1),
+            ({**p0, "role": "candidate"}, 0),
+        ),
+        expect("max by (partition) (gemps_replicas_live)", (p0, 2)),
+        expect("max by (partition) (gemps_replicas_configured)", (p0, 3)),
+        expect("sum by (partition) (1 - gemps_replication_in_sync)", (p0, 1)),
+        expect(
+            "gemps_replication_lag_commits",
+            ({"__name__": "gemps_replication_lag_commits", "backup": "r1", "instance": "a", **p0}, 0),
+            ({"__name__": "gemps_replication_lag_commits", "backup": "r2", "instance": "a", **p0}, 40),
+        ),
+    ]
+    assert {check["expr"] for check in checks} <= queries  # the dashboard's own queries, not look-alikes
+    tests = {"tests": [{"interval": "15s", "input_series": series, "promql_expr_test": checks}]}
+    path = tmp_path / "test.yml"
+    path.write_text(yaml.safe_dump(tests))
+    ran = subprocess.run([promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, ran.stdout + ran.stderr

@@ -11,7 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gemps_proto.schema import PayloadKind, TrainingConfig
 from gemps_server.domain.rules import ApplyStats, create_rule, rule_names
-from gemps_server.metrics import COMMIT_REJECTION_REASONS, MAX_DATASET_LABEL, ServerMetrics
+from gemps_server.metrics import COMMIT_REJECTION_REASONS, MAX_DATASET_LABEL, ServerMetrics, exposed
+from gemps_server.replication.status import BACKUP, PRIMARY, BackupLag, ReplicationStatus
 from tests.helpers import training
 
 F32 = np.float32
@@ -126,9 +127,103 @@ def test_labels_come_from_small_fixed_sets() -> None:
     metrics.describe_server(TrainingConfig())
     metrics.rpc("Pull", 0.001)
     metrics.evaluated("x" * 500, 1, 0.5, 0.5)
+    metrics.replication(Holder(primary(BackupLag("r1", True, 0, 0.0))))  # role: 3 values; backup: R-1 names
     allowed = {"outcome", "reason", "phase", "bound", "side", "method", "plane", "cause", "dataset", "le", "quantile"}
+    allowed |= {"role", "backup"}
     info = set(TrainingConfig().as_dict())  # one label per field of the training config
     for (name, labels), _ in samples(metrics).items():
         keys = {key for key, _ in labels}
         assert keys <= (allowed | info if name == "gemps_server_info" else allowed), name
         assert all(len(value) <= MAX_DATASET_LABEL for _, value in labels), name
+
+
+# -- replication (server/gemps_server/replication/status.py's record, built by hand) -------------
+
+
+def primary(*backups: BackupLag, replicas: int = 3) -> ReplicationStatus:
+    return ReplicationStatus(
+        "r0", PRIMARY, epoch=4, replicas=replicas, backups=backups, forwarded=120, applied=7, failovers=2
+    )
+
+
+class Holder:
+    """The provider the replication code hands the metrics: its current record, read at scrape."""
+
+    def __init__(self, status: ReplicationStatus | None) -> None:
+        self.status = status
+        self.asked = 0
+
+    def __call__(self) -> ReplicationStatus | None:
+        self.asked += 1
+        return self.status
+
+
+def replication_samples(metrics: ServerMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    replication = ("gemps_replica", "gemps_replicas", "gemps_replication", "gemps_partition_under", "gemps_failovers")
+    return {key: value for key, value in samples(metrics).items() if key[0].startswith(replication)}
+
+
+def test_a_primary_exports_its_role_epoch_backups_and_counts() -> None:
+    metrics = ServerMetrics()
+    metrics.replication(Holder(primary(BackupLag("r1", True, 0, 0.0), BackupLag("r2", False, 40, 2.5))))
+    got = replication_samples(metrics)
+    assert got == {
+        ("gemps_replica_role", (("role", "primary"),)): 1,
+        ("gemps_replica_role", (("role", "backup"),)): 0,
+        ("gemps_replica_role", (("role", "candidate"),)): 0,
+        ("gemps_replica_epoch", ()): 4,
+        ("gemps_replicas_configured", ()): 3,
+        ("gemps_replicas_live", ()): 2,  # itself and r1: r2 is out of the in-sync set
+        ("gemps_partition_under_replicated", ()): 1,
+        ("gemps_replication_lag_commits", (("backup", "r1"),)): 0,
+        ("gemps_replication_lag_commits", (("backup", "r2"),)): 40,
+        ("gemps_replication_lag_seconds", (("backup", "r1"),)): 0.0,
+        ("gemps_replication_lag_seconds", (("backup", "r2"),)): 2.5,
+        ("gemps_replication_in_sync", (("backup", "r1"),)): 1,
+        ("gemps_replication_in_sync", (("backup", "r2"),)): 0,
+        ("gemps_replication_forwarded_total", ()): 120,
+        ("gemps_replication_applied_total", ()): 7,
+        ("gemps_failovers_total", ()): 2,
+    }
+
+
+def test_the_series_follow_the_record_at_each_scrape_and_a_gone_backup_leaves_no_label() -> None:
+    holder = Holder(primary(BackupLag("r1", True, 0, 0.0), BackupLag("r2", True, 3, 0.1)))
+    metrics = ServerMetrics()
+    metrics.replication(holder)
+    assert ("gemps_replication_lag_commits", (("backup", "r2"),)) in replication_samples(metrics)
+    holder.status = primary(BackupLag("r1", True, 5, 0.2), BackupLag("r3", False, 9, 1.0))
+    got = replication_samples(metrics)
+    backups = {dict(labels)["backup"] for name, labels in got if name.startswith("gemps_replication_") and labels}
+    assert backups == {"r1", "r3"}  # r2 is gone from every labelled series
+    assert got[("gemps_replication_lag_commits", (("backup", "r1"),))] == 5
+    assert got[("gemps_partition_under_replicated", ())] == 1
+
+
+def test_a_backup_exports_its_role_and_epoch_but_no_primary_figures() -> None:
+    metrics = ServerMetrics()
+    metrics.replication(Holder(ReplicationStatus("r1", BACKUP, epoch=4, replicas=3, primary="ps-0:50051", applied=9)))
+    got = replication_samples(metrics)
+    assert got[("gemps_replica_role", (("role", "backup"),))] == 1
+    assert got[("gemps_replica_role", (("role", "primary"),))] == 0
+    assert got[("gemps_replication_applied_total", ())] == 9
+    # live and under-replicated are the primary's to say: a backup's 0 would read as a dead partition
+    assert not {"gemps_replicas_live", "gemps_partition_under_replicated"} & {name for name, _ in got}
+    assert not any(name.startswith(("gemps_replication_lag", "gemps_replication_in_sync")) for name, _ in got)
+
+
+def test_nothing_is_exported_while_not_replicated() -> None:
+    holder = Holder(None)
+    metrics = ServerMetrics()
+    metrics.replication(holder)
+    assert replication_samples(metrics) == {}
+    assert holder.asked == 1  # asked at the scrape, not cached at registration
+    assert replication_samples(ServerMetrics()) == {}  # nor without a provider
+
+
+def test_replication_series_carry_the_partition_label_when_exposed_with_one() -> None:
+    metrics = ServerMetrics()
+    metrics.replication(Holder(primary(BackupLag("r1", True, 0, 0.0))))
+    text = generate_latest(exposed(metrics.registry, {"partition": "1"})).decode()
+    assert 'gemps_replication_lag_commits{backup="r1",partition="1"} 0.0' in text
+    assert 'gemps_replica_role{partition="1",role="primary"} 1.0' in text

@@ -36,6 +36,8 @@ FACES: list[tuple[type[Any], Any]] = [
     (schema.Layout, pb.Layout.DESCRIPTOR),
     (schema.DataPlane, pb.DataPlane.DESCRIPTOR),
     (schema.GradientNoise, pb.GradientNoise.DESCRIPTOR),
+    (schema.ReplicationStatus, pb.ReplicationStatus.DESCRIPTOR),
+    (schema.BackupLag, pb.BackupLag.DESCRIPTOR),
 ]
 
 
@@ -89,11 +91,47 @@ def test_training_config_and_status_survive_the_wire() -> None:
         workers=(schema.WorkerStatus("a", 0, 7, 1.5, 2.5), schema.WorkerStatus("", 1, 0, 40.0, 40.0)),
         lease_ttl_seconds=60.0,
         gradient_noise=schema.GradientNoise(2.5, 900.0, 64.0, windows=12, window=8),
+        replication=schema.ReplicationStatus(
+            "r0",
+            schema.PRIMARY,
+            epoch=5,
+            replicas=3,
+            backups=(schema.BackupLag("r1", True, 0, 0.0), schema.BackupLag("r2", False, 17, 1.25)),
+            forwarded=400,
+            applied=3,
+            failovers=2,
+        ),
     )
     assert shared.status_from_proto(shared.status_to_proto(status)) == status
     assert shared.status_from_proto(shared.status_to_proto(dataclasses.replace(status, last_evaluation=None))) == (
         dataclasses.replace(status, last_evaluation=None)
     )
+
+
+def test_replication_survives_the_wire_and_is_absent_when_not_replicated() -> None:
+    backup = schema.ReplicationStatus("r1", schema.BACKUP, epoch=5, replicas=3, primary="ps-0:50051", applied=40)
+    message = pb.StatusResponse(replication=shared.replication_to_proto(backup))
+    assert shared.replication_from_proto(message) == backup
+    assert shared.replication_from_proto(pb.StatusResponse()) is None  # unset: not replicated
+    # A record of near-default figures (R=1, no backups) still arrives as set, not as "not replicated".
+    alone = schema.ReplicationStatus("r0", schema.PRIMARY, epoch=1, replicas=1)
+    assert shared.replication_from_proto(pb.StatusResponse(replication=shared.replication_to_proto(alone))) == alone
+
+
+def test_replication_status_counts_live_replicas_as_the_primary_sees_them() -> None:
+    backups = (schema.BackupLag("r1", True, 0, 0.0), schema.BackupLag("r2", False, 9, 3.0))
+    primary = schema.ReplicationStatus("r0", schema.PRIMARY, epoch=2, replicas=3, backups=backups)
+    assert (primary.live, primary.under_replicated) == (2, True)
+    assert dataclasses.replace(primary, replicas=2).under_replicated is False
+    backup = schema.ReplicationStatus("r1", schema.BACKUP, epoch=2, replicas=3)
+    assert (backup.live, backup.under_replicated) == (0, False)  # the primary's to say
+
+
+def test_the_server_names_the_protocols_replication_record() -> None:
+    from gemps_server.replication import status
+
+    assert status.ReplicationStatus is schema.ReplicationStatus and status.BackupLag is schema.BackupLag
+    assert (status.PRIMARY, status.BACKUP, status.CANDIDATE) == schema.ROLES == ("primary", "backup", "candidate")
 
 
 def test_training_config_problems_name_the_field() -> None:

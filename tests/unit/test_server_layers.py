@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
-from gemps_proto.schema import ParameterSpec, PayloadKind
+from gemps_proto.schema import PRIMARY, BackupLag, ParameterSpec, PayloadKind, ReplicationStatus
 from gemps_proto.tensor_codec import BFLOAT16, FLOAT32, encode
 from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_server.config import ServerConfig
+from gemps_server.domain.applier import Applier
 from gemps_server.domain.records import Commit, CommitOutcome
 from gemps_server.domain.rules import CommitRule, rule_class, rule_names
 from gemps_server.domain.rules.overflow import OverflowGuard
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
+from gemps_server.metrics import ServerMetrics
+from gemps_server.service import ParameterService
 from gemps_server.wire import messages
 from gemps_server.wire.stream_buffers import Buffer
 from tests.helpers import encoded, training
@@ -123,3 +128,17 @@ def test_the_buffer_writer_copies_nothing_when_the_rule_wrote_theta_there() -> N
     again = Commit(worker_id=worker, base_version=1, kind=PayloadKind.UPDATE.value, payload=encoded(np.ones(5)))
     _, data = state.commit_and_reply(again, messages.stream_commit_reply(buffer))
     assert bytes(data) == (np.arange(5, dtype=np.float32) + 2).tobytes()
+
+
+def test_status_carries_the_replication_record_the_replication_layer_provides() -> None:
+    record = ReplicationStatus("r0", PRIMARY, epoch=2, replicas=2, backups=(BackupLag("r1", True, 0, 0.0),))
+    records: list[ReplicationStatus | None] = [record, None]
+    state = ServerState(training("downpour"), WorkerRegistry(max_workers=4, lease_ttl=3600))
+
+    def service(provider: Callable[[], ReplicationStatus | None] | None) -> ParameterService:
+        return ParameterService(ServerConfig(), state, Applier(), ServerMetrics(), replication=provider)
+
+    replicated = service(lambda: records.pop(0))
+    assert replicated.status().replication == record  # asked at each Status, not once
+    assert replicated.status().replication is None
+    assert service(None).status().replication is None  # not replicated: no provider

@@ -355,8 +355,42 @@ class GradientNoise(_message.Message):
     window: int
     def __init__(self, gradient_square: _Optional[float] = ..., noise_trace: _Optional[float] = ..., batch_size: _Optional[float] = ..., windows: _Optional[int] = ..., window: _Optional[int] = ...) -> None: ...
 
+class BackupLag(_message.Message):
+    __slots__ = ("name", "in_sync", "lag_commits", "lag_seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IN_SYNC_FIELD_NUMBER: _ClassVar[int]
+    LAG_COMMITS_FIELD_NUMBER: _ClassVar[int]
+    LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    in_sync: bool
+    lag_commits: int
+    lag_seconds: float
+    def __init__(self, name: _Optional[str] = ..., in_sync: _Optional[bool] = ..., lag_commits: _Optional[int] = ..., lag_seconds: _Optional[float] = ...) -> None: ...
+
+class ReplicationStatus(_message.Message):
+    __slots__ = ("name", "role", "epoch", "replicas", "primary", "backups", "forwarded", "applied", "failovers")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    BACKUPS_FIELD_NUMBER: _ClassVar[int]
+    FORWARDED_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    FAILOVERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    role: str
+    epoch: int
+    replicas: int
+    primary: str
+    backups: _containers.RepeatedCompositeFieldContainer[BackupLag]
+    forwarded: int
+    applied: int
+    failovers: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., replicas: _Optional[int] = ..., primary: _Optional[str] = ..., backups: _Optional[_Iterable[_Union[BackupLag, _Mapping]]] = ..., forwarded: _Optional[int] = ..., applied: _Optional[int] = ..., failovers: _Optional[int] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("initialized", "version", "active_workers", "num_parameters", "config", "commits_applied", "commits_rejected", "spec", "uptime_seconds", "last_evaluation", "learning_rate", "buffer_spec", "workers", "lease_ttl_seconds", "gradient_noise", "layout")
+    __slots__ = ("initialized", "version", "active_workers", "num_parameters", "config", "commits_applied", "commits_rejected", "spec", "uptime_seconds", "last_evaluation", "learning_rate", "buffer_spec", "workers", "lease_ttl_seconds", "gradient_noise", "replication", "layout")
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -372,6 +406,7 @@ class StatusResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_NOISE_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     initialized: bool
     version: int
@@ -388,5 +423,6 @@ class StatusResponse(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     lease_ttl_seconds: float
     gradient_noise: GradientNoise
+    replication: ReplicationStatus
     layout: Layout
-    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., active_workers: _Optional[int] = ..., num_parameters: _Optional[int] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., commits_applied: _Optional[int] = ..., commits_rejected: _Optional[int] = ..., spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., learning_rate: _Optional[float] = ..., buffer_spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., lease_ttl_seconds: _Optional[float] = ..., gradient_noise: _Optional[_Union[GradientNoise, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ...) -> None: ...
+    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., active_workers: _Optional[int] = ..., num_parameters: _Optional[int] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., commits_applied: _Optional[int] = ..., commits_rejected: _Optional[int] = ..., spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., learning_rate: _Optional[float] = ..., buffer_spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., lease_ttl_seconds: _Optional[float] = ..., gradient_noise: _Optional[_Union[GradientNoise, _Mapping]] = ..., replication: _Optional[_Union[ReplicationStatus, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ...) -> None: ...

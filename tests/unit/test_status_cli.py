@@ -1,0 +1,83 @@
+"""`gemps status` on replicated partitions, against in-memory servers whose Status reports
+replication records built by hand (the replication itself is tested where it lives)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from gemps_cli import status as status_command
+from gemps_cli.main import main as gemps_main
+
+import gemps
+from gemps.records import BackupLag, ReplicationStatus
+from gemps.retry import NO_RETRY
+from gemps_proto.schema import BACKUP, CANDIDATE, PRIMARY
+from tests.unit.memory_transport import MemoryServer, connector, memory_cluster
+
+IN_SYNC = BackupLag("r1", in_sync=True, lag_commits=0, lag_seconds=0.0)
+LAGGING = BackupLag("r2", in_sync=False, lag_commits=40, lag_seconds=12.5)
+
+
+def shown(servers: list[MemoryServer], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> str:
+    """What `gemps status --server <the first>` prints."""
+
+    def connect(args: argparse.Namespace, timeout: float, retry: object = None) -> gemps.Client:
+        assert args.server == servers[0].target
+        return gemps.Client(args.server, retry=NO_RETRY, connect=connector(servers))
+
+    monkeypatch.setattr(status_command, "connect", connect)
+    assert gemps_main(["status", "--server", servers[0].target]) == 0
+    return capsys.readouterr().out
+
+
+def test_an_under_replicated_primary_shows_its_backups_lag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (server,) = memory_cluster(4, partitions=1)
+    server.replication = ReplicationStatus("r0", PRIMARY, epoch=7, replicas=3, backups=(IN_SYNC, LAGGING))
+    out = shown([server], monkeypatch, capsys)
+    assert "\nreplication     primary r0, epoch 7, 2/3 replicas live UNDER-REPLICATED\n" in out
+    assert "\n  backup r1               in sync      lag 0 commits, 0.0s\n" in out
+    assert "\n  backup r2               OUT OF SYNC  lag 40 commits, 12s\n" in out
+
+
+def test_a_fully_replicated_primary_is_not_flagged(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (server,) = memory_cluster(4, partitions=1)
+    server.replication = ReplicationStatus("r0", PRIMARY, epoch=7, replicas=2, backups=(IN_SYNC,))
+    out = shown([server], monkeypatch, capsys)
+    assert "\nreplication     primary r0, epoch 7, 2/2 replicas live\n" in out
+    assert "UNDER-REPLICATED" not in out
+
+
+def test_a_backup_names_the_primary_it_follows(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (server,) = memory_cluster(4, partitions=1)
+    server.replication = ReplicationStatus("r1", BACKUP, epoch=7, replicas=3, primary="ps-0:50051")
+    out = shown([server], monkeypatch, capsys)
+    assert "\nreplication     backup r1, epoch 7, follows ps-0:50051 (3 replicas configured)\n" in out
+
+
+def test_each_partition_shows_its_replica(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    servers = memory_cluster(4, partitions=3)
+    servers[0].replication = ReplicationStatus("p0-a", PRIMARY, epoch=2, replicas=2, backups=(LAGGING,))
+    servers[1].replication = ReplicationStatus("p1-b", CANDIDATE, epoch=3, replicas=2)
+    out = shown(servers, monkeypatch, capsys)
+    expected = (
+        "replication     by partition (the replica each partition's address reached)\n"
+        "  0  primary p0-a, epoch 2, 1/2 replicas live UNDER-REPLICATED\n"
+        "       backup r2               OUT OF SYNC  lag 40 commits, 12s\n"
+        "  1  candidate p1-b, epoch 3, no primary known (2 replicas configured)\n"
+        "  2  not replicated\n"
+    )
+    assert expected in out
+
+
+def test_nothing_is_said_of_replication_when_no_partition_is_replicated(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = shown(memory_cluster(4, partitions=2), monkeypatch, capsys)
+    assert "version" in out and "replicat" not in out.lower()
