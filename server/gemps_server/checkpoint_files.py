@@ -123,7 +123,7 @@ def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _crc(tensors: Mapping[str, np.ndarray]) -> str:
+def crc32_of(tensors: Mapping[str, np.ndarray]) -> str:
     crc = 0
     for key in sorted(tensors):
         crc = zlib.crc32(np.ascontiguousarray(tensors[key]).data, crc)
@@ -149,19 +149,19 @@ def _metadata(checkpoint: Checkpoint, tensors: Mapping[str, np.ndarray]) -> dict
         "gemps_version": __version__,
         "version": str(image.version),
         "commits_applied": str(image.commits_applied),
-        "spec": _spec_json(image.spec),
-        "buffer_spec": _spec_json(image.buffer_spec),
-        "partition": json.dumps({"index": image.partition.index, "count": image.partition.count}),
+        "spec": spec_json(image.spec),
+        "buffer_spec": spec_json(image.buffer_spec),
+        "partition": partition_json(image.partition),
         "config": json.dumps(dict(checkpoint.config), sort_keys=True),
         # By (client scope, request id) (ledger.receipt_key); "receipts", by request id alone, is
         # what checkpoints written before scopes hold (read as the legacy scope).
         "client_receipts": json.dumps({key: r.to_list() for key, r in image.receipts.items()}),
         "created": repr(checkpoint.created or time.time()),
-        "crc32": _crc(tensors),
+        "crc32": crc32_of(tensors),
     }
 
 
-def _spec_json(spec: tuple[ParameterSpec, ...]) -> str:
+def spec_json(spec: tuple[ParameterSpec, ...]) -> str:
     names = {dtype: name for name, dtype in SPEC_DTYPES.items()}
     return json.dumps([
         {"name": entry.name, "shape": list(entry.shape), **({"dtype": names[entry.dtype]} if entry.integer else {})}
@@ -209,7 +209,7 @@ def save(directory: Path, checkpoint: Checkpoint) -> tuple[Path, int]:
     return path, size
 
 
-def _json(raw: str) -> Any:
+def strict_json(raw: str) -> Any:
     """Strict JSON (no NaN or Infinity); a crafted file raises CheckpointError, never anything
     that would stop the start instead of falling back to the older file."""
 
@@ -229,12 +229,12 @@ def _count(metadata: Mapping[str, str], key: str) -> int:
     return value
 
 
-def _parse_spec(
+def parse_spec(
     raw: str, seen: set[str] | None = None, *, allow_empty: bool = False, integers: bool = False
 ) -> tuple[ParameterSpec, ...]:
     """Entries with unique names (also against `seen`, which collects them); `integers`: int64
     entries allowed (a buffer spec)."""
-    entries = _json(raw)
+    entries = strict_json(raw)
     if not isinstance(entries, list) or not (entries or allow_empty):
         raise CheckpointError("spec must be a non-empty list")
     spec, seen = [], set() if seen is None else seen
@@ -255,7 +255,7 @@ def _parse_spec(
 
 def _parse_receipts(raw: str, scoped: bool = True) -> dict[str, Receipt]:
     """Receipts by ledger.receipt_key; `scoped` False: by request id alone (older checkpoints)."""
-    entries = _json(raw)
+    entries = strict_json(raw)
     if not isinstance(entries, dict):
         raise CheckpointError("receipts must be an object")
     receipts = {}
@@ -302,15 +302,15 @@ def _from_parts(metadata: dict[str, str], tensors: dict[str, np.ndarray], check_
         raise CheckpointError(f"not a gemps checkpoint (format {metadata.get('format')!r})")
     if metadata.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"unsupported checkpoint format version {metadata.get('format_version')!r}")
-    if check_crc and metadata.get("crc32") != _crc(tensors):
+    if check_crc and metadata.get("crc32") != crc32_of(tensors):
         raise CheckpointError("tensor data does not match its CRC-32: the file is damaged")
     if int(metadata["version"]) < 0 or int(metadata["commits_applied"]) < 0:
         raise CheckpointError(f"negative version {metadata['version']} or commit count {metadata['commits_applied']}")
     version, commits = _count(metadata, "version"), _count(metadata, "commits_applied")
     names: set[str] = set()
-    spec = _parse_spec(metadata["spec"], names)
-    buffer_spec = _parse_spec(metadata.get("buffer_spec", "[]"), names, allow_empty=True, integers=True)
-    partition = _parse_partition(metadata.get("partition", '{"index": 0, "count": 1}'), spec)
+    spec = parse_spec(metadata["spec"], names)
+    buffer_spec = parse_spec(metadata.get("buffer_spec", "[]"), names, allow_empty=True, integers=True)
+    partition = parse_partition(metadata.get("partition", '{"index": 0, "count": 1}'), spec)
     start, stop = partition.bounds(sum(entry.size for entry in spec))
     theta = _flat_tensor(tensors, THETA_KEY, stop - start)
     float_count, integer_count = buffer_counts(buffer_spec)
@@ -328,7 +328,7 @@ def _from_parts(metadata: dict[str, str], tensors: dict[str, np.ndarray], check_
     for key, value in (("theta", theta), ("buffers", buffers.floats), *rule_state.items()):
         if value.size and not all_finite(value):  # one pass, no array of booleans
             raise CheckpointError(f"{key} contains NaN or Inf")
-    config = _json(metadata.get("config", "{}"))
+    config = strict_json(metadata.get("config", "{}"))
     if not isinstance(config, dict):
         raise CheckpointError("config must be an object")
     image = StateImage(
@@ -361,15 +361,20 @@ def _flat_tensor(
     return value
 
 
-def _parse_partition(raw: str, spec: tuple[ParameterSpec, ...]) -> PartitionOf:
-    """The partition of θ a checkpoint holds (files from before partitions hold all of it)."""
-    value = _json(raw)
+def partition_json(partition: PartitionOf) -> str:
+    return json.dumps({"index": partition.index, "count": partition.count})
+
+
+def parse_partition(raw: str, spec: tuple[ParameterSpec, ...] | None) -> PartitionOf:
+    """The partition of θ a checkpoint holds (files from before partitions hold all of it);
+    `spec` None: no model to check the count against."""
+    value = strict_json(raw)
     if not isinstance(value, dict) or set(value) != {"index", "count"}:
         raise CheckpointError(f"partition must be an object with index and count, not {raw[:100]!r}")
     index, count = value["index"], value["count"]
     if not all(type(n) is int for n in (index, count)) or not 0 <= index < count:
         raise CheckpointError(f"partition index {index!r} of {count!r} is not a partition")
-    if count > sum(entry.size for entry in spec):
+    if spec is not None and count > sum(entry.size for entry in spec):
         raise CheckpointError(f"{count} partitions of a model with fewer values")
     return PartitionOf(index, count)
 

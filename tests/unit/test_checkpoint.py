@@ -152,7 +152,7 @@ def test_non_finite_values_are_refused(tmp_path: Path) -> None:
     with safetensors.safe_open(str(path), framework="numpy") as f:
         metadata = dict(f.metadata())
     tensors = {"central_variable": theta}
-    rewrite(path, {**metadata, "crc32": checkpoints._crc(tensors)}, tensors)
+    rewrite(path, {**metadata, "crc32": checkpoints.crc32_of(tensors)}, tensors)
     with pytest.raises(CheckpointError, match="NaN or Inf"):
         load(path)
 

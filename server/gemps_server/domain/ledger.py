@@ -91,6 +91,17 @@ class Receipt:
         return cls(int(version), int(staleness), stats, int(sequence))
 
 
+@dataclass(frozen=True)
+class LedgerImage:
+    """A ledger's whole content in its order, for a replica (CommitLedger.export and adopt):
+    each scope's last request id and receipt, the scopes without a registered worker (oldest
+    first), and the receipts of old checkpoints by request id (oldest first)."""
+
+    last: tuple[tuple[str, str, Receipt], ...] = ()  # (scope, request id, receipt)
+    departed: tuple[str, ...] = ()
+    legacy: tuple[tuple[str, Receipt], ...] = ()  # (request id, receipt)
+
+
 class CommitLedger:
     """The receipt of each active scope's last commit, plus the last receipts of up to `capacity`
     scopes without a registered worker (and those restored from a checkpoint), oldest dropped first."""
@@ -155,6 +166,31 @@ class CommitLedger:
                 continue
             self._last[scope] = (request_id, receipt)
             self._keep_departed(scope)
+
+    def export(self) -> LedgerImage:
+        """Everything held, in order (for a replica: `adopt` rebuilds this ledger from it)."""
+        return LedgerImage(
+            tuple((scope, request_id, receipt) for scope, (request_id, receipt) in self._last.items()),
+            tuple(self._departed),
+            tuple(self._legacy.items()),
+        )
+
+    def adopt(self, image: LedgerImage) -> None:
+        """Replace everything held by `image`'s; a ValueError naming the problem, with nothing
+        changed, when it is inconsistent or holds more than `capacity` departed or legacy scopes."""
+        scopes = [scope for scope, _, _ in image.last]
+        legacy = [request_id for request_id, _ in image.legacy]
+        if len(set(scopes)) != len(scopes) or len(set(image.departed)) != len(image.departed):
+            raise ValueError("a scope appears twice in the ledger")
+        if len(set(legacy)) != len(legacy) or not all(request_id for _, request_id, _ in image.last) or not all(legacy):
+            raise ValueError("ledger request ids must be distinct within their scope and not empty")
+        if not set(image.departed) <= set(scopes):
+            raise ValueError("a departed scope has no receipt in the ledger")
+        if max(len(image.departed), len(image.legacy)) > self.capacity:
+            raise ValueError(f"more departed or legacy receipts than this ledger's capacity {self.capacity}")
+        self._last = {scope: (request_id, receipt) for scope, request_id, receipt in image.last}
+        self._departed = OrderedDict.fromkeys(image.departed)
+        self._legacy = OrderedDict(image.legacy)
 
     def _keep_departed(self, scope: str) -> None:
         self._departed[scope] = None

@@ -30,7 +30,9 @@ Runs on the applier, like ServerState.commit; `estimate` is replaced whole, for 
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -70,6 +72,24 @@ class MovingAverage:
     @property
     def value(self) -> float:
         return self.total / self.weight if self.weight > 0.0 else 0.0
+
+
+@dataclass(frozen=True)
+class NoiseImage:
+    """A NoiseEstimator's state (its `export`, its `adopt`'s input): the window under way, the
+    moving averages as (total, weight) pairs, and the estimate."""
+
+    total: np.ndarray  # float32: the window's running sum over the sampled parameters
+    stride: int = 1
+    scale: float = 1.0
+    size: int = 0
+    count: int = 0
+    small: float = 0.0
+    inverse_batch: float = 0.0
+    pending: bool = False
+    gradient_square: tuple[float, float] = (0.0, 0.0)
+    noise_trace: tuple[float, float] = (0.0, 0.0)
+    estimate: GradientNoise = dataclasses.field(default_factory=GradientNoise)
 
 
 class NoiseEstimator:
@@ -120,6 +140,41 @@ class NoiseEstimator:
         if self._count == self._size:
             self._count = 0
             self._close(window.window_square * self._scale)
+
+    def export(self) -> NoiseImage:
+        """A copy of the state (for a replica, on the applier)."""
+        return NoiseImage(
+            total=self._total.copy(),
+            stride=self._stride,
+            scale=self._scale,
+            size=self._size,
+            count=self._count,
+            small=self._small,
+            inverse_batch=self._inverse_batch,
+            pending=self._pending,
+            gradient_square=(self._gradient_square.total, self._gradient_square.weight),
+            noise_trace=(self._noise_trace.total, self._noise_trace.weight),
+            estimate=self.estimate,
+        )
+
+    def adopt(self, image: NoiseImage, num_parameters: int) -> None:
+        """Take `image`'s state, for θ of `num_parameters` values; a ValueError, with nothing
+        changed, when a window under way does not fit them."""
+        if image.total.dtype != np.float32 or image.total.ndim != 1 or image.stride < 1:
+            raise ValueError("the noise window's sum must be flat float32, its stride at least 1")
+        if not 0 <= image.count < max(image.size, 1):
+            raise ValueError(f"noise window at commit {image.count} of {image.size}")
+        if image.count and image.total.size != noise_window_size(num_parameters, image.stride):
+            raise ValueError(f"noise window of {image.total.size} values for {num_parameters} parameters")
+        self._total = image.total.copy()
+        self._stride, self._scale, self._size, self._count = image.stride, image.scale, image.size, image.count
+        self._small, self._inverse_batch, self._pending = image.small, image.inverse_batch, image.pending
+        for average, (total, weight) in (
+            (self._gradient_square, image.gradient_square),
+            (self._noise_trace, image.noise_trace),
+        ):
+            average.total, average.weight = total, weight
+        self.estimate = image.estimate
 
     def _close(self, window_square: float) -> None:
         k = self._size

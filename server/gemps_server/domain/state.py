@@ -9,6 +9,7 @@ messages: the wire turns requests into the records (records.py) and outcomes bac
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 import weakref
@@ -21,7 +22,7 @@ from gemps_proto.schedules import learning_rate_at
 from gemps_proto.schema import Buffers, ParameterSpec, TrainingConfig
 from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor, encode, wire_view
 from gemps_server.domain import validation
-from gemps_server.domain.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
+from gemps_server.domain.errors import Aborted, FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from gemps_server.domain.journal import Committed, Departed, Entry, Joined, Journal, NoJournal
 from gemps_server.domain.ledger import CommitLedger, Receipt
 from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NoiseEstimator
@@ -36,6 +37,7 @@ from gemps_server.domain.records import (
     Snapshot,
     StateImage,
 )
+from gemps_server.domain.replica_image import ReplicaImage
 from gemps_server.domain.rules import CommitRule, NonFiniteUpdate, create_rule
 from gemps_server.domain.workers import WorkerRecord, WorkerRegistry
 
@@ -301,6 +303,69 @@ class ServerState:
         self.bounds = self.partition.bounds(image.total_parameters)
         self.ledger.restore(dict(image.receipts))
         return warnings
+
+    def replica_image(self) -> ReplicaImage:
+        """Everything a backup replica needs to take this state over, at this version (run on the
+        applier: a copy, so later operations leave it as it is)."""
+        if self.rule is None:
+            return ReplicaImage(self.history, self.partition)
+        workers = self.registry.export()
+        per_worker = {w.worker_id: self.rule.worker_state(w.worker_id) for w in workers.workers}
+        return ReplicaImage(
+            history=self.history,
+            partition=self.partition,
+            state=dataclasses.replace(self.image(), receipts={}),
+            workers=workers,
+            worker_rule_state={worker_id: state for worker_id, state in per_worker.items() if state},
+            ledger=self.ledger.export(),
+            noise=self.noise.export(),
+            theta_bound=self.rule.theta_bound(self._theta),
+        )
+
+    def adopt(self, image: ReplicaImage) -> None:
+        """Replace everything this state holds, initialised or not, by `image` (on a backup, as
+        its primary seeds it; run on the applier); the rule is rebuilt with this server's training
+        config and kernel. A ValueError naming the problem, with nothing changed, when the image
+        is not this partition's, of another rule, or does not fit this server."""
+        if image.partition != self.partition:
+            raise ValueError(f"the image holds {image.partition}; this server serves {self.partition}")
+        self.registry.check(image.workers)
+        ledger = CommitLedger(capacity=self.registry.max_workers)
+        noise = NoiseEstimator(self.noise.option, self._training.batch_size)
+        rule, theta, held = None, np.empty(0, dtype=np.float32), image.state
+        spec: tuple[ParameterSpec, ...] = ()
+        buffer_spec: tuple[ParameterSpec, ...] = ()
+        buffers, version, commits, bounds = Buffers(), 0, 0, (0, 0)
+        if held is not None:
+            if held.rule != self.rule_name:
+                raise ValueError(f"the image holds rule {held.rule!r}'s state; this server runs {self.rule_name!r}")
+            try:
+                validation.check_spec(held.spec, held.buffer_spec)
+                validation.check_size(held.spec, held.buffer_spec, self.partition, self.max_parameters)
+            except ServiceError as error:
+                raise ValueError(f"the image's model does not fit this server: {error.message}") from None
+            theta = np.array(held.theta, dtype=np.float32, copy=True)
+            rule = self._new_rule(theta.size)
+            rule.load_global_state(dict(held.rule_state))
+            for worker in image.workers.workers:
+                rule.add_worker(worker.worker_id, theta)
+                rule.load_worker_state(worker.worker_id, dict(image.worker_rule_state.get(worker.worker_id, {})))
+            if image.theta_bound is not None:
+                rule.load_theta_bound(theta, image.theta_bound)
+            if image.noise is not None:
+                noise.adopt(image.noise, theta.size)
+            spec, buffer_spec = tuple(held.spec), tuple(held.buffer_spec)
+            floats, integers = held.buffers.floats, held.buffers.integers
+            buffers = Buffers(np.array(floats, np.float32).reshape(-1), np.array(integers, np.int64).reshape(-1))
+            version, commits = held.version, held.commits_applied
+            bounds = self.partition.bounds(held.total_parameters)
+        ledger.adopt(image.ledger)
+        self.registry.adopt(image.workers)  # checked above: nothing fails from here on
+        self.rule, self._theta, self.ledger, self.noise, self.history = rule, theta, ledger, noise, image.history
+        self.spec, self.buffer_spec, self._buffers = spec, buffer_spec, buffers
+        self._version, self.commits_applied, self.bounds = version, commits, bounds
+        self._latest = weakref.ref(Snapshot(0))  # dead at once: no encoding of the θ replaced is served
+        self._initializer_until, self._initializer = 0.0, ""
 
     # -- checks, readable from the event loop ------------------------------------------------
 

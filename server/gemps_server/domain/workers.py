@@ -29,6 +29,27 @@ class WorkerRecord:
         return self.client_id or self.worker_id
 
 
+@dataclass(frozen=True)
+class RegisteredWorker:
+    """A worker as a replica takes it over: its record without the per-process times."""
+
+    worker_id: str
+    name: str
+    slot: int
+    commits: int = 0
+    client_id: str = ""
+
+
+@dataclass(frozen=True)
+class RegistryImage:
+    """The registered workers in registration order, and the slots bookkeeping (free slots as the
+    heap holds them, the next new slot): what `WorkerRegistry.adopt` rebuilds a registry from."""
+
+    workers: tuple[RegisteredWorker, ...] = ()
+    free_slots: tuple[int, ...] = ()
+    next_slot: int = 0
+
+
 class WorkerRegistry:
     """Tracks active workers; a worker silent for longer than the lease TTL is expired."""
 
@@ -119,6 +140,44 @@ class WorkerRegistry:
             if self._by_client.get(record.client_id) == worker_id:
                 del self._by_client[record.client_id]
         return record
+
+    def export(self) -> RegistryImage:
+        """The registered workers and slots, for a replica (ServerState.replica_image)."""
+        workers = tuple(
+            RegisteredWorker(w.worker_id, w.name, w.slot, w.commits, w.client_id) for w in self._workers.values()
+        )
+        return RegistryImage(workers, tuple(self._free_slots), self._next_slot)
+
+    def adopt(self, image: RegistryImage) -> None:
+        """Replace every worker and slot by `image`'s, each worker seen and committed now; a
+        ValueError naming the problem, with nothing changed, when the image is inconsistent."""
+        self.check(image)
+        now = self._clock()
+        self._workers = {
+            w.worker_id: WorkerRecord(w.worker_id, w.name, w.slot, now, w.commits, now, w.client_id)
+            for w in image.workers
+        }
+        self._by_client = {w.client_id: w.worker_id for w in image.workers if w.client_id}
+        self._free_slots = list(image.free_slots)
+        self._next_slot = image.next_slot
+
+    def check(self, image: RegistryImage) -> None:
+        """ValueError unless `image` fits this registry: distinct ids, clients and slots, every slot
+        below the next either held or free, no more workers than `max_workers`."""
+        workers = image.workers
+        if len(workers) > self.max_workers:
+            raise ValueError(f"{len(workers)} workers registered; this server holds at most {self.max_workers}")
+        ids = [w.worker_id for w in workers]
+        clients = [w.client_id for w in workers if w.client_id]
+        if not all(ids) or len(set(ids)) != len(ids) or len(set(clients)) != len(clients):
+            raise ValueError("worker ids must be distinct and not empty, client ids distinct")
+        if any(w.commits < 0 for w in workers):
+            raise ValueError("a worker with a negative commit count")
+        slots, free = [w.slot for w in workers], list(image.free_slots)
+        if len(slots) + len(free) != image.next_slot or sorted(slots + free) != list(range(image.next_slot)):
+            raise ValueError(f"the workers' slots and the free slots are not each of 0..{image.next_slot - 1} once")
+        if any(free[(i - 1) // 2] > free[i] for i in range(1, len(free))):
+            raise ValueError("the free slots are not in heap order")
 
     def expired(self) -> list[str]:
         deadline = self._clock() - self.lease_ttl

@@ -182,6 +182,25 @@ class CommitRule(ABC):
         if state:
             raise ValueError(f"rule {self.name!r} keeps no global state, got {sorted(state)}")
 
+    def worker_state(self, worker_id: str) -> dict[str, np.ndarray]:
+        """Copies of the rule's state for one registered worker, by name (scalars as 0-d arrays),
+        for a replica to take over; none by default."""
+        return {}
+
+    def load_worker_state(self, worker_id: str, state: dict[str, np.ndarray]) -> None:
+        """Replace the state `add_worker` gave `worker_id` by what `worker_state` returned (on a
+        replica); raises ValueError if it does not fit."""
+        if state:
+            raise ValueError(f"rule {self.name!r} keeps no per-worker state, got {sorted(state)}")
+
+    def theta_bound(self, theta: np.ndarray) -> float | None:
+        """The bound on max |theta| the rule keeps for `theta` (the array it returned last), which
+        decides how its next pass runs; None when it keeps none (a replica copies it: theta_bound)."""
+        return None
+
+    def load_theta_bound(self, theta: np.ndarray, bound: float) -> None:  # noqa: B027 (optional hook)
+        """Keep `bound` for `theta` as if the rule had returned it (what `theta_bound` gave on a replica)."""
+
     def learning_rate_at(self, version: int) -> float:
         """eta at central version `version`: learning_rate times the schedule's factor."""
         return self.learning_rate * self.schedule(version)

@@ -46,6 +46,8 @@ EPSILON = np.float32(1e-16)
 GEM_KERNELS = ("auto", "compiled", "numpy")
 #: parameters per block: 256 KiB per float32 vector, so a block's vectors stay in cache (fastest of 4K-1M here)
 BLOCK = 65_536
+#: what `worker_state` returns per worker: m_i, s_i and the bounds on their magnitudes
+WORKER_STATE = ("proxy", "last_seen_theta", "proxy_peak", "last_seen_peak")
 
 
 class _WorkerState:
@@ -104,6 +106,35 @@ class GemRule(OverflowGuard, CommitRule):
 
     def remove_worker(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
+
+    def worker_state(self, worker_id: str) -> dict[str, np.ndarray]:
+        """m_i and s_i, and the bounds on their magnitudes the compiled kernel keeps."""
+        state = self._workers[worker_id]
+        return {
+            "proxy": state.proxy.copy(),
+            "last_seen_theta": state.last_seen_theta.copy(),
+            "proxy_peak": np.array(state.proxy_peak, np.float64),
+            "last_seen_peak": np.array(state.last_seen_peak, np.float64),
+        }
+
+    def load_worker_state(self, worker_id: str, state: dict[str, np.ndarray]) -> None:
+        if set(state) != set(WORKER_STATE) or worker_id not in self._workers:
+            raise ValueError(f"GEM's state of a registered worker is {', '.join(WORKER_STATE)}, got {sorted(state)}")
+        vectors = state["proxy"], state["last_seen_theta"]
+        if any(v.dtype != np.float32 or v.shape != (self.num_parameters,) for v in vectors):
+            raise ValueError(f"GEM's m_i and s_i must be float32 of shape [{self.num_parameters}]")
+        peaks = [np.asarray(state[name], np.float64).reshape(-1) for name in ("proxy_peak", "last_seen_peak")]
+        if any(p.size != 1 or not 0.0 <= p[0] < math.inf for p in peaks):
+            raise ValueError("GEM's peaks must be one finite, non-negative number each")
+        loaded = self._workers[worker_id]
+        loaded.proxy, loaded.last_seen_theta = (np.array(v, np.float32, copy=True) for v in vectors)
+        # The compiled kernel runs in place on these bounds: one below the true peak (state from a
+        # numpy kernel's rule keeps 0) is raised to it, so no overflow goes unchecked.
+        compiled_kernel = self.kernel == "compiled"
+        loaded.proxy_peak, loaded.last_seen_peak = (
+            max(float(p[0]), max_abs(v)) if compiled_kernel else float(p[0])
+            for p, v in zip(peaks, vectors, strict=True)
+        )
 
     def step_scaled(
         self,

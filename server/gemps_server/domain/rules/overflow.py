@@ -70,6 +70,14 @@ class OverflowGuard:
         """`peak` bounds max |theta| for the array about to be returned."""
         self._theta_peak = (theta, peak)
 
+    def theta_bound(self, theta: np.ndarray) -> float | None:
+        """The bound kept for `theta`, if it is the array returned last (see CommitRule.theta_bound)."""
+        return self._theta_peak[1] if self._theta_peak is not None and self._theta_peak[0] is theta else None
+
+    def load_theta_bound(self, theta: np.ndarray, bound: float) -> None:
+        """Keep `bound` for `theta`, raised to max |theta| if it is below (it came from elsewhere)."""
+        self.remember_peak(theta, max(bound, max_abs(theta)))
+
     @staticmethod
     def in_place_bound(*terms: float) -> float | None:
         """The sum of `terms` (bounds on magnitudes), widened for rounding, when it stays below
