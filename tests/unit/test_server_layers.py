@@ -130,15 +130,31 @@ def test_the_buffer_writer_copies_nothing_when_the_rule_wrote_theta_there() -> N
     assert bytes(data) == (np.arange(5, dtype=np.float32) + 2).tobytes()
 
 
+class RecordedReplicas:
+    """Replicas (service.Replicas) that answer Status with the records given, one per call."""
+
+    def __init__(self, records: list[ReplicationStatus]) -> None:
+        self.records = records
+
+    def require_primary(self) -> None:
+        return None
+
+    def status(self) -> ReplicationStatus:
+        return self.records.pop(0)
+
+    def when_replicated(self, position: int, done: Callable[[BaseException | None], None]) -> None:
+        done(None)
+
+
 def test_status_carries_the_replication_record_the_replication_layer_provides() -> None:
     record = ReplicationStatus("r0", PRIMARY, epoch=2, replicas=2, backups=(BackupLag("r1", True, 0, 0.0),))
-    records: list[ReplicationStatus | None] = [record, None]
+    later = ReplicationStatus("r0", PRIMARY, epoch=3, replicas=2)
     state = ServerState(training("downpour"), WorkerRegistry(max_workers=4, lease_ttl=3600))
 
-    def service(provider: Callable[[], ReplicationStatus | None] | None) -> ParameterService:
-        return ParameterService(ServerConfig(), state, Applier(), ServerMetrics(), replication=provider)
+    def service(replicas: RecordedReplicas | None) -> ParameterService:
+        return ParameterService(ServerConfig(), state, Applier(), ServerMetrics(), replicas=replicas)
 
-    replicated = service(lambda: records.pop(0))
+    replicated = service(RecordedReplicas([record, later]))
     assert replicated.status().replication == record  # asked at each Status, not once
-    assert replicated.status().replication is None
-    assert service(None).status().replication is None  # not replicated: no provider
+    assert replicated.status().replication == later
+    assert service(None).status().replication is None  # not replicated
