@@ -1,5 +1,11 @@
 """Exponential backoff with full jitter, for calls that failed with UNAVAILABLE or
-DEADLINE_EXCEEDED (server down, restarting, paused or overloaded), and the loop that retries."""
+DEADLINE_EXCEEDED (server down, restarting, paused or overloaded), and the loop that retries.
+
+A replica that is not its partition's primary (`not_primary`) is a different case: a failover is
+under way or the client reached a backup, and the next replica (or the same one, promoted a
+moment later) will answer. Waiting longer and longer there only delays training, so such
+refusals are retried after a short wait that does not grow, for up to FAILOVER_PATIENCE seconds
+before they count as ordinary failures."""
 
 from __future__ import annotations
 
@@ -12,10 +18,16 @@ from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
 from gemps import errors
+from gemps_proto.reasons import Reason
 
 log = logging.getLogger("gemps.client")
 
 T = TypeVar("T")
+
+#: how long refusals by replicas that are not primary are retried quickly (a failover's length)
+FAILOVER_PATIENCE = 60.0
+#: the most a retry after such a refusal waits
+FAILOVER_RETRY_SECONDS = 0.25
 P = ParamSpec("P")
 
 
@@ -57,12 +69,18 @@ class Retrier:
         """`attempt(*args, **kwargs)` until it returns; other errors, and the last one, are raised."""
         delays = self.policy.delays()
         retrying = False
+        failover_until: float | None = None  # while a failover is under way: quick retries
         while True:
             try:
                 return attempt(*args, **kwargs)
             except errors.RETRIED as failure:
                 error: errors.GempsError = failure
-            delay = next(delays, None)
+            if error.reason == Reason.NOT_PRIMARY:
+                failover_until = failover_until or time.monotonic() + FAILOVER_PATIENCE
+            if failover_until is not None and time.monotonic() < failover_until:
+                delay: float | None = random.uniform(0.0, FAILOVER_RETRY_SECONDS)
+            else:
+                delay = next(delays, None)
             if delay is None:
                 raise type(error)(
                     f"{self.target} unreachable after {self.policy.max_attempts} attempts: {error.message}",

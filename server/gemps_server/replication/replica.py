@@ -130,7 +130,9 @@ class Replica:
             self._set_journal(forwarder)
             self._forwarder, self.role, self.epoch, self._primary = forwarder, PRIMARY, epoch, self.me
             self.failovers += 1
-        event(log, "primary", replica=self.me.name, epoch=epoch, version=self._state.version, level=logging.WARNING)
+        # Worth a warning only when it took over from another primary (not at a job's start).
+        level = logging.WARNING if self._state.version else logging.INFO
+        event(log, "primary", level=level, replica=self.me.name, epoch=epoch, version=self._state.version)
 
     def _demoted(self) -> None:
         with self._lock:
