@@ -26,8 +26,10 @@ from gemps_server.replication.forwarder import Peer
 log = logging.getLogger("gemps.server")
 T = TypeVar("T")
 
-#: seconds to connect to the primary and to hear its seed's first bytes
+#: seconds to connect to the primary
 CONNECT_SECONDS = 5.0
+#: seconds to hear the first bytes of the primary's seed (it encodes θ and every worker's state)
+SEED_SECONDS = 120.0
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -116,7 +118,8 @@ class Follower:
         me = self._me
         hello = {"name": me.name, "incarnation": me.incarnation, "address": me.address, "replication": me.replication}
         frames.send(sock, frames.Frame(frames.HELLO, dict(hello, token=self._token, epoch=self.epoch)))
-        sock.settimeout(None)  # a primary may send nothing for long: no commits
+        sock.settimeout(SEED_SECONDS)  # the primary encodes its image first: no beats meanwhile
+        position = 0
         while not self._stopped:
             frame = frames.receive(sock)
             if frame.kind == frames.REFUSED:
@@ -131,6 +134,7 @@ class Follower:
                 del image
                 position = int(frame.header["position"])
                 self.seeded = True
+                sock.settimeout(frames.SILENCE_SECONDS)  # from now on a live primary beats when idle
                 event(
                     log,
                     "seeded",
@@ -139,6 +143,8 @@ class Follower:
                     position=position,
                     version=self._state.version,
                 )
+            elif frame.kind == frames.BEAT:
+                pass  # answered with the position applied so far
             elif frame.kind == frames.ENTRY and self.seeded:
                 entry, position, _epoch = entries.decode(frame)
                 _on_applier(self._applier, functools.partial(self._state.replay, entry))

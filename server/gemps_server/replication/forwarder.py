@@ -31,9 +31,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gemps_proto.reasons import Reason
-from gemps_server.domain.applier import Applier
+from gemps_server.domain.applier import Applier, Timed
 from gemps_server.domain.errors import Unavailable
 from gemps_server.domain.journal import Entry
+from gemps_server.domain.replica_image import ReplicaImage
 from gemps_server.domain.state import ServerState
 from gemps_server.logs import event
 from gemps_server.replication import entries, frames, image_codec
@@ -66,6 +67,7 @@ class _Link:
         self.sock = sock
         self.seed_position = seed_position
         self.acked = -1  # no position yet: not even the seed's
+        self.heard = time.monotonic()  # its last ack (heartbeats are acked too)
         self.in_sync = False
         self.closed = False
         self.outbox: queue.SimpleQueue[frames.Frame | None] = queue.SimpleQueue()
@@ -172,33 +174,40 @@ class Forwarder:
     def attach(self, peer: Peer, sock: socket.socket) -> None:
         """Seed a backup that said hello on `sock`, then forward every later entry to it."""
 
-        def seed() -> tuple[_Link, bytes]:  # on the applier: no entry appended in between
-            image = self._state.replica_image()
+        def seed() -> tuple[_Link, ReplicaImage]:  # on the applier: no entry appended in between
+            image = self._state.replica_image()  # a copy: encoded on the sender's thread
             with self._lock:
                 if (old := self._links.pop(peer.name, None)) is not None:
                     old.close()
                 link = _Link(peer, sock, self._last)
                 self._links[peer.name] = link
-            return link, image_codec.encode(image)
+            return link, image
 
-        def seeded(timed: object, error: BaseException | None) -> None:
+        def seeded(timed: Timed[tuple[_Link, ReplicaImage]] | None, error: BaseException | None) -> None:
             if error is not None or timed is None:
                 event(log, "backup not seeded", level=logging.WARNING, backup=peer.name, error=str(error))
                 sock.close()
                 return
-            link, image = timed.result  # type: ignore[attr-defined]
+            link, image = timed.result
             threading.Thread(target=self._send, args=(link, image), name="gemps-replication-send", daemon=True).start()
             threading.Thread(target=self._receive, args=(link,), name="gemps-replication-acks", daemon=True).start()
 
         self._applier.submit_then(seed, seeded)
 
-    def _send(self, link: _Link, image: bytes) -> None:
+    def _send(self, link: _Link, image: ReplicaImage) -> None:
         try:
-            frames.send(
-                link.sock, frames.Frame(frames.SEED, {"epoch": self.epoch, "position": link.seed_position}, [image])
-            )
+            header = {"epoch": self.epoch, "position": link.seed_position}
+            seed = frames.Frame(frames.SEED, header, [image_codec.encode(image)])
             del image
-            while (frame := link.outbox.get()) is not None:
+            frames.send(link.sock, seed)
+            del seed
+            while True:
+                try:
+                    frame = link.outbox.get(timeout=frames.BEAT_SECONDS)
+                except queue.Empty:
+                    frame = frames.Frame(frames.BEAT, {"epoch": self.epoch})
+                if frame is None:
+                    return
                 frames.send(link.sock, frame)
         except OSError as error:
             self._lost(link, f"sending: {error}")
@@ -209,7 +218,8 @@ class Forwarder:
                 frame = frames.receive(link.sock)
                 if frame.kind != frames.ACK:
                     raise frames.StreamClosed(f"a backup sent {frame.kind!r}, not an acknowledgement")
-                link.acked = int(frame.header["position"])
+                link.acked = max(link.acked, int(frame.header["position"]))
+                link.heard = time.monotonic()
                 self._release()
         except (OSError, ValueError, KeyError, TypeError) as error:
             self._lost(link, str(error))
@@ -227,7 +237,8 @@ class Forwarder:
             with self._lock:
                 links = list(self._links.values())
             for link in links:
-                late = link.in_sync and self._waiting(link) > self.timeout
+                silent = time.monotonic() - link.heard > self.timeout
+                late = link.in_sync and (silent or self._waiting(link) > self.timeout)
                 if link.in_sync and (link.closed or late):
                     self._change(
                         link, join=False, why="connection lost" if link.closed else f"no ack for {self.timeout:g} s"

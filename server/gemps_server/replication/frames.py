@@ -30,8 +30,15 @@ SEED = "seed"
 ENTRY = "entry"
 #: backup -> primary: every entry up to `position` applied
 ACK = "ack"
+#: primary -> backup: nothing to forward for a while; the backup answers with an ack (both know
+#: the stream is alive: a cut cable shows as silence, not as an error)
+BEAT = "beat"
 #: either way: why the stream ends
 REFUSED = "refused"
+#: how often a primary beats on an idle stream, and how long a backup waits for a frame before it
+#: takes the stream for dead
+BEAT_SECONDS = 0.5
+SILENCE_SECONDS = 4 * BEAT_SECONDS
 
 
 class StreamClosed(ConnectionError):
