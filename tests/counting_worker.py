@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -93,10 +94,45 @@ def observe(target: str) -> dict[str, object]:
         return {"versions": versions, "theta_min": float(theta.min()), "theta_max": float(theta.max())}
 
 
+def replication(target: str) -> dict[str, object]:
+    """One replica's view of replication (its role, epoch and backups), asked of it alone."""
+    with gemps.Client(target, timeout=5, retry=gemps.RetryPolicy(max_attempts=1)) as client:
+        status = client.status()
+    found = status.replication
+    if found is None:
+        return {"role": ""}
+    backups = [{"name": b.name, "in_sync": b.in_sync, "lag_commits": b.lag_commits} for b in found.backups]
+    return {"role": found.role, "epoch": found.epoch, "version": status.version, "backups": backups}
+
+
+def check_exactly_once(records: list[dict[str, Any]], observed: dict[str, Any]) -> list[int]:
+    """Per partition: acknowledged <= applied <= acknowledged + in doubt; returns the applied counts."""
+    applied = [int(v) for v in observed["versions"]]
+    for partition, count in enumerate(applied):
+        acknowledged = sum(int(r["acknowledged"][partition]) for r in records)
+        in_doubt = sum(int(r["in_doubt"][partition]) for r in records)
+        assert acknowledged <= count, f"partition {partition} lost acknowledged commits: {count} < {acknowledged}"
+        assert count <= acknowledged + in_doubt, (
+            f"partition {partition} applied {count} commits; acknowledged {acknowledged}, in doubt {in_doubt}: "
+            "some were applied twice"
+        )
+    assert observed["theta_min"] == min(applied) and observed["theta_max"] == max(applied)  # θ counts them
+    return applied
+
+
+def resumed_after(records: list[dict[str, Any]], healed: float) -> float:
+    """Seconds from `healed` to the first commit acknowledged after the longest wait, the worst
+    worker's; fails when a worker's longest wait did not span the fault (it never resumed)."""
+    ends = [float(r["gap"][1]) for r in records]
+    assert min(ends) > healed, f"a worker's longest wait ended before the cable healed: {ends} vs {healed}"
+    return max(ends) - healed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True)
     parser.add_argument("--observe", action="store_true")
+    parser.add_argument("--replication", action="store_true", help="print one replica's replication status")
     parser.add_argument("--name", default="counter")
     parser.add_argument("--parameters", type=int, default=100_000)
     parser.add_argument("--out", default="counting-worker.json")
@@ -106,8 +142,8 @@ def main() -> None:
     parser.add_argument("--mark-file", default="", help="see the module's docstring")
     parser.add_argument("--pause", type=float, default=0.0, help="seconds between commits")
     args = parser.parse_args()
-    if args.observe:
-        print(json.dumps(observe(args.target)))
+    if args.observe or args.replication:
+        print(json.dumps(observe(args.target) if args.observe else replication(args.target)))
         return
     Path(args.out).write_text(json.dumps(run(args)))
 

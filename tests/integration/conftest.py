@@ -14,6 +14,7 @@ from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_worker.cluster import ServerProcess
+from gemps_worker.simulated_hosts import SimulatedNetwork, unavailable_reason
 from tests.helpers import InProcessServer
 
 StartServer = Callable[..., InProcessServer]
@@ -69,6 +70,16 @@ def start_server_process() -> Iterator[StartServerProcess]:
     yield start
     for server in started:
         server.close()
+
+
+@pytest.fixture
+def network() -> Iterator[SimulatedNetwork]:
+    """Simulated hosts (root only: skipped with one line elsewhere)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with SimulatedNetwork() as made:
+        yield made
 
 
 def open_stub(target: str, max_message_mb: int = 64) -> pb_grpc.ParameterServerStub:

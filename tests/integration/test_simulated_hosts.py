@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,23 +30,14 @@ from gemps_worker.simulated_hosts import (
     SharedFolder,
     SimulatedNetwork,
     shared_folder_unavailable_reason,
-    unavailable_reason,
 )
+from tests.counting_worker import check_exactly_once, resumed_after
 from tests.helpers import wait_for
 
 PORT, DATA_PORT = 50051, 51051
 WORKERS = 3
 CHECKPOINT_EVERY = 200
 TRAINERS, EPOCHS = 2, 10  # reference workers, each 10 epochs of digits (220 commits), as tests/e2e/test_demo.py
-
-
-@pytest.fixture
-def network() -> Iterator[SimulatedNetwork]:
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    with SimulatedNetwork() as made:
-        yield made
 
 
 @dataclass
@@ -164,29 +154,6 @@ def start_run(
     for index, host in enumerate(hosts):
         run.start_partition(index, host)
     return run
-
-
-def check_exactly_once(records: list[dict[str, Any]], observed: dict[str, Any]) -> list[int]:
-    """Per partition: acknowledged <= applied <= acknowledged + in doubt; returns the applied counts."""
-    applied = [int(v) for v in observed["versions"]]
-    for partition, count in enumerate(applied):
-        acknowledged = sum(int(r["acknowledged"][partition]) for r in records)
-        in_doubt = sum(int(r["in_doubt"][partition]) for r in records)
-        assert acknowledged <= count, f"partition {partition} lost acknowledged commits: {count} < {acknowledged}"
-        assert count <= acknowledged + in_doubt, (
-            f"partition {partition} applied {count} commits; acknowledged {acknowledged}, in doubt {in_doubt}: "
-            "some were applied twice"
-        )
-    assert observed["theta_min"] == min(applied) and observed["theta_max"] == max(applied)  # θ counts them
-    return applied
-
-
-def resumed_after(records: list[dict[str, Any]], healed: float) -> float:
-    """Seconds from `healed` to the first commit acknowledged after the longest wait, the worst
-    worker's; fails when a worker's longest wait did not span the fault (it never resumed)."""
-    ends = [float(r["gap"][1]) for r in records]
-    assert min(ends) > healed, f"a worker's longest wait ended before the cable healed: {ends} vs {healed}"
-    return max(ends) - healed
 
 
 @pytest.mark.parametrize("plane", ["data", "grpc"])
