@@ -20,9 +20,9 @@ demo: $(BIN)/.installed  ## the main job: train GEM on this machine (server + 4 
 	$(BIN)/gemps demo
 
 test: lint typecheck system-deps  ## everything CI runs: lint, types, unit + integration + e2e tests
-	GEMPS_REQUIRE_PROMETHEUS=1 $(BIN)/python -m pytest
+	GEMPS_REQUIRE_PROMETHEUS=1 GEMPS_REQUIRE_ETCD=1 $(BIN)/python -m pytest
 
-system-deps:  ## Prometheus + promtool for the observability tests (apt; sudo when not root)
+system-deps:  ## Prometheus + promtool, etcd, sshfs (apt; sudo when not root)
 	tools/install-system-deps
 
 lint: $(BIN)/.installed

@@ -1,7 +1,7 @@
 """A real etcd for the tests that need one (Debian's `etcd-server`, from tools/install-system-deps).
 
-Without the binary these tests skip, unless GEMPS_REQUIRE_ETCD is set, or GEMPS_REQUIRE_PROMETHEUS
-(`make test` sets it after installing the system packages, etcd among them): there they fail.
+Without the binary these tests skip, unless GEMPS_REQUIRE_ETCD is set (`make test` sets it after
+installing the system packages, etcd among them): there they fail.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def require_etcd() -> str:
     try:
         return find_etcd()
     except EtcdNotInstalled as missing:
-        if os.environ.get("GEMPS_REQUIRE_ETCD") or os.environ.get("GEMPS_REQUIRE_PROMETHEUS"):
+        if os.environ.get("GEMPS_REQUIRE_ETCD"):
             pytest.fail(str(missing))
         pytest.skip(str(missing))
 

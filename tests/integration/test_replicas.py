@@ -20,6 +20,7 @@ from gemps_server.replication import image_codec
 from gemps_server.replication.local_etcd import LocalEtcd
 from gemps_server.replication.status import BACKUP, PRIMARY, ReplicationStatus
 from gemps_worker.cluster import ServerProcess
+from tests.etcd_server import etcd_server
 from tests.helpers import CommitLoops, InProcessServer, wait_for
 from tests.integration.conftest import StartServer, StartServerProcess
 
@@ -29,7 +30,7 @@ PARAMETERS = 1000
 
 @pytest.fixture
 def etcd() -> Iterator[LocalEtcd]:
-    with LocalEtcd() as running:
+    with etcd_server() as running:
         yield running
 
 
