@@ -71,6 +71,24 @@ def target_host(target: str) -> str:
 SHARED_MEMORY = sys.platform == "linux" and hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
 
 
+#: A server whose machine died (or whose cable was cut) sends nothing, not even a reset: a reply
+#: awaited would wait out the call's whole deadline before the client tried another replica. So
+#: a silent peer is probed (idle seconds, interval, probes: keepalive), and bytes it leaves
+#: unacknowledged this long fail the connection (milliseconds: TCP_USER_TIMEOUT).
+KEEPALIVE = (2, 1, 3)
+UNACKNOWLEDGED_MS = 5000
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """Fail `sock` within seconds of its peer going silent (Linux; elsewhere the system's default)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle, interval, probes = KEEPALIVE
+    options = (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", probes))
+    for option, value in (*options, ("TCP_USER_TIMEOUT", UNACKNOWLEDGED_MS)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
 class DataConnection:
     """An open data-plane connection that a HELLO has bound to one worker's registration."""
 
@@ -138,6 +156,7 @@ class DataConnection:
         except OSError as error:
             raise Unreachable(address, _why(error)) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        keep_alive(sock)
         if tls is not None:
             try:
                 sock = tls.wrap_socket(sock, server_hostname=server_name or host)

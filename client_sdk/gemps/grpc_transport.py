@@ -41,6 +41,11 @@ STREAMING_CHOICES = ("auto", "always", "never")
 _METHOD = "/gemps.v1.ParameterServer/"
 # How soon a disconnected channel tries the server again (gRPC's default grows to 120 s).
 RECONNECT_BACKOFF_MS = (200, 2000)  # initial, max
+# While a call is in progress, ping the server this often and give up on the connection when a
+# ping is not answered this soon: a server whose machine died (or whose cable was cut) sends
+# nothing, not even a reset, and the call would wait out its whole deadline (60 s by default)
+# before the client tried another replica. The server accepts pings this often (app.py).
+KEEPALIVE_MS = (2000, 3000)  # interval, timeout
 
 
 def _raw(data: bytes) -> bytes:
@@ -99,6 +104,10 @@ class GrpcTransport:
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
                 ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+                ("grpc.keepalive_time_ms", KEEPALIVE_MS[0]),
+                ("grpc.keepalive_timeout_ms", KEEPALIVE_MS[1]),
+                ("grpc.keepalive_permit_without_calls", 0),  # an idle connection stays silent
+                ("grpc.http2.max_pings_without_data", 0),  # a call waiting for its reply sends no data
             ],
         )
         self.stub = pb_grpc.ParameterServerStub(self.channel)

@@ -242,6 +242,10 @@ class ParameterServer:
                 # longer than age + grace (honest clients reconnect on GOAWAY).
                 ("grpc.max_connection_age_ms", int(config.max_connection_age * 1000)),
                 ("grpc.max_connection_age_grace_ms", int(config.connection_age_grace * 1000)),
+                # The SDK pings every 2 s while a call waits (to notice a dead server in seconds):
+                # allowed, without data in between, at that pace; faster pings still earn strikes.
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 1000),
             ],
         )
         add_to_server(self.servicer, server)

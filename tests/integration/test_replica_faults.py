@@ -95,11 +95,13 @@ class ReplicatedRun:
         wait_for(settled, 60, "a primary with its backup in sync", explain=self.logs)
         return found[0]
 
-    def start_workers(self, count: int, parameters: int = 20_000) -> None:
+    def start_workers(self, count: int, parameters: int = 20_000, timeout: float = 60.0) -> None:
+        """`count` counting workers, each call's deadline `timeout` (the SDK's default: a dead
+        server is noticed by keepalives, not by deadlines)."""
         for index in range(count):
             argv = [sys.executable, "-m", "tests.counting_worker", "--target", self.target, "--name", f"w{index}",
                     "--parameters", str(parameters), "--out", str(self.folder / f"w{index}.json"),
-                    "--stop-file", str(self.folder / "stop"), "--timeout", "5"]  # fmt: skip
+                    "--stop-file", str(self.folder / "stop"), "--timeout", str(timeout)]  # fmt: skip
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
             self.workers.append(self.workers_host.start(argv, log_path=self.folder / f"w{index}.log", env=env))
         wait_for(
