@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from gemps_server.replication.election import (
+    ORPHANED_LEASES,
     CoordinationUnavailable,
     Coordinator,
     Election,
@@ -186,3 +187,35 @@ def test_local_etcd_stops_and_removes_its_data() -> None:
     assert not data_dir.exists() and etcd.data_dir is None
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # gone (reaped by the stop)
+
+
+def test_a_job_whose_in_sync_replicas_are_all_gone_is_taken_over_after_the_grace(elect: MakeElection) -> None:
+    """Every process that held the acknowledged commits is gone (a whole job restarted): without a
+    way out nobody could ever be promoted. After ORPHANED_LEASES leases with none of them alive,
+    another replica may take over (and lists itself alone)."""
+    old = elect("replica-0")
+    assert old.campaign() is not None
+    old.announce()
+    old.close()  # the process dies: it renews nothing, its keys expire with their leases
+    restarted = elect("replica-0")  # same name, new incarnation: not in sync
+    restarted.announce()
+    wait_for(lambda: restarted.primary() is None, EXPIRY * 2, "the dead primary's key to expire")
+    assert restarted.campaign() is None  # orphaned only just now: it waits the grace out
+    started = time.monotonic()
+    wait_for(lambda: restarted.campaign() is not None, ORPHANED_LEASES * LEASE + EXPIRY * 2, "the takeover")
+    assert time.monotonic() - started >= ORPHANED_LEASES * LEASE - 1.0
+    assert restarted.in_sync() == [restarted.me.identity]
+
+
+def test_an_in_sync_replica_alive_keeps_a_replica_that_is_not_from_taking_over(elect: MakeElection) -> None:
+    primary, backup, newcomer = elect("replica-0"), elect("replica-1"), elect("replica-2")
+    assert primary.campaign() is not None
+    assert primary.set_in_sync([backup.me])
+    primary.close()  # dies; the backup lives (announces) but is cut off from campaigning here
+    deadline = time.monotonic() + ORPHANED_LEASES * LEASE + EXPIRY * 2
+    while time.monotonic() < deadline:
+        backup.announce()
+        newcomer.announce()
+        assert newcomer.campaign() is None
+        time.sleep(LEASE / 4)
+    assert backup.campaign() is not None  # the one that holds every acknowledged commit may

@@ -8,6 +8,11 @@ Under a partition's prefix (`partition_prefix`) etcd holds two keys:
   Only the epoch's holder writes it (a transaction fenced on the primary key's create_revision),
   and only a listed replica may campaign, so a backup that missed commits can never be promoted.
   Absent means a fresh job: anyone may campaign, and the winner lists itself.
+- `members/<name>`: each live replica's incarnation, bound to a lease of its own (`announce`).
+  When no replica of the in-sync list has been alive for ORPHANED_LEASES leases (every process
+  that held the acknowledged commits is gone: a whole job restarted, say), nobody could ever be
+  promoted; then any replica may campaign, and says loudly that commits acknowledged since its
+  checkpoint are lost. The durability rule holds: no replica of the partition lived.
 
 Fencing: a primary acknowledges commits only while `holds()`, which trusts the lease for 80 % of
 its TTL counted from when the last successful renewal was *sent*. etcd counts its expiry from when
@@ -41,6 +46,8 @@ T = TypeVar("T")
 
 #: the share of the lease a primary trusts, counted from when its last renewal was sent
 HOLD_FRACTION = 0.8
+#: leases without a live in-sync replica before another may take over (see the module's docstring)
+ORPHANED_LEASES = 5
 #: etcd's HTTP/JSON gateway path: etcd 3.4 and later (Debian bookworm's etcd-server is 3.4)
 API_PATH = "/v3/"
 
@@ -143,6 +150,9 @@ class Election:
         self._lock = threading.Lock()  # guards _term and _holds_until (the Coordinator's thread and callers)
         self._term: _Term | None = None
         self._holds_until = 0.0  # time.monotonic() until which holds() answers True
+        self.members_prefix = f"{self.prefix}/members/"
+        self._presence: int | None = None  # the lease of this replica's members/ key
+        self._orphaned_since: float | None = None  # when no in-sync replica was seen alive
 
     # -- what this replica holds ------------------------------------------------------------------
 
@@ -167,7 +177,8 @@ class Election:
         if self.primary() is not None:
             return None
         listed, listed_revision = self._read_in_sync()
-        if listed is not None and self.me.identity not in listed:
+        unclean = listed is not None and self.me.identity not in listed
+        if unclean and not self._orphaned(listed or []):
             return None
         sent_at = time.monotonic()  # the lease's clock starts no earlier than its grant was sent
         lease_id = self._call("lease grant", lambda client: client.lease(self._ttl).id)
@@ -180,7 +191,7 @@ class Election:
                 {"key": _b64(self.primary_key), "target": "CREATE", "result": "EQUAL", "create_revision": 0},
                 {"key": _b64(self.in_sync_key), "target": "MOD", "result": "EQUAL", "mod_revision": listed_revision},
             ],
-            "success": [put_me] if listed is not None else [put_me, list_me],
+            "success": [put_me] if listed is not None and not unclean else [put_me, list_me],
             "failure": [],
         }
         try:
@@ -199,8 +210,40 @@ class Election:
         if not self.holds():  # the transaction took longer than the lease can be trusted
             self._demote(won, "the campaign's answer came too late")
             return None
-        log.info("%s: primary of %s, epoch %d", self.me.name, self.prefix, epoch)
+        if unclean:
+            log.error(
+                "%s: primary of %s, epoch %d, though not in sync: no replica that held every acknowledged "
+                "commit has been alive for %d leases (%s); commits acknowledged after this replica's "
+                "checkpoint are lost",
+                self.me.name, self.prefix, epoch, ORPHANED_LEASES, ", ".join(name for name, _ in listed or []),
+            )  # fmt: skip
+        else:
+            log.info("%s: primary of %s, epoch %d", self.me.name, self.prefix, epoch)
         return epoch
+
+    def announce(self) -> None:
+        """Say this replica is alive: its members/ key, bound to a lease of its own, kept."""
+        if self._presence is not None:
+            presence = self._presence
+            if self._call("presence keep-alive", lambda client: Lease(presence, client).refresh()) > 0:
+                return
+        lease_id = self._call("lease grant", lambda client: client.lease(self._ttl).id)
+        key = self.members_prefix + self.me.name
+        self._call("presence", lambda client: client.put(key, self.me.incarnation, lease=Lease(lease_id, client)))
+        self._presence = lease_id
+
+    def _orphaned(self, listed: list[tuple[str, str]]) -> bool:
+        """Whether no replica of the in-sync list has been alive for ORPHANED_LEASES leases."""
+        alive = {
+            (metadata["key"].decode().removeprefix(self.members_prefix), value.decode())
+            for value, metadata in self._call("read", lambda client: client.get_prefix(self.members_prefix))
+        }
+        if alive & set(listed):
+            self._orphaned_since = None
+            return False
+        now = time.monotonic()
+        self._orphaned_since = self._orphaned_since or now
+        return now - self._orphaned_since >= ORPHANED_LEASES * self.lease_seconds
 
     def renew(self) -> bool:
         """Keep the lease: True while held. False once it is gone (expired, lapsed past what holds()
@@ -277,6 +320,12 @@ class Election:
         }
         self._call("resign", lambda client: client.transaction(txn))
         self._revoke_quietly(term.lease_id)  # the key is gone; an already expired lease is no error here
+
+    def withdraw(self) -> None:
+        """This replica is stopping: its members/ key goes (its lease revoked)."""
+        if self._presence is not None:
+            self._revoke_quietly(self._presence)
+            self._presence = None
 
     def close(self) -> None:
         """Close the HTTP connections (does not resign)."""
@@ -389,6 +438,7 @@ class Coordinator:
                 self._keep()
             else:
                 self._follow_or_campaign()
+            self.election.announce()
         except CoordinationUnavailable as error:
             if not self._outage:
                 log.warning("%s: etcd unavailable: %s", self.election.me.name, error)
@@ -452,4 +502,5 @@ class Coordinator:
                 self.election.resign()
             except CoordinationUnavailable as error:
                 log.warning("%s: could not resign (the lease runs out instead): %s", self.election.me.name, error)
+        self.election.withdraw()
         self._epoch = None
