@@ -229,4 +229,15 @@ def test_training_survives_killing_the_primary_container(replicated_stack: Repli
         tolerate=(Exception,),
         explain=stack.diagnostics,
     )
-    assert stack.query(f'sum(gemps_replica_role{{job="{job}",role="primary"}})') == 1
+    # One primary among the scraped replicas, once a scrape of each has followed the failover.
+    wait_for(
+        lambda: (
+            stack.query(f'sum(gemps_replica_role{{job="{job}",role="primary"}})') == 1
+            and stack.query(f'sum(gemps_replica_role{{job="{job}",role="backup"}})') == 1
+        ),
+        60,
+        "Prometheus to see one primary and one backup",
+        poll=1.0,
+        tolerate=(Exception,),
+        explain=lambda: str(stack.prometheus("/api/v1/query", query=f'gemps_replica_role{{job="{job}"}} == 1')),
+    )
