@@ -219,8 +219,9 @@ def test_training_survives_killing_the_primary_container(replicated_stack: Repli
     logs = run(["podman", "logs", victim], 60)
     assert "seeded" in logs.stdout + logs.stderr
 
-    # Prometheus scrapes both replicas (deploy/prometheus/prometheus.yml names ps and ps-1).
-    job = scrape_jobs()["ps-1"]
+    # Prometheus scrapes both replicas, in the server's job (the override runs it with
+    # deploy/prometheus/prometheus.replicas.yml, which names ps and ps-1).
+    job = scrape_jobs()["ps"]
     wait_for(
         lambda: stack.targets_up(job) == 2,
         120,

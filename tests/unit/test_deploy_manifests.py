@@ -254,13 +254,13 @@ def compose_replicas() -> dict[str, Any]:
 
 def merged_compose() -> dict[str, Any]:
     """docker-compose.yml with the override applied as Compose merges services: mappings
-    (environment, depends_on) key by key, sequences (ports, volumes) appended, anything else
-    replaced. The override uses only these."""
+    (environment, depends_on) key by key, sequences (ports, volumes) appended, `command` and
+    anything else replaced. The override uses only these."""
 
-    def merge(base: Any, override: Any) -> Any:
+    def merge(base: Any, override: Any, key: str = "") -> Any:
         if isinstance(base, dict) and isinstance(override, dict):
-            return {**base, **{k: merge(base[k], v) if k in base else v for k, v in override.items()}}
-        if isinstance(base, list) and isinstance(override, list):
+            return {**base, **{k: merge(base[k], v, k) if k in base else v for k, v in override.items()}}
+        if isinstance(base, list) and isinstance(override, list) and key != "command":
             return base + [item for item in override if item not in base]
         return override
 
@@ -332,10 +332,24 @@ def test_compose_replicas_serve_workers_from_both_and_are_scraped() -> None:
     assert data_port != services["ps"]["environment"]["GEMPS_DATA_PORT"]
     for port in ps1["ports"]:
         assert port.startswith("${GEMPS_BIND_ADDRESS:-127.0.0.1}:"), port
-    scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
-    server_job = next(job for job in scrape if job["job_name"] == "gemps-server")
-    assert server_job["dns_sd_configs"][0]["names"] == ["ps", "ps-1"]
+    # Prometheus reads prometheus.replicas.yml from the folder it mounts: prometheus.yml but for
+    # the server job's names.
+    prometheus = services["prometheus"]
+    (flag,) = [arg for arg in prometheus["command"] if arg.startswith("--config.file=")]
+    mount, folder = next(v for v in prometheus["volumes"] if v.startswith("./deploy/prometheus:")).split(":")[:2]
+    config_file = ROOT / mount / Path(flag.removeprefix("--config.file=")).relative_to(folder)
+    assert config_file == DEPLOY / "prometheus" / "prometheus.replicas.yml"
+    replicated = yaml.safe_load(config_file.read_text())
+    expected = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    server_job = next(job for job in expected["scrape_configs"] if job["job_name"] == "gemps-server")
+    server_job["dns_sd_configs"][0]["names"] = ["ps", "ps-1"]
+    assert replicated == expected
     assert server_job["dns_sd_configs"][0]["port"] == int(ps1["environment"]["GEMPS_METRICS_PORT"])
+    assert prometheus["command"][1:] == compose()["services"]["prometheus"]["command"][1:]  # the rest as before
+    promtool = shutil.which("promtool")
+    if promtool is not None:  # Debian's prometheus package; test_dashboards.py says when it is required
+        checked = subprocess.run([promtool, "check", "config", str(config_file)], capture_output=True, text=True)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
 # ---- Kubernetes ------------------------------------------------------------------------------
