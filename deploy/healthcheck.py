@@ -6,6 +6,7 @@ which every gemps image already has, so there's no grpc_health_probe binary to d
 
     python healthcheck.py                # this container's own server: 127.0.0.1:$GEMPS_PORT
     python healthcheck.py --upstream     # the server this worker trains against: $GEMPS_SERVER
+                                         # (a replica set "a:50051|b:50051": healthy when one serves)
     python healthcheck.py --target HOST:PORT [--service NAME] [--timeout SECONDS]
 
 TLS comes from the same environment as the process being checked, so a TLS-enabled server is
@@ -116,16 +117,23 @@ def main(argv: list[str] | None = None) -> int:
         target = os.environ.get("GEMPS_SERVER", "127.0.0.1:50051")
     else:
         target = own_target(os.environ)
-    try:
-        tls = tls_settings(os.environ, own=not (args.target or args.upstream))
-        status = check(target, args.service, args.timeout, tls, token(os.environ))
-    except Exception as error:  # any failure to get an answer means unhealthy
-        code = getattr(error, "code", None)
-        reason = code().name if callable(code) else type(error).__name__
-        print(f"unhealthy: {target} {args.service!r}: {reason}")
-        return 1
-    print(f"{target} {args.service!r}: {status}")
-    return 0 if status == "SERVING" else 1
+    # A replicated partition's replicas, "a|b" (docs/CONTAINERS.md): the worker trains as long as
+    # one of them serves (a backup's health says SERVING too; the SDK finds the primary).
+    exit_status = 1
+    for replica in target.split("|"):
+        try:
+            tls = tls_settings(os.environ, own=not (args.target or args.upstream))
+            status = check(replica, args.service, args.timeout, tls, token(os.environ))
+        except Exception as error:  # any failure to get an answer means unhealthy
+            code = getattr(error, "code", None)
+            reason = code().name if callable(code) else type(error).__name__
+            print(f"unhealthy: {replica} {args.service!r}: {reason}")
+            continue
+        print(f"{replica} {args.service!r}: {status}")
+        if status == "SERVING":
+            exit_status = 0
+            break
+    return exit_status
 
 
 if __name__ == "__main__":
