@@ -221,12 +221,16 @@ class PartitionSupervisor:
             etcd = self._etcd.endpoint
             log.info("replicas decide their primary through a private etcd at %s", etcd)
 
+        # All replicas, or the one this supervisor was given (a container holding one replica of
+        # every partition: the others run elsewhere, and --partition-addresses names them).
+        mine = range(config.replicas) if config.replica_index < 0 else [config.replica_index]
+
         def started(index: int, addresses: str = "") -> list[PartitionProcess]:
             replicas = [
                 PartitionProcess(
                     index, child_config(config, index, addresses, r, etcd), folder / f"{index}-{r}.port", r
                 )
-                for r in range(config.replicas)
+                for r in mine
             ]
             for replica in replicas:
                 replica.start()

@@ -73,7 +73,14 @@ class ParameterServer:
         )
         # A replicated partition's replica (its role decided by etcd, once started); None: no replicas.
         self.replica = (
-            Replica(self.state, self.applier, config.replicas, config.replica_timeout, config.token())
+            Replica(
+                self.state,
+                self.applier,
+                config.replicas,
+                config.replica_timeout,
+                config.token(),
+                on_applied=self._replayed,
+            )
             if config.replicas > 1
             else None
         )
@@ -110,6 +117,9 @@ class ParameterServer:
         self._metrics_server: object | None = None
         self._lease_task: asyncio.Task[None] | None = None
         self._trim_task: asyncio.Task[None] | None = None
+
+    def _replayed(self, version: int) -> None:
+        self.service.replayed(version)
 
     async def start(self) -> int:
         """Bind every port and serve; OSError (a port in use, an unusable checkpoint directory or

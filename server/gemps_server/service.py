@@ -348,6 +348,11 @@ class ParameterService:
 
         self._applier.submit_then(apply, applied, inline=True)
 
+    def replayed(self, version: int) -> None:
+        """A backup applied its primary's journal up to `version` (from the replication stream's
+        thread): checkpoints count those commits as they count this process's own."""
+        self._committed_threadsafe(version)
+
     def _committed_threadsafe(self, version: int) -> None:
         """The checkpoint hook, handed to the event loop (it is not thread-safe); a loop already
         closed is a server stopping: its final checkpoint comes after the data plane stopped."""

@@ -10,12 +10,14 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 import gemps
+from gemps_server.checkpoint_files import list_checkpoints
 from gemps_server.replication import image_codec
 from gemps_server.replication.local_etcd import LocalEtcd
 from gemps_server.replication.status import BACKUP, PRIMARY, ReplicationStatus
@@ -190,3 +192,25 @@ def test_a_backup_paused_past_the_timeout_is_dropped_then_reseeded(
     with gemps.Client(primary.target, timeout=5) as observer:
         version = observer.status().version
     assert version == sum(loops.acked)
+
+
+def test_a_backup_checkpoints_what_it_applies(start_server: StartServer, etcd: LocalEtcd, tmp_path: Path) -> None:
+    """A backup counts the commits it applies from its primary towards --checkpoint-every, so a job
+    whose every replica restarts resumes from the newest state any of them held."""
+    servers = [
+        start_server(
+            rule="downpour",
+            checkpoint_dir=str(tmp_path / f"replica-{index}"),
+            checkpoint_every=10,
+            **replica_options(etcd, index, "checkpoints"),
+        )
+        for index in range(2)
+    ]
+    primary = wait_replicated(servers)
+    backup = next(server for server in servers if server is not primary)
+    with gemps.Client("|".join(server.target for server in servers), name="w") as client:
+        client.register({"w": np.zeros(PARAMETERS, np.float32)})
+        for _ in range(35):
+            client.commit(np.ones(PARAMETERS, np.float32), kind="update")
+    folder = tmp_path / f"replica-{servers.index(backup)}"
+    wait_for(lambda: any(v >= 30 for v, _ in list_checkpoints(folder)), 30, "the backup's checkpoint of version 30")

@@ -15,7 +15,7 @@ import logging
 import socket
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from gemps_proto.reasons import Reason
@@ -40,8 +40,19 @@ REDIAL_SECONDS = 0.5
 class Replica:
     """This process as one of `replicas` replicas of its partition."""
 
-    def __init__(self, state: ServerState, applier: Applier, replicas: int, timeout: float, token: str) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        applier: Applier,
+        replicas: int,
+        timeout: float,
+        token: str,
+        on_applied: Callable[[int], None] | None = None,
+    ) -> None:
         self._state, self._applier = state, applier
+        # Told the version after each entry applied as a backup: a backup checkpoints too, so a job
+        # whose every replica restarts resumes from the newest state any of them saw.
+        self._on_applied = on_applied
         self.replicas = replicas
         self._timeout = timeout
         self._token = token
@@ -165,7 +176,9 @@ class Replica:
             timer.daemon = True
             timer.start()
 
-        follower = Follower(self._state, self._applier, me, primary.replication, epoch, self._token, ended)
+        follower = Follower(
+            self._state, self._applier, me, primary.replication, epoch, self._token, ended, self._on_applied
+        )
         self._follower = follower
         follower.start()
 
