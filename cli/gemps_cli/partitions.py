@@ -269,12 +269,8 @@ class PartitionSupervisor:
         assert partition.process is not None
         code = partition.process.returncode
         partition.exit_codes.append(code)
-        log.warning(
-            "partition %d (replica %d) exited with status %d; starting it again",
-            partition.index,
-            partition.replica,
-            code,
-        )
+        which = f"partition {partition.index}" + (f" replica {partition.replica}" if self.config.replicas > 1 else "")
+        log.warning("%s exited with status %d; starting it again", which, code)
         if self._stopping.wait(RESTART_DELAY_SECONDS):
             return True
         partition.start()

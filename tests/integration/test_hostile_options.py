@@ -87,10 +87,13 @@ def test_every_value_outside_an_options_range_is_refused_in_one_line(field: data
 
 def far_ends(high: bool) -> dict[str, Any]:
     """Every ranged option at one end of its range (inside it), but those that would name a fixed
-    port, start 65,535 partitions or stop the server at once, and durations at their low ends (a
+    port, start 65,535 partitions (or 9 replicas) or stop the server at once, and durations at their low ends (a
     millisecond to finish a handshake or a call is no time to serve one: valid, and the
     operator's choice); the few related options made to agree with each other."""
-    skip = {"port", "data_port", "metrics_port", "partitions", "partition_index", "supervisor_pid"}
+    # Replicas are skipped as partitions are: each would be a process of its own, told its role by
+    # etcd (tests/integration/test_replicas.py starts them).
+    replicated = {"replicas", "replica_index", "replication_port"}
+    skip = {"port", "data_port", "metrics_port", "partitions", "partition_index", "supervisor_pid", *replicated}
     values: dict[str, Any] = {}
     for field in RANGED:
         bounds = range_of(field)
