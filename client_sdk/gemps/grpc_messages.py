@@ -161,6 +161,7 @@ def committed_from_proto(reply: pb.CommitResponse, parameters: np.ndarray) -> Co
         scaling_at_max=reply.scaling_at_max,
         parameters=parameters,
         buffers=buffers_from_proto(reply),
+        epoch=reply.epoch,
     )
 
 

@@ -69,6 +69,8 @@ class CommitResult:
     scaling_median: float = 1.0
     scaling_at_zero: float = 0.0  # fraction of parameters GEM scaled by 0
     scaling_at_max: float = 0.0  # fraction clamped at pi_max
+    # Per partition, the epoch of the primary that acknowledged it (replicated partitions; else 0s).
+    epochs: tuple[int, ...] = ()
 
 
 __all__ = [

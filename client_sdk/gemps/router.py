@@ -75,6 +75,7 @@ def merge_commit_figures(replies: Sequence[Committed], sizes: Sequence[int], cen
             scaling_median=reply.scaling_median,
             scaling_at_zero=reply.scaling_at_zero,
             scaling_at_max=reply.scaling_at_max,
+            epochs=(reply.epoch,),
         )
     total = sum(sizes)
 
@@ -89,6 +90,7 @@ def merge_commit_figures(replies: Sequence[Committed], sizes: Sequence[int], cen
         scaling_median=weighted("scaling_median"),
         scaling_at_zero=weighted("scaling_at_zero"),
         scaling_at_max=weighted("scaling_at_max"),
+        epochs=tuple(reply.epoch for reply in replies),
     )
 
 

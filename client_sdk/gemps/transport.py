@@ -92,6 +92,7 @@ class Committed:
     scaling_at_max: float
     parameters: np.ndarray
     buffers: Buffers | None
+    epoch: int = 0  # the epoch of the primary that acknowledged it (0: not replicated)
 
 
 class Pending(Protocol[Reply]):

@@ -111,13 +111,19 @@ def test_a_primary_that_stops_hands_over_and_no_commit_is_lost_or_applied_twice(
     ones = np.ones(PARAMETERS, np.float32)
     loops = CommitLoops(clients, {"w": np.zeros(PARAMETERS, np.float32)}, ones, kind="update").start()
     loops.wait_each(20, 60, "20 commits per worker")
-    primary.stop(grace=1.0)  # resigns: the backup takes over without waiting for the lease
-    loops.wait_each(20, 60, "20 more commits per worker, at the backup")
+    with gemps.Client(target, name="epochs") as client:
+        client.register({"w": np.zeros(PARAMETERS, np.float32)})
+        before = client.commit(ones, kind="update").epochs
+        primary.stop(grace=1.0)  # resigns: the backup takes over without waiting for the lease
+        loops.wait_each(20, 60, "20 more commits per worker, at the backup")
+        after = client.commit(ones, kind="update").epochs
     loops.stop()
     assert not loops.failures, loops.failures
     assert status_of(backup).role == PRIMARY
+    # Every reply carries the epoch of the primary that acknowledged it: the new one's is later.
+    assert after == (status_of(backup).epoch,) and before[0] < after[0]
     theta = backup.server.state.theta_copy()
-    assert theta.min() == theta.max() == backup.server.state.version == sum(loops.acked)
+    assert theta.min() == theta.max() == backup.server.state.version == sum(loops.acked) + 2
 
 
 def replica_process(start: StartServerProcess, etcd: LocalEtcd, index: int, job: str, **options: Any) -> ServerProcess:

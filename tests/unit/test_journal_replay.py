@@ -31,12 +31,16 @@ class ListJournal:
         self.frames: list[frames.Frame] = []
 
     def append(self, entry: Entry) -> int:
-        self.frames.append(entries.encode(entry, len(self.frames) + 1, epoch=7))
+        self.frames.append(entries.encode(entry, len(self.frames) + 1, epoch=self.epoch))
         return len(self.frames)
 
     @property
     def last(self) -> int:
         return len(self.frames)
+
+    @property
+    def epoch(self) -> int:
+        return 7
 
 
 class Clock:
@@ -139,7 +143,7 @@ def test_refusals_and_duplicates_are_not_journalled() -> None:
     worker = primary.register("a", SPEC, encoded(np.zeros(P, np.float32))).worker.worker_id
     commit = Commit(worker, 0, PayloadKind.UPDATE, encoded(np.ones(P, np.float32)), request_id="r1", sequence=1)
     applied = primary.commit(commit)
-    assert applied.position == 2 and journal.last == 2
+    assert applied.position == 2 and journal.last == 2 and applied.epoch == 7  # replies carry the epoch
     retried = primary.commit(commit)
     assert retried.duplicate and retried.position == 2  # waits for what is journalled, adds nothing
     with pytest.raises(InvalidArgument):

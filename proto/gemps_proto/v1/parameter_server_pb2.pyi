@@ -274,7 +274,7 @@ class CommitResponseChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[CommitResponse, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("version", "parameters", "staleness", "scaling_mean", "scaling_median", "scaling_at_zero", "scaling_at_max", "buffers", "integer_buffers")
+    __slots__ = ("version", "parameters", "staleness", "scaling_mean", "scaling_median", "scaling_at_zero", "scaling_at_max", "buffers", "integer_buffers", "epoch")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,7 @@ class CommitResponse(_message.Message):
     SCALING_AT_MAX_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     INTEGER_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     version: int
     parameters: Tensor
     staleness: int
@@ -293,7 +294,8 @@ class CommitResponse(_message.Message):
     scaling_at_max: float
     buffers: Tensor
     integer_buffers: Tensor
-    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., staleness: _Optional[int] = ..., scaling_mean: _Optional[float] = ..., scaling_median: _Optional[float] = ..., scaling_at_zero: _Optional[float] = ..., scaling_at_max: _Optional[float] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., integer_buffers: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., staleness: _Optional[int] = ..., scaling_mean: _Optional[float] = ..., scaling_median: _Optional[float] = ..., scaling_at_zero: _Optional[float] = ..., scaling_at_max: _Optional[float] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., integer_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id",)

@@ -64,6 +64,11 @@ class Journal(Protocol):
         """The position of the newest entry (0: none)."""
         ...
 
+    @property
+    def epoch(self) -> int:
+        """The primary's epoch its entries are forwarded in (replies carry it; 0: none)."""
+        ...
+
 
 class NoJournal:
     """A server without replicas journals nothing."""
@@ -73,4 +78,8 @@ class NoJournal:
 
     @property
     def last(self) -> int:
+        return 0
+
+    @property
+    def epoch(self) -> int:
         return 0

@@ -102,6 +102,7 @@ class CommitOutcome:
     # Its place in the journal (a duplicate: the newest entry's): the reply waits until the
     # replicas applied that far (0: no replicas).
     position: int = 0
+    epoch: int = 0  # the epoch of the primary that applied it (0: no replicas)
 
 
 @dataclass(frozen=True)

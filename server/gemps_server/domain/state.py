@@ -166,7 +166,8 @@ class ServerState:
                 np.copyto(out, self._theta)
             # Answered once everything journalled so far is replicated: the original may not be yet.
             snapshot, last = self.encoded(commit.reply_dtype), self.journal.last
-            return CommitOutcome(snapshot, receipt.staleness, receipt.stats, duplicate=True, position=last)
+            epoch = self.journal.epoch
+            return CommitOutcome(snapshot, receipt.staleness, receipt.stats, duplicate=True, position=last, epoch=epoch)
         applied = self.ledger.superseded(worker.scope, commit.sequence)
         if applied is not None:  # an old attempt, delivered after later commits of its client
             raise Aborted(
@@ -191,7 +192,8 @@ class ServerState:
         self._version += 1  # its snapshot is encoded when a reply asks (encoded(), theta_bytes())
         self.ledger.record(worker.scope, commit.request_id, Receipt(self.version, staleness, stats, commit.sequence))
         position = self.journal.append(Committed(commit))
-        return CommitOutcome(self._with_buffers(self.snapshot), staleness, stats, position=position)
+        snapshot = self._with_buffers(self.snapshot)
+        return CommitOutcome(snapshot, staleness, stats, position=position, epoch=self.journal.epoch)
 
     def commit_and_reply(
         self, commit: Commit, reply: ReplyWriter[R], out: np.ndarray | None = None

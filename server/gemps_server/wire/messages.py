@@ -169,6 +169,7 @@ def outcome_header(outcome: CommitOutcome) -> pb.CommitResponse:
         scaling_median=stats.scaling_median,
         scaling_at_zero=stats.fraction_at_zero,
         scaling_at_max=stats.fraction_at_max,
+        epoch=outcome.epoch,
     )
     set_buffers(header, outcome.snapshot)
     return header
