@@ -136,19 +136,32 @@ def role_of(target: str) -> str:
     return "" if replication is None else replication.role
 
 
+def primary_and_backup(
+    start: StartServerProcess, etcd: LocalEtcd, job: str
+) -> tuple[ServerProcess, ServerProcess, str]:
+    """Two replica processes, once one is primary and the other its backup: (primary, backup, the
+    target workers are given)."""
+    servers = [replica_process(start, etcd, index, job) for index in range(2)]
+    targets = [server.target for server in servers]
+    wait_for(lambda: sorted(role_of(t) for t in targets) == [BACKUP, PRIMARY], 30, "a primary and a backup")
+    primary = next(server for server in servers if role_of(server.target) == PRIMARY)
+    return primary, next(server for server in servers if server is not primary), "|".join(targets)
+
+
+def counting(target: str, workers: int, timeout: float) -> CommitLoops:
+    """`workers` clients committing updates of ones (θ counts the commits applied), started."""
+    clients = [gemps.Client(target, name=f"w{i}", timeout=timeout) for i in range(workers)]
+    ones = np.ones(PARAMETERS, np.float32)
+    return CommitLoops(clients, {"w": np.zeros(PARAMETERS, np.float32)}, ones, kind="update").start()
+
+
 def test_sigkill_of_the_primary_loses_no_acknowledged_commit(
     start_server_process: StartServerProcess, etcd: LocalEtcd
 ) -> None:
     """8 workers commit; the primary's process is SIGKILLed: every acknowledged commit is in the
     promoted backup's θ exactly once, and commits are acknowledged again within seconds."""
-    servers = [replica_process(start_server_process, etcd, index, "sigkill") for index in range(2)]
-    targets = [server.target for server in servers]
-    wait_for(lambda: sorted(role_of(t) for t in targets) == [BACKUP, PRIMARY], 30, "a primary and a backup")
-    primary = next(server for server in servers if role_of(server.target) == PRIMARY)
-    survivor = next(server for server in servers if server is not primary)
-    clients = [gemps.Client("|".join(targets), name=f"w{i}", timeout=5) for i in range(8)]
-    ones = np.ones(PARAMETERS, np.float32)
-    loops = CommitLoops(clients, {"w": np.zeros(PARAMETERS, np.float32)}, ones, kind="update").start()
+    primary, survivor, target = primary_and_backup(start_server_process, etcd, "sigkill")
+    loops = counting(target, workers=8, timeout=5)
     loops.wait_each(10, 60, "10 commits per worker")
     os.kill(primary.pid, signal.SIGKILL)
     killed = time.monotonic()
@@ -168,14 +181,8 @@ def test_sigkill_of_the_primary_loses_no_acknowledged_commit(
 def test_a_backup_paused_past_the_timeout_is_dropped_then_reseeded(
     start_server_process: StartServerProcess, etcd: LocalEtcd
 ) -> None:
-    servers = [replica_process(start_server_process, etcd, index, "pause") for index in range(2)]
-    targets = [server.target for server in servers]
-    wait_for(lambda: sorted(role_of(t) for t in targets) == [BACKUP, PRIMARY], 30, "a primary and a backup")
-    backup = next(server for server in servers if role_of(server.target) == BACKUP)
-    primary = next(server for server in servers if server is not backup)
-    clients = [gemps.Client("|".join(targets), name=f"w{i}", timeout=10) for i in range(2)]
-    ones = np.ones(PARAMETERS, np.float32)
-    loops = CommitLoops(clients, {"w": np.zeros(PARAMETERS, np.float32)}, ones, kind="update").start()
+    primary, backup, target = primary_and_backup(start_server_process, etcd, "pause")
+    loops = counting(target, workers=2, timeout=10)
     loops.wait_each(10, 60, "10 commits per worker")
     os.kill(backup.pid, signal.SIGSTOP)
     try:
