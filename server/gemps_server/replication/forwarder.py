@@ -44,6 +44,11 @@ log = logging.getLogger("gemps.server")
 
 #: how often timeouts and in-sync changes are looked at
 MONITOR_SECONDS = 0.1
+#: bytes of entries queued for one backup at most: past it a backup that is not keeping up (one
+#: being seeded: commits wait for in-sync backups only) is let go, and seeded again when it returns
+MAX_QUEUED_BYTES = 1 << 30
+#: how long a backup being seeded may go without acknowledging (the image is encoded, sent, adopted)
+SEEDING_SECONDS = 120.0
 
 # Called with a commit's outcome once it may be acknowledged (None) or must not be (the error).
 Done = Callable[[BaseException | None], None]
@@ -71,6 +76,7 @@ class _Link:
         self.in_sync = False
         self.closed = False
         self.outbox: queue.SimpleQueue[frames.Frame | None] = queue.SimpleQueue()
+        self.queued_bytes = 0  # of the entries in `outbox` (the sender subtracts what it sent)
 
     def close(self) -> None:
         if not self.closed:
@@ -122,6 +128,10 @@ class Forwarder:
                 self._appended.append((position, time.monotonic()))
         if links:
             frame = entries.encode(entry, position, self.epoch)
+            size = sum(memoryview(blob).nbytes for blob in frame.blobs)
+            with self._lock:  # the senders subtract what they sent
+                for link in links:
+                    link.queued_bytes += size
             for link in links:
                 link.outbox.put(frame)
             self.forwarded += 1
@@ -209,6 +219,9 @@ class Forwarder:
                 if frame is None:
                     return
                 frames.send(link.sock, frame)
+                sent = sum(memoryview(blob).nbytes for blob in frame.blobs)
+                with self._lock:
+                    link.queued_bytes -= sent
         except OSError as error:
             self._lost(link, f"sending: {error}")
 
@@ -237,8 +250,12 @@ class Forwarder:
             with self._lock:
                 links = list(self._links.values())
             for link in links:
-                silent = time.monotonic() - link.heard > self.timeout
-                late = link.in_sync and (silent or self._waiting(link) > self.timeout)
+                quiet = time.monotonic() - link.heard
+                if not link.closed and (
+                    link.queued_bytes > MAX_QUEUED_BYTES or (not link.in_sync and quiet > SEEDING_SECONDS)
+                ):
+                    self._lost(link, f"not keeping up: {link.queued_bytes} bytes queued, silent {quiet:.0f} s")
+                late = link.in_sync and (quiet > self.timeout or self._waiting(link) > self.timeout)
                 if link.in_sync and (link.closed or late):
                     self._change(
                         link, join=False, why="connection lost" if link.closed else f"no ack for {self.timeout:g} s"

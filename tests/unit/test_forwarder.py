@@ -1,0 +1,92 @@
+"""The primary's forwarder, on a real socket pair: what a backup that is being seeded or has
+fallen behind can cost the primary (bounded), and when a commit may be acknowledged."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import pytest
+
+from gemps_proto.schema import ParameterSpec, PayloadKind
+from gemps_server.domain.applier import Applier
+from gemps_server.domain.records import Commit
+from gemps_server.domain.state import ServerState
+from gemps_server.domain.workers import WorkerRegistry
+from gemps_server.replication import forwarder as forwarding
+from gemps_server.replication import frames
+from gemps_server.replication.forwarder import Forwarder, Peer
+from tests.helpers import encoded, training, wait_for
+
+P = 100_000  # 400 KB per commit: a few fill a socket's buffers
+
+
+@pytest.fixture
+def applier() -> Iterator[Applier]:
+    running = Applier()
+    running.start()
+    yield running
+    running.stop()
+
+
+def primary(applier: Applier, in_sync: list[list[Peer]]) -> tuple[ServerState, Forwarder, str]:
+    state = ServerState(training("downpour"), WorkerRegistry(max_workers=4, lease_ttl=3600))
+
+    def set_in_sync(peers: Iterable[Peer]) -> bool:
+        in_sync.append(list(peers))
+        return True
+
+    journal = Forwarder(state, applier, epoch=3, set_in_sync=set_in_sync, holds=lambda: True, timeout=5.0)
+    state.journal = journal
+    worker = state.register("w", (ParameterSpec("w", (P,)),), encoded(np.zeros(P, np.float32))).worker.worker_id
+    return state, journal, worker
+
+
+def commit(state: ServerState, worker: str, number: int) -> int:
+    payload = encoded(np.ones(P, np.float32))
+    outcome = state.commit(Commit(worker, state.version, PayloadKind.UPDATE, payload, request_id=f"r{number}"))
+    return outcome.position
+
+
+def test_a_backup_that_reads_nothing_is_let_go_past_its_queue_bound(
+    applier: Applier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(forwarding, "MAX_QUEUED_BYTES", 4 * P * 4)
+    in_sync: list[list[Peer]] = []
+    state, journal, worker = primary(applier, in_sync)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        journal.attach(Peer("backup", "i1"), ours)
+        wait_for(lambda: journal.lags() != (), 10, "the backup attached")
+        for number in range(40):  # it never reads: the socket fills, then its queue
+            done = threading.Event()
+            journal.when_replicated(commit(state, worker, number), lambda error: done.set())
+            assert done.wait(5)  # a backup not in sync holds no commit back
+        wait_for(lambda: journal.lags() == (), 10, "the backup let go")
+    assert in_sync == []  # never in sync: the in-sync set was never written
+    journal.close()
+
+
+def test_a_seeded_backup_joins_the_in_sync_set_and_commits_wait_for_it(applier: Applier) -> None:
+    in_sync: list[list[Peer]] = []
+    state, journal, worker = primary(applier, in_sync)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        journal.attach(Peer("backup", "i1"), ours)
+        seed = frames.receive(theirs)
+        assert seed.kind == frames.SEED and seed.header == {"epoch": 3, "position": journal.last}
+        frames.send(theirs, frames.Frame(frames.ACK, {"position": seed.header["position"]}))
+        wait_for(lambda: in_sync == [[Peer("backup", "i1")]], 10, "the backup in sync")
+        position = commit(state, worker, 1)
+        acknowledged = threading.Event()
+        journal.when_replicated(position, lambda error: acknowledged.set())
+        entry = frames.receive(theirs)
+        while entry.kind == frames.BEAT:
+            entry = frames.receive(theirs)
+        assert entry.kind == frames.ENTRY and entry.header["position"] == position
+        assert not acknowledged.wait(0.3)  # not before the backup applied it
+        frames.send(theirs, frames.Frame(frames.ACK, {"position": position}))
+        assert acknowledged.wait(5)
+    journal.close()
