@@ -95,6 +95,7 @@ class RemoveNode:
     def __init__(self, cluster: Cluster, job: RayJob, version: int, partition: int | None = None) -> None:
         self.cluster, self.job, self.version, self.partition = cluster, job, version, partition
         self.held_partitions: list[str] = []  # the job's partition actors on it (replicas: "partition 1 replica 0")
+        self.primaries: list[int] = []  # the partitions whose primary (as last sampled) ran on it
         self.node_id = ""
         self.removed = 0.0  # unix time
         self.workers: list[int] = []  # those it held
@@ -122,6 +123,7 @@ class RemoveNode:
             raise RuntimeError(f"no node holds workers and no partition: {places}")
         self.workers = held[self.node_id]
         self.held_partitions = [actor for actor in self.job.faults.held(self.node_id) if actor.startswith("partition")]
+        self.primaries = [index for index, node in enumerate(primaries) if node == self.node_id]
         log.warning("removing Ray node %s (workers %s) at version %d", self.node_id[:12], self.workers, sample.version)
         self.removed = time.time()
         kill_node(self.cluster, nodes[self.node_id])
