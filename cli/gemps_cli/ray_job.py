@@ -8,6 +8,10 @@ summary.json (where each partition ran, each worker's outcome, the held-out curv
 and the actors Ray restarted) and
 prometheus-targets.json (a file_sd_configs list of every metrics endpoint). Ctrl-C stops the job
 cleanly: workers leave, partitions write their final checkpoints, the export is still written.
+
+With --replicas R each partition runs as R server processes on distinct nodes, whose primary etcd
+decides: --etcd, else a private etcd this command starts on this machine, at its address as Ray
+knows it (or --host), for the job's life (docs/RAY.md, "Replicas").
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from gemps import options
 from gemps_cli.checked import checked_options
 from gemps_server.checkpoint_files import export_state_dict
 from gemps_server.domain.rules import rule_names
+from gemps_server.replication.local_etcd import LocalEtcd
 from gemps_worker.on_ray import JobFailed, RayJobOptions, RayJobResult, run_job
 from gemps_worker.on_ray.actors import TrainFunction
 from gemps_worker.on_ray.records import StatusSample, TimedEvaluation
@@ -74,6 +79,11 @@ class _Progress:
         self.last = sample
 
 
+def private_etcd(host: str) -> LocalEtcd:
+    """The job's etcd when --replicas > 1 and no --etcd: on this machine, where the nodes reach it."""
+    return LocalEtcd(name="gemps-ray", host=host)
+
+
 def run(args: argparse.Namespace) -> int:
     job = checked_options(RayJobOptions, args, "ray")
     if job is None:
@@ -85,9 +95,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     configure_logging()
     what = args.train or f"{job.model} on {job.dataset}, {job.epochs} epochs each"
-    print(f"gemps ray: {job.partitions} partitions, {job.workers} workers ({what}), rule={job.training.rule}")
+    replicas = f" x {job.replicas} replicas" if job.replicas > 1 else ""
+    print(f"gemps ray: {job.partitions} partitions{replicas}, {job.workers} workers ({what}), rule={job.training.rule}")
     try:
-        result = run_job(job, train=train, on_progress=_Progress())
+        result = run_job(job, train=train, on_progress=_Progress(), start_etcd=private_etcd)
     except JobFailed as error:
         print(f"gemps ray: {error}", file=sys.stderr)
         return 1
@@ -116,9 +127,13 @@ def write_outputs(out: Path, result: RayJobResult) -> None:
         "samples": [asdict(s) for s in result.samples],
         "node_losses": [asdict(loss) for loss in result.node_losses],
         "restarts": [asdict(restart) for restart in result.restarts],
+        "primary_changes": [asdict(change) for change in result.primary_changes],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    nodes = ", ".join(f"{e.index}: {e.node_id[:12]} ({e.target})" for e in result.partitions)
+    replicated = any(e.replica for e in result.partitions)
+    nodes = ", ".join(
+        f"{e.index}{f'/{e.replica}' if replicated else ''}: {e.node_id[:12]} ({e.target})" for e in result.partitions
+    )
     print(f"partitions on Ray nodes  {nodes}")
     workers = sum(o.commits for o in result.outcomes)
     ending = " (stopped before the end)" if result.stopped else ""
@@ -128,6 +143,12 @@ def write_outputs(out: Path, result: RayJobResult) -> None:
     for restart in result.restarts:
         cause = "its node lost" if restart.node_lost else "its process died"
         print(f"restarted {restart.actor} on Ray node {restart.node_id[:12]} ({cause})")
+    for change in result.primary_changes:
+        if change.previous >= 0:  # the first primary of each partition is no news
+            print(
+                f"partition {change.partition}: replica {change.replica} became primary on Ray node "
+                f"{change.node_id[:12]} (epoch {change.epoch}; was replica {change.previous}); training went on"
+            )
     if result.final is not None:
         print(f"held-out loss {result.final.loss:.4f}, held-out accuracy {result.final.accuracy:.2%}")
     if result.samples:  # the newest estimate: how many of the job's workers paid (docs/OBSERVABILITY.md)

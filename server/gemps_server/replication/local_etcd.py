@@ -44,9 +44,9 @@ def find_etcd() -> str:
     return found
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((host, 0))
         return int(probe.getsockname()[1])
 
 
@@ -59,15 +59,18 @@ def _scratch_root() -> str | None:
 
 class LocalEtcd:
     """One etcd process on free loopback ports; a context manager (start on enter, stop on exit).
+    `host`: the address its clients reach it at instead of loopback (an IPv4 address of this
+    machine: replicas on other machines, as `gemps ray` starts); its peer port stays on loopback.
 
     `pause()`/`resume()` freeze and thaw it (SIGSTOP/SIGCONT): to clients it looks like a cut
     cable, which is how the tests exercise fencing.
     """
 
-    def __init__(self, binary: str | None = None, name: str = "gemps-local") -> None:
+    def __init__(self, binary: str | None = None, name: str = "gemps-local", host: str = "127.0.0.1") -> None:
         self.binary = binary or find_etcd()
         self.name = name
-        self.endpoint = ""  # "http://127.0.0.1:PORT" once started
+        self.host = host
+        self.endpoint = ""  # "http://HOST:PORT" once started
         self._process: subprocess.Popen[bytes] | None = None
         self._data_dir: Path | None = None
         self._paused = False
@@ -97,7 +100,7 @@ class LocalEtcd:
 
     def _start_once(self) -> None:
         self._data_dir = Path(tempfile.mkdtemp(prefix="gemps-etcd-", dir=_scratch_root()))
-        client_url = f"http://127.0.0.1:{_free_port()}"
+        client_url = f"http://{self.host}:{_free_port(self.host)}"
         peer_url = f"http://127.0.0.1:{_free_port()}"
         argv = [
             self.binary,

@@ -79,11 +79,13 @@ def this_life(metrics_port: int) -> ActorPlace:
     return ActorPlace(node_id(), node_address(), metrics_port, os.getpid())
 
 
-def partition_folder(work_dir: str, job: str, index: int) -> Path:
+def partition_folder(work_dir: str, job: str, index: int, replica: int = -1) -> Path:
     """Partition `index`'s folder on this node: checkpoints (so `gemps export WORK_DIR` assembles
-    θ where the folders share storage), its server's log and its state file."""
+    θ where the folders share storage), its server's log and its state file; a replica's is
+    replica-<r> inside it (as `gemps server --replicas R` keeps them)."""
     root = Path(work_dir) if work_dir else Path(tempfile.gettempdir()) / "gemps-ray" / job
-    return root / schema.partition_folder(index)
+    folder = root / schema.partition_folder(index)
+    return folder if replica < 0 else folder / f"replica-{replica}"
 
 
 class PartitionServer:
@@ -98,6 +100,9 @@ class PartitionServer:
     server with it (Ray ends a dead worker's child processes). When its node was lost, Ray
     restarts it on another node: there it starts on fresh ports from the newest checkpoint in
     --work-dir, which must then be storage every node sees (else it refuses to start from nothing).
+
+    A replica (`replication`: the server's replica options, replica_index among them) needs no
+    checkpoint to move: it joins as a backup, and the primary seeds it with its whole state.
     """
 
     def __init__(
@@ -111,14 +116,16 @@ class PartitionServer:
         server_options: Mapping[str, object],
         addresses: str = "",
         startup_timeout: float,
+        replication: Mapping[str, object] | None = None,
     ) -> None:
         configure_logging()
         self.index = index
-        self.folder = partition_folder(work_dir, job, index)
+        self.replica = int(str(replication["replica_index"])) if replication else -1
+        self.folder = partition_folder(work_dir, job, index, self.replica)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.job = job
         state = self._read_state()
-        if not state and restarted():
+        if not state and restarted() and self.replica < 0:
             raise RuntimeError(
                 f"partition {index} restarted on node {node_id()[:12]} finds no record of job {job} in "
                 f"{self.folder}: its checkpoints stayed on the node it left. Give --work-dir on storage "
@@ -134,6 +141,9 @@ class PartitionServer:
         options: dict[str, Any] = {
             **server_options,
             **partition,
+            # Others reach it at its node's address; a fresh replication port each start (its
+            # address goes to etcd with its new incarnation).
+            **({**replication, "advertise_host": self.host, "replication_port": 0} if replication else {}),
             "host": self.host,
             "port": ports.get("port", 0),
             "metrics_port": ports.get("metrics_port", 0),
@@ -145,7 +155,8 @@ class PartitionServer:
         self._stopping = threading.Event()
         self._observer: Client | None = None
         threading.Thread(target=self._exit_with_the_server, name="watch-server", daemon=True).start()
-        log.info("partition %d serving on %s:%d (start %d)", index, self.host, self.server.port, self.starts)
+        which = f"partition {index}" + (f" replica {self.replica}" if self.replica >= 0 else "")
+        log.info("%s serving on %s:%d (start %d)", which, self.host, self.server.port, self.starts)
 
     def _start(self, options: Mapping[str, Any], startup_timeout: float) -> ServerProcess:
         for attempt in range(1, START_ATTEMPTS + 1):
@@ -209,6 +220,7 @@ class PartitionServer:
             self.server.pid,
             self.starts,
             str(self.folder),
+            max(self.replica, 0),
         )
 
     def _client(self) -> Client:
@@ -219,9 +231,14 @@ class PartitionServer:
     def status(self) -> ServerStatus:
         return self._client().status()
 
-    def export(self) -> ExportedModel:
-        """θ and the buffers by name, as this server (partition 0: with the others') holds them now."""
-        central = self._client().pull()
+    def export(self, target: str = "") -> ExportedModel:
+        """θ and the buffers by name, as this server (partition 0: with the others') holds them now;
+        `target`: partition 0's replicas ("A|B") instead, pulled from whichever is primary."""
+        if target:
+            with Client(target, timeout=10.0, retry=NODE_LOSS_RETRY) as client:
+                central = client.pull()
+        else:
+            central = self._client().pull()
         return ExportedModel(central.version, {name: value.copy() for name, value in central.state_dict().items()})
 
     def stop(self) -> int | None:

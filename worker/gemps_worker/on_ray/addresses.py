@@ -10,16 +10,23 @@
   `PartitionZero` resolver, which asks the actor where its server listens now; Ray sends the
   question to the restarted actor wherever it landed. No file, so no storage every node sees is
   needed for that.
+- Replicated partitions (--replicas R): a partition's address is its replicas' joined by "|"
+  (gemps.resolver.REPLICA_SEPARATOR) in the layout, which each replica of partition 0 announces
+  from its own file; partition 0 itself is found through `PartitionZeroReplicas`, which goes
+  round its replicas' actors as gemps.resolver.Replicas goes round a fixed set.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
+import ray.exceptions
 
+from gemps.resolver import REPLICA_SEPARATOR
 from gemps.retry import RetryPolicy
 
 ADDRESSES_FILE = "addresses"
@@ -27,6 +34,14 @@ RESOLVE_TIMEOUT = 10.0  # seconds a worker waits for partition 0's actor to say 
 #: The SDK's default rides out 20 to 40 s; a node loss takes Ray about 14 s to notice, then the
 #: partition's bundle is placed again and its server restarts: about a minute of retries.
 NODE_LOSS_RETRY = RetryPolicy(max_attempts=30, initial_backoff=0.1, max_backoff=4.0)
+#: seconds a worker waits for one replica's actor: one on a lost node does not answer until Ray
+#: restarts it, and the next replica (the one etcd promotes) should be tried well before that
+REPLICA_RESOLVE_TIMEOUT = 2.0
+
+
+def replica_set(targets: list[str]) -> str:
+    """A replicated partition's address: each replica's HOST:PORT, joined by "|"."""
+    return REPLICA_SEPARATOR.join(targets)
 
 
 def layout(targets: list[str]) -> str:
@@ -52,3 +67,24 @@ class PartitionZero:
     def resolve(self) -> str:
         target: str = ray.get(self.actor.endpoint.remote(), timeout=self.timeout).target
         return target
+
+
+class PartitionZeroReplicas:
+    """A gemps.resolver.Resolver for a replicated partition 0: each `resolve()` names the next
+    replica, round the set (the client asks again only when the one it had failed or refused:
+    not the primary), at the address its actor gives now, or the last one known when the actor
+    does not answer within `timeout` (its node lost: that address fails and the next is tried)."""
+
+    def __init__(self, actors: list[Any], targets: list[str], timeout: float = REPLICA_RESOLVE_TIMEOUT) -> None:
+        self.actors, self.known, self.timeout = list(actors), list(targets), timeout
+        self._next = 0
+
+    def resolve(self) -> str:
+        replica = self._next % len(self.actors)
+        self._next += 1
+        with contextlib.suppress(ray.exceptions.RayError):  # GetTimeoutError among them: keep the last known
+            self.known[replica] = ray.get(self.actors[replica].endpoint.remote(), timeout=self.timeout).target
+        return self.known[replica]
+
+    def __repr__(self) -> str:
+        return f"PartitionZeroReplicas({replica_set(self.known)!r})"

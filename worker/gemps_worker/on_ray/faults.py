@@ -44,6 +44,10 @@ def partition_name(index: int) -> str:
     return f"{PARTITION} {index}"
 
 
+def replica_name(index: int, replica: int) -> str:
+    return f"{PARTITION} {index} replica {replica}"
+
+
 def why(error: BaseException) -> str:
     """One line: the error's type and its last plain line (Ray's actor errors end with the cause,
     after tab-indented fields)."""

@@ -16,6 +16,11 @@
   registers again and trains its budget again. The evaluator likewise, and its loss never fails
   the run. The driver watches (gemps_worker.on_ray.faults): nodes lost and actors restarted go
   into the result, and a failure says which actor, after how many restarts and why.
+- Replicas (--replicas R, DESIGN §3d): each partition is R server actors on distinct nodes, whose
+  primary etcd decides: --etcd, or one the driver starts (`start_etcd`, which `gemps ray` gives:
+  a private etcd on the driver's machine). A replica whose node is lost restarts elsewhere and
+  rejoins as a backup, re-seeded by the primary; the workers go round partition 0's replicas
+  (gemps_worker.on_ray.addresses) and the job goes on, the driver noting each new primary.
 - Everything is reached through actors, never from the driver directly, so the driver may run
   anywhere Ray reaches (the head, a laptop through Ray Client).
 - Ctrl-C or `ray.cancel` of the task running the job raises KeyboardInterrupt in the driver;
@@ -33,13 +38,14 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 import ray.exceptions
 
 from gemps.options import values_of
-from gemps.records import GradientNoise
+from gemps.records import GradientNoise, ServerStatus
+from gemps_proto.schema import PRIMARY
 from gemps_worker.on_ray.actors import HeldOutEvaluator, TrainFunction, TrainingWorker
 from gemps_worker.on_ray.calls import Looks, alive_nodes, answers, get_within
 from gemps_worker.on_ray.faults import (
@@ -47,13 +53,19 @@ from gemps_worker.on_ray.faults import (
     RESULT_LOST,
     FaultLog,
     JobFailed,
-    partition_name,
     why,
     worker_name,
 )
 from gemps_worker.on_ray.options import RayJobOptions
 from gemps_worker.on_ray.partitions import Partitions
-from gemps_worker.on_ray.records import ExportedModel, PartitionEndpoint, StatusSample, TimedEvaluation, WorkerOutcome
+from gemps_worker.on_ray.records import (
+    ExportedModel,
+    PartitionEndpoint,
+    PrimaryChange,
+    StatusSample,
+    TimedEvaluation,
+    WorkerOutcome,
+)
 from gemps_worker.prometheus_targets import EVALUATOR_JOB, SERVER_JOB, WORKER_JOB, ScrapeTarget, write_targets
 
 log = logging.getLogger("gemps.ray")
@@ -61,8 +73,26 @@ log = logging.getLogger("gemps.ray")
 TARGETS_FILE = "prometheus-targets.json"
 STOP_TIMEOUT = 60.0  # seconds a worker gets to finish its step and leave, a partition to shut down
 LOOK_TIMEOUT = 10.0  # seconds for a look at partition 0 or the evaluator before going on without it
+#: seconds a sample waits for a replica's status: one on a node just lost does not answer until
+#: Ray marks the node dead, and the others' (the new primary's) are what the sample is for
+REPLICA_LOOK_TIMEOUT = 1.0
 
 Progress = Callable[[StatusSample, TimedEvaluation | None], None]
+
+
+class Etcd(Protocol):
+    """An etcd the driver starts for a replicated job (gemps_server.replication.local_etcd.LocalEtcd:
+    this package does not import the server, so `gemps ray` hands it over as `start_etcd`)."""
+
+    endpoint: str
+
+    def start(self) -> object: ...
+
+    def stop(self) -> None: ...
+
+
+#: makes an etcd whose clients reach it at the host it is given (the driver's address)
+StartEtcd = Callable[[str], Etcd]
 
 
 @contextlib.contextmanager
@@ -90,7 +120,9 @@ class RayJob:
     `train`: a user's training function run by every worker actor (`train(context)`, see
     WorkerContext); None runs the reference worker on `options.model` / `options.dataset` with
     the held-out evaluator beside it. `server_options` and `worker_options` add ServerConfig and
-    WorkerOptions fields (by name) to what `options` sets.
+    WorkerOptions fields (by name) to what `options` sets. `start_etcd`: with --replicas > 1 and
+    no `options.etcd`, makes the etcd the driver runs for the job's life, given the host the nodes
+    reach the driver at (`gemps ray` gives LocalEtcd).
     """
 
     def __init__(
@@ -101,8 +133,13 @@ class RayJob:
         server_options: Mapping[str, object] | None = None,
         worker_options: Mapping[str, object] | None = None,
         name: str = "",
+        start_etcd: StartEtcd | None = None,
     ) -> None:
         problems = options.problems()
+        if options.replicas > 1 and not options.etcd and start_etcd is None:
+            problems.append(
+                "replicas need etcd: give etcd=http://HOST:2379 (--etcd), or start_etcd (`gemps ray` starts one)"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         self.options = options
@@ -133,6 +170,10 @@ class RayJob:
         self._training: dict[Any, int] = {}  # train() call -> worker index
         self._targets: dict[str, ScrapeTarget] = {}
         self._looks = Looks()  # refresh()'s questions
+        self._start_etcd = start_etcd
+        self.etcd: Etcd | None = None  # the one the driver started
+        self.primaries: dict[int, int] = {}  # partition -> its primary replica, as last sampled
+        self.primary_changes: list[PrimaryChange] = []
 
     @property
     def target(self) -> str:
@@ -175,17 +216,29 @@ class RayJob:
         self.nodes = [node["NodeID"] for node in alive_nodes()]
         self.faults.nodes(self.nodes)
         self._warn_if_short()
+        if self.options.replicas > 1:
+            self.partition_group.etcd = self.options.etcd or self._started_etcd()
         self.partition_group.start()
         self._start_evaluator()
         self._start_workers()
         self.refresh()  # the partitions' targets now; the others' as they come up
         log.info("job %s: %d partitions on nodes %s", self.name, len(self.partitions), self.partition_nodes())
 
+    def _started_etcd(self) -> str:
+        """A private etcd for the job, on the driver's machine at the address Ray knows it by (or
+        --host): every node must reach it there. Stopped with the job."""
+        assert self._start_etcd is not None
+        host = self.options.host or str(ray.util.get_node_ip_address())
+        self.etcd = self._start_etcd(host)
+        self.etcd.start()
+        log.info("job %s: replicas elect their primaries through etcd at %s", self.name, self.etcd.endpoint)
+        return self.etcd.endpoint
+
     def _warn_if_short(self) -> None:
         """Ray queues actors that do not fit (an autoscaler may add nodes for them): say so."""
         evaluator = self.options.evaluator_cpus if self.options.evaluate and self.train_function is None else 0.0
         needed = (
-            self.options.partitions * self.options.partition_cpus
+            self.options.partitions * self.options.replicas * self.options.partition_cpus
             + self.options.workers * self.options.worker_cpus
             + evaluator
         )
@@ -269,9 +322,9 @@ class RayJob:
     def watch_nodes(self) -> None:
         """Note the nodes Ray lost since the last look. Workers, the evaluator and partitions come
         back on their own, a partition from its checkpoints in --work-dir: without one they
-        stayed on the lost node, so its loss ends the job."""
+        stayed on the lost node, so its loss ends the job (not a replica's: the primary seeds it)."""
         self.faults.nodes(node["NodeID"] for node in alive_nodes())
-        if not self.options.work_dir:
+        if not self.options.work_dir and self.options.replicas == 1:
             partitions = self.faults.lost_partitions()
             if partitions:
                 raise JobFailed(partitions)
@@ -281,14 +334,14 @@ class RayJob:
         restarts and why."""
         failed = self.partition_group.failed_for_good(self._looks)
         if failed:
-            index, error = failed[0]
-            message = self.faults.failure(
-                partition_name(index), error, self.options.partition_restarts, "--partition-restarts"
-            )
+            name, error = failed[0]
+            message = self.faults.failure(name, error, self.options.partition_restarts, "--partition-restarts")
             raise JobFailed(message) from error
 
     def sample(self) -> StatusSample | None:
         """Partition 0's version now (None while it restarts), all of θ's noise scale (while all answer)."""
+        if self.options.replicas > 1:
+            return self._sample_replicas()
         statuses = answers([actor.status.remote() for actor in self.partition_actors], LOOK_TIMEOUT)
         if statuses[0] is None:
             return None
@@ -296,6 +349,55 @@ class RayJob:
         sample = StatusSample(time.time(), statuses[0].version, statuses[0].active_workers, noise)
         self.samples.append(sample)
         return sample
+
+    def _sample_replicas(self) -> StatusSample | None:
+        """As sample(), of each partition's primary (partition 0's version: the highest a replica
+        of it holds); a new primary is noted. Replicas last seen on a lost node are not asked."""
+        group = self.partition_group
+        standing = group.standing(self.faults)
+        found = answers([actor.status.remote() for actor in standing.values()], REPLICA_LOOK_TIMEOUT)
+        statuses: dict[int, ServerStatus] = {slot: s for slot, s in zip(standing, found, strict=True) if s is not None}
+        primaries: list[ServerStatus | None] = []
+        for index in range(self.options.partitions):
+            mine = {slot: statuses[slot] for slot in group.slots(index) if slot in statuses}
+            primary = next((slot for slot, s in mine.items() if s.replication and s.replication.role == PRIMARY), None)
+            primaries.append(None if primary is None else mine[primary])
+            if primary is not None:
+                self._note_primary(index, primary, mine[primary])
+        zero = [statuses[slot] for slot in group.slots(0) if slot in statuses]
+        if not zero:
+            return None
+        newest = max(zero, key=lambda status: status.version)
+        noise = GradientNoise()
+        if None not in primaries:
+            noise = GradientNoise.combined([status.gradient_noise for status in primaries if status is not None])
+        active = primaries[0].active_workers if primaries[0] is not None else newest.active_workers
+        sample = StatusSample(time.time(), newest.version, active, noise)
+        self.samples.append(sample)
+        return sample
+
+    def _note_primary(self, index: int, slot: int, status: ServerStatus) -> None:
+        replica = slot - index * self.options.replicas
+        previous = self.primaries.get(index, -1)
+        if previous == replica:
+            return
+        self.primaries[index] = replica
+        epoch = status.replication.epoch if status.replication is not None else 0
+        node = self.partition_group.endpoints[slot].node_id
+        self.primary_changes.append(PrimaryChange(time.time(), index, replica, node, previous, epoch))
+        if previous >= 0:
+            log.warning("partition %d: replica %d primary now (epoch %d), was %d", index, replica, epoch, previous)
+
+    def primary_nodes(self) -> list[str]:
+        """Each partition's primary's node, as last sampled (without replicas: its node; "" while
+        no primary of it was seen)."""
+        if self.options.replicas == 1:
+            return self.partition_nodes()
+        group = self.partition_group
+        return [
+            group.endpoints[group.slots(index)[self.primaries[index]]].node_id if index in self.primaries else ""
+            for index in range(self.options.partitions)
+        ]
 
     def evaluations(self) -> list[TimedEvaluation]:
         """Every evaluation of the run, asking the evaluator once more (waiting, unlike refresh())."""
@@ -331,11 +433,19 @@ class RayJob:
         return result
 
     def export(self) -> ExportedModel:
-        """θ and the buffers by name, pulled by partition 0's actor (with every partition's slice)."""
-        model: ExportedModel = get_within([self.partition_actors[0].export.remote()], STOP_TIMEOUT)[0]
-        return model
+        """θ and the buffers by name, pulled by partition 0's actor (with every partition's slice);
+        replicated: by a standing replica of it, from whichever is primary."""
+        if self.options.replicas == 1:
+            model: ExportedModel = get_within([self.partition_actors[0].export.remote()], STOP_TIMEOUT)[0]
+            return model
+        group = self.partition_group
+        standing = [actor for slot, actor in group.standing(self.faults).items() if slot in group.slots(0)]
+        actor = standing[0] if standing else group.actors[0]
+        replicated: ExportedModel = get_within([actor.export.remote(group.target)], STOP_TIMEOUT)[0]
+        return replicated
 
     def partition_nodes(self) -> list[str]:
+        """The node of every partition's server (with replicas: of every replica), as last seen."""
         return [endpoint.node_id for endpoint in self.partitions]
 
     def refresh(self) -> None:
@@ -343,9 +453,12 @@ class RayJob:
         worker a new metrics port), and rewrite the Prometheus targets where something moved."""
         targets = dict(self._targets)
         self.partition_group.look(self._looks, self.faults)
-        for endpoint in self.partitions:
+        for slot, endpoint in enumerate(self.partitions):
             labels = {"partition": str(endpoint.index), "ray_node": endpoint.node_id}
-            targets[f"p{endpoint.index}"] = ScrapeTarget(f"{endpoint.host}:{endpoint.metrics_port}", SERVER_JOB, labels)
+            if self.options.replicas > 1:
+                labels["replica"] = str(endpoint.replica)
+            address = f"{endpoint.host}:{endpoint.metrics_port}"
+            targets[self.partition_group.key(slot)] = ScrapeTarget(address, SERVER_JOB, labels)
         for index, actor in enumerate(self.worker_actors):
             place = self._looks.look(f"w{index}", actor.node.remote)
             if place is not None:
@@ -400,3 +513,6 @@ class RayJob:
                 ray.kill(actor, no_restart=True)
             self.worker_actors, self.evaluator = [], None
             self.partition_group.release()
+            if self.etcd is not None:  # last: the replicas' leases needed it until they stopped
+                self.etcd.stop()
+                self.etcd = None

@@ -87,12 +87,15 @@ def kill_node(cluster: Cluster, node: Any) -> None:
 
 class RemoveNode:
     """A progress callback for `RayJob.wait`: once partition 0's version reaches `version`, a node
-    dies as a machine does (`remove_node(allow_graceful=False)`): partition `partition`'s, or
-    (None) the one holding the most workers and no partition, never the head. Waits for a later
-    sample while the driver has not yet seen where every worker runs."""
+    dies as a machine does (`remove_node(allow_graceful=False)`): partition `partition`'s (of a
+    replicated one: its primary's, as the driver last sampled it), or (None) the one holding the
+    most workers and no partition, never the head. Waits for a later sample while the driver has
+    not yet seen where every worker runs (or who is the partition's primary)."""
 
     def __init__(self, cluster: Cluster, job: RayJob, version: int, partition: int | None = None) -> None:
         self.cluster, self.job, self.version, self.partition = cluster, job, version, partition
+        self.held_partitions: list[str] = []  # the job's partition actors on it (replicas: "partition 1 replica 0")
+        self.primaries: list[int] = []  # the partitions whose primary (as last sampled) ran on it
         self.node_id = ""
         self.removed = 0.0  # unix time
         self.workers: list[int] = []  # those it held
@@ -104,18 +107,23 @@ class RemoveNode:
         workers = [worker_name(index) for index in range(len(self.job.worker_actors))]
         if not all(worker in places for worker in workers):
             return
+        primaries = self.job.primary_nodes()
+        if self.partition is not None and not primaries[self.partition]:
+            return
         head = self.cluster.head_node
         partitions = self.job.partition_nodes()
         spared = {*partitions, "" if head is None else head.node_id}
         nodes = {node.node_id: node for node in self.cluster.worker_nodes}
         held = {node: [i for i, w in enumerate(workers) if places[w].node_id == node] for node in nodes}
         if self.partition is not None:
-            self.node_id = partitions[self.partition]
+            self.node_id = primaries[self.partition]
         elif any(held[node] for node in nodes if node not in spared):
             self.node_id = max((node for node in nodes if node not in spared), key=lambda node: len(held[node]))
         else:
             raise RuntimeError(f"no node holds workers and no partition: {places}")
         self.workers = held[self.node_id]
+        self.held_partitions = [actor for actor in self.job.faults.held(self.node_id) if actor.startswith("partition")]
+        self.primaries = [index for index, node in enumerate(primaries) if node == self.node_id]
         log.warning("removing Ray node %s (workers %s) at version %d", self.node_id[:12], self.workers, sample.version)
         self.removed = time.time()
         kill_node(self.cluster, nodes[self.node_id])

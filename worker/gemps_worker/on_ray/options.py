@@ -34,6 +34,30 @@ class RayJobOptions:
             RANGE: COUNT,
         },
     )
+    replicas: int = field(
+        default=1,
+        metadata={
+            "help": "replicas of each partition (DESIGN §3d): a primary and R-1 backups, each a server process in "
+            "an actor of its own on a distinct node (a placement group per partition, STRICT_SPREAD); a lost "
+            "node's replica restarts elsewhere and rejoins as a backup while the survivor serves",
+            RANGE: Range(1, 9),
+        },
+    )
+    pack_replicas: bool = field(
+        default=False,
+        metadata={
+            "help": "with fewer nodes than --replicas: run a partition's replicas on the nodes there are (SPREAD, "
+            "with a warning; they then outlive a process's death, not a node's) instead of refusing to start"
+        },
+    )
+    etcd: str = field(
+        default="",
+        metadata={
+            "help": "etcd endpoints deciding each replicated partition's primary (http://HOST:2379, comma-separated); "
+            "empty with --replicas > 1: a private etcd on the driver's machine, on its address as Ray knows it "
+            "(or --host), which every node must reach"
+        },
+    )
     workers: int = field(default=4, metadata={"help": "worker actors", RANGE: COUNT})
     epochs: int = field(
         default=10, metadata={"help": "reference worker: epochs per worker over the training set", RANGE: COUNT}

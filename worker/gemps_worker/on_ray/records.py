@@ -24,6 +24,7 @@ class PartitionEndpoint:
     pid: int  # of the server process, on its node
     starts: int  # 1, plus one per restart of the actor
     folder: str  # on its node: checkpoints, server.log, partition.json
+    replica: int = 0  # which replica of the partition (--replicas R: 0..R-1)
 
     @property
     def target(self) -> str:
@@ -89,6 +90,18 @@ class NodeLoss:
     seen: float  # unix time the driver saw it dead
     node_id: str
     held: tuple[str, ...]  # the job's actors last seen on it
+
+
+@dataclass(frozen=True)
+class PrimaryChange:
+    """A replicated partition's primary, as the driver's samples saw it change (etcd decides)."""
+
+    seen: float  # unix time of the first sample that found it primary
+    partition: int
+    replica: int  # the primary now
+    node_id: str
+    previous: int  # the primary before (-1: none seen yet)
+    epoch: int  # etcd's: its key's creation revision
 
 
 @dataclass(frozen=True)

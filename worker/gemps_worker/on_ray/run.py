@@ -9,13 +9,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gemps_worker.on_ray.actors import TrainFunction
-from gemps_worker.on_ray.job import Progress, RayJob, interrupts_deferred
+from gemps_worker.on_ray.job import Progress, RayJob, StartEtcd, interrupts_deferred
 from gemps_worker.on_ray.options import RayJobOptions
 from gemps_worker.on_ray.records import (
     ActorRestart,
     ExportedModel,
     NodeLoss,
     PartitionEndpoint,
+    PrimaryChange,
     StatusSample,
     TimedEvaluation,
     WorkerOutcome,
@@ -40,6 +41,7 @@ class RayJobResult:
     seconds: float = 0.0
     restarts: list[ActorRestart] = field(default_factory=list)  # new lives of actors, as the driver saw them
     node_losses: list[NodeLoss] = field(default_factory=list)
+    primary_changes: list[PrimaryChange] = field(default_factory=list)  # replicated partitions' primaries seen
 
 
 def run_job(
@@ -49,11 +51,15 @@ def run_job(
     server_options: Mapping[str, object] | None = None,
     worker_options: Mapping[str, object] | None = None,
     on_progress: Progress | None = None,
+    start_etcd: StartEtcd | None = None,
 ) -> RayJobResult:
     """Run a job to its end (or to Ctrl-C / ray.cancel: then `stopped`), with the export, the
-    evaluations and where everything ran collected to the driver."""
+    evaluations and where everything ran collected to the driver. `start_etcd`: RayJob's."""
     started = time.monotonic()
-    with RayJob(options, train=train, server_options=server_options, worker_options=worker_options) as job:
+    job = RayJob(
+        options, train=train, server_options=server_options, worker_options=worker_options, start_etcd=start_etcd
+    )
+    with job:
         return follow_job(job, on_progress, started)
 
 
@@ -85,6 +91,7 @@ def follow_job(job: RayJob, on_progress: Progress | None = None, started: float 
             time.monotonic() - started,
             job.faults.restarts,
             job.faults.losses,
+            job.primary_changes,
         )
         job.stop()  # here, still deferring interrupts (leaving the caller's `with` would stop it again: a no-op)
     return result
