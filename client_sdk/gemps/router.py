@@ -336,8 +336,11 @@ class PartitionRouter:
                     return None
                 address = self._address_of(index, layout)
         except Exception as error:  # a resolver of the user's may raise anything: keep the last address
-            log.debug("where partition %d is now is not known (%s): trying %s again", index, error, self.target)
-            return None
+            if index in self._replicas:  # partition 0 cannot say (its primary died too): its replicas can
+                address = self._replicas[index].resolve()
+            else:
+                log.debug("where partition %d is now is not known (%s): trying %s again", index, error, self.target)
+                return None
         if address == self.sessions[index].target:
             return None
         if index == 0:

@@ -227,3 +227,39 @@ def test_a_backup_checkpoints_what_it_applies(start_server: StartServer, etcd: L
             client.commit(np.ones(PARAMETERS, np.float32), kind="update")
     folder = tmp_path / f"replica-{servers.index(backup)}"
     wait_for(lambda: any(v >= 30 for v, _ in list_checkpoints(folder)), 30, "the backup's checkpoint of version 30")
+
+
+def test_both_partitions_primaries_killed_at_once_the_workers_follow_both(
+    start_server_process: StartServerProcess, etcd: LocalEtcd
+) -> None:
+    """θ in 2 partitions, each replicated: both primaries are SIGKILLed at once (one machine holding
+    both). Partition 0 cannot say where partition 1 is now (its primary is gone too): the client
+    goes round partition 1's replicas itself, and every commit completes on both."""
+
+    def start(partition: int, replica: int, addresses: str = "") -> ServerProcess:
+        options = {"partition_addresses": addresses} if addresses else {}
+        return replica_process(
+            start_server_process, etcd, replica, "both", partitions=2, partition_index=partition, **options
+        )
+
+    ones = [start(1, replica) for replica in range(2)]
+    announced = ",".join(["", "|".join(server.target for server in ones)])
+    zeros = [start(0, replica, announced) for replica in range(2)]
+
+    def roles_settled() -> bool:
+        return all(sorted(role_of(s.target) for s in replicas) == [BACKUP, PRIMARY] for replicas in (zeros, ones))
+
+    wait_for(roles_settled, 30, "a primary and a backup of each partition")
+    primaries = [next(s for s in replicas if role_of(s.target) == PRIMARY) for replicas in (zeros, ones)]
+    loops = counting("|".join(server.target for server in zeros), workers=3, timeout=5)
+    loops.wait_each(10, 60, "10 commits per worker")
+    for server in primaries:
+        os.kill(server.pid, signal.SIGKILL)
+    loops.wait_each(5, 60, "5 more commits per worker, at both promoted backups")
+    loops.stop()
+    assert not loops.failures, loops.failures
+    with gemps.Client("|".join(server.target for server in zeros), timeout=5) as observer:
+        versions = [status.version for status in observer.statuses()]
+        theta = observer.pull().flat
+    assert versions == [sum(loops.acked)] * 2
+    assert theta.min() == theta.max() == sum(loops.acked)
