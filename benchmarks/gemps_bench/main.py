@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gemps_bench import report
 from gemps_bench.cross_host import CrossHostSpec, run_cross_host
+from gemps_bench.replicas import ReplicasSpec, run_replicas
 from gemps_bench.suite import FULL, QUICK, SuiteSpec, run_suite
 
 DESCRIPTION = (
@@ -63,6 +64,29 @@ def run_cross_host_bench(out: Path, spec: CrossHostSpec | None = None) -> int:
     return 0
 
 
+def replicas_path(out: Path, mode: str) -> Path:
+    """Where `gemps bench --replicas` writes one mode's results: OUT/replicas-loopback.json,
+    OUT/replicas-1gbit.json (a quick run: -quick appended)."""
+    return out / f"replicas-{mode.replace('cross-host ', '').replace(' ', '-')}.json"
+
+
+def run_replicas_bench(out: Path, spec: ReplicasSpec | None = None, mode: str = "loopback") -> int:
+    """`gemps bench --replicas 1,2 [--link RATE]`: run `spec` (none: rebuild the table from the
+    mode's JSON), then write its table next to it (.md)."""
+    results_path = replicas_path(out, spec.mode if spec is not None else mode)
+    data = run_replicas(spec, results_path) if spec is not None else json.loads(results_path.read_text())
+    where = "over loopback" if data["rate"] is None else f"between simulated hosts, {data['rate']} links"
+    sections = [f"## Replicas ({where}, {data['clients']} clients)", *report.replicas_table(data)]
+    if data["skipped"]:
+        sections += ["", "## Skipped", *[_skipped_line(skip) for skip in data["skipped"]]]
+    tables = results_path.with_suffix(".md")
+    tables.write_text("\n".join(sections) + "\n")
+    print(f"results: {results_path}\ntables: {tables}")
+    return 0
+
+
 def _skipped_line(skip: dict[str, object]) -> str:
-    where = f" K={skip['partitions']}" if "partitions" in skip else ""
+    where = (
+        f" K={skip['partitions']}" if "partitions" in skip else f" R={skip['replicas']}" if "replicas" in skip else ""
+    )
     return f"- {skip['system']}{where} P={skip['num_parameters']:,} n={skip['clients']}: {skip['why']}"

@@ -298,3 +298,26 @@ def cross_host_table(data: dict[str, Any]) -> list[str]:
             f"| {r['latency_p50_ms']:.0f} / {r['latency_p99_ms']:.0f} |"
         )
     return lines
+
+
+def replicas_table(data: dict[str, Any]) -> list[str]:
+    """`gemps bench --replicas`: per P and R, the medians over the repetitions (R = 1 and R = 2
+    alternating), commits/s against R = 1 (the median of each repetition's own ratio, with the
+    least and greatest), the primary's and the backup's CPU per commit."""
+    lines = [
+        "| P | R | runs | commits/s (median) | vs R=1 (range) | primary CPU ms/commit | backup CPU ms/commit "
+        "| client CPU ms/commit | p50 ms | machine's cores busy |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in data["summary"]:
+        span = row.get("vs_single_range")
+        ratio = "-" if row["replicas"] == 1 else _ratio(row["vs_single"], 1.0)
+        ratio += f" ({span[0]:.2f}-{span[1]:.2f})" if span and row["replicas"] > 1 else ""
+        busy = row.get("machine_busy_fraction")
+        lines.append(
+            f"| {row['num_parameters']:,} | {row['replicas']} | {row['repeats']} | {row['commits_per_second']:.2f} "
+            f"| {ratio} | {_ms(row['primary_cpu_ms_per_commit'])} | {_ms(float(row['backup_cpu_ms_per_commit']))} "
+            f"| {_ms(row['client_cpu_ms_per_commit'])} | {row['latency_p50_ms']:.0f} "
+            f"| {'-' if busy is None or not math.isfinite(busy) else f'{busy:.0%}'} |"
+        )
+    return lines

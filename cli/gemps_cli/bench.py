@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from gemps_bench import cross_host
-from gemps_bench.main import DESCRIPTION, run_bench, run_cross_host_bench
+from gemps_bench import cross_host, replicas
+from gemps_bench.main import DESCRIPTION, run_bench, run_cross_host_bench, run_replicas_bench
 from gemps_bench.suite import FULL, QUICK, SYSTEMS, parse_counts, select
 
 from gemps_worker.simulated_hosts import unavailable_reason
@@ -50,6 +50,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--partitions", type=_counts, default=None, help="with --link: gemps' partition counts (default 1,2,4)"
     )
+    parser.add_argument(
+        "--replicas",
+        type=_counts,
+        default=None,
+        metavar="R,R",
+        help="the cost of replication instead: gemps with these replica counts (e.g. 1,2), fresh servers each run, "
+        "alternating, over loopback or, with --link, each replica on a host of its own; writes "
+        "OUT/replicas-MODE.json and .md",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="with --replicas: runs of each replica count (default 4)"
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="with --replicas: after each size, one more run of the largest R with py-spy on every replica "
+        "(raw samples to DIR; not counted in the figures)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -62,6 +82,8 @@ def _rate(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        return _run_replicas(args)
     if args.link is not None:
         return _run_cross_host(args)
     if args.report_only:
@@ -93,3 +115,26 @@ def _run_cross_host(args: argparse.Namespace) -> int:
         print(f"gemps bench --link: {error}", file=sys.stderr)
         return 2
     return run_cross_host_bench(args.out, spec)
+
+
+def _run_replicas(args: argparse.Namespace) -> int:
+    defaults = replicas.ReplicasSpec()
+    if args.report_only:
+        return run_replicas_bench(args.out, None, replicas.ReplicasSpec(link=args.link, quick=args.quick).mode)
+    try:
+        spec = replicas.ReplicasSpec(
+            replicas=tuple(args.replicas),
+            sizes=tuple(args.sizes or (QUICK.sizes[-1:] if args.quick else defaults.sizes)),
+            clients=(args.clients or [QUICK.clients[-1] if args.quick else defaults.clients])[0],
+            repeats=args.repeats or (1 if args.quick else defaults.repeats),
+            link=args.link,
+            quick=args.quick,
+            profile=args.profile,
+        )
+        reason = unavailable_reason() if args.link is not None else None
+        if reason is not None:
+            raise ValueError(reason)
+    except ValueError as error:
+        print(f"gemps bench --replicas: {error}", file=sys.stderr)
+        return 2
+    return run_replicas_bench(args.out, spec)
