@@ -44,14 +44,13 @@ from gemps_server.replication.local_etcd import LocalEtcd, find_etcd
 from gemps_server.replication.status import BACKUP, PRIMARY
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.processes import GEMPS_COMMAND
-from gemps_worker.simulated_hosts import Host, SimulatedNetwork, _run, _shape
+from gemps_worker.simulated_hosts import Host, SimulatedNetwork
 
 REPLICATION_PORT = 52051  # each replica host's (between hosts every replica has its own address)
 ETCD_PORT = 2379
 SETTLE_TIMEOUT = 60.0  # seconds for an election and the backups' seeding
 LEASE = 3.0  # --replica-lease: the default
 REPLICA_TIMEOUT = 30.0  # --replica-timeout: long, so a backup slowed by a busy machine stays in sync
-REPLICATION_SUBNET = "10.232"  # the replicas' direct cables: 10.232.<pair>.1 and .2
 
 
 @dataclass(frozen=True)
@@ -186,7 +185,7 @@ class CrossHostReplicas:
         self.clients = network.add_host("workers")
         pairs = [(a, b) for a in range(len(self.hosts)) for b in range(a + 1, len(self.hosts))]
         self.cables = [
-            direct_cable(network, self.hosts[a], self.hosts[b], pair, spec.link) for pair, (a, b) in enumerate(pairs)
+            network.direct_cable(self.hosts[a], self.hosts[b], pair, spec.link) for pair, (a, b) in enumerate(pairs)
         ]
         self._etcd: subprocess.Popen[bytes] | None = None
         self.etcd_data: Path | None = None
@@ -255,21 +254,6 @@ class CrossHostReplicas:
     def direct_bytes(self) -> int:
         """Bytes sent so far over the replicas' direct cables, both ends of each."""
         return sum(sent_bytes(host, device) for cable in self.cables for host, device in cable)
-
-
-def direct_cable(network: SimulatedNetwork, a: Host, b: Host, pair: int, rate: str) -> list[tuple[Host, str]]:
-    """A second cable straight from `a` to `b`, shaped to `rate` both ways, and routes that send
-    their traffic to each other's (switch) address over it: what they say to each other no longer
-    shares their cables to the switch."""
-    ends = [(a, f"{network.prefix}x{pair}a", b), (b, f"{network.prefix}x{pair}b", a)]
-    _run("ip", "link", "add", ends[0][1], "netns", a.namespace, "type", "veth",
-         "peer", "name", ends[1][1], "netns", b.namespace)  # fmt: skip
-    for side, (host, device, other) in enumerate(ends):
-        _run("ip", "-n", host.namespace, "addr", "add", f"{REPLICATION_SUBNET}.{pair}.{side + 1}/30", "dev", device)
-        _run("ip", "-n", host.namespace, "link", "set", device, "up")
-        _run("ip", "-n", host.namespace, "route", "add", f"{other.address}/32", "dev", device, "src", host.address)
-        _shape(host.namespace, device, rate)
-    return [(host, device) for host, device, _ in ends]
 
 
 def sent_bytes(host: Host, device: str) -> int:

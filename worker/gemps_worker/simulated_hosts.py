@@ -36,6 +36,7 @@ from types import TracebackType
 
 SUBNET = "10.231.0"  # hosts are SUBNET.1, SUBNET.2, ... inside the namespaces only
 DEFAULT_RATE = "1gbit"
+DIRECT_SUBNET = "10.232"  # direct cables between two hosts: 10.232.<pair>.1 and .2
 INTERFACE = "eth0"  # a host's one cable, as seen inside it
 _CLONE_NEWNET = 0x40000000  # <sched.h>; os.setns is Python 3.12+
 
@@ -159,6 +160,22 @@ class SimulatedNetwork:
         _shape(namespace, INTERFACE, rate or self.rate)
         _shape(self.switch, port, rate or self.rate)
         return host
+
+    def direct_cable(self, a: Host, b: Host, pair: int, rate: str) -> list[tuple[Host, str]]:
+        """A second cable straight from `a` to `b` (the `pair`-th such), shaped to `rate` both ways,
+        and routes that send their traffic to each other's (switch) address over it: what they say
+        to each other (a replication stream) no longer shares their cables to the switch. Returns
+        each end: (host, device)."""
+        ends = [(a, f"{self.prefix}x{pair}a", b), (b, f"{self.prefix}x{pair}b", a)]
+        _run("ip", "link", "add", ends[0][1], "netns", a.namespace, "type", "veth",
+             "peer", "name", ends[1][1], "netns", b.namespace)  # fmt: skip
+        for side, (host, device, other) in enumerate(ends):
+            address = f"{DIRECT_SUBNET}.{pair}.{side + 1}/30"
+            _run("ip", "-n", host.namespace, "addr", "add", address, "dev", device)
+            _run("ip", "-n", host.namespace, "link", "set", device, "up")
+            _run("ip", "-n", host.namespace, "route", "add", f"{other.address}/32", "dev", device, "src", host.address)
+            _shape(host.namespace, device, rate)
+        return [(host, device) for host, device, _ in ends]
 
     def bytes_to(self, host: Host) -> int:
         """Bytes the switch has sent down `host`'s cable so far (to tell when an upload is under way)."""
