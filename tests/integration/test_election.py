@@ -10,10 +10,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from gemps_server.replication.coordinator import Coordinator
 from gemps_server.replication.election import (
     ORPHANED_LEASES,
     CoordinationUnavailable,
-    Coordinator,
     Election,
     Member,
     new_incarnation,

@@ -16,7 +16,6 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterable
-from typing import TypeVar
 
 from gemps_proto.reasons import Reason
 from gemps_server.domain.applier import Applier
@@ -25,13 +24,13 @@ from gemps_server.domain.journal import NoJournal
 from gemps_server.domain.state import ServerState
 from gemps_server.logs import event
 from gemps_server.replication import frames
-from gemps_server.replication.election import Coordinator, Election, Member
+from gemps_server.replication.coordinator import Coordinator
+from gemps_server.replication.election import Election, Member
 from gemps_server.replication.follower import CONNECT_SECONDS, Follower, _on_applier
 from gemps_server.replication.forwarder import Done, Forwarder, Peer
 from gemps_server.replication.status import BACKUP, CANDIDATE, PRIMARY, ReplicationStatus
 
 log = logging.getLogger("gemps.server")
-T = TypeVar("T")
 
 #: seconds before a backup dials its primary again after the stream ended
 REDIAL_SECONDS = 0.5
