@@ -192,9 +192,16 @@ def _progress_fields(sample: ProgressSample, samples: list[ProgressSample]) -> s
     return (
         f"{rate:5.0f} commits/s  train loss {sample.training_loss:.3f}  held-out {sample.held_out_loss:.3f} "
         f"acc {sample.held_out_accuracy:6.2%}  pi median {sample.median_scaling:.2f} mean {sample.mean_scaling:.2f}  "
-        f"staleness {sample.mean_staleness:.1f}  noise scale {sample.noise_scale:.0f} "
-        f"(~{sample.useful_workers:.1f} workers pay)"
+        f"staleness {sample.mean_staleness:.1f}  {_noise_field(sample)}"
     )
+
+
+def _noise_field(sample: ProgressSample) -> str:
+    """The noise scale and what it says; while its estimate of |G|^2 is not positive (early, and
+    again near convergence, where the mean gradient is tiny against its noise) it says nothing."""
+    if not math.isfinite(sample.noise_scale):
+        return "noise scale n/a (|G|^2 not measurable now)"
+    return f"noise scale {sample.noise_scale:.0f} (~{sample.useful_workers:.1f} workers pay)"
 
 
 def _save_checkpoint(path: Path, central: CentralVariable) -> Path:
