@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import pytest
@@ -105,9 +105,13 @@ def server_config(**options: Any) -> ServerConfig:
 class InProcessServer:
     """`with InProcessServer(rule="gem") as server: server.target` (options as in server_config).
 
-    Its log lines (text format) are kept for `log()`; while it runs, the gemps.server logger
-    logs at INFO. Two at once in one test share their log lines.
+    Its log lines (text format) are kept for `log()`; while any runs, the gemps.server logger
+    logs at INFO. Two at once in one test share their log lines; the level is restored when the
+    last of them stops, in whatever order they stop (a test may stop a replica first).
     """
+
+    _running: ClassVar[int] = 0  # servers of this class started and not yet stopped
+    _level_before: ClassVar[int] = logging.NOTSET  # the logger's level before the first started
 
     def __init__(self, **options: Any) -> None:
         self.config = server_config(**{"host": "127.0.0.1", "port": 0, "metrics_port": 0, "data_port": 0, **options})
@@ -118,7 +122,6 @@ class InProcessServer:
         self._handler = logging.StreamHandler(self._log)
         self._handler.setFormatter(logs.formatter("text"))
         self._logger = logging.getLogger("gemps.server")
-        self._saved_level = self._logger.level
         self.stopped = False
 
     @property
@@ -136,6 +139,9 @@ class InProcessServer:
     def start(self) -> InProcessServer:
         disable_created_metrics()  # as `gemps server` does
         self._logger.addHandler(self._handler)
+        if InProcessServer._running == 0:
+            InProcessServer._level_before = self._logger.level
+        InProcessServer._running += 1
         self._logger.setLevel(logging.INFO)
         self._thread.start()
         try:
@@ -144,8 +150,7 @@ class InProcessServer:
             self.stopped = True  # nothing to stop gracefully; leave the loop and the logger as found
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
-            self._logger.removeHandler(self._handler)
-            self._logger.setLevel(self._saved_level)
+            self._release_logger()
             raise
         return self
 
@@ -160,8 +165,13 @@ class InProcessServer:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
             self._loop.close()
-            self._logger.removeHandler(self._handler)
-            self._logger.setLevel(self._saved_level)
+            self._release_logger()
+
+    def _release_logger(self) -> None:
+        self._logger.removeHandler(self._handler)
+        InProcessServer._running -= 1
+        if InProcessServer._running == 0:
+            self._logger.setLevel(InProcessServer._level_before)
 
     def log(self) -> str:
         return self._log.getvalue()
