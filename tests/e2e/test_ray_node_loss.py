@@ -105,8 +105,10 @@ def test_workers_on_a_lost_node_come_back_elsewhere_and_the_job_finishes(cluster
     assert final is not None and final.accuracy >= DEMO_BAR, final
     if EVALUATOR in result.node_losses[0].held:
         assert [restart.actor for restart in restarts].count(EVALUATOR) == 1, restarts
+        # Its second life reported (the first may not have yet when the node went: under a full
+        # suite's load its first look can come after the loss, as in one fresh-clone run).
         before = [evaluation for evaluation in evaluations if evaluation.time < loss.removed]
-        assert before and len(evaluations) > len(before), evaluations
+        assert len(evaluations) > len(before), evaluations
     # gemps ray's summary records the loss and the restarts.
     write_outputs(tmp_path / "out", result)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
