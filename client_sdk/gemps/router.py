@@ -155,6 +155,13 @@ class PartitionRouter:
         unregistered, with the parameter spec and layout from the server's Status."""
         if self.registration is None and not self.spec:
             status = self.status()
+            if not status.initialized:
+                # Refused here, not by the pull: a worker may initialise θ in between, and a spec
+                # taken from this Status would then not be θ's.
+                raise errors.FailedPreconditionError(
+                    "central variable not initialised: no worker has registered yet",
+                    reason=Reason.NOT_INITIALIZED,
+                )
             self.spec, self.buffer_spec = status.spec, status.buffer_spec
             self._adopt(status.layout)
         sessions = self.sessions

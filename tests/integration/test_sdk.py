@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import gemps
+from gemps.router import PartitionRouter
+from gemps_proto.schema import ServerStatus
 from gemps_worker.cluster import ServerProcess
 from tests.helpers import InProcessServer
 from tests.integration.conftest import StartServer, StartServerProcess
@@ -34,6 +36,34 @@ def test_register_pull_commit_leave(server: InProcessServer) -> None:
         assert client.status().active_workers == 1
     with gemps.Client(server.target) as observer:
         assert observer.status().active_workers == 0
+
+
+def test_an_observer_never_takes_the_spec_of_theta_not_yet_initialised(
+    server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unregistered pull takes the spec from Status; when the first worker initialises θ between
+    that Status and the pull (an evaluator started with its workers), the pull is refused as not
+    initialised, and the next one has θ's spec (it once returned θ under an empty spec)."""
+    worker, observer = gemps.Client(server.target, name="w"), gemps.Client(server.target)
+    status = PartitionRouter.status
+    registered: list[bool] = []
+
+    def a_worker_registers_right_after(router: PartitionRouter) -> ServerStatus:
+        answer = status(router)
+        if not registered:
+            registered.append(True)
+            worker.register(PARAMS)
+        return answer
+
+    monkeypatch.setattr(PartitionRouter, "status", a_worker_registers_right_after)
+    with pytest.raises(gemps.FailedPreconditionError, match="not initialised") as refused:
+        observer.pull()
+    assert refused.value.reason == gemps.Reason.NOT_INITIALIZED and registered
+    central = observer.pull()
+    assert [p.name for p in central.spec] == list(PARAMS)
+    np.testing.assert_array_equal(central.named()["w"], PARAMS["w"])
+    for client in (worker, observer):
+        client.close()
 
 
 def test_update_payload_is_applied_as_given(start_server: StartServer) -> None:
