@@ -40,6 +40,9 @@ class FollowingTransport:
         self.follow = follow
         self.moves = 0  # how often it followed its server to another address
         self._suspect = False  # a call failed in a way worth another attempt: the server may have moved
+        # Whether a call succeeded since the last move: only the first move after one is worth a
+        # warning (going round a replica set during a failover moves several times a second).
+        self._answered = True
 
     @property
     def target(self) -> str:
@@ -81,16 +84,19 @@ class FollowingTransport:
         if self._suspect:
             self._follow()
         try:
-            return call(self.transport)
+            result = call(self.transport)
         except errors.RETRIED:
             self._suspect = True
             raise
+        self._answered = True
+        return result
 
     def _follow(self) -> None:
         self._suspect = False
         moved = self.follow() if self.follow is not None else None
         if moved is None:
             return
-        log.warning("%s moved to %s: following it", self.transport.target, moved.target)
+        level = logging.WARNING if self._answered else logging.DEBUG
+        log.log(level, "%s moved to %s: following it", self.transport.target, moved.target)
         self.transport.close()
-        self.transport, self.moves = moved, self.moves + 1
+        self.transport, self.moves, self._answered = moved, self.moves + 1, False
