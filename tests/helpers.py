@@ -240,13 +240,16 @@ class CommitLoops:
             self.failures.append(error)
 
     def wait_each(self, more: int, timeout: float, what: str) -> None:
-        """Until every client has `more` acknowledged commits than now (or one failed)."""
+        """Until every client has `more` acknowledged commits than now; fails at once, with what
+        they raised, when a client failed (a test reading state next would otherwise read it early)."""
         baseline = list(self.acked)
         wait_for(
             lambda: all(a >= b + more for a, b in zip(self.acked, baseline, strict=True)) or self.failures,
             timeout,
             what,
         )
+        if self.failures:
+            pytest.fail(f"a client failed while waiting for {what}: {self.failures!r}")
 
     def stop(self, timeout: float = 60.0) -> None:
         self._stop.set()
