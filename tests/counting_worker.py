@@ -5,10 +5,13 @@ each partition's θ (and its version) says how many commits it applied. This wor
 updates until a stop file appears or its budget is spent, and records for each partition how many
 commits it acknowledged and how many ended in doubt (an error after which the commit may or may
 not have been applied there), and the longest wait between two acknowledged commits (`gap`, wall
-clock: when a fault began to show, and when training resumed). Exactly-once then reads, per
-partition:
+clock: when a fault began to show, and when training resumed) and every wait longer than
+STALL_SECONDS (`stalls`). Exactly-once then reads, per partition:
 
     acknowledged <= applied <= acknowledged + in doubt
+
+It also records which replica acknowledged its commits under each epoch of a replicated partition
+(`acknowledgers`): never two under one epoch (`check_one_primary_per_epoch`).
 
     python -m tests.counting_worker --target 10.231.0.1:50051 --parameters 100000 --out w0.json \
         --stop-file stop [--commits 1000] [--timeout 5]
@@ -34,6 +37,9 @@ import numpy as np
 
 import gemps
 
+#: waits between two acknowledged commits longer than this are recorded (`stalls`), up to MAX_STALLS
+STALL_SECONDS, MAX_STALLS = 0.2, 1000
+
 
 def run(args: argparse.Namespace) -> dict[str, object]:
     stop = threading.Event()
@@ -46,12 +52,15 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         acknowledged, in_doubt = [0] * partitions, [0] * partitions
         failures: list[str] = []
         last_ack, gap = time.time(), (0.0, 0.0)
+        stalls: list[tuple[float, float]] = []
         at_mark: list[int] | None = None
         mark_file = Path(args.mark_file) if args.mark_file else None
         ones = np.ones(args.parameters, np.float32)
+        # Per partition, which replica acknowledged commits under each epoch (one, if no split brain).
+        acknowledgers: list[dict[int, set[str]]] = [{} for _ in range(partitions)]
         while len(failures) + acknowledged[0] < args.commits and not stop_file.exists() and not stop.is_set():
             try:
-                client.commit(ones, kind="update")
+                committed = client.commit(ones, kind="update")
             except gemps.PartiallyAppliedError as partial:
                 at_mark = at_mark or _marked(mark_file, acknowledged)
                 failures.append(f"{type(partial).__name__}: {partial}")
@@ -68,16 +77,21 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                     break
             else:
                 at_mark = at_mark or _marked(mark_file, acknowledged)
-                for index in range(partitions):
+                for index, (epoch, replica) in enumerate(zip(committed.epochs, client.targets, strict=True)):
                     acknowledged[index] += 1
+                    acknowledgers[index].setdefault(epoch, set()).add(replica)
                 now = time.time()
                 if now - last_ack > gap[1] - gap[0]:
                     gap = (last_ack, now)
+                if now - last_ack > STALL_SECONDS and len(stalls) < MAX_STALLS:
+                    stalls.append((last_ack, now))
                 last_ack = now
             if args.pause:
                 time.sleep(args.pause)
         client.leave()
-    record = {"acknowledged": acknowledged, "in_doubt": in_doubt, "failures": failures, "gap": gap}
+    by_epoch = [{str(epoch): sorted(replicas) for epoch, replicas in seen.items()} for seen in acknowledgers]
+    record = {"acknowledged": acknowledged, "in_doubt": in_doubt, "failures": failures, "gap": gap, "stalls": stalls}
+    record["acknowledgers"] = by_epoch
     return {**record, "acknowledged_at_mark": at_mark or _marked(mark_file, acknowledged)}
 
 
@@ -120,12 +134,31 @@ def check_exactly_once(records: list[dict[str, Any]], observed: dict[str, Any]) 
     return applied
 
 
-def resumed_after(records: list[dict[str, Any]], healed: float) -> float:
-    """Seconds from `healed` to the first commit acknowledged after the longest wait, the worst
-    worker's; fails when a worker's longest wait did not span the fault (it never resumed)."""
-    ends = [float(r["gap"][1]) for r in records]
-    assert min(ends) > healed, f"a worker's longest wait ended before the cable healed: {ends} vs {healed}"
-    return max(ends) - healed
+def check_one_primary_per_epoch(records: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Per partition, no two replicas acknowledged commits under the same epoch (no split brain),
+    whichever worker saw them; returns partition 0's epochs and the replica of each."""
+    partitions: list[dict[str, set[str]]] = [{} for _ in records[0]["acknowledgers"]]
+    for record in records:
+        for by_epoch, seen in zip(partitions, record["acknowledgers"], strict=True):
+            for epoch, replicas in seen.items():
+                by_epoch.setdefault(epoch, set()).update(replicas)
+    for partition, by_epoch in enumerate(partitions):
+        split = {epoch: sorted(replicas) for epoch, replicas in by_epoch.items() if len(replicas) > 1}
+        assert not split, f"partition {partition}: two replicas acknowledged under one epoch: {split}"
+    return {epoch: sorted(replicas) for epoch, replicas in partitions[0].items()}
+
+
+def resumed_after(records: list[dict[str, Any]], fault: float, until: float | None = None) -> float:
+    """Seconds from `fault` to the end of the longest wait that ended after it (before `until`, the
+    next fault, when given), the worst worker's; fails when a worker has no such wait (it never
+    resumed, or never saw the fault)."""
+    ends: list[float] = []
+    for record in records:
+        stalls = [(float(start), float(end)) for start, end in record["stalls"]]
+        after = [(end - start, end) for start, end in stalls if fault < end < (until or float("inf"))]
+        assert after, f"a worker has no wait that ended after {fault} (it never resumed): {record['stalls']}"
+        ends.append(max(after)[1])
+    return max(ends) - fault
 
 
 def main() -> None:

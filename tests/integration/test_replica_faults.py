@@ -24,7 +24,7 @@ from typing import Any
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.processes import GEMPS_COMMAND
 from gemps_worker.simulated_hosts import Host, SimulatedNetwork
-from tests.counting_worker import check_exactly_once, resumed_after
+from tests.counting_worker import check_exactly_once, check_one_primary_per_epoch, resumed_after
 from tests.helpers import wait_for
 
 PORT, DATA_PORT, REPLICATION_PORT, ETCD_PORT = 50051, 51051, 52051, 2379
@@ -154,6 +154,7 @@ def test_the_primarys_machine_dying_loses_no_acknowledged_commit(network: Simula
     time.sleep(12.0)
     records, observed = run.finish()
     applied = check_exactly_once(records, observed)
+    assert len(check_one_primary_per_epoch(records)) == 2  # the first primary's epoch, then the survivor's
     recovery = resumed_after(records, died)
     survivor = run.replication(other(run, primary))
     assert survivor["role"] == "primary", survivor
@@ -191,6 +192,51 @@ def test_cut_cables_give_one_primary_per_epoch_and_the_old_primary_rejoins(
     time.sleep(2.0)
     records, observed = run.finish()
     applied = check_exactly_once(records, observed)
+    epochs = check_one_primary_per_epoch(records)
+    assert epochs == {str(epoch): [f"{primary.address}:{PORT}"], str(promoted["epoch"]): [f"{backup.address}:{PORT}"]}
     recovery = resumed_after(records, cut)
     print(f"cables cut and healed: {applied[0]} applied, none lost or twice; resumed {recovery:.2f} s after the cut")
     assert recovery < RESUMES_WITHIN
+
+
+def test_a_primary_cut_from_its_backup_then_from_etcd_alone(network: SimulatedNetwork, tmp_path: Path) -> None:
+    """Partitions of the network, not of a machine: every host keeps its cable. First primary and
+    backup no longer hear each other (the backup still reaches etcd and the workers: it must not be
+    promoted, for the primary drops it from the in-sync set first); healed, the backup is re-seeded.
+    Then the primary no longer hears etcd while its workers and backup still reach it: its lease
+    runs out, it stops acknowledging (its workers are refused, not answered), the backup is
+    promoted; healed, the old primary rejoins as a backup. One replica acknowledges per epoch,
+    nothing acknowledged is lost, nothing applied twice."""
+    run = start_replicated(network, tmp_path)
+    primary = run.primary()
+    backup = other(run, primary)
+    run.start_workers(3)
+    time.sleep(2.0)
+    network.cut_between(primary, backup)
+    apart = time.time()
+    time.sleep(8.0)
+    during = run.replication(primary)
+    assert during["role"] == "primary" and not any(b["in_sync"] for b in during["backups"]), during
+    assert run.replication(backup)["role"] == "backup"  # reachable, never promoted
+    network.heal_between(primary, backup)
+    assert run.primary() is primary  # re-seeded, in sync; the primary never changed
+    epoch = during["epoch"]
+    network.cut_between(primary, run.etcd_host)
+    cut = time.time()
+    time.sleep(8.0)
+    promoted, fenced = run.replication(backup), run.replication(primary)
+    assert promoted["role"] == "primary" and promoted["epoch"] > epoch, promoted
+    assert fenced["role"] != "primary", fenced  # it answers, but no longer as primary
+    network.heal_between(primary, run.etcd_host)
+    assert run.primary() is backup  # the old primary is its backup now, in sync
+    time.sleep(2.0)
+    records, observed = run.finish()
+    applied = check_exactly_once(records, observed)
+    epochs = check_one_primary_per_epoch(records)
+    assert epochs == {str(epoch): [f"{primary.address}:{PORT}"], str(promoted["epoch"]): [f"{backup.address}:{PORT}"]}
+    dropped, recovery = resumed_after(records, apart, until=cut), resumed_after(records, cut)
+    print(
+        f"links cut and healed: {applied[0]} applied, none lost or twice; resumed {dropped:.2f} s after primary "
+        f"and backup were parted (the backup dropped), {recovery:.2f} s after primary and etcd were"
+    )
+    assert max(dropped, recovery) < RESUMES_WITHIN

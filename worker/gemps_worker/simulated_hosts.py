@@ -11,9 +11,12 @@ of reach there). Each host's cable is a veth pair to a switch namespace (one bri
         process = server.start(["python", "-m", "gemps_cli", "server", "--host", server.address])
         network.cut(server)   # `ip link set ... down` on the switch's end: packets are dropped
         network.heal(server)  # back up; TCP retransmits what it held
+        network.cut_between(server, workers)   # only these two no longer hear each other
+        network.heal_between(server, workers)
         server.kill()         # SIGKILL every process in the host, as when a machine dies
 
-Needs root (CAP_NET_ADMIN) and iproute2; `unavailable_reason()` says why not, in one line.
+Needs root (CAP_NET_ADMIN) and iproute2 (`cut_between` also iptables); `unavailable_reason()`
+says why not, in one line.
 Namespaces, links and processes are named after this process's pid, so two runs never meet, and
 `close()` removes everything it made. Addresses are private to the namespaces: no packet leaves
 them, and the host's own stack never sees one.
@@ -191,6 +194,22 @@ class SimulatedNetwork:
 
     def heal(self, host: Host) -> None:
         _run("ip", "-n", self.switch, "link", "set", host.switch_port, "up")
+
+    def cut_between(self, a: Host, b: Host) -> None:
+        """`a` and `b` no longer hear each other, while both still reach every other host (a
+        partition of the network, not of a machine): each drops what arrives from the other, so
+        both ends see silence, as with a cut cable, and connections stay open until `heal_between`."""
+        self._between("-I", a, b)
+
+    def heal_between(self, a: Host, b: Host) -> None:
+        self._between("-D", a, b)
+
+    def _between(self, action: str, a: Host, b: Host) -> None:
+        iptables = shutil.which("iptables") or shutil.which("iptables", path="/usr/sbin:/sbin")
+        if iptables is None:
+            raise RuntimeError("cutting the link between two simulated hosts needs iptables")
+        for host, other in ((a, b), (b, a)):
+            _run("ip", "netns", "exec", host.namespace, iptables, action, "INPUT", "-s", other.address, "-j", "DROP")
 
     def close(self) -> None:
         """Kill every host's processes and delete every namespace this network made."""
