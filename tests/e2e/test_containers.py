@@ -24,7 +24,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import pytest
 import yaml
@@ -71,6 +71,7 @@ class Stack:
     env: dict[str, str]
     grpc_port: int
     prometheus_port: int
+    services: ClassVar[tuple[str, ...]] = SERVICES  # what diagnostics report on
 
     def compose(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         return run(["podman-compose", "-f", str(COMPOSE_FILE), "-p", self.project, *args], timeout, self.env)
@@ -119,7 +120,7 @@ class Stack:
     def diagnostics(self) -> str:
         """What the containers say, for failure messages."""
         lines = [run(["podman", "ps", "-a", "--filter", f"label=io.podman.compose.project={self.project}"], 60).stdout]
-        for service in SERVICES:
+        for service in self.services:
             for name in self.containers(service, include_stopped=True)[:2]:
                 logs = subprocess.run(["podman", "logs", "--tail", "15", name], capture_output=True, text=True)
                 lines.append(f"--- {name}\n{logs.stdout}{logs.stderr}")

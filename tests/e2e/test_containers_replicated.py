@@ -12,6 +12,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 
@@ -45,6 +46,7 @@ class ReplicatedStack(Stack):
     """The stack of test_containers.py with the replicas override and a host port per replica."""
 
     ports: dict[str, int]
+    services: ClassVar[tuple[str, ...]] = SERVICES
 
     def compose(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         files = ["-f", str(COMPOSE_FILE), "-f", str(REPLICAS_FILE)]
@@ -78,14 +80,6 @@ class ReplicatedStack(Stack):
         if follower is None or follower.role != BACKUP or follower.epoch != replication.epoch:
             return None
         return status
-
-    def diagnostics(self) -> str:
-        lines = [run(["podman", "ps", "-a", "--filter", f"label=io.podman.compose.project={self.project}"], 60).stdout]
-        for service in SERVICES:
-            for name in self.containers(service, include_stopped=True)[:2]:
-                logs = subprocess.run(["podman", "logs", "--tail", "15", name], capture_output=True, text=True)
-                lines.append(f"--- {name}\n{logs.stdout}{logs.stderr}")
-        return "\n".join(lines)
 
     def down(self) -> None:
         """As Stack.down, with both files (podman-compose's `down` knows a service by its files)."""

@@ -12,18 +12,23 @@ without it each test is skipped with one line. The figures are in docs/RELIABILI
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from gemps_proto.schema import BACKUP, CANDIDATE, PRIMARY
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.processes import GEMPS_COMMAND
 from gemps_worker.simulated_hosts import Host, SimulatedNetwork
+from tests.counting_fleet import CountingFleet
 from tests.counting_worker import check_exactly_once, check_one_primary_per_epoch, resumed_after
 from tests.helpers import wait_for
 
@@ -43,7 +48,6 @@ class ReplicatedRun:
     replica_hosts: list[Host]
     workers_host: Host
     servers: dict[str, ServerProcess] = field(default_factory=dict)
-    workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
     def target(self) -> str:
@@ -95,33 +99,18 @@ class ReplicatedRun:
         wait_for(settled, 60, "a primary with its backup in sync", explain=self.logs)
         return found[0]
 
+    @functools.cached_property
+    def workers(self) -> CountingFleet:
+        return CountingFleet(self.workers_host, self.folder, self.target)
+
     def start_workers(self, count: int, parameters: int = 20_000, timeout: float = 60.0) -> None:
         """`count` counting workers, each call's deadline `timeout` (the SDK's default: a dead
         server is noticed by keepalives, not by deadlines)."""
-        for index in range(count):
-            argv = [sys.executable, "-m", "tests.counting_worker", "--target", self.target, "--name", f"w{index}",
-                    "--parameters", str(parameters), "--out", str(self.folder / f"w{index}.json"),
-                    "--stop-file", str(self.folder / "stop"), "--timeout", str(timeout)]  # fmt: skip
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-            self.workers.append(self.workers_host.start(argv, log_path=self.folder / f"w{index}.log", env=env))
-        wait_for(
-            lambda: all((self.folder / f"w{index}.json.ready").exists() for index in range(count)),
-            90,
-            "every worker registered",
-            explain=self.logs,
-        )
+        self.workers.start(count, parameters=parameters, timeout=timeout).wait_registered(90, explain=self.logs)
 
     def finish(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Stop the workers; their records and what the primary applied."""
-        (self.folder / "stop").write_text("stop\n")
-        for worker in self.workers:
-            worker.wait(120)
-        records = [json.loads((self.folder / f"w{index}.json").read_text()) for index in range(len(self.workers))]
-        observed = self.on_workers_host(
-            [sys.executable, "-m", "tests.counting_worker", "--observe", "--target", self.target]
-        )
-        assert observed.returncode == 0, observed.stderr
-        return records, json.loads(observed.stdout)
+        return self.workers.finish()
 
     def logs(self) -> str:
         return "\n".join(f"== {path.name}\n{path.read_text()[-3000:]}" for path in sorted(self.folder.glob("*.log")))
@@ -162,72 +151,54 @@ def test_the_primarys_machine_dying_loses_no_acknowledged_commit(network: Simula
     assert recovery < RESUMES_WITHIN
 
 
-def test_cut_cables_give_one_primary_per_epoch_and_the_old_primary_rejoins(
-    network: SimulatedNetwork, tmp_path: Path
+@pytest.mark.parametrize("alone", [False, True], ids=["cables", "links"])
+def test_cuts_give_one_primary_per_epoch_and_the_old_primary_rejoins(
+    network: SimulatedNetwork, tmp_path: Path, alone: bool
 ) -> None:
-    """The backup's cable is cut (primary and backup apart: the primary drops it and goes on
-    alone), healed (re-seeded), then the primary's (cut off from etcd, its backup and its workers:
-    the backup is promoted, the old primary stops acknowledging when its lease runs out), healed:
-    the old primary rejoins as a backup and catches up. Nothing acknowledged by either is lost,
-    nothing applied twice."""
+    """Primary and backup are parted, then healed; then the primary and etcd, then healed.
+
+    - cables: the backup's cable is cut (the primary drops it and goes on alone), healed (re-seeded),
+      then the primary's (cut off from etcd, its backup and its workers: the backup is promoted,
+      the old primary stops acknowledging when its lease runs out), healed.
+    - links, partitions of the network rather than of a machine (every host keeps its cable): the
+      backup no longer hears the primary but still reaches etcd and the workers, and must not be
+      promoted (the primary drops it from the in-sync set first); then the primary no longer hears
+      etcd while its workers and backup still reach it: it answers them, but as a replica that is
+      not primary, and the backup takes over.
+
+    Either way the old primary rejoins as a backup and catches up, one replica acknowledges per
+    epoch, nothing acknowledged is lost, nothing applied twice."""
     run = start_replicated(network, tmp_path)
     primary = run.primary()
     backup = other(run, primary)
+
+    def part(host: Host, far: Host) -> Callable[[], None]:
+        """Part `host` from `far` alone (links), or pull `host`'s cable (cables); returns the heal."""
+        if alone:
+            network.cut_between(host, far)
+            return lambda: network.heal_between(host, far)
+        network.cut(host)
+        return lambda: network.heal(host)
+
+    unreachable = ""  # the role run.replication reports for a replica it cannot reach
     run.start_workers(3)
     time.sleep(2.0)
-    network.cut(backup)
-    time.sleep(8.0)
-    during = run.replication(primary)
-    assert during["role"] == "primary" and not any(b["in_sync"] for b in during["backups"]), during
-    network.heal(backup)
-    assert run.primary() is primary  # the backup re-seeded and in sync again; the primary never changed
-    epoch = during["epoch"]
-    network.cut(primary)
-    cut = time.time()
-    time.sleep(8.0)
-    promoted = run.replication(backup)
-    assert promoted["role"] == "primary" and promoted["epoch"] > epoch, promoted
-    network.heal(primary)
-    assert run.primary() is backup  # the old primary is its backup now, in sync
-    time.sleep(2.0)
-    records, observed = run.finish()
-    applied = check_exactly_once(records, observed)
-    epochs = check_one_primary_per_epoch(records)
-    assert epochs == {str(epoch): [f"{primary.address}:{PORT}"], str(promoted["epoch"]): [f"{backup.address}:{PORT}"]}
-    recovery = resumed_after(records, cut)
-    print(f"cables cut and healed: {applied[0]} applied, none lost or twice; resumed {recovery:.2f} s after the cut")
-    assert recovery < RESUMES_WITHIN
-
-
-def test_a_primary_cut_from_its_backup_then_from_etcd_alone(network: SimulatedNetwork, tmp_path: Path) -> None:
-    """Partitions of the network, not of a machine: every host keeps its cable. First primary and
-    backup no longer hear each other (the backup still reaches etcd and the workers: it must not be
-    promoted, for the primary drops it from the in-sync set first); healed, the backup is re-seeded.
-    Then the primary no longer hears etcd while its workers and backup still reach it: its lease
-    runs out, it stops acknowledging (its workers are refused, not answered), the backup is
-    promoted; healed, the old primary rejoins as a backup. One replica acknowledges per epoch,
-    nothing acknowledged is lost, nothing applied twice."""
-    run = start_replicated(network, tmp_path)
-    primary = run.primary()
-    backup = other(run, primary)
-    run.start_workers(3)
-    time.sleep(2.0)
-    network.cut_between(primary, backup)
+    heal = part(backup, primary)
     apart = time.time()
     time.sleep(8.0)
     during = run.replication(primary)
     assert during["role"] == "primary" and not any(b["in_sync"] for b in during["backups"]), during
-    assert run.replication(backup)["role"] == "backup"  # reachable, never promoted
-    network.heal_between(primary, backup)
-    assert run.primary() is primary  # re-seeded, in sync; the primary never changed
+    assert run.replication(backup)["role"] == (BACKUP if alone else unreachable)  # never promoted
+    heal()
+    assert run.primary() is primary  # the backup re-seeded and in sync again; the primary never changed
     epoch = during["epoch"]
-    network.cut_between(primary, run.etcd_host)
+    heal = part(primary, run.etcd_host)
     cut = time.time()
     time.sleep(8.0)
     promoted, fenced = run.replication(backup), run.replication(primary)
-    assert promoted["role"] == "primary" and promoted["epoch"] > epoch, promoted
-    assert fenced["role"] != "primary", fenced  # it answers, but no longer as primary
-    network.heal_between(primary, run.etcd_host)
+    assert promoted["role"] == PRIMARY and promoted["epoch"] > epoch, promoted
+    assert fenced["role"] == (CANDIDATE if alone else unreachable), fenced  # answers, not as primary
+    heal()
     assert run.primary() is backup  # the old primary is its backup now, in sync
     time.sleep(2.0)
     records, observed = run.finish()
@@ -236,7 +207,8 @@ def test_a_primary_cut_from_its_backup_then_from_etcd_alone(network: SimulatedNe
     assert epochs == {str(epoch): [f"{primary.address}:{PORT}"], str(promoted["epoch"]): [f"{backup.address}:{PORT}"]}
     dropped, recovery = resumed_after(records, apart, until=cut), resumed_after(records, cut)
     print(
-        f"links cut and healed: {applied[0]} applied, none lost or twice; resumed {dropped:.2f} s after primary "
-        f"and backup were parted (the backup dropped), {recovery:.2f} s after primary and etcd were"
+        f"{'links' if alone else 'cables'} cut and healed: {applied[0]} applied, none lost or twice; resumed "
+        f"{dropped:.2f} s after primary and backup were parted (the backup dropped), {recovery:.2f} s after the "
+        "primary and etcd were"
     )
     assert max(dropped, recovery) < RESUMES_WITHIN

@@ -11,8 +11,8 @@ root: without it each test is skipped with one line. The figures are in docs/REL
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import subprocess
 import sys
 import time
@@ -31,6 +31,7 @@ from gemps_worker.simulated_hosts import (
     SimulatedNetwork,
     shared_folder_unavailable_reason,
 )
+from tests.counting_fleet import CountingFleet
 from tests.counting_worker import check_exactly_once, resumed_after
 from tests.helpers import wait_for
 
@@ -49,7 +50,6 @@ class Run:
     partitions: list[Host]
     workers_host: Host
     servers: list[ServerProcess]
-    workers: list[subprocess.Popen[bytes]]
     storage: SharedFolder | None = None  # checkpoints on a storage host, else in the local folder
     checkpoint_every: int = CHECKPOINT_EVERY
     healed: float = 0.0  # when the last cut cable came back (time.time())
@@ -60,7 +60,11 @@ class Run:
 
     @property
     def mark_file(self) -> Path:
-        return self.folder / "mark"
+        return self.workers.mark_file
+
+    @functools.cached_property
+    def workers(self) -> CountingFleet:
+        return CountingFleet(self.workers_host, self.folder, self.target)
 
     @property
     def addresses_file(self) -> Path:
@@ -95,33 +99,16 @@ class Run:
         self.addresses_file.write_text(",".join(f"{host.address}:{PORT}" for host in hosts) + "\n")
 
     def start_workers(self, *, parameters: int, plane: str, timeout: float = 5.0) -> None:
-        for index in range(WORKERS):
-            argv = [sys.executable, "-m", "tests.counting_worker", "--target", self.target, "--name", f"w{index}",
-                    "--parameters", str(parameters), "--out", str(self.folder / f"w{index}.json"),
-                    "--stop-file", str(self.folder / "stop"), "--timeout", str(timeout),
-                    "--mark-file", str(self.mark_file)]  # fmt: skip
-            env = {**os.environ, "GEMPS_PLANE": plane, "GEMPS_SHARED_MEMORY": "on", "PYTHONUNBUFFERED": "1"}
-            self.workers.append(self.workers_host.start(argv, log_path=self.folder / f"w{index}.log", env=env))
+        self.workers.start(
+            WORKERS, parameters=parameters, timeout=timeout, env={"GEMPS_PLANE": plane, "GEMPS_SHARED_MEMORY": "on"}
+        )
 
     def wait_registered(self, timeout: float = 60.0) -> None:
-        wait_for(
-            lambda: all((self.folder / f"w{index}.json.ready").exists() for index in range(WORKERS)),
-            timeout,
-            "every worker registered",
-            explain=self.logs,
-        )
+        self.workers.wait_registered(timeout, explain=self.logs)
 
     def finish(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Stop the workers; their records and what the partitions applied."""
-        (self.folder / "stop").write_text("stop\n")
-        for worker in self.workers:
-            worker.wait(120)
-        records = [json.loads((self.folder / f"w{index}.json").read_text()) for index in range(WORKERS)]
-        observe = [sys.executable, "-m", "tests.counting_worker", "--observe", "--target", self.target]
-        observed = subprocess.run(
-            self.workers_host.command(observe), capture_output=True, text=True, timeout=120, check=True
-        )
-        return records, json.loads(observed.stdout)
+        return self.workers.finish()
 
     def cut_partition_1(self, then: float) -> None:
         """With commits flowing on both links for 2 s, partition 1's cable cut for 8 s, then healed;
@@ -149,7 +136,7 @@ def start_run(
 ) -> Run:
     """Partitions 0 and 1 on hosts of their own (partition 0's cable shaped to `first_rate`)."""
     hosts = [network.add_host("p0", first_rate), network.add_host("p1")]
-    run = Run(network, folder, hosts, network.add_host("w"), [], [], storage)
+    run = Run(network, folder, hosts, network.add_host("w"), [], storage)
     run.place(hosts)
     for index, host in enumerate(hosts):
         run.start_partition(index, host)
@@ -260,7 +247,7 @@ def test_training_survives_its_partition_host_and_reaches_the_demos_bar(
     the partition comes back on a spare host: every worker finishes its budget, and the central
     variable reaches the demo's held-out bar (tests/e2e/test_demo.py: 90%)."""
     hosts = [network.add_host("p0"), network.add_host("p1")]
-    run = Run(network, tmp_path, hosts, network.add_host("w"), [], [])
+    run = Run(network, tmp_path, hosts, network.add_host("w"), [])
     run.place(hosts)
     for index, host in enumerate(hosts):
         run.start_partition(index, host, rule="gem", shards=TRAINERS)
