@@ -228,7 +228,7 @@ class Forwarder:
     def _receive(self, link: _Link) -> None:
         try:
             while True:
-                frame = frames.receive(link.sock)
+                frame = frames.receive(link.sock, max_body=0)  # acks are headers alone
                 if frame.kind != frames.ACK:
                     raise frames.StreamClosed(f"a backup sent {frame.kind!r}, not an acknowledgement")
                 link.acked = max(link.acked, int(frame.header["position"]))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,9 @@ _PREFIX = struct.Struct("<IQ")
 MAX_HEADER_BYTES = 1 << 20
 # What one frame's body may hold: a seed carries θ and every worker's rule state.
 MAX_BODY_BYTES = 1 << 40
+#: what a frame from a peer not yet known may hold (a hello: a header, no body); read before the
+#: token is checked, so it is all an unknown peer can make a replica hold (DESIGN §3b)
+HELLO_HEADER_BYTES = 4096
 
 #: backup -> primary: who it is (name, incarnation, token, the epoch it expects)
 HELLO = "hello"
@@ -73,13 +77,24 @@ def send(sock: socket.socket, frame: Frame) -> None:
             buffers[0] = buffers[0][sent:]
 
 
-def receive(sock: socket.socket) -> Frame:
-    """The next frame; StreamClosed at the end of the stream or on a malformed frame."""
-    header_bytes, body_bytes = _PREFIX.unpack(_read(sock, _PREFIX.size))
-    if header_bytes > MAX_HEADER_BYTES or body_bytes > MAX_BODY_BYTES:
-        raise StreamClosed(f"replication frame of {header_bytes} + {body_bytes} bytes: not from a gemps replica")
+def receive(
+    sock: socket.socket,
+    *,
+    max_header: int = MAX_HEADER_BYTES,
+    max_body: int = MAX_BODY_BYTES,
+    deadline: float | None = None,
+) -> Frame:
+    """The next frame; StreamClosed at the end of the stream, on a malformed frame or one past the
+    bounds (checked before anything past the prefix is read). `deadline` (time.monotonic()): the
+    whole frame must have arrived by then (socket.timeout otherwise), however slowly it trickles."""
+    header_bytes, body_bytes = _PREFIX.unpack(_read(sock, _PREFIX.size, deadline))
+    if header_bytes > max_header or body_bytes > max_body:
+        raise StreamClosed(
+            f"replication frame of {header_bytes} + {body_bytes} bytes (at most {max_header} + {max_body} here): "
+            "not from a gemps replica"
+        )
     try:
-        header = json.loads(_read(sock, header_bytes))
+        header = json.loads(_read(sock, header_bytes, deadline))
         kind, lengths = header.pop("kind"), header.pop("blobs")
     except (ValueError, KeyError, TypeError) as error:
         raise StreamClosed(f"malformed replication frame header: {error}") from None
@@ -89,7 +104,7 @@ def receive(sock: socket.socket) -> Frame:
         or sum(lengths) != body_bytes
     ):
         raise StreamClosed("replication frame: blob lengths do not add up to its body")
-    body = memoryview(_read(sock, body_bytes))
+    body = memoryview(_read(sock, body_bytes, deadline))
     blobs, start = [], 0
     for length in lengths:
         blobs.append(body[start : start + length])
@@ -97,10 +112,15 @@ def receive(sock: socket.socket) -> Frame:
     return Frame(str(kind), header, blobs)
 
 
-def _read(sock: socket.socket, count: int) -> bytearray:
+def _read(sock: socket.socket, count: int, deadline: float | None = None) -> bytearray:
     data = bytearray(count)
     view, done = memoryview(data), 0
     while done < count:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"replication frame: {done} of {count} bytes by its deadline")
+            sock.settimeout(left)
         got = sock.recv_into(view[done:], count - done)
         if not got:
             raise StreamClosed("the replication stream's peer closed it")

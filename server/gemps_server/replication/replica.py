@@ -14,6 +14,7 @@ import hmac
 import logging
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable
 
@@ -34,6 +35,9 @@ log = logging.getLogger("gemps.server")
 
 #: seconds before a backup dials its primary again after the stream ended
 REDIAL_SECONDS = 0.5
+#: connections to the replication listener that have not said hello yet, at most: past it a new
+#: one is closed at once (each holds a thread and at most a hello's bytes for CONNECT_SECONDS)
+MAX_GREETINGS = 8
 
 
 class Replica:
@@ -66,6 +70,7 @@ class Replica:
         self.applied = 0  # entries applied from primaries, over this process's life
         self._stopped = False
         self._started = False
+        self._greetings = threading.BoundedSemaphore(MAX_GREETINGS)
 
     @staticmethod
     def incarnation() -> str:
@@ -215,16 +220,29 @@ class Replica:
     def _accept(self) -> None:
         while not self._stopped:
             try:
-                sock, _address = self._listener.accept()
+                sock, address = self._listener.accept()
             except OSError:
                 return
+            if not self._greetings.acquire(blocking=False):
+                event(log, "replication connection refused", level=logging.WARNING, peer=address[0],
+                      reason=f"{MAX_GREETINGS} connections are already saying hello")  # fmt: skip
+                sock.close()
+                continue
             threading.Thread(target=self._greet, args=(sock,), name="gemps-replication-hello", daemon=True).start()
 
     def _greet(self, sock: socket.socket) -> None:
         try:
-            sock.settimeout(CONNECT_SECONDS)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = frames.receive(sock)
+            # Read before the token is checked: a hello's bytes at most, in CONNECT_SECONDS at most.
+            deadline = time.monotonic() + CONNECT_SECONDS
+            hello = frames.receive(sock, max_header=frames.HELLO_HEADER_BYTES, max_body=0, deadline=deadline)
+        except (OSError, ValueError) as error:
+            event(log, "replication hello failed", level=logging.WARNING, error=str(error))
+            sock.close()
+            return
+        finally:
+            self._greetings.release()
+        try:
             header = hello.header
             refusal = self._refusal(hello)
             if refusal:

@@ -1,0 +1,105 @@
+"""The replication listener against peers that are not gemps replicas (DESIGN §3b, memory before
+trust): before a peer's hello is checked it can make a replica hold a hello's bytes, for
+CONNECT_SECONDS, on one of MAX_GREETINGS connections, and nothing more; replication goes on.
+A real primary (in this process, with a real etcd) and raw sockets."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import gemps
+from gemps_server.replication.follower import CONNECT_SECONDS
+from gemps_server.replication.local_etcd import LocalEtcd
+from gemps_server.replication.replica import MAX_GREETINGS
+from tests.etcd_server import etcd_server
+from tests.helpers import InProcessServer
+from tests.integration.conftest import StartServer
+from tests.integration.test_replicas import replica_options, wait_replicated
+
+PREFIX = struct.Struct("<IQ")  # a replication frame's: header bytes, body bytes
+
+
+@pytest.fixture
+def etcd() -> Iterator[LocalEtcd]:
+    with etcd_server() as running:
+        yield running
+
+
+def dial(server: InProcessServer) -> socket.socket:
+    port = server.server.replication_port
+    assert port > 0
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+def closed_within(sock: socket.socket, seconds: float) -> float | None:
+    """Seconds until the replica closed `sock` (reading whatever it sent first); None if it was
+    still open after `seconds`."""
+    started = time.monotonic()
+    sock.settimeout(0.1)
+    while time.monotonic() - started < seconds:
+        try:
+            if not sock.recv(65536):
+                return time.monotonic() - started
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return time.monotonic() - started
+    return None
+
+
+def test_a_frame_claiming_a_huge_body_before_any_hello_is_refused_at_its_prefix(
+    start_server: StartServer, etcd: LocalEtcd
+) -> None:
+    primary = start_server(rule="downpour", **replica_options(etcd, 0, "huge"))
+    wait_replicated([primary])
+    with dial(primary) as sock:
+        sock.sendall(PREFIX.pack(64, 1 << 39))  # 512 GiB to follow, it says
+        assert closed_within(sock, 3.0) is not None, "the replica waited for a body no hello has"
+
+
+def test_a_hello_trickled_byte_by_byte_is_cut_off_after_connect_seconds(
+    start_server: StartServer, etcd: LocalEtcd
+) -> None:
+    primary = start_server(rule="downpour", **replica_options(etcd, 0, "trickle"))
+    wait_replicated([primary])
+    with dial(primary) as sock:
+        sock.sendall(PREFIX.pack(4000, 0))
+        started, closed = time.monotonic(), False
+        while time.monotonic() - started < CONNECT_SECONDS + 5:
+            try:
+                sock.sendall(b" ")  # a byte at a time: every read succeeds, the hello never ends
+            except OSError:
+                closed = True
+                break
+            if closed_within(sock, 0.5) is not None:
+                closed = True
+                break
+        waited = time.monotonic() - started
+    assert closed, f"a hello trickled for {waited:.1f} s was still being read"
+    assert waited < CONNECT_SECONDS + 2
+
+
+def test_connections_past_the_greeting_budget_are_closed_and_a_backup_still_joins(
+    start_server: StartServer, etcd: LocalEtcd
+) -> None:
+    primary = start_server(rule="downpour", **replica_options(etcd, 0, "flood"))
+    wait_replicated([primary])
+    silent = [dial(primary) for _ in range(MAX_GREETINGS)]
+    try:
+        time.sleep(0.5)  # each is accepted and waiting for its hello
+        with dial(primary) as extra:
+            assert closed_within(extra, 3.0) is not None, "a connection past the budget was kept"
+    finally:
+        for sock in silent:
+            sock.close()
+    backup = start_server(rule="downpour", **replica_options(etcd, 1, "flood"))
+    assert wait_replicated([primary, backup]) is primary
+    with gemps.Client(primary.target, name="w") as client:
+        client.register({"w": np.zeros(10, np.float32)})
+        assert client.commit(np.ones(10, np.float32), kind="update").epochs[0] > 0
