@@ -129,6 +129,9 @@ class DataPlaneTransport:
         self._tls: ssl.SSLContext | None = connection.ssl_context() if connection.tls else None
         self._offer: DataPlane | None = None  # the newest registration's port and ticket
         self._worker_id = ""  # whose registration the offer is
+        # A ticket of a registration made with another replica of this partition (resume()): this
+        # server's port for it is asked of its Status by the next call that needs it.
+        self._resumed: bytes | None = None
         self.state = Link.NOT_OFFERED
         self._connection: DataConnection | None = None  # CONNECTED and SHARED only
         self._retry_at: float | None = None  # FELL_BACK only: when to try the data plane again
@@ -183,10 +186,30 @@ class DataPlaneTransport:
         self._attach(registered.registration)
         return registered
 
+    def resume(self, registration: Registration) -> None:
+        """A registration made with another replica of this partition: the replicas share its
+        worker and the key of its ticket, so its ticket opens this server's data plane too, at the
+        port this server's Status says, asked by the next commit or pull (a failover: the SDK goes
+        on at the new primary on the data plane, without registering again)."""
+        if registration.data_plane is not None and self._offer is None and not self.fell_back:
+            self._worker_id, self._resumed = registration.worker_id, registration.data_plane.ticket
+
+    def _offer_here(self) -> None:
+        """The resumed registration's offer at this server: its data plane's port from Status (which
+        raises while the server is down: the call's retry asks again), with the ticket we hold."""
+        assert self._resumed is not None
+        here = self.grpc.status().data_plane
+        ticket, self._resumed = self._resumed, None
+        if here is None:
+            log.debug("%s offers no data plane: using gRPC", self.target)
+            return
+        self._offer = DataPlane(here.port, ticket, here.local_socket)
+        self._become(Link.OFFERED)
+
     def _attach(self, registration: Registration) -> None:
         """Take a registration's offer and connect now: a port that cannot be reached is found at
         once, while gRPC has just answered (later, a server restarting looks the same)."""
-        self._offer, self._worker_id = registration.data_plane, registration.worker_id
+        self._offer, self._worker_id, self._resumed = registration.data_plane, registration.worker_id, None
         if self.fell_back:
             return
         self._become(Link.NOT_OFFERED if self._offer is None else Link.OFFERED)
@@ -292,6 +315,8 @@ class DataPlaneTransport:
     def _ready(self, worker_id: str, shared_bytes: int = 0) -> DataConnection | None:
         """The connection for a call by `worker_id`, opened again if it broke, with `shared_bytes`
         of shared memory attached where it can be (a local connection); None: gRPC."""
+        if self._resumed is not None and worker_id and worker_id == self._worker_id:
+            self._offer_here()
         due = self._retry_at is not None and _now() >= self._retry_at
         if due and self._offer is not None and worker_id and worker_id == self._worker_id:
             self._try_again()
@@ -366,7 +391,7 @@ class DataPlaneTransport:
         try:
             self.grpc.leave(worker_id)
         finally:  # the registration, and so its ticket, is gone
-            self._offer, self._worker_id = None, ""
+            self._offer, self._worker_id, self._resumed = None, "", None
             if not self.fell_back:
                 self._become(Link.NOT_OFFERED)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from gemps import errors
-from gemps.records import Evaluation, ServerStatus
+from gemps.records import Evaluation, Registration, ServerStatus
 from gemps.transport import (
     CommitCall,
     Committed,
@@ -33,11 +33,19 @@ Follow = Callable[[], Transport | None]
 
 
 class FollowingTransport:
-    """`transport`, replaced by the one `follow` gives after a failure when its server moved."""
+    """`transport`, replaced by the one `follow` gives after a failure when its server moved; the
+    new one is handed `registered()`, the session's registration (another replica of a partition
+    knows it: its data plane takes the same ticket)."""
 
-    def __init__(self, transport: Transport, follow: Follow | None = None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        follow: Follow | None = None,
+        registered: Callable[[], Registration | None] | None = None,
+    ) -> None:
         self.transport = transport
         self.follow = follow
+        self.registered = registered
         self.moves = 0  # how often it followed its server to another address
         self._suspect = False  # a call failed in a way worth another attempt: the server may have moved
         # Whether a call succeeded since the last move: only the first move after one is worth a
@@ -77,6 +85,9 @@ class FollowingTransport:
     def report_evaluation(self, evaluation: Evaluation) -> None:
         self._call(lambda transport: transport.report_evaluation(evaluation))
 
+    def resume(self, registration: Registration) -> None:
+        self.transport.resume(registration)
+
     def close(self) -> None:
         self.transport.close()
 
@@ -100,3 +111,6 @@ class FollowingTransport:
         log.log(level, "%s moved to %s: following it", self.transport.target, moved.target)
         self.transport.close()
         self.transport, self.moves, self._answered = moved, self.moves + 1, False
+        registration = self.registered() if self.registered is not None else None
+        if registration is not None:
+            moved.resume(registration)

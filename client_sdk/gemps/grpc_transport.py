@@ -255,6 +255,9 @@ class GrpcTransport:
             reply = self.stub.Status(pb.StatusRequest(), timeout=self.timeout, metadata=self.metadata)
         return shared.status_from_proto(reply)
 
+    def resume(self, registration: Registration) -> None:
+        """Nothing to take: every gRPC call carries its worker id."""
+
     def report_evaluation(self, evaluation: Evaluation) -> None:
         report = shared.evaluation_to_proto(evaluation)
         with _typed_errors():

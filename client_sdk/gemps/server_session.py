@@ -40,7 +40,7 @@ class ServerSession:
     """One server process (all of θ, or one partition of it) and what the client holds of it."""
 
     def __init__(self, transport: Transport, retrier: Retrier, follow: Follow | None = None) -> None:
-        self.link = FollowingTransport(transport, follow)  # every call goes through it
+        self.link = FollowingTransport(transport, follow, lambda: self.registration)  # every call goes through it
         self.retrier = retrier
         self.start = 0  # the range of θ this server holds: [start, stop)
         self.stop = 0

@@ -123,6 +123,12 @@ class Transport(Protocol):
 
     def report_evaluation(self, evaluation: Evaluation) -> None: ...
 
+    def resume(self, registration: Registration) -> None:
+        """Serve `registration`, made with another replica of this server's partition (replicas
+        share registrations): a transport that made more of a registration than its worker id (the
+        data plane's ticket) makes the same of this one. No I/O."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -456,3 +456,4 @@ class ServerStatus:
     lease_ttl_seconds: float = 0.0  # a worker unseen this long is evicted (0: not said)
     gradient_noise: GradientNoise = field(default_factory=GradientNoise)  # this partition's sums
     replication: ReplicationStatus | None = None  # set when the partition is replicated: this replica's
+    data_plane: DataPlane | None = None  # where this server's data plane listens (no ticket); None: off

@@ -118,8 +118,8 @@ def data_plane_to_proto(data_plane: DataPlane | None) -> pb.DataPlane | None:
     return pb.DataPlane(port=data_plane.port, ticket=data_plane.ticket, local_socket=data_plane.local_socket)
 
 
-def data_plane_from_proto(message: pb.RegisterResponse) -> DataPlane | None:
-    """The data plane a Register reply announces; None when the server offers none."""
+def data_plane_from_proto(message: pb.RegisterResponse | pb.StatusResponse) -> DataPlane | None:
+    """The data plane a Register reply offers (a Status reply: says, with no ticket); None: none."""
     if not message.HasField("data_plane"):
         return None
     offer = message.data_plane
@@ -217,6 +217,7 @@ def status_to_proto(status: ServerStatus) -> pb.StatusResponse:
         workers=[pb.WorkerStatus(**dataclasses.asdict(worker)) for worker in status.workers],
         lease_ttl_seconds=status.lease_ttl_seconds,
         replication=replication_to_proto(status.replication),
+        data_plane=data_plane_to_proto(status.data_plane),
     )
 
 
@@ -246,4 +247,5 @@ def status_from_proto(message: pb.StatusResponse) -> ServerStatus:
         ),
         lease_ttl_seconds=message.lease_ttl_seconds,
         replication=replication_from_proto(message),
+        data_plane=data_plane_from_proto(message),
     )

@@ -32,7 +32,7 @@ from gemps_server.logs import event
 from gemps_server.metrics import ServerMetrics, exposed
 from gemps_server.replication.election import Election, Member
 from gemps_server.replication.replica import Replica, listen
-from gemps_server.security import exposure_warnings, server_credentials
+from gemps_server.security import Tickets, exposure_warnings, server_credentials
 from gemps_server.service import ParameterService
 from gemps_server.wire.data_plane import DataPlaneServer
 from gemps_server.wire.grpc_servicer import GempsServicer, add_to_server
@@ -71,6 +71,8 @@ class ParameterServer:
         self.checkpointer = (
             Checkpointer(config, self.state, self.applier, self.metrics) if config.checkpoint_dir else None
         )
+        # Data-plane tickets: one key for every replica of the partition (a backup adopts its primary's).
+        tickets = Tickets()
         # A replicated partition's replica (its role decided by etcd, once started); None: no replicas.
         self.replica = (
             Replica(
@@ -79,6 +81,7 @@ class ParameterServer:
                 config.replicas,
                 config.replica_timeout,
                 config.token(),
+                tickets,
                 on_applied=self._replayed,
             )
             if config.replicas > 1
@@ -91,6 +94,7 @@ class ParameterServer:
             self.metrics,
             on_committed=self.checkpointer.committed if self.checkpointer is not None else None,
             replicas=self.replica,
+            tickets=tickets,
         )
         if self.replica is not None:
             self.metrics.replication(self.replica.status)

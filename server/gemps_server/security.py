@@ -132,10 +132,24 @@ class RateLimiter:
 class Tickets:
     """Data-plane tickets (DESIGN §3c): HMAC-SHA256 of a worker id and its client id under a key
     drawn at random when the process starts, so only this process can issue them, a ticket
-    proves one registration, and none outlives the process. Compared in constant time."""
+    proves one registration, and none outlives the process. Compared in constant time. The
+    replicas of a partition share one key (a backup adopts its primary's when seeded, DESIGN §3d),
+    as they share registrations: a worker's ticket still opens the data plane after a failover."""
+
+    KEY_BYTES = 32
 
     def __init__(self) -> None:
-        self._key = secrets.token_bytes(32)
+        self._key = secrets.token_bytes(self.KEY_BYTES)
+
+    @property
+    def key(self) -> bytes:
+        return self._key
+
+    def adopt(self, key: bytes) -> None:
+        """Issue and check tickets under `key` from now on (a primary's, sent with its seed)."""
+        if len(key) != self.KEY_BYTES:
+            raise ValueError(f"a ticket key is {self.KEY_BYTES} bytes, not {len(key)}")
+        self._key = bytes(key)
 
     def issue(self, worker_id: str, client_id: str) -> bytes:
         message = f"{worker_id}\0{client_id}".encode("utf-8", "surrogateescape")

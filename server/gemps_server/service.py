@@ -90,6 +90,7 @@ class ParameterService:
         metrics: ServerMetrics,
         on_committed: Callable[[int], None] | None = None,
         replicas: Replicas | None = None,
+        tickets: Tickets | None = None,
     ) -> None:
         self.config = config
         # None: no replicas (every answer is this process's alone).
@@ -105,7 +106,8 @@ class ParameterService:
         # and the name of its local socket for clients on this host ("": none).
         self.data_plane_port: int | None = None
         self.data_plane_local = ""
-        self._tickets = Tickets()
+        # Shared with this replica's replication when replicated (its partition's one key).
+        self._tickets = tickets or Tickets()
         self._rejected_lock = threading.Lock()  # refusals are counted from several threads
         self._registrations = RateLimiter(config.max_registrations_per_minute)
         self._started = time.monotonic()
@@ -427,6 +429,11 @@ class ParameterService:
             workers=state.registry.listing(),
             lease_ttl_seconds=state.registry.lease_ttl,
             replication=self.replicas.status() if self.replicas is not None else None,
+            data_plane=(
+                None
+                if self.data_plane_port is None
+                else DataPlane(self.data_plane_port, b"", self.data_plane_local)  # no ticket: a registration's
+            ),
         )
 
     def layout(self) -> Layout | None:

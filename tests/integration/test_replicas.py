@@ -171,6 +171,7 @@ def test_sigkill_of_the_primary_loses_no_acknowledged_commit(
     killed = time.monotonic()
     loops.wait_each(5, 60, "5 more commits per worker, at the promoted backup")
     resumed = time.monotonic() - killed
+    planes = [client.planes for client in loops.clients]  # before they leave
     loops.stop()
     assert not loops.failures, loops.failures
     with gemps.Client(survivor.target, timeout=5) as observer:
@@ -178,6 +179,8 @@ def test_sigkill_of_the_primary_loses_no_acknowledged_commit(
         theta = observer.pull().flat
     assert status.replication is not None and status.replication.role == PRIMARY
     assert theta.min() == theta.max() == status.version == sum(loops.acked)
+    # The workers went on on the data plane: their tickets open the promoted backup's too.
+    assert planes == [["data"]] * workers
     print(f"SIGKILL of the primary: {sum(loops.acked)} acknowledged, all applied once; resumed within {resumed:.1f} s")
     assert resumed < 15 * LEASE
     # At most two moves worth a warning per worker: to the primary at registration, to the new one.

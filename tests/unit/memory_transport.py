@@ -174,6 +174,9 @@ class MemoryServer:
         self._attempt("report_evaluation")
         self.evaluations.append(evaluation)
 
+    def resume(self, registration: Registration) -> None:
+        self.events.append(f"resume {self.target} {registration.worker_id}")
+
     def close(self) -> None:
         self.closed = True
 

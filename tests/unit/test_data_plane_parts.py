@@ -6,6 +6,8 @@ import select
 import socket
 import threading
 
+import pytest
+
 from gemps_proto.data_plane_protocol import advance
 from gemps_server.security import Tickets
 from gemps_server.wire.data_plane_io import Channel, pieces
@@ -40,6 +42,16 @@ def test_a_ticket_proves_one_worker_of_one_client_to_this_process_only() -> None
     assert not tickets.valid(ticket, "worker-1", "client-b")
     assert not tickets.valid(ticket, "worker-1\0client-a", "")  # the separator cannot be forged
     assert not Tickets().valid(ticket, "worker-1", "client-a")  # another process's key
+
+
+def test_a_backup_that_adopts_its_primarys_key_takes_the_primarys_tickets() -> None:
+    primary, backup = Tickets(), Tickets()
+    ticket = primary.issue("worker-1", "client-a")
+    assert not backup.valid(ticket, "worker-1", "client-a")
+    backup.adopt(primary.key)
+    assert backup.valid(ticket, "worker-1", "client-a")
+    with pytest.raises(ValueError, match="32 bytes"):
+        backup.adopt(b"short")
 
 
 def test_writes_go_out_whole_and_in_order_from_several_pieces() -> None:

@@ -31,6 +31,9 @@ def applier() -> Iterator[Applier]:
     running.stop()
 
 
+TICKET_KEY = bytes(range(32))
+
+
 def primary(applier: Applier, in_sync: list[list[Peer]]) -> tuple[ServerState, Forwarder, str]:
     state = ServerState(training("downpour"), WorkerRegistry(max_workers=4, lease_ttl=3600))
 
@@ -38,7 +41,9 @@ def primary(applier: Applier, in_sync: list[list[Peer]]) -> tuple[ServerState, F
         in_sync.append(list(peers))
         return True
 
-    journal = Forwarder(state, applier, epoch=3, set_in_sync=set_in_sync, holds=lambda: True, timeout=5.0)
+    journal = Forwarder(
+        state, applier, epoch=3, set_in_sync=set_in_sync, holds=lambda: True, timeout=5.0, ticket_key=TICKET_KEY
+    )
     state.journal = journal
     worker = state.register("w", (ParameterSpec("w", (P,)),), encoded(np.zeros(P, np.float32))).worker.worker_id
     return state, journal, worker
@@ -76,7 +81,9 @@ def test_a_seeded_backup_joins_the_in_sync_set_and_commits_wait_for_it(applier: 
     with ours, theirs:
         journal.attach(Peer("backup", "i1"), ours)
         seed = frames.receive(theirs)
-        assert seed.kind == frames.SEED and seed.header == {"epoch": 3, "position": journal.last}
+        # The seed carries the data plane's ticket key: the backup's data plane takes the same tickets.
+        assert seed.kind == frames.SEED
+        assert seed.header == {"epoch": 3, "position": journal.last, "tickets": TICKET_KEY.hex()}
         frames.send(theirs, frames.Frame(frames.ACK, {"position": seed.header["position"]}))
         wait_for(lambda: in_sync == [[Peer("backup", "i1")]], 10, "the backup in sync")
         position = commit(state, worker, 1)

@@ -69,12 +69,14 @@ class Follower:
         token: str,
         on_end: Callable[[str], None],
         on_applied: Callable[[int], None] | None = None,
+        adopt_ticket_key: Callable[[bytes], None] | None = None,
     ) -> None:
         self._state, self._applier, self._me = state, applier, me
         self.primary, self.epoch = primary, epoch
         self._token = token
         self._on_end = on_end
         self._on_applied = on_applied  # with the version after each entry applied (checkpoints)
+        self._adopt_ticket_key = adopt_ticket_key  # the primary's, from its seed (data-plane tickets)
         self.applied = 0  # entries applied from this primary
         self.seeded = False
         self._stopped = False
@@ -134,6 +136,8 @@ class Follower:
                 image = image_codec.decode(bytes(frame.blobs[0]))
                 _on_applier(self._applier, functools.partial(self._state.adopt, image))
                 del image
+                if self._adopt_ticket_key is not None and frame.header.get("tickets"):
+                    self._adopt_ticket_key(bytes.fromhex(str(frame.header["tickets"])))
                 position = int(frame.header["position"])
                 self.seeded = True
                 sock.settimeout(frames.SILENCE_SECONDS)  # from now on a live primary beats when idle

@@ -99,8 +99,10 @@ class Forwarder:
         set_in_sync: Callable[[Iterable[Peer]], bool],
         holds: Callable[[], bool],
         timeout: float,
+        ticket_key: bytes = b"",
     ) -> None:
         self._state = state
+        self._ticket_key = ticket_key  # sent with each seed: the backups' data planes take the same tickets
         self._applier = applier
         self.epoch = epoch
         self._set_in_sync = set_in_sync
@@ -206,7 +208,7 @@ class Forwarder:
 
     def _send(self, link: _Link, image: ReplicaImage) -> None:
         try:
-            header = {"epoch": self.epoch, "position": link.seed_position}
+            header = {"epoch": self.epoch, "position": link.seed_position, "tickets": self._ticket_key.hex()}
             seed = frames.Frame(frames.SEED, header, [image_codec.encode(image)])
             del image
             frames.send(link.sock, seed)

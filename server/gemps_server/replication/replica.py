@@ -30,6 +30,7 @@ from gemps_server.replication.election import Election, Member
 from gemps_server.replication.follower import CONNECT_SECONDS, Follower, _on_applier
 from gemps_server.replication.forwarder import Done, Forwarder, Peer
 from gemps_server.replication.status import BACKUP, CANDIDATE, PRIMARY, ReplicationStatus
+from gemps_server.security import Tickets
 
 log = logging.getLogger("gemps.server")
 
@@ -50,9 +51,12 @@ class Replica:
         replicas: int,
         timeout: float,
         token: str,
+        tickets: Tickets,
         on_applied: Callable[[int], None] | None = None,
     ) -> None:
         self._state, self._applier = state, applier
+        # The data plane's ticket key: sent with a primary's seed, adopted by its backups.
+        self._tickets = tickets
         # Told the version after each entry applied as a backup: a backup checkpoints too, so a job
         # whose every replica restarts resumes from the newest state any of them saw.
         self._on_applied = on_applied
@@ -136,7 +140,13 @@ class Replica:
         with self._lock:
             self._let_go_of_primary()
             forwarder = Forwarder(
-                self._state, self._applier, epoch, self._set_in_sync, self._election.holds, self._timeout
+                self._state,
+                self._applier,
+                epoch,
+                self._set_in_sync,
+                self._election.holds,
+                self._timeout,
+                self._tickets.key,
             )
             if not self._set_in_sync(()):  # only this replica is in sync until backups are seeded
                 forwarder.close()
@@ -181,7 +191,15 @@ class Replica:
             timer.start()
 
         follower = Follower(
-            self._state, self._applier, me, primary.replication, epoch, self._token, ended, self._on_applied
+            self._state,
+            self._applier,
+            me,
+            primary.replication,
+            epoch,
+            self._token,
+            ended,
+            self._on_applied,
+            self._tickets.adopt,
         )
         self._follower = follower
         follower.start()
