@@ -201,7 +201,7 @@ class DataPlaneTransport:
         here = self.grpc.status().data_plane
         ticket, self._resumed = self._resumed, None
         if here is None:
-            log.debug("%s offers no data plane: using gRPC", self.target)
+            self._no_offer()
             return
         self._offer = DataPlane(here.port, ticket, here.local_socket)
         self._become(Link.OFFERED)
@@ -214,12 +214,7 @@ class DataPlaneTransport:
             return
         self._become(Link.NOT_OFFERED if self._offer is None else Link.OFFERED)
         if self._offer is None:
-            if self.mode == "data":
-                raise errors.FailedPreconditionError(
-                    f"{self.target} offers no data plane (started with --data-plane off?), and plane='data'",
-                    errors.FailedPreconditionError.code,
-                )
-            log.debug("%s offers no data plane: using gRPC", self.target)
+            self._no_offer()
             return
         try:
             self._become(Link.CONNECTED, self._open(self._offer))
@@ -229,6 +224,15 @@ class DataPlaneTransport:
             if not errors.worth_another_attempt(error):  # refused: not for a retry to fix
                 self._unusable(f"{self.host}:{self._offer.port}", error.message, error)
             # else: opened again by the next call, which raises what that one meets
+
+    def _no_offer(self) -> None:
+        """This server offers no data plane: gRPC (auto), or say so (data)."""
+        if self.mode == "data":
+            raise errors.FailedPreconditionError(
+                f"{self.target} offers no data plane (started with --data-plane off?), and plane='data'",
+                errors.FailedPreconditionError.code,
+            )
+        log.debug("%s offers no data plane: using gRPC", self.target)
 
     def _open(self, offer: DataPlane, timeout: float | None = None) -> DataConnection:
         """The local socket when offered and reachable (this host), else the TCP port; HELLO sent,
