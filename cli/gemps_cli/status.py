@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         client.close()
+    statuses, asked = primaries_views(args, statuses)
     status = statuses[0]
     settings = " ".join(f"{name}={value:g}" for name, value in status.config.as_dict().items() if type(value) is float)
     print(f"server          {args.server}")
@@ -71,28 +72,53 @@ def run(args: argparse.Namespace) -> int:
                 f"workers {part.active_workers}  commits {part.commits_applied} applied, "
                 f"{part.commits_rejected} rejected"
             )
-    print_replication(statuses)
+    print_replication(statuses, asked)
     print_workers(status.workers, partitioned=status.layout is not None)
     return 0
 
 
-def print_replication(statuses: list[ServerStatus]) -> None:
-    """Each replicated partition's replica that answered: its role and epoch; on a primary, the
-    live replicas against R and each backup's lag; on a backup, the primary it follows."""
+def primaries_views(args: argparse.Namespace, statuses: list[ServerStatus]) -> tuple[list[ServerStatus], list[str]]:
+    """Each replicated partition as its primary sees it (its backups' lag, under-replication):
+    where the address given reached a backup that names its primary, the primary is asked. With
+    the primary's address for each partition it asked ("": none asked, or it did not answer)."""
+    views, asked = list(statuses), [""] * len(statuses)
+    for index, status in enumerate(statuses):
+        replication = status.replication
+        if replication is None or replication.role == PRIMARY or not replication.primary:
+            continue
+        there = argparse.Namespace(**{**vars(args), "server": replication.primary})
+        try:
+            with connect(there, args.timeout, NO_RETRY) as primary:
+                view = primary.status()
+        except GempsError:
+            continue  # the backup's own view, which names the primary it follows
+        if view.replication is not None and view.replication.role == PRIMARY:
+            views[index], asked[index] = view, replication.primary
+    return views, asked
+
+
+def print_replication(statuses: list[ServerStatus], asked: list[str]) -> None:
+    """Each replicated partition's replica that answered (its primary, when `asked` names it): its
+    role and epoch; on a primary, the live replicas against R and each backup's lag; on a backup,
+    the primary it follows."""
     if all(status.replication is None for status in statuses):
         return
     if len(statuses) == 1:
         head, *backups = replication_lines(statuses[0].replication)
-        print(f"replication     {head}")
+        print(f"replication     {head}{_asked(asked[0])}")
         for line in backups:
             print(f"  {line}")
         return
-    print("replication     by partition (the replica each partition's address reached)")
+    print("replication     by partition (the replica each partition's address reached, or its primary)")
     for index, status in enumerate(statuses):
         head, *backups = replication_lines(status.replication)
-        print(f"  {index}  {head}")
+        print(f"  {index}  {head}{_asked(asked[index])}")
         for line in backups:
             print(f"       {line}")
+
+
+def _asked(primary: str) -> str:
+    return f" (at {primary}: the address given reached a backup)" if primary else ""
 
 
 def replication_lines(replication: ReplicationStatus | None) -> list[str]:

@@ -23,7 +23,8 @@ def shown(servers: list[MemoryServer], monkeypatch: pytest.MonkeyPatch, capsys: 
     """What `gemps status --server <the first>` prints."""
 
     def connect(args: argparse.Namespace, timeout: float, retry: object = None) -> gemps.Client:
-        assert args.server == servers[0].target
+        if args.server not in {server.target for server in servers}:  # a primary named, not running here
+            raise gemps.ServerUnavailableError(f"UNAVAILABLE: nothing at {args.server}")
         return gemps.Client(args.server, retry=NO_RETRY, connect=connector(servers))
 
     monkeypatch.setattr(status_command, "connect", connect)
@@ -61,13 +62,31 @@ def test_a_backup_names_the_primary_it_follows(
     assert "\nreplication     backup r1, epoch 7, follows ps-0:50051 (3 replicas configured)\n" in out
 
 
+def test_a_backup_reached_sends_status_to_its_primary(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The address given reached a backup: its primary is asked, and its view shown (the backups'
+    lag and under-replication are only the primary's to say)."""
+    backup, primary = MemoryServer("memory:7000"), MemoryServer("memory:7001")
+    backup.replication = ReplicationStatus("r1", BACKUP, epoch=7, replicas=3, primary=primary.target)
+    primary.replication = ReplicationStatus("r0", PRIMARY, epoch=7, replicas=3, backups=(IN_SYNC, LAGGING))
+    out = shown([backup, primary], monkeypatch, capsys)
+    expected = (
+        "replication     primary r0, epoch 7, 2/3 replicas live UNDER-REPLICATED "
+        "(at memory:7001: the address given reached a backup)\n"
+        "  backup r1               in sync      lag 0 commits, 0.0s\n"
+        "  backup r2               OUT OF SYNC  lag 40 commits, 12s\n"
+    )
+    assert expected in out
+
+
 def test_each_partition_shows_its_replica(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     servers = memory_cluster(4, partitions=3)
     servers[0].replication = ReplicationStatus("p0-a", PRIMARY, epoch=2, replicas=2, backups=(LAGGING,))
     servers[1].replication = ReplicationStatus("p1-b", CANDIDATE, epoch=3, replicas=2)
     out = shown(servers, monkeypatch, capsys)
     expected = (
-        "replication     by partition (the replica each partition's address reached)\n"
+        "replication     by partition (the replica each partition's address reached, or its primary)\n"
         "  0  primary p0-a, epoch 2, 1/2 replicas live UNDER-REPLICATED\n"
         "       backup r2               OUT OF SYNC  lag 40 commits, 12s\n"
         "  1  candidate p1-b, epoch 3, no primary known (2 replicas configured)\n"
