@@ -98,6 +98,10 @@ class ParameterServer:
         )
         if self.replica is not None:
             self.metrics.replication(self.replica.status)
+            if self.checkpointer is not None:
+                replica = self.replica
+                self.checkpointer.epoch = lambda: replica.epoch
+        self._restored = (0, 0)  # the (epoch, version) of the checkpoint restored at start
         self.servicer = GempsServicer(
             self.service,
             self.metrics,
@@ -138,7 +142,9 @@ class ParameterServer:
     async def _start(self) -> int:
         config = self.config
         if self.checkpointer is not None:
-            self.checkpointer.restore()  # before serving: workers register against the restored state
+            restored = self.checkpointer.restore()  # before serving: workers register against the restored state
+            if restored is not None:
+                self._restored = (restored.epoch, restored.version)
             tune_for(4 * self.state.num_parameters)  # see allocator.py
         token = config.token()
         server = self._grpc_server(token)
@@ -199,7 +205,8 @@ class ParameterServer:
             _hostport(host, self.replication_port),
         )
         prefix = f"/gemps/{config.job}/partition/{config.partition}"
-        self.replica.start(Election(config.etcd, prefix, me, lease_seconds=config.replica_lease), bound[0])
+        election = Election(config.etcd, prefix, me, lease_seconds=config.replica_lease, holds=self._restored)
+        self.replica.start(election, bound[0])
 
     def _abandon(self) -> None:
         """After a failed start: let go of what was taken (ports, threads, the checkpoint

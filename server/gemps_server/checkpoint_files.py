@@ -77,6 +77,10 @@ class Checkpoint:
     image: StateImage
     config: Mapping[str, Any] = field(default_factory=dict)  # the training config when written
     created: float = 0.0  # unix time
+    # A replicated partition's epoch whose primary acknowledged the commits it holds (0: not
+    # replicated, or written before epochs): which of two replicas' checkpoints is newer is told
+    # by (epoch, version), never by version alone (an old primary's unacknowledged commits).
+    epoch: int = 0
 
     @property
     def version(self) -> int:
@@ -157,6 +161,7 @@ def _metadata(checkpoint: Checkpoint, tensors: Mapping[str, np.ndarray]) -> dict
         # what checkpoints written before scopes hold (read as the legacy scope).
         "client_receipts": json.dumps({key: r.to_list() for key, r in image.receipts.items()}),
         "created": repr(checkpoint.created or time.time()),
+        "epoch": str(checkpoint.epoch),
         "crc32": crc32_of(tensors),
     }
 
@@ -347,7 +352,8 @@ def _from_parts(metadata: dict[str, str], tensors: dict[str, np.ndarray], check_
         buffers=buffers,
         partition=partition,
     )
-    return Checkpoint(image, config=config, created=float(metadata.get("created", "0")))
+    epoch = _count(metadata, "epoch") if "epoch" in metadata else 0
+    return Checkpoint(image, config=config, created=float(metadata.get("created", "0")), epoch=epoch)
 
 
 def _flat_tensor(

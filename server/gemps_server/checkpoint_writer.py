@@ -48,6 +48,9 @@ class Checkpointer:
         self._metrics = metrics
         self.last_version: int | None = None  # of the newest checkpoint written or restored
         self.failed = False  # the last write failed
+        # The epoch under which the state's commits were acknowledged, written with each checkpoint
+        # (a replica's: the epoch it holds or follows; set by the server; 0: not replicated).
+        self.epoch: Callable[[], int] = lambda: 0
         self._due = asyncio.Event()
         self._stopping = asyncio.Event()
         self._lock = asyncio.Lock()
@@ -102,6 +105,7 @@ class Checkpointer:
             "checkpoint restored",
             path=str(path),
             version=checkpoint.version,
+            epoch=checkpoint.epoch or None,
             parameters=checkpoint.image.num_parameters,
             requests=len(checkpoint.image.receipts),
         )
@@ -189,8 +193,8 @@ class Checkpointer:
         return await self.write(applier_running=False)
 
     def _view(self) -> Callable[[], Checkpoint]:
-        state, config = self._state, dict(self._config)
-        return lambda: Checkpoint(state.image(), config)
+        state, config, epoch = self._state, dict(self._config), self.epoch
+        return lambda: Checkpoint(state.image(), config, epoch=epoch())
 
     def _save(self, checkpoint: Checkpoint) -> tuple[Path, int, list[Path]]:
         """Write, then keep the newest `keep`. On a full disk, first make room by deleting the

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import Protocol
 
 import pytest
 
@@ -25,7 +26,9 @@ from tests.helpers import wait_for
 LEASE = 2.0  # seconds: etcd's shortest lease is about that anyway (it raises shorter ones)
 EXPIRY = LEASE + 3.0  # etcd checks for expired leases every half second, and revokes through raft
 
-MakeElection = Callable[[str], Election]
+
+class MakeElection(Protocol):
+    def __call__(self, name: str, holds: tuple[int, int] = (0, 0)) -> Election: ...
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +43,9 @@ def elect(etcd: LocalEtcd) -> Iterator[MakeElection]:
     prefix = f"/gemps/test-{uuid.uuid4().hex[:8]}/partition/0"
     made: list[Election] = []
 
-    def make(name: str) -> Election:
+    def make(name: str, holds: tuple[int, int] = (0, 0)) -> Election:
         me = Member(name, new_incarnation(), f"127.0.0.1:{5000 + len(made)}", f"127.0.0.1:{6000 + len(made)}")
-        election = Election(etcd.endpoint, prefix, me, lease_seconds=LEASE)
+        election = Election(etcd.endpoint, prefix, me, lease_seconds=LEASE, holds=holds)
         made.append(election)
         return election
 
@@ -205,6 +208,27 @@ def test_a_job_whose_in_sync_replicas_are_all_gone_is_taken_over_after_the_grace
     wait_for(lambda: restarted.campaign() is not None, ORPHANED_LEASES * LEASE + EXPIRY * 2, "the takeover")
     assert time.monotonic() - started >= ORPHANED_LEASES * LEASE - 1.0
     assert restarted.in_sync() == [restarted.me.identity]
+
+
+def test_the_takeover_goes_to_the_newest_checkpoint_by_epoch_then_version(elect: MakeElection) -> None:
+    """A whole job restarted: each replica holds only its checkpoint. The one whose checkpoint is of
+    the later epoch takes over, though the other's has the higher version (an old primary's
+    commits past the new primary's, never acknowledged); the other never campaigns."""
+    old = elect("replica-0")
+    assert old.campaign() is not None
+    old.close()
+    stale, newest = elect("replica-0", holds=(7, 100)), elect("replica-1", holds=(9, 90))
+    wait_for(lambda: newest.primary() is None, EXPIRY * 2, "the dead primary's key to expire")
+    deadline = time.monotonic() + ORPHANED_LEASES * LEASE + EXPIRY * 2
+    won = None
+    while won is None and time.monotonic() < deadline:
+        stale.announce()
+        newest.announce()
+        assert stale.campaign() is None
+        won = newest.campaign()
+        time.sleep(LEASE / 4)
+    assert won is not None, "the replica with the newest checkpoint never took over"
+    assert newest.in_sync() == [newest.me.identity]
 
 
 def test_an_in_sync_replica_alive_keeps_a_replica_that_is_not_from_taking_over(elect: MakeElection) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import gemps
-from gemps_server.checkpoint_files import list_checkpoints
+from gemps_server.checkpoint_files import list_checkpoints, load
 from gemps_server.replication import image_codec
 from gemps_server.replication.local_etcd import LocalEtcd
 from gemps_server.replication.status import BACKUP, PRIMARY, ReplicationStatus
@@ -245,6 +245,11 @@ def test_a_backup_checkpoints_what_it_applies(start_server: StartServer, etcd: L
             client.commit(np.ones(PARAMETERS, np.float32), kind="update")
     folder = tmp_path / f"replica-{servers.index(backup)}"
     wait_for(lambda: any(v >= 30 for v, _ in list_checkpoints(folder)), 30, "the backup's checkpoint of version 30")
+    # Each carries the epoch its commits were acknowledged under: the primary's (the newest state
+    # of a job restarted whole is told by (epoch, version)).
+    epoch = status_of(primary).epoch
+    assert epoch > 0 and {load(path).epoch for _, path in list_checkpoints(folder)} == {epoch}
+    assert {load(path).epoch for _, path in list_checkpoints(tmp_path / f"replica-{servers.index(primary)}")} == {epoch}
 
 
 def test_both_partitions_primaries_killed_at_once_the_workers_follow_both(

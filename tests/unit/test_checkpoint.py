@@ -3,6 +3,7 @@ security pieces (token check, rate limit, exposure warnings) without a network."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -120,6 +121,8 @@ def rewrite(path: Path, metadata: dict[str, str], tensors: dict[str, np.ndarray]
         ({"commits_applied": str(2**70)}, "outside 0.."),
         ({"spec": json.dumps([{"name": "w", "shape": [True, 8]}])}, "bad shape"),
         ({"config": '{"a": ' * 50_000 + "1" + "}" * 50_000}, "nested too deeply"),
+        ({"epoch": "-3"}, "outside 0.."),
+        ({"epoch": "two"}, "malformed metadata"),
     ],
 )
 def test_inconsistent_metadata_is_refused(tmp_path: Path, change: dict[str, str], message: str) -> None:
@@ -129,6 +132,16 @@ def test_inconsistent_metadata_is_refused(tmp_path: Path, change: dict[str, str]
     rewrite(path, {**metadata, **change})
     with pytest.raises(CheckpointError, match=message):
         load(path)
+
+
+def test_a_replicas_checkpoint_keeps_its_epoch_and_one_written_before_epochs_reads_0(tmp_path: Path) -> None:
+    path, _ = save(tmp_path, dataclasses.replace(make_checkpoint(), epoch=41))
+    assert load(path).epoch == 41
+    with safetensors.safe_open(str(path), framework="numpy") as f:
+        metadata = dict(f.metadata())
+    del metadata["epoch"]
+    rewrite(path, metadata)
+    assert load(path).epoch == 0
 
 
 def test_a_file_whose_name_disagrees_with_its_metadata_is_not_restored(tmp_path: Path) -> None:

@@ -8,11 +8,14 @@ Under a partition's prefix (`partition_prefix`) etcd holds two keys:
   Only the epoch's holder writes it (a transaction fenced on the primary key's create_revision),
   and only a listed replica may campaign, so a backup that missed commits can never be promoted.
   Absent means a fresh job: anyone may campaign, and the winner lists itself.
-- `members/<name>`: each live replica's incarnation, bound to a lease of its own (`announce`).
-  When no replica of the in-sync list has been alive for ORPHANED_LEASES leases (every process
-  that held the acknowledged commits is gone: a whole job restarted, say), nobody could ever be
-  promoted; then any replica may campaign, and says loudly that commits acknowledged since its
-  checkpoint are lost. The durability rule holds: no replica of the partition lived.
+- `members/<name>`: each live replica's incarnation and the (epoch, version) of the checkpoint it
+  started from, bound to a lease of its own (`announce`). When no replica of the in-sync list has
+  been alive for ORPHANED_LEASES leases (every process that held the acknowledged commits is
+  gone: a whole job restarted, say), nobody could ever be promoted; then the live replica holding
+  the newest checkpoint, by (epoch, version), may campaign (several, when tied), and says loudly
+  that commits acknowledged after its checkpoint are lost. The durability rule holds: no replica
+  of the partition lived. By epoch first: an old primary's checkpoint may hold commits past the
+  new primary's version that were never acknowledged, while the new primary's are.
 
 Fencing: a primary acknowledges commits only while `holds()`, which trusts the lease for 80 % of
 its TTL counted from when the last successful renewal was *sent*. etcd counts its expiry from when
@@ -102,6 +105,16 @@ class _Term:
     lease_id: int
 
 
+def _presence(name: str, raw: bytes) -> tuple[tuple[str, str], tuple[int, int]]:
+    """A members/ key's (name, incarnation) and the (epoch, version) its replica started from; a
+    value that is not such a record (a bare incarnation) holds nothing known: (0, 0)."""
+    try:
+        fields = json.loads(raw)
+        return (name, str(fields["incarnation"])), (int(fields["epoch"]), int(fields["version"]))
+    except (ValueError, KeyError, TypeError):
+        return (name, raw.decode(errors="replace")), (0, 0)
+
+
 def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
@@ -130,7 +143,13 @@ class Election:
     endpoints, a failed call moves the next one on to the next endpoint."""
 
     def __init__(
-        self, endpoints: str, prefix: str, me: Member, lease_seconds: float = 3.0, timeout: float | None = None
+        self,
+        endpoints: str,
+        prefix: str,
+        me: Member,
+        lease_seconds: float = 3.0,
+        timeout: float | None = None,
+        holds: tuple[int, int] = (0, 0),
     ) -> None:
         if lease_seconds <= 0:
             raise ValueError(f"lease_seconds must be positive, not {lease_seconds}")
@@ -153,6 +172,8 @@ class Election:
         self.members_prefix = f"{self.prefix}/members/"
         self._presence: int | None = None  # the lease of this replica's members/ key
         self._orphaned_since: float | None = None  # when no in-sync replica was seen alive
+        self.restored = holds  # (epoch, version) of the checkpoint this process started from
+        self._alive: dict[tuple[str, str], tuple[int, int]] = {}  # members/ as last read: what each holds
 
     # -- what this replica holds ------------------------------------------------------------------
 
@@ -178,7 +199,7 @@ class Election:
             return None
         listed, listed_revision = self._read_in_sync()
         unclean = listed is not None and self.me.identity not in listed
-        if unclean and not self._orphaned(listed or []):
+        if unclean and (not self._orphaned(listed or []) or self._newer_elsewhere()):
             return None
         sent_at = time.monotonic()  # the lease's clock starts no earlier than its grant was sent
         lease_id = self._call("lease grant", lambda client: client.lease(self._ttl).id)
@@ -213,9 +234,10 @@ class Election:
         if unclean:
             log.error(
                 "%s: primary of %s, epoch %d, though not in sync: no replica that held every acknowledged "
-                "commit has been alive for %d leases (%s); commits acknowledged after this replica's "
-                "checkpoint are lost",
+                "commit has been alive for %d leases (%s); this one holds the newest checkpoint of those "
+                "alive (epoch %d, version %d): commits acknowledged after it are lost",
                 self.me.name, self.prefix, epoch, ORPHANED_LEASES, ", ".join(name for name, _ in listed or []),
+                *self.restored,
             )  # fmt: skip
         else:
             log.info("%s: primary of %s, epoch %d", self.me.name, self.prefix, epoch)
@@ -229,21 +251,28 @@ class Election:
                 return
         lease_id = self._call("lease grant", lambda client: client.lease(self._ttl).id)
         key = self.members_prefix + self.me.name
-        self._call("presence", lambda client: client.put(key, self.me.incarnation, lease=Lease(lease_id, client)))
+        epoch, version = self.restored
+        value = json.dumps({"incarnation": self.me.incarnation, "epoch": epoch, "version": version})
+        self._call("presence", lambda client: client.put(key, value, lease=Lease(lease_id, client)))
         self._presence = lease_id
 
     def _orphaned(self, listed: list[tuple[str, str]]) -> bool:
         """Whether no replica of the in-sync list has been alive for ORPHANED_LEASES leases."""
-        alive = {
-            (metadata["key"].decode().removeprefix(self.members_prefix), value.decode())
+        self._alive = dict(
+            _presence(metadata["key"].decode().removeprefix(self.members_prefix), value)
             for value, metadata in self._call("read", lambda client: client.get_prefix(self.members_prefix))
-        }
-        if alive & set(listed):
+        )
+        if set(self._alive) & set(listed):
             self._orphaned_since = None
             return False
         now = time.monotonic()
         self._orphaned_since = self._orphaned_since or now
         return now - self._orphaned_since >= ORPHANED_LEASES * self.lease_seconds
+
+    def _newer_elsewhere(self) -> bool:
+        """Whether another live replica (as `_orphaned` last read them) started from a newer
+        checkpoint than this one, by (epoch, version): that one should take over, not this one."""
+        return any(held > self.restored for identity, held in self._alive.items() if identity != self.me.identity)
 
     def renew(self) -> bool:
         """Keep the lease: True while held. False once it is gone (expired, lapsed past what holds()
