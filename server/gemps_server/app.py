@@ -205,7 +205,7 @@ class ParameterServer:
             _hostport(host, self.replication_port),
         )
         prefix = f"/gemps/{config.job}/partition/{config.partition}"
-        election = Election(config.etcd, prefix, me, lease_seconds=config.replica_lease, holds=self._restored)
+        election = Election(config.etcd, prefix, me, lease_seconds=config.replica_lease, restored=self._restored)
         self.replica.start(election, bound[0])
 
     def _abandon(self) -> None:

@@ -28,7 +28,7 @@ EXPIRY = LEASE + 3.0  # etcd checks for expired leases every half second, and re
 
 
 class MakeElection(Protocol):
-    def __call__(self, name: str, holds: tuple[int, int] = (0, 0)) -> Election: ...
+    def __call__(self, name: str, restored: tuple[int, int] = (0, 0)) -> Election: ...
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +43,9 @@ def elect(etcd: LocalEtcd) -> Iterator[MakeElection]:
     prefix = f"/gemps/test-{uuid.uuid4().hex[:8]}/partition/0"
     made: list[Election] = []
 
-    def make(name: str, holds: tuple[int, int] = (0, 0)) -> Election:
+    def make(name: str, restored: tuple[int, int] = (0, 0)) -> Election:
         me = Member(name, new_incarnation(), f"127.0.0.1:{5000 + len(made)}", f"127.0.0.1:{6000 + len(made)}")
-        election = Election(etcd.endpoint, prefix, me, lease_seconds=LEASE, holds=holds)
+        election = Election(etcd.endpoint, prefix, me, lease_seconds=LEASE, restored=restored)
         made.append(election)
         return election
 
@@ -217,7 +217,7 @@ def test_the_takeover_goes_to_the_newest_checkpoint_by_epoch_then_version(elect:
     old = elect("replica-0")
     assert old.campaign() is not None
     old.close()
-    stale, newest = elect("replica-0", holds=(7, 100)), elect("replica-1", holds=(9, 90))
+    stale, newest = elect("replica-0", restored=(7, 100)), elect("replica-1", restored=(9, 90))
     wait_for(lambda: newest.primary() is None, EXPIRY * 2, "the dead primary's key to expire")
     deadline = time.monotonic() + ORPHANED_LEASES * LEASE + EXPIRY * 2
     won = None

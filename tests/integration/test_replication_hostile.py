@@ -31,6 +31,13 @@ def etcd() -> Iterator[LocalEtcd]:
         yield running
 
 
+def lone_primary(start_server: StartServer, etcd: LocalEtcd, job: str) -> InProcessServer:
+    """Replica 0 of 2, once it is primary (no backup: the raw sockets are the only peers)."""
+    primary = start_server(rule="downpour", **replica_options(etcd, 0, job))
+    wait_replicated([primary])
+    return primary
+
+
 def dial(server: InProcessServer) -> socket.socket:
     port = server.server.replication_port
     assert port > 0
@@ -56,8 +63,7 @@ def closed_within(sock: socket.socket, seconds: float) -> float | None:
 def test_a_frame_claiming_a_huge_body_before_any_hello_is_refused_at_its_prefix(
     start_server: StartServer, etcd: LocalEtcd
 ) -> None:
-    primary = start_server(rule="downpour", **replica_options(etcd, 0, "huge"))
-    wait_replicated([primary])
+    primary = lone_primary(start_server, etcd, "huge")
     with dial(primary) as sock:
         sock.sendall(PREFIX.pack(64, 1 << 39))  # 512 GiB to follow, it says
         assert closed_within(sock, 3.0) is not None, "the replica waited for a body no hello has"
@@ -66,8 +72,7 @@ def test_a_frame_claiming_a_huge_body_before_any_hello_is_refused_at_its_prefix(
 def test_a_hello_trickled_byte_by_byte_is_cut_off_after_connect_seconds(
     start_server: StartServer, etcd: LocalEtcd
 ) -> None:
-    primary = start_server(rule="downpour", **replica_options(etcd, 0, "trickle"))
-    wait_replicated([primary])
+    primary = lone_primary(start_server, etcd, "trickle")
     with dial(primary) as sock:
         sock.sendall(PREFIX.pack(4000, 0))
         started, closed = time.monotonic(), False
@@ -88,8 +93,7 @@ def test_a_hello_trickled_byte_by_byte_is_cut_off_after_connect_seconds(
 def test_connections_past_the_greeting_budget_are_closed_and_a_backup_still_joins(
     start_server: StartServer, etcd: LocalEtcd
 ) -> None:
-    primary = start_server(rule="downpour", **replica_options(etcd, 0, "flood"))
-    wait_replicated([primary])
+    primary = lone_primary(start_server, etcd, "flood")
     silent = [dial(primary) for _ in range(MAX_GREETINGS)]
     try:
         time.sleep(0.5)  # each is accepted and waiting for its hello

@@ -149,7 +149,7 @@ class Election:
         me: Member,
         lease_seconds: float = 3.0,
         timeout: float | None = None,
-        holds: tuple[int, int] = (0, 0),
+        restored: tuple[int, int] = (0, 0),
     ) -> None:
         if lease_seconds <= 0:
             raise ValueError(f"lease_seconds must be positive, not {lease_seconds}")
@@ -172,7 +172,7 @@ class Election:
         self.members_prefix = f"{self.prefix}/members/"
         self._presence: int | None = None  # the lease of this replica's members/ key
         self._orphaned_since: float | None = None  # when no in-sync replica was seen alive
-        self.restored = holds  # (epoch, version) of the checkpoint this process started from
+        self.restored = restored  # (epoch, version) of the checkpoint this process started from
         self._alive: dict[tuple[str, str], tuple[int, int]] = {}  # members/ as last read: what each holds
 
     # -- what this replica holds ------------------------------------------------------------------
