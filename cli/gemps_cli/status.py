@@ -9,7 +9,7 @@ from gemps.errors import GempsError
 from gemps.records import ReplicationStatus, ServerStatus, WorkerStatus
 from gemps.retry import NO_RETRY
 from gemps_cli.connection import add_connection_flags, connect
-from gemps_proto.schema import PRIMARY
+from gemps_proto.status import PRIMARY
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

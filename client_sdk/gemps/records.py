@@ -1,7 +1,8 @@
 """Plain data the Client returns (no protobuf objects reach users).
 
 The protocol's shared types (specs, the training config, shards, registrations, evaluations,
-status) are gemps_proto.schema's, re-exported here; the two below exist only on the client.
+status) are gemps_proto.schema's and gemps_proto.status's, re-exported here; the two below exist
+only on the client.
 """
 
 from __future__ import annotations
@@ -11,21 +12,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gemps_proto.schema import (
-    BackupLag,
     Buffers,
     Evaluation,
-    GradientNoise,
     Layout,
     ParameterSpec,
     Partition,
     Registration,
-    ReplicationStatus,
-    ServerStatus,
     Shard,
     TrainingConfig,
-    WorkerStatus,
     unflatten,
 )
+from gemps_proto.status import BackupLag, GradientNoise, ReplicationStatus, ServerStatus, WorkerStatus
 
 _NO_BUFFERS = np.empty(0, dtype=np.float32)
 _NO_INTEGER_BUFFERS = np.empty(0, dtype=np.int64)

@@ -25,10 +25,7 @@ Workers that take local SGD steps (agn, easgd) use the same eta at the version t
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # schema.py imports the names below
-    from gemps_proto.schema import TrainingConfig
+from typing import Protocol
 
 CONSTANT = "constant"
 STEP = "step"
@@ -37,14 +34,35 @@ COSINE = "cosine"
 SCHEDULES = (CONSTANT, STEP, COSINE)
 
 
-def warmup_factor(config: TrainingConfig, version: int) -> float:
+class ScheduleConfig(Protocol):
+    """The fields of a training configuration that set its schedule. gemps_proto.schema's
+    TrainingConfig has them (structurally): naming them here, not that class, keeps schema (which
+    takes its choices from this module) and this module from importing each other."""
+
+    @property
+    def learning_rate(self) -> float: ...
+    @property
+    def lr_schedule(self) -> str: ...
+    @property
+    def lr_warmup_commits(self) -> int: ...
+    @property
+    def lr_step_size(self) -> int: ...
+    @property
+    def lr_gamma(self) -> float: ...
+    @property
+    def lr_total_commits(self) -> int: ...
+    @property
+    def lr_min(self) -> float: ...
+
+
+def warmup_factor(config: ScheduleConfig, version: int) -> float:
     """min(1, (v + 1) / W): linear warm-up over lr_warmup_commits versions (1 when there is none)."""
     if config.lr_warmup_commits <= 0:
         return 1.0
     return min(1.0, (version + 1) / config.lr_warmup_commits)
 
 
-def decay_factor(config: TrainingConfig, version: int) -> float:
+def decay_factor(config: ScheduleConfig, version: int) -> float:
     """The schedule's decay at `version`, relative to learning_rate. An empty name (the
     protocol's default: a server that announces no schedule) is the constant schedule."""
     name = config.lr_schedule
@@ -59,11 +77,11 @@ def decay_factor(config: TrainingConfig, version: int) -> float:
     raise ValueError(f"unknown lr_schedule {name!r} (choose from {', '.join(SCHEDULES)})")
 
 
-def schedule_factor(config: TrainingConfig, version: int) -> float:
+def schedule_factor(config: ScheduleConfig, version: int) -> float:
     """η(v) / learning_rate: warm-up times decay."""
     return warmup_factor(config, version) * decay_factor(config, version)
 
 
-def learning_rate_at(config: TrainingConfig, version: int) -> float:
+def learning_rate_at(config: ScheduleConfig, version: int) -> float:
     """η at central version `version`: what a gradient committed at that version is scaled by."""
     return config.learning_rate * schedule_factor(config, version)

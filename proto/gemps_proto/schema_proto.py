@@ -15,21 +15,17 @@ import numpy as np
 from google.protobuf.message import Message
 
 from gemps_proto.schema import (
-    BackupLag,
     Buffers,
     DataPlane,
     Evaluation,
-    GradientNoise,
     Layout,
     ParameterSpec,
     Partition,
     Registration,
-    ReplicationStatus,
-    ServerStatus,
     Shard,
     TrainingConfig,
-    WorkerStatus,
 )
+from gemps_proto.status import BackupLag, GradientNoise, ReplicationStatus, ServerStatus, WorkerStatus
 from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
 

@@ -17,7 +17,8 @@ from prometheus_client.process_collector import ProcessCollector
 
 from gemps_proto.reasons import Reason
 from gemps_proto.schedules import learning_rate_at
-from gemps_proto.schema import PRIMARY, ROLES, GradientNoise, ReplicationStatus, TrainingConfig
+from gemps_proto.schema import TrainingConfig
+from gemps_proto.status import PRIMARY, ROLES, GradientNoise, ReplicationStatus
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.rules import ApplyStats
 

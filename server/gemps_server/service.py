@@ -33,11 +33,10 @@ from gemps_proto.schema import (
     ParameterSpec,
     Partition,
     Registration,
-    ReplicationStatus,
-    ServerStatus,
     Shard,
     partition_bounds,
 )
+from gemps_proto.status import ReplicationStatus, ServerStatus
 from gemps_proto.tensor_codec import EncodedBuffers, EncodedTensor
 from gemps_server.allocator import tune_for
 from gemps_server.config import ServerConfig

@@ -19,7 +19,7 @@ import pytest
 import gemps
 from gemps.records import ServerStatus
 from gemps.retry import NO_RETRY
-from gemps_proto.schema import BACKUP, PRIMARY
+from gemps_proto.status import BACKUP, PRIMARY
 from tests.e2e.test_containers import (
     BUILD_ARGS,
     COMPOSE_FILE,

@@ -32,8 +32,8 @@ import yaml
 from prometheus_client import CollectorRegistry, start_http_server
 
 import gemps
-from gemps_proto.schema import PRIMARY, BackupLag, ReplicationStatus
 from gemps_proto.schema_proto import tensor_to_proto
+from gemps_proto.status import PRIMARY, BackupLag, ReplicationStatus
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_server.metrics import ReplicationCollector

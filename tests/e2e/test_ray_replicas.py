@@ -35,7 +35,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 import gemps  # noqa: E402
 from gemps.retry import RetryPolicy  # noqa: E402
-from gemps_proto.schema import BACKUP, PRIMARY  # noqa: E402
+from gemps_proto.status import BACKUP, PRIMARY  # noqa: E402
 from gemps_server.checkpoint_files import load_latest  # noqa: E402
 from gemps_server.replication.local_etcd import LocalEtcd  # noqa: E402
 from gemps_worker.on_ray import JobFailed, RayJob, RayJobOptions  # noqa: E402

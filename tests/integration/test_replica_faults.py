@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from gemps_proto.schema import BACKUP, CANDIDATE, PRIMARY
+from gemps_proto.status import BACKUP, CANDIDATE, PRIMARY
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.processes import GEMPS_COMMAND
 from gemps_worker.simulated_hosts import Host, SimulatedNetwork

@@ -13,7 +13,7 @@ import pytest
 
 import gemps
 from gemps.router import PartitionRouter
-from gemps_proto.schema import ServerStatus
+from gemps_proto.status import ServerStatus
 from gemps_worker.cluster import ServerProcess
 from tests.helpers import InProcessServer
 from tests.integration.conftest import StartServer, StartServerProcess

@@ -5,8 +5,8 @@ import pytest
 
 from gemps.retry import RetryPolicy
 from gemps_proto import tensor_codec
-from gemps_proto.schema import WorkerStatus
 from gemps_proto.schema_proto import tensor_from_proto, tensor_to_proto
+from gemps_proto.status import WorkerStatus
 from gemps_proto.tensor_codec import TensorDecodeError, all_finite
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.errors import NotFound, ResourceExhausted

@@ -12,7 +12,8 @@ import math
 import numpy as np
 import pytest
 
-from gemps_proto.schema import GradientNoise, ParameterSpec, PayloadKind, partition_bounds
+from gemps_proto.schema import ParameterSpec, PayloadKind, partition_bounds
+from gemps_proto.status import GradientNoise
 from gemps_server.domain.errors import InvalidArgument
 from gemps_server.domain.noise import (
     EMA_DECAY,

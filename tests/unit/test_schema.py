@@ -1,4 +1,4 @@
-"""The protocol's Python face (gemps_proto.schema) against the .proto, and what derives from it."""
+"""The protocol's Python face (gemps_proto.schema, gemps_proto.status) against the .proto, and what derives from it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,16 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from gemps_proto import reasons, schema
 from gemps_proto import schema_proto as shared
+from gemps_proto.status import (
+    BACKUP,
+    PRIMARY,
+    ROLES,
+    BackupLag,
+    GradientNoise,
+    ReplicationStatus,
+    ServerStatus,
+    WorkerStatus,
+)
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.rules import rule_class, rule_names
 
@@ -31,13 +41,13 @@ FACES: list[tuple[type[Any], Any]] = [
     (schema.Shard, pb.Shard.DESCRIPTOR),
     (schema.Registration, pb.RegisterResponse.DESCRIPTOR),
     (schema.Evaluation, pb.EvaluationReport.DESCRIPTOR),
-    (schema.ServerStatus, pb.StatusResponse.DESCRIPTOR),
+    (ServerStatus, pb.StatusResponse.DESCRIPTOR),
     (schema.Partition, pb.Partition.DESCRIPTOR),
     (schema.Layout, pb.Layout.DESCRIPTOR),
     (schema.DataPlane, pb.DataPlane.DESCRIPTOR),
-    (schema.GradientNoise, pb.GradientNoise.DESCRIPTOR),
-    (schema.ReplicationStatus, pb.ReplicationStatus.DESCRIPTOR),
-    (schema.BackupLag, pb.BackupLag.DESCRIPTOR),
+    (GradientNoise, pb.GradientNoise.DESCRIPTOR),
+    (ReplicationStatus, pb.ReplicationStatus.DESCRIPTOR),
+    (BackupLag, pb.BackupLag.DESCRIPTOR),
 ]
 
 
@@ -75,7 +85,7 @@ def test_worker_modes_are_the_training_configs_choices() -> None:
 def test_training_config_and_status_survive_the_wire() -> None:
     config = schema.TrainingConfig(rule="momentum", learning_rate=0.1, kappa=2.0, worker_mode="agn", batch_size=32)
     assert shared.training_config_from_proto(shared.training_config_to_proto(config)) == config
-    status = schema.ServerStatus(
+    status = ServerStatus(
         initialized=True,
         version=7,
         active_workers=2,
@@ -88,15 +98,15 @@ def test_training_config_and_status_survive_the_wire() -> None:
         last_evaluation=schema.Evaluation(6, 0.25, 0.875, 100, "digits"),
         learning_rate=0.025,
         buffer_spec=(schema.ParameterSpec("bn.running_mean", (5,)),),
-        workers=(schema.WorkerStatus("a", 0, 7, 1.5, 2.5), schema.WorkerStatus("", 1, 0, 40.0, 40.0)),
+        workers=(WorkerStatus("a", 0, 7, 1.5, 2.5), WorkerStatus("", 1, 0, 40.0, 40.0)),
         lease_ttl_seconds=60.0,
-        gradient_noise=schema.GradientNoise(2.5, 900.0, 64.0, windows=12, window=8),
-        replication=schema.ReplicationStatus(
+        gradient_noise=GradientNoise(2.5, 900.0, 64.0, windows=12, window=8),
+        replication=ReplicationStatus(
             "r0",
-            schema.PRIMARY,
+            PRIMARY,
             epoch=5,
             replicas=3,
-            backups=(schema.BackupLag("r1", True, 0, 0.0), schema.BackupLag("r2", False, 17, 1.25)),
+            backups=(BackupLag("r1", True, 0, 0.0), BackupLag("r2", False, 17, 1.25)),
             forwarded=400,
             applied=3,
             failovers=2,
@@ -109,29 +119,29 @@ def test_training_config_and_status_survive_the_wire() -> None:
 
 
 def test_replication_survives_the_wire_and_is_absent_when_not_replicated() -> None:
-    backup = schema.ReplicationStatus("r1", schema.BACKUP, epoch=5, replicas=3, primary="ps-0:50051", applied=40)
+    backup = ReplicationStatus("r1", BACKUP, epoch=5, replicas=3, primary="ps-0:50051", applied=40)
     message = pb.StatusResponse(replication=shared.replication_to_proto(backup))
     assert shared.replication_from_proto(message) == backup
     assert shared.replication_from_proto(pb.StatusResponse()) is None  # unset: not replicated
     # A record of near-default figures (R=1, no backups) still arrives as set, not as "not replicated".
-    alone = schema.ReplicationStatus("r0", schema.PRIMARY, epoch=1, replicas=1)
+    alone = ReplicationStatus("r0", PRIMARY, epoch=1, replicas=1)
     assert shared.replication_from_proto(pb.StatusResponse(replication=shared.replication_to_proto(alone))) == alone
 
 
 def test_replication_status_counts_live_replicas_as_the_primary_sees_them() -> None:
-    backups = (schema.BackupLag("r1", True, 0, 0.0), schema.BackupLag("r2", False, 9, 3.0))
-    primary = schema.ReplicationStatus("r0", schema.PRIMARY, epoch=2, replicas=3, backups=backups)
+    backups = (BackupLag("r1", True, 0, 0.0), BackupLag("r2", False, 9, 3.0))
+    primary = ReplicationStatus("r0", PRIMARY, epoch=2, replicas=3, backups=backups)
     assert (primary.live, primary.under_replicated) == (2, True)
     assert dataclasses.replace(primary, replicas=2).under_replicated is False
-    backup = schema.ReplicationStatus("r1", schema.BACKUP, epoch=2, replicas=3)
+    backup = ReplicationStatus("r1", BACKUP, epoch=2, replicas=3)
     assert (backup.live, backup.under_replicated) == (0, False)  # the primary's to say
 
 
 def test_the_server_names_the_protocols_replication_record() -> None:
     from gemps_server.replication import status
 
-    assert status.ReplicationStatus is schema.ReplicationStatus and status.BackupLag is schema.BackupLag
-    assert (status.PRIMARY, status.BACKUP, status.CANDIDATE) == schema.ROLES == ("primary", "backup", "candidate")
+    assert status.ReplicationStatus is ReplicationStatus and status.BackupLag is BackupLag
+    assert (status.PRIMARY, status.BACKUP, status.CANDIDATE) == ROLES == ("primary", "backup", "candidate")
 
 
 def test_training_config_problems_name_the_field() -> None:

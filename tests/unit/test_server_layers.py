@@ -10,7 +10,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from gemps_proto.schema import PRIMARY, BackupLag, ParameterSpec, PayloadKind, ReplicationStatus
+from gemps_proto.schema import ParameterSpec, PayloadKind
+from gemps_proto.status import PRIMARY, BackupLag, ReplicationStatus
 from gemps_proto.tensor_codec import BFLOAT16, FLOAT32, encode
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.config import ServerConfig

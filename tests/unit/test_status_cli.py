@@ -12,7 +12,7 @@ from gemps_cli.main import main as gemps_main
 import gemps
 from gemps.records import BackupLag, ReplicationStatus
 from gemps.retry import NO_RETRY
-from gemps_proto.schema import BACKUP, CANDIDATE, PRIMARY
+from gemps_proto.status import BACKUP, CANDIDATE, PRIMARY
 from tests.unit.memory_transport import MemoryServer, connector, memory_cluster
 
 IN_SYNC = BackupLag("r1", in_sync=True, lag_commits=0, lag_seconds=0.0)

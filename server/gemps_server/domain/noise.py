@@ -23,7 +23,7 @@ window's sum is a vector of the sample's size held here. Measured at 1M paramete
 traffic), the sample 2-4% of the applier's CPU per commit, 1-3% of the server's.
 
 Everything is a sum over parameters, so partitions of θ each estimate their slice and the whole
-is the sum (schema.GradientNoise.combined). Update commits (local-step modes) are not measured:
+is the sum (status.GradientNoise.combined). Update commits (local-step modes) are not measured:
 an update is several steps' movement, not a gradient at a batch (docs/OBSERVABILITY.md).
 Runs on the applier, like ServerState.commit; `estimate` is replaced whole, for other threads.
 """
@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from gemps_proto.ranges import UINT32_MAX, Range
-from gemps_proto.schema import GradientNoise, PayloadKind
+from gemps_proto.schema import PayloadKind
+from gemps_proto.status import GradientNoise
 from gemps_server.domain.rules.base import NoiseWindow
 from gemps_server.native import WINDOW_ADD, WINDOW_LAST, WINDOW_START, noise_sample, noise_window_size
 

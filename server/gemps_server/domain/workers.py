@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gemps_proto.reasons import Reason
-from gemps_proto.schema import WorkerStatus
+from gemps_proto.status import WorkerStatus
 from gemps_server.domain.errors import NotFound, ResourceExhausted
 
 

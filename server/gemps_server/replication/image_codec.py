@@ -29,7 +29,8 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from gemps_proto.schema import Buffers, GradientNoise, buffer_counts
+from gemps_proto.schema import Buffers, buffer_counts
+from gemps_proto.status import GradientNoise
 from gemps_server.checkpoint_files import (
     MAX_COUNT,
     CheckpointError,

@@ -45,7 +45,7 @@ import ray.exceptions
 
 from gemps.options import values_of
 from gemps.records import GradientNoise, ServerStatus
-from gemps_proto.schema import PRIMARY
+from gemps_proto.status import PRIMARY
 from gemps_worker.on_ray.actors import HeldOutEvaluator, TrainFunction, TrainingWorker
 from gemps_worker.on_ray.calls import Looks, alive_nodes, answers, get_within
 from gemps_worker.on_ray.faults import (

@@ -1,0 +1,150 @@
+"""The records of Status in plain Python (no protobuf): a server's state as humans and tools see it.
+
+Each type here is the typed face of one message of `gemps.v1` (parameter_server.proto), like
+gemps_proto.schema's, and tests/unit/test_schema.py pins them together the same way: the server's
+status (`ServerStatus`), its registered workers, its gradient noise estimate, and a replica's
+replication (its role, epoch and backups), which metrics and `gemps status` show too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gemps_proto.schema import DataPlane, Evaluation, Layout, ParameterSpec, TrainingConfig
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One registered worker as Status lists it (gemps.v1.WorkerStatus): ages, not clock times,
+    so that they need no clock shared with the server."""
+
+    name: str
+    shard: int  # its data shard's index: distinct among registered workers
+    commits: int  # applied, since it registered
+    seconds_since_seen: float  # since its last commit or pull: evicted when past the lease
+    seconds_since_commit: float  # since its last commit (or its registration)
+
+
+@dataclass(frozen=True)
+class GradientNoise:
+    """The gradient noise scale the server estimates from gradient commits (gemps.v1.GradientNoise;
+    McCandlish et al. 2018, Appendix A): exponential moving averages of |G|^2 (the true gradient's
+    squared norm) and tr(Sigma) (the per-sample gradient covariance's trace) over windows of
+    consecutive commits, for the values this server holds. Both are sums over parameters, so a
+    partitioned θ's are the sums of its partitions' (`combined`).
+
+    B_noise = tr(Sigma)/|G|^2 approximates the critical batch size, past which more samples per
+    step stop buying fewer steps; `useful_workers` is B_noise in workers of `batch_size`.
+    """
+
+    gradient_square: float = 0.0  # EMA of the |G|^2 estimates
+    noise_trace: float = 0.0  # EMA of the tr(Sigma) estimates
+    batch_size: float = 0.0  # B_s assumed per commit (samples): the workers' reported, else the config's
+    windows: int = 0  # windows measured (0: no estimate yet, or no gradient commits)
+    window: int = 0  # commits per window now (k)
+
+    @property
+    def scale(self) -> float:
+        """B_noise in samples; NaN until there is an estimate (or while |G|^2's is not positive)."""
+        if self.windows == 0 or not self.gradient_square > 0.0:
+            return math.nan
+        return self.noise_trace / self.gradient_square
+
+    @property
+    def useful_workers(self) -> float:
+        """B_noise / batch_size: how many workers of that batch size pay; NaN without an estimate."""
+        return self.scale / self.batch_size if self.batch_size > 0 else math.nan
+
+    @classmethod
+    def combined(cls, parts: Sequence[GradientNoise]) -> GradientNoise:
+        """The whole of θ from its partitions' estimates (in θ order): squared norms and traces add
+        over a split vector; the batch size and window are partition 0's, the windows the fewest."""
+        if not parts:
+            return cls()
+        return cls(
+            gradient_square=sum(part.gradient_square for part in parts),
+            noise_trace=sum(part.noise_trace for part in parts),
+            batch_size=parts[0].batch_size,
+            windows=min(part.windows for part in parts),
+            window=parts[0].window,
+        )
+
+    def describe(self, registered: int | None = None) -> str:
+        """One line for humans: "noise scale ≈ 900 samples: about 14 workers of batch 64 pay; 100 registered"."""
+        if self.windows == 0:
+            return "noise scale: no estimate yet (it needs gradient commits; local-step updates are not measured)"
+        scale = self.scale
+        if not math.isfinite(scale):
+            return f"noise scale: not measurable yet (|G|^2 estimate not positive after {self.windows} windows)"
+        line = (
+            f"noise scale ≈ {scale:.3g} samples: about {self.useful_workers:.3g} workers of batch "
+            f"{self.batch_size:g} pay"
+        )
+        return line if registered is None else f"{line}; {registered} registered"
+
+
+#: a replica's role (gemps.v1.ReplicationStatus.role): serving workers and forwarding, applying
+#: what a primary forwards, or looking for one
+PRIMARY, BACKUP, CANDIDATE = "primary", "backup", "candidate"
+ROLES = (PRIMARY, BACKUP, CANDIDATE)
+
+
+@dataclass(frozen=True)
+class BackupLag:
+    """One backup as its primary sees it (gemps.v1.BackupLag)."""
+
+    name: str
+    in_sync: bool  # in the acknowledging (in-sync) set: every commit waits for it
+    lag_commits: int  # journal entries forwarded or queued that it has not acknowledged
+    lag_seconds: float  # age of the oldest entry it has not acknowledged (0 when none)
+
+
+@dataclass(frozen=True)
+class ReplicationStatus:
+    """A replica's role and epoch, and, on a primary, its backups (gemps.v1.ReplicationStatus):
+    what metrics, Status and `gemps status` show of a replicated partition."""
+
+    name: str  # this replica's name (unique within its partition)
+    role: str  # PRIMARY, BACKUP or CANDIDATE
+    epoch: int  # the primary's epoch this replica follows or holds (0: none known)
+    replicas: int  # R: how many replicas the partition is meant to have
+    primary: str = ""  # the worker-facing address of the primary (on a backup; "" when none known)
+    backups: tuple[BackupLag, ...] = field(default=())  # on a primary
+    forwarded: int = 0  # journal entries forwarded to backups, over this process's life
+    applied: int = 0  # journal entries applied from a primary (on a backup), over this process's life
+    failovers: int = 0  # times this replica became primary
+
+    @property
+    def live(self) -> int:
+        """Replicas acknowledging commits now: the primary and its in-sync backups (a backup: 0)."""
+        return 1 + sum(backup.in_sync for backup in self.backups) if self.role == PRIMARY else 0
+
+    @property
+    def under_replicated(self) -> bool:
+        return self.role == PRIMARY and self.live < self.replicas
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """The server's state for humans and tools (gemps.v1.StatusResponse)."""
+
+    initialized: bool
+    version: int
+    active_workers: int
+    num_parameters: int
+    config: TrainingConfig
+    commits_applied: int
+    commits_rejected: int
+    spec: tuple[ParameterSpec, ...]
+    uptime_seconds: float
+    last_evaluation: Evaluation | None
+    learning_rate: float = 0.0  # eta at `version`, from the schedule
+    buffer_spec: tuple[ParameterSpec, ...] = ()  # the model's buffers (not trained), in wire order
+    layout: Layout | None = None  # set when θ is partitioned: the figures above are this partition's
+    workers: tuple[WorkerStatus, ...] = ()  # the registered workers, by shard
+    lease_ttl_seconds: float = 0.0  # a worker unseen this long is evicted (0: not said)
+    gradient_noise: GradientNoise = field(default_factory=GradientNoise)  # this partition's sums
+    replication: ReplicationStatus | None = None  # set when the partition is replicated: this replica's
+    data_plane: DataPlane | None = None  # where this server's data plane listens (no ticket); None: off
