@@ -26,7 +26,7 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.server = ServerInfo(self.registry)
+        self.info = ServerInfo(self.registry)
         self.commits = CommitMetrics(self.registry)
         self.scaling = ScalingMetrics(self.registry)
         self.traffic = TrafficMetrics(self.registry)
@@ -43,7 +43,7 @@ class ServerMetrics:
     def describe_server(self, training: TrainingConfig) -> None:
         """The training config as the info metric's labels, one per field (and eta's schedule)."""
         self.state.training = training
-        self.server.describe(training)
+        self.info.describe(training)
 
     def observe(
         self,
