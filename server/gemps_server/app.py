@@ -31,6 +31,7 @@ from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.logs import event
 from gemps_server.metrics import ServerMetrics, exposed
 from gemps_server.replication.election import Election, Member
+from gemps_server.replication.metrics import ReplicationCollector
 from gemps_server.replication.replica import Replica, listen
 from gemps_server.security import Tickets, exposure_warnings, server_credentials
 from gemps_server.service import ParameterService
@@ -97,7 +98,7 @@ class ParameterServer:
             tickets=tickets,
         )
         if self.replica is not None:
-            self.metrics.replication(self.replica.status)
+            ReplicationCollector(self.metrics.registry, self.replica.status)
             if self.checkpointer is not None:
                 replica = self.replica
                 self.checkpointer.epoch = lambda: replica.epoch

@@ -36,7 +36,7 @@ from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.status import PRIMARY, BackupLag, ReplicationStatus
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
-from gemps_server.metrics import ReplicationCollector
+from gemps_server.replication.metrics import ReplicationCollector
 from gemps_worker.cluster import ServerProcess
 from tests.helpers import free_port, wait_for
 
@@ -254,7 +254,7 @@ def replica_exporter() -> Iterator[str]:
         return ReplicationStatus("r0", PRIMARY, epoch=3, replicas=3, backups=backups, forwarded=next(forwarded))
 
     registry = CollectorRegistry()
-    registry.register(ReplicationCollector(status))
+    ReplicationCollector(registry, status)
     server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
     try:
         yield f"127.0.0.1:{server.server_port}"

@@ -33,6 +33,7 @@ from gemps_proto.reasons import Reason
 from gemps_server.config import ServerConfig
 from gemps_server.domain.rules import ApplyStats
 from gemps_server.metrics import ServerMetrics
+from gemps_server.replication.metrics import ReplicationCollector
 from gemps_server.replication.status import PRIMARY, BackupLag, ReplicationStatus
 from gemps_worker.metrics import WorkerMetrics
 
@@ -188,7 +189,7 @@ def exposed_sample_names() -> set[str]:
     metrics.departed("evicted")
     metrics.applier_ran(2e-4)
     metrics.evaluated("digits", 3, 0.4, 0.9)
-    metrics.replication(lambda: REPLICATED_PRIMARY)  # a primary exports every replication series
+    ReplicationCollector(metrics.registry, lambda: REPLICATED_PRIMARY)  # a primary exports every replication series
     worker = WorkerMetrics()  # the reference worker's own /metrics (gemps_worker_*)
     worker.step_duration.observe(0.01)
     worker.commits.inc()
@@ -313,7 +314,7 @@ def test_replication_queries_are_valid_promql(tmp_path: Path) -> None:
 def replication_page(status: ReplicationStatus) -> str:
     """The /metrics page of a server whose replication reports `status`."""
     metrics = ServerMetrics()
-    metrics.replication(lambda: status)
+    ReplicationCollector(metrics.registry, lambda: status)
     return generate_latest(metrics.registry).decode()
 
 

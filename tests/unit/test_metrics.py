@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gemps_proto.schema import PayloadKind, TrainingConfig
 from gemps_server.domain.rules import ApplyStats, create_rule, rule_names
 from gemps_server.metrics import COMMIT_REJECTION_REASONS, MAX_DATASET_LABEL, ServerMetrics, exposed
+from gemps_server.replication.metrics import ReplicationCollector
 from gemps_server.replication.status import BACKUP, PRIMARY, BackupLag, ReplicationStatus
 from tests.helpers import training
 
@@ -127,7 +130,8 @@ def test_labels_come_from_small_fixed_sets() -> None:
     metrics.describe_server(TrainingConfig())
     metrics.rpc("Pull", 0.001)
     metrics.evaluated("x" * 500, 1, 0.5, 0.5)
-    metrics.replication(Holder(primary(BackupLag("r1", True, 0, 0.0))))  # role: 3 values; backup: R-1 names
+    # role: 3 values; backup: R-1 names
+    ReplicationCollector(metrics.registry, Holder(primary(BackupLag("r1", True, 0, 0.0))))
     allowed = {"outcome", "reason", "phase", "bound", "side", "method", "plane", "cause", "dataset", "le", "quantile"}
     allowed |= {"role", "backup"}
     info = set(TrainingConfig().as_dict())  # one label per field of the training config
@@ -165,7 +169,9 @@ def replication_samples(metrics: ServerMetrics) -> dict[tuple[str, tuple[tuple[s
 
 def test_a_primary_exports_its_role_epoch_backups_and_counts() -> None:
     metrics = ServerMetrics()
-    metrics.replication(Holder(primary(BackupLag("r1", True, 0, 0.0), BackupLag("r2", False, 40, 2.5))))
+    ReplicationCollector(
+        metrics.registry, Holder(primary(BackupLag("r1", True, 0, 0.0), BackupLag("r2", False, 40, 2.5)))
+    )
     got = replication_samples(metrics)
     assert got == {
         ("gemps_replica_role", (("role", "primary"),)): 1,
@@ -190,7 +196,7 @@ def test_a_primary_exports_its_role_epoch_backups_and_counts() -> None:
 def test_the_series_follow_the_record_at_each_scrape_and_a_gone_backup_leaves_no_label() -> None:
     holder = Holder(primary(BackupLag("r1", True, 0, 0.0), BackupLag("r2", True, 3, 0.1)))
     metrics = ServerMetrics()
-    metrics.replication(holder)
+    ReplicationCollector(metrics.registry, holder)
     assert ("gemps_replication_lag_commits", (("backup", "r2"),)) in replication_samples(metrics)
     holder.status = primary(BackupLag("r1", True, 5, 0.2), BackupLag("r3", False, 9, 1.0))
     got = replication_samples(metrics)
@@ -202,7 +208,9 @@ def test_the_series_follow_the_record_at_each_scrape_and_a_gone_backup_leaves_no
 
 def test_a_backup_exports_its_role_and_epoch_but_no_primary_figures() -> None:
     metrics = ServerMetrics()
-    metrics.replication(Holder(ReplicationStatus("r1", BACKUP, epoch=4, replicas=3, primary="ps-0:50051", applied=9)))
+    ReplicationCollector(
+        metrics.registry, Holder(ReplicationStatus("r1", BACKUP, epoch=4, replicas=3, primary="ps-0:50051", applied=9))
+    )
     got = replication_samples(metrics)
     assert got[("gemps_replica_role", (("role", "backup"),))] == 1
     assert got[("gemps_replica_role", (("role", "primary"),))] == 0
@@ -215,7 +223,7 @@ def test_a_backup_exports_its_role_and_epoch_but_no_primary_figures() -> None:
 def test_nothing_is_exported_while_not_replicated() -> None:
     holder = Holder(None)
     metrics = ServerMetrics()
-    metrics.replication(holder)
+    ReplicationCollector(metrics.registry, holder)
     assert replication_samples(metrics) == {}
     assert holder.asked == 1  # asked at the scrape, not cached at registration
     assert replication_samples(ServerMetrics()) == {}  # nor without a provider
@@ -223,7 +231,55 @@ def test_nothing_is_exported_while_not_replicated() -> None:
 
 def test_replication_series_carry_the_partition_label_when_exposed_with_one() -> None:
     metrics = ServerMetrics()
-    metrics.replication(Holder(primary(BackupLag("r1", True, 0, 0.0))))
+    ReplicationCollector(metrics.registry, Holder(primary(BackupLag("r1", True, 0, 0.0))))
     text = generate_latest(exposed(metrics.registry, {"partition": "1"})).decode()
     assert 'gemps_replication_lag_commits{backup="r1",partition="1"} 0.0' in text
     assert 'gemps_replica_role{partition="1",role="primary"} 1.0' in text
+
+
+# -- the page as docs/OBSERVABILITY.md documents it (names, types, labels) -----------------------
+
+OBSERVABILITY = Path(__file__).resolve().parents[2] / "docs" / "OBSERVABILITY.md"
+
+
+def documented_metrics() -> dict[str, tuple[str, set[str]]]:
+    """The Metrics table: each name it lists, with its row's type and label names."""
+    section = OBSERVABILITY.read_text().split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    documented = {}
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        cells = re.split(r"(?<!\\)\|", line)  # `\|G\|²` is one cell's text
+        labels = set(re.findall(r"`([a-z_]+)`", cells[3]))
+        for name in re.findall(r"`([a-z_*]+)`", cells[1]):
+            documented[name] = (cells[2].strip(), labels)
+    return documented
+
+
+def busy_registry() -> CollectorRegistry:
+    """A server's registry once every concern has had an event: every family and label is on it."""
+    metrics = ServerMetrics()
+    metrics.describe_server(TrainingConfig())
+    metrics.observe(version=int, parameters=int, rule_state_bytes=int, active_workers=int, queue_depth=int)
+    stats = ApplyStats.of(np.array([0.0, 1.0], F32), 5.0, proxy_energy=0.1, central_energy=0.2)
+    metrics.applied(2, stats, loss=0.5, num_samples=64, queued_seconds=1e-4, apply_seconds=2e-4)
+    metrics.evaluated("digits", 3, 0.4, 0.9)
+    ReplicationCollector(metrics.registry, Holder(primary(BackupLag("r1", True, 0, 0.0))))
+    return metrics.registry
+
+
+def test_every_family_on_the_page_is_documented_with_its_type_and_labels() -> None:
+    documented = documented_metrics()
+    families = list(busy_registry().collect())
+    assert len(families) > 40
+    for family in families:
+        if family.name.startswith("process_"):
+            assert "process_*" in documented
+            continue
+        # As the page names them: counters with `_total`, the info metric with `_info` (a gauge there).
+        name = family.name + {"counter": "_total", "info": "_info"}.get(family.type, "")
+        assert name in documented, name
+        kind, labels = documented[name]
+        assert kind == {"info": "gauge (info)"}.get(family.type, family.type), name
+        exposed_labels = {key for sample in family.samples for key in sample.labels} - {"le", "quantile"}
+        assert exposed_labels <= labels, name

@@ -1,0 +1,82 @@
+"""Commits: their outcomes, staleness, the loss and samples workers report, and the applier's time."""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, Summary
+
+from gemps_proto.reasons import Reason
+from gemps_server.metrics.buckets import DURATION_BUCKETS
+
+# Staleness in updates: fine where most commits land (0..16 at 10 workers), up to a few hundred
+# (100 workers) and beyond.
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
+# Why a commit can be refused (gemps_proto.reasons). Their series exist from the start at 0, so
+# "rejected by reason" panels and rate() show 0 rather than nothing.
+COMMIT_REJECTION_REASONS = tuple(reason.value for reason in Reason)
+
+
+class CommitMetrics:
+    """What each commit's outcome adds up to, and how long the single applier thread is busy."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.commits = Counter(
+            "gemps_commits",
+            "Commits by outcome (applied/rejected) and rejection reason.",
+            ["outcome", "reason"],
+            registry=registry,
+        )
+        # The hot path's labelled series, looked up once (labels() costs microseconds a call).
+        self._applied = self.commits.labels("applied", "")
+        for reason in COMMIT_REJECTION_REASONS:
+            self.commits.labels("rejected", reason)
+        self.staleness = Histogram(
+            "gemps_commit_staleness",
+            "Staleness tau of applied commits: commits applied since the one the worker computed on.",
+            buckets=STALENESS_BUCKETS,
+            registry=registry,
+        )
+        self.samples = Counter(
+            "gemps_training_samples",
+            "Training samples behind applied commits, as workers report them.",
+            registry=registry,
+        )
+        self.training_loss = Summary(
+            "gemps_training_loss",
+            "Training (mini-batch) loss workers report with their commits.",
+            registry=registry,
+        )
+        self.commit_duration = Histogram(
+            "gemps_commit_duration_seconds",
+            "Applied commits by phase: queue_wait (FIFO queue before the applier) and apply (the rule).",
+            ["phase"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        self._queue_wait = self.commit_duration.labels("queue_wait")
+        self._apply = self.commit_duration.labels("apply")
+        self.applier_busy = Counter(
+            "gemps_applier_busy_seconds",
+            "Time the single applier thread spent running operations (rate: its utilisation, 0..1).",
+            registry=registry,
+        )
+
+    def applied(
+        self, staleness: int, loss: float | None, num_samples: int | None, queued_seconds: float, apply_seconds: float
+    ) -> None:
+        self._applied.inc()
+        self.staleness.observe(staleness)
+        self._queue_wait.observe(queued_seconds)
+        self._apply.observe(apply_seconds)
+        if loss is not None and math.isfinite(loss):
+            self.training_loss.observe(loss)
+        if num_samples:
+            self.samples.inc(num_samples)
+
+    def rejected(self, reason: Reason) -> None:
+        self.commits.labels("rejected", reason.value).inc()
+
+    def applier_ran(self, run_seconds: float) -> None:
+        """Called on the applier's thread after every operation it ran (commit or not)."""
+        self.applier_busy.inc(run_seconds)

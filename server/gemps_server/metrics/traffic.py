@@ -1,0 +1,86 @@
+"""RPCs and traffic, per plane and method: handling time, bytes in and out, and the data plane's
+connections and the guards that close them."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_server.metrics.buckets import DURATION_BUCKETS
+
+RPC_METHODS = tuple(method.name for method in pb.DESCRIPTOR.services_by_name["ParameterServer"].methods)
+# Which door a request came through (DESIGN §3c): every gRPC method, and the data plane's two calls.
+PLANES = ("grpc", "data")
+DATA_PLANE_METHODS = ("Commit", "Pull")
+PLANE_METHODS = tuple(("grpc", method) for method in RPC_METHODS) + tuple(("data", m) for m in DATA_PLANE_METHODS)
+# Why the data plane closed a connection before or between requests (its requests' own refusals
+# count like gRPC's: gemps_commits_total, the rejected log line).
+DATA_PLANE_REFUSALS = (
+    "bad_frame",  # not a frame of this protocol (magic, version, op, flags, lengths)
+    "bad_hello",  # a first frame that is not a well-formed HELLO
+    "unauthenticated",  # a ticket that is not the worker's registration's, or another worker's request
+    "unknown_worker",  # a HELLO for a worker not registered
+    "handshake_timeout",  # TLS handshake and HELLO not done within --data-plane-hello-timeout
+    "unproven_limit",  # closed without a HELLO for a newcomer, past --max-unproven-data-connections
+    "tls",  # a TLS handshake that failed (no or a wrong client certificate, not TLS at all)
+    "idle_timeout",  # no request for --connection-idle-timeout
+    "stream_timeout",  # a frame, or a reply, stalled for --stream-idle-timeout
+    "too_many_connections",  # past --max-data-connections
+    "refused_unread",  # a request refused before its payload was read: the connection is closed
+    "slow_upload",  # a payload too slow for the fast lane, and no slow-upload buffer free (refused unread)
+    "bad_attach",  # shared memory refused: not one sealed memfd of θ's size, not local, or twice
+)
+
+
+class TrafficMetrics:
+    """Every (plane, method) series exists from the start, looked up once: rpc() and the byte
+    counts run on every request."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.rpc_duration = Histogram(
+            "gemps_rpc_duration_seconds",
+            "Server-side handling time per RPC, by method and plane (grpc, data); a Commit's includes queue "
+            "wait and apply.",
+            ["method", "plane"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.received = Counter(
+            "gemps_received_bytes",
+            "Request bytes received, by RPC method and plane (grpc: messages; data: frames).",
+            ["method", "plane"],
+            registry=registry,
+        )
+        self.sent = Counter(
+            "gemps_sent_bytes",
+            "Response bytes sent, by RPC method and plane (grpc: messages; data: frames).",
+            ["method", "plane"],
+            registry=registry,
+        )
+        self._rpc_duration = {(p, m): self.rpc_duration.labels(m, p) for p, m in PLANE_METHODS}
+        self._received = {(p, m): self.received.labels(m, p) for p, m in PLANE_METHODS}
+        self._sent = {(p, m): self.sent.labels(m, p) for p, m in PLANE_METHODS}
+        self.data_plane_refusals = Counter(
+            "gemps_data_plane_refusals",
+            "Data-plane connections closed by a guard, by reason (bad frame or hello, ticket, timeouts, "
+            "connection limits, a request refused before its payload was read, a slow upload without room).",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in DATA_PLANE_REFUSALS:
+            self.data_plane_refusals.labels(reason)
+        self.data_plane_connections = Gauge(
+            "gemps_data_plane_connections", "Open data-plane connections.", registry=registry
+        )
+
+    def rpc(self, method: str, seconds: float, plane: str = "grpc") -> None:
+        self._rpc_duration[plane, method].observe(seconds)
+
+    def message_received(self, method: str, size: int, plane: str = "grpc") -> None:
+        self._received[plane, method].inc(size)
+
+    def message_sent(self, method: str, size: int, plane: str = "grpc") -> None:
+        self._sent[plane, method].inc(size)
+
+    def data_plane_refused(self, reason: str) -> None:
+        self.data_plane_refusals.labels(reason).inc()
