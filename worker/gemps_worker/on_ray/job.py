@@ -32,24 +32,23 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 import ray
 
 from gemps.options import values_of
 from gemps_worker.on_ray.actors import TrainFunction
 from gemps_worker.on_ray.calls import Looks, alive_nodes, get_within
+from gemps_worker.on_ray.etcd import Etcd, StartEtcd
 from gemps_worker.on_ray.evaluator import Evaluator
 from gemps_worker.on_ray.faults import FaultLog, JobFailed
+from gemps_worker.on_ray.interrupts import interrupts_deferred
 from gemps_worker.on_ray.options import RayJobOptions
 from gemps_worker.on_ray.partitions import Partitions
 from gemps_worker.on_ray.records import (
@@ -70,40 +69,6 @@ log = logging.getLogger("gemps.ray")
 TARGETS_FILE = "prometheus-targets.json"
 
 Progress = Callable[[StatusSample, TimedEvaluation | None], None]
-
-
-class Etcd(Protocol):
-    """An etcd the driver starts for a replicated job (gemps_server.replication.local_etcd.LocalEtcd:
-    this package does not import the server, so `gemps ray` hands it over as `start_etcd`)."""
-
-    endpoint: str
-
-    def start(self) -> object: ...
-
-    def stop(self) -> None: ...
-
-
-#: makes an etcd whose clients reach it at the host it is given (the driver's address)
-StartEtcd = Callable[[str], Etcd]
-
-
-@contextlib.contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """While stopping, a further Ctrl-C is noted, not raised, so the stop runs to its end. Ray's
-    cancel of a running task is such an interrupt, repeated until the task ends (every couple of
-    seconds): without this, a stop taking longer was cut short. Main thread only (signals)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def note(signum: int, frame: object) -> None:
-        log.warning("interrupted again: still stopping the job")
-
-    previous = signal.signal(signal.SIGINT, note)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 class RayJob:
