@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 from gemps_bench.main import replicas_path
-from gemps_bench.replicas import ReplicasSpec, replica_figures, summarize
+from gemps_bench.replica_figures import replica_figures, summarize
+from gemps_bench.replicas import ReplicasSpec
 from gemps_bench.report import replicas_table
 from gemps_bench.results import LoadResult
 

@@ -45,6 +45,8 @@ GRID_WIDTH = 24
 
 
 def load_generator() -> ModuleType:
+    if str(GRAFANA) not in sys.path:  # generate.py imports its sibling modules, as when run as a script
+        sys.path.insert(0, str(GRAFANA))
     spec = importlib.util.spec_from_file_location("gemps_grafana_generate", GRAFANA / "generate.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -21,6 +21,9 @@
   a private etcd on the driver's machine). A replica whose node is lost restarts elsewhere and
   rejoins as a backup, re-seeded by the primary; the workers go round partition 0's replicas
   (gemps_worker.on_ray.addresses) and the job goes on, the driver noting each new primary.
+- The driver's parts: the partitions (gemps_worker.on_ray.partitions), the workers
+  (gemps_worker.on_ray.workers), the evaluator (gemps_worker.on_ray.evaluator), the progress
+  samples and the primaries seen (gemps_worker.on_ray.sampling); this module runs them in order.
 - Everything is reached through actors, never from the driver directly, so the driver may run
   anywhere Ray reaches (the head, a laptop through Ray Client).
 - Ctrl-C or `ray.cancel` of the task running the job raises KeyboardInterrupt in the driver;
@@ -29,33 +32,23 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 import ray
-import ray.exceptions
 
 from gemps.options import values_of
-from gemps.records import GradientNoise, ServerStatus
-from gemps_proto.status import PRIMARY
-from gemps_worker.on_ray.actors import HeldOutEvaluator, TrainFunction, TrainingWorker
-from gemps_worker.on_ray.calls import Looks, alive_nodes, answers, get_within
-from gemps_worker.on_ray.faults import (
-    EVALUATOR,
-    RESULT_LOST,
-    FaultLog,
-    JobFailed,
-    why,
-    worker_name,
-)
+from gemps_worker.on_ray.actors import TrainFunction
+from gemps_worker.on_ray.calls import Looks, alive_nodes, get_within
+from gemps_worker.on_ray.etcd import Etcd, StartEtcd
+from gemps_worker.on_ray.evaluator import Evaluator
+from gemps_worker.on_ray.faults import FaultLog, JobFailed
+from gemps_worker.on_ray.interrupts import interrupts_deferred
 from gemps_worker.on_ray.options import RayJobOptions
 from gemps_worker.on_ray.partitions import Partitions
 from gemps_worker.on_ray.records import (
@@ -66,52 +59,16 @@ from gemps_worker.on_ray.records import (
     TimedEvaluation,
     WorkerOutcome,
 )
-from gemps_worker.prometheus_targets import EVALUATOR_JOB, SERVER_JOB, WORKER_JOB, ScrapeTarget, write_targets
+from gemps_worker.on_ray.sampling import Sampler
+from gemps_worker.on_ray.timeouts import STOP_TIMEOUT
+from gemps_worker.on_ray.workers import Workers
+from gemps_worker.prometheus_targets import SERVER_JOB, ScrapeTarget, write_targets
 
 log = logging.getLogger("gemps.ray")
 
 TARGETS_FILE = "prometheus-targets.json"
-STOP_TIMEOUT = 60.0  # seconds a worker gets to finish its step and leave, a partition to shut down
-LOOK_TIMEOUT = 10.0  # seconds for a look at partition 0 or the evaluator before going on without it
-#: seconds a sample waits for a replica's status: one on a node just lost does not answer until
-#: Ray marks the node dead, and the others' (the new primary's) are what the sample is for
-REPLICA_LOOK_TIMEOUT = 1.0
 
 Progress = Callable[[StatusSample, TimedEvaluation | None], None]
-
-
-class Etcd(Protocol):
-    """An etcd the driver starts for a replicated job (gemps_server.replication.local_etcd.LocalEtcd:
-    this package does not import the server, so `gemps ray` hands it over as `start_etcd`)."""
-
-    endpoint: str
-
-    def start(self) -> object: ...
-
-    def stop(self) -> None: ...
-
-
-#: makes an etcd whose clients reach it at the host it is given (the driver's address)
-StartEtcd = Callable[[str], Etcd]
-
-
-@contextlib.contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """While stopping, a further Ctrl-C is noted, not raised, so the stop runs to its end. Ray's
-    cancel of a running task is such an interrupt, repeated until the task ends (every couple of
-    seconds): without this, a stop taking longer was cut short. Main thread only (signals)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def note(signum: int, frame: object) -> None:
-        log.warning("interrupted again: still stopping the job")
-
-    previous = signal.signal(signal.SIGINT, note)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 class RayJob:
@@ -161,19 +118,14 @@ class RayJob:
         self.out = Path(options.out)
         self.nodes: list[str] = []
         self.partition_group = Partitions(self.name, options, self.server_options)
-        self.worker_actors: list[Any] = []
-        self.evaluator: Any = None
-        self._evaluations: list[TimedEvaluation] = []  # every life's: a restarted evaluator starts empty
-        self._evaluator_failed = False  # its error is logged once
-        self.samples: list[StatusSample] = []
+        self.workers = Workers(options, self.worker_options, train)
+        self.held_out = Evaluator()
         self.faults = FaultLog()
-        self._training: dict[Any, int] = {}  # train() call -> worker index
+        self.sampler = Sampler(options, self.partition_group, self.faults)
         self._targets: dict[str, ScrapeTarget] = {}
         self._looks = Looks()  # refresh()'s questions
         self._start_etcd = start_etcd
         self.etcd: Etcd | None = None  # the one the driver started
-        self.primaries: dict[int, int] = {}  # partition -> its primary replica, as last sampled
-        self.primary_changes: list[PrimaryChange] = []
 
     @property
     def target(self) -> str:
@@ -188,6 +140,28 @@ class RayJob:
     @property
     def partition_actors(self) -> list[Any]:
         return self.partition_group.actors
+
+    @property
+    def worker_actors(self) -> list[Any]:
+        return self.workers.actors
+
+    @property
+    def evaluator(self) -> Any:
+        """The held-out evaluator's actor (None without one)."""
+        return self.held_out.actor
+
+    @property
+    def samples(self) -> list[StatusSample]:
+        return self.sampler.samples
+
+    @property
+    def primaries(self) -> dict[int, int]:
+        """Partition -> its primary replica, as last sampled."""
+        return self.sampler.primaries
+
+    @property
+    def primary_changes(self) -> list[PrimaryChange]:
+        return self.sampler.primary_changes
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -219,8 +193,9 @@ class RayJob:
         if self.options.replicas > 1:
             self.partition_group.etcd = self.options.etcd or self._started_etcd()
         self.partition_group.start()
-        self._start_evaluator()
-        self._start_workers()
+        if self.options.evaluate and self.train_function is None:
+            self.held_out.start(self.options, self.target, self.partition_group.resolver())
+        self.workers.start(self.target, self.partition_group.resolver())
         self.refresh()  # the partitions' targets now; the others' as they come up
         log.info("job %s: %d partitions on nodes %s", self.name, len(self.partitions), self.partition_nodes())
 
@@ -251,45 +226,6 @@ class RayJob:
                 available,
             )
 
-    def _start_evaluator(self) -> None:
-        if not self.options.evaluate or self.train_function is not None:
-            return
-        options = {
-            "server": self.target,
-            "dataset": self.options.dataset,
-            "data_dir": self.options.data_dir,
-            "model": self.options.model,
-            "interval": self.options.interval,
-        }
-        restarts = self.options.worker_restarts  # its calls wait for its restart (-1), as the workers'
-        self.evaluator = (
-            ray.remote(HeldOutEvaluator)
-            .options(num_cpus=self.options.evaluator_cpus, max_restarts=restarts, max_task_retries=-1)
-            .remote(options, self.partition_group.resolver())
-        )
-
-    def _start_workers(self) -> None:
-        actor_class = ray.remote(TrainingWorker).options(
-            num_cpus=self.options.worker_cpus,
-            num_gpus=self.options.worker_gpus,
-            max_restarts=self.options.worker_restarts,
-            # Retry a call until the actor is back or its restarts are spent: a lost node first
-            # shows as an actor that does not answer (ActorUnavailableError), for as long as Ray
-            # takes to mark the node dead, and a bounded count of retries is spent in seconds.
-            max_task_retries=-1,
-            max_concurrency=4,  # train(), a retried train() waiting on it, stop(), node()
-            scheduling_strategy="SPREAD",  # not a placement group: a restart may land on any node
-        )
-        count = self.options.workers
-        follow = self.partition_group.resolver()
-        self.worker_actors = [
-            actor_class.remote(
-                index, count, self.target, options=self.worker_options, train=self.train_function, target=follow
-            )
-            for index in range(count)
-        ]
-        self._training = {actor.train.remote(): index for index, actor in enumerate(self.worker_actors)}
-
     # -- follow --------------------------------------------------------------------------------
 
     def wait(self, on_progress: Progress | None = None) -> list[WorkerOutcome]:
@@ -298,20 +234,10 @@ class RayJob:
         Raises JobFailed when one failed for good, or a partition did (its restarts spent), or a
         partition's node was lost without --work-dir (the others keep running until stop())."""
         outcomes: dict[int, WorkerOutcome] = {}
-        while self._training:
-            pending = list(self._training)
-            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=self.options.interval)
+        while self.workers.training:
+            ended = self.workers.finished_within(self.options.interval)
             self.watch_nodes()  # first: what was lost explains a failure below
-            for call in ready:
-                index = self._training.pop(call)
-                try:
-                    outcomes[index] = ray.get(call)
-                except RESULT_LOST as error:
-                    log.warning("worker %d's outcome went with its node (%s): asking again", index, why(error))
-                    self._training[self.worker_actors[index].train.remote()] = index
-                except ray.exceptions.RayError as error:
-                    message = self.faults.failure(worker_name(index), error, self.options.worker_restarts)
-                    raise JobFailed(message) from error
+            outcomes |= self.workers.outcomes(ended, self.faults)
             self.refresh()
             self.watch_partitions()
             sample = self.sample()
@@ -340,97 +266,24 @@ class RayJob:
 
     def sample(self) -> StatusSample | None:
         """Partition 0's version now (None while it restarts), all of θ's noise scale (while all answer)."""
-        if self.options.replicas > 1:
-            return self._sample_replicas()
-        statuses = answers([actor.status.remote() for actor in self.partition_actors], LOOK_TIMEOUT)
-        if statuses[0] is None:
-            return None
-        noise = GradientNoise() if None in statuses else GradientNoise.combined([s.gradient_noise for s in statuses])
-        sample = StatusSample(time.time(), statuses[0].version, statuses[0].active_workers, noise)
-        self.samples.append(sample)
-        return sample
-
-    def _sample_replicas(self) -> StatusSample | None:
-        """As sample(), of each partition's primary (partition 0's version: the highest a replica
-        of it holds); a new primary is noted. Replicas last seen on a lost node are not asked."""
-        group = self.partition_group
-        standing = group.standing(self.faults)
-        found = answers([actor.status.remote() for actor in standing.values()], REPLICA_LOOK_TIMEOUT)
-        statuses: dict[int, ServerStatus] = {slot: s for slot, s in zip(standing, found, strict=True) if s is not None}
-        primaries: list[ServerStatus | None] = []
-        for index in range(self.options.partitions):
-            mine = {slot: statuses[slot] for slot in group.slots(index) if slot in statuses}
-            primary = next((slot for slot, s in mine.items() if s.replication and s.replication.role == PRIMARY), None)
-            primaries.append(None if primary is None else mine[primary])
-            if primary is not None:
-                self._note_primary(index, primary, mine[primary])
-        zero = [statuses[slot] for slot in group.slots(0) if slot in statuses]
-        if not zero:
-            return None
-        newest = max(zero, key=lambda status: status.version)
-        noise = GradientNoise()
-        if None not in primaries:
-            noise = GradientNoise.combined([status.gradient_noise for status in primaries if status is not None])
-        active = primaries[0].active_workers if primaries[0] is not None else newest.active_workers
-        sample = StatusSample(time.time(), newest.version, active, noise)
-        self.samples.append(sample)
-        return sample
-
-    def _note_primary(self, index: int, slot: int, status: ServerStatus) -> None:
-        replica = slot - index * self.options.replicas
-        previous = self.primaries.get(index, -1)
-        if previous == replica:
-            return
-        self.primaries[index] = replica
-        epoch = status.replication.epoch if status.replication is not None else 0
-        node = self.partition_group.endpoints[slot].node_id
-        self.primary_changes.append(PrimaryChange(time.time(), index, replica, node, previous, epoch))
-        if previous >= 0:
-            log.warning("partition %d: replica %d primary now (epoch %d), was %d", index, replica, epoch, previous)
+        return self.sampler.sample()
 
     def primary_nodes(self) -> list[str]:
         """Each partition's primary's node, as last sampled (without replicas: its node; "" while
         no primary of it was seen)."""
-        if self.options.replicas == 1:
-            return self.partition_nodes()
-        group = self.partition_group
-        return [
-            group.endpoints[group.slots(index)[self.primaries[index]]].node_id if index in self.primaries else ""
-            for index in range(self.options.partitions)
-        ]
+        return self.sampler.primary_nodes()
 
     def evaluations(self) -> list[TimedEvaluation]:
         """Every evaluation of the run, asking the evaluator once more (waiting, unlike refresh())."""
-        if self.evaluator is not None:
-            with contextlib.suppress(JobFailed):
-                self._keep_evaluations(get_within([self.evaluator.since.remote(self._evaluated())], LOOK_TIMEOUT)[0])
-        return list(self._evaluations)
+        return self.held_out.all()
 
     def latest_evaluation(self) -> TimedEvaluation | None:
-        return self._evaluations[-1] if self._evaluations else None
-
-    def _evaluated(self) -> float:
-        return self._evaluations[-1].time if self._evaluations else 0.0
-
-    def _keep_evaluations(self, answer: tuple[list[TimedEvaluation], str]) -> None:
-        """An answer of the evaluator's since(): its new results kept; its error logged once."""
-        found, error = answer
-        self._evaluations.extend(result for result in found if result.time > self._evaluated())
-        if error and not self._evaluator_failed:
-            self._evaluator_failed = True
-            log.warning("the evaluator stopped: %s", error)
+        return self.held_out.latest()
 
     def final_evaluation(self) -> TimedEvaluation | None:
         """Stop the evaluator's loop and evaluate θ once more, as it is now (None without an
         evaluator, or when it fails: the run's other results still count)."""
-        if self.evaluator is None:
-            return None
-        try:
-            result: TimedEvaluation | None = get_within([self.evaluator.final.remote()], STOP_TIMEOUT)[0]
-        except JobFailed as error:
-            log.warning("no final evaluation: %s", error)
-            return None
-        return result
+        return self.held_out.final()
 
     def export(self) -> ExportedModel:
         """θ and the buffers by name, pulled by partition 0's actor (with every partition's slice);
@@ -459,23 +312,10 @@ class RayJob:
                 labels["replica"] = str(endpoint.replica)
             address = f"{endpoint.host}:{endpoint.metrics_port}"
             targets[self.partition_group.key(slot)] = ScrapeTarget(address, SERVER_JOB, labels)
-        for index, actor in enumerate(self.worker_actors):
-            place = self._looks.look(f"w{index}", actor.node.remote)
-            if place is not None:
-                self.faults.seen(worker_name(index), place)
-                if place.metrics_port > 0:
-                    labels = {"worker": str(index), "ray_node": place.node_id}
-                    targets[f"w{index}"] = ScrapeTarget(f"{place.address}:{place.metrics_port}", WORKER_JOB, labels)
-        if self.evaluator is not None:
-            evaluator, after = self.evaluator, self._evaluated()
-            answer = self._looks.look("evaluations", lambda: evaluator.since.remote(after))
-            if answer is not None:
-                self._keep_evaluations(answer)
-            place = self._looks.look(EVALUATOR, evaluator.node.remote)
-            if place is not None:
-                self.faults.seen(EVALUATOR, place)
-                labels = {"ray_node": place.node_id}
-                targets["evaluator"] = ScrapeTarget(f"{place.address}:{place.metrics_port}", EVALUATOR_JOB, labels)
+        targets |= self.workers.look(self._looks, self.faults)
+        evaluator = self.held_out.look(self._looks, self.faults)
+        if evaluator is not None:
+            targets["evaluator"] = evaluator
         if targets != self._targets:
             self._targets = targets
             write_targets(self.out / TARGETS_FILE, targets.values())
@@ -486,12 +326,7 @@ class RayJob:
         """Workers finish their step and leave the server; then their actors are released. One
         last seen on a lost node is not asked: nothing of it runs, and its restart may wait for
         room on another node."""
-        standing = [actor for i, actor in enumerate(self.worker_actors) if not self.faults.gone(worker_name(i))]
-        if standing:
-            answers([actor.stop.remote() for actor in standing], STOP_TIMEOUT)
-        for actor in self.worker_actors:
-            ray.kill(actor, no_restart=True)
-        self.worker_actors, self._training = [], {}
+        self.workers.stop(self.faults)
 
     def stop(self) -> None:
         """Workers leave, the evaluator ends, partitions shut down gracefully (each writes its
@@ -503,15 +338,11 @@ class RayJob:
     def _stop(self) -> None:
         try:
             self.stop_workers()
-            if self.evaluator is not None:  # before the partitions go: it would only retry them
-                ray.kill(self.evaluator, no_restart=True)
-                self.evaluator = None
+            self.held_out.kill()  # before the partitions go: it would only retry them
             self.partition_group.stop(self.faults, STOP_TIMEOUT)
         finally:  # whatever went wrong above, nothing of the job is left holding the cluster
-            evaluator = [] if self.evaluator is None else [self.evaluator]
-            for actor in [*self.worker_actors, *evaluator]:
-                ray.kill(actor, no_restart=True)
-            self.worker_actors, self.evaluator = [], None
+            self.workers.kill()
+            self.held_out.kill()
             self.partition_group.release()
             if self.etcd is not None:  # last: the replicas' leases needed it until they stopped
                 self.etcd.stop()

@@ -9,7 +9,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gemps_worker.on_ray.actors import TrainFunction
-from gemps_worker.on_ray.job import Progress, RayJob, StartEtcd, interrupts_deferred
+from gemps_worker.on_ray.etcd import StartEtcd
+from gemps_worker.on_ray.interrupts import interrupts_deferred
+from gemps_worker.on_ray.job import Progress, RayJob
 from gemps_worker.on_ray.options import RayJobOptions
 from gemps_worker.on_ray.records import (
     ActorRestart,
