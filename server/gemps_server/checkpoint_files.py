@@ -35,7 +35,7 @@ import safetensors
 import safetensors.numpy
 
 from gemps_proto.schema import Buffers, ParameterSpec, buffer_counts, integral, unflatten
-from gemps_proto.tensor_codec import FLOAT32, INT64
+from gemps_proto.tensor_codec import FLOAT32
 from gemps_server.domain.ledger import (
     KEY_SEPARATOR,
     LEGACY_SCOPE,
@@ -45,16 +45,19 @@ from gemps_server.domain.ledger import (
     valid_client_id,
 )
 from gemps_server.domain.records import PartitionOf, StateImage
+from gemps_server.image_layout import (
+    BUFFERS_KEY,
+    INTEGER_BUFFERS_KEY,
+    RULE_STATE_PREFIX,
+    SPEC_DTYPES,
+    state_metadata,
+    state_tensors,
+)
 from gemps_server.native import all_finite
 
 FORMAT = "gemps-checkpoint"
 FORMAT_VERSION = "1"
 THETA_KEY = "central_variable"
-BUFFERS_KEY = "buffers"
-INTEGER_BUFFERS_KEY = "integer_buffers"
-# A spec entry's "dtype" in the metadata, when it is not float32 (files before integer buffers: none).
-SPEC_DTYPES = {"int64": INT64}
-RULE_STATE_PREFIX = "rule."
 SUFFIX = ".safetensors"
 # Versions and counts are int64 on the wire (base_version) and uint64 in replies: a checkpoint
 # claiming more is not one this server wrote.
@@ -153,9 +156,7 @@ def _metadata(checkpoint: Checkpoint, tensors: Mapping[str, np.ndarray]) -> dict
         "gemps_version": __version__,
         "version": str(image.version),
         "commits_applied": str(image.commits_applied),
-        "spec": spec_json(image.spec),
-        "buffer_spec": spec_json(image.buffer_spec),
-        "partition": partition_json(image.partition),
+        **state_metadata(image),
         "config": json.dumps(dict(checkpoint.config), sort_keys=True),
         # By (client scope, request id) (ledger.receipt_key); "receipts", by request id alone, is
         # what checkpoints written before scopes hold (read as the legacy scope).
@@ -164,14 +165,6 @@ def _metadata(checkpoint: Checkpoint, tensors: Mapping[str, np.ndarray]) -> dict
         "epoch": str(checkpoint.epoch),
         "crc32": crc32_of(tensors),
     }
-
-
-def spec_json(spec: tuple[ParameterSpec, ...]) -> str:
-    names = {dtype: name for name, dtype in SPEC_DTYPES.items()}
-    return json.dumps([
-        {"name": entry.name, "shape": list(entry.shape), **({"dtype": names[entry.dtype]} if entry.integer else {})}
-        for entry in spec
-    ])  # fmt: skip
 
 
 def write_atomically(path: Path, write: Callable[[Path], None]) -> int:
@@ -196,15 +189,7 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> int:
 
 def save(directory: Path, checkpoint: Checkpoint) -> tuple[Path, int]:
     """Write `checkpoint` atomically; returns its path and size in bytes."""
-    image = checkpoint.image
-    tensors: dict[str, np.ndarray] = {THETA_KEY: np.ascontiguousarray(image.theta, dtype=np.float32)}
-    floats, integers = buffer_counts(image.buffer_spec)
-    if floats:
-        tensors[BUFFERS_KEY] = np.ascontiguousarray(image.buffers.floats, dtype=np.float32)
-    if integers:
-        tensors[INTEGER_BUFFERS_KEY] = np.ascontiguousarray(image.buffers.integers, dtype=np.int64)
-    for key, value in image.rule_state.items():
-        tensors[RULE_STATE_PREFIX + key] = np.ascontiguousarray(value, dtype=np.float32)
+    tensors = state_tensors(checkpoint.image, THETA_KEY, empty_buffers=False)
     metadata = _metadata(checkpoint, tensors)
     # The loader's own checks (finiteness, counts, specs, receipts) before anything is written:
     # a file it would quarantine at the next start must not replace a good one (CheckpointError).
@@ -365,10 +350,6 @@ def _flat_tensor(
     if value.size != expected:
         raise CheckpointError(f"{key} has {value.size} values but the spec describes {expected}")
     return value
-
-
-def partition_json(partition: PartitionOf) -> str:
-    return json.dumps({"index": partition.index, "count": partition.count})
 
 
 def parse_partition(raw: str, spec: tuple[ParameterSpec, ...] | None) -> PartitionOf:

@@ -22,6 +22,7 @@ import safetensors
 from gemps_server.checkpoint_files import Checkpoint, CheckpointError, load_latest, prune, remove_temporaries, save
 from gemps_server.config import ServerConfig
 from gemps_server.directory_lock import DirectoryLock
+from gemps_server.domain import images
 from gemps_server.domain.applier import Applier
 from gemps_server.domain.state import ServerState
 from gemps_server.logs import event
@@ -84,7 +85,7 @@ class Checkpointer:
             event(log, "no checkpoint to restore", directory=str(self.directory))
             return None
         path, checkpoint = found
-        for warning in self._state.restore(checkpoint.image):
+        for warning in images.restore(self._state, checkpoint.image):
             event(log, "checkpoint restore warning", level=logging.WARNING, detail=warning)
         differences = {
             key: f"{checkpoint.config.get(key)!r} -> {value!r}"
@@ -194,7 +195,7 @@ class Checkpointer:
 
     def _view(self) -> Callable[[], Checkpoint]:
         state, config, epoch = self._state, dict(self._config), self.epoch
-        return lambda: Checkpoint(state.image(), config, epoch=epoch())
+        return lambda: Checkpoint(images.checkpoint(state), config, epoch=epoch())
 
     def _save(self, checkpoint: Checkpoint) -> tuple[Path, int, list[Path]]:
         """Write, then keep the newest `keep`. On a full disk, first make room by deleting the

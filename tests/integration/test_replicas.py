@@ -6,6 +6,7 @@ the part most likely to drift). The faults between machines are in test_replica_
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -19,6 +20,7 @@ import pytest
 
 import gemps
 from gemps_server.checkpoint_files import list_checkpoints, load
+from gemps_server.domain import images
 from gemps_server.replication import image_codec
 from gemps_server.replication.local_etcd import LocalEtcd
 from gemps_server.replication.status import BACKUP, PRIMARY, ReplicationStatus
@@ -76,7 +78,8 @@ def wait_replicated(servers: list[InProcessServer], timeout: float = 30.0) -> In
 def digest(server: InProcessServer) -> str:
     """The replica's whole state, hashed (taken on its applier: consistent at one version)."""
     inner = server.server
-    image = asyncio.run_coroutine_threadsafe(inner.applier.submit(inner.state.replica_image), server._loop).result(30)
+    take = functools.partial(images.take, inner.state)
+    image = asyncio.run_coroutine_threadsafe(inner.applier.submit(take), server._loop).result(30)
     return image_codec.digest(image)
 
 

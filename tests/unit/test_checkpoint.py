@@ -29,6 +29,7 @@ from gemps_server.checkpoint_files import (
     remove_temporaries,
     save,
 )
+from gemps_server.domain import images
 from gemps_server.domain.errors import InvalidArgument
 from gemps_server.domain.ledger import LEGACY_SCOPE, CommitLedger, Receipt, receipt_key
 from gemps_server.domain.records import Commit, StateImage
@@ -311,9 +312,9 @@ def test_restore_continues_exactly_where_the_checkpoint_was(rule: str) -> None:
     worker = register(live)
     for version in range(3):
         live.commit(Commit(worker, version, PayloadKind.GRADIENT, gradient(version + 1.0), request_id=f"r{version}"))
-    snapshot = live.image()
+    snapshot = images.checkpoint(live)
     restored = new_state(rule)
-    assert restored.restore(snapshot) == []
+    assert images.restore(restored, snapshot) == []
     assert (restored.version, restored.commits_applied) == (3, 3)
     np.testing.assert_array_equal(restored.theta_copy(), live.theta_copy())
     again = register(restored)  # the same client, registered again
@@ -328,7 +329,7 @@ def test_restore_continues_exactly_where_the_checkpoint_was(rule: str) -> None:
 def test_restore_into_another_rule_drops_the_rule_state_with_a_warning() -> None:
     live = new_state("momentum")
     register(live)
-    warnings = new_state("gem").restore(live.image())
+    warnings = images.restore(new_state("gem"), images.checkpoint(live))
     assert warnings and "not restored" in warnings[0]
 
 

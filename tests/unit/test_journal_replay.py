@@ -112,7 +112,7 @@ def test_a_replayed_journal_gives_the_same_state_bit_for_bit(rule: str) -> None:
     assert backup.ledger.entries() == primary.ledger.entries()
     assert len(backup.registry) == len(primary.registry) == 0
     assert third.worker.worker_id not in backup.registry
-    assert backup.image().buffers.integers.tolist() == primary.image().buffers.integers.tolist() == [30]
+    assert backup.buffers.integers.tolist() == primary.buffers.integers.tolist() == [30]
 
 
 def test_replay_takes_the_primarys_worker_ids_and_displacements() -> None:

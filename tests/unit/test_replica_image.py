@@ -15,6 +15,7 @@ import safetensors.numpy
 
 from gemps_proto.schema import ParameterSpec, PayloadKind
 from gemps_proto.tensor_codec import FLOAT32, INT64, EncodedBuffers, EncodedTensor
+from gemps_server.domain import images
 from gemps_server.domain.errors import NotFound
 from gemps_server.domain.ledger import CommitLedger, LedgerImage, Receipt
 from gemps_server.domain.records import ALL_OF_THETA, Commit, PartitionOf
@@ -122,7 +123,7 @@ def noise_bytes(state: ServerState) -> bytes:
 def raw(state: ServerState) -> dict[str, bytes | str]:
     """What must be equal between replicas, as bytes (reprs for the ledger: its NaN energies too)."""
     assert state.rule is not None
-    image = state.image()
+    image = images.checkpoint(state)
     found: dict[str, bytes | str] = {
         "theta": state.theta_copy().tobytes(),
         "buffers": image.buffers.floats.tobytes() + image.buffers.integers.tobytes(),
@@ -142,11 +143,11 @@ def raw(state: ServerState) -> dict[str, bytes | str]:
 @pytest.mark.parametrize("rule", ["gem", "momentum"])
 def test_an_adopted_image_goes_on_bit_for_bit(rule: str, kernel: str) -> None:
     primary, load = seeded(rule, kernel)
-    image = primary.replica_image()
+    image = images.take(primary)
     backup = new_state(rule, kernel)
-    backup.adopt(decode(encode(image)))
+    images.adopt(backup, decode(encode(image)))
     assert raw(backup) == raw(primary)
-    assert digest(backup.replica_image()) == digest(image)
+    assert digest(images.take(backup)) == digest(image)
     if rule == "gem":  # per-worker state came across (and differs between workers)
         assert primary.rule is not None and backup.rule is not None
         proxies = [backup.rule.worker_state(worker)["proxy"].tobytes() for worker in load.workers]
@@ -157,7 +158,7 @@ def test_an_adopted_image_goes_on_bit_for_bit(rule: str, kernel: str) -> None:
         assert (a.staleness, stats_bytes(a.stats), a.duplicate) == (b.staleness, stats_bytes(b.stats), b.duplicate)
         assert a.snapshot.version == b.snapshot.version
     assert raw(backup) == raw(primary)
-    assert digest(backup.replica_image()) == digest(primary.replica_image())
+    assert digest(images.take(backup)) == digest(images.take(primary))
     assert noise_bytes(backup) == noise_bytes(primary) and primary.noise.estimate.windows > 3
     # The backup recognises a retry of the last commit as the primary would.
     assert load.last is not None
@@ -167,24 +168,24 @@ def test_an_adopted_image_goes_on_bit_for_bit(rule: str, kernel: str) -> None:
     # One more commit on one side only: the two differ, and the digest says so.
     primary.commit(load.commit(30, primary.version))
     assert raw(backup)["theta"] != raw(primary)["theta"]
-    assert digest(backup.replica_image()) != digest(primary.replica_image())
+    assert digest(images.take(backup)) != digest(images.take(primary))
 
 
 def test_the_image_is_a_copy_taken_at_its_version() -> None:
     primary, load = seeded()
-    image = primary.replica_image()
+    image = images.take(primary)
     before = digest(image)
     assert image.state is not None and image.noise is not None
     theta, noise = image.state.theta.tobytes(), image.noise.total.tobytes()
     primary.commit(load.commit(20, primary.version))
     assert digest(image) == digest(decode(encode(image))) == before  # (the bytes' header order varies)
     assert (image.state.theta.tobytes(), image.noise.total.tobytes()) == (theta, noise)
-    assert digest(primary.replica_image()) != before
+    assert digest(images.take(primary)) != before
 
 
 def test_the_digest_leaves_out_the_history_the_noise_estimate_and_the_bound() -> None:
     primary, _ = seeded()
-    image = primary.replica_image()
+    image = images.take(primary)
     assert image.noise is not None and image.noise.estimate.windows > 0  # a window of 3 closed
     other = dataclasses.replace(image, history="another", noise=None)
     assert digest(other) == digest(image)
@@ -198,7 +199,7 @@ def test_the_digest_leaves_out_the_history_the_noise_estimate_and_the_bound() ->
 def test_adopting_keeps_the_workers_and_their_slots() -> None:
     primary, load = seeded()
     backup = new_state()
-    backup.adopt(decode(encode(primary.replica_image())))
+    images.adopt(backup, decode(encode(images.take(primary))))
     assert backup.registry.listing() != () and [(w.name, w.shard, w.commits) for w in backup.registry.listing()] == [
         (w.name, w.shard, w.commits) for w in primary.registry.listing()
     ]
@@ -211,12 +212,12 @@ def test_adopting_keeps_the_workers_and_their_slots() -> None:
 
 
 def test_an_image_of_a_server_nobody_registered_with() -> None:
-    empty = new_state().replica_image()
+    empty = images.take(new_state())
     assert not empty.initialized and empty.state is None
     decoded = decode(encode(empty))
     assert not decoded.initialized and decoded.history == empty.history
     target, load = seeded()
-    target.adopt(decoded)
+    images.adopt(target, decoded)
     assert not target.initialized and target.version == 0 and len(target.registry) == 0 and len(target.ledger) == 0
     assert target.num_parameters == 0 and target.history == empty.history
     with pytest.raises(NotFound):
@@ -229,7 +230,7 @@ def test_an_image_of_a_server_nobody_registered_with() -> None:
 def test_adopting_replaces_an_initialised_state() -> None:
     primary, load = seeded(seed=1)
     target, old = seeded(seed=2, commits=5)
-    target.adopt(decode(encode(primary.replica_image())))
+    images.adopt(target, decode(encode(images.take(primary))))
     assert raw(target) == raw(primary)
     with pytest.raises(NotFound):
         target.registry.get(old.workers[0])
@@ -252,7 +253,7 @@ def test_adopting_replaces_an_initialised_state() -> None:
 )
 def test_a_damaged_encoding_is_refused(damage: Callable[[bytes], bytes]) -> None:
     primary, _ = seeded()
-    data = encode(primary.replica_image())
+    data = encode(images.take(primary))
     with pytest.raises(ValueError, match="replica image"):
         decode(damage(data))
 
@@ -267,7 +268,7 @@ def rewritten(data: bytes, key: str, change: Callable[[Any], Any]) -> bytes:
 
 def test_an_inconsistent_image_is_refused_and_changes_nothing() -> None:
     primary, _ = seeded()
-    data = encode(primary.replica_image())
+    data = encode(images.take(primary))
     target, _ = seeded(seed=2)
     before = raw(target)
 
@@ -276,7 +277,7 @@ def test_an_inconsistent_image_is_refused_and_changes_nothing() -> None:
         return workers
 
     with pytest.raises(ValueError, match="slots"):
-        target.adopt(decode(rewritten(data, "workers", clash)))
+        images.adopt(target, decode(rewritten(data, "workers", clash)))
 
     def lost_receipt(ledger: dict[str, list[object]]) -> dict[str, list[object]]:
         ledger["last"] = ledger["last"][1:]  # one receipt fewer than the tensors hold
@@ -293,20 +294,20 @@ def test_another_partitions_or_rules_image_is_refused() -> None:
     half = PartitionOf(0, 2)
     primary = new_state(partition=half)
     Workload(3).register(primary)
-    image = decode(encode(primary.replica_image()))
+    image = decode(encode(images.take(primary)))
     assert image.partition == half and image.state is not None and image.state.theta.size == P // 2
     other = new_state(partition=PartitionOf(1, 2))
     with pytest.raises(ValueError, match="partition 0 of 2"):
-        other.adopt(image)
+        images.adopt(other, image)
     with pytest.raises(ValueError, match="rule 'gem'"):
-        new_state("momentum", partition=half).adopt(image)
-    new_state(partition=half).adopt(image)  # its own partition's
+        images.adopt(new_state("momentum", partition=half), image)
+    images.adopt(new_state(partition=half), image)  # its own partition's
     assert not other.initialized
 
 
 def test_an_image_holds_no_rule_state_of_unknown_workers() -> None:
     primary, _ = seeded()
-    image = primary.replica_image()
+    image = images.take(primary)
     with pytest.raises(ValueError, match="not registered"):
         dataclasses.replace(image, worker_rule_state={"stranger": {}, **image.worker_rule_state})
     with pytest.raises(ValueError, match="not initialised"):
@@ -347,7 +348,7 @@ def test_bounds_from_elsewhere_are_raised_to_the_values_they_bound() -> None:
 def test_gem_peaks_of_a_numpy_kernels_image_are_raised_for_the_compiled_kernel() -> None:
     primary, load = seeded("gem", "numpy")  # the numpy kernel keeps no bounds: its peaks stay 0
     backup = new_state("gem", "compiled")
-    backup.adopt(decode(encode(primary.replica_image())))
+    images.adopt(backup, decode(encode(images.take(primary))))
     assert backup.rule is not None and primary.rule is not None
     for worker in load.workers:
         assert primary.rule.worker_state(worker)["proxy_peak"] == 0.0

@@ -1,6 +1,6 @@
 """What a partition's primary seeds a backup with: its whole state at one version (a ReplicaImage).
 
-The backup adopts it (ServerState.adopt) and then applies every later state change the primary
+The backup adopts it (images.adopt) and then applies every later state change the primary
 forwards through the same domain code, so both hold the same θ, rule state (global and per
 worker), workers and commit ledger bit for bit: the backup can take over with the workers
 carrying on (same worker ids, same GEM state, same exactly-once ledger). What is per process and

@@ -5,15 +5,16 @@ Every mutating method here runs on the applier thread, one call at a time, in ar
 Every check on a request (validation.py) happens before anything is mutated, so a rejected
 request never touches the central variable. Nothing here knows about gRPC or protobuf
 messages: the wire turns requests into the records (records.py) and outcomes back into replies.
+Its images, for checkpoints and replicas, are taken and installed by images.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from gemps_proto.schedules import learning_rate_at
 from gemps_proto.schema import Buffers, ParameterSpec, TrainingConfig
 from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor, encode, wire_view
 from gemps_server.domain import validation
-from gemps_server.domain.errors import Aborted, FailedPrecondition, InvalidArgument, ServiceError, Unavailable
+from gemps_server.domain.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 from gemps_server.domain.journal import Committed, Departed, Entry, Joined, Journal, NoJournal
 from gemps_server.domain.ledger import CommitLedger, Receipt
 from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NoiseEstimator
@@ -35,9 +36,7 @@ from gemps_server.domain.records import (
     RegistrationOutcome,
     ReplyWriter,
     Snapshot,
-    StateImage,
 )
-from gemps_server.domain.replica_image import ReplicaImage
 from gemps_server.domain.rules import CommitRule, NonFiniteUpdate, create_rule
 from gemps_server.domain.workers import WorkerRecord, WorkerRegistry
 
@@ -45,6 +44,23 @@ from gemps_server.domain.workers import WorkerRecord, WorkerRegistry
 # the others registering without values are asked to retry: n workers starting at once then
 # upload one copy of θ, not n.
 INITIALIZER_GRACE_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class Held:
+    """Everything a state holds besides its workers, replaced at once by `ServerState.install`."""
+
+    rule: CommitRule | None  # None: θ not initialised, and then nothing else is held
+    theta: np.ndarray  # flat float32, this partition's range
+    spec: tuple[ParameterSpec, ...]
+    buffer_spec: tuple[ParameterSpec, ...]
+    buffers: Buffers
+    version: int
+    commits_applied: int
+    bounds: tuple[int, int]  # [start, stop) of θ held here
+    ledger: CommitLedger
+    noise: NoiseEstimator
+    history: str
 
 
 class ServerState:
@@ -63,7 +79,7 @@ class ServerState:
         self.max_parameters = max_parameters  # None: no limit (ServerConfig.max_parameters)
         self.bounds = (0, 0)  # [start, stop) of θ held here, once initialised
         self._gem_kernel = gem_kernel
-        self._new_rule(0)  # fail fast on an unknown rule name or kernel
+        self.new_rule(0)  # fail fast on an unknown rule name or kernel
         self.rule_name = training.rule
         self.registry = registry
         self.spec: tuple[ParameterSpec, ...] = ()
@@ -110,8 +126,17 @@ class ServerState:
             self._latest = weakref.ref(snapshot)
         return snapshot
 
+    @property
+    def buffers(self) -> Buffers:
+        """The central buffers: replaced by commits, never changed in place (no copy needed)."""
+        return self._buffers
+
     def theta_copy(self) -> np.ndarray:
         return self._theta.copy()
+
+    def theta_bound(self) -> float | None:
+        """The rule's bound on max |θ| (CommitRule.theta_bound: kept for θ itself, not a copy)."""
+        return None if self.rule is None else self.rule.theta_bound(self._theta)
 
     # -- operations run by the applier --------------------------------------------------------
 
@@ -256,118 +281,22 @@ class ServerState:
                 self._initialize(entry.spec, entry.initial, entry.buffer_spec, entry.initial_buffers, entry.client_id)
             self._admit(entry.name, entry.client_id, entry.worker_id, entry.displaced)
 
-    def image(self) -> StateImage:
-        """Everything a restarted server needs, consistent at one version (run on the applier:
-        the rule's global state and the ledger change with every commit)."""
-        rule = self.require_initialized()
-        return StateImage(
-            version=self._version,
-            commits_applied=self.commits_applied,
-            spec=self.spec,
-            theta=self._theta.copy(),
-            rule=self.rule_name,
-            rule_state=rule.global_state(),
-            receipts=self.ledger.entries(),
-            buffer_spec=self.buffer_spec,
-            buffers=self._buffers,  # never changed in place: no copy needed
-            partition=self.partition,
-        )
-
-    def restore(self, image: StateImage) -> list[str]:
-        """Serve `image`'s central variable (before any worker registers); returns warnings.
-
-        Workers are not restored: they register again, with fresh per-worker rule state.
-        """
-        if self.rule is not None:
-            raise RuntimeError("restore() needs a server that is not initialised yet")
-        if image.partition != self.partition:
-            raise ValueError(f"the checkpoint holds {image.partition}; this server serves {self.partition}")
-        warnings = []
-        self.spec = tuple(image.spec)
-        self._theta = np.array(image.theta, dtype=np.float32, copy=True).reshape(-1)
-        self.buffer_spec = tuple(image.buffer_spec)
-        self._buffers = Buffers(
-            np.array(image.buffers.floats, dtype=np.float32, copy=True).reshape(-1),
-            np.array(image.buffers.integers, dtype=np.int64, copy=True).reshape(-1),
-        )
-        rule = self._new_rule(self._theta.size)
-        if image.rule_state:
-            if image.rule == self.rule_name:
-                try:
-                    rule.load_global_state(dict(image.rule_state))
-                except ValueError as error:
-                    warnings.append(f"rule state not restored: {error}")
-            else:
-                warnings.append(f"rule state of {image.rule!r} not restored into rule {self.rule_name!r}")
-        self.rule = rule
-        self.commits_applied = image.commits_applied
-        self._version = image.version
-        self.bounds = self.partition.bounds(image.total_parameters)
-        self.ledger.restore(dict(image.receipts))
-        return warnings
-
-    def replica_image(self) -> ReplicaImage:
-        """Everything a backup replica needs to take this state over, at this version (run on the
-        applier: a copy, so later operations leave it as it is)."""
-        if self.rule is None:
-            return ReplicaImage(self.history, self.partition)
-        workers = self.registry.export()
-        per_worker = {w.worker_id: self.rule.worker_state(w.worker_id) for w in workers.workers}
-        return ReplicaImage(
-            history=self.history,
-            partition=self.partition,
-            state=dataclasses.replace(self.image(), receipts={}),
-            workers=workers,
-            worker_rule_state={worker_id: state for worker_id, state in per_worker.items() if state},
-            ledger=self.ledger.export(),
-            noise=self.noise.export(),
-            theta_bound=self.rule.theta_bound(self._theta),
-        )
-
-    def adopt(self, image: ReplicaImage) -> None:
-        """Replace everything this state holds, initialised or not, by `image` (on a backup, as
-        its primary seeds it; run on the applier); the rule is rebuilt with this server's training
-        config and kernel. A ValueError naming the problem, with nothing changed, when the image
-        is not this partition's, of another rule, or does not fit this server."""
-        if image.partition != self.partition:
-            raise ValueError(f"the image holds {image.partition}; this server serves {self.partition}")
-        self.registry.check(image.workers)
-        ledger = CommitLedger(capacity=self.registry.max_workers)
-        noise = NoiseEstimator(self.noise.option, self._training.batch_size)
-        rule, theta, held = None, np.empty(0, dtype=np.float32), image.state
-        spec: tuple[ParameterSpec, ...] = ()
-        buffer_spec: tuple[ParameterSpec, ...] = ()
-        buffers, version, commits, bounds = Buffers(), 0, 0, (0, 0)
-        if held is not None:
-            if held.rule != self.rule_name:
-                raise ValueError(f"the image holds rule {held.rule!r}'s state; this server runs {self.rule_name!r}")
-            try:
-                validation.check_spec(held.spec, held.buffer_spec)
-                validation.check_size(held.spec, held.buffer_spec, self.partition, self.max_parameters)
-            except ServiceError as error:
-                raise ValueError(f"the image's model does not fit this server: {error.message}") from None
-            theta = np.array(held.theta, dtype=np.float32, copy=True)
-            rule = self._new_rule(theta.size)
-            rule.load_global_state(dict(held.rule_state))
-            for worker in image.workers.workers:
-                rule.add_worker(worker.worker_id, theta)
-                rule.load_worker_state(worker.worker_id, dict(image.worker_rule_state.get(worker.worker_id, {})))
-            if image.theta_bound is not None:
-                rule.load_theta_bound(theta, image.theta_bound)
-            if image.noise is not None:
-                noise.adopt(image.noise, theta.size)
-            spec, buffer_spec = tuple(held.spec), tuple(held.buffer_spec)
-            floats, integers = held.buffers.floats, held.buffers.integers
-            buffers = Buffers(np.array(floats, np.float32).reshape(-1), np.array(integers, np.int64).reshape(-1))
-            version, commits = held.version, held.commits_applied
-            bounds = self.partition.bounds(held.total_parameters)
-        ledger.adopt(image.ledger)
-        self.registry.adopt(image.workers)  # checked above: nothing fails from here on
-        self.rule, self._theta, self.ledger, self.noise, self.history = rule, theta, ledger, noise, image.history
-        self.spec, self.buffer_spec, self._buffers = spec, buffer_spec, buffers
-        self._version, self.commits_applied, self.bounds = version, commits, bounds
-        self._latest = weakref.ref(Snapshot(0))  # dead at once: no encoding of the θ replaced is served
+    def install(self, held: Held) -> None:
+        """Hold `held` from now on, all of it at once (on the applier: images.py restores and
+        adopts through this); no encoding of the θ replaced is served, no initializer is awaited."""
+        self.rule, self._theta, self.spec, self.buffer_spec = held.rule, held.theta, held.spec, held.buffer_spec
+        self._buffers, self._version, self.commits_applied = held.buffers, held.version, held.commits_applied
+        self.bounds, self.ledger, self.noise, self.history = held.bounds, held.ledger, held.noise, held.history
+        self._latest = weakref.ref(Snapshot(0))  # dead at once
         self._initializer_until, self._initializer = 0.0, ""
+
+    def new_rule(self, num_parameters: int) -> CommitRule:
+        """A fresh rule of this server's training config and kernel, for `num_parameters` values."""
+        return create_rule(self._training, num_parameters, kernel=self._gem_kernel)
+
+    def new_noise(self) -> NoiseEstimator:
+        """A fresh noise estimate with this server's window and batch size."""
+        return NoiseEstimator(self.noise.option, self._training.batch_size)
 
     # -- checks, readable from the event loop ------------------------------------------------
 
@@ -384,9 +313,6 @@ class ServerState:
         return validation.expected_payload_bytes(dtype, shape, self.num_parameters)
 
     # -- helpers -------------------------------------------------------------------------------
-
-    def _new_rule(self, num_parameters: int) -> CommitRule:
-        return create_rule(self._training, num_parameters, kernel=self._gem_kernel)
 
     def _admit(
         self, name: str, client_id: str, worker_id: str = "", displaced_id: str | None = None
@@ -452,6 +378,6 @@ class ServerState:
         self.buffer_spec = tuple(buffer_spec)
         self._buffers = buffers
         self._theta = values.copy()
-        self.rule = self._new_rule(self._theta.size)
+        self.rule = self.new_rule(self._theta.size)
         self.bounds = (start, stop)
         self._version = 0

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from gemps_server.domain import images
 from gemps_server.domain.applier import Applier, Timed
 from gemps_server.domain.state import ServerState
 from gemps_server.logs import event
@@ -134,7 +135,7 @@ class Follower:
                 )
             if frame.kind == frames.SEED:
                 image = image_codec.decode(bytes(frame.blobs[0]))
-                _on_applier(self._applier, functools.partial(self._state.adopt, image))
+                _on_applier(self._applier, functools.partial(images.adopt, self._state, image))
                 del image
                 if self._adopt_ticket_key is not None and frame.header.get("tickets"):
                     self._adopt_ticket_key(bytes.fromhex(str(frame.header["tickets"])))

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gemps_proto.reasons import Reason
+from gemps_server.domain import images
 from gemps_server.domain.applier import Applier, Timed
 from gemps_server.domain.errors import Unavailable
 from gemps_server.domain.journal import Entry
@@ -187,7 +188,7 @@ class Forwarder:
         """Seed a backup that said hello on `sock`, then forward every later entry to it."""
 
         def seed() -> tuple[_Link, ReplicaImage]:  # on the applier: no entry appended in between
-            image = self._state.replica_image()  # a copy: encoded on the sender's thread
+            image = images.take(self._state)  # a copy: encoded on the sender's thread
             with self._lock:
                 if (old := self._links.pop(peer.name, None)) is not None:
                     old.close()

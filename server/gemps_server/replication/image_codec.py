@@ -3,10 +3,11 @@
 The bytes are one safetensors buffer, as checkpoints are (checkpoint_files.py), and so is no
 pickle: tensors for every array (θ, buffers, the rule's global and per-worker state, the noise
 estimate's window and numbers, the receipts' counts as int64 and statistics as float64, exactly:
-NaN energies included) and JSON metadata for the rest (specs and partition as checkpoints write
-them, workers, the ledger's scopes in order, a CRC-32 of the tensors). `decode` trusts nothing:
+NaN energies included) and JSON metadata for the rest (workers, the ledger's scopes in order, a
+CRC-32 of the tensors). The central state (θ, buffers, the rule's global state, specs and
+partition) is laid out as checkpoints lay it out (image_layout.py). `decode` trusts nothing:
 anything malformed, damaged or inconsistent is a ValueError naming it. What fits this server is
-ServerState.adopt's to check.
+images.adopt's to check.
 
 `digest` is a SHA-256 of what primary and backup must hold alike: not the history's name, not
 the noise estimate (a refused commit restarts the primary's window and is not forwarded), and
@@ -37,8 +38,6 @@ from gemps_server.checkpoint_files import (
     crc32_of,
     parse_partition,
     parse_spec,
-    partition_json,
-    spec_json,
     strict_json,
 )
 from gemps_server.domain.ledger import MAX_REQUEST_ID_LENGTH, LedgerImage, Receipt, valid_client_id
@@ -47,12 +46,19 @@ from gemps_server.domain.records import StateImage
 from gemps_server.domain.replica_image import ReplicaImage
 from gemps_server.domain.rules import ApplyStats
 from gemps_server.domain.workers import RegisteredWorker, RegistryImage
+from gemps_server.image_layout import (
+    BUFFERS_KEY,
+    INTEGER_BUFFERS_KEY,
+    RULE_STATE_PREFIX,
+    partition_json,
+    state_metadata,
+    state_tensors,
+)
 from gemps_server.native import all_finite
 
 FORMAT = "gemps-replica-image"
 FORMAT_VERSION = "1"
-THETA, FLOATS, INTEGERS = "theta", "buffers", "integer_buffers"
-RULE_PREFIX = "rule."
+THETA = "theta"
 WORKER_PREFIX = "worker."  # worker.<its index in registration order>.<name>
 RECEIPT_COUNTS, RECEIPT_STATS = "receipts.counts", "receipts.stats"  # the ledger's last, then legacy
 NOISE_TOTAL, NOISE_NUMBERS = "noise.total", "noise.numbers"
@@ -114,15 +120,10 @@ def _parts(image: ReplicaImage) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         "history": image.history,
         "partition": partition_json(image.partition),
     }
-    tensors: dict[str, np.ndarray] = {}
     state = image.state
     if state is None:
-        return tensors, metadata
-    tensors[THETA] = np.ascontiguousarray(state.theta)
-    tensors[FLOATS], tensors[INTEGERS] = (
-        np.ascontiguousarray(b) for b in (state.buffers.floats, state.buffers.integers)
-    )
-    tensors.update({RULE_PREFIX + name: np.ascontiguousarray(value) for name, value in state.rule_state.items()})
+        return {}, metadata
+    tensors = state_tensors(state, THETA, empty_buffers=True)
     for index, worker in enumerate(image.workers.workers):
         for name, value in image.worker_rule_state.get(worker.worker_id, {}).items():
             tensors[f"{WORKER_PREFIX}{index}.{name}"] = np.ascontiguousarray(value)
@@ -146,8 +147,7 @@ def _parts(image: ReplicaImage) -> tuple[dict[str, np.ndarray], dict[str, str]]:
             "rule": state.rule,
             "theta_bound": image.theta_bound,
         }),
-        "spec": spec_json(state.spec),
-        "buffer_spec": spec_json(state.buffer_spec),
+        **state_metadata(state),
         "workers": _dumps({
             "registered": [[w.worker_id, w.name, w.slot, w.commits, w.client_id] for w in workers.workers],
             "free_slots": list(workers.free_slots),
@@ -195,12 +195,13 @@ def _image(metadata: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Repli
     float_count, integer_count = buffer_counts(buffer_spec)
     theta = _take(tensors, THETA, np.float32, (stop - start,))
     buffers = Buffers(
-        _take(tensors, FLOATS, np.float32, (float_count,)), _take(tensors, INTEGERS, np.int64, (integer_count,))
+        _take(tensors, BUFFERS_KEY, np.float32, (float_count,)),
+        _take(tensors, INTEGER_BUFFERS_KEY, np.int64, (integer_count,)),
     )
     workers = _workers(metadata["workers"])
     ledger = _ledger(metadata["ledger"], tensors)
     noise = _noise(metadata["noise"], tensors)
-    rule_state = _prefixed(tensors, RULE_PREFIX)
+    rule_state = _prefixed(tensors, RULE_STATE_PREFIX)
     per_worker: dict[str, dict[str, np.ndarray]] = {}
     for key, value in _prefixed(tensors, WORKER_PREFIX).items():
         index, dot, name = key.partition(".")
