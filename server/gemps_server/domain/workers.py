@@ -142,7 +142,7 @@ class WorkerRegistry:
         return record
 
     def export(self) -> RegistryImage:
-        """The registered workers and slots, for a replica (ServerState.replica_image)."""
+        """The registered workers and slots, for a replica (images.take)."""
         workers = tuple(
             RegisteredWorker(w.worker_id, w.name, w.slot, w.commits, w.client_id) for w in self._workers.values()
         )
