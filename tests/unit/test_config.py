@@ -52,9 +52,9 @@ def test_unknown_choice_on_the_command_line_exits() -> None:
 def test_compiled_kernel_asked_for_where_it_was_not_built_is_refused_at_start(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import gemps_server.config
+    import gemps_server.config.training
 
-    monkeypatch.setattr(gemps_server.config, "compiled", None)  # as on a machine without a C compiler
+    monkeypatch.setattr(gemps_server.config.training, "compiled", None)  # as on a machine without a C compiler
     with pytest.raises(ValueError, match="gem_kernel 'compiled' is not built here"):
         server_config(gem_kernel="compiled")
     assert server_config(gem_kernel="auto").gem_kernel == "auto"  # auto falls back to numpy instead
