@@ -1,11 +1,27 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 from gemps_cli import server
 
+from gemps_server.config import (
+    CheckpointOptions,
+    ConnectionLimits,
+    DataPlaneLimits,
+    ListenOptions,
+    ObservabilityOptions,
+    PartitionOptions,
+    ReplicationOptions,
+    RequestLimits,
+    SecurityOptions,
+    ServerConfig,
+    TrainingOptions,
+    WorkerOptions,
+)
 from tests.helpers import server_config
 
 
@@ -52,9 +68,72 @@ def test_unknown_choice_on_the_command_line_exits() -> None:
 def test_compiled_kernel_asked_for_where_it_was_not_built_is_refused_at_start(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import gemps_server.config
+    import gemps_server.config.training
 
-    monkeypatch.setattr(gemps_server.config, "compiled", None)  # as on a machine without a C compiler
+    monkeypatch.setattr(gemps_server.config.training, "compiled", None)  # as on a machine without a C compiler
     with pytest.raises(ValueError, match="gem_kernel 'compiled' is not built here"):
         server_config(gem_kernel="compiled")
     assert server_config(gem_kernel="auto").gem_kernel == "auto"  # auto falls back to numpy instead
+
+
+# The option groups in the order of their flags in `gemps server --help`.
+GROUPS = (
+    TrainingOptions,
+    ListenOptions,
+    PartitionOptions,
+    ReplicationOptions,
+    WorkerOptions,
+    RequestLimits,
+    DataPlaneLimits,
+    ObservabilityOptions,
+    CheckpointOptions,
+    SecurityOptions,
+    ConnectionLimits,
+)
+
+
+def test_the_server_config_is_its_option_groups_with_their_fields_in_order() -> None:
+    grouped = [f.name for group in GROUPS for f in dataclasses.fields(group)]
+    assert [f.name for f in dataclasses.fields(ServerConfig)] == [*grouped, "supervisor_pid"]
+    config = ServerConfig()
+    assert all(isinstance(config, group) for group in GROUPS)  # a function of one group takes the config
+
+
+def test_each_option_group_checks_its_own_options() -> None:
+    assert ListenOptions(data_plane="maybe").problems() == ["data_plane 'maybe': choose on or off"]
+    assert PartitionOptions(partitions=2, partition_index=0).problems() == [
+        "partition 0 of several announces the layout: give partition_addresses"
+    ]
+    assert ReplicationOptions(replicas=2, replica_index=0).problems() == [
+        "a replica of a replicated partition needs etcd to tell it its role: give etcd (e.g. http://etcd:2379)"
+    ]
+    assert ReplicationOptions(replicas=2, job="a/b").problems() == [
+        "job 'a/b': letters, digits, '-' and '_' only (it names keys in etcd)"
+    ]
+    assert SecurityOptions(tls_client_ca="/nowhere/ca.pem").problems() == [
+        "tls_client_ca (mutual TLS) needs tls_cert and tls_key",
+        "tls_client_ca '/nowhere/ca.pem' is not a readable file",
+    ]
+    assert ConnectionLimits(max_watches=4, max_watches_per_connection=5).problems() == [
+        "max_watches_per_connection must be at most max_watches (4)"
+    ]
+    assert ObservabilityOptions(log_format="xml").problems() == ["unknown log_format 'xml' (choose from text, json)"]
+    assert WorkerOptions(gem_kernel="fast").problems() == [
+        "unknown gem_kernel 'fast' (choose from auto, compiled, numpy)"
+    ]
+
+
+def test_checks_across_groups_are_the_server_configs(tmp_path: Path) -> None:
+    for name in ("cert.pem", "key.pem"):
+        (tmp_path / name).write_text("PEM")
+    tls = {"tls_cert": str(tmp_path / "cert.pem"), "tls_key": str(tmp_path / "key.pem")}
+    with pytest.raises(ValueError, match=re.escape("replicas with TLS are not supported yet")):
+        server_config(replicas=2, **tls)
+    # One problem of the replicas at a time: the replica's role first, then TLS, then the job's name.
+    with pytest.raises(ValueError, match=re.escape("replica_index 3 outside -1..1")):
+        server_config(replicas=2, replica_index=3, **tls)
+    with pytest.raises(ValueError, match=re.escape("replicas with TLS are not supported yet")):
+        server_config(replicas=2, job="a/b", **tls)
+    with pytest.raises(ValueError, match=re.escape("data_port 65534 + 2 (the last partition's) is past 65535")):
+        server_config(partitions=3, data_port=65534)
+    assert server_config(partitions=3, partition_index=1, partition_addresses="a,b,c", data_port=65534).partition == 1

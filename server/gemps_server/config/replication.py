@@ -1,0 +1,93 @@
+"""The replicas of each partition (DESIGN §3d): how many, which one this process is, the etcd
+that elects the primary, and the stream the backups receive the journal on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gemps_proto.ranges import PORT, RANGE, Range
+
+
+@dataclass(frozen=True)
+class ReplicationOptions:
+    replicas: int = field(
+        default=1,
+        metadata={
+            "help": "replicas of each partition: a primary and R-1 backups, each a process of its own, that apply "
+            "every commit in the same order; a commit is acknowledged once every in-sync replica applied it. "
+            "Needs etcd (--etcd; on one machine without it, a private etcd is started)",
+            RANGE: Range(1, 9),
+        },
+    )
+    replica_index: int = field(
+        default=-1,
+        metadata={
+            "help": "serve only this replica of the partition (0-based; a pod's or container's ordinal); -1: run "
+            "all of them here",
+            RANGE: Range(-1, 8),
+        },
+    )
+    etcd: str = field(
+        default="",
+        metadata={"help": "etcd endpoints deciding each partition's primary (e.g. http://etcd:2379, comma-separated)"},
+    )
+    job: str = field(
+        default="gemps",
+        metadata={"help": "the job's name: its keys in etcd are under /gemps/JOB/ (a new job: a new name)"},
+    )
+    replication_port: int = field(
+        default=52051,
+        metadata={
+            "help": "port a primary's backups dial to receive its journal (replica r of partition i: this + "
+            "i * R + r when run here); 0 picks a free one",
+            RANGE: PORT,
+        },
+    )
+    advertise_host: str = field(
+        default="",
+        metadata={
+            "help": "the host other replicas and workers reach this process at (default: --host, or this "
+            "machine's name when --host listens on every address)"
+        },
+    )
+    replica_lease: float = field(
+        default=3.0,
+        metadata={
+            "help": "seconds a primary's etcd lease lasts: a dead or cut-off primary is replaced after about this "
+            "long, and stops acknowledging commits before it is",
+            RANGE: Range(1.0, 3600.0, unit="s"),
+        },
+    )
+    replica_timeout: float = field(
+        default=5.0,
+        metadata={
+            "help": "seconds a backup may leave a forwarded commit unapplied before it is dropped from the "
+            "in-sync set (commits wait for it until then); it is re-seeded when it catches up",
+            RANGE: Range(0.1, 3600.0, unit="s"),
+        },
+    )
+
+    def problems(self) -> list[str]:
+        """The first problem of the replica options: each check assumes the ones before it passed."""
+        return self.replica_role_problems() or self.job_name_problems()
+
+    def replica_role_problems(self) -> list[str]:
+        """Whether this process can learn its role: a replica that exists, and etcd to elect the primary."""
+        if self.replica_index >= self.replicas:
+            return [f"replica_index {self.replica_index} outside -1..{self.replicas - 1}"]
+        if self.replicas > 1 and self.replica_index >= 0 and not self.etcd:
+            return [
+                "a replica of a replicated partition needs etcd to tell it its role: give etcd (e.g. http://etcd:2379)"
+            ]
+        return []
+
+    def job_name_problems(self) -> list[str]:
+        """The job's name names keys in etcd, so replicated jobs keep to what a key may hold."""
+        if self.replicas > 1 and not self.job.replace("-", "").replace("_", "").isalnum():
+            return [f"job {self.job!r}: letters, digits, '-' and '_' only (it names keys in etcd)"]
+        return []
+
+    @property
+    def replica(self) -> int:
+        """The replica of its partition this process is (0 without replicas)."""
+        return max(self.replica_index, 0)

@@ -1,0 +1,69 @@
+"""What the server trains with: the training configuration it announces, and how it takes workers
+and applies their commits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gemps_proto.ranges import RANGE, SECONDS, UINT32_MAX, Range
+from gemps_proto.schema import TrainingConfig
+from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NOISE_WINDOW_HELP, NOISE_WINDOWS
+from gemps_server.domain.rules import rule_names
+from gemps_server.domain.rules.gem import GEM_KERNELS
+from gemps_server.native import compiled
+
+
+@dataclass(frozen=True)
+class TrainingOptions:
+    """The training configuration (gemps_proto.schema.TrainingConfig) the server announces at Register:
+    its fields are flags of their own (`--learning-rate`, `GEMPS_LEARNING_RATE`)."""
+
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+
+    def problems(self) -> list[str]:
+        """An unknown rule, then the training config's own problems (its ranges included)."""
+        found = []
+        if self.training.rule not in rule_names():
+            found.append(f"unknown rule {self.training.rule!r} (choose from {', '.join(rule_names())})")
+        return found + self.training.problems()
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """The workers the server takes (how many, how long a silent one keeps its place, their data
+    shards) and how their commits are applied (GEM's kernel, the noise estimate's window)."""
+
+    gem_kernel: str = field(
+        default="auto",
+        metadata={
+            "help": "GEM's update: compiled (one C pass, exact statistics), numpy (blocked); auto: compiled if built",
+            "choices": GEM_KERNELS,
+        },
+    )
+    lease_ttl: float = field(
+        default=60.0,
+        metadata={
+            "help": "seconds without a commit or pull before a worker is evicted; on a full server, a worker "
+            "this long without a commit gives its place to a newcomer",
+            RANGE: SECONDS,
+        },
+    )
+    max_workers: int = field(
+        default=256, metadata={"help": "most workers registered at once", RANGE: Range(1, UINT32_MAX)}
+    )
+    noise_window: int = field(default=NOISE_WINDOW_AUTO, metadata={"help": NOISE_WINDOW_HELP, RANGE: NOISE_WINDOWS})
+    num_shards: int = field(
+        default=0,
+        metadata={
+            "help": "disjoint data shards; 0: every worker uses all data in its own order",
+            RANGE: Range(0, UINT32_MAX),
+        },
+    )
+
+    def problems(self) -> list[str]:
+        """An unknown GEM kernel, or the compiled one where it was not built (the ranges: ServerConfig)."""
+        if self.gem_kernel not in GEM_KERNELS:
+            return [f"unknown gem_kernel {self.gem_kernel!r} (choose from {', '.join(GEM_KERNELS)})"]
+        if self.gem_kernel == "compiled" and compiled is None:
+            return ["gem_kernel 'compiled' is not built here (no C compiler at install?): use auto or numpy"]
+        return []
