@@ -60,7 +60,9 @@ def layer(
     """This process's replication: none with `--replicas 1`, else a replica of its partition."""
     if config.replicas == 1:
         return Unreplicated()
-    return Replicated(config, state, applier, tickets, metrics, checkpointer)
+    replicated = Replicated(config, state, applier, tickets, checkpointer)
+    metrics.replication(replicated.status)
+    return replicated
 
 
 class Unreplicated(NoReplicas):
@@ -86,7 +88,6 @@ class Replicated:
         state: ServerState,
         applier: Applier,
         tickets: Tickets,
-        metrics: ServerMetrics,
         checkpointer: Checkpointer | None,
     ) -> None:
         self._config = config
@@ -98,7 +99,6 @@ class Replicated:
         # state any of them saw): its replayed commits reach the hook this process's own reach.
         self._on_committed: Callable[[int], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        metrics.replication(self.replica.status)
         if checkpointer is not None:
             replica = self.replica
             self._on_committed = checkpointer.committed
