@@ -124,8 +124,7 @@ class DataPlaneDoor:
     async def start(self) -> None:
         config = self._config
         self.port = listening("data plane", config.host, config.data_port, self._data_plane.start)
-        self._service.data_plane_port = self.port
-        self._service.data_plane_local = self._data_plane.local_socket
+        self._service.data_plane.listening(self.port, self._data_plane.local_socket)
 
     async def stop(self, grace: float) -> None:
         await asyncio.to_thread(self._data_plane.stop, grace)

@@ -26,7 +26,6 @@ import numpy as np
 
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import (
-    DataPlane,
     Evaluation,
     Layout,
     ParameterSpec,
@@ -48,7 +47,7 @@ from gemps_server.metrics import ServerMetrics
 from gemps_server.partition_addresses import PartitionAddresses
 from gemps_server.replicas import NO_REPLICAS, Replicas, acknowledged
 from gemps_server.security import RateLimiter, Tickets
-from gemps_server.service_reads import partition_layout, server_status
+from gemps_server.service_reads import DataPlaneOffer, partition_layout, server_status
 
 log = logging.getLogger("gemps.server")
 
@@ -84,12 +83,9 @@ class ParameterService:
         # from a data-plane thread through the loop (attach_loop), as it is not thread-safe.
         self._on_committed = on_committed
         self._loop: asyncio.AbstractEventLoop | None = None
-        # The data plane's port once it listens (None: off); registrations then carry a ticket,
-        # and the name of its local socket for clients on this host ("": none).
-        self.data_plane_port: int | None = None
-        self.data_plane_local = ""
-        # Shared with replication when replicated (its partition's one key).
-        self._tickets = tickets or Tickets()
+        # Registrations carry a ticket once the data plane listens; its key is shared with
+        # replication when replicated (its partition's one key).
+        self.data_plane = DataPlaneOffer(tickets or Tickets())
         self._rejected_lock = threading.Lock()  # refusals are counted from several threads
         self._registrations = RateLimiter(config.max_registrations_per_minute)
         self._started = time.monotonic()
@@ -207,21 +203,15 @@ class ParameterService:
             version=registered.snapshot.version,
             initialized_central=registered.initialized_theta,
             layout=self.layout(),
-            data_plane=self._data_plane_for(worker),
+            data_plane=self.data_plane.for_worker(worker),
         )
         return registered, registration
-
-    def _data_plane_for(self, worker: WorkerRecord) -> DataPlane | None:
-        if self.data_plane_port is None:
-            return None
-        ticket = self._tickets.issue(worker.worker_id, worker.client_id)
-        return DataPlane(self.data_plane_port, ticket, self.data_plane_local)
 
     def check_ticket(self, worker_id: str, ticket: bytes) -> None:
         """Refuse a data-plane ticket that is not `worker_id`'s registration's: NotFound for a worker
         not registered, Unauthenticated for a wrong ticket (compared in constant time)."""
         worker = self._state.registry.get(worker_id)
-        if not self._tickets.valid(ticket, worker.worker_id, worker.client_id):
+        if not self.data_plane.tickets.valid(ticket, worker.worker_id, worker.client_id):
             raise Unauthenticated(
                 "data-plane ticket is not this worker's registration's: register again", Reason.UNAUTHENTICATED
             )
@@ -370,10 +360,7 @@ class ParameterService:
             last_evaluation=self.last_evaluation,
             layout=self.layout(),
             replication=self._replicas.status(),
-            # No ticket: that is a registration's.
-            data_plane=None
-            if self.data_plane_port is None
-            else DataPlane(self.data_plane_port, b"", self.data_plane_local),
+            data_plane=self.data_plane.announced(),
         )
 
     def layout(self) -> Layout | None:

@@ -2,7 +2,7 @@
 
 The event loop reads while the applier writes: a field stale by one commit is fine in a Status,
 and the layout's ranges depend only on θ's size, set once. The service (service.py) hands these
-functions what it holds; they hold nothing themselves.
+functions what it holds; the data plane's offer is the one record kept here.
 """
 
 from __future__ import annotations
@@ -21,7 +21,33 @@ from gemps_proto.schema import (
 )
 from gemps_server.config import ServerConfig
 from gemps_server.domain.state import ServerState
+from gemps_server.domain.workers import WorkerRecord
 from gemps_server.partition_addresses import PartitionAddresses
+from gemps_server.security import Tickets
+
+
+class DataPlaneOffer:
+    """The data plane as registrations and Status announce it: its port once it listens (None:
+    off), the name of its local socket for clients on this host ("": none), and the tickets a
+    registration carries (one key for every replica of a replicated partition)."""
+
+    def __init__(self, tickets: Tickets) -> None:
+        self.port: int | None = None
+        self.local_socket = ""
+        self.tickets = tickets
+
+    def listening(self, port: int, local_socket: str) -> None:
+        self.port, self.local_socket = port, local_socket
+
+    def for_worker(self, worker: WorkerRecord) -> DataPlane | None:
+        """As `worker`'s registration announces it: with the ticket it presents there."""
+        if self.port is None:
+            return None
+        return DataPlane(self.port, self.tickets.issue(worker.worker_id, worker.client_id), self.local_socket)
+
+    def announced(self) -> DataPlane | None:
+        """As Status announces it: no ticket (that is a registration's)."""
+        return None if self.port is None else DataPlane(self.port, b"", self.local_socket)
 
 
 def partition_layout(
