@@ -1,56 +1,56 @@
-"""Server lifecycle: build the grpc.aio server, serve, and shut down gracefully."""
+"""Server lifecycle: compose the server's parts, serve, and shut down gracefully.
+
+`ParameterServer` builds the domain, the service, the wires and the replication layer, and
+declares once the order its parts start in (lifecycle.Stack): they stop in reverse, and a start
+that fails unwinds what was started. `serve()` runs one until SIGTERM or SIGINT.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import signal
-import socket
 import threading
-from collections.abc import Awaitable, Callable
-from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-from prometheus_client import disable_created_metrics, start_http_server
+from grpc_health.v1 import health_pb2
+from prometheus_client import disable_created_metrics
 
-from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server import logs, supervision
-from gemps_server.admission import AdmissionInterceptor
-from gemps_server.allocator import TRIM_INTERVAL_SECONDS, one_arena, trim, tune_for
+from gemps_server.allocator import TRIM_INTERVAL_SECONDS, one_arena, trim
 from gemps_server.checkpoint_writer import Checkpointer
 from gemps_server.config import ServerConfig
-from gemps_server.descriptors import connection_budget, raise_open_file_limit
 from gemps_server.domain.applier import Applier
 from gemps_server.domain.records import PartitionOf
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
+from gemps_server.lifecycle import Stack, Step, Task, Together
+from gemps_server.listening import hostport
 from gemps_server.logs import event
-from gemps_server.metrics import ServerMetrics, exposed
-from gemps_server.replication.election import Election, Member
-from gemps_server.replication.metrics import ReplicationCollector
-from gemps_server.replication.replica import Replica, listen
-from gemps_server.security import Tickets, exposure_warnings, server_credentials
+from gemps_server.metrics import ServerMetrics
+from gemps_server.parts import (
+    CheckpointDirectory,
+    CheckpointSchedule,
+    DataPlaneDoor,
+    FinalCheckpoint,
+    MetricsEndpoint,
+    PortFile,
+)
+from gemps_server.replication.layer import layer
+from gemps_server.security import Tickets
 from gemps_server.service import ParameterService
 from gemps_server.wire.data_plane import DataPlaneServer
-from gemps_server.wire.grpc_servicer import GempsServicer, add_to_server
-from gemps_server.wire.health import FAREWELL_SECONDS, HealthServicer
+from gemps_server.wire.grpc_server import SERVICE_NAME, GrpcDoor
+from gemps_server.wire.grpc_servicer import GempsServicer
+from gemps_server.wire.health import HealthServicer
 from gemps_server.wire.streams import Pace
 
 log = logging.getLogger("gemps.server")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 # Lease checks run this often relative to the TTL, so eviction lags the TTL by at most a quarter.
 LEASE_CHECKS_PER_TTL = 4
 # Exit status when the final checkpoint failed and acknowledged commits were lost (2: cannot start).
 EXIT_CHECKPOINT_LOST = 3
-
-
-def _hostport(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class ParameterServer:
@@ -74,35 +74,17 @@ class ParameterServer:
         )
         # Data-plane tickets: one key for every replica of the partition (a backup adopts its primary's).
         tickets = Tickets()
-        # A replicated partition's replica (its role decided by etcd, once started); None: no replicas.
-        self.replica = (
-            Replica(
-                self.state,
-                self.applier,
-                config.replicas,
-                config.replica_timeout,
-                config.token(),
-                tickets,
-                on_applied=self._replayed,
-            )
-            if config.replicas > 1
-            else None
-        )
+        # Who answers and when a commit is acknowledged: this process alone, or its partition's replicas.
+        self.replication = layer(config, self.state, self.applier, tickets, self.metrics, self.checkpointer)
         self.service = ParameterService(
             config,
             self.state,
             self.applier,
             self.metrics,
             on_committed=self.checkpointer.committed if self.checkpointer is not None else None,
-            replicas=self.replica,
+            replicas=self.replication,
             tickets=tickets,
         )
-        if self.replica is not None:
-            ReplicationCollector(self.metrics.registry, self.replica.status)
-            if self.checkpointer is not None:
-                replica = self.replica
-                self.checkpointer.epoch = lambda: replica.epoch
-        self._restored = (0, 0)  # the (epoch, version) of the checkpoint restored at start
         self.servicer = GempsServicer(
             self.service,
             self.metrics,
@@ -114,224 +96,85 @@ class ParameterServer:
         self.health = HealthServicer(
             config.max_watches, config.max_watches_per_connection, on_refused=self.metrics.refusal
         )
-        self.admission: AdmissionInterceptor | None = (
-            None  # the token and the budgets of calls in progress, once started
-        )
         self.data_plane = DataPlaneServer(config, self.service, self.metrics) if config.data_plane_on else None
-        self.port = 0
-        self.data_port = 0  # bound once started (0: the data plane is off)
-        self.replication_port = 0  # bound once started (0: no replicas)
-        self.metrics_port = 0
-        self._server: grpc.aio.Server | None = None
-        self._metrics_server: object | None = None
-        self._lease_task: asyncio.Task[None] | None = None
-        self._trim_task: asyncio.Task[None] | None = None
+        self._grpc = GrpcDoor(config, self.servicer, self.health, self.metrics)
+        self._metrics_endpoint = MetricsEndpoint(config, self.metrics)
+        self._data_plane_door = DataPlaneDoor(config, self.data_plane, self.service) if self.data_plane else None
+        checkpointer = self.checkpointer
+        self._directory = CheckpointDirectory(checkpointer, self.state) if checkpointer is not None else None
+        self._final = FinalCheckpoint(checkpointer, self.state) if checkpointer is not None else None
+        # The server's parts in the order they start; they stop in reverse (resign first, then
+        # NOT_SERVING, the tasks, both doors together with the grace, the checkpoint schedule, the
+        # applier drained, the final checkpoint, the metrics endpoint, the checkpoint directory).
+        self._parts = Stack(
+            [
+                self._directory,
+                self._metrics_endpoint if config.metrics_port >= 0 else None,
+                self._final,
+                Step("applier", self._start_applier, self._drain_applier),
+                CheckpointSchedule(checkpointer) if checkpointer is not None else None,
+                Together("doors", [self._data_plane_door, self._grpc]),
+                Task("gemps-leases", self._expire_leases),
+                Task("gemps-heap-trim", self._trim_heap),
+                Step("health", self._serving, self._not_serving),
+                Step("replication", self._join_replicas, self.replication.stop),
+                PortFile(config.port_file, self._announced_ports) if config.port_file else None,
+            ]
+        )
 
-    def _replayed(self, version: int) -> None:
-        self.service.replayed(version)
+    # -- where it listens, once started ----------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        return self._grpc.port
+
+    @property
+    def data_port(self) -> int:
+        """0: the data plane is off."""
+        return self._data_plane_door.port if self._data_plane_door is not None else 0
+
+    @property
+    def replication_port(self) -> int:
+        """0: no replicas."""
+        return self.replication.port
+
+    @property
+    def metrics_port(self) -> int:
+        return self._metrics_endpoint.port
+
+    def _announced_ports(self) -> tuple[int, int]:
+        return self.port, self.metrics_port if self.config.metrics_port >= 0 else -1
+
+    # -- start and stop ----------------------------------------------------------------------------
 
     async def start(self) -> int:
         """Bind every port and serve; OSError (a port in use, an unusable checkpoint directory or
         one another server holds) or ValueError (a bad key file) when it cannot, with nothing
         left held."""
-        try:
-            return await self._start()
-        except BaseException:
-            self._abandon()
-            raise
-
-    async def _start(self) -> int:
+        await self._parts.start()
         config = self.config
-        if self.checkpointer is not None:
-            restored = self.checkpointer.restore()  # before serving: workers register against the restored state
-            if restored is not None:
-                self._restored = (restored.epoch, restored.version)
-            tune_for(4 * self.state.num_parameters)  # see allocator.py
-        token = config.token()
-        server = self._grpc_server(token)
-        self.port = self._bind(server, token)
-        self.applier.start()
-        self.service.attach_loop(asyncio.get_running_loop())
-        if self.data_plane is not None:  # before gRPC serves: every registration can announce it
-            self.data_port = _listening("data plane", config.host, config.data_port, self.data_plane.start)
-            self.service.data_plane_port = self.data_port
-            self.service.data_plane_local = self.data_plane.local_socket
-        self._start_metrics()
-        await server.start()
-        self._server = server
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        self._lease_task = asyncio.create_task(self._expire_leases(), name="gemps-leases")
-        self._trim_task = asyncio.create_task(self._trim_heap(), name="gemps-heap-trim")
-        if self.checkpointer is not None:
-            self.checkpointer.start()
-        self._start_replica()
-        if self.config.port_file:
-            # Written last, via a rename, so a reader never sees a partial file.
-            tmp = Path(self.config.port_file + ".tmp")
-            tmp.write_text(f"{self.port}\n{self.metrics_port if self.config.metrics_port >= 0 else -1}\n")
-            tmp.replace(self.config.port_file)
         event(
             log,
             "serving",
-            address=_hostport(self.config.host, self.port),
+            address=hostport(config.host, self.port),
             data_port=self.data_port or None,
-            **self.config.training.as_dict(),
+            **config.training.as_dict(),
             metrics_port=self.metrics_port if self.metrics_port else None,
             tls="mutual" if config.tls_client_ca else config.tls,
-            auth="token" if token else None,
+            auth="token" if self._grpc.authenticates else None,
             version=self.state.version,
             checkpoint_dir=config.checkpoint_dir or None,
             partition=f"{config.partition} of {config.partitions}" if config.partitions > 1 else None,
         )
         return self.port
 
-    def _start_replica(self) -> None:
-        """Join the partition's replicas: listen for backups, then take part in the election."""
-        if self.replica is None:
-            return
-        config = self.config
-        bound: list[socket.socket] = []
-
-        def bind() -> int:
-            bound.append(listen(config.host, config.replication_port))
-            return int(bound[0].getsockname()[1])
-
-        self.replication_port = _listening("replication", config.host, config.replication_port, bind)
-        host = advertised_host(config)
-        me = Member(
-            f"partition-{config.partition}-replica-{config.replica}",
-            Replica.incarnation(),
-            _hostport(host, self.port),
-            _hostport(host, self.replication_port),
-        )
-        prefix = f"/gemps/{config.job}/partition/{config.partition}"
-        election = Election(config.etcd, prefix, me, lease_seconds=config.replica_lease, restored=self._restored)
-        self.replica.start(election, bound[0])
-
-    def _abandon(self) -> None:
-        """After a failed start: let go of what was taken (ports, threads, the checkpoint
-        directory), so the process can exit or, in a test, start another server."""
-        if self.data_plane is not None and self.data_port:
-            self.data_plane.stop(0.0)
-        if self.replica is not None:
-            self.replica.stop()
-        self.applier.stop()  # nothing was queued: its thread (if started) just ends
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()  # type: ignore[attr-defined]
-            self._metrics_server.server_close()  # type: ignore[attr-defined]
-        if self.checkpointer is not None:
-            self.checkpointer.close()
-
-    def _grpc_server(self, token: str) -> grpc.aio.Server:
-        """The gRPC server with its limits (memory before trust: DESIGN §3b), this server's
-        servicer, health and reflection; not yet bound or started."""
-        config = self.config
-        # In total: at most max_concurrent_rpcs requests being received, each of at most `limit`
-        # bytes, plus max_unauthenticated_rpcs health checks (more calls are refused before a byte
-        # of theirs is read).
-        self.admission = AdmissionInterceptor(
-            token, config.max_concurrent_rpcs, config.max_unauthenticated_rpcs, on_refused=self.metrics.refusal
-        )
-        limit = config.max_message_bytes
-        # Connections within the open-file budget (descriptors.py); those that never finish their
-        # handshake or sit without an RPC are closed, so idle ones cannot hold every place.
-        connections = connection_budget(config.max_connections, raise_open_file_limit())
-        if connections < config.max_connections:
-            event(log, "connections capped", level=logging.WARNING, max_connections=connections)
-        server = grpc.aio.server(
-            interceptors=[self.admission],
-            options=[
-                # One server per address: gRPC sets SO_REUSEPORT by default, and a second server on
-                # a port already served then shared its connections with the first (issue 28).
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", limit),
-                # Replies are as large as θ needs (protobuf's 2 GiB at most); what they hold while
-                # unread is bounded by the reply budget.
-                ("grpc.max_send_message_length", 2**31 - 1),
-                # No BDP probing: flow-control windows stay at gRPC's default instead of growing to
-                # megabytes per stream, so large payloads wait in the clients, not in this process
-                # (1M parameters, 8 clients: 44 MB less peak memory, throughput within noise).
-                ("grpc.http2.bdp_probe", 0),
-                ("grpc.max_allowed_incoming_connections", connections),
-                ("grpc.server_handshake_timeout_ms", int(config.handshake_timeout * 1000)),
-                ("grpc.max_connection_idle_ms", int(config.connection_idle_timeout * 1000)),
-                # What one connection can hold: its RPCs at once, each a request of at most
-                # max_message_bytes; replies wait in the servicer's reply budget.
-                ("grpc.max_concurrent_streams", config.max_streams_per_connection),
-                # A reply sits in gRPC until its client reads it, and grpc.aio cannot cancel one
-                # call from the server: closing the connection is what frees it. So none lives
-                # longer than age + grace (honest clients reconnect on GOAWAY).
-                ("grpc.max_connection_age_ms", int(config.max_connection_age * 1000)),
-                ("grpc.max_connection_age_grace_ms", int(config.connection_age_grace * 1000)),
-                # The SDK pings every 2 s while a call waits (to notice a dead server in seconds):
-                # allowed, without data in between, at that pace; faster pings still earn strikes.
-                ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
-                ("grpc.http2.min_ping_interval_without_data_ms", 1000),
-            ],
-        )
-        add_to_server(self.servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            server,
-        )
-        return server
-
-    def _bind(self, server: grpc.aio.Server, token: str) -> int:
-        """Bind the configured address (TLS when configured); the port bound."""
-        config = self.config
-        address = _hostport(config.host, config.port)
-        if config.port:  # gRPC would log a failure of its own on stderr: ask the kernel first
-            _listening("gRPC", config.host, config.port, lambda: _probe(config.host, config.port))
-        try:
-            if config.tls:
-                credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-                port = server.add_secure_port(address, credentials)
-            else:
-                port = server.add_insecure_port(address)
-        except RuntimeError:  # grpcio's "Failed to bind to address"
-            port = 0
-        if port == 0:
-            raise OSError(f"gRPC: cannot listen on {address}")
-        for warning in exposure_warnings(config.host, tls=config.tls, token=bool(token)):
-            event(log, "insecure listener", level=logging.WARNING, warning=warning)
-        return port
-
     async def stop(self, grace: float | None = None) -> bool:
         """Shut down gracefully: report NOT_SERVING, refuse new RPCs and give in-flight ones up to
         `grace` seconds (default: the config's shutdown_grace), apply every queued commit, write the
         final checkpoint, stop. False when checkpoints are on and the final one failed: commits
         were acknowledged that no checkpoint holds (logged with the versions lost)."""
-        grace = self.config.shutdown_grace if grace is None else grace
-        if self.replica is not None:  # resigns first: a backup takes over without waiting for the lease
-            await asyncio.to_thread(self.replica.stop)
-        await self.health.enter_graceful_shutdown()
-        for task in (self._lease_task, self._trim_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        # Both doors close together: in-flight requests on either get `grace` to be answered.
-        closing: list[Awaitable[None]] = []
-        if self.data_plane is not None:
-            closing.append(asyncio.to_thread(self.data_plane.stop, grace))
-        if self._server is not None:
-            closing.append(self._stop_grpc(self._server, grace))
-        await asyncio.gather(*closing)
-        if self.checkpointer is not None:
-            await self.checkpointer.stop_schedule()
-        await asyncio.to_thread(self.applier.stop)  # runs what is still queued
-        durable = True
-        if self.checkpointer is not None:
-            await self.checkpointer.write_final()
-            durable = self.checkpointer.last_version == self.state.version or not self.state.initialized
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()  # type: ignore[attr-defined]
-            self._metrics_server.server_close()  # type: ignore[attr-defined]
-        if self.checkpointer is not None:
-            self.checkpointer.close()
-        if not durable:
+        await self._parts.stop(self.config.shutdown_grace if grace is None else grace)
+        if self._final is not None and not self._final.durable:
             assert self.checkpointer is not None
             newest = self.checkpointer.last_version
             event(
@@ -346,43 +189,27 @@ class ParameterServer:
         event(log, "stopped", version=self.state.version, active=len(self.state.registry))
         return True
 
-    async def _stop_grpc(self, server: grpc.aio.Server, grace: float) -> None:
-        """Calls in flight get up to `grace` seconds; new ones are refused UNAVAILABLE meanwhile
-        (health checks still answer, NOT_SERVING). Once no call that carries work is left, Watch
-        streams (told NOT_SERVING) get FAREWELL_SECONDS to end, then gRPC stops, cancelling what
-        remains: a Watch whose client never reads held the shutdown for the whole grace before
-        (issue 28, item 4). One call to server.stop(): grpc.aio's shutdown must not run twice at
-        once (a second one can cancel calls on a server the first has just destroyed)."""
-        assert self.admission is not None
-        self.admission.close()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.admission.calls.idle(), grace)
-        left = max(0.0, deadline - loop.time())
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.health.watches.none(), min(FAREWELL_SECONDS, left))
-        await server.stop(0)
-
     async def wait_closed(self) -> None:
-        if self._server is not None:
-            await self._server.wait_for_termination()
+        await self._grpc.wait_closed()
 
-    def _start_metrics(self) -> None:
-        if self.config.metrics_port < 0:
-            return
-        host = self.config.metrics_host or self.config.host
-        labels = {"partition": str(self.config.partition)} if self.config.partitions > 1 else {}
-        if self.config.replicas > 1:
-            labels["replica"] = str(self.config.replica)
-        registry = exposed(self.metrics.registry, labels)
+    # -- the parts that are a call or two ------------------------------------------------------------
 
-        def start() -> int:
-            server, _thread = start_http_server(self.config.metrics_port, addr=host, registry=registry)
-            self._metrics_server = server
-            return int(server.server_port)
+    async def _start_applier(self) -> None:
+        self.applier.start()
+        self.service.attach_loop(asyncio.get_running_loop())
 
-        self.metrics_port = _listening("metrics", host, self.config.metrics_port, start)
+    async def _drain_applier(self, grace: float) -> None:
+        await asyncio.to_thread(self.applier.stop)  # runs what is still queued
+
+    async def _serving(self) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+    async def _not_serving(self, grace: float) -> None:
+        await self.health.enter_graceful_shutdown()
+
+    async def _join_replicas(self) -> None:
+        await self.replication.start(self.port, self._directory.restored if self._directory is not None else None)
 
     def _observe_state(self) -> None:
         state = self.state
@@ -413,35 +240,6 @@ class ParameterServer:
         while True:
             await asyncio.sleep(period)
             await self.service.evict_expired()
-
-
-def advertised_host(config: ServerConfig) -> str:
-    """The host others reach this process at: --advertise-host, else --host unless it listens on
-    every address (then this machine's name)."""
-    if config.advertise_host:
-        return config.advertise_host
-    return socket.gethostname() if config.host in ("", "0.0.0.0", "::") else config.host
-
-
-def _listening(what: str, host: str, port: int, start: Callable[[], int]) -> int:
-    """`start()` (which binds `host`:`port`), its bound port; its OSError said in one line
-    that names the listener and the address."""
-    try:
-        return start()
-    except OSError as error:
-        hint = " (is another server listening there?)" if error.errno == errno.EADDRINUSE else ""
-        reason = error.strerror or str(error)
-        raise OSError(f"{what}: cannot listen on {_hostport(host, port)}: {reason}{hint}") from None
-
-
-def _probe(host: str, port: int) -> int:
-    """Bind `host`:`port` as gRPC does (SO_REUSEADDR, which a listener's port does not share), then
-    let it go; OSError when it cannot be bound, e.g. another server listens there."""
-    family, kind, protocol, _name, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    with socket.socket(family, kind, protocol) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind(address)
-    return port
 
 
 def configure_logs(config: ServerConfig, origin: str = "") -> None:

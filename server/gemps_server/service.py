@@ -21,22 +21,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import numpy as np
 
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import (
-    DataPlane,
     Evaluation,
     Layout,
     ParameterSpec,
-    Partition,
     Registration,
     Shard,
-    partition_bounds,
 )
-from gemps_proto.status import ReplicationStatus, ServerStatus
+from gemps_proto.status import ServerStatus
 from gemps_proto.tensor_codec import EncodedBuffers, EncodedTensor
 from gemps_server.allocator import tune_for
 from gemps_server.config import ServerConfig
@@ -49,7 +45,9 @@ from gemps_server.domain.workers import WorkerRecord
 from gemps_server.logs import Throttle, event
 from gemps_server.metrics import ServerMetrics
 from gemps_server.partition_addresses import PartitionAddresses
+from gemps_server.replicas import NO_REPLICAS, Replicas, acknowledged
 from gemps_server.security import RateLimiter, Tickets
+from gemps_server.service_reads import DataPlaneOffer, partition_layout, server_status
 
 log = logging.getLogger("gemps.server")
 
@@ -57,23 +55,6 @@ log = logging.getLogger("gemps.server")
 # Commits of models up to this size (about 0.2 ms of GEM's update) may run on the event loop
 # when the applier is idle; larger ones always go to its thread, so the loop keeps serving.
 INLINE_MAX_PARAMETERS = 250_000
-
-
-class Replicas(Protocol):
-    """A replicated partition's say in what this process answers (gemps_server.replication)."""
-
-    def require_primary(self) -> None:
-        """Unavailable (reason not_primary) unless this replica is its partition's primary now."""
-        ...
-
-    def status(self) -> ReplicationStatus:
-        """Its role, epoch and backups now (Status, metrics)."""
-        ...
-
-    def when_replicated(self, position: int, done: Callable[[BaseException | None], None]) -> None:
-        """`done(None)` once every in-sync replica applied journal `position`; `done(error)` when
-        it may not be acknowledged (this replica lost its primacy)."""
-        ...
 
 
 # The RPCs that commit: a refusal of either counts as a rejected commit (Status, metrics).
@@ -88,12 +69,13 @@ class ParameterService:
         applier: Applier,
         metrics: ServerMetrics,
         on_committed: Callable[[int], None] | None = None,
-        replicas: Replicas | None = None,
+        replicas: Replicas = NO_REPLICAS,
         tickets: Tickets | None = None,
     ) -> None:
         self.config = config
-        # None: no replicas (every answer is this process's alone).
-        self.replicas = replicas
+        # Who may answer and when a commit may be acknowledged (gemps_server.replicas): the one
+        # thing the service knows of replication.
+        self._replicas = replicas
         self._state = state
         self._applier = applier
         self._metrics = metrics
@@ -101,12 +83,9 @@ class ParameterService:
         # from a data-plane thread through the loop (attach_loop), as it is not thread-safe.
         self._on_committed = on_committed
         self._loop: asyncio.AbstractEventLoop | None = None
-        # The data plane's port once it listens (None: off); registrations then carry a ticket,
-        # and the name of its local socket for clients on this host ("": none).
-        self.data_plane_port: int | None = None
-        self.data_plane_local = ""
-        # Shared with this replica's replication when replicated (its partition's one key).
-        self._tickets = tickets or Tickets()
+        # Registrations carry a ticket once the data plane listens; its key is shared with
+        # replication when replicated (its partition's one key).
+        self.data_plane = DataPlaneOffer(tickets or Tickets())
         self._rejected_lock = threading.Lock()  # refusals are counted from several threads
         self._registrations = RateLimiter(config.max_registrations_per_minute)
         self._started = time.monotonic()
@@ -180,7 +159,7 @@ class ParameterService:
         client_id: str = "",
     ) -> tuple[RegistrationOutcome, Registration]:
         """Admit a worker; `include_parameters` False when its reply leaves θ out (it pulls θ next)."""
-        self._require_primary()
+        self._replicas.require_primary()
         if not self._registrations.allow():
             self._metrics.refusal(Reason.REGISTRATION_RATE)
             raise ResourceExhausted(
@@ -224,21 +203,15 @@ class ParameterService:
             version=registered.snapshot.version,
             initialized_central=registered.initialized_theta,
             layout=self.layout(),
-            data_plane=self._data_plane_for(worker),
+            data_plane=self.data_plane.for_worker(worker),
         )
         return registered, registration
-
-    def _data_plane_for(self, worker: WorkerRecord) -> DataPlane | None:
-        if self.data_plane_port is None:
-            return None
-        ticket = self._tickets.issue(worker.worker_id, worker.client_id)
-        return DataPlane(self.data_plane_port, ticket, self.data_plane_local)
 
     def check_ticket(self, worker_id: str, ticket: bytes) -> None:
         """Refuse a data-plane ticket that is not `worker_id`'s registration's: NotFound for a worker
         not registered, Unauthenticated for a wrong ticket (compared in constant time)."""
         worker = self._state.registry.get(worker_id)
-        if not self._tickets.valid(ticket, worker.worker_id, worker.client_id):
+        if not self.data_plane.tickets.valid(ticket, worker.worker_id, worker.client_id):
             raise Unauthenticated(
                 "data-plane ticket is not this worker's registration's: register again", Reason.UNAUTHENTICATED
             )
@@ -270,7 +243,7 @@ class ParameterService:
 
     def _current(self, worker_id: str, known_version: int, reply_dtype: int) -> tuple[Snapshot, bool]:
         """The current snapshot, and whether the applier must encode it in `reply_dtype` first."""
-        self._require_primary()
+        self._replicas.require_primary()
         state = self._state
         state.require_initialized()
         if worker_id:
@@ -283,36 +256,14 @@ class ParameterService:
         """Apply a commit in FIFO order, with its `reply` written by the state right after, while θ
         holds the commit's version (see ReplyWriter); metrics, logs and checkpoints once it is
         applied. The applier runs the state's own method: no frame of this file in between."""
-        self._require_primary()
+        self._replicas.require_primary()
         apply = functools.partial(self._state.commit_and_reply, commit, reply)
         # Small models: applied on the event loop when the applier is idle (see Applier.submit_timed).
         inline = self._state.num_parameters <= INLINE_MAX_PARAMETERS
         timed = await self._applier.submit_timed(apply, inline=inline)
         committed = self._committed(commit, timed, self._on_committed)
-        if self.replicas is not None:
-            await self._replicated(committed[0].position)
+        await acknowledged(self._replicas, committed[0].position)
         return committed
-
-    async def _replicated(self, position: int) -> None:
-        """Wait until the replicas applied journal `position`; its refusal raised."""
-        assert self.replicas is not None
-        loop = asyncio.get_running_loop()
-        replicated: asyncio.Future[None] = loop.create_future()
-
-        def settle(error: BaseException | None) -> None:
-            if replicated.done():
-                return
-            if error is None:
-                replicated.set_result(None)
-            else:
-                replicated.set_exception(error)
-
-        def done(error: BaseException | None) -> None:
-            with contextlib.suppress(RuntimeError):  # loop closed: the server is stopping
-                loop.call_soon_threadsafe(settle, error)
-
-        self.replicas.when_replicated(position, done)
-        await replicated
 
     def commit_then(
         self,
@@ -330,29 +281,21 @@ class ParameterService:
         than the loop's I/O it would overlap (1M parameters, 8 clients: 2.5-2.8 ms against
         1.7-2.2, and 250-390 commits/s against 360-450, two runs each); else on the applier's
         thread, after what is queued there."""
-        self._require_primary()
+        self._replicas.require_primary()
         apply = functools.partial(self._state.commit_and_reply, commit, reply, out=mirror)
-        replicas = self.replicas
 
         def applied(timed: Timed[tuple[CommitOutcome, R]] | None, error: BaseException | None) -> None:
             if timed is None:
                 deliver(None, error)
                 return
             committed = self._committed(commit, timed, self._committed_threadsafe)
-            if replicas is None:
-                deliver(committed, None)
-            else:  # the reply is written; it is handed over once the replicas applied the commit
-                replicas.when_replicated(
-                    committed[0].position,
-                    lambda refusal: deliver(committed, None) if refusal is None else deliver(None, refusal),
-                )
+            # The reply is written; it is handed over once the commit may be acknowledged.
+            self._replicas.when_replicated(
+                committed[0].position,
+                lambda refusal: deliver(committed, None) if refusal is None else deliver(None, refusal),
+            )
 
         self._applier.submit_then(apply, applied, inline=True)
-
-    def replayed(self, version: int) -> None:
-        """A backup applied its primary's journal up to `version` (from the replication stream's
-        thread): checkpoints count those commits as they count this process's own."""
-        self._committed_threadsafe(version)
 
     def _committed_threadsafe(self, version: int) -> None:
         """The checkpoint hook, handed to the event loop (it is not thread-safe); a loop already
@@ -395,7 +338,7 @@ class ParameterService:
         return outcome, built
 
     async def leave(self, worker_id: str) -> None:
-        self._require_primary()
+        self._replicas.require_primary()
         state = self._state
         worker = await self._applier.submit(lambda: state.leave(worker_id))
         self._metrics.departed("left")
@@ -409,48 +352,23 @@ class ParameterService:
         )
 
     def status(self) -> ServerStatus:
-        state = self._state
-        return ServerStatus(
-            initialized=state.initialized,
-            version=state.version,
-            active_workers=len(state.registry),
-            num_parameters=state.num_parameters,
-            config=self.config.training,
-            commits_applied=state.commits_applied,
+        return server_status(
+            self.config,
+            self._state,
             commits_rejected=self.commits_rejected,
-            spec=state.spec,
-            buffer_spec=state.buffer_spec,
             uptime_seconds=time.monotonic() - self._started,
             last_evaluation=self.last_evaluation,
-            learning_rate=state.learning_rate,
-            gradient_noise=state.noise.estimate,
             layout=self.layout(),
-            workers=state.registry.listing(),
-            lease_ttl_seconds=state.registry.lease_ttl,
-            replication=self.replicas.status() if self.replicas is not None else None,
-            data_plane=(
-                None
-                if self.data_plane_port is None
-                else DataPlane(self.data_plane_port, b"", self.data_plane_local)  # no ticket: a registration's
-            ),
+            replication=self._replicas.status(),
+            data_plane=self.data_plane.announced(),
         )
 
     def layout(self) -> Layout | None:
-        """How θ is partitioned, as this partition announces it (None: this server holds all of θ).
-        Ranges are all empty until θ is initialised; addresses are "" where this process was
-        not told them (only partition 0 must know: workers learn the layout from it), as they are
-        now: a partition moved by its launcher is announced where it went."""
-        config = self.config
-        if config.partitions == 1:
-            return None
-        total = sum(entry.size for entry in self._state.spec)
-        addresses = self._addresses.current() or ("",) * config.partitions
-        bounds = partition_bounds(total, config.partitions)
-        partitions = tuple(Partition(a, start, stop) for a, (start, stop) in zip(addresses, bounds, strict=True))
-        return Layout(config.partition, partitions, total)
+        """How θ is partitioned, as this partition announces it (service_reads.partition_layout)."""
+        return partition_layout(self.config, self._state.spec, self._addresses)
 
     def report_evaluation(self, evaluation: Evaluation) -> None:
-        self._require_primary()
+        self._replicas.require_primary()
         check_evaluation(evaluation, self._state.version)
         self.last_evaluation = evaluation
         self._metrics.evaluated(evaluation.dataset, evaluation.version, evaluation.loss, evaluation.accuracy)
@@ -464,23 +382,14 @@ class ParameterService:
             dataset=evaluation.dataset or None,
         )
 
-    def _require_primary(self) -> None:
-        if self.replicas is not None:
-            self.replicas.require_primary()
-
-    def _is_primary(self) -> bool:
-        try:
-            self._require_primary()
-        except ServiceError:
-            return False
-        return True
-
     # -- housekeeping --------------------------------------------------------------------------
 
     async def evict_expired(self) -> None:
         """Forget the workers whose lease ran out (the app calls this periodically); a backup
         leaves that to its primary (it applies the evictions its primary journals)."""
-        if self.replicas is not None and not self._is_primary():
+        try:
+            self._replicas.require_primary()
+        except ServiceError:
             return
         state = self._state
         self._evicted(await self._applier.submit(state.evict_expired), reason="lease expired")

@@ -1,7 +1,8 @@
 """The path of one commit, walked for real: from `RemoteModel.step()` to the rule that moves θ.
 
 docs/ARCHITECTURE.md lists the paths as numbered lists of files, one item per file in call
-order: gRPC's, and the data plane's (the default), over TCP and through shared memory alike.
+order: gRPC's, and the data plane's (the default), over TCP and through shared memory alike, and
+a replicated partition's (from the primary's servicer to the rule on its backup).
 This test captures the Python stack at the two ends of a real commit against a real in-process
 server: on the worker's side where the SDK hands the request to gRPC, or writes its frame to
 the data plane's socket, and on the server's side inside the rule while it applies the commit.
@@ -18,6 +19,7 @@ import re
 import sys
 import threading
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -29,7 +31,13 @@ import torch
 from gemps.data_plane_connection import DataConnection
 from gemps.pytorch import RemoteModel
 from gemps_proto.data_plane_frames import Op, read_preamble
+from gemps_server.replication import follower
+from gemps_server.replication.forwarder import Done, Forwarder
+from gemps_server.replication.local_etcd import LocalEtcd
+from tests.etcd_server import etcd_server
+from tests.helpers import wait_for
 from tests.integration.conftest import StartServer
+from tests.integration.test_replicas import replica_options, wait_replicated
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE_DIRS = ("client_sdk", "server", "proto")
@@ -37,6 +45,7 @@ GRPC_DIR = os.path.dirname(grpc.__file__)
 DOCS = REPO / "docs" / "ARCHITECTURE.md"
 SECTION = "## The path of one commit"
 DATA_PLANE_SECTION = "## The path of one data-plane commit"
+REPLICATED_SECTION = "## The path of one replicated commit"
 # Past this many parameters the applier always runs a commit on its own thread (service.py).
 LARGE_MODEL_FEATURES = 1024  # Linear(1024, 300): 307,500 parameters
 
@@ -142,7 +151,7 @@ def one_step(
     return sdk.stack
 
 
-@pytest.mark.parametrize("title", [SECTION, DATA_PLANE_SECTION])
+@pytest.mark.parametrize("title", [SECTION, DATA_PLANE_SECTION, REPLICATED_SECTION])
 def test_docs_list_the_commit_path(title: str) -> None:
     path = documented_path(title)
     assert path, f"no numbered list of files under {title!r} in {DOCS}"
@@ -200,3 +209,76 @@ def test_a_data_plane_commit_crosses_each_file_once_as_documented(
     walked = [*project_files(sdk_stack), *project_files(server_stack), recorder.rule_file]
     assert len(walked) == len(set(walked)), f"the commit path crosses a file twice: {walked}"
     assert walked == documented_path(DATA_PLANE_SECTION)
+
+
+class StacksOfReplication:
+    """On the primary, the stack where the port is asked to wait for a commit's position
+    (`Forwarder.when_replicated`) and the one that answers it; on the backup, the follower's stack
+    where it hands an entry to its applier."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.waiting: traceback.StackSummary | None = None
+        self.acknowledged: traceback.StackSummary | None = None
+        self.following: traceback.StackSummary | None = None
+        when_replicated, on_applier = Forwarder.when_replicated, follower._on_applier
+
+        def waits(forwarder: Forwarder, position: int, done: Done) -> None:
+            if self.waiting is not None:
+                when_replicated(forwarder, position, done)
+                return
+            self.waiting = traceback.extract_stack()
+
+            def answered(error: BaseException | None) -> None:
+                self.acknowledged = traceback.extract_stack()
+                done(error)
+
+            when_replicated(forwarder, position, answered)
+
+        def applies(applier: Any, operation: Any) -> Any:
+            if self.following is None and getattr(getattr(operation, "func", None), "__name__", "") == "replay":
+                self.following = traceback.extract_stack()
+            return on_applier(applier, operation)
+
+        monkeypatch.setattr(Forwarder, "when_replicated", waits)
+        monkeypatch.setattr(follower, "_on_applier", applies)
+
+
+@pytest.fixture
+def etcd() -> Iterator[LocalEtcd]:
+    """Up before the servers' fixture and down after it: the replicas resign at their stop."""
+    with etcd_server() as running:
+        yield running
+
+
+def test_a_replicated_commit_crosses_each_file_once_as_documented(
+    etcd: LocalEtcd, start_server: StartServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit to a replicated pair's primary: its servicer to the port that waits (the primary's
+    stack), then the backup's follower to its rule (two threads: the follower hands the entry to
+    the applier's); the acknowledgement comes back on the primary's forwarder."""
+    servers = [start_server(rule="gem", **replica_options(etcd, index, "path")) for index in range(2)]
+    primary = wait_replicated(servers)
+    backup = next(server for server in servers if server is not primary)
+    stacks = StacksOfReplication(monkeypatch)
+    recorder = StackInRule()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 10)
+    with RemoteModel(model, primary.target) as remote:
+        recorder.watch(wait_for(lambda: backup.server.state.rule, 30, "the backup replayed the registration"))
+        model(torch.randn(8, 64)).square().mean().backward()
+        remote.step()
+    assert stacks.waiting is not None and stacks.acknowledged is not None and stacks.following is not None
+    assert len(recorder.stacks) == 1
+    thread, backup_stack = recorder.stacks[0]
+    assert thread != "gemps-replication-follow", "the backup's applier applies the entry, on its own thread"
+    forwarder_file = Path(inspect.getfile(Forwarder)).resolve().relative_to(REPO).as_posix()
+    walked = [
+        *project_files(stacks.waiting),
+        forwarder_file,
+        *project_files(stacks.following),
+        *project_files(backup_stack),
+        recorder.rule_file,
+    ]
+    assert len(walked) == len(set(walked)), f"the replicated commit path crosses a file twice: {walked}"
+    assert walked == documented_path(REPLICATED_SECTION)
+    assert project_files(stacks.acknowledged)[-1] == forwarder_file

@@ -53,9 +53,9 @@ def replica_options(etcd: LocalEtcd, index: int, job: str, **options: Any) -> di
 
 
 def status_of(server: InProcessServer) -> ReplicationStatus:
-    replica = server.server.replica
-    assert replica is not None
-    return replica.status()
+    status = server.server.replication.status()
+    assert status is not None
+    return status
 
 
 def wait_replicated(servers: list[InProcessServer], timeout: float = 30.0) -> InProcessServer:

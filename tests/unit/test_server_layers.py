@@ -22,6 +22,7 @@ from gemps_server.domain.rules.overflow import OverflowGuard
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.metrics import ServerMetrics
+from gemps_server.replicas import NoReplicas, Replicas
 from gemps_server.service import ParameterService
 from gemps_server.wire import messages
 from gemps_server.wire.stream_buffers import Buffer
@@ -132,7 +133,7 @@ def test_the_buffer_writer_copies_nothing_when_the_rule_wrote_theta_there() -> N
 
 
 class RecordedReplicas:
-    """Replicas (service.Replicas) that answer Status with the records given, one per call."""
+    """Replicas (gemps_server.replicas.Replicas) that answer Status with the records given, one per call."""
 
     def __init__(self, records: list[ReplicationStatus]) -> None:
         self.records = records
@@ -152,10 +153,10 @@ def test_status_carries_the_replication_record_the_replication_layer_provides() 
     later = ReplicationStatus("r0", PRIMARY, epoch=3, replicas=2)
     state = ServerState(training("downpour"), WorkerRegistry(max_workers=4, lease_ttl=3600))
 
-    def service(replicas: RecordedReplicas | None) -> ParameterService:
+    def service(replicas: Replicas) -> ParameterService:
         return ParameterService(ServerConfig(), state, Applier(), ServerMetrics(), replicas=replicas)
 
     replicated = service(RecordedReplicas([record, later]))
     assert replicated.status().replication == record  # asked at each Status, not once
     assert replicated.status().replication == later
-    assert service(None).status().replication is None  # not replicated
+    assert service(NoReplicas()).status().replication is None  # not replicated

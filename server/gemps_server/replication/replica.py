@@ -4,8 +4,8 @@ The coordinator (election.py) tells it when it became primary, lost its lease, o
 replica become primary. As primary it journals to a Forwarder and answers workers; as a backup it
 follows the primary's stream (Follower) and refuses workers with `not_primary` (the SDK tries the
 partition's next replica). Its replication listener is always bound: backups dial a primary there.
-The service asks it two things (service.Replicas): whether it may answer a worker now, and when
-a commit may be acknowledged.
+The service asks it, through the layer (layer.py; the port: gemps_server.replicas.Replicas),
+whether it may answer a worker now, and when a commit may be acknowledged.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class Replica:
                 self._follower.stop()
         self._listener.close()
 
-    # -- what the service asks (service.Replicas) ---------------------------------------------------
+    # -- what the service asks (gemps_server.replicas.Replicas) ------------------------------------
 
     def require_primary(self) -> None:
         if self.role == PRIMARY and self._started and self._election.holds():

@@ -1,7 +1,8 @@
 """The server's wires: everything that knows gRPC, the protobuf messages and the data plane's
 frames; each calls the service (the one door to the domain).
 
-gRPC: `grpc_servicer` (the RPC methods, thin: parse, call the service, frame; the `rpc` decorator
+gRPC: `grpc_server` (the door: the server's options, its bind and graceful stop), `grpc_servicer`
+(the RPC methods, thin: parse, call the service, frame; the `rpc` decorator
 that maps refusals to status codes), `streams` (client-stream assembly), `reply_budget` (replies
 held until read), `stream_buffers` (the CommitStream and data-plane buffer pools), `messages`
 (requests into domain records, outcomes into replies, and the commit reply writers) and `health`

@@ -1,0 +1,167 @@
+"""Replication as a layer the server is composed with (DESIGN §3d).
+
+`layer()` is the one name the server calls: with one replica the port's null object, with more a
+`Replicated` layer around this process's `Replica`. Either is what the service asks
+(`gemps_server.replicas.Replicas`: may I answer, when may I acknowledge, what is my status) and
+one part of the server's lifecycle: started once the gRPC door has its port (others reach this
+replica there), stopped first (the replica resigns, so a backup takes over at once). What else a
+replica needs of the server is wired here, not in app.py: the data-plane ticket key it shares
+with the service, its metrics collector, the epoch each checkpoint records, the restored
+checkpoint's (epoch, version) its election reads, and the checkpoint hook after a backup's replay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Callable
+from typing import Protocol
+
+from gemps_server.checkpoint_files import Checkpoint
+from gemps_server.checkpoint_writer import Checkpointer
+from gemps_server.config import ServerConfig
+from gemps_server.domain.applier import Applier
+from gemps_server.domain.state import ServerState
+from gemps_server.listening import hostport, listening
+from gemps_server.metrics import ServerMetrics
+from gemps_server.replicas import Done, NoReplicas, Replicas
+from gemps_server.replication.election import Election, Member
+from gemps_server.replication.metrics import ReplicationCollector
+from gemps_server.replication.replica import Replica, listen
+from gemps_server.replication.status import ReplicationStatus
+from gemps_server.security import Tickets
+
+
+class ReplicationLayer(Replicas, Protocol):
+    """What the server composes: the service's port, and a part of the server's lifecycle."""
+
+    @property
+    def port(self) -> int:
+        """The replication listener's port once started (0: none)."""
+        ...
+
+    async def start(self, grpc_port: int, restored: Checkpoint | None) -> None:
+        """Join the partition's replicas, reachable at `grpc_port`, from the checkpoint `restored`."""
+        ...
+
+    async def stop(self, grace: float) -> None:
+        """Leave them (a primary resigns first)."""
+        ...
+
+
+def layer(
+    config: ServerConfig,
+    state: ServerState,
+    applier: Applier,
+    tickets: Tickets,
+    metrics: ServerMetrics,
+    checkpointer: Checkpointer | None,
+) -> ReplicationLayer:
+    """This process's replication: none with `--replicas 1`, else a replica of its partition."""
+    if config.replicas == 1:
+        return Unreplicated()
+    replicated = Replicated(config, state, applier, tickets, checkpointer)
+    ReplicationCollector(metrics.registry, replicated.status)
+    return replicated
+
+
+class Unreplicated(NoReplicas):
+    """One replica: the port's null object, with nothing to start or stop."""
+
+    port = 0
+
+    async def start(self, grpc_port: int, restored: Checkpoint | None) -> None:
+        return None
+
+    async def stop(self, grace: float) -> None:
+        return None
+
+
+class Replicated:
+    """A replicated partition's replica (its role decided by etcd once started), composed with
+    the server: `tickets` is the service's (one data-plane key for every replica of the partition:
+    a backup adopts its primary's)."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        state: ServerState,
+        applier: Applier,
+        tickets: Tickets,
+        checkpointer: Checkpointer | None,
+    ) -> None:
+        self._config = config
+        self.replica = Replica(
+            state, applier, config.replicas, config.replica_timeout, config.token(), tickets, on_applied=self._replayed
+        )
+        self.port = 0
+        # A backup checkpoints too (a job whose every replica restarts resumes from the newest
+        # state any of them saw): its replayed commits reach the hook this process's own reach.
+        self._on_committed: Callable[[int], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if checkpointer is not None:
+            replica = self.replica
+            self._on_committed = checkpointer.committed
+            checkpointer.epoch = lambda: replica.epoch  # the epoch its commits were acknowledged under
+
+    # -- the port (gemps_server.replicas.Replicas) ----------------------------------------------
+
+    def require_primary(self) -> None:
+        self.replica.require_primary()
+
+    def status(self) -> ReplicationStatus:
+        return self.replica.status()
+
+    def when_replicated(self, position: int, done: Done) -> None:
+        self.replica.when_replicated(position, done)
+
+    # -- the lifecycle part ----------------------------------------------------------------------
+
+    async def start(self, grpc_port: int, restored: Checkpoint | None) -> None:
+        """Listen for backups, then take part in the election (with the restored checkpoint's
+        (epoch, version): the replica holding the newest state takes over a job restarted whole)."""
+        self._loop = asyncio.get_running_loop()
+        config = self._config
+        bound: list[socket.socket] = []
+
+        def bind() -> int:
+            bound.append(listen(config.host, config.replication_port))
+            return int(bound[0].getsockname()[1])
+
+        self.port = listening("replication", config.host, config.replication_port, bind)
+        try:
+            host = advertised_host(config)
+            me = Member(
+                f"partition-{config.partition}-replica-{config.replica}",
+                Replica.incarnation(),
+                hostport(host, grpc_port),
+                hostport(host, self.port),
+            )
+            prefix = f"/gemps/{config.job}/partition/{config.partition}"
+            at = (restored.epoch, restored.version) if restored is not None else (0, 0)
+            election = Election(config.etcd, prefix, me, lease_seconds=config.replica_lease, restored=at)
+            self.replica.start(election, bound[0])
+        except BaseException:
+            bound[0].close()
+            raise
+
+    async def stop(self, grace: float) -> None:
+        """Step down (the lease is given back, so a backup takes over without waiting for it)."""
+        await asyncio.to_thread(self.replica.stop)
+
+    def _replayed(self, version: int) -> None:
+        """A backup applied its primary's journal up to `version` (on the replication stream's
+        thread): the checkpoint hook, handed to the event loop (it is not thread-safe); a loop
+        already closed is a server stopping: its final checkpoint comes after."""
+        if self._on_committed is not None and self._loop is not None:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._on_committed, version)
+
+
+def advertised_host(config: ServerConfig) -> str:
+    """The host others reach this process at: --advertise-host, else --host unless it listens on
+    every address (then this machine's name)."""
+    if config.advertise_host:
+        return config.advertise_host
+    return socket.gethostname() if config.host in ("", "0.0.0.0", "::") else config.host
