@@ -67,9 +67,10 @@ def whole(cluster: Cluster) -> Cluster:
 def check_every_worker_finished(result: RayJobResult, loss: RemoveNode, budget: int) -> None:
     """Every worker spent its whole `budget`: those on the lost node came back, on a surviving
     node, and spent it there; every other one without a restart. The driver records a restart when
-    one of its periodic looks finds the actor on a new node: on a loaded machine a restarted worker
-    can finish before a look reaches it (1 run in a full suite), so the record is asked of one lost
-    worker at least, the moves themselves of each."""
+    one of its periodic looks, or the outcome a worker returns, shows the actor on a new node (on a
+    loaded machine a restarted worker could finish before a look reached it: 2 runs in full
+    suites before outcomes carried their life); the record is asked of one lost worker at least,
+    the moves themselves of each."""
     outcomes, restarts = result.outcomes, result.restarts
     assert [outcome.commits for outcome in outcomes] == [budget] * len(outcomes), outcomes
     assert not any(outcome.stopped_early or outcome.diverged for outcome in outcomes)

@@ -11,6 +11,7 @@ launch a job on a cluster that has it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -298,7 +299,7 @@ class TrainingWorker:
         if again:
             return self._outcome.result()
         try:
-            outcome = self._train()
+            outcome = dataclasses.replace(self._train(), life=this_life(self.metrics_port))
         except BaseException as error:
             self._outcome.set_exception(error)
             raise

@@ -55,6 +55,9 @@ class WorkerOutcome:
     diverged: bool = False
     value: Any = None  # what a user's training function returned
     first_commit: float = 0.0  # unix time of this life's first acknowledged commit (0: none, or a user's function)
+    # The life that ran it: a restarted worker can finish between two of the driver's looks, which
+    # then learns of its restart from here.
+    life: ActorPlace | None = None
 
 
 @dataclass(frozen=True)

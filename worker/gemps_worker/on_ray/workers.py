@@ -69,7 +69,10 @@ class Workers:
         for call in ended:
             index = self.training.pop(call)
             try:
-                found[index] = ray.get(call)
+                outcome: WorkerOutcome = ray.get(call)
+                if outcome.life is not None:
+                    faults.seen(worker_name(index), outcome.life)
+                found[index] = outcome
             except RESULT_LOST as error:
                 log.warning("worker %d's outcome went with its node (%s): asking again", index, why(error))
                 self.training[self.actors[index].train.remote()] = index

@@ -1,0 +1,73 @@
+"""What every test shares: how the suite is split between parallel runners (pytest-xdist).
+
+`make test` runs the suite on several xdist workers with `--dist loadgroup`: a test with an
+`xdist_group` runs on the one worker that runs its whole group, one test at a time, while the
+other workers take the rest. The groups below are the tests that must not overlap with each
+other: they share one machine-wide resource (podman's images and containers, a Ray cluster's
+memory, the simulated hosts' links and the CPU they are measured with).
+
+Tests that inject faults (killed processes, parted links, full disks, hostile peers) are marked
+`faults`; `make test-fast` leaves them out for the inner loop.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# Module -> group: tests of one group never run at the same time as each other.
+SERIAL_GROUPS = {
+    "test_containers.py": "containers",
+    "test_containers_partitioned.py": "containers",
+    "test_containers_replicated.py": "containers",
+    "test_install_system_deps.py": "containers",  # reinstalls what the container tests run
+    "test_ray.py": "ray",
+    "test_ray_node_loss.py": "ray",
+    "test_ray_replicas.py": "ray",
+    "test_simulated_hosts.py": "hosts",
+    "test_replica_faults.py": "hosts",
+    "test_bench_cross_host.py": "hosts",
+    "test_bench_replicas.py": "hosts",
+    "test_bench.py": "hosts",  # measures throughput: alone with the simulated hosts, not beside them
+}
+
+# Modules whose tests inject faults (left out of `make test-fast`).
+FAULT_MODULES = frozenset(
+    {
+        "test_chaos.py",
+        "test_replica_faults.py",
+        "test_simulated_hosts.py",
+        "test_shutdown.py",
+        "test_data_plane_durability.py",
+        "test_data_plane_hostile.py",
+        "test_data_plane_starvation.py",
+        "test_hostile_budgets.py",
+        "test_hostile_input.py",
+        "test_hostile_options.py",
+        "test_hostile_ownership.py",
+        "test_hostile_slow_streams.py",
+        "test_replication_hostile.py",
+        "test_reliability_connections.py",
+        "test_reliability_disk.py",
+        "test_reliability_identity.py",
+        "test_reliability_memory.py",
+        "test_reliability_overflow.py",
+        "test_reliability_tls_health.py",
+        "test_worker_presence.py",
+    }
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "faults: injects a fault (left out of `make test-fast`)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = Path(str(item.path)).name
+        if module in SERIAL_GROUPS:
+            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUPS[module]))
+        if module in FAULT_MODULES:
+            item.add_marker(pytest.mark.faults)
