@@ -13,8 +13,10 @@ import pytest
 from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
+from gemps_server.replication.local_etcd import LocalEtcd
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.simulated_hosts import SimulatedNetwork, unavailable_reason
+from tests.etcd_server import etcd_server
 from tests.helpers import InProcessServer
 
 StartServer = Callable[..., InProcessServer]
@@ -111,3 +113,11 @@ def register(
 def central(stub: pb_grpc.ParameterServerStub) -> tuple[int, bytes]:
     reply = stub.Pull(pb.PullRequest(known_version=-1))
     return reply.version, reply.parameters.data
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[LocalEtcd]:
+    """One real etcd for a test module (started once: its tests' jobs have names, so keys, of their
+    own). Up before a test's servers and down after them: replicas resign as they stop."""
+    with etcd_server() as running:
+        yield running

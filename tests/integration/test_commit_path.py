@@ -19,7 +19,6 @@ import re
 import sys
 import threading
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -34,7 +33,6 @@ from gemps_proto.data_plane_frames import Op, read_preamble
 from gemps_server.replication import follower
 from gemps_server.replication.forwarder import Done, Forwarder
 from gemps_server.replication.local_etcd import LocalEtcd
-from tests.etcd_server import etcd_server
 from tests.helpers import wait_for
 from tests.integration.conftest import StartServer
 from tests.integration.test_replicas import replica_options, wait_replicated
@@ -241,13 +239,6 @@ class StacksOfReplication:
 
         monkeypatch.setattr(Forwarder, "when_replicated", waits)
         monkeypatch.setattr(follower, "_on_applier", applies)
-
-
-@pytest.fixture
-def etcd() -> Iterator[LocalEtcd]:
-    """Up before the servers' fixture and down after it: the replicas resign at their stop."""
-    with etcd_server() as running:
-        yield running
 
 
 def test_a_replicated_commit_crosses_each_file_once_as_documented(

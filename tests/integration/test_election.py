@@ -31,12 +31,6 @@ class MakeElection(Protocol):
     def __call__(self, name: str, restored: tuple[int, int] = (0, 0)) -> Election: ...
 
 
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[LocalEtcd]:
-    with etcd_server() as server:
-        yield server
-
-
 @pytest.fixture
 def elect(etcd: LocalEtcd) -> Iterator[MakeElection]:
     """Elections of one partition (a fresh prefix per test), closed after the test."""

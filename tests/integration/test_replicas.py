@@ -11,7 +11,6 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +24,11 @@ from gemps_server.replication import image_codec
 from gemps_server.replication.local_etcd import LocalEtcd
 from gemps_server.replication.status import BACKUP, PRIMARY, ReplicationStatus
 from gemps_worker.cluster import ServerProcess
-from tests.etcd_server import etcd_server
 from tests.helpers import CommitLoops, InProcessServer, wait_for
 from tests.integration.conftest import StartServer, StartServerProcess
 
 LEASE = 1.0  # seconds: short, so failovers in tests take about this long
 PARAMETERS = 1000
-
-
-@pytest.fixture
-def etcd() -> Iterator[LocalEtcd]:
-    with etcd_server() as running:
-        yield running
 
 
 def replica_options(etcd: LocalEtcd, index: int, job: str, **options: Any) -> dict[str, Any]:

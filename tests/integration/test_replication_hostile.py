@@ -8,27 +8,18 @@ from __future__ import annotations
 import socket
 import struct
 import time
-from collections.abc import Iterator
 
 import numpy as np
-import pytest
 
 import gemps
 from gemps_server.replication.follower import CONNECT_SECONDS
 from gemps_server.replication.local_etcd import LocalEtcd
 from gemps_server.replication.replica import MAX_GREETINGS
-from tests.etcd_server import etcd_server
 from tests.helpers import InProcessServer
 from tests.integration.conftest import StartServer
 from tests.integration.test_replicas import replica_options, wait_replicated
 
 PREFIX = struct.Struct("<IQ")  # a replication frame's: header bytes, body bytes
-
-
-@pytest.fixture
-def etcd() -> Iterator[LocalEtcd]:
-    with etcd_server() as running:
-        yield running
 
 
 def lone_primary(start_server: StartServer, etcd: LocalEtcd, job: str) -> InProcessServer:
