@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo test lint typecheck unit integration e2e proto dashboards system-deps soak experiment bench clean
+.PHONY: demo test test-fast lint typecheck unit integration e2e proto dashboards system-deps soak experiment bench clean
 
 $(BIN)/.installed: pyproject.toml server/gemps_server/_native.c
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,15 @@ $(BIN)/.installed: pyproject.toml server/gemps_server/_native.c
 demo: $(BIN)/.installed  ## the main job: train GEM on this machine (server + 4 local workers)
 	$(BIN)/gemps demo
 
-test: lint typecheck system-deps  ## everything CI runs: lint, types, unit + integration + e2e tests
-	GEMPS_REQUIRE_PROMETHEUS=1 GEMPS_REQUIRE_ETCD=1 $(BIN)/python -m pytest
+# Parallel test runners (pytest-xdist); tests/conftest.py names the groups whose tests run one at a time.
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+
+test: lint typecheck system-deps  ## everything CI runs: lint, types, unit + integration + e2e tests (~14 min of tests on 2 cores)
+	GEMPS_REQUIRE_PROMETHEUS=1 GEMPS_REQUIRE_ETCD=1 $(BIN)/python -m pytest $(PARALLEL) --durations=20
+
+test-fast: $(BIN)/.installed  ## the inner loop (about 2 minutes): unit + integration tests that inject no faults
+	$(BIN)/python -m pytest $(PARALLEL) -m "not faults" tests/unit tests/integration
 
 system-deps:  ## Prometheus + promtool, etcd, sshfs (apt; sudo when not root)
 	tools/install-system-deps
