@@ -24,7 +24,8 @@ TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
 test: lint typecheck system-deps  ## everything CI runs: lint, types, unit + integration + e2e tests (~14 min of tests on 2 cores)
-	GEMPS_REQUIRE_PROMETHEUS=1 GEMPS_REQUIRE_ETCD=1 $(BIN)/python -m pytest $(PARALLEL) --durations=20
+	GEMPS_REQUIRE_PROMETHEUS=1 GEMPS_REQUIRE_ETCD=1 $(BIN)/python -m pytest $(PARALLEL) -m "not alone" --durations=20
+	GEMPS_REQUIRE_PROMETHEUS=1 GEMPS_REQUIRE_ETCD=1 $(BIN)/python -m pytest -m alone
 
 test-fast: $(BIN)/.installed  ## the inner loop (about 2 minutes): unit + integration tests that inject no faults
 	$(BIN)/python -m pytest $(PARALLEL) -m "not faults" tests/unit tests/integration

@@ -7,7 +7,9 @@ other: they share one machine-wide resource (podman's images and containers, a R
 memory, the simulated hosts' links and the CPU they are measured with).
 
 Tests that inject faults (killed processes, parted links, full disks, hostile peers) are marked
-`faults`; `make test-fast` leaves them out for the inner loop.
+`faults`; `make test-fast` leaves them out for the inner loop. Tests whose figures need the
+machine to themselves are marked `alone`: `make test` runs them after the parallel run, one at a
+time.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ SERIAL_GROUPS = {
     "test_bench_replicas.py": "hosts",
     "test_bench.py": "hosts",  # measures throughput: alone with the simulated hosts, not beside them
 }
+
+# Modules whose figures depend on having the machine to themselves (how many workers' steps
+# interleave, so staleness and π; a speed-up): `make test` runs them after the parallel run, alone.
+ALONE_MODULES = frozenset({"test_experiment.py", "test_speedup_experiment.py"})
 
 # Modules whose tests inject faults (left out of `make test-fast`).
 FAULT_MODULES = frozenset(
@@ -61,6 +67,7 @@ FAULT_MODULES = frozenset(
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "faults: injects a fault (left out of `make test-fast`)")
+    config.addinivalue_line("markers", "alone: needs the machine to itself (`make test` runs it after the rest)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
@@ -69,5 +76,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         module = Path(str(item.path)).name
         if module in SERIAL_GROUPS:
             item.add_marker(pytest.mark.xdist_group(SERIAL_GROUPS[module]))
+        if module in ALONE_MODULES:
+            item.add_marker(pytest.mark.alone)
         if module in FAULT_MODULES:
             item.add_marker(pytest.mark.faults)

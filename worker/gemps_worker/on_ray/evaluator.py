@@ -83,16 +83,19 @@ class Evaluator:
             self._failed = True
             log.warning("the evaluator stopped: %s", error)
 
-    def final(self) -> TimedEvaluation | None:
+    def final(self, faults: FaultLog) -> TimedEvaluation | None:
         """Stop the evaluator's loop and evaluate θ once more, as it is now (None without an
-        evaluator, or when it fails: the run's other results still count)."""
+        evaluator, or when it fails: the run's other results still count). The life that answers
+        is noted in `faults`: one restarted since the last look is a restart the job saw."""
         if self.actor is None:
             return None
         try:
-            result: TimedEvaluation | None = get_within([self.actor.final.remote()], STOP_TIMEOUT)[0]
+            result: TimedEvaluation | None
+            result, place = get_within([self.actor.final.remote(), self.actor.node.remote()], STOP_TIMEOUT)
         except JobFailed as error:
             log.warning("no final evaluation: %s", error)
             return None
+        faults.seen(EVALUATOR, place)
         return result
 
     def kill(self) -> None:

@@ -283,7 +283,7 @@ class RayJob:
     def final_evaluation(self) -> TimedEvaluation | None:
         """Stop the evaluator's loop and evaluate θ once more, as it is now (None without an
         evaluator, or when it fails: the run's other results still count)."""
-        return self.held_out.final()
+        return self.held_out.final(self.faults)
 
     def export(self) -> ExportedModel:
         """θ and the buffers by name, pulled by partition 0's actor (with every partition's slice);
