@@ -7,6 +7,7 @@ import sys
 from typing import Protocol, TypeVar
 
 from gemps import options
+from gemps_cli import environment
 from gemps_proto.schema import TrainingConfig
 
 
@@ -24,6 +25,8 @@ T = TypeVar("T", bound=RunOptions)
 
 def checked_options(kind: type[T], args: argparse.Namespace, command: str) -> T | None:
     """`kind` from the flags and variables, or None once what is wrong is on stderr."""
+    if not environment.screen(command, args):
+        return None
     try:
         found = options.from_sources(kind, args)
     except ValueError as error:

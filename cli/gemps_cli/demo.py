@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from gemps import options
+from gemps_cli import environment
 from gemps_cli.checked import checked_options
 from gemps_server.domain.rules import rule_names
 from gemps_worker import demo
@@ -13,6 +14,7 @@ from gemps_worker import demo
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = demo.__doc__
     options.add_arguments(parser, demo.DemoOptions, choices={"rule": rule_names()})
+    environment.add_strict_flag(parser)
     parser.set_defaults(run=run)
 
 

@@ -24,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from gemps import options
+from gemps_cli import environment
 from gemps_cli.checked import checked_options
 from gemps_server.checkpoint_files import export_state_dict
 from gemps_server.domain.rules import rule_names
@@ -40,6 +41,7 @@ PRINT_EVERY = 5.0  # seconds between progress lines
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     options.add_arguments(parser, RayJobOptions, choices={"rule": rule_names()})
+    environment.add_strict_flag(parser)
     parser.add_argument(
         "--train",
         default="",

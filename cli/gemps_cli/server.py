@@ -7,6 +7,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from gemps import options
+from gemps_cli import environment
 from gemps_server.config import ServerConfig
 from gemps_server.domain.rules import rule_names
 
@@ -14,6 +15,7 @@ from gemps_server.domain.rules import rule_names
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Run the gemps parameter server (flag > GEMPS_* environment variable > default)."
     options.add_arguments(parser, ServerConfig, choices={"rule": rule_names()})
+    environment.add_strict_flag(parser)
     parser.set_defaults(run=run)
 
 
@@ -37,10 +39,13 @@ def run(args: argparse.Namespace) -> int:
     supervised = (config.partitions > 1 and config.partition_index == -1) or (
         config.replicas > 1 and config.replica_index == -1
     )
-    if supervised:  # all partitions and replicas, one process each
+    # The logs as configured before the first warning; serve() configures them again, with its tags.
+    app.configure_logs(config, origin="supervisor" if supervised else "")
+    if not environment.screen("server", args):
+        return 2
+    if supervised:  # all partitions and replicas, one process each (their environment has no strays)
         from gemps_cli.partitions import PartitionSupervisor
 
-        app.configure_logs(config, origin="supervisor")
         return PartitionSupervisor(config).run()
-    asyncio.run(app.serve(config))
+    asyncio.run(app.serve(config, origins=options.origins(ServerConfig, args)))
     return 0

@@ -9,6 +9,7 @@ import torch
 
 from gemps import options
 from gemps.errors import GempsError
+from gemps_cli import environment
 from gemps_worker.idx import DatasetError
 from gemps_worker.signals import configure_logging, stop_on_signals
 from gemps_worker.training import WorkerOptions, mean, run_worker
@@ -21,11 +22,14 @@ EXIT_DIVERGED = 3  # the training loss became NaN/Inf
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Train on the shard the server assigns, commit every step, leave on SIGTERM."
     options.add_arguments(parser, WorkerOptions)
+    environment.add_strict_flag(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     configure_logging()
+    if not environment.screen("worker", args):
+        return 2
     try:
         worker_options = options.from_sources(WorkerOptions, args)
     except ValueError as error:

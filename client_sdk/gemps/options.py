@@ -6,7 +6,9 @@ container is configured by environment alone. Field metadata gives the help text
 valid `choices`, and the `range` of valid values (gemps_proto.ranges; shown in the help, checked
 by the dataclass itself). A field whose default is a dataclass (`field(default_factory=TrainingConfig)`)
 contributes that dataclass's fields as flags of their own, so a configuration composed of
-others is still one flat list of options.
+others is still one flat list of options. `origins` says where each value came from (for a
+log of the configuration), and `unknown_variables` finds the GEMPS_* variables nothing reads, each
+with the closest known name: a misspelled variable would otherwise leave its option at the default.
 
     @dataclass(frozen=True)
     class MyWorker:
@@ -20,8 +22,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from gemps_proto.ranges import range_of
@@ -30,15 +33,20 @@ T = TypeVar("T")
 Choices = Mapping[str, Sequence[str]]
 
 
+PREFIX = "GEMPS_"
+# Where an option's value comes from (`origins`), in from_sources' order of precedence.
+FLAG, ENVIRONMENT, DEFAULT = "flag", "environment", "default"
+
+
 def env_var(field_name: str) -> str:
-    return "GEMPS_" + field_name.upper()
+    return PREFIX + field_name.upper()
 
 
 def flag(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def _parse_bool(raw: str) -> bool:
+def parse_bool(raw: str) -> bool:
     lowered = raw.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
         return True
@@ -67,7 +75,7 @@ def options_of(options: type[Any]) -> Iterator[dataclasses.Field[Any]]:
 
 def _converter(f: dataclasses.Field[Any]) -> Any:
     kind = type(f.default)
-    return _parse_bool if kind is bool else kind
+    return parse_bool if kind is bool else kind
 
 
 def add_arguments(parser: argparse.ArgumentParser, options: type[Any], choices: Choices | None = None) -> None:
@@ -100,16 +108,67 @@ def from_sources(
         if nested is not None:
             values[f.name] = from_sources(nested, args, environ)
             continue
-        from_flag = getattr(args, f.name, None) if args is not None else None
-        if from_flag is not None:
-            values[f.name] = from_flag
-        elif env_var(f.name) in environ:
-            raw = environ[env_var(f.name)]
-            try:
-                values[f.name] = _converter(f)(raw)
-            except ValueError:
-                raise ValueError(f"{env_var(f.name)}={raw!r} is not a valid {f.name}") from None
+        origin, value = _lookup(f, args, environ)
+        if origin != DEFAULT:
+            values[f.name] = value
     return options(**values)
+
+
+def origins(
+    options: type[Any], args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Where each option of `options` takes its value from, as `from_sources` decides: FLAG,
+    ENVIRONMENT or DEFAULT (composed dataclasses flattened, as `values_of`)."""
+    environ = os.environ if environ is None else environ
+    return {f.name: _lookup(f, args, environ)[0] for f in options_of(options)}
+
+
+def _lookup(f: dataclasses.Field[Any], args: argparse.Namespace | None, environ: Mapping[str, str]) -> tuple[str, Any]:
+    """(origin, value) of one plain option; the value is None for DEFAULT (the dataclass's own)."""
+    from_flag = getattr(args, f.name, None) if args is not None else None
+    if from_flag is not None:
+        return FLAG, from_flag
+    name = env_var(f.name)
+    if name not in environ:
+        return DEFAULT, None
+    raw = environ[name]
+    try:
+        return ENVIRONMENT, _converter(f)(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a valid {f.name}") from None
+
+
+def unknown_variables(
+    environ: Mapping[str, str], options: Collection[str], others: Collection[str] = ()
+) -> list[UnknownVariable]:
+    """The GEMPS_* variables of `environ` that are neither `options` nor `others` (variables read
+    elsewhere), each with the closest known name: a misspelling would otherwise leave its option at
+    the default without a word."""
+    known = set(options) | set(others)
+    # Compared without the prefix they all share, which would make any two names look alike.
+    suffixes = {name.removeprefix(PREFIX): name for name in known}
+
+    def closest(name: str) -> str | None:
+        found = difflib.get_close_matches(name.removeprefix(PREFIX), sorted(suffixes), n=1)
+        return suffixes[found[0]] if found else None
+
+    return [
+        UnknownVariable(name, closest(name))
+        for name in sorted(environ)
+        if name.startswith(PREFIX) and name not in known
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class UnknownVariable:
+    """A GEMPS_* variable that nothing reads, and the known name closest to it (None: none close)."""
+
+    name: str
+    closest: str | None
+
+    def __str__(self) -> str:
+        hint = f"did you mean {self.closest}?" if self.closest else "none is close"
+        return f"{self.name} is not a gemps option ({hint})"
 
 
 def to_argv(values: Mapping[str, object]) -> list[str]:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import signal
 import threading
+from collections.abc import Mapping
 
 from grpc_health.v1 import health_pb2
 from prometheus_client import disable_created_metrics
@@ -20,6 +21,7 @@ from gemps_server import logs, supervision
 from gemps_server.allocator import TRIM_INTERVAL_SECONDS, one_arena, trim
 from gemps_server.checkpoint_writer import Checkpointer
 from gemps_server.config import ServerConfig
+from gemps_server.config_log import log_configuration
 from gemps_server.domain.applier import Applier
 from gemps_server.domain.records import PartitionOf
 from gemps_server.domain.state import ServerState
@@ -258,11 +260,14 @@ async def _watch_supervisor(pid: int, stop: asyncio.Event) -> None:
     stop.set()
 
 
-async def serve(config: ServerConfig, ready: threading.Event | None = None) -> None:
+async def serve(
+    config: ServerConfig, ready: threading.Event | None = None, origins: Mapping[str, str] | None = None
+) -> None:
     """Run a server until SIGTERM or SIGINT, then shut it down gracefully.
 
     Owns the process's logging (the configured level and format: text or JSON lines) and its
-    prometheus_client settings.
+    prometheus_client settings; logs the configuration once serving, with `origins` (option ->
+    flag, environment or default) when the caller knows them.
     """
     origin = [f"partition {config.partition}"] if config.partitions > 1 else []
     origin += [f"replica {config.replica}"] if config.replicas > 1 else []
@@ -282,6 +287,7 @@ async def serve(config: ServerConfig, ready: threading.Event | None = None) -> N
     except (OSError, ValueError) as error:  # a port in use, an unusable checkpoint dir or key file
         event(log, "cannot start", level=logging.ERROR, error=f"{type(error).__name__}: {error}")
         raise SystemExit(2) from None
+    log_configuration(config, origins)  # once it serves: a server that cannot start says so in one line
     if ready is not None:
         ready.set()
     stop = asyncio.Event()
