@@ -9,6 +9,7 @@ from gemps.errors import GempsError
 from gemps.records import ReplicationStatus, ServerStatus, WorkerStatus
 from gemps.retry import NO_RETRY
 from gemps_cli.connection import add_connection_flags, connect
+from gemps_proto import versions
 from gemps_proto.status import PRIMARY
 
 
@@ -41,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     status = statuses[0]
     settings = " ".join(f"{name}={value:g}" for name, value in status.config.as_dict().items() if type(value) is float)
     print(f"server          {args.server}")
+    print(f"software        {(status.versions or versions.LEGACY).describe()}")
     print(f"initialized     {status.initialized}")
     print(f"version         {status.version}")
     lease = f" (each evicted after {status.lease_ttl_seconds:g}s unseen)" if status.lease_ttl_seconds else ""

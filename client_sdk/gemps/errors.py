@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from gemps_proto import reasons
+from gemps_proto import reasons, versions
 from gemps_proto.reasons import Reason
 
 if TYPE_CHECKING:
@@ -45,6 +45,22 @@ class FailedPreconditionError(GempsError):
     """The server is not in a state to serve this (spec mismatch, not initialised)."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class IncompatibleVersionError(FailedPreconditionError):
+    """The server and this SDK share no protocol version (README: version policy): refused by the
+    server on Register, or by the SDK on the server's Register or Status reply. The message names
+    both ends' versions."""
+
+
+def incompatible_server(target: str, server: versions.Versions | None) -> IncompatibleVersionError | None:
+    """The error for a server whose versions (None: it sent none, from before versions) share no
+    protocol with this SDK's; None when they share one."""
+    refusal = versions.incompatibility(server or versions.LEGACY, versions.THIS)
+    if refusal is None:
+        return None
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    return IncompatibleVersionError(f"{code.name}: {target}: {refusal}", code, Reason.INCOMPATIBLE_VERSION)
 
 
 class UnauthenticatedError(GempsError):
@@ -177,6 +193,8 @@ def from_status(code: grpc.StatusCode, details: str, reason: str = "") -> GempsE
     """The GempsError subclass of a status code, with the server's reason label (one mapping,
     whichever way the refusal came)."""
     cls = _BY_CODE.get(code, GempsError)
+    if code == grpc.StatusCode.FAILED_PRECONDITION and reason == Reason.INCOMPATIBLE_VERSION:
+        cls = IncompatibleVersionError
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not reason:  # refused by gRPC itself, not gemps
         if details == CONCURRENT_RPC_LIMIT:
             cls = ServerBusyError

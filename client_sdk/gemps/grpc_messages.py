@@ -15,7 +15,7 @@ import numpy as np
 
 from gemps.records import Buffers, ParameterSpec, Registration
 from gemps.transport import CommitCall, Committed, PullCall, Pulled
-from gemps_proto import grpc_framing
+from gemps_proto import grpc_framing, versions
 from gemps_proto import schema_proto as shared
 from gemps_proto.tensor_codec import FLOAT32, INT64, encode, wire_view
 from gemps_proto.v1 import parameter_server_pb2 as pb
@@ -40,6 +40,7 @@ def register_request(
         omit_parameters=omit_parameters,
         buffer_spec=shared.spec_to_proto(buffer_spec),
         client_id=client_id,
+        versions=shared.versions_to_proto(versions.THIS),  # the server refuses a client it cannot serve
     )
     with_buffers = bool(buffer_spec) and buffers is not None
     if streamed:

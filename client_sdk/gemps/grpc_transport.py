@@ -171,12 +171,19 @@ class GrpcTransport:
         )
         with _typed_errors():
             if not streamed:
-                return messages.register_reply(self._register(request, timeout=self.timeout, metadata=self.metadata))
-            assert values is not None
-            parts = messages.register_stream_data(values, enrolment.buffer_spec, enrolment.buffers)
-            frames = itertools.chain((request,), *(data_frames(part, self.chunk_bytes) for part in parts))
-            reply = self._register_stream(frames, timeout=self.timeout, metadata=self.metadata)
-            return messages.register_reply(reply)
+                reply = self._register(request, timeout=self.timeout, metadata=self.metadata)
+            else:
+                assert values is not None
+                parts = messages.register_stream_data(values, enrolment.buffer_spec, enrolment.buffers)
+                frames = itertools.chain((request,), *(data_frames(part, self.chunk_bytes) for part in parts))
+                reply = self._register_stream(frames, timeout=self.timeout, metadata=self.metadata)
+        registered = messages.register_reply(reply)
+        refusal = errors.incompatible_server(self.target, registered[0].versions)
+        if refusal is not None:  # a server that registered us anyway: leave it as we found it
+            with contextlib.suppress(errors.GempsError):
+                self.leave(registered[0].worker_id)
+            raise refusal
+        return registered
 
     # -- Pull --------------------------------------------------------------------------------------
 
@@ -253,7 +260,11 @@ class GrpcTransport:
     def status(self) -> ServerStatus:
         with _typed_errors():
             reply = self.stub.Status(pb.StatusRequest(), timeout=self.timeout, metadata=self.metadata)
-        return shared.status_from_proto(reply)
+        status = shared.status_from_proto(reply)
+        refusal = errors.incompatible_server(self.target, status.versions)
+        if refusal is not None:
+            raise refusal
+        return status
 
     def resume(self, registration: Registration) -> None:
         """Nothing to take: every gRPC call carries its worker id."""

@@ -13,4 +13,5 @@ Each module has one job, its docstring's first line (listed in docs/ARCHITECTURE
   events, and its protocol without I/O (both ends' state machines).
 - `reasons`: why a request is refused (the `gemps-reason` trailing metadata).
 - `ranges`, `schedules`: each option's range; the learning-rate schedules.
+- `versions`: this build's software and protocol versions, and the compatibility rule.
 """

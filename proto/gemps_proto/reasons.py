@@ -46,6 +46,7 @@ class Reason(str, enum.Enum):
     UNAUTHENTICATED_LIMIT = "unauthenticated_limit"  # calls that need no token past --max-unauthenticated-rpcs
     WATCH_LIMIT = "watch_limit"  # Health.Watch streams past --max-watches or --max-watches-per-connection
     NOT_PRIMARY = "not_primary"  # a replica that is not its partition's primary now: try another replica
+    INCOMPATIBLE_VERSION = "incompatible_version"  # client and server share no protocol version
 
     def __str__(self) -> str:
         return self.value

@@ -27,6 +27,7 @@ import numpy as np
 from gemps_proto.ranges import FLOAT32_MAX, INT64_MAX, RANGE, UINT32_MAX, Range, out_of_range
 from gemps_proto.schedules import CONSTANT, SCHEDULES
 from gemps_proto.tensor_codec import FLOAT32, INT64
+from gemps_proto.versions import Versions
 
 
 class PayloadKind(enum.IntEnum):
@@ -312,6 +313,7 @@ class Registration:
     initialized_central: bool = False  # this worker's initial values became the central variable
     layout: Layout | None = None  # set when θ is partitioned (version is then this partition's)
     data_plane: DataPlane | None = None  # set when the server offers its data plane
+    versions: Versions | None = None  # the server's (gemps_proto.versions); None: not said
 
 
 @dataclass(frozen=True)

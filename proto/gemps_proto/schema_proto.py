@@ -28,6 +28,7 @@ from gemps_proto.schema import (
 from gemps_proto.status import BackupLag, GradientNoise, ReplicationStatus, ServerStatus, WorkerStatus
 from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_proto.versions import Versions, received
 
 M = TypeVar("M", bound=Message)
 
@@ -122,6 +123,18 @@ def data_plane_from_proto(message: pb.RegisterResponse | pb.StatusResponse) -> D
     return DataPlane(offer.port, offer.ticket, offer.local_socket)
 
 
+def versions_to_proto(versions: Versions) -> pb.Versions:
+    return pb.Versions(software=versions.software, protocol=versions.protocol, oldest_protocol=versions.oldest_protocol)
+
+
+def versions_from_proto(message: pb.RegisterRequest | pb.RegisterResponse | pb.StatusResponse) -> Versions | None:
+    """The versions a message carries; None when it has none (a peer from before versions)."""
+    if not message.HasField("versions"):
+        return None
+    sent = message.versions
+    return received(sent.software, sent.protocol, sent.oldest_protocol)
+
+
 def registration_to_proto(registration: Registration) -> pb.RegisterResponse:
     """The reply without the central variable's values (the server adds them when due)."""
     return pb.RegisterResponse(
@@ -133,6 +146,7 @@ def registration_to_proto(registration: Registration) -> pb.RegisterResponse:
         initialized_central=registration.initialized_central,
         layout=layout_to_proto(registration.layout),
         data_plane=data_plane_to_proto(registration.data_plane),
+        versions=None if registration.versions is None else versions_to_proto(registration.versions),
     )
 
 
@@ -146,6 +160,7 @@ def registration_from_proto(message: pb.RegisterResponse) -> Registration:
         initialized_central=message.initialized_central,
         layout=layout_from_proto(message),
         data_plane=data_plane_from_proto(message),
+        versions=versions_from_proto(message),
     )
 
 
@@ -214,6 +229,7 @@ def status_to_proto(status: ServerStatus) -> pb.StatusResponse:
         lease_ttl_seconds=status.lease_ttl_seconds,
         replication=replication_to_proto(status.replication),
         data_plane=data_plane_to_proto(status.data_plane),
+        versions=None if status.versions is None else versions_to_proto(status.versions),
     )
 
 
@@ -244,4 +260,5 @@ def status_from_proto(message: pb.StatusResponse) -> ServerStatus:
         lease_ttl_seconds=message.lease_ttl_seconds,
         replication=replication_from_proto(message),
         data_plane=data_plane_from_proto(message),
+        versions=versions_from_proto(message),
     )

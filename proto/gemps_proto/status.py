@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gemps_proto.schema import DataPlane, Evaluation, Layout, ParameterSpec, TrainingConfig
+from gemps_proto.versions import Versions
 
 
 @dataclass(frozen=True)
@@ -148,3 +149,4 @@ class ServerStatus:
     gradient_noise: GradientNoise = field(default_factory=GradientNoise)  # this partition's sums
     replication: ReplicationStatus | None = None  # set when the partition is replicated: this replica's
     data_plane: DataPlane | None = None  # where this server's data plane listens (no ticket); None: off
+    versions: Versions | None = None  # the server's software and protocol versions; None: not said

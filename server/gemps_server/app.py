@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from grpc_health.v1 import health_pb2
 from prometheus_client import disable_created_metrics
 
+from gemps_proto import versions
 from gemps_server import logs, supervision
 from gemps_server.allocator import TRIM_INTERVAL_SECONDS, one_arena, trim
 from gemps_server.checkpoint_writer import Checkpointer
@@ -151,13 +152,15 @@ class ParameterServer:
 
     async def start(self) -> int:
         """Bind every port and serve; OSError (a port in use, an unusable checkpoint directory or
-        one another server holds) or ValueError (a bad key file) when it cannot, with nothing
-        left held."""
+        one another server holds) or ValueError (a bad key file, a checkpoint of a newer format)
+        when it cannot, with nothing left held."""
         await self._parts.start()
         config = self.config
         event(
             log,
             "serving",
+            gemps_version=versions.SOFTWARE_VERSION,  # `version` is θ's, below
+            protocol=versions.PROTOCOL_VERSION,
             address=hostport(config.host, self.port),
             data_port=self.data_port or None,
             **config.training.as_dict(),

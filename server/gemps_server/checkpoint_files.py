@@ -13,7 +13,8 @@ Writes are atomic: a temporary file in the same directory, fsync, rename over th
 fsync of the directory. A crash at any point leaves either the old set of checkpoints or the old
 set plus the complete new one, never a torn file under a checkpoint's name. Loading checks the
 format, the spec against the data, the CRC and finiteness; a file that fails is renamed to
-`*.corrupt` and the next older one is used.
+`*.corrupt` and the next older one is used. One of a newer format_version is not damaged: it
+stops the start, kept as it is (NewerCheckpointFormat). Older formats are read as they are.
 """
 
 from __future__ import annotations
@@ -70,6 +71,15 @@ CORRUPT_SUFFIX = ".corrupt"
 
 class CheckpointError(Exception):
     """A checkpoint file is unreadable, incomplete or inconsistent."""
+
+
+class NewerCheckpointFormat(CheckpointError, ValueError):
+    """A checkpoint of a format newer than this gemps reads: written by a newer gemps, and not
+    damaged, so never set aside as one. A ValueError: the server cannot start (exit 2)."""
+
+
+def _newer_format(found: str | None) -> bool:
+    return found is not None and found.isdecimal() and int(found) > int(FORMAT_VERSION)
 
 
 @dataclass(frozen=True)
@@ -276,6 +286,8 @@ def load(path: Path) -> Checkpoint:
         raise CheckpointError(f"{path}: not a readable safetensors file: {error}") from None
     try:
         checkpoint = _from_parts(metadata, tensors)
+    except NewerCheckpointFormat as error:
+        raise NewerCheckpointFormat(f"{path}: {error}") from None
     except CheckpointError as error:
         raise CheckpointError(f"{path}: {error}") from None
     except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as error:  # malformed values
@@ -290,7 +302,17 @@ def load(path: Path) -> Checkpoint:
 def _from_parts(metadata: dict[str, str], tensors: dict[str, np.ndarray], check_crc: bool = True) -> Checkpoint:
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"not a gemps checkpoint (format {metadata.get('format')!r})")
-    if metadata.get("format_version") != FORMAT_VERSION:
+    found = metadata.get("format_version")
+    if _newer_format(found):
+        from gemps_server import __version__
+
+        writer = "".join(c if c.isprintable() else "?" for c in metadata.get("gemps_version", "?")[:64])  # one line
+        raise NewerCheckpointFormat(
+            f"unsupported checkpoint format version {found} (written by gemps {writer}): "
+            f"newer than this server's {FORMAT_VERSION} (gemps {__version__}); start a gemps that reads it, or move "
+            "the file out of the directory to start without it"
+        )
+    if found != FORMAT_VERSION:
         raise CheckpointError(f"unsupported checkpoint format version {metadata.get('format_version')!r}")
     if check_crc and metadata.get("crc32") != crc32_of(tensors):
         raise CheckpointError("tensor data does not match its CRC-32: the file is damaged")
@@ -369,10 +391,13 @@ def parse_partition(raw: str, spec: tuple[ParameterSpec, ...] | None) -> Partiti
 def load_latest(
     directory: Path, on_corrupt: Callable[[Path, CheckpointError], None] | None = None
 ) -> tuple[Path, Checkpoint] | None:
-    """The newest checkpoint in `directory` that loads; damaged newer ones are renamed `*.corrupt`."""
+    """The newest checkpoint in `directory` that loads; damaged newer ones are renamed `*.corrupt`.
+    NewerCheckpointFormat, the file left as it is, when the newest is of a newer format."""
     for _, path in reversed(list_checkpoints(directory)):
         try:
             return path, load(path)
+        except NewerCheckpointFormat:  # not damaged: never set aside for an older state
+            raise
         except CheckpointError as error:
             if on_corrupt is not None:
                 on_corrupt(path, error)

@@ -19,7 +19,15 @@ from typing import Any
 
 import safetensors
 
-from gemps_server.checkpoint_files import Checkpoint, CheckpointError, load_latest, prune, remove_temporaries, save
+from gemps_server.checkpoint_files import (
+    Checkpoint,
+    CheckpointError,
+    NewerCheckpointFormat,
+    load_latest,
+    prune,
+    remove_temporaries,
+    save,
+)
 from gemps_server.config import ServerConfig
 from gemps_server.directory_lock import DirectoryLock
 from gemps_server.domain import images
@@ -63,10 +71,11 @@ class Checkpointer:
     def restore(self) -> Checkpoint | None:
         """Load the newest good checkpoint into the (still empty) state; None when there is none.
 
-        Raises OSError when the directory cannot be created or written, or another server holds
-        it (DirectoryInUse): better not to start than to train for hours without the checkpoints
-        the operator asked for, or to mix two servers' checkpoints. Holds the directory until
-        `close()` (or until the process ends).
+        Raises NewerCheckpointFormat (a ValueError) when the newest checkpoint is of a format this
+        server cannot read, OSError when the directory cannot be created or written, or another
+        server holds it (DirectoryInUse): better not to start than to train for hours without the
+        checkpoints the operator asked for, or to mix two servers' checkpoints. Holds the
+        directory until `close()` (or until the process ends).
         """
         self.directory.mkdir(parents=True, exist_ok=True)
         if not os.access(self.directory, os.W_OK | os.X_OK):
@@ -80,7 +89,11 @@ class Checkpointer:
         def corrupt(path: Path, error: CheckpointError) -> None:
             event(log, "checkpoint unreadable", level=logging.ERROR, path=str(path), error=str(error))
 
-        found = load_latest(self.directory, on_corrupt=corrupt)
+        try:
+            found = load_latest(self.directory, on_corrupt=corrupt)
+        except NewerCheckpointFormat:  # the start fails (exit 2): nothing held
+            self._directory_lock.release()
+            raise
         if found is None:
             event(log, "no checkpoint to restore", directory=str(self.directory))
             return None

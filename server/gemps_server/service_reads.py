@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gemps_proto import versions
 from gemps_proto.schema import (
     DataPlane,
     Evaluation,
@@ -96,4 +97,5 @@ def server_status(
         lease_ttl_seconds=state.registry.lease_ttl,
         replication=replication,
         data_plane=data_plane,
+        versions=versions.THIS,
     )

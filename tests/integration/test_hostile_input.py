@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gemps_proto.schema_proto import tensor_to_proto
+from gemps_proto import versions
+from gemps_proto.schema_proto import tensor_to_proto, versions_from_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_worker.cluster import ServerProcess
 from tests.integration.conftest import NUM_PARAMETERS, SPEC, central, open_stub, register
@@ -112,6 +113,8 @@ def target() -> object:
 
 
 def register_code(request: pb.RegisterRequest) -> Code:
+    if not versions.compatible(versions.THIS, versions_from_proto(request) or versions.LEGACY):  # checked first
+        return Code.FAILED_PRECONDITION
     if not request.spec:
         return Code.INVALID_ARGUMENT
     seen = set()

@@ -135,9 +135,11 @@ def test_labels_come_from_small_fixed_sets() -> None:
     allowed = {"outcome", "reason", "phase", "bound", "side", "method", "plane", "cause", "dataset", "le", "quantile"}
     allowed |= {"role", "backup"}
     info = set(TrainingConfig().as_dict())  # one label per field of the training config
+    build = {"version", "protocol", "oldest_protocol"}  # gemps_build_info: one series, set at start
     for (name, labels), _ in samples(metrics).items():
         keys = {key for key, _ in labels}
-        assert keys <= (allowed | info if name == "gemps_server_info" else allowed), name
+        extra = {"gemps_server_info": info, "gemps_build_info": build}.get(name, set())
+        assert keys <= allowed | extra, name
         assert all(len(value) <= MAX_DATASET_LABEL for _, value in labels), name
 
 

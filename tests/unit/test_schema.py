@@ -8,7 +8,7 @@ from typing import Any, get_type_hints
 import pytest
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from gemps_proto import reasons, schema
+from gemps_proto import reasons, schema, versions
 from gemps_proto import schema_proto as shared
 from gemps_proto.status import (
     BACKUP,
@@ -48,6 +48,7 @@ FACES: list[tuple[type[Any], Any]] = [
     (GradientNoise, pb.GradientNoise.DESCRIPTOR),
     (ReplicationStatus, pb.ReplicationStatus.DESCRIPTOR),
     (BackupLag, pb.BackupLag.DESCRIPTOR),
+    (versions.Versions, pb.Versions.DESCRIPTOR),
 ]
 
 

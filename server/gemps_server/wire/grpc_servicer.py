@@ -213,6 +213,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         self, received: WithTensor[pb.RegisterRequest], context: Context
     ) -> bytes:
         request = received.message
+        messages.check_client_versions(request)
         spec = messages.spec_from_proto(request.spec)
         buffer_spec, initial_buffers = messages.buffers_from_proto(request)
         return await self._register(request, spec, received.tensor, buffer_spec, initial_buffers, context)
@@ -225,6 +226,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         they initialise θ, one upload at a time, into a buffer of the size the header announced
         once the spec has said that size is right."""
         header = await streams.stream_header(requests, self._pace.idle_timeout, pb.RegisterChunk)
+        messages.check_client_versions(header)
         spec = messages.spec_from_proto(header.spec)
         buffer_spec = messages.buffer_spec_from_proto(header.buffer_spec)
         if self.service.initialized or not header.HasField("initial_parameters"):

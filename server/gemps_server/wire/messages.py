@@ -22,12 +22,13 @@ from google.protobuf.message import DecodeError, Message
 
 from gemps_proto import grpc_framing as framing
 from gemps_proto import schema_proto as shared
+from gemps_proto import versions
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import ParameterSpec, Registration
 from gemps_proto.schema_proto import tensor_from_proto
 from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor, dtype_name
 from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_server.domain.errors import InvalidArgument
+from gemps_server.domain.errors import FailedPrecondition, InvalidArgument
 from gemps_server.domain.records import Commit, CommitOutcome, RegistrationOutcome, ReplyWriter, Snapshot
 from gemps_server.domain.validation import check_spec_length
 from gemps_server.wire.stream_buffers import Buffer
@@ -109,6 +110,15 @@ def buffers_from_proto(request: pb.RegisterRequest) -> tuple[tuple[ParameterSpec
     return buffer_spec_from_proto(request.buffer_spec), initial
 
 
+def check_client_versions(request: pb.RegisterRequest) -> None:
+    """FailedPrecondition, naming both ends' versions, for a client that shares no protocol with
+    this server; a client that sends none is taken to speak the legacy protocol (versions.py)."""
+    client = shared.versions_from_proto(request) or versions.LEGACY
+    refusal = versions.incompatibility(versions.THIS, client)
+    if refusal is not None:
+        raise FailedPrecondition(refusal, Reason.INCOMPATIBLE_VERSION)
+
+
 def set_buffers(header: pb.RegisterResponse | pb.PullResponse | pb.CommitResponse, snapshot: Snapshot) -> None:
     """A reply's `buffers` and `integer_buffers`: the snapshot's whole (small), each left unset
     when the model has none of its kind."""
@@ -132,6 +142,7 @@ def registered_to_proto(
     """The RegisterResponse; without θ for the worker whose initial_parameters became it, and
     when the worker asked to pull it apart (`include_parameters` False)."""
     header = shared.registration_to_proto(registration)
+    header.versions.CopyFrom(shared.versions_to_proto(versions.THIS))
     header.history = history
     set_buffers(header, registered.snapshot)
     if not include_parameters or registered.initialized_theta or registered.snapshot.data(FLOAT32) is None:
