@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from gemps import at_exit, errors
+from gemps import at_exit, errors, named_payloads
 from gemps.channel_security import ChannelSecurity, Pem
 from gemps.data_plane_transport import PLANES, DataPlaneTransport
 from gemps.grpc_transport import STREAMING_CHOICES, GrpcTransport
@@ -163,12 +163,23 @@ class Client:
         The first worker's values initialise the central variable and buffers; later workers must
         have the same names, shapes and buffer kinds, and receive the central ones instead. Integer
         buffers (batch norm's `num_batches_tracked`) are kept and carried as int64, exactly; the
-        others as float32.
+        others as float32. Names are matched, not order: a later worker listing the same
+        entries in another order registers in the central variable's order (`spec`).
         """
         named = {k: np.asarray(v, dtype=np.float32) for k, v in parameters.items()}
         named_buffers = {k: np.asarray(v) for k, v in (buffers or {}).items()}
-        buffer_spec = buffer_spec_of(named_buffers)
-        self._router.register(spec_of(named), flatten(named), buffer_spec, Buffers.of(named_buffers, buffer_spec))
+        try:
+            self._router.register(*_enrolment(named, named_buffers))
+        except errors.FailedPreconditionError as refused:
+            if refused.reason != Reason.SPEC_MISMATCH:
+                raise
+            server = self._router.status()  # the same entries in another order: take the server's
+            ordered = named_payloads.in_order_of(named, spec_of(named), server.spec)
+            buffer_spec = buffer_spec_of(named_buffers)
+            ordered_buffers = named_payloads.in_order_of(named_buffers, buffer_spec, server.buffer_spec)
+            if ordered is None or ordered_buffers is None:
+                raise
+            self._router.register(*_enrolment(ordered, ordered_buffers))
         assert self.registration is not None
         at_exit.arm(self)  # leave at exit if the program does not (gemps.at_exit)
         return self.registration
@@ -193,7 +204,9 @@ class Client:
     ) -> CommitResult:
         """Send a gradient (the server applies -eta*g) or an update (applied as given).
 
-        `payload` is a flat float32 vector in spec order or a mapping by parameter name.
+        `payload` is a flat float32 vector in spec order or a mapping by parameter name, in any
+        order (a missing or unknown name, or a shape other than the spec's, raises
+        NamedPayloadError before anything is sent; likewise a `buffer_delta` by name).
         `base_version` defaults to the version of the central variable last received (with
         partitions, partition 0's: the others' are taken as many versions behind their own).
         `buffer_delta`, for a model with buffers: how they changed since the central ones were
@@ -209,7 +222,7 @@ class Client:
             raise errors.NotRegisteredError("call register() before pull() or commit()")
         if kind not in PAYLOAD_KINDS:
             raise ValueError(f"kind must be one of {', '.join(PAYLOAD_KINDS)}, not {kind!r}")
-        flat = _finite("payload", _flat(payload).reshape(-1))
+        flat = _finite("payload", named_payloads.payload_vector(payload, self.spec))
         return self._router.commit(
             flat,
             kind=PAYLOAD_KINDS[kind],
@@ -272,18 +285,9 @@ class Client:
             self.close()
 
     def _buffer_delta(self, delta: np.ndarray | Mapping[str, np.ndarray] | Buffers) -> Buffers:
-        """The delta by kind, as the buffer spec splits it; InvalidArgumentError (BAD_SHAPE) when
-        it does not fit the spec, before anything is sent."""
-        try:
-            by_kind = delta if isinstance(delta, Buffers) else Buffers.of(delta, self.buffer_spec)
-        except (ValueError, KeyError) as error:
-            sent = sorted(delta) if isinstance(delta, Mapping) else f"shape {list(np.asarray(delta).shape)}"
-            expected = sum(entry.size for entry in self.buffer_spec)
-            raise errors.InvalidArgumentError(
-                f"buffer_delta {sent} does not fit the buffer spec ({expected} values: {error})",
-                errors.InvalidArgumentError.code,
-                Reason.BAD_SHAPE,
-            ) from None
+        """The delta by kind, as the buffer spec splits it (gemps.named_payloads: refused before
+        anything is sent when it does not fit the spec)."""
+        by_kind = named_payloads.buffer_delta(delta, self.buffer_spec)
         _finite("buffer_delta", by_kind.floats)
         return by_kind
 
@@ -373,6 +377,14 @@ def _check_wire_options(wire_dtype: str, streaming: str, chunk_bytes: int) -> No
         raise ValueError(f"chunk_bytes must be > 0, not {chunk_bytes}")
 
 
+def _enrolment(
+    named: Mapping[str, np.ndarray], named_buffers: Mapping[str, np.ndarray]
+) -> tuple[tuple[ParameterSpec, ...], np.ndarray, tuple[ParameterSpec, ...], Buffers]:
+    """What `PartitionRouter.register` takes: the spec and values of named arrays, in their order."""
+    buffer_spec = buffer_spec_of(named_buffers)
+    return spec_of(named), flatten(named), buffer_spec, Buffers.of(named_buffers, buffer_spec)
+
+
 def _finite(what: str, values: np.ndarray) -> np.ndarray:
     """`values` when every one is finite; else InvalidArgumentError before anything is sent, so that
     no partition of θ applies a commit that another would refuse (one pass: about 2 ms for 10M
@@ -382,8 +394,3 @@ def _finite(what: str, values: np.ndarray) -> np.ndarray:
             f"{what} contains NaN or Inf: not sent", errors.InvalidArgumentError.code, Reason.NON_FINITE
         )
     return values
-
-
-def _flat(values: np.ndarray | Mapping[str, np.ndarray]) -> np.ndarray:
-    """Named arrays flattened in their order, or an array as float32."""
-    return flatten(values) if isinstance(values, Mapping) else np.asarray(values, dtype=np.float32)
