@@ -163,23 +163,20 @@ class Client:
         The first worker's values initialise the central variable and buffers; later workers must
         have the same names, shapes and buffer kinds, and receive the central ones instead. Integer
         buffers (batch norm's `num_batches_tracked`) are kept and carried as int64, exactly; the
-        others as float32. Names are matched, not order: a later worker listing the same
-        entries in another order registers in the central variable's order (`spec`).
+        others as float32. A later worker listing the same entries in another order is refused
+        (FailedPreconditionError naming the central variable's order): its flat payloads would
+        be laid out in the other.
         """
         named = {k: np.asarray(v, dtype=np.float32) for k, v in parameters.items()}
         named_buffers = {k: np.asarray(v) for k, v in (buffers or {}).items()}
+        spec, buffer_spec = spec_of(named), buffer_spec_of(named_buffers)
         try:
-            self._router.register(*_enrolment(named, named_buffers))
+            self._router.register(spec, flatten(named), buffer_spec, Buffers.of(named_buffers, buffer_spec))
         except errors.FailedPreconditionError as refused:
             if refused.reason != Reason.SPEC_MISMATCH:
                 raise
-            server = self._router.status()  # the same entries in another order: take the server's
-            ordered = named_payloads.in_order_of(named, spec_of(named), server.spec)
-            buffer_spec = buffer_spec_of(named_buffers)
-            ordered_buffers = named_payloads.in_order_of(named_buffers, buffer_spec, server.buffer_spec)
-            if ordered is None or ordered_buffers is None:
-                raise
-            self._router.register(*_enrolment(ordered, ordered_buffers))
+            server = self._router.status()
+            raise named_payloads.explained(refused, (spec, buffer_spec), (server.spec, server.buffer_spec)) from None
         assert self.registration is not None
         at_exit.arm(self)  # leave at exit if the program does not (gemps.at_exit)
         return self.registration
@@ -375,14 +372,6 @@ def _check_wire_options(wire_dtype: str, streaming: str, chunk_bytes: int) -> No
         raise ValueError(f"streaming must be one of {', '.join(STREAMING_CHOICES)}, not {streaming!r}")
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be > 0, not {chunk_bytes}")
-
-
-def _enrolment(
-    named: Mapping[str, np.ndarray], named_buffers: Mapping[str, np.ndarray]
-) -> tuple[tuple[ParameterSpec, ...], np.ndarray, tuple[ParameterSpec, ...], Buffers]:
-    """What `PartitionRouter.register` takes: the spec and values of named arrays, in their order."""
-    buffer_spec = buffer_spec_of(named_buffers)
-    return spec_of(named), flatten(named), buffer_spec, Buffers.of(named_buffers, buffer_spec)
 
 
 def _finite(what: str, values: np.ndarray) -> np.ndarray:

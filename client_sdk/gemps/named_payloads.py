@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from gemps.errors import InvalidArgumentError, NamedPayloadError
+from gemps.errors import FailedPreconditionError, InvalidArgumentError, NamedPayloadError
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import Buffers, ParameterSpec, buffer_counts
 
@@ -81,14 +81,23 @@ def checked_buffers(what: str, buffers: Buffers, spec: Sequence[ParameterSpec]) 
     return buffers
 
 
-def in_order_of(
-    values: Mapping[str, np.ndarray], mine: Sequence[ParameterSpec], theirs: Sequence[ParameterSpec]
-) -> dict[str, np.ndarray] | None:
-    """`values` (whose spec is `mine`) in the order of `theirs` when both have the same entries
-    (names, shapes, kinds) in another order; else None."""
-    if len(mine) != len(theirs) or sorted(mine, key=_name) != sorted(theirs, key=_name):
-        return None
-    return {entry.name: values[entry.name] for entry in theirs}
+def explained(
+    refused: FailedPreconditionError,
+    worker: tuple[Sequence[ParameterSpec], Sequence[ParameterSpec]],
+    server: tuple[Sequence[ParameterSpec], Sequence[ParameterSpec]],
+) -> FailedPreconditionError:
+    """The server's spec-mismatch refusal of a registration, saying so when the worker's
+    (parameter spec, buffer spec) has the server's entries in another order: taking the server's
+    order instead would lay a flat payload (RemoteModel's gradients) out in the wrong one."""
+    hints = [
+        f"the worker lists the same {what}s in another order; register them in the central variable's: "
+        + _listed([entry.name for entry in theirs], ", ")
+        for what, mine, theirs in (("parameter", worker[0], server[0]), ("buffer", worker[1], server[1]))
+        if list(mine) != list(theirs) and sorted(mine, key=_name) == sorted(theirs, key=_name)
+    ]
+    if not hints:
+        return refused
+    return FailedPreconditionError(f"{refused.message} ({'; '.join(hints)})", refused.code, refused.reason)
 
 
 def _name(entry: ParameterSpec) -> str:
@@ -145,7 +154,7 @@ def _did_you_mean(name: object, candidates: Sequence[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _listed(problems: Sequence[str]) -> str:
+def _listed(problems: Sequence[str], separator: str = "; ") -> str:
     shown = problems[:MAX_LISTED]
     more = len(problems) - len(shown)
-    return "; ".join(shown) + (f"; and {more} more" if more > 0 else "")
+    return separator.join(shown) + (f"{separator}and {more} more" if more > 0 else "")

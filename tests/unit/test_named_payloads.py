@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gemps import named_payloads
-from gemps.errors import InvalidArgumentError, NamedPayloadError
+from gemps.errors import FailedPreconditionError, InvalidArgumentError, NamedPayloadError
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import Buffers, ParameterSpec
 from gemps_proto.tensor_codec import INT64
@@ -53,9 +53,14 @@ def test_named_buffers_are_split_by_kind_in_the_spec_order() -> None:
         named_payloads.buffer_delta(Buffers(np.ones(2, np.float32)), BUFFER_SPEC)
 
 
-def test_a_spec_in_another_order_is_recognised_and_another_spec_is_not() -> None:
-    values = {"b": np.ones(2), "w": np.ones((2, 2))}
-    mine = (SPEC[1], SPEC[0])
-    assert list(named_payloads.in_order_of(values, mine, SPEC) or {}) == ["w", "b"]
-    assert named_payloads.in_order_of(values, (SPEC[1], ParameterSpec("w", (4,))), SPEC) is None
-    assert named_payloads.in_order_of(values, (SPEC[1],), SPEC) is None
+def test_a_registration_refused_for_its_order_says_so_and_another_is_left_alone() -> None:
+    refused = FailedPreconditionError("FAILED_PRECONDITION: parameter spec does not match", reason=Reason.SPEC_MISMATCH)
+    server = (SPEC, BUFFER_SPEC)
+    explained = named_payloads.explained(refused, ((SPEC[1], SPEC[0]), BUFFER_SPEC), server)
+    assert explained.message == (
+        "FAILED_PRECONDITION: parameter spec does not match (the worker lists the same parameters in another "
+        "order; register them in the central variable's: w, b)"
+    )
+    assert explained.reason == Reason.SPEC_MISMATCH and explained.code == refused.code
+    other = ((SPEC[1], ParameterSpec("w", (4,))), BUFFER_SPEC)
+    assert named_payloads.explained(refused, other, server) is refused
