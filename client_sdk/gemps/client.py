@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from gemps import at_exit, errors
+from gemps import at_exit, errors, named_payloads
 from gemps.channel_security import ChannelSecurity, Pem
 from gemps.data_plane_transport import PLANES, DataPlaneTransport
 from gemps.grpc_transport import STREAMING_CHOICES, GrpcTransport
@@ -163,12 +163,20 @@ class Client:
         The first worker's values initialise the central variable and buffers; later workers must
         have the same names, shapes and buffer kinds, and receive the central ones instead. Integer
         buffers (batch norm's `num_batches_tracked`) are kept and carried as int64, exactly; the
-        others as float32.
+        others as float32. A later worker listing the same entries in another order is refused
+        (FailedPreconditionError naming the central variable's order): its flat payloads would
+        be laid out in the other.
         """
         named = {k: np.asarray(v, dtype=np.float32) for k, v in parameters.items()}
         named_buffers = {k: np.asarray(v) for k, v in (buffers or {}).items()}
-        buffer_spec = buffer_spec_of(named_buffers)
-        self._router.register(spec_of(named), flatten(named), buffer_spec, Buffers.of(named_buffers, buffer_spec))
+        spec, buffer_spec = spec_of(named), buffer_spec_of(named_buffers)
+        try:
+            self._router.register(spec, flatten(named), buffer_spec, Buffers.of(named_buffers, buffer_spec))
+        except errors.FailedPreconditionError as refused:
+            if refused.reason != Reason.SPEC_MISMATCH:
+                raise
+            server = self._router.status()
+            raise named_payloads.explained(refused, (spec, buffer_spec), (server.spec, server.buffer_spec)) from None
         assert self.registration is not None
         at_exit.arm(self)  # leave at exit if the program does not (gemps.at_exit)
         return self.registration
@@ -193,7 +201,9 @@ class Client:
     ) -> CommitResult:
         """Send a gradient (the server applies -eta*g) or an update (applied as given).
 
-        `payload` is a flat float32 vector in spec order or a mapping by parameter name.
+        `payload` is a flat float32 vector in spec order or a mapping by parameter name, in any
+        order (a missing or unknown name, or a shape other than the spec's, raises
+        NamedPayloadError before anything is sent; likewise a `buffer_delta` by name).
         `base_version` defaults to the version of the central variable last received (with
         partitions, partition 0's: the others' are taken as many versions behind their own).
         `buffer_delta`, for a model with buffers: how they changed since the central ones were
@@ -209,7 +219,7 @@ class Client:
             raise errors.NotRegisteredError("call register() before pull() or commit()")
         if kind not in PAYLOAD_KINDS:
             raise ValueError(f"kind must be one of {', '.join(PAYLOAD_KINDS)}, not {kind!r}")
-        flat = _finite("payload", _flat(payload).reshape(-1))
+        flat = _finite("payload", named_payloads.payload_vector(payload, self.spec))
         return self._router.commit(
             flat,
             kind=PAYLOAD_KINDS[kind],
@@ -272,18 +282,9 @@ class Client:
             self.close()
 
     def _buffer_delta(self, delta: np.ndarray | Mapping[str, np.ndarray] | Buffers) -> Buffers:
-        """The delta by kind, as the buffer spec splits it; InvalidArgumentError (BAD_SHAPE) when
-        it does not fit the spec, before anything is sent."""
-        try:
-            by_kind = delta if isinstance(delta, Buffers) else Buffers.of(delta, self.buffer_spec)
-        except (ValueError, KeyError) as error:
-            sent = sorted(delta) if isinstance(delta, Mapping) else f"shape {list(np.asarray(delta).shape)}"
-            expected = sum(entry.size for entry in self.buffer_spec)
-            raise errors.InvalidArgumentError(
-                f"buffer_delta {sent} does not fit the buffer spec ({expected} values: {error})",
-                errors.InvalidArgumentError.code,
-                Reason.BAD_SHAPE,
-            ) from None
+        """The delta by kind, as the buffer spec splits it (gemps.named_payloads: refused before
+        anything is sent when it does not fit the spec)."""
+        by_kind = named_payloads.buffer_delta(delta, self.buffer_spec)
         _finite("buffer_delta", by_kind.floats)
         return by_kind
 
@@ -382,8 +383,3 @@ def _finite(what: str, values: np.ndarray) -> np.ndarray:
             f"{what} contains NaN or Inf: not sent", errors.InvalidArgumentError.code, Reason.NON_FINITE
         )
     return values
-
-
-def _flat(values: np.ndarray | Mapping[str, np.ndarray]) -> np.ndarray:
-    """Named arrays flattened in their order, or an array as float32."""
-    return flatten(values) if isinstance(values, Mapping) else np.asarray(values, dtype=np.float32)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -33,6 +33,30 @@ class InvalidArgumentError(GempsError):
     """The server rejected the request's content (shape, dtype, NaN/Inf, version...)."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NamedPayloadError(InvalidArgumentError):
+    """Named arrays (a commit's payload, a buffer delta) that do not match the registered spec by
+    name and shape, refused by the SDK before anything is sent. `missing` and `unknown` name the
+    entries absent from the arrays or from the spec; `shapes` maps each mismatched name to
+    (expected shape, given shape). Reason SPEC_MISMATCH when names differ, else BAD_SHAPE."""
+
+    def __init__(
+        self,
+        message: str,
+        code: grpc.StatusCode | None = None,
+        reason: Reason | str = "",
+        *,
+        missing: Sequence[str] = (),
+        unknown: Sequence[str] = (),
+        shapes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+    ) -> None:
+        # GempsError's signature first: PartiallyAppliedError.of may subclass any refusal's class.
+        reason = reason or (Reason.SPEC_MISMATCH if missing or unknown else Reason.BAD_SHAPE)
+        super().__init__(message, code or self.code, reason)
+        self.missing = tuple(missing)
+        self.unknown = tuple(unknown)
+        self.shapes = dict(shapes or {})
 
 
 class WorkerNotFoundError(GempsError):
