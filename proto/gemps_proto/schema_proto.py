@@ -214,6 +214,8 @@ def status_to_proto(status: ServerStatus) -> pb.StatusResponse:
         lease_ttl_seconds=status.lease_ttl_seconds,
         replication=replication_to_proto(status.replication),
         data_plane=data_plane_to_proto(status.data_plane),
+        memory_budget_bytes=status.memory_budget_bytes,
+        rule_state_bytes=status.rule_state_bytes,
     )
 
 
@@ -244,4 +246,6 @@ def status_from_proto(message: pb.StatusResponse) -> ServerStatus:
         lease_ttl_seconds=message.lease_ttl_seconds,
         replication=replication_from_proto(message),
         data_plane=data_plane_from_proto(message),
+        memory_budget_bytes=message.memory_budget_bytes,
+        rule_state_bytes=message.rule_state_bytes,
     )

@@ -96,4 +96,6 @@ def server_status(
         lease_ttl_seconds=state.registry.lease_ttl,
         replication=replication,
         data_plane=data_plane,
+        memory_budget_bytes=state.memory.bytes or 0,
+        rule_state_bytes=state.rule_state_bytes,
     )
