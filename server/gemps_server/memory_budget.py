@@ -64,11 +64,10 @@ def _address_space() -> Headroom | None:
     return Headroom(soft - _status_kib("VmSize") * 1024, f"its address-space limit (RLIMIT_AS {soft // MIB} MiB)")
 
 
-def _cgroup() -> Headroom | None:
+def cgroup(root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")) -> Headroom | None:
     """The memory cgroup's limit less its usage: v2's memory.max, else v1's memory.limit_in_bytes
     (at the process's cgroup path, or at the mount's root as a container sees its own)."""
-    root = Path("/sys/fs/cgroup")
-    for line in _read(Path("/proc/self/cgroup")).splitlines():
+    for line in _read(membership).splitlines():
         _, controllers, path = line.split(":", 2)
         if controllers == "":
             files, limit_name, usage_name = [root / path.lstrip("/"), root], "memory.max", "memory.current"
@@ -96,7 +95,7 @@ def _available() -> Headroom | None:
 
 def headroom() -> Headroom | None:
     """The tightest of the limits this process runs under, None where none can be read."""
-    found = [h for h in (_address_space(), _cgroup(), _available()) if h is not None]
+    found = [h for h in (_address_space(), cgroup(), _available()) if h is not None]
     return min(found, key=lambda h: h.bytes) if found else None
 
 

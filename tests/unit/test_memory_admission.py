@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from gemps_server.domain.journal import Entry, Joined
 from gemps_server.domain.records import Commit
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
-from gemps_server.memory_budget import MIB, Headroom, MemoryBudget, headroom
+from gemps_server.memory_budget import MIB, Headroom, MemoryBudget, cgroup, headroom
 from tests.helpers import encoded, training
 from tests.unit.test_journal_replay import Clock
 
@@ -201,3 +202,21 @@ def test_headroom_names_the_address_space_limit_it_runs_under() -> None:
     free, source = ran.stdout.split(" ", 1)
     assert "RLIMIT_AS 8192 MiB" in source and 0 < int(free) < limit
     assert headroom() is not None  # unlimited here: the host's available memory at least
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_cgroup_limit_is_read_where_the_process_belongs(version: int, tmp_path: Path) -> None:
+    membership = tmp_path / "cgroup"
+    if version == 2:
+        membership.write_text("0::/kubepods/pod1\n")
+        folder, names = tmp_path / "kubepods" / "pod1", ("memory.max", "memory.current")
+    else:
+        membership.write_text("5:cpu,cpuacct:/job\n4:memory:/job\n")
+        folder, names = tmp_path / "memory" / "job", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    folder.mkdir(parents=True)
+    (folder / names[0]).write_text(f"{4096 * MIB}\n")
+    (folder / names[1]).write_text(f"{1024 * MIB}\n")
+    found = cgroup(tmp_path, membership)
+    assert found == Headroom(3072 * MIB, "its cgroup's memory limit (4096 MiB)")
+    (folder / names[0]).write_text("max\n" if version == 2 else f"{(1 << 63) - 4096}\n")  # no limit
+    assert cgroup(tmp_path, membership) is None
