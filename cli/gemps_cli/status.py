@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     if status.buffer_spec:
         print(f"buffers         {sum(entry.size for entry in status.buffer_spec)} in {len(status.buffer_spec)} tensors")
     print(f"commits         {status.commits_applied} applied, {status.commits_rejected} rejected")
+    print(f"rule state      {memory_line(status)}")
     print(f"rule            {status.config.rule} ({settings})")
     print(f"learning rate   {status.learning_rate:g} now ({status.config.lr_schedule} schedule)")
     # Partitions' sums add up to the whole of θ's; with some partitions unreachable, partition 0's slice only.
@@ -77,6 +78,23 @@ def run(args: argparse.Namespace) -> int:
     print_replication(statuses, asked)
     print_workers(status.workers, partitioned=status.layout is not None)
     return 0
+
+
+def memory_line(status: ServerStatus) -> str:
+    """The workers' rule state against the memory budget: "1.0 GiB of a 4.0 GiB budget (25%)"."""
+    used = _bytes(status.rule_state_bytes)
+    budget = status.memory_budget_bytes
+    if not budget:
+        return f"{used} (no memory budget: not initialised, or no limit found)"
+    share = f"{100 * status.rule_state_bytes / budget:.0f}%"
+    return f"{used} of a {_bytes(budget)} memory budget ({share}; raise it with --memory-budget-mb)"
+
+
+def _bytes(count: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} B"
 
 
 def primaries_views(args: argparse.Namespace, statuses: list[ServerStatus]) -> tuple[list[ServerStatus], list[str]]:

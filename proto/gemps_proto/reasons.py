@@ -47,6 +47,8 @@ class Reason(str, enum.Enum):
     WATCH_LIMIT = "watch_limit"  # Health.Watch streams past --max-watches or --max-watches-per-connection
     NOT_PRIMARY = "not_primary"  # a replica that is not its partition's primary now: try another replica
     INCOMPATIBLE_VERSION = "incompatible_version"  # client and server share no protocol version
+    MEMORY_BUDGET = "memory_budget"  # a registration whose rule state is past the server's --memory-budget-mb
+    OUT_OF_MEMORY = "out_of_memory"  # the server could not allocate a registration's state: nothing was kept
 
     def __str__(self) -> str:
         return self.value

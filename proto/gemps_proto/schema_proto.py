@@ -230,6 +230,8 @@ def status_to_proto(status: ServerStatus) -> pb.StatusResponse:
         replication=replication_to_proto(status.replication),
         data_plane=data_plane_to_proto(status.data_plane),
         versions=None if status.versions is None else versions_to_proto(status.versions),
+        memory_budget_bytes=status.memory_budget_bytes,
+        rule_state_bytes=status.rule_state_bytes,
     )
 
 
@@ -261,4 +263,6 @@ def status_from_proto(message: pb.StatusResponse) -> ServerStatus:
         replication=replication_from_proto(message),
         data_plane=data_plane_from_proto(message),
         versions=versions_from_proto(message),
+        memory_budget_bytes=message.memory_budget_bytes,
+        rule_state_bytes=message.rule_state_bytes,
     )

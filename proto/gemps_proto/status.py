@@ -150,3 +150,5 @@ class ServerStatus:
     replication: ReplicationStatus | None = None  # set when the partition is replicated: this replica's
     data_plane: DataPlane | None = None  # where this server's data plane listens (no ticket); None: off
     versions: Versions | None = None  # the server's software and protocol versions; None: not said
+    memory_budget_bytes: int = 0  # what the rule's per-worker state may take here (0: no budget)
+    rule_state_bytes: int = 0  # what the registered workers' rule state takes now

@@ -25,11 +25,13 @@ from gemps_server.config import ServerConfig
 from gemps_server.config_log import log_configuration
 from gemps_server.domain.applier import Applier
 from gemps_server.domain.records import PartitionOf
+from gemps_server.domain.rules import rule_class
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.lifecycle import Stack, Step, Task, Together
 from gemps_server.listening import hostport
 from gemps_server.logs import event
+from gemps_server.memory_budget import MemoryBudget
 from gemps_server.metrics import ServerMetrics
 from gemps_server.parts import (
     CheckpointDirectory,
@@ -62,6 +64,9 @@ class ParameterServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.metrics = ServerMetrics()
+        memory = MemoryBudget(config.memory_budget_mb)
+        largest = rule_class(config.training.rule).vectors_per_worker * 4 * config.max_parameters
+        memory.check_at_start(config.max_workers, largest)  # a WARNING when they cannot all fit
         self.state = ServerState(
             config.training,
             WorkerRegistry(config.max_workers, config.lease_ttl),
@@ -69,6 +74,7 @@ class ParameterServer:
             partition=PartitionOf(config.partition, config.partitions),
             max_parameters=config.max_parameters,
             noise_window=config.noise_window,
+            memory=memory,
         )
         self.applier = Applier(observer=lambda timing: self.metrics.applier_ran(timing.run_seconds))
         self._observe_state()
@@ -220,16 +226,11 @@ class ParameterServer:
         state = self.state
         self.metrics.describe_server(self.config.training)
 
-        def rule_state_bytes() -> int:
-            # Read at scrape time from another thread: a stale-by-one value is fine for a gauge.
-            rule = state.rule
-            vectors = rule.vectors_per_worker if rule is not None else 0
-            return vectors * state.num_parameters * 4 * len(state.registry)
-
         self.metrics.observe(
             version=lambda: state.version,
             parameters=lambda: state.num_parameters,
-            rule_state_bytes=rule_state_bytes,
+            # Read at scrape time from another thread: a stale-by-one value is fine for a gauge.
+            rule_state_bytes=lambda: state.rule_state_bytes,
             active_workers=lambda: len(state.registry),
             queue_depth=lambda: self.applier.depth,
             gradient_noise=lambda: state.noise.estimate,

@@ -98,4 +98,6 @@ def server_status(
         replication=replication,
         data_plane=data_plane,
         versions=versions.THIS,
+        memory_budget_bytes=state.memory.bytes or 0,
+        rule_state_bytes=state.rule_state_bytes,
     )

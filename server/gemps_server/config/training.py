@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gemps_proto.ranges import RANGE, SECONDS, UINT32_MAX, Range
+from gemps_proto.ranges import INT64_MAX, RANGE, SECONDS, UINT32_MAX, Range
 from gemps_proto.schema import TrainingConfig
 from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NOISE_WINDOW_HELP, NOISE_WINDOWS
 from gemps_server.domain.rules import rule_names
 from gemps_server.domain.rules.gem import GEM_KERNELS
+from gemps_server.memory_budget import MIB
 from gemps_server.native import compiled
 
 
@@ -31,7 +32,8 @@ class TrainingOptions:
 @dataclass(frozen=True)
 class WorkerOptions:
     """The workers the server takes (how many, how long a silent one keeps its place, their data
-    shards) and how their commits are applied (GEM's kernel, the noise estimate's window)."""
+    shards, the memory their rule state may take) and how their commits are applied (GEM's
+    kernel, the noise estimate's window)."""
 
     gem_kernel: str = field(
         default="auto",
@@ -50,6 +52,16 @@ class WorkerOptions:
     )
     max_workers: int = field(
         default=256, metadata={"help": "most workers registered at once", RANGE: Range(1, UINT32_MAX)}
+    )
+    memory_budget_mb: int = field(
+        default=0,
+        metadata={
+            "help": "memory for the rule's per-worker state (GEM: 2 float32 vectors of θ's size per worker), MiB; "
+            "a registration past it is refused RESOURCE_EXHAUSTED (memory_budget). 0: what the server may still "
+            "use when θ is initialised (the tightest of RLIMIT_AS, its cgroup's limit and available memory), "
+            "less a reserve for θ's copies",
+            RANGE: Range(0, INT64_MAX // MIB, unit="MiB"),
+        },
     )
     noise_window: int = field(default=NOISE_WINDOW_AUTO, metadata={"help": NOISE_WINDOW_HELP, RANGE: NOISE_WINDOWS})
     num_shards: int = field(

@@ -37,8 +37,10 @@ from gemps_server.domain.records import (
     ReplyWriter,
     Snapshot,
 )
+from gemps_server.domain.room import capacity, check_room, out_of_memory
 from gemps_server.domain.rules import CommitRule, NonFiniteUpdate, create_rule
 from gemps_server.domain.workers import WorkerRecord, WorkerRegistry
+from gemps_server.memory_budget import MemoryBudget
 
 # How long the worker told to initialise the central variable has to send its values, while
 # the others registering without values are asked to retry: n workers starting at once then
@@ -72,8 +74,11 @@ class ServerState:
         partition: PartitionOf = ALL_OF_THETA,
         max_parameters: int | None = None,
         noise_window: int = NOISE_WINDOW_AUTO,
+        memory: MemoryBudget | None = None,
     ) -> None:
         self._training = training
+        # What the workers' rule state may take (memory_budget.py); no bound unless given.
+        self.memory = memory if memory is not None else MemoryBudget(probe=lambda: None)
         self.noise = NoiseEstimator(noise_window, training.batch_size)  # the gradient noise scale (noise.py)
         self.partition = partition
         self.max_parameters = max_parameters  # None: no limit (ServerConfig.max_parameters)
@@ -134,6 +139,16 @@ class ServerState:
     def theta_copy(self) -> np.ndarray:
         return self._theta.copy()
 
+    @property
+    def worker_state_bytes(self) -> int:
+        """Bytes of rule state one registered worker holds (GEM: m_i and s_i; 0 for the others)."""
+        return 0 if self.rule is None else self.rule.vectors_per_worker * 4 * self.num_parameters
+
+    @property
+    def rule_state_bytes(self) -> int:
+        """Bytes of rule state the registered workers hold (read by Status and metrics, off the applier)."""
+        return self.worker_state_bytes * len(self.registry)
+
     def theta_bound(self) -> float | None:
         """The rule's bound on max |θ| (CommitRule.theta_bound: kept for θ itself, not a copy)."""
         return None if self.rule is None else self.rule.theta_bound(self._theta)
@@ -158,19 +173,31 @@ class ServerState:
         validation.check_client_id(client_id)
         validation.check_spec(spec, buffer_spec)
         first = self.rule is None
-        if first:
-            self._initialize(spec, initial, buffer_spec, initial_buffers, client_id)
-        else:
-            validation.check_same_spec((self.spec, self.buffer_spec), (spec, buffer_spec))
-        worker, displaced = self._admit(worker_name, client_id)
         # The worker that initialised theta already holds it: no P-sized encoding for its reply.
         initialized = first and initial is not None
+        # Everything a registration allocates (θ for the first, its reply's encoding, the worker's
+        # rule state) is allocated before the worker enters the registry; a refusal or a
+        # MemoryError on the way leaves the state as it found it: no worker holding a shard
+        # without its rule state, no θ without the worker that set it.
+        try:
+            if first:
+                self._initialize(spec, initial, buffer_spec, initial_buffers, client_id)
+            else:
+                validation.check_same_spec((self.spec, self.buffer_spec), (spec, buffer_spec))
+            encoded = encode_theta and not initialized
+            snapshot = self.encoded(FLOAT32) if encoded else self._with_buffers(self.snapshot)
+            worker, displaced = self._admit(worker_name, client_id, budgeted=True)
+        except MemoryError:
+            refusal = out_of_memory(self.worker_state_bytes)  # named before a first θ is forgotten
+            self._undo(first)
+            raise refusal from None
+        except BaseException:
+            self._undo(first)
+            raise
         first_values = (initial, initial_buffers) if first else (None, None)
         displaced_id = displaced.worker_id if displaced is not None else ""
         joined = Joined(worker.worker_id, worker_name, client_id, spec, buffer_spec, *first_values, displaced_id)
         self.journal.append(joined)
-        encoded = encode_theta and not initialized
-        snapshot = self.encoded(FLOAT32) if encoded else self._with_buffers(self.snapshot)
         return RegistrationOutcome(worker, snapshot, initialized, displaced)
 
     def commit(self, commit: Commit, out: np.ndarray | None = None) -> CommitOutcome:
@@ -289,6 +316,8 @@ class ServerState:
         self.bounds, self.ledger, self.noise, self.history = held.bounds, held.ledger, held.noise, held.history
         self._latest = weakref.ref(Snapshot(0))  # dead at once
         self._initializer_until, self._initializer = 0.0, ""
+        if held.rule is not None and self.memory.bytes is None:  # restored or adopted θ: its budget now
+            self.memory.settle(4 * held.theta.size, self.worker_state_bytes, self.registry.max_workers)
 
     def new_rule(self, num_parameters: int) -> CommitRule:
         """A fresh rule of this server's training config and kernel, for `num_parameters` values."""
@@ -315,24 +344,50 @@ class ServerState:
     # -- helpers -------------------------------------------------------------------------------
 
     def _admit(
-        self, name: str, client_id: str, worker_id: str = "", displaced_id: str | None = None
+        self,
+        name: str,
+        client_id: str,
+        worker_id: str = "",
+        displaced_id: str | None = None,
+        budgeted: bool = False,
     ) -> tuple[WorkerRecord, WorkerRecord | None]:
         """Add a worker (a new id unless `worker_id` is given), replacing its client's previous
-        registration, and the idlest worker when the registry is full (unless `displaced_id` says
-        which one the primary displaced: "" none); the worker and the one displaced."""
-        assert self.rule is not None
-        if (previous := self.registry.of_client(client_id)) is not None:
-            self._forget(previous.worker_id)
+        registration, and the idlest worker when the registry (or, when `budgeted`, the memory
+        budget) is full, unless `displaced_id` says which one the primary displaced ("" none);
+        the worker and the one displaced. Its rule state is allocated first: a refusal or a
+        MemoryError leaves every worker as it was (a replica replays unbudgeted: the primary decided)."""
+        rule = self.rule
+        assert rule is not None
+        previous = self.registry.of_client(client_id)
+        leaving = [previous.worker_id] if previous is not None else []
+        most = self.registry.max_workers
+        room = capacity(most, self.memory, self.worker_state_bytes) if budgeted else most
         if displaced_id is None:
-            displaced = self.registry.idlest() if self.registry.full else None
+            full = len(self.registry) - len(leaving) >= room
+            displaced = self.registry.idlest(excluding=leaving) if full else None
         else:
             displaced = self.registry.get(displaced_id) if displaced_id else None
-        if displaced is not None:
-            self._forget(displaced.worker_id)
-        worker = self.registry.add(name, client_id, worker_id=worker_id)
+        leaving += [displaced.worker_id] if displaced is not None else []
+        if budgeted:
+            check_room(len(self.registry) - len(leaving), most, self.memory, self.worker_state_bytes)
+        worker_id = worker_id or uuid.uuid4().hex
+        rule.add_worker(worker_id, self._theta)  # may raise MemoryError: nothing else changed yet
+        try:
+            for gone in leaving:
+                self._forget(gone)
+            worker = self.registry.add(name, client_id, worker_id=worker_id)
+        except BaseException:
+            rule.remove_worker(worker_id)
+            raise
         self.ledger.activate(worker.scope)
-        self.rule.add_worker(worker.worker_id, self._theta)
         return worker, displaced
+
+    def _undo(self, first: bool) -> None:
+        """Forget θ again after the first registration failed part-way: nothing else was held before it."""
+        if first:  # as _initialize found it (the initializer's grace period untouched)
+            self.rule, self.spec, self.buffer_spec, self.bounds = None, (), (), (0, 0)
+            self._theta, self._buffers = np.empty(0, dtype=np.float32), Buffers()
+            self._latest = weakref.ref(Snapshot(0))  # dead at once: no encoding of that θ is served
 
     def _forget(self, worker_id: str) -> None:
         worker = self.registry.remove(worker_id)
@@ -381,3 +436,4 @@ class ServerState:
         self.rule = self.new_rule(self._theta.size)
         self.bounds = (start, stop)
         self._version = 0
+        self.memory.settle(4 * self._theta.size, self.worker_state_bytes, self.registry.max_workers)

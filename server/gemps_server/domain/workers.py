@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gemps_proto.reasons import Reason
@@ -113,14 +113,15 @@ class WorkerRegistry:
     def full(self) -> bool:
         return len(self._workers) >= self.max_workers
 
-    def idlest(self) -> WorkerRecord | None:
-        """The worker longest without a commit, if that is longer than the lease TTL: a full
-        registry gives its place to a newcomer. Pulls keep a lease alive, not a place in a full
+    def idlest(self, excluding: Sequence[str] = ()) -> WorkerRecord | None:
+        """The worker longest without a commit (but those `excluding`), if that is longer than the
+        lease TTL: a full registry gives its place to a newcomer. Pulls keep a lease alive, not a place in a full
         server: otherwise cheap pulls let registrations that never commit (each holding GEM
         state of 2P floats) lock honest workers out for as long as they like."""
-        if not self._workers:
+        candidates = [record for record in self._workers.values() if record.worker_id not in excluding]
+        if not candidates:
             return None
-        idle = min(self._workers.values(), key=lambda record: record.last_commit)
+        idle = min(candidates, key=lambda record: record.last_commit)
         return idle if self._clock() - idle.last_commit > self.lease_ttl else None
 
     def listing(self) -> tuple[WorkerStatus, ...]:
