@@ -22,6 +22,7 @@ from gemps_server import logs, supervision
 from gemps_server.allocator import TRIM_INTERVAL_SECONDS, one_arena, trim
 from gemps_server.checkpoint_writer import Checkpointer
 from gemps_server.config import ServerConfig
+from gemps_server.config.limits import DEFAULT_MAX_PARAMETERS
 from gemps_server.config_log import log_configuration
 from gemps_server.domain.applier import Applier
 from gemps_server.domain.records import PartitionOf
@@ -66,7 +67,10 @@ class ParameterServer:
         self.metrics = ServerMetrics()
         memory = MemoryBudget(config.memory_budget_mb)
         largest = rule_class(config.training.rule).vectors_per_worker * 4 * config.max_parameters
-        memory.check_at_start(config.max_workers, largest)  # a WARNING when they cannot all fit
+        if config.memory_budget_mb or config.max_parameters != DEFAULT_MAX_PARAMETERS:
+            # A WARNING when they cannot all fit; with both defaults (2**28 values, no budget set)
+            # it would fire on every machine: the bound is then set, and said, once θ's size is known.
+            memory.check_at_start(config.max_workers, largest)
         self.state = ServerState(
             config.training,
             WorkerRegistry(config.max_workers, config.lease_ttl),

@@ -20,6 +20,10 @@ from gemps_proto.ranges import (
 MIB = 1 << 20
 
 
+# The largest model a server takes by default: 1 GiB of float32 θ.
+DEFAULT_MAX_PARAMETERS = 1 << 28
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """Requests on the gRPC port: their size, how many at once, and how slowly a stream may arrive."""
@@ -33,7 +37,7 @@ class RequestLimits:
         },
     )
     max_parameters: int = field(
-        default=1 << 28,
+        default=DEFAULT_MAX_PARAMETERS,
         metadata={
             "help": "most values (parameters of this process's range, and buffers) a model may have; a first "
             "worker's larger model is refused RESOURCE_EXHAUSTED before its values are read (default 2**28: 1 GiB "
