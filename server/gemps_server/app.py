@@ -75,6 +75,7 @@ class ParameterServer:
             config.training,
             WorkerRegistry(config.max_workers, config.lease_ttl),
             gem_kernel=config.gem_kernel,
+            gem_own_step=config.gem_own_step,
             partition=PartitionOf(config.partition, config.partitions),
             max_parameters=config.max_parameters,
             noise_window=config.noise_window,

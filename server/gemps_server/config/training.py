@@ -9,7 +9,7 @@ from gemps_proto.ranges import INT64_MAX, RANGE, SECONDS, UINT32_MAX, Range
 from gemps_proto.schema import TrainingConfig
 from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NOISE_WINDOW_HELP, NOISE_WINDOWS
 from gemps_server.domain.rules import rule_names
-from gemps_server.domain.rules.gem import GEM_KERNELS
+from gemps_server.domain.rules.gem import GEM_KERNELS, GEM_OWN_STEP
 from gemps_server.memory_budget import MIB
 from gemps_server.native import compiled
 
@@ -40,6 +40,14 @@ class WorkerOptions:
         metadata={
             "help": "GEM's update: compiled (one C pass, exact statistics), numpy (blocked); auto: compiled if built",
             "choices": GEM_KERNELS,
+        },
+    )
+    gem_own_step: str = field(
+        default="counted",
+        metadata={
+            "help": "what GEM's c = |theta - s_i| counts of a worker's own previous step: counted (the paper's "
+            "reference code; with one worker GEM is then not momentum SGD), excluded (s_i taken after the step)",
+            "choices": GEM_OWN_STEP,
         },
     )
     lease_ttl: float = field(
@@ -78,4 +86,6 @@ class WorkerOptions:
             return [f"unknown gem_kernel {self.gem_kernel!r} (choose from {', '.join(GEM_KERNELS)})"]
         if self.gem_kernel == "compiled" and compiled is None:
             return ["gem_kernel 'compiled' is not built here (no C compiler at install?): use auto or numpy"]
+        if self.gem_own_step not in GEM_OWN_STEP:
+            return [f"unknown gem_own_step {self.gem_own_step!r} (choose from {', '.join(GEM_OWN_STEP)})"]
         return []

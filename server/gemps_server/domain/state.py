@@ -75,6 +75,7 @@ class ServerState:
         max_parameters: int | None = None,
         noise_window: int = NOISE_WINDOW_AUTO,
         memory: MemoryBudget | None = None,
+        gem_own_step: str = "counted",
     ) -> None:
         self._training = training
         # What the workers' rule state may take (memory_budget.py); no bound unless given.
@@ -83,7 +84,7 @@ class ServerState:
         self.partition = partition
         self.max_parameters = max_parameters  # None: no limit (ServerConfig.max_parameters)
         self.bounds = (0, 0)  # [start, stop) of θ held here, once initialised
-        self._gem_kernel = gem_kernel
+        self._gem_kernel, self._gem_own_step = gem_kernel, gem_own_step
         self.new_rule(0)  # fail fast on an unknown rule name or kernel
         self.rule_name = training.rule
         self.registry = registry
@@ -321,7 +322,7 @@ class ServerState:
 
     def new_rule(self, num_parameters: int) -> CommitRule:
         """A fresh rule of this server's training config and kernel, for `num_parameters` values."""
-        return create_rule(self._training, num_parameters, kernel=self._gem_kernel)
+        return create_rule(self._training, num_parameters, kernel=self._gem_kernel, own_step=self._gem_own_step)
 
     def new_noise(self) -> NoiseEstimator:
         """A fresh noise estimate with this server's window and batch size."""

@@ -9,7 +9,10 @@ For worker i (m_i = 0 and s_i = theta when it registers), per commit with update
     theta <- theta + pi * Delta
 
 This is the paper's Algorithm 1 with Appendix B's kappa, moved to the server, which already
-holds theta and every commit: workers stay stateless.
+holds theta and every commit: workers stay stateless. Taking s_i before the step, c counts
+worker i's own previous step too (as the authors' reference code does): with one worker GEM is
+then not momentum SGD (DESIGN §1). `own_step="excluded"` takes s_i after the step instead, so c
+counts only the other workers' steps (one more copy of theta per commit).
 
 No commit can make theta, m_i or s_i NaN or infinite (finite payloads can overflow float32):
 - `compiled` updates in place when a bound shows that no new value can come within a factor 2 of
@@ -44,6 +47,9 @@ from gemps_server.native import all_finite, compiled, max_abs, median_in_place
 EPSILON = np.float32(1e-16)
 #: how GEM's update runs: `auto` (compiled if built, else numpy), `compiled`, `numpy`
 GEM_KERNELS = ("auto", "compiled", "numpy")
+#: what c = |theta - s_i| counts of worker i's own previous step: `counted` (s_i taken before it
+#: is applied: the paper's reference code) or `excluded` (s_i taken after)
+GEM_OWN_STEP = ("counted", "excluded")
 #: parameters per block: 256 KiB per float32 vector, so a block's vectors stay in cache (fastest of 4K-1M here)
 BLOCK = 65_536
 #: what `worker_state` returns per worker: m_i, s_i and the bounds on their magnitudes
@@ -76,6 +82,7 @@ class GemRule(OverflowGuard, CommitRule):
         pi_max: float,
         schedule: Schedule = constant_schedule,
         kernel: str = "auto",
+        own_step: str = "counted",
     ) -> None:
         super().__init__(num_parameters, learning_rate=learning_rate, schedule=schedule)
         self.momentum, self.kappa, self.pi_max = momentum, kappa, pi_max
@@ -85,6 +92,9 @@ class GemRule(OverflowGuard, CommitRule):
         self._delta, self._movement, self._pi, self._denominator = (np.empty(block, dtype=np.float32) for _ in range(4))
         self._stride = base.sample_stride(num_parameters)
         self._sampled = np.arange(0, num_parameters, self._stride)
+        if own_step not in GEM_OWN_STEP:
+            raise ValueError(f"unknown gem own_step {own_step!r}; valid: {', '.join(GEM_OWN_STEP)}")
+        self.own_step = own_step
         if kernel not in GEM_KERNELS:
             raise ValueError(f"unknown gem kernel {kernel!r}; valid: {', '.join(GEM_KERNELS)}")
         if kernel == "compiled" and compiled is None:
@@ -156,6 +166,9 @@ class GemRule(OverflowGuard, CommitRule):
             finite, stats, _, _ = self._apply_compiled(theta, state, update, scale, None, None, out, window)
             assert finite, "GEM's bound let through a value that is not finite"
             state.proxy_peak, state.last_seen_peak = bounds[1], theta_peak
+            if self.own_step == "excluded":  # s_i <- theta after the step
+                np.copyto(state.last_seen_theta, theta)
+                state.last_seen_peak = bounds[0]
             self.remember_peak(theta, bounds[0])
             return theta, stats
         theta_out, proxy_out = self.take_spare(theta), self._take_spare_proxy(theta)
@@ -181,9 +194,15 @@ class GemRule(OverflowGuard, CommitRule):
                 "the update would make the central variable or the worker's GEM proxy overflow to infinity (or NaN)"
             )
         # s_i <- theta (the old theta's buffer), m_i <- its new values; the old ones are the next spares.
-        self.keep_spare(state.last_seen_theta)
         self._spare_proxy = state.proxy
-        state.last_seen_theta, state.proxy = theta, proxy_out
+        if self.own_step == "excluded":  # s_i <- the new theta, copied into its own buffer
+            np.copyto(state.last_seen_theta, theta_out)
+            self.keep_spare(theta)
+            theta_peak = new_peak
+        else:
+            self.keep_spare(state.last_seen_theta)
+            state.last_seen_theta = theta
+        state.proxy = proxy_out
         state.proxy_peak, state.last_seen_peak = proxy_peak, theta_peak
         if self.kernel == "compiled":  # the numpy kernel never runs in place: it needs no bounds
             self.remember_peak(theta_out, new_peak)
