@@ -24,7 +24,7 @@ import asyncio
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypedDict, TypeVar
 
 import numpy as np
 
@@ -34,15 +34,27 @@ from gemps.records import (
     CentralVariable,
     CommitResult,
     GradientNoise,
-    Layout,
-    ParameterSpec,
     Registration,
     ServerStatus,
 )
 from gemps.resolver import Target
 
+if TYPE_CHECKING:
+    from typing import Unpack  # 3.11; annotations only
+
 P = ParamSpec("P")
+Delta = np.ndarray | Mapping[str, np.ndarray] | Buffers
 R = TypeVar("R")
+
+
+class CommitOptions(TypedDict, total=False):
+    """`Client.commit`'s keyword arguments."""
+
+    kind: str
+    loss: float | None
+    num_samples: int | None
+    base_version: int | None
+    buffer_delta: Delta | None
 
 
 class AsyncClient:
@@ -53,6 +65,7 @@ class AsyncClient:
     def __init__(self, target: Target | Client = "127.0.0.1:50051", **options: Any) -> None:
         if isinstance(target, Client) and options:
             raise TypeError(f"options for a Client already made: {', '.join(sorted(options))}")
+        # What it holds (registration, central, planes, ...) is read here, at once: no call.
         self.client = target if isinstance(target, Client) else Client(target, **options)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemps-aio")
         self._closed = False
@@ -77,26 +90,14 @@ class AsyncClient:
         return self._call(self.client.pull)
 
     def commit(
-        self,
-        payload: np.ndarray | Mapping[str, np.ndarray],
-        *,
-        kind: str = "gradient",
-        loss: float | None = None,
-        num_samples: int | None = None,
-        base_version: int | None = None,
-        buffer_delta: np.ndarray | Mapping[str, np.ndarray] | Buffers | None = None,
+        self, payload: np.ndarray | Mapping[str, np.ndarray], /, **options: Unpack[CommitOptions]
     ) -> asyncio.Future[CommitResult]:
         """As `Client.commit`. The payload and delta are copied now: the commit may wait for the
         calls before it while the trainer computes the next gradient in place."""
-        return self._call(
-            self.client.commit,
-            _kept(payload),
-            kind=kind,
-            loss=loss,
-            num_samples=num_samples,
-            base_version=base_version,
-            buffer_delta=None if buffer_delta is None else _kept_delta(buffer_delta),
-        )
+        delta = options.get("buffer_delta")
+        if delta is not None:
+            options["buffer_delta"] = _kept_delta(delta)
+        return self._call(self.client.commit, _kept(payload), **options)
 
     def leave(self) -> asyncio.Future[None]:
         """As `Client.leave`."""
@@ -142,33 +143,6 @@ class AsyncClient:
             self._closed = True
             self._thread.shutdown(wait=False)
 
-    # -- what the client holds (read at once: no call) ---------------------------------------------
-
-    @property
-    def registration(self) -> Registration | None:
-        return self.client.registration
-
-    @property
-    def worker_id(self) -> str | None:
-        return self.client.worker_id
-
-    @property
-    def spec(self) -> tuple[ParameterSpec, ...]:
-        return self.client.spec
-
-    @property
-    def central(self) -> CentralVariable | None:
-        """The newest central variable received."""
-        return self.client.central
-
-    @property
-    def layout(self) -> Layout | None:
-        return self.client.layout
-
-    @property
-    def planes(self) -> list[str]:
-        return self.client.planes
-
 
 def _kept(values: np.ndarray | Mapping[str, np.ndarray]) -> np.ndarray | dict[str, np.ndarray]:
     """A copy of a commit's payload, as the caller gave it (an array, or arrays by name)."""
@@ -177,7 +151,7 @@ def _kept(values: np.ndarray | Mapping[str, np.ndarray]) -> np.ndarray | dict[st
     return np.array(values)
 
 
-def _kept_delta(delta: np.ndarray | Mapping[str, np.ndarray] | Buffers) -> np.ndarray | dict[str, np.ndarray] | Buffers:
+def _kept_delta(delta: Delta) -> Delta:
     """A copy of a commit's buffer delta, as the caller gave it."""
     if isinstance(delta, Buffers):
         return Buffers(np.array(delta.floats), np.array(delta.integers))

@@ -35,7 +35,7 @@ def test_gathered_commits_are_answered_truly_in_order(start_server: StartServer,
     async def train() -> list[gemps.CommitResult]:
         async with AsyncClient(server.target, timeout=30.0) as client:
             await client.register(ZEROS)
-            assert client.planes == ["grpc" if plane == "grpc" else "data"]
+            assert client.client.planes == ["grpc" if plane == "grpc" else "data"]
             return await asyncio.gather(*(client.commit(ONES, kind="update") for _ in range(COMMITS)))
 
     results = asyncio.run(train())
@@ -62,6 +62,25 @@ def test_a_commit_sends_its_payload_as_it_was_when_made(start_server: StartServe
 
     asyncio.run(train())
     np.testing.assert_array_equal(central_of(server.target).flat, np.full(SIZE, 21, np.float32))
+
+
+def test_a_call_cancelled_before_its_turn_is_never_sent(start_server: StartServer) -> None:
+    server = start_server(rule="downpour", learning_rate=1.0)
+
+    async def train() -> None:
+        async with AsyncClient(server.target) as client:
+            await client.register(ZEROS)
+            with client.client._calls:  # a call of another thread runs: the client's thread waits
+                first = client.commit(ONES, kind="update")
+                second = client.commit(ONES, kind="update")  # queued behind the first
+                second.cancel()
+                await asyncio.sleep(0)  # the cancellation reaches the queue
+            assert (await first).version == 1
+            with pytest.raises(asyncio.CancelledError):
+                await second
+            assert (await client.pull()).version == 1
+
+    asyncio.run(train())
 
 
 def test_async_and_threaded_use_of_one_client_agree(start_server: StartServer) -> None:
