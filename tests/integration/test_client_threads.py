@@ -1,6 +1,7 @@
-"""One gemps.Client shared by several threads, on every route its commits can take (shared
-memory, the data plane over TCP, gRPC): its calls are serialised, so every answer is true, and
-the server applied exactly the commits that were reported applied (issue 49, item 2)."""
+"""One gemps.Client shared by several threads (committing, and one pulling beside them), on every
+route its commits can take (shared memory, the data plane over TCP, gRPC): its calls are
+serialised, so every answer is true, and the server applied exactly the commits that were
+reported applied (issue 49, item 2)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.usefixtures("plane")
 
 THREADS = 3
 COMMITS = 300  # per thread
+PULLS = 100  # by one more thread, beside the commits
 SIZE = 64
 ONES = np.ones(SIZE, np.float32)
 JOIN_SECONDS = 300.0  # a generous bound on a hang, not a measurement
@@ -26,9 +28,9 @@ def test_threads_sharing_one_client_get_true_answers(start_server: StartServer, 
     the version is n. Each reply must carry the version its own commit made, with θ at that value."""
     server = start_server(rule="downpour", learning_rate=1.0)
     versions: list[int] = []  # of every reply, from every thread
-    wrong: list[str] = []  # replies whose θ is not their version's
+    wrong: list[str] = []  # replies (commits' and pulls') whose θ is not their version's
     raised: list[BaseException] = []
-    start = threading.Barrier(THREADS)
+    start = threading.Barrier(THREADS + 1)
     with gemps.Client(server.target, timeout=30.0) as client:
         client.register({"w": np.zeros(SIZE, np.float32)})
         assert client.planes == ["grpc" if plane == "grpc" else "data"]
@@ -45,7 +47,19 @@ def test_threads_sharing_one_client_get_true_answers(start_server: StartServer, 
                 if not np.all(result.parameters.flat == result.version):
                     wrong.append(f"version {result.version}: θ {np.unique(result.parameters.flat)}")
 
+        def pull_all() -> None:
+            start.wait()
+            for _ in range(PULLS):
+                try:
+                    pulled = client.pull()
+                except BaseException as error:
+                    raised.append(error)
+                    continue
+                if not np.all(pulled.flat == pulled.version):
+                    wrong.append(f"pulled version {pulled.version}: θ {np.unique(pulled.flat)}")
+
         threads = [threading.Thread(target=commit_all, name=f"committer-{i}") for i in range(THREADS)]
+        threads.append(threading.Thread(target=pull_all, name="puller"))
         for thread in threads:
             thread.start()
         for thread in threads:
