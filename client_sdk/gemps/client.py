@@ -42,6 +42,7 @@ from gemps.records import (
 from gemps.resolver import Target, as_resolver
 from gemps.retry import NO_RETRY, Retrier, RetryPolicy
 from gemps.router import PartitionRouter
+from gemps.serialised import serialised
 from gemps.transport import Transport
 from gemps_proto.grpc_framing import DEFAULT_CHUNK_BYTES
 from gemps_proto.reasons import Reason
@@ -54,7 +55,13 @@ PAYLOAD_KINDS = {kind.label: kind for kind in PayloadKind}
 
 
 class Client:
-    """A connection to a gemps server, used by one worker (not thread-safe; one per thread).
+    """A connection to a gemps server, for one worker; safe to share between threads.
+
+    Its calls are serialised (`gemps.serialised`): one runs at a time, the others wait for it, so
+    every answer is its own call's and a commit reported refused was not applied, on every plane.
+    Serialised rather than refused from a second thread: a trainer's loader or evaluator thread
+    may pull or read the status beside its committing thread, and one call's round trip at a time
+    is what one worker's connection carries anyway (for overlapping I/O: `gemps.aio`).
 
     >>> with Client("127.0.0.1:50051") as client:
     ...     client.register({"w": np.zeros((3, 2), np.float32)})
@@ -127,6 +134,7 @@ class Client:
             client_key=client_key,
             server_name=server_name,
         )
+        self._calls = threading.RLock()  # held by each call (gemps.serialised)
         self._max_message_bytes = min(max_message_mb * 1024 * 1024, 2**31 - 1)
         self._retrier = Retrier("", self.retry, stop)
         self._router = PartitionRouter(
@@ -154,6 +162,7 @@ class Client:
 
     # -- worker lifecycle ----------------------------------------------------------------------
 
+    @serialised
     def register(
         self, parameters: Mapping[str, np.ndarray], buffers: Mapping[str, np.ndarray] | None = None
     ) -> Registration:
@@ -181,6 +190,7 @@ class Client:
         at_exit.arm(self)  # leave at exit if the program does not (gemps.at_exit)
         return self.registration
 
+    @serialised
     def pull(self) -> CentralVariable:
         """The newest central variable (no payload is sent when ours is already current).
 
@@ -189,6 +199,7 @@ class Client:
         """
         return self._router.pull()
 
+    @serialised
     def commit(
         self,
         payload: np.ndarray | Mapping[str, np.ndarray],
@@ -229,6 +240,7 @@ class Client:
             buffer_delta=None if buffer_delta is None else self._buffer_delta(buffer_delta),
         )
 
+    @serialised
     def leave(self) -> None:
         """Leave cleanly; the server frees this worker's state and shard (each partition's)."""
         self._router.leave()
@@ -237,12 +249,14 @@ class Client:
     def leave_at_exit(self) -> None:
         """Leave, one attempt per server: the interpreter is exiting and the program did not leave
         (gemps.at_exit bounds the wait)."""
-        self._retrier.policy = NO_RETRY
+        self._retrier.policy = NO_RETRY  # before the lock: a call that holds it stops retrying
         try:
-            self._router.leave()
+            with self._calls:
+                self._router.leave()
         except errors.GempsError as error:
             log.info("leaving at exit failed (the server evicts this worker when its lease expires): %s", error)
 
+    @serialised
     def report_evaluation(
         self, version: int, loss: float, accuracy: float, num_samples: int, dataset: str = ""
     ) -> None:
@@ -250,10 +264,12 @@ class Client:
         partitions, partition 0's version, to partition 0)."""
         self._router.report_evaluation(Evaluation(version, loss, accuracy, num_samples, dataset))
 
+    @serialised
     def status(self) -> ServerStatus:
         """The server's status (with partitions: partition 0's, whose `layout` lists them all)."""
         return self._router.status()
 
+    @serialised
     def statuses(self) -> list[ServerStatus]:
         """Every partition's status, in θ order (one item when θ is not partitioned)."""
         return self._router.statuses()
@@ -265,6 +281,7 @@ class Client:
         parts = self.statuses() if statuses is None else statuses
         return GradientNoise.combined([status.gradient_noise for status in parts])
 
+    @serialised
     def close(self) -> None:
         """Close the connections (without leaving: `with Client(...)` or `leave()` does)."""
         at_exit.disarm(self)

@@ -111,6 +111,11 @@ def client(ran: Ran) -> None:
     assert ran.status.active_workers == 0
 
 
+def async_client(ran: Ran) -> None:
+    assert ran.namespace["result"].version == ran.status.version == 3  # one commit per step, in order
+    assert ran.status.active_workers == 0
+
+
 def options(ran: Ran) -> None:
     config = ran.namespace["config"]
     assert (config.server, config.epochs) == (ran.target, 1)  # the defaults: no flags, no GEMPS_* variables
@@ -123,6 +128,7 @@ CHECKS: dict[str, Callable[[Ran], None]] = {
     "RemoteModel(": remote_model,
     "gemps.Client(": client,
     "options.add_arguments(": options,
+    "AsyncClient(": async_client,
 }
 BLOCKS = python_blocks(README.read_text())
 

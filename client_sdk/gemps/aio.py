@@ -1,0 +1,158 @@
+"""The asyncio client: `gemps.Client`'s calls as awaitables, for trainers that overlap I/O.
+
+>>> async with AsyncClient("127.0.0.1:50051") as client:
+...     await client.register({"w": np.zeros((3, 2), np.float32)})
+...     results = await asyncio.gather(*(client.commit(g) for g in gradients))
+
+An `AsyncClient` runs a blocking `Client`'s calls on a thread of its own, one at a time, in the
+order they were made: the event loop is never blocked, and the guarantees are the blocking
+client's (every answer is its own call's, a commit reported refused was not applied, each
+commit's retries reuse its request id). One thread rather than the loop's default executor: the
+calls would be serialised by the client's lock anyway (`gemps.serialised`), and a queue of one
+thread keeps them in order, where threads racing for that lock would not. Not a transport of its
+own: θ crosses the same gRPC, data-plane or shared-memory path as the blocking client's.
+
+A call is queued when it is made (not when it is awaited), and a commit's payload copied then.
+Cancelling a call that has not started takes it off the queue (nothing was sent); one that has
+started runs to its end, as a request on the wire cannot be taken back, and what it did shows in
+the next reply's version and θ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, ParamSpec, TypedDict, TypeVar
+
+import numpy as np
+
+from gemps.client import Client
+from gemps.records import (
+    Buffers,
+    CentralVariable,
+    CommitResult,
+    GradientNoise,
+    Registration,
+    ServerStatus,
+)
+from gemps.resolver import Target
+
+if TYPE_CHECKING:
+    from typing import Unpack  # 3.11; annotations only
+
+P = ParamSpec("P")
+Delta = np.ndarray | Mapping[str, np.ndarray] | Buffers
+R = TypeVar("R")
+
+
+class CommitOptions(TypedDict, total=False):
+    """`Client.commit`'s keyword arguments."""
+
+    kind: str
+    loss: float | None
+    num_samples: int | None
+    base_version: int | None
+    buffer_delta: Delta | None
+
+
+class AsyncClient:
+    """A `gemps.Client` whose calls return awaitables: made from `target` and `Client`'s options
+    (by keyword), or around a `Client` given, which other threads may use too (closing this
+    closes it, and leaving the `async with` leaves it)."""
+
+    def __init__(self, target: Target | Client = "127.0.0.1:50051", **options: Any) -> None:
+        if isinstance(target, Client) and options:
+            raise TypeError(f"options for a Client already made: {', '.join(sorted(options))}")
+        # What it holds (registration, central, planes, ...) is read here, at once: no call.
+        self.client = target if isinstance(target, Client) else Client(target, **options)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemps-aio")
+        self._closed = False
+
+    def _call(self, call: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> asyncio.Future[R]:
+        """`call` queued now on the client's thread, after the calls made before it (made from a
+        coroutine: the future is the running loop's)."""
+        if self._closed:
+            raise RuntimeError("this AsyncClient is closed")
+        return asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(call, *args, **kwargs))
+
+    # -- the calls: Client's, awaited --------------------------------------------------------------
+
+    def register(
+        self, parameters: Mapping[str, np.ndarray], buffers: Mapping[str, np.ndarray] | None = None
+    ) -> asyncio.Future[Registration]:
+        """As `Client.register`."""
+        return self._call(self.client.register, parameters, buffers)
+
+    def pull(self) -> asyncio.Future[CentralVariable]:
+        """As `Client.pull`."""
+        return self._call(self.client.pull)
+
+    def commit(
+        self, payload: np.ndarray | Mapping[str, np.ndarray], /, **options: Unpack[CommitOptions]
+    ) -> asyncio.Future[CommitResult]:
+        """As `Client.commit`. The payload and delta are copied now: the commit may wait for the
+        calls before it while the trainer computes the next gradient in place."""
+        delta = options.get("buffer_delta")
+        if delta is not None:
+            options["buffer_delta"] = _kept_delta(delta)
+        return self._call(self.client.commit, _kept(payload), **options)
+
+    def leave(self) -> asyncio.Future[None]:
+        """As `Client.leave`."""
+        return self._call(self.client.leave)
+
+    def report_evaluation(
+        self, version: int, loss: float, accuracy: float, num_samples: int, dataset: str = ""
+    ) -> asyncio.Future[None]:
+        """As `Client.report_evaluation`."""
+        return self._call(self.client.report_evaluation, version, loss, accuracy, num_samples, dataset)
+
+    def status(self) -> asyncio.Future[ServerStatus]:
+        """As `Client.status`."""
+        return self._call(self.client.status)
+
+    def statuses(self) -> asyncio.Future[list[ServerStatus]]:
+        """As `Client.statuses`."""
+        return self._call(self.client.statuses)
+
+    def gradient_noise(self, statuses: Sequence[ServerStatus] | None = None) -> asyncio.Future[GradientNoise]:
+        """As `Client.gradient_noise`."""
+        return self._call(self.client.gradient_noise, statuses)
+
+    async def close(self) -> None:
+        """Close the connections (without leaving), after the calls started before; then the
+        client's thread ends. Closing twice does nothing."""
+        await self._last(self.client.close)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Leave (a failure is logged, as `Client`'s `with` does), then close."""
+        await self._last(self.client.__exit__, *exc_info)
+
+    async def _last(self, call: Callable[..., None], *args: object) -> None:
+        """`call` as the client's last, then its thread ends (once: closed, nothing more is done)."""
+        if self._closed:
+            return
+        try:
+            await self._call(call, *args)
+        finally:
+            self._closed = True
+            self._thread.shutdown(wait=False)
+
+
+def _kept(values: np.ndarray | Mapping[str, np.ndarray]) -> np.ndarray | dict[str, np.ndarray]:
+    """A copy of a commit's payload, as the caller gave it (an array, or arrays by name)."""
+    if isinstance(values, Mapping):
+        return {name: np.array(value) for name, value in values.items()}
+    return np.array(values)
+
+
+def _kept_delta(delta: Delta) -> Delta:
+    """A copy of a commit's buffer delta, as the caller gave it."""
+    if isinstance(delta, Buffers):
+        return Buffers(np.array(delta.floats), np.array(delta.integers))
+    return _kept(delta)
