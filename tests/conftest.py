@@ -35,8 +35,9 @@ SERIAL_GROUPS = {
 }
 
 # Modules whose figures depend on having the machine to themselves (how many workers' steps
-# interleave, so staleness and π; a speed-up): `make test` runs them after the parallel run, alone.
-ALONE_MODULES = frozenset({"test_experiment.py", "test_speedup_experiment.py"})
+# interleave, so staleness, π and the noise scale the demo shows; a speed-up): `make test` runs them
+# after the parallel run, alone.
+ALONE_MODULES = frozenset({"test_experiment.py", "test_speedup_experiment.py", "test_demo.py"})
 
 # Modules whose tests inject faults (left out of `make test-fast`).
 FAULT_MODULES = frozenset(
