@@ -6,6 +6,7 @@ as one server would computes exactly that server's values for its range (DESIGN 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -253,6 +254,11 @@ def test_status_and_export_assemble_every_partition(tmp_path: Path) -> None:
     assert one.returncode == 1 and "partition 1 of 3" in one.stderr
 
 
+def written(directory: Path, version: int) -> bool:
+    """Both partitions' newest checkpoints are at `version`."""
+    return all((found := list_checkpoints(directory / f"partition-{i}")) and found[-1][0] == version for i in range(2))
+
+
 def test_export_refuses_partitions_at_different_versions_unless_asked(tmp_path: Path) -> None:
     """Issue 28: partition 1 restarted from an older checkpoint than partition 0's (as after a
     SIGKILL) holds θ's range at another version. `gemps export` names every partition's version and
@@ -260,8 +266,10 @@ def test_export_refuses_partitions_at_different_versions_unless_asked(tmp_path: 
     options: dict[str, Any] = {"partitions": 2, "checkpoint_dir": tmp_path / "ckpt", "checkpoint_every": 1}
     with ServerProcess(**options) as server, Client(server.target, timeout=10) as client:
         client.register(initial(0))
-        for _ in range(3):
+        for version in range(1, 4):
             client.commit(np.ones(10_007, np.float32))
+            # each version on disk before the next commit: a busy writer would otherwise skip to the newest
+            wait_for(functools.partial(written, tmp_path / "ckpt", version), 30, f"checkpoints at version {version}")
     newest = list_checkpoints(tmp_path / "ckpt" / "partition-1")[-1]
     assert newest[0] == 3
     newest[1].unlink()  # partition 1's newest is now an older one's

@@ -187,7 +187,9 @@ class DataPlaneServer:
 
     def _refuse_connection(self, sock: socket.socket) -> None:
         """Past --max-data-connections: say so if it fits in the socket's buffer now (not under
-        TLS: that would cost a handshake), then close."""
+        TLS: that would cost a handshake), then close. Counted first: a client that reads the
+        refusal may scrape the metric at once."""
+        self._refused("too_many_connections")
         if self._tls is None or sock.family == socket.AF_UNIX:
             error = ResourceExhausted(
                 f"more than {self._config.max_data_connections} data-plane connections (--max-data-connections)",
@@ -196,7 +198,6 @@ class DataPlaneServer:
             with contextlib.suppress(OSError):
                 sock.send(ServerConnection(0).send(ErrorReply(error_header(error))))
         sock.close()
-        self._refused("too_many_connections")
 
     def _refused(self, reason: str, detail: str = "") -> None:
         self._metrics.data_plane_refused(reason)
