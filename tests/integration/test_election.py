@@ -14,11 +14,11 @@ import pytest
 from gemps_server.replication.coordinator import Coordinator
 from gemps_server.replication.election import (
     ORPHANED_LEASES,
-    CoordinationUnavailable,
     Election,
     Member,
     new_incarnation,
 )
+from gemps_server.replication.etcd_client import CoordinationUnavailable
 from gemps_server.replication.local_etcd import LocalEtcd
 from tests.etcd_server import etcd_server
 from tests.helpers import wait_for

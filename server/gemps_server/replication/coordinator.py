@@ -8,7 +8,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from gemps_server.replication.election import CoordinationUnavailable, Election, Member
+from gemps_server.replication.election import Election, Member
+from gemps_server.replication.etcd_client import CoordinationUnavailable
 
 log = logging.getLogger("gemps.server")
 

@@ -38,11 +38,11 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import TypeVar
-from urllib.parse import urlsplit
 
 from etcd3gw.client import Etcd3Client
-from etcd3gw.exceptions import Etcd3Exception
 from etcd3gw.lease import Lease
+
+from gemps_server.replication.etcd_client import CoordinationUnavailable, EtcdEndpoints
 
 log = logging.getLogger("gemps.server")
 T = TypeVar("T")
@@ -51,12 +51,6 @@ T = TypeVar("T")
 HOLD_FRACTION = 0.8
 #: leases without a live in-sync replica before another may take over (see the module's docstring)
 ORPHANED_LEASES = 5
-#: etcd's HTTP/JSON gateway path: etcd 3.4 and later (Debian bookworm's etcd-server is 3.4)
-API_PATH = "/v3/"
-
-
-class CoordinationUnavailable(Exception):
-    """etcd could not be reached in time, or answered with an error: who is primary is not known."""
 
 
 def partition_prefix(job: str, partition: int) -> str:
@@ -119,23 +113,6 @@ def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
 
-def _clients(endpoints: str, timeout: float) -> list[Etcd3Client]:
-    """One gateway client per comma-separated endpoint ("http://host:port" or "host:port")."""
-    clients = []
-    for endpoint in filter(None, (part.strip() for part in endpoints.split(","))):
-        url = urlsplit(endpoint if "//" in endpoint else f"http://{endpoint}")
-        if url.hostname is None:
-            raise ValueError(f"etcd endpoint {endpoint!r}: expected http://host:port")
-        clients.append(
-            Etcd3Client(
-                host=url.hostname, port=url.port or 2379, protocol=url.scheme, timeout=timeout, api_path=API_PATH
-            )
-        )
-    if not clients:
-        raise ValueError("no etcd endpoint given")
-    return clients
-
-
 class Election:
     """One replica's view of its partition's election. A call that reaches etcd raises
     CoordinationUnavailable when etcd does not answer within `timeout` (default lease_seconds / 3;
@@ -164,8 +141,7 @@ class Election:
         self.primary_key = f"{self.prefix}/primary"
         self.in_sync_key = f"{self.prefix}/in-sync"
         self._ttl = max(1, math.ceil(lease_seconds))  # etcd grants whole seconds
-        self._clients = _clients(endpoints, timeout)
-        self._current = 0  # the endpoint calls go to; the next one after a failure
+        self._etcd = EtcdEndpoints(endpoints, timeout)
         self._lock = threading.Lock()  # guards _term and _holds_until (the Coordinator's thread and callers)
         self._term: _Term | None = None
         self._holds_until = 0.0  # time.monotonic() until which holds() answers True
@@ -358,8 +334,7 @@ class Election:
 
     def close(self) -> None:
         """Close the HTTP connections (does not resign)."""
-        for client in self._clients:
-            client.session.close()
+        self._etcd.close()
 
     # -- what etcd holds ----------------------------------------------------------------------------
 
@@ -413,14 +388,4 @@ class Election:
             self._call("lease revoke", lambda client: Lease(lease_id, client).revoke())
 
     def _call(self, what: str, request: Callable[[Etcd3Client], T]) -> T:
-        """Run one request against the current endpoint; errors become CoordinationUnavailable,
-        and the next call goes to the next endpoint."""
-        index = self._current
-        client = self._clients[index]
-        try:
-            return request(client)
-        # etcd3gw raises Etcd3Exception for timeouts, refused connections and error statuses;
-        # requests' other errors are OSErrors; a garbled answer is a ValueError or KeyError.
-        except (Etcd3Exception, OSError, ValueError, KeyError) as error:
-            self._current = (index + 1) % len(self._clients)
-            raise CoordinationUnavailable(f"etcd {what} at {client.base_url}: {error!r}") from error
+        return self._etcd.call(what, request)
