@@ -49,8 +49,19 @@ def test_quick_experiment_writes_curves_figures_and_report(tmp_path: Path) -> No
         assert all(int(r["workers_at_step"]) == config.workers for r in rows)
     # Under FIFO with 4 workers, GEM's commits see about n-1 = 3 others in between.
     assert 2.0 <= summaries["gem-n4"]["mean_staleness"] <= 4.0
-    # The 1/(tau+1) rule scaled commits by about 1/4.
-    assert 0.15 <= summaries["adaptive-staleness-n4"]["mean_pi"] <= 0.4
+    # The 1/(tau+1) rule scaled every commit by exactly 1/(its staleness + 1); how stale the
+    # commits were depends on how the 4 workers' steps interleave on a loaded machine (a busy one
+    # measured mean π 0.43: staleness below 3).
+    adaptive = [
+        json.loads(line)
+        for path in sorted((out / "adaptive-staleness-n4").glob("records-*.jsonl"))
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]
+    assert len(adaptive) == summaries["adaptive-staleness-n4"]["commits"]
+    for record in adaptive:
+        assert record["scaling_mean"] == pytest.approx(1 / (record["staleness"] + 1), rel=1e-5), record
+    assert 0.15 <= summaries["adaptive-staleness-n4"]["mean_pi"] < 0.6  # stale commits were scaled down
     for figure in ("fig1_gem_workers.png", "fig2_downpour_adaptive.png", "fig3_pi.png", "fig_methods.png"):
         assert (report / figure).read_bytes()[:4] == b"\x89PNG"
     markdown = (report / "RESULTS.md").read_text()
