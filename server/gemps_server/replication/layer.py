@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 from collections.abc import Callable
@@ -119,7 +120,9 @@ class Replicated:
         self.replica.require_primary()
 
     def status(self) -> ReplicationStatus:
-        return self.replica.status()
+        status = self.replica.status()
+        waiting = self._election.unavailable.reason if self._election is not None else ""
+        return dataclasses.replace(status, unavailable=waiting) if waiting else status
 
     def when_replicated(self, position: int, done: Done) -> None:
         self.replica.when_replicated(position, done)
