@@ -148,7 +148,8 @@ def replication_lines(replication: ReplicationStatus | None) -> list[str]:
     r = replication
     if r.role != PRIMARY:
         follows = f"follows {r.primary}" if r.primary else "no primary known"
-        return [f"{r.role} {r.name}, epoch {r.epoch}, {follows} ({r.replicas} replicas configured)"]
+        head = f"{r.role} {r.name}, epoch {r.epoch}, {follows} ({r.replicas} replicas configured)"
+        return [head, f"UNAVAILABLE: {r.unavailable}"] if r.unavailable else [head]
     under = " UNDER-REPLICATED" if r.under_replicated else ""
     head = f"primary {r.name}, epoch {r.epoch}, {r.live}/{r.replicas} replicas live{under}"
     return [head] + [

@@ -185,6 +185,7 @@ def replication_to_proto(replication: ReplicationStatus | None) -> pb.Replicatio
         forwarded=replication.forwarded,
         applied=replication.applied,
         failovers=replication.failovers,
+        unavailable=replication.unavailable,
     )
 
 
@@ -206,6 +207,7 @@ def replication_from_proto(message: pb.StatusResponse) -> ReplicationStatus | No
         forwarded=replication.forwarded,
         applied=replication.applied,
         failovers=replication.failovers,
+        unavailable=replication.unavailable,
     )
 
 

@@ -116,6 +116,7 @@ class ReplicationStatus:
     forwarded: int = 0  # journal entries forwarded to backups, over this process's life
     applied: int = 0  # journal entries applied from a primary (on a backup), over this process's life
     failovers: int = 0  # times this replica became primary
+    unavailable: str = ""  # why the partition has no primary though this replica runs ("": nothing stops one)
 
     @property
     def live(self) -> int:

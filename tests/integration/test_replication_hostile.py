@@ -18,12 +18,14 @@ from gemps_server.replication.replica import MAX_GREETINGS
 from tests.helpers import InProcessServer
 from tests.integration.conftest import StartServer
 from tests.integration.test_replicas import replica_options, wait_replicated
+from tests.replica_reports import report_fresh
 
 PREFIX = struct.Struct("<IQ")  # a replication frame's: header bytes, body bytes
 
 
 def lone_primary(start_server: StartServer, etcd: LocalEtcd, job: str) -> InProcessServer:
     """Replica 0 of 2, once it is primary (no backup: the raw sockets are the only peers)."""
+    report_fresh(etcd.endpoint, job, replicas=2)  # a fresh job elects once every replica reported
     primary = start_server(rule="downpour", **replica_options(etcd, 0, job))
     wait_replicated([primary])
     return primary

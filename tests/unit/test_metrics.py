@@ -183,6 +183,7 @@ def test_a_primary_exports_its_role_epoch_backups_and_counts() -> None:
         ("gemps_replicas_configured", ()): 3,
         ("gemps_replicas_live", ()): 2,  # itself and r1: r2 is out of the in-sync set
         ("gemps_partition_under_replicated", ()): 1,
+        ("gemps_replication_waiting_for_replicas", ()): 0,
         ("gemps_replication_lag_commits", (("backup", "r1"),)): 0,
         ("gemps_replication_lag_commits", (("backup", "r2"),)): 40,
         ("gemps_replication_lag_seconds", (("backup", "r1"),)): 0.0,

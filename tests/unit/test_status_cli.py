@@ -100,3 +100,14 @@ def test_nothing_is_said_of_replication_when_no_partition_is_replicated(
 ) -> None:
     out = shown(memory_cluster(4, partitions=2), monkeypatch, capsys)
     assert "version" in out and "replicat" not in out.lower()
+
+
+def test_a_replica_waiting_for_others_to_report_says_why_there_is_no_primary(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (server,) = memory_cluster(4, partitions=1)
+    why = "no primary: etcd holds no in-sync list ...; waiting for partition-0-replica-0"
+    server.replication = ReplicationStatus("r1", CANDIDATE, epoch=7, replicas=2, unavailable=why)
+    out = shown([server], monkeypatch, capsys)
+    assert "\nreplication     candidate r1, epoch 7, no primary known (2 replicas configured)\n" in out
+    assert f"\n  UNAVAILABLE: {why}\n" in out

@@ -384,7 +384,7 @@ class BackupLag(_message.Message):
     def __init__(self, name: _Optional[str] = ..., in_sync: _Optional[bool] = ..., lag_commits: _Optional[int] = ..., lag_seconds: _Optional[float] = ...) -> None: ...
 
 class ReplicationStatus(_message.Message):
-    __slots__ = ("name", "role", "epoch", "replicas", "primary", "backups", "forwarded", "applied", "failovers")
+    __slots__ = ("name", "role", "epoch", "replicas", "primary", "backups", "forwarded", "applied", "failovers", "unavailable")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -394,6 +394,7 @@ class ReplicationStatus(_message.Message):
     FORWARDED_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     FAILOVERS_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     epoch: int
@@ -403,7 +404,8 @@ class ReplicationStatus(_message.Message):
     forwarded: int
     applied: int
     failovers: int
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., replicas: _Optional[int] = ..., primary: _Optional[str] = ..., backups: _Optional[_Iterable[_Union[BackupLag, _Mapping]]] = ..., forwarded: _Optional[int] = ..., applied: _Optional[int] = ..., failovers: _Optional[int] = ...) -> None: ...
+    unavailable: str
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., replicas: _Optional[int] = ..., primary: _Optional[str] = ..., backups: _Optional[_Iterable[_Union[BackupLag, _Mapping]]] = ..., forwarded: _Optional[int] = ..., applied: _Optional[int] = ..., failovers: _Optional[int] = ..., unavailable: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("initialized", "version", "active_workers", "num_parameters", "config", "commits_applied", "commits_rejected", "spec", "uptime_seconds", "last_evaluation", "learning_rate", "buffer_spec", "workers", "lease_ttl_seconds", "gradient_noise", "replication", "data_plane", "layout", "versions", "memory_budget_bytes", "rule_state_bytes")

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 from gemps_server.replication.election import Election, Member
+from gemps_server.replication.epoch_record import EpochRecordError
 from gemps_server.replication.etcd_client import CoordinationUnavailable
 
 log = logging.getLogger("gemps.server")
@@ -19,7 +20,8 @@ class Coordinator:
 
     - primary: renew; when that fails for good (or holds() turns False) call on_demoted once;
     - otherwise: read who is primary and report changes through on_primary(member, epoch) (None
-      and 0 when there is none); when there is none, campaign, and on a win call on_promoted(epoch).
+      and 0 when there is none; the epoch recorded on disk first: epoch_record.py); when there is
+      none, campaign, and on a win call on_promoted(epoch).
 
     etcd unreachable: it keeps looping, logging once per outage. Nothing raises out of the thread.
     """
@@ -85,6 +87,11 @@ class Coordinator:
 
     def _report(self, current: tuple[Member | None, int]) -> None:
         if current != self._reported:
+            try:
+                self.election.saw(current[1])  # on disk before this replica follows the epoch
+            except EpochRecordError as error:
+                log.error("%s: does not follow epoch %d: %s", self.election.me.name, current[1], error)
+                return
             self._reported = current
             self.on_primary(*current)
 

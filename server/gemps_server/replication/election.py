@@ -2,20 +2,27 @@
 
 Under a partition's prefix (`partition_prefix`) etcd holds two keys:
 
-- `primary`: the holder's `Member` as JSON, bound to the holder's lease. Its create_revision is the
-  **epoch**: it grows with every new primary, and a key re-created by anyone else gets a new one.
-- `in-sync`: the replicas that hold every acknowledged commit, as JSON [name, incarnation] pairs.
-  Only the epoch's holder writes it (a transaction fenced on the primary key's create_revision),
-  and only a listed replica may campaign, so a backup that missed commits can never be promoted.
-  Absent means a fresh job: anyone may campaign, and the winner lists itself.
-- `members/<name>`: each live replica's incarnation and the (epoch, version) of the checkpoint it
-  started from, bound to a lease of its own (`announce`). When no replica of the in-sync list has
-  been alive for ORPHANED_LEASES leases (every process that held the acknowledged commits is
-  gone: a whole job restarted, say), nobody could ever be promoted; then the live replica holding
-  the newest checkpoint, by (epoch, version), may campaign (several, when tied), and says loudly
-  that commits acknowledged after its checkpoint are lost. The durability rule holds: no replica
-  of the partition lived. By epoch first: an old primary's checkpoint may hold commits past the
-  new primary's version that were never acknowledged, while the new primary's are.
+- `primary`: the holder's `Member` as JSON with the epoch's `base`, bound to the holder's lease.
+  The **epoch** is its create_revision + base: it grows with every new primary, and a key
+  re-created by anyone else gets a new one. The base is 0 until etcd loses its data; then the first
+  primary after it takes every replica's highest epoch seen (epoch_record.py) as the base, so that
+  epochs never repeat although etcd's revisions start again at 1 (fencing compares the revision).
+- `in-sync`: the replicas that hold every acknowledged commit, as JSON {"base", "members":
+  [[name, incarnation], ...]}. Only the epoch's holder writes it (a transaction fenced on the
+  primary key's create_revision), and only a listed replica may campaign, so a backup that missed
+  commits can never be promoted. Absent: a fresh job, or etcd lost its data; then nobody knows who
+  holds every acknowledged commit, and a replica may campaign only once every one of the R
+  replicas reports its state and none holds a newer one (recovery.py; DESIGN §3d). Until then the
+  partition has no primary, and `unavailable` says why.
+- `members/<name>`: each live replica's `recovery.Report` (incarnation, highest epoch seen, the
+  (epoch, version) of the state it holds), bound to a lease of its own (`announce`). When no
+  replica of the in-sync list has been alive for ORPHANED_LEASES leases (every process that held
+  the acknowledged commits is gone: a whole job restarted, say), nobody could ever be promoted;
+  then the live replica holding the newest state, by (epoch, version), may campaign (several,
+  when tied), and says loudly that commits acknowledged after its checkpoint are lost. The
+  durability rule holds: no replica of the partition lived. By epoch first: an old primary's
+  checkpoint may hold commits past the new primary's version that were never acknowledged, while
+  the new primary's are.
 
 Fencing: a primary acknowledges commits only while `holds()`, which trusts the lease for 80 % of
 its TTL counted from when the last successful renewal was *sent*. etcd counts its expiry from when
@@ -34,15 +41,19 @@ import logging
 import math
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 from etcd3gw.client import Etcd3Client
 from etcd3gw.lease import Lease
 
+from gemps_server.replication.epoch_record import EpochRecord, EpochRecordError
 from gemps_server.replication.etcd_client import CoordinationUnavailable, EtcdEndpoints
+from gemps_server.replication.member import Member, new_incarnation, partition_prefix
+from gemps_server.replication.recovery import Held, Report, Unavailable, Verdict, judge
+
+__all__ = ["HOLD_FRACTION", "ORPHANED_LEASES", "Election", "Member", "new_incarnation", "partition_prefix"]
 
 log = logging.getLogger("gemps.server")
 T = TypeVar("T")
@@ -53,64 +64,22 @@ HOLD_FRACTION = 0.8
 ORPHANED_LEASES = 5
 
 
-def partition_prefix(job: str, partition: int) -> str:
-    """The etcd prefix of one partition's election keys."""
-    return f"/gemps/{job}/partition/{partition}"
-
-
-def new_incarnation() -> str:
-    """A random id for this process: a restarted replica is a new incarnation, never in-sync."""
-    return uuid.uuid4().hex
-
-
-@dataclass(frozen=True)
-class Member:
-    """One replica process, as the primary key and the in-sync list name it."""
-
-    name: str  # unique within the partition, e.g. "partition-0-replica-1"
-    incarnation: str  # this process's random id (new_incarnation())
-    address: str  # worker-facing gRPC host:port
-    replication: str  # host:port of its replication listener (backups dial the primary here)
-
-    @property
-    def identity(self) -> tuple[str, str]:
-        """(name, incarnation): what the in-sync list holds."""
-        return (self.name, self.incarnation)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> Member:
-        fields = json.loads(text)
-        return cls(
-            name=str(fields["name"]),
-            incarnation=str(fields["incarnation"]),
-            address=str(fields["address"]),
-            replication=str(fields["replication"]),
-        )
-
-
 @dataclass(frozen=True)
 class _Term:
     """What this replica holds while primary."""
 
-    epoch: int
+    epoch: int  # revision + base
     lease_id: int
-
-
-def _presence(name: str, raw: bytes) -> tuple[tuple[str, str], tuple[int, int]]:
-    """A members/ key's (name, incarnation) and the (epoch, version) its replica started from; a
-    value that is not such a record (a bare incarnation) holds nothing known: (0, 0)."""
-    try:
-        fields = json.loads(raw)
-        return (name, str(fields["incarnation"])), (int(fields["epoch"]), int(fields["version"]))
-    except (ValueError, KeyError, TypeError):
-        return (name, raw.decode(errors="replace")), (0, 0)
+    revision: int  # the primary key's create_revision: what the fencing transactions compare
+    base: int  # carried into the in-sync key, so that the next primary's epoch is above this one's
 
 
 def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
+
+
+def _in_sync_value(base: int, members: Iterable[tuple[str, str]]) -> str:
+    return json.dumps({"base": base, "members": [list(identity) for identity in members]})
 
 
 class Election:
@@ -126,8 +95,15 @@ class Election:
         me: Member,
         lease_seconds: float = 3.0,
         timeout: float | None = None,
-        restored: tuple[int, int] = (0, 0),
+        restored: Held = (0, 0),
+        replicas: Sequence[str] = (),
+        record: EpochRecord | None = None,
+        held: Callable[[], Held] | None = None,
     ) -> None:
+        """`replicas`: the names of the partition's R replicas (every one must report before a
+        primary is chosen without an in-sync list; empty: those that report). `record`: the highest
+        epoch seen, on disk (default: in memory). `held`: the (epoch, version) of the state this
+        replica holds now (default: `restored`, the checkpoint it started from)."""
         if lease_seconds <= 0:
             raise ValueError(f"lease_seconds must be positive, not {lease_seconds}")
         timeout = lease_seconds / 3 if timeout is None else timeout
@@ -149,7 +125,13 @@ class Election:
         self._presence: int | None = None  # the lease of this replica's members/ key
         self._orphaned_since: float | None = None  # when no in-sync replica was seen alive
         self.restored = restored  # (epoch, version) of the checkpoint this process started from
-        self._alive: dict[tuple[str, str], tuple[int, int]] = {}  # members/ as last read: what each holds
+        self.replicas = tuple(replicas)
+        self.record = EpochRecord(None) if record is None else record
+        self.held = held or (lambda: restored)
+        self._alive: dict[tuple[str, str], Report] = {}  # members/ as last read
+        self._reported: Report | None = None  # this replica's members/ value as last written
+        self._primary_known = False  # whether the last read of the primary key found one
+        self.unavailable = Unavailable(me.name, self.prefix)  # why nobody may campaign, if so
 
     # -- what this replica holds ------------------------------------------------------------------
 
@@ -173,22 +155,33 @@ class Election:
             self._demote(held, "the lease was not renewed in time")  # a lapsed epoch is never regained
         if self.primary() is not None:
             return None
-        listed, listed_revision = self._read_in_sync()
+        listed, listed_revision, base = self._read_in_sync()
         unclean = listed is not None and self.me.identity not in listed
-        if unclean and (not self._orphaned(listed or []) or self._newer_elsewhere()):
-            return None
+        if listed is None:
+            verdict = self._judge()
+            if not self._may_recover(verdict):
+                return None
+            base = verdict.floor  # every replica's highest epoch seen: the new one is above them all
+        else:
+            self.unavailable.clear()
+            if unclean and (not self._orphaned(listed) or self._newer_elsewhere()):
+                return None
         sent_at = time.monotonic()  # the lease's clock starts no earlier than its grant was sent
         lease_id = self._call("lease grant", lambda client: client.lease(self._ttl).id)
-        put_me = {"request_put": {"key": _b64(self.primary_key), "value": _b64(self.me.to_json()), "lease": lease_id}}
-        list_me = {"request_put": {"key": _b64(self.in_sync_key), "value": _b64(json.dumps([self.me.identity]))}}
+        value = json.dumps({**json.loads(self.me.to_json()), "base": base}, sort_keys=True)
+        members = listed if listed is not None and not unclean else [self.me.identity]
         txn = {
             # Nobody holds it, and the in-sync list is the one read above (still absent, or still
-            # naming this replica): both checked where they are decided, in one transaction.
+            # naming this replica): both checked where they are decided, in one transaction. The
+            # list is written again with the base the epoch is counted from (the next primary's).
             "compare": [
                 {"key": _b64(self.primary_key), "target": "CREATE", "result": "EQUAL", "create_revision": 0},
                 {"key": _b64(self.in_sync_key), "target": "MOD", "result": "EQUAL", "mod_revision": listed_revision},
             ],
-            "success": [put_me] if listed is not None and not unclean else [put_me, list_me],
+            "success": [
+                {"request_put": {"key": _b64(self.primary_key), "value": _b64(value), "lease": lease_id}},
+                {"request_put": {"key": _b64(self.in_sync_key), "value": _b64(_in_sync_value(base, members))}},
+            ],
             "failure": [],
         }
         try:
@@ -199,8 +192,15 @@ class Election:
         if not response.get("succeeded"):
             self._revoke_quietly(lease_id)
             return None
-        epoch = int(response["header"]["revision"])  # the transaction's revision: the key's create_revision
-        won = _Term(epoch, lease_id)
+        revision = int(response["header"]["revision"])  # the transaction's revision: the key's create_revision
+        won = _Term(revision + base, lease_id, revision, base)
+        epoch = won.epoch
+        try:
+            self.record.raise_to(epoch)  # on disk before anything acts on the epoch
+        except EpochRecordError as error:
+            log.error("%s: gives up epoch %d of %s: %s", self.me.name, epoch, self.prefix, error)
+            self._revoke_quietly(lease_id)
+            return None
         with self._lock:
             self._holds_until = sent_at + self.lease_seconds * HOLD_FRACTION
             self._term = won
@@ -210,34 +210,78 @@ class Election:
         if unclean:
             log.error(
                 "%s: primary of %s, epoch %d, though not in sync: no replica that held every acknowledged "
-                "commit has been alive for %d leases (%s); this one holds the newest checkpoint of those "
+                "commit has been alive for %d leases (%s); this one holds the newest state of those "
                 "alive (epoch %d, version %d): commits acknowledged after it are lost",
                 self.me.name, self.prefix, epoch, ORPHANED_LEASES, ", ".join(name for name, _ in listed or []),
-                *self.restored,
+                *self.held(),
+            )  # fmt: skip
+        elif listed is None and base > 0:
+            log.warning(
+                "%s: primary of %s, epoch %d: etcd had lost the in-sync list; every replica reported, and "
+                "this one holds the newest state (epoch %d, version %d)",
+                self.me.name, self.prefix, epoch, *self.held(),
             )  # fmt: skip
         else:
             log.info("%s: primary of %s, epoch %d", self.me.name, self.prefix, epoch)
         return epoch
 
+    def saw(self, epoch: int) -> None:
+        """Another replica is primary at `epoch`: recorded (on disk) before this one follows it.
+        EpochRecordError when the disk refuses (then it must not follow)."""
+        self.record.raise_to(epoch)
+
     def announce(self) -> None:
-        """Say this replica is alive: its members/ key, bound to a lease of its own, kept."""
+        """Say this replica is alive, and what it holds: its members/ key (a `Report`), bound to a
+        lease of its own, kept, and written again when the report changed. While a primary is
+        known a backup's state is not re-reported (an older report of it is a state it held, which
+        is what the rule needs, and a put per tick per backup would load etcd for nothing)."""
+        report = self._report()
         if self._presence is not None:
             presence = self._presence
             if self._call("presence keep-alive", lambda client: Lease(presence, client).refresh()) > 0:
-                return
-        lease_id = self._call("lease grant", lambda client: client.lease(self._ttl).id)
+                if report == self._reported:
+                    return
+            else:
+                self._presence = None  # expired, or etcd lost it: a new lease
+        lease_id = self._presence or self._call("lease grant", lambda client: client.lease(self._ttl).id)
         key = self.members_prefix + self.me.name
-        epoch, version = self.restored
-        value = json.dumps({"incarnation": self.me.incarnation, "epoch": epoch, "version": version})
-        self._call("presence", lambda client: client.put(key, value, lease=Lease(lease_id, client)))
-        self._presence = lease_id
+        self._call("presence", lambda client: client.put(key, report.to_json(), lease=Lease(lease_id, client)))
+        self._presence, self._reported = lease_id, report
+
+    def _report(self) -> Report:
+        """This replica's report now: no state while it holds a lease (it may be acknowledging)."""
+        held: Held | None = None
+        if self._term is None:
+            last = self._reported
+            keep = self._primary_known and last is not None and last.held is not None
+            held = last.held if keep and last is not None else self.held()
+        return Report(self.me.name, self.me.incarnation, self.record.seen, held)
+
+    def _read_reports(self) -> dict[str, Report]:
+        """The members/ keys by name, and this replica's own report as it is now."""
+        reports = {
+            name: Report.from_json(name, value)
+            for value, metadata in self._call("read", lambda client: client.get_prefix(self.members_prefix))
+            for name in [metadata["key"].decode().removeprefix(self.members_prefix)]
+        }
+        reports[self.me.name] = Report(self.me.name, self.me.incarnation, self.record.seen, self.held())
+        self._alive = {report.identity: report for report in reports.values()}
+        return reports
+
+    def _judge(self) -> Verdict:
+        return judge(self.replicas, self._read_reports(), self.record.seen, self.held())
+
+    def _may_recover(self, verdict: Verdict) -> bool:
+        """Without an in-sync list: whether this replica may campaign (else `unavailable` says why)."""
+        if verdict.missing:
+            self.unavailable.waiting_for(verdict.missing, loud=self.record.seen > 0)
+            return False
+        self.unavailable.clear()
+        return verdict.allows(self.held())
 
     def _orphaned(self, listed: list[tuple[str, str]]) -> bool:
         """Whether no replica of the in-sync list has been alive for ORPHANED_LEASES leases."""
-        self._alive = dict(
-            _presence(metadata["key"].decode().removeprefix(self.members_prefix), value)
-            for value, metadata in self._call("read", lambda client: client.get_prefix(self.members_prefix))
-        )
+        self._read_reports()
         if set(self._alive) & set(listed):
             self._orphaned_since = None
             return False
@@ -246,9 +290,14 @@ class Election:
         return now - self._orphaned_since >= ORPHANED_LEASES * self.lease_seconds
 
     def _newer_elsewhere(self) -> bool:
-        """Whether another live replica (as `_orphaned` last read them) started from a newer
-        checkpoint than this one, by (epoch, version): that one should take over, not this one."""
-        return any(held > self.restored for identity, held in self._alive.items() if identity != self.me.identity)
+        """Whether another live replica (as `_orphaned` last read them) holds a newer state than
+        this one, by (epoch, version): that one should take over, not this one."""
+        mine = self.held()
+        return any(
+            report.held is None or report.held > mine
+            for identity, report in self._alive.items()
+            if identity != self.me.identity
+        )
 
     def renew(self) -> bool:
         """Keep the lease: True while held. False once it is gone (expired, lapsed past what holds()
@@ -273,7 +322,7 @@ class Election:
         if ttl <= 0:
             self._demote(term, "the lease expired")
             return False
-        if holder != term.epoch:  # deleted or re-created by someone else (an operator): not ours any more
+        if holder != term.revision:  # deleted or re-created by someone else (an operator): not ours any more
             self._demote(term, "the primary key is no longer this epoch's")
             return False
         with self._lock:
@@ -295,14 +344,8 @@ class Election:
             return False
         pairs = [self.me.identity]
         pairs += [member.identity for member in members if member.identity not in pairs]
-        txn = {
-            "compare": [
-                {"key": _b64(self.primary_key), "target": "CREATE", "result": "EQUAL", "create_revision": term.epoch}
-            ],
-            "success": [{"request_put": {"key": _b64(self.in_sync_key), "value": _b64(json.dumps(pairs))}}],
-            "failure": [],
-        }
-        response = self._call("in-sync write", lambda client: client.transaction(txn))
+        put = {"request_put": {"key": _b64(self.in_sync_key), "value": _b64(_in_sync_value(term.base, pairs))}}
+        response = self._call("in-sync write", lambda client: client.transaction(self._fenced(term, put)))
         if not response.get("succeeded"):
             self._demote(term, "fenced: another epoch holds the primary key")
             return False
@@ -316,14 +359,8 @@ class Election:
         if term is None:
             return
         self._demote(term, "resigned", graceful=True)
-        txn = {
-            "compare": [
-                {"key": _b64(self.primary_key), "target": "CREATE", "result": "EQUAL", "create_revision": term.epoch}
-            ],
-            "success": [{"request_delete_range": {"key": _b64(self.primary_key)}}],
-            "failure": [],
-        }
-        self._call("resign", lambda client: client.transaction(txn))
+        delete = {"request_delete_range": {"key": _b64(self.primary_key)}}
+        self._call("resign", lambda client: client.transaction(self._fenced(term, delete)))
         self._revoke_quietly(term.lease_id)  # the key is gone; an already expired lease is no error here
 
     def withdraw(self) -> None:
@@ -341,28 +378,33 @@ class Election:
     def primary(self) -> tuple[Member, int] | None:
         """The current primary and its epoch; None when there is none."""
         found = self._call("read", lambda client: client.get(self.primary_key, metadata=True))
+        self._primary_known = bool(found)
         if not found:
             return None
+        self.unavailable.clear()
         value, metadata = found[0]
         try:
-            return Member.from_json(value), int(metadata["create_revision"])
-        except (ValueError, KeyError, TypeError) as error:
+            return Member.from_json(value), int(metadata["create_revision"]) + int(json.loads(value).get("base", 0))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise CoordinationUnavailable(f"malformed {self.primary_key}: {value!r}") from error
 
     def in_sync(self) -> list[tuple[str, str]] | None:
-        """The in-sync list as (name, incarnation) pairs; None when the key is absent (a fresh job)."""
+        """The in-sync list as (name, incarnation) pairs; None when the key is absent (a fresh job,
+        or etcd lost its data)."""
         return self._read_in_sync()[0]
 
-    def _read_in_sync(self) -> tuple[list[tuple[str, str]] | None, int]:
-        """The in-sync list and the key's mod_revision (0 when absent)."""
+    def _read_in_sync(self) -> tuple[list[tuple[str, str]] | None, int, int]:
+        """The in-sync list, the key's mod_revision (0 when absent) and the epochs' base."""
         found = self._call("read", lambda client: client.get(self.in_sync_key, metadata=True))
         if not found:
-            return None, 0
+            return None, 0, 0
         value, metadata = found[0]
         try:
-            return [(str(name), str(incarnation)) for name, incarnation in json.loads(value)], int(
-                metadata["mod_revision"]
-            )
+            fields = json.loads(value)
+            if isinstance(fields, list):  # as written before epochs had a base
+                fields = {"base": 0, "members": fields}
+            listed = [(str(name), str(incarnation)) for name, incarnation in fields["members"]]
+            return listed, int(metadata["mod_revision"]), int(fields["base"])
         except (ValueError, KeyError, TypeError) as error:
             raise CoordinationUnavailable(f"malformed {self.in_sync_key}: {value!r}") from error
 
@@ -382,6 +424,16 @@ class Election:
         log.log(level, "%s: no longer primary of %s (epoch %d): %s", self.me.name, self.prefix, term.epoch, why)
         if not graceful:  # (resign revokes it itself)
             self._revoke_quietly(term.lease_id)  # the key may still be alive at etcd: free it for a backup
+
+    def _fenced(self, term: _Term, operation: Mapping[str, object]) -> dict[str, object]:
+        """A transaction doing `operation` only while the primary key is still `term`'s."""
+        compare = {
+            "key": _b64(self.primary_key),
+            "target": "CREATE",
+            "result": "EQUAL",
+            "create_revision": term.revision,
+        }
+        return {"compare": [compare], "success": [operation], "failure": []}
 
     def _revoke_quietly(self, lease_id: int) -> None:
         with contextlib.suppress(CoordinationUnavailable):  # unreachable: the lease runs out on its own

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import logging
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 from gemps_server.checkpoint_files import Checkpoint
@@ -27,10 +30,14 @@ from gemps_server.listening import hostport, listening
 from gemps_server.metrics import ServerMetrics
 from gemps_server.replicas import Done, NoReplicas, Replicas
 from gemps_server.replication.election import Election, Member
+from gemps_server.replication.epoch_record import EpochRecord
 from gemps_server.replication.metrics import ReplicationCollector
+from gemps_server.replication.recovery import Held, replica_names
 from gemps_server.replication.replica import Replica, listen
 from gemps_server.replication.status import ReplicationStatus
 from gemps_server.security import Tickets
+
+log = logging.getLogger("gemps.server")
 
 
 class ReplicationLayer(Replicas, Protocol):
@@ -62,7 +69,7 @@ def layer(
     if config.replicas == 1:
         return Unreplicated()
     replicated = Replicated(config, state, applier, tickets, checkpointer)
-    ReplicationCollector(metrics.registry, replicated.status)
+    ReplicationCollector(metrics.registry, replicated.status, replicated.waiting_for)
     return replicated
 
 
@@ -92,6 +99,9 @@ class Replicated:
         checkpointer: Checkpointer | None,
     ) -> None:
         self._config = config
+        self._state = state
+        self._restored_epoch = 0  # the epoch of the checkpoint restored at start
+        self._election: Election | None = None
         self.replica = Replica(
             state, applier, config.replicas, config.replica_timeout, config.token(), tickets, on_applied=self._replayed
         )
@@ -101,9 +111,8 @@ class Replicated:
         self._on_committed: Callable[[int], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         if checkpointer is not None:
-            replica = self.replica
             self._on_committed = checkpointer.committed
-            checkpointer.epoch = lambda: replica.epoch  # the epoch its commits were acknowledged under
+            checkpointer.epoch = self._held_epoch  # the epoch of the journal its state follows
 
     # -- the port (gemps_server.replicas.Replicas) ----------------------------------------------
 
@@ -111,10 +120,29 @@ class Replicated:
         self.replica.require_primary()
 
     def status(self) -> ReplicationStatus:
-        return self.replica.status()
+        status = self.replica.status()
+        waiting = self._election.unavailable.reason if self._election is not None else ""
+        return dataclasses.replace(status, unavailable=waiting) if waiting else status
 
     def when_replicated(self, position: int, done: Done) -> None:
         self.replica.when_replicated(position, done)
+
+    def waiting_for(self) -> tuple[str, ...]:
+        """The replicas this one waits for before a primary may be chosen (etcd holds no in-sync
+        list: a fresh job, or etcd lost its data); () when it waits for none."""
+        return self._election.unavailable.missing if self._election is not None else ()
+
+    def _held_epoch(self) -> int:
+        return self.replica.held_epoch or self._restored_epoch
+
+    def _held(self) -> Held:
+        """(epoch, version) of the state this replica holds, read so that a seed landing between
+        the two reads cannot pair a new epoch with the old state's version."""
+        while True:
+            epoch = self._held_epoch()
+            version = self._state.version
+            if self._held_epoch() == epoch:
+                return epoch, version
 
     # -- the lifecycle part ----------------------------------------------------------------------
 
@@ -140,7 +168,24 @@ class Replicated:
             )
             prefix = f"/gemps/{config.job}/partition/{config.partition}"
             at = (restored.epoch, restored.version) if restored is not None else (0, 0)
-            election = Election(config.etcd, prefix, me, lease_seconds=config.replica_lease, restored=at)
+            self._restored_epoch = at[0]
+            if not config.checkpoint_dir:
+                log.warning(
+                    "%s: no --checkpoint-dir: the highest epoch this replica has seen is kept in memory only "
+                    "(a restarted replica holds nothing then; the others' records keep epochs from repeating)",
+                    me.name,
+                )
+            election = Election(
+                config.etcd,
+                prefix,
+                me,
+                lease_seconds=config.replica_lease,
+                restored=at,
+                replicas=replica_names(config.partition, config.replicas),
+                record=EpochRecord(Path(config.checkpoint_dir) if config.checkpoint_dir else None),
+                held=self._held,
+            )
+            self._election = election
             self.replica.start(election, bound[0])
         except BaseException:
             bound[0].close()

@@ -11,6 +11,8 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from gemps_server.replication.status import PRIMARY, ROLES, ReplicationStatus
 
 ReplicationReading = Callable[[], ReplicationStatus | None]
+#: the replicas a partition without an in-sync list in etcd waits for (layer.Replicated.waiting_for)
+WaitingReading = Callable[[], tuple[str, ...]]
 
 
 class ReplicationCollector:
@@ -21,8 +23,11 @@ class ReplicationCollector:
 
     Registers itself into `registry`; make one per registry, when the partition is replicated."""
 
-    def __init__(self, registry: CollectorRegistry, provider: ReplicationReading) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, provider: ReplicationReading, waiting: WaitingReading = tuple
+    ) -> None:
         self._provider = provider
+        self._waiting = waiting
         registry.register(self)
 
     def collect(self) -> Iterator[Metric]:
@@ -30,6 +35,13 @@ class ReplicationCollector:
         if status is None:
             return
         yield from _replica_families(status)
+        yield _gauge(
+            "gemps_replication_waiting_for_replicas",
+            "Replicas that have not reported their state while etcd holds no in-sync list (a fresh job, or etcd "
+            "lost its data): above 0, the partition has no primary, as no replica can prove it holds every "
+            "acknowledged commit.",
+            len(self._waiting()),
+        )
         if status.role == PRIMARY:  # what only a primary knows: its backups
             yield from _primary_families(status)
         yield from _replication_counters(status)

@@ -67,6 +67,7 @@ class Replica:
         self._lock = threading.RLock()  # role changes come from the coordinator and the follower's end
         self.role = CANDIDATE
         self.epoch = 0
+        self._held_epoch = 0  # the epoch of the journal its state follows: promoted to, or seeded by
         self._primary: Member | None = None
         self._forwarder: Forwarder | None = None
         self._follower: Follower | None = None
@@ -113,6 +114,13 @@ class Replica:
             Reason.NOT_PRIMARY,
         )
 
+    @property
+    def held_epoch(self) -> int:
+        """The epoch of the journal this replica's state follows (0: none in this process): a backup
+        not yet seeded by its primary still holds its previous epoch's state (election.py reports it)."""
+        follower = self._follower
+        return follower.epoch if follower is not None and follower.seeded else self._held_epoch
+
     def when_replicated(self, position: int, done: Done) -> None:
         forwarder = self._forwarder
         if forwarder is None:
@@ -154,6 +162,7 @@ class Replica:
                 return
             self._set_journal(forwarder)
             self._forwarder, self.role, self.epoch, self._primary = forwarder, PRIMARY, epoch, self.me
+            self._held_epoch = epoch
             self.failovers += 1
         # Worth a warning only when it took over from another primary (not at a job's start).
         level = logging.WARNING if self._state.version else logging.INFO
@@ -218,6 +227,8 @@ class Replica:
             follower.stop()
             follower.join(timeout=2 * CONNECT_SECONDS)
             self.applied += follower.applied
+            if follower.seeded:
+                self._held_epoch = follower.epoch
 
     def _set_in_sync(self, backups: Iterable[Peer]) -> bool:
         members = [self.me, *(Member(p.name, p.incarnation, p.address, p.replication) for p in backups)]
