@@ -147,6 +147,7 @@ class Replica:
                 self._election.holds,
                 self._timeout,
                 self._tickets.key,
+                backups=self.replicas - 1,
             )
             if not self._set_in_sync(()):  # only this replica is in sync until backups are seeded
                 forwarder.close()
@@ -276,7 +277,10 @@ class Replica:
                 sock.close()
                 return
             event(log, "backup joining", backup=peer.name, epoch=forwarder.epoch)
-            forwarder.attach(peer, sock)
+            refusal = forwarder.attach(peer, sock)  # one backup per name, R-1 at most
+            if refusal:
+                frames.send(sock, frames.Frame(frames.REFUSED, {"reason": refusal, "epoch": self.epoch}))
+                sock.close()
         except (OSError, ValueError, KeyError, TypeError) as error:
             event(log, "replication hello failed", level=logging.WARNING, error=str(error))
             sock.close()
