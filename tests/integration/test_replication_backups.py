@@ -114,6 +114,9 @@ def test_a_peer_under_a_live_backups_name_or_a_name_past_r_minus_1_is_refused(
                 if frame.kind == frames.SEED:  # what the current code does: it takes the seat
                     frames.send(sock, frames.Frame(frames.ACK, {"position": frame.header["position"]}))
                     time.sleep(0.5)  # long enough for the monitor to write it into etcd
+        for _ in range(20):  # a peer that keeps trying
+            with say_hello(primary, identity(backup)[0]) as sock:
+                assert first_frame(sock).kind == frames.REFUSED
         with gemps.Client("|".join(server.target for server in servers), name="w") as client:
             client.register({"w": np.zeros(PARAMETERS, np.float32)})
             for _ in range(5):
@@ -122,6 +125,8 @@ def test_a_peer_under_a_live_backups_name_or_a_name_past_r_minus_1_is_refused(
     assert all(kind == frames.REFUSED for _, kind, _ in answers), answers
     assert "attached" in answers[0][2] and "backups" in answers[-1][2], answers
     assert seen[-1] == [identity(primary), identity(backup)]
+    # A line per backup's name every 5 s, and one for every other name together: not one a try.
+    assert primary.log().count("backup refused") <= 3
     assert backup.server.state.version == primary.server.state.version == 5
 
 

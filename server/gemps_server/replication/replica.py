@@ -276,11 +276,12 @@ class Replica:
             if forwarder is None:
                 sock.close()
                 return
-            event(log, "backup joining", backup=peer.name, epoch=forwarder.epoch)
-            refusal = forwarder.attach(peer, sock)  # one backup per name, R-1 at most
+            refusal = forwarder.attach(peer, sock)  # one backup per name, R-1 at most (it logs refusals)
             if refusal:
                 frames.send(sock, frames.Frame(frames.REFUSED, {"reason": refusal, "epoch": self.epoch}))
                 sock.close()
+            else:
+                event(log, "backup joining", backup=peer.name, epoch=forwarder.epoch)
         except (OSError, ValueError, KeyError, TypeError) as error:
             event(log, "replication hello failed", level=logging.WARNING, error=str(error))
             sock.close()
