@@ -19,6 +19,7 @@ import pytest
 
 import gemps
 from gemps_server.replication import frames
+from gemps_server.replication.etcd_client import EtcdEndpoints
 from gemps_server.replication.local_etcd import LocalEtcd
 from tests.helpers import CommitLoops, InProcessServer, wait_for
 from tests.integration.conftest import StartServer
@@ -52,16 +53,10 @@ def first_frame(sock: socket.socket) -> frames.Frame:
     return frames.receive(sock)
 
 
-def in_sync(etcd: LocalEtcd, job: str) -> list[tuple[str, str]]:
+def in_sync(etcd: EtcdEndpoints, job: str) -> list[tuple[str, str]]:
     """etcd's in-sync list of partition 0 of `job`, read as any client would."""
-    from gemps_server.replication.etcd_client import EtcdEndpoints
-
-    endpoints = EtcdEndpoints(etcd.endpoint, timeout=5)
-    try:
-        found = endpoints.call("read", lambda client: client.get(f"/gemps/{job}/partition/0/in-sync"))
-    finally:
-        endpoints.close()
-    return [] if not found else [tuple(pair) for pair in json.loads(found[0])]
+    found = etcd.call("read", lambda client: client.get(f"/gemps/{job}/partition/0/in-sync"))
+    return [] if not found else [(str(name), str(incarnation)) for name, incarnation in json.loads(found[0])]
 
 
 @contextmanager
@@ -70,10 +65,11 @@ def in_sync_never_past_r(etcd: LocalEtcd, job: str) -> Iterator[list[list[tuple[
     more than R members, nor one name twice. Yields the distinct sets seen."""
     seen: list[list[tuple[str, str]]] = []
     stop = threading.Event()
+    endpoints = EtcdEndpoints(etcd.endpoint, timeout=5)
 
     def watch() -> None:
         while not stop.is_set():
-            members = in_sync(etcd, job)
+            members = in_sync(endpoints, job)
             if not seen or seen[-1] != members:
                 seen.append(members)
             stop.wait(0.02)
@@ -85,6 +81,7 @@ def in_sync_never_past_r(etcd: LocalEtcd, job: str) -> Iterator[list[list[tuple[
     finally:
         stop.set()
         watcher.join(10)
+        endpoints.close()
     for members in seen:
         names = [name for name, _ in members]
         assert len(members) <= R and len(set(names)) == len(names), f"in-sync set {members} (R = {R}); all: {seen}"
