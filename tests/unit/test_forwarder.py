@@ -15,8 +15,7 @@ from gemps_server.domain.applier import Applier
 from gemps_server.domain.records import Commit
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
-from gemps_server.replication import forwarder as forwarding
-from gemps_server.replication import frames
+from gemps_server.replication import frames, links
 from gemps_server.replication.forwarder import Forwarder, Peer
 from tests.helpers import encoded, training, wait_for
 
@@ -42,7 +41,14 @@ def primary(applier: Applier, in_sync: list[list[Peer]]) -> tuple[ServerState, F
         return True
 
     journal = Forwarder(
-        state, applier, epoch=3, set_in_sync=set_in_sync, holds=lambda: True, timeout=5.0, ticket_key=TICKET_KEY
+        state,
+        applier,
+        epoch=3,
+        set_in_sync=set_in_sync,
+        holds=lambda: True,
+        timeout=5.0,
+        ticket_key=TICKET_KEY,
+        backups=1,
     )
     state.journal = journal
     worker = state.register("w", (ParameterSpec("w", (P,)),), encoded(np.zeros(P, np.float32))).worker.worker_id
@@ -58,7 +64,7 @@ def commit(state: ServerState, worker: str, number: int) -> int:
 def test_a_backup_that_reads_nothing_is_let_go_past_its_queue_bound(
     applier: Applier, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(forwarding, "MAX_QUEUED_BYTES", 4 * P * 4)
+    monkeypatch.setattr(links, "QUEUE_FLOOR_BYTES", 4 * P * 4)
     in_sync: list[list[Peer]] = []
     state, journal, worker = primary(applier, in_sync)
     ours, theirs = socket.socketpair()
@@ -97,3 +103,15 @@ def test_a_seeded_backup_joins_the_in_sync_set_and_commits_wait_for_it(applier: 
         frames.send(theirs, frames.Frame(frames.ACK, {"position": position}))
         assert acknowledged.wait(5)
     journal.close()
+
+
+def test_a_seed_of_more_tensors_than_one_sendmsg_takes_arrives_whole() -> None:
+    # A seed is a buffer per tensor (per-worker rule state makes many): past IOV_MAX in one frame.
+    blobs = [bytes([n % 251]) * (n % 7) for n in range(3 * frames.MAX_BUFFERS)]
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        sender = threading.Thread(target=frames.send, args=(ours, frames.Frame(frames.SEED, {}, blobs)))
+        sender.start()
+        received = frames.receive(theirs)
+        sender.join()
+    assert [bytes(blob) for blob in received.blobs] == blobs

@@ -62,7 +62,8 @@ class ReplicationOptions:
         default=5.0,
         metadata={
             "help": "seconds a backup may leave a forwarded commit unapplied before it is dropped from the "
-            "in-sync set (commits wait for it until then); it is re-seeded when it catches up",
+            "in-sync set (commits wait for it until then), and a quarter of it on average while commits wait on it "
+            "for most of twice as long; it is re-seeded when it catches up",
             RANGE: Range(0.1, 3600.0, unit="s"),
         },
     )

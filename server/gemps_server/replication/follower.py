@@ -134,7 +134,7 @@ class Follower:
                     f"a frame of epoch {frame.header.get('epoch')} from the primary of epoch {self.epoch}"
                 )
             if frame.kind == frames.SEED:
-                image = image_codec.decode(bytes(frame.blobs[0]))
+                image = image_codec.decode(frame.blobs)  # streamed as parts: the header, then each tensor
                 _on_applier(self._applier, functools.partial(images.adopt, self._state, image))
                 del image
                 if self._adopt_ticket_key is not None and frame.header.get("tickets"):

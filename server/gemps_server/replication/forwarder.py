@@ -8,18 +8,21 @@ A commit's reply waits (`when_replicated`) until every backup in the in-sync set
 position, and is refused instead when this replica no longer holds its lease (fencing).
 
 A backup joins by saying hello: the applier takes the state's whole image and the journal's
-position in one operation (nothing can be appended in between), the image goes first, then every
-entry after that position. Once it acknowledged the image it is added to the in-sync set, in etcd
-first (only members of that set may become primary). One that stops acknowledging for
-`timeout` seconds, or whose connection breaks, is removed from the set, in etcd first: until
-then commits wait for it, so a backup that could still be promoted never misses an acknowledged
-commit. It is re-seeded when it comes back.
+position in one operation (nothing can be appended in between), the image goes first, streamed,
+then every entry after that position. Once it acknowledged the image it is added to the in-sync
+set, in etcd first (only members of that set may become primary). One name, one backup: while a
+backup of a name is attached and alive, a second peer under that name is refused, and so is any
+peer past the partition's R-1 backups (the in-sync set never lists more than R replicas). A
+backup is let go when its connection breaks, when it acknowledges what it was never sent, when it
+leaves an entry unacknowledged for `timeout` seconds, or runs far behind for long (lag.py), or
+falls an image behind while it catches up (links.py). An in-sync one leaves the set in etcd
+first: until then commits wait for it, so a backup that could still be promoted never misses an
+acknowledged commit. It is re-seeded when it comes back.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import heapq
 import itertools
 import logging
@@ -28,7 +31,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from gemps_proto.reasons import Reason
 from gemps_server.domain import images
@@ -37,60 +39,28 @@ from gemps_server.domain.errors import Unavailable
 from gemps_server.domain.journal import Entry
 from gemps_server.domain.replica_image import ReplicaImage
 from gemps_server.domain.state import ServerState
-from gemps_server.logs import event
+from gemps_server.logs import Throttle, event
 from gemps_server.replication import entries, frames, image_codec
+from gemps_server.replication.lag import LagWindow
+from gemps_server.replication.links import SEEDING_SECONDS, Link
+from gemps_server.replication.links import Peer as Peer  # what a backup says it is (follower.py too)
 from gemps_server.replication.status import BackupLag
 
 log = logging.getLogger("gemps.server")
 
 #: how often timeouts and in-sync changes are looked at
 MONITOR_SECONDS = 0.1
-#: bytes of entries queued for one backup at most: past it a backup that is not keeping up (one
-#: being seeded: commits wait for in-sync backups only) is let go, and seeded again when it returns
-MAX_QUEUED_BYTES = 1 << 30
-#: how long a backup being seeded may go without acknowledging (the image is encoded, sent, adopted)
-SEEDING_SECONDS = 120.0
+#: seconds between two warnings about one backup's refusals
+REFUSAL_LOG_SECONDS = 5.0
 
 # Called with a commit's outcome once it may be acknowledged (None) or must not be (the error).
 Done = Callable[[BaseException | None], None]
 
 
-@dataclass(frozen=True)
-class Peer:
-    """A backup as it introduced itself."""
-
-    name: str
-    incarnation: str
-    address: str = ""  # worker-facing
-    replication: str = ""
-
-
-class _Link:
-    """One attached backup: its socket, what is queued for it, how far it applied."""
-
-    def __init__(self, peer: Peer, sock: socket.socket, seed_position: int) -> None:
-        self.peer = peer
-        self.sock = sock
-        self.seed_position = seed_position
-        self.acked = -1  # no position yet: not even the seed's
-        self.heard = time.monotonic()  # its last ack (heartbeats are acked too)
-        self.in_sync = False
-        self.closed = False
-        self.outbox: queue.SimpleQueue[frames.Frame | None] = queue.SimpleQueue()
-        self.queued_bytes = 0  # of the entries in `outbox` (the sender subtracts what it sent)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.outbox.put(None)
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)
-            self.sock.close()
-
-
 class Forwarder:
-    """The journal of a primary at `epoch`; `set_in_sync` writes the in-sync set (etcd), False when
-    this replica is fenced off; `holds` says whether it may still acknowledge."""
+    """The journal of a primary at `epoch` with at most `backups` backups; `set_in_sync` writes the
+    in-sync set (etcd), False when this replica is fenced off; `holds` says whether it may still
+    acknowledge."""
 
     def __init__(
         self,
@@ -101,6 +71,8 @@ class Forwarder:
         holds: Callable[[], bool],
         timeout: float,
         ticket_key: bytes = b"",
+        *,
+        backups: int,
     ) -> None:
         self._state = state
         self._ticket_key = ticket_key  # sent with each seed: the backups' data planes take the same tickets
@@ -109,13 +81,15 @@ class Forwarder:
         self._set_in_sync = set_in_sync
         self._holds = holds
         self.timeout = timeout
+        self._backups = backups
         self._lock = threading.Lock()
         self._last = 0
-        self._links: dict[str, _Link] = {}
+        self._links: dict[str, Link] = {}
         self._appended: collections.deque[tuple[int, float]] = collections.deque()  # (position, when)
         self._waiters: list[tuple[int, int, Done]] = []
         self._order = itertools.count()
         self._closed = False
+        self._refusals = Throttle(REFUSAL_LOG_SECONDS)
         self.forwarded = 0
         self._monitor = threading.Thread(target=self._watch, name="gemps-replication-monitor", daemon=True)
         self._monitor.start()
@@ -126,7 +100,8 @@ class Forwarder:
         with self._lock:
             self._last += 1
             position = self._last
-            links = [link for link in self._links.values() if not link.closed]
+            # Not to a backup whose seed is not taken yet: its seed will hold this entry.
+            links = [link for link in self._links.values() if not link.closed and link.seed_position is not None]
             if links:
                 self._appended.append((position, time.monotonic()))
         if links:
@@ -184,122 +159,181 @@ class Forwarder:
 
     # -- backups ----------------------------------------------------------------------------------
 
-    def attach(self, peer: Peer, sock: socket.socket) -> None:
-        """Seed a backup that said hello on `sock`, then forward every later entry to it."""
-
-        def seed() -> tuple[_Link, ReplicaImage]:  # on the applier: no entry appended in between
-            image = images.take(self._state)  # a copy: encoded on the sender's thread
-            with self._lock:
-                if (old := self._links.pop(peer.name, None)) is not None:
-                    old.close()
-                link = _Link(peer, sock, self._last)
+    def attach(self, peer: Peer, sock: socket.socket) -> str:
+        """Seed a backup that said hello on `sock`, then forward every later entry to it; "" when
+        it is attached, else why it is refused (the caller says so to the peer and closes `sock`)."""
+        with self._lock:
+            refusal, dead = self._refusal(peer)
+            if not refusal:
+                link = Link(peer, sock, self.timeout)
                 self._links[peer.name] = link
-            return link, image
+            # One line per backup's name every few seconds, one for every other name together.
+            throttled = peer.name if peer.name in self._links else ""
+        if dead is not None:
+            self._lost(dead, f"a peer of its name said hello: {refusal}")
+        if refusal:
+            if (suppressed := self._refusals.allow(throttled)) is not None:
+                event(log, "backup refused", level=logging.WARNING, backup=peer.name, reason=refusal,
+                      suppressed=suppressed or None)  # fmt: skip
+            return refusal
 
-        def seeded(timed: Timed[tuple[_Link, ReplicaImage]] | None, error: BaseException | None) -> None:
-            if error is not None or timed is None:
-                event(log, "backup not seeded", level=logging.WARNING, backup=peer.name, error=str(error))
-                sock.close()
+        def seed() -> ReplicaImage | None:  # on the applier: no entry appended in between
+            if link.closed:
+                return None
+            image = images.take(self._state)  # a copy: streamed by the sender's thread
+            with self._lock:
+                link.seed_position = link.sent = self._last
+            return image
+
+        def seeded(timed: Timed[ReplicaImage | None] | None, error: BaseException | None) -> None:
+            if error is not None or timed is None or timed.result is None:
+                self._lost(link, f"not seeded: {error}")
                 return
-            link, image = timed.result
-            threading.Thread(target=self._send, args=(link, image), name="gemps-replication-send", daemon=True).start()
+            holder = [timed.result]  # the sender lets go of the image once it is sent
+            threading.Thread(target=self._send, args=(link, holder), name="gemps-replication-send", daemon=True).start()
             threading.Thread(target=self._receive, args=(link,), name="gemps-replication-acks", daemon=True).start()
 
         self._applier.submit_then(seed, seeded)
+        return ""
 
-    def _send(self, link: _Link, image: ReplicaImage) -> None:
+    def _refusal(self, peer: Peer) -> tuple[str, Link | None]:
+        """Why `peer` may not attach now ("" when it may), and a dead link of its name to let go
+        (the monitor then takes it out of the in-sync set: the peer's next try takes its place)."""
+        if self._closed:
+            return "this replica stopped being primary", None
+        for name, link in list(self._links.items()):
+            if link.closed and not link.in_sync:  # gone (the monitor would remove it next)
+                del self._links[name]
+        old = self._links.get(peer.name)
+        if old is not None and not old.closed:
+            why = self._trouble(old, time.monotonic())
+            if not why:
+                return f"a backup named {peer.name} is attached and alive: one per name", None
+            return f"the backup named {peer.name} before it is let go ({why}): retry", old
+        if old is not None:  # closed, and still in the in-sync set until etcd says otherwise
+            return f"the backup named {peer.name} before it is leaving the in-sync set: retry", None
+        if len(self._links) >= self._backups:
+            return f"{self._backups} backups are attached already (--replicas {self._backups + 1})", None
+        return "", None
+
+    def _send(self, link: Link, image: list[ReplicaImage]) -> None:
         try:
             header = {"epoch": self.epoch, "position": link.seed_position, "tickets": self._ticket_key.hex()}
-            seed = frames.Frame(frames.SEED, header, [image_codec.encode(image)])
-            del image
-            frames.send(link.sock, seed)
-            del seed
-            while True:
+            parts = image_codec.encode_parts(image.pop())
+            link.queue_limit = max(link.queue_limit, sum(part.nbytes for part in parts))
+            frames.send(link.sock, frames.Frame(frames.SEED, header, parts))
+            del parts  # the image with it
+            link.seed_sent = time.monotonic()
+            # The backup reads nothing while it adopts its seed: entries wait in the outbox (bounded).
+            link.seed_acked.wait()
+            while not link.closed:
                 try:
                     frame = link.outbox.get(timeout=frames.BEAT_SECONDS)
                 except queue.Empty:
                     frame = frames.Frame(frames.BEAT, {"epoch": self.epoch})
                 if frame is None:
                     return
+                if frame.kind == frames.ENTRY:
+                    link.sent = int(frame.header["position"])  # before it can be acknowledged
                 frames.send(link.sock, frame)
                 sent = sum(memoryview(blob).nbytes for blob in frame.blobs)
                 with self._lock:
                     link.queued_bytes -= sent
+        except (BlockingIOError, TimeoutError):  # SO_SNDTIMEO: not a byte taken for that long
+            self._lost(link, f"sending: it read nothing for {link.send_stall:g} s")
         except OSError as error:
             self._lost(link, f"sending: {error}")
 
-    def _receive(self, link: _Link) -> None:
+    def _receive(self, link: Link) -> None:
         try:
             while True:
                 frame = frames.receive(link.sock, max_body=0)  # acks are headers alone
                 if frame.kind != frames.ACK:
                     raise frames.StreamClosed(f"a backup sent {frame.kind!r}, not an acknowledgement")
-                link.acked = max(link.acked, int(frame.header["position"]))
-                link.heard = time.monotonic()
+                lie = link.acknowledged(int(frame.header["position"]))
+                if lie:
+                    self._lost(link, lie)
+                    return
                 self._release()
         except (OSError, ValueError, KeyError, TypeError) as error:
             self._lost(link, str(error))
 
-    def _lost(self, link: _Link, why: str) -> None:
+    def _lost(self, link: Link, why: str) -> None:
         if link.closed:
             return
         event(log, "backup lost", level=logging.WARNING, backup=link.peer.name, reason=why)
         link.close()  # the monitor takes it out of the in-sync set (etcd first)
 
+    def _trouble(self, link: Link, now: float) -> str:
+        """Why `link` must be let go now ("" while it need not); with the lock held."""
+        if link.queued_bytes > link.queue_limit:
+            return f"not keeping up: {link.queued_bytes} bytes of entries queued (at most {link.queue_limit})"
+        if not link.seeded:
+            late = link.seed_sent is not None and now - link.seed_sent > SEEDING_SECONDS
+            return f"its seed not acknowledged {SEEDING_SECONDS:g} s after it was sent" if late else ""
+        if (quiet := now - link.heard) > self.timeout:
+            return f"no ack for {quiet:.1f} s (--replica-timeout {self.timeout:g})"
+        if link.in_sync and (waiting := self._age(link, now)) > self.timeout:
+            return f"an entry unacknowledged for {waiting:.1f} s (--replica-timeout {self.timeout:g})"
+        return link.slow if link.in_sync else ""
+
     def _watch(self) -> None:
-        """Move backups in and out of the in-sync set: a seeded one in, a lost or late one out."""
+        """Move backups in and out of the in-sync set: a seeded one in, a lost, late or slow one out."""
         while not self._closed:
             time.sleep(MONITOR_SECONDS)
+            now = time.monotonic()
             with self._lock:
                 links = list(self._links.values())
+                for link in links:
+                    if link.lag is not None and link.in_sync and not link.closed and not link.slow:
+                        link.slow = link.lag.add(now, self._age(link, now), self._last, link.acked)
+                troubles = {link.peer.name: "" if link.closed else self._trouble(link, now) for link in links}
             for link in links:
-                quiet = time.monotonic() - link.heard
-                if not link.closed and (
-                    link.queued_bytes > MAX_QUEUED_BYTES or (not link.in_sync and quiet > SEEDING_SECONDS)
-                ):
-                    self._lost(link, f"not keeping up: {link.queued_bytes} bytes queued, silent {quiet:.0f} s")
-                late = link.in_sync and (quiet > self.timeout or self._waiting(link) > self.timeout)
-                if link.in_sync and (link.closed or late):
-                    self._change(
-                        link, join=False, why="connection lost" if link.closed else f"no ack for {self.timeout:g} s"
-                    )
-                elif not link.in_sync and not link.closed and link.acked >= link.seed_position:
+                why = troubles[link.peer.name]
+                if link.in_sync and (link.closed or why):
+                    self._change(link, join=False, why=why or "connection lost")
+                elif why:
+                    self._lost(link, why)
+                elif not link.in_sync and not link.closed and link.seeded:
                     self._change(link, join=True, why="seeded")
                 elif link.closed and not link.in_sync:
                     with self._lock:
                         if self._links.get(link.peer.name) is link:
                             del self._links[link.peer.name]
 
-    def _change(self, link: _Link, join: bool, why: str) -> None:
+    def _change(self, link: Link, join: bool, why: str) -> None:
         with self._lock:
             members = [other.peer for other in self._links.values() if other.in_sync and other is not link]
         if join:
+            if len(members) >= self._backups:  # never more than R in the set (the primary is one)
+                return
             members.append(link.peer)
         if not self._set_in_sync(members):
             return  # fenced off, or etcd unreachable: commits wait; the lease decides
+        if join:
+            link.lag = LagWindow(self.timeout, time.monotonic())
         link.in_sync = join
         if not join:
             link.close()
-        event(log, "backup in sync" if join else "backup dropped", backup=link.peer.name, reason=why, epoch=self.epoch)
+        level = logging.INFO if join else logging.WARNING  # under-replicated from now on
+        event(log, "backup in sync" if join else "backup dropped", level=level, backup=link.peer.name, reason=why,
+              epoch=self.epoch)  # fmt: skip
         self._release()
 
     # -- what status reads ------------------------------------------------------------------------
 
-    def _waiting(self, link: _Link) -> float:
-        """How long the oldest entry `link` has not acknowledged has waited (0: none)."""
-        with self._lock:
-            oldest = next((when for position, when in self._appended if position > link.acked), None)
-        return 0.0 if oldest is None else time.monotonic() - oldest
+    def _age(self, link: Link, now: float) -> float:
+        """How long the oldest entry `link` has not acknowledged has waited (0: none); with the lock held."""
+        oldest = next((when for position, when in self._appended if position > link.acked), None)
+        return 0.0 if oldest is None else now - oldest
 
     def lags(self) -> tuple[BackupLag, ...]:
+        now = time.monotonic()
         with self._lock:
-            links = list(self._links.values())
-        lags = (
-            BackupLag(
-                link.peer.name, link.in_sync, self._last - max(link.acked, link.seed_position), self._waiting(link)
-            )
-            for link in links
-        )
+            lags = [
+                BackupLag(link.peer.name, link.in_sync, max(0, self._last - link.base()), self._age(link, now))
+                for link in self._links.values()
+            ]
         return tuple(sorted(lags, key=lambda lag: lag.name))
 
     def close(self) -> None:

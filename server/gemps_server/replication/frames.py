@@ -25,6 +25,8 @@ MAX_BODY_BYTES = 1 << 40
 #: what a frame from a peer not yet known may hold (a hello: a header, no body); read before the
 #: token is checked, so it is all an unknown peer can make a replica hold (DESIGN §3b)
 HELLO_HEADER_BYTES = 4096
+#: buffers one sendmsg takes at most (IOV_MAX: a seed is sent as one buffer per tensor)
+MAX_BUFFERS = 1024
 
 #: backup -> primary: who it is (name, incarnation, token, the epoch it expects)
 HELLO = "hello"
@@ -69,7 +71,7 @@ class Frame:
 def send(sock: socket.socket, frame: Frame) -> None:
     buffers = [memoryview(buffer).cast("B") for buffer in frame.encode()]
     while buffers:
-        sent = sock.sendmsg(buffers)
+        sent = sock.sendmsg(buffers[:MAX_BUFFERS])
         while buffers and sent >= buffers[0].nbytes:
             sent -= buffers[0].nbytes
             buffers.pop(0)

@@ -23,7 +23,7 @@ import dataclasses
 import hashlib
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -65,13 +65,42 @@ NOISE_TOTAL, NOISE_NUMBERS = "noise.total", "noise.numbers"
 STAT_FIELDS = tuple(f.name for f in dataclasses.fields(ApplyStats))
 NOISE_COUNT_FIELDS = ("stride", "size", "count", "pending", "windows", "window")
 MAX_HISTORY_LENGTH = 128
+Blob = bytes | bytearray | memoryview
 
 
 def encode(image: ReplicaImage) -> bytes:
     """`image` as one safetensors buffer."""
+    return b"".join(encode_parts(image))
+
+
+def encode_parts(image: ReplicaImage) -> list[memoryview]:
+    """`image`'s safetensors bytes as parts to send one after another: the header, then each
+    tensor's memory as it is (no copy): a seed streams from the image to the socket instead of
+    being encoded into a second image's worth of bytes first."""
     tensors, metadata = _parts(image)
     metadata["crc32"] = crc32_of(tensors)
-    return safetensors.numpy.save(tensors, metadata=metadata)
+    entries: dict[str, Any] = {"__metadata__": metadata}
+    parts: list[memoryview] = []
+    offset = 0
+    for key, array in tensors.items():
+        view = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
+        offsets = [offset, offset + view.nbytes]
+        entries[key] = {"dtype": _DTYPES[array.dtype], "shape": list(array.shape), "data_offsets": offsets}
+        if view.nbytes:  # an empty tensor has its offsets, and no bytes to send
+            parts.append(view)
+        offset += view.nbytes
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # safetensors pads its header so the tensors start aligned
+    return [memoryview(struct.pack("<Q", len(header)) + header), *parts]
+
+
+#: safetensors' names of the dtypes an image may hold
+_DTYPES = {
+    np.dtype(dtype): name
+    for dtype, name in [(np.float64, "F64"), (np.float32, "F32"), (np.float16, "F16"), (np.int64, "I64"),
+                        (np.uint64, "U64"), (np.int32, "I32"), (np.uint32, "U32"), (np.int16, "I16"),
+                        (np.uint16, "U16"), (np.int8, "I8"), (np.uint8, "U8"), (np.bool_, "BOOL")]
+}  # fmt: skip
 
 
 def digest(image: ReplicaImage) -> str:
@@ -91,9 +120,10 @@ def digest(image: ReplicaImage) -> str:
     return sha.hexdigest()
 
 
-def decode(data: bytes | bytearray | memoryview) -> ReplicaImage:
-    """The image `encode` wrote; ValueError naming the problem when `data` is not one."""
-    raw = bytes(data)
+def decode(data: Blob | Sequence[Blob]) -> ReplicaImage:
+    """The image `encode` wrote (or `encode_parts`, as the blobs of a frame); ValueError naming the
+    problem when `data` is not one."""
+    raw = bytes(data) if isinstance(data, bytes | bytearray | memoryview) else b"".join(data)
     try:
         tensors = dict(safetensors.numpy.load(raw))
         (length,) = struct.unpack_from("<Q", raw)

@@ -155,6 +155,7 @@ class Replica:
                 self._election.holds,
                 self._timeout,
                 self._tickets.key,
+                backups=self.replicas - 1,
             )
             if not self._set_in_sync(()):  # only this replica is in sync until backups are seeded
                 forwarder.close()
@@ -286,8 +287,12 @@ class Replica:
             if forwarder is None:
                 sock.close()
                 return
-            event(log, "backup joining", backup=peer.name, epoch=forwarder.epoch)
-            forwarder.attach(peer, sock)
+            refusal = forwarder.attach(peer, sock)  # one backup per name, R-1 at most (it logs refusals)
+            if refusal:
+                frames.send(sock, frames.Frame(frames.REFUSED, {"reason": refusal, "epoch": self.epoch}))
+                sock.close()
+            else:
+                event(log, "backup joining", backup=peer.name, epoch=forwarder.epoch)
         except (OSError, ValueError, KeyError, TypeError) as error:
             event(log, "replication hello failed", level=logging.WARNING, error=str(error))
             sock.close()

@@ -1,0 +1,91 @@
+"""One attached backup as its primary's forwarder holds it: its socket, what is queued for it,
+how far it applied, and what it may cost the primary (DESIGN §3d).
+
+A backup costs at most one image while its seed is sent (the image's tensors go from memory to
+the socket, never encoded into a second copy), and entries queued up to the larger of an image's
+bytes and QUEUE_FLOOR_BYTES: past that, seeding it again costs less than catching it up. A send
+that makes no progress for SEND_STALL seconds (a peer that does not read) fails, and the link is
+let go with whatever it held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+from gemps_server.replication import frames
+from gemps_server.replication.lag import LagWindow
+
+#: bytes of entries a backup's queue may hold at least (an image's bytes when that is more)
+QUEUE_FLOOR_BYTES = 64 << 20
+#: seconds a send to a backup may make no progress at least (--replica-timeout when longer)
+SEND_STALL_FLOOR = 5.0
+#: how long a seeded backup may take to adopt its seed and acknowledge it
+SEEDING_SECONDS = 120.0
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A backup as it introduced itself."""
+
+    name: str
+    incarnation: str
+    address: str = ""  # worker-facing
+    replication: str = ""
+
+
+class Link:
+    """One attached backup: its socket, what is queued for it, how far it applied."""
+
+    def __init__(self, peer: Peer, sock: socket.socket, send_stall: float) -> None:
+        self.peer = peer
+        self.sock = sock
+        # A peer that stops reading fails the send blocked on it (SO_SNDTIMEO: sends only, so acks
+        # are still waited for as long as the monitor allows).
+        self.send_stall = seconds = max(send_stall, SEND_STALL_FLOOR)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
+        self.seed_position: int | None = None  # the journal's position its seed holds, once taken
+        self.seed_sent: float | None = None  # when its seed had been handed to the socket
+        self.seed_acked = threading.Event()
+        self.sent = -1  # the last position handed to its socket: it may acknowledge no further
+        self.acked = -1  # no position yet: not even the seed's
+        self.heard = time.monotonic()  # its last ack (heartbeats are acked too)
+        self.in_sync = False
+        self.lag: LagWindow | None = None  # while in sync
+        self.slow = ""  # the lag rule's verdict, once it has one
+        self.closed = False
+        self.outbox: queue.SimpleQueue[frames.Frame | None] = queue.SimpleQueue()
+        self.queued_bytes = 0  # of the entries in `outbox` (the sender subtracts what it sent)
+        self.queue_limit = QUEUE_FLOOR_BYTES  # raised to the seed's bytes once they are known
+
+    @property
+    def seeded(self) -> bool:
+        return self.seed_position is not None and self.acked >= self.seed_position
+
+    def acknowledged(self, position: int) -> str:
+        """Record an ack of `position`; why the backup must be let go ("" when it need not)."""
+        if position > self.sent:
+            return f"it acknowledged position {position}, past the {self.sent} it was sent: what it never applied"
+        self.acked = max(self.acked, position)
+        self.heard = time.monotonic()
+        if self.seeded:
+            self.seed_acked.set()
+        return ""
+
+    def base(self) -> int:
+        """The position it holds: its seed's until it acknowledged further."""
+        return self.acked if self.seed_position is None else max(self.acked, self.seed_position)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.outbox.put(None)
+            self.seed_acked.set()  # the sender waits for it: let it see the link closed
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+            self.sock.close()
