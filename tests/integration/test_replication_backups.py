@@ -24,6 +24,7 @@ from gemps_server.replication.local_etcd import LocalEtcd
 from tests.helpers import CommitLoops, InProcessServer, wait_for
 from tests.integration.conftest import StartServer
 from tests.integration.test_replicas import PARAMETERS, replica_options, status_of, wait_replicated
+from tests.replica_reports import report_fresh
 
 R = 2  # replica_options' replicas
 TIMEOUT = 2.0  # replica_options' --replica-timeout
@@ -56,7 +57,7 @@ def first_frame(sock: socket.socket) -> frames.Frame:
 def in_sync(etcd: EtcdEndpoints, job: str) -> list[tuple[str, str]]:
     """etcd's in-sync list of partition 0 of `job`, read as any client would."""
     found = etcd.call("read", lambda client: client.get(f"/gemps/{job}/partition/0/in-sync"))
-    return [] if not found else [(str(name), str(incarnation)) for name, incarnation in json.loads(found[0])]
+    return [] if not found else [(str(name), str(incarnation)) for name, incarnation in json.loads(found[0])["members"]]
 
 
 @contextmanager
@@ -129,6 +130,7 @@ def test_a_peer_under_a_live_backups_name_or_a_name_past_r_minus_1_is_refused(
 
 def lone_primary(start_server: StartServer, etcd: LocalEtcd, job: str) -> InProcessServer:
     """Replica 0 of R, once primary, with no real backup: the fakes are its only peers."""
+    report_fresh(etcd.endpoint, job, replicas=2)  # a fresh job elects once every replica reported
     primary = start_server(rule="downpour", **replica_options(etcd, 0, job))
     wait_replicated([primary])
     return primary
