@@ -42,7 +42,7 @@ from typing import TypeVar
 from etcd3gw.client import Etcd3Client
 from etcd3gw.lease import Lease
 
-from gemps_server.replication.etcd_client import CoordinationUnavailable, EtcdEndpoints
+from gemps_server.replication.etcd_client import CoordinationUnavailable, EtcdAccess, EtcdEndpoints
 
 log = logging.getLogger("gemps.server")
 T = TypeVar("T")
@@ -127,6 +127,7 @@ class Election:
         lease_seconds: float = 3.0,
         timeout: float | None = None,
         restored: tuple[int, int] = (0, 0),
+        access: EtcdAccess | None = None,
     ) -> None:
         if lease_seconds <= 0:
             raise ValueError(f"lease_seconds must be positive, not {lease_seconds}")
@@ -141,7 +142,7 @@ class Election:
         self.primary_key = f"{self.prefix}/primary"
         self.in_sync_key = f"{self.prefix}/in-sync"
         self._ttl = max(1, math.ceil(lease_seconds))  # etcd grants whole seconds
-        self._etcd = EtcdEndpoints(endpoints, timeout)
+        self._etcd = EtcdEndpoints(endpoints, timeout, access)  # access: TLS files and an etcd user
         self._lock = threading.Lock()  # guards _term and _holds_until (the Coordinator's thread and callers)
         self._term: _Term | None = None
         self._holds_until = 0.0  # time.monotonic() until which holds() answers True

@@ -27,6 +27,7 @@ from gemps_server.listening import hostport, listening
 from gemps_server.metrics import ServerMetrics
 from gemps_server.replicas import Done, NoReplicas, Replicas
 from gemps_server.replication.election import Election, Member
+from gemps_server.replication.etcd_client import EtcdAccess, check_access
 from gemps_server.replication.metrics import ReplicationCollector
 from gemps_server.replication.replica import Replica, listen
 from gemps_server.replication.status import ReplicationStatus
@@ -140,7 +141,9 @@ class Replicated:
             )
             prefix = f"/gemps/{config.job}/partition/{config.partition}"
             at = (restored.epoch, restored.version) if restored is not None else (0, 0)
-            election = Election(config.etcd, prefix, me, lease_seconds=config.replica_lease, restored=at)
+            access = EtcdAccess.of(config)  # refused credentials: a start-up error naming the option
+            await asyncio.to_thread(check_access, config.etcd, access, f"{prefix}/primary", config.replica_lease / 3)
+            election = Election(config.etcd, prefix, me, lease_seconds=config.replica_lease, restored=at, access=access)
             self.replica.start(election, bound[0])
         except BaseException:
             bound[0].close()
