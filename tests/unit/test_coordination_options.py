@@ -4,6 +4,8 @@ one line each, the GEMPS_ETCD_* variables, and what the etcd client makes of the
 from __future__ import annotations
 
 import re
+import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from gemps_cli import environment, server
 
 from gemps_server.config import CoordinationOptions
 from gemps_server.replication.etcd_client import EtcdAccess, EtcdEndpoints
+from gemps_worker.on_ray.etcd import write_credentials
 from tests.helpers import server_config
 
 
@@ -78,3 +81,17 @@ def test_a_bare_endpoint_means_https_with_certificates(pems: dict[str, str]) -> 
         assert not session.trust_env  # REQUESTS_CA_BUNDLE must not replace etcd_ca
     finally:
         endpoints.close()
+
+
+def test_a_ray_replica_gets_the_drivers_etcd_credentials_as_private_files() -> None:
+    """`gemps ray`'s private etcd admits holders of its client certificate: a replica on another
+    node is sent the PEM texts and its actor writes them where only it may read them."""
+    pems = {"ca": "CA PEM", "cert": "CERT PEM", "key": "KEY PEM"}
+    folder, options = write_credentials(pems)
+    try:
+        assert set(options) == {"etcd_ca", "etcd_cert", "etcd_key"}
+        assert Path(options["etcd_key"]).read_text() == "KEY PEM"
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+        assert all(stat.S_IMODE(Path(path).stat().st_mode) == 0o600 for path in options.values())
+    finally:
+        shutil.rmtree(folder)

@@ -117,6 +117,10 @@ class LocalEtcd:
         """Its exit status once it died (None: running, or never started)."""
         return None if self._process is None else self._process.poll()
 
+    def client_pems(self) -> dict[str, str]:
+        """`access` as PEM texts ("ca", "cert", "key"), for replicas on other machines ({} when not secure)."""
+        return {} if self.tls is None else self.tls.client_pems()
+
     def running(self) -> bool:
         """Whether its process is alive (a paused one is)."""
         return self._process is not None and self._process.poll() is None

@@ -206,6 +206,7 @@ class RayJob:
         host = self.options.host or str(ray.util.get_node_ip_address())
         self.etcd = self._start_etcd(host)
         self.etcd.start()
+        self.partition_group.etcd_pems = self.etcd.client_pems()  # it admits only holders of these
         log.info("job %s: replicas elect their primaries through etcd at %s", self.name, self.etcd.endpoint)
         return self.etcd.endpoint
 
