@@ -119,8 +119,12 @@ def test_only_the_jobs_processes_reach_the_private_etcd(start_server_process: St
     prefix = "/gemps/private/partition/0/"
     mine = EtcdEndpoints(etcd.url, 2.0, etcd.access)
     try:
-        keys = mine.call("read", lambda client: client.get_prefix(prefix))
-        assert any(meta["key"].decode().endswith("/primary") for _, meta in keys), keys  # the job's keys are there
+
+        def elected() -> bool:  # the job's keys are there, read with the job's credentials
+            keys = mine.call("read", lambda client: client.get_prefix(prefix))
+            return any(meta["key"].decode().endswith("/primary") for _, meta in keys)
+
+        wait_for(elected, 30, "the primary's key", tolerate=(CoordinationUnavailable,))
     finally:
         mine.close()
 
@@ -171,9 +175,8 @@ def test_only_the_jobs_processes_reach_the_private_etcd(start_server_process: St
     assert seen[etcd.url] != "answered" and seen[etcd.url.replace("https", "http")] != "answered", seen
     assert all(seen[name] == "PermissionError" for name in names), seen
     assert not os.stat(folder).st_mode & 0o077, oct(os.stat(folder).st_mode)  # 0700
-    with gemps.Client(target, timeout=5) as client:
-        status = client.status()
-    assert status.replication is not None and status.replication.role == PRIMARY  # the job itself unharmed
+    # The job itself unharmed: one of its replicas is primary (asked of each: a backup says backup).
+    wait_for(lambda: primary_of(target), 30, "a primary", tolerate=(AssertionError,))
 
 
 def test_a_killed_private_etcd_is_started_again_on_its_data(start_server_process: StartServerProcess) -> None:
@@ -227,14 +230,20 @@ def test_a_killed_private_etcd_is_started_again_on_its_data(start_server_process
     assert resumed < 20
 
 
-def primary_state(target: str) -> tuple[gemps.ServerStatus, np.ndarray]:
-    """The primary's status and θ, asked of it (a backup's status may lag it)."""
+def primary_of(target: str) -> str:
+    """The address among `target`'s ("A|B") whose replica says it is primary."""
     for address in target.split("|"):
         with gemps.Client(address, timeout=10) as observer:
-            status = observer.status()
-            if status.replication is not None and status.replication.role == PRIMARY:
-                return status, observer.pull().flat
+            replication = observer.status().replication
+        if replication is not None and replication.role == PRIMARY:
+            return address
     raise AssertionError(f"no primary among {target}")
+
+
+def primary_state(target: str) -> tuple[gemps.ServerStatus, np.ndarray]:
+    """The primary's status and θ, asked of it (a backup's status may lag it)."""
+    with gemps.Client(primary_of(target), timeout=10) as observer:
+        return observer.status(), observer.pull().flat
 
 
 def lone_replica(etcd_url: str, job: str, **options: Any) -> ServerProcess:
