@@ -12,6 +12,7 @@ import pytest
 from gemps_cli import environment, server
 
 from gemps_server.config import CoordinationOptions
+from gemps_server.config_log import REDACTED, effective_values
 from gemps_server.replication.etcd_client import EtcdAccess, EtcdEndpoints
 from gemps_worker.on_ray.etcd import write_credentials
 from tests.helpers import server_config
@@ -95,3 +96,9 @@ def test_a_ray_replica_gets_the_drivers_etcd_credentials_as_private_files() -> N
         assert all(stat.S_IMODE(Path(path).stat().st_mode) == 0o600 for path in options.values())
     finally:
         shutil.rmtree(folder)
+
+
+def test_the_password_is_never_logged() -> None:
+    config = server.parse_config([], environ={"GEMPS_ETCD_USER": "trainer", "GEMPS_ETCD_PASSWORD": "s3cret"})
+    values = effective_values(config)
+    assert values["etcd_password"] == REDACTED and values["etcd_user"] == "trainer"
