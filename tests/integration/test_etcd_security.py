@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import re
 import signal
@@ -378,3 +379,26 @@ def test_local_etcd_restart_keeps_its_folder() -> None:
         etcd.restart()
         assert etcd.running() and etcd.data_dir == folder and etcd.endpoint == endpoint
     assert folder is not None and not folder.exists()
+
+
+def test_the_ray_drivers_private_etcd_is_started_again(caplog: pytest.LogCaptureFixture) -> None:
+    """`gemps ray`'s driver watches its private etcd as the supervisor does: a dead one is started
+    again on its data and endpoint at the driver's next look (no cluster needed for that part)."""
+    pytest.importorskip("ray")
+    from gemps_cli.ray_job import private_etcd
+
+    from gemps_worker.on_ray import RayJob, RayJobOptions
+
+    job = RayJob(RayJobOptions(replicas=2), start_etcd=private_etcd)
+    etcd = private_etcd("127.0.0.1")
+    job.etcd = etcd.start()  # as the job's start() does, at the address Ray knows the driver by
+    try:
+        folder, endpoint = etcd.data_dir, etcd.endpoint
+        os.kill(etcd.pid, signal.SIGKILL)
+        wait_for(lambda: not etcd.running(), 10, "etcd dead")
+        with caplog.at_level(logging.WARNING, logger="gemps.ray"):
+            job.watch_etcd()
+        assert etcd.running() and etcd.data_dir == folder and etcd.endpoint == endpoint
+        assert "the private etcd exited; starting it again" in caplog.text
+    finally:
+        etcd.stop()

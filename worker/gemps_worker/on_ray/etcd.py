@@ -1,6 +1,7 @@
 """The etcd a replicated Ray job's driver may start for its replicas' elections, as the driver
-sees it: anything that starts, stops, says its endpoint and hands out the client credentials its
-replicas need; and how a replica's actor turns those credentials into files for its server."""
+sees it: anything that starts, stops (and restarts), says its endpoint and hands out the client
+credentials its replicas need; and how a replica's actor turns those credentials into files for
+its server."""
 
 from __future__ import annotations
 
@@ -26,6 +27,12 @@ class Etcd(Protocol):
 
     def client_pems(self) -> dict[str, str]:
         """The PEM texts a client needs ("ca", "cert", "key"); {} when it takes anyone."""
+        ...
+
+    def running(self) -> bool: ...
+
+    def restart(self) -> None:
+        """Start it again after it died, on its data, endpoint and credentials (OSError: not back)."""
         ...
 
 
