@@ -5,7 +5,8 @@ CoordinationUnavailable and moves the next call on to the next endpoint.
 
 `EtcdAccess` is how etcd is reached: over TLS (a CA, a client certificate) and as an etcd user,
 whose password buys a token from the gateway (POST /v3/auth/authenticate) sent with every
-request and bought again when etcd refuses it (tokens expire, and do not survive an etcd restart).
+request and bought again when etcd refuses it (tokens expire after minutes unused, and etcd
+forgets them all when its auth is turned off and on).
 `EtcdEndpoints.check` tells at start-up whether etcd takes these credentials, naming the option
 to fix when it does not.
 """
@@ -66,6 +67,13 @@ class EtcdAccess:
 
     def session(self, base_url: str, timeout: float) -> requests.Session:
         """A session to the etcd at `base_url` carrying these credentials."""
+        session = self.tls_session()
+        if self.user:
+            session.auth = _TokenAuth(self, f"{base_url}{API_PATH}auth/authenticate", timeout)
+        return session
+
+    def tls_session(self) -> requests.Session:
+        """A session with the TLS files alone (the one the password is sent on, too)."""
         session = requests.Session()
         if self.ca:
             session.verify = self.ca
@@ -73,8 +81,6 @@ class EtcdAccess:
             session.trust_env = False
         if self.cert:
             session.cert = (self.cert, self.key)
-        if self.user:
-            session.auth = _TokenAuth(self, f"{base_url}{API_PATH}auth/authenticate", timeout)
         return session
 
 
@@ -88,6 +94,7 @@ class _TokenAuth(requests.auth.AuthBase):
         self._timeout = timeout
         self._lock = threading.Lock()  # one token for the session's threads
         self._token = ""
+        self._session = access.tls_session()  # the password goes with the requests' TLS settings
 
     def __call__(self, request: requests.PreparedRequest) -> requests.PreparedRequest:
         with self._lock:
@@ -99,12 +106,8 @@ class _TokenAuth(requests.auth.AuthBase):
 
     def _authenticate(self) -> str:
         access = self._access
-        response = requests.post(
-            self._url,
-            json={"name": access.user, "password": access.password},
-            timeout=self._timeout,
-            verify=access.ca or True,
-            cert=(access.cert, access.key) if access.cert else None,
+        response = self._session.post(
+            self._url, json={"name": access.user, "password": access.password}, timeout=self._timeout
         )
         if response.status_code != 200:
             raise EtcdAccessRefused(
@@ -112,6 +115,9 @@ class _TokenAuth(requests.auth.AuthBase):
                 f"{_message(response)}"
             )
         return str(response.json()["token"])
+
+    def close(self) -> None:
+        self._session.close()
 
     def _on_response(self, response: requests.Response, **kwargs: Any) -> requests.Response:
         if not _stale_token(response):
@@ -219,6 +225,8 @@ class EtcdEndpoints:
     def close(self) -> None:
         """Close the HTTP connections."""
         for client in self._clients:
+            if isinstance(client.session.auth, _TokenAuth):
+                client.session.auth.close()
             client.session.close()
 
 
