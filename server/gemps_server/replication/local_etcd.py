@@ -157,7 +157,7 @@ class LocalEtcd:
             "--log-level=error",
         ]
         if self.secure:
-            self.tls = issue(self._data_dir / "tls", dict.fromkeys([self.host, "127.0.0.1", "localhost"]))
+            self.tls = issue(self._data_dir / "tls", [self.host, "127.0.0.1", "localhost"])
             self._argv += _tls_flags(self.tls)
         self.endpoint = client_url
         self._launch()
