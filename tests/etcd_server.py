@@ -26,7 +26,9 @@ def require_etcd() -> str:
 
 
 @contextmanager
-def etcd_server() -> Iterator[LocalEtcd]:
-    """A private etcd on free loopback ports for the block's duration; its data is removed after."""
-    with LocalEtcd(require_etcd()) as etcd:
+def etcd_server(secure: bool = False) -> Iterator[LocalEtcd]:
+    """A private etcd on free loopback ports for the block's duration; its data is removed after.
+    Plain http unless `secure` (then clients need its `access`): the tests of elections and
+    replicas are not about who may reach etcd, tests/integration/test_etcd_security.py is."""
+    with LocalEtcd(require_etcd(), secure=secure) as etcd:
         yield etcd

@@ -103,8 +103,14 @@ class LoopbackReplicas:
             self._etcd = self.stack.enter_context(LocalEtcd())
         return self._etcd.endpoint
 
+    def etcd_access(self) -> dict[str, Any]:
+        """The private etcd admits holders of the job's client certificate: its files, as options."""
+        access = self._etcd.access if self._etcd is not None else None
+        return {} if access is None else {"etcd_ca": access.ca, "etcd_cert": access.cert, "etcd_key": access.key}
+
     def measure(self, replicas: int, plan: LoadPlan, job: str, profile: Path | None = None) -> LoadResult:
         etcd = self.etcd() if replicas > 1 else ""
+        access: dict[str, Any] = self.etcd_access() if replicas > 1 else {}
         with contextlib.ExitStack() as stack:
             servers = [
                 stack.enter_context(
@@ -113,6 +119,7 @@ class LoopbackReplicas:
                         replication_port=0,
                         **_server_options(plan.clients),
                         **_replica_options(replicas, index, etcd, job),
+                        **access,
                     )
                 )
                 for index in range(replicas)

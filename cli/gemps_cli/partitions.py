@@ -17,8 +17,11 @@ directory is refused rather than started beside it (gemps_server.directory_lock)
 With replicas (R > 1), replica r of partition i listens on the ports + i + r * K (replica 0 where a
 partition without replicas would), keeps its checkpoints in `partition-<i>/replica-<r>`, and all
 of them share one etcd: --etcd, or a private one this supervisor starts (replication/local_etcd.py,
-a new job each run). Workers are given every replica of a partition: "host:P0|host:P1" (the
-layout partition 0 announces says so too), and go to whichever is primary.
+a new job each run), which only the job's processes can reach (TLS with the job's own client
+certificate, given to the replicas as --etcd-ca/--etcd-cert/--etcd-key files in its 0700 folder)
+and which is started again, on the same data, when it dies. Workers are given every replica of a
+partition: "host:P0|host:P1" (the layout partition 0 announces says so too), and go to whichever
+is primary.
 
 Children are configured through GEMPS_* variables (flags > variables > defaults in each), so a
 token never appears on a command line.
@@ -191,6 +194,7 @@ class PartitionSupervisor:
             self._write_port_file()
             self._say_where()
             while not self._stopping.wait(POLL_SECONDS):
+                self._keep_etcd_alive()
                 for partition in self.partitions:
                     if not partition.running() and not self._restart(partition):
                         self._stopping.set()
@@ -214,12 +218,8 @@ class PartitionSupervisor:
     def _start_all(self) -> bool:
         """Partitions 1..K-1 (each replica), then partition 0 told their ports; False if one could
         not start."""
-        config, folder = self.config, Path(self._dir.name)
+        config, folder = self._with_private_etcd(self.config), Path(self._dir.name)
         etcd = config.etcd
-        if config.replicas > 1 and not etcd:
-            self._etcd = LocalEtcd().start()
-            etcd = self._etcd.endpoint
-            log.info("replicas decide their primary through a private etcd at %s", etcd)
 
         # All replicas, or the one this supervisor was given (a container holding one replica of
         # every partition: the others run elsewhere, and --partition-addresses names them).
@@ -246,6 +246,37 @@ class PartitionSupervisor:
         first = started(0, ",".join(["", *announced]) if config.partitions > 1 else "")
         self.partitions[:0] = first
         return all(partition.wait_ready() for partition in first)
+
+    # -- the private etcd ---------------------------------------------------------------------------
+
+    def _with_private_etcd(self, config: ServerConfig) -> ServerConfig:
+        """`config` as the replicas get it: with no --etcd, pointed at a private etcd started here
+        for the job's life (its endpoint, CA and client certificate)."""
+        if config.replicas == 1 or config.etcd:
+            return config
+        self._etcd = LocalEtcd().start()
+        access = self._etcd.access
+        log.info(
+            "replicas decide their primary through a private etcd at %s (TLS, the job's certificate)",
+            self._etcd.endpoint,
+        )
+        return replace(config, etcd=self._etcd.endpoint, etcd_ca=access.ca, etcd_cert=access.cert, etcd_key=access.key)
+
+    def _keep_etcd_alive(self) -> None:
+        """A private etcd that died is started again on its data, ports and certificates: the
+        replicas' keys survive, and they reconnect by themselves. One that cannot come back (its
+        port taken meanwhile) is tried again at the next poll."""
+        etcd = self._etcd
+        if etcd is None or etcd.running() or self._stopping.is_set():
+            return
+        log.warning(
+            "the private etcd exited (status %s); starting it again on its data in %s", etcd.exit_code, etcd.data_dir
+        )
+        try:
+            etcd.restart()
+        except OSError as error:
+            log.error("the private etcd did not start again (%s); trying again", error)
+            self._stopping.wait(RESTART_DELAY_SECONDS)
 
     def workers_target(self, host: str = "127.0.0.1") -> str:
         """Where workers go: partition 0, every replica of it ("host:P0|host:P1")."""

@@ -17,7 +17,7 @@ from gemps_server.logs import FieldValue, event
 log = logging.getLogger("gemps.server")
 
 # Options whose value is never written to a log; a set one shows as REDACTED.
-SECRET_OPTIONS = frozenset({"auth_token"})
+SECRET_OPTIONS = frozenset({"auth_token", "etcd_password"})
 REDACTED = "<redacted>"
 
 

@@ -132,7 +132,7 @@ def test_the_node_of_partition_0s_primary_dies_and_the_job_goes_on_losing_no_ack
 ) -> None:
     whole(cluster)
     with RayJob(job_options(tmp_path), start_etcd=etcd_here) as job:
-        assert job.etcd is not None and job.etcd.endpoint.startswith(f"http://{LOOPBACK}:")
+        assert job.etcd is not None and job.etcd.endpoint.startswith(f"https://{LOOPBACK}:")
         # STRICT_SPREAD: no node holds two replicas of a partition; workers are given both of partition 0's.
         for index in range(2):
             assert len({endpoint.node_id for endpoint in job.partition_group.of(index)}) == REPLICAS

@@ -11,6 +11,7 @@ from gemps_cli import server
 from gemps_server.config import (
     CheckpointOptions,
     ConnectionLimits,
+    CoordinationOptions,
     DataPlaneLimits,
     ListenOptions,
     ObservabilityOptions,
@@ -82,6 +83,7 @@ GROUPS = (
     ListenOptions,
     PartitionOptions,
     ReplicationOptions,
+    CoordinationOptions,
     WorkerOptions,
     RequestLimits,
     DataPlaneLimits,

@@ -18,6 +18,7 @@ from typing import Any
 
 from gemps_proto.ranges import INT32_MAX, RANGE, Range, out_of_range
 from gemps_server.config.checkpoints import CheckpointOptions
+from gemps_server.config.coordination import CoordinationOptions
 from gemps_server.config.limits import ConnectionLimits, DataPlaneLimits, RequestLimits
 from gemps_server.config.listen import ListenOptions
 from gemps_server.config.observability import ObservabilityOptions
@@ -29,6 +30,7 @@ from gemps_server.config.training import TrainingOptions, WorkerOptions
 __all__ = [
     "CheckpointOptions",
     "ConnectionLimits",
+    "CoordinationOptions",
     "DataPlaneLimits",
     "ListenOptions",
     "ObservabilityOptions",
@@ -53,6 +55,7 @@ class ServerConfig(
     DataPlaneLimits,
     RequestLimits,
     WorkerOptions,
+    CoordinationOptions,
     ReplicationOptions,
     PartitionOptions,
     ListenOptions,
@@ -82,6 +85,7 @@ class ServerConfig(
         # One problem of the replicas at a time, as ReplicationOptions reports them: TLS counts only
         # once this replica's role is sound.
         found += self.replica_role_problems() or self._replica_tls_problems() or self.job_name_problems()
+        found += CoordinationOptions.problems(self) or self.endpoint_problems(self.etcd, self.replicas > 1)
         return found
 
     def _partition_port_problems(self) -> list[str]:

@@ -49,7 +49,7 @@ from etcd3gw.client import Etcd3Client
 from etcd3gw.lease import Lease
 
 from gemps_server.replication.epoch_record import EpochRecord, EpochRecordError
-from gemps_server.replication.etcd_client import CoordinationUnavailable, EtcdEndpoints
+from gemps_server.replication.etcd_client import CoordinationUnavailable, EtcdAccess, EtcdEndpoints
 from gemps_server.replication.member import Member, new_incarnation, partition_prefix
 from gemps_server.replication.recovery import Held, Report, Unavailable, Verdict, judge
 
@@ -99,6 +99,7 @@ class Election:
         replicas: Sequence[str] = (),
         record: EpochRecord | None = None,
         held: Callable[[], Held] | None = None,
+        access: EtcdAccess | None = None,
     ) -> None:
         """`replicas`: the names of the partition's R replicas (every one must report before a
         primary is chosen without an in-sync list; empty: those that report). `record`: the highest
@@ -117,7 +118,7 @@ class Election:
         self.primary_key = f"{self.prefix}/primary"
         self.in_sync_key = f"{self.prefix}/in-sync"
         self._ttl = max(1, math.ceil(lease_seconds))  # etcd grants whole seconds
-        self._etcd = EtcdEndpoints(endpoints, timeout)
+        self._etcd = EtcdEndpoints(endpoints, timeout, access)  # access: TLS files and an etcd user
         self._lock = threading.Lock()  # guards _term and _holds_until (the Coordinator's thread and callers)
         self._term: _Term | None = None
         self._holds_until = 0.0  # time.monotonic() until which holds() answers True

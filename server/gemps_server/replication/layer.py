@@ -31,6 +31,7 @@ from gemps_server.metrics import ServerMetrics
 from gemps_server.replicas import Done, NoReplicas, Replicas
 from gemps_server.replication.election import Election, Member
 from gemps_server.replication.epoch_record import EpochRecord
+from gemps_server.replication.etcd_client import EtcdAccess, check_access
 from gemps_server.replication.metrics import ReplicationCollector
 from gemps_server.replication.recovery import Held, replica_names
 from gemps_server.replication.replica import Replica, listen
@@ -175,6 +176,8 @@ class Replicated:
                     "(a restarted replica holds nothing then; the others' records keep epochs from repeating)",
                     me.name,
                 )
+            access = EtcdAccess.of(config)  # refused credentials: a start-up error naming the option
+            await asyncio.to_thread(check_access, config.etcd, access, f"{prefix}/primary", config.replica_lease / 3)
             election = Election(
                 config.etcd,
                 prefix,
@@ -184,6 +187,7 @@ class Replicated:
                 replicas=replica_names(config.partition, config.replicas),
                 record=EpochRecord(Path(config.checkpoint_dir) if config.checkpoint_dir else None),
                 held=self._held,
+                access=access,
             )
             self._election = election
             self.replica.start(election, bound[0])

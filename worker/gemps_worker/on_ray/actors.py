@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -33,6 +34,7 @@ from gemps.retry import RetryPolicy
 from gemps_proto import schema
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.on_ray.addresses import ADDRESSES_FILE, NODE_LOSS_RETRY, write_addresses
+from gemps_worker.on_ray.etcd import write_credentials
 from gemps_worker.on_ray.records import (
     ActorPlace,
     ExportedModel,
@@ -118,9 +120,11 @@ class PartitionServer:
         addresses: str = "",
         startup_timeout: float,
         replication: Mapping[str, object] | None = None,
+        etcd_pems: Mapping[str, str] | None = None,
     ) -> None:
         configure_logging()
         self.index = index
+        self._etcd_folder: Path | None = None  # the driver's etcd credentials, as files here
         self.replica = int(str(replication["replica_index"])) if replication else -1
         self.folder = partition_folder(work_dir, job, index, self.replica)
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -145,6 +149,7 @@ class PartitionServer:
             # Others reach it at its node's address; a fresh replication port each start (its
             # address goes to etcd with its new incarnation).
             **({**replication, "advertise_host": self.host, "replication_port": 0} if replication else {}),
+            **self._etcd_access(etcd_pems),
             "host": self.host,
             "port": ports.get("port", 0),
             "metrics_port": ports.get("metrics_port", 0),
@@ -171,6 +176,14 @@ class PartitionServer:
                 log.warning("partition %d: server exited at start (attempt %d); retrying", self.index, attempt)
                 time.sleep(START_RETRY_SECONDS)
         raise AssertionError("unreachable")
+
+    def _etcd_access(self, pems: Mapping[str, str] | None) -> dict[str, str]:
+        """The driver's etcd credentials as files of this node's (its private etcd admits only
+        their holders), named by server options; removed when the actor stops."""
+        if not pems:
+            return {}
+        self._etcd_folder, options = write_credentials(pems)
+        return options
 
     def _read_state(self) -> dict[str, Any]:
         """This job's earlier start here ({} if none): its node, ports and starts."""
@@ -249,6 +262,8 @@ class PartitionServer:
             self._observer.close()
         code = self.server.stop(timeout=60.0)
         self.server.close()
+        if self._etcd_folder is not None:
+            shutil.rmtree(self._etcd_folder, ignore_errors=True)
         return code
 
 

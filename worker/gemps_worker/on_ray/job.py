@@ -206,6 +206,7 @@ class RayJob:
         host = self.options.host or str(ray.util.get_node_ip_address())
         self.etcd = self._start_etcd(host)
         self.etcd.start()
+        self.partition_group.etcd_pems = self.etcd.client_pems()  # it admits only holders of these
         log.info("job %s: replicas elect their primaries through etcd at %s", self.name, self.etcd.endpoint)
         return self.etcd.endpoint
 
@@ -240,6 +241,7 @@ class RayJob:
             outcomes |= self.workers.outcomes(ended, self.faults)
             self.refresh()
             self.watch_partitions()
+            self.watch_etcd()
             sample = self.sample()
             if sample is not None and on_progress is not None:
                 on_progress(sample, self.latest_evaluation())
@@ -263,6 +265,18 @@ class RayJob:
             name, error = failed[0]
             message = self.faults.failure(name, error, self.options.partition_restarts, "--partition-restarts")
             raise JobFailed(message) from error
+
+    def watch_etcd(self) -> None:
+        """The private etcd, dead, is started again on its data, endpoint and certificates (as
+        `gemps server --replicas`' supervisor does): the replicas reconnect by themselves. One that
+        does not come back is tried again at the next look."""
+        if self.etcd is None or self.etcd.running():
+            return
+        log.warning("job %s: the private etcd exited; starting it again on its data", self.name)
+        try:
+            self.etcd.restart()
+        except OSError as error:
+            log.error("job %s: the private etcd did not start again (%s); trying again", self.name, error)
 
     def sample(self) -> StatusSample | None:
         """Partition 0's version now (None while it restarts), all of θ's noise scale (while all answer)."""

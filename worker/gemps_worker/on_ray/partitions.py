@@ -52,6 +52,7 @@ class Partitions:
         self.name, self.options, self.server_options = name, options, server_options
         self.replicas = options.replicas
         self.etcd = ""  # with replicas: set by the job before start()
+        self.etcd_pems: dict[str, str] = {}  # the client credentials of the driver's etcd (none: an open one)
         self.placements: list[PlacementGroup] = []
         self.actors: list[Any] = []
         self.endpoints: list[PartitionEndpoint] = []
@@ -159,6 +160,7 @@ class Partitions:
             addresses=addresses,
             startup_timeout=self.options.startup_timeout,
             replication=replication,
+            etcd_pems=self.etcd_pems if replication else None,
         )
 
     # -- follow --------------------------------------------------------------------------------
