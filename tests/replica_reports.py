@@ -14,16 +14,19 @@ from etcd3gw.client import Etcd3Client
 from etcd3gw.lease import Lease
 
 from gemps_server.replication.election import partition_prefix
-from gemps_server.replication.etcd_client import EtcdEndpoints
+from gemps_server.replication.etcd_client import EtcdAccess, EtcdEndpoints
 from gemps_server.replication.recovery import Report, replica_names
 
 #: seconds the reports last: long enough for the lone replica to win, then they expire
 REPORT_SECONDS = 30
 
 
-def report_fresh(endpoint: str, job: str, replicas: int, *, but: int = 0, partition: int = 0) -> None:
-    """Report every replica of the partition but `but` as fresh (nothing held, no epoch seen)."""
-    etcd = EtcdEndpoints(endpoint, timeout=5.0)
+def report_fresh(
+    endpoint: str, job: str, replicas: int, *, but: int = 0, partition: int = 0, access: EtcdAccess | None = None
+) -> None:
+    """Report every replica of the partition but `but` as fresh (nothing held, no epoch seen);
+    `access`: the etcd's credentials, when it asks for some."""
+    etcd = EtcdEndpoints(endpoint, 5.0, access)
     members = partition_prefix(job, partition) + "/members/"
 
     def put(client: Etcd3Client, key: str, value: str) -> None:

@@ -35,6 +35,7 @@ from gemps_worker.cluster import ServerProcess
 from tests.etcd_server import etcd_server
 from tests.helpers import CommitLoops, wait_for
 from tests.integration.conftest import StartServerProcess
+from tests.replica_reports import report_fresh
 
 LEASE = 1.0
 PARAMETERS = 100
@@ -247,8 +248,12 @@ def primary_state(target: str) -> tuple[gemps.ServerStatus, np.ndarray]:
         return observer.status(), observer.pull().flat
 
 
-def lone_replica(etcd_url: str, job: str, **options: Any) -> ServerProcess:
-    """Replica 0 of a replicated partition on `etcd_url` (started: RuntimeError with its log when it exits)."""
+def lone_replica(etcd_url: str, job: str, *, access: EtcdAccess | None = None, **options: Any) -> ServerProcess:
+    """Replica 0 of a replicated partition on `etcd_url` (started: RuntimeError with its log when
+    it exits); its partner is reported fresh through `access` (a fresh job elects once every
+    replica reported)."""
+    if access is not None:
+        report_fresh(etcd_url, job, replicas=2, access=access)
     server = ServerProcess(
         rule="downpour",
         replicas=2,
@@ -282,13 +287,15 @@ def test_an_external_etcd_with_client_certificates(tmp_path: Path) -> None:
     to start with a line naming what to give."""
     with etcd_server(secure=True) as etcd:
         access = etcd.access
-        server = lone_replica(etcd.endpoint, "tls", etcd_ca=access.ca, etcd_cert=access.cert, etcd_key=access.key)
+        server = lone_replica(
+            etcd.endpoint, "tls", access=access, etcd_ca=access.ca, etcd_cert=access.cert, etcd_key=access.key
+        )
         try:
             becomes_primary(server)
         finally:
             server.close()
         rogue = issue(tmp_path / "rogue", ["127.0.0.1"])
-        refusals = {
+        refusals: dict[str, dict[str, Any]] = {
             "give the CA that signed it: etcd_ca": {"etcd_cert": access.cert, "etcd_key": access.key},
             "refused etcd_cert": {
                 "etcd_ca": access.ca,
@@ -329,7 +336,8 @@ def test_an_external_etcd_with_a_user_and_password(tmp_path: Path, monkeypatch: 
     with etcd_server() as etcd:
         enable_auth(etcd.endpoint, "trainer", "s3cret")
         monkeypatch.setenv("GEMPS_ETCD_PASSWORD", "s3cret")
-        server = lone_replica(etcd.endpoint, "users", etcd_user="trainer")
+        trainer = EtcdAccess(user="trainer", password="s3cret")
+        server = lone_replica(etcd.endpoint, "users", access=trainer, etcd_user="trainer")
         try:
             becomes_primary(server)
         finally:
