@@ -175,6 +175,7 @@ class ParameterService:
         )
         worker = registered.worker
         self._metrics.registered()
+        await self._addresses.refreshed()  # the layout as announced now (the file: read off the loop)
         if (displaced := registered.displaced) is not None:
             self._evicted([displaced], reason="server full; no commit for longer than the lease")
         if registered.initialized_theta:
@@ -351,7 +352,8 @@ class ParameterService:
             active=len(state.registry),
         )
 
-    def status(self) -> ServerStatus:
+    async def status(self) -> ServerStatus:
+        await self._addresses.refreshed()  # the layout as announced now (the file: read off the loop)
         return server_status(
             self.config,
             self._state,
@@ -364,7 +366,8 @@ class ParameterService:
         )
 
     def layout(self) -> Layout | None:
-        """How θ is partitioned, as this partition announces it (service_reads.partition_layout)."""
+        """How θ is partitioned, as this partition announces it (service_reads.partition_layout),
+        with the addresses last read (Register and Status read them again first)."""
         return partition_layout(self.config, self._state.spec, self._addresses)
 
     def report_evaluation(self, evaluation: Evaluation) -> None:

@@ -323,7 +323,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
 
     @rpc
     async def Status(self, request: pb.StatusRequest, context: Context) -> pb.StatusResponse:
-        return shared.status_to_proto(self.service.status())
+        return shared.status_to_proto(await self.service.status())
 
     @rpc
     async def ReportEvaluation(self, request: pb.EvaluationReport, context: Context) -> pb.ReportEvaluationResponse:
