@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,15 +23,15 @@ import pytest
 
 import gemps
 from gemps_proto.reasons import METADATA_KEY, Reason
-from gemps_proto.status import PRIMARY
+from gemps_proto.status import BACKUP, PRIMARY
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.replication.local_etcd import LocalEtcd
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.processes import GEMPS_COMMAND
 from gemps_worker.simulated_hosts import Host, SimulatedNetwork
 from tests.data_plane_client import DataPlaneClient
-from tests.helpers import wait_for
-from tests.integration.conftest import StartServer, open_stub
+from tests.helpers import free_port, wait_for
+from tests.integration.conftest import StartServer, StartServerProcess, open_stub
 from tests.integration.test_replica_faults import (
     DATA_PORT,
     ETCD_PORT,
@@ -38,7 +40,7 @@ from tests.integration.test_replica_faults import (
     REPLICATION_PORT,
     ReplicatedRun,
 )
-from tests.integration.test_replicas import PARAMETERS, replica_options, wait_replicated
+from tests.integration.test_replicas import PARAMETERS, replica_options, role_of, wait_replicated
 
 
 def reason_of(error: grpc.RpcError) -> str:
@@ -76,6 +78,48 @@ def test_a_backup_answers_every_worker_call_not_primary_whoever_the_worker_is(
         with pytest.raises(grpc.RpcError) as refused:
             call()
         assert reason_of(refused.value) == Reason.NOT_PRIMARY.value
+
+
+def under_replicated(observer: gemps.Client) -> bool:
+    replication = observer.status().replication
+    assert replication is not None
+    return replication.under_replicated
+
+
+def test_a_worker_whose_replica_restarted_under_it_keeps_its_id(
+    start_server_process: StartServerProcess, etcd: LocalEtcd
+) -> None:
+    """The primary is SIGKILLed and restarted on its address (not seeded yet) before the worker's
+    next commit: going round the replicas during the failover, the worker reaches it. Its HELLO
+    was answered `unknown_worker` there, and the worker registered again under a new id (its GEM
+    state started over; 3 runs of 3 on the previous code); now `not_primary`, and the worker goes
+    on at the promoted backup under its id."""
+    ports = [free_port(), free_port()]
+
+    def start(index: int) -> ServerProcess:
+        return start_server_process(**replica_options(etcd, index, "restarted", rule="gem", port=ports[index]))
+
+    servers = [start(0), start(1)]
+    targets = [server.target for server in servers]
+    wait_for(lambda: sorted(role_of(t) for t in targets) == [BACKUP, PRIMARY], 30, "a primary and a backup")
+    first = next(index for index in range(2) if role_of(targets[index]) == PRIMARY)
+    with gemps.Client("|".join(targets), name="w", timeout=5) as client:
+        client.register({"w": np.zeros(PARAMETERS, np.float32)})
+        for _ in range(3):
+            client.commit(np.ones(PARAMETERS, np.float32))
+        registered = client.worker_id
+        with gemps.Client(targets[first], timeout=5) as observer:
+            wait_for(lambda: not under_replicated(observer), 30, "the backup in sync")
+        os.kill(servers[first].pid, signal.SIGKILL)
+        start(first)
+        restarted = "the restarted replica answering, a backup"
+        wait_for(lambda: role_of(targets[first]) == BACKUP, 30, restarted, tolerate=(gemps.GempsError,))
+        client.commit(np.ones(PARAMETERS, np.float32))
+        assert client.worker_id == registered
+        with gemps.Client(targets[1 - first], timeout=5) as observer:
+            status = observer.status()  # before the worker leaves
+    assert status.replication is not None and status.replication.role == PRIMARY
+    assert status.active_workers == 1  # nobody registered again
 
 
 class TimeoutRun(ReplicatedRun):
