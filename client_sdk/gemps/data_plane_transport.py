@@ -242,8 +242,6 @@ class DataPlaneTransport:
             try:
                 return self._hello(DataConnection.open_local(offer.local_socket, timeout=timeout), offer)
             except (Unreachable, errors.GempsError) as failed:  # not this host (or refused): TCP says why
-                if isinstance(failed, errors.GempsError) and errors.worth_another_attempt(failed):
-                    raise  # refused for now (a replica not primary yet): this socket stays the way
                 log.debug("local socket of %s not used (%s): TCP", self.target, failed)
                 self._local = self._attach_memory = False
         connection = DataConnection.open(
