@@ -30,7 +30,7 @@ from gemps_worker.cluster import ServerProcess
 from gemps_worker.processes import GEMPS_COMMAND
 from gemps_worker.simulated_hosts import Host, SimulatedNetwork
 from tests.data_plane_client import DataPlaneClient
-from tests.helpers import free_port, wait_for
+from tests.helpers import free_port, scrape_series, wait_for
 from tests.integration.conftest import StartServer, StartServerProcess, open_stub
 from tests.integration.test_replica_faults import (
     DATA_PORT,
@@ -70,6 +70,9 @@ def test_a_backup_answers_every_worker_call_not_primary_whoever_the_worker_is(
                 refusal = raw.hello(worker_id, ticket).error
             assert refusal is not None, f"a backup accepted the HELLO of {worker_id}"
             assert (refusal.reason, refusal.code) == (Reason.NOT_PRIMARY.value, grpc.StatusCode.UNAVAILABLE.value[0])
+    series = scrape_series(f"http://127.0.0.1:{backup.metrics_port}/metrics")
+    counted = [v for k, v in series.items() if k.startswith('gemps_data_plane_refusals_total{reason="not_primary"')]
+    assert counted == [2]  # counted as what they are (the backup's one series: its replica label)
     stub = open_stub(backup.target)
     for call in (
         lambda: stub.Pull(pb.PullRequest(worker_id="nobody", known_version=-1)),
