@@ -1,20 +1,37 @@
-"""`gemps status`: a running server's state, for humans."""
+"""`gemps status`: a running server's state, for humans.
+
+What a server says is shown, never obeyed: with `--server 'A|B'` (a replicated partition) each
+address given is tried in order until one answers; the primary a backup names is asked only when
+it is one of the addresses the user gave for that partition (another partition's: those partition
+0's layout announces, which the client reaches anyway), so the token goes nowhere else; and every
+line is printed with its control characters (terminal escape sequences among them) removed, as a
+server's strings are its own to choose (issue 41, item 7).
+"""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
+from gemps.client import Client
 from gemps.errors import GempsError
 from gemps.records import ReplicationStatus, ServerStatus, WorkerStatus
+from gemps.resolver import REPLICA_SEPARATOR
 from gemps.retry import NO_RETRY
+from gemps.router import resolve_address
 from gemps_cli.connection import add_connection_flags, connect
 from gemps_proto import versions
 from gemps_proto.status import PRIMARY
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT (default 127.0.0.1:50051)")
+    parser.add_argument(
+        "--server",
+        default="127.0.0.1:50051",
+        help="HOST:PORT (default 127.0.0.1:50051); a replicated partition's replicas as 'HOST:PORT|HOST:PORT' "
+        "(each tried in order until one answers)",
+    )
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
     add_connection_flags(parser)
     parser.set_defaults(run=run)
@@ -23,54 +40,90 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # Workers listed at most: the quietest first, which are the ones a reader looks for.
 MAX_WORKERS_LISTED = 20
 
+# An escape sequence (CSI, OSC/DCS/SOS/PM/APC strings, in their 7- or 8-bit form, up to their terminator, or ESC and one
+# character), then any other C0 or C1 control character or DEL: none of it reaches the terminal.
+_CONTROL = re.compile(
+    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]?"
+    r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f]).*?(?:\x07|\x1b\\|\x9c|$)"
+    r"|\x1b.?"
+    r"|[\x00-\x1f\x7f-\x9f]",
+    re.DOTALL,
+)
+
+
+def printable(text: str) -> str:
+    """`text` without control characters: a server's strings cannot move the cursor, retitle
+    the terminal or hide what is printed after them."""
+    return _CONTROL.sub("", text)
+
+
+def say(line: str = "", *, error: bool = False) -> None:
+    """Print one line, stripped of control characters (printable)."""
+    print(printable(line), file=sys.stderr if error else sys.stdout)
+
+
+def reach(args: argparse.Namespace) -> tuple[Client, ServerStatus, str]:
+    """A client of the first address given that answers Status, that Status and the address;
+    GempsError naming each address's failure when none answers."""
+    failures = []
+    for address in args.server.split(REPLICA_SEPARATOR):
+        client = connect(argparse.Namespace(**{**vars(args), "server": address}), args.timeout, NO_RETRY)
+        try:
+            return client, client.status(), address
+        except GempsError as error:
+            failures.append(f"{address}: {error}")
+            client.close()
+    raise GempsError("; ".join(failures))
+
 
 def run(args: argparse.Namespace) -> int:
-    client = connect(args, timeout=args.timeout, retry=NO_RETRY)
     unreachable = ""
     try:
-        first = client.status()
+        client, first, reached = reach(args)
+    except GempsError as error:
+        say(f"gemps status: {error}", error=True)
+        return 1
+    try:
         try:
             statuses = client.statuses() if first.layout is not None else [first]
         except GempsError as error:  # e.g. through a port-forward to partition 0 alone
             statuses, unreachable = [first], str(error)
-    except GempsError as error:
-        print(f"gemps status: {args.server}: {error}", file=sys.stderr)
-        return 1
     finally:
         client.close()
-    statuses, asked = primaries_views(args, statuses)
+    statuses, asked = primaries_views(args, statuses, given_replicas(args.server, reached, first))
     status = statuses[0]
     settings = " ".join(f"{name}={value:g}" for name, value in status.config.as_dict().items() if type(value) is float)
-    print(f"server          {args.server}")
-    print(f"software        {(status.versions or versions.LEGACY).describe()}")
-    print(f"initialized     {status.initialized}")
-    print(f"version         {status.version}")
+    answered = f" (answered: {reached})" if reached != args.server else ""
+    say(f"server          {args.server}{answered}")
+    say(f"software        {(status.versions or versions.LEGACY).describe()}")
+    say(f"initialized     {status.initialized}")
+    say(f"version         {status.version}")
     lease = f" (each evicted after {status.lease_ttl_seconds:g}s unseen)" if status.lease_ttl_seconds else ""
-    print(f"active workers  {status.active_workers}{lease}")
+    say(f"active workers  {status.active_workers}{lease}")
     parameters = status.layout.num_parameters if status.layout is not None else status.num_parameters
-    print(f"parameters      {parameters} in {len(status.spec)} tensors")
+    say(f"parameters      {parameters} in {len(status.spec)} tensors")
     if status.buffer_spec:
-        print(f"buffers         {sum(entry.size for entry in status.buffer_spec)} in {len(status.buffer_spec)} tensors")
-    print(f"commits         {status.commits_applied} applied, {status.commits_rejected} rejected")
-    print(f"rule state      {memory_line(status)}")
-    print(f"rule            {status.config.rule} ({settings})")
-    print(f"learning rate   {status.learning_rate:g} now ({status.config.lr_schedule} schedule)")
+        say(f"buffers         {sum(entry.size for entry in status.buffer_spec)} in {len(status.buffer_spec)} tensors")
+    say(f"commits         {status.commits_applied} applied, {status.commits_rejected} rejected")
+    say(f"rule state      {memory_line(status)}")
+    say(f"rule            {status.config.rule} ({settings})")
+    say(f"learning rate   {status.learning_rate:g} now ({status.config.lr_schedule} schedule)")
     # Partitions' sums add up to the whole of θ's; with some partitions unreachable, partition 0's slice only.
     noise = client.gradient_noise(statuses).describe(status.active_workers)
     what = noise.removeprefix("noise scale").lstrip(":").strip()
-    print(f"noise scale     {what}" + (" (partition 0's slice)" if unreachable else ""))
-    print(f"uptime          {status.uptime_seconds:.0f}s")
+    say(f"noise scale     {what}" + (" (partition 0's slice)" if unreachable else ""))
+    say(f"uptime          {status.uptime_seconds:.0f}s")
     if unreachable:
-        print(
+        say(
             f"partitions      {len(status.layout.partitions) if status.layout else 1}, not all reachable from "
             f"here ({unreachable}): the figures above are partition 0's"
         )
     elif status.layout is not None:  # θ is partitioned: the figures above are partition 0's
-        print(f"partitions      {len(statuses)} (figures above: partition 0's)")
+        say(f"partitions      {len(statuses)} (figures above: partition 0's)")
         for index, (part, where) in enumerate(zip(statuses, client.targets, strict=True)):
             assert part.layout is not None
             share = part.layout.partitions[index]
-            print(
+            say(
                 f"  {index}  {where:<21} values {share.start}..{share.stop - 1}  version {part.version}  "
                 f"workers {part.active_workers}  commits {part.commits_applied} applied, "
                 f"{part.commits_rejected} rejected"
@@ -97,15 +150,34 @@ def _bytes(count: int) -> str:
     return f"{count} B"
 
 
-def primaries_views(args: argparse.Namespace, statuses: list[ServerStatus]) -> tuple[list[ServerStatus], list[str]]:
+def given_replicas(given: str, reached: str, first: ServerStatus) -> list[set[str]]:
+    """The addresses of each partition's replicas the status may send credentials to: partition
+    0's, those the user gave; another's, those partition 0's layout announces (the client reaches
+    that partition there anyway; a backup's word is never enough)."""
+    trusted = [set(given.split(REPLICA_SEPARATOR))]
+    if first.layout is not None:
+        for partition in first.layout.partitions[1:]:
+            try:
+                trusted.append(set(resolve_address(partition.address, reached).split(REPLICA_SEPARATOR)))
+            except ValueError:
+                trusted.append(set())
+    return trusted
+
+
+def primaries_views(
+    args: argparse.Namespace, statuses: list[ServerStatus], trusted: list[set[str]]
+) -> tuple[list[ServerStatus], list[str]]:
     """Each replicated partition as its primary sees it (its backups' lag, under-replication):
-    where the address given reached a backup that names its primary, the primary is asked. With
-    the primary's address for each partition it asked ("": none asked, or it did not answer)."""
+    where the address given reached a backup that names its primary, the primary is asked, if it
+    is one of that partition's `trusted` addresses. With the primary's address for each partition
+    it asked ("": none asked, or it did not answer)."""
     views, asked = list(statuses), [""] * len(statuses)
     for index, status in enumerate(statuses):
         replication = status.replication
         if replication is None or replication.role == PRIMARY or not replication.primary:
             continue
+        if index >= len(trusted) or replication.primary not in trusted[index]:
+            continue  # an address no one gave: the backup's own view, which names it
         there = argparse.Namespace(**{**vars(args), "server": replication.primary})
         try:
             with connect(there, args.timeout, NO_RETRY) as primary:
@@ -125,16 +197,16 @@ def print_replication(statuses: list[ServerStatus], asked: list[str]) -> None:
         return
     if len(statuses) == 1:
         head, *backups = replication_lines(statuses[0].replication)
-        print(f"replication     {head}{_asked(asked[0])}")
+        say(f"replication     {head}{_asked(asked[0])}")
         for line in backups:
-            print(f"  {line}")
+            say(f"  {line}")
         return
-    print("replication     by partition (the replica each partition's address reached, or its primary)")
+    say("replication     by partition (the replica each partition's address reached, or its primary)")
     for index, status in enumerate(statuses):
         head, *backups = replication_lines(status.replication)
-        print(f"  {index}  {head}{_asked(asked[index])}")
+        say(f"  {index}  {head}{_asked(asked[index])}")
         for line in backups:
-            print(f"       {line}")
+            say(f"       {line}")
 
 
 def _asked(primary: str) -> str:
@@ -164,16 +236,16 @@ def print_workers(workers: tuple[WorkerStatus, ...], *, partitioned: bool = Fals
     leaving stays registered until its lease expires, and shows here as not seen for a while."""
     if not workers:
         return
-    print("workers         the longest unseen first" + (" (partition 0's)" if partitioned else ""))
+    say("workers         the longest unseen first" + (" (partition 0's)" if partitioned else ""))
     quietest = sorted(workers, key=lambda worker: -worker.seconds_since_seen)
     for worker in quietest[:MAX_WORKERS_LISTED]:
-        print(
+        say(
             f"  shard {worker.shard:<4} {worker.name or '(no name)':<16} last seen {_age(worker.seconds_since_seen)} "
             f"ago, last commit {_age(worker.seconds_since_commit)} ago, {worker.commits} commits"
         )
     if len(quietest) > MAX_WORKERS_LISTED:
         rest = quietest[MAX_WORKERS_LISTED:]
-        print(f"  and {len(rest)} more, each seen within {_age(rest[0].seconds_since_seen)}")
+        say(f"  and {len(rest)} more, each seen within {_age(rest[0].seconds_since_seen)}")
 
 
 def _age(seconds: float) -> str:

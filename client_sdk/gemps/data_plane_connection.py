@@ -173,6 +173,8 @@ class DataConnection:
                 self._write([memoryview(self._protocol.send(Hello(worker_id, ticket)))])
             self.receive(Op.HELLO)
         except (errors.ServerUnavailableError, errors.DeadlineExceededError) as error:
+            if error.reason:  # the server's own refusal (a replica not primary): as it came
+                raise
             raise Unreachable(self.address, f"HELLO not answered ({error.message})") from None
 
     # -- frames -------------------------------------------------------------------------------------

@@ -111,15 +111,35 @@ class ServerSession:
 
     def commit(self, call: CommitCall, enrolment: Enrolment | None) -> Committed:
         """Commit to this server (retrying); with `enrolment` again if it forgot us, then with the
-        base version clamped to the registration's (the server may have restarted older)."""
+        base version clamped to the registration's (the server may have restarted older); or,
+        refused as ahead of the server's version, once more after pulling θ (`_resynchronised`)."""
         try:
             return self.retrier.call(self.link.commit, call)
         except errors.GempsError as error:
+            if errors.base_version_ahead(error):
+                return self._resynchronised(call, error)
             registered = self._register_again(error, enrolment)
         version = registered.registration.version
         call = replace(call, worker_id=self.worker_id, base_version=min(call.base_version, version))
         committed = self.retrier.call(self.link.commit, call)
         return committed if committed.buffers is not None else replace(committed, buffers=registered.buffers)
+
+    def _resynchronised(self, call: CommitCall, error: errors.GempsError) -> Committed:
+        """The commit refused for a base version ahead of the server's, done again from the θ a
+        pull gets now: the server went back in history under this worker (a failover to a replica
+        without commits never acknowledged that a pull had shown). Repeating the refused commit
+        left every worker refused for as long as they tried (issue 41)."""
+        pulled = self.retrier.call(self.link.pull, replace(self.pull_call(), known_version=-1))
+        if pulled.parameters is None:  # cannot be (no version named): the refusal as it came
+            raise error
+        log.warning(
+            "%s is at version %d, behind the version %d worker %s held (a failover lost commits it "
+            "never acknowledged): pulled its θ, committing again from there",
+            self.target, pulled.version, call.base_version, self.worker_id,
+        )  # fmt: skip
+        self.received(pulled.version, pulled.parameters, pulled.history)
+        base = min(call.base_version, pulled.version)  # the server's history may have moved on since
+        return self.retrier.call(self.link.commit, replace(call, base_version=base))
 
     def status(self) -> ServerStatus:
         return self.retrier.call(self.link.status)

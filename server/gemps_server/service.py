@@ -119,6 +119,7 @@ class ParameterService:
         """Refuse, before a byte of it is received, a streamed first upload whose header's sizes
         (`parameter_count` values, `buffer_counts` float32 and int64 buffer values, or None) cannot
         initialise θ."""
+        self._replicas.require_primary()  # a backup's state is not for a worker to set
         state = self._state
         counts = (parameter_count, buffer_counts)
         check_upload(spec, buffer_spec, counts, state.partition, state.max_parameters)
@@ -128,13 +129,20 @@ class ParameterService:
         """P held here: the length of θ (this partition's range), 0 before it is initialised."""
         return self._state.num_parameters
 
+    def require_primary(self) -> None:
+        """Unavailable (not_primary) unless this replica is its partition's primary (or the
+        partition is not replicated): checked before anything a backup would answer otherwise."""
+        self._replicas.require_primary()
+
     def require_initialized(self) -> None:
         """FailedPrecondition until a worker has set θ."""
         self._state.require_initialized()
 
     def expected_payload_bytes(self, dtype: int, shape: tuple[int, ...]) -> int:
-        """Bytes a streamed commit's payload of this dtype and shape must have; refused unless θ
-        is initialised and the shape is flat [P]."""
+        """Bytes a streamed commit's payload of this dtype and shape must have; refused unless this
+        replica is primary (first: a backup not seeded yet must not say `not_initialized`, which
+        sends workers to register again), θ is initialised and the shape is flat [P]."""
+        self._replicas.require_primary()
         return self._state.expected_payload_bytes(dtype, shape)
 
     @property
@@ -175,6 +183,7 @@ class ParameterService:
         )
         worker = registered.worker
         self._metrics.registered()
+        await self._addresses.refreshed()  # the layout as announced now (the file: read off the loop)
         if (displaced := registered.displaced) is not None:
             self._evicted([displaced], reason="server full; no commit for longer than the lease")
         if registered.initialized_theta:
@@ -208,8 +217,12 @@ class ParameterService:
         return registered, registration
 
     def check_ticket(self, worker_id: str, ticket: bytes) -> None:
-        """Refuse a data-plane ticket that is not `worker_id`'s registration's: NotFound for a worker
-        not registered, Unauthenticated for a wrong ticket (compared in constant time)."""
+        """Refuse a data-plane ticket that is not `worker_id`'s registration's: Unavailable
+        (not_primary) at a replica that is not primary, whatever it knows of the worker (a backup
+        not seeded yet knows none: `unknown_worker` there sent every worker to register again under
+        a new id, its GEM state lost, issue 41 item 6); NotFound for a worker not registered,
+        Unauthenticated for a wrong ticket (compared in constant time)."""
+        self._replicas.require_primary()
         worker = self._state.registry.get(worker_id)
         if not self.data_plane.tickets.valid(ticket, worker.worker_id, worker.client_id):
             raise Unauthenticated(
@@ -351,7 +364,8 @@ class ParameterService:
             active=len(state.registry),
         )
 
-    def status(self) -> ServerStatus:
+    async def status(self) -> ServerStatus:
+        await self._addresses.refreshed()  # the layout as announced now (the file: read off the loop)
         return server_status(
             self.config,
             self._state,
@@ -364,7 +378,8 @@ class ParameterService:
         )
 
     def layout(self) -> Layout | None:
-        """How θ is partitioned, as this partition announces it (service_reads.partition_layout)."""
+        """How θ is partitioned, as this partition announces it (service_reads.partition_layout),
+        with the addresses last read (Register and Status read them again first)."""
         return partition_layout(self.config, self._state.spec, self._addresses)
 
     def report_evaluation(self, evaluation: Evaluation) -> None:

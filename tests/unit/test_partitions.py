@@ -133,9 +133,9 @@ def test_partition_addresses_from_a_file_are_read_again_when_it_changes(tmp_path
         os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + step * 1_000_000_000))
 
     rewrite("10.0.0.1:50051,10.0.0.3:50051\n", 1)
-    assert addresses.current() == ("10.0.0.1:50051", "10.0.0.3:50051")
+    assert addresses.reread() == addresses.current() == ("10.0.0.1:50051", "10.0.0.3:50051")
     rewrite("10.0.0.9:50051\n", 2)  # one address for two partitions: the last good list stays
-    assert addresses.current() == ("10.0.0.1:50051", "10.0.0.3:50051")
+    assert addresses.reread() == ("10.0.0.1:50051", "10.0.0.3:50051")
     with pytest.raises(ValueError, match="lists 1 addresses for 2"):
         ServerConfig(partitions=2, partition_index=0, partition_addresses=f"@{path}")
     with pytest.raises(ValueError, match="No such file"):

@@ -3,6 +3,7 @@ reply written by the state, on the applier, through a writer the wire supplies."
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import inspect
 from collections.abc import Callable
@@ -157,6 +158,6 @@ def test_status_carries_the_replication_record_the_replication_layer_provides() 
         return ParameterService(ServerConfig(), state, Applier(), ServerMetrics(), replicas=replicas)
 
     replicated = service(RecordedReplicas([record, later]))
-    assert replicated.status().replication == record  # asked at each Status, not once
-    assert replicated.status().replication == later
-    assert service(NoReplicas()).status().replication is None  # not replicated
+    assert asyncio.run(replicated.status()).replication == record  # asked at each Status, not once
+    assert asyncio.run(replicated.status()).replication == later
+    assert asyncio.run(service(NoReplicas()).status()).replication is None  # not replicated

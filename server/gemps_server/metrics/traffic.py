@@ -20,6 +20,7 @@ DATA_PLANE_REFUSALS = (
     "bad_hello",  # a first frame that is not a well-formed HELLO
     "unauthenticated",  # a ticket that is not the worker's registration's, or another worker's request
     "unknown_worker",  # a HELLO for a worker not registered
+    "not_primary",  # a HELLO at a replica that is not its partition's primary (the worker tries another)
     "handshake_timeout",  # TLS handshake and HELLO not done within --data-plane-hello-timeout
     "unproven_limit",  # closed without a HELLO for a newcomer, past --max-unproven-data-connections
     "tls",  # a TLS handshake that failed (no or a wrong client certificate, not TLS at all)

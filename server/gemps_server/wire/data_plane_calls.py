@@ -69,7 +69,11 @@ from gemps_server.wire.streams import Pace
 Steps = Generator[Wait, Any, Any]
 METHODS: dict[int, str] = {Op.COMMIT: "Commit", Op.PULL: "Pull"}
 # What a refused HELLO counts as, by its reason (anything else: bad_hello).
-HELLO_REFUSALS = {Reason.UNAUTHENTICATED: "unauthenticated", Reason.UNKNOWN_WORKER: "unknown_worker"}
+HELLO_REFUSALS = {
+    Reason.UNAUTHENTICATED: "unauthenticated",
+    Reason.UNKNOWN_WORKER: "unknown_worker",
+    Reason.NOT_PRIMARY: "not_primary",
+}
 
 
 @dataclass(frozen=True)

@@ -229,6 +229,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         messages.check_client_versions(header)
         spec = messages.spec_from_proto(header.spec)
         buffer_spec = messages.buffer_spec_from_proto(header.buffer_spec)
+        self.service.require_primary()  # before a backup takes (or waits for) an upload of initial values
         if self.service.initialized or not header.HasField("initial_parameters"):
             return await self._register(header, spec, None, buffer_spec, None, context)
         async with self._initial_upload:  # the first worker's: others wait, then find θ initialised
@@ -323,7 +324,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
 
     @rpc
     async def Status(self, request: pb.StatusRequest, context: Context) -> pb.StatusResponse:
-        return shared.status_to_proto(self.service.status())
+        return shared.status_to_proto(await self.service.status())
 
     @rpc
     async def ReportEvaluation(self, request: pb.EvaluationReport, context: Context) -> pb.ReportEvaluationResponse:
