@@ -1,0 +1,191 @@
+"""One trial end to end: the rig up, workers committing, the plan's faults applied at their times,
+everything healed, the verdict (gemps_bench.jepsen.check); and a table of many trials' verdicts."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gemps_bench.jepsen.check import Safety, check, promotions
+from gemps_bench.jepsen.plan import Plan, Step
+from gemps_bench.jepsen.rig import Heal, Rig
+from gemps_worker.simulated_hosts import Host, SimulatedNetwork
+
+
+@dataclass(frozen=True)
+class TrialOptions:
+    workers: int = 3
+    parameters: int = 20_000  # float32 each: an 80 kB commit
+    warmup: float = 2.0  # seconds of commits before the first fault
+    settle: float = 30.0  # seconds the replicas may take to settle once everything is healed
+    quiet: float = 2.0  # seconds of commits once settled, before the workers stop
+    wedge_after: float = 10.0  # seconds of safe time without an acknowledgement: a worker wedged
+
+
+class Schedule:
+    """Applies a plan's steps to a rig, resolving roles to hosts; records each fault."""
+
+    def __init__(self, rig: Rig, seed: int) -> None:
+        self.rig, self.rng = rig, random.Random(seed)
+        self.faults: dict[int, dict[str, Any]] = {}
+        self.heals: dict[int, Heal] = {}
+
+    def busy(self) -> set[str]:
+        return {self.faults[fault]["host"] for fault in self.heals}
+
+    def resolve(self, role: str) -> Host | None:
+        """The host `role` names now, if it is not under another fault."""
+        busy = self.busy()
+        if role == "etcd":
+            return None if "e" in busy else self.rig.etcd_host
+        views = self.rig.latest_views()
+        primaries = sorted((v["epoch"], target) for target, v in views.items() if v and v.get("role") == "primary")
+        primary = self.rig.host_of(primaries[-1][1]) if primaries else None
+        if role == "primary":
+            return primary if primary is not None and primary.name not in busy else None
+        backups = [h for h in self.rig.replica_hosts if h is not primary and h.name not in busy]
+        return self.rng.choice(backups) if backups else None
+
+    def step(self, step: Step) -> None:
+        now = time.time()
+        if step.kind == "heal":
+            heal = self.heals.pop(step.fault, None)
+            if heal is not None:
+                heal()
+                self.faults[step.fault]["end"] = now
+            return
+        host = self.resolve(step.role)
+        record: dict[str, Any] = {"id": step.fault, "kind": step.kind, "role": step.role, "at": step.at}
+        if host is None:
+            self.faults[step.fault] = {**record, "host": None, "skipped": "no such host free of other faults"}
+            return
+        heal = self.rig.apply(step.kind, host)
+        self.faults[step.fault] = {**record, "host": host.name, "start": now, "end": now}
+        if step.kind != "wipe":
+            self.heals[step.fault] = heal
+
+    def heal_all(self) -> None:
+        for fault in sorted(self.heals):
+            self.step(Step(0.0, fault, "heal", ""))
+
+
+def settled(views: Mapping[str, Mapping[str, Any] | None], replicas: int, since: float = 0.0) -> bool:
+    """One primary, every other replica its backup, in sync and caught up (each said so after `since`)."""
+    if any(v is None or v["at"] <= since for v in views.values()):
+        return False
+    primaries = [v for v in views.values() if v and v.get("role") == "primary"]
+    backups = [v for v in views.values() if v and v.get("role") == "backup"]
+    if len(primaries) != 1 or len(backups) != replicas - 1:
+        return False
+    listed = primaries[0]["backups"]
+    return len(listed) == replicas - 1 and all(in_sync and lag == 0 for _, in_sync, lag in listed)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float) -> float | None:
+    """Seconds until `condition()` held; None when not within `timeout`."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout:
+        if condition():
+            return round(time.monotonic() - began, 2)
+        time.sleep(0.25)
+    return None
+
+
+def run_trial(
+    plan: Plan, folder: Path, options: TrialOptions, env: Mapping[str, str], say: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """Run `plan` on fresh simulated hosts (logs and data in `folder`); the trial's record."""
+    with SimulatedNetwork() as network:
+        rig = Rig(network, folder, plan.replicas, env)
+        try:
+            return _run(rig, plan, options, say)
+        finally:
+            rig.close()
+
+
+def _run(rig: Rig, plan: Plan, options: TrialOptions, say: Callable[[str], None]) -> dict[str, Any]:
+    rig.start_etcd()
+    with ThreadPoolExecutor(plan.replicas) as pool:
+        list(pool.map(rig.start_replica, range(plan.replicas)))
+    rig.settle()
+    rig.start_monitor()
+    rig.start_workers(options.workers, options.parameters)
+    time.sleep(options.warmup)
+    schedule = Schedule(rig, plan.seed)
+    began = time.time()
+    for step in plan.steps:
+        time.sleep(max(0.0, began + step.at - time.time()))
+        schedule.step(step)
+        if step.kind != "heal":
+            fault = schedule.faults[step.fault]
+            say(f"  {step.at:6.2f} s  {step.kind}:{step.role} -> {fault['host'] or 'skipped'}")
+    schedule.heal_all()
+    healed = time.time()
+    settled_s = wait_until(lambda: settled(rig.latest_views(), plan.replicas, healed), options.settle)
+    # Every worker acknowledged again (or, after wedge_after seconds, wedged: the checker says so).
+    resumed_s = wait_until(lambda: rig.acknowledged_since(healed), options.wedge_after + 1.0)
+    say(f"  healed; settled after {settled_s} s, every worker acknowledged again after {resumed_s} s")
+    time.sleep(options.quiet)
+    histories = rig.stop_workers()
+    stopped = time.time()
+    wait_until(lambda: settled(rig.latest_views(), plan.replicas, stopped), 10.0)  # the backups apply the last
+    observed = rig.observe()
+    timeline = rig.stop_monitor()
+    hosts = {target: rig.host_of(target).name for target in rig.targets}
+    start = min(float(h["started"]) for h in histories)
+    end = max(float(h["ended"]) for h in histories)
+    faults = sorted(schedule.faults.values(), key=lambda f: f["at"])
+    safety = Safety(faults, timeline, hosts, start, end)
+    final = timeline[-1]["views"] if timeline else {}
+    promoted = promotions(rig.logs())
+    verdict = check(histories, observed, final, safety, faults, promoted, options.wedge_after)
+    for fault in faults:  # times relative to the first fault, for reading
+        fault.update({k: round(fault[k] - began, 2) for k in ("start", "end") if k in fault})
+    return {
+        "seed": plan.seed, "replicas": plan.replicas, "plan": plan.to_json(), "faults": faults,
+        "healed_at_s": round(healed - began, 2), "settled_after_heal_s": settled_s,
+        "resumed_after_heal_s": resumed_s, "verdict": verdict,
+    }  # fmt: skip
+
+
+SHORT = {"kill": "K", "pause": "P", "part": "X", "part-etcd": "Xe", "slow": "S", "wipe": "W"}  # + p/b/e: the role
+COLUMNS = ("seed", "R", "faults", "acked", "lost", "twice", "2 prim.", "reused", "wedged", "recov. max s", "ok")
+
+
+def table(trials: Sequence[Mapping[str, Any]]) -> str:
+    """One line per trial, then the totals."""
+    rows = [COLUMNS]
+    for trial in trials:
+        v = trial.get("verdict")
+        if v is None:  # the trial itself failed (the rig, not the servers)
+            rows.append(
+                (str(trial["seed"]), str(trial["replicas"]), "error: " + trial.get("error", "")[:40], *[""] * 8)
+            )
+            continue
+        recoveries = [r["resumed_s"] for r in v["recovery"] if r["resumed_s"] is not None]
+        never = sum(r["resumed_s"] is None and r["safe_after_s"] is not None for r in v["recovery"])
+        kinds = ",".join(f"{SHORT[f['kind']]}{f['role'][0]}" for f in trial["faults"] if f.get("host"))
+        rows.append((
+            str(trial["seed"]), str(trial["replicas"]), kinds, str(v["acknowledged"]), str(v["lost"]),
+            str(v["applied_twice"]), str(len(v["epochs"]["two_primaries"])), str(len(v["epochs"]["reused"])),
+            str(len(v["wedged"])), f"{max(recoveries, default=0.0):.1f}" + (f" ({never} never)" if never else ""),
+            "yes" if v["ok"] else "NO",
+        ))  # fmt: skip
+    done = [t["verdict"] for t in trials if t.get("verdict")]
+
+    def total(count: Callable[[Mapping[str, Any]], int]) -> str:
+        return str(sum(count(v) for v in done))
+
+    rows.append((
+        "all", "", f"{len(trials)} trials", total(lambda v: v["acknowledged"]), total(lambda v: v["lost"]),
+        total(lambda v: v["applied_twice"]), total(lambda v: len(v["epochs"]["two_primaries"])),
+        total(lambda v: len(v["epochs"]["reused"])), total(lambda v: len(v["wedged"])), "",
+        f"{sum(v['ok'] for v in done)}/{len(trials)}",
+    ))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
