@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from gemps_bench.jepsen.plan import draw
-from gemps_bench.jepsen.trial import TrialOptions, run_trial, table
+from gemps_bench.jepsen.report import table, totals
+from gemps_bench.jepsen.trial import TrialOptions, run_trial
 
 from gemps_worker.simulated_hosts import unavailable_reason
 
@@ -43,13 +45,15 @@ def main() -> None:
     parser.add_argument("--stale-wipe", type=float, default=0.25,
                         help="chance an episode is the stale-backup etcd wipe of issue 41 (default 0.25)")  # fmt: skip
     parser.add_argument("--workers", type=int, default=3, help="counting workers (default 3)")
+    wedged = "a worker waiting this many seconds while a safe primary existed is wedged (default 10)"
+    parser.add_argument("--wedge-after", type=float, default=10.0, help=wedged)
     parser.add_argument("--keep", action="store_true", help="keep every trial's logs (default: failed trials' only)")
     args = parser.parse_args()
     reason = unavailable_reason()
     if reason is not None:
         sys.exit(f"jepsen_replicas: {reason}")
     replicas = tuple(int(r) for r in args.replicas.split(","))
-    options = TrialOptions(workers=args.workers)
+    options = TrialOptions(workers=args.workers, wedge_after=args.wedge_after)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
     results: list[dict[str, Any]] = []
     for index in range(args.trials):
@@ -73,9 +77,18 @@ def main() -> None:
         results.append(result)
         print(f"  {_line(result)}", flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"trials": results, "argv": sys.argv[1:]}, indent=1) + "\n")
+        record = {"commit": _commit(), "argv": sys.argv[1:], "totals": totals(results), "trials": results}
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(table(results))
     sys.exit(0 if all(r.get("verdict", {}).get("ok") for r in results) else 1)
+
+
+def _commit() -> str:
+    """The checkout's commit (with "+" when it has changes), or "" outside a git checkout."""
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True)  # fmt: skip
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "") if head.returncode == 0 else ""
 
 
 def _line(result: dict[str, Any]) -> str:

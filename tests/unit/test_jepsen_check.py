@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from gemps_bench.jepsen.check import Safety, check, epochs, promotions, recovery, wedged
 from gemps_bench.jepsen.plan import draw
+from gemps_bench.jepsen.report import table, totals
 
 HOSTS = {"A:1": "r0", "B:1": "r1"}  # target -> host
 
@@ -103,3 +104,25 @@ def test_plans_are_drawn_from_their_seed_and_stale_wipe_lags_wipes_then_pauses()
     assert steps[1:] == [("wipe", "etcd"), ("pause", "primary"), ("heal", "backup"), ("heal", "primary")]
     assert steps[0] in {("pause", "backup"), ("slow", "backup")}
     assert plan.steps[1].at - plan.steps[0].at > 2.0  # past the replica timeout: the backup was dropped
+
+
+def test_the_report_sums_violations_and_recovery_by_fault() -> None:
+    recovered = {"kind": "kill:primary", "safe_after_s": 0.0, "resumed_s": 2.0}
+    trials = [
+        {"seed": 1, "replicas": 2, "faults": [{"kind": "kill", "role": "primary", "host": "r0"}],
+         "verdict": {**verdict([history(10)], 7), "recovery": [recovered]}},
+        {"seed": 2, "replicas": 2, "faults": [], "verdict": {**verdict([history(10)], 10), "recovery": [
+            {**recovered, "resumed_s": 4.0}, {**recovered, "resumed_s": None}]}},
+        {"seed": 3, "replicas": 3, "plan": {}, "error": "RuntimeError('etcd did not answer')"},
+    ]  # fmt: skip
+    found = totals(trials)
+    assert (found["trials"], found["ok"], found["rig_errors"], found["lost"], found["trials_with_lost"]) == (
+        3,
+        1,
+        1,
+        3,
+        1,
+    )
+    assert found["recovery_by_fault"] == {"kill:primary": {"faults": 3, "never": 1, "median_s": 3.0, "max_s": 4.0}}
+    lines = table(trials).splitlines()
+    assert lines[1].split()[:6] == ["1", "2", "Kp", "10", "3", "0"] and "rig error" in lines[3]

@@ -1,11 +1,11 @@
 """One trial end to end: the rig up, workers committing, the plan's faults applied at their times,
-everything healed, the verdict (gemps_bench.jepsen.check); and a table of many trials' verdicts."""
+everything healed, the verdict (gemps_bench.jepsen.check)."""
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,18 +38,27 @@ class Schedule:
     def busy(self) -> set[str]:
         return {self.faults[fault]["host"] for fault in self.heals}
 
-    def resolve(self, role: str) -> Host | None:
-        """The host `role` names now, if it is not under another fault."""
+    def resolve(self, role: str, wait: float = 2.0) -> Host | None:
+        """The host `role` names now, if it is not under another fault. With no primary known (an
+        election under way), the primary is waited for up to `wait` seconds."""
         busy = self.busy()
         if role == "etcd":
             return None if "e" in busy else self.rig.etcd_host
-        views = self.rig.latest_views()
-        primaries = sorted((v["epoch"], target) for target, v in views.items() if v and v.get("role") == "primary")
-        primary = self.rig.host_of(primaries[-1][1]) if primaries else None
+        deadline = time.monotonic() + wait
+        primary = self.primary()
+        while primary is None and role == "primary" and time.monotonic() < deadline:
+            time.sleep(0.1)
+            primary = self.primary()
         if role == "primary":
             return primary if primary is not None and primary.name not in busy else None
         backups = [h for h in self.rig.replica_hosts if h is not primary and h.name not in busy]
         return self.rng.choice(backups) if backups else None
+
+    def primary(self) -> Host | None:
+        """The replica the monitor last saw as primary (the newest epoch's, if several)."""
+        views = self.rig.latest_views()
+        primaries = sorted((v["epoch"], target) for target, v in views.items() if v and v.get("role") == "primary")
+        return self.rig.host_of(primaries[-1][1]) if primaries else None
 
     def step(self, step: Step) -> None:
         now = time.time()
@@ -151,41 +160,3 @@ def _run(rig: Rig, plan: Plan, options: TrialOptions, say: Callable[[str], None]
         "healed_at_s": round(healed - began, 2), "settled_after_heal_s": settled_s,
         "resumed_after_heal_s": resumed_s, "verdict": verdict,
     }  # fmt: skip
-
-
-SHORT = {"kill": "K", "pause": "P", "part": "X", "part-etcd": "Xe", "slow": "S", "wipe": "W"}  # + p/b/e: the role
-COLUMNS = ("seed", "R", "faults", "acked", "lost", "twice", "2 prim.", "reused", "wedged", "recov. max s", "ok")
-
-
-def table(trials: Sequence[Mapping[str, Any]]) -> str:
-    """One line per trial, then the totals."""
-    rows = [COLUMNS]
-    for trial in trials:
-        v = trial.get("verdict")
-        if v is None:  # the trial itself failed (the rig, not the servers)
-            rows.append(
-                (str(trial["seed"]), str(trial["replicas"]), "error: " + trial.get("error", "")[:40], *[""] * 8)
-            )
-            continue
-        recoveries = [r["resumed_s"] for r in v["recovery"] if r["resumed_s"] is not None]
-        never = sum(r["resumed_s"] is None and r["safe_after_s"] is not None for r in v["recovery"])
-        kinds = ",".join(f"{SHORT[f['kind']]}{f['role'][0]}" for f in trial["faults"] if f.get("host"))
-        rows.append((
-            str(trial["seed"]), str(trial["replicas"]), kinds, str(v["acknowledged"]), str(v["lost"]),
-            str(v["applied_twice"]), str(len(v["epochs"]["two_primaries"])), str(len(v["epochs"]["reused"])),
-            str(len(v["wedged"])), f"{max(recoveries, default=0.0):.1f}" + (f" ({never} never)" if never else ""),
-            "yes" if v["ok"] else "NO",
-        ))  # fmt: skip
-    done = [t["verdict"] for t in trials if t.get("verdict")]
-
-    def total(count: Callable[[Mapping[str, Any]], int]) -> str:
-        return str(sum(count(v) for v in done))
-
-    rows.append((
-        "all", "", f"{len(trials)} trials", total(lambda v: v["acknowledged"]), total(lambda v: v["lost"]),
-        total(lambda v: v["applied_twice"]), total(lambda v: len(v["epochs"]["two_primaries"])),
-        total(lambda v: len(v["epochs"]["reused"])), total(lambda v: len(v["wedged"])), "",
-        f"{sum(v['ok'] for v in done)}/{len(trials)}",
-    ))  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
