@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from gemps_bench.jepsen.check import Safety, check, epochs, promotions, recovery, wedged
+from gemps_bench.jepsen.check import Safety, check, epochs, primaries_seen, promotions, recovery, wedged
 from gemps_bench.jepsen.plan import draw
 from gemps_bench.jepsen.report import table, totals
 
@@ -60,6 +60,11 @@ def test_an_epoch_held_by_two_replicas_or_given_twice_is_reported() -> None:
     found = epochs([history()], promoted)
     assert found["reused"] == [5] and found["two_primaries"] == {"5": ["ack A:1", "log r0", "log r1"]}
     assert epochs([history()], promoted[:2]) == {"two_primaries": {}, "stale_acks": [], "reused": [], "promotions": 2}
+    said = primaries_seen([line(1.0, True), line(2.0, True, primary="B:1")], HOSTS)
+    assert said == {(5, "r0"), (5, "r1")}
+    assert epochs([history()], promoted[:2], said)["two_primaries"] == {
+        "5": ["ack A:1", "log r0", "status r0", "status r1"]
+    }
 
 
 def test_promotions_are_read_from_the_servers_json_logs() -> None:

@@ -3,10 +3,13 @@ the replicas hold and said (the primary's θ, the monitor's views, the replicas'
 
 - **lost**: acknowledged commits missing from the final primary's θ (acknowledged - applied, when
   positive); **applied twice**: applied - (acknowledged + in doubt), when positive. Every commit
-  adds 1 to θ, so θ's range must also equal the version.
+  adds 1 to θ, so θ's range must also equal the version. Every commit that ended in an error is in
+  doubt, refusals too (one may answer the retry of an attempt that was applied), so a worker
+  refused over and over hides commits applied twice: that count is a lower bound.
 - **two primaries under one epoch**: an epoch under which two replicas acknowledged commits (from
-  the histories) or two replicas logged becoming primary; **stale acknowledgements**: a worker
-  acknowledged under an epoch older than one it had already been acknowledged under.
+  the histories), logged becoming primary, or said they were primary (Status, as the monitor saw);
+  **stale acknowledgements**: a worker acknowledged under an epoch older than one it had already
+  been acknowledged under.
 - **epochs reused**: an epoch some replica logged becoming primary under more than once, or after
   a newer one (after etcd lost its data its revisions start again).
 - **recovery** after each fault: from the first moment after it began when a safe primary existed
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -132,9 +135,26 @@ def wedged(histories: Sequence[Mapping[str, Any]], safety: Safety, wedge_after: 
     return found
 
 
-def epochs(histories: Sequence[Mapping[str, Any]], promoted: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Two primaries under one epoch, stale acknowledgements, epochs reused."""
+def primaries_seen(timeline: Sequence[Mapping[str, Any]], hosts: Mapping[str, str]) -> set[tuple[int, str]]:
+    """Every (epoch, host) the monitor saw a replica say it was primary under."""
+    return {
+        (int(v["epoch"]), hosts[target])
+        for line in timeline
+        for target, v in line["views"].items()
+        if v and v.get("role") == "primary"
+    }
+
+
+def epochs(
+    histories: Sequence[Mapping[str, Any]],
+    promoted: Sequence[Mapping[str, Any]],
+    statuses: Iterable[tuple[int, str]] = (),
+) -> dict[str, Any]:
+    """Two primaries under one epoch (by acknowledgements, logs or Status), stale acknowledgements,
+    epochs reused."""
     holders: dict[int, set[str]] = {}
+    for epoch, host in statuses:
+        holders.setdefault(epoch, set()).add(f"status {host}")
     stale: set[int] = set()
     for history in histories:
         newest = 0
@@ -154,7 +174,7 @@ def epochs(histories: Sequence[Mapping[str, Any]], promoted: Sequence[Mapping[st
     two = {}
     for epoch, who in holders.items():
         replicas = {name.split(" ", 1)[1] for name in who if name.startswith("ack")}
-        hosts = {name.split(" ", 1)[1] for name in who if name.startswith("log")}
+        hosts = {name.split(" ", 1)[1] for name in who if not name.startswith("ack")}
         if len(replicas) > 1 or len(hosts) > 1:
             two[str(epoch)] = sorted(who)
     return {"two_primaries": two, "stale_acks": sorted(stale), "reused": sorted(reused), "promotions": len(promoted)}
@@ -168,6 +188,7 @@ def check(
     faults: Sequence[Mapping[str, Any]],
     promoted: Sequence[Mapping[str, Any]],
     wedge_after: float = 10.0,
+    statuses: Iterable[tuple[int, str]] = (),
 ) -> dict[str, Any]:
     """The verdict of one trial (see the module's docstring); "ok" when nothing was violated."""
     acknowledged = sum(int(h["acknowledged"]) for h in histories)
@@ -180,7 +201,7 @@ def check(
         "acknowledged": acknowledged, "in_doubt": in_doubt, "applied": applied,
         "lost": max(0, acknowledged - applied), "applied_twice": max(0, applied - acknowledged - in_doubt),
         "theta_counts_commits": theta_ok, "primary_at_end": observed is not None, "final_versions": versions,
-        "epochs": epochs(histories, promoted), "recovery": recovery(faults, histories, safety, safety.end),
+        "epochs": epochs(histories, promoted, statuses), "recovery": recovery(faults, histories, safety, safety.end),
         "wedged": wedged(histories, safety, wedge_after),
         "errors": _merged([h["errors"] for h in histories]),
     }  # fmt: skip

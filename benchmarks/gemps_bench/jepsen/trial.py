@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gemps_bench.jepsen.check import Safety, check, promotions
+from gemps_bench.jepsen.check import Safety, check, primaries_seen, promotions
 from gemps_bench.jepsen.plan import Plan, Step
 from gemps_bench.jepsen.rig import Heal, Rig
 from gemps_worker.simulated_hosts import Host, SimulatedNetwork
@@ -152,7 +152,8 @@ def _run(rig: Rig, plan: Plan, options: TrialOptions, say: Callable[[str], None]
     safety = Safety(faults, timeline, hosts, start, end)
     final = timeline[-1]["views"] if timeline else {}
     promoted = promotions(rig.logs())
-    verdict = check(histories, observed, final, safety, faults, promoted, options.wedge_after)
+    statuses = primaries_seen(timeline, hosts)
+    verdict = check(histories, observed, final, safety, faults, promoted, options.wedge_after, statuses)
     for fault in faults:  # times relative to the first fault, for reading
         fault.update({k: round(fault[k] - began, 2) for k in ("start", "end") if k in fault})
     return {
