@@ -13,8 +13,8 @@ the replicas hold and said (the primary's θ, the monitor's views, the replicas'
 - **epochs reused**: an epoch some replica logged becoming primary under more than once, or after
   a newer one (after etcd lost its data its revisions start again).
 - **recovery** after each fault: from the first moment after it began when a safe primary existed
-  to when every worker was acknowledged again (the end of its longest wait that ended before the
-  next fault began). A safe primary exists while etcd is up and reachable (not killed, paused or
+  to when every worker was acknowledged again (the end of its longest wait that began before the
+  next fault did). A safe primary exists while etcd is up and reachable (not killed, paused or
   parted) and some replica the last primary seen listed as in sync (or that primary) is up and
   reachable: one that holds every acknowledged commit could take over.
 - **wedged**: a worker that waited more than `wedge_after` seconds, counted only while a safe
@@ -94,11 +94,12 @@ class Safety:
 
 def _resumed(history: Mapping[str, Any], after: float, before: float) -> float | None:
     """Seconds from `after` until this worker was acknowledged again: the end of its longest wait
-    that ended in (after, before]; 0 when none did; None when it never was again."""
+    that began before `before` (the next fault) and ended after `after`, though it may have ended
+    after `before` too; 0 when none did; None when it never was acknowledged again."""
     if float(history["last_ack"]) < after:
         return None
-    ends = [(end - start, end) for start, end in history["stalls"] if after < end <= before]
-    return max(0.0, max(ends)[1] - after) if ends else 0.0
+    waits = [(end - start, end) for start, end in history["stalls"] if start < before and end > after]
+    return max(0.0, max(waits)[1] - after) if waits else 0.0
 
 
 def recovery(faults: Sequence[Mapping[str, Any]], histories: Sequence[Mapping[str, Any]], safety: Safety,

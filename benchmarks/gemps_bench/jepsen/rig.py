@@ -3,7 +3,8 @@ and the monitor on host `w`; and the faults of a plan (gemps_bench.jepsen.plan) 
 
 Every fault returns its heal. A replica killed is started again as a fresh process on its host (a
 machine rebooted: it holds nothing and is re-seeded); etcd killed is started again on its data,
-etcd wiped on an empty data directory.
+etcd wiped on an empty data directory. The job has a token (a 0600 file): the workers present it,
+and replicas started alone prove themselves to each other with it (issue 41).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -35,7 +37,11 @@ class Rig:
     """The hosts of one trial, with `replicas` replicas of job `job`; logs and data go to `folder`."""
 
     def __init__(self, network: SimulatedNetwork, folder: Path, replicas: int, env: Mapping[str, str]) -> None:
-        self.network, self.folder, self.env = network, folder, dict(env)
+        self.token_file = folder / "token"
+        self.token_file.write_text(secrets.token_hex(16))
+        self.token_file.chmod(0o600)
+        self.network, self.folder = network, folder
+        self.env = {**env, "GEMPS_AUTH_TOKEN_FILE": str(self.token_file)}  # every client here: workers, monitor
         self.etcd_host = network.add_host("e")
         self.replica_hosts = [network.add_host(f"r{index}") for index in range(replicas)]
         self.workers_host = network.add_host("w")
@@ -101,6 +107,7 @@ class Rig:
             command=host.command(GEMPS_COMMAND),
             host=host.address, port=PORT, data_port=DATA_PORT, rule="downpour", num_shards=8,
             replicas=len(self.replica_hosts), replica_index=index, job="jepsen", log_format="json",
+            auth_token_file=str(self.token_file),
             etcd=f"http://{self.etcd_host.address}:{ETCD_PORT}", metrics_port=-1,
             replication_port=REPLICATION_PORT, replica_lease=LEASE, replica_timeout=REPLICA_TIMEOUT,
         )  # fmt: skip
