@@ -93,13 +93,13 @@ def test_recovery_counts_from_when_a_safe_primary_exists_and_waits_past_the_faul
     faults = [fault("kill", "e", 2.0, 4.0, id=1), fault("pause", "r0", 6.0, 7.0, id=2)]
     safety = Safety(faults, timeline, HOSTS, 0.0, 30.0)
     resumed = history(stalls=[[1.9, 5.0], [5.9, 8.5]], last_ack=30.0, ended=30.0)
-    found = recovery(faults, [resumed], safety, 30.0)
+    found = recovery(faults, [resumed], safety)
     assert [(r["fault"], r["safe_after_s"], r["resumed_s"]) for r in found] == [(1, 2.0, 1.0), (2, 0.0, 2.5)]
     never = history(stalls=[], last_ack=5.0, ended=30.0)
-    assert [r["resumed_s"] for r in recovery(faults, [never], safety, 30.0)] == [0.0, None]
+    assert [r["resumed_s"] for r in recovery(faults, [never], safety)] == [0.0, None]
     assert [w["worker"] for w in wedged([resumed, never], safety, 10.0)] == [1]  # 25 s without, all safe
     across = [fault("kill", "r0", 6.2, 9.0, id=3), fault("wipe", "e", 7.4, 7.4, id=4)]
-    found = recovery(across, [history(stalls=[[6.15, 8.3]], last_ack=30.0)], Safety(across, timeline, HOSTS, 0, 30), 30)
+    found = recovery(across, [history(stalls=[[6.15, 8.3]], last_ack=30.0)], Safety(across, timeline, HOSTS, 0, 30))
     assert [r["resumed_s"] for r in found] == [2.1, 0.9]  # a wait past the next fault's start still counts
     etcd_dead = Safety([fault("kill", "e", 4.0, 30.0)], timeline, HOSTS, 0.0, 30.0)
     assert wedged([never], etcd_dead, 10.0) == []  # no safe primary: waiting is all it could do

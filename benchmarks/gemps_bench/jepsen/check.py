@@ -13,8 +13,8 @@ the replicas hold and said (the primary's θ, the monitor's views, the replicas'
 - **epochs reused**: an epoch some replica logged becoming primary under more than once, or after
   a newer one (after etcd lost its data its revisions start again).
 - **recovery** after each fault: from the first moment after it began when a safe primary existed
-  to when every worker was acknowledged again (the end of its longest wait that began before the
-  next fault did). A safe primary exists while etcd is up and reachable (not killed, paused or
+  to when every worker was acknowledged again (the end of its longest wait under way within
+  EFFECT seconds of that moment). A safe primary exists while etcd is up and reachable (not killed, paused or
   parted) and some replica the last primary seen listed as in sync (or that primary) is up and
   reachable: one that holds every acknowledged commit could take over.
 - **wedged**: a worker that waited more than `wedge_after` seconds, counted only while a safe
@@ -30,6 +30,7 @@ from datetime import datetime
 from typing import Any
 
 GRID = 0.1  # seconds: the resolution safety is computed at
+EFFECT = 1.0  # seconds: a fault shows in the workers' waits within this
 #: faults that take a replica (or etcd) out of reach while they last; `slow` does not
 DISABLING = frozenset({"kill", "pause", "part", "part-etcd"})
 
@@ -92,18 +93,19 @@ class Safety:
         return sum(self.safe[first:last]) * GRID
 
 
-def _resumed(history: Mapping[str, Any], after: float, before: float) -> float | None:
+def _resumed(history: Mapping[str, Any], after: float) -> float | None:
     """Seconds from `after` until this worker was acknowledged again: the end of its longest wait
-    that began before `before` (the next fault) and ended after `after`, though it may have ended
-    after `before` too; 0 when none did; None when it never was acknowledged again."""
+    under way within EFFECT seconds of `after` (a fault shows within that), however long it went on
+    (through later faults too); 0 when it waited for none; None when it never was again."""
     if float(history["last_ack"]) < after:
         return None
-    waits = [(end - start, end) for start, end in history["stalls"] if start < before and end > after]
+    waits = [(end - start, end) for start, end in history["stalls"] if start < after + EFFECT and end > after]
     return max(0.0, max(waits)[1] - after) if waits else 0.0
 
 
-def recovery(faults: Sequence[Mapping[str, Any]], histories: Sequence[Mapping[str, Any]], safety: Safety,
-             end: float) -> list[dict[str, Any]]:  # fmt: skip
+def recovery(
+    faults: Sequence[Mapping[str, Any]], histories: Sequence[Mapping[str, Any]], safety: Safety
+) -> list[dict[str, Any]]:
     """Per applied fault: when a safe primary existed again, and seconds until every worker resumed."""
     applied = sorted((f for f in faults if f.get("host")), key=lambda f: f["start"])
     found = []
@@ -117,8 +119,7 @@ def recovery(faults: Sequence[Mapping[str, Any]], histories: Sequence[Mapping[st
         if safe is None:
             found.append({**entry, "safe_after_s": None, "resumed_s": None})
             continue
-        before = min((f["start"] for f in applied if f["start"] > safe), default=end)
-        resumed = [_resumed(history, safe, before) for history in histories]
+        resumed = [_resumed(history, safe) for history in histories]
         worst = None if any(r is None for r in resumed) else max(r for r in resumed if r is not None)
         found.append({**entry, "safe_after_s": round(safe - fault["start"], 2), "resumed_s": _round(worst)})
     return found
@@ -202,7 +203,7 @@ def check(
         "acknowledged": acknowledged, "in_doubt": in_doubt, "applied": applied,
         "lost": max(0, acknowledged - applied), "applied_twice": max(0, applied - acknowledged - in_doubt),
         "theta_counts_commits": theta_ok, "primary_at_end": observed is not None, "final_versions": versions,
-        "epochs": epochs(histories, promoted, statuses), "recovery": recovery(faults, histories, safety, safety.end),
+        "epochs": epochs(histories, promoted, statuses), "recovery": recovery(faults, histories, safety),
         "wedged": wedged(histories, safety, wedge_after),
         "errors": _merged([h["errors"] for h in histories]),
     }  # fmt: skip

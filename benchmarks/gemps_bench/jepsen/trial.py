@@ -156,6 +156,16 @@ def _run(rig: Rig, plan: Plan, options: TrialOptions, say: Callable[[str], None]
     verdict = check(histories, observed, final, safety, faults, promoted, options.wedge_after, statuses)
     for fault in faults:  # times relative to the first fault, for reading
         fault.update({k: round(fault[k] - began, 2) for k in ("start", "end") if k in fault})
+    # Each worker's waits of a second or more (the last: from its last acknowledgement to its end),
+    # relative to the first fault: what recovery and wedges were read from.
+    verdict["long_waits"] = [
+        [
+            [round(a - began, 2), round(b - began, 2)]
+            for a, b in [*h["stalls"], [h["last_ack"] or h["started"], h["ended"]]]
+            if b - a >= 1
+        ]
+        for h in histories
+    ]
     return {
         "seed": plan.seed, "replicas": plan.replicas, "plan": plan.to_json(), "faults": faults,
         "healed_at_s": round(healed - began, 2), "settled_after_heal_s": settled_s,
