@@ -2,8 +2,9 @@
 and the monitor on host `w`; and the faults of a plan (gemps_bench.jepsen.plan) applied to them.
 
 Every fault returns its heal. A replica killed is started again as a fresh process on its host (a
-machine rebooted: it holds nothing and is re-seeded); etcd killed is started again on its data,
-etcd wiped on an empty data directory. The job has a token (a 0600 file): the workers present it,
+machine rebooted, its disk kept: each replica host has a checkpoint directory of its own, since
+the simulated hosts share one filesystem); etcd killed is started again on its data, etcd wiped
+on an empty data directory. The job has a token (a 0600 file): the workers present it,
 and replicas started alone prove themselves to each other with it (issue 41).
 """
 
@@ -107,7 +108,7 @@ class Rig:
             command=host.command(GEMPS_COMMAND),
             host=host.address, port=PORT, data_port=DATA_PORT, rule="downpour", num_shards=8,
             replicas=len(self.replica_hosts), replica_index=index, job="jepsen", log_format="json",
-            auth_token_file=str(self.token_file),
+            auth_token_file=str(self.token_file), checkpoint_dir=str(self.folder / f"{host.name}-disk"),
             etcd=f"http://{self.etcd_host.address}:{ETCD_PORT}", metrics_port=-1,
             replication_port=REPLICATION_PORT, replica_lease=LEASE, replica_timeout=REPLICA_TIMEOUT,
         )  # fmt: skip
