@@ -56,6 +56,7 @@ def main() -> None:
     options = TrialOptions(workers=args.workers, wedge_after=args.wedge_after)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
     results: list[dict[str, Any]] = []
+    commit = _commit()  # before the first record is written: --out may be a tracked file
     for index in range(args.trials):
         seed = args.seed + index
         plan = draw(seed, episodes=args.episodes, replicas=replicas, stale_wipe=args.stale_wipe)
@@ -77,7 +78,7 @@ def main() -> None:
         results.append(result)
         print(f"  {_line(result)}", flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        record = {"commit": _commit(), "argv": sys.argv[1:], "totals": totals(results), "trials": results}
+        record = {"commit": commit, "argv": sys.argv[1:], "totals": totals(results), "trials": results}
         args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(table(results))
     sys.exit(0 if all(r.get("verdict", {}).get("ok") for r in results) else 1)
