@@ -31,6 +31,7 @@ SERIAL_GROUPS = {
     "test_replica_faults.py": "hosts",
     "test_bench_cross_host.py": "hosts",
     "test_bench_replicas.py": "hosts",
+    "test_jepsen_replicas.py": "hosts",
     "test_bench.py": "hosts",  # measures throughput: alone with the simulated hosts, not beside them
 }
 
@@ -44,6 +45,7 @@ FAULT_MODULES = frozenset(
     {
         "test_chaos.py",
         "test_replica_faults.py",
+        "test_jepsen_replicas.py",
         "test_simulated_hosts.py",
         "test_shutdown.py",
         "test_data_plane_durability.py",

@@ -1,0 +1,122 @@
+"""A trial's faults, drawn from a seed: which fault, on which role, when, and when it is healed.
+
+Faults name a role (the primary, a backup, etcd), resolved to a host when the fault starts (the
+primary then is whichever replica the monitor last saw as primary). Episodes start one after
+another at random gaps and may overlap. Besides single faults the menu holds the sequence that lost
+acknowledged commits in issue 41 (item 4), `stale-wipe`: a backup made to lag until it is dropped
+from the in-sync set (paused, or its link slowed), etcd restarted empty, the lagging backup let go
+on, and the old primary paused past its lease.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from typing import Any
+
+#: fault kind -> the roles it may hit
+#: kill: SIGKILL every process on the host (healed: started again; etcd on its data);
+#: pause: SIGSTOP / SIGCONT; part: its cable pulled / plugged; part-etcd: parted from etcd's host
+#: alone (iptables); slow: its link shaped to SLOW_RATE; wipe: etcd killed, its data removed,
+#: started empty (nothing to heal).
+MENU: dict[str, tuple[str, ...]] = {
+    "kill": ("primary", "backup", "etcd"),
+    "pause": ("primary", "backup", "etcd"),
+    "part": ("primary", "backup", "etcd"),
+    "part-etcd": ("primary", "backup"),
+    "slow": ("backup",),
+    "wipe": ("etcd",),
+}
+INSTANT = frozenset({"wipe"})  # faults with nothing to heal
+SLOW_RATE = "400kbit"  # a backup on such a link falls behind any commit rate it is sent
+
+
+@dataclass(frozen=True)
+class Step:
+    """At `at` seconds into the faults: start fault `fault` (`kind` on `role`), or heal it."""
+
+    at: float
+    fault: int
+    kind: str  # a MENU key, or "heal"
+    role: str  # "primary", "backup", "etcd" (for a heal: the role of the fault it ends)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Plan:
+    seed: int
+    replicas: int
+    steps: tuple[Step, ...]
+
+    @property
+    def duration(self) -> float:
+        return max((step.at for step in self.steps), default=0.0)
+
+    def kinds(self) -> list[str]:
+        """Each fault's `kind:role`, in order (heals left out)."""
+        return [f"{step.kind}:{step.role}" for step in self.steps if step.kind != "heal"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seed": self.seed, "replicas": self.replicas, "steps": [step.to_json() for step in self.steps]}
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds the plan is drawn in, from the replicas' own: a lease and the replica timeout."""
+
+    lease: float = 2.0
+    replica_timeout: float = 2.0
+    hold: tuple[float, float] = (1.0, 5.0)  # how long a single fault lasts
+    gap: tuple[float, float] = (1.0, 4.0)  # between two episodes' starts
+
+    def between(self, rng: random.Random, span: tuple[float, float]) -> float:
+        return round(rng.uniform(*span), 2)
+
+
+def draw(
+    seed: int,
+    *,
+    episodes: int = 4,
+    replicas: tuple[int, ...] = (2,),
+    stale_wipe: float = 0.2,
+    timing: Timing | None = None,
+) -> Plan:
+    """The plan of seed `seed`: `episodes` episodes, each the stale-wipe sequence with probability
+    `stale_wipe`, else one fault drawn uniformly from MENU's (kind, role) pairs."""
+    rng = random.Random(seed)
+    timing = timing or Timing()
+    count = rng.choice(replicas)
+    pairs = [(kind, role) for kind, roles in MENU.items() for role in roles]
+    steps: list[Step] = []
+    start = 0.0
+    for fault in range(episodes):
+        ids = (fault * 10 + offset for offset in range(10))  # an episode's faults keep its number
+        if rng.random() < stale_wipe:
+            steps += _stale_wipe(rng, start, timing, ids)
+        else:
+            kind, role = rng.choice(pairs)
+            steps += _single(next(ids), kind, role, start, timing.between(rng, timing.hold))
+        start += timing.between(rng, timing.gap)
+    return Plan(seed, count, tuple(sorted(steps, key=lambda step: step.at)))
+
+
+def _single(fault: int, kind: str, role: str, at: float, hold: float) -> list[Step]:
+    first = Step(round(at, 2), fault, kind, role)
+    return [first] if kind in INSTANT else [first, Step(round(at + hold, 2), fault, "heal", role)]
+
+
+def _stale_wipe(rng: random.Random, at: float, timing: Timing, ids: Any) -> list[Step]:
+    """A backup lags (paused or slowed) until it is dropped from the in-sync set; etcd is wiped
+    while it lags; the old primary pauses past its lease, and meanwhile the backup goes on."""
+    lag, wipe, primary = next(ids), next(ids), next(ids)
+    dropped = at + timing.replica_timeout + timing.between(rng, (1.0, 2.0))
+    pause = timing.lease + timing.between(rng, (0.3, 1.0))
+    return [
+        Step(round(at, 2), lag, rng.choice(("pause", "slow")), "backup"),
+        Step(round(dropped, 2), wipe, "wipe", "etcd"),
+        Step(round(dropped + 0.2, 2), primary, "pause", "primary"),
+        Step(round(dropped + 0.5, 2), lag, "heal", "backup"),
+        Step(round(dropped + 0.2 + pause, 2), primary, "heal", "primary"),
+    ]

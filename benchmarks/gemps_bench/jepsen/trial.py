@@ -1,0 +1,173 @@
+"""One trial end to end: the rig up, workers committing, the plan's faults applied at their times,
+everything healed, the verdict (gemps_bench.jepsen.check)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gemps_bench.jepsen.check import Safety, check, primaries_seen, promotions
+from gemps_bench.jepsen.plan import Plan, Step
+from gemps_bench.jepsen.rig import Heal, Rig
+from gemps_worker.simulated_hosts import Host, SimulatedNetwork
+
+
+@dataclass(frozen=True)
+class TrialOptions:
+    workers: int = 3
+    parameters: int = 20_000  # float32 each: an 80 kB commit
+    warmup: float = 2.0  # seconds of commits before the first fault
+    settle: float = 30.0  # seconds the replicas may take to settle once everything is healed
+    quiet: float = 2.0  # seconds of commits once settled, before the workers stop
+    wedge_after: float = 10.0  # seconds of safe time without an acknowledgement: a worker wedged
+
+
+class Schedule:
+    """Applies a plan's steps to a rig, resolving roles to hosts; records each fault."""
+
+    def __init__(self, rig: Rig, seed: int) -> None:
+        self.rig, self.rng = rig, random.Random(seed)
+        self.faults: dict[int, dict[str, Any]] = {}
+        self.heals: dict[int, Heal] = {}
+
+    def busy(self) -> set[str]:
+        return {self.faults[fault]["host"] for fault in self.heals}
+
+    def resolve(self, role: str, wait: float = 2.0) -> Host | None:
+        """The host `role` names now, if it is not under another fault. With no primary known (an
+        election under way), the primary is waited for up to `wait` seconds."""
+        busy = self.busy()
+        if role == "etcd":
+            return None if "e" in busy else self.rig.etcd_host
+        deadline = time.monotonic() + wait
+        primary = self.primary()
+        while primary is None and role == "primary" and time.monotonic() < deadline:
+            time.sleep(0.1)
+            primary = self.primary()
+        if role == "primary":
+            return primary if primary is not None and primary.name not in busy else None
+        backups = [h for h in self.rig.replica_hosts if h is not primary and h.name not in busy]
+        return self.rng.choice(backups) if backups else None
+
+    def primary(self) -> Host | None:
+        """The replica the monitor last saw as primary (the newest epoch's, if several)."""
+        views = self.rig.latest_views()
+        primaries = sorted((v["epoch"], target) for target, v in views.items() if v and v.get("role") == "primary")
+        return self.rig.host_of(primaries[-1][1]) if primaries else None
+
+    def step(self, step: Step) -> None:
+        now = time.time()
+        if step.kind == "heal":
+            heal = self.heals.pop(step.fault, None)
+            if heal is not None:
+                heal()
+                self.faults[step.fault]["end"] = now
+            return
+        host = self.resolve(step.role)
+        record: dict[str, Any] = {"id": step.fault, "kind": step.kind, "role": step.role, "at": step.at}
+        if host is None:
+            self.faults[step.fault] = {**record, "host": None, "skipped": "no such host free of other faults"}
+            return
+        heal = self.rig.apply(step.kind, host)
+        self.faults[step.fault] = {**record, "host": host.name, "start": now, "end": now}
+        if step.kind != "wipe":
+            self.heals[step.fault] = heal
+
+    def heal_all(self) -> None:
+        for fault in sorted(self.heals):
+            self.step(Step(0.0, fault, "heal", ""))
+
+
+def settled(views: Mapping[str, Mapping[str, Any] | None], replicas: int, since: float = 0.0) -> bool:
+    """One primary, every other replica its backup, in sync and caught up (each said so after `since`)."""
+    if any(v is None or v["at"] <= since for v in views.values()):
+        return False
+    primaries = [v for v in views.values() if v and v.get("role") == "primary"]
+    backups = [v for v in views.values() if v and v.get("role") == "backup"]
+    if len(primaries) != 1 or len(backups) != replicas - 1:
+        return False
+    listed = primaries[0]["backups"]
+    return len(listed) == replicas - 1 and all(in_sync and lag == 0 for _, in_sync, lag in listed)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float) -> float | None:
+    """Seconds until `condition()` held; None when not within `timeout`."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout:
+        if condition():
+            return round(time.monotonic() - began, 2)
+        time.sleep(0.25)
+    return None
+
+
+def run_trial(
+    plan: Plan, folder: Path, options: TrialOptions, env: Mapping[str, str], say: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """Run `plan` on fresh simulated hosts (logs and data in `folder`); the trial's record."""
+    with SimulatedNetwork() as network:
+        rig = Rig(network, folder, plan.replicas, env)
+        try:
+            return _run(rig, plan, options, say)
+        finally:
+            rig.close()
+
+
+def _run(rig: Rig, plan: Plan, options: TrialOptions, say: Callable[[str], None]) -> dict[str, Any]:
+    rig.start_etcd()
+    with ThreadPoolExecutor(plan.replicas) as pool:
+        list(pool.map(rig.start_replica, range(plan.replicas)))
+    rig.settle()
+    rig.start_monitor()
+    rig.start_workers(options.workers, options.parameters)
+    time.sleep(options.warmup)
+    schedule = Schedule(rig, plan.seed)
+    began = time.time()
+    for step in plan.steps:
+        time.sleep(max(0.0, began + step.at - time.time()))
+        schedule.step(step)
+        if step.kind != "heal":
+            fault = schedule.faults[step.fault]
+            say(f"  {step.at:6.2f} s  {step.kind}:{step.role} -> {fault['host'] or 'skipped'}")
+    schedule.heal_all()
+    healed = time.time()
+    settled_s = wait_until(lambda: settled(rig.latest_views(), plan.replicas, healed), options.settle)
+    # Every worker acknowledged again (or, after wedge_after seconds, wedged: the checker says so).
+    resumed_s = wait_until(lambda: rig.acknowledged_since(healed), options.wedge_after + 1.0)
+    say(f"  healed; settled after {settled_s} s, every worker acknowledged again after {resumed_s} s")
+    time.sleep(options.quiet)
+    histories = rig.stop_workers()
+    stopped = time.time()
+    wait_until(lambda: settled(rig.latest_views(), plan.replicas, stopped), 10.0)  # the backups apply the last
+    observed = rig.observe()
+    timeline = rig.stop_monitor()
+    hosts = {target: rig.host_of(target).name for target in rig.targets}
+    start = min(float(h["started"]) for h in histories)
+    end = max(float(h["ended"]) for h in histories)
+    faults = sorted(schedule.faults.values(), key=lambda f: f["at"])
+    safety = Safety(faults, timeline, hosts, start, end)
+    final = timeline[-1]["views"] if timeline else {}
+    promoted = promotions(rig.logs())
+    statuses = primaries_seen(timeline, hosts)
+    verdict = check(histories, observed, final, safety, faults, promoted, options.wedge_after, statuses)
+    for fault in faults:  # times relative to the first fault, for reading
+        fault.update({k: round(fault[k] - began, 2) for k in ("start", "end") if k in fault})
+    # Each worker's waits of a second or more (the last: from its last acknowledgement to its end),
+    # relative to the first fault: what recovery and wedges were read from.
+    verdict["long_waits"] = [
+        [
+            [round(a - began, 2), round(b - began, 2)]
+            for a, b in [*h["stalls"], [h["last_ack"] or h["started"], h["ended"]]]
+            if b - a >= 1
+        ]
+        for h in histories
+    ]
+    return {
+        "seed": plan.seed, "replicas": plan.replicas, "plan": plan.to_json(), "faults": faults,
+        "healed_at_s": round(healed - began, 2), "settled_after_heal_s": settled_s,
+        "resumed_after_heal_s": resumed_s, "verdict": verdict,
+    }  # fmt: skip

@@ -1,0 +1,108 @@
+"""A Jepsen-style fault suite for replicated partitions (issue 41): `--trials` trials on simulated
+hosts, each a replicated job (R = 2, some R = 3) whose primary, backups and etcd are killed, paused,
+parted, slowed and healed, and etcd restarted empty, in an order drawn from the trial's seed;
+counting workers commit throughout, and a checker compares what they were told with what the
+replicas hold (gemps_bench.jepsen).
+
+    sudo .venv/bin/python scripts/jepsen_replicas.py [--trials 20] [--seed 1] \
+        [--out docs/results/jepsen_replicas.json]
+
+Trial i runs seed `--seed` + i (its plan: `--seed S --trials 1` runs it again). Progress goes to
+stdout as it runs; the record of every trial (its plan, the faults as applied, the verdict) to
+`--out`, rewritten after each trial; a table at the end. Exits 1 when any trial found a violation.
+Needs root (network namespaces) and etcd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from gemps_bench.jepsen.plan import draw
+from gemps_bench.jepsen.report import table, totals
+from gemps_bench.jepsen.trial import TrialOptions, run_trial
+
+from gemps_worker.simulated_hosts import unavailable_reason
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--trials", type=int, default=20, help="how many trials (default 20)")
+    parser.add_argument("--seed", type=int, default=1, help="trial i runs seed SEED + i (default 1)")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs/results/jepsen_replicas.json")
+    parser.add_argument("--episodes", type=int, default=4, help="fault episodes per trial (default 4)")
+    parser.add_argument("--replicas", default="2,2,3", help="R drawn per trial from these (default 2,2,3)")
+    parser.add_argument("--stale-wipe", type=float, default=0.25,
+                        help="chance an episode is the stale-backup etcd wipe of issue 41 (default 0.25)")  # fmt: skip
+    parser.add_argument("--workers", type=int, default=3, help="counting workers (default 3)")
+    wedged = "a worker waiting this many seconds while a safe primary existed is wedged (default 10)"
+    parser.add_argument("--wedge-after", type=float, default=10.0, help=wedged)
+    parser.add_argument("--keep", action="store_true", help="keep every trial's logs (default: failed trials' only)")
+    args = parser.parse_args()
+    reason = unavailable_reason()
+    if reason is not None:
+        sys.exit(f"jepsen_replicas: {reason}")
+    replicas = tuple(int(r) for r in args.replicas.split(","))
+    options = TrialOptions(workers=args.workers, wedge_after=args.wedge_after)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
+    results: list[dict[str, Any]] = []
+    commit = _commit()  # before the first record is written: --out may be a tracked file
+    for index in range(args.trials):
+        seed = args.seed + index
+        plan = draw(seed, episodes=args.episodes, replicas=replicas, stale_wipe=args.stale_wipe)
+        print(
+            f"trial {index + 1}/{args.trials}: seed {seed}, R = {plan.replicas}, {' '.join(plan.kinds())}", flush=True
+        )
+        folder = Path(tempfile.mkdtemp(prefix=f"jepsen-{seed}-"))
+        began = time.monotonic()
+        try:
+            result = run_trial(plan, folder, options, env, say=lambda line: print(line, flush=True))
+        except Exception as error:  # the rig failed, not a verdict: say so and go on
+            result = {"seed": seed, "replicas": plan.replicas, "plan": plan.to_json(), "error": repr(error)[:2000]}
+        result["seconds"] = round(time.monotonic() - began, 1)
+        verdict = result.get("verdict")
+        if verdict is not None and verdict["ok"] and not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            result["logs"] = str(folder)
+        results.append(result)
+        print(f"  {_line(result)}", flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        record = {"commit": commit, "argv": sys.argv[1:], "totals": totals(results), "trials": results}
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(table(results))
+    sys.exit(0 if all(r.get("verdict", {}).get("ok") for r in results) else 1)
+
+
+def _commit() -> str:
+    """The checkout's commit (with "+" when it has changes), or "" outside a git checkout."""
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True)  # fmt: skip
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "") if head.returncode == 0 else ""
+
+
+def _line(result: dict[str, Any]) -> str:
+    verdict = result.get("verdict")
+    if verdict is None:
+        return f"rig error after {result['seconds']} s: {result['error'][:300]}"
+    epochs = verdict["epochs"]
+    return (
+        f"{'ok' if verdict['ok'] else 'VIOLATION'}: {verdict['acknowledged']} acknowledged, {verdict['lost']} lost, "
+        f"{verdict['applied_twice']} applied twice, two primaries under {list(epochs['two_primaries'])}, "
+        f"epochs reused {epochs['reused']}, {len(verdict['wedged'])} waits wedged ({result['seconds']} s)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The Jepsen suite's plans and checker (gemps_bench.jepsen) on made-up histories: what each
+violation looks like to it, and what it must not call one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from gemps_bench.jepsen.check import Safety, check, epochs, primaries_seen, promotions, recovery, wedged
+from gemps_bench.jepsen.plan import draw
+from gemps_bench.jepsen.report import table, totals
+
+HOSTS = {"A:1": "r0", "B:1": "r1"}  # target -> host
+
+
+def history(acknowledged: int = 10, in_doubt: int = 0, **fields: Any) -> dict[str, Any]:
+    """A worker acknowledged by r0 under epoch 5 from t=0 to t=10, unless `fields` say otherwise."""
+    base = {"started": 0.0, "acknowledged": acknowledged, "in_doubt": in_doubt, "runs": [[5, "A:1", 0.1, 10.0, 10]],
+            "stalls": [], "errors": {}, "last_ack": 10.0, "ended": 10.0}  # fmt: skip
+    return {**base, **fields}
+
+
+def line(t: float, in_sync: bool, primary: str = "A:1") -> dict[str, Any]:
+    """A monitor line: `primary` primary under epoch 5, the other its backup (in sync or not)."""
+    backup = next(target for target in HOSTS if target != primary)
+    listed = [[HOSTS[backup], in_sync, 0]]
+    views = {
+        primary: {"name": HOSTS[primary], "role": "primary", "epoch": 5, "version": 1, "backups": listed, "at": t},
+        backup: {"name": HOSTS[backup], "role": "backup", "epoch": 5, "version": 1, "at": t},
+    }
+    return {"t": t, "views": views}
+
+
+def fault(kind: str, host: str, start: float, end: float, id: int = 0) -> dict[str, Any]:
+    return {"id": id, "kind": kind, "role": "x", "host": host, "start": start, "end": end}
+
+
+def verdict(histories: list[dict[str, Any]], version: int) -> dict[str, Any]:
+    safety = Safety([], [line(0.0, True)], HOSTS, 0.0, 10.0)
+    observed = {"version": version, "theta_min": float(version), "theta_max": float(version)}
+    return check(histories, observed, {"A:1": {"version": version}}, safety, [], [])
+
+
+def test_acknowledged_commits_missing_from_theta_are_lost_and_extra_ones_applied_twice() -> None:
+    assert verdict([history(10), history(10)], 20)["ok"]
+    lost = verdict([history(10), history(10)], 17)
+    assert (lost["lost"], lost["applied_twice"], lost["ok"]) == (3, 0, False)
+    twice = verdict([history(10, in_doubt=1), history(10)], 23)
+    assert (twice["lost"], twice["applied_twice"], twice["ok"]) == (0, 2, False)
+    assert verdict([history(10, in_doubt=3)], 13)["ok"]  # every commit in doubt may have been applied
+
+
+def test_an_epoch_held_by_two_replicas_or_given_twice_is_reported() -> None:
+    split = history(runs=[[5, "A:1", 0.0, 1.0, 5], [5, "B:1", 2.0, 3.0, 5]])
+    assert epochs([split], [])["two_primaries"] == {"5": ["ack A:1", "ack B:1"]}
+    stale = history(runs=[[5, "A:1", 0.0, 1.0, 5], [7, "B:1", 2.0, 3.0, 5], [5, "A:1", 4.0, 5.0, 5]])
+    assert epochs([stale], [])["stale_acks"] == [5]
+    promoted = [{"t": 1.0, "host": "r0", "epoch": 5}, {"t": 2.0, "host": "r1", "epoch": 9},
+                {"t": 3.0, "host": "r1", "epoch": 5}]  # fmt: skip
+    found = epochs([history()], promoted)
+    assert found["reused"] == [5] and found["two_primaries"] == {"5": ["ack A:1", "log r0", "log r1"]}
+    assert epochs([history()], promoted[:2]) == {"two_primaries": {}, "stale_acks": [], "reused": [], "promotions": 2}
+    said = primaries_seen([line(1.0, True), line(2.0, True, primary="B:1")], HOSTS)
+    assert said == {(5, "r0"), (5, "r1")}
+    assert epochs([history()], promoted[:2], said)["two_primaries"] == {
+        "5": ["ack A:1", "log r0", "status r0", "status r1"]
+    }
+
+
+def test_promotions_are_read_from_the_servers_json_logs() -> None:
+    log = (
+        'not json\n{"time": "2026-01-01T00:00:01.500Z", "event": "primary", "replica": "p-0", "epoch": 3}\n'
+        '{"time": "2026-01-01T00:00:02.000Z", "event": "lost primacy", "epoch": 3}\n'
+    )
+    assert [(p["host"], p["epoch"]) for p in promotions({"r0": log, "r1": ""})] == [("r0", 3)]
+
+
+def test_a_safe_primary_exists_while_etcd_and_a_replica_in_sync_are_up() -> None:
+    timeline = [line(0.0, True), line(3.0, False)]  # the backup dropped at t=3
+    paused_primary_early = Safety([fault("pause", "r0", 1.0, 2.0)], timeline, HOSTS, 0.0, 10.0)
+    assert paused_primary_early.safe_seconds(1.0, 2.0) > 0.9  # the backup in sync could take over
+    paused_primary_late = Safety([fault("pause", "r0", 4.0, 6.0)], timeline, HOSTS, 0.0, 10.0)
+    assert paused_primary_late.safe_seconds(4.0, 6.0) == 0.0  # nobody else holds every commit
+    assert paused_primary_late.first_safe(4.0) == pytest.approx(6.0)
+    etcd_down = Safety([fault("kill", "e", 1.0, 2.0)], timeline, HOSTS, 0.0, 10.0)
+    assert etcd_down.safe_seconds(1.0, 2.0) == 0.0
+    slowed = Safety([fault("slow", "r0", 1.0, 2.0)], timeline, HOSTS, 0.0, 10.0)
+    assert slowed.safe_seconds(1.0, 2.0) > 0.9
+
+
+def test_recovery_counts_from_when_a_safe_primary_exists_and_waits_past_the_fault_are_wedged() -> None:
+    timeline = [line(0.0, True)]
+    faults = [fault("kill", "e", 2.0, 4.0, id=1), fault("pause", "r0", 6.0, 7.0, id=2)]
+    safety = Safety(faults, timeline, HOSTS, 0.0, 30.0)
+    resumed = history(stalls=[[1.9, 5.0], [5.9, 8.5]], last_ack=30.0, ended=30.0)
+    found = recovery(faults, [resumed], safety)
+    assert [(r["fault"], r["safe_after_s"], r["resumed_s"]) for r in found] == [(1, 2.0, 1.0), (2, 0.0, 2.5)]
+    never = history(stalls=[], last_ack=5.0, ended=30.0)
+    assert [r["resumed_s"] for r in recovery(faults, [never], safety)] == [0.0, None]
+    assert [w["worker"] for w in wedged([resumed, never], safety, 10.0)] == [1]  # 25 s without, all safe
+    across = [fault("kill", "r0", 6.2, 9.0, id=3), fault("wipe", "e", 7.4, 7.4, id=4)]
+    found = recovery(across, [history(stalls=[[6.15, 8.3]], last_ack=30.0)], Safety(across, timeline, HOSTS, 0, 30))
+    assert [r["resumed_s"] for r in found] == [2.1, 0.9]  # a wait past the next fault's start still counts
+    etcd_dead = Safety([fault("kill", "e", 4.0, 30.0)], timeline, HOSTS, 0.0, 30.0)
+    assert wedged([never], etcd_dead, 10.0) == []  # no safe primary: waiting is all it could do
+
+
+def test_plans_are_drawn_from_their_seed_and_stale_wipe_lags_wipes_then_pauses() -> None:
+    assert draw(7) == draw(7) and draw(7) != draw(8)
+    plan = draw(3, episodes=1, stale_wipe=1.0)
+    steps = [(step.kind, step.role) for step in plan.steps]
+    assert steps[1:] == [("wipe", "etcd"), ("pause", "primary"), ("heal", "backup"), ("heal", "primary")]
+    assert steps[0] in {("pause", "backup"), ("slow", "backup")}
+    assert plan.steps[1].at - plan.steps[0].at > 2.0  # past the replica timeout: the backup was dropped
+
+
+def test_the_report_sums_violations_and_recovery_by_fault() -> None:
+    recovered = {"kind": "kill:primary", "safe_after_s": 0.0, "resumed_s": 2.0}
+    trials = [
+        {"seed": 1, "replicas": 2, "faults": [{"kind": "kill", "role": "primary", "host": "r0"}],
+         "verdict": {**verdict([history(10)], 7), "recovery": [recovered]}},
+        {"seed": 2, "replicas": 2, "faults": [], "verdict": {**verdict([history(10)], 10), "recovery": [
+            {**recovered, "resumed_s": 4.0}, {**recovered, "resumed_s": None}]}},
+        {"seed": 3, "replicas": 3, "plan": {}, "error": "RuntimeError('etcd did not answer')"},
+    ]  # fmt: skip
+    found = totals(trials)
+    assert (found["trials"], found["ok"], found["rig_errors"], found["lost"], found["trials_with_lost"]) == (
+        3,
+        1,
+        1,
+        3,
+        1,
+    )
+    assert found["recovery_by_fault"] == {"kill:primary": {"faults": 3, "never": 1, "median_s": 3.0, "max_s": 4.0}}
+    lines = table(trials).splitlines()
+    assert lines[1].split()[:6] == ["1", "2", "Kp", "10", "3", "0"] and "rig error" in lines[3]
