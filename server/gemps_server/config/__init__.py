@@ -14,6 +14,7 @@ that group as its parameter's type (a function of `ReplicationOptions` accepts a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gemps_proto.ranges import INT32_MAX, RANGE, Range, out_of_range
@@ -79,9 +80,9 @@ class ServerConfig(
         found += out_of_range(self)
         found += ListenOptions.problems(self) + ConnectionLimits.problems(self) + SecurityOptions.problems(self)
         found += PartitionOptions.problems(self) or self._partition_port_problems()
-        # One problem of the replicas at a time, as ReplicationOptions reports them: TLS counts only
-        # once this replica's role is sound.
-        found += self.replica_role_problems() or self._replica_tls_problems() or self.job_name_problems()
+        # One problem of the replicas at a time, as ReplicationOptions reports them: its credential and TLS
+        # count only once this replica's role is sound.
+        found += self.replica_role_problems() or self._replica_trust_problems() or self.job_name_problems()
         return found
 
     def _partition_port_problems(self) -> list[str]:
@@ -94,10 +95,24 @@ class ServerConfig(
             if port + self.partitions - 1 > 65535 and port > 0
         ]
 
-    def _replica_tls_problems(self) -> list[str]:
-        if self.replicas > 1 and self.tls:
+    def _replica_trust_problems(self) -> list[str]:
+        """What replicas prove themselves to each other with (replication/handshake.py): a secret
+        every replica started alone must be given, and with TLS the CA their certificates chain to."""
+        if self.replicas <= 1:
+            return []
+        if self.replication_secret_file and not Path(self.replication_secret_file).is_file():
+            return [f"replication_secret_file {self.replication_secret_file!r} is not a readable file"]
+        credential = self.replication_secret_file or self.auth_token or self.auth_token_file
+        if self.replica_index >= 0 and not credential:
             return [
-                "replicas with TLS are not supported yet: the replication stream is plain TCP (use a private network)"
+                f"replica {self.replica_index} started alone has no credential to prove itself to the other "
+                "replicas with: give --replication-secret-file (the same secret for every replica of the job) "
+                "or --auth-token/--auth-token-file"
+            ]
+        if self.tls and not self.tls_client_ca:
+            return [
+                "replicas with TLS need --tls-client-ca: the CA that signed every replica's --tls-cert (replicas "
+                "present it to each other, as client and as server, on the replication stream)"
             ]
         return []
 

@@ -58,6 +58,15 @@ class ReplicationOptions:
             RANGE: Range(1.0, 3600.0, unit="s"),
         },
     )
+    replication_secret_file: str = field(
+        default="",
+        metadata={
+            "help": "file holding the secret every replica of the job shares (the same file contents on every "
+            "machine): replicas prove they know it to each other without sending it. Default: a key derived from "
+            "--auth-token; `gemps server --replicas R` on one machine generates one; a replica started alone "
+            "(--replica-index) without it or a token refuses to start"
+        },
+    )
     replica_timeout: float = field(
         default=5.0,
         metadata={
