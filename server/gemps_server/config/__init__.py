@@ -14,7 +14,6 @@ that group as its parameter's type (a function of `ReplicationOptions` accepts a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from gemps_proto.ranges import INT32_MAX, RANGE, Range, out_of_range
@@ -100,14 +99,15 @@ class ServerConfig(
         every replica started alone must be given, and with TLS the CA their certificates chain to."""
         if self.replicas <= 1:
             return []
-        if self.replication_secret_file and not Path(self.replication_secret_file).is_file():
-            return [f"replication_secret_file {self.replication_secret_file!r} is not a readable file"]
-        credential = self.replication_secret_file or self.auth_token or self.auth_token_file
+        secret = self.secret_problems()
+        if secret:
+            return secret
+        credential = self.replication_secret_file or self.replication_secret or self.auth_token or self.auth_token_file
         if self.replica_index >= 0 and not credential:
             return [
                 f"replica {self.replica_index} started alone has no credential to prove itself to the other "
-                "replicas with: give --replication-secret-file (the same secret for every replica of the job) "
-                "or --auth-token/--auth-token-file"
+                "replicas with: give --replication-secret-file (the same secret for every replica of the job; or "
+                "GEMPS_REPLICATION_SECRET) or --auth-token/--auth-token-file"
             ]
         if self.tls and not self.tls_client_ca:
             return [

@@ -1,11 +1,11 @@
 """What the replicas of a job prove themselves to each other with (DESIGN §3d): a key derived from
 a shared secret, and with TLS the certificates both sides present.
 
-The secret is --replication-secret-file, else the workers' --auth-token; `gemps server --replicas
-R` on one machine generates one for its replicas (`with_generated_secret`: a 0600 file in the
-supervisor's private directory). It never crosses the network: the replicas' handshake
-(handshake.py) proves knowledge of a key derived from it. A replica started alone without either
-is refused at start (config: a job whose replication port would be open to anyone).
+The secret is --replication-secret-file (or GEMPS_REPLICATION_SECRET), else the workers'
+--auth-token; `gemps server --replicas R` on one machine generates one for its replicas
+(`with_generated_secret`: a 0600 file in the supervisor's private directory). It never crosses
+the network: the replicas' handshake (handshake.py) proves knowledge of a key derived from it. A
+replica started alone without either is refused at start (its replication port would be open).
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gemps_server.config import ServerConfig
+from gemps_server.config.replication import MIN_SECRET_BYTES
 from gemps_server.security import tls_context
 
-#: bytes a replication secret holds at least (the generated one: 32 random bytes, hex)
-MIN_SECRET_BYTES = 16
 SECRET_FILE = "replication.secret"
 
 
@@ -39,13 +38,19 @@ class Credential:
 
 def credential(config: ServerConfig) -> Credential:
     """This replica's credential; ValueError naming the option when there is none to use."""
-    if config.replication_secret_file:
-        secret = Path(config.replication_secret_file).read_bytes().strip()
+    if config.replication_secret_file or config.replication_secret:
+        where = (
+            f"replication_secret_file {config.replication_secret_file}"
+            if config.replication_secret_file
+            else "replication_secret"
+        )
+        secret = (
+            Path(config.replication_secret_file).read_bytes().strip()
+            if config.replication_secret_file
+            else config.replication_secret.encode()
+        )
         if len(secret) < MIN_SECRET_BYTES:
-            raise ValueError(
-                f"replication_secret_file {config.replication_secret_file}: at least {MIN_SECRET_BYTES} bytes "
-                f"(e.g. openssl rand -hex 32 > {config.replication_secret_file})"
-            )
+            raise ValueError(f"{where}: at least {MIN_SECRET_BYTES} bytes (e.g. openssl rand -hex 32)")
     else:
         secret = config.token().encode()
     if not secret:
@@ -69,7 +74,7 @@ def credential(config: ServerConfig) -> Credential:
 def with_generated_secret(config: ServerConfig, folder: Path) -> ServerConfig:
     """`config` for a supervisor running every replica here: a fresh secret in a 0600 file in its
     private `folder` (unless one was given), which its replicas read."""
-    if config.replicas <= 1 or config.replica_index >= 0 or config.replication_secret_file:
+    if config.replicas <= 1 or config.replica_index >= 0 or config.replication_secret_file or config.replication_secret:
         return config
     path = folder / SECRET_FILE
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
