@@ -21,6 +21,7 @@ from pathlib import Path
 
 from gemps_server.config import ServerConfig
 from gemps_server.config.replication import MIN_SECRET_BYTES
+from gemps_server.replication.tls_stream import SerialSSLSocket
 from gemps_server.security import tls_context
 
 SECRET_FILE = "replication.secret"
@@ -61,13 +62,15 @@ def credential(config: ServerConfig) -> Credential:
     # Every replica presents its --tls-cert both ways; both chain to --tls-client-ca. A peer's name
     # is the handshake's (bound to the secret), not the certificate's host name.
     server = tls_context(config.tls_cert, config.tls_key, config.tls_client_ca)
-    server.num_tickets = 0  # no post-handshake messages: the stream's reader and writer are two threads
+    server.num_tickets = 0  # no session tickets: nothing to resume, nothing sent after the handshake
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     client.minimum_version = ssl.TLSVersion.TLSv1_2
     client.load_cert_chain(config.tls_cert, config.tls_key)
     client.load_verify_locations(cafile=config.tls_client_ca)
     client.check_hostname = False
     client.verify_mode = ssl.CERT_REQUIRED
+    for context in (server, client):
+        context.sslsocket_class = SerialSSLSocket  # a reader and a writer thread share each stream
     return Credential(key, server, client)
 
 

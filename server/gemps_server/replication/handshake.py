@@ -25,6 +25,7 @@ import hmac
 import re
 import secrets
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from typing import Any
 
 from gemps_server.replication import frames
 from gemps_server.replication.credentials import Credential
+from gemps_server.replication.tls_stream import SerialSSLSocket
 
 NONCE_BYTES = 32
 PRIMARY_ROLE, BACKUP_ROLE = "primary", "backup"
@@ -136,7 +138,7 @@ class Handshake:
         try:
             if self._credential.server_tls is not None:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                sock = self._credential.server_tls.wrap_socket(sock, server_side=True)
+                sock = _serial(self._credential.server_tls.wrap_socket(sock, server_side=True))
             return sock, self._admitted(sock, me, address, epoch, ticket_key, deadline, refusal)
         except Refused as refused:
             with contextlib.suppress(OSError):
@@ -188,7 +190,7 @@ class Handshake:
         and the ticket key it sent. ConnectionError: a refusal, or a peer that proved nothing."""
         if self._credential.client_tls is not None:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            sock = self._credential.client_tls.wrap_socket(sock)
+            sock = _serial(self._credential.client_tls.wrap_socket(sock))
         nonce = secrets.token_bytes(NONCE_BYTES)
         frames.send(sock, frames.Frame(frames.HELLO, dict(hello, epoch=epoch, nonce=nonce.hex())))
         challenge = frames.receive(sock, max_header=frames.HELLO_HEADER_BYTES, max_body=0, deadline=deadline)
@@ -208,6 +210,13 @@ class Handshake:
         if welcome.kind != frames.WELCOME:
             raise Refused(f"expected the primary's welcome, not {welcome.kind!r}")
         return sock, session.unseal(str(welcome.header.get("tickets", "")))
+
+
+def _serial(sock: ssl.SSLSocket) -> ssl.SSLSocket:
+    """Its handshake done: safe for the forwarder's two threads (tls_stream.py)."""
+    if isinstance(sock, SerialSSLSocket):
+        sock.serialize()
+    return sock
 
 
 def _refused(frame: frames.Frame) -> None:
