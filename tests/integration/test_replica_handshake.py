@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import re
 import secrets
 import socket
 import stat
@@ -14,15 +15,18 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+import gemps
 from gemps_server.replication import frames
 from gemps_server.replication.credentials import SECRET_FILE, Credential, with_generated_secret
 from gemps_server.replication.follower import CONNECT_SECONDS
 from gemps_server.replication.handshake import NONCE_BYTES, Handshake, Refused, Session
 from gemps_server.replication.local_etcd import LocalEtcd
-from tests.helpers import TEST_REPLICATION_SECRET, InProcessServer, server_config
-from tests.integration.conftest import StartServer
+from gemps_server.replication.status import PRIMARY
+from tests.helpers import TEST_REPLICATION_SECRET, InProcessServer, server_config, wait_for
+from tests.integration.conftest import StartServer, StartServerProcess
 from tests.integration.test_replicas import replica_options, status_of, wait_replicated
 
 
@@ -125,3 +129,37 @@ def test_the_supervisor_generates_a_secret_only_its_user_reads(tmp_path: Path) -
     assert with_generated_secret(given, tmp_path) is given
     alone = server_config(replicas=2, replica_index=0, etcd="http://e:2379", auth_token="t0ken")
     assert with_generated_secret(alone, tmp_path) is alone
+
+
+def test_replicas_started_on_one_machine_share_a_generated_secret(
+    start_server_process: StartServerProcess, tmp_path: Path
+) -> None:
+    """`gemps server --replicas 2`: no secret given, none needed; the supervisor draws one."""
+    log = tmp_path / "supervisor.log"
+    supervisor = start_server_process(replicas=2, replication_port=0, rule="downpour", log_path=log, log_level="info")
+    wait_for(lambda: "workers: --server" in log.read_text(), 60, "the supervisor's layout line")
+    target = re.findall(r"workers: --server '([^']+)'", log.read_text())[0]
+
+    def replicated() -> bool:
+        views = []
+        for replica in target.split("|"):
+            with gemps.Client(replica, timeout=5) as client:
+                views.append(client.status().replication)
+        primaries = [view for view in views if view is not None and view.role == PRIMARY]
+        return len(primaries) == 1 and [b.in_sync for b in primaries[0].backups] == [True]
+
+    wait_for(replicated, 60, "one primary, its backup in sync")
+    with gemps.Client(target, name="w") as worker:
+        worker.register({"w": np.zeros(8, np.float32)})
+        assert worker.commit(np.ones(8, np.float32), kind="update").version == 1
+    # Both replicas read one secret file, the supervisor's, readable by its user alone.
+    children = Path(f"/proc/{supervisor.pid}/task/{supervisor.pid}/children").read_text().split()
+    files = set()
+    for child in children:
+        environ = dict(
+            entry.split("=", 1) for entry in Path(f"/proc/{child}/environ").read_text().split("\0") if "=" in entry
+        )
+        if "GEMPS_REPLICA_INDEX" in environ:
+            files.add(environ["GEMPS_REPLICATION_SECRET_FILE"])
+    (secret,) = files
+    assert stat.S_IMODE(Path(secret).stat().st_mode) == 0o600
