@@ -12,8 +12,10 @@ import asyncio
 import dataclasses
 import io
 import logging
+import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -94,6 +96,21 @@ def scrape_series(url: str, timeout: float = 10.0) -> dict[str, float]:
         if line and not line.startswith("#")
         for name, _, value in [line.rpartition(" ")]
     }
+
+
+#: what the tests' replicas of one job prove themselves to each other with (--replication-secret-file)
+TEST_REPLICATION_SECRET = "gemps-tests-replication-secret-0123456789"
+
+
+def replication_secret_file() -> str:
+    """A file holding TEST_REPLICATION_SECRET, 0600 (written whole: parallel runs may share it)."""
+    path = Path(tempfile.gettempdir()) / f"gemps-tests-{os.getuid()}.secret"
+    if not path.exists() or path.read_text() != TEST_REPLICATION_SECRET:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(TEST_REPLICATION_SECRET)
+        tmp.chmod(0o600)
+        tmp.replace(path)
+    return str(path)
 
 
 def server_config(**options: Any) -> ServerConfig:

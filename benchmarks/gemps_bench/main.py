@@ -76,6 +76,7 @@ def run_replicas_bench(out: Path, spec: ReplicasSpec | None = None, mode: str = 
     results_path = replicas_path(out, spec.mode if spec is not None else mode)
     data = run_replicas(spec, results_path) if spec is not None else json.loads(results_path.read_text())
     where = "over loopback" if data["rate"] is None else f"between simulated hosts, {data['rate']} links"
+    where += ", every process on mutual TLS" if data.get("tls") else ""
     sections = [f"## Replicas ({where}, {data['clients']} clients)", *report.replicas_table(data)]
     if data["skipped"]:
         sections += ["", "## Skipped", *[_skipped_line(skip) for skip in data["skipped"]]]

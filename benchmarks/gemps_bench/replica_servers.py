@@ -25,6 +25,7 @@ from gemps_bench.cross_host import DATA_PORT, PORT
 from gemps_bench.gemps_load import GempsClientFactory
 from gemps_bench.loadgen import LoadPlan, run_load
 from gemps_bench.replica_load import load_in, primary_first, recording, sent_bytes
+from gemps_bench.replica_security import replica_security
 from gemps_bench.results import LoadResult
 from gemps_server.replication.local_etcd import LocalEtcd, find_etcd
 from gemps_server.replication.status import BACKUP, PRIMARY
@@ -97,6 +98,7 @@ class LoopbackReplicas:
     def __init__(self, logs: Path, stack: contextlib.ExitStack) -> None:
         self.logs, self.stack = logs, stack
         self._etcd: LocalEtcd | None = None
+        self.security = replica_security(logs / "security", tls=False)  # --tls: replaced by the bench
 
     def etcd(self) -> str:
         if self._etcd is None:
@@ -120,6 +122,7 @@ class LoopbackReplicas:
                         **_server_options(plan.clients),
                         **_replica_options(replicas, index, etcd, job),
                         **access,
+                        **self.security.server_options(replicas),
                     )
                 )
                 for index in range(replicas)
@@ -147,6 +150,7 @@ class CrossHostReplicas:
         ]
         self._etcd: subprocess.Popen[bytes] | None = None
         self.etcd_data: Path | None = None
+        self.security = replica_security(logs / "security", tls=False)  # --tls: replaced by the bench
 
     def close(self) -> None:
         """Stop etcd (if started) and remove its data."""
@@ -197,6 +201,7 @@ class CrossHostReplicas:
                     **options,
                     **_server_options(plan.clients),
                     **_replica_options(replicas, index, etcd, job),
+                    **self.security.server_options(replicas),
                 )
                 servers.append(stack.enter_context(server))
             targets = [f"{host.address}:{PORT}" for host in self.hosts[:replicas]]

@@ -35,6 +35,7 @@ from typing import Any
 from gemps_bench.cross_host import CrossHostSpec, link_figures, rate_bits_per_second
 from gemps_bench.loadgen import LoadPlan
 from gemps_bench.replica_figures import replica_figures, summarize
+from gemps_bench.replica_security import replica_security
 from gemps_bench.replica_servers import CrossHostReplicas, LoopbackReplicas
 from gemps_bench.suite import FULL, QUICK, available_bytes, progress
 from gemps_worker.simulated_hosts import SimulatedNetwork
@@ -48,6 +49,8 @@ class ReplicasSpec:
     repeats: int = 4
     link: str | None = None  # a tc rate: between simulated hosts; None: over loopback
     quick: bool = False  # the quick suite's seconds per run (CI), else the full suite's
+    # Every server and client on TLS (mutual: one CA), the replication stream inside it too.
+    tls: bool = False
     # A folder: after each size's repetitions, one more run of the largest R (not counted) with
     # py-spy recording every replica's process, raw samples to PROFILE/replicas-R-P-ROLE.txt.
     profile: Path | None = None
@@ -72,7 +75,8 @@ class ReplicasSpec:
 
     @property
     def mode(self) -> str:
-        return ("loopback" if self.link is None else f"cross-host {self.link}") + (" quick" if self.quick else "")
+        where = "loopback" if self.link is None else f"cross-host {self.link}"
+        return where + (" tls" if self.tls else "") + (" quick" if self.quick else "")
 
 
 def run_replicas(spec: ReplicasSpec, out: Path) -> dict[str, Any]:
@@ -80,6 +84,7 @@ def run_replicas(spec: ReplicasSpec, out: Path) -> dict[str, Any]:
     data: dict[str, Any] = {
         "mode": "replicas " + spec.mode,
         "rate": spec.link,
+        "tls": spec.tls,
         "clients": spec.clients,
         "replica_counts": list(spec.replicas),
         "repeats": spec.repeats,
@@ -99,6 +104,10 @@ def run_replicas(spec: ReplicasSpec, out: Path) -> dict[str, Any]:
             bench = CrossHostReplicas(network, spec.link, max(spec.replicas), logs)
             stack.callback(bench.close)
             progress(f"{len(bench.hosts)} replica hosts and the workers' host at {spec.link}, replicas cabled directly")
+        if spec.tls:
+            addresses = ["127.0.0.1", *(host.address for host in getattr(bench, "hosts", ()))]
+            bench.security = replica_security(logs / "security", True, addresses)
+        stack.enter_context(bench.security.clients())
         for size in spec.sizes:
             warmup, window = spec.seconds(size)
             plan = LoadPlan(size, spec.clients, window, warmup)

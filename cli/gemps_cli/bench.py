@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=None, help="with --replicas: runs of each replica count (default 4)"
     )
     parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="with --replicas: every server and client on mutual TLS (certificates made for the run), the "
+        "replication stream inside it too; writes OUT/replicas-MODE-tls.json",
+    )
+    parser.add_argument(
         "--profile",
         type=Path,
         default=None,
@@ -120,7 +126,9 @@ def _run_cross_host(args: argparse.Namespace) -> int:
 def _run_replicas(args: argparse.Namespace) -> int:
     defaults = replicas.ReplicasSpec()
     if args.report_only:
-        return run_replicas_bench(args.out, None, replicas.ReplicasSpec(link=args.link, quick=args.quick).mode)
+        return run_replicas_bench(
+            args.out, None, replicas.ReplicasSpec(link=args.link, quick=args.quick, tls=args.tls).mode
+        )
     try:
         spec = replicas.ReplicasSpec(
             replicas=tuple(args.replicas),
@@ -129,6 +137,7 @@ def _run_replicas(args: argparse.Namespace) -> int:
             repeats=args.repeats or (1 if args.quick else defaults.repeats),
             link=args.link,
             quick=args.quick,
+            tls=args.tls,
             profile=args.profile,
         )
         reason = unavailable_reason() if args.link is not None else None

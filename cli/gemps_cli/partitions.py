@@ -50,6 +50,7 @@ from gemps.options import env_var, values_of
 from gemps_proto.schema import partition_folder
 from gemps_server.config import ServerConfig
 from gemps_server.directory_lock import DirectoryLock
+from gemps_server.replication.credentials import with_generated_secret
 from gemps_server.replication.local_etcd import LocalEtcd
 from gemps_worker.processes import GEMPS_COMMAND, ChildExitedError, launch, wait_for_port_file
 
@@ -171,8 +172,9 @@ class PartitionSupervisor:
         replicated = config.replicas > 1 and config.replica_index == -1
         if not (partitioned or replicated):
             raise ValueError("the supervisor runs all partitions or replicas of a server (partitions or replicas >= 2)")
-        self.config = config
-        self._dir = tempfile.TemporaryDirectory(prefix="gemps-partitions-")
+        self._dir = tempfile.TemporaryDirectory(prefix="gemps-partitions-")  # 0700: this user's alone
+        # Replicas all started here share a secret generated for them (a 0600 file in it).
+        self.config = config = with_generated_secret(config, Path(self._dir.name))
         self.partitions: list[PartitionProcess] = []  # in θ order, once started
         self._stopping = threading.Event()
         self.metrics_port = -1

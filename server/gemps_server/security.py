@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import ipaddress
 import secrets
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +42,18 @@ def server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerC
     private_key = Path(key).read_bytes()
     root = Path(client_ca).read_bytes() if client_ca else None
     return grpc.ssl_server_credentials([(private_key, chain)], root_certificates=root, require_client_auth=bool(root))
+
+
+def tls_context(cert: str, key: str, client_ca: str = "") -> ssl.SSLContext:
+    """The gRPC port's TLS, for a plain socket (the data plane, the replication listener): the same
+    chain and key, and with `client_ca`, client certificates signed by it required (mutual TLS)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert, key)
+    if client_ca:
+        context.load_verify_locations(cafile=str(Path(client_ca)))
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
 def is_loopback(host: str) -> bool:

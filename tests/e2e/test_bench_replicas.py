@@ -85,3 +85,15 @@ def test_a_tiny_replicas_bench_between_hosts_sends_the_journal_over_the_replicas
     assert (
         "## Replicas (between simulated hosts, 1gbit links, 2 clients)" in (out / "replicas-1gbit-quick.md").read_text()
     )
+
+
+def test_a_tiny_replicas_bench_with_tls_runs_every_process_on_tls(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    bench(out, "--tls")
+    data = json.loads((out / "replicas-loopback-tls-quick.json").read_text())
+    assert data["tls"] is True and data["mode"] == "replicas loopback tls quick"
+    check(data)
+    assert "every process on mutual TLS" in (out / "replicas-loopback-tls-quick.md").read_text()
+    # The run's certificates, made for it (a server on TLS would have refused a plain client's load).
+    security = out / "replicas-loopback-tls-quick.logs" / "security"
+    assert sorted(path.name for path in security.glob("*.pem")) == ["ca.pem", "replica.pem"]

@@ -8,6 +8,7 @@ the killed one, started again, rejoins as a backup in sync with the new primary.
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import time
 from collections.abc import Iterator
@@ -117,6 +118,7 @@ def replicated_stack() -> Iterator[ReplicatedStack]:
         "GEMPS_EVAL_INTERVAL": "2",
         "GEMPS_REPLICA_LEASE": str(LEASE),
         "GEMPS_JOB": f"e2e-{os.getpid()}",
+        "GEMPS_REPLICATION_SECRET": secrets.token_hex(32),  # the replicas' credential (compose requires it)
     }
     stack = ReplicatedStack(f"gemps-replicas-{os.getpid()}", env, ports["ps"], prometheus_port, ports)
     build_args = [arg for pair in (("--build-arg", a) for a in BUILD_ARGS) for arg in pair]

@@ -30,7 +30,7 @@ from gemps_worker.processes import GEMPS_COMMAND
 from gemps_worker.simulated_hosts import Host, SimulatedNetwork
 from tests.counting_fleet import CountingFleet
 from tests.counting_worker import check_exactly_once, check_one_primary_per_epoch, resumed_after
-from tests.helpers import wait_for
+from tests.helpers import replication_secret_file, wait_for
 
 PORT, DATA_PORT, REPLICATION_PORT, ETCD_PORT = 50051, 51051, 52051, 2379
 LEASE, TIMEOUT = 2.0, 2.0  # seconds: --replica-lease, --replica-timeout
@@ -70,6 +70,7 @@ class ReplicatedRun:
             host=host.address, port=PORT, data_port=DATA_PORT, rule="downpour", num_shards=8,
             replicas=2, replica_index=index, etcd=f"http://{self.etcd_host.address}:{ETCD_PORT}", job="faults",
             replication_port=REPLICATION_PORT, replica_lease=LEASE, replica_timeout=TIMEOUT,
+            replication_secret_file=replication_secret_file(),
         )  # fmt: skip
         self.servers[host.name] = server.start()
         return server

@@ -24,7 +24,7 @@ from gemps_server.replication import image_codec
 from gemps_server.replication.local_etcd import LocalEtcd
 from gemps_server.replication.status import BACKUP, PRIMARY, ReplicationStatus
 from gemps_worker.cluster import ServerProcess
-from tests.helpers import CommitLoops, InProcessServer, wait_for
+from tests.helpers import CommitLoops, InProcessServer, replication_secret_file, wait_for
 from tests.integration.conftest import StartServer, StartServerProcess
 
 LEASE = 1.0  # seconds: short, so failovers in tests take about this long
@@ -40,6 +40,7 @@ def replica_options(etcd: LocalEtcd, index: int, job: str, **options: Any) -> di
         "replication_port": 0,
         "replica_lease": LEASE,
         "replica_timeout": 2.0,
+        "replication_secret_file": replication_secret_file(),
         **options,
     }
 

@@ -1,6 +1,7 @@
 """The replication listener against peers that are not gemps replicas (DESIGN §3b, memory before
-trust): before a peer's hello is checked it can make a replica hold a hello's bytes, for
-CONNECT_SECONDS, on one of MAX_GREETINGS connections, and nothing more; replication goes on.
+trust): before a peer's handshake is done it can make a replica hold a handshake's bytes, for
+CONNECT_SECONDS, on one of MAX_GREETINGS connections (MAX_GREETINGS_PER_ADDRESS from one address),
+and nothing more; replication goes on.
 A real primary (in this process, with a real etcd) and raw sockets."""
 
 from __future__ import annotations

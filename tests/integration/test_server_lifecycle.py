@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gemps_server.directory_lock import DirectoryLock
-from tests.helpers import InProcessServer, free_port
+from tests.helpers import InProcessServer, free_port, replication_secret_file
 
 
 @pytest.fixture
@@ -40,6 +40,7 @@ def test_a_start_failing_late_leaves_nothing_serving(tmp_path: Path, busy_port: 
         replica_index=0,
         etcd="http://127.0.0.1:9",  # never reached: the listener is bound before the election starts
         job="late",
+        replication_secret_file=replication_secret_file(),
         replication_port=busy_port,
     )
     with pytest.raises(OSError, match="replication: cannot listen"):

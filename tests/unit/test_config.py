@@ -129,12 +129,23 @@ def test_checks_across_groups_are_the_server_configs(tmp_path: Path) -> None:
     for name in ("cert.pem", "key.pem"):
         (tmp_path / name).write_text("PEM")
     tls = {"tls_cert": str(tmp_path / "cert.pem"), "tls_key": str(tmp_path / "key.pem")}
-    with pytest.raises(ValueError, match=re.escape("replicas with TLS are not supported yet")):
+    secret = tmp_path / "replication.secret"
+    secret.write_text("s" * 32)
+    with pytest.raises(ValueError, match=re.escape("replicas with TLS need --tls-client-ca")):
         server_config(replicas=2, **tls)
-    # One problem of the replicas at a time: the replica's role first, then TLS, then the job's name.
+    assert server_config(replicas=2, tls_client_ca=tls["tls_cert"], **tls).replicas == 2
+    # One problem of the replicas at a time: the replica's role first, then its credential and TLS,
+    # then the job's name.
     with pytest.raises(ValueError, match=re.escape("replica_index 3 outside -1..1")):
         server_config(replicas=2, replica_index=3, **tls)
-    with pytest.raises(ValueError, match=re.escape("replicas with TLS are not supported yet")):
+    alone = {"replicas": 2, "replica_index": 1, "etcd": "http://etcd:2379"}
+    with pytest.raises(ValueError, match=re.escape("replica 1 started alone has no credential")):
+        server_config(**alone, **tls)
+    assert server_config(**alone, auth_token="t0ken").replica_index == 1
+    assert server_config(**alone, replication_secret_file=str(secret)).replica_index == 1
+    with pytest.raises(ValueError, match=re.escape("replication_secret_file '/nowhere' is not a readable file")):
+        server_config(**alone, replication_secret_file="/nowhere")
+    with pytest.raises(ValueError, match=re.escape("replicas with TLS need --tls-client-ca")):
         server_config(replicas=2, job="a/b", **tls)
     with pytest.raises(ValueError, match=re.escape("data_port 65534 + 2 (the last partition's) is past 65535")):
         server_config(partitions=3, data_port=65534)

@@ -545,6 +545,7 @@ def test_k8s_replicas_each_pod_is_one_replica_of_one_partition(partitions: int) 
         assert {"name": "replication", "containerPort": 52051} in container["ports"]
         for ordinal in range(partitions):
             environ = {**pod_environ(docs, statefulset, ordinal), "GEMPS_PARTITIONS": str(partitions)}
+            environ["GEMPS_REPLICATION_SECRET"] = "from-the-gemps-replication-secret"  # created as the comment says
             config = parse_config([], environ)
             assert (config.partition, config.partitions) == (ordinal, partitions)
             assert (config.replica, config.replicas) == (replica, len(statefulsets))

@@ -30,9 +30,6 @@ def applier() -> Iterator[Applier]:
     running.stop()
 
 
-TICKET_KEY = bytes(range(32))
-
-
 def primary(applier: Applier, in_sync: list[list[Peer]]) -> tuple[ServerState, Forwarder, str]:
     state = ServerState(training("downpour"), WorkerRegistry(max_workers=4, lease_ttl=3600))
 
@@ -47,7 +44,6 @@ def primary(applier: Applier, in_sync: list[list[Peer]]) -> tuple[ServerState, F
         set_in_sync=set_in_sync,
         holds=lambda: True,
         timeout=5.0,
-        ticket_key=TICKET_KEY,
         backups=1,
     )
     state.journal = journal
@@ -87,9 +83,9 @@ def test_a_seeded_backup_joins_the_in_sync_set_and_commits_wait_for_it(applier: 
     with ours, theirs:
         journal.attach(Peer("backup", "i1"), ours)
         seed = frames.receive(theirs)
-        # The seed carries the data plane's ticket key: the backup's data plane takes the same tickets.
+        # The seed carries no secret: the data plane's ticket key travels sealed in the handshake.
         assert seed.kind == frames.SEED
-        assert seed.header == {"epoch": 3, "position": journal.last, "tickets": TICKET_KEY.hex()}
+        assert seed.header == {"epoch": 3, "position": journal.last}
         frames.send(theirs, frames.Frame(frames.ACK, {"position": seed.header["position"]}))
         wait_for(lambda: in_sync == [[Peer("backup", "i1")]], 10, "the backup in sync")
         position = commit(state, worker, 1)

@@ -82,9 +82,9 @@ class ServerConfig(
         found += out_of_range(self)
         found += ListenOptions.problems(self) + ConnectionLimits.problems(self) + SecurityOptions.problems(self)
         found += PartitionOptions.problems(self) or self._partition_port_problems()
-        # One problem of the replicas at a time, as ReplicationOptions reports them: TLS counts only
-        # once this replica's role is sound.
-        found += self.replica_role_problems() or self._replica_tls_problems() or self.job_name_problems()
+        # One problem of the replicas at a time, as ReplicationOptions reports them: its credential and TLS
+        # count only once this replica's role is sound.
+        found += self.replica_role_problems() or self._replica_trust_problems() or self.job_name_problems()
         found += CoordinationOptions.problems(self) or self.endpoint_problems(self.etcd, self.replicas > 1)
         return found
 
@@ -98,10 +98,25 @@ class ServerConfig(
             if port + self.partitions - 1 > 65535 and port > 0
         ]
 
-    def _replica_tls_problems(self) -> list[str]:
-        if self.replicas > 1 and self.tls:
+    def _replica_trust_problems(self) -> list[str]:
+        """What replicas prove themselves to each other with (replication/handshake.py): a secret
+        every replica started alone must be given, and with TLS the CA their certificates chain to."""
+        if self.replicas <= 1:
+            return []
+        secret = self.secret_problems()
+        if secret:
+            return secret
+        credential = self.replication_secret_file or self.replication_secret or self.auth_token or self.auth_token_file
+        if self.replica_index >= 0 and not credential:
             return [
-                "replicas with TLS are not supported yet: the replication stream is plain TCP (use a private network)"
+                f"replica {self.replica_index} started alone has no credential to prove itself to the other "
+                "replicas with: give --replication-secret-file (the same secret for every replica of the job; or "
+                "GEMPS_REPLICATION_SECRET) or --auth-token/--auth-token-file"
+            ]
+        if self.tls and not self.tls_client_ca:
+            return [
+                "replicas with TLS need --tls-client-ca: the CA that signed every replica's --tls-cert (replicas "
+                "present it to each other, as client and as server, on the replication stream)"
             ]
         return []
 

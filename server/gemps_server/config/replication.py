@@ -4,8 +4,12 @@ that elects the primary, and the stream the backups receive the journal on."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from gemps_proto.ranges import PORT, RANGE, Range
+
+#: bytes a replication secret holds at least (a generated one: 32 random bytes, as hex)
+MIN_SECRET_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,22 @@ class ReplicationOptions:
             RANGE: Range(1.0, 3600.0, unit="s"),
         },
     )
+    replication_secret_file: str = field(
+        default="",
+        metadata={
+            "help": "file holding the secret every replica of the job shares (the same file contents on every "
+            "machine): replicas prove they know it to each other without sending it. Default: a key derived from "
+            "--auth-token; `gemps server --replicas R` on one machine generates one; a replica started alone "
+            "(--replica-index) without it or a token refuses to start"
+        },
+    )
+    replication_secret: str = field(
+        default="",
+        metadata={
+            "help": "the replication secret itself, instead of --replication-secret-file (as GEMPS_REPLICATION_SECRET, "
+            "e.g. from a Kubernetes Secret: a flag's value is visible to every local user)"
+        },
+    )
     replica_timeout: float = field(
         default=5.0,
         metadata={
@@ -80,6 +100,23 @@ class ReplicationOptions:
             return [
                 "a replica of a replicated partition needs etcd to tell it its role: give etcd (e.g. http://etcd:2379)"
             ]
+        return []
+
+    def secret_problems(self) -> list[str]:
+        """A replication secret given once, long enough (a file's first 4 KiB are read)."""
+        if self.replication_secret and self.replication_secret_file:
+            return ["give replication_secret or replication_secret_file, not both"]
+        if not (self.replication_secret or self.replication_secret_file):
+            return []
+        secret = self.replication_secret.encode()
+        if self.replication_secret_file:
+            path = Path(self.replication_secret_file)
+            if not path.is_file():
+                return [f"replication_secret_file {self.replication_secret_file!r} is not a readable file"]
+            with path.open("rb") as file:
+                secret = file.read(4096).strip()
+        if len(secret) < MIN_SECRET_BYTES:
+            return [f"the replication secret must hold at least {MIN_SECRET_BYTES} bytes (e.g. openssl rand -hex 32)"]
         return []
 
     def job_name_problems(self) -> list[str]:

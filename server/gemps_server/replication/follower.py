@@ -14,6 +14,7 @@ import functools
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -23,6 +24,7 @@ from gemps_server.domain.state import ServerState
 from gemps_server.logs import event
 from gemps_server.replication import entries, frames, image_codec
 from gemps_server.replication.forwarder import Peer
+from gemps_server.replication.handshake import Handshake
 
 log = logging.getLogger("gemps.server")
 T = TypeVar("T")
@@ -67,17 +69,18 @@ class Follower:
         me: Peer,
         primary: str,
         epoch: int,
-        token: str,
+        handshake: Handshake,
+        primary_name: str,
         on_end: Callable[[str], None],
         on_applied: Callable[[int], None] | None = None,
         adopt_ticket_key: Callable[[bytes], None] | None = None,
     ) -> None:
         self._state, self._applier, self._me = state, applier, me
         self.primary, self.epoch = primary, epoch
-        self._token = token
+        self._handshake, self._primary_name = handshake, primary_name
         self._on_end = on_end
         self._on_applied = on_applied  # with the version after each entry applied (checkpoints)
-        self._adopt_ticket_key = adopt_ticket_key  # the primary's, from its seed (data-plane tickets)
+        self._adopt_ticket_key = adopt_ticket_key  # the primary's, from the handshake (data-plane tickets)
         self.applied = 0  # entries applied from this primary
         self.seeded = False
         self._stopped = False
@@ -122,7 +125,10 @@ class Follower:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         me = self._me
         hello = {"name": me.name, "incarnation": me.incarnation, "address": me.address, "replication": me.replication}
-        frames.send(sock, frames.Frame(frames.HELLO, dict(hello, token=self._token, epoch=self.epoch)))
+        # Both prove themselves before anything of the state crosses (handshake.py): no token sent.
+        deadline = time.monotonic() + CONNECT_SECONDS
+        sock, ticket_key = self._handshake.join(sock, hello, self.epoch, self._primary_name, self.primary, deadline)
+        self._sock = sock
         sock.settimeout(SEED_SECONDS)  # the primary encodes its image first: no beats meanwhile
         position = 0
         while not self._stopped:
@@ -137,8 +143,8 @@ class Follower:
                 image = image_codec.decode(frame.blobs)  # streamed as parts: the header, then each tensor
                 _on_applier(self._applier, functools.partial(images.adopt, self._state, image))
                 del image
-                if self._adopt_ticket_key is not None and frame.header.get("tickets"):
-                    self._adopt_ticket_key(bytes.fromhex(str(frame.header["tickets"])))
+                if self._adopt_ticket_key is not None:
+                    self._adopt_ticket_key(ticket_key)
                 position = int(frame.header["position"])
                 self.seeded = True
                 sock.settimeout(frames.SILENCE_SECONDS)  # from now on a live primary beats when idle

@@ -70,12 +70,10 @@ class Forwarder:
         set_in_sync: Callable[[Iterable[Peer]], bool],
         holds: Callable[[], bool],
         timeout: float,
-        ticket_key: bytes = b"",
         *,
         backups: int,
     ) -> None:
         self._state = state
-        self._ticket_key = ticket_key  # sent with each seed: the backups' data planes take the same tickets
         self._applier = applier
         self.epoch = epoch
         self._set_in_sync = set_in_sync
@@ -218,7 +216,7 @@ class Forwarder:
 
     def _send(self, link: Link, image: list[ReplicaImage]) -> None:
         try:
-            header = {"epoch": self.epoch, "position": link.seed_position, "tickets": self._ticket_key.hex()}
+            header = {"epoch": self.epoch, "position": link.seed_position}  # (the ticket key: sealed in the handshake)
             parts = image_codec.encode_parts(image.pop())
             link.queue_limit = max(link.queue_limit, sum(part.nbytes for part in parts))
             frames.send(link.sock, frames.Frame(frames.SEED, header, parts))

@@ -1,4 +1,5 @@
-"""The replication stream's frames: a JSON header and a body of raw byte blobs, on a TCP socket.
+"""The replication stream's frames: a JSON header and a body of raw byte blobs, on a TCP socket
+(inside TLS when the job runs TLS).
 
     frame = length of header (u32 LE) | length of body (u64 LE) | header (JSON, UTF-8) | body
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Sequence
@@ -28,8 +30,12 @@ HELLO_HEADER_BYTES = 4096
 #: buffers one sendmsg takes at most (IOV_MAX: a seed is sent as one buffer per tensor)
 MAX_BUFFERS = 1024
 
-#: backup -> primary: who it is (name, incarnation, token, the epoch it expects)
+#: backup -> primary: who it is (name, incarnation, the epoch it expects, a nonce); then the
+#: handshake (handshake.py): the primary's CHALLENGE, the backup's PROOF, the primary's WELCOME
 HELLO = "hello"
+CHALLENGE = "challenge"
+PROOF = "proof"
+WELCOME = "welcome"
 #: primary -> backup: the whole state at a journal position (one blob: the image)
 SEED = "seed"
 #: primary -> backup: one journal entry
@@ -68,8 +74,18 @@ class Frame:
         return [_PREFIX.pack(len(raw), body) + raw, *self.blobs]
 
 
+#: an SSL socket has no sendmsg: buffers up to this size are joined into one write (one record)
+_JOIN_BYTES = 1 << 16
+
+
 def send(sock: socket.socket, frame: Frame) -> None:
     buffers = [memoryview(buffer).cast("B") for buffer in frame.encode()]
+    if isinstance(sock, ssl.SSLSocket):
+        if sum(buffer.nbytes for buffer in buffers) <= _JOIN_BYTES:
+            buffers = [memoryview(b"".join(buffers))]
+        for buffer in buffers:
+            sock.sendall(buffer)
+        return
     while buffers:
         sent = sock.sendmsg(buffers[:MAX_BUFFERS])
         while buffers and sent >= buffers[0].nbytes:

@@ -29,9 +29,11 @@ from gemps_server.domain.state import ServerState
 from gemps_server.listening import hostport, listening
 from gemps_server.metrics import ServerMetrics
 from gemps_server.replicas import Done, NoReplicas, Replicas
+from gemps_server.replication.credentials import credential
 from gemps_server.replication.election import Election, Member
 from gemps_server.replication.epoch_record import EpochRecord
 from gemps_server.replication.etcd_client import EtcdAccess, check_access
+from gemps_server.replication.handshake import Handshake, member_name
 from gemps_server.replication.metrics import ReplicationCollector
 from gemps_server.replication.recovery import Held, replica_names
 from gemps_server.replication.replica import Replica, listen
@@ -103,8 +105,10 @@ class Replicated:
         self._state = state
         self._restored_epoch = 0  # the epoch of the checkpoint restored at start
         self._election: Election | None = None
+        # The replicas prove themselves to each other with the job's credential (handshake.py).
+        handshake = Handshake(credential(config), config.partition, config.replicas)
         self.replica = Replica(
-            state, applier, config.replicas, config.replica_timeout, config.token(), tickets, on_applied=self._replayed
+            state, applier, config.replicas, config.replica_timeout, handshake, tickets, on_applied=self._replayed
         )
         self.port = 0
         # A backup checkpoints too (a job whose every replica restarts resumes from the newest
@@ -162,7 +166,7 @@ class Replicated:
         try:
             host = advertised_host(config)
             me = Member(
-                f"partition-{config.partition}-replica-{config.replica}",
+                member_name(config.partition, config.replica),
                 Replica.incarnation(),
                 hostport(host, grpc_port),
                 hostport(host, self.port),

@@ -10,7 +10,8 @@ whether it may answer a worker now, and when a commit may be acknowledged.
 
 from __future__ import annotations
 
-import hmac
+import collections
+import contextlib
 import logging
 import socket
 import threading
@@ -23,12 +24,13 @@ from gemps_server.domain.applier import Applier
 from gemps_server.domain.errors import Unavailable
 from gemps_server.domain.journal import NoJournal
 from gemps_server.domain.state import ServerState
-from gemps_server.logs import event
+from gemps_server.logs import Throttle, event
 from gemps_server.replication import frames
 from gemps_server.replication.coordinator import Coordinator
 from gemps_server.replication.election import Election, Member
 from gemps_server.replication.follower import CONNECT_SECONDS, Follower, _on_applier
 from gemps_server.replication.forwarder import Done, Forwarder, Peer
+from gemps_server.replication.handshake import Handshake, Refused
 from gemps_server.replication.status import BACKUP, CANDIDATE, PRIMARY, ReplicationStatus
 from gemps_server.security import Tickets
 
@@ -36,9 +38,11 @@ log = logging.getLogger("gemps.server")
 
 #: seconds before a backup dials its primary again after the stream ended
 REDIAL_SECONDS = 0.5
-#: connections to the replication listener that have not said hello yet, at most: past it a new
-#: one is closed at once (each holds a thread and at most a hello's bytes for CONNECT_SECONDS)
+#: connections to the replication listener that have not finished their handshake yet, at most,
+#: and from one address: past either a new one is closed at once (each holds a thread and at most
+#: a handshake's bytes for CONNECT_SECONDS), so one flooding address cannot keep a backup out
 MAX_GREETINGS = 8
+MAX_GREETINGS_PER_ADDRESS = 2
 
 
 class Replica:
@@ -50,7 +54,7 @@ class Replica:
         applier: Applier,
         replicas: int,
         timeout: float,
-        token: str,
+        handshake: Handshake,
         tickets: Tickets,
         on_applied: Callable[[int], None] | None = None,
     ) -> None:
@@ -62,7 +66,7 @@ class Replica:
         self._on_applied = on_applied
         self.replicas = replicas
         self._timeout = timeout
-        self._token = token
+        self._handshake = handshake
         self.me = Member("", "", "", "")  # known once started
         self._lock = threading.RLock()  # role changes come from the coordinator and the follower's end
         self.role = CANDIDATE
@@ -75,7 +79,8 @@ class Replica:
         self.applied = 0  # entries applied from primaries, over this process's life
         self._stopped = False
         self._started = False
-        self._greetings = threading.BoundedSemaphore(MAX_GREETINGS)
+        self._greeting: collections.Counter[str] = collections.Counter()  # handshakes under way, by address
+        self._refusal_log = Throttle(interval=1.0)  # an unknown peer's every try must not be a line
 
     @staticmethod
     def incarnation() -> str:
@@ -154,7 +159,6 @@ class Replica:
                 self._set_in_sync,
                 self._election.holds,
                 self._timeout,
-                self._tickets.key,
                 backups=self.replicas - 1,
             )
             if not self._set_in_sync(()):  # only this replica is in sync until backups are seeded
@@ -206,7 +210,8 @@ class Replica:
             me,
             primary.replication,
             epoch,
-            self._token,
+            self._handshake,
+            primary.name,
             ended,
             self._on_applied,
             self._tickets.adopt,
@@ -253,60 +258,67 @@ class Replica:
                 sock, address = self._listener.accept()
             except OSError:
                 return
-            if not self._greetings.acquire(blocking=False):
-                event(log, "replication connection refused", level=logging.WARNING, peer=address[0],
-                      reason=f"{MAX_GREETINGS} connections are already saying hello")  # fmt: skip
+            host = str(address[0])
+            with self._lock:
+                busy = (
+                    sum(self._greeting.values()) >= MAX_GREETINGS or self._greeting[host] >= MAX_GREETINGS_PER_ADDRESS
+                )
+                if not busy:
+                    self._greeting[host] += 1
+            if busy:
+                self._warn("replication connection refused", peer=host, reason="too many handshakes under way")
                 sock.close()
                 continue
-            threading.Thread(target=self._greet, args=(sock,), name="gemps-replication-hello", daemon=True).start()
+            threading.Thread(target=self._greet, args=(sock, host), name="gemps-replication-hello", daemon=True).start()
 
-    def _greet(self, sock: socket.socket) -> None:
+    def _warn(self, what: str, **fields: str) -> None:
+        """A warning about a peer not (yet) trusted: at most one a second of each kind."""
+        suppressed = self._refusal_log.allow(what)
+        if suppressed is not None:
+            event(log, what, level=logging.WARNING, suppressed=suppressed or None, **fields)
+
+    def _greet(self, sock: socket.socket, host: str) -> None:
+        """A backup's handshake (handshake.py), in CONNECT_SECONDS and a handshake's bytes at most,
+        before anything is taken for it; then the forwarder seeds it."""
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            # Read before the token is checked: a hello's bytes at most, in CONNECT_SECONDS at most.
             deadline = time.monotonic() + CONNECT_SECONDS
-            hello = frames.receive(sock, max_header=frames.HELLO_HEADER_BYTES, max_body=0, deadline=deadline)
-        except (OSError, ValueError) as error:
-            event(log, "replication hello failed", level=logging.WARNING, error=str(error))
-            sock.close()
-            return
-        finally:
-            self._greetings.release()
-        try:
-            header = hello.header
-            refusal = self._refusal(hello)
-            if refusal:
-                frames.send(sock, frames.Frame(frames.REFUSED, {"reason": refusal, "epoch": self.epoch}))
-                sock.close()
-                return
+            sock, header = self._handshake.admit(
+                sock, self.me.name, self.me.replication, self.epoch, self._tickets.key, deadline, self._refusal
+            )
             sock.settimeout(None)
             peer = Peer(
                 str(header["name"]), str(header["incarnation"]), str(header["address"]), str(header["replication"])
             )
-            forwarder = self._forwarder
-            if forwarder is None:
-                sock.close()
-                return
-            refusal = forwarder.attach(peer, sock)  # one backup per name, R-1 at most (it logs refusals)
-            if refusal:
-                frames.send(sock, frames.Frame(frames.REFUSED, {"reason": refusal, "epoch": self.epoch}))
-                sock.close()
-            else:
-                event(log, "backup joining", backup=peer.name, epoch=forwarder.epoch)
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            event(log, "replication hello failed", level=logging.WARNING, error=str(error))
+        except Refused as refused:
+            self._warn("backup refused", peer=host, reason=str(refused))
+            return
+        except (OSError, ValueError, KeyError, TypeError) as error:  # ssl.SSLError included
+            self._warn("replication hello failed", peer=host, error=f"{type(error).__name__}: {error}")
+            sock.close()  # closed already past the handshake's start
+            return
+        finally:
+            with self._lock:
+                self._greeting[host] -= 1
+                if self._greeting[host] <= 0:
+                    del self._greeting[host]
+        forwarder = self._forwarder
+        if forwarder is None or forwarder.epoch != int(header["epoch"]):
             sock.close()
+            return
+        refusal = forwarder.attach(peer, sock)  # one backup per name, R-1 at most (it logs refusals)
+        if refusal:
+            with contextlib.suppress(OSError):
+                frames.send(sock, frames.Frame(frames.REFUSED, {"reason": refusal, "epoch": self.epoch}))
+            sock.close()
+        else:
+            event(log, "backup joining", backup=peer.name, epoch=forwarder.epoch)
 
     def _refusal(self, hello: frames.Frame) -> str:
-        token = str(hello.header.get("token", ""))
-        if hello.kind != frames.HELLO:
-            return "the first frame must be a hello"
-        if not hmac.compare_digest(token.encode(), self._token.encode()):
-            return "wrong token"
         if self.role != PRIMARY or self._forwarder is None:
             return f"{self.me.name} is not primary"
-        if int(hello.header.get("epoch", -1)) != self.epoch:
-            return f"epoch {hello.header.get('epoch')} is not the primary's ({self.epoch})"
+        if hello.header.get("epoch") != self.epoch:
+            return f"epoch {str(hello.header.get('epoch'))[:20]} is not the primary's ({self.epoch})"
         return ""
 
 

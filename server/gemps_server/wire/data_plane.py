@@ -26,7 +26,6 @@ import socket
 import ssl
 import threading
 import time
-from pathlib import Path
 
 from gemps_proto.data_plane_events import ErrorReply
 from gemps_proto.data_plane_protocol import ServerConnection
@@ -35,6 +34,7 @@ from gemps_server.config import ServerConfig
 from gemps_server.domain.errors import ResourceExhausted
 from gemps_server.logs import Throttle, event
 from gemps_server.metrics import ServerMetrics
+from gemps_server.security import tls_context
 from gemps_server.service import ParameterService
 from gemps_server.wire.data_plane_calls import Connection, Limits, error_header
 from gemps_server.wire.data_plane_io import Channel
@@ -48,18 +48,6 @@ log = logging.getLogger("gemps.server")
 BACKLOG = 128
 # How long stop() waits for the loop's thread beyond the grace.
 JOIN_SECONDS = 5.0
-
-
-def tls_context(cert: str, key: str, client_ca: str = "") -> ssl.SSLContext:
-    """The gRPC port's TLS, for a plain socket: the same chain and key, and with `client_ca`,
-    client certificates signed by it required (mutual TLS)."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(cert, key)
-    if client_ca:
-        context.load_verify_locations(cafile=str(Path(client_ca)))
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
 
 
 class DataPlaneServer:

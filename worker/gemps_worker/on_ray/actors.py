@@ -148,7 +148,11 @@ class PartitionServer:
             **partition,
             # Others reach it at its node's address; a fresh replication port each start (its
             # address goes to etcd with its new incarnation).
-            **({**replication, "advertise_host": self.host, "replication_port": 0} if replication else {}),
+            **(
+                {**self._replication(replication), "advertise_host": self.host, "replication_port": 0}
+                if replication
+                else {}
+            ),
             **self._etcd_access(etcd_pems),
             "host": self.host,
             "port": ports.get("port", 0),
@@ -163,6 +167,20 @@ class PartitionServer:
         threading.Thread(target=self._exit_with_the_server, name="watch-server", daemon=True).start()
         which = f"partition {index}" + (f" replica {self.replica}" if self.replica >= 0 else "")
         log.info("%s serving on %s:%d (start %d)", which, self.host, self.server.port, self.starts)
+
+    def _replication(self, replication: Mapping[str, object]) -> dict[str, object]:
+        """The replica options, the job's secret moved into a 0600 file (a flag's value is on the
+        command line, which every local user reads)."""
+        options = dict(replication)
+        secret = options.pop("replication_secret", None)
+        if secret:
+            path = self.folder / "replication.secret"
+            path.unlink(missing_ok=True)
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "w") as file:
+                file.write(str(secret))
+            options["replication_secret_file"] = str(path)
+        return options
 
     def _start(self, options: Mapping[str, Any], startup_timeout: float) -> ServerProcess:
         for attempt in range(1, START_ATTEMPTS + 1):

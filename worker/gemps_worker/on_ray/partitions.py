@@ -22,6 +22,7 @@ announces the layout, in which a partition's address is its replicas' ("A|B").
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,6 +54,9 @@ class Partitions:
         self.replicas = options.replicas
         self.etcd = ""  # with replicas: set by the job before start()
         self.etcd_pems: dict[str, str] = {}  # the client credentials of the driver's etcd (none: an open one)
+        # What this job's replicas prove themselves to each other with: drawn here, handed to each
+        # actor (Ray's object store, never a command line), which keeps it in a 0600 file.
+        self._replication_secret = secrets.token_hex(32)
         self.placements: list[PlacementGroup] = []
         self.actors: list[Any] = []
         self.endpoints: list[PartitionEndpoint] = []
@@ -141,7 +145,10 @@ class Partitions:
             replication: dict[str, object] | None = None
         else:
             group, bundle = self.placements[index], replica
-            replication = {"replicas": self.replicas, "replica_index": replica, "etcd": self.etcd, "job": self.name}
+            replication = {
+                "replicas": self.replicas, "replica_index": replica, "etcd": self.etcd, "job": self.name,
+                "replication_secret": self._replication_secret,
+            }  # fmt: skip
         actor_class = ray.remote(PartitionServer).options(
             num_cpus=self.options.partition_cpus,
             max_restarts=self.options.partition_restarts,

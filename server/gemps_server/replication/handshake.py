@@ -1,0 +1,224 @@
+"""The replicas' handshake (DESIGN §3d): before a primary takes an image for a backup, and before a
+backup reads anything of a primary's state, each proves to the other that it knows the job's
+replication key (credentials.py), without sending it or anything it could be replayed from.
+
+    backup  -> primary  HELLO      its name, incarnation and addresses, the epoch, a nonce
+    primary -> backup   CHALLENGE  the epoch, a nonce, the primary's proof
+    backup  -> primary  PROOF      the backup's proof
+    primary -> backup   WELCOME    the data-plane ticket key, sealed under this session
+
+A proof is an HMAC under the key of the prover's role and name, the partition, the epoch, the
+primary's replication address as the backup dialled it, and both nonces: fresh each connection
+(no replay), one role's proof is no other's (no reflection), and a peer that relays a real
+primary's handshake from another address (where etcd, rewritten, sent the backup) proves nothing.
+A backup's name must be one of its partition's replicas other than the primary, so a peer holding
+the key still cannot pose as the primary to it. The ticket key is XORed with an HMAC of the session
+(the key, both nonces): a reader of the stream learns nothing of it. With TLS (mutual: both sides'
+certificates chain to --tls-client-ca) all of it runs inside the TLS session, as does the stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import re
+import secrets
+import socket
+import ssl
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gemps_server.replication import frames
+from gemps_server.replication.credentials import Credential
+from gemps_server.replication.tls_stream import SerialSSLSocket
+
+NONCE_BYTES = 32
+PRIMARY_ROLE, BACKUP_ROLE = "primary", "backup"
+_NAME = re.compile(r"partition-(\d{1,9})-replica-(\d{1,9})")
+
+
+class Refused(ConnectionError):
+    """The peer may not take part: what it is told (a primary sends it in a REFUSED frame)."""
+
+
+def member_name(partition: int, replica: int) -> str:
+    """A replica's name: the handshake binds it to the key and the partition's replica indices."""
+    return f"partition-{partition}-replica-{replica}"
+
+
+@dataclass(frozen=True)
+class Session:
+    """One connection's handshake: what both sides derive their proofs and the seal from."""
+
+    key: bytes
+    partition: int
+    epoch: int
+    primary_address: str
+    backup_nonce: bytes
+    primary_nonce: bytes
+
+    def _mac(self, purpose: str, *more: str) -> bytes:
+        parts = [purpose, str(self.partition), str(self.epoch), self.primary_address, *more]
+        encoded = [part.encode("utf-8", "surrogateescape") for part in parts]
+        encoded += [self.backup_nonce, self.primary_nonce]
+        # Each part length-prefixed: no two different tuples of parts make the same message.
+        message = b"".join(struct.pack("<I", len(part)) + part for part in encoded)
+        return hmac.new(self.key, message, hashlib.sha256).digest()
+
+    def proof(self, role: str, name: str) -> bytes:
+        return self._mac("proof", role, name)
+
+    def seal(self, secret: bytes) -> str:
+        """`secret` (at most 32 bytes) XOR a pad only the two ends can derive, as hex."""
+        pad = self._mac("seal")
+        if len(secret) > len(pad):
+            raise ValueError(f"a sealed secret holds at most {len(pad)} bytes")
+        return bytes(a ^ b for a, b in zip(secret, pad, strict=False)).hex()
+
+    def unseal(self, sealed: str) -> bytes:
+        return bytes.fromhex(self.seal(bytes.fromhex(sealed)))
+
+
+def _nonce(header: dict[str, Any]) -> bytes:
+    try:
+        nonce = bytes.fromhex(str(header.get("nonce", "")))
+    except ValueError:
+        nonce = b""
+    if len(nonce) != NONCE_BYTES:
+        raise Refused("the hello carries no valid nonce: not a gemps replica of this version")
+    return nonce
+
+
+def _proof(header: dict[str, Any]) -> bytes:
+    try:
+        return bytes.fromhex(str(header.get("proof", "")))
+    except ValueError:
+        return b""
+
+
+class Handshake:
+    """The handshake of one replica of `partition` (of `replicas`) holding `credential`."""
+
+    def __init__(self, credential: Credential, partition: int, replicas: int) -> None:
+        self._credential = credential
+        self.partition, self.replicas = partition, replicas
+
+    def _session(self, epoch: int, primary_address: str, backup_nonce: bytes, primary_nonce: bytes) -> Session:
+        return Session(self._credential.key, self.partition, epoch, primary_address, backup_nonce, primary_nonce)
+
+    def name_refusal(self, name: str, primary: str) -> str:
+        """Why a hello's `name` may not be a backup of `primary` ('' when it may)."""
+        match = _NAME.fullmatch(name)
+        if match is None or int(match[1]) != self.partition or int(match[2]) >= self.replicas:
+            return f"{name[:80]!r} is not a replica of partition {self.partition} (of {self.replicas})"
+        if name == primary:
+            return f"{name} is the primary's own name"
+        return ""
+
+    # -- the primary's side ----------------------------------------------------------------------
+
+    def admit(
+        self,
+        sock: socket.socket,
+        me: str,
+        address: str,
+        epoch: int,
+        ticket_key: bytes,
+        deadline: float,
+        refusal: Callable[[frames.Frame], str],
+    ) -> tuple[socket.socket, dict[str, Any]]:
+        """Take a backup's handshake on `sock` (TLS first, when the job runs it) by `deadline`, as
+        the primary `me` of `epoch` listening at `address`: the (wrapped) socket and its hello.
+        `refusal(hello)`: why this replica takes no backup now ('' if it does). Refused (the peer
+        was told why) or another error: the socket is closed."""
+        try:
+            if self._credential.server_tls is not None:
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                sock = _serial(self._credential.server_tls.wrap_socket(sock, server_side=True))
+            return sock, self._admitted(sock, me, address, epoch, ticket_key, deadline, refusal)
+        except Refused as refused:
+            with contextlib.suppress(OSError):
+                frames.send(sock, frames.Frame(frames.REFUSED, {"reason": str(refused), "epoch": epoch}))
+            sock.close()
+            raise
+        except BaseException:
+            sock.close()
+            raise
+
+    def _admitted(
+        self,
+        sock: socket.socket,
+        me: str,
+        address: str,
+        epoch: int,
+        ticket_key: bytes,
+        deadline: float,
+        refusal: Callable[[frames.Frame], str],
+    ) -> dict[str, Any]:
+        hello = frames.receive(sock, max_header=frames.HELLO_HEADER_BYTES, max_body=0, deadline=deadline)
+        if hello.kind != frames.HELLO:
+            raise Refused("the first frame must be a hello")
+        name = str(hello.header.get("name", ""))
+        why = refusal(hello) or self.name_refusal(name, me)
+        if why:
+            raise Refused(why)
+        session = self._session(epoch, address, _nonce(hello.header), secrets.token_bytes(NONCE_BYTES))
+        challenge = {
+            "epoch": epoch,
+            "nonce": session.primary_nonce.hex(),
+            "proof": session.proof(PRIMARY_ROLE, me).hex(),
+        }
+        frames.send(sock, frames.Frame(frames.CHALLENGE, challenge))
+        answer = frames.receive(sock, max_header=frames.HELLO_HEADER_BYTES, max_body=0, deadline=deadline)
+        expected = session.proof(BACKUP_ROLE, name)
+        if answer.kind != frames.PROOF or not hmac.compare_digest(_proof(answer.header), expected):
+            raise Refused("no proof of the replication credential (--replication-secret-file / --auth-token)")
+        frames.send(sock, frames.Frame(frames.WELCOME, {"epoch": epoch, "tickets": session.seal(ticket_key)}))
+        return hello.header
+
+    # -- a backup's side -------------------------------------------------------------------------
+
+    def join(
+        self, sock: socket.socket, hello: dict[str, Any], epoch: int, primary: str, address: str, deadline: float
+    ) -> tuple[socket.socket, bytes]:
+        """Prove this backup (`hello`: its name and addresses) to the primary named `primary` of
+        `epoch` that it dialled at `address`, and have it prove itself first: the (wrapped) socket
+        and the ticket key it sent. ConnectionError: a refusal, or a peer that proved nothing."""
+        if self._credential.client_tls is not None:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            sock = _serial(self._credential.client_tls.wrap_socket(sock))
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        frames.send(sock, frames.Frame(frames.HELLO, dict(hello, epoch=epoch, nonce=nonce.hex())))
+        challenge = frames.receive(sock, max_header=frames.HELLO_HEADER_BYTES, max_body=0, deadline=deadline)
+        _refused(challenge)
+        try:
+            session = self._session(epoch, address, nonce, bytes.fromhex(str(challenge.header.get("nonce", ""))))
+        except ValueError:
+            raise Refused("the primary's challenge carries no nonce") from None
+        proved = hmac.compare_digest(_proof(challenge.header), session.proof(PRIMARY_ROLE, primary))
+        if challenge.kind != frames.CHALLENGE or not proved or len(session.primary_nonce) != NONCE_BYTES:
+            raise Refused(
+                f"the primary at {address} did not prove it holds this job's replication credential: not followed"
+            )
+        frames.send(sock, frames.Frame(frames.PROOF, {"proof": session.proof(BACKUP_ROLE, str(hello["name"])).hex()}))
+        welcome = frames.receive(sock, max_header=frames.HELLO_HEADER_BYTES, max_body=0, deadline=deadline)
+        _refused(welcome)
+        if welcome.kind != frames.WELCOME:
+            raise Refused(f"expected the primary's welcome, not {welcome.kind!r}")
+        return sock, session.unseal(str(welcome.header.get("tickets", "")))
+
+
+def _serial(sock: ssl.SSLSocket) -> ssl.SSLSocket:
+    """Its handshake done: safe for the forwarder's two threads (tls_stream.py)."""
+    if isinstance(sock, SerialSSLSocket):
+        sock.serialize()
+    return sock
+
+
+def _refused(frame: frames.Frame) -> None:
+    if frame.kind == frames.REFUSED:
+        raise Refused(f"refused by the primary: {str(frame.header.get('reason', ''))[:200]}")
