@@ -33,7 +33,7 @@ from gemps_server.replication.etcd_tls import issue
 from gemps_server.replication.status import PRIMARY
 from gemps_worker.cluster import ServerProcess
 from tests.etcd_server import etcd_server
-from tests.helpers import CommitLoops, wait_for
+from tests.helpers import CommitLoops, replication_secret_file, wait_for
 from tests.integration.conftest import StartServerProcess
 from tests.replica_reports import report_fresh
 
@@ -263,6 +263,7 @@ def lone_replica(etcd_url: str, job: str, *, access: EtcdAccess | None = None, *
         replication_port=0,
         replica_lease=LEASE,
         startup_timeout=60,
+        replication_secret_file=replication_secret_file(),
         **options,
     )
     try:

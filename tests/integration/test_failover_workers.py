@@ -30,7 +30,7 @@ from gemps_worker.cluster import ServerProcess
 from gemps_worker.processes import GEMPS_COMMAND
 from gemps_worker.simulated_hosts import Host, SimulatedNetwork
 from tests.data_plane_client import DataPlaneClient
-from tests.helpers import free_port, scrape_series, wait_for
+from tests.helpers import free_port, replication_secret_file, scrape_series, wait_for
 from tests.integration.conftest import StartServer, StartServerProcess, open_stub
 from tests.integration.test_replica_faults import (
     DATA_PORT,
@@ -135,7 +135,7 @@ class TimeoutRun(ReplicatedRun):
             command=host.command(GEMPS_COMMAND),
             host=host.address, port=PORT, data_port=DATA_PORT, rule="gem", replicas=2, replica_index=index,
             etcd=f"http://{self.etcd_host.address}:{ETCD_PORT}", job="resync", replication_port=REPLICATION_PORT,
-            replica_lease=LEASE, replica_timeout=60.0,
+            replica_lease=LEASE, replica_timeout=60.0, replication_secret_file=replication_secret_file(),
         )  # fmt: skip
         self.servers[host.name] = server.start()
         return server

@@ -5,13 +5,10 @@ supervisor's generated secret is its user's alone."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import re
 import secrets
 import socket
 import stat
-import time
 import uuid
 from pathlib import Path
 
@@ -20,34 +17,23 @@ import pytest
 
 import gemps
 from gemps_server.replication import frames
-from gemps_server.replication.credentials import SECRET_FILE, Credential, with_generated_secret
-from gemps_server.replication.follower import CONNECT_SECONDS
-from gemps_server.replication.handshake import NONCE_BYTES, Handshake, Refused, Session
+from gemps_server.replication.credentials import SECRET_FILE, with_generated_secret
+from gemps_server.replication.handshake import NONCE_BYTES, Refused, Session
 from gemps_server.replication.local_etcd import LocalEtcd
 from gemps_server.replication.status import PRIMARY
 from tests.helpers import TEST_REPLICATION_SECRET, InProcessServer, server_config, wait_for
 from tests.integration.conftest import StartServer, StartServerProcess
 from tests.integration.test_replicas import replica_options, status_of, wait_replicated
-
-
-def key_of(secret: str, job: str) -> bytes:
-    """The key credentials.py derives (HMAC of the job's name under the secret)."""
-    return hmac.new(secret.encode(), b"gemps-replication-v1\0" + job.encode(), hashlib.sha256).digest()
+from tests.replica_peers import joined, key_of
+from tests.replica_reports import report_fresh
 
 
 def join(primary: InProcessServer, secret: str, job: str, name: str) -> bytes:
     """Say hello to `primary` as `name`, proving `secret`: the ticket key it welcomed us with."""
-    status = status_of(primary)
-    address = f"127.0.0.1:{primary.server.replication_port}"
-    hello = {"name": name, "incarnation": "i", "address": "127.0.0.1:1", "replication": "127.0.0.1:2"}
-    sock = socket.create_connection(("127.0.0.1", primary.server.replication_port), timeout=5)
-    try:
-        handshake = Handshake(Credential(key_of(secret, job)), 0, 2)
-        deadline = time.monotonic() + CONNECT_SECONDS
-        sock, tickets = handshake.join(sock, hello, status.epoch, status.name, address, deadline)
-        return tickets
-    finally:
-        sock.close()
+    assert job == primary.server.config.job
+    sock, tickets = joined(primary, name, secret=secret)
+    sock.close()
+    return tickets
 
 
 def impostor(primary: InProcessServer, secret: str, job: str, name: str) -> frames.Frame:
@@ -72,7 +58,9 @@ def impostor(primary: InProcessServer, secret: str, job: str, name: str) -> fram
 @pytest.fixture
 def primary(start_server: StartServer, etcd: LocalEtcd) -> InProcessServer:
     """A lone primary of job `names-<a fresh suffix>` (a job of its own: no earlier in-sync set)."""
-    server = start_server(rule="downpour", **replica_options(etcd, 0, f"names-{uuid.uuid4().hex[:8]}"))
+    job = f"names-{uuid.uuid4().hex[:8]}"
+    report_fresh(etcd.endpoint, job, replicas=2)  # a fresh job elects once every replica reported
+    server = start_server(rule="downpour", **replica_options(etcd, 0, job))
     wait_replicated([server])
     return server
 

@@ -19,6 +19,7 @@ from tests.integration.conftest import StartServer
 from tests.integration.test_replica_trust import PARAMETERS, answers, old_hello, relayed_pair
 from tests.integration.test_replicas import replica_options, status_of, wait_replicated
 from tests.integration.test_security import Pki, pki
+from tests.replica_reports import report_fresh
 
 __all__ = ["pki"]  # the fixture
 
@@ -54,6 +55,7 @@ def test_a_plain_tcp_peer_or_another_cas_certificate_is_refused(
     start_server: StartServer, etcd: LocalEtcd, pki: Pki
 ) -> None:
     options = tls_options(pki)
+    report_fresh(etcd.endpoint, "tls-refuse", replicas=2)  # a fresh job elects once every replica reported
     primary = start_server(rule="downpour", **replica_options(etcd, 0, "tls-refuse", **options))
     wait_replicated([primary])
     port = primary.server.replication_port

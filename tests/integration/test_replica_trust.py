@@ -30,6 +30,7 @@ from gemps_server.replication.local_etcd import LocalEtcd
 from tests.helpers import TEST_REPLICATION_SECRET, InProcessServer, server_outcome, wait_for
 from tests.integration.conftest import StartServer
 from tests.integration.test_replicas import replica_options, status_of, wait_replicated
+from tests.replica_reports import report_fresh
 
 TOKEN = "workers-bearer-token-0123456789abcdef"
 PARAMETERS = 64
@@ -73,6 +74,7 @@ def test_a_peer_without_the_credential_is_no_backup(
     with it, anyone holding the workers' token was. Now the replication secret alone admits."""
     job = f"intruder{int(workers_token)}"
     token = {"auth_token": TOKEN} if workers_token else {}
+    report_fresh(etcd.endpoint, job, replicas=2)  # a fresh job elects once every replica reported
     primary = start_server(rule="downpour", **replica_options(etcd, 0, job, **token))
     wait_replicated([primary])
     port = primary.server.replication_port
@@ -125,6 +127,7 @@ def relayed_pair(
 ) -> Iterator[tuple[Relay, list[InProcessServer]]]:
     """A primary that advertises its replication port on 127.0.0.2, where a relay records what
     crosses to it from 127.0.0.1, and its backup, in sync through the relay."""
+    report_fresh(etcd.endpoint, job, replicas=2)  # a fresh job elects once every replica reported
     primary = start_server(rule="downpour", advertise_host="127.0.0.2", **replica_options(etcd, 0, job, **options))
     wait_replicated([primary])
     port = primary.server.replication_port
@@ -238,6 +241,7 @@ def test_a_flood_of_silent_connections_from_one_address_keeps_no_backup_out(
     start_server: StartServer, etcd: LocalEtcd
 ) -> None:
     """Before: 16 threads holding the 8 hello slots kept a backup out, with a warning per try."""
+    report_fresh(etcd.endpoint, "flood1", replicas=2)  # a fresh job elects once every replica reported
     primary = start_server(rule="downpour", **replica_options(etcd, 0, "flood1"))
     wait_replicated([primary])
     stop = threading.Event()

@@ -20,10 +20,12 @@ import pytest
 import gemps
 from gemps_server.replication import frames
 from gemps_server.replication.etcd_client import EtcdEndpoints
+from gemps_server.replication.handshake import Refused
 from gemps_server.replication.local_etcd import LocalEtcd
 from tests.helpers import CommitLoops, InProcessServer, wait_for
 from tests.integration.conftest import StartServer
 from tests.integration.test_replicas import PARAMETERS, replica_options, status_of, wait_replicated
+from tests.replica_peers import joined
 from tests.replica_reports import report_fresh
 
 R = 2  # replica_options' replicas
@@ -32,19 +34,10 @@ BACKUP_NAME = "partition-0-replica-1"  # the one backup of partition 0 with R = 
 
 
 def say_hello(primary: InProcessServer, name: str, incarnation: str = "") -> socket.socket:
-    """A peer that dials `primary`'s replication listener and says hello as backup `name`: the one
-    place that speaks a backup's side of the greeting (with the handshake once there is one)."""
-    port = primary.server.replication_port
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    hello = {
-        "name": name,
-        "incarnation": incarnation or uuid.uuid4().hex,
-        "address": "127.0.0.1:1",
-        "replication": "127.0.0.1:1",
-        "token": "",
-        "epoch": status_of(primary).epoch,
-    }
-    frames.send(sock, frames.Frame(frames.HELLO, hello))
+    """A peer that dials `primary`'s replication listener as backup `name` and proves the job's
+    credential (tests/replica_peers.py): the socket, which the seed (or a refusal) comes on next.
+    handshake.Refused when the primary refuses the name at the handshake."""
+    sock, _ = joined(primary, name, incarnation or uuid.uuid4().hex)
     return sock
 
 
@@ -105,11 +98,16 @@ def test_a_peer_under_a_live_backups_name_or_a_name_past_r_minus_1_is_refused(
     backup = next(server for server in servers if server is not primary)
     with in_sync_never_past_r(etcd, job) as seen:
         answers = []
-        for name in [identity(backup)[0], "partition-0-replica-0", "partition-0-replica-7", "intruder"]:
-            with say_hello(primary, name) as sock:
+        for name in [identity(backup)[0], identity(primary)[0], "partition-0-replica-7", "intruder"]:
+            try:
+                sock = say_hello(primary, name)
+            except Refused as refused:  # by the handshake: not a backup's name of this partition
+                answers.append((name, frames.REFUSED, str(refused)))
+                continue
+            with sock:
                 frame = first_frame(sock)
                 answers.append((name, frame.kind, str(frame.header.get("reason", ""))))
-                if frame.kind == frames.SEED:  # what the current code does: it takes the seat
+                if frame.kind == frames.SEED:  # what the code before issue 41 did: it took the seat
                     frames.send(sock, frames.Frame(frames.ACK, {"position": frame.header["position"]}))
                     time.sleep(0.5)  # long enough for the monitor to write it into etcd
         for _ in range(20):  # a peer that keeps trying
@@ -121,7 +119,8 @@ def test_a_peer_under_a_live_backups_name_or_a_name_past_r_minus_1_is_refused(
                 client.commit(np.ones(PARAMETERS, np.float32), kind="update")
         wait_replicated(servers)
     assert all(kind == frames.REFUSED for _, kind, _ in answers), answers
-    assert "attached" in answers[0][2] and "backups" in answers[-1][2], answers
+    assert "attached" in answers[0][2], answers
+    assert "primary's own name" in answers[1][2] and all("not a replica" in why for _, _, why in answers[2:]), answers
     assert seen[-1] == [identity(primary), identity(backup)]
     # A line per backup's name every 5 s, and one for every other name together: not one a try.
     assert primary.log().count("backup refused") <= 3
@@ -262,7 +261,10 @@ def test_hellos_that_never_read_their_seed_hold_at_most_one_image(start_server: 
             socks = []
             try:
                 for name in names:
-                    sock = say_hello(primary, name)
+                    try:
+                        sock = say_hello(primary, name)
+                    except Refused:  # a stranger's name: refused at the handshake, before any image
+                        continue
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
                     socks.append(sock)
                 time.sleep(3.0)  # time for every seed to be taken and encoded
