@@ -67,6 +67,12 @@ def test_a_backup_that_reads_nothing_is_let_go_past_its_queue_bound(
     with ours, theirs:
         journal.attach(Peer("backup", "i1"), ours)
         wait_for(lambda: journal.lags() != (), 10, "the backup attached")
+        # Its seed is taken on the applier: in the server commits run there too, after it. These
+        # commits do not, so wait for the applier first (the seed then holds none of them; a seed
+        # taken after them held all 40, and the queue never filled).
+        applied = threading.Event()
+        applier.submit_then(lambda: None, lambda timed, error: applied.set())
+        assert applied.wait(10)
         for number in range(40):  # it never reads: the socket fills, then its queue
             outcomes: list[BaseException | None] = []
             journal.when_replicated(commit(state, worker, number), outcomes.append)
