@@ -28,6 +28,8 @@ import numpy as np
 from gemps_bench.suite import parse_counts
 
 import gemps
+from gemps import errors
+from gemps.data_plane_connection import DataConnection, Unreachable
 from gemps_proto import data_plane_frames
 from gemps_proto.data_plane_frames import REPLY, Op
 from gemps_proto.v1 import parameter_server_pb2 as pb
@@ -78,17 +80,16 @@ def _uploader(target: str, size: int, rate: float, stop: Event, done: list[int])
         try:
             if reply is None:
                 reply = stub.Register(pb.RegisterRequest(spec=spec), timeout=30)
-            with socket.create_connection(("127.0.0.1", reply.data_plane.port), timeout=60) as sock:
-                hello = pb.DataPlaneHello(worker_id=reply.worker_id, ticket=reply.data_plane.ticket)
-                sock.sendall(data_plane_frames.frame_start(Op.HELLO, hello.SerializeToString()))
-                preamble = data_plane_frames.read_preamble(_exactly(sock, data_plane_frames.PREAMBLE.size))
-                _exactly(sock, preamble.header_bytes)
-                if preamble.op != Op.HELLO | REPLY:
+            connection = DataConnection.open("127.0.0.1", reply.data_plane.port, timeout=60, tls=None)
+            with connection.sock as sock:
+                try:  # the handshake, as the SDK does it
+                    connection.hello(reply.worker_id, reply.data_plane.ticket)
+                except errors.GempsError:
                     reply = None  # forgotten (or refused): register again
                     continue
                 while not stop.is_set() and _upload_once(sock, reply.worker_id, size, rate):
                     done[0] += 1
-        except (OSError, grpc.RpcError, data_plane_frames.FrameError):
+        except (OSError, grpc.RpcError, data_plane_frames.FrameError, Unreachable):
             time.sleep(0.1)  # dropped or refused: connect again
 
 

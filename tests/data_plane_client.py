@@ -1,5 +1,7 @@
-"""A raw data-plane client for tests (gemps_proto/data_plane_frames.py): a socket, a HELLO, then
-commits and pulls framed by hand, and whatever the server answers read back as it came."""
+"""A raw data-plane client for tests (gemps_proto/data_plane_frames.py): a socket, the handshake
+(a CHALLENGE, then a HELLO with the proof a ticket makes), then commits and pulls framed by hand,
+and whatever the server answers read back as it came; and the server's end of a handshake, for
+tests that play the server."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ from types import TracebackType
 import numpy as np
 from google.protobuf.message import Message
 
-from gemps_proto import data_plane_frames
+from gemps_proto import data_plane_frames, data_plane_proofs
+from gemps_proto.data_plane_events import NEED_DATA, Answer, Reply
 from gemps_proto.data_plane_frames import REPLY, Op
+from gemps_proto.data_plane_protocol import ServerConnection
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 
@@ -117,8 +121,21 @@ class DataPlaneClient:
 
     # -- calls ------------------------------------------------------------------------------
 
+    def challenge(self, worker_id: str) -> tuple[Frame, bytes]:
+        """A CHALLENGE: the server's answer (or refusal), and the nonce sent (the HELLO's proof needs it)."""
+        nonce = data_plane_proofs.nonce()
+        self.send(Op.CHALLENGE, pb.DataPlaneChallenge(worker_id=worker_id, nonce=nonce).SerializeToString())
+        return self.receive(), nonce
+
     def hello(self, worker_id: str, ticket: bytes) -> Frame:
-        self.send(Op.HELLO, pb.DataPlaneHello(worker_id=worker_id, ticket=ticket).SerializeToString())
+        """The handshake with `ticket`: the HELLO's reply, or the refusal of the CHALLENGE or the HELLO.
+        The server's proof is not checked here (the SDK's DataConnection checks it)."""
+        answer, nonce = self.challenge(worker_id)
+        if answer.op != Op.CHALLENGE | REPLY:
+            return answer
+        server_nonce = pb.DataPlaneAnswer.FromString(answer.header).nonce
+        proof = data_plane_proofs.client_proof(ticket, nonce, server_nonce)
+        self.send(Op.HELLO, pb.DataPlaneHello(worker_id=worker_id, proof=proof).SerializeToString())
         return self.receive()
 
     def commit(self, worker_id: str, payload: np.ndarray, base_version: int, request_id: str = "") -> Frame:
@@ -156,6 +173,19 @@ def commit_header(
         **fields,  # type: ignore[arg-type]
     )
     return request.SerializeToString()
+
+
+def answer_handshake(sock: socket.socket, ticket: bytes, address: str) -> None:
+    """The server's end of a handshake with `ticket`, as the server's protocol core plays it, at
+    `address` (data_plane_proofs.address: what the client dialed)."""
+    protocol = ServerConnection(1 << 16)
+    for step in range(2):
+        while (event := protocol.next_event()) is NEED_DATA:
+            count = sock.recv_into(protocol.read_view())
+            assert count, "the client closed in the handshake"
+            protocol.received(count)
+        worker_id = getattr(event, "worker_id", "")
+        sock.sendall(protocol.send(Answer(ticket, address)) if step == 0 else protocol.send(Reply(), worker_id))
 
 
 def theta_of(frame: Frame) -> np.ndarray:

@@ -1,8 +1,10 @@
 """One data-plane connection to one server process (DESIGN §3c): the protocol core's client role on a socket.
 
 A TCP socket (TLS with the gRPC connection's settings when that uses TLS), or on the server's
-host its local Unix socket, a HELLO with one registration's ticket, then strictly one request and
-its reply at a time. Frames go out from their own memory (`sendmsg` of the preamble and header,
+host its local Unix socket; a handshake in which the server proves it holds one registration's
+ticket before this end proves it does (the ticket itself is never sent: whoever took a dead
+server's socket name or port gets nothing: ServerNotProven), then strictly one request and its
+reply at a time. Frames go out from their own memory (`sendmsg` of the preamble and header,
 then the payload's view) and θ comes in with `recv_into` straight into the array the caller keeps.
 A local connection may `attach` shared memory (a sealed memfd of θ's float32 size): payloads are
 then written into it and θ read out of it, and only headers cross the socket. Every failure is a
@@ -27,9 +29,11 @@ import numpy as np
 from google.protobuf.message import DecodeError, Message
 
 from gemps import errors
+from gemps_proto import data_plane_proofs as proofs
 from gemps_proto.data_plane_events import (
     NEED_DATA,
     Attach,
+    Challenge,
     ClientEvent,
     Hello,
     NeedData,
@@ -38,9 +42,11 @@ from gemps_proto.data_plane_events import (
     Refused,
     ReplyReceived,
     Request,
+    ServerProven,
 )
 from gemps_proto.data_plane_frames import Op
 from gemps_proto.data_plane_protocol import TLS_PIECE, ClientConnection, advance
+from gemps_proto.reasons import Reason
 from gemps_proto.tensor_codec import TensorDecodeError, decode, expected_nbytes, numpy_dtype
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
@@ -55,6 +61,12 @@ class Unreachable(Exception):
         super().__init__(f"{address}: {why}")
         self.address = address
         self.why = why
+
+
+class ServerNotProven(errors.UnauthenticatedError):
+    """What answered at the data plane's address did not prove it holds the registration's ticket:
+    not the server that issued it (one that took a dead server's socket name or port?). It was
+    sent no ticket, no proof and no memory; not retried there (the SDK uses gRPC instead)."""
 
 
 def target_host(target: str) -> str:
@@ -92,9 +104,10 @@ def keep_alive(sock: socket.socket) -> None:
 class DataConnection:
     """An open data-plane connection that a HELLO has bound to one worker's registration."""
 
-    def __init__(self, sock: socket.socket, address: str) -> None:
+    def __init__(self, sock: socket.socket, address: str, proven_address: str) -> None:
         self.sock = sock
         self.address = address
+        self.proven_address = proven_address  # what the server's proof must name (data_plane_proofs.address)
         self.closed = False
         self._protocol = ClientConnection()
         self.local = sock.family == getattr(socket, "AF_UNIX", None)
@@ -123,7 +136,7 @@ class DataConnection:
         except OSError as error:
             sock.close()
             raise Unreachable(address, _why(error)) from None
-        return cls(sock, address)
+        return cls(sock, address, proofs.address(0, name))
 
     def attach(self, size: int) -> None:
         """Attach `size` bytes of shared memory (θ's float32 bytes on this server): a memfd sealed
@@ -163,19 +176,34 @@ class DataConnection:
             except OSError as error:  # ssl.SSLError included
                 sock.close()
                 raise Unreachable(address, f"TLS failed: {_why(error)}") from None
-        return cls(sock, address)
+        return cls(sock, address, proofs.address(port))
 
     def hello(self, worker_id: str, ticket: bytes) -> None:
-        """Bind this connection to the registration of `worker_id`; its refusal raised typed. No
-        answer at all is Unreachable: a port that is not a data plane, or TLS refused late (1.3)."""
+        """Bind this connection to the registration of `worker_id`: a CHALLENGE, which the server
+        answers with its proof, then (that proof checked) this end's in a HELLO; a refusal raised
+        typed, an answer that proves nothing as ServerNotProven. No answer at all is Unreachable:
+        a port that is not a data plane, or TLS refused late (1.3)."""
         try:
             with self._typed():
-                self._write([memoryview(self._protocol.send(Hello(worker_id, ticket)))])
+                self._write([memoryview(self._protocol.send(Challenge(worker_id, ticket, self.proven_address)))])
+            self._proven()
+            with self._typed():
+                self._write([memoryview(self._protocol.send(Hello()))])
             self.receive(Op.HELLO)
         except (errors.ServerUnavailableError, errors.DeadlineExceededError) as error:
             if error.reason:  # the server's own refusal (a replica not primary): as it came
                 raise
-            raise Unreachable(self.address, f"HELLO not answered ({error.message})") from None
+            raise Unreachable(self.address, f"handshake not answered ({error.message})") from None
+
+    def _proven(self) -> None:
+        """The CHALLENGE's answer: the server proved it holds the ticket, or ServerNotProven (the
+        connection closed, nothing more sent), or the refusal it sent raised typed."""
+        if self._protocol.awaited != Op.CHALLENGE:
+            raise RuntimeError("no CHALLENGE's answer is awaited")
+        event = self._event()
+        if isinstance(event, Refused):
+            self._refused(event)
+        assert isinstance(event, ServerProven), event
 
     # -- frames -------------------------------------------------------------------------------------
 
@@ -196,13 +224,16 @@ class DataConnection:
             raise RuntimeError(f"no reply to op {op:#x} is awaited")
         event = self._event()
         if isinstance(event, Refused):
-            # Closed: after a refusal the server may close it (a request refused unread), and
-            # reconnecting costs one round trip on a path that is rare.
-            self.close()
-            refusal = event.error
-            raise errors.from_status_number(refusal.code, refusal.message, refusal.reason)
+            self._refused(event)
         assert isinstance(event, ReplyReceived), event
         return event.header, event.payload_bytes
+
+    def _refused(self, event: Refused) -> NoReturn:
+        """An ERROR frame, raised as the GempsError it names. Closed: after a refusal the server may
+        close it (a request refused unread), and reconnecting costs one round trip on a rare path."""
+        self.close()
+        refusal = event.error
+        raise errors.from_status_number(refusal.code, refusal.message, refusal.reason)
 
     def receive_tensor(self, announced: pb.Tensor, payload_bytes: int) -> np.ndarray:
         """The payload the reply's header announced, read straight into a new array (the caller
@@ -281,6 +312,13 @@ class DataConnection:
                 protocol.received(count)
         assert not isinstance(event, NeedData)
         if isinstance(event, ProtocolError):
+            if event.reason is Reason.UNAUTHENTICATED:  # the server's proof is not the ticket's
+                self.close()
+                raise ServerNotProven(
+                    f"data plane at {self.address}: {event.message}: refused; sent it no ticket, proof or memory",
+                    ServerNotProven.code,
+                    Reason.UNAUTHENTICATED,
+                )
             self.protocol_error(event.message)
         return event
 

@@ -38,7 +38,7 @@ from typing import Generic, TypeVar
 from gemps import errors
 from gemps import grpc_messages as messages
 from gemps.channel_security import ChannelSecurity
-from gemps.data_plane_connection import SHARED_MEMORY, DataConnection, Unreachable, target_host
+from gemps.data_plane_connection import SHARED_MEMORY, DataConnection, ServerNotProven, Unreachable, target_host
 from gemps.grpc_transport import GrpcTransport
 from gemps.records import Evaluation, Registration, ServerStatus
 from gemps.transport import CommitCall, Committed, Enrolment, Pending, PullCall, Pulled, Registered
@@ -209,6 +209,8 @@ class DataPlaneTransport:
     def _attach(self, registration: Registration) -> None:
         """Take a registration's offer and connect now: a port that cannot be reached is found at
         once, while gRPC has just answered (later, a server restarting looks the same)."""
+        if self._offer and registration.data_plane and registration.data_plane.local_socket != self._offer.local_socket:
+            self._local = self._attach_memory = self._wants_local  # another server: its local socket again
         self._offer, self._worker_id, self._resumed = registration.data_plane, registration.worker_id, None
         if self.fell_back:
             return
@@ -242,7 +244,9 @@ class DataPlaneTransport:
             try:
                 return self._hello(DataConnection.open_local(offer.local_socket, timeout=timeout), offer)
             except (Unreachable, errors.GempsError) as failed:  # not this host (or refused): TCP says why
-                log.debug("local socket of %s not used (%s): TCP", self.target, failed)
+                # An impostor (whoever took a dead server's socket name) is refused aloud.
+                say = log.warning if isinstance(failed, ServerNotProven) else log.debug
+                say("local socket of %s not used (%s): TCP", self.target, failed)
                 self._local = self._attach_memory = False
         connection = DataConnection.open(
             self.host, offer.port, timeout=timeout, tls=self._tls, server_name=self._server_name

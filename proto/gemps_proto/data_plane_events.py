@@ -1,8 +1,9 @@
 """The data plane's events and messages (DESIGN §3c): what one end hears from the other, and what it says.
 
 The vocabulary of the protocol core (data_plane_protocol.py): a `ServerConnection` turns bytes
-into the server's events (a HELLO, a commit's header, a pull, an ATTACH, a payload complete, a
-protocol error) and its replies into bytes; a `ClientConnection` the same the other way round.
+into the server's events (a CHALLENGE, a proven HELLO, a commit's header, a pull, an ATTACH, a
+payload complete, a protocol error) and its replies into bytes; a `ClientConnection` the same the
+other way round.
 """
 
 from __future__ import annotations
@@ -40,9 +41,17 @@ class ProtocolError:
 
 
 @dataclass(frozen=True)
-class HelloReceived:
+class ChallengeReceived:
+    """A CHALLENGE: answer it with `Answer` and the worker's ticket (or refuse it)."""
+
     worker_id: str
-    ticket: bytes
+
+
+@dataclass(frozen=True)
+class HelloReceived:
+    """A HELLO whose proof is the ticket's the answer was made with: the worker is proven."""
+
+    worker_id: str
 
 
 @dataclass(frozen=True)
@@ -90,16 +99,44 @@ class PayloadComplete:
     pass
 
 
-ServerEvent = HelloReceived | CommitHeader | PullRequested | AttachRequested | PayloadComplete | ProtocolError
-ClientEvent = ReplyReceived | Refused | PayloadComplete | ProtocolError
+@dataclass(frozen=True)
+class ServerProven:
+    """The CHALLENGE's answer is the ticket's: send the `Hello` now."""
+
+
+ServerEvent = (
+    ChallengeReceived | HelloReceived | CommitHeader | PullRequested | AttachRequested | PayloadComplete | ProtocolError
+)
+ClientEvent = ServerProven | ReplyReceived | Refused | PayloadComplete | ProtocolError
 
 # -- what an end says ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Hello:
+class Challenge:
+    """The client's first frame: the ticket and the address it dialed (data_plane_proofs.address)
+    stay in the core, which checks the server's answer with them; only the worker id and a fresh
+    nonce go."""
+
     worker_id: str
     ticket: bytes
+    address: str
+    nonce: bytes | None = None  # None: drawn at random (a test may fix it)
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The client's proof, sent once the server's is checked (`ServerProven`)."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The server's answer to a CHALLENGE: its proof made with the worker's `ticket` and the
+    `address` the connection came to (data_plane_proofs.address)."""
+
+    ticket: bytes
+    address: str
+    nonce: bytes | None = None  # None: drawn at random (a test may fix it)
 
 
 @dataclass(frozen=True)
@@ -118,7 +155,7 @@ class Request:
 
 @dataclass(frozen=True)
 class Reply:
-    """The answer to the request read (a HELLO, ATTACH, COMMIT or PULL): SHARED if it was."""
+    """The answer to the request read (a proven HELLO, ATTACH, COMMIT or PULL): SHARED if it was."""
 
     header: bytes = b""
     payload_bytes: int = 0

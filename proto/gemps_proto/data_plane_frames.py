@@ -1,14 +1,15 @@
 """The data plane's frames, defined once (DESIGN §3c): the 20-byte preamble, the ops and the SHARED flag.
 
 gRPC stays the control plane (Register, Leave, Status, health) and a complete data path; the data
-plane is a second door for the two calls that carry θ. A connection starts with a HELLO that
-carries the ticket of one registration (RegisterResponse.data_plane), then alternates one request
-and its reply. Every frame is
+plane is a second door for the two calls that carry θ. A connection starts with a handshake in
+which each end proves it holds the ticket of one registration (RegisterResponse.data_plane)
+without sending it (a CHALLENGE and its answer, then a HELLO and its reply:
+gemps_proto/data_plane_proofs.py), then alternates one request and its reply. Every frame is
 
     preamble (20 bytes, PREAMBLE)   magic, version, op, flags, header length, payload length
     header                          a gemps.v1 message, serialized: the request or the reply
                                     without its tensor's data (the tensor's dtype and shape are
-                                    announced in it), a DataPlaneHello, or a DataPlaneError
+                                    announced in it), a handshake's message, or a DataPlaneError
     payload                         the tensor's raw little-endian bytes (θ, or a commit's payload)
 
 so the receiver knows every size before it reads a byte of it, reads the payload straight into
@@ -28,7 +29,8 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"GMDP"
-VERSION = 1
+# 2: the handshake proves the server too (CHALLENGE); in 1 the HELLO carried the ticket itself.
+VERSION = 2
 #: magic, version, op, flags, header bytes, payload bytes
 PREAMBLE = struct.Struct("<4sBBHIQ")
 REPLY = 0x80  # a reply's op is its request's | REPLY
@@ -39,7 +41,8 @@ FLAGS = SHARED  # every flag defined
 class Op(enum.IntEnum):
     """What a frame is. A reply carries its request's op with the REPLY bit; ERROR answers any."""
 
-    HELLO = 1  # header: DataPlaneHello; reply: an empty header
+    CHALLENGE = 5  # first: DataPlaneChallenge; reply: DataPlaneAnswer (the server's proof)
+    HELLO = 1  # second, once the answer is proven: DataPlaneHello (the client's proof); reply: empty
     COMMIT = 2  # header: CommitRequest (payload announced); reply: CommitResponse (parameters announced)
     PULL = 3  # header: PullRequest; reply: PullResponse (parameters announced unless unchanged)
     ATTACH = 4  # header: DataPlaneAttach, with one memfd (local connections only); reply: empty header
@@ -82,7 +85,9 @@ def read_preamble(data: bytes | bytearray | memoryview) -> Preamble:
     if magic != MAGIC:
         raise FrameError(f"not a gemps data-plane frame (magic {bytes(magic)!r})")
     if version != VERSION:
-        raise FrameError(f"data-plane version {version}; this end speaks {VERSION}")
+        raise FrameError(
+            f"data-plane version {version}; this end speaks {VERSION} (client and server differ: upgrade the older)"
+        )
     if flags & ~FLAGS:
         raise FrameError(f"unknown flags {flags:#x}")
     if op & ~REPLY not in _OPS:

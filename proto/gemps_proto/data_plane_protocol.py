@@ -15,6 +15,13 @@ payload lands where the caller says (`payload_into`), or the caller reads it its
 bytes in hand). Sending returns a frame's preamble and header; the caller writes the payload after
 it from its own memory (θ's, or the commit's array), or through the attached shared memory.
 
+A connection starts with a handshake in which each end proves it holds the registration's ticket
+(gemps_proto/data_plane_proofs.py): the client's CHALLENGE, the server's answer (checked by the
+client's core: `ServerProven`, or a ProtocolError and nothing more sent), the client's HELLO
+(checked by the server's core: `HelloReceived`, or a ProtocolError), and its reply. The ticket is
+the callers' (the server's service computes it, the client got it at Register); the core keeps
+only what the proofs need, and the ticket never goes on the wire.
+
 What needs the service (a ticket, θ's size, initialisation) or the kernel (descriptors, whether a
 socket is local) stays with the caller, which refuses with `send(ErrorReply(...))`: the core
 knows whether the frame was read whole, and so whether the connection stays usable.
@@ -22,15 +29,15 @@ knows whether the frame was read whole, and so whether the connection stays usab
 
 from __future__ import annotations
 
-import enum
-from typing import Final, TypeVar
+from typing import Final
 
-from google.protobuf.message import DecodeError, Message
-
+from gemps_proto import data_plane_proofs as proofs
 from gemps_proto.data_plane_events import (
-    NEED_DATA,
+    Answer,
     Attach,
     AttachRequested,
+    Challenge,
+    ChallengeReceived,
     ClientEvent,
     CommitHeader,
     ErrorReply,
@@ -45,15 +52,19 @@ from gemps_proto.data_plane_events import (
     ReplyReceived,
     Request,
     ServerEvent,
+    ServerProven,
 )
-from gemps_proto.data_plane_frames import PREAMBLE, REPLY, SHARED, FrameError, Op, Preamble, frame_start, read_preamble
+from gemps_proto.data_plane_frames import REPLY, SHARED, FrameError, Op, frame_start, read_preamble
+from gemps_proto.data_plane_reader import Reader, State, parsed
 from gemps_proto.reasons import Reason
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
-M = TypeVar("M", bound=Message)
+__all__ = ["MAX_HELLO_BYTES", "TLS_PIECE", "ClientConnection", "ServerConnection", "State", "advance"]
 
-# A HELLO is a worker id and a 32-byte ticket, an ATTACH a size: anything larger is not one.
+# A handshake's frame is a worker id and 32-byte nonces and proofs, an ATTACH a size: anything
+# larger is not one.
 MAX_HELLO_BYTES = 4096
+HANDSHAKE: Final = frozenset({Op.CHALLENGE, Op.HELLO})
 # Bytes handed to one TLS write: an SSL socket has no sendmsg, and it encrypts (copies) anyway.
 TLS_PIECE = 1 << 20
 REQUESTS: Final = frozenset({Op.COMMIT, Op.PULL})
@@ -67,158 +78,38 @@ def advance(views: list[memoryview], count: int) -> None:
         views[0] = views[0][count:]
 
 
-class State(enum.Enum):
-    HELLO = "hello"  # server: nothing proven yet; client: nothing sent
-    IDLE = "idle"  # between requests
-    HEADER = "header"  # a frame's header is being read
-    PAYLOAD = "payload"  # a payload is being read
-    REPLY_DUE = "reply due"  # server: a request read whole; client: a request sent
-    CLOSED = "closed"
-
-
-def parsed(message_class: type[M], data: bytes | bytearray) -> M | None:
-    try:
-        return message_class.FromString(bytes(data))
-    except DecodeError:
-        return None
-
-
-class _Reader:
-    """What both roles share: a preamble, then a header, then a payload, read into the right buffer."""
-
-    def __init__(self) -> None:
-        self.state = State.HELLO
-        self.frame: Preamble | None = None  # the frame being read or answered
-        self.shared = False  # shared memory is attached
-        self._preamble = bytearray(PREAMBLE.size)
-        self._header = bytearray()
-        self._view = memoryview(self._preamble)  # where the next bytes go
-        self._filled = 0
-        self._reading_preamble = True
-        self._pending: list[ServerEvent | ClientEvent] = []
-        self._extra = bytearray()  # receive_data's bytes past what the protocol asked for
-
-    def read_view(self) -> memoryview:
-        """Where the next bytes go: exactly as many as the protocol needs now (empty: none, until
-        an event is handled)."""
-        return self._view[self._filled :]
-
-    def received(self, count: int) -> None:
-        """`count` bytes were written at the start of `read_view()`."""
-        self._filled += count
-        if self._filled < len(self._view):
-            return
-        if self._reading_preamble:
-            self._reading_preamble = False
-            self._pending.extend(self._on_preamble())
-        elif self.state is State.HEADER:
-            header = bytes(self._header)
-            self._header = bytearray()
-            self._pending.extend(self._on_header(header))
-        elif self.state is State.PAYLOAD:
-            self.payload_landed()
-
-    def next_event(self) -> ServerEvent | ClientEvent | NeedData:
-        if not self._pending and self._extra and len(self.read_view()):
-            self._feed(b"")
-        if self._pending:
-            return self._pending.pop(0)
-        return NEED_DATA
-
-    def receive_data(self, data: bytes | bytearray | memoryview) -> list[ServerEvent | ClientEvent]:
-        """Feed bytes in hand; every event they complete (a payload needs `payload_into` first:
-        the bytes after a CommitHeader or ReplyReceived wait for it)."""
-        self._feed(data)
-        events: list[ServerEvent | ClientEvent] = []
-        while (event := self.next_event()) is not NEED_DATA:
-            assert not isinstance(event, NeedData)
-            events.append(event)
-        return events
-
-    def _feed(self, data: bytes | bytearray | memoryview) -> None:
-        self._extra += data
-        while self._extra and self.state is not State.CLOSED:
-            view = self.read_view()
-            if not len(view):
-                return
-            count = min(len(view), len(self._extra))
-            view[:count] = self._extra[:count]
-            del self._extra[:count]
-            self.received(count)
-
-    def payload_into(self, view: memoryview) -> None:
-        """The payload announced goes into `view` (its exact size): read_view() is it from now."""
-        frame = self.frame
-        assert self.state is State.PAYLOAD and frame is not None, self.state
-        if len(view) != frame.payload_bytes:
-            raise ValueError(f"a view of {len(view)} bytes for a payload of {frame.payload_bytes}")
-        self._expect(view.cast("B"))
-
-    def payload_landed(self) -> None:
-        """The payload announced is in the caller's memory (read by the caller itself)."""
-        assert self.state is State.PAYLOAD, self.state
-        self._payload_done()
-        self._pending.append(PayloadComplete())
-
-    def _expect(self, view: memoryview) -> None:
-        self._view, self._filled = view, 0
-
-    def _read_header(self, size: int) -> list[ServerEvent | ClientEvent]:
-        """After the preamble: its header next (an empty one is complete at once)."""
-        self.state = State.HEADER
-        self._header = bytearray(size)
-        self._expect(memoryview(self._header))
-        return self._on_header(b"") if not size else []
-
-    def _next_frame(self) -> None:
-        self._reading_preamble = True
-        self._expect(memoryview(self._preamble))
-
-    def _nothing_to_read(self) -> None:
-        self._expect(memoryview(b""))
-
-    def _close(self, error: ProtocolError) -> list[ServerEvent | ClientEvent]:
-        self.state = State.CLOSED
-        self._nothing_to_read()
-        return [error]
-
-    def _on_preamble(self) -> list[ServerEvent | ClientEvent]:
-        raise NotImplementedError
-
-    def _on_header(self, header: bytes) -> list[ServerEvent | ClientEvent]:
-        raise NotImplementedError
-
-    def _payload_done(self) -> None:
-        raise NotImplementedError
-
-
-class ServerConnection(_Reader):
-    """The server's end of one connection: a HELLO first, then requests, one at a time, each
-    answered (`send(Reply(...))` or `send(ErrorReply(...))`) before the next is read."""
+class ServerConnection(Reader):
+    """The server's end of one connection: the handshake (a CHALLENGE answered with `Answer`, then
+    a HELLO whose proof the core checks), then requests, one at a time, each answered
+    (`send(Reply(...))` or `send(ErrorReply(...))`) before the next is read."""
 
     def __init__(self, max_header_bytes: int) -> None:
         super().__init__()
         self.max_header_bytes = max_header_bytes  # --max-message-mb
         self.worker_id = ""  # the worker the accepted HELLO proved
+        self._challenge = pb.DataPlaneChallenge()  # the CHALLENGE answered
+        self._expected = b""  # the client's proof that would match the answer
 
     def next_event(self) -> ServerEvent | NeedData:
         event = super().next_event()
-        assert not isinstance(event, ReplyReceived | Refused)
+        assert not isinstance(event, ServerProven | ReplyReceived | Refused)
         return event
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> list[ServerEvent]:  # type: ignore[override]
-        return [event for event in super().receive_data(data) if not isinstance(event, ReplyReceived | Refused)]
+        return [e for e in super().receive_data(data) if not isinstance(e, ServerProven | ReplyReceived | Refused)]
 
     def _on_preamble(self) -> list[ServerEvent | ClientEvent]:
-        hello = self.state is State.HELLO
+        handshake = self.state in (State.HELLO, State.PROVING)
         try:
             frame = read_preamble(self._preamble)
         except FrameError as error:
-            return self._close(ProtocolError(str(error), refusal="bad_hello" if hello else "bad_frame"))
+            return self._close(ProtocolError(str(error), refusal="bad_hello" if handshake else "bad_frame"))
         self.frame = frame
-        if hello:
-            if frame.op != Op.HELLO or frame.payload_bytes or frame.header_bytes > MAX_HELLO_BYTES:
-                return self._close(ProtocolError("the first frame must be a HELLO", refusal="bad_hello"))
+        if handshake:
+            expected = Op.CHALLENGE if self.state is State.HELLO else Op.HELLO
+            if frame.op != expected or frame.payload_bytes or frame.flags or frame.header_bytes > MAX_HELLO_BYTES:
+                what = "the first frame must be a CHALLENGE" if expected == Op.CHALLENGE else "a HELLO must follow"
+                return self._close(ProtocolError(what, refusal="bad_hello"))
         elif frame.op == Op.ATTACH:
             if frame.header_bytes > MAX_HELLO_BYTES or frame.payload_bytes or frame.shared:
                 return self._close(
@@ -245,12 +136,8 @@ class ServerConnection(_Reader):
         frame = self.frame
         assert frame is not None
         self._nothing_to_read()
-        if frame.op == Op.HELLO:
-            hello = parsed(pb.DataPlaneHello, header)
-            if hello is None:
-                return self._close(ProtocolError("header is not a valid gemps.v1.DataPlaneHello", refusal="bad_hello"))
-            self.state = State.REPLY_DUE
-            return [HelloReceived(hello.worker_id, hello.ticket)]
+        if frame.op in HANDSHAKE:
+            return self._on_handshake(frame.op, header)
         if frame.op == Op.ATTACH:
             attach = parsed(pb.DataPlaneAttach, header)
             if self.shared:
@@ -288,14 +175,34 @@ class ServerConnection(_Reader):
             return [event, PayloadComplete()]
         return [event]
 
+    def _on_handshake(self, op: int, header: bytes) -> list[ServerEvent | ClientEvent]:
+        """A CHALLENGE (a worker id and the client's nonce), or the HELLO after its answer: proven
+        when its proof is the one the answer's ticket makes (compared in constant time)."""
+        if op == Op.CHALLENGE:
+            challenge = parsed(pb.DataPlaneChallenge, header)
+            if challenge is None or len(challenge.nonce) != proofs.NONCE_BYTES:
+                what = f"header is not a valid gemps.v1.DataPlaneChallenge with a {proofs.NONCE_BYTES}-byte nonce"
+                return self._close(ProtocolError(what, refusal="bad_hello"))
+            self._challenge, self.state = challenge, State.REPLY_DUE
+            return [ChallengeReceived(challenge.worker_id)]
+        hello = parsed(pb.DataPlaneHello, header)
+        if hello is None:
+            return self._close(ProtocolError("header is not a valid gemps.v1.DataPlaneHello", refusal="bad_hello"))
+        if hello.worker_id != self._challenge.worker_id or not proofs.matches(hello.proof, self._expected):
+            message = "the HELLO's proof is not made with this worker's data-plane ticket: register again"
+            return self._close(ProtocolError(message, Reason.UNAUTHENTICATED, "unauthenticated"))
+        self.state = State.REPLY_DUE
+        return [HelloReceived(hello.worker_id)]
+
     def _payload_done(self) -> None:
         self.state = State.REPLY_DUE
         self._nothing_to_read()
 
-    def send(self, message: Reply | ErrorReply, worker_id: str = "") -> bytes:
+    def send(self, message: Answer | Reply | ErrorReply, worker_id: str = "") -> bytes:
         """A reply's preamble and header (its payload follows, from the caller's memory, unless
-        the request was SHARED: then it is in the shared memory). A Reply to a HELLO accepts
-        `worker_id`'s ticket; a Reply to an ATTACH attaches the shared memory."""
+        the request was SHARED: then it is in the shared memory). An Answer answers a CHALLENGE
+        with the worker's ticket; a Reply to a proven HELLO binds the connection to `worker_id`
+        (the worker proven); a Reply to an ATTACH attaches the shared memory."""
         frame = self.frame
         if isinstance(message, ErrorReply):
             # Read whole: usable still. Otherwise (a refusal before, or mid-frame) it closes.
@@ -304,13 +211,29 @@ class ServerConnection(_Reader):
             return frame_start(Op.ERROR, message.header)
         if self.state is not State.REPLY_DUE or frame is None:
             raise RuntimeError(f"no request to answer ({self.state.value})")
+        if (frame.op == Op.CHALLENGE) != isinstance(message, Answer):
+            raise RuntimeError("a CHALLENGE, and only a CHALLENGE, is answered with an Answer")
+        if isinstance(message, Answer):
+            return self._answer(message)
         if frame.op == Op.HELLO:
+            if worker_id != self._challenge.worker_id:
+                raise ValueError(f"worker {self._challenge.worker_id!r} was proven, not {worker_id!r}")
             self.worker_id = worker_id
         elif frame.op == Op.ATTACH:
             self.shared = True
         flags = SHARED if frame.shared else 0
         self._answered(State.IDLE)
         return frame_start(frame.op | REPLY, message.header, message.payload_bytes, flags)
+
+    def _answer(self, answer: Answer) -> bytes:
+        """The server's proof, with a nonce of its own; the client's proof that answers it is kept."""
+        client_nonce, server_nonce = self._challenge.nonce, answer.nonce or proofs.nonce()
+        proof = proofs.server_proof(answer.ticket, client_nonce, server_nonce, answer.address)
+        self._expected = proofs.client_proof(answer.ticket, client_nonce, server_nonce)
+        self._answered(State.PROVING)
+        return frame_start(
+            Op.CHALLENGE | REPLY, pb.DataPlaneAnswer(nonce=server_nonce, proof=proof).SerializeToString()
+        )
 
     def _answered(self, state: State) -> None:
         self.state = state
@@ -321,13 +244,16 @@ class ServerConnection(_Reader):
             self._next_frame()
 
 
-class ClientConnection(_Reader):
-    """The client's end of one connection: a HELLO, an ATTACH if it wants shared memory, then one
-    request at a time, its reply (and that reply's payload) read before the next is sent."""
+class ClientConnection(Reader):
+    """The client's end of one connection: the handshake (a CHALLENGE, its answer checked by the
+    core, a HELLO), an ATTACH if it wants shared memory, then one request at a time, its reply (and
+    that reply's payload) read before the next is sent."""
 
     def __init__(self) -> None:
         super().__init__()
         self._sent: Op | None = None  # the request whose reply is awaited
+        self._challenge = Challenge("", b"", "")  # what the handshake proves with
+        self._proof = b""  # the HELLO's proof, once the server proved itself
         self._nothing_to_read()
 
     @property
@@ -342,43 +268,44 @@ class ClientConnection(_Reader):
 
     def next_event(self) -> ClientEvent | NeedData:
         event = super().next_event()
-        assert isinstance(event, ReplyReceived | Refused | PayloadComplete | ProtocolError | NeedData)
+        assert isinstance(event, ServerProven | ReplyReceived | Refused | PayloadComplete | ProtocolError | NeedData)
         return event
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> list[ClientEvent]:  # type: ignore[override]
         return [
             e
             for e in super().receive_data(data)
-            if isinstance(e, ReplyReceived | Refused | PayloadComplete | ProtocolError)
+            if isinstance(e, ServerProven | ReplyReceived | Refused | PayloadComplete | ProtocolError)
         ]
 
-    def send(self, message: Hello | Attach | Request) -> bytes:
+    def send(self, message: Challenge | Hello | Attach | Request) -> bytes:
         """A request's preamble and header; a Request's payload follows from the caller's memory,
         or (shared memory attached) is written into it: the frame is flagged SHARED."""
         if self.state is State.CLOSED:
             raise RuntimeError("the connection is closed")
         if self._sent is not None:
             raise RuntimeError(f"the reply to op {int(self._sent):#x} is still awaited")
-        if isinstance(message, Hello):
+        op, payload_bytes, flags = Op.CHALLENGE, 0, 0
+        if isinstance(message, Challenge):
             if self.state is not State.HELLO:
-                raise RuntimeError("one HELLO per connection")
-            op, header, payload_bytes, flags = (
-                Op.HELLO,
-                pb.DataPlaneHello(worker_id=message.worker_id, ticket=message.ticket).SerializeToString(),
-                0,
-                0,
+                raise RuntimeError("one CHALLENGE per connection")
+            self._challenge = Challenge(
+                message.worker_id, message.ticket, message.address, message.nonce or proofs.nonce()
             )
-        elif self.state is State.HELLO:
-            raise RuntimeError("the HELLO goes first")
+            header = pb.DataPlaneChallenge(worker_id=message.worker_id, nonce=self._challenge.nonce).SerializeToString()
+        elif isinstance(message, Hello):
+            if self.state is not State.PROVING:
+                raise RuntimeError("the HELLO goes once the server proved itself")
+            op, header = (
+                Op.HELLO,
+                pb.DataPlaneHello(worker_id=self._challenge.worker_id, proof=self._proof).SerializeToString(),
+            )
+        elif self.state in (State.HELLO, State.PROVING):
+            raise RuntimeError("the handshake goes first")
         elif isinstance(message, Attach):
             if self.shared:
                 raise RuntimeError("shared memory is attached already")
-            op, header, payload_bytes, flags = (
-                Op.ATTACH,
-                pb.DataPlaneAttach(bytes=message.size).SerializeToString(),
-                0,
-                0,
-            )
+            op, header = Op.ATTACH, pb.DataPlaneAttach(bytes=message.size).SerializeToString()
         else:
             if message.op not in REQUESTS:
                 raise ValueError(f"op {int(message.op):#x} is not a request")
@@ -404,8 +331,8 @@ class ClientConnection(_Reader):
                 return self._close(
                     ProtocolError("a reply through shared memory on a connection without, or not through it with")
                 )
-            if sent in (Op.HELLO, Op.ATTACH) and frame.payload_bytes:
-                article = "a" if sent == Op.HELLO else "an"
+            if sent not in REQUESTS and frame.payload_bytes:
+                article = "an" if sent == Op.ATTACH else "a"
                 return self._close(
                     ProtocolError(f"{article} {sent.name} reply with {frame.payload_bytes} bytes of payload")
                 )
@@ -423,6 +350,8 @@ class ClientConnection(_Reader):
             self.state = State.CLOSED
             self._sent = None
             return [Refused(error)]
+        if sent == Op.CHALLENGE:
+            return self._check_answer(header)
         if sent == Op.HELLO:
             self.state = State.IDLE
         elif sent == Op.ATTACH:
@@ -433,6 +362,24 @@ class ClientConnection(_Reader):
         else:
             self.state = State.PAYLOAD
         return [event]
+
+    def _check_answer(self, header: bytes) -> list[ServerEvent | ClientEvent]:
+        """The server's answer: proven if its proof is the ticket's (compared in constant time).
+        Otherwise the connection closes: whoever answered gets no proof, memory or request."""
+        answer, challenge = parsed(pb.DataPlaneAnswer, header), self._challenge
+        assert challenge.nonce is not None
+        if answer is None or len(answer.nonce) != proofs.NONCE_BYTES:
+            return self._close(ProtocolError("a CHALLENGE's answer that is not a gemps.v1.DataPlaneAnswer"))
+        expected = proofs.server_proof(challenge.ticket, challenge.nonce, answer.nonce, challenge.address)
+        if not proofs.matches(answer.proof, expected):
+            message = (
+                f"the peer did not prove it holds this registration's ticket as the server at {challenge.address}"
+                " (an impostor on a dead server's address?)"
+            )
+            return self._close(ProtocolError(message, Reason.UNAUTHENTICATED, "server_not_proven"))
+        self._proof = proofs.client_proof(challenge.ticket, challenge.nonce, answer.nonce)
+        self.state, self._sent, self.frame = State.PROVING, None, None
+        return [ServerProven()]
 
     def _payload_done(self) -> None:
         self.state = State.IDLE

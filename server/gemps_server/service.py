@@ -37,7 +37,7 @@ from gemps_proto.tensor_codec import EncodedBuffers, EncodedTensor
 from gemps_server.allocator import tune_for
 from gemps_server.config import ServerConfig
 from gemps_server.domain.applier import Applier, Deliver, Timed
-from gemps_server.domain.errors import ResourceExhausted, ServiceError, Unauthenticated
+from gemps_server.domain.errors import ResourceExhausted, ServiceError
 from gemps_server.domain.records import Commit, CommitOutcome, R, RegistrationOutcome, ReplyWriter, Snapshot
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.validation import check_evaluation, check_reply_dtype, check_upload
@@ -216,18 +216,16 @@ class ParameterService:
         )
         return registered, registration
 
-    def check_ticket(self, worker_id: str, ticket: bytes) -> None:
-        """Refuse a data-plane ticket that is not `worker_id`'s registration's: Unavailable
-        (not_primary) at a replica that is not primary, whatever it knows of the worker (a backup
-        not seeded yet knows none: `unknown_worker` there sent every worker to register again under
-        a new id, its GEM state lost, issue 41 item 6); NotFound for a worker not registered,
-        Unauthenticated for a wrong ticket (compared in constant time)."""
+    def data_plane_ticket(self, worker_id: str) -> bytes:
+        """`worker_id`'s registration's data-plane ticket, which the data plane's handshake proves
+        this server holds before the client proves it does (gemps_proto/data_plane_proofs.py):
+        Unavailable (not_primary) at a replica that is not primary, whatever it knows of the worker
+        (a backup not seeded yet knows none: `unknown_worker` there sent every worker to register
+        again under a new id, its GEM state lost, issue 41 item 6); NotFound for a worker not
+        registered."""
         self._replicas.require_primary()
         worker = self._state.registry.get(worker_id)
-        if not self.data_plane.tickets.valid(ticket, worker.worker_id, worker.client_id):
-            raise Unauthenticated(
-                "data-plane ticket is not this worker's registration's: register again", Reason.UNAUTHENTICATED
-            )
+        return self.data_plane.tickets.issue(worker.worker_id, worker.client_id)
 
     def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """The event loop the checkpoint hook runs on (data-plane commits hand it over)."""

@@ -224,7 +224,8 @@ def test_a_wrong_ticket_is_refused_before_any_payload_is_read(downpour: InProces
             assert frame.error.code == grpc.StatusCode.UNAUTHENTICATED.value[0]
             assert client.closed_by_server()
     with DataPlaneClient(reply.data_plane.port) as client:  # a commit right behind the bad hello
-        client.send(Op.HELLO, pb.DataPlaneHello(worker_id=reply.worker_id, ticket=b"x").SerializeToString())
+        client.challenge(reply.worker_id)
+        client.send(Op.HELLO, pb.DataPlaneHello(worker_id=reply.worker_id, proof=b"x").SerializeToString())
         client.send(Op.COMMIT, commit_header(reply.worker_id, P, 0), np.zeros(P, np.float32).tobytes())
         assert client.receive().error is not None
         assert client.closed_by_server()

@@ -15,6 +15,7 @@ import pytest
 
 from gemps_proto import data_plane_frames
 from gemps_proto.data_plane_frames import REPLY, Op
+from gemps_proto.data_plane_frames import VERSION as V
 from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from tests.data_plane_client import DataPlaneClient, Frame, commit_header
@@ -80,13 +81,15 @@ def closed(sock: socket.socket) -> bool:
     "garbage",
     [
         b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # not a frame at all
-        struct.pack("<4sBBHIQ", b"GMDQ", 1, Op.HELLO, 0, 10, 0),  # bad magic
-        struct.pack("<4sBBHIQ", b"GMDP", 9, Op.HELLO, 0, 10, 0),  # bad version
-        struct.pack("<4sBBHIQ", b"GMDP", 1, 0x55, 0, 10, 0),  # unknown op
-        struct.pack("<4sBBHIQ", b"GMDP", 1, Op.COMMIT, 0, 10, 0),  # a request before the HELLO
-        struct.pack("<4sBBHIQ", b"GMDP", 1, Op.HELLO, 0, 1 << 30, 0),  # a HELLO announcing 1 GiB
-        struct.pack("<4sBBHIQ", b"GMDP", 1, Op.HELLO, 0, 10, 1 << 40),  # a HELLO with a payload
-        struct.pack("<4sBBHIQ", b"GMDP", 1, Op.HELLO, 0, 5, 0) + b"\xff" * 5,  # a HELLO that does not parse
+        struct.pack("<4sBBHIQ", b"GMDQ", V, Op.CHALLENGE, 0, 10, 0),  # bad magic
+        struct.pack("<4sBBHIQ", b"GMDP", 9, Op.CHALLENGE, 0, 10, 0),  # bad version
+        struct.pack("<4sBBHIQ", b"GMDP", 1, Op.HELLO, 0, 10, 0),  # a version 1 client (its HELLO carried the ticket)
+        struct.pack("<4sBBHIQ", b"GMDP", V, 0x55, 0, 10, 0),  # unknown op
+        struct.pack("<4sBBHIQ", b"GMDP", V, Op.COMMIT, 0, 10, 0),  # a request before the HELLO
+        struct.pack("<4sBBHIQ", b"GMDP", V, Op.HELLO, 0, 10, 0),  # a HELLO before the CHALLENGE
+        struct.pack("<4sBBHIQ", b"GMDP", V, Op.CHALLENGE, 0, 1 << 30, 0),  # a CHALLENGE announcing 1 GiB
+        struct.pack("<4sBBHIQ", b"GMDP", V, Op.CHALLENGE, 0, 10, 1 << 40),  # a CHALLENGE with a payload
+        struct.pack("<4sBBHIQ", b"GMDP", V, Op.CHALLENGE, 0, 5, 0) + b"\xff" * 5,  # a CHALLENGE that does not parse
     ],
 )
 def test_garbage_instead_of_a_hello_is_refused_and_closed(server: InProcessServer, garbage: bytes) -> None:
@@ -102,7 +105,7 @@ def test_garbage_instead_of_a_hello_is_refused_and_closed(server: InProcessServe
 def test_truncated_frames_and_a_silent_client_time_out(server: InProcessServer) -> None:
     baseline = baseline_threads(server)
     with raw(server) as silent, raw(server) as truncated:
-        truncated.sendall(data_plane_frames.frame_start(Op.HELLO, b"\x0a\x01")[:-1])  # one byte short
+        truncated.sendall(data_plane_frames.frame_start(Op.CHALLENGE, b"\x0a\x01")[:-1])  # one byte short
         assert closed(silent) and closed(truncated)  # after --handshake-timeout
     assert refusals(server)["handshake_timeout"] == 2
     reply = register(open_stub(server.target))

@@ -184,10 +184,9 @@ def test_descriptors_with_any_other_frame_and_shared_frames_without_memory_are_r
         client.send(Op.COMMIT, commit_header(reply.worker_id, P, 0), payload_bytes=SIZE, flags=SHARED)
         assert client.receive().op == Op.ERROR and client.closed_by_server()
     fd = memfd(SIZE)
-    hello = data_plane_frames.frame_start(
-        Op.HELLO, pb.DataPlaneHello(worker_id=reply.worker_id, ticket=reply.data_plane.ticket).SerializeToString()
-    )
-    with DataPlaneClient(0, local_socket=reply.data_plane.local_socket) as client:  # one with the HELLO
+    challenge = pb.DataPlaneChallenge(worker_id=reply.worker_id, nonce=b"n" * 32)
+    hello = data_plane_frames.frame_start(Op.CHALLENGE, challenge.SerializeToString())
+    with DataPlaneClient(0, local_socket=reply.data_plane.local_socket) as client:  # one with the handshake
         socket.send_fds(client.sock, [hello], [fd])
         assert client.receive().op == Op.ERROR and client.closed_by_server()
     os.close(fd)

@@ -1,7 +1,8 @@
 """The data-plane protocol core driven with byte strings, both roles, no socket (DESIGN §3c).
 
 Every frame type, every refusal the core makes, lying and truncated lengths, bad preambles,
-pipelined requests and a small frame split at every byte boundary. The socket suites
+pipelined requests and a small frame split at every byte boundary; the handshake in which each end
+proves it holds the ticket without sending it, and every way a proof can be wrong. The socket suites
 (tests/integration/test_data_plane*.py) keep testing the loop and the kernel around it.
 """
 
@@ -12,10 +13,14 @@ import struct
 import numpy as np
 import pytest
 
+from gemps_proto import data_plane_proofs as proofs
 from gemps_proto.data_plane_events import (
     NEED_DATA,
+    Answer,
     Attach,
     AttachRequested,
+    Challenge,
+    ChallengeReceived,
     CommitHeader,
     ErrorReply,
     Hello,
@@ -28,6 +33,7 @@ from gemps_proto.data_plane_events import (
     ReplyReceived,
     Request,
     ServerEvent,
+    ServerProven,
 )
 from gemps_proto.data_plane_frames import MAGIC, PREAMBLE, REPLY, SHARED, VERSION, Op, frame_start, read_preamble
 from gemps_proto.data_plane_protocol import (
@@ -42,12 +48,35 @@ from gemps_proto.v1 import parameter_server_pb2 as pb
 
 WORKER = "w1"
 TICKET = b"t" * 32
+ADDRESS = proofs.address(7000)
+CLIENT_NONCE, SERVER_NONCE = b"c" * 32, b"s" * 32
 PAYLOAD = np.arange(4, dtype=np.float32).tobytes()
 MAX_HEADER = 1 << 16
 
 
-def hello_frame(worker_id: str = WORKER) -> bytes:
-    return frame_start(Op.HELLO, pb.DataPlaneHello(worker_id=worker_id, ticket=TICKET).SerializeToString())
+def challenge_frame(worker_id: str = WORKER, nonce: bytes = CLIENT_NONCE) -> bytes:
+    return frame_start(Op.CHALLENGE, pb.DataPlaneChallenge(worker_id=worker_id, nonce=nonce).SerializeToString())
+
+
+def hello_frame(worker_id: str = WORKER, ticket: bytes = TICKET) -> bytes:
+    """The HELLO that answers the server's answer of `answered()` (made with `ticket`)."""
+    proof = proofs.client_proof(ticket, CLIENT_NONCE, SERVER_NONCE)
+    return frame_start(Op.HELLO, pb.DataPlaneHello(worker_id=worker_id, proof=proof).SerializeToString())
+
+
+def answer_frame(ticket: bytes = TICKET, address: str = ADDRESS, nonce: bytes = SERVER_NONCE) -> bytes:
+    """The server's answer to the client's CHALLENGE of CLIENT_NONCE."""
+    proof = proofs.server_proof(ticket, CLIENT_NONCE, nonce, address)
+    return frame_start(Op.CHALLENGE | REPLY, pb.DataPlaneAnswer(nonce=nonce, proof=proof).SerializeToString())
+
+
+def answered() -> ServerConnection:
+    """A server connection that answered a CHALLENGE (with TICKET): a HELLO next."""
+    server = ServerConnection(MAX_HEADER)
+    assert server.receive_data(challenge_frame()) == [ChallengeReceived(WORKER)]
+    assert server.send(Answer(TICKET, ADDRESS, SERVER_NONCE)) == answer_frame()
+    assert server.state is State.PROVING
+    return server
 
 
 def commit_header(worker_id: str = WORKER, data: bytes = b"") -> bytes:
@@ -70,9 +99,9 @@ def raw(op: int, header: bytes = b"", payload_bytes: int = 0, flags: int = 0, ve
 
 def proven() -> ServerConnection:
     """A server connection past an accepted HELLO."""
-    server = ServerConnection(MAX_HEADER)
-    assert server.receive_data(hello_frame()) == [HelloReceived(WORKER, TICKET)]
-    server.send(Reply(), WORKER)
+    server = answered()
+    assert server.receive_data(hello_frame()) == [HelloReceived(WORKER)]
+    assert server.send(Reply(), WORKER) == frame_start(Op.HELLO | REPLY, b"")
     return server
 
 
@@ -125,7 +154,7 @@ def test_the_caller_may_read_the_payload_itself() -> None:
 def test_read_view_asks_for_exactly_the_next_part() -> None:
     server = ServerConnection(MAX_HEADER)
     assert len(server.read_view()) == PREAMBLE.size
-    frame = hello_frame()
+    frame = challenge_frame()
     server.read_view()[:] = frame[: PREAMBLE.size]
     server.received(PREAMBLE.size)
     assert server.next_event() is NEED_DATA and len(server.read_view()) == len(frame) - PREAMBLE.size
@@ -136,8 +165,8 @@ def test_read_view_asks_for_exactly_the_next_part() -> None:
     rest = frame[PREAMBLE.size + 3 :]
     server.read_view()[:] = rest
     server.received(len(rest))
-    assert server.next_event() == HelloReceived(WORKER, TICKET)
-    assert not len(server.read_view())  # until the HELLO is answered
+    assert server.next_event() == ChallengeReceived(WORKER)
+    assert not len(server.read_view())  # until the CHALLENGE is answered
 
 
 def test_a_pull_and_its_reply() -> None:
@@ -185,11 +214,13 @@ def test_a_stream_fed_in_pieces_gives_the_same_events(chunk: int) -> None:
 
 
 def test_a_small_frame_split_at_every_byte_boundary() -> None:
-    whole = hello_frame() + pull_frame()
+    whole = challenge_frame() + hello_frame() + pull_frame()
     for cut in range(len(whole) + 1):
         server = ServerConnection(MAX_HEADER)
         events = server.receive_data(whole[:cut]) + server.receive_data(whole[cut:])
-        assert events == [HelloReceived(WORKER, TICKET)], cut
+        assert events == [ChallengeReceived(WORKER)], cut  # the rest waits for the answer
+        server.send(Answer(TICKET, ADDRESS, SERVER_NONCE))
+        assert server.receive_data(b"") == [HelloReceived(WORKER)], cut
         server.send(Reply(), WORKER)
         pulled = server.receive_data(b"")
         assert len(pulled) == 1 and isinstance(pulled[0], PullRequested), cut
@@ -202,16 +233,16 @@ def test_an_error_after_a_request_read_whole_leaves_the_connection_usable() -> N
     assert isinstance(server.receive_data(pull_frame())[0], PullRequested)
 
 
-@pytest.mark.parametrize("when", ["hello", "commit header", "attach"])
+@pytest.mark.parametrize("when", ["challenge", "commit header", "attach"])
 def test_an_error_before_a_frame_was_read_whole_closes(when: str) -> None:
-    server = ServerConnection(MAX_HEADER) if when == "hello" else proven()
+    server = ServerConnection(MAX_HEADER) if when == "challenge" else proven()
     frame = {
-        "hello": hello_frame(),
+        "challenge": challenge_frame(),
         "commit header": commit_frame(),
         "attach": frame_start(Op.ATTACH, pb.DataPlaneAttach(bytes=16).SerializeToString()),
     }[when]
     assert server.receive_data(frame)
-    server.send(ErrorReply(b"refused"))  # a bad ticket, a payload of the wrong size, no descriptor
+    server.send(ErrorReply(b"refused"))  # an unknown worker, a payload of the wrong size, no descriptor
     assert server.state is State.CLOSED and server.receive_data(pull_frame()) == []
 
 
@@ -225,14 +256,17 @@ def refusal(server: ServerConnection, data: bytes) -> ProtocolError:
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        (b"XXXX" + hello_frame()[4:], "not a gemps data-plane frame"),
-        (raw(Op.HELLO, version=2), "data-plane version 2; this end speaks 1"),
-        (raw(Op.HELLO, flags=0x4), "unknown flags 0x4"),
+        (b"XXXX" + challenge_frame()[4:], "not a gemps data-plane frame"),
+        (raw(Op.HELLO, version=1), "data-plane version 1; this end speaks 2 (client and server differ"),
+        (raw(Op.CHALLENGE, flags=0x4), "unknown flags 0x4"),
         (raw(0x33), "unknown op 0x33"),
-        (commit_frame(), "the first frame must be a HELLO"),
-        (raw(Op.HELLO, b"x", payload_bytes=1), "the first frame must be a HELLO"),
-        (PREAMBLE.pack(MAGIC, VERSION, Op.HELLO, 0, MAX_HELLO_BYTES + 1, 0), "the first frame must be a HELLO"),
-        (raw(Op.HELLO, b"\xff\xff"), "not a valid gemps.v1.DataPlaneHello"),
+        (commit_frame(), "the first frame must be a CHALLENGE"),
+        (hello_frame(), "the first frame must be a CHALLENGE"),
+        (raw(Op.CHALLENGE, b"x", payload_bytes=1), "the first frame must be a CHALLENGE"),
+        (raw(Op.CHALLENGE, b"x", flags=SHARED), "the first frame must be a CHALLENGE"),
+        (PREAMBLE.pack(MAGIC, VERSION, Op.CHALLENGE, 0, MAX_HELLO_BYTES + 1, 0), "the first frame must be a CHALLENGE"),
+        (raw(Op.CHALLENGE, b"\xff\xff"), "not a valid gemps.v1.DataPlaneChallenge"),
+        (challenge_frame(nonce=b"short"), "with a 32-byte nonce"),
     ],
 )
 def test_a_bad_first_frame_is_refused_as_a_bad_hello(data: bytes, message: str) -> None:
@@ -243,10 +277,74 @@ def test_a_bad_first_frame_is_refused_as_a_bad_hello(data: bytes, message: str) 
 @pytest.mark.parametrize(
     ("data", "message"),
     [
+        (challenge_frame(), "a HELLO must follow"),
+        (commit_frame(), "a HELLO must follow"),
+        (raw(Op.HELLO, b"x", payload_bytes=1), "a HELLO must follow"),
+        (raw(Op.HELLO, b"\xff\xff"), "not a valid gemps.v1.DataPlaneHello"),
+    ],
+)
+def test_after_the_answer_only_a_hello_is_read(data: bytes, message: str) -> None:
+    error = refusal(answered(), data)
+    assert message in error.message and (error.reason, error.refusal) == (Reason.MALFORMED, "bad_hello")
+
+
+@pytest.mark.parametrize(
+    "hello",
+    [
+        hello_frame(ticket=b"x" * 32),  # another ticket's proof
+        hello_frame(worker_id="w2"),  # the right proof, for another worker than the CHALLENGE named
+        frame_start(Op.HELLO, pb.DataPlaneHello(worker_id=WORKER, proof=b"").SerializeToString()),  # none
+        frame_start(  # the server's own proof sent back (a reflection): the labels differ
+            Op.HELLO,
+            pb.DataPlaneHello(
+                worker_id=WORKER, proof=proofs.server_proof(TICKET, CLIENT_NONCE, SERVER_NONCE, ADDRESS)
+            ).SerializeToString(),
+        ),
+        frame_start(  # a proof for another answer's nonce (a replay of another connection's HELLO)
+            Op.HELLO,
+            pb.DataPlaneHello(
+                worker_id=WORKER, proof=proofs.client_proof(TICKET, CLIENT_NONCE, b"o" * 32)
+            ).SerializeToString(),
+        ),
+    ],
+)
+def test_a_hello_whose_proof_is_not_the_tickets_is_refused_as_unauthenticated(hello: bytes) -> None:
+    error = refusal(answered(), hello)
+    assert (error.reason, error.refusal) == (Reason.UNAUTHENTICATED, "unauthenticated")
+    assert "register again" in error.message
+
+
+def test_the_server_draws_a_fresh_nonce_for_each_answer() -> None:
+    nonces = set()
+    for _ in range(3):
+        server = ServerConnection(MAX_HEADER)
+        server.receive_data(challenge_frame())
+        answer = server.send(Answer(TICKET, ADDRESS))
+        nonces.add(pb.DataPlaneAnswer.FromString(answer[PREAMBLE.size :]).nonce)
+    assert len(nonces) == 3 and all(len(n) == proofs.NONCE_BYTES for n in nonces)
+
+
+def test_the_handshake_is_answered_in_order() -> None:
+    server = ServerConnection(MAX_HEADER)
+    server.receive_data(challenge_frame())
+    with pytest.raises(RuntimeError, match="only a CHALLENGE, is answered with an Answer"):
+        server.send(Reply())
+    server = answered()
+    server.receive_data(hello_frame())
+    with pytest.raises(RuntimeError, match="only a CHALLENGE, is answered with an Answer"):
+        server.send(Answer(TICKET, ADDRESS))
+    with pytest.raises(ValueError, match="worker 'w1' was proven, not 'w2'"):
+        server.send(Reply(), "w2")
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
         (raw(Op.HELLO, b""), "op 0x1 is not a request"),
         (raw(Op.COMMIT | REPLY), "op 0x82 is not a request"),
         (raw(Op.ERROR), "op 0x7f is not a request"),
         (raw(Op.PULL, version=0), "data-plane version 0"),
+        (challenge_frame(), "op 0x5 is not a request"),
     ],
 )
 def test_a_frame_that_is_not_a_request_is_a_bad_frame(data: bytes, message: str) -> None:
@@ -325,12 +423,92 @@ def test_a_stall_mid_frame_is_answered_and_closes() -> None:
 # -- the client's role ---------------------------------------------------------------------------
 
 
-def greeted() -> ClientConnection:
+def proving() -> ClientConnection:
+    """A client connection whose server proved itself: its HELLO next."""
     client = ClientConnection()
-    assert client.send(Hello(WORKER, TICKET)) == hello_frame()
+    assert client.send(Challenge(WORKER, TICKET, ADDRESS, CLIENT_NONCE)) == challenge_frame()
+    assert client.awaited == Op.CHALLENGE
+    assert client.receive_data(answer_frame()) == [ServerProven()]
+    assert client.state is State.PROVING and not client.awaiting
+    return client
+
+
+def greeted() -> ClientConnection:
+    client = proving()
+    assert client.send(Hello()) == hello_frame()
     assert client.receive_data(frame_start(Op.HELLO | REPLY, b"")) == [ReplyReceived(b"", 0, False)]
     assert not client.awaiting and client.state is State.IDLE
     return client
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        answer_frame(ticket=b"x" * 32),  # made up: whoever answered has no ticket
+        answer_frame(address=proofs.address(7001)),  # the ticket's, at another address (a relay)
+        answer_frame(address=proofs.address(0, "gemps-data-1-ab")),
+        frame_start(  # the client's own kind of proof sent back (a reflection): the labels differ
+            Op.CHALLENGE | REPLY,
+            pb.DataPlaneAnswer(
+                nonce=SERVER_NONCE, proof=proofs.client_proof(TICKET, CLIENT_NONCE, SERVER_NONCE)
+            ).SerializeToString(),
+        ),
+        frame_start(Op.CHALLENGE | REPLY, pb.DataPlaneAnswer(nonce=SERVER_NONCE).SerializeToString()),  # no proof
+    ],
+)
+def test_an_answer_that_does_not_prove_the_ticket_ends_the_connection_and_nothing_more_is_sent(
+    answer: bytes,
+) -> None:
+    client = ClientConnection()
+    client.send(Challenge(WORKER, TICKET, ADDRESS, CLIENT_NONCE))
+    events = client.receive_data(answer)
+    assert len(events) == 1 and isinstance(events[0], ProtocolError)
+    assert events[0].reason is Reason.UNAUTHENTICATED and "did not prove" in events[0].message
+    assert ADDRESS in events[0].message
+    assert client.state is State.CLOSED
+    for message in (Hello(), Attach(16), Request(Op.COMMIT, b"", 16)):
+        with pytest.raises(RuntimeError, match="closed"):
+            client.send(message)
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        (frame_start(Op.CHALLENGE | REPLY, b"\xff\xff"), "not a gemps.v1.DataPlaneAnswer"),
+        (answer_frame(nonce=b"short"), "not a gemps.v1.DataPlaneAnswer"),
+        (frame_start(Op.CHALLENGE | REPLY, b"", 3), "a CHALLENGE reply with 3 bytes of payload"),
+        (frame_start(Op.HELLO | REPLY, b""), "op 0x81 in reply to 0x5"),
+    ],
+)
+def test_an_answer_that_breaks_the_protocol(answer: bytes, message: str) -> None:
+    client = ClientConnection()
+    client.send(Challenge(WORKER, TICKET, ADDRESS, CLIENT_NONCE))
+    events = client.receive_data(answer)
+    assert len(events) == 1 and isinstance(events[0], ProtocolError) and message in events[0].message
+    assert client.state is State.CLOSED
+
+
+def test_a_refused_challenge_is_a_refusal() -> None:
+    client = ClientConnection()
+    client.send(Challenge(WORKER, TICKET, ADDRESS))
+    error = pb.DataPlaneError(code=5, message="unknown worker", reason="unknown_worker")
+    assert client.receive_data(frame_start(Op.ERROR, error.SerializeToString())) == [Refused(error)]
+    assert client.state is State.CLOSED
+
+
+def test_the_ticket_never_crosses_the_wire_and_each_connection_draws_its_nonce() -> None:
+    ticket = bytes(range(32))
+    client, server = ClientConnection(), ServerConnection(MAX_HEADER)
+    sent = client.send(Challenge(WORKER, ticket, ADDRESS))
+    assert server.receive_data(sent) == [ChallengeReceived(WORKER)]
+    answer = server.send(Answer(ticket, ADDRESS))
+    assert client.receive_data(answer) == [ServerProven()]
+    hello = client.send(Hello())
+    sent += hello
+    assert server.receive_data(hello) == [HelloReceived(WORKER)]
+    assert ticket not in sent + answer
+    other = ClientConnection().send(Challenge(WORKER, ticket, ADDRESS))
+    assert other != sent[: len(other)]  # another nonce
 
 
 def test_a_commit_and_its_reply_theta_read_into_the_callers_array() -> None:
@@ -374,8 +552,8 @@ def test_a_reply_that_breaks_the_protocol(reply: bytes, message: str) -> None:
 
 
 def test_a_hello_or_attach_reply_carries_no_payload() -> None:
-    client = ClientConnection()
-    client.send(Hello(WORKER, TICKET))
+    client = proving()
+    client.send(Hello())
     events = client.receive_data(frame_start(Op.HELLO | REPLY, b"", 3))
     assert isinstance(events[0], ProtocolError) and events[0].message == "a HELLO reply with 3 bytes of payload"
     client = greeted()
@@ -396,8 +574,18 @@ def test_once_attached_requests_and_replies_go_through_shared_memory() -> None:
 
 def test_the_client_says_things_in_order() -> None:
     client = ClientConnection()
-    with pytest.raises(RuntimeError, match="the HELLO goes first"):
+    with pytest.raises(RuntimeError, match="the handshake goes first"):
         client.send(Request(Op.PULL, b""))
+    with pytest.raises(RuntimeError, match="once the server proved itself"):
+        client.send(Hello())
+    client.send(Challenge(WORKER, TICKET, ADDRESS))
+    with pytest.raises(RuntimeError, match="still awaited"):
+        client.send(Hello())
+    client = proving()
+    with pytest.raises(RuntimeError, match="the handshake goes first"):
+        client.send(Attach(16))
+    with pytest.raises(RuntimeError, match="one CHALLENGE per connection"):
+        client.send(Challenge(WORKER, TICKET, ADDRESS))
     client = greeted()
     client.send(Request(Op.PULL, b""))
     with pytest.raises(RuntimeError, match="still awaited"):
@@ -411,8 +599,10 @@ def test_the_client_says_things_in_order() -> None:
 
 def test_both_roles_talk_to_each_other() -> None:
     client, server = ClientConnection(), ServerConnection(MAX_HEADER)
-    (hello,) = server.receive_data(client.send(Hello(WORKER, TICKET)))
-    assert hello == HelloReceived(WORKER, TICKET)
+    assert server.receive_data(client.send(Challenge(WORKER, TICKET, ADDRESS))) == [ChallengeReceived(WORKER)]
+    assert client.receive_data(server.send(Answer(TICKET, ADDRESS))) == [ServerProven()]
+    (hello,) = server.receive_data(client.send(Hello()))
+    assert hello == HelloReceived(WORKER)
     assert client.receive_data(server.send(Reply(), WORKER)) == [ReplyReceived(b"", 0, False)]
     events = received_commit(server, client.send(Request(Op.COMMIT, commit_header(), 16)) + PAYLOAD)
     assert [type(e) for e in events] == [CommitHeader, PayloadComplete]
@@ -435,5 +625,19 @@ def test_the_preamble_is_twenty_little_endian_bytes() -> None:
     assert PREAMBLE.size == 20 and struct.calcsize("<4sBBHIQ") == 20
     assert (
         frame_start(Op.PULL, b"hh", 7, SHARED)
-        == b"GMDP\x01\x03\x01\x00\x02\x00\x00\x00" + (7).to_bytes(8, "little") + b"hh"
+        == b"GMDP\x02\x03\x01\x00\x02\x00\x00\x00" + (7).to_bytes(8, "little") + b"hh"
     )
+
+
+def test_the_proofs_bind_their_direction_nonces_and_address() -> None:
+    base = proofs.server_proof(TICKET, CLIENT_NONCE, SERVER_NONCE, ADDRESS)
+    assert len(base) == proofs.PROOF_BYTES
+    others = {
+        proofs.client_proof(TICKET, CLIENT_NONCE, SERVER_NONCE),
+        proofs.server_proof(b"x" * 32, CLIENT_NONCE, SERVER_NONCE, ADDRESS),
+        proofs.server_proof(TICKET, SERVER_NONCE, CLIENT_NONCE, ADDRESS),
+        proofs.server_proof(TICKET, CLIENT_NONCE, SERVER_NONCE, proofs.address(7001)),
+        proofs.server_proof(TICKET, CLIENT_NONCE + b"s", SERVER_NONCE[1:], ADDRESS),  # parts keep their bounds
+    }
+    assert base not in others and len(others) == 5
+    assert proofs.address(7000) == "tcp:7000" and proofs.address(7000, "gemps-data-1") == "local:gemps-data-1"

@@ -27,6 +27,7 @@ from gemps_proto.schema import Buffers, DataPlane, PayloadKind
 from gemps_proto.schema_proto import set_buffers
 from gemps_proto.tensor_codec import BFLOAT16, FLOAT32, encode, wire_view
 from gemps_proto.v1 import parameter_server_pb2 as pb
+from tests.data_plane_client import answer_handshake
 
 THETA = np.linspace(-2, 2, 1000, dtype=np.float32)
 CALL = CommitCall(
@@ -46,11 +47,11 @@ def pair() -> Iterator[tuple[DataConnection, socket.socket]]:
     """A connection past its HELLO and the socket of the "server" at its other end."""
     client, server = socket.socketpair()
     client.settimeout(5)
-    connection = DataConnection(client, "test")
-    server.sendall(frame_start(Op.HELLO | REPLY, b""))
+    connection = DataConnection(client, "test", "test")
+    answering = threading.Thread(target=answer_handshake, args=(server, b"t" * 32, "test"))
+    answering.start()
     connection.hello("w1", b"t" * 32)
-    hello = read_preamble(server.recv(20, socket.MSG_WAITALL))
-    server.recv(hello.header_bytes, socket.MSG_WAITALL)
+    answering.join(5)
     yield connection, server
     connection.close()
     server.close()
@@ -253,9 +254,7 @@ def test_a_transport_that_fell_back_tries_the_data_plane_again_with_a_bounded_ji
 def _answer_hello(server: socket.socket) -> None:
     sock, _address = server.accept()
     with sock:
-        preamble = read_preamble(sock.recv(20, socket.MSG_WAITALL))
-        sock.recv(preamble.header_bytes, socket.MSG_WAITALL)
-        sock.sendall(frame_start(Op.HELLO | REPLY, b""))
+        answer_handshake(sock, b"t" * 32, f"tcp:{server.getsockname()[1]}")
         sock.recv(1)  # until the client closes
 
 
@@ -267,7 +266,7 @@ class FakeConnection(DataConnection):
 
     def __init__(self, *, local: bool = False, refuse_attach: bool = False) -> None:
         sock, self.peer = socket.socketpair()
-        super().__init__(sock, "fake")
+        super().__init__(sock, "fake", "fake")
         self.local, self.refuse_attach, self.attached = local, refuse_attach, 0
 
     def attach(self, size: int) -> None:

@@ -185,13 +185,29 @@ class DataPlane(_message.Message):
     local_socket: str
     def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., local_socket: _Optional[str] = ...) -> None: ...
 
-class DataPlaneHello(_message.Message):
-    __slots__ = ("worker_id", "ticket")
+class DataPlaneChallenge(_message.Message):
+    __slots__ = ("worker_id", "nonce")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    TICKET_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    ticket: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+    nonce: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class DataPlaneAnswer(_message.Message):
+    __slots__ = ("nonce", "proof")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    proof: bytes
+    def __init__(self, nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
+
+class DataPlaneHello(_message.Message):
+    __slots__ = ("worker_id", "proof")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    proof: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class DataPlaneAttach(_message.Message):
     __slots__ = ("bytes",)

@@ -1,5 +1,6 @@
-"""One data-plane connection's server side: the HELLO and its ticket, then one request and its
-reply at a time, each a Commit or a Pull answered as the gRPC path answers it.
+"""One data-plane connection's server side: the handshake that proves both ends hold the worker's
+ticket, then one request and its reply at a time, each a Commit or a Pull answered as the gRPC
+path answers it.
 
 `Connection.serve` is written as a generator the loop drives (data_plane_loop.py): each `yield` is
 something it waits for without holding the thread. What the bytes mean, and every refusal that
@@ -27,10 +28,13 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from gemps_proto import data_plane_proofs as proofs
 from gemps_proto import grpc_framing
 from gemps_proto.data_plane_events import (
     NEED_DATA,
+    Answer,
     AttachRequested,
+    ChallengeReceived,
     CommitHeader,
     ErrorReply,
     HelloReceived,
@@ -147,26 +151,42 @@ class Connection:
     # -- the hello ----------------------------------------------------------------------------
 
     def hello(self) -> Steps:
-        """Check the first frame, a HELLO with this worker's ticket, before anything else is read.
-        Hangup otherwise (an ERROR frame sent first where one can be)."""
-        deadline = self._accepted_at + self._limits.handshake_timeout
+        """The handshake, before anything else is read (gemps_proto/data_plane_proofs.py): answer
+        the CHALLENGE with this server's proof (made with the worker's ticket), then accept the
+        HELLO if its proof is the ticket's (the core checks it). Hangup otherwise (an ERROR frame
+        sent first where one can be)."""
+        challenge = yield from self._handshake_event()
+        assert isinstance(challenge, ChallengeReceived), challenge
         try:
-            event = yield from self._event(self._limits.handshake_timeout, deadline)
+            ticket = self._service.data_plane_ticket(challenge.worker_id)
+        except ServiceError as error:
+            raise (yield from self._refuse(error, HELLO_REFUSALS.get(error.reason, "bad_hello"))) from None
+        offer, deadline = self._service.data_plane, self._accepted_at + self._limits.handshake_timeout
+        here = proofs.address(offer.port or 0, offer.local_socket if self.channel.local else "")
+        yield Write(pieces([self._protocol.send(Answer(ticket, here))]), self._limits.handshake_timeout, deadline)
+        hello = yield from self._handshake_event()
+        assert isinstance(hello, HelloReceived), hello
+        yield from self._send(worker_id=hello.worker_id)
+
+    def _handshake_event(self) -> Generator[Wait, Any, ServerEvent]:
+        """The handshake's next frame, read within the handshake's time, with no descriptor."""
+        try:
+            event = yield from self._event(
+                self._limits.handshake_timeout, self._accepted_at + self._limits.handshake_timeout
+            )
         except Stalled:
             raise Hangup("handshake_timeout") from None
         except PeerClosed:
             raise Hangup("bad_hello") from None
         if isinstance(event, ProtocolError):
+            if event.reason is Reason.UNAUTHENTICATED:  # a wrong proof: as the gRPC port counts a bad token
+                self._metrics.refusal(Reason.UNAUTHENTICATED)
             raise (yield from self._refuse(error_of(event), event.refusal))
-        assert isinstance(event, HelloReceived), event
         try:
             self._no_descriptors()
-            self._service.check_ticket(event.worker_id, event.ticket)
         except ServiceError as error:
-            if isinstance(error, Unauthenticated):
-                self._metrics.refusal(Reason.UNAUTHENTICATED)  # as the gRPC port counts a bad token
-            raise (yield from self._refuse(error, HELLO_REFUSALS.get(error.reason, "bad_hello"))) from None
-        yield from self._send(worker_id=event.worker_id)
+            raise (yield from self._refuse(error, "bad_hello")) from None
+        return event
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -1,0 +1,234 @@
+"""The SDK authenticates its data-plane server before it trusts it (issue 42, item 1; DESIGN §3c).
+
+A server dies; its abstract Unix socket's name (announced at Register, listed in /proc/net/unix)
+and its TCP data port are free. A local user without privileges (uid 65534) binds them and plays
+a server that accepts every HELLO and ATTACH and acknowledges every commit with θ = 666 at
+versions past 1,000,000 (it speaks the frames with the server's own protocol core). The SDK keeps
+committing; the real server comes back a moment later. The impostor must get nothing: no ticket
+(nor a proof made with it), no descriptor (so no payload), and no commit of the SDK may come back
+acknowledged by it; the SDK says what it refused, and its commits go to the real server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import gemps
+from gemps.data_plane_transport import DataPlaneTransport
+from gemps_proto import data_plane_events as events
+from gemps_proto.data_plane_frames import Op
+from gemps_proto.data_plane_protocol import ServerConnection
+from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_worker.cluster import ServerProcess
+from tests.helpers import wait_for
+from tests.integration.conftest import StartServerProcess
+
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux" or os.geteuid() != 0,
+    reason="abstract sockets are Linux's; dropping to uid 65534 needs root",
+)
+
+P = 8
+NOBODY = 65534
+FORGED_VERSION = 1_000_001
+FORGED_THETA = 666.0
+ROOT = Path(__file__).resolve().parents[2]
+FAST_RETRY = gemps.RetryPolicy(max_attempts=60, initial_backoff=0.05, max_backoff=0.25)
+
+
+# -- the impostor: a child process that drops to uid 65534, then binds the dead server's address --
+
+
+def _record(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def _serve(conn: socket.socket, address: str) -> None:
+    """Accept whatever comes, as a server that knows no ticket would: every byte, descriptor and
+    event recorded on stdout."""
+    protocol = ServerConnection(1 << 20)
+    region: mmap.mmap | None = None
+    version = FORGED_VERSION
+    theta = np.full(P, FORGED_THETA, np.float32).tobytes()
+    while True:
+        event = protocol.next_event()
+        if event is events.NEED_DATA:
+            view = protocol.read_view()
+            count, ancillary, _flags, _address = conn.recvmsg_into([view], socket.CMSG_SPACE(16 * 4))
+            if count == 0:
+                return
+            fds = [fd for level, kind, data in ancillary if kind == socket.SCM_RIGHTS for fd in _fds(data)]
+            _record(received=bytes(view[:count]).hex(), fds=len(fds))
+            if fds and region is None:
+                region = mmap.mmap(fds[0], 4 * P)
+            protocol.received(count)
+            continue
+        _record(event=type(event).__name__)
+        if isinstance(event, events.ProtocolError):
+            return
+        if isinstance(event, events.ChallengeReceived):  # it knows no ticket: it makes one up
+            conn.sendall(protocol.send(events.Answer(secrets.token_bytes(32), address)))
+        elif isinstance(event, events.HelloReceived):  # (its core would refuse any proof: not reached)
+            _record(hello=event.worker_id)
+            conn.sendall(protocol.send(events.Reply(), event.worker_id))
+        elif isinstance(event, events.AttachRequested):
+            conn.sendall(protocol.send(events.Reply()))
+        elif isinstance(event, events.CommitHeader):
+            if not event.shared and event.payload_bytes:
+                protocol.payload_into(memoryview(bytearray(event.payload_bytes)))
+        elif isinstance(event, events.PayloadComplete | events.PullRequested):
+            frame = protocol.frame
+            assert frame is not None
+            header = pb.CommitResponse(version=version) if frame.op == Op.COMMIT else pb.PullResponse(version=version)
+            header.parameters.CopyFrom(pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[P]))
+            if frame.shared:
+                assert region is not None
+                region[: len(theta)] = theta
+            start = protocol.send(events.Reply(header.SerializeToString(), len(theta)))
+            conn.sendall(start + (b"" if frame.shared else theta))
+            _record(acknowledged=version)
+            version += 1
+
+
+def _fds(data: bytes) -> list[int]:
+    return list(np.frombuffer(data[: len(data) - len(data) % 4], np.int32))
+
+
+def impostor_main(kind: str, where: str, address: str) -> None:
+    """Drop to uid 65534 (the interpreter is loaded: a user without root could run the same), then
+    bind the dead server's abstract name (`kind` local) or TCP port, and serve whoever comes."""
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    if kind == "local":
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind("\0" + where)
+    else:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", int(where)))
+    listener.listen(16)
+    _record(listening=where, uid=os.getuid())
+    while True:
+        conn, _peer = listener.accept()
+        threading.Thread(target=_serve, args=(conn, address), daemon=True).start()
+
+
+class Impostor:
+    """The impostor's process, as root starts it; `records` what it reported."""
+
+    def __init__(self, kind: str, where: str, address: str) -> None:
+        code = f"from {__name__} import impostor_main; impostor_main{(kind, where, address)!r}"
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in PATHS)}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, env=environment, cwd=ROOT, text=True
+        )
+        self.records: list[dict[str, Any]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        wait_for(lambda: any("listening" in r for r in self.records), 20, "the impostor listening")
+        assert next(r["uid"] for r in self.records if "listening" in r) == NOBODY
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.records.append(json.loads(line))
+
+    def received(self) -> bytes:
+        return b"".join(bytes.fromhex(r["received"]) for r in self.records if "received" in r)
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait(10)
+        self._reader.join(10)
+
+
+PATHS = ("proto", "server", "client_sdk", "worker", "cli", "benchmarks", ".")
+
+
+@pytest.fixture
+def impostors() -> Iterator[list[Impostor]]:
+    started: list[Impostor] = []
+    yield started
+    for impostor in started:
+        impostor.close()
+
+
+def transport_of(client: gemps.Client) -> DataPlaneTransport:
+    (session,) = client._router.sessions
+    assert isinstance(session.transport, DataPlaneTransport)
+    return session.transport
+
+
+def free(name: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect("\0" + name)
+    except OSError:
+        return True
+    finally:
+        probe.close()
+    return False
+
+
+@pytest.mark.parametrize("kind", ["local", "tcp"])
+def test_an_impostor_on_a_dead_servers_address_gets_nothing_and_acknowledges_nothing(
+    kind: str,
+    start_server_process: StartServerProcess,
+    impostors: list[Impostor],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = start_server_process(rule="downpour", learning_rate=0.1)
+    client = gemps.Client(server.target, retry=FAST_RETRY, shared_memory=kind == "local", timeout=5)
+    restarted = ServerProcess(port=server.port)
+    try:
+        client.register({"w": np.zeros(P, np.float32)})
+        transport = transport_of(client)
+        for _ in range(2):
+            client.commit(np.ones(P, np.float32))
+        offer = transport._offer
+        assert offer is not None and transport.shared == (kind == "local")
+        ticket = offer.ticket
+        where = offer.local_socket if kind == "local" else str(offer.port)
+        address = f"local:{offer.local_socket}" if kind == "local" else f"tcp:{offer.port}"
+        server.kill()
+        if kind == "local":
+            wait_for(lambda: free(offer.local_socket), 10, "the dead server's socket name free")
+        impostors.append(impostor := Impostor(kind, where, address))
+        restarter = threading.Timer(1.5, restarted.start)
+        restarter.start()
+        with caplog.at_level(logging.WARNING, logger="gemps.client"):
+            results = [client.commit(np.ones(P, np.float32)) for _ in range(10)]
+        restarter.join()
+        assert any("event" in r for r in impostor.records), "the SDK never went to the impostor"
+        received = impostor.received()
+        assert ticket not in received, "the impostor received the ticket"
+        assert not any(r.get("fds") for r in impostor.records), "the impostor received a descriptor"
+        assert not any("hello" in r for r in impostor.records), "the impostor received a HELLO (a proof)"
+        assert not any("acknowledged" in r for r in impostor.records), "the impostor answered a commit"
+        versions = [r.version for r in results]
+        assert max(versions) < FORGED_VERSION
+        assert not any((np.asarray(r.parameters.flat) == FORGED_THETA).any() for r in results)
+        assert versions == list(range(1, 11))  # the restarted server's (it has no state): each commit once
+        assert client.status().commits_applied == 10
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        refused = [w for w in warnings if "did not prove" in w]
+        assert refused, warnings
+        assert "data plane" in refused[0] and where in refused[0]
+    finally:
+        client.close()
+        restarted.close()
