@@ -16,12 +16,14 @@ from gemps import data_plane_transport, errors
 from gemps import grpc_messages as messages
 from gemps.channel_security import ChannelSecurity
 from gemps.client import Client, resolve_plane
-from gemps.data_plane_connection import DataConnection, target_host
+from gemps.data_plane_connection import DataConnection, ServerNotProven, target_host
 from gemps.data_plane_transport import DataPlaneTransport, _committed, _pulled
 from gemps.grpc_transport import GrpcTransport
 from gemps.transport import CommitCall, PullCall
 from gemps_proto import grpc_framing
+from gemps_proto.data_plane_events import NEED_DATA, Answer
 from gemps_proto.data_plane_frames import REPLY, Op, frame_start, read_preamble
+from gemps_proto.data_plane_protocol import ServerConnection
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import Buffers, DataPlane, PayloadKind
 from gemps_proto.schema_proto import set_buffers
@@ -160,6 +162,35 @@ def test_a_reply_of_another_size_than_announced_is_a_protocol_error(pair: tuple[
     with pytest.raises(errors.GempsError, match="12 bytes of payload; the header announced 4000") as raised:
         _committed(connection)
     assert not errors.worth_another_attempt(raised.value) and connection.closed
+
+
+@pytest.mark.parametrize(("ticket", "address"), [(b"x" * 32, "test"), (b"t" * 32, "tcp:1")])
+def test_a_server_that_does_not_prove_the_ticket_gets_nothing_more(ticket: bytes, address: str) -> None:
+    """A made-up ticket, or the right one's proof for another address (a relay): ServerNotProven,
+    the connection closed after the CHALLENGE (no HELLO, no proof, no byte of the ticket)."""
+    client, server = socket.socketpair()
+    client.settimeout(5)
+    connection = DataConnection(client, "local socket gemps-data-1-ab", "test")
+    answering = threading.Thread(target=_answer_once, args=(server, ticket, address))
+    answering.start()
+    with pytest.raises(ServerNotProven, match=r"data plane at local socket gemps-data-1-ab: .*did not prove") as raised:
+        connection.hello("w1", b"t" * 32)
+    answering.join(5)
+    assert raised.value.code == grpc.StatusCode.UNAUTHENTICATED and not errors.worth_another_attempt(raised.value)
+    assert connection.closed
+    received = b""
+    while chunk := server.recv(4096):
+        received += chunk
+    server.close()
+    assert received == b"" and b"t" * 32 not in received  # nothing after the CHALLENGE
+
+
+def _answer_once(sock: socket.socket, ticket: bytes, address: str) -> None:
+    """Read the CHALLENGE and answer it with `ticket` at `address`; nothing more."""
+    protocol = ServerConnection(1 << 16)
+    while protocol.next_event() is NEED_DATA:
+        protocol.received(sock.recv_into(protocol.read_view()))
+    sock.sendall(protocol.send(Answer(ticket, address)))
 
 
 def test_a_large_frame_goes_out_whole_from_the_callers_memory(pair: tuple[DataConnection, socket.socket]) -> None:
