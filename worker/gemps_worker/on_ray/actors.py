@@ -43,6 +43,7 @@ from gemps_worker.on_ray.records import (
     WorkerContext,
     WorkerOutcome,
 )
+from gemps_worker.on_ray.tether import TetheredServer, exit_with_raylet, life_of, stop_earlier
 from gemps_worker.signals import configure_logging
 
 log = logging.getLogger("gemps.ray")
@@ -57,7 +58,6 @@ STATE_FILE = "partition.json"
 SERVER_LOG = "server.log"
 START_ATTEMPTS = 5  # a restart may find its port held a moment longer by the server that died
 START_RETRY_SECONDS = 1.0
-WATCH_SECONDS = 0.2
 OBSERVER_RETRY = RetryPolicy(max_attempts=3, initial_backoff=0.1, max_backoff=1.0)
 
 
@@ -99,8 +99,9 @@ class PartitionServer:
     nodes) and announces them from its addresses file, which `announce` rewrites when one moved.
     When the server exits by itself, the actor exits with it and Ray restarts the actor
     (`max_restarts`), which starts the server again on the same ports from its newest checkpoint,
-    as `gemps server --partitions K` restarts a partition locally. A killed actor takes its
-    server with it (Ray ends a dead worker's child processes). When its node was lost, Ray
+    as `gemps server --partitions K` restarts a partition locally. The server never outlives its
+    actor, nor the actor its raylet, and a restart stops an earlier life's server still running on
+    its machine before it takes the folder (gemps_worker.on_ray.tether). When its node was lost, Ray
     restarts it on another node: there it starts on fresh ports from the newest checkpoint in
     --work-dir, which must then be storage every node sees (else it refuses to start from nothing).
 
@@ -160,12 +161,13 @@ class PartitionServer:
             "checkpoint_dir": str(self.folder),
         }
         self.starts = int(state.get("starts", 0)) + 1
-        self.server = self._start(options, startup_timeout)
-        self._write_state(self.server.port, self.server.metrics_port)
-        self._stopping = threading.Event()
-        self._observer: Client | None = None
-        threading.Thread(target=self._exit_with_the_server, name="watch-server", daemon=True).start()
         which = f"partition {index}" + (f" replica {self.replica}" if self.replica >= 0 else "")
+        stop_earlier(state.get("server"), which)
+        options["supervisor_pid"] = os.getpid()  # it dies with this actor
+        self.tether = TetheredServer(lambda: self._start(options, startup_timeout), which)
+        self.server = self.tether.server
+        self._write_state(self.server.port, self.server.metrics_port)
+        self._observer: Client | None = None
         log.info("%s serving on %s:%d (start %d)", which, self.host, self.server.port, self.starts)
 
     def _replication(self, replication: Mapping[str, object]) -> dict[str, object]:
@@ -212,10 +214,13 @@ class PartitionServer:
         if state.get("job") != self.job:
             return {}
         numbers = {key: int(state[key]) for key in ("port", "metrics_port", "starts")}
-        return {"node": str(state.get("node", "")), **numbers}
+        return {"node": str(state.get("node", "")), "server": state.get("server"), **numbers}
 
     def _write_state(self, port: int, metrics_port: int) -> None:
-        state = {"job": self.job, "node": node_id(), "port": port, "metrics_port": metrics_port, "starts": self.starts}
+        state = {
+            "job": self.job, "node": node_id(), "port": port, "metrics_port": metrics_port, "starts": self.starts,
+            "server": life_of(self.server.pid),
+        }  # fmt: skip
         tmp = self.folder / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state))
         tmp.replace(self.folder / STATE_FILE)
@@ -234,13 +239,6 @@ class PartitionServer:
         The actor runs one call at a time, so it is the file's only writer."""
         write_addresses(self.folder / ADDRESSES_FILE, addresses)
         log.info("partition 0 announces %s", addresses)
-
-    def _exit_with_the_server(self) -> None:
-        while not self._stopping.wait(WATCH_SECONDS):
-            code = self.server.returncode
-            if code is not None and not self._stopping.is_set():
-                log.error("partition %d: server exited with %s; the actor exits so Ray restarts it", self.index, code)
-                os._exit(1)
 
     def endpoint(self) -> PartitionEndpoint:
         return PartitionEndpoint(
@@ -275,7 +273,7 @@ class PartitionServer:
 
     def stop(self) -> int | None:
         """A graceful shutdown (the final checkpoint); the server's exit status."""
-        self._stopping.set()
+        self.tether.stopping.set()
         if self._observer is not None:
             self._observer.close()
         code = self.server.stop(timeout=60.0)
@@ -306,6 +304,7 @@ class TrainingWorker:
         target: Resolver | None = None,
     ) -> None:
         configure_logging()
+        exit_with_raylet(f"worker {index}")  # a life beside its restart would train twice
         self.index, self.count, self.server = index, count, server
         self.target = target or StaticAddress(server)
         self.options = dict(options or {})
@@ -393,6 +392,7 @@ class HeldOutEvaluator:
         from gemps_worker.metrics import EvaluatorMetrics
 
         configure_logging()
+        exit_with_raylet("evaluator")
         self.options = EvaluatorOptions(**options)  # type: ignore[arg-type]
         self.target = target or StaticAddress(self.options.server)
         self.metrics = EvaluatorMetrics()

@@ -72,13 +72,21 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def kill_node(cluster: Cluster, node: Any) -> None:
+def kill_node(cluster: Cluster, node: Any, *, machine: bool = True) -> None:
     """Remove `node` as a machine dies. Ray's own removal kills the raylet only, and its workers
     (a partition's actor and its server process) would go on serving for seconds more, until
-    they noticed: here they end with it."""
-    processes = [
-        pid for info in node.all_processes.get(PROCESS_TYPE_RAYLET, []) for pid in descendants(info.process.pid)
-    ]
+    they noticed: here they end with it.
+
+    `machine=False`: the raylet alone is SIGKILLed, as when it crashes, and left unreaped (this
+    process, its parent, does not wait for it): Ray's workers ask whether its pid exists and never
+    notice; the node's other processes live on. `cluster.remove_node(node)` afterwards ends them
+    (issue 42, item 7)."""
+    raylets = [info.process for info in node.all_processes.get(PROCESS_TYPE_RAYLET, [])]
+    if not machine:
+        for raylet in raylets:
+            os.kill(raylet.pid, signal.SIGKILL)
+        return
+    processes = [pid for raylet in raylets for pid in descendants(raylet.pid)]
     cluster.remove_node(node, allow_graceful=False)
     for pid in processes:
         with contextlib.suppress(ProcessLookupError):
@@ -90,13 +98,18 @@ class RemoveNode:
     dies as a machine does (`remove_node(allow_graceful=False)`): partition `partition`'s (of a
     replicated one: its primary's, as the driver last sampled it), or (None) the one holding the
     most workers and no partition, never the head. Waits for a later sample while the driver has
-    not yet seen where every worker runs (or who is the partition's primary)."""
+    not yet seen where every worker runs (or who is the partition's primary). `machine`: as
+    kill_node's (False: the raylet alone dies)."""
 
-    def __init__(self, cluster: Cluster, job: RayJob, version: int, partition: int | None = None) -> None:
+    def __init__(
+        self, cluster: Cluster, job: RayJob, version: int, partition: int | None = None, *, machine: bool = True
+    ) -> None:
         self.cluster, self.job, self.version, self.partition = cluster, job, version, partition
+        self.machine = machine
         self.held_partitions: list[str] = []  # the job's partition actors on it (replicas: "partition 1 replica 0")
         self.primaries: list[int] = []  # the partitions whose primary (as last sampled) ran on it
         self.node_id = ""
+        self.node: Any = None  # Ray's, once removed
         self.removed = 0.0  # unix time
         self.workers: list[int] = []  # those it held
 
@@ -126,7 +139,8 @@ class RemoveNode:
         self.primaries = [index for index, node in enumerate(primaries) if node == self.node_id]
         log.warning("removing Ray node %s (workers %s) at version %d", self.node_id[:12], self.workers, sample.version)
         self.removed = time.time()
-        kill_node(self.cluster, nodes[self.node_id])
+        self.node = nodes[self.node_id]
+        kill_node(self.cluster, self.node, machine=self.machine)
 
 
 def resumed_after(samples: list[StatusSample], removed: float) -> float | None:
