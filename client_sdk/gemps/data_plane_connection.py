@@ -139,12 +139,14 @@ class DataConnection:
         return cls(sock, address, proofs.address(0, name))
 
     def attach(self, size: int) -> None:
-        """Attach `size` bytes of shared memory (θ's float32 bytes on this server): a memfd sealed
-        against shrinking and growing, passed with an ATTACH frame. Its refusal is raised typed
-        (the server closes the connection after it)."""
+        """Attach `size` bytes of shared memory (θ's float32 bytes on this server): a memfd
+        allocated here (its pages are this process's, charged to it: the server maps no memory its
+        client has not made), sealed against shrinking and growing, passed with an ATTACH frame.
+        Its refusal is raised typed (the server closes the connection after it)."""
         fd = os.memfd_create("gemps-data-plane", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             shared = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             with self._typed():

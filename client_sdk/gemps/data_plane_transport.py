@@ -273,7 +273,7 @@ class DataPlaneTransport:
         except errors.GempsError as error:
             if errors.worth_another_attempt(error):
                 raise
-            log.debug("shared memory refused by %s (%s)", self.target, error.message)
+            log.warning("shared memory refused by %s (%s): θ goes on the socket", self.target, error.message)
             self._attach_memory = False
             self._become(Link.OFFERED)
             return False

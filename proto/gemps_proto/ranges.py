@@ -65,6 +65,8 @@ COUNT_OR_ZERO = Range(0, INT32_MAX)
 # θ-sized buffers held at once: each is allocated when first needed, but the data plane lists
 # them all at start, and more than this many copies of any θ could never be held anyway.
 BUFFERS = Range(1, 1 << 16)
+# Memory in MiB, counted in int64 bytes; 0 where it means "settled by the server" (auto).
+MEBIBYTES_OR_ZERO = Range(0, INT64_MAX >> 20, unit="MiB")
 
 
 def _number(value: float) -> str:

@@ -49,6 +49,7 @@ class Reason(str, enum.Enum):
     INCOMPATIBLE_VERSION = "incompatible_version"  # client and server share no protocol version
     MEMORY_BUDGET = "memory_budget"  # a registration whose rule state is past the server's --memory-budget-mb
     OUT_OF_MEMORY = "out_of_memory"  # the server could not allocate a registration's state: nothing was kept
+    SHARED_MEMORY_LIMIT = "shared_memory_limit"  # shared memory past the server's --max-shared-memory (the socket then)
 
     def __str__(self) -> str:
         return self.value

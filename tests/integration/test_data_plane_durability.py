@@ -31,6 +31,7 @@ def shared_memory(client: DataPlaneClient) -> mmap.mmap:
     """A memfd of θ's size, attached to `client`'s (local) connection."""
     fd = os.memfd_create("test-durability", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, 4 * P)
+    os.posix_fallocate(fd, 0, 4 * P)  # written by its client first: the server maps no other
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     assert client.attach([fd], 4 * P).op == Op.ATTACH | REPLY
     memory = mmap.mmap(fd, 4 * P)

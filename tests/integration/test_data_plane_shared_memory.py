@@ -43,6 +43,7 @@ def server(start_server: StartServer) -> InProcessServer:
 def memfd(size: int, seals: int = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) -> int:
     fd = os.memfd_create("test-shared", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
+    os.posix_fallocate(fd, 0, size)  # written by its client first: the server maps no other
     if seals:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
     return fd

@@ -12,6 +12,7 @@ from gemps_proto.ranges import (
     GRPC_SECONDS,
     INT32_MAX,
     INT64_MAX,
+    MEBIBYTES_OR_ZERO,
     RANGE,
     SECONDS,
     Range,
@@ -131,6 +132,17 @@ class DataPlaneLimits:
             "help": "seconds a data-plane connection has from accept to its HELLO answered (TLS handshake "
             "included); then it is closed",
             RANGE: SECONDS,
+        },
+    )
+    max_shared_memory: int = field(
+        default=0,
+        metadata={
+            "help": "MiB of shared memory the local data-plane connections may attach, all together (θ's float32 "
+            "size each, mapped by the server: its RSS); past it an ATTACH is refused RESOURCE_EXHAUSTED "
+            "(shared_memory_limit) and that client sends θ on its socket. 0: 16 θ's worth, at most a quarter of "
+            "what the server may still use when the first is attached (--memory-budget-mb when set, else the "
+            "tightest of RLIMIT_AS, its cgroup's limit and available memory)",
+            RANGE: MEBIBYTES_OR_ZERO,
         },
     )
 

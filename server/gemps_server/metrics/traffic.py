@@ -29,7 +29,8 @@ DATA_PLANE_REFUSALS = (
     "too_many_connections",  # past --max-data-connections
     "refused_unread",  # a request refused before its payload was read: the connection is closed
     "slow_upload",  # a payload too slow for the fast lane, and no slow-upload buffer free (refused unread)
-    "bad_attach",  # shared memory refused: not one sealed memfd of θ's size, not local, or twice
+    "bad_attach",  # shared memory refused: not one sealed memfd of θ's size, not written by its client, twice
+    "shared_memory_limit",  # shared memory refused: past --max-shared-memory (the client uses its socket)
 )
 
 
@@ -64,7 +65,8 @@ class TrafficMetrics:
         self.data_plane_refusals = Counter(
             "gemps_data_plane_refusals",
             "Data-plane connections closed by a guard, by reason (bad frame or hello, ticket, timeouts, "
-            "connection limits, a request refused before its payload was read, a slow upload without room).",
+            "connection limits, a request refused before its payload was read, a slow upload without room, shared "
+            "memory refused).",
             ["reason"],
             registry=registry,
         )
@@ -72,6 +74,16 @@ class TrafficMetrics:
             self.data_plane_refusals.labels(reason)
         self.data_plane_connections = Gauge(
             "gemps_data_plane_connections", "Open data-plane connections.", registry=registry
+        )
+        self.shared_memory = Gauge(
+            "gemps_data_plane_shared_memory_bytes",
+            "Bytes of shared memory attached by local data-plane connections (mapped by the server).",
+            registry=registry,
+        )
+        self.shared_memory_limit = Gauge(
+            "gemps_data_plane_shared_memory_limit_bytes",
+            "What they may attach together (--max-shared-memory; 0 until settled at the first ATTACH when auto).",
+            registry=registry,
         )
 
     def rpc(self, method: str, seconds: float, plane: str = "grpc") -> None:

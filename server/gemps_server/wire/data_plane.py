@@ -33,6 +33,7 @@ from gemps_proto.reasons import Reason
 from gemps_server.config import ServerConfig
 from gemps_server.domain.errors import ResourceExhausted
 from gemps_server.logs import Throttle, event
+from gemps_server.memory_budget import MIB
 from gemps_server.metrics import ServerMetrics
 from gemps_server.security import tls_context
 from gemps_server.service import ParameterService
@@ -40,6 +41,7 @@ from gemps_server.wire.data_plane_calls import Connection, Limits, error_header
 from gemps_server.wire.data_plane_io import Channel
 from gemps_server.wire.data_plane_loop import Body, Loop, Parked, Task
 from gemps_server.wire.data_plane_uploads import Lanes
+from gemps_server.wire.shared_memory import SharedMemoryBudget
 from gemps_server.wire.streams import Pace
 
 log = logging.getLogger("gemps.server")
@@ -62,6 +64,7 @@ class DataPlaneServer:
             handshake_timeout=config.data_plane_hello_timeout,
             idle_timeout=config.connection_idle_timeout,
             pace=Pace(config.stream_idle_timeout, config.min_stream_bytes_per_second),
+            shared_memory=SharedMemoryBudget(config.max_shared_memory * MIB, metrics, config.memory_budget_mb * MIB),
         )
         self._lanes = Lanes(config.data_plane_buffers, config.slow_upload_buffers, config.max_workers)
         self._tls = tls_context(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls else None

@@ -65,7 +65,7 @@ from gemps_server.wire import messages, shared_memory
 from gemps_server.wire.data_plane_io import Channel, Hangup, PeerClosed, Stalled, Unread, close_fds, pieces
 from gemps_server.wire.data_plane_loop import Call, Handshake, ReadInto, Task, Wait, Write
 from gemps_server.wire.data_plane_uploads import Held, Lanes, waited
-from gemps_server.wire.shared_memory import SharedRegion
+from gemps_server.wire.shared_memory import SharedMemoryBudget, SharedRegion
 from gemps_server.wire.status_codes import status_of
 from gemps_server.wire.stream_buffers import Buffer
 from gemps_server.wire.streams import Pace
@@ -88,6 +88,7 @@ class Limits:
     # gRPC's streams' pace: no byte for pace.idle_timeout mid-frame or mid-reply, and a payload
     # or a reply moving slower than pace.min_bytes_per_second on average, end the connection
     pace: Pace
+    shared_memory: SharedMemoryBudget  # what local connections may attach together (--max-shared-memory)
 
     @property
     def stream_timeout(self) -> float:
@@ -308,10 +309,12 @@ class Connection:
             if len(fds) != 1 or self.channel.fds_cut:
                 raise InvalidArgument(f"an ATTACH carries one descriptor, not {len(fds)}", Reason.MALFORMED)
             self._service.require_initialized()
-            self._region = shared_memory.attach(fds.pop(), attach.size, 4 * self._service.num_parameters)
+            theta_bytes = 4 * self._service.num_parameters
+            self._region = shared_memory.attach(fds.pop(), attach.size, theta_bytes, self._limits.shared_memory)
         except ServiceError as error:
             close_fds(fds)
-            raise (yield from self._refuse(error, "bad_attach")) from None
+            refusal = "shared_memory_limit" if error.reason is Reason.SHARED_MEMORY_LIMIT else "bad_attach"
+            raise (yield from self._refuse(error, refusal)) from None
         yield from self._send()
 
     def _no_descriptors(self, unread: bool = False) -> None:

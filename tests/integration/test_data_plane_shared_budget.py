@@ -1,0 +1,188 @@
+"""Shared memory a local client attaches is charged to it, and bounded (issue 42, item 6;
+server/gemps_server/wire/shared_memory.py).
+
+The attack: registered local connections attach memfds they never touched and pull once, so the
+server writes θ into them, faults their pages in, and holds them (its RSS, its cgroup's memory):
+763 MiB for 200 connections at P = 1M. Now a memfd must be written (allocated) by its client
+before it is attached, and what every connection together may attach is bounded by
+--max-shared-memory: past it, ATTACH is refused RESOURCE_EXHAUSTED (shared_memory_limit, counted),
+the bytes are given back when a connection ends, and an honest SDK client past the bound commits
+through the socket. A real server process, so its memory is its own to measure."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import sys
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+import gemps
+from gemps.data_plane_transport import DataPlaneTransport
+from gemps_proto.data_plane_frames import REPLY, SHARED, Op
+from gemps_proto.schema_proto import tensor_to_proto
+from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_worker.cluster import ServerProcess
+from tests.data_plane_client import DataPlaneClient
+from tests.helpers import scrape_series, wait_for
+from tests.integration.conftest import StartServerProcess, open_stub
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="memfd, seals and abstract sockets are Linux's")
+
+MIB = 1 << 20
+P = 1 << 20  # the attack's model: 4 MiB of float32 θ
+SIZE = 4 * P
+ATTACKERS = 200
+LIMIT_MB = 32  # --max-shared-memory in the attack's test: 8 regions of θ
+# What else the server's shared pages may grow by meanwhile (its own memfds, a pull's slack).
+MARGIN = 16 * MIB
+
+
+def rss_shmem(pid: int) -> int:
+    """Bytes of shared memory mapped in the process `pid` (RssShmem: its pages of memfds)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssShmem in /proc/PID/status")
+
+
+def series(server: ServerProcess) -> dict[str, float]:
+    return scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics")
+
+
+def refusals(server: ServerProcess) -> dict[str, float]:
+    prefix = 'gemps_data_plane_refusals_total{reason="'
+    return {name[len(prefix) : -2]: value for name, value in series(server).items() if name.startswith(prefix)}
+
+
+def attached_bytes(server: ServerProcess) -> float:
+    return series(server)["gemps_data_plane_shared_memory_bytes"]
+
+
+def memfd(touched: bool) -> int:
+    """θ's float32 size of memory, sealed as the server asks; `touched`: allocated here first
+    (posix_fallocate, as the SDK does), else never written (its pages exist nowhere yet)."""
+    fd = os.memfd_create("test-shared", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, SIZE)
+    if touched:
+        os.posix_fallocate(fd, 0, SIZE)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
+
+
+def registered(server: ServerProcess) -> pb.RegisterResponse:
+    """A worker of a P-value model (θ initialised by the first)."""
+    spec = [pb.ParameterSpec(name="w", shape=[P], dtype=pb.DTYPE_FLOAT32)]
+    initial = tensor_to_proto(np.linspace(-1, 1, P, dtype=np.float32))
+    reply: pb.RegisterResponse = open_stub(server.target).Register(
+        pb.RegisterRequest(spec=spec, initial_parameters=initial)
+    )
+    assert reply.data_plane.local_socket, "shared memory is on"
+    return reply
+
+
+def punch(fd: int) -> None:
+    """Free every page of the memfd `fd` again (as fallocate PUNCH_HOLE would): a seal against
+    shrinking allows it, so the server's next write makes them anew, charged to the server."""
+    with mmap.mmap(fd, SIZE) as memory:
+        memory.madvise(mmap.MADV_REMOVE)
+    assert os.fstat(fd).st_blocks == 0
+
+
+@contextlib.contextmanager
+def attackers(
+    reply: pb.RegisterResponse, count: int, touched: bool, punched: bool = False
+) -> Iterator[list[pb.DataPlaneError | None]]:
+    """`count` local connections of the worker `reply`, open together, each attaching a memfd
+    and, when that is answered, pulling once into it (`punched`: its pages freed first, after the
+    server checked them): what each ATTACH got (None: attached)."""
+    clients: list[DataPlaneClient] = []
+    answers: list[pb.DataPlaneError | None] = []
+    try:
+        for _ in range(count):
+            client = DataPlaneClient(0, local_socket=reply.data_plane.local_socket)
+            clients.append(client)
+            assert client.hello(reply.worker_id, reply.data_plane.ticket).op == Op.HELLO | REPLY
+            fd = memfd(touched)
+            frame = client.attach([fd], SIZE)
+            if punched and frame.op == Op.ATTACH | REPLY:
+                punch(fd)
+            os.close(fd)  # the server has its own copy (or has closed it): the pages are its mapping's
+            answers.append(frame.error)
+            if frame.op == Op.ATTACH | REPLY:
+                client.send(Op.PULL, pb.PullRequest(worker_id=reply.worker_id).SerializeToString(), flags=SHARED)
+                assert client.receive(memoryview(b"")).op == Op.PULL | REPLY
+        yield answers
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_attaches_past_max_shared_memory_are_refused_and_the_servers_memory_stays_bounded(
+    start_server_process: StartServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GEMPS_MAX_SHARED_MEMORY", str(LIMIT_MB))  # as a user sets it (the flag's variable)
+    server = start_server_process(rule="downpour", max_message_mb=8)
+    reply = registered(server)
+    before = rss_shmem(server.pid)
+    fit = LIMIT_MB * MIB // SIZE
+    # The worst a client can do: memory written at ATTACH, freed after it (the server's pull then
+    # makes the pages, in its own cgroup): still no more than the bound.
+    with attackers(reply, ATTACKERS, touched=True, punched=True) as answers:
+        grown = rss_shmem(server.pid) - before
+        refused = [answer for answer in answers if answer is not None]
+        assert len(answers) - len(refused) == fit, "as many as fit are attached, no more"
+        assert grown <= LIMIT_MB * MIB + MARGIN, f"{grown / MIB:.0f} MiB of shared pages added"
+        for answer in refused:
+            assert answer.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            assert answer.reason == "shared_memory_limit" and "--max-shared-memory" in answer.message
+        assert refusals(server)["shared_memory_limit"] == ATTACKERS - fit
+        assert attached_bytes(server) == fit * SIZE
+        assert series(server)["gemps_data_plane_shared_memory_limit_bytes"] == LIMIT_MB * MIB
+    # Given back when the connections end: the gauge falls to zero, and the next one attaches.
+    wait_for(lambda: attached_bytes(server) == 0, timeout=10, what="shared memory given back")
+    wait_for(lambda: rss_shmem(server.pid) <= before + MARGIN, timeout=10, what="shared pages unmapped")
+    with attackers(reply, 1, touched=True) as answers:
+        assert answers == [None]
+
+
+def test_memory_its_client_never_wrote_is_refused_and_costs_the_server_nothing(
+    start_server_process: StartServerProcess,
+) -> None:
+    server = start_server_process(rule="downpour", max_message_mb=8)  # the default bound
+    reply = registered(server)
+    before = rss_shmem(server.pid)
+    with attackers(reply, ATTACKERS, touched=False) as answers:
+        grown = rss_shmem(server.pid) - before
+        assert grown <= MARGIN, f"{grown / MIB:.0f} MiB of shared pages added by memory no client wrote"
+        assert all(answer is not None and answer.reason == "malformed" for answer in answers)
+        assert answers[0] is not None and "not written" in answers[0].message
+        assert refusals(server)["bad_attach"] == ATTACKERS
+    assert attached_bytes(server) == 0
+
+
+def test_an_honest_sdk_client_past_the_bound_commits_through_the_socket_and_says_why_once(
+    start_server_process: StartServerProcess, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GEMPS_MAX_SHARED_MEMORY", str(SIZE // MIB))  # one region of θ
+    server = start_server_process(rule="downpour", max_message_mb=8)
+    reply = registered(server)
+    with attackers(reply, 1, touched=True) as answers:  # the one region that fits is taken
+        assert answers == [None]
+        with caplog.at_level(logging.WARNING, "gemps.client"), gemps.Client(server.target, plane="data") as client:
+            client.register({"w": np.zeros(P, np.float32)})
+            for _ in range(3):
+                result = client.commit(np.full(P, 0.5, np.float32))
+            transport = client._router.sessions[0].transport
+            assert isinstance(transport, DataPlaneTransport) and not transport.shared and transport.plane == "data"
+        assert result.version == 3
+        said = [record.getMessage() for record in caplog.records if "--max-shared-memory" in record.getMessage()]
+        assert len(said) == 1, said
+        assert refusals(server)["shared_memory_limit"] == 1
