@@ -28,6 +28,7 @@ from gemps.data_plane_transport import DataPlaneTransport
 from gemps_proto.data_plane_frames import REPLY, SHARED, Op
 from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_server.wire.shared_memory import PER_WORKER
 from gemps_worker.cluster import ServerProcess
 from tests.data_plane_client import DataPlaneClient
 from tests.helpers import scrape_series, wait_for
@@ -77,15 +78,15 @@ def memfd(touched: bool) -> int:
     return fd
 
 
-def registered(server: ServerProcess) -> pb.RegisterResponse:
-    """A worker of a P-value model (θ initialised by the first)."""
+def registered(server: ServerProcess, workers: int = 1) -> list[pb.RegisterResponse]:
+    """Workers of a P-value model (θ initialised by the first)."""
+    stub = open_stub(server.target)
     spec = [pb.ParameterSpec(name="w", shape=[P], dtype=pb.DTYPE_FLOAT32)]
     initial = tensor_to_proto(np.linspace(-1, 1, P, dtype=np.float32))
-    reply: pb.RegisterResponse = open_stub(server.target).Register(
-        pb.RegisterRequest(spec=spec, initial_parameters=initial)
-    )
-    assert reply.data_plane.local_socket, "shared memory is on"
-    return reply
+    replies = [stub.Register(pb.RegisterRequest(spec=spec, initial_parameters=initial))]
+    replies += [stub.Register(pb.RegisterRequest(spec=spec)) for _ in range(workers - 1)]
+    assert replies[0].data_plane.local_socket, "shared memory is on"
+    return replies
 
 
 def punch(fd: int) -> None:
@@ -98,15 +99,16 @@ def punch(fd: int) -> None:
 
 @contextlib.contextmanager
 def attackers(
-    reply: pb.RegisterResponse, count: int, touched: bool, punched: bool = False
+    workers: list[pb.RegisterResponse], count: int, touched: bool, punched: bool = False
 ) -> Iterator[list[pb.DataPlaneError | None]]:
-    """`count` local connections of the worker `reply`, open together, each attaching a memfd
-    and, when that is answered, pulling once into it (`punched`: its pages freed first, after the
-    server checked them): what each ATTACH got (None: attached)."""
+    """`count` local connections of the registrations `workers` (in turn), open together, each
+    attaching a memfd and, when that is answered, pulling once into it (`punched`: its pages freed
+    first, after the server checked them): what each ATTACH got (None: attached)."""
     clients: list[DataPlaneClient] = []
     answers: list[pb.DataPlaneError | None] = []
     try:
-        for _ in range(count):
+        for index in range(count):
+            reply = workers[index % len(workers)]
             client = DataPlaneClient(0, local_socket=reply.data_plane.local_socket)
             clients.append(client)
             assert client.hello(reply.worker_id, reply.data_plane.ticket).op == Op.HELLO | REPLY
@@ -130,12 +132,12 @@ def test_attaches_past_max_shared_memory_are_refused_and_the_servers_memory_stay
 ) -> None:
     monkeypatch.setenv("GEMPS_MAX_SHARED_MEMORY", str(LIMIT_MB))  # as a user sets it (the flag's variable)
     server = start_server_process(rule="downpour", max_message_mb=8)
-    reply = registered(server)
+    workers = registered(server, ATTACKERS // PER_WORKER)  # each with as many regions as a worker may have
     before = rss_shmem(server.pid)
     fit = LIMIT_MB * MIB // SIZE
     # The worst a client can do: memory written at ATTACH, freed after it (the server's pull then
     # makes the pages, in its own cgroup): still no more than the bound.
-    with attackers(reply, ATTACKERS, touched=True, punched=True) as answers:
+    with attackers(workers, ATTACKERS, touched=True, punched=True) as answers:
         grown = rss_shmem(server.pid) - before
         refused = [answer for answer in answers if answer is not None]
         assert len(answers) - len(refused) == fit, "as many as fit are attached, no more"
@@ -149,17 +151,32 @@ def test_attaches_past_max_shared_memory_are_refused_and_the_servers_memory_stay
     # Given back when the connections end: the gauge falls to zero, and the next one attaches.
     wait_for(lambda: attached_bytes(server) == 0, timeout=10, what="shared memory given back")
     wait_for(lambda: rss_shmem(server.pid) <= before + MARGIN, timeout=10, what="shared pages unmapped")
-    with attackers(reply, 1, touched=True) as answers:
+    with attackers(workers, 1, touched=True) as answers:
         assert answers == [None]
+
+
+def test_one_worker_cannot_take_every_place(start_server_process: StartServerProcess) -> None:
+    server = start_server_process(rule="downpour", max_message_mb=8)  # the default bound: 16 regions here
+    hoarder, honest = registered(server, 2)
+    before = rss_shmem(server.pid)
+    with attackers([hoarder], ATTACKERS, touched=True) as answers:
+        assert answers[:PER_WORKER] == [None] * PER_WORKER
+        refused = answers[PER_WORKER:]
+        assert all(answer is not None and answer.reason == "shared_memory_limit" for answer in refused)
+        assert refused[0] is not None and f"at most {PER_WORKER} a worker" in refused[0].message
+        assert rss_shmem(server.pid) - before <= PER_WORKER * SIZE + MARGIN
+        with attackers([honest], 1, touched=True) as theirs:  # another worker still attaches
+            assert theirs == [None]
+        assert refusals(server)["shared_memory_limit"] == ATTACKERS - PER_WORKER
 
 
 def test_memory_its_client_never_wrote_is_refused_and_costs_the_server_nothing(
     start_server_process: StartServerProcess,
 ) -> None:
     server = start_server_process(rule="downpour", max_message_mb=8)  # the default bound
-    reply = registered(server)
+    workers = registered(server)
     before = rss_shmem(server.pid)
-    with attackers(reply, ATTACKERS, touched=False) as answers:
+    with attackers(workers, ATTACKERS, touched=False) as answers:
         grown = rss_shmem(server.pid) - before
         assert grown <= MARGIN, f"{grown / MIB:.0f} MiB of shared pages added by memory no client wrote"
         assert all(answer is not None and answer.reason == "malformed" for answer in answers)
@@ -173,8 +190,7 @@ def test_an_honest_sdk_client_past_the_bound_commits_through_the_socket_and_says
 ) -> None:
     monkeypatch.setenv("GEMPS_MAX_SHARED_MEMORY", str(SIZE // MIB))  # one region of θ
     server = start_server_process(rule="downpour", max_message_mb=8)
-    reply = registered(server)
-    with attackers(reply, 1, touched=True) as answers:  # the one region that fits is taken
+    with attackers(registered(server), 1, touched=True) as answers:  # the one region that fits is taken
         assert answers == [None]
         with caplog.at_level(logging.WARNING, "gemps.client"), gemps.Client(server.target, plane="data") as client:
             client.register({"w": np.zeros(P, np.float32)})

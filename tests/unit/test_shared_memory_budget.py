@@ -9,7 +9,7 @@ from gemps_proto.reasons import Reason
 from gemps_server.domain.errors import ResourceExhausted
 from gemps_server.memory_budget import GIB, MIB, Headroom
 from gemps_server.metrics import ServerMetrics
-from gemps_server.wire.shared_memory import AUTO_REGIONS, SharedMemoryBudget
+from gemps_server.wire.shared_memory import AUTO_REGIONS, PER_WORKER, SharedMemoryBudget
 
 THETA = 4 * MIB  # P = 1M
 
@@ -48,15 +48,26 @@ def test_the_bound_is_as_set_or_sixteen_thetas_at_most_a_quarter_of_the_room(
 
 def test_past_the_bound_an_attach_is_refused_naming_the_option_and_bytes_come_back_once() -> None:
     shared = budget(configured=3 * THETA)
-    releases = [shared.reserve(THETA, THETA) for _ in range(3)]
+    releases = [shared.reserve(THETA, THETA, owner) for owner in "abc"]
     assert gauge("gemps_data_plane_shared_memory_bytes") == 3 * THETA
     with pytest.raises(ResourceExhausted) as refused:
-        shared.reserve(THETA, THETA)
+        shared.reserve(THETA, THETA, "d")
     assert refused.value.reason is Reason.SHARED_MEMORY_LIMIT
     assert "3 local connections have 12 MiB attached" in refused.value.message
     assert "--max-shared-memory" in refused.value.message
     releases[0]()
     releases[0]()  # given back once, however often it is called
     assert shared.attached == 2 * THETA and shared.regions == 2
-    shared.reserve(THETA, THETA)
+    shared.reserve(THETA, THETA, "d")
     assert gauge("gemps_data_plane_shared_memory_bytes") == 3 * THETA
+
+
+def test_a_worker_has_at_most_two_regions_attached_at_once() -> None:
+    shared = budget(configured=10 * THETA)
+    first = [shared.reserve(THETA, THETA, "w") for _ in range(PER_WORKER)]
+    with pytest.raises(ResourceExhausted) as refused:
+        shared.reserve(THETA, THETA, "w")
+    assert refused.value.reason is Reason.SHARED_MEMORY_LIMIT and "at most 2 a worker" in refused.value.message
+    shared.reserve(THETA, THETA, "another")  # within the bound: another worker's is taken
+    first[0]()
+    shared.reserve(THETA, THETA, "w")  # one given back: room for this worker's again

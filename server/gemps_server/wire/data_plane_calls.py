@@ -309,8 +309,9 @@ class Connection:
             if len(fds) != 1 or self.channel.fds_cut:
                 raise InvalidArgument(f"an ATTACH carries one descriptor, not {len(fds)}", Reason.MALFORMED)
             self._service.require_initialized()
-            theta_bytes = 4 * self._service.num_parameters
-            self._region = shared_memory.attach(fds.pop(), attach.size, theta_bytes, self._limits.shared_memory)
+            budget, owner = self._limits.shared_memory, self._protocol.worker_id  # charged to the worker
+            theta = 4 * self._service.num_parameters
+            self._region = shared_memory.attach(fds.pop(), attach.size, theta, budget, owner)
         except ServiceError as error:
             close_fds(fds)
             refusal = "shared_memory_limit" if error.reason is Reason.SHARED_MEMORY_LIMIT else "bad_attach"

@@ -7,14 +7,16 @@ that client's payloads from it and writes the replies' θ into it.
 Whose memory it is (issue 42, item 6): a page of a memfd is charged (its cgroup's memory) to the
 process that first makes it exist. A memfd its client never wrote has no pages yet, so the
 server's first reply would make them all, in its own cgroup: 200 such connections at P = 1M
-added 763 MiB to the server. So a memfd is mapped only when every page of it exists already
-(st_blocks covers its size: its client's, where its client is charged), and what all the
-connections together may have mapped is bounded (SharedMemoryBudget, --max-shared-memory): past
-it an ATTACH is refused RESOURCE_EXHAUSTED (shared_memory_limit) and that client sends θ on its
-socket. What this does not prevent: a client that punches holes after attaching (fallocate
+added 800 MiB to the server. So a memfd is mapped only when every page of it exists already
+(st_blocks covers its size: its client's, where its client is charged), and what is mapped is
+bounded (SharedMemoryBudget): at most PER_WORKER regions per worker, so that one ticket cannot
+take every place, and all connections together within --max-shared-memory. Past either an
+ATTACH is refused RESOURCE_EXHAUSTED (shared_memory_limit) and that client sends θ on its socket.
+
+What this does not prevent: a client that frees its pages after attaching (fallocate
 PUNCH_HOLE, madvise MADV_REMOVE: a seal against shrinking allows both) makes the server's next
-reply fault those pages in, charged to the server; and the pages the server maps count in its
-RSS (RssShmem, and so in the OOM killer's choice) whoever is charged. Both are at most the bound.
+reply fault them in again, charged to the server; and the pages the server maps count in its RSS
+(RssShmem, and so in the OOM killer's choice) whoever is charged. Both are at most the bound.
 
 Trust (DESIGN §3b): a descriptor is mapped only when it is a memfd (it has seals), sealed against
 shrinking (a file cut short under a mapping would kill this process with SIGBUS on the next read),
@@ -50,6 +52,9 @@ log = logging.getLogger("gemps.server")
 AUTO_REGIONS = 16
 #: ...and at most this share of what the server may still use when the first is attached
 AUTO_SHARE = 4
+#: Regions one worker's connections may have attached at once: its SDK holds one (two while a
+#: connection it replaced is not closed yet), so one ticket cannot take every place.
+PER_WORKER = 2
 
 
 class SharedRegion:
@@ -79,8 +84,8 @@ class SharedMemoryBudget:
     """Bytes of shared memory every local connection together may have attached: `configured`
     (--max-shared-memory, bytes), or when 0 settled at the first ATTACH, once θ's size is known:
     AUTO_REGIONS θ's, at most 1/AUTO_SHARE of `memory_budget` (--memory-budget-mb, bytes) or,
-    without one, of what `probe` says the server may still use. Reserved before a region is
-    mapped, given back when it is closed."""
+    without one, of what `probe` says the server may still use; at most PER_WORKER regions per
+    worker. Reserved before a region is mapped, given back when it is closed."""
 
     def __init__(
         self,
@@ -96,6 +101,7 @@ class SharedMemoryBudget:
         self.source = "--max-shared-memory"
         self.attached = 0
         self.regions = 0
+        self._owners: dict[str, int] = {}  # regions attached by each worker's connections
         self._lock = threading.Lock()  # taken on the data plane's thread, and by whoever closes a region
         metrics.traffic.shared_memory_limit.set(self.limit or 0)
 
@@ -113,11 +119,20 @@ class SharedMemoryBudget:
         event(log, "shared memory bound settled", bound=size(self.limit), source=self.source)
         return self.limit
 
-    def reserve(self, nbytes: int, theta_bytes: int) -> Callable[[], None]:
-        """Take `nbytes` for a region; what gives them back (once). ResourceExhausted
-        (shared_memory_limit) past the bound: the client sends θ on its socket instead."""
+    def reserve(self, nbytes: int, theta_bytes: int, owner: str) -> Callable[[], None]:
+        """Take `nbytes` for a region of the worker `owner`; what gives them back (once).
+        ResourceExhausted (shared_memory_limit) past the bound, or past PER_WORKER regions for
+        `owner`: the client sends θ on its socket instead."""
         limit = self.settle(theta_bytes)
         with self._lock:
+            held = self._owners.get(owner, 0)
+            if held >= PER_WORKER:
+                raise ResourceExhausted(
+                    f"shared memory refused: worker {owner!r} has {held} other connections with shared memory "
+                    f"attached (at most {PER_WORKER} a worker, within --max-shared-memory); send θ on the socket "
+                    "instead",
+                    Reason.SHARED_MEMORY_LIMIT,
+                )
             if self.attached + nbytes > limit:
                 raise ResourceExhausted(
                     f"shared memory refused: {self.regions} local connections have {size(self.attached)} attached "
@@ -125,7 +140,7 @@ class SharedMemoryBudget:
                     "raise the server's --max-shared-memory",
                     Reason.SHARED_MEMORY_LIMIT,
                 )
-            self._count(nbytes, 1)
+            self._count(owner, nbytes, 1)
         released = False
 
         def release() -> None:
@@ -133,24 +148,29 @@ class SharedMemoryBudget:
             with self._lock:
                 if not released:
                     released = True
-                    self._count(-nbytes, -1)
+                    self._count(owner, -nbytes, -1)
 
         return release
 
-    def _count(self, nbytes: int, regions: int) -> None:
+    def _count(self, owner: str, nbytes: int, regions: int) -> None:
         self.attached += nbytes
         self.regions += regions
+        held = self._owners.get(owner, 0) + regions
+        if held:
+            self._owners[owner] = held
+        else:
+            del self._owners[owner]
         self._metrics.traffic.shared_memory.set(self.attached)
 
 
-def attach(fd: int, announced: int, expected: int, budget: SharedMemoryBudget) -> SharedRegion:
+def attach(fd: int, announced: int, expected: int, budget: SharedMemoryBudget, owner: str) -> SharedRegion:
     """Map the memfd `fd` announced as `announced` bytes, where θ's float32 bytes are `expected`,
-    within `budget`; InvalidArgument (the descriptor is not mapped) if it is not what a client may
-    attach, ResourceExhausted past the budget. The descriptor is closed either way (the mapping
-    keeps the memory)."""
+    within `budget`, for a connection of the worker `owner`; InvalidArgument (the descriptor is
+    not mapped) if it is not what a client may attach, ResourceExhausted past the budget. The
+    descriptor is closed either way (the mapping keeps the memory)."""
     try:
         checked = _checked(fd, announced, expected)
-        release = budget.reserve(checked, expected)
+        release = budget.reserve(checked, expected, owner)
         try:
             return SharedRegion(fd, checked, release)
         except BaseException:
