@@ -141,13 +141,14 @@ class DataConnection:
     def attach(self, size: int) -> None:
         """Attach `size` bytes of shared memory (θ's float32 bytes on this server): a memfd
         allocated here (its pages are this process's, charged to it: the server maps no memory its
-        client has not made), sealed against shrinking and growing, passed with an ATTACH frame.
-        Its refusal is raised typed (the server closes the connection after it)."""
+        client has not made), sealed against shrinking and growing, mapped here, then passed with
+        an ATTACH frame (the server seals it against new writable mappings and hole punching once
+        it has mapped it). Its refusal is raised typed (the server closes the connection after it)."""
         fd = os.memfd_create("gemps-data-plane", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
             os.posix_fallocate(fd, 0, size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
             shared = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             with self._typed():
                 socket.send_fds(self.sock, [self._protocol.send(Attach(size))], [fd])

@@ -33,8 +33,8 @@ def shared_memory(client: DataPlaneClient) -> mmap.mmap:
     os.ftruncate(fd, 4 * P)
     os.posix_fallocate(fd, 0, 4 * P)  # written by its client first: the server maps no other
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    memory = mmap.mmap(fd, 4 * P)  # before ATTACH: then the server seals it against new writable mappings
     assert client.attach([fd], 4 * P).op == Op.ATTACH | REPLY
-    memory = mmap.mmap(fd, 4 * P)
     os.close(fd)
     return memory
 

@@ -28,7 +28,7 @@ from gemps.data_plane_transport import DataPlaneTransport
 from gemps_proto.data_plane_frames import REPLY, SHARED, Op
 from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_server.wire.shared_memory import PER_WORKER
+from gemps_server.wire.shared_memory_budget import PER_WORKER
 from gemps_worker.cluster import ServerProcess
 from tests.data_plane_client import DataPlaneClient
 from tests.helpers import scrape_series, wait_for
@@ -89,21 +89,13 @@ def registered(server: ServerProcess, workers: int = 1) -> list[pb.RegisterRespo
     return replies
 
 
-def punch(fd: int) -> None:
-    """Free every page of the memfd `fd` again (as fallocate PUNCH_HOLE would): a seal against
-    shrinking allows it, so the server's next write makes them anew, charged to the server."""
-    with mmap.mmap(fd, SIZE) as memory:
-        memory.madvise(mmap.MADV_REMOVE)
-    assert os.fstat(fd).st_blocks == 0
-
-
 @contextlib.contextmanager
 def attackers(
-    workers: list[pb.RegisterResponse], count: int, touched: bool, punched: bool = False
+    workers: list[pb.RegisterResponse], count: int, touched: bool
 ) -> Iterator[list[pb.DataPlaneError | None]]:
     """`count` local connections of the registrations `workers` (in turn), open together, each
-    attaching a memfd and, when that is answered, pulling once into it (`punched`: its pages freed
-    first, after the server checked them): what each ATTACH got (None: attached)."""
+    attaching a memfd and, when that is answered, pulling once into it: what each ATTACH got
+    (None: attached)."""
     clients: list[DataPlaneClient] = []
     answers: list[pb.DataPlaneError | None] = []
     try:
@@ -114,8 +106,6 @@ def attackers(
             assert client.hello(reply.worker_id, reply.data_plane.ticket).op == Op.HELLO | REPLY
             fd = memfd(touched)
             frame = client.attach([fd], SIZE)
-            if punched and frame.op == Op.ATTACH | REPLY:
-                punch(fd)
             os.close(fd)  # the server has its own copy (or has closed it): the pages are its mapping's
             answers.append(frame.error)
             if frame.op == Op.ATTACH | REPLY:
@@ -127,6 +117,16 @@ def attackers(
             client.close()
 
 
+@contextlib.contextmanager
+def one_attach(reply: pb.RegisterResponse, fd: int) -> Iterator[pb.DataPlaneError | None]:
+    """One local connection attaching the memfd `fd` (closed here): what the ATTACH got."""
+    with DataPlaneClient(0, local_socket=reply.data_plane.local_socket) as client:
+        assert client.hello(reply.worker_id, reply.data_plane.ticket).op == Op.HELLO | REPLY
+        frame = client.attach([fd], SIZE)
+        os.close(fd)
+        yield frame.error
+
+
 def test_attaches_past_max_shared_memory_are_refused_and_the_servers_memory_stays_bounded(
     start_server_process: StartServerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -135,9 +135,7 @@ def test_attaches_past_max_shared_memory_are_refused_and_the_servers_memory_stay
     workers = registered(server, ATTACKERS // PER_WORKER)  # each with as many regions as a worker may have
     before = rss_shmem(server.pid)
     fit = LIMIT_MB * MIB // SIZE
-    # The worst a client can do: memory written at ATTACH, freed after it (the server's pull then
-    # makes the pages, in its own cgroup): still no more than the bound.
-    with attackers(workers, ATTACKERS, touched=True, punched=True) as answers:
+    with attackers(workers, ATTACKERS, touched=True) as answers:
         grown = rss_shmem(server.pid) - before
         refused = [answer for answer in answers if answer is not None]
         assert len(answers) - len(refused) == fit, "as many as fit are attached, no more"
@@ -156,7 +154,7 @@ def test_attaches_past_max_shared_memory_are_refused_and_the_servers_memory_stay
 
 
 def test_one_worker_cannot_take_every_place(start_server_process: StartServerProcess) -> None:
-    server = start_server_process(rule="downpour", max_message_mb=8)  # the default bound: 16 regions here
+    server = start_server_process(rule="downpour", max_message_mb=8)  # the default bound
     hoarder, honest = registered(server, 2)
     before = rss_shmem(server.pid)
     with attackers([hoarder], ATTACKERS, touched=True) as answers:
@@ -183,6 +181,37 @@ def test_memory_its_client_never_wrote_is_refused_and_costs_the_server_nothing(
         assert answers[0] is not None and "not written" in answers[0].message
         assert refusals(server)["bad_attach"] == ATTACKERS
     assert attached_bytes(server) == 0
+
+
+def test_once_attached_its_pages_cannot_be_freed_nor_mapped_writable_again(
+    start_server_process: StartServerProcess,
+) -> None:
+    """Pages freed after the check would be made again by the server's next reply, charged to it:
+    once mapped, the server seals the memfd F_SEAL_FUTURE_WRITE, and hole punching fails."""
+    server = start_server_process(rule="downpour", max_message_mb=8)
+    reply = registered(server)[0]
+    fd = memfd(touched=True)
+    memory = mmap.mmap(fd, SIZE)  # mapped before ATTACH, as a client must: it writes there
+    with contextlib.closing(memory), DataPlaneClient(0, local_socket=reply.data_plane.local_socket) as client:
+        assert client.hello(reply.worker_id, reply.data_plane.ticket).op == Op.HELLO | REPLY
+        assert client.attach([fd], SIZE).op == Op.ATTACH | REPLY
+        with pytest.raises(PermissionError):
+            memory.madvise(mmap.MADV_REMOVE)  # fallocate(PUNCH_HOLE) underneath
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, SIZE)  # a new writable mapping
+        assert os.fstat(fd).st_blocks * 512 >= SIZE
+        before = rss_shmem(server.pid)
+        memory[:8] = b"\x00" * 8  # the mapping it had still writes
+        client.send(Op.PULL, pb.PullRequest(worker_id=reply.worker_id).SerializeToString(), flags=SHARED)
+        frame = client.receive(memoryview(memory))
+        assert frame.op == Op.PULL | REPLY and len(frame.payload) == SIZE
+        assert rss_shmem(server.pid) - before <= SIZE + MARGIN  # its pages, now mapped by the server too
+    os.close(fd)
+    # A memfd sealed against further seals cannot be sealed so: refused before it is mapped.
+    sealed = memfd(touched=True)
+    fcntl.fcntl(sealed, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
+    with one_attach(reply, sealed) as answer:
+        assert answer is not None and answer.reason == "malformed" and "F_SEAL_FUTURE_WRITE" in answer.message
 
 
 def test_an_honest_sdk_client_past_the_bound_commits_through_the_socket_and_says_why_once(

@@ -227,13 +227,14 @@ def test_a_client_scribbling_on_its_memory_cannot_put_an_unchecked_value_into_th
     reply = stub.Register(pb.RegisterRequest(spec=spec, initial_parameters=tensor_to_proto(np.zeros(size, np.float32))))
     fd = memfd(4 * size)
     with local(reply) as client:
-        assert client.attach([fd], 4 * size).op == Op.ATTACH | REPLY
+        # It maps the memory before ATTACH (the server then seals it against new writable mappings).
         scribbler = subprocess.Popen(
             [sys.executable, "-c", SCRIBBLER, str(fd), str(4 * size)], pass_fds=[fd], stdout=subprocess.PIPE, text=True
         )
         outcomes: list[str] = []
         try:
             assert scribbler.stdout is not None and scribbler.stdout.readline() == "scribbling\n"
+            assert client.attach([fd], 4 * size).op == Op.ATTACH | REPLY
             # Bounded, and long enough to see poison: about half of the scribbler's time is NaN or inf.
             while len(outcomes) < 1000 and (len(outcomes) < 100 or "non_finite" not in outcomes):
                 client.send(Op.COMMIT, commit_header(reply.worker_id, size, 0), payload_bytes=4 * size, flags=SHARED)
@@ -263,8 +264,8 @@ def test_requests_are_applied_in_the_order_they_arrived(start_server: StartServe
     for reply in replies:
         client = local(reply)
         fd = memfd(4 * size)
+        memories.append(mmap.mmap(fd, 4 * size))  # before ATTACH: the server seals it against new writable maps
         assert client.attach([fd], 4 * size).op == Op.ATTACH | REPLY
-        memories.append(mmap.mmap(fd, 4 * size))
         os.close(fd)
         clients.append(client)
     try:

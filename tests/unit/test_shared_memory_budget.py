@@ -9,9 +9,10 @@ from gemps_proto.reasons import Reason
 from gemps_server.domain.errors import ResourceExhausted
 from gemps_server.memory_budget import GIB, MIB, Headroom
 from gemps_server.metrics import ServerMetrics
-from gemps_server.wire.shared_memory import AUTO_REGIONS, PER_WORKER, SharedMemoryBudget
+from gemps_server.wire.shared_memory_budget import PER_WORKER, SharedMemoryBudget
 
 THETA = 4 * MIB  # P = 1M
+MAX_WORKERS = 256
 
 
 METRICS = ServerMetrics()
@@ -19,7 +20,7 @@ METRICS = ServerMetrics()
 
 def budget(configured: int = 0, memory_budget: int = 0, room: int | None = None) -> SharedMemoryBudget:
     probe = (lambda: None) if room is None else (lambda: Headroom(room, "the host's available memory"))
-    return SharedMemoryBudget(configured, METRICS, memory_budget, probe)
+    return SharedMemoryBudget(configured, METRICS, MAX_WORKERS, memory_budget, probe)
 
 
 def gauge(name: str) -> float:
@@ -32,13 +33,13 @@ def gauge(name: str) -> float:
     ("configured", "memory_budget", "room", "bound"),
     [
         (64 * MIB, 0, 1 * MIB, 64 * MIB),  # set: as set, whatever the room
-        (0, 0, None, AUTO_REGIONS * THETA),  # auto, no limit readable: 16 θ's
-        (0, 0, 16 * GIB, AUTO_REGIONS * THETA),  # auto, room to spare: 16 θ's
-        (0, 0, 100 * MIB, 25 * MIB),  # auto, little room: a quarter of it
-        (0, 40 * MIB, 16 * GIB, 10 * MIB),  # auto, --memory-budget-mb set: a quarter of that
+        (0, 0, None, MAX_WORKERS * THETA),  # auto, no limit readable: a θ for each of --max-workers
+        (0, 0, 16 * GIB, MAX_WORKERS * THETA),  # auto, room to spare: the same
+        (0, 0, 100 * MIB, 50 * MIB),  # auto, little room: half of it
+        (0, 40 * MIB, 16 * GIB, 20 * MIB),  # auto, --memory-budget-mb set: half of that
     ],
 )
-def test_the_bound_is_as_set_or_sixteen_thetas_at_most_a_quarter_of_the_room(
+def test_the_bound_is_as_set_or_a_theta_per_worker_at_most_half_the_room(
     configured: int, memory_budget: int, room: int | None, bound: int
 ) -> None:
     shared = budget(configured, memory_budget, room)

@@ -139,10 +139,10 @@ class DataPlaneLimits:
         metadata={
             "help": "MiB of shared memory the local data-plane connections may attach, all together (θ's float32 "
             "size each, mapped by the server: its RSS); past it an ATTACH is refused RESOURCE_EXHAUSTED "
-            "(shared_memory_limit) and that client sends θ on its socket. 0: 16 θ's worth, at most a quarter of "
-            "what the server may still use when the first is attached (--memory-budget-mb when set, else the "
-            "tightest of RLIMIT_AS, its cgroup's limit and available memory). Within it, a worker's connections "
-            "have at most 2 attached at once",
+            "(shared_memory_limit) and that client sends θ on its socket. 0: a θ for each of --max-workers, at "
+            "most half of what the server may still use when the first is attached (--memory-budget-mb when set, "
+            "else the tightest of RLIMIT_AS, its cgroup's limit and available memory). Within it, a worker's "
+            "connections have at most 2 attached at once",
             RANGE: MEBIBYTES_OR_ZERO,
         },
     )

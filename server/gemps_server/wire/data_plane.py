@@ -41,7 +41,7 @@ from gemps_server.wire.data_plane_calls import Connection, Limits, error_header
 from gemps_server.wire.data_plane_io import Channel
 from gemps_server.wire.data_plane_loop import Body, Loop, Parked, Task
 from gemps_server.wire.data_plane_uploads import Lanes
-from gemps_server.wire.shared_memory import SharedMemoryBudget
+from gemps_server.wire.shared_memory_budget import SharedMemoryBudget
 from gemps_server.wire.streams import Pace
 
 log = logging.getLogger("gemps.server")
@@ -64,7 +64,9 @@ class DataPlaneServer:
             handshake_timeout=config.data_plane_hello_timeout,
             idle_timeout=config.connection_idle_timeout,
             pace=Pace(config.stream_idle_timeout, config.min_stream_bytes_per_second),
-            shared_memory=SharedMemoryBudget(config.max_shared_memory * MIB, metrics, config.memory_budget_mb * MIB),
+            shared_memory=SharedMemoryBudget(
+                config.max_shared_memory * MIB, metrics, config.max_workers, config.memory_budget_mb * MIB
+            ),
         )
         self._lanes = Lanes(config.data_plane_buffers, config.slow_upload_buffers, config.max_workers)
         self._tls = tls_context(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls else None

@@ -65,7 +65,8 @@ from gemps_server.wire import messages, shared_memory
 from gemps_server.wire.data_plane_io import Channel, Hangup, PeerClosed, Stalled, Unread, close_fds, pieces
 from gemps_server.wire.data_plane_loop import Call, Handshake, ReadInto, Task, Wait, Write
 from gemps_server.wire.data_plane_uploads import Held, Lanes, waited
-from gemps_server.wire.shared_memory import SharedMemoryBudget, SharedRegion
+from gemps_server.wire.shared_memory import SharedRegion
+from gemps_server.wire.shared_memory_budget import SharedMemoryBudget
 from gemps_server.wire.status_codes import status_of
 from gemps_server.wire.stream_buffers import Buffer
 from gemps_server.wire.streams import Pace
