@@ -8,6 +8,7 @@ that fails unwinds what was started. `serve()` runs one until SIGTERM or SIGINT.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures.thread  # noqa: F401  (see below: imported now, not at shutdown)
 import contextlib
 import logging
 import signal
@@ -24,6 +25,7 @@ from gemps_server.checkpoint_writer import Checkpointer
 from gemps_server.config import ServerConfig
 from gemps_server.config.limits import DEFAULT_MAX_PARAMETERS
 from gemps_server.config_log import log_configuration
+from gemps_server.descriptors import reserve
 from gemps_server.domain.applier import Applier
 from gemps_server.domain.records import PartitionOf
 from gemps_server.domain.rules import rule_class
@@ -53,6 +55,10 @@ from gemps_server.wire.streams import Pace
 
 log = logging.getLogger("gemps.server")
 
+# asyncio.to_thread imports concurrent.futures.thread the first time it runs, which may be at
+# shutdown (the data plane's stop): with every descriptor taken that import failed (EMFILE), the
+# stop with it, and the process exited 1 (issue 42, item 2). Hence the import above.
+
 # Lease checks run this often relative to the TTL, so eviction lags the TTL by at most a quarter.
 LEASE_CHECKS_PER_TTL = 4
 # Exit status when the final checkpoint failed and acknowledged commits were lost (2: cannot start).
@@ -64,6 +70,7 @@ class ParameterServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        reserve()  # descriptors kept from the start for checkpoints and shutdown (descriptors.py)
         self.metrics = ServerMetrics()
         memory = MemoryBudget(config.memory_budget_mb)
         largest = rule_class(config.training.rule).vectors_per_worker * 4 * config.max_parameters
@@ -188,8 +195,11 @@ class ParameterServer:
         """Shut down gracefully: report NOT_SERVING, refuse new RPCs and give in-flight ones up to
         `grace` seconds (default: the config's shutdown_grace), apply every queued commit, write the
         final checkpoint, stop. False when checkpoints are on and the final one failed: commits
-        were acknowledged that no checkpoint holds (logged with the versions lost)."""
-        await self._parts.stop(self.config.shutdown_grace if grace is None else grace)
+        were acknowledged that no checkpoint holds (logged with the versions lost). A part that
+        fails to stop (out of descriptors, say) is logged, the others stopped all the same: it
+        changes nothing to the outcome, which is whether what was acknowledged is durable."""
+        with contextlib.suppress(Exception):  # each part was stopped, its failure logged: durability decides
+            await self._parts.stop(self.config.shutdown_grace if grace is None else grace)
         if self._final is not None and not self._final.durable:
             assert self.checkpointer is not None
             newest = self.checkpointer.last_version

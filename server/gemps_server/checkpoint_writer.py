@@ -29,6 +29,7 @@ from gemps_server.checkpoint_files import (
     save,
 )
 from gemps_server.config import ServerConfig
+from gemps_server.descriptors import sparing
 from gemps_server.directory_lock import DirectoryLock
 from gemps_server.domain import images
 from gemps_server.domain.applier import Applier
@@ -170,7 +171,8 @@ class Checkpointer:
                 return None
             started = time.perf_counter()
             try:
-                path, size, removed = await asyncio.to_thread(self._save, checkpoint)
+                # Out of descriptors (connections took them all), once more with the reserve's.
+                path, size, removed = await asyncio.to_thread(sparing, lambda: self._save(checkpoint))
             except Exception as error:  # a full disk must not take the server down
                 self.failed = True
                 self._metrics.checkpoint_failed()

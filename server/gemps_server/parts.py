@@ -56,9 +56,11 @@ class FinalCheckpoint:
         return None
 
     async def stop(self, grace: float) -> None:
-        await self._checkpointer.write_final()
-        state = self._state
-        self.durable = self._checkpointer.last_version == state.version or not state.initialized
+        try:
+            await self._checkpointer.write_final()
+        finally:  # from what was written, whatever failed
+            state = self._state
+            self.durable = self._checkpointer.last_version == state.version or not state.initialized
 
 
 class CheckpointSchedule:

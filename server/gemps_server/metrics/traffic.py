@@ -31,6 +31,7 @@ DATA_PLANE_REFUSALS = (
     "slow_upload",  # a payload too slow for the fast lane, and no slow-upload buffer free (refused unread)
     "bad_attach",  # shared memory refused: not one sealed memfd of θ's size, not written by its client, twice
     "shared_memory_limit",  # shared memory refused: past --max-shared-memory (the client uses its socket)
+    "descriptors",  # descriptors passed before the HELLO proved a ticket, or more than an ATTACH's one
 )
 
 

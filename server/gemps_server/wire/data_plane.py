@@ -18,6 +18,7 @@ certificates required when --tls-client-ca is set). Every connection closed by a
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -31,6 +32,7 @@ from gemps_proto.data_plane_events import ErrorReply
 from gemps_proto.data_plane_protocol import ServerConnection
 from gemps_proto.reasons import Reason
 from gemps_server.config import ServerConfig
+from gemps_server.descriptors import exhausted, reserve
 from gemps_server.domain.errors import ResourceExhausted
 from gemps_server.logs import Throttle, event
 from gemps_server.memory_budget import MIB
@@ -50,6 +52,10 @@ log = logging.getLogger("gemps.server")
 BACKLOG = 128
 # How long stop() waits for the loop's thread beyond the grace.
 JOIN_SECONDS = 5.0
+# Out of descriptors: how soon accepting is tried again (connections wait in the kernel's queue).
+ACCEPT_RETRY_SECONDS = 0.05
+# accept() of a connection that went away while queued: the next in the queue may be taken.
+DIED_IN_QUEUE = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ETIMEDOUT, errno.ECONNRESET})
 
 
 class DataPlaneServer:
@@ -80,6 +86,11 @@ class DataPlaneServer:
         self._stop_at: float | None = None  # set (from stop()) when the server stops: the grace's end
         self._stopping = threading.Event()
         self._refusal_log = Throttle(interval=1.0)
+        # Descriptors kept for checkpoints and shutdown (descriptors.py); listeners out of
+        # descriptors, waiting for their retry.
+        self._descriptors = reserve()
+        self._accept_pending: set[socket.socket] = set()
+        self._full_log = Throttle(interval=10.0)
         self.port = 0
         self.local_socket = ""  # the Unix socket's abstract name (without its leading NUL), once bound
 
@@ -128,11 +139,24 @@ class DataPlaneServer:
     # -- on the loop's thread ----------------------------------------------------------------------
 
     def _accept(self, listener: socket.socket) -> None:
+        """Accept every connection waiting. The listener is edge-triggered: readiness is reported
+        when one arrives, not while some wait, so one left in the queue is never reported again;
+        out of descriptors, accepts are tried again on a timer until the queue is drained."""
         while True:
+            if not self._descriptors.refill():  # the reserve first: connections never take it
+                self._accept_later(listener)
+                return
             try:
                 sock, _address = listener.accept()
-            except OSError:  # none waiting, one that died in the queue, or out of descriptors
+            except BlockingIOError:  # the queue is drained
                 return
+            except OSError as error:
+                if exhausted(error):
+                    self._accept_later(listener)
+                    return
+                if error.errno in DIED_IN_QUEUE:
+                    continue  # those behind it still wait
+                return  # the listener is closed (the server stopping)
             accepted_at = time.monotonic()
             sock.setblocking(False)  # accept() hands out blocking sockets; refusing one must not block
             local = sock.family == socket.AF_UNIX
@@ -145,6 +169,22 @@ class DataPlaneServer:
                     continue
                 self._evict_oldest_unproven()
             self._open(sock, accepted_at, local)
+
+    def _accept_later(self, listener: socket.socket) -> None:
+        """Try `listener` again in ACCEPT_RETRY_SECONDS (once however often the table was full)."""
+        if listener in self._accept_pending:
+            return
+        self._accept_pending.add(listener)
+        suppressed = self._full_log.allow("full")
+        if suppressed is not None:
+            event(log, "out of descriptors: connections wait to be accepted", level=logging.WARNING, retries=suppressed)
+
+        def retry() -> None:
+            self._accept_pending.discard(listener)
+            if listener.fileno() != -1 and not self._stopping.is_set():
+                self._accept(listener)
+
+        self._loop.call_later(ACCEPT_RETRY_SECONDS, retry)
 
     def _evict_oldest_unproven(self) -> None:
         """Make room for a newcomer: the connection that has waited longest without a HELLO goes

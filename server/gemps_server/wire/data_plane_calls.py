@@ -131,6 +131,7 @@ class Connection:
                 yield from self._handshake()
             yield from self.hello()
             self.on_proven()
+            self.channel.fd_budget = 1  # the memfd an ATTACH carries (none before: data_plane_io.py)
             while not self.stopping:
                 yield from self.request()
         except Hangup as hangup:

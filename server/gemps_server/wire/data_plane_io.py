@@ -8,7 +8,10 @@ writable to read, and readable to write). The peer closing or resetting is `Peer
 
 On a local (Unix) socket reads also take the descriptors a peer passes (SCM_RIGHTS) into `fds`:
 the protocol claims the one an ATTACH carries, and refuses any other; what is left is closed with
-the channel, so a descriptor never outlives its connection.
+the channel, so a descriptor never outlives its connection. Never more than `fd_budget` are held
+(none before the HELLO proved a ticket, then the one an ATTACH carries): one past it is closed at
+once, and so is the connection (Hangup "descriptors"), so that a peer sending a frame a byte at a
+time with a descriptor on each cannot pile them up in this process (issue 42, item 2).
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from gemps_proto.data_plane_protocol import TLS_PIECE, advance
 from gemps_server.domain.errors import ServiceError
 
 Piece = bytes | bytearray | memoryview
-# Room for one descriptor's ancillary data per read: a peer that passes more has the rest closed
-# by the kernel (MSG_CTRUNC), and is refused.
+# Room for one descriptor's ancillary data per read (two, by alignment, on 64-bit Linux): a peer
+# that passes more has the rest closed by the kernel (MSG_CTRUNC), and is refused.
 FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize) if hasattr(socket, "CMSG_SPACE") else 0
 
 
@@ -69,6 +72,7 @@ class Channel:
         self.wants = selectors.EVENT_READ  # what the last call that moved nothing waits for
         self.fds: list[int] = []  # descriptors passed and not claimed yet (local sockets)
         self.fds_cut = False  # a peer passed more descriptors than one read takes
+        self.fd_budget = 0  # descriptors it may hold: 1 once its HELLO proved a ticket (an ATTACH's)
 
     def take_fds(self) -> list[int]:
         """The descriptors passed so far (the caller closes them); they are no longer the channel's."""
@@ -102,14 +106,18 @@ class Channel:
         return count
 
     def _receive_fds(self, view: memoryview) -> int:
+        """recvmsg: the bytes into `view`, the descriptors into `fds`; Hangup past `fd_budget`."""
         count, ancillary, flags, _address = self.sock.recvmsg_into([view], FD_SPACE)
+        passed = array.array("i")
         for level, kind, data in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds = array.array("i")
-                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-                self.fds.extend(fds)
-        if flags & socket.MSG_CTRUNC:
-            self.fds_cut = True
+                passed.frombytes(data[: len(data) - len(data) % passed.itemsize])
+        cut = bool(flags & socket.MSG_CTRUNC)  # more than fit: the kernel closed the rest
+        if (passed and len(self.fds) + len(passed) > self.fd_budget) or (cut and not self.fd_budget):
+            close_fds(passed)
+            raise Hangup("descriptors")
+        self.fds.extend(passed)
+        self.fds_cut |= cut  # within the budget: the protocol refuses it with its frame
         return count
 
     def write_some(self, views: list[memoryview]) -> int:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import heapq
+import itertools
 import logging
 import math
 import select
@@ -32,7 +34,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from gemps_server.logs import event
-from gemps_server.wire.data_plane_io import Channel, PeerClosed, Stalled
+from gemps_server.wire.data_plane_io import Channel, Hangup, PeerClosed, Stalled
 
 log = logging.getLogger("gemps.server")
 
@@ -214,7 +216,7 @@ class Task:
                 if wait.attempt(self.channel, now):
                     value = None
                     continue
-            except PeerClosed as closed:
+            except (PeerClosed, Hangup) as closed:  # Hangup: the channel refused what came (descriptors)
                 error = closed
                 continue
             self.waiting = wait
@@ -228,7 +230,7 @@ class Task:
             return
         try:
             finished = wait.attempt(self.channel, now)
-        except PeerClosed as closed:
+        except (PeerClosed, Hangup) as closed:
             self._continue(None, closed)
             return
         if finished:
@@ -280,6 +282,8 @@ class Loop:
         self._wake_writer.setblocking(False)
         self.selector.register(self._wake_reader, selectors.EVENT_READ, None)
         self._listeners: dict[socket.socket, Callable[[socket.socket], None]] = {}
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []  # a heap: (when, order, callback)
+        self._order = itertools.count()
         self.thread_id = 0
         self._next_check = 0.0
 
@@ -315,6 +319,10 @@ class Loop:
         self.tasks.add(task)
         task.step()
         return task
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> None:
+        """Run `callback` on the loop's thread in `delay` seconds (a tick late at most)."""
+        heapq.heappush(self._timers, (time.monotonic() + delay, next(self._order), callback))
 
     def call_soon(self, callback: Callable[[], None]) -> None:
         """post() from the loop's own thread: after what it is doing now, without a wake-up."""
@@ -365,6 +373,8 @@ class Loop:
         while self._posted:
             self._posted.popleft()()
         now = time.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            heapq.heappop(self._timers)[2]()
         if now >= self._next_check:
             self._next_check = now + TICK_SECONDS
             for task in [t for t in self.tasks if t.waiting is not None and t.waiting.expires() <= now]:
