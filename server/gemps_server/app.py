@@ -8,7 +8,11 @@ that fails unwinds what was started. `serve()` runs one until SIGTERM or SIGINT.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures.thread  # noqa: F401  (see below: imported now, not at shutdown)
+
+# asyncio.to_thread imports this the first time it runs, which may be at shutdown (the data
+# plane's stop): with every descriptor taken, that import failed (EMFILE), the stop with it, and
+# the process exited 1 (issue 42, item 2). So it is imported now.
+import concurrent.futures.thread  # noqa: F401
 import contextlib
 import logging
 import signal
@@ -54,10 +58,6 @@ from gemps_server.wire.health import HealthServicer
 from gemps_server.wire.streams import Pace
 
 log = logging.getLogger("gemps.server")
-
-# asyncio.to_thread imports concurrent.futures.thread the first time it runs, which may be at
-# shutdown (the data plane's stop): with every descriptor taken that import failed (EMFILE), the
-# stop with it, and the process exited 1 (issue 42, item 2). Hence the import above.
 
 # Lease checks run this often relative to the TTL, so eviction lags the TTL by at most a quarter.
 LEASE_CHECKS_PER_TTL = 4

@@ -72,7 +72,7 @@ def exhausted(error: BaseException) -> bool:
 
 class Reserve:
     """SPARE descriptors on /dev/null, given back while `lent()` and taken again after. Thread-
-    safe: the checkpoint writer lends them from its thread while the data plane's checks `whole`."""
+    safe: the checkpoint writer lends them from its thread while the data plane's refills them."""
 
     def __init__(self, count: int = SPARE) -> None:
         self.count = count
