@@ -38,7 +38,7 @@ PARAMETERS = 10_000
 ROUTES = {"shared memory": ("data", True), "data plane (TCP)": ("data", False), "gRPC": ("grpc", True)}
 LIMIT = 96  # the full table's RLIMIT_NOFILE
 HELLO = data_plane_frames.frame_start(
-    Op.HELLO, pb.DataPlaneHello(worker_id="w" * 64, ticket=b"t" * 3900).SerializeToString()
+    Op.CHALLENGE, pb.DataPlaneChallenge(worker_id="w" * 64, nonce=b"t" * 3900).SerializeToString()
 )
 
 

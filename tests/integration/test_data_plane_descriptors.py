@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import gemps
-from gemps_proto import data_plane_frames
+from gemps_proto import data_plane_frames, data_plane_proofs
 from gemps_proto.data_plane_frames import REPLY, Op
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_worker.cluster import ServerProcess
@@ -79,7 +79,7 @@ def pass_descriptors_during_hello(
     two descriptors, and never finish it; the most descriptors server `pid` had open meanwhile
     (counted every 50 bytes; 0 without `pid`)."""
     hello = data_plane_frames.frame_start(
-        Op.HELLO, pb.DataPlaneHello(worker_id="w" * 64, ticket=b"t" * 3900).SerializeToString()
+        Op.CHALLENGE, pb.DataPlaneChallenge(worker_id="w" * 64, nonce=b"t" * 3900).SerializeToString()
     )
     socks = []
     for _ in range(connections):
@@ -195,19 +195,25 @@ def test_clients_that_connect_while_the_table_is_full_are_served_once_it_frees()
             idle.extend(socket.create_connection(("127.0.0.1", port)) for _ in range(LIMIT))
             wait_for(lambda: open_fds(server.pid) >= LIMIT, timeout=10, what=f"{LIMIT} descriptors open")
             honest = [DataPlaneClient(port, timeout=5), DataPlaneClient(0, timeout=5, local_socket=name)]
+            nonces: list[bytes] = []
             for client, worker in zip(honest, (tcp_worker, local_worker), strict=True):
-                hello = pb.DataPlaneHello(worker_id=worker.worker_id, ticket=worker.data_plane.ticket)
-                client.send(Op.HELLO, hello.SerializeToString())
+                nonces.append(data_plane_proofs.nonce())  # the handshake's first frame: a CHALLENGE
+                challenge = pb.DataPlaneChallenge(worker_id=worker.worker_id, nonce=nonces[-1])
+                client.send(Op.CHALLENGE, challenge.SerializeToString())
         finally:
             for sock in idle:
                 sock.close()  # the table frees: no new connection arrives to wake the listener
         try:
-            for client in honest:
+            for client, worker, nonce in zip(honest, (tcp_worker, local_worker), nonces, strict=True):
                 try:
                     answer = client.receive()
                 except (TimeoutError, ConnectionError) as error:
                     pytest.fail(f"a client that connected while the table was full got no answer: {error!r}")
-                assert answer.op == Op.HELLO | REPLY, answer.error
+                assert answer.op == Op.CHALLENGE | REPLY, answer.error
+                server_nonce = pb.DataPlaneAnswer.FromString(answer.header).nonce
+                proof = data_plane_proofs.client_proof(worker.data_plane.ticket, nonce, server_nonce)
+                client.send(Op.HELLO, pb.DataPlaneHello(worker_id=worker.worker_id, proof=proof).SerializeToString())
+                assert client.receive().op == Op.HELLO | REPLY
         finally:
             for client in honest:
                 client.close()
