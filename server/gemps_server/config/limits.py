@@ -201,7 +201,8 @@ class ConnectionLimits:
         default=128,
         metadata={
             "help": "MiB of replies carrying the parameters (Register, Pull, Commit, PullStream) held at once "
-            "until their clients read them; more wait, holding nothing, before theirs is built",
+            "until their clients read them; more wait, holding nothing, before theirs is built (gRPC and the "
+            "data plane each have a budget of this size)",
             RANGE: Range(1, INT32_MAX, unit="MiB"),
         },
     )

@@ -32,6 +32,7 @@ DATA_PLANE_REFUSALS = (
     "bad_attach",  # shared memory refused: not one sealed memfd of θ's size, not written by its client, twice
     "shared_memory_limit",  # shared memory refused: past --max-shared-memory (the client uses its socket)
     "descriptors",  # descriptors passed before the HELLO proved a ticket, or more than an ATTACH's one
+    "unread_replies",  # a reply unread past its window while more requests came, or no reply budget left
 )
 
 

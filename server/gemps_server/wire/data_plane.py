@@ -74,7 +74,9 @@ class DataPlaneServer:
                 config.max_shared_memory * MIB, metrics, config.max_workers, config.memory_budget_mb * MIB
             ),
         )
-        self._lanes = Lanes(config.data_plane_buffers, config.slow_upload_buffers, config.max_workers)
+        self._lanes = Lanes(
+            config.data_plane_buffers, config.slow_upload_buffers, config.max_workers, config.max_reply_mb << 20
+        )
         self._tls = tls_context(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls else None
         self._loop = Loop()
         self._connections: dict[Task, Connection] = {}

@@ -15,7 +15,8 @@ worker, base version) leaves the connection usable. A payload lands in a θ-size
 from the socket on the fast or the slow lane (data_plane_uploads.py), or copied out of the
 client's shared memory into a pooled one; the reply's θ is copied into the same buffer while θ
 holds the commit's version and sent from there, or, with shared memory, written into the
-client's memory (by GEM's pass itself, for float32) and only announced.
+client's memory (by GEM's pass itself, for float32) and only announced. A reply whose reader
+lags holds no pooled buffer (data_plane_replies.py).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from gemps_proto.data_plane_events import (
 from gemps_proto.data_plane_frames import Op
 from gemps_proto.data_plane_protocol import ServerConnection
 from gemps_proto.reasons import Reason
-from gemps_proto.tensor_codec import FLOAT32, EncodedTensor
+from gemps_proto.tensor_codec import FLOAT32, EncodedTensor, expected_nbytes
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.errors import (
     DeadlineExceeded,
@@ -64,6 +65,7 @@ from gemps_server.service import ParameterService
 from gemps_server.wire import messages, shared_memory
 from gemps_server.wire.data_plane_io import Channel, Hangup, PeerClosed, Stalled, Unread, close_fds, pieces
 from gemps_server.wire.data_plane_loop import Call, Handshake, ReadInto, Task, Wait, Write
+from gemps_server.wire.data_plane_replies import reply_room, write_reply
 from gemps_server.wire.data_plane_uploads import Held, Lanes, waited
 from gemps_server.wire.shared_memory import SharedRegion
 from gemps_server.wire.shared_memory_budget import SharedMemoryBudget
@@ -273,7 +275,9 @@ class Connection:
             outcome, theta = yield Call(lambda deliver: service.commit_then(commit, writer, deliver, mirror))
             reply = messages.outcome_header(outcome)
             grpc_framing.announce(reply.parameters, commit.reply_dtype, service.num_parameters)
-            yield from self._send(reply.SerializeToString(), theta)
+            if region is not None:  # θ is in the client's memory: the buffer is free before the reply
+                held.give_back()
+            yield from self._send(reply.SerializeToString(), theta, held=held)
         finally:
             held.give_back()
 
@@ -281,11 +285,13 @@ class Connection:
         service, request = self._service, pull.request
         known = request.known_version if request.known_history == service.history else -1
         dtype = messages.reply_dtype_from_proto(request.reply_dtype)
-        # A slot of the pool, though θ is sent from the version's shared encoding: what replies
-        # to slow readers can pin is bounded by the pool, as for commits.
+        # No pooled buffer: θ goes from the version's shared encoding, what it pins bounded by the
+        # reply budget, held before the snapshot is taken (data_plane_replies.py).
         task = self._task
         assert task is not None
-        slot: Held = yield from waited(self._lanes.pooled, task)
+        room = 0 if pull.shared or known == service.version else expected_nbytes(dtype, [service.num_parameters])
+        if room:
+            yield from reply_room(self._lanes.replies, task, room)
         try:
             snapshot = yield Call(lambda deliver: service.pull_then(request.worker_id, known, dtype, deliver))
             unchanged = known == snapshot.version
@@ -298,7 +304,8 @@ class Connection:
                 data = self._region.buffer.copy_in(data)
             yield from self._send(reply.SerializeToString(), data)
         finally:
-            slot.give_back()
+            if room:
+                self._lanes.replies.give_back(room)
 
     def _attach(self, attach: AttachRequested) -> Steps:
         """ATTACH: map the memfd the frame carries as this connection's shared memory (local
@@ -343,15 +350,18 @@ class Connection:
         error.__traceback__ = None  # holds the request's frames otherwise (see grpc_servicer.rpc)
         self._service.rejected(method, error, status_of(error).name)
 
-    def _send(self, header: bytes = b"", payload: bytes | memoryview = b"", *, worker_id: str = "") -> Steps:
-        """The reply to the request read: its payload on the socket, from its own memory, or (a
-        SHARED request) already in the shared memory."""
+    def _send(
+        self, header: bytes = b"", payload: bytes | memoryview = b"", *, worker_id: str = "", held: Held | None = None
+    ) -> Steps:
+        """The reply to the request read: its payload on the socket, from its own memory (the
+        pooled buffer `held`, for a commit's θ), or (a SHARED request) already in the shared
+        memory. A peer that does not read it holds no pooled buffer (data_plane_replies.py)."""
         frame = self._protocol.frame
         shared = frame is not None and frame.shared
         data = memoryview(payload).cast("B")
         start = self._protocol.send(Reply(header, len(data)), worker_id)
-        sent: list[bytes | memoryview] = [start] if shared else [start, data]
-        yield Write(pieces(sent), self._limits.stream_timeout, self._deadline(0 if shared else len(data)))
+        views = pieces([start] if shared else [start, data])
+        yield from write_reply(self.channel, views, 0 if shared else len(data), self._limits.pace, self._lanes, held)
 
     def _deadline(self, nbytes: int) -> float:
         """When `nbytes` of payload must have moved: a client that trickles bytes just fast

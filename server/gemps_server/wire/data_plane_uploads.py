@@ -35,6 +35,7 @@ from gemps_proto.reasons import Reason
 from gemps_server.domain.errors import DeadlineExceeded
 from gemps_server.wire.data_plane_io import Hangup, Stalled, Unread
 from gemps_server.wire.data_plane_loop import Parked, ReadInto, Task, Wait
+from gemps_server.wire.reply_budget import ReplyBudget
 from gemps_server.wire.stream_buffers import Buffer
 from gemps_server.wire.streams import Pace
 
@@ -112,14 +113,18 @@ class Lane:
 
 @dataclass
 class Held:
-    """A buffer and the lane it goes back to."""
+    """A buffer and the lane it goes back to (once: a reply moved out of it gives it back early,
+    data_plane_replies.py, and its request's end does again)."""
 
     buffer: Buffer
     lane: Lane
     newcomer: bool = False
+    returned: bool = False
 
     def give_back(self) -> None:
-        self.lane.give_back(self.buffer, self.newcomer)
+        if not self.returned:
+            self.returned = True
+            self.lane.give_back(self.buffer, self.newcomer)
 
 
 def waited(lane: Lane, task: Task, newcomer: bool = False) -> Generator[Wait, Any, Held]:
@@ -148,11 +153,14 @@ def waited(lane: Lane, task: Task, newcomer: bool = False) -> Generator[Wait, An
 
 
 class Lanes:
-    """The two lanes, the observed rate and the workers proven fast (on the loop's thread only)."""
+    """The two lanes, the observed rate and the workers proven fast, and the bytes that replies
+    to lagging readers pin (`replies`, --max-reply-mb: data_plane_replies.py), on the loop's
+    thread only."""
 
-    def __init__(self, pooled: int, slow: int, max_proven: int) -> None:
+    def __init__(self, pooled: int, slow: int, max_proven: int, reply_bytes: int = 128 << 20) -> None:
         self.pooled = Lane(pooled, share=max(1, int(pooled * NEWCOMER_SHARE)))
         self.slow = Lane(slow)
+        self.replies = ReplyBudget(reply_bytes)
         self.rate = INITIAL_RATE  # bytes/s of fast-lane payloads, a moving average
         self._proven: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._max_proven = max_proven  # --max-workers: the oldest, likely gone, forgotten first
