@@ -12,7 +12,10 @@ calls would be serialised by the client's lock anyway (`gemps.serialised`), and 
 thread keeps them in order, where threads racing for that lock would not. Not a transport of its
 own: θ crosses the same gRPC, data-plane or shared-memory path as the blocking client's.
 
-A call is queued when it is made (not when it is awaited), and a commit's payload copied then.
+A call is queued when it is made (not when it is awaited), and a commit's payload copied then;
+its `timeout` (the Client's) counts from then, so it bounds the whole of what the caller awaits,
+the wait behind the calls queued before it included: a call whose time is spent before it
+starts raises DeadlineExceededError without sending anything.
 Cancelling a call that has not started takes it off the queue (nothing was sent); one that has
 started runs to its end, as a request on the wire cannot be taken back, and what it did shows in
 the next reply's version and θ.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ParamSpec, TypedDict, TypeVar
@@ -38,6 +42,7 @@ from gemps.records import (
     ServerStatus,
 )
 from gemps.resolver import Target
+from gemps.transport import call_deadline
 
 if TYPE_CHECKING:
     from typing import Unpack  # 3.11; annotations only
@@ -60,7 +65,9 @@ class CommitOptions(TypedDict, total=False):
 class AsyncClient:
     """A `gemps.Client` whose calls return awaitables: made from `target` and `Client`'s options
     (by keyword), or around a `Client` given, which other threads may use too (closing this
-    closes it, and leaving the `async with` leaves it)."""
+    closes it, and leaving the `async with` leaves it). The client's `timeout` bounds each call
+    from when it is made, retries and the wait behind earlier calls included; then it raises
+    DeadlineExceededError."""
 
     def __init__(self, target: Target | Client = "127.0.0.1:50051", **options: Any) -> None:
         if isinstance(target, Client) and options:
@@ -75,7 +82,10 @@ class AsyncClient:
         coroutine: the future is the running loop's)."""
         if self._closed:
             raise RuntimeError("this AsyncClient is closed")
-        return asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(call, *args, **kwargs))
+        at = time.monotonic() + self.client.timeout  # the call's deadline runs from now
+        return asyncio.get_running_loop().run_in_executor(
+            self._thread, functools.partial(_within, self.client.timeout, at, call, *args, **kwargs)
+        )
 
     # -- the calls: Client's, awaited --------------------------------------------------------------
 
@@ -142,6 +152,12 @@ class AsyncClient:
         finally:
             self._closed = True
             self._thread.shutdown(wait=False)
+
+
+def _within(timeout: float, at: float, call: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+    """`call` within the deadline `at` (of `timeout` seconds): the Client's calls keep it."""
+    with call_deadline(timeout, at):
+        return call(*args, **kwargs)
 
 
 def _kept(values: np.ndarray | Mapping[str, np.ndarray]) -> np.ndarray | dict[str, np.ndarray]:

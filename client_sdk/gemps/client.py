@@ -6,7 +6,9 @@ with commits and pulls on the server's data plane by default (`gemps.data_plane_
 be partitioned across several server processes (docs/ARCHITECTURE.md): the client is given one
 address and learns the rest from that server.
 
-Every call has a deadline. Retries UNAVAILABLE and DEADLINE_EXCEEDED with exponential backoff
+Every call has a deadline, its `timeout`, which bounds the whole call: its attempts, the waits
+between them, registering again and the data plane's fallbacks. Retries UNAVAILABLE and
+DEADLINE_EXCEEDED with exponential backoff
 and jitter, re-registers transparently when the server has forgotten this worker (lease expiry,
 server restart), never has one commit applied twice (each commit carries a request id that its
 retries reuse; the server deduplicates), and raises typed GempsError subclasses instead of raw
@@ -16,11 +18,13 @@ or from GEMPS_* environment variables, so reference workers in containers need n
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from typing import Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -43,7 +47,7 @@ from gemps.resolver import Target, as_resolver
 from gemps.retry import NO_RETRY, Retrier, RetryPolicy
 from gemps.router import PartitionRouter
 from gemps.serialised import serialised
-from gemps.transport import Transport
+from gemps.transport import Transport, call_deadline
 from gemps_proto.grpc_framing import DEFAULT_CHUNK_BYTES
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import PayloadKind, buffer_spec_of, flatten, spec_of
@@ -52,6 +56,20 @@ from gemps_proto.tensor_codec import WIRE_DTYPE_NAMES, all_finite
 log = logging.getLogger("gemps.client")
 
 PAYLOAD_KINDS = {kind.label: kind for kind in PayloadKind}
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def bounded(method: Callable[Concatenate[Client, P], R]) -> Callable[Concatenate[Client, P], R]:
+    """`method` within one deadline, the client's `timeout` from when it is called (an outer
+    deadline, gemps.aio's, when sooner): every attempt, retry and fallback inside shares it."""
+
+    @functools.wraps(method)
+    def within(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with call_deadline(self.timeout):
+            return method(self, *args, **kwargs)
+
+    return within
 
 
 class Client:
@@ -90,7 +108,11 @@ class Client:
         shared_memory: bool | None = None,
         connect: Callable[[str], Transport] | None = None,
     ) -> None:
-        """`timeout` is every call's deadline in seconds. TLS and token arguments left out come
+        """`timeout` bounds each call as a whole, in seconds: its attempts, the waits to retry
+        them, registering again and falling back to gRPC all count, and so does waiting for
+        another thread's call of this client; once it is spent the call raises
+        DeadlineExceededError (with the last failure's message), whatever `retry` would still
+        allow. (`retry`'s attempts are at most as many as fit in it.) TLS and token arguments left out come
         from GEMPS_* environment variables (see `ChannelSecurity`); PEM arguments are paths or bytes.
         Setting `stop` (e.g. from a SIGTERM handler) ends a wait to retry with StoppedError.
 
@@ -162,6 +184,7 @@ class Client:
 
     # -- worker lifecycle ----------------------------------------------------------------------
 
+    @bounded
     @serialised
     def register(
         self, parameters: Mapping[str, np.ndarray], buffers: Mapping[str, np.ndarray] | None = None
@@ -190,6 +213,7 @@ class Client:
         at_exit.arm(self)  # leave at exit if the program does not (gemps.at_exit)
         return self.registration
 
+    @bounded
     @serialised
     def pull(self) -> CentralVariable:
         """The newest central variable (no payload is sent when ours is already current).
@@ -199,6 +223,7 @@ class Client:
         """
         return self._router.pull()
 
+    @bounded
     @serialised
     def commit(
         self,
@@ -240,6 +265,7 @@ class Client:
             buffer_delta=None if buffer_delta is None else self._buffer_delta(buffer_delta),
         )
 
+    @bounded
     @serialised
     def leave(self) -> None:
         """Leave cleanly; the server frees this worker's state and shard (each partition's)."""
@@ -256,6 +282,7 @@ class Client:
         except errors.GempsError as error:
             log.info("leaving at exit failed (the server evicts this worker when its lease expires): %s", error)
 
+    @bounded
     @serialised
     def report_evaluation(
         self, version: int, loss: float, accuracy: float, num_samples: int, dataset: str = ""
@@ -264,11 +291,13 @@ class Client:
         partitions, partition 0's version, to partition 0)."""
         self._router.report_evaluation(Evaluation(version, loss, accuracy, num_samples, dataset))
 
+    @bounded
     @serialised
     def status(self) -> ServerStatus:
         """The server's status (with partitions: partition 0's, whose `layout` lists them all)."""
         return self._router.status()
 
+    @bounded
     @serialised
     def statuses(self) -> list[ServerStatus]:
         """Every partition's status, in θ order (one item when θ is not partitioned)."""
@@ -281,6 +310,7 @@ class Client:
         parts = self.statuses() if statuses is None else statuses
         return GradientNoise.combined([status.gradient_noise for status in parts])
 
+    @bounded
     @serialised
     def close(self) -> None:
         """Close the connections (without leaving: `with Client(...)` or `leave()` does)."""

@@ -41,7 +41,7 @@ from gemps.channel_security import ChannelSecurity
 from gemps.data_plane_connection import SHARED_MEMORY, DataConnection, ServerNotProven, Unreachable, target_host
 from gemps.grpc_transport import GrpcTransport
 from gemps.records import Evaluation, Registration, ServerStatus
-from gemps.transport import CommitCall, Committed, Enrolment, Pending, PullCall, Pulled, Registered
+from gemps.transport import CommitCall, Committed, Enrolment, Pending, PullCall, Pulled, Registered, time_left
 from gemps_proto.data_plane_frames import Op
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import DataPlane
@@ -238,18 +238,18 @@ class DataPlaneTransport:
 
     def _open(self, offer: DataPlane, timeout: float | None = None) -> DataConnection:
         """The local socket when offered and reachable (this host), else the TCP port; HELLO sent,
-        each within `timeout` (the calls' own timeout by default)."""
-        timeout = self.grpc.timeout if timeout is None else timeout
+        each within `timeout` (the calls' own timeout by default) and the call's deadline."""
+        limit = self.grpc.timeout if timeout is None else timeout  # each try within the call's deadline
         if self._local and offer.local_socket:
             try:
-                return self._hello(DataConnection.open_local(offer.local_socket, timeout=timeout), offer)
+                return self._hello(DataConnection.open_local(offer.local_socket, timeout=time_left(limit)), offer)
             except (Unreachable, errors.GempsError) as failed:  # not this host (or refused): TCP says why
                 # An impostor (whoever took a dead server's socket name) is refused aloud.
                 say = log.warning if isinstance(failed, ServerNotProven) else log.debug
                 say("local socket of %s not used (%s): TCP", self.target, failed)
                 self._local = self._attach_memory = False
         connection = DataConnection.open(
-            self.host, offer.port, timeout=timeout, tls=self._tls, server_name=self._server_name
+            self.host, offer.port, timeout=time_left(limit), tls=self._tls, server_name=self._server_name
         )
         return self._hello(connection, offer)
 
@@ -372,10 +372,11 @@ class DataPlaneTransport:
             if connection is None:
                 return self.grpc.start_commit(call)
             header = messages.announced_commit(call, self.grpc.wire_dtype).SerializeToString()
+            _bounded(connection, self.grpc.timeout)
             connection.send(Op.COMMIT, header, wire_view(call.payload, self.grpc.wire_dtype))
         except errors.GempsError as error:
             return _Failed(error)
-        return _Reply(lambda: _committed(connection))
+        return _Reply(lambda: _committed(connection, self.grpc.timeout))
 
     def commit(self, call: CommitCall) -> Committed:
         return self.start_commit(call).result()
@@ -385,10 +386,11 @@ class DataPlaneTransport:
             connection = self._ready(call.worker_id)
             if connection is None:
                 return self.grpc.start_pull(call)
+            _bounded(connection, self.grpc.timeout)
             connection.send(Op.PULL, messages.pull_request(call, self.grpc.wire_dtype))
         except errors.GempsError as error:
             return _Failed(error)
-        return _Reply(lambda: _pulled(connection))
+        return _Reply(lambda: _pulled(connection, self.grpc.timeout))
 
     def pull(self, call: PullCall) -> Pulled:
         return self.start_pull(call).result()
@@ -419,15 +421,30 @@ class DataPlaneTransport:
             self._become(Link.OFFERED)
 
 
-def _committed(connection: DataConnection) -> Committed:
+def _bounded(connection: DataConnection, timeout: float | None) -> None:
+    """Each wait on `connection`'s socket within `timeout` (the calls'), or what is left of the
+    call's deadline when that is sooner (the Client's `timeout` bounds the whole call); None:
+    as the socket is."""
+    if timeout is None:
+        return
+    try:
+        connection.sock.settimeout(time_left(timeout))
+    except errors.DeadlineExceededError:
+        connection.close()  # nothing sent; the next call opens another
+        raise
+
+
+def _committed(connection: DataConnection, timeout: float | None = None) -> Committed:
     """A COMMIT's reply: the CommitResponse (θ announced, buffers whole), then θ's bytes."""
+    _bounded(connection, timeout)
     header, payload_bytes = connection.receive(Op.COMMIT)
     reply = connection.parse(pb.CommitResponse, header)
     return messages.committed_from_proto(reply, connection.receive_tensor(reply.parameters, payload_bytes))
 
 
-def _pulled(connection: DataConnection) -> Pulled:
+def _pulled(connection: DataConnection, timeout: float | None = None) -> Pulled:
     """A PULL's reply: the PullResponse, then θ's bytes unless it is unchanged."""
+    _bounded(connection, timeout)
     header, payload_bytes = connection.receive(Op.PULL)
     reply = connection.parse(pb.PullResponse, header)
     if reply.unchanged:

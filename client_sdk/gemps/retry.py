@@ -5,7 +5,11 @@ A replica that is not its partition's primary (`not_primary`) is a different cas
 under way or the client reached a backup, and the next replica (or the same one, promoted a
 moment later) will answer. Waiting longer and longer there only delays training, so such
 refusals are retried after a short wait that does not grow, for up to FAILOVER_PATIENCE seconds
-before they count as ordinary failures."""
+before they count as ordinary failures.
+
+Retries happen within the call's deadline (gemps.transport.call_deadline, the Client's
+`timeout`): a wait that would end past it is not begun, and the call raises DeadlineExceededError
+with the last failure's message."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
 from gemps import errors
+from gemps.transport import current_deadline, deadline_exceeded
 from gemps_proto.reasons import Reason
 
 log = logging.getLogger("gemps.client")
@@ -55,8 +60,9 @@ NO_RETRY = RetryPolicy(max_attempts=1)
 
 class Retrier:
     """Runs attempts of a call to `target` until one succeeds, sleeping `policy`'s delays between
-    them, for failures worth another attempt (errors.RETRIED); counts the retries. Setting `stop`
-    ends a wait with StoppedError."""
+    them, for failures worth another attempt (errors.RETRIED), while the call's deadline leaves
+    time for another (then DeadlineExceededError); counts the retries. Setting `stop` ends a wait
+    with StoppedError."""
 
     def __init__(self, target: str, policy: RetryPolicy, stop: threading.Event | None = None) -> None:
         self.target = target
@@ -66,7 +72,8 @@ class Retrier:
         self.retries = 0
 
     def call(self, attempt: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        """`attempt(*args, **kwargs)` until it returns; other errors, and the last one, are raised."""
+        """`attempt(*args, **kwargs)` until it returns; other errors, and the last one, are raised
+        (as DeadlineExceededError when the call's deadline is what ended the retries)."""
         delays = self.policy.delays()
         retrying = False
         failover_until: float | None = None  # while a failover is under way: quick retries
@@ -81,6 +88,9 @@ class Retrier:
                 delay: float | None = random.uniform(0.0, FAILOVER_RETRY_SECONDS)
             else:
                 delay = next(delays, None)
+            deadline = current_deadline()
+            if deadline is not None and deadline.left() <= (delay or 0.0):  # no time for another attempt
+                raise deadline_exceeded(deadline, f"{self.target}: {error.message}") from None
             if delay is None:
                 raise type(error)(
                     f"{self.target} unreachable after {self.policy.max_attempts} attempts: {error.message}",

@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
+from gemps.transport import current_deadline, deadline_exceeded
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -28,11 +30,18 @@ S = TypeVar("S", bound=Serialised)
 
 
 def serialised(method: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
-    """`method`, run while holding its object's `_calls` lock."""
+    """`method`, run while holding its object's `_calls` lock: waiting for it within the call's
+    deadline when one is set (gemps.transport.call_deadline), else DeadlineExceededError."""
 
     @functools.wraps(method)
     def one_at_a_time(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        with self._calls:
+        deadline = current_deadline()
+        if not self._calls.acquire(timeout=-1 if deadline is None else max(0.0, deadline.left())):
+            assert deadline is not None
+            raise deadline_exceeded(deadline, "waiting for another call of this client (another thread)")
+        try:
             return method(self, *args, **kwargs)
+        finally:
+            self._calls.release()
 
     return one_at_a_time

@@ -5,16 +5,26 @@ of it) and raises typed GempsError subclasses when it fails. It speaks numpy arr
 SDK's records, never protobuf messages or channel objects, so transports other than gRPC
 (`gemps.grpc_transport`) can plug in. Retries and registering again when a server forgot the
 worker are the transport's caller's (`gemps.server_session`), written once for every transport.
+
+A call of the Client has one deadline (`call_deadline`, its `timeout`), which every attempt,
+retry wait and fallback within it shares: a transport bounds each attempt by `time_left`, never
+by its own timeout alone (issue 42, item 5: a `timeout=5` call took 28.6 s, each of its attempts
+bounded, not the call).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import numpy as np
 
+from gemps import errors
 from gemps.records import Buffers, Evaluation, Layout, ParameterSpec, Registration, ServerStatus
 from gemps_proto.schema import PayloadKind
 
@@ -152,3 +162,58 @@ class BlockingCalls(ABC):
 
     def commit(self, call: CommitCall) -> Committed:
         return self.start_commit(call).result()
+
+
+# -- the call's deadline ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Deadline:
+    at: float  # time.monotonic() when the call's time is spent
+    seconds: float  # the timeout it was set from (for messages)
+
+    def left(self) -> float:
+        return self.at - time.monotonic()
+
+
+_deadline: contextvars.ContextVar[Deadline | None] = contextvars.ContextVar("gemps_call_deadline", default=None)
+
+
+@contextlib.contextmanager
+def call_deadline(seconds: float, at: float | None = None) -> Iterator[Deadline]:
+    """The current call's deadline, `seconds` from now (or at the monotonic time `at`), for what
+    runs inside (this thread): an outer call's, when that is sooner, stays."""
+    mine = Deadline(time.monotonic() + seconds if at is None else at, seconds)
+    outer = _deadline.get()
+    if outer is not None and outer.at <= mine.at:
+        yield outer
+        return
+    token = _deadline.set(mine)
+    try:
+        yield mine
+    finally:
+        _deadline.reset(token)
+
+
+def current_deadline() -> Deadline | None:
+    """The deadline of the call running on this thread (None: no Client call set one)."""
+    return _deadline.get()
+
+
+def time_left(timeout: float) -> float:
+    """Seconds an attempt may take: `timeout` (a transport's own), or less when the call's
+    deadline is sooner; DeadlineExceededError, before anything is sent, once it has passed."""
+    deadline = _deadline.get()
+    if deadline is None:
+        return timeout
+    left = deadline.left()
+    if left <= 0:
+        raise deadline_exceeded(deadline)
+    return min(timeout, left)
+
+
+def deadline_exceeded(deadline: Deadline, detail: str = "") -> errors.DeadlineExceededError:
+    return errors.DeadlineExceededError(
+        f"DEADLINE_EXCEEDED: the call's timeout of {deadline.seconds:g}s is spent" + (f": {detail}" if detail else ""),
+        errors.DeadlineExceededError.code,
+    )
