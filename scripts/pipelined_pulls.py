@@ -16,6 +16,7 @@ docs/RELIABILITY.md ("Issue 42, item 5").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import socket
@@ -55,10 +56,8 @@ def _attacker(target: str, size: int, pipelined: int, stop: Event, connections: 
                 sock.recv(data_plane_frames.read_preamble(start).header_bytes, socket.MSG_WAITALL)
                 sock.sendall(frame * pipelined)
                 while not stop.is_set():  # more, blocked while the server reads none: until closed
-                    try:
+                    with contextlib.suppress(TimeoutError):  # (a frame cut short: the server closes it)
                         sock.sendall(frame)
-                    except TimeoutError:
-                        pass
                     time.sleep(0.05)
         except (OSError, data_plane_frames.FrameError):
             time.sleep(0.05)
@@ -104,9 +103,7 @@ def one_route(route: str, size: int, counts: list[int], pipelined: int, window: 
             client.register({"w": np.zeros(size, np.float32)})
             for count in counts:
                 stop, opened = context.Event(), context.Value("i", 0)
-                process = context.Process(
-                    target=attackers, args=(server.target, count, size, pipelined, stop, opened)
-                )
+                process = context.Process(target=attackers, args=(server.target, count, size, pipelined, stop, opened))
                 process.start()
                 measure(client, size, warmup)  # the attackers register, connect and pipeline
                 latencies = measure(client, size, window)

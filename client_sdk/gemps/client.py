@@ -92,6 +92,7 @@ class Client:
         *,
         name: str = "",
         timeout: float = 60.0,
+        attempt_timeout: float | None = None,
         retry: RetryPolicy | None = None,
         max_message_mb: int = 512,
         token: str | None = None,
@@ -112,7 +113,9 @@ class Client:
         them, registering again and falling back to gRPC all count, and so does waiting for
         another thread's call of this client; once it is spent the call raises
         DeadlineExceededError (with the last failure's message), whatever `retry` would still
-        allow. (`retry`'s attempts are at most as many as fit in it.) TLS and token arguments left out come
+        allow. `attempt_timeout` bounds each attempt within it (None: the whole `timeout`), so
+        that an attempt a server leaves unanswered (a paused process) is retried while the call
+        has time left. TLS and token arguments left out come
         from GEMPS_* environment variables (see `ChannelSecurity`); PEM arguments are paths or bytes.
         Setting `stop` (e.g. from a SIGTERM handler) ends a wait to retry with StoppedError.
 
@@ -146,7 +149,10 @@ class Client:
         # This client's identity at every registration: the server deduplicates its commits by
         # (client_id, request_id), also after it registers again, and keeps one registration of it.
         self.client_id = uuid.uuid4().hex
+        if timeout <= 0 or (attempt_timeout is not None and attempt_timeout <= 0):
+            raise ValueError(f"timeout and attempt_timeout must be > 0, not {timeout} and {attempt_timeout}")
         self.timeout = timeout
+        self.attempt_timeout = min(timeout, attempt_timeout or timeout)
         self.retry = retry or RetryPolicy()
         self.security = ChannelSecurity.resolve(
             token=token,
@@ -176,7 +182,7 @@ class Client:
             address,
             self.security,
             max_message_bytes=self._max_message_bytes,
-            timeout=self.timeout,
+            timeout=self.attempt_timeout,  # and what is left of the call's `timeout` (gemps.transport)
             wire_dtype=self.wire_dtype,
             streaming=self.streaming,
             chunk_bytes=self.chunk_bytes,

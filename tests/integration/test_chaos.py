@@ -150,7 +150,8 @@ def test_a_paused_server_makes_clients_time_out_retry_and_carry_on() -> None:
         clients = [
             gemps.Client(
                 server.target,
-                timeout=1.0,
+                timeout=60.0,  # the whole call: the pause is ridden out by attempts of 1 s
+                attempt_timeout=1.0,
                 retry=gemps.RetryPolicy(max_attempts=100, initial_backoff=0.05, max_backoff=0.5),
             )
             for _ in range(3)

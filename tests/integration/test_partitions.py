@@ -129,7 +129,7 @@ def test_a_killed_partition_restarts_from_its_checkpoint_and_training_carries_on
     options: dict[str, Any] = {"partitions": 2, "rule": "downpour", "checkpoint_dir": tmp_path, "checkpoint_every": 1}
     with ServerProcess(log_path=tmp_path / "server.log", **options) as server:
         retry = RetryPolicy(max_attempts=200, initial_backoff=0.05, max_backoff=0.5)
-        clients = [Client(server.target, timeout=2.0, retry=retry) for _ in range(clients_count)]
+        clients = [Client(server.target, timeout=60.0, attempt_timeout=2.0, retry=retry) for _ in range(clients_count)]
         loops = CommitLoops(clients, {"w": np.zeros(size, np.float32)}, np.ones(size, np.float32), "update").start()
         loops.wait_each(20, 60, "commits before the kill")
         victim = partition_pids(server.pid)[1]

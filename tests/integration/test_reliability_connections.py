@@ -56,7 +56,9 @@ def test_idle_connections_do_not_lock_legitimate_workers_out(limited_server: Ser
     try:
         started = time.monotonic()
         retry = gemps.RetryPolicy(max_attempts=30, initial_backoff=0.2, max_backoff=1.0)
-        with gemps.Client(limited_server.target, token="s3cret-token", timeout=5, retry=retry) as client:
+        with gemps.Client(
+            limited_server.target, token="s3cret-token", timeout=30, attempt_timeout=5, retry=retry
+        ) as client:
             client.register({"w": np.zeros(8, np.float32)})
             assert client.commit(np.ones(8, np.float32)).version == 1
         took = time.monotonic() - started
