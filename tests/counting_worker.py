@@ -45,7 +45,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop_file = Path(args.stop_file)
-    with gemps.Client(args.target, name=args.name, timeout=args.timeout, stop=stop) as client:
+    # --timeout bounds each attempt; a call rides out a fault for up to a minute of retries
+    client = gemps.Client(args.target, name=args.name, timeout=60.0, attempt_timeout=args.timeout, stop=stop)
+    with client:
         client.register({"theta": np.zeros(args.parameters, np.float32)})
         Path(args.out + ".ready").write_text("registered\n")
         partitions = len(client.targets)
@@ -171,7 +173,7 @@ def main() -> None:
     parser.add_argument("--out", default="counting-worker.json")
     parser.add_argument("--stop-file", default="stop")
     parser.add_argument("--commits", type=int, default=10**9)
-    parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds each attempt of a call may take")
     parser.add_argument("--mark-file", default="", help="see the module's docstring")
     parser.add_argument("--pause", type=float, default=0.0, help="seconds between commits")
     args = parser.parse_args()

@@ -39,9 +39,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", required=True)
     parser.add_argument("--name", default="")
-    parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds each attempt of a call may take")
     args = parser.parse_args()
-    with gemps.Client(args.target, name=args.name, timeout=args.timeout) as client:
+    with gemps.Client(args.target, name=args.name, timeout=60.0, attempt_timeout=args.timeout) as client:
         for line in sys.stdin:
             command = line.strip()
             if command == "quit":

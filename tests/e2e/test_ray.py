@@ -139,7 +139,7 @@ def count_commits(folder: str, context: WorkerContext) -> int:
     commits = 0
     path = Path(folder) / f"worker-{context.index}.jsonl"
     with (
-        gemps.Client(context.server, stop=context.stop, timeout=10.0, retry=retry) as client,
+        gemps.Client(context.server, stop=context.stop, timeout=120.0, attempt_timeout=10.0, retry=retry) as client,
         path.open("a", buffering=1) as acks,
     ):
         client.register({"w": np.zeros(SIZE, np.float32)})
