@@ -14,6 +14,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -137,10 +138,14 @@ def test_a_commit_reply_never_read_gives_its_pooled_buffer_back(start_server: St
 def stopped(server: ServerProcess) -> contextlib.AbstractContextManager[None]:
     """The server process SIGSTOPped meanwhile: its sockets stay open, nothing is answered."""
 
+    def state() -> str:  # /proc/PID/stat's third field: T once every thread has stopped
+        return Path(f"/proc/{server.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
     @contextlib.contextmanager
     def held() -> Iterator[None]:
         os.kill(server.pid, signal.SIGSTOP)
         try:
+            wait_for(lambda: state() == "T", timeout=5, what="the server stopped")
             yield
         finally:
             os.kill(server.pid, signal.SIGCONT)
@@ -152,10 +157,11 @@ TIMEOUT = 2.0
 MARGIN = 1.5  # the time the error itself takes to come (a loaded machine's scheduling)
 
 
-def test_timeout_bounds_the_whole_call_retries_included(start_server_process: StartServerProcess) -> None:
+def test_timeout_bounds_the_whole_call_retries_included(start_server_process: StartServerProcess, plane: str) -> None:
     """Against a server that never answers (each attempt times out) or is gone (each is refused at
     once, and retried), the call ends with DeadlineExceededError once `timeout` is spent (before:
-    each of 50 attempts got its own `timeout`, plus the backoff between them)."""
+    each of 50 attempts got its own `timeout`, plus the backoff between them). On every route
+    (the `plane` fixture: shared memory, TCP data plane, gRPC)."""
     server = start_server_process(rule="downpour")
     values = {"w": np.zeros(1000, np.float32)}
     client = Client(server.target, timeout=TIMEOUT, retry=RetryPolicy(max_attempts=50))
