@@ -72,7 +72,9 @@ def run(args: argparse.Namespace) -> History:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop_file = Path(args.stop_file)
-    with gemps.Client(args.target, name=args.name, timeout=args.timeout, stop=stop) as client:
+    with gemps.Client(
+        args.target, name=args.name, timeout=args.call_timeout, attempt_timeout=args.timeout, stop=stop
+    ) as client:
         client.register({"theta": np.zeros(args.parameters, np.float32)})
         history = History(started=time.time())
         Path(args.out + ".ready").write_text("registered\n")
@@ -110,7 +112,13 @@ def main() -> None:
     parser.add_argument("--parameters", type=int, default=20_000)
     parser.add_argument("--out", default="worker.json")
     parser.add_argument("--stop-file", default="stop")
-    parser.add_argument("--timeout", type=float, default=10.0, help="each call's deadline, seconds")
+    parser.add_argument("--timeout", type=float, default=10.0, help="each attempt's deadline, seconds")
+    parser.add_argument(
+        "--call-timeout",
+        type=float,
+        default=120.0,
+        help="each call's deadline, retries through faults included, seconds",
+    )
     args = parser.parse_args()
     if args.observe:
         print(json.dumps(observe(args.target)))

@@ -265,7 +265,8 @@ class PartitionServer:
         """θ and the buffers by name, as this server (partition 0: with the others') holds them now;
         `target`: partition 0's replicas ("A|B") instead, pulled from whichever is primary."""
         if target:
-            with Client(target, timeout=10.0, retry=NODE_LOSS_RETRY) as client:
+            # the whole call rides out a failover (NODE_LOSS_RETRY's attempts), each attempt 10 s
+            with Client(target, timeout=120.0, attempt_timeout=10.0, retry=NODE_LOSS_RETRY) as client:
                 central = client.pull()
         else:
             central = self._client().pull()
