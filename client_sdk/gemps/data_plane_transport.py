@@ -32,8 +32,6 @@ import logging
 import random
 import ssl
 import time
-from collections.abc import Callable
-from typing import Generic, TypeVar
 
 from gemps import errors
 from gemps import grpc_messages as messages
@@ -41,7 +39,18 @@ from gemps.channel_security import ChannelSecurity
 from gemps.data_plane_connection import SHARED_MEMORY, DataConnection, ServerNotProven, Unreachable, target_host
 from gemps.grpc_transport import GrpcTransport
 from gemps.records import Evaluation, Registration, ServerStatus
-from gemps.transport import CommitCall, Committed, Enrolment, Pending, PullCall, Pulled, Registered, time_left
+from gemps.transport import (
+    CommitCall,
+    Committed,
+    Deferred,
+    Enrolment,
+    Failed,
+    Pending,
+    PullCall,
+    Pulled,
+    Registered,
+    time_left,
+)
 from gemps_proto.data_plane_frames import Op
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import DataPlane
@@ -50,7 +59,6 @@ from gemps_proto.v1 import parameter_server_pb2 as pb
 
 log = logging.getLogger("gemps.client")
 
-T = TypeVar("T")
 #: the Client's `plane` choices: data plane when offered and reachable, else gRPC; only the data
 #: plane (raise when it cannot be used); only gRPC
 PLANES = ("auto", "data", "grpc")
@@ -87,27 +95,6 @@ MOVES: dict[Link, frozenset[Link]] = {
     Link.CLOSED: frozenset(),
 }
 _OPEN = frozenset({Link.CONNECTED, Link.SHARED})
-
-
-class _Reply(Generic[T]):
-    """A request sent on the data plane: `result()` reads its reply."""
-
-    def __init__(self, read: Callable[[], T]) -> None:
-        self._read = read
-
-    def result(self) -> T:
-        return self._read()
-
-
-class _Failed(Generic[T]):
-    """A call that failed before its request was sent: `result()` raises, as a gRPC future's does,
-    so a router that started calls on several servers retries this one like any other."""
-
-    def __init__(self, error: errors.GempsError) -> None:
-        self._error = error
-
-    def result(self) -> T:
-        raise self._error
 
 
 class DataPlaneTransport:
@@ -375,8 +362,8 @@ class DataPlaneTransport:
             _bounded(connection, self.grpc.timeout)
             connection.send(Op.COMMIT, header, wire_view(call.payload, self.grpc.wire_dtype))
         except errors.GempsError as error:
-            return _Failed(error)
-        return _Reply(lambda: _committed(connection, self.grpc.timeout))
+            return Failed(error)
+        return Deferred(lambda: _committed(connection, self.grpc.timeout))
 
     def commit(self, call: CommitCall) -> Committed:
         return self.start_commit(call).result()
@@ -389,8 +376,8 @@ class DataPlaneTransport:
             _bounded(connection, self.grpc.timeout)
             connection.send(Op.PULL, messages.pull_request(call, self.grpc.wire_dtype))
         except errors.GempsError as error:
-            return _Failed(error)
-        return _Reply(lambda: _pulled(connection, self.grpc.timeout))
+            return Failed(error)
+        return Deferred(lambda: _pulled(connection, self.grpc.timeout))
 
     def pull(self, call: PullCall) -> Pulled:
         return self.start_pull(call).result()

@@ -18,9 +18,9 @@ import contextlib
 import contextvars
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -109,6 +109,27 @@ class Pending(Protocol[Reply]):
     """A call started and not yet finished: `result()` waits for the reply or raises GempsError."""
 
     def result(self) -> Reply: ...
+
+
+class Deferred(Generic[Reply]):
+    """A request sent: `result()` reads its reply (`read`, on the caller's thread)."""
+
+    def __init__(self, read: Callable[[], Reply]) -> None:
+        self._read = read
+
+    def result(self) -> Reply:
+        return self._read()
+
+
+class Failed(Generic[Reply]):
+    """A call that failed before its request was sent: `result()` raises, as a gRPC future's does,
+    so a router that started calls on several servers retries this one like any other."""
+
+    def __init__(self, error: errors.GempsError) -> None:
+        self._error = error
+
+    def result(self) -> Reply:
+        raise self._error
 
 
 class Transport(Protocol):
