@@ -67,6 +67,8 @@ COUNT_OR_ZERO = Range(0, INT32_MAX)
 BUFFERS = Range(1, 1 << 16)
 # Memory in MiB, counted in int64 bytes; 0 where it means "settled by the server" (auto).
 MEBIBYTES_OR_ZERO = Range(0, INT64_MAX >> 20, unit="MiB")
+# Threads a pool of the server's may start (more would only cost memory and switches).
+THREADS = Range(1, 1024)
 
 
 def _number(value: float) -> str:

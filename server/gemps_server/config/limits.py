@@ -15,6 +15,7 @@ from gemps_proto.ranges import (
     MEBIBYTES_OR_ZERO,
     RANGE,
     SECONDS,
+    THREADS,
     Range,
 )
 
@@ -144,6 +145,31 @@ class DataPlaneLimits:
             "else the tightest of RLIMIT_AS, its cgroup's limit and available memory). Within it, a worker's "
             "connections have at most 2 attached at once",
             RANGE: MEBIBYTES_OR_ZERO,
+        },
+    )
+    tls_handshake_threads: int = field(
+        default=2,
+        metadata={
+            "help": "threads that do the data plane's TLS handshakes, off the thread that serves every connection "
+            "(so at most this many cores of handshake work at once)",
+            RANGE: THREADS,
+        },
+    )
+    max_handshakes_per_source: int = field(
+        default=8,
+        metadata={
+            "help": "data-plane TLS handshakes under way at once from one address (waiting for a thread or for "
+            "the peer); more are closed at once, before any handshake work",
+            RANGE: COUNT,
+        },
+    )
+    handshake_cpu_per_source: float = field(
+        default=0.05,
+        metadata={
+            "help": "share of one core that data-plane TLS handshakes from one address may take on average "
+            "(their threads' time measured, at least 1 ms each; bursts up to 5 seconds' worth): past it, that "
+            "address's connections are closed at once, before any handshake work; 0: no limit",
+            RANGE: Range(0, 1024, unit="cores"),
         },
     )
 

@@ -24,6 +24,7 @@ DATA_PLANE_REFUSALS = (
     "handshake_timeout",  # TLS handshake and HELLO not done within --data-plane-hello-timeout
     "unproven_limit",  # closed without a HELLO for a newcomer, past --max-unproven-data-connections
     "tls",  # a TLS handshake that failed (no or a wrong client certificate, not TLS at all)
+    "handshake_limit",  # a TLS handshake past --max-handshakes-per-source or --handshake-rate-per-source
     "idle_timeout",  # no request for --connection-idle-timeout
     "stream_timeout",  # a frame, or a reply, stalled for --stream-idle-timeout
     "too_many_connections",  # past --max-data-connections

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import math
 import os
 import secrets
 import socket
-import ssl
 import threading
 import time
 
@@ -45,6 +45,7 @@ from gemps_server.wire.data_plane_loop import Body, Loop, Parked, Task
 from gemps_server.wire.data_plane_uploads import Lanes
 from gemps_server.wire.shared_memory_budget import SharedMemoryBudget
 from gemps_server.wire.streams import Pace
+from gemps_server.wire.tls_handshakes import Handshakes
 
 log = logging.getLogger("gemps.server")
 
@@ -79,6 +80,17 @@ class DataPlaneServer:
         )
         self._tls = tls_context(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls else None
         self._loop = Loop()
+        self._handshakes = (
+            Handshakes(
+                self._tls,
+                self._loop,
+                config.tls_handshake_threads,
+                config.max_handshakes_per_source,
+                config.handshake_cpu_per_source,
+            )
+            if self._tls is not None
+            else None
+        )
         self._connections: dict[Task, Connection] = {}
         # Connections whose HELLO has not proved a ticket yet, oldest first: a budget of their own
         # (--max-unproven-data-connections), so those that send nothing cannot take every place.
@@ -111,6 +123,8 @@ class DataPlaneServer:
         self._loop.listen(listener, self._accept)
         if self._config.shared_memory_on:
             self._listen_locally()
+        if self._handshakes is not None:
+            self._handshakes.start()
         self._thread = threading.Thread(target=self._run, name="gemps-data-plane", daemon=True)
         self._thread.start()
         return self.port
@@ -136,7 +150,9 @@ class DataPlaneServer:
             while not (self._stop_at is not None and self._stopped()):
                 loop.run_once()
         finally:
-            loop.close()
+            loop.close()  # ends the connections in handshake too: then their threads
+            if self._handshakes is not None:
+                self._handshakes.stop()
 
     # -- on the loop's thread ----------------------------------------------------------------------
 
@@ -196,15 +212,22 @@ class DataPlaneServer:
         self._refused("unproven_limit")
 
     def _open(self, sock: socket.socket, accepted_at: float, local: bool) -> None:
-        if self._tls is not None and not local:  # a local socket's bytes never leave this host
+        handshake = None
+        if self._handshakes is not None and not local:  # a local socket's bytes never leave this host
             try:
-                sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-            except (ssl.SSLError, OSError) as error:
+                source = sock.getpeername()[0]
+            except OSError:  # gone already
                 sock.close()
-                self._refused("tls", detail=str(error))
                 return
+            refusal = self._handshakes.admit(source)
+            if refusal is not None:  # closed before any handshake work
+                sock.close()
+                self._refused("handshake_limit", detail=refusal)
+                return
+            handshake = functools.partial(self._handshakes.run, source)
         channel = Channel(sock)
         connection = Connection(channel, self._service, self._metrics, self._limits, self._lanes, accepted_at)
+        connection.handshake = handshake
         self._metrics.data_plane_connections.inc()
 
         def body(task: Task) -> Body:

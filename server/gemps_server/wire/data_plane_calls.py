@@ -64,7 +64,7 @@ from gemps_server.native import copy_max_abs, max_abs
 from gemps_server.service import ParameterService
 from gemps_server.wire import messages, shared_memory
 from gemps_server.wire.data_plane_io import Channel, Hangup, PeerClosed, Stalled, Unread, close_fds, pieces
-from gemps_server.wire.data_plane_loop import Call, Handshake, ReadInto, Task, Wait, Write
+from gemps_server.wire.data_plane_loop import Call, ReadInto, Task, Wait, Write
 from gemps_server.wire.data_plane_replies import reply_room, write_reply
 from gemps_server.wire.data_plane_uploads import Held, Lanes, waited
 from gemps_server.wire.shared_memory import SharedRegion
@@ -123,14 +123,16 @@ class Connection:
         self._region: SharedRegion | None = None  # the shared memory attached (local connections)
         self.stopping = False  # the server is stopping: end after the request being served
         self.on_proven: Callable[[], None] = _nothing  # called once its HELLO proved a ticket
+        # Under TLS: its handshake by a deadline, done off the loop's thread (tls_handshakes.py).
+        self.handshake: Callable[[Task, float], Steps] | None = None
 
     def serve(self, task: Task) -> Generator[Wait, Any, None]:
         """The TLS handshake, the HELLO, then requests until the peer leaves, a guard closes the
         connection, or the server stops."""
         self._task = task
         try:
-            if self.channel.tls:
-                yield from self._handshake()
+            if self.handshake is not None:
+                yield from self._handshake(self.handshake(task, self._accepted_at + self._limits.handshake_timeout))
             yield from self.hello()
             self.on_proven()
             self.channel.fd_budget = 1  # the memfd an ATTACH carries (none before: data_plane_io.py)
@@ -145,9 +147,9 @@ class Connection:
             if self._region is not None:
                 self._region.close()
 
-    def _handshake(self) -> Steps:
+    def _handshake(self, handshake: Steps) -> Steps:
         try:
-            yield Handshake(self._accepted_at + self._limits.handshake_timeout)
+            yield from handshake
         except Stalled:
             raise Hangup("handshake_timeout") from None
         except PeerClosed:

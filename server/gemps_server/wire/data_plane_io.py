@@ -143,22 +143,6 @@ class Channel:
         with contextlib.suppress(OSError):  # ssl.SSLError included
             self.sock.send(data)
 
-    def handshake(self) -> bool:
-        """Advance the TLS handshake; True once it is done, PeerClosed if it failed (a client
-        certificate missing or untrusted, plaintext, the peer gone)."""
-        assert isinstance(self.sock, ssl.SSLSocket)
-        try:
-            self.sock.do_handshake()
-        except ssl.SSLWantReadError:
-            self.wants = selectors.EVENT_READ
-            return False
-        except ssl.SSLWantWriteError:
-            self.wants = selectors.EVENT_WRITE
-            return False
-        except (ssl.SSLError, OSError) as error:
-            raise PeerClosed(str(error)) from None
-        return True
-
     def shutdown(self) -> None:
         """Refuse further I/O (the peer sees the connection end)."""
         with contextlib.suppress(OSError):  # not connected any more

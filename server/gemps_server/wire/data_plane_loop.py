@@ -5,7 +5,7 @@ is resumed with it, so it reads top to bottom as blocking code would:
 
     yield ReadInto(view, ...)       bytes into a buffer of the caller's
     yield Write([header, theta])    bytes out, from their own memory
-    yield Handshake(deadline)       the TLS handshake
+    sock = yield Handshake(deadline)  the TLS handshake, done on another thread (tls_handshakes.py)
     value = yield Parked()          a pooled buffer: resumed by `resume`
     value = yield Call(start)       the service's result: the loop starts it, and hands it over
 
@@ -133,19 +133,6 @@ class Write(_Timed):
         return True
 
 
-class Handshake(_Timed):
-    """The TLS handshake, done by `deadline`."""
-
-    def __init__(self, deadline: float) -> None:
-        super().__init__(math.inf, deadline)
-
-    def attempt(self, channel: Channel, now: float) -> bool:
-        if channel.handshake():
-            return True
-        self.events = channel.wants
-        return False
-
-
 class Parked(Wait):
     """Resumed by whoever holds the task (`Task.resume`): a buffer pool, the applier. `pinned`:
     something outside the task writes into its memory until then (the applier, a reply into its
@@ -156,6 +143,18 @@ class Parked(Wait):
 
     def attempt(self, channel: Channel, now: float) -> bool:
         return False
+
+
+class Handshake(Parked):
+    """The TLS handshake, done off this thread (its crypto would stall every connection here):
+    resumed with the handshaken socket, or PeerClosed; Stalled past `deadline`."""
+
+    def __init__(self, deadline: float) -> None:
+        super().__init__()
+        self.deadline = deadline
+
+    def expires(self) -> float:
+        return self.deadline
 
 
 class Call(Parked):
