@@ -11,7 +11,8 @@ it, the oldest of those is closed for the newcomer), each with one request in fl
 read before its HELLO's ticket is checked, within --data-plane-hello-timeout of accept; θ-sized
 buffers only from the pools of --data-plane-buffers and --slow-upload-buffers
 (data_plane_uploads.py); idle and stall timeouts. TLS with the gRPC port's certificates (client
-certificates required when --tls-client-ca is set). Every connection closed by a guard is counted
+certificates required when --tls-client-ca is set), its handshakes done off the loop's thread and
+bounded per address (tls_handshakes.py). Every connection closed by a guard is counted
 (gemps_data_plane_refusals_total{reason}).
 """
 

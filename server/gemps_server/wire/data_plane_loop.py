@@ -3,11 +3,11 @@
 A connection's protocol (data_plane_calls.py) is a generator that yields what it waits for and
 is resumed with it, so it reads top to bottom as blocking code would:
 
-    yield ReadInto(view, ...)       bytes into a buffer of the caller's
-    yield Write([header, theta])    bytes out, from their own memory
+    yield ReadInto(view, ...)         bytes into a buffer of the caller's
+    yield Write([header, theta])      bytes out, from their own memory
     sock = yield Handshake(deadline)  the TLS handshake, done on another thread (tls_handshakes.py)
-    value = yield Parked()          a pooled buffer: resumed by `resume`
-    value = yield Call(start)       the service's result: the loop starts it, and hands it over
+    value = yield Parked()            a pooled buffer: resumed by `resume`
+    value = yield Call(start)         the service's result: the loop starts it, and hands it over
 
 An I/O wait that sees no byte move for its `stall` seconds, or passes its `deadline`, is resumed
 with Stalled; a peer that goes away, with PeerClosed. Why one thread and not one per connection:

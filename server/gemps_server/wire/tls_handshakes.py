@@ -182,9 +182,13 @@ class _Thread:
 
     def stop(self) -> None:
         self._stopping = True
+        if self._thread.ident is None:  # never started: its `finally` never runs
+            self._selector.close()
+            self._wake_reader.close()
+            self._wake_writer.close()
+            return
         self._wake()
-        if self._thread.ident is not None:
-            self._thread.join(JOIN_SECONDS)
+        self._thread.join(JOIN_SECONDS)
 
     def submit(self, job: _Job) -> None:
         self._incoming.append(job)
