@@ -1,7 +1,8 @@
 """An honest worker's commit rate beside a flood of TLS handshakes at the data port (issue 42,
-item 4): --flooders threads of each --kinds (gemps_bench/tls_flood.py: "hello" ClientHellos then
-close, "hold" ClientHellos never finished, "full" handshakes then close, "dh" ClientHellos that ask
-for the costliest key exchange), from a process of their own, from --source.
+item 4): --flooders threads of each --kinds (gemps_bench/tls_flood.py: "hello" ClientHellos closed
+once answered, "hold" ClientHellos never finished, "full" handshakes then close, "dh" ClientHellos
+that ask for the costliest key exchange, "connect" connections reset at once), from a process of
+their own, from --source.
 
     .venv/bin/python scripts/tls_flood.py --parameters 100K --kinds hello,hold,full,dh --routes tcp,shared
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 import urllib.request
@@ -32,6 +34,10 @@ from gemps_bench.tls_flood import FloodProcess
 
 import gemps
 from gemps_worker.cluster import ServerProcess, free_port
+
+
+def cpus(listed: str) -> set[int] | None:
+    return {int(cpu) for cpu in listed.split(",")} if listed else None
 
 
 def commits(client: gemps.Client, size: int, window: float) -> list[float]:
@@ -80,14 +86,18 @@ def one_route(route: str, args: argparse.Namespace, size: int, certificates: Any
                 alone = commits(worker, size, args.window)  # the rate before, just before
                 line(f"before {kind}", alone)
                 started = time.monotonic()
-                with FloodProcess(options["data_port"], kind, args.flooders, args.source) as flood:
+                flood = FloodProcess(options["data_port"], kind, args.flooders, args.source, cpus(args.flood_cpus))
+                with flood:
                     time.sleep(args.warmup)
                     before = refusals(server.metrics_port)
                     during = commits(worker, size, args.window)
-                    with gemps.Client(server.target, timeout=60, **client_options) as newcomer:
-                        newcomer.register(model)
-                        newcomer.commit(np.full(size, 1e-6, np.float32))
-                        planes = newcomer.planes
+                    try:
+                        with gemps.Client(server.target, timeout=60, **client_options) as newcomer:
+                            newcomer.register(model)
+                            newcomer.commit(np.full(size, 1e-6, np.float32))
+                            planes = newcomer.planes
+                    except gemps.GempsError as error:  # (on 3673cc6, under "dh")
+                        planes = [f"failed: {error.message[:100]}"]
                     after = refusals(server.metrics_port)
                     elapsed = time.monotonic() - started
                 counted = {k: round(v - before.get(k, 0)) for k, v in after.items() if v - before.get(k, 0)}
@@ -109,10 +119,14 @@ def main() -> None:
     parser.add_argument("--routes", default="tcp,shared", help="the honest worker's routes: tcp, shared")
     parser.add_argument("--flooders", type=int, default=2, help="flooding threads")
     parser.add_argument("--source", default="127.0.0.1", help="the flood's address (127.0.0.1: the workers')")
+    parser.add_argument("--server-cpus", default="", help="CPUs of the server and the workers, e.g. 0 (all: empty)")
+    parser.add_argument("--flood-cpus", default="", help="CPUs of the flood, e.g. 1 (as if it came from elsewhere)")
     parser.add_argument("--window", type=float, default=5.0, help="measured seconds per phase")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds before each measure")
     args = parser.parse_args()
     (size,) = parse_counts(args.parameters)
+    if args.server_cpus:
+        os.sched_setaffinity(0, cpus(args.server_cpus))  # the server process inherits it
     with tempfile.TemporaryDirectory(prefix="gemps-tls-flood-") as folder:
         certificates = replica_security(Path(folder), tls=True)
         for route in args.routes.split(","):

@@ -1,21 +1,22 @@
 """A flood of TLS handshakes at a data port (issue 42, item 4): what scripts/tls_flood.py measures
 an honest worker beside, and what tests/integration/test_data_plane_tls_flood.py floods with.
 
-Four kinds of flooder, each a thread of its own that connects (from `source`) as fast as it can:
+Five kinds of flooder, each a thread of its own that connects (from `source`) as fast as it can:
 - "hello": sends a ClientHello (one made once, replayed: costs the flooder nothing, the server a
-  key exchange and a signature each time) and closes at once;
+  key exchange and a signature each time) and closes once the server answered;
 - "hold": sends the same ClientHello and never says more, keeping up to HOLD connections open
   (each opened again when the server closes it);
 - "full": completes a real handshake, then closes;
 - "dh": as "hello", but the ClientHello offers only the ffdhe8192 group (RFC 7919), which
-  OpenSSL servers accept by default (about 80 ms of the server's CPU each, nothing of the
-  flooder's), and closes once the server answered.
+  OpenSSL servers accept by default: about 80 ms of the server's CPU each, nothing of the flooder's;
+- "connect": connects and resets, no byte sent: what any port, TLS or not, takes (the floor).
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import selectors
 import socket
 import ssl
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("hello", "hold", "full", "dh")
+KINDS = ("hello", "hold", "full", "dh", "connect")
 HOLD = 16  # connections a "hold" flooder keeps open at once
 FFDHE8192 = 0x0104  # the named group's code point (RFC 7919)
 SUPPORTED_GROUPS, KEY_SHARE = 0x000A, 0x0033  # the ClientHello extensions rewritten for "dh"
@@ -88,6 +89,7 @@ class Flood:
             "hold": self._holds,
             "full": self._full,
             "dh": self._hellos,
+            "connect": self._connects,
         }[self.kind]
         for number in range(self.threads):
             thread = threading.Thread(target=run, name=f"tls-flood-{self.kind}-{number}", daemon=True)
@@ -125,8 +127,13 @@ class Flood:
                 continue
             with sock, contextlib.suppress(OSError):
                 sock.sendall(hello)
-                if self.kind == "dh":
-                    sock.recv(1)  # the server did the work (or refused): then go
+                sock.recv(1)  # the server did the work (or refused): then go
+
+    def _connects(self) -> None:
+        while not self._stop.is_set():
+            sock = self._connect()
+            if sock is not None:
+                sock.close()
 
     def _holds(self) -> None:
         hello = client_hello()
@@ -176,11 +183,14 @@ class FloodProcess:
     """`Flood(port, kind, threads, source)` in a process of its own (its threads would take the
     GIL from the client measured beside it), until the block ends; `attempts` then."""
 
-    def __init__(self, port: int, kind: str, threads: int = 2, source: str = "127.0.0.1") -> None:
+    def __init__(
+        self, port: int, kind: str, threads: int = 2, source: str = "127.0.0.1", cpus: set[int] | None = None
+    ) -> None:
+        """`cpus`: the CPUs it runs on (None: those of this process)."""
         context = multiprocessing.get_context("spawn")
         self._stop, self._attempts = context.Event(), context.Value("q", 0)
         self._process = context.Process(
-            target=_flood_until, args=(port, kind, threads, source, self._stop, self._attempts), daemon=True
+            target=_flood_until, args=(port, kind, threads, source, cpus, self._stop, self._attempts), daemon=True
         )
         self.attempts = 0
 
@@ -194,7 +204,11 @@ class FloodProcess:
         self.attempts = int(self._attempts.value)
 
 
-def _flood_until(port: int, kind: str, threads: int, source: str, stop: Any, attempts: Any) -> None:
+def _flood_until(
+    port: int, kind: str, threads: int, source: str, cpus: set[int] | None, stop: Any, attempts: Any
+) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     running = Flood(port, kind, threads, source).start()
     stop.wait()
     running.stop()
