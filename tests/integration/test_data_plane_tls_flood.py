@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import numpy as np
@@ -111,6 +112,11 @@ def test_connections_in_handshake_are_bounded_and_unproven(start_server: StartSe
         hold("127.0.0.3")  # no place left: the oldest, in handshake, is closed for it
         wait_for(lambda: refusals(server)["unproven_limit"] == 1, timeout=5, what="the oldest evicted")
         assert closed_by_server(oldest)
+        # Past its address's bound while every place is taken: refused before it can cost
+        # another connection its place (no second eviction).
+        hold("127.0.0.3")
+        wait_for(lambda: refusals(server)["handshake_limit"] == 2, timeout=5, what="the third from .3 refused")
+        assert refusals(server)["unproven_limit"] == 1
         # The others end at the HELLO's deadline, counted; nothing is left of them.
         wait_for(lambda: refusals(server)["handshake_timeout"] == 3, timeout=10, what="the rest timed out")
         wait_for(lambda: plane.connections == 0, timeout=5, what="every connection closed")
@@ -133,3 +139,22 @@ def closed_by_server(sock: socket.socket) -> bool:
     except ConnectionResetError:
         pass
     return True
+
+
+def test_a_stopping_server_closes_connections_in_handshake_at_once(start_server: StartServer, pki: Pki) -> None:
+    """Nothing of a connection still in its TLS handshake (or before its HELLO) waits to be
+    acknowledged: a stopping server closes it at once instead of at the grace's end."""
+    server = start_server(tls_cert=pki.server.cert, tls_key=pki.server.key, data_plane_hello_timeout=60)
+    plane = server.server.data_plane
+    assert plane is not None
+    held = socket.create_connection(("127.0.0.1", server.server.data_port), timeout=30)
+    try:
+        held.sendall(client_hello())
+        wait_for(lambda: plane.connections == 1, timeout=5, what="the connection accepted")
+        stopping = threading.Thread(target=server.stop, kwargs={"grace": 60.0})
+        stopping.start()
+        stopping.join(timeout=20)  # a bound on a hang: the grace is 60 s
+        assert not stopping.is_alive(), "the server waited out its grace for a connection in handshake"
+        assert closed_by_server(held)
+    finally:
+        held.close()

@@ -40,7 +40,7 @@ from gemps_server.memory_budget import MIB
 from gemps_server.metrics import ServerMetrics
 from gemps_server.security import tls_context
 from gemps_server.service import ParameterService
-from gemps_server.wire.data_plane_calls import Connection, Limits, error_header
+from gemps_server.wire.data_plane_calls import Connection, HandshakeStart, Limits, error_header
 from gemps_server.wire.data_plane_io import Channel
 from gemps_server.wire.data_plane_loop import Body, Loop, Parked, Task
 from gemps_server.wire.data_plane_uploads import Lanes
@@ -181,13 +181,16 @@ class DataPlaneServer:
             local = sock.family == socket.AF_UNIX
             if not local:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            admitted, handshake = self._admitted(sock, local)
+            if not admitted:  # refused before it could cost another connection its place
+                continue
             full = len(self._connections) >= self._config.max_data_connections
             if full or len(self._unproven) >= self._unproven_budget:
                 if not self._unproven:  # every place is a worker's
                     self._refuse_connection(sock)
                     continue
                 self._evict_oldest_unproven()
-            self._open(sock, accepted_at, local)
+            self._open(sock, accepted_at, handshake)
 
     def _accept_later(self, listener: socket.socket) -> None:
         """Try `listener` again in ACCEPT_RETRY_SECONDS (once however often the table was full)."""
@@ -212,20 +215,24 @@ class DataPlaneServer:
         self._loop.finish(task)  # its body's `finally` forgets it
         self._refused("unproven_limit")
 
-    def _open(self, sock: socket.socket, accepted_at: float, local: bool) -> None:
-        handshake = None
-        if self._handshakes is not None and not local:  # a local socket's bytes never leave this host
-            try:
-                source = sock.getpeername()[0]
-            except OSError:  # gone already
-                sock.close()
-                return
-            refusal = self._handshakes.admit(source)
-            if refusal is not None:  # closed before any handshake work
-                sock.close()
-                self._refused("handshake_limit", detail=refusal)
-                return
-            handshake = functools.partial(self._handshakes.run, source)
+    def _admitted(self, sock: socket.socket, local: bool) -> tuple[bool, HandshakeStart | None]:
+        """Whether `sock` may have a place, and under TLS its handshake's start: past the bounds
+        of its address (tls_handshakes.py) it is closed and counted before any handshake work."""
+        if self._handshakes is None or local:  # a local socket's bytes never leave this host
+            return True, None
+        try:
+            source = sock.getpeername()[0]
+        except OSError:  # gone already
+            sock.close()
+            return False, None
+        refusal = self._handshakes.admit(source)
+        if refusal is not None:
+            sock.close()
+            self._refused("handshake_limit", detail=refusal)
+            return False, None
+        return True, functools.partial(self._handshakes.run, source)
+
+    def _open(self, sock: socket.socket, accepted_at: float, handshake: HandshakeStart | None) -> None:
         channel = Channel(sock)
         connection = Connection(channel, self._service, self._metrics, self._limits, self._lanes, accepted_at)
         connection.handshake = handshake
@@ -271,7 +278,9 @@ class DataPlaneServer:
         self._lanes.turn_away()
         for task, connection in list(self._connections.items()):
             connection.stopping = True
-            if task.waiting is not None and task.waiting.idle:
+            # Nothing of a connection that has not proved its ticket (in its TLS handshake or
+            # HELLO) waits to be acknowledged: it goes now, not at the grace's end.
+            if (task.waiting is not None and task.waiting.idle) or task in self._unproven:
                 self._loop.finish(task)
 
     def _stopped(self) -> bool:

@@ -74,6 +74,8 @@ from gemps_server.wire.stream_buffers import Buffer
 from gemps_server.wire.streams import Pace
 
 Steps = Generator[Wait, Any, Any]
+# Under TLS, how a connection gets its handshake done by a deadline (tls_handshakes.Handshakes.run).
+HandshakeStart = Callable[[Task, float], Steps]
 METHODS: dict[int, str] = {Op.COMMIT: "Commit", Op.PULL: "Pull"}
 # What a refused HELLO counts as, by its reason (anything else: bad_hello).
 HELLO_REFUSALS = {
@@ -124,7 +126,7 @@ class Connection:
         self.stopping = False  # the server is stopping: end after the request being served
         self.on_proven: Callable[[], None] = _nothing  # called once its HELLO proved a ticket
         # Under TLS: its handshake by a deadline, done off the loop's thread (tls_handshakes.py).
-        self.handshake: Callable[[Task, float], Steps] | None = None
+        self.handshake: HandshakeStart | None = None
 
     def serve(self, task: Task) -> Generator[Wait, Any, None]:
         """The TLS handshake, the HELLO, then requests until the peer leaves, a guard closes the
