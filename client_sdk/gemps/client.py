@@ -18,13 +18,11 @@ or from GEMPS_* environment variables, so reference workers in containers need n
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -47,7 +45,7 @@ from gemps.resolver import Target, as_resolver
 from gemps.retry import NO_RETRY, Retrier, RetryPolicy
 from gemps.router import PartitionRouter
 from gemps.serialised import serialised
-from gemps.transport import Transport, call_deadline
+from gemps.transport import Transport
 from gemps_proto.grpc_framing import DEFAULT_CHUNK_BYTES
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import PayloadKind, buffer_spec_of, flatten, spec_of
@@ -56,20 +54,6 @@ from gemps_proto.tensor_codec import WIRE_DTYPE_NAMES, all_finite
 log = logging.getLogger("gemps.client")
 
 PAYLOAD_KINDS = {kind.label: kind for kind in PayloadKind}
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def bounded(method: Callable[Concatenate[Client, P], R]) -> Callable[Concatenate[Client, P], R]:
-    """`method` within one deadline, the client's `timeout` from when it is called (an outer
-    deadline, gemps.aio's, when sooner): every attempt, retry and fallback inside shares it."""
-
-    @functools.wraps(method)
-    def within(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        with call_deadline(self.timeout):
-            return method(self, *args, **kwargs)
-
-    return within
 
 
 class Client:
@@ -190,7 +174,6 @@ class Client:
 
     # -- worker lifecycle ----------------------------------------------------------------------
 
-    @bounded
     @serialised
     def register(
         self, parameters: Mapping[str, np.ndarray], buffers: Mapping[str, np.ndarray] | None = None
@@ -219,7 +202,6 @@ class Client:
         at_exit.arm(self)  # leave at exit if the program does not (gemps.at_exit)
         return self.registration
 
-    @bounded
     @serialised
     def pull(self) -> CentralVariable:
         """The newest central variable (no payload is sent when ours is already current).
@@ -229,7 +211,6 @@ class Client:
         """
         return self._router.pull()
 
-    @bounded
     @serialised
     def commit(
         self,
@@ -271,7 +252,6 @@ class Client:
             buffer_delta=None if buffer_delta is None else self._buffer_delta(buffer_delta),
         )
 
-    @bounded
     @serialised
     def leave(self) -> None:
         """Leave cleanly; the server frees this worker's state and shard (each partition's)."""
@@ -288,7 +268,6 @@ class Client:
         except errors.GempsError as error:
             log.info("leaving at exit failed (the server evicts this worker when its lease expires): %s", error)
 
-    @bounded
     @serialised
     def report_evaluation(
         self, version: int, loss: float, accuracy: float, num_samples: int, dataset: str = ""
@@ -297,13 +276,11 @@ class Client:
         partitions, partition 0's version, to partition 0)."""
         self._router.report_evaluation(Evaluation(version, loss, accuracy, num_samples, dataset))
 
-    @bounded
     @serialised
     def status(self) -> ServerStatus:
         """The server's status (with partitions: partition 0's, whose `layout` lists them all)."""
         return self._router.status()
 
-    @bounded
     @serialised
     def statuses(self) -> list[ServerStatus]:
         """Every partition's status, in θ order (one item when θ is not partitioned)."""
@@ -316,7 +293,6 @@ class Client:
         parts = self.statuses() if statuses is None else statuses
         return GradientNoise.combined([status.gradient_noise for status in parts])
 
-    @bounded
     @serialised
     def close(self) -> None:
         """Close the connections (without leaving: `with Client(...)` or `leave()` does)."""
