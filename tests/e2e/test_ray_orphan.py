@@ -59,7 +59,7 @@ def commit_until(flag: str, context: WorkerContext) -> int:
     ends the run once partition 1 came back, however long Ray took to see its node lost)."""
     retry = RetryPolicy(max_attempts=1000, initial_backoff=0.05, max_backoff=0.5)
     commits = 0
-    with gemps.Client(context.target, stop=context.stop, timeout=10.0, retry=retry) as client:
+    with gemps.Client(context.target, stop=context.stop, timeout=120.0, attempt_timeout=10.0, retry=retry) as client:
         client.register({"w": np.zeros(SIZE, np.float32)})
         while not (context.stop.is_set() or os.path.exists(flag)):
             client.commit(ONES, kind="update")
