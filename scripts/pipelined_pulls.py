@@ -19,26 +19,27 @@ import argparse
 import contextlib
 import json
 import multiprocessing
-import socket
-import threading
 import time
 from multiprocessing.synchronize import Event
 from typing import Any
 
 import grpc
 import numpy as np
+from gemps_bench.honest_worker import commit_latencies, in_threads
 from gemps_bench.suite import parse_counts
 
 import gemps
+from gemps import errors
+from gemps.data_plane_connection import DataConnection, Unreachable
 from gemps_proto import data_plane_frames
-from gemps_proto.data_plane_frames import REPLY, Op
+from gemps_proto.data_plane_frames import Op
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_worker.cluster import ServerProcess
 
 
 def _attacker(target: str, size: int, pipelined: int, stop: Event, connections: list[int]) -> None:
-    """Register once; connect, HELLO, pipeline PULLs without reading, until closed; again."""
+    """Register once; connect, the handshake, pipeline PULLs without reading, until closed; again."""
     stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(target))
     spec = [pb.ParameterSpec(name="w", shape=[size], dtype=pb.DTYPE_FLOAT32)]
     reply = stub.Register(pb.RegisterRequest(spec=spec, omit_parameters=True), timeout=30)
@@ -46,44 +47,21 @@ def _attacker(target: str, size: int, pipelined: int, stop: Event, connections: 
     frame = data_plane_frames.frame_start(Op.PULL, pull)
     while not stop.is_set():
         try:
-            with socket.create_connection(("127.0.0.1", reply.data_plane.port), timeout=1.0) as sock:
+            connection = DataConnection.open("127.0.0.1", reply.data_plane.port, timeout=1.0, tls=None)
+            with connection.sock as sock:
                 connections[0] += 1
-                hello = pb.DataPlaneHello(worker_id=reply.worker_id, ticket=reply.data_plane.ticket)
-                sock.sendall(data_plane_frames.frame_start(Op.HELLO, hello.SerializeToString()))
-                start = sock.recv(data_plane_frames.PREAMBLE.size, socket.MSG_WAITALL)
-                if data_plane_frames.read_preamble(start).op != Op.HELLO | REPLY:
-                    return
-                sock.recv(data_plane_frames.read_preamble(start).header_bytes, socket.MSG_WAITALL)
+                connection.hello(reply.worker_id, reply.data_plane.ticket)  # the handshake, as the SDK's
                 sock.sendall(frame * pipelined)
                 while not stop.is_set():  # more, blocked while the server reads none: until closed
                     with contextlib.suppress(TimeoutError):  # (a frame cut short: the server closes it)
                         sock.sendall(frame)
                     time.sleep(0.05)
-        except (OSError, data_plane_frames.FrameError):
+        except (OSError, data_plane_frames.FrameError, errors.GempsError, Unreachable):
             time.sleep(0.05)
 
 
 def attackers(target: str, count: int, size: int, pipelined: int, stop: Event, opened: Any) -> None:
-    counters = [[0] for _ in range(count)]
-    threads = [
-        threading.Thread(target=_attacker, args=(target, size, pipelined, stop, counter), daemon=True)
-        for counter in counters
-    ]
-    for thread in threads:
-        thread.start()
-    stop.wait()
-    opened.value = sum(counter[0] for counter in counters)  # a multiprocessing Value("i")
-
-
-def measure(client: gemps.Client, size: int, window: float) -> list[float]:
-    payload = np.full(size, 1e-6, np.float32)
-    latencies = []
-    end = time.monotonic() + window
-    while time.monotonic() < end:
-        started = time.perf_counter()
-        client.commit(payload)
-        latencies.append(time.perf_counter() - started)
-    return latencies
+    in_threads(lambda connections: _attacker(target, size, pipelined, stop, connections), count, stop, opened)
 
 
 def newcomer(target: str, route: str, size: int) -> float:
@@ -105,8 +83,8 @@ def one_route(route: str, size: int, counts: list[int], pipelined: int, window: 
                 stop, opened = context.Event(), context.Value("i", 0)
                 process = context.Process(target=attackers, args=(server.target, count, size, pipelined, stop, opened))
                 process.start()
-                measure(client, size, warmup)  # the attackers register, connect and pipeline
-                latencies = measure(client, size, window)
+                commit_latencies(client, size, warmup)  # the attackers register, connect and pipeline
+                latencies = commit_latencies(client, size, window)
                 joined = newcomer(server.target, route, size)
                 stop.set()
                 process.join(120)

@@ -18,10 +18,10 @@ import json
 import multiprocessing
 import selectors
 import socket
-import time
 from multiprocessing.synchronize import Event
 
 import numpy as np
+from gemps_bench.honest_worker import commit_rate
 from gemps_bench.suite import parse_counts
 
 import gemps
@@ -61,15 +61,6 @@ def flood(port: int, count: int, opened: Event, stop: Event) -> None:
         key.fileobj.close()  # type: ignore[union-attr]
 
 
-def rate(client: gemps.Client, size: int, window: float) -> float:
-    payload = np.full(size, 1e-6, np.float32)
-    commits, started = 0, time.monotonic()
-    while time.monotonic() - started < window:
-        client.commit(payload)
-        commits += 1
-    return commits / (time.monotonic() - started)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parameters", default="100K", help="P, e.g. 100K")
@@ -93,7 +84,7 @@ def main() -> None:
 
         with gemps.Client(server.target, token=token) as alone:
             alone.register(model)
-            line("no flood", alone, rate(alone, size, args.window))
+            line("no flood", alone, commit_rate(alone, size, args.window))
         opened, stop = context.Event(), context.Event()
         process = context.Process(target=flood, args=(data_port, args.connections, opened, stop))
         process.start()
@@ -101,11 +92,11 @@ def main() -> None:
             opened.wait(60)
             with gemps.Client(server.target, token=token) as worker:
                 worker.register(model)
-                line("registered during the flood", worker, rate(worker, size, args.window))
+                line("registered during the flood", worker, commit_rate(worker, size, args.window))
                 stop.set()
                 process.join(30)
-                rate(worker, size, args.after)
-                line(f"{args.after:g} s after the flood", worker, rate(worker, size, args.window))
+                commit_rate(worker, size, args.after)
+                line(f"{args.after:g} s after the flood", worker, commit_rate(worker, size, args.window))
         finally:
             stop.set()
             process.join(30)

@@ -18,13 +18,13 @@ import argparse
 import json
 import multiprocessing
 import socket
-import threading
 import time
 from multiprocessing.synchronize import Event
 from typing import Any
 
 import grpc
 import numpy as np
+from gemps_bench.honest_worker import commit_latencies, in_threads
 from gemps_bench.suite import parse_counts
 
 import gemps
@@ -95,26 +95,7 @@ def _uploader(target: str, size: int, rate: float, stop: Event, done: list[int])
 
 def uploaders(target: str, count: int, size: int, rate: float, stop: Event, completed: Any) -> None:
     """`count` slow uploaders in threads until `stop`; `completed` gets the uploads applied."""
-    counters = [[0] for _ in range(count)]
-    threads = [
-        threading.Thread(target=_uploader, args=(target, size, rate, stop, counter), daemon=True)
-        for counter in counters
-    ]
-    for thread in threads:
-        thread.start()
-    stop.wait()
-    completed.value = sum(counter[0] for counter in counters)  # a multiprocessing Value("i")
-
-
-def measure(client: gemps.Client, size: int, window: float) -> list[float]:
-    payload = np.full(size, 1e-6, np.float32)
-    latencies = []
-    end = time.monotonic() + window
-    while time.monotonic() < end:
-        started = time.perf_counter()
-        client.commit(payload)
-        latencies.append(time.perf_counter() - started)
-    return latencies
+    in_threads(lambda done: _uploader(target, size, rate, stop, done), count, stop, completed)
 
 
 def one_route(route: str, size: int, counts: list[int], rate: float, window: float, warmup: float) -> None:
@@ -127,8 +108,8 @@ def one_route(route: str, size: int, counts: list[int], rate: float, window: flo
                 stop, completed = context.Event(), context.Value("i", 0)
                 process = context.Process(target=uploaders, args=(server.target, count, size, rate, stop, completed))
                 process.start()
-                measure(client, size, warmup)  # the uploaders register, connect and start
-                latencies = measure(client, size, window)
+                commit_latencies(client, size, warmup)  # the uploaders register, connect and start
+                latencies = commit_latencies(client, size, window)
                 stop.set()
                 process.join(120)
                 milliseconds = np.array(latencies) * 1e3

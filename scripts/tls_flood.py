@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gemps_bench.honest_worker import commit_latencies
 from gemps_bench.replica_security import replica_security
 from gemps_bench.suite import parse_counts
 from gemps_bench.tls_flood import FloodProcess
@@ -41,18 +42,13 @@ def cpus(listed: str) -> set[int] | None:
 
 
 def commits(client: gemps.Client, size: int, window: float) -> list[float]:
-    """The latencies of the commits done in `window` seconds (a failed one is not counted)."""
-    payload = np.full(size, 1e-6, np.float32)
-    latencies, end = [], time.monotonic() + window
-    while time.monotonic() < end:
-        started = time.perf_counter()
-        try:
-            client.commit(payload)
-        except gemps.GempsError as error:  # the data plane lost (under TLS on 3673cc6): said, not counted
-            print(json.dumps({"commit_failed": error.message[:200]}), flush=True)
-            continue
-        latencies.append(time.perf_counter() - started)
-    return latencies
+    """The latencies of the commits done in `window` seconds (a failed one is said, not counted:
+    the data plane lost under TLS on 3673cc6)."""
+    return commit_latencies(client, size, window, on_failure=_said)
+
+
+def _said(error: gemps.GempsError) -> None:
+    print(json.dumps({"commit_failed": error.message[:200]}), flush=True)
 
 
 def refusals(metrics_port: int) -> dict[str, float]:

@@ -26,6 +26,7 @@ import grpc
 import numpy as np
 
 import gemps
+from gemps_bench.honest_worker import commit_rate
 from gemps_proto import data_plane_frames
 from gemps_proto.data_plane_frames import Op
 from gemps_proto.schema_proto import tensor_to_proto
@@ -114,15 +115,6 @@ def announcement(target: str) -> pb.DataPlane:
         return pb_grpc.ParameterServerStub(channel).Register(request, timeout=30).data_plane
 
 
-def rate(client: gemps.Client, seconds: float) -> float:
-    gradient = np.full(PARAMETERS, 1e-3, np.float32)
-    count, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        client.commit(gradient)
-        count += 1
-    return count / (time.perf_counter() - started)
-
-
 def measure(attack: str, route: str, seconds: float) -> tuple[float, float]:
     """Commits per second before and during `attack`."""
     plane, shared = ROUTES[route]
@@ -133,14 +125,14 @@ def measure(attack: str, route: str, seconds: float) -> tuple[float, float]:
     with server, gemps.Client(server.target, plane=plane, shared_memory=shared, timeout=30) as client:
         client.register({"w": np.zeros(PARAMETERS, np.float32)})
         announced = announcement(server.target)
-        rate(client, 1.0)  # warm
-        before = rate(client, seconds)
+        commit_rate(client, PARAMETERS, 1.0)  # warm
+        before = commit_rate(client, PARAMETERS, seconds)
         if attack == "descriptors":
             during_attack = descriptors_attack(server, announced.local_socket)
         else:
             during_attack = full_table(server, announced.local_socket, announced.port)
         with during_attack:
-            during = rate(client, seconds)
+            during = commit_rate(client, PARAMETERS, seconds)
     return before, during
 
 
