@@ -3,6 +3,8 @@ a server's descriptors, on each route (shared memory, the data plane over TCP, g
 
 - `descriptors`: a local process opens data-plane connections three at a time and sends a HELLO
   a byte at a time, two descriptors (SCM_RIGHTS) on each byte, never finishing it, over and over.
+- `a core spun`: the floor to compare them with: a local process that spins without touching the
+  server (on 2 cores, any process burning one costs the honest worker about this much).
 - `full table`: a server under RLIMIT_NOFILE 96 whose descriptor table idle data-plane connections
   hold full (the honest worker connected before).
 
@@ -21,6 +23,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.synchronize import Event
+from typing import Any
 
 import grpc
 import numpy as np
@@ -70,11 +73,18 @@ def flood(local_socket: str, stop: Event) -> None:
             sock.close()
 
 
+def burn(_local_socket: str, stop: Event) -> None:
+    """The floor: a process that only spins, never touching the server (what any local process
+    burning a core costs the honest worker on this machine, to compare the floods with)."""
+    while not stop.is_set():
+        sum(range(10_000))
+
+
 @contextmanager
-def descriptors_attack(server: ServerProcess, local_socket: str) -> Iterator[None]:
+def descriptors_attack(server: ServerProcess, local_socket: str, attacker_loop: Any = flood) -> Iterator[None]:
     context = multiprocessing.get_context("spawn")
     stop = context.Event()
-    attacker = context.Process(target=flood, args=(local_socket, stop), daemon=True)
+    attacker = context.Process(target=attacker_loop, args=(local_socket, stop), daemon=True)
     attacker.start()
     try:
         time.sleep(0.5)  # under way
@@ -129,6 +139,8 @@ def measure(attack: str, route: str, seconds: float) -> tuple[float, float]:
         before = commit_rate(client, PARAMETERS, seconds)
         if attack == "descriptors":
             during_attack = descriptors_attack(server, announced.local_socket)
+        elif attack == "a core spun":
+            during_attack = descriptors_attack(server, announced.local_socket, burn)
         else:
             during_attack = full_table(server, announced.local_socket, announced.port)
         with during_attack:
@@ -141,7 +153,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="each measurement's length")
     args = parser.parse_args()
     print(f"{'attack':<12} {'route':<18} {'before /s':>10} {'during /s':>10} {'ratio':>6}")
-    for attack in ("descriptors", "full table"):
+    for attack in ("a core spun", "descriptors", "full table"):
         for route in ROUTES:
             before, during = measure(attack, route, args.seconds)
             print(f"{attack:<12} {route:<18} {before:>10.0f} {during:>10.0f} {during / before:>6.2f}", flush=True)

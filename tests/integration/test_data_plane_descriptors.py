@@ -14,6 +14,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ import gemps
 from gemps_proto import data_plane_frames, data_plane_proofs
 from gemps_proto.data_plane_frames import REPLY, Op
 from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_server.wire.data_plane import BACKLOG
+from gemps_server.wire.refusal_budget import BURST_SECONDS
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.processes import GEMPS_COMMAND
 from tests.data_plane_client import DataPlaneClient
@@ -217,3 +220,45 @@ def test_clients_that_connect_while_the_table_is_full_are_served_once_it_frees()
         finally:
             for client in honest:
                 client.close()
+
+
+# The refusal budget of the next test's server, per second (bursts of BURST_SECONDS' worth).
+REFUSALS_PER_SECOND = 50
+
+
+def test_connections_refused_over_and_over_pause_their_listener_not_the_workers(passed_file: int) -> None:
+    """A local process that connects, passes descriptors and is refused, over and over, for 3 s:
+    the refusals the server does are bounded by --data-plane-refusals-per-second (the rest wait in
+    the kernel's queue), said once at WARNING, a worker connected before goes on committing, and
+    one that comes after the flood gets the data plane."""
+    with ServerProcess(rule="downpour", data_plane_refusals_per_second=REFUSALS_PER_SECOND) as server:
+        worker = gemps.Client(server.target, plane="data", timeout=30)
+        with worker:
+            worker.register({"w": np.zeros(P, np.float32)})
+            local_socket = register(open_stub(server.target)).data_plane.local_socket
+            started = time.monotonic()
+            connected = tries = 0
+            while time.monotonic() - started < 3.0:
+                tries += 1
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(0.2)  # a paused listener's queue fills: connects wait, then fail
+                try:
+                    sock.connect("\0" + local_socket)
+                    socket.send_fds(sock, [b"\0"], [passed_file])
+                    connected += 1
+                except OSError:
+                    pass
+                finally:
+                    sock.close()
+                if tries % 50 == 0:
+                    assert worker.commit(np.ones(P, np.float32)).version >= 1
+            elapsed = time.monotonic() - started
+            refused = refusals(server)["descriptors"]
+            bound = REFUSALS_PER_SECOND * (BURST_SECONDS + elapsed) + BACKLOG  # + those the queue held
+            assert 0 < refused <= bound, f"{refused} refused in {elapsed:.1f}s ({connected} connected)"
+            assert "accepting paused" in server.log()
+        # After the flood (its queue drained): a newcomer gets the data plane.
+        with gemps.Client(server.target, plane="data", timeout=30) as newcomer:
+            newcomer.register({"w": np.zeros(P, np.float32)})
+            assert newcomer.commit(np.ones(P, np.float32)).version >= 1
+            assert newcomer.planes == ["data"]

@@ -127,6 +127,16 @@ class DataPlaneLimits:
             RANGE: COUNT,
         },
     )
+    data_plane_refusals_per_second: float = field(
+        default=1000.0,
+        metadata={
+            "help": "data-plane connections per second, per listener (TCP, local socket), that may end without "
+            "proving a ticket (refused, evicted, timed out; bursts of 2 seconds' worth): past it the listener "
+            "accepts nothing until its budget refills, and those connecting wait in the kernel's queue (workers "
+            "already connected are not touched); 0: no limit",
+            RANGE: Range(0, 1e6, unit="per second"),
+        },
+    )
     data_plane_hello_timeout: float = field(
         default=2.0,
         metadata={

@@ -44,6 +44,7 @@ from gemps_server.wire.data_plane_calls import Connection, HandshakeStart, Limit
 from gemps_server.wire.data_plane_io import Channel
 from gemps_server.wire.data_plane_loop import Body, Loop, Parked, Task
 from gemps_server.wire.data_plane_uploads import Lanes
+from gemps_server.wire.refusal_budget import RefusalBudget
 from gemps_server.wire.shared_memory_budget import SharedMemoryBudget
 from gemps_server.wire.streams import Pace
 from gemps_server.wire.tls_handshakes import Handshakes
@@ -56,6 +57,8 @@ BACKLOG = 128
 JOIN_SECONDS = 5.0
 # Out of descriptors: how soon accepting is tried again (connections wait in the kernel's queue).
 ACCEPT_RETRY_SECONDS = 0.05
+OUT_OF_DESCRIPTORS = "out of descriptors: connections wait to be accepted"
+PAUSED = "connections that prove no ticket come faster than --data-plane-refusals-per-second: accepting paused"
 # accept() of a connection that went away while queued: the next in the queue may be taken.
 DIED_IN_QUEUE = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ETIMEDOUT, errno.ECONNRESET})
 
@@ -106,6 +109,11 @@ class DataPlaneServer:
         self._descriptors = reserve()
         self._accept_pending: set[socket.socket] = set()
         self._full_log = Throttle(interval=10.0)
+        # Per listener (by address family): connections that may end without proving a ticket.
+        self._refusal_budgets = {
+            family: RefusalBudget(config.data_plane_refusals_per_second)
+            for family in (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6)
+        }
         self.port = 0
         self.local_socket = ""  # the Unix socket's abstract name (without its leading NUL), once bound
 
@@ -165,6 +173,10 @@ class DataPlaneServer:
             if not self._descriptors.refill():  # the reserve first: connections never take it
                 self._accept_later(listener)
                 return
+            paused = self._refusal_budgets[listener.family].delay()
+            if paused:  # refusals came faster than their budget: the queue waits (refusal_budget.py)
+                self._accept_later(listener, paused)
+                return
             try:
                 sock, _address = listener.accept()
             except BlockingIOError:  # the queue is drained
@@ -192,21 +204,23 @@ class DataPlaneServer:
                 self._evict_oldest_unproven()
             self._open(sock, accepted_at, handshake)
 
-    def _accept_later(self, listener: socket.socket) -> None:
-        """Try `listener` again in ACCEPT_RETRY_SECONDS (once however often the table was full)."""
+    def _accept_later(self, listener: socket.socket, paused: float = 0.0) -> None:
+        """Try `listener` again in ACCEPT_RETRY_SECONDS, out of descriptors, or in `paused` seconds,
+        its refusal budget spent (once however often either happened meanwhile)."""
         if listener in self._accept_pending:
             return
         self._accept_pending.add(listener)
-        suppressed = self._full_log.allow("full")
+        why = "refusals" if paused else "descriptors"
+        suppressed = self._full_log.allow(why)
         if suppressed is not None:
-            event(log, "out of descriptors: connections wait to be accepted", level=logging.WARNING, retries=suppressed)
+            event(log, PAUSED if paused else OUT_OF_DESCRIPTORS, level=logging.WARNING, retries=suppressed)
 
         def retry() -> None:
             self._accept_pending.discard(listener)
             if listener.fileno() != -1 and not self._stopping.is_set():
                 self._accept(listener)
 
-        self._loop.call_later(ACCEPT_RETRY_SECONDS, retry)
+        self._loop.call_later(paused or ACCEPT_RETRY_SECONDS, retry)
 
     def _evict_oldest_unproven(self) -> None:
         """Make room for a newcomer: the connection that has waited longest without a HELLO goes
@@ -227,12 +241,14 @@ class DataPlaneServer:
             return False, None
         refusal = self._handshakes.admit(source)
         if refusal is not None:
+            self._refusal_budgets[sock.family].charge()
             sock.close()
             self._refused("handshake_limit", detail=refusal)
             return False, None
         return True, functools.partial(self._handshakes.run, source)
 
     def _open(self, sock: socket.socket, accepted_at: float, handshake: HandshakeStart | None) -> None:
+        budget = self._refusal_budgets[sock.family]
         channel = Channel(sock)
         connection = Connection(channel, self._service, self._metrics, self._limits, self._lanes, accepted_at)
         connection.handshake = handshake
@@ -246,7 +262,9 @@ class DataPlaneServer:
                 yield from connection.serve(task)
             finally:
                 self._connections.pop(task, None)
-                self._unproven.pop(task, None)
+                if task in self._unproven:  # it ended without proving a ticket
+                    del self._unproven[task]
+                    budget.charge()
                 self._metrics.data_plane_connections.dec()
 
         self._loop.spawn(channel, body)
@@ -256,6 +274,7 @@ class DataPlaneServer:
         TLS: that would cost a handshake), then close. Counted first: a client that reads the
         refusal may scrape the metric at once."""
         self._refused("too_many_connections")
+        self._refusal_budgets[sock.family].charge()
         if self._tls is None or sock.family == socket.AF_UNIX:
             error = ResourceExhausted(
                 f"more than {self._config.max_data_connections} data-plane connections (--max-data-connections)",

@@ -377,11 +377,13 @@ class Connection:
         yield Write(pieces([start]), self._limits.stream_timeout, self._deadline(0))
 
     def _refuse(self, error: ServiceError, refusal: str) -> Generator[Wait, Any, Hangup]:
-        """Answer `error` if the peer still listens; the Hangup that ends the connection (counted
-        as `refusal`), for the caller to raise: `raise (yield from self._refuse(...))`."""
+        """Count the refusal as `refusal`, then answer `error` if the peer still listens (counted
+        first: a client that read the answer may scrape the metric at once); the Hangup that ends
+        the connection, for the caller to raise: `raise (yield from self._refuse(...))`."""
+        self._metrics.data_plane_refused(refusal)
         with contextlib.suppress(PeerClosed, Stalled):
             yield from self._send_error(error)
-        return Hangup(refusal)
+        return Hangup(None)
 
     def _stalled(self) -> NoReturn:
         """No byte for --stream-idle-timeout in the middle of a frame or reply: end it (the error
@@ -389,8 +391,9 @@ class Connection:
         error = DeadlineExceeded(
             f"nothing moved for {self._limits.stream_timeout:g}s in the middle of a frame", Reason.STREAM_IDLE
         )
+        self._metrics.data_plane_refused("stream_timeout")  # first, as _refuse counts
         self.channel.try_send(self._protocol.send(ErrorReply(error_header(error))))
-        raise Hangup("stream_timeout")
+        raise Hangup(None)
 
 
 def _nothing() -> None:

@@ -10,8 +10,9 @@ the connection's task then goes on to its HELLO.
 
 Bounds, checked at accept before any handshake work (past one, the connection is closed at once
 and counted as `handshake_limit`): at most --max-handshakes-per-source under way from one address,
-and at most --handshake-rate-per-source started per second from it (a token bucket: a flood that
-drops or completes each handshake at once would otherwise keep the threads' cores busy). A
+and at most --handshake-cpu-per-source of a core of handshake work from it (the threads' time,
+measured: a ClientHello that asks for ffdhe8192 costs the server ~80 ms, a usual one ~1 ms, so a
+count of handshakes would not bound the cores). A
 connection in handshake is one of the unproven (data_plane.py): --max-unproven-data-connections
 bounds them all (the oldest is closed for a newcomer) and its HELLO's deadline, from accept, ends
 its handshake too.
