@@ -143,7 +143,7 @@ def rate_line(status: ServerStatus) -> str:
         return "not reported (a server older than this client)"
     samples = f" ({_figure(recent.samples / recent.seconds)} samples/s)" if recent.samples else ""
     staleness = _figure(recent.staleness)
-    return f"{_figure(recent.rate)}/s over the last {recent.seconds:.0f}s{samples}, mean staleness {staleness}"
+    return f"{_figure(recent.rate)}/s over the last {_age(recent.seconds)}{samples}, mean staleness {staleness}"
 
 
 def held_out_line(status: ServerStatus) -> str:
@@ -268,7 +268,7 @@ def print_workers(workers: tuple[WorkerStatus, ...], *, partitioned: bool = Fals
         say(
             f"  shard {worker.shard:<4} {worker.name or '(no name)':<16} last seen {_age(worker.seconds_since_seen)} "
             f"ago, last commit {_age(worker.seconds_since_commit)} ago, {worker.commits} commits, "
-            f"{_figure(recent.rate)}/s, staleness {_figure(recent.staleness)} (last {recent.seconds:.0f}s)"
+            f"{_figure(recent.rate)}/s, staleness {_figure(recent.staleness)} (last {_age(recent.seconds)})"
         )
     if len(quietest) > MAX_WORKERS_LISTED:
         rest = quietest[MAX_WORKERS_LISTED:]

@@ -38,7 +38,7 @@ class RecentCommits:
 
     def describe_loss(self) -> str:
         """Like "2.31 (mean of 740 commits' reported loss, last 60s)", or why there is none."""
-        span = f"last {self.seconds:.0f}s"
+        span = f"last {self.seconds:.3g}s"
         if not self.loss_commits:
             return f"none reported ({self.commits} commits in the {span} carried no loss)"
         return f"{self.loss:.4g} (mean of {self.loss_commits} commits' reported loss, {span})"

@@ -120,12 +120,12 @@ def test_status_shows_the_commit_rate_training_loss_held_out_figures_and_each_wo
     recent = status.recent
     assert (recent.commits, recent.samples, recent.loss_commits, recent.loss) == (6, 6 * WORKER_BATCH, 6, 4.5)
     assert 0 < recent.seconds <= 60 and recent.rate == pytest.approx(6 / recent.seconds)
-    assert re.search(r"^commit rate     \S+/s over the last \d+s \(\S+ samples/s\), mean staleness 0$", shown, re.M)
+    assert re.search(r"^commit rate     \S+/s over the last [\d.]+s \(\S+ samples/s\), mean staleness 0$", shown, re.M)
     assert "training loss   4.5 (mean of 6 commits' reported loss, last " in shown
     assert "held-out        loss 1.25, accuracy 50.0% at version 5 (1 commits ago), on 100 samples of digits" in shown
     (worker,) = status.workers
     assert worker.recent.commits == 6 and worker.recent.rate > 0
-    assert re.search(r"^  shard 0    busy .* 6 commits, \S+/s, staleness 0 \(last \d+s\)$", shown, re.M)
+    assert re.search(r"^  shard 0    busy .* 6 commits, \S+/s, staleness 0 \(last [\d.]+s\)$", shown, re.M)
 
 
 def test_status_with_the_first_replica_down_answers_from_the_next(
