@@ -200,6 +200,8 @@ class Client:
             raise named_payloads.explained(refused, (spec, buffer_spec), (server.spec, server.buffer_spec)) from None
         assert self.registration is not None
         at_exit.arm(self)  # leave at exit if the program does not (gemps.at_exit)
+        if self.registration.shard.shared_with:  # more workers than shards: said in the worker's own log too
+            log.warning("%s: %s", self.target, self.registration.shard.describe())
         return self.registration
 
     @serialised

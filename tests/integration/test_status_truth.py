@@ -145,13 +145,15 @@ def test_shard_indices_wrap_and_a_shared_shard_is_said(
     server = start_server(num_shards=4)
     clients = [gemps.Client(server.target, name=f"w{i}") for i in range(5)]
     try:
-        with caplog.at_level(logging.WARNING, logger="gemps.server"):
+        with caplog.at_level(logging.WARNING):
             shards = [client.register({"w": np.zeros(P, np.float32)}).shard for client in clients]
         assert shards == [Shard(0, 4), Shard(1, 4), Shard(2, 4), Shard(3, 4), Shard(0, 4, shared_with=1)]
         assert shards[4].describe() == (
             "shard 0 of 4, shared with 1 other worker: more workers than shards read the same batches"
         )
-        assert [message for message in caplog.messages if "shard shared" in message] != []
+        assert [record.name for record in caplog.records if "shard shared" in record.getMessage()] == ["gemps.server"]
+        said = [record.getMessage() for record in caplog.records if record.name == "gemps.client"]
+        assert said == [f"{server.target}: {shards[4].describe()}"]  # the fifth worker's own log
         assert scrape(f"http://127.0.0.1:{server.metrics_port}/metrics")["gemps_shared_shard_registrations_total"] == 1
         assert [worker.shard for worker in clients[0].status().workers] == [0, 1, 2, 3, 0]
     finally:
