@@ -105,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
     if status.buffer_spec:
         say(f"buffers         {sum(entry.size for entry in status.buffer_spec)} in {len(status.buffer_spec)} tensors")
     say(f"commits         {status.commits_applied} applied, {status.commits_rejected} rejected")
+    say(f"commit rate     {rate_line(status)}")
+    say(f"training loss   {status.recent.describe_loss()}")
+    say(f"held-out        {held_out_line(status)}")
     say(f"rule state      {memory_line(status)}")
     say(f"rule            {status.config.rule} ({settings})")
     say(f"learning rate   {status.learning_rate:g} now ({status.config.lr_schedule} schedule)")
@@ -131,6 +134,28 @@ def run(args: argparse.Namespace) -> int:
     print_replication(statuses, asked)
     print_workers(status.workers, partitioned=status.layout is not None)
     return 0
+
+
+def rate_line(status: ServerStatus) -> str:
+    """The server's commits of the last minute: "12.5/s over the last 60s (400 samples/s)"."""
+    recent = status.recent
+    if recent.seconds <= 0:
+        return "not reported (a server older than this client)"
+    samples = f" ({_figure(recent.samples / recent.seconds)} samples/s)" if recent.samples else ""
+    staleness = _figure(recent.staleness)
+    return f"{_figure(recent.rate)}/s over the last {_age(recent.seconds)}{samples}, mean staleness {staleness}"
+
+
+def held_out_line(status: ServerStatus) -> str:
+    """The last evaluation an evaluator reported: its loss, accuracy and the version it measured."""
+    evaluation = status.last_evaluation
+    if evaluation is None:
+        return "none reported (an evaluator reports them: gemps evaluate)"
+    dataset = f" of {evaluation.dataset}" if evaluation.dataset else ""
+    return (
+        f"loss {evaluation.loss:.4g}, accuracy {100 * evaluation.accuracy:.1f}% at version {evaluation.version} "
+        f"({status.version - evaluation.version} commits ago), on {evaluation.num_samples} samples{dataset}"
+    )
 
 
 def memory_line(status: ServerStatus) -> str:
@@ -239,13 +264,20 @@ def print_workers(workers: tuple[WorkerStatus, ...], *, partitioned: bool = Fals
     say("workers         the longest unseen first" + (" (partition 0's)" if partitioned else ""))
     quietest = sorted(workers, key=lambda worker: -worker.seconds_since_seen)
     for worker in quietest[:MAX_WORKERS_LISTED]:
+        recent = worker.recent
         say(
             f"  shard {worker.shard:<4} {worker.name or '(no name)':<16} last seen {_age(worker.seconds_since_seen)} "
-            f"ago, last commit {_age(worker.seconds_since_commit)} ago, {worker.commits} commits"
+            f"ago, last commit {_age(worker.seconds_since_commit)} ago, {worker.commits} commits, "
+            f"{_figure(recent.rate)}/s, staleness {_figure(recent.staleness)} (last {_age(recent.seconds)})"
         )
     if len(quietest) > MAX_WORKERS_LISTED:
         rest = quietest[MAX_WORKERS_LISTED:]
         say(f"  and {len(rest)} more, each seen within {_age(rest[0].seconds_since_seen)}")
+
+
+def _figure(value: float) -> str:
+    """Three significant digits, without an exponent below a million: "0.25", "12.5", "1234"."""
+    return f"{value:.3g}" if value < 1000 else f"{value:.0f}"
 
 
 def _age(seconds: float) -> str:

@@ -132,7 +132,7 @@ class AsyncClient:
         return self._call(self.client.gradient_noise, statuses)
 
     async def close(self) -> None:
-        """Close the connections (without leaving), after the calls started before; then the
+        """As `Client.close` (leaving first, if still registered), after the calls started before; then the
         client's thread ends. Closing twice does nothing."""
         await self._last(self.client.close)
 

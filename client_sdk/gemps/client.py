@@ -45,7 +45,7 @@ from gemps.resolver import Target, as_resolver
 from gemps.retry import NO_RETRY, Retrier, RetryPolicy
 from gemps.router import PartitionRouter
 from gemps.serialised import serialised
-from gemps.transport import Transport
+from gemps.transport import Transport, call_deadline
 from gemps_proto.grpc_framing import DEFAULT_CHUNK_BYTES
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import PayloadKind, buffer_spec_of, flatten, spec_of
@@ -200,6 +200,8 @@ class Client:
             raise named_payloads.explained(refused, (spec, buffer_spec), (server.spec, server.buffer_spec)) from None
         assert self.registration is not None
         at_exit.arm(self)  # leave at exit if the program does not (gemps.at_exit)
+        if self.registration.shard.shared_with:  # more workers than shards: said in the worker's own log too
+            log.warning("%s: %s", self.target, self.registration.shard.describe())
         return self.registration
 
     @serialised
@@ -259,14 +261,14 @@ class Client:
         at_exit.disarm(self)
 
     def leave_at_exit(self) -> None:
-        """Leave, one attempt per server: the interpreter is exiting and the program did not leave
-        (gemps.at_exit bounds the wait)."""
+        """Leave, one attempt per server: the interpreter is exiting, or the client closing, and
+        the program did not leave (gemps.at_exit bounds the wait at exit)."""
         self._retrier.policy = NO_RETRY  # before the lock: a call that holds it stops retrying
         try:
             with self._calls:
                 self._router.leave()
         except errors.GempsError as error:
-            log.info("leaving at exit failed (the server evicts this worker when its lease expires): %s", error)
+            log.info("leaving failed (the server evicts this worker when its lease expires): %s", error)
 
     @serialised
     def report_evaluation(
@@ -295,8 +297,14 @@ class Client:
 
     @serialised
     def close(self) -> None:
-        """Close the connections (without leaving: `with Client(...)` or `leave()` does)."""
+        """Leave, if still registered, then close the connections: the server frees this worker's
+        state and data shard at once. One attempt per server within at_exit's deadline (2 s), as at
+        exit: a server that is gone does not hold the close up (its lease frees the place);
+        `leave()` first retries within the call's timeout."""
         at_exit.disarm(self)
+        if self.registration is not None:
+            with call_deadline(at_exit.EXIT_DEADLINE_SECONDS):
+                self.leave_at_exit()
         self._router.close()
 
     def __enter__(self) -> Client:

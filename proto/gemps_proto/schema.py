@@ -239,12 +239,24 @@ def _views(flat: np.ndarray, spec: Sequence[ParameterSpec]) -> Iterator[tuple[st
 class Shard:
     """The slice of the training data a worker should use (gemps.v1.Shard)."""
 
-    index: int  # distinct among active workers (lowest free slot)
+    index: int  # the worker's slot (distinct among active workers) modulo `count`; the slot when count is 0
     count: int  # disjoint shards; 0: the whole training set, in an order seeded by `index`
+    shared_with: int = 0  # other active workers holding `index` at registration: they read the same batches
 
     def __iter__(self) -> Iterator[int]:
         """`index, count = shard`, the shape the README gives it."""
         return iter((self.index, self.count))
+
+    def describe(self) -> str:
+        """For a worker's log: "shard 1 of 4", "all data (no sharding), order 3", and when the
+        shard is shared, with how many others and what that means."""
+        if self.count == 0:
+            return f"all data (no sharding), in an order seeded by {self.index}"
+        line = f"shard {self.index} of {self.count}"
+        if self.shared_with:
+            others = f"{self.shared_with} other worker{'s' if self.shared_with > 1 else ''}"
+            line += f", shared with {others}: more workers than shards read the same batches"
+        return line
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,14 @@ from gemps_proto.schema import (
     Shard,
     TrainingConfig,
 )
-from gemps_proto.status import BackupLag, GradientNoise, ReplicationStatus, ServerStatus, WorkerStatus
+from gemps_proto.status import (
+    BackupLag,
+    GradientNoise,
+    RecentCommits,
+    ReplicationStatus,
+    ServerStatus,
+    WorkerStatus,
+)
 from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.versions import Versions, received
@@ -83,11 +90,11 @@ def training_config_from_proto(message: pb.TrainingConfig) -> TrainingConfig:
 
 
 def shard_to_proto(shard: Shard) -> pb.Shard:
-    return pb.Shard(index=shard.index, count=shard.count)
+    return pb.Shard(index=shard.index, count=shard.count, shared_with=shard.shared_with)
 
 
 def shard_from_proto(message: pb.Shard) -> Shard:
-    return Shard(message.index, message.count)
+    return Shard(message.index, message.count, message.shared_with)
 
 
 def layout_to_proto(layout: Layout | None) -> pb.Layout | None:
@@ -227,13 +234,17 @@ def status_to_proto(status: ServerStatus) -> pb.StatusResponse:
         buffer_spec=spec_to_proto(status.buffer_spec),
         gradient_noise=pb.GradientNoise(**dataclasses.asdict(status.gradient_noise)),
         layout=layout_to_proto(status.layout),
-        workers=[pb.WorkerStatus(**dataclasses.asdict(worker)) for worker in status.workers],
+        workers=[
+            pb.WorkerStatus(**{**dataclasses.asdict(worker), "recent": recent_to_proto(worker.recent)})
+            for worker in status.workers
+        ],
         lease_ttl_seconds=status.lease_ttl_seconds,
         replication=replication_to_proto(status.replication),
         data_plane=data_plane_to_proto(status.data_plane),
         versions=None if status.versions is None else versions_to_proto(status.versions),
         memory_budget_bytes=status.memory_budget_bytes,
         rule_state_bytes=status.rule_state_bytes,
+        recent=recent_to_proto(status.recent),
     )
 
 
@@ -258,7 +269,10 @@ def status_from_proto(message: pb.StatusResponse) -> ServerStatus:
         ),
         layout=layout_from_proto(message),
         workers=tuple(
-            WorkerStatus(**{f.name: getattr(worker, f.name) for f in dataclasses.fields(WorkerStatus)})
+            WorkerStatus(
+                **{f.name: getattr(worker, f.name) for f in dataclasses.fields(WorkerStatus) if f.name != "recent"},
+                recent=recent_from_proto(worker.recent),
+            )
             for worker in message.workers
         ),
         lease_ttl_seconds=message.lease_ttl_seconds,
@@ -267,4 +281,14 @@ def status_from_proto(message: pb.StatusResponse) -> ServerStatus:
         versions=versions_from_proto(message),
         memory_budget_bytes=message.memory_budget_bytes,
         rule_state_bytes=message.rule_state_bytes,
+        recent=recent_from_proto(message.recent),
     )
+
+
+def recent_to_proto(recent: RecentCommits) -> pb.RecentCommits:
+    return pb.RecentCommits(**dataclasses.asdict(recent))
+
+
+def recent_from_proto(message: pb.RecentCommits) -> RecentCommits:
+    """An unset message (a server from before it) reads as no commits over no time."""
+    return RecentCommits(**{field.name: getattr(message, field.name) for field in dataclasses.fields(RecentCommits)})

@@ -30,10 +30,10 @@ from gemps_proto.schema import (
     Layout,
     ParameterSpec,
     Registration,
-    Shard,
 )
 from gemps_proto.status import ServerStatus
 from gemps_proto.tensor_codec import EncodedBuffers, EncodedTensor
+from gemps_server import worker_events
 from gemps_server.allocator import tune_for
 from gemps_server.config import ServerConfig
 from gemps_server.domain.applier import Applier, Deliver, Timed
@@ -182,7 +182,7 @@ class ParameterService:
             )
         )
         worker = registered.worker
-        self._metrics.registered()
+        shard = state.registry.shard(worker, self.config.num_shards)  # wrapped; shared when workers outnumber shards
         await self._addresses.refreshed()  # the layout as announced now (the file: read off the loop)
         if (displaced := registered.displaced) is not None:
             self._evicted([displaced], reason="server full; no commit for longer than the lease")
@@ -195,20 +195,12 @@ class ParameterService:
                 tensors=len(state.spec),
                 worker_id=worker.worker_id,
             )
-        event(
-            log,
-            "worker joined",
-            worker_id=worker.worker_id,
-            name=worker.name or None,
-            shard=worker.slot,
-            active=len(state.registry),
-            version=registered.snapshot.version,
-        )
+        worker_events.joined(self._metrics, worker, shard, len(state.registry), registered.snapshot.version)
         registration = Registration(
             worker_id=worker.worker_id,
             lease_ttl_seconds=self.config.lease_ttl,
             config=self.config.training,
-            shard=Shard(worker.slot, self.config.num_shards),
+            shard=shard,
             version=registered.snapshot.version,
             initialized_central=registered.initialized_theta,
             layout=self.layout(),
@@ -352,15 +344,7 @@ class ParameterService:
         self._replicas.require_primary()
         state = self._state
         worker = await self._applier.submit(lambda: state.leave(worker_id))
-        self._metrics.departed("left")
-        event(
-            log,
-            "worker left",
-            worker_id=worker.worker_id,
-            name=worker.name or None,
-            commits=worker.commits,
-            active=len(state.registry),
-        )
+        worker_events.left(self._metrics, worker, len(state.registry))
 
     async def status(self) -> ServerStatus:
         await self._addresses.refreshed()  # the layout as announced now (the file: read off the loop)
@@ -409,19 +393,7 @@ class ParameterService:
 
     def _evicted(self, workers: list[WorkerRecord], reason: str) -> None:
         """Count and log workers the server forgot without their leaving."""
-        self._metrics.departed("evicted", len(workers))
-        for worker in workers:
-            event(
-                log,
-                "worker evicted",
-                level=logging.WARNING,
-                worker_id=worker.worker_id,
-                name=worker.name or None,
-                reason=reason,
-                lease_ttl_seconds=self.config.lease_ttl,
-                commits=worker.commits,
-                active=len(self._state.registry),
-            )
+        worker_events.evicted(self._metrics, workers, reason, self.config.lease_ttl, len(self._state.registry))
 
     def rejected(self, method: str, error: ServiceError, status: str) -> None:
         """Count and log (throttled) a request refused with gRPC status `status`."""

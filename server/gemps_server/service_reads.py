@@ -93,11 +93,12 @@ def server_status(
         learning_rate=state.learning_rate,
         gradient_noise=state.noise.estimate,
         layout=layout,
-        workers=state.registry.listing(),
+        workers=state.registry.listing(config.num_shards),
         lease_ttl_seconds=state.registry.lease_ttl,
         replication=replication,
         data_plane=data_plane,
         versions=versions.THIS,
         memory_budget_bytes=state.memory.bytes or 0,
         rule_state_bytes=state.rule_state_bytes,
+        recent=state.registry.recent_commits(),
     )

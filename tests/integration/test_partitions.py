@@ -225,7 +225,7 @@ def test_status_and_export_assemble_every_partition(tmp_path: Path) -> None:
         assert status.returncode == 0, status.stderr
         assert "parameters      10007 in 3 tensors" in status.stdout
         assert "partitions      3" in status.stdout
-        assert "noise scale     no estimate yet" in status.stdout  # one commit: no window of 2 complete
+        assert "noise scale     no estimate (no gradient commits measured yet" in status.stdout  # 1 commit of 2
         for index, (start, stop) in enumerate(partition_bounds(10_007, 3)):
             assert re.search(
                 rf"  {index}  127\.0\.0\.1:\d+ +values {start}\.\.{stop - 1}  version 1  workers 1", status.stdout

@@ -104,7 +104,10 @@ def test_gemps_status_says_when_each_worker_was_last_seen(
     assert "active workers  2 (each evicted after 60s unseen)\n" in shown
     assert "\nworkers         the longest unseen first\n" in shown
     rows = re.findall(
-        r"^  shard (\d)    (\w+) +last seen [\d.]+s ago, last commit [\d.]+s ago, (\d) commits$", shown, re.M
+        r"^  shard (\d)    (\w+) +last seen [\d.]+s ago, last commit [\d.]+s ago, (\d) commits, "
+        r"[\d.]+/s, staleness [\d.]+ \(last [\d.]+s\)$",
+        shown,
+        re.M,
     )
     assert rows == [("1", "quiet", "0"), ("0", "busy", "1")]
     assert [(w.name, w.shard, w.commits) for w in statuses.workers] == [("busy", 0, 1), ("quiet", 1, 0)]

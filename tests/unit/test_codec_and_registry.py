@@ -6,7 +6,7 @@ import pytest
 from gemps.retry import RetryPolicy
 from gemps_proto import tensor_codec
 from gemps_proto.schema_proto import tensor_from_proto, tensor_to_proto
-from gemps_proto.status import WorkerStatus
+from gemps_proto.status import RecentCommits, WorkerStatus
 from gemps_proto.tensor_codec import TensorDecodeError, all_finite
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.errors import NotFound, ResourceExhausted
@@ -69,15 +69,17 @@ def test_the_registry_lists_each_worker_with_how_long_ago_it_was_seen() -> None:
     now = [100.0]
     registry = WorkerRegistry(max_workers=4, lease_ttl=60, clock=lambda: now[0])
     gone, busy = registry.add("gone"), registry.add("")
-    busy.commits = 3
     now[0] = 130.0
-    registry.touch(busy.worker_id, committed=True)
+    for staleness in (0, 1, 5):
+        registry.committed(busy, staleness, loss=2.0, num_samples=32)
     now[0] = 142.5
     registry.touch(busy.worker_id)  # a pull: seen, not committed
+    # Issue 43, item 7: and each one's commits of the last minute (since it registered): rate, staleness.
     assert registry.listing() == (
-        WorkerStatus("gone", 0, 0, seconds_since_seen=42.5, seconds_since_commit=42.5),
-        WorkerStatus("", 1, 3, seconds_since_seen=0.0, seconds_since_commit=12.5),
+        WorkerStatus("gone", 0, 0, 42.5, 42.5, RecentCommits(seconds=42.5)),
+        WorkerStatus("", 1, 3, 0.0, 12.5, RecentCommits(42.5, 3, 96, 3, 2.0, staleness=2.0)),
     )
+    assert registry.listing()[1].recent.rate == pytest.approx(3 / 42.5)
     registry.remove(gone.worker_id)
     assert [worker.shard for worker in registry.listing()] == [1]
 

@@ -7,13 +7,14 @@ B_noise = tr(Sigma)/|G|^2.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
 from gemps_proto.schema import ParameterSpec, PayloadKind, partition_bounds
-from gemps_proto.status import GradientNoise
+from gemps_proto.status import MIN_NOISE_WINDOWS, GradientNoise
 from gemps_server.domain.errors import InvalidArgument
 from gemps_server.domain.noise import (
     EMA_DECAY,
@@ -151,9 +152,20 @@ def test_windows_follow_registered_workers_and_update_commits_are_not_measured()
 
 def test_no_estimate_reads_as_such() -> None:
     assert math.isnan(GradientNoise().scale) and math.isnan(GradientNoise().useful_workers)
-    assert "no estimate yet" in GradientNoise().describe()
-    line = GradientNoise(gradient_square=1.0, noise_trace=900.0, batch_size=64, windows=5).describe(100)
-    assert line == "noise scale ≈ 900 samples: about 14.1 workers of batch 64 pay; 100 registered"
+    assert "no estimate (no gradient commits" in GradientNoise().describe()
+    estimate = GradientNoise(gradient_square=1.0, noise_trace=900.0, batch_size=32, windows=MIN_NOISE_WINDOWS, window=4)
+    line = estimate.describe(100)
+    assert line == "noise scale ≈ 900 samples: about 28.1 workers of batch 32 pay; 100 registered"
+    # Issue 43, item 5: the batch said to be the server's when commits reported none; no estimate
+    # from too few windows, nor with no worker registered (the demo's end said "281 workers pay").
+    assumed = dataclasses.replace(estimate, batch_size=64, batch_size_assumed=True)
+    assert "workers of batch 64 (the server's --batch-size: commits reported no num_samples) pay" in assumed.describe()
+    young = dataclasses.replace(estimate, windows=MIN_NOISE_WINDOWS - 1)
+    assert math.isnan(young.scale) and math.isnan(young.useful_workers)
+    assert young.describe(4) == "noise scale: no estimate (9 of the 10 windows of 4 commits it needs)"
+    assert estimate.describe(0) == (
+        "noise scale: no estimate (no workers registered; the last, while workers committed: ≈ 900 samples)"
+    )
 
 
 @pytest.mark.parametrize("stride", [1, 7])

@@ -117,6 +117,7 @@ def noise_bytes(state: ServerState) -> bytes:
     e = n.estimate
     numbers = [n.scale, n.small, n.inverse_batch, *n.gradient_square, *n.noise_trace]
     numbers += [e.gradient_square, e.noise_trace, e.batch_size, n.stride, n.size, n.count, n.pending, e.windows]
+    numbers += [n.assumed, e.batch_size_assumed]
     return n.total.tobytes() + np.array(numbers, np.float64).tobytes()
 
 
@@ -288,6 +289,22 @@ def test_an_inconsistent_image_is_refused_and_changes_nothing() -> None:
     with pytest.raises(ValueError, match="version"):
         decode(rewritten(data, "state", lambda state: {**state, "version": -1}))
     assert raw(target) == before
+
+
+def test_whether_the_noise_batch_was_assumed_crosses_and_an_older_image_reads_as_not() -> None:
+    """Issue 43: the estimate says when --batch-size stood in for commits that reported no
+    num_samples (these do not); an image from before that field reads as none assumed."""
+    primary, load = seeded()
+    for index in range(21, 27):  # gradients that report no num_samples: at least one whole window of 3
+        primary.commit(dataclasses.replace(load.commit(index, primary.version), num_samples=None))
+    image = images.take(primary)
+    assert image.noise is not None and image.noise.estimate.batch_size_assumed and image.noise.assumed > 0
+    crossed = decode(encode(image)).noise
+    assert crossed is not None and crossed.estimate.batch_size_assumed and crossed.assumed == image.noise.assumed
+    older = decode(rewritten(encode(image), "noise", lambda counts: counts[:6])).noise
+    assert older is not None and not older.estimate.batch_size_assumed and older.assumed == 0
+    with pytest.raises(ValueError, match="noise"):
+        decode(rewritten(encode(image), "noise", lambda counts: [*counts[:7], 1]))  # a flag that is not a bool
 
 
 def test_another_partitions_or_rules_image_is_refused() -> None:

@@ -197,10 +197,11 @@ def _progress_fields(sample: ProgressSample, samples: list[ProgressSample]) -> s
 
 
 def _noise_field(sample: ProgressSample) -> str:
-    """The noise scale and what it says; while its estimate of |G|^2 is not positive (early, and
-    again near convergence, where the mean gradient is tiny against its noise) it says nothing."""
+    """The noise scale and what it says; while there is no estimate (too few windows yet, or its
+    estimate of |G|^2 not positive: early, and again near convergence, where the mean gradient is
+    tiny against its noise) it says nothing."""
     if not math.isfinite(sample.noise_scale):
-        return "noise scale n/a (|G|^2 not measurable now)"
+        return "noise scale n/a (no estimate now)"
     return f"noise scale {sample.noise_scale:.0f} (~{sample.useful_workers:.1f} workers pay)"
 
 

@@ -190,10 +190,9 @@ def run_worker(
             )
             mode = create_mode(mode_name, remote, reg.config.learning_rate, local)
             log.info(
-                "registered %s: shard %d/%d rule=%s mode=%s eta=%g batch=%d device=%s",
+                "registered %s: %s rule=%s mode=%s eta=%g batch=%d device=%s",
                 reg.worker_id,
-                reg.shard.index,
-                reg.shard.count,
+                reg.shard.describe(),
                 reg.config.rule,
                 mode_name,
                 reg.config.learning_rate,

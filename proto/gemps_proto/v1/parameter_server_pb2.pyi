@@ -78,12 +78,14 @@ class TrainingConfig(_message.Message):
     def __init__(self, rule: _Optional[str] = ..., learning_rate: _Optional[float] = ..., momentum: _Optional[float] = ..., kappa: _Optional[float] = ..., pi_max: _Optional[float] = ..., worker_mode: _Optional[str] = ..., batch_size: _Optional[int] = ..., lr_schedule: _Optional[str] = ..., lr_warmup_commits: _Optional[int] = ..., lr_step_size: _Optional[int] = ..., lr_gamma: _Optional[float] = ..., lr_total_commits: _Optional[int] = ..., lr_min: _Optional[float] = ...) -> None: ...
 
 class Shard(_message.Message):
-    __slots__ = ("index", "count")
+    __slots__ = ("index", "count", "shared_with")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    SHARED_WITH_FIELD_NUMBER: _ClassVar[int]
     index: int
     count: int
-    def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+    shared_with: int
+    def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ..., shared_with: _Optional[int] = ...) -> None: ...
 
 class Partition(_message.Message):
     __slots__ = ("address", "start", "stop")
@@ -360,32 +362,52 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("name", "shard", "commits", "seconds_since_seen", "seconds_since_commit")
+    __slots__ = ("name", "shard", "commits", "seconds_since_seen", "seconds_since_commit", "recent")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     COMMITS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_SEEN_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_COMMIT_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FIELD_NUMBER: _ClassVar[int]
     name: str
     shard: int
     commits: int
     seconds_since_seen: float
     seconds_since_commit: float
-    def __init__(self, name: _Optional[str] = ..., shard: _Optional[int] = ..., commits: _Optional[int] = ..., seconds_since_seen: _Optional[float] = ..., seconds_since_commit: _Optional[float] = ...) -> None: ...
+    recent: RecentCommits
+    def __init__(self, name: _Optional[str] = ..., shard: _Optional[int] = ..., commits: _Optional[int] = ..., seconds_since_seen: _Optional[float] = ..., seconds_since_commit: _Optional[float] = ..., recent: _Optional[_Union[RecentCommits, _Mapping]] = ...) -> None: ...
+
+class RecentCommits(_message.Message):
+    __slots__ = ("seconds", "commits", "samples", "loss_commits", "loss", "staleness")
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_COMMITS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    seconds: float
+    commits: int
+    samples: int
+    loss_commits: int
+    loss: float
+    staleness: float
+    def __init__(self, seconds: _Optional[float] = ..., commits: _Optional[int] = ..., samples: _Optional[int] = ..., loss_commits: _Optional[int] = ..., loss: _Optional[float] = ..., staleness: _Optional[float] = ...) -> None: ...
 
 class GradientNoise(_message.Message):
-    __slots__ = ("gradient_square", "noise_trace", "batch_size", "windows", "window")
+    __slots__ = ("gradient_square", "noise_trace", "batch_size", "windows", "window", "batch_size_assumed")
     GRADIENT_SQUARE_FIELD_NUMBER: _ClassVar[int]
     NOISE_TRACE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     WINDOWS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_ASSUMED_FIELD_NUMBER: _ClassVar[int]
     gradient_square: float
     noise_trace: float
     batch_size: float
     windows: int
     window: int
-    def __init__(self, gradient_square: _Optional[float] = ..., noise_trace: _Optional[float] = ..., batch_size: _Optional[float] = ..., windows: _Optional[int] = ..., window: _Optional[int] = ...) -> None: ...
+    batch_size_assumed: bool
+    def __init__(self, gradient_square: _Optional[float] = ..., noise_trace: _Optional[float] = ..., batch_size: _Optional[float] = ..., windows: _Optional[int] = ..., window: _Optional[int] = ..., batch_size_assumed: _Optional[bool] = ...) -> None: ...
 
 class BackupLag(_message.Message):
     __slots__ = ("name", "in_sync", "lag_commits", "lag_seconds")
@@ -424,7 +446,7 @@ class ReplicationStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., replicas: _Optional[int] = ..., primary: _Optional[str] = ..., backups: _Optional[_Iterable[_Union[BackupLag, _Mapping]]] = ..., forwarded: _Optional[int] = ..., applied: _Optional[int] = ..., failovers: _Optional[int] = ..., unavailable: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("initialized", "version", "active_workers", "num_parameters", "config", "commits_applied", "commits_rejected", "spec", "uptime_seconds", "last_evaluation", "learning_rate", "buffer_spec", "workers", "lease_ttl_seconds", "gradient_noise", "replication", "data_plane", "layout", "versions", "memory_budget_bytes", "rule_state_bytes")
+    __slots__ = ("initialized", "version", "active_workers", "num_parameters", "config", "commits_applied", "commits_rejected", "spec", "uptime_seconds", "last_evaluation", "learning_rate", "buffer_spec", "workers", "lease_ttl_seconds", "gradient_noise", "replication", "data_plane", "layout", "versions", "memory_budget_bytes", "rule_state_bytes", "recent")
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -446,6 +468,7 @@ class StatusResponse(_message.Message):
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     RULE_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FIELD_NUMBER: _ClassVar[int]
     initialized: bool
     version: int
     active_workers: int
@@ -467,4 +490,5 @@ class StatusResponse(_message.Message):
     versions: Versions
     memory_budget_bytes: int
     rule_state_bytes: int
-    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., active_workers: _Optional[int] = ..., num_parameters: _Optional[int] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., commits_applied: _Optional[int] = ..., commits_rejected: _Optional[int] = ..., spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., learning_rate: _Optional[float] = ..., buffer_spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., lease_ttl_seconds: _Optional[float] = ..., gradient_noise: _Optional[_Union[GradientNoise, _Mapping]] = ..., replication: _Optional[_Union[ReplicationStatus, _Mapping]] = ..., data_plane: _Optional[_Union[DataPlane, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., rule_state_bytes: _Optional[int] = ...) -> None: ...
+    recent: RecentCommits
+    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., active_workers: _Optional[int] = ..., num_parameters: _Optional[int] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., commits_applied: _Optional[int] = ..., commits_rejected: _Optional[int] = ..., spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., learning_rate: _Optional[float] = ..., buffer_spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., lease_ttl_seconds: _Optional[float] = ..., gradient_noise: _Optional[_Union[GradientNoise, _Mapping]] = ..., replication: _Optional[_Union[ReplicationStatus, _Mapping]] = ..., data_plane: _Optional[_Union[DataPlane, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., rule_state_bytes: _Optional[int] = ..., recent: _Optional[_Union[RecentCommits, _Mapping]] = ...) -> None: ...

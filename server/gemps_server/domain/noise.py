@@ -10,7 +10,11 @@ up to staleness (the k gradients were computed at nearby, not equal, versions of
 
 Each window's two estimates are noisy (|G|^2's is often negative early on), so each goes into
 its own exponential moving average and B_noise is the ratio of the averages, as the paper does.
-Unequal batch sizes in a window take B_s as their harmonic mean, which keeps both unbiased.
+Unequal batch sizes in a window take B_s as their harmonic mean, which keeps both unbiased. A
+commit that reports no num_samples counts as the server's --batch-size, and the estimate says so
+(`batch_size_assumed`): the SDK's drop-in loop once sent none, and the noise scale read in workers
+of batch 64 though they trained on 32 (issue 43). GradientNoise.missing says when there is no
+estimate to show (fewer than MIN_NOISE_WINDOWS windows, no workers registered).
 
 The sums are measured as the rule applies the commit (CommitRule.step's `window`: in GEM's
 compiled pass, else one pass of their own): |g|^2 per commit, and the window's running sum of g,
@@ -88,6 +92,7 @@ class NoiseImage:
     small: float = 0.0
     inverse_batch: float = 0.0
     pending: bool = False
+    assumed: int = 0  # commits of the window under way that reported no num_samples
     gradient_square: tuple[float, float] = (0.0, 0.0)
     noise_trace: tuple[float, float] = (0.0, 0.0)
     estimate: GradientNoise = dataclasses.field(default_factory=GradientNoise)
@@ -106,9 +111,10 @@ class NoiseEstimator:
         self._count = 0  # its commits measured so far
         self._small = 0.0  # their sum of |g|^2
         self._inverse_batch = 0.0  # and of 1/B
+        self._assumed = 0  # and how many reported no num_samples (the default batch stood in)
         self._pending = False  # a window handed out, not yet recorded (its commit may be refused)
         self._gradient_square, self._noise_trace = MovingAverage(), MovingAverage()
-        self.estimate = GradientNoise(batch_size=float(batch_size))
+        self.estimate = GradientNoise(batch_size=float(batch_size), batch_size_assumed=True)
 
     def window(
         self, kind: PayloadKind, num_parameters: int, registered: int, num_samples: int | None = None
@@ -123,6 +129,7 @@ class NoiseEstimator:
         if self._count == 0:
             self._size = self.option or max(2, registered)
             self._small = self._inverse_batch = 0.0
+            self._assumed = 0
             self._stride = -(-num_parameters // NOISE_SAMPLE_SIZE)  # in runs of NOISE_RUN parameters
             self._scale = num_parameters / noise_sample(num_parameters, self._stride).size
             size = noise_window_size(num_parameters, self._stride)
@@ -137,6 +144,7 @@ class NoiseEstimator:
         self._pending = False
         self._small += window.payload_square * self._scale
         self._inverse_batch += 1.0 / (num_samples or self.default_batch)
+        self._assumed += not num_samples
         self._count += 1
         if self._count == self._size:
             self._count = 0
@@ -153,6 +161,7 @@ class NoiseEstimator:
             small=self._small,
             inverse_batch=self._inverse_batch,
             pending=self._pending,
+            assumed=self._assumed,
             gradient_square=(self._gradient_square.total, self._gradient_square.weight),
             noise_trace=(self._noise_trace.total, self._noise_trace.weight),
             estimate=self.estimate,
@@ -170,6 +179,7 @@ class NoiseEstimator:
         self._total = image.total.copy()
         self._stride, self._scale, self._size, self._count = image.stride, image.scale, image.size, image.count
         self._small, self._inverse_batch, self._pending = image.small, image.inverse_batch, image.pending
+        self._assumed = image.assumed
         for average, (total, weight) in (
             (self._gradient_square, image.gradient_square),
             (self._noise_trace, image.noise_trace),
@@ -194,4 +204,5 @@ class NoiseEstimator:
             batch_size=batch,
             windows=self.estimate.windows + 1,
             window=k,
+            batch_size_assumed=self._assumed > 0,
         )

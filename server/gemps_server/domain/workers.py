@@ -1,4 +1,4 @@
-"""Registered workers: identities, data-shard slots and leases."""
+"""Registered workers: identities, data-shard slots, leases and their recent commits."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import heapq
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gemps_proto.reasons import Reason
-from gemps_proto.status import WorkerStatus
+from gemps_proto.schema import Shard
+from gemps_proto.status import RecentCommits, WorkerStatus
 from gemps_server.domain.errors import NotFound, ResourceExhausted
+from gemps_server.domain.recent import RecentWindow
 
 
 @dataclass
@@ -22,6 +24,7 @@ class WorkerRecord:
     commits: int = 0
     last_commit: float = 0.0  # when it last committed (registered, before its first commit)
     client_id: str = ""  # the client's identity across its registrations ("" when it sent none)
+    recent: RecentWindow = field(default_factory=lambda: RecentWindow(0.0))  # its commits of the last minute
 
     @property
     def scope(self) -> str:
@@ -61,6 +64,7 @@ class WorkerRegistry:
         self._by_client: dict[str, str] = {}  # client id -> its registered worker's id
         self._free_slots: list[int] = []  # min-heap of slots released by departed workers
         self._next_slot = 0
+        self.recent = RecentWindow(clock())  # every commit applied here in the last minute, whoever left since
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -86,7 +90,10 @@ class WorkerRegistry:
         else:
             slot, self._next_slot = self._next_slot, self._next_slot + 1
         now = self._clock()
-        record = WorkerRecord(worker_id or uuid.uuid4().hex, name, slot, now, last_commit=now, client_id=client_id)
+        worker_id = worker_id or uuid.uuid4().hex
+        record = WorkerRecord(
+            worker_id, name, slot, now, last_commit=now, client_id=client_id, recent=RecentWindow(now)
+        )
         self._workers[record.worker_id] = record
         if client_id:
             self._by_client[client_id] = record.worker_id
@@ -109,6 +116,27 @@ class WorkerRegistry:
             record.last_commit = record.last_seen
         return record
 
+    def committed(self, record: WorkerRecord, staleness: int, loss: float | None, num_samples: int | None) -> None:
+        """`record`'s commit was applied now, with what it reported: its lease, counts and recent commits."""
+        record.commits += 1
+        record.last_seen = record.last_commit = now = self._clock()
+        record.recent.add(now, staleness, loss, num_samples)
+        self.recent.add(now, staleness, loss, num_samples)
+
+    def recent_commits(self) -> RecentCommits:
+        """Every commit applied here in the last minute (Status: the rate and training loss)."""
+        return self.recent.summary(self._clock())
+
+    def shard(self, record: WorkerRecord, count: int) -> Shard:
+        """`record`'s data shard of `count` (0: no sharding, the slot seeds its order): its slot
+        modulo `count`, and how many other registered workers hold that index (more workers than
+        shards wrap around: they read the same batches)."""
+        if count == 0:
+            return Shard(record.slot, 0)
+        index = record.slot % count
+        shared = sum(w.slot % count == index for w in self._workers.copy().values() if w is not record)
+        return Shard(index, count, shared)
+
     @property
     def full(self) -> bool:
         return len(self._workers) >= self.max_workers
@@ -124,13 +152,21 @@ class WorkerRegistry:
         idle = min(candidates, key=lambda record: record.last_commit)
         return idle if self._clock() - idle.last_commit > self.lease_ttl else None
 
-    def listing(self) -> tuple[WorkerStatus, ...]:
-        """The registered workers by shard, with how long ago each was last seen and last committed.
-        Status reads it on the event loop while the applier's thread may add or remove a worker:
-        the dict is copied in one step (under the GIL) before it is walked."""
+    def listing(self, num_shards: int = 0) -> tuple[WorkerStatus, ...]:
+        """The registered workers by slot, each with its shard's index of `num_shards`, how long ago
+        it was last seen and last committed, and its commits of the last minute. Status reads it on
+        the event loop while the applier's thread may add or remove a worker: the dict is copied in
+        one step (under the GIL) before it is walked."""
         now = self._clock()
         return tuple(
-            WorkerStatus(w.name, w.slot, w.commits, now - w.last_seen, now - w.last_commit)
+            WorkerStatus(
+                w.name,
+                w.slot % num_shards if num_shards else w.slot,
+                w.commits,
+                now - w.last_seen,
+                now - w.last_commit,
+                w.recent.summary(now),
+            )
             for w in sorted(self._workers.copy().values(), key=lambda w: w.slot)
         )
 
@@ -155,7 +191,7 @@ class WorkerRegistry:
         self.check(image)
         now = self._clock()
         self._workers = {
-            w.worker_id: WorkerRecord(w.worker_id, w.name, w.slot, now, w.commits, now, w.client_id)
+            w.worker_id: WorkerRecord(w.worker_id, w.name, w.slot, now, w.commits, now, w.client_id, RecentWindow(now))
             for w in image.workers
         }
         self._by_client = {w.client_id: w.worker_id for w in image.workers if w.client_id}

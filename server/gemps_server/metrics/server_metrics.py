@@ -59,7 +59,7 @@ class ServerMetrics:
         """Gauges that read the live state when scraped, so they can never go stale (eta: the
         described training config's schedule at the live version)."""
         self.state.observe(version, parameters, rule_state_bytes, active_workers, queue_depth)
-        self.noise.observe(gradient_noise)
+        self.noise.observe(gradient_noise, active_workers)
 
     # -- events ----------------------------------------------------------------------------------
 
@@ -96,6 +96,9 @@ class ServerMetrics:
 
     def registered(self) -> None:
         self.state.registered()
+
+    def shared_shard(self) -> None:
+        self.state.shared_shard()
 
     def departed(self, cause: str, count: int = 1) -> None:
         self.state.departed(cause, count)

@@ -28,6 +28,12 @@ class StateMetrics:
         )
         for cause in DEPARTURE_CAUSES:
             self.departures.labels(cause)
+        self.shared_shards = Counter(
+            "gemps_shared_shard_registrations",
+            "Registrations given a data shard another registered worker holds (more workers than --num-shards): "
+            "the two read the same batches.",
+            registry=registry,
+        )
         self.active_workers = Gauge("gemps_active_workers", "Registered workers holding a lease.", registry=registry)
         self.version = Gauge("gemps_central_version", "Commits applied to the central variable.", registry=registry)
         self.learning_rate = Gauge(
@@ -61,6 +67,9 @@ class StateMetrics:
 
     def registered(self) -> None:
         self.registrations.inc()
+
+    def shared_shard(self) -> None:
+        self.shared_shards.inc()
 
     def departed(self, cause: str, count: int = 1) -> None:
         if count:

@@ -63,7 +63,9 @@ WORKER_PREFIX = "worker."  # worker.<its index in registration order>.<name>
 RECEIPT_COUNTS, RECEIPT_STATS = "receipts.counts", "receipts.stats"  # the ledger's last, then legacy
 NOISE_TOTAL, NOISE_NUMBERS = "noise.total", "noise.numbers"
 STAT_FIELDS = tuple(f.name for f in dataclasses.fields(ApplyStats))
-NOISE_COUNT_FIELDS = ("stride", "size", "count", "pending", "windows", "window")
+NOISE_COUNT_FIELDS = ("stride", "size", "count", "pending", "windows", "window", "assumed", "batch_size_assumed")
+# An image from before the last two (issue 43): no commit taken as lacking num_samples.
+NOISE_COUNT_FIELDS_BEFORE = len(NOISE_COUNT_FIELDS) - 2
 MAX_HISTORY_LENGTH = 128
 Blob = bytes | bytearray | memoryview
 
@@ -189,7 +191,8 @@ def _parts(image: ReplicaImage) -> tuple[dict[str, np.ndarray], dict[str, str]]:
             "legacy": [request_id for request_id, _ in ledger.legacy],
         }),
         "noise": _dumps(None if noise is None else [
-            noise.stride, noise.size, noise.count, noise.pending, noise.estimate.windows, noise.estimate.window
+            noise.stride, noise.size, noise.count, noise.pending, noise.estimate.windows, noise.estimate.window,
+            noise.assumed, noise.estimate.batch_size_assumed,
         ]),
     }  # fmt: skip
     return tensors, metadata
@@ -352,20 +355,20 @@ def _noise(raw: str, tensors: dict[str, np.ndarray]) -> NoiseImage | None:
     value = strict_json(raw)
     if value is None:
         return None
-    if not (isinstance(value, list) and len(value) == len(NOISE_COUNT_FIELDS)):
+    if not (isinstance(value, list) and len(value) in (NOISE_COUNT_FIELDS_BEFORE, len(NOISE_COUNT_FIELDS))):
         raise ValueError(f"bad noise estimate {raw[:80]!r}")
-    counts = dict(zip(NOISE_COUNT_FIELDS, value, strict=True))
-    stride, size, count, windows, window = (
-        _count(counts, key) for key in ("stride", "size", "count", "windows", "window")
+    counts = {"assumed": 0, "batch_size_assumed": False} | dict(zip(NOISE_COUNT_FIELDS, value, strict=False))
+    stride, size, count, windows, window, assumed = (
+        _count(counts, key) for key in ("stride", "size", "count", "windows", "window", "assumed")
     )
-    if type(counts["pending"]) is not bool:
-        raise ValueError("bad noise pending flag")
+    if type(counts["pending"]) is not bool or type(counts["batch_size_assumed"]) is not bool:
+        raise ValueError("bad noise pending or batch_size_assumed flag")
     total = tensors.pop(NOISE_TOTAL, None)
     if total is None or total.dtype != np.float32 or total.ndim != 1:
         raise ValueError(f"missing or malformed {NOISE_TOTAL!r}")
     numbers = [float(x) for x in _take(tensors, NOISE_NUMBERS, np.float64, (10,))]
-    estimate = GradientNoise(numbers[7], numbers[8], numbers[9], windows, window)
+    estimate = GradientNoise(numbers[7], numbers[8], numbers[9], windows, window, counts["batch_size_assumed"])
     return NoiseImage(
-        total, stride, numbers[0], size, count, numbers[1], numbers[2], counts["pending"],
+        total, stride, numbers[0], size, count, numbers[1], numbers[2], counts["pending"], assumed,
         (numbers[3], numbers[4]), (numbers[5], numbers[6]), estimate,
     )  # fmt: skip

@@ -1,0 +1,72 @@
+"""What the server logs and counts when a worker joins, leaves or is evicted.
+
+The service (service.py) decides; this writes the lines operators read ("worker joined", "worker
+left", "worker evicted") and counts them in the metrics. A worker given a data shard another
+registered worker holds (more workers than --num-shards: the indices wrap) is a WARNING and
+`gemps_shared_shard_registrations_total`: the two read the same batches, which nothing else shows.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gemps_proto.schema import Shard
+from gemps_server.domain.workers import WorkerRecord
+from gemps_server.logs import event
+from gemps_server.metrics import ServerMetrics
+
+log = logging.getLogger("gemps.server")
+
+
+def joined(metrics: ServerMetrics, worker: WorkerRecord, shard: Shard, active: int, version: int) -> None:
+    """`worker` registered and was given `shard`; `active` workers are registered now."""
+    metrics.registered()
+    event(
+        log,
+        "worker joined",
+        worker_id=worker.worker_id,
+        name=worker.name or None,
+        shard=shard.index,
+        shards=shard.count,
+        active=active,
+        version=version,
+    )
+    if shard.shared_with:
+        metrics.shared_shard()
+        event(
+            log,
+            "shard shared",
+            level=logging.WARNING,
+            worker_id=worker.worker_id,
+            name=worker.name or None,
+            shard=shard.index,
+            shards=shard.count,
+            shared_with=shard.shared_with,
+            active=active,
+            detail="more workers than --num-shards: workers holding one shard read the same batches",
+        )
+
+
+def left(metrics: ServerMetrics, worker: WorkerRecord, active: int) -> None:
+    """`worker` left cleanly (Leave); `active` workers remain."""
+    metrics.departed("left")
+    event(
+        log, "worker left", worker_id=worker.worker_id, name=worker.name or None, commits=worker.commits, active=active
+    )
+
+
+def evicted(metrics: ServerMetrics, workers: list[WorkerRecord], reason: str, lease_ttl: float, active: int) -> None:
+    """The server forgot `workers` without their leaving, for `reason`."""
+    metrics.departed("evicted", len(workers))
+    for worker in workers:
+        event(
+            log,
+            "worker evicted",
+            level=logging.WARNING,
+            worker_id=worker.worker_id,
+            name=worker.name or None,
+            reason=reason,
+            lease_ttl_seconds=lease_ttl,
+            commits=worker.commits,
+            active=active,
+        )
