@@ -10,6 +10,21 @@ from gemps_proto.ranges import PORT, RANGE
 
 DATA_PLANE_MODES = ("on", "off")
 
+# The default of each port beside gRPC's: it follows --port, so a second server given only another
+# --port takes none of the first's ports, and the default --port keeps the numbers that containers
+# publish and firewalls open (data 51051, replication 52051, metrics 9109).
+FOLLOWS_PORT = -2
+DEFAULT_PORT = 50051
+DATA_PORT_OFFSET, REPLICATION_PORT_OFFSET, METRICS_PORT_OFFSET = 1000, 2000, 9109 - DEFAULT_PORT
+FOLLOWS_HELP = "default: --port + {offset} (0, a free one, when --port is 0 or that is past 65535)"
+
+
+def following(port: int, offset: int) -> int:
+    """The port at `offset` from gRPC's `port`: 0 (a free one, announced) where gRPC's is 0 or the
+    sum is no port."""
+    followed = port + offset
+    return followed if port > 0 and 0 < followed <= 65535 else 0
+
 
 @dataclass(frozen=True)
 class ListenOptions:
@@ -27,8 +42,12 @@ class ListenOptions:
         },
     )
     data_port: int = field(
-        default=51051,
-        metadata={"help": "data-plane port (partition i: this + i); 0 picks a free one", RANGE: PORT},
+        default=FOLLOWS_PORT,
+        metadata={
+            "help": "data-plane port (partition i: this + i); 0 picks a free one; "
+            + FOLLOWS_HELP.format(offset=DATA_PORT_OFFSET),
+            RANGE: PORT,
+        },
     )
     shared_memory: str = field(
         default="on",
@@ -41,6 +60,16 @@ class ListenOptions:
     port_file: str = field(
         default="", metadata={"help": "once serving, write the gRPC port and the metrics port (lines 1, 2) here"}
     )
+
+    def followed_ports(self, replication_port: int, metrics_port: int) -> dict[str, int]:
+        """The ports left at their default (FOLLOWS_PORT), each set from --port; the others as given."""
+        ports = {"data_port": self.data_port, "replication_port": replication_port, "metrics_port": metrics_port}
+        offsets = {"data_port": DATA_PORT_OFFSET, "replication_port": REPLICATION_PORT_OFFSET}
+        offsets["metrics_port"] = METRICS_PORT_OFFSET
+        return {
+            name: following(self.port, offsets[name]) if value == FOLLOWS_PORT else value
+            for name, value in ports.items()
+        }
 
     def problems(self) -> list[str]:
         """A data-plane switch that is neither on nor off (the ports' ranges: ServerConfig)."""
