@@ -1,6 +1,7 @@
 """Two `gemps server` processes on one machine, each given only its own --port (issue 43, item 8):
 the ports beside gRPC's (data plane, replication, metrics) follow --port, so the second starts
-where it used to stop at the first's data port, and each serves the data plane on its own."""
+where it used to stop at the first's data port, and each serves the data plane on its own; `ps`
+tells them apart by their titles (item 6)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,19 @@ import pytest
 import gemps
 from gemps_server.config.listen import DATA_PORT_OFFSET, METRICS_PORT_OFFSET, REPLICATION_PORT_OFFSET
 from gemps_worker.processes import GEMPS_COMMAND, launch, wait_for_port_file
-from tests.helpers import scrape_series
+from tests.helpers import scrape_series, wait_for
 
 STARTUP_SECONDS = 60.0
+
+
+def command_line(pid: int) -> str:
+    """What `ps -o args=` shows of process `pid` (its argv memory: the title, padded)."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+
+
+def wait_for_title(pid: int, title: str) -> None:
+    """Until process `pid` shows `title` (set once it serves: just after its port file)."""
+    wait_for(lambda: command_line(pid) == title, 10, title)
 
 
 def _free(port: int) -> bool:
@@ -81,8 +92,10 @@ def test_two_servers_with_default_ports_both_serve_the_data_plane(servers: Serve
     ports = grpc_ports(2)
     for port in ports:
         # TCP only: the data port itself is what must not collide (the Unix socket is per process).
-        _process, (grpc_port, metrics_port) = servers.start(port, "--shared-memory", "off")
+        process, (grpc_port, metrics_port) = servers.start(port, "--shared-memory", "off")
         assert (grpc_port, metrics_port) == (port, port + METRICS_PORT_OFFSET)
+        # Told apart in `ps` too (item 6): the title names the port, not `python3 -m gemps_cli`.
+        wait_for_title(process.pid, f"gemps server :{port}")
         assert f"data_port={port + DATA_PORT_OFFSET} " in servers.log(port)
     for port in ports:
         with gemps.Client(f"127.0.0.1:{port}", plane="data") as client:
