@@ -52,6 +52,7 @@ TRAINING_OPTIONS = frozenset(
         "GEMPS_PACK_REPLICAS",
         "GEMPS_PARTITION_CPUS",
         "GEMPS_PARTITION_RESTARTS",
+        "GEMPS_PATIENCE",
         "GEMPS_PLANE",
         "GEMPS_REPORT_FILE",
         "GEMPS_SEED",

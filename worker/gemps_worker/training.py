@@ -21,7 +21,7 @@ from gemps.errors import StoppedError
 from gemps.pytorch import RemoteModel
 from gemps.records import Registration
 from gemps.resolver import Target
-from gemps.retry import RetryPolicy
+from gemps.retry import DEFAULT_PATIENCE, RetryPolicy
 from gemps_proto.tensor_codec import WIRE_DTYPE_NAMES
 from gemps_worker.datasets import DATASETS, Dataset, load_dataset
 from gemps_worker.models import MODELS, build_model
@@ -73,6 +73,13 @@ class WorkerOptions:
             "help": "how commits and pulls travel: auto (the server's data plane when offered and reachable, "
             "else gRPC), data, grpc",
             "choices": PLANES,
+        },
+    )
+    patience: float = field(
+        default=DEFAULT_PATIENCE,
+        metadata={
+            "help": "seconds the worker goes on retrying a server that does not answer (down, restarting, "
+            "failing over) before it gives up with an error; the default outlasts a server's restart"
         },
     )
     metrics_port: int = field(default=-1, metadata={"help": "serve this worker's /metrics here (-1: off)"})
@@ -176,6 +183,7 @@ def run_worker(
                 wire_dtype=options.wire_dtype,
                 plane=options.plane,
                 retry=retry,
+                patience=options.patience,
             ),
         ) as remote:
             reg = remote.registration
