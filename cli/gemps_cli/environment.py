@@ -43,6 +43,7 @@ TRAINING_OPTIONS = frozenset(
         "GEMPS_INTERVAL",
         "GEMPS_LOCAL_LEARNING_RATE",
         "GEMPS_LOCAL_OPTIMIZER",
+        "GEMPS_LOG_EVERY",
         "GEMPS_MAX_EVALUATIONS",
         "GEMPS_MAX_STEPS",
         "GEMPS_MODE",

@@ -151,7 +151,7 @@ class Retrier:
             if not said or now - said >= STILL_WAITING_SECONDS:
                 said = now
                 log.info(
-                    "%s; retrying in %.2fs (no answer for %.0f s; giving up after %g s: patience)",
+                    "%s; retrying in %.2fs (failing for %.0f s; giving up after %g s: the patience)",
                     error.message,
                     delay,
                     waited,

@@ -32,7 +32,7 @@ def test_a_worker_outlasts_a_server_restart_within_its_patience(tmp_path: Path) 
         assert restarted.port == port
         assert worker.wait(180) == 0, (tmp_path / "w.log").read_text()
     log = (tmp_path / "w.log").read_text()
-    assert "giving up after 60 s: patience" in log  # it said it waited, and for how long it would
+    assert "giving up after 60 s: the patience" in log  # it said it waited, and for how long it would
     assert "done: 60 commits" in log
 
 
