@@ -6,9 +6,8 @@ replica becomes primary or backup."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
-
-import setproctitle
 
 from gemps_server.config import ServerConfig
 
@@ -36,6 +35,12 @@ def supervisor_title(config: ServerConfig) -> str:
 
 
 def show(title: str) -> None:
+    """Title this process `title`, in the room its command line had (a longer one is cut): the
+    environment is left where it is (SPT_NOENV), so /proc/PID/environ still shows the GEMPS_*
+    settings a server was started with, which operators and tools read."""
+    os.environ.setdefault("SPT_NOENV", "1")  # read by setproctitle when it first sets a title
+    import setproctitle
+
     setproctitle.setproctitle(title)
 
 

@@ -96,6 +96,8 @@ def test_two_servers_with_default_ports_both_serve_the_data_plane(servers: Serve
         assert (grpc_port, metrics_port) == (port, port + METRICS_PORT_OFFSET)
         # Told apart in `ps` too (item 6): the title names the port, not `python3 -m gemps_cli`.
         wait_for_title(process.pid, f"gemps server :{port}")
+        # The title took argv's room only: the environment a server started with is still readable.
+        assert b"PATH=" in Path(f"/proc/{process.pid}/environ").read_bytes()
         assert f"data_port={port + DATA_PORT_OFFSET} " in servers.log(port)
     for port in ports:
         with gemps.Client(f"127.0.0.1:{port}", plane="data") as client:
