@@ -5,6 +5,7 @@ tells them apart by their titles (item 6)."""
 
 from __future__ import annotations
 
+import argparse
 import random
 import socket
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gemps_cli import server as server_command
 
 import gemps
 from gemps_server.config.listen import DATA_PORT_OFFSET, METRICS_PORT_OFFSET, REPLICATION_PORT_OFFSET
@@ -117,3 +119,12 @@ def test_an_explicit_data_port_in_use_is_still_a_clear_error(servers: Servers) -
     assert f"data plane: cannot listen on 127.0.0.1:{first + DATA_PORT_OFFSET}: Address already in use" in servers.log(
         second
     )
+
+
+def test_help_says_what_the_followed_defaults_are() -> None:
+    parser = argparse.ArgumentParser(prog="gemps server")
+    server_command.add_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    for default in ("default --port + 1000;", "default --port + 2000;", "default 9109 + (--port - 50051);"):
+        assert default in text
+    assert "default -2" not in text  # the marker the value holds is not what a user reads

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from gemps_proto.ranges import PORT, RANGE
+from gemps_proto.ranges import DEFAULT_TEXT, PORT, RANGE
 
 DATA_PLANE_MODES = ("on", "off")
 
@@ -16,7 +16,7 @@ DATA_PLANE_MODES = ("on", "off")
 FOLLOWS_PORT = -2
 DEFAULT_PORT = 50051
 DATA_PORT_OFFSET, REPLICATION_PORT_OFFSET, METRICS_PORT_OFFSET = 1000, 2000, 9109 - DEFAULT_PORT
-FOLLOWS_HELP = "default: --port + {offset} (0, a free one, when --port is 0 or that is past 65535)"
+FOLLOWS_HELP = "by default --port + {offset}, or a free one where --port is 0 or that is past 65535"
 
 
 def following(port: int, offset: int) -> int:
@@ -46,6 +46,7 @@ class ListenOptions:
         metadata={
             "help": "data-plane port (partition i: this + i); 0 picks a free one; "
             + FOLLOWS_HELP.format(offset=DATA_PORT_OFFSET),
+            DEFAULT_TEXT: f"--port + {DATA_PORT_OFFSET}",
             RANGE: PORT,
         },
     )

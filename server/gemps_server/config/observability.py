@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gemps_proto.ranges import RANGE, Range
+from gemps_proto.ranges import DEFAULT_TEXT, RANGE, Range
 from gemps_server.config.listen import FOLLOWS_PORT
 from gemps_server.logs import LOG_FORMATS
 
@@ -16,8 +16,9 @@ class ObservabilityOptions:
     metrics_port: int = field(
         default=FOLLOWS_PORT,
         metadata={
-            "help": "Prometheus /metrics port; -1 disables; 0 picks a free one; default: 9109 + (--port - 50051), "
-            "that is 9109 for the default --port (0, a free one, when --port is 0 or that is no port)",
+            "help": "Prometheus /metrics port; -1 disables; 0 picks a free one; by default 9109 + (--port - 50051), "
+            "9109 for the default --port, or a free one where --port is 0 or that is no port",
+            DEFAULT_TEXT: "9109 + (--port - 50051)",
             RANGE: Range(-1, 65535),
         },
     )
