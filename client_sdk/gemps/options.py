@@ -75,8 +75,11 @@ def options_of(options: type[Any]) -> Iterator[dataclasses.Field[Any]]:
 
 
 def _converter(f: dataclasses.Field[Any]) -> Any:
-    kind = type(f.default)
-    return parse_bool if kind is bool else kind
+    # A default of a subclass (a marker, e.g. the server's ports that follow --port) converts as its base.
+    for kind in (bool, int, float, str):
+        if isinstance(f.default, kind):
+            return parse_bool if kind is bool else kind
+    return type(f.default)
 
 
 def _default_text(f: dataclasses.Field[Any]) -> str:

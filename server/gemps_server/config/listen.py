@@ -10,10 +10,16 @@ from gemps_proto.ranges import DEFAULT_TEXT, PORT, RANGE
 
 DATA_PLANE_MODES = ("on", "off")
 
+
 # The default of each port beside gRPC's: it follows --port, so a second server given only another
 # --port takes none of the first's ports, and the default --port keeps the numbers that containers
 # publish and firewalls open (data 51051, replication 52051, metrics 9109).
-FOLLOWS_PORT = -2
+class Follows(int):
+    """A port's default that follows --port: only the default is one (a value given is a plain int,
+    so -2 given by hand is refused as outside the port's range, not taken for this marker)."""
+
+
+FOLLOWS_PORT = Follows(-2)
 DEFAULT_PORT = 50051
 DATA_PORT_OFFSET, REPLICATION_PORT_OFFSET, METRICS_PORT_OFFSET = 1000, 2000, 9109 - DEFAULT_PORT
 FOLLOWS_HELP = "by default --port + {offset}, or a free one where --port is 0 or that is past 65535"
@@ -68,7 +74,7 @@ class ListenOptions:
         offsets = {"data_port": DATA_PORT_OFFSET, "replication_port": REPLICATION_PORT_OFFSET}
         offsets["metrics_port"] = METRICS_PORT_OFFSET
         return {
-            name: following(self.port, offsets[name]) if value == FOLLOWS_PORT else value
+            name: following(self.port, offsets[name]) if isinstance(value, Follows) else value
             for name, value in ports.items()
         }
 
