@@ -45,6 +45,8 @@ ALONE_MODULES = frozenset({"test_experiment.py", "test_speedup_experiment.py", "
 FAULT_MODULES = frozenset(
     {
         "test_chaos.py",
+        "test_process_titles.py",
+        "test_worker_patience.py",
         "test_replica_faults.py",
         "test_jepsen_replicas.py",
         "test_simulated_hosts.py",

@@ -45,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if supervised:  # all partitions and replicas, one process each (their environment has no strays)
         from gemps_cli.partitions import PartitionSupervisor
+        from gemps_server import process_title
+
+        process_title.show(process_title.supervisor_title(config))
 
         return PartitionSupervisor(config).run()
     asyncio.run(app.serve(config, origins=options.origins(ServerConfig, args)))

@@ -7,6 +7,7 @@ from flags and GEMPS_* variables, for your own workers as for gemps' commands.
 
 import importlib.metadata
 
+from gemps import grpc_logs  # noqa: F401  first: gRPC's C core reads its verbosity when grpc is imported
 from gemps.client import Client
 from gemps.errors import (
     CommitSupersededError,

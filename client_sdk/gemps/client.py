@@ -42,7 +42,7 @@ from gemps.records import (
     ServerStatus,
 )
 from gemps.resolver import Target, as_resolver
-from gemps.retry import NO_RETRY, Retrier, RetryPolicy
+from gemps.retry import NO_RETRY, Retrier, RetryPolicy, resolve_patience
 from gemps.router import PartitionRouter
 from gemps.serialised import serialised
 from gemps.transport import Transport, call_deadline
@@ -54,6 +54,8 @@ from gemps_proto.tensor_codec import WIRE_DTYPE_NAMES, all_finite
 log = logging.getLogger("gemps.client")
 
 PAYLOAD_KINDS = {kind.label: kind for kind in PayloadKind}
+# An attempt's bound when the call's `timeout` is the default (that call's bound until issue 43).
+ATTEMPT_SECONDS = 60.0
 
 
 class Client:
@@ -75,9 +77,10 @@ class Client:
         target: Target = "127.0.0.1:50051",
         *,
         name: str = "",
-        timeout: float = 60.0,
+        timeout: float | None = None,
         attempt_timeout: float | None = None,
         retry: RetryPolicy | None = None,
+        patience: float | None = None,
         max_message_mb: int = 512,
         token: str | None = None,
         tls: bool | None = None,
@@ -93,13 +96,17 @@ class Client:
         shared_memory: bool | None = None,
         connect: Callable[[str], Transport] | None = None,
     ) -> None:
-        """`timeout` bounds each call as a whole, in seconds: its attempts, the waits to retry
-        them, registering again and falling back to gRPC all count, and so does waiting for
-        another thread's call of this client; once it is spent the call raises
-        DeadlineExceededError (with the last failure's message), whatever `retry` would still
-        allow. `attempt_timeout` bounds each attempt within it (None: the whole `timeout`), so
-        that an attempt a server leaves unanswered (a paused process) is retried while the call
-        has time left. TLS and token arguments left out come
+        """`patience` is how long, in seconds, a call goes on retrying a server that does not
+        answer (down, restarting, failing over, busy) before it raises the last failure, naming
+        this option (default: GEMPS_PATIENCE, else 300 s, which outlasts a server's restart).
+        `timeout` bounds each call as a whole, in seconds (default: `patience` + 60): its
+        attempts, the waits to retry them, registering again and falling back to gRPC all count,
+        and so does waiting for another thread's call of this client; once it is spent the call
+        raises DeadlineExceededError (with the last failure's message), whatever `retry` or
+        `patience` would still allow. `attempt_timeout` bounds each attempt within it (None: the
+        whole `timeout` when given, else 60), so that an attempt a server leaves unanswered (a
+        paused process) is retried while the call has time left. `retry` spaces the retries
+        (and may cap their number). TLS and token arguments left out come
         from GEMPS_* environment variables (see `ChannelSecurity`); PEM arguments are paths or bytes.
         Setting `stop` (e.g. from a SIGTERM handler) ends a wait to retry with StoppedError.
 
@@ -133,10 +140,11 @@ class Client:
         # This client's identity at every registration: the server deduplicates its commits by
         # (client_id, request_id), also after it registers again, and keeps one registration of it.
         self.client_id = uuid.uuid4().hex
-        if timeout <= 0 or (attempt_timeout is not None and attempt_timeout <= 0):
+        self.patience = resolve_patience(patience)
+        if (timeout is not None and timeout <= 0) or (attempt_timeout is not None and attempt_timeout <= 0):
             raise ValueError(f"timeout and attempt_timeout must be > 0, not {timeout} and {attempt_timeout}")
-        self.timeout = timeout
-        self.attempt_timeout = min(timeout, attempt_timeout or timeout)
+        self.timeout = self.patience + ATTEMPT_SECONDS if timeout is None else timeout
+        self.attempt_timeout = min(self.timeout, attempt_timeout or (ATTEMPT_SECONDS if timeout is None else timeout))
         self.retry = retry or RetryPolicy()
         self.security = ChannelSecurity.resolve(
             token=token,
@@ -148,7 +156,7 @@ class Client:
         )
         self._calls = threading.RLock()  # held by each call (gemps.serialised)
         self._max_message_bytes = min(max_message_mb * 1024 * 1024, 2**31 - 1)
-        self._retrier = Retrier("", self.retry, stop)
+        self._retrier = Retrier("", self.retry, stop, self.patience)
         self._router = PartitionRouter(
             resolver, connect or self._connect, self._retrier, worker_name=name, client_id=self.client_id
         )

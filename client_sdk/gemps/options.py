@@ -3,10 +3,11 @@
 Each field of a frozen dataclass becomes a flag named after it (`num_shards` -> `--num-shards`)
 and an environment variable (`GEMPS_NUM_SHARDS`); precedence is flag > variable > default, so a
 container is configured by environment alone. Field metadata gives the help text (`help`), the
-valid `choices`, and the `range` of valid values (gemps_proto.ranges; shown in the help, checked
-by the dataclass itself). A field whose default is a dataclass (`field(default_factory=TrainingConfig)`)
-contributes that dataclass's fields as flags of their own, so a configuration composed of
-others is still one flat list of options. `origins` says where each value came from (for a
+valid `choices`, the `range` of valid values (gemps_proto.ranges; shown in the help, checked
+by the dataclass itself) and, for a default computed from other options, its `default_text`.
+A field whose default is a dataclass (`field(default_factory=TrainingConfig)`) contributes
+that dataclass's fields as flags of their own, so a configuration composed of others is still
+one flat list of options. `origins` says where each value came from (for a
 log of the configuration), and `unknown_variables` finds the GEMPS_* variables nothing reads, each
 with the closest known name: a misspelled variable would otherwise leave its option at the default.
 
@@ -27,7 +28,7 @@ import os
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
-from gemps_proto.ranges import range_of
+from gemps_proto.ranges import DEFAULT_TEXT, range_of
 
 T = TypeVar("T")
 Choices = Mapping[str, Sequence[str]]
@@ -74,8 +75,17 @@ def options_of(options: type[Any]) -> Iterator[dataclasses.Field[Any]]:
 
 
 def _converter(f: dataclasses.Field[Any]) -> Any:
-    kind = type(f.default)
-    return parse_bool if kind is bool else kind
+    # A default of a subclass (a marker, e.g. the server's ports that follow --port) converts as its base.
+    for kind in (bool, int, float, str):
+        if isinstance(f.default, kind):
+            return parse_bool if kind is bool else kind
+    return type(f.default)
+
+
+def _default_text(f: dataclasses.Field[Any]) -> str:
+    """The default as `--help` says it: the field's `default_text` (a default computed from other
+    options, e.g. "--port + 1000"), else its value."""
+    return str(f.metadata.get(DEFAULT_TEXT, repr(f.default)))
 
 
 def add_arguments(parser: argparse.ArgumentParser, options: type[Any], choices: Choices | None = None) -> None:
@@ -93,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser, options: type[Any], choices: 
             default=None,
             metavar=None if valid else f.name.upper(),
             choices=valid,
-            help=f"{f.metadata.get('help', '')} (env {env_var(f.name)}; default {f.default!r}{within})",
+            help=f"{f.metadata.get('help', '')} (env {env_var(f.name)}; default {_default_text(f)}{within})",
         )
 
 

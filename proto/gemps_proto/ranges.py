@@ -25,6 +25,7 @@ INT64_MAX = 2**63 - 1  # versions and counts (int64 base_version, checkpoint met
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # factors applied to float32 values of θ
 
 RANGE = "range"  # the metadata key of a field's Range
+DEFAULT_TEXT = "default_text"  # the metadata key of how --help words a default other options decide
 
 
 @dataclass(frozen=True)

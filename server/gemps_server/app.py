@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import disable_created_metrics
 
 from gemps_proto import versions
-from gemps_server import logs, supervision
+from gemps_server import logs, process_title, supervision
 from gemps_server.allocator import TRIM_INTERVAL_SECONDS, one_arena, trim
 from gemps_server.checkpoint_writer import Checkpointer
 from gemps_server.config import ServerConfig
@@ -162,6 +162,11 @@ class ParameterServer:
     @property
     def metrics_port(self) -> int:
         return self._metrics_endpoint.port
+
+    def role(self) -> str:
+        """PRIMARY, BACKUP or CANDIDATE in a replicated partition; "" without replicas."""
+        status = self.replication.status()
+        return status.role if status is not None else ""
 
     def _announced_ports(self) -> tuple[int, int]:
         return self.port, self.metrics_port if self.config.metrics_port >= 0 else -1
@@ -317,8 +322,10 @@ async def serve(
     closed = asyncio.create_task(server.wait_closed())
     stopping = asyncio.create_task(stop.wait())
     watching = asyncio.create_task(_watch_supervisor(config.supervisor_pid, stop))
+    titled = asyncio.create_task(process_title.keep(config, server.port, server.role))
     await asyncio.wait({closed, stopping}, return_when=asyncio.FIRST_COMPLETED)
     watching.cancel()
+    titled.cancel()
     event(log, "shutting down", grace_seconds=config.shutdown_grace)
     durable = await server.stop()
     closed.cancel()

@@ -76,7 +76,8 @@ def outside(bounds: Range, kind: type) -> list[Any]:
 def test_every_value_outside_an_options_range_is_refused_in_one_line(field: dataclasses.Field[Any]) -> None:
     bounds = range_of(field)
     assert bounds is not None
-    for value in outside(bounds, type(field.default)):
+    # An int's subclass (the ports that follow --port: a marker default) is an int option.
+    for value in outside(bounds, int if isinstance(field.default, int) else type(field.default)):
         for argv, environ in (([f"{flag(field.name)}={value!r}"], {}), ([], {env_var(field.name): repr(value)})):
             with pytest.raises(ValueError) as refused:
                 server_command.parse_config(argv, environ=environ)

@@ -1,9 +1,12 @@
-"""A one-line progress bar on a terminal; plain periodic lines when output is not a terminal."""
+"""Progress as people see it: the demo's one-line bar on a terminal (plain periodic lines when
+output is not a terminal), and the reference worker's periodic log line."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 BAR_WIDTH = 24
@@ -37,3 +40,43 @@ class ProgressLine:
         if self.interactive:
             self.stream.write("\n")
             self.stream.flush()
+
+
+class WorkerProgress:
+    """The reference worker's line every `every` seconds (0: none) while it trains: its commits,
+    θ's version, the mean loss, samples per second and the staleness of its commits since the
+    last line, so a long run says how it goes between `registered` and `done`."""
+
+    def __init__(self, every: float, log: logging.Logger, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every = every
+        self._log = log
+        self._clock = clock
+        self._since = clock()
+        self._losses: list[float] = []
+        self._staleness: list[int] = []
+        self._samples = 0
+
+    def trained(self, samples: int) -> None:
+        """A mini-batch of `samples` went through the model (committed or not: local steps count)."""
+        self._samples += samples
+
+    def committed(self, steps: int, version: int, loss: float, staleness: int) -> None:
+        """Commit number `steps` was acknowledged at `version`; a line when one is due."""
+        self._losses.append(loss)
+        self._staleness.append(staleness)
+        now = self._clock()
+        elapsed = now - self._since
+        if self.every <= 0 or elapsed < self.every:
+            return
+        self._log.info(
+            "progress: %d commits (%d in %.0f s), version %d, loss %.4f, %.1f samples/s, staleness mean %.1f max %d",
+            steps,
+            len(self._losses),
+            elapsed,
+            version,
+            sum(self._losses) / len(self._losses),
+            self._samples / elapsed if elapsed > 0 else 0.0,
+            sum(self._staleness) / len(self._staleness),
+            max(self._staleness),
+        )
+        self._since, self._losses, self._staleness, self._samples = now, [], [], 0

@@ -21,11 +21,12 @@ from gemps.errors import StoppedError
 from gemps.pytorch import RemoteModel
 from gemps.records import Registration
 from gemps.resolver import Target
-from gemps.retry import RetryPolicy
+from gemps.retry import DEFAULT_PATIENCE, RetryPolicy
 from gemps_proto.tensor_codec import WIRE_DTYPE_NAMES
 from gemps_worker.datasets import DATASETS, Dataset, load_dataset
 from gemps_worker.models import MODELS, build_model
 from gemps_worker.modes import LOCAL_OPTIMIZERS, MODES, Diverged, LocalTraining, create_mode
+from gemps_worker.progress import WorkerProgress
 from gemps_worker.sharding import epoch_batches
 
 log = logging.getLogger("gemps.worker")
@@ -74,6 +75,17 @@ class WorkerOptions:
             "else gRPC), data, grpc",
             "choices": PLANES,
         },
+    )
+    patience: float = field(
+        default=DEFAULT_PATIENCE,
+        metadata={
+            "help": "seconds the worker goes on retrying a server that does not answer (down, restarting, "
+            "failing over) before it gives up with an error; the default outlasts a server's restart"
+        },
+    )
+    log_every: float = field(
+        default=10.0,
+        metadata={"help": "seconds between progress lines (commits, version, loss, samples/s, staleness); 0: none"},
     )
     metrics_port: int = field(default=-1, metadata={"help": "serve this worker's /metrics here (-1: off)"})
     report_file: str = field(default="", metadata={"help": "append one JSON line per commit here"})
@@ -176,6 +188,7 @@ def run_worker(
                 wire_dtype=options.wire_dtype,
                 plane=options.plane,
                 retry=retry,
+                patience=options.patience,
             ),
         ) as remote:
             reg = remote.registration
@@ -202,6 +215,7 @@ def run_worker(
             if hooks.on_registered is not None:
                 hooks.on_registered(reg)
             started = time.perf_counter()
+            progress = WorkerProgress(options.log_every, log)
             for epoch in range(options.epochs):
                 for batch in epoch_batches(len(train_x), reg.shard, reg.config.batch_size, epoch, options.seed):
                     if stop.is_set() or (options.max_steps and summary.steps >= options.max_steps):
@@ -218,6 +232,7 @@ def run_worker(
                         log.warning("diverged after %d commits: %s; leaving", summary.steps, error)
                         summary.diverged = True
                         return summary
+                    progress.trained(len(batch))
                     if committed is None:
                         continue
                     now = time.perf_counter()
@@ -227,6 +242,7 @@ def run_worker(
                     summary.steps += 1
                     summary.final_version = result.version
                     _remember(summary, committed.loss)
+                    progress.committed(summary.steps, result.version, committed.loss, result.staleness)
                     record = StepRecord(
                         summary.steps,
                         result.version,

@@ -71,6 +71,9 @@ class ServerConfig(
     )
 
     def __post_init__(self) -> None:
+        # Ports left at their default follow --port (config/listen.py); replace() keeps them as set here.
+        for name, port in self.followed_ports(self.replication_port, self.metrics_port).items():
+            object.__setattr__(self, name, port)
         problems = self.problems()
         if problems:
             raise ValueError("invalid server configuration: " + "; ".join(problems))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gemps_proto.ranges import RANGE, Range
+from gemps_proto.ranges import DEFAULT_TEXT, RANGE, Range
+from gemps_server.config.listen import FOLLOWS_PORT
 from gemps_server.logs import LOG_FORMATS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -13,7 +14,13 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 @dataclass(frozen=True)
 class ObservabilityOptions:
     metrics_port: int = field(
-        default=9109, metadata={"help": "Prometheus /metrics port; -1 disables", RANGE: Range(-1, 65535)}
+        default=FOLLOWS_PORT,
+        metadata={
+            "help": "Prometheus /metrics port; -1 disables; 0 picks a free one; by default 9109 + (--port - 50051), "
+            "9109 for the default --port, or a free one where --port is 0 or that is no port",
+            DEFAULT_TEXT: "9109 + (--port - 50051)",
+            RANGE: Range(-1, 65535),
+        },
     )
     metrics_host: str = field(default="", metadata={"help": "metrics address (default: same as --host)"})
     log_level: str = field(default="info", metadata={"help": "log level", "choices": LOG_LEVELS})

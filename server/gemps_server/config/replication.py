@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gemps_proto.ranges import PORT, RANGE, Range
+from gemps_proto.ranges import DEFAULT_TEXT, PORT, RANGE, Range
+from gemps_server.config.listen import FOLLOWS_HELP, FOLLOWS_PORT, REPLICATION_PORT_OFFSET
 
 #: bytes a replication secret holds at least (a generated one: 32 random bytes, as hex)
 MIN_SECRET_BYTES = 16
@@ -40,10 +41,11 @@ class ReplicationOptions:
         metadata={"help": "the job's name: its keys in etcd are under /gemps/JOB/ (a new job: a new name)"},
     )
     replication_port: int = field(
-        default=52051,
+        default=FOLLOWS_PORT,
         metadata={
             "help": "port a primary's backups dial to receive its journal (replica r of partition i: this + "
-            "i * R + r when run here); 0 picks a free one",
+            "i * R + r when run here); 0 picks a free one; " + FOLLOWS_HELP.format(offset=REPLICATION_PORT_OFFSET),
+            DEFAULT_TEXT: f"--port + {REPLICATION_PORT_OFFSET}",
             RANGE: PORT,
         },
     )
