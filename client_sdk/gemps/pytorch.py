@@ -50,7 +50,7 @@ from gemps.errors import PartiallyAppliedError
 from gemps.records import Buffers, CentralVariable, CommitResult, Registration, TrainingConfig
 from gemps.torch_batches import BatchCounter, warn_without_loss
 from gemps.torch_schedules import ServerOwnedGroup, ServerOwnsLearningRateError
-from gemps.torch_threads import AUTO, ThreadKeeper, Threads
+from gemps.torch_threads import AUTO, ThreadKeeper, Threads, requested
 from gemps.torch_values import (
     buffer_values,
     check_trainable,
@@ -104,8 +104,8 @@ class RemoteModel:
         if not self._parameters:
             raise ValueError("the model has no parameters to train (none requires grad)")
         check_trainable(named)
+        wanted = requested(threads)  # a bad `threads` refused before anything is bound
         self._buffers = persistent_buffers(model)
-        self._threads = ThreadKeeper(threads)
         self.client = Client(client, name=name, **client_options) if isinstance(client, str) else client
         self._owns_client = isinstance(client, str)
         size = sum(p.numel() for p in self._parameters)
@@ -116,6 +116,7 @@ class RemoteModel:
         self._central = torch.zeros(size, dtype=torch.float32, pin_memory=True) if self._gpus else None
         self._loads_done: list[torch.cuda.Event] = []  # the last load's copies out of `_central`
         self._loaded_buffers = Buffers()  # the buffers as last loaded or sent
+        self._threads = ThreadKeeper(wanted)
         self._batches = BatchCounter(model)
         try:
             self.registration: Registration = self.client.register(

@@ -61,12 +61,13 @@ class Decision:
 
 def requested(threads: Threads) -> Threads:
     """`threads=` as given, GEMPS_THREADS standing in for "auto"; ValueError naming a bad one."""
+    source = "threads"
     if threads == AUTO and (environment := os.environ.get(ENVIRONMENT, "").strip()):
-        threads = int(environment) if environment.isdigit() else environment
+        threads, source = (int(environment) if environment.isdigit() else environment), ENVIRONMENT
     if threads is None or threads == AUTO:
         return threads
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads={threads!r}: a number of threads (1 or more), 'auto' or None")
+        raise ValueError(f"{source}={threads!r}: a number of threads (1 or more), 'auto' or None")
     return threads
 
 
@@ -160,10 +161,11 @@ class Roster:
 
 
 class ThreadKeeper:
-    """Applies `threads=` for one bound model: at binding, and again every RECHECK_SECONDS at a step."""
+    """Applies `threads=` (as `requested` returns it) for one bound model: at binding, and again
+    every RECHECK_SECONDS at a step."""
 
     def __init__(self, threads: Threads) -> None:
-        self._threads = requested(threads)
+        self._threads = threads
         self._checked = 0.0
         Roster.join()
         self.check()
