@@ -258,24 +258,17 @@ class RemoteOptimizer(torch.optim.Optimizer):
     `learning_rate` is the server's η at the version the model holds.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        client: Client | str,
-        *,
-        name: str = "",
-        threads: Threads = AUTO,
-        **client_options: Any,
-    ) -> None:
-        """As RemoteModel: `threads` for torch's intra-op threads, `client_options` for gemps.Client."""
+    def __init__(self, model: torch.nn.Module, client: Client | str, *, name: str = "", **options: Any) -> None:
+        """`options` as RemoteModel takes them: `threads=` for torch's intra-op threads, the others
+        for gemps.Client when `client` is an address."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
                 "RemoteOptimizer takes the model itself (its buffers travel too), not model.parameters(): "
                 "RemoteOptimizer(model, address)"
             )
-        if "lr" in client_options or "learning_rate" in client_options:
+        if "lr" in options or "learning_rate" in options:
             raise TypeError("the gemps server owns the learning rate: set it there (--learning-rate, --lr-schedule)")
-        self.remote = RemoteModel(model, client, name=name, threads=threads, **client_options)
+        self.remote = RemoteModel(model, client, name=name, **options)
         super().__init__(self.remote.trained, defaults={})
         self._guard_groups()
         self.last_result: CommitResult | None = None

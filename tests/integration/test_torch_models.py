@@ -5,9 +5,8 @@ without arguments reports."""
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from gemps import torch_batches
 from gemps.errors import InvalidArgumentError
 from gemps.pytorch import RemoteOptimizer
 from gemps_server.checkpoint_files import list_checkpoints
-from tests.helpers import InProcessServer, replication_secret_file, scrape, server_config, wait_for
+from tests.helpers import InProcessServer, gemps_export, replication_secret_file, scrape, server_config, wait_for
 from tests.integration.conftest import StartServer
 
 
@@ -33,20 +32,26 @@ def regression(dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor, torch.Tenso
     return model, inputs, inputs.sum(dim=1, keepdim=True) / 4
 
 
+def train(optimizer: RemoteOptimizer, batch_loss: Callable[[], torch.Tensor], steps: int) -> list[float]:
+    """`steps` steps of `batch_loss`'s gradient, each committed with its loss; the losses."""
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = batch_loss()
+        loss.backward()
+        optimizer.step(loss=loss)
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_a_model_in_any_floating_dtype_trains_and_keeps_its_dtype(
     start_server: StartServer, dtype: torch.dtype
 ) -> None:
     server = start_server(rule="downpour", learning_rate=0.05)
     model, inputs, targets = regression(dtype)
-    losses = []
     with RemoteOptimizer(model, server.target) as optimizer:
-        for _ in range(30):
-            optimizer.zero_grad()
-            loss = F.mse_loss(model(inputs), targets)
-            loss.backward()
-            optimizer.step(loss=loss)
-            losses.append(loss.item())
+        losses = train(optimizer, lambda: F.mse_loss(model(inputs), targets), steps=30)
         assert optimizer.version == 30
     assert losses[-1] < 0.5 * losses[0]
     assert {p.dtype for p in model.parameters()} == {dtype}
@@ -71,15 +76,9 @@ def test_a_sparse_embedding_trains(start_server: StartServer) -> None:
     labels = (tokens[:, 0] % 2).long()
     untouched = sorted(set(range(50)) - set(tokens.flatten().tolist()))
     rows_before = model.emb.weight.detach()[untouched].clone()
-    losses = []
     with RemoteOptimizer(model, server.target) as optimizer:
-        for _ in range(40):
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(tokens), labels)
-            loss.backward()
-            assert model.emb.weight.grad is not None and model.emb.weight.grad.is_sparse
-            optimizer.step(loss=loss)
-            losses.append(loss.item())
+        losses = train(optimizer, lambda: F.cross_entropy(model(tokens), labels), steps=40)
+        assert model.emb.weight.grad is not None and model.emb.weight.grad.is_sparse
     assert losses[-1] < 0.7 * losses[0]
     torch.testing.assert_close(model.emb.weight.detach()[untouched], rows_before)  # no batch touched them
 
@@ -108,12 +107,7 @@ class TiedLM(nn.Module):
 
 
 def export(*source: str, out: Path) -> dict[str, torch.Tensor]:
-    result = subprocess.run(
-        [sys.executable, "-m", "gemps_cli", "export", *source, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = gemps_export(*source, out=out)
     assert result.returncode == 0, result.stderr
     return load_file(str(out))
 
@@ -196,12 +190,7 @@ def test_export_takes_the_newest_checkpoint_of_a_replicated_directory(tmp_path: 
                     model(torch.arange(10).reshape(2, 5)).pow(2).mean().backward()
                     optimizer.step()
             trained[folder.name] = {name: value.clone() for name, value in model.state_dict().items()}
-    result = subprocess.run(
-        [sys.executable, "-m", "gemps_cli", "export", str(tmp_path), "--out", str(tmp_path / "out.safetensors")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = gemps_export(str(tmp_path), out=tmp_path / "out.safetensors")
     assert result.returncode == 0, result.stderr
     assert "took replica-1's" in result.stdout and "replica-0 at version 2, replica-1 at version 3" in result.stdout
     assert "version 3" in result.stdout
