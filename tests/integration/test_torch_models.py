@@ -25,9 +25,9 @@ from tests.helpers import InProcessServer, gemps_export, replication_secret_file
 from tests.integration.conftest import StartServer
 
 
-def regression(dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def regression(dtype: torch.dtype) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(dtype)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1)).to(dtype)
     inputs = torch.randn(64, 8, dtype=dtype)
     return model, inputs, inputs.sum(dim=1, keepdim=True) / 4
 
@@ -55,6 +55,8 @@ def test_a_model_in_any_floating_dtype_trains_and_keeps_its_dtype(
         assert optimizer.version == 30
     assert losses[-1] < 0.5 * losses[0]
     assert {p.dtype for p in model.parameters()} == {dtype}
+    buffers = dict(model.named_buffers())  # buffers too: floating ones in the model's dtype
+    assert buffers["1.running_mean"].dtype == dtype and int(buffers["1.num_batches_tracked"]) == 30
 
 
 class Bag(nn.Module):
