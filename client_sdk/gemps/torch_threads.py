@@ -23,6 +23,7 @@ its cores instead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -113,9 +114,12 @@ def usable_cores() -> int:
 
 class Roster:
     """This process counted among the gemps workers of this machine (a file named by its pid in a
-    folder of the temporary directory, this user's) while at least one model is bound here."""
+    folder of the temporary directory, this user's) while at least one model is bound here. A
+    folder that is not this user's (made by another, or a link to one) is not used: the roster
+    then counts this process alone, and binding a model never fails for it."""
 
     _bound = 0
+    _pid = 0  # the process `_bound` counts for: a forked child starts from none
     _lock = threading.Lock()
 
     @staticmethod
@@ -123,41 +127,54 @@ class Roster:
         return Path(tempfile.gettempdir()) / f"gemps-workers-{os.getuid()}"
 
     @classmethod
+    def _own_folder(cls) -> Path | None:
+        folder = cls.folder()
+        try:
+            folder.mkdir(mode=0o700, exist_ok=True)
+            return folder if folder.stat().st_uid == os.getuid() else None
+        except OSError:
+            return None
+
+    @classmethod
     def join(cls) -> None:
         with cls._lock:
+            if cls._pid != os.getpid():
+                cls._bound, cls._pid = 0, os.getpid()
             cls._bound += 1
-            if cls._bound == 1:
-                folder = cls.folder()
-                folder.mkdir(mode=0o700, exist_ok=True)
-                (folder / str(os.getpid())).touch()
+            if cls._bound == 1 and (folder := cls._own_folder()) is not None:
+                with contextlib.suppress(OSError):
+                    (folder / str(os.getpid())).touch()
 
     @classmethod
     def leave(cls) -> None:
         with cls._lock:
             cls._bound -= 1
-            if cls._bound == 0:
-                (cls.folder() / str(os.getpid())).unlink(missing_ok=True)
+            if cls._bound == 0 and (folder := cls._own_folder()) is not None:
+                with contextlib.suppress(OSError):
+                    (folder / str(os.getpid())).unlink(missing_ok=True)
 
     @classmethod
     def count(cls) -> int:
         """The worker processes alive in the roster (a dead one's file is removed), this one included."""
-        alive = 1 if cls._bound else 0
+        folder = cls._own_folder()
         try:
-            entries = list(cls.folder().iterdir())
+            entries = list(folder.iterdir()) if folder is not None else []
         except OSError:
-            return max(1, alive)
+            entries = []
+        alive = 1
         for entry in entries:
             if not entry.name.isdigit() or int(entry.name) == os.getpid():
                 continue
             try:
                 os.kill(int(entry.name), 0)
             except ProcessLookupError:
-                entry.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    entry.unlink(missing_ok=True)
                 continue
             except PermissionError:
                 pass  # alive, another user's pid reused: counted, it is busy anyway
             alive += 1
-        return max(1, alive)
+        return alive
 
 
 class ThreadKeeper:

@@ -89,3 +89,16 @@ def test_a_number_of_threads_is_set_as_given(server: InProcessServer, roster: Pa
         assert torch.get_num_threads() == 1
     with pytest.raises(ValueError, match="threads=0"):
         RemoteOptimizer(nn.Linear(3, 1), server.target, threads=0)
+
+
+def test_a_roster_that_cannot_be_used_counts_this_worker_alone(
+    server: InProcessServer, monkeypatch: pytest.MonkeyPatch, roster: Path
+) -> None:
+    roster.rmdir()
+    roster.write_text("not a folder")  # or another user's: binding must not fail for it
+    cores = usable_cores()
+    torch.set_num_threads(cores)
+    monkeypatch.setattr(torch_threads, "_FOUND", cores)
+    with RemoteOptimizer(nn.Linear(3, 1), server.target):
+        assert torch.get_num_threads() == cores  # alone: torch's own choice stands
+    assert roster.read_text() == "not a folder"
