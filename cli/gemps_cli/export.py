@@ -44,7 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "model.load_state_dict(safetensors.torch.load_file(OUT))."
     )
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("checkpoint", nargs="?", help="checkpoint file, or a --checkpoint-dir to take the newest from")
+    source.add_argument(
+        "checkpoint",
+        nargs="?",
+        help="checkpoint file, or a --checkpoint-dir to take the newest from (a partitioned one's partition-*/ "
+        "folders assembled; of a replicated one's replica-*/ folders the newest checkpoint, named on stdout)",
+    )
     source.add_argument("--server", help="HOST:PORT of a running server to pull the central variable from")
     parser.add_argument("--out", required=True, help="file to write (safetensors)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the server")
