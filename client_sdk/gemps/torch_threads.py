@@ -91,8 +91,8 @@ def decide(
         return Decision(
             warning=f"gemps: torch runs {current} threads in each of {workers} worker process(es) sharing {cores} "
             f"core(s) here, which oversubscribes them (steps run several times slower): call "
-            f"torch.set_num_threads({share}), or leave them to gemps (threads='auto', the default, when not set "
-            "elsewhere) or give threads= to RemoteOptimizer/RemoteModel"
+            f"torch.set_num_threads({share}) or pass threads={share} to RemoteOptimizer/RemoteModel (threads='auto', "
+            "the default, moves only threads left as torch set them, and these were set otherwise)"
         )
     return Decision()
 
@@ -184,6 +184,7 @@ class ThreadKeeper:
     def __init__(self, threads: Threads) -> None:
         self._threads = threads
         self._checked = 0.0
+        self._closed = False
         Roster.join()
         self.check()
 
@@ -215,4 +216,7 @@ class ThreadKeeper:
                 log.warning(decision.warning)
 
     def close(self) -> None:
-        Roster.leave()
+        """Leave the roster (once: closing a model twice must not count another model out)."""
+        if not self._closed:
+            self._closed = True
+            Roster.leave()

@@ -62,6 +62,9 @@ def test_threads_as_torch_set_them_are_shared_among_the_workers_here(
         optimizer.remote._threads.check(now=float("inf"))  # the next re-check: alone again
         assert torch.get_num_threads() == cores
         assert sorted(path.name for path in roster.iterdir()) == [str(os.getpid())]  # the dead removed
+        with RemoteOptimizer(nn.Linear(3, 1), server.target) as second:  # one process: counted once
+            second.close()  # closed twice: still counted for the first model
+            assert (roster / str(os.getpid())).exists()
     assert list(roster.iterdir()) == []
 
 
