@@ -13,7 +13,8 @@ threads=)` choose:
   otherwise (`torch.set_num_threads` after importing gemps.pytorch, or OMP_NUM_THREADS /
   MKL_NUM_THREADS), it leaves them and logs a WARNING once if they oversubscribe the machine. A
   setting made before gemps.pytorch was imported looks like torch's own: pass `threads=` then.
-  The environment variable GEMPS_THREADS (a number) stands for `threads=` when it is "auto".
+  The environment variable GEMPS_THREADS (a number; the reference worker's `--threads` reads it
+  too), when set, is taken instead of "auto".
 - a number: `torch.set_num_threads(number)`, as asked.
 - None: torch's threads are left alone, and nothing is said.
 
