@@ -42,7 +42,7 @@ AUTO = "auto"
 ENVIRONMENT = "GEMPS_THREADS"
 EXPLICIT_ENVIRONMENT = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # How often a bound worker looks again at how many workers share the machine.
-RECHECK_SECONDS = 10.0
+RECHECK_SECONDS = 2.0
 
 Threads = int | str | None
 
