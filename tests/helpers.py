@@ -75,6 +75,16 @@ def wait_for(
         time.sleep(poll)
 
 
+def gemps_export(*source: str, out: Path) -> subprocess.CompletedProcess[str]:
+    """`gemps export SOURCE... --out OUT` in a process of its own, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "gemps_cli", "export", *source, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def scrape(url: str, timeout: float = 5.0) -> dict[str, float]:
     """A /metrics page as {sample name: value summed over its label sets}."""
     with urllib.request.urlopen(url, timeout=timeout) as response:

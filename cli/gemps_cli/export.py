@@ -1,14 +1,23 @@
-"""`gemps export`: the central variable as a safetensors state dict, from a checkpoint or a server."""
+"""`gemps export`: the central variable as a safetensors state dict, from a checkpoint or a server.
+
+A directory is searched as servers lay it out: checkpoints in it, or one folder per partition
+(`partition-<i>`), each with one folder per replica (`replica-<r>`) when replicated; of a
+partition's replicas the newest checkpoint (highest version) is taken, and which one is said.
+A tied or shared tensor is written under every name the model's `state_dict()` has for it
+(gemps.tied_names).
+"""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from gemps.errors import GempsError
 from gemps.records import CentralVariable
+from gemps.tied_names import expanded
 from gemps_cli.connection import add_connection_flags, connect
 from gemps_proto.schema import PARTITION_FOLDER
 from gemps_server.checkpoint_files import (
@@ -19,6 +28,9 @@ from gemps_server.checkpoint_files import (
     load,
     load_latest,
 )
+
+# A replica's checkpoint folder inside its partition's (gemps_cli.partitions.child_config, on_ray).
+REPLICA_FOLDER = re.compile(r"replica-(\d+)")
 
 # A live server's partitions apply each commit one after the other: a pull may land between two
 # of them. Pull again this many times before calling the versions mixed.
@@ -32,7 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "model.load_state_dict(safetensors.torch.load_file(OUT))."
     )
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("checkpoint", nargs="?", help="checkpoint file, or a --checkpoint-dir to take the newest from")
+    source.add_argument(
+        "checkpoint",
+        nargs="?",
+        help="checkpoint file, or a --checkpoint-dir to take the newest from (a partitioned one's partition-*/ "
+        "folders assembled; of a replicated one's replica-*/ folders the newest checkpoint, named on stdout)",
+    )
     source.add_argument("--server", help="HOST:PORT of a running server to pull the central variable from")
     parser.add_argument("--out", required=True, help="file to write (safetensors)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the server")
@@ -48,15 +65,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def partition_dirs(directory: Path) -> list[Path]:
     """The per-partition checkpoint directories in `directory`, in partition order (none: not partitioned)."""
-    found = [(m, p) for p in directory.iterdir() if p.is_dir() and (m := PARTITION_FOLDER.fullmatch(p.name))]
+    return numbered_dirs(directory, PARTITION_FOLDER)
+
+
+def numbered_dirs(directory: Path, pattern: re.Pattern[str]) -> list[Path]:
+    """The folders of `directory` whose name `pattern` matches, by their number."""
+    found = [(m, p) for p in directory.iterdir() if p.is_dir() and (m := pattern.fullmatch(p.name))]
     return [path for _, path in sorted(found, key=lambda item: int(item[0].group(1)))]
 
 
 def load_newest(directory: Path) -> tuple[Path, Checkpoint]:
-    found = load_latest(directory)
-    if found is None:
-        raise CheckpointError(f"no readable checkpoint in {directory}")
-    return found
+    """The newest readable checkpoint in `directory`, or of its replicas' folders (the one at the
+    highest version, said on stdout); CheckpointError when there is none."""
+    replicas = numbered_dirs(directory, REPLICA_FOLDER)
+    if not replicas:
+        found = load_latest(directory)
+        if found is None:
+            raise CheckpointError(f"no readable checkpoint in {directory}")
+        return found
+    newest = {replica.name: found for replica in replicas if (found := load_latest(replica)) is not None}
+    if not newest:
+        raise CheckpointError(f"no readable checkpoint in {directory} nor its replicas' folders")
+    # The highest version; of equal ones the newer file (a backup may lag, never lead, its primary).
+    taken = max(newest, key=lambda name: (newest[name][1].image.version, newest[name][0].stat().st_mtime))
+    seen = ", ".join(f"{name} at version {found[1].image.version}" for name, found in newest.items())
+    print(f"{directory}: took {taken}'s {newest[taken][0].name} (newest of {seen})")
+    return newest[taken]
 
 
 def mixed_versions(versions: Sequence[int]) -> str:
@@ -115,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
     metadata = {"source": origin}
     if len(versions) > 1:
         metadata["partition_versions"] = ",".join(map(str, versions))
+    named = expanded(named)  # a tied tensor under each of its names
     size = export_state_dict(named, version, Path(args.out), metadata=metadata)
     counts = f"{parameters} parameters" + (f", {buffers} buffer values" if buffers else "")
     mixed_note = " (partitions at different versions, as asked)" if mixed else ""

@@ -5,16 +5,19 @@
         optimizer.zero_grad()
         loss = F.cross_entropy(model(inputs), targets)
         loss.backward()
-        optimizer.step()
+        optimizer.step(loss=loss)   # loss= for the server's loss metrics; step() works too
     optimizer.close()
 
 `RemoteModel` is the same with the commit's figures returned (`remote.step(loss=...)`).
 
-What travels, for any torch.nn.Module:
+What travels, for any torch.nn.Module (gemps.torch_values):
 - the parameters that train (`requires_grad=True`), in `named_parameters()` order, are the
   central variable; a parameter without a gradient this step contributes zeros. Frozen
   parameters (`requires_grad=False`, e.g. a pretrained backbone) are not sent at all: every
-  worker keeps its own copy, so load the same weights into every worker's model;
+  worker keeps its own copy, so load the same weights into every worker's model. Any floating
+  dtype travels as float32 and is loaded back in the parameter's own (bfloat16 stays bfloat16);
+  sparse gradients (`nn.Embedding(sparse=True)`) are made dense; a tensor tied or shared under
+  several names travels once, under all of them (gemps.tied_names);
 - the persistent buffers (those in `state_dict()`: batch-norm running mean and variance and
   `num_batches_tracked`, ...) live on the server too. Each commit carries how the worker's
   buffers changed since it last loaded the central ones, the server adds that change to its
@@ -26,23 +29,40 @@ What travels, for any torch.nn.Module:
 θ is loaded into the parameters in place (each keeps its device, storage and dtype), through a
 pinned staging vector and non-blocking copies when a parameter lives on a GPU.
 
+A step without `num_samples=` sends the samples of the model's inputs since the last step, and
+one without `loss=` logs a WARNING once (gemps.torch_batches). Binding a model sets torch's
+intra-op threads so that the workers of one machine do not oversubscribe its cores, unless they
+were set otherwise (`threads=`, gemps.torch_threads).
+
 So `gemps export` and `client.pull().state_dict()` give a state dict that loads with
 `model.load_state_dict(..., strict=True)` when the model has no frozen parameters.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from gemps.client import Client
 from gemps.errors import PartiallyAppliedError
 from gemps.records import Buffers, CentralVariable, CommitResult, Registration, TrainingConfig
+from gemps.torch_batches import BatchCounter, warn_without_loss
 from gemps.torch_schedules import ServerOwnedGroup, ServerOwnsLearningRateError
+from gemps.torch_threads import AUTO, ThreadKeeper, Threads, requested
+from gemps.torch_values import (
+    buffer_values,
+    check_trainable,
+    copy_into,
+    gather_gradients,
+    host_array,
+    host_tensor,
+    load_buffers,
+    persistent_buffers,
+    trained_parameters,
+    wire_dtype,
+)
 from gemps_proto.schedules import learning_rate_at
 
 __all__ = [
@@ -55,85 +75,39 @@ __all__ = [
 ]
 
 
-def trained_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """The parameters that make up the central variable, in order: those that require grad."""
-    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-
-
-def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The buffers that travel: those `state_dict()` holds, in `named_buffers()` order."""
-    kept = set(model.state_dict().keys())
-    return [(name, b) for name, b in model.named_buffers() if name in kept]
-
-
-def _flat(tensors: Iterable[torch.Tensor], dtype: torch.dtype = torch.float32) -> np.ndarray:
-    parts = [t.detach().reshape(-1).to("cpu", dtype) for t in tensors]
-    return torch.cat(parts).numpy() if parts else torch.empty(0, dtype=dtype).numpy()
-
-
-def _wire_dtype(buffer: torch.Tensor) -> torch.dtype:
-    """How a buffer travels: floating ones as float32, integer (and boolean) ones as int64."""
-    return torch.float32 if buffer.is_floating_point() or buffer.is_complex() else torch.int64
-
-
-def _buffer_values(buffers: Sequence[tuple[str, torch.Tensor]]) -> Buffers:
-    """The model's buffers by kind, each flat in order (as the client splits them)."""
-    tensors = [b for _, b in buffers]
-    return Buffers(
-        _flat((b for b in tensors if _wire_dtype(b) == torch.float32), torch.float32),
-        _flat((b for b in tensors if _wire_dtype(b) == torch.int64), torch.int64),
-    )
-
-
 @torch.no_grad()
 def load_central(model: torch.nn.Module, central: CentralVariable) -> None:
     """Copy a central variable (its parameters and buffers) into `model`, in place on the model's
     devices and in its dtypes."""
-    _copy_into([p for _, p in trained_parameters(model)], _host_tensor(central.flat))
-    _load_buffers(persistent_buffers(model), central)
-
-
-def _host_tensor(values: np.ndarray) -> torch.Tensor:
-    """A CPU float32 tensor sharing `values`' memory, to read from (a reply's θ is read-only, which
-    torch.from_numpy warns about: nothing writes through this tensor)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(values)
-
-
-def _copy_into(parameters: Sequence[torch.Tensor], source: torch.Tensor) -> None:
-    """Each parameter's range of the flat `source`, copied into the parameter itself: its device,
-    storage and dtype stay as they are (vector_to_parameters would swap in views of `source`,
-    moving a CUDA model's parameters to the CPU). Non-blocking: from pinned memory the copies to a
-    GPU overlap, and the stream orders them before any kernel that reads the parameters."""
-    offset = 0
-    for parameter in parameters:
-        count = parameter.numel()
-        parameter.copy_(source[offset : offset + count].view_as(parameter), non_blocking=True)
-        offset += count
-
-
-def _load_buffers(buffers: Iterable[tuple[str, torch.Tensor]], central: CentralVariable) -> None:
-    """Copy the central buffers into `buffers` (the model's persistent ones, by name)."""
-    named = dict(buffers)
-    for name, values in central.named_buffers().items():
-        buffer = named[name]  # integer ones arrive as int64: exact
-        buffer.copy_(_host_tensor(values).reshape(buffer.shape))
+    copy_into([p for _, p in trained_parameters(model)], host_tensor(central.flat))
+    load_buffers(persistent_buffers(model), central)
 
 
 class RemoteModel:
     """Binds a torch model to a gemps server: registers it and keeps it on the central variable."""
 
-    def __init__(self, model: torch.nn.Module, client: Client | str, *, name: str = "", **client_options: Any) -> None:
-        """`client_options` go to gemps.Client when `client` is an address (wire_dtype="bfloat16", ...)."""
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        client: Client | str,
+        *,
+        name: str = "",
+        threads: Threads = AUTO,
+        **client_options: Any,
+    ) -> None:
+        """`threads` sets torch's intra-op threads so that the workers on this machine do not
+        oversubscribe it (gemps.torch_threads: "auto", a number, or None to leave them);
+        `client_options` go to gemps.Client when `client` is an address (wire_dtype="bfloat16", ...)."""
         self.model = model
-        self.client = Client(client, name=name, **client_options) if isinstance(client, str) else client
-        self._owns_client = isinstance(client, str)
         named = trained_parameters(model)
         self._parameters = [p for _, p in named]
         if not self._parameters:
             raise ValueError("the model has no parameters to train (none requires grad)")
+        check_trainable(named)
+        wanted = requested(threads)  # a bad `threads` refused before anything is bound
         self._buffers = persistent_buffers(model)
+        self.client = Client(client, name=name, **client_options) if isinstance(client, str) else client
+        self._owns_client = isinstance(client, str)
         size = sum(p.numel() for p in self._parameters)
         # Staging between torch and the wire, reused every step: pinned when a parameter lives on
         # a GPU, so that copies to and from it are asynchronous DMA.
@@ -142,14 +116,14 @@ class RemoteModel:
         self._central = torch.zeros(size, dtype=torch.float32, pin_memory=True) if self._gpus else None
         self._loads_done: list[torch.cuda.Event] = []  # the last load's copies out of `_central`
         self._loaded_buffers = Buffers()  # the buffers as last loaded or sent
+        self._threads = ThreadKeeper(wanted)
+        self._batches = BatchCounter(model)
         try:
             self.registration: Registration = self.client.register(
-                {n: p.detach().cpu().numpy() for n, p in named},
-                {n: b.detach().cpu().to(_wire_dtype(b)).numpy() for n, b in self._buffers},
+                {n: host_array(p) for n, p in named}, {n: host_array(b, wire_dtype(b)) for n, b in self._buffers}
             )
         except BaseException:
-            if self._owns_client:
-                self.client.close()
+            self._unbind()
             raise
         assert self.client.central is not None
         self._load(self.client.central)
@@ -168,15 +142,17 @@ class RemoteModel:
         self.model.zero_grad(set_to_none=True)
 
     def step(self, loss: float | torch.Tensor | None = None, num_samples: int | None = None) -> CommitResult:
-        """Commit the model's current gradients; load the central variable the server returns."""
-        offset = 0
-        for p in self._parameters:
-            n = p.numel()
-            if p.grad is None:
-                self._grad[offset : offset + n].zero_()
-            else:
-                self._grad[offset : offset + n].copy_(p.grad.detach().reshape(-1), non_blocking=True)
-            offset += n
+        """Commit the model's current gradients; load the central variable the server returns.
+
+        Without `num_samples`, the samples of the model's training forwards since the last step
+        (gemps.torch_batches); without `loss`, a WARNING once that the server's loss metrics stay
+        empty."""
+        seen = self._batches.take()
+        num_samples = seen if num_samples is None else num_samples
+        if loss is None:
+            warn_without_loss()
+        self._threads.check()
+        gather_gradients(self._parameters, self._grad)
         for gpu in self._gpus:  # the gradients' copies into pinned memory are done before it is sent
             torch.cuda.synchronize(gpu)
         loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
@@ -196,7 +172,7 @@ class RemoteModel:
         With `load` (the default) the model then holds the returned central variable; without,
         the model keeps its own values (elastic averaging keeps a local variable).
         """
-        update_values = update.detach().cpu().numpy().astype(np.float32)
+        update_values = host_array(update).reshape(-1)
         try:
             result = self.client.commit(update_values, kind="update", loss=loss, buffer_delta=self._buffer_delta())
         except PartiallyAppliedError as partial:
@@ -219,10 +195,21 @@ class RemoteModel:
 
     def close(self) -> None:
         """Leave the server (and close the connection if this helper opened it)."""
+        try:
+            if self._owns_client:
+                self.client.__exit__(None, None, None)
+            else:
+                self.client.leave()
+        finally:
+            self._batches.close()
+            self._threads.close()
+
+    def _unbind(self) -> None:
+        """Undo what binding did, when registering failed."""
+        self._batches.close()
+        self._threads.close()
         if self._owns_client:
-            self.client.__exit__(None, None, None)
-        else:
-            self.client.leave()
+            self.client.close()
 
     def __enter__(self) -> RemoteModel:
         return self
@@ -234,7 +221,7 @@ class RemoteModel:
         """How the buffers changed since last loaded or sent; None when they did not (or there are none)."""
         if not self._buffers:
             return None
-        current, loaded = _buffer_values(self._buffers), self._loaded_buffers
+        current, loaded = buffer_values(self._buffers), self._loaded_buffers
         delta = Buffers(current.floats - loaded.floats, current.integers - loaded.integers)
         self._loaded_buffers = current  # sent: not to be counted again if the reply is not loaded
         return delta if delta.floats.any() or delta.integers.any() else None
@@ -245,18 +232,18 @@ class RemoteModel:
         dtype). On a GPU through the pinned staging vector, whose previous copies must be done
         before it is written again."""
         if self._central is None:
-            _copy_into(self._parameters, _host_tensor(central.flat))  # CPU: straight from the reply
+            copy_into(self._parameters, host_tensor(central.flat))  # CPU: straight from the reply
         else:
             for done in self._loads_done:
                 done.synchronize()
             self._central.numpy()[:] = central.flat
-            _copy_into(self._parameters, self._central)
+            copy_into(self._parameters, self._central)
             self._loads_done = [torch.cuda.Event() for _ in self._gpus]  # type: ignore[no-untyped-call]
             for gpu, done in zip(self._gpus, self._loads_done, strict=True):
                 done.record(torch.cuda.current_stream(gpu))
         if self._buffers:
-            _load_buffers(self._buffers, central)  # listed once: state_dict() per step is not free
-            self._loaded_buffers = _buffer_values(self._buffers)
+            load_buffers(self._buffers, central)  # listed once: state_dict() per step is not free
+            self._loaded_buffers = buffer_values(self._buffers)
 
 
 class RemoteOptimizer(torch.optim.Optimizer):
@@ -271,15 +258,17 @@ class RemoteOptimizer(torch.optim.Optimizer):
     `learning_rate` is the server's η at the version the model holds.
     """
 
-    def __init__(self, model: torch.nn.Module, client: Client | str, *, name: str = "", **client_options: Any) -> None:
+    def __init__(self, model: torch.nn.Module, client: Client | str, *, name: str = "", **options: Any) -> None:
+        """`options` as RemoteModel takes them: `threads=` for torch's intra-op threads, the others
+        for gemps.Client when `client` is an address."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
                 "RemoteOptimizer takes the model itself (its buffers travel too), not model.parameters(): "
                 "RemoteOptimizer(model, address)"
             )
-        if "lr" in client_options or "learning_rate" in client_options:
+        if "lr" in options or "learning_rate" in options:
             raise TypeError("the gemps server owns the learning rate: set it there (--learning-rate, --lr-schedule)")
-        self.remote = RemoteModel(model, client, name=name, **client_options)
+        self.remote = RemoteModel(model, client, name=name, **options)
         super().__init__(self.remote.trained, defaults={})
         self._guard_groups()
         self.last_result: CommitResult | None = None
@@ -310,7 +299,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None, **commit: Any) -> float | None:  # type: ignore[override]
         """Commit the current gradients (after `closure()` if given, which recomputes the loss);
-        `commit` may carry `loss=` and `num_samples=` for the server's metrics."""
+        `commit` may carry `loss=` and `num_samples=` for the server's metrics: without them, the
+        samples are counted from the model's inputs and a WARNING once says no loss was sent."""
         if len(self.param_groups) != 1 or any(key != "params" for key in self.param_groups[0]):
             raise ValueError("RemoteOptimizer has one parameter group and no per-group settings: the server owns them")
         loss = None

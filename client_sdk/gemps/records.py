@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gemps.tied_names import expanded
 from gemps_proto.schema import (
     Buffers,
     Evaluation,
@@ -53,8 +54,10 @@ class CentralVariable:
         return Buffers(self.buffers, self.integer_buffers).named(self.buffer_spec)
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Parameters and buffers by name: what `model.load_state_dict` takes (after torch.from_numpy)."""
-        return {**self.named(), **self.named_buffers()}
+        """Parameters and buffers by name: what `model.load_state_dict` takes (after torch.from_numpy).
+        A tied or shared tensor is under each name it goes by (gemps.tied_names); `named()` and
+        `named_buffers()` keep the spec's names."""
+        return expanded({**self.named(), **self.named_buffers()})
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -25,7 +24,7 @@ from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.checkpoint_files import list_checkpoints, load, load_latest
 from gemps_worker.cluster import ServerProcess
-from tests.helpers import wait_for
+from tests.helpers import gemps_export, wait_for
 from tests.integration.conftest import NUM_PARAMETERS, StartServer, open_stub, register
 
 PARAMS = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(2, np.float32)}
@@ -255,12 +254,7 @@ def test_export_loads_into_a_torch_model(tmp_path: Path, start_server: StartServ
         wait_for(lambda: 1 in versions(tmp_path / "ckpt"), what="checkpoint at version 1")
         for source in (["--server", server.target], [str(tmp_path / "ckpt")]):
             out = tmp_path / "model.safetensors"
-            result = subprocess.run(
-                [sys.executable, "-m", "gemps_cli", "export", *source, "--out", str(out)],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
+            result = gemps_export(*source, out=out)
             assert result.returncode == 0, result.stderr
             assert "version 1, 4 tensors, 23 parameters" in result.stdout
             fresh = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
@@ -269,12 +263,7 @@ def test_export_loads_into_a_torch_model(tmp_path: Path, start_server: StartServ
                 np.testing.assert_array_equal(value.numpy(), trained.named()[name])
             out.unlink()
     (tmp_path / "empty").mkdir()
-    missing = subprocess.run(
-        [sys.executable, "-m", "gemps_cli", "export", str(tmp_path / "empty"), "--out", str(tmp_path / "x")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    missing = gemps_export(str(tmp_path / "empty"), out=tmp_path / "x")
     assert missing.returncode == 1 and "no readable checkpoint" in missing.stderr
 
 

@@ -20,7 +20,7 @@ from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.tensor_codec import INT64
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.checkpoint_files import list_checkpoints, load
-from tests.helpers import InProcessServer
+from tests.helpers import InProcessServer, gemps_export
 from tests.integration.conftest import StartServerProcess, open_stub, register
 
 PARAMS = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(2, np.float32)}
@@ -119,12 +119,7 @@ def test_a_model_without_buffers_gets_no_buffer_fields(server: InProcessServer) 
 
 def export(directory: Path, out: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, np.ndarray]]:
     """`gemps export DIRECTORY --out OUT`, which must succeed, and the tensors it wrote."""
-    result = subprocess.run(
-        [sys.executable, "-m", "gemps_cli", "export", str(directory), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = gemps_export(str(directory), out=out)
     assert result.returncode == 0, result.stderr
     return result, safetensors.numpy.load_file(str(out))
 

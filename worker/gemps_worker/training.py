@@ -190,6 +190,7 @@ def run_worker(
                 retry=retry,
                 patience=options.patience,
             ),
+            threads=options.threads,  # --threads is the operator's: set as given, never moved
         ) as remote:
             reg = remote.registration
             mode_name = reg.config.worker_mode if options.mode == "server" else options.mode

@@ -1,0 +1,61 @@
+"""What a commit says about its batch when the training loop does not: the samples, read from the
+model's inputs, and a warning once when no loss is given.
+
+The README's loop calls `optimizer.step()` with no arguments. The server's samples counter
+(`gemps_training_samples_total`) and its gradient-noise estimate need each commit's batch size:
+a forward pre-hook on the model counts the leading dimension of the first tensor argument of
+every forward run with gradients enabled since the last step (several for gradient accumulation;
+an evaluation under `torch.no_grad()` is not counted), and the step sends that as `num_samples`
+unless the caller gave one. A model whose first argument is not batch-first (an RNN with
+`batch_first=False`) needs `num_samples=` given. The loss is not reachable without the caller:
+the optimizer never sees it and gemps does not patch torch, so a step without `loss=` logs one
+WARNING per process naming `optimizer.step(loss=loss)` (the dashboards' loss panel stays empty).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+log = logging.getLogger("gemps.pytorch")
+
+_warned = threading.Event()  # once per process: every worker's loop would say the same
+
+
+class BatchCounter:
+    """Counts the samples `model`'s training forwards see between two steps."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._samples = 0
+        self._handle = model.register_forward_pre_hook(self._seen, with_kwargs=True)
+
+    def _seen(self, _module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        if not torch.is_grad_enabled():
+            return  # evaluation: its samples are not in the gradient
+        first = next((value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)), None)
+        if first is not None and first.dim() > 0:
+            self._samples += int(first.shape[0])
+
+    def take(self) -> int | None:
+        """The samples counted since the last take (None when no forward was seen)."""
+        samples, self._samples = self._samples, 0
+        return samples or None
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def warn_without_loss() -> None:
+    """A WARNING, once per process, that commits carry no loss."""
+    if _warned.is_set():
+        return
+    _warned.set()
+    log.warning(
+        "gemps: this step commits no loss, so the server's loss metrics (gemps_training_loss, the dashboards' "
+        "loss panel) stay empty: call optimizer.step(loss=loss) (or step(closure) returning it; "
+        "RemoteModel.step(loss=loss))"
+    )
