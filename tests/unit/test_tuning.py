@@ -1,0 +1,44 @@
+"""The tuning sweep's choices: the gauge's reading, the recipe's worker count, the ranking."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from gemps_proto.schema import TrainingConfig
+from gemps_worker.experiment.single_run import HeldOut, RunConfig, RunResult
+from gemps_worker.experiment.tuning import PLANS, RunSummary, gauge_median, loss_key, recipe_workers, run_config
+
+
+def result(readings: list[float]) -> RunResult:
+    noise = [(float(i), i, value) for i, value in enumerate(readings)]
+    return RunResult(RunConfig("r", 1), [], [HeldOut(0.0, 0, 1.0, 0.5)], 0, 1.0, 0.5, {}, 1.0, noise_scale=noise)
+
+
+def summary(loss: float, useful: float = 2.0, diverged: int = 0) -> RunSummary:
+    return RunSummary("sgd", "r", "momentum", 0.1, 0.9, 1.0, 1, 32, 0, 0, loss, 0.0, 32 * useful, useful, diverged, 1.0)
+
+
+def test_the_gauge_is_the_median_of_the_second_half_of_its_finite_readings() -> None:
+    # The first readings (early training, few windows) are left out; NaN (no estimate) is skipped.
+    assert gauge_median(result([1000.0, math.nan, 900.0, 10.0, 20.0, 30.0])) == 20.0
+    assert math.isnan(gauge_median(result([math.nan, math.nan])))
+
+
+def test_the_recipe_takes_the_gauges_workers_rounded_and_at_least_one() -> None:
+    assert recipe_workers(summary(1.0, useful=3.7)) == 4
+    assert recipe_workers(summary(1.0, useful=0.3)) == 1
+    assert recipe_workers(summary(1.0, useful=math.nan)) == 1
+
+
+def test_diverged_and_non_finite_runs_rank_last() -> None:
+    runs = [summary(2.0), summary(1.0, diverged=1), summary(math.nan), summary(2.5)]
+    assert min(runs, key=loss_key).held_out_loss == 2.0
+
+
+def test_every_run_takes_the_plans_steps_per_worker_with_enough_epochs() -> None:
+    plan = replace(PLANS["digits"], steps=50)
+    config = run_config(plan, "gem-n4", "gem", 0.1, 4, kappa=2.0)
+    assert config.max_steps == 50 and config.workers == 4
+    assert config.training == TrainingConfig(rule="gem", learning_rate=0.1, momentum=0.9, kappa=2.0, batch_size=64)
+    assert config.epochs * 1438 >= 50 * 64  # the epochs never end a run before its steps
