@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import replace
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
 
 from gemps_proto.schema import TrainingConfig
 from gemps_worker.experiment.single_run import HeldOut, RunConfig, RunResult
-from gemps_worker.experiment.tuning import PLANS, RunSummary, gauge_median, loss_key, recipe_workers, run_config
+from gemps_worker.experiment.tuning import (
+    PLANS,
+    RunSummary,
+    gauge_median,
+    judge,
+    loss_key,
+    markdown,
+    recipe_workers,
+    run_config,
+)
 
 
 def result(readings: list[float]) -> RunResult:
@@ -42,3 +55,19 @@ def test_every_run_takes_the_plans_steps_per_worker_with_enough_epochs() -> None
     assert config.max_steps == 50 and config.workers == 4
     assert config.training == TrainingConfig(rule="gem", learning_rate=0.1, momentum=0.9, kappa=2.0, batch_size=64)
     assert config.epochs * 1438 >= 50 * 64  # the epochs never end a run before its steps
+
+
+def test_the_recipe_is_judged_against_every_setting_but_the_kappa_probe(tmp_path: Path) -> None:
+    runs = [
+        replace(summary(2.4), name="momentum-n1"),
+        replace(summary(2.2), phase="sweep", rule="gem", name="gem-n4", workers=4),
+        replace(summary(2.25), phase="recipe", rule="gem", name="gem-n2", workers=2),
+        replace(summary(1.0), phase="kappa", rule="gem", name="gem-n2-kappa2", kappa=2.0),
+    ]
+    verdict = judge(runs)
+    assert verdict["best"] == "gem-n4" and verdict["best_sgd"] == "momentum-n1"
+    assert verdict["gap"] == pytest.approx(0.05) and verdict["kappa_probe_loss"] == 1.0
+    path = tmp_path / "plan.jsonl"
+    path.write_text("".join(json.dumps({"kind": "run", **asdict(r)}) + "\n" for r in runs))
+    table = markdown(path)
+    assert "| recipe | gem | 0.1 | 1 | 2 |" in table and "gap +0.050" in table

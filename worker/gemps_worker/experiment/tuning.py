@@ -147,6 +147,25 @@ def recipe_workers(sgd: RunSummary) -> int:
     return max(1, round(sgd.useful_workers)) if math.isfinite(sgd.useful_workers) else 1
 
 
+def judge(runs: list[RunSummary]) -> dict[str, Any]:
+    """The recipe's run against the best of every other setting but the kappa probe (one worker's
+    included: a worker count of the sweep too)."""
+    recipe = next(r for r in runs if r.phase == "recipe")
+    kappa = next(r for r in runs if r.phase == "kappa")
+    best_sgd = min((r for r in runs if r.phase == "sgd"), key=loss_key)
+    best = min((r for r in runs if r.phase != "kappa"), key=loss_key)
+    return {
+        "best_sgd": best_sgd.name,
+        "recipe": {"eta": recipe.eta, "mu": recipe.mu, "kappa": recipe.kappa, "workers": recipe.workers},
+        "recipe_loss": recipe.held_out_loss,
+        "best": best.name,
+        "best_loss": best.held_out_loss,
+        "gap": recipe.held_out_loss - best.held_out_loss,
+        "kappa_probe": kappa.kappa,
+        "kappa_probe_loss": kappa.held_out_loss,
+    }
+
+
 class Tuning:
     """Runs a plan's phases, appending each run's summary to OUT/<plan>.jsonl as it ends.
     `parallel` runs at a time: results are counted in samples, not seconds, so runs sharing the
@@ -215,21 +234,39 @@ class Tuning:
         recipe, kappa = self.measure_all(
             [("recipe", "gem", eta, workers, 1.0), ("kappa", "gem", eta, workers, plan.kappa_probe)]
         )
-        best = min([*sweep, recipe], key=loss_key)
-        verdict = {
-            "kind": "verdict",
-            "plan": asdict(plan),
-            "best_sgd": best_sgd.name,
-            "recipe": {"eta": eta, "mu": plan.momentum, "kappa": 1.0, "workers": workers},
-            "recipe_loss": recipe.held_out_loss,
-            "best_gem": best.name,
-            "best_gem_loss": best.held_out_loss,
-            "gap": recipe.held_out_loss - best.held_out_loss,
-            "kappa_probe_loss": kappa.held_out_loss,
-        }
+        verdict = {"kind": "verdict", "plan": asdict(plan), **judge([*sgd, *sweep, recipe, kappa])}
         with self.lines.open("a") as lines:
             lines.write(json.dumps(verdict) + "\n")
         return verdict
+
+
+def markdown(path: Path) -> str:
+    """PLAN.jsonl as docs/RESULTS.md's tables: every run, then the recipe against the sweep's best."""
+    raws = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    runs = [RunSummary(**{k: v for k, v in raw.items() if k != "kind"}) for raw in raws if raw["kind"] == "run"]
+    rows = [
+        "| phase | rule | eta | kappa | workers | commits | samples | held-out loss | held-out accuracy "
+        "| gauge: workers that pay | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run_ in runs:
+        loss = "diverged" if loss_key(run_) == math.inf else f"{run_.held_out_loss:.3f}"
+        rows.append(
+            f"| {run_.phase} | {run_.rule} | {run_.eta:g} | {run_.kappa:g} | {run_.workers} | {run_.commits:,} "
+            f"| {run_.samples:,} | {loss} | {100 * run_.held_out_accuracy:.1f}% | {run_.useful_workers:.3g} "
+            f"| {run_.wall_seconds:.0f} |"
+        )
+    if any(r.phase == "recipe" for r in runs) and any(r.phase == "kappa" for r in runs):
+        v = judge(runs)
+        recipe = v["recipe"]
+        rows += [
+            "",
+            f"Recipe: eta = {recipe['eta']:g} and mu = {recipe['mu']:g} from {v['best_sgd']}, kappa = 1, "
+            f"{recipe['workers']} workers: held-out {v['recipe_loss']:.3f}; best setting ({v['best']}) "
+            f"{v['best_loss']:.3f}; gap {v['gap']:+.3f}; kappa = {v['kappa_probe']:g} at the recipe's eta "
+            f"and workers: {v['kappa_probe_loss']:.3f}.",
+        ]
+    return "\n".join(rows) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -239,7 +276,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report", type=Path, default=Path("docs/results/tuning"), help="where PLAN.jsonl goes")
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (default 1)")
     parser.add_argument("--resume", action="store_true", help="keep the runs REPORT/PLAN.jsonl already holds")
+    parser.add_argument("--markdown", action="store_true", help="print REPORT/PLAN.jsonl's tables; run nothing")
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown(args.report / f"{args.plan}.jsonl"), end="")
+        return
     if args.parallel < 1:
         parser.error(f"--parallel must be at least 1, not {args.parallel}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
