@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from gemps_worker.held_out import evaluate
 from gemps_worker.models import build_model
 from gemps_worker.text_data import CONTEXT, VOCABULARY, encode, split_text, stdlib_files, stdlib_text, unigram_entropy
+from tests.unit.test_models import train_losses
 
 
 def test_the_lm_maps_token_windows_to_logits_with_classes_second_and_learns() -> None:
@@ -21,14 +22,7 @@ def test_the_lm_maps_token_windows_to_logits_with_classes_second_and_learns() ->
     x = torch.randint(0, VOCABULARY, (8, CONTEXT))
     y = torch.roll(x, -1, dims=1)
     assert model(x).shape == (8, VOCABULARY, CONTEXT)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
-    losses = []
-    for _ in range(8):
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
+    losses = train_losses(model, x, y, steps=8, lr=0.3, momentum=0.9)
     assert losses[0] == pytest.approx(math.log(VOCABULARY), abs=0.05)  # small initial weights: uniform
     assert losses[-1] < losses[0] - 0.1
 
