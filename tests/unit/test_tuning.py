@@ -21,6 +21,7 @@ from gemps_worker.experiment.tuning import (
     recipe_workers,
     run_config,
 )
+from gemps_worker.experiment.tuning_plot import plot_tuning
 
 
 def result(readings: list[float]) -> RunResult:
@@ -71,3 +72,17 @@ def test_the_recipe_is_judged_against_every_setting_but_the_kappa_probe(tmp_path
     path.write_text("".join(json.dumps({"kind": "run", **asdict(r)}) + "\n" for r in runs))
     table = markdown(path)
     assert "| recipe | gem | 0.1 | 1 | 2 |" in table and "gap +0.050" in table
+
+
+def test_the_plot_draws_every_plan(tmp_path: Path) -> None:
+    runs = [
+        summary(2.4),
+        replace(summary(2.2), phase="sweep", rule="gem", workers=4),
+        replace(summary(2.25), phase="recipe", rule="gem", workers=2),
+        replace(summary(2.3), phase="kappa", rule="gem", workers=2, kappa=2.0),
+        replace(summary(math.nan), phase="sweep", rule="gem", eta=1.0, workers=2),  # diverged: left out
+    ]
+    path = tmp_path / "plan.jsonl"
+    path.write_text("".join(json.dumps({"kind": "run", **asdict(r)}) + "\n" for r in runs))
+    out = plot_tuning([path, path], tmp_path / "tuning.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
