@@ -18,6 +18,7 @@ from gemps_worker.experiment.tuning import (
     judge,
     loss_key,
     markdown,
+    plan_file,
     recipe_workers,
     run_config,
 )
@@ -86,3 +87,8 @@ def test_the_plot_draws_every_plan(tmp_path: Path) -> None:
     path.write_text("".join(json.dumps({"kind": "run", **asdict(r)}) + "\n" for r in runs))
     out = plot_tuning([path, path], tmp_path / "tuning.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_seed_changes_the_runs_initial_weights_and_data_order_and_their_file() -> None:
+    assert run_config(PLANS["lm"], "gem-n2", "gem", 0.1, 2, seed=1).seed == 1
+    assert (plan_file("lm", 0), plan_file("lm", 1)) == ("lm.jsonl", "lm-s1.jsonl")

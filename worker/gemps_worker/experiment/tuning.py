@@ -94,7 +94,9 @@ def gauge_median(result: RunResult) -> float:
     return statistics.median(readings[len(readings) // 2 :]) if readings else math.nan
 
 
-def run_config(plan: TuningPlan, name: str, rule: str, eta: float, workers: int, kappa: float = 1.0) -> RunConfig:
+def run_config(
+    plan: TuningPlan, name: str, rule: str, eta: float, workers: int, kappa: float = 1.0, seed: int = 0
+) -> RunConfig:
     """N workers of the plan's batch, each stopping after the plan's steps."""
     steps = plan.steps
     train_size = len(load_dataset(plan.dataset).train_x)
@@ -109,6 +111,7 @@ def run_config(plan: TuningPlan, name: str, rule: str, eta: float, workers: int,
         model=plan.model,
         dataset=plan.dataset,
         max_steps=steps,
+        seed=seed,
     )
 
 
@@ -166,15 +169,22 @@ def judge(runs: list[RunSummary]) -> dict[str, Any]:
     }
 
 
+def plan_file(plan: str, seed: int) -> str:
+    """PLAN.jsonl for seed 0, PLAN-sK.jsonl for seed K (the experiment suites' naming)."""
+    return f"{plan}.jsonl" if seed == 0 else f"{plan}-s{seed}.jsonl"
+
+
 class Tuning:
     """Runs a plan's phases, appending each run's summary to OUT/<plan>.jsonl as it ends.
     `parallel` runs at a time: results are counted in samples, not seconds, so runs sharing the
     machine change only their wall time (and the interleaving of a run's workers)."""
 
-    def __init__(self, plan: TuningPlan, out: Path, report: Path, parallel: int = 1, resume: bool = False) -> None:
-        self.plan, self.out, self.report, self.parallel = plan, out, report, parallel
+    def __init__(
+        self, plan: TuningPlan, out: Path, report: Path, parallel: int = 1, resume: bool = False, seed: int = 0
+    ) -> None:
+        self.plan, self.out, self.report, self.parallel, self.seed = plan, out, report, parallel, seed
         report.mkdir(parents=True, exist_ok=True)
-        self.lines = report / f"{plan.name}.jsonl"
+        self.lines = report / plan_file(plan.name, seed)
         self.lock = threading.Lock()
         self.done: dict[tuple[str, float, int, float], RunSummary] = {}
         if resume and self.lines.exists():  # runs of an interrupted sweep (same plan) are kept
@@ -191,7 +201,8 @@ class Tuning:
             summary = replace(self.done[key], phase=phase)
         else:
             name = f"{rule}-n{workers}-eta{eta:g}" + (f"-kappa{kappa:g}" if kappa != 1.0 else "")
-            config = run_config(self.plan, name, rule, eta, workers, kappa)
+            name += f"-s{self.seed}" if self.seed else ""
+            config = run_config(self.plan, name, rule, eta, workers, kappa, self.seed)
             summary = summarise(phase, config, self.run_with_tries(config))
             self.done[key] = summary
         log.info(
@@ -276,15 +287,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report", type=Path, default=Path("docs/results/tuning"), help="where PLAN.jsonl goes")
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (default 1)")
     parser.add_argument("--resume", action="store_true", help="keep the runs REPORT/PLAN.jsonl already holds")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="K > 0: other initial weights and data orders, to REPORT/PLAN-sK.jsonl"
+    )
     parser.add_argument("--markdown", action="store_true", help="print REPORT/PLAN.jsonl's tables; run nothing")
     args = parser.parse_args(argv)
     if args.markdown:
-        print(markdown(args.report / f"{args.plan}.jsonl"), end="")
+        print(markdown(args.report / plan_file(args.plan, args.seed)), end="")
         return
     if args.parallel < 1:
         parser.error(f"--parallel must be at least 1, not {args.parallel}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    verdict = Tuning(PLANS[args.plan], args.out, args.report, args.parallel, args.resume).all()
+    verdict = Tuning(PLANS[args.plan], args.out, args.report, args.parallel, args.resume, args.seed).all()
     print(json.dumps(verdict))
 
 
