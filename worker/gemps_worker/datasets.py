@@ -1,5 +1,6 @@
 """Training data: scikit-learn's bundled digits (offline default), MNIST and Fashion-MNIST (IDX
-files from a folder, or downloaded with checksum verification), and a synthetic set."""
+files from a folder, or downloaded with checksum verification), a synthetic set, and the Python
+standard library's source as next-character windows (text_data.py, offline)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from gemps_worker.idx import IdxFile, IdxSource, fetch, read_idx
+from gemps_worker.text_data import VOCABULARY, stdlib_text
 
 # Held-out fraction and split seed are fixed so every worker and the evaluator agree on the split.
 TEST_FRACTION = 0.2
@@ -20,8 +22,8 @@ SPLIT_SEED = 0
 @dataclass(frozen=True)
 class Dataset:
     name: str
-    train_x: np.ndarray  # float32, (N, C, H, W) images or (N, D) vectors
-    train_y: np.ndarray  # int64 class labels
+    train_x: np.ndarray  # float32, (N, C, H, W) images or (N, D) vectors; int64 (N, T) token ids for text
+    train_y: np.ndarray  # int64 class labels; (N, T) next tokens for text
     test_x: np.ndarray
     test_y: np.ndarray
     num_classes: int
@@ -105,7 +107,7 @@ IDX_DATASETS = {
     "mnist": (MNIST, "mnist", 0.1307, 0.3081),
     "fashion-mnist": (FASHION_MNIST, "fashion-mnist", 0.2860, 0.3530),
 }
-DATASETS = ("digits", "mnist", "fashion-mnist", "synthetic")
+DATASETS = ("digits", "mnist", "fashion-mnist", "synthetic", "stdlib-text")
 
 
 def load_idx_dataset(name: str, source: IdxSource, folder: Path, mean: float, std: float, download: bool) -> Dataset:
@@ -134,6 +136,8 @@ def load_dataset(name: str, data_dir: str | Path = "data", download: bool = True
         return load_digits()
     if name == "synthetic":
         return load_synthetic()
+    if name == "stdlib-text":
+        return Dataset(name, *stdlib_text(), num_classes=VOCABULARY)
     if name in IDX_DATASETS:
         source, folder, mean, std = IDX_DATASETS[name]
         return load_idx_dataset(name, source, Path(data_dir) / folder, mean, std, download)

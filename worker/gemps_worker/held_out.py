@@ -15,7 +15,8 @@ from gemps_worker.datasets import Dataset
 
 @torch.no_grad()
 def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 1024) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy (0..1) over (x, y)."""
+    """Mean cross-entropy and accuracy (0..1) over (x, y): per label, so for text ((N, T) targets,
+    logits (N, classes, T)) per character, in nats."""
     model.eval()
     device = next(model.parameters()).device
     total_loss, correct = 0.0, 0
@@ -26,7 +27,7 @@ def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 1
         total_loss += float(F.cross_entropy(logits, targets, reduction="sum"))
         correct += int((logits.argmax(dim=1) == targets).sum())
     model.train()
-    return total_loss / len(x), correct / len(x)
+    return total_loss / y.size, correct / y.size
 
 
 def evaluate_central(observer: Client, model: nn.Module, data: Dataset) -> tuple[int, float, float] | None:

@@ -96,11 +96,66 @@ def resnet_bn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     )
 
 
+class CausalBlock(nn.Module):
+    """A pre-norm transformer block: causal multi-head self-attention, then a 4x MLP."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(width, dim=2)
+        q, k, v = (t.view(batch, length, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        out: torch.Tensor = x + self.mlp(self.norm2(x))
+        return out
+
+
+class CharGpt(nn.Module):
+    """A small GPT-style character language model: token and learned position embeddings, causal
+    blocks, a final layer norm, and an output head tied to the token embedding (the same matrix,
+    so one parameter). forward maps (N, T) token ids to logits (N, vocabulary, T): the class axis
+    second, as F.cross_entropy takes it for (N, T) targets."""
+
+    def __init__(self, vocabulary: int, context: int, width: int = 64, layers: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocabulary, width)
+        self.positions = nn.Embedding(context, width)
+        self.blocks = nn.Sequential(*(CausalBlock(width, heads) for _ in range(layers)))
+        self.norm = nn.LayerNorm(width)
+        for module in self.modules():  # GPT-2's initialisation: small weights keep early logits near uniform
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], device=x.device)
+        h = self.norm(self.blocks(self.tokens(x) + self.positions(positions)))
+        logits: torch.Tensor = F.linear(h, self.tokens.weight)
+        return logits.transpose(1, 2)
+
+
+def char_gpt(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """2 layers, width 64, 4 heads over a context of input_shape[0] tokens (stdlib-text)."""
+    if len(input_shape) != 1:
+        raise ValueError(f"char-gpt needs token windows (stdlib-text), not inputs of shape {list(input_shape)}")
+    return CharGpt(num_classes, input_shape[0])
+
+
 MODELS: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {
     "mlp": mlp,
     "digits-cnn": digits_cnn,
     "mnist-cnn": mnist_cnn,
     "resnet-bn": resnet_bn,
+    "char-gpt": char_gpt,
 }
 
 

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from gemps.client import Client
 from gemps.options import values_of
 from gemps.pytorch import RemoteModel
@@ -27,6 +29,12 @@ log = logging.getLogger("gemps.experiment")
 
 # Worker loops are spread over this many processes (each one torch, one GIL); 2 suits 2 cores.
 MAX_POOLS = 2
+# Seconds a run's server may take to start: 30 s (the cluster's default) was passed on a machine
+# loaded some 25-fold (the tuning sweep beside other jobs).
+SERVER_STARTUP_TIMEOUT = 120.0
+# The final central variable's training loss is measured on at most this many samples (a minute
+# of one core for stdlib-text's 67k windows otherwise).
+TRAIN_EVALUATION_SAMPLES = 4096
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,9 @@ class RunConfig:
     dynsgd_steps: int = 10
     local_optimizer: str = "sgd"  # agn, dynsgd, easgd: optimizer of the local steps (sgd, adam)
     local_learning_rate: float = 0.0  # 0: sgd the server's eta, adam 0.001
+    # Commits per worker, at most (0: the epochs decide). N workers of batch b with max_steps = E/(N b)
+    # train on the same E samples whatever N is (the tuning sweep's equal budgets).
+    max_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,9 @@ class RunResult:
     final_train_loss_full: float = math.nan
     final_train_accuracy_full: float = math.nan
     num_parameters: int = 0  # P, the central variable's size (0: unknown)
+    # The server's gradient noise scale B_noise in samples (Status.gradient_noise.scale), read at each
+    # held-out evaluation: (seconds since start, version, scale); NaN while it has no estimate.
+    noise_scale: list[tuple[float, int, float]] = field(default_factory=list)
 
     @property
     def diverged_workers(self) -> int:
@@ -112,12 +126,14 @@ def run(config: RunConfig, folder: Path, eval_interval: float = 1.0) -> RunResul
     model = build_model(config.model, data.input_shape, data.num_classes, seed=config.seed)
     started = time.monotonic()
     held_out: list[HeldOut] = []
+    noise_scale: list[tuple[float, int, float]] = []
     server = {
         **values_of(config.training),
         "max_workers": max(256, config.workers),
         "lease_ttl": 300.0,
         "metrics_port": -1,
         "log_level": "warning",
+        "startup_timeout": SERVER_STARTUP_TIMEOUT,
     }
     with LocalCluster(folder, server=server) as cluster:
         if config.seed:
@@ -128,6 +144,7 @@ def run(config: RunConfig, folder: Path, eval_interval: float = 1.0) -> RunResul
             sample = _evaluate(observer, model, data, started)
             if sample is not None:
                 held_out.append(sample)
+                noise_scale.append((sample.time, sample.version, observer.gradient_noise().scale))
             time.sleep(eval_interval)
         final = _evaluate(observer, model, data, started)
         failed = cluster.failed()
@@ -136,8 +153,10 @@ def run(config: RunConfig, folder: Path, eval_interval: float = 1.0) -> RunResul
     assert final is not None
     held_out.append(final)
     wall_seconds = time.monotonic() - started
-    # `model` holds the final central variable (the last _evaluate loaded it).
-    train_loss, train_accuracy = evaluate(model, data.train_x, data.train_y)
+    # `model` holds the final central variable (the last _evaluate loaded it). At most
+    # TRAIN_EVALUATION_SAMPLES of the training set: all of digits, an evenly spread part of larger sets.
+    spread = np.linspace(0, len(data.train_x) - 1, min(len(data.train_x), TRAIN_EVALUATION_SAMPLES)).astype(int)
+    train_loss, train_accuracy = evaluate(model, data.train_x[spread], data.train_y[spread])
     records, outcomes = _collect(folder)
     result = RunResult(
         config,
@@ -151,6 +170,7 @@ def run(config: RunConfig, folder: Path, eval_interval: float = 1.0) -> RunResul
         final_train_loss_full=train_loss,
         final_train_accuracy_full=train_accuracy,
         num_parameters=_trained_size(model),
+        noise_scale=noise_scale,
     )
     result.save(folder / "result.json")
     return result
@@ -171,6 +191,7 @@ def _start_pools(config: RunConfig, cluster: LocalCluster) -> None:
         dynsgd_steps=config.dynsgd_steps,
         local_optimizer=config.local_optimizer,
         local_learning_rate=config.local_learning_rate,
+        max_steps=config.max_steps,
     )
     first = 0
     for i, size in enumerate(sizes):
