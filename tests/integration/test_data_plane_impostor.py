@@ -193,7 +193,8 @@ def test_an_impostor_on_a_dead_servers_address_gets_nothing_and_acknowledges_not
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     server = start_server_process(rule="downpour", learning_rate=0.1)
-    client = gemps.Client(server.target, retry=FAST_RETRY, shared_memory=kind == "local", timeout=5)
+    # Each attempt 5 s; the whole call rides out the restart however slow the machine (timeout=).
+    client = gemps.Client(server.target, retry=FAST_RETRY, shared_memory=kind == "local", timeout=60, attempt_timeout=5)
     restarted = ServerProcess(port=server.port)
     try:
         client.register({"w": np.zeros(P, np.float32)})

@@ -142,7 +142,9 @@ def test_the_optimizer_facade_trains_exactly_as_remote_model(start_server: Start
     against its own fresh server: bit-identical parameters and buffers, hence the same accuracy."""
     data = load_digits()
     wrapped, dropped_in = digits_model(), digits_model()
-    with RemoteModel(wrapped, start_server().target) as remote:
+    # One thread for both: "auto" follows the gemps workers on this machine (other tests' too), and
+    # another thread count sums in another order: not bit-identical.
+    with RemoteModel(wrapped, start_server().target, threads=1) as remote:
 
         def remote_step(loss: torch.Tensor) -> None:
             remote.zero_grad()
@@ -150,7 +152,7 @@ def test_the_optimizer_facade_trains_exactly_as_remote_model(start_server: Start
             remote.step(loss=loss)
 
         train_digits(wrapped, remote_step)
-    with gemps.pytorch.RemoteOptimizer(dropped_in, start_server().target) as optimizer:
+    with gemps.pytorch.RemoteOptimizer(dropped_in, start_server().target, threads=1) as optimizer:
 
         def optimizer_step(loss: torch.Tensor) -> None:
             optimizer.zero_grad()
