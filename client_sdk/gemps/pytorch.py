@@ -251,11 +251,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
     the gradients and loads the central variable and buffers the server returns.
 
     The server owns the learning rate (and its schedule) and the update rule, so the optimizer
-    has no hyperparameters of its own: constructing it with `lr=` or with parameter groups is
-    refused rather than silently ignored, and so is reading or setting a group's `lr`, which is
-    what every torch LR scheduler does first: constructing one raises ServerOwnsLearningRateError
-    at that line, naming the `gemps server` flags that give its schedule (gemps.torch_schedules).
-    `learning_rate` is the server's η at the version the model holds.
+    has no hyperparameters of its own: constructing it with `lr=` or with parameter groups, and
+    `add_param_group`, are refused rather than silently ignored, and so is setting a group's `lr`.
+    A torch LR scheduler reads and sets it: constructing one raises ServerOwnsLearningRateError at
+    that line, naming the `gemps server` flags that give its schedule (gemps.torch_schedules).
+    Reading `param_groups[0]["lr"]` (or `.get("lr")`: what Lightning's LearningRateMonitor and
+    Hugging Face's Trainer log) gives `learning_rate`, the server's η at the version the model holds.
     """
 
     def __init__(self, model: torch.nn.Module, client: Client | str, *, name: str = "", **options: Any) -> None:
@@ -269,7 +270,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if "lr" in options or "learning_rate" in options:
             raise TypeError("the gemps server owns the learning rate: set it there (--learning-rate, --lr-schedule)")
         self.remote = RemoteModel(model, client, name=name, **options)
+        self._bound = False  # torch's __init__ adds the one group through add_param_group
         super().__init__(self.remote.trained, defaults={})
+        self._bound = True
         self._guard_groups()
         self.last_result: CommitResult | None = None
 
@@ -290,14 +293,29 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._guard_groups()
 
     def _guard_groups(self) -> None:
-        self.param_groups = [ServerOwnedGroup(group, self._config) for group in self.param_groups]
+        self.param_groups = [
+            ServerOwnedGroup(group, self._config, lambda: self.learning_rate) for group in self.param_groups
+        ]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: the central variable is the model's trained parameters, one group whose update
+        the server owns (a group added here would never reach the server)."""
+        if self._bound:
+            raise ValueError(
+                "RemoteOptimizer trains one parameter group, the model's parameters that require grad, and the "
+                "gemps server owns its update: add_param_group cannot add another (to train more parameters, "
+                "give the model that holds them to RemoteOptimizer; to freeze some, set requires_grad=False)"
+            )
+        super().add_param_group(param_group)
 
     def _config(self) -> TrainingConfig:
         """The server's training config: as it last registered this worker (a restarted server may
         run another), else as it first did (after close())."""
         return (self.remote.client.registration or self.remote.registration).config
 
-    def step(self, closure: Callable[[], float] | None = None, **commit: Any) -> float | None:  # type: ignore[override]
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], float | torch.Tensor] | None = None, **commit: Any
+    ) -> float | torch.Tensor | None:
         """Commit the current gradients (after `closure()` if given, which recomputes the loss);
         `commit` may carry `loss=` and `num_samples=` for the server's metrics: without them, the
         samples are counted from the model's inputs and a WARNING once says no loss was sent."""
@@ -307,7 +325,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-            commit.setdefault("loss", float(loss))
+            commit.setdefault("loss", loss)  # a tensor is detached before float(): torch warns otherwise
         self.last_result = self.remote.step(**commit)
         return loss
 
