@@ -34,6 +34,11 @@ one without `loss=` logs a WARNING once (gemps.torch_batches). Binding a model s
 intra-op threads so that the workers of one machine do not oversubscribe its cores, unless they
 were set otherwise (`threads=`, gemps.torch_threads).
 
+A model wrapped by torch.compile, DistributedDataParallel or DataParallel is named as the model
+inside (gemps.torch_wrappers: no `_orig_mod.` or `module.` reaches the server; FSDP is refused), and
+the ranks of a DDP process group are one gemps worker: group rank 0 commits, every rank loads its
+reply (gemps.torch_groups).
+
 So `gemps export` and `client.pull().state_dict()` give a state dict that loads with
 `model.load_state_dict(..., strict=True)` when the model has no frozen parameters.
 """

@@ -7,7 +7,8 @@ worker, the server would apply it once per rank. Instead the group is one worker
 buffers, and broadcasts what the server replied (the registration, the commit's figures, θ and the
 buffers as flat vectors, or the failure) to the other ranks, which load the same θ and buffers; every
 rank's step returns once that broadcast arrived. The samples a step commits are the group's: each
-rank's counted forwards, summed.
+rank's counted forwards, summed. As DDP's own collectives, `step`, `commit_update` and `pull` are
+called by every rank of the group, in the same order.
 
 Which group (gemps.pytorch's `process_group=`): "auto", the default, takes the process group of the
 DistributedDataParallel wrapper the model is in, else the default group when torch.distributed is
