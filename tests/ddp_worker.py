@@ -7,7 +7,8 @@ tests of a process group as one gemps worker (tests/integration/test_torch_wrapp
 Each rank feeds its own batch (rank r's inputs are all r + 1), so DDP's all-reduced gradient differs
 from either rank's own. It writes `--out` (JSON): per step θ before, the all-reduced gradient and θ
 after, the version, the names the server holds; with `--fsdp`, the error RemoteOptimizer raised for
-an FSDP model instead.
+an FSDP model instead. `--given inner` gives RemoteOptimizer the model inside the DDP wrapper,
+`--given separate` an unwrapped model with process_group=None (each rank its own gemps worker).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 from gemps.pytorch import RemoteOptimizer
 
 
-def run(rank: int, world: int, target: str, steps: int, fsdp: bool) -> dict[str, Any]:
+def run(rank: int, world: int, target: str, steps: int, fsdp: bool, given: str) -> dict[str, Any]:
     torch.manual_seed(rank)  # different on each rank: DDP broadcasts rank 0's at wrapping
     model = nn.Linear(3, 1)
     if fsdp:
@@ -39,8 +40,12 @@ def run(rank: int, world: int, target: str, steps: int, fsdp: bool) -> dict[str,
         except Exception as error:  # what the test reads
             return {"refused": f"{type(error).__name__}: {error}"}
         return {"refused": ""}
-    ddp = nn.parallel.DistributedDataParallel(model)
-    optimizer = RemoteOptimizer(ddp, target, threads=None)
+    ddp: nn.Module = nn.parallel.DistributedDataParallel(model)
+    if given == "separate":  # each rank its own worker, training apart
+        ddp = model
+        optimizer = RemoteOptimizer(model, target, threads=None, process_group=None)
+    else:  # the DDP wrapper, or the model inside it
+        optimizer = RemoteOptimizer(ddp if given == "ddp" else model, target, threads=None)
     record: dict[str, Any] = {"steps": [], "registered_version": optimizer.version}
     for _ in range(steps):
         before = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
@@ -52,7 +57,7 @@ def run(rank: int, world: int, target: str, steps: int, fsdp: bool) -> dict[str,
         after = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
         record["steps"].append({"before": before, "gradient": gradient, "after": after, "version": optimizer.version})
     record["learning_rate"] = optimizer.learning_rate
-    if rank == 0:
+    if rank == 0 or given == "separate":
         record["names"] = [entry.name for entry in optimizer.remote.client.spec]
     else:
         try:
@@ -73,12 +78,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", required=True)
     parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--given", choices=["ddp", "inner", "separate"], default="ddp", help="to RemoteOptimizer")
     args = parser.parse_args()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(args.port)
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
     try:
-        record = run(args.rank, args.world, args.target, args.steps, args.fsdp)
+        record = run(args.rank, args.world, args.target, args.steps, args.fsdp, args.given)
     finally:
         dist.destroy_process_group()
     with open(args.out, "w") as out:

@@ -12,13 +12,15 @@ called by every rank of the group, in the same order.
 
 Which group (gemps.pytorch's `process_group=`): "auto", the default, takes the process group of the
 DistributedDataParallel wrapper the model is in, else the default group when torch.distributed is
-initialised with more than one rank (a DDP model's inner module given to RemoteOptimizer); a
-ProcessGroup names one; None makes every rank its own gemps worker (ranks that train apart).
+initialised with more than one rank (a DDP model's inner module given to RemoteOptimizer, or
+gradients the user all-reduces: a WARNING says so, since gemps cannot tell); a ProcessGroup names
+one; None makes every rank its own gemps worker (ranks that train apart).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,8 @@ from gemps.torch_values import host_tensor
 from gemps.torch_wrappers import data_parallel_wrapper
 
 AUTO = "auto"
+
+log = logging.getLogger("gemps.pytorch")
 
 
 class GroupLeaderError(GempsError):
@@ -59,6 +63,14 @@ def process_group_of(model: torch.nn.Module, chosen: object) -> Any:
             chosen = wrapper.process_group
         elif dist.is_available() and dist.is_initialized():
             chosen = dist.group.WORLD
+            if dist.get_world_size() > 1 and dist.get_rank() == 0:  # not silent: the other ranks' own
+                log.warning(  # gradients, unless DDP or the user all-reduced them, are not committed
+                    "gemps: torch.distributed is initialised with %d ranks and the model is not wrapped in "
+                    "DistributedDataParallel: the ranks are one gemps worker, rank 0 commits the gradient it "
+                    "holds (all-reduce it first), every rank loads the reply; RemoteOptimizer(..., "
+                    "process_group=None) makes each rank its own gemps worker",
+                    dist.get_world_size(),
+                )
         else:
             return None
     if not (dist.is_available() and isinstance(chosen, dist.ProcessGroup)):

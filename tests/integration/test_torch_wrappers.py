@@ -81,13 +81,15 @@ def ddp_ranks(target: str, tmp_path: Path, *options: str, world: int = 2) -> lis
     return [json.loads(out.read_text()) for out in outs]
 
 
+@pytest.mark.parametrize("given", ["ddp", "inner"])
 def test_a_ddp_group_is_one_worker_whose_all_reduced_gradient_is_applied_once(
-    start_server: StartServer, tmp_path: Path
+    start_server: StartServer, tmp_path: Path, given: str
 ) -> None:
     """f264f8e: each rank registered as its own worker and committed the same all-reduced gradient,
-    so θ moved by -2 per step under downpour with η = 1, under names prefixed `module.`."""
+    so θ moved by -2 per step under downpour with η = 1, under names prefixed `module.`. Given the
+    DDP wrapper, its group; given the model inside, the initialised default group."""
     server = start_server(rule="downpour", learning_rate=1.0)
-    records = ddp_ranks(server.target, tmp_path, "--steps", "3")
+    records = ddp_ranks(server.target, tmp_path, "--steps", "3", "--given", given)
     for record in records:
         assert record["registered_version"] == 0
         assert [step["version"] for step in record["steps"]] == [1, 2, 3]
@@ -115,3 +117,11 @@ def test_an_fsdp_model_is_refused_with_what_to_do(server: InProcessServer, tmp_p
     for record in records:
         assert record["refused"].startswith("InvalidArgumentError: gemps cannot train an FSDP model")
         assert "Wrap the model in DistributedDataParallel" in record["refused"]
+
+
+def test_process_group_none_makes_each_rank_its_own_worker(start_server: StartServer, tmp_path: Path) -> None:
+    server = start_server(rule="downpour", learning_rate=1.0)
+    records = ddp_ranks(server.target, tmp_path, "--steps", "2", "--given", "separate")
+    assert all(record["names"] == ["weight", "bias"] for record in records)
+    with gemps.Client(server.target) as observer:
+        assert observer.status().commits_applied == 2 * 2  # each rank's two commits
