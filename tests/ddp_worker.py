@@ -8,7 +8,9 @@ Each rank feeds its own batch (rank r's inputs are all r + 1), so DDP's all-redu
 from either rank's own. It writes `--out` (JSON): per step θ before, the all-reduced gradient and θ
 after, the version, the names the server holds; with `--fsdp`, the error RemoteOptimizer raised for
 an FSDP model instead. `--given inner` gives RemoteOptimizer the model inside the DDP wrapper,
-`--given separate` an unwrapped model with process_group=None (each rank its own gemps worker).
+`--given separate` an unwrapped model with process_group=None (each rank its own gemps worker);
+`--poison` makes the last step's inputs NaN, which gemps refuses (the record says how each rank
+failed).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch import nn
 from gemps.pytorch import RemoteOptimizer
 
 
-def run(rank: int, world: int, target: str, steps: int, fsdp: bool, given: str) -> dict[str, Any]:
+def run(rank: int, world: int, target: str, steps: int, fsdp: bool, given: str, poison: bool) -> dict[str, Any]:
     torch.manual_seed(rank)  # different on each rank: DDP broadcasts rank 0's at wrapping
     model = nn.Linear(3, 1)
     if fsdp:
@@ -47,13 +49,18 @@ def run(rank: int, world: int, target: str, steps: int, fsdp: bool, given: str) 
     else:  # the DDP wrapper, or the model inside it
         optimizer = RemoteOptimizer(ddp if given == "ddp" else model, target, threads=None)
     record: dict[str, Any] = {"steps": [], "registered_version": optimizer.version}
-    for _ in range(steps):
+    for step in range(steps):
         before = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
         optimizer.zero_grad()
-        loss = ddp(torch.full((2, 3), float(rank + 1))).sum()
+        value = float("nan") if poison and step == steps - 1 else float(rank + 1)  # a NaN gradient: refused
+        loss = ddp(torch.full((2, 3), value)).sum()
         loss.backward()
         gradient = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]).tolist()
-        optimizer.step(loss=loss)
+        try:
+            optimizer.step(loss=loss)
+        except Exception as error:  # every rank hears the leader's failure, none waits for ever
+            record["failed"] = f"{type(error).__name__}: {error}"
+            break
         after = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
         record["steps"].append({"before": before, "gradient": gradient, "after": after, "version": optimizer.version})
     record["learning_rate"] = optimizer.learning_rate
@@ -78,13 +85,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", required=True)
     parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--poison", action="store_true", help="the last step's inputs NaN: refused")
     parser.add_argument("--given", choices=["ddp", "inner", "separate"], default="ddp", help="to RemoteOptimizer")
     args = parser.parse_args()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(args.port)
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
     try:
-        record = run(args.rank, args.world, args.target, args.steps, args.fsdp, args.given)
+        record = run(args.rank, args.world, args.target, args.steps, args.fsdp, args.given, args.poison)
     finally:
         dist.destroy_process_group()
     with open(args.out, "w") as out:

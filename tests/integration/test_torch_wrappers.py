@@ -119,6 +119,20 @@ def test_an_fsdp_model_is_refused_with_what_to_do(server: InProcessServer, tmp_p
         assert "Wrap the model in DistributedDataParallel" in record["refused"]
 
 
+def test_the_leaders_failure_is_raised_on_every_rank(start_server: StartServer, tmp_path: Path) -> None:
+    """A refused commit (a NaN gradient, which the client refuses) on group rank 0 does not leave
+    rank 1 waiting for a broadcast: it raises GroupLeaderError with the leader's error, after the
+    steps before it applied."""
+    server = start_server(rule="downpour", learning_rate=1.0)
+    leader, other = ddp_ranks(server.target, tmp_path, "--steps", "2", "--poison")
+    assert leader["failed"] == "InvalidArgumentError: payload contains NaN or Inf: not sent"
+    assert other["failed"].startswith("GroupLeaderError: the gemps worker's leader (group rank 0) failed: ")
+    assert leader["failed"].split(": ", 1)[1] in other["failed"]
+    assert [len(record["steps"]) for record in (leader, other)] == [1, 1]
+    with gemps.Client(server.target) as observer:
+        assert observer.status().commits_applied == 1
+
+
 def test_process_group_none_makes_each_rank_its_own_worker(start_server: StartServer, tmp_path: Path) -> None:
     server = start_server(rule="downpour", learning_rate=1.0)
     records = ddp_ranks(server.target, tmp_path, "--steps", "2", "--given", "separate")
