@@ -74,6 +74,7 @@ from gemps.torch_wrappers import unwrapped
 from gemps_proto.schedules import learning_rate_at
 
 __all__ = [
+    "GroupLeaderError",
     "RemoteModel",
     "RemoteOptimizer",
     "ServerOwnsLearningRateError",
