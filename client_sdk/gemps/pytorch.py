@@ -34,6 +34,11 @@ one without `loss=` logs a WARNING once (gemps.torch_batches). Binding a model s
 intra-op threads so that the workers of one machine do not oversubscribe its cores, unless they
 were set otherwise (`threads=`, gemps.torch_threads).
 
+A model wrapped by torch.compile, DistributedDataParallel or DataParallel is named as the model
+inside (gemps.torch_wrappers: no `_orig_mod.` or `module.` reaches the server; FSDP is refused), and
+the ranks of a DDP process group are one gemps worker: group rank 0 commits, every rank loads its
+reply (gemps.torch_groups).
+
 So `gemps export` and `client.pull().state_dict()` give a state dict that loads with
 `model.load_state_dict(..., strict=True)` when the model has no frozen parameters.
 """
@@ -49,6 +54,8 @@ from gemps.client import Client
 from gemps.errors import PartiallyAppliedError
 from gemps.records import Buffers, CentralVariable, CommitResult, Registration, TrainingConfig
 from gemps.torch_batches import BatchCounter, warn_without_loss
+from gemps.torch_groups import AUTO as GROUP_AUTO
+from gemps.torch_groups import GroupLeaderError, GroupWorker, Outcome, process_group_of
 from gemps.torch_schedules import ServerOwnedGroup, ServerOwnsLearningRateError
 from gemps.torch_threads import AUTO, ThreadKeeper, Threads, requested
 from gemps.torch_values import (
@@ -63,9 +70,11 @@ from gemps.torch_values import (
     trained_parameters,
     wire_dtype,
 )
+from gemps.torch_wrappers import unwrapped
 from gemps_proto.schedules import learning_rate_at
 
 __all__ = [
+    "GroupLeaderError",
     "RemoteModel",
     "RemoteOptimizer",
     "ServerOwnsLearningRateError",
@@ -79,6 +88,7 @@ __all__ = [
 def load_central(model: torch.nn.Module, central: CentralVariable) -> None:
     """Copy a central variable (its parameters and buffers) into `model`, in place on the model's
     devices and in its dtypes."""
+    model = unwrapped(model)
     copy_into([p for _, p in trained_parameters(model)], host_tensor(central.flat))
     load_buffers(persistent_buffers(model), central)
 
@@ -93,20 +103,28 @@ class RemoteModel:
         *,
         name: str = "",
         threads: Threads = AUTO,
+        process_group: object = GROUP_AUTO,
         **client_options: Any,
     ) -> None:
         """`threads` sets torch's intra-op threads so that the workers on this machine do not
         oversubscribe it (gemps.torch_threads: "auto", a number, or None to leave them);
+        `process_group` whose ranks are one gemps worker (gemps.torch_groups: "auto", the DDP
+        wrapper's group or the initialised default one; a ProcessGroup; None: this process alone);
         `client_options` go to gemps.Client when `client` is an address (wire_dtype="bfloat16", ...)."""
         self.model = model
-        named = trained_parameters(model)
+        inner = unwrapped(model)  # named without torch.compile's or DDP's prefixes (gemps.torch_wrappers)
+        named = trained_parameters(inner)
         self._parameters = [p for _, p in named]
         if not self._parameters:
             raise ValueError("the model has no parameters to train (none requires grad)")
         check_trainable(named)
         wanted = requested(threads)  # a bad `threads` refused before anything is bound
-        self._buffers = persistent_buffers(model)
-        self.client = Client(client, name=name, **client_options) if isinstance(client, str) else client
+        self._buffers = persistent_buffers(inner)
+        group = process_group_of(model, process_group)
+        self._group = None if group is None else GroupWorker(group)
+        self._client: Client | None = None  # the group's other ranks have none: its leader talks for them
+        if self._group is None or self._group.leads:
+            self._client = Client(client, name=name, **client_options) if isinstance(client, str) else client
         self._owns_client = isinstance(client, str)
         size = sum(p.numel() for p in self._parameters)
         # Staging between torch and the wire, reused every step: pinned when a parameter lives on
@@ -117,21 +135,44 @@ class RemoteModel:
         self._loads_done: list[torch.cuda.Event] = []  # the last load's copies out of `_central`
         self._loaded_buffers = Buffers()  # the buffers as last loaded or sent
         self._threads = ThreadKeeper(wanted)
-        self._batches = BatchCounter(model)
+        self._batches = BatchCounter(model)  # the wrapper's forward: the one the user calls
+        self._version = 0
+        self._registered: Registration | None = None  # as the server last registered this worker
         try:
-            self.registration: Registration = self.client.register(
-                {n: host_array(p) for n, p in named}, {n: host_array(b, wire_dtype(b)) for n, b in self._buffers}
+            self._exchange(
+                lambda: self.client.register(
+                    {n: host_array(p) for n, p in named}, {n: host_array(b, wire_dtype(b)) for n, b in self._buffers}
+                ),
+                load=True,
             )
         except BaseException:
             self._unbind()
             raise
-        assert self.client.central is not None
-        self._load(self.client.central)
+        assert self._registered is not None
+        self.registration: Registration = self._registered
+
+    @property
+    def client(self) -> Client:
+        """The gemps Client this model commits through (on the leader of a process group only)."""
+        if self._client is None:
+            assert self._group is not None
+            raise GroupLeaderError(
+                f"rank {self._group.rank} does not talk to the gemps server: its process group is one gemps "
+                "worker, whose group rank 0 has the client"
+            )
+        return self._client
 
     @property
     def version(self) -> int:
-        assert self.client.central is not None
-        return self.client.central.version
+        """Version of the central variable the model holds."""
+        return self._version
+
+    @property
+    def config(self) -> TrainingConfig:
+        """The server's training config as it last registered this worker (a restarted server may
+        run another), on every rank of a process group."""
+        assert self._registered is not None
+        return self._registered.config
 
     @property
     def trained(self) -> list[torch.nn.Parameter]:
@@ -148,22 +189,24 @@ class RemoteModel:
         (gemps.torch_batches); without `loss`, a WARNING once that the server's loss metrics stay
         empty."""
         seen = self._batches.take()
+        if self._group is not None:  # the group's gradient is every rank's batches'
+            seen = self._group.samples(seen)
         num_samples = seen if num_samples is None else num_samples
-        if loss is None:
+        if loss is None and self._client is not None:
             warn_without_loss()
         self._threads.check()
-        gather_gradients(self._parameters, self._grad)
-        for gpu in self._gpus:  # the gradients' copies into pinned memory are done before it is sent
-            torch.cuda.synchronize(gpu)
         loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
-        try:
-            result = self.client.commit(
+
+        def commit() -> CommitResult:
+            gather_gradients(self._parameters, self._grad)
+            for gpu in self._gpus:  # the gradients' copies into pinned memory are done before it is sent
+                torch.cuda.synchronize(gpu)
+            return self.client.commit(
                 self._grad.numpy(), loss=loss_value, num_samples=num_samples, buffer_delta=self._buffer_delta()
             )
-        except PartiallyAppliedError as partial:
-            self._load(partial.central)  # what the partitions that applied it replied
-            raise
-        self._load(result.parameters)
+
+        result = self._exchange(commit, load=True).result
+        assert isinstance(result, CommitResult)
         return result
 
     def commit_update(self, update: torch.Tensor, loss: float | None = None, *, load: bool = True) -> CommitResult:
@@ -173,14 +216,11 @@ class RemoteModel:
         the model keeps its own values (elastic averaging keeps a local variable).
         """
         update_values = host_array(update).reshape(-1)
-        try:
-            result = self.client.commit(update_values, kind="update", loss=loss, buffer_delta=self._buffer_delta())
-        except PartiallyAppliedError as partial:
-            if load:
-                self._load(partial.central)
-            raise
-        if load:
-            self._load(result.parameters)
+        result = self._exchange(
+            lambda: self.client.commit(update_values, kind="update", loss=loss, buffer_delta=self._buffer_delta()),
+            load=load,
+        ).result
+        assert isinstance(result, CommitResult)
         return result
 
     def parameters_vector(self) -> torch.Tensor:
@@ -189,17 +229,18 @@ class RemoteModel:
 
     def pull(self) -> int:
         """Load the newest central variable into the model; returns its version."""
-        central = self.client.pull()
-        self._load(central)
-        return central.version
+        self._exchange(lambda: self.client.pull(), load=True)
+        return self.version
 
     def close(self) -> None:
         """Leave the server (and close the connection if this helper opened it)."""
         try:
-            if self._owns_client:
-                self.client.__exit__(None, None, None)
+            if self._client is None:
+                pass  # a process group's other rank: its leader leaves for the group
+            elif self._owns_client:
+                self._client.__exit__(None, None, None)
             else:
-                self.client.leave()
+                self._client.leave()
         finally:
             self._batches.close()
             self._threads.close()
@@ -208,8 +249,8 @@ class RemoteModel:
         """Undo what binding did, when registering failed."""
         self._batches.close()
         self._threads.close()
-        if self._owns_client:
-            self.client.close()
+        if self._owns_client and self._client is not None:
+            self._client.close()
 
     def __enter__(self) -> RemoteModel:
         return self
@@ -225,6 +266,37 @@ class RemoteModel:
         delta = Buffers(current.floats - loaded.floats, current.integers - loaded.integers)
         self._loaded_buffers = current  # sent: not to be counted again if the reply is not loaded
         return delta if delta.floats.any() or delta.integers.any() else None
+
+    def _exchange(self, call: Callable[[], Any], *, load: bool) -> Outcome:
+        """`call` to the server on this process (the leader of its group), what it replied shared with
+        the group's other ranks (which do not call), and loaded into the model on every rank when
+        `load`; a failure raised on every rank, after loading what a partly applied commit left."""
+        outcome: Outcome | None = None
+        failure: BaseException | None = None
+        if self._client is not None:
+            try:
+                returned = call()
+                central = self._client.central  # registered: what the server holds
+                if isinstance(returned, CommitResult | CentralVariable):
+                    central = returned.parameters if isinstance(returned, CommitResult) else returned
+                outcome = Outcome(self._client.registration, central, returned)
+            except PartiallyAppliedError as partial:  # what the partitions that applied it replied
+                failure = partial
+                outcome = Outcome(self._client.registration, partial.central, error=str(partial))
+            except BaseException as error:
+                failure = error
+                outcome = Outcome(self._client.registration, error=f"{type(error).__name__}: {error}")
+        if self._group is not None:
+            outcome = self._group.share(outcome)
+        assert outcome is not None
+        self._registered = outcome.registration or self._registered
+        if outcome.central is not None and load:
+            self._load(outcome.central)
+        if failure is not None:
+            raise failure
+        if outcome.error:
+            raise GroupLeaderError(f"the gemps worker's leader (group rank 0) failed: {outcome.error}")
+        return outcome
 
     @torch.no_grad()
     def _load(self, central: CentralVariable) -> None:
@@ -244,6 +316,7 @@ class RemoteModel:
         if self._buffers:
             load_buffers(self._buffers, central)  # listed once: state_dict() per step is not free
             self._loaded_buffers = buffer_values(self._buffers)
+        self._version = central.version
 
 
 class RemoteOptimizer(torch.optim.Optimizer):
@@ -251,11 +324,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
     the gradients and loads the central variable and buffers the server returns.
 
     The server owns the learning rate (and its schedule) and the update rule, so the optimizer
-    has no hyperparameters of its own: constructing it with `lr=` or with parameter groups is
-    refused rather than silently ignored, and so is reading or setting a group's `lr`, which is
-    what every torch LR scheduler does first: constructing one raises ServerOwnsLearningRateError
-    at that line, naming the `gemps server` flags that give its schedule (gemps.torch_schedules).
-    `learning_rate` is the server's η at the version the model holds.
+    has no hyperparameters of its own: constructing it with `lr=` or with parameter groups, and
+    `add_param_group`, are refused rather than silently ignored, and so is setting a group's `lr`.
+    A torch LR scheduler reads and sets it: constructing one raises ServerOwnsLearningRateError at
+    that line, naming the `gemps server` flags that give its schedule (gemps.torch_schedules).
+    Reading `param_groups[0]["lr"]` (or `.get("lr")`: what Lightning's LearningRateMonitor and
+    Hugging Face's Trainer log) gives `learning_rate`, the server's η at the version the model holds.
     """
 
     def __init__(self, model: torch.nn.Module, client: Client | str, *, name: str = "", **options: Any) -> None:
@@ -269,7 +343,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if "lr" in options or "learning_rate" in options:
             raise TypeError("the gemps server owns the learning rate: set it there (--learning-rate, --lr-schedule)")
         self.remote = RemoteModel(model, client, name=name, **options)
+        self._bound = False  # torch's __init__ adds the one group through add_param_group
         super().__init__(self.remote.trained, defaults={})
+        self._bound = True
         self._guard_groups()
         self.last_result: CommitResult | None = None
 
@@ -290,14 +366,27 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._guard_groups()
 
     def _guard_groups(self) -> None:
-        self.param_groups = [ServerOwnedGroup(group, self._config) for group in self.param_groups]
+        self.param_groups = [
+            ServerOwnedGroup(group, self._config, lambda: self.learning_rate) for group in self.param_groups
+        ]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: the central variable is the model's trained parameters, one group whose update
+        the server owns (a group added here would never reach the server)."""
+        if self._bound:
+            raise ValueError(
+                "RemoteOptimizer trains one parameter group, the model's parameters that require grad, and the "
+                "gemps server owns its update: add_param_group cannot add another (to train more parameters, "
+                "give the model that holds them to RemoteOptimizer; to freeze some, set requires_grad=False)"
+            )
+        super().add_param_group(param_group)
 
     def _config(self) -> TrainingConfig:
-        """The server's training config: as it last registered this worker (a restarted server may
-        run another), else as it first did (after close())."""
-        return (self.remote.client.registration or self.remote.registration).config
+        return self.remote.config
 
-    def step(self, closure: Callable[[], float] | None = None, **commit: Any) -> float | None:  # type: ignore[override]
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], float | torch.Tensor] | None = None, **commit: Any
+    ) -> float | torch.Tensor | None:
         """Commit the current gradients (after `closure()` if given, which recomputes the loss);
         `commit` may carry `loss=` and `num_samples=` for the server's metrics: without them, the
         samples are counted from the model's inputs and a WARNING once says no loss was sent."""
@@ -307,7 +396,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-            commit.setdefault("loss", float(loss))
+            commit.setdefault("loss", loss)  # a tensor is detached before float(): torch warns otherwise
         self.last_result = self.remote.step(**commit)
         return loss
 

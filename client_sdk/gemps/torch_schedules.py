@@ -4,12 +4,17 @@ The gemps server owns η: a gradient is applied as -η(v)·g, where v is the cen
 commits applied, from every worker; gemps_proto.schedules). A torch scheduler counts its own
 `scheduler.step()` calls, usually one per epoch of one worker, and writes `group["lr"]`: on a
 shared server neither the count nor the write can mean the same thing, so translating it from a
-worker is not exact. Instead `RemoteOptimizer`'s parameter group refuses `lr` (read or written),
-which is the first thing every torch scheduler touches at construction, with
+worker is not exact. Instead `RemoteOptimizer`'s parameter group refuses `lr` to a scheduler
+(reading it is the first thing every torch scheduler does at construction) and to any writer, with
 `ServerOwnsLearningRateError`: the user reads, at the line that built the scheduler, that the server
 owns the schedule and the `gemps server` flags that give the same one, computed from the
 scheduler's arguments where gemps can express it. The unit those flags need is K, the commits all
 workers make between two `scheduler.step()` calls, which only the user knows.
+
+Code that only reads `lr` (a log line, Lightning's LearningRateMonitor, Hugging Face Trainer's
+logs) gets the server's η at the version the model holds, as `RemoteOptimizer.learning_rate`, by
+`group["lr"]` and by `group.get("lr")` alike; the group stores no `lr` (its keys, and a state dict,
+stay `params` alone).
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ LR_KEYS = frozenset({"lr", "initial_lr"})
 _SCHEDULER_TYPES = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 # How far up the stack a scheduler's __init__ may be from the group's read (ReduceLROnPlateau reads
-# through a helper): the frames between are torch's.
-_FRAMES_TO_SCHEDULER = 4
+# through a helper; `group.get` is one more frame): the frames between are torch's and the group's.
+_FRAMES_TO_SCHEDULER = 5
 
 
 class ServerOwnsLearningRateError(GempsError, TypeError):
@@ -43,22 +48,45 @@ class ServerOwnsLearningRateError(GempsError, TypeError):
 
 
 class ServerOwnedGroup(dict[str, Any]):
-    """RemoteOptimizer's parameter group: `lr` and `initial_lr` are refused, read or written, with
-    ServerOwnsLearningRateError instead of torch's KeyError (or a value the server would ignore)."""
+    """RemoteOptimizer's parameter group. Reading `lr` gives the server's η at the version the model
+    holds, except to a torch scheduler being built; writing `lr` or `initial_lr`, a scheduler's
+    reading them, and any reading of `initial_lr` raise ServerOwnsLearningRateError (instead of
+    torch's KeyError, or a value the server would ignore)."""
 
-    def __init__(self, group: dict[str, Any], config: Callable[[], TrainingConfig]) -> None:
+    def __init__(
+        self, group: dict[str, Any], config: Callable[[], TrainingConfig], learning_rate: Callable[[], float]
+    ) -> None:
         super().__init__(group)
         self.config = config  # the server's, whose schedule the error names
+        self.learning_rate = learning_rate  # η at the version the model holds
 
     def __missing__(self, key: str) -> Any:
         if key in LR_KEYS:
-            raise ServerOwnsLearningRateError(refusal(_scheduler_being_built(), self.config()))
+            scheduler = _scheduler_being_built()
+            if key == "lr" and scheduler is None:
+                return self.learning_rate()
+            raise ServerOwnsLearningRateError(refusal(scheduler, self.config()))
         raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """As `group[key]` for `lr` (dict.get never asks __missing__, and None would hide η)."""
+        return self[key] if key == "lr" and key not in self else super().get(key, default)
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key in LR_KEYS:
             raise ServerOwnsLearningRateError(refusal(_scheduler_being_built(), self.config()))
         super().__setitem__(key, value)
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        """Refused for `lr` and `initial_lr` as a write (dict.setdefault never calls __setitem__)."""
+        if key in LR_KEYS and key not in self:
+            raise ServerOwnsLearningRateError(refusal(_scheduler_being_built(), self.config()))
+        return super().setdefault(key, default)
+
+    def update(self, *others: Any, **values: Any) -> None:
+        """Each key through __setitem__ (dict.update skips it), so `lr` is refused here too."""
+        for key, value in dict(*others, **values).items():
+            self[key] = value
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickled (torch.save of a state dict) as a plain dict
         return dict, (dict(self),)

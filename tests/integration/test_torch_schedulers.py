@@ -9,6 +9,7 @@ flags that give the same schedule where gemps can express it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -130,25 +131,66 @@ def test_each_torch_scheduler_is_refused_with_the_server_flags_of_its_schedule(
         assert optimizer.param_groups[0].keys() == {"params"}  # nothing left in the group
 
 
-def test_a_groups_lr_is_refused_where_it_is_read_or_set_and_eta_comes_from_the_server(
-    start_server: StartServer,
-) -> None:
-    """Also without a scheduler: code setting or reading `lr` (a hand-made decay, a log line) hears
-    that the server owns it, and which schedule it runs; `learning_rate` is η from that schedule."""
+def test_a_groups_lr_reads_the_servers_eta_and_is_refused_where_it_is_set(start_server: StartServer) -> None:
+    """Also without a scheduler: code setting `lr` (a hand-made decay) hears that the server owns it,
+    and which schedule it runs; code reading it (a log line, Lightning's LearningRateMonitor, Hugging
+    Face Trainer's logs) gets η at the version the model holds (issue 50, item 3: f264f8e raised)."""
     server = start_server(learning_rate=0.1, lr_schedule="step", lr_step_size=2, lr_gamma=0.5)
     model = nn.Linear(4, 2)
     with RemoteOptimizer(model, server.target) as optimizer:
+        group = optimizer.param_groups[0]
         runs = "This server runs: --learning-rate 0.1 --lr-schedule step --lr-step-size 2 --lr-gamma 0.5."
-        with pytest.raises(gemps.pytorch.ServerOwnsLearningRateError, match=runs):
-            optimizer.param_groups[0]["lr"] = 0.01
-        with pytest.raises(gemps.pytorch.ServerOwnsLearningRateError, match=r"optimizer\.learning_rate is"):
-            print(optimizer.param_groups[0]["lr"])
+        for write in (
+            lambda: group.__setitem__("lr", 0.01),
+            lambda: group.setdefault("initial_lr", 0.01),
+            lambda: group.update(lr=0.01),
+        ):
+            with pytest.raises(gemps.pytorch.ServerOwnsLearningRateError, match=runs):
+                write()
+        read = []
         for _ in range(3):
+            read.append((group["lr"], group.get("lr")))
             optimizer.zero_grad()
             model(torch.ones(1, 4)).sum().backward()
             optimizer.step()
+        read.append((group["lr"], group.get("lr")))
+        assert read == [(0.1, 0.1), (0.1, 0.1), (0.05, 0.05), (0.05, 0.05)]
         assert optimizer.learning_rate == optimizer.remote.client.status().learning_rate == 0.1 * 0.5
-        # A state dict round trip (torch replaces the groups) keeps them refusing.
+        assert group.keys() == {"params"} and group.get("momentum") is None  # nothing stored
+        assert optimizer.state_dict()["param_groups"] == [{"params": [0, 1]}]
+        # A state dict round trip (torch replaces the groups) keeps them reading η and refusing.
         optimizer.load_state_dict(optimizer.state_dict())
+        assert optimizer.param_groups[0]["lr"] == 0.05
         with pytest.raises(gemps.pytorch.ServerOwnsLearningRateError):
             lr_scheduler.StepLR(optimizer, step_size=1)
+
+
+def test_add_param_group_is_refused_at_the_call(server: InProcessServer) -> None:
+    """f264f8e accepted it, and the next step() failed with a message about groups."""
+    model = nn.Linear(4, 2)
+    with RemoteOptimizer(model, server.target) as optimizer:
+        with pytest.raises(ValueError, match=r"RemoteOptimizer trains one parameter group.*add_param_group cannot"):
+            optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+        assert len(optimizer.param_groups) == 1
+        optimizer.zero_grad()
+        model(torch.ones(1, 4)).sum().backward()
+        optimizer.step()  # still one group: steps as before
+        assert optimizer.version == 1
+
+
+def test_a_closures_loss_is_committed_detached_without_torchs_warning(server: InProcessServer) -> None:
+    """f264f8e called float() on the closure's loss, which requires grad: torch warned."""
+    model = nn.Linear(4, 1)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss: torch.Tensor = model(torch.ones(2, 4)).pow(2).mean()
+        loss.backward()
+        return loss
+
+    with RemoteOptimizer(model, server.target) as optimizer:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            returned = optimizer.step(closure)
+        assert isinstance(returned, torch.Tensor) and returned.requires_grad  # as torch's optimizers return it
+        assert optimizer.version == 1
