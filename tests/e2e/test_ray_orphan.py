@@ -38,6 +38,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 import gemps  # noqa: E402
 from gemps.retry import RetryPolicy  # noqa: E402
+from gemps_server.directory_lock import LOCK_NAME  # noqa: E402
 from gemps_worker.cluster import ServerProcess  # noqa: E402
 from gemps_worker.on_ray import RayJob, WorkerContext  # noqa: E402
 from gemps_worker.on_ray.faults import partition_name  # noqa: E402
@@ -68,13 +69,16 @@ def commit_until(flag: str, context: WorkerContext) -> int:
 
 
 def serving(pid: int, folder: str) -> bool:
-    """Whether process `pid` is still a gemps server of `folder` (a zombie or a reused pid is not)."""
+    """Whether process `pid` is still a gemps server of `folder`: alive (not a zombie) and holding
+    the folder's lock open (a reused pid does not). Not its command line: a server retitles itself
+    (`gemps server partition 1 :PORT`), which drops the folder from /proc/PID/cmdline."""
+    lock = str(Path(folder) / LOCK_NAME)
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        held = {os.readlink(entry) for entry in Path(f"/proc/{pid}/fd").iterdir()}
     except (OSError, IndexError):
         return False
-    return state != "Z" and folder.encode() in command
+    return state != "Z" and lock in held
 
 
 class LoseRaylet:
