@@ -40,8 +40,8 @@ SERIAL_GROUPS = {
 # interleave, so staleness, π and the noise scale the demo shows; a speed-up): `make test` runs them
 # after the parallel run, alone.
 # The tuning sweep too: it judges a recipe by training runs whose interleaving is the machine's. And
-# the Ray replica tests, which count failovers: beside the soak's 100 clients (issue 43's suite)
-# partition 0's leases lapsed and its primary changed 3-4 times where one node loss means once.
+# the Ray replica tests, which count failovers: beside the soak's 100 clients partition 0's leases
+# lapsed and its primary changed 3-4 times where one node loss means once (at 9682296 too).
 ALONE_MODULES = frozenset(
     {"test_experiment.py", "test_speedup_experiment.py", "test_demo.py", "test_tuning_sweep.py", "test_ray_replicas.py"}
 )
