@@ -124,13 +124,24 @@ def boot_id() -> str:
         return ""
 
 
-def started_at(pid: int) -> int:
-    """Process `pid`'s start time in clock ticks since boot; -1 if it is gone or a zombie."""
+def _state_and_start(stat: Path) -> tuple[str, int]:
+    """A /proc stat file's state letter and start time ('', -1 if it is gone)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return -1
-    return -1 if fields[0] == "Z" else int(fields[19])
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return "", -1
+
+
+def started_at(pid: int) -> int:
+    """Process `pid`'s start time in clock ticks since boot; -1 if it is gone or a zombie. A leader
+    thread that exited while other threads of the process still run reads Z too: the process still
+    holds its files (the folder's lock) and is not yet waitable, so it still counts as running."""
+    state, started = _state_and_start(Path(f"/proc/{pid}/stat"))
+    if state != "Z":
+        return started
+    threads = Path(f"/proc/{pid}/task").glob("*/stat")
+    return started if any(_state_and_start(thread)[0] not in ("", "Z", "X") for thread in threads) else -1
 
 
 def life_of(pid: int) -> dict[str, object]:
