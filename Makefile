@@ -13,7 +13,7 @@ TORCH_INDEX ?=
 $(BIN)/.installed: pyproject.toml server/gemps_server/_native.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH_INDEX) "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e '.[torch,ray,dev]'
+	$(BIN)/pip install --quiet -e '.[server,torch,ray,dev]'
 	touch $@
 
 demo: $(BIN)/.installed  ## the main job: train GEM on this machine (server + 4 local workers)

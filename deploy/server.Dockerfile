@@ -1,4 +1,4 @@
-# gemps parameter server: numpy, grpcio, protobuf and prometheus-client; no torch.
+# gemps parameter server: the SDK's numpy, grpcio and protobuf plus the server extra; no torch.
 #   docker build -f deploy/server.Dockerfile -t gemps-server .
 #   docker run --rm -p 50051:50051 -p 51051:51051 -p 9109:9109 gemps-server      (options: GEMPS_* variables)
 ARG PYTHON_IMAGE=python:3.11-slim
@@ -20,13 +20,13 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/gemps
 WORKDIR /src
-# The dependencies come from pyproject.toml alone, in a layer of their own: editing the source
-# does not reinstall them.
+# The dependencies come from pyproject.toml alone (the SDK's base + the server extra), in a layer
+# of their own: editing the source does not reinstall them.
 COPY pyproject.toml ./
-RUN python3 -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
+RUN python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(*p['dependencies'], *p['optional-dependencies']['server'], sep='\n')" \
         > requirements.txt \
     && /opt/gemps/bin/pip install --no-cache-dir -r requirements.txt
-COPY README.md ./
+COPY README.md LICENSE ./
 COPY proto proto
 COPY server server
 COPY client_sdk client_sdk

@@ -35,18 +35,19 @@ RUN python3 -m venv /opt/gemps \
     && rm -rf /opt/gemps/lib/python3*/site-packages/torch/test /opt/gemps/lib/python3*/site-packages/torch/include \
     && find /opt/gemps/lib -depth -type d -name tests -path '*/site-packages/*' -exec rm -rf {} +
 
-# The other dependencies come from pyproject.toml alone (core + the torch extra), in a layer of
-# their own: editing the source does not reinstall them. torch is already satisfied above.
+# The other dependencies come from pyproject.toml alone (the SDK's base + the torch extra, and the
+# server extra's grpcio-health-checking for healthcheck.py), in a layer of their own: editing the
+# source does not reinstall them. torch is already satisfied above.
 WORKDIR /opt/gemps/src
 COPY pyproject.toml ./
-RUN python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(*p['dependencies'], *p['optional-dependencies']['torch'], sep='\n')" \
+RUN python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; x = p['optional-dependencies']; print(*p['dependencies'], *x['torch'], *[r for r in x['server'] if r.startswith('grpcio-health-checking')], sep='\n')" \
         > /tmp/requirements.txt \
     && /opt/gemps/bin/pip install --no-cache-dir -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt \
     && find /opt/gemps/lib -depth -type d -name tests -path '*/site-packages/*' -exec rm -rf {} +
 
 # The project itself: a few hundred kB.
-COPY README.md ./
+COPY README.md LICENSE ./
 COPY proto proto
 COPY server server
 COPY client_sdk client_sdk

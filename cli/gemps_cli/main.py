@@ -12,22 +12,37 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
+from gemps_cli import extras
+
 Command = Callable[[argparse.Namespace], int]
 
-# name -> (one-line help, module under gemps_cli, the extra its imports need: "", "torch" or "ray")
-COMMANDS: dict[str, tuple[str, str, str]] = {
-    "server": ("run the parameter server", "server", ""),
-    "status": ("print a server's status", "status", ""),
-    "export": ("write the central variable as a safetensors state dict (from a checkpoint or a server)", "export", ""),
-    "worker": ("run one reference training worker", "worker", "torch"),
-    "evaluate": ("measure the central variable on held-out data, periodically", "evaluate", "torch"),
-    "experiment": ("the paper's comparisons, reproduced with the real service", "experiment", "torch"),
-    "demo": ("train on this machine: a server and local workers, no containers", "demo", "torch"),
-    "ray": ("train on a Ray cluster: partitions, workers and the evaluator as Ray actors", "ray_job", "ray"),
+SERVER = ("server",)
+TORCH = ("torch",)
+SERVER_AND_TORCH = ("server", "torch")
+
+# name -> (one-line help, module under gemps_cli, the extras it needs; `gemps status` needs none:
+# the base install is the SDK)
+COMMANDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "server": ("run the parameter server", "server", SERVER),
+    "status": ("print a server's status", "status", ()),
+    "export": (
+        "write the central variable as a safetensors state dict (from a checkpoint or a server)",
+        "export",
+        SERVER,
+    ),
+    "worker": ("run one reference training worker", "worker", TORCH),
+    "evaluate": ("measure the central variable on held-out data, periodically", "evaluate", TORCH),
+    "experiment": ("the paper's comparisons, reproduced with the real service", "experiment", SERVER_AND_TORCH),
+    "demo": ("train on this machine: a server and local workers, no containers", "demo", SERVER_AND_TORCH),
+    "ray": (
+        "train on a Ray cluster: partitions, workers and the evaluator as Ray actors",
+        "ray_job",
+        ("ray", "server", "torch"),
+    ),
     "bench": (
         "benchmark gemps against the transport and memory ceilings and peer parameter servers",
         "bench",
-        "torch",
+        SERVER_AND_TORCH,
     ),
 }
 
@@ -41,43 +56,50 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gemps {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     chosen = next((a for a in argv if not a.startswith("-")), None)
-    for name, (summary, module, extra) in COMMANDS.items():
+    for name, (summary, module, needed) in COMMANDS.items():
         command = subparsers.add_parser(
             name, help=summary, description=summary, formatter_class=argparse.RawDescriptionHelpFormatter
         )
         if name == chosen:
-            _add_command(command, module, extra)
+            _add_command(command, module, needed)
     return parser
 
 
-def _add_command(parser: argparse.ArgumentParser, module: str, extra: str) -> None:
+def _add_command(parser: argparse.ArgumentParser, module: str, needed: tuple[str, ...]) -> None:
+    absent = extras.missing(needed)
+    if absent:
+        _explain_missing(parser, needed, f"missing: {', '.join(absent)}")
+        return
     try:
         add_arguments: Callable[[argparse.ArgumentParser], None] = importlib.import_module(
             f"gemps_cli.{module}"
         ).add_arguments
     except ImportError as error:
-        if not extra:
+        if not needed:
             raise
-        parser.set_defaults(run=_missing_extra(parser.prog, extra, error))
+        _explain_missing(parser, needed, str(error))
         return
     add_arguments(parser)
 
 
-def _missing_extra(command: str, extra: str, error: ImportError) -> Command:
-    """A command that explains what to install (its flags need the extra's packages)."""
-    message = f"{command} needs the {extra} extra: pip install 'gemps[{extra}]' ({error})"
+def _explain_missing(parser: argparse.ArgumentParser, needed: tuple[str, ...], why: str) -> None:
+    """The command says what to install, whatever flags it was given (its flags need the extras' packages)."""
+    message = f"{extras.install_hint(parser.prog, needed)} ({why})"
 
     def explain(args: argparse.Namespace) -> int:
         print(message, file=sys.stderr)
         return 2
 
-    return explain
+    parser.epilog = message
+    parser.set_defaults(run=explain, flags_unknown=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "flags_unknown", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     run: Command | None = getattr(args, "run", None)
     if run is None:
         parser.print_help()

@@ -80,4 +80,4 @@ def test_worker_commands_without_torch_say_what_to_install() -> None:
 def test_gemps_ray_without_ray_says_what_to_install() -> None:
     result = subprocess.run([sys.executable, "-c", WITHOUT_EXTRAS, "ray"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert "needs the ray extra: pip install 'gemps[ray]'" in result.stderr
+    assert "needs the ray, server and torch extras: pip install 'gemps[ray,server,torch]'" in result.stderr

@@ -136,8 +136,9 @@ def test_the_build_context_leaves_out_the_venv_and_git() -> None:
     rules = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
     rules = [rule for rule in rules if rule and not rule.startswith("#")]
     assert rules[0] == "*"  # an allow-list: what is not named below stays out
-    for needed in ("!pyproject.toml", "!README.md", "!proto/", "!server/", "!client_sdk/", "!worker/", "!cli/"):
-        assert needed in rules
+    needed = ("!pyproject.toml", "!README.md", "!LICENSE", "!proto/", "!server/", "!client_sdk/", "!worker/", "!cli/")
+    for rule in needed:
+        assert rule in rules
 
 
 # ---- docker-compose.yml ----------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""gemps on a Ray cluster (`pip install 'gemps[ray]'`): the partitions, workers and evaluator of a
+"""gemps on a Ray cluster (`pip install 'gemps[ray,server,torch]'`): the partitions, workers and evaluator of a
 job as Ray actors, placed across nodes, restarted by Ray, collected to the driver.
 
     from gemps_worker.on_ray import RayJobOptions, run_job
