@@ -1,8 +1,8 @@
 """Three workers against one real server, one of them deliberately slowed: the straggler GEM damps.
 
 Each worker is a gemps.Client in a thread committing random gradients of one scale. The fast ones
-commit as fast as replies come; the straggler sleeps SLOW_PAUSE between commits, so every one of
-its commits arrives after the fast ones moved θ many steps (staleness in the tens), and GEM's
+pause FAST_PAUSE between commits (so they do not hold a core each), the straggler SLOW_PAUSE, so
+every one of its commits arrives after the fast ones moved θ many steps (staleness in the tens), and GEM's
 c = |θ - s_i| then outweighs its proxy's energy: π goes to 0 on most parameters.
 """
 
@@ -19,6 +19,7 @@ from tests.helpers import wait_for
 FAST = ("fast-a", "fast-b")
 SLOW = "straggler"
 SLOW_PAUSE = 0.2  # seconds between the straggler's commits
+FAST_PAUSE = 0.002  # and between the others' commits
 PARAMETERS = 256
 
 
@@ -49,8 +50,7 @@ class StragglerFleet:
                 while not self._stop.is_set():
                     client.commit(rng.normal(size=PARAMETERS).astype(np.float32), loss=1.0, num_samples=8)
                     self.commits[name] += 1
-                    if name == SLOW:
-                        self._stop.wait(SLOW_PAUSE)
+                    self._stop.wait(SLOW_PAUSE if name == SLOW else FAST_PAUSE)
                 client.leave()
         except BaseException as error:  # reported by `wait`
             self.failures.append(error)
