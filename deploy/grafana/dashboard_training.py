@@ -121,35 +121,26 @@ def training_dashboard() -> dashboard_builders.Dashboard:
     )
     d.with_row(dashboard_builders.Row("Stragglers: the workers GEM damps"))
     damped = "The 5 workers whose commits the rule scaled down most over the last minute (rank 1: the lowest mean pi)"
-    d.with_panel(
-        timeseries(
+    for title, description, metric in (
+        (
             "Most damped workers: mean pi",
             f"{damped}: each one's mean pi. A worker whose commits arrive after the others moved theta many "
             "steps (a straggler: slow, far, or overloaded) finds the central movement above its proxy's "
             "energy, and GEM scales its updates to pi near 0: it computes, but barely trains.",
-            [Query("gemps_damped_worker_scaling", STRAGGLER)],
-            width=8,
-            minimum=0,
-        )
-    )
-    d.with_panel(
-        timeseries(
+            "gemps_damped_worker_scaling",
+        ),
+        (
             "Most damped workers: staleness",
             f"{damped}: each one's mean staleness (commits applied between the version it computed on and "
             "its own). High staleness beside low pi is the straggler's signature.",
-            [Query("gemps_damped_worker_staleness", STRAGGLER)],
-            width=8,
-            minimum=0,
-        )
-    )
-    d.with_panel(
-        timeseries(
+            "gemps_damped_worker_staleness",
+        ),
+        (
             "Slowest workers: commits per second",
             "The 5 workers with the fewest commits a second over the last minute (rank 1: the slowest; 0 for "
             "one registered but silent).",
-            [Query("gemps_slowest_worker_commits_per_second", STRAGGLER)],
-            width=8,
-            minimum=0,
-        )
-    )
+            "gemps_slowest_worker_commits_per_second",
+        ),
+    ):
+        d.with_panel(timeseries(title, description, [Query(metric, STRAGGLER)], width=8, minimum=0))
     return d
