@@ -26,9 +26,8 @@ PARAMETERS = 256
 class StragglerFleet:
     """`with StragglerFleet(target) as fleet: fleet.wait(commits)`: the workers commit until the end."""
 
-    def __init__(self, target: str, **client_options: object) -> None:
+    def __init__(self, target: str) -> None:
         self.target = target
-        self._options = client_options
         self._stop = threading.Event()
         self.commits = {name: 0 for name in (*FAST, SLOW)}
         self.failures: list[BaseException] = []
@@ -45,7 +44,7 @@ class StragglerFleet:
     def _run(self, name: str) -> None:
         rng = np.random.default_rng(len(name))
         try:
-            with Client(self.target, name=name, **self._options) as client:  # type: ignore[arg-type]
+            with Client(self.target, name=name) as client:
                 client.register({"w": np.zeros(PARAMETERS, np.float32)})
                 while not self._stop.is_set():
                     client.commit(rng.normal(size=PARAMETERS).astype(np.float32), loss=1.0, num_samples=8)
