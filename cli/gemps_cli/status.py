@@ -22,7 +22,7 @@ from gemps.retry import NO_RETRY
 from gemps.router import resolve_address
 from gemps_cli.connection import add_connection_flags, connect
 from gemps_proto import versions
-from gemps_proto.status import PRIMARY
+from gemps_proto.status import PRIMARY, RecentCommits, most_damped, slowest
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # Workers listed at most: the quietest first, which are the ones a reader looks for.
 MAX_WORKERS_LISTED = 20
+# Stragglers named at most, in each ranking (most damped, slowest): the few an operator looks at.
+STRAGGLERS_NAMED = 3
 
 # An escape sequence (CSI, OSC/DCS/SOS/PM/APC strings, in their 7- or 8-bit form, up to their terminator, or ESC and one
 # character), then any other C0 or C1 control character or DEL: none of it reaches the terminal.
@@ -132,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{part.commits_rejected} rejected"
             )
     print_replication(statuses, asked)
+    print_stragglers(status.workers, partitioned=status.layout is not None)
     print_workers(status.workers, partitioned=status.layout is not None)
     return 0
 
@@ -268,11 +271,39 @@ def print_workers(workers: tuple[WorkerStatus, ...], *, partitioned: bool = Fals
         say(
             f"  shard {worker.shard:<4} {worker.name or '(no name)':<16} last seen {_age(worker.seconds_since_seen)} "
             f"ago, last commit {_age(worker.seconds_since_commit)} ago, {worker.commits} commits, "
-            f"{_figure(recent.rate)}/s, staleness {_figure(recent.staleness)} (last {_age(recent.seconds)})"
+            f"{_figure(recent.rate)}/s, staleness {_figure(recent.staleness)}, {scaling_line(recent)} "
+            f"(last {_age(recent.seconds)})"
         )
     if len(quietest) > MAX_WORKERS_LISTED:
         rest = quietest[MAX_WORKERS_LISTED:]
         say(f"  and {len(rest)} more, each seen within {_age(rest[0].seconds_since_seen)}")
+
+
+def print_stragglers(workers: tuple[WorkerStatus, ...], *, partitioned: bool = False) -> None:
+    """The workers the rule scaled down most and those committing least over the last minute:
+    a straggler whose commits GEM damps to π near 0 learns nothing and shows first here."""
+    damped, slow = most_damped(workers, STRAGGLERS_NAMED), slowest(workers, STRAGGLERS_NAMED)
+    if not slow:
+        return
+    whose = " (partition 0's π)" if partitioned else ""
+    if damped:
+        named = "; ".join(f"{w.name or '(no name)'} {straggler_line(w.recent)}" for w in damped)
+        say(f"most damped     {named}{whose}")
+    named = "; ".join(f"{w.name or '(no name)'} {_figure(w.recent.rate)}/s" for w in slow)
+    say(f"slowest         {named}")
+
+
+def straggler_line(recent: RecentCommits) -> str:
+    """A damped worker as the stragglers line names it: "π 0.02 (96% at 0, 0% at max), staleness 41"."""
+    return f"{scaling_line(recent)}, staleness {_figure(recent.staleness)}"
+
+
+def scaling_line(recent: RecentCommits) -> str:
+    """How the rule scaled a worker's commits of the last minute: "π 0.02 (96% at 0, 0% at max)"."""
+    if not recent.commits:
+        return "π -"
+    zero, most = 100 * recent.scaling_at_zero, 100 * recent.scaling_at_max
+    return f"π {_figure(recent.scaling_mean)} ({zero:.0f}% at 0, {most:.0f}% at max)"
 
 
 def _figure(value: float) -> str:

@@ -23,6 +23,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from gemps import at_exit, errors, named_payloads
 from gemps.channel_security import ChannelSecurity, Pem
 from gemps.data_plane_transport import PLANES, DataPlaneTransport
 from gemps.grpc_transport import STREAMING_CHOICES, GrpcTransport
+from gemps.metrics import client_metrics
 from gemps.records import (
     Buffers,
     CentralVariable,
@@ -50,6 +52,9 @@ from gemps_proto.grpc_framing import DEFAULT_CHUNK_BYTES
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import PayloadKind, buffer_spec_of, flatten, spec_of
 from gemps_proto.tensor_codec import WIRE_DTYPE_NAMES, all_finite
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 log = logging.getLogger("gemps.client")
 
@@ -95,6 +100,7 @@ class Client:
         plane: str | None = None,
         shared_memory: bool | None = None,
         connect: Callable[[str], Transport] | None = None,
+        metrics_registry: CollectorRegistry | None = None,
     ) -> None:
         """`patience` is how long, in seconds, a call goes on retrying a server that does not
         answer (down, restarting, failing over, busy) before it raises the last failure, naming
@@ -128,7 +134,10 @@ class Client:
         layout partition 0 announces).
 
         `connect` opens the transport to the server process at an address (gemps.transport);
-        by default the one `plane` picks, with the options above."""
+        by default the one `plane` picks, with the options above.
+
+        `metrics_registry`, a prometheus_client CollectorRegistry: the client's own metrics go
+        there (commit latency, θ's bytes sent and received, retries: gemps.metrics)."""
         _check_wire_options(wire_dtype, streaming, chunk_bytes)
         self.plane = resolve_plane(plane)
         self.shared_memory = resolve_shared_memory(shared_memory)
@@ -157,9 +166,9 @@ class Client:
         self._calls = threading.RLock()  # held by each call (gemps.serialised)
         self._max_message_bytes = min(max_message_mb * 1024 * 1024, 2**31 - 1)
         self._retrier = Retrier("", self.retry, stop, self.patience)
-        self._router = PartitionRouter(
-            resolver, connect or self._connect, self._retrier, worker_name=name, client_id=self.client_id
-        )
+        self._metrics = client_metrics(metrics_registry, self.wire_dtype, lambda: self._retrier.retries)
+        connect = self._metrics.metered(connect or self._connect)  # θ's bytes counted, with metrics
+        self._router = PartitionRouter(resolver, connect, self._retrier, worker_name=name, client_id=self.client_id)
         self._retrier.target = self._router.target
 
     def _connect(self, address: str) -> Transport:
@@ -253,14 +262,15 @@ class Client:
         if kind not in PAYLOAD_KINDS:
             raise ValueError(f"kind must be one of {', '.join(PAYLOAD_KINDS)}, not {kind!r}")
         flat = _finite("payload", named_payloads.payload_vector(payload, self.spec))
-        return self._router.commit(
-            flat,
-            kind=PAYLOAD_KINDS[kind],
-            loss=loss,
-            num_samples=num_samples,
-            base_version=base_version,
-            buffer_delta=None if buffer_delta is None else self._buffer_delta(buffer_delta),
-        )
+        with self._metrics.commit_timer():  # its latency, when the client has metrics
+            return self._router.commit(
+                flat,
+                kind=PAYLOAD_KINDS[kind],
+                loss=loss,
+                num_samples=num_samples,
+                base_version=base_version,
+                buffer_delta=None if buffer_delta is None else self._buffer_delta(buffer_delta),
+            )
 
     @serialised
     def leave(self) -> None:

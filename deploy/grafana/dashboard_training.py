@@ -6,6 +6,9 @@ from __future__ import annotations
 from dashboard_panels import RATE, Query, heatmap_panel, mean_over_commits, new_dashboard, quantile, timeseries
 from grafana_foundation_sdk.builders import dashboard as dashboard_builders
 
+# A straggler gauge's legend: the worker's name and its rank (metrics/stragglers.py).
+STRAGGLER = "{{worker}} (rank {{rank}})"
+
 
 def training_dashboard() -> dashboard_builders.Dashboard:
     """The paper's figures, live: loss (Fig. 1), median pi (Fig. 3), staleness, energies."""
@@ -116,4 +119,28 @@ def training_dashboard() -> dashboard_builders.Dashboard:
             minimum=0,
         )
     )
+    d.with_row(dashboard_builders.Row("Stragglers: the workers GEM damps"))
+    damped = "The 5 workers whose commits the rule scaled down most over the last minute (rank 1: the lowest mean pi)"
+    for title, description, metric in (
+        (
+            "Most damped workers: mean pi",
+            f"{damped}: each one's mean pi. A worker whose commits arrive after the others moved theta many "
+            "steps (a straggler: slow, far, or overloaded) finds the central movement above its proxy's "
+            "energy, and GEM scales its updates to pi near 0: it computes, but barely trains.",
+            "gemps_damped_worker_scaling",
+        ),
+        (
+            "Most damped workers: staleness",
+            f"{damped}: each one's mean staleness (commits applied between the version it computed on and "
+            "its own). High staleness beside low pi is the straggler's signature.",
+            "gemps_damped_worker_staleness",
+        ),
+        (
+            "Slowest workers: commits per second",
+            "The 5 workers with the fewest commits a second over the last minute (rank 1: the slowest; 0 for "
+            "one registered but silent).",
+            "gemps_slowest_worker_commits_per_second",
+        ),
+    ):
+        d.with_panel(timeseries(title, description, [Query(metric, STRAGGLER)], width=8, minimum=0))
     return d

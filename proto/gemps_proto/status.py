@@ -30,6 +30,10 @@ class RecentCommits:
     loss_commits: int = 0  # those that reported a finite loss
     loss: float = 0.0  # the mean of those losses (0 when none)
     staleness: float = 0.0  # their mean staleness, in commits (0 when none)
+    # How the rule scaled them (GEM's pi; 1 for downpour), averaged over the commits (0 when none):
+    scaling_mean: float = 0.0  # mean pi: near 0 for a worker GEM damps
+    scaling_at_zero: float = 0.0  # fraction of parameters scaled by 0
+    scaling_at_max: float = 0.0  # fraction of parameters clamped at pi_max
 
     @property
     def rate(self) -> float:
@@ -54,7 +58,24 @@ class WorkerStatus:
     commits: int  # applied, since it registered
     seconds_since_seen: float  # since its last commit or pull: evicted when past the lease
     seconds_since_commit: float  # since its last commit (or its registration)
-    recent: RecentCommits = RecentCommits()  # its commits of the last minute: rate and staleness
+    recent: RecentCommits = RecentCommits()  # its commits of the last minute: rate, staleness, pi
+
+
+def most_damped(workers: Sequence[WorkerStatus], count: int) -> tuple[WorkerStatus, ...]:
+    """The `count` workers the rule scaled down most over the last minute: the lowest mean pi
+    first (the most stale first among equals), among those that committed in it. Under GEM a
+    straggler's commits arrive after the others have moved θ past what its momentum asks for,
+    and its pi goes to 0."""
+    committed = [worker for worker in workers if worker.recent.commits]
+    committed.sort(key=lambda w: (w.recent.scaling_mean, -w.recent.staleness, w.name, w.shard))
+    return tuple(committed[:count])
+
+
+def slowest(workers: Sequence[WorkerStatus], count: int) -> tuple[WorkerStatus, ...]:
+    """The `count` workers with the fewest commits a second over the last minute (a worker
+    registered but silent: 0), the most stale first among equals."""
+    ordered = sorted(workers, key=lambda w: (w.recent.rate, -w.recent.staleness, w.name, w.shard))
+    return tuple(ordered[:count])
 
 
 #: windows measured before the noise scale is estimated: each window's two estimates are noisy

@@ -254,6 +254,7 @@ class ParameterServer:
             active_workers=lambda: len(state.registry),
             queue_depth=lambda: self.applier.depth,
             gradient_noise=lambda: state.noise.estimate,
+            workers=state.registry.listing,  # the stragglers' rankings
         )
 
     async def _trim_heap(self) -> None:

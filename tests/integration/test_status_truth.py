@@ -125,7 +125,9 @@ def test_status_shows_the_commit_rate_training_loss_held_out_figures_and_each_wo
     assert "held-out        loss 1.25, accuracy 50.0% at version 5 (1 commits ago), on 100 samples of digits" in shown
     (worker,) = status.workers
     assert worker.recent.commits == 6 and worker.recent.rate > 0
-    assert re.search(r"^  shard 0    busy .* 6 commits, \S+/s, staleness 0 \(last [\d.]+s\)$", shown, re.M)
+    assert re.search(
+        r"^  shard 0    busy .* 6 commits, \S+/s, staleness 0, π \S+ \(.*\) \(last [\d.]+s\)$", shown, re.M
+    )
 
 
 def test_status_with_the_first_replica_down_answers_from_the_next(

@@ -106,7 +106,7 @@ def test_gemps_status_says_when_each_worker_was_last_seen(
     assert "\nworkers         the longest unseen first\n" in shown
     rows = re.findall(
         r"^  shard (\d)    (\w+) +last seen [\d.]+s ago, last commit [\d.]+s ago, (\d) commits, "
-        r"[\d.]+/s, staleness [\d.]+ \(last [\d.]+s\)$",
+        r"[\d.]+/s, staleness [\d.]+, π (?:-|[\d.]+ \(\d+% at 0, \d+% at max\)) \(last [\d.]+s\)$",
         shown,
         re.M,
     )

@@ -10,6 +10,7 @@ from gemps_proto.status import RecentCommits, WorkerStatus
 from gemps_proto.tensor_codec import TensorDecodeError, all_finite
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.errors import NotFound, ResourceExhausted
+from gemps_server.domain.rules import ApplyStats
 from gemps_server.domain.workers import WorkerRegistry
 
 
@@ -71,13 +72,13 @@ def test_the_registry_lists_each_worker_with_how_long_ago_it_was_seen() -> None:
     gone, busy = registry.add("gone"), registry.add("")
     now[0] = 130.0
     for staleness in (0, 1, 5):
-        registry.committed(busy, staleness, loss=2.0, num_samples=32)
+        registry.committed(busy, staleness, loss=2.0, num_samples=32, stats=ApplyStats.constant(1.0))
     now[0] = 142.5
     registry.touch(busy.worker_id)  # a pull: seen, not committed
     # Issue 43, item 7: and each one's commits of the last minute (since it registered): rate, staleness.
     assert registry.listing() == (
         WorkerStatus("gone", 0, 0, 42.5, 42.5, RecentCommits(seconds=42.5)),
-        WorkerStatus("", 1, 3, 0.0, 12.5, RecentCommits(42.5, 3, 96, 3, 2.0, staleness=2.0)),
+        WorkerStatus("", 1, 3, 0.0, 12.5, RecentCommits(42.5, 3, 96, 3, 2.0, staleness=2.0, scaling_mean=1.0)),
     )
     assert registry.listing()[1].recent.rate == pytest.approx(3 / 42.5)
     registry.remove(gone.worker_id)

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gemps_proto.reasons import Reason
+from gemps_proto.status import RecentCommits, WorkerStatus
 from gemps_server.config import ServerConfig
 from gemps_server.domain.rules import ApplyStats
 from gemps_server.metrics import ServerMetrics
@@ -178,8 +179,14 @@ REPLICATED_PRIMARY = ReplicationStatus(
 def exposed_sample_names() -> set[str]:
     """Sample names of a server's /metrics page after some traffic of every kind."""
     metrics = ServerMetrics()
+    straggler = WorkerStatus("w0", 0, 3, 0.1, 0.1, RecentCommits(seconds=60.0, commits=3, scaling_mean=0.1))
     metrics.observe(
-        version=lambda: 3, parameters=lambda: 10, rule_state_bytes=lambda: 80, active_workers=lambda: 1, queue_depth=int
+        version=lambda: 3,
+        parameters=lambda: 10,
+        rule_state_bytes=lambda: 80,
+        active_workers=lambda: 1,
+        queue_depth=int,
+        workers=lambda: (straggler,),
     )
     stats = ApplyStats.of(np.array([0.0, 1.0, 5.0], np.float32), 5.0, proxy_energy=0.1, central_energy=0.2)
     metrics.applied(2, stats, loss=0.5, num_samples=64, queued_seconds=1e-4, apply_seconds=2e-4)

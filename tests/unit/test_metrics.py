@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gemps_proto.schema import PayloadKind, TrainingConfig
+from gemps_proto.status import RecentCommits, WorkerStatus
 from gemps_server.domain.rules import ApplyStats, create_rule, rule_names
 from gemps_server.metrics import COMMIT_REJECTION_REASONS, MAX_DATASET_LABEL, ServerMetrics, exposed
 from gemps_server.replication.metrics import ReplicationCollector
@@ -238,6 +239,42 @@ def test_replication_series_carry_the_partition_label_when_exposed_with_one() ->
     text = generate_latest(exposed(metrics.registry, {"partition": "1"})).decode()
     assert 'gemps_replication_lag_commits{backup="r1",partition="1"} 0.0' in text
     assert 'gemps_replica_role{partition="1",role="primary"} 1.0' in text
+
+
+def test_the_straggler_gauges_name_the_top_five_of_each_ranking_whatever_the_workers() -> None:
+    """Issue 50, item 5: the most-damped and slowest workers by rank, 5 series a family for 40
+    workers (bounded cardinality); one that never committed is the slowest, not the most damped."""
+
+    def worker(index: int, scaling: float, commits: int) -> WorkerStatus:
+        recent = RecentCommits(seconds=60.0, commits=commits, staleness=float(index), scaling_mean=scaling)
+        return WorkerStatus(f"w{index}", index, commits, 0.0, 0.0, recent)
+
+    workers = [worker(i, 1.0 + i / 100, 600 + i) for i in range(40)]
+    workers += [worker(40, 0.02, 12), worker(41, 0.0, 0)]
+    metrics = ServerMetrics()
+    metrics.observe(version=int, parameters=int, rule_state_bytes=int, active_workers=int, queue_depth=int)
+    assert "gemps_damped_worker_scaling{" not in generate_latest(metrics.registry).decode()  # none registered
+    metrics.observe(
+        version=int, parameters=int, rule_state_bytes=int, active_workers=int, queue_depth=int, workers=lambda: workers
+    )
+    series = {
+        (family.name, sample.labels["rank"]): (sample.labels["worker"], sample.value)
+        for family in metrics.registry.collect()
+        for sample in family.samples
+        if "rank" in sample.labels
+    }
+    damped = [series[("gemps_damped_worker_scaling", str(rank))] for rank in range(1, 6)]
+    assert damped == [("w40", 0.02), ("w0", 1.0), ("w1", 1.01), ("w2", 1.02), ("w3", 1.03)]
+    assert series[("gemps_damped_worker_staleness", "1")] == ("w40", 40.0)
+    slowest = [series[("gemps_slowest_worker_commits_per_second", str(rank))] for rank in range(1, 6)]
+    assert slowest == [
+        ("w41", 0.0),
+        ("w40", 0.2),
+        ("w0", 10.0),
+        ("w1", pytest.approx(601 / 60)),
+        ("w2", pytest.approx(602 / 60)),
+    ]
+    assert len(series) == 5 * 5  # five families of five ranks
 
 
 # -- the page as docs/OBSERVABILITY.md documents it (names, types, labels) -----------------------

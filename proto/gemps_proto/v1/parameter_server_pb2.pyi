@@ -378,20 +378,26 @@ class WorkerStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shard: _Optional[int] = ..., commits: _Optional[int] = ..., seconds_since_seen: _Optional[float] = ..., seconds_since_commit: _Optional[float] = ..., recent: _Optional[_Union[RecentCommits, _Mapping]] = ...) -> None: ...
 
 class RecentCommits(_message.Message):
-    __slots__ = ("seconds", "commits", "samples", "loss_commits", "loss", "staleness")
+    __slots__ = ("seconds", "commits", "samples", "loss_commits", "loss", "staleness", "scaling_mean", "scaling_at_zero", "scaling_at_max")
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     COMMITS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_COMMITS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    SCALING_MEAN_FIELD_NUMBER: _ClassVar[int]
+    SCALING_AT_ZERO_FIELD_NUMBER: _ClassVar[int]
+    SCALING_AT_MAX_FIELD_NUMBER: _ClassVar[int]
     seconds: float
     commits: int
     samples: int
     loss_commits: int
     loss: float
     staleness: float
-    def __init__(self, seconds: _Optional[float] = ..., commits: _Optional[int] = ..., samples: _Optional[int] = ..., loss_commits: _Optional[int] = ..., loss: _Optional[float] = ..., staleness: _Optional[float] = ...) -> None: ...
+    scaling_mean: float
+    scaling_at_zero: float
+    scaling_at_max: float
+    def __init__(self, seconds: _Optional[float] = ..., commits: _Optional[int] = ..., samples: _Optional[int] = ..., loss_commits: _Optional[int] = ..., loss: _Optional[float] = ..., staleness: _Optional[float] = ..., scaling_mean: _Optional[float] = ..., scaling_at_zero: _Optional[float] = ..., scaling_at_max: _Optional[float] = ...) -> None: ...
 
 class GradientNoise(_message.Message):
     __slots__ = ("gradient_square", "noise_trace", "batch_size", "windows", "window", "batch_size_assumed")

@@ -1,4 +1,4 @@
-"""The last minute's applied commits, in time buckets: the rate, loss and staleness Status shows.
+"""The last minute's applied commits, in time buckets: the rate, loss, staleness and pi Status shows.
 
 One `RecentCommits` window is kept for the server (every commit applied here) and one per
 registered worker (workers.py). Each is at most BUCKETS small lists, whatever the commit rate:
@@ -14,13 +14,16 @@ import math
 from collections import deque
 
 from gemps_proto.status import RECENT_SECONDS, RecentCommits
+from gemps_server.domain.rules.base import ApplyStats
 
 #: buckets per RECENT_SECONDS: the window covers between 11/12 of a minute and a minute of commits
 BUCKETS = 12
 BUCKET_SECONDS = RECENT_SECONDS / BUCKETS
 
-# A bucket: [its index (time // BUCKET_SECONDS), commits, samples, loss commits, loss sum, staleness sum]
+# A bucket: [its index (time // BUCKET_SECONDS), commits, samples, loss commits, loss sum, staleness sum,
+# then the sums of each commit's mean pi, fraction of pi at 0 and fraction at pi_max]
 Bucket = list[float]
+_SUMS = 9  # a bucket's length
 
 
 class RecentWindow:
@@ -32,11 +35,11 @@ class RecentWindow:
         self._start = start
         self._buckets: deque[Bucket] = deque(maxlen=BUCKETS)
 
-    def add(self, now: float, staleness: int, loss: float | None, num_samples: int | None) -> None:
-        """One commit applied at `now`, with what it reported."""
+    def add(self, now: float, staleness: int, loss: float | None, num_samples: int | None, stats: ApplyStats) -> None:
+        """One commit applied at `now`, with what it reported and how the rule scaled it."""
         index = now // BUCKET_SECONDS
         if not self._buckets or self._buckets[-1][0] != index:
-            self._buckets.append([index, 0, 0, 0, 0.0, 0.0])
+            self._buckets.append([index] + [0.0] * (_SUMS - 1))
         bucket = self._buckets[-1]
         bucket[1] += 1
         bucket[2] += num_samples or 0
@@ -44,6 +47,9 @@ class RecentWindow:
             bucket[3] += 1
             bucket[4] += loss
         bucket[5] += staleness
+        bucket[6] += stats.scaling_mean
+        bucket[7] += stats.fraction_at_zero
+        bucket[8] += stats.fraction_at_max
 
     def summary(self, now: float) -> RecentCommits:
         """The commits of the buckets within a minute of `now`, over the span they cover."""
@@ -52,11 +58,18 @@ class RecentWindow:
         seconds = max(0.0, now - max(self._start, first * BUCKET_SECONDS))
         commits = int(sum(bucket[1] for bucket in kept))
         loss_commits = int(sum(bucket[3] for bucket in kept))
+
+        def mean(at: int) -> float:  # over the commits
+            return sum(bucket[at] for bucket in kept) / commits if commits else 0.0
+
         return RecentCommits(
             seconds=seconds,
             commits=commits,
             samples=int(sum(bucket[2] for bucket in kept)),
             loss_commits=loss_commits,
             loss=sum(bucket[4] for bucket in kept) / loss_commits if loss_commits else 0.0,
-            staleness=sum(bucket[5] for bucket in kept) / commits if commits else 0.0,
+            staleness=mean(5),
+            scaling_mean=mean(6),
+            scaling_at_zero=mean(7),
+            scaling_at_max=mean(8),
         )

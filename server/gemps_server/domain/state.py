@@ -240,7 +240,7 @@ class ServerState:
             raise InvalidArgument(f"commit refused, nothing changed: {error}", Reason.NON_FINITE) from None
         self._buffers = buffers
         self.commits_applied += 1
-        self.registry.committed(worker, staleness, commit.loss, commit.num_samples)  # its lease, counts, rate
+        self.registry.committed(worker, staleness, commit.loss, commit.num_samples, stats)  # lease, counts, rate, pi
         self._version += 1  # its snapshot is encoded when a reply asks (encoded(), theta_bytes())
         self.ledger.record(worker.scope, commit.request_id, Receipt(self.version, staleness, stats, commit.sequence))
         position = self.journal.append(Committed(commit))

@@ -13,6 +13,7 @@ from gemps_proto.schema import Shard
 from gemps_proto.status import RecentCommits, WorkerStatus
 from gemps_server.domain.errors import NotFound, ResourceExhausted
 from gemps_server.domain.recent import RecentWindow
+from gemps_server.domain.rules.base import ApplyStats
 
 
 @dataclass
@@ -116,12 +117,15 @@ class WorkerRegistry:
             record.last_commit = record.last_seen
         return record
 
-    def committed(self, record: WorkerRecord, staleness: int, loss: float | None, num_samples: int | None) -> None:
-        """`record`'s commit was applied now, with what it reported: its lease, counts and recent commits."""
+    def committed(
+        self, record: WorkerRecord, staleness: int, loss: float | None, num_samples: int | None, stats: ApplyStats
+    ) -> None:
+        """`record`'s commit was applied now, with what it reported and how the rule scaled it:
+        its lease, counts and recent commits."""
         record.commits += 1
         record.last_seen = record.last_commit = now = self._clock()
-        record.recent.add(now, staleness, loss, num_samples)
-        self.recent.add(now, staleness, loss, num_samples)
+        record.recent.add(now, staleness, loss, num_samples, stats)
+        self.recent.add(now, staleness, loss, num_samples, stats)
 
     def recent_commits(self) -> RecentCommits:
         """Every commit applied here in the last minute (Status: the rate and training loss)."""

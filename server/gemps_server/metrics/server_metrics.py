@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry
 
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import TrainingConfig
-from gemps_proto.status import GradientNoise
+from gemps_proto.status import GradientNoise, WorkerStatus
 from gemps_server.domain.rules import ApplyStats
 from gemps_server.metrics.commits import CommitMetrics
 from gemps_server.metrics.evaluation import EvaluationMetrics
@@ -17,6 +17,7 @@ from gemps_server.metrics.noise import NoiseMetrics
 from gemps_server.metrics.reliability import ReliabilityMetrics
 from gemps_server.metrics.scaling import ScalingMetrics
 from gemps_server.metrics.state import Reading, StateMetrics
+from gemps_server.metrics.stragglers import StragglerCollector
 from gemps_server.metrics.traffic import TrafficMetrics
 
 
@@ -32,6 +33,7 @@ class ServerMetrics:
         self.scaling = ScalingMetrics(self.registry)
         self.traffic = TrafficMetrics(self.registry)
         self.state = StateMetrics(self.registry)
+        self.stragglers = StragglerCollector(self.registry)
         self.noise = NoiseMetrics(self.registry)
         self.reliability = ReliabilityMetrics(self.registry)
         self.evaluation = EvaluationMetrics(self.registry)
@@ -55,11 +57,13 @@ class ServerMetrics:
         active_workers: Reading,
         queue_depth: Reading,
         gradient_noise: Callable[[], GradientNoise] = GradientNoise,
+        workers: Callable[[], Sequence[WorkerStatus]] = tuple,
     ) -> None:
         """Gauges that read the live state when scraped, so they can never go stale (eta: the
-        described training config's schedule at the live version)."""
+        described training config's schedule at the live version; the stragglers: `workers`)."""
         self.state.observe(version, parameters, rule_state_bytes, active_workers, queue_depth)
         self.noise.observe(gradient_noise, active_workers)
+        self.stragglers.observe(workers)
 
     # -- events ----------------------------------------------------------------------------------
 
