@@ -56,7 +56,7 @@ from gemps.records import Buffers, CentralVariable, CommitResult, Registration, 
 from gemps.torch_batches import BatchCounter, warn_without_loss
 from gemps.torch_groups import AUTO as GROUP_AUTO
 from gemps.torch_groups import GroupLeaderError, GroupWorker, Outcome, process_group_of
-from gemps.torch_schedules import ServerOwnedGroup, ServerOwnsLearningRateError
+from gemps.torch_schedules import ServerOwnedGroup, ServerOwnsLearningRateError, ServerSchedule
 from gemps.torch_threads import AUTO, ThreadKeeper, Threads, requested
 from gemps.torch_values import (
     buffer_values,
@@ -78,6 +78,7 @@ __all__ = [
     "RemoteModel",
     "RemoteOptimizer",
     "ServerOwnsLearningRateError",
+    "ServerSchedule",
     "load_central",
     "persistent_buffers",
     "trained_parameters",
