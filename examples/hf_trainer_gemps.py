@@ -12,7 +12,7 @@ rate and its schedule, so the Trainer's own schedule is left out. Given `(optimi
 Trainer would build one (a LambdaLR, linear decay by default), which RemoteOptimizer refuses with
 an error naming ServerSchedule: a scheduler that sets nothing and whose `get_last_lr()`, what the
 Trainer logs as `learning_rate`, is the server's η. The Trainer calls `optimizer.step()` with no
-loss, so the server's loss metrics stay empty (one WARNING says so); its own logs have the loss.
+loss; the model returns it (`output.loss`, given labels), and RemoteOptimizer sends that.
 Each logged step prints its loss and η; the start and the end print the central variable's loss on
 held-out sequences.
 

@@ -57,5 +57,6 @@ def test_the_hugging_face_trainer_example_trains_on_the_server(start_server: Sta
     server = start_server(rule="gem", learning_rate=0.05)
     metrics = trains(server, "hf_trainer_gemps.py")
     assert metrics["gemps_training_samples_total"] == STEPS * 16
+    assert metrics["gemps_training_loss_count"] == STEPS  # the model's output.loss: the Trainer passes none
     with gemps.Client(server.target) as observer:  # the output head tied to the embedding travels once
         assert observer.pull().spec[0].name == "transformer.wte.weight=lm_head.weight"
