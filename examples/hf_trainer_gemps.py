@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server", help="a gemps server's HOST:PORT (default: start one here)")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps, each one commit")
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     args = parser.parse_args(argv)
     model = tiny_gpt2()
     with server_address(args.server, rule="gem", learning_rate=0.05) as address, tempfile.TemporaryDirectory() as out:
