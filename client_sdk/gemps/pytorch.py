@@ -56,7 +56,7 @@ from gemps.records import Buffers, CentralVariable, CommitResult, Registration, 
 from gemps.torch_batches import BatchCounter, warn_without_loss
 from gemps.torch_groups import AUTO as GROUP_AUTO
 from gemps.torch_groups import GroupLeaderError, GroupWorker, Outcome, process_group_of
-from gemps.torch_schedules import ServerOwnedGroup, ServerOwnsLearningRateError
+from gemps.torch_schedules import ServerOwnedGroup, ServerOwnsLearningRateError, ServerSchedule
 from gemps.torch_threads import AUTO, ThreadKeeper, Threads, requested
 from gemps.torch_values import (
     buffer_values,
@@ -78,6 +78,7 @@ __all__ = [
     "RemoteModel",
     "RemoteOptimizer",
     "ServerOwnsLearningRateError",
+    "ServerSchedule",
     "load_central",
     "persistent_buffers",
     "trained_parameters",
@@ -186,12 +187,14 @@ class RemoteModel:
         """Commit the model's current gradients; load the central variable the server returns.
 
         Without `num_samples`, the samples of the model's training forwards since the last step
-        (gemps.torch_batches); without `loss`, a WARNING once that the server's loss metrics stay
-        empty."""
-        seen = self._batches.take()
+        (gemps.torch_batches); without `loss`, the mean loss those forwards returned (a Hugging Face
+        model's `output.loss`), or when they returned none a WARNING once that the server's loss
+        metrics stay empty."""
+        seen, returned = self._batches.take(), self._batches.take_loss()
         if self._group is not None:  # the group's gradient is every rank's batches'
             seen = self._group.samples(seen)
         num_samples = seen if num_samples is None else num_samples
+        loss = returned if loss is None else loss  # a Hugging Face model's output.loss, say
         if loss is None and self._client is not None:
             warn_without_loss()
         self._threads.check()
@@ -328,8 +331,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
     `add_param_group`, are refused rather than silently ignored, and so is setting a group's `lr`.
     A torch LR scheduler reads and sets it: constructing one raises ServerOwnsLearningRateError at
     that line, naming the `gemps server` flags that give its schedule (gemps.torch_schedules).
-    Reading `param_groups[0]["lr"]` (or `.get("lr")`: what Lightning's LearningRateMonitor and
-    Hugging Face's Trainer log) gives `learning_rate`, the server's η at the version the model holds.
+    Reading `param_groups[0]["lr"]` (or `.get("lr")`: what Lightning's LearningRateMonitor logs)
+    gives `learning_rate`, the server's η at the version the model holds; `momentum` and
+    `weight_decay` read as the server applies them. Hugging Face's Trainer takes
+    `optimizers=(optimizer, ServerSchedule(optimizer))` (examples/hf_trainer_gemps.py).
     """
 
     def __init__(self, model: torch.nn.Module, client: Client | str, *, name: str = "", **options: Any) -> None:

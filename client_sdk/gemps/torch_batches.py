@@ -7,9 +7,15 @@ a forward pre-hook on the model counts the leading dimension of the first tensor
 every forward run with gradients enabled since the last step (several for gradient accumulation;
 an evaluation under `torch.no_grad()` is not counted), and the step sends that as `num_samples`
 unless the caller gave one. A model whose first argument is not batch-first (an RNN with
-`batch_first=False`) needs `num_samples=` given. The loss is not reachable without the caller:
-the optimizer never sees it and gemps does not patch torch, so a step without `loss=` logs one
-WARNING per process naming `optimizer.step(loss=loss)` (the dashboards' loss panel stays empty).
+`batch_first=False`) needs `num_samples=` given.
+
+The loss is the caller's, except where the model's forward returns it: a Hugging Face model given
+`labels` returns an output whose `loss` is the batch's, and Hugging Face's Trainer calls
+`optimizer.step()` with no loss. A forward hook keeps the mean of the scalar `loss` of the
+training forwards' outputs since the last step (a mapping's "loss" or an attribute `loss`), which
+the step sends when the caller gave none. Otherwise the loss is not reachable (the optimizer never
+sees it and gemps does not patch torch), so a step without `loss=` logs one WARNING per process
+naming `optimizer.step(loss=loss)` (the dashboards' loss panel stays empty).
 """
 
 from __future__ import annotations
@@ -31,7 +37,12 @@ class BatchCounter:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._samples = 0
-        self._handle = model.register_forward_pre_hook(self._seen, with_kwargs=True)
+        self._losses: torch.Tensor | None = None  # the returned losses' sum since the last take
+        self._returned_count = 0
+        self._handles = [
+            model.register_forward_pre_hook(self._seen, with_kwargs=True),
+            model.register_forward_hook(self._returned),
+        ]
 
     def _seen(self, _module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         if not torch.is_grad_enabled():
@@ -40,13 +51,29 @@ class BatchCounter:
         if first is not None and first.dim() > 0:
             self._samples += int(first.shape[0])
 
+    def _returned(self, _module: torch.nn.Module, _args: tuple[Any, ...], output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            loss = loss.detach().reshape(())  # summed on its device: no copy to the host per forward
+            self._losses = loss if self._losses is None else self._losses + loss
+            self._returned_count += 1
+
     def take(self) -> int | None:
         """The samples counted since the last take (None when no forward was seen)."""
         samples, self._samples = self._samples, 0
         return samples or None
 
+    def take_loss(self) -> float | None:
+        """The mean loss the training forwards returned since the last take (None: none returned one)."""
+        losses, count = self._losses, self._returned_count
+        self._losses, self._returned_count = None, 0
+        return None if losses is None else float(losses) / count
+
     def close(self) -> None:
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
 
 
 def warn_without_loss() -> None:
@@ -57,5 +84,5 @@ def warn_without_loss() -> None:
     log.warning(
         "gemps: this step commits no loss, so the server's loss metrics (gemps_training_loss, the dashboards' "
         "loss panel) stay empty: call optimizer.step(loss=loss) (or step(closure) returning it; "
-        "RemoteModel.step(loss=loss))"
+        "RemoteModel.step(loss=loss)), or return it from the model's forward (output.loss or output['loss'])"
     )

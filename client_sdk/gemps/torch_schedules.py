@@ -11,10 +11,14 @@ owns the schedule and the `gemps server` flags that give the same one, computed 
 scheduler's arguments where gemps can express it. The unit those flags need is K, the commits all
 workers make between two `scheduler.step()` calls, which only the user knows.
 
-Code that only reads `lr` (a log line, Lightning's LearningRateMonitor, Hugging Face Trainer's
-logs) gets the server's η at the version the model holds, as `RemoteOptimizer.learning_rate`, by
-`group["lr"]` and by `group.get("lr")` alike; the group stores no `lr` (its keys, and a state dict,
-stay `params` alone).
+Code that only reads `lr` (a log line, Lightning's LearningRateMonitor) gets the server's η at the
+version the model holds, as `RemoteOptimizer.learning_rate`, by `group["lr"]` and by
+`group.get("lr")` alike; the group stores no `lr` (its keys, and a state dict, stay `params` alone).
+
+A framework that must hold a scheduler gets `ServerSchedule(optimizer)`: a torch LRScheduler that
+sets nothing and whose `get_last_lr()` is that η. Hugging Face's Trainer builds its own (a LambdaLR,
+linear decay by default) when given `optimizers=(optimizer, None)`; that one is refused like any
+other, with a message that names `optimizers=(optimizer, ServerSchedule(optimizer))`.
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ from gemps_proto.schema import TrainingConfig
 # The keys of a parameter group that a scheduler reads or writes for the learning rate.
 LR_KEYS = frozenset({"lr", "initial_lr"})
 
+# The rules whose update has a momentum μ (GEM's proxy is momentum SGD's; the momentum rule's own).
+_MOMENTUM_RULES = frozenset({"gem", "momentum"})
+
+# The group settings the server owns besides η, and where each is set.
+_SETTINGS = {"momentum": "`gemps server --momentum`", "weight_decay": "the server applies no weight decay"}
+
 # ReduceLROnPlateau is an LRScheduler since torch 2.2, not before.
 _SCHEDULER_TYPES = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
@@ -47,11 +57,21 @@ class ServerOwnsLearningRateError(GempsError, TypeError):
     optimizer a scheduler cannot drive; the message names the `gemps server` flags to use."""
 
 
+def server_setting(key: str, config: TrainingConfig) -> float | None:
+    """What the server applies for a torch group setting other than `lr` (None: not one it knows):
+    `momentum` is its rule's μ (0 for rules without one), `weight_decay` 0 (it applies none).
+    Lightning's LearningRateMonitor(log_momentum=True, log_weight_decay=True) reads them."""
+    if key == "momentum":
+        return config.momentum if config.rule in _MOMENTUM_RULES else 0.0
+    return 0.0 if key == "weight_decay" else None
+
+
 class ServerOwnedGroup(dict[str, Any]):
     """RemoteOptimizer's parameter group. Reading `lr` gives the server's η at the version the model
     holds, except to a torch scheduler being built; writing `lr` or `initial_lr`, a scheduler's
     reading them, and any reading of `initial_lr` raise ServerOwnsLearningRateError (instead of
-    torch's KeyError, or a value the server would ignore)."""
+    torch's KeyError, or a value the server would ignore). `momentum` and `weight_decay` read as
+    the server applies them (server_setting) and refuse a write with ValueError."""
 
     def __init__(
         self, group: dict[str, Any], config: Callable[[], TrainingConfig], learning_rate: Callable[[], float]
@@ -66,22 +86,37 @@ class ServerOwnedGroup(dict[str, Any]):
             if key == "lr" and scheduler is None:
                 return self.learning_rate()
             raise ServerOwnsLearningRateError(refusal(scheduler, self.config()))
-        raise KeyError(key)
+        setting = server_setting(key, self.config())
+        if setting is None:
+            raise KeyError(key)
+        return setting
 
     def get(self, key: str, default: Any = None) -> Any:
-        """As `group[key]` for `lr` (dict.get never asks __missing__, and None would hide η)."""
-        return self[key] if key == "lr" and key not in self else super().get(key, default)
+        """As `group[key]` for `lr` and the server's settings (dict.get never asks __missing__, and
+        None or the caller's default would hide what the server applies)."""
+        if key not in self and (key == "lr" or key in _SETTINGS):
+            return self[key]
+        return super().get(key, default)
 
     def __setitem__(self, key: str, value: Any) -> None:
-        if key in LR_KEYS:
-            raise ServerOwnsLearningRateError(refusal(_scheduler_being_built(), self.config()))
+        self._refuse_write(key)
         super().__setitem__(key, value)
 
     def setdefault(self, key: str, default: Any = None) -> Any:
-        """Refused for `lr` and `initial_lr` as a write (dict.setdefault never calls __setitem__)."""
-        if key in LR_KEYS and key not in self:
-            raise ServerOwnsLearningRateError(refusal(_scheduler_being_built(), self.config()))
+        """Refused as a write for `lr`, `initial_lr` and the server's settings (dict.setdefault never
+        calls __setitem__)."""
+        if key not in self:
+            self._refuse_write(key)
         return super().setdefault(key, default)
+
+    def _refuse_write(self, key: str) -> None:
+        if key in LR_KEYS:
+            raise ServerOwnsLearningRateError(refusal(_scheduler_being_built(), self.config()))
+        if key in _SETTINGS:
+            raise ValueError(
+                f"the gemps server owns the update: RemoteOptimizer's group {key!r} reads what the server applies "
+                f"({server_setting(key, self.config()):g}) and cannot be set here ({_SETTINGS[key]})"
+            )
 
     def update(self, *others: Any, **values: Any) -> None:
         """Each key through __setitem__ (dict.update skips it), so `lr` is refused here too."""
@@ -105,7 +140,14 @@ def refusal(scheduler: object | None, config: TrainingConfig) -> str:
         )
     name = type(scheduler).__name__
     flags, caveat = equivalent(scheduler)
-    if flags is None:
+    if _built_by_transformers(scheduler):
+        advice = (
+            "Hugging Face's Trainer builds this schedule itself (TrainingArguments.lr_scheduler_type, 'linear' by "
+            "default) when given optimizers=(optimizer, None): give it the server's schedule instead, "
+            "Trainer(..., optimizers=(optimizer, gemps.pytorch.ServerSchedule(optimizer))), whose get_last_lr() "
+            "is the server's η, and set the server's with `gemps server --learning-rate ... --lr-schedule ...`."
+        )
+    elif flags is None:
         advice = (
             f"Remove the scheduler: gemps has no schedule like {name}'s{caveat}. The server's are constant, "
             "step (exponential decay too: --lr-step-size 1), cosine, each with an optional linear warm-up "
@@ -149,6 +191,62 @@ def equivalent(scheduler: object) -> tuple[list[str] | None, str]:
             "multiplies any --lr-schedule"
         )
     return None, ""
+
+
+def _built_by_transformers(scheduler: object) -> bool:
+    """Whether `scheduler` is a LambdaLR of Hugging Face's (transformers.optimization's lambdas,
+    which its Trainer builds when given no scheduler)."""
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return False
+    lambdas = [getattr(function, "func", function) for function in scheduler.lr_lambdas]  # functools.partial
+    return any(getattr(function, "__module__", "").startswith("transformers.") for function in lambdas)
+
+
+class ServerSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """The server's learning-rate schedule as a torch LR scheduler, for a framework that must hold
+    one (Hugging Face's Trainer: `optimizers=(optimizer, ServerSchedule(optimizer))`): it sets
+    nothing, `step()` only counts its calls, and `get_last_lr()` is the server's η at the version
+    the model holds (RemoteOptimizer.learning_rate), which the framework logs. A LambdaLR with no
+    lambdas, as the Trainer's signature asks for one."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        groups = getattr(optimizer, "param_groups", None)
+        if not groups or not all(isinstance(group, ServerOwnedGroup) for group in groups):
+            raise TypeError(
+                "ServerSchedule reads the learning rate of a gemps RemoteOptimizer's server; "
+                f"{type(optimizer).__name__} is not one (give it the RemoteOptimizer itself)"
+            )
+        # LRScheduler.__init__ is left out: it reads and sets the groups' lr, which the server owns.
+        self.optimizer = optimizer
+        self.lr_lambdas = []
+        self.last_epoch = 0
+        self._step_count = 1  # as torch's after the step its __init__ takes
+        self.base_lrs = [float(lr) for lr in self.get_lr()]
+        self._last_lr = self.get_lr()
+
+    def get_lr(self) -> list[float | torch.Tensor]:
+        """η at the version the model holds, per group (a RemoteOptimizer has one)."""
+        groups = [group for group in self.optimizer.param_groups if isinstance(group, ServerOwnedGroup)]
+        return [group.learning_rate() for group in groups]
+
+    def get_last_lr(self) -> list[float | torch.Tensor]:
+        """As get_lr: the server's η now, not as it was at the last step() (the other workers'
+        commits move the version between two)."""
+        return self.get_lr()
+
+    def step(self, epoch: int | None = None) -> None:
+        """Counts the call (`last_epoch`); the server moves η with the central version."""
+        if epoch is not None:
+            raise TypeError("ServerSchedule.step() takes no epoch: the server's η follows the central version")
+        self.last_epoch += 1
+        self._step_count += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Only the count of step() calls: η is the server's."""
+        return {"last_epoch": self.last_epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_epoch = int(state_dict["last_epoch"])
 
 
 def _step(step_size: int, gamma: float, caveat: str) -> tuple[list[str] | None, str]:

@@ -167,6 +167,52 @@ def test_a_step_without_arguments_reports_its_samples_and_says_once_that_no_loss
     assert len(warnings) == 1 and "optimizer.step(loss=loss)" in warnings[0]
 
 
+class LossReturning(nn.Module):
+    """A model whose forward returns its loss, as a Hugging Face model given `labels` does: in a
+    mapping (ModelOutput is one) or as an attribute."""
+
+    def __init__(self, as_mapping: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+        self.as_mapping = as_mapping
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> object:
+        predictions = self.linear(inputs)
+        loss = F.mse_loss(predictions, labels)
+        if self.as_mapping:
+            return {"loss": loss, "logits": predictions}
+        return type("Output", (), {"loss": loss, "logits": predictions})()
+
+
+@pytest.mark.parametrize("as_mapping", [True, False], ids=["mapping", "attribute"])
+def test_a_step_without_a_loss_sends_the_mean_loss_the_models_forwards_returned(
+    server: InProcessServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, as_mapping: bool
+) -> None:
+    """Hugging Face's Trainer calls optimizer.step() with no loss, and its models return theirs:
+    b2d2537 sent none (the server's loss metrics stayed empty under the Trainer) and warned."""
+    monkeypatch.setattr(torch_batches, "_warned", threading.Event())
+    _, inputs, targets = regression(torch.float32)
+    model = LossReturning(as_mapping)
+    losses = []
+    with RemoteOptimizer(model, server.target) as optimizer, caplog.at_level(logging.WARNING, "gemps.pytorch"):
+        for halves in (((0, 16), (16, 32)), ((32, 64),)):  # gradient accumulation: the halves' mean
+            optimizer.zero_grad()
+            returned = []
+            for start, stop in halves:
+                output = model(inputs[start:stop], labels=targets[start:stop])
+                loss = output["loss"] if isinstance(output, dict) else output.loss
+                loss.backward()
+                returned.append(float(loss.detach()))
+            with torch.no_grad():
+                model(inputs, labels=targets)  # an evaluation between: not part of the step's loss
+            optimizer.step()
+            losses.append(sum(returned) / len(returned))
+    metrics = scrape(f"http://127.0.0.1:{server.metrics_port}/metrics")
+    assert metrics["gemps_training_loss_count"] == 2
+    assert metrics["gemps_training_loss_sum"] == pytest.approx(sum(losses), rel=1e-6)
+    assert not [record for record in caplog.records if "commits no loss" in record.getMessage()]
+
+
 def test_export_takes_the_newest_checkpoint_of_a_replicated_directory(tmp_path: Path) -> None:
     """`gemps server --replicas 2 --checkpoint-dir DIR` writes each replica's checkpoints one level
     deeper (gemps_cli.partitions.child_config); here two servers write exactly there."""

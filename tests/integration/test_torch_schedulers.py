@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.optim import lr_scheduler
+from transformers.optimization import get_scheduler
 
 import gemps
 import gemps.pytorch
-from gemps.pytorch import RemoteOptimizer
+from gemps.pytorch import RemoteOptimizer, ServerSchedule
 from gemps_worker.datasets import load_digits
 from tests.helpers import InProcessServer
 from tests.integration.conftest import StartServer
@@ -156,7 +157,7 @@ def test_a_groups_lr_reads_the_servers_eta_and_is_refused_where_it_is_set(start_
         read.append((group["lr"], group.get("lr")))
         assert read == [(0.1, 0.1), (0.1, 0.1), (0.05, 0.05), (0.05, 0.05)]
         assert optimizer.learning_rate == optimizer.remote.client.status().learning_rate == 0.1 * 0.5
-        assert group.keys() == {"params"} and group.get("momentum") is None  # nothing stored
+        assert group.keys() == {"params"}  # nothing stored
         assert optimizer.state_dict()["param_groups"] == [{"params": [0, 1]}]
         # A state dict round trip (torch replaces the groups) keeps them reading η and refusing.
         optimizer.load_state_dict(optimizer.state_dict())
@@ -194,3 +195,59 @@ def test_a_closures_loss_is_committed_detached_without_torchs_warning(server: In
             returned = optimizer.step(closure)
         assert isinstance(returned, torch.Tensor) and returned.requires_grad  # as torch's optimizers return it
         assert optimizer.version == 1
+
+
+def test_hugging_faces_own_schedule_is_refused_naming_server_schedule_which_reads_the_servers_eta(
+    start_server: StartServer,
+) -> None:
+    """Hugging Face's Trainer given `optimizers=(optimizer, None)` builds its own schedule with
+    transformers' get_scheduler (TrainingArguments.lr_scheduler_type): b2d2537 refused it saying
+    "Remove the scheduler", which a Trainer user cannot, and had no scheduler to give it instead.
+    ServerSchedule sets nothing and reads the server's η, as the Trainer's logs take it."""
+    server = start_server(learning_rate=0.1, lr_schedule="step", lr_step_size=2, lr_gamma=0.5)
+    model = nn.Linear(4, 2)
+    with RemoteOptimizer(model, server.target) as optimizer:
+        for kind in ("linear", "constant", "cosine"):
+            with pytest.raises(gemps.pytorch.ServerOwnsLearningRateError) as refused:
+                get_scheduler(kind, optimizer, num_warmup_steps=0, num_training_steps=10)
+            assert "Trainer(..., optimizers=(optimizer, gemps.pytorch.ServerSchedule(optimizer)))" in str(refused.value)
+        schedule = ServerSchedule(optimizer)
+        read = []
+        for _ in range(3):
+            read.append(schedule.get_last_lr())
+            optimizer.zero_grad()
+            model(torch.ones(1, 4)).sum().backward()
+            optimizer.step()
+            schedule.step()
+        read.append(schedule.get_last_lr())
+        assert read == [[0.1], [0.1], [0.05], [0.05]]
+        assert optimizer.param_groups[0].keys() == {"params"}  # nothing set
+        assert schedule.state_dict() == {"last_epoch": 3}
+        schedule.load_state_dict({"last_epoch": 7})
+        assert schedule.last_epoch == 7
+        with pytest.raises(TypeError, match=r"ServerSchedule.step\(\) takes no epoch"):
+            schedule.step(5)
+    with pytest.raises(
+        TypeError, match="ServerSchedule reads the learning rate of a gemps RemoteOptimizer's server; SGD"
+    ):
+        ServerSchedule(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize(("rule", "momentum"), [("gem", 0.8), ("momentum", 0.8), ("downpour", 0.0)])
+def test_momentum_and_weight_decay_read_as_the_server_applies_them_and_refuse_a_write(
+    start_server: StartServer, rule: str, momentum: float
+) -> None:
+    """Lightning's LearningRateMonitor(log_weight_decay=True) reads `group["weight_decay"]`: b2d2537
+    raised KeyError from inside Lightning; with log_momentum=True it read `group.get("momentum", 0)`,
+    0 whatever the server's μ. They read what the server applies: its rule's μ, and no weight decay."""
+    server = start_server(rule=rule, momentum=0.8)
+    with RemoteOptimizer(nn.Linear(4, 2), server.target) as optimizer:
+        group = optimizer.param_groups[0]
+        assert (group["momentum"], group.get("momentum", 0), group["weight_decay"]) == (momentum, momentum, 0.0)
+        with pytest.raises(ValueError, match=r"group 'momentum' reads what the server applies .*--momentum"):
+            group["momentum"] = 0.5
+        with pytest.raises(ValueError, match="the server applies no weight decay"):
+            group.setdefault("weight_decay", 1e-4)
+        with pytest.raises(KeyError):
+            group["nesterov"]
+        assert group.keys() == {"params"}

@@ -208,7 +208,9 @@ def test_the_optimizer_refuses_what_it_cannot_honour(server: InProcessServer) ->
     with gemps.pytorch.RemoteOptimizer(model, server.target) as optimizer:
         with pytest.raises(gemps.pytorch.ServerOwnsLearningRateError):  # at the line (test_torch_schedulers.py)
             optimizer.param_groups[0]["lr"] = 0.01
-        optimizer.param_groups[0]["momentum"] = 0.9
+        with pytest.raises(ValueError, match="'momentum' reads what the server applies"):  # at the line too
+            optimizer.param_groups[0]["momentum"] = 0.9
+        optimizer.param_groups[0]["nesterov"] = True  # a setting the server has not: refused at the step
         model(torch.ones(1, 4)).sum().backward()
         with pytest.raises(ValueError, match="the server owns them"):
             optimizer.step()
