@@ -43,7 +43,7 @@ from gemps_worker.on_ray.faults import replica_name  # noqa: E402
 from gemps_worker.on_ray.local import LOOPBACK, RemoveNode, local_cluster  # noqa: E402
 from gemps_worker.on_ray.run import follow_job  # noqa: E402
 from tests.e2e.test_ray import DEMO_BAR, NODES, SLICE, STEPS_PER_EPOCH  # noqa: E402
-from tests.e2e.test_ray_node_loss import check_every_worker_finished  # noqa: E402
+from tests.e2e.test_ray_node_loss import LOSS_NOTICED_IN, check_every_worker_finished  # noqa: E402
 from tests.etcd_server import require_etcd  # noqa: E402
 
 CPUS_PER_NODE = 2
@@ -62,7 +62,7 @@ POLL = 0.1  # seconds between the poller's looks at partition 0's replicas
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    with local_cluster(NODES + 1, CPUS_PER_NODE, head_cpus=0) as made:
+    with local_cluster(NODES + 1, CPUS_PER_NODE, head_cpus=0, loss_noticed_in=LOSS_NOTICED_IN) as made:
         yield made
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import time
@@ -35,14 +36,26 @@ LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's node address
 
 
 @contextlib.contextmanager
-def local_cluster(nodes: int, cpus_per_node: float, *, head_cpus: float | None = None) -> Iterator[Cluster]:
+def local_cluster(
+    nodes: int, cpus_per_node: float, *, head_cpus: float | None = None, loss_noticed_in: float | None = None
+) -> Iterator[Cluster]:
     """`nodes` Ray nodes of `cpus_per_node` (logical) CPUs here, this process connected to them.
     `head_cpus`: the head's instead (0, as Ray advises for real clusters, keeps actors off the
-    head, so that a test may lose any node that holds them: losing the head ends the cluster)."""
+    head, so that a test may lose any node that holds them: losing the head ends the cluster).
+    `loss_noticed_in`: seconds of failed health checks after which Ray marks a node dead, for tests
+    of what follows (Ray's defaults take 13-22 s here: scripts/ray_nodes.py measures with those)."""
     if os.environ.get(LOOPBACK_SWITCH) != "0":
         raise RuntimeError(f"set {LOOPBACK_SWITCH}=0 before importing ray: the nodes listen on {LOOPBACK} only")
     node: dict[str, Any] = {"num_cpus": cpus_per_node, "node_ip_address": LOOPBACK}
     head = {**node, "include_dashboard": False} | ({} if head_cpus is None else {"num_cpus": head_cpus})
+    if loss_noticed_in is not None:
+        # A check a second; a lost raylet refuses each at once, a slow one (a loaded machine) has 3 s.
+        checks = max(1, math.ceil(loss_noticed_in))
+        head["_system_config"] = {
+            "health_check_period_ms": 1000,
+            "health_check_timeout_ms": 3000,
+            "health_check_failure_threshold": checks,
+        }
     cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         for _ in range(nodes - 1):
