@@ -10,10 +10,14 @@ TORCH_INDEX ?=
 
 .PHONY: demo test test-fast lint typecheck unit integration e2e proto dashboards system-deps soak experiment bench clean
 
+# --no-compile: pip would byte-compile every module of every package (torch, ray and transformers hold
+# tens of thousands) at install; Python compiles the few that are imported, once, on first use.
+PIP_INSTALL := $(BIN)/pip install --quiet --no-compile
+
 $(BIN)/.installed: pyproject.toml server/gemps_server/_native.c
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet $(TORCH_INDEX) "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e '.[server,torch,ray,dev]'
+	$(PIP_INSTALL) $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(PIP_INSTALL) -e '.[server,torch,ray,dev]'
 	touch $@
 
 demo: $(BIN)/.installed  ## the main job: train GEM on this machine (server + 4 local workers)

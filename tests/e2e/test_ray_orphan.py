@@ -9,8 +9,8 @@ Now the actor sees its raylet gone (it was re-parented) and stops its server gra
 is gone within a second, having written its final checkpoint, and the partition restarts on another
 node from exactly that checkpoint. A user's function trains until the test has seen the restarted
 partition apply AFTER_RESTART commits, so the run outlasts however long Ray takes to mark the node
-dead (5 s on the test cluster: LOSS_NOTICED_IN). A second test (seconds, no cluster) covers a restarted life that finds an
-earlier life's server still running on its machine.
+dead (5 s on the test cluster: LOSS_NOTICED_IN). A second test (seconds, no cluster) covers a
+restarted life that finds an earlier life's server still running on its machine.
 
 CI cost: about 30 s on 2 shared cores, on the node-loss tests' cluster fixture.
 """
