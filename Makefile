@@ -10,14 +10,17 @@ TORCH_INDEX ?=
 
 .PHONY: demo test test-fast lint typecheck unit integration e2e proto dashboards system-deps soak experiment bench clean
 
-# --no-compile: pip would byte-compile every module of every package (torch, ray and transformers hold
-# tens of thousands) at install; Python compiles the few that are imported, once, on first use.
+# pip byte-compiles what it installs on one core (torch, ray and transformers hold tens of thousands
+# of modules); compileall does it after, on every core. Left to first imports instead, the several
+# worker processes a test starts at once would each compile the same torch modules. A file that does
+# not compile (some packages ship code for other Pythons) is one no import reaches: compiling is a cache.
 PIP_INSTALL := $(BIN)/pip install --quiet --no-compile
 
 $(BIN)/.installed: pyproject.toml server/gemps_server/_native.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(PIP_INSTALL) -e '.[server,torch,ray,dev]'
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $@
 
 demo: $(BIN)/.installed  ## the main job: train GEM on this machine (server + 4 local workers)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.reserved_ports import reserve, restore
+
 # Module -> group: tests of one group never run at the same time as each other.
 SERIAL_GROUPS = {
     "test_containers.py": "containers",
@@ -91,3 +93,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.alone)
         if module in FAULT_MODULES:
             item.add_marker(pytest.mark.faults)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Once per run, in the process that leads it (not in each xdist worker)."""
+    if not hasattr(session.config, "workerinput"):
+        session.config.stash[_RESERVED] = reserve()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):
+        restore(session.config.stash.get(_RESERVED, None))
+
+
+_RESERVED = pytest.StashKey[str | None]()

@@ -72,7 +72,7 @@ class ClientMetrics(NoMetrics):
         except ImportError as missing:  # the SDK installs without it
             raise ImportError(
                 f"Client(metrics_registry=...) needs prometheus_client, not installed here: "
-                f"pip install prometheus-client ({missing})"
+                f"pip install 'gemps[metrics]' ({missing})"
             ) from None
         self.width = numpy_dtype(wire_dtype).itemsize
 

@@ -95,4 +95,4 @@ except ImportError as error:
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert "needs prometheus_client, not installed here: pip install prometheus-client" in done.stdout
+    assert "needs prometheus_client, not installed here: pip install 'gemps[metrics]'" in done.stdout

@@ -51,7 +51,7 @@ def test_a_bad_link_rate_or_no_repetition_is_refused() -> None:
 def test_between_hosts_the_window_is_the_cross_host_benchs() -> None:
     assert ReplicasSpec(link="1gbit").seconds(10_000_000) == (3.0, 30.0)
     assert ReplicasSpec().seconds(10_000_000) == (3.0, 10.0)
-    assert ReplicasSpec(quick=True).seconds(10_000_000) == (0.5, 1.5)
+    assert ReplicasSpec(quick=True).seconds(10_000_000) == (0.25, 0.75)
     assert ReplicasSpec().mode == "loopback" and ReplicasSpec(link="1gbit", quick=True).mode == "cross-host 1gbit quick"
 
 
