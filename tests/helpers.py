@@ -13,6 +13,7 @@ import dataclasses
 import io
 import logging
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,18 @@ from gemps_server.config import ServerConfig
 from gemps_worker.cluster import free_port
 
 __all__ = ["free_port"]  # re-exported: the harness's, for tests that need a port number up front
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether `port` can be bound on `host` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 T = TypeVar("T")
 TRAINING_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingConfig))
 

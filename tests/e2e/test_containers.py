@@ -32,12 +32,13 @@ import yaml
 import gemps
 from gemps.records import Evaluation, ServerStatus
 from gemps.retry import NO_RETRY
-from tests.helpers import free_port, wait_for
+from tests.helpers import free_port, port_free, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 SCRAPE_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 RIG = "../shared/tools/container-rig --prometheus-tag v2.53.0"
+HOST_DATA_PORT = 51051  # docker-compose.yml's GEMPS_HOST_DATA_PORT default
 SERVICES = ("ps", "worker", "evaluator", "prometheus")  # not grafana: no image of it here
 WORKERS = 4
 # This workplace's only CPU PyTorch is a local torch==2.13.0 wheel that pip inside builds finds
@@ -299,6 +300,10 @@ def running_stack(name: str, workers: int, **variables: str) -> Iterator[Stack]:
     stack = Stack(f"gemps-{name}-{os.getpid()}", env, grpc_port, prometheus_port)
     build_args = [arg for pair in (("--build-arg", a) for a in BUILD_ARGS) for arg in pair]
     stack.compose("build", *build_args, "ps", "worker", timeout=840)
+    # The host keeps the data ports (51051 + i: the number the server announces); the last stack's
+    # container monitor may hold one for a moment after its `down` ("address already in use").
+    data_ports = [HOST_DATA_PORT + index for index in range(int(variables.get("GEMPS_PARTITIONS", "1")))]
+    wait_for(lambda: all(port_free(port) for port in data_ports), 60, f"host data ports {data_ports} free")
     try:
         stack.compose("up", "-d", "--scale", f"worker={workers}", *SERVICES)
         stack.require_workers(workers)

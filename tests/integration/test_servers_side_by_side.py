@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ from gemps_cli import server as server_command
 import gemps
 from gemps_server.config.listen import DATA_PORT_OFFSET, METRICS_PORT_OFFSET, REPLICATION_PORT_OFFSET
 from gemps_worker.processes import GEMPS_COMMAND, launch, wait_for_port_file
-from tests.helpers import scrape_series, wait_for
+from tests.helpers import port_free, scrape_series, wait_for
 
 STARTUP_SECONDS = 60.0
 
@@ -34,15 +33,6 @@ def wait_for_title(pid: int, title: str) -> None:
     wait_for(lambda: command_line(pid) == title, 10, title)
 
 
-def _free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def grpc_ports(count: int) -> list[int]:
     """`count` consecutive gRPC ports whose followers (data, replication, metrics) are all free now:
     between 41000 and 48000, where the metrics port 9109 + (port - 50051) is a port too."""
@@ -50,7 +40,7 @@ def grpc_ports(count: int) -> list[int]:
         first = random.randrange(41000, 48000)
         ports = range(first, first + count)
         offsets = (0, DATA_PORT_OFFSET, REPLICATION_PORT_OFFSET, METRICS_PORT_OFFSET)
-        if all(_free(port + offset) for port in ports for offset in offsets):
+        if all(port_free(port + offset) for port in ports for offset in offsets):
             return list(ports)
     pytest.fail("no free run of ports")
 

@@ -30,7 +30,11 @@ from gemps.resolver import REPLICA_SEPARATOR
 from gemps.retry import RetryPolicy
 
 ADDRESSES_FILE = "addresses"
-RESOLVE_TIMEOUT = 10.0  # seconds a worker waits for partition 0's actor to say where it is
+#: Seconds a worker waits for partition 0's actor to say where it is. The call waits for the actor
+#: while Ray restarts it (a lost node: noticed, the bundle placed again, the server restored from its
+#: checkpoint, up to a minute under load), and one whose restarts are spent fails at once, so the
+#: wait is long: at 10 s a worker restarted beside a moving partition 0 failed the job for good.
+RESOLVE_TIMEOUT = 120.0
 #: The SDK's default rides out 20 to 40 s; a node loss takes Ray about 14 s to notice, then the
 #: partition's bundle is placed again and its server restarts: about a minute of retries.
 NODE_LOSS_RETRY = RetryPolicy(max_attempts=30, initial_backoff=0.1, max_backoff=4.0)
