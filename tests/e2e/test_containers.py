@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -282,6 +283,25 @@ def require_base_images() -> None:
         pytest.fail(f"{absent} pulling it failed: {error}", pytrace=False)
 
 
+def start(stack: Stack, workers: int, data_ports: list[int], attempts: int = 3) -> None:
+    """`up` the stack. The host keeps the data ports (51051 + i: the number the server announces),
+    and in 4 full runs one was held for a moment around a stack's start ("address already in use":
+    the previous stack's container monitor after its `down`, or a socket the kernel gave out before
+    tests/reserved_ports.py kept them; not pinned down): wait for them, and start again after a
+    `down` when it happens anyway."""
+    for attempt in range(1, attempts + 1):
+        wait_for(lambda: all(port_free(port) for port in data_ports), 60, f"host data ports {data_ports} free")
+        try:
+            stack.compose("up", "-d", "--scale", f"worker={workers}", *SERVICES)
+            return
+        except AssertionError as failed:
+            if "address already in use" not in str(failed) or attempt == attempts:
+                raise
+            print(f"{stack.project}: a host port was taken at up (attempt {attempt}); down and up again")
+            stack.down()
+            time.sleep(2)
+
+
 def running_stack(name: str, workers: int, **variables: str) -> Iterator[Stack]:
     """Build the images (cached after the first time), start the stack with `workers` replicas
     and the extra `variables` in its environment, and tear it down after."""
@@ -300,12 +320,8 @@ def running_stack(name: str, workers: int, **variables: str) -> Iterator[Stack]:
     stack = Stack(f"gemps-{name}-{os.getpid()}", env, grpc_port, prometheus_port)
     build_args = [arg for pair in (("--build-arg", a) for a in BUILD_ARGS) for arg in pair]
     stack.compose("build", *build_args, "ps", "worker", timeout=840)
-    # The host keeps the data ports (51051 + i: the number the server announces); the last stack's
-    # container monitor may hold one for a moment after its `down` ("address already in use").
-    data_ports = [HOST_DATA_PORT + index for index in range(int(variables.get("GEMPS_PARTITIONS", "1")))]
-    wait_for(lambda: all(port_free(port) for port in data_ports), 60, f"host data ports {data_ports} free")
     try:
-        stack.compose("up", "-d", "--scale", f"worker={workers}", *SERVICES)
+        start(stack, workers, [HOST_DATA_PORT + i for i in range(int(variables.get("GEMPS_PARTITIONS", "1")))])
         stack.require_workers(workers)
         yield stack
     finally:
