@@ -24,6 +24,7 @@ from gemps_proto.schema_proto import tensor_from_proto, tensor_to_proto
 from gemps_proto.tensor_codec import EncodedTensor
 from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NOISE_WINDOW_OFF, NoiseEstimator
 from gemps_server.domain.records import Commit
+from gemps_server.domain.rules import RuleOptions
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
 
@@ -53,7 +54,9 @@ def main() -> None:
     # One state (the same θ, rule state and memory) commits with its estimator and without it, in
     # turn: two states measured apart differed by ±5% either way from where their arrays landed.
     state = ServerState(
-        TrainingConfig(rule=args.rule), WorkerRegistry(max_workers=args.workers, lease_ttl=3600), gem_kernel="auto"
+        TrainingConfig(rule=args.rule),
+        WorkerRegistry(max_workers=args.workers, lease_ttl=3600),
+        RuleOptions(gem_kernel="auto"),
     )
     spec = [ParameterSpec("w", (size,))]
     workers = [state.register(f"w{i}", spec, theta).worker.worker_id for i in range(args.workers)]

@@ -111,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
     say(f"training loss   {status.recent.describe_loss()}")
     say(f"held-out        {held_out_line(status)}")
     say(f"rule state      {memory_line(status)}")
+    if status.gem_state:
+        say(f"GEM state       {gem_state_line(status)}")
     say(f"rule            {status.config.rule} ({settings})")
     say(f"learning rate   {status.learning_rate:g} now ({status.config.lr_schedule} schedule)")
     # Partitions' sums add up to the whole of θ's; with some partitions unreachable, partition 0's slice only.
@@ -169,6 +171,22 @@ def memory_line(status: ServerStatus) -> str:
         return f"{used} (no memory budget: not initialised, or no limit found)"
     share = f"{100 * status.rule_state_bytes / budget:.0f}%"
     return f"{used} of a {_bytes(budget)} memory budget ({share}; raise it with --memory-budget-mb)"
+
+
+#: the fleet `gemps status` says the memory of, beside the one registered now
+FLEET = 100
+
+
+def gem_state_line(status: ServerStatus) -> str:
+    """How GEM keeps each worker's state and what it costs: "compact, 2.00 bytes per worker per
+    parameter (20.0 MiB a worker; 80.0 MiB shared); 100 workers: 2.0 GiB"."""
+    each, shared = status.worker_state_bytes, status.shared_rule_state_bytes
+    if not status.num_parameters:
+        return f"{status.gem_state} (no model yet)"
+    per_parameter = f"{each / status.num_parameters:.2f} bytes per worker per parameter"
+    besides = f"; {_bytes(shared)} shared" if shared else ""
+    fleet = f"{FLEET} workers: {_bytes(FLEET * each + shared)}"
+    return f"{status.gem_state}, {per_parameter} ({_bytes(each)} a worker{besides}); {fleet}"
 
 
 def _bytes(count: int) -> str:

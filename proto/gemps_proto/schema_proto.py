@@ -245,6 +245,9 @@ def status_to_proto(status: ServerStatus) -> pb.StatusResponse:
         memory_budget_bytes=status.memory_budget_bytes,
         rule_state_bytes=status.rule_state_bytes,
         recent=recent_to_proto(status.recent),
+        gem_state=status.gem_state,
+        worker_state_bytes=status.worker_state_bytes,
+        shared_rule_state_bytes=status.shared_rule_state_bytes,
     )
 
 
@@ -282,6 +285,9 @@ def status_from_proto(message: pb.StatusResponse) -> ServerStatus:
         memory_budget_bytes=message.memory_budget_bytes,
         rule_state_bytes=message.rule_state_bytes,
         recent=recent_from_proto(message.recent),
+        gem_state=message.gem_state,
+        worker_state_bytes=message.worker_state_bytes,
+        shared_rule_state_bytes=message.shared_rule_state_bytes,
     )
 
 

@@ -228,4 +228,7 @@ class ServerStatus:
     versions: Versions | None = None  # the server's software and protocol versions; None: not said
     memory_budget_bytes: int = 0  # what the rule's per-worker state may take here (0: no budget)
     rule_state_bytes: int = 0  # what the registered workers' rule state takes now
+    gem_state: str = ""  # how GEM keeps each worker's state: "exact" or "compact" ("" for the other rules)
+    worker_state_bytes: int = 0  # one registered worker's rule state
+    shared_rule_state_bytes: int = 0  # what the rule keeps for the workers together (compact GEM's references)
     recent: RecentCommits = RecentCommits()  # commits of the last minute: the rate, training loss, staleness

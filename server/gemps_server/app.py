@@ -32,7 +32,7 @@ from gemps_server.config_log import log_configuration
 from gemps_server.descriptors import reserve
 from gemps_server.domain.applier import Applier
 from gemps_server.domain.records import PartitionOf
-from gemps_server.domain.rules import rule_class
+from gemps_server.domain.rules import RuleOptions, rule_class
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.lifecycle import Stack, Step, Task, Together
@@ -73,7 +73,7 @@ class ParameterServer:
         reserve()  # descriptors kept from the start for checkpoints and shutdown (descriptors.py)
         self.metrics = ServerMetrics()
         memory = MemoryBudget(config.memory_budget_mb)
-        largest = rule_class(config.training.rule).vectors_per_worker * 4 * config.max_parameters
+        largest = rule_class(config.training.rule, config.gem_state).worker_state_bytes(config.max_parameters)
         if config.memory_budget_mb or config.max_parameters != DEFAULT_MAX_PARAMETERS:
             # A WARNING when they cannot all fit; with both defaults (2**28 values, no budget set)
             # it would fire on every machine: the bound is then set, and said, once θ's size is known.
@@ -81,8 +81,7 @@ class ParameterServer:
         self.state = ServerState(
             config.training,
             WorkerRegistry(config.max_workers, config.lease_ttl),
-            gem_kernel=config.gem_kernel,
-            gem_own_step=config.gem_own_step,
+            rule_options=RuleOptions(config.gem_kernel, config.gem_own_step, config.gem_state),
             partition=PartitionOf(config.partition, config.partitions),
             max_parameters=config.max_parameters,
             noise_window=config.noise_window,
@@ -251,6 +250,7 @@ class ParameterServer:
             parameters=lambda: state.num_parameters,
             # Read at scrape time from another thread: a stale-by-one value is fine for a gauge.
             rule_state_bytes=lambda: state.rule_state_bytes,
+            shared_rule_state_bytes=lambda: state.shared_rule_state_bytes,
             active_workers=lambda: len(state.registry),
             queue_depth=lambda: self.applier.depth,
             gradient_noise=lambda: state.noise.estimate,

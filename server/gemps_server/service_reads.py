@@ -101,4 +101,7 @@ def server_status(
         memory_budget_bytes=state.memory.bytes or 0,
         rule_state_bytes=state.rule_state_bytes,
         recent=state.registry.recent_commits(),
+        gem_state=state.gem_state,
+        worker_state_bytes=state.worker_state_bytes,
+        shared_rule_state_bytes=state.shared_rule_state_bytes,
     )

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from gemps_proto.ranges import INT64_MAX, RANGE, SECONDS, UINT32_MAX, Range
 from gemps_proto.schema import TrainingConfig
 from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NOISE_WINDOW_HELP, NOISE_WINDOWS
-from gemps_server.domain.rules import rule_names
+from gemps_server.domain.rules import GEM_STATES, rule_names
 from gemps_server.domain.rules.gem import GEM_KERNELS, GEM_OWN_STEP
 from gemps_server.memory_budget import MIB
 from gemps_server.native import compiled
@@ -33,7 +33,7 @@ class TrainingOptions:
 class WorkerOptions:
     """The workers the server takes (how many, how long a silent one keeps its place, their data
     shards, the memory their rule state may take) and how their commits are applied (GEM's
-    kernel, the noise estimate's window)."""
+    kernel and state, the noise estimate's window)."""
 
     gem_kernel: str = field(
         default="auto",
@@ -50,6 +50,15 @@ class WorkerOptions:
             "choices": GEM_OWN_STEP,
         },
     )
+    gem_state: str = field(
+        default="exact",
+        metadata={
+            "help": "how GEM keeps each worker's m_i and s_i: exact (two float32 vectors, 8 bytes per worker per "
+            "parameter) or compact (8-bit codes, about 2 bytes, plus two copies of theta the workers share; "
+            "DESIGN §1a)",
+            "choices": GEM_STATES,
+        },
+    )
     lease_ttl: float = field(
         default=60.0,
         metadata={
@@ -64,7 +73,8 @@ class WorkerOptions:
     memory_budget_mb: int = field(
         default=0,
         metadata={
-            "help": "memory for the rule's per-worker state (GEM: 2 float32 vectors of θ's size per worker), MiB; "
+            "help": "memory for the rule's per-worker state (GEM: 8 bytes per parameter per worker, compact about 2), "
+            "MiB; "
             "a registration past it is refused RESOURCE_EXHAUSTED (memory_budget). 0: what the server may still "
             "use when θ is initialised (the tightest of RLIMIT_AS, its cgroup's limit and available memory), "
             "less a reserve for θ's copies",
@@ -88,4 +98,6 @@ class WorkerOptions:
             return ["gem_kernel 'compiled' is not built here (no C compiler at install?): use auto or numpy"]
         if self.gem_own_step not in GEM_OWN_STEP:
             return [f"unknown gem_own_step {self.gem_own_step!r} (choose from {', '.join(GEM_OWN_STEP)})"]
+        if self.gem_state not in GEM_STATES:
+            return [f"unknown gem_state {self.gem_state!r} (choose from {', '.join(GEM_STATES)})"]
         return []

@@ -43,7 +43,7 @@ def take(state: ServerState, *, workers: bool = True) -> ReplicaImage:
         spec=state.spec,
         theta=state.theta_copy(),
         rule=state.rule_name,
-        rule_state=rule.global_state(),
+        rule_state=rule.global_state(workers=workers),
         buffer_spec=state.buffer_spec,
         buffers=state.buffers,  # never changed in place: no copy needed
         partition=state.partition,

@@ -38,7 +38,7 @@ from gemps_server.domain.records import (
     Snapshot,
 )
 from gemps_server.domain.room import capacity, check_room, out_of_memory
-from gemps_server.domain.rules import CommitRule, NonFiniteUpdate, create_rule
+from gemps_server.domain.rules import CommitRule, NonFiniteUpdate, RuleOptions
 from gemps_server.domain.workers import WorkerRecord, WorkerRegistry
 from gemps_server.memory_budget import MemoryBudget
 
@@ -70,12 +70,11 @@ class ServerState:
         self,
         training: TrainingConfig,
         registry: WorkerRegistry,
-        gem_kernel: str = "numpy",
+        rule_options: RuleOptions = RuleOptions.DEFAULT,
         partition: PartitionOf = ALL_OF_THETA,
         max_parameters: int | None = None,
         noise_window: int = NOISE_WINDOW_AUTO,
         memory: MemoryBudget | None = None,
-        gem_own_step: str = "counted",
     ) -> None:
         self._training = training
         # What the workers' rule state may take (memory_budget.py); no bound unless given.
@@ -84,7 +83,7 @@ class ServerState:
         self.partition = partition
         self.max_parameters = max_parameters  # None: no limit (ServerConfig.max_parameters)
         self.bounds = (0, 0)  # [start, stop) of θ held here, once initialised
-        self._gem_kernel, self._gem_own_step = gem_kernel, gem_own_step
+        self.rule_options = rule_options
         self.new_rule(0)  # fail fast on an unknown rule name or kernel
         self.rule_name = training.rule
         self.registry = registry
@@ -143,12 +142,22 @@ class ServerState:
     @property
     def worker_state_bytes(self) -> int:
         """Bytes of rule state one registered worker holds (GEM: m_i and s_i; 0 for the others)."""
-        return 0 if self.rule is None else self.rule.vectors_per_worker * 4 * self.num_parameters
+        return 0 if self.rule is None else self.rule.worker_state_bytes(self.num_parameters)
 
     @property
     def rule_state_bytes(self) -> int:
         """Bytes of rule state the registered workers hold (read by Status and metrics, off the applier)."""
         return self.worker_state_bytes * len(self.registry)
+
+    @property
+    def shared_rule_state_bytes(self) -> int:
+        """Bytes the rule keeps for its workers together (compact GEM's references), outside the budget."""
+        return 0 if self.rule is None else self.rule.shared_state_bytes
+
+    @property
+    def gem_state(self) -> str:
+        """--gem-state where the rule is GEM, else ""."""
+        return self.rule_options.gem_state if self.rule_name == "gem" else ""
 
     def theta_bound(self) -> float | None:
         """The rule's bound on max |θ| (CommitRule.theta_bound: kept for θ itself, not a copy)."""
@@ -321,7 +330,7 @@ class ServerState:
 
     def new_rule(self, num_parameters: int) -> CommitRule:
         """A fresh rule of this server's training config and kernel, for `num_parameters` values."""
-        return create_rule(self._training, num_parameters, kernel=self._gem_kernel, own_step=self._gem_own_step)
+        return self.rule_options.create(self._training, num_parameters)
 
     def new_noise(self) -> NoiseEstimator:
         """A fresh noise estimate with this server's window and batch size."""

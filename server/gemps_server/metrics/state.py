@@ -48,13 +48,26 @@ class StateMetrics:
         )
         self.rule_state = Gauge(
             "gemps_rule_state_bytes",
-            "Memory the commit rule keeps (GEM: 2 vectors per active worker).",
+            "Memory the commit rule keeps for the registered workers (GEM: 8 bytes per worker per parameter, "
+            "--gem-state compact about 2).",
+            registry=registry,
+        )
+        self.shared_rule_state = Gauge(
+            "gemps_rule_shared_state_bytes",
+            "Memory the commit rule keeps for its workers together, whatever their number (--gem-state compact: "
+            "two copies of the central variable its workers' states point into; 0 otherwise).",
             registry=registry,
         )
         self.queue_depth = Gauge("gemps_queue_depth", "Operations waiting for the applier.", registry=registry)
 
     def observe(
-        self, version: Reading, parameters: Reading, rule_state: Reading, active_workers: Reading, queue: Reading
+        self,
+        version: Reading,
+        parameters: Reading,
+        rule_state: Reading,
+        active_workers: Reading,
+        queue: Reading,
+        shared_rule_state: Reading = float,
     ) -> None:
         """Read the live state when scraped, so the gauges never go stale (eta: the announced
         training config's schedule at the live version)."""
@@ -62,6 +75,7 @@ class StateMetrics:
         self.learning_rate.set_function(lambda: learning_rate_at(self.training, int(version())))
         self.parameters.set_function(parameters)
         self.rule_state.set_function(rule_state)
+        self.shared_rule_state.set_function(shared_rule_state)
         self.active_workers.set_function(active_workers)
         self.queue_depth.set_function(queue)
 

@@ -9,13 +9,15 @@ passes it on.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from gemps_proto.schema import TrainingConfig
 from gemps_server.domain.rules.adaptive_staleness import AdaptiveStalenessRule
 from gemps_server.domain.rules.base import ApplyStats, CommitRule, NonFiniteUpdate
 from gemps_server.domain.rules.downpour import DownpourRule
 from gemps_server.domain.rules.gem import GemRule
+from gemps_server.domain.rules.gem_compact import CompactGemRule
 from gemps_server.domain.rules.momentum import MomentumRule
 
 _RULES: dict[str, type[CommitRule]] = {
@@ -27,17 +29,52 @@ def rule_names() -> list[str]:
     return list(_RULES)
 
 
-def rule_class(name: str) -> type[CommitRule]:
-    """The rule called `name`; ValueError listing the valid names otherwise."""
+#: how GEM keeps each worker's m_i and s_i: exact (float32, gem.py) or compact (8-bit codes, gem_compact.py)
+GEM_STATES = ("exact", "compact")
+
+
+def rule_class(name: str, gem_state: str = "exact") -> type[CommitRule]:
+    """The rule called `name` (GEM's in the form `gem_state` names); ValueError listing the valid
+    names otherwise."""
+    if gem_state not in GEM_STATES:
+        raise ValueError(f"unknown gem state {gem_state!r}; valid: {', '.join(GEM_STATES)}")
     try:
-        return _RULES[name]
+        found = _RULES[name]
     except KeyError:
         raise ValueError(f"unknown commit rule {name!r}; valid rules: {', '.join(_RULES)}") from None
+    return CompactGemRule if found is GemRule and gem_state == "compact" else found
 
 
-def create_rule(config: TrainingConfig, num_parameters: int, **options: Any) -> CommitRule:
+def create_rule(config: TrainingConfig, num_parameters: int, gem_state: str = "exact", **options: Any) -> CommitRule:
     """`config.rule`'s rule with its hyperparameters; `options` (e.g. `kernel`) go to rules that take them."""
-    return rule_class(config.rule).from_config(config, num_parameters, **options)
+    return rule_class(config.rule, gem_state).from_config(config, num_parameters, **options)
 
 
-__all__ = ["ApplyStats", "CommitRule", "NonFiniteUpdate", "create_rule", "rule_class", "rule_names"]
+@dataclass(frozen=True)
+class RuleOptions:
+    """How the server runs GEM, not what it computes (the server's options of the same names):
+    its kernel, what its c counts of a worker's own step, and how it keeps each worker's state."""
+
+    gem_kernel: str = "numpy"
+    gem_own_step: str = "counted"
+    gem_state: str = "exact"
+    DEFAULT: ClassVar[RuleOptions]
+
+    def create(self, config: TrainingConfig, num_parameters: int) -> CommitRule:
+        options = {"kernel": self.gem_kernel, "own_step": self.gem_own_step}
+        return create_rule(config, num_parameters, self.gem_state, **options)
+
+
+RuleOptions.DEFAULT = RuleOptions()
+
+
+__all__ = [
+    "GEM_STATES",
+    "ApplyStats",
+    "CommitRule",
+    "NonFiniteUpdate",
+    "RuleOptions",
+    "create_rule",
+    "rule_class",
+    "rule_names",
+]

@@ -173,8 +173,19 @@ class CommitRule(ABC):
     def remove_worker(self, worker_id: str) -> None:  # noqa: B027 (optional hook)
         """A worker left or was evicted: free its state."""
 
-    def global_state(self) -> dict[str, np.ndarray]:
-        """Copies of the rule's state shared by all workers (for checkpoints); none by default."""
+    @classmethod
+    def worker_state_bytes(cls, num_parameters: int) -> int:
+        """Bytes of state one registered worker holds for a model of `num_parameters` (memory accounting)."""
+        return cls.vectors_per_worker * 4 * num_parameters
+
+    @property
+    def shared_state_bytes(self) -> int:
+        """Bytes of state the rule keeps for its registered workers together (besides each one's): none by default."""
+        return 0
+
+    def global_state(self, workers: bool = True) -> dict[str, np.ndarray]:
+        """Copies of the rule's state shared by all workers; `workers` False: only what outlives the
+        workers' registrations (a checkpoint's). None by default."""
         return {}
 
     def load_global_state(self, state: dict[str, np.ndarray]) -> None:

@@ -28,7 +28,7 @@ class MomentumRule(OverflowGuard, CommitRule):
         self._spare_velocity = np.empty(0, dtype=np.float32)  # the next velocity is written out of place here
         self._velocity_peak = 0.0  # a bound on max |velocity|
 
-    def global_state(self) -> dict[str, np.ndarray]:
+    def global_state(self, workers: bool = True) -> dict[str, np.ndarray]:
         return {"velocity": self._velocity.copy()}
 
     def load_global_state(self, state: dict[str, np.ndarray]) -> None:

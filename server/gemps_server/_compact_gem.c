@@ -1,0 +1,508 @@
+/* GEM on compact per-worker state (`--gem-state compact`, rules/gem_compact.py), one pass a block.
+ *
+ * Worker i's m_i and s_i are not kept as float32: m_i as 8-bit codes against a scale per block
+ * (rules/block_codes.py), and s_i as such codes of its offset from a reference theta R that the
+ * rule shares between workers (s_i = R_g + offset_i, R_g the reference of the worker's generation).
+ * Per parameter, as rules/gem_compact.py's numpy pass and in its order, each operation rounded to
+ * float32 (no fused multiply-add):
+ *
+ *     Delta   = scale * u
+ *     m       = mu * decode(m_i) + Delta
+ *     c       = |theta - (R_read + decode(offset_i))|
+ *     pi      = clip((kappa*|m| - c) / (|Delta| + eps), 0, pi_max)        (gem_pi, as the exact kernel)
+ *     theta'  = theta + pi * Delta
+ *     offset' = (theta, or theta' when the own step is excluded) - R_write
+ *     m_i, offset_i <- encode(m), encode(offset')
+ *
+ * The new codes' scales are set before the block's pass, so it encodes as it goes (one pass, no
+ * scratch): m_i's is a bound on |m|, |mu| * its old scale + |scale| * max |u| (at most 1/(1 - mu)
+ * of the largest |Delta| lately: the codes' relative precision does not depend on the scale, only
+ * how far below it they reach); the offset's is max |theta - R_write| (the own step excluded: plus
+ * pi_max * max |Delta|), both from a first look at the block's u, theta and R_write.
+ *
+ * `write` 0 is a dry run that only checks that every new value is finite (the rule runs one first
+ * when its bounds cannot rule out an overflow, so a refused commit changes nothing); `write` 1
+ * moves theta and the codes in place. The statistics, the reply's mirror and the noise window are
+ * those of the exact kernel (_native_shared.h).
+ */
+#include "_native_shared.h"
+
+#define CODE_BLOCK 4096 /* block_codes.BLOCK */
+#define SMALL_BITS 0x38800000u /* bits of 2**-14: below it the code's step is linear */
+#define SUBNORMAL_SCALE 131072.0f /* 2**17 */
+#define LARGEST_CODE 120u /* block_codes.LARGEST_CODE: 1.0, the scale itself */
+#define ROUNDER 8388608.0f /* 2**23: (x + 2**23) - 2**23 is rint(x) for 0 <= x < 2**22, half to even */
+
+/* block_codes.DECODE[code] by arithmetic (a table's gather does not vectorise as well): a magnitude
+ * of 8 or more is a float32 whose exponent field is (magnitude >> 3) + 112 and whose top 3 mantissa
+ * bits are magnitude & 7; below 8 it is magnitude * 2**-17 (exact: an integer times a power of 2). */
+static inline __attribute__((always_inline)) float
+decode_code(uint8_t code)
+{
+    const uint32_t magnitude = code & 127u;
+    const uint32_t normal_bits = (magnitude << 20) + (112u << 23);
+    float value;
+    memcpy(&value, &normal_bits, sizeof value);
+    const float linear = (float)(int32_t)magnitude * 0x1p-17f;
+    value = magnitude < 8u ? linear : value;
+    return code & 128u ? -value : value;
+}
+
+static inline __attribute__((always_inline)) uint8_t
+encode_code(float x, float reciprocal)
+{
+    const float ratio = x * reciprocal;
+    uint32_t bits;
+    memcpy(&bits, &ratio, sizeof bits);
+    const uint32_t size_bits = bits & 0x7FFFFFFFu;
+    float small = fabsf(ratio) * SUBNORMAL_SCALE;
+    small = (small + ROUNDER) - ROUNDER;
+    const uint32_t large = ((size_bits + 0x7FFFFu + ((size_bits >> 20) & 1u)) >> 20) - 896u;
+    uint32_t magnitude = size_bits < SMALL_BITS ? (uint32_t)(int32_t)small : large;
+    magnitude = magnitude > LARGEST_CODE ? LARGEST_CODE : magnitude; /* a value past its scale saturates */
+    return (uint8_t)(magnitude | ((bits >> 24) & 0x80u));
+}
+
+/* 1 / scale, as block_codes.reciprocal: 1 for a scale of 0 (every value is then 0). */
+static inline __attribute__((always_inline)) float
+reciprocal_of(float scale)
+{
+    return 1.0f / (scale > 0.0f ? scale : 1.0f);
+}
+
+/* codes of `length` finite values against `scale` (their peak, for the whole-vector encodings). */
+static inline __attribute__((always_inline)) void
+encode_block(const float *restrict values, Py_ssize_t length, float scale, uint8_t *restrict codes)
+{
+    const float reciprocal = reciprocal_of(scale);
+    for (Py_ssize_t j = 0; j < length; j++) {
+        codes[j] = encode_code(values[j], reciprocal);
+    }
+}
+
+typedef struct {
+    float offset_peak; /* the largest offset scale over the blocks written */
+} CompactPeaks;
+
+typedef struct {
+    float scale, momentum, kappa, pi_max, epsilon;
+    int amplify, excluded;
+} Hyper;
+
+/* A block's new scales (block_codes.next_scales): m_i's bound and the offset's. */
+static inline __attribute__((always_inline)) void
+next_scales(const float *restrict bt, const float *restrict bw, const float *restrict bu, Py_ssize_t length,
+            const Hyper *restrict h, float proxy_scale, float *restrict proxy_next, float *restrict offset_next)
+{
+    float update_peak = 0.0f, offset_peak = 0.0f;
+#pragma omp simd reduction(max : update_peak, offset_peak)
+    for (Py_ssize_t j = 0; j < length; j++) {
+        const float update_size = fabsf(bu[j]), offset_size = fabsf(bt[j] - bw[j]);
+        update_peak = update_size > update_peak ? update_size : update_peak;
+        offset_peak = offset_size > offset_peak ? offset_size : offset_peak;
+    }
+    const float delta_peak = fabsf(h->scale) * update_peak;
+    *proxy_next = fabsf(h->momentum) * proxy_scale + delta_peak;
+    *offset_next = h->excluded ? offset_peak + h->pi_max * delta_peak : offset_peak;
+}
+
+/* One parameter, in the numpy pass's order (the terms each variant below uses). */
+#define COMPACT_PARAMETER                                                                                        \
+    const float delta = scale * bu[j];                                                                           \
+    float m = decode_code(bpc[j]) * proxy_scale;                                                                 \
+    m = momentum * m;                                                                                            \
+    m = m + delta;                                                                                               \
+    const float seen = br[j] + decode_code(boc[j]) * offset_scale;                                               \
+    const float current = bt[j];                                                                                 \
+    const float movement = fabsf(current - seen);                                                                \
+    float proxy_term, denominator;                                                                               \
+    const float pi = gem_pi(m, movement, delta, kappa, amplify, epsilon, pi_max, &proxy_term, &denominator);     \
+    const float step = pi * delta;                                                                               \
+    const float moved = current + step;                                                                          \
+    const float moved_offset = (excluded ? moved : current) - bw[j];
+
+#define HYPER_LOCALS                                                                                             \
+    const float scale = h->scale, momentum = h->momentum, kappa = h->kappa, pi_max = h->pi_max,                  \
+                epsilon = h->epsilon;                                                                            \
+    const int amplify = h->amplify, excluded = h->excluded;
+
+/* The block's update in place: theta and the codes (against the new scales), pi kept for the
+ * median's sample, the statistics and max |theta'| summed. */
+#define UPDATE_BLOCK(SUFFIX, TARGET)                                                                               \
+    TARGET static void update_block_##SUFFIX(                                                                      \
+        float *restrict bt, uint8_t *restrict bpc, float proxy_scale, float proxy_next, uint8_t *restrict boc,     \
+        float offset_scale, float offset_next, const float *restrict br, const float *restrict bw,                 \
+        const float *restrict bu, Py_ssize_t length, const Hyper *restrict h, float *restrict pis,                 \
+        Sums *restrict sums)                                                                                       \
+    {                                                                                                              \
+        HYPER_LOCALS                                                                                               \
+        const float proxy_reciprocal = reciprocal_of(proxy_next), offset_reciprocal = reciprocal_of(offset_next);  \
+        float pi_sum = 0.0f, proxy_sum = 0.0f, central_sum = 0.0f, at_zero = 0.0f, at_max = 0.0f;                  \
+        float theta_peak = 0.0f;                                                                                   \
+        _Pragma("omp simd reduction(+ : pi_sum, proxy_sum, central_sum, at_zero, at_max) reduction(max : theta_peak)") \
+        for (Py_ssize_t j = 0; j < length; j++) {                                                                  \
+            COMPACT_PARAMETER                                                                                      \
+            bt[j] = moved;                                                                                         \
+            bpc[j] = encode_code(m, proxy_reciprocal);                                                             \
+            boc[j] = encode_code(moved_offset, offset_reciprocal);                                                 \
+            pis[j] = pi;                                                                                           \
+            const float theta_size = fabsf(moved);                                                                 \
+            theta_peak = theta_size > theta_peak ? theta_size : theta_peak; /* a ternary vectorises, fmaxf not */  \
+            pi_sum += pi;                                                                                          \
+            proxy_sum += proxy_term;                                                                               \
+            central_sum += movement + pi * denominator;                                                            \
+            at_zero += pi <= 0.0f ? 1.0f : 0.0f;                                                                   \
+            at_max += pi >= pi_max ? 1.0f : 0.0f;                                                                  \
+        }                                                                                                          \
+        sums->pi_sum += pi_sum;                                                                                    \
+        sums->proxy_energy += proxy_sum;                                                                           \
+        sums->central_energy += central_sum;                                                                       \
+        sums->at_zero += at_zero;                                                                                  \
+        sums->at_max += at_max;                                                                                    \
+        sums->theta_peak = theta_peak > sums->theta_peak ? theta_peak : sums->theta_peak;                          \
+    }
+
+/* The same values, only checked: 1 when every new theta, m_i and offset is finite. */
+#define CHECK_BLOCK(SUFFIX, TARGET)                                                                                \
+    TARGET static int check_block_##SUFFIX(const float *restrict bt, const uint8_t *restrict bpc, float proxy_scale, \
+                                           const uint8_t *restrict boc, float offset_scale,                        \
+                                           const float *restrict br, const float *restrict bw,                     \
+                                           const float *restrict bu, Py_ssize_t length, const Hyper *restrict h)   \
+    {                                                                                                              \
+        HYPER_LOCALS                                                                                               \
+        float bad = 0.0f;                                                                                          \
+        _Pragma("omp simd reduction(+ : bad)")                                                                     \
+        for (Py_ssize_t j = 0; j < length; j++) {                                                                  \
+            COMPACT_PARAMETER                                                                                      \
+            bad += (moved - moved) + (m - m) + (moved_offset - moved_offset); /* 0 while all are finite */         \
+        }                                                                                                          \
+        return bad == 0.0f;                                                                                        \
+    }
+
+/* Each built for AVX-512 (512-bit vectors: this pass is bound by its arithmetic, and gcc's own choice
+ * of 256-bit ones for AVX-512 machines costs it a fifth), AVX2 and the x86-64 baseline, one picked
+ * when the module loads. Their own functions, dispatched once a block: inlined into the pass, gcc
+ * did not vectorise them. All round every operation alike: the same bytes whichever runs. */
+#define VARIANTS(MAKE)                                                                                             \
+    MAKE(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,prefer-vector-width=512"), noinline))) \
+    MAKE(avx2, __attribute__((target("avx2"), noinline)))                                                         \
+    MAKE(baseline, __attribute__((noinline)))
+VARIANTS(UPDATE_BLOCK)
+VARIANTS(CHECK_BLOCK)
+
+typedef void (*UpdateBlock)(float *restrict, uint8_t *restrict, float, float, uint8_t *restrict, float, float,
+                            const float *restrict, const float *restrict, const float *restrict, Py_ssize_t,
+                            const Hyper *restrict, float *restrict, Sums *restrict);
+typedef int (*CheckBlock)(const float *restrict, const uint8_t *restrict, float, const uint8_t *restrict, float,
+                          const float *restrict, const float *restrict, const float *restrict, Py_ssize_t,
+                          const Hyper *restrict);
+static int
+runs_avx512(void)
+{
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+static int
+runs_avx2(void)
+{
+    return __builtin_cpu_supports("avx2");
+}
+
+static int
+runs_baseline(void)
+{
+    return 1;
+}
+
+static const struct {
+    const char *name;
+    UpdateBlock update;
+    CheckBlock check;
+    int (*runs)(void); /* whether this CPU has what it was built for */
+} VARIANT_TABLE[] = {
+    {"avx512", update_block_avx512, check_block_avx512, runs_avx512},
+    {"avx2", update_block_avx2, check_block_avx2, runs_avx2},
+    {"baseline", update_block_baseline, check_block_baseline, runs_baseline},
+};
+#define VARIANT_COUNT (sizeof VARIANT_TABLE / sizeof VARIANT_TABLE[0])
+static size_t variant = VARIANT_COUNT - 1;
+
+void
+compact_codes_init(void)
+{
+    __builtin_cpu_init();
+    for (variant = 0; !VARIANT_TABLE[variant].runs(); variant++) {
+    }
+}
+
+PyObject *
+compact_kernel(PyObject *self, PyObject *args)
+{
+    const char *name = NULL;
+    if (!PyArg_ParseTuple(args, "|z", &name)) {
+        return NULL;
+    }
+    if (name != NULL) {
+        size_t found = 0;
+        while (found < VARIANT_COUNT && strcmp(VARIANT_TABLE[found].name, name) != 0) {
+            found++;
+        }
+        if (found == VARIANT_COUNT || !VARIANT_TABLE[found].runs()) {
+            PyErr_Format(PyExc_ValueError, "compact_kernel: %s is not one this CPU runs", name);
+            return NULL;
+        }
+        variant = found;
+    }
+    PyObject *names = PyList_New(0);
+    for (size_t index = 0; names != NULL && index < VARIANT_COUNT; index++) {
+        if (VARIANT_TABLE[index].runs()) {
+            PyObject *each = PyUnicode_FromString(VARIANT_TABLE[index].name);
+            if (each == NULL || PyList_Append(names, each) < 0) {
+                Py_XDECREF(each);
+                Py_CLEAR(names);
+                break;
+            }
+            Py_DECREF(each);
+        }
+    }
+    return names == NULL ? NULL : Py_BuildValue("(sN)", VARIANT_TABLE[variant].name, names);
+}
+
+static int
+compact_pass(float *restrict t, uint8_t *restrict pc, float *restrict ps, uint8_t *restrict oc, float *restrict os,
+             const float *restrict r_read, const float *restrict r_write, const float *restrict u, Py_ssize_t n,
+             const Hyper *restrict h, int write, Py_ssize_t stride, float *restrict sampled, Sums *restrict sums,
+             CompactPeaks *restrict peaks, float *restrict mirror, float *restrict window, Py_ssize_t wstride, int mode,
+             float *restrict pis)
+{
+    SampleCursor cursor = {0, 0};
+    for (Py_ssize_t start = 0; start < n; start += CODE_BLOCK) {
+        const Py_ssize_t length = start + CODE_BLOCK < n ? CODE_BLOCK : n - start, block = start / CODE_BLOCK;
+        float *restrict bt = t + start;
+        const float *restrict bu = u + start, *restrict br = r_read + start, *restrict bw = r_write + start;
+        if (!write) { /* a dry run: is every new value finite? (nothing written) */
+            if (!VARIANT_TABLE[variant].check(bt, pc + start, ps[block], oc + start, os[block], br, bw, bu, length, h)) {
+                return 0;
+            }
+            continue;
+        }
+        float proxy_next, offset_next;
+        next_scales(bt, bw, bu, length, h, ps[block], &proxy_next, &offset_next);
+        VARIANT_TABLE[variant].update(bt, pc + start, ps[block], proxy_next, oc + start, os[block], offset_next, br, bw, bu, length, h,
+                     pis, sums);
+        ps[block] = proxy_next;
+        os[block] = offset_next;
+        sums->proxy_peak = proxy_next > sums->proxy_peak ? proxy_next : sums->proxy_peak;
+        peaks->offset_peak = offset_next > peaks->offset_peak ? offset_next : peaks->offset_peak;
+        for (Py_ssize_t k = ((start + stride - 1) / stride) * stride; k < start + length; k += stride) {
+            sampled[k / stride] = pis[k - start];
+        }
+        if (mirror != NULL) {
+            memcpy(mirror + start, bt, (size_t)length * sizeof(float));
+        }
+        if (window != NULL) {
+            block_noise(bu, window, start, length, wstride, mode, &cursor, sums);
+        }
+    }
+    return 1;
+}
+
+/* An offset moved from one reference to another: s = R_from + decode(offset), offset' = s - R_to
+ * (0 where that is not finite: a theta near float32's largest), codes and peaks in place. */
+__attribute__((target_clones("avx2", "default"))) static float
+rebase_pass(uint8_t *restrict oc, float *restrict os, const float *restrict r_from, const float *restrict r_to,
+            Py_ssize_t n, float *restrict offset)
+{
+    float largest = 0.0f;
+    for (Py_ssize_t start = 0; start < n; start += CODE_BLOCK) {
+        const Py_ssize_t length = start + CODE_BLOCK < n ? CODE_BLOCK : n - start, block = start / CODE_BLOCK;
+        const float offset_scale = os[block];
+        float peak = 0.0f;
+        for (Py_ssize_t j = 0; j < length; j++) {
+            const float seen = r_from[start + j] + decode_code(oc[start + j]) * offset_scale;
+            float moved = seen - r_to[start + j];
+            moved = moved - moved == 0.0f ? moved : 0.0f;
+            offset[j] = moved;
+            const float size = fabsf(moved);
+            peak = size > peak ? size : peak;
+        }
+        encode_block(offset, length, peak, oc + start);
+        os[block] = peak;
+        largest = peak > largest ? peak : largest;
+    }
+    return largest;
+}
+
+/* codes and peaks of finite float32 values (a new worker's offset); returns the largest peak. */
+__attribute__((target_clones("avx2", "default"))) static float
+encode_pass(const float *restrict values, uint8_t *restrict codes, float *restrict scales, Py_ssize_t n)
+{
+    float largest = 0.0f;
+    for (Py_ssize_t start = 0; start < n; start += CODE_BLOCK) {
+        const Py_ssize_t length = start + CODE_BLOCK < n ? CODE_BLOCK : n - start;
+        float peak = 0.0f;
+#pragma omp simd reduction(max : peak)
+        for (Py_ssize_t j = 0; j < length; j++) {
+            const float size = fabsf(values[start + j]);
+            peak = size > peak ? size : peak;
+        }
+        encode_block(values + start, length, peak, codes + start);
+        scales[start / CODE_BLOCK] = peak;
+        largest = peak > largest ? peak : largest;
+    }
+    return largest;
+}
+
+static int
+sizes_fit(Py_ssize_t n, const Py_buffer *codes, const Py_buffer *scales)
+{
+    return codes->len == n && scales->len == (n + CODE_BLOCK - 1) / CODE_BLOCK * (Py_ssize_t)sizeof(float);
+}
+
+PyObject *
+compact_gem_update(PyObject *self, PyObject *args)
+{
+    Py_buffer theta, pc, ps, oc, os, r_read, r_write, update, samples, mirror, window;
+    PyObject *mirror_object = Py_None, *window_object = Py_None;
+    float scale, momentum, kappa, pi_max, epsilon;
+    int excluded, write, mode = WINDOW_START;
+    Py_ssize_t stride, wstride = 1;
+    if (!PyArg_ParseTuple(args, "w*w*w*w*w*y*y*y*fffffiinw*|OOni", &theta, &pc, &ps, &oc, &os, &r_read, &r_write,
+                          &update, &scale, &momentum, &kappa, &pi_max, &epsilon, &excluded, &write, &stride,
+                          &samples, &mirror_object, &window_object, &wstride, &mode)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    int have_mirror = 0, have_window = 0;
+    if (mirror_object != Py_None) {
+        if (PyObject_GetBuffer(mirror_object, &mirror, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            goto done;
+        }
+        have_mirror = 1;
+    }
+    if (window_object != Py_None) {
+        if (PyObject_GetBuffer(window_object, &window, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            goto done;
+        }
+        have_window = 1;
+    }
+    const Py_ssize_t n = theta.len / (Py_ssize_t)sizeof(float);
+    if (theta.len % (Py_ssize_t)sizeof(float) || !sizes_fit(n, &pc, &ps) || !sizes_fit(n, &oc, &os) ||
+        r_read.len != theta.len || r_write.len != theta.len || update.len != theta.len || stride < 1 ||
+        (have_mirror && mirror.len != theta.len) || wstride < 1 || mode < WINDOW_START || mode > WINDOW_LAST ||
+        (have_window && window.len != window_size(n, wstride) * (Py_ssize_t)sizeof(float)) ||
+        samples.len < ((n + stride - 1) / stride) * (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "compact_gem_update: buffers of different sizes");
+        goto done;
+    }
+    const void *written[] = {theta.buf, pc.buf, ps.buf, oc.buf, os.buf, have_mirror ? mirror.buf : NULL,
+                             have_window ? window.buf : NULL};
+    const void *read_only[] = {r_read.buf, r_write.buf, update.buf};
+    for (int a = 0; a < 7; a++) {
+        for (int b = 0; b < 7; b++) {
+            if (a != b && written[a] != NULL && written[a] == written[b]) {
+                PyErr_SetString(PyExc_ValueError, "compact_gem_update: the buffers it writes must be their own");
+                goto done;
+            }
+        }
+        for (int b = 0; b < 3; b++) {
+            if (written[a] != NULL && written[a] == read_only[b]) {
+                PyErr_SetString(PyExc_ValueError, "compact_gem_update: the buffers it writes must be their own");
+                goto done;
+            }
+        }
+    }
+    float *scratch = PyMem_RawMalloc(CODE_BLOCK * sizeof(float)); /* pi of a block, for the median's sample */
+    if (scratch == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Sums sums = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0f, 0.0f, 0.0, 0.0};
+    CompactPeaks peaks = {0.0f};
+    int finite;
+    MAYBE_RELEASE_GIL(n);
+    const Hyper hyper = {scale, momentum, kappa, pi_max, epsilon, kappa != 1.0f, excluded};
+    finite = compact_pass((float *)theta.buf, (uint8_t *)pc.buf, (float *)ps.buf, (uint8_t *)oc.buf, (float *)os.buf,
+                          (const float *)r_read.buf, (const float *)r_write.buf, (const float *)update.buf, n, &hyper,
+                          write, stride, (float *)samples.buf, &sums, &peaks, have_mirror ? (float *)mirror.buf : NULL,
+                          have_window ? (float *)window.buf : NULL, wstride, mode, scratch);
+    MAYBE_RESTORE_GIL()
+    PyMem_RawFree(scratch);
+    result = Py_BuildValue("(idnnddddddd)", finite, sums.pi_sum, (Py_ssize_t)sums.at_zero, (Py_ssize_t)sums.at_max,
+                           sums.proxy_energy, sums.central_energy, (double)sums.theta_peak, (double)sums.proxy_peak,
+                           (double)peaks.offset_peak, sums.payload_square, sums.window_square);
+done:
+    if (have_mirror) {
+        PyBuffer_Release(&mirror);
+    }
+    if (have_window) {
+        PyBuffer_Release(&window);
+    }
+    PyBuffer_Release(&theta);
+    PyBuffer_Release(&pc);
+    PyBuffer_Release(&ps);
+    PyBuffer_Release(&oc);
+    PyBuffer_Release(&os);
+    PyBuffer_Release(&r_read);
+    PyBuffer_Release(&r_write);
+    PyBuffer_Release(&update);
+    PyBuffer_Release(&samples);
+    return result;
+}
+
+PyObject *
+compact_rebase(PyObject *self, PyObject *args)
+{
+    Py_buffer oc, os, r_from, r_to;
+    if (!PyArg_ParseTuple(args, "w*w*y*y*", &oc, &os, &r_from, &r_to)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    const Py_ssize_t n = oc.len;
+    if (!sizes_fit(n, &oc, &os) || r_from.len != n * (Py_ssize_t)sizeof(float) || r_to.len != r_from.len) {
+        PyErr_SetString(PyExc_ValueError, "compact_rebase: buffers of different sizes");
+    } else {
+        float *scratch = PyMem_RawMalloc(CODE_BLOCK * sizeof(float));
+        if (scratch == NULL) {
+            PyErr_NoMemory();
+        } else {
+            float largest;
+            MAYBE_RELEASE_GIL(n);
+            largest = rebase_pass((uint8_t *)oc.buf, (float *)os.buf, (const float *)r_from.buf,
+                                  (const float *)r_to.buf, n, scratch);
+            MAYBE_RESTORE_GIL()
+            PyMem_RawFree(scratch);
+            result = PyFloat_FromDouble((double)largest);
+        }
+    }
+    PyBuffer_Release(&oc);
+    PyBuffer_Release(&os);
+    PyBuffer_Release(&r_from);
+    PyBuffer_Release(&r_to);
+    return result;
+}
+
+PyObject *
+compact_encode(PyObject *self, PyObject *args)
+{
+    Py_buffer values, codes, scales;
+    if (!PyArg_ParseTuple(args, "y*w*w*", &values, &codes, &scales)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    const Py_ssize_t n = codes.len;
+    if (!sizes_fit(n, &codes, &scales) || values.len != n * (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "compact_encode: buffers of different sizes");
+    } else {
+        float largest;
+        MAYBE_RELEASE_GIL(n);
+        largest = encode_pass((const float *)values.buf, (uint8_t *)codes.buf, (float *)scales.buf, n);
+        MAYBE_RESTORE_GIL()
+        result = PyFloat_FromDouble((double)largest);
+    }
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&codes);
+    PyBuffer_Release(&scales);
+    return result;
+}

@@ -1,0 +1,280 @@
+"""GEM with compact per-worker state (rules/gem_compact.py, block_codes.py, _compact_gem.c).
+
+The codes are checked against their definition written plainly in float64; the compiled kernel
+against the numpy pass bit for bit; the rule against the exact rule it approximates; and what a
+backup, a refused commit and a checkpoint need of it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from gemps_proto.schema import PayloadKind
+from gemps_server.domain.rules import GEM_STATES, CommitRule, NonFiniteUpdate, RuleOptions, rule_class
+from gemps_server.domain.rules import block_codes as codes
+from gemps_server.domain.rules.gem import GemRule
+from gemps_server.domain.rules.gem_compact import REFRESH_PER_WORKER, CompactGemRule
+from gemps_server.native import compiled
+from tests.helpers import training
+
+KERNELS = ["numpy", "compiled"] if compiled is not None else ["numpy"]
+HYPER = {"learning_rate": 0.05, "momentum": 0.9, "kappa": 1.0, "pi_max": 5.0}
+
+
+def exact_rule(kernel: str, size: int) -> GemRule:
+    return GemRule(size, learning_rate=0.05, momentum=0.9, kappa=1.0, pi_max=5.0, kernel=kernel)
+
+
+def reference_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """block_codes' definition in float64: each value x / peak rounded to 3 mantissa bits, half to
+    even, exponents down to 2**-14 and a step of 2**-17 below; code = sign, exponent, mantissa."""
+    found, out = [], np.empty(values.size, np.uint8)
+    for start in range(0, values.size, codes.BLOCK):
+        block = values[start : start + codes.BLOCK]
+        peak = np.float32(np.abs(block).max(initial=0.0))
+        found.append(peak)
+        ratio = block * (np.float32(1) / (peak if peak > 0 else np.float32(1)))  # float32, as specified
+        for j, y in enumerate(ratio.astype(np.float64)):
+            size = abs(y)
+            if size < 2.0**-14:
+                magnitude = int(np.rint(size * 2.0**17))
+            else:
+                exponent = math.floor(math.log2(size))
+                steps = np.rint(size / 2.0 ** (exponent - 3))  # 8..16, half to even
+                magnitude = (exponent + 15) * 8 + int(steps) - 8
+            out[start + j] = magnitude | (128 if math.copysign(1.0, y) < 0 else 0)
+    return out, np.array(found, np.float32)
+
+
+def spread_values(rng: np.random.Generator, size: int) -> np.ndarray:
+    """Values over 40 binades, exact zeros, negative zeros, and ties of the code's rounding."""
+    values = rng.standard_normal(size) * np.exp2(rng.uniform(-30, 10, size))
+    values[rng.random(size) < 0.03] = 0.0
+    values[rng.random(size) < 0.01] = -0.0
+    ties = rng.random(size) < 0.05  # x / peak exactly halfway between two codes
+    values[ties] = (8.5 + rng.integers(0, 8, ties.sum())) * 2.0 ** -rng.integers(4, 14, ties.sum())
+    return values.astype(np.float32)
+
+
+def test_codes_are_their_definition_and_the_compiled_ones_equal_numpys() -> None:
+    rng = np.random.default_rng(3)
+    values = spread_values(rng, 3 * codes.BLOCK + 123)  # a short last block
+    values[codes.BLOCK : 2 * codes.BLOCK] = 0.0  # a block of zeros: peak 0
+    expected_codes, expected_peaks = reference_codes(values)
+    found_codes = np.empty(values.size, np.uint8)
+    found_peaks = np.empty(codes.blocks(values.size), np.float32)
+    codes.encode(values, found_codes, found_peaks)
+    np.testing.assert_array_equal(found_codes, expected_codes)
+    np.testing.assert_array_equal(found_peaks, expected_peaks)
+    assert (found_codes & 0x7F).max() == codes.LARGEST_CODE and codes.valid_codes(found_codes)
+    if compiled is not None:
+        built_codes, built_peaks = np.empty_like(found_codes), np.empty_like(found_peaks)
+        largest = compiled.compact_encode(values, built_codes, built_peaks)
+        np.testing.assert_array_equal(built_codes, found_codes)
+        np.testing.assert_array_equal(built_peaks, found_peaks)
+        assert largest == found_peaks.max()
+
+
+def test_a_decoded_value_is_within_one_sixteenth_of_itself_or_a_small_step_of_its_peak() -> None:
+    values = spread_values(np.random.default_rng(4), 2 * codes.BLOCK)
+    found_codes = np.empty(values.size, np.uint8)
+    found_peaks = np.empty(codes.blocks(values.size), np.float32)
+    codes.encode(values, found_codes, found_peaks)
+    decoded = codes.decode(found_codes, found_peaks)
+    peak = np.repeat(found_peaks, codes.BLOCK)[: values.size].astype(np.float64)
+    error = np.abs(decoded.astype(np.float64) - values)
+    bound = np.maximum(np.abs(values) * 2.0**-4, peak * 2.0**-18) * (1 + 2.0**-20)
+    assert np.all(error <= bound)
+    assert np.all(np.signbit(decoded[values != 0]) == np.signbit(values[values != 0]))
+
+
+def new_rule(kernel: str, size: int, **options: float | str) -> CompactGemRule:
+    hyper = {**HYPER, **{k: float(v) for k, v in options.items() if not isinstance(v, str)}}
+    return CompactGemRule(
+        size,
+        learning_rate=hyper["learning_rate"],
+        momentum=hyper["momentum"],
+        kappa=hyper["kappa"],
+        pi_max=hyper["pi_max"],
+        kernel=kernel,
+        own_step=str(options.get("own_step", "counted")),
+    )
+
+
+def run_commits(
+    rule: CommitRule, theta: np.ndarray, workers: int, commits: int, seed: int
+) -> tuple[np.ndarray, list[tuple[float, float, float]]]:
+    """`commits` gradient commits of workers in a random order, gradients over many scales; theta
+    after them, and each commit's (mean pi, share at 0, share at pi_max)."""
+    rng = np.random.default_rng(seed)
+    for index in range(workers):
+        rule.add_worker(f"w{index}", theta)
+    stats = []
+    scales = np.exp2(rng.uniform(-12, 0, theta.size)).astype(np.float32)
+    for version in range(commits):
+        gradient = (rng.standard_normal(theta.size).astype(np.float32) + 0.3) * scales
+        worker = f"w{rng.integers(workers)}"
+        theta, applied = rule.step(theta, gradient, PayloadKind.GRADIENT, worker, 3, version=version)
+        stats.append((applied.scaling_mean, applied.fraction_at_zero, applied.fraction_at_max))
+    return theta, stats
+
+
+def state_of(rule: CompactGemRule, workers: int) -> dict[str, bytes]:
+    found = {f"global/{k}": v.tobytes() for k, v in rule.global_state().items()}
+    for index in range(workers):
+        found.update({f"w{index}/{k}": v.tobytes() for k, v in rule.worker_state(f"w{index}").items()})
+    return found
+
+
+VARIANTS = compiled.compact_kernel()[1] if compiled is not None else []
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each build of the compiled pass this CPU runs (AVX-512, AVX2, the x86-64 baseline) in turn."""
+    assert compiled is not None
+    chosen = compiled.compact_kernel()[0]
+    compiled.compact_kernel(request.param)
+    yield request.param
+    compiled.compact_kernel(chosen)
+
+
+@pytest.mark.skipif(compiled is None, reason="the compiled kernel was not built (no C compiler at install)")
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"own_step": "excluded"}, {"kappa": 2.0, "momentum": 0.5}, {"pi_max": 1000.0}],
+    ids=["default", "excluded", "kappa2", "unclamped"],
+)
+def test_compiled_kernel_equals_numpy_pass_bit_for_bit(options: dict[str, float | str], variant: str) -> None:
+    size, workers = 2 * codes.BLOCK + 77, 5
+    theta0 = np.random.default_rng(5).standard_normal(size).astype(np.float32)
+    results = {}
+    for kernel in KERNELS:
+        rule = new_rule(kernel, size, **options)
+        theta, _ = run_commits(rule, theta0.copy(), workers, commits=70, seed=6)
+        results[kernel] = theta, state_of(rule, workers), rule
+    (theta_numpy, state_numpy, rule_numpy), (theta_built, state_built, _) = results["numpy"], results["compiled"]
+    np.testing.assert_array_equal(theta_numpy, theta_built)
+    assert state_numpy == state_built
+    assert rule_numpy._generation >= 70 // (REFRESH_PER_WORKER * workers) - 1  # references were refreshed
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_compact_follows_the_exact_rule_closely(kernel: str) -> None:
+    """Same commits, same order: pi's mean and clamped shares, and theta, stay near the exact rule's."""
+    size, workers = codes.BLOCK + 500, 8
+    theta0 = np.random.default_rng(7).standard_normal(size).astype(np.float32)
+    exact_theta, exact = run_commits(exact_rule(kernel, size), theta0.copy(), workers, 160, seed=8)
+    compact_theta, compact = run_commits(new_rule(kernel, size), theta0.copy(), workers, 160, seed=8)
+    exact_stats, compact_stats = np.array(exact[20:]), np.array(compact[20:])
+    assert np.abs(compact_stats[:, 0] - exact_stats[:, 0]).mean() < 0.05 * exact_stats[:, 0].mean()
+    assert np.abs(compact_stats[:, 1:] - exact_stats[:, 1:]).mean() < 0.02
+    moved = np.abs(exact_theta - theta0).mean()
+    assert np.abs(compact_theta - exact_theta).mean() < 0.05 * moved
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_one_worker_moves_almost_as_the_exact_rule(kernel: str) -> None:
+    """DESIGN §1's constant-gradient sequence (0.05, 0.045, 0.0905, ...) within the codes' error."""
+    exact, compact = exact_rule(kernel, 3), new_rule(kernel, 3)
+    thetas = {}
+    for name, rule in (("exact", exact), ("compact", compact)):
+        theta = np.zeros(3, np.float32)
+        rule.add_worker("w", theta)
+        steps = []
+        for version in range(12):
+            before = theta.copy()
+            theta, _ = rule.step(theta, np.ones(3, np.float32), PayloadKind.GRADIENT, "w", 0, version=version)
+            steps.append(float(before[0] - theta[0]))
+        thetas[name] = np.array(steps)
+    np.testing.assert_allclose(thetas["exact"][:4], [0.05, 0.045, 0.0905, 0.0815], rtol=1e-3)
+    np.testing.assert_allclose(thetas["compact"], thetas["exact"], rtol=0.07)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_commit_that_would_overflow_is_refused_and_changes_nothing(kernel: str) -> None:
+    size = codes.BLOCK + 9
+    rule = new_rule(kernel, size)
+    theta, _ = run_commits(rule, np.ones(size, np.float32), 3, 10, seed=9)
+    big = np.zeros(size, np.float32)
+    big[-1] = 2e38  # past the in-place bound, yet finite: applied after the dry run
+    theta, _ = rule.step(theta, big, PayloadKind.UPDATE, "w1", 0, version=10)
+    assert np.isfinite(theta).all() and theta[-1] > 1e38
+    before, theta_before = state_of(rule, 3), theta.copy()
+    with pytest.raises(NonFiniteUpdate):  # m_i = mu * 2e38 + 2e38 is past float32's largest
+        rule.step(theta, big, PayloadKind.UPDATE, "w1", 0, version=11)
+    np.testing.assert_array_equal(theta, theta_before)
+    assert state_of(rule, 3) == before
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_backup_given_the_state_applies_the_same_commits_to_the_same_bits(kernel: str) -> None:
+    size, workers = codes.BLOCK + 31, 4
+    primary = new_rule(kernel, size)
+    theta, _ = run_commits(primary, np.random.default_rng(10).standard_normal(size).astype(np.float32), workers, 23, 11)
+    backup = new_rule(kernel, size)
+    backup.load_global_state(primary.global_state())
+    for index in range(workers):
+        backup.add_worker(f"w{index}", theta)
+        backup.load_worker_state(f"w{index}", primary.worker_state(f"w{index}"))
+    backup.load_theta_bound(theta, primary.theta_bound(theta) or 0.0)
+    assert state_of(backup, workers) == state_of(primary, workers)
+    rng = np.random.default_rng(12)
+    mirrored = theta.copy()
+    for version in range(23, 60):
+        gradient = rng.standard_normal(size).astype(np.float32)
+        worker = f"w{rng.integers(workers)}"
+        theta, _ = primary.step(theta, gradient, PayloadKind.GRADIENT, worker, 1, version=version)
+        mirrored, _ = backup.step(mirrored, gradient, PayloadKind.GRADIENT, worker, 1, version=version)
+    np.testing.assert_array_equal(theta, mirrored)
+    assert state_of(backup, workers) == state_of(primary, workers)
+
+
+def test_state_that_does_not_fit_is_refused_naming_what() -> None:
+    size = 100
+    rule = new_rule("numpy", size)
+    rule.add_worker("w", np.zeros(size, np.float32))
+    good = rule.worker_state("w")
+    bad_cases = {
+        "missing": {k: v for k, v in good.items() if k != "offset_codes"},
+        "dtype": {**good, "proxy_codes": good["proxy_codes"].astype(np.int16)},
+        "code": {**good, "proxy_codes": np.full(size, 121, np.uint8)},
+        "peak": {**good, "offset_scales": np.array([np.nan], np.float32)},
+        "generation": {**good, "generation": np.array(7, np.int64)},
+    }
+    for case, state in bad_cases.items():
+        with pytest.raises(ValueError, match="compact GEM"):
+            rule.load_worker_state("w", state)
+        assert rule.worker_state("w").keys() == good.keys(), case
+    with pytest.raises(ValueError, match="references"):
+        rule.load_global_state({**rule.global_state(), "reference_0": np.zeros(3, np.float32)})
+
+
+def test_a_checkpoint_keeps_none_of_it_and_a_restored_server_starts_afresh() -> None:
+    rule = new_rule("numpy", 50)
+    run_commits(rule, np.ones(50, np.float32), 2, 9, seed=13)
+    assert rule.global_state(workers=False) == {}
+    assert set(rule.global_state()) >= {"generation", "since_refresh", "reference_0"}
+    fresh = new_rule("numpy", 50)
+    fresh.load_global_state({})  # what a checkpoint restores
+    fresh.add_worker("w", np.full(50, 2.0, np.float32))
+    assert fresh.worker_state("w")["offset_scales"].max() == 0.0  # s_i = theta exactly, against its reference
+
+
+def test_memory_is_two_bytes_per_worker_per_parameter_and_two_shared_copies_of_theta() -> None:
+    size = 10 * codes.BLOCK + 1
+    rule = new_rule("numpy", size)
+    run_commits(rule, np.zeros(size, np.float32), 3, 2 * REFRESH_PER_WORKER * 3, seed=14)
+    held = sum(value.nbytes for value in rule.worker_state("w0").values() if value.ndim)
+    assert held == CompactGemRule.worker_state_bytes(size) == 2 * size + 8 * 11
+    assert rule.shared_state_bytes == 2 * 4 * size
+    assert rule_class("gem", "compact") is CompactGemRule and rule_class("gem") is GemRule
+    assert rule_class("downpour", "compact").worker_state_bytes(size) == 0
+    assert GemRule.worker_state_bytes(size) == 8 * size
+    assert GEM_STATES == ("exact", "compact")
+    with pytest.raises(ValueError, match="unknown gem state 'small'"):
+        rule_class("gem", "small")
+    assert isinstance(RuleOptions(gem_state="compact").create(training("gem"), size), CompactGemRule)
