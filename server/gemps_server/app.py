@@ -87,7 +87,7 @@ class ParameterServer:
             noise_window=config.noise_window,
             memory=memory,
         )
-        self.applier = Applier(observer=lambda timing: self.metrics.applier_ran(timing.run_seconds))
+        self.applier = Applier(observer=lambda timing: self.metrics.applier_ran(timing.run_seconds, timing.cpu_seconds))
         self._observe_state()
         self.checkpointer = (
             Checkpointer(config, self.state, self.applier, self.metrics) if config.checkpoint_dir else None

@@ -153,3 +153,24 @@ def test_run_blocking_raises_the_operations_error_and_refuses_after_stop() -> No
         pass
     else:
         raise AssertionError("ran after stop")
+
+
+def test_an_operations_cpu_time_leaves_out_what_it_waited() -> None:
+    """gemps_applier_cpu_seconds: an operation that sleeps costs its thread no CPU, one that
+    computes costs about its time; both queued and inline (on the caller's thread)."""
+
+    def compute() -> None:
+        until = time.thread_time() + 0.05
+        while time.thread_time() < until:
+            pass
+
+    applier = Applier()
+    applier.start()
+    try:
+        for inline in (False, True):
+            slept = run_blocking(applier, lambda: time.sleep(0.2), inline).timing
+            assert slept.run_seconds >= 0.2 and slept.cpu_seconds < 0.1, slept
+            computed = run_blocking(applier, compute, inline).timing
+            assert computed.cpu_seconds >= 0.05 and computed.cpu_seconds <= computed.run_seconds + 0.01, computed
+    finally:
+        applier.stop()

@@ -27,6 +27,7 @@ class Timing:
 
     queued_seconds: float
     run_seconds: float
+    cpu_seconds: float = 0.0  # the running thread's CPU time (the wall time less what others took of the core)
 
 
 @dataclass(frozen=True)
@@ -140,14 +141,14 @@ class Applier:
             return True
 
     def _run_inline(self, operation: Callable[[], T]) -> Timed[T]:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         try:
             with self._running:
                 result = operation()
         finally:
             with self._pending_lock:
                 self._pending -= 1
-        timing = Timing(0.0, time.perf_counter() - started)
+        timing = Timing(0.0, time.perf_counter() - started, time.thread_time() - cpu)
         if self._observer is not None:
             self._observer(timing)
         return Timed(result, timing)
@@ -170,12 +171,12 @@ class Applier:
         result: Any = None
         error: BaseException | None = None
         with self._running:  # an inline operation claimed before this was queued may still run
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.thread_time()
             try:
                 result = operation()
             except Exception as exc:  # delivered to whoever submitted it
                 error = exc
-            timing = Timing(started - queued_at, time.perf_counter() - started)
+            timing = Timing(started - queued_at, time.perf_counter() - started, time.thread_time() - cpu)
         with self._pending_lock:
             self._pending -= 1
         if self._observer is not None:

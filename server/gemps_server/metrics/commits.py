@@ -61,6 +61,12 @@ class CommitMetrics:
             "Time the single applier thread spent running operations (rate: its utilisation, 0..1).",
             registry=registry,
         )
+        self.applier_cpu = Counter(
+            "gemps_applier_cpu_seconds",
+            "CPU time the operations of the single applier took (busy seconds less the time other threads and "
+            "processes had the core: what an operation costs, whatever the machine's load).",
+            registry=registry,
+        )
 
     def applied(
         self, staleness: int, loss: float | None, num_samples: int | None, queued_seconds: float, apply_seconds: float
@@ -77,6 +83,7 @@ class CommitMetrics:
     def rejected(self, reason: Reason) -> None:
         self.commits.labels("rejected", reason.value).inc()
 
-    def applier_ran(self, run_seconds: float) -> None:
+    def applier_ran(self, run_seconds: float, cpu_seconds: float = 0.0) -> None:
         """Called on the applier's thread after every operation it ran (commit or not)."""
         self.applier_busy.inc(run_seconds)
+        self.applier_cpu.inc(cpu_seconds)

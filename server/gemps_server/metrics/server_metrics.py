@@ -68,9 +68,9 @@ class ServerMetrics:
 
     # -- events ----------------------------------------------------------------------------------
 
-    def applier_ran(self, run_seconds: float) -> None:
+    def applier_ran(self, run_seconds: float, cpu_seconds: float = 0.0) -> None:
         """Called on the applier's thread after every operation it ran (commit or not)."""
-        self.commits.applier_ran(run_seconds)
+        self.commits.applier_ran(run_seconds, cpu_seconds)
 
     def applied(
         self,

@@ -57,6 +57,7 @@ class RunConfig:
     # Commits per worker, at most (0: the epochs decide). N workers of batch b with max_steps = E/(N b)
     # train on the same E samples whatever N is (the tuning sweep's equal budgets).
     max_steps: int = 0
+    gem_state: str = "exact"  # the server's --gem-state: how GEM keeps each worker's m_i and s_i
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ def run(config: RunConfig, folder: Path, eval_interval: float = 1.0) -> RunResul
     server = {
         **values_of(config.training),
         "max_workers": max(256, config.workers),
+        "gem_state": config.gem_state,
         "lease_ttl": 300.0,
         "metrics_port": -1,
         "log_level": "warning",

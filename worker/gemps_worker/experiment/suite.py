@@ -204,11 +204,37 @@ def agn_comparison(epochs: int = 10, settings: ChosenSettings | None = None) -> 
     return runs
 
 
+def gem_state_suite(epochs: int = 10) -> list[RunConfig]:
+    """GEM with each worker's state exact and compact (issue 45), on two models: the digits CNN at
+    the reference count of workers, and the tuning guide's language model with its recipe (eta 0.1,
+    batch 32, 200 commits per worker, 8 workers)."""
+    runs = []
+    for state in ("exact", "compact"):
+        suffix = "" if state == "exact" else "-compact"
+        digits = training("gem")
+        runs.append(RunConfig(f"gem-n{REFERENCE_WORKERS}{suffix}", REFERENCE_WORKERS, digits, epochs, gem_state=state))
+        language = training("gem", learning_rate=0.1, batch_size=32)
+        runs.append(
+            RunConfig(
+                f"lm-gem-n8{suffix}",
+                8,
+                language,
+                epochs=2,
+                model="char-gpt",
+                dataset="stdlib-text",
+                max_steps=200,
+                gem_state=state,
+            )
+        )
+    return runs
+
+
 SUITES: dict[str, Callable[[int], list[RunConfig]]] = {
     "full": full_suite,
     "quick": lambda epochs: quick_suite(),  # always 2 epochs
     "agn-sweep": agn_sweep,
     "agn": agn_comparison,
+    "gem-state": gem_state_suite,
 }
 SUITE_HELP = {
     "full": "the GEM paper's comparisons: GEM, DOWNPOUR, adaptive staleness at 5..100 workers, eta, kappa, modes",
@@ -217,6 +243,8 @@ SUITE_HELP = {
     "agn": "AGN, DynSGD, EASGD at their chosen settings, DOWNPOUR and GEM at "
     + ", ".join(str(n) for n in COMPARISON_WORKERS)
     + " workers",
+    "gem-state": f"GEM with --gem-state exact and compact: digits CNN at {REFERENCE_WORKERS} workers, the character "
+    "language model at 8",
 }
 
 
