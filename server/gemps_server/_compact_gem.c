@@ -25,60 +25,7 @@
  * moves theta and the codes in place. The statistics, the reply's mirror and the noise window are
  * those of the exact kernel (_native_shared.h).
  */
-#include "_native_shared.h"
-
-#define CODE_BLOCK 4096 /* block_codes.BLOCK */
-#define SMALL_BITS 0x38800000u /* bits of 2**-14: below it the code's step is linear */
-#define SUBNORMAL_SCALE 131072.0f /* 2**17 */
-#define LARGEST_CODE 120u /* block_codes.LARGEST_CODE: 1.0, the scale itself */
-#define ROUNDER 8388608.0f /* 2**23: (x + 2**23) - 2**23 is rint(x) for 0 <= x < 2**22, half to even */
-
-/* block_codes.DECODE[code] by arithmetic (a table's gather does not vectorise as well): a magnitude
- * of 8 or more is a float32 whose exponent field is (magnitude >> 3) + 112 and whose top 3 mantissa
- * bits are magnitude & 7; below 8 it is magnitude * 2**-17 (exact: an integer times a power of 2). */
-static inline __attribute__((always_inline)) float
-decode_code(uint8_t code)
-{
-    const uint32_t magnitude = code & 127u;
-    const uint32_t normal_bits = (magnitude << 20) + (112u << 23);
-    float value;
-    memcpy(&value, &normal_bits, sizeof value);
-    const float linear = (float)(int32_t)magnitude * 0x1p-17f;
-    value = magnitude < 8u ? linear : value;
-    return code & 128u ? -value : value;
-}
-
-static inline __attribute__((always_inline)) uint8_t
-encode_code(float x, float reciprocal)
-{
-    const float ratio = x * reciprocal;
-    uint32_t bits;
-    memcpy(&bits, &ratio, sizeof bits);
-    const uint32_t size_bits = bits & 0x7FFFFFFFu;
-    float small = fabsf(ratio) * SUBNORMAL_SCALE;
-    small = (small + ROUNDER) - ROUNDER;
-    const uint32_t large = ((size_bits + 0x7FFFFu + ((size_bits >> 20) & 1u)) >> 20) - 896u;
-    uint32_t magnitude = size_bits < SMALL_BITS ? (uint32_t)(int32_t)small : large;
-    magnitude = magnitude > LARGEST_CODE ? LARGEST_CODE : magnitude; /* a value past its scale saturates */
-    return (uint8_t)(magnitude | ((bits >> 24) & 0x80u));
-}
-
-/* 1 / scale, as block_codes.reciprocal: 1 for a scale of 0 (every value is then 0). */
-static inline __attribute__((always_inline)) float
-reciprocal_of(float scale)
-{
-    return 1.0f / (scale > 0.0f ? scale : 1.0f);
-}
-
-/* codes of `length` finite values against `scale` (their peak, for the whole-vector encodings). */
-static inline __attribute__((always_inline)) void
-encode_block(const float *restrict values, Py_ssize_t length, float scale, uint8_t *restrict codes)
-{
-    const float reciprocal = reciprocal_of(scale);
-    for (Py_ssize_t j = 0; j < length; j++) {
-        codes[j] = encode_code(values[j], reciprocal);
-    }
-}
+#include "_compact_codes.h"
 
 typedef struct {
     float offset_peak; /* the largest offset scale over the blocks written */
@@ -89,7 +36,7 @@ typedef struct {
     int amplify, excluded;
 } Hyper;
 
-/* A block's new scales (block_codes.next_scales): m_i's bound and the offset's. */
+/* A block's new scales, as gem_compact.py's numpy pass: m_i's bound and the offset's. */
 static inline __attribute__((always_inline)) void
 next_scales(const float *restrict bt, const float *restrict bw, const float *restrict bu, Py_ssize_t length,
             const Hyper *restrict h, float proxy_scale, float *restrict proxy_next, float *restrict offset_next)
@@ -308,58 +255,6 @@ compact_pass(float *restrict t, uint8_t *restrict pc, float *restrict ps, uint8_
     return 1;
 }
 
-/* An offset moved from one reference to another: s = R_from + decode(offset), offset' = s - R_to
- * (0 where that is not finite: a theta near float32's largest), codes and peaks in place. */
-__attribute__((target_clones("avx2", "default"))) static float
-rebase_pass(uint8_t *restrict oc, float *restrict os, const float *restrict r_from, const float *restrict r_to,
-            Py_ssize_t n, float *restrict offset)
-{
-    float largest = 0.0f;
-    for (Py_ssize_t start = 0; start < n; start += CODE_BLOCK) {
-        const Py_ssize_t length = start + CODE_BLOCK < n ? CODE_BLOCK : n - start, block = start / CODE_BLOCK;
-        const float offset_scale = os[block];
-        float peak = 0.0f;
-        for (Py_ssize_t j = 0; j < length; j++) {
-            const float seen = r_from[start + j] + decode_code(oc[start + j]) * offset_scale;
-            float moved = seen - r_to[start + j];
-            moved = moved - moved == 0.0f ? moved : 0.0f;
-            offset[j] = moved;
-            const float size = fabsf(moved);
-            peak = size > peak ? size : peak;
-        }
-        encode_block(offset, length, peak, oc + start);
-        os[block] = peak;
-        largest = peak > largest ? peak : largest;
-    }
-    return largest;
-}
-
-/* codes and peaks of finite float32 values (a new worker's offset); returns the largest peak. */
-__attribute__((target_clones("avx2", "default"))) static float
-encode_pass(const float *restrict values, uint8_t *restrict codes, float *restrict scales, Py_ssize_t n)
-{
-    float largest = 0.0f;
-    for (Py_ssize_t start = 0; start < n; start += CODE_BLOCK) {
-        const Py_ssize_t length = start + CODE_BLOCK < n ? CODE_BLOCK : n - start;
-        float peak = 0.0f;
-#pragma omp simd reduction(max : peak)
-        for (Py_ssize_t j = 0; j < length; j++) {
-            const float size = fabsf(values[start + j]);
-            peak = size > peak ? size : peak;
-        }
-        encode_block(values + start, length, peak, codes + start);
-        scales[start / CODE_BLOCK] = peak;
-        largest = peak > largest ? peak : largest;
-    }
-    return largest;
-}
-
-static int
-sizes_fit(Py_ssize_t n, const Py_buffer *codes, const Py_buffer *scales)
-{
-    return codes->len == n && scales->len == (n + CODE_BLOCK - 1) / CODE_BLOCK * (Py_ssize_t)sizeof(float);
-}
-
 PyObject *
 compact_gem_update(PyObject *self, PyObject *args)
 {
@@ -448,61 +343,5 @@ done:
     PyBuffer_Release(&r_write);
     PyBuffer_Release(&update);
     PyBuffer_Release(&samples);
-    return result;
-}
-
-PyObject *
-compact_rebase(PyObject *self, PyObject *args)
-{
-    Py_buffer oc, os, r_from, r_to;
-    if (!PyArg_ParseTuple(args, "w*w*y*y*", &oc, &os, &r_from, &r_to)) {
-        return NULL;
-    }
-    PyObject *result = NULL;
-    const Py_ssize_t n = oc.len;
-    if (!sizes_fit(n, &oc, &os) || r_from.len != n * (Py_ssize_t)sizeof(float) || r_to.len != r_from.len) {
-        PyErr_SetString(PyExc_ValueError, "compact_rebase: buffers of different sizes");
-    } else {
-        float *scratch = PyMem_RawMalloc(CODE_BLOCK * sizeof(float));
-        if (scratch == NULL) {
-            PyErr_NoMemory();
-        } else {
-            float largest;
-            MAYBE_RELEASE_GIL(n);
-            largest = rebase_pass((uint8_t *)oc.buf, (float *)os.buf, (const float *)r_from.buf,
-                                  (const float *)r_to.buf, n, scratch);
-            MAYBE_RESTORE_GIL()
-            PyMem_RawFree(scratch);
-            result = PyFloat_FromDouble((double)largest);
-        }
-    }
-    PyBuffer_Release(&oc);
-    PyBuffer_Release(&os);
-    PyBuffer_Release(&r_from);
-    PyBuffer_Release(&r_to);
-    return result;
-}
-
-PyObject *
-compact_encode(PyObject *self, PyObject *args)
-{
-    Py_buffer values, codes, scales;
-    if (!PyArg_ParseTuple(args, "y*w*w*", &values, &codes, &scales)) {
-        return NULL;
-    }
-    PyObject *result = NULL;
-    const Py_ssize_t n = codes.len;
-    if (!sizes_fit(n, &codes, &scales) || values.len != n * (Py_ssize_t)sizeof(float)) {
-        PyErr_SetString(PyExc_ValueError, "compact_encode: buffers of different sizes");
-    } else {
-        float largest;
-        MAYBE_RELEASE_GIL(n);
-        largest = encode_pass((const float *)values.buf, (uint8_t *)codes.buf, (float *)scales.buf, n);
-        MAYBE_RESTORE_GIL()
-        result = PyFloat_FromDouble((double)largest);
-    }
-    PyBuffer_Release(&values);
-    PyBuffer_Release(&codes);
-    PyBuffer_Release(&scales);
     return result;
 }
