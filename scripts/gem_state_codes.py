@@ -201,9 +201,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="append each result as a JSON line here")
     parser.add_argument("--rules", action="store_true", help="gemps' own rules, exact against compact, instead")
+    parser.add_argument(
+        "--refresh-per-worker", type=int, default=0, help="--rules: the compact rule's REFRESH_PER_WORKER (0: its own)"
+    )
     args = parser.parse_args()
     if args.rules:
-        found = teacher_forced_rules(args.workers, args.steps, args.seed)
+        if args.refresh_per_worker:
+            from gemps_server.domain.rules import gem_compact
+
+            gem_compact.REFRESH_PER_WORKER = args.refresh_per_worker
+        found = {
+            **teacher_forced_rules(args.workers, args.steps, args.seed),
+            "refresh_per_worker": args.refresh_per_worker,
+        }
         print(json.dumps(found), flush=True)
         if args.out is not None:
             with args.out.open("a") as out:

@@ -73,17 +73,18 @@ next_scales(const float *restrict bt, const float *restrict bw, const float *res
                 epsilon = h->epsilon;                                                                            \
     const int amplify = h->amplify, excluded = h->excluded;
 
-/* The block's update in place: theta and the codes (against the new scales), pi kept for the
- * median's sample, the statistics and max |theta'| summed. */
+/* The block's update in place: its new scales (into *proxy_next and *offset_next), then theta and
+ * the codes against them, pi kept for the median's sample, the statistics and max |theta'| summed. */
 #define UPDATE_BLOCK(SUFFIX, TARGET)                                                                               \
     TARGET static void update_block_##SUFFIX(                                                                      \
-        float *restrict bt, uint8_t *restrict bpc, float proxy_scale, float proxy_next, uint8_t *restrict boc,     \
-        float offset_scale, float offset_next, const float *restrict br, const float *restrict bw,                 \
-        const float *restrict bu, Py_ssize_t length, const Hyper *restrict h, float *restrict pis,                 \
-        Sums *restrict sums)                                                                                       \
+        float *restrict bt, uint8_t *restrict bpc, float proxy_scale, float *restrict proxy_next,                  \
+        uint8_t *restrict boc, float offset_scale, float *restrict offset_next, const float *restrict br,          \
+        const float *restrict bw, const float *restrict bu, Py_ssize_t length, const Hyper *restrict h,            \
+        float *restrict pis, Sums *restrict sums)                                                                  \
     {                                                                                                              \
         HYPER_LOCALS                                                                                               \
-        const float proxy_reciprocal = reciprocal_of(proxy_next), offset_reciprocal = reciprocal_of(offset_next);  \
+        next_scales(bt, bw, bu, length, h, proxy_scale, proxy_next, offset_next);                                  \
+        const float proxy_reciprocal = reciprocal_of(*proxy_next), offset_reciprocal = reciprocal_of(*offset_next); \
         float pi_sum = 0.0f, proxy_sum = 0.0f, central_sum = 0.0f, at_zero = 0.0f, at_max = 0.0f;                  \
         float theta_peak = 0.0f;                                                                                   \
         _Pragma("omp simd reduction(+ : pi_sum, proxy_sum, central_sum, at_zero, at_max) reduction(max : theta_peak)") \
@@ -137,9 +138,9 @@ next_scales(const float *restrict bt, const float *restrict bw, const float *res
 VARIANTS(UPDATE_BLOCK)
 VARIANTS(CHECK_BLOCK)
 
-typedef void (*UpdateBlock)(float *restrict, uint8_t *restrict, float, float, uint8_t *restrict, float, float,
-                            const float *restrict, const float *restrict, const float *restrict, Py_ssize_t,
-                            const Hyper *restrict, float *restrict, Sums *restrict);
+typedef void (*UpdateBlock)(float *restrict, uint8_t *restrict, float, float *restrict, uint8_t *restrict, float,
+                            float *restrict, const float *restrict, const float *restrict, const float *restrict,
+                            Py_ssize_t, const Hyper *restrict, float *restrict, Sums *restrict);
 typedef int (*CheckBlock)(const float *restrict, const uint8_t *restrict, float, const uint8_t *restrict, float,
                           const float *restrict, const float *restrict, const float *restrict, Py_ssize_t,
                           const Hyper *restrict);
@@ -216,7 +217,7 @@ compact_kernel(PyObject *self, PyObject *args)
     return names == NULL ? NULL : Py_BuildValue("(sN)", VARIANT_TABLE[variant].name, names);
 }
 
-static int
+__attribute__((target_clones("avx2", "default"))) static int
 compact_pass(float *restrict t, uint8_t *restrict pc, float *restrict ps, uint8_t *restrict oc, float *restrict os,
              const float *restrict r_read, const float *restrict r_write, const float *restrict u, Py_ssize_t n,
              const Hyper *restrict h, int write, Py_ssize_t stride, float *restrict sampled, Sums *restrict sums,
@@ -235,9 +236,8 @@ compact_pass(float *restrict t, uint8_t *restrict pc, float *restrict ps, uint8_
             continue;
         }
         float proxy_next, offset_next;
-        next_scales(bt, bw, bu, length, h, ps[block], &proxy_next, &offset_next);
-        VARIANT_TABLE[variant].update(bt, pc + start, ps[block], proxy_next, oc + start, os[block], offset_next, br, bw, bu, length, h,
-                     pis, sums);
+        VARIANT_TABLE[variant].update(bt, pc + start, ps[block], &proxy_next, oc + start, os[block], &offset_next, br,
+                                      bw, bu, length, h, pis, sums);
         ps[block] = proxy_next;
         os[block] = offset_next;
         sums->proxy_peak = proxy_next > sums->proxy_peak ? proxy_next : sums->proxy_peak;
