@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
@@ -49,6 +50,7 @@ class Measured:
     growth_bytes_per_worker_parameter: float
     reported_worker_state_bytes: int  # Status: one worker's rule state
     reported_shared_state_bytes: int  # Status: what the rule keeps for the workers together
+    registered_workers: int  # Status: workers registered when the second figure was read
     commits: int
     applier_ms_per_commit: float
     server_cpu_ms_per_commit: float
@@ -87,17 +89,24 @@ def measure(state: str, round_index: int, parameters: int, workers: int, commits
     with ServerProcess(
         rule="gem", gem_state=state, lease_ttl=3600.0, log_level="warning", max_parameters=most, max_workers=workers + 1
     ) as server:
-        clients = [gemps.Client(server.target, name=f"w{index}", plane=PLANE, timeout=600) for index in range(workers)]
+        first = gemps.Client(server.target, name="w0", plane=PLANE, timeout=600)
+        clients = [first]
         try:
-            clients[0].register({"theta": theta})
+            first.register({"theta": theta})
             for step in range(WARM_COMMITS):
-                clients[0].commit(gradients[step % 2])
+                first.commit(gradients[step % 2])
             before = settled_rss(server.pid)
-            for client in clients[1:]:
+            for index in range(1, workers):
+                client = gemps.Client(server.target, name=f"w{index}", plane=PLANE, timeout=600)
                 client.register({"theta": theta})
                 client.commit(gradients[0])
+                # A client keeps the newest theta it received: with no commits to time, one that has
+                # registered and committed is let go (not closed: its registration and GEM state stay
+                # for the lease, an hour), so the bench's own memory stays one theta, whatever W.
+                if commits:
+                    clients.append(client)
             after = settled_rss(server.pid)
-            status = clients[0].status()
+            status = first.status()
             busy, cpu = applier_seconds(server), cpu_seconds(server.pid) or 0.0
             for step in range(commits):
                 for client in clients:
@@ -117,16 +126,18 @@ def measure(state: str, round_index: int, parameters: int, workers: int, commits
         growth_bytes_per_worker_parameter=(after - before) / ((workers - 1) * parameters),
         reported_worker_state_bytes=status.worker_state_bytes,
         reported_shared_state_bytes=status.shared_rule_state_bytes,
+        registered_workers=status.active_workers,
         commits=count,
-        applier_ms_per_commit=1e3 * busy / count,
-        server_cpu_ms_per_commit=1e3 * cpu / count,
+        applier_ms_per_commit=1e3 * busy / count if count else math.nan,
+        server_cpu_ms_per_commit=1e3 * cpu / count if count else math.nan,
     )
 
 
 def describe(found: Measured) -> str:
     mib = 2**20
     return (
-        f"round {found.round} {found.state:8s} P={found.parameters:,} W={found.workers}: "
+        f"round {found.round} {found.state:8s} P={found.parameters:,} W={found.workers} "
+        f"({found.registered_workers} registered): "
         f"{found.growth_bytes_per_worker_parameter:.2f} bytes per worker per parameter "
         f"(RssAnon {found.rss_one_worker_bytes / mib:,.0f} -> {found.rss_all_workers_bytes / mib:,.0f} MiB; "
         f"Status says {found.reported_worker_state_bytes / found.parameters:.2f} per worker + "
@@ -141,7 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--parameters", default="10M", help="model size P (10M, 1M, 250K, ...)")
     parser.add_argument("--workers", type=int, default=16, help="registered workers (the first is the baseline)")
-    parser.add_argument("--commits", type=int, default=4, help="commits per worker timed for the cost")
+    parser.add_argument(
+        "--commits", type=int, default=4, help="commits per worker timed for the cost (0: memory alone, W of any size)"
+    )
     parser.add_argument(
         "--states", default=",".join(STATES), help=f"which --gem-state to measure ({', '.join(STATES)})"
     )
