@@ -29,7 +29,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 import gemps
-from gemps_bench.procfs import cpu_seconds
+from gemps_bench.procfs import cpu_seconds, private_rss
 from gemps_bench.suite import parse_counts
 from gemps_worker.cluster import ServerProcess
 
@@ -56,18 +56,13 @@ class Measured:
     server_cpu_ms_per_commit: float
 
 
-def private_rss(pid: int) -> int:
-    """Resident private anonymous memory (RssAnon), bytes: the heap numpy's arrays live in."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no RssAnon for process {pid}")
-
-
 def settled_rss(pid: int) -> int:
     """RssAnon once the server's allocator has given back what the last operations freed."""
     time.sleep(1.0)
-    return private_rss(pid)
+    found = private_rss(pid)
+    if found is None:
+        raise RuntimeError(f"the server (process {pid}) has exited")
+    return found
 
 
 def applier_seconds(server: ServerProcess) -> float:

@@ -30,6 +30,12 @@ def shared_rss(pid: int) -> int | None:
     return _status_field(pid, "RssShmem")
 
 
+def private_rss(pid: int) -> int | None:
+    """Resident private anonymous memory (RssAnon), bytes: the heap numpy's arrays live in (no
+    shared memory, no mapped files); None once the process has exited."""
+    return _status_field(pid, "RssAnon")
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User plus system CPU time the process (all its threads) has used, seconds; None once gone."""
     try:

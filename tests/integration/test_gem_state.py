@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gemps_bench import gem_state as gem_state_bench
 from gemps_cli.main import main as gemps_main
 
 import gemps
@@ -108,3 +109,17 @@ def test_the_exact_state_is_said_too_and_other_rules_have_none(
 def test_an_unknown_state_is_refused_naming_the_choices(start_server: StartServer) -> None:
     with pytest.raises(ValueError, match=r"unknown gem_state 'small' \(choose from exact, compact\)"):
         start_server(rule="gem", gem_state="small")
+
+
+def test_the_memory_bench_sees_a_quarter_of_the_memory_per_worker() -> None:
+    """gemps_bench.gem_state on real servers: what a registered worker adds to the server's private
+    memory, exact against compact (the figures in docs/RESULTS.md come from it at 10M)."""
+    exact = gem_state_bench.measure("exact", 0, 2_000_000, workers=6, commits=1)
+    compact = gem_state_bench.measure("compact", 0, 2_000_000, workers=6, commits=1)
+    assert exact.registered_workers == compact.registered_workers == 6
+    # At this size a worker also costs the server a byte or so per parameter of bookkeeping and
+    # allocator slack (measured 8.7 and 3.4-3.5 bytes here; 8.00 and 2.00 at 10M parameters).
+    assert exact.growth_bytes_per_worker_parameter > 7.5, exact
+    assert compact.growth_bytes_per_worker_parameter < 0.5 * exact.growth_bytes_per_worker_parameter, compact
+    assert compact.reported_shared_state_bytes == 2 * 4 * 2_000_000 and exact.reported_shared_state_bytes == 0
+    assert compact.applier_ms_per_commit > 0 and exact.applier_ms_per_commit > 0

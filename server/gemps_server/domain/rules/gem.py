@@ -68,9 +68,12 @@ class _WorkerState:
         self.last_seen_peak = theta_peak  # max |s_i|
 
 
-class GemRule(OverflowGuard, CommitRule):
+class GemBase(OverflowGuard, CommitRule):
+    """What both forms of GEM's per-worker state share (exact: GemRule below; compact:
+    gem_compact.CompactGemRule): the hyperparameters, the kernel, what c counts of a worker's own
+    step, and the statistics a compiled pass sums. A form sets up its own buffers in `_allocate`."""
+
     name = "gem"
-    vectors_per_worker = 2
 
     def __init__(
         self,
@@ -86,12 +89,6 @@ class GemRule(OverflowGuard, CommitRule):
     ) -> None:
         super().__init__(num_parameters, learning_rate=learning_rate, schedule=schedule)
         self.momentum, self.kappa, self.pi_max = momentum, kappa, pi_max
-        self._workers: dict[str, _WorkerState] = {}
-        block = min(BLOCK, max(1, num_parameters))
-        # Block-sized scratch, reused by every block of every commit.
-        self._delta, self._movement, self._pi, self._denominator = (np.empty(block, dtype=np.float32) for _ in range(4))
-        self._stride = base.sample_stride(num_parameters)
-        self._sampled = np.arange(0, num_parameters, self._stride)
         if own_step not in GEM_OWN_STEP:
             raise ValueError(f"unknown gem own_step {own_step!r}; valid: {', '.join(GEM_OWN_STEP)}")
         self.own_step = own_step
@@ -100,7 +97,36 @@ class GemRule(OverflowGuard, CommitRule):
         if kernel == "compiled" and compiled is None:
             raise ValueError("gem kernel 'compiled' is not built here (no C compiler at install?): use auto or numpy")
         self.kernel = "compiled" if kernel != "numpy" and compiled is not None else "numpy"
-        self._samples = np.empty(self._sampled.size, dtype=np.float32)  # pi at the sampled parameters
+        self._stride = base.sample_stride(num_parameters)
+        self._samples = np.empty(-(-num_parameters // self._stride), dtype=np.float32)  # pi at the sampled parameters
+        self._allocate(num_parameters)
+
+    def _allocate(self, num_parameters: int) -> None:
+        """The form's own buffers (called once the common ones are set)."""
+
+    def summed_stats(
+        self, size: int, pi_sum: float, at_zero: int, at_max: int, proxy_energy: float, central_energy: float
+    ) -> ApplyStats:
+        """ApplyStats from a compiled pass's sums over `size` parameters and pi's sample (which it reorders)."""
+        return ApplyStats(
+            scaling_mean=pi_sum / size,
+            scaling_median=median_in_place(self._samples),
+            fraction_at_zero=at_zero / size,
+            fraction_at_max=at_max / size,
+            proxy_energy=proxy_energy / size,
+            central_energy=central_energy / size,
+        )
+
+
+class GemRule(GemBase):
+    vectors_per_worker = 2
+
+    def _allocate(self, num_parameters: int) -> None:
+        self._workers: dict[str, _WorkerState] = {}
+        block = min(BLOCK, max(1, num_parameters))
+        # Block-sized scratch, reused by every block of every commit.
+        self._delta, self._movement, self._pi, self._denominator = (np.empty(block, dtype=np.float32) for _ in range(4))
+        self._sampled = np.arange(0, num_parameters, self._stride)
         self._spare_proxy: np.ndarray | None = None  # the next m_i is written here
 
     @property
@@ -252,16 +278,10 @@ class GemRule(OverflowGuard, CommitRule):
         )  # fmt: skip
         if window is not None:
             window.payload_square, window.window_square = payload_square, window_square
-        size = theta.size
-        stats = ApplyStats(
-            scaling_mean=pi_sum / size,
-            scaling_median=median_in_place(self._samples) if finite else math.nan,  # scratch: reordered
-            fraction_at_zero=at_zero / size,
-            fraction_at_max=at_max / size,
-            proxy_energy=proxy_energy / size,
-            central_energy=central_energy / size,
-        )
-        return bool(finite), stats, theta_peak, proxy_peak
+        if not finite:  # refused: its statistics are never read
+            return False, ApplyStats.constant(math.nan), theta_peak, proxy_peak
+        stats = self.summed_stats(theta.size, pi_sum, at_zero, at_max, proxy_energy, central_energy)
+        return True, stats, theta_peak, proxy_peak
 
     def _sample_stats(self, theta: np.ndarray, state: _WorkerState, update: np.ndarray, scale: float) -> ApplyStats:
         """ApplyStats from pi at the sampled parameters (all of them up to STATS_SAMPLE_SIZE)."""

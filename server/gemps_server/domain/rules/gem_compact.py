@@ -37,18 +37,15 @@ import math
 
 import numpy as np
 
-from gemps_server.domain.rules import base, block_codes
+from gemps_server.domain.rules import block_codes
 from gemps_server.domain.rules.base import (
     ApplyStats,
-    CommitRule,
     NoiseWindow,
     NonFiniteUpdate,
-    Schedule,
-    constant_schedule,
 )
-from gemps_server.domain.rules.gem import EPSILON, GEM_KERNELS, GEM_OWN_STEP
-from gemps_server.domain.rules.overflow import ROUNDING, SAFE_MAGNITUDE, OverflowGuard
-from gemps_server.native import compiled, copy_max_abs, max_abs, median_in_place
+from gemps_server.domain.rules.gem import EPSILON, GemBase
+from gemps_server.domain.rules.overflow import ROUNDING, SAFE_MAGNITUDE
+from gemps_server.native import all_finite, compiled, copy_max_abs, max_abs
 
 #: applied commits between two references, per registered worker
 REFRESH_PER_WORKER = 2
@@ -80,39 +77,14 @@ class _CompactWorker:
         return float(self.offset_scales.max(initial=0.0))
 
 
-class CompactGemRule(OverflowGuard, CommitRule):
-    name = "gem"
-
-    def __init__(
-        self,
-        num_parameters: int,
-        *,
-        learning_rate: float,
-        momentum: float,
-        kappa: float,
-        pi_max: float,
-        schedule: Schedule = constant_schedule,
-        kernel: str = "auto",
-        own_step: str = "counted",
-    ) -> None:
-        super().__init__(num_parameters, learning_rate=learning_rate, schedule=schedule)
-        self.momentum, self.kappa, self.pi_max = momentum, kappa, pi_max
-        if own_step not in GEM_OWN_STEP:
-            raise ValueError(f"unknown gem own_step {own_step!r}; valid: {', '.join(GEM_OWN_STEP)}")
-        if kernel not in GEM_KERNELS:
-            raise ValueError(f"unknown gem kernel {kernel!r}; valid: {', '.join(GEM_KERNELS)}")
-        if kernel == "compiled" and compiled is None:
-            raise ValueError("gem kernel 'compiled' is not built here (no C compiler at install?): use auto or numpy")
-        self.own_step = own_step
-        self.kernel = "compiled" if kernel != "numpy" and compiled is not None else "numpy"
+class CompactGemRule(GemBase):
+    def _allocate(self, num_parameters: int) -> None:
         self._workers: dict[str, _CompactWorker] = {}
         # References by generation % 2, with a bound on max |R| each; the second is made at the first refresh.
         self._references: list[np.ndarray | None] = [None, None]
         self._reference_peaks = [0.0, 0.0]
         self._generation = 0  # the newest reference's
         self._since_refresh = 0  # commits applied since it was taken
-        self._stride = base.sample_stride(num_parameters)  # pi's median from a sample
-        self._samples = np.empty(-(-num_parameters // self._stride), dtype=np.float32)
 
     @classmethod
     def worker_state_bytes(cls, num_parameters: int) -> int:
@@ -143,7 +115,9 @@ class CompactGemRule(OverflowGuard, CommitRule):
         assert reference is not None
         with np.errstate(over="ignore", invalid="ignore"):
             offset = np.subtract(theta, reference, dtype=np.float32)
-        self._encode(np.where(np.isfinite(offset), offset, np.float32(0)), worker.offset_codes, worker.offset_scales)
+        if not all_finite(offset):  # theta near float32's largest, far from the reference
+            offset = np.where(np.isfinite(offset), offset, np.float32(0))
+        self._encode(offset, worker.offset_codes, worker.offset_scales)
         self._workers[worker_id] = worker
 
     def remove_worker(self, worker_id: str) -> None:
@@ -293,15 +267,7 @@ class CompactGemRule(OverflowGuard, CommitRule):
         if window is not None:
             window.payload_square, window.window_square = payload_square, window_square
         self.remember_peak(theta, new_peak)
-        size = theta.size
-        return ApplyStats(
-            scaling_mean=pi_sum / size,
-            scaling_median=median_in_place(self._samples),
-            fraction_at_zero=at_zero / size,
-            fraction_at_max=at_max / size,
-            proxy_energy=proxy_energy / size,
-            central_energy=central_energy / size,
-        )
+        return self.summed_stats(theta.size, pi_sum, at_zero, at_max, proxy_energy, central_energy)
 
     def _apply_numpy(
         self, theta: np.ndarray, worker: _CompactWorker, update: np.ndarray, scale: float, read: int, write: int
