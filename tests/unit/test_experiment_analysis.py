@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, replace
@@ -344,8 +345,13 @@ def test_agn_comparison_takes_other_settings() -> None:
 
 
 def test_suites_by_name() -> None:
-    assert set(SUITES) == {"full", "quick", "agn-sweep", "agn"}
+    assert set(SUITES) == {"full", "quick", "agn-sweep", "agn", "gem-state"}
     assert SUITES["quick"](10) == quick_suite()
+    pairs = {c.name: c for c in SUITES["gem-state"](10)}
+    for name in ("gem-n30", "lm-gem-n8"):  # each configuration with the exact state and the compact one
+        exact, compact = pairs[name], pairs[f"{name}-compact"]
+        assert (exact.gem_state, compact.gem_state) == ("exact", "compact")
+        assert dataclasses.replace(compact, name=name, gem_state="exact") == exact
     assert SUITES["full"](3) == full_suite(3)
     dynsgd = {c.name: c for c in quick_suite()}["dynsgd-n4"]
     assert (dynsgd.training.worker_mode, dynsgd.dynsgd_steps, dynsgd.epochs) == ("dynsgd", 4, 2)
