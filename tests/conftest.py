@@ -29,7 +29,6 @@ SERIAL_GROUPS = {
     "test_ray.py": "ray",
     "test_ray_node_loss.py": "ray",
     "test_ray_replicas.py": "ray",
-    "test_ray_orphan.py": "ray",
     "test_simulated_hosts.py": "hosts",
     "test_replica_faults.py": "hosts",
     "test_bench_cross_host.py": "hosts",
