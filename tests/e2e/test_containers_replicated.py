@@ -22,10 +22,10 @@ from gemps.records import ServerStatus
 from gemps.retry import NO_RETRY
 from gemps_proto.status import BACKUP, PRIMARY
 from tests.e2e.test_containers import (
-    BUILD_ARGS,
     COMPOSE_FILE,
     ROOT,
     Stack,
+    build,
     require_base_images,
     require_podman,
     run,
@@ -121,8 +121,7 @@ def replicated_stack() -> Iterator[ReplicatedStack]:
         "GEMPS_REPLICATION_SECRET": secrets.token_hex(32),  # the replicas' credential (compose requires it)
     }
     stack = ReplicatedStack(f"gemps-replicas-{os.getpid()}", env, ports["ps"], prometheus_port, ports)
-    build_args = [arg for pair in (("--build-arg", a) for a in BUILD_ARGS) for arg in pair]
-    stack.compose("build", *build_args, "etcd", "ps", "worker", timeout=840)
+    build(stack, "etcd", "ps", "worker")
     try:
         stack.compose("up", "-d", "--scale", f"worker={WORKERS}", *SERVICES)
         stack.require_workers(WORKERS)
