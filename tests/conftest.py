@@ -29,7 +29,6 @@ SERIAL_GROUPS = {
     "test_ray.py": "ray",
     "test_ray_node_loss.py": "ray",
     "test_ray_replicas.py": "ray",
-    "test_ray_orphan.py": "ray",
     "test_simulated_hosts.py": "hosts",
     "test_replica_faults.py": "hosts",
     "test_bench_cross_host.py": "hosts",
@@ -93,6 +92,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.alone)
         if module in FAULT_MODULES:
             item.add_marker(pytest.mark.faults)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: none without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`--dist loadgroup`, the groups read from SERIAL_GROUPS by each test's module. xdist's own reads
+    them from a suffix it writes into the test ids in the workers, which pytest 9.2 no longer keeps
+    (pytest-xdist issue 1386): every test was its own unit, a group's tests ran on both workers at
+    once (two container stacks on one host port, two Ray clusters), and a module's shared fixture
+    was set up on each."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class ModuleGroups(LoadGroupScheduling):  # type: ignore[misc]  # xdist has no type information
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+            return SERIAL_GROUPS.get(module) or super()._split_scope(nodeid)
+
+    return ModuleGroups(config, log)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

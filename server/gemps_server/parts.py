@@ -8,8 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
-
-from prometheus_client import start_http_server
+from wsgiref.simple_server import WSGIServer
 
 from gemps_server.allocator import tune_for
 from gemps_server.checkpoint_files import Checkpoint
@@ -18,6 +17,7 @@ from gemps_server.config import ServerConfig
 from gemps_server.domain.state import ServerState
 from gemps_server.listening import listening
 from gemps_server.metrics import ServerMetrics, exposed
+from gemps_server.metrics.exposition import serve
 from gemps_server.service import ParameterService
 from gemps_server.wire.data_plane import DataPlaneServer
 
@@ -89,7 +89,7 @@ class MetricsEndpoint:
         self._config = config
         self._metrics = metrics
         self.port = 0
-        self._server: object | None = None
+        self._server: WSGIServer | None = None
 
     async def start(self) -> None:
         config = self._config
@@ -100,16 +100,15 @@ class MetricsEndpoint:
         registry = exposed(self._metrics.registry, labels)
 
         def start() -> int:
-            server, _thread = start_http_server(config.metrics_port, addr=host, registry=registry)
-            self._server = server
+            server = self._server = serve(registry, host, config.metrics_port)
             return int(server.server_port)
 
         self.port = listening("metrics", host, config.metrics_port, start)
 
     async def stop(self, grace: float) -> None:
         if self._server is not None:
-            self._server.shutdown()  # type: ignore[attr-defined]
-            self._server.server_close()  # type: ignore[attr-defined]
+            self._server.shutdown()
+            self._server.server_close()
 
 
 class DataPlaneDoor:

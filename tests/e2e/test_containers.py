@@ -302,6 +302,16 @@ def start(stack: Stack, workers: int, data_ports: list[int], attempts: int = 3) 
             time.sleep(2)
 
 
+_BUILT: set[str] = set()  # services whose images this test run built: the source does not change during it
+
+
+def build(stack: Stack, *services: str) -> None:
+    """Build the images of `services` (podman's cache keeps unchanged layers), once per test run."""
+    if missing := [service for service in services if service not in _BUILT]:
+        stack.compose("build", *(arg for a in BUILD_ARGS for arg in ("--build-arg", a)), *missing, timeout=840)
+        _BUILT.update(missing)
+
+
 def running_stack(name: str, workers: int, **variables: str) -> Iterator[Stack]:
     """Build the images (cached after the first time), start the stack with `workers` replicas
     and the extra `variables` in its environment, and tear it down after."""
@@ -318,8 +328,7 @@ def running_stack(name: str, workers: int, **variables: str) -> Iterator[Stack]:
         **variables,
     }
     stack = Stack(f"gemps-{name}-{os.getpid()}", env, grpc_port, prometheus_port)
-    build_args = [arg for pair in (("--build-arg", a) for a in BUILD_ARGS) for arg in pair]
-    stack.compose("build", *build_args, "ps", "worker", timeout=840)
+    build(stack, "ps", "worker")
     try:
         start(stack, workers, [HOST_DATA_PORT + i for i in range(int(variables.get("GEMPS_PARTITIONS", "1")))])
         stack.require_workers(workers)

@@ -135,11 +135,15 @@ class Run:
 
 
 def start_run(
-    network: SimulatedNetwork, folder: Path, first_rate: str | None = None, storage: SharedFolder | None = None
+    network: SimulatedNetwork,
+    folder: Path,
+    first_rate: str | None = None,
+    storage: SharedFolder | None = None,
+    checkpoint_every: int = CHECKPOINT_EVERY,
 ) -> Run:
     """Partitions 0 and 1 on hosts of their own (partition 0's cable shaped to `first_rate`)."""
     hosts = [network.add_host("p0", first_rate), network.add_host("p1")]
-    run = Run(network, folder, hosts, network.add_host("w"), [], storage)
+    run = Run(network, folder, hosts, network.add_host("w"), [], storage, checkpoint_every)
     run.place(hosts)
     for index, host in enumerate(hosts):
         run.start_partition(index, host)
@@ -286,8 +290,7 @@ def test_a_cable_cut_during_a_shared_checkpoint_write_stops_no_commit_and_leaves
         pytest.skip(reason)
     storage_host = network.add_host("storage", rate="50mbit")
     storage = SharedFolder(storage_host, tmp_path / "shared", tmp_path / "keys")
-    run = start_run(network, tmp_path, storage=storage)
-    run.checkpoint_every = 100
+    run = start_run(network, tmp_path, storage=storage, checkpoint_every=100)  # set before the partitions start
     run.start_workers(parameters=2_000_000, plane="data")  # 4 MB per partition: 0.7 s to write
     run.wait_registered()
     folder = run.checkpoints(1)

@@ -19,7 +19,7 @@ import logging
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gemps_server.checkpoint_files import Checkpoint
 from gemps_server.checkpoint_writer import Checkpointer
@@ -30,15 +30,17 @@ from gemps_server.listening import hostport, listening
 from gemps_server.metrics import ServerMetrics
 from gemps_server.replicas import Done, NoReplicas, Replicas
 from gemps_server.replication.credentials import credential
-from gemps_server.replication.election import Election, Member
 from gemps_server.replication.epoch_record import EpochRecord
-from gemps_server.replication.etcd_client import EtcdAccess, check_access
 from gemps_server.replication.handshake import Handshake, member_name
 from gemps_server.replication.metrics import ReplicationCollector
 from gemps_server.replication.recovery import Held, replica_names
-from gemps_server.replication.replica import Replica, listen
 from gemps_server.replication.status import ReplicationStatus
 from gemps_server.security import Tickets
+
+# The replica, its election and etcd's client (requests, etcd3gw: a tenth of a server's start-up)
+# are imported by a server with replicas only.
+if TYPE_CHECKING:
+    from gemps_server.replication.election import Election
 
 log = logging.getLogger("gemps.server")
 
@@ -107,6 +109,8 @@ class Replicated:
         self._election: Election | None = None
         # The replicas prove themselves to each other with the job's credential (handshake.py).
         handshake = Handshake(credential(config), config.partition, config.replicas)
+        from gemps_server.replication.replica import Replica
+
         self.replica = Replica(
             state, applier, config.replicas, config.replica_timeout, handshake, tickets, on_applied=self._replayed
         )
@@ -154,6 +158,10 @@ class Replicated:
     async def start(self, grpc_port: int, restored: Checkpoint | None) -> None:
         """Listen for backups, then take part in the election (with the restored checkpoint's
         (epoch, version): the replica holding the newest state takes over a job restarted whole)."""
+        from gemps_server.replication.election import Election, Member
+        from gemps_server.replication.etcd_client import EtcdAccess, check_access
+        from gemps_server.replication.replica import Replica, listen
+
         self._loop = asyncio.get_running_loop()
         config = self._config
         bound: list[socket.socket] = []
