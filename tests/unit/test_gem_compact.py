@@ -16,7 +16,7 @@ from gemps_proto.schema import PayloadKind
 from gemps_server.domain.rules import GEM_STATES, CommitRule, NonFiniteUpdate, RuleOptions, rule_class
 from gemps_server.domain.rules import block_codes as codes
 from gemps_server.domain.rules.gem import GemRule
-from gemps_server.domain.rules.gem_compact import REFRESH_PER_WORKER, CompactGemRule
+from gemps_server.domain.rules.gem_compact import REFRESH_PER_WORKER, CompactGemRule, compact_builds
 from gemps_server.native import compiled
 from tests.helpers import training
 
@@ -129,17 +129,16 @@ def state_of(rule: CompactGemRule, workers: int) -> dict[str, bytes]:
     return found
 
 
-VARIANTS = compiled.compact_kernel()[1] if compiled is not None else []
+VARIANTS = compact_builds()[1] if compiled is not None else []
 
 
 @pytest.fixture(params=VARIANTS)
 def variant(request: pytest.FixtureRequest) -> Iterator[str]:
     """Each build of the compiled pass this CPU runs (AVX-512, AVX2, the x86-64 baseline) in turn."""
-    assert compiled is not None
-    chosen = compiled.compact_kernel()[0]
-    compiled.compact_kernel(request.param)
+    chosen = compact_builds()[0]
+    compact_builds(request.param)
     yield request.param
-    compiled.compact_kernel(chosen)
+    compact_builds(chosen)
 
 
 @pytest.mark.skipif(compiled is None, reason="the compiled kernel was not built (no C compiler at install)")
@@ -277,4 +276,7 @@ def test_memory_is_two_bytes_per_worker_per_parameter_and_two_shared_copies_of_t
     assert GEM_STATES == ("exact", "compact")
     with pytest.raises(ValueError, match="unknown gem state 'small'"):
         rule_class("gem", "small")
+    if compiled is not None:
+        with pytest.raises(ValueError, match="avx1024 is not one this CPU runs"):
+            compact_builds("avx1024")
     assert isinstance(RuleOptions(gem_state="compact").create(training("gem"), size), CompactGemRule)

@@ -362,5 +362,15 @@ class CompactGemRule(GemBase):
         )
 
 
+def compact_builds(choose: str | None = None) -> tuple[str, list[str]]:
+    """(the build of the compiled pass in use, the builds this CPU runs: avx512, avx2, baseline);
+    `choose` one of them to use it (they write the same bytes: for measuring and testing each).
+    ValueError where the compiled kernel was not built or the CPU does not run `choose`."""
+    if compiled is None:
+        raise ValueError("the compiled kernel was not built here (no C compiler at install?)")
+    in_use, runnable = compiled.compact_kernel(choose)
+    return str(in_use), [str(build) for build in runnable]
+
+
 def _finite_non_negative(values: np.ndarray) -> bool:
     return bool(np.all(np.isfinite(values)) and np.all(values >= 0))
