@@ -87,6 +87,7 @@ NOT_OPTIONS: Mapping[str, str] = {
     "GEMPS_EVAL_INTERVAL": "docker compose: the evaluator's GEMPS_INTERVAL",
     "GEMPS_REQUIRE_ETCD": "the tests: fail, not skip, without etcd",
     "GEMPS_REQUIRE_PROMETHEUS": "the tests: fail, not skip, without Prometheus",
+    "GEMPS_REQUIRE_CONTAINERS": "the tests: fail, not skip, without the container tests' base images (CI)",
     "GEMPS_SKIP_CONTAINER_TESTS": "the tests: skip the container tests",
     "GEMPS_TEST_CRASH_FROM": "the tests: a server that crashes on purpose",
     "GEMPS_CONTAINER_RIG": "tools/install-system-deps",
