@@ -30,6 +30,7 @@ TRAINING_OPTIONS = frozenset(
     {
         "GEMPS_ADDRESS",
         "GEMPS_AGN_STEPS",
+        "GEMPS_COMPRESSION",
         "GEMPS_DATASET",
         "GEMPS_DATA_DIR",
         "GEMPS_DEVICE",

@@ -19,7 +19,6 @@ or from GEMPS_* environment variables, so reference workers in containers need n
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -29,8 +28,9 @@ import numpy as np
 
 from gemps import at_exit, errors, named_payloads
 from gemps.channel_security import ChannelSecurity, Pem
-from gemps.data_plane_transport import PLANES, DataPlaneTransport
-from gemps.grpc_transport import STREAMING_CHOICES, GrpcTransport
+from gemps.compression import Compressor
+from gemps.data_plane_transport import DataPlaneTransport
+from gemps.grpc_transport import GrpcTransport
 from gemps.metrics import client_metrics
 from gemps.records import (
     Buffers,
@@ -48,6 +48,7 @@ from gemps.retry import NO_RETRY, Retrier, RetryPolicy, resolve_patience
 from gemps.router import PartitionRouter
 from gemps.serialised import serialised
 from gemps.transport import Transport, call_deadline
+from gemps.wire_options import check_wire_options, resolve_plane, resolve_shared_memory
 from gemps_proto.grpc_framing import DEFAULT_CHUNK_BYTES
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import PayloadKind, buffer_spec_of, flatten, spec_of
@@ -95,6 +96,7 @@ class Client:
         server_name: str | None = None,
         stop: threading.Event | None = None,
         wire_dtype: str = "float32",
+        compression: str | None = None,
         streaming: str = "auto",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         plane: str | None = None,
@@ -118,6 +120,9 @@ class Client:
 
         `wire_dtype` is how commits and replies travel: "float32", or "bfloat16" (half the
         bytes; values rounded to bfloat16 both ways, the central variable stays float32).
+        `compression` sends commits in fewer bytes: "int8" (a quarter of float32's) or "int4"
+        (an eighth), a scale per 256 values; what the codes round away is added to the next
+        commit (error feedback, gemps.compression). None: commits in `wire_dtype`.
         `streaming` picks Commit or CommitStream: "auto" streams payloads past 1 MiB in pieces
         of `chunk_bytes`; "always"; "never". With a partitioned server, per partition.
 
@@ -138,7 +143,7 @@ class Client:
 
         `metrics_registry`, a prometheus_client CollectorRegistry: the client's own metrics go
         there (commit latency, θ's bytes sent and received, retries: gemps.metrics)."""
-        _check_wire_options(wire_dtype, streaming, chunk_bytes)
+        check_wire_options(wire_dtype, streaming, chunk_bytes, compression)
         self.plane = resolve_plane(plane)
         self.shared_memory = resolve_shared_memory(shared_memory)
         self.wire_dtype = WIRE_DTYPE_NAMES[wire_dtype]
@@ -168,7 +173,14 @@ class Client:
         self._retrier = Retrier("", self.retry, stop, self.patience)
         self._metrics = client_metrics(metrics_registry, self.wire_dtype, lambda: self._retrier.retries)
         connect = self._metrics.metered(connect or self._connect)  # θ's bytes counted, with metrics
-        self._router = PartitionRouter(resolver, connect, self._retrier, worker_name=name, client_id=self.client_id)
+        self._router = PartitionRouter(
+            resolver,
+            connect,
+            self._retrier,
+            worker_name=name,
+            client_id=self.client_id,
+            compressor=None if compression is None else Compressor(compression),
+        )
         self._retrier.target = self._router.target
 
     def _connect(self, address: str) -> Transport:
@@ -392,41 +404,6 @@ class Client:
     def retries(self) -> int:
         """Attempts retried after UNAVAILABLE, DEADLINE_EXCEEDED or a busy server, over this client's life."""
         return self._retrier.retries
-
-
-# How an on/off variable may be spelled.
-SWITCHES = {"on": True, "off": False, "1": True, "0": False, "true": True, "false": False, "yes": True, "no": False}
-
-
-def resolve_plane(plane: str | None, environ: Mapping[str, str] | None = None) -> str:
-    """The `plane` asked for, else GEMPS_PLANE's, else "auto"; ValueError for another value."""
-    source = "plane"
-    if plane is None:
-        environ = os.environ if environ is None else environ
-        plane, source = environ.get("GEMPS_PLANE") or "auto", "GEMPS_PLANE"
-    if plane not in PLANES:
-        raise ValueError(f"{source} must be one of {', '.join(PLANES)}, not {plane!r}")
-    return plane
-
-
-def resolve_shared_memory(shared_memory: bool | None, environ: Mapping[str, str] | None = None) -> bool:
-    """`shared_memory` as asked, else GEMPS_SHARED_MEMORY's (on/off), else on."""
-    if shared_memory is not None:
-        return shared_memory
-    environ = os.environ if environ is None else environ
-    value = environ.get("GEMPS_SHARED_MEMORY", "on").strip().lower()
-    if value not in SWITCHES:
-        raise ValueError(f"GEMPS_SHARED_MEMORY must be on or off, not {value!r}")
-    return SWITCHES[value]
-
-
-def _check_wire_options(wire_dtype: str, streaming: str, chunk_bytes: int) -> None:
-    if wire_dtype not in WIRE_DTYPE_NAMES:
-        raise ValueError(f"wire_dtype must be one of {', '.join(WIRE_DTYPE_NAMES)}, not {wire_dtype!r}")
-    if streaming not in STREAMING_CHOICES:
-        raise ValueError(f"streaming must be one of {', '.join(STREAMING_CHOICES)}, not {streaming!r}")
-    if chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be > 0, not {chunk_bytes}")
 
 
 def _finite(what: str, values: np.ndarray) -> np.ndarray:

@@ -54,14 +54,12 @@ from gemps.transport import (
 from gemps_proto.data_plane_frames import Op
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import DataPlane
-from gemps_proto.tensor_codec import wire_view
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 log = logging.getLogger("gemps.client")
 
 #: the Client's `plane` choices: data plane when offered and reachable, else gRPC; only the data
 #: plane (raise when it cannot be used); only gRPC
-PLANES = ("auto", "data", "grpc")
 # A transport that fell back to gRPC tries the data plane again after RETRY_FIRST seconds, then
 # after twice as long each time that fails, at most RETRY_MAX, each wait ±RETRY_JITTER of itself
 # (so workers that fell back together do not all come back at once); an attempt waits at most
@@ -358,9 +356,10 @@ class DataPlaneTransport:
             connection = self._ready(call.worker_id, 4 * call.payload.size)
             if connection is None:
                 return self.grpc.start_commit(call)
-            header = messages.announced_commit(call, self.grpc.wire_dtype).SerializeToString()
+            dtype, data = call.wire(self.grpc.wire_dtype)
+            header = messages.announced_commit(call, self.grpc.wire_dtype, dtype).SerializeToString()
             _bounded(connection, self.grpc.timeout)
-            connection.send(Op.COMMIT, header, wire_view(call.payload, self.grpc.wire_dtype))
+            connection.send(Op.COMMIT, header, data)
         except errors.GempsError as error:
             return Failed(error)
         return Deferred(lambda: _committed(connection, self.grpc.timeout))

@@ -134,21 +134,25 @@ def commit_message(call: CommitCall, wire_dtype: int) -> pb.CommitRequest:
     return header
 
 
-def announced_commit(call: CommitCall, wire_dtype: int) -> pb.CommitRequest:
-    """A Commit request whose payload's dtype and shape are announced, its data left to follow:
-    CommitStream's header, and a data-plane COMMIT's (its raw bytes after it)."""
+def announced_commit(call: CommitCall, wire_dtype: int, payload_dtype: int | None = None) -> pb.CommitRequest:
+    """A Commit request whose payload's dtype (`payload_dtype`, else `wire_dtype`) and shape are
+    announced, its data left to follow: CommitStream's header, and a data-plane COMMIT's (its raw
+    bytes after it). Replies come in `wire_dtype`."""
     header = commit_message(call, wire_dtype)
-    grpc_framing.announce(header.payload, wire_dtype, call.payload.size)
+    grpc_framing.announce(header.payload, wire_dtype if payload_dtype is None else payload_dtype, call.payload.size)
     return header
 
 
-def commit_request(call: CommitCall, wire_dtype: int, data: bytes | memoryview, *, streamed: bool = False) -> bytes:
-    """A Commit request with its payload's wire bytes `data`; for CommitStream (`streamed`) the
-    payload's dtype and shape only: its data follows in pieces."""
+def commit_request(
+    call: CommitCall, wire_dtype: int, payload_dtype: int, data: bytes | memoryview, *, streamed: bool = False
+) -> bytes:
+    """A Commit request with its payload's wire bytes `data` in `payload_dtype` (replies in
+    `wire_dtype`); for CommitStream (`streamed`) the payload's dtype and shape only: its data
+    follows in pieces."""
     if streamed:
-        return pb.CommitChunk(header=announced_commit(call, wire_dtype)).SerializeToString()
+        return pb.CommitChunk(header=announced_commit(call, wire_dtype, payload_dtype)).SerializeToString()
     header = commit_message(call, wire_dtype)
-    return grpc_framing.with_tensor(header, grpc_framing.COMMIT_PAYLOAD_FIELD, wire_dtype, [call.payload.size], data)
+    return grpc_framing.with_tensor(header, grpc_framing.COMMIT_PAYLOAD_FIELD, payload_dtype, [call.payload.size], data)
 
 
 def committed_from_proto(reply: pb.CommitResponse, parameters: np.ndarray) -> Committed:

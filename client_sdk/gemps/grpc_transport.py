@@ -23,7 +23,7 @@ from gemps.transport import CommitCall, Committed, Enrolment, PullCall, Pulled, 
 from gemps_proto import schema_proto as shared
 from gemps_proto.grpc_framing import PayloadAssembler, data_frames, read_data
 from gemps_proto.reasons import Reason
-from gemps_proto.tensor_codec import decode, expected_nbytes, wire_view
+from gemps_proto.tensor_codec import decode, expected_nbytes
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 
@@ -37,7 +37,6 @@ ChunkMessage = TypeVar("ChunkMessage", pb.CommitResponseChunk, pb.PullResponseCh
 # 10M parameters, half the rate of the same reply in pieces); past 2 GiB one message cannot carry
 # it. docs/PERFORMANCE.md has the measurements.
 STREAM_THRESHOLD_BYTES = 1 << 20
-STREAMING_CHOICES = ("auto", "always", "never")
 _METHOD = "/gemps.v1.ParameterServer/"
 # How soon a disconnected channel tries the server again (gRPC's default grows to 120 s).
 RECONNECT_BACKOFF_MS = (200, 2000)  # initial, max
@@ -230,9 +229,9 @@ class GrpcTransport:
 
     def _commit_request(self, call: CommitCall) -> tuple[bytes, bytes | memoryview, bool]:
         """The Commit header, the payload's wire bytes, and whether they go by CommitStream."""
-        data = wire_view(call.payload, self.wire_dtype)  # float32: a view, not a copy
+        dtype, data = call.wire(self.wire_dtype)  # float32: a view, not a copy
         streamed = self.streams(len(data))
-        header = messages.commit_request(call, self.wire_dtype, data, streamed=streamed)
+        header = messages.commit_request(call, self.wire_dtype, dtype, data, streamed=streamed)
         return header, data, streamed
 
     def _start_commit_stream(self, header: bytes, data: bytes | memoryview) -> Iterator[bytes]:

@@ -21,6 +21,7 @@ from typing import TypeVar
 import numpy as np
 
 from gemps import errors
+from gemps.compression import Compressor
 from gemps.records import (
     Buffers,
     CentralVariable,
@@ -106,8 +107,10 @@ class PartitionRouter:
         *,
         worker_name: str,
         client_id: str,
+        compressor: Compressor | None = None,
     ) -> None:
         self.resolver = resolver
+        self.compressor = compressor  # commits compressed, with their residuals (compression.py)
         self.target = resolver.resolve()  # where partition 0 is now
         self.connect = connect
         self.retrier = retrier
@@ -144,6 +147,8 @@ class PartitionRouter:
         adds the others), the others with their slice."""
         self.spec, self.buffer_spec = spec, buffer_spec
         self.registered_with, self.buffers = initial, buffers
+        if self.compressor is not None:
+            self.compressor.reset()
         self._register_at(0, initial)  # its reply tells the layout, which adds the others
         for index in range(1, len(self.sessions)):
             self._register_at(index, initial)
@@ -195,11 +200,12 @@ class PartitionRouter:
         self._sequence += 1
         sessions = self.sessions
         slices, bases = self._slices(flat), self._base_versions(base_version)
+        encoded = [self._encoded(i, part) for i, part in enumerate(slices)]
         calls = [
             CommitCall(
                 sessions[i].worker_id, bases[i], kind, slices[i], loss, num_samples, request_id,
                 buffer_delta if i == 0 else None,  # buffers live on partition 0
-                self._sequence,
+                self._sequence, _wire_of(encoded[i]),
             )
             for i in range(len(sessions))
         ]  # fmt: skip
@@ -214,6 +220,8 @@ class PartitionRouter:
                 continue
             replies[index] = outcome  # kept also when another partition refused: θ moved there
             sessions[index].received(outcome.version, outcome.parameters)
+            if self.compressor is not None and (done := encoded[index]) is not None:
+                self.compressor.applied(index, done[1])  # this server applied it: its residual moves on
             self._received_buffers(outcome.buffers)
         if refusals:
             refusal = next(iter(refusals.values()))
@@ -223,6 +231,13 @@ class PartitionRouter:
             raise errors.PartiallyAppliedError.of(refusal, list(replies), list(refusals), self.central) from refusal
         self.central = self._assemble()
         return merge_commit_figures(list(replies.values()), [session.size for session in sessions], self.central)
+
+    def _encoded(self, index: int, part: np.ndarray) -> tuple[tuple[int, bytes], np.ndarray] | None:
+        """Server `index`'s slice compressed once for every attempt, and the residual it leaves."""
+        if self.compressor is None:
+            return None
+        data, residual = self.compressor.encode(index, part)
+        return (self.compressor.dtype, data), residual
 
     def leave(self) -> None:
         for session in self.sessions:
@@ -393,3 +408,7 @@ def _all_or_raise(outcomes: Sequence[T | errors.GempsError]) -> list[T]:
             raise outcome
         results.append(outcome)
     return results
+
+
+def _wire_of(encoded: tuple[tuple[int, bytes], np.ndarray] | None) -> tuple[int, bytes] | None:
+    return None if encoded is None else encoded[0]

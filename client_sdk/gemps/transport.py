@@ -27,6 +27,7 @@ import numpy as np
 from gemps import errors
 from gemps.records import Buffers, Evaluation, Layout, ParameterSpec, Registration, ServerStatus
 from gemps_proto.schema import PayloadKind
+from gemps_proto.tensor_codec import wire_view
 
 Reply = TypeVar("Reply", covariant=True)
 
@@ -88,6 +89,14 @@ class CommitCall:
     request_id: str
     buffer_delta: Buffers | None = None  # to the first server only
     sequence: int = 0  # 1, 2, ... per client; 0: unnumbered
+    encoded: tuple[int, bytes] | None = None  # the payload compressed once for every attempt (dtype, bytes)
+
+    def wire(self, wire_dtype: int) -> tuple[int, bytes | memoryview]:
+        """The payload's dtype and wire bytes: as compressed (`encoded`), else in `wire_dtype`
+        (float32: a view of `payload`, not a copy)."""
+        if self.encoded is not None:
+            return self.encoded
+        return wire_dtype, wire_view(self.payload, wire_dtype)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 Tensors travel as raw little-endian bytes. Decoding float32 is zero-copy (`np.frombuffer`), so
 the returned array is read-only and aliases the message's bytes. bfloat16 is a wire format
-only: it is encoded from float32 (round to nearest even) and decoded back to float32.
+only: it is encoded from float32 (round to nearest even) and decoded back to float32. Commit
+payloads may also come in blockwise int8 or int4 codes (block_quantisation.py): `decode_payload`
+reads every payload dtype, `decode` only θ's (float32, bfloat16).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gemps_proto import block_quantisation
+
 # gemps.v1.DType's values, by number: the codec (and the server's domain, which uses it) knows
 # nothing of protobuf messages. tests/unit/test_codec_and_registry.py checks them against the .proto.
 UNSPECIFIED = 0
@@ -21,17 +25,27 @@ FLOAT32 = 1
 BFLOAT16 = 2
 #: the model's integer buffers, exactly (never θ's wire dtype: decode_int64 alone reads it)
 INT64 = 3
+#: commit payloads only: blockwise int8 and int4 codes (block_quantisation.py)
+INT8_BLOCK = 4
+INT4_BLOCK = 5
 DTYPE_NAMES = {
     UNSPECIFIED: "DTYPE_UNSPECIFIED",
     FLOAT32: "DTYPE_FLOAT32",
     BFLOAT16: "DTYPE_BFLOAT16",
     INT64: "DTYPE_INT64",
+    INT8_BLOCK: "DTYPE_INT8_BLOCK",
+    INT4_BLOCK: "DTYPE_INT4_BLOCK",
 }
 _NUMPY_DTYPES: dict[int, np.dtype] = {FLOAT32: np.dtype("<f4"), BFLOAT16: np.dtype("<u2")}
 _INT64 = np.dtype("<i8")
 _BLOCK = 65_536  # elements per block of the bfloat16 encoder: its working set stays in cache
 #: wire formats by the names users pass (SDK, CLI flags): DTYPE_BFLOAT16 is "bfloat16"
 WIRE_DTYPE_NAMES: dict[str, int] = {DTYPE_NAMES[dtype].removeprefix("DTYPE_").lower(): dtype for dtype in _NUMPY_DTYPES}
+#: how commits may be compressed, by the names users pass (`Client(compression=)`, `--compression`)
+COMPRESSIONS: dict[str, int] = {"int8": INT8_BLOCK, "int4": INT4_BLOCK}
+_QUANTISED_NBYTES = {INT8_BLOCK: block_quantisation.int8_nbytes, INT4_BLOCK: block_quantisation.int4_nbytes}
+_QUANTISED_DECODE = {INT8_BLOCK: block_quantisation.decode_int8, INT4_BLOCK: block_quantisation.decode_int4}
+_QUANTISED_ENCODE = {INT8_BLOCK: block_quantisation.encode_int8, INT4_BLOCK: block_quantisation.encode_int4}
 
 
 class TensorDecodeError(ValueError):
@@ -69,6 +83,22 @@ def decode(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryv
     return np.frombuffer(data, dtype="<f4").reshape(shape)
 
 
+def decode_payload(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> np.ndarray:
+    """float32 values of a commit payload in any of its dtypes (θ's, or blockwise int8/int4 codes,
+    checked: TensorDecodeError for a scale, code or length no encoder writes)."""
+    if dtype not in _QUANTISED_DECODE:
+        return decode(dtype, shape, data)
+    expected = expected_payload_nbytes(dtype, shape)
+    if len(data) != expected:
+        raise TensorDecodeError(
+            f"{len(data)} bytes of data but shape {list(shape)} of {dtype_name(dtype)} needs {expected}"
+        )
+    try:
+        return _QUANTISED_DECODE[dtype](data, num_elements(shape)).reshape(shape)
+    except block_quantisation.QuantisedPayloadError as error:
+        raise TensorDecodeError(f"{dtype_name(dtype)}: {error}") from None
+
+
 def decode_int64(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> np.ndarray:
     """int64 values of raw tensor bytes (aliased, not copied); TensorDecodeError unless `dtype` is
     INT64 and the bytes fit the shape."""
@@ -92,6 +122,10 @@ class EncodedTensor:
         """float32 values (aliasing `data` for float32); raises TensorDecodeError."""
         return decode(self.dtype, self.shape, self.data)
 
+    def decode_payload(self) -> np.ndarray:
+        """A commit payload's float32 values, whatever its dtype (decode_payload); raises TensorDecodeError."""
+        return decode_payload(self.dtype, self.shape, self.data)
+
     def decode_int64(self) -> np.ndarray:
         """int64 values (aliasing `data`); raises TensorDecodeError unless it is an int64 tensor."""
         return decode_int64(self.dtype, self.shape, self.data)
@@ -110,6 +144,23 @@ def expected_nbytes(dtype: int, shape: Sequence[int]) -> int:
     """Bytes a tensor of θ's wire dtypes of this shape has; raises TensorDecodeError for another
     dtype (INT64 too: θ-sized buffers are sized by it)."""
     return num_elements(shape) * numpy_dtype(dtype).itemsize
+
+
+def expected_payload_nbytes(dtype: int, shape: Sequence[int]) -> int:
+    """Bytes a commit payload of this dtype and shape has (θ's wire dtypes, or blockwise codes);
+    raises TensorDecodeError for another dtype."""
+    if any(d < 0 for d in shape):
+        raise TensorDecodeError(f"negative dimension in shape {list(shape)}")
+    if dtype in _QUANTISED_NBYTES:
+        return _QUANTISED_NBYTES[dtype](num_elements(shape))
+    return expected_nbytes(dtype, shape)
+
+
+def encode_payload(values: np.ndarray, dtype: int) -> bytes:
+    """Raw wire bytes of a commit payload's finite float32 values in `dtype` (θ's or blockwise codes)."""
+    if dtype in _QUANTISED_ENCODE:
+        return _QUANTISED_ENCODE[dtype](values)
+    return encode(values, dtype)
 
 
 def expected_int64_nbytes(dtype: int, shape: Sequence[int]) -> int:

@@ -15,11 +15,12 @@ import pytest
 from gemps import data_plane_transport, errors
 from gemps import grpc_messages as messages
 from gemps.channel_security import ChannelSecurity
-from gemps.client import Client, resolve_plane
+from gemps.client import Client
 from gemps.data_plane_connection import DataConnection, ServerNotProven, target_host
 from gemps.data_plane_transport import DataPlaneTransport, _committed, _pulled
 from gemps.grpc_transport import GrpcTransport
 from gemps.transport import CommitCall, PullCall
+from gemps.wire_options import resolve_plane
 from gemps_proto import grpc_framing
 from gemps_proto.data_plane_events import NEED_DATA, Answer
 from gemps_proto.data_plane_frames import REPLY, Op, frame_start, read_preamble
@@ -65,7 +66,7 @@ def pair() -> Iterator[tuple[DataConnection, socket.socket]]:
 @pytest.mark.parametrize("dtype", [FLOAT32, BFLOAT16])
 def test_a_data_plane_commit_header_is_the_grpc_request_without_its_data(dtype: int) -> None:
     data = wire_view(CALL.payload, dtype)
-    unary = pb.CommitRequest.FromString(messages.commit_request(CALL, dtype, data))
+    unary = pb.CommitRequest.FromString(messages.commit_request(CALL, dtype, dtype, data))
     announced = messages.announced_commit(CALL, dtype)
     assert unary.payload.data == bytes(data) and not announced.payload.data
     assert (announced.payload.dtype, list(announced.payload.shape)) == (dtype, [10])
@@ -73,7 +74,7 @@ def test_a_data_plane_commit_header_is_the_grpc_request_without_its_data(dtype: 
     assert announced == unary  # every other field the same, the buffer delta whole
     assert announced.buffer_delta.data == encode(np.ones(2, np.float32))
     assert announced.integer_buffer_delta.data == np.array([1], "<i8").tobytes()
-    streamed = messages.commit_request(CALL, dtype, data, streamed=True)
+    streamed = messages.commit_request(CALL, dtype, dtype, data, streamed=True)
     assert streamed == pb.CommitChunk(header=announced).SerializeToString()
 
 

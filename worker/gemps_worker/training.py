@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from gemps.client import Client
-from gemps.data_plane_transport import PLANES
 from gemps.errors import StoppedError
 from gemps.pytorch import RemoteModel
 from gemps.records import Registration
 from gemps.resolver import Target
 from gemps.retry import DEFAULT_PATIENCE, RetryPolicy
-from gemps_proto.tensor_codec import WIRE_DTYPE_NAMES
+from gemps.wire_options import PLANES
+from gemps_proto.tensor_codec import COMPRESSIONS, WIRE_DTYPE_NAMES
 from gemps_worker.datasets import DATASETS, Dataset, load_dataset
 from gemps_worker.models import MODELS, build_model
 from gemps_worker.modes import LOCAL_OPTIMIZERS, MODES, Diverged, LocalTraining, create_mode
@@ -67,6 +67,14 @@ class WorkerOptions:
     wire_dtype: str = field(
         default="float32",
         metadata={"help": "how commits and replies travel", "choices": tuple(WIRE_DTYPE_NAMES)},
+    )
+    compression: str = field(
+        default="none",
+        metadata={
+            "help": "commits in fewer bytes: int8 (a quarter of float32's) or int4 (an eighth), what the codes "
+            "round away added to the next commit (error feedback); none: in --wire-dtype",
+            "choices": ("none", *COMPRESSIONS),
+        },
     )
     plane: str = field(
         default="auto",
@@ -186,6 +194,7 @@ def run_worker(
                 name=options.name,
                 stop=stop,
                 wire_dtype=options.wire_dtype,
+                compression=None if options.compression == "none" else options.compression,
                 plane=options.plane,
                 retry=retry,
                 patience=options.patience,

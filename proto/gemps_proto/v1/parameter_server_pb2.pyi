@@ -13,6 +13,8 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT32: _ClassVar[DType]
     DTYPE_BFLOAT16: _ClassVar[DType]
     DTYPE_INT64: _ClassVar[DType]
+    DTYPE_INT8_BLOCK: _ClassVar[DType]
+    DTYPE_INT4_BLOCK: _ClassVar[DType]
 
 class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,6 +25,8 @@ DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_BFLOAT16: DType
 DTYPE_INT64: DType
+DTYPE_INT8_BLOCK: DType
+DTYPE_INT4_BLOCK: DType
 PAYLOAD_KIND_UNSPECIFIED: PayloadKind
 PAYLOAD_KIND_GRADIENT: PayloadKind
 PAYLOAD_KIND_UPDATE: PayloadKind

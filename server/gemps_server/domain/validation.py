@@ -21,7 +21,7 @@ from gemps_proto.tensor_codec import (
     EncodedTensor,
     TensorDecodeError,
     dtype_name,
-    expected_nbytes,
+    expected_payload_nbytes,
 )
 from gemps_server.domain.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from gemps_server.domain.ledger import MAX_CLIENT_ID_LENGTH, MAX_REQUEST_ID_LENGTH, valid_client_id
@@ -197,10 +197,11 @@ def check_upload(
 # -- tensors ---------------------------------------------------------------------------------
 
 
-def decoded(tensor: EncodedTensor, what: str) -> np.ndarray:
-    """`tensor`'s values; InvalidArgument (BAD_PAYLOAD) naming `what` when they do not decode."""
+def decoded(tensor: EncodedTensor, what: str, *, payload: bool = False) -> np.ndarray:
+    """`tensor`'s values (a commit `payload`'s in any of its dtypes, blockwise codes included, else
+    θ's wire dtypes only); InvalidArgument (BAD_PAYLOAD) naming `what` when they do not decode."""
     try:
-        return tensor.decode()
+        return tensor.decode_payload() if payload else tensor.decode()
     except TensorDecodeError as error:
         raise InvalidArgument(f"{what}: {error}", Reason.BAD_PAYLOAD) from None
 
@@ -324,7 +325,7 @@ def check_payload_shape(shape: tuple[int, ...], num_parameters: int) -> None:
 def expected_payload_bytes(dtype: int, shape: tuple[int, ...], num_parameters: int) -> int:
     """Bytes a payload of this dtype and shape must have; InvalidArgument unless it is flat [P]."""
     try:
-        size = expected_nbytes(dtype, shape)
+        size = expected_payload_nbytes(dtype, shape)
     except TensorDecodeError as error:
         raise InvalidArgument(f"payload: {error}", Reason.BAD_PAYLOAD) from None
     check_payload_shape(shape, num_parameters)
@@ -335,7 +336,7 @@ def validated_payload(commit: Commit, num_parameters: int, version: int) -> tupl
     """A commit's kind, its values and max |value| (which the rules' overflow bounds use), checked
     in the protocol's order against P and the server's `version`."""
     kind = payload_kind(commit.kind)
-    values = decoded(commit.payload, "payload")
+    values = decoded(commit.payload, "payload", payload=True)
     check_payload_shape(values.shape, num_parameters)
     if commit.base_version < 0:
         raise InvalidArgument(f"base_version {commit.base_version} is negative", Reason.BAD_VERSION)

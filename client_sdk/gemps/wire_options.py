@@ -1,0 +1,51 @@
+"""How a client's tensors travel, as `gemps.Client` takes it: the plane, shared memory, the wire
+dtype, streaming, and compressed commits; each checked, or taken from its GEMPS_* variable."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from gemps_proto.tensor_codec import COMPRESSIONS, WIRE_DTYPE_NAMES
+
+#: how commits and pulls travel (DESIGN §3c): the data plane where it can, else gRPC; or only one
+PLANES = ("auto", "data", "grpc")
+#: whether Commit goes by CommitStream: past 1 MiB, always, never
+STREAMING_CHOICES = ("auto", "always", "never")
+
+# How an on/off variable may be spelled.
+SWITCHES = {"on": True, "off": False, "1": True, "0": False, "true": True, "false": False, "yes": True, "no": False}
+
+
+def resolve_plane(plane: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The `plane` asked for, else GEMPS_PLANE's, else "auto"; ValueError for another value."""
+    source = "plane"
+    if plane is None:
+        environ = os.environ if environ is None else environ
+        plane, source = environ.get("GEMPS_PLANE") or "auto", "GEMPS_PLANE"
+    if plane not in PLANES:
+        raise ValueError(f"{source} must be one of {', '.join(PLANES)}, not {plane!r}")
+    return plane
+
+
+def resolve_shared_memory(shared_memory: bool | None, environ: Mapping[str, str] | None = None) -> bool:
+    """`shared_memory` as asked, else GEMPS_SHARED_MEMORY's (on/off), else on."""
+    if shared_memory is not None:
+        return shared_memory
+    environ = os.environ if environ is None else environ
+    value = environ.get("GEMPS_SHARED_MEMORY", "on").strip().lower()
+    if value not in SWITCHES:
+        raise ValueError(f"GEMPS_SHARED_MEMORY must be on or off, not {value!r}")
+    return SWITCHES[value]
+
+
+def check_wire_options(wire_dtype: str, streaming: str, chunk_bytes: int, compression: str | None = None) -> None:
+    """ValueError naming the option for a value the client does not take."""
+    if compression is not None and compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be None or one of {', '.join(COMPRESSIONS)}, not {compression!r}")
+    if wire_dtype not in WIRE_DTYPE_NAMES:
+        raise ValueError(f"wire_dtype must be one of {', '.join(WIRE_DTYPE_NAMES)}, not {wire_dtype!r}")
+    if streaming not in STREAMING_CHOICES:
+        raise ValueError(f"streaming must be one of {', '.join(STREAMING_CHOICES)}, not {streaming!r}")
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be > 0, not {chunk_bytes}")

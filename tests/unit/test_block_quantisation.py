@@ -1,0 +1,144 @@
+"""Blockwise int8/int4 commit payloads (gemps_proto.block_quantisation, issue 47): the codes'
+bounds, their layout, what a hostile sender can put in them, the client's error feedback, and GEM
+with compressed updates against its plain float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from gemps.compression import Compressor
+from gemps_proto import block_quantisation as bq
+from gemps_proto.schema import ParameterSpec
+from gemps_proto.tensor_codec import (
+    COMPRESSIONS,
+    INT4_BLOCK,
+    INT8_BLOCK,
+    EncodedTensor,
+    TensorDecodeError,
+    decode_payload,
+    encode_payload,
+    expected_payload_nbytes,
+)
+from gemps_server.domain.records import Commit
+from gemps_server.domain.state import ServerState
+from gemps_server.domain.workers import WorkerRegistry
+from tests.helpers import encoded, training
+from tests.unit.reference_rules import ReferenceServer
+
+LEVELS = {INT8_BLOCK: bq.INT8_LEVELS, INT4_BLOCK: bq.INT4_LEVELS}
+FINITE = arrays(
+    np.float32,
+    st.integers(0, 3 * bq.BLOCK + 7),
+    elements=st.floats(-(2.0**100), 2.0**100, width=32, allow_nan=False, allow_infinity=False, allow_subnormal=False),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=FINITE, dtype=st.sampled_from([INT8_BLOCK, INT4_BLOCK]))
+def test_each_value_comes_back_within_half_a_step_of_its_block(values: np.ndarray, dtype: int) -> None:
+    data = encode_payload(values, dtype)
+    assert len(data) == expected_payload_nbytes(dtype, values.shape)
+    back = decode_payload(dtype, values.shape, data)
+    assert back.dtype == np.float32 and back.shape == values.shape
+    for start in range(0, values.size, bq.BLOCK):
+        block, returned = values[start : start + bq.BLOCK].astype(np.float64), back[start : start + bq.BLOCK]
+        step = np.abs(block).max() / LEVELS[dtype]
+        assert np.all(np.abs(returned - block) <= step / 2 * (1 + 1e-5) + 1e-38)
+        assert np.all(np.sign(returned)[returned != 0] == np.sign(block)[returned != 0])
+    assert encode_payload(values, dtype) == data  # the same bytes again: a retry resends them
+
+
+def test_the_layout_is_scales_then_codes() -> None:
+    values = np.zeros(2 * bq.BLOCK + 1, np.float32)
+    values[3], values[bq.BLOCK + 1], values[-1] = 127.0, -2.0, 7.0
+    int8 = encode_payload(values, INT8_BLOCK)
+    scales = np.array([127.0, 2.0, 7.0], np.float32) / np.float32(127)
+    assert np.frombuffer(int8[:12], "<f4").tolist() == scales.tolist()
+    codes = np.frombuffer(int8[12:], np.int8)
+    assert (codes[3], codes[bq.BLOCK + 1], codes[-1]) == (127, -127, 127) and np.count_nonzero(codes) == 3
+    int4 = encode_payload(values, INT4_BLOCK)
+    assert len(int4) == 12 + (values.size + 1) // 2
+    packed = np.frombuffer(int4[12:], np.uint8)
+    assert packed[1] == 0x70  # value 3: the high nibble of byte 1, +7
+    assert packed[-1] == 0x07  # the last value, +7, in a low nibble; the padding nibble 0
+    assert [bq.int8_nbytes(n) for n in (0, 1, 256, 257)] == [0, 5, 260, 265]
+    assert [bq.int4_nbytes(n) for n in (0, 1, 256, 257)] == [0, 5, 132, 137]
+    assert COMPRESSIONS == {"int8": INT8_BLOCK, "int4": INT4_BLOCK}
+
+
+@pytest.mark.parametrize("dtype", [INT8_BLOCK, INT4_BLOCK])
+def test_bytes_no_encoder_writes_are_refused_naming_why(dtype: int) -> None:
+    size = bq.BLOCK + 3
+    good = bytearray(encode_payload(np.linspace(-1, 1, size, dtype=np.float32), dtype))
+    decode_payload(dtype, (size,), good)
+    cases = {"not a finite": (0, np.float32(np.inf)), "non-negative": (4, np.float32(-0.5))}
+    for message, (offset, scale) in cases.items():
+        bad = bytearray(good)
+        bad[offset : offset + 4] = scale.tobytes()
+        with pytest.raises(TensorDecodeError, match=message):
+            decode_payload(dtype, (size,), bad)
+    bad = bytearray(good)
+    if dtype == INT8_BLOCK:
+        bad[8] = 0x80
+        match = "-128"
+    else:
+        bad[8] = 0x08
+        match = "-8"
+    with pytest.raises(TensorDecodeError, match=match):
+        decode_payload(dtype, (size,), bad)
+    for length in (len(good) - 1, len(good) + 1):
+        with pytest.raises(TensorDecodeError, match="bytes of data"):
+            decode_payload(dtype, (size,), bytes(good[:length]) + b"\0" * max(0, length - len(good)))
+    if dtype == INT4_BLOCK:
+        bad = bytearray(good)
+        bad[-1] |= 0x10
+        with pytest.raises(TensorDecodeError, match="padding"):
+            decode_payload(dtype, (size,), bad)
+
+
+def test_the_client_keeps_what_the_codes_round_away_and_adds_it_to_the_next_commit() -> None:
+    compressor = Compressor("int4")
+    rng = np.random.default_rng(1)
+    sent, received = np.zeros(500, np.float64), np.zeros(500, np.float64)
+    for _ in range(30):
+        update = rng.standard_normal(500).astype(np.float32)
+        data, left = compressor.encode(0, update)
+        again, _ = compressor.encode(0, update)
+        assert data == again  # until applied, encoding again gives the same bytes
+        compressor.applied(0, left)
+        sent += update
+        received += decode_payload(INT4_BLOCK, (500,), data)
+    residual = compressor.residual(0)
+    assert residual is not None
+    np.testing.assert_allclose(received, sent - residual, atol=1e-4)
+    assert np.abs(residual).max() < 0.5  # half a step: every block's peak / 14 at most
+    compressor.reset()
+    assert compressor.residual(0) is None
+
+
+def test_gem_with_compressed_updates_is_gem_on_what_they_decode_to() -> None:
+    """The server decodes a compressed payload and applies its rule to it: the plain reference of
+    DESIGN §1 fed the decoded values gives the same theta."""
+    size = 300
+    rng = np.random.default_rng(2)
+    theta0 = rng.standard_normal(size).astype(np.float32)
+    config = training("gem", learning_rate=0.05)
+    state = ServerState(config, WorkerRegistry(max_workers=4, lease_ttl=3600))
+    reference = ReferenceServer("gem", theta0, 0.05, config.momentum, config.kappa, config.pi_max)
+    spec = [ParameterSpec("w", (size,))]
+    workers = []
+    for _ in range(3):
+        worker = state.register("w", spec, encoded(theta0)).worker.worker_id
+        reference.register(worker)
+        workers.append(worker)
+    for step in range(12):
+        worker, dtype = workers[step % 3], (INT8_BLOCK, INT4_BLOCK)[step % 2]
+        gradient = rng.standard_normal(size).astype(np.float32)
+        data = encode_payload(gradient, dtype)
+        state.commit(Commit(worker, state.version, 1, EncodedTensor(dtype, (size,), data)))
+        reference.commit(worker, decode_payload(dtype, (size,), data), reference.version)
+    np.testing.assert_allclose(state.theta_copy(), reference.theta, rtol=2e-5, atol=1e-6)
