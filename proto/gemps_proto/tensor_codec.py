@@ -43,6 +43,8 @@ _BLOCK = 65_536  # elements per block of the bfloat16 encoder: its working set s
 WIRE_DTYPE_NAMES: dict[str, int] = {DTYPE_NAMES[dtype].removeprefix("DTYPE_").lower(): dtype for dtype in _NUMPY_DTYPES}
 #: how commits may be compressed, by the names users pass (`Client(compression=)`, `--compression`)
 COMPRESSIONS: dict[str, int] = {"int8": INT8_BLOCK, "int4": INT4_BLOCK}
+#: every encoding θ-sized tensors travel in, by dtype: the names above (the wire bytes' metric labels)
+ENCODING_NAMES: dict[int, str] = {dtype: name for name, dtype in (*WIRE_DTYPE_NAMES.items(), *COMPRESSIONS.items())}
 _QUANTISED_NBYTES = {INT8_BLOCK: block_quantisation.int8_nbytes, INT4_BLOCK: block_quantisation.int4_nbytes}
 _QUANTISED_DECODE = {INT8_BLOCK: block_quantisation.decode_int8, INT4_BLOCK: block_quantisation.decode_int4}
 _QUANTISED_ENCODE = {INT8_BLOCK: block_quantisation.encode_int8, INT4_BLOCK: block_quantisation.encode_int4}

@@ -32,7 +32,7 @@ from gemps_proto.schema import (
     Registration,
 )
 from gemps_proto.status import ServerStatus
-from gemps_proto.tensor_codec import EncodedBuffers, EncodedTensor
+from gemps_proto.tensor_codec import EncodedBuffers, EncodedTensor, expected_nbytes
 from gemps_server import worker_events
 from gemps_server.allocator import tune_for
 from gemps_server.config import ServerConfig
@@ -253,7 +253,10 @@ class ParameterService:
             state.registry.touch(worker_id)
         check_reply_dtype(reply_dtype)
         snapshot = state.snapshot
-        return snapshot, known_version != snapshot.version and snapshot.data(reply_dtype) is None
+        changed = known_version != snapshot.version
+        if changed:  # the reply carries θ
+            self._metrics.tensor_bytes("sent", reply_dtype, expected_nbytes(reply_dtype, [state.num_parameters]))
+        return snapshot, changed and snapshot.data(reply_dtype) is None
 
     async def commit(self, commit: Commit, reply: ReplyWriter[R]) -> tuple[CommitOutcome, R]:
         """Apply a commit in FIFO order, with its `reply` written by the state right after, while θ
@@ -315,6 +318,9 @@ class ParameterService:
     ) -> tuple[CommitOutcome, R]:
         """A commit's bookkeeping once the applier ran it, whichever wire it came through."""
         outcome, built = timed.result
+        self._metrics.tensor_bytes("received", commit.payload.dtype, len(commit.payload.data))
+        theta_bytes = expected_nbytes(commit.reply_dtype, [self._state.num_parameters])
+        self._metrics.tensor_bytes("sent", commit.reply_dtype, theta_bytes)
         if outcome.duplicate:
             self._metrics.duplicate()
             suppressed = self._rejection_log.allow(("Commit", "duplicate"))

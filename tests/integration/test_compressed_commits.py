@@ -95,6 +95,12 @@ def test_a_commit_is_a_quarter_or_an_eighth_of_float32s_bytes(
             for update in updates(3, size):
                 client.commit(update, kind="update")
         sent.append(commit_bytes(server.metrics_port))
+        series = scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics")
+        encoding = chosen or "float32"
+        payload = block_quantisation.int8_nbytes(size) if chosen == "int8" else block_quantisation.int4_nbytes(size)
+        expected = 3 * (4 * size if chosen is None else payload)
+        assert series[f'gemps_wire_bytes_total{{direction="received",encoding="{encoding}"}}'] == expected
+        assert series['gemps_wire_bytes_total{direction="sent",encoding="float32"}'] >= 3 * 4 * size  # the replies
     assert sent[0] / sent[1] >= fewer, sent
 
 

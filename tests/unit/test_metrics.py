@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gemps_proto.schema import PayloadKind, TrainingConfig
 from gemps_proto.status import RecentCommits, WorkerStatus
+from gemps_proto.tensor_codec import FLOAT32, INT8_BLOCK
 from gemps_server.domain.rules import ApplyStats, create_rule, rule_names
 from gemps_server.metrics import COMMIT_REJECTION_REASONS, MAX_DATASET_LABEL, ServerMetrics, exposed
 from gemps_server.replication.metrics import ReplicationCollector
@@ -126,6 +127,16 @@ def test_series_exist_before_anything_happens_so_rates_read_zero() -> None:
     assert not any(name.startswith("gemps_heldout") for name, _ in got)
 
 
+def test_wire_bytes_are_counted_by_direction_and_encoding() -> None:
+    metrics = ServerMetrics()
+    metrics.tensor_bytes("received", INT8_BLOCK, 1040)
+    metrics.tensor_bytes("sent", FLOAT32, 4096)
+    got = samples(metrics)
+    assert got[("gemps_wire_bytes_total", (("direction", "received"), ("encoding", "int8")))] == 1040
+    assert got[("gemps_wire_bytes_total", (("direction", "sent"), ("encoding", "float32")))] == 4096
+    assert got[("gemps_wire_bytes_total", (("direction", "received"), ("encoding", "int4")))] == 0
+
+
 def test_labels_come_from_small_fixed_sets() -> None:
     metrics = ServerMetrics()
     metrics.describe_server(TrainingConfig())
@@ -134,7 +145,7 @@ def test_labels_come_from_small_fixed_sets() -> None:
     # role: 3 values; backup: R-1 names
     ReplicationCollector(metrics.registry, Holder(primary(BackupLag("r1", True, 0, 0.0))))
     allowed = {"outcome", "reason", "phase", "bound", "side", "method", "plane", "cause", "dataset", "le", "quantile"}
-    allowed |= {"role", "backup"}
+    allowed |= {"role", "backup", "direction", "encoding"}  # gemps_wire_bytes: 2 x 4 series
     info = set(TrainingConfig().as_dict())  # one label per field of the training config
     build = {"version", "protocol", "oldest_protocol"}  # gemps_build_info: one series, set at start
     for (name, labels), _ in samples(metrics).items():

@@ -99,6 +99,9 @@ class ServerMetrics:
     def data_plane_refused(self, reason: str) -> None:
         self.traffic.data_plane_refused(reason)
 
+    def tensor_bytes(self, direction: str, dtype: int, size: int) -> None:
+        self.traffic.tensor_bytes(direction, dtype, size)
+
     def registered(self) -> None:
         self.state.registered()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from gemps_proto.tensor_codec import ENCODING_NAMES
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.metrics.buckets import DURATION_BUCKETS
 
@@ -65,6 +66,17 @@ class TrafficMetrics:
         self._rpc_duration = {(p, m): self.rpc_duration.labels(m, p) for p, m in PLANE_METHODS}
         self._received = {(p, m): self.received.labels(m, p) for p, m in PLANE_METHODS}
         self._sent = {(p, m): self.sent.labels(m, p) for p, m in PLANE_METHODS}
+        self.wire_bytes = Counter(
+            "gemps_wire_bytes",
+            "Bytes of theta-sized tensors on the wire, both planes: commit payloads received and theta sent (in "
+            "commit replies and pulls), by encoding (float32, bfloat16, int8, int4). Over gemps_samples_total: "
+            "bytes per training sample.",
+            ["direction", "encoding"],
+            registry=registry,
+        )
+        for direction in ("received", "sent"):
+            for encoding in ENCODING_NAMES.values():
+                self.wire_bytes.labels(direction, encoding)
         self.data_plane_refusals = Counter(
             "gemps_data_plane_refusals",
             "Data-plane connections closed by a guard, by reason (bad frame or hello, ticket, timeouts, "
@@ -97,6 +109,10 @@ class TrafficMetrics:
 
     def message_sent(self, method: str, size: int, plane: str = "grpc") -> None:
         self._sent[plane, method].inc(size)
+
+    def tensor_bytes(self, direction: str, dtype: int, size: int) -> None:
+        """`size` bytes of a theta-sized tensor in `dtype` `direction` ("received" or "sent")."""
+        self.wire_bytes.labels(direction, ENCODING_NAMES.get(dtype, "other")).inc(size)
 
     def data_plane_refused(self, reason: str) -> None:
         self.data_plane_refusals.labels(reason).inc()
