@@ -58,6 +58,7 @@ class RunConfig:
     # train on the same E samples whatever N is (the tuning sweep's equal budgets).
     max_steps: int = 0
     gem_state: str = "exact"  # the server's --gem-state: how GEM keeps each worker's m_i and s_i
+    compression: str = "none"  # the workers' --compression: how their commits travel (none, int8, int4)
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,7 @@ def _start_pools(config: RunConfig, cluster: LocalCluster) -> None:
         local_optimizer=config.local_optimizer,
         local_learning_rate=config.local_learning_rate,
         max_steps=config.max_steps,
+        compression=config.compression,
     )
     first = 0
     for i, size in enumerate(sizes):

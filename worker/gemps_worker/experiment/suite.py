@@ -229,12 +229,23 @@ def gem_state_suite(epochs: int = 10) -> list[RunConfig]:
     return runs
 
 
+def compression_suite(epochs: int = 10) -> list[RunConfig]:
+    """GEM's workers committing in float32, int8 and int4 codes (issue 47), at 10 and the reference
+    30 workers: what the codes cost in accuracy, and save in bytes."""
+    return [
+        RunConfig(f"gem-n{n}" + ("" if codes == "none" else f"-{codes}"), n, training("gem"), epochs, compression=codes)
+        for n in (10, REFERENCE_WORKERS)
+        for codes in ("none", "int8", "int4")
+    ]
+
+
 SUITES: dict[str, Callable[[int], list[RunConfig]]] = {
     "full": full_suite,
     "quick": lambda epochs: quick_suite(),  # always 2 epochs
     "agn-sweep": agn_sweep,
     "agn": agn_comparison,
     "gem-state": gem_state_suite,
+    "compression": compression_suite,
 }
 SUITE_HELP = {
     "full": "the GEM paper's comparisons: GEM, DOWNPOUR, adaptive staleness at 5..100 workers, eta, kappa, modes",
@@ -245,6 +256,8 @@ SUITE_HELP = {
     + " workers",
     "gem-state": f"GEM with --gem-state exact and compact: digits CNN at {REFERENCE_WORKERS} workers, the character "
     "language model at 8",
+    "compression": "GEM's commits in float32, int8 and int4 codes (--compression), at 10 and "
+    f"{REFERENCE_WORKERS} workers",
 }
 
 
