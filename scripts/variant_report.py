@@ -1,10 +1,13 @@
-"""GEM's state exact against compact, from `gemps experiment --suite gem-state` runs (issue 45):
-held-out figures over seeds and pi's distribution over commits, as a markdown table and JSON.
+"""A configuration against its variants, from `gemps experiment` runs: held-out figures over seeds
+and pi's distribution over commits, as a markdown table and JSON. GEM's state exact against compact
+(`--suite gem-state`, issue 45), commits in float32 against int8 and int4 codes (`--suite
+compression`, issue 47):
 
-    PYTHONPATH=proto:server:client_sdk:worker .venv/bin/python scripts/gem_state_report.py runs/gem-state \\
-        --json docs/results/gem_state/accuracy.json --markdown docs/results/gem_state/accuracy.md
+    PYTHONPATH=proto:server:client_sdk:worker .venv/bin/python scripts/variant_report.py runs/gem-state \\
+        --variant compact --json docs/results/gem_state/accuracy.json --markdown docs/results/gem_state/accuracy.md
+    ... scripts/variant_report.py runs/compression --variant int8 --variant int4 ...
 
-A pair is a configuration NAME (the exact state) and NAME-compact, each over its seeds (NAME-sK).
+A configuration NAME is compared with each NAME-VARIANT, each over its seeds (NAME-sK).
 pi's distribution: every commit after the first tenth of the run gives its mean pi over the
 parameters (the median over parameters is 0 past a few workers, so it says little), and the
 table gives the median and the 90th percentile of those over the commits of all seeds, and the
@@ -63,42 +66,48 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def row(name: str, variant: str, figures: dict[str, Any]) -> str:
+    return (
+        f"| {name} | {variant} | {figures['seeds']} | {figures['held_out_accuracy']:.2f} ± "
+        f"{figures['held_out_accuracy_sd']:.2f}% | {figures['held_out_loss']:.4f} | "
+        f"{figures['pi_mean_median']:.3f} | {figures['pi_mean_p90']:.3f} | {figures['at_zero']:.2f} | "
+        f"{figures['at_max']:.2f} |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", type=Path, help="the experiment's --out folder")
+    parser.add_argument("--variant", action="append", help="a variant's suffix (repeat; default: compact)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
     found = runs_of(args.runs)
-    pairs = {name: (found[name], found[f"{name}-compact"]) for name in found if f"{name}-compact" in found}
+    variants = args.variant or ["compact"]
     table = [
-        "| configuration | state | seeds | held-out accuracy (mean ± sd) | held-out loss "
+        "| configuration | variant | seeds | held-out accuracy (mean ± sd) | held-out loss "
         "| per-commit mean pi: median | 90th percentile | pi = 0 | pi = pi_max |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    report = {}
-    for name, (exact_runs, compact_runs) in pairs.items():
-        exact, compact = summary(exact_runs), summary(compact_runs)
-        report[name] = {
-            "exact": exact,
-            "compact": compact,
-            "accuracy_gap_points": compact["held_out_accuracy"] - exact["held_out_accuracy"],
-            "pi_median_ratio": compact["pi_mean_median"] / exact["pi_mean_median"],
-            "pi_p90_ratio": compact["pi_mean_p90"] / exact["pi_mean_p90"],
-        }
-        for state, figures in (("exact", exact), ("compact", compact)):
+    report: dict[str, dict[str, Any]] = {}
+    for name in sorted(n for n in found if any(f"{n}-{v}" in found for v in variants)):
+        base = summary(found[name])
+        report[name] = {"base": base}
+        table.append(row(name, "base", base))
+        for variant in (v for v in variants if f"{name}-{v}" in found):
+            figures = summary(found[f"{name}-{variant}"])
+            gaps = {
+                "accuracy_gap_points": figures["held_out_accuracy"] - base["held_out_accuracy"],
+                "pi_median_ratio": figures["pi_mean_median"] / base["pi_mean_median"],
+                "pi_p90_ratio": figures["pi_mean_p90"] / base["pi_mean_p90"],
+            }
+            report[name][variant] = {**figures, **gaps}
+            table.append(row(name, variant, figures))
             table.append(
-                f"| {name} | {state} | {figures['seeds']} | {figures['held_out_accuracy']:.2f} ± "
-                f"{figures['held_out_accuracy_sd']:.2f}% | {figures['held_out_loss']:.4f} | "
-                f"{figures['pi_mean_median']:.3f} | {figures['pi_mean_p90']:.3f} | {figures['at_zero']:.2f} | "
-                f"{figures['at_max']:.2f} |"
+                f"| {name} | {variant} - base | | {gaps['accuracy_gap_points']:+.2f} points | "
+                f"{figures['held_out_loss'] - base['held_out_loss']:+.4f} | x{gaps['pi_median_ratio']:.3f} | "
+                f"x{gaps['pi_p90_ratio']:.3f} | | |"
             )
-        gaps = report[name]
-        table.append(
-            f"| {name} | compact - exact | | {gaps['accuracy_gap_points']:+.2f} points | "
-            f"{compact['held_out_loss'] - exact['held_out_loss']:+.4f} | x{gaps['pi_median_ratio']:.3f} | "
-            f"x{gaps['pi_p90_ratio']:.3f} | | |"
-        )
     text = "\n".join(table) + "\n"
     print(text)
     if args.json is not None:
