@@ -192,6 +192,8 @@ def test_bytes_moved_counts_payload_and_reply_and_easgd_pulls() -> None:
     assert bytes_moved(1000, 250_000, "dynsgd") == pytest.approx(2000.0)
     assert bytes_moved(1000, 250_000, "easgd") == pytest.approx(3000.0)
     assert math.isnan(bytes_moved(1000, 0, "gradient"))
+    # int8 codes: 250,000 bytes and 977 scales of 4 up, 1,000,000 down, per commit
+    assert bytes_moved(1000, 250_000, "gradient", "int8") == pytest.approx(1000 * (250_000 + 3_908 + 1_000_000) / 1e6)
 
 
 # -- results from before the new fields ---------------------------------------------------------

@@ -10,6 +10,7 @@ from typing import Protocol
 
 import numpy as np
 
+from gemps_proto.tensor_codec import COMPRESSIONS, expected_payload_nbytes
 from gemps_worker.experiment.single_run import RunResult
 
 # "Final" figures average the last this-fraction of worker steps (mini-batch losses are noisy).
@@ -111,13 +112,19 @@ def first_reaching(run: RunResult, accuracy: float) -> tuple[float, float]:
     return math.nan, math.nan
 
 
-def bytes_moved(commits: int, num_parameters: int, worker_mode: str) -> float:
-    """MB (10^6 bytes) the workers moved: each commit sends its payload (4P bytes, float32) and
-    receives θ (4P); the easgd mode also pulls θ (4P) before each commit. NaN when P is unknown."""
+def bytes_moved(commits: int, num_parameters: int, worker_mode: str, compression: str = "none") -> float:
+    """MB (10^6 bytes) the workers moved: each commit sends its payload (4P bytes in float32, its
+    codes' bytes with --compression) and receives θ (4P); the easgd mode also pulls θ (4P) before
+    each commit. NaN when P is unknown."""
     if num_parameters <= 0:
         return math.nan
-    vectors_per_commit = 3 if worker_mode == "easgd" else 2
-    return commits * vectors_per_commit * 4 * num_parameters / 1e6
+    sent = (
+        4 * num_parameters
+        if compression == "none"
+        else expected_payload_nbytes(COMPRESSIONS[compression], [num_parameters])
+    )
+    received = (2 if worker_mode == "easgd" else 1) * 4 * num_parameters
+    return commits * (sent + received) / 1e6
 
 
 def summarize(result: RunResult) -> Summary:
@@ -156,7 +163,7 @@ def summarize(result: RunResult) -> Summary:
         wall_seconds=result.wall_seconds,
         final_train_loss_full=result.final_train_loss_full,
         final_train_accuracy_full=result.final_train_accuracy_full,
-        bytes_moved=bytes_moved(result.final_version, result.num_parameters, c.training.worker_mode),
+        bytes_moved=bytes_moved(result.final_version, result.num_parameters, c.training.worker_mode, c.compression),
         seed=c.seed,
         seconds_to_target=reached[0],
         steps_to_target=reached[1],

@@ -297,7 +297,8 @@ per-step mean over workers of each mini-batch's loss, measured on each worker's 
 of the parameters before its commit; "full-train loss" and "full-train acc" are the final
 central variable's on the whole training set, as are the held-out figures on the held-out set.
 "MB moved": 10^6 bytes the workers sent and received, 4P bytes (float32, P parameters) each way
-per commit, plus a 4P pull per commit in the easgd mode. pi statistics pool every commit after
+per commit (a commit in --compression codes: their bytes instead), plus a 4P pull per commit in
+the easgd mode. pi statistics pool every commit after
 the first 10% of the run.
 
 ## Summary
