@@ -1,4 +1,5 @@
-"""Between hosts: gemps, its bfloat16 wire, the socket ceiling and the TCP peers on simulated hosts
+"""Between hosts: gemps, its bfloat16 wire, its compressed commits (int8, int4 codes up, float32
+replies down), the socket ceiling and the TCP peers on simulated hosts
 with real links (gemps_worker.simulated_hosts), gemps with K = 1, 2, 4 partitions on hosts of their own.
 
 Hosts p0 .. p{K_max-1} hold the servers (one partition each; the other systems' server on p0),
@@ -35,11 +36,19 @@ from gemps_bench.gemps_load import GempsClientFactory
 from gemps_bench.loadgen import STRAGGLER_GRACE, ClientFactory, LoadPlan, run_load
 from gemps_bench.results import LoadResult
 from gemps_bench.suite import FULL, QUICK, available_bytes, progress
+from gemps_proto.tensor_codec import COMPRESSIONS, expected_payload_nbytes
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.processes import GEMPS_COMMAND
 from gemps_worker.simulated_hosts import Host, SimulatedNetwork
 
-SYSTEMS = ("echo-tcp", "gemps", "gemps-bfloat16", "torch-rpc-tcp", "reference-p2p")
+SYSTEMS = ("echo-tcp", "gemps", "gemps-bfloat16", "gemps-int8", "gemps-int4", "torch-rpc-tcp", "reference-p2p")
+#: gemps' variants as the clients' options (the gemps system: float32 both ways)
+GEMPS_OPTIONS: dict[str, tuple[tuple[str, object], ...]] = {
+    "gemps": (("wire_dtype", "float32"),),
+    "gemps-bfloat16": (("wire_dtype", "bfloat16"),),
+    "gemps-int8": (("wire_dtype", "float32"), ("compression", "int8")),
+    "gemps-int4": (("wire_dtype", "float32"), ("compression", "int4")),
+}
 PEERS = ("torch-rpc-tcp", "reference-p2p")
 PORT, DATA_PORT = 50051, 51051  # gemps' ports on each partition host
 CLIENTS_HOST = "clients"
@@ -94,20 +103,27 @@ class CrossHostSpec:
         return max(k for _, k in self.cells()) if self.cells() else 1
 
 
-def payload_bytes(system: str, num_parameters: int) -> int:
-    """Bytes of θ (or its gradient) one commit carries each way."""
-    return num_parameters * (2 if system == "gemps-bfloat16" else 4)
+def payload_bytes(system: str, num_parameters: int) -> tuple[int, int]:
+    """Bytes of a commit's payload up and of θ in its reply down."""
+    options = dict(GEMPS_OPTIONS.get(system, ()))
+    reply = num_parameters * (2 if options.get("wire_dtype") == "bfloat16" else 4)
+    compression = options.get("compression")
+    commit = reply if compression is None else expected_payload_nbytes(COMPRESSIONS[str(compression)], [num_parameters])
+    return commit, reply
 
 
 def link_figures(system: str, partitions: int, result: LoadResult, rate: str) -> dict[str, Any]:
-    """What a run reached of its links: payload MB/s each way (all links), and of the K links' rate."""
-    each_way = result.commits_per_second * payload_bytes(system, result.num_parameters)
+    """What a run reached of its links: payload MB/s the busier way (all links), and of the K links' rate."""
+    up, down = payload_bytes(system, result.num_parameters)
+    busier = result.commits_per_second * max(up, down)
     links = partitions * rate_bits_per_second(rate) / 8
     return {
         "partitions": partitions,
-        "payload_bytes_per_commit": payload_bytes(system, result.num_parameters),
-        "payload_bytes_per_second_each_way": each_way,
-        "link_fraction": each_way / links,
+        "payload_bytes_per_commit": max(up, down),
+        "commit_bytes_per_commit": up,
+        "reply_bytes_per_commit": down,
+        "payload_bytes_per_second_each_way": busier,
+        "link_fraction": busier / links,
     }
 
 
@@ -226,14 +242,13 @@ def _save(data: dict[str, Any], path: Path) -> None:
 def _factory(system: str, target: str, num_parameters: int) -> ClientFactory:
     if system == "echo-tcp":
         return TcpEchoClientFactory(target)
-    wire = "bfloat16" if system == "gemps-bfloat16" else "float32"
-    return GempsClientFactory(target, num_parameters, (("wire_dtype", wire),))
+    return GempsClientFactory(target, num_parameters, GEMPS_OPTIONS[system])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """A load process inside the clients' host: one system's clients; its LoadResult as JSON on stdout."""
     parser = argparse.ArgumentParser(description="one cross-host load (run by gemps bench --link)")
-    parser.add_argument("--system", choices=("echo-tcp", "gemps", "gemps-bfloat16"), required=True)
+    parser.add_argument("--system", choices=("echo-tcp", *GEMPS_OPTIONS), required=True)
     parser.add_argument("--target", required=True)
     parser.add_argument("--size", type=int, required=True)
     parser.add_argument("--clients", type=int, required=True)

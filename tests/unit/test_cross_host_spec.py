@@ -26,6 +26,8 @@ def test_cells_put_the_ceiling_first_and_gemps_at_each_partition_count() -> None
         ("gemps", 2),
         ("gemps", 4),
         ("gemps-bfloat16", 1),
+        ("gemps-int8", 1),
+        ("gemps-int4", 1),
         ("torch-rpc-tcp", 1),
         ("reference-p2p", 1),
     ]
@@ -44,3 +46,7 @@ def test_the_links_share_is_payload_one_way_over_k_links() -> None:
     assert figures["payload_bytes_per_second_each_way"] == 160e6
     assert figures["link_fraction"] == pytest.approx(160e6 / 250e6)
     assert link_figures("gemps-bfloat16", 1, result, "1gbit")["link_fraction"] == pytest.approx(80e6 / 125e6)
+    # int8 commits up (1,000,000 bytes and 3,907 scales of 4), float32 replies down: the busier way is down
+    int8 = link_figures("gemps-int8", 1, result, "1gbit")
+    assert (int8["commit_bytes_per_commit"], int8["reply_bytes_per_commit"]) == (1_015_628, 4_000_000)
+    assert int8["link_fraction"] == pytest.approx(160e6 / 125e6)
