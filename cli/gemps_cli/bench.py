@@ -21,10 +21,12 @@ def _counts(text: str) -> list[int]:
 
 
 def _systems(text: str) -> list[str]:
+    """Systems of the loopback suite or of the cross-host one (--link): each checks its own."""
     chosen = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = sorted(set(chosen) - set(SYSTEMS))
+    known = (*SYSTEMS, *(system for system in cross_host.SYSTEMS if system not in SYSTEMS))
+    unknown = sorted(set(chosen) - set(known))
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown systems {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+        raise argparse.ArgumentTypeError(f"unknown systems {', '.join(unknown)}; choose from {', '.join(known)}")
     return chosen
 
 
