@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.test_containers import Stack, run, running_stack
+from tests.e2e.container_stack import Stack, run, running_stack
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.timeout(900)  # builds the images when test_containers.py did not run first

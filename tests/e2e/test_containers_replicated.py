@@ -21,7 +21,7 @@ import gemps
 from gemps.records import ServerStatus
 from gemps.retry import NO_RETRY
 from gemps_proto.status import BACKUP, PRIMARY
-from tests.e2e.test_containers import (
+from tests.e2e.container_stack import (
     COMPOSE_FILE,
     ROOT,
     Stack,

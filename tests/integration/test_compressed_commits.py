@@ -24,9 +24,9 @@ from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_server.replication.local_etcd import LocalEtcd
 from gemps_worker.cluster import ServerProcess
 from tests.data_plane_client import DataPlaneClient
-from tests.helpers import CommitLoops, scrape_series, start_partitions
+from tests.helpers import scrape_series, start_partitions
 from tests.integration.conftest import StartServer, open_stub
-from tests.integration.test_replicas import digest, replica_options, wait_replicated
+from tests.integration.test_replicas import commit_until_backup_matches, replica_options
 
 P = 3 * block_quantisation.BLOCK + 5  # several blocks, the last one short, an odd count (int4's padding)
 COMPRESSIONS = ["int8", "int4"]
@@ -263,16 +263,6 @@ def test_a_backup_applies_compressed_commits_to_the_same_bits(start_server: Star
     """The journal carries a commit as the worker sent it, codes and all: the backup decodes the
     same bytes with the same decoder and holds its primary's state bit for bit."""
     servers = [start_server(rule="gem", **replica_options(etcd, index, "compressed")) for index in range(2)]
-    primary = wait_replicated(servers)
     target = "|".join(server.target for server in servers)
     clients = [gemps.Client(target, name=f"w{i}", compression=("int8", "int4")[i % 2]) for i in range(2)]
-    loops = CommitLoops(clients, {"w": np.zeros(P, np.float32)}, updates(1)[0])
-    loops.start().wait_each(20, 60, "20 commits per worker")
-    loops.stop()
-    for client in clients:
-        client.close()
-    assert not loops.failures, loops.failures
-    wait_replicated(servers)
-    backup = next(server for server in servers if server is not primary)
-    assert primary.server.state.version == backup.server.state.version == sum(loops.acked)
-    assert digest(primary) == digest(backup)
+    commit_until_backup_matches(servers, clients, np.zeros(P, np.float32), updates(1)[0], 20)

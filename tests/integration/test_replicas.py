@@ -76,6 +76,25 @@ def digest(server: InProcessServer) -> str:
     return image_codec.digest(image)
 
 
+def commit_until_backup_matches(
+    servers: list[InProcessServer], clients: list[gemps.Client], theta: np.ndarray, update: np.ndarray, commits: int
+) -> tuple[InProcessServer, CommitLoops]:
+    """Each client commits `update` `commits` times to the replicated `servers` and closes; then the
+    backup holds its primary's version and state bit for bit. The backup and the loops."""
+    primary = wait_replicated(servers)
+    loops = CommitLoops(clients, {"w": theta}, update)
+    loops.start().wait_each(commits, 60, f"{commits} commits per worker")
+    loops.stop()
+    for client in clients:
+        client.close()
+    assert not loops.failures, loops.failures
+    wait_replicated(servers)
+    backup = next(server for server in servers if server is not primary)
+    assert primary.server.state.version == backup.server.state.version == sum(loops.acked)
+    assert digest(primary) == digest(backup)
+    return backup, loops
+
+
 @pytest.mark.parametrize("gem_state", ["exact", "compact"])
 def test_a_backup_holds_the_primarys_state_bit_for_bit_under_gem(
     start_server: StartServer, etcd: LocalEtcd, gem_state: str
@@ -86,21 +105,12 @@ def test_a_backup_holds_the_primarys_state_bit_for_bit_under_gem(
         start_server(rule="gem", gem_state=gem_state, **replica_options(etcd, index, f"bits-{gem_state}"))
         for index in range(2)
     ]
-    primary = wait_replicated(servers)
     target = "|".join(server.target for server in servers)
     rng = np.random.default_rng(0)
     clients = [gemps.Client(target, name=f"w{i}") for i in range(3)]
     size = 10 * PARAMETERS
-    loops = CommitLoops(clients, {"w": np.zeros(size, np.float32)}, rng.standard_normal(size).astype(np.float32))
-    loops.start().wait_each(40, 60, "40 commits per worker")
-    loops.stop()
-    for client in clients:
-        client.close()
-    assert not loops.failures, loops.failures
-    wait_replicated(servers)
-    backup = next(server for server in servers if server is not primary)
-    assert primary.server.state.version == backup.server.state.version == sum(loops.acked)
-    assert digest(primary) == digest(backup)
+    update = rng.standard_normal(size).astype(np.float32)
+    backup, loops = commit_until_backup_matches(servers, clients, np.zeros(size, np.float32), update, 40)
     assert status_of(backup).applied >= sum(loops.acked)
 
 

@@ -1,8 +1,7 @@
-"""The experiment's analysis and report: seeds, mean ± sd, bytes moved, old results, suites."""
+"""The experiment's analysis and report: seeds, mean ± sd, bytes moved, old results (suites: elsewhere)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import asdict, replace
@@ -36,21 +35,8 @@ from gemps_worker.experiment.report import (
 )
 from gemps_worker.experiment.single_run import HeldOut, RunConfig, RunResult
 from gemps_worker.experiment.suite import (
-    AGN_CHOSEN,
-    COMPARISON_WORKERS,
-    DOWNPOUR_ETA,
-    DYNSGD_CHOSEN,
-    EASGD_CHOSEN,
-    GEM_ETA,
-    SUITES,
-    SWEEP_WORKERS,
-    AgnSetting,
-    ChosenSettings,
-    DynSgdSetting,
-    EasgdSetting,
     agn_comparison,
     agn_sweep,
-    full_suite,
     quick_suite,
     with_seeds,
 )
@@ -272,97 +258,6 @@ def test_an_older_flat_result_config_loads(tmp_path: Path) -> None:
     path.write_text(json.dumps(payload))
     loaded = RunResult.load(path).config
     assert loaded.training.rule == "gem" and loaded.seed == 0 and loaded.dynsgd_steps == 10
-
-
-# -- the AGN suites -----------------------------------------------------------------------------
-
-
-def test_agn_sweep_has_the_intended_settings() -> None:
-    runs = {c.name: c for c in agn_sweep(epochs=3)}
-    n = SWEEP_WORKERS
-    assert n == 20 and all(c.workers == n and c.epochs == 3 and c.seed == 0 for c in runs.values())
-    assert len(runs) == 12 + 8 + 12 + 4
-    for steps in (5, 10, 15):
-        for rate in (0.05, 0.2, 0.5):
-            c = runs[f"sweep-agn-l{steps}-lr{rate:g}-n20"]
-            assert (c.training.rule, c.training.worker_mode, c.agn_steps) == ("downpour", "agn", steps)
-            assert (c.local_optimizer, c.local_learning_rate) == ("sgd", rate)
-    adam = runs["sweep-agn-adam-l10-lr0.001-n20"]
-    assert (adam.training.worker_mode, adam.agn_steps, adam.local_optimizer, adam.local_learning_rate) == (
-        "agn",
-        10,
-        "adam",
-        0.001,
-    )
-    for steps in (3, 10):
-        c = runs[f"sweep-dynsgd-l{steps}-lr0.2-n20"]
-        assert (c.training.rule, c.training.worker_mode, c.dynsgd_steps) == ("adaptive-staleness", "dynsgd", steps)
-        assert c.local_learning_rate == 0.2
-    for name, period, alpha in (
-        ("sweep-easgd-t10-a0.045-lr0.05-n20", 10, 0.9 / 20),
-        ("sweep-easgd-t4-a0.045-lr0.2-n20", 4, 0.9 / 20),
-        ("sweep-easgd-t10-a0.2-lr0.05-n20", 10, 0.2),
-    ):
-        c = runs[name]
-        assert (c.training.rule, c.training.worker_mode, c.easgd_period) == ("downpour", "easgd", period)
-        assert c.easgd_alpha == pytest.approx(alpha)
-    for rule in ("downpour", "gem"):
-        assert runs[f"sweep-{rule}-eta0.1-n20"].training.learning_rate == 0.1
-        assert runs[f"sweep-{rule}-eta0.05-n20"].training.rule == rule
-    assert all(c.training.learning_rate == 0.05 for name, c in runs.items() if "-eta" not in name)
-
-
-def test_agn_comparison_has_every_method_at_every_count() -> None:
-    runs = {c.name: c for c in agn_comparison(epochs=4)}
-    assert COMPARISON_WORKERS == (10, 20, 30) and len(runs) == 18
-    for n in COMPARISON_WORKERS:
-        agn, dynsgd, easgd = runs[f"cmp-agn-n{n}"], runs[f"cmp-dynsgd-n{n}"], runs[f"cmp-easgd-n{n}"]
-        assert (agn.training.rule, agn.training.worker_mode, agn.agn_steps) == ("downpour", "agn", AGN_CHOSEN.steps)
-        assert (agn.local_optimizer, agn.local_learning_rate) == ("sgd", AGN_CHOSEN.learning_rate)
-        assert runs[f"cmp-agn-lr0.2-n{n}"].local_learning_rate == 0.2
-        assert (dynsgd.training.rule, dynsgd.training.worker_mode, dynsgd.dynsgd_steps) == (
-            "adaptive-staleness",
-            "dynsgd",
-            DYNSGD_CHOSEN.steps,
-        )
-        assert (easgd.training.rule, easgd.training.worker_mode, easgd.easgd_period) == (
-            "downpour",
-            "easgd",
-            EASGD_CHOSEN.period,
-        )
-        assert easgd.easgd_alpha == pytest.approx(EASGD_CHOSEN.alpha_for(n))
-        downpour, gem = runs[f"cmp-downpour-n{n}"], runs[f"cmp-gem-n{n}"]
-        assert (downpour.training.rule, downpour.training.worker_mode) == ("downpour", "gradient")
-        assert (gem.training.rule, gem.training.worker_mode) == ("gem", "gradient")
-        assert (downpour.training.learning_rate, gem.training.learning_rate) == (DOWNPOUR_ETA, GEM_ETA)
-        assert all(runs[k].workers == n and runs[k].epochs == 4 for k in runs if k.endswith(f"-n{n}"))
-
-
-def test_agn_comparison_takes_other_settings() -> None:
-    chosen = ChosenSettings(AgnSetting(5, "adam", 0.001), DynSgdSetting(3), EasgdSetting(30, alpha=0.05))
-    runs = {c.name: c for c in agn_comparison(settings=chosen)}
-    assert (runs["cmp-agn-n20"].agn_steps, runs["cmp-agn-n20"].local_optimizer) == (5, "adam")
-    assert runs["cmp-dynsgd-n30"].dynsgd_steps == 3
-    assert (runs["cmp-easgd-n10"].easgd_period, runs["cmp-easgd-n10"].easgd_alpha) == (30, 0.05)
-
-
-def test_suites_by_name() -> None:
-    assert set(SUITES) == {"full", "quick", "agn-sweep", "agn", "gem-state", "compression"}
-    codes = {c.name: c.compression for c in SUITES["compression"](10)}
-    assert codes == {
-        f"gem-n{n}{s}": c for n in (10, 30) for s, c in (("", "none"), ("-int8", "int8"), ("-int4", "int4"))
-    }
-    assert SUITES["quick"](10) == quick_suite()
-    pairs = {c.name: c for c in SUITES["gem-state"](10)}
-    for name in ("gem-n30", "lm-gem-n8"):  # each configuration with the exact state and the compact one
-        exact, compact = pairs[name], pairs[f"{name}-compact"]
-        assert (exact.gem_state, compact.gem_state) == ("exact", "compact")
-        assert dataclasses.replace(compact, name=name, gem_state="exact") == exact
-    assert SUITES["full"](3) == full_suite(3)
-    dynsgd = {c.name: c for c in quick_suite()}["dynsgd-n4"]
-    assert (dynsgd.training.worker_mode, dynsgd.dynsgd_steps, dynsgd.epochs) == ("dynsgd", 4, 2)
-    names = [c.name for s in SUITES.values() for c in s(10)]
-    assert all(base_name(n) == n for n in names)  # no suite name looks like a seed's
 
 
 def test_describe_setting() -> None:
