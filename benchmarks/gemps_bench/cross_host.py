@@ -1,5 +1,5 @@
 """Between hosts: gemps, its bfloat16 wire, its compressed commits (int8, int4 codes up, float32
-replies down), the socket ceiling and the TCP peers on simulated hosts
+replies down, or difference replies in the same codes: "-both"), the socket ceiling and the TCP peers on simulated hosts
 with real links (gemps_worker.simulated_hosts), gemps with K = 1, 2, 4 partitions on hosts of their own.
 
 Hosts p0 .. p{K_max-1} hold the servers (one partition each; the other systems' server on p0),
@@ -41,13 +41,18 @@ from gemps_worker.cluster import ServerProcess
 from gemps_worker.processes import GEMPS_COMMAND
 from gemps_worker.simulated_hosts import Host, SimulatedNetwork
 
-SYSTEMS = ("echo-tcp", "gemps", "gemps-bfloat16", "gemps-int8", "gemps-int4", "torch-rpc-tcp", "reference-p2p")
+SYSTEMS = (
+    *("echo-tcp", "gemps", "gemps-bfloat16", "gemps-int8", "gemps-int4", "gemps-int8-both", "gemps-int4-both"),
+    *("torch-rpc-tcp", "reference-p2p"),
+)
 #: gemps' variants as the clients' options (the gemps system: float32 both ways)
 GEMPS_OPTIONS: dict[str, tuple[tuple[str, object], ...]] = {
     "gemps": (("wire_dtype", "float32"),),
     "gemps-bfloat16": (("wire_dtype", "bfloat16"),),
     "gemps-int8": (("wire_dtype", "float32"), ("compression", "int8")),
     "gemps-int4": (("wire_dtype", "float32"), ("compression", "int4")),
+    "gemps-int8-both": (("wire_dtype", "float32"), ("compression", "int8"), ("reply_compression", "int8")),
+    "gemps-int4-both": (("wire_dtype", "float32"), ("compression", "int4"), ("reply_compression", "int4")),
 }
 PEERS = ("torch-rpc-tcp", "reference-p2p")
 PORT, DATA_PORT = 50051, 51051  # gemps' ports on each partition host
@@ -104,12 +109,16 @@ class CrossHostSpec:
 
 
 def payload_bytes(system: str, num_parameters: int) -> tuple[int, int]:
-    """Bytes of a commit's payload up and of θ in its reply down."""
+    """Bytes of a commit's payload up and of θ in its reply down (a difference reply's, past the
+    first reply's whole bfloat16 θ)."""
     options = dict(GEMPS_OPTIONS.get(system, ()))
-    reply = num_parameters * (2 if options.get("wire_dtype") == "bfloat16" else 4)
-    compression = options.get("compression")
-    commit = reply if compression is None else expected_payload_nbytes(COMPRESSIONS[str(compression)], [num_parameters])
-    return commit, reply
+    whole = num_parameters * (2 if options.get("wire_dtype") == "bfloat16" else 4)
+
+    def coded(option: str) -> int:
+        chosen = options.get(option)
+        return whole if chosen is None else expected_payload_nbytes(COMPRESSIONS[str(chosen)], [num_parameters])
+
+    return coded("compression"), coded("reply_compression")
 
 
 def link_figures(system: str, partitions: int, result: LoadResult, rate: str) -> dict[str, Any]:

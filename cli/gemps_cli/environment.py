@@ -56,6 +56,7 @@ TRAINING_OPTIONS = frozenset(
         "GEMPS_PARTITION_RESTARTS",
         "GEMPS_PATIENCE",
         "GEMPS_PLANE",
+        "GEMPS_REPLY_COMPRESSION",
         "GEMPS_REPORT_FILE",
         "GEMPS_SEED",
         "GEMPS_SERVER",

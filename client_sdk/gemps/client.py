@@ -51,6 +51,7 @@ from gemps.transport import Transport, call_deadline
 from gemps.wire_options import check_wire_options, resolve_plane, resolve_shared_memory
 from gemps_proto.grpc_framing import DEFAULT_CHUNK_BYTES
 from gemps_proto.reasons import Reason
+from gemps_proto.reply_differences import REPLY_COMPRESSIONS
 from gemps_proto.schema import PayloadKind, buffer_spec_of, flatten, spec_of
 from gemps_proto.tensor_codec import WIRE_DTYPE_NAMES, all_finite
 
@@ -97,6 +98,7 @@ class Client:
         stop: threading.Event | None = None,
         wire_dtype: str = "float32",
         compression: str | None = None,
+        reply_compression: str | None = None,
         streaming: str = "auto",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         plane: str | None = None,
@@ -123,6 +125,12 @@ class Client:
         `compression` sends commits in fewer bytes: "int8" (a quarter of float32's) or "int4"
         (an eighth), a scale per 256 values; what the codes round away is added to the next
         commit (error feedback, gemps.compression). None: commits in `wire_dtype`.
+        `reply_compression` has commit replies send only what changed: "int8" or "int4" codes of
+        the difference between θ and the copy of θ this client holds, which both ends keep in
+        bfloat16 values and move alike (gemps_proto.reply_differences); θ whole in bfloat16 on
+        the first commit and after a lost reply, a new registration or a failover. What commits
+        return is then that copy. Registrations and pulls still carry θ whole. None: replies in
+        `wire_dtype`.
         `streaming` picks Commit or CommitStream: "auto" streams payloads past 1 MiB in pieces
         of `chunk_bytes`; "always"; "never". With a partitioned server, per partition.
 
@@ -143,7 +151,7 @@ class Client:
 
         `metrics_registry`, a prometheus_client CollectorRegistry: the client's own metrics go
         there (commit latency, θ's bytes sent and received, retries: gemps.metrics)."""
-        check_wire_options(wire_dtype, streaming, chunk_bytes, compression)
+        check_wire_options(wire_dtype, streaming, chunk_bytes, compression, reply_compression)
         self.plane = resolve_plane(plane)
         self.shared_memory = resolve_shared_memory(shared_memory)
         self.wire_dtype = WIRE_DTYPE_NAMES[wire_dtype]
@@ -180,6 +188,7 @@ class Client:
             worker_name=name,
             client_id=self.client_id,
             compressor=None if compression is None else Compressor(compression),
+            reply_code=0 if reply_compression is None else REPLY_COMPRESSIONS[reply_compression],
         )
         self._retrier.target = self._router.target
 

@@ -22,7 +22,7 @@ import os
 import socket
 import ssl
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NoReturn, TypeVar
 
 import numpy as np
@@ -47,7 +47,7 @@ from gemps_proto.data_plane_events import (
 from gemps_proto.data_plane_frames import Op
 from gemps_proto.data_plane_protocol import TLS_PIECE, ClientConnection, advance
 from gemps_proto.reasons import Reason
-from gemps_proto.tensor_codec import TensorDecodeError, decode, expected_nbytes, numpy_dtype
+from gemps_proto.tensor_codec import EncodedTensor, TensorDecodeError, expected_payload_nbytes
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 M = TypeVar("M", bound=Message)
@@ -238,18 +238,21 @@ class DataConnection:
         refusal = event.error
         raise errors.from_status_number(refusal.code, refusal.message, refusal.reason)
 
-    def receive_tensor(self, announced: pb.Tensor, payload_bytes: int) -> np.ndarray:
-        """The payload the reply's header announced, read straight into a new array (the caller
-        keeps it), as float32 values: read-only, like the gRPC path's."""
+    def receive_tensor(
+        self, announced: pb.Tensor, payload_bytes: int, decode: Callable[[EncodedTensor], np.ndarray]
+    ) -> np.ndarray:
+        """The payload the reply's header announced (θ, or a difference reply's code), read straight
+        into a new buffer, as `decode` reads it (a protocol error when it cannot): read-only
+        values, like the gRPC path's."""
         shape = tuple(announced.shape)
         try:
-            nbytes = expected_nbytes(announced.dtype, shape)
-            buffer = np.empty(nbytes // numpy_dtype(announced.dtype).itemsize, numpy_dtype(announced.dtype))
+            nbytes = expected_payload_nbytes(announced.dtype, shape)
         except TensorDecodeError as error:
             self.protocol_error(str(error))
         if nbytes != payload_bytes:
             self.protocol_error(f"{payload_bytes} bytes of payload; the header announced {nbytes}")
-        data = buffer.data.cast("B")
+        buffer = np.empty(nbytes, np.uint8)  # numpy's alignment: float32 values alias it
+        data = buffer.data
         if self._shared is not None:
             if nbytes > len(self._shared_view):
                 self.protocol_error(f"{nbytes} bytes announced, {len(self._shared_view)} shared")
@@ -257,7 +260,10 @@ class DataConnection:
         else:
             self._protocol.payload_into(data)
             assert isinstance(self._event(), PayloadComplete)
-        values = decode(announced.dtype, shape, data)  # float32: `buffer` itself
+        try:
+            values = decode(EncodedTensor(announced.dtype, shape, data.toreadonly()))
+        except TensorDecodeError as error:
+            self.protocol_error(str(error))
         values.flags.writeable = False
         return values
 

@@ -28,6 +28,7 @@ are `MOVES`): not offered, offered, connected, shared, fell back, closed.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import random
 import ssl
@@ -54,6 +55,7 @@ from gemps.transport import (
 from gemps_proto.data_plane_frames import Op
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import DataPlane
+from gemps_proto.tensor_codec import EncodedTensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 log = logging.getLogger("gemps.client")
@@ -425,7 +427,8 @@ def _committed(connection: DataConnection, timeout: float | None = None) -> Comm
     _bounded(connection, timeout)
     header, payload_bytes = connection.receive(Op.COMMIT)
     reply = connection.parse(pb.CommitResponse, header)
-    return messages.committed_from_proto(reply, connection.receive_tensor(reply.parameters, payload_bytes))
+    values = connection.receive_tensor(reply.parameters, payload_bytes, functools.partial(messages.reply_values, reply))
+    return messages.committed_from_proto(reply, values)
 
 
 def _pulled(connection: DataConnection, timeout: float | None = None) -> Pulled:
@@ -437,4 +440,5 @@ def _pulled(connection: DataConnection, timeout: float | None = None) -> Pulled:
         if payload_bytes:
             connection.protocol_error(f"an unchanged pull with {payload_bytes} bytes of payload")
         return messages.pulled_from_proto(reply, None)
-    return messages.pulled_from_proto(reply, connection.receive_tensor(reply.parameters, payload_bytes))
+    values = connection.receive_tensor(reply.parameters, payload_bytes, EncodedTensor.decode)
+    return messages.pulled_from_proto(reply, values)

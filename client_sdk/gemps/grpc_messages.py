@@ -17,7 +17,8 @@ from gemps.records import Buffers, ParameterSpec, Registration
 from gemps.transport import CommitCall, Committed, PullCall, Pulled
 from gemps_proto import grpc_framing, versions
 from gemps_proto import schema_proto as shared
-from gemps_proto.tensor_codec import FLOAT32, INT64, encode, wire_view
+from gemps_proto.reply_differences import DIFFERENCE_DTYPES
+from gemps_proto.tensor_codec import FLOAT32, INT64, EncodedTensor, TensorDecodeError, dtype_name, encode, wire_view
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 
@@ -127,7 +128,8 @@ def commit_message(call: CommitCall, wire_dtype: int) -> pb.CommitRequest:
         num_samples=call.num_samples,
         request_id=call.request_id,
         sequence=call.sequence,
-        reply_dtype=wire_dtype,  # type: ignore[arg-type]
+        reply_dtype=call.reply_code or wire_dtype,  # type: ignore[arg-type]
+        held_copy=call.held_copy,
     )
     if call.buffer_delta is not None:
         shared.set_buffers(header.buffer_delta, header.integer_buffer_delta, call.buffer_delta)
@@ -156,7 +158,8 @@ def commit_request(
 
 
 def committed_from_proto(reply: pb.CommitResponse, parameters: np.ndarray) -> Committed:
-    """A Commit reply's figures (unary or streamed) with its central variable, decoded by the caller."""
+    """A Commit reply's figures (unary or streamed) with its central variable (or, for a difference
+    reply, the difference's values), decoded by the caller (`reply_values`)."""
     return Committed(
         version=reply.version,
         staleness=reply.staleness,
@@ -167,11 +170,23 @@ def committed_from_proto(reply: pb.CommitResponse, parameters: np.ndarray) -> Co
         parameters=parameters,
         buffers=buffers_from_proto(reply),
         epoch=reply.epoch,
+        copy=reply.copy,
+        difference_of=reply.difference_of,
     )
+
+
+def reply_values(reply: pb.CommitResponse, parameters: EncodedTensor) -> np.ndarray:
+    """A Commit reply's float32 values: θ, or a difference reply's difference (a block code);
+    TensorDecodeError for a code where θ was due, θ where a difference was, or bytes that no
+    encoder writes."""
+    if (parameters.dtype in DIFFERENCE_DTYPES) != bool(reply.difference_of):
+        said = f"a difference from copy {reply.difference_of}" if reply.difference_of else "θ whole"
+        raise TensorDecodeError(f"a commit reply in {dtype_name(parameters.dtype)} that says it is {said}")
+    return parameters.decode_payload()
 
 
 def commit_reply(data: bytes) -> Committed:
     """The reply's figures and the central variable (a read-only view of `data`)."""
     reply, parameters = grpc_framing.parse_with_tensor(pb.CommitResponse, grpc_framing.COMMIT_REPLY_FIELD, data)
     assert parameters is not None, "a CommitResponse always carries the central variable"
-    return committed_from_proto(reply, parameters.decode())
+    return committed_from_proto(reply, reply_values(reply, parameters))

@@ -23,7 +23,7 @@ from gemps.transport import CommitCall, Committed, Enrolment, PullCall, Pulled, 
 from gemps_proto import schema_proto as shared
 from gemps_proto.grpc_framing import PayloadAssembler, data_frames, read_data
 from gemps_proto.reasons import Reason
-from gemps_proto.tensor_codec import decode, expected_nbytes
+from gemps_proto.tensor_codec import EncodedTensor, expected_nbytes, expected_payload_nbytes
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 
@@ -293,18 +293,20 @@ def _read_pull_stream(replies: Iterator[bytes]) -> Pulled:
     header = pb.PullResponseChunk.FromString(next(replies)).header
     if header.unchanged:
         return messages.pulled_from_proto(header, None)
-    return messages.pulled_from_proto(header, _read_pieces(header.parameters, replies, pb.PullResponseChunk))
+    return messages.pulled_from_proto(header, _read_pieces(header.parameters, replies, pb.PullResponseChunk).decode())
 
 
 def _read_commit_stream(replies: Iterator[bytes]) -> Committed:
     header = pb.CommitResponseChunk.FromString(next(replies)).header
-    return messages.committed_from_proto(header, _read_pieces(header.parameters, replies, pb.CommitResponseChunk))
+    parameters = _read_pieces(header.parameters, replies, pb.CommitResponseChunk)
+    return messages.committed_from_proto(header, messages.reply_values(header, parameters))
 
 
-def _read_pieces(parameters: pb.Tensor, replies: Iterator[bytes], chunk_class: type[ChunkMessage]) -> np.ndarray:
-    """A streamed reply's θ: the data pieces after its header, which announced dtype and shape."""
-    assembler = PayloadAssembler(expected_nbytes(parameters.dtype, parameters.shape))
+def _read_pieces(parameters: pb.Tensor, replies: Iterator[bytes], chunk_class: type[ChunkMessage]) -> EncodedTensor:
+    """A streamed reply's θ (or difference): the data pieces after its header, which announced
+    dtype and shape."""
+    assembler = PayloadAssembler(expected_payload_nbytes(parameters.dtype, parameters.shape))
     for message in replies:
         piece = read_data(message)
         assembler.add(piece if piece is not None else chunk_class.FromString(message).data)
-    return decode(parameters.dtype, tuple(parameters.shape), assembler.result())
+    return EncodedTensor(parameters.dtype, tuple(parameters.shape), assembler.result())

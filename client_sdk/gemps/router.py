@@ -108,9 +108,11 @@ class PartitionRouter:
         worker_name: str,
         client_id: str,
         compressor: Compressor | None = None,
+        reply_code: int = 0,
     ) -> None:
         self.resolver = resolver
         self.compressor = compressor  # commits compressed, with their residuals (compression.py)
+        self.reply_code = reply_code  # difference replies in this code (0: θ in the wire dtype)
         self.target = resolver.resolve()  # where partition 0 is now
         self.connect = connect
         self.retrier = retrier
@@ -205,7 +207,7 @@ class PartitionRouter:
             CommitCall(
                 sessions[i].worker_id, bases[i], kind, slices[i], loss, num_samples, request_id,
                 buffer_delta if i == 0 else None,  # buffers live on partition 0
-                self._sequence, _wire_of(encoded[i]),
+                self._sequence, _wire_of(encoded[i]), self.reply_code, sessions[i].copy.number,
             )
             for i in range(len(sessions))
         ]  # fmt: skip
@@ -219,7 +221,7 @@ class PartitionRouter:
                 refusals[index] = outcome
                 continue
             replies[index] = outcome  # kept also when another partition refused: θ moved there
-            sessions[index].received(outcome.version, outcome.parameters)
+            sessions[index].took(outcome)
             if self.compressor is not None and (done := encoded[index]) is not None:
                 self.compressor.applied(index, done[1])  # this server applied it: its residual moves on
             self._received_buffers(outcome.buffers)

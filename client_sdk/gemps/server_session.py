@@ -19,6 +19,7 @@ import numpy as np
 
 from gemps import errors
 from gemps.following import Follow, FollowingTransport
+from gemps.held_copy import HeldCopy
 from gemps.records import Evaluation, Layout, Registration, ServerStatus
 from gemps.retry import Retrier
 from gemps.transport import CommitCall, Committed, Enrolment, Pending, PullCall, Pulled, Registered, Transport
@@ -48,6 +49,7 @@ class ServerSession:
         self.version = -1  # of the slice held in `flat`; -1: none yet
         self.history = ""  # which history of this server `version` counts in ("unchanged" needs both)
         self.flat = np.empty(0, dtype=np.float32)
+        self.copy = HeldCopy()  # difference replies: the copy of this slice of θ both ends keep
 
     @property
     def transport(self) -> Transport:
@@ -86,6 +88,16 @@ class ServerSession:
         self.version, self.flat = version, flat.reshape(-1)
         if history:
             self.history = history
+
+    def took(self, committed: Committed) -> None:
+        """Hold the θ a commit's reply gave: θ itself, or the copy a difference reply moved (a
+        reply to a copy has a number; θ whole numbered 0 is one the server could not keep)."""
+        if committed.copy or committed.difference_of:
+            values = self.copy.took(committed)
+        else:
+            self.copy.forget()
+            values = committed.parameters
+        self.received(committed.version, values)
 
     def pull_call(self) -> PullCall:
         return PullCall(self.worker_id, self.version, self.history, self.size)

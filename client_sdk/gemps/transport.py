@@ -90,6 +90,10 @@ class CommitCall:
     buffer_delta: Buffers | None = None  # to the first server only
     sequence: int = 0  # 1, 2, ... per client; 0: unnumbered
     encoded: tuple[int, bytes] | None = None  # the payload compressed once for every attempt (dtype, bytes)
+    # Difference replies (gemps_proto.reply_differences): the code asked for (0: θ in the wire
+    # dtype) and the number of the copy of θ this client holds of the server's slice (0: none).
+    reply_code: int = 0
+    held_copy: int = 0
 
     def wire(self, wire_dtype: int) -> tuple[int, bytes | memoryview]:
         """The payload's dtype and wire bytes: as compressed (`encoded`), else in `wire_dtype`
@@ -112,6 +116,10 @@ class Committed:
     parameters: np.ndarray
     buffers: Buffers | None
     epoch: int = 0  # the epoch of the primary that acknowledged it (0: not replicated)
+    # Difference replies: the copy the client holds once it applied this reply, and the copy
+    # `parameters` is a difference from (0: `parameters` is θ whole); both 0 for other replies.
+    copy: int = 0
+    difference_of: int = 0
 
 
 class Pending(Protocol[Reply]):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from gemps_proto.reply_differences import REPLY_COMPRESSIONS
 from gemps_proto.tensor_codec import COMPRESSIONS, WIRE_DTYPE_NAMES
 
 #: how commits and pulls travel (DESIGN §3c): the data plane where it can, else gRPC; or only one
@@ -39,10 +40,19 @@ def resolve_shared_memory(shared_memory: bool | None, environ: Mapping[str, str]
     return SWITCHES[value]
 
 
-def check_wire_options(wire_dtype: str, streaming: str, chunk_bytes: int, compression: str | None = None) -> None:
+def check_wire_options(
+    wire_dtype: str,
+    streaming: str,
+    chunk_bytes: int,
+    compression: str | None = None,
+    reply_compression: str | None = None,
+) -> None:
     """ValueError naming the option for a value the client does not take."""
     if compression is not None and compression not in COMPRESSIONS:
         raise ValueError(f"compression must be None or one of {', '.join(COMPRESSIONS)}, not {compression!r}")
+    if reply_compression is not None and reply_compression not in REPLY_COMPRESSIONS:
+        choices = ", ".join(REPLY_COMPRESSIONS)
+        raise ValueError(f"reply_compression must be None or one of {choices}, not {reply_compression!r}")
     if wire_dtype not in WIRE_DTYPE_NAMES:
         raise ValueError(f"wire_dtype must be one of {', '.join(WIRE_DTYPE_NAMES)}, not {wire_dtype!r}")
     if streaming not in STREAMING_CHOICES:

@@ -43,23 +43,43 @@ def int4_nbytes(count: int) -> int:
     return 4 * blocks(count) + -(-count // 2)
 
 
-def _scales(values: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-block scales (largest |value| / levels) and each value's scale."""
+def _grid(values: np.ndarray) -> np.ndarray:
+    """float32 values as rows of BLOCK, the last one padded with zeros (a copy only when padded)."""
     count = values.size
-    if count == 0:
-        return np.empty(0, np.float32), np.empty(0, np.float32)
-    peaks = np.maximum.reduceat(np.abs(values), np.arange(0, count, BLOCK)).astype(np.float32)
-    scales = (peaks / np.float32(levels)).astype(np.float32)
-    return scales, np.repeat(scales, BLOCK)[:count]
+    rows = blocks(count)
+    if count != rows * BLOCK:
+        values = np.concatenate([values, np.zeros(rows * BLOCK - count, np.float32)])
+    return values.reshape(rows, BLOCK)
 
 
 def _codes(values: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
-    """(scales, integer codes in [-levels, levels]) of finite float32 values."""
+    """(per-block scales: largest |value| / levels, integer codes in [-levels, levels]) of finite
+    float32 values, each value divided by its block's scale and rounded half to even."""
     flat = np.ascontiguousarray(values, np.float32).reshape(-1)
-    scales, each = _scales(flat, levels)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        ratio = np.where(each > 0, flat / np.where(each > 0, each, np.float32(1)), np.float32(0))
-    return scales, np.clip(np.rint(ratio), -levels, levels).astype(np.int8)
+    grid = _grid(flat)
+    scales = (np.abs(grid).max(axis=1, initial=np.float32(0)) / np.float32(levels)).astype(np.float32)
+    ratio = grid / np.where(scales > 0, scales, np.float32(1))[:, None]  # a zero block: zeros / 1
+    np.rint(ratio, out=ratio)
+    np.clip(ratio, -levels, levels, out=ratio)
+    return scales, ratio.astype(np.int8).reshape(-1)[: flat.size]
+
+
+def _values(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """float32 code x scale for each value (codes of one block share its scale)."""
+    count = codes.size
+    full = count - count % BLOCK
+    values = codes.astype(np.float32)
+    rows = full // BLOCK
+    values[:full].reshape(rows, BLOCK)[...] *= scales[:rows, None]
+    if full < count:  # the last block, short
+        values[full:] *= scales[rows]
+    return values
+
+
+# Each byte's two signed 4-bit codes (value 2j in the low nibble, 2j + 1 in the high one), as
+# the two bytes of a uint16: one table lookup a byte.
+_NIBBLE_PAIRS = np.array([[(b & 0x0F) - 16 * (b & 0x08 > 0), (b >> 4) - 16 * (b >> 7)] for b in range(256)], np.int8)
+_NIBBLE_PAIR_WORDS = _NIBBLE_PAIRS.view(np.uint16).reshape(256)
 
 
 def encode_int8(values: np.ndarray) -> bytes:
@@ -92,8 +112,7 @@ def decode_int8(data: bytes | bytearray | memoryview, count: int) -> np.ndarray:
     codes = np.frombuffer(data, dtype=np.int8, count=count, offset=4 * scales.size)
     if count and codes.min() < -INT8_LEVELS:
         raise QuantisedPayloadError(f"an int8 code is -128: codes lie in [-{INT8_LEVELS}, {INT8_LEVELS}]")
-    values: np.ndarray = codes.astype(np.float32) * np.repeat(scales, BLOCK)[:count]
-    return values
+    return _values(codes, scales)
 
 
 def decode_int4(data: bytes | bytearray | memoryview, count: int) -> np.ndarray:
@@ -101,13 +120,9 @@ def decode_int4(data: bytes | bytearray | memoryview, count: int) -> np.ndarray:
     the caller); QuantisedPayloadError for a scale, code or padding no encoder writes."""
     scales = _checked_scales(data, count)
     packed = np.frombuffer(data, dtype=np.uint8, offset=4 * scales.size)
-    nibbles = np.empty(2 * packed.size, np.uint8)
-    nibbles[0::2], nibbles[1::2] = packed & 0x0F, packed >> 4
-    if count % 2 and nibbles[count] != 0:
+    if count % 2 and packed[-1] >> 4 != 0:
         raise QuantisedPayloadError("an odd payload's padding nibble is not 0")
-    codes = nibbles[:count].astype(np.int8)
-    codes[codes > 7] -= 16  # two's complement of 4 bits
+    codes = np.take(_NIBBLE_PAIR_WORDS, packed).view(np.int8)[:count]
     if count and codes.min() < -INT4_LEVELS:
         raise QuantisedPayloadError(f"an int4 code is -8: codes lie in [-{INT4_LEVELS}, {INT4_LEVELS}]")
-    values: np.ndarray = codes.astype(np.float32) * np.repeat(scales, BLOCK)[:count]
-    return values
+    return _values(codes, scales)

@@ -251,6 +251,7 @@ class ParameterServer:
             # Read at scrape time from another thread: a stale-by-one value is fine for a gauge.
             rule_state_bytes=lambda: state.rule_state_bytes,
             shared_rule_state_bytes=lambda: state.shared_rule_state_bytes,
+            reply_copy_bytes=lambda: state.copies.nbytes,
             active_workers=lambda: len(state.registry),
             queue_depth=lambda: self.applier.depth,
             gradient_noise=lambda: state.noise.estimate,

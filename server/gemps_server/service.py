@@ -32,7 +32,7 @@ from gemps_proto.schema import (
     Registration,
 )
 from gemps_proto.status import ServerStatus
-from gemps_proto.tensor_codec import EncodedBuffers, EncodedTensor, expected_nbytes
+from gemps_proto.tensor_codec import EncodedBuffers, EncodedTensor, expected_nbytes, expected_payload_nbytes
 from gemps_server import worker_events
 from gemps_server.allocator import tune_for
 from gemps_server.config import ServerConfig
@@ -319,8 +319,8 @@ class ParameterService:
         """A commit's bookkeeping once the applier ran it, whichever wire it came through."""
         outcome, built = timed.result
         self._metrics.tensor_bytes("received", commit.payload.dtype, len(commit.payload.data))
-        theta_bytes = expected_nbytes(commit.reply_dtype, [self._state.num_parameters])
-        self._metrics.tensor_bytes("sent", commit.reply_dtype, theta_bytes)
+        sent = outcome.reply_dtype(commit.reply_dtype)
+        self._metrics.tensor_bytes("sent", sent, expected_payload_nbytes(sent, [self._state.num_parameters]))
         if outcome.duplicate:
             self._metrics.duplicate()
             suppressed = self._rejection_log.allow(("Commit", "duplicate"))

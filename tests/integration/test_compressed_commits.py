@@ -127,6 +127,21 @@ def test_registering_again_forgets_the_residual(start_server: StartServer) -> No
         assert client._router.compressor is not None and client._router.compressor.residual(0) is None
 
 
+def commit_across_a_pause(server: ServerProcess, client: gemps.Client, update: np.ndarray) -> gemps.CommitResult:
+    """`update` committed while the server is paused (SIGSTOP for 2 s): its attempt times out and
+    is sent again (asserted), both reaching the server once it resumes."""
+    os.kill(server.pid, signal.SIGSTOP)
+    resume = threading.Timer(2.0, os.kill, (server.pid, signal.SIGCONT))
+    resume.start()
+    try:
+        retries = client.retries
+        result = client.commit(update, kind="update")
+    finally:
+        resume.join()
+    assert client.retries > retries  # it was retried
+    return result
+
+
 def test_a_retried_commit_sends_the_same_bytes_and_is_applied_once() -> None:
     """The server is paused (SIGSTOP) while a commit goes out: its attempt times out and is sent
     again; both arrive when it resumes, and the ledger applies one. theta still equals the sum less
@@ -136,15 +151,7 @@ def test_a_retried_commit_sends_the_same_bytes_and_is_applied_once() -> None:
         client.register({"w": np.zeros(P, np.float32)})
         first, second = updates(2)
         client.commit(first, kind="update")
-        os.kill(server.pid, signal.SIGSTOP)
-        resume = threading.Timer(2.0, os.kill, (server.pid, signal.SIGCONT))
-        resume.start()
-        try:
-            retries = client.retries
-            result = client.commit(second, kind="update")
-        finally:
-            resume.join()
-        assert client.retries > retries  # it was retried
+        result = commit_across_a_pause(server, client, second)
         assert result.version == 2  # applied once
         np.testing.assert_allclose(client.pull().flat, first + second - residual_of(client), atol=2e-5)
         client.close()

@@ -12,10 +12,11 @@ import torch
 
 import gemps
 from gemps.pytorch import RemoteModel
+from gemps_proto.tensor_codec import INT8_BLOCK, expected_payload_nbytes
 from gemps_worker.datasets import load_digits
 from gemps_worker.modes import AgnMode, EasgdMode
 from gemps_worker.training import StepRecord, WorkerHooks, WorkerOptions, run_worker
-from tests.helpers import InProcessServer, wait_for
+from tests.helpers import InProcessServer, scrape_series, wait_for
 from tests.integration.conftest import StartServer
 
 
@@ -36,6 +37,26 @@ def test_each_mode_trains_against_a_real_server(mode: str, rule: str, eta: float
     assert last < 0.7 * first, (first, last)
     with gemps.Client(server.target) as client:
         assert client.status().active_workers == 0  # left cleanly
+
+
+def test_a_worker_with_compressed_commits_and_replies_trains_and_moves_the_codes(start_server: StartServer) -> None:
+    """`--compression int8 --reply-compression int8`: the server receives and sends int8 codes (the
+    first reply θ whole in bfloat16), and the worker still trains from the copies its replies leave."""
+    server = start_server(rule="gem", learning_rate=0.05)
+    records: list[StepRecord] = []
+    options = WorkerOptions(
+        server=server.target, model="mlp", epochs=20, max_steps=60, compression="int8", reply_compression="int8"
+    )
+    summary = run_worker(options, hooks=WorkerHooks(on_step=records.append))
+    assert summary.steps == 60 and not summary.diverged
+    first, last = np.mean([r.loss for r in records[:10]]), np.mean([r.loss for r in records[-10:]])
+    assert last < 0.7 * first, (first, last)
+    series = scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics")
+    wire = 'gemps_wire_bytes_total{{direction="{}",encoding="{}"}}'
+    size = server.server.state.num_parameters
+    assert series[wire.format("received", "int8")] == 60 * expected_payload_nbytes(INT8_BLOCK, [size])
+    assert series[wire.format("sent", "int8")] == 59 * expected_payload_nbytes(INT8_BLOCK, [size])
+    assert series[wire.format("sent", "bfloat16")] == 2 * size
 
 
 def tiny_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,8 @@ def test_cells_put_the_ceiling_first_and_gemps_at_each_partition_count() -> None
         ("gemps-bfloat16", 1),
         ("gemps-int8", 1),
         ("gemps-int4", 1),
+        ("gemps-int8-both", 1),
+        ("gemps-int4-both", 1),
         ("torch-rpc-tcp", 1),
         ("reference-p2p", 1),
     ]
@@ -50,3 +52,7 @@ def test_the_links_share_is_payload_one_way_over_k_links() -> None:
     int8 = link_figures("gemps-int8", 1, result, "1gbit")
     assert (int8["commit_bytes_per_commit"], int8["reply_bytes_per_commit"]) == (1_015_628, 4_000_000)
     assert int8["link_fraction"] == pytest.approx(160e6 / 125e6)
+    # and difference replies in the same codes: both ways a quarter of float32's
+    both = link_figures("gemps-int8-both", 1, result, "1gbit")
+    assert (both["commit_bytes_per_commit"], both["reply_bytes_per_commit"]) == (1_015_628, 1_015_628)
+    assert both["link_fraction"] == pytest.approx(40 * 1_015_628 / 125e6)

@@ -180,6 +180,9 @@ def test_bytes_moved_counts_payload_and_reply_and_easgd_pulls() -> None:
     assert math.isnan(bytes_moved(1000, 0, "gradient"))
     # int8 codes: 250,000 bytes and 977 scales of 4 up, 1,000,000 down, per commit
     assert bytes_moved(1000, 250_000, "gradient", "int8") == pytest.approx(1000 * (250_000 + 3_908 + 1_000_000) / 1e6)
+    # difference replies in int8 too: the codes both ways, but each worker's first reply is bfloat16 θ
+    both = bytes_moved(1000, 250_000, "gradient", "int8", "int8", workers=10)
+    assert both == pytest.approx((2 * 1000 * (250_000 + 3_908) + 10 * (500_000 - 253_908)) / 1e6)
 
 
 # -- results from before the new fields ---------------------------------------------------------

@@ -100,10 +100,10 @@ def test_agn_comparison_takes_other_settings() -> None:
 
 def test_suites_by_name() -> None:
     assert set(SUITES) == {"full", "quick", "agn-sweep", "agn", "gem-state", "compression"}
-    codes = {c.name: c.compression for c in SUITES["compression"](10)}
-    assert codes == {
-        f"gem-n{n}{s}": c for n in (10, 30) for s, c in (("", "none"), ("-int8", "int8"), ("-int4", "int4"))
-    }
+    codes = {c.name: (c.compression, c.reply_compression) for c in SUITES["compression"](10)}
+    variants = [("", "none", "none"), ("-int8", "int8", "none"), ("-int4", "int4", "none")]
+    variants += [("-int8-both", "int8", "int8"), ("-int4-both", "int4", "int4")]
+    assert codes == {f"gem-n{n}{suffix}": (up, down) for n in (10, 30) for suffix, up, down in variants}
     assert SUITES["quick"](10) == quick_suite()
     pairs = {c.name: c for c in SUITES["gem-state"](10)}
     for name in ("gem-n30", "lm-gem-n8"):  # each configuration with the exact state and the compact one

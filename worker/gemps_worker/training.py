@@ -22,6 +22,7 @@ from gemps.records import Registration
 from gemps.resolver import Target
 from gemps.retry import DEFAULT_PATIENCE, RetryPolicy
 from gemps.wire_options import PLANES
+from gemps_proto.reply_differences import REPLY_COMPRESSIONS
 from gemps_proto.tensor_codec import COMPRESSIONS, WIRE_DTYPE_NAMES
 from gemps_worker.datasets import DATASETS, Dataset, load_dataset
 from gemps_worker.models import MODELS, build_model
@@ -74,6 +75,14 @@ class WorkerOptions:
             "help": "commits in fewer bytes: int8 (a quarter of float32's) or int4 (an eighth), what the codes "
             "round away added to the next commit (error feedback); none: in --wire-dtype",
             "choices": ("none", *COMPRESSIONS),
+        },
+    )
+    reply_compression: str = field(
+        default="none",
+        metadata={
+            "help": "commit replies that send only what changed: int8 or int4 codes of the difference from the "
+            "copy of θ this worker holds (kept in bfloat16 on both ends); none: θ whole in --wire-dtype",
+            "choices": ("none", *REPLY_COMPRESSIONS),
         },
     )
     plane: str = field(
@@ -195,6 +204,7 @@ def run_worker(
                 stop=stop,
                 wire_dtype=options.wire_dtype,
                 compression=None if options.compression == "none" else options.compression,
+                reply_compression=None if options.reply_compression == "none" else options.reply_compression,
                 plane=options.plane,
                 retry=retry,
                 patience=options.patience,

@@ -268,7 +268,7 @@ class PullResponseChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullResponse, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("worker_id", "base_version", "kind", "payload", "loss", "num_samples", "request_id", "reply_dtype", "buffer_delta", "integer_buffer_delta", "sequence")
+    __slots__ = ("worker_id", "base_version", "kind", "payload", "loss", "num_samples", "request_id", "reply_dtype", "buffer_delta", "integer_buffer_delta", "sequence", "held_copy")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +280,7 @@ class CommitRequest(_message.Message):
     BUFFER_DELTA_FIELD_NUMBER: _ClassVar[int]
     INTEGER_BUFFER_DELTA_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    HELD_COPY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     base_version: int
     kind: PayloadKind
@@ -291,7 +292,8 @@ class CommitRequest(_message.Message):
     buffer_delta: Tensor
     integer_buffer_delta: Tensor
     sequence: int
-    def __init__(self, worker_id: _Optional[str] = ..., base_version: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., payload: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., request_id: _Optional[str] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., buffer_delta: _Optional[_Union[Tensor, _Mapping]] = ..., integer_buffer_delta: _Optional[_Union[Tensor, _Mapping]] = ..., sequence: _Optional[int] = ...) -> None: ...
+    held_copy: int
+    def __init__(self, worker_id: _Optional[str] = ..., base_version: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., payload: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., request_id: _Optional[str] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., buffer_delta: _Optional[_Union[Tensor, _Mapping]] = ..., integer_buffer_delta: _Optional[_Union[Tensor, _Mapping]] = ..., sequence: _Optional[int] = ..., held_copy: _Optional[int] = ...) -> None: ...
 
 class CommitChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -310,7 +312,7 @@ class CommitResponseChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[CommitResponse, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("version", "parameters", "staleness", "scaling_mean", "scaling_median", "scaling_at_zero", "scaling_at_max", "buffers", "integer_buffers", "epoch")
+    __slots__ = ("version", "parameters", "staleness", "scaling_mean", "scaling_median", "scaling_at_zero", "scaling_at_max", "buffers", "integer_buffers", "epoch", "copy", "difference_of")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -321,6 +323,8 @@ class CommitResponse(_message.Message):
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     INTEGER_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
+    DIFFERENCE_OF_FIELD_NUMBER: _ClassVar[int]
     version: int
     parameters: Tensor
     staleness: int
@@ -331,7 +335,9 @@ class CommitResponse(_message.Message):
     buffers: Tensor
     integer_buffers: Tensor
     epoch: int
-    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., staleness: _Optional[int] = ..., scaling_mean: _Optional[float] = ..., scaling_median: _Optional[float] = ..., scaling_at_zero: _Optional[float] = ..., scaling_at_max: _Optional[float] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., integer_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    copy: int
+    difference_of: int
+    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., staleness: _Optional[int] = ..., scaling_mean: _Optional[float] = ..., scaling_median: _Optional[float] = ..., scaling_at_zero: _Optional[float] = ..., scaling_at_max: _Optional[float] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., integer_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., epoch: _Optional[int] = ..., copy: _Optional[int] = ..., difference_of: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id",)

@@ -23,10 +23,10 @@ from gemps_server.domain import validation
 from gemps_server.domain.errors import ServiceError
 from gemps_server.domain.ledger import LEGACY_SCOPE, CommitLedger, LedgerImage, Receipt, receipt_key
 from gemps_server.domain.noise import NoiseEstimator
-from gemps_server.domain.records import StateImage
+from gemps_server.domain.records import Held, StateImage
 from gemps_server.domain.replica_image import ReplicaImage
 from gemps_server.domain.rules import CommitRule
-from gemps_server.domain.state import Held, ServerState
+from gemps_server.domain.state import ServerState
 
 
 def take(state: ServerState, *, workers: bool = True) -> ReplicaImage:

@@ -14,8 +14,9 @@ import numpy as np
 
 from gemps_proto.schema import Buffers, ParameterSpec, partition_bounds
 from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor
-from gemps_server.domain.ledger import Receipt
-from gemps_server.domain.rules import ApplyStats
+from gemps_server.domain.ledger import CommitLedger, Receipt
+from gemps_server.domain.noise import NoiseEstimator
+from gemps_server.domain.rules import ApplyStats, CommitRule
 from gemps_server.domain.workers import WorkerRecord
 
 R = TypeVar("R")
@@ -89,6 +90,8 @@ class Commit:
     # max |payload| (NaN when a value is not finite) where the wire measured it as the payload
     # arrived (float32 payloads on the data plane): spares the applier a pass over it.
     payload_peak: float | None = None
+    # Difference replies (reply_dtype a block code): the copy of θ the client holds (0: none).
+    held_copy: int = 0
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,23 @@ class CommitOutcome:
     # replicas applied that far (0: no replicas).
     position: int = 0
     epoch: int = 0  # the epoch of the primary that applied it (0: no replicas)
+    reply: CopyReply | None = None  # a reply to a client that holds a copy (reply_differences)
+
+    def reply_dtype(self, asked: int) -> int:
+        """The dtype the reply's θ is in: `asked` (the commit's reply_dtype), unless the reply is
+        to a client's copy, which the outcome decided (a difference, or θ whole in bfloat16)."""
+        return asked if self.reply is None else self.reply.dtype
+
+
+@dataclass(frozen=True)
+class CopyReply:
+    """How a difference-reply client's copy of θ moves (gemps_proto.reply_differences): the reply's
+    dtype (a block code: a difference from copy `difference_of`; bfloat16: θ whole), and the
+    number of the copy the client holds once it applied it."""
+
+    dtype: int
+    copy: int
+    difference_of: int = 0  # 0: θ whole
 
 
 @dataclass(frozen=True)
@@ -165,3 +185,20 @@ class StateImage:
 #: θ still holds that version: the bytes may be a view of θ itself, valid only during the call.
 #: The wire supplies it (a unary reply framed straight from θ, θ placed in the buffer it is sent from).
 ReplyWriter = Callable[[CommitOutcome, bytes | memoryview], R]
+
+
+@dataclass(frozen=True)
+class Held:
+    """Everything a state holds besides its workers, replaced at once by `ServerState.install`."""
+
+    rule: CommitRule | None  # None: θ not initialised, and then nothing else is held
+    theta: np.ndarray  # flat float32, this partition's range
+    spec: tuple[ParameterSpec, ...]
+    buffer_spec: tuple[ParameterSpec, ...]
+    buffers: Buffers
+    version: int
+    commits_applied: int
+    bounds: tuple[int, int]  # [start, stop) of θ held here
+    ledger: CommitLedger
+    noise: NoiseEstimator
+    history: str

@@ -14,11 +14,11 @@ import time
 import uuid
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from gemps_proto.reasons import Reason
+from gemps_proto.reply_differences import DIFFERENCE_DTYPES, WHOLE_DTYPE
 from gemps_proto.schedules import learning_rate_at
 from gemps_proto.schema import Buffers, ParameterSpec, TrainingConfig
 from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor, encode, wire_view
@@ -31,6 +31,7 @@ from gemps_server.domain.records import (
     ALL_OF_THETA,
     Commit,
     CommitOutcome,
+    Held,
     PartitionOf,
     R,
     RegistrationOutcome,
@@ -39,6 +40,7 @@ from gemps_server.domain.records import (
 )
 from gemps_server.domain.room import capacity, check_room, out_of_memory
 from gemps_server.domain.rules import CommitRule, NonFiniteUpdate, RuleOptions
+from gemps_server.domain.worker_copies import WorkerCopies
 from gemps_server.domain.workers import WorkerRecord, WorkerRegistry
 from gemps_server.memory_budget import MemoryBudget
 
@@ -46,23 +48,6 @@ from gemps_server.memory_budget import MemoryBudget
 # the others registering without values are asked to retry: n workers starting at once then
 # upload one copy of θ, not n.
 INITIALIZER_GRACE_SECONDS = 30.0
-
-
-@dataclass(frozen=True)
-class Held:
-    """Everything a state holds besides its workers, replaced at once by `ServerState.install`."""
-
-    rule: CommitRule | None  # None: θ not initialised, and then nothing else is held
-    theta: np.ndarray  # flat float32, this partition's range
-    spec: tuple[ParameterSpec, ...]
-    buffer_spec: tuple[ParameterSpec, ...]
-    buffers: Buffers
-    version: int
-    commits_applied: int
-    bounds: tuple[int, int]  # [start, stop) of θ held here
-    ledger: CommitLedger
-    noise: NoiseEstimator
-    history: str
 
 
 class ServerState:
@@ -103,6 +88,7 @@ class ServerState:
         self._initializer = ""  # its client id ("" when it sent none)
         # Where every change is recorded for the replicas (journal.py); none without replicas.
         self.journal: Journal = NoJournal()
+        self.copies = WorkerCopies()  # what difference-reply workers hold of θ (worker_copies.py)
 
     @property
     def initialized(self) -> bool:
@@ -216,7 +202,7 @@ class ServerState:
         already applied changes nothing and answers as the original did. `out` (float32, P), as
         numpy's: it receives θ after the commit too (see CommitRule.step)."""
         rule = self.require_initialized()
-        validation.check_reply_dtype(commit.reply_dtype)
+        validation.check_reply_dtype(commit.reply_dtype, commit=True)
         validation.check_request_id(commit.request_id)
         worker = self.registry.get(commit.worker_id)
         # By the worker's client, not by request id alone: two clients may count their ids alike.
@@ -227,7 +213,9 @@ class ServerState:
             if out is not None:  # the rule does not run: θ is copied as it is
                 np.copyto(out, self._theta)
             # Answered once everything journalled so far is replicated: the original may not be yet.
-            snapshot, last = self.encoded(commit.reply_dtype), self.journal.last
+            whole = commit.reply_dtype not in DIFFERENCE_DTYPES  # else its reply encodes what it sends
+            snapshot = self.encoded(commit.reply_dtype) if whole else self._with_buffers(self.snapshot)
+            last = self.journal.last
             epoch = self.journal.epoch
             return CommitOutcome(snapshot, receipt.staleness, receipt.stats, duplicate=True, position=last, epoch=epoch)
         applied = self.ledger.superseded(worker.scope, commit.sequence)
@@ -265,6 +253,9 @@ class ServerState:
         `out` (float32, P: where the reply is read from) the rule writes θ there as it computes
         it, and the reply is written from those bytes."""
         outcome = self.commit(commit, out)
+        if commit.reply_dtype in DIFFERENCE_DTYPES:  # a difference from the worker's copy, or θ whole
+            outcome, data = self.copies.reply(outcome, commit, self._theta, self._whole_copy)
+            return outcome, reply(outcome, data)
         return outcome, reply(outcome, self.theta_bytes(commit.reply_dtype) if out is None else out.data)
 
     def theta_bytes(self, dtype: int) -> bytes | memoryview:
@@ -279,6 +270,10 @@ class ServerState:
         if snapshot.data(dtype) is None:
             snapshot.store(dtype, encode(self._theta, dtype))
         return snapshot
+
+    def _whole_copy(self) -> bytes:
+        """θ's bfloat16 bytes at this version, shared by the replies that start a copy."""
+        return self.encoded(WHOLE_DTYPE).data(WHOLE_DTYPE) or b""
 
     def _with_buffers(self, snapshot: Snapshot) -> Snapshot:
         """`snapshot` with this version's buffers (on the applier: they change with commits)."""
@@ -325,6 +320,7 @@ class ServerState:
         self.bounds, self.ledger, self.noise, self.history = held.bounds, held.ledger, held.noise, held.history
         self._latest = weakref.ref(Snapshot(0))  # dead at once
         self._initializer_until, self._initializer = 0.0, ""
+        self.copies = WorkerCopies()  # copies of the θ replaced are no worker's: their next replies are whole
         if held.rule is not None and self.memory.bytes is None:  # restored or adopted θ: its budget now
             self.memory.settle(4 * held.theta.size, self.worker_state_bytes, self.registry.max_workers)
 
@@ -404,6 +400,7 @@ class ServerState:
             self.ledger.depart(worker.scope)
         if self.rule is not None:
             self.rule.remove_worker(worker_id)
+        self.copies.forget(worker_id)
 
     def release_initializer(self) -> None:
         """End the grace period of the worker asked for initial values (its upload broke off). A

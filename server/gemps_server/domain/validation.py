@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gemps_proto.reasons import Reason
+from gemps_proto.reply_differences import DIFFERENCE_DTYPES
 from gemps_proto.schema import Buffers, Evaluation, ParameterSpec, PayloadKind, buffer_counts
 from gemps_proto.tensor_codec import (
     WIRE_DTYPE_NAMES,
@@ -288,11 +289,14 @@ def _check_delta_shape(what: str, values: np.ndarray, central: np.ndarray) -> No
 # -- commits ---------------------------------------------------------------------------------
 
 
-def check_reply_dtype(dtype: int) -> None:
-    """InvalidArgument unless replies can carry the central variable in `dtype`."""
-    if dtype not in WIRE_DTYPE_NAMES.values():
-        supported = ", ".join(dtype_name(d) for d in WIRE_DTYPE_NAMES.values())
-        raise InvalidArgument(f"reply_dtype {dtype_name(dtype)} is not one of {supported}", Reason.BAD_DTYPE)
+def check_reply_dtype(dtype: int, *, commit: bool = False) -> None:
+    """InvalidArgument unless replies can carry the central variable in `dtype`: θ's wire dtypes,
+    and for a `commit` the difference codes too (gemps_proto.reply_differences)."""
+    allowed = [*WIRE_DTYPE_NAMES.values(), *(sorted(DIFFERENCE_DTYPES) if commit else ())]
+    if dtype not in allowed:
+        supported = ", ".join(dtype_name(d) for d in allowed)
+        what = "a commit's" if commit else "a pull's (difference replies are a commit's)"
+        raise InvalidArgument(f"reply_dtype {dtype_name(dtype)} is not one of {what}: {supported}", Reason.BAD_DTYPE)
 
 
 def check_request_id(request_id: str) -> None:

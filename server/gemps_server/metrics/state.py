@@ -58,6 +58,12 @@ class StateMetrics:
             "two copies of the central variable its workers' states point into; 0 otherwise).",
             registry=registry,
         )
+        self.reply_copies = Gauge(
+            "gemps_reply_copy_bytes",
+            "Memory the server keeps of the copies of the central variable that difference-reply workers hold "
+            "(Client(reply_compression=...): 2 bytes per parameter per such worker).",
+            registry=registry,
+        )
         self.queue_depth = Gauge("gemps_queue_depth", "Operations waiting for the applier.", registry=registry)
 
     def observe(
@@ -68,6 +74,7 @@ class StateMetrics:
         active_workers: Reading,
         queue: Reading,
         shared_rule_state: Reading = float,
+        reply_copies: Reading = float,
     ) -> None:
         """Read the live state when scraped, so the gauges never go stale (eta: the announced
         training config's schedule at the live version)."""
@@ -76,6 +83,7 @@ class StateMetrics:
         self.parameters.set_function(parameters)
         self.rule_state.set_function(rule_state)
         self.shared_rule_state.set_function(shared_rule_state)
+        self.reply_copies.set_function(reply_copies)
         self.active_workers.set_function(active_workers)
         self.queue_depth.set_function(queue)
 

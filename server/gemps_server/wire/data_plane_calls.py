@@ -278,7 +278,7 @@ class Connection:
             writer, mirror = _reply_into(buffer, region, commit.reply_dtype)
             outcome, theta = yield Call(lambda deliver: service.commit_then(commit, writer, deliver, mirror))
             reply = messages.outcome_header(outcome)
-            grpc_framing.announce(reply.parameters, commit.reply_dtype, service.num_parameters)
+            grpc_framing.announce(reply.parameters, outcome.reply_dtype(commit.reply_dtype), service.num_parameters)
             if region is not None:  # θ is in the client's memory: the buffer is free before the reply
                 held.give_back()
             yield from self._send(reply.SerializeToString(), theta, held=held)

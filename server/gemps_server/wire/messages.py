@@ -167,6 +167,7 @@ def commit_from_proto(
         num_samples=request.num_samples if request.HasField("num_samples") else None,
         buffer_delta=shared.buffers_from_proto(request, "buffer_delta", "integer_buffer_delta"),
         payload_peak=payload_peak,
+        held_copy=request.held_copy,
     )
 
 
@@ -182,6 +183,8 @@ def outcome_header(outcome: CommitOutcome) -> pb.CommitResponse:
         scaling_at_max=stats.fraction_at_max,
         epoch=outcome.epoch,
     )
+    if outcome.reply is not None:  # a difference-reply client's copy: which it is, and from which
+        header.copy, header.difference_of = outcome.reply.copy, outcome.reply.difference_of
     set_buffers(header, outcome.snapshot)
     return header
 
@@ -198,7 +201,7 @@ def commit_reply(dtype: int, num_parameters: int) -> ReplyWriter[bytes]:
 
 
 def _framed_outcome(dtype: int, num_parameters: int, outcome: CommitOutcome, theta: bytes | memoryview) -> bytes:
-    return outcome_to_proto(outcome, dtype, theta, num_parameters)
+    return outcome_to_proto(outcome, outcome.reply_dtype(dtype), theta, num_parameters)
 
 
 def stream_commit_reply(buffer: Buffer) -> ReplyWriter[memoryview]:
@@ -217,7 +220,7 @@ def stream_header_to_proto(outcome: CommitOutcome, reply_dtype: int, num_paramet
     """CommitStream's first reply: the CommitResponse whose parameters say dtype and shape; the
     data follows in pieces."""
     header = outcome_header(outcome)
-    framing.announce(header.parameters, reply_dtype, num_parameters)
+    framing.announce(header.parameters, outcome.reply_dtype(reply_dtype), num_parameters)
     return pb.CommitResponseChunk(header=header)
 
 

@@ -112,19 +112,29 @@ def first_reaching(run: RunResult, accuracy: float) -> tuple[float, float]:
     return math.nan, math.nan
 
 
-def bytes_moved(commits: int, num_parameters: int, worker_mode: str, compression: str = "none") -> float:
+def bytes_moved(
+    commits: int,
+    num_parameters: int,
+    worker_mode: str,
+    compression: str = "none",
+    reply_compression: str = "none",
+    workers: int = 0,
+) -> float:
     """MB (10^6 bytes) the workers moved: each commit sends its payload (4P bytes in float32, its
-    codes' bytes with --compression) and receives θ (4P); the easgd mode also pulls θ (4P) before
-    each commit. NaN when P is unknown."""
+    codes' bytes with --compression) and receives θ (4P; with --reply-compression its codes' bytes,
+    but for each of the `workers`' first reply, θ whole in bfloat16: 2P); the easgd mode also
+    pulls θ (4P) before each commit. NaN when P is unknown."""
     if num_parameters <= 0:
         return math.nan
-    sent = (
-        4 * num_parameters
-        if compression == "none"
-        else expected_payload_nbytes(COMPRESSIONS[compression], [num_parameters])
-    )
-    received = (2 if worker_mode == "easgd" else 1) * 4 * num_parameters
-    return commits * (sent + received) / 1e6
+
+    def coded(codes: str) -> int:
+        return 4 * num_parameters if codes == "none" else expected_payload_nbytes(COMPRESSIONS[codes], [num_parameters])
+
+    received = commits * coded(reply_compression)
+    if reply_compression != "none":
+        received += min(workers, commits) * (2 * num_parameters - coded(reply_compression))
+    pulls = commits * 4 * num_parameters if worker_mode == "easgd" else 0
+    return (commits * coded(compression) + received + pulls) / 1e6
 
 
 def summarize(result: RunResult) -> Summary:
@@ -163,7 +173,14 @@ def summarize(result: RunResult) -> Summary:
         wall_seconds=result.wall_seconds,
         final_train_loss_full=result.final_train_loss_full,
         final_train_accuracy_full=result.final_train_accuracy_full,
-        bytes_moved=bytes_moved(result.final_version, result.num_parameters, c.training.worker_mode, c.compression),
+        bytes_moved=bytes_moved(
+            result.final_version,
+            result.num_parameters,
+            c.training.worker_mode,
+            c.compression,
+            c.reply_compression,
+            c.workers,
+        ),
         seed=c.seed,
         seconds_to_target=reached[0],
         steps_to_target=reached[1],

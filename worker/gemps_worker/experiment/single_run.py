@@ -59,6 +59,7 @@ class RunConfig:
     max_steps: int = 0
     gem_state: str = "exact"  # the server's --gem-state: how GEM keeps each worker's m_i and s_i
     compression: str = "none"  # the workers' --compression: how their commits travel (none, int8, int4)
+    reply_compression: str = "none"  # the workers' --reply-compression: difference replies (none, int8, int4)
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,7 @@ def _start_pools(config: RunConfig, cluster: LocalCluster) -> None:
         local_learning_rate=config.local_learning_rate,
         max_steps=config.max_steps,
         compression=config.compression,
+        reply_compression=config.reply_compression,
     )
     first = 0
     for i, size in enumerate(sizes):

@@ -230,13 +230,20 @@ def gem_state_suite(epochs: int = 10) -> list[RunConfig]:
 
 
 def compression_suite(epochs: int = 10) -> list[RunConfig]:
-    """GEM's workers committing in float32, int8 and int4 codes (issue 47), at 10 and the reference
-    30 workers: what the codes cost in accuracy, and save in bytes."""
+    """GEM's workers committing in float32, int8 and int4 codes (issue 47), with their replies in
+    float32 or, "-both", as differences in the same codes, at 10 and the reference 30 workers:
+    what the codes cost in accuracy, and save in bytes."""
+    variants = [("none", "none"), ("int8", "none"), ("int4", "none"), ("int8", "int8"), ("int4", "int4")]
     return [
-        RunConfig(f"gem-n{n}" + ("" if codes == "none" else f"-{codes}"), n, training("gem"), epochs, compression=codes)
+        RunConfig(_coded_name(n, up, down), n, training("gem"), epochs, compression=up, reply_compression=down)
         for n in (10, REFERENCE_WORKERS)
-        for codes in ("none", "int8", "int4")
+        for up, down in variants
     ]
+
+
+def _coded_name(workers: int, up: str, down: str) -> str:
+    """gem-n10, gem-n10-int8 (commits in int8), gem-n10-int8-both (replies too)."""
+    return f"gem-n{workers}" + ("" if up == "none" else f"-{up}") + ("" if down == "none" else "-both")
 
 
 SUITES: dict[str, Callable[[int], list[RunConfig]]] = {
@@ -256,8 +263,8 @@ SUITE_HELP = {
     + " workers",
     "gem-state": f"GEM with --gem-state exact and compact: digits CNN at {REFERENCE_WORKERS} workers, the character "
     "language model at 8",
-    "compression": "GEM's commits in float32, int8 and int4 codes (--compression), at 10 and "
-    f"{REFERENCE_WORKERS} workers",
+    "compression": "GEM's commits in float32, int8 and int4 codes (--compression), their replies whole or as "
+    f"differences in the same codes (--reply-compression), at 10 and {REFERENCE_WORKERS} workers",
 }
 
 

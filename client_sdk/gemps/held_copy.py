@@ -1,0 +1,44 @@
+"""The copy of θ a difference-reply client holds of one server's slice (`Client(reply_compression=)`).
+
+The server keeps the same copy, bit for bit, and numbers it; each commit names the number held,
+and the reply is either the quantised difference from that copy or θ whole in bfloat16 starting
+a new one (gemps_proto.reply_differences has the arithmetic both ends share). The copy is soft
+state: it starts again whole whenever the numbers disagree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gemps import errors
+from gemps.transport import Committed
+from gemps_proto.reply_differences import advance, copy_values, whole
+
+
+class HeldCopy:
+    """A slice's copy (bfloat16 bits) and the number the server gave it (0: none held)."""
+
+    def __init__(self) -> None:
+        self.number = 0
+        self._bits: np.ndarray | None = None
+
+    def took(self, committed: Committed) -> np.ndarray:
+        """The copy's float32 values once `committed`'s reply moved it: a difference applied to the
+        copy it names, or θ whole as the new copy. A difference from a copy this client does not
+        hold is refused (GempsError) and the copy forgotten, so the next commit asks for θ whole."""
+        if committed.difference_of:
+            held, bits = self.number, self._bits
+            if committed.difference_of != held or bits is None or bits.size != committed.parameters.size:
+                self.forget()
+                raise errors.GempsError(
+                    f"the server's commit reply is a difference from copy {committed.difference_of} of θ, "
+                    f"but this client holds copy {held or 'none'}: the next commit asks for θ whole"
+                )
+            self._bits = advance(bits, committed.parameters)
+        else:
+            self._bits = whole(committed.parameters.reshape(-1))
+        self.number = committed.copy
+        return copy_values(self._bits)
+
+    def forget(self) -> None:
+        self.number, self._bits = 0, None

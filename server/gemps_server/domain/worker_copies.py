@@ -1,0 +1,74 @@
+"""The copies of θ that difference-reply workers hold, as the server keeps them (issue 47, item 3).
+
+A worker whose commits ask for difference replies (reply_dtype a block code) holds a copy of θ
+in bfloat16 values; the server keeps the same bits here, numbered, and answers each commit with
+the quantised difference from that copy when the commit names it (held_copy), else with θ whole
+in bfloat16 as a new copy (gemps_proto.reply_differences has the arithmetic both sides share).
+
+2 bytes a parameter per worker that asks, beside the rule's state (gemps_gem_state_bytes), shown
+as gemps_reply_copy_bytes. Soft state, never checkpointed nor replicated: a restarted server or
+a new primary holds no copies, so each worker's next reply is whole (one bfloat16 θ), as after
+a lost reply or a new registration. A copy that cannot be allocated (MemoryError) is not kept:
+that reply is whole and numbered 0, so the worker asks for θ whole again next time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import secrets
+from collections.abc import Callable
+
+import numpy as np
+
+from gemps_proto.reply_differences import WHOLE_DTYPE, difference
+from gemps_server.domain.records import Commit, CommitOutcome, CopyReply
+
+
+class WorkerCopies:
+    """Each difference-reply worker's copy of θ (bfloat16 bits) and its number; on the applier."""
+
+    def __init__(self) -> None:
+        self._copies: dict[str, tuple[int, np.ndarray]] = {}
+        # Numbers from a random start: a client holding a number from another server's life (a
+        # restart, another primary) is not mistaken for holding this server's copy.
+        self._numbers = itertools.count(secrets.randbits(62) + 1)
+        self.nbytes = 0  # what the copies take (read from the event loop: one int)
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def reply(
+        self, outcome: CommitOutcome, commit: Commit, theta: np.ndarray, whole: Callable[[], bytes]
+    ) -> tuple[CommitOutcome, bytes]:
+        """`outcome` with how its reply moves `commit`'s worker's copy, and the reply's bytes: the
+        difference θ - copy in the commit's reply dtype when the worker holds the copy we keep,
+        else `whole()` (θ's bfloat16 bytes at this version) as a new copy."""
+        worker_id = commit.worker_id
+        kept = self._copies.get(worker_id)
+        number = next(self._numbers)
+        try:
+            if kept is not None and commit.held_copy == kept[0] and kept[1].size == theta.size:
+                data, bits = difference(theta, kept[1], commit.reply_dtype)
+                self._keep(worker_id, number, bits)
+                return dataclasses.replace(outcome, reply=CopyReply(commit.reply_dtype, number, kept[0])), data
+            data = whole()
+            self._keep(worker_id, number, np.frombuffer(data, "<u2").copy())
+        except MemoryError:
+            self.forget(worker_id)
+            data, number = whole(), 0
+        return dataclasses.replace(outcome, reply=CopyReply(WHOLE_DTYPE, number)), data
+
+    def held(self, worker_id: str) -> tuple[int, np.ndarray] | None:
+        """The number and bits of the copy kept for `worker_id`, if any."""
+        return self._copies.get(worker_id)
+
+    def forget(self, worker_id: str) -> None:
+        kept = self._copies.pop(worker_id, None)
+        if kept is not None:
+            self.nbytes -= kept[1].nbytes
+
+    def _keep(self, worker_id: str, number: int, bits: np.ndarray) -> None:
+        self.forget(worker_id)
+        self._copies[worker_id] = (number, bits)
+        self.nbytes += bits.nbytes

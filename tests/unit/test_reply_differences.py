@@ -1,0 +1,191 @@
+"""Difference replies (issue 47, item 3) in the domain and the SDK's copy, against a float64
+reference of GEM fed the compressed commits and of the copies the replies move."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from gemps import errors
+from gemps.grpc_messages import reply_values
+from gemps.held_copy import HeldCopy
+from gemps.transport import Committed
+from gemps_proto import block_quantisation
+from gemps_proto.reply_differences import advance, copy_values, difference, whole
+from gemps_proto.schema import ParameterSpec, PayloadKind
+from gemps_proto.tensor_codec import (
+    BFLOAT16,
+    INT4_BLOCK,
+    INT8_BLOCK,
+    EncodedTensor,
+    TensorDecodeError,
+    decode_payload,
+    encode_payload,
+)
+from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_server.domain import images, validation
+from gemps_server.domain.errors import InvalidArgument
+from gemps_server.domain.records import Commit, CommitOutcome
+from gemps_server.domain.state import ServerState
+from gemps_server.domain.workers import WorkerRegistry
+from tests.helpers import encoded, training
+
+P = 3 * block_quantisation.BLOCK + 5  # several blocks, the last one short; odd (int4's padding)
+SPEC = (ParameterSpec("w", (P,)),)
+ETA, MU, KAPPA, PI_MAX = 0.05, 0.9, 1.0, 5.0
+
+
+def gem_state(workers: int) -> tuple[ServerState, list[str], np.ndarray]:
+    theta0 = np.random.default_rng(1).standard_normal(P).astype(np.float32)
+    config = training("gem", learning_rate=ETA, momentum=MU, kappa=KAPPA, pi_max=PI_MAX)
+    state = ServerState(config, WorkerRegistry(max_workers=8, lease_ttl=3600))
+    ids = [state.register(f"w{i}", SPEC, encoded(theta0)).worker.worker_id for i in range(workers)]
+    return state, ids, theta0
+
+
+def reply_of(outcome: CommitOutcome, data: bytes | memoryview) -> Committed:
+    """What the SDK makes of the reply the state wrote (the wire's decode, the reply's numbers)."""
+    assert outcome.reply is not None
+    values = decode_payload(outcome.reply.dtype, (P,), bytes(data))
+    copy, difference_of = outcome.reply.copy, outcome.reply.difference_of
+    return Committed(outcome.snapshot.version, outcome.staleness, 0, 0, 0, 0, values, None, 0, copy, difference_of)
+
+
+def keep_bytes(outcome: CommitOutcome, theta: bytes | memoryview) -> bytes:
+    """A reply writer that keeps the reply's θ bytes (a difference's code, or θ whole)."""
+    return bytes(theta)
+
+
+class Float64Gem:
+    """GEM (DESIGN §1) in float64 for one server, fed each commit's decoded payload."""
+
+    def __init__(self, theta0: np.ndarray, workers: list[str]) -> None:
+        self.theta = theta0.astype(np.float64)
+        self.m = {w: np.zeros(P) for w in workers}
+        self.s = {w: self.theta.copy() for w in workers}
+
+    def commit(self, worker: str, gradient: np.ndarray) -> None:
+        delta = -ETA * gradient.astype(np.float64)
+        self.m[worker] = MU * self.m[worker] + delta
+        c = np.abs(self.theta - self.s[worker])
+        pi = np.clip((KAPPA * np.abs(self.m[worker]) - c) / (np.abs(delta) + 1e-16), 0, PI_MAX)
+        self.s[worker] = self.theta.copy()
+        self.theta = self.theta + pi * delta
+
+
+@pytest.mark.parametrize("code", [INT8_BLOCK, INT4_BLOCK])
+def test_gem_with_compressed_commits_and_difference_replies_matches_a_float64_reference(code: int) -> None:
+    """Four workers train a quadratic from the copies their replies leave them, commits in `code`:
+    θ is the float64 reference's (fed the decoded commits) to float32's rounding; each worker's
+    copy is the server's record bit for bit; and the copy stays within a code's step of the
+    difference it was sent plus bfloat16's rounding of θ, never drifting further."""
+    state, workers, theta0 = gem_state(4)
+    reference = Float64Gem(theta0, workers)
+    target = np.random.default_rng(2).standard_normal(P).astype(np.float32)
+    copies = {w: HeldCopy() for w in workers}
+    held = {w: theta0.copy() for w in workers}  # what each worker trains from: θ as registered, then its copy
+    levels = block_quantisation.INT8_LEVELS if code == INT8_BLOCK else block_quantisation.INT4_LEVELS
+    rng = np.random.default_rng(3)
+    differences = 0
+    for step in range(120):
+        worker = workers[rng.integers(len(workers))]
+        gradient = (held[worker] - target).astype(np.float32)  # the quadratic's, at the worker's θ
+        payload = EncodedTensor(code, (P,), encode_payload(gradient, code))
+        kept = state.copies.held(worker)
+        before = None if kept is None else copy_values(kept[1])  # the server's record before this commit
+        commit = Commit(worker, state.version, PayloadKind.GRADIENT.value, payload, request_id=f"c{step}",
+                        reply_dtype=code, held_copy=copies[worker].number)  # fmt: skip
+        outcome, data = state.commit_and_reply(commit, keep_bytes)
+        reference.commit(worker, payload.decode_payload())
+        theta = state.theta_copy()
+        np.testing.assert_allclose(theta, reference.theta, rtol=1e-4, atol=1e-5, err_msg=f"step {step}")
+        reply = reply_of(outcome, data)
+        held[worker] = copies[worker].took(reply)
+        number, bits = state.copies.held(worker)  # type: ignore[misc]
+        assert copies[worker].number == number
+        np.testing.assert_array_equal(whole(held[worker]), bits)  # the same bits on both ends
+        if reply.difference_of:
+            differences += 1
+            assert before is not None
+            sent = np.abs(theta - before)
+            step_bound = np.repeat(np.maximum.reduceat(sent, np.arange(0, P, block_quantisation.BLOCK)), 256)[:P]
+            bound = step_bound / (2 * levels) * 1.001 + np.abs(theta) * 2.0**-8 + 1e-30
+            assert (np.abs(held[worker] - theta) <= bound).all(), f"step {step}"
+        else:
+            np.testing.assert_array_equal(held[worker], copy_values(whole(theta)))  # θ whole, in bfloat16
+    assert differences == 120 - len(workers)  # one whole reply per worker, then differences only
+    loss0, loss = np.mean((theta0 - target) ** 2), np.mean((state.theta_copy() - target) ** 2)
+    assert loss < 0.05 * loss0  # and the copies train: GEM converges from them
+
+
+def test_a_commit_that_names_another_copy_is_answered_whole_and_starts_a_new_one() -> None:
+    """A lost reply: the commit is retried (a duplicate) naming the copy held before it; the state
+    moved its record with the reply that was lost, so the retry's reply is θ whole."""
+    state, (worker,), _ = gem_state(1)
+    gradient = EncodedTensor(INT8_BLOCK, (P,), encode_payload(np.ones(P, np.float32), INT8_BLOCK))
+    first = Commit(worker, 0, PayloadKind.GRADIENT.value, gradient, request_id="a", reply_dtype=INT8_BLOCK)
+    outcome, _ = state.commit_and_reply(first, keep_bytes)
+    assert outcome.reply is not None and outcome.reply.dtype == BFLOAT16 and outcome.reply.difference_of == 0
+    number = outcome.reply.copy
+    second = dataclasses.replace(first, request_id="b", base_version=1, held_copy=number)
+    outcome, _ = state.commit_and_reply(second, keep_bytes)  # its reply is lost
+    assert outcome.reply is not None and outcome.reply.difference_of == number
+    outcome, data = state.commit_and_reply(second, keep_bytes)  # the retry, naming the copy before
+    assert outcome.duplicate and state.version == 2
+    assert outcome.reply is not None and outcome.reply.dtype == BFLOAT16 and outcome.reply.difference_of == 0
+    assert bytes(data) == whole(state.theta_copy()).tobytes()
+
+
+def test_leaving_registering_again_or_a_new_image_forgets_the_copies() -> None:
+    state, (worker, other), _ = gem_state(2)
+    for name in (worker, other):
+        commit = Commit(name, 0, PayloadKind.UPDATE.value, encoded(np.zeros(P, np.float32)), reply_dtype=INT8_BLOCK)
+        state.commit_and_reply(commit, keep_bytes)
+    assert len(state.copies) == 2 and state.copies.nbytes == 2 * 2 * P
+    state.leave(worker)
+    assert state.copies.held(worker) is None and state.copies.nbytes == 2 * P
+    images.adopt(state, images.take(state))  # as a backup takes its primary's image: no copies
+    assert len(state.copies) == 0 and state.copies.nbytes == 0
+
+
+def test_pulls_take_no_difference_codes() -> None:
+    validation.check_reply_dtype(INT8_BLOCK, commit=True)
+    with pytest.raises(InvalidArgument, match="a pull's"):
+        validation.check_reply_dtype(INT8_BLOCK)
+
+
+def test_the_sdk_refuses_a_difference_from_a_copy_it_does_not_hold_and_asks_whole_again() -> None:
+    copy = HeldCopy()
+    theta = np.linspace(-1, 1, P, dtype=np.float32)
+    copy.took(Committed(1, 0, 0, 0, 0, 0, copy_values(whole(theta)), None, 0, copy=7))
+    data, _ = difference(theta + 0.01, whole(theta), INT8_BLOCK)
+    stray = Committed(2, 0, 0, 0, 0, 0, decode_payload(INT8_BLOCK, (P,), data), None, 0, copy=9, difference_of=8)
+    with pytest.raises(errors.GempsError, match="difference from copy 8 of θ, but this client holds copy 7"):
+        copy.took(stray)
+    assert copy.number == 0  # the next commit names no copy: its reply is θ whole
+
+
+def test_both_ends_advance_a_copy_to_the_same_bits() -> None:
+    rng = np.random.default_rng(0)
+    bits = whole(rng.standard_normal(P).astype(np.float32))
+    for code in (INT8_BLOCK, INT4_BLOCK):
+        theta = copy_values(bits) + rng.standard_normal(P).astype(np.float32) * 1e-2
+        data, server = difference(theta, bits, code)
+        np.testing.assert_array_equal(advance(bits, decode_payload(code, (P,), data)), server)
+
+
+def test_the_sdk_refuses_a_reply_whose_encoding_and_numbers_disagree() -> None:
+    """A code where θ whole was due, θ where a difference was, or a code no encoder writes."""
+    code = EncodedTensor(INT8_BLOCK, (P,), encode_payload(np.ones(P, np.float32), INT8_BLOCK))
+    with pytest.raises(TensorDecodeError, match="DTYPE_INT8_BLOCK that says it is θ whole"):
+        reply_values(pb.CommitResponse(copy=3), code)
+    bf16 = EncodedTensor(BFLOAT16, (P,), whole(np.ones(P, np.float32)).tobytes())
+    with pytest.raises(TensorDecodeError, match="a difference from copy 2"):
+        reply_values(pb.CommitResponse(copy=3, difference_of=2), bf16)
+    hostile = bytearray(code.data)
+    hostile[:4] = np.float32(np.inf).tobytes()  # the first block's scale
+    with pytest.raises(TensorDecodeError, match="scale"):
+        reply_values(pb.CommitResponse(copy=3, difference_of=2), EncodedTensor(INT8_BLOCK, (P,), bytes(hostile)))
+    np.testing.assert_array_equal(reply_values(pb.CommitResponse(copy=3, difference_of=2), code), np.ones(P))
