@@ -51,6 +51,7 @@ TRAINING_OPTIONS = frozenset(
         "GEMPS_MODEL",
         "GEMPS_NAME",
         "GEMPS_OUT",
+        "GEMPS_OUTER_LEARNING_RATE",
         "GEMPS_PACK_REPLICAS",
         "GEMPS_PARTITION_CPUS",
         "GEMPS_PARTITION_RESTARTS",

@@ -63,14 +63,18 @@ def tiny_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-def test_agn_commits_the_accumulated_update_over_lambda(start_server: StartServer) -> None:
+@pytest.mark.parametrize(("outer", "factor"), [(0.0, 1 / 3), (0.5, 0.5)])
+def test_agn_commits_the_accumulated_update_over_lambda_or_times_an_outer_learning_rate(
+    start_server: StartServer, outer: float, factor: float
+) -> None:
+    """AGN's (θλ - θ0) / λ, or with --outer-learning-rate, (θλ - θ0) x it (GEM with local steps)."""
     server = start_server(rule="downpour", learning_rate=0.1)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
     with RemoteModel(model, server.target) as remote:
         start = remote.parameters_vector()
-        mode = AgnMode(remote, learning_rate=0.1, local_steps=3)
+        mode = AgnMode(remote, learning_rate=0.1, local_steps=3, outer=outer)
         assert mode.on_batch(lambda: tiny_step(model, x, y), 8) is None
         assert mode.on_batch(lambda: tiny_step(model, x, y), 8) is None
         local_before_third = remote.parameters_vector()
@@ -83,7 +87,7 @@ def test_agn_commits_the_accumulated_update_over_lambda(start_server: StartServe
         grads = [p.grad for p in check.parameters()]
         assert all(g is not None for g in grads)
         local_end = local_before_third - 0.1 * torch.cat([g.reshape(-1) for g in grads if g is not None])
-        expected = start + (local_end - start) / 3
+        expected = start + (local_end - start) * factor
         np.testing.assert_allclose(committed.result.parameters.flat, expected.numpy(), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(remote.parameters_vector().numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
 

@@ -99,11 +99,17 @@ def test_agn_comparison_takes_other_settings() -> None:
 
 
 def test_suites_by_name() -> None:
-    assert set(SUITES) == {"full", "quick", "agn-sweep", "agn", "gem-state", "compression"}
+    assert set(SUITES) == {"full", "quick", "agn-sweep", "agn", "gem-state", "compression", "local-steps"}
     codes = {c.name: (c.compression, c.reply_compression) for c in SUITES["compression"](10)}
     variants = [("", "none", "none"), ("-int8", "int8", "none"), ("-int4", "int4", "none")]
     variants += [("-int8-both", "int8", "int8"), ("-int4-both", "int4", "int4")]
     assert codes == {f"gem-n{n}{suffix}": (up, down) for n in (10, 30) for suffix, up, down in variants}
+    local = {c.name: c for c in SUITES["local-steps"](10)}
+    assert local["gem-n30"].training.worker_mode == "gradient" and local["gem-n30"].compression == "none"
+    eight = local["gem-n30-local8-half"]  # 8 local steps, the update halved, int8 codes both ways
+    assert (eight.training.rule, eight.training.worker_mode, eight.dynsgd_steps) == ("gem", "dynsgd", 8)
+    assert (eight.outer_learning_rate, eight.compression, eight.reply_compression) == (0.5, "int8", "int8")
+    assert local["gem-n10-local4-agn"].outer_learning_rate == 1 / 4
     assert SUITES["quick"](10) == quick_suite()
     pairs = {c.name: c for c in SUITES["gem-state"](10)}
     for name in ("gem-n30", "lm-gem-n8"):  # each configuration with the exact state and the compact one

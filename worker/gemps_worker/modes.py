@@ -61,6 +61,9 @@ class LocalTraining:
     easgd_period: int = 4  # tau
     optimizer: str = "sgd"
     learning_rate: float = 0.0  # 0: the optimizer's default (sgd: the server's eta)
+    # agn and dynsgd: what the accumulated update θλ - θ0 is multiplied by before it is committed
+    # (an outer learning rate, as DiLoCo's); 0: the mode's own (agn 1/λ, dynsgd 1).
+    outer_learning_rate: float = 0.0
 
 
 class TrainingMode(ABC):
@@ -113,19 +116,23 @@ class GradientMode(TrainingMode):
 
 
 class AccumulatedMode(TrainingMode):
-    """λ local steps from the central variable, then commit (θλ - θ0) / `divisor` and continue
-    from the central variable the reply carries: AGN (divisor λ) and DynSGD (divisor 1)."""
+    """λ local steps from the central variable, then commit (θλ - θ0) x `outer` and continue from
+    the central variable the reply carries: AGN (outer 1/λ) and DynSGD (outer 1); GEM with local
+    steps is either with an outer learning rate of the user's (GEM(aΔ) = a GEM(Δ): a scales what
+    GEM makes of the update)."""
 
     name = "accumulated"
 
     def __init__(
-        self, remote: RemoteModel, learning_rate: float, local_steps: int, divisor: int, optimizer: str = "sgd"
+        self, remote: RemoteModel, learning_rate: float, local_steps: int, outer: float, optimizer: str = "sgd"
     ) -> None:
         super().__init__(remote, learning_rate, optimizer)
         if local_steps < 1:
             raise ValueError(f"{self.name} needs at least one local step")
+        if not (math.isfinite(outer) and outer > 0):
+            raise ValueError(f"{self.name}'s outer learning rate must be a number > 0, not {outer}")
         self.local_steps = local_steps
-        self.divisor = divisor
+        self.outer = outer
         self._start: torch.Tensor | None = None
         self._losses: list[float] = []
 
@@ -136,7 +143,7 @@ class AccumulatedMode(TrainingMode):
         self._local_step()
         if len(self._losses) < self.local_steps:
             return None
-        update = (self.remote.parameters_vector() - self._start) / self.divisor
+        update = (self.remote.parameters_vector() - self._start) * self.outer
         loss = sum(self._losses) / len(self._losses)
         self._start, self._losses = None, []
         return Committed(self.remote.commit_update(update, loss=loss), loss)
@@ -145,15 +152,19 @@ class AccumulatedMode(TrainingMode):
 class AgnMode(AccumulatedMode):
     name = "agn"
 
-    def __init__(self, remote: RemoteModel, learning_rate: float, local_steps: int, optimizer: str = "sgd") -> None:
-        super().__init__(remote, learning_rate, local_steps, divisor=local_steps, optimizer=optimizer)
+    def __init__(
+        self, remote: RemoteModel, learning_rate: float, local_steps: int, optimizer: str = "sgd", outer: float = 0.0
+    ) -> None:
+        super().__init__(remote, learning_rate, local_steps, outer or 1 / max(local_steps, 1), optimizer)
 
 
 class DynSgdMode(AccumulatedMode):
     name = "dynsgd"
 
-    def __init__(self, remote: RemoteModel, learning_rate: float, local_steps: int, optimizer: str = "sgd") -> None:
-        super().__init__(remote, learning_rate, local_steps, divisor=1, optimizer=optimizer)
+    def __init__(
+        self, remote: RemoteModel, learning_rate: float, local_steps: int, optimizer: str = "sgd", outer: float = 0.0
+    ) -> None:
+        super().__init__(remote, learning_rate, local_steps, outer or 1.0, optimizer)
 
 
 class EasgdMode(TrainingMode):
@@ -198,9 +209,9 @@ def create_mode(name: str, remote: RemoteModel, learning_rate: float, local: Loc
     default = LOCAL_OPTIMIZERS[local.optimizer]
     local_rate = local.learning_rate or (learning_rate if default is None else default)
     if name == WorkerMode.AGN:
-        return AgnMode(remote, local_rate, local.agn_steps, local.optimizer)
+        return AgnMode(remote, local_rate, local.agn_steps, local.optimizer, local.outer_learning_rate)
     if name == WorkerMode.DYNSGD:
-        return DynSgdMode(remote, local_rate, local.dynsgd_steps, local.optimizer)
+        return DynSgdMode(remote, local_rate, local.dynsgd_steps, local.optimizer, local.outer_learning_rate)
     if name == WorkerMode.EASGD:
         return EasgdMode(remote, local_rate, local.easgd_alpha, local.easgd_period, local.optimizer)
     raise ValueError(f"unknown worker mode {name!r}; choose from {', '.join(MODES)}")

@@ -59,6 +59,14 @@ class WorkerOptions:
         default=0.0,
         metadata={"help": "agn, dynsgd, easgd: local steps' learning rate; 0: sgd the server's eta, adam 0.001"},
     )
+    outer_learning_rate: float = field(
+        default=0.0,
+        metadata={
+            "help": "agn, dynsgd: the accumulated update of the local steps is committed times this (an outer "
+            "learning rate; with --reply-compression and --compression, GEM with local steps across slow links); "
+            "0: the mode's own (agn 1/lambda, dynsgd 1)",
+        },
+    )
     epochs: int = field(default=1, metadata={"help": "passes over this worker's shard"})
     max_steps: int = field(default=0, metadata={"help": "stop after this many commits (0: no limit)"})
     seed: int = field(default=0, metadata={"help": "seed for this worker's data order"})
@@ -220,6 +228,7 @@ def run_worker(
                 options.easgd_period,
                 options.local_optimizer,
                 options.local_learning_rate,
+                options.outer_learning_rate,
             )
             mode = create_mode(mode_name, remote, reg.config.learning_rate, local)
             log.info(

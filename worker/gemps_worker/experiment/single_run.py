@@ -54,6 +54,7 @@ class RunConfig:
     dynsgd_steps: int = 10
     local_optimizer: str = "sgd"  # agn, dynsgd, easgd: optimizer of the local steps (sgd, adam)
     local_learning_rate: float = 0.0  # 0: sgd the server's eta, adam 0.001
+    outer_learning_rate: float = 0.0  # agn, dynsgd: the accumulated update's factor (0: agn 1/λ, dynsgd 1)
     # Commits per worker, at most (0: the epochs decide). N workers of batch b with max_steps = E/(N b)
     # train on the same E samples whatever N is (the tuning sweep's equal budgets).
     max_steps: int = 0
@@ -195,6 +196,7 @@ def _start_pools(config: RunConfig, cluster: LocalCluster) -> None:
         dynsgd_steps=config.dynsgd_steps,
         local_optimizer=config.local_optimizer,
         local_learning_rate=config.local_learning_rate,
+        outer_learning_rate=config.outer_learning_rate,
         max_steps=config.max_steps,
         compression=config.compression,
         reply_compression=config.reply_compression,

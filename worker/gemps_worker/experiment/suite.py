@@ -246,6 +246,22 @@ def _coded_name(workers: int, up: str, down: str) -> str:
     return f"gem-n{workers}" + ("" if up == "none" else f"-{up}") + ("" if down == "none" else "-both")
 
 
+def local_steps_suite(epochs: int = 10) -> list[RunConfig]:
+    """GEM with H local steps (issue 47, item 4), commits and replies in int8 codes, at 10 and the
+    reference 30 workers, against GEM committing every mini-batch's gradient in float32: the
+    accumulated update whole halved (outer learning rate 0.5) at H = 4 and 8, and AGN's Δ/λ at H = 4.
+    Each run trains on the same samples (epochs): H local steps make H times fewer commits."""
+    runs = [RunConfig(f"gem-n{n}", n, training("gem"), epochs) for n in (10, REFERENCE_WORKERS)]
+    for n in (10, REFERENCE_WORKERS):
+        for name, steps, outer in ((f"local{4}-half", 4, 0.5), (f"local{8}-half", 8, 0.5), ("local4-agn", 4, 0.25)):
+            local = training("gem", worker_mode="dynsgd")
+            runs.append(
+                RunConfig(f"gem-n{n}-{name}", n, local, epochs, dynsgd_steps=steps, outer_learning_rate=outer,
+                          compression="int8", reply_compression="int8")
+            )  # fmt: skip
+    return runs
+
+
 SUITES: dict[str, Callable[[int], list[RunConfig]]] = {
     "full": full_suite,
     "quick": lambda epochs: quick_suite(),  # always 2 epochs
@@ -253,6 +269,7 @@ SUITES: dict[str, Callable[[int], list[RunConfig]]] = {
     "agn": agn_comparison,
     "gem-state": gem_state_suite,
     "compression": compression_suite,
+    "local-steps": local_steps_suite,
 }
 SUITE_HELP = {
     "full": "the GEM paper's comparisons: GEM, DOWNPOUR, adaptive staleness at 5..100 workers, eta, kappa, modes",
@@ -265,6 +282,8 @@ SUITE_HELP = {
     "language model at 8",
     "compression": "GEM's commits in float32, int8 and int4 codes (--compression), their replies whole or as "
     f"differences in the same codes (--reply-compression), at 10 and {REFERENCE_WORKERS} workers",
+    "local-steps": "GEM with 4 and 8 local steps (--outer-learning-rate 0.5, and AGN's 1/lambda), int8 codes both "
+    f"ways, against float32 gradient commits, at 10 and {REFERENCE_WORKERS} workers",
 }
 
 
