@@ -234,11 +234,26 @@ def compression_suite(epochs: int = 10) -> list[RunConfig]:
     float32 or, "-both", as differences in the same codes, at 10 and the reference 30 workers:
     what the codes cost in accuracy, and save in bytes."""
     variants = [("none", "none"), ("int8", "none"), ("int4", "none"), ("int8", "int8"), ("int4", "int4")]
-    return [
+    runs = [
         RunConfig(_coded_name(n, up, down), n, training("gem"), epochs, compression=up, reply_compression=down)
         for n in (10, REFERENCE_WORKERS)
         for up, down in variants
     ]
+    # 100 workers: does the recommended setting (int8 both ways) still converge where GEM does?
+    runs += [
+        RunConfig(
+            _coded_name(100, codes, codes), 100, training("gem"), epochs, compression=codes, reply_compression=codes
+        )
+        for codes in ("none", "int8")
+    ]
+    language = training("gem", learning_rate=0.1, batch_size=32)  # the tuning guide's recipe, as gem-state's
+    for up, down in (("none", "none"), ("int8", "int8"), ("int4", "int4")):
+        name = "lm-" + _coded_name(8, up, down)
+        runs.append(
+            RunConfig(name, 8, language, epochs=2, model="char-gpt", dataset="stdlib-text", max_steps=200,
+                      compression=up, reply_compression=down)
+        )  # fmt: skip
+    return runs
 
 
 def _coded_name(workers: int, up: str, down: str) -> str:
@@ -281,7 +296,8 @@ SUITE_HELP = {
     "gem-state": f"GEM with --gem-state exact and compact: digits CNN at {REFERENCE_WORKERS} workers, the character "
     "language model at 8",
     "compression": "GEM's commits in float32, int8 and int4 codes (--compression), their replies whole or as "
-    f"differences in the same codes (--reply-compression), at 10 and {REFERENCE_WORKERS} workers",
+    f"differences in the same codes (--reply-compression), at 10 and {REFERENCE_WORKERS} workers; the character "
+    "language model at 8, float32 or codes both ways",
     "local-steps": "GEM with 4 and 8 local steps (--outer-learning-rate 0.5, and AGN's 1/lambda), int8 codes both "
     f"ways, against float32 gradient commits, at 10 and {REFERENCE_WORKERS} workers",
 }
