@@ -252,6 +252,7 @@ class ParameterServer:
             rule_state_bytes=lambda: state.rule_state_bytes,
             shared_rule_state_bytes=lambda: state.shared_rule_state_bytes,
             reply_copy_bytes=lambda: state.copies.nbytes,
+            reply_copies_unkept=lambda: state.copies.unkept,
             active_workers=lambda: len(state.registry),
             queue_depth=lambda: self.applier.depth,
             gradient_noise=lambda: state.noise.estimate,

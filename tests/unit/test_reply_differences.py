@@ -189,3 +189,23 @@ def test_the_sdk_refuses_a_reply_whose_encoding_and_numbers_disagree() -> None:
     with pytest.raises(TensorDecodeError, match="scale"):
         reply_values(pb.CommitResponse(copy=3, difference_of=2), EncodedTensor(INT8_BLOCK, (P,), bytes(hostile)))
     np.testing.assert_array_equal(reply_values(pb.CommitResponse(copy=3, difference_of=2), code), np.ones(P))
+
+
+def test_a_copy_is_kept_only_where_the_memory_budget_leaves_room_beside_the_rule_state() -> None:
+    """The workers' rule state comes first: with no room left for a copy the reply is θ whole,
+    numbered 0, nothing is kept and it is counted; once a worker leaves, the next copy is kept."""
+    state, (worker, other), _ = gem_state(2)
+    state.memory.bytes = state.rule_state_bytes + 2 * P  # room for one copy
+    commits = {
+        name: Commit(name, 0, PayloadKind.UPDATE.value, encoded(np.zeros(P, np.float32)), reply_dtype=INT8_BLOCK)
+        for name in (worker, other)
+    }
+    first, _ = state.commit_and_reply(commits[worker], keep_bytes)
+    assert first.reply is not None and first.reply.copy != 0 and state.copies.nbytes == 2 * P
+    second, data = state.commit_and_reply(commits[other], keep_bytes)
+    assert second.reply is not None and (second.reply.dtype, second.reply.copy) == (BFLOAT16, 0)
+    assert bytes(data) == whole(state.theta_copy()).tobytes()  # θ whole all the same
+    assert state.copies.held(other) is None and state.copies.unkept == 1
+    state.leave(worker)  # its rule state and its copy go
+    third, _ = state.commit_and_reply(dataclasses.replace(commits[other], base_version=2), keep_bytes)
+    assert third.reply is not None and third.reply.copy != 0 and state.copies.held(other) is not None

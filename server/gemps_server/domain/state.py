@@ -88,7 +88,7 @@ class ServerState:
         self._initializer = ""  # its client id ("" when it sent none)
         # Where every change is recorded for the replicas (journal.py); none without replicas.
         self.journal: Journal = NoJournal()
-        self.copies = WorkerCopies()  # what difference-reply workers hold of θ (worker_copies.py)
+        self.copies = self._new_copies()  # what difference-reply workers hold of θ (worker_copies.py)
 
     @property
     def initialized(self) -> bool:
@@ -320,13 +320,16 @@ class ServerState:
         self.bounds, self.ledger, self.noise, self.history = held.bounds, held.ledger, held.noise, held.history
         self._latest = weakref.ref(Snapshot(0))  # dead at once
         self._initializer_until, self._initializer = 0.0, ""
-        self.copies = WorkerCopies()  # copies of the θ replaced are no worker's: their next replies are whole
+        self.copies = self._new_copies()  # copies of the θ replaced are no worker's: their next replies are whole
         if held.rule is not None and self.memory.bytes is None:  # restored or adopted θ: its budget now
             self.memory.settle(4 * held.theta.size, self.worker_state_bytes, self.registry.max_workers)
 
     def new_rule(self, num_parameters: int) -> CommitRule:
         """A fresh rule of this server's training config and kernel, for `num_parameters` values."""
         return self.rule_options.create(self._training, num_parameters)
+
+    def _new_copies(self) -> WorkerCopies:
+        return WorkerCopies(self.memory, lambda: self.rule_state_bytes)  # within the rule state's budget
 
     def new_noise(self) -> NoiseEstimator:
         """A fresh noise estimate with this server's window and batch size."""

@@ -58,13 +58,14 @@ class ServerMetrics:
         queue_depth: Reading,
         shared_rule_state_bytes: Reading = float,
         reply_copy_bytes: Reading = float,
+        reply_copies_unkept: Reading = float,
         gradient_noise: Callable[[], GradientNoise] = GradientNoise,
         workers: Callable[[], Sequence[WorkerStatus]] = tuple,
     ) -> None:
         """Gauges that read the live state when scraped, so they can never go stale (eta: the
         described training config's schedule at the live version; the stragglers: `workers`)."""
         state = (version, parameters, rule_state_bytes, active_workers, queue_depth)
-        self.state.observe(*state, shared_rule_state_bytes, reply_copy_bytes)
+        self.state.observe(*state, shared_rule_state_bytes, reply_copy_bytes, reply_copies_unkept)
         self.noise.observe(gradient_noise, active_workers)
         self.stragglers.observe(workers)
 

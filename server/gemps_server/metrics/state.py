@@ -64,6 +64,12 @@ class StateMetrics:
             "(Client(reply_compression=...): 2 bytes per parameter per such worker).",
             registry=registry,
         )
+        self.reply_copies_unkept = Gauge(
+            "gemps_reply_copies_unkept",
+            "Commit replies sent whole without keeping the worker's copy since the server started: the memory "
+            "budget (--memory-budget-mb) had no room for it beside the workers' rule state.",
+            registry=registry,
+        )
         self.queue_depth = Gauge("gemps_queue_depth", "Operations waiting for the applier.", registry=registry)
 
     def observe(
@@ -75,6 +81,7 @@ class StateMetrics:
         queue: Reading,
         shared_rule_state: Reading = float,
         reply_copies: Reading = float,
+        reply_copies_unkept: Reading = float,
     ) -> None:
         """Read the live state when scraped, so the gauges never go stale (eta: the announced
         training config's schedule at the live version)."""
@@ -84,6 +91,7 @@ class StateMetrics:
         self.rule_state.set_function(rule_state)
         self.shared_rule_state.set_function(shared_rule_state)
         self.reply_copies.set_function(reply_copies)
+        self.reply_copies_unkept.set_function(reply_copies_unkept)
         self.active_workers.set_function(active_workers)
         self.queue_depth.set_function(queue)
 
