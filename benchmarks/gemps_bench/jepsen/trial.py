@@ -38,9 +38,12 @@ class Schedule:
     def busy(self) -> set[str]:
         return {self.faults[fault]["host"] for fault in self.heals}
 
-    def resolve(self, role: str, wait: float = 2.0) -> Host | None:
+    def resolve(self, role: str, wait: float = 10.0) -> Host | None:
         """The host `role` names now, if it is not under another fault. With no primary known (an
-        election under way), the primary is waited for up to `wait` seconds."""
+        election under way), the primary is waited for up to `wait` seconds: after etcd is wiped
+        the replicas re-establish their keys and the monitor sees a primary again within a few
+        seconds, past 2 s on a loaded machine (a fresh clone's full suite left a stale-wipe trial's
+        primary pause without a host when this waited 2 s)."""
         busy = self.busy()
         if role == "etcd":
             return None if "e" in busy else self.rig.etcd_host
