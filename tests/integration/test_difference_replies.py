@@ -113,6 +113,10 @@ def test_partitions_each_keep_their_copy(start_server: StartServer) -> None:
             copy = client.commit(update, kind="update").parameters.flat
         assert close_to(copy, reader.pull().flat, block_quantisation.INT4_LEVELS)
         numbers = [session.copy.number for session in client._router.sessions]
+        for session, server in zip(client._router.sessions, servers, strict=True):  # each slice's copy: its record
+            number, bits = server.server.state.copies.held(session.worker_id)  # type: ignore[misc]
+            assert number == session.copy.number
+            np.testing.assert_array_equal(whole(session.flat), bits)
     assert 0 not in numbers and numbers[0] != numbers[1]
     for server in servers:  # each partition: one whole reply of its slice, then int4 differences
         sent = sent_bytes(server)
