@@ -11,7 +11,8 @@ registry is given, so a client without metrics needs none installed.
     prometheus_client.start_http_server(9100, registry=registry)
 
 The bytes are θ's values as the wire carries them (`wire_dtype`'s width: 4 bytes a value for
-float32, 2 for bfloat16), counted at the transport seam for each attempt a server answered (a
+float32, 2 for bfloat16; a commit in `compression` codes, or a reply in `reply_compression` codes
+or whole in bfloat16, at its codes' bytes), counted at the transport seam for each attempt a server answered (a
 commit retried after a lost reply counts twice: its payload went out twice; an attempt that
 failed is not counted, whether or not its bytes left); the messages' framing is not counted. On
 the server's host the data plane moves them through shared memory, not a socket: counted alike. One registry holds one
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from gemps.records import Evaluation, Registration, ServerStatus
 from gemps.transport import CommitCall, Committed, Deferred, Enrolment, Pending, PullCall, Pulled, Registered, Transport
-from gemps_proto.tensor_codec import numpy_dtype
+from gemps_proto.tensor_codec import BFLOAT16, expected_payload_nbytes, numpy_dtype
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -91,13 +92,13 @@ class ClientMetrics(NoMetrics):
             )
             self.sent = Counter(
                 "gemps_client_sent_bytes",
-                "Bytes of θ's values this client sent, by call, at the wire dtype's width (answered attempts).",
+                "Bytes of θ's values this client sent, by call, as the wire carried them (answered attempts).",
                 ["call"],
                 registry=registry,
             )
             self.received = Counter(
                 "gemps_client_received_bytes",
-                "Bytes of θ's values this client received, by call, at the wire dtype's width.",
+                "Bytes of θ's values this client received, by call, as the wire carried them.",
                 ["call"],
                 registry=registry,
             )
@@ -122,6 +123,19 @@ class ClientMetrics(NoMetrics):
 
     def values_received(self, call: str, count: int) -> None:
         self.received.labels(call).inc(count * self.width)
+
+    def committed(self, call: CommitCall, committed: Committed) -> None:
+        """A commit's bytes each way: its payload's (codes when compressed), and its reply's (a
+        difference's codes, or θ whole: bfloat16 to a difference-reply client)."""
+        size = call.payload.size
+        sent = size * self.width if call.encoded is None else expected_payload_nbytes(call.encoded[0], [size])
+        self.sent.labels("commit").inc(sent)
+        reply = committed.parameters.size
+        if not call.reply_code:
+            self.values_received("commit", reply)
+            return
+        code = call.reply_code if committed.difference_of else BFLOAT16
+        self.received.labels("commit").inc(expected_payload_nbytes(code, [reply]))
 
 
 def client_metrics(registry: CollectorRegistry | None, wire_dtype: int, retries: Callable[[], int]) -> NoMetrics:
@@ -183,6 +197,5 @@ class MeteredTransport:
         return pulled
 
     def _committed(self, call: CommitCall, committed: Committed) -> Committed:
-        self.metrics.values_sent("commit", call.payload.size)
-        self.metrics.values_received("commit", committed.parameters.size)
+        self.metrics.committed(call, committed)
         return committed

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gemps import Client
+from gemps_proto.tensor_codec import INT8_BLOCK, expected_payload_nbytes
 from gemps_worker.cluster import free_port
 from tests.helpers import InProcessServer
 from tests.integration.conftest import StartServer
@@ -77,6 +78,19 @@ def test_bfloat16_halves_the_bytes_and_a_second_client_gets_a_registry_of_its_ow
         assert sample(registry, "gemps_client_retries_total") == 0
         with pytest.raises(ValueError, match=r"holds another gemps client's metrics.*its own registry"):
             Client(server.target, metrics_registry=registry)
+
+
+def test_codes_are_counted_at_their_bytes_each_way(start_server: StartServer) -> None:
+    """int8 commits and int8 difference replies: the codes' bytes, and the first reply's θ whole in bfloat16."""
+    server = start_server(rule="downpour")
+    registry = CollectorRegistry()
+    with Client(server.target, compression="int8", reply_compression="int8", metrics_registry=registry) as client:
+        client.register({"w": np.zeros(P, np.float32)})
+        for _ in range(COMMITS):
+            client.commit(np.ones(P, np.float32), kind="update")
+    codes = expected_payload_nbytes(INT8_BLOCK, [P])
+    assert sample(registry, "gemps_client_sent_bytes_total", call="commit") == COMMITS * codes
+    assert sample(registry, "gemps_client_received_bytes_total", call="commit") == 2 * P + (COMMITS - 1) * codes
 
 
 def test_the_sdk_needs_no_prometheus_client_unless_asked_for_metrics() -> None:
