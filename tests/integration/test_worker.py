@@ -92,6 +92,33 @@ def test_agn_commits_the_accumulated_update_over_lambda_or_times_an_outer_learni
         np.testing.assert_allclose(remote.parameters_vector().numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_local_steps_with_momentum_keep_a_velocity_with_the_servers_mu(start_server: StartServer) -> None:
+    """--local-optimizer momentum: v <- mu v + g, x <- x - eta v, mu the server's (0.5 here)."""
+    server = start_server(rule="downpour", learning_rate=0.1, momentum=0.5)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with RemoteModel(model, server.target) as remote:
+        check = torch.nn.Linear(4, 3)
+        torch.nn.utils.vector_to_parameters(remote.parameters_vector(), check.parameters())
+        velocity = torch.zeros_like(remote.parameters_vector())
+        for _ in range(2):  # the same two steps, replayed by hand
+            check.zero_grad()
+            tiny_step(check, x, y).backward()
+            gradient = torch.cat([p.grad.reshape(-1) for p in check.parameters() if p.grad is not None])
+            velocity = 0.5 * velocity + gradient
+            with torch.no_grad():
+                torch.nn.utils.vector_to_parameters(
+                    torch.nn.utils.parameters_to_vector(check.parameters()) - 0.1 * velocity, check.parameters()
+                )
+        mode = AgnMode(remote, learning_rate=0.1, local_steps=2, optimizer="momentum", outer=1.0)
+        assert mode.on_batch(lambda: tiny_step(model, x, y), 8) is None
+        committed = mode.on_batch(lambda: tiny_step(model, x, y), 8)
+        assert committed is not None
+        expected = torch.nn.utils.parameters_to_vector(check.parameters()).detach().numpy()
+        np.testing.assert_allclose(committed.result.parameters.flat, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_easgd_moves_center_and_local_variable_elastically(start_server: StartServer) -> None:
     """Algorithm 1 of Zhang et al.: at each communication, e = alpha (x - centre), the centre
     moves by +e and the local variable by -e (then its SGD step, the gradient taken at x)."""

@@ -35,8 +35,9 @@ from gemps_proto.schema import WorkerMode
 
 #: the modes by name: the ones the protocol defines (TrainingConfig.worker_mode)
 MODES = tuple(mode.value for mode in WorkerMode)
-#: optimizers for local steps, and the learning rate each uses when none is given (None: the server's eta)
-LOCAL_OPTIMIZERS: dict[str, float | None] = {"sgd": None, "adam": 1e-3}
+#: optimizers for local steps, and the learning rate each uses when none is given (None: the server's eta);
+#: "momentum" is SGD with the server's μ, its velocity kept across windows (as GEM's proxy is momentum SGD's)
+LOCAL_OPTIMIZERS: dict[str, float | None] = {"sgd": None, "momentum": None, "adam": 1e-3}
 
 LossFunction = Callable[[], torch.Tensor]
 
@@ -76,6 +77,8 @@ class TrainingMode(ABC):
         # imports torch._dynamo (1.2 s here), long enough for a short lease to expire before a
         # new worker's first commit.
         self.adam = torch.optim.Adam(remote.trained, lr=learning_rate) if optimizer == "adam" else None
+        self.momentum = remote.registration.config.momentum if optimizer == "momentum" else 0.0
+        self._velocity: dict[int, torch.Tensor] = {}  # by parameter index, for "momentum"
 
     def local_learning_rate(self) -> float:
         """eta for a local step: the learning rate scaled by the server's schedule at the central
@@ -100,9 +103,13 @@ class TrainingMode(ABC):
         """One step of the local optimizer with the gradients just computed."""
         eta = self.local_learning_rate()
         if self.adam is None:
-            for p in self.remote.trained:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-eta)
+            for index, p in enumerate(self.remote.trained):
+                if p.grad is None:
+                    continue
+                step = p.grad
+                if self.momentum:  # v <- mu v + g; p <- p - eta v
+                    step = self._velocity.setdefault(index, torch.zeros_like(p)).mul_(self.momentum).add_(p.grad)
+                p.add_(step, alpha=-eta)
             return
         for group in self.adam.param_groups:
             group["lr"] = eta

@@ -51,13 +51,16 @@ class WorkerOptions:
     local_optimizer: str = field(
         default="sgd",
         metadata={
-            "help": "agn, dynsgd, easgd: optimizer of the local steps (adam keeps its state across windows)",
+            "help": "agn, dynsgd, easgd: optimizer of the local steps (sgd; momentum: sgd with the server's mu; "
+            "adam; momentum and adam keep their state across windows)",
             "choices": tuple(LOCAL_OPTIMIZERS),
         },
     )
     local_learning_rate: float = field(
         default=0.0,
-        metadata={"help": "agn, dynsgd, easgd: local steps' learning rate; 0: sgd the server's eta, adam 0.001"},
+        metadata={
+            "help": "agn, dynsgd, easgd: local steps' learning rate; 0: sgd and momentum the server's eta, adam 0.001"
+        },
     )
     outer_learning_rate: float = field(
         default=0.0,

@@ -261,18 +261,29 @@ def _coded_name(workers: int, up: str, down: str) -> str:
     return f"gem-n{workers}" + ("" if up == "none" else f"-{up}") + ("" if down == "none" else "-both")
 
 
+#: (name, local steps H, outer learning rate, local optimizer) of the local-steps suite
+LOCAL_STEP_SETTINGS = (
+    ("local4-half", 4, 0.5, "sgd"),
+    ("local8-half", 8, 0.5, "sgd"),
+    ("local4-agn", 4, 0.25, "sgd"),
+    ("local4-half-momentum", 4, 0.5, "momentum"),
+    ("local8-half-momentum", 8, 0.5, "momentum"),
+)
+
+
 def local_steps_suite(epochs: int = 10) -> list[RunConfig]:
     """GEM with H local steps (issue 47, item 4), commits and replies in int8 codes, at 10 and the
     reference 30 workers, against GEM committing every mini-batch's gradient in float32: the
-    accumulated update whole halved (outer learning rate 0.5) at H = 4 and 8, and AGN's Δ/λ at H = 4.
+    accumulated update halved (outer learning rate 0.5) at H = 4 and 8, the local steps plain SGD or
+    SGD with the server's momentum, and AGN's Δ/λ at H = 4.
     Each run trains on the same samples (epochs): H local steps make H times fewer commits."""
     runs = [RunConfig(f"gem-n{n}", n, training("gem"), epochs) for n in (10, REFERENCE_WORKERS)]
     for n in (10, REFERENCE_WORKERS):
-        for name, steps, outer in ((f"local{4}-half", 4, 0.5), (f"local{8}-half", 8, 0.5), ("local4-agn", 4, 0.25)):
+        for name, steps, outer, optimizer in LOCAL_STEP_SETTINGS:
             local = training("gem", worker_mode="dynsgd")
             runs.append(
                 RunConfig(f"gem-n{n}-{name}", n, local, epochs, dynsgd_steps=steps, outer_learning_rate=outer,
-                          compression="int8", reply_compression="int8")
+                          local_optimizer=optimizer, compression="int8", reply_compression="int8")
             )  # fmt: skip
     return runs
 
