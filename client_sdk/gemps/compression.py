@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gemps_proto.tensor_codec import COMPRESSIONS, decode_payload, encode_payload
+from gemps_proto.tensor_codec import COMPRESSIONS, quantised_with_values
 
 
 class Compressor:
@@ -32,8 +32,8 @@ class Compressor:
         of that sum (the residual to keep once `server` has applied the commit: `applied`)."""
         held = self._residuals.get(server)
         total = np.asarray(values, np.float32) if held is None or held.shape != values.shape else values + held
-        data = encode_payload(total, self.dtype)
-        return data, total - decode_payload(self.dtype, total.shape, data)
+        data, sent = quantised_with_values(total, self.dtype)
+        return data, total - sent
 
     def applied(self, server: int, residual: np.ndarray) -> None:
         self._residuals[server] = residual

@@ -84,18 +84,29 @@ _NIBBLE_PAIR_WORDS = _NIBBLE_PAIRS.view(np.uint16).reshape(256)
 
 def encode_int8(values: np.ndarray) -> bytes:
     """DTYPE_INT8_BLOCK bytes of finite float32 values."""
+    return int8_with_values(values)[0]
+
+
+def int8_with_values(values: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """encode_int8's bytes, and the float32 values decode_int8 reads from them (made from the
+    codes in hand, not by parsing the bytes again: the same bits)."""
     scales, codes = _codes(values, INT8_LEVELS)
-    return scales.astype("<f4").tobytes() + codes.tobytes()
+    return scales.astype("<f4").tobytes() + codes.tobytes(), _values(codes, scales)
 
 
 def encode_int4(values: np.ndarray) -> bytes:
     """DTYPE_INT4_BLOCK bytes of finite float32 values."""
+    return int4_with_values(values)[0]
+
+
+def int4_with_values(values: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """encode_int4's bytes, and the float32 values decode_int4 reads from them (as int8_with_values)."""
     scales, codes = _codes(values, INT4_LEVELS)
     nibbles = (codes.astype(np.uint8) & 0x0F).astype(np.uint8)
     if nibbles.size % 2:
         nibbles = np.append(nibbles, np.uint8(0))
     packed = nibbles[0::2] | (nibbles[1::2] << 4)
-    return scales.astype("<f4").tobytes() + packed.astype(np.uint8).tobytes()
+    return scales.astype("<f4").tobytes() + packed.astype(np.uint8).tobytes(), _values(codes, scales)
 
 
 def _checked_scales(data: bytes | bytearray | memoryview, count: int) -> np.ndarray:

@@ -28,9 +28,8 @@ from gemps_proto.tensor_codec import (
     INT4_BLOCK,
     INT8_BLOCK,
     bfloat16_to_float32,
-    decode_payload,
-    encode_payload,
     float32_to_bfloat16,
+    quantised_with_values,
 )
 
 #: the reply dtypes that ask for a difference from the copy, by the names users pass
@@ -54,8 +53,8 @@ def difference(theta: np.ndarray, bits: np.ndarray, dtype: int) -> tuple[bytes, 
     """The reply's code of θ - copy in `dtype`, and the copy after it: what `advance` makes of the
     code's decoded values on the client, the very same bits."""
     held = copy_values(bits)
-    data = encode_payload(theta - held, dtype)
-    return data, _advanced(held, decode_payload(dtype, held.shape, data))
+    data, step = quantised_with_values(theta - held, dtype)
+    return data, _advanced(held, step)
 
 
 def advance(bits: np.ndarray, step: np.ndarray) -> np.ndarray:

@@ -48,6 +48,10 @@ ENCODING_NAMES: dict[int, str] = {dtype: name for name, dtype in (*WIRE_DTYPE_NA
 _QUANTISED_NBYTES = {INT8_BLOCK: block_quantisation.int8_nbytes, INT4_BLOCK: block_quantisation.int4_nbytes}
 _QUANTISED_DECODE = {INT8_BLOCK: block_quantisation.decode_int8, INT4_BLOCK: block_quantisation.decode_int4}
 _QUANTISED_ENCODE = {INT8_BLOCK: block_quantisation.encode_int8, INT4_BLOCK: block_quantisation.encode_int4}
+_QUANTISED_WITH_VALUES = {
+    INT8_BLOCK: block_quantisation.int8_with_values,
+    INT4_BLOCK: block_quantisation.int4_with_values,
+}
 
 
 class TensorDecodeError(ValueError):
@@ -163,6 +167,13 @@ def encode_payload(values: np.ndarray, dtype: int) -> bytes:
     if dtype in _QUANTISED_ENCODE:
         return _QUANTISED_ENCODE[dtype](values)
     return encode(values, dtype)
+
+
+def quantised_with_values(values: np.ndarray, dtype: int) -> tuple[bytes, np.ndarray]:
+    """The bytes of finite float32 values in blockwise codes (`dtype` INT8_BLOCK or INT4_BLOCK), and
+    the values decode_payload reads from those bytes, shaped as `values`, without reading them again."""
+    data, decoded = _QUANTISED_WITH_VALUES[dtype](values)
+    return data, decoded.reshape(np.shape(values))
 
 
 def expected_int64_nbytes(dtype: int, shape: Sequence[int]) -> int:

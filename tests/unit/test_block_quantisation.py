@@ -22,6 +22,7 @@ from gemps_proto.tensor_codec import (
     decode_payload,
     encode_payload,
     expected_payload_nbytes,
+    quantised_with_values,
 )
 from gemps_server.domain.records import Commit
 from gemps_server.domain.state import ServerState
@@ -142,3 +143,15 @@ def test_gem_with_compressed_updates_is_gem_on_what_they_decode_to() -> None:
         state.commit(Commit(worker, state.version, 1, EncodedTensor(dtype, (size,), data)))
         reference.commit(worker, decode_payload(dtype, (size,), data), reference.version)
     np.testing.assert_allclose(state.theta_copy(), reference.theta, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [INT8_BLOCK, INT4_BLOCK])
+@pytest.mark.parametrize("count", [0, 1, 255, 256, 257, 3 * bq.BLOCK + 5])
+def test_the_values_in_hand_are_what_decoding_the_bytes_reads(dtype: int, count: int) -> None:
+    """quantised_with_values (the SDK's residual, the server's difference reply) spares the second
+    read of the bytes: the same bytes as encode_payload, the same bits as decode_payload."""
+    rng = np.random.default_rng(count)
+    values = (rng.standard_normal(count) * rng.choice([0.0, 1e-30, 1e-3, 1.0, 1e30], count)).astype(np.float32)
+    data, decoded = quantised_with_values(values, dtype)
+    assert data == encode_payload(values, dtype)
+    assert decoded.tobytes() == decode_payload(dtype, (count,), data).tobytes()
