@@ -66,6 +66,22 @@ def test_replies_carry_the_difference_and_the_copy_tracks_theta(start_server: St
     assert sent[code] == 7 * expected_payload_nbytes(CODES[code], [P])  # the other seven
 
 
+def test_commit_stream_replies_with_the_difference_in_pieces(start_server: StartServer) -> None:
+    """CommitStream (gRPC, payload and reply in 100-byte pieces): the same copies and bytes."""
+    server = start_server(rule="downpour")
+    options = {"plane": "grpc", "streaming": "always", "chunk_bytes": 100, "reply_compression": "int8"}
+    with gemps.Client(server.target, **options) as client, gemps.Client(server.target) as reader:  # type: ignore[arg-type]
+        client.register({"w": np.zeros(P, np.float32)})
+        for update in updates(4):
+            copy = client.commit(update, kind="update").parameters.flat
+        assert close_to(copy, reader.pull().flat, block_quantisation.INT8_LEVELS)
+        number, bits = server.server.state.copies.held(client._router.sessions[0].worker_id)  # type: ignore[misc]
+        assert number == client._router.sessions[0].copy.number
+        np.testing.assert_array_equal(whole(copy), bits)
+    sent = sent_bytes(server)
+    assert sent["bfloat16"] == 2 * P and sent["int8"] == 3 * expected_payload_nbytes(INT8_BLOCK, [P])
+
+
 def test_a_retried_commit_is_answered_whole_and_the_copies_agree_again() -> None:
     """The server is paused (SIGSTOP) while a commit goes out: its first attempt is applied and
     its reply, a difference, lost; the retry names the copy held before, so its reply is θ whole
