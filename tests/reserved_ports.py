@@ -1,4 +1,5 @@
-"""The compose stack's fixed host ports kept out of Linux's ephemeral range while the suite runs.
+"""Ports the suite binds by number kept out of Linux's ephemeral range while it runs: the compose
+stack's fixed host ports, and the band the side-by-side servers draw theirs from.
 
 docker-compose.yml publishes 50051-50052 and 51051-51052 on the host (deploy/compose.replicas.yml the
 second of each), all inside the ephemeral range (32768-60999): any socket another test opens, a
@@ -14,9 +15,15 @@ from pathlib import Path
 
 RESERVED_PORTS = Path("/proc/sys/net/ipv4/ip_local_reserved_ports")
 COMPOSE_HOST_PORTS = "50051-50052,51051-51052"
+#: where tests/integration/test_servers_side_by_side.py's servers take their gRPC port (P) and so
+#: their data (P + 1000) and replication (P + 2000) ports: picked free, then bound by a child process
+#: a moment later, by which time another test's socket could have been given one (a replica's data
+#: port was, once, in a fresh clone's full run: "Address already in use")
+SIDE_BY_SIDE_GRPC = range(41000, 42000)
+SIDE_BY_SIDE_PORTS = f"{SIDE_BY_SIDE_GRPC.start}-{SIDE_BY_SIDE_GRPC.stop + 2000}"
 
 
-def reserve(ports: str = COMPOSE_HOST_PORTS) -> str | None:
+def reserve(ports: str = f"{COMPOSE_HOST_PORTS},{SIDE_BY_SIDE_PORTS}") -> str | None:
     """Add `ports` to the reserved ones; the setting before, to give back to `restore`, or None when
     this process may not change it (not root, or no such setting: nothing to restore)."""
     try:

@@ -19,6 +19,7 @@ import gemps
 from gemps_server.config.listen import DATA_PORT_OFFSET, METRICS_PORT_OFFSET, REPLICATION_PORT_OFFSET
 from gemps_worker.processes import GEMPS_COMMAND, launch, wait_for_port_file
 from tests.helpers import port_free, scrape_series, wait_for
+from tests.reserved_ports import SIDE_BY_SIDE_GRPC
 
 STARTUP_SECONDS = 60.0
 
@@ -35,9 +36,10 @@ def wait_for_title(pid: int, title: str) -> None:
 
 def grpc_ports(count: int) -> list[int]:
     """`count` consecutive gRPC ports whose followers (data, replication, metrics) are all free now:
-    between 41000 and 48000, where the metrics port 9109 + (port - 50051) is a port too."""
+    in a band the suite keeps out of the ephemeral range (tests/reserved_ports.py), where the metrics
+    port 9109 + (port - 50051) is a port too."""
     for _ in range(200):
-        first = random.randrange(41000, 48000)
+        first = random.randrange(SIDE_BY_SIDE_GRPC.start, SIDE_BY_SIDE_GRPC.stop - count)
         ports = range(first, first + count)
         offsets = (0, DATA_PORT_OFFSET, REPLICATION_PORT_OFFSET, METRICS_PORT_OFFSET)
         if all(port_free(port + offset) for port in ports for offset in offsets):
