@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import itertools
 import logging
 import os
 import socket
@@ -38,9 +39,27 @@ from gemps_proto.tensor_codec import EncodedTensor
 from gemps_server import logs
 from gemps_server.app import ParameterServer
 from gemps_server.config import ServerConfig
-from gemps_worker.cluster import free_port
+from tests.reserved_ports import TEST_PORTS
 
-__all__ = ["free_port"]  # re-exported: the harness's, for tests that need a port number up front
+#: how many xdist workers' shares TEST_PORTS is cut into (more workers wrap around: still distinct
+#: from the ephemeral range, only no longer from each other's)
+PORT_SHARES = 16
+_next_port = itertools.count()
+
+
+def free_port() -> int:
+    """A TCP port free right now on loopback, for a test that needs the number up front (a server
+    restarted on its port, a command line): from this xdist worker's share of a band the suite keeps
+    out of the ephemeral range (tests/reserved_ports.py), so no other test's connection is given it
+    between pick and bind, nor while a restarted server is down, and no other worker picks it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    share_size = len(TEST_PORTS) // PORT_SHARES
+    share_start = TEST_PORTS.start + (int(worker) if worker.isdigit() else 0) % PORT_SHARES * share_size
+    for _ in range(share_size):
+        port = share_start + next(_next_port) % share_size
+        if port_free(port):
+            return port
+    pytest.fail(f"no free port in {share_start}-{share_start + share_size - 1}")
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:

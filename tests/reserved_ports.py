@@ -21,9 +21,15 @@ COMPOSE_HOST_PORTS = "50051-50052,51051-51052"
 #: port was, once, in a fresh clone's full run: "Address already in use")
 SIDE_BY_SIDE_GRPC = range(41000, 42000)
 SIDE_BY_SIDE_PORTS = f"{SIDE_BY_SIDE_GRPC.start}-{SIDE_BY_SIDE_GRPC.stop + 2000}"
+#: where tests.helpers.free_port takes the ports tests need a number for up front, a share per xdist
+#: worker: a server restarted on its port after an outage found it taken (a fresh clone's CI run:
+#: the kernel had given 44005 to another test's connection in the seconds between)
+TEST_PORTS = range(45000, 47000)
 
 
-def reserve(ports: str = f"{COMPOSE_HOST_PORTS},{SIDE_BY_SIDE_PORTS}") -> str | None:
+def reserve(
+    ports: str = f"{COMPOSE_HOST_PORTS},{SIDE_BY_SIDE_PORTS},{TEST_PORTS.start}-{TEST_PORTS.stop - 1}",
+) -> str | None:
     """Add `ports` to the reserved ones; the setting before, to give back to `restore`, or None when
     this process may not change it (not root, or no such setting: nothing to restore)."""
     try:

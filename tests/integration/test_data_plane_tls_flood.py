@@ -14,8 +14,8 @@ import pytest
 from gemps_bench.tls_flood import FloodProcess, client_hello
 
 import gemps
-from gemps_worker.cluster import ServerProcess, free_port
-from tests.helpers import InProcessServer, scrape_series, wait_for
+from gemps_worker.cluster import ServerProcess
+from tests.helpers import InProcessServer, free_port, scrape_series, wait_for
 from tests.integration.conftest import StartServer, StartServerProcess
 from tests.integration.test_security import Pki, pki
 

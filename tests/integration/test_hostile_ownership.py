@@ -25,8 +25,8 @@ from gemps import Client
 from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
-from gemps_worker.cluster import ServerProcess, free_port
-from tests.helpers import server_outcome, wait_for
+from gemps_worker.cluster import ServerProcess
+from tests.helpers import free_port, server_outcome, wait_for
 from tests.integration.conftest import SPEC, open_stub
 
 pytestmark = pytest.mark.timeout(240)

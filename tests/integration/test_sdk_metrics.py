@@ -18,8 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from gemps import Client
 from gemps_proto.tensor_codec import INT8_BLOCK, expected_payload_nbytes
-from gemps_worker.cluster import free_port
-from tests.helpers import InProcessServer
+from tests.helpers import InProcessServer, free_port
 from tests.integration.conftest import StartServer
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import gemps
-from gemps_worker.cluster import LocalCluster, free_port
-from tests.helpers import wait_for
+from gemps_worker.cluster import LocalCluster
+from tests.helpers import free_port, wait_for
 
 OUTAGE_SECONDS = 8.0  # past several of the worker's retries
 
