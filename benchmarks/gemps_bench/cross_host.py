@@ -1,5 +1,6 @@
 """Between hosts: gemps, its bfloat16 wire, its compressed commits (int8, int4 codes up, float32
-replies down, or difference replies in the same codes: "-both"), the socket ceiling and the TCP peers on simulated hosts
+replies down, or difference replies in the same codes: "-both"; top-k up, int4 differences down:
+"-topk-int4"), the socket ceiling and the TCP peers on simulated hosts
 with real links (gemps_worker.simulated_hosts), gemps with K = 1, 2, 4 partitions on hosts of their own.
 
 Hosts p0 .. p{K_max-1} hold the servers (one partition each; the other systems' server on p0),
@@ -43,7 +44,7 @@ from gemps_worker.simulated_hosts import Host, SimulatedNetwork
 
 SYSTEMS = (
     *("echo-tcp", "gemps", "gemps-bfloat16", "gemps-int8", "gemps-int4", "gemps-int8-both", "gemps-int4-both"),
-    *("torch-rpc-tcp", "reference-p2p"),
+    *("gemps-topk-int4", "torch-rpc-tcp", "reference-p2p"),
 )
 #: gemps' variants as the clients' options (the gemps system: float32 both ways)
 GEMPS_OPTIONS: dict[str, tuple[tuple[str, object], ...]] = {
@@ -53,6 +54,7 @@ GEMPS_OPTIONS: dict[str, tuple[tuple[str, object], ...]] = {
     "gemps-int4": (("wire_dtype", "float32"), ("compression", "int4")),
     "gemps-int8-both": (("wire_dtype", "float32"), ("compression", "int8"), ("reply_compression", "int8")),
     "gemps-int4-both": (("wire_dtype", "float32"), ("compression", "int4"), ("reply_compression", "int4")),
+    "gemps-topk-int4": (("wire_dtype", "float32"), ("compression", "topk"), ("reply_compression", "int4")),
 }
 PEERS = ("torch-rpc-tcp", "reference-p2p")
 PORT, DATA_PORT = 50051, 51051  # gemps' ports on each partition host

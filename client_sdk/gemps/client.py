@@ -123,8 +123,9 @@ class Client:
         `wire_dtype` is how commits and replies travel: "float32", or "bfloat16" (half the
         bytes; values rounded to bfloat16 both ways, the central variable stays float32).
         `compression` sends commits in fewer bytes: "int8" (a quarter of float32's) or "int4"
-        (an eighth), a scale per 256 values; what the codes round away is added to the next
-        commit (error feedback, gemps.compression). None: commits in `wire_dtype`.
+        (an eighth), a scale per 256 values, or "topk" (each 256 values' 16 largest in int8: a
+        28th); what the codes round away or leave out is added to the next commit (error
+        feedback, gemps.compression). None: commits in `wire_dtype`.
         `reply_compression` has commit replies send only what changed: "int8" or "int4" codes of
         the difference between θ and the copy of θ this client holds, which both ends keep in
         bfloat16 values and move alike (gemps_proto.reply_differences); θ whole in bfloat16 on

@@ -1,7 +1,8 @@
-"""Compressed commits with error feedback (`Client(compression="int8" | "int4")`, issue 47).
+"""Compressed commits with error feedback (`Client(compression="int8" | "int4" | "topk")`, issue 47).
 
 A commit's slice for each server is sent as blockwise int8 or int4 codes (gemps_proto's
-block_quantisation: a float32 scale per 256 values). What the codes round away is not lost: the
+block_quantisation: a float32 scale per 256 values) or as each block's 16 largest values
+(block_topk). What the codes round away or leave out is not lost: the
 client keeps it per server (the residual) and adds it to that server's next slice before encoding,
 so over commits the server receives every gradient's sum (error feedback, as Seide et al.'s 1-bit
 SGD and Deep Gradient Compression keep theirs). The residual is soft state:
@@ -10,7 +11,8 @@ SGD and Deep Gradient Compression keep theirs). The residual is soft state:
 - kept only once that server applied the commit: a refused commit leaves it as it was (the
   commit's gradient is dropped, as an uncompressed refused commit's is);
 - zeroed when the client registers, never saved: a worker that restarts loses at most half a
-  code's step per value (1/254 of its block's largest value with int8, 1/14 with int4).
+  code's step per value (1/254 of its block's largest value with int8, 1/14 with int4); with
+  topk it loses what its blocks left out: up to about 256 / 16 commits' worth of a small value.
 """
 
 from __future__ import annotations

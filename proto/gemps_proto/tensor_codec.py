@@ -3,8 +3,9 @@
 Tensors travel as raw little-endian bytes. Decoding float32 is zero-copy (`np.frombuffer`), so
 the returned array is read-only and aliases the message's bytes. bfloat16 is a wire format
 only: it is encoded from float32 (round to nearest even) and decoded back to float32. Commit
-payloads may also come in blockwise int8 or int4 codes (block_quantisation.py): `decode_payload`
-reads every payload dtype, `decode` only θ's (float32, bfloat16).
+payloads may also come in blockwise int8 or int4 codes (block_quantisation.py) or as each block's
+largest values (block_topk.py): `decode_payload` reads every payload dtype, `decode` only θ's
+(float32, bfloat16).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gemps_proto import block_quantisation
+from gemps_proto import block_quantisation, block_topk
 
 # gemps.v1.DType's values, by number: the codec (and the server's domain, which uses it) knows
 # nothing of protobuf messages. tests/unit/test_codec_and_registry.py checks them against the .proto.
@@ -25,9 +26,11 @@ FLOAT32 = 1
 BFLOAT16 = 2
 #: the model's integer buffers, exactly (never θ's wire dtype: decode_int64 alone reads it)
 INT64 = 3
-#: commit payloads only: blockwise int8 and int4 codes (block_quantisation.py)
+#: commit payloads only: blockwise int8 and int4 codes (block_quantisation.py), each block's
+#: largest values (block_topk.py)
 INT8_BLOCK = 4
 INT4_BLOCK = 5
+TOPK_BLOCK = 6
 DTYPE_NAMES = {
     UNSPECIFIED: "DTYPE_UNSPECIFIED",
     FLOAT32: "DTYPE_FLOAT32",
@@ -35,6 +38,7 @@ DTYPE_NAMES = {
     INT64: "DTYPE_INT64",
     INT8_BLOCK: "DTYPE_INT8_BLOCK",
     INT4_BLOCK: "DTYPE_INT4_BLOCK",
+    TOPK_BLOCK: "DTYPE_TOPK_BLOCK",
 }
 _NUMPY_DTYPES: dict[int, np.dtype] = {FLOAT32: np.dtype("<f4"), BFLOAT16: np.dtype("<u2")}
 _INT64 = np.dtype("<i8")
@@ -42,15 +46,28 @@ _BLOCK = 65_536  # elements per block of the bfloat16 encoder: its working set s
 #: wire formats by the names users pass (SDK, CLI flags): DTYPE_BFLOAT16 is "bfloat16"
 WIRE_DTYPE_NAMES: dict[str, int] = {DTYPE_NAMES[dtype].removeprefix("DTYPE_").lower(): dtype for dtype in _NUMPY_DTYPES}
 #: how commits may be compressed, by the names users pass (`Client(compression=)`, `--compression`)
-COMPRESSIONS: dict[str, int] = {"int8": INT8_BLOCK, "int4": INT4_BLOCK}
+COMPRESSIONS: dict[str, int] = {"int8": INT8_BLOCK, "int4": INT4_BLOCK, "topk": TOPK_BLOCK}
 #: every encoding θ-sized tensors travel in, by dtype: the names above (the wire bytes' metric labels)
 ENCODING_NAMES: dict[int, str] = {dtype: name for name, dtype in (*WIRE_DTYPE_NAMES.items(), *COMPRESSIONS.items())}
-_QUANTISED_NBYTES = {INT8_BLOCK: block_quantisation.int8_nbytes, INT4_BLOCK: block_quantisation.int4_nbytes}
-_QUANTISED_DECODE = {INT8_BLOCK: block_quantisation.decode_int8, INT4_BLOCK: block_quantisation.decode_int4}
-_QUANTISED_ENCODE = {INT8_BLOCK: block_quantisation.encode_int8, INT4_BLOCK: block_quantisation.encode_int4}
+_QUANTISED_NBYTES = {
+    INT8_BLOCK: block_quantisation.int8_nbytes,
+    INT4_BLOCK: block_quantisation.int4_nbytes,
+    TOPK_BLOCK: block_topk.topk_nbytes,
+}
+_QUANTISED_DECODE = {
+    INT8_BLOCK: block_quantisation.decode_int8,
+    INT4_BLOCK: block_quantisation.decode_int4,
+    TOPK_BLOCK: block_topk.decode_topk,
+}
+_QUANTISED_ENCODE = {
+    INT8_BLOCK: block_quantisation.encode_int8,
+    INT4_BLOCK: block_quantisation.encode_int4,
+    TOPK_BLOCK: block_topk.encode_topk,
+}
 _QUANTISED_WITH_VALUES = {
     INT8_BLOCK: block_quantisation.int8_with_values,
     INT4_BLOCK: block_quantisation.int4_with_values,
+    TOPK_BLOCK: block_topk.topk_with_values,
 }
 
 
@@ -90,7 +107,7 @@ def decode(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryv
 
 
 def decode_payload(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> np.ndarray:
-    """float32 values of a commit payload in any of its dtypes (θ's, or blockwise int8/int4 codes,
+    """float32 values of a commit payload in any of its dtypes (θ's, or blockwise codes,
     checked: TensorDecodeError for a scale, code or length no encoder writes)."""
     if dtype not in _QUANTISED_DECODE:
         return decode(dtype, shape, data)
@@ -170,7 +187,7 @@ def encode_payload(values: np.ndarray, dtype: int) -> bytes:
 
 
 def quantised_with_values(values: np.ndarray, dtype: int) -> tuple[bytes, np.ndarray]:
-    """The bytes of finite float32 values in blockwise codes (`dtype` INT8_BLOCK or INT4_BLOCK), and
+    """The bytes of finite float32 values in blockwise codes (`dtype` INT8_BLOCK, INT4_BLOCK or TOPK_BLOCK), and
     the values decode_payload reads from those bytes, shaped as `values`, without reading them again."""
     data, decoded = _QUANTISED_WITH_VALUES[dtype](values)
     return data, decoded.reshape(np.shape(values))

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 import gemps
-from gemps_proto import block_quantisation
+from gemps_proto import block_quantisation, block_topk
 from gemps_proto.data_plane_frames import REPLY, Op
 from gemps_proto.reasons import METADATA_KEY
 from gemps_proto.schema_proto import tensor_to_proto
-from gemps_proto.tensor_codec import INT4_BLOCK, INT8_BLOCK, encode_payload
+from gemps_proto.tensor_codec import COMPRESSIONS as DTYPES
+from gemps_proto.tensor_codec import INT4_BLOCK, INT8_BLOCK, TOPK_BLOCK, encode_payload, expected_payload_nbytes
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_server.replication.local_etcd import LocalEtcd
@@ -29,7 +30,7 @@ from tests.integration.conftest import StartServer, open_stub
 from tests.integration.test_replicas import commit_until_backup_matches, replica_options
 
 P = 3 * block_quantisation.BLOCK + 5  # several blocks, the last one short, an odd count (int4's padding)
-COMPRESSIONS = ["int8", "int4"]
+COMPRESSIONS = ["int8", "int4", "topk"]
 
 
 def updates(count: int, size: int = P, seed: int = 0) -> list[np.ndarray]:
@@ -62,8 +63,11 @@ def test_the_server_receives_every_update_but_what_the_client_still_holds(
         residual = residual_of(client)
     total = np.sum(sent, axis=0, dtype=np.float64)
     np.testing.assert_allclose(theta, total - residual, atol=2e-5)
-    levels = block_quantisation.INT8_LEVELS if compression == "int8" else block_quantisation.INT4_LEVELS
-    assert np.abs(residual).max() <= np.abs(total).max() / levels  # at most half a code's step of the last sum
+    if compression == "topk":  # what each block left out: most values, some kept back since the first commit
+        assert np.count_nonzero(residual) > P // 2
+    else:
+        levels = block_quantisation.INT8_LEVELS if compression == "int8" else block_quantisation.INT4_LEVELS
+        assert np.abs(residual).max() <= np.abs(total).max() / levels  # at most half a code's step of the last sum
     assert np.abs(residual).max() > 0  # the codes did round something away
 
 
@@ -82,8 +86,8 @@ def commit_bytes(server_metrics_port: int) -> float:
     return found['gemps_received_bytes_total{method="Commit",plane="grpc"}']
 
 
-@pytest.mark.parametrize(("compression", "fewer"), [("int8", 3.9), ("int4", 7.5)])
-def test_a_commit_is_a_quarter_or_an_eighth_of_float32s_bytes(
+@pytest.mark.parametrize(("compression", "fewer"), [("int8", 3.9), ("int4", 7.5), ("topk", 25.0)])
+def test_a_commit_is_a_quarter_an_eighth_or_a_28th_of_float32s_bytes(
     start_server: StartServer, compression: str, fewer: float
 ) -> None:
     size = 100_000
@@ -97,8 +101,7 @@ def test_a_commit_is_a_quarter_or_an_eighth_of_float32s_bytes(
         sent.append(commit_bytes(server.metrics_port))
         series = scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics")
         encoding = chosen or "float32"
-        payload = block_quantisation.int8_nbytes(size) if chosen == "int8" else block_quantisation.int4_nbytes(size)
-        expected = 3 * (4 * size if chosen is None else payload)
+        expected = 3 * (4 * size if chosen is None else expected_payload_nbytes(DTYPES[chosen], [size]))
         assert series[f'gemps_wire_bytes_total{{direction="received",encoding="{encoding}"}}'] == expected
         assert series['gemps_wire_bytes_total{direction="sent",encoding="float32"}'] >= 3 * 4 * size  # the replies
     assert sent[0] / sent[1] >= fewer, sent
@@ -165,9 +168,14 @@ VALUES = updates(1)[0]
 
 def hostile_payloads() -> dict[str, tuple[int, bytes]]:
     int8, int4 = bytearray(encode_payload(VALUES, INT8_BLOCK)), bytearray(encode_payload(VALUES, INT4_BLOCK))
+    topk = bytearray(encode_payload(VALUES, TOPK_BLOCK))
     scales = 4 * block_quantisation.blocks(P)
     cases = {}
-    for name, (dtype, good) in {"int8": (INT8_BLOCK, int8), "int4": (INT4_BLOCK, int4)}.items():
+    for name, (dtype, good) in {
+        "int8": (INT8_BLOCK, int8),
+        "int4": (INT4_BLOCK, int4),
+        "topk": (TOPK_BLOCK, topk),
+    }.items():
         nan_scale, negative_scale = bytearray(good), bytearray(good)
         nan_scale[0:4] = np.float32(np.nan).tobytes()
         negative_scale[4:8] = np.float32(-1.0).tobytes()
@@ -184,6 +192,16 @@ def hostile_payloads() -> dict[str, tuple[int, bytes]]:
     padding = bytearray(int4)
     padding[-1] |= 0x10  # P is odd: the last byte's high nibble is padding
     cases["int4-padding-set"] = (INT4_BLOCK, bytes(padding))
+    kept = block_topk.kept(P)
+    topk_minus_128 = bytearray(topk)
+    topk_minus_128[scales + kept + 2] = 0x80
+    cases["topk-code-minus-128"] = (TOPK_BLOCK, bytes(topk_minus_128))
+    past_the_end = bytearray(topk)
+    past_the_end[scales + kept - 1] = 5  # P's last block holds 5 values: indices 0-4
+    cases["topk-index-past-the-end"] = (TOPK_BLOCK, bytes(past_the_end))
+    repeated = bytearray(topk)
+    repeated[scales + 1] = repeated[scales]
+    cases["topk-index-repeated"] = (TOPK_BLOCK, bytes(repeated))
     return cases
 
 
@@ -263,6 +281,17 @@ def test_theta_and_replies_never_travel_in_codes(start_server: StartServer) -> N
     with pytest.raises(grpc.RpcError) as refused:
         stub.Pull(pb.PullRequest(worker_id=registration.worker_id, known_version=-1, reply_dtype=INT8_BLOCK))  # type: ignore[arg-type]
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Top-k is for commits alone (a reply is the sum of every worker's updates: dense), both ends say so.
+    request = pb.CommitRequest(
+        worker_id=registration.worker_id,
+        base_version=0,
+        kind=pb.PAYLOAD_KIND_UPDATE,
+        payload=pb.Tensor(dtype=TOPK_BLOCK, shape=[P], data=encode_payload(VALUES, TOPK_BLOCK)),  # type: ignore[arg-type]
+        reply_dtype=TOPK_BLOCK,  # type: ignore[arg-type]
+    )
+    assert refused_by_grpc(stub, request, streamed=False)[0] == "INVALID_ARGUMENT"
+    with pytest.raises(ValueError, match="reply_compression must be None or one of int8, int4"):
+        gemps.Client(server.target, reply_compression="topk")
     assert stub.Pull(pb.PullRequest(known_version=-1)).version == 0
 
 

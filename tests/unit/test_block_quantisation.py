@@ -17,6 +17,7 @@ from gemps_proto.tensor_codec import (
     COMPRESSIONS,
     INT4_BLOCK,
     INT8_BLOCK,
+    TOPK_BLOCK,
     EncodedTensor,
     TensorDecodeError,
     decode_payload,
@@ -68,7 +69,7 @@ def test_the_layout_is_scales_then_codes() -> None:
     assert packed[-1] == 0x07  # the last value, +7, in a low nibble; the padding nibble 0
     assert [bq.int8_nbytes(n) for n in (0, 1, 256, 257)] == [0, 5, 260, 265]
     assert [bq.int4_nbytes(n) for n in (0, 1, 256, 257)] == [0, 5, 132, 137]
-    assert COMPRESSIONS == {"int8": INT8_BLOCK, "int4": INT4_BLOCK}
+    assert COMPRESSIONS == {"int8": INT8_BLOCK, "int4": INT4_BLOCK, "topk": TOPK_BLOCK}
 
 
 @pytest.mark.parametrize("dtype", [INT8_BLOCK, INT4_BLOCK])
@@ -137,7 +138,7 @@ def test_gem_with_compressed_updates_is_gem_on_what_they_decode_to() -> None:
         reference.register(worker)
         workers.append(worker)
     for step in range(12):
-        worker, dtype = workers[step % 3], (INT8_BLOCK, INT4_BLOCK)[step % 2]
+        worker, dtype = workers[step % 3], (INT8_BLOCK, INT4_BLOCK, TOPK_BLOCK)[step // 3 % 3]
         gradient = rng.standard_normal(size).astype(np.float32)
         data = encode_payload(gradient, dtype)
         state.commit(Commit(worker, state.version, 1, EncodedTensor(dtype, (size,), data)))
@@ -145,7 +146,7 @@ def test_gem_with_compressed_updates_is_gem_on_what_they_decode_to() -> None:
     np.testing.assert_allclose(state.theta_copy(), reference.theta, rtol=2e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [INT8_BLOCK, INT4_BLOCK])
+@pytest.mark.parametrize("dtype", [INT8_BLOCK, INT4_BLOCK, TOPK_BLOCK])
 @pytest.mark.parametrize("count", [0, 1, 255, 256, 257, 3 * bq.BLOCK + 5])
 def test_the_values_in_hand_are_what_decoding_the_bytes_reads(dtype: int, count: int) -> None:
     """quantised_with_values (the SDK's residual, the server's difference reply) spares the second

@@ -30,6 +30,7 @@ def test_cells_put_the_ceiling_first_and_gemps_at_each_partition_count() -> None
         ("gemps-int4", 1),
         ("gemps-int8-both", 1),
         ("gemps-int4-both", 1),
+        ("gemps-topk-int4", 1),
         ("torch-rpc-tcp", 1),
         ("reference-p2p", 1),
     ]

@@ -103,8 +103,10 @@ def test_suites_by_name() -> None:
     codes = {c.name: (c.compression, c.reply_compression) for c in SUITES["compression"](10)}
     variants = [("", "none", "none"), ("-int8", "int8", "none"), ("-int4", "int4", "none")]
     variants += [("-int8-both", "int8", "int8"), ("-int4-both", "int4", "int4")]
+    variants += [("-topk", "topk", "none"), ("-topk-int4", "topk", "int4")]
     expected = {f"gem-n{n}{suffix}": (up, down) for n in (10, 30) for suffix, up, down in variants}
-    expected |= {f"lm-gem-n8{suffix}": (up, down) for suffix, up, down in (variants[0], *variants[3:])}
+    lm_variants = (variants[0], variants[3], variants[4], variants[6])
+    expected |= {f"lm-gem-n8{suffix}": (up, down) for suffix, up, down in lm_variants}
     expected |= {"gem-n100": ("none", "none"), "gem-n100-int8-both": ("int8", "int8")}
     assert codes == expected
     local = {c.name: c for c in SUITES["local-steps"](10)}

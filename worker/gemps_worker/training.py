@@ -83,8 +83,9 @@ class WorkerOptions:
     compression: str = field(
         default="none",
         metadata={
-            "help": "commits in fewer bytes: int8 (a quarter of float32's) or int4 (an eighth), what the codes "
-            "round away added to the next commit (error feedback); none: in --wire-dtype",
+            "help": "commits in fewer bytes: int8 (a quarter of float32's), int4 (an eighth) or topk (each 256 "
+            "values' 16 largest in int8: a 28th), what the codes round away or leave out added to the next "
+            "commit (error feedback); none: in --wire-dtype",
             "choices": ("none", *COMPRESSIONS),
         },
     )

@@ -15,6 +15,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_INT64: _ClassVar[DType]
     DTYPE_INT8_BLOCK: _ClassVar[DType]
     DTYPE_INT4_BLOCK: _ClassVar[DType]
+    DTYPE_TOPK_BLOCK: _ClassVar[DType]
 
 class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -27,6 +28,7 @@ DTYPE_BFLOAT16: DType
 DTYPE_INT64: DType
 DTYPE_INT8_BLOCK: DType
 DTYPE_INT4_BLOCK: DType
+DTYPE_TOPK_BLOCK: DType
 PAYLOAD_KIND_UNSPECIFIED: PayloadKind
 PAYLOAD_KIND_GRADIENT: PayloadKind
 PAYLOAD_KIND_UPDATE: PayloadKind

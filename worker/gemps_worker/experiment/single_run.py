@@ -59,8 +59,8 @@ class RunConfig:
     # train on the same E samples whatever N is (the tuning sweep's equal budgets).
     max_steps: int = 0
     gem_state: str = "exact"  # the server's --gem-state: how GEM keeps each worker's m_i and s_i
-    compression: str = "none"  # the workers' --compression: how their commits travel (none, int8, int4)
-    reply_compression: str = "none"  # the workers' --reply-compression: difference replies (none, int8, int4)
+    compression: str = "none"  # the workers' --compression: how their commits travel (none, int8, int4, topk)
+    reply_compression: str = "none"  # the workers' --reply-compression: difference replies (none, int8, int4, topk)
 
 
 @dataclass(frozen=True)

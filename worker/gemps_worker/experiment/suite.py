@@ -230,10 +230,11 @@ def gem_state_suite(epochs: int = 10) -> list[RunConfig]:
 
 
 def compression_suite(epochs: int = 10) -> list[RunConfig]:
-    """GEM's workers committing in float32, int8 and int4 codes (issue 47), with their replies in
-    float32 or, "-both", as differences in the same codes, at 10 and the reference 30 workers:
-    what the codes cost in accuracy, and save in bytes."""
+    """GEM's workers committing in float32, int8 and int4 codes and each block's largest values
+    (top-k) (issue 47), with their replies in float32 or as differences in int8 or int4 codes, at
+    10 and the reference 30 workers: what the codes cost in accuracy, and save in bytes."""
     variants = [("none", "none"), ("int8", "none"), ("int4", "none"), ("int8", "int8"), ("int4", "int4")]
+    variants += [("topk", "none"), ("topk", "int4")]
     runs = [
         RunConfig(_coded_name(n, up, down), n, training("gem"), epochs, compression=up, reply_compression=down)
         for n in (10, REFERENCE_WORKERS)
@@ -247,7 +248,7 @@ def compression_suite(epochs: int = 10) -> list[RunConfig]:
         for codes in ("none", "int8")
     ]
     language = training("gem", learning_rate=0.1, batch_size=32)  # the tuning guide's recipe, as gem-state's
-    for up, down in (("none", "none"), ("int8", "int8"), ("int4", "int4")):
+    for up, down in (("none", "none"), ("int8", "int8"), ("int4", "int4"), ("topk", "int4")):
         name = "lm-" + _coded_name(8, up, down)
         runs.append(
             RunConfig(name, 8, language, epochs=2, model="char-gpt", dataset="stdlib-text", max_steps=200,
@@ -257,8 +258,10 @@ def compression_suite(epochs: int = 10) -> list[RunConfig]:
 
 
 def _coded_name(workers: int, up: str, down: str) -> str:
-    """gem-n10, gem-n10-int8 (commits in int8), gem-n10-int8-both (replies too)."""
-    return f"gem-n{workers}" + ("" if up == "none" else f"-{up}") + ("" if down == "none" else "-both")
+    """gem-n10, gem-n10-int8 (commits in int8), gem-n10-int8-both (replies too), gem-n10-topk-int4
+    (commits in top-k, replies in int4)."""
+    replies = "" if down == "none" else "-both" if down == up else f"-{down}"
+    return f"gem-n{workers}" + ("" if up == "none" else f"-{up}") + replies
 
 
 #: (name, local steps H, outer learning rate, local optimizer) of the local-steps suite
