@@ -85,28 +85,31 @@ next_scales(const float *restrict bt, const float *restrict bw, const float *res
         HYPER_LOCALS                                                                                               \
         next_scales(bt, bw, bu, length, h, proxy_scale, proxy_next, offset_next);                                  \
         const float proxy_reciprocal = reciprocal_of(*proxy_next), offset_reciprocal = reciprocal_of(*offset_next); \
-        float pi_sum = 0.0f, proxy_sum = 0.0f, central_sum = 0.0f, at_zero = 0.0f, at_max = 0.0f;                  \
+        float pi_sum = 0.0f, proxy_sum = 0.0f, central_sum = 0.0f, at_zero = 0.0f, at_max = 0.0f, moving = 0.0f;   \
         float theta_peak = 0.0f;                                                                                   \
-        _Pragma("omp simd reduction(+ : pi_sum, proxy_sum, central_sum, at_zero, at_max) reduction(max : theta_peak)") \
+        _Pragma("omp simd reduction(+ : pi_sum, proxy_sum, central_sum, at_zero, at_max, moving) reduction(max : theta_peak)") \
         for (Py_ssize_t j = 0; j < length; j++) {                                                                  \
             COMPACT_PARAMETER                                                                                      \
             bt[j] = moved;                                                                                         \
             bpc[j] = encode_code(m, proxy_reciprocal);                                                             \
             boc[j] = encode_code(moved_offset, offset_reciprocal);                                                 \
-            pis[j] = pi;                                                                                           \
+            const int moves = delta != 0.0f; /* pi's statistics leave out what the commit does not move */         \
+            pis[j] = moves ? pi : NAN;                                                                             \
             const float theta_size = fabsf(moved);                                                                 \
             theta_peak = theta_size > theta_peak ? theta_size : theta_peak; /* a ternary vectorises, fmaxf not */  \
-            pi_sum += pi;                                                                                          \
+            pi_sum += moves ? pi : 0.0f;                                                                           \
+            moving += moves ? 1.0f : 0.0f;                                                                         \
             proxy_sum += proxy_term;                                                                               \
             central_sum += movement + pi * denominator;                                                            \
-            at_zero += pi <= 0.0f ? 1.0f : 0.0f;                                                                   \
-            at_max += pi >= pi_max ? 1.0f : 0.0f;                                                                  \
+            at_zero += moves && pi <= 0.0f ? 1.0f : 0.0f;                                                          \
+            at_max += moves && pi >= pi_max ? 1.0f : 0.0f;                                                         \
         }                                                                                                          \
         sums->pi_sum += pi_sum;                                                                                    \
         sums->proxy_energy += proxy_sum;                                                                           \
         sums->central_energy += central_sum;                                                                       \
         sums->at_zero += at_zero;                                                                                  \
         sums->at_max += at_max;                                                                                    \
+        sums->moving += moving;                                                                                    \
         sums->theta_peak = theta_peak > sums->theta_peak ? theta_peak : sums->theta_peak;                          \
     }
 
@@ -324,9 +327,9 @@ compact_gem_update(PyObject *self, PyObject *args)
                           have_window ? (float *)window.buf : NULL, wstride, mode, scratch);
     MAYBE_RESTORE_GIL()
     PyMem_RawFree(scratch);
-    result = Py_BuildValue("(idnnddddddd)", finite, sums.pi_sum, (Py_ssize_t)sums.at_zero, (Py_ssize_t)sums.at_max,
+    result = Py_BuildValue("(idnndddddddn)", finite, sums.pi_sum, (Py_ssize_t)sums.at_zero, (Py_ssize_t)sums.at_max,
                            sums.proxy_energy, sums.central_energy, (double)sums.theta_peak, (double)sums.proxy_peak,
-                           (double)peaks.offset_peak, sums.payload_square, sums.window_square);
+                           (double)peaks.offset_peak, sums.payload_square, sums.window_square, (Py_ssize_t)sums.moving);
 done:
     if (have_mirror) {
         PyBuffer_Release(&mirror);

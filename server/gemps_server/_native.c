@@ -48,7 +48,7 @@
         STORE_S;                                                                                         \
         const float step = pi * delta;                                                                   \
         T_OUT[j] = current + step;                                                                       \
-        pis[j] = pi;                                                                                     \
+        pis[j] = delta != 0.0f ? pi : NAN; /* pi's statistics leave out what this commit does not move */ \
         centrals[j] = movement + pi * denominator;                                                       \
     } while (0)
 
@@ -198,9 +198,9 @@ gem_update(PyObject *self, PyObject *args)
                                  (float *)samples.buf, &sums, mirrored, windowed, wstride, mode);
     }
     MAYBE_RESTORE_GIL()
-    result = Py_BuildValue("(idnndddddd)", finite, sums.pi_sum, (Py_ssize_t)sums.at_zero, (Py_ssize_t)sums.at_max,
+    result = Py_BuildValue("(idnnddddddn)", finite, sums.pi_sum, (Py_ssize_t)sums.at_zero, (Py_ssize_t)sums.at_max,
                            sums.proxy_energy, sums.central_energy, (double)sums.theta_peak,
-                           (double)sums.proxy_peak, sums.payload_square, sums.window_square);
+                           (double)sums.proxy_peak, sums.payload_square, sums.window_square, (Py_ssize_t)sums.moving);
 done:
     if (have_window) {
         PyBuffer_Release(&window);
@@ -479,8 +479,9 @@ static PyMethodDef methods[] = {
      "GEM's update: in place when theta_out is None, else into theta_out and proxy_out (the inputs only read;\n"
      "outputs partial when not finite). Returns (1 if every new value is finite else 0, sum of pi, count at 0,\n"
      "count at pi_max, sum of kappa*|m|, sum of |theta - s| + pi*(|Delta| + eps), max |new theta|, max |new m|,\n"
-     "|update|^2, |window sum|^2: noise_window's, in the same pass, when a window is given, else 0, 0) and writes\n"
-     "pi at every stride-th parameter to samples; the new theta also to mirror (a buffer of its own)."},
+     "|update|^2, |window sum|^2: noise_window's, in the same pass, when a window is given, else 0, 0, count of\n"
+     "Delta != 0) and writes pi at every stride-th parameter to samples (NaN where Delta = 0: pi's sums and counts\n"
+     "leave those out); the new theta also to mirror (a buffer of its own)."},
     {"compact_gem_update", compact_gem_update, METH_VARARGS,
      "compact_gem_update(theta, proxy_codes, proxy_scales, offset_codes, offset_scales, reference_read,\n"
      "reference_write, update, scale, momentum, kappa, pi_max, epsilon, excluded, write, stride, samples, mirror=None,\n"

@@ -22,7 +22,10 @@
     }
 
 typedef struct {
-    double pi_sum, proxy_energy, central_energy, at_zero, at_max;
+    /* pi's sums count only the parameters this commit moves (Delta != 0; their pi is NaN in the
+     * scratch): elsewhere pi reads 0 or pi_max and says nothing of the commit (a top-k payload's
+     * zeros, a local-steps update's untouched parameters); `moving` counts them */
+    double pi_sum, proxy_energy, central_energy, at_zero, at_max, moving;
     float theta_peak, proxy_peak; /* max |theta| and max |m_i| after the update (update_into only) */
     double payload_square, window_square; /* the noise scale's |g|^2 and |window sum|^2 (block_noise) */
 } Sums;
@@ -114,7 +117,7 @@ block_sums(const float *restrict bto, const float *restrict bmo, const float *re
            const float *restrict proxies, const float *restrict centrals, Py_ssize_t start, Py_ssize_t length,
            float pi_max, Py_ssize_t stride, float *restrict sampled, Sums *restrict sums, const int checked)
 {
-    float pi_sum = 0.0f, proxy_sum = 0.0f, central_sum = 0.0f, at_zero = 0.0f, at_max = 0.0f, bad = 0.0f;
+    float pi_sum = 0.0f, proxy_sum = 0.0f, central_sum = 0.0f, at_zero = 0.0f, at_max = 0.0f, moving = 0.0f, bad = 0.0f;
     float theta_peak = 0.0f, proxy_peak = 0.0f;
     if (checked) {
 #pragma omp simd reduction(+ : bad) reduction(max : theta_peak, proxy_peak)
@@ -128,9 +131,11 @@ block_sums(const float *restrict bto, const float *restrict bmo, const float *re
             return 0;
         }
     }
-#pragma omp simd reduction(+ : pi_sum, proxy_sum, central_sum, at_zero, at_max)
+#pragma omp simd reduction(+ : pi_sum, proxy_sum, central_sum, at_zero, at_max, moving)
     for (Py_ssize_t j = 0; j < length; j++) {
-        pi_sum += pis[j];
+        const int moved = pis[j] == pis[j]; /* NaN: Delta = 0 there (NaN compares false below too) */
+        pi_sum += moved ? pis[j] : 0.0f;
+        moving += moved ? 1.0f : 0.0f;
         proxy_sum += proxies[j];
         central_sum += centrals[j];
         at_zero += pis[j] <= 0.0f ? 1.0f : 0.0f;
@@ -144,6 +149,7 @@ block_sums(const float *restrict bto, const float *restrict bmo, const float *re
     sums->central_energy += central_sum;
     sums->at_zero += at_zero;
     sums->at_max += at_max;
+    sums->moving += moving;
     sums->theta_peak = theta_peak > sums->theta_peak ? theta_peak : sums->theta_peak;
     sums->proxy_peak = proxy_peak > sums->proxy_peak ? proxy_peak : sums->proxy_peak;
     return 1;

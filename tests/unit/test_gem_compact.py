@@ -105,15 +105,18 @@ def new_rule(kernel: str, size: int, **options: float | str) -> CompactGemRule:
 
 
 def run_commits(
-    rule: CommitRule, theta: np.ndarray, workers: int, commits: int, seed: int
+    rule: CommitRule, theta: np.ndarray, workers: int, commits: int, seed: int, moving: float = 1.0
 ) -> tuple[np.ndarray, list[tuple[float, float, float]]]:
-    """`commits` gradient commits of workers in a random order, gradients over many scales; theta
-    after them, and each commit's (mean pi, share at 0, share at pi_max)."""
+    """`commits` gradient commits of workers in a random order, gradients over many scales (zero but
+    for a `moving` share of the parameters); theta after them, and each commit's (mean pi, share at
+    0, share at pi_max)."""
     rng = np.random.default_rng(seed)
     for index in range(workers):
         rule.add_worker(f"w{index}", theta)
     stats = []
     scales = np.exp2(rng.uniform(-12, 0, theta.size)).astype(np.float32)
+    if moving < 1.0:
+        scales[rng.random(theta.size) >= moving] = 0
     for version in range(commits):
         gradient = (rng.standard_normal(theta.size).astype(np.float32) + 0.3) * scales
         worker = f"w{rng.integers(workers)}"
@@ -173,6 +176,23 @@ def test_compact_follows_the_exact_rule_closely(kernel: str) -> None:
     assert np.abs(compact_stats[:, 1:] - exact_stats[:, 1:]).mean() < 0.02
     moved = np.abs(exact_theta - theta0).mean()
     assert np.abs(compact_theta - exact_theta).mean() < 0.05 * moved
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_pi_statistics_count_only_the_parameters_a_commit_moves(kernel: str) -> None:
+    """A tenth of the parameters moving (a top-k payload's zeros elsewhere, where pi reads 0 or pi_max
+    whatever the commit): compact's statistics count the moving ones alone, as the exact rule's do
+    (tests/unit/test_rules.py checks those against GEM's pi in float64)."""
+    size, workers = codes.BLOCK + 500, 4
+    theta0 = np.random.default_rng(7).standard_normal(size).astype(np.float32)
+    _, exact = run_commits(exact_rule(kernel, size), theta0.copy(), workers, 40, seed=8, moving=0.1)
+    _, compact = run_commits(new_rule(kernel, size), theta0.copy(), workers, 40, seed=8, moving=0.1)
+    exact_stats, compact_stats = np.array(exact), np.array(compact)
+    # A worker's first commit: pi = 1 wherever it moves (with the zeros counted, 0.9 of them at 0 or pi_max).
+    assert compact_stats[0].tolist() == pytest.approx([1.0, 0.0, 0.0], abs=1e-3)
+    assert (compact_stats[:, 1] + compact_stats[:, 2]).mean() < 0.8
+    assert np.abs(compact_stats[:, 1:] - exact_stats[:, 1:]).mean() < 0.02
+    assert np.abs(compact_stats[:, 0] - exact_stats[:, 0]).mean() < 0.05 * exact_stats[:, 0].mean()
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -109,9 +109,9 @@ def test_gem_first_commit_of_a_worker_is_unscaled() -> None:
     update = np.array([0.1, -0.2, 0.3, 0.0], np.float32)
     theta, stats = rule.step(theta, update.copy(), PayloadKind.UPDATE, "a", staleness=0)
     np.testing.assert_allclose(theta, update)
-    # The zero entry has no proxy energy either: pi = 0 / eps = 0.
-    assert stats.fraction_at_zero == pytest.approx(0.25)
-    assert stats.scaling_mean == pytest.approx(0.75)
+    # The zero entry's pi (0 / eps = 0) says nothing of the commit: the statistics leave it out (issue 47).
+    assert stats.fraction_at_zero == 0.0
+    assert stats.scaling_mean == pytest.approx(1.0)
 
 
 def test_gem_scales_down_stale_updates_once_central_moved() -> None:
@@ -213,6 +213,48 @@ def test_compiled_statistics_are_exact_and_match_numpy_below_the_sample_size(kap
         assert compiled_stats.scaling_mean == pytest.approx(numpy_stats.scaling_mean, rel=1e-6)
         assert compiled_stats.proxy_energy == pytest.approx(numpy_stats.proxy_energy, rel=1e-6)
         assert compiled_stats.central_energy == pytest.approx(numpy_stats.central_energy, rel=1e-5)
+
+
+def gem_pi_reference(
+    config: TrainingConfig, state: dict[str, np.ndarray], theta: np.ndarray, delta: np.ndarray
+) -> np.ndarray:
+    """GEM's pi in float64 (DESIGN §1) from a worker's m_i and s_i before its commit of `delta`."""
+    velocity = config.momentum * state["proxy"].astype(np.float64) + delta
+    movement = np.abs(theta.astype(np.float64) - state["last_seen_theta"])
+    pi: np.ndarray = np.clip((config.kappa * np.abs(velocity) - movement) / (np.abs(delta) + 1e-16), 0.0, config.pi_max)
+    return pi
+
+
+@pytest.mark.parametrize("kernel", ["compiled", "numpy"])
+def test_pi_statistics_count_only_the_parameters_a_commit_moves(kernel: str) -> None:
+    """Where a commit's Delta is 0, GEM's pi reads 0 or pi_max (0 / eps) whatever the commit: pi's mean,
+    median and shares count the parameters it moves alone (issue 47, item 4: a top-k payload is mostly
+    zeros), and equal GEM's pi computed in float64 from the worker's state over those parameters."""
+    size = 5_000  # under STATS_SAMPLE_SIZE: every parameter is in the median's sample
+    config = training("gem")
+    rng = np.random.default_rng(5)
+    theta = rng.normal(size=size).astype(np.float32)
+    rule = create_rule(config, size, kernel=kernel)
+    for worker in "ab":
+        rule.add_worker(worker, theta)
+    moving = rng.random(size) < 0.1
+    shares = []
+    for i in range(8):
+        worker = "ab"[i % 2]
+        update = np.where(moving, rng.normal(size=size) * 0.1, 0.0).astype(np.float32)
+        state = {name: np.array(value, copy=True) for name, value in rule.worker_state(worker).items()}
+        pi = gem_pi_reference(config, state, theta, update.astype(np.float64))[moving]
+        theta, stats = rule.step(theta, update, PayloadKind.UPDATE, worker, staleness=1)
+        assert stats.scaling_mean == pytest.approx(pi.mean(), rel=1e-4)
+        assert stats.scaling_median == pytest.approx(np.median(pi), rel=1e-4, abs=1e-6)
+        assert stats.fraction_at_zero == pytest.approx(np.mean(pi <= 0), abs=2 / pi.size)
+        assert stats.fraction_at_max == pytest.approx(np.mean(pi >= config.pi_max), abs=2 / pi.size)
+        shares.append((stats.fraction_at_zero, stats.fraction_at_max))
+    assert max(zero for zero, _ in shares) > 0  # the reference was checked where pi clips too
+    _, nothing = rule.step(theta, np.zeros(size, np.float32), PayloadKind.UPDATE, "a", staleness=1)
+    assert (nothing.scaling_mean, nothing.scaling_median, nothing.fraction_at_zero, nothing.fraction_at_max) == (
+        0.0, 0.0, 0.0, 0.0,
+    )  # fmt: skip
 
 
 def rng_gradient(seed: int, size: int) -> np.ndarray:

@@ -26,13 +26,14 @@ class ScalingMetrics:
         )
         self.scaling_median_per_commit = Histogram(
             "gemps_commit_median_scaling_factor",
-            "Median per-parameter scaling (GEM's pi) of each applied commit.",
+            "Median per-parameter scaling (GEM's pi) of each applied commit, over the parameters it moves.",
             buckets=SCALING_BUCKETS,
             registry=registry,
         )
         self.clamped = Histogram(
             "gemps_commit_clamped_ratio",
-            "Fraction of parameters whose scaling sits at a bound (zero: pi=0, max: pi=pi_max), per commit.",
+            "Fraction of the parameters a commit moves (Delta != 0) whose scaling sits at a bound (zero: pi=0, "
+            "max: pi=pi_max), per commit.",
             ["bound"],
             buckets=RATIO_BUCKETS,
             registry=registry,
@@ -44,12 +45,12 @@ class ScalingMetrics:
         )
         self.scaling_at_zero = Gauge(
             "gemps_scaling_factor_at_zero_ratio",
-            "Fraction of parameters scaled by 0 in the last commit.",
+            "Fraction of the parameters the last commit moves (Delta != 0) scaled by 0.",
             registry=registry,
         )
         self.scaling_at_max = Gauge(
             "gemps_scaling_factor_at_max_ratio",
-            "Fraction of parameters clamped at pi_max in the last commit.",
+            "Fraction of the parameters the last commit moves (Delta != 0) clamped at pi_max.",
             registry=registry,
         )
         self.energy = Summary(

@@ -88,16 +88,26 @@ class ApplyStats:
         scale_max: float,
         proxy_energy: float = math.nan,
         central_energy: float = math.nan,
+        delta: np.ndarray | None = None,
     ) -> ApplyStats:
-        size = scaling.size
-        if size == 0:
-            return cls.constant(0.0)
-        stride = sample_stride(size)
+        """Statistics of a per-parameter `scaling`; given the commit's `delta`, over the parameters
+        it moves (delta != 0) alone, as the compiled passes count them: where delta = 0, GEM's pi
+        reads 0 or pi_max and says nothing of the commit (a top-k payload's zeros)."""
+        if delta is None:
+            delta = np.ones(scaling.shape, np.float32)
+        moving = delta != 0
+        count = np.count_nonzero(moving)
+        if count == 0:
+            return cls.constant(0.0) if scaling.size == 0 else cls(0.0, 0.0, 0.0, 0.0, proxy_energy, central_energy)
+        stride = sample_stride(scaling.size)
+        moved = scaling[moving]
+        sample = scaling[::stride][moving[::stride]]
+        mean = float(moved.mean(dtype=np.float64))
         return cls(
-            scaling_mean=float(scaling.mean(dtype=np.float64)),
-            scaling_median=median(scaling[::stride]),
-            fraction_at_zero=np.count_nonzero(scaling <= 0.0) / size,
-            fraction_at_max=np.count_nonzero(scaling >= scale_max) / size,
+            scaling_mean=mean,
+            scaling_median=median(sample) if sample.size else mean,
+            fraction_at_zero=np.count_nonzero(moved <= 0.0) / count,
+            fraction_at_max=np.count_nonzero(moved >= scale_max) / count,
             proxy_energy=proxy_energy,
             central_energy=central_energy,
         )

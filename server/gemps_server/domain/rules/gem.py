@@ -105,14 +105,25 @@ class GemBase(OverflowGuard, CommitRule):
         """The form's own buffers (called once the common ones are set)."""
 
     def summed_stats(
-        self, size: int, pi_sum: float, at_zero: int, at_max: int, proxy_energy: float, central_energy: float
+        self,
+        size: int,
+        moving: int,
+        pi_sum: float,
+        at_zero: int,
+        at_max: int,
+        proxy_energy: float,
+        central_energy: float,
     ) -> ApplyStats:
-        """ApplyStats from a compiled pass's sums over `size` parameters and pi's sample (which it reorders)."""
+        """ApplyStats from a compiled pass's sums and pi's sample: pi's over the `moving` parameters
+        (Delta != 0; the sample holds NaN at the others), the energies' over all `size` of them."""
+        if moving == 0:  # a commit of zeros: nothing moved, no pi to speak of
+            return ApplyStats(0.0, 0.0, 0.0, 0.0, proxy_energy / size, central_energy / size)
+        sample = self._samples if moving == size else self._samples[~np.isnan(self._samples)]
         return ApplyStats(
-            scaling_mean=pi_sum / size,
-            scaling_median=median_in_place(self._samples),
-            fraction_at_zero=at_zero / size,
-            fraction_at_max=at_max / size,
+            scaling_mean=pi_sum / moving,
+            scaling_median=median_in_place(sample) if sample.size else pi_sum / moving,
+            fraction_at_zero=at_zero / moving,
+            fraction_at_max=at_max / moving,
             proxy_energy=proxy_energy / size,
             central_energy=central_energy / size,
         )
@@ -272,7 +283,7 @@ class GemRule(GemBase):
         values = (scale, self.momentum, self.kappa, self.pi_max, EPSILON)
         total, stride, mode = (None, 1, 0) if window is None else (window.total, window.stride, window.mode)
         (finite, pi_sum, at_zero, at_max, proxy_energy, central_energy, theta_peak, proxy_peak, payload_square,
-         window_square) = compiled.gem_update(
+         window_square, moving) = compiled.gem_update(
             theta, state.proxy, state.last_seen_theta, np.ascontiguousarray(update, np.float32), theta_out, proxy_out,
             *(float(np.float32(v)) for v in values), self._stride, self._samples, out, total, stride, mode,
         )  # fmt: skip
@@ -280,7 +291,7 @@ class GemRule(GemBase):
             window.payload_square, window.window_square = payload_square, window_square
         if not finite:  # refused: its statistics are never read
             return False, ApplyStats.constant(math.nan), theta_peak, proxy_peak
-        stats = self.summed_stats(theta.size, pi_sum, at_zero, at_max, proxy_energy, central_energy)
+        stats = self.summed_stats(theta.size, moving, pi_sum, at_zero, at_max, proxy_energy, central_energy)
         return True, stats, theta_peak, proxy_peak
 
     def _sample_stats(self, theta: np.ndarray, state: _WorkerState, update: np.ndarray, scale: float) -> ApplyStats:
@@ -297,7 +308,7 @@ class GemRule(GemBase):
             proxy_energy *= np.float32(self.kappa)
             # pi*(|Delta| + eps): this commit's share of the central variable's movement.
             central_energy = float(movement.mean(dtype=np.float64)) + float(np.dot(pi, denominator)) / pi.size
-        return ApplyStats.of(pi, self.pi_max, float(proxy_energy.mean(dtype=np.float64)), central_energy)
+        return ApplyStats.of(pi, self.pi_max, float(proxy_energy.mean(dtype=np.float64)), central_energy, delta)
 
     def _scaling(
         self,

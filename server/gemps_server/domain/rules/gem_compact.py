@@ -262,12 +262,12 @@ class CompactGemRule(GemBase):
         total, stride, mode = (None, 1, 0) if window is None else (window.total, window.stride, window.mode)
         written = compiled.compact_gem_update(*arguments, 1, self._stride, self._samples, out, total, stride, mode)
         (finite, pi_sum, at_zero, at_max, proxy_energy, central_energy, new_peak, _, _, payload_square,
-         window_square) = written  # fmt: skip
+         window_square, moving) = written  # fmt: skip
         assert finite, "compact GEM wrote a value that is not finite after its check"
         if window is not None:
             window.payload_square, window.window_square = payload_square, window_square
         self.remember_peak(theta, new_peak)
-        return self.summed_stats(theta.size, pi_sum, at_zero, at_max, proxy_energy, central_energy)
+        return self.summed_stats(theta.size, moving, pi_sum, at_zero, at_max, proxy_energy, central_energy)
 
     def _apply_numpy(
         self, theta: np.ndarray, worker: _CompactWorker, update: np.ndarray, scale: float, read: int, write: int
@@ -309,7 +309,7 @@ class CompactGemRule(GemBase):
         block_codes.encode_against(offset, worker.offset_scales, worker.offset_codes)
         np.copyto(theta, moved)
         return ApplyStats.of(
-            pi, self.pi_max, float(proxy.mean(dtype=np.float64)), float(central.mean(dtype=np.float64))
+            pi, self.pi_max, float(proxy.mean(dtype=np.float64)), float(central.mean(dtype=np.float64)), delta
         )
 
     # -- references -------------------------------------------------------------------------------
