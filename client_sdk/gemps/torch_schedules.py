@@ -38,7 +38,7 @@ from gemps_proto.schema import TrainingConfig
 LR_KEYS = frozenset({"lr", "initial_lr"})
 
 # The rules whose update has a momentum μ (GEM's proxy is momentum SGD's; the momentum rule's own).
-_MOMENTUM_RULES = frozenset({"gem", "momentum"})
+_MOMENTUM_RULES = frozenset({"gem", "momentum", "nesterov"})
 
 # The group settings the server owns besides η, and where each is set.
 _SETTINGS = {"momentum": "`gemps server --momentum`", "weight_decay": "the server applies no weight decay"}

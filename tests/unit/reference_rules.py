@@ -47,6 +47,9 @@ class ReferenceServer:
         elif self.rule == "momentum":
             self.v = self.mu * self.v + delta
             self.theta = self.theta + self.v
+        elif self.rule == "nesterov":
+            self.v = self.mu * self.v + delta
+            self.theta = self.theta + (self.mu * self.v + delta)
         else:
             raise ValueError(self.rule)
         self.version += 1

@@ -115,6 +115,9 @@ def test_suites_by_name() -> None:
     assert (eight.training.rule, eight.training.worker_mode, eight.dynsgd_steps) == ("gem", "dynsgd", 8)
     assert (eight.outer_learning_rate, eight.compression, eight.reply_compression) == (0.5, "int8", "int8")
     assert local["gem-n10-local4-agn"].outer_learning_rate == 1 / 4
+    diloco = local["gem-n30-local4-diloco"]  # DiLoCo's outer Nesterov as the baseline, 0.7 over 30 updates
+    assert (diloco.training.rule, diloco.training.momentum, diloco.dynsgd_steps) == ("nesterov", 0.9, 4)
+    assert diloco.outer_learning_rate == pytest.approx(0.7 / 30)
     assert SUITES["quick"](10) == quick_suite()
     pairs = {c.name: c for c in SUITES["gem-state"](10)}
     for name in ("gem-n30", "lm-gem-n8"):  # each configuration with the exact state and the compact one

@@ -42,7 +42,7 @@ P = 10_007
 BATCH = 16
 SIGMA2 = 200.0  # per-sample noise variance per parameter: B_noise = P * SIGMA2 / |G|^2 = SIGMA2 with G_j = +-1
 # Every kernel path: GEM's compiled pass folds the sums in, the others measure them alone.
-OTHER_RULES = ("downpour", "adaptive-staleness", "momentum")
+OTHER_RULES = ("downpour", "adaptive-staleness", "momentum", "nesterov")
 RULES = [("gem", "compiled"), ("gem", "numpy"), *((rule, "auto") for rule in OTHER_RULES)]
 
 

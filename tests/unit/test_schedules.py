@@ -126,9 +126,11 @@ def test_every_rule_scales_a_gradient_by_eta_at_the_version_it_is_applied_at(rul
         theta = np.ones(4, F32)
         made.add_worker("a", theta)
         # A worker's first commit, not stale: every rule applies Delta = -eta*g as it is (GEM's
-        # pi is kappa = 1 there, the momentum rule's velocity starts at 0).
+        # pi is kappa = 1 there, the momentum rule's velocity starts at 0), Nesterov's look-ahead
+        # (1 + mu)*Delta.
         theta, _ = made.step(theta, gradient, PayloadKind.GRADIENT, "a", staleness=0, version=version)
-        expected = F32(1.0) - F32(learning_rate_at(config, version)) * gradient
+        first = F32(1 + config.momentum) if rule == "nesterov" else F32(1)
+        expected = F32(1.0) - first * F32(learning_rate_at(config, version)) * gradient
         np.testing.assert_allclose(theta, expected, rtol=1e-6)
 
 

@@ -278,7 +278,9 @@ def local_steps_suite(epochs: int = 10) -> list[RunConfig]:
     """GEM with H local steps (issue 47, item 4), commits and replies in int8 codes, at 10 and the
     reference 30 workers, against GEM committing every mini-batch's gradient in float32: the
     accumulated update halved (outer learning rate 0.5) at H = 4 and 8, the local steps plain SGD or
-    SGD with the server's momentum, and AGN's Δ/λ at H = 4.
+    SGD with the server's momentum, and AGN's Δ/λ at H = 4; and DiLoCo's outer optimizer as the
+    baseline ("local4-diloco": rule nesterov, μ = 0.9, not GEM), its outer learning rate 0.7 over the
+    workers' count, as DiLoCo's 0.7 on the average of that many updates.
     Each run trains on the same samples (epochs): H local steps make H times fewer commits."""
     runs = [RunConfig(f"gem-n{n}", n, training("gem"), epochs) for n in (10, REFERENCE_WORKERS)]
     for n in (10, REFERENCE_WORKERS):
@@ -288,6 +290,11 @@ def local_steps_suite(epochs: int = 10) -> list[RunConfig]:
                 RunConfig(f"gem-n{n}-{name}", n, local, epochs, dynsgd_steps=steps, outer_learning_rate=outer,
                           local_optimizer=optimizer, compression="int8", reply_compression="int8")
             )  # fmt: skip
+        diloco = training("nesterov", worker_mode="dynsgd", momentum=0.9)
+        runs.append(
+            RunConfig(f"gem-n{n}-local4-diloco", n, diloco, epochs, dynsgd_steps=4, outer_learning_rate=0.7 / n,
+                      compression="int8", reply_compression="int8")
+        )  # fmt: skip
     return runs
 
 

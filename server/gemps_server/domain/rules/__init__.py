@@ -18,10 +18,10 @@ from gemps_server.domain.rules.base import ApplyStats, CommitRule, NonFiniteUpda
 from gemps_server.domain.rules.downpour import DownpourRule
 from gemps_server.domain.rules.gem import GemRule
 from gemps_server.domain.rules.gem_compact import CompactGemRule
-from gemps_server.domain.rules.momentum import MomentumRule
+from gemps_server.domain.rules.momentum import MomentumRule, NesterovRule
 
 _RULES: dict[str, type[CommitRule]] = {
-    rule.name: rule for rule in (GemRule, DownpourRule, AdaptiveStalenessRule, MomentumRule)
+    rule.name: rule for rule in (GemRule, DownpourRule, AdaptiveStalenessRule, MomentumRule, NesterovRule)
 }
 
 

@@ -1,4 +1,6 @@
-"""One global velocity: v <- mu*v + Delta, theta <- theta + v.
+"""One global velocity: v <- mu*v + Delta, theta <- theta + v (`momentum`), or theta <- theta +
+mu*v + Delta, Nesterov's look-ahead (`nesterov`: DiLoCo's outer optimizer, run asynchronously on
+each worker's accumulated update, the baseline GEM with local steps is compared with, issue 47).
 
 With a single worker this is synchronous momentum SGD, the proxy GEM aims to match and the
 paper's reference curve. Under a learning-rate schedule each gradient enters the velocity as
@@ -52,11 +54,13 @@ class MomentumRule(OverflowGuard, CommitRule):
         velocity_bound = self.in_place_bound(
             abs(self.momentum) * self._velocity_peak, self.update_peak(update, scale, update_peak)
         )
-        bound = self.in_place_bound(self.peak_of(theta), velocity_bound) if velocity_bound is not None else None
+        step_bound = self.step_bound(velocity_bound) if velocity_bound is not None else None
+        bound = self.in_place_bound(self.peak_of(theta), step_bound) if step_bound is not None else None
         if bound is not None and velocity_bound is not None:  # cannot overflow
+            delta = self.scaled(update, scale)
             self._velocity *= np.float32(self.momentum)
-            self._velocity += self.scaled(update, scale)
-            theta += self._velocity
+            self._velocity += delta
+            self.move(theta, self._velocity, delta, theta)
             self._velocity_peak = velocity_bound
             self.remember_peak(theta, bound)
             return theta, ApplyStats.constant(1.0)
@@ -64,11 +68,36 @@ class MomentumRule(OverflowGuard, CommitRule):
             self._spare_velocity = np.empty_like(self._velocity)
         velocity, updated = self._spare_velocity, self.take_spare(theta)
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused by checked()
+            delta = self.scaled(update, scale)
             np.multiply(self._velocity, np.float32(self.momentum), out=velocity)
-            velocity += self.scaled(update, scale)
-            np.add(theta, velocity, out=updated)
-        # theta + v is finite only where v is: one check covers the velocity too.
+            velocity += delta
+            self.move(theta, velocity, delta, updated)
+        # theta's step is finite only where v is: one check covers the velocity too.
         updated = self.checked(theta, updated)
         self._velocity, self._spare_velocity = velocity, self._velocity
         self._velocity_peak = max_abs(velocity)
         return updated, ApplyStats.constant(1.0)
+
+    def step_bound(self, velocity_bound: float) -> float | None:
+        """A bound on max |theta's step| given one on max |v| (which bounds |Delta| too)."""
+        return velocity_bound
+
+    def move(self, theta: np.ndarray, velocity: np.ndarray, delta: np.ndarray, out: np.ndarray) -> None:
+        """out <- theta + v (out may be theta)."""
+        np.add(theta, velocity, out=out)
+
+
+class NesterovRule(MomentumRule):
+    """theta <- theta + mu*v + Delta after v <- mu*v + Delta: the velocity applied as Nesterov's
+    look-ahead (torch.optim.SGD(nesterov=True)'s step on a gradient -Delta)."""
+
+    name = "nesterov"
+
+    def step_bound(self, velocity_bound: float) -> float | None:
+        return self.in_place_bound(abs(self.momentum) * velocity_bound, velocity_bound)
+
+    def move(self, theta: np.ndarray, velocity: np.ndarray, delta: np.ndarray, out: np.ndarray) -> None:
+        with np.errstate(over="ignore", invalid="ignore"):
+            look_ahead = velocity * np.float32(self.momentum)
+            look_ahead += delta
+            np.add(theta, look_ahead, out=out)
