@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 from pathlib import Path
@@ -40,7 +41,12 @@ def runs_of(folder: Path) -> dict[str, list[dict[str, Any]]]:
     return found
 
 
-def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+def seconds_to(result: dict[str, Any], accuracy: float) -> float:
+    """Seconds from a run's start to its first held-out evaluation at `accuracy` or above (inf: never)."""
+    return next((h["time"] for h in result["held_out"] if h["accuracy"] >= accuracy), math.inf)
+
+
+def summary(results: list[dict[str, Any]], target: float | None = None) -> dict[str, Any]:
     accuracy = [100 * r["final_accuracy"] for r in results]
     loss = [r["final_loss"] for r in results]
     means, zeros, maxes = [], [], []
@@ -63,15 +69,17 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
         "at_zero": statistics.mean(zeros),
         "at_max": statistics.mean(maxes),
         "commits": len(means),
+        **({} if target is None else {"seconds_to_target": statistics.median(seconds_to(r, target) for r in results)}),
     }
 
 
 def row(name: str, variant: str, figures: dict[str, Any]) -> str:
+    to_target = f" {figures['seconds_to_target']:.1f} |" if "seconds_to_target" in figures else ""
     return (
         f"| {name} | {variant} | {figures['seeds']} | {figures['held_out_accuracy']:.2f} ± "
         f"{figures['held_out_accuracy_sd']:.2f}% | {figures['held_out_loss']:.4f} | "
         f"{figures['pi_mean_median']:.3f} | {figures['pi_mean_p90']:.3f} | {figures['at_zero']:.2f} | "
-        f"{figures['at_max']:.2f} |"
+        f"{figures['at_max']:.2f} |{to_target}"
     )
 
 
@@ -81,21 +89,29 @@ def main() -> None:
     parser.add_argument("--variant", action="append", help="a variant's suffix (repeat; default: compact)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
+    parser.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=None,
+        help="add seconds to this held-out accuracy (0-1; median of seeds)",
+    )
     args = parser.parse_args()
+    target = args.target_accuracy
     found = runs_of(args.runs)
     variants = args.variant or ["compact"]
     table = [
         "| configuration | variant | seeds | held-out accuracy (mean ± sd) | held-out loss "
-        "| per-commit mean pi: median | 90th percentile | pi = 0 | pi = pi_max |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| per-commit mean pi: median | 90th percentile | pi = 0 | pi = pi_max |"
+        + ("" if target is None else f" seconds to {100 * target:g}% |"),
+        "|---|---|---|---|---|---|---|---|---|" + ("" if target is None else "---|"),
     ]
     report: dict[str, dict[str, Any]] = {}
     for name in sorted(n for n in found if any(f"{n}-{v}" in found for v in variants)):
-        base = summary(found[name])
+        base = summary(found[name], target)
         report[name] = {"base": base}
         table.append(row(name, "base", base))
         for variant in (v for v in variants if f"{name}-{v}" in found):
-            figures = summary(found[f"{name}-{variant}"])
+            figures = summary(found[f"{name}-{variant}"], target)
             gaps = {
                 "accuracy_gap_points": figures["held_out_accuracy"] - base["held_out_accuracy"],
                 "pi_median_ratio": figures["pi_mean_median"] / base["pi_mean_median"],
@@ -107,6 +123,7 @@ def main() -> None:
                 f"| {name} | {variant} - base | | {gaps['accuracy_gap_points']:+.2f} points | "
                 f"{figures['held_out_loss'] - base['held_out_loss']:+.4f} | x{gaps['pi_median_ratio']:.3f} | "
                 f"x{gaps['pi_p90_ratio']:.3f} | | |"
+                + ("" if target is None else f" x{base['seconds_to_target'] / figures['seconds_to_target']:.2f} |")
             )
     text = "\n".join(table) + "\n"
     print(text)

@@ -34,6 +34,7 @@ SERIAL_GROUPS = {
     "test_bench_cross_host.py": "hosts",
     "test_bench_replicas.py": "hosts",
     "test_jepsen_replicas.py": "hosts",
+    "test_experiment_on_links.py": "hosts",
     "test_bench.py": "hosts",  # measures throughput: alone with the simulated hosts, not beside them
 }
 

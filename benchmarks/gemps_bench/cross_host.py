@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ from gemps_bench.suite import FULL, QUICK, available_bytes, progress
 from gemps_proto.tensor_codec import COMPRESSIONS, expected_payload_nbytes
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.processes import GEMPS_COMMAND
-from gemps_worker.simulated_hosts import Host, SimulatedNetwork
+from gemps_worker.simulated_hosts import Host, SimulatedNetwork, rate_bits_per_second
 
 SYSTEMS = (
     *("echo-tcp", "gemps", "gemps-bfloat16", "gemps-int8", "gemps-int4", "gemps-int8-both", "gemps-int4-both"),
@@ -61,16 +60,6 @@ PORT, DATA_PORT = 50051, 51051  # gemps' ports on each partition host
 CLIENTS_HOST = "clients"
 # Seconds a load process may take beyond its warm-up and window: start-up, registration, reports.
 LOAD_GRACE = STRAGGLER_GRACE + 60.0
-_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)\s*$", re.IGNORECASE)
-_RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}  # tc's: SI units
-
-
-def rate_bits_per_second(rate: str) -> float:
-    """A tc rate ("1gbit", "100mbit") in bits per second; ValueError when not one."""
-    match = _RATE.match(rate)
-    if match is None or float(match.group(1)) <= 0:
-        raise ValueError(f"not a link rate: {rate!r} (e.g. 1gbit, 100mbit)")
-    return float(match.group(1)) * _RATE_UNITS[match.group(2).lower()]
 
 
 @dataclass(frozen=True)

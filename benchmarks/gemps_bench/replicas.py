@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gemps_bench.cross_host import CrossHostSpec, link_figures, rate_bits_per_second
+from gemps_bench.cross_host import CrossHostSpec, link_figures
 from gemps_bench.loadgen import LoadPlan
 from gemps_bench.replica_figures import replica_figures, summarize
 from gemps_bench.replica_security import replica_security
 from gemps_bench.replica_servers import CrossHostReplicas, LoopbackReplicas
 from gemps_bench.suite import FULL, QUICK, available_bytes, progress
-from gemps_worker.simulated_hosts import SimulatedNetwork
+from gemps_worker.simulated_hosts import SimulatedNetwork, rate_bits_per_second
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from gemps_bench import cross_host, replicas
 from gemps_bench.main import DESCRIPTION, run_bench, run_cross_host_bench, run_replicas_bench
 from gemps_bench.suite import FULL, QUICK, SYSTEMS, parse_counts, select
 
-from gemps_worker.simulated_hosts import unavailable_reason
+from gemps_worker.simulated_hosts import rate_bits_per_second, unavailable_reason
 
 
 def _counts(text: str) -> list[int]:
@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report-only", action="store_true", help="rebuild tables and figure from OUT/results.json")
     parser.add_argument(
         "--link",
-        type=_rate,
+        type=link_rate,
         default=None,
         metavar="RATE",
         help="between simulated hosts instead (root): each partition's host on a link of RATE (e.g. 1gbit); "
@@ -81,9 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
-def _rate(text: str) -> str:
+def link_rate(text: str) -> str:
+    """argparse's type for a tc link rate (100mbit, 1gbit): the text, checked."""
     try:
-        cross_host.rate_bits_per_second(text)
+        rate_bits_per_second(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text

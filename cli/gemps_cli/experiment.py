@@ -8,8 +8,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from gemps_cli.bench import link_rate
 from gemps_worker.datasets import DATASETS
 from gemps_worker.experiment.analysis import base_name
+from gemps_worker.experiment.on_links import between_hosts, link_problem
 from gemps_worker.experiment.single_run import RunConfig
 from gemps_worker.experiment.speedup import SpeedupConfig
 from gemps_worker.experiment.speedup_fit import run_speedup
@@ -75,6 +77,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--discussion", type=Path, default=None, help="markdown appended to RESULTS.md")
     parser.add_argument(
+        "--link",
+        default=None,
+        type=link_rate,
+        metavar="RATE",
+        help="run each job across a link of this rate (tc's form: 100mbit, 1gbit): the server on one simulated "
+        "host, the workers and the observer on another (network namespaces; root only); use another --out",
+    )
+    parser.add_argument(
         "--target-loss",
         type=float,
         default=SpeedupConfig.target_loss,
@@ -94,6 +104,9 @@ SPEEDUP_SUITES = {
 def run(args: argparse.Namespace) -> int:
     command = "gemps experiment " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["experiment"] else "gemps experiment"
     if args.suite in SPEEDUP_SUITES:
+        if args.link is not None:
+            print(f"gemps experiment: --link does not apply to the {args.suite} suite", file=sys.stderr)
+            return 2
         report = args.report or args.out / "report"
         if not 0 < args.target_loss < SpeedupConfig.diverged_loss:
             print(f"gemps experiment: --target-loss must be in (0, {SpeedupConfig.diverged_loss:g})", file=sys.stderr)
@@ -128,9 +141,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     report = args.report or args.out / "report"
     discussion = args.discussion.read_text() if args.discussion and args.discussion.exists() else ""
-    return run_suite(
-        suite, args.out, report, args.markdown or report / "RESULTS.md", discussion, args.force, command.strip()
-    )
+    markdown = args.markdown or report / "RESULTS.md"
+    if args.link is None:
+        return run_suite(suite, args.out, report, markdown, discussion, args.force, command.strip())
+    problem = link_problem(args.link)
+    if problem is not None:
+        print(f"gemps experiment: --link {args.link}: {problem}", file=sys.stderr)
+        return 2
+    with between_hosts(args.link) as placement:
+        return run_suite(suite, args.out, report, markdown, discussion, args.force, command.strip(), placement)
 
 
 def _mode_settings(c: RunConfig) -> str:

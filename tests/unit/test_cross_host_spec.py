@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from gemps_bench.cross_host import CrossHostSpec, link_figures, rate_bits_per_second
+from gemps_bench.cross_host import CrossHostSpec, link_figures
 from gemps_bench.results import LoadResult
+
+from gemps_worker.simulated_hosts import rate_bits_per_second
 
 
 @pytest.mark.parametrize(("rate", "bits"), [("1gbit", 1e9), ("100mbit", 1e8), ("2.5Gbit", 2.5e9), ("64kbit", 64e3)])

@@ -99,7 +99,9 @@ def test_agn_comparison_takes_other_settings() -> None:
 
 
 def test_suites_by_name() -> None:
-    assert set(SUITES) == {"full", "quick", "agn-sweep", "agn", "gem-state", "compression", "local-steps"}
+    assert set(SUITES) == {"full", "quick", "agn-sweep", "agn", "gem-state", "compression", "local-steps", "links"}
+    links = {c.name: (c.compression, c.reply_compression, c.dynsgd_steps) for c in SUITES["links"](10)}
+    assert links["gem-n10-topk-int4"][:2] == ("topk", "int4") and links["gem-n10-local8-half"][2] == 8
     codes = {c.name: (c.compression, c.reply_compression) for c in SUITES["compression"](10)}
     variants = [("", "none", "none"), ("-int8", "int8", "none"), ("-int4", "int4", "none")]
     variants += [("-int8-both", "int8", "int8"), ("-int4-both", "int4", "int4")]

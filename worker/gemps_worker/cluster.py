@@ -141,7 +141,9 @@ class ServerProcess(ChildProcess):
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        """host:port to dial: the address it binds (loopback when it binds every address)."""
+        host = str(self.options["host"])
+        return f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{self.port}"
 
     def command(self, port_file: Path) -> list[str]:
         return [*self.launcher, "server", "--port-file", str(port_file), *to_argv(self.options)]

@@ -28,11 +28,12 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -42,6 +43,16 @@ DEFAULT_RATE = "1gbit"
 DIRECT_SUBNET = "10.232"  # direct cables between two hosts: 10.232.<pair>.1 and .2
 INTERFACE = "eth0"  # a host's one cable, as seen inside it
 _CLONE_NEWNET = 0x40000000  # <sched.h>; os.setns is Python 3.12+
+_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)\s*$", re.IGNORECASE)
+_RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}  # tc's: SI units
+
+
+def rate_bits_per_second(rate: str) -> float:
+    """A tc rate ("1gbit", "100mbit") in bits per second; ValueError when not one."""
+    match = _RATE.match(rate)
+    if match is None or float(match.group(1)) <= 0:
+        raise ValueError(f"not a link rate: {rate!r} (e.g. 1gbit, 100mbit)")
+    return float(match.group(1)) * _RATE_UNITS[match.group(2).lower()]
 
 
 def unavailable_reason() -> str | None:
@@ -58,11 +69,27 @@ def enter_namespace(namespace: str) -> None:
     """Move this process into a host's network namespace (what `ip netns exec` does first), for a
     process forked where the host's command line cannot be used. Call it before any thread starts:
     the namespace is the calling thread's, which threads started afterwards inherit."""
-    libc = ctypes.CDLL(None, use_errno=True)
     with open(f"/run/netns/{namespace}") as handle:
-        if libc.setns(handle.fileno(), _CLONE_NEWNET) != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"setns into {namespace}: {os.strerror(errno)}")
+        _setns(handle.fileno(), namespace)
+
+
+@contextlib.contextmanager
+def inside(namespace: str) -> Iterator[None]:
+    """This process in a host's network namespace for the block (enter_namespace), then back in the
+    one it was in: a host's `kill` (SimulatedNetwork.close) kills every process inside it."""
+    with open("/proc/thread-self/ns/net") as home:
+        enter_namespace(namespace)
+        try:
+            yield
+        finally:
+            _setns(home.fileno(), "the namespace it left")
+
+
+def _setns(descriptor: int, label: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(descriptor, _CLONE_NEWNET) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"setns into {label}: {os.strerror(errno)}")
 
 
 def _run(*argv: str) -> None:

@@ -20,6 +20,7 @@ from gemps.pytorch import RemoteModel
 from gemps_proto.schema import TrainingConfig
 from gemps_worker.cluster import LocalCluster
 from gemps_worker.datasets import Dataset, load_dataset
+from gemps_worker.experiment.on_links import LOCAL, ServerPlacement
 from gemps_worker.experiment.pool import PoolSpec
 from gemps_worker.held_out import evaluate, evaluate_central
 from gemps_worker.models import build_model
@@ -60,7 +61,7 @@ class RunConfig:
     max_steps: int = 0
     gem_state: str = "exact"  # the server's --gem-state: how GEM keeps each worker's m_i and s_i
     compression: str = "none"  # the workers' --compression: how their commits travel (none, int8, int4, topk)
-    reply_compression: str = "none"  # the workers' --reply-compression: difference replies (none, int8, int4, topk)
+    reply_compression: str = "none"  # the workers' --reply-compression: difference replies (none, int8, int4)
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,9 @@ def _trained_size(model: Any) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def run(config: RunConfig, folder: Path, eval_interval: float = 1.0) -> RunResult:
+def run(config: RunConfig, folder: Path, eval_interval: float = 1.0, placement: ServerPlacement = LOCAL) -> RunResult:
+    """Train `config` with a real server started where `placement` says (on this machine by default;
+    across a shaped link: on_links.between_hosts), its results also to FOLDER/result.json."""
     folder.mkdir(parents=True, exist_ok=True)
     data = load_dataset(config.dataset)
     model = build_model(config.model, data.input_shape, data.num_classes, seed=config.seed)
@@ -139,8 +142,9 @@ def run(config: RunConfig, folder: Path, eval_interval: float = 1.0) -> RunResul
         "metrics_port": -1,
         "log_level": "warning",
         "startup_timeout": SERVER_STARTUP_TIMEOUT,
+        "host": placement.host,
     }
-    with LocalCluster(folder, server=server) as cluster:
+    with LocalCluster(folder, server=server, server_command=placement.command) as cluster:
         if config.seed:
             _initialise_central(cluster.target, model)
         _start_pools(config, cluster)

@@ -298,6 +298,17 @@ def local_steps_suite(epochs: int = 10) -> list[RunConfig]:
     return runs
 
 
+#: the links suite's runs: GEM at 10 workers in float32, with int8 and top-k/int4 codes, with local steps
+LINK_RUNS = ("gem-n10", "gem-n10-int8-both", "gem-n10-topk-int4", "gem-n10-local4-half", "gem-n10-local8-half")
+
+
+def links_suite(epochs: int = 10) -> list[RunConfig]:
+    """Runs of the compression and local-steps suites to run across a link (`--link 100mbit`): time to
+    accuracy where θ's bytes cost what they cost between machines."""
+    found = {c.name: c for c in (*compression_suite(epochs), *local_steps_suite(epochs))}
+    return [found[name] for name in LINK_RUNS]
+
+
 SUITES: dict[str, Callable[[int], list[RunConfig]]] = {
     "full": full_suite,
     "quick": lambda epochs: quick_suite(),  # always 2 epochs
@@ -306,6 +317,7 @@ SUITES: dict[str, Callable[[int], list[RunConfig]]] = {
     "gem-state": gem_state_suite,
     "compression": compression_suite,
     "local-steps": local_steps_suite,
+    "links": links_suite,
 }
 SUITE_HELP = {
     "full": "the GEM paper's comparisons: GEM, DOWNPOUR, adaptive staleness at 5..100 workers, eta, kappa, modes",
@@ -316,11 +328,13 @@ SUITE_HELP = {
     + " workers",
     "gem-state": f"GEM with --gem-state exact and compact: digits CNN at {REFERENCE_WORKERS} workers, the character "
     "language model at 8",
-    "compression": "GEM's commits in float32, int8 and int4 codes (--compression), their replies whole or as "
-    f"differences in the same codes (--reply-compression), at 10 and {REFERENCE_WORKERS} workers; the character "
-    "language model at 8, float32 or codes both ways",
+    "compression": "GEM's commits in float32, int8 and int4 codes and top-k (--compression), their replies whole "
+    f"or as differences in int8 or int4 codes (--reply-compression), at 10 and {REFERENCE_WORKERS} workers; the "
+    "character language model at 8, float32 or codes both ways",
     "local-steps": "GEM with 4 and 8 local steps (--outer-learning-rate 0.5, and AGN's 1/lambda), int8 codes both "
-    f"ways, against float32 gradient commits, at 10 and {REFERENCE_WORKERS} workers",
+    f"ways, against float32 gradient commits and DiLoCo's outer Nesterov, at 10 and {REFERENCE_WORKERS} workers",
+    "links": "GEM at 10 workers in float32, int8 both ways, top-k commits with int4 replies, and 4 and 8 local "
+    "steps: run it with --link RATE for time to accuracy across a link",
 }
 
 

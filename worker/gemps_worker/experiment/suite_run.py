@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gemps_worker.experiment.analysis import aggregates, summarize
+from gemps_worker.experiment.on_links import LOCAL, ServerPlacement
 from gemps_worker.experiment.report import (
     describe_setting,
     draw_figures,
@@ -29,8 +30,10 @@ def run_suite(
     discussion: str = "",
     force: bool = False,
     command: str = "gemps experiment",
+    placement: ServerPlacement = LOCAL,
 ) -> int:
-    """Run (or reuse from `out`) every configuration, then write the report and RESULTS.md."""
+    """Run (or reuse from `out`) every configuration, its server where `placement` says, then write
+    the report and RESULTS.md."""
     results: list[RunResult] = []
     for i, config in enumerate(suite, 1):
         saved = out / config.name / "result.json"
@@ -41,7 +44,7 @@ def run_suite(
             print(
                 f"[{i}/{len(suite)}] {config.name}: {config.workers} workers x {config.epochs} epochs ...", flush=True
             )
-            result = run(config, out / config.name)
+            result = run(config, out / config.name, placement=placement)
         s = summarize(result)
         print(
             f"    {s.commits} commits in {s.wall_seconds:.0f}s, final training loss {s.final_training_loss:.4f} "
