@@ -11,7 +11,7 @@ largest values (block_topk.py): `decode_payload` reads every payload dtype, `dec
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,25 +49,36 @@ WIRE_DTYPE_NAMES: dict[str, int] = {DTYPE_NAMES[dtype].removeprefix("DTYPE_").lo
 COMPRESSIONS: dict[str, int] = {"int8": INT8_BLOCK, "int4": INT4_BLOCK, "topk": TOPK_BLOCK}
 #: every encoding θ-sized tensors travel in, by dtype: the names above (the wire bytes' metric labels)
 ENCODING_NAMES: dict[int, str] = {dtype: name for name, dtype in (*WIRE_DTYPE_NAMES.items(), *COMPRESSIONS.items())}
-_QUANTISED_NBYTES = {
-    INT8_BLOCK: block_quantisation.int8_nbytes,
-    INT4_BLOCK: block_quantisation.int4_nbytes,
-    TOPK_BLOCK: block_topk.topk_nbytes,
-}
-_QUANTISED_DECODE = {
-    INT8_BLOCK: block_quantisation.decode_int8,
-    INT4_BLOCK: block_quantisation.decode_int4,
-    TOPK_BLOCK: block_topk.decode_topk,
-}
-_QUANTISED_ENCODE = {
-    INT8_BLOCK: block_quantisation.encode_int8,
-    INT4_BLOCK: block_quantisation.encode_int4,
-    TOPK_BLOCK: block_topk.encode_topk,
-}
-_QUANTISED_WITH_VALUES = {
-    INT8_BLOCK: block_quantisation.int8_with_values,
-    INT4_BLOCK: block_quantisation.int4_with_values,
-    TOPK_BLOCK: block_topk.topk_with_values,
+
+
+@dataclass(frozen=True)
+class _Codes:
+    """A payload encoding's functions (block_quantisation's, block_topk's): its byte count for a value
+    count, its decoder (bytes, count -> values), its encoder, and its encoder that also gives the
+    values the bytes decode to."""
+
+    nbytes: Callable[[int], int]
+    decode: Callable[[bytes | bytearray | memoryview, int], np.ndarray]
+    encode: Callable[[np.ndarray], bytes]
+    with_values: Callable[[np.ndarray], tuple[bytes, np.ndarray]]
+
+
+_CODES = {
+    INT8_BLOCK: _Codes(
+        block_quantisation.int8_nbytes,
+        block_quantisation.decode_int8,
+        block_quantisation.encode_int8,
+        block_quantisation.int8_with_values,
+    ),
+    INT4_BLOCK: _Codes(
+        block_quantisation.int4_nbytes,
+        block_quantisation.decode_int4,
+        block_quantisation.encode_int4,
+        block_quantisation.int4_with_values,
+    ),
+    TOPK_BLOCK: _Codes(
+        block_topk.topk_nbytes, block_topk.decode_topk, block_topk.encode_topk, block_topk.topk_with_values
+    ),
 }
 
 
@@ -109,7 +120,7 @@ def decode(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryv
 def decode_payload(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> np.ndarray:
     """float32 values of a commit payload in any of its dtypes (θ's, or blockwise codes,
     checked: TensorDecodeError for a scale, code or length no encoder writes)."""
-    if dtype not in _QUANTISED_DECODE:
+    if dtype not in _CODES:
         return decode(dtype, shape, data)
     expected = expected_payload_nbytes(dtype, shape)
     if len(data) != expected:
@@ -117,7 +128,7 @@ def decode_payload(dtype: int, shape: tuple[int, ...], data: bytes | bytearray |
             f"{len(data)} bytes of data but shape {list(shape)} of {dtype_name(dtype)} needs {expected}"
         )
     try:
-        return _QUANTISED_DECODE[dtype](data, num_elements(shape)).reshape(shape)
+        return _CODES[dtype].decode(data, num_elements(shape)).reshape(shape)
     except block_quantisation.QuantisedPayloadError as error:
         raise TensorDecodeError(f"{dtype_name(dtype)}: {error}") from None
 
@@ -174,22 +185,22 @@ def expected_payload_nbytes(dtype: int, shape: Sequence[int]) -> int:
     raises TensorDecodeError for another dtype."""
     if any(d < 0 for d in shape):
         raise TensorDecodeError(f"negative dimension in shape {list(shape)}")
-    if dtype in _QUANTISED_NBYTES:
-        return _QUANTISED_NBYTES[dtype](num_elements(shape))
+    if dtype in _CODES:
+        return _CODES[dtype].nbytes(num_elements(shape))
     return expected_nbytes(dtype, shape)
 
 
 def encode_payload(values: np.ndarray, dtype: int) -> bytes:
     """Raw wire bytes of a commit payload's finite float32 values in `dtype` (θ's or blockwise codes)."""
-    if dtype in _QUANTISED_ENCODE:
-        return _QUANTISED_ENCODE[dtype](values)
+    if dtype in _CODES:
+        return _CODES[dtype].encode(values)
     return encode(values, dtype)
 
 
 def quantised_with_values(values: np.ndarray, dtype: int) -> tuple[bytes, np.ndarray]:
     """The bytes of finite float32 values in blockwise codes (`dtype` INT8_BLOCK, INT4_BLOCK or TOPK_BLOCK), and
     the values decode_payload reads from those bytes, shaped as `values`, without reading them again."""
-    data, decoded = _QUANTISED_WITH_VALUES[dtype](values)
+    data, decoded = _CODES[dtype].with_values(values)
     return data, decoded.reshape(np.shape(values))
 
 
