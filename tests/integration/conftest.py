@@ -17,7 +17,7 @@ from gemps_server.replication.local_etcd import LocalEtcd
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.simulated_hosts import SimulatedNetwork, unavailable_reason
 from tests.etcd_server import etcd_server
-from tests.helpers import InProcessServer
+from tests.helpers import InProcessServer, free_port
 
 StartServer = Callable[..., InProcessServer]
 StartServerProcess = Callable[..., ServerProcess]
@@ -61,11 +61,13 @@ def plane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
 
 @pytest.fixture
 def start_server_process() -> Iterator[StartServerProcess]:
-    """Start `gemps server` child processes; all are stopped after the test."""
+    """Start `gemps server` child processes; all are stopped after the test. Their gRPC port comes
+    from the suite's band (free_port) unless given: a test may restart a server on its port, which
+    another test's socket could otherwise be given while it is down."""
     started: list[ServerProcess] = []
 
     def start(**options: Any) -> ServerProcess:
-        server = ServerProcess(**options).start()
+        server = ServerProcess(**{"port": free_port(), **options}).start()
         started.append(server)
         return server
 

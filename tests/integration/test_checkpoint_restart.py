@@ -24,7 +24,7 @@ from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.checkpoint_files import list_checkpoints, load, load_latest
 from gemps_worker.cluster import ServerProcess
-from tests.helpers import gemps_export, wait_for
+from tests.helpers import free_port, gemps_export, wait_for
 from tests.integration.conftest import NUM_PARAMETERS, StartServer, open_stub, register
 
 PARAMS = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(2, np.float32)}
@@ -45,7 +45,7 @@ def servers() -> Iterator[list[ServerProcess]]:
 
 
 def start(servers: list[ServerProcess], **options: Any) -> ServerProcess:
-    server = ServerProcess(**options).start()
+    server = ServerProcess(**{"port": free_port(), **options}).start()  # restarted on its port: the suite's band
     servers.append(server)
     return server
 
