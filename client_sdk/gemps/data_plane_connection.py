@@ -184,8 +184,9 @@ class DataConnection:
     def hello(self, worker_id: str, ticket: bytes) -> None:
         """Bind this connection to the registration of `worker_id`: a CHALLENGE, which the server
         answers with its proof, then (that proof checked) this end's in a HELLO; a refusal raised
-        typed, an answer that proves nothing as ServerNotProven. No answer at all is Unreachable:
-        a port that is not a data plane, or TLS refused late (1.3)."""
+        typed, an answer that proves nothing as ServerNotProven. No answer at all, or one in another
+        protocol, is Unreachable: a port that is not a data plane (whoever took a dead server's port
+        since), or TLS refused late (1.3)."""
         try:
             with self._typed():
                 self._write([memoryview(self._protocol.send(Challenge(worker_id, ticket, self.proven_address)))])
@@ -203,7 +204,7 @@ class DataConnection:
         connection closed, nothing more sent), or the refusal it sent raised typed."""
         if self._protocol.awaited != Op.CHALLENGE:
             raise RuntimeError("no CHALLENGE's answer is awaited")
-        event = self._event()
+        event = self._event(first_answer=True)
         if isinstance(event, Refused):
             self._refused(event)
         assert isinstance(event, ServerProven), event
@@ -307,9 +308,10 @@ class DataConnection:
                 f"UNAVAILABLE: data plane of {self.address}: {_why(error)}", errors.ServerUnavailableError.code
             ) from None
 
-    def _event(self) -> ClientEvent:
+    def _event(self, first_answer: bool = False) -> ClientEvent:
         """The protocol's next event, reading what it asks for (exactly: θ straight into the array
-        it was told to read it into); a ProtocolError closes the connection, raised typed."""
+        it was told to read it into); a ProtocolError closes the connection, raised typed (as
+        Unreachable in the `first_answer` from the port: what listens there is no data plane)."""
         protocol, filled = self._protocol, 0
         with self._typed():
             while (event := protocol.next_event()) is NEED_DATA:
@@ -328,6 +330,9 @@ class DataConnection:
                     ServerNotProven.code,
                     Reason.UNAUTHENTICATED,
                 )
+            if first_answer:
+                self.close()
+                raise Unreachable(self.address, f"it answers in another protocol ({event.message})")
             self.protocol_error(event.message)
         return event
 

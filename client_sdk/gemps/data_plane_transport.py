@@ -342,7 +342,8 @@ class DataPlaneTransport:
         """The data port of our registration stopped answering. gRPC down too: the server is down
         (retried). gRPC up: it restarted elsewhere or without a data plane, and registering again
         gets its current offer (or none)."""
-        self.grpc.status()  # raises UNAVAILABLE while the server is down
+        with errors.gone_if_foreign(self.target):  # raises UNAVAILABLE while the server is down
+            self.grpc.status()
         return errors.WorkerNotFoundError(
             f"data plane of {self.target} at {unreachable.address} unreachable ({unreachable.why}) while "
             "gRPC answers: registering again for the server's current offer",

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -249,3 +250,21 @@ def worth_another_attempt(error: GempsError) -> bool:
     """Whether a call that failed so may succeed when done again (after registering again, or
     pulling θ again)."""
     return isinstance(error, RETRIED) or server_forgot_worker(error) or base_version_ahead(error)
+
+
+@contextlib.contextmanager
+def gone_if_foreign(target: str) -> Iterator[None]:
+    """A call to a server this client was registered with: UNIMPLEMENTED there means another gRPC
+    service answers at its address now (whoever took its port since it died), raised as the
+    server being unavailable, so the call is retried (and a follower looks it up again) instead of
+    failing as though the server had refused it."""
+    try:
+        yield
+    except GempsError as error:
+        if error.code != grpc.StatusCode.UNIMPLEMENTED:
+            raise
+        raise ServerUnavailableError(
+            f"UNAVAILABLE: {target} answers as another gRPC service ({error.message or 'UNIMPLEMENTED'}): "
+            "the gemps server that was there is gone",
+            ServerUnavailableError.code,
+        ) from None

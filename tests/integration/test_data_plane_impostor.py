@@ -11,6 +11,8 @@ acknowledged by it; the SDK says what it refused, and its commits go to the real
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import logging
 import mmap
@@ -24,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -231,5 +234,81 @@ def test_an_impostor_on_a_dead_servers_address_gets_nothing_and_acknowledges_not
         assert refused, warnings
         assert "data plane" in refused[0] and where in refused[0]
     finally:
+        client.close()
+        restarted.close()
+
+
+@pytest.mark.parametrize("plane", ["data", "auto"])
+def test_another_protocol_on_a_dead_servers_data_port_sends_the_client_back_to_registering(
+    plane: str, start_server_process: StartServerProcess
+) -> None:
+    """Not an impostor: whatever took the dead server's data port since (once, in a full run, a
+    neighbour's gRPC server) answers the CHALLENGE in another protocol. That port is no data plane:
+    the client asks gRPC, finds the restarted server and registers again with it, even with
+    plane="data" (it raised "not a gemps data-plane frame" before, giving up on the call)."""
+    server = start_server_process()
+    client = gemps.Client(server.target, plane=plane, shared_memory=False, retry=FAST_RETRY, timeout=60)
+    squatter = socket.socket()
+    restarted = ServerProcess(port=server.port)
+    try:
+        client.register({"w": np.zeros(P, np.float32)})
+        client.commit(np.ones(P, np.float32))
+        offer = transport_of(client)._offer
+        assert offer is not None
+        server.kill()
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", offer.port))
+        squatter.listen()
+        # A gRPC server's first frame: HTTP/2 SETTINGS, 24 bytes of 4 settings after its 9-byte header.
+        http2_settings = b"\x00\x00\x18\x04\x00\x00\x00\x00\x00" + bytes(24)
+
+        def answer() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    connection, _ = squatter.accept()
+                    connection.sendall(http2_settings)
+
+        threading.Thread(target=answer, daemon=True).start()
+        restarter = threading.Timer(1.0, restarted.start)
+        restarter.start()
+        result = client.commit(np.ones(P, np.float32))
+        restarter.join()
+        assert result.version == 1  # the restarted server's first commit: registered again there
+        assert transport_of(client)._offer != offer
+    finally:
+        client.close()
+        squatter.close()
+        restarted.close()
+
+
+def test_another_grpc_service_on_a_dead_servers_port_is_the_server_gone_not_a_refusal(
+    start_server_process: StartServerProcess,
+) -> None:
+    """Its data plane unreachable, the client asks the server's gRPC address whether the server is
+    up; another gRPC service took that port since (in a full run, a Ray process) and answers
+    UNIMPLEMENTED. That is the server gone, retried until it is back, not a refusal to give up on
+    (the Ray worker following its partition failed on it)."""
+    server = start_server_process()
+    client = gemps.Client(server.target, plane="data", shared_memory=False, retry=FAST_RETRY, timeout=60)
+    foreign = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))  # no gemps service
+    restarted = ServerProcess(port=server.port)
+    try:
+        client.register({"w": np.zeros(P, np.float32)})
+        client.commit(np.ones(P, np.float32))
+        server.kill()
+        assert foreign.add_insecure_port(f"127.0.0.1:{server.port}") == server.port
+        foreign.start()
+
+        def swap() -> None:  # the other service goes, and the gemps server comes back on its port
+            foreign.stop(None).wait()
+            restarted.start()
+
+        swapper = threading.Timer(1.5, swap)
+        swapper.start()
+        result = client.commit(np.ones(P, np.float32))
+        swapper.join()
+        assert result.version == 1  # registered again with the restarted server
+    finally:
+        foreign.stop(None)
         client.close()
         restarted.close()
