@@ -14,6 +14,7 @@ time.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,24 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             return SERIAL_GROUPS.get(module) or super()._split_scope(nodeid)
 
     return ModuleGroups(config, log)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def etcd_ports_from_the_band() -> Iterator[None]:
+    """The etcds a test process starts take their loopback ports from the suite's band
+    (tests.helpers.free_port), as servers that restart on their port do: an etcd restarted on its
+    ports (test_etcd_loss's, a private etcd started again on its data) leaves them free a moment,
+    and in a fresh clone's run another etcd's client then met a peer listener there ("Method Not
+    Allowed"). Ports of other hosts' addresses stay the kernel's."""
+    from gemps_server.replication import local_etcd
+    from tests.helpers import free_port
+
+    ephemeral = local_etcd._free_port
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            local_etcd, "_free_port", lambda host="127.0.0.1": free_port() if host == "127.0.0.1" else ephemeral(host)
+        )
+        yield
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
