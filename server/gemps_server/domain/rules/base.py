@@ -93,15 +93,15 @@ class ApplyStats:
         """Statistics of a per-parameter `scaling`; given the commit's `delta`, over the parameters
         it moves (delta != 0) alone, as the compiled passes count them: where delta = 0, GEM's pi
         reads 0 or pi_max and says nothing of the commit (a top-k payload's zeros)."""
-        if delta is None:
-            delta = np.ones(scaling.shape, np.float32)
-        moving = delta != 0
-        count = np.count_nonzero(moving)
+        moving = None if delta is None else delta != 0
+        count = scaling.size if moving is None else np.count_nonzero(moving)
         if count == 0:
             return cls.constant(0.0) if scaling.size == 0 else cls(0.0, 0.0, 0.0, 0.0, proxy_energy, central_energy)
         stride = sample_stride(scaling.size)
-        moved = scaling[moving]
-        sample = scaling[::stride][moving[::stride]]
+        if moving is None or count == scaling.size:  # a dense commit: no copies of pi (P values)
+            moved, sample = scaling, scaling[::stride]
+        else:
+            moved, sample = scaling[moving], scaling[::stride][moving[::stride]]
         mean = float(moved.mean(dtype=np.float64))
         return cls(
             scaling_mean=mean,
