@@ -11,7 +11,6 @@ acknowledged by it; the SDK says what it refused, and its commits go to the real
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import json
 import logging
@@ -26,7 +25,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 
@@ -278,37 +276,4 @@ def test_another_protocol_on_a_dead_servers_data_port_sends_the_client_back_to_r
     finally:
         client.close()
         squatter.close()
-        restarted.close()
-
-
-def test_another_grpc_service_on_a_dead_servers_port_is_the_server_gone_not_a_refusal(
-    start_server_process: StartServerProcess,
-) -> None:
-    """Its data plane unreachable, the client asks the server's gRPC address whether the server is
-    up; another gRPC service took that port since (in a full run, a Ray process) and answers
-    UNIMPLEMENTED. That is the server gone, retried until it is back, not a refusal to give up on
-    (the Ray worker following its partition failed on it)."""
-    server = start_server_process()
-    client = gemps.Client(server.target, plane="data", shared_memory=False, retry=FAST_RETRY, timeout=60)
-    foreign = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))  # no gemps service
-    restarted = ServerProcess(port=server.port)
-    try:
-        client.register({"w": np.zeros(P, np.float32)})
-        client.commit(np.ones(P, np.float32))
-        server.kill()
-        assert foreign.add_insecure_port(f"127.0.0.1:{server.port}") == server.port
-        foreign.start()
-
-        def swap() -> None:  # the other service goes, and the gemps server comes back on its port
-            foreign.stop(None).wait()
-            restarted.start()
-
-        swapper = threading.Timer(1.5, swap)
-        swapper.start()
-        result = client.commit(np.ones(P, np.float32))
-        swapper.join()
-        assert result.version == 1  # registered again with the restarted server
-    finally:
-        foreign.stop(None)
-        client.close()
         restarted.close()
