@@ -308,6 +308,13 @@ async def serve(
         if not supervision.parent_is(config.supervisor_pid):
             event(log, "cannot start", level=logging.ERROR, error=f"supervisor {config.supervisor_pid} is gone")
             raise SystemExit(2)
+    # Handlers first: a supervisor may send SIGTERM the moment the port file appears, and the
+    # default action would kill the server before it logs its configuration or stops gracefully.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not on the main thread
+            loop.add_signal_handler(sig, stop.set)
     server = ParameterServer(config)
     try:
         await server.start()
@@ -317,11 +324,6 @@ async def serve(
     log_configuration(config, origins)  # once it serves: a server that cannot start says so in one line
     if ready is not None:
         ready.set()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):  # not on the main thread
-            loop.add_signal_handler(sig, stop.set)
     closed = asyncio.create_task(server.wait_closed())
     stopping = asyncio.create_task(stop.wait())
     watching = asyncio.create_task(_watch_supervisor(config.supervisor_pid, stop))

@@ -6,6 +6,8 @@ reads."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -25,6 +27,7 @@ from tests.raw_http2 import RawConnection, grpc_frame
 PARAMS = {"w": np.zeros(64, np.float32)}
 WORKERS = 4
 ROUNDS = 6  # the hang this guards against came in about half the runs
+QUIET = ("--port", "0", "--data-port", "0", "--metrics-port", "-1")
 FEW_RETRIES = gemps.RetryPolicy(max_attempts=2, initial_backoff=0.05, max_backoff=0.1)
 
 
@@ -118,3 +121,23 @@ def test_a_watch_whose_client_never_reads_does_not_hold_shutdown() -> None:
         assert code == 0, server.log()[-3000:]
     assert statuses == [health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING]
     assert took < grace / 4, f"shutdown took {took:.1f} s of a {grace:g} s grace period"
+
+
+def test_a_sigterm_the_moment_the_port_file_appears_is_a_graceful_stop(tmp_path: Path) -> None:
+    """A supervisor may stop a server as soon as its port file says it serves. The handlers used to
+    be installed after that, so SIGTERM there killed the process (-15) before it logged its
+    configuration (CI saw the `configuration` line missing) and without a graceful stop."""
+    port_file = tmp_path / "server.port"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gemps_cli", "server", *QUIET, "--port-file", str(port_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while not port_file.exists() and process.poll() is None and time.monotonic() < deadline:
+        pass  # a busy wait: the signal must follow the file as closely as a process can
+    process.terminate()
+    output = process.communicate(timeout=60)[0].decode()
+    assert process.returncode == 0, output
+    assert "configuration" in output and "stopped" in output, output
