@@ -4,27 +4,45 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import numpy as np
 import pytest
 from gemps_bench.peers import reference_p2p, torch_rpc
 from gemps_bench.peers.common import ChildSpec, PeerConfig, PeerError, client_gradient, initial_theta, run_processes
+from gemps_bench.results import LoadResult
 
 from gemps_proto.schema import PayloadKind
 from gemps_server.domain.rules import create_rule
-from tests.helpers import training
+from tests.helpers import free_port, training
 
 PEERS = [pytest.param(torch_rpc, id="torch-rpc"), pytest.param(reference_p2p, id="reference-p2p")]
+# Two clients of torch-rpc over TCP: on one host TensorPipe's shared-memory transport sometimes hung
+# a trainer in init_rpc under the full suite's load until std::bad_alloc aborted it (2 of 3 fresh
+# clones' runs, never alone or under CPU load only); the shm transport stays exercised with one
+# client below and by the quick bench (tests/e2e/test_bench.py).
+RUNS: list[tuple[Callable[..., LoadResult], str]] = [
+    (torch_rpc.run_tcp, torch_rpc.SYSTEM_TCP),
+    (reference_p2p.run, reference_p2p.SYSTEM),
+]
+
+
+@pytest.fixture(autouse=True)
+def rendezvous_ports_from_the_suites_band() -> Iterator[None]:
+    """torch.distributed's rendezvous port from the band no port-0 bind can take meanwhile."""
+    with pytest.MonkeyPatch.context() as patch:
+        for peer in (torch_rpc, reference_p2p):
+            patch.setattr(peer, "free_port", free_port)
+        yield
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("peer", PEERS)
-def test_two_clients_commit_inside_the_window(peer: ModuleType) -> None:
-    result = peer.run(10_000, clients=2, duration=2.0, warmup=0.5)
+@pytest.mark.parametrize(("run", "system"), RUNS, ids=["torch-rpc-tcp", "reference-p2p"])
+def test_two_clients_commit_inside_the_window(run: Callable[..., LoadResult], system: str) -> None:
+    result = run(10_000, clients=2, duration=2.0, warmup=0.5)
 
-    assert result.system == peer.SYSTEM
+    assert result.system == system
     assert (result.num_parameters, result.clients, result.seconds) == (10_000, 2, 2.0)
     assert len(result.per_client_commits) == 2
     assert all(commits > 0 for commits in result.per_client_commits)
