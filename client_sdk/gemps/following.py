@@ -9,6 +9,7 @@ Transport itself, so the session's retries and the router's concurrent calls nee
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import TypeVar
@@ -94,8 +95,12 @@ class FollowingTransport:
     def _call(self, call: Callable[[Transport], T]) -> T:
         if self._suspect:
             self._follow()
+        # Once registered here, another gRPC service at the address (UNIMPLEMENTED) is whoever
+        # took the port since the server died: gone, retried, on every call (registering again too).
+        known = self.registered is not None and self.registered() is not None
         try:
-            result = call(self.transport)
+            with errors.gone_if_foreign(self.transport.target) if known else contextlib.nullcontext():
+                result = call(self.transport)
         except errors.RETRIED:
             self._suspect = True
             raise

@@ -11,6 +11,7 @@ acknowledged by it; the SDK says what it refused, and its commits go to the real
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -25,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -276,4 +278,49 @@ def test_another_protocol_on_a_dead_servers_data_port_sends_the_client_back_to_r
     finally:
         client.close()
         squatter.close()
+        restarted.close()
+
+
+@pytest.mark.parametrize("plane", ["grpc", "data"])
+def test_another_grpc_service_on_a_dead_servers_port_is_the_server_gone_not_a_refusal(
+    plane: str, start_server_process: StartServerProcess
+) -> None:
+    """The server a client registered with dies and another gRPC service takes its port (in a full
+    run, a Ray process did): it answers UNIMPLEMENTED to whatever the client asks - the commit on
+    gRPC, the data plane's "is the server up?", registering again. That is the server gone, retried
+    until it is back, never a refusal to give up on. The other service stays until the client has
+    met it at least once, so the swap's timing cannot decide the outcome."""
+    server = start_server_process()
+    client = gemps.Client(server.target, plane=plane, shared_memory=False, retry=FAST_RETRY, timeout=60)
+    met = threading.Event()
+
+    class Meter(grpc.ServerInterceptor):
+        def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+            met.set()
+            return continuation(details)
+
+    # No gemps service: every call is UNIMPLEMENTED, after the interceptor has seen it.
+    foreign = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2), interceptors=[Meter()])
+    restarted = ServerProcess(port=server.port)
+    try:
+        client.register({"w": np.zeros(P, np.float32)})
+        client.commit(np.ones(P, np.float32))
+        server.kill()
+        assert foreign.add_insecure_port(f"127.0.0.1:{server.port}") == server.port
+        foreign.start()
+
+        def swap() -> None:  # once met, the other service goes and the gemps server comes back
+            met.wait(60)
+            foreign.stop(None).wait()
+            restarted.start()
+
+        swapper = threading.Thread(target=swap)
+        swapper.start()
+        result = client.commit(np.ones(P, np.float32))
+        swapper.join()
+        assert met.is_set()
+        assert result.version == 1  # registered again with the restarted server
+    finally:
+        foreign.stop(None)
+        client.close()
         restarted.close()
