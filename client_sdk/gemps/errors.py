@@ -73,7 +73,7 @@ class FailedPreconditionError(GempsError):
 
 
 class IncompatibleVersionError(FailedPreconditionError):
-    """The server and this SDK share no protocol version (README: version policy): refused by the
+    """The server and this SDK share no protocol version (docs/guides/sdk.md: version policy): refused by the
     server on Register, or by the SDK on the server's Register or Status reply. The message names
     both ends' versions."""
 

@@ -1,7 +1,7 @@
 """What a commit says about its batch when the training loop does not: the samples, read from the
 model's inputs, and a warning once when no loss is given.
 
-The README's loop calls `optimizer.step()` with no arguments. The server's samples counter
+The SDK guide's loop (docs/guides/sdk.md) calls `optimizer.step()` with no arguments. The server's samples counter
 (`gemps_training_samples_total`) and its gradient-noise estimate need each commit's batch size:
 a forward pre-hook on the model counts the leading dimension of the first tensor argument of
 every forward run with gradients enabled since the last step (several for gradient accumulation;

@@ -244,7 +244,7 @@ class Shard:
     shared_with: int = 0  # other active workers holding `index` at registration: they read the same batches
 
     def __iter__(self) -> Iterator[int]:
-        """`index, count = shard`, the shape the README gives it."""
+        """`index, count = shard`, the shape the SDK guide gives it."""
         return iter((self.index, self.count))
 
     def describe(self) -> str:

@@ -79,5 +79,5 @@ def incompatibility(server: Versions, client: Versions) -> str | None:
     newer = "server" if server.oldest_protocol > client.protocol else "client"
     return (
         f"incompatible versions: server {server.describe()}, client {client.describe()}; "
-        f"upgrade the {'client' if newer == 'server' else 'server'} (README: version policy)"
+        f"upgrade the {'client' if newer == 'server' else 'server'} (docs/guides/sdk.md: version policy)"
     )

@@ -155,4 +155,4 @@ def test_workers_scale_down_and_up_while_training(stack: Stack) -> None:
         run(["podman", "stats", "--no-stream", "--format", "json", *stack.containers("worker")], 60).stdout
     )
     for entry in stats:
-        print(f"{entry['name']}: {entry['mem_usage']}")  # the README's sizing advice comes from these
+        print(f"{entry['name']}: {entry['mem_usage']}")  # the containers guide's sizing advice comes from these

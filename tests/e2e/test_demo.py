@@ -1,4 +1,5 @@
-"""The README's main job, reduced: `gemps demo` end to end in real processes."""
+"""The README's main job, reduced: `gemps demo` end to end in real processes (docs/getting-started.md
+walks through it)."""
 
 from __future__ import annotations
 

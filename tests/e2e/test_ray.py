@@ -1,6 +1,6 @@
 """gemps on a real multi-node Ray cluster built here: `ray.cluster_utils.Cluster` starts a head and
 two more nodes, each its own raylet with its own resources, so where actors land is Ray's real
-scheduling. Three jobs: the README's `gemps ray` command end to end (partitions on distinct
+scheduling. Three jobs: the Ray guide's `gemps ray` command (docs/guides/ray.md) end to end (partitions on distinct
 nodes, the demo's accuracy bar, the export against the servers' final checkpoints), worker and
 partition actors killed mid-run (the chaos tests' invariants), and `ray.cancel` of the task
 running a job (everything ends cleanly).
@@ -44,7 +44,7 @@ from gemps_worker.on_ray.actors import STATE_FILE  # noqa: E402
 from gemps_worker.on_ray.local import LOOPBACK, local_cluster  # noqa: E402
 from tests.helpers import wait_for  # noqa: E402
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+RAY_GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "ray.md"  # the README's Ray section, moved
 NODES = 3
 CPUS_PER_NODE = 1
 # Small slices of each node's one CPU, so a job's actors fit beside each other on 3 CPUs.
@@ -73,8 +73,9 @@ def node_ids() -> set[str]:
 
 
 def readme_command() -> list[str]:
-    """The `gemps ray ...` line of the README's "On a Ray cluster" section, as argv after `gemps`."""
-    section = README.read_text().split("## On a Ray cluster", 1)[1]
+    """The `gemps ray ...` line of the Ray guide ("On a Ray cluster", once the README's section), as
+    argv after `gemps`."""
+    section = RAY_GUIDE.read_text().split("# On a Ray cluster", 1)[1]
     line = next(line for line in section.splitlines() if line.startswith("gemps ray "))
     return shlex.split(line.split("#", 1)[0])[1:]
 
@@ -275,7 +276,7 @@ def train_with_remote_optimizer(context: WorkerContext) -> int:
     data = load_digits()
     inputs, targets = torch.from_numpy(data.train_x).flatten(1), torch.from_numpy(data.train_y)
     model = torch.nn.Linear(inputs.shape[1], data.num_classes)
-    optimizer = RemoteOptimizer(model, gemps.Client(context.target, stop=context.stop))  # as the README's
+    optimizer = RemoteOptimizer(model, gemps.Client(context.target, stop=context.stop))  # as the Ray guide's
     generator = torch.Generator().manual_seed(context.index)
     steps = 0
     try:

@@ -1,9 +1,13 @@
-"""Every ```python block of README.md runs as written, against a real server (in this process, port 0).
+"""Every ```python block of README.md and of the documentation's pages (docs/index.md,
+docs/getting-started.md, docs/guides/*.md) runs as written, against a real server (in this
+process, port 0).
 
-What the README leaves to the reader (`my_batches`, `MyResNet`, `grad_w`, ...) comes from a small
+What the pages leave to the reader (`my_batches`, `MyResNet`, `grad_w`, ...) comes from a small
 namespace; the block's "127.0.0.1:50051" becomes the server's address. Each block gets a fresh
-server, since θ's shape differs between blocks. A block is checked by the one entry of CHECKS whose
-marker it contains: a new block without one fails, so none is skipped silently.
+server, since θ's shape differs between blocks, and runs in a folder of its own. A block is checked
+by the one entry of CHECKS whose marker it contains: a new block without one fails, so none is
+skipped silently; a block that reads a file the pages say another command wrote (the demo's
+`runs/demo/model.npz`) has it written first by that command's own code (PREPARE).
 """
 
 from __future__ import annotations
@@ -25,7 +29,16 @@ from gemps.client import Client
 from gemps.records import ServerStatus
 from tests.integration.conftest import StartServer
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+# The pages whose ```python blocks run: the README and the site's pages meant to be followed.
+PAGES = sorted(
+    [
+        ROOT / "README.md",
+        ROOT / "docs" / "index.md",
+        ROOT / "docs" / "getting-started.md",
+        *(ROOT / "docs" / "guides").glob("*.md"),
+    ]
+)
 README_ADDRESS = "127.0.0.1:50051"
 FEATURES, CLASSES = 64, 10  # the README's Linear(64, 10)
 BATCHES, BATCH_SIZE = 3, 8
@@ -34,12 +47,17 @@ BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 @dataclass(frozen=True)
 class Block:
-    line: int  # README.md's line just before the code (the fence), so line numbers in tracebacks match
+    page: str  # the page's path from the repository's root
+    line: int  # the page's line just before the code (the fence), so line numbers in tracebacks match
     code: str
 
+    @property
+    def name(self) -> str:
+        return f"{self.page}:{self.line}"
 
-def python_blocks(text: str) -> list[Block]:
-    return [Block(text.count("\n", 0, match.start()) + 1, match.group(1)) for match in BLOCK.finditer(text)]
+
+def python_blocks(text: str, page: str = "README.md") -> list[Block]:
+    return [Block(page, text.count("\n", 0, match.start()) + 1, match.group(1)) for match in BLOCK.finditer(text)]
 
 
 @dataclass
@@ -93,6 +111,12 @@ def trained_one_commit_per_batch(ran: Ran) -> None:
     assert ran.status.active_workers == 0  # it left the server
 
 
+def readme_optimizer(ran: Ran) -> None:
+    """The README's short loop: one commit per batch with the loss, then it left."""
+    trained_one_commit_per_batch(ran)
+    assert ran.status.recent.loss_commits == BATCHES  # step(loss=loss) reported each loss
+
+
 def remote_optimizer(ran: Ran) -> None:
     trained_one_commit_per_batch(ran)
     assert ran.status.buffer_spec  # the batch norm's statistics live on the server too
@@ -116,45 +140,88 @@ def async_client(ran: Ran) -> None:
     assert ran.status.active_workers == 0
 
 
+def demo_model(ran: Ran) -> None:
+    """Getting started's loading of the demo's model.npz: every name loaded, the version read."""
+    assert ran.namespace["version"] == 0  # the checkpoint PREPARE wrote: θ as registered
+    model = ran.namespace["model"]
+    assert set(ran.namespace["state"]) == set(model.state_dict())
+    assert 0.0 <= ran.namespace["accuracy"] <= 1.0
+    assert ran.status.version == 0  # it read a file: nothing was committed
+
+
 def options(ran: Ran) -> None:
     config = ran.namespace["config"]
     assert (config.server, config.epochs) == (ran.target, 1)  # the defaults: no flags, no GEMPS_* variables
     assert not ran.status.initialized  # it only parses options
 
 
+def write_demo_model(target: str) -> None:
+    """`runs/demo/model.npz` in the current folder, written by the demo's own writer from θ as a
+    real server holds it once the demo's model registered (version 0)."""
+    from gemps_worker.datasets import load_dataset
+    from gemps_worker.demo import _save_checkpoint
+    from gemps_worker.models import build_model
+
+    data = load_dataset("digits")
+    model = build_model("digits-cnn", data.input_shape, data.num_classes)
+    with Client(target) as client:
+        client.register({name: tensor.detach().numpy() for name, tensor in model.state_dict().items()})
+        central = client.pull()
+    Path("runs/demo").mkdir(parents=True)
+    _save_checkpoint(Path("runs/demo/model.npz"), central)
+
+
 # marker in the block -> what must hold after it ran
 CHECKS: dict[str, Callable[[Ran], None]] = {
-    "RemoteOptimizer(": remote_optimizer,
+    "optimizer.step(loss=loss)": readme_optimizer,
+    "MyResNet()": remote_optimizer,
     "RemoteModel(": remote_model,
     "gemps.Client(": client,
     "options.add_arguments(": options,
     "AsyncClient(": async_client,
+    "runs/demo/model.npz": demo_model,
 }
-BLOCKS = python_blocks(README.read_text())
+# marker -> what must exist before the block runs (given the server's address), in the block's folder
+PREPARE: dict[str, Callable[[str], None]] = {"runs/demo/model.npz": write_demo_model}
+BLOCKS = [block for page in PAGES for block in python_blocks(page.read_text(), str(page.relative_to(ROOT)))]
 
 
 def check_of(block: Block) -> Callable[[Ran], None]:
     found = [check for marker, check in CHECKS.items() if marker in block.code]
-    assert len(found) == 1, f"README.md:{block.line}: give this block exactly one entry in CHECKS ({len(found)} match)"
+    assert len(found) == 1, f"{block.name}: give this block exactly one entry in CHECKS ({len(found)} match)"
     return found[0]
 
 
 def test_every_check_has_its_block() -> None:
     for marker in CHECKS:
-        assert sum(marker in block.code for block in BLOCKS) == 1, f"{marker!r}: not in exactly one README block"
+        assert sum(marker in block.code for block in BLOCKS) == 1, f"{marker!r}: not in exactly one block"
+    assert set(PREPARE) <= set(CHECKS)
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=lambda block: f"README.md:{block.line}")
-def test_readme_block_runs(block: Block, start_server: StartServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_pages_are_read() -> None:
+    """The README and the pages the site is built from, each found (a moved page fails here, not silently)."""
+    names = {str(page.relative_to(ROOT)) for page in PAGES}
+    assert {"README.md", "docs/index.md", "docs/getting-started.md", "docs/guides/sdk.md"} <= names
+    assert {block.page for block in BLOCKS} >= {"README.md", "docs/getting-started.md", "docs/guides/sdk.md"}
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda block: block.name)
+def test_readme_block_runs(
+    block: Block, start_server: StartServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     check = check_of(block)
     server = start_server()
     monkeypatch.setattr(sys, "argv", ["readme"])  # a block's parse_args() reads sys.argv, pytest's here
     for name in [name for name in os.environ if name.startswith("GEMPS_")]:
         monkeypatch.delenv(name)  # and options.from_sources the environment
+    monkeypatch.chdir(tmp_path)  # relative paths a block reads or writes stay in a folder of its own
+    for marker, prepare in PREPARE.items():
+        if marker in block.code:
+            prepare(server.target)
     batches = Batches()
     globals_ = namespace(batches)
     code = "\n" * block.line + block.code.replace(README_ADDRESS, server.target)
-    exec(compile(code, str(README), "exec", dont_inherit=True), globals_)  # not this file's __future__
+    exec(compile(code, str(ROOT / block.page), "exec", dont_inherit=True), globals_)  # not this file's __future__
     with Client(server.target) as observer:
         status = observer.status()
     check(Ran(globals_, batches, status, server.target))

@@ -106,7 +106,7 @@ def test_every_commands_options_are_known() -> None:
 def _mentioned() -> dict[str, set[str]]:
     """GEMPS_* names the deployment files, docs, Makefile and code read or set, by name -> files."""
     texts = [ROOT / "docker-compose.yml", ROOT / "Makefile", ROOT / "README.md"]
-    texts += [*ROOT.glob("deploy/**/*"), *ROOT.glob("docs/*.md"), *ROOT.glob("tools/*")]
+    texts += [*ROOT.glob("deploy/**/*"), *ROOT.glob("docs/**/*.md"), *ROOT.glob("tools/*")]
     found: dict[str, set[str]] = {}
     for path in texts:
         if path.is_file():

@@ -1,7 +1,7 @@
 """The distribution's metadata, checked from pyproject.toml and the sources (no wheel or venv built):
 the base install is the SDK's runtime needs and nothing more, the floors are the generated code's
 own guards, the license ships in the wheel, and the Pythons claimed are the one the suite runs on.
-The sizes and the floors as measured in fresh venvs are in the README ("Installing").
+The sizes and the floors as measured in fresh venvs are in docs/guides/install.md (the README's "Install" section once).
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def test_each_schema_type_has_its_messages_fields(face: type[Any], message: Desc
 
 
 def test_a_shard_unpacks_as_index_and_count() -> None:
-    """The README's `(index, count)`, without losing the record's fields, equality or frozenness."""
+    """The SDK guide's `(index, count)`, without losing the record's fields, equality or frozenness."""
     shard = schema.Shard(2, 5)
     index, count = shard
     assert (index, count) == (shard.index, shard.count) == (2, 5)
