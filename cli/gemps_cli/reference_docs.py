@@ -105,7 +105,7 @@ def command_parsers() -> dict[str, argparse.ArgumentParser]:
     for name, (_summary, _module, needed) in COMMANDS.items():
         command = _subparsers(build_parser([name]))[name]
         if command.get_default("flags_unknown"):  # main._explain_missing: no flags, an install hint
-            raise RuntimeError(f"gemps {name}'s flags need {extras.install_hint('gemps ' + name, needed)}")
+            raise RuntimeError(f"gemps {name}'s flags cannot be listed: {extras.install_hint('gemps ' + name, needed)}")
         parsers[name] = command
     return parsers
 
@@ -176,7 +176,9 @@ def _stated_default(stated: str) -> str:
         value = ast.literal_eval(stated)
     except (ValueError, SyntaxError):
         return _cell(stated)
-    return _code(value) if isinstance(value, str) and value else "" if value == "" else _code(stated)
+    if isinstance(value, str):
+        return _code(value) if value else ""
+    return _code(stated)
 
 
 def commands_markdown() -> str:
@@ -208,7 +210,8 @@ def commands_markdown() -> str:
             if title:
                 out.append(f"*{_text(title)}*")
             for row in rows:
-                readers.setdefault(row.variable, []).append(_code(command))
+                if row.variable:
+                    readers.setdefault(row.variable, []).append(_code(command))
             out.append(
                 _table(
                     ["Flag", "Variable", "Default", "Description"],
@@ -246,11 +249,11 @@ def _variables(readers: dict[str, list[str]]) -> str:
     read elsewhere (environment.NOT_OPTIONS): the names --strict-env accepts."""
     names = set(readers) | environment.known_options() | set(environment.NOT_OPTIONS)
     rows = []
-    for name in sorted(names - {""}):
-        read_by = list(dict.fromkeys(readers.get(name, [])))
+    for name in sorted(names):
+        read_by = list(dict.fromkeys(readers.get(name, [])))  # once per command (status and export: --token)
         if name in environment.NOT_OPTIONS:
             read_by.append(_cell(environment.NOT_OPTIONS[name]))
-        rows.append([_code(name), ", ".join(read_by) or "an option of a command that could not be built here"])
+        rows.append([_code(name), ", ".join(read_by)])
     return (
         "Every `GEMPS_*` name a gemps command accepts: the flags' variables above, and those read elsewhere (the "
         "SDK, the compose files, the tests, the tools).\n\n" + _table(["Variable", "Read by"], rows)

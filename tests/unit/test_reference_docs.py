@@ -191,7 +191,7 @@ def test_every_table_row_has_its_headers_cell_count(cli_page: str, metrics_page:
 def test_a_command_without_its_extras_stops_the_page(monkeypatch: pytest.MonkeyPatch) -> None:
     """Its parser would have no flags (main._explain_missing): the page must not silently lose them."""
     monkeypatch.setattr("gemps_cli.extras.missing", lambda needed: list(needed))
-    with pytest.raises(RuntimeError, match="gemps server's flags need"):
+    with pytest.raises(RuntimeError, match="flags cannot be listed: gemps server needs the server extra"):
         reference_docs.command_parsers()
 
 
