@@ -321,7 +321,10 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
                 # ... and the server's GEM histograms likewise (one scrape of them while they moved
                 # left the energy panel without a rate once, with workers done in 1.5 s).
                 energy = prometheus.instant('increase(gemps_gem_energy_count{job="gemps-server"}[10s]) > 0')
-                return len(moving) == WORKERS and len(energy) > 0
+                # ... and the noise scale's gauges: NaN until enough windows are measured, and again once the
+                # workers leave (on a loaded machine no scrape fell between the two once).
+                noise = prometheus.instant('gemps_gradient_square{job="gemps-server"} > 0')
+                return len(moving) == WORKERS and len(energy) > 0 and len(noise) > 0
 
             wait_for(workers_seen_training, 120, "prometheus to see every worker training", poll=0.5)
             for worker in workers:  # SIGTERM: finish the step, leave cleanly, exit 0
