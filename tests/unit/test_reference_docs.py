@@ -35,8 +35,6 @@ CELL = re.compile(r"(?<!\\)\|")  # a table's cell separator: a pipe not escaped
 
 @pytest.fixture(scope="module")
 def cli_page() -> str:
-    pytest.importorskip("torch")  # the commands that train: their flags need their extras
-    pytest.importorskip("ray")
     return reference_docs.commands_markdown()
 
 
@@ -290,7 +288,7 @@ def test_histograms_are_listed_once_by_family_name(metrics_page: str) -> None:
 
 def mkdocs_config(tmp_path: Path, **settings: object) -> Any:
     """A validated MkDocs configuration with the hook (mkdocs loads it from its path, as a build does)."""
-    defaults = pytest.importorskip("mkdocs.config.defaults")
+    from mkdocs.config import defaults
     (tmp_path / "docs").mkdir(exist_ok=True)
     config = defaults.MkDocsConfig(config_file_path=str(tmp_path / "mkdocs.yml"))
     config.load_dict({"site_name": "test", "docs_dir": str(tmp_path / "docs"), "hooks": [str(HOOK)], **settings})
@@ -300,8 +298,6 @@ def mkdocs_config(tmp_path: Path, **settings: object) -> Any:
 
 
 def test_the_hook_adds_both_pages(tmp_path: Path) -> None:
-    pytest.importorskip("torch")
-    pytest.importorskip("ray")
     config = mkdocs_config(tmp_path)
     from mkdocs.structure.files import Files
 
@@ -325,9 +321,6 @@ def test_the_hook_refuses_a_written_page_of_the_same_name(tmp_path: Path) -> Non
 
 def test_a_strict_build_of_the_pages_has_no_warnings(tmp_path: Path) -> None:
     """Their links to commands' anchors resolve and nothing in them warns (strict: a warning fails)."""
-    pytest.importorskip("torch")
-    pytest.importorskip("ray")
-    pytest.importorskip("mkdocs")
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "index.md").write_text("# Reference\n\n[Commands](reference/cli.md#gemps-server)\n")
     (tmp_path / "mkdocs.yml").write_text(
