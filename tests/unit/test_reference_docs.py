@@ -289,6 +289,7 @@ def test_histograms_are_listed_once_by_family_name(metrics_page: str) -> None:
 def mkdocs_config(tmp_path: Path, **settings: object) -> Any:
     """A validated MkDocs configuration with the hook (mkdocs loads it from its path, as a build does)."""
     from mkdocs.config import defaults
+
     (tmp_path / "docs").mkdir(exist_ok=True)
     config = defaults.MkDocsConfig(config_file_path=str(tmp_path / "mkdocs.yml"))
     config.load_dict({"site_name": "test", "docs_dir": str(tmp_path / "docs"), "hooks": [str(HOOK)], **settings})
