@@ -374,14 +374,17 @@ class Client:
 
     @property
     def worker_id(self) -> str | None:
+        """The id the server gave this worker at registration; None before it registers."""
         return self.registration.worker_id if self.registration else None
 
     @property
     def spec(self) -> tuple[ParameterSpec, ...]:
+        """The parameters' names, shapes and order: the layout of every flat payload and reply."""
         return self._router.spec
 
     @property
     def buffer_spec(self) -> tuple[ParameterSpec, ...]:
+        """The buffers' names, shapes and kinds (float32 or int64), in order; empty without buffers."""
         return self._router.buffer_spec
 
     @property

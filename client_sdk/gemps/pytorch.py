@@ -181,6 +181,7 @@ class RemoteModel:
         return self._parameters
 
     def zero_grad(self) -> None:
+        """Clear the model's gradients (set to None), as `torch.optim.Optimizer.zero_grad` does."""
         self.model.zero_grad(set_to_none=True)
 
     def step(self, loss: float | torch.Tensor | None = None, num_samples: int | None = None) -> CommitResult:

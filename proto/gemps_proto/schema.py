@@ -127,13 +127,16 @@ class ParameterSpec:
 
     @property
     def size(self) -> int:
+        """How many values: the product of the shape."""
         return math.prod(self.shape)
 
     @property
     def integer(self) -> bool:
+        """Whether the entry is an int64 buffer (carried exactly), not float32."""
         return self.dtype == INT64
 
     def describe(self) -> str:
+        """For messages: the name and shape, like "'fc.weight' [10, 64]" (and "int64" for such a buffer)."""
         return f"{self.name!r} {list(self.shape)}" + (" int64" if self.integer else "")
 
 

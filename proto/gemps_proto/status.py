@@ -200,6 +200,8 @@ class ReplicationStatus:
 
     @property
     def under_replicated(self) -> bool:
+        """A primary with fewer replicas acknowledging commits than configured: its acknowledged
+        commits are held on fewer machines than `--replicas` asks for."""
         return self.role == PRIMARY and self.live < self.replicas
 
 
