@@ -110,6 +110,7 @@ def test_suites_by_name() -> None:
     lm_variants = (variants[0], variants[3], variants[4], variants[6])
     expected |= {f"lm-gem-n8{suffix}": (up, down) for suffix, up, down in lm_variants}
     expected |= {"gem-n100": ("none", "none"), "gem-n100-int8-both": ("int8", "int8")}
+    expected |= {"gem-n100-topk-int4": ("topk", "int4")}
     assert codes == expected
     local = {c.name: c for c in SUITES["local-steps"](10)}
     assert local["gem-n30"].training.worker_mode == "gradient" and local["gem-n30"].compression == "none"
