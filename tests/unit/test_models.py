@@ -9,6 +9,7 @@ from gemps_worker.models import MODELS, build_model
 SHAPES = {
     "mlp": (1, 8, 8),
     "wide-mlp": (1, 8, 8),
+    "wider-mlp": (1, 8, 8),
     "digits-cnn": (1, 8, 8),
     "mnist-cnn": (1, 28, 28),
     "resnet-bn": (1, 8, 8),

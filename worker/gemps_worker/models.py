@@ -22,6 +22,12 @@ def wide_mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return mlp(input_shape, num_classes, hidden=1024)
 
 
+def wider_mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """4,096 hidden units (307,210 parameters on digits, 1.2 MB a float32 commit): a model whose
+    bytes bound it at 100 Mbit/s even on two cores, where wide-mlp is still partly compute-bound."""
+    return mlp(input_shape, num_classes, hidden=4096)
+
+
 def digits_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """A small CNN for 1x8x8 digits."""
     channels = input_shape[0]
@@ -161,6 +167,7 @@ def char_gpt(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
 MODELS: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {
     "mlp": mlp,
     "wide-mlp": wide_mlp,
+    "wider-mlp": wider_mlp,
     "digits-cnn": digits_cnn,
     "mnist-cnn": mnist_cnn,
     "resnet-bn": resnet_bn,
