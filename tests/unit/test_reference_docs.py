@@ -276,6 +276,20 @@ def test_what_only_a_primary_exports_is_marked(metrics_page: str) -> None:
     assert "gemps_replica_role" in replication and "gemps_replica_role" not in marked
 
 
+def test_every_metric_a_help_text_names_exists(metrics_page: str) -> None:
+    """A help text pointing at another family names one that is there (gemps_wire_bytes_total's
+    pointed at a gemps_samples_total no registry has)."""
+    rows = [row for row in table_rows(metrics_page) if row[0].startswith("`gemps_")]
+
+    def family(name: str) -> str:  # a series' family: counters are listed with _total, histograms without
+        return re.sub(r"_(total|bucket|count|sum)$", "", name)
+
+    families = {family(row[0].strip("` ")) for row in rows}
+    named = {name for row in rows for name in re.findall(r"\bgemps_[a-z_]*[a-z]\b", plain(row[-1]))}
+    assert named  # help texts do name other families: the check is not vacuous
+    assert {name for name in named if family(name) not in families} == set()
+
+
 def test_histograms_are_listed_once_by_family_name(metrics_page: str) -> None:
     names = [plain(cells[0]) for cells in table_rows(metrics_page)]
     assert "gemps_commit_staleness" in names

@@ -69,8 +69,8 @@ class TrafficMetrics:
         self.wire_bytes = Counter(
             "gemps_wire_bytes",
             "Bytes of theta-sized tensors on the wire, both planes: commit payloads received and theta sent (in "
-            "commit replies and pulls), by encoding (float32, bfloat16, int8, int4, topk). Over gemps_samples_total: "
-            "bytes per training sample.",
+            "commit replies and pulls), by encoding (float32, bfloat16, int8, int4, topk). Over "
+            "gemps_training_samples_total: bytes per training sample.",
             ["direction", "encoding"],
             registry=registry,
         )
