@@ -3,12 +3,17 @@ violation looks like to it, and what it must not call one."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 from gemps_bench.jepsen.check import Safety, check, epochs, primaries_seen, promotions, recovery, wedged
 from gemps_bench.jepsen.plan import draw
 from gemps_bench.jepsen.report import table, totals
+from gemps_bench.jepsen.trial import Schedule
+
+from gemps_worker.simulated_hosts import Host
 
 HOSTS = {"A:1": "r0", "B:1": "r1"}  # target -> host
 
@@ -134,3 +139,42 @@ def test_the_report_sums_violations_and_recovery_by_fault() -> None:
     assert found["recovery_by_fault"] == {"kill:primary": {"faults": 3, "never": 1, "median_s": 3.0, "max_s": 4.0}}
     lines = table(trials).splitlines()
     assert lines[1].split()[:6] == ["1", "2", "Kp", "10", "3", "0"] and "rig error" in lines[3]
+
+
+def unelected(t: float) -> dict[str, Any]:
+    """A monitor line after etcd lost its data: both replicas candidates, no primary."""
+    views = {
+        target: {"name": name, "role": "candidate", "epoch": 5, "version": 1, "at": t} for target, name in HOSTS.items()
+    }
+    return {"t": t, "views": views}
+
+
+@dataclass
+class Views:
+    """What Schedule reads of a rig: the monitor's latest views and the hosts."""
+
+    views: dict[str, dict[str, Any]]
+    replica_hosts: list[Host] = field(
+        default_factory=lambda: [Host(n, f"ns-{n}", f"10.0.0.{i}", n) for i, n in enumerate(("r0", "r1"))]
+    )
+    etcd_host: Host = field(default_factory=lambda: Host("e", "ns-e", "10.0.0.9", "e"))
+
+    def latest_views(self) -> dict[str, dict[str, Any]]:
+        return self.views
+
+    def host_of(self, target: str) -> Host:
+        return next(host for host in self.replica_hosts if host.name == HOSTS[target])
+
+
+def test_with_no_primary_known_the_old_primary_is_faulted_at_once() -> None:
+    """The stale-wipe sequence pauses the old primary 0.2 s after etcd is wiped. When the monitor
+    had already seen it step down, the schedule waited 10 s for a primary that could not be
+    elected (a paused backup's heal was queued behind that wait) and skipped the fault."""
+    rig = Views(line(0.0, True)["views"])
+    schedule = Schedule(rig, seed=1)  # type: ignore[arg-type]
+    assert schedule.resolve("backup").name == "r1"  # type: ignore[union-attr]
+    rig.views = unelected(1.0)["views"]  # etcd wiped: the primary stepped down
+    began = time.monotonic()
+    target = schedule.resolve("primary")
+    assert target is not None and target.name == "r0"
+    assert time.monotonic() - began < 1.0

@@ -34,24 +34,28 @@ class Schedule:
         self.rig, self.rng = rig, random.Random(seed)
         self.faults: dict[int, dict[str, Any]] = {}
         self.heals: dict[int, Heal] = {}
+        self.last_primary: Host | None = None  # the primary the monitor last showed, when a step looked
 
     def busy(self) -> set[str]:
         return {self.faults[fault]["host"] for fault in self.heals}
 
     def resolve(self, role: str, wait: float = 10.0) -> Host | None:
-        """The host `role` names now, if it is not under another fault. With no primary known (an
-        election under way), the primary is waited for up to `wait` seconds: after etcd is wiped
-        the replicas re-establish their keys and the monitor sees a primary again within a few
-        seconds, past 2 s on a loaded machine (a fresh clone's full suite left a stale-wipe trial's
-        primary pause without a host when this waited 2 s)."""
+        """The host `role` names now, if it is not under another fault. With no primary known now
+        (an election under way) the primary is the one last seen: after etcd is wiped no replica
+        becomes primary until every one reports, so waiting for one here (as this did, up to 10 s)
+        also held back the heal of a paused backup queued behind this step, and with it the
+        election: a fresh clone's suite left the stale-wipe trial's primary pause without a host
+        and its workers waiting 10 s. Only before any primary was seen is one waited for, up to
+        `wait` seconds."""
         busy = self.busy()
         if role == "etcd":
             return None if "e" in busy else self.rig.etcd_host
         deadline = time.monotonic() + wait
         primary = self.primary()
-        while primary is None and role == "primary" and time.monotonic() < deadline:
+        while primary is None and self.last_primary is None and role == "primary" and time.monotonic() < deadline:
             time.sleep(0.1)
             primary = self.primary()
+        self.last_primary = primary = primary or self.last_primary
         if role == "primary":
             return primary if primary is not None and primary.name not in busy else None
         backups = [h for h in self.rig.replica_hosts if h is not primary and h.name not in busy]
