@@ -30,7 +30,7 @@ demo: $(BIN)/.installed  ## the main job: train GEM on this machine (server + 4 
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
-test: lint typecheck docs system-deps  ## everything CI runs: lint, types, unit + integration + e2e tests (~19 min on 2 cores from a fresh clone; the target is 25)
+test: lint typecheck docs system-deps  ## everything CI runs: lint, types, unit + integration + e2e tests (~22 min on 2 cores from a fresh clone; the target is 25)
 	GEMPS_REQUIRE_PROMETHEUS=1 GEMPS_REQUIRE_ETCD=1 $(BIN)/python -m pytest $(PARALLEL) -m "not alone" --durations=20
 	GEMPS_REQUIRE_PROMETHEUS=1 GEMPS_REQUIRE_ETCD=1 $(BIN)/python -m pytest -m alone
 
