@@ -17,13 +17,10 @@ import pytest
 from gemps_cli import environment, reference_docs
 from gemps_cli import server as server_command
 from gemps_cli.main import COMMANDS, build_parser
-from gemps_cli.partitions import PartitionMetrics, PartitionProcess
 from prometheus_client import CollectorRegistry
 
 from gemps import options
-from gemps.metrics import ClientMetrics
 from gemps_proto.ranges import DEFAULT_TEXT
-from gemps_proto.tensor_codec import FLOAT32
 from gemps_server.config import ServerConfig
 from gemps_worker.metrics import EvaluatorMetrics, WorkerMetrics
 from tests.unit.test_metrics import busy_registry
@@ -217,25 +214,12 @@ def exposition(registry: CollectorRegistry) -> dict[str, tuple[str, str]]:
     return found
 
 
-def supervisor() -> CollectorRegistry:
-    registry = CollectorRegistry()
-    process = PartitionProcess(0, ServerConfig(partitions=2, replicas=2), Path("unused"))
-    registry.register(PartitionMetrics([process]))
-    return registry
-
-
-def client() -> CollectorRegistry:
-    registry = CollectorRegistry()
-    ClientMetrics(registry, FLOAT32, retries=lambda: 0)
-    return registry
-
-
 @pytest.mark.parametrize(
     ("section", "registry"),
     [
         ("Parameter server", busy_registry),
-        ("Partition supervisor", supervisor),
-        ("SDK (opt-in)", client),
+        ("Partition supervisor", reference_docs.supervisor_registry),
+        ("SDK (opt-in)", reference_docs.client_registry),
         ("Reference worker", lambda: WorkerMetrics().registry),
         ("Evaluator", lambda: EvaluatorMetrics().registry),
     ],
