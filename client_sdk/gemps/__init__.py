@@ -1,7 +1,8 @@
 """gemps SDK: talk to a gemps parameter server from your own workers.
 
-The core (Client, errors, records) needs only numpy and grpcio; `gemps.pytorch` adds the torch
-helper and is imported only when you use it. `gemps.options` builds configuration dataclasses
+The core (Client, errors, records) needs only grpcio and protobuf: θ comes as numpy arrays where
+numpy is installed, else as float32 memoryviews (gemps_proto.vectors); `gemps.pytorch` adds the
+torch helper and is imported only when you use it. `gemps.options` builds configuration dataclasses
 from flags and GEMPS_* variables, for your own workers as for gemps' commands.
 """
 

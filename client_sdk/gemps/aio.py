@@ -30,8 +30,6 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ParamSpec, TypedDict, TypeVar
 
-import numpy as np
-
 from gemps.client import Client
 from gemps.records import (
     Buffers,
@@ -43,12 +41,14 @@ from gemps.records import (
 )
 from gemps.resolver import Target
 from gemps.transport import call_deadline
+from gemps_proto import vectors
+from gemps_proto.vectors import ArrayLike, Vector
 
 if TYPE_CHECKING:
     from typing import Unpack  # 3.11; annotations only
 
 P = ParamSpec("P")
-Delta = np.ndarray | Mapping[str, np.ndarray] | Buffers
+Delta = ArrayLike | Mapping[str, ArrayLike] | Buffers
 R = TypeVar("R")
 
 
@@ -90,7 +90,7 @@ class AsyncClient:
     # -- the calls: Client's, awaited --------------------------------------------------------------
 
     def register(
-        self, parameters: Mapping[str, np.ndarray], buffers: Mapping[str, np.ndarray] | None = None
+        self, parameters: Mapping[str, ArrayLike], buffers: Mapping[str, ArrayLike] | None = None
     ) -> asyncio.Future[Registration]:
         """As `Client.register`."""
         return self._call(self.client.register, parameters, buffers)
@@ -100,7 +100,7 @@ class AsyncClient:
         return self._call(self.client.pull)
 
     def commit(
-        self, payload: np.ndarray | Mapping[str, np.ndarray], /, **options: Unpack[CommitOptions]
+        self, payload: ArrayLike | Mapping[str, ArrayLike], /, **options: Unpack[CommitOptions]
     ) -> asyncio.Future[CommitResult]:
         """As `Client.commit`. The payload and delta are copied now: the commit may wait for the
         calls before it while the trainer computes the next gradient in place."""
@@ -160,15 +160,15 @@ def _within(timeout: float, at: float, call: Callable[P, R], *args: P.args, **kw
         return call(*args, **kwargs)
 
 
-def _kept(values: np.ndarray | Mapping[str, np.ndarray]) -> np.ndarray | dict[str, np.ndarray]:
+def _kept(values: ArrayLike | Mapping[str, ArrayLike]) -> Vector | dict[str, Vector]:
     """A copy of a commit's payload, as the caller gave it (an array, or arrays by name)."""
     if isinstance(values, Mapping):
-        return {name: np.array(value) for name, value in values.items()}
-    return np.array(values)
+        return {name: vectors.copy(vectors.as_numbers(value)) for name, value in values.items()}
+    return vectors.copy(vectors.as_numbers(values))
 
 
 def _kept_delta(delta: Delta) -> Delta:
     """A copy of a commit's buffer delta, as the caller gave it."""
     if isinstance(delta, Buffers):
-        return Buffers(np.array(delta.floats), np.array(delta.integers))
+        return Buffers(vectors.copy(delta.floats), vectors.copy(delta.integers))
     return _kept(delta)

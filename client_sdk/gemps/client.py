@@ -24,8 +24,6 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from gemps import at_exit, errors, named_payloads
 from gemps.channel_security import ChannelSecurity, Pem
 from gemps.compression import Compressor
@@ -49,11 +47,13 @@ from gemps.router import PartitionRouter
 from gemps.serialised import serialised
 from gemps.transport import Transport, call_deadline
 from gemps.wire_options import check_wire_options, resolve_plane, resolve_shared_memory
+from gemps_proto import vectors
 from gemps_proto.grpc_framing import DEFAULT_CHUNK_BYTES
 from gemps_proto.reasons import Reason
 from gemps_proto.reply_differences import REPLY_COMPRESSIONS
 from gemps_proto.schema import PayloadKind, buffer_spec_of, flatten, spec_of
 from gemps_proto.tensor_codec import WIRE_DTYPE_NAMES, all_finite
+from gemps_proto.vectors import ArrayLike, Vector
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -215,7 +215,7 @@ class Client:
 
     @serialised
     def register(
-        self, parameters: Mapping[str, np.ndarray], buffers: Mapping[str, np.ndarray] | None = None
+        self, parameters: Mapping[str, ArrayLike], buffers: Mapping[str, ArrayLike] | None = None
     ) -> Registration:
         """Announce this worker with its named initial parameters (in a fixed order), and the
         model's buffers if it has any (state that is not trained, e.g. batch-norm statistics).
@@ -227,8 +227,8 @@ class Client:
         (FailedPreconditionError naming the central variable's order): its flat payloads would
         be laid out in the other.
         """
-        named = {k: np.asarray(v, dtype=np.float32) for k, v in parameters.items()}
-        named_buffers = {k: np.asarray(v) for k, v in (buffers or {}).items()}
+        named = {k: vectors.as_float32(v) for k, v in parameters.items()}
+        named_buffers = {k: vectors.as_numbers(v) for k, v in (buffers or {}).items()}
         spec, buffer_spec = spec_of(named), buffer_spec_of(named_buffers)
         try:
             self._router.register(spec, flatten(named), buffer_spec, Buffers.of(named_buffers, buffer_spec))
@@ -255,13 +255,13 @@ class Client:
     @serialised
     def commit(
         self,
-        payload: np.ndarray | Mapping[str, np.ndarray],
+        payload: ArrayLike | Mapping[str, ArrayLike],
         *,
         kind: str = "gradient",
         loss: float | None = None,
         num_samples: int | None = None,
         base_version: int | None = None,
-        buffer_delta: np.ndarray | Mapping[str, np.ndarray] | Buffers | None = None,
+        buffer_delta: ArrayLike | Mapping[str, ArrayLike] | Buffers | None = None,
     ) -> CommitResult:
         """Send a gradient (the server applies -eta*g) or an update (applied as given).
 
@@ -358,7 +358,7 @@ class Client:
         finally:
             self.close()
 
-    def _buffer_delta(self, delta: np.ndarray | Mapping[str, np.ndarray] | Buffers) -> Buffers:
+    def _buffer_delta(self, delta: ArrayLike | Mapping[str, ArrayLike] | Buffers) -> Buffers:
         """The delta by kind, as the buffer spec splits it (gemps.named_payloads: refused before
         anything is sent when it does not fit the spec)."""
         by_kind = named_payloads.buffer_delta(delta, self.buffer_spec)
@@ -419,7 +419,7 @@ class Client:
         return self._retrier.retries
 
 
-def _finite(what: str, values: np.ndarray) -> np.ndarray:
+def _finite(what: str, values: Vector) -> Vector:
     """`values` when every one is finite; else InvalidArgumentError before anything is sent, so that
     no partition of θ applies a commit that another would refuse (one pass: about 2 ms for 10M
     float32 values here, docs/RELIABILITY.md)."""

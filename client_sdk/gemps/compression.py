@@ -17,9 +17,13 @@ SGD and Deep Gradient Compression keep theirs). The residual is soft state:
 
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
 
+from gemps_proto import vectors
 from gemps_proto.tensor_codec import COMPRESSIONS, quantised_with_values
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class Compressor:
@@ -33,7 +37,7 @@ class Compressor:
         """The wire bytes of `values` plus the residual kept for `server`, and what the codes leave
         of that sum (the residual to keep once `server` has applied the commit: `applied`)."""
         held = self._residuals.get(server)
-        total = np.asarray(values, np.float32) if held is None or held.shape != values.shape else values + held
+        total = vectors.as_float32(values) if held is None or held.shape != values.shape else values + held
         data, sent = quantised_with_values(total, self.dtype)
         return data, total - sent
 

@@ -25,11 +25,11 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import NoReturn, TypeVar
 
-import numpy as np
 from google.protobuf.message import DecodeError, Message
 
 from gemps import errors
 from gemps_proto import data_plane_proofs as proofs
+from gemps_proto import vectors
 from gemps_proto.data_plane_events import (
     NEED_DATA,
     Attach,
@@ -49,6 +49,7 @@ from gemps_proto.data_plane_protocol import TLS_PIECE, ClientConnection, advance
 from gemps_proto.reasons import Reason
 from gemps_proto.tensor_codec import EncodedTensor, TensorDecodeError, expected_payload_nbytes
 from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_proto.vectors import Vector
 
 M = TypeVar("M", bound=Message)
 Payload = bytes | memoryview
@@ -240,8 +241,8 @@ class DataConnection:
         raise errors.from_status_number(refusal.code, refusal.message, refusal.reason)
 
     def receive_tensor(
-        self, announced: pb.Tensor, payload_bytes: int, decode: Callable[[EncodedTensor], np.ndarray]
-    ) -> np.ndarray:
+        self, announced: pb.Tensor, payload_bytes: int, decode: Callable[[EncodedTensor], Vector]
+    ) -> Vector:
         """The payload the reply's header announced (θ, or a difference reply's code), read straight
         into a new buffer, as `decode` reads it (a protocol error when it cannot): read-only
         values, like the gRPC path's."""
@@ -252,8 +253,7 @@ class DataConnection:
             self.protocol_error(str(error))
         if nbytes != payload_bytes:
             self.protocol_error(f"{payload_bytes} bytes of payload; the header announced {nbytes}")
-        buffer = np.empty(nbytes, np.uint8)  # numpy's alignment: float32 values alias it
-        data = buffer.data
+        data = vectors.writable_bytes(nbytes)  # aligned: float32 values alias it
         if self._shared is not None:
             if nbytes > len(self._shared_view):
                 self.protocol_error(f"{nbytes} bytes announced, {len(self._shared_view)} shared")
@@ -265,8 +265,7 @@ class DataConnection:
             values = decode(EncodedTensor(announced.dtype, shape, data.toreadonly()))
         except TensorDecodeError as error:
             self.protocol_error(str(error))
-        values.flags.writeable = False
-        return values
+        return vectors.read_only(values)
 
     def parse(self, message_class: type[M], header: bytes) -> M:
         try:

@@ -52,6 +52,7 @@ from gemps.transport import (
     Registered,
     time_left,
 )
+from gemps_proto import vectors
 from gemps_proto.data_plane_frames import Op
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import DataPlane
@@ -356,7 +357,7 @@ class DataPlaneTransport:
     def start_commit(self, call: CommitCall) -> Pending[Committed]:
         try:
             # shared memory where it can be: θ's float32 bytes on this server
-            connection = self._ready(call.worker_id, 4 * call.payload.size)
+            connection = self._ready(call.worker_id, 4 * vectors.size(call.payload))
             if connection is None:
                 return self.grpc.start_commit(call)
             dtype, data = call.wire(self.grpc.wire_dtype)

@@ -11,21 +11,20 @@ copied through a protobuf message.
 
 from __future__ import annotations
 
-import numpy as np
-
 from gemps.records import Buffers, ParameterSpec, Registration
 from gemps.transport import CommitCall, Committed, PullCall, Pulled
-from gemps_proto import grpc_framing, versions
+from gemps_proto import grpc_framing, vectors, versions
 from gemps_proto import schema_proto as shared
 from gemps_proto.reply_differences import DIFFERENCE_DTYPES
 from gemps_proto.tensor_codec import FLOAT32, INT64, EncodedTensor, TensorDecodeError, dtype_name, encode, wire_view
 from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_proto.vectors import Vector
 
 
 def register_request(
     spec: tuple[ParameterSpec, ...],
     worker_name: str,
-    initial: np.ndarray | None,
+    initial: Vector | None,
     *,
     omit_parameters: bool = False,
     buffer_spec: tuple[ParameterSpec, ...] = (),
@@ -46,13 +45,13 @@ def register_request(
     with_buffers = bool(buffer_spec) and buffers is not None
     if streamed:
         assert initial is not None, "a streamed Register carries initial values"
-        grpc_framing.announce(request.initial_parameters, FLOAT32, initial.size)
+        grpc_framing.announce(request.initial_parameters, FLOAT32, vectors.size(initial))
         if with_buffers:
             assert buffers is not None
-            if buffers.floats.size:
-                grpc_framing.announce(request.initial_buffers, FLOAT32, buffers.floats.size)
-            if buffers.integers.size:
-                grpc_framing.announce(request.initial_integer_buffers, INT64, buffers.integers.size)
+            if vectors.size(buffers.floats):
+                grpc_framing.announce(request.initial_buffers, FLOAT32, vectors.size(buffers.floats))
+            if vectors.size(buffers.integers):
+                grpc_framing.announce(request.initial_integer_buffers, INT64, vectors.size(buffers.integers))
         return pb.RegisterChunk(header=request).SerializeToString()
     if with_buffers:
         assert buffers is not None
@@ -60,20 +59,20 @@ def register_request(
     if initial is None:
         return request.SerializeToString()
     return grpc_framing.with_tensor(
-        request, grpc_framing.REGISTER_INITIAL_FIELD, FLOAT32, [initial.size], encode(initial)
+        request, grpc_framing.REGISTER_INITIAL_FIELD, FLOAT32, [vectors.size(initial)], encode(initial)
     )
 
 
 def register_stream_data(
-    initial: np.ndarray, buffer_spec: tuple[ParameterSpec, ...], buffers: Buffers | None
+    initial: Vector, buffer_spec: tuple[ParameterSpec, ...], buffers: Buffers | None
 ) -> list[bytes | memoryview]:
     """What follows a streamed Register's header, in order: the parameters', then the float
     buffers' float32 bytes and the integer buffers' int64 bytes (the parameters' a view, not a
     copy: the caller leaves the array unchanged meanwhile)."""
     parts = [wire_view(initial)]
     if buffer_spec and buffers is not None:
-        parts.append(wire_view(buffers.floats.reshape(-1)))
-        parts.append(np.ascontiguousarray(buffers.integers, dtype="<i8").tobytes())
+        parts.append(wire_view(vectors.flat(buffers.floats)))
+        parts.append(vectors.little_endian_int64(buffers.integers))
     return parts
 
 
@@ -83,12 +82,12 @@ def buffers_from_proto(reply: pb.RegisterResponse | pb.PullResponse | pb.CommitR
     if found is None:
         return None
     return Buffers(
-        np.empty(0, np.float32) if found.floats is None else found.floats.decode(),
-        np.empty(0, np.int64) if found.integers is None else found.integers.decode_int64(),
+        vectors.empty_float32() if found.floats is None else found.floats.decode(),
+        vectors.empty_int64() if found.integers is None else found.integers.decode_int64(),
     )
 
 
-def register_reply(data: bytes) -> tuple[Registration, np.ndarray | None, Buffers | None]:
+def register_reply(data: bytes) -> tuple[Registration, Vector | None, Buffers | None]:
     """The registration, the central variable (None for the worker whose values set it) and the
     central buffers (None when the model has none)."""
     reply, parameters = grpc_framing.parse_with_tensor(pb.RegisterResponse, grpc_framing.REGISTER_REPLY_FIELD, data)
@@ -107,7 +106,7 @@ def pull_request(call: PullCall, wire_dtype: int) -> bytes:
     return request.SerializeToString()
 
 
-def pulled_from_proto(reply: pb.PullResponse, parameters: np.ndarray | None) -> Pulled:
+def pulled_from_proto(reply: pb.PullResponse, parameters: Vector | None) -> Pulled:
     """A Pull reply (unary or streamed) with its central variable, decoded by the caller."""
     return Pulled(reply.version, parameters, buffers_from_proto(reply), reply.history)
 
@@ -141,7 +140,9 @@ def announced_commit(call: CommitCall, wire_dtype: int, payload_dtype: int | Non
     announced, its data left to follow: CommitStream's header, and a data-plane COMMIT's (its raw
     bytes after it). Replies come in `wire_dtype`."""
     header = commit_message(call, wire_dtype)
-    grpc_framing.announce(header.payload, wire_dtype if payload_dtype is None else payload_dtype, call.payload.size)
+    grpc_framing.announce(
+        header.payload, wire_dtype if payload_dtype is None else payload_dtype, vectors.size(call.payload)
+    )
     return header
 
 
@@ -154,10 +155,12 @@ def commit_request(
     if streamed:
         return pb.CommitChunk(header=announced_commit(call, wire_dtype, payload_dtype)).SerializeToString()
     header = commit_message(call, wire_dtype)
-    return grpc_framing.with_tensor(header, grpc_framing.COMMIT_PAYLOAD_FIELD, payload_dtype, [call.payload.size], data)
+    return grpc_framing.with_tensor(
+        header, grpc_framing.COMMIT_PAYLOAD_FIELD, payload_dtype, [vectors.size(call.payload)], data
+    )
 
 
-def committed_from_proto(reply: pb.CommitResponse, parameters: np.ndarray) -> Committed:
+def committed_from_proto(reply: pb.CommitResponse, parameters: Vector) -> Committed:
     """A Commit reply's figures (unary or streamed) with its central variable (or, for a difference
     reply, the difference's values), decoded by the caller (`reply_values`)."""
     return Committed(
@@ -175,7 +178,7 @@ def committed_from_proto(reply: pb.CommitResponse, parameters: np.ndarray) -> Co
     )
 
 
-def reply_values(reply: pb.CommitResponse, parameters: EncodedTensor) -> np.ndarray:
+def reply_values(reply: pb.CommitResponse, parameters: EncodedTensor) -> Vector:
     """A Commit reply's float32 values: θ, or a difference reply's difference (a block code);
     TensorDecodeError for a code where θ was due, θ where a difference was, or bytes that no
     encoder writes."""

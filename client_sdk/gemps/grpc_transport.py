@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 import grpc
-import numpy as np
 
 from gemps import errors
 from gemps import grpc_messages as messages
@@ -21,11 +20,13 @@ from gemps.channel_security import ChannelSecurity
 from gemps.records import Buffers, Evaluation, Layout, Registration, ServerStatus
 from gemps.transport import CommitCall, Committed, Enrolment, PullCall, Pulled, Registered, time_left
 from gemps_proto import schema_proto as shared
+from gemps_proto import vectors
 from gemps_proto.grpc_framing import PayloadAssembler, data_frames, read_data
 from gemps_proto.reasons import Reason
 from gemps_proto.tensor_codec import EncodedTensor, expected_nbytes, expected_payload_nbytes
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
+from gemps_proto.vectors import Vector
 
 T = TypeVar("T")
 ChunkMessage = TypeVar("ChunkMessage", pb.CommitResponseChunk, pb.PullResponseChunk)
@@ -162,8 +163,8 @@ class GrpcTransport:
         return Registered(registration, pulled.parameters, buffers_now, pulled.version, pulled.history)
 
     def _send_register(
-        self, enrolment: Enrolment, values: np.ndarray | None, omit_parameters: bool = False, streamed: bool = False
-    ) -> tuple[Registration, np.ndarray | None, Buffers | None]:
+        self, enrolment: Enrolment, values: Vector | None, omit_parameters: bool = False, streamed: bool = False
+    ) -> tuple[Registration, Vector | None, Buffers | None]:
         request = messages.register_request(
             enrolment.spec,
             enrolment.worker_name,
@@ -283,9 +284,9 @@ class GrpcTransport:
         self.channel.close()
 
 
-def _held_size(values: np.ndarray, layout: Layout | None) -> int:
+def _held_size(values: Vector, layout: Layout | None) -> int:
     """How many values a server holds: its own partition's, else all that were registered."""
-    return values.size if layout is None else layout.partitions[layout.index].size
+    return vectors.size(values) if layout is None else layout.partitions[layout.index].size
 
 
 def _read_pull_stream(replies: Iterator[bytes]) -> Pulled:

@@ -8,7 +8,10 @@ state: it starts again whole whenever the numbers disagree.
 
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from gemps import errors
 from gemps.transport import Committed

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from gemps.records import Evaluation, Registration, ServerStatus
 from gemps.transport import CommitCall, Committed, Deferred, Enrolment, Pending, PullCall, Pulled, Registered, Transport
-from gemps_proto.tensor_codec import BFLOAT16, expected_payload_nbytes, numpy_dtype
+from gemps_proto import vectors
+from gemps_proto.tensor_codec import BFLOAT16, expected_payload_nbytes, itemsize
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -75,7 +76,7 @@ class ClientMetrics(NoMetrics):
                 f"Client(metrics_registry=...) needs prometheus_client, not installed here: "
                 f"pip install 'gemps[metrics]' ({missing})"
             ) from None
-        self.width = numpy_dtype(wire_dtype).itemsize
+        self.width = itemsize(wire_dtype)
 
         class Retries(Collector):
             def collect(self) -> Iterator[Any]:
@@ -127,10 +128,10 @@ class ClientMetrics(NoMetrics):
     def committed(self, call: CommitCall, committed: Committed) -> None:
         """A commit's bytes each way: its payload's (codes when compressed), and its reply's (a
         difference's codes, or θ whole: bfloat16 to a difference-reply client)."""
-        size = call.payload.size
+        size = vectors.size(call.payload)
         sent = size * self.width if call.encoded is None else expected_payload_nbytes(call.encoded[0], [size])
         self.sent.labels("commit").inc(sent)
-        reply = committed.parameters.size
+        reply = vectors.size(committed.parameters)
         if not call.reply_code:
             self.values_received("commit", reply)
             return
@@ -157,9 +158,9 @@ class MeteredTransport:
 
     def register(self, enrolment: Enrolment, known_history: str) -> Registered:
         registered = self.transport.register(enrolment, known_history)
-        self.metrics.values_sent("register", enrolment.values.size)
+        self.metrics.values_sent("register", vectors.size(enrolment.values))
         if registered.parameters is not None:
-            self.metrics.values_received("register", registered.parameters.size)
+            self.metrics.values_received("register", vectors.size(registered.parameters))
         return registered
 
     def pull(self, call: PullCall) -> Pulled:
@@ -193,7 +194,7 @@ class MeteredTransport:
 
     def _pulled(self, pulled: Pulled) -> Pulled:
         if pulled.parameters is not None:  # None: unchanged, nothing sent
-            self.metrics.values_received("pull", pulled.parameters.size)
+            self.metrics.values_received("pull", vectors.size(pulled.parameters))
         return pulled
 
     def _committed(self, call: CommitCall, committed: Committed) -> Committed:

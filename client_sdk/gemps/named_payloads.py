@@ -11,28 +11,29 @@ one looks misspelled) or a shape other than the spec's is refused with NamedPayl
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from gemps.errors import FailedPreconditionError, InvalidArgumentError, NamedPayloadError
+from gemps_proto import vectors
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import Buffers, ParameterSpec, buffer_counts
+from gemps_proto.vectors import ArrayLike, Vector
 
 # How many offending entries a message spells out before summarising (a model has thousands).
 MAX_LISTED = 8
 
 
-def payload_vector(payload: np.ndarray | Mapping[str, Any], spec: Sequence[ParameterSpec]) -> np.ndarray:
+def payload_vector(payload: ArrayLike | Mapping[str, Any], spec: Sequence[ParameterSpec]) -> Vector:
     """A commit's payload as one float32 vector in spec order: a mapping by name (flat_by_name),
     an array as it is (its size is checked where θ's layout is known)."""
     if isinstance(payload, Mapping):
         return flat_by_name("payload", payload, spec)
-    return np.asarray(payload, dtype=np.float32).reshape(-1)
+    return vectors.flat(_array("payload", "", payload, float32=True))
 
 
-def buffer_delta(delta: np.ndarray | Mapping[str, Any] | Buffers, spec: Sequence[ParameterSpec]) -> Buffers:
+def buffer_delta(delta: ArrayLike | Mapping[str, Any] | Buffers, spec: Sequence[ParameterSpec]) -> Buffers:
     """A commit's buffer delta by kind, as `spec` splits it: Buffers of the spec's counts, a
     mapping by name (buffers_by_name), or one flat array of every entry in spec order; else
     InvalidArgumentError."""
@@ -44,33 +45,30 @@ def buffer_delta(delta: np.ndarray | Mapping[str, Any] | Buffers, spec: Sequence
         return Buffers.of(delta, spec)
     except ValueError as error:
         raise InvalidArgumentError(
-            f"buffer_delta shape {list(np.shape(delta))} does not fit the buffer spec "
+            f"buffer_delta shape {list(vectors.shape(delta))} does not fit the buffer spec "
             f"({sum(entry.size for entry in spec)} values: {error})",
             InvalidArgumentError.code,
             Reason.BAD_SHAPE,
         ) from None
 
 
-def flat_by_name(what: str, values: Mapping[str, Any], spec: Sequence[ParameterSpec]) -> np.ndarray:
+def flat_by_name(what: str, values: Mapping[str, Any], spec: Sequence[ParameterSpec]) -> Vector:
     """One float32 vector of `values` in `spec`'s order, each entry of its spec shape; else
     NamedPayloadError naming what differs (`what` says whose values: "payload")."""
-    arrays = _matched(what, "parameter", values, spec, np.float32)
-    if not arrays:
-        return np.empty(0, dtype=np.float32)
-    return np.concatenate([array.reshape(-1) for array in arrays])
+    return vectors.concatenate(_matched(what, "parameter", values, spec, float32=True))
 
 
 def buffers_by_name(what: str, values: Mapping[str, Any], spec: Sequence[ParameterSpec]) -> Buffers:
     """Named buffer values split by kind in `spec`'s order (integer entries rounded to int64);
     NamedPayloadError as flat_by_name."""
-    arrays = _matched(what, "buffer", values, spec, None)
+    arrays = _matched(what, "buffer", values, spec, float32=False)
     return Buffers.of({entry.name: array for entry, array in zip(spec, arrays, strict=True)}, spec)
 
 
 def checked_buffers(what: str, buffers: Buffers, spec: Sequence[ParameterSpec]) -> Buffers:
     """`buffers` when each kind holds as many values as `spec` describes; else InvalidArgumentError."""
     expected = buffer_counts(spec)
-    given = (int(buffers.floats.size), int(buffers.integers.size))
+    given = (vectors.size(buffers.floats), vectors.size(buffers.integers))
     if given != expected:
         raise InvalidArgumentError(
             f"{what} has {given[0]} float32 and {given[1]} int64 values; the buffer spec has "
@@ -105,8 +103,8 @@ def _name(entry: ParameterSpec) -> str:
 
 
 def _matched(
-    what: str, noun: str, values: Mapping[str, Any], spec: Sequence[ParameterSpec], dtype: type | None
-) -> list[np.ndarray]:
+    what: str, noun: str, values: Mapping[str, Any], spec: Sequence[ParameterSpec], *, float32: bool
+) -> list[Vector]:
     """`values` as arrays in `spec`'s order, after checking names, then shapes."""
     expected = {entry.name: entry for entry in spec}
     missing = [entry.name for entry in spec if entry.name not in values]
@@ -117,31 +115,35 @@ def _matched(
         raise NamedPayloadError(
             f"{what} does not name the registered {noun}s: {_listed(problems)}", missing=missing, unknown=unknown
         )
-    arrays = [_array(what, entry.name, values[entry.name], dtype) for entry in spec]
+    arrays = [_array(what, entry.name, values[entry.name], float32=float32) for entry in spec]
     shapes = {
-        entry.name: (entry.shape, array.shape)
+        entry.name: (entry.shape, tuple(array.shape))
         for entry, array in zip(spec, arrays, strict=True)
-        if array.shape != entry.shape
+        if tuple(array.shape) != entry.shape
     }
     if shapes:
         problems = [
-            f"{name!r} has {int(np.prod(given))} values of shape {list(given)}, registered {list(wanted)}"
+            f"{name!r} has {math.prod(given)} values of shape {list(given)}, registered {list(wanted)}"
             for name, (wanted, given) in shapes.items()
         ]
         raise NamedPayloadError(f"{what} does not have the registered shapes: {_listed(problems)}", shapes=shapes)
     return arrays
 
 
-def _array(what: str, name: str, value: Any, dtype: type | None) -> np.ndarray:
+def _array(what: str, name: str, value: Any, *, float32: bool) -> Vector:
+    """`value` as float32 values (`float32`), else in its own kind; InvalidArgumentError for what is
+    not numbers ("payload" itself when `name` is empty)."""
+    whose = f"{what} {name!r}" if name else what
     try:
-        array = np.asarray(value, dtype=dtype)
+        array = vectors.as_float32(value) if float32 else vectors.as_numbers(value)
     except (TypeError, ValueError) as error:
         raise InvalidArgumentError(
-            f"{what} {name!r} is not an array of numbers: {error}", InvalidArgumentError.code, Reason.BAD_DTYPE
+            f"{whose} is not an array of numbers: {error}", InvalidArgumentError.code, Reason.BAD_DTYPE
         ) from None
-    if array.dtype.kind not in "biuf":
+    kind = getattr(getattr(array, "dtype", None), "kind", "f")  # memoryviews: numbers by construction
+    if kind not in "biuf":
         raise InvalidArgumentError(
-            f"{what} {name!r} has dtype {array.dtype}, not numbers", InvalidArgumentError.code, Reason.BAD_DTYPE
+            f"{whose} has dtype {array.dtype}, not numbers", InvalidArgumentError.code, Reason.BAD_DTYPE
         )
     return array
 

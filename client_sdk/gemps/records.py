@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from gemps.tied_names import expanded
+from gemps_proto import vectors
 from gemps_proto.schema import (
     Buffers,
     Evaluation,
@@ -24,9 +23,7 @@ from gemps_proto.schema import (
     unflatten,
 )
 from gemps_proto.status import BackupLag, GradientNoise, ReplicationStatus, ServerStatus, WorkerStatus
-
-_NO_BUFFERS = np.empty(0, dtype=np.float32)
-_NO_INTEGER_BUFFERS = np.empty(0, dtype=np.int64)
+from gemps_proto.vectors import Vector
 
 
 @dataclass(frozen=True)
@@ -37,23 +34,23 @@ class CentralVariable:
     in `integer_buffers`, each in buffer spec order; `named_buffers()` puts them together."""
 
     version: int
-    flat: np.ndarray
+    flat: Vector
     spec: tuple[ParameterSpec, ...]
-    buffers: np.ndarray = field(default_factory=lambda: _NO_BUFFERS)
+    buffers: Vector = field(default_factory=vectors.empty_float32)
     buffer_spec: tuple[ParameterSpec, ...] = ()
     # Each partition's version when θ is partitioned (`version` is partition 0's), else (version,).
     versions: tuple[int, ...] = ()
-    integer_buffers: np.ndarray = field(default_factory=lambda: _NO_INTEGER_BUFFERS)
+    integer_buffers: Vector = field(default_factory=vectors.empty_int64)
 
-    def named(self) -> dict[str, np.ndarray]:
+    def named(self) -> dict[str, Vector]:
         """Per-parameter views (no copy) in spec order."""
         return unflatten(self.flat, self.spec)
 
-    def named_buffers(self) -> dict[str, np.ndarray]:
+    def named_buffers(self) -> dict[str, Vector]:
         """Per-buffer views (no copy) in buffer spec order: float32, and int64 for integer buffers."""
         return Buffers(self.buffers, self.integer_buffers).named(self.buffer_spec)
 
-    def state_dict(self) -> dict[str, np.ndarray]:
+    def state_dict(self) -> dict[str, Vector]:
         """Parameters and buffers by name: what `model.load_state_dict` takes (after torch.from_numpy).
         A tied or shared tensor is under each name it goes by (gemps.tied_names); `named()` and
         `named_buffers()` keep the spec's names."""

@@ -18,8 +18,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-import numpy as np
-
 from gemps import errors
 from gemps.compression import Compressor
 from gemps.records import (
@@ -36,9 +34,11 @@ from gemps.resolver import REPLICA_SEPARATOR, Replicas, Resolver
 from gemps.retry import Retrier
 from gemps.server_session import ServerSession, refuse_partition_count_change
 from gemps.transport import CommitCall, Committed, Enrolment, Pending, Transport
+from gemps_proto import vectors
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import PayloadKind
 from gemps_proto.tensor_codec import num_elements
+from gemps_proto.vectors import Vector
 
 T = TypeVar("T")
 log = logging.getLogger("gemps.client")
@@ -122,7 +122,7 @@ class PartitionRouter:
         self.layout: Layout | None = None  # how θ is partitioned; None: one server holds it all
         self.spec: tuple[ParameterSpec, ...] = ()
         self.buffer_spec: tuple[ParameterSpec, ...] = ()
-        self.registered_with: np.ndarray | None = None  # the initial values registered
+        self.registered_with: Vector | None = None  # the initial values registered
         self.buffers = Buffers()  # the newest central buffers received (partition 0's)
         self.central: CentralVariable | None = None  # the newest central variable received
         self._sequence = 0  # the number of this client's last commit (see CommitCall.sequence)
@@ -141,7 +141,7 @@ class PartitionRouter:
     def register(
         self,
         spec: tuple[ParameterSpec, ...],
-        initial: np.ndarray,
+        initial: Vector,
         buffer_spec: tuple[ParameterSpec, ...],
         buffers: Buffers,
     ) -> CentralVariable:
@@ -187,7 +187,7 @@ class PartitionRouter:
 
     def commit(
         self,
-        flat: np.ndarray,
+        flat: Vector,
         *,
         kind: PayloadKind,
         loss: float | None,
@@ -234,7 +234,7 @@ class PartitionRouter:
         self.central = self._assemble()
         return merge_commit_figures(list(replies.values()), [session.size for session in sessions], self.central)
 
-    def _encoded(self, index: int, part: np.ndarray) -> tuple[tuple[int, bytes], np.ndarray] | None:
+    def _encoded(self, index: int, part: Vector) -> tuple[tuple[int, bytes], Vector] | None:
         """Server `index`'s slice compressed once for every attempt, and the residual it leaves."""
         if self.compressor is None:
             return None
@@ -262,13 +262,13 @@ class PartitionRouter:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _slices(self, flat: np.ndarray) -> list[np.ndarray]:
+    def _slices(self, flat: Vector) -> list[Vector]:
         """Each server's slice of a payload (views); one server: all of it (the server checks its size)."""
         if self.layout is None:
             return [flat]
-        if flat.size != self.layout.num_parameters:
+        if vectors.size(flat) != self.layout.num_parameters:
             raise errors.InvalidArgumentError(
-                f"payload has {flat.size} values but the central variable has {self.layout.num_parameters}",
+                f"payload has {vectors.size(flat)} values but the central variable has {self.layout.num_parameters}",
                 errors.InvalidArgumentError.code,
                 Reason.BAD_SHAPE,
             )
@@ -304,7 +304,7 @@ class PartitionRouter:
                     results.append(again)
         return results
 
-    def _register_at(self, index: int, initial: np.ndarray) -> None:
+    def _register_at(self, index: int, initial: Vector) -> None:
         enrolment = self._enrolment(index, initial)
         assert enrolment is not None
         session = self.sessions[index]
@@ -314,7 +314,7 @@ class PartitionRouter:
         self._received_buffers(registered.buffers)
         session.hold(registered, enrolment.values)
 
-    def _enrolment(self, index: int, values: np.ndarray | None = None) -> Enrolment | None:
+    def _enrolment(self, index: int, values: Vector | None = None) -> Enrolment | None:
         """What server `index` registers with: by default our newest copy of θ, which
         re-initialises a server that lost its state (None before registering). The first gets
         all of θ and the buffers."""
@@ -387,8 +387,8 @@ class PartitionRouter:
         if len(self.sessions) == 1:
             flat = self.sessions[0].flat
         else:
-            flat = np.concatenate([session.flat for session in self.sessions])
-            flat.flags.writeable = False  # like a single server's, which is a view of the reply
+            # read-only, like a single server's, which is a view of the reply
+            flat = vectors.read_only(vectors.concatenate([session.flat for session in self.sessions]))
         versions = tuple(session.version for session in self.sessions)
         return CentralVariable(
             versions[0], flat, self.spec, self.buffers.floats, self.buffer_spec, versions, self.buffers.integers
@@ -412,5 +412,5 @@ def _all_or_raise(outcomes: Sequence[T | errors.GempsError]) -> list[T]:
     return results
 
 
-def _wire_of(encoded: tuple[tuple[int, bytes], np.ndarray] | None) -> tuple[int, bytes] | None:
+def _wire_of(encoded: tuple[tuple[int, bytes], Vector] | None) -> tuple[int, bytes] | None:
     return None if encoded is None else encoded[0]

@@ -15,14 +15,14 @@ import contextlib
 import logging
 from dataclasses import replace
 
-import numpy as np
-
 from gemps import errors
 from gemps.following import Follow, FollowingTransport
 from gemps.held_copy import HeldCopy
 from gemps.records import Evaluation, Layout, Registration, ServerStatus
 from gemps.retry import Retrier
 from gemps.transport import CommitCall, Committed, Enrolment, Pending, PullCall, Pulled, Registered, Transport
+from gemps_proto import vectors
+from gemps_proto.vectors import Vector
 
 log = logging.getLogger("gemps.client")
 
@@ -48,7 +48,7 @@ class ServerSession:
         self.registration: Registration | None = None  # this server's registration of the client's worker
         self.version = -1  # of the slice held in `flat`; -1: none yet
         self.history = ""  # which history of this server `version` counts in ("unchanged" needs both)
-        self.flat = np.empty(0, dtype=np.float32)
+        self.flat = vectors.empty_float32()
         self.copy = HeldCopy()  # difference replies: the copy of this slice of θ both ends keep
 
     @property
@@ -74,18 +74,18 @@ class ServerSession:
         self.registration = registered.registration
         return registered
 
-    def hold(self, registered: Registered, values: np.ndarray) -> None:
+    def hold(self, registered: Registered, values: Vector) -> None:
         """Keep the θ a registration gave: the server's, or the `values` sent when they set it."""
         if registered.parameters is not None:
-            self.version, self.flat = registered.version, registered.parameters.reshape(-1)
+            self.version, self.flat = registered.version, vectors.flat(registered.parameters)
         else:
-            mine = values if values.size == self.size else values[self.start : self.stop]
-            self.version, self.flat = registered.version, mine.reshape(-1)
+            mine = values if vectors.size(values) == self.size else values[self.start : self.stop]
+            self.version, self.flat = registered.version, vectors.flat(mine)
         if registered.history:
             self.history = registered.history
 
-    def received(self, version: int, flat: np.ndarray, history: str = "") -> None:
-        self.version, self.flat = version, flat.reshape(-1)
+    def received(self, version: int, flat: Vector, history: str = "") -> None:
+        self.version, self.flat = version, vectors.flat(flat)
         if history:
             self.history = history
 

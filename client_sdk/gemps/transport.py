@@ -22,12 +22,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-import numpy as np
-
 from gemps import errors
 from gemps.records import Buffers, Evaluation, Layout, ParameterSpec, Registration, ServerStatus
 from gemps_proto.schema import PayloadKind
 from gemps_proto.tensor_codec import wire_view
+from gemps_proto.vectors import Vector
 
 Reply = TypeVar("Reply", covariant=True)
 
@@ -40,7 +39,7 @@ class Enrolment:
     spec: tuple[ParameterSpec, ...]
     worker_name: str
     client_id: str
-    values: np.ndarray  # flat float32 initial values: all of θ, or this partition's slice
+    values: Vector  # flat float32 initial values: all of θ, or this partition's slice
     buffer_spec: tuple[ParameterSpec, ...] = ()
     buffers: Buffers | None = None
     layout: Layout | None = None  # the layout the client holds: registering again may not change it
@@ -52,7 +51,7 @@ class Registered:
     its buffers (None: the model has none) and the version and history that θ counts in."""
 
     registration: Registration
-    parameters: np.ndarray | None
+    parameters: Vector | None
     buffers: Buffers | None
     version: int
     history: str = ""
@@ -69,7 +68,7 @@ class PullCall:
 @dataclass(frozen=True)
 class Pulled:
     version: int
-    parameters: np.ndarray | None  # None: unchanged since `known_version`
+    parameters: Vector | None  # None: unchanged since `known_version`
     buffers: Buffers | None
     history: str
 
@@ -83,7 +82,7 @@ class CommitCall:
     worker_id: str
     base_version: int
     kind: PayloadKind
-    payload: np.ndarray  # flat float32, in the server's range
+    payload: Vector  # flat float32, in the server's range
     loss: float | None
     num_samples: int | None
     request_id: str
@@ -113,7 +112,7 @@ class Committed:
     scaling_median: float
     scaling_at_zero: float
     scaling_at_max: float
-    parameters: np.ndarray
+    parameters: Vector
     buffers: Buffers | None
     epoch: int = 0  # the epoch of the primary that acknowledged it (0: not replicated)
     # Difference replies: the copy the client holds once it applied this reply, and the copy

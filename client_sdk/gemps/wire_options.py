@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from gemps_proto import vectors
 from gemps_proto.reply_differences import REPLY_COMPRESSIONS
 from gemps_proto.tensor_codec import COMPRESSIONS, WIRE_DTYPE_NAMES
 
@@ -47,7 +48,8 @@ def check_wire_options(
     compression: str | None = None,
     reply_compression: str | None = None,
 ) -> None:
-    """ValueError naming the option for a value the client does not take."""
+    """ValueError naming the option for a value the client does not take; NumpyRequiredError for one
+    that computes on every value where numpy is not installed (gemps_proto.vectors)."""
     if compression is not None and compression not in COMPRESSIONS:
         raise ValueError(f"compression must be None or one of {', '.join(COMPRESSIONS)}, not {compression!r}")
     if reply_compression is not None and reply_compression not in REPLY_COMPRESSIONS:
@@ -59,3 +61,10 @@ def check_wire_options(
         raise ValueError(f"streaming must be one of {', '.join(STREAMING_CHOICES)}, not {streaming!r}")
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be > 0, not {chunk_bytes}")
+    for option, value, default in (
+        ("compression", compression, None),
+        ("reply_compression", reply_compression, None),
+        ("wire_dtype", wire_dtype, "float32"),
+    ):
+        if value != default:
+            vectors.require(f"{option}={value!r}")

@@ -16,13 +16,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TypeVar
 
-import numpy as np
 from google.protobuf.message import Message
 
-from gemps_proto import protobuf_wire
+from gemps_proto import protobuf_wire, vectors
 from gemps_proto.schema_proto import tensor_from_proto
 from gemps_proto.tensor_codec import EncodedTensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_proto.vectors import Vector
 
 M = TypeVar("M", bound=Message)
 
@@ -103,13 +103,13 @@ def read_data(message: bytes) -> memoryview | None:
 class PayloadAssembler:
     """Collects data pieces into one preallocated buffer of the size the header announced."""
 
-    def __init__(self, expected_bytes: int, into: np.ndarray | None = None) -> None:
-        """`into`: a writable uint8 array of `expected_bytes` to assemble in (else a new one)."""
+    def __init__(self, expected_bytes: int, into: Vector | memoryview | None = None) -> None:
+        """`into`: a writable buffer of `expected_bytes` to assemble in (else a new one)."""
         if into is not None and into.nbytes != expected_bytes:
             raise ValueError(f"the buffer holds {into.nbytes} bytes, the payload {expected_bytes}")
         self.expected_bytes = expected_bytes
-        # Not zeroed: every byte is written before result() returns it.
-        self._buffer = np.empty(expected_bytes, dtype=np.uint8) if into is None else into
+        # Not zeroed with numpy: every byte is written before result() returns it.
+        self._buffer = vectors.writable_bytes(expected_bytes) if into is None else memoryview(into).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
         self.received = 0
 
     def add(self, piece: bytes | memoryview) -> None:
@@ -117,11 +117,11 @@ class PayloadAssembler:
         end = self.received + len(piece)
         if end > self.expected_bytes:
             raise ValueError(f"data exceeds the {self.expected_bytes} bytes the header announced")
-        self._buffer[self.received : end] = np.frombuffer(piece, dtype=np.uint8)
+        self._buffer[self.received : end] = memoryview(piece).cast("B")
         self.received = end
 
     def result(self) -> memoryview:
         """The whole payload; raises ValueError if pieces are missing."""
         if self.received != self.expected_bytes:
             raise ValueError(f"{self.received} bytes of data received, the header announced {self.expected_bytes}")
-        return self._buffer.data
+        return self._buffer

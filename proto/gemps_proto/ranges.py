@@ -17,12 +17,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 INT32_MAX = 2**31 - 1  # gRPC's channel arguments (C int); process ids
 UINT32_MAX = 2**32 - 1  # uint32 fields: batch size, shard index and count
 INT64_MAX = 2**63 - 1  # versions and counts (int64 base_version, checkpoint metadata)
-FLOAT32_MAX = float(np.finfo(np.float32).max)  # factors applied to float32 values of θ
+FLOAT32_MAX = (2 - 2**-23) * 2.0**127  # float32's largest value (numpy's finfo): factors applied to θ's values
 
 RANGE = "range"  # the metadata key of a field's Range
 DEFAULT_TEXT = "default_text"  # the metadata key of how --help words a default other options decide

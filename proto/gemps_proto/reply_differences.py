@@ -21,7 +21,10 @@ back with its next commit (held_copy), and a difference reply names the copy it 
 
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from gemps_proto.tensor_codec import (
     BFLOAT16,

@@ -22,11 +22,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
+from gemps_proto import vectors
 from gemps_proto.ranges import FLOAT32_MAX, INT64_MAX, RANGE, UINT32_MAX, Range, out_of_range
 from gemps_proto.schedules import CONSTANT, SCHEDULES
 from gemps_proto.tensor_codec import FLOAT32, INT64
+from gemps_proto.vectors import ArrayLike, Vector
 from gemps_proto.versions import Versions
 
 
@@ -140,24 +140,23 @@ class ParameterSpec:
         return f"{self.name!r} {list(self.shape)}" + (" int64" if self.integer else "")
 
 
-def spec_of(parameters: Mapping[str, np.ndarray]) -> tuple[ParameterSpec, ...]:
+def spec_of(parameters: Mapping[str, Vector]) -> tuple[ParameterSpec, ...]:
     """The spec of named arrays, in mapping order."""
-    return tuple(ParameterSpec(name, tuple(int(d) for d in np.shape(value))) for name, value in parameters.items())
+    return tuple(ParameterSpec(name, vectors.shape(value)) for name, value in parameters.items())
 
 
-def buffer_spec_of(buffers: Mapping[str, np.ndarray]) -> tuple[ParameterSpec, ...]:
+def buffer_spec_of(buffers: Mapping[str, Vector]) -> tuple[ParameterSpec, ...]:
     """The buffer spec of named arrays, in mapping order: integer (and boolean) arrays are int64
     entries, carried exactly; the others float32."""
     return tuple(
-        ParameterSpec(name, tuple(int(d) for d in np.shape(value)), INT64 if integral(value) else FLOAT32)
+        ParameterSpec(name, vectors.shape(value), INT64 if integral(value) else FLOAT32)
         for name, value in buffers.items()
     )
 
 
-def integral(value: np.ndarray) -> bool:
+def integral(value: Vector) -> bool:
     """Whether an array holds integers (or booleans): an int64 buffer, carried exactly."""
-    kind: str = np.asarray(value).dtype.kind
-    return kind in "iub"
+    return vectors.is_integral(value)
 
 
 @dataclass(frozen=True)
@@ -166,40 +165,37 @@ class Buffers:
     (`floats`) and the int64 entries' (`integers`, exact: batch norm's num_batches_tracked passes
     2**24, where float32 stops counting). The wire carries each as a tensor of its own."""
 
-    floats: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))
-    integers: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    floats: Vector = field(default_factory=vectors.empty_float32)
+    integers: Vector = field(default_factory=vectors.empty_int64)
 
     @property
     def size(self) -> int:
-        return int(self.floats.size + self.integers.size)
+        return vectors.size(self.floats) + vectors.size(self.integers)
 
     @property
     def nbytes(self) -> int:
         return int(self.floats.nbytes + self.integers.nbytes)
 
     @classmethod
-    def of(cls, values: Mapping[str, np.ndarray] | np.ndarray, spec: Sequence[ParameterSpec]) -> Buffers:
+    def of(cls, values: Mapping[str, ArrayLike] | ArrayLike, spec: Sequence[ParameterSpec]) -> Buffers:
         """Values by name, or one flat array of every entry in spec order, split by the spec's kinds;
         ValueError unless they are exactly the spec's entries, each of its size."""
         if not isinstance(values, Mapping):
-            flat = np.asarray(values).reshape(-1)
-            if flat.size != sum(entry.size for entry in spec):
-                raise ValueError(f"{flat.size} values where the spec has {sum(entry.size for entry in spec)}")
+            flat = vectors.flat(vectors.as_numbers(values))
+            if len(flat) != sum(entry.size for entry in spec):
+                raise ValueError(f"{len(flat)} values where the spec has {sum(entry.size for entry in spec)}")
             values = dict(_views(flat, spec))
         unknown = sorted(set(values) - {entry.name for entry in spec})
         if unknown:
             raise ValueError(f"no buffer named {', '.join(unknown)} in the spec")
         for entry in spec:
-            if np.size(values[entry.name]) != entry.size:
-                raise ValueError(f"{entry.name} has {np.size(values[entry.name])} values, the spec {entry.size}")
-        floats = [np.asarray(values[e.name], np.float32).reshape(-1) for e in spec if not e.integer]
-        integers = [_int64(values[e.name]).reshape(-1) for e in spec if e.integer]
-        return cls(
-            np.concatenate(floats) if floats else np.empty(0, np.float32),
-            np.concatenate(integers) if integers else np.empty(0, np.int64),
-        )
+            if vectors.size(values[entry.name]) != entry.size:
+                raise ValueError(f"{entry.name} has {vectors.size(values[entry.name])} values, the spec {entry.size}")
+        floats = [vectors.as_float32(values[e.name]) for e in spec if not e.integer]
+        integers = [vectors.as_int64(values[e.name]) for e in spec if e.integer]
+        return cls(vectors.concatenate(floats), vectors.concatenate(integers, integers=True))
 
-    def named(self, spec: Sequence[ParameterSpec]) -> dict[str, np.ndarray]:
+    def named(self, spec: Sequence[ParameterSpec]) -> dict[str, Vector]:
         """Per-buffer views (no copy), in spec order: float32 and int64 arrays by kind."""
         floats = _views(self.floats, [e for e in spec if not e.integer])
         integers = _views(self.integers, [e for e in spec if e.integer])
@@ -213,28 +209,20 @@ def buffer_counts(spec: Sequence[ParameterSpec]) -> tuple[int, int]:
     return sum(entry.size for entry in spec) - integers, integers
 
 
-def _int64(value: np.ndarray) -> np.ndarray:
-    """Integer values as int64; floating ones rounded (a flat delta of every buffer is float)."""
-    array = np.asarray(value)
-    return array.astype(np.int64) if integral(array) else np.rint(array).astype(np.int64)
-
-
-def flatten(parameters: Mapping[str, np.ndarray]) -> np.ndarray:
+def flatten(parameters: Mapping[str, Vector]) -> Vector:
     """Concatenate named arrays, in mapping order, into one float32 vector (the wire's layout)."""
-    if not parameters:
-        return np.empty(0, dtype=np.float32)
-    return np.concatenate([np.asarray(v, dtype=np.float32).reshape(-1) for v in parameters.values()])
+    return vectors.concatenate([vectors.as_float32(v) for v in parameters.values()])
 
 
-def unflatten(flat: np.ndarray, spec: Sequence[ParameterSpec]) -> dict[str, np.ndarray]:
+def unflatten(flat: Vector, spec: Sequence[ParameterSpec]) -> dict[str, Vector]:
     """Per-parameter views (no copy) of a flat vector laid out in spec order."""
     return dict(_views(flat, spec))
 
 
-def _views(flat: np.ndarray, spec: Sequence[ParameterSpec]) -> Iterator[tuple[str, np.ndarray]]:
+def _views(flat: Vector, spec: Sequence[ParameterSpec]) -> Iterator[tuple[str, Vector]]:
     offset = 0
     for entry in spec:
-        yield entry.name, flat[offset : offset + entry.size].reshape(entry.shape)
+        yield entry.name, vectors.shaped(flat[offset : offset + entry.size], entry.shape)
         offset += entry.size
 
 

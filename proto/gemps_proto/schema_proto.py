@@ -11,9 +11,9 @@ import dataclasses
 from collections.abc import Iterable
 from typing import TypeVar
 
-import numpy as np
 from google.protobuf.message import Message
 
+from gemps_proto import vectors
 from gemps_proto.schema import (
     Buffers,
     DataPlane,
@@ -35,17 +35,17 @@ from gemps_proto.status import (
 )
 from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_proto.vectors import Vector
 from gemps_proto.versions import Versions, received
 
 M = TypeVar("M", bound=Message)
 
 
-def tensor_to_proto(array: np.ndarray) -> pb.Tensor:
+def tensor_to_proto(array: Vector) -> pb.Tensor:
     """A Tensor of an array's values (converted to little-endian float32 when needed)."""
-    array = np.asarray(array)
-    if array.dtype != np.dtype("<f4"):
-        array = array.astype("<f4")
-    return pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=array.shape, data=array.tobytes())
+    return pb.Tensor(
+        dtype=pb.DTYPE_FLOAT32, shape=vectors.shape(array), data=bytes(vectors.little_endian_float32(array))
+    )
 
 
 def tensor_from_proto(tensor: pb.Tensor) -> EncodedTensor:
@@ -56,11 +56,13 @@ def tensor_from_proto(tensor: pb.Tensor) -> EncodedTensor:
 def set_buffers(floats: pb.Tensor, integers: pb.Tensor, buffers: Buffers) -> None:
     """A message's pair of buffer tensors (`buffers` and `integer_buffers`, or the initial or delta
     pair), each set whole: small. A kind the model has none of stays unset."""
-    if buffers.floats.size:
-        floats.CopyFrom(tensor_to_proto(buffers.floats.reshape(-1)))
-    if buffers.integers.size:
-        values = np.ascontiguousarray(buffers.integers, dtype="<i8").reshape(-1)
-        integers.CopyFrom(pb.Tensor(dtype=pb.DTYPE_INT64, shape=values.shape, data=values.tobytes()))
+    if vectors.size(buffers.floats):
+        floats.CopyFrom(tensor_to_proto(vectors.flat(buffers.floats)))
+    if vectors.size(buffers.integers):
+        count = vectors.size(buffers.integers)
+        integers.CopyFrom(
+            pb.Tensor(dtype=pb.DTYPE_INT64, shape=[count], data=vectors.little_endian_int64(buffers.integers))
+        )
 
 
 def buffers_from_proto(message: Message, floats: str, integers: str) -> EncodedBuffers | None:

@@ -10,13 +10,17 @@ largest values (block_topk.py): `decode_payload` reads every payload dtype, `dec
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+from gemps_proto import vectors
+from gemps_proto.vectors import Vector
 
-from gemps_proto import block_quantisation, block_topk
+if TYPE_CHECKING or vectors.HAVE_NUMPY:  # the SDK alone carries float32 only (gemps_proto.vectors)
+    import numpy as np
 
 # gemps.v1.DType's values, by number: the codec (and the server's domain, which uses it) knows
 # nothing of protobuf messages. tests/unit/test_codec_and_registry.py checks them against the .proto.
@@ -40,11 +44,11 @@ DTYPE_NAMES = {
     INT4_BLOCK: "DTYPE_INT4_BLOCK",
     TOPK_BLOCK: "DTYPE_TOPK_BLOCK",
 }
-_NUMPY_DTYPES: dict[int, np.dtype] = {FLOAT32: np.dtype("<f4"), BFLOAT16: np.dtype("<u2")}
-_INT64 = np.dtype("<i8")
+_ITEMSIZES = {FLOAT32: 4, BFLOAT16: 2}  # θ's wire dtypes: bytes per value
+_INT64_ITEMSIZE = 8
 _BLOCK = 65_536  # elements per block of the bfloat16 encoder: its working set stays in cache
 #: wire formats by the names users pass (SDK, CLI flags): DTYPE_BFLOAT16 is "bfloat16"
-WIRE_DTYPE_NAMES: dict[str, int] = {DTYPE_NAMES[dtype].removeprefix("DTYPE_").lower(): dtype for dtype in _NUMPY_DTYPES}
+WIRE_DTYPE_NAMES: dict[str, int] = {DTYPE_NAMES[dtype].removeprefix("DTYPE_").lower(): dtype for dtype in _ITEMSIZES}
 #: how commits may be compressed, by the names users pass (`Client(compression=)`, `--compression`)
 COMPRESSIONS: dict[str, int] = {"int8": INT8_BLOCK, "int4": INT4_BLOCK, "topk": TOPK_BLOCK}
 #: every encoding θ-sized tensors travel in, by dtype: the names above (the wire bytes' metric labels)
@@ -63,23 +67,32 @@ class _Codes:
     with_values: Callable[[np.ndarray], tuple[bytes, np.ndarray]]
 
 
-_CODES = {
-    INT8_BLOCK: _Codes(
-        block_quantisation.int8_nbytes,
-        block_quantisation.decode_int8,
-        block_quantisation.encode_int8,
-        block_quantisation.int8_with_values,
-    ),
-    INT4_BLOCK: _Codes(
-        block_quantisation.int4_nbytes,
-        block_quantisation.decode_int4,
-        block_quantisation.encode_int4,
-        block_quantisation.int4_with_values,
-    ),
-    TOPK_BLOCK: _Codes(
-        block_topk.topk_nbytes, block_topk.decode_topk, block_topk.encode_topk, block_topk.topk_with_values
-    ),
-}
+_CODE_DTYPES = frozenset({INT8_BLOCK, INT4_BLOCK, TOPK_BLOCK})
+
+
+@functools.cache
+def _codes(dtype: int) -> _Codes:
+    """The blockwise codes' functions, imported when first used: they compute with numpy."""
+    vectors.require(f"{DTYPE_NAMES[dtype]} payloads")
+    from gemps_proto import block_quantisation, block_topk
+
+    return {
+        INT8_BLOCK: _Codes(
+            block_quantisation.int8_nbytes,
+            block_quantisation.decode_int8,
+            block_quantisation.encode_int8,
+            block_quantisation.int8_with_values,
+        ),
+        INT4_BLOCK: _Codes(
+            block_quantisation.int4_nbytes,
+            block_quantisation.decode_int4,
+            block_quantisation.encode_int4,
+            block_quantisation.int4_with_values,
+        ),
+        TOPK_BLOCK: _Codes(
+            block_topk.topk_nbytes, block_topk.decode_topk, block_topk.encode_topk, block_topk.topk_with_values
+        ),
+    }[dtype]
 
 
 class TensorDecodeError(ValueError):
@@ -90,11 +103,12 @@ def dtype_name(dtype: int) -> str:
     return DTYPE_NAMES.get(dtype, f"unknown dtype {dtype}")
 
 
-def numpy_dtype(dtype: int) -> np.dtype:
+def itemsize(dtype: int) -> int:
+    """Bytes per value of θ's wire dtypes; TensorDecodeError for another."""
     try:
-        return _NUMPY_DTYPES[dtype]
+        return _ITEMSIZES[dtype]
     except KeyError:
-        supported = ", ".join(dtype_name(d) for d in _NUMPY_DTYPES)
+        supported = ", ".join(dtype_name(d) for d in _ITEMSIZES)
         raise TensorDecodeError(f"unsupported dtype {dtype_name(dtype)}; supported: {supported}") from None
 
 
@@ -102,38 +116,42 @@ def num_elements(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
-def decode(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> np.ndarray:
+def decode(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> Vector:
     """float32 values of raw tensor bytes; float32 data is aliased, not copied."""
-    itemsize = numpy_dtype(dtype).itemsize
+    width = itemsize(dtype)
     if any(d < 0 for d in shape):
         raise TensorDecodeError(f"negative dimension in shape {list(shape)}")
-    expected = num_elements(shape) * itemsize
+    expected = num_elements(shape) * width
     if len(data) != expected:
         raise TensorDecodeError(
             f"{len(data)} bytes of data but shape {list(shape)} of {dtype_name(dtype)} needs {expected}"
         )
     if dtype == BFLOAT16:
+        vectors.require("bfloat16 on the wire")
         return bfloat16_to_float32(np.frombuffer(data, dtype="<u2")).reshape(shape)
-    return np.frombuffer(data, dtype="<f4").reshape(shape)
+    return vectors.shaped(vectors.float32s(data), shape)
 
 
-def decode_payload(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> np.ndarray:
+def decode_payload(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> Vector:
     """float32 values of a commit payload in any of its dtypes (θ's, or blockwise codes,
     checked: TensorDecodeError for a scale, code or length no encoder writes)."""
-    if dtype not in _CODES:
+    if dtype not in _CODE_DTYPES:
         return decode(dtype, shape, data)
     expected = expected_payload_nbytes(dtype, shape)
     if len(data) != expected:
         raise TensorDecodeError(
             f"{len(data)} bytes of data but shape {list(shape)} of {dtype_name(dtype)} needs {expected}"
         )
+    codes = _codes(dtype)
+    from gemps_proto.block_quantisation import QuantisedPayloadError
+
     try:
-        return _CODES[dtype].decode(data, num_elements(shape)).reshape(shape)
-    except block_quantisation.QuantisedPayloadError as error:
+        return codes.decode(data, num_elements(shape)).reshape(shape)
+    except QuantisedPayloadError as error:
         raise TensorDecodeError(f"{dtype_name(dtype)}: {error}") from None
 
 
-def decode_int64(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> np.ndarray:
+def decode_int64(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> Vector:
     """int64 values of raw tensor bytes (aliased, not copied); TensorDecodeError unless `dtype` is
     INT64 and the bytes fit the shape."""
     if any(d < 0 for d in shape):
@@ -141,7 +159,7 @@ def decode_int64(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | m
     expected = expected_int64_nbytes(dtype, shape)
     if len(data) != expected:
         raise TensorDecodeError(f"{len(data)} bytes of data but shape {list(shape)} of DTYPE_INT64 needs {expected}")
-    return np.frombuffer(data, dtype=_INT64).reshape(shape)
+    return vectors.shaped(vectors.int64s(data), shape)
 
 
 @dataclass(frozen=True)
@@ -152,15 +170,15 @@ class EncodedTensor:
     shape: tuple[int, ...]
     data: bytes | bytearray | memoryview
 
-    def decode(self) -> np.ndarray:
+    def decode(self) -> Vector:
         """float32 values (aliasing `data` for float32); raises TensorDecodeError."""
         return decode(self.dtype, self.shape, self.data)
 
-    def decode_payload(self) -> np.ndarray:
+    def decode_payload(self) -> Vector:
         """A commit payload's float32 values, whatever its dtype (decode_payload); raises TensorDecodeError."""
         return decode_payload(self.dtype, self.shape, self.data)
 
-    def decode_int64(self) -> np.ndarray:
+    def decode_int64(self) -> Vector:
         """int64 values (aliasing `data`); raises TensorDecodeError unless it is an int64 tensor."""
         return decode_int64(self.dtype, self.shape, self.data)
 
@@ -177,7 +195,7 @@ class EncodedBuffers:
 def expected_nbytes(dtype: int, shape: Sequence[int]) -> int:
     """Bytes a tensor of θ's wire dtypes of this shape has; raises TensorDecodeError for another
     dtype (INT64 too: θ-sized buffers are sized by it)."""
-    return num_elements(shape) * numpy_dtype(dtype).itemsize
+    return num_elements(shape) * itemsize(dtype)
 
 
 def expected_payload_nbytes(dtype: int, shape: Sequence[int]) -> int:
@@ -185,22 +203,22 @@ def expected_payload_nbytes(dtype: int, shape: Sequence[int]) -> int:
     raises TensorDecodeError for another dtype."""
     if any(d < 0 for d in shape):
         raise TensorDecodeError(f"negative dimension in shape {list(shape)}")
-    if dtype in _CODES:
-        return _CODES[dtype].nbytes(num_elements(shape))
+    if dtype in _CODE_DTYPES:
+        return _codes(dtype).nbytes(num_elements(shape))
     return expected_nbytes(dtype, shape)
 
 
 def encode_payload(values: np.ndarray, dtype: int) -> bytes:
     """Raw wire bytes of a commit payload's finite float32 values in `dtype` (θ's or blockwise codes)."""
-    if dtype in _CODES:
-        return _CODES[dtype].encode(values)
+    if dtype in _CODE_DTYPES:
+        return _codes(dtype).encode(values)
     return encode(values, dtype)
 
 
 def quantised_with_values(values: np.ndarray, dtype: int) -> tuple[bytes, np.ndarray]:
     """The bytes of finite float32 values in blockwise codes (`dtype` INT8_BLOCK, INT4_BLOCK or TOPK_BLOCK), and
     the values decode_payload reads from those bytes, shaped as `values`, without reading them again."""
-    data, decoded = _CODES[dtype].with_values(values)
+    data, decoded = _codes(dtype).with_values(values)
     return data, decoded.reshape(np.shape(values))
 
 
@@ -208,7 +226,7 @@ def expected_int64_nbytes(dtype: int, shape: Sequence[int]) -> int:
     """Bytes an integer-buffer tensor of this shape has; raises TensorDecodeError unless it is INT64."""
     if dtype != INT64:
         raise TensorDecodeError(f"dtype {dtype_name(dtype)} where DTYPE_INT64 was expected")
-    return num_elements(shape) * _INT64.itemsize
+    return num_elements(shape) * _INT64_ITEMSIZE
 
 
 def float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
@@ -238,24 +256,24 @@ def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
     return out.view("<f4")
 
 
-def encode(values: np.ndarray, dtype: int = FLOAT32) -> bytes:
+def encode(values: Vector, dtype: int = FLOAT32) -> bytes:
     """Raw wire bytes of float32 values in `dtype`."""
     if dtype == BFLOAT16:
+        vectors.require("bfloat16 on the wire")
         return float32_to_bfloat16(values).tobytes()
-    numpy_dtype(dtype)  # raises for an unknown dtype
-    return np.ascontiguousarray(values, dtype="<f4").tobytes()
+    itemsize(dtype)  # raises for an unknown dtype
+    return bytes(vectors.little_endian_float32(values))
 
 
-def wire_view(values: np.ndarray, dtype: int = FLOAT32) -> bytes | memoryview:
+def wire_view(values: Vector, dtype: int = FLOAT32) -> bytes | memoryview:
     """The wire bytes of float32 values in `dtype`: a view of `values` itself (no copy) when they
     already are little-endian float32 in one piece, else encode()'s copy. The caller keeps
     `values` unchanged while the view is in use."""
-    array = np.asarray(values)
-    if dtype == FLOAT32 and array.dtype == np.dtype("<f4") and array.flags.c_contiguous:
-        return array.reshape(-1).data.cast("B")
-    return encode(array, dtype)
+    if dtype == FLOAT32:
+        return vectors.little_endian_float32(values)
+    return encode(values, dtype)
 
 
-def all_finite(array: np.ndarray) -> bool:
+def all_finite(values: Vector) -> bool:
     """True when no element is NaN or +-Inf (np.isfinite: as fast as a float32 sum here, and exact)."""
-    return bool(np.isfinite(array).all())
+    return vectors.all_finite(values)

@@ -140,6 +140,13 @@ def async_client(ran: Ran) -> None:
     assert ran.status.active_workers == 0
 
 
+def sdk_alone(ran: Ran) -> None:
+    """The SDK page's client without numpy's arrays: lists and array.array in, θ back by name."""
+    assert ran.namespace["result"].version == ran.status.version == 1
+    assert ran.status.num_parameters == 8
+    assert len(ran.namespace["theta"].tolist()) == 6 and ran.status.active_workers == 0
+
+
 def demo_model(ran: Ran) -> None:
     """Getting started's loading of the demo's model.npz: every name loaded, the version read."""
     assert ran.namespace["version"] == 0  # the checkpoint PREPARE wrote: θ as registered
@@ -179,6 +186,7 @@ CHECKS: dict[str, Callable[[Ran], None]] = {
     "gemps.Client(": client,
     "options.add_arguments(": options,
     "AsyncClient(": async_client,
+    "array.array(": sdk_alone,
     "runs/demo/model.npz": demo_model,
 }
 # marker -> what must exist before the block runs (given the server's address), in the block's folder

@@ -28,8 +28,16 @@ GENERATED = ROOT / "proto" / "gemps_proto" / "v1"
 # torch_* modules) needs the torch extra on top.
 SDK_FOLDERS = (ROOT / "client_sdk" / "gemps", ROOT / "proto" / "gemps_proto")
 FIRST_PARTY = {"gemps", "gemps_proto"}
-# SDK modules of opt-in features -> the extra their imports come from (imported only when used).
-OPT_IN = {"metrics": "metrics"}
+# SDK modules of opt-in features -> the extra their imports come from (imported only when used, or
+# only where installed: gemps_proto.vectors). tests/integration/test_sdk_without_numpy.py runs the
+# SDK where numpy cannot be imported.
+OPT_IN = {
+    "metrics": "metrics",
+    "vectors": "numpy",
+    "tensor_codec": "numpy",
+    "block_quantisation": "numpy",
+    "block_topk": "numpy",
+}
 
 
 def _name(requirement: str) -> str:
@@ -79,8 +87,8 @@ def test_the_base_install_is_what_the_sdk_imports_and_no_more() -> None:
     used: set[str] = set()
     for folder in SDK_FOLDERS:
         for path in sorted(folder.rglob("*.py")):
-            imports = _runtime_imports(path) - ({"torch"} if _is_torch_layer(path) else set())
-            extra = OPT_IN.get(path.stem) if path.parent.name == "gemps" else None
+            imports = _runtime_imports(path)
+            extra = "torch" if _is_torch_layer(path) else OPT_IN.get(path.stem)
             allowed = base | ({_name(r) for r in PROJECT["optional-dependencies"][extra]} if extra else set())
             for module in imports:
                 providers = _distributions_of(module)

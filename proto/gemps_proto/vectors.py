@@ -1,0 +1,299 @@
+"""θ's values with or without numpy: the one place the SDK's core meets its array type.
+
+`pip install gemps` is the SDK without numpy (grpcio and protobuf only, docs/guides/install.md).
+Then θ, payloads and buffers are the standard library's memoryviews of float32 ("f") or int64 ("q")
+values, shaped as numpy's arrays would be: `.shape`, `.tolist()`, and `numpy.asarray(view)` or
+`torch.frombuffer(view, dtype=torch.float32)` take them without a copy. Users pass memoryviews,
+`array.array`s or (nested) lists. With numpy installed (`gemps[numpy]`; every other extra has it)
+they are numpy arrays, as they always were: each function below is numpy's own code then.
+
+What needs arithmetic on every value (compressed commits, bfloat16 on the wire, difference replies,
+the torch layer) needs numpy: `require` names the feature and the install line.
+
+Typed as numpy's arrays (`Vector`): without numpy the SDK's core touches its values only through
+these functions and what memoryviews share with arrays (len, slicing, tobytes, nbytes, itemsize,
+shape); tests/integration/test_sdk_without_numpy.py runs that path against a real server.
+"""
+
+from __future__ import annotations
+
+import array
+import math
+import sys
+import typing
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+try:
+    import numpy as np
+
+    HAVE_NUMPY = True
+except ImportError:  # the SDK installed alone
+    HAVE_NUMPY = False
+
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import ArrayLike as NumpyArrayLike
+
+    Vector: TypeAlias = np.ndarray
+    #: what users may pass as values: numpy's array-likes, or memoryviews and array.array's of numbers
+    ArrayLike: TypeAlias = NumpyArrayLike | memoryview | array.array[Any]
+else:
+    Vector: TypeAlias = Any
+    ArrayLike: TypeAlias = Any
+
+#: the wire's float32 and int64 values, as the standard library's memoryview formats
+FLOAT32_FORMAT = "f"
+INT64_FORMAT = "q"
+# Buffer formats of numbers (struct's codes), with the byte-order prefixes numpy may add.
+_INTEGER_FORMATS = frozenset("bBhHiIlLqQ?")
+_FLOAT_FORMATS = frozenset("efd")
+_BYTE_ORDER = "@=<"
+
+
+class NumpyRequiredError(ImportError):
+    """A feature that computes on every value, asked for where numpy is not installed."""
+
+    def __init__(self, feature: str) -> None:
+        super().__init__(
+            f"{feature} needs numpy, which is not installed here: pip install 'gemps[numpy]' "
+            "(the SDK alone carries θ as float32 memoryviews, docs/guides/install.md)",
+            name="numpy",
+        )
+
+
+def require(feature: str) -> None:
+    """NumpyRequiredError naming `feature` unless numpy is installed."""
+    if not HAVE_NUMPY:
+        raise NumpyRequiredError(feature)
+
+
+if not HAVE_NUMPY and sys.byteorder != "little":  # memoryviews are in the host's order, the wire little-endian
+    raise NumpyRequiredError("the SDK on a big-endian machine")
+
+
+def float32s(data: bytes | bytearray | memoryview) -> Vector:
+    """A flat float32 view of little-endian wire bytes (no copy; read-only for bytes)."""
+    if HAVE_NUMPY:
+        return np.frombuffer(data, dtype="<f4")
+    return _cast(memoryview(data), FLOAT32_FORMAT)
+
+
+def int64s(data: bytes | bytearray | memoryview) -> Vector:
+    """A flat int64 view of little-endian wire bytes (no copy)."""
+    if HAVE_NUMPY:
+        return np.frombuffer(data, dtype="<i8")
+    return _cast(memoryview(data), INT64_FORMAT)
+
+
+def empty_float32() -> Vector:
+    return np.empty(0, np.float32) if HAVE_NUMPY else _view(array.array(FLOAT32_FORMAT))
+
+
+def empty_int64() -> Vector:
+    return np.empty(0, np.int64) if HAVE_NUMPY else _view(array.array(INT64_FORMAT))
+
+
+def writable_bytes(nbytes: int) -> memoryview:
+    """A new buffer of `nbytes` to receive wire bytes into (not zeroed with numpy: each is written),
+    aligned for float32 and int64 views of it."""
+    if HAVE_NUMPY:
+        return np.empty(nbytes, np.uint8).data
+    return memoryview(bytearray(nbytes))
+
+
+def as_float32(value: Any) -> Vector:
+    """An array-like's values as float32, in its shape (no copy when they already are).
+    TypeError or ValueError for what is not numbers."""
+    if HAVE_NUMPY:
+        return np.asarray(value, dtype=np.float32)
+    return _converted(value, FLOAT32_FORMAT)
+
+
+def as_numbers(value: Any) -> Vector:
+    """An array-like's values in their own kind: integers (and booleans) as they are, the rest float
+    (numpy's own dtype with numpy). Without numpy, TypeError or ValueError for what is not numbers."""
+    if HAVE_NUMPY:
+        return np.asarray(value)
+    return _converted(value, None)
+
+
+def is_integral(value: Any) -> bool:
+    """Whether an array-like holds integers (or booleans)."""
+    if HAVE_NUMPY:
+        kind: str = np.asarray(value).dtype.kind
+        return kind in "iub"
+    return _format(as_numbers(value)) in _INTEGER_FORMATS
+
+
+def as_int64(value: Any) -> Vector:
+    """Values as int64, in their shape: integers as they are, floating ones rounded to the nearest
+    (half to even, as numpy's rint)."""
+    if HAVE_NUMPY:
+        values = np.asarray(value)
+        return values.astype(np.int64) if is_integral(values) else np.rint(values).astype(np.int64)
+    return _converted(value, INT64_FORMAT)
+
+
+def shape(value: Any) -> tuple[int, ...]:
+    """An array-like's shape."""
+    if HAVE_NUMPY:
+        return tuple(int(d) for d in np.shape(value))
+    return tuple(as_numbers(value).shape)
+
+
+def size(value: Any) -> int:
+    """How many values an array-like holds."""
+    if HAVE_NUMPY:
+        return int(np.size(value))
+    return math.prod(shape(value))
+
+
+def flat(values: Vector) -> Vector:
+    """A one-dimensional view of values laid out in one piece (a copy when they are not)."""
+    if HAVE_NUMPY:
+        return values.reshape(-1)
+    view: Any = values
+    if not view.c_contiguous:
+        view = _cast(memoryview(view.tobytes()), _format(view), view.shape)
+    return view if view.ndim == 1 else _cast(view, _format(view))
+
+
+def shaped(values: Vector, new_shape: Sequence[int]) -> Vector:
+    """A view of flat values in `new_shape` (no copy)."""
+    if HAVE_NUMPY:
+        return values.reshape(new_shape)
+    if 0 in new_shape:  # memoryviews have no empty dimensions: an empty one-dimensional view
+        return values[:0]
+    return _cast(values, _format(values), new_shape)
+
+
+def concatenate(parts: Sequence[Vector], integers: bool = False) -> Vector:
+    """Flat values one after another, as one new flat vector of float32 (int64 with `integers`)."""
+    if HAVE_NUMPY:
+        if not parts:
+            return empty_int64() if integers else empty_float32()
+        return np.concatenate([part.reshape(-1) for part in parts])
+    code = INT64_FORMAT if integers else FLOAT32_FORMAT
+    joined: bytes = b"".join(flat(part).tobytes() for part in parts)
+    return _cast(memoryview(bytearray(joined)), code)
+
+
+def copy(values: Vector) -> Vector:
+    """A copy of the values, in their shape and kind."""
+    if HAVE_NUMPY:
+        return np.array(values)
+    return shaped(_cast(memoryview(bytearray(values.tobytes())), _format(values)), values.shape)
+
+
+def read_only(values: Vector) -> Vector:
+    """`values`, no longer writable (a read-only view without numpy)."""
+    if HAVE_NUMPY:
+        values.flags.writeable = False
+        return values
+    view: Any = values
+    read_only_view: Vector = view.toreadonly()
+    return read_only_view
+
+
+def all_finite(values: Vector) -> bool:
+    """True when no value is NaN or +-Inf. Without numpy: their sum is finite exactly then (float32
+    values summed as doubles cannot overflow: 3.4e38 times any count that fits in memory is below
+    1.8e308, and Inf - Inf is NaN)."""
+    if HAVE_NUMPY:
+        return bool(np.isfinite(values).all())
+    return math.isfinite(sum(flat(values)))
+
+
+def little_endian_float32(values: ArrayLike) -> bytes | memoryview:
+    """The wire bytes of float32 values: a view of them (no copy) when they already are little-endian
+    float32 in one piece, else a copy. The caller keeps `values` unchanged while the view is in use."""
+    if HAVE_NUMPY:
+        values = np.asarray(values)
+        if values.dtype == np.dtype("<f4") and values.flags.c_contiguous:
+            return values.reshape(-1).data.cast("B")
+        return np.ascontiguousarray(values, dtype="<f4").tobytes()
+    return typing.cast(memoryview, _cast(flat(_converted(values, FLOAT32_FORMAT)), "B"))
+
+
+def little_endian_int64(values: ArrayLike) -> bytes:
+    """The wire bytes of int64 values (a copy)."""
+    if HAVE_NUMPY:
+        return np.ascontiguousarray(values, dtype="<i8").tobytes()
+    return flat(_converted(values, INT64_FORMAT)).tobytes()
+
+
+# -- without numpy ---------------------------------------------------------------------------------
+
+
+def _format(view: Any) -> str:
+    return str(view.format).lstrip(_BYTE_ORDER)
+
+
+def _view(values: Any) -> Vector:
+    """A memoryview of a buffer, typed as the Vector it stands for."""
+    view: Any = memoryview(values)
+    typed: Vector = view
+    return typed
+
+
+def _cast(view: Any, code: str, dims: Sequence[int] | None = None) -> Vector:
+    """`view`'s bytes as values of `code` (flat, or in `dims`): memoryview casts only through bytes."""
+    as_bytes = view.cast("B")
+    cast_view: Vector = as_bytes.cast(code) if dims is None else as_bytes.cast(code, list(dims))
+    return cast_view
+
+
+def _converted(value: Any, code: str | None) -> Vector:
+    """`value` (a buffer, a number or nested sequences of numbers) as a memoryview of `code`'s values
+    in its shape; `code` None: int64 for integers, else float32."""
+    if isinstance(value, bytes | bytearray):  # as numpy: text, not numbers (a memoryview of them is bytes' values)
+        raise TypeError("bytes are not numbers: pass memoryview(data).cast('f') for float32 values")
+    if isinstance(value, memoryview) or _has_buffer(value):
+        view: Any = memoryview(value)
+        own = _format(view)
+        if own not in _INTEGER_FORMATS | _FLOAT_FORMATS:
+            raise TypeError(f"a buffer of format {view.format!r}, not numbers")
+        wanted = code or (INT64_FORMAT if own in _INTEGER_FORMATS else FLOAT32_FORMAT)
+        if own == wanted and view.c_contiguous:
+            return _view(view)
+        numbers: Iterable[Any] = flat(_cast(view, own) if view.c_contiguous else _whole(view, own)).tolist()
+        return _shaped_numbers(numbers, wanted, view.shape or ())
+    dims, numbers_list = _nested(value)
+    if code is None:
+        code = INT64_FORMAT if all(isinstance(n, int) for n in numbers_list) else FLOAT32_FORMAT
+    return _shaped_numbers(numbers_list, code, dims)
+
+
+def _whole(view: memoryview, own: str) -> Vector:
+    return _cast(memoryview(view.tobytes()), own)
+
+
+def _shaped_numbers(numbers: Iterable[Any], code: str, dims: Sequence[int]) -> Vector:
+    if code == INT64_FORMAT:
+        numbers = [n if isinstance(n, int) else round(n) for n in numbers]  # round(): half to even, as rint
+    values = _view(array.array(code, numbers))
+    return shaped(values, dims) if len(dims) != 1 else values
+
+
+def _has_buffer(value: object) -> bool:
+    try:
+        memoryview(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
+
+
+def _nested(value: Any) -> tuple[tuple[int, ...], list[Any]]:
+    """The shape and the values, in order, of a number or nested sequences of numbers; ValueError
+    for ragged ones, TypeError for anything else."""
+    if isinstance(value, bool | int | float):
+        return (), [value]
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise TypeError(f"{type(value).__name__} is not a number or a sequence of numbers")
+    parts = [_nested(item) for item in value]
+    inner = {dims for dims, _ in parts}
+    if len(inner) > 1:
+        raise ValueError(f"ragged nested sequences (shapes {sorted(inner)})")
+    dims = inner.pop() if inner else ()
+    return (len(parts), *dims), [number for _, numbers in parts for number in numbers]
