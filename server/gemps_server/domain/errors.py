@@ -43,5 +43,10 @@ class Aborted(ServiceError):
     """The request lost a race it cannot win: a late attempt of a commit its client has moved past."""
 
 
+class Internal(ServiceError):
+    """The server failed on a request it took (an exception no refusal names: a bug). Whether the
+    request took effect is unknown; the server's log holds the traceback."""
+
+
 class Unauthenticated(ServiceError):
     """The caller did not prove who it is (a data-plane ticket that is not its registration's)."""

@@ -35,6 +35,7 @@ DATA_PLANE_REFUSALS = (
     "shared_memory_limit",  # shared memory refused: past --max-shared-memory (the client uses its socket)
     "descriptors",  # descriptors passed before the HELLO proved a ticket, or more than an ATTACH's one
     "unread_replies",  # a reply unread past its window while more requests came, or no reply budget left
+    "internal",  # the server failed on a request (a bug): INTERNAL answered, then closed
 )
 
 

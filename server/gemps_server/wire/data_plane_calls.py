@@ -51,6 +51,7 @@ from gemps_proto.data_plane_protocol import ServerConnection
 from gemps_proto.reasons import Reason
 from gemps_proto.tensor_codec import FLOAT32, EncodedTensor, expected_nbytes
 from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_server.domain.applier import ApplierStopped
 from gemps_server.domain.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -69,7 +70,7 @@ from gemps_server.wire.data_plane_replies import reply_room, write_reply
 from gemps_server.wire.data_plane_uploads import Held, Lanes, waited
 from gemps_server.wire.shared_memory import SharedRegion
 from gemps_server.wire.shared_memory_budget import SharedMemoryBudget
-from gemps_server.wire.status_codes import status_of
+from gemps_server.wire.status_codes import internal, status_of
 from gemps_server.wire.stream_buffers import Buffer
 from gemps_server.wire.streams import Pace
 
@@ -242,6 +243,12 @@ class Connection:
         except ServiceError as error:  # the frame was read whole: the connection stays usable
             self._rejected(method, error)
             yield from self._send_error(error)
+        except (Hangup, PeerClosed, Stalled, ApplierStopped):  # the connection ends, as it should
+            raise
+        except Exception as failure:  # a bug: INTERNAL to the client, then closed (where it stopped is unknown)
+            failed = internal(method, failure)
+            self._rejected(method, failed)
+            raise (yield from self._refuse(failed, "internal")) from None
         finally:
             self._metrics.rpc(method, time.perf_counter() - started, plane="data")
             self._metrics.message_received(method, self.channel.received - received, plane="data")

@@ -25,6 +25,7 @@ from gemps_proto.schema import ParameterSpec
 from gemps_proto.tensor_codec import EncodedBuffers, EncodedTensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
+from gemps_server.domain.applier import ApplierStopped
 from gemps_server.domain.errors import ServiceError
 from gemps_server.domain.records import Snapshot
 from gemps_server.metrics import ServerMetrics
@@ -32,7 +33,7 @@ from gemps_server.service import ParameterService
 from gemps_server.wire import messages, streams
 from gemps_server.wire.messages import MalformedRequest, WithTensor
 from gemps_server.wire.reply_budget import ReplyBudget
-from gemps_server.wire.status_codes import status_of
+from gemps_server.wire.status_codes import internal, status_of
 from gemps_server.wire.stream_buffers import BufferPool
 from gemps_server.wire.streams import CHUNK_CLASSES, Chunk, Pace
 
@@ -102,9 +103,14 @@ def add_to_server(servicer: GempsServicer, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(service.full_name, handlers)
 
 
+# Not bugs: a call ended by gRPC itself, or by the server stopping (the client retries elsewhere or later).
+STOPPING = (grpc.aio.AbortError, ApplierStopped)
+
+
 def rpc(handler: F) -> F:
     """Times the RPC and turns a ServiceError (or a malformed request) into its gRPC status, with
-    the reason in trailing metadata: the one place where refusals become status codes."""
+    the reason in trailing metadata: the one place where refusals become status codes. Any other
+    exception is a bug: INTERNAL, reason `internal`, logged with its traceback."""
     method = handler.__name__
 
     def refuse(self: GempsServicer, error: ServiceError, context: Context) -> None:
@@ -134,6 +140,10 @@ def rpc(handler: F) -> F:
                     yield reply
             except ServiceError as error:
                 refuse(self, error, context)
+            except STOPPING:
+                raise
+            except Exception as failure:  # a bug: INTERNAL, not gRPC's UNKNOWN without a reason
+                refuse(self, internal(method, failure), context)
             finally:
                 self.metrics.rpc(method, time.perf_counter() - started)
 
@@ -149,6 +159,11 @@ def rpc(handler: F) -> F:
         except ServiceError as error:
             refuse(self, error, context)
             return None  # the status set above is sent; gRPC discards a reply after a refusal
+        except STOPPING:
+            raise
+        except Exception as failure:  # a bug: INTERNAL, not gRPC's UNKNOWN without a reason
+            refuse(self, internal(method, failure), context)
+            return None
         finally:
             self.metrics.rpc(method, time.perf_counter() - started)
 

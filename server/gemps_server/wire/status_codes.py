@@ -1,14 +1,20 @@
 """Which gRPC status each kind of refusal is: one table for both wires (the gRPC servicer sets
-it on the call, the data plane sends its number in a DataPlaneError)."""
+it on the call, the data plane sends its number in a DataPlaneError); and a failure no refusal
+names, an INTERNAL refusal on both (`internal`)."""
 
 from __future__ import annotations
 
+import logging
+import traceback
+
 import grpc
 
+from gemps_proto.reasons import Reason
 from gemps_server.domain.errors import (
     Aborted,
     DeadlineExceeded,
     FailedPrecondition,
+    Internal,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -16,6 +22,7 @@ from gemps_server.domain.errors import (
     Unauthenticated,
     Unavailable,
 )
+from gemps_server.logs import event
 
 #: the gRPC status of each kind of refusal
 STATUS_CODES: dict[type[ServiceError], grpc.StatusCode] = {
@@ -27,8 +34,26 @@ STATUS_CODES: dict[type[ServiceError], grpc.StatusCode] = {
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     Aborted: grpc.StatusCode.ABORTED,
+    Internal: grpc.StatusCode.INTERNAL,
 }
+
+log = logging.getLogger("gemps.server")
 
 
 def status_of(error: ServiceError) -> grpc.StatusCode:
     return STATUS_CODES[type(error)]
+
+
+def internal(method: str, failure: Exception) -> Internal:
+    """The INTERNAL refusal of a request `method` failed on with `failure` (not a ServiceError: a
+    bug), logged here with its traceback. Its client hears it at once instead of a dropped call or
+    connection, which it would retry until its patience ran out."""
+    said = f"{type(failure).__name__}: {failure}"
+    trace = "".join(traceback.format_exception(failure))
+    failure.__traceback__ = None  # its frames hold the request (see grpc_servicer.rpc)
+    event(log, "internal error", level=logging.ERROR, method=method, error=said, traceback=trace)
+    return Internal(
+        f"the server failed on this {method} ({said}); whether it took effect is unknown: the server's log "
+        "has the traceback",
+        Reason.INTERNAL,
+    )
