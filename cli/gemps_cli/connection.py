@@ -13,9 +13,13 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--token", default=None, help="bearer token (env GEMPS_AUTH_TOKEN)")
     group.add_argument("--tls", action="store_true", default=None, help="use TLS (env GEMPS_TLS)")
     group.add_argument("--tls-ca", default=None, help="PEM CA to verify the server; implies --tls (env GEMPS_TLS_CA)")
-    group.add_argument("--tls-client-cert", default=None, help="PEM client certificate for mutual TLS")
-    group.add_argument("--tls-client-key", default=None, help="PEM key of --tls-client-cert")
-    group.add_argument("--tls-server-name", default=None, help="name expected in the server's certificate")
+    group.add_argument(
+        "--tls-client-cert", default=None, help="PEM client certificate for mutual TLS (env GEMPS_TLS_CLIENT_CERT)"
+    )
+    group.add_argument("--tls-client-key", default=None, help="PEM key of --tls-client-cert (env GEMPS_TLS_CLIENT_KEY)")
+    group.add_argument(
+        "--tls-server-name", default=None, help="name expected in the server's certificate (env GEMPS_TLS_SERVER_NAME)"
+    )
 
 
 def connect(args: argparse.Namespace, timeout: float, retry: RetryPolicy | None = None) -> Client:

@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from gemps import options
+from gemps import options, variables
 from gemps_server.config import ServerConfig
 
 log = logging.getLogger("gemps.config")
@@ -72,15 +72,17 @@ TRAINING_OPTIONS = frozenset(
     }
 )
 
-# GEMPS_* variables that are no command's option, and who reads them (GEMPS_PLANE, which the SDK
-# reads too, and docker compose's GEMPS_WORKER_CPUS are options of `gemps worker` and `gemps ray`).
+
+def known_options() -> frozenset[str]:
+    """Every GEMPS_* variable that is an option of some gemps command."""
+    return TRAINING_OPTIONS | {options.env_var(f.name) for f in options.options_of(ServerConfig)}
+
+
+# GEMPS_* variables that are no command's option, and who reads them (the SDK's others, such as
+# GEMPS_PLANE, and docker compose's GEMPS_WORKER_CPUS are options of `gemps worker` and `gemps ray`).
 NOT_OPTIONS: Mapping[str, str] = {
     STRICT_VARIABLE: "this check",
-    "GEMPS_TLS": "the SDK's channel security",
-    "GEMPS_TLS_CA": "the SDK's channel security",
-    "GEMPS_TLS_CLIENT_CERT": "the SDK's channel security",
-    "GEMPS_TLS_CLIENT_KEY": "the SDK's channel security",
-    "GEMPS_TLS_SERVER_NAME": "the SDK's channel security",
+    **{name: "the SDK" for name in variables.READ_BY_THE_SDK if name not in known_options()},  # the reference says how
     "GEMPS_BIND_ADDRESS": "docker compose: the host address ports are published on",
     "GEMPS_HOST_PORT": "docker compose: a host port",
     "GEMPS_HOST_DATA_PORT": "docker compose: a host port",
@@ -106,11 +108,6 @@ def add_strict_flag(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"an unknown GEMPS_* variable is an error (exit 2), not a warning (env {STRICT_VARIABLE})",
     )
-
-
-def known_options() -> frozenset[str]:
-    """Every GEMPS_* variable that is an option of some gemps command."""
-    return TRAINING_OPTIONS | {options.env_var(f.name) for f in options.options_of(ServerConfig)}
 
 
 def screen(command: str, args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> bool:

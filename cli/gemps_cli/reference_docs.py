@@ -22,6 +22,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
+from gemps import variables
 from gemps_cli import environment, extras
 from gemps_cli.main import COMMANDS, build_parser
 
@@ -251,7 +252,9 @@ def _variables(readers: dict[str, list[str]]) -> str:
     rows = []
     for name in sorted(names):
         read_by = list(dict.fromkeys(readers.get(name, [])))  # once per command (status and export: --token)
-        if name in environment.NOT_OPTIONS:
+        if name in variables.READ_BY_THE_SDK:  # a command's option or not, and the SDK's default
+            read_by.append(_cell(variables.reader(name)))
+        elif name in environment.NOT_OPTIONS:
             read_by.append(_cell(environment.NOT_OPTIONS[name]))
         rows.append([_code(name), ", ".join(read_by)])
     return (
