@@ -48,7 +48,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
+try:  # the torch layer converts tensors through numpy: both come with the torch extra
+    import numpy  # noqa: F401
+    import torch
+except ImportError as missing:
+    raise ImportError(
+        f"gemps.pytorch needs the torch extra ({missing.name} is not installed): pip install 'gemps[torch]' "
+        "(on a machine without a GPU, install torch from its CPU index first: docs/guides/install.md)",
+        name=missing.name,
+    ) from missing
 
 from gemps.client import Client
 from gemps.errors import PartiallyAppliedError

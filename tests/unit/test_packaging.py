@@ -181,3 +181,17 @@ def test_the_install_hint_names_each_extra(needed: tuple[str, ...], said: str) -
     from gemps_cli.extras import install_hint
 
     assert install_hint("gemps x", needed) == f"gemps x needs {said}: pip install 'gemps[{','.join(needed)}]'"
+
+
+def test_the_torch_layer_without_numpy_names_the_extra() -> None:
+    """`pip install gemps torch` without numpy: gemps.pytorch says what to install, not only that
+    numpy is missing."""
+    ran = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['numpy'] = None; import gemps.pytorch"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ran.returncode != 0
+    assert "gemps.pytorch needs the torch extra (numpy is not installed): pip install 'gemps[torch]'" in ran.stderr
