@@ -22,7 +22,7 @@ from gemps.records import CentralVariable
 from gemps_proto.schema import partition_bounds
 from gemps_server.domain.rules import rule_names
 from gemps_worker.cluster import ServerProcess
-from tests.helpers import CommitLoops, start_partitions, wait_for
+from tests.helpers import CommitLoops, free_port, start_partitions, wait_for
 from tests.integration.conftest import StartServer
 
 pytestmark = pytest.mark.usefixtures("plane")  # over shared memory, the data plane over TCP, and gRPC
@@ -120,7 +120,10 @@ def test_a_killed_partition_restarts_from_its_checkpoint_and_training_carries_on
     workers block on it, retry and carry on; the other partition keeps its state; no commit is
     applied twice. Update commits of ones under downpour make each range's θ count its commits."""
     size, clients_count = 5001, 3
+    # Partition i listens on port + i and is restarted on it: ports from the suite's band, which the kernel
+    # gives no other socket meanwhile (port 0's were ephemeral: a fresh clone's run found 44001 taken).
     options: dict[str, Any] = {"partitions": 2, "rule": "downpour", "checkpoint_dir": tmp_path, "checkpoint_every": 1}
+    options["port"] = free_port()
     with ServerProcess(log_path=tmp_path / "server.log", **options) as server:
         retry = RetryPolicy(max_attempts=200, initial_backoff=0.05, max_backoff=0.5)
         clients = [Client(server.target, timeout=60.0, attempt_timeout=2.0, retry=retry) for _ in range(clients_count)]
