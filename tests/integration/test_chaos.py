@@ -18,7 +18,7 @@ import pytest
 import gemps
 from gemps_server.checkpoint_files import list_checkpoints
 from gemps_worker.cluster import LocalCluster, ServerProcess
-from tests.helpers import CommitLoops, scrape_series, wait_for
+from tests.helpers import CommitLoops, free_port, scrape_series, wait_for
 
 torch = pytest.importorskip("torch")
 
@@ -78,7 +78,8 @@ def start_run(clusters: list[LocalCluster], root: Path, name: str, **options: ob
 def test_training_survives_three_server_kills(tmp_path: Path, clusters: list[LocalCluster]) -> None:
     steps = EPOCHS * (len(load_digits().train_x) // BATCH)  # per worker: the same budget in both runs
     checkpoints = tmp_path / "checkpoints"
-    faulty = start_run(clusters, tmp_path, "faulty", checkpoint_dir=checkpoints, checkpoint_every=10)
+    # Restarted on its port: one from the suite's band, which the kernel gives no other socket while it is down.
+    faulty = start_run(clusters, tmp_path, "faulty", checkpoint_dir=checkpoints, checkpoint_every=10, port=free_port())
     clean = start_run(clusters, tmp_path, "clean")
     kills: list[tuple[float, int]] = []  # (when the restart served, newest checkpoint's version at the kill)
     for fraction in KILLS:
