@@ -175,15 +175,15 @@ def concatenate(parts: Sequence[Vector], integers: bool = False) -> Vector:
             return empty_int64() if integers else empty_float32()
         return np.concatenate([part.reshape(-1) for part in parts])
     code = INT64_FORMAT if integers else FLOAT32_FORMAT
-    joined: bytes = b"".join(flat(part).tobytes() for part in parts)
-    return _cast(memoryview(bytearray(joined)), code)
+    views: list[Any] = [flat(part) for part in parts]
+    return _cast(memoryview(bytearray().join(views)), code)  # one copy
 
 
 def copy(values: Vector) -> Vector:
     """A copy of the values, in their shape and kind."""
     if HAVE_NUMPY:
         return np.array(values)
-    return shaped(_cast(memoryview(bytearray(values.tobytes())), _format(values)), values.shape)
+    return shaped(_cast(memoryview(bytearray(flat(values))), _format(values)), values.shape)
 
 
 def read_only(values: Vector) -> Vector:
