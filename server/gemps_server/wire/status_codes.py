@@ -38,6 +38,9 @@ STATUS_CODES: dict[type[ServiceError], grpc.StatusCode] = {
 }
 
 log = logging.getLogger("gemps.server")
+#: frames of an internal error's traceback logged: its innermost, where the bug is (a log field
+#: holds at most logs.MAX_FIELD_CHARS, and keeps its start)
+TRACE_FRAMES = 4
 
 
 def status_of(error: ServiceError) -> grpc.StatusCode:
@@ -49,7 +52,7 @@ def internal(method: str, failure: Exception) -> Internal:
     bug), logged here with its traceback. Its client hears it at once instead of a dropped call or
     connection, which it would retry until its patience ran out."""
     said = f"{type(failure).__name__}: {failure}"
-    trace = "".join(traceback.format_exception(failure))
+    trace = "".join(traceback.format_exception(failure, limit=-TRACE_FRAMES))  # the innermost: log fields are clipped
     failure.__traceback__ = None  # its frames hold the request (see grpc_servicer.rpc)
     event(log, "internal error", level=logging.ERROR, method=method, error=said, traceback=trace)
     return Internal(
