@@ -40,7 +40,14 @@ def rendezvous_ports_from_the_suites_band() -> Iterator[None]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("run", "system"), RUNS, ids=["torch-rpc-tcp", "reference-p2p"])
 def test_two_clients_commit_inside_the_window(run: Callable[..., LoadResult], system: str) -> None:
-    result = run(10_000, clients=2, duration=2.0, warmup=0.5)
+    try:
+        result = run(10_000, clients=2, duration=2.0, warmup=0.5)
+    except PeerError as crashed:
+        # torch RPC's own process aborted (SIGABRT in TensorPipe, its trainers then EPIPE): 1 of 6 fresh
+        # clones' full runs at stop 57, on TCP too; not the peer's code: once more, every assertion kept.
+        if system != torch_rpc.SYSTEM_TCP or "exited with code -6" not in str(crashed):
+            raise
+        result = run(10_000, clients=2, duration=2.0, warmup=0.5)
 
     assert result.system == system
     assert (result.num_parameters, result.clients, result.seconds) == (10_000, 2, 2.0)
