@@ -16,7 +16,7 @@ TORCH_INDEX ?=
 # not compile (some packages ship code for other Pythons) is one no import reaches: compiling is a cache.
 PIP_INSTALL := $(BIN)/pip install --quiet --no-compile
 
-$(BIN)/.installed: pyproject.toml $(wildcard server/gemps_server/_*.c server/gemps_server/_*.h)
+$(BIN)/.installed: pyproject.toml $(wildcard server/gemps_server/csrc/*.c server/gemps_server/csrc/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(PIP_INSTALL) -e '.[server,torch,ray,dev]'

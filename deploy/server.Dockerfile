@@ -8,7 +8,7 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
-# A C compiler for the server's compiled loops (server/gemps_server/_native.c), in this stage only:
+# A C compiler for the server's compiled loops (server/gemps_server/csrc/), in this stage only:
 # the runtime stage gets the built extension, not the compiler. Python's headers come with the
 # official image; a Debian-based stand-in needs python3-dev for them. Unpinned (DL3008): whichever
 # gcc the base image's Debian has builds it the same, and none of it reaches the runtime stage.

@@ -1,4 +1,4 @@
-"""The server's compiled loops (_native.c), with numpy in their place where they were not built.
+"""The server's compiled loops (csrc/: the extension module _native), with numpy in their place where they were not built.
 
 The extension is optional: `pip install` builds it where a C compiler is at hand and goes on
 without it elsewhere. `compiled` is the module, or None.
@@ -69,7 +69,7 @@ def median_in_place(values: np.ndarray) -> float:
 
 #: how a commit moves the noise scale's window sum w (domain/noise.py): w = u, w += u, or w read only
 WINDOW_START, WINDOW_ADD, WINDOW_LAST = 0, 1, 2
-#: the noise scale samples runs of this many consecutive parameters (_native.c's NOISE_RUN)
+#: the noise scale samples runs of this many consecutive parameters (csrc/shared.h's NOISE_RUN)
 NOISE_RUN = 16
 
 

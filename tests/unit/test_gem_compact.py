@@ -1,4 +1,4 @@
-"""GEM with compact per-worker state (rules/gem_compact.py, block_codes.py, _compact_gem.c).
+"""GEM with compact per-worker state (rules/gem_compact.py, block_codes.py, csrc/compact_gem.c).
 
 The codes are checked against their definition written plainly in float64; the compiled kernel
 against the numpy pass bit for bit; the rule against the exact rule it approximates; and what a

@@ -1,4 +1,4 @@
-"""The server's compiled loops (_native.c) are built, and agree with numpy."""
+"""The server's compiled loops (csrc/, the module _native) are built, and agree with numpy."""
 
 from __future__ import annotations
 

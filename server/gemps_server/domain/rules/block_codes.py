@@ -10,7 +10,7 @@ the same parameter, so small values need their relative precision as much as lar
 (DESIGN §1a measures both). A scale above the peak costs nothing but range at the bottom.
 
 Encoding is defined on float32's bits, so the numpy code here and the compiled kernel
-(_compact_gem.c) give the same byte for every value:
+(csrc/compact_gem.c) give the same byte for every value:
     y   = x * (1 / d)              d = the block's scale, or 1 when it is 0 (1 / d rounded first)
     a   = bits(y) & 0x7fffffff
     mag = rint(|y| * 2**17)                          where a < bits(2**-14)  (0..8)

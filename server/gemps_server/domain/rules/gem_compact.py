@@ -17,10 +17,10 @@ since i's last commit. Here:
   own commit re-encodes its offset against the newest reference. Two references in all: 8 bytes
   per parameter shared by the workers, whatever their number.
 Everything else is gem.py's: the same hyperparameters, pi from the same float32 operations
-(gem_pi in _native_shared.h), the same statistics; what is rounded is only m_i and s_i, each once
+(gem_pi in csrc/shared.h), the same statistics; what is rounded is only m_i and s_i, each once
 per commit. The error this adds to pi, and why it stays bounded: DESIGN §1a.
 
-The state is deterministic (no random rounding; the numpy pass here and _compact_gem.c give the
+The state is deterministic (no random rounding; the numpy pass here and csrc/compact_gem.c give the
 same bytes), so replicas that apply the same commits hold the same bits: `worker_state` and
 `global_state` carry the codes, peaks, references and generation numbers to a backup. A
 checkpoint carries none of it: workers register again after a restart.
@@ -298,7 +298,7 @@ class CompactGemRule(GemBase):
             raise NonFiniteUpdate(
                 "the update would make the central variable or the worker's GEM state overflow (or NaN)"
             )
-        # The new scales, as _compact_gem.c's next_scales: a bound on |m|, and max |theta - R_write|.
+        # The new scales, as csrc/compact_gem.c's next_scales: a bound on |m|, and max |theta - R_write|.
         delta_peak = f32(abs(f32(scale))) * block_codes.peaks(update)
         worker.proxy_scales = f32(abs(f32(self.momentum))) * worker.proxy_scales + delta_peak
         offset_scales = block_codes.peaks(theta - write_reference)

@@ -3,7 +3,7 @@
 #ifndef GEMPS_COMPACT_CODES_H
 #define GEMPS_COMPACT_CODES_H
 
-#include "_native_shared.h"
+#include "module.h"
 
 #define CODE_BLOCK 4096 /* block_codes.BLOCK */
 #define SMALL_BITS 0x38800000u /* bits of 2**-14: below it the code's step is linear */

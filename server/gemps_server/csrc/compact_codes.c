@@ -1,7 +1,7 @@
 /* Compact GEM's whole-vector encodings (rules/gem_compact.py): a new worker's offset from the newest
  * reference, and an idle worker's offset rebased onto the newer reference when the older is reused.
- * Each value against its block's peak (_compact_codes.h). */
-#include "_compact_codes.h"
+ * Each value against its block's peak (compact_codes.h). */
+#include "compact_codes.h"
 
 /* An offset moved from one reference to another: s = R_from + decode(offset), offset' = s - R_to
  * (0 where that is not finite: a theta near float32's largest), codes and peaks in place. */

@@ -23,9 +23,9 @@
  * `write` 0 is a dry run that only checks that every new value is finite (the rule runs one first
  * when its bounds cannot rule out an overflow, so a refused commit changes nothing); `write` 1
  * moves theta and the codes in place. The statistics, the reply's mirror and the noise window are
- * those of the exact kernel (_native_shared.h).
+ * those of the exact kernel (shared.h).
  */
-#include "_compact_codes.h"
+#include "compact_codes.h"
 
 typedef struct {
     float offset_peak; /* the largest offset scale over the blocks written */

@@ -1,5 +1,5 @@
-/* What the server's compiled loops share (_native.c: GEM's exact kernel and the checks;
- * _compact_gem.c: GEM on compact per-worker state): the GIL's release, the sums a pass
+/* What the server's compiled loops share (gem_exact.c: GEM's exact kernel; checks.c: the checks;
+ * compact_gem.c: GEM on compact per-worker state): the GIL's release, the sums a pass
  * returns, the noise scale's window, pi from its terms, and a block's statistics. */
 #ifndef GEMPS_NATIVE_SHARED_H
 #define GEMPS_NATIVE_SHARED_H
@@ -39,6 +39,7 @@ typedef struct {
  * vectorise: all of θ cost a quarter more server CPU per commit at 1M parameters, single values
  * 16,384 of them 2-5% (docs/PERFORMANCE.md). */
 enum { WINDOW_START = 0, WINDOW_ADD = 1, WINDOW_LAST = 2 };
+#define BLOCK 1024 /* parameters per block: its scratch stays in L1, its float32 partial sums accurate */
 #define NOISE_RUN 16 /* a multiple of BLOCK's divisors: blocks start on a run */
 
 /* The window's length for n parameters: n, or NOISE_RUN per sampled run (the last may be short). */
@@ -175,12 +176,5 @@ gem_pi(float velocity, float movement, float delta, float kappa, int amplify, fl
     *denominator_term = denominator;
     return pi;
 }
-
-/* _compact_gem.c's functions, in _native.c's module. */
-void compact_codes_init(void);
-PyObject *compact_gem_update(PyObject *self, PyObject *args);
-PyObject *compact_rebase(PyObject *self, PyObject *args);
-PyObject *compact_encode(PyObject *self, PyObject *args);
-PyObject *compact_kernel(PyObject *self, PyObject *args);
 
 #endif

@@ -1,0 +1,129 @@
+"""`gemps bench` on several git trees of this repository, alternated in one run: a change on the
+commit path, before and after, measured on the same machine at the same time (its load drifts).
+
+    .venv/bin/python scripts/bench_trees.py 3cca615 HEAD --sizes 100K,1M --clients 8 --rounds 2
+    .venv/bin/python scripts/bench_trees.py 3cca615 16a1039 --systems gemps,echo-tcp --json /tmp/ab.json
+
+Each ref is checked out once as a detached worktree under --trees (the working tree itself with
+`.`: uncommitted changes included), its compiled loops built in place from the sources its own
+pyproject.toml lists (the build an install makes), and its `gemps bench` run with that tree first
+on PYTHONPATH: the same virtualenv, the tree's own server, SDK and load generator. Rounds alternate
+the trees (A B A B ...), so a drift in the machine's load falls on both. Prints a table of the
+medians per tree and size: server and client CPU milliseconds per commit, commits/s and, where
+echo-tcp ran in the same invocation, commits/s as a ratio to it. docs/PERFORMANCE.md keeps the
+tables this printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import tomllib
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE_DIRS = ("proto", "server", "client_sdk", "worker", "cli", "benchmarks")
+FIGURES = ("server_cpu_ms_per_commit", "client_cpu_ms_per_commit", "commits_per_second")
+
+
+def tree_of(ref: str, trees: Path) -> Path:
+    """A checkout of `ref` (the working tree for "."), with its compiled loops built."""
+    if ref == ".":
+        return REPO
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short=10", ref], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    tree = trees / commit
+    if not tree.exists():
+        trees.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), commit], check=True)
+    build_native(tree)
+    return tree
+
+
+def build_native(tree: Path) -> None:
+    """Compile the tree's extension modules (pyproject.toml's ext-modules) in place, as an install would."""
+    project = tomllib.loads((tree / "pyproject.toml").read_text())
+    for module in project.get("tool", {}).get("setuptools", {}).get("ext-modules", []):
+        package, _, name = module["name"].rpartition(".")
+        target = tree / "server" / Path(*package.split(".")) / (name + sysconfig.get_config_var("EXT_SUFFIX"))
+        sources = [tree / source for source in module["sources"]]
+        newest = max(path.stat().st_mtime for path in sources + [tree / dep for dep in module.get("depends", [])])
+        if target.exists() and target.stat().st_mtime > newest:
+            continue
+        flags = module.get("extra-compile-args", [])
+        include = sysconfig.get_paths()["include"]
+        command = ["gcc", "-shared", "-fPIC", *flags, f"-I{include}", *map(str, sources), "-o", str(target)]
+        subprocess.run(command, check=True)
+
+
+def run_bench(tree: Path, args: argparse.Namespace, out: Path) -> list[dict[str, object]]:
+    """One `gemps bench` of `tree`'s code; its runs (results.json)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(tree / d) for d in PACKAGE_DIRS))
+    command = [sys.executable, "-m", "gemps_cli", "bench", "--sizes", args.sizes, "--clients", args.clients]
+    command += ["--systems", args.systems, "--out", str(out)]
+    subprocess.run(command, check=True, env=env, cwd=tree, stdout=subprocess.DEVNULL)
+    runs: list[dict[str, object]] = json.loads((out / "results.json").read_text())["runs"]
+    return runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("refs", nargs="+", help="git refs ('.': the working tree, uncommitted changes too)")
+    parser.add_argument("--sizes", default="100K,1M")
+    parser.add_argument("--clients", default="8")
+    parser.add_argument("--systems", default="gemps,echo-tcp", help="bench systems run for each tree")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each tree, alternated")
+    parser.add_argument("--trees", type=Path, default=Path("/tmp/gemps-trees"), help="where worktrees are made")
+    parser.add_argument("--json", type=Path, help="write every run here too")
+    args = parser.parse_args()
+    trees = {ref: tree_of(ref, args.trees) for ref in args.refs}
+    every: list[dict[str, object]] = []
+    for round_index in range(args.rounds):
+        for ref, tree in trees.items():
+            out = args.trees / "out" / f"{ref.replace('/', '_')}-{round_index}"
+            for run in run_bench(tree, args, out):
+                run.update(ref=ref, round=round_index)
+                every.append(run)
+                print(json.dumps({k: run[k] for k in ("ref", "system", "num_parameters", *FIGURES)}), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(every, indent=1))
+    print(table(every, args.refs))
+
+
+def table(runs: list[dict[str, object]], refs: list[str]) -> str:
+    """Medians per (ref, size): gemps' figures, and its commits/s over echo-tcp's of the same round."""
+    lines = [
+        "| tree | P | server CPU ms/commit | client CPU ms/commit | commits/s | vs echo-tcp (same round) |",
+        "|---|---|---|---|---|---|",
+    ]
+    sizes = sorted({int(str(r["num_parameters"])) for r in runs})
+    for size in sizes:
+        for ref in refs:
+            mine = [r for r in runs if r["ref"] == ref and r["num_parameters"] == size and r["system"] == "gemps"]
+            if not mine:
+                continue
+            medians = [statistics.median(float(str(r[f])) for r in mine) for f in FIGURES]
+            ratios = []
+            for r in mine:
+                echo = [
+                    e
+                    for e in runs
+                    if e["system"] == "echo-tcp" and e["ref"] == ref and e["round"] == r["round"]
+                    if e["num_parameters"] == size
+                ]
+                if echo:
+                    ratios.append(float(str(r["commits_per_second"])) / float(str(echo[0]["commits_per_second"])))
+            ratio = f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "n/a"
+            lines.append(f"| {ref} | {size:,} | {medians[0]:.3f} | {medians[1]:.3f} | {medians[2]:.1f} | {ratio} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

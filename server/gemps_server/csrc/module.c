@@ -1,0 +1,51 @@
+/* The extension module gemps_server._native: the server's compiled loops, one method table for
+ * the files of this folder (gem_exact.c, checks.c, compact_gem.c, compact_codes.c). */
+#include "module.h"
+
+static PyMethodDef methods[] = {
+    {"all_finite", all_finite, METH_VARARGS, "all_finite(float32 buffer) -> True when no value is NaN or +-Inf."},
+    {"max_abs", max_abs, METH_VARARGS,
+     "max_abs(float32 buffer) -> the largest |value| (0.0 when empty), NaN when a value is NaN or +-Inf."},
+    {"copy_max_abs", copy_max_abs, METH_VARARGS,
+     "copy_max_abs(float32 source, float32 target) -> copies source to target and returns max_abs(source)."},
+    {"median_in_place", median_in_place, METH_VARARGS,
+     "median_in_place(float32 buffer) -> the median (the mean of the two middle values for an even count);\n"
+     "reorders the buffer. NaN-free values only (the caller's: pi is clipped)."},
+    {"noise_window", noise_window, METH_VARARGS,
+     "noise_window(float32 update, float32 window, stride, mode) -> (|u|^2, |window sum after it|^2) over u, the\n"
+     "update's every stride-th run of 16 values (stride 1: all); the window sum (16 values per run) is written as\n"
+     "mode says: 0 starts it (= u), 1 adds u, 2 (a window's last commit) leaves it."},
+    {"gem_update", gem_update, METH_VARARGS,
+     "gem_update(theta, proxy, last_seen, update, theta_out, proxy_out, scale, momentum, kappa, pi_max, epsilon,\n"
+     "stride, samples, mirror=None, window=None, window_stride=1, mode=0)\n"
+     "GEM's update: in place when theta_out is None, else into theta_out and proxy_out (the inputs only read;\n"
+     "outputs partial when not finite). Returns (1 if every new value is finite else 0, sum of pi, count at 0,\n"
+     "count at pi_max, sum of kappa*|m|, sum of |theta - s| + pi*(|Delta| + eps), max |new theta|, max |new m|,\n"
+     "|update|^2, |window sum|^2: noise_window's, in the same pass, when a window is given, else 0, 0, count of\n"
+     "Delta != 0) and writes pi at every stride-th parameter to samples (NaN where Delta = 0: pi's sums and counts\n"
+     "leave those out); the new theta also to mirror (a buffer of its own)."},
+    {"compact_gem_update", compact_gem_update, METH_VARARGS,
+     "compact_gem_update(theta, proxy_codes, proxy_scales, offset_codes, offset_scales, reference_read,\n"
+     "reference_write, update, scale, momentum, kappa, pi_max, epsilon, excluded, write, stride, samples, mirror=None,\n"
+     "window=None, window_stride=1, mode=0)\n"
+     "GEM on compact state (compact_gem.c), in place; write=0 only checks. Returns gem_update's tuple with max\n"
+     "|new offset| after max |new m|."},
+    {"compact_rebase", compact_rebase, METH_VARARGS,
+     "compact_rebase(offset_codes, offset_scales, reference_from, reference_to) -> max |offset|: the offset\n"
+     "re-encoded against another reference, in place."},
+    {"compact_kernel", compact_kernel, METH_VARARGS,
+     "compact_kernel(name=None) -> (the variant compact_gem_update runs, the variants this CPU runs): avx512,\n"
+     "avx2 or baseline, the best supported by default; a name given chooses it (they write the same bytes)."},
+    {"compact_encode", compact_encode, METH_VARARGS,
+     "compact_encode(float32 values, uint8 codes, float32 scales) -> the largest block peak: block_codes.encode."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "The server's compiled loops.", -1, methods};
+
+PyMODINIT_FUNC
+PyInit__native(void)
+{
+    compact_codes_init();
+    return PyModule_Create(&module);
+}
