@@ -1,4 +1,4 @@
-"""The server's compiled loops (csrc/: the extension module _native), with numpy in their place where they were not built.
+"""The server's compiled loops (csrc/, the module _native), numpy in their place where not built.
 
 The extension is optional: `pip install` builds it where a C compiler is at hand and goes on
 without it elsewhere. `compiled` is the module, or None.

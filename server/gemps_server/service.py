@@ -261,9 +261,9 @@ class ParameterService:
     async def commit(self, commit: Commit, reply: ReplyWriter[R]) -> tuple[CommitOutcome, R]:
         """Apply a commit in FIFO order, with its `reply` written by the state right after, while θ
         holds the commit's version (see ReplyWriter); metrics, logs and checkpoints once it is
-        applied. The applier runs the state's own method: no frame of this file in between."""
+        applied. The applier runs the commit core's own method: no frame of this file in between."""
         self._replicas.require_primary()
-        apply = functools.partial(self._state.commit_and_reply, commit, reply)
+        apply = functools.partial(self._state.core.commit_and_reply, commit, reply)
         # Small models: applied on the event loop when the applier is idle (see Applier.submit_timed).
         inline = self._state.num_parameters <= INLINE_MAX_PARAMETERS
         timed = await self._applier.submit_timed(apply, inline=inline)
@@ -288,7 +288,7 @@ class ParameterService:
         1.7-2.2, and 250-390 commits/s against 360-450, two runs each); else on the applier's
         thread, after what is queued there."""
         self._replicas.require_primary()
-        apply = functools.partial(self._state.commit_and_reply, commit, reply, out=mirror)
+        apply = functools.partial(self._state.core.commit_and_reply, commit, reply, out=mirror)
 
         def applied(timed: Timed[tuple[CommitOutcome, R]] | None, error: BaseException | None) -> None:
             if timed is None:

@@ -170,7 +170,7 @@ UNDER_A_LIMIT = textwrap.dedent(
     except MemoryError:
         refusal = "MemoryError"
     print(json.dumps({{"refusal": refusal, "admitted": admitted, "registered": len(state.registry),
-                      "rule_workers": len(state.rule._workers), "theta": float(state._theta[0])}}))
+                      "rule_workers": len(state.rule._workers), "theta": float(state.core.theta[0])}}))
     """
 )
 

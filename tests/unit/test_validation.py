@@ -152,22 +152,27 @@ def test_commit_fields() -> None:
     refused(InvalidArgument, Reason.BAD_PAYLOAD, validation.expected_payload_bytes, 99, (10,), 10)
 
 
+def validated_commit(commit: Commit, num_parameters: int, version: int) -> tuple[PayloadKind, np.ndarray, float]:
+    """validation.validated_payload of a commit record's fields (as the commit core calls it)."""
+    return validation.validated_payload(commit.kind, commit.payload, commit.base_version, num_parameters, version)
+
+
 def test_validated_payload_in_the_protocols_order() -> None:
     values = np.linspace(-3.0, 2.0, 10, dtype=np.float32)
-    kind, decoded, peak = validation.validated_payload(commit(values, base_version=2), 10, version=2)
+    kind, decoded, peak = validated_commit(commit(values, base_version=2), 10, version=2)
     assert kind is PayloadKind.GRADIENT and peak == 3.0
     np.testing.assert_array_equal(decoded, values)
-    refused(InvalidArgument, Reason.BAD_KIND, validation.validated_payload, commit(values, kind=7), 10, 0)
-    refused(InvalidArgument, Reason.BAD_SHAPE, validation.validated_payload, commit(values[:9]), 10, 0)
-    refused(InvalidArgument, Reason.BAD_VERSION, validation.validated_payload, commit(values, -1), 10, 0)
-    error = refused(InvalidArgument, Reason.BAD_VERSION, validation.validated_payload, commit(values, 3), 10, 2)
+    refused(InvalidArgument, Reason.BAD_KIND, validated_commit, commit(values, kind=7), 10, 0)
+    refused(InvalidArgument, Reason.BAD_SHAPE, validated_commit, commit(values[:9]), 10, 0)
+    refused(InvalidArgument, Reason.BAD_VERSION, validated_commit, commit(values, -1), 10, 0)
+    error = refused(InvalidArgument, Reason.BAD_VERSION, validated_commit, commit(values, 3), 10, 2)
     assert "ahead of the server's version 2" in error.message
     nan = values.copy()
     nan[4] = np.nan
-    refused(InvalidArgument, Reason.NON_FINITE, validation.validated_payload, commit(nan), 10, 0)
+    refused(InvalidArgument, Reason.NON_FINITE, validated_commit, commit(nan), 10, 0)
     # the shape is checked before the version, the version before finiteness
-    refused(InvalidArgument, Reason.BAD_SHAPE, validation.validated_payload, commit(nan[:9], 5), 10, 0)
-    refused(InvalidArgument, Reason.BAD_VERSION, validation.validated_payload, commit(nan, 5), 10, 0)
+    refused(InvalidArgument, Reason.BAD_SHAPE, validated_commit, commit(nan[:9], 5), 10, 0)
+    refused(InvalidArgument, Reason.BAD_VERSION, validated_commit, commit(nan, 5), 10, 0)
 
 
 def test_evaluations() -> None:

@@ -5,27 +5,28 @@ Every mutating method here runs on the applier thread, one call at a time, in ar
 Every check on a request (validation.py) happens before anything is mutated, so a rejected
 request never touches the central variable. Nothing here knows about gRPC or protobuf
 messages: the wire turns requests into the records (records.py) and outcomes back into replies.
-Its images, for checkpoints and replicas, are taken and installed by images.py.
+A commit is the commit core's (core.py), which holds θ and what moves it; this holds the rest:
+registrations, departures, replay, and what images install. Its images, for checkpoints and
+replicas, are taken and installed by images.py.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-import weakref
 from collections.abc import Sequence
 
 import numpy as np
 
 from gemps_proto.reasons import Reason
-from gemps_proto.reply_differences import DIFFERENCE_DTYPES, WHOLE_DTYPE
 from gemps_proto.schedules import learning_rate_at
 from gemps_proto.schema import Buffers, ParameterSpec, TrainingConfig
-from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor, encode, wire_view
+from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor
 from gemps_server.domain import validation
-from gemps_server.domain.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
-from gemps_server.domain.journal import Committed, Departed, Entry, Joined, Journal, NoJournal
-from gemps_server.domain.ledger import CommitLedger, Receipt
+from gemps_server.domain.core import CommitCore
+from gemps_server.domain.errors import FailedPrecondition, Unavailable
+from gemps_server.domain.journal import Committed, Departed, Entry, Joined, Journal
+from gemps_server.domain.ledger import CommitLedger
 from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NoiseEstimator
 from gemps_server.domain.records import (
     ALL_OF_THETA,
@@ -39,7 +40,7 @@ from gemps_server.domain.records import (
     Snapshot,
 )
 from gemps_server.domain.room import capacity, check_room, out_of_memory
-from gemps_server.domain.rules import CommitRule, NonFiniteUpdate, RuleOptions
+from gemps_server.domain.rules import CommitRule, RuleOptions
 from gemps_server.domain.worker_copies import WorkerCopies
 from gemps_server.domain.workers import WorkerRecord, WorkerRegistry
 from gemps_server.memory_budget import MemoryBudget
@@ -64,7 +65,6 @@ class ServerState:
         self._training = training
         # What the workers' rule state may take (memory_budget.py); no bound unless given.
         self.memory = memory if memory is not None else MemoryBudget(probe=lambda: None)
-        self.noise = NoiseEstimator(noise_window, training.batch_size)  # the gradient noise scale (noise.py)
         self.partition = partition
         self.max_parameters = max_parameters  # None: no limit (ServerConfig.max_parameters)
         self.bounds = (0, 0)  # [start, stop) of θ held here, once initialised
@@ -73,57 +73,77 @@ class ServerState:
         self.rule_name = training.rule
         self.registry = registry
         self.spec: tuple[ParameterSpec, ...] = ()
-        self.rule: CommitRule | None = None
-        self._version = 0
-        self._latest: weakref.ref[Snapshot] = weakref.ref(Snapshot(0))  # dead at once: see `snapshot`
-        self.commits_applied = 0
         # Versions count in this process's history: a restarted server may reach the same number
         # with other values (commits lost since its checkpoint), so "unchanged" needs both.
         self.history = uuid.uuid4().hex
-        self.ledger = CommitLedger(capacity=registry.max_workers)
-        self._theta = np.empty(0, dtype=np.float32)
         self.buffer_spec: tuple[ParameterSpec, ...] = ()
-        self._buffers = Buffers()  # replaced, never changed in place
         self._initializer_until = 0.0  # monotonic deadline of the worker asked for initial values
         self._initializer = ""  # its client id ("" when it sent none)
-        # Where every change is recorded for the replicas (journal.py); none without replicas.
-        self.journal: Journal = NoJournal()
-        self.copies = self._new_copies()  # what difference-reply workers hold of θ (worker_copies.py)
+        # θ and what moves it: every commit goes through the core (core.py).
+        self.core = CommitCore(registry, NoiseEstimator(noise_window, training.batch_size), self._new_copies())
+
+    # -- what the core holds, read (and, for images and replicas, replaced) here -----------------
+
+    @property
+    def rule(self) -> CommitRule | None:
+        return self.core.rule
+
+    @property
+    def ledger(self) -> CommitLedger:
+        return self.core.ledger
+
+    @property
+    def noise(self) -> NoiseEstimator:
+        """The gradient noise scale (noise.py)."""
+        return self.core.noise
+
+    @property
+    def copies(self) -> WorkerCopies:
+        """What difference-reply workers hold of θ (worker_copies.py)."""
+        return self.core.copies
+
+    @property
+    def journal(self) -> Journal:
+        """Where every change is recorded for the replicas (journal.py); none without replicas."""
+        return self.core.journal
+
+    @journal.setter
+    def journal(self, journal: Journal) -> None:
+        self.core.journal = journal
+
+    @property
+    def commits_applied(self) -> int:
+        return self.core.commits_applied
 
     @property
     def initialized(self) -> bool:
-        return self.rule is not None
+        return self.core.rule is not None
 
     @property
     def num_parameters(self) -> int:
-        return self._theta.size
+        return self.core.theta.size
 
     @property
     def version(self) -> int:
-        return self._version
+        return self.core.version
 
     @property
     def learning_rate(self) -> float:
         """eta at the current version: what the next gradient commit is scaled by."""
-        return learning_rate_at(self._training, self._version)
+        return learning_rate_at(self._training, self.core.version)
 
     @property
     def snapshot(self) -> Snapshot:
-        """The current version's snapshot: the one replies are still sending, if any is (so its
-        encodings are shared), else a new one without encodings."""
-        snapshot = self._latest()
-        if snapshot is None or snapshot.version != self._version:
-            snapshot = Snapshot(self._version)
-            self._latest = weakref.ref(snapshot)
-        return snapshot
+        """The current version's snapshot (CommitCore.snapshot)."""
+        return self.core.snapshot
 
     @property
     def buffers(self) -> Buffers:
         """The central buffers: replaced by commits, never changed in place (no copy needed)."""
-        return self._buffers
+        return self.core.buffers
 
     def theta_copy(self) -> np.ndarray:
-        return self._theta.copy()
+        return self.core.theta.copy()
 
     @property
     def worker_state_bytes(self) -> int:
@@ -147,7 +167,7 @@ class ServerState:
 
     def theta_bound(self) -> float | None:
         """The rule's bound on max |θ| (CommitRule.theta_bound: kept for θ itself, not a copy)."""
-        return None if self.rule is None else self.rule.theta_bound(self._theta)
+        return None if self.rule is None else self.rule.theta_bound(self.core.theta)
 
     # -- operations run by the applier --------------------------------------------------------
 
@@ -181,7 +201,7 @@ class ServerState:
             else:
                 validation.check_same_spec((self.spec, self.buffer_spec), (spec, buffer_spec))
             encoded = encode_theta and not initialized
-            snapshot = self.encoded(FLOAT32) if encoded else self._with_buffers(self.snapshot)
+            snapshot = self.core.encoded(FLOAT32) if encoded else self.core.with_buffers(self.snapshot)
             worker, displaced = self._admit(worker_name, client_id, budgeted=True)
         except MemoryError:
             refusal = out_of_memory(self.worker_state_bytes)  # named before a first θ is forgotten
@@ -197,89 +217,22 @@ class ServerState:
         return RegistrationOutcome(worker, snapshot, initialized, displaced)
 
     def commit(self, commit: Commit, out: np.ndarray | None = None) -> CommitOutcome:
-        """Apply one worker's commit (DESIGN §1): θ moves by the rule's step and the version goes
-        up by one, or a refusal (a ServiceError) leaves everything as it was. A retry of a commit
-        already applied changes nothing and answers as the original did. `out` (float32, P), as
-        numpy's: it receives θ after the commit too (see CommitRule.step)."""
-        rule = self.require_initialized()
-        validation.check_reply_dtype(commit.reply_dtype, commit=True)
-        validation.check_request_id(commit.request_id)
-        worker = self.registry.get(commit.worker_id)
-        # By the worker's client, not by request id alone: two clients may count their ids alike.
-        # A retry from a client that registered again (lease expiry, server restart) is found too.
-        receipt = self.ledger.lookup(worker.scope, commit.request_id)
-        if receipt is not None:
-            self.registry.touch(commit.worker_id, committed=True)
-            if out is not None:  # the rule does not run: θ is copied as it is
-                np.copyto(out, self._theta)
-            # Answered once everything journalled so far is replicated: the original may not be yet.
-            whole = commit.reply_dtype not in DIFFERENCE_DTYPES  # else its reply encodes what it sends
-            snapshot = self.encoded(commit.reply_dtype) if whole else self._with_buffers(self.snapshot)
-            last = self.journal.last
-            epoch = self.journal.epoch
-            return CommitOutcome(snapshot, receipt.staleness, receipt.stats, duplicate=True, position=last, epoch=epoch)
-        applied = self.ledger.superseded(worker.scope, commit.sequence)
-        if applied is not None:  # an old attempt, delivered after later commits of its client
-            raise Aborted(
-                f"commit {commit.sequence} of this client arrived after its commit {applied} was applied: "
-                "a late attempt, refused; nothing changed",
-                Reason.SUPERSEDED,
-            )
-        kind, payload, peak = validation.validated_payload(commit, self.num_parameters, self.version)
-        buffers = validation.buffers_after(self._buffers, commit.buffer_delta)  # checked before θ moves
-        staleness = self.version - commit.base_version
-        window = self.noise.window(kind, self.num_parameters, len(self.registry), commit.num_samples)
-        try:  # the rule writes into spare buffers and swaps them in only if every value is finite
-            self._theta, stats = rule.step(
-                self._theta, payload, kind, commit.worker_id, staleness, self.version, peak, out, window
-            )
-        except NonFiniteUpdate as error:
-            raise InvalidArgument(f"commit refused, nothing changed: {error}", Reason.NON_FINITE) from None
-        self._buffers = buffers
-        self.commits_applied += 1
-        self.registry.committed(worker, staleness, commit.loss, commit.num_samples, stats)  # lease, counts, rate, pi
-        self._version += 1  # its snapshot is encoded when a reply asks (encoded(), theta_bytes())
-        self.ledger.record(worker.scope, commit.request_id, Receipt(self.version, staleness, stats, commit.sequence))
-        position = self.journal.append(Committed(commit))
-        snapshot = self._with_buffers(self.snapshot)
-        return CommitOutcome(snapshot, staleness, stats, position=position, epoch=self.journal.epoch)
+        """Apply one worker's commit through the core (CommitCore.commit, DESIGN §1)."""
+        return self.core.commit_record(commit, out)
 
     def commit_and_reply(
         self, commit: Commit, reply: ReplyWriter[R], out: np.ndarray | None = None
     ) -> tuple[CommitOutcome, R]:
-        """`commit`, then its `reply` written while θ still holds the commit's version, from θ's
-        bytes in the commit's reply dtype (a view of θ itself where no encoding is shared): the
-        one operation the applier runs per commit, so no other commit moves θ in between. With
-        `out` (float32, P: where the reply is read from) the rule writes θ there as it computes
-        it, and the reply is written from those bytes."""
-        outcome = self.commit(commit, out)
-        if commit.reply_dtype in DIFFERENCE_DTYPES:  # a difference from the worker's copy, or θ whole
-            outcome, data = self.copies.reply(outcome, commit, self._theta, self._whole_copy)
-            return outcome, reply(outcome, data)
-        return outcome, reply(outcome, self.theta_bytes(commit.reply_dtype) if out is None else out.data)
+        """`commit`, with its reply written while θ holds its version (CommitCore.commit_and_reply)."""
+        return self.core.commit_and_reply(commit, reply, out)
 
     def theta_bytes(self, dtype: int) -> bytes | memoryview:
-        """θ's bytes in protocol dtype `dtype` now: the snapshot's encoding when there is one, else for float32
-        a view of θ itself, valid only until the next operation changes it (use it on the applier,
-        within the operation that asked: to frame a reply straight from θ, with no copy of its own)."""
-        return self.snapshot.data(dtype) or wire_view(self._theta, dtype)
+        """θ's bytes in `dtype` now (CommitCore.theta_bytes: on the applier, within the operation)."""
+        return self.core.theta_bytes(dtype)
 
     def encoded(self, dtype: int) -> Snapshot:
         """The current snapshot, with `dtype`'s encoding produced if it is not there yet."""
-        snapshot = self._with_buffers(self.snapshot)
-        if snapshot.data(dtype) is None:
-            snapshot.store(dtype, encode(self._theta, dtype))
-        return snapshot
-
-    def _whole_copy(self) -> bytes:
-        """θ's bfloat16 bytes at this version, shared by the replies that start a copy."""
-        return self.encoded(WHOLE_DTYPE).data(WHOLE_DTYPE) or b""
-
-    def _with_buffers(self, snapshot: Snapshot) -> Snapshot:
-        """`snapshot` with this version's buffers (on the applier: they change with commits)."""
-        if snapshot.buffers is None:
-            snapshot.buffers = self._buffers
-        return snapshot
+        return self.core.encoded(dtype)
 
     def leave(self, worker_id: str) -> WorkerRecord:
         worker = self.registry.get(worker_id)
@@ -301,7 +254,7 @@ class ServerState:
         operation through the same code, with what the primary decided (worker ids, evictions)
         taken from the entry instead of decided again."""
         if isinstance(entry, Committed):
-            self.commit(entry.commit)
+            self.core.commit_record(entry.commit)
         elif isinstance(entry, Departed):
             for worker_id in entry.worker_ids:
                 self._forget(worker_id)
@@ -315,12 +268,13 @@ class ServerState:
     def install(self, held: Held) -> None:
         """Hold `held` from now on, all of it at once (on the applier: images.py restores and
         adopts through this); no encoding of the θ replaced is served, no initializer is awaited."""
-        self.rule, self._theta, self.spec, self.buffer_spec = held.rule, held.theta, held.spec, held.buffer_spec
-        self._buffers, self._version, self.commits_applied = held.buffers, held.version, held.commits_applied
-        self.bounds, self.ledger, self.noise, self.history = held.bounds, held.ledger, held.noise, held.history
-        self._latest = weakref.ref(Snapshot(0))  # dead at once
+        core = self.core
+        core.rule, core.theta, self.spec, self.buffer_spec = held.rule, held.theta, held.spec, held.buffer_spec
+        core.buffers, core.version, core.commits_applied = held.buffers, held.version, held.commits_applied
+        self.bounds, core.ledger, core.noise, self.history = held.bounds, held.ledger, held.noise, held.history
+        core.forget_snapshot()
         self._initializer_until, self._initializer = 0.0, ""
-        self.copies = self._new_copies()  # copies of the θ replaced are no worker's: their next replies are whole
+        core.copies = self._new_copies()  # copies of the θ replaced are no worker's: their next replies are whole
         if held.rule is not None and self.memory.bytes is None:  # restored or adopted θ: its budget now
             self.memory.settle(4 * held.theta.size, self.worker_state_bytes, self.registry.max_workers)
 
@@ -379,7 +333,7 @@ class ServerState:
         if budgeted:
             check_room(len(self.registry) - len(leaving), most, self.memory, self.worker_state_bytes)
         worker_id = worker_id or uuid.uuid4().hex
-        rule.add_worker(worker_id, self._theta)  # may raise MemoryError: nothing else changed yet
+        rule.add_worker(worker_id, self.core.theta)  # may raise MemoryError: nothing else changed yet
         try:
             for gone in leaving:
                 self._forget(gone)
@@ -393,9 +347,9 @@ class ServerState:
     def _undo(self, first: bool) -> None:
         """Forget θ again after the first registration failed part-way: nothing else was held before it."""
         if first:  # as _initialize found it (the initializer's grace period untouched)
-            self.rule, self.spec, self.buffer_spec, self.bounds = None, (), (), (0, 0)
-            self._theta, self._buffers = np.empty(0, dtype=np.float32), Buffers()
-            self._latest = weakref.ref(Snapshot(0))  # dead at once: no encoding of that θ is served
+            self.core.rule, self.spec, self.buffer_spec, self.bounds = None, (), (), (0, 0)
+            self.core.theta, self.core.buffers = np.empty(0, dtype=np.float32), Buffers()
+            self.core.forget_snapshot()  # no encoding of that θ is served
 
     def _forget(self, worker_id: str) -> None:
         worker = self.registry.remove(worker_id)
@@ -403,7 +357,7 @@ class ServerState:
             self.ledger.depart(worker.scope)
         if self.rule is not None:
             self.rule.remove_worker(worker_id)
-        self.copies.forget(worker_id)
+        self.core.copies.forget(worker_id)
 
     def release_initializer(self) -> None:
         """End the grace period of the worker asked for initial values (its upload broke off). A
@@ -440,9 +394,10 @@ class ServerState:
         start, stop = self.partition.bounds(sum(s.size for s in spec))
         self.spec = tuple(spec)
         self.buffer_spec = tuple(buffer_spec)
-        self._buffers = buffers
-        self._theta = values.copy()
-        self.rule = self.new_rule(self._theta.size)
+        core = self.core
+        core.buffers = buffers
+        core.theta = values.copy()
+        core.rule = self.new_rule(core.theta.size)
         self.bounds = (start, stop)
-        self._version = 0
-        self.memory.settle(4 * self._theta.size, self.worker_state_bytes, self.registry.max_workers)
+        core.version = 0
+        self.memory.settle(4 * core.theta.size, self.worker_state_bytes, self.registry.max_workers)

@@ -26,7 +26,7 @@ from gemps_proto.tensor_codec import (
 )
 from gemps_server.domain.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from gemps_server.domain.ledger import MAX_CLIENT_ID_LENGTH, MAX_REQUEST_ID_LENGTH, valid_client_id
-from gemps_server.domain.records import Commit, PartitionOf
+from gemps_server.domain.records import PartitionOf
 from gemps_server.native import all_finite, max_abs
 
 # How many spec differences a FAILED_PRECONDITION message spells out before summarising.
@@ -336,23 +336,31 @@ def expected_payload_bytes(dtype: int, shape: tuple[int, ...], num_parameters: i
     return size
 
 
-def validated_payload(commit: Commit, num_parameters: int, version: int) -> tuple[PayloadKind, np.ndarray, float]:
+def validated_payload(
+    kind: int,
+    payload: EncodedTensor,
+    base_version: int,
+    num_parameters: int,
+    version: int,
+    payload_peak: float | None = None,
+) -> tuple[PayloadKind, np.ndarray, float]:
     """A commit's kind, its values and max |value| (which the rules' overflow bounds use), checked
-    in the protocol's order against P and the server's `version`."""
-    kind = payload_kind(commit.kind)
-    values = decoded(commit.payload, "payload", payload=True)
+    in the protocol's order against P and the server's `version`; `payload_peak` where the wire
+    measured it (NaN: a value is not finite), else measured here."""
+    kind_of = payload_kind(kind)
+    values = decoded(payload, "payload", payload=True)
     check_payload_shape(values.shape, num_parameters)
-    if commit.base_version < 0:
-        raise InvalidArgument(f"base_version {commit.base_version} is negative", Reason.BAD_VERSION)
-    if commit.base_version > version:
+    if base_version < 0:
+        raise InvalidArgument(f"base_version {base_version} is negative", Reason.BAD_VERSION)
+    if base_version > version:
         raise InvalidArgument(
-            f"base_version {commit.base_version} is ahead of the server's version {version}", Reason.BAD_VERSION
+            f"base_version {base_version} is ahead of the server's version {version}", Reason.BAD_VERSION
         )
     # NaN when a value is not finite: one pass for both (made by the wire, where it made one)
-    peak = max_abs(values) if commit.payload_peak is None else commit.payload_peak
+    peak = max_abs(values) if payload_peak is None else payload_peak
     if not math.isfinite(peak):
         raise InvalidArgument("payload contains NaN or Inf", Reason.NON_FINITE)
-    return kind, values, peak
+    return kind_of, values, peak
 
 
 def check_evaluation(report: Evaluation, current_version: int) -> None:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from gemps_proto.reply_differences import WHOLE_DTYPE, difference
-from gemps_server.domain.records import Commit, CommitOutcome, CopyReply
+from gemps_server.domain.records import CommitOutcome, CopyReply
 from gemps_server.memory_budget import MemoryBudget
 
 
@@ -46,19 +46,24 @@ class WorkerCopies:
         return len(self._copies)
 
     def reply(
-        self, outcome: CommitOutcome, commit: Commit, theta: np.ndarray, whole: Callable[[], bytes]
+        self,
+        outcome: CommitOutcome,
+        worker_id: str,
+        held_copy: int,
+        reply_dtype: int,
+        theta: np.ndarray,
+        whole: Callable[[], bytes],
     ) -> tuple[CommitOutcome, bytes]:
-        """`outcome` with how its reply moves `commit`'s worker's copy, and the reply's bytes: the
-        difference θ - copy in the commit's reply dtype when the worker holds the copy we keep,
+        """`outcome` with how its reply moves `worker_id`'s copy, and the reply's bytes: the
+        difference θ - copy in `reply_dtype` when the worker holds the copy we keep (`held_copy`),
         else `whole()` (θ's bfloat16 bytes at this version) as a new copy."""
-        worker_id = commit.worker_id
         kept = self._copies.get(worker_id)
         number = next(self._numbers)
         try:
-            if kept is not None and commit.held_copy == kept[0] and kept[1].size == theta.size:
-                data, bits = difference(theta, kept[1], commit.reply_dtype)
+            if kept is not None and held_copy == kept[0] and kept[1].size == theta.size:
+                data, bits = difference(theta, kept[1], reply_dtype)
                 self._keep(worker_id, number, bits)
-                return dataclasses.replace(outcome, reply=CopyReply(commit.reply_dtype, number, kept[0])), data
+                return dataclasses.replace(outcome, reply=CopyReply(reply_dtype, number, kept[0])), data
             data = whole()
             if self._room(2 * theta.size - (0 if kept is None else kept[1].nbytes)):
                 self._keep(worker_id, number, np.frombuffer(data, "<u2").copy())

@@ -63,6 +63,7 @@ class WorkerRegistry:
         self._clock = clock
         self._workers: dict[str, WorkerRecord] = {}
         self._by_client: dict[str, str] = {}  # client id -> its registered worker's id
+        self._by_slot: list[WorkerRecord | None] = []  # the worker holding each slot (None: free)
         self._free_slots: list[int] = []  # min-heap of slots released by departed workers
         self._next_slot = 0
         self.recent = RecentWindow(clock())  # every commit applied here in the last minute, whoever left since
@@ -98,17 +99,40 @@ class WorkerRegistry:
         self._workers[record.worker_id] = record
         if client_id:
             self._by_client[client_id] = record.worker_id
+        self._hold(slot, record)
         return record
+
+    def _hold(self, slot: int, record: WorkerRecord | None) -> None:
+        if slot >= len(self._by_slot):
+            self._by_slot.extend([None] * (slot + 1 - len(self._by_slot)))
+        self._by_slot[slot] = record
 
     def get(self, worker_id: str) -> WorkerRecord:
         try:
             return self._workers[worker_id]
         except KeyError:
-            raise NotFound(
-                f"unknown worker {worker_id!r}: never registered, left, or evicted after "
-                f"{self.lease_ttl:g}s without a commit; register again",
-                Reason.UNKNOWN_WORKER,
-            ) from None
+            raise self._unknown(worker_id) from None
+
+    def slot_of(self, worker_id: str) -> int:
+        """The slot `worker_id` holds (what the commit core indexes workers by); -1 if none (the
+        core refuses it as an unknown worker, in the protocol's order of checks: `in_slot`)."""
+        record = self._workers.get(worker_id)
+        return -1 if record is None else record.slot
+
+    def in_slot(self, slot: int, worker_id: str) -> WorkerRecord:
+        """The worker in `slot`, which must be `worker_id` (a slot looked up before that worker
+        left is another's, or no one's, by now): NotFound otherwise, as for an unknown worker."""
+        record = self._by_slot[slot] if 0 <= slot < len(self._by_slot) else None
+        if record is None or record.worker_id != worker_id:
+            raise self._unknown(worker_id)
+        return record
+
+    def _unknown(self, worker_id: str) -> NotFound:
+        return NotFound(
+            f"unknown worker {worker_id!r}: never registered, left, or evicted after "
+            f"{self.lease_ttl:g}s without a commit; register again",
+            Reason.UNKNOWN_WORKER,
+        )
 
     def touch(self, worker_id: str, committed: bool = False) -> WorkerRecord:
         record = self.get(worker_id)
@@ -178,6 +202,7 @@ class WorkerRegistry:
         record = self._workers.pop(worker_id, None)
         if record is not None:
             heapq.heappush(self._free_slots, record.slot)
+            self._hold(record.slot, None)
             if self._by_client.get(record.client_id) == worker_id:
                 del self._by_client[record.client_id]
         return record
@@ -199,6 +224,9 @@ class WorkerRegistry:
             for w in image.workers
         }
         self._by_client = {w.client_id: w.worker_id for w in image.workers if w.client_id}
+        self._by_slot = [None] * image.next_slot
+        for record in self._workers.values():
+            self._by_slot[record.slot] = record
         self._free_slots = list(image.free_slots)
         self._next_slot = image.next_slot
 

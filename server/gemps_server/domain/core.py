@@ -1,0 +1,219 @@
+"""The commit core: one commit, from its fields to θ moved and the reply written, in one room.
+
+Every commit reaches θ through `CommitCore.commit`, whichever way it came: a gRPC request, a
+data-plane frame, or a primary's journal entry replayed on a backup (ServerState.replay). It
+takes primitive fields (the worker's slot and id, the request id and sequence, the base version,
+the kind, the payload, the reply's dtype and where θ goes) and does, in the protocol's order and
+before anything changes: the checks (validation.py), the ledger (a retry answered as the original
+was, a late attempt refused), the staleness; then the rule's step, the buffers, the version, the
+worker's lease and counts, the ledger's receipt and the journal entry. A refusal (a ServiceError)
+leaves everything as it was. `commit_and_reply` adds the reply, written while θ still holds the
+commit's version: the one operation the applier runs per commit (DESIGN §1, §3).
+
+The core holds what a commit changes: θ, its version, the rule, the buffers, the ledger, the
+journal, the noise estimate and the reply copies. ServerState (state.py) holds the rest of the
+domain (registrations, images) and installs what the core serves. Everything here runs on the
+applier thread, one call at a time; the event loop only reads `snapshot`, replaced atomically.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from gemps_proto.reasons import Reason
+from gemps_proto.reply_differences import DIFFERENCE_DTYPES, WHOLE_DTYPE
+from gemps_proto.schema import Buffers
+from gemps_proto.tensor_codec import EncodedBuffers, EncodedTensor, encode, wire_view
+from gemps_server.domain import validation
+from gemps_server.domain.errors import Aborted, FailedPrecondition, InvalidArgument
+from gemps_server.domain.journal import Committed, Journal, NoJournal
+from gemps_server.domain.ledger import CommitLedger, Receipt
+from gemps_server.domain.noise import NoiseEstimator
+from gemps_server.domain.records import Commit, CommitOutcome, R, ReplyWriter, Snapshot
+from gemps_server.domain.rules import CommitRule, NonFiniteUpdate
+from gemps_server.domain.worker_copies import WorkerCopies
+from gemps_server.domain.workers import WorkerRegistry
+
+
+class CommitCore:
+    """θ and what moves it: the state every commit reads and writes, and the commit itself."""
+
+    def __init__(self, registry: WorkerRegistry, noise: NoiseEstimator, copies: WorkerCopies) -> None:
+        self.registry = registry
+        self.noise = noise  # the gradient noise scale (noise.py)
+        self.copies = copies  # what difference-reply workers hold of θ (worker_copies.py)
+        self.rule: CommitRule | None = None  # None until θ is initialised
+        self.theta = np.empty(0, dtype=np.float32)
+        self.version = 0
+        self.commits_applied = 0
+        self.buffers = Buffers()  # replaced, never changed in place
+        self.ledger = CommitLedger(capacity=registry.max_workers)
+        self._journal: Journal = NoJournal()
+        self._recording = False  # a commit's entry is built only for a journal that records it
+        self._latest: weakref.ref[Snapshot] = weakref.ref(Snapshot(0))  # dead at once: see `snapshot`
+
+    @property
+    def journal(self) -> Journal:
+        """Where every change is recorded for the replicas (journal.py); none without replicas."""
+        return self._journal
+
+    @journal.setter
+    def journal(self, journal: Journal) -> None:
+        self._journal, self._recording = journal, not isinstance(journal, NoJournal)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    @property
+    def snapshot(self) -> Snapshot:
+        """The current version's snapshot: the one replies are still sending, if any is (so its
+        encodings are shared), else a new one without encodings."""
+        snapshot = self._latest()
+        if snapshot is None or snapshot.version != self.version:
+            snapshot = Snapshot(self.version)
+            self._latest = weakref.ref(snapshot)
+        return snapshot
+
+    def forget_snapshot(self) -> None:
+        """No encoding of the θ held until now is served any more (θ was replaced)."""
+        self._latest = weakref.ref(Snapshot(0))  # dead at once
+
+    def require_rule(self) -> CommitRule:
+        if self.rule is None:
+            raise FailedPrecondition(
+                "central variable not initialised: no worker has registered yet", Reason.NOT_INITIALIZED
+            )
+        return self.rule
+
+    def theta_bytes(self, dtype: int) -> bytes | memoryview:
+        """θ's bytes in protocol dtype `dtype` now: the snapshot's encoding when there is one, else for float32
+        a view of θ itself, valid only until the next operation changes it (use it on the applier,
+        within the operation that asked: to frame a reply straight from θ, with no copy of its own)."""
+        return self.snapshot.data(dtype) or wire_view(self.theta, dtype)
+
+    def encoded(self, dtype: int) -> Snapshot:
+        """The current snapshot, with `dtype`'s encoding produced if it is not there yet."""
+        snapshot = self.with_buffers(self.snapshot)
+        if snapshot.data(dtype) is None:
+            snapshot.store(dtype, encode(self.theta, dtype))
+        return snapshot
+
+    def with_buffers(self, snapshot: Snapshot) -> Snapshot:
+        """`snapshot` with this version's buffers (on the applier: they change with commits)."""
+        if snapshot.buffers is None:
+            snapshot.buffers = self.buffers
+        return snapshot
+
+    # -- the commit ----------------------------------------------------------------------------
+
+    def commit(
+        self,
+        slot: int,
+        worker_id: str,
+        request_id: str,
+        sequence: int,
+        base_version: int,
+        kind: int,
+        payload: EncodedTensor,
+        reply_dtype: int,
+        out: np.ndarray | None = None,
+        *,
+        loss: float | None = None,
+        num_samples: int | None = None,
+        buffer_delta: EncodedBuffers | None = None,
+        payload_peak: float | None = None,
+    ) -> CommitOutcome:
+        """Apply one commit of the worker registered in `slot` as `worker_id` (DESIGN §1): θ moves
+        by the rule's step and the version goes up by one, or a refusal (a ServiceError) leaves
+        everything as it was. A retry of a commit already applied changes nothing and answers as
+        the original did. `out` (float32, P), as numpy's: it receives θ after the commit too (see
+        CommitRule.step). `payload_peak`: max |payload| (NaN: not finite) where the wire measured it."""
+        rule = self.require_rule()
+        validation.check_reply_dtype(reply_dtype, commit=True)
+        validation.check_request_id(request_id)
+        worker = self.registry.in_slot(slot, worker_id)
+        # By the worker's client, not by request id alone: two clients may count their ids alike.
+        # A retry from a client that registered again (lease expiry, server restart) is found too.
+        receipt = self.ledger.lookup(worker.scope, request_id)
+        if receipt is not None:
+            self.registry.touch(worker_id, committed=True)
+            if out is not None:  # the rule does not run: θ is copied as it is
+                np.copyto(out, self.theta)
+            # Answered once everything journalled so far is replicated: the original may not be yet.
+            whole = reply_dtype not in DIFFERENCE_DTYPES  # else its reply encodes what it sends
+            snapshot = self.encoded(reply_dtype) if whole else self.with_buffers(self.snapshot)
+            last, epoch = self.journal.last, self.journal.epoch
+            return CommitOutcome(snapshot, receipt.staleness, receipt.stats, duplicate=True, position=last, epoch=epoch)
+        applied = self.ledger.superseded(worker.scope, sequence)
+        if applied is not None:  # an old attempt, delivered after later commits of its client
+            raise Aborted(
+                f"commit {sequence} of this client arrived after its commit {applied} was applied: "
+                "a late attempt, refused; nothing changed",
+                Reason.SUPERSEDED,
+            )
+        kind_of, values, peak = validation.validated_payload(
+            kind, payload, base_version, self.theta.size, self.version, payload_peak
+        )
+        buffers = validation.buffers_after(self.buffers, buffer_delta)  # checked before θ moves
+        staleness = self.version - base_version
+        window = self.noise.window(kind_of, self.theta.size, len(self.registry), num_samples)
+        try:  # the rule writes into spare buffers and swaps them in only if every value is finite
+            self.theta, stats = rule.step(
+                self.theta, values, kind_of, worker_id, staleness, self.version, peak, out, window
+            )
+        except NonFiniteUpdate as error:
+            raise InvalidArgument(f"commit refused, nothing changed: {error}", Reason.NON_FINITE) from None
+        self.buffers = buffers
+        self.commits_applied += 1
+        self.registry.committed(worker, staleness, loss, num_samples, stats)  # lease, counts, rate, pi
+        self.version += 1  # its snapshot is encoded when a reply asks (encoded(), theta_bytes())
+        self.ledger.record(worker.scope, request_id, Receipt(self.version, staleness, stats, sequence))
+        position = 0
+        if self._recording:
+            commit = Commit(
+                worker_id, base_version, kind, payload, request_id, sequence, reply_dtype, loss, num_samples,
+                buffer_delta, payload_peak,
+            )  # fmt: skip
+            position = self.journal.append(Committed(commit))
+        return CommitOutcome(
+            self.with_buffers(self.snapshot), staleness, stats, position=position, epoch=self.journal.epoch
+        )
+
+    def commit_and_reply(
+        self, commit: Commit, reply: ReplyWriter[R], out: np.ndarray | None = None
+    ) -> tuple[CommitOutcome, R]:
+        """`commit`, then its `reply` written while θ still holds the commit's version, from θ's
+        bytes in the commit's reply dtype (a view of θ itself where no encoding is shared): the
+        one operation the applier runs per commit, so no other commit moves θ in between. With
+        `out` (float32, P: where the reply is read from) the rule writes θ there as it computes
+        it, and the reply is written from those bytes."""
+        outcome = self.commit_record(commit, out)
+        if commit.reply_dtype in DIFFERENCE_DTYPES:  # a difference from the worker's copy, or θ whole
+            outcome, data = self.copies.reply(
+                outcome, commit.worker_id, commit.held_copy, commit.reply_dtype, self.theta, self._whole_copy
+            )
+            return outcome, reply(outcome, data)
+        return outcome, reply(outcome, self.theta_bytes(commit.reply_dtype) if out is None else out.data)
+
+    def commit_record(self, commit: Commit, out: np.ndarray | None = None) -> CommitOutcome:
+        """`commit` as the wire and the journal hold it: its worker's slot looked up, then `commit()`."""
+        return self.commit(
+            self.registry.slot_of(commit.worker_id),
+            commit.worker_id,
+            commit.request_id,
+            commit.sequence,
+            commit.base_version,
+            commit.kind,
+            commit.payload,
+            commit.reply_dtype,
+            out,
+            loss=commit.loss,
+            num_samples=commit.num_samples,
+            buffer_delta=commit.buffer_delta,
+            payload_peak=commit.payload_peak,
+        )
+
+    def _whole_copy(self) -> bytes:
+        """θ's bfloat16 bytes at this version, shared by the replies that start a copy."""
+        return self.encoded(WHOLE_DTYPE).data(WHOLE_DTYPE) or b""
