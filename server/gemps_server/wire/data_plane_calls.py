@@ -205,13 +205,15 @@ class Connection:
         protocol = self._protocol
         view = protocol.read_view()  # the next frame's preamble
         received = self.channel.received
+        wait = ReadInto(view, self._limits.idle_timeout, idle=True, then_stall=self._limits.stream_timeout)
         try:
-            yield ReadInto(view[:1], self._limits.idle_timeout, idle=True)
+            yield wait
         except Stalled:
-            raise Hangup("idle_timeout") from None
+            if wait.idle:
+                raise Hangup("idle_timeout") from None
+            self._stalled()
         started = time.perf_counter()
         try:
-            yield ReadInto(view[1:], self._limits.stream_timeout)
             protocol.received(len(view))
             method = METHODS.get(protocol.frame.op) if protocol.frame is not None else None
             if method is not None:

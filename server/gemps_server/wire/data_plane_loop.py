@@ -97,23 +97,37 @@ class _Timed(Wait):
 
 
 class ReadInto(_Timed):
-    """Fill `view`; Stalled when no byte comes for `stall` seconds, or past `deadline`."""
+    """Fill `view`; Stalled when no byte comes for `stall` seconds, or past `deadline`. An `idle`
+    wait (for a request to start) is idle until its first byte: from then on no byte may take
+    longer than `then_stall` (one wait for a frame's whole start, not one for its first byte and
+    another for the rest)."""
 
-    def __init__(self, view: memoryview, stall: float, deadline: float | None = None, *, idle: bool = False) -> None:
+    def __init__(
+        self,
+        view: memoryview,
+        stall: float,
+        deadline: float | None = None,
+        *,
+        idle: bool = False,
+        then_stall: float | None = None,
+    ) -> None:
         super().__init__(stall, deadline)
         self.view = view
         self.filled = 0
         self.idle = idle
+        self.then_stall = stall if then_stall is None else then_stall
 
     def attempt(self, channel: Channel, now: float) -> bool:
         view, size = self.view, len(self.view)
         while self.filled < size:
-            count = channel.read_some(view[self.filled :])
+            count = channel.read_some(view[self.filled :] if self.filled else view)
             if not count:
                 self.events = channel.wants
                 return False
             self.filled += count
             self.moved_at = now
+            if self.idle:  # a request started: no longer idle, and a stall is the stream's
+                self.idle, self.stall = False, self.then_stall
         return True
 
 
