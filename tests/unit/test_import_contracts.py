@@ -50,10 +50,15 @@ def test_the_server_is_protected_whole_and_each_public_line_names_a_module() -> 
         assert module.startswith("gemps_server.") and _exists(module), f"{imported.strip()}: no such module"
 
 
-def test_the_sdk_wire_exceptions_name_modules_that_exist() -> None:
-    contract = _contract("Above the transport seam the SDK knows no wire")
-    assert contract["source_modules"] == ["gemps.*"]
-    for line in contract["ignore_imports"]:
+def test_the_sdk_contracts_hold_every_module_but_named_exceptions_that_exist() -> None:
+    torch = _contract("The protocol, the server and the SDK's core never import torch")
+    assert torch["source_modules"] == ["gemps_proto", "gemps_server", "gemps", "gemps.*"]
+    assert torch["ignore_imports"] == ["gemps.pytorch -> torch", "gemps.pytorch.** -> torch"]
+    assert _exists("gemps.pytorch")
+
+    seam = _contract("Above the transport seam the SDK knows no wire")
+    assert seam["source_modules"] == ["gemps", "gemps.*"]
+    for line in seam["ignore_imports"]:
         importer, imported = (side.strip().removesuffix(".**") for side in line.split("->"))
         assert _exists(importer) and (imported == "**" or _exists(imported)), line
 
@@ -72,6 +77,8 @@ def test_a_new_module_is_held_to_the_contracts_without_an_edit_to_them(tmp_path:
         "cli/gemps_cli/uses_brand_new.py": "from gemps_server.brand_new import VALUE\n",
         # a new SDK module that imports the wire
         "client_sdk/gemps/brand_new.py": "from gemps_proto.v1 import parameter_server_pb2\n",
+        # a new SDK module that imports the torch layer (so torch, with `import gemps`)
+        "client_sdk/gemps/also_new.py": "import gemps.pytorch\n",
         # a new protocol module with a socket
         "proto/gemps_proto/brand_new.py": "import socket\n",
     }
@@ -90,5 +97,6 @@ def test_a_new_module_is_held_to_the_contracts_without_an_edit_to_them(tmp_path:
     assert ran.returncode == 1, report
     assert "gemps_cli.uses_brand_new -> gemps_server.brand_new (l.1)" in report
     assert "gemps.brand_new is not allowed to import gemps_proto.v1" in report
+    assert "gemps.also_new is not allowed to import gemps.pytorch" in report
     assert "gemps_proto is not allowed to import socket" in report
-    assert "Contracts: 7 kept, 3 broken." in report, report
+    assert "Contracts: 6 kept, 4 broken." in report, report
