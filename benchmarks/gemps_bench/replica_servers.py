@@ -27,8 +27,8 @@ from gemps_bench.loadgen import LoadPlan, run_load
 from gemps_bench.replica_load import load_in, primary_first, recording, sent_bytes
 from gemps_bench.replica_security import replica_security
 from gemps_bench.results import LoadResult
-from gemps_server.replication.local_etcd import LocalEtcd, find_etcd
-from gemps_server.replication.status import BACKUP, PRIMARY
+from gemps_proto.status import BACKUP, PRIMARY
+from gemps_server.replication import LocalEtcd, find_etcd
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.processes import GEMPS_COMMAND
 from gemps_worker.simulated_hosts import Host, SimulatedNetwork

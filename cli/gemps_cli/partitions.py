@@ -50,8 +50,7 @@ from gemps.options import env_var, values_of
 from gemps_proto.schema import partition_folder
 from gemps_server.config import ServerConfig
 from gemps_server.directory_lock import DirectoryLock
-from gemps_server.replication.credentials import with_generated_secret
-from gemps_server.replication.local_etcd import LocalEtcd
+from gemps_server.replication import LocalEtcd, with_generated_secret
 from gemps_worker.processes import GEMPS_COMMAND, ChildExitedError, launch, wait_for_port_file
 
 log = logging.getLogger("gemps.partitions")

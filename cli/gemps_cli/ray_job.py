@@ -28,7 +28,7 @@ from gemps_cli import environment
 from gemps_cli.checked import checked_options
 from gemps_server.checkpoint_files import export_state_dict
 from gemps_server.domain.rules import rule_names
-from gemps_server.replication.local_etcd import LocalEtcd
+from gemps_server.replication import LocalEtcd
 from gemps_worker.on_ray import JobFailed, RayJobOptions, RayJobResult, run_job
 from gemps_worker.on_ray.actors import TrainFunction
 from gemps_worker.on_ray.records import StatusSample, TimedEvaluation

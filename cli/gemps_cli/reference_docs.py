@@ -312,7 +312,7 @@ def server_registry() -> CollectorRegistry:
 def replication_registries() -> tuple[CollectorRegistry, CollectorRegistry]:
     """A replica's replication series as a primary and as a backup export them."""
     from gemps_proto.status import BACKUP, PRIMARY, ReplicationStatus
-    from gemps_server.replication.metrics import ReplicationCollector
+    from gemps_server.replication import ReplicationCollector
 
     registries = CollectorRegistry(), CollectorRegistry()
     for registry, role in zip(registries, (PRIMARY, BACKUP), strict=True):

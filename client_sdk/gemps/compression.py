@@ -17,13 +17,9 @@ SGD and Deep Gradient Compression keep theirs). The residual is soft state:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from gemps_proto import vectors
 from gemps_proto.tensor_codec import COMPRESSIONS, quantised_with_values
-
-if TYPE_CHECKING:
-    import numpy as np
+from gemps_proto.vectors import Vector
 
 
 class Compressor:
@@ -31,22 +27,23 @@ class Compressor:
 
     def __init__(self, compression: str) -> None:
         self.dtype = COMPRESSIONS[compression]
-        self._residuals: dict[int, np.ndarray] = {}
+        self._residuals: dict[int, Vector] = {}
 
-    def encode(self, server: int, values: np.ndarray) -> tuple[bytes, np.ndarray]:
+    def encode(self, server: int, values: Vector) -> tuple[bytes, Vector]:
         """The wire bytes of `values` plus the residual kept for `server`, and what the codes leave
         of that sum (the residual to keep once `server` has applied the commit: `applied`)."""
+        vectors.require("compression")  # the client refused it without numpy: numpy's arrays from here
         held = self._residuals.get(server)
         total = vectors.as_float32(values) if held is None or held.shape != values.shape else values + held
         data, sent = quantised_with_values(total, self.dtype)
         return data, total - sent
 
-    def applied(self, server: int, residual: np.ndarray) -> None:
+    def applied(self, server: int, residual: Vector) -> None:
         self._residuals[server] = residual
 
     def reset(self) -> None:
         """Forget every residual (at registration)."""
         self._residuals.clear()
 
-    def residual(self, server: int) -> np.ndarray | None:
+    def residual(self, server: int) -> Vector | None:
         return self._residuals.get(server)

@@ -15,7 +15,9 @@ if TYPE_CHECKING:
 
 from gemps import errors
 from gemps.transport import Committed
+from gemps_proto import vectors
 from gemps_proto.reply_differences import advance, copy_values, whole
+from gemps_proto.vectors import Vector
 
 
 class HeldCopy:
@@ -25,10 +27,11 @@ class HeldCopy:
         self.number = 0
         self._bits: np.ndarray | None = None
 
-    def took(self, committed: Committed) -> np.ndarray:
+    def took(self, committed: Committed) -> Vector:
         """The copy's float32 values once `committed`'s reply moved it: a difference applied to the
         copy it names, or θ whole as the new copy. A difference from a copy this client does not
         hold is refused (GempsError) and the copy forgotten, so the next commit asks for θ whole."""
+        vectors.require("reply_compression")  # the client refused it without numpy: numpy's arrays from here
         if committed.difference_of:
             held, bits = self.number, self._bits
             if committed.difference_of != held or bits is None or bits.size != committed.parameters.size:

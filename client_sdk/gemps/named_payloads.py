@@ -116,10 +116,9 @@ def _matched(
             f"{what} does not name the registered {noun}s: {_listed(problems)}", missing=missing, unknown=unknown
         )
     arrays = [_array(what, entry.name, values[entry.name], float32=float32) for entry in spec]
+    given = [tuple(array.shape or ()) for array in arrays]  # a memoryview's shape may be None, says typeshed
     shapes = {
-        entry.name: (entry.shape, tuple(array.shape))
-        for entry, array in zip(spec, arrays, strict=True)
-        if tuple(array.shape) != entry.shape
+        entry.name: (entry.shape, shape) for entry, shape in zip(spec, given, strict=True) if shape != entry.shape
     }
     if shapes:
         problems = [
@@ -140,10 +139,10 @@ def _array(what: str, name: str, value: Any, *, float32: bool) -> Vector:
         raise InvalidArgumentError(
             f"{whose} is not an array of numbers: {error}", InvalidArgumentError.code, Reason.BAD_DTYPE
         ) from None
-    kind = getattr(getattr(array, "dtype", None), "kind", "f")  # memoryviews: numbers by construction
-    if kind not in "biuf":
+    dtype = getattr(array, "dtype", None)  # memoryviews have none: numbers by construction
+    if getattr(dtype, "kind", "f") not in "biuf":
         raise InvalidArgumentError(
-            f"{whose} has dtype {array.dtype}, not numbers", InvalidArgumentError.code, Reason.BAD_DTYPE
+            f"{whose} has dtype {dtype}, not numbers", InvalidArgumentError.code, Reason.BAD_DTYPE
         )
     return array
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -177,28 +176,6 @@ class Transport(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-class BlockingCalls(ABC):
-    """A transport's blocking `pull` and `commit`, derived once from the calls that start them:
-    a transport writes `start_pull` and `start_commit` only (the router starts calls to several
-    servers at once, and waits on one server's). For a transport whose started call, waited for
-    at once, costs what a blocking one would: the data plane's (DataPlaneTransport's own pull and
-    commit are this already, and can inherit it). gRPC's transport derives each blocking call
-    from the same method as the started one, with `blocking=True`: its futures cost a third more
-    client CPU per commit than its blocking calls (grpc_transport._unary)."""
-
-    @abstractmethod
-    def start_pull(self, call: PullCall) -> Pending[Pulled]: ...
-
-    @abstractmethod
-    def start_commit(self, call: CommitCall) -> Pending[Committed]: ...
-
-    def pull(self, call: PullCall) -> Pulled:
-        return self.start_pull(call).result()
-
-    def commit(self, call: CommitCall) -> Committed:
-        return self.start_commit(call).result()
 
 
 # -- the call's deadline ---------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The GEMPS_* variables the SDK reads by itself: defaults of its options, for workers configured
 through their environment (containers, Kubernetes). Each is read where its option is resolved
-(channel_security, retry, wire_options, torch_threads); this table names them together, with the
+(channel_security, retry, wire_options, pytorch.threads); this table names them together, with the
 argument each stands for, for the generated reference and for --strict-env (gemps_cli.environment).
 tests/unit/test_sdk_variables.py keeps it equal to the names those modules read."""
 

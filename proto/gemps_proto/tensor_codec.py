@@ -62,8 +62,8 @@ class _Codes:
     values the bytes decode to."""
 
     nbytes: Callable[[int], int]
-    decode: Callable[[bytes | bytearray | memoryview, int], np.ndarray]
-    encode: Callable[[np.ndarray], bytes]
+    decode: Callable[[bytes | bytearray | memoryview, int], Vector]
+    encode: Callable[[Vector], bytes]
     with_values: Callable[[np.ndarray], tuple[bytes, np.ndarray]]
 
 
@@ -146,7 +146,7 @@ def decode_payload(dtype: int, shape: tuple[int, ...], data: bytes | bytearray |
     from gemps_proto.block_quantisation import QuantisedPayloadError
 
     try:
-        return codes.decode(data, num_elements(shape)).reshape(shape)
+        return vectors.shaped(codes.decode(data, num_elements(shape)), shape)
     except QuantisedPayloadError as error:
         raise TensorDecodeError(f"{dtype_name(dtype)}: {error}") from None
 
@@ -208,7 +208,7 @@ def expected_payload_nbytes(dtype: int, shape: Sequence[int]) -> int:
     return expected_nbytes(dtype, shape)
 
 
-def encode_payload(values: np.ndarray, dtype: int) -> bytes:
+def encode_payload(values: Vector, dtype: int) -> bytes:
     """Raw wire bytes of a commit payload's finite float32 values in `dtype` (θ's or blockwise codes)."""
     if dtype in _CODE_DTYPES:
         return _codes(dtype).encode(values)

@@ -10,9 +10,13 @@ they are numpy arrays, as they always were: each function below is numpy's own c
 What needs arithmetic on every value (compressed commits, bfloat16 on the wire, difference replies,
 the torch layer) needs numpy: `require` names the feature and the install line.
 
-Typed as numpy's arrays (`Vector`): without numpy the SDK's core touches its values only through
-these functions and what memoryviews share with arrays (len, slicing, tobytes, nbytes, itemsize,
-shape); tests/integration/test_sdk_without_numpy.py runs that path against a real server.
+Typed for each world, one mypy pass each (`make typecheck`). With numpy (pyproject.toml's
+[tool.mypy], HAVE_NUMPY always true) `Vector` is numpy's array, as users with numpy get it. The SDK
+alone (tools/mypy-sdk-alone.ini over the SDK and the protocol, HAVE_NUMPY always false) has it a
+memoryview and `require` a refusal, so what runs only with numpy is out of that pass's reach and the
+rest is checked against memoryviews: the SDK's core touches its values only through these functions
+and what memoryviews share with arrays (len, slicing, tobytes, nbytes, itemsize, shape).
+tests/integration/test_sdk_without_numpy.py runs that path against a real server.
 """
 
 from __future__ import annotations
@@ -20,9 +24,8 @@ from __future__ import annotations
 import array
 import math
 import sys
-import typing
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
 try:
     import numpy as np
@@ -35,7 +38,10 @@ if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import ArrayLike as NumpyArrayLike
 
-    Vector: TypeAlias = np.ndarray
+    if HAVE_NUMPY:
+        Vector: TypeAlias = np.ndarray
+    else:  # the SDK alone: its values are the standard library's memoryviews
+        Vector: TypeAlias = memoryview
     #: what users may pass as values: numpy's array-likes, or memoryviews and array.array's of numbers
     ArrayLike: TypeAlias = NumpyArrayLike | memoryview | array.array[Any]
 else:
@@ -62,10 +68,16 @@ class NumpyRequiredError(ImportError):
         )
 
 
-def require(feature: str) -> None:
-    """NumpyRequiredError naming `feature` unless numpy is installed."""
-    if not HAVE_NUMPY:
-        raise NumpyRequiredError(feature)
+if TYPE_CHECKING and not HAVE_NUMPY:  # the SDK alone: it always refuses, so what follows it needs numpy
+
+    def require(feature: str) -> NoReturn: ...
+
+else:
+
+    def require(feature: str) -> None:
+        """NumpyRequiredError naming `feature` unless numpy is installed."""
+        if not HAVE_NUMPY:
+            raise NumpyRequiredError(feature)
 
 
 if not HAVE_NUMPY and sys.byteorder != "little":  # memoryviews are in the host's order, the wire little-endian
@@ -87,11 +99,15 @@ def int64s(data: bytes | bytearray | memoryview) -> Vector:
 
 
 def empty_float32() -> Vector:
-    return np.empty(0, np.float32) if HAVE_NUMPY else _view(array.array(FLOAT32_FORMAT))
+    if HAVE_NUMPY:
+        return np.empty(0, np.float32)
+    return memoryview(array.array(FLOAT32_FORMAT))
 
 
 def empty_int64() -> Vector:
-    return np.empty(0, np.int64) if HAVE_NUMPY else _view(array.array(INT64_FORMAT))
+    if HAVE_NUMPY:
+        return np.empty(0, np.int64)
+    return memoryview(array.array(INT64_FORMAT))
 
 
 def writable_bytes(nbytes: int) -> memoryview:
@@ -123,7 +139,7 @@ def is_integral(value: Any) -> bool:
     if HAVE_NUMPY:
         kind: str = np.asarray(value).dtype.kind
         return kind in "iub"
-    return _format(as_numbers(value)) in _INTEGER_FORMATS
+    return _format(_converted(value, None)) in _INTEGER_FORMATS
 
 
 def as_int64(value: Any) -> Vector:
@@ -139,7 +155,7 @@ def shape(value: Any) -> tuple[int, ...]:
     """An array-like's shape."""
     if HAVE_NUMPY:
         return tuple(int(d) for d in np.shape(value))
-    return tuple(as_numbers(value).shape)
+    return _dims(_converted(value, None))
 
 
 def size(value: Any) -> int:
@@ -153,19 +169,14 @@ def flat(values: Vector) -> Vector:
     """A one-dimensional view of values laid out in one piece (a copy when they are not)."""
     if HAVE_NUMPY:
         return values.reshape(-1)
-    view: Any = values
-    if not view.c_contiguous:
-        view = _cast(memoryview(view.tobytes()), _format(view), view.shape)
-    return view if view.ndim == 1 else _cast(view, _format(view))
+    return _flat(values)
 
 
 def shaped(values: Vector, new_shape: Sequence[int]) -> Vector:
     """A view of flat values in `new_shape` (no copy)."""
     if HAVE_NUMPY:
         return values.reshape(new_shape)
-    if 0 in new_shape:  # memoryviews have no empty dimensions: an empty one-dimensional view
-        return values[:0]
-    return _cast(values, _format(values), new_shape)
+    return _shaped(values, new_shape)
 
 
 def concatenate(parts: Sequence[Vector], integers: bool = False) -> Vector:
@@ -175,15 +186,14 @@ def concatenate(parts: Sequence[Vector], integers: bool = False) -> Vector:
             return empty_int64() if integers else empty_float32()
         return np.concatenate([part.reshape(-1) for part in parts])
     code = INT64_FORMAT if integers else FLOAT32_FORMAT
-    views: list[Any] = [flat(part) for part in parts]
-    return _cast(memoryview(bytearray().join(views)), code)  # one copy
+    return _cast(memoryview(bytearray().join([_flat(part) for part in parts])), code)  # one copy
 
 
 def copy(values: Vector) -> Vector:
     """A copy of the values, in their shape and kind."""
     if HAVE_NUMPY:
         return np.array(values)
-    return shaped(_cast(memoryview(bytearray(flat(values))), _format(values)), values.shape)
+    return _shaped(_cast(memoryview(bytearray(_flat(values))), _format(values)), _dims(values))
 
 
 def read_only(values: Vector) -> Vector:
@@ -191,9 +201,7 @@ def read_only(values: Vector) -> Vector:
     if HAVE_NUMPY:
         values.flags.writeable = False
         return values
-    view: Any = values
-    read_only_view: Vector = view.toreadonly()
-    return read_only_view
+    return values.toreadonly()
 
 
 def all_finite(values: Vector) -> bool:
@@ -202,7 +210,7 @@ def all_finite(values: Vector) -> bool:
     1.8e308, and Inf - Inf is NaN)."""
     if HAVE_NUMPY:
         return bool(np.isfinite(values).all())
-    return math.isfinite(sum(flat(values)))
+    return math.isfinite(sum(_flat(values)))
 
 
 def little_endian_float32(values: ArrayLike) -> bytes | memoryview:
@@ -213,67 +221,77 @@ def little_endian_float32(values: ArrayLike) -> bytes | memoryview:
         if values.dtype == np.dtype("<f4") and values.flags.c_contiguous:
             return values.reshape(-1).data.cast("B")
         return np.ascontiguousarray(values, dtype="<f4").tobytes()
-    return typing.cast(memoryview, _cast(flat(_converted(values, FLOAT32_FORMAT)), "B"))
+    return _cast(_flat(_converted(values, FLOAT32_FORMAT)), "B")
 
 
 def little_endian_int64(values: ArrayLike) -> bytes:
     """The wire bytes of int64 values (a copy)."""
     if HAVE_NUMPY:
         return np.ascontiguousarray(values, dtype="<i8").tobytes()
-    return flat(_converted(values, INT64_FORMAT)).tobytes()
+    return _flat(_converted(values, INT64_FORMAT)).tobytes()
 
 
 # -- without numpy ---------------------------------------------------------------------------------
 
 
-def _format(view: Any) -> str:
-    return str(view.format).lstrip(_BYTE_ORDER)
+def _format(view: memoryview) -> str:
+    return view.format.lstrip(_BYTE_ORDER)
 
 
-def _view(values: Any) -> Vector:
-    """A memoryview of a buffer, typed as the Vector it stands for."""
-    view: Any = memoryview(values)
-    typed: Vector = view
-    return typed
+def _dims(view: memoryview) -> tuple[int, ...]:
+    """A memoryview's shape (typeshed allows None: CPython gives () for a single value)."""
+    return view.shape or ()
 
 
-def _cast(view: Any, code: str, dims: Sequence[int] | None = None) -> Vector:
+def _cast(view: memoryview, code: str, dims: Sequence[int] | None = None) -> memoryview:
     """`view`'s bytes as values of `code` (flat, or in `dims`): memoryview casts only through bytes."""
-    as_bytes = view.cast("B")
-    cast_view: Vector = as_bytes.cast(code) if dims is None else as_bytes.cast(code, list(dims))
-    return cast_view
+    # typeshed's overloads take each code as a literal; ours is a buffer's own format, or ours
+    cast: Callable[..., memoryview] = view.cast("B").cast
+    return cast(code) if dims is None else cast(code, list(dims))
 
 
-def _converted(value: Any, code: str | None) -> Vector:
+def _flat(view: memoryview) -> memoryview:
+    if not view.c_contiguous:
+        view = _cast(memoryview(view.tobytes()), _format(view), _dims(view))
+    return view if view.ndim == 1 else _cast(view, _format(view))
+
+
+def _shaped(view: memoryview, new_shape: Sequence[int]) -> memoryview:
+    if 0 in new_shape:  # memoryviews have no empty dimensions: an empty one-dimensional view
+        return view[:0]
+    return _cast(view, _format(view), new_shape)
+
+
+def _converted(value: Any, code: str | None) -> memoryview:
     """`value` (a buffer, a number or nested sequences of numbers) as a memoryview of `code`'s values
     in its shape; `code` None: int64 for integers, else float32."""
     if isinstance(value, bytes | bytearray):  # as numpy: text, not numbers (a memoryview of them is bytes' values)
         raise TypeError("bytes are not numbers: pass memoryview(data).cast('f') for float32 values")
     if isinstance(value, memoryview) or _has_buffer(value):
-        view: Any = memoryview(value)
+        view = memoryview(value)
         own = _format(view)
         if own not in _INTEGER_FORMATS | _FLOAT_FORMATS:
             raise TypeError(f"a buffer of format {view.format!r}, not numbers")
         wanted = code or (INT64_FORMAT if own in _INTEGER_FORMATS else FLOAT32_FORMAT)
         if own == wanted and view.c_contiguous:
-            return _view(view)
-        numbers: Iterable[Any] = flat(_cast(view, own) if view.c_contiguous else _whole(view, own)).tolist()
-        return _shaped_numbers(numbers, wanted, view.shape or ())
+            return view
+        numbers: Iterable[Any] = _flat(_cast(view, own) if view.c_contiguous else _whole(view, own)).tolist()
+        return _shaped_numbers(numbers, wanted, _dims(view))
     dims, numbers_list = _nested(value)
     if code is None:
         code = INT64_FORMAT if all(isinstance(n, int) for n in numbers_list) else FLOAT32_FORMAT
     return _shaped_numbers(numbers_list, code, dims)
 
 
-def _whole(view: memoryview, own: str) -> Vector:
+def _whole(view: memoryview, own: str) -> memoryview:
     return _cast(memoryview(view.tobytes()), own)
 
 
-def _shaped_numbers(numbers: Iterable[Any], code: str, dims: Sequence[int]) -> Vector:
+def _shaped_numbers(numbers: Iterable[Any], code: str, dims: Sequence[int]) -> memoryview:
     if code == INT64_FORMAT:
         numbers = [n if isinstance(n, int) else round(n) for n in numbers]  # round(): half to even, as rint
-    values = _view(array.array(code, numbers))
-    return shaped(values, dims) if len(dims) != 1 else values
+    values = memoryview(array.array(code, numbers))
+    return _shaped(values, dims) if len(dims) != 1 else values
 
 
 def _has_buffer(value: object) -> bool:

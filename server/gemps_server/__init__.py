@@ -9,8 +9,10 @@ and `checkpoint_writer` (when, and on which thread, to write one).
 
 Public API, for the command line and tools: `config` (ServerConfig), `app` (ParameterServer,
 serve), `domain.rules` (the commit rules: strategies by name), `checkpoint_files` (the checkpoint
-file format: load, export) and `allocator` (process memory tuning). Every other module is
-internal to the server; the import contracts in pyproject.toml enforce it (docs/ARCHITECTURE.md).
+file format: load, export), `allocator` (process memory tuning), `directory_lock`,
+`process_title` and the `replication` package's own names (a local etcd, a supervisor's secret,
+the replication metrics). Every other module is internal to the server, a new one included; the
+import contracts in pyproject.toml enforce it (docs/ARCHITECTURE.md).
 """
 
 import importlib.metadata

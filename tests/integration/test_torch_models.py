@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 import gemps
-from gemps import torch_batches
 from gemps.errors import InvalidArgumentError
 from gemps.pytorch import RemoteOptimizer
+from gemps.pytorch import batches as torch_batches
 from gemps_server.checkpoint_files import list_checkpoints
 from tests.helpers import InProcessServer, gemps_export, replication_secret_file, scrape, server_config, wait_for
 from tests.integration.conftest import StartServer

@@ -1,5 +1,5 @@
 """RemoteOptimizer against a real server sets torch's threads for the workers sharing this
-machine, or warns once where they were set otherwise (gemps.torch_threads)."""
+machine, or warns once where they were set otherwise (gemps.pytorch.threads)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from gemps import torch_threads
 from gemps.pytorch import RemoteOptimizer
-from gemps.torch_threads import Roster, usable_cores
+from gemps.pytorch import threads as torch_threads
+from gemps.pytorch.threads import Roster, usable_cores
 from tests.helpers import InProcessServer
 
 

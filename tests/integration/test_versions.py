@@ -133,10 +133,6 @@ class FutureServer:
         self._server.stop(grace=None)
 
 
-def _serialized(reply: Any) -> bytes:
-    return bytes(reply.SerializeToString())
-
-
 @pytest.fixture
 def future_server() -> Iterator[FutureServer]:
     server = FutureServer(FUTURE)

@@ -63,7 +63,7 @@ def test_a_worker_that_ends_without_close_leaves_the_server(start_server: StartS
     worker = start_worker(server.target)
     out, err = worker.communicate(timeout=90)
     assert worker.returncode == 0 and out == "committed\n", err
-    # Nothing but the SDK's one warning that step() sent no loss (gemps.torch_batches).
+    # Nothing but the SDK's one warning that step() sent no loss (gemps.pytorch.batches).
     assert [line for line in err.splitlines() if "commits no loss" not in line] == [], err
     with Client(server.target) as observer:  # d2dfbb8: 1 active for LONG_LEASE seconds
         status = observer.status()

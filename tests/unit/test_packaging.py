@@ -24,8 +24,8 @@ from gemps_cli.main import COMMANDS
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT: dict[str, Any] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 GENERATED = ROOT / "proto" / "gemps_proto" / "v1"
-# The SDK and the protocol: what `pip install gemps` is for. The torch layer (gemps.pytorch and its
-# torch_* modules) needs the torch extra on top.
+# The SDK and the protocol: what `pip install gemps` is for. The torch layer (the gemps.pytorch
+# package) needs the torch extra on top.
 SDK_FOLDERS = (ROOT / "client_sdk" / "gemps", ROOT / "proto" / "gemps_proto")
 FIRST_PARTY = {"gemps", "gemps_proto"}
 # SDK modules of opt-in features -> the extra their imports come from (imported only when used, or
@@ -79,7 +79,7 @@ def _distributions_of(module: str) -> set[str]:
 
 
 def _is_torch_layer(path: Path) -> bool:
-    return path.parent.name == "gemps" and (path.stem == "pytorch" or path.stem.startswith("torch_"))
+    return path.parent == ROOT / "client_sdk" / "gemps" / "pytorch"
 
 
 def test_the_base_install_is_what_the_sdk_imports_and_no_more() -> None:

@@ -206,14 +206,6 @@ def documented(page: str, section: str) -> dict[str, tuple[str, set[str], str]]:
     return rows
 
 
-def exposition(registry: CollectorRegistry) -> dict[str, tuple[str, str]]:
-    """Each family's name, type and help as prometheus_client exposes them (the text format)."""
-    found = {}
-    for family in registry.collect():
-        found[reference_docs.exposed_name(family.name, family.type)] = (family.type, family.documentation)
-    return found
-
-
 @pytest.mark.parametrize(
     ("section", "registry"),
     [

@@ -25,7 +25,7 @@ def names_read(path: Path) -> set[str]:
 
 
 def test_the_table_is_what_the_sdk_reads() -> None:
-    read = set().union(*(names_read(path) for path in SDK.glob("*.py") if path.name != "variables.py"))
+    read = set().union(*(names_read(path) for path in SDK.rglob("*.py") if path.name != "variables.py"))
     assert read == set(variables.READ_BY_THE_SDK)
 
 

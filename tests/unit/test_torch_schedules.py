@@ -1,4 +1,4 @@
-"""The server flags gemps.torch_schedules names for a torch scheduler give that scheduler's learning
+"""The server flags gemps.pytorch.schedules names for a torch scheduler give that scheduler's learning
 rates: torch's after e scheduler.step() calls is the server's η at every version of the e-th run
 of K commits (issue 37, item 3). What a RemoteOptimizer user reads: test_torch_schedulers.py."""
 
@@ -12,7 +12,7 @@ import torch
 from gemps_cli.server import parse_config
 from torch.optim import lr_scheduler
 
-from gemps.torch_schedules import refusal
+from gemps.pytorch.schedules import refusal
 from gemps_proto.schedules import learning_rate_at
 from gemps_proto.schema import TrainingConfig
 

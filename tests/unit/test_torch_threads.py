@@ -1,10 +1,10 @@
-"""How many intra-op threads torch gets when workers share a machine (gemps.torch_threads)."""
+"""How many intra-op threads torch gets when workers share a machine (gemps.pytorch.threads)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gemps.torch_threads import AUTO, Decision, decide, requested
+from gemps.pytorch.threads import AUTO, Decision, decide, requested
 
 
 def auto(

@@ -1,4 +1,4 @@
-"""A torch model's values as the wire carries them (gemps.torch_values, gemps.tied_names)."""
+"""A torch model's values as the wire carries them (gemps.pytorch.values, gemps.tied_names)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from gemps.errors import InvalidArgumentError
+from gemps.pytorch.values import gather_gradients, host_array, persistent_buffers, trained_parameters
 from gemps.records import CentralVariable, ParameterSpec
 from gemps.tied_names import expanded
-from gemps.torch_values import gather_gradients, host_array, persistent_buffers, trained_parameters
 
 
 def test_a_tied_tensor_is_listed_once_under_every_name_state_dict_has() -> None:

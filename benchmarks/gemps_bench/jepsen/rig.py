@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gemps_bench.jepsen.plan import SLOW_RATE
-from gemps_server.replication.local_etcd import find_etcd
+from gemps_server.replication import find_etcd
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.processes import GEMPS_COMMAND
 from gemps_worker.simulated_hosts import DEFAULT_RATE, INTERFACE, Host, SimulatedNetwork

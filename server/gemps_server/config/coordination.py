@@ -75,11 +75,6 @@ class CoordinationOptions:
         plain = [url for url in endpoint_urls(endpoints) if urlsplit(url).scheme == "http"]
         return [f"etcd endpoint {url!r} is plain http, but etcd_ca/etcd_cert are given: use https://" for url in plain]
 
-    @property
-    def etcd_tls(self) -> bool:
-        """Whether etcd is reached over TLS (a bare HOST:PORT endpoint then means https)."""
-        return bool(self.etcd_ca or self.etcd_cert)
-
     def etcd_secret(self) -> str:
         """--etcd-user's password ('' without a user); reads etcd_password_file."""
         if not self.etcd_password_file:

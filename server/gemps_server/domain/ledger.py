@@ -41,7 +41,6 @@ MAX_REQUEST_ID_LENGTH = 128
 MAX_CLIENT_ID_LENGTH = 128
 # A receipt's key in checkpoints: scope, separator, request id ("" scope: written before scopes).
 KEY_SEPARATOR = "\n"
-MAX_KEY_LENGTH = MAX_CLIENT_ID_LENGTH + len(KEY_SEPARATOR) + MAX_REQUEST_ID_LENGTH
 LEGACY_SCOPE = ""
 
 

@@ -5,4 +5,16 @@ which applies it through the same domain code; a commit is acknowledged once eve
 in-sync set applied it. Who is primary is decided by etcd (election.py): a lease-bound key per
 partition, whose revision is the epoch. The server is composed with it through
 `layer.layer()`: the one name app.py calls.
+
+Public, for the command line and tools (the one door the import contracts leave open here; every
+module below it is the server's own): `LocalEtcd` and `find_etcd` (an etcd on this machine: the
+partitions' supervisor, `gemps ray`, the benchmarks), `with_generated_secret` (the secret a
+supervisor generates for the replicas it runs) and `ReplicationCollector` (a replica's metric
+families, which the reference docs list).
 """
+
+from gemps_server.replication.credentials import with_generated_secret
+from gemps_server.replication.local_etcd import LocalEtcd, find_etcd
+from gemps_server.replication.metrics import ReplicationCollector
+
+__all__ = ["LocalEtcd", "ReplicationCollector", "find_etcd", "with_generated_secret"]

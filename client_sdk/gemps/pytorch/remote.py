@@ -1,72 +1,21 @@
-"""Torch helpers: keep a model on the central variable, as a wrapper or as a drop-in optimizer.
-
-    optimizer = RemoteOptimizer(model, "127.0.0.1:50051")   # instead of torch.optim.SGD(...)
-    for inputs, targets in loader:
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(inputs), targets)
-        loss.backward()
-        optimizer.step(loss=loss)   # loss= for the server's loss metrics; step() works too
-    optimizer.close()
-
-`RemoteModel` is the same with the commit's figures returned (`remote.step(loss=...)`).
-
-What travels, for any torch.nn.Module (gemps.torch_values):
-- the parameters that train (`requires_grad=True`), in `named_parameters()` order, are the
-  central variable; a parameter without a gradient this step contributes zeros. Frozen
-  parameters (`requires_grad=False`, e.g. a pretrained backbone) are not sent at all: every
-  worker keeps its own copy, so load the same weights into every worker's model. Any floating
-  dtype travels as float32 and is loaded back in the parameter's own (bfloat16 stays bfloat16);
-  sparse gradients (`nn.Embedding(sparse=True)`) are made dense; a tensor tied or shared under
-  several names travels once, under all of them (gemps.tied_names);
-- the persistent buffers (those in `state_dict()`: batch-norm running mean and variance and
-  `num_batches_tracked`, ...) live on the server too. Each commit carries how the worker's
-  buffers changed since it last loaded the central ones, the server adds that change to its
-  buffers (as DOWNPOUR adds updates), and every reply brings the central buffers back. With one
-  worker this is exactly local training; with many, the running statistics see every worker's
-  batches. Integer buffers (`num_batches_tracked`) travel and are kept as int64, exactly; the
-  others as float32. A model without buffers sends nothing more than before.
-
-θ is loaded into the parameters in place (each keeps its device, storage and dtype), through a
-pinned staging vector and non-blocking copies when a parameter lives on a GPU.
-
-A step without `num_samples=` sends the samples of the model's inputs since the last step, and
-one without `loss=` logs a WARNING once (gemps.torch_batches). Binding a model sets torch's
-intra-op threads so that the workers of one machine do not oversubscribe its cores, unless they
-were set otherwise (`threads=`, gemps.torch_threads).
-
-A model wrapped by torch.compile, DistributedDataParallel or DataParallel is named as the model
-inside (gemps.torch_wrappers: no `_orig_mod.` or `module.` reaches the server; FSDP is refused), and
-the ranks of a DDP process group are one gemps worker: group rank 0 commits, every rank loads its
-reply (gemps.torch_groups).
-
-So `gemps export` and `client.pull().state_dict()` give a state dict that loads with
-`model.load_state_dict(..., strict=True)` when the model has no frozen parameters.
-"""
+"""RemoteModel and RemoteOptimizer: a torch model kept on the central variable (what travels, and
+how: the package's docstring, gemps.pytorch), and load_central."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-try:  # the torch layer converts tensors through numpy: both come with the torch extra
-    import numpy  # noqa: F401
-    import torch
-except ImportError as missing:
-    raise ImportError(
-        f"gemps.pytorch needs the torch extra ({missing.name} is not installed): pip install 'gemps[torch]' "
-        "(on a machine without a GPU, install torch from its CPU index first: docs/guides/install.md)",
-        name=missing.name,
-    ) from missing
+import torch
 
 from gemps.client import Client
 from gemps.errors import PartiallyAppliedError
-from gemps.records import Buffers, CentralVariable, CommitResult, Registration, TrainingConfig
-from gemps.torch_batches import BatchCounter, warn_without_loss
-from gemps.torch_groups import AUTO as GROUP_AUTO
-from gemps.torch_groups import GroupLeaderError, GroupWorker, Outcome, process_group_of
-from gemps.torch_schedules import ServerOwnedGroup, ServerOwnsLearningRateError, ServerSchedule
-from gemps.torch_threads import AUTO, ThreadKeeper, Threads, requested
-from gemps.torch_values import (
+from gemps.pytorch.batches import BatchCounter, warn_without_loss
+from gemps.pytorch.groups import AUTO as GROUP_AUTO
+from gemps.pytorch.groups import GroupLeaderError, GroupWorker, Outcome, process_group_of
+from gemps.pytorch.schedules import ServerOwnedGroup
+from gemps.pytorch.threads import AUTO, ThreadKeeper, Threads, requested
+from gemps.pytorch.values import (
     buffer_values,
     check_trainable,
     copy_into,
@@ -78,19 +27,9 @@ from gemps.torch_values import (
     trained_parameters,
     wire_dtype,
 )
-from gemps.torch_wrappers import unwrapped
+from gemps.pytorch.wrappers import unwrapped
+from gemps.records import Buffers, CentralVariable, CommitResult, Registration, TrainingConfig
 from gemps_proto.schedules import learning_rate_at
-
-__all__ = [
-    "GroupLeaderError",
-    "RemoteModel",
-    "RemoteOptimizer",
-    "ServerOwnsLearningRateError",
-    "ServerSchedule",
-    "load_central",
-    "persistent_buffers",
-    "trained_parameters",
-]
 
 
 @torch.no_grad()
@@ -116,12 +55,12 @@ class RemoteModel:
         **client_options: Any,
     ) -> None:
         """`threads` sets torch's intra-op threads so that the workers on this machine do not
-        oversubscribe it (gemps.torch_threads: "auto", a number, or None to leave them);
-        `process_group` whose ranks are one gemps worker (gemps.torch_groups: "auto", the DDP
+        oversubscribe it (gemps.pytorch.threads: "auto", a number, or None to leave them);
+        `process_group` whose ranks are one gemps worker (gemps.pytorch.groups: "auto", the DDP
         wrapper's group or the initialised default one; a ProcessGroup; None: this process alone);
         `client_options` go to gemps.Client when `client` is an address (wire_dtype="bfloat16", ...)."""
         self.model = model
-        inner = unwrapped(model)  # named without torch.compile's or DDP's prefixes (gemps.torch_wrappers)
+        inner = unwrapped(model)  # named without torch.compile's or DDP's prefixes (gemps.pytorch.wrappers)
         named = trained_parameters(inner)
         self._parameters = [p for _, p in named]
         if not self._parameters:
@@ -196,7 +135,7 @@ class RemoteModel:
         """Commit the model's current gradients; load the central variable the server returns.
 
         Without `num_samples`, the samples of the model's training forwards since the last step
-        (gemps.torch_batches); without `loss`, the mean loss those forwards returned (a Hugging Face
+        (gemps.pytorch.batches); without `loss`, the mean loss those forwards returned (a Hugging Face
         model's `output.loss`), or when they returned none a WARNING once that the server's loss
         metrics stay empty."""
         seen, returned = self._batches.take(), self._batches.take_loss()
@@ -339,7 +278,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
     has no hyperparameters of its own: constructing it with `lr=` or with parameter groups, and
     `add_param_group`, are refused rather than silently ignored, and so is setting a group's `lr`.
     A torch LR scheduler reads and sets it: constructing one raises ServerOwnsLearningRateError at
-    that line, naming the `gemps server` flags that give its schedule (gemps.torch_schedules).
+    that line, naming the `gemps server` flags that give its schedule (gemps.pytorch.schedules).
     Reading `param_groups[0]["lr"]` (or `.get("lr")`: what Lightning's LearningRateMonitor logs)
     gives `learning_rate`, the server's η at the version the model holds; `momentum` and
     `weight_decay` read as the server applies them. Hugging Face's Trainer takes

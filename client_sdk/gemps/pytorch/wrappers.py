@@ -7,7 +7,7 @@ spec) and its export would not load into the plain model. gemps.pytorch names th
 model inside every such wrapper (any nesting: a compiled DDP model, a DDP-wrapped compiled one), so
 compiled, DDP and plain workers share a server and `gemps export` loads into the unwrapped model
 with `load_state_dict(strict=True)`. The parameters are the same tensors either way; the forward
-the user calls (the wrapper) is the one whose inputs are counted (gemps.torch_batches).
+the user calls (the wrapper) is the one whose inputs are counted (gemps.pytorch.batches).
 
 FSDP shards the parameters across its ranks (each holds a slice of a flat parameter), which one
 gemps worker cannot commit or load as the model's tensors: a model wrapped in FSDP (or with an FSDP

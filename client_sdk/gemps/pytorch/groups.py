@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from gemps.errors import GempsError
+from gemps.pytorch.values import host_tensor
+from gemps.pytorch.wrappers import data_parallel_wrapper
 from gemps.records import CentralVariable, CommitResult, Registration
-from gemps.torch_values import host_tensor
-from gemps.torch_wrappers import data_parallel_wrapper
 
 AUTO = "auto"
 
