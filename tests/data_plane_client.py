@@ -13,7 +13,7 @@ from types import TracebackType
 import numpy as np
 from google.protobuf.message import Message
 
-from gemps_proto import data_plane_frames, data_plane_proofs
+from gemps_proto import data_plane_frames, proofs
 from gemps_proto.data_plane_events import NEED_DATA, Answer, Reply
 from gemps_proto.data_plane_frames import REPLY, Op
 from gemps_proto.data_plane_protocol import ServerConnection
@@ -123,7 +123,7 @@ class DataPlaneClient:
 
     def challenge(self, worker_id: str) -> tuple[Frame, bytes]:
         """A CHALLENGE: the server's answer (or refusal), and the nonce sent (the HELLO's proof needs it)."""
-        nonce = data_plane_proofs.nonce()
+        nonce = proofs.nonce()
         self.send(Op.CHALLENGE, pb.DataPlaneChallenge(worker_id=worker_id, nonce=nonce).SerializeToString())
         return self.receive(), nonce
 
@@ -134,7 +134,7 @@ class DataPlaneClient:
         if answer.op != Op.CHALLENGE | REPLY:
             return answer
         server_nonce = pb.DataPlaneAnswer.FromString(answer.header).nonce
-        proof = data_plane_proofs.client_proof(ticket, nonce, server_nonce)
+        proof = proofs.client_proof(ticket, nonce, server_nonce)
         self.send(Op.HELLO, pb.DataPlaneHello(worker_id=worker_id, proof=proof).SerializeToString())
         return self.receive()
 
@@ -177,7 +177,7 @@ def commit_header(
 
 def answer_handshake(sock: socket.socket, ticket: bytes, address: str) -> None:
     """The server's end of a handshake with `ticket`, as the server's protocol core plays it, at
-    `address` (data_plane_proofs.address: what the client dialed)."""
+    `address` (proofs.address: what the client dialed)."""
     protocol = ServerConnection(1 << 16)
     for step in range(2):
         while (event := protocol.next_event()) is NEED_DATA:

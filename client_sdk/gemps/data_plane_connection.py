@@ -28,8 +28,7 @@ from typing import NoReturn, TypeVar
 from google.protobuf.message import DecodeError, Message
 
 from gemps import errors
-from gemps_proto import data_plane_proofs as proofs
-from gemps_proto import vectors
+from gemps_proto import proofs, vectors
 from gemps_proto.data_plane_events import (
     NEED_DATA,
     Attach,
@@ -108,7 +107,7 @@ class DataConnection:
     def __init__(self, sock: socket.socket, address: str, proven_address: str) -> None:
         self.sock = sock
         self.address = address
-        self.proven_address = proven_address  # what the server's proof must name (data_plane_proofs.address)
+        self.proven_address = proven_address  # what the server's proof must name (proofs.address)
         self.closed = False
         self._protocol = ClientConnection()
         self.local = sock.family == getattr(socket, "AF_UNIX", None)

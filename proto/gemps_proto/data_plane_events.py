@@ -114,7 +114,7 @@ ClientEvent = ServerProven | ReplyReceived | Refused | PayloadComplete | Protoco
 
 @dataclass(frozen=True)
 class Challenge:
-    """The client's first frame: the ticket and the address it dialed (data_plane_proofs.address)
+    """The client's first frame: the ticket and the address it dialed (proofs.address)
     stay in the core, which checks the server's answer with them; only the worker id and a fresh
     nonce go."""
 
@@ -132,7 +132,7 @@ class Hello:
 @dataclass(frozen=True)
 class Answer:
     """The server's answer to a CHALLENGE: its proof made with the worker's `ticket` and the
-    `address` the connection came to (data_plane_proofs.address)."""
+    `address` the connection came to (proofs.address)."""
 
     ticket: bytes
     address: str

@@ -4,7 +4,7 @@ gRPC stays the control plane (Register, Leave, Status, health) and a complete da
 plane is a second door for the two calls that carry θ. A connection starts with a handshake in
 which each end proves it holds the ticket of one registration (RegisterResponse.data_plane)
 without sending it (a CHALLENGE and its answer, then a HELLO and its reply:
-gemps_proto/data_plane_proofs.py), then alternates one request and its reply. Every frame is
+gemps_proto/proofs.py), then alternates one request and its reply. Every frame is
 
     preamble (20 bytes, PREAMBLE)   magic, version, op, flags, header length, payload length
     header                          a gemps.v1 message, serialized: the request or the reply

@@ -16,7 +16,7 @@ bytes in hand). Sending returns a frame's preamble and header; the caller writes
 it from its own memory (θ's, or the commit's array), or through the attached shared memory.
 
 A connection starts with a handshake in which each end proves it holds the registration's ticket
-(gemps_proto/data_plane_proofs.py): the client's CHALLENGE, the server's answer (checked by the
+(gemps_proto/proofs.py): the client's CHALLENGE, the server's answer (checked by the
 client's core: `ServerProven`, or a ProtocolError and nothing more sent), the client's HELLO
 (checked by the server's core: `HelloReceived`, or a ProtocolError), and its reply. The ticket is
 the callers' (the server's service computes it, the client got it at Register); the core keeps
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from gemps_proto import data_plane_proofs as proofs
+from gemps_proto import proofs
 from gemps_proto.data_plane_events import (
     Answer,
     Attach,

@@ -17,7 +17,6 @@ import hmac
 import ipaddress
 import secrets
 import ssl
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from gemps_proto import reasons
+from gemps_server.token_bucket import TokenBucket
 
 AUTHORIZATION_KEY = "authorization"
 BEARER_PREFIX = "Bearer "
@@ -118,28 +118,12 @@ UNAUTHENTICATED_REFUSAL = refusal_handler(
 )
 
 
-class RateLimiter:
-    """A token bucket: `capacity` calls at once, refilled at `capacity` per `period` seconds."""
+class RateLimiter(TokenBucket):
+    """A token bucket of `capacity` calls at once, refilled at `capacity` per `period` seconds
+    (capacity 0: no limit)."""
 
     def __init__(self, capacity: int, period: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.capacity = capacity
-        self.rate = capacity / period if capacity else 0.0
-        self._clock = clock
-        self._tokens = float(capacity)
-        self._updated = clock()
-        self._lock = threading.Lock()
-
-    def allow(self) -> bool:
-        if self.capacity <= 0:
-            return True  # no limit
-        with self._lock:
-            now = self._clock()
-            self._tokens = min(self.capacity, self._tokens + (now - self._updated) * self.rate)
-            self._updated = now
-            if self._tokens < 1.0:
-                return False
-            self._tokens -= 1.0
-            return True
+        super().__init__(capacity / period if capacity > 0 else 0.0, capacity, clock)
 
 
 class Tickets:

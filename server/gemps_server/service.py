@@ -210,7 +210,7 @@ class ParameterService:
 
     def data_plane_ticket(self, worker_id: str) -> bytes:
         """`worker_id`'s registration's data-plane ticket, which the data plane's handshake proves
-        this server holds before the client proves it does (gemps_proto/data_plane_proofs.py):
+        this server holds before the client proves it does (gemps_proto/proofs.py):
         Unavailable (not_primary) at a replica that is not primary, whatever it knows of the worker
         (a backup not seeded yet knows none: `unknown_worker` there sent every worker to register
         again under a new id, its GEM state lost, issue 41 item 6); NotFound for a worker not

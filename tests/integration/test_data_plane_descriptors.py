@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import gemps
-from gemps_proto import data_plane_frames, data_plane_proofs
+from gemps_proto import data_plane_frames, proofs
 from gemps_proto.data_plane_frames import REPLY, Op
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.wire.data_plane import BACKLOG
@@ -200,7 +200,7 @@ def test_clients_that_connect_while_the_table_is_full_are_served_once_it_frees()
             honest = [DataPlaneClient(port, timeout=5), DataPlaneClient(0, timeout=5, local_socket=name)]
             nonces: list[bytes] = []
             for client, worker in zip(honest, (tcp_worker, local_worker), strict=True):
-                nonces.append(data_plane_proofs.nonce())  # the handshake's first frame: a CHALLENGE
+                nonces.append(proofs.nonce())  # the handshake's first frame: a CHALLENGE
                 challenge = pb.DataPlaneChallenge(worker_id=worker.worker_id, nonce=nonces[-1])
                 client.send(Op.CHALLENGE, challenge.SerializeToString())
         finally:
@@ -214,7 +214,7 @@ def test_clients_that_connect_while_the_table_is_full_are_served_once_it_frees()
                     pytest.fail(f"a client that connected while the table was full got no answer: {error!r}")
                 assert answer.op == Op.CHALLENGE | REPLY, answer.error
                 server_nonce = pb.DataPlaneAnswer.FromString(answer.header).nonce
-                proof = data_plane_proofs.client_proof(worker.data_plane.ticket, nonce, server_nonce)
+                proof = proofs.client_proof(worker.data_plane.ticket, nonce, server_nonce)
                 client.send(Op.HELLO, pb.DataPlaneHello(worker_id=worker.worker_id, proof=proof).SerializeToString())
                 assert client.receive().op == Op.HELLO | REPLY
         finally:

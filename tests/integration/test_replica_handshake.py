@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import gemps
+from gemps_proto.proofs import NONCE_BYTES, ReplicaSession
 from gemps_server.replication import frames
 from gemps_server.replication.credentials import SECRET_FILE, with_generated_secret
-from gemps_server.replication.handshake import NONCE_BYTES, Refused, Session
+from gemps_server.replication.handshake import Refused
 from gemps_server.replication.local_etcd import LocalEtcd
 from gemps_server.replication.status import PRIMARY
 from tests.helpers import TEST_REPLICATION_SECRET, InProcessServer, server_config, wait_for
@@ -48,7 +49,7 @@ def impostor(primary: InProcessServer, secret: str, job: str, name: str) -> fram
         challenge = frames.receive(sock)
         if challenge.kind != frames.CHALLENGE:
             return challenge
-        session = Session(
+        session = ReplicaSession(
             key_of(secret, job), 0, status.epoch, address, nonce, bytes.fromhex(challenge.header["nonce"])
         )
         frames.send(sock, frames.Frame(frames.PROOF, {"proof": session.proof("backup", name).hex()}))
@@ -99,7 +100,7 @@ def test_a_backup_does_not_follow_a_primary_that_proves_another_key(primary: InP
 
 
 def test_a_session_seals_for_its_two_ends_only() -> None:
-    session = Session(b"k" * 32, 0, 3, "h:1", b"b" * 32, b"p" * 32)
+    session = ReplicaSession(b"k" * 32, 0, 3, "h:1", b"b" * 32, b"p" * 32)
     sealed = session.seal(b"t" * 32)
     assert session.unseal(sealed) == b"t" * 32 and bytes.fromhex(sealed) != b"t" * 32
     other = dataclasses.replace(session, primary_nonce=b"q" * 32)

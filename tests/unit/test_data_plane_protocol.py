@@ -13,7 +13,7 @@ import struct
 import numpy as np
 import pytest
 
-from gemps_proto import data_plane_proofs as proofs
+from gemps_proto import proofs
 from gemps_proto.data_plane_events import (
     NEED_DATA,
     Answer,

@@ -7,7 +7,8 @@ replication key (credentials.py), without sending it or anything it could be rep
     backup  -> primary  PROOF      the backup's proof
     primary -> backup   WELCOME    the data-plane ticket key, sealed under this session
 
-A proof is an HMAC under the key of the prover's role and name, the partition, the epoch, the
+A proof (gemps_proto/proofs.py, the MAC the data plane's handshake uses too, under a label of
+its own) is an HMAC under the key of the prover's role and name, the partition, the epoch, the
 primary's replication address as the backup dialled it, and both nonces: fresh each connection
 (no replay), one role's proof is no other's (no reflection), and a peer that relays a real
 primary's handshake from another address (where etcd, rewritten, sent the backup) proves nothing.
@@ -20,24 +21,19 @@ certificates chain to --tls-client-ca) all of it runs inside the TLS session, as
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import re
-import secrets
 import socket
 import ssl
-import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from gemps_proto import proofs
+from gemps_proto.proofs import BACKUP_ROLE, NONCE_BYTES, PRIMARY_ROLE, ReplicaSession
 from gemps_server.replication import frames
 from gemps_server.replication.credentials import Credential
 from gemps_server.replication.tls_stream import SerialSSLSocket
 
-NONCE_BYTES = 32
-PRIMARY_ROLE, BACKUP_ROLE = "primary", "backup"
 _NAME = re.compile(r"partition-(\d{1,9})-replica-(\d{1,9})")
 
 
@@ -48,39 +44,6 @@ class Refused(ConnectionError):
 def member_name(partition: int, replica: int) -> str:
     """A replica's name: the handshake binds it to the key and the partition's replica indices."""
     return f"partition-{partition}-replica-{replica}"
-
-
-@dataclass(frozen=True)
-class Session:
-    """One connection's handshake: what both sides derive their proofs and the seal from."""
-
-    key: bytes
-    partition: int
-    epoch: int
-    primary_address: str
-    backup_nonce: bytes
-    primary_nonce: bytes
-
-    def _mac(self, purpose: str, *more: str) -> bytes:
-        parts = [purpose, str(self.partition), str(self.epoch), self.primary_address, *more]
-        encoded = [part.encode("utf-8", "surrogateescape") for part in parts]
-        encoded += [self.backup_nonce, self.primary_nonce]
-        # Each part length-prefixed: no two different tuples of parts make the same message.
-        message = b"".join(struct.pack("<I", len(part)) + part for part in encoded)
-        return hmac.new(self.key, message, hashlib.sha256).digest()
-
-    def proof(self, role: str, name: str) -> bytes:
-        return self._mac("proof", role, name)
-
-    def seal(self, secret: bytes) -> str:
-        """`secret` (at most 32 bytes) XOR a pad only the two ends can derive, as hex."""
-        pad = self._mac("seal")
-        if len(secret) > len(pad):
-            raise ValueError(f"a sealed secret holds at most {len(pad)} bytes")
-        return bytes(a ^ b for a, b in zip(secret, pad, strict=False)).hex()
-
-    def unseal(self, sealed: str) -> bytes:
-        return bytes.fromhex(self.seal(bytes.fromhex(sealed)))
 
 
 def _nonce(header: dict[str, Any]) -> bytes:
@@ -107,8 +70,8 @@ class Handshake:
         self._credential = credential
         self.partition, self.replicas = partition, replicas
 
-    def _session(self, epoch: int, primary_address: str, backup_nonce: bytes, primary_nonce: bytes) -> Session:
-        return Session(self._credential.key, self.partition, epoch, primary_address, backup_nonce, primary_nonce)
+    def _session(self, epoch: int, primary_address: str, backup_nonce: bytes, primary_nonce: bytes) -> ReplicaSession:
+        return ReplicaSession(self._credential.key, self.partition, epoch, primary_address, backup_nonce, primary_nonce)
 
     def name_refusal(self, name: str, primary: str) -> str:
         """Why a hello's `name` may not be a backup of `primary` ('' when it may)."""
@@ -166,7 +129,7 @@ class Handshake:
         why = refusal(hello) or self.name_refusal(name, me)
         if why:
             raise Refused(why)
-        session = self._session(epoch, address, _nonce(hello.header), secrets.token_bytes(NONCE_BYTES))
+        session = self._session(epoch, address, _nonce(hello.header), proofs.nonce())
         challenge = {
             "epoch": epoch,
             "nonce": session.primary_nonce.hex(),
@@ -175,7 +138,7 @@ class Handshake:
         frames.send(sock, frames.Frame(frames.CHALLENGE, challenge))
         answer = frames.receive(sock, max_header=frames.HELLO_HEADER_BYTES, max_body=0, deadline=deadline)
         expected = session.proof(BACKUP_ROLE, name)
-        if answer.kind != frames.PROOF or not hmac.compare_digest(_proof(answer.header), expected):
+        if answer.kind != frames.PROOF or not proofs.matches(_proof(answer.header), expected):
             raise Refused("no proof of the replication credential (--replication-secret-file / --auth-token)")
         frames.send(sock, frames.Frame(frames.WELCOME, {"epoch": epoch, "tickets": session.seal(ticket_key)}))
         return hello.header
@@ -191,7 +154,7 @@ class Handshake:
         if self._credential.client_tls is not None:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             sock = _serial(self._credential.client_tls.wrap_socket(sock))
-        nonce = secrets.token_bytes(NONCE_BYTES)
+        nonce = proofs.nonce()
         frames.send(sock, frames.Frame(frames.HELLO, dict(hello, epoch=epoch, nonce=nonce.hex())))
         challenge = frames.receive(sock, max_header=frames.HELLO_HEADER_BYTES, max_body=0, deadline=deadline)
         _refused(challenge)
@@ -199,7 +162,7 @@ class Handshake:
             session = self._session(epoch, address, nonce, bytes.fromhex(str(challenge.header.get("nonce", ""))))
         except ValueError:
             raise Refused("the primary's challenge carries no nonce") from None
-        proved = hmac.compare_digest(_proof(challenge.header), session.proof(PRIMARY_ROLE, primary))
+        proved = proofs.matches(_proof(challenge.header), session.proof(PRIMARY_ROLE, primary))
         if challenge.kind != frames.CHALLENGE or not proved or len(session.primary_nonce) != NONCE_BYTES:
             raise Refused(
                 f"the primary at {address} did not prove it holds this job's replication credential: not followed"

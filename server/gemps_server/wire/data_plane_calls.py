@@ -29,8 +29,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from gemps_proto import data_plane_proofs as proofs
-from gemps_proto import grpc_framing
+from gemps_proto import grpc_framing, proofs
 from gemps_proto.data_plane_events import (
     NEED_DATA,
     Answer,
@@ -161,7 +160,7 @@ class Connection:
     # -- the hello ----------------------------------------------------------------------------
 
     def hello(self) -> Steps:
-        """The handshake, before anything else is read (gemps_proto/data_plane_proofs.py): answer
+        """The handshake, before anything else is read (gemps_proto/proofs.py): answer
         the CHALLENGE with this server's proof (made with the worker's ticket), then accept the
         HELLO if its proof is the ticket's (the core checks it). Hangup otherwise (an ERROR frame
         sent first where one can be)."""

@@ -15,33 +15,17 @@ in its turn when accepting resumes (the SDK uses gRPC meanwhile).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+
+from gemps_server.token_bucket import TokenBucket
 
 BURST_SECONDS = 2.0
 
 
-class RefusalBudget:
+class RefusalBudget(TokenBucket):
     """A token bucket: `charge()` for each connection that ended without proving a ticket;
     `delay()` is 0 while one may still be accepted, else the seconds until one may (0 per second:
     no limit)."""
 
-    def __init__(self, per_second: float) -> None:
-        self._rate = per_second
-        self._burst = per_second * BURST_SECONDS
-        self._tokens = self._burst
-        self._counted = time.monotonic()
-
-    def _refill(self) -> None:
-        now = time.monotonic()
-        self._tokens = min(self._burst, self._tokens + (now - self._counted) * self._rate)
-        self._counted = now
-
-    def charge(self) -> None:
-        if self._rate:
-            self._refill()
-            self._tokens -= 1.0
-
-    def delay(self) -> float:
-        if not self._rate:
-            return 0.0
-        self._refill()
-        return 0.0 if self._tokens >= 1.0 else (1.0 - self._tokens) / self._rate
+    def __init__(self, per_second: float, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(per_second, per_second * BURST_SECONDS, clock)

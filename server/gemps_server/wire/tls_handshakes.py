@@ -38,6 +38,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
+from gemps_server.token_bucket import TokenBucket
 from gemps_server.wire.data_plane_io import PeerClosed, Stalled
 from gemps_server.wire.data_plane_loop import Handshake, Loop, Task, Wait
 
@@ -78,9 +79,8 @@ class Handshakes:
         self._loop = loop
         self._per_source = per_source
         self._cpu = cpu  # seconds of handshake work an address earns a second
-        self._burst = cpu * BURST_SECONDS
         self._under_way: collections.Counter[str] = collections.Counter()  # by address
-        self._budgets: dict[str, tuple[float, float]] = {}  # address -> (seconds left, when counted)
+        self._budgets: dict[str, TokenBucket] = {}  # address -> its seconds of handshake work
         self._prune_at = 0.0
         self._threads = [_Thread(context, self._finished, f"gemps-tls-handshake-{n}") for n in range(threads)]
 
@@ -101,24 +101,21 @@ class Handshakes:
             return f"{self._per_source} TLS handshakes from {source} under way (--max-handshakes-per-source)"
         if not self._cpu:
             return None
-        if self._left(source) < MIN_CHARGE:
+        if not self._budget(source).allow(MIN_CHARGE):
             return f"TLS handshakes from {source} took more than {self._cpu:g} of a core (--handshake-cpu-per-source)"
-        self._charge(source, MIN_CHARGE)
         return None
 
-    def _left(self, source: str) -> float:
-        """Seconds of handshake work `source` may spend now."""
-        now = time.monotonic()
-        left, counted = self._budgets.get(source, (self._burst, now))
-        return min(self._burst, left + (now - counted) * self._cpu)
-
-    def _charge(self, source: str, seconds: float) -> None:
-        now = time.monotonic()
-        self._budgets[source] = (self._left(source) - seconds, now)
-        if len(self._budgets) > BUDGETS_KEPT and now >= self._prune_at:
-            self._prune_at = now + 1.0
-            for address in [a for a in self._budgets if self._left(a) >= self._burst]:
-                del self._budgets[address]
+    def _budget(self, source: str) -> TokenBucket:
+        """`source`'s seconds of handshake work (forgetting full ones past BUDGETS_KEPT)."""
+        budget = self._budgets.get(source)
+        if budget is None:
+            now = time.monotonic()
+            if len(self._budgets) >= BUDGETS_KEPT and now >= self._prune_at:
+                self._prune_at = now + 1.0
+                for address in [a for a, kept in self._budgets.items() if kept.full()]:
+                    del self._budgets[address]
+            budget = self._budgets[source] = TokenBucket(self._cpu, self._cpu * BURST_SECONDS)
+        return budget
 
     def run(self, source: str, task: Task, deadline: float) -> Generator[Wait, Any, None]:
         """The handshake of `task`'s connection, admitted from `source`, done on a thread: then the
@@ -152,7 +149,7 @@ class Handshakes:
         if not self._under_way[job.source]:
             del self._under_way[job.source]
         if self._cpu and job.cpu > MIN_CHARGE:
-            self._charge(job.source, job.cpu - MIN_CHARGE)  # the rest of what its thread spent
+            self._budget(job.source).charge(job.cpu - MIN_CHARGE)  # the rest of what its thread spent
         task = job.task
         if task.done or task.waiting is not job.wait:  # ended meanwhile
             if job.tls is not None and error is None:
