@@ -51,21 +51,21 @@ def create_rule(config: TrainingConfig, num_parameters: int, gem_state: str = "e
 
 
 @dataclass(frozen=True)
-class RuleOptions:
+class RuleRuntime:
     """How the server runs GEM, not what it computes (the server's options of the same names):
     its kernel, what its c counts of a worker's own step, and how it keeps each worker's state."""
 
     gem_kernel: str = "numpy"
     gem_own_step: str = "counted"
     gem_state: str = "exact"
-    DEFAULT: ClassVar[RuleOptions]
+    DEFAULT: ClassVar[RuleRuntime]
 
     def create(self, config: TrainingConfig, num_parameters: int) -> CommitRule:
         options = {"kernel": self.gem_kernel, "own_step": self.gem_own_step}
         return create_rule(config, num_parameters, self.gem_state, **options)
 
 
-RuleOptions.DEFAULT = RuleOptions()
+RuleRuntime.DEFAULT = RuleRuntime()
 
 
 __all__ = [
@@ -73,7 +73,7 @@ __all__ = [
     "ApplyStats",
     "CommitRule",
     "NonFiniteUpdate",
-    "RuleOptions",
+    "RuleRuntime",
     "create_rule",
     "rule_class",
     "rule_names",
