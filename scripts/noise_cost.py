@@ -24,7 +24,7 @@ from gemps_proto.schema_proto import tensor_from_proto, tensor_to_proto
 from gemps_proto.tensor_codec import EncodedTensor
 from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NOISE_WINDOW_OFF, NoiseEstimator
 from gemps_server.domain.records import Commit
-from gemps_server.domain.rules import RuleOptions
+from gemps_server.domain.rules import RuleRuntime
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
 
@@ -56,7 +56,7 @@ def main() -> None:
     state = ServerState(
         TrainingConfig(rule=args.rule),
         WorkerRegistry(max_workers=args.workers, lease_ttl=3600),
-        RuleOptions(gem_kernel="auto"),
+        RuleRuntime(gem_kernel="auto"),
     )
     spec = [ParameterSpec("w", (size,))]
     workers = [state.register(f"w{i}", spec, theta).worker.worker_id for i in range(args.workers)]

@@ -33,6 +33,7 @@ from prometheus_client import disable_created_metrics
 from prometheus_client.parser import text_string_to_metric_families
 
 from gemps.client import Client
+from gemps_proto.rule_options import CATALOG
 from gemps_proto.schema import TrainingConfig
 from gemps_proto.schema_proto import tensor_from_proto, tensor_to_proto
 from gemps_proto.tensor_codec import EncodedTensor
@@ -74,6 +75,12 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
 
 T = TypeVar("T")
 TRAINING_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingConfig))
+
+
+def training_names() -> frozenset[str]:
+    """The names `gemps server` takes for the training config: its fields and every option a
+    registered rule declares (a test's rule included while registered)."""
+    return TRAINING_FIELDS | {option.name for option in CATALOG.declared()}
 
 
 def wait_for(
@@ -157,8 +164,8 @@ def replication_secret_file() -> str:
 
 def server_config(**options: Any) -> ServerConfig:
     """A ServerConfig from flat option names, as `gemps server` takes them (`rule=`, `lease_ttl=`)."""
-    training = {name: options.pop(name) for name in list(options) if name in TRAINING_FIELDS}
-    return ServerConfig(training=TrainingConfig(**training), **options)
+    training = {name: options.pop(name) for name in list(options) if name in training_names()}
+    return ServerConfig(training=TrainingConfig.from_flat(training), **options)
 
 
 class InProcessServer:
@@ -250,8 +257,14 @@ def encoded(values: np.ndarray) -> EncodedTensor:
 
 
 def training(rule: str = "gem", **changes: Any) -> TrainingConfig:
-    """The default training config with `rule` and other changes (learning_rate=..., ...)."""
-    return dataclasses.replace(TrainingConfig(rule=rule), **changes)
+    """The default training config with `rule` and other changes: fields (learning_rate=...) or the
+    rule's options (momentum=...; one the rule does not take is refused where the rule is made)."""
+    return TrainingConfig.from_flat({"rule": rule, **changes})
+
+
+def rule_option(config: TrainingConfig, name: str) -> float:
+    """The value of the rule's option `name` in `config` (its default where the config sets none)."""
+    return config.with_rule_defaults().rule_options[name]
 
 
 def start_partitions(start: Callable[..., InProcessServer], count: int, **options: Any) -> list[InProcessServer]:

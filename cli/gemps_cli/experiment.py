@@ -134,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
         for c in suite:
             t = c.training
             print(
-                f"{c.name:30s} rule={t.rule} workers={c.workers} eta={t.learning_rate:g} kappa={t.kappa:g} "
-                f"mode={t.worker_mode} {_mode_settings(c)}epochs={c.epochs} seed={c.seed} "
+                f"{c.name:30s} rule={t.rule} workers={c.workers} eta={t.learning_rate:g} kappa={c.kappa:g} "
+                f"mode={c.mode} {_mode_settings(c)}epochs={c.epochs} seed={c.seed} "
                 f"dataset={c.dataset} model={c.model}"
             )
         return 0
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _mode_settings(c: RunConfig) -> str:
     """The worker mode's own settings for --list (with a trailing space), empty for gradient."""
-    mode = c.training.worker_mode
+    mode = c.mode
     local = f"local={c.local_optimizer}" + (f"@{c.local_learning_rate:g} " if c.local_learning_rate else " ")
     if mode == "agn":
         return f"agn_steps={c.agn_steps} {local}"

@@ -7,9 +7,12 @@ valid `choices`, the `range` of valid values (gemps_proto.ranges; shown in the h
 by the dataclass itself) and, for a default computed from other options, its `default_text`.
 A field whose default is a dataclass (`field(default_factory=TrainingConfig)`) contributes
 that dataclass's fields as flags of their own, so a configuration composed of others is still
-one flat list of options. `origins` says where each value came from (for a
-log of the configuration), and `unknown_variables` finds the GEMPS_* variables nothing reads, each
-with the closest known name: a misspelled variable would otherwise leave its option at the default.
+one flat list of options. A field whose metadata names options declared elsewhere
+(gemps_proto.rule_options.DECLARED: TrainingConfig.rule_options, the commit rules' options)
+contributes one flag per declared option, and holds those given as a name -> value map.
+`origins` says where each value came from (for a log of the configuration), and
+`unknown_variables` finds the GEMPS_* variables nothing reads, each with the closest known name:
+a misspelled variable would otherwise leave its option at the default.
 
     @dataclass(frozen=True)
     class MyWorker:
@@ -29,6 +32,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from gemps_proto.ranges import DEFAULT_TEXT, range_of
+from gemps_proto.rule_options import DECLARED, DeclaredFields
 
 T = TypeVar("T")
 Choices = Mapping[str, Sequence[str]]
@@ -64,12 +68,20 @@ def _nested(f: dataclasses.Field[Any]) -> type[Any] | None:
     return None
 
 
+def _declared(f: dataclasses.Field[Any]) -> DeclaredFields | None:
+    """What gives the options a field holds as a map (DECLARED), or None for a plain option."""
+    found: DeclaredFields | None = f.metadata.get(DECLARED)
+    return found
+
+
 def options_of(options: type[Any]) -> Iterator[dataclasses.Field[Any]]:
-    """The plain option fields of `options`, composed dataclasses flattened in place."""
+    """The plain option fields of `options`, composed dataclasses and declared options flattened in place."""
     for f in dataclasses.fields(options):
-        nested = _nested(f)
+        nested, declared = _nested(f), _declared(f)
         if nested is not None:
             yield from options_of(nested)
+        elif declared is not None:
+            yield from declared()
         else:
             yield f
 
@@ -114,9 +126,13 @@ def from_sources(
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for f in dataclasses.fields(options):  # type: ignore[arg-type]
-        nested = _nested(f)
+        nested, declared = _nested(f), _declared(f)
         if nested is not None:
             values[f.name] = from_sources(nested, args, environ)
+            continue
+        if declared is not None:  # only those given: the dataclass says what the others are
+            found = {d.name: _lookup(d, args, environ) for d in declared()}
+            values[f.name] = {name: value for name, (origin, value) in found.items() if origin != DEFAULT}
             continue
         origin, value = _lookup(f, args, environ)
         if origin != DEFAULT:
@@ -190,12 +206,14 @@ def to_argv(values: Mapping[str, object]) -> list[str]:
 
 
 def values_of(instance: object) -> dict[str, object]:
-    """Option name -> value of a configuration dataclass instance, composed ones flattened."""
+    """Option name -> value of a configuration dataclass instance, composed ones and declared options flattened."""
     out: dict[str, object] = {}
     for f in dataclasses.fields(instance):  # type: ignore[arg-type]
         value = getattr(instance, f.name)
         if _nested(f) is not None:
             out.update(values_of(value))
+        elif _declared(f) is not None:
+            out.update(value)
         else:
             out[f.name] = value
     return out

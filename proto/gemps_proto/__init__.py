@@ -5,6 +5,7 @@ Each module has one job, its docstring's first line (listed in docs/ARCHITECTURE
 - `v1/`: parameter_server.proto and the code generated from it (proto/generate.py; do not edit).
 - `schema`: the shared messages' typed Python face (TrainingConfig, ParameterSpec, Layout, ...).
 - `status`: Status's records on those types (ServerStatus, its workers, noise, replication).
+- `rule_options`: a commit rule's own options (RuleOption) and the catalog of the rules known here.
 - `schema_proto`: their paired to_proto / from_proto functions.
 - `tensor_codec`: numpy arrays <-> a tensor's raw bytes (float32, bfloat16, int64).
 - `protobuf_wire`: protobuf's wire format by hand, where copying θ matters.

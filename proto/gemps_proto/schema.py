@@ -9,7 +9,9 @@ replication) build on these and are gemps_proto.status's.
 
 `TrainingConfig` is the configuration the server owns and announces at Register. Its field
 metadata carries the help text and, where the protocol fixes them, the valid choices; the valid
-commit rules are the server's (its rule registry), so they are checked there.
+commit rules are the server's (its rule registry), so they are checked there. A rule's own
+options (GEM's mu, kappa, pi_max) are no fields of it: they are one name -> value map
+(`rule_options`), declared by the rules (gemps_proto.rule_options).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 from gemps_proto import vectors
 from gemps_proto.ranges import FLOAT32_MAX, INT64_MAX, RANGE, UINT32_MAX, Range, out_of_range
+from gemps_proto.rule_options import CATALOG, DECLARED, OptionValues
 from gemps_proto.schedules import CONSTANT, SCHEDULES
 from gemps_proto.tensor_codec import FLOAT32, INT64
 from gemps_proto.vectors import ArrayLike, Vector
@@ -47,15 +50,6 @@ class PayloadKind(enum.IntEnum):
         return f"PAYLOAD_KIND_{self.name}"
 
 
-class WorkerMode(str, enum.Enum):
-    """How reference workers train, as the server announces it (TrainingConfig.worker_mode)."""
-
-    GRADIENT = "gradient"  # commit every mini-batch's gradient
-    AGN = "agn"  # accumulated gradient normalization: lambda local steps, commit the mean update
-    EASGD = "easgd"  # asynchronous elastic averaging: commit alpha * (x - theta) every period
-    DYNSGD = "dynsgd"  # lambda local steps, commit the accumulated update (the server divides by staleness + 1)
-
-
 def _option(default: Any, help: str, choices: Sequence[str] | None = None, within: Range | None = None) -> Any:
     metadata: dict[str, Any] = {"help": help}
     if choices is not None:
@@ -75,18 +69,16 @@ SOME_VERSIONS = Range(1, INT64_MAX, unit="versions")
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    """The training configuration the server owns (gemps.v1.TrainingConfig): the commit rule, its
-    hyperparameters, and what reference workers should do. Defaults are the GEM paper's."""
+    """The training configuration the server owns (gemps.v1.TrainingConfig): the commit rule, the
+    learning rate and its schedule, the rule's own options, and the batch size announced to
+    workers. Defaults are the GEM paper's."""
 
     rule: str = _option("gem", "commit rule")
     learning_rate: float = _option(0.05, "eta: a gradient g is applied as -eta*g", within=POSITIVE_FACTOR)
-    momentum: float = _option(
-        0.9, "mu: GEM's proxy momentum, and the momentum rule's", within=Range(0, 1, high_open=True)
-    )
-    kappa: float = _option(1.0, "kappa: GEM's proxy amplification", within=POSITIVE_FACTOR)
-    pi_max: float = _option(5.0, "clamp on GEM's scaling factor pi", within=POSITIVE_FACTOR)
-    worker_mode: str = _option(
-        WorkerMode.GRADIENT.value, "training mode announced to workers", [m.value for m in WorkerMode]
+    # The rule's options by name (its declarations: gemps_proto.rule_options, one flag each). The
+    # server announces every option of its rule, those not set at their defaults (with_rule_defaults).
+    rule_options: Mapping[str, float] = field(
+        default_factory=OptionValues, metadata={"help": "the rule's own options", DECLARED: CATALOG.fields}
     )
     batch_size: int = _option(64, "mini-batch size announced to workers", within=Range(1, UINT32_MAX))
     # eta at central version v (commits applied): learning_rate * warm-up(v) * decay(v), see schedules.py
@@ -97,23 +89,39 @@ class TrainingConfig:
     lr_total_commits: int = _option(10000, "cosine: versions until eta reaches lr_min", within=SOME_VERSIONS)
     lr_min: float = _option(0.0, "cosine: the final eta, at most learning_rate", within=Range(0, FLOAT32_MAX))
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rule_options", OptionValues(self.rule_options))
+
     def problems(self) -> list[str]:
         """What is wrong with these values (empty when nothing is): each outside its range (declared
-        with the field) or its choices, and lr_min above learning_rate. The rule name is the server's
-        to check (its registry)."""
-        found = out_of_range(self)
-        if self.worker_mode not in {m.value for m in WorkerMode}:
-            modes = ", ".join(m.value for m in WorkerMode)
-            found.append(f"unknown worker_mode {self.worker_mode!r} (choose from {modes})")
+        with the field, or with the rule's option), an option the rule does not take, an unknown
+        schedule, and lr_min above learning_rate. The rule name is the server's to check (its registry)."""
+        found = out_of_range(self) + CATALOG.problems(self.rule, self.rule_options)
         if self.lr_schedule not in SCHEDULES:
             found.append(f"unknown lr_schedule {self.lr_schedule!r} (choose from {', '.join(SCHEDULES)})")
         if self.lr_min > self.learning_rate:
             found.append("lr_min must be in [0, learning_rate]")
         return found
 
+    def with_rule_defaults(self) -> TrainingConfig:
+        """This config with every option of its rule, those not set at their defaults (as announced)."""
+        return dataclasses.replace(self, rule_options=CATALOG.resolved(self.rule, self.rule_options))
+
+    @classmethod
+    def from_flat(cls, values: Mapping[str, Any]) -> TrainingConfig:
+        """The config `as_dict` gives: the config's fields by name, every other name an option of the rule."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"rule_options"}
+        options = {name: value for name, value in values.items() if name not in names}
+        return cls(**{name: value for name, value in values.items() if name in names}, rule_options=options)
+
     def as_dict(self) -> dict[str, Any]:
-        """Field name -> value (checkpoint metadata, logs, metrics labels)."""
-        return dataclasses.asdict(self)
+        """Field name -> value, the rule's options by their own names in place of `rule_options`
+        (checkpoint metadata, logs, the info metric's labels, `gemps status`)."""
+        found: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            found.update(dict(value) if f.name == "rule_options" else {f.name: value})
+        return found
 
 
 @dataclass(frozen=True)

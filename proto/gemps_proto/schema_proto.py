@@ -14,6 +14,7 @@ from typing import TypeVar
 from google.protobuf.message import Message
 
 from gemps_proto import vectors
+from gemps_proto.rule_options import LEGACY_NAMES, legacy_options
 from gemps_proto.schema import (
     Buffers,
     DataPlane,
@@ -83,12 +84,28 @@ def spec_from_proto(messages: Iterable[pb.ParameterSpec]) -> tuple[ParameterSpec
     return tuple(ParameterSpec(message.name, tuple(message.shape), message.dtype or FLOAT32) for message in messages)
 
 
+# What a peer from before rule_options reads in their place (the .proto's deprecated fields).
+_LEGACY_WORKER_MODE = "gradient"
+
+
 def training_config_to_proto(config: TrainingConfig) -> pb.TrainingConfig:
-    return pb.TrainingConfig(**config.as_dict())
+    """The message, with the deprecated fields an older peer reads set from the rule's options."""
+    message = pb.TrainingConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(TrainingConfig)})
+    for name in LEGACY_NAMES:
+        if name in config.rule_options:
+            setattr(message, name, config.rule_options[name])
+    message.worker_mode = _LEGACY_WORKER_MODE
+    return message
 
 
 def training_config_from_proto(message: pb.TrainingConfig) -> TrainingConfig:
-    return TrainingConfig(**{f.name: getattr(message, f.name) for f in dataclasses.fields(TrainingConfig)})
+    """The config, the rule's options by name (a map's order on the wire is protobuf's); from a
+    server before rule_options (no map), from the deprecated fields it sent instead."""
+    fields = {f.name: getattr(message, f.name) for f in dataclasses.fields(TrainingConfig)}
+    fields["rule_options"] = dict(sorted(message.rule_options.items()))
+    if not message.rule_options:
+        fields["rule_options"] = legacy_options(message.rule, {n: getattr(message, n) for n in LEGACY_NAMES})
+    return TrainingConfig(**fields)
 
 
 def shard_to_proto(shard: Shard) -> pb.Shard:

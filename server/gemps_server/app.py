@@ -32,7 +32,7 @@ from gemps_server.config_log import log_configuration
 from gemps_server.descriptors import reserve
 from gemps_server.domain.applier import Applier
 from gemps_server.domain.records import PartitionOf
-from gemps_server.domain.rules import RuleOptions, rule_class
+from gemps_server.domain.rules import RuleRuntime, rule_class
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.lifecycle import Stack, Step, Task, Together
@@ -81,7 +81,7 @@ class ParameterServer:
         self.state = ServerState(
             config.training,
             WorkerRegistry(config.max_workers, config.lease_ttl),
-            rule_options=RuleOptions(config.gem_kernel, config.gem_own_step, config.gem_state),
+            rule_runtime=RuleRuntime(config.gem_kernel, config.gem_own_step, config.gem_state),
             partition=PartitionOf(config.partition, config.partitions),
             max_parameters=config.max_parameters,
             noise_window=config.noise_window,

@@ -36,7 +36,7 @@ def test_quick_experiment_writes_curves_figures_and_report(tmp_path: Path) -> No
     assert set(summaries) == {c.name for c in quick_suite()}
     for config in quick_suite():
         s = summaries[config.name]
-        commits_per_worker = 44 if config.training.worker_mode == "gradient" else 44 // 4  # 2 epochs of 22 batches
+        commits_per_worker = 44 if config.mode == "gradient" else 44 // 4  # 2 epochs of 22 batches
         assert s["commits"] == config.workers * commits_per_worker, s
         assert s["diverged_workers"] == 0
         # The final central variable on all 1,438 training images; 8 bytes per parameter per commit

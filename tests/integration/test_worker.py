@@ -93,8 +93,10 @@ def test_agn_commits_the_accumulated_update_over_lambda_or_times_an_outer_learni
 
 
 def test_local_steps_with_momentum_keep_a_velocity_with_the_servers_mu(start_server: StartServer) -> None:
-    """--local-optimizer momentum: v <- mu v + g, x <- x - eta v, mu the server's (0.5 here)."""
-    server = start_server(rule="downpour", learning_rate=0.1, momentum=0.5)
+    """--local-optimizer momentum: v <- mu v + g, x <- x - eta v, mu the server's (0.5 here): its
+    rule's momentum option. Rule momentum, whose first commit (from a velocity of 0) adds the
+    update as sent, as downpour would (downpour takes no mu)."""
+    server = start_server(rule="momentum", learning_rate=0.1, momentum=0.5)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
@@ -117,6 +119,13 @@ def test_local_steps_with_momentum_keep_a_velocity_with_the_servers_mu(start_ser
         assert committed is not None
         expected = torch.nn.utils.parameters_to_vector(check.parameters()).detach().numpy()
         np.testing.assert_allclose(committed.result.parameters.flat, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_local_steps_with_momentum_are_refused_where_the_rule_has_no_mu(start_server: StartServer) -> None:
+    server = start_server(rule="downpour")
+    refusal = "local optimizer 'momentum' takes the server's mu, and rule 'downpour' has none"
+    with RemoteModel(torch.nn.Linear(4, 3), server.target) as remote, pytest.raises(ValueError, match=refusal):
+        AgnMode(remote, learning_rate=0.1, local_steps=2, optimizer="momentum")
 
 
 def test_easgd_moves_center_and_local_variable_elastically(start_server: StartServer) -> None:

@@ -28,7 +28,7 @@ from gemps_proto.tensor_codec import (
 from gemps_server.domain.records import Commit
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
-from tests.helpers import encoded, training
+from tests.helpers import encoded, rule_option, training
 from tests.unit.reference_rules import ReferenceServer
 
 LEVELS = {INT8_BLOCK: bq.INT8_LEVELS, INT4_BLOCK: bq.INT4_LEVELS}
@@ -130,7 +130,8 @@ def test_gem_with_compressed_updates_is_gem_on_what_they_decode_to() -> None:
     theta0 = rng.standard_normal(size).astype(np.float32)
     config = training("gem", learning_rate=0.05)
     state = ServerState(config, WorkerRegistry(max_workers=4, lease_ttl=3600))
-    reference = ReferenceServer("gem", theta0, 0.05, config.momentum, config.kappa, config.pi_max)
+    hyper = (rule_option(config, name) for name in ("momentum", "kappa", "pi_max"))
+    reference = ReferenceServer("gem", theta0, 0.05, *hyper)
     spec = [ParameterSpec("w", (size,))]
     workers = []
     for _ in range(3):

@@ -28,7 +28,8 @@ from tests.helpers import server_config
 
 def test_defaults_match_the_design() -> None:
     t = server.parse_config([], environ={}).training
-    assert (t.rule, t.learning_rate, t.momentum, t.kappa, t.pi_max, t.batch_size) == ("gem", 0.05, 0.9, 1.0, 5.0, 64)
+    mu, kappa, pi_max = (t.rule_options[name] for name in ("momentum", "kappa", "pi_max"))
+    assert (t.rule, t.learning_rate, mu, kappa, pi_max, t.batch_size) == ("gem", 0.05, 0.9, 1.0, 5.0, 64)
 
 
 def test_flag_beats_environment_beats_default() -> None:
@@ -36,7 +37,7 @@ def test_flag_beats_environment_beats_default() -> None:
     c = server.parse_config(["--rule", "momentum"], environ=env)
     assert c.training.rule == "momentum"  # flag
     assert c.training.learning_rate == 0.1 and c.port == 6000  # environment
-    assert c.training.kappa == 1.0  # default
+    assert c.training.rule_options == {"momentum": 0.9}  # default: the momentum rule's one option
 
 
 def test_bad_environment_value_names_the_variable() -> None:

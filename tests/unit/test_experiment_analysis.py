@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -189,11 +189,14 @@ def test_bytes_moved_counts_payload_and_reply_and_easgd_pulls() -> None:
 
 
 def old_result_payload() -> dict[str, object]:
-    """A result.json as written before seeds, the local optimizer, the full-train loss and P."""
+    """A result.json as written before seeds, the local optimizer, the full-train loss and P (and
+    before the rule's options and the worker mode left the training config)."""
+    training = {"rule": "gem", "learning_rate": 0.05, "momentum": 0.9, "kappa": 1.0, "pi_max": 5.0}
+    training |= {"worker_mode": "gradient", "batch_size": 64, "lr_schedule": "constant"}
     config = {
         "name": "gem-n2",
         "workers": 2,
-        "training": asdict(TrainingConfig(rule="gem")),
+        "training": training,
         "epochs": 1,
         "model": "digits-cnn",
         "dataset": "digits",
@@ -261,6 +264,24 @@ def test_an_older_flat_result_config_loads(tmp_path: Path) -> None:
     path.write_text(json.dumps(payload))
     loaded = RunResult.load(path).config
     assert loaded.training.rule == "gem" and loaded.seed == 0 and loaded.dynsgd_steps == 10
+
+
+@pytest.mark.parametrize(
+    ("rule", "options"), [("gem", {"momentum": 0.9, "kappa": 2.0, "pi_max": 5.0}), ("downpour", {})]
+)
+def test_a_result_from_before_rule_options_loads_its_rules_options_and_mode(
+    tmp_path: Path, rule: str, options: dict[str, float]
+) -> None:
+    """momentum, kappa, pi_max and worker_mode were training fields of every run: the rule's
+    options are those its rule took (a downpour run's were ignored), the mode is the run's."""
+    payload = old_result_payload()
+    training = payload["config"]["training"]  # type: ignore[index]
+    training |= {"rule": rule, "kappa": 2.0, "worker_mode": "agn"}
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(payload))
+    loaded = RunResult.load(path).config
+    assert (loaded.training.rule, loaded.training.rule_options, loaded.mode) == (rule, options, "agn")
+    assert loaded.kappa == options.get("kappa", 1.0)
 
 
 def test_describe_setting() -> None:
@@ -349,7 +370,7 @@ def test_mean_band_interpolates_seeds_onto_one_grid() -> None:
 def test_time_and_steps_to_the_target_accuracy() -> None:
     """The first held-out evaluation at or past 95%: its time, and its version in mini-batches
     per worker (agn: agn_steps mini-batches per commit, commits shared by the workers)."""
-    config = RunConfig("agn-n4", 4, TrainingConfig(rule="downpour", worker_mode="agn"), agn_steps=5)
+    config = RunConfig("agn-n4", 4, TrainingConfig(rule="downpour"), agn_steps=5, mode="agn")
     result = fake_result(config, accuracy=1.0, seconds=8.0)  # accuracy i/4 at time 2i, version 40i
     summary = summarize(result)
     assert summary.seconds_to_target == 8.0  # 0.95 first reached at i = 4 (1.0)

@@ -37,10 +37,10 @@ def test_agn_sweep_has_the_intended_settings() -> None:
     for steps in (5, 10, 15):
         for rate in (0.05, 0.2, 0.5):
             c = runs[f"sweep-agn-l{steps}-lr{rate:g}-n20"]
-            assert (c.training.rule, c.training.worker_mode, c.agn_steps) == ("downpour", "agn", steps)
+            assert (c.training.rule, c.mode, c.agn_steps) == ("downpour", "agn", steps)
             assert (c.local_optimizer, c.local_learning_rate) == ("sgd", rate)
     adam = runs["sweep-agn-adam-l10-lr0.001-n20"]
-    assert (adam.training.worker_mode, adam.agn_steps, adam.local_optimizer, adam.local_learning_rate) == (
+    assert (adam.mode, adam.agn_steps, adam.local_optimizer, adam.local_learning_rate) == (
         "agn",
         10,
         "adam",
@@ -48,7 +48,7 @@ def test_agn_sweep_has_the_intended_settings() -> None:
     )
     for steps in (3, 10):
         c = runs[f"sweep-dynsgd-l{steps}-lr0.2-n20"]
-        assert (c.training.rule, c.training.worker_mode, c.dynsgd_steps) == ("adaptive-staleness", "dynsgd", steps)
+        assert (c.training.rule, c.mode, c.dynsgd_steps) == ("adaptive-staleness", "dynsgd", steps)
         assert c.local_learning_rate == 0.2
     for name, period, alpha in (
         ("sweep-easgd-t10-a0.045-lr0.05-n20", 10, 0.9 / 20),
@@ -56,7 +56,7 @@ def test_agn_sweep_has_the_intended_settings() -> None:
         ("sweep-easgd-t10-a0.2-lr0.05-n20", 10, 0.2),
     ):
         c = runs[name]
-        assert (c.training.rule, c.training.worker_mode, c.easgd_period) == ("downpour", "easgd", period)
+        assert (c.training.rule, c.mode, c.easgd_period) == ("downpour", "easgd", period)
         assert c.easgd_alpha == pytest.approx(alpha)
     for rule in ("downpour", "gem"):
         assert runs[f"sweep-{rule}-eta0.1-n20"].training.learning_rate == 0.1
@@ -69,23 +69,23 @@ def test_agn_comparison_has_every_method_at_every_count() -> None:
     assert COMPARISON_WORKERS == (10, 20, 30) and len(runs) == 18
     for n in COMPARISON_WORKERS:
         agn, dynsgd, easgd = runs[f"cmp-agn-n{n}"], runs[f"cmp-dynsgd-n{n}"], runs[f"cmp-easgd-n{n}"]
-        assert (agn.training.rule, agn.training.worker_mode, agn.agn_steps) == ("downpour", "agn", AGN_CHOSEN.steps)
+        assert (agn.training.rule, agn.mode, agn.agn_steps) == ("downpour", "agn", AGN_CHOSEN.steps)
         assert (agn.local_optimizer, agn.local_learning_rate) == ("sgd", AGN_CHOSEN.learning_rate)
         assert runs[f"cmp-agn-lr0.2-n{n}"].local_learning_rate == 0.2
-        assert (dynsgd.training.rule, dynsgd.training.worker_mode, dynsgd.dynsgd_steps) == (
+        assert (dynsgd.training.rule, dynsgd.mode, dynsgd.dynsgd_steps) == (
             "adaptive-staleness",
             "dynsgd",
             DYNSGD_CHOSEN.steps,
         )
-        assert (easgd.training.rule, easgd.training.worker_mode, easgd.easgd_period) == (
+        assert (easgd.training.rule, easgd.mode, easgd.easgd_period) == (
             "downpour",
             "easgd",
             EASGD_CHOSEN.period,
         )
         assert easgd.easgd_alpha == pytest.approx(EASGD_CHOSEN.alpha_for(n))
         downpour, gem = runs[f"cmp-downpour-n{n}"], runs[f"cmp-gem-n{n}"]
-        assert (downpour.training.rule, downpour.training.worker_mode) == ("downpour", "gradient")
-        assert (gem.training.rule, gem.training.worker_mode) == ("gem", "gradient")
+        assert (downpour.training.rule, downpour.mode) == ("downpour", "gradient")
+        assert (gem.training.rule, gem.mode) == ("gem", "gradient")
         assert (downpour.training.learning_rate, gem.training.learning_rate) == (DOWNPOUR_ETA, GEM_ETA)
         assert all(runs[k].workers == n and runs[k].epochs == 4 for k in runs if k.endswith(f"-n{n}"))
 
@@ -113,13 +113,13 @@ def test_suites_by_name() -> None:
     expected |= {"gem-n100-topk-int4": ("topk", "int4")}
     assert codes == expected
     local = {c.name: c for c in SUITES["local-steps"](10)}
-    assert local["gem-n30"].training.worker_mode == "gradient" and local["gem-n30"].compression == "none"
+    assert local["gem-n30"].mode == "gradient" and local["gem-n30"].compression == "none"
     eight = local["gem-n30-local8-half"]  # 8 local steps, the update halved, int8 codes both ways
-    assert (eight.training.rule, eight.training.worker_mode, eight.dynsgd_steps) == ("gem", "dynsgd", 8)
+    assert (eight.training.rule, eight.mode, eight.dynsgd_steps) == ("gem", "dynsgd", 8)
     assert (eight.outer_learning_rate, eight.compression, eight.reply_compression) == (0.5, "int8", "int8")
     assert local["gem-n10-local4-agn"].outer_learning_rate == 1 / 4
     diloco = local["gem-n30-local4-diloco"]  # DiLoCo's outer Nesterov as the baseline, 0.7 over 30 updates
-    assert (diloco.training.rule, diloco.training.momentum, diloco.dynsgd_steps) == ("nesterov", 0.9, 4)
+    assert (diloco.training.rule, diloco.training.rule_options["momentum"], diloco.dynsgd_steps) == ("nesterov", 0.9, 4)
     assert diloco.outer_learning_rate == pytest.approx(0.7 / 30)
     assert SUITES["quick"](10) == quick_suite()
     pairs = {c.name: c for c in SUITES["gem-state"](10)}
@@ -129,6 +129,6 @@ def test_suites_by_name() -> None:
         assert dataclasses.replace(compact, name=name, gem_state="exact") == exact
     assert SUITES["full"](3) == full_suite(3)
     dynsgd = {c.name: c for c in quick_suite()}["dynsgd-n4"]
-    assert (dynsgd.training.worker_mode, dynsgd.dynsgd_steps, dynsgd.epochs) == ("dynsgd", 4, 2)
+    assert (dynsgd.mode, dynsgd.dynsgd_steps, dynsgd.epochs) == ("dynsgd", 4, 2)
     names = [c.name for s in SUITES.values() for c in s(10)]
     assert all(base_name(n) == n for n in names)  # no suite name looks like a seed's

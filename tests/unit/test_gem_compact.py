@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gemps_proto.schema import PayloadKind
-from gemps_server.domain.rules import GEM_STATES, CommitRule, NonFiniteUpdate, RuleOptions, rule_class
+from gemps_server.domain.rules import GEM_STATES, CommitRule, NonFiniteUpdate, RuleRuntime, rule_class
 from gemps_server.domain.rules import block_codes as codes
 from gemps_server.domain.rules.gem import GemRule
 from gemps_server.domain.rules.gem_compact import REFRESH_PER_WORKER, CompactGemRule, compact_builds
@@ -299,4 +299,4 @@ def test_memory_is_two_bytes_per_worker_per_parameter_and_two_shared_copies_of_t
     if compiled is not None:
         with pytest.raises(ValueError, match="avx1024 is not one this CPU runs"):
             compact_builds("avx1024")
-    assert isinstance(RuleOptions(gem_state="compact").create(training("gem"), size), CompactGemRule)
+    assert isinstance(RuleRuntime(gem_state="compact").create(training("gem"), size), CompactGemRule)

@@ -17,7 +17,7 @@ import pytest
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
 from gemps_server.config.training import WorkerOptions
 from gemps_server.domain.records import Commit
-from gemps_server.domain.rules import RuleOptions
+from gemps_server.domain.rules import RuleRuntime
 from gemps_server.domain.rules.gem import GEM_OWN_STEP, GemRule
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
@@ -69,7 +69,7 @@ def served(
     """theta after each commit of one worker, through a real ServerState."""
     options: dict[str, Any] = {} if own_step is None else {"gem_own_step": own_step}  # None: the default
     state = ServerState(
-        config, WorkerRegistry(max_workers=4, lease_ttl=3600), RuleOptions(gem_kernel=kernel, **options)
+        config, WorkerRegistry(max_workers=4, lease_ttl=3600), RuleRuntime(gem_kernel=kernel, **options)
     )
     theta0 = np.zeros(gradients[0].size, np.float32)
     worker = state.register("w", [ParameterSpec("w", theta0.shape)], encoded(theta0)).worker.worker_id

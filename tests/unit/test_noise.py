@@ -24,7 +24,7 @@ from gemps_server.domain.noise import (
     NoiseEstimator,
 )
 from gemps_server.domain.records import ALL_OF_THETA, Commit, PartitionOf
-from gemps_server.domain.rules import RuleOptions
+from gemps_server.domain.rules import RuleRuntime
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.native import (
@@ -74,7 +74,7 @@ def served(
     state = ServerState(
         training(rule, learning_rate=1e-4, batch_size=BATCH),
         WorkerRegistry(max_workers=4, lease_ttl=3600),
-        RuleOptions(gem_kernel=kernel),
+        RuleRuntime(gem_kernel=kernel),
         partition=partition,
         noise_window=window,
     )
@@ -187,7 +187,7 @@ def test_a_refused_commit_is_not_measured_and_its_window_starts_again(rule: str)
     state = ServerState(
         training(rule, learning_rate=1.0, batch_size=BATCH),
         WorkerRegistry(max_workers=4, lease_ttl=3600),
-        RuleOptions(gem_kernel="auto"),
+        RuleRuntime(gem_kernel="auto"),
         noise_window=2,
     )
     big = np.full(4, 3e38, np.float32)

@@ -20,7 +20,7 @@ from gemps_server.domain.errors import NotFound
 from gemps_server.domain.ledger import CommitLedger, LedgerImage, Receipt
 from gemps_server.domain.records import ALL_OF_THETA, Commit, PartitionOf
 from gemps_server.domain.replica_image import ReplicaImage
-from gemps_server.domain.rules import ApplyStats, RuleOptions, create_rule
+from gemps_server.domain.rules import ApplyStats, RuleRuntime, create_rule
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import RegisteredWorker, RegistryImage, WorkerRegistry
 from gemps_server.native import compiled
@@ -38,7 +38,7 @@ def new_state(rule: str = "gem", kernel: str = "numpy", partition: PartitionOf =
     return ServerState(
         training(rule, learning_rate=0.05),
         WorkerRegistry(max_workers=8, lease_ttl=3600),
-        RuleOptions(gem_kernel=kernel),
+        RuleRuntime(gem_kernel=kernel),
         partition=partition,
         noise_window=3,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -9,10 +10,10 @@ import pytest
 
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
 from gemps_server.domain.records import Commit
-from gemps_server.domain.rules import create_rule, rule_names
+from gemps_server.domain.rules import create_rule, rule_class, rule_names
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
-from tests.helpers import encoded, training
+from tests.helpers import encoded, rule_option, training
 from tests.unit.reference_rules import ReferenceServer, WorkerSideGemWorker
 
 P = 257  # odd size: no accidental alignment luck
@@ -37,7 +38,9 @@ def run_random_sequence(params: TrainingConfig, seed: int, steps: int = 300) -> 
     chooser = random.Random(seed)
     theta0 = rng.normal(size=P).astype(np.float32)
     state = make_state(params)
-    ref = ReferenceServer(params.rule, theta0, params.learning_rate, params.momentum, params.kappa, params.pi_max)
+    options = params.with_rule_defaults().rule_options  # a rule's options (the reference ignores others')
+    hyper = (options.get(name, math.nan) for name in ("momentum", "kappa", "pi_max"))
+    ref = ReferenceServer(params.rule, theta0, params.learning_rate, *hyper)
     base_versions: dict[str, int] = {}
 
     def join() -> None:
@@ -71,7 +74,9 @@ def run_random_sequence(params: TrainingConfig, seed: int, steps: int = 300) -> 
 @pytest.mark.parametrize("rule", rule_names())
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_rule_matches_reference(rule: str, seed: int) -> None:
-    run_random_sequence(training(rule, learning_rate=0.05, momentum=0.9, kappa=1.0, pi_max=5.0), seed)
+    hyper = {"momentum": 0.9, "kappa": 1.0, "pi_max": 5.0}
+    taken = {name: value for name, value in hyper.items() if name in rule_class(rule).hyperparameters()}
+    run_random_sequence(training(rule, learning_rate=0.05, **taken), seed)
 
 
 @pytest.mark.parametrize("kappa,pi_max,momentum", [(2.0, 5.0, 0.9), (4.0, 2.0, 0.5), (1.0, 10.0, 0.0)])
@@ -219,9 +224,10 @@ def gem_pi_reference(
     config: TrainingConfig, state: dict[str, np.ndarray], theta: np.ndarray, delta: np.ndarray
 ) -> np.ndarray:
     """GEM's pi in float64 (DESIGN §1) from a worker's m_i and s_i before its commit of `delta`."""
-    velocity = config.momentum * state["proxy"].astype(np.float64) + delta
+    mu, kappa, pi_max = (rule_option(config, name) for name in ("momentum", "kappa", "pi_max"))
+    velocity = mu * state["proxy"].astype(np.float64) + delta
     movement = np.abs(theta.astype(np.float64) - state["last_seen_theta"])
-    pi: np.ndarray = np.clip((config.kappa * np.abs(velocity) - movement) / (np.abs(delta) + 1e-16), 0.0, config.pi_max)
+    pi: np.ndarray = np.clip((kappa * np.abs(velocity) - movement) / (np.abs(delta) + 1e-16), 0.0, pi_max)
     return pi
 
 
@@ -248,7 +254,7 @@ def test_pi_statistics_count_only_the_parameters_a_commit_moves(kernel: str) -> 
         assert stats.scaling_mean == pytest.approx(pi.mean(), rel=1e-4)
         assert stats.scaling_median == pytest.approx(np.median(pi), rel=1e-4, abs=1e-6)
         assert stats.fraction_at_zero == pytest.approx(np.mean(pi <= 0), abs=2 / pi.size)
-        assert stats.fraction_at_max == pytest.approx(np.mean(pi >= config.pi_max), abs=2 / pi.size)
+        assert stats.fraction_at_max == pytest.approx(np.mean(pi >= rule_option(config, "pi_max")), abs=2 / pi.size)
         shares.append((stats.fraction_at_zero, stats.fraction_at_max))
     assert max(zero for zero, _ in shares) > 0  # the reference was checked where pi clips too
     _, nothing = rule.step(theta, np.zeros(size, np.float32), PayloadKind.UPDATE, "a", staleness=1)

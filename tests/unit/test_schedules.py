@@ -15,7 +15,7 @@ from gemps_server.domain.rules import create_rule, rule_names
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.metrics import ServerMetrics
-from tests.helpers import encoded, training
+from tests.helpers import encoded, rule_option, training
 
 F32 = np.float32
 
@@ -129,7 +129,7 @@ def test_every_rule_scales_a_gradient_by_eta_at_the_version_it_is_applied_at(rul
         # pi is kappa = 1 there, the momentum rule's velocity starts at 0), Nesterov's look-ahead
         # (1 + mu)*Delta.
         theta, _ = made.step(theta, gradient, PayloadKind.GRADIENT, "a", staleness=0, version=version)
-        first = F32(1 + config.momentum) if rule == "nesterov" else F32(1)
+        first = F32(1 + rule_option(config, "momentum")) if rule == "nesterov" else F32(1)
         expected = F32(1.0) - first * F32(learning_rate_at(config, version)) * gradient
         np.testing.assert_allclose(theta, expected, rtol=1e-6)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from typing import Any, get_type_hints
 
@@ -33,8 +34,12 @@ SCALARS = {
     FieldDescriptor.TYPE_BOOL: bool,
     FieldDescriptor.TYPE_BYTES: bytes,
 }
-# Message fields the Python face leaves out on purpose.
-WIRE_ONLY = {"RegisterResponse": {"parameters", "buffers", "integer_buffers", "history"}}
+# Message fields the Python face leaves out on purpose (TrainingConfig's: deprecated, for peers from
+# before rule_options; schema_proto writes and reads them).
+WIRE_ONLY = {
+    "RegisterResponse": {"parameters", "buffers", "integer_buffers", "history"},
+    "TrainingConfig": {"momentum", "kappa", "pi_max", "worker_mode"},
+}
 FACES: list[tuple[type[Any], Any]] = [
     (schema.TrainingConfig, pb.TrainingConfig.DESCRIPTOR),
     (schema.ParameterSpec, pb.ParameterSpec.DESCRIPTOR),
@@ -78,13 +83,17 @@ def test_payload_kinds_are_the_wire_enum() -> None:
     assert [kind.label for kind in schema.PayloadKind] == ["gradient", "update"]
 
 
-def test_worker_modes_are_the_training_configs_choices() -> None:
-    choices = next(f for f in dataclasses.fields(schema.TrainingConfig) if f.name == "worker_mode").metadata["choices"]
-    assert tuple(mode.value for mode in schema.WorkerMode) == choices
+def test_worker_modes_are_the_worker_options_choices() -> None:
+    """The mode is the reference worker's own option (`gemps worker --mode`), no longer the server's."""
+    from gemps_worker.modes import WorkerMode
+    from gemps_worker.training import WorkerOptions
+
+    choices = next(f for f in dataclasses.fields(WorkerOptions) if f.name == "mode").metadata["choices"]
+    assert tuple(mode.value for mode in WorkerMode) == choices
 
 
 def test_training_config_and_status_survive_the_wire() -> None:
-    config = schema.TrainingConfig(rule="momentum", learning_rate=0.1, kappa=2.0, worker_mode="agn", batch_size=32)
+    config = schema.TrainingConfig(rule="momentum", learning_rate=0.1, rule_options={"kappa": 2.0}, batch_size=32)
     assert shared.training_config_from_proto(shared.training_config_to_proto(config)) == config
     status = ServerStatus(
         initialized=True,
@@ -119,6 +128,27 @@ def test_training_config_and_status_survive_the_wire() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("rule", "options"),
+    [("gem", {"momentum": 0.5, "kappa": 2.0, "pi_max": 3.0}), ("nesterov", {"momentum": 0.5}), ("downpour", {})],
+)
+def test_a_config_from_a_server_before_rule_options_has_its_rules_options(rule: str, options: dict[str, float]) -> None:
+    """Such a server sent momentum, kappa and pi_max for every rule, and no map: each rule's are those it took."""
+    old = pb.TrainingConfig(rule=rule, learning_rate=0.1, momentum=0.5, kappa=2.0, pi_max=3.0, worker_mode="agn")
+    read = shared.training_config_from_proto(old)
+    assert (read.rule, read.learning_rate, read.rule_options) == (rule, 0.1, options)
+
+
+def test_a_peer_from_before_rule_options_reads_them_in_the_deprecated_fields() -> None:
+    """And the worker mode it reads is "gradient": what its reference worker's `--mode server` then runs."""
+    gem = schema.TrainingConfig(rule="gem", rule_options={"momentum": 0.5, "kappa": 2.0, "pi_max": 3.0})
+    message = shared.training_config_to_proto(gem)
+    assert (message.momentum, message.kappa, message.pi_max, message.worker_mode) == (0.5, 2.0, 3.0, "gradient")
+    message = shared.training_config_to_proto(schema.TrainingConfig(rule="momentum", rule_options={"momentum": 0.5}))
+    assert (message.momentum, message.kappa, message.pi_max) == (0.5, 0.0, 0.0)
+    assert dict(message.rule_options) == {"momentum": 0.5}
+
+
 def test_replication_survives_the_wire_and_is_absent_when_not_replicated() -> None:
     backup = ReplicationStatus("r1", BACKUP, epoch=5, replicas=3, primary="ps-0:50051", applied=40)
     message = pb.StatusResponse(replication=shared.replication_to_proto(backup))
@@ -147,10 +177,19 @@ def test_the_server_names_the_protocols_replication_record() -> None:
 
 def test_training_config_problems_name_the_field() -> None:
     assert schema.TrainingConfig().problems() == []
-    bad = schema.TrainingConfig(learning_rate=0.0, momentum=1.0, kappa=-1.0, pi_max=0.0, worker_mode="x", batch_size=0)
+    out_of_range = {"momentum": 1.0, "kappa": -1.0, "pi_max": 0.0}
+    bad = schema.TrainingConfig(learning_rate=0.0, rule_options=out_of_range, batch_size=0)
     problems = " ".join(bad.problems())
-    for name in ("learning_rate", "momentum", "kappa", "pi_max", "worker_mode", "batch_size"):
+    for name in ("learning_rate", "momentum", "kappa", "pi_max", "batch_size"):
         assert name in problems
+    from gemps import options
+    from gemps_worker.training import WorkerOptions
+
+    parser = argparse.ArgumentParser()
+    options.add_arguments(parser, WorkerOptions)
+    with pytest.raises(SystemExit):  # the worker's mode: its own flag's choices, gradient by default
+        parser.parse_args(["--mode", "x"])
+    assert options.from_sources(WorkerOptions, parser.parse_args([]), environ={}).mode == "gradient"
 
 
 def test_flat_vectors_and_named_parameters_round_trip() -> None:
@@ -176,7 +215,9 @@ def test_reasons_are_labels_clients_can_compare_as_strings() -> None:
 def test_each_rule_takes_its_hyperparameters_from_the_training_config(name: str) -> None:
     taken = rule_class(name).hyperparameters()
     assert "learning_rate" in taken  # every rule turns a gradient into -eta * g
-    assert set(taken) <= {f.name for f in dataclasses.fields(schema.TrainingConfig)}
+    # The config it is announced with carries each: a field, or the rule's option by its own name.
+    assert set(taken) <= set(schema.TrainingConfig(rule=name).with_rule_defaults().as_dict())
+    assert rule_class(name).undeclared_options() == []  # each option is a constructor parameter
 
 
 def test_rules_own_only_the_hyperparameters_they_use() -> None:

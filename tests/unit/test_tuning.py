@@ -55,7 +55,8 @@ def test_every_run_takes_the_plans_steps_per_worker_with_enough_epochs() -> None
     plan = replace(PLANS["digits"], steps=50)
     config = run_config(plan, "gem-n4", "gem", 0.1, 4, kappa=2.0)
     assert config.max_steps == 50 and config.workers == 4
-    assert config.training == TrainingConfig(rule="gem", learning_rate=0.1, momentum=0.9, kappa=2.0, batch_size=64)
+    options = {"momentum": 0.9, "kappa": 2.0}
+    assert config.training == TrainingConfig(rule="gem", learning_rate=0.1, rule_options=options, batch_size=64)
     assert config.epochs * 1438 >= 50 * 64  # the epochs never end a run before its steps
 
 

@@ -21,6 +21,7 @@ server's schedule: scaled by the schedule's factor at the central version the wo
 
 from __future__ import annotations
 
+import enum
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -31,12 +32,23 @@ import torch
 from gemps.pytorch import RemoteModel
 from gemps.records import CommitResult
 from gemps_proto.schedules import schedule_factor
-from gemps_proto.schema import WorkerMode
+from gemps_proto.schema import TrainingConfig
 
-#: the modes by name: the ones the protocol defines (TrainingConfig.worker_mode)
+
+class WorkerMode(str, enum.Enum):
+    """How a reference worker trains: its own option (`gemps worker --mode`), not the server's."""
+
+    GRADIENT = "gradient"  # commit every mini-batch's gradient
+    AGN = "agn"  # accumulated gradient normalization: lambda local steps, commit the mean update
+    EASGD = "easgd"  # asynchronous elastic averaging: commit alpha * (x - theta) every period
+    DYNSGD = "dynsgd"  # lambda local steps, commit the accumulated update (the server divides by staleness + 1)
+
+
+#: the modes by name
 MODES = tuple(mode.value for mode in WorkerMode)
 #: optimizers for local steps, and the learning rate each uses when none is given (None: the server's eta);
-#: "momentum" is SGD with the server's μ, its velocity kept across windows (as GEM's proxy is momentum SGD's)
+#: "momentum" is SGD with the server's μ (its rule's `momentum` option), its velocity kept across
+#: windows (as GEM's proxy is momentum SGD's)
 LOCAL_OPTIMIZERS: dict[str, float | None] = {"sgd": None, "momentum": None, "adam": 1e-3}
 
 LossFunction = Callable[[], torch.Tensor]
@@ -67,6 +79,17 @@ class LocalTraining:
     outer_learning_rate: float = 0.0
 
 
+def server_momentum(config: TrainingConfig) -> float:
+    """The server's mu (its rule's `momentum` option), for local steps of the momentum optimizer;
+    ValueError when the rule has none."""
+    if "momentum" not in config.rule_options:
+        raise ValueError(
+            f"local optimizer 'momentum' takes the server's mu, and rule {config.rule!r} has none: "
+            "run the server with a rule that takes --momentum, or choose another --local-optimizer"
+        )
+    return config.rule_options["momentum"]
+
+
 class TrainingMode(ABC):
     def __init__(self, remote: RemoteModel, learning_rate: float, optimizer: str = "sgd") -> None:
         if optimizer not in LOCAL_OPTIMIZERS:
@@ -77,7 +100,7 @@ class TrainingMode(ABC):
         # imports torch._dynamo (1.2 s here), long enough for a short lease to expire before a
         # new worker's first commit.
         self.adam = torch.optim.Adam(remote.trained, lr=learning_rate) if optimizer == "adam" else None
-        self.momentum = remote.registration.config.momentum if optimizer == "momentum" else 0.0
+        self.momentum = server_momentum(remote.registration.config) if optimizer == "momentum" else 0.0
         self._velocity: dict[int, torch.Tensor] = {}  # by parameter index, for "momentum"
 
     def local_learning_rate(self) -> float:

@@ -26,7 +26,7 @@ from gemps_proto.reply_differences import REPLY_COMPRESSIONS
 from gemps_proto.tensor_codec import COMPRESSIONS, WIRE_DTYPE_NAMES
 from gemps_worker.datasets import DATASETS, Dataset, load_dataset
 from gemps_worker.models import MODELS, build_model
-from gemps_worker.modes import LOCAL_OPTIMIZERS, MODES, Diverged, LocalTraining, create_mode
+from gemps_worker.modes import LOCAL_OPTIMIZERS, MODES, Diverged, LocalTraining, WorkerMode, create_mode
 from gemps_worker.progress import WorkerProgress
 from gemps_worker.sharding import epoch_batches
 
@@ -40,10 +40,7 @@ class WorkerOptions:
     data_dir: str = field(default="data", metadata={"help": "folder of IDX files for mnist / fashion-mnist"})
     download: bool = field(default=True, metadata={"help": "download missing IDX files (checksums verified)"})
     model: str = field(default="digits-cnn", metadata={"help": "model to train", "choices": tuple(MODELS)})
-    mode: str = field(
-        default="server",
-        metadata={"help": "worker mode; 'server' uses the one the server announces", "choices": ("server", *MODES)},
-    )
+    mode: str = field(default=WorkerMode.GRADIENT.value, metadata={"help": "worker mode", "choices": MODES})
     agn_steps: int = field(default=4, metadata={"help": "agn: local steps (lambda) per commit"})
     dynsgd_steps: int = field(default=10, metadata={"help": "dynsgd: local steps (lambda) per commit"})
     easgd_alpha: float = field(default=0.5, metadata={"help": "easgd: elastic moving rate alpha (= eta * rho)"})
@@ -224,7 +221,7 @@ def run_worker(
             threads=options.threads,  # --threads is the operator's: set as given, never moved
         ) as remote:
             reg = remote.registration
-            mode_name = reg.config.worker_mode if options.mode == "server" else options.mode
+            mode_name = options.mode
             local = LocalTraining(
                 options.agn_steps,
                 options.dynsgd_steps,

@@ -37,9 +37,6 @@ from gemps_proto.schema import TrainingConfig
 # The keys of a parameter group that a scheduler reads or writes for the learning rate.
 LR_KEYS = frozenset({"lr", "initial_lr"})
 
-# The rules whose update has a momentum μ (GEM's proxy is momentum SGD's; the momentum rule's own).
-_MOMENTUM_RULES = frozenset({"gem", "momentum", "nesterov"})
-
 # The group settings the server owns besides η, and where each is set.
 _SETTINGS = {"momentum": "`gemps server --momentum`", "weight_decay": "the server applies no weight decay"}
 
@@ -62,7 +59,7 @@ def server_setting(key: str, config: TrainingConfig) -> float | None:
     `momentum` is its rule's μ (0 for rules without one), `weight_decay` 0 (it applies none).
     Lightning's LearningRateMonitor(log_momentum=True, log_weight_decay=True) reads them."""
     if key == "momentum":
-        return config.momentum if config.rule in _MOMENTUM_RULES else 0.0
+        return config.rule_options.get("momentum", 0.0)  # the option of rules with a momentum
     return 0.0 if key == "weight_decay" else None
 
 

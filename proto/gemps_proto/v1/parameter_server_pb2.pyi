@@ -54,13 +54,17 @@ class ParameterSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class TrainingConfig(_message.Message):
-    __slots__ = ("rule", "learning_rate", "momentum", "kappa", "pi_max", "worker_mode", "batch_size", "lr_schedule", "lr_warmup_commits", "lr_step_size", "lr_gamma", "lr_total_commits", "lr_min")
+    __slots__ = ("rule", "learning_rate", "rule_options", "batch_size", "lr_schedule", "lr_warmup_commits", "lr_step_size", "lr_gamma", "lr_total_commits", "lr_min", "momentum", "kappa", "pi_max", "worker_mode")
+    class RuleOptionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     RULE_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
-    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
-    KAPPA_FIELD_NUMBER: _ClassVar[int]
-    PI_MAX_FIELD_NUMBER: _ClassVar[int]
-    WORKER_MODE_FIELD_NUMBER: _ClassVar[int]
+    RULE_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LR_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     LR_WARMUP_COMMITS_FIELD_NUMBER: _ClassVar[int]
@@ -68,12 +72,13 @@ class TrainingConfig(_message.Message):
     LR_GAMMA_FIELD_NUMBER: _ClassVar[int]
     LR_TOTAL_COMMITS_FIELD_NUMBER: _ClassVar[int]
     LR_MIN_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    KAPPA_FIELD_NUMBER: _ClassVar[int]
+    PI_MAX_FIELD_NUMBER: _ClassVar[int]
+    WORKER_MODE_FIELD_NUMBER: _ClassVar[int]
     rule: str
     learning_rate: float
-    momentum: float
-    kappa: float
-    pi_max: float
-    worker_mode: str
+    rule_options: _containers.ScalarMap[str, float]
     batch_size: int
     lr_schedule: str
     lr_warmup_commits: int
@@ -81,7 +86,11 @@ class TrainingConfig(_message.Message):
     lr_gamma: float
     lr_total_commits: int
     lr_min: float
-    def __init__(self, rule: _Optional[str] = ..., learning_rate: _Optional[float] = ..., momentum: _Optional[float] = ..., kappa: _Optional[float] = ..., pi_max: _Optional[float] = ..., worker_mode: _Optional[str] = ..., batch_size: _Optional[int] = ..., lr_schedule: _Optional[str] = ..., lr_warmup_commits: _Optional[int] = ..., lr_step_size: _Optional[int] = ..., lr_gamma: _Optional[float] = ..., lr_total_commits: _Optional[int] = ..., lr_min: _Optional[float] = ...) -> None: ...
+    momentum: float
+    kappa: float
+    pi_max: float
+    worker_mode: str
+    def __init__(self, rule: _Optional[str] = ..., learning_rate: _Optional[float] = ..., rule_options: _Optional[_Mapping[str, float]] = ..., batch_size: _Optional[int] = ..., lr_schedule: _Optional[str] = ..., lr_warmup_commits: _Optional[int] = ..., lr_step_size: _Optional[int] = ..., lr_gamma: _Optional[float] = ..., lr_total_commits: _Optional[int] = ..., lr_min: _Optional[float] = ..., momentum: _Optional[float] = ..., kappa: _Optional[float] = ..., pi_max: _Optional[float] = ..., worker_mode: _Optional[str] = ...) -> None: ...
 
 class Shard(_message.Message):
     __slots__ = ("index", "count", "shared_with")

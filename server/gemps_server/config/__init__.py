@@ -2,7 +2,8 @@
 frozen dataclass in a module of this package with its checks beside it.
 
 The command line (`gemps server`) sets every field by flag or GEMPS_* environment variable, the
-training config's fields included (`--learning-rate`, `GEMPS_LEARNING_RATE`); field metadata
+training config's fields included (`--learning-rate`, `GEMPS_LEARNING_RATE`) and the options its
+rules declare (`--momentum`, `GEMPS_MOMENTUM`: gemps_proto.rule_options); field metadata
 carries their help text, choices and ranges (gemps_proto.ranges): every value is checked at
 start against what the types it meets can hold, and refused with one line naming it.
 
@@ -77,6 +78,8 @@ class ServerConfig(
         problems = self.problems()
         if problems:
             raise ValueError("invalid server configuration: " + "; ".join(problems))
+        # The config announced, checkpointed and shown carries every option of the rule.
+        object.__setattr__(self, "training", self.training.with_rule_defaults())
 
     def problems(self) -> list[str]:
         """Every group's problems and those of groups together, in the order they have always been
@@ -124,6 +127,7 @@ class ServerConfig(
         return []
 
     def recorded_settings(self) -> dict[str, Any]:
-        """The settings a checkpoint records and compares on restore: the training config and
-        how the data is sharded."""
+        """The settings a checkpoint records and compares on restore: the training config (its
+        rule's options by their own names, as checkpoints from before rule_options recorded
+        momentum, kappa and pi_max: either compares with the other) and how the data is sharded."""
         return {**self.training.as_dict(), "num_shards": self.num_shards}

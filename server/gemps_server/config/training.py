@@ -17,12 +17,14 @@ from gemps_server.native import compiled
 @dataclass(frozen=True)
 class TrainingOptions:
     """The training configuration (gemps_proto.schema.TrainingConfig) the server announces at Register:
-    its fields are flags of their own (`--learning-rate`, `GEMPS_LEARNING_RATE`)."""
+    its fields are flags of their own (`--learning-rate`, `GEMPS_LEARNING_RATE`), and so is each
+    option a registered rule declares (`--momentum`); one given for a rule that does not take it
+    is refused (TrainingConfig.problems)."""
 
     training: TrainingConfig = field(default_factory=TrainingConfig)
 
     def problems(self) -> list[str]:
-        """An unknown rule, then the training config's own problems (its ranges included)."""
+        """An unknown rule, then the training config's own problems (its ranges and its rule's options included)."""
         found = []
         if self.training.rule not in rule_names():
             found.append(f"unknown rule {self.training.rule!r} (choose from {', '.join(rule_names())})")

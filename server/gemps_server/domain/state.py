@@ -40,7 +40,7 @@ from gemps_server.domain.records import (
     Snapshot,
 )
 from gemps_server.domain.room import capacity, check_room, out_of_memory
-from gemps_server.domain.rules import CommitRule, RuleOptions
+from gemps_server.domain.rules import CommitRule, RuleRuntime
 from gemps_server.domain.worker_copies import WorkerCopies
 from gemps_server.domain.workers import WorkerRecord, WorkerRegistry
 from gemps_server.memory_budget import MemoryBudget
@@ -56,7 +56,7 @@ class ServerState:
         self,
         training: TrainingConfig,
         registry: WorkerRegistry,
-        rule_options: RuleOptions = RuleOptions.DEFAULT,
+        rule_runtime: RuleRuntime = RuleRuntime.DEFAULT,
         partition: PartitionOf = ALL_OF_THETA,
         max_parameters: int | None = None,
         noise_window: int = NOISE_WINDOW_AUTO,
@@ -68,7 +68,7 @@ class ServerState:
         self.partition = partition
         self.max_parameters = max_parameters  # None: no limit (ServerConfig.max_parameters)
         self.bounds = (0, 0)  # [start, stop) of θ held here, once initialised
-        self.rule_options = rule_options
+        self.rule_runtime = rule_runtime
         self.new_rule(0)  # fail fast on an unknown rule name or kernel
         self.rule_name = training.rule
         self.registry = registry
@@ -163,7 +163,7 @@ class ServerState:
     @property
     def gem_state(self) -> str:
         """--gem-state where the rule is GEM, else ""."""
-        return self.rule_options.gem_state if self.rule_name == "gem" else ""
+        return self.rule_runtime.gem_state if self.rule_name == "gem" else ""
 
     def theta_bound(self) -> float | None:
         """The rule's bound on max |θ| (CommitRule.theta_bound: kept for θ itself, not a copy)."""
@@ -280,7 +280,7 @@ class ServerState:
 
     def new_rule(self, num_parameters: int) -> CommitRule:
         """A fresh rule of this server's training config and kernel, for `num_parameters` values."""
-        return self.rule_options.create(self._training, num_parameters)
+        return self.rule_runtime.create(self._training, num_parameters)
 
     def _new_copies(self) -> WorkerCopies:
         return WorkerCopies(self.memory, lambda: self.rule_state_bytes)  # within the rule state's budget

@@ -96,7 +96,7 @@ TARGET_ACCURACY = 0.95
 
 def mini_batches_per_commit(run: RunResult) -> int:
     c = run.config
-    return {"agn": c.agn_steps, "dynsgd": c.dynsgd_steps, "easgd": c.easgd_period}.get(c.training.worker_mode, 1)
+    return {"agn": c.agn_steps, "dynsgd": c.dynsgd_steps, "easgd": c.easgd_period}.get(c.mode, 1)
 
 
 def steps_at_version(run: RunResult, version: int) -> float:
@@ -157,8 +157,8 @@ def summarize(result: RunResult) -> Summary:
         rule=c.training.rule,
         workers=c.workers,
         learning_rate=c.training.learning_rate,
-        kappa=c.training.kappa,
-        mode=c.training.worker_mode,
+        kappa=c.kappa,
+        mode=c.mode,
         commits=result.final_version,
         worker_steps=steps,
         final_training_loss=final_loss,
@@ -176,7 +176,7 @@ def summarize(result: RunResult) -> Summary:
         bytes_moved=bytes_moved(
             result.final_version,
             result.num_parameters,
-            c.training.worker_mode,
+            c.mode,
             c.compression,
             c.reply_compression,
             c.workers,

@@ -128,7 +128,7 @@ def figure_8(path: Path, kappas: Sequence[RunResult], proxy: RunResult) -> Path:
     fig, (loss_ax, pi_ax) = plt.subplots(1, 2, figsize=(13, 4.5))
     for run in kappas:
         curve = step_curve(run)
-        label = f"kappa = {run.config.training.kappa:g}"
+        label = f"kappa = {run.config.kappa:g}"
         loss_ax.plot(curve.steps, smooth(curve.values["loss"], SMOOTHING), label=label)
         pi_ax.plot(curve.steps, smooth(curve.values["scaling_mean"], SMOOTHING), label=label)
     curve = step_curve(proxy)

@@ -89,9 +89,7 @@ def draw_figures(results: Sequence[RunResult], folder: Path) -> list[Path]:
         found = [
             r
             for name, r in runs.items()
-            if r.config.training.rule == rule
-            and r.config.training.worker_mode == "gradient"
-            and name == f"{rule}-n{r.config.workers}"
+            if r.config.training.rule == rule and r.config.mode == "gradient" and name == f"{rule}-n{r.config.workers}"
         ]
         return sorted(found, key=lambda r: r.config.workers)
 
@@ -117,14 +115,14 @@ def draw_figures(results: Sequence[RunResult], folder: Path) -> list[Path]:
     kappas = [runs[k] for k in (f"gem-n{n}", *(f"gem-n{n}-kappa{k}" for k in (2, 3, 4))) if k in runs]
     if len(kappas) > 1:
         drawn.append(paper_figures.figure_8(folder / "fig8_kappa.png", kappas, proxy))
-    workers = max((r.config.workers for r in results if r.config.training.worker_mode != "gradient"), default=0)
+    workers = max((r.config.workers for r in results if r.config.mode != "gradient"), default=0)
     modes = [
         r
         for r in results
         if r.config.workers == workers
         and r.config.seed == 0
         and r.config.training.learning_rate == 0.05
-        and r.config.training.kappa == 1.0
+        and r.config.kappa == 1.0
         and workers > 0
     ]
     if modes:
@@ -212,7 +210,7 @@ def aggregate_table(found: Sequence[Aggregate]) -> str:
 def describe_setting(config: RunConfig) -> str:
     """A run's own settings: a worker mode's, e.g. "lambda=10, local sgd", or the rule and eta
     for the gradient mode, e.g. "gem, eta=0.05"."""
-    mode = config.training.worker_mode
+    mode = config.mode
     if mode == "agn":
         setting = f"lambda={config.agn_steps}"
     elif mode == "dynsgd":

@@ -17,6 +17,7 @@ import numpy as np
 from gemps.client import Client
 from gemps.options import values_of
 from gemps.pytorch import RemoteModel
+from gemps_proto.rule_options import LEGACY_NAMES, legacy_options
 from gemps_proto.schema import TrainingConfig
 from gemps_worker.cluster import LocalCluster
 from gemps_worker.datasets import Dataset, load_dataset
@@ -42,7 +43,7 @@ TRAIN_EVALUATION_SAMPLES = 4096
 class RunConfig:
     name: str
     workers: int
-    training: TrainingConfig = field(default_factory=TrainingConfig)  # the server's: rule, eta, worker mode, ...
+    training: TrainingConfig = field(default_factory=TrainingConfig)  # the server's: rule, eta, the rule's options, ...
     epochs: int = 10
     model: str = "digits-cnn"
     dataset: str = "digits"
@@ -62,6 +63,13 @@ class RunConfig:
     gem_state: str = "exact"  # the server's --gem-state: how GEM keeps each worker's m_i and s_i
     compression: str = "none"  # the workers' --compression: how their commits travel (none, int8, int4, topk)
     reply_compression: str = "none"  # the workers' --reply-compression: difference replies (none, int8, int4)
+    mode: str = "gradient"  # the workers' --mode: how they turn mini-batches into commits
+
+    @property
+    def kappa(self) -> float:
+        """GEM's kappa as the run sets it: GEM's default (1) where not set, and 1 (no amplification)
+        for rules without one."""
+        return self.training.rule_options.get("kappa", 1.0)
 
 
 @dataclass(frozen=True)
@@ -192,7 +200,7 @@ def _start_pools(config: RunConfig, cluster: LocalCluster) -> None:
         server=cluster.target,
         dataset=config.dataset,
         model=config.model,
-        mode=config.training.worker_mode,
+        mode=config.mode,
         epochs=config.epochs,
         agn_steps=config.agn_steps,
         easgd_alpha=config.easgd_alpha,
@@ -230,14 +238,20 @@ def _initialise_central(target: str, model: Any) -> None:
 
 
 def _run_config(raw: dict[str, Any]) -> RunConfig:
-    """A RunConfig from result.json (also from before the training config was its own field, and
-    from before seed, dynsgd_steps and the local optimizer: their defaults)."""
+    """A RunConfig from result.json (also from before the training config was its own field, from
+    before seed, dynsgd_steps and the local optimizer: their defaults, and from before rule options
+    and the worker mode left the training config: its worker_mode, momentum, kappa and pi_max)."""
     raw = dict(raw)
     training = raw.pop("training", None)
-    if training is None:  # the older, flat layout: training fields beside the others, "mode" for worker_mode
-        training = {f.name: raw.pop(f.name) for f in fields(TrainingConfig) if f.name in raw}
-        if "mode" in raw:
-            training["worker_mode"] = raw.pop("mode")
+    if training is None:  # the older, flat layout: training fields beside the others ("mode" is the run's)
+        names = {f.name for f in fields(TrainingConfig)} | set(LEGACY_NAMES)
+        training = {name: raw.pop(name) for name in names if name in raw}
+    training = dict(training)
+    if "worker_mode" in training:
+        raw["mode"] = training.pop("worker_mode")
+    legacy = {name: training.pop(name) for name in LEGACY_NAMES if name in training}
+    if "rule_options" not in training:
+        training["rule_options"] = legacy_options(training.get("rule", TrainingConfig().rule), legacy)
     return RunConfig(training=TrainingConfig(**training), **raw)
 
 

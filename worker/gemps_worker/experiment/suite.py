@@ -31,8 +31,9 @@ MISSPECIFIED_ETA = 0.1
 
 
 def training(rule: str, **changes: Any) -> TrainingConfig:
-    """The paper's training config (the defaults) with another rule and other changes."""
-    return replace(TrainingConfig(rule=rule), **changes)
+    """The paper's training config (the defaults) with another rule and other changes: fields
+    (learning_rate=...) or the rule's options (kappa=...)."""
+    return TrainingConfig.from_flat({"rule": rule, **changes})
 
 
 def full_suite(epochs: int = 10) -> list[RunConfig]:
@@ -51,9 +52,9 @@ def full_suite(epochs: int = 10) -> list[RunConfig]:
     runs += [RunConfig(f"gem-n{n}-kappa{k}", n, training("gem", kappa=float(k)), epochs=epochs) for k in (2, 3, 4)]
     # Worker-side modes commit updates; the server adds them as they come (downpour).
     runs += [
-        RunConfig(f"agn-n{n}", n, training("downpour", worker_mode="agn"), epochs=epochs),
+        RunConfig(f"agn-n{n}", n, training("downpour"), epochs=epochs, mode="agn"),
         # EASGD is stable for alpha = beta / p with beta = 0.9 (Zhang et al. 2015): p elastic pulls.
-        RunConfig(f"easgd-n{n}", n, training("downpour", worker_mode="easgd"), easgd_alpha=0.9 / n, epochs=epochs),
+        RunConfig(f"easgd-n{n}", n, training("downpour"), easgd_alpha=0.9 / n, epochs=epochs, mode="easgd"),
     ]
     return runs
 
@@ -65,9 +66,9 @@ def quick_suite() -> list[RunConfig]:
         RunConfig("gem-n4", 4, training("gem"), epochs=2),
         RunConfig("downpour-n4", 4, training("downpour"), epochs=2),
         RunConfig("adaptive-staleness-n4", 4, training("adaptive-staleness"), epochs=2),
-        RunConfig("agn-n4", 4, training("downpour", worker_mode="agn"), epochs=2),
+        RunConfig("agn-n4", 4, training("downpour"), epochs=2, mode="agn"),
         # dynsgd_steps = 4 (not the default 10) so 44 batches make exactly 11 commits per worker.
-        RunConfig("dynsgd-n4", 4, training("adaptive-staleness", worker_mode="dynsgd"), epochs=2, dynsgd_steps=4),
+        RunConfig("dynsgd-n4", 4, training("adaptive-staleness"), epochs=2, dynsgd_steps=4, mode="dynsgd"),
     ]
 
 
@@ -150,8 +151,9 @@ def _local_run(
     return RunConfig(
         name,
         workers,
-        training(rule, worker_mode=mode),
+        training(rule),
         epochs=epochs,
+        mode=mode,
         local_optimizer=setting.optimizer,
         local_learning_rate=setting.learning_rate,
     )
@@ -284,15 +286,14 @@ def local_steps_suite(epochs: int = 10) -> list[RunConfig]:
     runs = [RunConfig(f"gem-n{n}", n, training("gem"), epochs) for n in (10, REFERENCE_WORKERS)]
     for n in (10, REFERENCE_WORKERS):
         for name, steps, outer, optimizer in LOCAL_STEP_SETTINGS:
-            local = training("gem", worker_mode="dynsgd")
             runs.append(
-                RunConfig(f"gem-n{n}-{name}", n, local, epochs, dynsgd_steps=steps, outer_learning_rate=outer,
-                          local_optimizer=optimizer, compression="int8", reply_compression="int8")
+                RunConfig(f"gem-n{n}-{name}", n, training("gem"), epochs, dynsgd_steps=steps, outer_learning_rate=outer,
+                          local_optimizer=optimizer, compression="int8", reply_compression="int8", mode="dynsgd")
             )  # fmt: skip
-        diloco = training("nesterov", worker_mode="dynsgd", momentum=0.9)
+        diloco = training("nesterov", momentum=0.9)
         runs.append(
             RunConfig(f"gem-n{n}-local4-diloco", n, diloco, epochs, dynsgd_steps=4, outer_learning_rate=0.7 / n,
-                      compression="int8", reply_compression="int8")
+                      compression="int8", reply_compression="int8", mode="dynsgd")
         )  # fmt: skip
     return runs
 

@@ -100,9 +100,8 @@ def run_config(
     """N workers of the plan's batch, each stopping after the plan's steps."""
     steps = plan.steps
     train_size = len(load_dataset(plan.dataset).train_x)
-    training = TrainingConfig(
-        rule=rule, learning_rate=eta, momentum=plan.momentum, kappa=kappa, batch_size=plan.batch_size
-    )
+    options = {"momentum": plan.momentum, **({"kappa": kappa} if rule == "gem" else {})}  # momentum SGD has no kappa
+    training = TrainingConfig(rule=rule, learning_rate=eta, rule_options=options, batch_size=plan.batch_size)
     return RunConfig(
         name,
         workers,
@@ -123,8 +122,8 @@ def summarise(phase: str, config: RunConfig, result: RunResult) -> RunSummary:
         config.name,
         training.rule,
         training.learning_rate,
-        training.momentum,
-        training.kappa,
+        training.rule_options["momentum"],
+        config.kappa,
         config.workers,
         training.batch_size,
         len(result.records) * training.batch_size,

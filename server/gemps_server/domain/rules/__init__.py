@@ -1,17 +1,20 @@
 """Commit rules, one per module, looked up by name (the server's public strategy API).
 
-A rule subclasses CommitRule, names itself (`name`), takes its hyperparameters as keyword-only
-constructor parameters named like TrainingConfig fields, and is listed in `_RULES` below. Every
-rule also takes `schedule`, eta's factor over central versions, which `from_config` builds from
-the config's lr_* fields (gemps_proto.schedules); a constructor that overrides CommitRule's
-passes it on.
+A rule subclasses CommitRule, names itself (`name`), declares its own options (`options`: each a
+gemps_proto.rule_options.RuleOption and a keyword-only constructor parameter of its name) and is
+registered: the built-in ones below, another with `register_rule`. Registering enters its options
+in gemps_proto.rule_options.CATALOG, which the flags (`--NAME`, `GEMPS_NAME`), the checks of a
+training config and the announced defaults read. Every rule also takes the learning rate and
+`schedule`, eta's factor over central versions, which `from_config` builds from the config's lr_*
+fields (gemps_proto.schedules); a constructor that overrides CommitRule's passes it on.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
+from gemps_proto.rule_options import CATALOG
 from gemps_proto.schema import TrainingConfig
 from gemps_server.domain.rules.adaptive_staleness import AdaptiveStalenessRule
 from gemps_server.domain.rules.base import ApplyStats, CommitRule, NonFiniteUpdate
@@ -20,9 +23,35 @@ from gemps_server.domain.rules.gem import GemRule
 from gemps_server.domain.rules.gem_compact import CompactGemRule
 from gemps_server.domain.rules.momentum import MomentumRule, NesterovRule
 
-_RULES: dict[str, type[CommitRule]] = {
-    rule.name: rule for rule in (GemRule, DownpourRule, AdaptiveStalenessRule, MomentumRule, NesterovRule)
-}
+_RULES: dict[str, type[CommitRule]] = {}
+# What a rule option may not be called: the training config's own fields (one flag, one key each).
+_RESERVED = frozenset(f.name for f in fields(TrainingConfig))
+
+
+def register_rule(rule: type[CommitRule]) -> None:
+    """Make `rule` one the server runs (`--rule NAME`), with its options as flags of their own;
+    ValueError when its name is taken, or an option is named like a training config field or like
+    another rule's option but declared otherwise, or is no keyword-only constructor parameter."""
+    if rule.name in _RULES:
+        raise ValueError(f"a commit rule named {rule.name!r} is registered already")
+    clashing = sorted(_RESERVED & {option.name for option in rule.options})
+    if clashing:
+        raise ValueError(f"rule {rule.name!r} names an option like a training config field: {', '.join(clashing)}")
+    missing = rule.undeclared_options()
+    if missing:
+        raise ValueError(f"rule {rule.name!r}'s constructor takes no keyword-only {', '.join(missing)}")
+    CATALOG.declare(rule.name, rule.options)
+    _RULES[rule.name] = rule
+
+
+def unregister_rule(name: str) -> None:
+    """Forget the rule `name` and its options (a rule registered for a while, as a test's)."""
+    _RULES.pop(name, None)
+    CATALOG.withdraw(name)
+
+
+for _rule in (GemRule, DownpourRule, AdaptiveStalenessRule, MomentumRule, NesterovRule):
+    register_rule(_rule)
 
 
 def rule_names() -> list[str]:
@@ -45,27 +74,29 @@ def rule_class(name: str, gem_state: str = "exact") -> type[CommitRule]:
     return CompactGemRule if found is GemRule and gem_state == "compact" else found
 
 
-def create_rule(config: TrainingConfig, num_parameters: int, gem_state: str = "exact", **options: Any) -> CommitRule:
-    """`config.rule`'s rule with its hyperparameters; `options` (e.g. `kernel`) go to rules that take them."""
-    return rule_class(config.rule, gem_state).from_config(config, num_parameters, **options)
+def create_rule(
+    config: TrainingConfig, num_parameters: int, gem_state: str = "exact", **run_options: Any
+) -> CommitRule:
+    """`config.rule`'s rule with its options; `run_options` (e.g. `kernel`) go to rules that take them."""
+    return rule_class(config.rule, gem_state).from_config(config, num_parameters, **run_options)
 
 
 @dataclass(frozen=True)
-class RuleOptions:
+class RuleRuntime:
     """How the server runs GEM, not what it computes (the server's options of the same names):
     its kernel, what its c counts of a worker's own step, and how it keeps each worker's state."""
 
     gem_kernel: str = "numpy"
     gem_own_step: str = "counted"
     gem_state: str = "exact"
-    DEFAULT: ClassVar[RuleOptions]
+    DEFAULT: ClassVar[RuleRuntime]
 
     def create(self, config: TrainingConfig, num_parameters: int) -> CommitRule:
         options = {"kernel": self.gem_kernel, "own_step": self.gem_own_step}
         return create_rule(config, num_parameters, self.gem_state, **options)
 
 
-RuleOptions.DEFAULT = RuleOptions()
+RuleRuntime.DEFAULT = RuleRuntime()
 
 
 __all__ = [
@@ -73,8 +104,10 @@ __all__ = [
     "ApplyStats",
     "CommitRule",
     "NonFiniteUpdate",
-    "RuleOptions",
+    "RuleRuntime",
     "create_rule",
+    "register_rule",
     "rule_class",
     "rule_names",
+    "unregister_rule",
 ]

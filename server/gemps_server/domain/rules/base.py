@@ -1,11 +1,14 @@
 """The commit-rule interface: how a worker's commit moves the central variable.
 
-A rule owns its hyperparameters (Flower's strategy style): they are the keyword-only parameters
-of its constructor, named like the TrainingConfig fields they come from, so `create_rule` hands
-each rule exactly what it uses and nothing else. Every rule takes the learning rate: it turns a
-gradient g applied at central version v into the update Delta = -eta(v) * g, eta following the
-config's learning-rate schedule (gemps_proto.schedules, which every rule takes as `schedule`);
-an update commit is taken as Delta itself.
+A rule owns its hyperparameters (Flower's strategy style). Every rule takes the learning rate:
+it turns a gradient g applied at central version v into the update Delta = -eta(v) * g, eta
+following the config's learning-rate schedule (gemps_proto.schedules, which every rule takes as
+`schedule`); an update commit is taken as Delta itself. A rule's own knobs are its `options`
+(gemps_proto.rule_options.RuleOption: name, default, range, help), each a keyword-only
+parameter of its constructor of the same name: `from_config` hands it the config's values
+(TrainingConfig.rule_options) or the defaults, and refuses a value for an option it does not take.
+Declaring one is all a new knob needs: the flags, the wire, checkpoints, Status and the info
+metric take it from the declaration.
 
 A commit of finite values can still overflow float32 (3e38 times pi_max): a rule refuses it
 with NonFiniteUpdate and leaves theta and every worker's and its own state exactly as they were.
@@ -19,12 +22,13 @@ import inspect
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
 
+from gemps_proto.rule_options import RuleOption, option_problems
 from gemps_proto.schedules import schedule_factor
 from gemps_proto.schema import PayloadKind, TrainingConfig
 from gemps_server.native import noise_window
@@ -133,9 +137,6 @@ class NoiseWindow:
         self.payload_square, self.window_square = noise_window(payload, self.total, self.stride, self.mode)
 
 
-_TRAINING_FIELDS = frozenset(f.name for f in fields(TrainingConfig))
-
-
 class NonFiniteUpdate(ValueError):
     """The commit would make the central variable or the rule's state NaN or infinite (finite
     inputs can overflow float32): the rule refused it and changed nothing."""
@@ -153,6 +154,8 @@ class CommitRule(ABC):
     """
 
     name: ClassVar[str]
+    #: the rule's own options, each a keyword-only constructor parameter of its name
+    options: ClassVar[tuple[RuleOption, ...]] = ()
     #: float32 vectors of P parameters kept per registered worker (for memory accounting).
     vectors_per_worker: ClassVar[int] = 0
 
@@ -163,19 +166,31 @@ class CommitRule(ABC):
 
     @classmethod
     def hyperparameters(cls) -> tuple[str, ...]:
-        """The TrainingConfig fields this rule takes (its constructor's keyword-only parameters)."""
-        parameters = inspect.signature(cls.__init__).parameters.values()
-        return tuple(p.name for p in parameters if p.kind is p.KEYWORD_ONLY and p.name in _TRAINING_FIELDS)
+        """What this rule takes of the training config: the learning rate, then its options."""
+        return ("learning_rate", *(option.name for option in cls.options))
 
     @classmethod
-    def from_config(cls, config: TrainingConfig, num_parameters: int, **options: Any) -> CommitRule:
-        """The rule with its hyperparameters and learning-rate schedule from `config`; `options` it
+    def undeclared_options(cls) -> list[str]:
+        """Declared options that are no keyword-only parameter of the constructor (which must take
+        each; the registry refuses a rule with any)."""
+        parameters = inspect.signature(cls.__init__).parameters
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        return [o.name for o in cls.options if o.name not in parameters or parameters[o.name].kind is not keyword]
+
+    @classmethod
+    def from_config(cls, config: TrainingConfig, num_parameters: int, **run_options: Any) -> CommitRule:
+        """The rule with the learning rate and its schedule from `config`, and its options' values
+        there (the defaults of those not set); ValueError naming an option of `config` it does not
+        take or a value outside its range. `run_options` (how the server runs it: GEM's kernel) it
         does not take are ignored."""
+        problems = option_problems(cls.name, cls.options, config.rule_options)
+        if problems:
+            raise ValueError("; ".join(problems))
         accepted = inspect.signature(cls.__init__).parameters
-        chosen: dict[str, Any] = {name: getattr(config, name) for name in cls.hyperparameters()}
+        chosen: dict[str, Any] = {o.name: o.kind(config.rule_options.get(o.name, o.default)) for o in cls.options}
         chosen["schedule"] = partial(schedule_factor, config)
-        chosen.update({key: value for key, value in options.items() if key in accepted})
-        return cls(num_parameters, **chosen)
+        chosen.update({key: value for key, value in run_options.items() if key in accepted})
+        return cls(num_parameters, learning_rate=config.learning_rate, **chosen)
 
     def add_worker(self, worker_id: str, theta: np.ndarray) -> None:  # noqa: B027 (optional hook)
         """A worker registered while the central variable is `theta`."""

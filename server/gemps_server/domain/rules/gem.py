@@ -32,6 +32,8 @@ import math
 
 import numpy as np
 
+from gemps_proto.rule_options import RuleOption
+from gemps_proto.schema import POSITIVE_FACTOR
 from gemps_server.domain.rules import base
 from gemps_server.domain.rules.base import (
     ApplyStats,
@@ -41,6 +43,7 @@ from gemps_server.domain.rules.base import (
     Schedule,
     constant_schedule,
 )
+from gemps_server.domain.rules.momentum import MOMENTUM
 from gemps_server.domain.rules.overflow import ROUNDING, SAFE_MAGNITUDE, OverflowGuard
 from gemps_server.native import all_finite, compiled, max_abs, median_in_place
 
@@ -54,6 +57,9 @@ GEM_OWN_STEP = ("counted", "excluded")
 BLOCK = 65_536
 #: what `worker_state` returns per worker: m_i, s_i and the bounds on their magnitudes
 WORKER_STATE = ("proxy", "last_seen_theta", "proxy_peak", "last_seen_peak")
+#: GEM's options besides the proxy's momentum (Appendix B's kappa; pi's clamp)
+KAPPA = RuleOption("kappa", 1.0, POSITIVE_FACTOR, "kappa: GEM's proxy amplification")
+PI_MAX = RuleOption("pi_max", 5.0, POSITIVE_FACTOR, "clamp on GEM's scaling factor pi")
 
 
 class _WorkerState:
@@ -70,10 +76,11 @@ class _WorkerState:
 
 class GemBase(OverflowGuard, CommitRule):
     """What both forms of GEM's per-worker state share (exact: GemRule below; compact:
-    gem_compact.CompactGemRule): the hyperparameters, the kernel, what c counts of a worker's own
+    gem_compact.CompactGemRule): the options, the kernel, what c counts of a worker's own
     step, and the statistics a compiled pass sums. A form sets up its own buffers in `_allocate`."""
 
     name = "gem"
+    options = (MOMENTUM, KAPPA, PI_MAX)
 
     def __init__(
         self,

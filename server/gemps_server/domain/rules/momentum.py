@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import numpy as np
 
+from gemps_proto.ranges import Range
+from gemps_proto.rule_options import RuleOption
 from gemps_server.domain.rules.base import ApplyStats, CommitRule, NoiseWindow, Schedule, constant_schedule
 from gemps_server.domain.rules.overflow import OverflowGuard
 from gemps_server.native import max_abs
 
+#: mu, the velocity's decay: the momentum rules', and GEM's proxy's (one option, one flag)
+MOMENTUM = RuleOption("momentum", 0.9, Range(0, 1, high_open=True), "mu: GEM's proxy momentum, and the momentum rules'")
+
 
 class MomentumRule(OverflowGuard, CommitRule):
     name = "momentum"
+    options = (MOMENTUM,)
 
     def __init__(
         self, num_parameters: int, *, learning_rate: float, momentum: float, schedule: Schedule = constant_schedule
