@@ -223,9 +223,10 @@ while True:
 
 
 def test_a_client_scribbling_on_its_memory_cannot_put_an_unchecked_value_into_theta(server: InProcessServer) -> None:
-    """The payload is copied out of the client's memory before it is checked: a client that keeps
-    writing NaN and huge values there while the server reads gets each commit applied with values
-    that passed the checks, or refused; θ stays finite."""
+    """The payload is checked where it lies, then GEM's pass reads each value once, held to the
+    peak the check found (or it is copied out first, for a rule that cannot hold it): a client that
+    keeps writing NaN and huge values there while the server reads gets each commit applied with
+    values within what passed the checks, or refused; θ stays finite."""
     size = 1_000_000
     stub = open_stub(server.target)
     spec = [pb.ParameterSpec(name="w", shape=[size], dtype=pb.DTYPE_FLOAT32)]

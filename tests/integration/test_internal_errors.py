@@ -15,7 +15,7 @@ import pytest
 
 import gemps
 from gemps_proto.reasons import Reason
-from gemps_server.domain.state import ServerState
+from gemps_server.domain.core import CommitCore
 from tests.helpers import InProcessServer
 
 pytestmark = pytest.mark.usefixtures("plane")  # shared memory, the data plane over TCP, gRPC
@@ -26,10 +26,10 @@ PATIENCE = 10.0  # what a dropped call or connection would have been retried for
 def test_a_commit_the_server_fails_on_is_internal_at_once(
     server: InProcessServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    applied = ServerState.commit_and_reply
+    applied = CommitCore.commit_and_reply
     failures = iter([RuntimeError("injected fault")])
 
-    def failing_once(self: ServerState, *args: Any, **kwargs: Any) -> Any:
+    def failing_once(self: CommitCore, *args: Any, **kwargs: Any) -> Any:
         failure = next(failures, None)
         if failure is not None:
             raise failure
@@ -37,7 +37,7 @@ def test_a_commit_the_server_fails_on_is_internal_at_once(
 
     with gemps.Client(server.target, patience=PATIENCE) as client:
         client.register({"w": np.zeros(4, np.float32)})
-        monkeypatch.setattr(ServerState, "commit_and_reply", failing_once)
+        monkeypatch.setattr(CommitCore, "commit_and_reply", failing_once)
         started = time.monotonic()
         with pytest.raises(gemps.GempsError) as raised:
             client.commit(np.ones(4, np.float32))

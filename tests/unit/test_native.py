@@ -55,3 +55,31 @@ def test_copy_max_abs_copies_and_finds_the_peak_or_a_value_that_is_not_finite() 
     strided = np.empty(2 * source.size, np.float32)[::2]  # not contiguous: numpy's copy, same answer
     source[77_777] = -9.0
     assert native.copy_max_abs(source, strided) == 9.0 and np.array_equal(strided, source)
+
+
+def gem_pass(update: np.ndarray, bound: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One in-place compiled GEM pass of `update` on fixed state; the new θ, m_i and s_i."""
+    assert native.compiled is not None
+    rng = np.random.default_rng(1)
+    theta, proxy, last_seen = (rng.standard_normal(update.size).astype(np.float32) for _ in range(3))
+    samples = np.empty(update.size, np.float32)
+    native.compiled.gem_update(
+        theta, proxy, last_seen, update, None, None, -0.05, 0.9, 1.0, 5.0, 1e-16, 1, samples, None, None, 1, 0, bound
+    )
+    return theta, proxy, last_seen
+
+
+def test_a_held_payload_is_read_within_its_bound() -> None:
+    """A payload in memory its sender may still write (bound >= 0) is read once per value and held
+    to [-bound, bound]: values within it pass bit for bit as they are, a NaN or a larger value
+    written after the check cannot reach θ, m_i or s_i."""
+    update = np.random.default_rng(0).standard_normal(5_000).astype(np.float32)
+    peak = float(np.abs(update).max())
+    for kept, held in zip(gem_pass(update, -1.0), gem_pass(update, peak), strict=True):
+        np.testing.assert_array_equal(held, kept)  # an honest payload: the same bits
+    poisoned = update.copy()
+    poisoned[[3, 1500, 4999]] = [np.nan, np.inf, -3e38]
+    clamped = np.clip(np.nan_to_num(poisoned, nan=-peak), -peak, peak).astype(np.float32)
+    for got, want in zip(gem_pass(poisoned, peak), gem_pass(clamped, -1.0), strict=True):
+        assert np.isfinite(got).all()
+        np.testing.assert_array_equal(got, want)

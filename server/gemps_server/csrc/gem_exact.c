@@ -46,23 +46,43 @@
         centrals[j] = movement + pi * denominator;                                                       \
     } while (0)
 
+/* A block of the payload as the pass reads it: `u` itself, or (bound >= 0: memory its sender can
+ * still write, a client's shared memory) each value read once into `held`, within the bound the
+ * caller checked before the pass (max |payload|; a NaN written since reads as -bound). Whatever
+ * the sender writes meanwhile, the pass sees values the bound covers, so the in-place pass's
+ * overflow bound holds, and GEM's update and the noise sums read the same values. */
+static inline __attribute__((always_inline)) const float *
+held_block(const float *u, Py_ssize_t length, float bound, float *restrict held)
+{
+    if (bound < 0.0f) {
+        return u;
+    }
+    for (Py_ssize_t j = 0; j < length; j++) {
+        float value = u[j];
+        value = value > -bound ? value : -bound; /* ternaries: max and min, a NaN to -bound */
+        held[j] = value < bound ? value : bound;
+    }
+    return held;
+}
+
 /* The pass itself, in place: only when the caller has shown that no value can overflow (gem.py's
  * bound, which also stands in for the peaks: they are not measured here). Built for AVX2 and for the x86-64 baseline, picked at load time (ifunc). Each block
  * runs twice: first the update, one parameter at a time in gem.py's order, leaving pi and the
  * energies' terms in L1 scratch; then the block's sums (block_sums). Sums in one pass with the
  * update kept it from vectorising. */
 __attribute__((target_clones("avx2", "default"))) static int
-update_in_place(float *restrict t, float *restrict m, float *restrict s, const float *restrict u, Py_ssize_t n,
+update_in_place(float *restrict t, float *restrict m, float *restrict s, const float *u, Py_ssize_t n,
                 float scale, float momentum, float kappa, float pi_max, float epsilon, Py_ssize_t stride,
-                float *restrict sampled, Sums *restrict sums, float *restrict mirror, float *restrict window, Py_ssize_t wstride, int mode)
+                float *restrict sampled, Sums *restrict sums, float *restrict mirror, float *restrict window, Py_ssize_t wstride, int mode,
+                float bound)
 {
-    float pis[BLOCK], proxies[BLOCK], centrals[BLOCK];
+    float pis[BLOCK], proxies[BLOCK], centrals[BLOCK], held[BLOCK];
     const int amplify = kappa != 1.0f;
     SampleCursor cursor = {0, 0};
     for (Py_ssize_t start = 0; start < n; start += BLOCK) {
         const Py_ssize_t length = start + BLOCK < n ? BLOCK : n - start;
         float *restrict bt = t + start, *restrict bm = m + start, *restrict bs = s + start;
-        const float *restrict bu = u + start;
+        const float *restrict bu = held_block(u + start, length, bound, held);
         for (Py_ssize_t j = 0; j < length; j++) {
             GEM_PARAMETER(bt, bm, bs[j] = current);
         }
@@ -83,18 +103,18 @@ update_in_place(float *restrict t, float *restrict m, float *restrict s, const f
  * with a value that is not finite (the caller then drops the outputs: nothing it keeps was
  * written). */
 __attribute__((target_clones("avx2", "default"))) static int
-update_into(const float *restrict t, const float *restrict m, const float *restrict s, const float *restrict u,
+update_into(const float *restrict t, const float *restrict m, const float *restrict s, const float *u,
             float *restrict t_out, float *restrict m_out, Py_ssize_t n, float scale, float momentum, float kappa,
             float pi_max, float epsilon, Py_ssize_t stride, float *restrict sampled, Sums *restrict sums,
-            float *restrict mirror, float *restrict window, Py_ssize_t wstride, int mode)
+            float *restrict mirror, float *restrict window, Py_ssize_t wstride, int mode, float bound)
 {
-    float pis[BLOCK], proxies[BLOCK], centrals[BLOCK];
+    float pis[BLOCK], proxies[BLOCK], centrals[BLOCK], held[BLOCK];
     const int amplify = kappa != 1.0f;
     SampleCursor cursor = {0, 0};
     for (Py_ssize_t start = 0; start < n; start += BLOCK) {
         const Py_ssize_t length = start + BLOCK < n ? BLOCK : n - start;
         const float *restrict bt = t + start, *restrict bm = m + start, *restrict bs = s + start;
-        const float *restrict bu = u + start;
+        const float *restrict bu = held_block(u + start, length, bound, held);
         float *restrict nt = t_out + start, *restrict nm = m_out + start;
         for (Py_ssize_t j = 0; j < length; j++) {
             GEM_PARAMETER(nt, nm, (void)0);
@@ -120,9 +140,10 @@ gem_update(PyObject *self, PyObject *args)
     float scale, momentum, kappa, pi_max, epsilon;
     Py_ssize_t stride, wstride = 1;
     int mode = WINDOW_START;
-    if (!PyArg_ParseTuple(args, "w*w*w*y*OOfffffnw*|OOni", &theta, &proxy, &last_seen, &gradient, &theta_out_object,
+    float bound = -1.0f;
+    if (!PyArg_ParseTuple(args, "w*w*w*y*OOfffffnw*|OOnif", &theta, &proxy, &last_seen, &gradient, &theta_out_object,
                           &proxy_out_object, &scale, &momentum, &kappa, &pi_max, &epsilon, &stride, &samples,
-                          &mirror_object, &window_object, &wstride, &mode)) {
+                          &mirror_object, &window_object, &wstride, &mode, &bound)) {
         return NULL;
     }
     PyObject *result = NULL;
@@ -165,9 +186,17 @@ gem_update(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "gem_update: the outputs must be buffers of their own");
         goto done;
     }
+    /* The mirror may be the update itself when the update is held (a client's shared memory holds
+     * its payload and receives θ): each block of the update is read into `held` before that
+     * block of the mirror is written. Any other overlap would write the update before it is read. */
+    const int mirror_is_held_update = have_mirror && mirror.buf == gradient.buf && bound >= 0.0f;
+    const char *mirror_end = have_mirror ? (const char *)mirror.buf + mirror.len : NULL;
+    const char *update_end = (const char *)gradient.buf + gradient.len;
+    const int mirror_meets_update = have_mirror && (const char *)mirror.buf < update_end &&
+                                    (const char *)gradient.buf < mirror_end;
     if (have_mirror && (mirror.buf == theta.buf || mirror.buf == proxy.buf || mirror.buf == last_seen.buf ||
-                        mirror.buf == gradient.buf || (have_outputs && (mirror.buf == theta_out.buf ||
-                                                                        mirror.buf == proxy_out.buf)))) {
+                        (mirror_meets_update && !mirror_is_held_update) ||
+                        (have_outputs && (mirror.buf == theta_out.buf || mirror.buf == proxy_out.buf)))) {
         PyErr_SetString(PyExc_ValueError, "gem_update: the mirror must be a buffer of its own");
         goto done;
     }
@@ -185,11 +214,12 @@ gem_update(PyObject *self, PyObject *args)
     if (have_outputs) {
         finite = update_into((const float *)theta.buf, (const float *)proxy.buf, (const float *)last_seen.buf,
                              (const float *)gradient.buf, (float *)theta_out.buf, (float *)proxy_out.buf, n, scale,
-                             momentum, kappa, pi_max, epsilon, stride, (float *)samples.buf, &sums, mirrored, windowed, wstride, mode);
+                             momentum, kappa, pi_max, epsilon, stride, (float *)samples.buf, &sums, mirrored, windowed, wstride, mode,
+                             bound);
     } else {
         finite = update_in_place((float *)theta.buf, (float *)proxy.buf, (float *)last_seen.buf,
                                  (const float *)gradient.buf, n, scale, momentum, kappa, pi_max, epsilon, stride,
-                                 (float *)samples.buf, &sums, mirrored, windowed, wstride, mode);
+                                 (float *)samples.buf, &sums, mirrored, windowed, wstride, mode, bound);
     }
     MAYBE_RESTORE_GIL()
     result = Py_BuildValue("(idnnddddddn)", finite, sums.pi_sum, (Py_ssize_t)sums.at_zero, (Py_ssize_t)sums.at_max,

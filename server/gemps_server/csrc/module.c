@@ -17,13 +17,14 @@ static PyMethodDef methods[] = {
      "mode says: 0 starts it (= u), 1 adds u, 2 (a window's last commit) leaves it."},
     {"gem_update", gem_update, METH_VARARGS,
      "gem_update(theta, proxy, last_seen, update, theta_out, proxy_out, scale, momentum, kappa, pi_max, epsilon,\n"
-     "stride, samples, mirror=None, window=None, window_stride=1, mode=0)\n"
+     "stride, samples, mirror=None, window=None, window_stride=1, mode=0, bound=-1)\n"
      "GEM's update: in place when theta_out is None, else into theta_out and proxy_out (the inputs only read;\n"
      "outputs partial when not finite). Returns (1 if every new value is finite else 0, sum of pi, count at 0,\n"
      "count at pi_max, sum of kappa*|m|, sum of |theta - s| + pi*(|Delta| + eps), max |new theta|, max |new m|,\n"
      "|update|^2, |window sum|^2: noise_window's, in the same pass, when a window is given, else 0, 0, count of\n"
      "Delta != 0) and writes pi at every stride-th parameter to samples (NaN where Delta = 0: pi's sums and counts\n"
-     "leave those out); the new theta also to mirror (a buffer of its own)."},
+     "leave those out); the new theta also to mirror (a buffer of its own). bound >= 0: the update is in memory\n"
+     "its sender may still write, each value read once and held within [-bound, bound]."},
     {"compact_gem_update", compact_gem_update, METH_VARARGS,
      "compact_gem_update(theta, proxy_codes, proxy_scales, offset_codes, offset_scales, reference_read,\n"
      "reference_write, update, scale, momentum, kappa, pi_max, epsilon, excluded, write, stride, samples, mirror=None,\n"

@@ -25,7 +25,7 @@ import numpy as np
 from gemps_proto.reasons import Reason
 from gemps_proto.reply_differences import DIFFERENCE_DTYPES, WHOLE_DTYPE
 from gemps_proto.schema import Buffers
-from gemps_proto.tensor_codec import EncodedBuffers, EncodedTensor, encode, wire_view
+from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor, encode, wire_view
 from gemps_server.domain import validation
 from gemps_server.domain.errors import Aborted, FailedPrecondition, InvalidArgument
 from gemps_server.domain.journal import Committed, Journal, NoJournal
@@ -35,6 +35,7 @@ from gemps_server.domain.records import Commit, CommitOutcome, R, ReplyWriter, S
 from gemps_server.domain.rules import CommitRule, NonFiniteUpdate
 from gemps_server.domain.worker_copies import WorkerCopies
 from gemps_server.domain.workers import WorkerRegistry
+from gemps_server.native import copy_max_abs
 
 
 class CommitCore:
@@ -53,6 +54,8 @@ class CommitCore:
         self._journal: Journal = NoJournal()
         self._recording = False  # a commit's entry is built only for a journal that records it
         self._latest: weakref.ref[Snapshot] = weakref.ref(Snapshot(0))  # dead at once: see `snapshot`
+        # Where a payload its client can still write is copied before it is read (_landed).
+        self._landing = np.empty(0, dtype=np.float32)
 
     @property
     def journal(self) -> Journal:
@@ -123,12 +126,14 @@ class CommitCore:
         num_samples: int | None = None,
         buffer_delta: EncodedBuffers | None = None,
         payload_peak: float | None = None,
+        payload_volatile: bool = False,
     ) -> CommitOutcome:
         """Apply one commit of the worker registered in `slot` as `worker_id` (DESIGN §1): θ moves
         by the rule's step and the version goes up by one, or a refusal (a ServiceError) leaves
         everything as it was. A retry of a commit already applied changes nothing and answers as
         the original did. `out` (float32, P), as numpy's: it receives θ after the commit too (see
-        CommitRule.step). `payload_peak`: max |payload| (NaN: not finite) where the wire measured it."""
+        CommitRule.step). `payload_peak`: max |payload| (NaN: not finite) where the wire measured it.
+        `payload_volatile`: the payload lies in memory its client can still write (_landed)."""
         rule = self.require_rule()
         validation.check_reply_dtype(reply_dtype, commit=True)
         validation.check_request_id(request_id)
@@ -152,6 +157,8 @@ class CommitCore:
                 "a late attempt, refused; nothing changed",
                 Reason.SUPERSEDED,
             )
+        if payload_volatile:
+            payload, payload_peak = self._landed(rule, payload)
         kind_of, values, peak = validation.validated_payload(
             kind, payload, base_version, self.theta.size, self.version, payload_peak
         )
@@ -212,7 +219,27 @@ class CommitCore:
             num_samples=commit.num_samples,
             buffer_delta=commit.buffer_delta,
             payload_peak=commit.payload_peak,
+            payload_volatile=commit.payload_volatile,
         )
+
+    def _landed(self, rule: CommitRule, payload: EncodedTensor) -> tuple[EncodedTensor, float | None]:
+        """A payload in memory its client can still write (its shared memory), and its peak: read
+        where it lies when the rule holds what it reads of it to the peak checked first
+        (CommitRule.holds_payload: one pass fewer over P values, and no copy), else copied here
+        first, so the checks, the rule and the journal (a backup replays the same bytes) see bytes
+        the client cannot change any more."""
+        if payload.dtype == FLOAT32 and rule.holds_payload and not self._recording:
+            return payload, None  # measured by the checks; the rule reads each value once
+        size = memoryview(payload.data).nbytes
+        if self._landing.nbytes < size:
+            self._landing = np.empty(-(-size // 4), dtype=np.float32)
+        landing = self._landing[: size // 4] if payload.dtype == FLOAT32 else self._landing.view(np.uint8)[:size]
+        if payload.dtype == FLOAT32:
+            peak: float | None = copy_max_abs(np.frombuffer(payload.data, np.float32), landing)
+        else:
+            landing[:] = np.frombuffer(payload.data, np.uint8)
+            peak = None
+        return EncodedTensor(payload.dtype, payload.shape, landing.data.cast("B")), peak
 
     def _whole_copy(self) -> bytes:
         """θ's bfloat16 bytes at this version, shared by the replies that start a copy."""

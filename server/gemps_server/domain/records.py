@@ -92,6 +92,9 @@ class Commit:
     payload_peak: float | None = None
     # Difference replies (reply_dtype a block code): the copy of θ the client holds (0: none).
     held_copy: int = 0
+    # The payload lies in memory its client can still write (its shared memory): the core reads
+    # it once, or copies it first (CommitCore._landed).
+    payload_volatile: bool = False
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,13 @@ length against --max-message-mb (the core), a commit's payload length against th
 its header announces (service.expected_payload_bytes, here).
 A request refused before its payload was read is answered with an ERROR frame and the connection
 closed (its unread bytes are never read); one refused after it was read whole (NaN, unknown
-worker, base version) leaves the connection usable. A payload lands in a θ-sized buffer: read
-from the socket on the fast or the slow lane (data_plane_uploads.py), or copied out of the
-client's shared memory into a pooled one; the reply's θ is copied into the same buffer while θ
-holds the commit's version and sent from there, or, with shared memory, written into the
-client's memory (by GEM's pass itself, for float32) and only announced. A reply whose reader
-lags holds no pooled buffer (data_plane_replies.py).
+worker, base version) leaves the connection usable. A payload on the socket lands in a θ-sized
+pooled buffer, read on the fast or the slow lane (data_plane_uploads.py); the reply's θ is copied
+into the same buffer while θ holds the commit's version and sent from there. A payload in the
+client's shared memory is handed to the core where it lies (the core reads it once, held to the
+peak it checked, or copies it first: CommitCore._landed) and takes no pooled buffer; the reply's
+θ is written into the client's memory (by GEM's pass itself, for float32) and only announced. A
+reply whose reader lags holds no pooled buffer (data_plane_replies.py).
 """
 
 from __future__ import annotations
@@ -58,19 +59,18 @@ from gemps_server.domain.errors import (
     ServiceError,
     Unauthenticated,
 )
-from gemps_server.domain.records import ReplyWriter
+from gemps_server.domain.records import CommitOutcome
 from gemps_server.metrics import ServerMetrics
-from gemps_server.native import copy_max_abs, max_abs
+from gemps_server.native import max_abs
 from gemps_server.service import ParameterService
 from gemps_server.wire import messages, shared_memory
 from gemps_server.wire.data_plane_io import Channel, Hangup, PeerClosed, Stalled, Unread, close_fds, pieces
 from gemps_server.wire.data_plane_loop import Call, ReadInto, Task, Wait, Write
 from gemps_server.wire.data_plane_replies import reply_room, write_reply
-from gemps_server.wire.data_plane_uploads import Held, Lanes, waited
+from gemps_server.wire.data_plane_uploads import Held, Lanes
 from gemps_server.wire.shared_memory import SharedRegion
 from gemps_server.wire.shared_memory_budget import SharedMemoryBudget
 from gemps_server.wire.status_codes import internal, status_of
-from gemps_server.wire.stream_buffers import Buffer
 from gemps_server.wire.streams import Pace
 
 Steps = Generator[Wait, Any, Any]
@@ -267,31 +267,43 @@ class Connection:
                 )
         except ServiceError as error:
             raise Unread(error) from None
-        region = self._region if header.shared else None
         task = self._task
         assert task is not None
-        if region is None:  # on the socket: read whole on the fast lane, or the slow one (uploads)
-            held = yield from self._lanes.receive(task, request.worker_id, expected, self._limits.pace)
-            self._protocol.payload_landed()
-        else:  # in the client's memory: in hand, copied into a pooled buffer
-            held = yield from waited(self._lanes.pooled, task)
+        if header.shared:  # in the client's memory: the core reads it there, or copies it first
+            yield from self._commit_shared(header, EncodedTensor(dtype, shape, self._shared_payload(expected)))
+            return
+        # On the socket: read whole on the fast lane, or the slow one (uploads).
+        held = yield from self._lanes.receive(task, request.worker_id, expected, self._limits.pace)
+        self._protocol.payload_landed()
         assert isinstance(self._protocol.next_event(), PayloadComplete)
         try:
             buffer = held.buffer
             data = buffer.take(expected).data  # the payload, landed in the buffer
-            peak = _landed(data, dtype, None if region is None else region.view[:expected])
-            commit = messages.commit_from_proto(request, EncodedTensor(dtype, shape, data), peak)
-            # The reply's θ goes where the client reads it: the pooled buffer (then the socket), or
-            # its shared memory, where the rule writes float32 θ as it computes it (a mirror).
-            writer, mirror = _reply_into(buffer, region, commit.reply_dtype)
-            outcome, theta = yield Call(lambda deliver: service.commit_then(commit, writer, deliver, mirror))
-            reply = messages.outcome_header(outcome)
-            grpc_framing.announce(reply.parameters, outcome.reply_dtype(commit.reply_dtype), service.num_parameters)
-            if region is not None:  # θ is in the client's memory: the buffer is free before the reply
-                held.give_back()
-            yield from self._send(reply.SerializeToString(), theta, held=held)
+            commit = messages.commit_from_proto(request, EncodedTensor(dtype, shape, data), _peak(data, dtype))
+            # The reply's θ is placed in the pooled buffer while θ holds the commit's version, then sent.
+            writer = messages.stream_commit_reply(buffer)
+            outcome, theta = yield Call(lambda deliver: service.commit_then(commit, writer, deliver))
+            yield from self._send(_reply_header(outcome, commit.reply_dtype, service), theta, held=held)
         finally:
             held.give_back()
+
+    def _commit_shared(self, header: CommitHeader, payload: EncodedTensor) -> Steps:
+        """A commit whose payload is in the client's shared memory: no pooled buffer; the reply's θ
+        goes there too, written by the rule's pass itself for float32 (a mirror)."""
+        assert isinstance(self._protocol.next_event(), PayloadComplete)
+        region, service = self._region, self._service
+        assert region is not None
+        commit = messages.commit_from_proto(header.request, payload, volatile=True)
+        writer = messages.stream_commit_reply(region.buffer)
+        mirror = region.floats if commit.reply_dtype == FLOAT32 else None
+        outcome, theta = yield Call(lambda deliver: service.commit_then(commit, writer, deliver, mirror))
+        yield from self._send(_reply_header(outcome, commit.reply_dtype, service), theta)
+
+    def _shared_payload(self, size: int) -> memoryview:
+        region = self._region
+        if region is None:
+            raise Unread(InvalidArgument("a SHARED commit on a connection with no shared memory", Reason.MALFORMED))
+        return region.view[:size]
 
     def _pull(self, pull: PullRequested) -> Steps:
         service, request = self._service, pull.request
@@ -408,28 +420,17 @@ def _nothing() -> None:
     pass
 
 
-def _reply_into(
-    buffer: Buffer, region: SharedRegion | None, reply_dtype: int
-) -> tuple[ReplyWriter[memoryview], np.ndarray | None]:
-    """How a commit's reply gets θ: copied into the pooled buffer, or into the shared memory, or
-    (float32) written there by the rule itself."""
-    if region is None:
-        return messages.stream_commit_reply(buffer), None
-    if reply_dtype == FLOAT32:
-        return messages.stream_commit_reply(region.buffer), region.floats
-    return messages.stream_commit_reply(region.buffer), None
+def _reply_header(outcome: CommitOutcome, reply_dtype: int, service: ParameterService) -> bytes:
+    """A commit's reply header: its outcome, and θ announced in the reply's dtype."""
+    reply = messages.outcome_header(outcome)
+    grpc_framing.announce(reply.parameters, outcome.reply_dtype(reply_dtype), service.num_parameters)
+    return reply.SerializeToString()
 
 
-def _landed(data: memoryview, dtype: int, shared: memoryview | None) -> float | None:
-    """A payload in the pooled buffer `data`, copied there first from `shared` memory (before it
-    is checked: the client can still write there); its max |value| (NaN if one is not finite),
-    measured here on the loop's thread rather than on the applier's, for float32 payloads."""
-    if dtype != FLOAT32:
-        if shared is not None:
-            data[:] = shared
-        return None
-    values = np.frombuffer(data, np.float32)
-    return max_abs(values) if shared is None else copy_max_abs(np.frombuffer(shared, np.float32), values)
+def _peak(data: memoryview, dtype: int) -> float | None:
+    """A float32 payload's max |value| (NaN if one is not finite), measured here on the loop's
+    thread rather than on the applier's; None for the other dtypes (the core measures them)."""
+    return max_abs(np.frombuffer(data, np.float32)) if dtype == FLOAT32 else None
 
 
 def error_of(refused: ProtocolError) -> ServiceError:

@@ -151,10 +151,15 @@ def registered_to_proto(
 
 
 def commit_from_proto(
-    request: pb.CommitRequest, payload: EncodedTensor | None = None, payload_peak: float | None = None
+    request: pb.CommitRequest,
+    payload: EncodedTensor | None = None,
+    payload_peak: float | None = None,
+    *,
+    volatile: bool = False,
 ) -> Commit:
     """The domain's Commit; `payload` when it was received apart (a view, or CommitStream's pieces),
-    and its max |value| when the wire measured it."""
+    its max |value| when the wire measured it, and whether it lies in memory its client can still
+    write (`volatile`: its shared memory)."""
     return Commit(
         worker_id=request.worker_id,
         base_version=request.base_version,
@@ -168,6 +173,7 @@ def commit_from_proto(
         buffer_delta=shared.buffers_from_proto(request, "buffer_delta", "integer_buffer_delta"),
         payload_peak=payload_peak,
         held_copy=request.held_copy,
+        payload_volatile=volatile,
     )
 
 

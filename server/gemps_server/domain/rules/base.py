@@ -282,6 +282,13 @@ class CommitRule(ABC):
         return False
 
     @property
+    def holds_payload(self) -> bool:
+        """Whether step reads each payload value once and holds it within the `payload_peak` it is
+        given (so a payload in memory its sender may still write can be passed as it is, with the
+        peak measured on the way in): else the caller copies such a payload first."""
+        return False
+
+    @property
     def folds_noise(self) -> bool:
         """Whether step_scaled measures the noise `window` in the rule's own pass (else `step` does, after)."""
         return False

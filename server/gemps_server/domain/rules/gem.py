@@ -155,6 +155,10 @@ class GemRule(GemBase):
     def folds_noise(self) -> bool:
         return self.kernel == "compiled"  # the compiled pass sums |g|^2 while the payload is in cache
 
+    @property
+    def holds_payload(self) -> bool:
+        return self.kernel == "compiled"  # the compiled pass reads each value once, held to the peak
+
     def add_worker(self, worker_id: str, theta: np.ndarray) -> None:
         self._workers[worker_id] = _WorkerState(theta, self.peak_of(theta) if self.kernel == "compiled" else 0.0)
 
@@ -206,8 +210,9 @@ class GemRule(GemBase):
             return theta, ApplyStats.constant(0.0)
         theta_peak = self.peak_of(theta) if self.kernel == "compiled" else 0.0
         bounds = self._bounds(theta_peak, state, update, scale, update_peak) if self.kernel == "compiled" else None
+        held = -1.0 if update_peak is None else update_peak  # the compiled pass holds the payload to it
         if bounds is not None:
-            finite, stats, _, _ = self._apply_compiled(theta, state, update, scale, None, None, out, window)
+            finite, stats, _, _ = self._apply_compiled(theta, state, update, scale, None, None, out, window, held)
             assert finite, "GEM's bound let through a value that is not finite"
             state.proxy_peak, state.last_seen_peak = bounds[1], theta_peak
             if self.own_step == "excluded":  # s_i <- theta after the step
@@ -218,7 +223,7 @@ class GemRule(GemBase):
         theta_out, proxy_out = self.take_spare(theta), self._take_spare_proxy(theta)
         if self.kernel == "compiled":
             finite, stats, new_peak, proxy_peak = self._apply_compiled(
-                theta, state, update, scale, theta_out, proxy_out, out, window
+                theta, state, update, scale, theta_out, proxy_out, out, window, held
             )
         else:  # the base class measures a noise window after it (folds_noise is False)
             stats = self._sample_stats(theta, state, update, scale)  # from the same inputs as the update
@@ -283,16 +288,18 @@ class GemRule(GemBase):
         proxy_out: np.ndarray | None,
         out: np.ndarray | None = None,
         window: NoiseWindow | None = None,
+        held: float = -1.0,
     ) -> tuple[bool, ApplyStats, float, float]:
         """The compiled pass (in place when `theta_out` is None; the new theta also to `out`; the
-        noise `window`'s sums measured): (all finite, statistics, max |new theta|, max |new m_i|)."""
+        noise `window`'s sums measured; each payload value read once, within [-held, held] when
+        held >= 0): (all finite, statistics, max |new theta|, max |new m_i|)."""
         assert compiled is not None
         values = (scale, self.momentum, self.kappa, self.pi_max, EPSILON)
         total, stride, mode = (None, 1, 0) if window is None else (window.total, window.stride, window.mode)
         (finite, pi_sum, at_zero, at_max, proxy_energy, central_energy, theta_peak, proxy_peak, payload_square,
          window_square, moving) = compiled.gem_update(
             theta, state.proxy, state.last_seen_theta, np.ascontiguousarray(update, np.float32), theta_out, proxy_out,
-            *(float(np.float32(v)) for v in values), self._stride, self._samples, out, total, stride, mode,
+            *(float(np.float32(v)) for v in values), self._stride, self._samples, out, total, stride, mode, held,
         )  # fmt: skip
         if window is not None:
             window.payload_square, window.window_square = payload_square, window_square
