@@ -12,6 +12,9 @@ process, the announced training config), `commits`, `scaling` (the rule's π and
 `stragglers` (the few most-damped and slowest workers), `noise` (the gradient noise scale),
 `reliability` (checkpoints, duplicates, refused requests) and `evaluation` (held-out figures);
 `server_metrics.ServerMetrics` composes them into one registry, and `exposition` serves it.
+What every commit or request records (commits, scaling, traffic's per-request series) is
+`accumulators`' families: a few additions an event into per-thread arrays, summed at scrape;
+the rest is prometheus_client's own.
 Replication's series live with replication (gemps_server.replication.metrics), which registers
 them when a partition is replicated.
 """

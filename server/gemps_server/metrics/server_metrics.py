@@ -24,7 +24,12 @@ from gemps_server.metrics.traffic import TrafficMetrics
 class ServerMetrics:
     """A thin composite: each concern declares its families in the one registry (in this order on
     the page) and counts its events; the methods here are the events the server's parts report.
-    Replication's series register themselves (gemps_server.replication.metrics)."""
+    Replication's series register themselves (gemps_server.replication.metrics).
+
+    A caller on the hot path may record without these methods: the per-commit families are
+    attributes of their concern (e.g. `commits.staleness`, `traffic.rpc_duration`), each with
+    `child(*label_values)` (resolve once) and `inc`/`observe`/`set`, and `values()`, the calling
+    thread's float64 array that compiled code adds into (layout: metrics/accumulators.py)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()

@@ -1,12 +1,16 @@
 """RPCs and traffic, per plane and method: handling time, bytes in and out, and the data plane's
-connections and the guards that close them."""
+connections and the guards that close them.
+
+What every request records (its handling time, its bytes, θ's bytes by encoding) is accumulators
+(accumulators.py); the data plane's guards and connections, per connection, prometheus_client's."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gemps_proto.tensor_codec import ENCODING_NAMES
 from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_server.metrics.accumulators import CounterFamily, HistogramFamily
 from gemps_server.metrics.buckets import DURATION_BUCKETS
 
 RPC_METHODS = tuple(method.name for method in pb.DESCRIPTOR.services_by_name["ParameterServer"].methods)
@@ -14,6 +18,9 @@ RPC_METHODS = tuple(method.name for method in pb.DESCRIPTOR.services_by_name["Pa
 PLANES = ("grpc", "data")
 DATA_PLANE_METHODS = ("Commit", "Pull")
 PLANE_METHODS = tuple(("grpc", method) for method in RPC_METHODS) + tuple(("data", m) for m in DATA_PLANE_METHODS)
+# θ-sized tensors' directions, and their encodings: the wire's, then "other" for a dtype of none.
+DIRECTIONS = ("received", "sent")
+ENCODINGS = (*ENCODING_NAMES.values(), "other")
 # Why the data plane closed a connection before or between requests (its requests' own refusals
 # count like gRPC's: gemps_commits_total, the rejected log line).
 DATA_PLANE_REFUSALS = (
@@ -44,40 +51,48 @@ class TrafficMetrics:
     counts run on every request."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.rpc_duration = Histogram(
+        method_plane = [(method, plane) for plane, method in PLANE_METHODS]
+        self.rpc_duration = HistogramFamily(
+            registry,
             "gemps_rpc_duration_seconds",
             "Server-side handling time per RPC, by method and plane (grpc, data); a Commit's includes queue "
             "wait and apply.",
+            DURATION_BUCKETS,
             ["method", "plane"],
-            buckets=DURATION_BUCKETS,
-            registry=registry,
+            method_plane,
         )
-        self.received = Counter(
+        self.received = CounterFamily(
+            registry,
             "gemps_received_bytes",
             "Request bytes received, by RPC method and plane (grpc: messages; data: frames).",
             ["method", "plane"],
-            registry=registry,
+            method_plane,
         )
-        self.sent = Counter(
+        self.sent = CounterFamily(
+            registry,
             "gemps_sent_bytes",
             "Response bytes sent, by RPC method and plane (grpc: messages; data: frames).",
             ["method", "plane"],
-            registry=registry,
+            method_plane,
         )
-        self._rpc_duration = {(p, m): self.rpc_duration.labels(m, p) for p, m in PLANE_METHODS}
-        self._received = {(p, m): self.received.labels(m, p) for p, m in PLANE_METHODS}
-        self._sent = {(p, m): self.sent.labels(m, p) for p, m in PLANE_METHODS}
-        self.wire_bytes = Counter(
+        # Made from the one list, every (plane, method) is the same child in the three families.
+        self._children = {(plane, method): self.rpc_duration.child(method, plane) for plane, method in PLANE_METHODS}
+        self.wire_bytes = CounterFamily(
+            registry,
             "gemps_wire_bytes",
             "Bytes of theta-sized tensors on the wire, both planes: commit payloads received and theta sent (in "
             "commit replies and pulls), by encoding (float32, bfloat16, int8, int4, topk). Over "
             "gemps_training_samples_total: bytes per training sample.",
             ["direction", "encoding"],
-            registry=registry,
+            [(direction, encoding) for direction in DIRECTIONS for encoding in ENCODING_NAMES.values()],
+            capacity=len(DIRECTIONS) * len(ENCODINGS),  # "other"'s series appear with its first bytes
         )
-        for direction in ("received", "sent"):
-            for encoding in ENCODING_NAMES.values():
-                self.wire_bytes.labels(direction, encoding)
+        # By (direction, dtype), the wire's dtypes only: a client's unknown dtypes cannot grow it.
+        self._encodings = {
+            (direction, dtype): self.wire_bytes.child(direction, name)
+            for direction in DIRECTIONS
+            for dtype, name in ENCODING_NAMES.items()
+        }
         self.data_plane_refusals = Counter(
             "gemps_data_plane_refusals",
             "Data-plane connections closed by a guard, by reason (bad frame or hello, ticket, timeouts, "
@@ -103,17 +118,22 @@ class TrafficMetrics:
         )
 
     def rpc(self, method: str, seconds: float, plane: str = "grpc") -> None:
-        self._rpc_duration[plane, method].observe(seconds)
+        self.rpc_duration.observe(seconds, self._children[plane, method])
 
     def message_received(self, method: str, size: int, plane: str = "grpc") -> None:
-        self._received[plane, method].inc(size)
+        self.received.inc(size, self._children[plane, method])
 
     def message_sent(self, method: str, size: int, plane: str = "grpc") -> None:
-        self._sent[plane, method].inc(size)
+        self.sent.inc(size, self._children[plane, method])
 
     def tensor_bytes(self, direction: str, dtype: int, size: int) -> None:
         """`size` bytes of a theta-sized tensor in `dtype` `direction` ("received" or "sent")."""
-        self.wire_bytes.labels(direction, ENCODING_NAMES.get(dtype, "other")).inc(size)
+        child = self._encodings.get((direction, dtype))
+        if child is None:
+            if direction not in DIRECTIONS:
+                raise ValueError(f"tensor bytes' direction {direction!r}: not one of {DIRECTIONS}")
+            child = self.wire_bytes.child(direction, "other")
+        self.wire_bytes.inc(size, child)
 
     def data_plane_refused(self, reason: str) -> None:
         self.data_plane_refusals.labels(reason).inc()
