@@ -50,10 +50,8 @@ def shared_payload(values: np.ndarray) -> tuple[np.ndarray, EncodedTensor]:
 
 
 def commit_volatile(state: ServerState, worker_id: str, payload: EncodedTensor, request_id: str) -> None:
-    slot = state.registry.slot_of(worker_id)
-    state.core.commit(
-        slot, worker_id, request_id, 0, state.version, PayloadKind.GRADIENT.value, payload, FLOAT32, payload_volatile=True
-    )
+    slot, kind = state.registry.slot_of(worker_id), PayloadKind.GRADIENT.value
+    state.core.commit(slot, worker_id, request_id, 0, state.version, kind, payload, FLOAT32, payload_volatile=True)
 
 
 def test_a_shared_payload_gives_theta_the_bits_a_copied_one_gives() -> None:
@@ -88,7 +86,7 @@ def test_a_rule_that_cannot_hold_a_shared_payload_reads_a_copy() -> None:
     """downpour reads the payload with numpy (more than once): the core copies it first, so the
     checks and the step see the same values."""
     state, worker_id = registered("downpour")
-    memory, payload = shared_payload(np.full(P, 2.0))
+    _, payload = shared_payload(np.full(P, 2.0))
     assert not state.rule.holds_payload  # type: ignore[union-attr]
     before = state.theta_copy()
     commit_volatile(state, worker_id, payload, "r1")
