@@ -92,6 +92,8 @@ class ParameterServer:
         self.checkpointer = (
             Checkpointer(config, self.state, self.applier, self.metrics) if config.checkpoint_dir else None
         )
+        if self.checkpointer is not None:  # every applied commit, a primary's or a replayed one
+            self.state.core.on_applied = self.checkpointer.committed
         # Data-plane tickets: one key for every replica of the partition (a backup adopts its primary's).
         tickets = Tickets()
         # Who answers and when a commit is acknowledged: this process alone, or its partition's replicas.
@@ -101,7 +103,6 @@ class ParameterServer:
             self.state,
             self.applier,
             self.metrics,
-            on_committed=self.checkpointer.committed if self.checkpointer is not None else None,
             replicas=self.replication,
             tickets=tickets,
         )
@@ -226,7 +227,6 @@ class ParameterServer:
 
     async def _start_applier(self) -> None:
         self.applier.start()
-        self.service.attach_loop(asyncio.get_running_loop())
 
     async def _drain_applier(self, grace: float) -> None:
         await asyncio.to_thread(self.applier.stop)  # runs what is still queued

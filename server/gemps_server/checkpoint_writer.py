@@ -65,6 +65,8 @@ class Checkpointer:
         self._stopping = asyncio.Event()
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the schedule's (committed() wakes it)
+        self._requested = False  # a commit woke the schedule, which has not started writing yet
         self._directory_lock = DirectoryLock(self.directory)  # one server per directory
 
     # -- start-up ------------------------------------------------------------------------------
@@ -133,12 +135,19 @@ class Checkpointer:
     # -- while serving ---------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._run(), name="gemps-checkpoints")
 
     def committed(self, version: int) -> None:
-        """After each applied commit (on the event loop): checkpoint when N commits went by."""
-        if self._due_by_count(version):
-            self._due.set()
+        """After each applied commit, on whichever thread applied it (the commit core's hook, on a
+        primary and on a backup replaying): checkpoint when N commits went by. The event loop is
+        woken only then, once (a loop already closed is a server stopping: its final checkpoint
+        comes after)."""
+        if self._requested or not self._due_by_count(version) or self._loop is None:
+            return
+        self._requested = True
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._due.set)
 
     def _due_by_count(self, version: int) -> bool:
         return bool(self.every) and version - (self.last_version or 0) >= self.every
@@ -153,11 +162,13 @@ class Checkpointer:
             if self._stopping.is_set():
                 return
             self._due.clear()
+            self._requested = False  # commits from here on may ask for the next one
             await self.write()
             if self.failed:
                 await _wait(self._stopping, FAILURE_BACKOFF_SECONDS)
             elif not self._due_by_count(self._state.version):
                 self._due.clear()  # set by commits during the write, against the previous checkpoint
+                self._requested = False
 
     async def write(self, *, applier_running: bool = True) -> Path | None:
         """Write a checkpoint if the version moved since the last one; returns its path."""

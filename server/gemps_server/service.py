@@ -7,20 +7,19 @@ event loop (`commit`, `pull`, awaited); the data plane from its own loop's threa
 callers needs its half (a selector loop without asyncio cannot await; a coroutine should not
 block on a callback), and both halves share the state's operation, the applier and the
 bookkeeping (`_current`, `_committed`). Every state change goes through the applier (one at a
-time, in arrival order); this is where its outcome is counted in the metrics, logged, and handed
-to the checkpoint writer. Reads that need no ordering (a current snapshot, Status, what a
-stream's header must be checked against) are answered here directly.
+time, in arrival order); this is where its outcome is counted in the metrics and logged (the
+checkpoint schedule hears of it from the commit core itself). Reads that need no ordering (a
+current snapshot, Status, what a stream's header must be checked against) are answered here
+directly.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -68,7 +67,6 @@ class ParameterService:
         state: ServerState,
         applier: Applier,
         metrics: ServerMetrics,
-        on_committed: Callable[[int], None] | None = None,
         replicas: Replicas = NO_REPLICAS,
         tickets: Tickets | None = None,
     ) -> None:
@@ -79,10 +77,6 @@ class ParameterService:
         self._state = state
         self._applier = applier
         self._metrics = metrics
-        # Called on the event loop with the new version after each applied commit (checkpoints):
-        # from a data-plane thread through the loop (attach_loop), as it is not thread-safe.
-        self._on_committed = on_committed
-        self._loop: asyncio.AbstractEventLoop | None = None
         # Registrations carry a ticket once the data plane listens; its key is shared with
         # replication when replicated (its partition's one key).
         self.data_plane = DataPlaneOffer(tickets or Tickets())
@@ -219,10 +213,6 @@ class ParameterService:
         worker = self._state.registry.get(worker_id)
         return self.data_plane.tickets.issue(worker.worker_id, worker.client_id)
 
-    def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The event loop the checkpoint hook runs on (data-plane commits hand it over)."""
-        self._loop = loop
-
     async def pull(self, worker_id: str, known_version: int, reply_dtype: int) -> Snapshot:
         """The current snapshot, encoded in `reply_dtype` unless the caller already has its version."""
         snapshot, encode = self._current(worker_id, known_version, reply_dtype)
@@ -267,7 +257,7 @@ class ParameterService:
         # Small models: applied on the event loop when the applier is idle (see Applier.submit_timed).
         inline = self._state.num_parameters <= INLINE_MAX_PARAMETERS
         timed = await self._applier.submit_timed(apply, inline=inline)
-        committed = self._committed(commit, timed, self._on_committed)
+        committed = self._committed(commit, timed)
         await acknowledged(self._replicas, committed[0].position)
         return committed
 
@@ -294,7 +284,7 @@ class ParameterService:
             if timed is None:
                 deliver(None, error)
                 return
-            committed = self._committed(commit, timed, self._committed_threadsafe)
+            committed = self._committed(commit, timed)
             # The reply is written; it is handed over once the commit may be acknowledged.
             self._replicas.when_replicated(
                 committed[0].position,
@@ -303,19 +293,7 @@ class ParameterService:
 
         self._applier.submit_then(apply, applied, inline=True)
 
-    def _committed_threadsafe(self, version: int) -> None:
-        """The checkpoint hook, handed to the event loop (it is not thread-safe); a loop already
-        closed is a server stopping: its final checkpoint comes after the data plane stopped."""
-        if self._on_committed is not None and self._loop is not None:
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self._on_committed, version)
-
-    def _committed(
-        self,
-        commit: Commit,
-        timed: Timed[tuple[CommitOutcome, R]],
-        on_committed: Callable[[int], None] | None,
-    ) -> tuple[CommitOutcome, R]:
+    def _committed(self, commit: Commit, timed: Timed[tuple[CommitOutcome, R]]) -> tuple[CommitOutcome, R]:
         """A commit's bookkeeping once the applier ran it, whichever wire it came through."""
         outcome, built = timed.result
         self._metrics.tensor_bytes("received", commit.payload.dtype, len(commit.payload.data))
@@ -334,8 +312,6 @@ class ParameterService:
                     suppressed=suppressed,
                 )
             return outcome, built
-        if on_committed is not None:
-            on_committed(outcome.snapshot.version)
         self._metrics.applied(
             outcome.staleness,
             outcome.stats,

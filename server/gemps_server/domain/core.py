@@ -19,6 +19,7 @@ applier thread, one call at a time; the event loop only reads `snapshot`, replac
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -54,6 +55,9 @@ class CommitCore:
         self._journal: Journal = NoJournal()
         self._recording = False  # a commit's entry is built only for a journal that records it
         self._latest: weakref.ref[Snapshot] = weakref.ref(Snapshot(0))  # dead at once: see `snapshot`
+        # Told the version after each applied commit, on the thread that applied it (the
+        # checkpoint schedule: Checkpointer.committed): a primary's commits and a backup's replays.
+        self.on_applied: Callable[[int], None] | None = None
         # Where a payload its client can still write is copied before it is read (_landed).
         self._landing = np.empty(0, dtype=np.float32)
 
@@ -176,6 +180,8 @@ class CommitCore:
         self.registry.committed(worker, staleness, loss, num_samples, stats)  # lease, counts, rate, pi
         self.version += 1  # its snapshot is encoded when a reply asks (encoded(), theta_bytes())
         self.ledger.record(worker.scope, request_id, Receipt(self.version, staleness, stats, sequence))
+        if self.on_applied is not None:
+            self.on_applied(self.version)
         position = 0
         if self._recording:
             commit = Commit(

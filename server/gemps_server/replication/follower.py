@@ -72,14 +72,12 @@ class Follower:
         handshake: Handshake,
         primary_name: str,
         on_end: Callable[[str], None],
-        on_applied: Callable[[int], None] | None = None,
         adopt_ticket_key: Callable[[bytes], None] | None = None,
     ) -> None:
         self._state, self._applier, self._me = state, applier, me
         self.primary, self.epoch = primary, epoch
         self._handshake, self._primary_name = handshake, primary_name
         self._on_end = on_end
-        self._on_applied = on_applied  # with the version after each entry applied (checkpoints)
         self._adopt_ticket_key = adopt_ticket_key  # the primary's, from the handshake (data-plane tickets)
         self.applied = 0  # entries applied from this primary
         self.seeded = False
@@ -162,8 +160,6 @@ class Follower:
                 entry, position, _epoch = entries.decode(frame)
                 _on_applier(self._applier, functools.partial(self._state.replay, entry))
                 self.applied += 1
-                if self._on_applied is not None:
-                    self._on_applied(self._state.version)
             else:
                 raise ConnectionError(f"unexpected replication frame {frame.kind!r}")
             frames.send(sock, frames.Frame(frames.ACK, {"position": position}))

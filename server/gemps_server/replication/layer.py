@@ -6,18 +6,17 @@
 one part of the server's lifecycle: started once the gRPC door has its port (others reach this
 replica there), stopped first (the replica resigns, so a backup takes over at once). What else a
 replica needs of the server is wired here, not in app.py: the data-plane ticket key it shares
-with the service, its metrics collector, the epoch each checkpoint records, the restored
-checkpoint's (epoch, version) its election reads, and the checkpoint hook after a backup's replay.
+with the service, its metrics collector, the epoch each checkpoint records, and the restored
+checkpoint's (epoch, version) its election reads. A backup's replayed commits reach the checkpoint
+schedule as a primary's do: through the commit core's hook (CommitCore.on_applied).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import socket
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -111,17 +110,13 @@ class Replicated:
         handshake = Handshake(credential(config), config.partition, config.replicas)
         from gemps_server.replication.replica import Replica
 
-        self.replica = Replica(
-            state, applier, config.replicas, config.replica_timeout, handshake, tickets, on_applied=self._replayed
-        )
+        self.replica = Replica(state, applier, config.replicas, config.replica_timeout, handshake, tickets)
         self.port = 0
         # A backup checkpoints too (a job whose every replica restarts resumes from the newest
-        # state any of them saw): its replayed commits reach the hook this process's own reach.
-        self._on_committed: Callable[[int], None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # state any of them saw): its replayed commits go through the commit core, whose hook
+        # the checkpoint schedule is; each checkpoint records the epoch its state follows.
         if checkpointer is not None:
-            self._on_committed = checkpointer.committed
-            checkpointer.epoch = self._held_epoch  # the epoch of the journal its state follows
+            checkpointer.epoch = self._held_epoch
 
     # -- the port (gemps_server.replicas.Replicas) ----------------------------------------------
 
@@ -162,7 +157,6 @@ class Replicated:
         from gemps_server.replication.etcd_client import EtcdAccess, check_access
         from gemps_server.replication.replica import Replica, listen
 
-        self._loop = asyncio.get_running_loop()
         config = self._config
         bound: list[socket.socket] = []
 
@@ -210,14 +204,6 @@ class Replicated:
     async def stop(self, grace: float) -> None:
         """Step down (the lease is given back, so a backup takes over without waiting for it)."""
         await asyncio.to_thread(self.replica.stop)
-
-    def _replayed(self, version: int) -> None:
-        """A backup applied its primary's journal up to `version` (on the replication stream's
-        thread): the checkpoint hook, handed to the event loop (it is not thread-safe); a loop
-        already closed is a server stopping: its final checkpoint comes after."""
-        if self._on_committed is not None and self._loop is not None:
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self._on_committed, version)
 
 
 def advertised_host(config: ServerConfig) -> str:

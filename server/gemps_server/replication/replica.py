@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from gemps_proto.reasons import Reason
 from gemps_server.domain.applier import Applier
@@ -56,14 +56,10 @@ class Replica:
         timeout: float,
         handshake: Handshake,
         tickets: Tickets,
-        on_applied: Callable[[int], None] | None = None,
     ) -> None:
         self._state, self._applier = state, applier
         # The data plane's ticket key: sent with a primary's seed, adopted by its backups.
         self._tickets = tickets
-        # Told the version after each entry applied as a backup: a backup checkpoints too, so a job
-        # whose every replica restarts resumes from the newest state any of them saw.
-        self._on_applied = on_applied
         self.replicas = replicas
         self._timeout = timeout
         self._handshake = handshake
@@ -213,7 +209,6 @@ class Replica:
             self._handshake,
             primary.name,
             ended,
-            self._on_applied,
             self._tickets.adopt,
         )
         self._follower = follower
