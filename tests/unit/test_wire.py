@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from gemps_proto import protobuf_wire
 from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_server.commit_frame import commit_from_proto
 from gemps_server.wire import messages as serde
 from gemps_server.wire.messages import MalformedRequest, WithTensor
 
@@ -95,8 +96,8 @@ def test_the_fast_path_reads_what_protobuf_reads(
             assert isinstance(parsed, MalformedRequest)
             continue
         assert isinstance(parsed, WithTensor)
-        commit = serde.commit_from_proto(parsed.message, parsed.tensor)
-        reference = serde.commit_from_proto(expected)
+        commit = commit_from_proto(parsed.message, parsed.tensor)
+        reference = commit_from_proto(expected)
         assert commit.payload.dtype == reference.payload.dtype
         assert commit.payload.shape == reference.payload.shape
         assert bytes(commit.payload.data) == bytes(reference.payload.data)

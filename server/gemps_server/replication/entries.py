@@ -1,6 +1,7 @@
 """Journal entries (domain/journal.py) as replication frames, and back.
 
-A commit travels as the worker sent it (its payload in the worker's dtype, as a blob), so the
+A commit travels as the data plane's COMMIT frame (gemps_server/commit_frame.py: its start and its
+payload, as two blobs): the one byte form of a commit beyond gRPC, as the worker sent it, so the
 backup runs the very same validation and rule on the very same bytes. `encode` copies each blob
 (on the primary's applier, inside the operation): the wire's buffers are reused once it returns.
 """
@@ -12,8 +13,8 @@ from typing import Any
 
 from gemps_proto.schema import ParameterSpec
 from gemps_proto.tensor_codec import EncodedBuffers, EncodedTensor
+from gemps_server import commit_frame
 from gemps_server.domain.journal import Committed, Departed, Entry, Joined
-from gemps_server.domain.records import Commit
 from gemps_server.replication.frames import ENTRY, Blob, Frame
 
 
@@ -35,20 +36,8 @@ def encode(entry: Entry, position: int, epoch: int) -> Frame:
         return None if value is None else [tensor(value.floats), tensor(value.integers)]
 
     if isinstance(entry, Committed):
-        c = entry.commit
-        header["commit"] = {
-            "worker_id": c.worker_id,
-            "base_version": c.base_version,
-            "kind": c.kind,
-            "payload": tensor(c.payload),
-            "request_id": c.request_id,
-            "sequence": c.sequence,
-            "reply_dtype": c.reply_dtype,
-            "loss": c.loss,
-            "num_samples": c.num_samples,
-            "buffer_delta": buffers(c.buffer_delta),
-            "payload_peak": c.payload_peak,
-        }
+        header["commit"] = "frame"  # its two blobs: a COMMIT frame's start and its payload
+        blobs.extend(commit_frame.frame_of(entry.commit))
     elif isinstance(entry, Departed):
         header["departed"] = list(entry.worker_ids)
     else:
@@ -71,24 +60,9 @@ def decode(frame: Frame) -> tuple[Entry, int, int]:
     try:
         position, epoch = int(header["position"]), int(header["epoch"])
         if "commit" in header:
-            c = header["commit"]
-            payload = _tensor(c["payload"], blobs)
-            if payload is None:
-                raise BadEntry("a commit without a payload")
-            commit = Commit(
-                worker_id=str(c["worker_id"]),
-                base_version=int(c["base_version"]),
-                kind=int(c["kind"]),
-                payload=payload,
-                request_id=str(c["request_id"]),
-                sequence=int(c["sequence"]),
-                reply_dtype=int(c["reply_dtype"]),
-                loss=None if c["loss"] is None else float(c["loss"]),
-                num_samples=None if c["num_samples"] is None else int(c["num_samples"]),
-                buffer_delta=_buffers(c["buffer_delta"], blobs),
-                payload_peak=None if c["payload_peak"] is None else float(c["payload_peak"]),
-            )
-            return Committed(commit), position, epoch
+            if header["commit"] != "frame":
+                raise BadEntry(f"malformed journal entry: a commit as {header['commit']!r}, not a COMMIT frame")
+            return Committed(commit_frame.commit_of(blobs)), position, epoch
         if "departed" in header:
             return Departed(tuple(str(worker_id) for worker_id in header["departed"])), position, epoch
         j = header["joined"]

@@ -51,6 +51,7 @@ from gemps_proto.data_plane_protocol import ServerConnection
 from gemps_proto.reasons import Reason
 from gemps_proto.tensor_codec import FLOAT32, EncodedTensor, expected_nbytes
 from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_server.commit_frame import commit_from_proto, reply_dtype_from_proto
 from gemps_server.domain.applier import ApplierStopped
 from gemps_server.domain.errors import (
     DeadlineExceeded,
@@ -279,7 +280,7 @@ class Connection:
         try:
             buffer = held.buffer
             data = buffer.take(expected).data  # the payload, landed in the buffer
-            commit = messages.commit_from_proto(request, EncodedTensor(dtype, shape, data), _peak(data, dtype))
+            commit = commit_from_proto(request, EncodedTensor(dtype, shape, data), _peak(data, dtype))
             # The reply's θ is placed in the pooled buffer while θ holds the commit's version, then sent.
             writer = messages.stream_commit_reply(buffer)
             outcome, theta = yield Call(lambda deliver: service.commit_then(commit, writer, deliver))
@@ -293,7 +294,7 @@ class Connection:
         assert isinstance(self._protocol.next_event(), PayloadComplete)
         region, service = self._region, self._service
         assert region is not None
-        commit = messages.commit_from_proto(header.request, payload, volatile=True)
+        commit = commit_from_proto(header.request, payload, volatile=True)
         writer = messages.stream_commit_reply(region.buffer)
         mirror = region.floats if commit.reply_dtype == FLOAT32 else None
         outcome, theta = yield Call(lambda deliver: service.commit_then(commit, writer, deliver, mirror))
@@ -308,7 +309,7 @@ class Connection:
     def _pull(self, pull: PullRequested) -> Steps:
         service, request = self._service, pull.request
         known = request.known_version if request.known_history == service.history else -1
-        dtype = messages.reply_dtype_from_proto(request.reply_dtype)
+        dtype = reply_dtype_from_proto(request.reply_dtype)
         # No pooled buffer: θ goes from the version's shared encoding, what it pins bounded by the
         # reply budget, held before the snapshot is taken (data_plane_replies.py).
         task = self._task

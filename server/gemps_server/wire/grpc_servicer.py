@@ -25,6 +25,7 @@ from gemps_proto.schema import ParameterSpec
 from gemps_proto.tensor_codec import EncodedBuffers, EncodedTensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
+from gemps_server.commit_frame import commit_from_proto, reply_dtype_from_proto
 from gemps_server.domain.applier import ApplierStopped
 from gemps_server.domain.errors import ServiceError
 from gemps_server.domain.records import Snapshot
@@ -213,9 +214,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         held = known != self.service.version
         if held:
             await self._hold_reply(context)
-        snapshot = await self.service.pull(
-            request.worker_id, known, messages.reply_dtype_from_proto(request.reply_dtype)
-        )
+        snapshot = await self.service.pull(request.worker_id, known, reply_dtype_from_proto(request.reply_dtype))
         unchanged = known == snapshot.version
         if not unchanged and not held:  # the version moved since the check above
             await self._hold_reply(context)
@@ -283,7 +282,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
 
     @rpc
     async def Pull(self, request: pb.PullRequest, context: Context) -> pb.PullResponse | bytes:  # type: ignore[override]
-        reply_dtype = messages.reply_dtype_from_proto(request.reply_dtype)
+        reply_dtype = reply_dtype_from_proto(request.reply_dtype)
         snapshot, unchanged = await self._pull(request, context)
         if unchanged:
             return messages.unchanged_to_proto(snapshot.version, self.service.history)
@@ -295,7 +294,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
     ) -> AsyncIterator[pb.PullResponseChunk | bytes]:
         """Pull with the parameters in pieces, read from the version's one shared encoding: a
         pull holds no copy of θ of its own, however many run at once."""
-        reply_dtype = messages.reply_dtype_from_proto(request.reply_dtype)
+        reply_dtype = reply_dtype_from_proto(request.reply_dtype)
         snapshot, unchanged = await self._pull(request, context)
         yield messages.pull_stream_header_to_proto(
             snapshot, unchanged, reply_dtype, self.service.num_parameters, self.service.history
@@ -306,7 +305,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
 
     @rpc
     async def Commit(self, received: WithTensor[pb.CommitRequest], context: Context) -> bytes:  # type: ignore[override]
-        commit = messages.commit_from_proto(received.message, received.tensor)
+        commit = commit_from_proto(received.message, received.tensor)
         await self._hold_reply(context)
         # Framed by the state on the applier, straight from θ at the commit's version.
         _, reply = await self.service.commit(
@@ -320,13 +319,13 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
     ) -> AsyncIterator[pb.CommitResponseChunk | bytes]:
         """Commit with the payload and the reply's parameters in pieces (see CommitChunk)."""
         header = await streams.stream_header(requests, self._pace.idle_timeout, pb.CommitChunk)
-        dtype = messages.reply_dtype_from_proto(header.reply_dtype)
+        dtype = reply_dtype_from_proto(header.reply_dtype)
         # One pooled buffer per stream: the payload is assembled in it, then the reply's θ is
         # copied into the same bytes. Streams past the pool wait in gRPC flow control.
         async with self._stream_buffers.buffer() as buffer:
             expected = self.service.expected_payload_bytes
             payload = await streams.receive_payload(header, requests, self._pace, buffer, expected)
-            commit = messages.commit_from_proto(header, payload)
+            commit = commit_from_proto(header, payload)
             outcome, data = await self.service.commit(commit, messages.stream_commit_reply(buffer))
             yield messages.stream_header_to_proto(outcome, dtype, self.service.num_parameters)
             for frame in data_frames(data):  # framed as they go: one piece at a time

@@ -25,11 +25,10 @@ from gemps_proto import schema_proto as shared
 from gemps_proto import versions
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import ParameterSpec, Registration
-from gemps_proto.schema_proto import tensor_from_proto
 from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor, dtype_name
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.errors import FailedPrecondition, InvalidArgument
-from gemps_server.domain.records import Commit, CommitOutcome, RegistrationOutcome, ReplyWriter, Snapshot
+from gemps_server.domain.records import CommitOutcome, RegistrationOutcome, ReplyWriter, Snapshot
 from gemps_server.domain.validation import check_spec_length
 from gemps_server.wire.stream_buffers import Buffer
 
@@ -71,12 +70,6 @@ def parse_with_tensor(message_class: type[M], field_number: int, data: bytes) ->
     except DecodeError as error:
         return MalformedRequest(message_class.DESCRIPTOR.full_name, str(error))
     return WithTensor(message, tensor)
-
-
-def reply_dtype_from_proto(dtype: int) -> int:
-    """The wire format a reply asks for: float32 when unspecified; others as sent (the state checks
-    them in the protocol's order: after the worker)."""
-    return FLOAT32 if dtype == pb.DTYPE_UNSPECIFIED else dtype
 
 
 def spec_from_proto(messages: Sequence[pb.ParameterSpec]) -> tuple[ParameterSpec, ...]:
@@ -148,33 +141,6 @@ def registered_to_proto(
     if not include_parameters or registered.initialized_theta or registered.snapshot.data(FLOAT32) is None:
         return header.SerializeToString()
     return with_parameters(header, framing.REGISTER_REPLY_FIELD, registered.snapshot, FLOAT32, num_parameters)
-
-
-def commit_from_proto(
-    request: pb.CommitRequest,
-    payload: EncodedTensor | None = None,
-    payload_peak: float | None = None,
-    *,
-    volatile: bool = False,
-) -> Commit:
-    """The domain's Commit; `payload` when it was received apart (a view, or CommitStream's pieces),
-    its max |value| when the wire measured it, and whether it lies in memory its client can still
-    write (`volatile`: its shared memory)."""
-    return Commit(
-        worker_id=request.worker_id,
-        base_version=request.base_version,
-        kind=request.kind,
-        payload=tensor_from_proto(request.payload) if payload is None else payload,
-        request_id=request.request_id,
-        sequence=request.sequence,
-        reply_dtype=reply_dtype_from_proto(request.reply_dtype),
-        loss=request.loss if request.HasField("loss") else None,
-        num_samples=request.num_samples if request.HasField("num_samples") else None,
-        buffer_delta=shared.buffers_from_proto(request, "buffer_delta", "integer_buffer_delta"),
-        payload_peak=payload_peak,
-        held_copy=request.held_copy,
-        payload_volatile=volatile,
-    )
 
 
 def outcome_header(outcome: CommitOutcome) -> pb.CommitResponse:
