@@ -86,6 +86,7 @@ class ParameterServer:
             max_parameters=config.max_parameters,
             noise_window=config.noise_window,
             memory=memory,
+            compiled_core=config.compiled_core,
         )
         self.applier = Applier(observer=lambda timing: self.metrics.applier_ran(timing.run_seconds, timing.cpu_seconds))
         self._observe_state()

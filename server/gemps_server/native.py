@@ -9,7 +9,9 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -106,3 +108,14 @@ def noise_window(update: np.ndarray, window: np.ndarray, stride: int, mode: int)
         return payload, payload
     summed = np.add(slots, sampled, out=slots if mode == WINDOW_ADD else None)
     return payload, float(np.dot(summed, summed))
+
+
+#: the compiled commit core (csrc/core.c, domain/core.py's common case), or None where not built
+native_commit: Callable[[Any, Any, Any, Any], Any] | None = None if compiled is None else compiled.core_commit
+
+
+def setup_core(*types_and_values: object) -> None:
+    """Hand the compiled commit core the Python types and values it uses (once, by domain/core.py:
+    GemRule, ApplyStats, Receipt, PayloadKind.GRADIENT, Snapshot, CommitOutcome, SAFE_MAGNITUDE)."""
+    if compiled is not None:
+        compiled.core_setup(*types_and_values)

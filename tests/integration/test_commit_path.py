@@ -44,6 +44,10 @@ DOCS = REPO / "docs" / "ARCHITECTURE.md"
 SECTION = "## The path of one commit"
 DATA_PLANE_SECTION = "## The path of one data-plane commit"
 REPLICATED_SECTION = "## The path of one replicated commit"
+# The path walked is the Python commit core's (domain/core.py), whose frames a stack shows: the
+# compiled core (csrc/core.c) runs the common case from the same entry, in the same order, and is
+# held to it bit for bit (tests/unit/test_commit_core.py).
+PYTHON_CORE = "python"
 # Past this many parameters the applier always runs a commit on its own thread (service.py).
 LARGE_MODEL_FEATURES = 1024  # Linear(1024, 300): 307,500 parameters
 
@@ -161,7 +165,7 @@ def test_docs_list_the_commit_path(title: str) -> None:
 def test_a_small_commit_crosses_each_file_once_as_documented(start_server: StartServer) -> None:
     """A small model's commit runs inline on the server's event loop: the whole server path is
     one stack, from the servicer to the rule."""
-    server = start_server(rule="gem")
+    server = start_server(rule="gem", commit_core=PYTHON_CORE)
     recorder = StackInRule()
     sdk_stack = one_step(server.target, 64, recorder, lambda: server.server.state, StackAtGrpc())
     sdk_files = project_files(sdk_stack)
@@ -177,7 +181,7 @@ def test_a_small_commit_crosses_each_file_once_as_documented(start_server: Start
 def test_a_large_commit_crosses_the_applier_thread_the_same_way(start_server: StartServer) -> None:
     """Past the inline bound the applier's thread runs the commit: its stack is the tail of the
     documented path, from the applier to the rule."""
-    server = start_server(rule="gem")
+    server = start_server(rule="gem", commit_core=PYTHON_CORE)
     recorder = StackInRule()
     one_step(server.target, LARGE_MODEL_FEATURES, recorder, lambda: server.server.state, StackAtGrpc())
     assert len(recorder.stacks) == 1
@@ -198,7 +202,7 @@ def test_a_data_plane_commit_crosses_each_file_once_as_documented(
     to the rule, one stack."""
     monkeypatch.setenv("GEMPS_PLANE", "data")
     monkeypatch.setenv("GEMPS_SHARED_MEMORY", shared_memory)
-    server = start_server(rule="gem")
+    server = start_server(rule="gem", commit_core=PYTHON_CORE)
     recorder = StackInRule()
     sdk_stack = one_step(server.target, 64, recorder, lambda: server.server.state, StackAtDataPlane(monkeypatch))
     assert len(recorder.stacks) == 1

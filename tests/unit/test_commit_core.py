@@ -4,11 +4,16 @@ when the rule holds what it reads to the checked peak and no journal must replay
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import numpy as np
+import pytest
 
 from gemps_proto.schema import ParameterSpec, PayloadKind
-from gemps_proto.tensor_codec import FLOAT32, EncodedTensor
+from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor
 from gemps_server.domain.journal import Committed, Entry
+from gemps_server.domain.records import Commit, CommitOutcome
 from gemps_server.domain.rules import RuleRuntime
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
@@ -92,3 +97,162 @@ def test_a_rule_that_cannot_hold_a_shared_payload_reads_a_copy() -> None:
     commit_volatile(state, worker_id, payload, "r1")
     assert state.core._landing[:P].tolist() == [2.0] * P  # what the step read: the core's own copy
     np.testing.assert_allclose(state.theta_copy(), before - 0.05 * 2.0, rtol=1e-6)
+
+
+# -- the compiled core (csrc/core.c) against this module, bit for bit ---------------------------------
+
+WORKERS = 3
+
+
+def twin_states(rule: str = "gem", **options: Any) -> tuple[tuple[ServerState, ServerState], list[list[str]]]:
+    """Two states alike in everything but the commit core: (compiled, Python), and each one's
+    worker ids (registered in the same order: the same slots)."""
+    pair, ids = [], []
+    for compiled in (True, False):
+        clock = CLOCKS[compiled]
+        clock.now = 100.0
+        runtime = RuleRuntime(gem_kernel="auto")
+        state = ServerState(training(rule, **options), WorkerRegistry(8, lease_ttl=60.0, clock=clock), runtime)
+        state.core.compiled = state.core.compiled if compiled else None
+        spec = (ParameterSpec("w", (P,)),)
+        registered = [
+            state.register(f"w{i}", spec, encoded(THETA) if i == 0 else None, client_id=f"c{i}").worker.worker_id
+            for i in range(WORKERS)
+        ]
+        ids.append(registered)
+        pair.append(state)
+    assert pair[0].core.compiled is not None, "the compiled core was not built"
+    return (pair[0], pair[1]), ids
+
+
+class Clock:
+    """A registry's clock that moves only when told (the twins' leases and recent windows read
+    the same times)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+CLOCKS = {True: Clock(), False: Clock()}  # the compiled twin's, the Python twin's
+
+
+def held(state: ServerState) -> dict[str, Any]:
+    """Everything a commit may change, as bytes and text (the twins' random worker ids named by
+    their slots, which registering in the same order makes the same)."""
+    rule = state.rule
+    assert rule is not None
+    registered = state.registry.export().workers
+    noise = state.noise.export()
+    found: dict[str, Any] = {
+        "theta": state.theta_copy().tobytes(),
+        "version": state.version,
+        "commits": state.commits_applied,
+        "bound": repr(rule.theta_bound(state.core.theta)),
+        "workers": [
+            {name: np.asarray(value).tobytes() for name, value in sorted(rule.worker_state(w.worker_id).items())}
+            for w in registered
+        ],
+        "ledger": repr(state.ledger.export()),
+        "registry": repr(state.registry.export()),
+        "listing": repr(state.registry.listing()),
+        "recent": repr(state.registry.recent_commits()),
+        "noise": (noise.total.tobytes(), repr(dataclasses.replace(noise, total=np.empty(0)))),
+    }
+    for worker in registered:
+        for key in ("ledger", "registry"):
+            found[key] = found[key].replace(worker.worker_id, f"slot-{worker.slot}")
+    return found
+
+
+def figures(outcome: CommitOutcome) -> str:
+    return repr((outcome.snapshot.version, outcome.staleness, outcome.stats, outcome.duplicate, outcome.epoch))
+
+
+def a_commit(index: int, worker_id: str, base: int, rng: np.random.Generator, memory: np.ndarray) -> Commit:
+    """The index-th of a varied run: gradients and updates, stale ones, with and without loss and
+    samples, a peak the wire measured or not, some in the client's memory (volatile)."""
+    memory[:] = rng.standard_normal(P).astype(np.float32) * np.float32(10.0 ** rng.integers(-4, 1))
+    if index % 5 == 3:
+        memory[rng.integers(0, P, 40)] = 0.0  # some parameters not moved: pi's sample without them
+    if index % 7 == 6:
+        memory[:] = 0.0  # nothing moved at all
+    kind = PayloadKind.UPDATE if index % 4 == 1 else PayloadKind.GRADIENT
+    peak = float(np.abs(memory).max()) if index % 3 == 0 else None
+    return Commit(
+        worker_id, base, kind.value, EncodedTensor(FLOAT32, (P,), memory.data.cast("B")), f"r{index}", index + 1,
+        FLOAT32, loss=0.5 if index % 2 else None, num_samples=32 if index % 3 else None, payload_peak=peak,
+        payload_volatile=index % 2 == 0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("noise_window", [0, 1])
+def test_the_compiled_core_applies_commits_as_the_python_core_does(noise_window: int) -> None:
+    (compiled, python), ids = twin_states()
+    for state in (compiled, python):
+        state.core.noise.option = noise_window
+    rng = [np.random.default_rng(7), np.random.default_rng(7)]
+    handled = 0
+    for index in range(60):
+        base = max(0, compiled.version - index % 4)  # stale by 0 to 3
+        replies = []
+        for side, state in enumerate((compiled, python)):
+            memory = np.empty(P, np.float32)
+            commit = a_commit(index, ids[side][index % WORKERS], base, rng[side], memory)
+            out = memory if commit.payload_volatile else (np.empty(P, np.float32) if index % 3 else None)
+            if side == 0:
+                done = state.core.compiled(state.core, commit, lambda o, d: bytes(d), out)  # type: ignore[misc]
+                handled += done is not None
+                if done is None:
+                    done = state.core.commit_and_reply(commit, lambda o, d: bytes(d), out)
+            else:
+                done = state.core.commit_and_reply(commit, lambda o, d: bytes(d), out)
+            replies.append((figures(done[0]), done[1]))
+        for clock in CLOCKS.values():
+            clock.now += 0.25
+        assert replies[0] == replies[1], f"commit {index}"
+        assert held(compiled) == held(python), f"after commit {index}"
+    assert handled >= 50, f"the compiled core applied {handled} of 60"
+
+
+def test_what_the_compiled_core_leaves_to_the_python_core_it_does_not_touch() -> None:
+    """A retry, a late attempt, another reply dtype, a buffer delta, a base version ahead, a payload
+    not finite, an unknown worker, one that overflows in place, a journal to record: None, nothing
+    changed (the Python core then answers each as it always did)."""
+    (compiled, _), ids = twin_states()
+    core = compiled.core
+    memory = np.full(P, 0.01, np.float32)
+    payload = EncodedTensor(FLOAT32, (P,), memory.data.cast("B"))
+    first = Commit(ids[0][0], 0, PayloadKind.GRADIENT.value, payload, "first", 5)
+    assert core.compiled is not None and core.compiled(core, first, lambda o, d: None, None) is not None
+    before = held(compiled)
+    nan = np.full(P, np.nan, np.float32)
+    huge = np.full(P, 3e38, np.float32)
+    cases = {
+        "a retry": first,
+        "a late attempt": dataclasses.replace(first, request_id="older", sequence=4),
+        "bfloat16 replies": dataclasses.replace(first, request_id="a", sequence=6, reply_dtype=2),
+        "a buffer delta": dataclasses.replace(first, request_id="b", sequence=6, buffer_delta=EncodedBuffers(None)),
+        "ahead": dataclasses.replace(first, request_id="c", sequence=6, base_version=5),
+        "not finite": dataclasses.replace(first, request_id="d", sequence=6, payload=encoded(nan)),
+        "unknown": dataclasses.replace(first, worker_id="nobody", request_id="e", sequence=6),
+        "overflow": dataclasses.replace(first, request_id="f", sequence=6, kind=2, payload=encoded(huge)),
+        "long id": dataclasses.replace(first, request_id="x" * 129, sequence=6),
+    }
+    for what, commit in cases.items():
+        assert core.compiled(core, commit, lambda o, d: None, None) is None, what
+        assert held(compiled) == before, what
+    compiled.journal = Entries()
+    fresh = dataclasses.replace(first, request_id="g", sequence=7)
+    assert core.compiled(core, fresh, lambda o, d: None, None) is None, "a journal to record"
+    assert held(compiled) == before
+
+
+def test_other_rules_go_through_the_python_core() -> None:
+    (compiled, _), ids = twin_states("downpour")
+    payload = encoded(np.full(P, 0.5, np.float32))
+    commit = Commit(ids[0][0], 0, PayloadKind.UPDATE.value, payload, "r", 1)
+    assert compiled.core.compiled is not None
+    assert compiled.core.compiled(compiled.core, commit, lambda o, d: None, None) is None

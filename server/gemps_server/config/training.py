@@ -13,6 +13,9 @@ from gemps_server.domain.rules.gem import GEM_KERNELS, GEM_OWN_STEP
 from gemps_server.memory_budget import MIB
 from gemps_server.native import compiled
 
+#: --commit-core: compiled (csrc/core.c where it applies), python (domain/core.py alone), auto (compiled if built)
+COMMIT_CORES = ("auto", "compiled", "python")
+
 
 @dataclass(frozen=True)
 class TrainingOptions:
@@ -37,6 +40,15 @@ class WorkerOptions:
     shards, the memory their rule state may take) and how their commits are applied (GEM's
     kernel and state, the noise estimate's window)."""
 
+    commit_core: str = field(
+        default="auto",
+        metadata={
+            "help": "how a commit runs: compiled (csrc/core.c: the common case, GEM's exact state on the compiled "
+            "kernel, in C; everything else in Python), python (domain/core.py alone: the reference the compiled "
+            "core is tested against); auto: compiled if built",
+            "choices": COMMIT_CORES,
+        },
+    )
     gem_kernel: str = field(
         default="auto",
         metadata={
@@ -92,8 +104,17 @@ class WorkerOptions:
         },
     )
 
+    @property
+    def compiled_core(self) -> bool:
+        """Whether commits take the compiled core where it applies (--commit-core)."""
+        return self.commit_core != "python" and compiled is not None
+
     def problems(self) -> list[str]:
-        """An unknown GEM kernel, or the compiled one where it was not built (the ranges: ServerConfig)."""
+        """An unknown GEM kernel or commit core, or a compiled one where it was not built (the ranges: ServerConfig)."""
+        if self.commit_core not in COMMIT_CORES:
+            return [f"unknown commit_core {self.commit_core!r} (choose from {', '.join(COMMIT_CORES)})"]
+        if self.commit_core == "compiled" and compiled is None:
+            return ["commit_core 'compiled' is not built here (no C compiler at install?): use auto or python"]
         if self.gem_kernel not in GEM_KERNELS:
             return [f"unknown gem_kernel {self.gem_kernel!r} (choose from {', '.join(GEM_KERNELS)})"]
         if self.gem_kernel == "compiled" and compiled is None:

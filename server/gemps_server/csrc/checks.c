@@ -65,6 +65,13 @@ peak_of(const float *restrict values, Py_ssize_t n)
     return peak;
 }
 
+/* peak_of for the compiled commit core (core.c). */
+float
+peak_of_values(const float *values, Py_ssize_t n)
+{
+    return peak_of(values, n);
+}
+
 PyObject *
 max_abs(PyObject *self, PyObject *args)
 {
@@ -160,16 +167,12 @@ select_kth(float *values, Py_ssize_t n, Py_ssize_t k)
     return values[k];
 }
 
-PyObject *
-median_in_place(PyObject *self, PyObject *args)
+/* The median of data[0..n) (the mean of the two middle values for an even count), NaN-free;
+ * reorders the values. */
+double
+median_of(float *data, Py_ssize_t n)
 {
-    Py_buffer values;
-    if (!PyArg_ParseTuple(args, "w*", &values)) {
-        return NULL;
-    }
-    const Py_ssize_t n = values.len / (Py_ssize_t)sizeof(float);
     double middle = 0.0;
-    float *data = (float *)values.buf; /* at most a sample of 8,192: the GIL kept (see RELEASE_GIL_FROM) */
     /* pi is mostly clamped with several workers (at 0 or pi_max): when one extreme holds more
      * than half the values it is the median (both middle values, for an even count), and one
      * pass finds it; the selection below costs several times that. */
@@ -204,6 +207,18 @@ median_in_place(PyObject *self, PyObject *args)
             middle = ((double)lower + (double)upper) / 2.0;
         }
     }
+    return middle;
+}
+
+PyObject *
+median_in_place(PyObject *self, PyObject *args)
+{
+    Py_buffer values;
+    if (!PyArg_ParseTuple(args, "w*", &values)) {
+        return NULL;
+    }
+    /* at most a sample of 8,192: the GIL kept (see RELEASE_GIL_FROM) */
+    const double middle = median_of((float *)values.buf, values.len / (Py_ssize_t)sizeof(float));
     PyBuffer_Release(&values);
     return PyFloat_FromDouble(middle);
 }

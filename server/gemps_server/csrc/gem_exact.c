@@ -99,6 +99,16 @@ update_in_place(float *restrict t, float *restrict m, float *restrict s, const f
     return 1;
 }
 
+/* The in-place pass for the compiled commit core (core.c), which has checked the bound itself. */
+int
+gem_in_place(float *t, float *m, float *s, const float *u, Py_ssize_t n, float scale, float momentum, float kappa,
+             float pi_max, float epsilon, Py_ssize_t stride, float *sampled, Sums *sums, float *mirror, float *window,
+             Py_ssize_t wstride, int mode, float bound)
+{
+    return update_in_place(t, m, s, u, n, scale, momentum, kappa, pi_max, epsilon, stride, sampled, sums, mirror,
+                           window, wstride, mode, bound);
+}
+
 /* The same pass into t_out and m_out, theta, m_i and s_i only read: returns 0 at the first block
  * with a value that is not finite (the caller then drops the outputs: nothing it keeps was
  * written). */

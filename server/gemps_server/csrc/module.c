@@ -39,6 +39,12 @@ static PyMethodDef methods[] = {
      "avx2 or baseline, the best supported by default; a name given chooses it (they write the same bytes)."},
     {"compact_encode", compact_encode, METH_VARARGS,
      "compact_encode(float32 values, uint8 codes, float32 scales) -> the largest block peak: block_codes.encode."},
+    {"core_setup", core_setup, METH_VARARGS,
+     "core_setup(GemRule, ApplyStats, Receipt, PayloadKind.GRADIENT, Snapshot, CommitOutcome, SAFE_MAGNITUDE):\n"
+     "the types and values core_commit uses."},
+    {"core_commit", (PyCFunction)(void (*)(void))core_commit, METH_FASTCALL,
+     "core_commit(core, commit, reply, out) -> (outcome, reply's result) when the compiled commit core applied\n"
+     "the commit (GEM's exact state, in place), else None with nothing changed (domain/core.py runs it)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from gemps_proto.reasons import Reason
 from gemps_proto.reply_differences import DIFFERENCE_DTYPES, WHOLE_DTYPE
-from gemps_proto.schema import Buffers
+from gemps_proto.schema import Buffers, PayloadKind
 from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor, encode, wire_view
 from gemps_server.domain import validation
 from gemps_server.domain.errors import Aborted, FailedPrecondition, InvalidArgument
@@ -33,16 +33,26 @@ from gemps_server.domain.journal import Committed, Journal, NoJournal
 from gemps_server.domain.ledger import CommitLedger, Receipt
 from gemps_server.domain.noise import NoiseEstimator
 from gemps_server.domain.records import Commit, CommitOutcome, R, ReplyWriter, Snapshot
-from gemps_server.domain.rules import CommitRule, NonFiniteUpdate
+from gemps_server.domain.rules import ApplyStats, CommitRule, NonFiniteUpdate
+from gemps_server.domain.rules.gem import GemRule
+from gemps_server.domain.rules.overflow import SAFE_MAGNITUDE
 from gemps_server.domain.worker_copies import WorkerCopies
 from gemps_server.domain.workers import WorkerRegistry
-from gemps_server.native import copy_max_abs
+from gemps_server.native import copy_max_abs, native_commit, setup_core
+
+# What the compiled core (csrc/core.c) makes and compares against, defined here in Python.
+setup_core(GemRule, ApplyStats, Receipt, PayloadKind.GRADIENT, Snapshot, CommitOutcome, SAFE_MAGNITUDE)
 
 
 class CommitCore:
     """θ and what moves it: the state every commit reads and writes, and the commit itself."""
 
-    def __init__(self, registry: WorkerRegistry, noise: NoiseEstimator, copies: WorkerCopies) -> None:
+    def __init__(
+        self, registry: WorkerRegistry, noise: NoiseEstimator, copies: WorkerCopies, *, compiled: bool = True
+    ) -> None:
+        # The compiled commit core (csrc/core.c) where it was built and is not turned off
+        # (--commit-core python: this module alone, the reference it is tested against).
+        self.compiled = native_commit if compiled else None
         self.registry = registry
         self.noise = noise  # the gradient noise scale (noise.py)
         self.copies = copies  # what difference-reply workers hold of θ (worker_copies.py)
@@ -189,9 +199,13 @@ class CommitCore:
                 buffer_delta, payload_peak,
             )  # fmt: skip
             position = self.journal.append(Committed(commit))
-        return CommitOutcome(
-            self.with_buffers(self.snapshot), staleness, stats, position=position, epoch=self.journal.epoch
-        )
+        return self._applied_outcome(staleness, stats, position)
+
+    def _applied_outcome(self, staleness: int, stats: ApplyStats, position: int = 0) -> CommitOutcome:
+        """An applied commit's outcome: this version's snapshot, its figures, its journal position
+        (the compiled core's too)."""
+        snapshot = self.with_buffers(self.snapshot)
+        return CommitOutcome(snapshot, staleness, stats, position=position, epoch=self.journal.epoch)
 
     def commit_and_reply(
         self, commit: Commit, reply: ReplyWriter[R], out: np.ndarray | None = None
@@ -200,7 +214,12 @@ class CommitCore:
         bytes in the commit's reply dtype (a view of θ itself where no encoding is shared): the
         one operation the applier runs per commit, so no other commit moves θ in between. With
         `out` (float32, P: where the reply is read from) the rule writes θ there as it computes
-        it, and the reply is written from those bytes."""
+        it, and the reply is written from those bytes. The compiled core runs the common case
+        (csrc/core.c: GEM's exact state, in place), else this code does."""
+        if self.compiled is not None:
+            done: tuple[CommitOutcome, R] | None = self.compiled(self, commit, reply, out)
+            if done is not None:  # None: it changed nothing, and leaves the commit to the code below
+                return done
         outcome = self.commit_record(commit, out)
         if commit.reply_dtype in DIFFERENCE_DTYPES:  # a difference from the worker's copy, or θ whole
             outcome, data = self.copies.reply(

@@ -1,17 +1,19 @@
 """The last minute's applied commits, in time buckets: the rate, loss, staleness and pi Status shows.
 
 One `RecentCommits` window is kept for the server (every commit applied here) and one per
-registered worker (workers.py). Each is at most BUCKETS small lists, whatever the commit rate:
-a commit adds to the newest bucket, and buckets older than a minute are dropped. The applier
-adds; Status reads from the event loop without a lock: the deque is copied in one step (under
-the GIL), and a bucket read while a commit adds to it is off by that one commit, which a
-minute's figures do not notice.
+registered worker (workers.py). Each is BUCKETS rows of sums in one float64 array, a ring
+(whatever the commit rate): a commit adds to the newest row, or starts a row for its bucket over
+the oldest one. The applier adds (here, or the compiled commit core: csrc/core_books.c, the same
+operations in the same order); Status reads from the event loop without a lock: the rows are
+copied in one step (under the GIL), and a row read while a commit adds to it is off by that one
+commit, which a minute's figures do not notice.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
+
+import numpy as np
 
 from gemps_proto.status import RECENT_SECONDS, RecentCommits
 from gemps_server.domain.rules.base import ApplyStats
@@ -20,41 +22,51 @@ from gemps_server.domain.rules.base import ApplyStats
 BUCKETS = 12
 BUCKET_SECONDS = RECENT_SECONDS / BUCKETS
 
-# A bucket: [its index (time // BUCKET_SECONDS), commits, samples, loss commits, loss sum, staleness sum,
-# then the sums of each commit's mean pi, fraction of pi at 0 and fraction at pi_max]
-Bucket = list[float]
-_SUMS = 9  # a bucket's length
+# A row: [its bucket's index (time // BUCKET_SECONDS), commits, samples, loss commits, loss sum,
+# staleness sum, then the sums of each commit's mean pi, fraction of pi at 0 and fraction at pi_max]
+_SUMS = 9  # a row's length
+# The ring's place: [the newest row, how many rows are in use]
+_NEWEST, _USED = 0, 1
 
 
 class RecentWindow:
     """Commits applied since `start` (a monotonic time), the last RECENT_SECONDS of them kept."""
 
-    __slots__ = ("_buckets", "_start")
+    __slots__ = ("_ring", "_rows", "_start")
 
     def __init__(self, start: float) -> None:
         self._start = start
-        self._buckets: deque[Bucket] = deque(maxlen=BUCKETS)
+        self._rows = np.zeros((BUCKETS, _SUMS), dtype=np.float64)
+        self._ring = np.array([BUCKETS - 1, 0], dtype=np.int64)
 
     def add(self, now: float, staleness: int, loss: float | None, num_samples: int | None, stats: ApplyStats) -> None:
         """One commit applied at `now`, with what it reported and how the rule scaled it."""
         index = now // BUCKET_SECONDS
-        if not self._buckets or self._buckets[-1][0] != index:
-            self._buckets.append([index] + [0.0] * (_SUMS - 1))
-        bucket = self._buckets[-1]
-        bucket[1] += 1
-        bucket[2] += num_samples or 0
+        rows, ring = self._rows, self._ring
+        newest = int(ring[_NEWEST])
+        if not ring[_USED] or float(rows[newest, 0]) != index:
+            newest = (newest + 1) % BUCKETS
+            rows[newest] = 0.0
+            rows[newest, 0] = index
+            ring[_NEWEST], ring[_USED] = newest, min(int(ring[_USED]) + 1, BUCKETS)
+        row = rows[newest]
+        row[1] += 1
+        row[2] += num_samples or 0
         if loss is not None and math.isfinite(loss):
-            bucket[3] += 1
-            bucket[4] += loss
-        bucket[5] += staleness
-        bucket[6] += stats.scaling_mean
-        bucket[7] += stats.fraction_at_zero
-        bucket[8] += stats.fraction_at_max
+            row[3] += 1
+            row[4] += loss
+        row[5] += staleness
+        row[6] += stats.scaling_mean
+        row[7] += stats.fraction_at_zero
+        row[8] += stats.fraction_at_max
 
     def summary(self, now: float) -> RecentCommits:
         """The commits of the buckets within a minute of `now`, over the span they cover."""
         first = now // BUCKET_SECONDS - (BUCKETS - 1)  # the oldest bucket still counted
-        kept = [bucket for bucket in list(self._buckets) if bucket[0] >= first]
+        rows, ring = self._rows.copy(), self._ring.copy()
+        newest, used = int(ring[_NEWEST]), int(ring[_USED])
+        ordered = [rows[(newest - used + 1 + k) % BUCKETS].tolist() for k in range(used)]  # oldest first
+        kept = [bucket for bucket in ordered if bucket[0] >= first]
         seconds = max(0.0, now - max(self._start, first * BUCKET_SECONDS))
         commits = int(sum(bucket[1] for bucket in kept))
         loss_commits = int(sum(bucket[3] for bucket in kept))

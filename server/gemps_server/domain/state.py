@@ -61,6 +61,7 @@ class ServerState:
         max_parameters: int | None = None,
         noise_window: int = NOISE_WINDOW_AUTO,
         memory: MemoryBudget | None = None,
+        compiled_core: bool = True,
     ) -> None:
         self._training = training
         # What the workers' rule state may take (memory_budget.py); no bound unless given.
@@ -80,7 +81,8 @@ class ServerState:
         self._initializer_until = 0.0  # monotonic deadline of the worker asked for initial values
         self._initializer = ""  # its client id ("" when it sent none)
         # θ and what moves it: every commit goes through the core (core.py).
-        self.core = CommitCore(registry, NoiseEstimator(noise_window, training.batch_size), self._new_copies())
+        noise = NoiseEstimator(noise_window, training.batch_size)
+        self.core = CommitCore(registry, noise, self._new_copies(), compiled=compiled_core)
 
     # -- what the core holds, read (and, for images and replicas, replaced) here -----------------
 

@@ -60,7 +60,7 @@ from gemps_server.domain.errors import (
     ServiceError,
     Unauthenticated,
 )
-from gemps_server.domain.records import CommitOutcome
+from gemps_server.domain.records import CommitOutcome, ReplyWriter
 from gemps_server.metrics import ServerMetrics
 from gemps_server.native import max_abs
 from gemps_server.service import ParameterService
@@ -270,8 +270,9 @@ class Connection:
             raise Unread(error) from None
         task = self._task
         assert task is not None
-        if header.shared:  # in the client's memory: the core reads it there, or copies it first
-            yield from self._commit_shared(header, EncodedTensor(dtype, shape, self._shared_payload(expected)))
+        if header.shared:  # in the client's memory (the core refuses a SHARED frame without it): read there
+            assert self._region is not None
+            yield from self._commit_shared(header, EncodedTensor(dtype, shape, self._region.view[:expected]))
             return
         # On the socket: read whole on the fast lane, or the slow one (uploads).
         held = yield from self._lanes.receive(task, request.worker_id, expected, self._limits.pace)
@@ -295,16 +296,14 @@ class Connection:
         region, service = self._region, self._service
         assert region is not None
         commit = commit_from_proto(header.request, payload, volatile=True)
-        writer = messages.stream_commit_reply(region.buffer)
-        mirror = region.floats if commit.reply_dtype == FLOAT32 else None
+        writer: ReplyWriter[memoryview]
+        mirror: np.ndarray | None
+        if commit.reply_dtype == FLOAT32:  # the rule writes θ into the client's memory (a mirror)
+            writer, mirror = messages.written_there, region.floats
+        else:  # θ encoded, then copied there
+            writer, mirror = messages.stream_commit_reply(region.buffer), None
         outcome, theta = yield Call(lambda deliver: service.commit_then(commit, writer, deliver, mirror))
         yield from self._send(_reply_header(outcome, commit.reply_dtype, service), theta)
-
-    def _shared_payload(self, size: int) -> memoryview:
-        region = self._region
-        if region is None:
-            raise Unread(InvalidArgument("a SHARED commit on a connection with no shared memory", Reason.MALFORMED))
-        return region.view[:size]
 
     def _pull(self, pull: PullRequested) -> Steps:
         service, request = self._service, pull.request

@@ -188,6 +188,12 @@ def _placed_in(buffer: Buffer, outcome: CommitOutcome, theta: bytes | memoryview
     return buffer.copy_in(theta)
 
 
+def written_there(outcome: CommitOutcome, theta: bytes | memoryview) -> memoryview:
+    """The reply writer where the rule wrote θ where the client reads it (its shared memory, the
+    domain's `out=`): nothing to place, only θ's size to announce."""
+    return memoryview(theta)
+
+
 def stream_header_to_proto(outcome: CommitOutcome, reply_dtype: int, num_parameters: int) -> pb.CommitResponseChunk:
     """CommitStream's first reply: the CommitResponse whose parameters say dtype and shape; the
     data follows in pieces."""

@@ -52,6 +52,7 @@ class Buffer:
         already is those bytes (θ written there by the rule)."""
         source = np.frombuffer(data, np.uint8)
         target = self.take(source.nbytes)
-        if source.ctypes.data != target.ctypes.data:
+        # __array_interface__, not .ctypes: the same address, without building a ctypes object
+        if source.__array_interface__["data"][0] != target.__array_interface__["data"][0]:
             target[:] = source
         return target.data

@@ -141,6 +141,9 @@ class GemRule(GemBase):
 
     def _allocate(self, num_parameters: int) -> None:
         self._workers: dict[str, _WorkerState] = {}
+        # What the compiled commit core (csrc/core.c) runs itself: the compiled kernel, s_i taken
+        # before the step; the other forms go through `step`.
+        self.native_step = self.kernel == "compiled" and self.own_step == "counted"
         block = min(BLOCK, max(1, num_parameters))
         # Block-sized scratch, reused by every block of every commit.
         self._delta, self._movement, self._pi, self._denominator = (np.empty(block, dtype=np.float32) for _ in range(4))
