@@ -62,6 +62,11 @@ class OptionValues(dict[str, float]):
     def _read_only(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise TypeError("a config's rule options are read-only: dataclasses.replace(config, rule_options=...)")
 
+    def __reduce__(self) -> tuple[type[OptionValues], tuple[dict[str, float]]]:
+        """Pickled whole, made again from a plain dict (pickle's dict path would set items one by
+        one, which a read-only mapping refuses: Ray pickles a config inside every Status)."""
+        return OptionValues, (dict(self),)
+
     __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _read_only
 
 

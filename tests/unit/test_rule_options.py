@@ -3,7 +3,9 @@ config is checked and where a rule is made, and one flag with one meaning across
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import pickle
 import re
 
 import pytest
@@ -126,3 +128,13 @@ def test_the_registry_refuses_a_rule_it_could_not_make_or_name() -> None:
         register_rule(ClashingRule)
     assert {"local-test", "not-taking-it-test", "clashing-test"}.isdisjoint(rule_names())
     assert [o.name for o in CATALOG.declared()] == ["momentum", "kappa", "pi_max"]
+
+
+def test_a_config_with_rule_options_pickles_and_copies() -> None:
+    """Ray pickles a config inside every Status a partition actor returns: a read-only mapping that
+    pickle rebuilt item by item could not be unpickled, and `gemps ray` printed no progress."""
+    config = TrainingConfig.from_flat({"rule": "gem", "momentum": 0.5})
+    for again in (pickle.loads(pickle.dumps(config)), copy.deepcopy(config)):
+        assert again == config and again.rule_options == {"momentum": 0.5}
+        with pytest.raises(TypeError, match="read-only"):
+            again.rule_options["momentum"] = 0.1  # type: ignore[index]
