@@ -32,33 +32,35 @@ _NEWEST, _USED = 0, 1
 class RecentWindow:
     """Commits applied since `start` (a monotonic time), the last RECENT_SECONDS of them kept."""
 
-    __slots__ = ("_ring", "_rows", "_start")
+    __slots__ = ("_at", "_cells", "_ring", "_rows", "_start")
 
     def __init__(self, start: float) -> None:
         self._start = start
         self._rows = np.zeros((BUCKETS, _SUMS), dtype=np.float64)
         self._ring = np.array([BUCKETS - 1, 0], dtype=np.int64)
+        # The same memory as memoryviews: one element read or written costs a fraction of numpy's.
+        self._cells, self._at = memoryview(self._rows.reshape(-1)), memoryview(self._ring)
 
     def add(self, now: float, staleness: int, loss: float | None, num_samples: int | None, stats: ApplyStats) -> None:
         """One commit applied at `now`, with what it reported and how the rule scaled it."""
         index = now // BUCKET_SECONDS
-        rows, ring = self._rows, self._ring
-        newest = int(ring[_NEWEST])
-        if not ring[_USED] or float(rows[newest, 0]) != index:
-            newest = (newest + 1) % BUCKETS
-            rows[newest] = 0.0
-            rows[newest, 0] = index
-            ring[_NEWEST], ring[_USED] = newest, min(int(ring[_USED]) + 1, BUCKETS)
-        row = rows[newest]
-        row[1] += 1
-        row[2] += num_samples or 0
+        cells, at = self._cells, self._at
+        row = at[_NEWEST] * _SUMS
+        if not at[_USED] or cells[row] != index:
+            newest = (at[_NEWEST] + 1) % BUCKETS
+            self._rows[newest] = 0.0
+            row = newest * _SUMS
+            cells[row] = index
+            at[_NEWEST], at[_USED] = newest, min(at[_USED] + 1, BUCKETS)
+        cells[row + 1] = cells[row + 1] + 1
+        cells[row + 2] = cells[row + 2] + (num_samples or 0)
         if loss is not None and math.isfinite(loss):
-            row[3] += 1
-            row[4] += loss
-        row[5] += staleness
-        row[6] += stats.scaling_mean
-        row[7] += stats.fraction_at_zero
-        row[8] += stats.fraction_at_max
+            cells[row + 3] = cells[row + 3] + 1
+            cells[row + 4] = cells[row + 4] + loss
+        cells[row + 5] = cells[row + 5] + staleness
+        cells[row + 6] = cells[row + 6] + stats.scaling_mean
+        cells[row + 7] = cells[row + 7] + stats.fraction_at_zero
+        cells[row + 8] = cells[row + 8] + stats.fraction_at_max
 
     def summary(self, now: float) -> RecentCommits:
         """The commits of the buckets within a minute of `now`, over the span they cover."""
