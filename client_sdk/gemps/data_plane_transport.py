@@ -411,17 +411,25 @@ class DataPlaneTransport:
             self._become(Link.OFFERED)
 
 
+#: a socket's timeout is set again only when the call's time left differs from it by more than
+#: this (each setting is a system call; two a commit, which a commit's own time barely moves)
+TIMEOUT_SLACK = 0.05
+
+
 def _bounded(connection: DataConnection, timeout: float | None) -> None:
     """Each wait on `connection`'s socket within `timeout` (the calls'), or what is left of the
-    call's deadline when that is sooner (the Client's `timeout` bounds the whole call); None:
-    as the socket is."""
+    call's deadline when that is sooner (the Client's `timeout` bounds the whole call), give or
+    take TIMEOUT_SLACK; None: as the socket is."""
     if timeout is None:
         return
     try:
-        connection.sock.settimeout(time_left(timeout))
+        left = time_left(timeout)
     except errors.DeadlineExceededError:
         connection.close()  # nothing sent; the next call opens another
         raise
+    current = connection.sock.gettimeout()
+    if current is None or abs(current - left) > TIMEOUT_SLACK:
+        connection.sock.settimeout(left)
 
 
 def _committed(connection: DataConnection, timeout: float | None = None) -> Committed:

@@ -261,10 +261,19 @@ def gone_if_foreign(target: str) -> Iterator[None]:
     try:
         yield
     except GempsError as error:
-        if error.code != grpc.StatusCode.UNIMPLEMENTED:
+        failure = foreign_as_gone(target, error)
+        if failure is error:
             raise
-        raise ServerUnavailableError(
-            f"UNAVAILABLE: {target} answers as another gRPC service ({error.message or 'UNIMPLEMENTED'}): "
-            "the gemps server that was there is gone",
-            ServerUnavailableError.code,
-        ) from None
+        raise failure from None
+
+
+def foreign_as_gone(target: str, error: GempsError) -> GempsError:
+    """`error` of a call to a server this client was registered with, as gone_if_foreign raises it:
+    UNIMPLEMENTED as the server being unavailable, anything else as it is."""
+    if error.code != grpc.StatusCode.UNIMPLEMENTED:
+        return error
+    return ServerUnavailableError(
+        f"UNAVAILABLE: {target} answers as another gRPC service ({error.message or 'UNIMPLEMENTED'}): "
+        "the gemps server that was there is gone",
+        ServerUnavailableError.code,
+    )

@@ -9,7 +9,6 @@ Transport itself, so the session's retries and the router's concurrent calls nee
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import TypeVar
@@ -97,13 +96,16 @@ class FollowingTransport:
             self._follow()
         # Once registered here, another gRPC service at the address (UNIMPLEMENTED) is whoever
         # took the port since the server died: gone, retried, on every call (registering again too).
-        known = self.registered is not None and self.registered() is not None
         try:
-            with errors.gone_if_foreign(self.transport.target) if known else contextlib.nullcontext():
-                result = call(self.transport)
-        except errors.RETRIED:
-            self._suspect = True
-            raise
+            result = call(self.transport)
+        except errors.GempsError as error:
+            known = self.registered is not None and self.registered() is not None
+            failure = errors.foreign_as_gone(self.transport.target, error) if known else error
+            if isinstance(failure, errors.RETRIED):
+                self._suspect = True
+            if failure is error:
+                raise
+            raise failure from None
         self._answered = True
         return result
 

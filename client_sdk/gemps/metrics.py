@@ -22,8 +22,6 @@ give each client its own registry, or one process one client, as a worker is.
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -43,15 +41,6 @@ COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 
 class NoMetrics:
     """What a client without a metrics registry counts: nothing."""
-
-    @contextlib.contextmanager
-    def commit_timer(self) -> Iterator[None]:
-        """Around a commit call: its time observed when it ends (replied or raised)."""
-        started = time.monotonic()
-        try:
-            yield
-        finally:
-            self.commit_took(time.monotonic() - started)
 
     def commit_took(self, seconds: float) -> None:
         """A commit call ended after `seconds`."""

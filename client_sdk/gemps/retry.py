@@ -111,7 +111,7 @@ class Retrier:
     def call(self, attempt: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`attempt(*args, **kwargs)` until it returns; other errors, and the last one, are raised
         (as DeadlineExceededError when the call's deadline is what ended the retries)."""
-        delays = self.policy.delays()
+        delays: Iterator[float] | None = None  # the policy's waits, from the first failure on
         first_failure: float | None = None  # when the server last stopped answering this call
         said = 0.0  # when a retry was last logged at INFO
         failover_until: float | None = None  # while a failover is under way: quick retries
@@ -127,6 +127,7 @@ class Retrier:
             if failover_until is not None and now < failover_until:
                 delay: float | None = random.uniform(0.0, FAILOVER_RETRY_SECONDS)
             else:
+                delays = self.policy.delays() if delays is None else delays
                 delay = next(delays, None)
             deadline = current_deadline()
             if deadline is not None and deadline.left() <= (delay or 0.0):  # no time for another attempt

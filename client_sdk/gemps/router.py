@@ -126,6 +126,9 @@ class PartitionRouter:
         self.buffers = Buffers()  # the newest central buffers received (partition 0's)
         self.central: CentralVariable | None = None  # the newest central variable received
         self._sequence = 0  # the number of this client's last commit (see CommitCall.sequence)
+        # Request ids: a prefix of this router's own, random, then the commit's number: unique per
+        # client (the ledger's scope), and never one of the 32-hex-digit ids older checkpoints hold.
+        self._request_prefix = uuid.uuid4().hex[:16] + "-"
         self._replicas: dict[int, Replicas] = {}  # partitions announced as replica sets, by index
 
     @property
@@ -198,8 +201,8 @@ class PartitionRouter:
         """Each server's slice of `flat`, concurrently; θ, versions and figures from the replies.
         Every attempt carries the same request id and number, so each server applies it at most
         once, also when an old attempt arrives after later commits (see CommitCall)."""
-        request_id = uuid.uuid4().hex
         self._sequence += 1
+        request_id = f"{self._request_prefix}{self._sequence}"
         sessions = self.sessions
         slices, bases = self._slices(flat), self._base_versions(base_version)
         encoded = [self._encoded(i, part) for i, part in enumerate(slices)]
