@@ -39,7 +39,8 @@ class RecentWindow:
         self._rows = np.zeros((BUCKETS, _SUMS), dtype=np.float64)
         self._ring = np.array([BUCKETS - 1, 0], dtype=np.int64)
         # The same memory as memoryviews: one element read or written costs a fraction of numpy's.
-        self._cells, self._at = memoryview(self._rows.reshape(-1)), memoryview(self._ring)
+        self._cells = self._rows.data.cast("B").cast("d")
+        self._at = self._ring.data.cast("B").cast("q")
 
     def add(self, now: float, staleness: int, loss: float | None, num_samples: int | None, stats: ApplyStats) -> None:
         """One commit applied at `now`, with what it reported and how the rule scaled it."""
