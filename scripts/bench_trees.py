@@ -88,12 +88,17 @@ def main() -> None:
     for round_index in range(args.rounds):
         for ref, tree in trees.items():
             out = args.trees / "out" / f"{ref.replace('/', '_')}-{round_index}"
-            for run in run_bench(tree, args, out):
+            try:
+                runs = run_bench(tree, args, out)
+            except subprocess.CalledProcessError as failed:  # a tree that does not run (a commit mid-merge)
+                print(f"{ref}: gemps bench exited with {failed.returncode}: left out of round {round_index}", flush=True)
+                continue
+            for run in runs:
                 run.update(ref=ref, round=round_index)
                 every.append(run)
                 print(json.dumps({k: run[k] for k in ("ref", "system", "num_parameters", *FIGURES)}), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(every, indent=1))
+            if args.json:  # as it goes: a run stopped part-way keeps what it measured
+                args.json.write_text(json.dumps(every, indent=1))
     print(table(every, args.refs))
 
 
