@@ -91,7 +91,7 @@ def main() -> None:
             try:
                 runs = run_bench(tree, args, out)
             except subprocess.CalledProcessError as failed:  # a tree that does not run (a commit mid-merge)
-                print(f"{ref}: gemps bench exited with {failed.returncode}: left out of round {round_index}", flush=True)
+                print(f"{ref}: gemps bench exited with {failed.returncode}: not in round {round_index}", flush=True)
                 continue
             for run in runs:
                 run.update(ref=ref, round=round_index)
