@@ -46,15 +46,15 @@ from gemps.resolver import Target, as_resolver
 from gemps.retry import NO_RETRY, Retrier, RetryPolicy, resolve_patience
 from gemps.router import PartitionRouter
 from gemps.serialised import serialised
-from gemps.transport import Transport, call_deadline
+from gemps.transport import Transport, call_deadline, refuse_non_finite
 from gemps.wire_options import check_wire_options, resolve_plane, resolve_shared_memory
 from gemps_proto import vectors
 from gemps_proto.grpc_framing import DEFAULT_CHUNK_BYTES
 from gemps_proto.reasons import Reason
 from gemps_proto.reply_differences import REPLY_COMPRESSIONS
 from gemps_proto.schema import PayloadKind, buffer_spec_of, flatten, spec_of
-from gemps_proto.tensor_codec import WIRE_DTYPE_NAMES, all_finite
-from gemps_proto.vectors import ArrayLike, Vector
+from gemps_proto.tensor_codec import WIRE_DTYPE_NAMES
+from gemps_proto.vectors import ArrayLike
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -284,7 +284,7 @@ class Client:
             raise errors.NotRegisteredError("call register() before pull() or commit()")
         if kind not in PAYLOAD_KINDS:
             raise ValueError(f"kind must be one of {', '.join(PAYLOAD_KINDS)}, not {kind!r}")
-        flat = _finite("payload", named_payloads.payload_vector(payload, self.spec))
+        flat = named_payloads.payload_vector(payload, self.spec)  # its values are checked as it is sent (router)
         started = time.monotonic()  # its latency, when the client has metrics
         try:
             return self._router.commit(
@@ -366,7 +366,7 @@ class Client:
         """The delta by kind, as the buffer spec splits it (gemps.named_payloads: refused before
         anything is sent when it does not fit the spec)."""
         by_kind = named_payloads.buffer_delta(delta, self.buffer_spec)
-        _finite("buffer_delta", by_kind.floats)
+        refuse_non_finite("buffer_delta", by_kind.floats)
         return by_kind
 
     # -- what the client holds -------------------------------------------------------------------
@@ -421,14 +421,3 @@ class Client:
     def retries(self) -> int:
         """Attempts retried after UNAVAILABLE, DEADLINE_EXCEEDED or a busy server, over this client's life."""
         return self._retrier.retries
-
-
-def _finite(what: str, values: Vector) -> Vector:
-    """`values` when every one is finite; else InvalidArgumentError before anything is sent, so that
-    no partition of θ applies a commit that another would refuse (one pass: about 2 ms for 10M
-    float32 values here, docs/RELIABILITY.md)."""
-    if not all_finite(values):
-        raise errors.InvalidArgumentError(
-            f"{what} contains NaN or Inf: not sent", errors.InvalidArgumentError.code, Reason.NON_FINITE
-        )
-    return values

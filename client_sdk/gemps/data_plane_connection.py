@@ -28,6 +28,7 @@ from typing import NoReturn, TypeVar
 from google.protobuf.message import DecodeError, Message
 
 from gemps import errors
+from gemps.transport import refuse_non_finite, time_left
 from gemps_proto import proofs, vectors
 from gemps_proto.data_plane_events import (
     NEED_DATA,
@@ -52,6 +53,10 @@ from gemps_proto.vectors import Vector
 
 M = TypeVar("M", bound=Message)
 Payload = bytes | memoryview
+
+#: a socket's timeout is set again only when the call's time left differs from it by more than
+#: this (each setting is a system call; two a commit, which a commit's own time barely moves)
+TIMEOUT_SLACK = 0.05
 
 
 class Unreachable(Exception):
@@ -211,13 +216,33 @@ class DataConnection:
 
     # -- frames -------------------------------------------------------------------------------------
 
-    def send(self, op: int, header: bytes, payload: Payload = b"") -> None:
+    def bound(self, timeout: float | None) -> None:
+        """Each wait on the socket within `timeout` (the calls'), or what is left of the call's
+        deadline when that is sooner (the Client's `timeout` bounds the whole call), give or take
+        TIMEOUT_SLACK; None: as the socket is."""
+        if timeout is None:
+            return
+        try:
+            left = time_left(timeout)
+        except errors.DeadlineExceededError:
+            self.close()  # nothing sent; the next call opens another
+            raise
+        current = self.sock.gettimeout()
+        if current is None or abs(current - left) > TIMEOUT_SLACK:
+            self.sock.settimeout(left)
+
+    def send(self, op: int, header: bytes, payload: Payload = b"", *, finite: str | None = None) -> None:
         """A request frame, from the payload's own memory (a view of the caller's array), or
-        through the shared memory when attached (copied there: the caller keeps its array)."""
+        through the shared memory when attached (copied there: the caller keeps its array).
+        `finite` (float32 values, shared memory): the payload's name, its copy checked for NaN
+        and Inf before anything is sent (refused as refuse_non_finite refuses it: in cache there,
+        where a check of the caller's array read it from memory once more)."""
         data = memoryview(payload).cast("B")
-        start = memoryview(self._protocol.send(Request(Op(op), header, len(data))))
         if self._shared is not None:  # the frame is flagged SHARED: only its start goes
             self._shared_view[: len(data)] = data
+            if finite is not None:
+                refuse_non_finite(finite, vectors.float32s(self._shared_view[: len(data)]))
+        start = memoryview(self._protocol.send(Request(Op(op), header, len(data))))
         with self._typed():
             self._write([start] if self._shared is not None else [start, data])
 

@@ -50,13 +50,14 @@ from gemps.transport import (
     PullCall,
     Pulled,
     Registered,
+    refuse_non_finite,
     time_left,
 )
 from gemps_proto import vectors
 from gemps_proto.data_plane_frames import Op
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import DataPlane
-from gemps_proto.tensor_codec import EncodedTensor
+from gemps_proto.tensor_codec import FLOAT32, EncodedTensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 log = logging.getLogger("gemps.client")
@@ -361,9 +362,13 @@ class DataPlaneTransport:
             if connection is None:
                 return self.grpc.start_commit(call)
             dtype, data = call.wire(self.grpc.wire_dtype)
+            # Checked where it is copied (the shared memory, in cache then) when it goes as float32 values.
+            on_copy = call.check_finite and connection.shared and call.encoded is None and dtype == FLOAT32
+            if call.check_finite and not on_copy:
+                refuse_non_finite("payload", call.payload)
             header = messages.announced_commit(call, self.grpc.wire_dtype, dtype).SerializeToString()
-            _bounded(connection, self.grpc.timeout)
-            connection.send(Op.COMMIT, header, data)
+            connection.bound(self.grpc.timeout)
+            connection.send(Op.COMMIT, header, data, finite="payload" if on_copy else None)
         except errors.GempsError as error:
             return Failed(error)
         return Deferred(lambda: _committed(connection, self.grpc.timeout))
@@ -376,7 +381,7 @@ class DataPlaneTransport:
             connection = self._ready(call.worker_id)
             if connection is None:
                 return self.grpc.start_pull(call)
-            _bounded(connection, self.grpc.timeout)
+            connection.bound(self.grpc.timeout)
             connection.send(Op.PULL, messages.pull_request(call, self.grpc.wire_dtype))
         except errors.GempsError as error:
             return Failed(error)
@@ -411,30 +416,9 @@ class DataPlaneTransport:
             self._become(Link.OFFERED)
 
 
-#: a socket's timeout is set again only when the call's time left differs from it by more than
-#: this (each setting is a system call; two a commit, which a commit's own time barely moves)
-TIMEOUT_SLACK = 0.05
-
-
-def _bounded(connection: DataConnection, timeout: float | None) -> None:
-    """Each wait on `connection`'s socket within `timeout` (the calls'), or what is left of the
-    call's deadline when that is sooner (the Client's `timeout` bounds the whole call), give or
-    take TIMEOUT_SLACK; None: as the socket is."""
-    if timeout is None:
-        return
-    try:
-        left = time_left(timeout)
-    except errors.DeadlineExceededError:
-        connection.close()  # nothing sent; the next call opens another
-        raise
-    current = connection.sock.gettimeout()
-    if current is None or abs(current - left) > TIMEOUT_SLACK:
-        connection.sock.settimeout(left)
-
-
 def _committed(connection: DataConnection, timeout: float | None = None) -> Committed:
     """A COMMIT's reply: the CommitResponse (θ announced, buffers whole), then θ's bytes."""
-    _bounded(connection, timeout)
+    connection.bound(timeout)
     header, payload_bytes = connection.receive(Op.COMMIT)
     reply = connection.parse(pb.CommitResponse, header)
     values = connection.receive_tensor(reply.parameters, payload_bytes, functools.partial(messages.reply_values, reply))
@@ -443,7 +427,7 @@ def _committed(connection: DataConnection, timeout: float | None = None) -> Comm
 
 def _pulled(connection: DataConnection, timeout: float | None = None) -> Pulled:
     """A PULL's reply: the PullResponse, then θ's bytes unless it is unchanged."""
-    _bounded(connection, timeout)
+    connection.bound(timeout)
     header, payload_bytes = connection.receive(Op.PULL)
     reply = connection.parse(pb.PullResponse, header)
     if reply.unchanged:

@@ -18,7 +18,7 @@ from gemps import errors
 from gemps import grpc_messages as messages
 from gemps.channel_security import ChannelSecurity
 from gemps.records import Buffers, Evaluation, Layout, Registration, ServerStatus
-from gemps.transport import CommitCall, Committed, Enrolment, PullCall, Pulled, Registered, time_left
+from gemps.transport import CommitCall, Committed, Enrolment, PullCall, Pulled, Registered, refuse_non_finite, time_left
 from gemps_proto import schema_proto as shared
 from gemps_proto import vectors
 from gemps_proto.grpc_framing import PayloadAssembler, data_frames, read_data
@@ -230,6 +230,8 @@ class GrpcTransport:
 
     def _commit_request(self, call: CommitCall) -> tuple[bytes, bytes | memoryview, bool]:
         """The Commit header, the payload's wire bytes, and whether they go by CommitStream."""
+        if call.check_finite:
+            refuse_non_finite("payload", call.payload)
         dtype, data = call.wire(self.wire_dtype)  # float32: a view, not a copy
         streamed = self.streams(len(data))
         header = messages.commit_request(call, self.wire_dtype, dtype, data, streamed=streamed)

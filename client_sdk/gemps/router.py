@@ -33,7 +33,7 @@ from gemps.records import (
 from gemps.resolver import REPLICA_SEPARATOR, Replicas, Resolver
 from gemps.retry import Retrier
 from gemps.server_session import ServerSession, refuse_partition_count_change
-from gemps.transport import CommitCall, Committed, Enrolment, Pending, Transport
+from gemps.transport import CommitCall, Committed, Enrolment, Pending, Transport, refuse_non_finite
 from gemps_proto import vectors
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import PayloadKind
@@ -201,16 +201,22 @@ class PartitionRouter:
         """Each server's slice of `flat`, concurrently; θ, versions and figures from the replies.
         Every attempt carries the same request id and number, so each server applies it at most
         once, also when an old attempt arrives after later commits (see CommitCall)."""
+        sessions = self.sessions
+        # One server sent the payload as it is: its transport checks it where it copies it anyway
+        # (the shared memory). Else here, before any server sees it: no partition applies a commit
+        # another would refuse, and no compressor encodes what is refused.
+        deferred = len(sessions) == 1 and self.compressor is None
+        if not deferred:
+            refuse_non_finite("payload", flat)
         self._sequence += 1
         request_id = f"{self._request_prefix}{self._sequence}"
-        sessions = self.sessions
         slices, bases = self._slices(flat), self._base_versions(base_version)
         encoded = [self._encoded(i, part) for i, part in enumerate(slices)]
         calls = [
             CommitCall(
                 sessions[i].worker_id, bases[i], kind, slices[i], loss, num_samples, request_id,
                 buffer_delta if i == 0 else None,  # buffers live on partition 0
-                self._sequence, _wire_of(encoded[i]), self.reply_code, sessions[i].copy.number,
+                self._sequence, _wire_of(encoded[i]), self.reply_code, sessions[i].copy.number, deferred,
             )
             for i in range(len(sessions))
         ]  # fmt: skip

@@ -22,8 +22,9 @@ from typing import Generic, Protocol, TypeVar
 
 from gemps import errors
 from gemps.records import Buffers, Evaluation, Layout, ParameterSpec, Registration, ServerStatus
+from gemps_proto.reasons import Reason
 from gemps_proto.schema import PayloadKind
-from gemps_proto.tensor_codec import wire_view
+from gemps_proto.tensor_codec import all_finite, wire_view
 from gemps_proto.vectors import Vector
 
 Reply = TypeVar("Reply", covariant=True)
@@ -91,6 +92,9 @@ class CommitCall:
     # dtype) and the number of the copy of θ this client holds of the server's slice (0: none).
     reply_code: int = 0
     held_copy: int = 0
+    # The payload is not checked yet: the transport refuses NaN or Inf before it sends anything
+    # (where it copies the payload anyway, on that copy). A router of one server leaves it there.
+    check_finite: bool = False
 
     def wire(self, wire_dtype: int) -> tuple[int, bytes | memoryview]:
         """The payload's dtype and wire bytes: as compressed (`encoded`), else in `wire_dtype`
@@ -175,6 +179,16 @@ class Transport(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def refuse_non_finite(what: str, values: Vector) -> Vector:
+    """`values` when every one is finite; else InvalidArgumentError before anything is sent, so that
+    no partition of θ applies a commit that another would refuse."""
+    if not all_finite(values):
+        raise errors.InvalidArgumentError(
+            f"{what} contains NaN or Inf: not sent", errors.InvalidArgumentError.code, Reason.NON_FINITE
+        )
+    return values
 
 
 # -- the call's deadline ---------------------------------------------------------------------------

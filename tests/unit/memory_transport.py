@@ -26,7 +26,7 @@ from gemps.records import (
     Shard,
     TrainingConfig,
 )
-from gemps.transport import CommitCall, Committed, Enrolment, PullCall, Pulled, Registered
+from gemps.transport import CommitCall, Committed, Enrolment, PullCall, Pulled, Registered, refuse_non_finite
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import Buffers, PayloadKind, partition_bounds
 
@@ -127,6 +127,8 @@ class MemoryServer:
         return Finished(lambda: self.pull(call), self.events, self.target)
 
     def commit(self, call: CommitCall) -> Committed:
+        if call.check_finite:  # a transport checks what its router left it to (CommitCall.check_finite)
+            refuse_non_finite("payload", call.payload)
         self._attempt("commit")
         self.commits.append(call)
         client_id = self._worker(call.worker_id)
