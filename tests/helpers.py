@@ -40,6 +40,7 @@ from gemps_proto.tensor_codec import EncodedTensor
 from gemps_server import logs
 from gemps_server.app import ParameterServer
 from gemps_server.config import ServerConfig
+from gemps_server.domain.journal import Entry
 from tests.reserved_ports import TEST_PORTS
 
 #: how many xdist workers' shares TEST_PORTS is cut into (more workers wrap around: still distinct
@@ -353,3 +354,22 @@ def server_outcome(folder: Path, *argv: str, timeout: float = 120) -> tuple[int 
                 process.kill()
                 process.wait()
     return (None if serving else process.returncode), log.read_text().splitlines()
+
+
+class KeptJournal:
+    """A journal that keeps its entries in a list (a replicated primary's stands in)."""
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+
+    def append(self, entry: Entry) -> int:
+        self.entries.append(entry)
+        return len(self.entries)
+
+    @property
+    def last(self) -> int:
+        return len(self.entries)
+
+    @property
+    def epoch(self) -> int:
+        return 1

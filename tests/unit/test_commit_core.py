@@ -12,34 +12,16 @@ import pytest
 
 from gemps_proto.schema import ParameterSpec, PayloadKind
 from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor
-from gemps_server.domain.journal import Committed, Entry
+from gemps_server.domain.journal import Committed
 from gemps_server.domain.records import Commit, CommitOutcome
 from gemps_server.domain.rules import RuleRuntime
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
+from tests.helpers import KeptJournal as Entries
 from tests.helpers import encoded, training
 
 P = 4_000
 THETA = np.linspace(-1.0, 1.0, P, dtype=np.float32)
-
-
-class Entries:
-    """A journal that keeps its entries (a replicated primary's stands in)."""
-
-    def __init__(self) -> None:
-        self.entries: list[Entry] = []
-
-    def append(self, entry: Entry) -> int:
-        self.entries.append(entry)
-        return len(self.entries)
-
-    @property
-    def last(self) -> int:
-        return len(self.entries)
-
-    @property
-    def epoch(self) -> int:
-        return 1
 
 
 def registered(rule: str = "gem") -> tuple[ServerState, str]:

@@ -18,36 +18,18 @@ import pytest
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import ParameterSpec, PayloadKind
 from gemps_server.domain.errors import ResourceExhausted
-from gemps_server.domain.journal import Entry, Joined
+from gemps_server.domain.journal import Joined
 from gemps_server.domain.records import Commit
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.memory_budget import MIB, Headroom, MemoryBudget, cgroup, headroom
+from tests.helpers import KeptJournal as Entries
 from tests.helpers import encoded, training
 from tests.unit.test_journal_replay import Clock
 
 P = 1 << 17  # θ of 512 KiB: GEM holds 1 MiB (m_i and s_i) per worker
 SPEC = (ParameterSpec("w", (P,)),)
 THETA = np.linspace(-1.0, 1.0, P, dtype=np.float32)
-
-
-class Entries:
-    """A journal that keeps its entries."""
-
-    def __init__(self) -> None:
-        self.entries: list[Entry] = []
-
-    def append(self, entry: Entry) -> int:
-        self.entries.append(entry)
-        return len(self.entries)
-
-    @property
-    def last(self) -> int:
-        return len(self.entries)
-
-    @property
-    def epoch(self) -> int:
-        return 1
 
 
 def new_state(budget: MemoryBudget, clock: Clock | None = None) -> tuple[ServerState, Entries]:
