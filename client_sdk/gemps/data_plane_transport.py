@@ -406,6 +406,12 @@ class DataPlaneTransport:
     def report_evaluation(self, evaluation: Evaluation) -> None:
         self.grpc.report_evaluation(evaluation)
 
+    def interrupt(self) -> None:
+        connection = self._connection
+        if connection is not None:
+            connection.wake()
+        self.grpc.interrupt()
+
     def close(self) -> None:
         self._become(Link.CLOSED)
         self.grpc.close()

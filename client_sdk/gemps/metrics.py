@@ -178,6 +178,9 @@ class MeteredTransport:
     def resume(self, registration: Registration) -> None:
         self.transport.resume(registration)
 
+    def interrupt(self) -> None:
+        self.transport.interrupt()
+
     def close(self) -> None:
         self.transport.close()
 
