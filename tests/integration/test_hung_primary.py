@@ -1,4 +1,5 @@
-"""A primary that stops without dying (issue 61, item 1): SIGSTOP stands in for a long GC pause,
+"""A replicated partition's workers through what a replica does short of dying (issue 61, items 1
+and 2). A primary that stops without dying (item 1): SIGSTOP stands in for a long GC pause,
 swap or a frozen VM. It neither answers nor closes its connections (its kernel still acknowledges
 and answers keepalives), so workers with the SDK's defaults waited for it until their attempt
 deadline (40-60 s) though its backup was primary after the lease. Now they ask the other replicas
