@@ -126,6 +126,7 @@ def test_a_long_pause_of_the_primary_ends_a_plan_and_leaves_its_episodes_as_they
     pause, heal = paused.steps[len(plain.steps) :]
     assert (pause.kind, pause.role, heal.kind, heal.role) == ("pause", "primary", "heal", "primary")
     assert LONG_PAUSE[0] >= 30 and LONG_PAUSE[0] <= heal.at - pause.at <= LONG_PAUSE[1]
+    assert pause.at > max(step.at for step in plain.steps)  # alone: after every episode is healed
 
 
 def test_the_report_sums_violations_and_recovery_by_fault() -> None:

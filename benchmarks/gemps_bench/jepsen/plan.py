@@ -89,8 +89,8 @@ def draw(
 ) -> Plan:
     """The plan of seed `seed`: `episodes` episodes, each the stale-wipe sequence with probability
     `stale_wipe`, else one fault drawn uniformly from MENU's (kind, role) pairs; then, given
-    `long_pause` (seconds, a range), the primary paused that long (drawn last: the episodes
-    before it are the seed's as without it)."""
+    `long_pause` (seconds, a range), the primary paused that long once they are all healed (drawn
+    last: the episodes before it are the seed's as without it)."""
     rng = random.Random(seed)
     timing = timing or Timing()
     count = rng.choice(replicas)
@@ -105,8 +105,9 @@ def draw(
             kind, role = rng.choice(pairs)
             steps += _single(next(ids), kind, role, start, timing.between(rng, timing.hold))
         start += timing.between(rng, timing.gap)
-    if long_pause is not None:
-        steps += _single(episodes * 10, "pause", "primary", start, timing.between(rng, long_pause))
+    if long_pause is not None:  # alone, once every episode is healed: a primary to pause, a backup to promote
+        alone = max((step.at for step in steps), default=0.0) + timing.between(rng, timing.gap)
+        steps += _single(episodes * 10, "pause", "primary", alone, timing.between(rng, long_pause))
     return Plan(seed, count, tuple(sorted(steps, key=lambda step: step.at)))
 
 
