@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Collection
 from pathlib import Path
 
 from gemps_bench.procfs import children
@@ -34,14 +35,15 @@ def replica_processes(supervisor_pid: int) -> dict[int, int]:
 
 def test_two_replicas_killed_at_once_are_started_again_together(start_server_process: StartServerProcess) -> None:
     server, _etcd, _target = supervisor(start_server_process, "restart-together")
-    before = wait_for(lambda: len(found := replica_processes(server.pid)) == 2 and found, 60, "two replicas")
+
+    def two(excluding: Collection[int] = ()) -> dict[int, int] | None:
+        found = replica_processes(server.pid)
+        return found if len(found) == 2 and not set(found) & set(excluding) else None
+
+    before = wait_for(two, 60, "two replicas")
     for pid in before:
         os.kill(pid, signal.SIGKILL)
-    after = wait_for(
-        lambda: len(found := replica_processes(server.pid)) == 2 and not set(found) & set(before) and found,
-        60,
-        "both replicas started again",
-    )
+    after = wait_for(lambda: two(excluding=before), 60, "both replicas started again")
     started = sorted(after.values())
     apart = (started[1] - started[0]) / os.sysconf("SC_CLK_TCK")
     assert apart <= TOGETHER_SECONDS, f"started {apart:.2f} s apart"
