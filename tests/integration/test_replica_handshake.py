@@ -97,7 +97,7 @@ def test_the_credential_proves_a_backup_and_the_ticket_key_arrives_sealed(primar
         "alias-partition",
         "alias-replica",
         "alias-of-the-primary",
-    ],  # fmt: skip
+    ],
 )
 def test_a_peer_is_refused_without_the_key_or_under_a_name_not_its_own(
     primary: InProcessServer, secret: str, job: str, name: str, why: str

@@ -67,6 +67,10 @@ class Handshake:
         self._credential = credential
         self.partition, self.replicas = partition, replicas
 
+    def unfit(self) -> str:
+        """Why this replica must not lead now ('' when it may: Credential.unfit)."""
+        return self._credential.unfit()
+
     def _session(self, epoch: int, primary_address: str, backup_nonce: bytes, primary_nonce: bytes) -> ReplicaSession:
         return ReplicaSession(self._credential.key, self.partition, epoch, primary_address, backup_nonce, primary_nonce)
 
