@@ -24,7 +24,7 @@ from tests.integration.conftest import NUM_PARAMETERS, SPEC, StartServer, open_s
 
 HUGE = np.full(NUM_PARAMETERS, 3e38, np.float32)  # finite float32, near its largest
 RULES = [("gem", "auto"), ("gem", "numpy"), ("downpour", "auto"), ("adaptive-staleness", "auto"), ("momentum", "auto")]
-RULES += [("nesterov", "auto")]
+RULES += [("nesterov", "auto"), ("delayed-nesterov", "auto")]
 
 
 def rule_state(server: InProcessServer) -> dict[str, bytes]:
@@ -99,7 +99,7 @@ def test_a_worker_registered_after_a_refusal_starts_from_the_unchanged_theta(ser
     assert values.size == NUM_PARAMETERS and np.isfinite(values).all()
 
 
-@pytest.mark.parametrize("rule", ["gem", "downpour", "adaptive-staleness", "momentum", "nesterov"])
+@pytest.mark.parametrize("rule", ["gem", "downpour", "adaptive-staleness", "momentum", "nesterov", "delayed-nesterov"])
 def test_out_of_place_updates_match_in_place_ones_bit_for_bit(rule: str) -> None:
     """Commits near float32's range run out of place (into spare buffers, then swapped): the same
     values as the in-place pass, and the rule goes on in place afterwards."""
