@@ -128,7 +128,8 @@ def test_the_state_round_trips_through_global_state_mid_cycle() -> None:
     saved = first.global_state(workers=False)
     assert set(saved) == {"momentum", "buffer", "buffered"} and saved["buffered"] == 1
     assert np.abs(saved["momentum"]).max() > 0 and np.abs(saved["buffer"]).max() > 0
-    second.load_global_state({key: value.copy() for key, value in saved.items()})
+    # As a checkpoint file gives it back: the count of shape [1].
+    second.load_global_state({key: value.reshape(-1).copy() for key, value in saved.items()})
     theta_second = theta.copy()
     for update in UPDATES[4:]:
         theta = commit(first, theta, update)

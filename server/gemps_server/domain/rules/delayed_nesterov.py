@@ -120,7 +120,8 @@ class DelayedNesterovRule(OverflowGuard, CommitRule):
     def load_global_state(self, state: dict[str, np.ndarray]) -> None:
         shape = list(self._momentum.shape)
         fits = set(state) == set(STATE) and all(list(state[key].shape) == shape for key in ("momentum", "buffer"))
-        buffered = float(state["buffered"]) if fits and state["buffered"].size == 1 else math.nan
+        # One number: 0-d as global_state gives it, of shape [1] as a checkpoint file gives it back.
+        buffered = float(state["buffered"].reshape(-1)[0]) if fits and state["buffered"].size == 1 else math.nan
         if not (fits and buffered.is_integer() and buffered >= 0):
             raise ValueError(
                 f"delayed-nesterov rule state must be 'momentum' and 'buffer' of shape {shape} and 'buffered', "
