@@ -24,7 +24,7 @@ class ReferenceServer:
         kappa: float,
         pi_max: float,
         *,
-        outer_learning_rate: float = 0.7,
+        dn_learning_rate: float = 0.7,
         nesterov_period: float = 0,
         momentum_activation: float = 0.0,
     ) -> None:
@@ -37,7 +37,7 @@ class ReferenceServer:
         self.v = np.zeros_like(self.theta)
         # delayed-nesterov: epsilon, N (0: the workers registered), c; the buffer b and its count k
         self.epsilon, self.period, self.activation, self.beta = (
-            outer_learning_rate,
+            dn_learning_rate,
             nesterov_period,
             momentum_activation,
             mu,

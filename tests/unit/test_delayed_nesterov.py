@@ -57,7 +57,7 @@ UPDATES += [[-0.1, 0.3, 0.1]]
 
 @pytest.mark.parametrize("activation", [0.0, 0.25])
 def test_the_momentum_steps_every_nth_commit_as_algorithm_3_writes_it(activation: float) -> None:
-    rule = made(outer_learning_rate=0.7, momentum=0.5, nesterov_period=3, momentum_activation=activation)
+    rule = made(dn_learning_rate=0.7, momentum=0.5, nesterov_period=3, momentum_activation=activation)
     paper = PaperDelayedNesterov([1.0, 2.0, -1.0], 0.7, 0.5, 3, activation)
     theta = paper.theta.astype(F32)
     for worker in "ab":
@@ -72,7 +72,7 @@ def test_the_momentum_steps_every_nth_commit_as_algorithm_3_writes_it(activation
 def test_between_momentum_steps_theta_takes_plain_outer_sgd_steps_and_a_cycle_nesterovs_mean() -> None:
     """Written out for N = 2, β = 0.5, ε = 1, c = 0: commits 1 and 3 add Δ/2; commits 2 and 4
     also apply β·m, m the momentum fed the mean of the cycle's two updates."""
-    rule = made(outer_learning_rate=1.0, momentum=0.5, nesterov_period=2)
+    rule = made(dn_learning_rate=1.0, momentum=0.5, nesterov_period=2)
     theta = np.zeros(3, F32)
     rule.add_worker("a", theta)
     d1, d2, d3, d4 = (np.array(u, np.float64) for u in UPDATES[:4])
@@ -89,7 +89,7 @@ def test_between_momentum_steps_theta_takes_plain_outer_sgd_steps_and_a_cycle_ne
 
 
 def test_n_defaults_to_the_workers_registered_at_each_commit() -> None:
-    rule = made(outer_learning_rate=0.7, momentum=0.9)
+    rule = made(dn_learning_rate=0.7, momentum=0.9)
     paper = PaperDelayedNesterov([0.0, 0.0, 0.0], 0.7, 0.9, 2, 0.0)
     theta = paper.theta.astype(F32)
     rule.add_worker("a", theta)
@@ -109,7 +109,7 @@ def test_n_defaults_to_the_workers_registered_at_each_commit() -> None:
 
 
 def test_a_gradient_commit_enters_as_minus_eta_g() -> None:
-    rule = create_rule(training("delayed-nesterov", learning_rate=0.1, outer_learning_rate=1.0, momentum=0.0), 3)
+    rule = create_rule(training("delayed-nesterov", learning_rate=0.1, dn_learning_rate=1.0, momentum=0.0), 3)
     theta = np.zeros(3, F32)
     rule.add_worker("a", theta)
     theta, stats = rule.step(theta, np.array([1.0, -2.0, 0.5], F32), PayloadKind.GRADIENT, "a", 0)
@@ -118,7 +118,7 @@ def test_a_gradient_commit_enters_as_minus_eta_g() -> None:
 
 
 def test_the_state_round_trips_through_global_state_mid_cycle() -> None:
-    options = {"outer_learning_rate": 0.7, "momentum": 0.9, "nesterov_period": 3}
+    options = {"dn_learning_rate": 0.7, "momentum": 0.9, "nesterov_period": 3}
     first, second = made(**options), made(**options)
     theta = np.array([1.0, 2.0, 3.0], F32)
     for rule in (first, second):
@@ -172,7 +172,7 @@ def test_an_overflowing_commit_is_refused_and_changes_nothing() -> None:
         ),
         ({"nesterov_period": -1}, "nesterov_period -1 is outside [0, 2147483647]"),
         ({"nesterov_period": 2.5}, "nesterov_period 2.5 is not a whole number"),
-        ({"outer_learning_rate": 0.0}, "outer_learning_rate 0.0 is outside (0, "),
+        ({"dn_learning_rate": 0.0}, "dn_learning_rate 0.0 is outside (0, "),
         ({"momentum": 1.0}, "momentum 1.0 is outside [0, 1)"),
         ({"momentum_activation": 1.5}, "momentum_activation 1.5 is outside [0, 1]"),
     ],

@@ -21,7 +21,7 @@ from tests.helpers import training
 
 STEPS = RuleOption("steps", 4, Range(1, 64), "local steps")
 #: the built-in rules' options: GEM's, then delayed-nesterov's own (it shares momentum)
-BUILT_IN_OPTIONS = ["momentum", "kappa", "pi_max", "outer_learning_rate", "nesterov_period", "momentum_activation"]
+BUILT_IN_OPTIONS = ["momentum", "kappa", "pi_max", "dn_learning_rate", "nesterov_period", "momentum_activation"]
 
 
 def test_the_built_in_rules_declare_their_options_once() -> None:

@@ -46,8 +46,13 @@ from gemps_server.domain.rules.momentum import MOMENTUM
 from gemps_server.domain.rules.overflow import OverflowGuard
 from gemps_server.native import max_abs
 
-OUTER_LEARNING_RATE = RuleOption(
-    "outer_learning_rate", 0.7, POSITIVE_FACTOR, "epsilon: delayed-nesterov's outer learning rate"
+# Not "outer_learning_rate": that is the worker's flag (GEMPS_OUTER_LEARNING_RATE, what a worker
+# multiplies its update by), and one variable may not mean two things to a server and its workers.
+DN_LEARNING_RATE = RuleOption(
+    "dn_learning_rate",
+    0.7,
+    POSITIVE_FACTOR,
+    "epsilon: delayed-nesterov's outer learning rate (on every commit and its momentum steps)",
 )
 NESTEROV_PERIOD = RuleOption(
     "nesterov_period",
@@ -68,14 +73,14 @@ STATE = ("momentum", "buffer", "buffered")
 
 class DelayedNesterovRule(OverflowGuard, CommitRule):
     name = "delayed-nesterov"
-    options = (OUTER_LEARNING_RATE, MOMENTUM, NESTEROV_PERIOD, MOMENTUM_ACTIVATION)
+    options = (DN_LEARNING_RATE, MOMENTUM, NESTEROV_PERIOD, MOMENTUM_ACTIVATION)
 
     def __init__(
         self,
         num_parameters: int,
         *,
         learning_rate: float,
-        outer_learning_rate: float,
+        dn_learning_rate: float,
         momentum: float,
         nesterov_period: int,
         momentum_activation: float,
@@ -87,7 +92,7 @@ class DelayedNesterovRule(OverflowGuard, CommitRule):
                 f"momentum_activation {momentum_activation!r} is above 1/nesterov_period "
                 f"(1/{nesterov_period}): the momentum's shares of a cycle would add up to more than one step"
             )
-        self.outer_learning_rate = outer_learning_rate
+        self.dn_learning_rate = dn_learning_rate
         self.momentum = momentum
         self.nesterov_period = nesterov_period
         self.momentum_activation = momentum_activation
@@ -160,7 +165,7 @@ class DelayedNesterovRule(OverflowGuard, CommitRule):
                 weight = activation * self.momentum
             if weight:
                 step += np.float32(weight) * momentum
-            step *= np.float32(self.outer_learning_rate)
+            step *= np.float32(self.dn_learning_rate)
             np.add(theta, step, out=updated)
         if not (math.isfinite(max_abs(buffer)) and math.isfinite(max_abs(momentum))):
             self.keep_spare(updated)
@@ -174,7 +179,7 @@ class DelayedNesterovRule(OverflowGuard, CommitRule):
         else:
             self._buffer, self._spare_buffer = buffer, self._buffer
             self._buffered += 1
-        return updated, ApplyStats.constant(self.outer_learning_rate / period)
+        return updated, ApplyStats.constant(self.dn_learning_rate / period)
 
     def _spares(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Buffers of P values for the next momentum, the next buffer and θ's step."""
