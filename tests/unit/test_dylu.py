@@ -29,10 +29,14 @@ def worker(shard: int, samples: int, seconds: float) -> WorkerStatus:
     return WorkerStatus(f"w{shard}", shard, 1, 0.0, 0.0, recent)
 
 
-def test_speeds_are_samples_a_second_of_the_workers_whose_commits_reported_samples() -> None:
+def test_speeds_are_samples_a_second_of_training_of_the_workers_whose_commits_reported_samples() -> None:
     workers = (worker(0, 640, 10.0), worker(1, 0, 10.0), worker(2, 320, 8.0), worker(3, 64, 0.0))
     status = ServerStatus(True, 1, 4, 16, TrainingConfig(), 4, 0, (), 10.0, None, workers=workers)
     assert worker_speeds(status) == {0: 64.0, 2: 40.0}
+    # Less each commit's round trip: 10 s less one commit of 2 s, 8 s less one of 2 s.
+    assert worker_speeds(status, round_trip=2.0) == {0: 80.0, 2: 320 / 6}
+    # A span all round trips says nothing of the worker's speed.
+    assert worker_speeds(status, round_trip=10.0) == {}
 
 
 @pytest.mark.parametrize(

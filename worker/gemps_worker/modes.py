@@ -26,8 +26,11 @@ server's schedule: scaled by the schedule's factor at the central version the wo
 
 from __future__ import annotations
 
+import collections
 import enum
 import math
+import statistics
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -186,12 +189,14 @@ class AccumulatedMode(TrainingMode):
         update = (self.remote.parameters_vector() - self._start) * self.outer
         steps, loss = len(self._losses), sum(self._losses) / len(self._losses)
         samples, self._start, self._losses, self._samples = self._samples, None, [], 0
+        sent = time.monotonic()
         result = self.remote.commit_update(update, loss=loss, num_samples=samples)
-        self.committed(result)
+        self.committed(result, time.monotonic() - sent)
         return Committed(result, loss, steps)
 
-    def committed(self, result: CommitResult) -> None:
-        """A window's update was applied (the model holds the central variable of `result`)."""
+    def committed(self, result: CommitResult, seconds: float) -> None:
+        """A window's update was applied, its commit taking `seconds` (the model holds the central
+        variable of `result`)."""
 
 
 class AgnMode(AccumulatedMode):
@@ -212,11 +217,19 @@ class DynSgdMode(AccumulatedMode):
         super().__init__(remote, learning_rate, local_steps, outer or 1.0, optimizer)
 
 
-def worker_speeds(status: ServerStatus) -> dict[int, float]:
-    """Each registered worker's speed by its shard: samples a second over Status's last minute,
-    for those whose commits in it reported samples."""
-    recent = ((worker.shard, worker.recent) for worker in status.workers)
-    return {shard: r.samples / r.seconds for shard, r in recent if r.samples > 0 and r.seconds > 0}
+def worker_speeds(status: ServerStatus, round_trip: float = 0.0) -> dict[int, float]:
+    """Each registered worker's speed by its shard, for those whose commits in Status's last minute
+    reported samples: its samples over the seconds it spent training, the span less `round_trip`
+    seconds for each commit (the asking worker's own, taken to be everyone's). Without that a worker
+    of few local steps, whose commits' round trips take a larger share of its time, would read
+    slower still and take fewer steps again, down to one, when each step is short beside a commit."""
+    speeds = {}
+    for worker in status.workers:
+        recent = worker.recent
+        training = recent.seconds - recent.commits * round_trip
+        if recent.samples > 0 and training > 0:
+            speeds[worker.shard] = recent.samples / training
+    return speeds
 
 
 def dynamic_local_steps(most: int, speed: float, fastest: float) -> int:
@@ -226,9 +239,10 @@ def dynamic_local_steps(most: int, speed: float, fastest: float) -> int:
 
 class DyluMode(AccumulatedMode):
     """Local steps per commit set after each commit from this worker's speed relative to the
-    fastest's (dynamic_local_steps), as the server's Status reports them; the accumulated update
-    committed times `outer` (1 by default: the server's rule, delayed-nesterov, holds the outer
-    learning rate). Until Status reports this worker's speed (before its first commit) it takes H."""
+    fastest's (dynamic_local_steps), as the server's Status reports them (worker_speeds, less the
+    round trips of commits); the accumulated update committed times `outer` (1 by default: the
+    server's rule, delayed-nesterov, holds the outer learning rate). Until Status reports this
+    worker's speed (before its first commit) it takes H."""
 
     name = "dylu"
 
@@ -237,9 +251,13 @@ class DyluMode(AccumulatedMode):
     ) -> None:
         super().__init__(remote, learning_rate, local_steps, outer or 1.0, optimizer)
         self.most_steps = local_steps  # H
+        self._round_trips: collections.deque[float] = collections.deque(maxlen=16)  # commit and Status, seconds
 
-    def committed(self, result: CommitResult) -> None:
-        speeds = worker_speeds(self.remote.client.status())
+    def committed(self, result: CommitResult, seconds: float) -> None:
+        asked = time.monotonic()
+        status = self.remote.client.status()
+        self._round_trips.append(seconds + time.monotonic() - asked)
+        speeds = worker_speeds(status, statistics.fmean(self._round_trips))
         own = speeds.get(self.remote.registration.shard.index)
         if own is not None:  # else not measured yet: the steps stay as they were
             self.local_steps = dynamic_local_steps(self.most_steps, own, max(speeds.values()))
