@@ -8,7 +8,7 @@
 - dynsgd (Jiang et al., SIGMOD 2017, in the form the AGN paper compares against; dist-keras's
   DynSGDWorker): the same λ local steps, the accumulated update θλ - θ0 committed undivided; the
   server scales it by 1/(τ+1), τ its staleness (rule adaptive-staleness).
-- dylu (dynamic local updates, DyLU; Liu, Douillard et al. 2024, arXiv:2401.09135, §5): the
+- dylu (dynamic local updates, DyLU; Liu, Douillard et al. 2024, arXiv:2401.09135, Eq. 6): the
   same window, committed undivided, of H_i = max(1, floor(v_i / v_max · H)) local steps, v the
   workers' speeds as the server's Status reports them (each one's samples a second over the last
   minute, from the num_samples its commits carry) and H the fastest worker's steps: slower workers
