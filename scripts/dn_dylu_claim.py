@@ -11,8 +11,8 @@ samples. Digits CNN, 4 workers, each over its quarter of the training set for th
 
 Only samples that end in a commit count: the asynchronous workers drop a window cut short by
 the end of the epochs, the synchronous rounds take every batch (a shorter last round), so the
-synchronous baseline sees at least the samples the others do. Results: docs/results/dn_dylu/ and docs/RESULTS.md ("Delayed Nesterov and
-dynamic local updates (issue 58)").
+synchronous baseline sees at least the samples the others do. Results: docs/results/dn_dylu/
+and docs/RESULTS.md ("Delayed Nesterov and dynamic local updates (issue 58)").
 
     .venv/bin/python scripts/dn_dylu_claim.py --seeds 3 --out docs/results/dn_dylu
 """
