@@ -6,8 +6,10 @@ A real primary (in this process, with a real etcd) and raw sockets."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
+import threading
 import time
 
 import numpy as np
@@ -101,3 +103,49 @@ def test_connections_past_the_greeting_budget_are_closed_and_a_backup_still_join
     with gemps.Client(primary.target, name="w") as client:
         client.register({"w": np.zeros(10, np.float32)})
         assert client.commit(np.ones(10, np.float32), kind="update").epochs[0] > 0
+
+
+def test_a_flood_from_several_addresses_does_not_keep_a_backup_out(start_server: StartServer, etcd: LocalEtcd) -> None:
+    """Issue 61 item 11: from 6 source addresses, with no credential, silent connections held
+    every greeting slot and a backup stayed out for the whole flood. Each address is held to its
+    own share, and the slots outnumber what a few addresses can hold: the backup joins meanwhile."""
+    primary = lone_primary(start_server, etcd, "flood-6")
+    port = primary.server.replication_port
+    stop = threading.Event()
+
+    def flood(source: str) -> None:  # takes every greeting slot its address frees, at once, silently
+        held: list[socket.socket] = []
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                held.append(socket.create_connection(("127.0.0.1", port), timeout=2, source_address=(source, 0)))
+            kept = []
+            for sock in held:  # the ones the replica closed (refused, or timed out) let go; the rest kept
+                if open_still(sock):
+                    kept.append(sock)
+                else:
+                    sock.close()
+            held = kept
+        for sock in held:
+            sock.close()
+
+    floods = [threading.Thread(target=flood, args=(f"127.0.0.{i // 2}",), daemon=True) for i in range(4, 16)]
+    for thread in floods:
+        thread.start()
+    try:
+        time.sleep(1.0)  # the flood holds what it can
+        backup = start_server(rule="downpour", **replica_options(etcd, 1, "flood-6"))
+        assert wait_replicated([primary, backup], timeout=20) is primary
+    finally:
+        stop.set()
+        for thread in floods:
+            thread.join(10)
+
+
+def open_still(sock: socket.socket) -> bool:
+    """Whether the peer has not closed `sock` (without waiting)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False

@@ -40,8 +40,9 @@ log = logging.getLogger("gemps.server")
 REDIAL_SECONDS = 0.5
 #: connections to the replication listener that have not finished their handshake yet, at most,
 #: and from one address: past either a new one is closed at once (each holds a thread and at most
-#: a handshake's bytes for CONNECT_SECONDS), so one flooding address cannot keep a backup out
-MAX_GREETINGS = 8
+#: a handshake's bytes for CONNECT_SECONDS), so one flooding address cannot keep a backup out, nor
+#: can a few: 4 addresses filled the 8 slots there were (issue 61, item 11); a flood now needs 32
+MAX_GREETINGS = 64
 MAX_GREETINGS_PER_ADDRESS = 2
 
 
