@@ -147,6 +147,8 @@ def child_config(
         checkpoint_dir=checkpoints,
         partition_addresses=config.partition_addresses or (addresses if index == 0 else ""),
         supervisor_pid=os.getpid(),  # it dies with this process
+        # Each process admits its share of the host's memory, not all of it (issue 61, item 9).
+        memory_share=config.memory_share * config.partitions * config.replicas,
     )
 
 

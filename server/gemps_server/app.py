@@ -72,7 +72,7 @@ class ParameterServer:
         self.config = config
         reserve()  # descriptors kept from the start for checkpoints and shutdown (descriptors.py)
         self.metrics = ServerMetrics()
-        memory = MemoryBudget(config.memory_budget_mb)
+        memory = MemoryBudget(config.memory_budget_mb, share=config.memory_share)
         largest = rule_class(config.training.rule, config.gem_state).worker_state_bytes(config.max_parameters)
         if config.memory_budget_mb or config.max_parameters != DEFAULT_MAX_PARAMETERS:
             # A WARNING when they cannot all fit; with both defaults (2**28 values, no budget set)

@@ -100,6 +100,12 @@ def headroom() -> Headroom | None:
     return min(found, key=lambda h: h.bytes) if found else None
 
 
+def _shared(found: Headroom | None, share: int) -> Headroom | None:
+    if found is None or share <= 1:
+        return found
+    return Headroom(found.bytes // share, f"a 1/{share} share of {found.source}")
+
+
 def size(count: int) -> str:
     """Bytes for humans: '1.5 GiB', '300 MiB'."""
     return f"{count / GIB:.1f} GiB" if count >= GIB else f"{count / MIB:.0f} MiB"
@@ -110,8 +116,10 @@ class MemoryBudget:
     settled from `probe` when θ is initialised (`settle`); None (no bound) until then, or when
     no limit can be read."""
 
-    def __init__(self, configured_mb: int = 0, probe: Callable[[], Headroom | None] = headroom) -> None:
-        self._probe = probe
+    def __init__(self, configured_mb: int = 0, probe: Callable[[], Headroom | None] = headroom, share: int = 1) -> None:
+        # `share` servers on this host (a supervisor's partitions and replicas) each take 1/share of
+        # what it may use: their rule state is allocated lazily, so each one's probe sees it all.
+        self._probe: Callable[[], Headroom | None] = lambda: _shared(probe(), share)
         self.configured = configured_mb * MIB if configured_mb else None
         self.bytes: int | None = self.configured
         self.source = "--memory-budget-mb" if configured_mb else ""

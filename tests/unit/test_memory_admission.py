@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gemps_cli.partitions import child_config
 
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import ParameterSpec, PayloadKind
@@ -22,9 +23,9 @@ from gemps_server.domain.journal import Joined
 from gemps_server.domain.records import Commit
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
-from gemps_server.memory_budget import MIB, Headroom, MemoryBudget, cgroup, headroom
+from gemps_server.memory_budget import GIB, MIB, Headroom, MemoryBudget, cgroup, headroom
 from tests.helpers import KeptJournal as Entries
-from tests.helpers import encoded, training
+from tests.helpers import encoded, replication_secret_file, server_config, training
 from tests.unit.test_journal_replay import Clock
 
 P = 1 << 17  # θ of 512 KiB: GEM holds 1 MiB (m_i and s_i) per worker
@@ -202,3 +203,21 @@ def test_the_cgroup_limit_is_read_where_the_process_belongs(version: int, tmp_pa
     assert found == Headroom(3072 * MIB, "its cgroup's memory limit (4096 MiB)")
     (folder / names[0]).write_text("max\n" if version == 2 else f"{(1 << 63) - 4096}\n")  # no limit
     assert cgroup(tmp_path, membership) is None
+
+
+def test_servers_sharing_a_host_each_admit_their_share_of_it() -> None:
+    """Issue 61 item 9: three partitions on one machine each admitted what the whole host could
+    hold (together 4.1x the host with a second job), their rule state being allocated lazily. The
+    processes one `gemps server` starts each take 1/(partitions x replicas) of it."""
+    host = Headroom(12 * GIB, "the host's available memory")
+    alone, shared = MemoryBudget(probe=lambda: host), MemoryBudget(probe=lambda: host, share=3)
+    for budget in (alone, shared):
+        budget.settle(theta_bytes=4 * MIB, per_worker=8 * MIB, max_workers=4096)
+    assert alone.bytes is not None and shared.bytes is not None
+    reserve = 12 * GIB - alone.bytes  # θ's copies, kept out of the budget alike
+    assert shared.bytes == 12 * GIB // 3 - reserve
+    assert "a 1/3 share of the host's available memory" in shared.describe()
+    supervised = server_config(partitions=3, replicas=2, replication_secret_file=replication_secret_file())
+    etcd = "http://etcd:2379"
+    children = [child_config(supervised, i, ",:1,:2", replica, etcd) for i in range(3) for replica in range(2)]
+    assert {child.memory_share for child in children} == {6}

@@ -95,6 +95,14 @@ class WorkerOptions:
             RANGE: Range(0, INT64_MAX // MIB, unit="MiB"),
         },
     )
+    memory_share: int = field(
+        default=1,
+        metadata={
+            "help": "with memory_budget_mb 0: this many servers share this host's memory, each admitting its share of "
+            "what it may use (gemps server --partitions/--replicas sets it for the processes it starts)",
+            RANGE: Range(1, UINT32_MAX),
+        },
+    )
     noise_window: int = field(default=NOISE_WINDOW_AUTO, metadata={"help": NOISE_WINDOW_HELP, RANGE: NOISE_WINDOWS})
     num_shards: int = field(
         default=0,
