@@ -229,9 +229,10 @@ def expected_int64_nbytes(dtype: int, shape: Sequence[int]) -> int:
     return num_elements(shape) * _INT64_ITEMSIZE
 
 
-#: float32 magnitudes from these bits on round to bfloat16's inf (its largest is 3.3895e38), shifted
-#: out of the sign bit
-_OVERFLOWS_SHIFTED = 0x7F7F8000 << 1
+#: positive float32 values from these bits on round to bfloat16's inf (its largest is 3.3895e38); a
+#: negative one rounds to -inf's bits, 0xFF80, the largest a finite negative value can round to
+_OVERFLOWS = 0x7F7F8000
+_NEGATIVE_INF = 0xFF80
 
 
 def float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
@@ -246,15 +247,15 @@ def float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
     for start in range(0, bits.size, _BLOCK):
         block = bits[start : start + _BLOCK]
         rounding = scratch[: block.size]
-        # Beyond bfloat16's largest (either sign): the bits less the sign at or past 0x7F7F8000 << 1.
-        np.left_shift(block, 1, out=rounding)
-        saturate = rounding.max() >= _OVERFLOWS_SHIFTED
+        # Beyond bfloat16's largest, found by two reductions, no pass that writes: as int32 the
+        # positive values' bits order as their magnitudes (the negative ones are below 0).
+        saturate = block.view("<i4").max() >= _OVERFLOWS
         np.right_shift(block, 16, out=rounding)
         rounding &= 1
         rounding += 0x7FFF
         rounding += block  # cannot overflow for finite values: the largest is 0x7F7FFFFF + 0x8000
         rounding >>= 16
-        if saturate:  # ±inf from a finite value: ±largest instead (rare: a pass more)
+        if saturate or rounding.max() >= _NEGATIVE_INF:  # ±inf from a finite value: ±largest instead (rare)
             rounding[(rounding & 0x7FFF) == 0x7F80] -= 1
         out[start : start + block.size] = rounding
     return out.reshape(np.shape(values))
