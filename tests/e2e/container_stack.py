@@ -3,10 +3,10 @@ with podman (podman-compose), read through the server's Status RPC and Prometheu
 torn down; and the checks that run before it (podman, the base images).
 
 Needs podman and a podman-compose that honours --scale, 1.1 or later (tools/install-system-deps:
-Debian's podman and PyPI's podman-compose, or in this workplace
-`../shared/tools/container-rig --prometheus-tag v2.53.0`, which CI runs first), and the
-base images the Dockerfiles and Prometheus start from: podman pulls them, or in this workplace,
-which reaches no image registry, the rig builds stand-ins for them. Without podman the tests
+Debian's podman and PyPI's podman-compose, or in this workplace its container rig, which CI runs
+first), and the base images the Dockerfiles and Prometheus start from: podman pulls them, or in
+this workplace, which reaches no image registry, the rig builds stand-ins for them. What the tests
+say to run names the repository's script, never a folder outside the repository. Without podman the tests
 fail with one line saying which. Without the base images on a machine that reaches no registry
 they skip with one line saying so (a newcomer's `make test` passes), unless
 GEMPS_REQUIRE_CONTAINERS=1, which CI's .ci/run sets: there they fail. They skip on request with
@@ -39,7 +39,7 @@ from tests.helpers import free_port, port_free, wait_for
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 SCRAPE_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
-RIG = "../shared/tools/container-rig --prometheus-tag v2.53.0"
+RIG = "tools/install-system-deps"  # podman, podman-compose and (here) the base images' stand-ins
 HOST_DATA_PORT = 51051  # docker-compose.yml's GEMPS_HOST_DATA_PORT default
 SERVICES = ("ps", "worker", "evaluator", "prometheus")  # not grafana: no image of it here
 WORKERS = 4
@@ -278,7 +278,7 @@ def require_base_images() -> None:
         if pull.returncode == 0:
             continue
         if UNREACHABLE.search(pull.stderr):
-            reason = f"no image registry is reachable from this machine; on this workplace run `{RIG}` first"
+            reason = f"no image registry is reachable from this machine; run `{RIG}` first"
             if os.environ.get("GEMPS_REQUIRE_CONTAINERS") == "1":
                 pytest.fail(f"{absent} {reason} (GEMPS_REQUIRE_CONTAINERS=1)", pytrace=False)
             pytest.skip(f"{absent} {reason}")
