@@ -32,9 +32,9 @@ pinned staging vector and non-blocking copies when a parameter lives on a GPU.
 A step without `num_samples=` sends the samples of the model's inputs since the last step, and
 one without `loss=` sends the loss the model's forward returned (output.loss, or nanoGPT's
 `(logits, loss)`), else logs a WARNING once saying how to pass it (gemps.pytorch.batches).
-`weight_decay=` is applied by the worker, to the gradient it commits (gemps.pytorch.refusals). Binding a model sets torch's
-intra-op threads so that the workers of one machine do not oversubscribe its cores, unless they
-were set otherwise (`threads=`, gemps.pytorch.threads).
+`weight_decay=` is applied by the worker, to the gradient it commits (gemps.pytorch.refusals).
+Binding a model sets torch's intra-op threads so that the workers of one machine do not
+oversubscribe its cores, unless they were set otherwise (`threads=`, gemps.pytorch.threads).
 
 A model wrapped by torch.compile, DistributedDataParallel or DataParallel is named as the model
 inside (gemps.pytorch.wrappers: no `_orig_mod.` or `module.` reaches the server; FSDP is refused), and
