@@ -26,13 +26,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gemps_bench.jepsen.plan import draw
+from gemps_bench.jepsen.plan import LONG_PAUSE, draw
 from gemps_bench.jepsen.report import table, totals
 from gemps_bench.jepsen.trial import TrialOptions, run_trial
 
 from gemps_worker.simulated_hosts import unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _span(text: str) -> tuple[float, float] | None:
+    """ "LOW,HIGH" seconds (LOW <= HIGH), or "0": none."""
+    if text.strip() == "0":
+        return None
+    low, high = (float(part) for part in text.split(","))
+    if not 0 < low <= high:
+        raise argparse.ArgumentTypeError(f"a span LOW,HIGH of seconds with 0 < LOW <= HIGH, not {text!r}")
+    return low, high
 
 
 def main() -> None:
@@ -45,6 +55,10 @@ def main() -> None:
     parser.add_argument("--stale-wipe", type=float, default=0.25,
                         help="chance an episode is the stale-backup etcd wipe of issue 41 (default 0.25)")  # fmt: skip
     parser.add_argument("--workers", type=int, default=3, help="counting workers (default 3)")
+    low, high = LONG_PAUSE
+    parser.add_argument("--long-pause", type=_span, default=LONG_PAUSE,
+                        help=f"each trial ends with the primary paused LOW,HIGH seconds (default {low:g},{high:g}); "
+                        "0 for none")  # fmt: skip
     wedged = "a worker waiting this many seconds while a safe primary existed is wedged (default 10)"
     parser.add_argument("--wedge-after", type=float, default=10.0, help=wedged)
     parser.add_argument("--keep", action="store_true", help="keep every trial's logs (default: failed trials' only)")
@@ -59,7 +73,9 @@ def main() -> None:
     commit = _commit()  # before the first record is written: --out may be a tracked file
     for index in range(args.trials):
         seed = args.seed + index
-        plan = draw(seed, episodes=args.episodes, replicas=replicas, stale_wipe=args.stale_wipe)
+        plan = draw(
+            seed, episodes=args.episodes, replicas=replicas, stale_wipe=args.stale_wipe, long_pause=args.long_pause
+        )
         print(
             f"trial {index + 1}/{args.trials}: seed {seed}, R = {plan.replicas}, {' '.join(plan.kinds())}", flush=True
         )

@@ -149,8 +149,16 @@ class DataPlaneClient:
         self.send(Op.ATTACH, pb.DataPlaneAttach(bytes=size).SerializeToString(), fds=fds)
         return self.receive()
 
-    def pull(self, worker_id: str, known_version: int = -1, known_history: str = "") -> Frame:
-        request = pb.PullRequest(worker_id=worker_id, known_version=known_version, known_history=known_history)
+    def pull(
+        self,
+        worker_id: str,
+        known_version: int = -1,
+        known_history: str = "",
+        reply_dtype: pb.DType = pb.DTYPE_UNSPECIFIED,
+    ) -> Frame:
+        request = pb.PullRequest(
+            worker_id=worker_id, known_version=known_version, known_history=known_history, reply_dtype=reply_dtype
+        )
         self.send(Op.PULL, request.SerializeToString())
         return self.receive()
 

@@ -9,11 +9,13 @@ to start and open to inspection (`.server.state`). Tests where the process bound
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import io
 import itertools
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -373,3 +375,18 @@ class KeptJournal:
     @property
     def epoch(self) -> int:
         return 1
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP `pid` and wait until every thread of it has stopped: the stop is asynchronous, and
+    under load a thread ran on (and answered a request) after kill() had returned."""
+
+    def states() -> set[str]:
+        found = set()
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+                found.add((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        return found
+
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: states() <= {"T", "t"}, timeout=timeout, what=f"every thread of {pid} stopped")

@@ -30,11 +30,13 @@ TRAINING_OPTIONS = frozenset(
     {
         "GEMPS_ADDRESS",
         "GEMPS_AGN_STEPS",
+        "GEMPS_BATCH_DELAY",
         "GEMPS_COMPRESSION",
         "GEMPS_DATASET",
         "GEMPS_DATA_DIR",
         "GEMPS_DEVICE",
         "GEMPS_DOWNLOAD",
+        "GEMPS_DYLU_STEPS",
         "GEMPS_DYNSGD_STEPS",
         "GEMPS_EASGD_ALPHA",
         "GEMPS_EASGD_PERIOD",

@@ -35,6 +35,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -77,6 +78,8 @@ class PartitionProcess:
     metrics_port: int = -1
     failed_starts: int = 0
     exit_codes: list[int] = field(default_factory=list)
+    restart_at: float | None = None  # exited: started again at this time.monotonic()
+    starting_since: float | None = None  # started again, its port file not written yet
 
     def environment(self) -> dict[str, str]:
         values = values_of(replace(self.config, port=self.port or self.config.port, port_file=str(self.port_file)))
@@ -109,6 +112,13 @@ class PartitionProcess:
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def ready_now(self) -> bool | None:
+        """Without waiting: True once its port file is there, False if it exited first, else None."""
+        if self.port_file.exists():
+            self.port, self.metrics_port = (int(line) for line in self.port_file.read_text().split())
+            return True
+        return None if self.running() else False
 
 
 def child_config(
@@ -196,10 +206,11 @@ class PartitionSupervisor:
             self._say_where()
             while not self._stopping.wait(POLL_SECONDS):
                 self._keep_etcd_alive()
-                for partition in self.partitions:
-                    if not partition.running() and not self._restart(partition):
-                        self._stopping.set()
-                        return self._stop_all() or EXIT_CANNOT_START
+                # Every partition each poll, none waited for: replicas that died together start
+                # again together, and one dying while others start is seen at once (issue 61).
+                if not all([self._tend(partition) for partition in self.partitions]):
+                    self._stopping.set()
+                    return self._stop_all() or EXIT_CANNOT_START
             return self._stop_all()
         finally:
             if self._etcd is not None:
@@ -296,23 +307,34 @@ class PartitionSupervisor:
             self.workers_target(),
         )
 
-    def _restart(self, partition: PartitionProcess) -> bool:
-        """Start a partition that exited again, on its port; False after too many failed starts."""
-        assert partition.process is not None
-        code = partition.process.returncode
-        partition.exit_codes.append(code)
+    def _tend(self, partition: PartitionProcess) -> bool:
+        """One look at a partition: one that exited is started again RESTART_DELAY_SECONDS later, on
+        its port; one starting is ready, or failed (or late) and tried again; False after too many
+        failed starts in a row."""
         which = f"partition {partition.index}" + (f" replica {partition.replica}" if self.config.replicas > 1 else "")
-        log.warning("%s exited with status %d; starting it again", which, code)
-        if self._stopping.wait(RESTART_DELAY_SECONDS):
-            return True
-        partition.start()
-        if partition.wait_ready():
-            partition.failed_starts = 0
-            return True
-        partition.failed_starts += 1
-        if partition.failed_starts >= MAX_FAILED_STARTS:
-            log.error("partition %d failed to start %d times: stopping", partition.index, partition.failed_starts)
-            return False
+        now = time.monotonic()
+        if partition.starting_since is not None:
+            ready = partition.ready_now()
+            late = now - partition.starting_since > STARTUP_TIMEOUT_SECONDS
+            if ready:
+                partition.starting_since, partition.failed_starts = None, 0
+                log.info("%s started again on port %d", which, partition.port)
+            elif ready is False or late:
+                partition.starting_since, partition.failed_starts = None, partition.failed_starts + 1
+                if partition.failed_starts >= MAX_FAILED_STARTS:
+                    log.error("%s failed to start %d times: stopping", which, partition.failed_starts)
+                    return False
+                if late and partition.process is not None:
+                    partition.process.kill()
+        if partition.starting_since is None and partition.restart_at is None and not partition.running():
+            assert partition.process is not None
+            code = partition.process.wait()
+            partition.exit_codes.append(code)
+            log.warning("%s exited with status %d; starting it again", which, code)
+            partition.restart_at = now + RESTART_DELAY_SECONDS
+        if partition.restart_at is not None and now >= partition.restart_at:
+            partition.restart_at, partition.starting_since = None, now
+            partition.start()
         return True
 
     def _stop_all(self) -> int:

@@ -32,6 +32,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         worker_options = options.from_sources(WorkerOptions, args)
+        problems = worker_options.problems()
+        if problems:  # refused before anything is loaded or registered
+            raise ValueError("; ".join(problems))
     except ValueError as error:
         log.error("%s", error)
         return 2

@@ -17,15 +17,19 @@ its `timeout` (the Client's) counts from then, so it bounds the whole of what th
 the wait behind the calls queued before it included: a call whose time is spent before it
 starts raises DeadlineExceededError without sending anything.
 Cancelling a call that has not started takes it off the queue (nothing was sent); one that has
-started runs to its end, as a request on the wire cannot be taken back, and what it did shows in
-the next reply's version and θ.
+started runs to its end, as a request on the wire cannot be taken back. `await
+client.outcome(call)` then says what the cancelled call did: its result (a commit's CommitResult:
+applied, so do not commit that gradient again), the error it ended in, or None when it was taken
+off the queue before anything was sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ParamSpec, TypedDict, TypeVar
@@ -76,6 +80,11 @@ class AsyncClient:
         self.client = target if isinstance(target, Client) else Client(target, **options)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemps-aio")
         self._closed = False
+        # Each awaitable's call on the thread, which runs on when the awaitable is cancelled once
+        # started (`outcome`); weak: an awaitable let go of takes its entry with it.
+        self._running: weakref.WeakKeyDictionary[asyncio.Future[Any], concurrent.futures.Future[Any]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def _call(self, call: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> asyncio.Future[R]:
         """`call` queued now on the client's thread, after the calls made before it (made from a
@@ -83,9 +92,23 @@ class AsyncClient:
         if self._closed:
             raise RuntimeError("this AsyncClient is closed")
         at = time.monotonic() + self.client.timeout  # the call's deadline runs from now
-        return asyncio.get_running_loop().run_in_executor(
-            self._thread, functools.partial(_within, self.client.timeout, at, call, *args, **kwargs)
-        )
+        loop = asyncio.get_running_loop()
+        queued = self._thread.submit(functools.partial(_within, self.client.timeout, at, call, *args, **kwargs))
+        awaited = asyncio.wrap_future(queued, loop=loop)  # cancelling it takes `queued` off the queue if it can
+        self._running[awaited] = queued
+        return awaited
+
+    async def outcome(self, call: asyncio.Future[R]) -> R | None:
+        """What a call of this client did, cancelled or not: its result once it has ended (a
+        commit's CommitResult: it was applied), its error raised, or None when it was cancelled
+        before it started (nothing was sent). A commit cancelled after it started is still applied
+        as any other; this is how a caller learns so, rather than committing that gradient twice."""
+        queued = self._running.get(call)
+        if queued is None:
+            raise ValueError("not an awaitable of this AsyncClient's calls")
+        if queued.cancelled():
+            return None
+        return await asyncio.wrap_future(queued)
 
     # -- the calls: Client's, awaited --------------------------------------------------------------
 

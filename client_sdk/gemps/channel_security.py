@@ -12,6 +12,8 @@ from pathlib import Path
 
 import grpc
 
+from gemps.options import parse_bool
+
 Pem = str | bytes  # a PEM file's path, or its content
 
 
@@ -21,8 +23,16 @@ def _pem(value: Pem | None) -> bytes | None:
     return value if isinstance(value, bytes) else Path(value).read_bytes()
 
 
-def _env_flag(raw: str) -> bool:
-    return raw.strip().lower() in ("1", "true", "yes", "on")
+def _token_file(path: str) -> str:
+    """The token in GEMPS_AUTH_TOKEN_FILE's file; ValueError naming both if unreadable or empty
+    (an empty one would send no token, and the server's refusal would not say why)."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as error:
+        raise ValueError(f"GEMPS_AUTH_TOKEN_FILE names {path}, which cannot be read: {error.strerror}") from error
+    if not token:
+        raise ValueError(f"GEMPS_AUTH_TOKEN_FILE names {path}, which is empty")
+    return token
 
 
 @dataclass(frozen=True)
@@ -57,7 +67,7 @@ class ChannelSecurity:
         if token is None:
             token = env.get("GEMPS_AUTH_TOKEN") or None
             if token is None and env.get("GEMPS_AUTH_TOKEN_FILE"):
-                token = Path(env["GEMPS_AUTH_TOKEN_FILE"]).read_text().strip()
+                token = _token_file(env["GEMPS_AUTH_TOKEN_FILE"])
         if tls is False:  # plaintext asked for: certificates from the environment do not apply
             if ca_cert or client_cert or client_key:
                 raise ValueError("TLS certificates given but tls=False")
@@ -68,7 +78,7 @@ class ChannelSecurity:
         if (cert is None) != (key is None):
             raise ValueError("a client certificate and its key go together: give both or neither")
         if tls is None:
-            tls = _env_flag(env.get("GEMPS_TLS", "")) or ca is not None or cert is not None
+            tls = parse_bool(env.get("GEMPS_TLS", ""), "GEMPS_TLS") or ca is not None or cert is not None
         return cls(
             token=token or None,
             tls=tls,

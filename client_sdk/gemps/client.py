@@ -181,7 +181,9 @@ class Client:
         self._calls = threading.RLock()  # held by each call (gemps.serialised)
         self._max_message_bytes = min(max_message_mb * 1024 * 1024, 2**31 - 1)
         self._retrier = Retrier("", self.retry, stop, self.patience)
-        self._metrics = client_metrics(metrics_registry, self.wire_dtype, lambda: self._retrier.retries)
+        self._metrics = client_metrics(
+            metrics_registry, self.wire_dtype, lambda: self._retrier.retries, lambda: self.shared_memory_fallbacks
+        )
         connect = self._metrics.metered(connect or self._connect)  # θ's bytes counted, with metrics
         self._router = PartitionRouter(
             resolver,
@@ -416,6 +418,12 @@ class Client:
         """How each server's commits and pulls travel now, in θ order: "data" or "grpc" ("" for a
         transport that does not say)."""
         return [getattr(session.transport, "plane", "") for session in self._router.sessions]
+
+    @property
+    def shared_memory_fallbacks(self) -> int:
+        """Connections made without shared memory where it had been used or was wanted, over this
+        client's life (each said at WARNING with its reason)."""
+        return sum(getattr(session.transport, "shared_memory_fallbacks", 0) for session in self._router.sessions)
 
     @property
     def retries(self) -> int:

@@ -302,6 +302,12 @@ class DataConnection:
         self.close()
         raise errors.GempsError(f"data plane of {self.address}: {what}")
 
+    def wake(self) -> None:
+        """End a read or write blocked on this connection in another thread (close() alone does
+        not wake it); the connection is then closed by its own thread's failure."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
         self.closed = True
         with contextlib.suppress(OSError):

@@ -27,7 +27,6 @@ are `MOVES`): not offered, offered, connected, shared, fell back, closed.
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 import random
@@ -38,6 +37,7 @@ from gemps import errors
 from gemps import grpc_messages as messages
 from gemps.channel_security import ChannelSecurity
 from gemps.data_plane_connection import SHARED_MEMORY, DataConnection, ServerNotProven, Unreachable, target_host
+from gemps.data_plane_link import MOVES, OPEN, RETRY_CONNECT_TIMEOUT, RETRY_FIRST, RETRY_JITTER, RETRY_MAX, Link
 from gemps.grpc_transport import GrpcTransport
 from gemps.records import Evaluation, Registration, ServerStatus
 from gemps.transport import (
@@ -61,42 +61,7 @@ from gemps_proto.tensor_codec import FLOAT32, EncodedTensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
 
 log = logging.getLogger("gemps.client")
-
-#: the Client's `plane` choices: data plane when offered and reachable, else gRPC; only the data
-#: plane (raise when it cannot be used); only gRPC
-# A transport that fell back to gRPC tries the data plane again after RETRY_FIRST seconds, then
-# after twice as long each time that fails, at most RETRY_MAX, each wait ±RETRY_JITTER of itself
-# (so workers that fell back together do not all come back at once); an attempt waits at most
-# RETRY_CONNECT_TIMEOUT for the connection and its HELLO.
-RETRY_FIRST = 1.0
-RETRY_MAX = 60.0
-RETRY_JITTER = 0.25
-RETRY_CONNECT_TIMEOUT = 2.0
 _now = time.monotonic  # the retries' clock (a seam for tests)
-
-
-class Link(enum.Enum):
-    """Where a data-plane transport stands (`DataPlaneTransport.state`)."""
-
-    NOT_OFFERED = "not offered"  # no registration yet, or its server offers no data plane: gRPC
-    OFFERED = "offered"  # a registration's offer, no connection open: the next call opens one
-    CONNECTED = "connected"  # a connection whose HELLO was answered
-    SHARED = "shared"  # that connection with shared memory attached (a local socket)
-    FELL_BACK = "fell back"  # auto: the data plane could not be used; gRPC until `_retry_at`
-    CLOSED = "closed"  # the transport is closed
-
-
-#: the moves `_become` allows (a state may always become itself)
-MOVES: dict[Link, frozenset[Link]] = {
-    Link.NOT_OFFERED: frozenset({Link.OFFERED, Link.FELL_BACK, Link.CLOSED}),
-    Link.OFFERED: frozenset({Link.NOT_OFFERED, Link.CONNECTED, Link.FELL_BACK, Link.CLOSED}),
-    Link.CONNECTED: frozenset({Link.NOT_OFFERED, Link.OFFERED, Link.SHARED, Link.FELL_BACK, Link.CLOSED}),
-    Link.SHARED: frozenset({Link.NOT_OFFERED, Link.OFFERED, Link.FELL_BACK, Link.CLOSED}),
-    # a return, a retry that failed again, or a registration gone (the fallback's wait still runs)
-    Link.FELL_BACK: frozenset({Link.CONNECTED, Link.CLOSED}),
-    Link.CLOSED: frozenset(),
-}
-_OPEN = frozenset({Link.CONNECTED, Link.SHARED})
 
 
 class DataPlaneTransport:
@@ -113,6 +78,12 @@ class DataPlaneTransport:
         # What this host turned out to allow, not where the transport stands (that is `state`).
         self._wants_local = shared_memory and SHARED_MEMORY
         self._local = self._attach_memory = self._wants_local
+        # Whether a local connection was ever made to this server (its socket failing then is a
+        # fallback from shared memory, said and counted), and when to try it again (None: no need).
+        self._been_local = False
+        self._local_due: float | None = None
+        self._local_wait = RETRY_FIRST
+        self.shared_memory_fallbacks = 0  # connections made without shared memory though it was used
         self.host = target_host(grpc.target)
         self._server_name = connection.server_name
         self._tls: ssl.SSLContext | None = connection.ssl_context() if connection.tls else None
@@ -132,7 +103,7 @@ class DataPlaneTransport:
         and SHARED hold `connection`, FELL_BACK a time to try again (`retry_at`)."""
         if state is not self.state and state not in MOVES[self.state]:
             raise RuntimeError(f"data-plane transport of {self.target}: {self.state.value} -> {state.value}")
-        if state in _OPEN:
+        if state in OPEN:
             connection = connection or self._connection
             assert connection is not None, state
         else:
@@ -157,7 +128,7 @@ class DataPlaneTransport:
     @property
     def plane(self) -> str:
         """How commits and pulls travel now: "data" (the data plane), else "grpc"."""
-        return "data" if self._offer is not None and self.state in (Link.OFFERED, *_OPEN) else "grpc"
+        return "data" if self._offer is not None and self.state in (Link.OFFERED, *OPEN) else "grpc"
 
     @property
     def shared(self) -> bool:
@@ -230,17 +201,42 @@ class DataPlaneTransport:
         each within `timeout` (the calls' own timeout by default) and the call's deadline."""
         limit = self.grpc.timeout if timeout is None else timeout  # each try within the call's deadline
         if self._local and offer.local_socket:
-            try:
-                return self._hello(DataConnection.open_local(offer.local_socket, timeout=time_left(limit)), offer)
-            except (Unreachable, errors.GempsError) as failed:  # not this host (or refused): TCP says why
-                # An impostor (whoever took a dead server's socket name) is refused aloud.
-                say = log.warning if isinstance(failed, ServerNotProven) else log.debug
-                say("local socket of %s not used (%s): TCP", self.target, failed)
-                self._local = self._attach_memory = False
+            local = self._open_local(offer, limit)
+            if local is not None:
+                return local
         connection = DataConnection.open(
             self.host, offer.port, timeout=time_left(limit), tls=self._tls, server_name=self._server_name
         )
         return self._hello(connection, offer)
+
+    def _open_local(self, offer: DataPlane, limit: float) -> DataConnection | None:
+        """The local socket's connection, HELLO answered; None: TCP this time. Not answering may be
+        another host's socket or its server restarting (alike: a name no process holds), so it is
+        tried again later (`_local_due`, a doubling wait) and a client on a TCP connection moves to
+        it between calls (back on shared memory after a restart, issue 61 item 2)."""
+        try:
+            connection = self._hello(DataConnection.open_local(offer.local_socket, timeout=time_left(limit)), offer)
+        except (Unreachable, errors.GempsError) as failed:
+            if isinstance(failed, ServerNotProven):  # an impostor took a dead server's socket name
+                log.warning("local socket of %s not used (%s): TCP", self.target, failed)
+                self._local = self._attach_memory = False
+            elif self._been_local and self._local_due is None:  # the first failure after using it
+                self._fell_from_shared(f"its local socket is not answering ({failed})")
+            else:
+                log.debug("local socket of %s not used (%s): TCP", self.target, failed)
+            self._local_due, self._local_wait = _now() + self._local_wait, min(2 * self._local_wait, RETRY_MAX)
+            return None
+        self._been_local, self._local_due, self._local_wait = True, None, RETRY_FIRST
+        return connection
+
+    def _back_on_local(self) -> None:
+        """On a TCP connection where the local socket failed before: try it again once the wait is
+        over, and move to it (between calls) if it answers now."""
+        assert self._offer is not None
+        local = self._open_local(self._offer, min(self.grpc.timeout, RETRY_CONNECT_TIMEOUT))
+        if local is not None:
+            self._become(Link.CONNECTED, local)  # the TCP connection closed
+            log.info("local socket of %s answers again: shared memory from the next call", self.target)
 
     def _hello(self, connection: DataConnection, offer: DataPlane) -> DataConnection:
         try:
@@ -256,18 +252,23 @@ class DataPlaneTransport:
         try:
             connection.attach(size)
         except OSError as error:  # no memfd here (a sandbox): the local socket alone
-            log.debug("shared memory not attached to %s (%s)", self.target, error)
+            self._fell_from_shared(f"no shared memory on this host ({error})")
             self._attach_memory = False
             return True
         except errors.GempsError as error:
             if errors.worth_another_attempt(error):
                 raise
-            log.warning("shared memory refused by %s (%s): θ goes on the socket", self.target, error.message)
+            self._fell_from_shared(f"the server refused it ({error.message})")
             self._attach_memory = False
             self._become(Link.OFFERED)
             return False
         self._become(Link.SHARED)
         return True
+
+    def _fell_from_shared(self, why: str) -> None:
+        """θ goes on a socket where shared memory was wanted: said and counted, never silent."""
+        self.shared_memory_fallbacks += 1
+        log.warning("shared memory with %s not used: %s; θ goes on a socket", self.target, why)
 
     def _unusable(self, address: str, why: str, error: errors.GempsError | None = None) -> None:
         """auto: gRPC for this server until the next attempt (said once per fallback); data: raise."""
@@ -322,6 +323,10 @@ class DataPlaneTransport:
         assert self._offer is not None
         if self._connection is not None and (self._connection.closed or self._connection.awaiting):
             self._become(Link.OFFERED)  # broke, or a reply was never read (a fan-out that gave up)
+            self._attach_memory = self._wants_local and self._local  # a server restarted may take it again
+        local_due = self._local_due is not None and _now() >= self._local_due and self._local
+        if local_due and self.state is Link.CONNECTED and self._connection is not None and not self._connection.local:
+            self._back_on_local()
         for _attempt in range(2):  # a refused ATTACH costs its connection: one more, without
             if self.state is Link.OFFERED:
                 try:
@@ -406,13 +411,19 @@ class DataPlaneTransport:
     def report_evaluation(self, evaluation: Evaluation) -> None:
         self.grpc.report_evaluation(evaluation)
 
+    def interrupt(self) -> None:
+        connection = self._connection
+        if connection is not None:
+            connection.wake()
+        self.grpc.interrupt()
+
     def close(self) -> None:
         self._become(Link.CLOSED)
         self.grpc.close()
 
     def _drop(self) -> None:
         """Close the connection (the next call opens another)."""
-        if self.state in _OPEN:
+        if self.state in OPEN:
             self._become(Link.OFFERED)
 
 

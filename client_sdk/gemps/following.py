@@ -9,15 +9,18 @@ Transport itself, so the session's retries and the router's concurrent calls nee
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import TypeVar
 
 from gemps import errors
+from gemps.primary_watch import PrimaryWatch, Watched
 from gemps.records import Evaluation, Registration, ServerStatus
 from gemps.transport import (
     CommitCall,
     Committed,
+    Deferred,
     Enrolment,
     Pending,
     PullCall,
@@ -25,6 +28,7 @@ from gemps.transport import (
     Registered,
     Transport,
 )
+from gemps_proto.reasons import Reason
 
 log = logging.getLogger("gemps.client")
 T = TypeVar("T")
@@ -42,10 +46,12 @@ class FollowingTransport:
         transport: Transport,
         follow: Follow | None = None,
         registered: Callable[[], Registration | None] | None = None,
+        watch: PrimaryWatch | None = None,
     ) -> None:
         self.transport = transport
         self.follow = follow
         self.registered = registered
+        self.watch = watch  # a replicated partition: calls waiting on a stopped primary move on
         self.moves = 0  # how often it followed its server to another address
         self._suspect = False  # a call failed in a way worth another attempt: the server may have moved
         # Whether a call succeeded since the last move: only the first move after one is worth a
@@ -68,13 +74,15 @@ class FollowingTransport:
         return self._call(lambda transport: transport.pull(call))
 
     def start_pull(self, call: PullCall) -> Pending[Pulled]:
-        return self._call(lambda transport: transport.start_pull(call))
+        pending, started_on = self._call(lambda transport: transport.start_pull(call)), self.transport
+        return Deferred(lambda: self._call(lambda _: pending.result(), started_on))  # its wait watched too
 
     def commit(self, call: CommitCall) -> Committed:
         return self._call(lambda transport: transport.commit(call))
 
     def start_commit(self, call: CommitCall) -> Pending[Committed]:
-        return self._call(lambda transport: transport.start_commit(call))
+        pending, started_on = self._call(lambda transport: transport.start_commit(call)), self.transport
+        return Deferred(lambda: self._call(lambda _: pending.result(), started_on))  # its wait watched too
 
     def leave(self, worker_id: str) -> None:
         self._call(lambda transport: transport.leave(worker_id))
@@ -88,24 +96,34 @@ class FollowingTransport:
     def resume(self, registration: Registration) -> None:
         self.transport.resume(registration)
 
+    def interrupt(self) -> None:
+        self.transport.interrupt()
+
     def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
         self.transport.close()
 
-    def _call(self, call: Callable[[Transport], T]) -> T:
-        if self._suspect:
-            self._follow()
+    def _call(self, call: Callable[[Transport], T], transport: Transport | None = None) -> T:
+        if transport is None:
+            if self._suspect:
+                self._follow()
+            transport = self.transport
         # Once registered here, another gRPC service at the address (UNIMPLEMENTED) is whoever
         # took the port since the server died: gone, retried, on every call (registering again too).
-        try:
-            result = call(self.transport)
-        except errors.GempsError as error:
-            known = self.registered is not None and self.registered() is not None
-            failure = errors.foreign_as_gone(self.transport.target, error) if known else error
-            if isinstance(failure, errors.RETRIED):
-                self._suspect = True
-            if failure is error:
-                raise
-            raise failure from None
+        with self.watch.watching(transport) if self.watch is not None else _unwatched(transport) as watched:
+            try:
+                result = call(transport)
+            except errors.GempsError as error:
+                known = self.registered is not None and self.registered() is not None
+                failure = errors.foreign_as_gone(transport.target, error) if known else error
+                if watched.took_over:  # interrupted: its partition's primary is elsewhere now
+                    failure = _taken_over(transport.target, watched.took_over, error)
+                if isinstance(failure, errors.RETRIED):
+                    self._suspect = True
+                if failure is error:
+                    raise
+                raise failure from None
         self._answered = True
         return result
 
@@ -121,3 +139,19 @@ class FollowingTransport:
         registration = self.registered() if self.registered is not None else None
         if registration is not None:
             moved.resume(registration)
+
+
+class _unwatched(contextlib.nullcontext[Watched]):
+    """A call of a session without a watch (a partition not replicated)."""
+
+    def __init__(self, transport: Transport) -> None:
+        super().__init__(Watched(transport, 0.0))
+
+
+def _taken_over(target: str, primary: str, error: errors.GempsError) -> errors.ServerUnavailableError:
+    """The failure of a call a watch interrupted: unavailable (retried, at `primary`)."""
+    return errors.ServerUnavailableError(
+        f"{target} stopped answering and {primary} took over as its partition's primary ({error.message})",
+        errors.ServerUnavailableError.code,
+        Reason.NOT_PRIMARY,
+    )

@@ -55,7 +55,13 @@ class ClientMetrics(NoMetrics):
     `retries` when scraped). ImportError naming the extra when prometheus_client is missing;
     ValueError naming the series when the registry holds them already (another client's)."""
 
-    def __init__(self, registry: CollectorRegistry, wire_dtype: int, retries: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        wire_dtype: int,
+        retries: Callable[[], int],
+        shared_memory_fallbacks: Callable[[], int] = lambda: 0,
+    ) -> None:
         try:
             from prometheus_client import Counter, Histogram
             from prometheus_client.core import CounterMetricFamily
@@ -71,6 +77,8 @@ class ClientMetrics(NoMetrics):
             def collect(self) -> Iterator[Any]:
                 what = "Attempts of this client's calls retried (server down, busy, failing over)."
                 yield CounterMetricFamily("gemps_client_retries", what, value=retries())
+                what = "Connections made without shared memory where it had been used or wanted (each a WARNING)."
+                yield CounterMetricFamily("gemps_client_shared_memory_fallbacks", what, value=shared_memory_fallbacks())
 
         try:
             self.commit_seconds = Histogram(
@@ -128,9 +136,11 @@ class ClientMetrics(NoMetrics):
         self.received.labels("commit").inc(expected_payload_nbytes(code, [reply]))
 
 
-def client_metrics(registry: CollectorRegistry | None, wire_dtype: int, retries: Callable[[], int]) -> NoMetrics:
+def client_metrics(
+    registry: CollectorRegistry | None, wire_dtype: int, retries: Callable[[], int], fallbacks: Callable[[], int]
+) -> NoMetrics:
     """A client's metrics: into `registry` when given, else none."""
-    return NoMetrics() if registry is None else ClientMetrics(registry, wire_dtype, retries)
+    return NoMetrics() if registry is None else ClientMetrics(registry, wire_dtype, retries, fallbacks)
 
 
 class MeteredTransport:
@@ -140,6 +150,10 @@ class MeteredTransport:
     def __init__(self, transport: Transport, metrics: ClientMetrics) -> None:
         self.transport = transport
         self.metrics = metrics
+
+    def __getattr__(self, name: str) -> Any:
+        """What the transport counted says of itself (`plane`, `shared`, ...), as it says it."""
+        return getattr(self.transport, name)
 
     @property
     def target(self) -> str:
@@ -177,6 +191,9 @@ class MeteredTransport:
 
     def resume(self, registration: Registration) -> None:
         self.transport.resume(registration)
+
+    def interrupt(self) -> None:
+        self.transport.interrupt()
 
     def close(self) -> None:
         self.transport.close()

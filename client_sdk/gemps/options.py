@@ -51,13 +51,21 @@ def flag(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def parse_bool(raw: str) -> bool:
+#: how an on/off flag or variable may be spelled (any case; empty is off)
+SWITCHES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def parse_bool(raw: str, name: str | None = None) -> bool:
+    """on or off as spelled in SWITCHES; ValueError, naming `name` (a variable), for anything else,
+    which would otherwise be read as one of the two without a word."""
     lowered = raw.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off", ""):
+    if lowered == "":
         return False
-    raise ValueError(f"not a boolean: {raw!r}")
+    if lowered not in SWITCHES:
+        if name is None:
+            raise ValueError(f"not a boolean: {raw!r}")
+        raise ValueError(f"{name} must be on or off (1/true/yes/on or 0/false/no/off), not {raw!r}")
+    return SWITCHES[lowered]
 
 
 def _nested(f: dataclasses.Field[Any]) -> type[Any] | None:

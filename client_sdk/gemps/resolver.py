@@ -89,6 +89,10 @@ class Replicas:
         self._next += 1
         return address
 
+    def prefer(self, address: str) -> None:
+        """The next `resolve()` names `address`, one of the set (a replica found primary)."""
+        self._next = self.addresses.index(address)
+
     def __repr__(self) -> str:
         return f"Replicas({REPLICA_SEPARATOR.join(self.addresses)!r})"
 

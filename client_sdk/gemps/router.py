@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from gemps import errors
 from gemps.compression import Compressor
+from gemps.primary_watch import PrimaryWatch, ReplicaProbes
 from gemps.records import (
     Buffers,
     CentralVariable,
@@ -118,7 +119,8 @@ class PartitionRouter:
         self.retrier = retrier
         self.worker_name = worker_name
         self.client_id = client_id
-        self.sessions = [ServerSession(connect(self.target), retrier, self._follower(0))]
+        self._probes = ReplicaProbes(connect)  # a replicated partition's other replicas, asked while a call waits
+        self.sessions = [self._session(0, connect(self.target))]
         self.layout: Layout | None = None  # how θ is partitioned; None: one server holds it all
         self.spec: tuple[ParameterSpec, ...] = ()
         self.buffer_spec: tuple[ParameterSpec, ...] = ()
@@ -268,6 +270,7 @@ class PartitionRouter:
     def close(self) -> None:
         for session in self.sessions:
             session.link.close()
+        self._probes.close()
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -347,14 +350,24 @@ class PartitionRouter:
         if self.layout is None:
             for index in range(len(self.sessions), len(layout.partitions)):
                 address = self._address_of(index, layout)
-                self.sessions.append(ServerSession(self.connect(address), self.retrier, self._follower(index)))
+                self.sessions.append(self._session(index, self.connect(address)))
         refuse_partition_count_change(self.target, self.layout, layout)
         for session, partition in zip(self.sessions, layout.partitions, strict=True):
             session.start, session.stop = partition.start, partition.stop
         self.layout = layout
 
-    def _follower(self, index: int) -> Callable[[], Transport | None]:
-        return lambda: self._follow(index)
+    def _session(self, index: int, transport: Transport) -> ServerSession:
+        """Partition `index`'s session: it follows the partition when it moves, and (replicated)
+        leaves a primary that stopped answering for the replica that took over."""
+        watch = PrimaryWatch(lambda: self._replica_set(index), self._probes)
+        return ServerSession(transport, self.retrier, lambda: self._follow(index), watch)
+
+    def _replica_set(self, index: int) -> Replicas | None:
+        """Partition `index`'s replicas, if it is replicated (partition 0's may be the target given)."""
+        replicas = self._replicas.get(index)
+        if replicas is None and index == 0 and isinstance(self.resolver, Replicas):
+            return self.resolver
+        return replicas
 
     def _follow(self, index: int) -> Transport | None:
         """A transport to partition `index` at its address now, when that is not where its session

@@ -18,6 +18,7 @@ from dataclasses import replace
 from gemps import errors
 from gemps.following import Follow, FollowingTransport
 from gemps.held_copy import HeldCopy
+from gemps.primary_watch import PrimaryWatch
 from gemps.records import Evaluation, Layout, Registration, ServerStatus
 from gemps.retry import Retrier
 from gemps.transport import CommitCall, Committed, Enrolment, Pending, PullCall, Pulled, Registered, Transport
@@ -40,8 +41,12 @@ def refuse_partition_count_change(target: str, held: Layout | None, announced: L
 class ServerSession:
     """One server process (all of θ, or one partition of it) and what the client holds of it."""
 
-    def __init__(self, transport: Transport, retrier: Retrier, follow: Follow | None = None) -> None:
-        self.link = FollowingTransport(transport, follow, lambda: self.registration)  # every call goes through it
+    def __init__(
+        self, transport: Transport, retrier: Retrier, follow: Follow | None = None, watch: PrimaryWatch | None = None
+    ) -> None:
+        self.link = FollowingTransport(
+            transport, follow, lambda: self.registration, watch
+        )  # every call goes through it
         self.retrier = retrier
         self.start = 0  # the range of θ this server holds: [start, stop)
         self.stop = 0

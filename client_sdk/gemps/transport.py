@@ -178,6 +178,11 @@ class Transport(Protocol):
         data plane's ticket) makes the same of this one. No I/O."""
         ...
 
+    def interrupt(self) -> None:
+        """Wake a call of another thread blocked on this server (it fails); the transport is not
+        used again (gemps.primary_watch: another replica took over from a primary that stopped)."""
+        ...
+
     def close(self) -> None: ...
 
 

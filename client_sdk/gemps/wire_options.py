@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from gemps.options import parse_bool
 from gemps_proto import vectors
 from gemps_proto.reply_differences import REPLY_COMPRESSIONS
 from gemps_proto.tensor_codec import COMPRESSIONS, WIRE_DTYPE_NAMES
@@ -14,9 +15,6 @@ from gemps_proto.tensor_codec import COMPRESSIONS, WIRE_DTYPE_NAMES
 PLANES = ("auto", "data", "grpc")
 #: whether Commit goes by CommitStream: past 1 MiB, always, never
 STREAMING_CHOICES = ("auto", "always", "never")
-
-# How an on/off variable may be spelled.
-SWITCHES = {"on": True, "off": False, "1": True, "0": False, "true": True, "false": False, "yes": True, "no": False}
 
 
 def resolve_plane(plane: str | None, environ: Mapping[str, str] | None = None) -> str:
@@ -35,10 +33,7 @@ def resolve_shared_memory(shared_memory: bool | None, environ: Mapping[str, str]
     if shared_memory is not None:
         return shared_memory
     environ = os.environ if environ is None else environ
-    value = environ.get("GEMPS_SHARED_MEMORY", "on").strip().lower()
-    if value not in SWITCHES:
-        raise ValueError(f"GEMPS_SHARED_MEMORY must be on or off, not {value!r}")
-    return SWITCHES[value]
+    return parse_bool(environ.get("GEMPS_SHARED_MEMORY", "on"), "GEMPS_SHARED_MEMORY")
 
 
 def check_wire_options(

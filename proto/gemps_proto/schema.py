@@ -167,6 +167,17 @@ def integral(value: Vector) -> bool:
     return vectors.is_integral(value)
 
 
+def _buffer_values(entry: ParameterSpec, value: Any) -> vectors.Vector:
+    """A buffer's values in its kind: float32, or int64 (ValueError naming the buffer for a value
+    int64 cannot hold)."""
+    if not entry.integer:
+        return vectors.as_float32(value)
+    try:
+        return vectors.as_int64(value)
+    except ValueError as error:
+        raise ValueError(f"buffer {entry.name!r}: {error}") from None
+
+
 @dataclass(frozen=True)
 class Buffers:
     """A model's buffer values by kind, each flat in buffer-spec order: the float32 entries'
@@ -196,11 +207,12 @@ class Buffers:
         unknown = sorted(set(values) - {entry.name for entry in spec})
         if unknown:
             raise ValueError(f"no buffer named {', '.join(unknown)} in the spec")
+        converted = {entry.name: _buffer_values(entry, values[entry.name]) for entry in spec}
         for entry in spec:
-            if vectors.size(values[entry.name]) != entry.size:
-                raise ValueError(f"{entry.name} has {vectors.size(values[entry.name])} values, the spec {entry.size}")
-        floats = [vectors.as_float32(values[e.name]) for e in spec if not e.integer]
-        integers = [vectors.as_int64(values[e.name]) for e in spec if e.integer]
+            if (size := vectors.size(converted[entry.name])) != entry.size:
+                raise ValueError(f"{entry.name} has {size} values, the spec {entry.size}")
+        floats = [converted[e.name] for e in spec if not e.integer]
+        integers = [converted[e.name] for e in spec if e.integer]
         return cls(vectors.concatenate(floats), vectors.concatenate(integers, integers=True))
 
     def named(self, spec: Sequence[ParameterSpec]) -> dict[str, Vector]:

@@ -229,8 +229,14 @@ def expected_int64_nbytes(dtype: int, shape: Sequence[int]) -> int:
     return num_elements(shape) * _INT64_ITEMSIZE
 
 
+#: float32 magnitudes from these bits on round to bfloat16's inf (its largest is 3.3895e38), shifted
+#: out of the sign bit
+_OVERFLOWS_SHIFTED = 0x7F7F8000 << 1
+
+
 def float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
-    """bfloat16 bits (uint16) of float32 values, rounded to nearest even (values must be finite).
+    """bfloat16 bits (uint16) of float32 values, rounded to nearest even (values must be finite);
+    the finite values beyond bfloat16's largest (3.3895e38) saturate to it rather than round to inf.
 
     Block by block, so the five integer operations run on cached data and need no P-sized temporaries.
     """
@@ -240,11 +246,16 @@ def float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
     for start in range(0, bits.size, _BLOCK):
         block = bits[start : start + _BLOCK]
         rounding = scratch[: block.size]
+        # Beyond bfloat16's largest (either sign): the bits less the sign at or past 0x7F7F8000 << 1.
+        np.left_shift(block, 1, out=rounding)
+        saturate = rounding.max() >= _OVERFLOWS_SHIFTED
         np.right_shift(block, 16, out=rounding)
         rounding &= 1
         rounding += 0x7FFF
         rounding += block  # cannot overflow for finite values: the largest is 0x7F7FFFFF + 0x8000
         rounding >>= 16
+        if saturate:  # ±inf from a finite value: ±largest instead (rare: a pass more)
+            rounding[(rounding & 0x7FFF) == 0x7F80] -= 1
         out[start : start + block.size] = rounding
     return out.reshape(np.shape(values))
 

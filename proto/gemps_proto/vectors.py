@@ -144,11 +144,30 @@ def is_integral(value: Any) -> bool:
 
 def as_int64(value: Any) -> Vector:
     """Values as int64, in their shape: integers as they are, floating ones rounded to the nearest
-    (half to even, as numpy's rint)."""
-    if HAVE_NUMPY:
-        values = np.asarray(value)
-        return values.astype(np.int64) if is_integral(values) else np.rint(values).astype(np.int64)
-    return _converted(value, INT64_FORMAT)
+    (half to even, as numpy's rint); ValueError for a value int64 cannot hold (beyond its range,
+    NaN, inf), which numpy's cast would wrap or make up without a word."""
+    if not HAVE_NUMPY:
+        return as_int64_exactly(value)
+    values = np.asarray(value)
+    if values.dtype.kind == "O":  # Python integers beyond 64 bits (or mixed with them): checked one by one
+        return np.asarray(as_int64_exactly(values.tolist()))
+    if values.dtype.kind not in "iub":
+        values = np.rint(values.astype(np.float64))
+        # 2**63 itself is a float64: the range is [-2**63, 2**63).
+        if values.size and not (np.isfinite(values).all() and values.min() >= -(2.0**63) and values.max() < 2.0**63):
+            raise ValueError("a value int64 cannot hold (NaN, inf, or beyond +-2**63)")
+    elif values.dtype == np.uint64 and values.size and values.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"a value int64 cannot hold ({int(values.max())} > 2**63 - 1)")
+    return values.astype(np.int64)
+
+
+def as_int64_exactly(value: Any) -> memoryview:
+    """as_int64 by the standard library: each number converted on its own (array's range check,
+    round() refusing NaN and inf)."""
+    try:
+        return _converted(value, INT64_FORMAT)
+    except (OverflowError, ValueError) as error:
+        raise ValueError(f"a value int64 cannot hold ({error})") from None
 
 
 def shape(value: Any) -> tuple[int, ...]:

@@ -5,6 +5,8 @@ order they were made, a payload is the one the commit was made with, `async with
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 
 import numpy as np
@@ -12,6 +14,8 @@ import pytest
 
 import gemps
 from gemps.aio import AsyncClient
+from gemps_worker.cluster import ServerProcess
+from tests.helpers import stop_process
 from tests.integration.conftest import StartServer
 
 pytestmark = pytest.mark.usefixtures("plane")
@@ -81,6 +85,39 @@ def test_a_call_cancelled_before_its_turn_is_never_sent(start_server: StartServe
             assert (await client.pull()).version == 1
 
     asyncio.run(train())
+
+
+def test_a_commit_cancelled_after_it_left_says_it_was_applied() -> None:
+    """Issue 61 item 13: the server stopped (SIGSTOP) while a commit is on the wire; the caller
+    cancels it and hears CancelledError, yet the commit is applied once the server resumes.
+    `outcome` says so (its CommitResult), and None for a commit taken off the queue unsent."""
+    with ServerProcess(rule="downpour", learning_rate=1.0, log_level="warning") as server:
+
+        async def train() -> None:
+            async with AsyncClient(server.target, timeout=60) as client:
+                await client.register(ZEROS)
+                stop_process(server.pid)
+                try:
+                    sent = client.commit(ONES, kind="update")
+                    queued = client.commit(ONES, kind="update")  # behind it: never sent
+                    await asyncio.sleep(0.5)  # the first is on the wire, the server stopped
+                    assert not sent.done(), sent.result()
+                    assert sent.cancel() and queued.cancel()
+                    for cancelled in (sent, queued):
+                        with pytest.raises(asyncio.CancelledError):
+                            await cancelled
+                finally:
+                    os.kill(server.pid, signal.SIGCONT)
+                applied = await client.outcome(sent)
+                assert applied is not None and applied.version == 1
+                assert await client.outcome(queued) is None
+                central = await client.pull()
+                assert central.version == 1
+                np.testing.assert_array_equal(central.flat, ONES)  # applied once
+                with pytest.raises(ValueError, match="not an awaitable"):
+                    await client.outcome(asyncio.get_running_loop().create_future())
+
+        asyncio.run(train())
 
 
 def test_async_and_threaded_use_of_one_client_agree(start_server: StartServer) -> None:

@@ -4,8 +4,10 @@ the gRPC path's semantics: the same applier, ledger, refusals and reasons, one Î
 from __future__ import annotations
 
 import itertools
+import logging
 import socket
 import threading
+from typing import cast
 
 import grpc
 import numpy as np
@@ -194,6 +196,30 @@ def test_unknown_worker_and_bad_base_version_keep_the_connection(downpour: InPro
         assert (error.code, error.reason) == (grpc.StatusCode.NOT_FOUND.value[0], Reason.UNKNOWN_WORKER.value)
         error = client.pull(reply.worker_id).error
         assert error is not None and error.reason == Reason.UNKNOWN_WORKER.value
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [pb.DTYPE_INT8_BLOCK, pb.DTYPE_INT4_BLOCK, pb.DTYPE_TOPK_BLOCK, pb.DTYPE_INT64, cast(pb.DType, 77)],
+    ids=str,
+)
+def test_a_pull_in_an_encoding_replies_cannot_carry_is_a_bad_argument_not_an_internal_error(
+    downpour: InProcessServer, dtype: pb.DType, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 61 item 6: answered INTERNAL with a traceback logged per request before; now refused
+    as gRPC refuses it (INVALID_ARGUMENT, bad_dtype, the same words), the connection kept."""
+    stub = open_stub(downpour.target)
+    reply = register(stub)
+    with connected(reply) as client, caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            error = client.pull(reply.worker_id, reply_dtype=dtype).error
+            assert error is not None
+            assert (error.code, error.reason) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], Reason.BAD_DTYPE.value)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Pull(pb.PullRequest(worker_id=reply.worker_id, known_version=-1, reply_dtype=dtype))
+        assert error is not None and refused.value.details() == error.message
+        assert client.pull(reply.worker_id).op == Op.PULL | REPLY
+    assert not [record for record in caplog.records if record.exc_info], "a traceback was logged"
 
 
 def test_a_wrong_size_announced_is_refused_unread_and_closed(downpour: InProcessServer) -> None:

@@ -149,6 +149,18 @@ def test_the_coordinators_callbacks(etcd: LocalEtcd, elect: MakeElection) -> Non
     assert ("promoted", second) in events["b"] and "demoted" not in events["b"]
 
 
+def test_a_replica_unfit_to_lead_does_not_campaign_and_a_fit_one_leads(elect: MakeElection) -> None:
+    """Issue 61 item 4: a replica whose certificate expired won its partition's election (its
+    backups refuse that certificate: none could join). The unfit one stands aside."""
+    a, b = elect("replica-0"), elect("replica-1")
+    unfit = Coordinator(a, lambda _: None, lambda: None, lambda *_: None, unfit=lambda: "its certificate expired")
+    fit = Coordinator(b, lambda _: None, lambda: None, lambda *_: None)
+    unfit.step()
+    assert unfit.epoch is None and a.primary() is None  # nobody leads, and it did not campaign
+    fit.step()
+    assert fit.epoch is not None and a.primary() == (b.me, fit.epoch)
+
+
 def test_the_coordinator_thread_campaigns_and_resigns_on_stop(elect: MakeElection) -> None:
     a, b = elect("replica-0"), elect("replica-1")
     promoted: list[int] = []

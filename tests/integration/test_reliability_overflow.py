@@ -24,7 +24,7 @@ from tests.integration.conftest import NUM_PARAMETERS, SPEC, StartServer, open_s
 
 HUGE = np.full(NUM_PARAMETERS, 3e38, np.float32)  # finite float32, near its largest
 RULES = [("gem", "auto"), ("gem", "numpy"), ("downpour", "auto"), ("adaptive-staleness", "auto"), ("momentum", "auto")]
-RULES += [("nesterov", "auto")]
+RULES += [("nesterov", "auto"), ("delayed-nesterov", "auto")]
 
 
 def rule_state(server: InProcessServer) -> dict[str, bytes]:
@@ -75,10 +75,11 @@ def test_a_commit_that_would_overflow_theta_is_refused_and_changes_nothing(
     assert status.commits_rejected == 1
     series = scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics")
     assert series['gemps_commits_total{outcome="rejected",reason="non_finite"}'] == 1
-    # Honest work goes on from the same θ; except under `momentum` and `nesterov`, whose one global
-    # velocity, near float32's largest after the accepted huge commits, makes every update overflow.
+    # Honest work goes on from the same θ; except under `momentum`, `nesterov` and `delayed-nesterov`,
+    # whose one global velocity, near float32's largest after the accepted huge commits, makes every
+    # update overflow.
     honest = np.full(NUM_PARAMETERS, 1e-3, np.float32)
-    if rule not in ("momentum", "nesterov"):
+    if rule not in ("momentum", "nesterov", "delayed-nesterov"):
         assert commit(stub, other, state.version, honest, pb.PAYLOAD_KIND_GRADIENT).version == version + 1
     assert np.isfinite(state.theta_copy()).all()
     # Every checkpoint written loads.
@@ -99,7 +100,7 @@ def test_a_worker_registered_after_a_refusal_starts_from_the_unchanged_theta(ser
     assert values.size == NUM_PARAMETERS and np.isfinite(values).all()
 
 
-@pytest.mark.parametrize("rule", ["gem", "downpour", "adaptive-staleness", "momentum", "nesterov"])
+@pytest.mark.parametrize("rule", ["gem", "downpour", "adaptive-staleness", "momentum", "nesterov", "delayed-nesterov"])
 def test_out_of_place_updates_match_in_place_ones_bit_for_bit(rule: str) -> None:
     """Commits near float32's range run out of place (into spare buffers, then swapped): the same
     values as the in-place pass, and the rule goes on in place afterwards."""

@@ -83,8 +83,21 @@ def test_the_credential_proves_a_backup_and_the_ticket_key_arrives_sealed(primar
         (TEST_REPLICATION_SECRET, "", "partition-0-replica-0", "the primary's own name"),
         (TEST_REPLICATION_SECRET, "", "partition-0-replica-2", "is not a replica of partition 0 (of 2)"),
         (TEST_REPLICATION_SECRET, "", "partition-1-replica-1", "is not a replica of partition 0 (of 2)"),
+        # Issue 61 item 11: names that read as a replica's number but are not its name were welcomed.
+        (TEST_REPLICATION_SECRET, "", "partition-00-replica-1", "is not a replica of partition 0 (of 2)"),
+        (TEST_REPLICATION_SECRET, "", "partition-0-replica-01", "is not a replica of partition 0 (of 2)"),
+        (TEST_REPLICATION_SECRET, "", "partition-0-replica-00", "is not a replica of partition 0 (of 2)"),
     ],
-    ids=["wrong-secret", "another-jobs-key", "the-primarys-name", "no-such-replica", "another-partition"],
+    ids=[
+        "wrong-secret",
+        "another-jobs-key",
+        "the-primarys-name",
+        "no-such-replica",
+        "another-partition",
+        "alias-partition",
+        "alias-replica",
+        "alias-of-the-primary",
+    ],
 )
 def test_a_peer_is_refused_without_the_key_or_under_a_name_not_its_own(
     primary: InProcessServer, secret: str, job: str, name: str, why: str

@@ -179,6 +179,9 @@ class MemoryServer:
     def resume(self, registration: Registration) -> None:
         self.events.append(f"resume {self.target} {registration.worker_id}")
 
+    def interrupt(self) -> None:
+        self.events.append(f"interrupt {self.target}")
+
     def close(self) -> None:
         self.closed = True
 

@@ -15,7 +15,19 @@ EPS = F32(1e-16)
 class ReferenceServer:
     """Server-side rules exactly as DESIGN §1 writes them."""
 
-    def __init__(self, rule: str, theta0: np.ndarray, eta: float, mu: float, kappa: float, pi_max: float) -> None:
+    def __init__(
+        self,
+        rule: str,
+        theta0: np.ndarray,
+        eta: float,
+        mu: float,
+        kappa: float,
+        pi_max: float,
+        *,
+        dn_learning_rate: float = 0.7,
+        nesterov_period: float = 0,
+        momentum_activation: float = 0.0,
+    ) -> None:
         self.rule = rule
         self.theta = theta0.astype(F32).copy()
         self.version = 0
@@ -23,6 +35,15 @@ class ReferenceServer:
         self.m: dict[str, np.ndarray] = {}
         self.s: dict[str, np.ndarray] = {}
         self.v = np.zeros_like(self.theta)
+        # delayed-nesterov: epsilon, N (0: the workers registered), c; the buffer b and its count k
+        self.epsilon, self.period, self.activation, self.beta = (
+            dn_learning_rate,
+            nesterov_period,
+            momentum_activation,
+            mu,
+        )
+        self.b = np.zeros_like(self.theta)
+        self.k = 0
 
     def register(self, worker: str) -> None:
         self.m[worker] = np.zeros_like(self.theta)
@@ -50,9 +71,26 @@ class ReferenceServer:
         elif self.rule == "nesterov":
             self.v = self.mu * self.v + delta
             self.theta = self.theta + (self.mu * self.v + delta)
+        elif self.rule == "delayed-nesterov":
+            self.delayed_nesterov(delta)
         else:
             raise ValueError(self.rule)
         self.version += 1
+
+    def delayed_nesterov(self, delta: np.ndarray) -> None:
+        """DESIGN §1's delayed-nesterov (Liu et al. 2024, Algorithm 3): v is m, b the buffer."""
+        n = int(self.period) or max(1, len(self.m))  # every registered worker has an m here
+        c = min(self.activation, 1.0 / n)
+        self.b = self.b + delta
+        self.k += 1
+        if self.k >= n:
+            self.v = self.mu * self.v + self.b / F32(n)
+            weight = F32((1.0 - c * n + c) * self.beta)
+            self.theta = (self.theta + F32(self.epsilon) * (delta / F32(n) + weight * self.v)).astype(F32)
+            self.b = np.zeros_like(self.theta)
+            self.k = 0
+        else:
+            self.theta = (self.theta + F32(self.epsilon) * (delta / F32(n) + F32(c * self.beta) * self.v)).astype(F32)
 
 
 class WorkerSideGemWorker:

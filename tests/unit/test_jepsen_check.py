@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from gemps_bench.jepsen.check import Safety, check, epochs, primaries_seen, promotions, recovery, wedged
-from gemps_bench.jepsen.plan import draw
+from gemps_bench.jepsen.plan import LONG_PAUSE, draw
 from gemps_bench.jepsen.report import table, totals
 from gemps_bench.jepsen.trial import Schedule
 
@@ -117,6 +117,16 @@ def test_plans_are_drawn_from_their_seed_and_stale_wipe_lags_wipes_then_pauses()
     assert steps[1:] == [("wipe", "etcd"), ("pause", "primary"), ("heal", "backup"), ("heal", "primary")]
     assert steps[0] in {("pause", "backup"), ("slow", "backup")}
     assert plan.steps[1].at - plan.steps[0].at > 2.0  # past the replica timeout: the backup was dropped
+
+
+def test_a_long_pause_of_the_primary_ends_a_plan_and_leaves_its_episodes_as_they_were() -> None:
+    """Issue 61 item 1: the suite's trials end with the primary paused 30-40 s."""
+    plain, paused = draw(5, episodes=3), draw(5, episodes=3, long_pause=LONG_PAUSE)
+    assert paused.steps[: len(plain.steps)] == plain.steps
+    pause, heal = paused.steps[len(plain.steps) :]
+    assert (pause.kind, pause.role, heal.kind, heal.role) == ("pause", "primary", "heal", "primary")
+    assert LONG_PAUSE[0] >= 30 and LONG_PAUSE[0] <= heal.at - pause.at <= LONG_PAUSE[1]
+    assert pause.at > max(step.at for step in plain.steps)  # alone: after every episode is healed
 
 
 def test_the_report_sums_violations_and_recovery_by_fault() -> None:

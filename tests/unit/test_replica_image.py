@@ -141,7 +141,7 @@ def raw(state: ServerState) -> dict[str, bytes | str]:
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("rule", ["gem", "momentum"])
+@pytest.mark.parametrize("rule", ["gem", "momentum", "delayed-nesterov"])
 def test_an_adopted_image_goes_on_bit_for_bit(rule: str, kernel: str) -> None:
     primary, load = seeded(rule, kernel)
     image = images.take(primary)

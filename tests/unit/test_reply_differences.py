@@ -209,3 +209,30 @@ def test_a_copy_is_kept_only_where_the_memory_budget_leaves_room_beside_the_rule
     state.leave(worker)  # its rule state and its copy go
     third, _ = state.commit_and_reply(dataclasses.replace(commits[other], base_version=2), keep_bytes)
     assert third.reply is not None and third.reply.copy != 0 and state.copies.held(other) is not None
+
+
+# -- θ beyond bfloat16's range (issue 61, item 10) ---------------------------------------------------
+
+BEYOND = np.array([3.4e38, -3.4e38, 3.3961e38, np.finfo(np.float32).max, 1.0, -2.5], np.float32)
+
+
+def test_a_finite_theta_beyond_bfloat16s_range_is_carried_as_its_largest_value_not_inf() -> None:
+    """bfloat16's largest finite value is 3.3895e38; float32's finite values above it rounded to inf
+    (whole replies, pulls in bfloat16, and the copies difference replies keep)."""
+    carried = copy_values(whole(BEYOND))
+    assert np.isfinite(carried).all(), carried
+    largest = float(copy_values(np.array([0x7F7F], np.uint16))[0])
+    np.testing.assert_array_equal(carried[:4], [largest, -largest, largest, largest])
+    np.testing.assert_array_equal(carried[4:], [1.0, -2.5])
+    decoded = decode_payload(BFLOAT16, BEYOND.shape, encode_payload(BEYOND, BFLOAT16))
+    assert np.isfinite(decoded).all()
+
+
+@pytest.mark.parametrize("dtype", [INT8_BLOCK, INT4_BLOCK])
+def test_a_difference_reply_near_float32s_largest_keeps_the_copy_finite(dtype: int) -> None:
+    theta = np.full(P, 3.0e38, np.float32)
+    bits = whole(theta)
+    theta[::3] = np.float32(3.4e38)  # θ moves past bfloat16's largest value
+    data, after = difference(theta, bits, dtype)
+    assert np.isfinite(copy_values(after)).all()
+    np.testing.assert_array_equal(advance(bits, np.asarray(decode_payload(dtype, (P,), data))), after)

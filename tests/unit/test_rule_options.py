@@ -20,11 +20,13 @@ from gemps_server.domain.rules.momentum import MOMENTUM
 from tests.helpers import training
 
 STEPS = RuleOption("steps", 4, Range(1, 64), "local steps")
+#: the built-in rules' options: GEM's, then delayed-nesterov's own (it shares momentum)
+BUILT_IN_OPTIONS = ["momentum", "kappa", "pi_max", "dn_learning_rate", "nesterov_period", "momentum_activation"]
 
 
 def test_the_built_in_rules_declare_their_options_once() -> None:
-    assert [o.name for o in CATALOG.declared()] == ["momentum", "kappa", "pi_max"]
-    assert CATALOG.rules_taking("momentum") == ["gem", "momentum", "nesterov"]
+    assert [o.name for o in CATALOG.declared()] == BUILT_IN_OPTIONS
+    assert CATALOG.rules_taking("momentum") == ["gem", "momentum", "nesterov", "delayed-nesterov"]
     assert [CATALOG.options_of(rule) for rule in ("downpour", "adaptive-staleness")] == [(), ()]
     assert all(CATALOG.knows(rule) for rule in rule_names())
 
@@ -127,7 +129,7 @@ def test_the_registry_refuses_a_rule_it_could_not_make_or_name() -> None:
     with pytest.raises(ValueError, match="names an option like a training config field: batch_size"):
         register_rule(ClashingRule)
     assert {"local-test", "not-taking-it-test", "clashing-test"}.isdisjoint(rule_names())
-    assert [o.name for o in CATALOG.declared()] == ["momentum", "kappa", "pi_max"]
+    assert [o.name for o in CATALOG.declared()] == BUILT_IN_OPTIONS
 
 
 def test_a_config_with_rule_options_pickles_and_copies() -> None:

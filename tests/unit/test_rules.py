@@ -40,7 +40,10 @@ def run_random_sequence(params: TrainingConfig, seed: int, steps: int = 300) -> 
     state = make_state(params)
     options = params.with_rule_defaults().rule_options  # a rule's options (the reference ignores others')
     hyper = (options.get(name, math.nan) for name in ("momentum", "kappa", "pi_max"))
-    ref = ReferenceServer(params.rule, theta0, params.learning_rate, *hyper)
+    dn = ("dn_learning_rate", "nesterov_period", "momentum_activation")  # delayed-nesterov's
+    ref = ReferenceServer(
+        params.rule, theta0, params.learning_rate, *hyper, **{name: options[name] for name in dn if name in options}
+    )
     base_versions: dict[str, int] = {}
 
     def join() -> None:

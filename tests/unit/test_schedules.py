@@ -127,9 +127,11 @@ def test_every_rule_scales_a_gradient_by_eta_at_the_version_it_is_applied_at(rul
         made.add_worker("a", theta)
         # A worker's first commit, not stale: every rule applies Delta = -eta*g as it is (GEM's
         # pi is kappa = 1 there, the momentum rule's velocity starts at 0), Nesterov's look-ahead
-        # (1 + mu)*Delta.
+        # (1 + mu)*Delta, delayed-nesterov's (one worker: a momentum step each commit) eps*(1 + beta)*Delta.
         theta, _ = made.step(theta, gradient, PayloadKind.GRADIENT, "a", staleness=0, version=version)
         first = F32(1 + rule_option(config, "momentum")) if rule == "nesterov" else F32(1)
+        if rule == "delayed-nesterov":
+            first = F32(rule_option(config, "dn_learning_rate") * (1 + rule_option(config, "momentum")))
         expected = F32(1.0) - first * F32(learning_rate_at(config, version)) * gradient
         np.testing.assert_allclose(theta, expected, rtol=1e-6)
 

@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 
-from gemps import data_plane_transport, errors
+from gemps import data_plane_link, data_plane_transport, errors
 from gemps import grpc_messages as messages
 from gemps.channel_security import ChannelSecurity
 from gemps.client import Client
@@ -322,12 +322,12 @@ def offered_transport(monkeypatch: pytest.MonkeyPatch, *opened: FakeConnection) 
     connections = iter(opened)
     monkeypatch.setattr(transport, "_open", lambda offer, timeout=None: next(connections))
     transport._offer, transport._worker_id = DataPlane(port=1, ticket=b"t" * 32), "w1"
-    transport._become(data_plane_transport.Link.OFFERED)
+    transport._become(data_plane_link.Link.OFFERED)
     return transport
 
 
 def test_the_states_a_transport_moves_through(monkeypatch: pytest.MonkeyPatch) -> None:
-    Link = data_plane_transport.Link
+    Link = data_plane_link.Link
     first, second = FakeConnection(), FakeConnection()
     transport = offered_transport(monkeypatch, first, second)
     assert (transport.state, transport.plane) == (Link.OFFERED, "data")
@@ -348,7 +348,7 @@ def test_the_states_a_transport_moves_through(monkeypatch: pytest.MonkeyPatch) -
 def test_shared_memory_is_a_state_of_its_own_and_a_refusal_costs_one_connection(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    Link = data_plane_transport.Link
+    Link = data_plane_link.Link
     local = FakeConnection(local=True)
     transport = offered_transport(monkeypatch, local)
     assert transport._ready("w1", 40) is local and transport.state is Link.SHARED and transport.shared
@@ -361,9 +361,9 @@ def test_shared_memory_is_a_state_of_its_own_and_a_refusal_costs_one_connection(
 
 
 def test_only_the_moves_listed_are_made(monkeypatch: pytest.MonkeyPatch) -> None:
-    Link = data_plane_transport.Link
-    assert all(Link.CLOSED in moves for state, moves in data_plane_transport.MOVES.items() if state is not Link.CLOSED)
-    assert not data_plane_transport.MOVES[Link.CLOSED]
+    Link = data_plane_link.Link
+    assert all(Link.CLOSED in moves for state, moves in data_plane_link.MOVES.items() if state is not Link.CLOSED)
+    assert not data_plane_link.MOVES[Link.CLOSED]
     transport = offered_transport(monkeypatch, FakeConnection())
     with pytest.raises(RuntimeError, match="offered -> shared"):
         transport._become(Link.SHARED)  # memory is attached to a connection, never to none

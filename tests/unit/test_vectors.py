@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from gemps_proto import vectors
+from gemps_proto.schema import Buffers, ParameterSpec
+from gemps_proto.tensor_codec import INT64
 
 pytestmark = pytest.mark.usefixtures("implementation")
 
@@ -74,6 +76,40 @@ def test_integers_are_told_from_floats_and_rounded_half_to_even() -> None:
     assert not vectors.is_integral([1.0, 2]) and not vectors.is_integral(array.array("f", [1]))
     assert values_of(vectors.as_int64([0.5, 1.5, 2.5, -0.5, 3])) == [0, 2, 2, 0, 3]
     assert values_of(vectors.as_int64([2**40, -7])) == [2**40, -7]
+
+
+UNHOLDABLE = {
+    "2**63": [2**63],
+    "below -2**63": [-(2**63) - 1],
+    "2**64 + 5": [2**64 + 5],
+    "uint64's largest": array.array("Q", [2**64 - 1]),
+    "uint64's largest (numpy)": np.array([2**64 - 1], np.uint64),
+    "NaN": [1.0, math.nan],
+    "inf": [-math.inf],
+    "1e19": np.array([1e19]),
+    "float32 2**63": np.array([2.0**63], np.float32),
+}
+
+
+@pytest.mark.parametrize("given", UNHOLDABLE.values(), ids=UNHOLDABLE.keys())
+def test_what_int64_cannot_hold_is_refused_not_wrapped(given: Any) -> None:
+    """Issue 61 item 7: numpy's astype stored 2**63 as -2**63, uint64's largest as -1, NaN and inf
+    as arbitrary integers."""
+    with pytest.raises(ValueError, match="int64"):
+        vectors.as_int64(given)
+
+
+def test_int64s_own_ends_are_kept_exactly() -> None:
+    ends = [2**63 - 1, -(2**63), 0]
+    assert values_of(vectors.as_int64(ends)) == ends
+    assert values_of(vectors.as_int64(np.array(ends, np.int64))) == ends
+    assert values_of(vectors.as_int64([-(2.0**63), 2.0**62])) == [-(2**63), 2**62]
+
+
+def test_a_buffer_int64_cannot_hold_is_named() -> None:
+    spec = (ParameterSpec("bn.num_batches_tracked", (1,), INT64),)
+    with pytest.raises(ValueError, match=r"'bn.num_batches_tracked'.*int64"):
+        Buffers.of({"bn.num_batches_tracked": [2**63]}, spec)
 
 
 def test_flat_values_are_shaped_concatenated_and_copied() -> None:

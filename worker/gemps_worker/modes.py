@@ -8,6 +8,11 @@
 - dynsgd (Jiang et al., SIGMOD 2017, in the form the AGN paper compares against; dist-keras's
   DynSGDWorker): the same λ local steps, the accumulated update θλ - θ0 committed undivided; the
   server scales it by 1/(τ+1), τ its staleness (rule adaptive-staleness).
+- dylu (dynamic local updates, DyLU; Liu, Douillard et al. 2024, arXiv:2401.09135, Eq. 6): the
+  same window, committed undivided, of H_i = max(1, floor(v_i / v_max · H)) local steps, v the
+  workers' speeds as the server's Status reports them (each one's samples a second over the last
+  minute, from the num_samples its commits carry) and H the fastest worker's steps: slower workers
+  commit after fewer steps, about as often as the fastest. With rule delayed-nesterov, DN+DyLU.
 - easgd (asynchronous EASGD; Zhang, Choromanska & LeCun 2015, Algorithm 1): the worker keeps its
   own variable x. At local step t, with x the variable before the step: when τ divides t, read
   the centre x̃, commit e = alpha(x - x̃) (the server adds it: x̃ ← x̃ + e) and move x ← x - e; then
@@ -21,8 +26,11 @@ server's schedule: scaled by the schedule's factor at the central version the wo
 
 from __future__ import annotations
 
+import collections
 import enum
 import math
+import statistics
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from gemps.pytorch import RemoteModel
-from gemps.records import CommitResult
+from gemps.records import CommitResult, ServerStatus
 from gemps_proto.schedules import schedule_factor
 from gemps_proto.schema import TrainingConfig
 
@@ -42,6 +50,7 @@ class WorkerMode(str, enum.Enum):
     AGN = "agn"  # accumulated gradient normalization: lambda local steps, commit the mean update
     EASGD = "easgd"  # asynchronous elastic averaging: commit alpha * (x - theta) every period
     DYNSGD = "dynsgd"  # lambda local steps, commit the accumulated update (the server divides by staleness + 1)
+    DYLU = "dylu"  # local steps in proportion to this worker's speed, commit the accumulated update
 
 
 #: the modes by name
@@ -62,6 +71,7 @@ class Diverged(RuntimeError):
 class Committed:
     result: CommitResult
     loss: float  # mean training loss over the mini-batches this commit covers
+    local_steps: int = 1  # the mini-batches it covers (a window of local steps; dylu's vary)
 
 
 @dataclass(frozen=True)
@@ -74,9 +84,10 @@ class LocalTraining:
     easgd_period: int = 4  # tau
     optimizer: str = "sgd"
     learning_rate: float = 0.0  # 0: the optimizer's default (sgd: the server's eta)
-    # agn and dynsgd: what the accumulated update θλ - θ0 is multiplied by before it is committed
-    # (an outer learning rate, as DiLoCo's); 0: the mode's own (agn 1/λ, dynsgd 1).
+    # agn, dynsgd and dylu: what the accumulated update θλ - θ0 is multiplied by before it is
+    # committed (an outer learning rate, as DiLoCo's); 0: the mode's own (agn 1/λ, dynsgd and dylu 1).
     outer_learning_rate: float = 0.0
+    dylu_steps: int = 10  # H: the fastest worker's local steps per commit
 
 
 def server_momentum(config: TrainingConfig) -> float:
@@ -165,18 +176,27 @@ class AccumulatedMode(TrainingMode):
         self.outer = outer
         self._start: torch.Tensor | None = None
         self._losses: list[float] = []
+        self._samples = 0  # trained on in this window (its commit's num_samples)
 
     def on_batch(self, loss_of_batch: LossFunction, batch_size: int) -> Committed | None:
         if self._start is None:
             self._start = self.remote.parameters_vector()
         self._losses.append(self._backward(loss_of_batch))
+        self._samples += batch_size
         self._local_step()
         if len(self._losses) < self.local_steps:
             return None
         update = (self.remote.parameters_vector() - self._start) * self.outer
-        loss = sum(self._losses) / len(self._losses)
-        self._start, self._losses = None, []
-        return Committed(self.remote.commit_update(update, loss=loss), loss)
+        steps, loss = len(self._losses), sum(self._losses) / len(self._losses)
+        samples, self._start, self._losses, self._samples = self._samples, None, [], 0
+        sent = time.monotonic()
+        result = self.remote.commit_update(update, loss=loss, num_samples=samples)
+        self.committed(result, time.monotonic() - sent)
+        return Committed(result, loss, steps)
+
+    def committed(self, result: CommitResult, seconds: float) -> None:
+        """A window's update was applied, its commit taking `seconds` (the model holds the central
+        variable of `result`)."""
 
 
 class AgnMode(AccumulatedMode):
@@ -195,6 +215,52 @@ class DynSgdMode(AccumulatedMode):
         self, remote: RemoteModel, learning_rate: float, local_steps: int, optimizer: str = "sgd", outer: float = 0.0
     ) -> None:
         super().__init__(remote, learning_rate, local_steps, outer or 1.0, optimizer)
+
+
+def worker_speeds(status: ServerStatus, round_trip: float = 0.0) -> dict[int, float]:
+    """Each registered worker's speed by its shard, for those whose commits in Status's last minute
+    reported samples: its samples over the seconds it spent training, the span less `round_trip`
+    seconds for each commit (the asking worker's own, taken to be everyone's). Without that a worker
+    of few local steps, whose commits' round trips take a larger share of its time, would read
+    slower still and take fewer steps again, down to one, when each step is short beside a commit."""
+    speeds = {}
+    for worker in status.workers:
+        recent = worker.recent
+        training = recent.seconds - recent.commits * round_trip
+        if recent.samples > 0 and training > 0:
+            speeds[worker.shard] = recent.samples / training
+    return speeds
+
+
+def dynamic_local_steps(most: int, speed: float, fastest: float) -> int:
+    """DyLU's H_i = floor(v_i / v_max · H), at least one step (a commit needs one)."""
+    return max(1, min(most, math.floor(speed / fastest * most)))
+
+
+class DyluMode(AccumulatedMode):
+    """Local steps per commit set after each commit from this worker's speed relative to the
+    fastest's (dynamic_local_steps), as the server's Status reports them (worker_speeds, less the
+    round trips of commits); the accumulated update committed times `outer` (1 by default: the
+    server's rule, delayed-nesterov, holds the outer learning rate). Until Status reports this
+    worker's speed (before its first commit) it takes H."""
+
+    name = "dylu"
+
+    def __init__(
+        self, remote: RemoteModel, learning_rate: float, local_steps: int, optimizer: str = "sgd", outer: float = 0.0
+    ) -> None:
+        super().__init__(remote, learning_rate, local_steps, outer or 1.0, optimizer)
+        self.most_steps = local_steps  # H
+        self._round_trips: collections.deque[float] = collections.deque(maxlen=16)  # commit and Status, seconds
+
+    def committed(self, result: CommitResult, seconds: float) -> None:
+        asked = time.monotonic()
+        status = self.remote.client.status()
+        self._round_trips.append(seconds + time.monotonic() - asked)
+        speeds = worker_speeds(status, statistics.fmean(self._round_trips))
+        own = speeds.get(self.remote.registration.shard.index)
+        if own is not None:  # else not measured yet: the steps stay as they were
+            self.local_steps = dynamic_local_steps(self.most_steps, own, max(speeds.values()))
 
 
 class EasgdMode(TrainingMode):
@@ -227,7 +293,7 @@ class EasgdMode(TrainingMode):
             return None
         # A window of τ local steps ends: report it, with the commit that opened it.
         losses, self._losses = self._losses, []
-        return Committed(self._result, sum(losses) / len(losses))
+        return Committed(self._result, sum(losses) / len(losses), len(losses))
 
 
 def create_mode(name: str, remote: RemoteModel, learning_rate: float, local: LocalTraining) -> TrainingMode:
@@ -242,6 +308,8 @@ def create_mode(name: str, remote: RemoteModel, learning_rate: float, local: Loc
         return AgnMode(remote, local_rate, local.agn_steps, local.optimizer, local.outer_learning_rate)
     if name == WorkerMode.DYNSGD:
         return DynSgdMode(remote, local_rate, local.dynsgd_steps, local.optimizer, local.outer_learning_rate)
+    if name == WorkerMode.DYLU:
+        return DyluMode(remote, local_rate, local.dylu_steps, local.optimizer, local.outer_learning_rate)
     if name == WorkerMode.EASGD:
         return EasgdMode(remote, local_rate, local.easgd_alpha, local.easgd_period, local.optimizer)
     raise ValueError(f"unknown worker mode {name!r}; choose from {', '.join(MODES)}")

@@ -23,7 +23,7 @@ from gemps.records import Registration
 from gemps.resolver import Target
 from gemps.retry import DEFAULT_PATIENCE, RetryPolicy
 from gemps.wire_options import PLANES
-from gemps_proto.ranges import MAX_SECONDS, RANGE, Range
+from gemps_proto.ranges import COUNT, FLOAT32_MAX, MAX_SECONDS, RANGE, Range, out_of_range
 from gemps_proto.reply_differences import REPLY_COMPRESSIONS
 from gemps_proto.tensor_codec import COMPRESSIONS, WIRE_DTYPE_NAMES
 from gemps_worker.datasets import DATASETS, Dataset, load_dataset
@@ -43,10 +43,21 @@ class WorkerOptions:
     download: bool = field(default=True, metadata={"help": "download missing IDX files (checksums verified)"})
     model: str = field(default="digits-cnn", metadata={"help": "model to train", "choices": tuple(MODELS)})
     mode: str = field(default=WorkerMode.GRADIENT.value, metadata={"help": "worker mode", "choices": MODES})
-    agn_steps: int = field(default=4, metadata={"help": "agn: local steps (lambda) per commit"})
-    dynsgd_steps: int = field(default=10, metadata={"help": "dynsgd: local steps (lambda) per commit"})
-    easgd_alpha: float = field(default=0.5, metadata={"help": "easgd: elastic moving rate alpha (= eta * rho)"})
-    easgd_period: int = field(default=4, metadata={"help": "easgd: local steps (tau) between commits"})
+    agn_steps: int = field(default=4, metadata={"help": "agn: local steps (lambda) per commit", RANGE: COUNT})
+    dynsgd_steps: int = field(default=10, metadata={"help": "dynsgd: local steps (lambda) per commit", RANGE: COUNT})
+    dylu_steps: int = field(
+        default=10,
+        metadata={
+            "help": "dylu: the fastest worker's local steps (H) per commit; each worker takes floor(v/v_max * H), "
+            "at least 1, v its samples/s as the server's status reports them (rule delayed-nesterov: DN+DyLU)",
+            RANGE: COUNT,
+        },
+    )
+    easgd_alpha: float = field(
+        default=0.5,
+        metadata={"help": "easgd: elastic moving rate alpha (= eta * rho)", RANGE: Range(0, 1, low_open=True)},
+    )
+    easgd_period: int = field(default=4, metadata={"help": "easgd: local steps (tau) between commits", RANGE: COUNT})
     local_optimizer: str = field(
         default="sgd",
         metadata={
@@ -64,9 +75,18 @@ class WorkerOptions:
     outer_learning_rate: float = field(
         default=0.0,
         metadata={
-            "help": "agn, dynsgd: the accumulated update of the local steps is committed times this (an outer "
-            "learning rate; with --reply-compression and --compression, GEM with local steps across slow links); "
-            "0: the mode's own (agn 1/lambda, dynsgd 1)",
+            "help": "agn, dynsgd, dylu: the accumulated update of the local steps is committed times this (an "
+            "outer learning rate; with --reply-compression and --compression, GEM with local steps across slow "
+            "links); 0: the mode's own (agn 1/lambda, dynsgd and dylu 1)",
+            RANGE: Range(0, FLOAT32_MAX),
+        },
+    )
+    batch_delay: float = field(
+        default=0.0,
+        metadata={
+            "help": "seconds this worker waits before each mini-batch: a slower device, for experiments with "
+            "workers of unequal speed (dylu)",
+            RANGE: Range(0, MAX_SECONDS, unit="seconds"),
         },
     )
     epochs: int = field(default=1, metadata={"help": "passes over this worker's shard"})
@@ -126,6 +146,10 @@ class WorkerOptions:
     metrics_port: int = field(default=-1, metadata={"help": "serve this worker's /metrics here (-1: off)"})
     report_file: str = field(default="", metadata={"help": "append one JSON line per commit here"})
 
+    def problems(self) -> list[str]:
+        """One line per option outside its range (local steps below one, say)."""
+        return out_of_range(self)
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -138,6 +162,7 @@ class StepRecord:
     scaling_median: float = 1.0
     scaling_at_zero: float = 0.0
     scaling_at_max: float = 0.0
+    local_steps: int = 1  # the mini-batches this commit covers
 
 
 @dataclass
@@ -203,8 +228,9 @@ def run_worker(
     always leave the server cleanly. `metrics`: served by the caller (default: per
     `options.metrics_port`). `target`: where the server is when it can move (a resolver, see
     gemps.resolver; default `options.server`); `retry`: the client's (default: the SDK's)."""
-    if not Range(0, MAX_SECONDS).admits(options.max_seconds):
-        raise ValueError(f"max_seconds {options.max_seconds!r} is outside {Range(0, MAX_SECONDS, unit='seconds')}")
+    problems = options.problems()
+    if problems:  # before anything is loaded or registered
+        raise ValueError("; ".join(problems))
     stop = stop or threading.Event()
     hooks = hooks or WorkerHooks()
     device = resolve_device(options.device)
@@ -242,6 +268,7 @@ def run_worker(
                 options.local_optimizer,
                 options.local_learning_rate,
                 options.outer_learning_rate,
+                options.dylu_steps,
             )
             mode = create_mode(mode_name, remote, reg.config.learning_rate, local)
             log.info(
@@ -273,6 +300,8 @@ def run_worker(
                     def loss_of_batch(index: torch.Tensor = index) -> torch.Tensor:
                         return F.cross_entropy(model(train_x[index]), train_y[index])
 
+                    if options.batch_delay and stop.wait(options.batch_delay):
+                        continue  # stopped while waiting: the loop's check returns
                     try:
                         committed = mode.on_batch(loss_of_batch, len(batch))
                     except Diverged as error:
@@ -300,6 +329,7 @@ def run_worker(
                         result.scaling_median,
                         result.scaling_at_zero,
                         result.scaling_at_max,
+                        committed.local_steps,
                     )
                     if hooks.on_step is not None:
                         hooks.on_step(record)

@@ -28,6 +28,9 @@ MENU: dict[str, tuple[str, ...]] = {
     "wipe": ("etcd",),
 }
 INSTANT = frozenset({"wipe"})  # faults with nothing to heal
+#: the suite's last episode (issue 61, item 1): the primary paused this long, far past its lease
+#: (a long GC pause, swap, a frozen VM): workers must follow the backup it leaves behind
+LONG_PAUSE = (30.0, 40.0)
 SLOW_RATE = "400kbit"  # a backup on such a link falls behind any commit rate it is sent
 
 
@@ -82,9 +85,12 @@ def draw(
     replicas: tuple[int, ...] = (2,),
     stale_wipe: float = 0.2,
     timing: Timing | None = None,
+    long_pause: tuple[float, float] | None = None,
 ) -> Plan:
     """The plan of seed `seed`: `episodes` episodes, each the stale-wipe sequence with probability
-    `stale_wipe`, else one fault drawn uniformly from MENU's (kind, role) pairs."""
+    `stale_wipe`, else one fault drawn uniformly from MENU's (kind, role) pairs; then, given
+    `long_pause` (seconds, a range), the primary paused that long once they are all healed (drawn
+    last: the episodes before it are the seed's as without it)."""
     rng = random.Random(seed)
     timing = timing or Timing()
     count = rng.choice(replicas)
@@ -99,6 +105,9 @@ def draw(
             kind, role = rng.choice(pairs)
             steps += _single(next(ids), kind, role, start, timing.between(rng, timing.hold))
         start += timing.between(rng, timing.gap)
+    if long_pause is not None:  # alone, once every episode is healed: a primary to pause, a backup to promote
+        alone = max((step.at for step in steps), default=0.0) + timing.between(rng, timing.gap)
+        steps += _single(episodes * 10, "pause", "primary", alone, timing.between(rng, long_pause))
     return Plan(seed, count, tuple(sorted(steps, key=lambda step: step.at)))
 
 

@@ -168,15 +168,20 @@ class RemoteModel:
         assert isinstance(result, CommitResult)
         return result
 
-    def commit_update(self, update: torch.Tensor, loss: float | None = None, *, load: bool = True) -> CommitResult:
+    def commit_update(
+        self, update: torch.Tensor, loss: float | None = None, *, load: bool = True, num_samples: int | None = None
+    ) -> CommitResult:
         """Commit a flat update (applied as given, e.g. accumulated local steps).
 
         With `load` (the default) the model then holds the returned central variable; without,
-        the model keeps its own values (elastic averaging keeps a local variable).
+        the model keeps its own values (elastic averaging keeps a local variable). `num_samples`:
+        the samples the update was trained on, for the server's metrics and Status.
         """
         update_values = host_array(update).reshape(-1)
         result = self._exchange(
-            lambda: self.client.commit(update_values, kind="update", loss=loss, buffer_delta=self._buffer_delta()),
+            lambda: self.client.commit(
+                update_values, kind="update", loss=loss, num_samples=num_samples, buffer_delta=self._buffer_delta()
+            ),
             load=load,
         ).result
         assert isinstance(result, CommitResult)

@@ -33,8 +33,11 @@ class Coordinator:
         on_demoted: Callable[[], None],
         on_primary: Callable[[Member | None, int], None],
         interval: float | None = None,
+        unfit: Callable[[], str] = lambda: "",
     ) -> None:
         self.election = election
+        self.unfit = unfit  # why this replica must not campaign now ('' when it may)
+        self._unfit_said = ""
         self.on_promoted = on_promoted
         self.on_demoted = on_demoted
         self.on_primary = on_primary
@@ -79,6 +82,13 @@ class Coordinator:
         current = self.election.primary()
         self._report(current or (None, 0))
         if current is None:
+            why = self.unfit()
+            if why != self._unfit_said:  # said once per reason, not at every tick
+                self._unfit_said = why
+                if why:
+                    log.error("%s does not campaign to lead its partition: %s", self.election.me.name, why)
+            if why:
+                return
             epoch = self.election.campaign()
             if epoch is not None:
                 self._epoch = epoch

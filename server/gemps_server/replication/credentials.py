@@ -11,6 +11,7 @@ replica started alone without either is refused at start (its replication port w
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import hmac
 import os
@@ -18,6 +19,8 @@ import secrets
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
+
+from cryptography import x509
 
 from gemps_server.config import ServerConfig
 from gemps_server.config.replication import MIN_SECRET_BYTES
@@ -35,6 +38,20 @@ class Credential:
     key: bytes
     server_tls: ssl.SSLContext | None = None
     client_tls: ssl.SSLContext | None = None
+    certificate: str = ""  # with TLS: the certificate this replica presents, and when it is valid
+    valid: tuple[datetime.datetime, datetime.datetime] | None = None
+
+    def unfit(self, now: datetime.datetime | None = None) -> str:
+        """Why this replica must not lead its partition now ('' when it may): a certificate out of
+        its validity, which every backup would refuse, so none could ever join it (issue 61)."""
+        if self.valid is None:
+            return ""
+        now = now or datetime.datetime.now(datetime.UTC)
+        if now >= self.valid[1]:
+            return f"its certificate {self.certificate} expired at {self.valid[1]:%Y-%m-%d %H:%M:%S} UTC"
+        if now < self.valid[0]:
+            return f"its certificate {self.certificate} is not valid before {self.valid[0]:%Y-%m-%d %H:%M:%S} UTC"
+        return ""
 
 
 def credential(config: ServerConfig) -> Credential:
@@ -71,7 +88,13 @@ def credential(config: ServerConfig) -> Credential:
     client.verify_mode = ssl.CERT_REQUIRED
     for context in (server, client):
         context.sslsocket_class = SerialSSLSocket  # a reader and a writer thread share each stream
-    return Credential(key, server, client)
+    return Credential(key, server, client, config.tls_cert, validity(config.tls_cert))
+
+
+def validity(certificate: str) -> tuple[datetime.datetime, datetime.datetime]:
+    """When the (first) certificate of a PEM file is valid: not before, not after (UTC)."""
+    parsed = x509.load_pem_x509_certificate(Path(certificate).read_bytes())
+    return parsed.not_valid_before_utc, parsed.not_valid_after_utc
 
 
 def with_generated_secret(config: ServerConfig, folder: Path) -> ServerConfig:

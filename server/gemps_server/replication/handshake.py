@@ -21,7 +21,6 @@ certificates chain to --tls-client-ca) all of it runs inside the TLS session, as
 from __future__ import annotations
 
 import contextlib
-import re
 import socket
 import ssl
 import time
@@ -33,8 +32,6 @@ from gemps_proto.proofs import BACKUP_ROLE, NONCE_BYTES, PRIMARY_ROLE, ReplicaSe
 from gemps_server.replication import frames
 from gemps_server.replication.credentials import Credential
 from gemps_server.replication.tls_stream import SerialSSLSocket
-
-_NAME = re.compile(r"partition-(\d{1,9})-replica-(\d{1,9})")
 
 
 class Refused(ConnectionError):
@@ -70,13 +67,17 @@ class Handshake:
         self._credential = credential
         self.partition, self.replicas = partition, replicas
 
+    def unfit(self) -> str:
+        """Why this replica must not lead now ('' when it may: Credential.unfit)."""
+        return self._credential.unfit()
+
     def _session(self, epoch: int, primary_address: str, backup_nonce: bytes, primary_nonce: bytes) -> ReplicaSession:
         return ReplicaSession(self._credential.key, self.partition, epoch, primary_address, backup_nonce, primary_nonce)
 
     def name_refusal(self, name: str, primary: str) -> str:
         """Why a hello's `name` may not be a backup of `primary` ('' when it may)."""
-        match = _NAME.fullmatch(name)
-        if match is None or int(match[1]) != self.partition or int(match[2]) >= self.replicas:
+        # The names themselves, not what reads as their numbers ("partition-00-replica-1" is none).
+        if name not in {member_name(self.partition, replica) for replica in range(self.replicas)}:
             return f"{name[:80]!r} is not a replica of partition {self.partition} (of {self.replicas})"
         if name == primary:
             return f"{name} is the primary's own name"

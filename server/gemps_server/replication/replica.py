@@ -85,7 +85,9 @@ class Replica:
     def start(self, election: Election, listener: socket.socket) -> None:
         """Take part in `election` (as its member), taking backups on `listener` when primary."""
         self._election, self._listener, self.me = election, listener, election.me
-        self._coordinator = Coordinator(election, self._promoted, self._demoted, self._primary_is)
+        self._coordinator = Coordinator(
+            election, self._promoted, self._demoted, self._primary_is, unfit=self._handshake.unfit
+        )
         threading.Thread(target=self._accept, name="gemps-replication-listen", daemon=True).start()
         self._coordinator.start()
         self._started = True

@@ -49,7 +49,7 @@ from gemps_proto.data_plane_events import (
 from gemps_proto.data_plane_frames import Op
 from gemps_proto.data_plane_protocol import ServerConnection
 from gemps_proto.reasons import Reason
-from gemps_proto.tensor_codec import FLOAT32, EncodedTensor, expected_nbytes
+from gemps_proto.tensor_codec import FLOAT32, EncodedTensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.commit_frame import commit_from_proto, reply_dtype_from_proto
 from gemps_server.domain.applier import ApplierStopped
@@ -67,7 +67,7 @@ from gemps_server.service import ParameterService
 from gemps_server.wire import messages, shared_memory
 from gemps_server.wire.data_plane_io import Channel, Hangup, PeerClosed, Stalled, Unread, close_fds, pieces
 from gemps_server.wire.data_plane_loop import Call, ReadInto, Task, Wait, Write
-from gemps_server.wire.data_plane_replies import reply_room, write_reply
+from gemps_server.wire.data_plane_replies import pull_room, reply_room, write_reply
 from gemps_server.wire.data_plane_uploads import Held, Lanes
 from gemps_server.wire.shared_memory import SharedRegion
 from gemps_server.wire.shared_memory_budget import SharedMemoryBudget
@@ -313,7 +313,7 @@ class Connection:
         # reply budget, held before the snapshot is taken (data_plane_replies.py).
         task = self._task
         assert task is not None
-        room = 0 if pull.shared or known == service.version else expected_nbytes(dtype, [service.num_parameters])
+        room = pull_room(dtype, service.num_parameters, sent=not pull.shared and known != service.version)
         if room:
             yield from reply_room(self._lanes.replies, task, room)
         try:

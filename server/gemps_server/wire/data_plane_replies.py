@@ -31,6 +31,7 @@ import time
 from collections.abc import Generator
 from typing import Any
 
+from gemps_proto.tensor_codec import WIRE_DTYPE_NAMES, expected_nbytes
 from gemps_server.wire.data_plane_io import Channel, Hangup, Stalled
 from gemps_server.wire.data_plane_loop import Parked, Task, Wait, Write
 from gemps_server.wire.data_plane_uploads import Held, Lanes
@@ -46,6 +47,13 @@ except ImportError:  # elsewhere pipelining is only cut short by the pace
     FIONREAD = None
 
 Steps = Generator[Wait, Any, Any]
+
+
+def pull_room(dtype: int, num_parameters: int, sent: bool) -> int:
+    """The reply budget a pull holds: θ's bytes in `dtype` when they are `sent` (not unchanged, not
+    into shared memory), none for a dtype replies cannot carry (the service refuses it, in the
+    protocol's order, as gRPC does)."""
+    return expected_nbytes(dtype, [num_parameters]) if sent and dtype in WIRE_DTYPE_NAMES.values() else 0
 
 
 def reply_room(budget: ReplyBudget, task: Task, nbytes: int) -> Steps:

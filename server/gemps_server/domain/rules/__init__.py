@@ -18,6 +18,7 @@ from gemps_proto.rule_options import CATALOG
 from gemps_proto.schema import TrainingConfig
 from gemps_server.domain.rules.adaptive_staleness import AdaptiveStalenessRule
 from gemps_server.domain.rules.base import ApplyStats, CommitRule, NonFiniteUpdate
+from gemps_server.domain.rules.delayed_nesterov import DelayedNesterovRule
 from gemps_server.domain.rules.downpour import DownpourRule
 from gemps_server.domain.rules.gem import GemRule
 from gemps_server.domain.rules.gem_compact import CompactGemRule
@@ -50,7 +51,7 @@ def unregister_rule(name: str) -> None:
     CATALOG.withdraw(name)
 
 
-for _rule in (GemRule, DownpourRule, AdaptiveStalenessRule, MomentumRule, NesterovRule):
+for _rule in (GemRule, DownpourRule, AdaptiveStalenessRule, MomentumRule, NesterovRule, DelayedNesterovRule):
     register_rule(_rule)
 
 

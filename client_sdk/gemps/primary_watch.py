@@ -1,0 +1,174 @@
+"""While a call waits on a replicated partition's primary: has another replica taken over?
+
+A primary that stops without dying (SIGSTOP, a long GC pause or swap, a frozen VM) neither answers
+nor closes its connections: its kernel still acknowledges what is sent and answers keepalives. Its
+backup is primary once the lease runs out (about 2 s), but a worker waiting on the stopped process
+waited until its attempt deadline, 60 s by default (issue 61, item 1). A PrimaryWatch asks the
+partition's other replicas, once a call has waited `after` seconds and every `every` seconds from
+then, whether one of them is primary (Status, which every replica answers). When one is, the call
+is interrupted (its transport's blocked read is woken) and fails as unavailable: the session's
+retry then goes to that replica (`Replicas.prefer`) with the same request id and number, so a
+commit the stopped primary had replicated is answered from the ledger, not applied twice.
+
+One daemon thread per watch, started with the first watched call of a replicated partition; a call
+costs two assignments under a lock. A partition that is not replicated is never watched: there is
+nowhere to go, and its attempt deadline stays the bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from gemps.records import ServerStatus
+from gemps.resolver import Replicas
+from gemps.transport import call_deadline
+from gemps_proto.status import PRIMARY
+
+log = logging.getLogger("gemps.client")
+
+#: a call waits this long on its primary before the other replicas are asked (a commit takes ms)
+AFTER_SECONDS = 1.0
+#: and they are asked again this often while it waits (each ask bounded by PROBE_SECONDS)
+EVERY_SECONDS = 0.5
+PROBE_SECONDS = 0.5
+
+# The status of the replica at an address (raises when it cannot say), within PROBE_SECONDS.
+Probe = Callable[[str], ServerStatus]
+
+
+class Interruptible(Protocol):
+    """What a watch can wake: the transport a call is blocked in (gemps.transport.Transport)."""
+
+    @property
+    def target(self) -> str: ...
+
+    def interrupt(self) -> None: ...
+
+
+@dataclass
+class Watched:
+    """One call under watch: `took_over` is the replica found primary instead, once it was."""
+
+    transport: Interruptible
+    started: float
+    took_over: str = ""
+
+
+class PrimaryWatch:
+    """Watches the calls of one session; `replicas()` says its partition's replica set now (None:
+    not replicated, nothing watched)."""
+
+    def __init__(
+        self,
+        replicas: Callable[[], Replicas | None],
+        probe: Probe,
+        after: float = AFTER_SECONDS,
+        every: float = EVERY_SECONDS,
+    ) -> None:
+        self.replicas, self.probe, self.after, self.every = replicas, probe, after, every
+        self._lock = threading.Condition()
+        self._call: Watched | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @contextlib.contextmanager
+    def watching(self, transport: Interruptible) -> Iterator[Watched]:
+        """A call to `transport`, watched while it runs (not at all for a partition not replicated)."""
+        call = Watched(transport, time.monotonic())
+        if self.replicas() is None:
+            yield call
+            return
+        with self._lock:
+            self._call = call
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="gemps-primary-watch", daemon=True)
+                self._thread.start()
+            self._lock.notify()
+        try:
+            yield call
+        finally:
+            with self._lock:
+                self._call = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and (self._call is None or self._call.took_over):
+                    self._lock.wait()
+                if self._closed:
+                    return
+                call = self._call
+                assert call is not None
+                waited = time.monotonic() - call.started
+                if waited < self.after:
+                    self._lock.wait(self.after - waited)
+                    continue
+            found = self._primary_elsewhere(call.transport.target)
+            with self._lock:
+                if found and self._call is call:  # still waiting: move it
+                    call.took_over = found
+                    log.warning(
+                        "%s has not answered for %.1f s and %s is its partition's primary now: following it",
+                        call.transport.target, time.monotonic() - call.started, found,
+                    )  # fmt: skip
+                    call.transport.interrupt()
+                elif not found:
+                    self._lock.wait(self.every)
+
+    def _primary_elsewhere(self, waiting_on: str) -> str:
+        """Another replica of the set that says it is primary ("" if none does); the set prefers it."""
+        replicas = self.replicas()
+        for address in replicas.addresses if replicas is not None else ():
+            if address == waiting_on:
+                continue
+            try:
+                replication = self.probe(address).replication
+            except Exception as error:  # down, or not answering either: ask the next one
+                log.debug("asked %s whether it is primary: %s", address, error)
+                continue
+            if replication is not None and replication.role == PRIMARY:
+                assert replicas is not None
+                replicas.prefer(address)
+                return address
+        return ""
+
+
+class StatusOnly(Protocol):
+    def status(self) -> ServerStatus: ...
+
+    def close(self) -> None: ...
+
+
+class ReplicaProbes:
+    """A watch's Probe: a transport to each replica asked (`connect`'s, opened once), its status
+    within PROBE_SECONDS."""
+
+    def __init__(self, connect: Callable[[str], StatusOnly]) -> None:
+        self._connect = connect
+        self._open: dict[str, StatusOnly] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, address: str) -> ServerStatus:
+        with self._lock:
+            transport = self._open.get(address)
+            if transport is None:
+                transport = self._open[address] = self._connect(address)
+        with call_deadline(PROBE_SECONDS):
+            return transport.status()
+
+    def close(self) -> None:
+        with self._lock:
+            opened, self._open = list(self._open.values()), {}
+        for transport in opened:
+            transport.close()
