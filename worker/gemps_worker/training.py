@@ -23,7 +23,7 @@ from gemps.records import Registration
 from gemps.resolver import Target
 from gemps.retry import DEFAULT_PATIENCE, RetryPolicy
 from gemps.wire_options import PLANES
-from gemps_proto.ranges import COUNT, FLOAT32_MAX, MAX_SECONDS, RANGE, Range, out_of_range
+from gemps_proto.ranges import COUNT, FLOAT32_MAX, MAX_SECONDS, RANGE, SECONDS_OR_ZERO, Range, out_of_range
 from gemps_proto.reply_differences import REPLY_COMPRESSIONS
 from gemps_proto.tensor_codec import COMPRESSIONS, WIRE_DTYPE_NAMES
 from gemps_worker.datasets import DATASETS, Dataset, load_dataset
@@ -96,7 +96,7 @@ class WorkerOptions:
         metadata={
             "help": "stop after training this many seconds, counted from registering (0: no limit): a run that "
             "lasts as long on any machine (the container tutorial's)",
-            RANGE: Range(0, MAX_SECONDS, unit="seconds"),
+            RANGE: SECONDS_OR_ZERO,
         },
     )
     seed: int = field(default=0, metadata={"help": "seed for this worker's data order"})
