@@ -13,6 +13,8 @@ Trainer would build one (a LambdaLR, linear decay by default), which RemoteOptim
 an error naming ServerSchedule: a scheduler that sets nothing and whose `get_last_lr()`, what the
 Trainer logs as `learning_rate`, is the server's η. The Trainer calls `optimizer.step()` with no
 loss; the model returns it (`output.loss`, given labels), and RemoteOptimizer sends that.
+TrainingArguments' learning rate, weight decay and schedule do not train (the server's do): gemps
+warns of each that differs at the first step, so the learning rate given is the server's.
 Each logged step prints its loss and η; the start and the end print the central variable's loss on
 held-out sequences.
 
@@ -121,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                 model=model,
                 args=TrainingArguments(
                     output_dir=out,
+                    # Not what trains (the server's η is): set to it so that the two agree, else gemps warns.
+                    learning_rate=optimizer.remote.config.learning_rate,
                     max_steps=args.steps,
                     per_device_train_batch_size=args.batch_size,
                     logging_steps=1,

@@ -48,6 +48,7 @@ TRAINING_OPTIONS = frozenset(
         "GEMPS_LOCAL_OPTIMIZER",
         "GEMPS_LOG_EVERY",
         "GEMPS_MAX_EVALUATIONS",
+        "GEMPS_MAX_SECONDS",
         "GEMPS_MAX_STEPS",
         "GEMPS_MODE",
         "GEMPS_MODEL",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gemps.errors import GempsError
 from gemps.records import CentralVariable
+from gemps.retry import NO_RETRY
 from gemps.tied_names import expanded
 from gemps_cli.connection import add_connection_flags, connect
 from gemps_proto.schema import PARTITION_FOLDER
@@ -52,7 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     source.add_argument("--server", help="HOST:PORT of a running server to pull the central variable from")
     parser.add_argument("--out", required=True, help="file to write (safetensors)")
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the server")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds the pull may take (a server that does not answer fails at once, as with `gemps status`)",
+    )
     parser.add_argument(
         "--allow-mixed-versions",
         action="store_true",
@@ -104,7 +110,7 @@ def mixed_versions(versions: Sequence[int]) -> str:
 def pull_live(args: argparse.Namespace) -> CentralVariable:
     """The central variable of a running server; with partitions, pulled again (a few times) while
     a commit in flight has reached some partitions and not the others yet."""
-    client = connect(args, timeout=args.timeout)
+    client = connect(args, timeout=args.timeout, retry=NO_RETRY)  # a server that is down: said at once, as by status
     try:
         central = client.pull()
         for _ in range(LIVE_PULLS - 1):

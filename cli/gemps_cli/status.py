@@ -21,7 +21,7 @@ from gemps.resolver import REPLICA_SEPARATOR
 from gemps.retry import NO_RETRY
 from gemps.router import resolve_address
 from gemps_cli.connection import add_connection_flags, connect
-from gemps_proto import versions
+from gemps_proto import schedules, versions
 from gemps_proto.status import PRIMARY, RecentCommits, most_damped, slowest
 
 
@@ -64,6 +64,14 @@ def say(line: str = "", *, error: bool = False) -> None:
     print(printable(line), file=sys.stderr if error else sys.stdout)
 
 
+def schedule_line(status: ServerStatus) -> str:
+    """The schedule and the settings it reads: 'cosine schedule: lr_total_commits=10000 lr_min=0',
+    never a setting of another schedule (lr_gamma under cosine)."""
+    settings = schedules.schedule_settings(status.config)
+    listed = " ".join(f"{name}={schedules.setting_text(value)}" for name, value in settings.items())
+    return f"{status.config.lr_schedule or schedules.CONSTANT} schedule" + (f": {listed}" if listed else "")
+
+
 def reach(args: argparse.Namespace) -> tuple[Client, ServerStatus, str]:
     """A client of the first address given that answers Status, that Status and the address;
     GempsError naming each address's failure when none answers."""
@@ -94,12 +102,15 @@ def run(args: argparse.Namespace) -> int:
         client.close()
     statuses, asked = primaries_views(args, statuses, given_replicas(args.server, reached, first))
     status = statuses[0]
-    settings = " ".join(f"{name}={value:g}" for name, value in status.config.as_dict().items() if type(value) is float)
+    config = status.config.as_dict().items()  # the schedule's own settings are on the learning rate's line
+    settings = " ".join(f"{k}={v:g}" for k, v in config if type(v) is float and k not in schedules.ALL_FIELDS)
     answered = f" (answered: {reached})" if reached != args.server else ""
     say(f"server          {args.server}{answered}")
     say(f"software        {(status.versions or versions.LEGACY).describe()}")
     say(f"initialized     {status.initialized}")
     say(f"version         {status.version}")
+    if status.restored is not None:  # a stack started over an old checkpoints volume trains on from it
+        say(f"restored        version {status.restored.version} from {status.restored.path}, when this server started")
     lease = f" (each evicted after {status.lease_ttl_seconds:g}s unseen)" if status.lease_ttl_seconds else ""
     say(f"active workers  {status.active_workers}{lease}")
     parameters = status.layout.num_parameters if status.layout is not None else status.num_parameters
@@ -114,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     if status.gem_state:
         say(f"GEM state       {gem_state_line(status)}")
     say(f"rule            {status.config.rule} ({settings})")
-    say(f"learning rate   {status.learning_rate:g} now ({status.config.lr_schedule} schedule)")
+    say(f"learning rate   {status.learning_rate:g} now ({schedule_line(status)})")
     # Partitions' sums add up to the whole of θ's; with some partitions unreachable, partition 0's slice only.
     noise = client.gradient_noise(statuses).describe(status.active_workers)
     what = noise.removeprefix("noise scale").lstrip(":").strip()

@@ -12,7 +12,12 @@ How long a call goes on retrying is the client's patience (`Client(patience=)`, 
 server has not answered for that long, the call raises the last failure, naming the option. A
 RetryPolicy's `max_attempts`, when set, also caps a call's attempts. Retries happen within the
 call's deadline too (gemps.transport.call_deadline, the Client's `timeout`): a wait that would end
-past it is not begun, and the call raises DeadlineExceededError with the last failure's message."""
+past it is not begun, and the call raises DeadlineExceededError with the last failure's message.
+
+A call's first retry is logged at INFO (a blip a retry hides), and once the server has not answered
+it for WARNING_AFTER_SECONDS a WARNING names the address and the patience, again every
+STILL_WAITING_SECONDS: a plain script, which shows WARNINGs only, says what it waits for (a worker
+started before its server, or given the wrong address, is otherwise silent for minutes)."""
 
 from __future__ import annotations
 
@@ -43,7 +48,9 @@ DEFAULT_PATIENCE = 300.0
 PATIENCE_VARIABLE = "GEMPS_PATIENCE"
 #: where a user sets the patience, named when it runs out
 PATIENCE_OPTIONS = f"Client(patience=...), {PATIENCE_VARIABLE} or `gemps worker --patience`"
-#: while retrying, a line at INFO this often says the client still waits (the others are DEBUG)
+#: a call the server has not answered this long is said at WARNING (a blip before is INFO)
+WARNING_AFTER_SECONDS = 2.0
+#: while retrying, a line this often says the client still waits (the others are DEBUG)
 STILL_WAITING_SECONDS = 30.0
 P = ParamSpec("P")
 
@@ -113,7 +120,7 @@ class Retrier:
         (as DeadlineExceededError when the call's deadline is what ended the retries)."""
         delays: Iterator[float] | None = None  # the policy's waits, from the first failure on
         first_failure: float | None = None  # when the server last stopped answering this call
-        said = 0.0  # when a retry was last logged at INFO
+        told = _Told()  # what this call's retries have said
         failover_until: float | None = None  # while a failover is under way: quick retries
         while True:
             try:
@@ -147,20 +154,40 @@ class Retrier:
                     error.reason,
                 )
             self.retries += 1
-            # The first retry of a call is worth a line, and one now and then while it goes on: the
-            # user sees why nothing happens, and for how long it may.
-            if not said or now - said >= STILL_WAITING_SECONDS:
-                said = now
-                log.info(
-                    "%s; retrying in %.2fs (failing for %.0f s; giving up after %g s: the patience)",
-                    error.message,
-                    delay,
-                    waited,
-                    self.patience,
-                )
-            else:
-                log.debug("%s; retrying in %.2fs", error.message, delay)
+            told.retrying(self, error, delay, waited, now)
             if self.stop is not None and self.stop.wait(delay):
                 raise errors.StoppedError(f"stopped while retrying {self.target}: {error.message}", error.code)
             if self.stop is None:
                 time.sleep(delay)
+
+
+@dataclass
+class _Told:
+    """What the retries of one call have logged: the first at INFO (a blip a retry hides), a
+    WARNING naming the address once the wait carries the call's silence past
+    WARNING_AFTER_SECONDS, and one line every STILL_WAITING_SECONDS after (the others are DEBUG),
+    so that the user sees why nothing happens, and for how long it may."""
+
+    said: float | None = None  # when a retry was last logged above DEBUG
+    warned: bool = False
+
+    def retrying(self, retrier: Retrier, error: errors.GempsError, delay: float, waited: float, now: float) -> None:
+        due = self.said is None or now - self.said >= STILL_WAITING_SECONDS
+        if (self.warned or waited + delay >= WARNING_AFTER_SECONDS) and (due or not self.warned):
+            self.said, self.warned = now, True
+            log.warning(
+                "gemps: the server at %s has not answered for %.1f s (%s); retrying for up to %g s in all "
+                "(the patience: %s)",
+                retrier.target or "its address",
+                waited,
+                error.message,
+                retrier.patience,
+                PATIENCE_OPTIONS,
+            )
+        elif due:
+            self.said = now
+            log.info(
+                "%s; retrying in %.2fs (giving up after %g s: the patience)", error.message, delay, retrier.patience
+            )
+        else:
+            log.debug("%s; retrying in %.2fs", error.message, delay)

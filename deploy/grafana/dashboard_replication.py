@@ -9,9 +9,11 @@ from grafana_foundation_sdk.builders import dashboard as dashboard_builders
 
 def replication_row(d: dashboard_builders.Dashboard) -> None:
     """Replicated partitions (gemps_server.replication): every replica exports its role and
-    epoch; only a primary its backups' lag and the live count. Empty while R=1 (nothing exported)."""
-    d.with_row(dashboard_builders.Row("Replication"))
-    d.with_panel(
+    epoch; only a primary its backups' lag and the live count. Empty while R=1 (nothing exported):
+    the row is collapsed, so a stack without replicas shows no panel reading "No data" (issue 60);
+    a click on it opens it."""
+    row = dashboard_builders.Row("Replication")
+    row.with_panel(
         stat(
             "Under-replicated partitions",
             "Partitions whose primary counts fewer replicas acknowledging commits (itself and its in-sync "
@@ -19,7 +21,7 @@ def replication_row(d: dashboard_builders.Dashboard) -> None:
             [Query("sum(gemps_partition_under_replicated)", "under-replicated")],
         )
     )
-    d.with_panel(
+    row.with_panel(
         stat(
             "Primaries per partition",
             "Replicas holding the primary role, per partition: 1 is healthy; 0 means a failover is under way "
@@ -27,21 +29,21 @@ def replication_row(d: dashboard_builders.Dashboard) -> None:
             [Query('sum by (partition) (gemps_replica_role{role="primary"})', f"primaries {PARTITION}")],
         )
     )
-    d.with_panel(
+    row.with_panel(
         stat(
             "Epoch",
             "The highest primary epoch per partition: it rises by at least one at every failover.",
             [Query("max by (partition) (gemps_replica_epoch)", f"epoch {PARTITION}")],
         )
     )
-    d.with_panel(
+    row.with_panel(
         stat(
             "Failovers (1h)",
             "Times a replica became primary over the last hour, all partitions.",
             [Query("sum(increase(gemps_failovers_total[1h]))", "failovers")],
         )
     )
-    d.with_panel(
+    row.with_panel(
         timeseries(
             "Replicas by role",
             "Replicas in each role (primary, backup, candidate: looking for a primary), per partition.",
@@ -49,7 +51,7 @@ def replication_row(d: dashboard_builders.Dashboard) -> None:
             minimum=0,
         )
     )
-    d.with_panel(
+    row.with_panel(
         timeseries(
             "Epoch per replica",
             "The primary's epoch each replica holds or follows: a replica behind the others has not yet "
@@ -58,7 +60,7 @@ def replication_row(d: dashboard_builders.Dashboard) -> None:
             minimum=0,
         )
     )
-    d.with_panel(
+    row.with_panel(
         timeseries(
             "Live replicas vs configured",
             "Per partition, as its primary counts them: replicas acknowledging commits (the primary and its "
@@ -71,7 +73,7 @@ def replication_row(d: dashboard_builders.Dashboard) -> None:
             minimum=0,
         )
     )
-    d.with_panel(
+    row.with_panel(
         timeseries(
             "Journal entries forwarded and applied per second",
             "State changes each primary forwards to its backups, and each backup applies, per second.",
@@ -83,7 +85,7 @@ def replication_row(d: dashboard_builders.Dashboard) -> None:
             minimum=0,
         )
     )
-    d.with_panel(
+    row.with_panel(
         timeseries(
             "Replication lag (commits)",
             "Journal entries each backup has not acknowledged, as its primary sees them.",
@@ -91,7 +93,7 @@ def replication_row(d: dashboard_builders.Dashboard) -> None:
             minimum=0,
         )
     )
-    d.with_panel(
+    row.with_panel(
         timeseries(
             "Replication lag (seconds)",
             "Age of the oldest journal entry each backup has not acknowledged (0: caught up).",
@@ -100,3 +102,4 @@ def replication_row(d: dashboard_builders.Dashboard) -> None:
             minimum=0,
         )
     )
+    d.with_row(row)  # last: every panel is inside it, collapsed

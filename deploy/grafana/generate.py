@@ -34,7 +34,9 @@ def dashboards() -> dict[str, dashboard_models.Dashboard]:
     """File name -> dashboard model."""
     built = {"gemps-training.json": training_dashboard().build(), "gemps-server.json": server_dashboard().build()}
     for model in built.values():
-        for number, panel in enumerate(model.panels or [], start=1):
+        # A collapsed row holds its panels: they are numbered after it, in order.
+        every = [inner for panel in model.panels or [] for inner in (panel, *(getattr(panel, "panels", None) or []))]
+        for number, panel in enumerate(every, start=1):
             panel.id_val = number  # stable ids: Grafana keys panel links and state on them
     return built
 

@@ -71,8 +71,12 @@ THREADS = Range(1, 1024)
 
 
 def _number(value: float) -> str:
+    """`value` as a reader reads it: whole numbers in full, float32's largest (an end no option
+    chooses: the type's) in three digits, 3.4e+38, not 3.4028234663852886e+38."""
     if isinstance(value, int) or (float(value).is_integer() and abs(value) < 2**53):
         return str(int(value))
+    if abs(value) >= 2**53:
+        return f"{value:.2g}"
     return repr(float(value))
 
 

@@ -85,3 +85,25 @@ def schedule_factor(config: ScheduleConfig, version: int) -> float:
 def learning_rate_at(config: ScheduleConfig, version: int) -> float:
     """η at central version `version`: what a gradient committed at that version is scaled by."""
     return config.learning_rate * schedule_factor(config, version)
+
+
+#: the fields each schedule reads besides learning_rate (any schedule's warm-up: lr_warmup_commits)
+SCHEDULE_FIELDS = {CONSTANT: (), STEP: ("lr_step_size", "lr_gamma"), COSINE: ("lr_total_commits", "lr_min")}
+#: every field a schedule may read besides learning_rate
+ALL_FIELDS = frozenset({"lr_warmup_commits", *(name for names in SCHEDULE_FIELDS.values() for name in names)})
+
+
+def schedule_settings(config: ScheduleConfig) -> dict[str, float]:
+    """The settings the schedule `config` runs reads, by field name: its own (none for constant),
+    then lr_warmup_commits when there is a warm-up. The others (lr_gamma under cosine) do nothing,
+    so `gemps status` and the SDK's refusals leave them out."""
+    names = SCHEDULE_FIELDS.get(config.lr_schedule or CONSTANT, ())
+    settings: dict[str, float] = {name: getattr(config, name) for name in names}
+    if config.lr_warmup_commits > 0:
+        settings["lr_warmup_commits"] = config.lr_warmup_commits
+    return settings
+
+
+def setting_text(value: float) -> str:
+    """A setting as a flag takes it: a count in full (1000000, not 1e+06), a factor in %g."""
+    return str(value) if isinstance(value, int) else f"{value:g}"

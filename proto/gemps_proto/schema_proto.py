@@ -31,6 +31,7 @@ from gemps_proto.status import (
     GradientNoise,
     RecentCommits,
     ReplicationStatus,
+    RestoredCheckpoint,
     ServerStatus,
     WorkerStatus,
 )
@@ -267,6 +268,7 @@ def status_to_proto(status: ServerStatus) -> pb.StatusResponse:
         gem_state=status.gem_state,
         worker_state_bytes=status.worker_state_bytes,
         shared_rule_state_bytes=status.shared_rule_state_bytes,
+        restored=None if status.restored is None else pb.RestoredCheckpoint(**dataclasses.asdict(status.restored)),
     )
 
 
@@ -307,6 +309,11 @@ def status_from_proto(message: pb.StatusResponse) -> ServerStatus:
         gem_state=message.gem_state,
         worker_state_bytes=message.worker_state_bytes,
         shared_rule_state_bytes=message.shared_rule_state_bytes,
+        restored=(
+            RestoredCheckpoint(message.restored.version, message.restored.path)
+            if message.HasField("restored")
+            else None
+        ),
     )
 
 

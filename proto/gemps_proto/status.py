@@ -206,6 +206,14 @@ class ReplicationStatus:
 
 
 @dataclass(frozen=True)
+class RestoredCheckpoint:
+    """The checkpoint a server restored when it started (gemps.v1.RestoredCheckpoint)."""
+
+    version: int  # the central version it held
+    path: str  # the file, as the server names it
+
+
+@dataclass(frozen=True)
 class ServerStatus:
     """The server's state for humans and tools (gemps.v1.StatusResponse)."""
 
@@ -234,3 +242,4 @@ class ServerStatus:
     worker_state_bytes: int = 0  # one registered worker's rule state
     shared_rule_state_bytes: int = 0  # what the rule keeps for the workers together (compact GEM's references)
     recent: RecentCommits = RecentCommits()  # commits of the last minute: the rate, training loss, staleness
+    restored: RestoredCheckpoint | None = None  # the checkpoint restored at start (None: it started without one)

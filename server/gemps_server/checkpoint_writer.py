@@ -19,6 +19,7 @@ from typing import Any
 
 import safetensors
 
+from gemps_proto.status import RestoredCheckpoint
 from gemps_server.checkpoint_files import (
     Checkpoint,
     CheckpointError,
@@ -116,6 +117,7 @@ class Checkpointer:
                 **{key: str(change) for key, change in differences.items()},
             )
         self.last_version = checkpoint.version
+        self._state.restored = RestoredCheckpoint(checkpoint.version, str(path))  # `gemps status` says it
         self._metrics.checkpoint_version.set(checkpoint.version)
         event(
             log,

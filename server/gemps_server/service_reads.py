@@ -104,4 +104,5 @@ def server_status(
         gem_state=state.gem_state,
         worker_state_bytes=state.worker_state_bytes,
         shared_rule_state_bytes=state.shared_rule_state_bytes,
+        restored=state.restored,
     )

@@ -3,10 +3,10 @@ with podman (podman-compose), read through the server's Status RPC and Prometheu
 torn down; and the checks that run before it (podman, the base images).
 
 Needs podman and a podman-compose that honours --scale, 1.1 or later (tools/install-system-deps:
-Debian's podman and PyPI's podman-compose, or in this workplace
-`../shared/tools/container-rig --prometheus-tag v2.53.0`, which CI runs first), and the
-base images the Dockerfiles and Prometheus start from: podman pulls them, or in this workplace,
-which reaches no image registry, the rig builds stand-ins for them. Without podman the tests
+Debian's podman and PyPI's podman-compose, or in this workplace its container rig, which CI runs
+first), and the base images the Dockerfiles and Prometheus start from: podman pulls them, or in
+this workplace, which reaches no image registry, the rig builds stand-ins for them. What the tests
+say to run names the repository's script, never a folder outside the repository. Without podman the tests
 fail with one line saying which. Without the base images on a machine that reaches no registry
 they skip with one line saying so (a newcomer's `make test` passes), unless
 GEMPS_REQUIRE_CONTAINERS=1, which CI's .ci/run sets: there they fail. They skip on request with
@@ -39,7 +39,7 @@ from tests.helpers import free_port, port_free, wait_for
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 SCRAPE_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
-RIG = "../shared/tools/container-rig --prometheus-tag v2.53.0"
+RIG = "tools/install-system-deps"  # podman, podman-compose and (here) the base images' stand-ins
 HOST_DATA_PORT = 51051  # docker-compose.yml's GEMPS_HOST_DATA_PORT default
 SERVICES = ("ps", "worker", "evaluator", "prometheus")  # not grafana: no image of it here
 WORKERS = 4
@@ -241,10 +241,12 @@ def base_images() -> list[str]:
     services = yaml.safe_load(COMPOSE_FILE.read_text())["services"]
     given = dict(arg.split("=", 1) for arg in BUILD_ARGS)
     images = []
+    built = {service["image"] for service in services.values() if "build" in service}  # the evaluator runs the worker's
     for name in SERVICES:
         build = services[name].get("build")
         if build is None:
-            images.append(services[name]["image"])
+            if services[name]["image"] not in built:
+                images.append(services[name]["image"])
             continue
         args = build.get("args") or {}
         if isinstance(args, list):
@@ -278,7 +280,7 @@ def require_base_images() -> None:
         if pull.returncode == 0:
             continue
         if UNREACHABLE.search(pull.stderr):
-            reason = f"no image registry is reachable from this machine; on this workplace run `{RIG}` first"
+            reason = f"no image registry is reachable from this machine; run `{RIG}` first"
             if os.environ.get("GEMPS_REQUIRE_CONTAINERS") == "1":
                 pytest.fail(f"{absent} {reason} (GEMPS_REQUIRE_CONTAINERS=1)", pytrace=False)
             pytest.skip(f"{absent} {reason}")
@@ -286,16 +288,20 @@ def require_base_images() -> None:
         pytest.fail(f"{absent} pulling it failed: {error}", pytrace=False)
 
 
-def start(stack: Stack, workers: int, data_ports: list[int], attempts: int = 3) -> None:
-    """`up` the stack. The host keeps the data ports (51051 + i: the number the server announces),
-    and in 4 full runs one was held for a moment around a stack's start ("address already in use":
-    the previous stack's container monitor after its `down`, or a socket the kernel gave out before
-    tests/reserved_ports.py kept them; not pinned down): wait for them, and start again after a
-    `down` when it happens anyway."""
+def start(stack: Stack, workers: int, data_ports: list[int], attempts: int = 3, up: list[str] | None = None) -> None:
+    """`up` the stack (`up`: the command that does, by default `compose up -d --scale
+    worker=<workers>` of SERVICES). The host keeps the data ports (51051 + i: the number the server
+    announces), and in 4 full runs one was held for a moment around a stack's start ("address
+    already in use": the previous stack's container monitor after its `down`, or a socket the
+    kernel gave out before tests/reserved_ports.py kept them; not pinned down): wait for them, and
+    start again after a `down` when it happens anyway."""
     for attempt in range(1, attempts + 1):
         wait_for(lambda: all(port_free(port) for port in data_ports), 60, f"host data ports {data_ports} free")
         try:
-            stack.compose("up", "-d", "--scale", f"worker={workers}", *SERVICES)
+            if up is None:
+                stack.compose("up", "-d", "--scale", f"worker={workers}", *SERVICES)
+            else:
+                run(up, 600, stack.env)
             return
         except AssertionError as failed:
             if "address already in use" not in str(failed) or attempt == attempts:
@@ -315,9 +321,9 @@ def build(stack: Stack, *services: str) -> None:
         _BUILT.update(missing)
 
 
-def running_stack(name: str, workers: int, **variables: str) -> Iterator[Stack]:
-    """Build the images (cached after the first time), start the stack with `workers` replicas
-    and the extra `variables` in its environment, and tear it down after."""
+def built_stack(name: str, **variables: str) -> Stack:
+    """A stack of this test run's own (project name, host ports) with `variables` in its
+    environment, its images built (cached after the first time); not started."""
     require_podman()
     require_base_images()
     grpc_port, prometheus_port = free_port(), free_port()
@@ -326,12 +332,18 @@ def running_stack(name: str, workers: int, **variables: str) -> Iterator[Stack]:
         "BUILDAH_FORMAT": "docker",  # keep the Dockerfiles' HEALTHCHECK (OCI images have none)
         "GEMPS_HOST_PORT": str(grpc_port),
         "PROMETHEUS_HOST_PORT": str(prometheus_port),
-        "GEMPS_EPOCHS": "100000",  # train until stopped
-        "GEMPS_EVAL_INTERVAL": "2",
         **variables,
     }
     stack = Stack(f"gemps-{name}-{os.getpid()}", env, grpc_port, prometheus_port)
     build(stack, "ps", "worker")
+    return stack
+
+
+def running_stack(name: str, workers: int, **variables: str) -> Iterator[Stack]:
+    """Build the images (cached after the first time), start the stack with `workers` replicas
+    and the extra `variables` in its environment, and tear it down after."""
+    until_stopped = {"GEMPS_EPOCHS": "100000", "GEMPS_MAX_SECONDS": "0"}  # not the tutorial's 10 minutes
+    stack = built_stack(name, **{**until_stopped, "GEMPS_EVAL_INTERVAL": "2", **variables})
     try:
         start(stack, workers, [HOST_DATA_PORT + i for i in range(int(variables.get("GEMPS_PARTITIONS", "1")))])
         stack.require_workers(workers)

@@ -119,6 +119,7 @@ def replicated_stack() -> Iterator[ReplicatedStack]:
         "GEMPS_HOST_DATA_PORT_1": str(free_port()),
         "PROMETHEUS_HOST_PORT": str(prometheus_port),
         "GEMPS_EPOCHS": "100000",  # train until stopped
+        "GEMPS_MAX_SECONDS": "0",  # not the tutorial's 10 minutes
         "GEMPS_EVAL_INTERVAL": "2",
         "GEMPS_REPLICA_LEASE": str(LEASE),
         "GEMPS_JOB": f"e2e-{os.getpid()}",

@@ -208,7 +208,8 @@ def dashboard_queries() -> list[tuple[str, str, str]]:
     """(dashboard file, panel title, PromQL) for every target of every panel."""
     found = []
     for path in DASHBOARDS:
-        for panel in json.loads(path.read_text())["panels"]:
+        top = json.loads(path.read_text())["panels"]
+        for panel in (inner for row in top for inner in (row, *row.get("panels", []))):  # a collapsed row's too
             for target in panel.get("targets", []):
                 found.append((path.name, panel["title"], target["expr"]))
     return found

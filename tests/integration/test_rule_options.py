@@ -119,7 +119,8 @@ def test_a_toy_option_travels_to_workers_status_metrics_and_checkpoints(
         assert client.status().config.rule_options == {"damping": 0.25, "undamped": 1}
     assert gemps_main(["status", "--server", server.target]) == 0
     shown = capsys.readouterr().out
-    assert "rule            damped-test (learning_rate=0.05 damping=0.25 undamped=1 " in shown, shown
+    # The rule's line ends with its options now: the schedule's settings are on the learning rate's (issue 60).
+    assert "rule            damped-test (learning_rate=0.05 damping=0.25 undamped=1)\n" in shown, shown
     info = [s for s in scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics") if "gemps_server_info{" in s]
     assert len(info) == 1 and 'damping="0.25"' in info[0] and 'undamped="1"' in info[0], info
     server.stop()

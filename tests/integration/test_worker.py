@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -215,3 +216,15 @@ def test_sigterm_stops_a_worker_waiting_for_an_unreachable_server(server: InProc
         worker.kill()
     assert worker.returncode == 0, output
     assert "stopped while retrying" in output and "stopped by signal" in output
+
+
+def test_max_seconds_ends_training_after_that_long_whatever_the_epochs(start_server: StartServer) -> None:
+    """The container tutorial's workers train for a set time (GEMPS_MAX_SECONDS), not for epochs
+    whose length depends on the machine (issue 60, item 5: 5 epochs ended 40 s after `up`)."""
+    server = start_server(rule="gem", learning_rate=0.05)
+    began = time.monotonic()
+    summary = run_worker(WorkerOptions(server=server.target, model="mlp", epochs=100_000, max_seconds=3.0))
+    took = time.monotonic() - began
+    assert summary.steps > 0 and not summary.stopped_early and 3.0 <= took < 20, (summary, took)
+    with pytest.raises(ValueError, match=r"max_seconds -1\.0 is outside \[0, 2147483\.647\] seconds"):
+        run_worker(WorkerOptions(server=server.target, model="mlp", max_seconds=-1.0))

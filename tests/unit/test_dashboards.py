@@ -258,11 +258,22 @@ REPLICATION_SERIES = {
 
 
 def row_panels(dashboard: dict[str, Any], title: str) -> list[dict[str, Any]]:
-    """The panels under the (expanded) row `title`: those after it up to the next row."""
+    """The panels under the row `title`: inside it when collapsed, else those after it up to the next row."""
     top: list[dict[str, Any]] = dashboard["panels"]
     start = next(i for i, panel in enumerate(top) if panel["type"] == "row" and panel["title"] == title)
+    if top[start].get("collapsed"):
+        inside: list[dict[str, Any]] = top[start]["panels"]
+        return inside
     rest = top[start + 1 :]
     return rest[: next((i for i, panel in enumerate(rest) if panel["type"] == "row"), len(rest))]
+
+
+def test_the_replication_row_is_collapsed_so_a_stack_without_replicas_shows_no_empty_panels() -> None:
+    """Issue 60, item 5: the replication panels read "No data" in the default stack."""
+    top = json.loads(committed()["gemps-server.json"])["panels"]
+    (row,) = [panel for panel in top if panel["type"] == "row" and panel["title"] == "Replication"]
+    assert row["collapsed"] is True and len(row["panels"]) == 10
+    assert top[-1] is row  # nothing after it: the panels above are every other row's
 
 
 def replication_queries() -> dict[str, list[str]]:

@@ -202,6 +202,20 @@ def test_compose_services() -> None:
     assert services["evaluator"]["command"] == ["evaluate"]
 
 
+def test_compose_builds_the_worker_image_once_and_trains_for_minutes() -> None:
+    """Issue 60, item 5: the evaluator had a `build:` of its own, so `up` built the 1.25 GB worker
+    image twice; and 5 epochs ended 40 s after `up`, before anything could be watched or scaled."""
+    services = compose()["services"]
+    built = [
+        name
+        for name, service in services.items()
+        if service.get("build", {}).get("dockerfile") == "deploy/worker.Dockerfile"
+    ]
+    assert built == ["worker"]
+    assert "build" not in services["evaluator"] and services["evaluator"]["pull_policy"] == "never"
+    assert services["worker"]["environment"]["GEMPS_MAX_SECONDS"] == "${GEMPS_MAX_SECONDS:-600}"
+
+
 def test_compose_server_keeps_checkpoints_in_a_named_volume_and_has_a_health_check() -> None:
     data = compose()
     ps = data["services"]["ps"]

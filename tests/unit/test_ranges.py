@@ -38,3 +38,9 @@ def test_fields_outside_their_declared_ranges_are_named_one_line_each() -> None:
         "count 11 is outside [1, 10]",
         "seconds nan is outside (0, 5]",
     ]
+
+
+def test_an_end_at_float32s_largest_reads_as_a_reader_reads_it() -> None:
+    """Issue 60, item 6: `(0, 3.4028234663852886e+38)` in --help and the command reference."""
+    assert str(Range(0, FLOAT32_MAX, low_open=True)) == "(0, 3.4e+38]"
+    assert str(Range(-FLOAT32_MAX, FLOAT32_MAX)) == "[-3.4e+38, 3.4e+38]"

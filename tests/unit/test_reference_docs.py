@@ -346,3 +346,9 @@ def test_the_stated_defaults_read_as_the_help_states_them() -> None:
     assert reference_docs._stated_default("0.05") == "`0.05`"
     assert reference_docs._stated_default("9109 + (--port - 50051)") == "9109 + (--port - 50051)"
     assert reference_docs._stated_default("True") == "`True`"  # a bool as --help writes it
+
+
+def test_open_ranges_read_as_users_read_them(cli_page: str) -> None:
+    """Issue 60, item 6: no range printed with float32's largest value in seventeen digits."""
+    assert "3.4028234663852886e+38" not in cli_page
+    assert "(range `(0, 3.4e+38]`)" in cli_page

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from gemps.records import Registration
 from gemps.resolver import Target
 from gemps.retry import DEFAULT_PATIENCE, RetryPolicy
 from gemps.wire_options import PLANES
-from gemps_proto.ranges import COUNT, FLOAT32_MAX, MAX_SECONDS, RANGE, Range, out_of_range
+from gemps_proto.ranges import COUNT, FLOAT32_MAX, MAX_SECONDS, RANGE, SECONDS_OR_ZERO, Range, out_of_range
 from gemps_proto.reply_differences import REPLY_COMPRESSIONS
 from gemps_proto.tensor_codec import COMPRESSIONS, WIRE_DTYPE_NAMES
 from gemps_worker.datasets import DATASETS, Dataset, load_dataset
@@ -90,6 +91,14 @@ class WorkerOptions:
     )
     epochs: int = field(default=1, metadata={"help": "passes over this worker's shard"})
     max_steps: int = field(default=0, metadata={"help": "stop after this many commits (0: no limit)"})
+    max_seconds: float = field(
+        default=0.0,
+        metadata={
+            "help": "stop after training this many seconds, counted from registering (0: no limit): a run that "
+            "lasts as long on any machine (the container tutorial's)",
+            RANGE: SECONDS_OR_ZERO,
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed for this worker's data order"})
     name: str = field(default="", metadata={"help": "worker name shown in server logs"})
     device: str = field(default="auto", metadata={"help": "torch device: auto (CUDA when present), cpu, cuda"})
@@ -215,7 +224,7 @@ def run_worker(
     target: Target | None = None,
     retry: RetryPolicy | None = None,
 ) -> WorkerSummary:
-    """Train until the epochs or max_steps are done, `stop` is set, or the loss diverges;
+    """Train until the epochs, max_steps or max_seconds are done, `stop` is set, or the loss diverges;
     always leave the server cleanly. `metrics`: served by the caller (default: per
     `options.metrics_port`). `target`: where the server is when it can move (a resolver, see
     gemps.resolver; default `options.server`); `retry`: the client's (default: the SDK's)."""
@@ -275,10 +284,15 @@ def run_worker(
             if hooks.on_registered is not None:
                 hooks.on_registered(reg)
             started = time.perf_counter()
+            until = time.monotonic() + options.max_seconds if options.max_seconds else math.inf
             progress = WorkerProgress(options.log_every, log)
             for epoch in range(options.epochs):
                 for batch in epoch_batches(len(train_x), reg.shard, reg.config.batch_size, epoch, options.seed):
-                    if stop.is_set() or (options.max_steps and summary.steps >= options.max_steps):
+                    if (
+                        stop.is_set()
+                        or (options.max_steps and summary.steps >= options.max_steps)
+                        or time.monotonic() >= until
+                    ):
                         summary.stopped_early = stop.is_set()
                         return summary
                     index = torch.from_numpy(batch).to(device)

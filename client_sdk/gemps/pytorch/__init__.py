@@ -30,9 +30,11 @@ What travels, for any torch.nn.Module (gemps.pytorch.values):
 pinned staging vector and non-blocking copies when a parameter lives on a GPU.
 
 A step without `num_samples=` sends the samples of the model's inputs since the last step, and
-one without `loss=` logs a WARNING once (gemps.pytorch.batches). Binding a model sets torch's
-intra-op threads so that the workers of one machine do not oversubscribe its cores, unless they
-were set otherwise (`threads=`, gemps.pytorch.threads).
+one without `loss=` sends the loss the model's forward returned (output.loss, or nanoGPT's
+`(logits, loss)`), else logs a WARNING once saying how to pass it (gemps.pytorch.batches).
+`weight_decay=` is applied by the worker, to the gradient it commits (gemps.pytorch.refusals).
+Binding a model sets torch's intra-op threads so that the workers of one machine do not
+oversubscribe its cores, unless they were set otherwise (`threads=`, gemps.pytorch.threads).
 
 A model wrapped by torch.compile, DistributedDataParallel or DataParallel is named as the model
 inside (gemps.pytorch.wrappers: no `_orig_mod.` or `module.` reaches the server; FSDP is refused), and
@@ -45,8 +47,9 @@ So `gemps export` and `client.pull().state_dict()` give a state dict that loads 
 Its modules, each of one job: `remote` (RemoteModel, RemoteOptimizer, load_central), `values` (a
 model's values as the wire carries them), `batches` (the samples a step counts, the warning
 without a loss), `threads` (torch's intra-op threads), `schedules` (the learning rate the server
-owns), `wrappers` (the model inside torch.compile's and DDP's wrappers), `groups` (a process group
-as one gemps worker).
+owns), `trainer_arguments` (a Hugging Face Trainer's arguments that do not train, said once),
+`refusals` (a torch optimizer's arguments refused, each naming where gemps sets it), `wrappers`
+(the model inside torch.compile's and DDP's wrappers), `groups` (a process group as one gemps worker).
 """
 
 from __future__ import annotations

@@ -11,11 +11,14 @@ unless the caller gave one. A model whose first argument is not batch-first (an 
 
 The loss is the caller's, except where the model's forward returns it: a Hugging Face model given
 `labels` returns an output whose `loss` is the batch's, and Hugging Face's Trainer calls
-`optimizer.step()` with no loss. A forward hook keeps the mean of the scalar `loss` of the
-training forwards' outputs since the last step (a mapping's "loss" or an attribute `loss`), which
-the step sends when the caller gave none. Otherwise the loss is not reachable (the optimizer never
-sees it and gemps does not patch torch), so a step without `loss=` logs one WARNING per process
-naming `optimizer.step(loss=loss)` (the dashboards' loss panel stays empty).
+`optimizer.step()` with no loss; nanoGPT's forward returns `(logits, loss)`, and its loop calls
+`scaler.step(optimizer)`, which passes none. A forward hook keeps the mean of the scalar loss of
+the training forwards' outputs since the last step (a mapping's "loss", an attribute `loss`, or
+the one 0-dimensional floating tensor of a returned tuple: nanoGPT's, or a Hugging Face model's
+with return_dict=False), which the step sends when the caller gave none. Otherwise the loss is
+not reachable (the optimizer never sees it and gemps does not patch torch), so the first step
+without `loss=` logs one WARNING per process naming `optimizer.step(loss=loss)` and
+`scaler.step(optimizer, loss=loss)` (the dashboards' loss panel stays empty).
 """
 
 from __future__ import annotations
@@ -54,8 +57,8 @@ class BatchCounter:
     def _returned(self, _module: torch.nn.Module, _args: tuple[Any, ...], output: Any) -> None:
         if not torch.is_grad_enabled():
             return
-        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        loss = returned_loss(output)
+        if loss is not None:
             loss = loss.detach().reshape(())  # summed on its device: no copy to the host per forward
             self._losses = loss if self._losses is None else self._losses + loss
             self._returned_count += 1
@@ -76,6 +79,19 @@ class BatchCounter:
             handle.remove()
 
 
+def returned_loss(output: Any) -> torch.Tensor | None:
+    """The scalar loss a forward returned, if it did: a mapping's "loss", an attribute `loss`, or
+    the only 0-dimensional floating tensor of a tuple or list (nanoGPT's `(logits, loss)`)."""
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    elif isinstance(output, tuple | list) and not hasattr(output, "loss"):
+        scalars = [v for v in output if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point()]
+        loss = scalars[0] if len(scalars) == 1 else None  # several: which is the loss cannot be told
+    else:
+        loss = getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
 def warn_without_loss() -> None:
     """A WARNING, once per process, that commits carry no loss."""
     if _warned.is_set():
@@ -83,6 +99,7 @@ def warn_without_loss() -> None:
     _warned.set()
     log.warning(
         "gemps: this step commits no loss, so the server's loss metrics (gemps_training_loss, the dashboards' "
-        "loss panel) stay empty: call optimizer.step(loss=loss) (or step(closure) returning it; "
-        "RemoteModel.step(loss=loss)), or return it from the model's forward (output.loss or output['loss'])"
+        "loss panel) stay empty: call optimizer.step(loss=loss) (with a GradScaler: scaler.step(optimizer, "
+        "loss=loss); or step(closure) returning it; RemoteModel.step(loss=loss)), or return it from the model's "
+        "forward (output.loss, output['loss'], or a scalar tensor in a returned tuple, as nanoGPT's (logits, loss))"
     )

@@ -13,6 +13,7 @@ from gemps.errors import PartiallyAppliedError
 from gemps.pytorch.batches import BatchCounter, warn_without_loss
 from gemps.pytorch.groups import AUTO as GROUP_AUTO
 from gemps.pytorch.groups import GroupLeaderError, GroupWorker, Outcome, process_group_of
+from gemps.pytorch.refusals import check_weight_decay, keywords, refuse_not_a_model, refuse_optimizer_options
 from gemps.pytorch.schedules import ServerOwnedGroup
 from gemps.pytorch.threads import AUTO, ThreadKeeper, Threads, requested
 from gemps.pytorch.values import (
@@ -52,14 +53,19 @@ class RemoteModel:
         name: str = "",
         threads: Threads = AUTO,
         process_group: object = GROUP_AUTO,
+        weight_decay: float = 0.0,
         **client_options: Any,
     ) -> None:
         """`threads` sets torch's intra-op threads so that the workers on this machine do not
         oversubscribe it (gemps.pytorch.threads: "auto", a number, or None to leave them);
         `process_group` whose ranks are one gemps worker (gemps.pytorch.groups: "auto", the DDP
         wrapper's group or the initialised default one; a ProcessGroup; None: this process alone);
+        `weight_decay` λ adds λ·θ to each trained parameter's gradient before `step` commits it
+        (torch.optim.SGD's weight_decay, on the worker: the server applies none, and its η, schedule
+        and GEM's π scale it with the gradient);
         `client_options` go to gemps.Client when `client` is an address (wire_dtype="bfloat16", ...)."""
         self.model = model
+        self.weight_decay = check_weight_decay(weight_decay)
         inner = unwrapped(model)  # named without torch.compile's or DDP's prefixes (gemps.pytorch.wrappers)
         named = trained_parameters(inner)
         self._parameters = [p for _, p in named]
@@ -150,6 +156,8 @@ class RemoteModel:
 
         def commit() -> CommitResult:
             gather_gradients(self._parameters, self._grad)
+            if self.weight_decay:  # torch.optim.SGD's: g + λ·θ, θ as the model holds it
+                self._grad.add_(self.parameters_vector(), alpha=self.weight_decay)
             for gpu in self._gpus:  # the gradients' copies into pinned memory are done before it is sent
                 torch.cuda.synchronize(gpu)
             return self.client.commit(
@@ -285,21 +293,19 @@ class RemoteOptimizer(torch.optim.Optimizer):
     A torch LR scheduler reads and sets it: constructing one raises ServerOwnsLearningRateError at
     that line, naming the `gemps server` flags that give its schedule (gemps.pytorch.schedules).
     Reading `param_groups[0]["lr"]` (or `.get("lr")`: what Lightning's LearningRateMonitor logs)
-    gives `learning_rate`, the server's η at the version the model holds; `momentum` and
-    `weight_decay` read as the server applies them. Hugging Face's Trainer takes
-    `optimizers=(optimizer, ServerSchedule(optimizer))` (examples/hf_trainer_gemps.py).
+    gives `learning_rate`, the server's η at the version the model holds; `momentum` reads as the
+    server applies it, `weight_decay` as the worker does (`weight_decay=`: gemps.pytorch.refusals).
+    Hugging Face's Trainer takes `optimizers=(optimizer, ServerSchedule(optimizer))`
+    (examples/hf_trainer_gemps.py).
     """
 
     def __init__(self, model: torch.nn.Module, client: Client | str, *, name: str = "", **options: Any) -> None:
-        """`options` as RemoteModel takes them: `threads=` for torch's intra-op threads, the others
-        for gemps.Client when `client` is an address."""
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                "RemoteOptimizer takes the model itself (its buffers travel too), not model.parameters(): "
-                "RemoteOptimizer(model, address)"
-            )
-        if "lr" in options or "learning_rate" in options:
-            raise TypeError("the gemps server owns the learning rate: set it there (--learning-rate, --lr-schedule)")
+        """`options` as RemoteModel takes them: `threads=` for torch's intra-op threads,
+        `weight_decay=` (applied by the worker), the others for gemps.Client when `client` is an
+        address. A torch optimizer's other arguments (parameter groups, `lr=`, `betas=`, ...) are
+        refused naming where gemps sets them (gemps.pytorch.refusals)."""
+        refuse_not_a_model(model)
+        refuse_optimizer_options(options, keywords(RemoteModel.__init__, Client.__init__))
         self.remote = RemoteModel(model, client, name=name, **options)
         self._bound = False  # torch's __init__ adds the one group through add_param_group
         super().__init__(self.remote.trained, defaults={})
@@ -325,7 +331,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     def _guard_groups(self) -> None:
         self.param_groups = [
-            ServerOwnedGroup(group, self._config, lambda: self.learning_rate) for group in self.param_groups
+            ServerOwnedGroup(group, self._config, lambda: self.learning_rate, self.remote.weight_decay)
+            for group in self.param_groups
         ]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from gemps.errors import GempsError
+from gemps.pytorch.trainer_arguments import warn_unused
 from gemps_proto import schedules
 from gemps_proto.schema import TrainingConfig
 
@@ -38,7 +39,11 @@ from gemps_proto.schema import TrainingConfig
 LR_KEYS = frozenset({"lr", "initial_lr"})
 
 # The group settings the server owns besides η, and where each is set.
-_SETTINGS = {"momentum": "`gemps server --momentum`", "weight_decay": "the server applies no weight decay"}
+_SETTINGS = {
+    "momentum": "`gemps server --momentum`",
+    "weight_decay": "the server applies no weight decay: the worker does, "
+    "RemoteOptimizer(model, address, weight_decay=...)",
+}
 
 # ReduceLROnPlateau is an LRScheduler since torch 2.2, not before.
 _SCHEDULER_TYPES = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -54,13 +59,14 @@ class ServerOwnsLearningRateError(GempsError, TypeError):
     optimizer a scheduler cannot drive; the message names the `gemps server` flags to use."""
 
 
-def server_setting(key: str, config: TrainingConfig) -> float | None:
-    """What the server applies for a torch group setting other than `lr` (None: not one it knows):
-    `momentum` is its rule's μ (0 for rules without one), `weight_decay` 0 (it applies none).
-    Lightning's LearningRateMonitor(log_momentum=True, log_weight_decay=True) reads them."""
+def server_setting(key: str, config: TrainingConfig, weight_decay: float = 0.0) -> float | None:
+    """What is applied for a torch group setting other than `lr` (None: not one it knows):
+    `momentum` is the server rule's μ (0 for rules without one), `weight_decay` the worker's
+    (RemoteOptimizer's `weight_decay=`: the server applies none). Lightning's
+    LearningRateMonitor(log_momentum=True, log_weight_decay=True) reads them."""
     if key == "momentum":
         return config.rule_options.get("momentum", 0.0)  # the option of rules with a momentum
-    return 0.0 if key == "weight_decay" else None
+    return weight_decay if key == "weight_decay" else None
 
 
 class ServerOwnedGroup(dict[str, Any]):
@@ -68,14 +74,19 @@ class ServerOwnedGroup(dict[str, Any]):
     holds, except to a torch scheduler being built; writing `lr` or `initial_lr`, a scheduler's
     reading them, and any reading of `initial_lr` raise ServerOwnsLearningRateError (instead of
     torch's KeyError, or a value the server would ignore). `momentum` and `weight_decay` read as
-    the server applies them (server_setting) and refuse a write with ValueError."""
+    they are applied (server_setting) and refuse a write with ValueError."""
 
     def __init__(
-        self, group: dict[str, Any], config: Callable[[], TrainingConfig], learning_rate: Callable[[], float]
+        self,
+        group: dict[str, Any],
+        config: Callable[[], TrainingConfig],
+        learning_rate: Callable[[], float],
+        weight_decay: float = 0.0,
     ) -> None:
         super().__init__(group)
         self.config = config  # the server's, whose schedule the error names
         self.learning_rate = learning_rate  # η at the version the model holds
+        self.weight_decay = weight_decay  # the worker's (RemoteOptimizer's weight_decay=)
 
     def __missing__(self, key: str) -> Any:
         if key in LR_KEYS:
@@ -83,7 +94,7 @@ class ServerOwnedGroup(dict[str, Any]):
             if key == "lr" and scheduler is None:
                 return self.learning_rate()
             raise ServerOwnsLearningRateError(refusal(scheduler, self.config()))
-        setting = server_setting(key, self.config())
+        setting = server_setting(key, self.config(), self.weight_decay)
         if setting is None:
             raise KeyError(key)
         return setting
@@ -112,7 +123,7 @@ class ServerOwnedGroup(dict[str, Any]):
         if key in _SETTINGS:
             raise ValueError(
                 f"the gemps server owns the update: RemoteOptimizer's group {key!r} reads what the server applies "
-                f"({server_setting(key, self.config()):g}) and cannot be set here ({_SETTINGS[key]})"
+                f"({server_setting(key, self.config(), self.weight_decay):g}) and cannot be set here ({_SETTINGS[key]})"
             )
 
     def update(self, *others: Any, **values: Any) -> None:
@@ -132,8 +143,13 @@ def refusal(scheduler: object | None, config: TrainingConfig) -> str:
     if scheduler is None:
         return (
             "the gemps server owns the learning rate and its schedule: RemoteOptimizer has no group 'lr' "
-            f"to read or set. {now} Set them with `gemps server --learning-rate ... --lr-schedule ...` "
-            "(see `gemps server --help`); optimizer.learning_rate is η at the version the model holds."
+            f"to read or set. {now} A training loop's own schedule (nanoGPT's get_lr: a linear warm-up, then a "
+            "cosine decay to a minimum) is the server's:\n\n"
+            f"    {' '.join(SCHEDULE_FLAGS)}\n\n"
+            "where LR is the peak learning rate, W the warm-up and T the decay's length (warm-up included) in "
+            "commits of all workers together, MIN the floor (a step decay instead: --lr-schedule step "
+            "--lr-step-size S --lr-gamma G; `gemps server --help`). Remove the assignment; "
+            "optimizer.learning_rate is η at the version the model holds."
         )
     name = type(scheduler).__name__
     flags, caveat = equivalent(scheduler)
@@ -190,6 +206,16 @@ def equivalent(scheduler: object) -> tuple[list[str] | None, str]:
     return None, ""
 
 
+#: a warm-up then a cosine decay to a floor, as `gemps server` flags (the refusal of a write to `lr`)
+SCHEDULE_FLAGS = (
+    "gemps server --learning-rate LR",
+    "--lr-warmup-commits W",
+    f"--lr-schedule {schedules.COSINE}",
+    "--lr-total-commits T",
+    "--lr-min MIN",
+)
+
+
 def _built_by_transformers(scheduler: object) -> bool:
     """Whether `scheduler` is a LambdaLR of Hugging Face's (transformers.optimization's lambdas,
     which its Trainer builds when given no scheduler)."""
@@ -232,9 +258,14 @@ class ServerSchedule(torch.optim.lr_scheduler.LambdaLR):
         return self.get_lr()
 
     def step(self, epoch: int | None = None) -> None:
-        """Counts the call (`last_epoch`); the server moves η with the central version."""
+        """Counts the call (`last_epoch`); the server moves η with the central version. The first,
+        from a Hugging Face Trainer, warns of its TrainingArguments that do not train
+        (gemps.pytorch.trainer_arguments)."""
         if epoch is not None:
             raise TypeError("ServerSchedule.step() takes no epoch: the server's η follows the central version")
+        if self._step_count == 1:
+            group = next(g for g in self.optimizer.param_groups if isinstance(g, ServerOwnedGroup))
+            warn_unused(group.config(), group.weight_decay)
         self.last_epoch += 1
         self._step_count += 1
 
@@ -272,15 +303,10 @@ def _times_k(count: int) -> str:
 
 
 def server_flags(config: TrainingConfig) -> list[str]:
-    """The `gemps server` flags of the schedule the server announced."""
+    """The `gemps server` flags of the schedule the server announced (gemps_proto.schedules)."""
     flags = [f"--learning-rate {config.learning_rate:g}", f"--lr-schedule {config.lr_schedule or schedules.CONSTANT}"]
-    if config.lr_schedule == schedules.STEP:
-        flags += [f"--lr-step-size {config.lr_step_size}", f"--lr-gamma {config.lr_gamma:g}"]
-    elif config.lr_schedule == schedules.COSINE:
-        flags += [f"--lr-total-commits {config.lr_total_commits}", f"--lr-min {config.lr_min:g}"]
-    if config.lr_warmup_commits > 0:
-        flags.append(f"--lr-warmup-commits {config.lr_warmup_commits}")
-    return flags
+    settings = schedules.schedule_settings(config)
+    return flags + [f"--{name.replace('_', '-')} {schedules.setting_text(value)}" for name, value in settings.items()]
 
 
 def _scheduler_being_built() -> object | None:

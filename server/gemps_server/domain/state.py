@@ -21,6 +21,7 @@ import numpy as np
 from gemps_proto.reasons import Reason
 from gemps_proto.schedules import learning_rate_at
 from gemps_proto.schema import Buffers, ParameterSpec, TrainingConfig
+from gemps_proto.status import RestoredCheckpoint
 from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor
 from gemps_server.domain import validation
 from gemps_server.domain.core import CommitCore
@@ -78,6 +79,7 @@ class ServerState:
         # with other values (commits lost since its checkpoint), so "unchanged" needs both.
         self.history = uuid.uuid4().hex
         self.buffer_spec: tuple[ParameterSpec, ...] = ()
+        self.restored: RestoredCheckpoint | None = None  # the checkpoint restored at start: Status says it
         self._initializer_until = 0.0  # monotonic deadline of the worker asked for initial values
         self._initializer = ""  # its client id ("" when it sent none)
         # θ and what moves it: every commit goes through the core (core.py).
