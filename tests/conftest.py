@@ -26,6 +26,7 @@ SERIAL_GROUPS = {
     "test_containers.py": "containers",
     "test_containers_partitioned.py": "containers",
     "test_containers_replicated.py": "containers",
+    "test_getting_started.py": "containers",  # the tutorial's stack: podman's images and ports with the others
     "test_install_system_deps.py": "containers",  # reinstalls what the container tests run
     "test_ray.py": "ray",
     "test_ray_node_loss.py": "ray",
