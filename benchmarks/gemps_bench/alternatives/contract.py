@@ -3,7 +3,7 @@ progress log and its snapshots.
 
 Every system's worker is a process started as `python -m MODULE --workload W --rank R --world N
 --seed S --batch B --lr LR --run-dir DIR --deadline-s T [--coordinator HOST:PORT] [--role worker|
-coordinator]`. It appends one JSON line per step to DIR/worker-R.jsonl (`ProgressLog`) and, on the
+coordinator]`. Once set up, it waits at the start gate (`ProgressLog.wait_for_go`); then it appends one JSON line per step to DIR/worker-R.jsonl (`ProgressLog`) and, on the
 snapshotting rank, writes DIR/snapshots/<wall time>.pt at most every SNAPSHOT_EVERY seconds
 (`Snapshots`); the harness reads both after the run. Importable without gemps_server.
 """
@@ -26,6 +26,8 @@ from gemps_bench.alternatives.workloads import WORKLOADS
 
 #: seconds between two snapshots of one run, at least
 SNAPSHOT_EVERY = 2.0
+#: the start gate: the harness creates it once every rank is set up; the run's clock starts then
+GO_FILE = "go"
 ROLES = ("worker", "coordinator")
 
 
@@ -103,6 +105,14 @@ class ProgressLog:
         self.applied = 0
         self._file: IO[str] = open(run_dir / f"worker-{rank}.jsonl", "a", buffering=1)  # noqa: SIM115
         self.event("start")
+
+    def wait_for_go(self, run_dir: Path, poll: float = 0.05) -> None:
+        """Block until the harness opens the start gate (DIR/go): every rank is set up (imports,
+        model, connection or rendezvous done) and the run's clock starts. Returns at once for a
+        process started again after a kill. Call it after creating the log, before the first step."""
+        while not (run_dir / GO_FILE).exists():
+            time.sleep(poll)
+        self.event("go")
 
     def step(self, samples: int, applied: int) -> None:
         """`samples` more computed, `applied` more known applied since the last call."""
