@@ -3,7 +3,8 @@ progress log and its snapshots.
 
 Every system's worker is a process started as `python -m MODULE --workload W --rank R --world N
 --seed S --batch B --lr LR --run-dir DIR --deadline-s T [--coordinator HOST:PORT] [--role worker|
-coordinator]`. Once set up, it waits at the start gate (`ProgressLog.wait_for_go`); then it appends one JSON line per step to DIR/worker-R.jsonl (`ProgressLog`) and, on the
+coordinator]`. Once set up, it waits at the start gate (`ProgressLog.wait_for_go`); then it
+appends one JSON line per step to DIR/worker-R.jsonl (`ProgressLog`) and, on the
 snapshotting rank, writes DIR/snapshots/<wall time>.pt at most every SNAPSHOT_EVERY seconds
 (`Snapshots`); the harness reads both after the run. Importable without gemps_server.
 """
@@ -84,7 +85,15 @@ def parse_worker_args(parser: argparse.ArgumentParser, argv: Sequence[str] | Non
 
 
 def worker_argv(
-    module: str, workload: str, rank: int, world: int, seed: int, batch: int, lr: float, run_dir: Path, deadline_s: float
+    module: str,
+    workload: str,
+    rank: int,
+    world: int,
+    seed: int,
+    batch: int,
+    lr: float,
+    run_dir: Path,
+    deadline_s: float,
 ) -> list[str]:
     """The flags of `parse_worker_args` for a program run as `python -m module` (without the python)."""
     return [

@@ -30,7 +30,9 @@ RESULTS = Path("docs/results/alternatives")
 
 
 def parser() -> argparse.ArgumentParser:
-    made = argparse.ArgumentParser(prog="alternatives", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    made = argparse.ArgumentParser(
+        prog="alternatives", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     made.add_argument("--scenarios", default="a", help="shipped scenario names (a..f) or JSON files, comma-separated")
     made.add_argument("--systems", default="gemps-gem,ddp", help=f"comma-separated: {', '.join(system_names())}")
     made.add_argument("--workload", default="digits", help="digits or charlm")
@@ -81,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     result = run_cell(cell, args.runs, rate, target)
                     _merge(results, cell, result)
                     print(report.line(result), flush=True)
+    if not results.exists():
+        print(f"alternatives: no results at {results} yet: run some cells first", file=sys.stderr)
+        return 2
     data = json.loads(results.read_text())
     (args.results / f"{chosen.name}.md").write_text("\n".join(report.table(data)) + "\n")
     report.figure(data, args.results / f"{chosen.name}.png", chosen.name)
@@ -96,7 +101,9 @@ def _search(name: str, systems: list[str], args: argparse.Namespace, target: flo
     for system_name in systems:
         scored = []
         for rate in chosen.learning_rates:
-            result = run_cell(Cell("a", system_name, name, 0, rate, args.duration_s), args.runs / "search", rate, target)
+            result = run_cell(
+                Cell("a", system_name, name, 0, rate, args.duration_s), args.runs / "search", rate, target
+            )
             print(report.line(result), flush=True)
             scored.append((report.search_score(result, chosen.metric), rate))
         best[system_name] = min(scored)[1]

@@ -172,7 +172,7 @@ def parse(raw: dict[str, Any], source: str = "scenario") -> Scenario:
             if raw.get(key) is not None:
                 values[key] = kind(**raw[key])
         return Scenario(**values)
-    except TypeError as error:
+    except (TypeError, ValueError) as error:  # a field missing or of the wrong kind; a value out of range
         raise ValueError(f"{source}: {error}") from None
 
 

@@ -117,7 +117,7 @@ def targets(path: Path = TARGETS_FILE) -> dict[str, dict[str, float]]:
     return loaded
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dataset(name: str) -> Dataset:
     if name == "digits":
         return load_digits()

@@ -45,11 +45,12 @@ def main() -> None:
     log.wait_for_go(args.run_dir)
     snapshots = Snapshots(args.run_dir) if rank == 0 else None
     last_checkpoint = time.monotonic()
-    for inputs, targets in chosen.batches(rank, world, args.seed + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))):
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # a new data order after each restart
+    for inputs, targets in chosen.batches(rank, world, args.seed + restarts):
         if time.monotonic() - started >= args.deadline_s:
             break
         optimizer.zero_grad()
-        loss(ddp, inputs, targets).backward()  # the all-reduce of the gradients
+        loss(ddp, inputs, targets).backward()  # type: ignore[no-untyped-call]  # the all-reduce of the gradients
         optimizer.step()
         log.step(len(inputs), len(inputs))
         if snapshots is not None:

@@ -45,7 +45,11 @@ def train(args: WorkerArgs, mode_name: str, steps: int, outer: float, compressio
         for inputs, targets in chosen.batches(args.rank, args.world, args.seed):
             if time.monotonic() - started >= args.deadline_s:
                 break
-            committed = mode.on_batch(lambda: loss(model, inputs, targets), len(inputs))
+
+            def batch_loss(x: torch.Tensor = inputs, y: torch.Tensor = targets) -> torch.Tensor:
+                return loss(model, x, y)
+
+            committed = mode.on_batch(batch_loss, len(inputs))
             pending += len(inputs)
             applied, pending = (pending, 0) if committed is not None else (0, pending)
             log.step(len(inputs), applied)
