@@ -155,7 +155,14 @@ def test_systems_build_their_command_lines(tmp_path: Path) -> None:
     assert local[local.index("--mode") + 1] == "dynsgd" and local[local.index("--compression") + 1] == "int8"
     ddp = Ddp().worker(plan, 0)
     assert "is_host=true" in ddp.argv and ddp.argv[ddp.argv.index("--rdzv-endpoint") + 1] == "10.0.1.0:29400"
-    assert "is_host=true" not in Ddp().worker(plan, 1).argv and Ddp().spared_by_kill(1, 42) == {42}
+    assert "is_host=true" not in Ddp().worker(plan, 1).argv
+    # a worker's kill spares its elastic agent (the process the rig started), which restarts the group
+    assert Ddp().killed(1, [42, 43], 42) == [43] and Ddp().restarts_itself(1)
+    assert Ddp().killed(-1, [42, 43], 42) == [42, 43] and not Ddp().restarts_itself(-1)
+    replicated = Gemps("gemps-gem")
+    server = replicated.coordinator(replace(plan, replicas=2)).argv
+    assert server[server.index("--replicas") + 1] == "2" and replicated.restarts_itself(-1)
+    assert "10.0.0.1:50051|10.0.0.1:50052" in replicated.worker(replace(plan, replicas=2), 0).argv
     with pytest.raises(ValueError, match="unknown system 'horovod'"):
         system("horovod")
 

@@ -59,6 +59,7 @@ def run_cell(cell: Cell, out: Path, learning_rate: float, target: float) -> dict
         plan = RunPlan(
             chosen, scenario.workers, cell.seed, learning_rate, run_dir, duration + STARTUP_TIMEOUT_S,
             rig.address(COORDINATOR), tuple(rig.address(i) for i in range(scenario.workers)),
+            replicas=2 if scenario.coordinator_kill is not None else 1,
         )  # fmt: skip
         coordinator = the_system.coordinator(plan)
         if coordinator is not None:

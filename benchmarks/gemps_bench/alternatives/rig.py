@@ -6,7 +6,8 @@ from outside the processes, so every system gets the same treatment without coop
 - pauses: SIGSTOP, then SIGCONT, of every process in the slot's group;
 - kills: SIGKILL of the slot's processes (but those the system spares: DDP's elastic agent), and
   the slot's command started again after the delay, unless the system restarts it itself;
-- the coordinator kill: the system's coordinator slot killed whole, and started again;
+- the coordinator kill: the system's coordinator slot killed (gemps with replicas: the primary
+  alone), and started again (unless its supervisor does);
 - bytes on the wire: each host's cable's counters (the switch's end), read at the end.
 
 Needs root: cgroups.unavailable_reason() and simulated_hosts.unavailable_reason() say why not.
@@ -102,12 +103,12 @@ class Rig:
         elif event.action == "cont":
             group.signal(signal.SIGCONT)
         elif event.action == "kill":
-            whole = event.target == COORDINATOR
-            spared = set() if whole else self.system.spared_by_kill(slot, self.launched[slot][1].pid)
+            chosen = set(self.system.killed(event.target, group.pids(), self.launched[slot][1].pid))
+            spared = set(group.pids()) - chosen
             group.signal(signal.SIGKILL, spare=spared)
             group.signal(signal.SIGCONT, spare=spared)  # a stopped process dies once continued
         elif event.action == "restart":
-            if event.target == COORDINATOR or not self.system.restarts_itself(slot):
+            if not self.system.restarts_itself(event.target):
                 self._reap(slot)
                 self.start(slot, self.launched[slot][0])
         else:

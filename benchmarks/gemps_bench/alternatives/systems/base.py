@@ -38,6 +38,7 @@ class RunPlan:
     deadline_s: float  # each worker trains this long after the run starts, then exits
     coordinator_address: str  # the coordinator slot's address (its namespace's, or loopback)
     worker_addresses: tuple[str, ...]  # worker i's slot's address
+    replicas: int = 1  # the coordinator's replicas, where the system has them (gemps in scenario e)
     python: str = sys.executable
 
 
@@ -61,11 +62,13 @@ class System(ABC):
     def worker(self, plan: RunPlan, rank: int) -> Launch:
         """Worker `rank`'s process (started again with the same command after a kill)."""
 
-    def spared_by_kill(self, slot: int, launched_pid: int) -> set[int]:
-        """Processes of a slot a kill leaves alive: DDP's elastic agent, which restarts the group's
-        workers itself (torchrun's own restart story). Default: none, every process dies."""
-        return set()
+    def killed(self, target: int, pids: list[int], launched_pid: int) -> list[int]:
+        """Which of a slot's processes a kill of `target` (a worker's index, or COORDINATOR) kills;
+        `launched_pid` is the process the rig started there. Default: all of them. DDP spares a
+        worker's elastic agent, which restarts the group itself; gemps with replicas kills the
+        primary alone, which its supervisor starts again as a backup."""
+        return pids
 
-    def restarts_itself(self, slot: int) -> bool:
-        """Whether the system brings a killed slot back by itself (the rig then starts nothing)."""
+    def restarts_itself(self, target: int) -> bool:
+        """Whether the system brings a killed `target` back by itself (the rig then starts nothing)."""
         return False

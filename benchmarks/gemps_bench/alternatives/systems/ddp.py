@@ -10,7 +10,7 @@ rendezvous store with it (DDP has no other coordinator), and the rig starts that
 from __future__ import annotations
 
 from gemps_bench.alternatives.contract import worker_argv
-from gemps_bench.alternatives.systems.base import Launch, RunPlan, System
+from gemps_bench.alternatives.systems.base import COORDINATOR, Launch, RunPlan, System
 
 RENDEZVOUS_PORT = 29400
 MAX_RESTARTS = 100  # more than any scenario's kills
@@ -38,8 +38,8 @@ class Ddp(System):
         # gloo picks the interface of the host's one cable, inside the slot's namespace
         return Launch([*torchrun, *program], env={"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"})
 
-    def spared_by_kill(self, slot: int, launched_pid: int) -> set[int]:
-        return {launched_pid}
+    def killed(self, target: int, pids: list[int], launched_pid: int) -> list[int]:
+        return pids if target == COORDINATOR else [pid for pid in pids if pid != launched_pid]
 
-    def restarts_itself(self, slot: int) -> bool:
-        return True
+    def restarts_itself(self, target: int) -> bool:
+        return target != COORDINATOR

@@ -12,10 +12,11 @@ per rank, and an observer beside the server that pulls θ for the snapshots.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from gemps.options import to_argv
 from gemps_bench.alternatives.contract import worker_argv
-from gemps_bench.alternatives.systems.base import Launch, RunPlan, System
+from gemps_bench.alternatives.systems.base import COORDINATOR, Launch, RunPlan, System
 
 PORT = 50051  # the server's port in the coordinator's own namespace (nothing else binds there)
 PROGRAM = "gemps_bench.alternatives.systems.gemps_program"
@@ -43,8 +44,10 @@ class Gemps(System):
     def __init__(self, name: str) -> None:
         self.name = name
         self.setting = SETTINGS[name]
+        self.replicated = False  # set by coordinator(): the plan says
 
     def coordinator(self, plan: RunPlan) -> Launch:
+        self.replicated = plan.replicas > 1
         options = {
             "host": plan.coordinator_address,
             "port": PORT,
@@ -55,6 +58,9 @@ class Gemps(System):
             # a restart after a kill resumes from the last checkpoint (scenario e)
             "checkpoint_dir": plan.run_dir / "checkpoints",
             "checkpoint_interval": 5.0,
+            # scenario e: a primary and a backup, each its own process (the supervisor starts a
+            # private etcd and restarts a replica that dies), in the coordinator's slot
+            "replicas": plan.replicas,
         }
         return Launch([plan.python, "-m", "gemps_cli", "server", *to_argv(options)])
 
@@ -72,4 +78,24 @@ class Gemps(System):
             PROGRAM, plan.workload.name, rank, plan.workers, plan.seed, plan.workload.batch,
             plan.learning_rate, plan.run_dir, plan.deadline_s,
         )  # fmt: skip
-        return Launch([plan.python, *argv, "--coordinator", f"{plan.coordinator_address}:{PORT}", "--role", role])
+        servers = "|".join(f"{plan.coordinator_address}:{PORT + r}" for r in range(plan.replicas))
+        return Launch([plan.python, *argv, "--coordinator", servers, "--role", role])
+
+    def killed(self, target: int, pids: list[int], launched_pid: int) -> list[int]:
+        """With replicas, a coordinator kill kills the primary's process alone (its title says
+        `primary`): the supervisor starts it again, and the backup takes over meanwhile."""
+        if target != COORDINATOR:
+            return pids
+        primary = [pid for pid in pids if b"primary" in _command_line(pid)]
+        return primary or pids
+
+    def restarts_itself(self, target: int) -> bool:
+        return target == COORDINATOR and self.replicated
+
+
+def _command_line(pid: int) -> bytes:
+    """What `ps` shows of a process (a gemps server's title), empty once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
