@@ -70,12 +70,13 @@ def table(data: dict[str, Any]) -> list[str]:
 
 
 def figure(data: dict[str, Any], path: Path, workload: str) -> None:
-    """Time-to-target bars by scenario (groups) and system (bars); a hatched bar at the run's
-    length where most seeds never reached the target."""
+    """Time-to-target bars by scenario (groups) and system (bars), the median of the seeds, each
+    seed a dot; a hatched bar at the run's length where most seeds never reached the target."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     groups = grouped(data)
     scenarios = sorted({scenario for scenario, _ in groups})
@@ -92,11 +93,13 @@ def figure(data: dict[str, Any], path: Path, workload: str) -> None:
             if median is None:
                 ax.bar(x, results[0]["duration_s"], width, color=f"C{j}", alpha=0.3, hatch="//")
             else:
-                ax.bar(x, median, width, color=f"C{j}", label=name if i == 0 else None)
+                ax.bar(x, median, width, color=f"C{j}")
+            seeds = [r["time_to_target_s"] for r in results if r["time_to_target_s"] is not None]
+            ax.plot([x] * len(seeds), seeds, "k.", markersize=4)  # each seed's time
     ax.set_xticks(range(len(scenarios)), [f"({s})" for s in scenarios])
     ax.set_ylabel("seconds to the held-out target (median of seeds)")
     ax.set_title(f"{workload}: time to target by scenario (hatched: not reached)")
-    ax.legend(systems, fontsize=8)
+    ax.legend(handles=[Patch(color=f"C{j}", label=name) for j, name in enumerate(systems)], fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
