@@ -66,15 +66,21 @@ class CpuGroup:
                 sent += 1
         return sent
 
-    def remove(self, timeout: float = 5.0) -> None:
-        """SIGKILL what is left (resumed first: a stopped process dies only once continued), then rmdir."""
+    def remove(self, timeout: float = 15.0) -> None:
+        """SIGKILL what is left (resumed first: a stopped process dies only once continued), then
+        rmdir, again until it goes: a dying launcher (DDP's agent) may start a process meanwhile."""
         deadline = time.monotonic() + timeout
-        while self.pids() and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             self.signal(signal.SIGCONT)
             self.signal(signal.SIGKILL)
-            time.sleep(0.05)
-        with contextlib.suppress(OSError):
-            self.path.rmdir()
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:  # EBUSY: a process is still in the group
+                time.sleep(0.05)
+        raise RuntimeError(f"{self.path} still holds processes {self.pids()} after {timeout} s")
 
 
 class Groups:
@@ -96,5 +102,4 @@ class Groups:
     def close(self) -> None:
         for group in self.groups:
             group.remove()
-        with contextlib.suppress(OSError):
-            self.parent.rmdir()
+        self.parent.rmdir()

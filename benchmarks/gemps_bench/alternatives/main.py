@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,6 +49,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # SIGTERM leaves through the rig's `with` blocks, so its groups and namespaces are removed
+    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
     args = parser().parse_args(argv)
     try:
         chosen = workload(args.workload)

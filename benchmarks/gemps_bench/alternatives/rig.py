@@ -150,10 +150,12 @@ class Rig:
             process.wait()
 
     def close(self) -> None:
-        self.groups.close()
-        self.network.close()
-        for _, process in self.launched.values():
-            process.poll()
+        try:
+            self.groups.close()
+        finally:
+            self.network.close()  # kills whatever is left in the namespaces too
+            for _, process in self.launched.values():
+                process.poll()
 
 
 def _slot_name(slot: int) -> str:
