@@ -38,6 +38,7 @@ SERIAL_GROUPS = {
     "test_jepsen_replicas.py": "hosts",
     "test_experiment_on_links.py": "hosts",
     "test_bench.py": "hosts",  # measures throughput: alone with the simulated hosts, not beside them
+    "test_alternatives_rig.py": "hosts",  # time to target on the rig's namespaces and CPU quotas
 }
 
 # Modules whose figures depend on having the machine to themselves (how many workers' steps

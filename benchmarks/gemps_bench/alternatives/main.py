@@ -1,0 +1,130 @@
+"""`python -m gemps_bench.alternatives` (or scripts/alternatives.py): run cells of the comparison on
+the rig, merge them into docs/results/alternatives/<workload>.json, and draw the figure.
+
+    python -m gemps_bench.alternatives --scenarios b --systems gemps-gem,ddp --workload digits --seeds 0,1,2
+    python -m gemps_bench.alternatives --search --systems gemps-gem,ddp --workload digits
+    python -m gemps_bench.alternatives --report-only --workload digits
+
+--search runs the learning-rate search (scenario a, seed 0, each rate of the workload's grid, the
+same grid for every system) and records each system's best in learning_rates.json; runs use the
+recorded rate (--lr overrides it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gemps_bench.alternatives import report
+from gemps_bench.alternatives.harness import Cell, run_cell
+from gemps_bench.alternatives.rig import unavailable_reason
+from gemps_bench.alternatives.scenario import load
+from gemps_bench.alternatives.systems.registry import system, system_names
+from gemps_bench.alternatives.workloads import targets, workload
+
+RESULTS = Path("docs/results/alternatives")
+
+
+def parser() -> argparse.ArgumentParser:
+    made = argparse.ArgumentParser(
+        prog="alternatives", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    made.add_argument("--scenarios", default="a", help="shipped scenario names (a..f) or JSON files, comma-separated")
+    made.add_argument("--systems", default="gemps-gem,ddp", help=f"comma-separated: {', '.join(system_names())}")
+    made.add_argument("--workload", default="digits", help="digits or charlm")
+    made.add_argument("--seeds", default="0", help="comma-separated seeds")
+    made.add_argument("--lr", type=float, default=None, help="this learning rate instead of the searched one")
+    made.add_argument("--duration-s", type=float, default=None, help="seconds a run lasts (default: the scenario's)")
+    made.add_argument("--target", choices=("target", "ci"), default="target", help="which target of targets.json")
+    made.add_argument("--search", action="store_true", help="the learning-rate search instead of the cells")
+    made.add_argument("--runs", type=Path, default=Path("runs/alternatives"), help="folder for the runs' files")
+    made.add_argument("--results", type=Path, default=RESULTS, help="folder for the JSON and the figure")
+    made.add_argument("--report-only", action="store_true", help="redraw the figure and table from the JSON")
+    return made
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # SIGTERM leaves through the rig's `with` blocks, so its groups and namespaces are removed
+    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
+    args = parser().parse_args(argv)
+    try:
+        chosen = workload(args.workload)
+        scenarios = [load(name).name for name in _names(args.scenarios)]
+        systems = [system(name).name for name in _names(args.systems)]
+        seeds = [int(seed) for seed in _names(args.seeds)]
+    except ValueError as error:
+        print(f"alternatives: {error}", file=sys.stderr)
+        return 2
+    results = args.results / f"{chosen.name}.json"
+    if not args.report_only:
+        reason = unavailable_reason()
+        if reason is not None:
+            print(f"alternatives: {reason}", file=sys.stderr)
+            return 2
+        target = targets()[chosen.name][args.target]
+        rates_path = args.results / "learning_rates.json"
+        rates: dict[str, dict[str, float]] = json.loads(rates_path.read_text()) if rates_path.exists() else {}
+        if args.search:
+            rates.setdefault(chosen.name, {}).update(_search(chosen.name, systems, args, target))
+            args.results.mkdir(parents=True, exist_ok=True)
+            rates_path.write_text(json.dumps(rates, indent=1) + "\n")
+            return 0
+        for scenario in scenarios:
+            for name in systems:
+                rate = args.lr or rates.get(chosen.name, {}).get(name)
+                if rate is None:
+                    print(f"alternatives: no learning rate for {name} on {chosen.name}: run --search or give --lr",
+                          file=sys.stderr)  # fmt: skip
+                    return 2
+                for seed in seeds:
+                    cell = Cell(scenario, name, chosen.name, seed, rate, args.duration_s)
+                    result = run_cell(cell, args.runs, rate, target)
+                    _merge(results, cell, result)
+                    print(report.line(result), flush=True)
+    if not results.exists():
+        print(f"alternatives: no results at {results} yet: run some cells first", file=sys.stderr)
+        return 2
+    data = json.loads(results.read_text())
+    (args.results / f"{chosen.name}.md").write_text("\n".join(report.table(data)) + "\n")
+    report.figure(data, args.results / f"{chosen.name}.png", chosen.name)
+    print(f"results: {results}")
+    return 0
+
+
+def _search(name: str, systems: list[str], args: argparse.Namespace, target: float) -> dict[str, float]:
+    """Each system's rate of the grid with the shortest time to target in scenario a, seed 0 (none
+    reaching it: the best final held-out metric)."""
+    chosen = workload(name)
+    best: dict[str, float] = {}
+    for system_name in systems:
+        scored = []
+        for rate in chosen.learning_rates:
+            result = run_cell(
+                Cell("a", system_name, name, 0, rate, args.duration_s), args.runs / "search", rate, target
+            )
+            print(report.line(result), flush=True)
+            scored.append((report.search_score(result, chosen.metric), rate))
+        best[system_name] = min(scored)[1]
+    return best
+
+
+def _merge(path: Path, cell: Cell, result: dict[str, Any]) -> None:
+    """Put the cell's result into the workload's JSON, replacing an earlier run of the same cell."""
+    data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"cells": {}}
+    key = f"{cell.scenario}/{cell.system}/{cell.seed}"
+    data["cells"][key] = {k: v for k, v in result.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

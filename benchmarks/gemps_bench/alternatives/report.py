@@ -1,0 +1,118 @@
+"""The comparison's table and figure, from the workload's JSON (main.py writes it cell by cell)."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+NEVER = "never"
+
+
+def line(result: dict[str, Any]) -> str:
+    """One run, for the terminal."""
+    cell = result["cell"]
+    reached = result["time_to_target_s"]
+    final = result["final"]
+    return (
+        f"{cell['scenario']} {cell['system']} {cell['workload']} seed {cell['seed']} lr {result['learning_rate']}: "
+        f"target {'never' if reached is None else f'{reached:.1f} s'}, final loss {final['loss']} accuracy "
+        f"{final['accuracy']}, goodput {_percent(result['goodput'])}, {_bytes(result['bytes_per_sample'])}/sample, "
+        f"restarts {result['restarts']}, load {result['load_average'][0]}"
+    )
+
+
+def search_score(result: dict[str, Any], metric: str) -> tuple[float, float]:
+    """Lower is better: time to target, then (never reached) the final metric."""
+    reached = result["time_to_target_s"]
+    final = result["final"][metric]
+    worst = float("inf") if final is None else (-final if metric == "accuracy" else final)
+    return (float("inf") if reached is None else reached, worst)
+
+
+def grouped(data: dict[str, Any]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """The cells' results by (scenario, system), in scenario then system order."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for result in data["cells"].values():
+        groups[(result["cell"]["scenario"], result["cell"]["system"])].append(result)
+    return dict(sorted(groups.items()))
+
+
+def median_time(results: list[dict[str, Any]]) -> float | None:
+    """The seeds' median time to target; None when most seeds never reached it."""
+    value = statistics.median(float("inf") if r["time_to_target_s"] is None else r["time_to_target_s"] for r in results)
+    return None if value == float("inf") else value
+
+
+def table(data: dict[str, Any]) -> list[str]:
+    rows = [
+        "| scenario | system | lr | seeds | time to target (median; each seed) | final held-out (mean) | goodput "
+        "| bytes/sample | restarts | load |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (scenario, name), results in grouped(data).items():
+        metric = "accuracy" if results[0]["cell"]["workload"] == "digits" else "loss"
+        median = median_time(results)
+        each = ", ".join(NEVER if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f}" for r in results)
+        finals = [r["final"][metric] for r in results if r["final"][metric] is not None]
+        final = f"{statistics.mean(finals):.3f} {metric}" if finals else "-"
+        goodputs = [r["goodput"] for r in results if r["goodput"] is not None]
+        per_sample = [r["bytes_per_sample"] for r in results if r["bytes_per_sample"] is not None]
+        rows.append(
+            f"| {scenario} | {name} | {results[0]['learning_rate']} | {len(results)} | "
+            f"{NEVER if median is None else f'{median:.1f} s'} ({each}) | {final} | "
+            f"{_percent(statistics.mean(goodputs)) if goodputs else '-'} | "
+            f"{_bytes(statistics.median(per_sample)) if per_sample else '-'} | "
+            f"{sum(r['restarts'] for r in results)} | {max(r['load_average'][0] for r in results):.1f} |"
+        )
+    return rows
+
+
+def figure(data: dict[str, Any], path: Path, workload: str) -> None:
+    """Time-to-target bars by scenario (groups) and system (bars), the median of the seeds, each
+    seed a dot; a hatched bar at the run's length where most seeds never reached the target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    groups = grouped(data)
+    scenarios = sorted({scenario for scenario, _ in groups})
+    systems = sorted({name for _, name in groups})
+    width = 0.8 / max(1, len(systems))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(scenarios) + 2), 4))
+    for j, name in enumerate(systems):
+        for i, scenario in enumerate(scenarios):
+            results = groups.get((scenario, name))
+            if not results:
+                continue
+            median = median_time(results)
+            x = i + (j - (len(systems) - 1) / 2) * width
+            if median is None:
+                ax.bar(x, results[0]["duration_s"], width, color=f"C{j}", alpha=0.3, hatch="//")
+            else:
+                ax.bar(x, median, width, color=f"C{j}")
+            seeds = [r["time_to_target_s"] for r in results if r["time_to_target_s"] is not None]
+            ax.plot([x] * len(seeds), seeds, "k.", markersize=4)  # each seed's time
+    ax.set_xticks(range(len(scenarios)), [f"({s})" for s in scenarios])
+    ax.set_ylabel("seconds to the held-out target (median of seeds)")
+    ax.set_title(f"{workload}: time to target by scenario (hatched: not reached)")
+    ax.legend(handles=[Patch(color=f"C{j}", label=name) for j, name in enumerate(systems)], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _bytes(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit, size in (("MB", 1e6), ("KB", 1e3)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"

@@ -1,0 +1,101 @@
+"""gemps in its shipped settings: a `gemps server` in the coordinator's slot, a gemps_program worker
+per rank, and an observer beside the server that pulls θ for the snapshots.
+
+- gemps-gem: GEM on gradients, every default as shipped (float32 both ways);
+- gemps-gem-int8: the same, commits and replies in int8 codes (error feedback; difference replies);
+- gemps-gem-local: GEM with 4 local SGD steps a commit, the update halved, int8 both ways (the
+  setting of docs/RESULTS.md "GEM with local steps", `--mode dynsgd --dynsgd-steps 4
+  --outer-learning-rate 0.5`);
+- DN+DyLU (issue 58 item 3) joins SETTINGS as one more entry once the server has its rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from gemps.options import to_argv
+from gemps_bench.alternatives.contract import worker_argv
+from gemps_bench.alternatives.systems.base import COORDINATOR, Launch, RunPlan, System
+
+PORT = 50051  # the server's port in the coordinator's own namespace (nothing else binds there)
+PROGRAM = "gemps_bench.alternatives.systems.gemps_program"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One shipped setting: the server's rule and the worker's mode and codes."""
+
+    rule: str = "gem"
+    mode: str = "gradient"
+    local_steps: int = 4
+    outer_learning_rate: float = 0.0
+    compression: str = "none"
+
+
+SETTINGS: dict[str, Setting] = {
+    "gemps-gem": Setting(),
+    "gemps-gem-int8": Setting(compression="int8"),
+    "gemps-gem-local": Setting(mode="dynsgd", local_steps=4, outer_learning_rate=0.5, compression="int8"),
+}
+
+
+class Gemps(System):
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.setting = SETTINGS[name]
+        self.replicated = False  # set by coordinator(): the plan says
+
+    def coordinator(self, plan: RunPlan) -> Launch:
+        self.replicated = plan.replicas > 1
+        options = {
+            "host": plan.coordinator_address,
+            "port": PORT,
+            "rule": self.setting.rule,
+            "learning_rate": plan.learning_rate,
+            "batch_size": plan.workload.batch,
+            "metrics_port": -1,
+            # a restart after a kill resumes from the last checkpoint (scenario e)
+            "checkpoint_dir": plan.run_dir / "checkpoints",
+            "checkpoint_interval": 5.0,
+            # scenario e: a primary and a backup, each its own process (the supervisor starts a
+            # private etcd and restarts a replica that dies), in the coordinator's slot
+            "replicas": plan.replicas,
+        }
+        return Launch([plan.python, "-m", "gemps_cli", "server", *to_argv(options)])
+
+    def observer(self, plan: RunPlan) -> Launch:
+        return self._program(plan, 0, role="coordinator")
+
+    def worker(self, plan: RunPlan, rank: int) -> Launch:
+        setting = self.setting
+        extra = ["--mode", setting.mode, "--local-steps", str(setting.local_steps)]
+        extra += ["--outer-learning-rate", repr(setting.outer_learning_rate), "--compression", setting.compression]
+        return Launch([*self._program(plan, rank).argv, *extra])
+
+    def _program(self, plan: RunPlan, rank: int, role: str = "worker") -> Launch:
+        argv = worker_argv(
+            PROGRAM, plan.workload.name, rank, plan.workers, plan.seed, plan.workload.batch,
+            plan.learning_rate, plan.run_dir, plan.deadline_s,
+        )  # fmt: skip
+        servers = "|".join(f"{plan.coordinator_address}:{PORT + r}" for r in range(plan.replicas))
+        return Launch([plan.python, *argv, "--coordinator", servers, "--role", role])
+
+    def killed(self, target: int, pids: list[int], launched_pid: int) -> list[int]:
+        """With replicas, a coordinator kill kills the primary's process alone (its title says
+        `primary`): the supervisor starts it again, and the backup takes over meanwhile."""
+        if target != COORDINATOR:
+            return pids
+        primary = [pid for pid in pids if b"primary" in _command_line(pid)]
+        return primary or pids
+
+    def restarts_itself(self, target: int) -> bool:
+        return target == COORDINATOR and self.replicated
+
+
+def _command_line(pid: int) -> bytes:
+    """What `ps` shows of a process (a gemps server's title), empty once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""

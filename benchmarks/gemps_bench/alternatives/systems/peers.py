@@ -1,0 +1,59 @@
+"""The peers' worker programs (alternatives/peers/<name>.py, CONTRACT.md) as systems: each entry of
+peers/peers.json, run with its own interpreter, its coordinator first where it has one."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from gemps_bench.alternatives.contract import worker_argv
+from gemps_bench.alternatives.systems.base import Launch, RunPlan, System
+
+MANIFEST = Path(__file__).parents[1] / "peers" / "peers.json"
+REPOSITORY = Path(__file__).parents[4]
+COORDINATOR_PORT = 29500
+
+
+@dataclass(frozen=True)
+class PeerEntry:
+    python: str = ""  # relative to the repository root; empty: the harness's interpreter
+    coordinator: bool = False
+    snapshot_rank: int = 0
+
+
+def manifest(path: Path = MANIFEST) -> dict[str, PeerEntry]:
+    """The peers the manifest lists ({} where there is none yet)."""
+    if not path.exists():
+        return {}
+    try:
+        return {name: PeerEntry(**entry) for name, entry in json.loads(path.read_text()).items()}
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
+class Peer(System):
+    def __init__(self, name: str, entry: PeerEntry) -> None:
+        self.name = name
+        self.entry = entry
+
+    def python(self, plan: RunPlan) -> str:
+        return str(REPOSITORY / self.entry.python) if self.entry.python else plan.python
+
+    def coordinator(self, plan: RunPlan) -> Launch | None:
+        if not self.entry.coordinator:
+            return None
+        return self._launch(plan, 0, "coordinator")
+
+    def worker(self, plan: RunPlan, rank: int) -> Launch:
+        return self._launch(plan, rank, "worker")
+
+    def _launch(self, plan: RunPlan, rank: int, role: str) -> Launch:
+        argv = worker_argv(
+            f"gemps_bench.alternatives.peers.{self.name}", plan.workload.name, rank, plan.workers, plan.seed,
+            plan.workload.batch, plan.learning_rate, plan.run_dir, plan.deadline_s,
+        )  # fmt: skip
+        argv += ["--role", role]
+        if self.entry.coordinator:
+            argv += ["--coordinator", f"{plan.coordinator_address}:{COORDINATOR_PORT}"]
+        return Launch([self.python(plan), *argv], env={"OMP_NUM_THREADS": "1"})

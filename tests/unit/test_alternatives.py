@@ -1,0 +1,184 @@
+"""The comparison with the alternatives (issue 58), what runs without root: the shipped scenarios and
+their fault time lines, the workloads and the worker contract, the metrics from progress logs, the
+report. The rig itself (root) runs in tests/integration/test_alternatives_rig.py."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from gemps_bench.alternatives import metrics, report
+from gemps_bench.alternatives.contract import ProgressLog, Snapshots, snapshot_times
+from gemps_bench.alternatives.scenario import SCENARIOS_DIR, load, parse
+from gemps_bench.alternatives.systems.base import RunPlan
+from gemps_bench.alternatives.systems.ddp import Ddp
+from gemps_bench.alternatives.systems.gemps import Gemps
+from gemps_bench.alternatives.systems.registry import system, system_names
+from gemps_bench.alternatives.workloads import WORKLOADS, loss, targets, workload
+
+
+def test_the_six_scenarios_of_the_issue_are_shipped_and_valid() -> None:
+    assert sorted(p.stem for p in SCENARIOS_DIR.glob("*.json")) == ["a", "b", "c", "d", "e", "f"]
+    for name in "abcdef":
+        scenario = load(name)
+        assert scenario.workers == 8 and scenario.workers * scenario.worker_cpu + scenario.coordinator_cpu <= 2
+    assert load("b").speed[0].factor == pytest.approx(1 / 3, abs=1e-3)
+    assert load("f").link == "100mbit"
+
+
+def test_events_are_the_same_for_a_seed_and_in_time_order() -> None:
+    pauses = load("c")
+    first, again, other = pauses.events(0, 60.0), pauses.events(0, 60.0), pauses.events(1, 60.0)
+    assert first == again and first != other
+    assert [e.at_s for e in first] == sorted(e.at_s for e in first)
+    assert {e.action for e in first} == {"stop", "cont"} and {e.target for e in first} == set(range(8))
+    for worker in range(8):  # each pause ends before the next starts, within its bound
+        mine = [e for e in first if e.target == worker]
+        for stop, cont in zip(mine[::2], mine[1::2], strict=False):
+            assert stop.action == "stop" and cont.action == "cont" and 0 < cont.at_s - stop.at_s <= 10.0
+    kills = load("d").events(0, 130.0)
+    assert [(e.at_s, e.action, e.target) for e in kills] == [
+        (5, "kill", 0), (10, "restart", 0), (65, "kill", 1), (70, "restart", 1), (125, "kill", 2)
+    ]  # fmt: skip
+    assert [(e.action, e.target) for e in load("e").events(0, 60.0)] == [("kill", -1), ("restart", -1)]
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"name": "x", "description": "", "wokers": 8}, "unknown fields wokers"),
+        ({"name": "x", "description": "", "worker_cpu": 0.5}, "quotas sum to 4.3 cores"),
+        ({"name": "x", "description": "", "link": "fast"}, "not a link rate: 'fast'"),
+        ({"name": "x", "description": "", "speed": [{"worker": 9, "at_s": 0, "factor": 0.5}]},
+         "needs a worker in [0, 8)"),
+        ({"name": "x", "description": "", "pauses": {"distribution": "cauchy", "every_s": 1, "scale_s": 1, "shape": 1}},
+         "pauses.distribution 'cauchy'"),
+        ({"name": "x", "description": "", "kills": {"every_s": 60}}, "missing 2 required positional arguments"),
+    ],
+)  # fmt: skip
+def test_a_bad_scenario_is_refused_naming_what_is_wrong(raw: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=r"x\.json") as refused:
+        parse(raw, "x.json")
+    assert message in str(refused.value)
+
+
+def test_an_unknown_scenario_names_the_shipped_ones() -> None:
+    with pytest.raises(ValueError, match="one of a, b, c, d, e, f"):
+        load("z")
+
+
+def test_workloads_give_disjoint_shards_the_same_start_and_a_held_out_metric() -> None:
+    digits = workload("digits")
+    shards = [set(digits.shard(rank, 8).tolist()) for rank in range(8)]
+    assert sum(len(s) for s in shards) == len(digits.data().train_x) and not set.intersection(*shards[:2])
+    a, b = digits.build_model(), digits.build_model()
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    inputs, labels = next(replace(digits, batch=5).batches(3, 8, seed=0))
+    assert inputs.shape == (5, 1, 8, 8) and set(labels.tolist()) <= set(range(10))
+    assert loss(a, inputs, labels).item() > 0
+    evaluation = digits.evaluate(a)
+    assert digits.reached({"accuracy": 0.98, "loss": 1.0}, 0.97) and not digits.reached(evaluation, 0.97)
+    assert workload("charlm").reached({"accuracy": 0.0, "loss": 2.4}, 2.5)
+    assert set(targets()) == set(WORKLOADS)
+    with pytest.raises(ValueError, match="rank 8 of world 8"):
+        digits.shard(8, 8)
+    with pytest.raises(ValueError, match="unknown workload 'mnist'; choose from digits, charlm"):
+        workload("mnist")
+
+
+def test_the_char_lm_has_one_to_three_million_parameters() -> None:
+    model = workload("charlm").build_model()
+    assert 1_000_000 <= sum(p.numel() for p in model.parameters()) <= 3_000_000
+
+
+def _write_log(path: Path, lines: list[tuple[float, str, int, int]], rank: int = 0) -> None:
+    with path.open("a") as log:
+        for t, event, samples, applied in lines:
+            log.write(json.dumps({"t": t, "rank": rank, "event": event, "samples": samples, "applied": applied}) + "\n")
+
+
+def test_goodput_counts_applied_steps_and_loses_rollbacks(tmp_path: Path) -> None:
+    # rank 0: two applied steps of 1 s, then a process that computed one step never applied (local steps)
+    _write_log(
+        tmp_path / "worker-0.jsonl", [(0, "start", 0, 0), (0, "go", 0, 0), (1, "step", 10, 10), (2, "step", 20, 20)]
+    )
+    _write_log(tmp_path / "worker-0.jsonl", [(5, "start", 0, 0), (6, "step", 10, 0)])
+    processes = metrics.incarnations(tmp_path)
+    assert [len(p.lines) for p in processes] == [4, 2]
+    assert metrics.useful_seconds(processes[0], None) == (2.0, 20, 20)
+    assert metrics.useful_seconds(processes[1], None) == (0.0, 10, 0)
+    # a rollback to a checkpoint at t = 1.5 loses the second step
+    assert metrics.useful_seconds(processes[0], 1.5) == (1.0, 20, 10)
+    # local steps: two steps of 1 s, then a commit covering both
+    _write_log(tmp_path / "worker-1.jsonl", [(0, "go", 0, 0), (1, "step", 10, 0), (2, "step", 20, 20)], rank=1)
+    assert metrics.useful_seconds(metrics.incarnations(tmp_path)[2], None) == (2.0, 20, 20)
+
+
+def test_cell_metrics_has_every_figure(tmp_path: Path) -> None:
+    _write_log(tmp_path / "worker-0.jsonl", [(0, "start", 0, 0), (5, "step", 10, 10), (10, "checkpoint", 10, 10)])
+    _write_log(tmp_path / "worker-0.jsonl", [(12, "start", 0, 0), (20, "step", 10, 10)])
+    curve = [{"t": 4.0, "loss": 1.0, "accuracy": 0.5}, {"t": 9.0, "loss": 0.1, "accuracy": 0.98}]
+    found = metrics.cell_metrics(tmp_path, load("a"), workload("digits"), curve, 0.97, 0.0, 20.0, {"worker-0": 400})
+    assert found["time_to_target_s"] == 9.0 and found["final"]["accuracy"] == 0.98
+    assert found["goodput"] == pytest.approx((5 + 8) / (8 * 20))
+    assert found["samples_applied"] == 20 and found["bytes_per_sample"] == 20.0
+    assert found["restarts"] == 1 and found["processes"] == 2
+
+
+def test_progress_log_and_snapshots_follow_the_contract(tmp_path: Path) -> None:
+    log = ProgressLog(tmp_path, 3)
+    (tmp_path / "go").touch()
+    log.wait_for_go(tmp_path)
+    log.step(8, 0)
+    log.step(8, 16)
+    log.close()
+    lines = [json.loads(line) for line in (tmp_path / "worker-3.jsonl").read_text().splitlines()]
+    assert [line["event"] for line in lines] == ["start", "go", "step", "step", "exit"]
+    assert lines[3]["samples"] == 16 and lines[3]["applied"] == 16 and lines[3]["rank"] == 3
+    snapshots = Snapshots(tmp_path, every=3600.0)
+    model = workload("digits").build_model()
+    assert snapshots.write(model) and not snapshots.write(model) and snapshots.write(model, force=True)
+    found = snapshot_times(tmp_path)
+    assert len(found) == 2 and not list((tmp_path / "snapshots").glob(".*"))
+    assert set(torch.load(found[0][1])) == set(model.state_dict())
+
+
+def test_systems_build_their_command_lines(tmp_path: Path) -> None:
+    assert {"gemps-gem", "gemps-gem-int8", "gemps-gem-local", "ddp"} <= set(system_names())
+    plan = RunPlan(workload("digits"), 8, 0, 0.05, tmp_path, 90.0, "10.0.0.1", tuple(f"10.0.1.{i}" for i in range(8)))
+    server = Gemps("gemps-gem").coordinator(plan).argv
+    assert server[1:4] == ["-m", "gemps_cli", "server"] and "--learning-rate" in server and "10.0.0.1" in server
+    local = Gemps("gemps-gem-local").worker(plan, 2).argv
+    assert local[local.index("--mode") + 1] == "dynsgd" and local[local.index("--compression") + 1] == "int8"
+    ddp = Ddp().worker(plan, 0)
+    assert "is_host=true" in ddp.argv and ddp.argv[ddp.argv.index("--rdzv-endpoint") + 1] == "10.0.1.0:29400"
+    assert "is_host=true" not in Ddp().worker(plan, 1).argv
+    # a worker's kill spares its elastic agent (the process the rig started), which restarts the group
+    assert Ddp().killed(1, [42, 43], 42) == [43] and Ddp().restarts_itself(1)
+    assert Ddp().killed(-1, [42, 43], 42) == [42, 43] and not Ddp().restarts_itself(-1)
+    replicated = Gemps("gemps-gem")
+    server = replicated.coordinator(replace(plan, replicas=2)).argv
+    assert server[server.index("--replicas") + 1] == "2" and replicated.restarts_itself(-1)
+    assert "10.0.0.1:50051|10.0.0.1:50052" in replicated.worker(replace(plan, replicas=2), 0).argv
+    with pytest.raises(ValueError, match="unknown system 'horovod'"):
+        system("horovod")
+
+
+def test_the_report_takes_the_median_and_says_never(tmp_path: Path) -> None:
+    def result(seed: int, reached: float | None) -> dict[str, object]:
+        cell = {"scenario": "b", "system": "ddp", "workload": "digits", "seed": seed}
+        return {"cell": cell, "time_to_target_s": reached, "final": {"accuracy": 0.97, "loss": 0.1},
+                "goodput": 0.9, "bytes_per_sample": 9000.0, "restarts": 0, "load_average": [3.0],
+                "learning_rate": 0.05, "duration_s": 90.0}  # fmt: skip
+
+    data = {"cells": {str(s): result(s, t) for s, t in enumerate((10.0, None, 20.0))}}
+    assert report.median_time(data["cells"].values()) == 20.0  # type: ignore[arg-type]
+    rows = report.table(data)
+    assert "20.0 s (10, never, 20)" in rows[2] and "9.0 KB" in rows[2]
+    data["cells"]["2"] = result(2, None)
+    assert report.median_time(list(data["cells"].values())) is None
+    report.figure(data, tmp_path / "f.png", "digits")
+    assert (tmp_path / "f.png").stat().st_size > 0
