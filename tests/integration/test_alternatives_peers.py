@@ -26,6 +26,9 @@ WORKERS = 2
 #: seconds each worker runs from its start: importing torch and the peer takes most of the first half
 #: on a loaded 2-core machine
 DEADLINE_S = 90.0
+#: a peer's own flags for this short run: hivemind's epoch cut from the Quick Start's 10,000 samples
+#: (~150 steps of each of 2 workers, more than the run may make here) so that epochs complete in it
+EXTRA_FLAGS = {"hivemind": ["--target-batch-size", "1280"]}
 #: chance on the digits' ten classes is 0.1
 ABOVE_CHANCE = 0.3
 
@@ -43,7 +46,7 @@ def _argv(python: Path, system: str, run_dir: Path, port: int, rank: int, role: 
     return [
         str(python), "-m", module, "--workload", "digits", "--rank", str(rank), "--world", str(WORKERS),
         "--seed", "0", "--batch", "32", "--lr", "0.05", "--run-dir", str(run_dir), "--deadline-s", str(deadline),
-        "--coordinator", f"127.0.0.1:{port}", "--role", role,
+        "--coordinator", f"127.0.0.1:{port}", "--role", role, *EXTRA_FLAGS.get(system, []),
     ]  # fmt: skip
 
 

@@ -10,19 +10,23 @@ Set up as hivemind's Quick Start ("Decentralized Training") does:
 - every worker is a peer with its own DHT (listening on every address, any port) and a
   `hivemind.Optimizer(dht, run_id, batch_size_per_step=--batch, target_batch_size=T,
   optimizer=<the contract's SGD>, use_local_updates=True, matchmaking_time=3.0,
-  averaging_timeout=10.0)`: the Quick Start's settings (local updates every step, the parameters
+  averaging_timeout=10.0, verbose=True)`: the Quick Start's settings (local updates every step, the parameters
   averaged in the background once the swarm has processed T samples; "3-5 s for small local runs",
   the Optimizer's configuration guide says of matchmaking_time), its other options at their defaults;
-- T = `--target-batch-size`, by default 20 local steps of every worker (20 x world x batch), the
-  same rounds as torchft's LocalSGD and DiLoCo here (torchft_peer.SYNC_EVERY); the Quick Start's
-  10,000 samples at batch 32 would be several epochs of the digits between two averages;
+- T = `--target-batch-size`, by default the Quick Start's 10,000 samples. Large on purpose, as the
+  configuration guide advises: with local updates each step waits for the averaging round still
+  under way (its delta rule needs it), and a round takes at least matchmaking_time, so an epoch
+  must last well beyond that. At 20 local steps of every worker per epoch (1,920 samples for 3
+  workers on the digits) the workers made one step per round, ~3 steps in 10 s, on this machine;
 - a restarted worker first calls `opt.load_state_from_peers()` (the Quick Start's joining peer);
   a worker on its first start does not (the swarm starts from the same θ0).
 
 What the progress log counts as applied: the samples of a worker's local steps once the global epoch
 they were counted into completed (`opt.local_epoch` advanced by one); when it advanced by more (the
 worker was behind and downloaded the swarm's state) its local steps since the last epoch are lost.
-Rank 0 writes the snapshots, at each epoch it completes.
+Rank 0 writes the snapshots, its model as it trains: with local updates no step holds the swarm's
+average alone (averaging results are applied to the parameters as deltas, a step later), so a peer's
+own model is what its user would evaluate.
 """
 
 from __future__ import annotations
@@ -46,22 +50,16 @@ from gemps_bench.alternatives.peers.common import (
 from gemps_bench.alternatives.workloads import loss
 
 #: the Quick Start's Optimizer settings
+TARGET_BATCH_SIZE = 10_000
 MATCHMAKING_TIME_S = 3.0
 AVERAGING_TIMEOUT_S = 10.0
-#: local steps of every worker per global epoch, when --target-batch-size is not given
-STEPS_PER_EPOCH = 20
 #: how long a worker waits for the coordinator's peer id, and between two tries to join the swarm
 JOIN_WAIT_S = 60.0
 JOIN_RETRY_S = 2.0
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--target-batch-size",
-        type=int,
-        default=0,
-        help=f"samples per global epoch (0: {STEPS_PER_EPOCH} x world x batch)",
-    )
+    parser.add_argument("--target-batch-size", type=int, default=TARGET_BATCH_SIZE, help="samples per global epoch")
 
 
 def run_id(args: WorkerArgs) -> str:
@@ -107,7 +105,7 @@ def join_swarm(args: WorkerArgs, peer: PeerWorker) -> hivemind.DHT:
 
 def train(args: WorkerArgs, flags: argparse.Namespace) -> None:
     """One peer training with hivemind.Optimizer until the deadline."""
-    target = flags.target_batch_size or STEPS_PER_EPOCH * args.world * args.batch
+    target = flags.target_batch_size
     if target < args.batch:
         raise ValueError(f"--target-batch-size {target} is below one worker's --batch {args.batch}")
     restarted = (args.run_dir / f"worker-{args.rank}.jsonl").exists()  # the log of an earlier life of this rank
@@ -125,6 +123,7 @@ def train(args: WorkerArgs, flags: argparse.Namespace) -> None:
             use_local_updates=True,
             matchmaking_time=MATCHMAKING_TIME_S,
             averaging_timeout=AVERAGING_TIMEOUT_S,
+            verbose=True,  # the Quick Start's: its rounds and epochs in the worker's output
         )
         stack.callback(optimizer.shutdown)
         if restarted:
@@ -149,8 +148,7 @@ def _loop(peer: PeerWorker, optimizer: hivemind.Optimizer) -> None:
             pending = 0  # behind the swarm: its state was downloaded over these local steps
         epoch = now
         peer.log.step(batch, applied)
-        if applied:
-            peer.snapshot()
+        peer.snapshot()
 
 
 def main(argv: list[str] | None = None) -> int:
