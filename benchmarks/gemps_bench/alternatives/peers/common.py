@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -30,6 +31,8 @@ from gemps_bench.alternatives.workloads import Workload, workload
 
 #: the local optimizer's momentum (CONTRACT.md: SGD with momentum 0.9 unless a peer documents otherwise)
 MOMENTUM = 0.9
+#: seconds past the deadline after which a worker still inside a step exits anyway
+EXIT_GRACE_S = 10.0
 
 
 def process_age_s() -> float:
@@ -48,10 +51,20 @@ class PeerWorker:
     workload: Workload
     model: nn.Module
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
-    log: ProgressLog
     #: the snapshot writer on the rank whose model stands for the shared one, else None
     snapshots: Snapshots | None
     deadline_monotonic: float
+
+    def start(self) -> ProgressLog:
+        """Once set up: the progress log (its "start" line), the harness's start gate, then a watchdog
+        that ends the process EXIT_GRACE_S after the deadline should a step still hold it (a quorum or
+        an averaging round waiting on peers that have gone): the contract's exit at the deadline."""
+        log = ProgressLog(self.args.run_dir, self.args.rank)
+        log.wait_for_go(self.args.run_dir)
+        watchdog = threading.Timer(self.seconds_left() + EXIT_GRACE_S, _overdue, (log,))
+        watchdog.daemon = True
+        watchdog.start()
+        return log
 
     def time_left(self) -> bool:
         return time.monotonic() < self.deadline_monotonic
@@ -68,12 +81,19 @@ class PeerWorker:
             self.snapshots.write(self.model if model is None else model)
 
 
+def _overdue(log: ProgressLog) -> None:
+    print(f"past the deadline by {EXIT_GRACE_S} s inside a step: exiting", file=sys.stderr, flush=True)
+    log.event("exit")
+    os._exit(0)
+
+
 def deadline_monotonic(args: WorkerArgs) -> float:
     return time.monotonic() + args.deadline_s - process_age_s()
 
 
 def prepare_worker(args: WorkerArgs, snapshot_rank: int = 0) -> PeerWorker:
-    """The worker's workload at `--batch`, its model, its shard's batches and its logs."""
+    """The worker's workload at `--batch`, its model, its shard's batches and its snapshot writer
+    (the progress log comes once the peer is set up: `PeerWorker.start`)."""
     torch.set_num_threads(1)  # each worker has a fraction of one core (CONTRACT.md)
     chosen = workload(args.workload)
     if args.batch != chosen.batch:
@@ -83,7 +103,6 @@ def prepare_worker(args: WorkerArgs, snapshot_rank: int = 0) -> PeerWorker:
         workload=chosen,
         model=chosen.build_model(seed=0),
         batches=chosen.batches(args.rank, args.world, args.seed),
-        log=ProgressLog(args.run_dir, args.rank),
         snapshots=Snapshots(args.run_dir) if args.rank == snapshot_rank else None,
         deadline_monotonic=deadline_monotonic(args),
     )

@@ -57,7 +57,7 @@ from torchft._torchft import LighthouseServer
 from torchft.checkpointing.pg_transport import PGTransport
 from torchft.local_sgd import DiLoCo, LocalSGD
 
-from gemps_bench.alternatives.contract import WorkerArgs
+from gemps_bench.alternatives.contract import ProgressLog, WorkerArgs
 from gemps_bench.alternatives.peers.common import (
     MOMENTUM,
     PeerWorker,
@@ -163,22 +163,30 @@ def train(args: WorkerArgs, algorithm: str, sync_every: int, quorum_retries: int
         quorum_retries=quorum_retries,
     )
     with ExitStack() as stack:
-        stack.callback(peer.log.close)
         stack.callback(lambda: manager.shutdown(wait=False))
+        log = peer.start()  # set up: the first quorum comes with the first step
+        stack.callback(log.close)
         if algorithm == "ddp":
-            _loop(peer, manager, DistributedDataParallel(manager, model), Optimizer(manager, inner), every=1)
+            _loop(peer, log, manager, DistributedDataParallel(manager, model), Optimizer(manager, inner), every=1)
         elif algorithm == "localsgd":
             stack.enter_context(LocalSGD(manager, model, inner, sync_every=sync_every))
-            _loop(peer, manager, model, inner, every=sync_every)
+            _loop(peer, log, manager, model, inner, every=sync_every)
         else:
             stack.enter_context(
                 DiLoCo(manager, [model], inner, outer, sync_every=sync_every, backup_device=torch.device("cpu"),
                        pin_memory=False)
             )  # fmt: skip
-            _loop(peer, manager, model, inner, every=sync_every)
+            _loop(peer, log, manager, model, inner, every=sync_every)
 
 
-def _loop(peer: PeerWorker, manager: Manager, forward: nn.Module, optimizer: torch.optim.Optimizer, every: int) -> None:
+def _loop(
+    peer: PeerWorker,
+    log: ProgressLog,
+    manager: Manager,
+    forward: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    every: int,
+) -> None:
     """Steps until the deadline; samples count as applied once the step (DDP) or the sync ending their
     round (LocalSGD, DiLoCo: every `every` steps) committed."""
     batch = peer.workload.batch
@@ -198,7 +206,7 @@ def _loop(peer: PeerWorker, manager: Manager, forward: nn.Module, optimizer: tor
             applied, pending, committed_once = pending, 0, True
         elif steps % every == 0:
             pending = 0  # this round's sync did not commit: its local steps are lost
-        peer.log.step(batch, applied)
+        log.step(batch, applied)
         if applied and committed_once:
             peer.snapshot()
 

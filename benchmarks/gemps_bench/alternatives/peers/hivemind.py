@@ -38,7 +38,7 @@ from pathlib import Path
 
 import hivemind
 
-from gemps_bench.alternatives.contract import WorkerArgs
+from gemps_bench.alternatives.contract import ProgressLog, WorkerArgs
 from gemps_bench.alternatives.peers.common import (
     PeerWorker,
     coordinator_endpoint,
@@ -111,7 +111,6 @@ def train(args: WorkerArgs, flags: argparse.Namespace) -> None:
     restarted = (args.run_dir / f"worker-{args.rank}.jsonl").exists()  # the log of an earlier life of this rank
     peer = prepare_worker(args)
     with ExitStack() as stack:
-        stack.callback(peer.log.close)
         dht = join_swarm(args, peer)
         stack.callback(dht.shutdown)
         optimizer = hivemind.Optimizer(
@@ -128,10 +127,12 @@ def train(args: WorkerArgs, flags: argparse.Namespace) -> None:
         stack.callback(optimizer.shutdown)
         if restarted:
             optimizer.load_state_from_peers()
-        _loop(peer, optimizer)
+        log = peer.start()
+        stack.callback(log.close)
+        _loop(peer, log, optimizer)
 
 
-def _loop(peer: PeerWorker, optimizer: hivemind.Optimizer) -> None:
+def _loop(peer: PeerWorker, log: ProgressLog, optimizer: hivemind.Optimizer) -> None:
     batch = peer.workload.batch
     epoch = optimizer.local_epoch
     pending = 0  # samples of local steps not yet in a completed epoch
@@ -147,7 +148,7 @@ def _loop(peer: PeerWorker, optimizer: hivemind.Optimizer) -> None:
         elif now > epoch + 1:
             pending = 0  # behind the swarm: its state was downloaded over these local steps
         epoch = now
-        peer.log.step(batch, applied)
+        log.step(batch, applied)
         peer.snapshot()
 
 
