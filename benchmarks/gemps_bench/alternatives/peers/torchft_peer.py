@@ -10,13 +10,15 @@ local_sgd integration tests):
 - every worker is a replica group of one process (train_ddp.py's `--nproc_per_node 1`), with its own
   TCPStore (what torchrun would start for the group; the integration tests start it the same way),
   a `Manager` with train_ddp.py's settings (`min_replica_size=1`, `timeout=30 s`, ProcessGroupGloo
-  with a 5 s timeout, live recovery from a peer over `PGTransport`), and a replica id ending in its
-  rank. It advertises the address its route to the Lighthouse leaves from (`common.own_address`),
-  so peers in other network namespaces reach its store and manager;
+  with a 5 s timeout (`--pg-timeout-s`), live recovery from a peer over `PGTransport`), and a replica
+  id ending in its rank.
+  It advertises the address its route to the Lighthouse leaves from (`common.own_address`),
+  as its host name too and with Gloo bound to that interface (`advertise_as_hostname`), so peers
+  in other network namespaces reach its stores, manager and Gloo pairs;
 - ddp: `torchft.DistributedDataParallel` + `torchft.Optimizer` around the contract's SGD (momentum
   0.9), the Manager's asynchronous quorum (its default);
 - localsgd: `LocalSGD(manager, model, SGD, sync_every=H)`; diloco: `DiLoCo(manager, [model], inner
-  SGD, outer SGD(lr=0.7, momentum=0.9, nesterov=True), sync_every=H)`, the outer optimizer of
+  AdamW, outer SGD(lr=0.7, momentum=0.9, nesterov=True), sync_every=H)`, the outer optimizer of
   train_diloco.py; both with a synchronous quorum (`use_async_quorum=False`, required by DiLoCo).
   H = `--sync-every`, 20 by default: train_diloco.py's value (torchft documents no default).
   LocalSGD's optimizer is the contract's SGD; DiLoCo's inner one is train_diloco.py's AdamW
@@ -38,7 +40,10 @@ A Lighthouse that is gone makes the Manager's quorum fail: `--quorum-retries` (t
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
+import socket
+import struct
 from contextlib import ExitStack
 from datetime import timedelta
 from typing import Any
@@ -71,13 +76,14 @@ from gemps_bench.alternatives.peers.common import (
 from gemps_bench.alternatives.workloads import loss
 
 ALGORITHMS = ("ddp", "localsgd", "diloco")
+SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's address
 #: torchft's README: `torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000`
 LIGHTHOUSE_MIN_REPLICAS = 1
 LIGHTHOUSE_QUORUM_TICK_MS = 100
 LIGHTHOUSE_JOIN_TIMEOUT_MS = 10_000
 #: train_ddp.py's timeouts: the Manager's operations, the process group's collectives, the recovery transport
 MANAGER_TIMEOUT = timedelta(seconds=30)
-PG_TIMEOUT = timedelta(seconds=5)
+PG_TIMEOUT_S = 5.0
 TRANSPORT_TIMEOUT = timedelta(seconds=10)
 #: DiLoCo's outer optimizer in train_diloco.py: Nesterov SGD
 OUTER_LR = 0.7
@@ -90,6 +96,7 @@ SYNC_EVERY = 20
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pg-timeout-s", type=float, default=PG_TIMEOUT_S, help="the Gloo group's timeout")
     parser.add_argument("--sync-every", type=int, default=SYNC_EVERY, help="LocalSGD/DiLoCo: local steps per sync")
     parser.add_argument(
         "--quorum-retries", type=int, default=60, help="torchft's quorum_retries: quorum attempts before a worker fails"
@@ -112,15 +119,44 @@ def lighthouse(args: WorkerArgs, flags: argparse.Namespace) -> None:
         server.shutdown()
 
 
-def train(args: WorkerArgs, algorithm: str, sync_every: int, quorum_retries: int) -> None:
+def advertise_as_hostname(address: str) -> None:
+    """Make this process's host name its address, and Gloo's interface the one holding it. On a cluster
+    each host's name resolves to that host; the rig's network namespaces share the machine's name,
+    which resolves to 127.0.0.1, every namespace's own loopback. torchft's process group advertises
+    the rendezvous store of each reconfiguration as `socket.gethostname():port` (process_group.py,
+    `get_reconfigure_handle`): peers dialled themselves ("timed out ... trying to connect to (vm,
+    37791)"). Gloo binds the address the host name resolves to unless GLOO_SOCKET_IFNAME names an
+    interface (PyTorch's setting for hosts with several): "connectFullMesh failed ... Connection
+    refused, remote=[127.0.0.1]". Either way no quorum's process group formed on the rig."""
+    socket.gethostname = lambda: address
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface_of(address))
+
+
+def interface_of(address: str) -> str:
+    """The name of the network interface that holds IPv4 `address` (SIOCGIFADDR on each)."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                answer = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # an interface without an IPv4 address
+        if socket.inet_ntoa(answer[20:24]) == address:
+            return name
+    raise ValueError(f"no network interface holds {address} (the route to the coordinator leaves from it)")
+
+
+def train(args: WorkerArgs, algorithm: str, sync_every: int, quorum_retries: int, pg_timeout_s: float) -> None:
     """One replica group (this process) training until the deadline."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown torchft algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}")
     if sync_every < 1:
         raise ValueError(f"--sync-every must be at least 1, got {sync_every}")
+    if pg_timeout_s <= 0:
+        raise ValueError(f"--pg-timeout-s must be positive, got {pg_timeout_s}")
     peer = prepare_worker(args)
     host, port = coordinator_endpoint(args)
     address = own_address(host)
+    advertise_as_hostname(address)
     model = peer.model
     inner: torch.optim.Optimizer = peer.local_optimizer()
     if algorithm == "diloco":
@@ -144,7 +180,7 @@ def train(args: WorkerArgs, algorithm: str, sync_every: int, quorum_retries: int
             opt.load_state_dict(state[name])
 
     store = TCPStore(host_name=address, port=0, is_master=True, wait_for_workers=False)
-    pg = ProcessGroupGloo(timeout=PG_TIMEOUT)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=pg_timeout_s))
     manager = Manager(
         pg=pg,
         min_replica_size=1,
@@ -215,6 +251,6 @@ def main(algorithm: str, argv: list[str] | None = None) -> int:
     """The worker program of system torchft-<algorithm> (its coordinator: the Lighthouse)."""
 
     def worker(args: WorkerArgs, flags: argparse.Namespace) -> None:
-        train(args, algorithm, flags.sync_every, flags.quorum_retries)
+        train(args, algorithm, flags.sync_every, flags.quorum_retries, flags.pg_timeout_s)
 
     return run_program(f"torchft-{algorithm}", lighthouse, worker, add_flags, argv)
