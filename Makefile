@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo test test-fast docs docs-serve lint typecheck unit integration e2e proto dashboards system-deps soak experiment bench clean
+.PHONY: peers-venv demo test test-fast docs docs-serve lint typecheck unit integration e2e proto dashboards system-deps soak experiment bench clean
 
 # pip byte-compiles what it installs on one core (torch, ray and transformers hold tens of thousands
 # of modules); compileall does it after, on every core. Left to first imports instead, the several
@@ -22,6 +22,19 @@ $(BIN)/.installed: pyproject.toml $(wildcard server/gemps_server/csrc/*.c server
 	$(PIP_INSTALL) -e '.[server,torch,ray,dev]'
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $@
+
+# The peers of the comparison (torchft, hivemind: benchmarks/gemps_bench/alternatives/peers/) in their own
+# virtualenv, so their dependencies never move ours; the harness starts peer workers with its python.
+PEERS_VENV ?= .venv-peers
+PEERS_REQUIREMENTS := benchmarks/gemps_bench/alternatives/peers/requirements-peers.txt
+$(PEERS_VENV)/bin/.installed: pyproject.toml $(PEERS_REQUIREMENTS)
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install --quiet --no-compile $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(PEERS_VENV)/bin/pip install --quiet --no-compile -r $(PEERS_REQUIREMENTS) -e '.[torch]'
+	$(PEERS_VENV)/bin/python -m compileall -q -j 0 $(PEERS_VENV)/lib > /dev/null || true
+	touch $@
+
+peers-venv: $(PEERS_VENV)/bin/.installed  ## the virtualenv of the comparison's peers, torchft and hivemind (.venv-peers)
 
 demo: $(BIN)/.installed  ## the main job: train GEM on this machine (server + 4 local workers)
 	$(BIN)/gemps demo
