@@ -147,12 +147,16 @@ def test_progress_log_and_snapshots_follow_the_contract(tmp_path: Path) -> None:
 
 
 def test_systems_build_their_command_lines(tmp_path: Path) -> None:
-    assert {"gemps-gem", "gemps-gem-int8", "gemps-gem-local", "ddp"} <= set(system_names())
+    assert {"gemps-gem", "gemps-gem-int8", "gemps-gem-local", "gemps-dn-dylu", "ddp"} <= set(system_names())
     plan = RunPlan(workload("digits"), 8, 0, 0.05, tmp_path, 90.0, "10.0.0.1", tuple(f"10.0.1.{i}" for i in range(8)))
     server = Gemps("gemps-gem").coordinator(plan).argv
     assert server[1:4] == ["-m", "gemps_cli", "server"] and "--learning-rate" in server and "10.0.0.1" in server
     local = Gemps("gemps-gem-local").worker(plan, 2).argv
     assert local[local.index("--mode") + 1] == "dynsgd" and local[local.index("--compression") + 1] == "int8"
+    dn = Gemps("gemps-dn-dylu")
+    dn_server, dn_worker = dn.coordinator(plan).argv, dn.worker(plan, 1).argv
+    assert dn_server[dn_server.index("--rule") + 1] == "delayed-nesterov"
+    assert dn_worker[dn_worker.index("--mode") + 1] == "dylu" and dn_worker[dn_worker.index("--local-steps") + 1] == "8"
     ddp = Ddp().worker(plan, 0)
     assert "is_host=true" in ddp.argv and ddp.argv[ddp.argv.index("--rdzv-endpoint") + 1] == "10.0.1.0:29400"
     assert "is_host=true" not in Ddp().worker(plan, 1).argv

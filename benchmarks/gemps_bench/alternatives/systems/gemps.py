@@ -6,7 +6,10 @@ per rank, and an observer beside the server that pulls θ for the snapshots.
 - gemps-gem-local: GEM with 4 local SGD steps a commit, the update halved, int8 both ways (the
   setting of docs/RESULTS.md "GEM with local steps", `--mode dynsgd --dynsgd-steps 4
   --outer-learning-rate 0.5`);
-- DN+DyLU (issue 58 item 3) joins SETTINGS as one more entry once the server has its rule.
+- gemps-dn-dylu: asynchronous Local-SGD with delayed Nesterov on the server (`--rule
+  delayed-nesterov`, its defaults: epsilon 0.7, beta 0.9, N the workers registered) and dynamic local
+  updates on the workers (`--mode dylu`, H = 8 for the fastest), float32 both ways: the setting of
+  docs/RESULTS.md "Delayed Nesterov and dynamic local updates".
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ SETTINGS: dict[str, Setting] = {
     "gemps-gem": Setting(),
     "gemps-gem-int8": Setting(compression="int8"),
     "gemps-gem-local": Setting(mode="dynsgd", local_steps=4, outer_learning_rate=0.5, compression="int8"),
+    "gemps-dn-dylu": Setting(rule="delayed-nesterov", mode="dylu", local_steps=8),
 }
 
 

@@ -36,7 +36,7 @@ def train(args: WorkerArgs, mode_name: str, steps: int, outer: float, compressio
     codes = None if compression == "none" else compression
     client = Client(args.coordinator, name=f"w{args.rank}", compression=codes, reply_compression=codes)
     with RemoteModel(model, client, threads=1) as remote:
-        local = LocalTraining(dynsgd_steps=steps, outer_learning_rate=outer)
+        local = LocalTraining(dynsgd_steps=steps, dylu_steps=steps, outer_learning_rate=outer)
         mode = create_mode(mode_name, remote, remote.registration.config.learning_rate, local)
         log = ProgressLog(args.run_dir, args.rank)
         log.wait_for_go(args.run_dir)
@@ -74,7 +74,9 @@ def observe(args: WorkerArgs) -> None:
 def main() -> None:
     parser = worker_parser(__doc__ or "")
     parser.add_argument("--mode", default="gradient", choices=MODES)
-    parser.add_argument("--local-steps", type=int, default=4, help="dynsgd: local steps per commit")
+    parser.add_argument(
+        "--local-steps", type=int, default=4, help="dynsgd: local steps per commit; dylu: the fastest worker's"
+    )
     parser.add_argument("--outer-learning-rate", type=float, default=0.0, help="dynsgd: the update's factor")
     parser.add_argument("--compression", default="none", help="commits and replies in these codes (int8)")
     args = parse_worker_args(parser)
