@@ -22,6 +22,7 @@ class Reason(str, enum.Enum):
 
     MALFORMED = "malformed"  # bytes that are not a valid message of the method's type
     UNAUTHENTICATED = "unauthenticated"  # missing or wrong bearer token
+    REVOKED_CERTIFICATE = "revoked_certificate"  # a client certificate the server's --tls-crl lists
     REGISTRATION_RATE = "registration_rate"  # more registrations than the rate limit allows
     MAX_WORKERS = "max_workers"  # every worker slot is taken
     BAD_SPEC = "bad_spec"  # an empty, unnamed, repeated or negative-shaped parameter spec

@@ -4,6 +4,10 @@ Every call passes here before a byte of its request is read:
 
 - a method that needs a token (everything but health checks) without the right one is refused
   UNAUTHENTICATED (security.py);
+- with --tls-crl, a call over a connection whose client certificate the list revokes is refused
+  UNAUTHENTICATED (revocation.py) before its handler runs: grpcio takes no CRL and tells an
+  interceptor nothing of the connection, so the handler is wrapped to look at the call's own
+  certificate first;
 - the rest take a place in one of two budgets of calls in progress, or are refused
   RESOURCE_EXHAUSTED: calls that need no token (`grpc.health.v1.Health`) in a small budget of
   their own, `--max-unauthenticated-rpcs`, and everything else in `--max-concurrent-rpcs`.
@@ -20,6 +24,7 @@ words (reasons.BUSY_DETAILS, no label), which clients already retry.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -27,7 +32,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from gemps_proto.reasons import BUSY_DETAILS, Reason
+from gemps_proto.reasons import METADATA_KEY as REASON_KEY
 from gemps_server.logs import Throttle, event
+from gemps_server.revocation import Revocations
 from gemps_server.security import OPEN_METHOD_PREFIXES, UNAUTHENTICATED_REFUSAL, BearerToken, refusal_handler
 
 if TYPE_CHECKING:
@@ -69,9 +76,15 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
     """The token check and the two budgets of calls in progress."""
 
     def __init__(
-        self, token: str, max_calls: int, max_unauthenticated: int, on_refused: Callable[[Reason], None]
+        self,
+        token: str,
+        max_calls: int,
+        max_unauthenticated: int,
+        on_refused: Callable[[Reason], None],
+        revocations: Revocations | None = None,
     ) -> None:
         self._token = BearerToken(token) if token else None
+        self._revocations = revocations
         self.calls = CallBudget(
             max_calls, refusal_handler(grpc.StatusCode.RESOURCE_EXHAUSTED, BUSY_DETAILS, None), Reason.BUSY
         )
@@ -113,11 +126,66 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
         call = asyncio.current_task()  # the call's own task: it ends when the call does
         assert call is not None, "grpc.aio runs interceptors in the call's task"
         call.add_done_callback(budget.leave)
-        return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if self._revocations is None or handler is None:
+            return handler
+        return revocation_guarded(handler, self._revocation_check(method))
+
+    def _revocation_check(self, method: str) -> Callable[[grpc.aio.ServicerContext[Any, Any]], Awaitable[None]]:
+        revocations = self._revocations
+        assert revocations is not None
+
+        async def check(context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            presented = list(context.auth_context().get("x509_pem_cert") or ())
+            refusal = revocations.refusal(presented[0] if presented else None)
+            if refusal:
+                self._count(Reason.REVOKED_CERTIFICATE, method, refusal)
+                trailing = ((REASON_KEY, Reason.REVOKED_CERTIFICATE.value),)
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal, trailing_metadata=trailing)
+
+        return check
 
     def _refuse(self, reason: Reason, method: str, refusal: Handler) -> Handler:
+        self._count(reason, method)
+        return refusal
+
+    def _count(self, reason: Reason, method: str, detail: str = "") -> None:
+        """A refusal counted, and logged at most once a second of each reason."""
         self._on_refused(reason)
         suppressed = self._log.allow(reason.value)
         if suppressed is not None:
-            event(log, "refused", level=logging.WARNING, reason=reason.value, method=method, suppressed=suppressed)
-        return refusal
+            event(log, "refused", level=logging.WARNING, reason=reason.value, method=method,
+                  detail=detail or None, suppressed=suppressed)  # fmt: skip
+
+
+def revocation_guarded(
+    handler: Handler, check: Callable[[grpc.aio.ServicerContext[Any, Any]], Awaitable[None]]
+) -> Handler:
+    """`handler` with `check(context)` (which aborts the call) awaited before its behaviour runs."""
+    if handler.unary_unary is not None or handler.stream_unary is not None:
+        inner: Any = handler.unary_unary or handler.stream_unary
+
+        async def unary_reply(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            await check(context)
+            return await inner(request, context)
+
+        make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.stream_unary_rpc_method_handler
+        return make(unary_reply, handler.request_deserializer, handler.response_serializer)
+    streaming: Any = handler.unary_stream or handler.stream_stream
+    if inspect.isasyncgenfunction(streaming):
+
+        async def replies(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            await check(context)
+            async for reply in streaming(request, context):
+                yield reply
+
+        behaviour: Any = replies
+    else:  # a coroutine that writes its replies with context.write
+
+        async def writes(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            await check(context)
+            return await streaming(request, context)
+
+        behaviour = writes
+    make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
+    return make(behaviour, handler.request_deserializer, handler.response_serializer)

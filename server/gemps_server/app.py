@@ -316,10 +316,10 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not on the main thread
             loop.add_signal_handler(sig, stop.set)
-    server = ParameterServer(config)
     try:
+        server = ParameterServer(config)  # reads the TLS files and the CRL (the data plane's, the replicas')
         await server.start()
-    except (OSError, ValueError) as error:  # a port in use, an unusable checkpoint dir or key file
+    except (OSError, ValueError) as error:  # a port in use, an unusable checkpoint dir, key file or CRL
         event(log, "cannot start", level=logging.ERROR, error=f"{type(error).__name__}: {error}")
         raise SystemExit(2) from None
     log_configuration(config, origins)  # once it serves: a server that cannot start says so in one line

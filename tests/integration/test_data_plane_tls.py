@@ -15,7 +15,8 @@ from tests.data_plane_client import DataPlaneClient
 from tests.helpers import wait_for
 from tests.integration.conftest import StartServer
 from tests.integration.test_data_plane_hostile import refusals
-from tests.integration.test_security import Issued, Pki, pki, tls_channel
+from tests.integration.test_security import Pki, pki, tls_channel
+from tests.pki import Issued
 
 __all__ = ["pki"]  # the fixture, used here by name
 P = 100

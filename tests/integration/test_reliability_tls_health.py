@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import StartServer
-from tests.integration.test_security import Issued, issue, issue_ca
+from tests.pki import Issued, issue, issue_ca
 
 HEALTHCHECK = Path(__file__).resolve().parents[2] / "deploy" / "healthcheck.py"
 

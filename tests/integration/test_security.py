@@ -3,8 +3,6 @@ here), registration rate limits, and a loud warning for an unprotected listener.
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import subprocess
 import sys
@@ -15,10 +13,6 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -27,6 +21,7 @@ from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from tests.helpers import InProcessServer
 from tests.integration.conftest import StartServer, register
+from tests.pki import Issued, issue, issue_ca
 
 TOKEN = "correct-horse-battery-staple-0123456789"
 PARAMS = {"w": np.zeros(4, np.float32)}
@@ -34,61 +29,6 @@ NO_RETRY = gemps.RetryPolicy(max_attempts=1)
 
 
 # -- certificates ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Issued:
-    cert: Path
-    key: Path
-
-
-def _write(directory: Path, name: str, certificate: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> Issued:
-    cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
-    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return Issued(cert_path, key_path)
-
-
-def _certificate(
-    subject: str,
-    key: ec.EllipticCurvePrivateKey,
-    issuer: tuple[x509.Name, ec.EllipticCurvePrivateKey] | None,
-    *,
-    ca: bool = False,
-    server: bool = False,
-) -> x509.Certificate:
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
-    issuer_name, issuer_key = issuer if issuer is not None else (name, key)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(issuer_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if server:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-def issue_ca(directory: Path, name: str) -> tuple[Issued, tuple[x509.Name, ec.EllipticCurvePrivateKey]]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    certificate = _certificate(name, key, None, ca=True)
-    return _write(directory, name, certificate, key), (certificate.subject, key)
-
-
-def issue(directory: Path, name: str, ca: tuple[x509.Name, ec.EllipticCurvePrivateKey], server: bool = False) -> Issued:
-    key = ec.generate_private_key(ec.SECP256R1())
-    return _write(directory, name, _certificate(name, key, ca, server=server), key)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,13 @@ class SecurityOptions:
     tls_client_ca: str = field(
         default="", metadata={"help": "PEM CA bundle: require client certificates it signed (mutual TLS)"}
     )
+    tls_crl: str = field(
+        default="",
+        metadata={
+            "help": "certificate revocation list(s) of --tls-client-ca (PEM or DER): client and replica "
+            "certificates it lists are refused; re-read when the file changes"
+        },
+    )
     auth_token: str = field(
         default="", metadata={"help": "require 'authorization: Bearer TOKEN' on every RPC except health checks"}
     )
@@ -30,11 +37,13 @@ class SecurityOptions:
             found.append("tls_cert and tls_key go together: give both or neither")
         if self.tls_client_ca and not self.tls_cert:
             found.append("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        if self.tls_crl and not self.tls_client_ca:
+            found.append("tls_crl revokes client certificates: it needs tls_client_ca (mutual TLS)")
         if self.auth_token and self.auth_token_file:
             found.append("give auth_token or auth_token_file, not both")
         if self.auth_token and not valid_token(self.auth_token):
             found.append("auth_token must be printable ASCII without spaces")
-        for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file"):
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "tls_crl", "auth_token_file"):
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 found.append(f"{name} {path!r} is not a readable file")

@@ -32,6 +32,7 @@ DATA_PLANE_REFUSALS = (
     "handshake_timeout",  # TLS handshake and HELLO not done within --data-plane-hello-timeout
     "unproven_limit",  # closed without a HELLO for a newcomer, past --max-unproven-data-connections
     "tls",  # a TLS handshake that failed (no or a wrong client certificate, not TLS at all)
+    "revoked_certificate",  # a TLS handshake with a client certificate that --tls-crl revokes
     "handshake_limit",  # a TLS handshake past --max-handshakes-per-source or --handshake-rate-per-source
     "idle_timeout",  # no request for --connection-idle-timeout
     "stream_timeout",  # a frame, or a reply, stalled for --stream-idle-timeout

@@ -25,6 +25,7 @@ from cryptography import x509
 from gemps_server.config import ServerConfig
 from gemps_server.config.replication import MIN_SECRET_BYTES
 from gemps_server.replication.tls_stream import SerialSSLSocket
+from gemps_server.revocation import Revocations, revocations_for
 from gemps_server.security import tls_context
 
 SECRET_FILE = "replication.secret"
@@ -40,17 +41,21 @@ class Credential:
     client_tls: ssl.SSLContext | None = None
     certificate: str = ""  # with TLS: the certificate this replica presents, and when it is valid
     valid: tuple[datetime.datetime, datetime.datetime] | None = None
+    revocations: Revocations | None = None  # --tls-crl: certificates neither side accepts from the other
 
     def unfit(self, now: datetime.datetime | None = None) -> str:
         """Why this replica must not lead its partition now ('' when it may): a certificate out of
-        its validity, which every backup would refuse, so none could ever join it (issue 61)."""
-        if self.valid is None:
-            return ""
+        its validity or revoked by --tls-crl, which every backup would refuse, so none could ever
+        join it (issue 61)."""
         now = now or datetime.datetime.now(datetime.UTC)
-        if now >= self.valid[1]:
+        if self.valid is not None and now >= self.valid[1]:
             return f"its certificate {self.certificate} expired at {self.valid[1]:%Y-%m-%d %H:%M:%S} UTC"
-        if now < self.valid[0]:
+        if self.valid is not None and now < self.valid[0]:
             return f"its certificate {self.certificate} is not valid before {self.valid[0]:%Y-%m-%d %H:%M:%S} UTC"
+        if self.revocations is not None and self.certificate:  # revoked: every backup would refuse it too
+            revoked = self.revocations.refusal(Path(self.certificate).read_bytes())
+            if revoked:
+                return f"its own {revoked}"
         return ""
 
 
@@ -88,7 +93,8 @@ def credential(config: ServerConfig) -> Credential:
     client.verify_mode = ssl.CERT_REQUIRED
     for context in (server, client):
         context.sslsocket_class = SerialSSLSocket  # a reader and a writer thread share each stream
-    return Credential(key, server, client, config.tls_cert, validity(config.tls_cert))
+    revocations = revocations_for(config.tls_crl, config.tls_client_ca) if config.tls_crl else None
+    return Credential(key, server, client, config.tls_cert, validity(config.tls_cert), revocations)
 
 
 def validity(certificate: str) -> tuple[datetime.datetime, datetime.datetime]:

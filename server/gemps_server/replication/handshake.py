@@ -83,6 +83,14 @@ class Handshake:
             return f"{name} is the primary's own name"
         return ""
 
+    def _certificate_refusal(self, sock: socket.socket, peer: str) -> str:
+        """Why the `peer`'s certificate is refused: one the job's --tls-crl revokes ('' if not)."""
+        revocations = self._credential.revocations
+        if revocations is None or not isinstance(sock, ssl.SSLSocket):
+            return ""
+        refusal = revocations.refusal(sock.getpeercert(binary_form=True))
+        return f"the {peer}'s {refusal}" if refusal else ""
+
     # -- the primary's side ----------------------------------------------------------------------
 
     def admit(
@@ -127,7 +135,9 @@ class Handshake:
         if hello.kind != frames.HELLO:
             raise Refused("the first frame must be a hello")
         name = str(hello.header.get("name", ""))
-        why = refusal(hello) or self.name_refusal(name, me)
+        # (the certificate's check waits for the hello: a refusal sent before the peer's hello was
+        # read would be lost to the reset that closing over unread bytes sends)
+        why = self._certificate_refusal(sock, "backup") or refusal(hello) or self.name_refusal(name, me)
         if why:
             raise Refused(why)
         session = self._session(epoch, address, _nonce(hello.header), proofs.nonce())
@@ -155,6 +165,10 @@ class Handshake:
         if self._credential.client_tls is not None:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             sock = _serial(self._credential.client_tls.wrap_socket(sock))
+            refused = self._certificate_refusal(sock, "primary")
+            if refused:
+                sock.close()
+                raise Refused(refused)
         nonce = proofs.nonce()
         frames.send(sock, frames.Frame(frames.HELLO, dict(hello, epoch=epoch, nonce=nonce.hex())))
         challenge = frames.receive(sock, max_header=frames.HELLO_HEADER_BYTES, max_body=0, deadline=deadline)

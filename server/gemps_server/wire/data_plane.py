@@ -38,6 +38,7 @@ from gemps_server.domain.errors import ResourceExhausted
 from gemps_server.logs import Throttle, event
 from gemps_server.memory_budget import MIB
 from gemps_server.metrics import ServerMetrics
+from gemps_server.revocation import revocations_for
 from gemps_server.security import tls_context
 from gemps_server.service import ParameterService
 from gemps_server.wire.data_plane_calls import Connection, HandshakeStart, Limits, error_header
@@ -91,6 +92,7 @@ class DataPlaneServer:
                 config.tls_handshake_threads,
                 config.max_handshakes_per_source,
                 config.handshake_cpu_per_source,
+                revocations_for(config.tls_crl, config.tls_client_ca).refusal if config.tls_crl else None,
             )
             if self._tls is not None
             else None

@@ -65,7 +65,7 @@ from gemps_server.metrics import ServerMetrics
 from gemps_server.native import max_abs
 from gemps_server.service import ParameterService
 from gemps_server.wire import messages, shared_memory
-from gemps_server.wire.data_plane_io import Channel, Hangup, PeerClosed, Stalled, Unread, close_fds, pieces
+from gemps_server.wire.data_plane_io import Channel, Hangup, PeerClosed, Revoked, Stalled, Unread, close_fds, pieces
 from gemps_server.wire.data_plane_loop import Call, ReadInto, Task, Wait, Write
 from gemps_server.wire.data_plane_replies import pull_room, reply_room, write_reply
 from gemps_server.wire.data_plane_uploads import Held, Lanes
@@ -155,6 +155,8 @@ class Connection:
             yield from handshake
         except Stalled:
             raise Hangup("handshake_timeout") from None
+        except Revoked:
+            raise Hangup("revoked_certificate") from None
         except PeerClosed:
             raise Hangup("tls") from None
 

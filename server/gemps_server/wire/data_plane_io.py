@@ -60,6 +60,10 @@ class PeerClosed(Exception):
     """The peer closed or reset the connection."""
 
 
+class Revoked(PeerClosed):
+    """A TLS handshake that succeeded with a certificate --tls-crl revokes: the connection is closed."""
+
+
 class Channel:
     """One connection's socket (plain or TLS), non-blocking."""
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gemps_server.token_bucket import TokenBucket
-from gemps_server.wire.data_plane_io import PeerClosed, Stalled
+from gemps_server.wire.data_plane_io import PeerClosed, Revoked, Stalled
 from gemps_server.wire.data_plane_loop import Handshake, Loop, Task, Wait
 
 # Seconds of handshake work an address is charged for each handshake however little its thread
@@ -70,19 +70,29 @@ class _Job:
 
 
 Finished = Callable[[_Job, BaseException | None], None]
+# Why a handshaken peer's certificate (DER; None without one) is refused: '' when it is not (--tls-crl).
+CertificateCheck = Callable[[bytes | None], str]
 
 
 class Handshakes:
     """The threads and the bounds; `admit` and `run` on the loop's thread."""
 
-    def __init__(self, context: ssl.SSLContext, loop: Loop, threads: int, per_source: int, cpu: float) -> None:
+    def __init__(
+        self,
+        context: ssl.SSLContext,
+        loop: Loop,
+        threads: int,
+        per_source: int,
+        cpu: float,
+        check: CertificateCheck | None = None,
+    ) -> None:
         self._loop = loop
         self._per_source = per_source
         self._cpu = cpu  # seconds of handshake work an address earns a second
         self._under_way: collections.Counter[str] = collections.Counter()  # by address
         self._budgets: dict[str, TokenBucket] = {}  # address -> its seconds of handshake work
         self._prune_at = 0.0
-        self._threads = [_Thread(context, self._finished, f"gemps-tls-handshake-{n}") for n in range(threads)]
+        self._threads = [_Thread(context, self._finished, f"gemps-tls-handshake-{n}", check) for n in range(threads)]
 
     def start(self) -> None:
         for thread in self._threads:
@@ -161,8 +171,9 @@ class Handshakes:
 class _Thread:
     """A thread that drives the handshakes handed to it, each as far as its peer's bytes allow."""
 
-    def __init__(self, context: ssl.SSLContext, finished: Finished, name: str) -> None:
+    def __init__(self, context: ssl.SSLContext, finished: Finished, name: str, check: CertificateCheck | None) -> None:
         self._context = context
+        self._check = check
         self._finished = finished
         self._selector = selectors.DefaultSelector()
         self._wake_reader, self._wake_writer = socket.socketpair()
@@ -235,12 +246,16 @@ class _Thread:
         """Take the handshake as far as it goes now; its thread time counted before it is over
         (the loop charges its address then)."""
         started = time.thread_time()
-        events, error = 0, None
+        events = 0
+        error: BaseException | None = None
         try:
             if job.tls is None:
                 job.sock.setblocking(False)  # the descriptor's flag is shared: already so, but say it
                 job.tls = self._context.wrap_socket(job.sock, server_side=True, do_handshake_on_connect=False)
             job.tls.do_handshake()
+            refusal = self._check(job.tls.getpeercert(binary_form=True)) if self._check is not None else ""
+            if refusal:
+                error = Revoked(refusal)
         except ssl.SSLWantReadError:
             events = selectors.EVENT_READ
         except ssl.SSLWantWriteError:
