@@ -84,6 +84,12 @@ def client_proof(ticket: bytes, client_nonce: bytes, server_nonce: bytes) -> byt
 # -- the replicas -----------------------------------------------------------------------------
 
 
+def replica_admission(key: bytes, partition: int, epoch: int, primary_address: str, name: str, nonce: bytes) -> bytes:
+    """A backup's hello's admission proof: that it holds the job's key, before the handshake's
+    challenge (whose proofs bind both nonces); the primary takes it once per nonce."""
+    return mac(key, REPLICATION, "admit", str(partition), str(epoch), primary_address, name, nonce)
+
+
 @dataclass(frozen=True)
 class ReplicaSession:
     """One replication connection's handshake: what both ends derive their proofs and the seal from."""

@@ -2,7 +2,8 @@
 backup reads anything of a primary's state, each proves to the other that it knows the job's
 replication key (credentials.py), without sending it or anything it could be replayed from.
 
-    backup  -> primary  HELLO      its name, incarnation and addresses, the epoch, a nonce
+    backup  -> primary  HELLO      its name, incarnation and addresses, the epoch, a nonce, and an
+                                   admission proof (only for the listener's places: greetings.py)
     primary -> backup   CHALLENGE  the epoch, a nonce, the primary's proof
     backup  -> primary  PROOF      the backup's proof
     primary -> backup   WELCOME    the data-plane ticket key, sealed under this session
@@ -20,9 +21,11 @@ certificates chain to --tls-client-ca) all of it runs inside the TLS session, as
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +35,9 @@ from gemps_proto.proofs import BACKUP_ROLE, NONCE_BYTES, PRIMARY_ROLE, ReplicaSe
 from gemps_server.replication import frames
 from gemps_server.replication.credentials import Credential
 from gemps_server.replication.tls_stream import SerialSSLSocket
+
+#: admission proofs' nonces remembered (a replay of a newer one than these is vouched for once more)
+ADMITTED_NONCES_KEPT = 4096
 
 
 class Refused(ConnectionError):
@@ -66,6 +72,8 @@ class Handshake:
     def __init__(self, credential: Credential, partition: int, replicas: int) -> None:
         self._credential = credential
         self.partition, self.replicas = partition, replicas
+        self._lock = threading.Lock()
+        self._admitted_nonces: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
     def unfit(self) -> str:
         """Why this replica must not lead now ('' when it may: Credential.unfit)."""
@@ -82,6 +90,24 @@ class Handshake:
         if name == primary:
             return f"{name} is the primary's own name"
         return ""
+
+    def _admissible(self, hello: dict[str, Any], epoch: int, address: str, name: str) -> bool:
+        """Whether `hello` carries its admission proof, for a nonce not seen before (a replayed
+        hello is not vouched for; the handshake itself would refuse it anyway)."""
+        try:
+            nonce = bytes.fromhex(str(hello.get("nonce", "")))
+        except ValueError:
+            return False
+        expected = proofs.replica_admission(self._credential.key, self.partition, epoch, address, name, nonce)
+        if len(nonce) != NONCE_BYTES or not proofs.matches(_proof({"proof": hello.get("admit", "")}), expected):
+            return False
+        with self._lock:
+            if nonce in self._admitted_nonces:
+                return False
+            self._admitted_nonces[nonce] = None
+            if len(self._admitted_nonces) > ADMITTED_NONCES_KEPT:
+                self._admitted_nonces.popitem(last=False)
+        return True
 
     def _certificate_refusal(self, sock: socket.socket, peer: str) -> str:
         """Why the `peer`'s certificate is refused: one the job's --tls-crl revokes ('' if not)."""
@@ -102,16 +128,18 @@ class Handshake:
         ticket_key: bytes,
         deadline: float,
         refusal: Callable[[frames.Frame], str],
+        vouched: Callable[[], None] = lambda: None,
     ) -> tuple[socket.socket, dict[str, Any]]:
         """Take a backup's handshake on `sock` (TLS first, when the job runs it) by `deadline`, as
         the primary `me` of `epoch` listening at `address`: the (wrapped) socket and its hello.
         `refusal(hello)`: why this replica takes no backup now ('' if it does). Refused (the peer
-        was told why) or another error: the socket is closed."""
+        was told why) or another error: the socket is closed. `vouched()` is called once the hello
+        carries a fresh admission proof (greetings.py)."""
         try:
             if self._credential.server_tls is not None:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 sock = _serial(self._credential.server_tls.wrap_socket(sock, server_side=True))
-            return sock, self._admitted(sock, me, address, epoch, ticket_key, deadline, refusal)
+            return sock, self._admitted(sock, me, address, epoch, ticket_key, deadline, refusal, vouched)
         except Refused as refused:
             with contextlib.suppress(OSError):
                 frames.send(sock, frames.Frame(frames.REFUSED, {"reason": str(refused), "epoch": epoch}))
@@ -130,11 +158,14 @@ class Handshake:
         ticket_key: bytes,
         deadline: float,
         refusal: Callable[[frames.Frame], str],
+        vouched: Callable[[], None],
     ) -> dict[str, Any]:
         hello = frames.receive(sock, max_header=frames.HELLO_HEADER_BYTES, max_body=0, deadline=deadline)
         if hello.kind != frames.HELLO:
             raise Refused("the first frame must be a hello")
         name = str(hello.header.get("name", ""))
+        if self._admissible(hello.header, epoch, address, name):
+            vouched()
         # (the certificate's check waits for the hello: a refusal sent before the peer's hello was
         # read would be lost to the reset that closing over unread bytes sends)
         why = self._certificate_refusal(sock, "backup") or refusal(hello) or self.name_refusal(name, me)
@@ -170,7 +201,11 @@ class Handshake:
                 sock.close()
                 raise Refused(refused)
         nonce = proofs.nonce()
-        frames.send(sock, frames.Frame(frames.HELLO, dict(hello, epoch=epoch, nonce=nonce.hex())))
+        admission = proofs.replica_admission(
+            self._credential.key, self.partition, epoch, address, str(hello["name"]), nonce
+        )
+        opening = dict(hello, epoch=epoch, nonce=nonce.hex(), admit=admission.hex())
+        frames.send(sock, frames.Frame(frames.HELLO, opening))
         challenge = frames.receive(sock, max_header=frames.HELLO_HEADER_BYTES, max_body=0, deadline=deadline)
         _refused(challenge)
         try:

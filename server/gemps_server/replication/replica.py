@@ -10,7 +10,6 @@ whether it may answer a worker now, and when a commit may be acknowledged.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import socket
@@ -30,6 +29,7 @@ from gemps_server.replication.coordinator import Coordinator
 from gemps_server.replication.election import Election, Member
 from gemps_server.replication.follower import CONNECT_SECONDS, Follower, _on_applier
 from gemps_server.replication.forwarder import Done, Forwarder, Peer
+from gemps_server.replication.greetings import Greeting, Greetings
 from gemps_server.replication.handshake import Handshake, Refused
 from gemps_server.replication.status import BACKUP, CANDIDATE, PRIMARY, ReplicationStatus
 from gemps_server.security import Tickets
@@ -38,12 +38,6 @@ log = logging.getLogger("gemps.server")
 
 #: seconds before a backup dials its primary again after the stream ended
 REDIAL_SECONDS = 0.5
-#: connections to the replication listener that have not finished their handshake yet, at most,
-#: and from one address: past either a new one is closed at once (each holds a thread and at most
-#: a handshake's bytes for CONNECT_SECONDS), so one flooding address cannot keep a backup out, nor
-#: can a few: 4 addresses filled the 8 slots there were (issue 61, item 11); a flood now needs 32
-MAX_GREETINGS = 64
-MAX_GREETINGS_PER_ADDRESS = 2
 
 
 class Replica:
@@ -76,7 +70,7 @@ class Replica:
         self.applied = 0  # entries applied from primaries, over this process's life
         self._stopped = False
         self._started = False
-        self._greeting: collections.Counter[str] = collections.Counter()  # handshakes under way, by address
+        self._greetings = Greetings()  # connections not vouched for yet (greetings.py)
         self._refusal_log = Throttle(interval=1.0)  # an unknown peer's every try must not be a line
 
     @staticmethod
@@ -257,17 +251,15 @@ class Replica:
             except OSError:
                 return
             host = str(address[0])
-            with self._lock:
-                busy = (
-                    sum(self._greeting.values()) >= MAX_GREETINGS or self._greeting[host] >= MAX_GREETINGS_PER_ADDRESS
-                )
-                if not busy:
-                    self._greeting[host] += 1
-            if busy:
+            greeting, displaced = self._greetings.place(sock, host)
+            if displaced is not None:  # its thread's handshake ends at once (and says so, rate limited)
+                with contextlib.suppress(OSError):
+                    displaced.sock.shutdown(socket.SHUT_RDWR)
+            if greeting is None:
                 self._warn("replication connection refused", peer=host, reason="too many handshakes under way")
                 sock.close()
                 continue
-            threading.Thread(target=self._greet, args=(sock, host), name="gemps-replication-hello", daemon=True).start()
+            threading.Thread(target=self._greet, args=(greeting,), name="gemps-replication-hello", daemon=True).start()
 
     def _warn(self, what: str, **fields: str) -> None:
         """A warning about a peer not (yet) trusted: at most one a second of each kind."""
@@ -275,15 +267,18 @@ class Replica:
         if suppressed is not None:
             event(log, what, level=logging.WARNING, suppressed=suppressed or None, **fields)
 
-    def _greet(self, sock: socket.socket, host: str) -> None:
+    def _greet(self, greeting: Greeting) -> None:
         """A backup's handshake (handshake.py), in CONNECT_SECONDS and a handshake's bytes at most,
-        before anything is taken for it; then the forwarder seeds it."""
+        before anything is taken for it; then the forwarder seeds it. Its place among the greetings
+        is left once its hello carries the admission proof, or when the handshake ends."""
+        sock, host = greeting.sock, greeting.host
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             deadline = time.monotonic() + CONNECT_SECONDS
             sock, header = self._handshake.admit(
-                sock, self.me.name, self.me.replication, self.epoch, self._tickets.key, deadline, self._refusal
-            )
+                sock, self.me.name, self.me.replication, self.epoch, self._tickets.key, deadline, self._refusal,
+                vouched=lambda: self._greetings.release(greeting),
+            )  # fmt: skip
             sock.settimeout(None)
             peer = Peer(
                 str(header["name"]), str(header["incarnation"]), str(header["address"]), str(header["replication"])
@@ -296,10 +291,7 @@ class Replica:
             sock.close()  # closed already past the handshake's start
             return
         finally:
-            with self._lock:
-                self._greeting[host] -= 1
-                if self._greeting[host] <= 0:
-                    del self._greeting[host]
+            self._greetings.release(greeting)
         forwarder = self._forwarder
         if forwarder is None or forwarder.epoch != int(header["epoch"]):
             sock.close()
