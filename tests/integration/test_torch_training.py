@@ -35,7 +35,7 @@ def test_training_through_the_sdk_lowers_held_out_loss(server: InProcessServer) 
             loss = F.cross_entropy(model(x[batch]), y[batch])
             loss.backward()
             result = remote.step(loss=loss, num_samples=64)
-        assert remote.version == result.version == 200
+        assert result is not None and remote.version == result.version == 200
         # After step() the model holds exactly the central variable the server returned.
         local = torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
         np.testing.assert_array_equal(local, result.parameters.flat)
@@ -77,6 +77,7 @@ def test_one_workers_batch_norm_statistics_are_the_servers(server: InProcessServ
             loss = model(inputs).pow(2).mean()
             loss.backward()
             result = remote.step(loss=loss)
+        assert result is not None
         # One worker: the server's buffers are exactly what local training gives (deltas add up).
         local = {name: value.numpy().astype(np.float32) for name, value in model.state_dict().items()}
         for name, value in result.parameters.named_buffers().items():
@@ -104,7 +105,7 @@ def test_num_batches_tracked_counts_past_2_to_the_24(server: InProcessServer) ->
             remote.zero_grad()
             model(torch.randn(8, 4)).pow(2).mean().backward()
             result = remote.step()
-        assert int(norm.num_batches_tracked) == 2**24 + 3
+        assert result is not None and int(norm.num_batches_tracked) == 2**24 + 3
         assert int(result.parameters.named_buffers()["1.num_batches_tracked"]) == 2**24 + 3
         assert norm.num_batches_tracked.dtype == torch.int64
 
@@ -185,7 +186,8 @@ def test_loads_copy_into_the_parameters_in_place(start_server: StartServer) -> N
             remote.zero_grad()
             model[1](model[0](torch.ones(2, 4)).double()).sum().backward()
             result = remote.step()
-            assert _placement(model) == before
+            assert result is not None and _placement(model) == before
+        assert result is not None
         local = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()]).numpy()
         np.testing.assert_array_equal(local, result.parameters.flat)
         remote.pull()

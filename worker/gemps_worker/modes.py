@@ -153,7 +153,9 @@ class TrainingMode(ABC):
 class GradientMode(TrainingMode):
     def on_batch(self, loss_of_batch: LossFunction, batch_size: int) -> Committed | None:
         loss = self._backward(loss_of_batch)
-        return Committed(self.remote.step(loss=loss, num_samples=batch_size), loss)
+        result = self.remote.step(loss=loss, num_samples=batch_size)
+        # with overlap the result is the previous commit's (none at the first step)
+        return None if result is None else Committed(result, loss)
 
 
 class AccumulatedMode(TrainingMode):

@@ -89,6 +89,13 @@ class WorkerOptions:
             RANGE: Range(0, MAX_SECONDS, unit="seconds"),
         },
     )
+    overlap: bool = field(
+        default=False,
+        metadata={
+            "help": "mode gradient: send each commit while the next gradient is computed (one commit in flight; "
+            "the gradient is one step staler, which GEM sees): a slow link's round trip off the step's time"
+        },
+    )
     epochs: int = field(default=1, metadata={"help": "passes over this worker's shard"})
     max_steps: int = field(default=0, metadata={"help": "stop after this many commits (0: no limit)"})
     max_seconds: float = field(
@@ -147,8 +154,15 @@ class WorkerOptions:
     report_file: str = field(default="", metadata={"help": "append one JSON line per commit here"})
 
     def problems(self) -> list[str]:
-        """One line per option outside its range (local steps below one, say)."""
-        return out_of_range(self)
+        """One line per option outside its range (local steps below one, say), and options that
+        do not go together."""
+        found = out_of_range(self)
+        if self.overlap and self.mode != WorkerMode.GRADIENT.value:
+            found.append(
+                f"overlap: mode {self.mode} commits its local steps' update in one call; only mode gradient overlaps "
+                "its commits with the next step"
+            )
+        return found
 
 
 @dataclass(frozen=True)
@@ -257,6 +271,7 @@ def run_worker(
                 patience=options.patience,
             ),
             threads=options.threads,  # --threads is the operator's: set as given, never moved
+            overlap=options.overlap,
         ) as remote:
             reg = remote.registration
             mode_name = options.mode

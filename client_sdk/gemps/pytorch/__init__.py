@@ -65,7 +65,8 @@ except ImportError as missing:
     ) from missing
 
 from gemps.pytorch.groups import GroupLeaderError
-from gemps.pytorch.remote import RemoteModel, RemoteOptimizer, load_central
+from gemps.pytorch.optimizer import RemoteOptimizer
+from gemps.pytorch.remote import RemoteModel, load_central
 from gemps.pytorch.schedules import ServerOwnsLearningRateError, ServerSchedule
 from gemps.pytorch.values import persistent_buffers, trained_parameters
 

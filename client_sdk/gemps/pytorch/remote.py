@@ -1,5 +1,5 @@
-"""RemoteModel and RemoteOptimizer: a torch model kept on the central variable (what travels, and
-how: the package's docstring, gemps.pytorch), and load_central."""
+"""RemoteModel: a torch model kept on the central variable (what travels, and how: the package's
+docstring, gemps.pytorch), and load_central. RemoteOptimizer, its torch.optim face: optimizer.py."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from gemps.errors import PartiallyAppliedError
 from gemps.pytorch.batches import BatchCounter, warn_without_loss
 from gemps.pytorch.groups import AUTO as GROUP_AUTO
 from gemps.pytorch.groups import GroupLeaderError, GroupWorker, Outcome, process_group_of
-from gemps.pytorch.refusals import check_weight_decay, keywords, refuse_not_a_model, refuse_optimizer_options
-from gemps.pytorch.schedules import ServerOwnedGroup
+from gemps.pytorch.overlap import InFlight, Staging, copies_done
+from gemps.pytorch.refusals import check_weight_decay
 from gemps.pytorch.threads import AUTO, ThreadKeeper, Threads, requested
 from gemps.pytorch.values import (
     buffer_values,
@@ -30,7 +30,8 @@ from gemps.pytorch.values import (
 )
 from gemps.pytorch.wrappers import unwrapped
 from gemps.records import Buffers, CentralVariable, CommitResult, Registration, TrainingConfig
-from gemps_proto.schedules import learning_rate_at
+
+Called = tuple[Outcome | None, BaseException | None]  # what the leader's call made: outcome, failure
 
 
 @torch.no_grad()
@@ -54,6 +55,7 @@ class RemoteModel:
         threads: Threads = AUTO,
         process_group: object = GROUP_AUTO,
         weight_decay: float = 0.0,
+        overlap: bool = False,
         **client_options: Any,
     ) -> None:
         """`threads` sets torch's intra-op threads so that the workers on this machine do not
@@ -62,7 +64,9 @@ class RemoteModel:
         wrapper's group or the initialised default one; a ProcessGroup; None: this process alone);
         `weight_decay` λ adds λ·θ to each trained parameter's gradient before `step` commits it
         (torch.optim.SGD's weight_decay, on the worker: the server applies none, and its η, schedule
-        and GEM's π scale it with the gradient);
+        and GEM's π scale it with the gradient); `overlap` keeps one commit in flight while the
+        next step computes (gemps.pytorch.overlap: `step()` then returns the result of the commit
+        before, None at the first, and `flush()` waits for the last);
         `client_options` go to gemps.Client when `client` is an address (wire_dtype="bfloat16", ...)."""
         self.model = model
         self.weight_decay = check_weight_decay(weight_decay)
@@ -92,6 +96,10 @@ class RemoteModel:
         self._batches = BatchCounter(model)  # the wrapper's forward: the one the user calls
         self._version = 0
         self._registered: Registration | None = None  # as the server last registered this worker
+        # With overlap: the commit in flight (on the leader), and on every rank whether one is
+        self._in_flight: InFlight[Called] | None = InFlight() if overlap else None
+        self._staging = Staging(self._grad) if overlap else None
+        self._launched = False
         try:
             self._exchange(
                 lambda: self.client.register(
@@ -137,8 +145,10 @@ class RemoteModel:
         """Clear the model's gradients (set to None), as `torch.optim.Optimizer.zero_grad` does."""
         self.model.zero_grad(set_to_none=True)
 
-    def step(self, loss: float | torch.Tensor | None = None, num_samples: int | None = None) -> CommitResult:
-        """Commit the model's current gradients; load the central variable the server returns.
+    def step(self, loss: float | torch.Tensor | None = None, num_samples: int | None = None) -> CommitResult | None:
+        """Commit the model's current gradients; load the central variable the server returns; its
+        result. With `overlap`: send them once the commit in flight was loaded, and return that
+        one's result (None at the first step).
 
         Without `num_samples`, the samples of the model's training forwards since the last step
         (gemps.pytorch.batches); without `loss`, the mean loss those forwards returned (a Hugging Face
@@ -153,6 +163,8 @@ class RemoteModel:
             warn_without_loss()
         self._threads.check()
         loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
+        if self._staging is not None:
+            return self._overlapped(self._staging.next(), loss_value, num_samples)
 
         def commit() -> CommitResult:
             gather_gradients(self._parameters, self._grad)
@@ -165,6 +177,43 @@ class RemoteModel:
             )
 
         result = self._exchange(commit, load=True).result
+        assert isinstance(result, CommitResult)
+        return result
+
+    def _overlapped(self, grad: torch.Tensor, loss: float | None, num_samples: int | None) -> CommitResult | None:
+        """This step's commit sent on the commit thread once the one in flight was loaded; the
+        result of that one (None: there was none)."""
+        delta: Buffers | None = None
+        ready = copies_done([])
+        if self._client is not None:  # what this step sends, taken before the reply's θ and buffers load
+            gather_gradients(self._parameters, grad)
+            if self.weight_decay:
+                grad.add_(self.parameters_vector(), alpha=self.weight_decay)
+            delta = self._buffer_delta()
+            ready = copies_done(self._gpus)
+        base = self._version  # the θ these gradients were computed at, one reply older than the next
+        previous = self.flush()
+
+        def commit() -> CommitResult:
+            ready()  # the gradients' copies into pinned memory, on the commit thread
+            return self.client.commit(
+                grad.numpy(), loss=loss, num_samples=num_samples, base_version=base, buffer_delta=delta
+            )
+
+        if self._in_flight is not None and self._client is not None:
+            self._in_flight.submit(lambda: self._called(commit))
+        self._launched = True
+        return previous
+
+    def flush(self) -> CommitResult | None:
+        """Wait for the commit in flight (overlap) and load the central variable its reply carries;
+        its result, or None when none is in flight. Its error, if it failed, is raised here."""
+        if not self._launched:
+            return None
+        self._launched = False
+        taken = self._in_flight.take() if self._in_flight is not None and self._client is not None else None
+        outcome, failure = taken if taken is not None else (None, None)
+        result = self._settled(outcome, failure, load=True).result
         assert isinstance(result, CommitResult)
         return result
 
@@ -197,7 +246,18 @@ class RemoteModel:
         return self.version
 
     def close(self) -> None:
-        """Leave the server (and close the connection if this helper opened it)."""
+        """Wait for a commit in flight, leave the server (and close the connection if this helper
+        opened it); the commit's error, if it failed, is raised once the rest is done."""
+        self._close(raise_failure=True)
+
+    def _close(self, *, raise_failure: bool) -> None:
+        failure: BaseException | None = None
+        try:
+            self.flush()
+        except Exception as error:  # raised below, once the worker has left
+            failure = error
+        if self._in_flight is not None:
+            self._in_flight.close()
         try:
             if self._client is None:
                 pass  # a process group's other rank: its leader leaves for the group
@@ -208,6 +268,8 @@ class RemoteModel:
         finally:
             self._batches.close()
             self._threads.close()
+        if failure is not None and raise_failure:
+            raise failure
 
     def _unbind(self) -> None:
         """Undo what binding did, when registering failed."""
@@ -220,7 +282,7 @@ class RemoteModel:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        self._close(raise_failure=exc_info[0] is None)  # an error already leaving is not replaced
 
     def _buffer_delta(self) -> Buffers | None:
         """How the buffers changed since last loaded or sent; None when they did not (or there are none)."""
@@ -234,22 +296,27 @@ class RemoteModel:
     def _exchange(self, call: Callable[[], Any], *, load: bool) -> Outcome:
         """`call` to the server on this process (the leader of its group), what it replied shared with
         the group's other ranks (which do not call), and loaded into the model on every rank when
-        `load`; a failure raised on every rank, after loading what a partly applied commit left."""
-        outcome: Outcome | None = None
-        failure: BaseException | None = None
-        if self._client is not None:
-            try:
-                returned = call()
-                central = self._client.central  # registered: what the server holds
-                if isinstance(returned, CommitResult | CentralVariable):
-                    central = returned.parameters if isinstance(returned, CommitResult) else returned
-                outcome = Outcome(self._client.registration, central, returned)
-            except PartiallyAppliedError as partial:  # what the partitions that applied it replied
-                failure = partial
-                outcome = Outcome(self._client.registration, partial.central, error=str(partial))
-            except BaseException as error:
-                failure = error
-                outcome = Outcome(self._client.registration, error=f"{type(error).__name__}: {error}")
+        `load`; a failure raised on every rank, after loading what a partly applied commit left.
+        A commit in flight (overlap) is waited for first."""
+        self.flush()
+        return self._settled(*self._called(call), load=load)
+
+    def _called(self, call: Callable[[], Any]) -> Called:
+        """`call` on the leader: its outcome and failure (caught, to be raised by `_settled`)."""
+        if self._client is None:
+            return None, None
+        try:
+            returned = call()
+            central = self._client.central  # registered: what the server holds
+            if isinstance(returned, CommitResult | CentralVariable):
+                central = returned.parameters if isinstance(returned, CommitResult) else returned
+            return Outcome(self._client.registration, central, returned), None
+        except PartiallyAppliedError as partial:  # what the partitions that applied it replied
+            return Outcome(self._client.registration, partial.central, error=str(partial)), partial
+        except BaseException as error:
+            return Outcome(self._client.registration, error=f"{type(error).__name__}: {error}"), error
+
+    def _settled(self, outcome: Outcome | None, failure: BaseException | None, *, load: bool) -> Outcome:
         if self._group is not None:
             outcome = self._group.share(outcome)
         assert outcome is not None
@@ -281,96 +348,3 @@ class RemoteModel:
             load_buffers(self._buffers, central)  # listed once: state_dict() per step is not free
             self._loaded_buffers = buffer_values(self._buffers)
         self._version = central.version
-
-
-class RemoteOptimizer(torch.optim.Optimizer):
-    """A drop-in `torch.optim.Optimizer` that trains `model` on a gemps server: `step()` commits
-    the gradients and loads the central variable and buffers the server returns.
-
-    The server owns the learning rate (and its schedule) and the update rule, so the optimizer
-    has no hyperparameters of its own: constructing it with `lr=` or with parameter groups, and
-    `add_param_group`, are refused rather than silently ignored, and so is setting a group's `lr`.
-    A torch LR scheduler reads and sets it: constructing one raises ServerOwnsLearningRateError at
-    that line, naming the `gemps server` flags that give its schedule (gemps.pytorch.schedules).
-    Reading `param_groups[0]["lr"]` (or `.get("lr")`: what Lightning's LearningRateMonitor logs)
-    gives `learning_rate`, the server's η at the version the model holds; `momentum` reads as the
-    server applies it, `weight_decay` as the worker does (`weight_decay=`: gemps.pytorch.refusals).
-    Hugging Face's Trainer takes `optimizers=(optimizer, ServerSchedule(optimizer))`
-    (examples/hf_trainer_gemps.py).
-    """
-
-    def __init__(self, model: torch.nn.Module, client: Client | str, *, name: str = "", **options: Any) -> None:
-        """`options` as RemoteModel takes them: `threads=` for torch's intra-op threads,
-        `weight_decay=` (applied by the worker), the others for gemps.Client when `client` is an
-        address. A torch optimizer's other arguments (parameter groups, `lr=`, `betas=`, ...) are
-        refused naming where gemps sets them (gemps.pytorch.refusals)."""
-        refuse_not_a_model(model)
-        refuse_optimizer_options(options, keywords(RemoteModel.__init__, Client.__init__))
-        self.remote = RemoteModel(model, client, name=name, **options)
-        self._bound = False  # torch's __init__ adds the one group through add_param_group
-        super().__init__(self.remote.trained, defaults={})
-        self._bound = True
-        self._guard_groups()
-        self.last_result: CommitResult | None = None
-
-    @property
-    def version(self) -> int:
-        """Version of the central variable the model now holds."""
-        return self.remote.version
-
-    @property
-    def learning_rate(self) -> float:
-        """η at the version the model holds, from the server's schedule: what a gradient committed
-        now is scaled by, unless other workers' commits are applied first."""
-        return learning_rate_at(self._config(), self.version)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """torch's load_state_dict sets new groups through here: they refuse `lr` too."""
-        super().__setstate__(state)
-        self._guard_groups()
-
-    def _guard_groups(self) -> None:
-        self.param_groups = [
-            ServerOwnedGroup(group, self._config, lambda: self.learning_rate, self.remote.weight_decay)
-            for group in self.param_groups
-        ]
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Refused: the central variable is the model's trained parameters, one group whose update
-        the server owns (a group added here would never reach the server)."""
-        if self._bound:
-            raise ValueError(
-                "RemoteOptimizer trains one parameter group, the model's parameters that require grad, and the "
-                "gemps server owns its update: add_param_group cannot add another (to train more parameters, "
-                "give the model that holds them to RemoteOptimizer; to freeze some, set requires_grad=False)"
-            )
-        super().add_param_group(param_group)
-
-    def _config(self) -> TrainingConfig:
-        return self.remote.config
-
-    def step(  # type: ignore[override]
-        self, closure: Callable[[], float | torch.Tensor] | None = None, **commit: Any
-    ) -> float | torch.Tensor | None:
-        """Commit the current gradients (after `closure()` if given, which recomputes the loss);
-        `commit` may carry `loss=` and `num_samples=` for the server's metrics: without them, the
-        samples are counted from the model's inputs and a WARNING once says no loss was sent."""
-        if len(self.param_groups) != 1 or any(key != "params" for key in self.param_groups[0]):
-            raise ValueError("RemoteOptimizer has one parameter group and no per-group settings: the server owns them")
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-            commit.setdefault("loss", loss)  # a tensor is detached before float(): torch warns otherwise
-        self.last_result = self.remote.step(**commit)
-        return loss
-
-    def close(self) -> None:
-        """Leave the server (and close the connection if this optimizer opened it)."""
-        self.remote.close()
-
-    def __enter__(self) -> RemoteOptimizer:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()

@@ -1,0 +1,95 @@
+"""RemoteModel(..., overlap=True) and `gemps worker --overlap` (issue 59, item 3): one commit in
+flight while the next gradient is computed, against a real server. Each step returns the commit
+before it; the server counts one more step of staleness; an error of a commit in flight is raised
+by the next step, nothing applied twice; close() waits for the last commit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gemps
+from gemps.pytorch import RemoteModel, RemoteOptimizer
+from gemps_worker.datasets import load_digits
+from gemps_worker.held_out import evaluate
+from gemps_worker.training import WorkerOptions
+from tests.helpers import InProcessServer
+from tests.integration.conftest import StartServer
+
+
+def linear() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+
+
+def backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()  # type: ignore[no-untyped-call]
+    return loss
+
+
+def test_each_step_returns_the_commit_before_it_and_close_waits_for_the_last(server: InProcessServer) -> None:
+    data = load_digits()
+    x, y = torch.from_numpy(data.train_x[:256]), torch.from_numpy(data.train_y[:256])
+    model = linear()
+    results = []
+    with RemoteModel(model, server.target, overlap=True) as remote:
+        for step in range(1, 31):
+            returned = remote.step(loss=backward(model, x, y), num_samples=256)
+            if step == 1:
+                assert returned is None  # nothing was in flight before it
+            else:
+                assert returned is not None and returned.version == step - 1
+                results.append(returned)
+        last = remote.flush()
+        assert last is not None and last.version == 30 == remote.version
+        assert remote.flush() is None  # nothing in flight any more
+        local = torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
+        np.testing.assert_array_equal(local, last.parameters.flat)  # the model holds the last reply's θ
+        remote.step(loss=backward(model, x, y), num_samples=256)  # in flight when the model closes
+    assert server.server.state.version == 31  # close() waited for it: acknowledged, applied once
+    # commit t was computed at θ of version t-2: the server counts the step it waited in flight
+    assert results[0].staleness == 0 and {r.staleness for r in results[1:]} == {1}
+
+
+def test_overlapped_training_learns_as_the_waiting_worker_does(start_server: StartServer) -> None:
+    data = load_digits()
+    x, y = torch.from_numpy(data.train_x), torch.from_numpy(data.train_y)
+    accuracy = {}
+    for overlap in (False, True):
+        server = start_server(rule="gem", learning_rate=0.1)
+        model = linear()
+        rng = np.random.default_rng(0)
+        with RemoteOptimizer(model, server.target, overlap=overlap) as optimizer:
+            for _ in range(150):
+                batch = torch.from_numpy(rng.choice(len(x), size=64, replace=False))
+                optimizer.zero_grad()
+                loss = F.cross_entropy(model(x[batch]), y[batch])
+                loss.backward()  # type: ignore[no-untyped-call]
+                optimizer.step(loss=loss)
+        assert server.server.state.version == 150
+        accuracy[overlap] = evaluate(model, data.test_x, data.test_y)[1]
+    assert accuracy[True] > 0.85 and abs(accuracy[True] - accuracy[False]) < 0.03, accuracy
+
+
+def test_an_error_of_the_commit_in_flight_is_raised_by_the_next_step(server: InProcessServer) -> None:
+    model = linear()
+    x, y = torch.randn(8, 64), torch.zeros(8, dtype=torch.long)
+    with RemoteModel(model, server.target, overlap=True) as remote:
+        remote.step(loss=backward(model, x, y), num_samples=8)
+        backward(model, x, y)
+        model[1].weight.grad[0, 0] = float("nan")  # type: ignore[index]  # refused by the client, on the commit thread
+        remote.step(num_samples=8, loss=1.0)  # returns the first commit's result; the NaN one is in flight
+        with pytest.raises(gemps.InvalidArgumentError, match=r"NaN|non-finite|finite"):
+            remote.step(loss=backward(model, x, y), num_samples=8)
+        assert server.server.state.version == 1  # the refused commit touched nothing
+        remote.step(loss=backward(model, x, y), num_samples=8)  # the worker goes on
+        assert remote.flush() is not None and server.server.state.version == 2
+
+
+def test_the_worker_refuses_overlap_where_its_mode_commits_local_steps() -> None:
+    assert any("overlap" in p for p in WorkerOptions(overlap=True, mode="agn").problems())
+    assert not WorkerOptions(overlap=True).problems()
