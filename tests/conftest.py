@@ -14,12 +14,22 @@ time.
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.reserved_ports import reserve, restore
+
+# The servers a run starts claim memory in a folder of this process's own (memory_claims.py): the
+# servers of other runners and other runs on this host, whose models come and go, are not jobs to
+# budget against (one claiming all the host would leave the others' budgets at nothing).
+os.environ["GEMPS_MEMORY_CLAIMS_DIR"] = tempfile.mkdtemp(prefix="gemps-tests-memory-claims-")
+atexit.register(shutil.rmtree, os.environ["GEMPS_MEMORY_CLAIMS_DIR"], ignore_errors=True)
 
 # Module -> group: tests of one group never run at the same time as each other.
 SERIAL_GROUPS = {

@@ -168,6 +168,7 @@ def replication_secret_file() -> str:
 def server_config(**options: Any) -> ServerConfig:
     """A ServerConfig from flat option names, as `gemps server` takes them (`rule=`, `lease_ttl=`)."""
     training = {name: options.pop(name) for name in list(options) if name in training_names()}
+    options.setdefault("memory_claims_dir", os.environ.get("GEMPS_MEMORY_CLAIMS_DIR", "auto"))  # conftest.py's
     return ServerConfig(training=TrainingConfig.from_flat(training), **options)
 
 

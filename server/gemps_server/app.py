@@ -39,6 +39,7 @@ from gemps_server.lifecycle import Stack, Step, Task, Together
 from gemps_server.listening import hostport
 from gemps_server.logs import event
 from gemps_server.memory_budget import MemoryBudget
+from gemps_server.memory_claims import MemoryClaims, folder_of
 from gemps_server.metrics import ServerMetrics
 from gemps_server.parts import (
     CheckpointDirectory,
@@ -72,7 +73,10 @@ class ParameterServer:
         self.config = config
         reserve()  # descriptors kept from the start for checkpoints and shutdown (descriptors.py)
         self.metrics = ServerMetrics()
-        memory = MemoryBudget(config.memory_budget_mb, share=config.memory_share)
+        claims_folder = folder_of(config.memory_claims_dir)
+        # Other jobs on this host see what this one may take (memory_claims.py); one supervisor's share.
+        claims = MemoryClaims(claims_folder, group=config.supervisor_pid) if claims_folder is not None else None
+        memory = MemoryBudget(config.memory_budget_mb, share=config.memory_share, claims=claims)
         largest = rule_class(config.training.rule, config.gem_state).worker_state_bytes(config.max_parameters)
         if config.memory_budget_mb or config.max_parameters != DEFAULT_MAX_PARAMETERS:
             # A WARNING when they cannot all fit; with both defaults (2**28 values, no budget set)
@@ -127,9 +131,11 @@ class ParameterServer:
         self._final = FinalCheckpoint(checkpointer, self.state) if checkpointer is not None else None
         # The server's parts in the order they start; they stop in reverse (resign first, then
         # NOT_SERVING, the tasks, both doors together with the grace, the checkpoint schedule, the
-        # applier drained, the final checkpoint, the metrics endpoint, the checkpoint directory).
+        # applier drained, the final checkpoint, the metrics endpoint, the checkpoint directory, then
+        # this server's memory claim withdrawn).
         self._parts = Stack(
             [
+                Step("memory claim", end=self._withdraw_claim) if claims is not None else None,
                 self._directory,
                 self._metrics_endpoint if config.metrics_port >= 0 else None,
                 self._final,
@@ -231,6 +237,10 @@ class ParameterServer:
 
     async def _drain_applier(self, grace: float) -> None:
         await asyncio.to_thread(self.applier.stop)  # runs what is still queued
+
+    async def _withdraw_claim(self, grace: float) -> None:
+        if self.state.memory.claims is not None:
+            self.state.memory.claims.withdraw()
 
     async def _serving(self) -> None:
         for service in ("", SERVICE_NAME):

@@ -5,7 +5,8 @@ refused cleanly instead of failing half-way or waking the kernel's OOM killer la
 The budget is `--memory-budget-mb` when set; by default it is settled when θ is initialised (the
 first moment P is known): what the process may still allocate then, under the tightest of its
 address-space limit (RLIMIT_AS), its cgroup's memory limit (v2 memory.max or v1
-memory.limit_in_bytes) and the host's available memory, less a reserve for θ's own working copies.
+memory.limit_in_bytes) and the host's available memory, less what other gemps servers on the host
+have claimed and not taken yet (memory_claims.py), less a reserve for θ's own working copies.
 Counting the rule's vectors in full matters under a cgroup: GEM's m_i is calloc'd and costs
 nothing until the worker's first commit writes it, so memory in use would undercount what the
 registered workers are owed.
@@ -13,6 +14,7 @@ registered workers are owed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
 from collections.abc import Callable
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gemps_server.logs import event
+from gemps_server.memory_claims import MemoryClaims, Outstanding
 
 log = logging.getLogger("gemps.server")
 
@@ -33,6 +36,7 @@ RESERVED_VECTORS = 4
 RESERVED_BYTES = 256 * MIB
 # A cgroup v1 without a limit reports a page-rounded 2**63: anything this large is no limit.
 NO_LIMIT = 1 << 60
+NO_CLAIMS = Outstanding()
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class Headroom:
 
     bytes: int
     source: str
+    per_process: bool = False  # this process's own limit (RLIMIT_AS), not memory it shares with others
 
 
 def _read(path: Path) -> str:
@@ -62,7 +67,8 @@ def _address_space() -> Headroom | None:
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY:
         return None
-    return Headroom(soft - _status_kib("VmSize") * 1024, f"its address-space limit (RLIMIT_AS {soft // MIB} MiB)")
+    room = soft - _status_kib("VmSize") * 1024
+    return Headroom(room, f"its address-space limit (RLIMIT_AS {soft // MIB} MiB)", per_process=True)
 
 
 def cgroup(root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")) -> Headroom | None:
@@ -106,6 +112,20 @@ def _shared(found: Headroom | None, share: int) -> Headroom | None:
     return Headroom(found.bytes // share, f"a 1/{share} share of {found.source}")
 
 
+def _unclaimed(found: Headroom | None, others: Outstanding) -> Headroom | None:
+    if found is None or not others.bytes:
+        return found
+    servers = f"{len(others.pids)} other gemps server{'s' if len(others.pids) > 1 else ''}"
+    pids = ", ".join(str(pid) for pid in others.pids)
+    claimed = f"{size(others.bytes)} claimed by {servers} (pid{'s' if len(others.pids) > 1 else ''} {pids})"
+    if found.per_process:  # the claims are of memory the host shares, not of this process's address space
+        host = _available()
+        if host is None or host.bytes - others.bytes >= found.bytes:
+            return found
+        found = host
+    return Headroom(found.bytes - others.bytes, f"{found.source} less {claimed}")
+
+
 def size(count: int) -> str:
     """Bytes for humans: '1.5 GiB', '300 MiB'."""
     return f"{count / GIB:.1f} GiB" if count >= GIB else f"{count / MIB:.0f} MiB"
@@ -114,15 +134,27 @@ def size(count: int) -> str:
 class MemoryBudget:
     """Bytes of per-worker rule state this server may hold: `configured_mb` MiB when set, else
     settled from `probe` when θ is initialised (`settle`); None (no bound) until then, or when
-    no limit can be read."""
+    no limit can be read. With `claims`, what the host's other gemps servers claimed and have not
+    taken is not this one's, and this one claims what it could admit."""
 
-    def __init__(self, configured_mb: int = 0, probe: Callable[[], Headroom | None] = headroom, share: int = 1) -> None:
+    def __init__(
+        self,
+        configured_mb: int = 0,
+        probe: Callable[[], Headroom | None] = headroom,
+        share: int = 1,
+        claims: MemoryClaims | None = None,
+    ) -> None:
         # `share` servers on this host (a supervisor's partitions and replicas) each take 1/share of
         # what it may use: their rule state is allocated lazily, so each one's probe sees it all.
-        self._probe: Callable[[], Headroom | None] = lambda: _shared(probe(), share)
+        self._host, self._share = probe, share
+        self.claims = claims
         self.configured = configured_mb * MIB if configured_mb else None
         self.bytes: int | None = self.configured
         self.source = "--memory-budget-mb" if configured_mb else ""
+
+    def _probe(self, others: Outstanding = NO_CLAIMS) -> Headroom | None:
+        """What this process may use less the other jobs' claims (`others`), then its share of that."""
+        return _shared(_unclaimed(self._host(), others), self._share)
 
     def workers(self, per_worker: int) -> int | None:
         """How many workers' rule state of `per_worker` bytes fit; None: no bound."""
@@ -152,12 +184,17 @@ class MemoryBudget:
     def settle(self, theta_bytes: int, per_worker: int, max_workers: int) -> None:
         """θ (`theta_bytes`) is initialised: the budget, unless configured, is what the process may
         use now less a reserve for θ's working copies; a WARNING when it holds fewer than
-        `max_workers` workers of `per_worker` bytes."""
-        if self.configured is None:
-            found = self._probe()
-            reserve = RESERVED_VECTORS * theta_bytes + RESERVED_BYTES
-            self.bytes = None if found is None else max(0, found.bytes - reserve)
-            self.source = "" if found is None else f"{found.source}, less {size(reserve)} for θ's copies"
+        `max_workers` workers of `per_worker` bytes. With claims, the other servers' claims are
+        subtracted first (not from a configured budget), and this one's is written."""
+        claims = self.claims
+        reserve = RESERVED_VECTORS * theta_bytes + RESERVED_BYTES
+        with claims.settling() if claims is not None else contextlib.nullcontext():
+            if self.configured is None:
+                found = self._probe(claims.outstanding() if claims is not None else NO_CLAIMS)
+                self.bytes = None if found is None else max(0, found.bytes - reserve)
+                self.source = "" if found is None else f"{found.source}, less {size(reserve)} for θ's copies"
+            if claims is not None:  # each worker's rule state and the bfloat16 copy a difference reply keeps
+                claims.claim(self._claimed(max_workers * (per_worker + theta_bytes // 2), reserve))
         fit = self.workers(per_worker)
         if fit is not None and fit < max_workers:
             event(
@@ -170,6 +207,13 @@ class MemoryBudget:
                 budget=f"{size(self.bytes or 0)} ({self.source})",
                 raise_it="--memory-budget-mb, or more memory for the server",
             )
+
+    def _claimed(self, most: int, reserve: int) -> int:
+        """What this server could ever take: its budget, at most `most` (--max-workers' state),
+        and its reserve; within what the host has (a configured budget may be larger)."""
+        found = self._host() if self.configured is not None else None
+        held = (most if self.bytes is None else min(most, self.bytes)) + reserve
+        return max(0, held if found is None else min(held, found.bytes))
 
     def describe(self) -> str:
         """'3.2 GiB (its cgroup's memory limit ..., less 1.0 GiB for θ's copies)'."""

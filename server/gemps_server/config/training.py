@@ -11,6 +11,7 @@ from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NOISE_WINDOW_HELP, NOIS
 from gemps_server.domain.rules import GEM_STATES, rule_names
 from gemps_server.domain.rules.gem import GEM_KERNELS, GEM_OWN_STEP
 from gemps_server.memory_budget import MIB
+from gemps_server.memory_claims import AUTO, OFF, option_problems
 from gemps_server.native import compiled
 
 #: --commit-core: compiled (csrc/core.c where it applies), python (domain/core.py alone), auto (compiled if built)
@@ -103,6 +104,14 @@ class WorkerOptions:
             RANGE: Range(1, UINT32_MAX),
         },
     )
+    memory_claims_dir: str = field(
+        default=AUTO,
+        metadata={
+            "help": "with memory_budget_mb 0: a folder the gemps servers of this user on this host share, where each "
+            "claims the memory it could admit when θ is initialised, so that separate jobs each admit only what "
+            f"the others left (an absolute path; {AUTO}: /dev/shm/gemps-memory-claims-<uid>; {OFF}: none)",
+        },
+    )
     noise_window: int = field(default=NOISE_WINDOW_AUTO, metadata={"help": NOISE_WINDOW_HELP, RANGE: NOISE_WINDOWS})
     num_shards: int = field(
         default=0,
@@ -131,4 +140,4 @@ class WorkerOptions:
             return [f"unknown gem_own_step {self.gem_own_step!r} (choose from {', '.join(GEM_OWN_STEP)})"]
         if self.gem_state not in GEM_STATES:
             return [f"unknown gem_state {self.gem_state!r} (choose from {', '.join(GEM_STATES)})"]
-        return []
+        return option_problems(self.memory_claims_dir)
