@@ -31,9 +31,14 @@ from gemps_proto.tensor_codec import (
     INT4_BLOCK,
     INT8_BLOCK,
     bfloat16_to_float32,
+    expected_payload_nbytes,
     float32_to_bfloat16,
     quantised_with_values,
 )
+
+#: blocks of codes a difference reply's arithmetic takes at a time (1M values: 4 MiB per float32
+#: temporary; an even count of values, as int4's bytes hold two codes)
+CHUNK_BLOCKS = 4096
 
 #: the reply dtypes that ask for a difference from the copy, by the names users pass
 REPLY_COMPRESSIONS: dict[str, int] = {"int8": INT8_BLOCK, "int4": INT4_BLOCK}
@@ -54,10 +59,32 @@ def whole(theta: np.ndarray) -> np.ndarray:
 
 def difference(theta: np.ndarray, bits: np.ndarray, dtype: int) -> tuple[bytes, np.ndarray]:
     """The reply's code of θ - copy in `dtype`, and the copy after it: what `advance` makes of the
-    code's decoded values on the client, the very same bits."""
-    held = copy_values(bits)
-    data, step = quantised_with_values(theta - held, dtype)
-    return data, _advanced(held, step)
+    code's decoded values on the client, the very same bits.
+
+    CHUNK_BLOCKS blocks at a time, so that its float32 temporaries (the copy's values, the difference,
+    the quantiser's, the step) are each a chunk's, not θ's: they are not in the memory budget.
+    The codes are blockwise (a scale per BLOCK values, each value coded alone) and the rest is
+    elementwise, so whole blocks at a time give the same bytes and bits as θ at once."""
+    import numpy as np
+
+    from gemps_proto.block_quantisation import BLOCK, blocks
+
+    if dtype not in DIFFERENCE_DTYPES:
+        raise ValueError(f"a difference reply is in int8 or int4 block codes, not dtype {dtype}")
+    values, held_bits = theta.reshape(-1), bits.reshape(-1)
+    count, chunk = values.size, CHUNK_BLOCKS * BLOCK
+    scales_end = 4 * blocks(count)
+    data = bytearray(expected_payload_nbytes(dtype, (count,)))  # B scales, then the codes (block_quantisation.py)
+    after = np.empty_like(held_bits)
+    for start in range(0, count, chunk):
+        stop = min(start + chunk, count)
+        held = copy_values(held_bits[start:stop])
+        part, step = quantised_with_values(values[start:stop] - held, dtype)
+        head, codes_at = 4 * blocks(stop - start), scales_end + (start if dtype == INT8_BLOCK else start // 2)
+        data[4 * (start // BLOCK) : 4 * (start // BLOCK) + head] = part[:head]
+        data[codes_at : codes_at + len(part) - head] = part[head:]
+        after[start:stop] = _advanced(held, step)
+    return bytes(data), after.reshape(bits.shape)
 
 
 def advance(bits: np.ndarray, step: np.ndarray) -> np.ndarray:

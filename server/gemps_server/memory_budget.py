@@ -30,7 +30,8 @@ MIB = 1 << 20
 GIB = 1 << 30
 #: θ-sized vectors the server holds besides the workers' rule state, kept out of the budget: the
 #: rule's spare θ and spare m_i (out-of-place commits; compact GEM's two references instead), θ's
-#: encoded reply, a commit's payload
+#: encoded reply (or a difference reply's code and new copy, whose arithmetic runs a chunk at a
+#: time: gemps_proto.reply_differences), a commit's payload
 RESERVED_VECTORS = 4
 #: and bytes for everything else (threads, connections, requests in flight)
 RESERVED_BYTES = 256 * MIB

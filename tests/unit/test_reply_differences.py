@@ -4,6 +4,7 @@ reference of GEM fed the compressed commits and of the copies the replies move."
 from __future__ import annotations
 
 import dataclasses
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from gemps import errors
 from gemps.grpc_messages import reply_values
 from gemps.held_copy import HeldCopy
 from gemps.transport import Committed
-from gemps_proto import block_quantisation
+from gemps_proto import block_quantisation, reply_differences
 from gemps_proto.reply_differences import advance, copy_values, difference, whole
 from gemps_proto.schema import ParameterSpec, PayloadKind
 from gemps_proto.tensor_codec import (
@@ -23,6 +24,8 @@ from gemps_proto.tensor_codec import (
     TensorDecodeError,
     decode_payload,
     encode_payload,
+    float32_to_bfloat16,
+    quantised_with_values,
 )
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain import images, validation
@@ -236,3 +239,50 @@ def test_a_difference_reply_near_float32s_largest_keeps_the_copy_finite(dtype: i
     data, after = difference(theta, bits, dtype)
     assert np.isfinite(copy_values(after)).all()
     np.testing.assert_array_equal(advance(bits, np.asarray(decode_payload(dtype, (P,), data))), after)
+
+
+# -- a difference reply's transients (issue 61, item 9) -----------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [INT8_BLOCK, INT4_BLOCK])
+def test_a_difference_taken_a_chunk_at_a_time_is_the_same_bytes_and_bits_as_at_once(
+    dtype: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its float32 temporaries were θ-sized, several at once, and out of the memory budget (12-24 %
+    over it in the issue's probe); now a chunk of whole blocks at a time. The codes are blockwise,
+    so chunks change nothing: the bytes and the copy are those of the arithmetic on θ at once, for
+    an odd count (int4's padding nibble), a short last block and a short last chunk."""
+    monkeypatch.setattr(reply_differences, "CHUNK_BLOCKS", 3)
+    rng = np.random.default_rng(5)
+    count = 10 * 256 + 77
+    bits = whole(rng.standard_normal(count).astype(np.float32))
+    theta = copy_values(bits) + rng.standard_normal(count).astype(np.float32) * 1e-2
+    theta[: 2 * 256] = 0.0  # whole blocks of zeros (a zero scale) in the first chunk
+    theta[700] = np.float32(3.4e38)  # past bfloat16's largest, in the second chunk
+    held = copy_values(bits)
+    expected, step = quantised_with_values(theta - held, dtype)
+    data, after = difference(theta, bits, dtype)
+    assert data == expected
+    np.testing.assert_array_equal(after, float32_to_bfloat16(held + step))
+    np.testing.assert_array_equal(advance(bits, decode_payload(dtype, (count,), data)), after)
+    theta_2d, bits_2d = theta[: 8 * 256].reshape(8, 256), bits[: 8 * 256].reshape(8, 256)
+    data_2d, after_2d = difference(theta_2d, bits_2d, dtype)  # a shaped θ: the copy keeps its shape
+    assert after_2d.shape == (8, 256) and data_2d == difference(theta[: 8 * 256], bits[: 8 * 256], dtype)[0]
+    with pytest.raises(ValueError, match="int8 or int4 block codes"):
+        difference(theta, bits, BFLOAT16)
+
+
+def test_a_difference_replys_arithmetic_holds_a_chunk_not_several_thetas() -> None:
+    """Beyond its results (the code and the new copy), it held 3.0 θ-sized float32 temporaries at
+    its peak (tracemalloc sees numpy's); now a chunk's (4 MiB each) and the reply's bytes: 0.6 θ here."""
+    count = 8 << 20
+    rng = np.random.default_rng(6)
+    theta = rng.standard_normal(count).astype(np.float32)
+    bits = whole(theta + np.float32(0.01))
+    tracemalloc.start()
+    try:
+        data, after = difference(theta, bits, INT8_BLOCK)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak - len(data) - after.nbytes < theta.nbytes, f"{(peak - len(data) - after.nbytes) / theta.nbytes:.2f} θ"
