@@ -27,7 +27,7 @@ def linear() -> torch.nn.Module:
 def backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model(x), y)
-    loss.backward()  # type: ignore[no-untyped-call]
+    loss.backward()
     return loss
 
 
@@ -68,7 +68,7 @@ def test_overlapped_training_learns_as_the_waiting_worker_does(start_server: Sta
                 batch = torch.from_numpy(rng.choice(len(x), size=64, replace=False))
                 optimizer.zero_grad()
                 loss = F.cross_entropy(model(x[batch]), y[batch])
-                loss.backward()  # type: ignore[no-untyped-call]
+                loss.backward()
                 optimizer.step(loss=loss)
         assert server.server.state.version == 150
         accuracy[overlap] = evaluate(model, data.test_x, data.test_y)[1]
