@@ -55,6 +55,7 @@ TRAINING_OPTIONS = frozenset(
         "GEMPS_NAME",
         "GEMPS_OUT",
         "GEMPS_OUTER_LEARNING_RATE",
+        "GEMPS_OVERLAP",
         "GEMPS_PACK_REPLICAS",
         "GEMPS_PARTITION_CPUS",
         "GEMPS_PARTITION_RESTARTS",
