@@ -113,22 +113,7 @@ def test_a_flood_from_several_addresses_does_not_keep_a_backup_out(start_server:
     port = primary.server.replication_port
     stop = threading.Event()
 
-    def flood(source: str) -> None:  # takes every greeting slot its address frees, at once, silently
-        held: list[socket.socket] = []
-        while not stop.is_set():
-            with contextlib.suppress(OSError):
-                held.append(socket.create_connection(("127.0.0.1", port), timeout=2, source_address=(source, 0)))
-            kept = []
-            for sock in held:  # the ones the replica closed (refused, or timed out) let go; the rest kept
-                if open_still(sock):
-                    kept.append(sock)
-                else:
-                    sock.close()
-            held = kept
-        for sock in held:
-            sock.close()
-
-    floods = [threading.Thread(target=flood, args=(f"127.0.0.{i // 2}",), daemon=True) for i in range(4, 16)]
+    floods = [threading.Thread(target=flood, args=(port, stop, f"127.0.0.{i // 2}"), daemon=True) for i in range(4, 16)]
     for thread in floods:
         thread.start()
     try:
@@ -139,6 +124,26 @@ def test_a_flood_from_several_addresses_does_not_keep_a_backup_out(start_server:
         stop.set()
         for thread in floods:
             thread.join(10)
+
+
+def flood(port: int, stop: threading.Event, source: str, dialled: list[int] | None = None) -> None:
+    """Take every greeting place `source` frees, at once, silently, until `stop` (counting the
+    connections made in `dialled`)."""
+    held: list[socket.socket] = []
+    while not stop.is_set():
+        with contextlib.suppress(OSError):
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=2, source_address=(source, 0)))
+            if dialled is not None:
+                dialled[0] += 1
+        kept = []
+        for sock in held:  # the ones the replica closed (refused, displaced, timed out) let go; the rest kept
+            if open_still(sock):
+                kept.append(sock)
+            else:
+                sock.close()
+        held = kept
+    for sock in held:
+        sock.close()
 
 
 def open_still(sock: socket.socket) -> bool:
@@ -161,23 +166,8 @@ def test_a_flood_from_the_backups_own_address_does_not_keep_it_out(start_server:
     stop = threading.Event()
     dialled = [0]
 
-    def flood() -> None:  # silent connections from 127.0.0.1, the in-process backup's address
-        held: list[socket.socket] = []
-        while not stop.is_set():
-            with contextlib.suppress(OSError):
-                held.append(socket.create_connection(("127.0.0.1", port), timeout=2))
-                dialled[0] += 1
-            kept = []
-            for sock in held:
-                if open_still(sock):
-                    kept.append(sock)
-                else:
-                    sock.close()
-            held = kept
-        for sock in held:
-            sock.close()
-
-    floods = [threading.Thread(target=flood, daemon=True) for _ in range(16)]
+    # silent connections from 127.0.0.1, the in-process backup's address
+    floods = [threading.Thread(target=flood, args=(port, stop, "127.0.0.1", dialled), daemon=True) for _ in range(16)]
     for thread in floods:
         thread.start()
     try:
