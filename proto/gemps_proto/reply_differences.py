@@ -65,8 +65,6 @@ def difference(theta: np.ndarray, bits: np.ndarray, dtype: int) -> tuple[bytes, 
     the quantiser's, the step) are each a chunk's, not θ's: they are not in the memory budget.
     The codes are blockwise (a scale per BLOCK values, each value coded alone) and the rest is
     elementwise, so whole blocks at a time give the same bytes and bits as θ at once."""
-    import numpy as np
-
     from gemps_proto.block_quantisation import BLOCK, blocks
 
     if dtype not in DIFFERENCE_DTYPES:
@@ -75,7 +73,7 @@ def difference(theta: np.ndarray, bits: np.ndarray, dtype: int) -> tuple[bytes, 
     count, chunk = values.size, CHUNK_BLOCKS * BLOCK
     scales_end = 4 * blocks(count)
     data = bytearray(expected_payload_nbytes(dtype, (count,)))  # B scales, then the codes (block_quantisation.py)
-    after = np.empty_like(held_bits)
+    after = held_bits.copy()  # each chunk's new copy written over (numpy is the caller's: no import here)
     for start in range(0, count, chunk):
         stop = min(start + chunk, count)
         held = copy_values(held_bits[start:stop])

@@ -9,6 +9,8 @@
     optimizer.close()
 
 `RemoteModel` is the same with the commit's figures returned (`remote.step(loss=...)`).
+`LocalSteps(model, torch.optim.AdamW(...), address, steps=8)` keeps the user's own optimizer for
+local steps and commits their update (gemps.pytorch.local_steps): the path for models that need Adam.
 
 What travels, for any torch.nn.Module (gemps.pytorch.values):
 - the parameters that train (`requires_grad=True`), in `named_parameters()` order, are the
@@ -44,7 +46,8 @@ reply (gemps.pytorch.groups).
 So `gemps export` and `client.pull().state_dict()` give a state dict that loads with
 `model.load_state_dict(..., strict=True)` when the model has no frozen parameters.
 
-Its modules, each of one job: `remote` (RemoteModel, RemoteOptimizer, load_central), `values` (a
+Its modules, each of one job: `remote` (RemoteModel, load_central), `optimizer` (RemoteOptimizer),
+`local_steps` (LocalSteps), `overlap` (one commit in flight), `values` (a
 model's values as the wire carries them), `batches` (the samples a step counts, the warning
 without a loss), `threads` (torch's intra-op threads), `schedules` (the learning rate the server
 owns), `trainer_arguments` (a Hugging Face Trainer's arguments that do not train, said once),
@@ -65,6 +68,7 @@ except ImportError as missing:
     ) from missing
 
 from gemps.pytorch.groups import GroupLeaderError
+from gemps.pytorch.local_steps import LocalSteps
 from gemps.pytorch.optimizer import RemoteOptimizer
 from gemps.pytorch.remote import RemoteModel, load_central
 from gemps.pytorch.schedules import ServerOwnsLearningRateError, ServerSchedule
@@ -72,6 +76,7 @@ from gemps.pytorch.values import persistent_buffers, trained_parameters
 
 __all__ = [
     "GroupLeaderError",
+    "LocalSteps",
     "RemoteModel",
     "RemoteOptimizer",
     "ServerOwnsLearningRateError",

@@ -224,8 +224,14 @@ class RemoteModel:
 
         With `load` (the default) the model then holds the returned central variable; without,
         the model keeps its own values (elastic averaging keeps a local variable). `num_samples`:
-        the samples the update was trained on, for the server's metrics and Status.
+        the samples the update was trained on, for the server's metrics and Status; without it,
+        those of the model's training forwards since the last commit.
         """
+        seen = self._batches.take()
+        self._batches.take_loss()  # a window's losses are the caller's to average
+        if self._group is not None:
+            seen = self._group.samples(seen)
+        num_samples = seen if num_samples is None else num_samples
         update_values = host_array(update).reshape(-1)
         result = self._exchange(
             lambda: self.client.commit(

@@ -1,0 +1,142 @@
+"""LocalSteps: the user's own torch optimizer for local steps, their update committed to gemps
+(issue 59, item 1: an Adam-family path).
+
+GEM's proxy is momentum SGD: a gradient committed every step is scaled as momentum SGD's step
+would be, so models that need Adam (transformers) train poorly through RemoteOptimizer. Here the
+worker keeps the optimizer the user wrote, AdamW with its betas, weight decay and parameter groups
+exactly as nanoGPT's `configure_optimizers` builds them, and takes `steps` local steps with it;
+then it commits their update, θ_local - θ_start (times `outer_learning_rate`), and loads the θ
+the server returns: the server's rule is the outer optimizer (GEM energy-matches the update;
+`--rule delayed-nesterov` is DiLoCo's outer Nesterov made asynchronous). The inner optimizer's
+state (Adam's moments) carries over from window to window, as DiLoCo's inner optimizer's does.
+
+    optimizer = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = LocalSteps(model, optimizer, "ps:50051", steps=8)
+    for inputs, targets in loader:                # the training loop does not change
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(inputs), targets)
+        loss.backward()
+        optimizer.step(loss=loss)
+
+The inner learning rate is the user's: `param_groups` are the inner optimizer's, so a torch LR
+scheduler on either moves it. `close()` (the `with` block's end) commits an unfinished window's
+steps before leaving: no local work is dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gemps.client import Client
+from gemps.pytorch.remote import RemoteModel
+from gemps.records import CommitResult
+
+
+class LocalSteps(torch.optim.Optimizer):
+    """`optimizer` (over `model`'s trained parameters) for `steps` local steps between commits."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        client: Client | str,
+        *,
+        steps: int = 8,
+        outer_learning_rate: float = 1.0,
+        name: str = "",
+        **options: Any,
+    ) -> None:
+        """`options` as RemoteModel takes them (`threads=`, gemps.Client's when `client` is an address)."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            kind = type(optimizer).__name__
+            raise TypeError(f"LocalSteps takes a torch optimizer (torch.optim.AdamW(...)), not {kind}")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be a whole number of local steps >= 1, not {steps!r}")
+        if not (math.isfinite(outer_learning_rate) and outer_learning_rate > 0):
+            raise ValueError(f"outer_learning_rate must be a number > 0, not {outer_learning_rate!r}")
+        self.remote = RemoteModel(model, client, name=name, **options)
+        _check_same_parameters(optimizer, self.remote.trained)
+        self.optimizer = optimizer
+        self.steps, self.outer_learning_rate = steps, outer_learning_rate
+        super().__init__(self.remote.trained, defaults={})
+        # The user's groups and state are this optimizer's: schedulers, state_dict and logging see them.
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.defaults = optimizer.defaults
+        self._start = self.remote.parameters_vector()
+        self._taken = 0  # local steps since the window's start
+        self._losses: list[float] = []
+        self.last_result: CommitResult | None = None
+
+    @property
+    def version(self) -> int:
+        """Version of the central variable the window started from."""
+        return self.remote.version
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], float | torch.Tensor] | None = None, *, loss: float | torch.Tensor | None = None
+    ) -> float | torch.Tensor | None:
+        """One local step of the inner optimizer (after `closure()` if given, which recomputes the
+        loss); the window's update committed after its `steps`-th. `loss=` (or the closure's) goes
+        to the server's metrics, averaged over the window."""
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.optimizer.step()
+        if loss is not None:
+            self._losses.append(float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss))
+        self._taken += 1
+        if self._taken >= self.steps:
+            self.commit()
+        return loss
+
+    def commit(self) -> CommitResult | None:
+        """Commit the local steps taken since the window started (none: nothing is sent), load
+        the central variable the server returns, and start the next window from it."""
+        if self._taken == 0:
+            return None
+        update = (self.remote.parameters_vector() - self._start) * self.outer_learning_rate
+        loss = sum(self._losses) / len(self._losses) if self._losses else None
+        self._taken, self._losses = 0, []
+        self.last_result = self.remote.commit_update(update, loss=loss)
+        self._start = self.remote.parameters_vector()
+        return self.last_result
+
+    def close(self) -> None:
+        """Commit an unfinished window's steps, then leave the server."""
+        try:
+            self.commit()
+        finally:
+            self.remote.close()
+
+    def __enter__(self) -> LocalSteps:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if exc_info[0] is None:
+            self.close()
+        else:  # an error is leaving: leave without committing a window that may be half-done
+            self.remote.close()
+
+
+def _check_same_parameters(optimizer: torch.optim.Optimizer, trained: list[torch.nn.Parameter]) -> None:
+    """ValueError unless `optimizer` steps exactly the model's trained parameters (the central variable)."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    central = {id(p) for p in trained}
+    if stepped - central:
+        raise ValueError(
+            f"the optimizer steps {len(stepped - central)} tensor(s) that are not trained parameters of the model "
+            "(the central variable is the model's parameters that require grad): build it from model.parameters()"
+        )
+    if central - stepped:
+        raise ValueError(
+            f"{len(central - stepped)} trained parameter(s) of the model are in none of the optimizer's groups: "
+            "they would never move locally; add them to a group, or set requires_grad=False to freeze them"
+        )

@@ -1,0 +1,100 @@
+"""gemps.pytorch.LocalSteps (issue 59, item 1): the user's own AdamW, with its betas, weight decay
+and parameter groups as written, takes local steps; every `steps` steps their update is committed
+and the server's θ loaded; against a real server."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gemps.pytorch import LocalSteps, RemoteOptimizer
+from gemps_worker.datasets import load_digits
+from gemps_worker.held_out import evaluate
+from tests.helpers import InProcessServer
+from tests.integration.conftest import StartServer
+
+
+def linear() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+
+
+def layer_of(model: torch.nn.Sequential) -> torch.nn.Linear:
+    found = model[1]
+    assert isinstance(found, torch.nn.Linear)
+    return found
+
+
+def nanogpt_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, object]]:
+    """nanoGPT's configure_optimizers: matrices decay, biases do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def test_the_users_adamw_groups_step_locally_and_their_update_is_committed_every_window(
+    start_server: StartServer,
+) -> None:
+    # downpour applies an update as given: the central θ is exactly θ0 + the window's update
+    server = start_server(rule="downpour")
+    model = linear()
+    weight0, bias0 = layer_of(model).weight.detach().clone(), layer_of(model).bias.detach().clone()
+    inner = torch.optim.AdamW(nanogpt_groups(model, 0.5), lr=0.1, betas=(0.9, 0.95))
+    with LocalSteps(model, inner, server.target, steps=4) as optimizer:
+        assert optimizer.param_groups is inner.param_groups  # a scheduler on either moves the same lr
+        for step in range(1, 9):
+            optimizer.zero_grad()
+            (model(torch.zeros(2, 1, 8, 8)) * 0).sum().backward()  # zero gradients: only the decay moves θ
+            optimizer.step(loss=1.0)
+            assert server.server.state.version == step // 4  # a commit after the 4th and the 8th
+        central = server.server.state.theta_copy()
+        shrink = (1 - 0.1 * 0.5) ** 8  # AdamW's decoupled decay, lr x weight_decay a step, 8 steps
+        np.testing.assert_allclose(central[:640], (weight0 * shrink).reshape(-1).numpy(), rtol=1e-5)
+        np.testing.assert_allclose(central[640:], bias0.numpy(), rtol=1e-6)  # the no-decay group: untouched
+        torch.testing.assert_close(layer_of(model).weight.detach().reshape(-1), torch.from_numpy(central[:640].copy()))
+        optimizer.zero_grad()
+        (model(torch.zeros(2, 1, 8, 8)) * 0).sum().backward()
+        optimizer.step()  # one step of an unfinished window: close() commits it
+    assert server.server.state.version == 3
+    assert len(inner.state) == 2 and all(s["step"] == 9 for s in inner.state.values())  # Adam's state carried over
+
+
+def test_local_adamw_learns_digits_through_gem(start_server: StartServer) -> None:
+    server = start_server(rule="gem")
+    data = load_digits()
+    x, y = torch.from_numpy(data.train_x), torch.from_numpy(data.train_y)
+    model = linear()
+    rng = np.random.default_rng(0)
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    with LocalSteps(model, inner, server.target, steps=4) as optimizer:
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=200)  # the inner lr is the user's
+        for _ in range(200):
+            batch = torch.from_numpy(rng.choice(len(x), size=64, replace=False))
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x[batch]), y[batch])
+            loss.backward()
+            optimizer.step(loss=loss)
+            scheduler.step()
+        assert optimizer.last_result is not None and optimizer.last_result.version == 50
+    assert evaluate(model, data.test_x, data.test_y)[1] > 0.9
+
+
+def test_an_optimizer_of_other_tensors_or_missing_some_is_refused(server: InProcessServer) -> None:
+    model = linear()
+    with pytest.raises(ValueError, match="not trained parameters of the model"):
+        LocalSteps(model, torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))]), server.target)
+    with pytest.raises(ValueError, match="in none of the optimizer's groups"):
+        LocalSteps(model, torch.optim.AdamW([layer_of(model).weight]), server.target)
+    with pytest.raises(ValueError, match="steps must be a whole number"):
+        LocalSteps(model, torch.optim.AdamW(model.parameters()), server.target, steps=0)
+    with pytest.raises(TypeError, match="LocalSteps takes a torch optimizer"):
+        LocalSteps(model, "adamw", server.target)  # type: ignore[arg-type]
+
+
+def test_remote_optimizer_refusing_adam_settings_points_to_local_steps(server: InProcessServer) -> None:
+    with pytest.raises(TypeError, match=r"gemps.pytorch.LocalSteps\(model, torch.optim.AdamW"):
+        RemoteOptimizer(linear(), server.target, betas=(0.9, 0.95))
