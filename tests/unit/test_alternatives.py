@@ -186,3 +186,22 @@ def test_the_report_takes_the_median_and_says_never(tmp_path: Path) -> None:
     assert report.median_time(list(data["cells"].values())) is None
     report.figure(data, tmp_path / "f.png", "digits")
     assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_the_goals_table_sets_gemps_best_setting_against_the_best_peer() -> None:
+    def result(scenario: str, system: str, reached: float | None) -> dict[str, object]:
+        cell = {"scenario": scenario, "system": system, "workload": "digits", "seed": 0}
+        return {"cell": cell, "time_to_target_s": reached, "duration_s": 90.0}
+
+    cells = [
+        result("a", "gemps-gem", 12.0), result("a", "ddp", 11.0), result("a", "torchft_ddp", 9.0),
+        result("b", "gemps-gem", 8.0), result("b", "gemps-gem-int8", 5.0), result("b", "torchft_ddp", 6.0),
+        result("d", "gemps-gem", 4.5), result("d", "ddp", None),
+    ]  # fmt: skip
+    rows = report.goals({"cells": {str(i): c for i, c in enumerate(cells)}})
+    # (a): within 1.2x of DDP (12 <= 13.2), though torchft is the best peer
+    assert rows[2] == "| a | gemps-gem 12.0 s | torchft_ddp 9.0 s | 0.75x | within 1.2x of DDP | yes |"
+    # (b): the best gemps setting (int8) is first but not 1.5x sooner than the best peer
+    assert rows[3] == "| b | gemps-gem-int8 5.0 s | torchft_ddp 6.0 s | 1.20x | first, 1.5x sooner | no |"
+    # (d): a peer that never reached the target took the whole run at least
+    assert rows[4] == "| d | gemps-gem 4.5 s | ddp never | > 20.00x | first, 1.5x sooner | yes |"

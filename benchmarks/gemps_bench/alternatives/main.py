@@ -90,7 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"alternatives: no results at {results} yet: run some cells first", file=sys.stderr)
         return 2
     data = json.loads(results.read_text())
-    (args.results / f"{chosen.name}.md").write_text("\n".join(report.table(data)) + "\n")
+    lines = [*report.table(data), "", "Against the goals (medians of the seeds):", "", *report.goals(data)]
+    (args.results / f"{chosen.name}.md").write_text("\n".join(lines) + "\n")
     report.figure(data, args.results / f"{chosen.name}.png", chosen.name)
     print(f"results: {results}")
     return 0
