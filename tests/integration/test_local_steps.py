@@ -91,6 +91,8 @@ def test_an_optimizer_of_other_tensors_or_missing_some_is_refused(server: InProc
         LocalSteps(model, torch.optim.AdamW([layer_of(model).weight]), server.target)
     with pytest.raises(ValueError, match="steps must be a whole number"):
         LocalSteps(model, torch.optim.AdamW(model.parameters()), server.target, steps=0)
+    with pytest.raises(ValueError, match="LocalSteps commits once a window"):
+        LocalSteps(model, torch.optim.AdamW(model.parameters()), server.target, overlap=True)
     with pytest.raises(TypeError, match="LocalSteps takes a torch optimizer"):
         LocalSteps(model, "adamw", server.target)  # type: ignore[arg-type]
 

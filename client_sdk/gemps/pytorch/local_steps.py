@@ -58,6 +58,9 @@ class LocalSteps(torch.optim.Optimizer):
             raise ValueError(f"steps must be a whole number of local steps >= 1, not {steps!r}")
         if not (math.isfinite(outer_learning_rate) and outer_learning_rate > 0):
             raise ValueError(f"outer_learning_rate must be a number > 0, not {outer_learning_rate!r}")
+        if options.get("overlap"):
+            raise ValueError("overlap is for gradients committed every step (RemoteModel, RemoteOptimizer): "
+                             "LocalSteps commits once a window, after its local steps")  # fmt: skip
         self.remote = RemoteModel(model, client, name=name, **options)
         _check_same_parameters(optimizer, self.remote.trained)
         self.optimizer = optimizer
