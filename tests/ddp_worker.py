@@ -10,7 +10,8 @@ after, the version, the names the server holds; with `--fsdp`, the error RemoteO
 an FSDP model instead. `--given inner` gives RemoteOptimizer the model inside the DDP wrapper,
 `--given separate` an unwrapped model with process_group=None (each rank its own gemps worker);
 `--poison` makes the last step's inputs NaN, which gemps refuses (the record says how each rank
-failed).
+failed); `--overlap` keeps one commit in flight (RemoteOptimizer(..., overlap=True)), and the record
+ends with θ after the last commit was flushed.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from torch import nn
 from gemps.pytorch import RemoteOptimizer
 
 
-def run(rank: int, world: int, target: str, steps: int, fsdp: bool, given: str, poison: bool) -> dict[str, Any]:
+def run(
+    rank: int, world: int, target: str, steps: int, fsdp: bool, given: str, poison: bool, overlap: bool = False
+) -> dict[str, Any]:
     torch.manual_seed(rank)  # different on each rank: DDP broadcasts rank 0's at wrapping
     model = nn.Linear(3, 1)
     if fsdp:
@@ -47,7 +50,7 @@ def run(rank: int, world: int, target: str, steps: int, fsdp: bool, given: str, 
         ddp = model
         optimizer = RemoteOptimizer(model, target, threads=None, process_group=None)
     else:  # the DDP wrapper, or the model inside it
-        optimizer = RemoteOptimizer(ddp if given == "ddp" else model, target, threads=None)
+        optimizer = RemoteOptimizer(ddp if given == "ddp" else model, target, threads=None, overlap=overlap)
     record: dict[str, Any] = {"steps": [], "registered_version": optimizer.version}
     for step in range(steps):
         before = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
@@ -63,6 +66,9 @@ def run(rank: int, world: int, target: str, steps: int, fsdp: bool, given: str, 
             break
         after = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
         record["steps"].append({"before": before, "gradient": gradient, "after": after, "version": optimizer.version})
+    if overlap:
+        optimizer.remote.flush()  # every rank: the last commit's reply loaded
+        record["flushed"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
     record["learning_rate"] = optimizer.learning_rate
     if rank == 0 or given == "separate":
         record["names"] = [entry.name for entry in optimizer.remote.client.spec]
@@ -87,12 +93,13 @@ def main() -> None:
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--poison", action="store_true", help="the last step's inputs NaN: refused")
     parser.add_argument("--given", choices=["ddp", "inner", "separate"], default="ddp", help="to RemoteOptimizer")
+    parser.add_argument("--overlap", action="store_true", help="one commit in flight while the next step computes")
     args = parser.parse_args()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(args.port)
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
     try:
-        record = run(args.rank, args.world, args.target, args.steps, args.fsdp, args.given, args.poison)
+        record = run(args.rank, args.world, args.target, args.steps, args.fsdp, args.given, args.poison, args.overlap)
     finally:
         dist.destroy_process_group()
     with open(args.out, "w") as out:

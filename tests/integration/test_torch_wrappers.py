@@ -81,6 +81,22 @@ def ddp_ranks(target: str, tmp_path: Path, *options: str, world: int = 2) -> lis
     return [json.loads(out.read_text()) for out in outs]
 
 
+def test_a_ddp_group_overlaps_its_commits_as_one_worker(start_server: StartServer, tmp_path: Path) -> None:
+    """Overlap (issue 59, item 3) in a process group: rank 0's commit in flight, every rank loading
+    its reply at the next step; each commit applied once, and both ranks end on the server's θ."""
+    server = start_server(rule="downpour", learning_rate=1.0)
+    records = ddp_ranks(server.target, tmp_path, "--steps", "4", "--overlap")
+    for record in records:
+        # the model holds the θ of the commit before: none at the first step, then 1, 2, 3
+        assert [step["version"] for step in record["steps"]] == [0, 1, 2, 3]
+        assert "failed" not in record
+    assert records[0]["steps"] == records[1]["steps"] and records[0]["flushed"] == records[1]["flushed"]
+    with gemps.Client(server.target) as observer:
+        status = observer.status()
+        assert status.version == status.commits_applied == 4
+        torch.testing.assert_close(torch.from_numpy(observer.pull().flat.copy()), torch.tensor(records[0]["flushed"]))
+
+
 @pytest.mark.parametrize("given", ["ddp", "inner"])
 def test_a_ddp_group_is_one_worker_whose_all_reduced_gradient_is_applied_once(
     start_server: StartServer, tmp_path: Path, given: str
