@@ -117,6 +117,23 @@ def test_goodput_counts_applied_steps_and_loses_rollbacks(tmp_path: Path) -> Non
     assert metrics.useful_seconds(metrics.incarnations(tmp_path)[2], None) == (2.0, 20, 20)
 
 
+def test_goodput_loses_the_seconds_a_worker_was_stopped(tmp_path: Path) -> None:
+    # scenario (c): rank 0 stopped from 0.5 to 1.5 s (and again at 2.8 s, never continued), rank 1 not
+    events = [
+        {"t": 0.5, "at_s": 0.5, "action": "stop", "target": 0}, {"t": 1.5, "at_s": 1.5, "action": "cont", "target": 0},
+        {"t": 2.8, "at_s": 2.8, "action": "stop", "target": 0},
+    ]  # fmt: skip
+    (tmp_path / "events.json").write_text(json.dumps(events))
+    stopped = metrics.pauses(tmp_path)
+    assert stopped == {0: [(0.5, 1.5), (2.8, float("inf"))]}
+    _write_log(tmp_path / "worker-0.jsonl", [(0, "go", 0, 0), (2, "step", 10, 10), (3, "step", 20, 20)])
+    process = metrics.incarnations(tmp_path)[0]
+    # the first step took 2 s of which 1 s stopped; the second 1 s of which 0.2 s stopped
+    useful, computed, applied = metrics.useful_seconds(process, None, stopped[0])
+    assert useful == pytest.approx(1.8) and (computed, applied) == (20, 20)
+    assert metrics.useful_seconds(process, None, stopped.get(1)) == (3.0, 20, 20)
+
+
 def test_cell_metrics_has_every_figure(tmp_path: Path) -> None:
     _write_log(tmp_path / "worker-0.jsonl", [(0, "start", 0, 0), (5, "step", 10, 10), (10, "checkpoint", 10, 10)])
     _write_log(tmp_path / "worker-0.jsonl", [(12, "start", 0, 0), (20, "step", 10, 10)])

@@ -13,7 +13,8 @@ Goodput = worker-seconds whose work was applied / worker-seconds provisioned, wh
   restart (a process whose rank has a later one) are rolled back (torchrun restarts from the
   checkpoint) and not counted. Not detected:
   gemps commits lost to a server restarted from its last checkpoint (scenario e).
-Lost: start-up and restarts, pauses (SIGSTOP), killed processes' unapplied steps, rollbacks.
+Lost: start-up and restarts, pauses (a step's seconds while its slot was stopped, from
+events.json), killed processes' unapplied steps, rollbacks.
 """
 
 from __future__ import annotations
@@ -55,9 +56,36 @@ def incarnations(run_dir: Path) -> list[Incarnation]:
     return found
 
 
-def useful_seconds(incarnation: Incarnation, rolled_back_after: float | None) -> tuple[float, int, int]:
+Pauses = list[tuple[float, float]]  # a slot's stopped spans (SIGSTOP to SIGCONT), wall times
+
+
+def pauses(run_dir: Path) -> dict[int, Pauses]:
+    """Each slot's stopped spans, from the faults the rig applied (events.json; a stop without
+    its cont lasts to the end of the run)."""
+    path = run_dir / "events.json"
+    spans: dict[int, Pauses] = {}
+    stopped: dict[int, float] = {}
+    events = json.loads(path.read_text()) if path.exists() else []
+    for event in events:
+        if event["action"] == "stop":
+            stopped[event["target"]] = event["t"]
+        elif event["action"] == "cont" and event["target"] in stopped:
+            spans.setdefault(event["target"], []).append((stopped.pop(event["target"]), event["t"]))
+    for target, since in stopped.items():
+        spans.setdefault(target, []).append((since, float("inf")))
+    return spans
+
+
+def _paused_within(spans: Pauses, start: float, end: float) -> float:
+    return sum(max(0.0, min(end, stop) - max(start, begin)) for begin, stop in spans)
+
+
+def useful_seconds(
+    incarnation: Incarnation, rolled_back_after: float | None, paused: Pauses | None = None
+) -> tuple[float, int, int]:
     """(worker-seconds of applied work, samples computed, samples applied) of one process; steps
-    after `rolled_back_after` (a wall time) are not counted as applied."""
+    after `rolled_back_after` (a wall time) are not counted as applied, nor a step's seconds
+    its process spent stopped (`paused`: it did no work then)."""
     useful, pending_seconds, pending_samples = 0.0, 0.0, 0
     previous = incarnation.lines[0]
     applied = 0
@@ -65,7 +93,7 @@ def useful_seconds(incarnation: Incarnation, rolled_back_after: float | None) ->
         if line["event"] != "step":
             previous = line
             continue
-        pending_seconds += line["t"] - previous["t"]
+        pending_seconds += line["t"] - previous["t"] - _paused_within(paused or [], previous["t"], line["t"])
         pending_samples += line["samples"] - previous["samples"]
         newly = line["applied"] - previous["applied"]
         if newly > 0 and (rolled_back_after is None or line["t"] <= rolled_back_after):
@@ -104,12 +132,13 @@ def cell_metrics(
     wire: dict[str, int],
 ) -> dict[str, Any]:
     processes = incarnations(run_dir)
+    stopped = pauses(run_dir)
     useful, computed, applied = 0.0, 0, 0
     has_checkpoints = any(line["event"] == "checkpoint" for p in processes for line in p.lines)
     for index, process in enumerate(processes):
         restarted = any(later.rank == process.rank for later in processes[index + 1 :])
         rollback = _rollback_time(processes, process) if has_checkpoints and restarted else None
-        seconds, samples, kept = useful_seconds(process, rollback)
+        seconds, samples, kept = useful_seconds(process, rollback, stopped.get(process.rank, []))
         useful += seconds
         computed += samples
         applied += kept
