@@ -14,7 +14,7 @@ import gemps
 from gemps.pytorch import RemoteModel, RemoteOptimizer
 from gemps_worker.datasets import load_digits
 from gemps_worker.held_out import evaluate
-from gemps_worker.training import WorkerOptions
+from gemps_worker.training import StepRecord, WorkerHooks, WorkerOptions, run_worker
 from tests.helpers import InProcessServer
 from tests.integration.conftest import StartServer
 
@@ -93,3 +93,13 @@ def test_an_error_of_the_commit_in_flight_is_raised_by_the_next_step(server: InP
 def test_the_worker_refuses_overlap_where_its_mode_commits_local_steps() -> None:
     assert any("overlap" in p for p in WorkerOptions(overlap=True, mode="agn").problems())
     assert not WorkerOptions(overlap=True).problems()
+
+
+def test_the_reference_worker_overlaps_sends_max_steps_and_reports_the_last(server: InProcessServer) -> None:
+    records: list[StepRecord] = []
+    options = WorkerOptions(server=server.target, overlap=True, max_steps=12, epochs=5, metrics_port=-1)
+    summary = run_worker(options, hooks=WorkerHooks(on_step=records.append))
+    # --max-steps counts the commit in flight: 12 sent, the last reported once flushed
+    assert server.server.state.version == summary.steps == len(records) == 12
+    assert [r.version for r in records] == list(range(1, 13)) and summary.final_version == 12
+    assert records[0].staleness == 0 and all(r.staleness == 1 for r in records[1:])  # one worker, one step late

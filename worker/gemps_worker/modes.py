@@ -123,6 +123,10 @@ class TrainingMode(ABC):
     def on_batch(self, loss_of_batch: LossFunction, batch_size: int) -> Committed | None:
         """Train on one mini-batch; return what was committed, if this batch ended a commit."""
 
+    def finish(self) -> Committed | None:
+        """Training ends: what a commit still in flight did (overlap), once applied; else None."""
+        return None
+
     def _backward(self, loss_of_batch: LossFunction) -> float:
         self.remote.zero_grad()
         loss = loss_of_batch()
@@ -151,11 +155,21 @@ class TrainingMode(ABC):
 
 
 class GradientMode(TrainingMode):
+    _in_flight_loss = 0.0  # with overlap: the loss of the commit in flight
+
     def on_batch(self, loss_of_batch: LossFunction, batch_size: int) -> Committed | None:
         loss = self._backward(loss_of_batch)
         result = self.remote.step(loss=loss, num_samples=batch_size)
-        # with overlap the result is the previous commit's (none at the first step)
-        return None if result is None else Committed(result, loss)
+        if not self.remote.overlap:
+            assert result is not None
+            return Committed(result, loss)
+        # with overlap the result is the commit before's (none at the first step), and so its loss
+        previous, self._in_flight_loss = self._in_flight_loss, loss
+        return None if result is None else Committed(result, previous)
+
+    def finish(self) -> Committed | None:
+        result = self.remote.flush()
+        return None if result is None else Committed(result, self._in_flight_loss)
 
 
 class AccumulatedMode(TrainingMode):

@@ -28,7 +28,7 @@ from gemps_proto.reply_differences import REPLY_COMPRESSIONS
 from gemps_proto.tensor_codec import COMPRESSIONS, WIRE_DTYPE_NAMES
 from gemps_worker.datasets import DATASETS, Dataset, load_dataset
 from gemps_worker.models import MODELS, build_model
-from gemps_worker.modes import LOCAL_OPTIMIZERS, MODES, Diverged, LocalTraining, WorkerMode, create_mode
+from gemps_worker.modes import LOCAL_OPTIMIZERS, MODES, Committed, Diverged, LocalTraining, WorkerMode, create_mode
 from gemps_worker.progress import WorkerProgress
 from gemps_worker.sharding import epoch_batches
 
@@ -298,58 +298,68 @@ def run_worker(
             )
             if hooks.on_registered is not None:
                 hooks.on_registered(reg)
-            started = time.perf_counter()
             until = time.monotonic() + options.max_seconds if options.max_seconds else math.inf
             progress = WorkerProgress(options.log_every, log)
-            for epoch in range(options.epochs):
-                for batch in epoch_batches(len(train_x), reg.shard, reg.config.batch_size, epoch, options.seed):
-                    if (
-                        stop.is_set()
-                        or (options.max_steps and summary.steps >= options.max_steps)
-                        or time.monotonic() >= until
-                    ):
-                        summary.stopped_early = stop.is_set()
-                        return summary
-                    index = torch.from_numpy(batch).to(device)
+            started = time.perf_counter()
 
-                    def loss_of_batch(index: torch.Tensor = index) -> torch.Tensor:
-                        return F.cross_entropy(model(train_x[index]), train_y[index])
+            def reported(committed: Committed) -> None:
+                nonlocal started
+                now = time.perf_counter()
+                result = committed.result
+                metrics.observe_commit(now - started, committed.loss, result.staleness)
+                started = now
+                summary.steps += 1
+                summary.final_version = result.version
+                _remember(summary, committed.loss)
+                progress.committed(summary.steps, result.version, committed.loss, result.staleness)
+                record = StepRecord(
+                    summary.steps,
+                    result.version,
+                    committed.loss,
+                    result.staleness,
+                    result.scaling_mean,
+                    time.time(),
+                    result.scaling_median,
+                    result.scaling_at_zero,
+                    result.scaling_at_max,
+                    committed.local_steps,
+                )
+                if hooks.on_step is not None:
+                    hooks.on_step(record)
+                if report is not None:
+                    report.write(json.dumps(asdict(record)) + "\n")
 
-                    if options.batch_delay and stop.wait(options.batch_delay):
-                        continue  # stopped while waiting: the loop's check returns
-                    try:
-                        committed = mode.on_batch(loss_of_batch, len(batch))
-                    except Diverged as error:
-                        log.warning("diverged after %d commits: %s; leaving", summary.steps, error)
-                        summary.diverged = True
-                        return summary
-                    progress.trained(len(batch))
-                    if committed is None:
-                        continue
-                    now = time.perf_counter()
-                    result = committed.result
-                    metrics.observe_commit(now - started, committed.loss, result.staleness)
-                    started = now
-                    summary.steps += 1
-                    summary.final_version = result.version
-                    _remember(summary, committed.loss)
-                    progress.committed(summary.steps, result.version, committed.loss, result.staleness)
-                    record = StepRecord(
-                        summary.steps,
-                        result.version,
-                        committed.loss,
-                        result.staleness,
-                        result.scaling_mean,
-                        time.time(),
-                        result.scaling_median,
-                        result.scaling_at_zero,
-                        result.scaling_at_max,
-                        committed.local_steps,
-                    )
-                    if hooks.on_step is not None:
-                        hooks.on_step(record)
-                    if report is not None:
-                        report.write(json.dumps(asdict(record)) + "\n")
+            def train_batches() -> None:
+                """Until the epochs end, a stop, --max-steps commits sent or --max-seconds."""
+                for epoch in range(options.epochs):
+                    for batch in epoch_batches(len(train_x), reg.shard, reg.config.batch_size, epoch, options.seed):
+                        sent = summary.steps + mode.remote.in_flight  # a commit in flight (overlap) is sent
+                        over = (options.max_steps and sent >= options.max_steps) or time.monotonic() >= until
+                        if stop.is_set() or over:
+                            summary.stopped_early = stop.is_set()
+                            return
+                        index = torch.from_numpy(batch).to(device)
+
+                        def loss_of_batch(index: torch.Tensor = index) -> torch.Tensor:
+                            return F.cross_entropy(model(train_x[index]), train_y[index])
+
+                        if options.batch_delay and stop.wait(options.batch_delay):
+                            continue  # stopped while waiting: the loop's check returns
+                        try:
+                            committed = mode.on_batch(loss_of_batch, len(batch))
+                        except Diverged as error:
+                            log.warning("diverged after %d commits: %s; leaving", summary.steps, error)
+                            summary.diverged = True
+                            return
+                        progress.trained(len(batch))
+                        if committed is not None:
+                            reported(committed)
+
+            train_batches()
+            last = None if summary.diverged else mode.finish()  # the commit still in flight (overlap)
+            if last is not None:
+                reported(last)
+            return summary
     except StoppedError as error:  # SIGTERM while the server was unreachable
         log.warning("%s", error.message)
         summary.stopped_early = True

@@ -97,6 +97,7 @@ class RemoteModel:
         self._version = 0
         self._registered: Registration | None = None  # as the server last registered this worker
         # With overlap: the commit in flight (on the leader), and on every rank whether one is
+        self.overlap = overlap
         self._in_flight: InFlight[Called] | None = InFlight() if overlap else None
         self._staging = Staging(self._grad) if overlap else None
         self._launched = False
@@ -204,6 +205,11 @@ class RemoteModel:
             self._in_flight.submit(lambda: self._called(commit))
         self._launched = True
         return previous
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a commit is in flight (overlap): sent, its reply not loaded yet."""
+        return self._launched
 
     def flush(self) -> CommitResult | None:
         """Wait for the commit in flight (overlap) and load the central variable its reply carries;
