@@ -81,7 +81,7 @@ def test_grpc_refuses_a_revoked_client_and_a_new_revocation_on_its_next_call(
             return failed.code() == grpc.StatusCode.UNAUTHENTICATED
         return False
 
-    wait_for(refused_now, timeout=5 * RECHECK_SECONDS, what="the new revocation in force")
+    wait_for(refused_now, timeout=10 * RECHECK_SECONDS, what="the new revocation in force")
 
 
 def test_the_sdk_is_told_why(start_server: StartServer, ca: Authority, tmp_path: Path) -> None:
