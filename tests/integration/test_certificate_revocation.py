@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import gemps
 from gemps_proto.reasons import METADATA_KEY
@@ -184,3 +185,25 @@ def test_a_bad_list_refuses_the_start_naming_it(ca: Authority, tmp_path: Path) -
     )  # fmt: skip
     assert done.returncode != 0 and "not a certificate revocation list" in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+def test_every_kind_of_call_of_a_certificate_not_revoked_goes_through(
+    start_server: StartServer, ca: Authority, tmp_path: Path
+) -> None:
+    """The guard wraps each handler whatever its shape: the streamed register, commit and pull of an
+    honest worker (gRPC only, in pieces), and the health Watch stream, pass it."""
+    honest, stolen = ca.issue("streaming-honest"), ca.issue("streaming-stolen")
+    crl = ca.revoke(tmp_path / "crl.pem", stolen)
+    server = start_server(rule="downpour", **mutual(ca, ca.issue("server", server=True), crl))
+    with gemps.Client(
+        server.target, plane="grpc", streaming="always",
+        ca_cert=str(ca.ca.cert), client_cert=str(honest.cert), client_key=str(honest.key),
+    ) as client:  # fmt: skip
+        client.register({"w": np.zeros(P, np.float32)})
+        assert client.commit(np.ones(P, np.float32), kind="update").version == 1
+        assert client.pull().flat[0] == 1.0
+    watch = health_pb2_grpc.HealthStub(tls_channel(server.target, ca.ca.cert, honest)).Watch(
+        health_pb2.HealthCheckRequest(), timeout=10
+    )
+    assert next(iter(watch)).status == health_pb2.HealthCheckResponse.SERVING
+    watch.cancel()
