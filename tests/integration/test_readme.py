@@ -128,6 +128,12 @@ def remote_model(ran: Ran) -> None:
     assert (index, count) == (0, 0) == ran.batches.shards[0]  # the only worker; num_shards 0: all the data
 
 
+def local_steps(ran: Ran) -> None:
+    """The SDK page's LocalSteps: windows of 2 local steps over the 3 batches, the last one
+    unfinished and committed by close()."""
+    assert ran.status.version == 2 and ran.status.active_workers == 0
+
+
 def client(ran: Ran) -> None:
     assert ran.namespace["result"].version == 1
     assert ran.status.version == 2  # the gradient, then the update
@@ -183,6 +189,7 @@ CHECKS: dict[str, Callable[[Ran], None]] = {
     "optimizer.step(loss=loss)": readme_optimizer,
     "MyResNet()": remote_optimizer,
     "RemoteModel(": remote_model,
+    "LocalSteps(": local_steps,
     "gemps.Client(": client,
     "options.add_arguments(": options,
     "AsyncClient(": async_client,

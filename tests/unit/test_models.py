@@ -10,6 +10,7 @@ SHAPES = {
     "mlp": (1, 8, 8),
     "wide-mlp": (1, 8, 8),
     "wider-mlp": (1, 8, 8),
+    "widest-mlp": (1, 8, 8),
     "digits-cnn": (1, 8, 8),
     "mnist-cnn": (1, 28, 28),
     "resnet-bn": (1, 8, 8),
