@@ -7,24 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from gemps.pytorch import LocalSteps, RemoteOptimizer
 from gemps_worker.datasets import load_digits
 from gemps_worker.held_out import evaluate
+from tests.digits_steps import layer_of, linear, train_steps
 from tests.helpers import InProcessServer
 from tests.integration.conftest import StartServer
-
-
-def linear() -> torch.nn.Sequential:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
-
-
-def layer_of(model: torch.nn.Sequential) -> torch.nn.Linear:
-    found = model[1]
-    assert isinstance(found, torch.nn.Linear)
-    return found
 
 
 def nanogpt_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, object]]:
@@ -68,17 +57,10 @@ def test_local_adamw_learns_digits_through_gem(start_server: StartServer) -> Non
     data = load_digits()
     x, y = torch.from_numpy(data.train_x), torch.from_numpy(data.train_y)
     model = linear()
-    rng = np.random.default_rng(0)
     inner = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
     with LocalSteps(model, inner, server.target, steps=4) as optimizer:
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=200)  # the inner lr is the user's
-        for _ in range(200):
-            batch = torch.from_numpy(rng.choice(len(x), size=64, replace=False))
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x[batch]), y[batch])
-            loss.backward()
-            optimizer.step(loss=loss)
-            scheduler.step()
+        train_steps(model, optimizer, x, y, 200, after_step=scheduler.step)
         assert optimizer.last_result is not None and optimizer.last_result.version == 50
     assert evaluate(model, data.test_x, data.test_y)[1] > 0.9
 

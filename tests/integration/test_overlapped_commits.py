@@ -15,13 +15,9 @@ from gemps.pytorch import RemoteModel, RemoteOptimizer
 from gemps_worker.datasets import load_digits
 from gemps_worker.held_out import evaluate
 from gemps_worker.training import StepRecord, WorkerHooks, WorkerOptions, run_worker
+from tests.digits_steps import layer_of, linear, train_steps
 from tests.helpers import InProcessServer
 from tests.integration.conftest import StartServer
-
-
-def linear() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
 
 
 def backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -62,14 +58,8 @@ def test_overlapped_training_learns_as_the_waiting_worker_does(start_server: Sta
     for overlap in (False, True):
         server = start_server(rule="gem", learning_rate=0.1)
         model = linear()
-        rng = np.random.default_rng(0)
         with RemoteOptimizer(model, server.target, overlap=overlap) as optimizer:
-            for _ in range(150):
-                batch = torch.from_numpy(rng.choice(len(x), size=64, replace=False))
-                optimizer.zero_grad()
-                loss = F.cross_entropy(model(x[batch]), y[batch])
-                loss.backward()
-                optimizer.step(loss=loss)
+            train_steps(model, optimizer, x, y, 150)
         assert server.server.state.version == 150
         accuracy[overlap] = evaluate(model, data.test_x, data.test_y)[1]
     assert accuracy[True] > 0.85 and abs(accuracy[True] - accuracy[False]) < 0.03, accuracy
@@ -81,7 +71,7 @@ def test_an_error_of_the_commit_in_flight_is_raised_by_the_next_step(server: InP
     with RemoteModel(model, server.target, overlap=True) as remote:
         remote.step(loss=backward(model, x, y), num_samples=8)
         backward(model, x, y)
-        model[1].weight.grad[0, 0] = float("nan")  # type: ignore[index]  # refused by the client, on the commit thread
+        layer_of(model).weight.grad[0, 0] = float("nan")  # type: ignore[index]  # refused by the client, on the commit thread
         remote.step(num_samples=8, loss=1.0)  # returns the first commit's result; the NaN one is in flight
         with pytest.raises(gemps.InvalidArgumentError, match=r"NaN|non-finite|finite"):
             remote.step(loss=backward(model, x, y), num_samples=8)
