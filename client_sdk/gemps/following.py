@@ -39,7 +39,9 @@ Follow = Callable[[], Transport | None]
 class FollowingTransport:
     """`transport`, replaced by the one `follow` gives after a failure when its server moved; the
     new one is handed `registered()`, the session's registration (another replica of a partition
-    knows it: its data plane takes the same ticket)."""
+    knows it: its data plane takes the same ticket). `announced`: the address is one a server of
+    this client announced (partition 0's layout), not the user's: another gRPC service there is the
+    partition gone from its first call, not a wrong address to refuse."""
 
     def __init__(
         self,
@@ -47,10 +49,13 @@ class FollowingTransport:
         follow: Follow | None = None,
         registered: Callable[[], Registration | None] | None = None,
         watch: PrimaryWatch | None = None,
+        *,
+        announced: bool = False,
     ) -> None:
         self.transport = transport
         self.follow = follow
         self.registered = registered
+        self.announced = announced
         self.watch = watch  # a replicated partition: calls waiting on a stopped primary move on
         self.moves = 0  # how often it followed its server to another address
         self._suspect = False  # a call failed in a way worth another attempt: the server may have moved
@@ -109,13 +114,14 @@ class FollowingTransport:
             if self._suspect:
                 self._follow()
             transport = self.transport
-        # Once registered here, another gRPC service at the address (UNIMPLEMENTED) is whoever
-        # took the port since the server died: gone, retried, on every call (registering again too).
+        # Once registered here (or at an address a server of ours announced), another gRPC service
+        # at the address (UNIMPLEMENTED) is whoever took the port since the server died: gone,
+        # retried, on every call (registering again too).
         with self.watch.watching(transport) if self.watch is not None else _unwatched(transport) as watched:
             try:
                 result = call(transport)
             except errors.GempsError as error:
-                known = self.registered is not None and self.registered() is not None
+                known = self.announced or (self.registered is not None and self.registered() is not None)
                 failure = errors.foreign_as_gone(transport.target, error) if known else error
                 if watched.took_over:  # interrupted: its partition's primary is elsewhere now
                     failure = _taken_over(transport.target, watched.took_over, error)

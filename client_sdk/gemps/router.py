@@ -358,9 +358,10 @@ class PartitionRouter:
 
     def _session(self, index: int, transport: Transport) -> ServerSession:
         """Partition `index`'s session: it follows the partition when it moves, and (replicated)
-        leaves a primary that stopped answering for the replica that took over."""
+        leaves a primary that stopped answering for the replica that took over. Partition 0 is at
+        the address the user gave; the others where partition 0 announces them."""
         watch = PrimaryWatch(lambda: self._replica_set(index), self._probes)
-        return ServerSession(transport, self.retrier, lambda: self._follow(index), watch)
+        return ServerSession(transport, self.retrier, lambda: self._follow(index), watch, announced=index > 0)
 
     def _replica_set(self, index: int) -> Replicas | None:
         """Partition `index`'s replicas, if it is replicated (partition 0's may be the target given)."""

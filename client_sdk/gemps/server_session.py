@@ -42,11 +42,16 @@ class ServerSession:
     """One server process (all of θ, or one partition of it) and what the client holds of it."""
 
     def __init__(
-        self, transport: Transport, retrier: Retrier, follow: Follow | None = None, watch: PrimaryWatch | None = None
+        self,
+        transport: Transport,
+        retrier: Retrier,
+        follow: Follow | None = None,
+        watch: PrimaryWatch | None = None,
+        *,
+        announced: bool = False,
     ) -> None:
-        self.link = FollowingTransport(
-            transport, follow, lambda: self.registration, watch
-        )  # every call goes through it
+        # Every call goes through the link; `announced` as FollowingTransport's.
+        self.link = FollowingTransport(transport, follow, lambda: self.registration, watch, announced=announced)
         self.retrier = retrier
         self.start = 0  # the range of θ this server holds: [start, stop)
         self.stop = 0

@@ -37,8 +37,8 @@ from gemps_proto.data_plane_frames import Op
 from gemps_proto.data_plane_protocol import ServerConnection
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_worker.cluster import ServerProcess
-from tests.helpers import wait_for
-from tests.integration.conftest import StartServerProcess
+from tests.helpers import free_port, wait_for
+from tests.integration.conftest import StartServer, StartServerProcess
 
 pytestmark = pytest.mark.skipif(
     sys.platform != "linux" or os.geteuid() != 0,
@@ -281,6 +281,17 @@ def test_another_protocol_on_a_dead_servers_data_port_sends_the_client_back_to_r
         restarted.close()
 
 
+class Meter(grpc.ServerInterceptor):
+    """Sets `met` when a call reaches the server it intercepts for."""
+
+    def __init__(self, met: threading.Event) -> None:
+        self.met = met
+
+    def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        self.met.set()
+        return continuation(details)
+
+
 @pytest.mark.parametrize("plane", ["grpc", "data"])
 def test_another_grpc_service_on_a_dead_servers_port_is_the_server_gone_not_a_refusal(
     plane: str, start_server_process: StartServerProcess
@@ -293,14 +304,8 @@ def test_another_grpc_service_on_a_dead_servers_port_is_the_server_gone_not_a_re
     server = start_server_process()
     client = gemps.Client(server.target, plane=plane, shared_memory=False, retry=FAST_RETRY, timeout=60)
     met = threading.Event()
-
-    class Meter(grpc.ServerInterceptor):
-        def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
-            met.set()
-            return continuation(details)
-
     # No gemps service: every call is UNIMPLEMENTED, after the interceptor has seen it.
-    foreign = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2), interceptors=[Meter()])
+    foreign = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2), interceptors=[Meter(met)])
     restarted = ServerProcess(port=server.port)
     try:
         client.register({"w": np.zeros(P, np.float32)})
@@ -324,3 +329,38 @@ def test_another_grpc_service_on_a_dead_servers_port_is_the_server_gone_not_a_re
         foreign.stop(None)
         client.close()
         restarted.close()
+
+
+def test_another_grpc_service_where_a_partition_is_announced_is_that_partition_gone(
+    start_server: StartServer,
+) -> None:
+    """A worker that starts (or restarts) while partition 1 is down, another gRPC service on its
+    port (in a Ray run, a Ray process took it): the address is partition 0's announcement, not the
+    user's, so UNIMPLEMENTED there is partition 1 gone, retried until it is back, even before this
+    client ever registered with it (CI met it as a restarted Ray worker's failed registration)."""
+    common: dict[str, Any] = {"partitions": 2, "rule": "downpour", "port": free_port()}
+    second = start_server(**common, partition_index=1)
+    first = start_server(**{**common, "port": 0}, partition_index=0, partition_addresses=f",:{second.port}")
+    second.stop()
+    met = threading.Event()
+    foreign = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2), interceptors=[Meter(met)])
+    assert foreign.add_insecure_port(f"127.0.0.1:{second.port}") == second.port
+    foreign.start()
+
+    def swap() -> None:  # once met, the other service goes and partition 1 comes back on its port
+        met.wait(60)
+        foreign.stop(None).wait()
+        start_server(**common, partition_index=1)
+
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    try:
+        with gemps.Client(first.target, plane="grpc", retry=FAST_RETRY, timeout=60) as client:
+            client.register({"w": np.zeros(P, np.float32)})
+            result = client.commit(np.ones(P, np.float32), kind="update")
+        assert met.is_set()
+        assert result.version == 1
+    finally:
+        met.set()
+        swapper.join()
+        foreign.stop(None)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import gemps
 from gemps.pytorch import LocalSteps, RemoteOptimizer
 from gemps_worker.datasets import load_digits
 from gemps_worker.held_out import evaluate
@@ -77,6 +78,8 @@ def test_an_optimizer_of_other_tensors_or_missing_some_is_refused(server: InProc
         LocalSteps(model, torch.optim.AdamW(model.parameters()), server.target, overlap=True)
     with pytest.raises(TypeError, match="LocalSteps takes a torch optimizer"):
         LocalSteps(model, "adamw", server.target)  # type: ignore[arg-type]
+    with gemps.Client(server.target) as observer:
+        assert observer.status().active_workers == 0  # a refused optimizer left no worker registered
 
 
 def test_remote_optimizer_refusing_adam_settings_points_to_local_steps(server: InProcessServer) -> None:

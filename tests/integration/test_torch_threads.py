@@ -26,6 +26,9 @@ def roster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(torch_threads, "_ours", None)
     monkeypatch.setattr(torch_threads, "_warned", False)
+    # Counted from none in this test, whatever an earlier test in this process left bound.
+    monkeypatch.setattr(Roster, "_bound", 0)
+    monkeypatch.setattr(Roster, "_pid", os.getpid())
     before = torch.get_num_threads()
     Roster.folder().mkdir(mode=0o700)
     yield Roster.folder()

@@ -62,7 +62,11 @@ class LocalSteps(torch.optim.Optimizer):
             raise ValueError("overlap is for gradients committed every step (RemoteModel, RemoteOptimizer): "
                              "LocalSteps commits once a window, after its local steps")  # fmt: skip
         self.remote = RemoteModel(model, client, name=name, **options)
-        _check_same_parameters(optimizer, self.remote.trained)
+        try:
+            _check_same_parameters(optimizer, self.remote.trained)
+        except ValueError:
+            self.remote.close()  # refused: not left registered (nor counted among this machine's workers)
+            raise
         self.optimizer = optimizer
         self.steps, self.outer_learning_rate = steps, outer_learning_rate
         super().__init__(self.remote.trained, defaults={})
