@@ -189,7 +189,7 @@ FLEET = 100
 
 
 def gem_state_line(status: ServerStatus) -> str:
-    """How GEM keeps each worker's state and what it costs: "compact, 2.00 bytes per worker per
+    """How GEM keeps each worker's state and what it costs: "compact, 2.25 bytes per worker per
     parameter (20.0 MiB a worker; 80.0 MiB shared); 100 workers: 2.0 GiB"."""
     each, shared = status.worker_state_bytes, status.shared_rule_state_bytes
     if not status.num_parameters:

@@ -14,7 +14,7 @@ from gemps_server.domain.rules import block_codes
 from tests.helpers import scrape, start_partitions
 from tests.integration.conftest import StartServer
 
-P = 3 * block_codes.BLOCK + 100  # several blocks, the last one short
+P = 12_388  # several chunks of the compiled pass and many blocks, the last of each short
 WORKERS = 4
 
 
@@ -87,8 +87,8 @@ def test_compact_state_is_reported_where_operators_look(
     assert metrics["gemps_rule_shared_state_bytes"] == 2 * 4 * P
     assert gemps_main(["status", "--server", server.target]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("GEM state"))
-    assert "compact, 2.00 bytes per worker per parameter (24.2 KiB a worker; 96.8 KiB shared)" in line, line
-    assert line.endswith("100 workers: 2.5 MiB"), line  # 100 x 24.2 KiB + 96.8 KiB
+    assert "compact, 2.25 bytes per worker per parameter (27.2 KiB a worker; 96.8 KiB shared)" in line, line
+    assert line.endswith("100 workers: 2.8 MiB"), line  # 100 x 27.2 KiB + 96.8 KiB
 
 
 def test_the_exact_state_is_said_too_and_other_rules_have_none(

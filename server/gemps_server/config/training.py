@@ -69,7 +69,7 @@ class WorkerOptions:
         default="exact",
         metadata={
             "help": "how GEM keeps each worker's m_i and s_i: exact (two float32 vectors, 8 bytes per worker per "
-            "parameter) or compact (8-bit codes, about 2 bytes, plus two copies of theta the workers share; "
+            "parameter) or compact (8-bit codes, about 2.25 bytes, plus two copies of theta the workers share; "
             "DESIGN §1a)",
             "choices": GEM_STATES,
         },

@@ -5,7 +5,8 @@
 
 #include "module.h"
 
-#define CODE_BLOCK 4096 /* block_codes.BLOCK */
+#define CODE_BLOCK 32 /* block_codes.BLOCK: values sharing a scale */
+#define CODE_CHUNK 4096 /* blocks the compiled pass takes at once (a multiple of CODE_BLOCK and of the noise run) */
 #define SMALL_BITS 0x38800000u /* bits of 2**-14: below it the code's step is linear */
 #define SUBNORMAL_SCALE 131072.0f /* 2**17 */
 #define LARGEST_CODE 120u /* block_codes.LARGEST_CODE: 1.0, the scale itself */

@@ -14,9 +14,10 @@
  *     offset' = (theta, or theta' when the own step is excluded) - R_write
  *     m_i, offset_i <- encode(m), encode(offset')
  *
- * The new codes' scales are set before the block's pass, so it encodes as it goes (one pass, no
- * scratch): m_i's is a bound on |m|, |mu| * its old scale + |scale| * max |u| (at most 1/(1 - mu)
- * of the largest |Delta| lately: the codes' relative precision does not depend on the scale, only
+ * The pass goes a chunk of CODE_CHUNK values at a time (one build's function each), and a chunk a
+ * block of CODE_BLOCK at a time. A block's new scales are set before its values are, so it encodes
+ * as it goes (one pass, no scratch): m_i's is a bound on |m|, |mu| * its old scale + |scale| *
+ * max |u| (at most 1/(1 - mu) of the largest |Delta| lately: the codes' relative precision does not depend on the scale, only
  * how far below it they reach); the offset's is max |theta - R_write| (the own step excluded: plus
  * pi_max * max |Delta|), both from a first look at the block's u, theta and R_write.
  *
@@ -35,6 +36,14 @@ typedef struct {
     float scale, momentum, kappa, pi_max, epsilon;
     int amplify, excluded;
 } Hyper;
+
+/* A chunk's statistics summed by position in a block (lane k of every block into [k]): the blocks'
+ * loops add vectors, and the horizontal sums are left to the chunk's end (done per block of 32 they
+ * cost more than the block's arithmetic). */
+typedef struct {
+    float pi[CODE_BLOCK], proxy[CODE_BLOCK], central[CODE_BLOCK], at_zero[CODE_BLOCK], at_max[CODE_BLOCK];
+    float moving[CODE_BLOCK], theta_peak[CODE_BLOCK];
+} LaneSums;
 
 /* A block's new scales, as gem_compact.py's numpy pass: m_i's bound and the offset's. */
 static inline __attribute__((always_inline)) void
@@ -73,36 +82,79 @@ next_scales(const float *restrict bt, const float *restrict bw, const float *res
                 epsilon = h->epsilon;                                                                            \
     const int amplify = h->amplify, excluded = h->excluded;
 
-/* The block's update in place: its new scales (into *proxy_next and *offset_next), then theta and
- * the codes against them, pi kept for the median's sample, the statistics and max |theta'| summed. */
-#define UPDATE_BLOCK(SUFFIX, TARGET)                                                                               \
-    TARGET static void update_block_##SUFFIX(                                                                      \
-        float *restrict bt, uint8_t *restrict bpc, float proxy_scale, float *restrict proxy_next,                  \
-        uint8_t *restrict boc, float offset_scale, float *restrict offset_next, const float *restrict br,          \
-        const float *restrict bw, const float *restrict bu, Py_ssize_t length, const Hyper *restrict h,            \
-        float *restrict pis, Sums *restrict sums)                                                                  \
+/* One block's update: its new scales (over its old ones in `ps` and `os`), then theta and the codes
+ * against them, pi kept for the median's sample and the statistics added to `lanes`; the new scales
+ * are returned for the chunk's peaks. Inlined into each build, and called with `count` CODE_BLOCK
+ * for every full block so that the compiler unrolls its loops. */
+static inline __attribute__((always_inline)) void
+update_block(float *restrict bt, uint8_t *restrict bpc, float *restrict ps, uint8_t *restrict boc,
+             float *restrict os, const float *restrict br, const float *restrict bw, const float *restrict bu,
+             Py_ssize_t first, Py_ssize_t count, const Hyper *restrict h, float *restrict pis,
+             LaneSums *restrict lanes, float *restrict proxy_new, float *restrict offset_new)
+{
+    HYPER_LOCALS
+    const Py_ssize_t block = first / CODE_BLOCK;
+    const float proxy_scale = ps[block], offset_scale = os[block];
+    float proxy_next, offset_next;
+    next_scales(bt + first, bw + first, bu + first, count, h, proxy_scale, &proxy_next, &offset_next);
+    const float proxy_reciprocal = reciprocal_of(proxy_next), offset_reciprocal = reciprocal_of(offset_next);
+#pragma omp simd
+    for (Py_ssize_t k = 0; k < count; k++) {
+        const Py_ssize_t j = first + k;
+        COMPACT_PARAMETER
+        bt[j] = moved;
+        bpc[j] = encode_code(m, proxy_reciprocal);
+        boc[j] = encode_code(moved_offset, offset_reciprocal);
+        const int moves = delta != 0.0f; /* pi's statistics leave out what the commit does not move */
+        pis[j] = moves ? pi : NAN;
+        const float theta_size = fabsf(moved);
+        lanes->theta_peak[k] = theta_size > lanes->theta_peak[k] ? theta_size : lanes->theta_peak[k];
+        lanes->pi[k] += moves ? pi : 0.0f;
+        lanes->moving[k] += moves ? 1.0f : 0.0f;
+        lanes->proxy[k] += proxy_term;
+        lanes->central[k] += movement + pi * denominator;
+        lanes->at_zero[k] += moves && pi <= 0.0f ? 1.0f : 0.0f;
+        lanes->at_max[k] += moves && pi >= pi_max ? 1.0f : 0.0f;
+    }
+    ps[block] = proxy_next;
+    os[block] = offset_next;
+    *proxy_new = proxy_next;
+    *offset_new = offset_next;
+}
+
+/* A chunk's update in place, block by block (update_block); its statistics and max |theta'| added to
+ * `sums`, and its largest new scales into *proxy_peak and *offset_peak. */
+#define UPDATE_CHUNK(SUFFIX, TARGET)                                                                               \
+    TARGET static void update_chunk_##SUFFIX(                                                                      \
+        float *restrict bt, uint8_t *restrict bpc, float *restrict ps, uint8_t *restrict boc, float *restrict os,  \
+        const float *restrict br, const float *restrict bw, const float *restrict bu, Py_ssize_t length,           \
+        const Hyper *restrict h, float *restrict pis, Sums *restrict sums, float *restrict proxy_peak,             \
+        float *restrict offset_peak)                                                                               \
     {                                                                                                              \
-        HYPER_LOCALS                                                                                               \
-        next_scales(bt, bw, bu, length, h, proxy_scale, proxy_next, offset_next);                                  \
-        const float proxy_reciprocal = reciprocal_of(*proxy_next), offset_reciprocal = reciprocal_of(*offset_next); \
+        LaneSums lanes;                                                                                            \
+        memset(&lanes, 0, sizeof lanes);                                                                           \
+        float proxy_high = 0.0f, offset_high = 0.0f, proxy_next, offset_next;                                      \
+        for (Py_ssize_t first = 0; first < length; first += CODE_BLOCK) {                                          \
+            if (first + CODE_BLOCK <= length) {                                                                    \
+                update_block(bt, bpc, ps, boc, os, br, bw, bu, first, CODE_BLOCK, h, pis, &lanes, &proxy_next,     \
+                             &offset_next);                                                                        \
+            } else {                                                                                               \
+                update_block(bt, bpc, ps, boc, os, br, bw, bu, first, length - first, h, pis, &lanes, &proxy_next, \
+                             &offset_next);                                                                        \
+            }                                                                                                      \
+            proxy_high = proxy_next > proxy_high ? proxy_next : proxy_high;                                        \
+            offset_high = offset_next > offset_high ? offset_next : offset_high;                                   \
+        }                                                                                                          \
         float pi_sum = 0.0f, proxy_sum = 0.0f, central_sum = 0.0f, at_zero = 0.0f, at_max = 0.0f, moving = 0.0f;   \
         float theta_peak = 0.0f;                                                                                   \
-        _Pragma("omp simd reduction(+ : pi_sum, proxy_sum, central_sum, at_zero, at_max, moving) reduction(max : theta_peak)") \
-        for (Py_ssize_t j = 0; j < length; j++) {                                                                  \
-            COMPACT_PARAMETER                                                                                      \
-            bt[j] = moved;                                                                                         \
-            bpc[j] = encode_code(m, proxy_reciprocal);                                                             \
-            boc[j] = encode_code(moved_offset, offset_reciprocal);                                                 \
-            const int moves = delta != 0.0f; /* pi's statistics leave out what the commit does not move */         \
-            pis[j] = moves ? pi : NAN;                                                                             \
-            const float theta_size = fabsf(moved);                                                                 \
-            theta_peak = theta_size > theta_peak ? theta_size : theta_peak; /* a ternary vectorises, fmaxf not */  \
-            pi_sum += moves ? pi : 0.0f;                                                                           \
-            moving += moves ? 1.0f : 0.0f;                                                                         \
-            proxy_sum += proxy_term;                                                                               \
-            central_sum += movement + pi * denominator;                                                            \
-            at_zero += moves && pi <= 0.0f ? 1.0f : 0.0f;                                                          \
-            at_max += moves && pi >= pi_max ? 1.0f : 0.0f;                                                         \
+        for (Py_ssize_t k = 0; k < CODE_BLOCK; k++) {                                                              \
+            pi_sum += lanes.pi[k];                                                                                 \
+            proxy_sum += lanes.proxy[k];                                                                           \
+            central_sum += lanes.central[k];                                                                       \
+            at_zero += lanes.at_zero[k];                                                                           \
+            at_max += lanes.at_max[k];                                                                             \
+            moving += lanes.moving[k];                                                                             \
+            theta_peak = lanes.theta_peak[k] > theta_peak ? lanes.theta_peak[k] : theta_peak;                      \
         }                                                                                                          \
         sums->pi_sum += pi_sum;                                                                                    \
         sums->proxy_energy += proxy_sum;                                                                           \
@@ -111,21 +163,28 @@ next_scales(const float *restrict bt, const float *restrict bw, const float *res
         sums->at_max += at_max;                                                                                    \
         sums->moving += moving;                                                                                    \
         sums->theta_peak = theta_peak > sums->theta_peak ? theta_peak : sums->theta_peak;                          \
+        *proxy_peak = proxy_high;                                                                                  \
+        *offset_peak = offset_high;                                                                                \
     }
 
-/* The same values, only checked: 1 when every new theta, m_i and offset is finite. */
-#define CHECK_BLOCK(SUFFIX, TARGET)                                                                                \
-    TARGET static int check_block_##SUFFIX(const float *restrict bt, const uint8_t *restrict bpc, float proxy_scale, \
-                                           const uint8_t *restrict boc, float offset_scale,                        \
-                                           const float *restrict br, const float *restrict bw,                     \
-                                           const float *restrict bu, Py_ssize_t length, const Hyper *restrict h)   \
+/* The same values, only checked: 1 when every new theta, m_i and offset of the chunk is finite. */
+#define CHECK_CHUNK(SUFFIX, TARGET)                                                                                \
+    TARGET static int check_chunk_##SUFFIX(const float *restrict bt, const uint8_t *restrict bpc,                  \
+                                           const float *restrict ps, const uint8_t *restrict boc,                  \
+                                           const float *restrict os, const float *restrict br,                     \
+                                           const float *restrict bw, const float *restrict bu, Py_ssize_t length,  \
+                                           const Hyper *restrict h)                                                \
     {                                                                                                              \
         HYPER_LOCALS                                                                                               \
         float bad = 0.0f;                                                                                          \
-        _Pragma("omp simd reduction(+ : bad)")                                                                     \
-        for (Py_ssize_t j = 0; j < length; j++) {                                                                  \
-            COMPACT_PARAMETER                                                                                      \
-            bad += (moved - moved) + (m - m) + (moved_offset - moved_offset); /* 0 while all are finite */         \
+        for (Py_ssize_t first = 0; first < length; first += CODE_BLOCK) {                                          \
+            const Py_ssize_t last = first + CODE_BLOCK < length ? first + CODE_BLOCK : length;                     \
+            const float proxy_scale = ps[first / CODE_BLOCK], offset_scale = os[first / CODE_BLOCK];               \
+            _Pragma("omp simd reduction(+ : bad)")                                                                 \
+            for (Py_ssize_t j = first; j < last; j++) {                                                            \
+                COMPACT_PARAMETER                                                                                  \
+                bad += (moved - moved) + (m - m) + (moved_offset - moved_offset); /* 0 while all are finite */     \
+            }                                                                                                      \
         }                                                                                                          \
         return bad == 0.0f;                                                                                        \
     }
@@ -138,15 +197,16 @@ next_scales(const float *restrict bt, const float *restrict bw, const float *res
     MAKE(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,prefer-vector-width=512"), noinline))) \
     MAKE(avx2, __attribute__((target("avx2"), noinline)))                                                         \
     MAKE(baseline, __attribute__((noinline)))
-VARIANTS(UPDATE_BLOCK)
-VARIANTS(CHECK_BLOCK)
+VARIANTS(UPDATE_CHUNK)
+VARIANTS(CHECK_CHUNK)
 
-typedef void (*UpdateBlock)(float *restrict, uint8_t *restrict, float, float *restrict, uint8_t *restrict, float,
-                            float *restrict, const float *restrict, const float *restrict, const float *restrict,
-                            Py_ssize_t, const Hyper *restrict, float *restrict, Sums *restrict);
-typedef int (*CheckBlock)(const float *restrict, const uint8_t *restrict, float, const uint8_t *restrict, float,
-                          const float *restrict, const float *restrict, const float *restrict, Py_ssize_t,
-                          const Hyper *restrict);
+typedef void (*UpdateChunk)(float *restrict, uint8_t *restrict, float *restrict, uint8_t *restrict, float *restrict,
+                            const float *restrict, const float *restrict, const float *restrict, Py_ssize_t,
+                            const Hyper *restrict, float *restrict, Sums *restrict, float *restrict,
+                            float *restrict);
+typedef int (*CheckChunk)(const float *restrict, const uint8_t *restrict, const float *restrict,
+                          const uint8_t *restrict, const float *restrict, const float *restrict, const float *restrict,
+                          const float *restrict, Py_ssize_t, const Hyper *restrict);
 static int
 runs_avx512(void)
 {
@@ -168,13 +228,13 @@ runs_baseline(void)
 
 static const struct {
     const char *name;
-    UpdateBlock update;
-    CheckBlock check;
+    UpdateChunk update;
+    CheckChunk check;
     int (*runs)(void); /* whether this CPU has what it was built for */
 } VARIANT_TABLE[] = {
-    {"avx512", update_block_avx512, check_block_avx512, runs_avx512},
-    {"avx2", update_block_avx2, check_block_avx2, runs_avx2},
-    {"baseline", update_block_baseline, check_block_baseline, runs_baseline},
+    {"avx512", update_chunk_avx512, check_chunk_avx512, runs_avx512},
+    {"avx2", update_chunk_avx2, check_chunk_avx2, runs_avx2},
+    {"baseline", update_chunk_baseline, check_chunk_baseline, runs_baseline},
 };
 #define VARIANT_COUNT (sizeof VARIANT_TABLE / sizeof VARIANT_TABLE[0])
 static size_t variant = VARIANT_COUNT - 1;
@@ -228,23 +288,22 @@ compact_pass(float *restrict t, uint8_t *restrict pc, float *restrict ps, uint8_
              float *restrict pis)
 {
     SampleCursor cursor = {0, 0};
-    for (Py_ssize_t start = 0; start < n; start += CODE_BLOCK) {
-        const Py_ssize_t length = start + CODE_BLOCK < n ? CODE_BLOCK : n - start, block = start / CODE_BLOCK;
+    for (Py_ssize_t start = 0; start < n; start += CODE_CHUNK) {
+        const Py_ssize_t length = start + CODE_CHUNK < n ? CODE_CHUNK : n - start, block = start / CODE_BLOCK;
         float *restrict bt = t + start;
         const float *restrict bu = u + start, *restrict br = r_read + start, *restrict bw = r_write + start;
         if (!write) { /* a dry run: is every new value finite? (nothing written) */
-            if (!VARIANT_TABLE[variant].check(bt, pc + start, ps[block], oc + start, os[block], br, bw, bu, length, h)) {
+            if (!VARIANT_TABLE[variant].check(bt, pc + start, ps + block, oc + start, os + block, br, bw, bu, length,
+                                              h)) {
                 return 0;
             }
             continue;
         }
-        float proxy_next, offset_next;
-        VARIANT_TABLE[variant].update(bt, pc + start, ps[block], &proxy_next, oc + start, os[block], &offset_next, br,
-                                      bw, bu, length, h, pis, sums);
-        ps[block] = proxy_next;
-        os[block] = offset_next;
-        sums->proxy_peak = proxy_next > sums->proxy_peak ? proxy_next : sums->proxy_peak;
-        peaks->offset_peak = offset_next > peaks->offset_peak ? offset_next : peaks->offset_peak;
+        float proxy_peak, offset_peak;
+        VARIANT_TABLE[variant].update(bt, pc + start, ps + block, oc + start, os + block, br, bw, bu, length, h,
+                                      pis, sums, &proxy_peak, &offset_peak);
+        sums->proxy_peak = proxy_peak > sums->proxy_peak ? proxy_peak : sums->proxy_peak;
+        peaks->offset_peak = offset_peak > peaks->offset_peak ? offset_peak : peaks->offset_peak;
         for (Py_ssize_t k = ((start + stride - 1) / stride) * stride; k < start + length; k += stride) {
             sampled[k / stride] = pis[k - start];
         }
@@ -311,7 +370,7 @@ compact_gem_update(PyObject *self, PyObject *args)
             }
         }
     }
-    float *scratch = PyMem_RawMalloc(CODE_BLOCK * sizeof(float)); /* pi of a block, for the median's sample */
+    float *scratch = PyMem_RawMalloc(CODE_CHUNK * sizeof(float)); /* pi of a chunk, for the median's sample */
     if (scratch == NULL) {
         PyErr_NoMemory();
         goto done;

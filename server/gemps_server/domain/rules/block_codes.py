@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import numpy as np
 
-#: values per block (one float32 peak each: 1/1024 of a byte per value); a multiple of 16, the
-#: noise sample's run (the compiled pass keeps a block's scratch in L2)
-BLOCK = 4096
+#: values per block, which share a float32 scale (1/8 of a byte per value): a value's error is
+#: bounded by its own size and its block's peak, so a few values spiking (a worker's outliers, or an
+#: attacker's) cost precision to their 31 neighbours alone, not to thousands (DESIGN §1a). Divides
+#: the compiled pass's chunk (csrc/compact_codes.h CODE_CHUNK).
+BLOCK = 32
 #: the largest magnitude code: 1.0 (the block's peak); codes above it never come out of encode
 LARGEST_CODE = 120
 _SMALL = np.uint32(0x38800000)  # bits of 2**-14: below it, the linear ("subnormal") step

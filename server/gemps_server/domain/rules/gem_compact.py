@@ -1,4 +1,4 @@
-"""GEM with compact per-worker state (`--gem-state compact`): about 2 bytes per worker per parameter
+"""GEM with compact per-worker state (`--gem-state compact`): about 2.25 bytes per worker per parameter
 where the exact rule (gem.py) keeps 8.
 
 GEM reads two things of worker i's state per parameter: |m_i| (its proxy's velocity, whose sign
