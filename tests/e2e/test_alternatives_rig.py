@@ -1,5 +1,5 @@
 """The comparison with the alternatives, reduced for CI (issue 58): scenario (a), gemps-gem and DDP on
-the digits CNN, one seed, 25 s each, through the real command line on the real rig (CPU quota groups,
+the digits CNN, one seed, 15 s each, through the real command line on the real rig (CPU quota groups,
 network namespaces; root only: skipped with one line elsewhere). Both must reach the lenient CI target
 and the harness's JSON must hold every metric; the rig must leave no group or namespace behind."""
 
@@ -19,6 +19,9 @@ METRICS = {
     "time_to_target_s", "final", "goodput", "samples_computed", "samples_applied", "wire_bytes",
     "bytes_per_sample", "processes", "restarts", "snapshots", "wall_s", "curve", "quotas", "load_average",
 }  # fmt: skip
+# Seconds of training per cell after the start gate: both reach the CI target in under 10 here (gemps
+# 2-3 s, DDP about 5 s at 0.80); was 25, then 40 (the suite's time: issue 44).
+DURATION_S = 15
 
 
 def alternatives(*arguments: str) -> subprocess.CompletedProcess[str]:
@@ -43,14 +46,15 @@ def test_gemps_and_ddp_reach_the_ci_target_on_the_rig_and_every_metric_is_writte
     before = leftovers()
     done = alternatives(
         "--scenarios", "a", "--systems", "gemps-gem,ddp", "--workload", "digits", "--seeds", "0", "--lr", "0.05",
-        "--duration-s", "25", "--target", "ci", "--runs", str(tmp_path / "runs"), "--results", str(tmp_path),
+        "--duration-s", str(DURATION_S), "--target", "ci", "--runs", str(tmp_path / "runs"), "--results", str(tmp_path),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads((tmp_path / "digits.json").read_text())
     assert set(data["cells"]) == {"a/gemps-gem/0", "a/ddp/0"}
     for key, result in data["cells"].items():
         assert set(result) >= METRICS, key
-        assert result["time_to_target_s"] is not None and result["time_to_target_s"] < 25, (key, result["curve"])
+        reached = result["time_to_target_s"]
+        assert reached is not None and reached < DURATION_S, (key, result["curve"])
         assert result["final"]["accuracy"] >= 0.8 and result["snapshots"] >= 5
         assert 0.5 < result["goodput"] <= 1.0 and result["samples_applied"] > 0
         assert result["bytes_per_sample"] > 0 and result["restarts"] == 0

@@ -31,10 +31,13 @@ def refused(port: int) -> bool:
 def test_a_start_failing_late_leaves_nothing_serving(tmp_path: Path, busy_port: int) -> None:
     """The replication port in use: the last part to start fails after the doors serve, the tasks
     run and the checkpoint directory is held; every one of them is let go of."""
-    grpc_port, data_port = free_port(), free_port()
+    # Every port from the suite's band: one the kernel chose (port 0) may be given to another test's
+    # listener the moment this server lets go of it (CI met the metrics port so, "still accepting").
+    grpc_port, data_port, metrics_port = free_port(), free_port(), free_port()
     server = InProcessServer(
         port=grpc_port,
         data_port=data_port,
+        metrics_port=metrics_port,
         checkpoint_dir=str(tmp_path),
         replicas=2,
         replica_index=0,
@@ -46,8 +49,8 @@ def test_a_start_failing_late_leaves_nothing_serving(tmp_path: Path, busy_port: 
     with pytest.raises(OSError, match="replication: cannot listen"):
         server.start()
     inner = server.server
-    assert inner.port == grpc_port and inner.data_port == data_port and inner.metrics_port  # each was bound
-    for port in (grpc_port, data_port, inner.metrics_port):
+    assert (inner.port, inner.data_port, inner.metrics_port) == (grpc_port, data_port, metrics_port)  # each was bound
+    for port in (grpc_port, data_port, metrics_port):
         assert refused(port), f"port {port} still accepts connections"
     pending = {task.get_name() for task in asyncio.all_tasks(server._loop)}
     assert not pending & {"gemps-leases", "gemps-heap-trim", "gemps-checkpoints"}, pending
