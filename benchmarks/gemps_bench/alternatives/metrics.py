@@ -81,11 +81,16 @@ def _paused_within(spans: Pauses, start: float, end: float) -> float:
 
 
 def useful_seconds(
-    incarnation: Incarnation, rolled_back_after: float | None, paused: Pauses | None = None
+    incarnation: Incarnation,
+    rolled_back_after: float | None,
+    paused: Pauses | None = None,
+    window: tuple[float, float] = (float("-inf"), float("inf")),
 ) -> tuple[float, int, int]:
     """(worker-seconds of applied work, samples computed, samples applied) of one process; steps
     after `rolled_back_after` (a wall time) are not counted as applied, nor a step's seconds
-    its process spent stopped (`paused`: it did no work then)."""
+    its process spent stopped (`paused`: it did no work then), nor its seconds outside the run's
+    `window` (start, end), which is all that is provisioned (a step logged after the end, while
+    the rig stopped the processes, made goodput exceed 1)."""
     useful, pending_seconds, pending_samples = 0.0, 0.0, 0
     previous = incarnation.lines[0]
     applied = 0
@@ -93,7 +98,8 @@ def useful_seconds(
         if line["event"] != "step":
             previous = line
             continue
-        pending_seconds += line["t"] - previous["t"] - _paused_within(paused or [], previous["t"], line["t"])
+        begin, end = max(previous["t"], window[0]), min(line["t"], window[1])
+        pending_seconds += max(0.0, end - begin) - _paused_within(paused or [], begin, max(begin, end))
         pending_samples += line["samples"] - previous["samples"]
         newly = line["applied"] - previous["applied"]
         if newly > 0 and (rolled_back_after is None or line["t"] <= rolled_back_after):
@@ -138,7 +144,7 @@ def cell_metrics(
     for index, process in enumerate(processes):
         restarted = any(later.rank == process.rank for later in processes[index + 1 :])
         rollback = _rollback_time(processes, process) if has_checkpoints and restarted else None
-        seconds, samples, kept = useful_seconds(process, rollback, stopped.get(process.rank, []))
+        seconds, samples, kept = useful_seconds(process, rollback, stopped.get(process.rank, []), (started, ended))
         useful += seconds
         computed += samples
         applied += kept
