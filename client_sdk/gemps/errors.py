@@ -267,13 +267,19 @@ def gone_if_foreign(target: str) -> Iterator[None]:
         raise failure from None
 
 
-def foreign_as_gone(target: str, error: GempsError) -> GempsError:
+def foreign_as_gone(target: str, error: GempsError, *, announced: bool = False) -> GempsError:
     """`error` of a call to a server this client was registered with, as gone_if_foreign raises it:
-    UNIMPLEMENTED as the server being unavailable, anything else as it is."""
-    if error.code != grpc.StatusCode.UNIMPLEMENTED:
+    UNIMPLEMENTED (another gRPC service) as the server being unavailable, anything else as it is.
+    At an address partition 0 `announced` (not the user's), a spec that does not match is so too:
+    partition 0 took the model, so that is another job's gemps server, which took the port of a
+    partition that died (a restarted partition of this job holds the same slice)."""
+    if error.code == grpc.StatusCode.UNIMPLEMENTED:
+        what = f"another gRPC service ({error.message or 'UNIMPLEMENTED'})"
+    elif announced and error.reason == Reason.SPEC_MISMATCH:
+        what = f"another job's gemps server ({error.message})"
+    else:
         return error
     return ServerUnavailableError(
-        f"UNAVAILABLE: {target} answers as another gRPC service ({error.message or 'UNIMPLEMENTED'}): "
-        "the gemps server that was there is gone",
+        f"UNAVAILABLE: {target} answers as {what}: the gemps server that was there is gone",
         ServerUnavailableError.code,
     )

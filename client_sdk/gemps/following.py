@@ -115,14 +115,15 @@ class FollowingTransport:
                 self._follow()
             transport = self.transport
         # Once registered here (or at an address a server of ours announced), another gRPC service
-        # at the address (UNIMPLEMENTED) is whoever took the port since the server died: gone,
-        # retried, on every call (registering again too).
+        # at the address (UNIMPLEMENTED; at an announced one, another job's gemps server too) is
+        # whoever took the port since the server died: gone, retried, on every call (registering
+        # again too), and the partition looked up again.
         with self.watch.watching(transport) if self.watch is not None else _unwatched(transport) as watched:
             try:
                 result = call(transport)
             except errors.GempsError as error:
                 known = self.announced or (self.registered is not None and self.registered() is not None)
-                failure = errors.foreign_as_gone(transport.target, error) if known else error
+                failure = errors.foreign_as_gone(transport.target, error, announced=self.announced) if known else error
                 if watched.took_over:  # interrupted: its partition's primary is elsewhere now
                     failure = _taken_over(transport.target, watched.took_over, error)
                 if isinstance(failure, errors.RETRIED):

@@ -364,3 +364,38 @@ def test_another_grpc_service_where_a_partition_is_announced_is_that_partition_g
         met.set()
         swapper.join()
         foreign.stop(None)
+
+
+def test_another_jobs_gemps_server_where_a_partition_is_announced_is_that_partition_gone(
+    start_server: StartServer,
+) -> None:
+    """As above, but what took partition 1's port is another job's gemps server, holding another
+    model: it refuses the slice's spec (FAILED_PRECONDITION, spec_mismatch). Partition 0 took the
+    model, so that is not this job's partition: gone, retried until it is back (CI met it as a
+    restarted Ray worker's commit refused by partition 1's port, reused by another test's server)."""
+    common: dict[str, Any] = {"partitions": 2, "rule": "downpour", "port": free_port()}
+    second = start_server(**common, partition_index=1)
+    first = start_server(**{**common, "port": 0}, partition_index=0, partition_addresses=f",:{second.port}")
+    second.stop()
+    other = start_server(port=second.port)
+    with gemps.Client(other.target) as other_job:
+        other_job.register({"x": np.zeros(50, np.float32)})
+
+    def met() -> bool:
+        return "reason=spec_mismatch" in other.log()
+
+    def swap() -> None:  # once met, the other job's server goes and partition 1 comes back on its port
+        wait_for(met, 60, "the other job's server refusing the worker")
+        other.stop()
+        start_server(**common, partition_index=1)
+
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    try:
+        with gemps.Client(first.target, plane="grpc", retry=FAST_RETRY, timeout=60) as client:
+            client.register({"w": np.zeros(P, np.float32)})
+            result = client.commit(np.ones(P, np.float32), kind="update")
+        assert met()
+        assert result.version == 1
+    finally:
+        swapper.join()

@@ -31,6 +31,7 @@ from gemps_proto.schema_proto import set_buffers
 from gemps_proto.tensor_codec import BFLOAT16, FLOAT32, encode, wire_view
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from tests.data_plane_client import answer_handshake
+from tests.helpers import free_port
 
 THETA = np.linspace(-2, 2, 1000, dtype=np.float32)
 CALL = CommitCall(
@@ -250,9 +251,9 @@ def test_a_transport_that_fell_back_tries_the_data_plane_again_with_a_bounded_ji
     clock = [1000.0]
     monkeypatch.setattr(data_plane_transport, "_now", lambda: clock[0])
     monkeypatch.setattr(random, "random", lambda: 1.0)
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    listener.close()  # nothing listens there: each attempt is refused at once
+    # Nothing listens there: each attempt is refused at once. From the suite's band: a port the kernel
+    # chose could be given to another test's listener before this one binds it again below.
+    port = free_port()
     grpc_transport = GrpcTransport(
         "127.0.0.1:1", ChannelSecurity(), max_message_bytes=1 << 20, timeout=5, wire_dtype=FLOAT32, chunk_bytes=1 << 20
     )
