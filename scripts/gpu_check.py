@@ -49,20 +49,23 @@ def batch_of(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tens
     return x, torch.randint(0, 10, (args.batch,), device=device, generator=generator)
 
 
+def synchronized_now(device: torch.device) -> float:
+    """perf_counter() once the device has done what was queued (a timing's start or end)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def compute_ms(args: argparse.Namespace, device: torch.device) -> float:
     """A step's forward and backward alone (no commit), in milliseconds: what overlap can hide."""
     model = model_of(args.width, device)
     x, y = batch_of(args, device)
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            started = time.perf_counter()
+            started = synchronized_now(device)
         model.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return 1000 * (time.perf_counter() - started) / float(args.steps)
+    return 1000 * (synchronized_now(device) - started) / float(args.steps)
 
 
 def run(overlap: bool, args: argparse.Namespace, device: torch.device) -> dict[str, object]:
@@ -75,9 +78,7 @@ def run(overlap: bool, args: argparse.Namespace, device: torch.device) -> dict[s
         with RemoteOptimizer(model, server.target, overlap=overlap) as optimizer:
             for step in range(args.warmup + args.steps):
                 if step == args.warmup:
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    started = time.perf_counter()
+                    started = synchronized_now(device)
                 optimizer.zero_grad(set_to_none=True)
                 loss = F.cross_entropy(model(x), y)
                 loss.backward()  # type: ignore[no-untyped-call]
@@ -89,9 +90,7 @@ def run(overlap: bool, args: argparse.Namespace, device: torch.device) -> dict[s
                 if result is not None and step >= args.warmup:
                     staleness.append(result.staleness)
             last = optimizer.remote.flush()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds = time.perf_counter() - started
+            seconds = synchronized_now(device) - started
             local = torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu().numpy()
         with gemps.Client(server.target) as observer:
             central = observer.pull()

@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from gemps_proto.data_plane_frames import Op
 from gemps_proto.data_plane_protocol import ServerConnection
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_worker.cluster import ServerProcess
-from tests.helpers import free_port, wait_for
+from tests.helpers import InProcessServer, free_port, wait_for
 from tests.integration.conftest import StartServer, StartServerProcess
 
 pytestmark = pytest.mark.skipif(
@@ -331,6 +331,28 @@ def test_another_grpc_service_on_a_dead_servers_port_is_the_server_gone_not_a_re
         restarted.close()
 
 
+def partition_one_down(start_server: StartServer) -> tuple[dict[str, Any], InProcessServer, int]:
+    """Two partitions on loopback, partition 1 stopped: (their options, partition 0, 1's port)."""
+    common: dict[str, Any] = {"partitions": 2, "rule": "downpour", "port": free_port()}
+    second = start_server(**common, partition_index=1)
+    first = start_server(**{**common, "port": 0}, partition_index=0, partition_addresses=f",:{second.port}")
+    second.stop()
+    return common, first, second.port
+
+
+def commit_once_partition_one_is_back(first: InProcessServer, swap: Callable[[], None]) -> int:
+    """A new worker registers and commits through `first` while `swap` (on a thread) brings
+    partition 1 back once whatever holds its port met the worker; the commit's version."""
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    try:
+        with gemps.Client(first.target, plane="grpc", retry=FAST_RETRY, timeout=60) as client:
+            client.register({"w": np.zeros(P, np.float32)})
+            return client.commit(np.ones(P, np.float32), kind="update").version
+    finally:
+        swapper.join()
+
+
 def test_another_grpc_service_where_a_partition_is_announced_is_that_partition_gone(
     start_server: StartServer,
 ) -> None:
@@ -338,13 +360,10 @@ def test_another_grpc_service_where_a_partition_is_announced_is_that_partition_g
     port (in a Ray run, a Ray process took it): the address is partition 0's announcement, not the
     user's, so UNIMPLEMENTED there is partition 1 gone, retried until it is back, even before this
     client ever registered with it (CI met it as a restarted Ray worker's failed registration)."""
-    common: dict[str, Any] = {"partitions": 2, "rule": "downpour", "port": free_port()}
-    second = start_server(**common, partition_index=1)
-    first = start_server(**{**common, "port": 0}, partition_index=0, partition_addresses=f",:{second.port}")
-    second.stop()
+    common, first, port = partition_one_down(start_server)
     met = threading.Event()
     foreign = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2), interceptors=[Meter(met)])
-    assert foreign.add_insecure_port(f"127.0.0.1:{second.port}") == second.port
+    assert foreign.add_insecure_port(f"127.0.0.1:{port}") == port
     foreign.start()
 
     def swap() -> None:  # once met, the other service goes and partition 1 comes back on its port
@@ -352,17 +371,11 @@ def test_another_grpc_service_where_a_partition_is_announced_is_that_partition_g
         foreign.stop(None).wait()
         start_server(**common, partition_index=1)
 
-    swapper = threading.Thread(target=swap)
-    swapper.start()
     try:
-        with gemps.Client(first.target, plane="grpc", retry=FAST_RETRY, timeout=60) as client:
-            client.register({"w": np.zeros(P, np.float32)})
-            result = client.commit(np.ones(P, np.float32), kind="update")
+        assert commit_once_partition_one_is_back(first, swap) == 1
         assert met.is_set()
-        assert result.version == 1
     finally:
         met.set()
-        swapper.join()
         foreign.stop(None)
 
 
@@ -373,11 +386,8 @@ def test_another_jobs_gemps_server_where_a_partition_is_announced_is_that_partit
     model: it refuses the slice's spec (FAILED_PRECONDITION, spec_mismatch). Partition 0 took the
     model, so that is not this job's partition: gone, retried until it is back (CI met it as a
     restarted Ray worker's commit refused by partition 1's port, reused by another test's server)."""
-    common: dict[str, Any] = {"partitions": 2, "rule": "downpour", "port": free_port()}
-    second = start_server(**common, partition_index=1)
-    first = start_server(**{**common, "port": 0}, partition_index=0, partition_addresses=f",:{second.port}")
-    second.stop()
-    other = start_server(port=second.port)
+    common, first, port = partition_one_down(start_server)
+    other = start_server(port=port)
     with gemps.Client(other.target) as other_job:
         other_job.register({"x": np.zeros(50, np.float32)})
 
@@ -389,13 +399,5 @@ def test_another_jobs_gemps_server_where_a_partition_is_announced_is_that_partit
         other.stop()
         start_server(**common, partition_index=1)
 
-    swapper = threading.Thread(target=swap)
-    swapper.start()
-    try:
-        with gemps.Client(first.target, plane="grpc", retry=FAST_RETRY, timeout=60) as client:
-            client.register({"w": np.zeros(P, np.float32)})
-            result = client.commit(np.ones(P, np.float32), kind="update")
-        assert met()
-        assert result.version == 1
-    finally:
-        swapper.join()
+    assert commit_once_partition_one_is_back(first, swap) == 1
+    assert met()
