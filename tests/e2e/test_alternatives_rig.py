@@ -1,5 +1,5 @@
 """The comparison with the alternatives, reduced for CI (issue 58): scenario (a), gemps-gem and DDP on
-the digits CNN, one seed, 20 s each, through the real command line on the real rig (CPU quota groups,
+the digits CNN, one seed, 14 s each, through the real command line on the real rig (CPU quota groups,
 network namespaces; root only: skipped with one line elsewhere). Both must reach the lenient CI target
 and the harness's JSON must hold every metric; the rig must leave no group or namespace behind."""
 
@@ -20,8 +20,8 @@ METRICS = {
     "bytes_per_sample", "processes", "restarts", "snapshots", "wall_s", "curve", "quotas", "load_average",
 }  # fmt: skip
 # Seconds of training per cell after the start gate: both reach the CI target in 3-7 s on a quiet
-# machine (gemps 3 s, DDP 6 s), gemps in 10.5 s beside a loaded suite (load 17); was 25, then 40.
-DURATION_S = 20
+# machine (gemps 3 s, DDP 6 s), gemps in 10.5 s beside a loaded suite (load 17); was 20, 25, then 40.
+DURATION_S = 14
 
 
 def alternatives(*arguments: str) -> subprocess.CompletedProcess[str]:
