@@ -118,7 +118,12 @@ def test_connections_in_handshake_are_bounded_and_unproven(start_server: StartSe
         wait_for(lambda: refusals(server)["handshake_limit"] == 2, timeout=5, what="the third from .3 refused")
         assert refusals(server)["unproven_limit"] == 1
         # The others end at the HELLO's deadline, counted; nothing is left of them.
-        wait_for(lambda: refusals(server)["handshake_timeout"] == 3, timeout=10, what="the rest timed out")
+        wait_for(
+            lambda: refusals(server)["handshake_timeout"] == 3,
+            timeout=10,
+            what="the rest timed out",
+            explain=lambda: f"refusals: {refusals(server)}; connections: {plane.connections}",
+        )
         wait_for(lambda: plane.connections == 0, timeout=5, what="every connection closed")
     finally:
         for sock in held:

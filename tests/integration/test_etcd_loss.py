@@ -223,7 +223,13 @@ def test_replicas_lose_no_acknowledged_commit_when_etcd_restarts_empty_while_a_b
         theta = observer.pull().flat
         version = observer.status().version
     assert theta.min() == theta.max() == version == sum(loops.acked)
-    assert scrape(backup.metrics_port, "gemps_replication_waiting_for_replicas") == 0
+    # The backup's gauge follows its own replication loop, which may not have turned since the
+    # takeover (a loaded run read 1 here once): it must come down, not have come down already.
+    wait_for(
+        lambda: scrape(backup.metrics_port, "gemps_replication_waiting_for_replicas") == 0,
+        15,
+        "the backup's waiting-for-replicas gauge back at 0",
+    )
     print(f"etcd restarted empty: {sum(loops.acked)} acknowledged, all applied once; "
           f"{'the old primary' if now is primary else 'the re-seeded backup'} took over at epoch "
           f"{replication(now).epoch} (was {old})")  # fmt: skip
