@@ -44,7 +44,7 @@ demo: $(BIN)/.installed  ## the main job: train GEM on this machine (server + 4 
 
 # Parallel test runners (pytest-xdist); tests/conftest.py names the groups whose tests run one at a time.
 # Three on two cores: a runner often waits (on a Ray node's loss being noticed, a container's start,
-# a lease), and a third keeps the cores busy meanwhile: the parallel run took 20.5 min where two
+# a lease), and a third keeps the cores busy meanwhile: the parallel run took 19.9-21.6 min where two
 # runners took 24-28 (docs/guides/testing.md).
 TEST_WORKERS ?= 3
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
