@@ -1,0 +1,189 @@
+"""What asynchrony costs AdamW on a small character GPT, at equal samples (issue 59, item 1).
+
+Before choosing an Adam-family path for gemps, this probe replays the candidate schemes in one
+process, deterministically, without a server: N workers take turns in a fixed order (round robin,
+the steady state of N equal asynchronous workers), each on its own shard of the standard library's
+source (gemps_worker.text_data), with the same model, batch and number of samples as one AdamW
+worker. What differs is only when and where Adam's step is taken:
+
+- `single`: one worker, AdamW, every sample's gradient at the newest θ (the reference);
+- `stale:S`: one AdamW on the server, fed gradients computed S updates ago (N workers in turn
+  make S = N - 1; S = 0 is `single` with the shards interleaved);
+- `mean:K`: one AdamW on the server, one step on the mean of K commits (a K-times larger batch),
+  each worker's gradient taken at the θ of its own last reply (stale by at most one step);
+- `local:H`: every worker its own AdamW (its own moments), H local steps from the θ of its last
+  reply, the window's update θ_H - θ_0 added to θ in full (`LocalSteps` with `--rule downpour`;
+  H = 1: every step).
+
+The model is gemps_worker.models.CharGpt at nanoGPT's shape scaled down (4 layers, 4 heads, width
+96: 0.46M parameters; pre-norm blocks, GELU, tied embeddings, GPT-2's initialisation; no dropout),
+AdamW as nanoGPT's configure_optimizers builds it (betas 0.9/0.99, weight decay 0.1 on matrices).
+
+    python scripts/adam_staleness.py --variants single stale:3 mean:4 local:1 --samples 12800 \\
+        --json docs/results/adam/staleness.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gemps_worker.held_out import evaluate
+from gemps_worker.models import CharGpt
+from gemps_worker.text_data import CONTEXT, VOCABULARY, stdlib_text
+
+BATCH = 16
+WORKERS = 4
+WEIGHT_DECAY = 0.1
+BETAS = (0.9, 0.99)
+
+
+def build() -> CharGpt:
+    torch.manual_seed(0)
+    return CharGpt(VOCABULARY, CONTEXT, width=96, layers=4, heads=4)
+
+
+def adamw(model: torch.nn.Module, learning_rate: float) -> torch.optim.AdamW:
+    """nanoGPT's groups: matrices decay, biases and norms do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=BETAS)
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def load(model: torch.nn.Module, theta: torch.Tensor) -> None:
+    """Copy θ into the model (vector_to_parameters would make the parameters views of θ)."""
+    with torch.no_grad():
+        start = 0
+        for p in model.parameters():
+            p.copy_(theta[start : start + p.numel()].view_as(p))
+            start += p.numel()
+
+
+class Data:
+    def __init__(self) -> None:
+        self.train_x, self.train_y, self.test_x, self.test_y = stdlib_text()
+
+    def batches(self, rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Endless mini-batches of rank's shard of a random split (the same split for every variant)."""
+        shard = np.array_split(np.random.default_rng(7).permutation(len(self.train_x)), world)[rank]
+        rng = np.random.default_rng(1000 + rank)
+        while True:
+            order = rng.permutation(shard)
+            for start in range(0, len(order) - BATCH + 1, BATCH):
+                index = order[start : start + BATCH]
+                yield torch.from_numpy(self.train_x[index]), torch.from_numpy(self.train_y[index])
+
+    def held_out(self, model: torch.nn.Module, theta: torch.Tensor) -> float:
+        load(model, theta)
+        return round(evaluate(model, self.test_x, self.test_y)[0], 4)
+
+
+def gradient(
+    model: torch.nn.Module, theta: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]
+) -> list[torch.Tensor]:
+    load(model, theta)
+    model.zero_grad()
+    F.cross_entropy(model(batch[0]), batch[1]).backward()  # type: ignore[no-untyped-call]
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def server_adam(data: Data, variant: str, amount: int, steps: int, lr: float, evals: list[int]) -> list[list[float]]:
+    """`single`, `stale:S` and `mean:K`: one AdamW holds θ; workers hand it gradients."""
+    central, worker = build(), build()
+    optimizer = adamw(central, lr)
+    world = 1 if variant == "single" else WORKERS
+    streams = [data.batches(rank, world) for rank in range(world)]
+    history = collections.deque([flat(central)], maxlen=amount + 1)  # stale:S, θ of the last S+1 versions
+    replied = [flat(central)] * world  # mean:K, the θ each worker last received
+    summed: list[torch.Tensor] = []
+    curve = []
+    for step in range(1, steps + 1):
+        rank = step % world
+        at = replied[rank] if variant == "mean" else history[0]
+        grads = gradient(worker, at, next(streams[rank]))
+        summed = grads if not summed else [a + g for a, g in zip(summed, grads, strict=True)]
+        if variant != "mean" or step % amount == 0:
+            scale = amount if variant == "mean" else 1
+            for p, g in zip(central.parameters(), summed, strict=True):
+                p.grad = g / scale
+            optimizer.step()
+            summed = []
+        history.append(flat(central))
+        replied[rank] = history[-1]
+        if step in evals:
+            curve.append([step * BATCH, data.held_out(worker, history[-1])])
+    return curve
+
+
+def local_adam(data: Data, window: int, steps: int, lr: float, evals: list[int]) -> list[list[float]]:
+    """`local:H`: each worker its own AdamW for H steps; the window's update added to θ in full."""
+    models = [build() for _ in range(WORKERS)]
+    optimizers = [adamw(model, lr) for model in models]
+    streams = [data.batches(rank, WORKERS) for rank in range(WORKERS)]
+    theta, probe = flat(models[0]), build()
+    replied = [theta] * WORKERS  # the θ each worker last received: its window starts there
+    curve, step = [], 0
+    while step < steps:
+        for rank, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
+            start = replied[rank]
+            load(model, start)
+            for _ in range(window):
+                inputs, targets = next(streams[rank])
+                optimizer.zero_grad()
+                F.cross_entropy(model(inputs), targets).backward()  # type: ignore[no-untyped-call]
+                optimizer.step()
+                step += 1
+                if step in evals:
+                    curve.append([step * BATCH, data.held_out(probe, theta)])
+            theta = theta + (flat(model) - start)
+            replied[rank] = theta
+    return curve
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", nargs="+", default=["single", "stale:3", "mean:4", "local:1"])
+    parser.add_argument("--samples", type=int, default=12_800, help="samples per variant (all workers together)")
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--evaluations", type=int, default=8)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    data = Data()
+    steps = args.samples // BATCH
+    evals = [steps * (i + 1) // args.evaluations for i in range(args.evaluations)]
+    results = []
+    for variant in args.variants:
+        name, _, amount = variant.partition(":")
+        started = time.monotonic()
+        if name == "local":
+            curve = local_adam(data, int(amount), steps, args.learning_rate, evals)
+        elif name in ("single", "stale", "mean"):
+            curve = server_adam(data, name, int(amount or 0), steps, args.learning_rate, evals)
+        else:
+            parser.error(f"unknown variant {variant!r}: single, stale:S, mean:K or local:H")
+        results.append({"variant": variant, "learning_rate": args.learning_rate, "curve": curve})
+        print(f"{variant:>10}: held-out loss {curve[-1][1]:.4f} after {curve[-1][0]:,} samples "
+              f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"batch": BATCH, "workers": WORKERS, "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
