@@ -11,6 +11,9 @@ worker. What differs is only when and where Adam's step is taken:
   make S = N - 1; S = 0 is `single` with the shards interleaved);
 - `mean:K`: one AdamW on the server, one step on the mean of K commits (a K-times larger batch),
   each worker's gradient taken at the θ of its own last reply (stale by at most one step);
+- `dc:S`: `stale:S` with the delay compensated as DC-ASGD-a does (Zheng et al. 2017): the gradient
+  g computed at θ_then, fed as g + λ·g⊙g⊙(θ_now - θ_then)/√ms, ms the running mean of g⊙g
+  (β 0.95), λ `--dc-lambda`: the diagonal of the Hessian approximated by g⊙g;
 - `local:H`: every worker its own AdamW (its own moments), H local steps from the θ of its last
   reply, the window's update θ_H - θ_0 added to θ in full (`LocalSteps` with `--rule downpour`;
   H = 1: every step).
@@ -102,8 +105,10 @@ def gradient(
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def server_adam(data: Data, variant: str, amount: int, steps: int, lr: float, evals: list[int]) -> list[list[float]]:
-    """`single`, `stale:S` and `mean:K`: one AdamW holds θ; workers hand it gradients."""
+def server_adam(
+    data: Data, variant: str, amount: int, steps: int, lr: float, evals: list[int], dc_lambda: float = 0.0
+) -> list[list[float]]:
+    """`single`, `stale:S`, `dc:S` and `mean:K`: one AdamW holds θ; workers hand it gradients."""
     central, worker = build(), build()
     optimizer = adamw(central, lr)
     world = 1 if variant == "single" else WORKERS
@@ -111,11 +116,22 @@ def server_adam(data: Data, variant: str, amount: int, steps: int, lr: float, ev
     history = collections.deque([flat(central)], maxlen=amount + 1)  # stale:S, θ of the last S+1 versions
     replied = [flat(central)] * world  # mean:K, the θ each worker last received
     summed: list[torch.Tensor] = []
+    mean_square: list[torch.Tensor] = []
     curve = []
     for step in range(1, steps + 1):
         rank = step % world
         at = replied[rank] if variant == "mean" else history[0]
         grads = gradient(worker, at, next(streams[rank]))
+        if variant == "dc":
+            moved = history[-1] - at
+            square = [g * g for g in grads]
+            mean_square = (
+                square if not mean_square else [0.95 * m + 0.05 * q for m, q in zip(mean_square, square, strict=True)]
+            )
+            grads = [
+                g + dc_lambda * q * d.view_as(g) / (m.sqrt() + 1e-12)
+                for g, q, m, d in zip(grads, square, mean_square, _split(moved, grads), strict=True)
+            ]
         summed = grads if not summed else [a + g for a, g in zip(summed, grads, strict=True)]
         if variant != "mean" or step % amount == 0:
             scale = amount if variant == "mean" else 1
@@ -128,6 +144,11 @@ def server_adam(data: Data, variant: str, amount: int, steps: int, lr: float, ev
         if step in evals:
             curve.append([step * BATCH, data.held_out(worker, history[-1])])
     return curve
+
+
+def _split(vector: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`vector` cut into pieces the sizes of `like`'s tensors, in order."""
+    return list(torch.split(vector, [t.numel() for t in like]))
 
 
 def local_adam(data: Data, window: int, steps: int, lr: float, evals: list[int]) -> list[list[float]]:
@@ -161,6 +182,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=12_800, help="samples per variant (all workers together)")
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--evaluations", type=int, default=8)
+    parser.add_argument("--dc-lambda", type=float, default=1.0, help="dc:S's compensation factor")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -173,11 +195,13 @@ def main() -> None:
         started = time.monotonic()
         if name == "local":
             curve = local_adam(data, int(amount), steps, args.learning_rate, evals)
-        elif name in ("single", "stale", "mean"):
-            curve = server_adam(data, name, int(amount or 0), steps, args.learning_rate, evals)
+        elif name in ("single", "stale", "dc", "mean"):
+            curve = server_adam(data, name, int(amount or 0), steps, args.learning_rate, evals, args.dc_lambda)
         else:
-            parser.error(f"unknown variant {variant!r}: single, stale:S, mean:K or local:H")
-        results.append({"variant": variant, "learning_rate": args.learning_rate, "curve": curve})
+            parser.error(f"unknown variant {variant!r}: single, stale:S, dc:S, mean:K or local:H")
+        results.append(
+            {"variant": variant, "learning_rate": args.learning_rate, "dc_lambda": args.dc_lambda, "curve": curve}
+        )
         print(f"{variant:>10}: held-out loss {curve[-1][1]:.4f} after {curve[-1][0]:,} samples "
               f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
     if args.json:
