@@ -38,7 +38,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.utils import parameters_to_vector
 
+from gemps.pytorch.values import copy_into
 from gemps_worker.held_out import evaluate
 from gemps_worker.models import CharGpt
 from gemps_worker.text_data import CONTEXT, VOCABULARY, stdlib_text
@@ -65,16 +67,13 @@ def adamw(model: torch.nn.Module, learning_rate: float) -> torch.optim.AdamW:
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return parameters_to_vector(model.parameters()).detach()
 
 
 def load(model: torch.nn.Module, theta: torch.Tensor) -> None:
-    """Copy θ into the model (vector_to_parameters would make the parameters views of θ)."""
+    """Copy θ into the model's own parameters (vector_to_parameters would make them views of θ)."""
     with torch.no_grad():
-        start = 0
-        for p in model.parameters():
-            p.copy_(theta[start : start + p.numel()].view_as(p))
-            start += p.numel()
+        copy_into(list(model.parameters()), theta)
 
 
 class Data:
