@@ -36,6 +36,7 @@ from tests.etcd_server import etcd_server
 from tests.helpers import CommitLoops, replication_secret_file, wait_for
 from tests.integration.conftest import StartServerProcess
 from tests.replica_reports import report_fresh
+from tests.slow_proxy import slow_proxy
 
 LEASE = 1.0
 PARAMETERS = 100
@@ -308,8 +309,22 @@ def test_an_external_etcd_with_client_certificates(tmp_path: Path) -> None:
         for expected, options in refusals.items():
             with pytest.raises(RuntimeError, match=re.escape(expected)):
                 lone_replica(etcd.endpoint, "tls", **options).close()
+        plain = etcd.endpoint.replace("https", "http")
         with pytest.raises(RuntimeError, match=re.escape("give an https:// endpoint and etcd_ca")):
-            lone_replica(etcd.endpoint.replace("https", "http"), "tls").close()
+            lone_replica(plain, "tls").close()
+        # An etcd slow to answer (a loaded machine: CI's once took past the lease's third, the
+        # election's request timeout) is still told apart from one not answering yet.
+        with (
+            slow_proxy(urlsplit_address(plain), delay=1.0) as port,
+            pytest.raises(RuntimeError, match=re.escape("give an https:// endpoint and etcd_ca")),
+        ):
+            lone_replica(f"http://127.0.0.1:{port}", "tls").close()
+
+
+def urlsplit_address(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None, url
+    return parts.hostname, parts.port
 
 
 def gateway(url: str, path: str, body: dict[str, Any], token: str = "") -> dict[str, Any]:

@@ -32,6 +32,10 @@ log = logging.getLogger("gemps.server")
 
 #: etcd's HTTP/JSON gateway path: etcd 3.4 and later (Debian bookworm's etcd-server is 3.4)
 API_PATH = "/v3/"
+#: The start-up check waits at least this long for each endpoint's answer: it runs once, and a
+#: loaded etcd (or one far away) answers later than the election's requests wait (a third of the
+#: lease), which read as "not answering yet" let a replica with wrong options start.
+CHECK_SECONDS = 5.0
 # What etcd answers (HTTP 401, or 400 for the last two) to a token it no longer takes: a new one is
 # fetched and the request sent again, once.
 _STALE_TOKEN = ("invalid auth token", "auth store is old", "user name is empty")
@@ -232,8 +236,8 @@ class EtcdEndpoints:
 
 def check_access(endpoints: str, access: EtcdAccess, key: str, timeout: float) -> None:
     """At start: EtcdAccessRefused when etcd refuses `access` (EtcdEndpoints.check); a warning for
-    each endpoint that does not answer yet."""
-    etcd = EtcdEndpoints(endpoints, timeout, access)
+    each endpoint that does not answer yet (within `timeout`, CHECK_SECONDS at least)."""
+    etcd = EtcdEndpoints(endpoints, max(timeout, CHECK_SECONDS), access)
     try:
         for line in etcd.check(key):
             log.warning("%s", line)
