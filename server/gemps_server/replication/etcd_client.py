@@ -32,9 +32,10 @@ log = logging.getLogger("gemps.server")
 
 #: etcd's HTTP/JSON gateway path: etcd 3.4 and later (Debian bookworm's etcd-server is 3.4)
 API_PATH = "/v3/"
-#: The start-up check waits at least this long for each endpoint's answer: it runs once, and a
-#: loaded etcd (or one far away) answers later than the election's requests wait (a third of the
-#: lease), which read as "not answering yet" let a replica with wrong options start.
+#: Once connected, the start-up check waits this long at least for an endpoint's answer: a loaded
+#: etcd answers (or hangs up on plain http) later than the election's requests wait (a third of
+#: the lease), which read as "not answering yet" let a replica with wrong options start. The
+#: connection itself is waited for no longer than those requests: an endpoint cut off stays quick.
 CHECK_SECONDS = 5.0
 # What etcd answers (HTTP 401, or 400 for the last two) to a token it no longer takes: a new one is
 # fetched and the request sent again, once.
@@ -207,7 +208,7 @@ class EtcdEndpoints:
                 response = client.session.post(
                     f"{client.base_url}{API_PATH}kv/range",
                     json={"key": _b64(key)},
-                    timeout=client.timeout,
+                    timeout=(client.timeout, max(client.timeout, CHECK_SECONDS)),  # (connect, read)
                 )
             except requests.exceptions.SSLError as error:
                 raise EtcdAccessRefused(_tls_refusal(client.base_url, self._access, error)) from None
@@ -236,8 +237,8 @@ class EtcdEndpoints:
 
 def check_access(endpoints: str, access: EtcdAccess, key: str, timeout: float) -> None:
     """At start: EtcdAccessRefused when etcd refuses `access` (EtcdEndpoints.check); a warning for
-    each endpoint that does not answer yet (within `timeout`, CHECK_SECONDS at least)."""
-    etcd = EtcdEndpoints(endpoints, max(timeout, CHECK_SECONDS), access)
+    each endpoint that does not answer yet."""
+    etcd = EtcdEndpoints(endpoints, timeout, access)
     try:
         for line in etcd.check(key):
             log.warning("%s", line)

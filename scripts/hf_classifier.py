@@ -1,0 +1,191 @@
+"""A small transformer classifier under Hugging Face's Trainer, through gemps (issue 59, item 1).
+
+A 2-layer BERT (hidden width 64, 77K parameters, built from its config: no download) classifies
+scikit-learn's 8x8 digits read as sequences of 64 pixel tokens (17 grey levels, a [CLS] token
+first). It needs Adam: with momentum SGD it stays at chance, as it does through RemoteOptimizer
+(GEM's proxy is momentum SGD). Each variant runs the Trainer as users write it (its AdamW, its
+linear schedule, `learning_rate=1e-3`, weight decay 0.01) for the same number of samples:
+
+- `alone`: one Trainer, its own AdamW, no gemps (the reference);
+- `remote`: the SDK guide's way until now: RemoteOptimizer and ServerSchedule, `--rule gem`;
+- `local:H`: the user's AdamW wrapped in LocalSteps (H local steps a commit; 1: every step) on a
+  server with `--rule downpour` (the window's update added in full) or `--rule gem`.
+
+`--workers N` runs N Trainers as processes on one server, each on its own N-th of the training set
+(so N workers see the samples one worker would); the held-out accuracy is then the server's θ's.
+
+    python scripts/hf_classifier.py --variants alone remote local:1 --workers 1 --epochs 8 --seeds 0 1 2
+    python scripts/hf_classifier.py --variants local:1 local:4 --workers 4 --epochs 8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+from gemps.client import Client
+from gemps.pytorch import LocalSteps, RemoteOptimizer, ServerSchedule, load_central
+from gemps_worker.cluster import ServerProcess
+from gemps_worker.datasets import load_digits
+
+LEVELS = 17  # pixel values 0..16
+CLS = LEVELS  # the [CLS] token's id
+LEARNING_RATE = 1e-3
+WEIGHT_DECAY = 0.01
+BATCH = 32
+
+
+class DigitTokens(Dataset[dict[str, torch.Tensor]]):
+    """Digits as token sequences, [CLS] first; `part`/`parts` keeps every parts-th from part."""
+
+    def __init__(self, train: bool, part: int = 0, parts: int = 1) -> None:
+        digits = load_digits()
+        pixels, labels = (digits.train_x, digits.train_y) if train else (digits.test_x, digits.test_y)
+        grey = np.rint(pixels.reshape(len(pixels), -1) * (LEVELS - 1)).astype(np.int64)
+        tokens = np.concatenate([np.full((len(grey), 1), CLS), grey], axis=1)
+        self.input_ids = torch.from_numpy(tokens[part::parts])
+        self.labels = torch.from_numpy(labels[part::parts].astype(np.int64))
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids[index], "labels": self.labels[index]}
+
+
+def tiny_bert(seed: int) -> BertForSequenceClassification:
+    config = BertConfig(
+        vocab_size=LEVELS + 1, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+        max_position_embeddings=65, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    config.num_labels = 10
+    torch.manual_seed(seed)
+    return BertForSequenceClassification(config)
+
+
+@torch.no_grad()
+def accuracy(model: BertForSequenceClassification) -> float:
+    held_out = DigitTokens(train=False)
+    model.eval()
+    predicted = model(input_ids=held_out.input_ids).logits.argmax(dim=1)
+    return float((predicted == held_out.labels).float().mean())
+
+
+def arguments(folder: str, epochs: float, seed: int) -> TrainingArguments:
+    """The Trainer's arguments as a user writes them: its AdamW's learning rate, weight decay, and
+    its default linear schedule."""
+    return TrainingArguments(
+        output_dir=folder, learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, num_train_epochs=epochs,
+        per_device_train_batch_size=BATCH, save_strategy="no", report_to="none", use_cpu=True,
+        disable_tqdm=True, logging_strategy="no", seed=seed, dataloader_drop_last=True,
+    )  # fmt: skip
+
+
+def train_worker(variant: str, address: str, index: int, workers: int, epochs: float, seed: int) -> dict[str, Any]:
+    """One Trainer on its part of the training set, through the server at `address`."""
+    torch.set_num_threads(1)
+    model = tiny_bert(seed)
+    data = DigitTokens(train=True, part=index, parts=workers)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as folder:
+        args = arguments(folder, epochs, seed * 1000 + index)
+        optimizer: RemoteOptimizer | LocalSteps
+        schedule: ServerSchedule | None = None  # None: the Trainer builds its own (linear) on the AdamW
+        if variant == "remote":
+            optimizer = RemoteOptimizer(model, address, name=f"w{index}")
+            schedule = ServerSchedule(optimizer)
+        else:
+            steps = int(variant.split(":", 1)[1])
+            inner = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+            optimizer = LocalSteps(model, inner, address, steps=steps, name=f"w{index}")
+        try:
+            Trainer(model=model, args=args, train_dataset=data, optimizers=(optimizer, schedule)).train()
+        finally:
+            optimizer.close()  # LocalSteps commits an unfinished window first; both leave
+    return {"worker": index, "seconds": time.monotonic() - started}
+
+
+def run_alone(epochs: float, seed: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    model = tiny_bert(seed)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as folder:
+        Trainer(model=model, args=arguments(folder, epochs, seed * 1000), train_dataset=DigitTokens(train=True)).train()
+    return {"accuracy": accuracy(model), "seconds": time.monotonic() - started}
+
+
+def run_through_gemps(variant: str, workers: int, epochs: float, seed: int, rule: str) -> dict[str, Any]:
+    """`workers` Trainer processes on one server; the held-out accuracy of the server's θ."""
+    rule = "gem" if variant == "remote" else rule
+    with ServerProcess(rule=rule, learning_rate=0.05) as server:
+        command = [sys.executable, __file__, "--worker", variant, server.target, str(workers), str(epochs), str(seed)]
+        started = time.monotonic()
+        processes = [subprocess.Popen([*command, str(index)], stdout=subprocess.PIPE) for index in range(workers)]
+        reports = []
+        for process in processes:
+            out, _ = process.communicate()
+            if process.returncode != 0:
+                raise RuntimeError(f"a worker of {variant} exited with {process.returncode}")
+            reports.append(json.loads(out.decode().strip().splitlines()[-1]))
+        seconds = time.monotonic() - started
+        model = tiny_bert(seed)
+        with Client(server.target) as observer:
+            central = observer.pull()
+        load_central(model, central)
+    return {"accuracy": accuracy(model), "seconds": seconds, "version": central.version, "workers": reports}
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        variant, address, workers, epochs, seed, index = sys.argv[2:8]
+        report = train_worker(variant, address, int(index), int(workers), float(epochs), int(seed))
+        print(json.dumps(report), flush=True)
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", nargs="+", default=["alone", "remote", "local:1"])
+    parser.add_argument("--workers", type=int, default=1, help="Trainers through gemps (each its own process)")
+    parser.add_argument("--epochs", type=float, default=8.0, help="passes over the training set, all workers together")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--rule", default="downpour", choices=["downpour", "gem"], help="the server's rule for local:H")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args(argv)
+    for variant in args.variants:
+        if variant not in ("alone", "remote") and not variant.startswith("local:"):
+            parser.error(f"unknown variant {variant!r}: alone, remote or local:H")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    results: dict[str, Any] = {"workers": args.workers, "epochs": args.epochs, "rule": args.rule, "runs": {}}
+    for variant in args.variants:
+        runs = []
+        for seed in args.seeds:
+            if variant == "alone":
+                run = run_alone(args.epochs, seed)
+            else:
+                run = run_through_gemps(variant, args.workers, args.epochs, seed, args.rule)
+            runs.append(run)
+            print(
+                f"{variant} seed {seed}: held-out accuracy {run['accuracy']:.4f} in {run['seconds']:.0f} s", flush=True
+            )
+        mean = statistics.fmean(run["accuracy"] for run in runs)
+        results["runs"][variant] = {"mean_accuracy": mean, "runs": runs}
+        print(f"{variant}: mean held-out accuracy {mean:.4f} over {len(runs)} seed(s)", flush=True)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
