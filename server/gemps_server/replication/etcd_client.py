@@ -208,7 +208,7 @@ class EtcdEndpoints:
                 response = client.session.post(
                     f"{client.base_url}{API_PATH}kv/range",
                     json={"key": _b64(key)},
-                    timeout=(client.timeout, max(client.timeout, CHECK_SECONDS)),  # (connect, read)
+                    timeout=(client.timeout, _check_read_timeout(client.timeout)),  # (connect, read)
                 )
             except requests.exceptions.SSLError as error:
                 raise EtcdAccessRefused(_tls_refusal(client.base_url, self._access, error)) from None
@@ -244,6 +244,11 @@ def check_access(endpoints: str, access: EtcdAccess, key: str, timeout: float) -
             log.warning("%s", line)
     finally:
         etcd.close()
+
+
+def _check_read_timeout(timeout: float | None) -> float | None:
+    """How long the start-up check waits for an answer once connected (None: as long as it takes)."""
+    return None if timeout is None else max(timeout, CHECK_SECONDS)
 
 
 def _b64(text: str) -> str:
