@@ -2,14 +2,16 @@
 
 A 2-layer BERT (hidden width 64, 77K parameters, built from its config: no download) classifies
 scikit-learn's 8x8 digits read as sequences of 64 pixel tokens (17 grey levels, a [CLS] token
-first). It needs Adam: with momentum SGD it stays at chance, as it does through RemoteOptimizer
+first; token 0, BERT's padding, unused).
+It needs Adam: with momentum SGD it stays at chance, as it does through RemoteOptimizer
 (GEM's proxy is momentum SGD). Each variant runs the Trainer as users write it (its AdamW, its
 linear schedule, `learning_rate=1e-3`, weight decay 0.01) for the same number of samples:
 
 - `alone`: one Trainer, its own AdamW, no gemps (the reference);
 - `remote`: the SDK guide's way until now: RemoteOptimizer and ServerSchedule, `--rule gem`;
-- `local:H`: the user's AdamW wrapped in LocalSteps (H local steps a commit; 1: every step) on a
-  server with `--rule downpour` (the window's update added in full) or `--rule gem`.
+- `local:H`: the Trainer's own AdamW (`trainer.create_optimizer()`: its weight-decay groups; the
+  Trainer then builds its schedule on it) wrapped in LocalSteps (H local steps a commit; 1: every
+  step) on a server with `--rule downpour` (the window's update added in full) or `--rule gem`.
 
 `--workers N` runs N Trainers as processes on one server, each on its own N-th of the training set
 (so N workers see the samples one worker would); the held-out accuracy is then the server's θ's.
@@ -41,8 +43,8 @@ from gemps.pytorch import LocalSteps, RemoteOptimizer, ServerSchedule, load_cent
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.datasets import load_digits
 
-LEVELS = 17  # pixel values 0..16
-CLS = LEVELS  # the [CLS] token's id
+LEVELS = 17  # pixel values 0..16, tokens 1..17: BERT's token 0 is padding (its embedding stays 0)
+CLS = LEVELS + 1  # the [CLS] token's id
 LEARNING_RATE = 1e-3
 WEIGHT_DECAY = 0.01
 BATCH = 32
@@ -54,7 +56,7 @@ class DigitTokens(Dataset[dict[str, torch.Tensor]]):
     def __init__(self, train: bool, part: int = 0, parts: int = 1) -> None:
         digits = load_digits()
         pixels, labels = (digits.train_x, digits.train_y) if train else (digits.test_x, digits.test_y)
-        grey = np.rint(pixels.reshape(len(pixels), -1) * (LEVELS - 1)).astype(np.int64)
+        grey = 1 + np.rint(pixels.reshape(len(pixels), -1) * (LEVELS - 1)).astype(np.int64)
         tokens = np.concatenate([np.full((len(grey), 1), CLS), grey], axis=1)
         self.input_ids = torch.from_numpy(tokens[part::parts])
         self.labels = torch.from_numpy(labels[part::parts].astype(np.int64))
@@ -68,8 +70,8 @@ class DigitTokens(Dataset[dict[str, torch.Tensor]]):
 
 def tiny_bert(seed: int) -> BertForSequenceClassification:
     config = BertConfig(
-        vocab_size=LEVELS + 1, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-        max_position_embeddings=65, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=CLS + 1, pad_token_id=0, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=128, max_position_embeddings=65, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
     config.num_labels = 10
     torch.manual_seed(seed)
@@ -103,16 +105,18 @@ def train_worker(variant: str, address: str, index: int, workers: int, epochs: f
     with tempfile.TemporaryDirectory() as folder:
         args = arguments(folder, epochs, seed * 1000 + index)
         optimizer: RemoteOptimizer | LocalSteps
-        schedule: ServerSchedule | None = None  # None: the Trainer builds its own (linear) on the AdamW
-        if variant == "remote":
+        if variant == "remote":  # the SDK guide's way for gradients: the server's η and schedule
             optimizer = RemoteOptimizer(model, address, name=f"w{index}")
-            schedule = ServerSchedule(optimizer)
-        else:
+            trainer = Trainer(
+                model=model, args=args, train_dataset=data, optimizers=(optimizer, ServerSchedule(optimizer))
+            )
+        else:  # the Trainer's own AdamW (its decay groups, its linear schedule), its steps committed
+            trainer = Trainer(model=model, args=args, train_dataset=data)
             steps = int(variant.split(":", 1)[1])
-            inner = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
-            optimizer = LocalSteps(model, inner, address, steps=steps, name=f"w{index}")
+            optimizer = LocalSteps(model, trainer.create_optimizer(), address, steps=steps, name=f"w{index}")
+            trainer.optimizer = optimizer
         try:
-            Trainer(model=model, args=args, train_dataset=data, optimizers=(optimizer, schedule)).train()
+            trainer.train()
         finally:
             optimizer.close()  # LocalSteps commits an unfinished window first; both leave
     return {"worker": index, "seconds": time.monotonic() - started}

@@ -66,6 +66,22 @@ def test_local_adamw_learns_digits_through_gem(start_server: StartServer) -> Non
     assert evaluate(model, data.test_x, data.test_y)[1] > 0.9
 
 
+def test_a_state_dict_loaded_into_it_keeps_the_users_groups_and_state(server: InProcessServer) -> None:
+    """accelerate loads a state dict into each optimizer it prepares (Hugging Face's Trainer, and
+    any resume): the user's AdamW still holds the groups a scheduler moves and the moments."""
+    model = linear()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with LocalSteps(model, inner, server.target, steps=4) as optimizer:
+        optimizer.zero_grad()
+        model(torch.zeros(2, 1, 8, 8)).sum().backward()
+        optimizer.step()
+        optimizer.load_state_dict(optimizer.state_dict())
+        assert optimizer.param_groups is inner.param_groups and optimizer.state is inner.state
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)  # sets lr 0.05 at once
+        assert [group["lr"] for group in inner.param_groups] == [0.05]
+        assert len(inner.state) == 2 and all(s["step"] == 1 for s in inner.state.values())  # Adam's moments kept
+
+
 def test_an_optimizer_of_other_tensors_or_missing_some_is_refused(server: InProcessServer) -> None:
     model = linear()
     with pytest.raises(ValueError, match="not trained parameters of the model"):

@@ -84,6 +84,18 @@ class LocalSteps(torch.optim.Optimizer):
         """Version of the central variable the window started from."""
         return self.remote.version
 
+    def state_dict(self) -> dict[str, Any]:
+        """The user's optimizer's (its moments, its groups' lr): what a checkpoint of it holds."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Into the user's optimizer, whose groups and state stay this one's. torch's own would give
+        this optimizer new groups apart from the user's: a scheduler would then move an lr nothing
+        reads (accelerate loads a state dict into each optimizer it prepares: under Hugging Face's
+        Trainer the linear schedule never reached AdamW), and a resumed Adam would start over."""
+        self.optimizer.load_state_dict(state_dict)
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
