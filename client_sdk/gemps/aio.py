@@ -32,7 +32,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, ParamSpec, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypedDict, TypeVar, cast
 
 from gemps.client import Client
 from gemps.records import (
@@ -93,8 +93,12 @@ class AsyncClient:
             raise RuntimeError("this AsyncClient is closed")
         at = time.monotonic() + self.client.timeout  # the call's deadline runs from now
         loop = asyncio.get_running_loop()
-        queued = self._thread.submit(functools.partial(_within, self.client.timeout, at, call, *args, **kwargs))
-        awaited = asyncio.wrap_future(queued, loop=loop)  # cancelling it takes `queued` off the queue if it can
+        gate = _Gate()
+        queued = self._thread.submit(functools.partial(_within, self.client.timeout, at, gate, call, *args, **kwargs))
+        # Cancelling it takes `queued` off the queue if it can, from a callback of the loop's: until
+        # then the gate stops the thread starting it (the loop may be busy while the thread moves on).
+        awaited = cast("asyncio.Future[R]", asyncio.wrap_future(queued, loop=loop))
+        gate.awaited = awaited
         self._running[awaited] = queued
         return awaited
 
@@ -108,7 +112,8 @@ class AsyncClient:
             raise ValueError("not an awaitable of this AsyncClient's calls")
         if queued.cancelled():
             return None
-        return await asyncio.wrap_future(queued)
+        result = await asyncio.wrap_future(queued)
+        return None if isinstance(result, _NotStarted) else result
 
     # -- the calls: Client's, awaited --------------------------------------------------------------
 
@@ -177,8 +182,23 @@ class AsyncClient:
             self._thread.shutdown(wait=False)
 
 
-def _within(timeout: float, at: float, call: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-    """`call` within the deadline `at` (of `timeout` seconds): the Client's calls keep it."""
+class _Gate:
+    """The caller's awaitable of a queued call, once made: cancelled, the call is not started."""
+
+    awaited: asyncio.Future[Any] | None = None
+
+
+class _NotStarted:
+    """What a call cancelled before it started returns (only `outcome` sees it: None)."""
+
+
+def _within(
+    timeout: float, at: float, gate: _Gate, call: Callable[P, R], *args: P.args, **kwargs: P.kwargs
+) -> R | _NotStarted:
+    """`call` within the deadline `at` (of `timeout` seconds): the Client's calls keep it; nothing
+    when its awaitable was cancelled before the call's turn came (cancelled() reads one field)."""
+    if gate.awaited is not None and gate.awaited.cancelled():
+        return _NotStarted()
     with call_deadline(timeout, at):
         return call(*args, **kwargs)
 

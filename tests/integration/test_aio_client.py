@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -108,6 +109,9 @@ def test_a_commit_cancelled_after_it_left_says_it_was_applied() -> None:
                             await cancelled
                 finally:
                     os.kill(server.pid, signal.SIGCONT)
+                # The loop held: the thread ends the first and takes up the second before any of
+                # the loop's callbacks (where wrap_future cancels what it wraps) could run.
+                time.sleep(1.0)
                 applied = await client.outcome(sent)
                 assert applied is not None and applied.version == 1
                 assert await client.outcome(queued) is None
