@@ -151,12 +151,17 @@ def primary_and_backup(stack: ReplicatedStack, timeout: float, what: str) -> dic
     return roles
 
 
+def roles_of(roles: dict[str, str]) -> tuple[str, str]:
+    """(the primary's service, the backup's)."""
+    primary = next(s for s, role in roles.items() if role == PRIMARY)
+    return primary, next(s for s in SERVERS if s != primary)
+
+
 def test_training_survives_killing_the_primary_container(replicated_stack: ReplicatedStack) -> None:
     stack = replicated_stack
     # One primary, one backup in its in-sync set, and commits flowing.
     roles = primary_and_backup(stack, 180, "one primary and one backup")
-    primary = next(s for s, role in roles.items() if role == PRIMARY)
-    backup = next(s for s in SERVERS if s != primary)
+    primary, backup = roles_of(roles)
     wait_for(lambda: stack.in_sync(primary, backup), 120, "the backup in sync", poll=1.0, tolerate=(Exception,))
     start = stack.replica_status(primary)
     wait_for(
@@ -177,10 +182,9 @@ def test_training_survives_killing_the_primary_container(replicated_stack: Repli
     )
     # Who is primary now, not at the start: kill that one.
     now = primary_and_backup(stack, 60, "one primary and one backup, before the kill")
-    if now[primary] != PRIMARY:
+    if now != roles:
         print(f"roles moved before the kill (a lease lapsed): {roles} -> {now}")
-        primary = next(s for s, role in now.items() if role == PRIMARY)
-        backup = next(s for s in SERVERS if s != primary)
+    primary, backup = roles_of(now)
     followed = stack.replica_status(backup).replication
     assert followed is not None and followed.role == BACKUP, followed
     epoch_before = followed.epoch
