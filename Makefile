@@ -43,10 +43,11 @@ demo: bytecode  ## the main job: train GEM on this machine (server + 4 local wor
 	$(BIN)/gemps demo
 
 # Parallel test runners (pytest-xdist); tests/conftest.py names the groups whose tests run one at a time.
-# Two on two cores. Three kept the cores busier (17.4-21.6 min of parallel tests against 24-28) but
-# starved what the tests time (leases of 1-2 s, a container's start, a Ray job's 300 s): 1-3 tests
-# failed in three of four runs, a different one each time (docs/guides/testing.md).
-TEST_WORKERS ?= 2
+# Three on two cores: with two the cores were 1.75 busy on average (tests waiting on leases, Ray's
+# health checks, containers starting), with three 2.0 and the three runners end within 4 s of each
+# other. What three starved before (a lease of 1-2 s, the Ray guide's job within 300 s, etcd's
+# answer to a start-up check) is fixed or given room (docs/guides/testing.md).
+TEST_WORKERS ?= 3
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
 # The type checks (near 2 minutes of one core from a fresh clone) and the documentation site's

@@ -39,10 +39,13 @@ REPLICAS_FILE = ROOT / "deploy" / "compose.replicas.yml"
 SERVERS = ("ps", "ps-1")  # replica 0 and 1, as the override names them
 SERVICES = ("etcd", *SERVERS, "worker", "evaluator", "prometheus")
 WORKERS = 2
-# GEMPS_REPLICA_LEASE: a dead primary is replaced within about this long. The compose file's own
-# (3 s): at 2 s the primary's lease lapsed under the suite's load with no fault (twice in CI-like
-# runs: its renewal is a write etcd commits to its disk), and the test killed a backup.
-LEASE = 3.0
+# GEMPS_REPLICA_LEASE: a dead primary is replaced within about this long. Longer than the compose
+# file's own (3 s): under the suite's load (three test runners, load averages of 10 and more on 2
+# cores) a primary's renewals stalled past its lease with no fault, at 2 s twice and at 3 s once
+# (while its partner restarted: the test saw a failover where it checks the rejoin causes none).
+# A lapse under starvation is the election working (a primary that cannot prove its lease steps
+# down); what this test checks, failover on a kill and a rejoin without one, holds at any lease.
+LEASE = 5.0
 
 
 @dataclass
@@ -233,7 +236,9 @@ def test_training_survives_killing_the_primary_container(replicated_stack: Repli
         f"{primary} in sync {time.monotonic() - restarted_at:.1f} s after its start; "
         f"versions: primary {rejoined.version}, backup {follower.version}"
     )
-    assert rejoined.replication is not None and rejoined.replication.epoch == replication.epoch  # no failover
+    assert rejoined.replication is not None, rejoined
+    # no failover: the replicas' logs say why, if one happened (a lapsed lease names itself)
+    assert rejoined.replication.epoch == replication.epoch, (rejoined.replication, stack.diagnostics())
     assert follower.version >= moved.version
     logs = run(["podman", "logs", victim], 60)
     assert "seeded" in logs.stdout + logs.stderr

@@ -109,7 +109,7 @@ def _mentioned() -> dict[str, set[str]]:
     texts += [*ROOT.glob("deploy/**/*"), *ROOT.glob("docs/**/*.md"), *ROOT.glob("tools/*")]
     found: dict[str, set[str]] = {}
     for path in texts:
-        if path.is_file():
+        if path.is_file() and "__pycache__" not in path.parts:  # `make test` byte-compiles deploy/'s Python
             for name in re.findall(r"\bGEMPS_[A-Z0-9_]*[A-Z0-9]\b", path.read_text(errors="replace")):
                 found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
     # In code the names in quotes: a constant such as GEMPS_COMMAND is not a variable.
