@@ -51,8 +51,10 @@ TEST_WORKERS ?= 3
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
 # The type checks (near 2 minutes of one core from a fresh clone) and the documentation site's
-# strict build run beside the parallel tests; their output is printed when the tests end, and
-# either failing fails the target.
+# strict build run beside the tests at the lowest priority (nice 19): they take what the tests leave
+# idle (the parallel run's waits, the half core the tests that run alone do not use), not CPU the
+# parallel run would have used. Their output is printed at the end; either failing fails the target.
+
 # The project's own modules, byte-compiled before the tests and the demo. Where PYTHONDONTWRITEBYTECODE
 # is set (as on this machine and its CI) Python never writes bytecode, so every process the suite
 # starts (servers, workers, Ray actors, the CLI: hundreds) compiled the ~170 modules a server imports
@@ -63,11 +65,12 @@ bytecode: $(BIN)/.installed
 	$(BIN)/python -m compileall -q -j 0 $(OWN_SOURCES) > /dev/null
 
 test: lint system-deps bytecode  ## everything CI runs: lint, types, docs, unit + integration + e2e tests (the target: 25 min on 2 cores from a fresh clone)
-	@{ $(MAKE) --no-print-directory typecheck && $(MAKE) --no-print-directory docs; } > $(VENV)/checks.log 2>&1 & checks=$$!; \
+	@nice -n 19 $(MAKE) --no-print-directory typecheck docs > $(VENV)/checks.log 2>&1 & checks=$$!; \
 	GEMPS_REQUIRE_PROMETHEUS=1 GEMPS_REQUIRE_ETCD=1 $(BIN)/python -m pytest $(PARALLEL) -m "not alone" --durations=20; \
-	tests=$$?; wait $$checks; checked=$$?; echo "== make typecheck docs (beside the tests): exit $$checked"; \
+	tests=$$?; if test $$tests -eq 0; then \
+		GEMPS_REQUIRE_PROMETHEUS=1 GEMPS_REQUIRE_ETCD=1 $(BIN)/python -m pytest -m alone; tests=$$?; fi; \
+	wait $$checks; checked=$$?; echo "== make typecheck docs (beside the tests, at the lowest priority): exit $$checked"; \
 	cat $(VENV)/checks.log; test $$tests -eq 0 && test $$checked -eq 0
-	GEMPS_REQUIRE_PROMETHEUS=1 GEMPS_REQUIRE_ETCD=1 $(BIN)/python -m pytest -m alone
 
 test-fast: bytecode  ## the inner loop (about 2 minutes): unit + integration tests that inject no faults
 	$(BIN)/python -m pytest $(PARALLEL) -m "not faults" tests/unit tests/integration
