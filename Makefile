@@ -56,7 +56,7 @@ PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 # parallel run would have used. Their output is printed at the end; either failing fails the target.
 
 # The project's own modules, byte-compiled before the tests and the demo. Where PYTHONDONTWRITEBYTECODE
-# is set (as on this machine and its CI) Python never writes bytecode, so every process the suite
+# is set (as here) Python never writes bytecode, so every process the suite
 # starts (servers, workers, Ray actors, the CLI: hundreds) compiled the ~170 modules a server imports
 # anew: 0.4 of a server start's 1.2 s of CPU (docs/guides/testing.md). A file edited later is
 # compiled again in memory, as without this; compileall writes bytecode whatever that variable says.
