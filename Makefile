@@ -50,20 +50,19 @@ demo: bytecode  ## the main job: train GEM on this machine (server + 4 local wor
 TEST_WORKERS ?= 3
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
-# The type checks (near 2 minutes of one core from a fresh clone) and the documentation site's
-# strict build run beside the tests at the lowest priority (nice 19): they take what the tests leave
-# idle (the parallel run's waits, the half core the tests that run alone do not use), not CPU the
-# parallel run would have used. Their output is printed at the end; either failing fails the target.
-
 # The project's own modules, byte-compiled before the tests and the demo. Where PYTHONDONTWRITEBYTECODE
-# is set (as here) Python never writes bytecode, so every process the suite
-# starts (servers, workers, Ray actors, the CLI: hundreds) compiled the ~170 modules a server imports
-# anew: 0.4 of a server start's 1.2 s of CPU (docs/guides/testing.md). A file edited later is
-# compiled again in memory, as without this; compileall writes bytecode whatever that variable says.
+# is set (as here) Python never writes bytecode, so every process the suite starts (servers, workers,
+# Ray actors, the CLI: hundreds) compiled the ~170 modules a server imports anew: 0.4 of a server
+# start's 1.2 s of CPU (docs/guides/testing.md). A file edited later is compiled again in memory, as
+# without this; compileall writes bytecode whatever that variable says.
 OWN_SOURCES := proto server client_sdk worker cli benchmarks tests scripts examples deploy docs/hooks
 bytecode: $(BIN)/.installed
 	$(BIN)/python -m compileall -q -j 0 $(OWN_SOURCES) > /dev/null
 
+# The type checks (near 2 minutes of one core from a fresh clone) and the documentation site's
+# strict build run beside the tests at the lowest priority (nice 19): they take what the tests leave
+# idle (the parallel run's waits, the half core the tests that run alone do not use), not CPU the
+# parallel run would have used. Their output is printed at the end; either failing fails the target.
 test: lint system-deps bytecode  ## everything CI runs: lint, types, docs, unit + integration + e2e tests (the target: 25 min on 2 cores from a fresh clone)
 	@nice -n 19 $(MAKE) --no-print-directory typecheck docs > $(VENV)/checks.log 2>&1 & checks=$$!; \
 	GEMPS_REQUIRE_PROMETHEUS=1 GEMPS_REQUIRE_ETCD=1 $(BIN)/python -m pytest $(PARALLEL) -m "not alone" --durations=20; \
