@@ -45,7 +45,7 @@ demo: bytecode  ## the main job: train GEM on this machine (server + 4 local wor
 # Parallel test runners (pytest-xdist); tests/conftest.py names the groups whose tests run one at a time.
 # Two on two cores. Three keep the cores 2.0 busy (1.75 with two) and took the suite from 28.6 to
 # 24.3 min, but under their load a stopped primary's test saw θ and the version disagree (θ 303 at
-# version 73, fewer than the commits acknowledged): twice in five three-runner runs (CI included),
+# version 73, fewer than the commits acknowledged): twice in about seven three-runner runs (CI once),
 # never in about 60 with two. Not explained yet (docs/guides/testing.md); two until it is.
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
