@@ -144,20 +144,35 @@ def replica_process(start: StartServerProcess, etcd: LocalEtcd, index: int, job:
     return start(**replica_options(etcd, index, job, rule="downpour", **options))
 
 
-def role_of(target: str) -> str:
+def replication_of(target: str) -> ReplicationStatus | None:
     with gemps.Client(target, timeout=5) as client:
-        replication = client.status().replication
+        return client.status().replication
+
+
+def role_of(target: str) -> str:
+    replication = replication_of(target)
     return "" if replication is None else replication.role
 
 
 def primary_and_backup(
     start: StartServerProcess, etcd: LocalEtcd, job: str
 ) -> tuple[ServerProcess, ServerProcess, str]:
-    """Two replica processes, once one is primary and the other its backup: (primary, backup, the
+    """Two replica processes, once one is primary and the other its backup, seeded and in sync
+    (a backup's role comes before its seed; under load that took seconds): (primary, backup, the
     target workers are given)."""
     servers = [replica_process(start, etcd, index, job) for index in range(2)]
     targets = [server.target for server in servers]
-    wait_for(lambda: sorted(role_of(t) for t in targets) == [BACKUP, PRIMARY], 30, "a primary and a backup")
+
+    def in_sync() -> bool:
+        statuses = [replication_of(target) for target in targets]
+        return sum(status is not None and status.role == BACKUP for status in statuses) == 1 and any(
+            status is not None and status.role == PRIMARY and status.live == 2 for status in statuses
+        )
+
+    def statuses() -> str:
+        return repr([replication_of(target) for target in targets])
+
+    wait_for(in_sync, 30, "a primary and its backup in sync", explain=statuses)
     primary = next(server for server in servers if role_of(server.target) == PRIMARY)
     return primary, next(server for server in servers if server is not primary), "|".join(targets)
 

@@ -15,12 +15,15 @@ Under a partition's prefix (`partition_prefix`) etcd holds two keys:
   replicas reports its state and none holds a newer one (recovery.py; DESIGN §3d). Until then the
   partition has no primary, and `unavailable` says why.
 - `members/<name>`: each live replica's `recovery.Report` (incarnation, highest epoch seen, the
-  (epoch, version) of the state it holds), bound to a lease of its own (`announce`). When no
-  replica of the in-sync list has been alive for ORPHANED_LEASES leases (every process that held
-  the acknowledged commits is gone: a whole job restarted, say), nobody could ever be promoted;
-  then the live replica holding the newest state, by (epoch, version), may campaign (several,
-  when tied), and says loudly that commits acknowledged after its checkpoint are lost. The
-  durability rule holds: no replica of the partition lived. By epoch first: an old primary's
+  (epoch, version) of the state it holds), bound to a lease of its own (`announce`). When every
+  replica of the in-sync list has been replaced by a new process of its name for ORPHANED_LEASES
+  leases (every process that held the acknowledged commits is gone: a whole job restarted, say),
+  nobody could ever be promoted; then the live replica holding the newest state, by (epoch,
+  version), may campaign (several, when tied), and says loudly that commits acknowledged after its
+  checkpoint are lost. The durability rule holds: no replica of the partition lived. A listed
+  replica that is only silent (paused, cut off: its presence key expired) is not gone, however
+  long: it may come back holding commits nobody else has, so it is waited for (starting a process
+  under its name is how an operator says it is gone for good). By epoch first: an old primary's
   checkpoint may hold commits past the new primary's version that were never acknowledged, while
   the new primary's are.
 
@@ -124,7 +127,7 @@ class Election:
         self._holds_until = 0.0  # time.monotonic() until which holds() answers True
         self.members_prefix = f"{self.prefix}/members/"
         self._presence: int | None = None  # the lease of this replica's members/ key
-        self._orphaned_since: float | None = None  # when no in-sync replica was seen alive
+        self._orphaned_since: float | None = None  # since when every in-sync replica was seen replaced
         self.restored = restored  # (epoch, version) of the checkpoint this process started from
         self.replicas = tuple(replicas)
         self.record = EpochRecord(None) if record is None else record
@@ -210,9 +213,9 @@ class Election:
             return None
         if unclean:
             log.error(
-                "%s: primary of %s, epoch %d, though not in sync: no replica that held every acknowledged "
-                "commit has been alive for %d leases (%s); this one holds the newest state of those "
-                "alive (epoch %d, version %d): commits acknowledged after it are lost",
+                "%s: primary of %s, epoch %d, though not in sync: every replica that held every "
+                "acknowledged commit was restarted at least %d leases ago (%s); this one holds the newest "
+                "state of those alive (epoch %d, version %d): commits acknowledged after it are lost",
                 self.me.name, self.prefix, epoch, ORPHANED_LEASES, ", ".join(name for name, _ in listed or []),
                 *self.held(),
             )  # fmt: skip
@@ -281,9 +284,12 @@ class Election:
         return verdict.allows(self.held())
 
     def _orphaned(self, listed: list[tuple[str, str]]) -> bool:
-        """Whether no replica of the in-sync list has been alive for ORPHANED_LEASES leases."""
+        """Whether every replica of the in-sync list has been replaced, for ORPHANED_LEASES leases,
+        by a live process of its name with another incarnation. Silence is not enough: a paused
+        primary's presence key expires too, and it alone may hold the last acknowledged commits."""
         self._read_reports()
-        if set(self._alive) & set(listed):
+        incarnations = dict(self._alive.keys())  # name -> incarnation of the live process of that name
+        if not all(incarnations.get(name, incarnation) != incarnation for name, incarnation in listed):
             self._orphaned_since = None
             return False
         now = time.monotonic()
