@@ -43,11 +43,11 @@ demo: bytecode  ## the main job: train GEM on this machine (server + 4 local wor
 	$(BIN)/gemps demo
 
 # Parallel test runners (pytest-xdist); tests/conftest.py names the groups whose tests run one at a time.
-# Two on two cores. Three keep the cores 2.0 busy (1.75 with two) and took the suite from 28.6 to
-# 24.3 min, but under their load a stopped primary's test saw θ and the version disagree (θ 303 at
-# version 73, fewer than the commits acknowledged): twice in about seven three-runner runs (CI once),
-# never in about 60 with two. Not explained yet (docs/guides/testing.md); two until it is.
-TEST_WORKERS ?= 2
+# Three on two cores: with two the cores were 1.75 busy on average (tests waiting on leases, Ray's
+# health checks, containers starting), with three 2.0 and the three runners end within 4 s of each
+# other. What three starved before (a lease of 1-2 s, the Ray guide's job within 300 s, etcd's
+# answer to a start-up check) is fixed or given room (docs/guides/testing.md).
+TEST_WORKERS ?= 3
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
 # The project's own modules, byte-compiled before the tests and the demo. Where PYTHONDONTWRITEBYTECODE
