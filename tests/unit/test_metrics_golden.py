@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, enable_created_metrics, generate_latest
+from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 from gemps_proto.reasons import Reason
@@ -23,6 +24,19 @@ from gemps_server.domain.rules import ApplyStats
 from gemps_server.metrics import ServerMetrics
 
 GOLDEN = Path(__file__).parent / "golden"
+
+
+@pytest.fixture(autouse=True)
+def created_series() -> Iterator[None]:
+    """The golden pages have `_created` series. Whether prometheus_client renders them is one
+    switch for the whole process, and an in-process server turns it off (as `gemps server` does):
+    a runner that had started one before rendered these pages without them. On here, restored after."""
+    before = prometheus_metrics._use_created
+    enable_created_metrics()
+    yield
+    prometheus_metrics._use_created = before
+
+
 UNKNOWN_DTYPE = 99  # no encoding of that number: counted under encoding="other"
 
 
