@@ -16,7 +16,11 @@ worker. What differs is only when and where Adam's step is taken:
   (β 0.95), λ `--dc-lambda`: the diagonal of the Hessian approximated by g⊙g;
 - `local:H`: every worker its own AdamW (its own moments), H local steps from the θ of its last
   reply, the window's update θ_H - θ_0 added to θ in full (`LocalSteps` with `--rule downpour`;
-  H = 1: every step).
+  H = 1: every step);
+- `dn:H`: the same windows, applied by the server's delayed-Nesterov rule (`LocalSteps` with
+  `--rule delayed-nesterov`: asynchronous Local-SGD's outer step, Liu et al. 2024; the rule's own
+  code, N = 4, ε `--dn-learning-rate`, β `--dn-momentum`): AdamW inside, Nesterov outside, as
+  DiLoCo pairs them.
 
 The model is gemps_worker.models.CharGpt at nanoGPT's shape scaled down (4 layers, 4 heads, width
 96: 0.46M parameters; pre-norm blocks, GELU, tied embeddings, GPT-2's initialisation; no dropout),
@@ -41,6 +45,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector
 
 from gemps.pytorch.values import copy_into
+from gemps_server.domain.rules.delayed_nesterov import DelayedNesterovRule
 from gemps_worker.held_out import evaluate
 from gemps_worker.models import CharGpt
 from gemps_worker.text_data import CONTEXT, VOCABULARY, stdlib_text
@@ -150,8 +155,11 @@ def _split(vector: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]
     return list(torch.split(vector, [t.numel() for t in like]))
 
 
-def local_adam(data: Data, window: int, steps: int, lr: float, evals: list[int]) -> list[list[float]]:
-    """`local:H`: each worker its own AdamW for H steps; the window's update added to θ in full."""
+def local_adam(
+    data: Data, window: int, steps: int, lr: float, evals: list[int], outer: DelayedNesterovRule | None = None
+) -> list[list[float]]:
+    """`local:H`: each worker its own AdamW for H steps; the window's update added to θ in full,
+    or (`dn:H`) handed to `outer`, the server's delayed-Nesterov rule."""
     models = [build() for _ in range(WORKERS)]
     optimizers = [adamw(model, lr) for model in models]
     streams = [data.batches(rank, WORKERS) for rank in range(WORKERS)]
@@ -170,9 +178,17 @@ def local_adam(data: Data, window: int, steps: int, lr: float, evals: list[int])
                 step += 1
                 if step in evals:
                     curve.append([step * BATCH, data.held_out(probe, theta)])
-            theta = theta + (flat(model) - start)
+            delta = flat(model) - start
+            theta = theta + delta if outer is None else _outer_step(outer, theta, delta, rank)
             replied[rank] = theta
     return curve
+
+
+def _outer_step(rule: DelayedNesterovRule, theta: torch.Tensor, delta: torch.Tensor, rank: int) -> torch.Tensor:
+    """θ after the server's rule applies one worker's window (copies both ways: the rule reuses
+    the θ it returned last as scratch)."""
+    updated, _ = rule.step_scaled(theta.numpy().copy(), delta.numpy(), 1.0, f"worker-{rank}", staleness=0)
+    return torch.from_numpy(updated.copy())
 
 
 def main() -> None:
@@ -182,6 +198,8 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--evaluations", type=int, default=8)
     parser.add_argument("--dc-lambda", type=float, default=1.0, help="dc:S's compensation factor")
+    parser.add_argument("--dn-learning-rate", type=float, default=0.7, help="dn:H's outer learning rate ε")
+    parser.add_argument("--dn-momentum", type=float, default=0.9, help="dn:H's outer Nesterov momentum β")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -194,13 +212,24 @@ def main() -> None:
         started = time.monotonic()
         if name == "local":
             curve = local_adam(data, int(amount), steps, args.learning_rate, evals)
+        elif name == "dn":
+            outer = DelayedNesterovRule(
+                sum(p.numel() for p in build().parameters()),
+                learning_rate=1.0,
+                dn_learning_rate=args.dn_learning_rate,
+                momentum=args.dn_momentum,
+                nesterov_period=WORKERS,
+                momentum_activation=0.0,
+            )
+            curve = local_adam(data, int(amount), steps, args.learning_rate, evals, outer)
         elif name in ("single", "stale", "dc", "mean"):
             curve = server_adam(data, name, int(amount or 0), steps, args.learning_rate, evals, args.dc_lambda)
         else:
-            parser.error(f"unknown variant {variant!r}: single, stale:S, dc:S, mean:K or local:H")
-        results.append(
-            {"variant": variant, "learning_rate": args.learning_rate, "dc_lambda": args.dc_lambda, "curve": curve}
-        )
+            parser.error(f"unknown variant {variant!r}: single, stale:S, dc:S, mean:K, local:H or dn:H")
+        settings = {"learning_rate": args.learning_rate, "dc_lambda": args.dc_lambda}
+        if name == "dn":
+            settings.update(dn_learning_rate=args.dn_learning_rate, dn_momentum=args.dn_momentum)
+        results.append({"variant": variant, **settings, "curve": curve})
         print(f"{variant:>10}: held-out loss {curve[-1][1]:.4f} after {curve[-1][0]:,} samples "
               f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
     if args.json:
