@@ -9,7 +9,7 @@ from types import ModuleType
 
 import numpy as np
 import pytest
-from gemps_bench.peers import reference_p2p, torch_rpc
+from gemps_bench.peers import common, reference_p2p, torch_rpc
 from gemps_bench.peers.common import ChildSpec, PeerConfig, PeerError, client_gradient, initial_theta, run_processes
 from gemps_bench.results import LoadResult
 
@@ -32,8 +32,7 @@ RUNS: list[tuple[Callable[..., LoadResult], str]] = [
 def rendezvous_ports_from_the_suites_band() -> Iterator[None]:
     """torch.distributed's rendezvous port from the band no port-0 bind can take meanwhile."""
     with pytest.MonkeyPatch.context() as patch:
-        for peer in (torch_rpc, reference_p2p):
-            patch.setattr(peer, "free_port", free_port)
+        patch.setattr(common, "free_port", free_port)  # where both peers' runs take theirs
         yield
 
 

@@ -178,6 +178,16 @@ def test_progress_log_and_snapshots_follow_the_contract(tmp_path: Path) -> None:
     assert set(torch.load(found[0][1])) == set(model.state_dict())
 
 
+def test_snapshots_within_one_millisecond_are_all_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Snapshots are named by their wall time to the millisecond: on a fast machine a forced one
+    came within the same millisecond as the one before and replaced it."""
+    monkeypatch.setattr("time.time", lambda: 1_800_000_000.0)
+    snapshots = Snapshots(tmp_path, every=3600.0)
+    model = workload("digits").build_model()
+    assert all(snapshots.write(model, force=True) for _ in range(3))
+    assert [when for when, _ in snapshot_times(tmp_path)] == [1_800_000_000.0, 1_800_000_000.001, 1_800_000_000.002]
+
+
 def test_systems_build_their_command_lines(tmp_path: Path) -> None:
     assert {"gemps-gem", "gemps-gem-int8", "gemps-gem-local", "gemps-dn-dylu", "ddp"} <= set(system_names())
     plan = RunPlan(workload("digits"), 8, 0, 0.05, tmp_path, 90.0, "10.0.0.1", tuple(f"10.0.1.{i}" for i in range(8)))

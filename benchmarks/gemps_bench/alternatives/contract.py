@@ -147,6 +147,7 @@ class Snapshots:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.every = every
         self._last = float("-inf")
+        self._last_wall = float("-inf")  # the last snapshot's name, as a time
 
     def due(self) -> bool:
         return time.monotonic() - self._last >= self.every
@@ -156,7 +157,10 @@ class Snapshots:
         if not (force or self.due()):
             return False
         self._last = time.monotonic()
-        wall = time.time()
+        # Named to the millisecond: two snapshots within one (a forced one after a due one, on a
+        # fast machine) would share a name and the second replace the first; a millisecond later.
+        wall = max(round(time.time(), 3), round(self._last_wall + 0.001, 3))
+        self._last_wall = wall
         partial = self.folder / f".{wall:.3f}.pt.partial"
         torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, partial)
         os.replace(partial, self.folder / f"{wall:.3f}.pt")

@@ -31,6 +31,7 @@ from gemps_bench.results import LoadResult, share_in_window
 from gemps_proto.schema import PayloadKind, TrainingConfig
 from gemps_server.allocator import keep_large_allocations
 from gemps_server.domain.rules import CommitRule, create_rule
+from gemps_worker.cluster import free_port
 
 LOCALHOST = "127.0.0.1"
 # Seconds every process gets to start and rendezvous, on top of a per-client share (2 cores, 33 processes).
@@ -263,6 +264,24 @@ def _forkserver_context(preload: Sequence[str]) -> mp.context.ForkServerContext:
     # what they need themselves (slower, same result).
     context.set_forkserver_preload(list(preload))
     return context
+
+
+#: tries of a run whose rendezvous port was taken: picked free, it is bound a moment later by a
+#: child process, and another program may be given it between (a loaded test suite's Ray did)
+PORT_TRIES = 3
+
+
+def on_a_free_port(run: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
+    """`run(port)` on a port free when picked; on another if a child found it taken."""
+    for attempt in range(1, PORT_TRIES + 1):
+        try:
+            return run(free_port())
+        except PeerError as error:
+            if attempt == PORT_TRIES or not any(
+                sign in str(error) for sign in ("EADDRINUSE", "Address already in use")
+            ):
+                raise
+    raise AssertionError("unreachable")
 
 
 def run_processes(children: Sequence[ChildSpec], timeout: float, preload: Sequence[str]) -> dict[str, Any]:

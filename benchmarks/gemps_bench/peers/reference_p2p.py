@@ -46,6 +46,7 @@ import socket
 import struct
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,13 +61,13 @@ from gemps_bench.peers.common import (
     build_result,
     client_gradient,
     commit_loop,
+    on_a_free_port,
     own_peak_rss,
     own_window_cpu,
     run_processes,
     set_rendezvous_env,
 )
 from gemps_bench.results import LoadResult
-from gemps_worker.cluster import free_port
 
 SYSTEM = "reference-p2p"
 MASTER_RANK = 0
@@ -178,14 +179,17 @@ def _worker(rank: int, config: PeerConfig, port: int) -> ClientReport:
 
 
 def measure(config: PeerConfig) -> LoadResult:
-    port = free_port()
     where = config.placement
-    children = [ChildSpec("master", _master, (config, port), where.server_namespace)]
-    children += [
-        ChildSpec(worker_name(r), _worker, (r, config, port), where.clients_namespace)
-        for r in range(1, config.clients + 1)
-    ]
-    reports = run_processes(children, config.deadline_seconds(), preload=["torch", "torch.distributed", __name__])
+
+    def on(port: int) -> dict[str, Any]:
+        children = [ChildSpec("master", _master, (config, port), where.server_namespace)]
+        children += [
+            ChildSpec(worker_name(r), _worker, (r, config, port), where.clients_namespace)
+            for r in range(1, config.clients + 1)
+        ]
+        return run_processes(children, config.deadline_seconds(), preload=["torch", "torch.distributed", __name__])
+
+    reports = on_a_free_port(on)
     clients: list[ClientReport] = [reports[worker_name(r)] for r in range(1, config.clients + 1)]
     notes = (
         "GEM reference code's transport (github.com/montefiore-institute/gradient-energy-matching): gloo "

@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
@@ -56,13 +57,13 @@ from gemps_bench.peers.common import (
     build_result,
     client_gradient,
     commit_loop,
+    on_a_free_port,
     own_peak_rss,
     own_window_cpu,
     run_processes,
     set_rendezvous_env,
 )
 from gemps_bench.results import LoadResult
-from gemps_worker.cluster import free_port
 
 SYSTEM = "torch-rpc"
 SYSTEM_TCP = "torch-rpc-tcp"
@@ -180,14 +181,17 @@ def _trainer_process(client: int, config: PeerConfig, port: int, tcp: bool) -> N
 
 
 def measure(config: PeerConfig, tcp: bool = False) -> LoadResult:
-    port = free_port()
     where = config.placement
-    children = [ChildSpec(PS_NAME, _serve, (config, port, tcp), where.server_namespace)]
-    children += [
-        ChildSpec(trainer_name(c), _trainer_process, (c, config, port, tcp), where.clients_namespace)
-        for c in range(config.clients)
-    ]
-    reports = run_processes(children, config.deadline_seconds(), preload=["torch", "torch.distributed.rpc", __name__])
+
+    def on(port: int) -> dict[str, Any]:
+        children = [ChildSpec(PS_NAME, _serve, (config, port, tcp), where.server_namespace)]
+        children += [
+            ChildSpec(trainer_name(c), _trainer_process, (c, config, port, tcp), where.clients_namespace)
+            for c in range(config.clients)
+        ]
+        return run_processes(children, config.deadline_seconds(), preload=["torch", "torch.distributed.rpc", __name__])
+
+    reports = on_a_free_port(on)
     server, clients = reports[PS_NAME]
     transport = "uv transport (TCP) and basic channel only" if tcp else "shm transport and CMA channel on one host"
     notes = (
