@@ -112,7 +112,10 @@ def check_every_worker_finished(result: RayJobResult, loss: RemoveNode, budget: 
         own = [restart for restart in restarts if restart.actor == worker_name(index)]
         if index in loss.workers:
             assert len(own) <= 1 and all(restart.node_lost for restart in own), restarts
-            assert outcome.node_id != loss.node_id  # its last life ran elsewhere ...
+            # its last life ran elsewhere ... (seen once otherwise: the first life, on the removed
+            # node, finished; whether its pid was among those the removal killed says where to look)
+            pid = outcome.life.pid if outcome.life is not None else None
+            assert outcome.node_id != loss.node_id, (outcome, f"killed: {pid in loss.killed} ({sorted(loss.killed)})")
             assert outcome.first_commit > loss.removed  # ... and began after the loss
             print(f"worker {index}: first commit {outcome.first_commit - loss.removed:.1f}s after the loss")
         else:

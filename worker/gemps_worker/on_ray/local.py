@@ -85,7 +85,7 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def kill_node(cluster: Cluster, node: Any, *, machine: bool = True) -> None:
+def kill_node(cluster: Cluster, node: Any, *, machine: bool = True) -> list[int]:
     """Remove `node` as a machine dies. Ray's own removal kills the raylet only, and its workers
     (a partition's actor and its server process) would go on serving for seconds more, until
     they noticed: here they end with it.
@@ -93,17 +93,19 @@ def kill_node(cluster: Cluster, node: Any, *, machine: bool = True) -> None:
     `machine=False`: the raylet alone is SIGKILLed, as when it crashes, and left unreaped (this
     process, its parent, does not wait for it): Ray's workers ask whether its pid exists and never
     notice; the node's other processes live on. `cluster.remove_node(node)` afterwards ends them
-    (issue 42, item 7)."""
+    (issue 42, item 7). Returns the pids SIGKILLed (a test that finds a life of the node still
+    running can say whether it was among them)."""
     raylets = [info.process for info in node.all_processes.get(PROCESS_TYPE_RAYLET, [])]
     if not machine:
         for raylet in raylets:
             os.kill(raylet.pid, signal.SIGKILL)
-        return
+        return [raylet.pid for raylet in raylets]
     processes = [pid for raylet in raylets for pid in descendants(raylet.pid)]
     cluster.remove_node(node, allow_graceful=False)
     for pid in processes:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    return processes
 
 
 class RemoveNode:
@@ -125,6 +127,7 @@ class RemoveNode:
         self.node: Any = None  # Ray's, once removed
         self.removed = 0.0  # unix time
         self.workers: list[int] = []  # those it held
+        self.killed: list[int] = []  # the pids its removal SIGKILLed
 
     def __call__(self, sample: StatusSample, evaluation: TimedEvaluation | None) -> None:
         if self.removed or sample.version < self.version:
@@ -153,7 +156,7 @@ class RemoveNode:
         log.warning("removing Ray node %s (workers %s) at version %d", self.node_id[:12], self.workers, sample.version)
         self.removed = time.time()
         self.node = nodes[self.node_id]
-        kill_node(self.cluster, self.node, machine=self.machine)
+        self.killed = kill_node(self.cluster, self.node, machine=self.machine)
 
 
 def resumed_after(samples: list[StatusSample], removed: float) -> float | None:
