@@ -43,11 +43,12 @@ demo: bytecode  ## the main job: train GEM on this machine (server + 4 local wor
 	$(BIN)/gemps demo
 
 # Parallel test runners (pytest-xdist); tests/conftest.py names the groups whose tests run one at a time.
-# Three on two cores: with two the cores were 1.75 busy on average (tests waiting on leases, Ray's
-# health checks, containers starting), with three 2.0 and the three runners end within 4 s of each
-# other. What three starved before (a lease of 1-2 s, the Ray guide's job within 300 s, etcd's
-# answer to a start-up check) is fixed or given room (docs/guides/testing.md).
-TEST_WORKERS ?= 3
+# Two on two cores. Three keep the cores 2.0 busy (1.75 with two) and took the suite from 28.6 to
+# 24.3 min (16 min on a quicker day), and every three-runner run shows a race of the long tail: a
+# durability bug (fixed), three order or port races (fixed), and two not yet explained (a Ray
+# node-loss worker's first life outliving its node, twice in four runs; a SIGTERM checkpoint test
+# once). Two until those are (docs/guides/testing.md): `make test TEST_WORKERS=3` runs three.
+TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
 # The project's own modules, byte-compiled before the tests and the demo. Where PYTHONDONTWRITEBYTECODE
