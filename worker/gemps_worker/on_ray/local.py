@@ -126,7 +126,8 @@ class RemoveNode:
         self.node_id = ""
         self.node: Any = None  # Ray's, once removed
         self.removed = 0.0  # unix time
-        self.workers: list[int] = []  # those it held
+        self.workers: list[int] = []  # those it held that were still training
+        self.finished: list[int] = []  # those it held whose training had ended (their outcome stands)
         self.killed: list[int] = []  # the pids its removal SIGKILLed
 
     def __call__(self, sample: StatusSample, evaluation: TimedEvaluation | None) -> None:
@@ -150,10 +151,17 @@ class RemoveNode:
             self.node_id = max((node for node in nodes if node not in spared), key=lambda node: len(held[node]))
         else:
             raise RuntimeError(f"no node holds workers and no partition: {places}")
-        self.workers = held[self.node_id]
+        # Under load the removal waits for the driver's looks, and a worker started early may have
+        # spent its whole budget by then (twice in full runs): it has nothing left to lose.
+        training = self.job.workers.still_training()
+        self.workers = [index for index in held[self.node_id] if index in training]
+        self.finished = [index for index in held[self.node_id] if index not in training]
         self.held_partitions = [actor for actor in self.job.faults.held(self.node_id) if actor.startswith("partition")]
         self.primaries = [index for index, node in enumerate(primaries) if node == self.node_id]
-        log.warning("removing Ray node %s (workers %s) at version %d", self.node_id[:12], self.workers, sample.version)
+        log.warning(
+            "removing Ray node %s (workers %s; finished before: %s) at version %d",
+            self.node_id[:12], self.workers, self.finished, sample.version,
+        )  # fmt: skip
         self.removed = time.time()
         self.node = nodes[self.node_id]
         self.killed = kill_node(self.cluster, self.node, machine=self.machine)

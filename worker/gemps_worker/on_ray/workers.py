@@ -62,6 +62,14 @@ class Workers:
         ready, _ = ray.wait(pending, num_returns=len(pending), timeout=timeout)
         return list(ready)
 
+    def still_training(self) -> set[int]:
+        """The workers whose training call has not ended, without waiting."""
+        pending = list(self.training)
+        if not pending:
+            return set()
+        _, waiting = ray.wait(pending, num_returns=len(pending), timeout=0)
+        return {self.training[call] for call in waiting}
+
     def outcomes(self, ended: list[Any], faults: FaultLog) -> dict[int, WorkerOutcome]:
         """The outcomes of `ended` training calls by worker index. A worker whose outcome went
         with its node is asked again; JobFailed when one failed for good (its restarts spent)."""
