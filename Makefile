@@ -44,10 +44,10 @@ demo: bytecode  ## the main job: train GEM on this machine (server + 4 local wor
 
 # Parallel test runners (pytest-xdist); tests/conftest.py names the groups whose tests run one at a time.
 # Two on two cores. Three keep the cores 2.0 busy (1.75 with two) and took the suite from 28.6 to
-# 24.3 min (16 min on a quicker day), and nearly every three-runner run showed a race of the long
-# tail: a durability bug, three order or port races and a test's timing assumption (all fixed), and
-# one not explained yet (a Ray node-loss worker's first life outliving its node, twice in four
-# runs). Two until it is (docs/guides/testing.md): `make test TEST_WORKERS=3` runs three.
+# 24.3 min (16 min on a quicker day), but nearly every three-runner run so far showed a race of the
+# long tail: a durability bug, three order or port races and two tests' timing assumptions, all
+# fixed now (docs/guides/testing.md). Two until three-runner runs come out clean after the fixes:
+# `make test TEST_WORKERS=3` runs three.
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
