@@ -284,12 +284,11 @@ class Election:
         return verdict.allows(self.held())
 
     def _orphaned(self, listed: list[tuple[str, str]]) -> bool:
-        """Whether every replica of the in-sync list has been replaced, for ORPHANED_LEASES leases,
-        by a live process of its name with another incarnation. Silence is not enough: a paused
-        primary's presence key expires too, and it alone may hold the last acknowledged commits."""
+        """Whether every in-sync replica has been replaced by a live process of its name, for
+        ORPHANED_LEASES leases. Silence is not enough: a paused primary's presence key expires too."""
         self._read_reports()
-        incarnations = dict(self._alive.keys())  # name -> incarnation of the live process of that name
-        if not all(incarnations.get(name, incarnation) != incarnation for name, incarnation in listed):
+        live = dict(self._alive.keys())  # name -> incarnation of the live process of that name
+        if not all(name in live and live[name] != incarnation for name, incarnation in listed):
             self._orphaned_since = None
             return False
         now = time.monotonic()
