@@ -195,6 +195,11 @@ def test_systems_build_their_command_lines(tmp_path: Path) -> None:
     assert server[1:4] == ["-m", "gemps_cli", "server"] and "--learning-rate" in server and "10.0.0.1" in server
     local = Gemps("gemps-gem-local").worker(plan, 2).argv
     assert local[local.index("--mode") + 1] == "dynsgd" and local[local.index("--compression") + 1] == "int8"
+    assert local[local.index("--local-steps") + 1] == "8"  # issue 59's setting: local Adam, its rate 0.06 eta
+    assert local[local.index("--local-optimizer") + 1] == "adam"
+    assert float(local[local.index("--local-learning-rate") + 1]) == pytest.approx(0.003)
+    plain = Gemps("gemps-gem-int8").worker(plan, 2).argv  # gradient commits: no local rate of its own
+    assert float(plain[plain.index("--local-learning-rate") + 1]) == 0.0
     dn = Gemps("gemps-dn-dylu")
     dn_server, dn_worker = dn.coordinator(plan).argv, dn.worker(plan, 1).argv
     assert dn_server[dn_server.index("--rule") + 1] == "delayed-nesterov"

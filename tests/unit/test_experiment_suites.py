@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+import gemps_server.domain.rules  # noqa: F401  (the rules' options, as a server announces them)
 from gemps_worker.experiment.analysis import base_name
 from gemps_worker.experiment.suite import (
     AGN_CHOSEN,
@@ -132,3 +133,21 @@ def test_suites_by_name() -> None:
     assert (dynsgd.mode, dynsgd.dynsgd_steps, dynsgd.epochs) == ("dynsgd", 4, 2)
     names = [c.name for s in SUITES.values() for c in s(10)]
     assert all(base_name(n) == n for n in names)  # no suite name looks like a seed's
+
+
+def test_the_local_steps_that_hold_accuracy_are_measured_on_equal_samples() -> None:
+    """Issue 59's settings: local SGD at the proxy's pace eta/(1 - mu), or local Adam; the language
+    model's local-steps run covers the mini-batches of its gradient run, in H times fewer commits."""
+    local = {c.name: c for c in SUITES["local-steps"](10)}
+    for n in (10, 30):
+        proxy, adam = local[f"gem-n{n}-local8-proxy"], local[f"gem-n{n}-local8-adam"]
+        eta, mu = proxy.training.learning_rate, proxy.training.with_rule_defaults().rule_options["momentum"]
+        assert proxy.local_learning_rate == pytest.approx(eta / (1 - mu)) == pytest.approx(0.5)  # the proxy's pace
+        assert (proxy.local_optimizer, proxy.dynsgd_steps, proxy.outer_learning_rate) == ("sgd", 8, 0.5)
+        assert (adam.local_optimizer, adam.local_learning_rate, adam.outer_learning_rate) == ("adam", 0.003, 0.35)
+        assert {proxy.compression, proxy.reply_compression, adam.compression, adam.reply_compression} == {"int8"}
+    gradient, steps = local["lm-gem-n8"], local["lm-gem-n8-local8-adam"]
+    assert (gradient.model, steps.model, gradient.mode, steps.mode) == ("char-gpt", "char-gpt", "gradient", "dynsgd")
+    assert gradient.max_steps == steps.max_steps * steps.dynsgd_steps == 200
+    assert gradient.training == steps.training and gradient.epochs == steps.epochs
+    assert "gem-n10-local8-adam" in {c.name for c in SUITES["links"](10)}

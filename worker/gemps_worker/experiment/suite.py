@@ -265,14 +265,23 @@ def _coded_name(workers: int, up: str, down: str) -> str:
     return f"gem-n{workers}" + ("" if up == "none" else f"-{up}") + replies
 
 
-#: (name, local steps H, outer learning rate, local optimizer) of the local-steps suite
+#: (name, local steps H, outer learning rate, local optimizer, its learning rate: 0 the optimizer's
+#: default, sgd's the server's eta) of the local-steps suite. The first five, issue 47's, take their
+#: local SGD steps at eta (0.05); issue 59's take them at the proxy's pace, eta / (1 - mu) = 0.5 (a
+#: momentum-SGD step once its velocity has built up), or with Adam at 0.003, the update times 0.35
+#: (chosen on seeds 0-2 at 10 and 30 workers, docs/RESULTS.md "Local steps that hold accuracy").
 LOCAL_STEP_SETTINGS = (
-    ("local4-half", 4, 0.5, "sgd"),
-    ("local8-half", 8, 0.5, "sgd"),
-    ("local4-agn", 4, 0.25, "sgd"),
-    ("local4-half-momentum", 4, 0.5, "momentum"),
-    ("local8-half-momentum", 8, 0.5, "momentum"),
+    ("local4-half", 4, 0.5, "sgd", 0.0),
+    ("local8-half", 8, 0.5, "sgd", 0.0),
+    ("local4-agn", 4, 0.25, "sgd", 0.0),
+    ("local4-half-momentum", 4, 0.5, "momentum", 0.0),
+    ("local8-half-momentum", 8, 0.5, "momentum", 0.0),
+    ("local8-proxy", 8, 0.5, "sgd", 0.5),
+    ("local8-adam", 8, 0.35, "adam", 0.003),
 )
+#: the mini-batches each of the character language model's 8 workers trains on in the local-steps
+#: suite: float32 gradient commits against local8-adam's setting
+LANGUAGE_BATCHES = 200
 
 
 def local_steps_suite(epochs: int = 10) -> list[RunConfig]:
@@ -282,24 +291,36 @@ def local_steps_suite(epochs: int = 10) -> list[RunConfig]:
     SGD with the server's momentum, and AGN's Δ/λ at H = 4; and DiLoCo's outer optimizer as the
     baseline ("local4-diloco": rule nesterov, μ = 0.9, not GEM), its outer learning rate 0.7 over the
     workers' count, as DiLoCo's 0.7 on the average of that many updates.
-    Each run trains on the same samples (epochs): H local steps make H times fewer commits."""
+    Each run trains on the same samples (epochs): H local steps make H times fewer commits. And the
+    character language model at 8 workers, float32 gradient commits against the local8-adam setting
+    (lm-gem-n8, lm-gem-n8-local8-adam), on the same 200 mini-batches a worker."""
     runs = [RunConfig(f"gem-n{n}", n, training("gem"), epochs) for n in (10, REFERENCE_WORKERS)]
     for n in (10, REFERENCE_WORKERS):
-        for name, steps, outer, optimizer in LOCAL_STEP_SETTINGS:
+        for name, steps, outer, optimizer, rate in LOCAL_STEP_SETTINGS:
             runs.append(
                 RunConfig(f"gem-n{n}-{name}", n, training("gem"), epochs, dynsgd_steps=steps, outer_learning_rate=outer,
-                          local_optimizer=optimizer, compression="int8", reply_compression="int8", mode="dynsgd")
+                          local_optimizer=optimizer, local_learning_rate=rate, compression="int8",
+                          reply_compression="int8", mode="dynsgd")
             )  # fmt: skip
         diloco = training("nesterov", momentum=0.9)
         runs.append(
             RunConfig(f"gem-n{n}-local4-diloco", n, diloco, epochs, dynsgd_steps=4, outer_learning_rate=0.7 / n,
                       compression="int8", reply_compression="int8", mode="dynsgd")
         )  # fmt: skip
+    # the compression suite's language model (the tuning guide's recipe)
+    language = RunConfig("lm-gem-n8", 8, training("gem", learning_rate=0.1, batch_size=32), epochs=2,
+                         model="char-gpt", dataset="stdlib-text", max_steps=LANGUAGE_BATCHES)  # fmt: skip
+    _, steps, outer, optimizer, rate = LOCAL_STEP_SETTINGS[-1]
+    local = replace(language, name="lm-gem-n8-local8-adam", max_steps=LANGUAGE_BATCHES // steps, dynsgd_steps=steps,
+                    outer_learning_rate=outer, local_optimizer=optimizer, local_learning_rate=rate,
+                    compression="int8", reply_compression="int8", mode="dynsgd")  # fmt: skip
+    runs += [language, local]
     return runs
 
 
 #: the links suite's runs: GEM at 10 workers in float32, with int8 and top-k/int4 codes, with local steps
-LINK_RUNS = ("gem-n10", "gem-n10-int8-both", "gem-n10-topk-int4", "gem-n10-local4-half", "gem-n10-local8-half")
+LINK_RUNS = ("gem-n10", "gem-n10-int8-both", "gem-n10-topk-int4", "gem-n10-local4-half", "gem-n10-local8-half",
+             "gem-n10-local8-adam")  # fmt: skip
 
 
 def links_suite(epochs: int = 10) -> list[RunConfig]:
@@ -331,10 +352,12 @@ SUITE_HELP = {
     "compression": "GEM's commits in float32, int8 and int4 codes and top-k (--compression), their replies whole "
     f"or as differences in int8 or int4 codes (--reply-compression), at 10 and {REFERENCE_WORKERS} workers; the "
     "character language model at 8, float32 or codes both ways",
-    "local-steps": "GEM with 4 and 8 local steps (--outer-learning-rate 0.5, and AGN's 1/lambda), int8 codes both "
-    f"ways, against float32 gradient commits and DiLoCo's outer Nesterov, at 10 and {REFERENCE_WORKERS} workers",
+    "local-steps": "GEM with 4 and 8 local steps (--outer-learning-rate 0.5, and AGN's 1/lambda; local SGD at eta "
+    "or at the proxy's pace eta/(1-mu), or Adam), int8 codes both ways, against float32 gradient commits and "
+    f"DiLoCo's outer Nesterov, at 10 and {REFERENCE_WORKERS} workers; the character language model at 8 with "
+    "local Adam steps",
     "links": "GEM at 10 workers in float32, int8 both ways, top-k commits with int4 replies, and 4 and 8 local "
-    "steps: run it with --link RATE for time to accuracy across a link",
+    "steps (SGD, and Adam): run it with --link RATE for time to accuracy across a link",
 }
 
 

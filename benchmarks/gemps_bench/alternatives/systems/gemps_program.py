@@ -26,17 +26,16 @@ from gemps_bench.alternatives.contract import (
     worker_parser,
 )
 from gemps_bench.alternatives.workloads import loss, workload
-from gemps_worker.modes import MODES, LocalTraining, create_mode
+from gemps_worker.modes import LOCAL_OPTIMIZERS, MODES, LocalTraining, create_mode
 
 
-def train(args: WorkerArgs, mode_name: str, steps: int, outer: float, compression: str) -> None:
+def train(args: WorkerArgs, mode_name: str, local: LocalTraining, compression: str) -> None:
     started = time.monotonic()
     chosen = replace(workload(args.workload), batch=args.batch)
     model = chosen.build_model()
     codes = None if compression == "none" else compression
     client = Client(args.coordinator, name=f"w{args.rank}", compression=codes, reply_compression=codes)
     with RemoteModel(model, client, threads=1) as remote:
-        local = LocalTraining(dynsgd_steps=steps, dylu_steps=steps, outer_learning_rate=outer)
         mode = create_mode(mode_name, remote, remote.registration.config.learning_rate, local)
         log = ProgressLog(args.run_dir, args.rank)
         log.wait_for_go(args.run_dir)
@@ -79,13 +78,20 @@ def main() -> None:
     )
     parser.add_argument("--outer-learning-rate", type=float, default=0.0, help="dynsgd: the update's factor")
     parser.add_argument("--compression", default="none", help="commits and replies in these codes (int8)")
+    parser.add_argument("--local-optimizer", default="sgd", choices=tuple(LOCAL_OPTIMIZERS), help="of the local steps")
+    parser.add_argument(
+        "--local-learning-rate", type=float, default=0.0, help="of the local steps (0: sgd the server's eta)"
+    )
     args = parse_worker_args(parser)
     extra, _ = parser.parse_known_args()
     torch.set_num_threads(1)
     if args.role == "coordinator":
         observe(args)
     else:
-        train(args, extra.mode, extra.local_steps, extra.outer_learning_rate, extra.compression)
+        steps, rate = extra.local_steps, extra.local_learning_rate
+        local = LocalTraining(dynsgd_steps=steps, dylu_steps=steps, outer_learning_rate=extra.outer_learning_rate,
+                              optimizer=extra.local_optimizer, learning_rate=rate)  # fmt: skip
+        train(args, extra.mode, local, extra.compression)
 
 
 if __name__ == "__main__":
