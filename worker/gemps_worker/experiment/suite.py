@@ -206,6 +206,12 @@ def agn_comparison(epochs: int = 10, settings: ChosenSettings | None = None) -> 
     return runs
 
 
+#: the character language model's run of the gem-state, compression and local-steps suites: the
+#: tuning guide's recipe (eta 0.1, batch 32), 8 workers of 200 commits (mini-batches) each
+LANGUAGE_MODEL = RunConfig("lm-gem-n8", 8, training("gem", learning_rate=0.1, batch_size=32), epochs=2,
+                           model="char-gpt", dataset="stdlib-text", max_steps=200)  # fmt: skip
+
+
 def gem_state_suite(epochs: int = 10) -> list[RunConfig]:
     """GEM with each worker's state exact and compact (issue 45), on two models: the digits CNN at
     the reference count of workers, and the tuning guide's language model with its recipe (eta 0.1,
@@ -215,19 +221,7 @@ def gem_state_suite(epochs: int = 10) -> list[RunConfig]:
         suffix = "" if state == "exact" else "-compact"
         digits = training("gem")
         runs.append(RunConfig(f"gem-n{REFERENCE_WORKERS}{suffix}", REFERENCE_WORKERS, digits, epochs, gem_state=state))
-        language = training("gem", learning_rate=0.1, batch_size=32)
-        runs.append(
-            RunConfig(
-                f"lm-gem-n8{suffix}",
-                8,
-                language,
-                epochs=2,
-                model="char-gpt",
-                dataset="stdlib-text",
-                max_steps=200,
-                gem_state=state,
-            )
-        )
+        runs.append(replace(LANGUAGE_MODEL, name=f"lm-gem-n8{suffix}", gem_state=state))
     return runs
 
 
@@ -248,13 +242,10 @@ def compression_suite(epochs: int = 10) -> list[RunConfig]:
         RunConfig(_coded_name(100, up, down), 100, training("gem"), epochs, compression=up, reply_compression=down)
         for up, down in (("none", "none"), ("int8", "int8"), ("topk", "int4"))
     ]
-    language = training("gem", learning_rate=0.1, batch_size=32)  # the tuning guide's recipe, as gem-state's
-    for up, down in (("none", "none"), ("int8", "int8"), ("int4", "int4"), ("topk", "int4")):
-        name = "lm-" + _coded_name(8, up, down)
-        runs.append(
-            RunConfig(name, 8, language, epochs=2, model="char-gpt", dataset="stdlib-text", max_steps=200,
-                      compression=up, reply_compression=down)
-        )  # fmt: skip
+    runs += [
+        replace(LANGUAGE_MODEL, name="lm-" + _coded_name(8, up, down), compression=up, reply_compression=down)
+        for up, down in (("none", "none"), ("int8", "int8"), ("int4", "int4"), ("topk", "int4"))
+    ]
     return runs
 
 
@@ -279,9 +270,6 @@ LOCAL_STEP_SETTINGS = (
     ("local8-proxy", 8, 0.5, "sgd", 0.5),
     ("local8-adam", 8, 0.35, "adam", 0.003),
 )
-#: the mini-batches each of the character language model's 8 workers trains on in the local-steps
-#: suite: float32 gradient commits against local8-adam's setting
-LANGUAGE_BATCHES = 200
 
 
 def local_steps_suite(epochs: int = 10) -> list[RunConfig]:
@@ -307,14 +295,11 @@ def local_steps_suite(epochs: int = 10) -> list[RunConfig]:
             RunConfig(f"gem-n{n}-local4-diloco", n, diloco, epochs, dynsgd_steps=4, outer_learning_rate=0.7 / n,
                       compression="int8", reply_compression="int8", mode="dynsgd")
         )  # fmt: skip
-    # the compression suite's language model (the tuning guide's recipe)
-    language = RunConfig("lm-gem-n8", 8, training("gem", learning_rate=0.1, batch_size=32), epochs=2,
-                         model="char-gpt", dataset="stdlib-text", max_steps=LANGUAGE_BATCHES)  # fmt: skip
-    _, steps, outer, optimizer, rate = LOCAL_STEP_SETTINGS[-1]
-    local = replace(language, name="lm-gem-n8-local8-adam", max_steps=LANGUAGE_BATCHES // steps, dynsgd_steps=steps,
-                    outer_learning_rate=outer, local_optimizer=optimizer, local_learning_rate=rate,
-                    compression="int8", reply_compression="int8", mode="dynsgd")  # fmt: skip
-    runs += [language, local]
+    _, steps, outer, optimizer, rate = next(s for s in LOCAL_STEP_SETTINGS if s[0] == "local8-adam")
+    local = replace(LANGUAGE_MODEL, name="lm-gem-n8-local8-adam", max_steps=LANGUAGE_MODEL.max_steps // steps,
+                    dynsgd_steps=steps, outer_learning_rate=outer, local_optimizer=optimizer,
+                    local_learning_rate=rate, compression="int8", reply_compression="int8", mode="dynsgd")  # fmt: skip
+    runs += [LANGUAGE_MODEL, local]
     return runs
 
 
