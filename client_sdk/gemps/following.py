@@ -83,11 +83,12 @@ class FollowingTransport:
         return Deferred(lambda: self._call(lambda _: pending.result(), started_on))  # its wait watched too
 
     def commit(self, call: CommitCall) -> Committed:
-        return self._call(lambda transport: transport.commit(call))
+        return self._acknowledged(self._call(lambda transport: transport.commit(call)))
 
     def start_commit(self, call: CommitCall) -> Pending[Committed]:
         pending, started_on = self._call(lambda transport: transport.start_commit(call)), self.transport
-        return Deferred(lambda: self._call(lambda _: pending.result(), started_on))  # its wait watched too
+        # its wait watched too
+        return Deferred(lambda: self._acknowledged(self._call(lambda _: pending.result(), started_on)))
 
     def leave(self, worker_id: str) -> None:
         self._call(lambda transport: transport.leave(worker_id))
@@ -134,6 +135,13 @@ class FollowingTransport:
         self._answered = True
         return result
 
+    def _acknowledged(self, committed: Committed) -> Committed:
+        """The watch learns the epoch that acknowledged: a primary seen under a newer one while a
+        call waits lost its lease and won it again meanwhile (gemps.primary_watch)."""
+        if self.watch is not None and committed.epoch:
+            self.watch.epoch = committed.epoch
+        return committed
+
     def _follow(self) -> None:
         self._suspect = False
         moved = self.follow() if self.follow is not None else None
@@ -157,8 +165,13 @@ class _unwatched(contextlib.nullcontext[Watched]):
 
 def _taken_over(target: str, primary: str, error: errors.GempsError) -> errors.ServerUnavailableError:
     """The failure of a call a watch interrupted: unavailable (retried, at `primary`)."""
+    news = (
+        f"{primary} took over as its partition's primary"
+        if primary != target
+        else "is its partition's primary again under a newer epoch: the call is made again"
+    )
     return errors.ServerUnavailableError(
-        f"{target} stopped answering and {primary} took over as its partition's primary ({error.message})",
+        f"{target} stopped answering and {news} ({error.message})",
         errors.ServerUnavailableError.code,
         Reason.NOT_PRIMARY,
     )

@@ -10,6 +10,13 @@ is interrupted (its transport's blocked read is woken) and fails as unavailable:
 retry then goes to that replica (`Replicas.prefer`) with the same request id and number, so a
 commit the stopped primary had replicated is answered from the ledger, not applied twice.
 
+The replica the call waits on is asked too: when it says it is primary under a newer epoch than
+the one that last acknowledged this session, it lost its lease and won it again while the call
+waited (its cable pulled for a few seconds, say). The attempt was made to the old epoch, and its
+connection may stay silent for many seconds more after the heal (TCP's retransmission backoff),
+so the call is woken the same way and retried on a new connection (the set's next replica first,
+which refuses it and names the primary).
+
 One daemon thread per watch, started with the first watched call of a replicated partition; a call
 costs two assignments under a lock. A partition that is not replicated is never watched: there is
 nowhere to go, and its attempt deadline stays the bound.
@@ -72,6 +79,7 @@ class PrimaryWatch:
         every: float = EVERY_SECONDS,
     ) -> None:
         self.replicas, self.probe, self.after, self.every = replicas, probe, after, every
+        self.epoch = 0  # of the primary that last acknowledged a commit of this session (0: none yet)
         self._lock = threading.Condition()
         self._call: Watched | None = None
         self._thread: threading.Thread | None = None
@@ -114,13 +122,16 @@ class PrimaryWatch:
                 if waited < self.after:
                     self._lock.wait(self.after - waited)
                     continue
-            found = self._primary_elsewhere(call.transport.target)
+            waiting_on = call.transport.target
+            found = self._primary_elsewhere(waiting_on) or self._primary_again(waiting_on)
             with self._lock:
                 if found and self._call is call:  # still waiting: move it
                     call.took_over = found
                     log.warning(
-                        "%s has not answered for %.1f s and %s is its partition's primary now: following it",
-                        call.transport.target, time.monotonic() - call.started, found,
+                        "%s has not answered for %.1f s and %s: following it",
+                        waiting_on, time.monotonic() - call.started,
+                        f"{found} is its partition's primary now" if found != waiting_on
+                        else f"is primary again under a newer epoch than {self.epoch}",
                     )  # fmt: skip
                     call.transport.interrupt()
                 elif not found:
@@ -141,6 +152,20 @@ class PrimaryWatch:
                 assert replicas is not None
                 replicas.prefer(address)
                 return address
+        return ""
+
+    def _primary_again(self, waiting_on: str) -> str:
+        """`waiting_on` when it says it is primary under a newer epoch than the one that last
+        acknowledged this session ("" otherwise, or before any acknowledgement)."""
+        if not self.epoch:
+            return ""
+        try:
+            replication = self.probe(waiting_on).replication
+        except Exception as error:  # not answering: the call's own deadline and keepalives decide
+            log.debug("asked %s whether it is primary again: %s", waiting_on, error)
+            return ""
+        if replication is not None and replication.role == PRIMARY and replication.epoch > self.epoch:
+            return waiting_on
         return ""
 
 
