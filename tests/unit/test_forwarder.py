@@ -30,7 +30,9 @@ def applier() -> Iterator[Applier]:
     running.stop()
 
 
-def primary(applier: Applier, in_sync: list[list[Peer]]) -> tuple[ServerState, Forwarder, str]:
+def primary(
+    applier: Applier, in_sync: list[list[Peer]], awaited: tuple[Peer, ...] = (), attach_within: float = 0.0
+) -> tuple[ServerState, Forwarder, str]:
     state = ServerState(training("downpour"), WorkerRegistry(max_workers=4, lease_ttl=3600))
 
     def set_in_sync(peers: Iterable[Peer]) -> bool:
@@ -45,6 +47,8 @@ def primary(applier: Applier, in_sync: list[list[Peer]]) -> tuple[ServerState, F
         holds=lambda: True,
         timeout=5.0,
         backups=1,
+        awaited=awaited,
+        attach_within=attach_within,
     )
     state.journal = journal
     worker = state.register("w", (ParameterSpec("w", (P,)),), encoded(np.zeros(P, np.float32))).worker.worker_id
@@ -104,6 +108,40 @@ def test_a_seeded_backup_joins_the_in_sync_set_and_commits_wait_for_it(applier: 
         assert not acknowledged.wait(0.3)  # not before the backup applied it
         frames.send(theirs, frames.Frame(frames.ACK, {"position": position}))
         assert acknowledged.wait(5)
+    journal.close()
+
+
+def test_a_new_primary_acknowledges_nothing_until_the_live_replica_it_awaits_is_seeded(applier: Applier) -> None:
+    """Right after a failover the old primary, alive, is the only other replica that could hold
+    what the new one acknowledges: it stays in the in-sync set, and commits wait for its seed."""
+    in_sync: list[list[Peer]] = []
+    old_primary = Peer("old-primary", "i0")
+    state, journal, worker = primary(applier, in_sync, awaited=(old_primary,), attach_within=30.0)
+    position = commit(state, worker, 1)
+    acknowledged = threading.Event()
+    journal.when_replicated(position, lambda error: acknowledged.set())
+    assert not acknowledged.wait(0.3)  # nobody holds it but this replica yet
+    assert [(lag.name, lag.in_sync) for lag in journal.lags()] == [("old-primary", True)]
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        journal.attach(Peer("old-primary", "i0"), ours)
+        seed = frames.receive(theirs)
+        assert seed.kind == frames.SEED and seed.header["position"] == position  # the seed holds it
+        assert not acknowledged.is_set()
+        frames.send(theirs, frames.Frame(frames.ACK, {"position": position}))
+        assert acknowledged.wait(5)
+        assert in_sync[-1] == [old_primary]  # listed all along: no write ever left it out
+        assert all(old_primary in written for written in in_sync)
+    journal.close()
+
+
+def test_an_awaited_replica_that_does_not_attach_in_time_is_dropped_and_commits_go_on(applier: Applier) -> None:
+    in_sync: list[list[Peer]] = []
+    state, journal, worker = primary(applier, in_sync, awaited=(Peer("old-primary", "i0"),), attach_within=0.2)
+    acknowledged = threading.Event()
+    journal.when_replicated(commit(state, worker, 1), lambda error: acknowledged.set())
+    assert acknowledged.wait(10)  # after attach_within: the etcd write leaves it out first
+    assert in_sync == [[]] and journal.lags() == ()
     journal.close()
 
 

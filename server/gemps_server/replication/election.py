@@ -11,9 +11,8 @@ Under a partition's prefix (`partition_prefix`) etcd holds two keys:
   [[name, incarnation], ...]}. Only the epoch's holder writes it (a transaction fenced on the
   primary key's create_revision), and only a listed replica may campaign, so a backup that missed
   commits can never be promoted. Absent: a fresh job, or etcd lost its data; then nobody knows who
-  holds every acknowledged commit, and a replica may campaign only once every one of the R
-  replicas reports its state and none holds a newer one (recovery.py; DESIGN §3d). Until then the
-  partition has no primary, and `unavailable` says why.
+  holds every acknowledged commit, and a replica may campaign only once all R replicas report
+  their state and none holds a newer one (recovery.py; DESIGN §3d); until then `unavailable` says why.
 - `members/<name>`: each live replica's `recovery.Report` (incarnation, highest epoch seen, the
   (epoch, version) of the state it holds), bound to a lease of its own (`announce`). When every
   replica of the in-sync list has been replaced by a new process of its name for ORPHANED_LEASES
@@ -24,13 +23,11 @@ Under a partition's prefix (`partition_prefix`) etcd holds two keys:
   replica that is only silent (paused, cut off: its presence key expired) is not gone, however
   long: it may come back holding commits nobody else has, so it is waited for (starting a process
   under its name is how an operator says it is gone for good). By epoch first: an old primary's
-  checkpoint may hold commits past the new primary's version that were never acknowledged, while
-  the new primary's are.
+  checkpoint may hold unacknowledged commits past the new primary's version.
 
-Fencing: a primary acknowledges commits only while `holds()`, which trusts the lease for 80 % of
-its TTL counted from when the last successful renewal was *sent*. etcd counts its expiry from when
-it received that request, which is later, so an old primary stops acknowledging before etcd lets
-anyone else win; the margin covers clock-rate drift between the two machines.
+Fencing: a primary acknowledges only while `holds()`: it trusts the lease for 80 % of its TTL from
+when its last good renewal was *sent*; etcd counts from when it received it (later), so an old
+primary stops acknowledging before anyone else can win; the margin covers clock-rate drift.
 
 `coordinator.Coordinator` is the loop each replica runs: renew while primary, else watch and campaign.
 """
@@ -73,7 +70,7 @@ class _Term:
 
     epoch: int  # revision + base
     lease_id: int
-    revision: int  # the primary key's create_revision: what the fencing transactions compare
+    revision: int  # the primary key's create_revision: what fencing transactions compare
     base: int  # carried into the in-sync key, so that the next primary's epoch is above this one's
 
 
@@ -135,6 +132,7 @@ class Election:
         self._alive: dict[tuple[str, str], Report] = {}  # members/ as last read
         self._reported: Report | None = None  # this replica's members/ value as last written
         self._primary_known = False  # whether the last read of the primary key found one
+        self.won_with: list[tuple[str, str]] = []  # the in-sync list of this replica's last win
         self.unavailable = Unavailable(me.name, self.prefix)  # why nobody may campaign, if so
 
     # -- what this replica holds ------------------------------------------------------------------
@@ -208,6 +206,7 @@ class Election:
         with self._lock:
             self._holds_until = sent_at + self.lease_seconds * HOLD_FRACTION
             self._term = won
+            self.won_with = list(members)
         if not self.holds():  # the transaction took longer than the lease can be trusted
             self._demote(won, "the campaign's answer came too late")
             return None
@@ -260,6 +259,9 @@ class Election:
             keep = self._primary_known and last is not None and last.held is not None
             held = last.held if keep and last is not None else self.held()
         return Report(self.me.name, self.me.incarnation, self.record.seen, held)
+
+    def announced(self) -> set[tuple[str, str]]:  # every replica's with a live members/ key (a read)
+        return {report.identity for report in self._read_reports().values()}
 
     def _read_reports(self) -> dict[str, Report]:
         """The members/ keys by name, and this replica's own report as it is now."""
@@ -369,14 +371,12 @@ class Election:
         self._call("resign", lambda client: client.transaction(self._fenced(term, delete)))
         self._revoke_quietly(term.lease_id)  # the key is gone; an already expired lease is no error here
 
-    def withdraw(self) -> None:
-        """This replica is stopping: its members/ key goes (its lease revoked)."""
+    def withdraw(self) -> None:  # this replica is stopping: its members/ key goes (its lease revoked)
         if self._presence is not None:
             self._revoke_quietly(self._presence)
             self._presence = None
 
-    def close(self) -> None:
-        """Close the HTTP connections (does not resign)."""
+    def close(self) -> None:  # the HTTP connections (does not resign)
         self._etcd.close()
 
     # -- what etcd holds ----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from gemps_server.domain.state import ServerState
 from gemps_server.logs import event
 from gemps_server.replication import entries, frames, image_codec
 from gemps_server.replication.forwarder import Peer
-from gemps_server.replication.handshake import Handshake
+from gemps_server.replication.handshake import Handshake, Refused
 
 log = logging.getLogger("gemps.server")
 T = TypeVar("T")
@@ -81,6 +81,7 @@ class Follower:
         self._adopt_ticket_key = adopt_ticket_key  # the primary's, from the handshake (data-plane tickets)
         self.applied = 0  # entries applied from this primary
         self.seeded = False
+        self.refused = False  # the process at the primary's address answered, refusing (alive, not primary)
         self._stopped = False
         self._sock: socket.socket | None = None
         self._thread = threading.Thread(target=self._run, name="gemps-replication-follow", daemon=True)
@@ -104,6 +105,7 @@ class Follower:
             why = "the primary ended the stream"
         except (OSError, ValueError, KeyError, TypeError) as error:
             why = f"{type(error).__name__}: {error}"
+            self.refused = isinstance(error, Refused)
         if self._sock is not None:
             self._sock.close()
         if not self._stopped:

@@ -7,6 +7,12 @@ with the next commit: forwarding is pipelined. A backup acknowledges positions a
 A commit's reply waits (`when_replicated`) until every backup in the in-sync set acknowledged its
 position, and is refused instead when this replica no longer holds its lease (fencing).
 
+A new primary keeps in the set the replicas listed in sync before it that are known alive (the
+replica decides which: replica.py), and acknowledges nothing until each is seeded, or has not
+attached within `attach_within` seconds or been seeded within `timeout` (then it is dropped, in
+etcd first): until one of them holds its entries, the new primary alone would hold what it
+acknowledges, and dying at once it would lose them while that replica lives.
+
 A backup joins by saying hello: the applier takes the state's whole image and the journal's
 position in one operation (nothing can be appended in between), the image goes first, streamed,
 then every entry after that position. Once it acknowledged the image it is added to the in-sync
@@ -72,6 +78,8 @@ class Forwarder:
         timeout: float,
         *,
         backups: int,
+        awaited: Iterable[Peer] = (),
+        attach_within: float = 0.0,
     ) -> None:
         self._state = state
         self._applier = applier
@@ -89,6 +97,10 @@ class Forwarder:
         self._closed = False
         self._refusals = Throttle(REFUSAL_LOG_SECONDS)
         self.forwarded = 0
+        # Replicas listed in sync before this epoch, alive: by name, with when they are given up.
+        self._promoted_at = time.monotonic()
+        self._awaited = {peer.name: peer for peer in awaited}
+        self._attach_within = attach_within
         self._monitor = threading.Thread(target=self._watch, name="gemps-replication-monitor", daemon=True)
         self._monitor.start()
 
@@ -128,7 +140,10 @@ class Forwarder:
         done(self._fenced())
 
     def _replicated(self) -> int:
-        """The highest position every in-sync backup applied (with none: the last)."""
+        """The highest position every in-sync backup applied (with none: the last; with a replica
+        still awaited: none)."""
+        if self._awaited:
+            return 0
         acked = [link.acked for link in self._links.values() if link.in_sync]
         return min(acked) if acked else self._last
 
@@ -280,6 +295,8 @@ class Forwarder:
         while not self._closed:
             time.sleep(MONITOR_SECONDS)
             now = time.monotonic()
+            if self._awaited:
+                self._give_up_awaited(now)
             with self._lock:
                 links = list(self._links.values())
                 for link in links:
@@ -299,9 +316,35 @@ class Forwarder:
                         if self._links.get(link.peer.name) is link:
                             del self._links[link.peer.name]
 
+    def _give_up_awaited(self, now: float) -> None:
+        """The replicas awaited since the promotion that did not attach in time, or were not seeded
+        in time, leave the set."""
+        waited = now - self._promoted_at
+        with self._lock:
+            attached = {name for name, link in self._links.items() if not link.closed}
+            late = [
+                name for name in self._awaited
+                if waited > (self.timeout if name in attached else min(self._attach_within, self.timeout))
+            ]  # fmt: skip
+            if not late:
+                return
+            members = [link.peer for link in self._links.values() if link.in_sync]
+            members += [peer for name, peer in self._awaited.items() if name not in late]
+        if not self._set_in_sync(members):
+            return  # fenced off, or etcd unreachable: commits wait; the lease decides
+        with self._lock:
+            for name in late:
+                self._awaited.pop(name, None)
+        for name in late:
+            why = "not seeded within --replica-timeout" if name in attached else "did not attach in time"
+            event(log, "backup dropped", level=logging.WARNING, backup=name, epoch=self.epoch,
+                  reason=f"{why} ({waited:.1f} s after the promotion)")  # fmt: skip
+        self._release()
+
     def _change(self, link: Link, join: bool, why: str) -> None:
         with self._lock:
             members = [other.peer for other in self._links.values() if other.in_sync and other is not link]
+            members += [peer for name, peer in self._awaited.items() if name != link.peer.name]
         if join:
             if len(members) >= self._backups:  # never more than R in the set (the primary is one)
                 return
@@ -310,6 +353,8 @@ class Forwarder:
             return  # fenced off, or etcd unreachable: commits wait; the lease decides
         if join:
             link.lag = LagWindow(self.timeout, time.monotonic())
+            with self._lock:
+                self._awaited.pop(link.peer.name, None)  # seeded: a backup like any other now
         link.in_sync = join
         if not join:
             link.close()
@@ -331,7 +376,11 @@ class Forwarder:
             lags = [
                 BackupLag(link.peer.name, link.in_sync, max(0, self._last - link.base()), self._age(link, now))
                 for link in self._links.values()
+                if link.peer.name not in self._awaited
             ]
+            # in sync (etcd lists them) and nothing applied yet: every entry waits on them
+            oldest = self._appended[0][1] if self._appended else now
+            lags += [BackupLag(name, True, self._last, now - oldest) for name in self._awaited]
         return tuple(sorted(lags, key=lambda lag: lag.name))
 
     def close(self) -> None:

@@ -68,6 +68,8 @@ class Replica:
         self._follower: Follower | None = None
         self.failovers = 0
         self.applied = 0  # entries applied from primaries, over this process's life
+        # replica name -> when it last showed it lives: it refused this one's dial, or dialed this one
+        self._heard_from: dict[str, float] = {}
         self._stopped = False
         self._started = False
         self._greetings = Greetings()  # connections not vouched for yet (greetings.py)
@@ -143,6 +145,7 @@ class Replica:
     # -- the coordinator's news (its thread) ----------------------------------------------------------
 
     def _promoted(self, epoch: int) -> None:
+        awaited = self._alive_in_sync()  # an etcd read: not under the lock
         with self._lock:
             self._let_go_of_primary()
             forwarder = Forwarder(
@@ -153,8 +156,13 @@ class Replica:
                 self._election.holds,
                 self._timeout,
                 backups=self.replicas - 1,
+                awaited=awaited,
+                # a live replica that reaches etcd sees the new primary within a tick (a quarter lease)
+                attach_within=self._election.lease_seconds / 2,
             )
-            if not self._set_in_sync(()):  # only this replica is in sync until backups are seeded
+            if awaited:
+                event(log, "awaiting backups", backups=",".join(peer.name for peer in awaited), epoch=epoch)
+            if not self._set_in_sync(awaited):  # those and this replica, until backups are seeded
                 forwarder.close()
                 event(log, "promotion abandoned", level=logging.WARNING, epoch=epoch)
                 return
@@ -165,6 +173,25 @@ class Replica:
         # Worth a warning only when it took over from another primary (not at a job's start).
         level = logging.WARNING if self._state.version else logging.INFO
         event(log, "primary", level=level, replica=self.me.name, epoch=epoch, version=self._state.version)
+
+    def _alive_in_sync(self) -> list[Peer]:
+        """The replicas of the in-sync list this one won with, but itself, that are alive: within
+        the last lease they refused a dial of this one's (a primary demoted) or dialed this one,
+        or etcd has their presence. Until they are seeded the new primary acknowledges nothing
+        (forwarder.py): right after a failover one of them is the only other replica that could
+        hold what it acknowledges."""
+        try:
+            announced = self._election.announced()
+        except Exception as error:  # etcd unreachable: those heard from lately
+            event(log, "presence not read", level=logging.WARNING, error=f"{type(error).__name__}: {error}")
+            announced = set()
+        now = time.monotonic()
+        heard = {name for name, at in self._heard_from.items() if now - at < self._election.lease_seconds}
+        return [
+            Peer(name, incarnation)
+            for name, incarnation in self._election.won_with
+            if name != self.me.name and (name in heard or (name, incarnation) in announced)
+        ]
 
     def _demoted(self) -> None:
         with self._lock:
@@ -193,6 +220,8 @@ class Replica:
         me = Peer(self.me.name, self.me.incarnation, self.me.address, self.me.replication)
 
         def ended(why: str) -> None:
+            if follower.refused:
+                self._heard_from[primary.name] = time.monotonic()
             timer = threading.Timer(REDIAL_SECONDS, self._redial, args=(follower,))
             timer.daemon = True
             timer.start()
@@ -306,6 +335,10 @@ class Replica:
 
     def _refusal(self, hello: frames.Frame) -> str:
         if self.role != PRIMARY or self._forwarder is None:
+            # It lives and reaches this replica: awaited should this one be promoted (_alive_in_sync).
+            name = str(hello.header.get("name", ""))
+            if not self._handshake.name_refusal(name, self.me.name):  # the partition's names only: bounded
+                self._heard_from[name] = time.monotonic()
             return f"{self.me.name} is not primary"
         if hello.header.get("epoch") != self.epoch:
             return f"epoch {str(hello.header.get('epoch'))[:20]} is not the primary's ({self.epoch})"
