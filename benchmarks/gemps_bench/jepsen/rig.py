@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,8 @@ from gemps_worker.simulated_hosts import DEFAULT_RATE, INTERFACE, Host, Simulate
 
 PORT, DATA_PORT, REPLICATION_PORT, ETCD_PORT = 50051, 51051, 52051, 2379
 LEASE, REPLICA_TIMEOUT = 2.0, 2.0  # --replica-lease, --replica-timeout (seconds)
+#: seconds a fault waits at most for every replica's answer newer than its start (the monitor's period: 0.25 s)
+FRESH_WAIT = 1.0
 Heal = Callable[[], None]
 
 
@@ -179,6 +181,20 @@ class Rig:
             )["views"]
             return views
         return {}
+
+    def fresh_views(
+        self, after: float, silenced: Collection[str] = (), wait: float = FRESH_WAIT
+    ) -> dict[str, dict[str, Any] | None]:
+        """The monitor's views once every replica has answered since `after` (a time from
+        time.time()) but those on the `silenced` hosts (under a fault), or after `wait` seconds: a
+        view can be half a second old, and a replica promoted meanwhile shows as a candidate in it."""
+        deadline = time.monotonic() + wait
+        while True:
+            views = self.latest_views()
+            waited_for = [v for target, v in views.items() if self.host_of(target).name not in silenced]
+            if all(v is None or v["at"] >= after for v in waited_for) or time.monotonic() >= deadline:
+                return views
+            time.sleep(0.05)
 
     def observe(self) -> dict[str, Any] | None:
         """The primary's version and θ's range, or None when no primary answers."""

@@ -34,7 +34,9 @@ class Schedule:
         self.rig, self.rng = rig, random.Random(seed)
         self.faults: dict[int, dict[str, Any]] = {}
         self.heals: dict[int, Heal] = {}
-        self.last_primary: Host | None = None  # the primary the monitor last showed, when a step looked
+        # The primary the monitor last showed, when a step looked (or before the first fault: one
+        # fault's resolution must not wait for a primary while a later fault's heal is due).
+        self.last_primary: Host | None = self.primary()
 
     def busy(self) -> set[str]:
         return {self.faults[fault]["host"] for fault in self.heals}
@@ -51,7 +53,9 @@ class Schedule:
         if role == "etcd":
             return None if "e" in busy else self.rig.etcd_host
         deadline = time.monotonic() + wait
-        primary = self.primary()
+        # Views from after the fault's start: a backup promoted a moment ago is the primary now (the
+        # CI's pinned trial once SIGKILLed, as `kill:backup`, a replica primary for 0.35 s).
+        primary = self.primary(self.rig.fresh_views(time.time(), silenced=busy))
         while primary is None and self.last_primary is None and role == "primary" and time.monotonic() < deadline:
             time.sleep(0.1)
             primary = self.primary()
@@ -61,9 +65,10 @@ class Schedule:
         backups = [h for h in self.rig.replica_hosts if h is not primary and h.name not in busy]
         return self.rng.choice(backups) if backups else None
 
-    def primary(self) -> Host | None:
-        """The replica the monitor last saw as primary (the newest epoch's, if several)."""
-        views = self.rig.latest_views()
+    def primary(self, views: Mapping[str, Mapping[str, Any] | None] | None = None) -> Host | None:
+        """The replica the monitor last saw as primary (the newest epoch's, if several), in `views`
+        (default: the monitor's last line)."""
+        views = self.rig.latest_views() if views is None else views
         primaries = sorted((v["epoch"], target) for target, v in views.items() if v and v.get("role") == "primary")
         return self.rig.host_of(primaries[-1][1]) if primaries else None
 
