@@ -129,6 +129,10 @@ def test_a_killed_partition_restarts_from_its_checkpoint_and_training_carries_on
         clients = [Client(server.target, timeout=60.0, attempt_timeout=2.0, retry=retry) for _ in range(clients_count)]
         loops = CommitLoops(clients, {"w": np.zeros(size, np.float32)}, np.ones(size, np.float32), "update").start()
         loops.wait_each(20, 60, "commits before the kill")
+        # Checkpoints are written beside the commits: under a loaded suite the first was once still a
+        # temporary file at the kill, and the partition restarted from none (its workers re-seed it).
+        kept = tmp_path / "partition-1"
+        wait_for(lambda: any(kept.glob("checkpoint-*.safetensors")), 60, "partition 1's first checkpoint")
         victim = partition_pids(server.pid)[1]
         acked_before_kill = sum(loops.acked)
         os.kill(victim, signal.SIGKILL)

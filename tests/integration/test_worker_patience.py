@@ -23,7 +23,9 @@ def test_a_worker_outlasts_a_server_restart_within_its_patience(tmp_path: Path) 
     port = free_port()
     server = {"port": port, "checkpoint_dir": str(tmp_path / "checkpoints"), "checkpoint_every": 1}
     with LocalCluster(tmp_path, server=server) as cluster:  # its server started
-        worker = cluster.start_worker("w", model="mlp", max_steps=60, patience=60, epochs=50)
+        # 0.1 s a step: past its 10th commit it has 5 s of steps left whatever the machine's load
+        # (at full speed it once finished all 60 before a loaded test stopped its server).
+        worker = cluster.start_worker("w", model="mlp", max_steps=60, patience=60, epochs=50, batch_delay=0.1)
         observer = cluster.observer(timeout=30)
         wait_for(lambda: observer.status().version >= 10, 120, "the worker's first commits")
         cluster.server.close()  # SIGTERM: a final checkpoint
