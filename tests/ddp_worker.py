@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import threading
 from typing import Any
 
 import torch
@@ -104,6 +106,20 @@ def main() -> None:
         dist.destroy_process_group()
     with open(args.out, "w") as out:
         json.dump(record, out)
+    # Leave without the interpreter's finalization. Once a model was wrapped in DDP,
+    # destroy_process_group leaves the gloo group alive (torch 2.13: its worker threads still run),
+    # and a worker thread that releases a tensor owning a Python object while the interpreter
+    # finalizes dies taking the GIL, in std::terminate (pytorch/pytorch#190489): a rank aborted so
+    # once under CI's load ("terminate called without an active exception", nothing else). What a
+    # normal exit would still wait for, a thread of ours, fails instead.
+    running = [
+        thread.name for thread in threading.enumerate() if not thread.daemon and thread is not threading.main_thread()
+    ]
+    if running:
+        print(f"threads still running at exit: {running}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if running else 0)
 
 
 if __name__ == "__main__":
