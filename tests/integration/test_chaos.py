@@ -33,6 +33,9 @@ WORKERS = 2
 EPOCHS = 60
 BATCH = 256
 KILLS = (0.25, 0.5, 0.75)  # fractions of the faulty run's commits at which the server dies
+# Seconds a worker waits between steps, both runs: past the last kill's threshold 75 steps a worker
+# are left, 3.75 s whatever the load (at full speed a loaded suite once saw them all done first).
+STEP_DELAY = 0.05
 SERVER_OPTIONS = {"batch_size": BATCH, "lease_ttl": 30.0}
 
 
@@ -71,7 +74,8 @@ def start_run(clusters: list[LocalCluster], root: Path, name: str, **options: ob
     cluster = LocalCluster(root / name, server={**SERVER_OPTIONS, **options}).__enter__()
     clusters.append(cluster)
     for i in range(WORKERS):
-        cluster.start_worker(f"w{i}", model="mlp", seed=i, epochs=EPOCHS, report_file=cluster.folder / f"w{i}.jsonl")
+        report = cluster.folder / f"w{i}.jsonl"
+        cluster.start_worker(f"w{i}", model="mlp", seed=i, epochs=EPOCHS, report_file=report, batch_delay=STEP_DELAY)
     return cluster
 
 
