@@ -353,9 +353,10 @@ class Forwarder:
             return  # fenced off, or etcd unreachable: commits wait; the lease decides
         if join:
             link.lag = LagWindow(self.timeout, time.monotonic())
-            with self._lock:
-                self._awaited.pop(link.peer.name, None)  # seeded: a backup like any other now
         link.in_sync = join
+        if join:  # seeded: a backup like any other now (in sync first: no moment waits on neither)
+            with self._lock:
+                self._awaited.pop(link.peer.name, None)
         if not join:
             link.close()
         level = logging.INFO if join else logging.WARNING  # under-replicated from now on
