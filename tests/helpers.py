@@ -294,6 +294,7 @@ class CommitLoops:
         self.clients = clients
         self.acked = [0] * len(clients)
         self.versions: list[list[int]] = [[] for _ in clients]
+        self.epochs: list[list[int]] = [[] for _ in clients]  # of the primary that acknowledged (replicas)
         self.failures: list[BaseException] = []
         self._stop = threading.Event()
         self._parameters, self._payload, self._kind = parameters, payload, kind
@@ -309,7 +310,9 @@ class CommitLoops:
         try:
             client.register(self._parameters)
             while not self._stop.is_set():
-                self.versions[index].append(client.commit(self._payload, kind=self._kind).version)
+                committed = client.commit(self._payload, kind=self._kind)
+                self.versions[index].append(committed.version)
+                self.epochs[index].append(committed.epochs[0] if committed.epochs else 0)
                 self.acked[index] += 1
             client.leave()
         except BaseException as error:  # reported by the test through `failures`
