@@ -5,8 +5,10 @@ and the harness's JSON must hold every metric; the rig must leave no group or na
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +49,7 @@ def test_gemps_and_ddp_reach_the_ci_target_on_the_rig_and_every_metric_is_writte
     done = alternatives(
         "--scenarios", "a", "--systems", "gemps-gem,ddp", "--workload", "digits", "--seeds", "0", "--lr", "0.05",
         "--duration-s", str(DURATION_S), "--target", "ci", "--runs", str(tmp_path / "runs"), "--results", str(tmp_path),
+        "--snapshot-every", "1",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads((tmp_path / "digits.json").read_text())
@@ -58,6 +61,9 @@ def test_gemps_and_ddp_reach_the_ci_target_on_the_rig_and_every_metric_is_writte
         assert result["final"]["accuracy"] >= 0.8 and result["snapshots"] >= 5
         assert 0.5 < result["goodput"] <= 1.0 and result["samples_applied"] > 0
         assert result["bytes_per_sample"] > 0 and result["restarts"] == 0
+        assert result["cell"]["snapshot_every"] == 1.0
+        times = [point["t"] for point in result["curve"]]
+        assert statistics.median(b - a for a, b in itertools.pairwise(times)) < 1.5, (key, times)  # not the default 2 s
         assert result["quotas"] == {"worker_cpu": 0.2, "coordinator_cpu": 0.3, "workers": 8, "link": "10gbit"}
     assert (tmp_path / "digits.png").stat().st_size > 0 and "| a | ddp |" in (tmp_path / "digits.md").read_text()
     assert leftovers() == before
@@ -67,4 +73,10 @@ def test_a_scenario_that_does_not_exist_is_refused_naming_it(tmp_path: Path) -> 
     done = alternatives("--scenarios", "zz", "--results", str(tmp_path))
     assert done.returncode == 2
     assert "no scenario 'zz': give a JSON file or one of a, b, c, d, e, f" in done.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_snapshot_interval_that_is_not_positive_is_refused_naming_it(tmp_path: Path) -> None:
+    done = alternatives("--snapshot-every", "0", "--results", str(tmp_path))
+    assert done.returncode == 2 and "--snapshot-every must be positive, not 0.0" in done.stderr
     assert not any(tmp_path.iterdir())

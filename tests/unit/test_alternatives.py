@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from gemps_bench.alternatives import metrics, report
-from gemps_bench.alternatives.contract import ProgressLog, Snapshots, snapshot_times
+from gemps_bench.alternatives.contract import (
+    ProgressLog,
+    Snapshots,
+    parse_worker_args,
+    snapshot_times,
+    worker_parser,
+)
 from gemps_bench.alternatives.scenario import SCENARIOS_DIR, load, parse
 from gemps_bench.alternatives.systems.base import RunPlan
 from gemps_bench.alternatives.systems.ddp import Ddp
@@ -218,6 +224,22 @@ def test_systems_build_their_command_lines(tmp_path: Path) -> None:
         system("horovod")
 
 
+def test_every_system_passes_the_runs_snapshot_interval_to_its_programs(tmp_path: Path) -> None:
+    plan = RunPlan(workload("digits"), 8, 0, 0.05, tmp_path, 90.0, "10.0.0.1", tuple(f"10.0.1.{i}" for i in range(8)))
+    fine = replace(plan, snapshot_every=0.5)
+    for name in ("gemps-gem", "ddp", "torchft_localsgd"):
+        chosen = system(name)
+        launches = [chosen.worker(fine, 0), chosen.observer(fine) or chosen.worker(fine, 1)]
+        for launch in launches:
+            argv = launch.argv[launch.argv.index("-m") + 2 :]  # the program's own flags
+            parsed = parse_worker_args(worker_parser(""), argv)
+            assert parsed.snapshot_every == 0.5, name
+    default = system("gemps-gem").worker(plan, 0).argv
+    assert parse_worker_args(worker_parser(""), default[default.index("-m") + 2 :]).snapshot_every == 2.0
+    with pytest.raises(SystemExit):
+        parse_worker_args(worker_parser(""), [*default[default.index("-m") + 2 :], "--snapshot-every", "0"])
+
+
 def test_the_report_takes_the_median_and_says_never(tmp_path: Path) -> None:
     def result(seed: int, reached: float | None) -> dict[str, object]:
         cell = {"scenario": "b", "system": "ddp", "workload": "digits", "seed": seed}
@@ -228,7 +250,7 @@ def test_the_report_takes_the_median_and_says_never(tmp_path: Path) -> None:
     data = {"cells": {str(s): result(s, t) for s, t in enumerate((10.0, None, 20.0))}}
     assert report.median_time(data["cells"].values()) == 20.0  # type: ignore[arg-type]
     rows = report.table(data)
-    assert "20.0 s (10, never, 20)" in rows[2] and "9.0 KB" in rows[2]
+    assert "20.0 s (10.0, never, 20.0)" in rows[2] and "9.0 KB" in rows[2]
     data["cells"]["2"] = result(2, None)
     assert report.median_time(list(data["cells"].values())) is None
     report.figure(data, tmp_path / "f.png", "digits")

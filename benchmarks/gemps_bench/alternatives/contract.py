@@ -2,10 +2,10 @@
 progress log and its snapshots.
 
 Every system's worker is a process started as `python -m MODULE --workload W --rank R --world N
---seed S --batch B --lr LR --run-dir DIR --deadline-s T [--coordinator HOST:PORT] [--role worker|
-coordinator]`. Once set up, it waits at the start gate (`ProgressLog.wait_for_go`); then it
+--seed S --batch B --lr LR --run-dir DIR --deadline-s T [--snapshot-every S] [--coordinator HOST:PORT]
+[--role worker|coordinator]`. Once set up, it waits at the start gate (`ProgressLog.wait_for_go`); then it
 appends one JSON line per step to DIR/worker-R.jsonl (`ProgressLog`) and, on the
-snapshotting rank, writes DIR/snapshots/<wall time>.pt at most every SNAPSHOT_EVERY seconds
+snapshotting rank, writes DIR/snapshots/<wall time>.pt at most every --snapshot-every seconds
 (`Snapshots`); the harness reads both after the run. Importable without gemps_server.
 """
 
@@ -25,7 +25,7 @@ from torch import nn
 
 from gemps_bench.alternatives.workloads import WORKLOADS
 
-#: seconds between two snapshots of one run, at least
+#: seconds between two snapshots of one run, at least (the default of --snapshot-every)
 SNAPSHOT_EVERY = 2.0
 #: the start gate: the harness creates it once every rank is set up; the run's clock starts then
 GO_FILE = "go"
@@ -46,6 +46,7 @@ class WorkerArgs:
     deadline_s: float
     coordinator: str
     role: str
+    snapshot_every: float = SNAPSHOT_EVERY
 
 
 def worker_parser(description: str) -> argparse.ArgumentParser:
@@ -59,6 +60,7 @@ def worker_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, required=True, help="learning rate")
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--deadline-s", type=float, required=True, help="seconds of training from start, then exit")
+    parser.add_argument("--snapshot-every", type=float, default=SNAPSHOT_EVERY, help="seconds between snapshots")
     parser.add_argument("--coordinator", default="", help="HOST:PORT of the system's coordinator, where it has one")
     parser.add_argument("--role", default="worker", choices=ROLES)
     return parser
@@ -68,8 +70,8 @@ def parse_worker_args(parser: argparse.ArgumentParser, argv: Sequence[str] | Non
     args, _ = parser.parse_known_args(argv)
     if not 0 <= args.rank < args.world:
         parser.error(f"--rank {args.rank} must be in [0, --world {args.world})")
-    if args.batch < 1 or args.lr <= 0 or args.deadline_s <= 0:
-        parser.error("--batch, --lr and --deadline-s must be positive")
+    if args.batch < 1 or args.lr <= 0 or args.deadline_s <= 0 or args.snapshot_every <= 0:
+        parser.error("--batch, --lr, --deadline-s and --snapshot-every must be positive")
     return WorkerArgs(
         args.workload,
         args.rank,
@@ -81,6 +83,7 @@ def parse_worker_args(parser: argparse.ArgumentParser, argv: Sequence[str] | Non
         args.deadline_s,
         args.coordinator,
         args.role,
+        args.snapshot_every,
     )
 
 
@@ -94,11 +97,13 @@ def worker_argv(
     lr: float,
     run_dir: Path,
     deadline_s: float,
+    snapshot_every: float = SNAPSHOT_EVERY,
 ) -> list[str]:
     """The flags of `parse_worker_args` for a program run as `python -m module` (without the python)."""
     return [
         "-m", module, "--workload", workload, "--rank", str(rank), "--world", str(world), "--seed", str(seed),
         "--batch", str(batch), "--lr", repr(lr), "--run-dir", str(run_dir), "--deadline-s", repr(deadline_s),
+        "--snapshot-every", repr(snapshot_every),
     ]  # fmt: skip
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from gemps_bench.alternatives import metrics
-from gemps_bench.alternatives.contract import GO_FILE, snapshot_times
+from gemps_bench.alternatives.contract import GO_FILE, SNAPSHOT_EVERY, snapshot_times
 from gemps_bench.alternatives.rig import Rig
 from gemps_bench.alternatives.scenario import load
 from gemps_bench.alternatives.systems.base import COORDINATOR, RunPlan
@@ -29,7 +29,7 @@ from gemps_bench.alternatives.workloads import Workload, workload
 #: seconds the harness waits for every rank to be set up before it opens the start gate anyway
 STARTUP_TIMEOUT_S = 240.0
 #: snapshots evaluated per run at most (evenly spread; the first reaching the target is found among them)
-MAX_EVALUATIONS = 120
+MAX_EVALUATIONS = 200  # a 90-s run at --snapshot-every 0.5 with its start-up
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class Cell:
     seed: int
     learning_rate: float | None = None  # None: the workload's chosen one (the search's result)
     duration_s: float | None = None  # None: the scenario's for the workload
+    snapshot_every: float = SNAPSHOT_EVERY  # seconds between two snapshots (the curve's resolution)
 
     def label(self) -> str:
         return f"{self.scenario}-{self.system}-{self.workload}-s{self.seed}-lr{self.learning_rate}"
@@ -59,7 +60,7 @@ def run_cell(cell: Cell, out: Path, learning_rate: float, target: float) -> dict
         plan = RunPlan(
             chosen, scenario.workers, cell.seed, learning_rate, run_dir, duration + STARTUP_TIMEOUT_S,
             rig.address(COORDINATOR), tuple(rig.address(i) for i in range(scenario.workers)),
-            replicas=2 if scenario.coordinator_kill is not None else 1,
+            replicas=2 if scenario.coordinator_kill is not None else 1, snapshot_every=cell.snapshot_every,
         )  # fmt: skip
         coordinator = the_system.coordinator(plan)
         if coordinator is not None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gemps_bench.alternatives import report
+from gemps_bench.alternatives.contract import SNAPSHOT_EVERY
 from gemps_bench.alternatives.harness import Cell, run_cell
 from gemps_bench.alternatives.rig import unavailable_reason
 from gemps_bench.alternatives.scenario import load
@@ -40,6 +41,8 @@ def parser() -> argparse.ArgumentParser:
     made.add_argument("--seeds", default="0", help="comma-separated seeds")
     made.add_argument("--lr", type=float, default=None, help="this learning rate instead of the searched one")
     made.add_argument("--duration-s", type=float, default=None, help="seconds a run lasts (default: the scenario's)")
+    made.add_argument("--snapshot-every", type=float, default=SNAPSHOT_EVERY,
+                      help="seconds between two snapshots of a run: the resolution of its time to target")  # fmt: skip
     made.add_argument("--target", choices=("target", "ci"), default="target", help="which target of targets.json")
     made.add_argument("--search", action="store_true", help="the learning-rate search instead of the cells")
     made.add_argument("--runs", type=Path, default=Path("runs/alternatives"), help="folder for the runs' files")
@@ -52,6 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM leaves through the rig's `with` blocks, so its groups and namespaces are removed
     signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
     args = parser().parse_args(argv)
+    if args.snapshot_every <= 0:
+        print(f"alternatives: --snapshot-every must be positive, not {args.snapshot_every}", file=sys.stderr)
+        return 2
     try:
         chosen = workload(args.workload)
         scenarios = [load(name).name for name in _names(args.scenarios)]
@@ -82,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           file=sys.stderr)  # fmt: skip
                     return 2
                 for seed in seeds:
-                    cell = Cell(scenario, name, chosen.name, seed, rate, args.duration_s)
+                    cell = Cell(scenario, name, chosen.name, seed, rate, args.duration_s, args.snapshot_every)
                     result = run_cell(cell, args.runs, rate, target)
                     _merge(results, cell, result)
                     print(report.line(result), flush=True)
@@ -106,7 +112,10 @@ def _search(name: str, systems: list[str], args: argparse.Namespace, target: flo
         scored = []
         for rate in chosen.learning_rates:
             result = run_cell(
-                Cell("a", system_name, name, 0, rate, args.duration_s), args.runs / "search", rate, target
+                Cell("a", system_name, name, 0, rate, args.duration_s, args.snapshot_every),
+                args.runs / "search",
+                rate,
+                target,
             )
             print(report.line(result), flush=True)
             scored.append((report.search_score(result, chosen.metric), rate))

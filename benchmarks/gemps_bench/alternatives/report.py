@@ -54,7 +54,7 @@ def table(data: dict[str, Any]) -> list[str]:
     for (scenario, name), results in grouped(data).items():
         metric = "accuracy" if results[0]["cell"]["workload"] == "digits" else "loss"
         median = median_time(results)
-        each = ", ".join(NEVER if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f}" for r in results)
+        each = ", ".join(NEVER if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}" for r in results)
         finals = [r["final"][metric] for r in results if r["final"][metric] is not None]
         final = f"{statistics.mean(finals):.3f} {metric}" if finals else "-"
         goodputs = [r["goodput"] for r in results if r["goodput"] is not None]

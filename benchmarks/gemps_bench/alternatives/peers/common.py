@@ -103,7 +103,7 @@ def prepare_worker(args: WorkerArgs, snapshot_rank: int = 0) -> PeerWorker:
         workload=chosen,
         model=chosen.build_model(seed=0),
         batches=chosen.batches(args.rank, args.world, args.seed),
-        snapshots=Snapshots(args.run_dir) if args.rank == snapshot_rank else None,
+        snapshots=Snapshots(args.run_dir, args.snapshot_every) if args.rank == snapshot_rank else None,
         deadline_monotonic=deadline_monotonic(args),
     )
 

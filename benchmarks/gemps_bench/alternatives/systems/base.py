@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gemps_bench.alternatives.contract import SNAPSHOT_EVERY
 from gemps_bench.alternatives.workloads import Workload
 
 COORDINATOR = -1  # the slot of a system's coordinator (server, rendezvous, lighthouse)
@@ -39,6 +40,7 @@ class RunPlan:
     coordinator_address: str  # the coordinator slot's address (its namespace's, or loopback)
     worker_addresses: tuple[str, ...]  # worker i's slot's address
     replicas: int = 1  # the coordinator's replicas, where the system has them (gemps in scenario e)
+    snapshot_every: float = SNAPSHOT_EVERY  # seconds between two snapshots of the run
     python: str = sys.executable
 
 

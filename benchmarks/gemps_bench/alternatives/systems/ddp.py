@@ -33,7 +33,7 @@ class Ddp(System):
             torchrun += ["--rdzv-conf", "is_host=true"]
         program = worker_argv(
             PROGRAM, plan.workload.name, rank, plan.workers, plan.seed, plan.workload.batch,
-            plan.learning_rate, plan.run_dir, plan.deadline_s,
+            plan.learning_rate, plan.run_dir, plan.deadline_s, plan.snapshot_every,
         )  # fmt: skip
         # gloo picks the interface of the host's one cable, inside the slot's namespace
         return Launch([*torchrun, *program], env={"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"})

@@ -43,7 +43,7 @@ def main() -> None:
     ddp = DistributedDataParallel(model)
     log = ProgressLog(args.run_dir, args.rank)  # the rig's slot: torchrun's rank may differ after a restart
     log.wait_for_go(args.run_dir)
-    snapshots = Snapshots(args.run_dir) if rank == 0 else None
+    snapshots = Snapshots(args.run_dir, args.snapshot_every) if rank == 0 else None
     last_checkpoint = time.monotonic()
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # a new data order after each restart
     for inputs, targets in chosen.batches(rank, world, args.seed + restarts):

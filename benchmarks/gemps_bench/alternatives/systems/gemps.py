@@ -93,7 +93,7 @@ class Gemps(System):
     def _program(self, plan: RunPlan, rank: int, role: str = "worker") -> Launch:
         argv = worker_argv(
             PROGRAM, plan.workload.name, rank, plan.workers, plan.seed, plan.workload.batch,
-            plan.learning_rate, plan.run_dir, plan.deadline_s,
+            plan.learning_rate, plan.run_dir, plan.deadline_s, plan.snapshot_every,
         )  # fmt: skip
         servers = "|".join(f"{plan.coordinator_address}:{PORT + r}" for r in range(plan.replicas))
         return Launch([plan.python, *argv, "--coordinator", servers, "--role", role])

@@ -18,7 +18,6 @@ from gemps.client import Client
 from gemps.errors import GempsError
 from gemps.pytorch import RemoteModel, load_central
 from gemps_bench.alternatives.contract import (
-    SNAPSHOT_EVERY,
     ProgressLog,
     Snapshots,
     WorkerArgs,
@@ -56,10 +55,10 @@ def train(args: WorkerArgs, mode_name: str, local: LocalTraining, compression: s
 
 
 def observe(args: WorkerArgs) -> None:
-    """Pull θ every SNAPSHOT_EVERY seconds and write it as the run's snapshot (holds no lease)."""
+    """Pull θ every --snapshot-every seconds and write it as the run's snapshot (holds no lease)."""
     started = time.monotonic()
     model = workload(args.workload).build_model()
-    snapshots = Snapshots(args.run_dir)
+    snapshots = Snapshots(args.run_dir, args.snapshot_every)
     with Client(args.coordinator, name="observer") as observer:
         while time.monotonic() - started < args.deadline_s:
             try:
@@ -67,7 +66,7 @@ def observe(args: WorkerArgs) -> None:
                 snapshots.write(model, force=True)
             except GempsError:
                 pass  # the server is down (a coordinator kill) or not yet holding θ: try again
-            time.sleep(SNAPSHOT_EVERY)
+            time.sleep(args.snapshot_every)
 
 
 def main() -> None:

@@ -51,7 +51,7 @@ class Peer(System):
     def _launch(self, plan: RunPlan, rank: int, role: str) -> Launch:
         argv = worker_argv(
             f"gemps_bench.alternatives.peers.{self.name}", plan.workload.name, rank, plan.workers, plan.seed,
-            plan.workload.batch, plan.learning_rate, plan.run_dir, plan.deadline_s,
+            plan.workload.batch, plan.learning_rate, plan.run_dir, plan.deadline_s, plan.snapshot_every,
         )  # fmt: skip
         argv += ["--role", role]
         if self.entry.coordinator:
