@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from gemps_bench.alternatives import metrics, report
+from gemps_bench.alternatives.cgroups import CpuGroup, Groups
+from gemps_bench.alternatives.cgroups import unavailable_reason as cgroups_unavailable
 from gemps_bench.alternatives.contract import (
     ProgressLog,
     Snapshots,
@@ -222,6 +224,29 @@ def test_systems_build_their_command_lines(tmp_path: Path) -> None:
     assert "10.0.0.1:50051|10.0.0.1:50052" in replicated.worker(replace(plan, replicas=2), 0).argv
     with pytest.raises(ValueError, match="unknown system 'horovod'"):
         system("horovod")
+
+
+def test_a_cpu_period_outside_the_kernels_bounds_is_refused_before_any_group_is_made(tmp_path: Path) -> None:
+    for period_us in (500, 2_000_000):
+        with pytest.raises(ValueError, match=f"a CPU period must be 1 ms to 1 s .*not {period_us} µs"):
+            CpuGroup(tmp_path, "w0", 0.2, period_us)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_quota_is_its_share_of_the_groups_own_period() -> None:
+    reason = cgroups_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    groups = Groups("test-period")
+    try:
+        fine, default = groups.add("fine", 0.2, period_us=10_000), groups.add("default", 0.2)
+        assert (fine.path / "cpu.cfs_period_us").read_text().strip() == "10000"
+        assert (fine.path / "cpu.cfs_quota_us").read_text().strip() == "2000"
+        assert (default.path / "cpu.cfs_quota_us").read_text().strip() == "20000"
+        fine.set_cores(0.5)
+        assert (fine.path / "cpu.cfs_quota_us").read_text().strip() == "5000"
+    finally:
+        groups.close()
 
 
 def test_every_system_passes_the_runs_snapshot_interval_to_its_programs(tmp_path: Path) -> None:
