@@ -1,6 +1,7 @@
 """The comparison with the alternatives (issue 58), what runs without root: the shipped scenarios and
 their fault time lines, the workloads and the worker contract, the metrics from progress logs, the
-report. The rig itself (root) runs in tests/integration/test_alternatives_rig.py."""
+report (one case, as root only, the quota groups). The rig itself (root) runs in
+tests/e2e/test_alternatives_rig.py."""
 
 from __future__ import annotations
 
