@@ -14,10 +14,11 @@ round trip without any overlap. The batch sets a step's compute (timed alone in 
 `compute_s`) against the round trip: at best a step costs max(compute, round trip) instead of
 their sum. The quotas' period is 10 ms (`--cpu-period-ms`): with the kernel's 100 ms a worker back
 from the wire runs its first 20 ms of reply handling at a whole core's speed, which a core a fifth
-as fast would not. The two settings alternate, round after round, each on a fresh server from the same θ0
-and data order. Figures, each from the run's own files: commits/s (each worker's commits over its
-span from its first commit's reply to its last, summed), the held-out accuracy of the final θ
-(pulled by an observer on the server's host), and the staleness the server reported.
+as fast would not. The two settings alternate, round after round, each on a fresh server; within
+a round both have the same θ0 and data order, each round its own (worker seeds). Figures, each
+from the run's own files: commits/s (each worker's commits over its span from its first commit's
+reply to its last, summed), the held-out accuracy and loss of the final θ (pulled by an observer
+on the server's host), and the staleness the server reported.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def _start(quotas: list[CpuGroup], rank: int, argv: list[str], log: Path) -> sub
 
 
 def _compute_seconds(quotas: list[CpuGroup], args: argparse.Namespace, folder: Path) -> float:
-    """A step's forward and backward alone, in worker 0's quota: the median of --steps after two."""
+    """A step's forward and backward alone, in worker 0's quota (`time_compute`)."""
     command = [sys.executable, "-m", "gemps_bench.overlap", "--time-compute", "--batch", str(args.batch)]
     log = folder / "compute.log"
     log.unlink(missing_ok=True)
@@ -108,7 +109,8 @@ def _compute_seconds(quotas: list[CpuGroup], args: argparse.Namespace, folder: P
 
 
 def time_compute(batch: int, repeats: int = 12) -> None:
-    """Inside a worker's quota: the median seconds of one forward and backward (JSON)."""
+    """Inside a worker's quota: the median seconds of one forward and backward, of `repeats` after
+    two warm-ups (JSON)."""
     import torch
     import torch.nn.functional as F
 
