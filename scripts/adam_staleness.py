@@ -17,6 +17,8 @@ worker. What differs is only when and where Adam's step is taken:
 - `local:H`: every worker its own AdamW (its own moments), H local steps from the θ of its last
   reply, the window's update θ_H - θ_0 added to θ in full (`LocalSteps` with `--rule downpour`;
   H = 1: every step);
+- `ahead:H`: `local:H` with LocalSteps' look-ahead (`look_ahead=`, `--ahead` of θ's expected
+  move; gemps.pytorch.look_ahead): each window starts where θ is headed while the others commit;
 - `dn:H`: the same windows, applied by the server's delayed-Nesterov rule (`LocalSteps` with
   `--rule delayed-nesterov`: asynchronous Local-SGD's outer step, Liu et al. 2024; the rule's own
   code, N = 4, ε `--dn-learning-rate`, β `--dn-momentum`): AdamW inside, Nesterov outside, as
@@ -39,36 +41,22 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector
 
+from gemps.pytorch.look_ahead import LookAhead
 from gemps.pytorch.values import copy_into
 from gemps_server.domain.rules.delayed_nesterov import DelayedNesterovRule
 from gemps_worker.held_out import evaluate
-from gemps_worker.models import CharGpt
-from gemps_worker.text_data import CONTEXT, VOCABULARY, stdlib_text
+from gemps_worker.nanogpt import BATCH, adamw, char_gpt, cosine_schedule, shard_batches
+from gemps_worker.text_data import stdlib_text
 
-BATCH = 16
 WORKERS = 4
-WEIGHT_DECAY = 0.1
-BETAS = (0.9, 0.99)
 
 
-def build() -> CharGpt:
-    torch.manual_seed(0)
-    return CharGpt(VOCABULARY, CONTEXT, width=96, layers=4, heads=4)
-
-
-def adamw(model: torch.nn.Module, learning_rate: float) -> torch.optim.AdamW:
-    """nanoGPT's groups: matrices decay, biases and norms do not."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=BETAS)
+def build() -> torch.nn.Module:
+    return char_gpt(0)
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
@@ -86,14 +74,8 @@ class Data:
         self.train_x, self.train_y, self.test_x, self.test_y = stdlib_text()
 
     def batches(self, rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Endless mini-batches of rank's shard of a random split (the same split for every variant)."""
-        shard = np.array_split(np.random.default_rng(7).permutation(len(self.train_x)), world)[rank]
-        rng = np.random.default_rng(1000 + rank)
-        while True:
-            order = rng.permutation(shard)
-            for start in range(0, len(order) - BATCH + 1, BATCH):
-                index = order[start : start + BATCH]
-                yield torch.from_numpy(self.train_x[index]), torch.from_numpy(self.train_y[index])
+        """Endless mini-batches of rank's shard (the same split for every variant)."""
+        return shard_batches(self.train_x, self.train_y, rank, world)
 
     def held_out(self, model: torch.nn.Module, theta: torch.Tensor) -> float:
         load(model, theta)
@@ -110,11 +92,21 @@ def gradient(
 
 
 def server_adam(
-    data: Data, variant: str, amount: int, steps: int, lr: float, evals: list[int], dc_lambda: float = 0.0
+    data: Data,
+    variant: str,
+    amount: int,
+    steps: int,
+    lr: float,
+    evals: list[int],
+    dc_lambda: float = 0.0,
+    warmup: int | None = None,
 ) -> list[list[float]]:
     """`single`, `stale:S`, `dc:S` and `mean:K`: one AdamW holds θ; workers hand it gradients."""
     central, worker = build(), build()
     optimizer = adamw(central, lr)
+    schedule = (
+        None if warmup is None else cosine_schedule(optimizer, steps // (amount if variant == "mean" else 1), warmup)
+    )
     world = 1 if variant == "single" else WORKERS
     streams = [data.batches(rank, world) for rank in range(world)]
     history = collections.deque([flat(central)], maxlen=amount + 1)  # stale:S, θ of the last S+1 versions
@@ -142,6 +134,8 @@ def server_adam(
             for p, g in zip(central.parameters(), summed, strict=True):
                 p.grad = g / scale
             optimizer.step()
+            if schedule is not None:
+                schedule.step()
             summed = []
         history.append(flat(central))
         replied[rank] = history[-1]
@@ -156,31 +150,47 @@ def _split(vector: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]
 
 
 def local_adam(
-    data: Data, window: int, steps: int, lr: float, evals: list[int], outer: DelayedNesterovRule | None = None
+    data: Data,
+    window: int,
+    steps: int,
+    lr: float,
+    evals: list[int],
+    outer: DelayedNesterovRule | None = None,
+    warmup: int | None = None,
+    ahead: float = 0.0,
 ) -> list[list[float]]:
     """`local:H`: each worker its own AdamW for H steps; the window's update added to θ in full,
-    or (`dn:H`) handed to `outer`, the server's delayed-Nesterov rule."""
+    or (`dn:H`) handed to `outer`, the server's delayed-Nesterov rule. `ahead` (`ahead:H`): each
+    window starts `ahead` of θ's expected move past the reply, as LocalSteps' look_ahead does (its
+    own code, gemps.pytorch.look_ahead)."""
     models = [build() for _ in range(WORKERS)]
     optimizers = [adamw(model, lr) for model in models]
+    # Each worker runs nanoGPT's schedule over its own share of the steps, as its own train.py would.
+    schedules = [None if warmup is None else cosine_schedule(o, steps // WORKERS, warmup) for o in optimizers]
     streams = [data.batches(rank, WORKERS) for rank in range(WORKERS)]
     theta, probe = flat(models[0]), build()
-    replied = [theta] * WORKERS  # the θ each worker last received: its window starts there
-    curve, step = [], 0
+    starts = [theta] * WORKERS  # where each worker's window starts: its last reply (or ahead of it)
+    based = [0] * WORKERS  # the version each worker's window started from
+    aheads = [LookAhead(ahead) for _ in range(WORKERS)]
+    curve, step, version = [], 0, 0
     while step < steps:
-        for rank, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
-            start = replied[rank]
+        for rank, (model, optimizer, schedule) in enumerate(zip(models, optimizers, schedules, strict=True)):
+            start = starts[rank]
             load(model, start)
             for _ in range(window):
                 inputs, targets = next(streams[rank])
                 optimizer.zero_grad()
                 F.cross_entropy(model(inputs), targets).backward()  # type: ignore[no-untyped-call]
                 optimizer.step()
+                if schedule is not None:
+                    schedule.step()
                 step += 1
                 if step in evals:
                     curve.append([step * BATCH, data.held_out(probe, theta)])
             delta = flat(model) - start
             theta = theta + delta if outer is None else _outer_step(outer, theta, delta, rank)
-            replied[rank] = theta
+            staleness, version = version - based[rank], version + 1
+            starts[rank], based[rank] = aheads[rank].start(theta, version, staleness), version
     return curve
 
 
@@ -200,6 +210,13 @@ def main() -> None:
     parser.add_argument("--dc-lambda", type=float, default=1.0, help="dc:S's compensation factor")
     parser.add_argument("--dn-learning-rate", type=float, default=0.7, help="dn:H's outer learning rate ε")
     parser.add_argument("--dn-momentum", type=float, default=0.9, help="dn:H's outer Nesterov momentum β")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        help="nanoGPT's schedule: this many warm-up steps, then a cosine decay to a tenth of the rate "
+        "over the run (each worker's own share of it); constant when not given",
+    )
+    parser.add_argument("--ahead", type=float, default=1.0, help="ahead:H's share of θ's expected move")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -210,8 +227,9 @@ def main() -> None:
     for variant in args.variants:
         name, _, amount = variant.partition(":")
         started = time.monotonic()
-        if name == "local":
-            curve = local_adam(data, int(amount), steps, args.learning_rate, evals)
+        if name in ("local", "ahead"):
+            factor = args.ahead if name == "ahead" else 0.0
+            curve = local_adam(data, int(amount), steps, args.learning_rate, evals, warmup=args.warmup, ahead=factor)
         elif name == "dn":
             outer = DelayedNesterovRule(
                 sum(p.numel() for p in build().parameters()),
@@ -221,14 +239,18 @@ def main() -> None:
                 nesterov_period=WORKERS,
                 momentum_activation=0.0,
             )
-            curve = local_adam(data, int(amount), steps, args.learning_rate, evals, outer)
+            curve = local_adam(data, int(amount), steps, args.learning_rate, evals, outer, warmup=args.warmup)
         elif name in ("single", "stale", "dc", "mean"):
-            curve = server_adam(data, name, int(amount or 0), steps, args.learning_rate, evals, args.dc_lambda)
+            curve = server_adam(
+                data, name, int(amount or 0), steps, args.learning_rate, evals, args.dc_lambda, args.warmup
+            )
         else:
-            parser.error(f"unknown variant {variant!r}: single, stale:S, dc:S, mean:K, local:H or dn:H")
-        settings = {"learning_rate": args.learning_rate, "dc_lambda": args.dc_lambda}
+            parser.error(f"unknown variant {variant!r}: single, stale:S, dc:S, mean:K, local:H, ahead:H or dn:H")
+        settings = {"learning_rate": args.learning_rate, "dc_lambda": args.dc_lambda, "warmup": args.warmup}
         if name == "dn":
             settings.update(dn_learning_rate=args.dn_learning_rate, dn_momentum=args.dn_momentum)
+        if name == "ahead":
+            settings.update(ahead=args.ahead)
         results.append({"variant": variant, **settings, "curve": curve})
         print(f"{variant:>10}: held-out loss {curve[-1][1]:.4f} after {curve[-1][0]:,} samples "
               f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip

@@ -11,7 +11,9 @@ linear schedule, `learning_rate=1e-3`, weight decay 0.01) for the same number of
 - `remote`: the SDK guide's way until now: RemoteOptimizer and ServerSchedule, `--rule gem`;
 - `local:H`: the Trainer's own AdamW (`trainer.create_optimizer()`: its weight-decay groups; the
   Trainer then builds its schedule on it) wrapped in LocalSteps (H local steps a commit; 1: every
-  step) on a server with `--rule downpour` (the window's update added in full) or `--rule gem`.
+  step) on a server with `--rule downpour` (the window's update added in full) or `--rule gem`;
+- `ahead:H`: `local:H` with LocalSteps' `look_ahead=1` (each window starts where θ is headed while
+  the other workers commit: gemps.pytorch.look_ahead).
 
 `--workers N` runs N Trainers as processes on one server, each on its own N-th of the training set
 (so N workers see the samples one worker would); the held-out accuracy is then the server's θ's.
@@ -112,8 +114,11 @@ def train_worker(variant: str, address: str, index: int, workers: int, epochs: f
             )
         else:  # the Trainer's own AdamW (its decay groups, its linear schedule), its steps committed
             trainer = Trainer(model=model, args=args, train_dataset=data)
-            steps = int(variant.split(":", 1)[1])
-            optimizer = LocalSteps(model, trainer.create_optimizer(), address, steps=steps, name=f"w{index}")
+            kind, steps = variant.split(":", 1)
+            ahead = 1.0 if kind == "ahead" else 0.0  # LocalSteps' look-ahead: windows start where θ is headed
+            optimizer = LocalSteps(
+                model, trainer.create_optimizer(), address, steps=int(steps), look_ahead=ahead, name=f"w{index}"
+            )
             trainer.optimizer = optimizer
         try:
             trainer.train()
@@ -167,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     for variant in args.variants:
-        if variant not in ("alone", "remote") and not variant.startswith("local:"):
-            parser.error(f"unknown variant {variant!r}: alone, remote or local:H")
+        if variant not in ("alone", "remote") and not variant.startswith(("local:", "ahead:")):
+            parser.error(f"unknown variant {variant!r}: alone, remote, local:H or ahead:H")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     results: dict[str, Any] = {"workers": args.workers, "epochs": args.epochs, "rule": args.rule, "runs": {}}
     for variant in args.variants:

@@ -82,6 +82,42 @@ def test_a_state_dict_loaded_into_it_keeps_the_users_groups_and_state(server: In
         assert len(inner.state) == 2 and all(s["step"] == 1 for s in inner.state.values())  # Adam's moments kept
 
 
+def test_with_look_ahead_a_window_starts_where_theta_is_headed_and_only_its_steps_are_committed(
+    start_server: StartServer,
+) -> None:
+    """Worker A's steps move nothing (zero gradients, plain SGD); another worker commits +1 on every
+    parameter twice between A's commits. A's window then starts 2 commits' move past its reply, and
+    what A commits is its own steps' update only: θ holds the other's commits and nothing of A's."""
+    server = start_server(rule="downpour")
+    model, other_model = linear(), linear()
+    ones = np.ones(650, dtype=np.float32)
+    with (
+        gemps.Client(server.target, name="other") as other,
+        LocalSteps(model, torch.optim.SGD(model.parameters(), lr=0.1), server.target, steps=1, look_ahead=1.0) as a,
+    ):
+        theta0 = server.server.state.theta_copy()
+        other.register({k: v.detach().numpy() for k, v in other_model.named_parameters()})
+
+        def a_step() -> torch.Tensor:
+            a.zero_grad()
+            (model(torch.zeros(2, 1, 8, 8)) * 0).sum().backward()
+            a.step()
+            return torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+
+        a_step()  # version 1, no pace yet
+        for _ in range(2):  # two rounds: each the other's 2 commits, then A's (staleness 2, reply 3 versions on)
+            other.commit(ones, kind="update")
+            other.commit(ones, kind="update")
+            started = a_step()
+        replied = server.server.state.theta_copy()
+        np.testing.assert_allclose(replied, theta0 + 4, rtol=1e-6)  # the other's 4 commits, none of A's
+        # θ moved 2 in 3 versions; A's commits meet 2 others' each: its window starts 4/3 ahead
+        np.testing.assert_allclose(started.numpy(), replied + 4 / 3, rtol=1e-5)
+        assert a.last_result is not None and (a.last_result.version, a.last_result.staleness) == (7, 2)
+        a_step()  # from the look-ahead start: its update is still 0, θ does not jump
+        np.testing.assert_allclose(server.server.state.theta_copy(), theta0 + 4, rtol=1e-6)
+
+
 def test_an_optimizer_of_other_tensors_or_missing_some_is_refused(server: InProcessServer) -> None:
     model = linear()
     with pytest.raises(ValueError, match="not trained parameters of the model"):
@@ -92,6 +128,8 @@ def test_an_optimizer_of_other_tensors_or_missing_some_is_refused(server: InProc
         LocalSteps(model, torch.optim.AdamW(model.parameters()), server.target, steps=0)
     with pytest.raises(ValueError, match="LocalSteps commits once a window"):
         LocalSteps(model, torch.optim.AdamW(model.parameters()), server.target, overlap=True)
+    with pytest.raises(ValueError, match="look_ahead must be a number >= 0"):
+        LocalSteps(model, torch.optim.AdamW(model.parameters()), server.target, look_ahead=-1)
     with pytest.raises(TypeError, match="LocalSteps takes a torch optimizer"):
         LocalSteps(model, "adamw", server.target)  # type: ignore[arg-type]
     with gemps.Client(server.target) as observer:

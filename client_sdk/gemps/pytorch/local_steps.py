@@ -18,6 +18,10 @@ state (Adam's moments) carries over from window to window, as DiLoCo's inner opt
         loss.backward()
         optimizer.step(loss=loss)
 
+Several asynchronous AdamW workers: `look_ahead=1` starts each window where θ is headed while the
+others commit (gemps.pytorch.look_ahead); without it their stale steps cost a transformer much of
+its loss at equal samples (docs/RESULTS.md, "Adam through asynchrony").
+
 The inner learning rate is the user's: `param_groups` are the inner optimizer's, so a torch LR
 scheduler on either moves it. `close()` (the `with` block's end) commits an unfinished window's
 steps before leaving: no local work is dropped.
@@ -32,7 +36,9 @@ from typing import Any
 import torch
 
 from gemps.client import Client
+from gemps.pytorch.look_ahead import LookAhead
 from gemps.pytorch.remote import RemoteModel
+from gemps.pytorch.values import copy_into
 from gemps.records import CommitResult
 
 
@@ -47,10 +53,13 @@ class LocalSteps(torch.optim.Optimizer):
         *,
         steps: int = 8,
         outer_learning_rate: float = 1.0,
+        look_ahead: float = 0.0,
         name: str = "",
         **options: Any,
     ) -> None:
-        """`options` as RemoteModel takes them (`threads=`, gemps.Client's when `client` is an address)."""
+        """`look_ahead`: start each window that share of θ's expected move ahead of the reply
+        (gemps.pytorch.look_ahead; 1 with several asynchronous AdamW workers, 0: at the reply).
+        `options` as RemoteModel takes them (`threads=`, gemps.Client's when `client` is an address)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             kind = type(optimizer).__name__
             raise TypeError(f"LocalSteps takes a torch optimizer (torch.optim.AdamW(...)), not {kind}")
@@ -58,6 +67,7 @@ class LocalSteps(torch.optim.Optimizer):
             raise ValueError(f"steps must be a whole number of local steps >= 1, not {steps!r}")
         if not (math.isfinite(outer_learning_rate) and outer_learning_rate > 0):
             raise ValueError(f"outer_learning_rate must be a number > 0, not {outer_learning_rate!r}")
+        ahead = LookAhead(look_ahead)
         if options.get("overlap"):
             raise ValueError("overlap is for gradients committed every step (RemoteModel, RemoteOptimizer): "
                              "LocalSteps commits once a window, after its local steps")  # fmt: skip
@@ -69,6 +79,7 @@ class LocalSteps(torch.optim.Optimizer):
             raise
         self.optimizer = optimizer
         self.steps, self.outer_learning_rate = steps, outer_learning_rate
+        self.look_ahead = ahead
         super().__init__(self.remote.trained, defaults={})
         # The user's groups and state are this optimizer's: schedulers, state_dict and logging see them.
         self.param_groups = optimizer.param_groups
@@ -124,9 +135,13 @@ class LocalSteps(torch.optim.Optimizer):
         update = (self.remote.parameters_vector() - self._start) * self.outer_learning_rate
         loss = sum(self._losses) / len(self._losses) if self._losses else None
         self._taken, self._losses = 0, []
-        self.last_result = self.remote.commit_update(update, loss=loss)
-        self._start = self.remote.parameters_vector()
-        return self.last_result
+        result = self.last_result = self.remote.commit_update(update, loss=loss)
+        replied = self.remote.parameters_vector()
+        self._start = self.look_ahead.start(replied, result.version, result.staleness)
+        if self._start is not replied:
+            with torch.no_grad():
+                copy_into(self.remote.trained, self._start)
+        return result
 
     def close(self) -> None:
         """Commit an unfinished window's steps, then leave the server."""

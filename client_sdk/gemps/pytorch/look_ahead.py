@@ -1,0 +1,45 @@
+"""Look-ahead for asynchronous local steps: a window starts where θ is headed, not where it was.
+
+A worker's update lands on a θ that the other workers' commits have moved since its reply: with
+W equal workers, W - 1 commits later. Adam turns the gradient of that stale θ into a full-sized
+step, so asynchronous AdamW workers fall far behind one worker at equal samples
+(docs/RESULTS.md, "Adam through asynchrony"). DANA (Hakimi et al. 2019, "Taming Momentum in a
+Distributed Asynchronous Environment") computes the gradient at an estimate of the θ the update
+will meet instead. Here the estimate needs nothing from the server but what every reply holds:
+
+    start = θ_reply + share · s · (θ_reply - θ_previous reply) / (v_reply - v_previous reply)
+
+θ's move per commit, measured between this worker's last two replies, times s, the staleness its
+commits meet (the smaller of its last two, so that one long pause does not throw θ far ahead).
+Pure arithmetic on tensors (no I/O): LocalSteps calls it after each reply.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class LookAhead:
+    """Where the next window starts, given each reply (`share` 0: the reply itself)."""
+
+    def __init__(self, share: float) -> None:
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not (math.isfinite(share) and share >= 0):
+            raise ValueError(f"look_ahead must be a number >= 0 (1: θ's whole expected move), not {share!r}")
+        self.share = float(share)
+        self._replied: torch.Tensor | None = None
+        self._version = -1
+        self._staleness: int | None = None
+
+    def start(self, replied: torch.Tensor, version: int, staleness: int) -> torch.Tensor:
+        """The θ to start from after a reply of `version` to a commit that met `staleness`."""
+        previous, previous_version, previous_staleness = self._replied, self._version, self._staleness
+        self._replied, self._version, self._staleness = replied.clone(), version, staleness
+        if self.share == 0 or previous is None or version <= previous_version:
+            return replied  # nothing to measure the pace by yet, or θ was restored to an older version
+        expected = staleness if previous_staleness is None else min(staleness, previous_staleness)
+        if expected <= 0:
+            return replied  # no one else commits: θ does not move before this worker's next commit
+        pace = (replied - previous) / (version - previous_version)
+        return replied + (self.share * expected) * pace

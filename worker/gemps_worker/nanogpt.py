@@ -1,0 +1,67 @@
+"""nanoGPT's character recipe, as its train.py writes it, for the Adam-family measurements of
+issue 59 (scripts/adam_staleness.py replays it in one process, scripts/adam_workers.py runs it
+through a server): the model at nanoGPT's shape scaled down, AdamW with its decay groups and
+betas, its warm-up and cosine schedule, and each worker's mini-batches from its own shard.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from gemps_worker.models import CharGpt
+from gemps_worker.text_data import CONTEXT, VOCABULARY
+
+BATCH = 16  # windows of CONTEXT characters a step
+WEIGHT_DECAY = 0.1
+BETAS = (0.9, 0.99)  # nanoGPT's shakespeare_char: beta2 0.99 for its small batches
+LEARNING_RATE = 1e-3
+
+
+def char_gpt(seed: int = 0) -> CharGpt:
+    """4 layers, 4 heads, width 96: 0.46M parameters."""
+    torch.manual_seed(seed)
+    return CharGpt(VOCABULARY, CONTEXT, width=96, layers=4, heads=4)
+
+
+def adamw(model: torch.nn.Module, learning_rate: float = LEARNING_RATE) -> torch.optim.AdamW:
+    """configure_optimizers' groups: matrices decay, biases and norms do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=BETAS)
+
+
+def cosine_schedule(
+    optimizer: torch.optim.Optimizer, iterations: int, warmup: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """get_lr as a factor of the base rate: linear warm-up over `warmup` steps, then a cosine decay
+    to a tenth (its min_lr) at `iterations`, flat after."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if step >= iterations:
+            return 0.1
+        progress = (step - warmup) / max(1, iterations - warmup)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def shard_batches(
+    inputs: np.ndarray, targets: np.ndarray, rank: int, world: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless mini-batches of `rank`'s shard of a fixed random split (each worker's own epochs)."""
+    shard = np.array_split(np.random.default_rng(7).permutation(len(inputs)), world)[rank]
+    rng = np.random.default_rng(1000 + rank)
+    while True:
+        order = rng.permutation(shard)
+        for start in range(0, len(order) - BATCH + 1, BATCH):
+            index = order[start : start + BATCH]
+            yield torch.from_numpy(inputs[index]), torch.from_numpy(targets[index])
