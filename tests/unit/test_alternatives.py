@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -281,6 +282,19 @@ def test_the_report_takes_the_median_and_says_never(tmp_path: Path) -> None:
     assert report.median_time(list(data["cells"].values())) is None
     report.figure(data, tmp_path / "f.png", "digits")
     assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_the_search_chooses_the_soonest_rate_then_the_best_final_metric() -> None:
+    def run(rate: float, reached: float | None, accuracy: float) -> dict[str, Any]:
+        final = {"accuracy": accuracy, "loss": 1 - accuracy}
+        return {"learning_rate": rate, "time_to_target_s": reached, "final": final}
+
+    searched = [run(0.025, 9.0, 0.98), run(0.05, 5.0, 0.97), run(0.1, None, 0.99)]
+    assert report.search_best(searched, "accuracy") == run(0.05, 5.0, 0.97)  # the soonest, not the best final
+    never = [run(0.025, None, 0.90), run(0.05, None, 0.95), run(0.1, None, 0.93)]
+    assert report.search_best(never, "accuracy")["learning_rate"] == 0.05  # the highest accuracy
+    assert report.search_best(never, "loss")["learning_rate"] == 0.05  # the lowest loss
+    assert report.search_best([run(0.1, 4.0, 0.97), run(0.05, 4.0, 0.97)], "accuracy")["learning_rate"] == 0.05
 
 
 def test_the_goals_table_sets_gemps_best_setting_against_the_best_peer() -> None:

@@ -6,8 +6,8 @@ the rig, merge them into docs/results/alternatives/<workload>.json, and draw the
     python -m gemps_bench.alternatives --report-only --workload digits
 
 --search runs the learning-rate search (scenario a, seed 0, each rate of the workload's grid, the
-same grid for every system) and records each system's best in learning_rates.json; runs use the
-recorded rate (--lr overrides it).
+same grid for every system), records each system's best in learning_rates.json and its run as the
+system's (a) cell of seed 0; runs use the recorded rate (--lr overrides it).
 """
 
 from __future__ import annotations
@@ -76,9 +76,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         rates_path = args.results / "learning_rates.json"
         rates: dict[str, dict[str, float]] = json.loads(rates_path.read_text()) if rates_path.exists() else {}
         if args.search:
-            rates.setdefault(chosen.name, {}).update(_search(chosen.name, systems, args, target))
-            args.results.mkdir(parents=True, exist_ok=True)
-            rates_path.write_text(json.dumps(rates, indent=1) + "\n")
+            for name in systems:  # each system's rate recorded as soon as it is searched
+                run = _search(chosen.name, name, args, target)
+                rates.setdefault(chosen.name, {})[name] = run["learning_rate"]
+                args.results.mkdir(parents=True, exist_ok=True)
+                rates_path.write_text(json.dumps(rates, indent=1) + "\n")
+                _merge(results, run)  # the chosen rate's run is the system's (a) cell, seed 0
             return 0
         for scenario in scenarios:
             for name in systems:
@@ -90,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for seed in seeds:
                     cell = Cell(scenario, name, chosen.name, seed, rate, args.duration_s, args.snapshot_every)
                     result = run_cell(cell, args.runs, rate, target)
-                    _merge(results, cell, result)
+                    _merge(results, result)
                     print(report.line(result), flush=True)
     if not results.exists():
         print(f"alternatives: no results at {results} yet: run some cells first", file=sys.stderr)
@@ -103,30 +106,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _search(name: str, systems: list[str], args: argparse.Namespace, target: float) -> dict[str, float]:
-    """Each system's rate of the grid with the shortest time to target in scenario a, seed 0 (none
-    reaching it: the best final held-out metric)."""
+def _search(name: str, system_name: str, args: argparse.Namespace, target: float) -> dict[str, Any]:
+    """The system's run in scenario a, seed 0, at the rate of the grid with the shortest time to
+    target (none reaching it: the best final held-out metric)."""
     chosen = workload(name)
-    best: dict[str, float] = {}
-    for system_name in systems:
-        scored = []
-        for rate in chosen.learning_rates:
-            result = run_cell(
-                Cell("a", system_name, name, 0, rate, args.duration_s, args.snapshot_every),
-                args.runs / "search",
-                rate,
-                target,
-            )
-            print(report.line(result), flush=True)
-            scored.append((report.search_score(result, chosen.metric), rate))
-        best[system_name] = min(scored)[1]
-    return best
+    results = []
+    for rate in chosen.learning_rates:
+        cell = Cell("a", system_name, name, 0, rate, args.duration_s, args.snapshot_every)
+        results.append(run_cell(cell, args.runs / "search", rate, target))
+        print(report.line(results[-1]), flush=True)
+    return report.search_best(results, chosen.metric)
 
 
-def _merge(path: Path, cell: Cell, result: dict[str, Any]) -> None:
-    """Put the cell's result into the workload's JSON, replacing an earlier run of the same cell."""
+def _merge(path: Path, result: dict[str, Any]) -> None:
+    """Put a cell's result into the workload's JSON, replacing an earlier run of the same cell."""
     data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"cells": {}}
-    key = f"{cell.scenario}/{cell.system}/{cell.seed}"
+    cell = result["cell"]
+    key = f"{cell['scenario']}/{cell['system']}/{cell['seed']}"
     data["cells"][key] = {k: v for k, v in result.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")

@@ -31,6 +31,12 @@ def search_score(result: dict[str, Any], metric: str) -> tuple[float, float]:
     return (float("inf") if reached is None else reached, worst)
 
 
+def search_best(results: list[dict[str, Any]], metric: str) -> dict[str, Any]:
+    """The search's chosen run among one system's runs at each rate: the best search_score, the
+    smaller rate on a tie."""
+    return min(results, key=lambda result: (search_score(result, metric), result["learning_rate"]))
+
+
 def grouped(data: dict[str, Any]) -> dict[tuple[str, str], list[dict[str, Any]]]:
     """The cells' results by (scenario, system), in scenario then system order."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
