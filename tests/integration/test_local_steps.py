@@ -12,18 +12,10 @@ import gemps
 from gemps.pytorch import LocalSteps, RemoteOptimizer
 from gemps_worker.datasets import load_digits
 from gemps_worker.held_out import evaluate
+from gemps_worker.nanogpt import decay_groups
 from tests.digits_steps import layer_of, linear, train_steps
 from tests.helpers import InProcessServer
 from tests.integration.conftest import StartServer
-
-
-def nanogpt_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, object]]:
-    """nanoGPT's configure_optimizers: matrices decay, biases do not."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
 
 
 def test_the_users_adamw_groups_step_locally_and_their_update_is_committed_every_window(
@@ -33,7 +25,7 @@ def test_the_users_adamw_groups_step_locally_and_their_update_is_committed_every
     server = start_server(rule="downpour")
     model = linear()
     weight0, bias0 = layer_of(model).weight.detach().clone(), layer_of(model).bias.detach().clone()
-    inner = torch.optim.AdamW(nanogpt_groups(model, 0.5), lr=0.1, betas=(0.9, 0.95))
+    inner = torch.optim.AdamW(decay_groups(model, 0.5), lr=0.1, betas=(0.9, 0.95))
     with LocalSteps(model, inner, server.target, steps=4) as optimizer:
         assert optimizer.param_groups is inner.param_groups  # a scheduler on either moves the same lr
         for step in range(1, 9):

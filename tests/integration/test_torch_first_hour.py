@@ -23,6 +23,7 @@ from torch import nn
 
 import gemps
 from gemps.pytorch import RemoteOptimizer, ServerOwnsLearningRateError, ServerSchedule
+from gemps_worker.nanogpt import decay_groups
 from tests.helpers import InProcessServer, scrape
 from tests.integration.conftest import StartServer
 
@@ -49,19 +50,10 @@ class TinyGPT(nn.Module):
         return logits, loss
 
 
-def nanogpt_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
-    """nanoGPT's configure_optimizers: decay the 2-D parameters, not the others."""
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in parameters if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
-    ]
-
-
 def test_nanogpts_parameter_groups_are_refused_naming_the_model_and_weight_decay(server: InProcessServer) -> None:
     model = TinyGPT()
     with pytest.raises(TypeError) as refused:
-        RemoteOptimizer(nanogpt_groups(model, 0.1), server.target)  # type: ignore[arg-type]
+        RemoteOptimizer(decay_groups(model, 0.1), server.target)  # type: ignore[arg-type]
     message = str(refused.value)
     assert "takes the model itself" in message and "not parameter groups (with weight_decay)" in message
     assert "RemoteOptimizer(model, address, weight_decay=0.1)" in message and "--learning-rate" in message

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,14 +28,18 @@ def char_gpt(seed: int = 0) -> CharGpt:
     return CharGpt(VOCABULARY, CONTEXT, width=96, layers=4, heads=4)
 
 
-def adamw(model: torch.nn.Module, learning_rate: float = LEARNING_RATE) -> torch.optim.AdamW:
-    """configure_optimizers' groups: matrices decay, biases and norms do not."""
+def decay_groups(model: torch.nn.Module, weight_decay: float = WEIGHT_DECAY) -> list[dict[str, Any]]:
+    """configure_optimizers' parameter groups: matrices decay, biases and norms do not."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=BETAS)
+
+
+def adamw(model: torch.nn.Module, learning_rate: float = LEARNING_RATE) -> torch.optim.AdamW:
+    """nanoGPT's AdamW: its groups, its betas."""
+    return torch.optim.AdamW(decay_groups(model), lr=learning_rate, betas=BETAS)
 
 
 def cosine_schedule(
