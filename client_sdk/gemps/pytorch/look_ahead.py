@@ -34,9 +34,11 @@ class LookAhead:
 
     def start(self, replied: torch.Tensor, version: int, staleness: int) -> torch.Tensor:
         """The θ to start from after a reply of `version` to a commit that met `staleness`."""
+        if self.share == 0:
+            return replied  # off (the default): no copy of θ kept
         previous, previous_version, previous_staleness = self._replied, self._version, self._staleness
         self._replied, self._version, self._staleness = replied.clone(), version, staleness
-        if self.share == 0 or previous is None or version <= previous_version:
+        if previous is None or version <= previous_version:
             return replied  # nothing to measure the pace by yet, or θ was restored to an older version
         expected = staleness if previous_staleness is None else min(staleness, previous_staleness)
         if expected <= 0:
