@@ -21,12 +21,21 @@ worker. What differs is only when and where Adam's step is taken:
   move; gemps.pytorch.look_ahead): each window starts where θ is headed while the others commit;
 - `dn:H`: the same windows, applied by the server's delayed-Nesterov rule (`LocalSteps` with
   `--rule delayed-nesterov`: asynchronous Local-SGD's outer step, Liu et al. 2024; the rule's own
-  code, N = 4, ε `--dn-learning-rate`, β `--dn-momentum`): AdamW inside, Nesterov outside, as
-  DiLoCo pairs them.
+  code, N the workers, ε `--dn-learning-rate`, β `--dn-momentum`): AdamW inside, Nesterov outside,
+  as DiLoCo pairs them;
+- `gem:H`: the same windows times `--gem-outer`, applied by the server's GEM rule at its defaults
+  (its own code: μ 0.9, κ 1, π_max 5; `gemps worker --mode dynsgd --local-optimizer adam`, the
+  comparison's gemps-gem-local).
+
+`--workers` sets N (4); `--fresh` starts every window at the newest θ instead of the worker's last
+reply: the same turns without staleness, what asynchrony costs measured by its absence.
 
 The model is gemps_worker.models.CharGpt at nanoGPT's shape scaled down (4 layers, 4 heads, width
 96: 0.46M parameters; pre-norm blocks, GELU, tied embeddings, GPT-2's initialisation; no dropout),
 AdamW as nanoGPT's configure_optimizers builds it (betas 0.9/0.99, weight decay 0.1 on matrices).
+`--model comparison` replays the comparison's character LM instead (gemps_bench.alternatives'
+charlm: CharGpt with 6 layers of width 128, 1.2M parameters) with its workers' local optimizer
+(torch.optim.Adam at the given rate, no weight decay).
 
     python scripts/adam_staleness.py --variants single stale:3 mean:4 local:1 --samples 12800 \\
         --json docs/results/adam/staleness.json
@@ -38,25 +47,44 @@ import argparse
 import collections
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from gemps_bench.alternatives.workloads import workload
 from torch.nn.utils import parameters_to_vector
 
 from gemps.pytorch.look_ahead import LookAhead
 from gemps.pytorch.values import copy_into
+from gemps_server.domain.rules.base import CommitRule
 from gemps_server.domain.rules.delayed_nesterov import DelayedNesterovRule
+from gemps_server.domain.rules.gem import GemRule
 from gemps_worker.held_out import evaluate
 from gemps_worker.nanogpt import BATCH, adamw, char_gpt, cosine_schedule, shard_batches
 from gemps_worker.text_data import stdlib_text
 
-WORKERS = 4
+WORKERS = 4  # unless --workers
+
+
+def _comparison_adam(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=lr)  # gemps_worker.modes' local Adam
+
+
+#: --model: (the model, its optimizer)
+MODELS: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[torch.nn.Module, float], torch.optim.Optimizer]]] = {
+    "nanogpt": (lambda: char_gpt(0), adamw),
+    "comparison": (lambda: workload("charlm").build_model(0), _comparison_adam),
+}
+_model = "nanogpt"  # main() sets --model's
 
 
 def build() -> torch.nn.Module:
-    return char_gpt(0)
+    return MODELS[_model][0]()
+
+
+def optimizer_of(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    return MODELS[_model][1](model, lr)
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
@@ -100,14 +128,15 @@ def server_adam(
     evals: list[int],
     dc_lambda: float = 0.0,
     warmup: int | None = None,
+    workers: int = WORKERS,
 ) -> list[list[float]]:
     """`single`, `stale:S`, `dc:S` and `mean:K`: one AdamW holds θ; workers hand it gradients."""
     central, worker = build(), build()
-    optimizer = adamw(central, lr)
+    optimizer = optimizer_of(central, lr)
     schedule = (
         None if warmup is None else cosine_schedule(optimizer, steps // (amount if variant == "mean" else 1), warmup)
     )
-    world = 1 if variant == "single" else WORKERS
+    world = 1 if variant == "single" else workers
     streams = [data.batches(rank, world) for rank in range(world)]
     history = collections.deque([flat(central)], maxlen=amount + 1)  # stale:S, θ of the last S+1 versions
     replied = [flat(central)] * world  # mean:K, the θ each worker last received
@@ -155,27 +184,33 @@ def local_adam(
     steps: int,
     lr: float,
     evals: list[int],
-    outer: DelayedNesterovRule | None = None,
+    outer: CommitRule | None = None,
     warmup: int | None = None,
     ahead: float = 0.0,
+    workers: int = WORKERS,
+    scale: float = 1.0,
+    fresh: bool = False,
 ) -> list[list[float]]:
     """`local:H`: each worker its own AdamW for H steps; the window's update added to θ in full,
-    or (`dn:H`) handed to `outer`, the server's delayed-Nesterov rule. `ahead` (`ahead:H`): each
-    window starts `ahead` of θ's expected move past the reply, as LocalSteps' look_ahead does (its
-    own code, gemps.pytorch.look_ahead)."""
-    models = [build() for _ in range(WORKERS)]
-    optimizers = [adamw(model, lr) for model in models]
+    or (`dn:H`, `gem:H`) times `scale` handed to `outer`, the server's rule. `ahead` (`ahead:H`):
+    each window starts `ahead` of θ's expected move past the reply, as LocalSteps' look_ahead does
+    (its own code, gemps.pytorch.look_ahead). `fresh`: each window starts at the newest θ."""
+    models = [build() for _ in range(workers)]
+    optimizers = [optimizer_of(model, lr) for model in models]
     # Each worker runs nanoGPT's schedule over its own share of the steps, as its own train.py would.
-    schedules = [None if warmup is None else cosine_schedule(o, steps // WORKERS, warmup) for o in optimizers]
-    streams = [data.batches(rank, WORKERS) for rank in range(WORKERS)]
+    schedules = [None if warmup is None else cosine_schedule(o, steps // workers, warmup) for o in optimizers]
+    streams = [data.batches(rank, workers) for rank in range(workers)]
     theta, probe = flat(models[0]), build()
-    starts = [theta] * WORKERS  # where each worker's window starts: its last reply (or ahead of it)
-    based = [0] * WORKERS  # the version each worker's window started from
-    aheads = [LookAhead(ahead) for _ in range(WORKERS)]
+    for rank in range(workers):
+        if outer is not None:  # each registers at θ0, as on a server
+            outer.add_worker(f"worker-{rank}", theta.numpy().copy())
+    starts = [theta] * workers  # where each worker's window starts: its last reply (or ahead of it)
+    based = [0] * workers  # the version each worker's window started from
+    aheads = [LookAhead(ahead) for _ in range(workers)]
     curve, step, version = [], 0, 0
     while step < steps:
         for rank, (model, optimizer, schedule) in enumerate(zip(models, optimizers, schedules, strict=True)):
-            start = starts[rank]
+            start = theta if fresh else starts[rank]
             load(model, start)
             for _ in range(window):
                 inputs, targets = next(streams[rank])
@@ -188,13 +223,13 @@ def local_adam(
                 if step in evals:
                     curve.append([step * BATCH, data.held_out(probe, theta)])
             delta = flat(model) - start
-            theta = theta + delta if outer is None else _outer_step(outer, theta, delta, rank)
+            theta = theta + delta if outer is None else _outer_step(outer, theta, delta * scale, rank)
             staleness, version = version - based[rank], version + 1
             starts[rank], based[rank] = aheads[rank].start(theta, version, staleness), version
     return curve
 
 
-def _outer_step(rule: DelayedNesterovRule, theta: torch.Tensor, delta: torch.Tensor, rank: int) -> torch.Tensor:
+def _outer_step(rule: CommitRule, theta: torch.Tensor, delta: torch.Tensor, rank: int) -> torch.Tensor:
     """θ after the server's rule applies one worker's window (copies both ways: the rule reuses
     the θ it returned last as scratch)."""
     updated, _ = rule.step_scaled(theta.numpy().copy(), delta.numpy(), 1.0, f"worker-{rank}", staleness=0)
@@ -217,8 +252,17 @@ def main() -> None:
         "over the run (each worker's own share of it); constant when not given",
     )
     parser.add_argument("--ahead", type=float, default=1.0, help="ahead:H's share of θ's expected move")
+    parser.add_argument("--gem-outer", type=float, default=0.35, help="gem:H's factor on each window's update")
+    parser.add_argument("--workers", type=int, default=WORKERS, help="N, the workers taking turns")
+    parser.add_argument("--fresh", action="store_true", help="every window starts at the newest θ (no staleness)")
+    parser.add_argument("--model", choices=tuple(MODELS), default="nanogpt", help="what the workers train")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    global _model
+    _model = args.model
+    held = [v for v in args.variants if v.partition(":")[0] not in ("local", "ahead", "dn", "gem")]
+    if args.fresh and held:
+        parser.error(f"--fresh is for windows of local steps (local, ahead, dn, gem), not {', '.join(held)}")
     torch.set_num_threads(1)
     data = Data()
     steps = args.samples // BATCH
@@ -227,36 +271,46 @@ def main() -> None:
     for variant in args.variants:
         name, _, amount = variant.partition(":")
         started = time.monotonic()
+        windows = {"warmup": args.warmup, "workers": args.workers, "fresh": args.fresh}
         if name in ("local", "ahead"):
             factor = args.ahead if name == "ahead" else 0.0
-            curve = local_adam(data, int(amount), steps, args.learning_rate, evals, warmup=args.warmup, ahead=factor)
-        elif name == "dn":
-            outer = DelayedNesterovRule(
-                sum(p.numel() for p in build().parameters()),
-                learning_rate=1.0,
-                dn_learning_rate=args.dn_learning_rate,
-                momentum=args.dn_momentum,
-                nesterov_period=WORKERS,
-                momentum_activation=0.0,
-            )
-            curve = local_adam(data, int(amount), steps, args.learning_rate, evals, outer, warmup=args.warmup)
+            curve = local_adam(data, int(amount), steps, args.learning_rate, evals, ahead=factor, **windows)
+        elif name in ("dn", "gem"):
+            outer, scale = _rule(name, args), args.gem_outer if name == "gem" else 1.0
+            curve = local_adam(data, int(amount), steps, args.learning_rate, evals, outer, scale=scale, **windows)
         elif name in ("single", "stale", "dc", "mean"):
-            curve = server_adam(
-                data, name, int(amount or 0), steps, args.learning_rate, evals, args.dc_lambda, args.warmup
-            )
+            amounts = int(amount or 0), steps, args.learning_rate, evals
+            curve = server_adam(data, name, *amounts, args.dc_lambda, args.warmup, args.workers)
         else:
-            parser.error(f"unknown variant {variant!r}: single, stale:S, dc:S, mean:K, local:H, ahead:H or dn:H")
-        settings = {"learning_rate": args.learning_rate, "dc_lambda": args.dc_lambda, "warmup": args.warmup}
+            parser.error(f"unknown variant {variant!r}: single, stale:S, dc:S, mean:K, local:H, ahead:H, dn:H or gem:H")
+        settings = {"model": args.model, "learning_rate": args.learning_rate, "dc_lambda": args.dc_lambda, **windows}
         if name == "dn":
             settings.update(dn_learning_rate=args.dn_learning_rate, dn_momentum=args.dn_momentum)
         if name == "ahead":
             settings.update(ahead=args.ahead)
+        if name == "gem":
+            settings.update(gem_outer=args.gem_outer)
         results.append({"variant": variant, **settings, "curve": curve})
         print(f"{variant:>10}: held-out loss {curve[-1][1]:.4f} after {curve[-1][0]:,} samples "
               f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"batch": BATCH, "workers": WORKERS, "results": results}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"batch": BATCH, "workers": args.workers, "results": results}, indent=1) + "\n")
+
+
+def _rule(name: str, args: argparse.Namespace) -> CommitRule:
+    """dn:H's or gem:H's outer rule, the server's own code, over the model's parameters."""
+    size = sum(p.numel() for p in build().parameters())
+    if name == "gem":
+        return GemRule(size, learning_rate=1.0, momentum=0.9, kappa=1.0, pi_max=5.0)
+    return DelayedNesterovRule(
+        size,
+        learning_rate=1.0,
+        dn_learning_rate=args.dn_learning_rate,
+        momentum=args.dn_momentum,
+        nesterov_period=args.workers,
+        momentum_activation=0.0,
+    )
 
 
 if __name__ == "__main__":
