@@ -314,3 +314,27 @@ def test_the_goals_table_sets_gemps_best_setting_against_the_best_peer() -> None
     assert rows[3] == "| b | gemps-gem-int8 5.0 s | torchft_ddp 6.0 s | 1.20x | first, 1.5x sooner | no |"
     # (d): a peer that never reached the target took the whole run at least
     assert rows[4] == "| d | gemps-gem 4.5 s | ddp never | > 20.00x | first, 1.5x sooner | yes |"
+
+
+def test_a_search_records_the_rate_and_redraws_the_table_and_figure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command's own order of work, the rig's runs replaced by their results (the rig runs for
+    real in tests/e2e/test_alternatives_rig.py)."""
+    from gemps_bench.alternatives import main as command
+
+    def fake_run(cell: Any, runs: Path, rate: float, target: float) -> dict[str, Any]:
+        reached = {0.05: 40.0}.get(rate)  # only one rate of the grid reaches the target
+        return {"cell": {"scenario": cell.scenario, "system": cell.system, "workload": cell.workload,
+                         "seed": cell.seed}, "time_to_target_s": reached, "final": {"accuracy": 0.9, "loss": 0.3},
+                "goodput": 1.0, "bytes_per_sample": 100.0, "restarts": 0, "load_average": [1.0],
+                "learning_rate": rate, "duration_s": 60.0}  # fmt: skip
+
+    monkeypatch.setattr(command, "run_cell", fake_run)
+    monkeypatch.setattr(command, "unavailable_reason", lambda: None)
+    argv = ["--search", "--systems", "ddp", "--workload", "digits", "--results", str(tmp_path)]
+    assert command.main(argv) == 0
+    assert json.loads((tmp_path / "learning_rates.json").read_text()) == {"digits": {"ddp": 0.05}}
+    assert json.loads((tmp_path / "digits.json").read_text())["cells"]["a/ddp/0"]["time_to_target_s"] == 40.0
+    assert "40.0 s" in (tmp_path / "digits.md").read_text()  # the table is drawn after the search
+    assert (tmp_path / "digits.png").stat().st_size > 0

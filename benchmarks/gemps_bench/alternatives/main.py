@@ -82,19 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.results.mkdir(parents=True, exist_ok=True)
                 rates_path.write_text(json.dumps(rates, indent=1) + "\n")
                 _merge(results, run)  # the chosen rate's run is the system's (a) cell, seed 0
-            return 0
-        for scenario in scenarios:
-            for name in systems:
-                rate = args.lr or rates.get(chosen.name, {}).get(name)
-                if rate is None:
-                    print(f"alternatives: no learning rate for {name} on {chosen.name}: run --search or give --lr",
-                          file=sys.stderr)  # fmt: skip
-                    return 2
-                for seed in seeds:
-                    cell = Cell(scenario, name, chosen.name, seed, rate, args.duration_s, args.snapshot_every)
-                    result = run_cell(cell, args.runs, rate, target)
-                    _merge(results, result)
-                    print(report.line(result), flush=True)
+        elif (refused := _run_cells(chosen.name, scenarios, systems, seeds, rates, args, target)) is not None:
+            return refused
     if not results.exists():
         print(f"alternatives: no results at {results} yet: run some cells first", file=sys.stderr)
         return 2
@@ -104,6 +93,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.figure(data, args.results / f"{chosen.name}.png", chosen.name)
     print(f"results: {results}")
     return 0
+
+
+def _run_cells(
+    name: str,
+    scenarios: list[str],
+    systems: list[str],
+    seeds: list[int],
+    rates: dict[str, dict[str, float]],
+    args: argparse.Namespace,
+    target: float,
+) -> int | None:
+    """Run every cell asked for, merging each into the workload's JSON as it ends; an exit code
+    when a system has no learning rate."""
+    results = args.results / f"{name}.json"
+    for scenario in scenarios:
+        for system_name in systems:
+            rate = args.lr or rates.get(name, {}).get(system_name)
+            if rate is None:
+                print(f"alternatives: no learning rate for {system_name} on {name}: run --search or give --lr",
+                      file=sys.stderr)  # fmt: skip
+                return 2
+            for seed in seeds:
+                cell = Cell(scenario, system_name, name, seed, rate, args.duration_s, args.snapshot_every)
+                result = run_cell(cell, args.runs, rate, target)
+                _merge(results, result)
+                print(report.line(result), flush=True)
+    return None
 
 
 def _search(name: str, system_name: str, args: argparse.Namespace, target: float) -> dict[str, Any]:
