@@ -8,6 +8,8 @@ It needs Adam: with momentum SGD it stays at chance, as it does through RemoteOp
 linear schedule, `learning_rate=1e-3`, weight decay 0.01) for the same number of samples:
 
 - `alone`: one Trainer, its own AdamW, no gemps (the reference);
+- `ddp`: what DDP computes with `--workers N` (the mean of N workers' gradients at the same θ, one
+  AdamW step each): one Trainer at batch N x 32, so N times fewer steps for the same samples;
 - `remote`: the SDK guide's way until now: RemoteOptimizer and ServerSchedule, `--rule gem`;
 - `local:H`: the Trainer's own AdamW (`trainer.create_optimizer()`: its weight-decay groups; the
   Trainer then builds its schedule on it) wrapped in LocalSteps (H local steps a commit; 1: every
@@ -20,6 +22,7 @@ linear schedule, `learning_rate=1e-3`, weight decay 0.01) for the same number of
 
     python scripts/hf_classifier.py --variants alone remote local:1 --workers 1 --epochs 8 --seeds 0 1 2
     python scripts/hf_classifier.py --variants local:1 local:4 --workers 4 --epochs 8 --json out.json
+    python scripts/hf_classifier.py --variants ddp ahead:1 --workers 4 --epochs 8 --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -88,12 +91,12 @@ def accuracy(model: BertForSequenceClassification) -> float:
     return float((predicted == held_out.labels).float().mean())
 
 
-def arguments(folder: str, epochs: float, seed: int) -> TrainingArguments:
+def arguments(folder: str, epochs: float, seed: int, batch: int = BATCH) -> TrainingArguments:
     """The Trainer's arguments as a user writes them: its AdamW's learning rate, weight decay, and
     its default linear schedule."""
     return TrainingArguments(
         output_dir=folder, learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, num_train_epochs=epochs,
-        per_device_train_batch_size=BATCH, save_strategy="no", report_to="none", use_cpu=True,
+        per_device_train_batch_size=batch, save_strategy="no", report_to="none", use_cpu=True,
         disable_tqdm=True, logging_strategy="no", seed=seed, dataloader_drop_last=True,
     )  # fmt: skip
 
@@ -127,12 +130,14 @@ def train_worker(variant: str, address: str, index: int, workers: int, epochs: f
     return {"worker": index, "seconds": time.monotonic() - started}
 
 
-def run_alone(epochs: float, seed: int) -> dict[str, Any]:
+def run_alone(epochs: float, seed: int, batch: int = BATCH) -> dict[str, Any]:
+    """One Trainer on the whole training set; at batch N x 32 it takes DDP's steps for N workers."""
     torch.set_num_threads(1)
     model = tiny_bert(seed)
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as folder:
-        Trainer(model=model, args=arguments(folder, epochs, seed * 1000), train_dataset=DigitTokens(train=True)).train()
+        args = arguments(folder, epochs, seed * 1000, batch)
+        Trainer(model=model, args=args, train_dataset=DigitTokens(train=True)).train()
     return {"accuracy": accuracy(model), "seconds": time.monotonic() - started}
 
 
@@ -172,15 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     for variant in args.variants:
-        if variant not in ("alone", "remote") and not variant.startswith(("local:", "ahead:")):
-            parser.error(f"unknown variant {variant!r}: alone, remote, local:H or ahead:H")
+        if variant not in ("alone", "ddp", "remote") and not variant.startswith(("local:", "ahead:")):
+            parser.error(f"unknown variant {variant!r}: alone, ddp, remote, local:H or ahead:H")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     results: dict[str, Any] = {"workers": args.workers, "epochs": args.epochs, "rule": args.rule, "runs": {}}
     for variant in args.variants:
         runs = []
         for seed in args.seeds:
-            if variant == "alone":
-                run = run_alone(args.epochs, seed)
+            if variant in ("alone", "ddp"):
+                run = run_alone(args.epochs, seed, BATCH * (args.workers if variant == "ddp" else 1))
             else:
                 run = run_through_gemps(variant, args.workers, args.epochs, seed, args.rule)
             runs.append(run)
