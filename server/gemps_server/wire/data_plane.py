@@ -41,12 +41,13 @@ from gemps_server.metrics import ServerMetrics
 from gemps_server.revocation import revocations_for
 from gemps_server.security import tls_context
 from gemps_server.service import ParameterService
-from gemps_server.wire.data_plane_calls import Connection, HandshakeStart, Limits, error_header
+from gemps_server.wire.data_plane_calls import Connection, HandshakeStart, Limits
 from gemps_server.wire.data_plane_io import Channel
 from gemps_server.wire.data_plane_loop import Body, Loop, Parked, Task
 from gemps_server.wire.data_plane_uploads import Lanes
 from gemps_server.wire.refusal_budget import RefusalBudget
 from gemps_server.wire.shared_memory_budget import SharedMemoryBudget
+from gemps_server.wire.status_codes import error_header
 from gemps_server.wire.streams import Pace
 from gemps_server.wire.tls_handshakes import Handshakes
 

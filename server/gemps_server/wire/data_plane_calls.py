@@ -50,15 +50,12 @@ from gemps_proto.data_plane_frames import Op
 from gemps_proto.data_plane_protocol import ServerConnection
 from gemps_proto.reasons import Reason
 from gemps_proto.tensor_codec import FLOAT32, EncodedTensor
-from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.commit_frame import commit_from_proto, reply_dtype_from_proto
 from gemps_server.domain.applier import ApplierStopped
 from gemps_server.domain.errors import (
     DeadlineExceeded,
     InvalidArgument,
-    ResourceExhausted,
     ServiceError,
-    Unauthenticated,
 )
 from gemps_server.domain.records import CommitOutcome, ReplyWriter
 from gemps_server.metrics import ServerMetrics
@@ -71,7 +68,7 @@ from gemps_server.wire.data_plane_replies import pull_room, reply_room, write_re
 from gemps_server.wire.data_plane_uploads import Held, Lanes
 from gemps_server.wire.shared_memory import SharedRegion
 from gemps_server.wire.shared_memory_budget import SharedMemoryBudget
-from gemps_server.wire.status_codes import internal, status_of
+from gemps_server.wire.status_codes import error_header, error_of, internal, status_of
 from gemps_server.wire.streams import Pace
 
 Steps = Generator[Wait, Any, Any]
@@ -433,18 +430,3 @@ def _peak(data: memoryview, dtype: int) -> float | None:
     """A float32 payload's max |value| (NaN if one is not finite), measured here on the loop's
     thread rather than on the applier's; None for the other dtypes (the core measures them)."""
     return max_abs(np.frombuffer(data, np.float32)) if dtype == FLOAT32 else None
-
-
-def error_of(refused: ProtocolError) -> ServiceError:
-    """A refusal of the protocol core as the service's error (what the gRPC path would raise)."""
-    if refused.reason is Reason.TOO_LARGE:
-        return ResourceExhausted(refused.message, refused.reason)
-    if refused.reason is Reason.UNAUTHENTICATED:
-        return Unauthenticated(refused.message, refused.reason)
-    return InvalidArgument(refused.message, refused.reason)
-
-
-def error_header(error: ServiceError) -> bytes:
-    """A refusal as a DataPlaneError: what the gRPC path would have said (code, message, reason)."""
-    message = pb.DataPlaneError(code=status_of(error).value[0], message=error.message, reason=error.reason.value)
-    return message.SerializeToString()

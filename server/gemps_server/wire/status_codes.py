@@ -1,5 +1,6 @@
 """Which gRPC status each kind of refusal is: one table for both wires (the gRPC servicer sets
-it on the call, the data plane sends its number in a DataPlaneError); and a failure no refusal
+it on the call, the data plane sends its number in a DataPlaneError: `error_header`); a refusal
+of the data plane's protocol core as the service's error (`error_of`); and a failure no refusal
 names, an INTERNAL refusal on both (`internal`)."""
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ import traceback
 
 import grpc
 
+from gemps_proto.data_plane_events import ProtocolError
 from gemps_proto.reasons import Reason
+from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.domain.errors import (
     Aborted,
     DeadlineExceeded,
@@ -45,6 +48,21 @@ TRACE_FRAMES = 4
 
 def status_of(error: ServiceError) -> grpc.StatusCode:
     return STATUS_CODES[type(error)]
+
+
+def error_of(refused: ProtocolError) -> ServiceError:
+    """A refusal of the protocol core as the service's error (what the gRPC path would raise)."""
+    if refused.reason is Reason.TOO_LARGE:
+        return ResourceExhausted(refused.message, refused.reason)
+    if refused.reason is Reason.UNAUTHENTICATED:
+        return Unauthenticated(refused.message, refused.reason)
+    return InvalidArgument(refused.message, refused.reason)
+
+
+def error_header(error: ServiceError) -> bytes:
+    """A refusal as a DataPlaneError: what the gRPC path would have said (code, message, reason)."""
+    message = pb.DataPlaneError(code=status_of(error).value[0], message=error.message, reason=error.reason.value)
+    return message.SerializeToString()
 
 
 def internal(method: str, failure: Exception) -> Internal:
