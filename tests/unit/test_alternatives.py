@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from gemps_bench.alternatives import main as command
 from gemps_bench.alternatives import metrics, report
 from gemps_bench.alternatives.cgroups import CpuGroup, Groups
 from gemps_bench.alternatives.cgroups import unavailable_reason as cgroups_unavailable
@@ -321,7 +322,6 @@ def test_a_search_records_the_rate_and_redraws_the_table_and_figure(
 ) -> None:
     """The command's own order of work, the rig's runs replaced by their results (the rig runs for
     real in tests/e2e/test_alternatives_rig.py)."""
-    from gemps_bench.alternatives import main as command
 
     def fake_run(cell: Any, runs: Path, rate: float, target: float) -> dict[str, Any]:
         reached = {0.05: 40.0}.get(rate)  # only one rate of the grid reaches the target

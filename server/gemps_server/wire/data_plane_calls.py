@@ -52,11 +52,7 @@ from gemps_proto.reasons import Reason
 from gemps_proto.tensor_codec import FLOAT32, EncodedTensor
 from gemps_server.commit_frame import commit_from_proto, reply_dtype_from_proto
 from gemps_server.domain.applier import ApplierStopped
-from gemps_server.domain.errors import (
-    DeadlineExceeded,
-    InvalidArgument,
-    ServiceError,
-)
+from gemps_server.domain.errors import DeadlineExceeded, InvalidArgument, ServiceError
 from gemps_server.domain.records import CommitOutcome, ReplyWriter
 from gemps_server.metrics import ServerMetrics
 from gemps_server.native import max_abs
