@@ -19,7 +19,7 @@ from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from tests.data_plane_client import DataPlaneClient, commit_header, theta_of
-from tests.helpers import InProcessServer, scrape_series, start_partitions
+from tests.helpers import InProcessServer, scrape_series, start_partitions, wait_for
 from tests.integration.conftest import StartServer, open_stub
 
 P = 1000
@@ -176,12 +176,21 @@ def test_a_nan_payload_is_refused_like_grpc_and_the_connection_stays_usable(down
         np.testing.assert_array_equal(grpc_theta(stub)[1], before[1])
         ok = client.commit(reply.worker_id, np.zeros(P, np.float32), 0)
         assert ok.op == Op.COMMIT | REPLY
-    series = scrape_series(f"http://127.0.0.1:{downpour.metrics_port}/metrics")
+    # A call's duration and bytes are counted once its reply has left (sent bytes last), so the
+    # client can read the reply before the server has counted it: wait for θ's bytes.
+    sent = 'gemps_sent_bytes_total{method="Commit",plane="data"}'
+    url = f"http://127.0.0.1:{downpour.metrics_port}/metrics"
+
+    def counted() -> dict[str, float] | None:
+        series = scrape_series(url)
+        return series if series[sent] > 4 * P else None
+
+    series = wait_for(counted, timeout=10, what="the commits counted")
     assert series['gemps_commits_total{outcome="rejected",reason="non_finite"}'] == 2
     assert series['gemps_rpc_duration_seconds_count{method="Commit",plane="data"}'] == 2
     # Whole frames: two payloads of 4P bytes in, one θ of 4P bytes out (and their headers).
     assert 8 * P < series['gemps_received_bytes_total{method="Commit",plane="data"}'] < 8 * P + 512
-    assert 4 * P < series['gemps_sent_bytes_total{method="Commit",plane="data"}'] < 4 * P + 512
+    assert 4 * P < series[sent] < 4 * P + 512
 
 
 def test_unknown_worker_and_bad_base_version_keep_the_connection(downpour: InProcessServer) -> None:
