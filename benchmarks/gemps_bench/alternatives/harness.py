@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gemps_bench.alternatives import metrics
+from gemps_bench.alternatives import machine, metrics
 from gemps_bench.alternatives.contract import GO_FILE, SNAPSHOT_EVERY, snapshot_times
 from gemps_bench.alternatives.rig import Rig
 from gemps_bench.alternatives.scenario import load
@@ -87,6 +87,7 @@ def run_cell(cell: Cell, out: Path, learning_rate: float, target: float) -> dict
         quotas={"worker_cpu": scenario.worker_cpu, "coordinator_cpu": scenario.coordinator_cpu,
                 "workers": scenario.workers, "link": scenario.link},
         curve=curve, load_average=_load_average(), ranks_ready_at_start=ready,
+        machine=machine.fingerprint(cell.workload),
     )  # fmt: skip
     (run_dir / "cell.json").write_text(json.dumps(result, indent=1))
     return result

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gemps_bench.alternatives import report
+from gemps_bench.alternatives import machine, report
 from gemps_bench.alternatives.contract import SNAPSHOT_EVERY
 from gemps_bench.alternatives.harness import Cell, run_cell
 from gemps_bench.alternatives.rig import unavailable_reason
@@ -48,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
     made.add_argument("--runs", type=Path, default=Path("runs/alternatives"), help="folder for the runs' files")
     made.add_argument("--results", type=Path, default=RESULTS, help="folder for the JSON and the figure")
     made.add_argument("--report-only", action="store_true", help="redraw the figure and table from the JSON")
+    made.add_argument("--mixed-machines", action="store_true",
+                      help="add cells to a JSON of cells run on a machine of another speed (else refused)")  # fmt: skip
     return made
 
 
@@ -72,6 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if reason is not None:
             print(f"alternatives: {reason}", file=sys.stderr)
             return 2
+        other = None if args.mixed_machines else _other_machine(results, chosen.name)
+        if other is not None:  # its times would be medians with a faster or slower machine's
+            print(f"alternatives: {other}: give this machine's cells their own --results folder, or "
+                  "--mixed-machines", file=sys.stderr)  # fmt: skip
+            return 2
         target = targets()[chosen.name][args.target]
         rates_path = args.results / "learning_rates.json"
         rates: dict[str, dict[str, float]] = json.loads(rates_path.read_text()) if rates_path.exists() else {}
@@ -82,8 +89,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.results.mkdir(parents=True, exist_ok=True)
                 rates_path.write_text(json.dumps(rates, indent=1) + "\n")
                 _merge(results, run)  # the chosen rate's run is the system's (a) cell, seed 0
-        elif (refused := _run_cells(chosen.name, scenarios, systems, seeds, rates, args, target)) is not None:
-            return refused
+        else:
+            chosen_rates = {name: args.lr or rates.get(chosen.name, {}).get(name) for name in systems}
+            unrated = [name for name, rate in chosen_rates.items() if rate is None]
+            if unrated:  # said before any cell runs, not hours into a sweep
+                print(f"alternatives: no learning rate for {', '.join(unrated)} on {chosen.name}: "
+                      "run --search or give --lr", file=sys.stderr)  # fmt: skip
+                return 2
+            rated = {name: rate for name, rate in chosen_rates.items() if rate is not None}
+            _run_cells(chosen.name, scenarios, seeds, rated, args, target)
     if not results.exists():
         print(f"alternatives: no results at {results} yet: run some cells first", file=sys.stderr)
         return 2
@@ -98,28 +112,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run_cells(
     name: str,
     scenarios: list[str],
-    systems: list[str],
     seeds: list[int],
-    rates: dict[str, dict[str, float]],
+    rates: dict[str, float],
     args: argparse.Namespace,
     target: float,
-) -> int | None:
-    """Run every cell asked for, merging each into the workload's JSON as it ends; an exit code
-    when a system has no learning rate."""
+) -> None:
+    """Run every cell asked for (each system at its rate), merging each into the workload's JSON as
+    it ends."""
     results = args.results / f"{name}.json"
     for scenario in scenarios:
-        for system_name in systems:
-            rate = args.lr or rates.get(name, {}).get(system_name)
-            if rate is None:
-                print(f"alternatives: no learning rate for {system_name} on {name}: run --search or give --lr",
-                      file=sys.stderr)  # fmt: skip
-                return 2
+        for system_name, rate in rates.items():
             for seed in seeds:
                 cell = Cell(scenario, system_name, name, seed, rate, args.duration_s, args.snapshot_every)
                 result = run_cell(cell, args.runs, rate, target)
                 _merge(results, result)
                 print(report.line(result), flush=True)
-    return None
 
 
 def _search(name: str, system_name: str, args: argparse.Namespace, target: float) -> dict[str, Any]:
@@ -132,6 +139,15 @@ def _search(name: str, system_name: str, args: argparse.Namespace, target: float
         results.append(run_cell(cell, args.runs / "search", rate, target))
         print(report.line(results[-1]), flush=True)
     return report.search_best(results, chosen.metric)
+
+
+def _other_machine(results: Path, name: str) -> str | None:
+    """Why this machine is not the one the workload's recorded cells ran on (None: it is)."""
+    if not results.exists():
+        return None
+    cells = json.loads(results.read_text())["cells"].values()
+    found = machine.mismatch(machine.fingerprint(name), cells)
+    return None if found is None else f"{results}: {found}"
 
 
 def _merge(path: Path, result: dict[str, Any]) -> None:

@@ -92,9 +92,11 @@ def goals(data: dict[str, Any]) -> list[str]:
     ]
     by_scenario: dict[str, dict[str, float | None]] = defaultdict(dict)
     length: dict[str, float] = {}  # a run's seconds: what a system that never reached the target took at least
+    seeds: dict[tuple[str, str], int] = {}  # medians of unequal counts of seeds: each said beside its system
     for (scenario, name), results in grouped(data).items():
         by_scenario[scenario][name] = median_time(results)
         length[scenario] = max(float(r["duration_s"]) for r in results)
+        seeds[scenario, name] = len(results)
     for scenario, times in sorted(by_scenario.items()):
         ours = {n: t for n, t in times.items() if n.startswith(GEMPS_PREFIX)}
         peers = {n: t for n, t in times.items() if not n.startswith(GEMPS_PREFIX)}
@@ -111,7 +113,8 @@ def goals(data: dict[str, Any]) -> list[str]:
             goal = f"first, {need}x sooner" if need > 1 else "first"
             met = mine is not None and ratio >= need
         rows.append(
-            f"| {scenario} | {best} {_seconds(mine)} | {peer} {_seconds(theirs)} | "
+            f"| {scenario} | {best} {_seconds(mine)} {_of(seeds[scenario, best])} | "
+            f"{peer} {_seconds(theirs)} {_of(seeds[scenario, peer])} | "
             f"{'-' if mine is None else ('> ' if theirs is None else '') + f'{ratio:.2f}x'} | {goal} | "
             f"{'yes' if met else 'no'} |"
         )
@@ -120,6 +123,10 @@ def goals(data: dict[str, Any]) -> list[str]:
 
 def _sortable(value: float | None) -> float:
     return float("inf") if value is None else value
+
+
+def _of(count: int) -> str:
+    return f"({count} seed{'s' if count > 1 else ''})"
 
 
 def _seconds(value: float | None) -> str:
