@@ -19,6 +19,8 @@ worker. What differs is only when and where Adam's step is taken:
   H = 1: every step);
 - `ahead:H`: `local:H` with LocalSteps' look-ahead (`look_ahead=`, `--ahead` of θ's expected
   move; gemps.pytorch.look_ahead): each window starts where θ is headed while the others commit;
+- `job:H`: `ahead:H` with LocalSteps' `job_betas=True` (gemps.pytorch.job_betas): each worker's β1
+  raised to the power of the job's commits per its own, so its momentum spans the job's samples;
 - `dn:H`: the same windows, applied by the server's delayed-Nesterov rule (`LocalSteps` with
   `--rule delayed-nesterov`: asynchronous Local-SGD's outer step, Liu et al. 2024; the rule's own
   code, N the workers, ε `--dn-learning-rate`, β `--dn-momentum`): AdamW inside, Nesterov outside,
@@ -55,6 +57,7 @@ import torch.nn.functional as F
 from gemps_bench.alternatives.workloads import workload
 from torch.nn.utils import parameters_to_vector
 
+from gemps.pytorch.job_betas import JobBetas
 from gemps.pytorch.look_ahead import LookAhead
 from gemps.pytorch.values import copy_into
 from gemps_server.domain.rules.base import CommitRule
@@ -76,15 +79,6 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[torch.nn.Module
     "nanogpt": (lambda: char_gpt(0), adamw),
     "comparison": (lambda: workload("charlm").build_model(0), _comparison_adam),
 }
-_model = "nanogpt"  # main() sets --model's
-
-
-def build() -> torch.nn.Module:
-    return MODELS[_model][0]()
-
-
-def optimizer_of(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    return MODELS[_model][1](model, lr)
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
@@ -98,8 +92,17 @@ def load(model: torch.nn.Module, theta: torch.Tensor) -> None:
 
 
 class Data:
-    def __init__(self) -> None:
+    """The text, and the model the workers train on it (--model)."""
+
+    def __init__(self, model: str = "nanogpt") -> None:
         self.train_x, self.train_y, self.test_x, self.test_y = stdlib_text()
+        self._build, self._optimizer = MODELS[model]
+
+    def build(self) -> torch.nn.Module:
+        return self._build()
+
+    def optimizer_of(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        return self._optimizer(model, lr)
 
     def batches(self, rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Endless mini-batches of rank's shard (the same split for every variant)."""
@@ -131,8 +134,8 @@ def server_adam(
     workers: int = WORKERS,
 ) -> list[list[float]]:
     """`single`, `stale:S`, `dc:S` and `mean:K`: one AdamW holds θ; workers hand it gradients."""
-    central, worker = build(), build()
-    optimizer = optimizer_of(central, lr)
+    central, worker = data.build(), data.build()
+    optimizer = data.optimizer_of(central, lr)
     schedule = (
         None if warmup is None else cosine_schedule(optimizer, steps // (amount if variant == "mean" else 1), warmup)
     )
@@ -187,6 +190,7 @@ def local_adam(
     outer: CommitRule | None = None,
     warmup: int | None = None,
     ahead: float = 0.0,
+    job_betas: bool = False,
     workers: int = WORKERS,
     scale: float = 1.0,
     fresh: bool = False,
@@ -194,19 +198,22 @@ def local_adam(
     """`local:H`: each worker its own AdamW for H steps; the window's update added to θ in full,
     or (`dn:H`, `gem:H`) times `scale` handed to `outer`, the server's rule. `ahead` (`ahead:H`):
     each window starts `ahead` of θ's expected move past the reply, as LocalSteps' look_ahead does
-    (its own code, gemps.pytorch.look_ahead). `fresh`: each window starts at the newest θ."""
-    models = [build() for _ in range(workers)]
-    optimizers = [optimizer_of(model, lr) for model in models]
+    (its own code, gemps.pytorch.look_ahead); `job_betas` (`job:H`): with each worker's β1 kept to
+    the job's pace, as LocalSteps' job_betas does (gemps.pytorch.job_betas). `fresh`: each window
+    starts at the newest θ."""
+    models = [data.build() for _ in range(workers)]
+    optimizers = [data.optimizer_of(model, lr) for model in models]
     # Each worker runs nanoGPT's schedule over its own share of the steps, as its own train.py would.
     schedules = [None if warmup is None else cosine_schedule(o, steps // workers, warmup) for o in optimizers]
     streams = [data.batches(rank, workers) for rank in range(workers)]
-    theta, probe = flat(models[0]), build()
+    theta, probe = flat(models[0]), data.build()
     for rank in range(workers):
         if outer is not None:  # each registers at θ0, as on a server
             outer.add_worker(f"worker-{rank}", theta.numpy().copy())
     starts = [theta] * workers  # where each worker's window starts: its last reply (or ahead of it)
     based = [0] * workers  # the version each worker's window started from
     aheads = [LookAhead(ahead) for _ in range(workers)]
+    paces = [JobBetas(job_betas, optimizer.param_groups) for optimizer in optimizers]
     curve, step, version = [], 0, 0
     while step < steps:
         for rank, (model, optimizer, schedule) in enumerate(zip(models, optimizers, schedules, strict=True)):
@@ -226,6 +233,7 @@ def local_adam(
             theta = theta + delta if outer is None else _outer_step(outer, theta, delta * scale, rank)
             staleness, version = version - based[rank], version + 1
             starts[rank], based[rank] = aheads[rank].start(theta, version, staleness), version
+            paces[rank].after_commit(staleness)
     return curve
 
 
@@ -258,13 +266,11 @@ def main() -> None:
     parser.add_argument("--model", choices=tuple(MODELS), default="nanogpt", help="what the workers train")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    global _model
-    _model = args.model
-    held = [v for v in args.variants if v.partition(":")[0] not in ("local", "ahead", "dn", "gem")]
+    held = [v for v in args.variants if v.partition(":")[0] not in ("local", "ahead", "job", "dn", "gem")]
     if args.fresh and held:
-        parser.error(f"--fresh is for windows of local steps (local, ahead, dn, gem), not {', '.join(held)}")
+        parser.error(f"--fresh is for windows of local steps (local, ahead, job, dn, gem), not {', '.join(held)}")
     torch.set_num_threads(1)
-    data = Data()
+    data = Data(args.model)
     steps = args.samples // BATCH
     evals = [steps * (i + 1) // args.evaluations for i in range(args.evaluations)]
     results = []
@@ -272,21 +278,25 @@ def main() -> None:
         name, _, amount = variant.partition(":")
         started = time.monotonic()
         windows = {"warmup": args.warmup, "workers": args.workers, "fresh": args.fresh}
-        if name in ("local", "ahead"):
-            factor = args.ahead if name == "ahead" else 0.0
-            curve = local_adam(data, int(amount), steps, args.learning_rate, evals, ahead=factor, **windows)
+        if name in ("local", "ahead", "job"):
+            factor, job = (args.ahead if name in ("ahead", "job") else 0.0), name == "job"
+            curve = local_adam(
+                data, int(amount), steps, args.learning_rate, evals, ahead=factor, job_betas=job, **windows
+            )
         elif name in ("dn", "gem"):
-            outer, scale = _rule(name, args), args.gem_outer if name == "gem" else 1.0
+            outer, scale = _rule(name, args, data), args.gem_outer if name == "gem" else 1.0
             curve = local_adam(data, int(amount), steps, args.learning_rate, evals, outer, scale=scale, **windows)
         elif name in ("single", "stale", "dc", "mean"):
             amounts = int(amount or 0), steps, args.learning_rate, evals
             curve = server_adam(data, name, *amounts, args.dc_lambda, args.warmup, args.workers)
         else:
-            parser.error(f"unknown variant {variant!r}: single, stale:S, dc:S, mean:K, local:H, ahead:H, dn:H or gem:H")
+            parser.error(
+                f"unknown variant {variant!r}: single, stale:S, dc:S, mean:K, local:H, ahead:H, job:H, dn:H or gem:H"
+            )
         settings = {"model": args.model, "learning_rate": args.learning_rate, "dc_lambda": args.dc_lambda, **windows}
         if name == "dn":
             settings.update(dn_learning_rate=args.dn_learning_rate, dn_momentum=args.dn_momentum)
-        if name == "ahead":
+        if name in ("ahead", "job"):
             settings.update(ahead=args.ahead)
         if name == "gem":
             settings.update(gem_outer=args.gem_outer)
@@ -298,9 +308,9 @@ def main() -> None:
         args.json.write_text(json.dumps({"batch": BATCH, "workers": args.workers, "results": results}, indent=1) + "\n")
 
 
-def _rule(name: str, args: argparse.Namespace) -> CommitRule:
+def _rule(name: str, args: argparse.Namespace, data: Data) -> CommitRule:
     """dn:H's or gem:H's outer rule, the server's own code, over the model's parameters."""
-    size = sum(p.numel() for p in build().parameters())
+    size = sum(p.numel() for p in data.build().parameters())
     if name == "gem":
         return GemRule(size, learning_rate=1.0, momentum=0.9, kappa=1.0, pi_max=5.0)
     return DelayedNesterovRule(

@@ -15,7 +15,10 @@ linear schedule, `learning_rate=1e-3`, weight decay 0.01) for the same number of
   Trainer then builds its schedule on it) wrapped in LocalSteps (H local steps a commit; 1: every
   step) on a server with `--rule downpour` (the window's update added in full) or `--rule gem`;
 - `ahead:H`: `local:H` with LocalSteps' `look_ahead=1` (each window starts where θ is headed while
-  the other workers commit: gemps.pytorch.look_ahead).
+  the other workers commit: gemps.pytorch.look_ahead);
+- `job:H`: `ahead:H` with LocalSteps' `job_betas=True` (each worker's β1 raised to the power of
+  the job's commits per its own, so its momentum spans the job's samples that the Trainer's β1
+  spans alone: gemps.pytorch.job_betas).
 
 `--workers N` runs N Trainers as processes on one server, each on its own N-th of the training set
 (so N workers see the samples one worker would); the held-out accuracy is then the server's θ's.
@@ -23,6 +26,7 @@ linear schedule, `learning_rate=1e-3`, weight decay 0.01) for the same number of
     python scripts/hf_classifier.py --variants alone remote local:1 --workers 1 --epochs 8 --seeds 0 1 2
     python scripts/hf_classifier.py --variants local:1 local:4 --workers 4 --epochs 8 --json out.json
     python scripts/hf_classifier.py --variants ddp ahead:1 --workers 4 --epochs 8 --seeds 0 1 2
+    python scripts/hf_classifier.py --variants alone job:1 --workers 4 --epochs 24 --seeds 0 1 2 3 4 5
 """
 
 from __future__ import annotations
@@ -118,10 +122,11 @@ def train_worker(variant: str, address: str, index: int, workers: int, epochs: f
         else:  # the Trainer's own AdamW (its decay groups, its linear schedule), its steps committed
             trainer = Trainer(model=model, args=args, train_dataset=data)
             kind, steps = variant.split(":", 1)
-            ahead = 1.0 if kind == "ahead" else 0.0  # LocalSteps' look-ahead: windows start where θ is headed
+            ahead = 1.0 if kind in ("ahead", "job") else 0.0  # LocalSteps' look-ahead: windows start where θ is headed
             optimizer = LocalSteps(
-                model, trainer.create_optimizer(), address, steps=int(steps), look_ahead=ahead, name=f"w{index}"
-            )
+                model, trainer.create_optimizer(), address, steps=int(steps), look_ahead=ahead,
+                job_betas=kind == "job", name=f"w{index}",
+            )  # fmt: skip
             trainer.optimizer = optimizer
         try:
             trainer.train()
@@ -177,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     for variant in args.variants:
-        if variant not in ("alone", "ddp", "remote") and not variant.startswith(("local:", "ahead:")):
-            parser.error(f"unknown variant {variant!r}: alone, ddp, remote, local:H or ahead:H")
+        if variant not in ("alone", "ddp", "remote") and not variant.startswith(("local:", "ahead:", "job:")):
+            parser.error(f"unknown variant {variant!r}: alone, ddp, remote, local:H, ahead:H or job:H")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     results: dict[str, Any] = {"workers": args.workers, "epochs": args.epochs, "rule": args.rule, "runs": {}}
     for variant in args.variants:

@@ -4,6 +4,8 @@ and the server's θ loaded; against a real server."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -108,6 +110,34 @@ def test_with_look_ahead_a_window_starts_where_theta_is_headed_and_only_its_step
         assert a.last_result is not None and (a.last_result.version, a.last_result.staleness) == (7, 2)
         a_step()  # from the look-ahead start: its update is still 0, θ does not jump
         np.testing.assert_allclose(server.server.state.theta_copy(), theta0 + 4, rtol=1e-6)
+
+
+def test_with_job_betas_the_workers_beta1_follows_the_jobs_commits_per_its_own(start_server: StartServer) -> None:
+    """Another worker commits twice between each of A's: the job takes 3 commits per A's, so A's
+    AdamW moves toward β1 = 0.9 ** 3 (β2 as set); a checkpoint of A keeps the user's betas."""
+    server = start_server(rule="downpour")
+    model, other_model = linear(), linear()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    zeros = np.zeros(650, dtype=np.float32)
+    with (
+        gemps.Client(server.target, name="other") as other,
+        LocalSteps(model, inner, server.target, steps=1, look_ahead=1.0, job_betas=True) as a,
+    ):
+        other.register({k: v.detach().numpy() for k, v in other_model.named_parameters()})
+        betas = []
+        for _ in range(12):
+            other.commit(zeros, kind="update")
+            other.commit(zeros, kind="update")
+            a.zero_grad()
+            model(torch.zeros(2, 1, 8, 8)).sum().backward()
+            a.step()
+            betas.append(inner.param_groups[0]["betas"])
+        assert a.last_result is not None and a.last_result.staleness == 2
+        assert betas[0][0] < 0.9 and all(later[0] < earlier[0] for earlier, later in itertools.pairwise(betas))
+        assert betas[-1][0] == pytest.approx(0.9**3, abs=0.01) and betas[-1][1] == 0.95
+        assert a.state_dict()["param_groups"][0]["betas"] == (0.9, 0.95)
+    with pytest.raises(TypeError, match="job_betas must be True or False, not 'yes'"):
+        LocalSteps(model, inner, server.target, job_betas="yes")  # type: ignore[arg-type]
 
 
 def test_an_optimizer_of_other_tensors_or_missing_some_is_refused(server: InProcessServer) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from gemps.client import Client
+from gemps.pytorch.job_betas import JobBetas
 from gemps.pytorch.look_ahead import LookAhead
 from gemps.pytorch.remote import RemoteModel
 from gemps.pytorch.values import copy_into
@@ -54,11 +55,14 @@ class LocalSteps(torch.optim.Optimizer):
         steps: int = 8,
         outer_learning_rate: float = 1.0,
         look_ahead: float = 0.0,
+        job_betas: bool = False,
         name: str = "",
         **options: Any,
     ) -> None:
         """`look_ahead`: start each window that share of θ's expected move ahead of the reply
         (gemps.pytorch.look_ahead; 1 with several asynchronous AdamW workers, 0: at the reply).
+        `job_betas`: the optimizer's β1 spans the job's samples, not this worker's: raised to the
+        power of the job's commits per this worker's (gemps.pytorch.job_betas; with look_ahead).
         `options` as RemoteModel takes them (`threads=`, gemps.Client's when `client` is an address)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             kind = type(optimizer).__name__
@@ -68,6 +72,8 @@ class LocalSteps(torch.optim.Optimizer):
         if not (math.isfinite(outer_learning_rate) and outer_learning_rate > 0):
             raise ValueError(f"outer_learning_rate must be a number > 0, not {outer_learning_rate!r}")
         ahead = LookAhead(look_ahead)
+        if not isinstance(job_betas, bool):
+            raise TypeError(f"job_betas must be True or False, not {job_betas!r}")
         if options.get("overlap"):
             raise ValueError("overlap is for gradients committed every step (RemoteModel, RemoteOptimizer): "
                              "LocalSteps commits once a window, after its local steps")  # fmt: skip
@@ -80,6 +86,7 @@ class LocalSteps(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.steps, self.outer_learning_rate = steps, outer_learning_rate
         self.look_ahead = ahead
+        self.job_betas = JobBetas(job_betas, optimizer.param_groups)
         super().__init__(self.remote.trained, defaults={})
         # The user's groups and state are this optimizer's: schedulers, state_dict and logging see them.
         self.param_groups = optimizer.param_groups
@@ -96,8 +103,9 @@ class LocalSteps(torch.optim.Optimizer):
         return self.remote.version
 
     def state_dict(self) -> dict[str, Any]:
-        """The user's optimizer's (its moments, its groups' lr): what a checkpoint of it holds."""
-        return self.optimizer.state_dict()
+        """The user's optimizer's (its moments, its groups' lr and betas as the user set them): what
+        a checkpoint of it holds."""
+        return self.job_betas.users(self.optimizer.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Into the user's optimizer, whose groups and state stay this one's. torch's own would give
@@ -106,6 +114,7 @@ class LocalSteps(torch.optim.Optimizer):
         Trainer the linear schedule never reached AdamW), and a resumed Adam would start over."""
         self.optimizer.load_state_dict(state_dict)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+        self.job_betas.rebind(self.optimizer.param_groups)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -137,6 +146,7 @@ class LocalSteps(torch.optim.Optimizer):
         self._taken, self._losses = 0, []
         result = self.last_result = self.remote.commit_update(update, loss=loss)
         replied = self.remote.parameters_vector()
+        self.job_betas.after_commit(result.staleness)
         self._start = self.look_ahead.start(replied, result.version, result.staleness)
         if self._start is not replied:
             with torch.no_grad():
