@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -196,24 +197,32 @@ def test_evaluator_refuses_a_model_that_does_not_fit(server: InProcessServer) ->
     assert "do not fit model 'mlp'" in result.stderr
 
 
-def test_sigterm_stops_a_worker_waiting_for_an_unreachable_server(server: InProcessServer) -> None:
-    port = server.port
-    server.stop()  # nothing listens there any more: the worker retries with backoff
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "gemps_cli", "worker", "--server", f"127.0.0.1:{port}", "--name", "w"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert worker.stdout is not None
-    try:
-        for line in worker.stdout:  # the first retry is logged: now it is waiting to retry
-            if "retrying in" in line:
-                break
-        worker.send_signal(signal.SIGTERM)
-        output, _ = worker.communicate(timeout=15)  # well before its retries would run out
-    finally:
-        worker.kill()
+def test_sigterm_stops_a_worker_waiting_for_an_unreachable_server() -> None:
+    # A port bound and never listened on: connections to it are refused, and while it is held no
+    # other test's server can be given it (a stopped server's port once was, in CI: the worker
+    # found that server, trained and ended without ever retrying).
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "gemps_cli", "worker", "--server", f"127.0.0.1:{port}", "--name", "w"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert worker.stdout is not None
+        before: list[str] = []
+        try:
+            for line in worker.stdout:  # the first retry is logged: now it is waiting to retry
+                before.append(line)
+                if "retrying in" in line:
+                    break
+            else:
+                pytest.fail("the worker ended without retrying:\n" + "".join(before))
+            worker.send_signal(signal.SIGTERM)
+            output, _ = worker.communicate(timeout=15)  # well before its retries would run out
+        finally:
+            worker.kill()
     assert worker.returncode == 0, output
     assert "stopped while retrying" in output and "stopped by signal" in output
 
