@@ -215,8 +215,9 @@ class EtcdEndpoints:
             except (requests.exceptions.Timeout, requests.exceptions.ConnectionError) as error:
                 if "certificate" in str(error).lower():  # a TLS alert read as a closed connection
                     raise EtcdAccessRefused(_tls_refusal(client.base_url, self._access, error)) from None
-                if client.protocol == "http" and "RemoteDisconnected" in str(error):
-                    # Not a refused connection: a listener that hung up on plain http, as TLS ones do.
+                if client.protocol == "http" and "Connection aborted." in str(error):
+                    # Not a refused connection: a listener that took the request and hung up (or reset
+                    # the connection, as TLS ones do with unread bytes: timing picks which) on plain http.
                     raise EtcdAccessRefused(
                         f"etcd at {client.base_url} hung up on plain http: if it serves TLS, give an https:// "
                         "endpoint and etcd_ca (and etcd_cert/etcd_key)"
