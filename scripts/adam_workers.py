@@ -109,7 +109,8 @@ def launch(args: argparse.Namespace, groups: Groups | None, role: str, rank: int
             "--local-steps", str(args.local_steps), "--look-ahead", repr(args.look_ahead),
             "--snapshot-every", repr(args.snapshot_every)]  # fmt: skip
     if groups is not None:
-        argv = [*groups.add(f"{role}{rank}", args.cpu).enter_argv(), *argv]
+        cpu = args.alone_cpu if role == "alone" and args.alone_cpu is not None else args.cpu
+        argv = [*groups.add(f"{role}{rank}", cpu).enter_argv(), *argv]
     return subprocess.Popen(argv, stdout=sys.stderr, stderr=sys.stderr)
 
 
@@ -182,6 +183,9 @@ def main() -> None:
                         help="gemps runs of these multiples of --samples (1: equal samples)")  # fmt: skip
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--cpu", type=float, default=0.4, help="each process's quota, in cores")
+    parser.add_argument("--alone-cpu", type=float,
+                        help="the alone worker's quota, in cores (default: --cpu); its losses at equal samples "
+                             "do not depend on it, its times do")  # fmt: skip
     parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE)
     parser.add_argument("--warmup", type=int, default=100, help="warm-up steps of nanoGPT's schedule")
     parser.add_argument("--local-steps", type=int, default=1, help="LocalSteps' steps a commit")
@@ -201,6 +205,8 @@ def main() -> None:
     if reason is not None:
         parser.error(f"CPU quotas are needed to give each worker its share: {reason}")
     cores = os.cpu_count() or 1
+    if args.alone_cpu is not None and not 0 < args.alone_cpu <= cores - 0.1:
+        parser.error(f"--alone-cpu is {args.alone_cpu:g} cores: give more than 0 and at most {cores - 0.1:g}")
     if args.workers * args.cpu > cores - 0.1:
         parser.error(f"--workers x --cpu is {args.workers * args.cpu:g} cores: keep it under {cores - 0.1:g} "
                      f"(this machine has {cores}), so that every process gets its share")  # fmt: skip
