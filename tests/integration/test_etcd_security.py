@@ -12,11 +12,8 @@ import logging
 import os
 import re
 import signal
-import socket
 import ssl
-import struct
 import subprocess
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -31,12 +28,7 @@ from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import Etcd3Exception
 
 import gemps
-from gemps_server.replication.etcd_client import (
-    CoordinationUnavailable,
-    EtcdAccess,
-    EtcdAccessRefused,
-    EtcdEndpoints,
-)
+from gemps_server.replication.etcd_client import CoordinationUnavailable, EtcdAccess, EtcdEndpoints
 from gemps_server.replication.etcd_tls import issue
 from gemps_server.replication.status import PRIMARY
 from gemps_worker.cluster import ServerProcess
@@ -327,55 +319,6 @@ def test_an_external_etcd_with_client_certificates(tmp_path: Path) -> None:
             pytest.raises(RuntimeError, match=re.escape("give an https:// endpoint and etcd_ca")),
         ):
             lone_replica(f"http://127.0.0.1:{port}", "tls").close()
-
-
-class HangingUp:
-    """A listener that reads each request and then drops the connection, as etcd's TLS listener does
-    with plain http: closed (FIN), or reset (RST), which etcd's can send too (when bytes are still
-    unread; a loaded CI machine's start-up check saw a reset and waited, as for an etcd starting)."""
-
-    def __init__(self, reset: bool) -> None:
-        self.reset = reset
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                connection, _ = self.listener.accept()
-            except OSError:  # closed
-                return
-            with connection:
-                read_request(connection)  # then, waiting for an answer, the client sees the drop
-                if self.reset:  # a zero linger: the close sends a reset, not a FIN
-                    connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-
-
-def read_request(connection: socket.socket) -> None:
-    """Read one HTTP request whole: its head, then its Content-Length of body."""
-    received = b""
-    while b"\r\n\r\n" not in received and (chunk := connection.recv(65536)):
-        received += chunk
-    head, _, body = received.partition(b"\r\n\r\n")
-    declared = re.search(rb"(?i)content-length: *(\d+)", head)
-    length = int(declared.group(1)) if declared else 0
-    while len(body) < length and (chunk := connection.recv(65536)):
-        body += chunk
-
-
-@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
-def test_plain_http_dropped_by_the_listener_is_refused_at_start(reset: bool) -> None:
-    """A listener that takes the connection and drops the request is not an etcd starting up (that
-    refuses the connection): the start-up check names the TLS options instead of waiting for it."""
-    hanging_up = HangingUp(reset)
-    etcd = EtcdEndpoints(hanging_up.endpoint, 2.0)
-    try:
-        with pytest.raises(EtcdAccessRefused, match=re.escape("give an https:// endpoint and etcd_ca")):
-            etcd.check("/gemps/probe")
-    finally:
-        etcd.close()
-        hanging_up.listener.close()
 
 
 def urlsplit_address(url: str) -> tuple[str, int]:
