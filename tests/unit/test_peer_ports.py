@@ -1,6 +1,7 @@
 """A peer run's rendezvous port is picked free and bound a moment later by a child process;
 another program may be given it between (a loaded suite's Ray took 44011 from torch-rpc's
-parameter server). The run is tried again on another port then, and only then."""
+parameter server). The run is tried again on another port then, and when torch RPC's start-up
+gather fails (its processes never met: nothing was measured), and only then."""
 
 from __future__ import annotations
 
@@ -57,3 +58,16 @@ def test_other_failures_are_not_tried_again_and_a_port_taken_every_time_gives_up
     with pytest.raises(PeerError, match="EADDRINUSE"):
         on_a_free_port(taken)
     assert len(calls) == 1 + PORT_TRIES
+
+
+def test_a_start_up_gather_that_failed_is_tried_again_saying_so(capsys: pytest.CaptureFixture[str]) -> None:
+    calls: list[int] = []
+
+    def once(port: int) -> dict[str, Any]:
+        calls.append(port)
+        if len(calls) == 1:  # as torch RPC's parameter server reported it when a trainer aborted
+            raise PeerError("process ps failed:\nRuntimeError: Followers ['trainer0'] timed out in _all_gather")
+        return {"port": port}
+
+    assert on_a_free_port(once) == {"port": calls[-1]} and len(calls) == 2
+    assert "did not meet, trying another port" in capsys.readouterr().err

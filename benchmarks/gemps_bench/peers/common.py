@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -269,16 +270,21 @@ def _forkserver_context(preload: Sequence[str]) -> mp.context.ForkServerContext:
 #: tries of a run whose rendezvous port was taken: picked free, it is bound a moment later by a
 #: child process, and another program may be given it between (a loaded test suite's Ray did)
 PORT_TRIES = 3
+#: what a child's failure says when the run's processes never met, so nothing was measured: the
+#: port taken, or torch RPC's start-up gather failing (once in a loaded suite, a trainer aborted
+#: inside tensorpipe while joining, std::bad_alloc: possibly a stranger on the taken port)
+NEVER_MET = ("EADDRINUSE", "Address already in use", "in _all_gather")
 
 
 def on_a_free_port(run: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
-    """`run(port)` on a port free when picked; on another if a child found it taken."""
+    """`run(port)` on a port free when picked; on another, saying why, if its processes never met."""
     for _ in range(PORT_TRIES - 1):
         try:
             return run(free_port())
         except PeerError as error:
-            if not any(sign in str(error) for sign in ("EADDRINUSE", "Address already in use")):
+            if not any(sign in str(error) for sign in NEVER_MET):
                 raise
+            print(f"gemps bench: a peer's processes did not meet, trying another port: {error}", file=sys.stderr)
     return run(free_port())
 
 
