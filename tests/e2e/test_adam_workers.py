@@ -3,7 +3,7 @@ reduced for CI: scripts/adam_workers.py as a user runs it, 6,400 samples (the fu
 is docs/RESULTS.md's), each process in its own CPU quota (root only: skipped with one line
 elsewhere). The alone worker has a whole core (its losses at equal samples do not depend on its
 quota, only its times, which this test does not judge) and a snapshot every 6 s, not 2: 249 s of
-the suite's serial phase became about 100 (each snapshot is a second and more of evaluation). The 4
+the suite's serial phase became 115 (each snapshot is a second and more of evaluation). The 4
 workers, LocalSteps with look-ahead, must learn at equal samples nearly as far as the one worker,
 and the script must leave no quota group behind."""
 
