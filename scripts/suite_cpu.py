@@ -20,7 +20,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,33 +68,31 @@ def _read(pid: str) -> tuple[str, float, str] | None:
     return fields[19], cpu, command.strip()
 
 
+def _processes() -> Iterator[tuple[tuple[str, str], float, str]]:
+    """((pid, start), CPU seconds, command line) of every process running now."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        read = _read(pid)
+        if read is not None:
+            yield (pid, read[0]), read[1], read[2]
+
+
 class Sampler:
     """Every process that started after it did, keyed by (pid, start) so a reused pid is a new one."""
 
     def __init__(self) -> None:
-        self.before = self._keys()
+        self.before = {key for key, _, _ in _processes()}
         self.seen: dict[tuple[str, str], Seen] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    @staticmethod
-    def _keys() -> set[tuple[str, str]]:
-        found = set()
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            read = _read(pid)
-            if read is not None:
-                found.add((pid, read[0]))
-        return found
-
     def sample(self) -> None:
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            read = _read(pid)
-            if read is None or (pid, read[0]) in self.before:
+        for key, cpu, command in _processes():
+            if key in self.before:
                 continue
-            start, cpu, command = read
-            entry = self.seen.setdefault((pid, start), Seen(command, cpu))
+            entry = self.seen.setdefault(key, Seen(command, cpu))
             entry.cpu_s = cpu
-            entry.command = entry.command or command  # a process seen before its exec has none yet
+            # The newest command line: a child seen between fork and exec shows its parent's, a zombie none.
+            entry.command = command or entry.command
 
     def _run(self) -> None:
         while not self._stop.wait(PERIOD_S):
@@ -110,13 +109,14 @@ class Sampler:
 
 
 def by_kind(seen: dict[tuple[str, str], Seen]) -> dict[str, dict[str, float]]:
-    cpu: Counter[str] = Counter()
+    cpu: defaultdict[str, float] = defaultdict(float)
     count: Counter[str] = Counter()
     for process in seen.values():
         kind = kind_of(process.command)
         cpu[kind] += process.cpu_s
         count[kind] += 1
-    return {kind: {"cpu_s": round(seconds, 1), "processes": count[kind]} for kind, seconds in cpu.most_common()}
+    most_first = sorted(cpu.items(), key=lambda item: -item[1])
+    return {kind: {"cpu_s": round(seconds, 1), "processes": count[kind]} for kind, seconds in most_first}
 
 
 def main(argv: list[str] | None = None) -> int:
