@@ -8,7 +8,9 @@ twice a second, then sums each process's last CPU time seen by what its command 
 This is how docs/guides/testing.md's profile of the suite was taken. Processes that live under half
 a second are missed, and each one's last half second: the sums are lower bounds. Processes started
 before the command (a daemon, the kernel's threads) are left out, so a long-lived helper that the
-command only talks to is not charged to it.
+command only talks to is not charged to it. A process is known by the first command line seen, not
+a title it gives itself later (a test runner's in-process server retitles the runner). --out also
+keeps every process, for the questions the kinds do not answer.
 """
 
 from __future__ import annotations
@@ -31,13 +33,13 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # First match wins: a server's command line names a pytest folder, so the runners are matched by
 # how xdist starts them, not by "pytest" anywhere.
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("ray", ("default_worker", "raylet", "gcs_server", "/ray/", "dashboard")),
+    ("ray", ("ray::", "default_worker", "raylet", "gcs_server", "/ray/", "dashboard")),
     ("test runners", ("import sys;exec", "-m pytest")),
     ("containers", ("runc", "podman", "conmon", "buildah", "/opt/gemps/")),
+    ("gemps servers", ("gemps_cli server", "gemps server")),  # before etcd: a replica's names its --etcd
     ("etcd", ("etcd",)),
     ("bench, peers, DDP", ("gemps_bench", "forkserver", "torch.distributed", "ddp_worker", "multiprocessing.spawn")),
     ("type checks, docs", ("mypy", "mkdocs")),
-    ("gemps servers", ("gemps_cli server", "gemps server")),
     ("soak clients", ("soak",)),
 )
 OTHER = "workers, scripts, other"
@@ -52,12 +54,21 @@ def kind_of(command: str) -> str:
 
 @dataclass
 class Seen:
-    command: str
+    command: str  # as started: the first line seen that is not its parent's (fork before exec)
     cpu_s: float
+    parent: str  # the parent's pid
 
 
-def _read(pid: str) -> tuple[str, float, str] | None:
-    """(start ticks, CPU seconds, command line) of one process; None if it ended meanwhile."""
+@dataclass(frozen=True)
+class Read:
+    start: str  # clock ticks after boot: with the pid, names the process
+    cpu_s: float
+    command: str
+    parent: str
+
+
+def _read(pid: str) -> Read | None:
+    """One process now; None if it ended meanwhile."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         fields = stat[stat.rindex(")") + 2 :].split()
@@ -65,34 +76,36 @@ def _read(pid: str) -> tuple[str, float, str] | None:
     except (OSError, ValueError):
         return None
     cpu = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
-    return fields[19], cpu, command.strip()
+    return Read(fields[19], cpu, command.strip(), fields[1])
 
 
-def _processes() -> Iterator[tuple[tuple[str, str], float, str]]:
-    """((pid, start), CPU seconds, command line) of every process running now."""
+def _processes() -> Iterator[tuple[tuple[str, str], Read]]:
+    """((pid, start), what it is now) of every process running now."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         read = _read(pid)
         if read is not None:
-            yield (pid, read[0]), read[1], read[2]
+            yield (pid, read.start), read
 
 
 class Sampler:
     """Every process that started after it did, keyed by (pid, start) so a reused pid is a new one."""
 
     def __init__(self) -> None:
-        self.before = {key for key, _, _ in _processes()}
+        self.before = {key for key, _ in _processes()}
         self.seen: dict[tuple[str, str], Seen] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def sample(self) -> None:
-        for key, cpu, command in _processes():
+        now = dict(_processes())
+        lines = {pid: read.command for (pid, _), read in now.items()}
+        for key, read in now.items():
             if key in self.before:
                 continue
-            entry = self.seen.setdefault(key, Seen(command, cpu))
-            entry.cpu_s = cpu
-            # The newest command line: a child seen between fork and exec shows its parent's, a zombie none.
-            entry.command = command or entry.command
+            entry = self.seen.setdefault(key, Seen(read.command, read.cpu_s, read.parent))
+            entry.cpu_s = read.cpu_s
+            if not entry.command or lines.get(entry.parent) == entry.command:
+                entry.command = read.command  # seen before its exec (or as a zombie): not yet its own
 
     def _run(self) -> None:
         while not self._stop.wait(PERIOD_S):
@@ -140,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{figures['cpu_s']:8.0f} s  {figures['processes']:5.0f} processes  {kind}", file=sys.stderr)
     if options.out is not None:
         figures = {"command": command, "exit": returncode, "wall_s": round(wall, 1), "cpu_s": round(total, 1)}
-        options.out.write_text(json.dumps({**figures, "kinds": kinds}, indent=1) + "\n")
+        processes = [
+            {"pid": pid, "cpu_s": seen.cpu_s, "kind": kind_of(seen.command), "command": seen.command}
+            for (pid, _), seen in sorted(sampler.seen.items(), key=lambda item: -item[1].cpu_s)
+        ]
+        options.out.write_text(json.dumps({**figures, "kinds": kinds, "processes": processes}, indent=1) + "\n")
     return returncode
 
 
