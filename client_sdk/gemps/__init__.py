@@ -6,10 +6,11 @@ torch helper and is imported only when you use it. `gemps.options` builds config
 from flags and GEMPS_* variables, for your own workers as for gemps' commands.
 """
 
+import importlib
 import importlib.metadata
+from typing import TYPE_CHECKING, Any
 
 from gemps import grpc_logs  # noqa: F401  first: gRPC's C core reads its verbosity when grpc is imported
-from gemps.client import Client
 from gemps.errors import (
     CommitSupersededError,
     DeadlineExceededError,
@@ -43,6 +44,9 @@ from gemps.records import (
 )
 from gemps.retry import RetryPolicy
 from gemps_proto.reasons import Reason
+
+if TYPE_CHECKING:
+    from gemps.client import Client
 
 __version__ = importlib.metadata.version("gemps")  # pyproject.toml's, the one definition
 
@@ -78,3 +82,19 @@ __all__ = [
     "WorkerNotFoundError",
     "WorkerStatus",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`Client` is imported when first used: every gemps command imports this package (its options,
+    errors and records), a server among them, and most use no client (its transports were a tenth of
+    a server's start-up)."""
+    if name != "Client":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    global Client
+    from gemps.client import Client
+
+    return Client
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), "Client"])

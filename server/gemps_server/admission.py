@@ -34,10 +34,11 @@ import grpc
 from gemps_proto.reasons import BUSY_DETAILS, Reason
 from gemps_proto.reasons import METADATA_KEY as REASON_KEY
 from gemps_server.logs import Throttle, event
-from gemps_server.revocation import Revocations
 from gemps_server.security import OPEN_METHOD_PREFIXES, UNAUTHENTICATED_REFUSAL, BearerToken, refusal_handler
 
 if TYPE_CHECKING:
+    from gemps_server.revocation import Revocations
+
     Handler = grpc.RpcMethodHandler[Any, Any]
 
 log = logging.getLogger("gemps.server")

@@ -8,6 +8,7 @@ data plane's tickets.
   container and Kubernetes health probes, which cannot send headers, keep working: it reveals
   only whether the server is serving.
 - Registrations: a token bucket of `--max-registrations-per-minute` (bursts up to that many).
+- Revoked certificates: `--tls-crl`'s lists (revocation.py), the same on every listener.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ BEARER_PREFIX = "Bearer "
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 
 if TYPE_CHECKING:
+    from gemps_server.revocation import Revocations
+
     Handler = grpc.RpcMethodHandler[Any, Any]
 
 
@@ -54,6 +57,17 @@ def tls_context(cert: str, key: str, client_ca: str = "") -> ssl.SSLContext:
         context.load_verify_locations(cafile=str(Path(client_ca)))
         context.verify_mode = ssl.CERT_REQUIRED
     return context
+
+
+def revocations(crl: str, ca: str) -> Revocations | None:
+    """The process's one reader of the revocation list `crl` (of the CA bundle `ca`); None without
+    one. Imported here, only then: cryptography, which parses the lists, was a tenth of the start-up
+    of a server that has none."""
+    if not crl:
+        return None
+    from gemps_server.revocation import revocations_for
+
+    return revocations_for(crl, ca)
 
 
 def is_loopback(host: str) -> bool:

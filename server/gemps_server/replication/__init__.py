@@ -13,8 +13,32 @@ supervisor generates for the replicas it runs) and `ReplicationCollector` (a rep
 families, which the reference docs list).
 """
 
-from gemps_server.replication.credentials import with_generated_secret
-from gemps_server.replication.local_etcd import LocalEtcd, find_etcd
-from gemps_server.replication.metrics import ReplicationCollector
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gemps_server.replication.credentials import with_generated_secret
+    from gemps_server.replication.local_etcd import LocalEtcd, find_etcd
+    from gemps_server.replication.metrics import ReplicationCollector
+
+# Imported when first used: every server imports this package (its layer.py), and these modules
+# bring cryptography, requests and etcd3gw, which a server without replicas never uses (a fifth of
+# its start-up).
+_HOMES = {
+    "with_generated_secret": "gemps_server.replication.credentials",
+    "LocalEtcd": "gemps_server.replication.local_etcd",
+    "find_etcd": "gemps_server.replication.local_etcd",
+    "ReplicationCollector": "gemps_server.replication.metrics",
+}
 __all__ = ["LocalEtcd", "ReplicationCollector", "find_etcd", "with_generated_secret"]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:  # a submodule not yet imported: `from gemps_server.replication import frames` imports it
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value

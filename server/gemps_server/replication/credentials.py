@@ -25,8 +25,8 @@ from cryptography import x509
 from gemps_server.config import ServerConfig
 from gemps_server.config.replication import MIN_SECRET_BYTES
 from gemps_server.replication.tls_stream import SerialSSLSocket
-from gemps_server.revocation import Revocations, revocations_for
-from gemps_server.security import tls_context
+from gemps_server.revocation import Revocations
+from gemps_server.security import revocations, tls_context
 
 SECRET_FILE = "replication.secret"
 
@@ -93,8 +93,8 @@ def credential(config: ServerConfig) -> Credential:
     client.verify_mode = ssl.CERT_REQUIRED
     for context in (server, client):
         context.sslsocket_class = SerialSSLSocket  # a reader and a writer thread share each stream
-    revocations = revocations_for(config.tls_crl, config.tls_client_ca) if config.tls_crl else None
-    return Credential(key, server, client, config.tls_cert, validity(config.tls_cert), revocations)
+    revoked = revocations(config.tls_crl, config.tls_client_ca)
+    return Credential(key, server, client, config.tls_cert, validity(config.tls_cert), revoked)
 
 
 def validity(certificate: str) -> tuple[datetime.datetime, datetime.datetime]:

@@ -28,16 +28,14 @@ from gemps_server.domain.state import ServerState
 from gemps_server.listening import hostport, listening
 from gemps_server.metrics import ServerMetrics
 from gemps_server.replicas import Done, NoReplicas, Replicas
-from gemps_server.replication.credentials import credential
 from gemps_server.replication.epoch_record import EpochRecord
-from gemps_server.replication.handshake import Handshake, member_name
 from gemps_server.replication.metrics import ReplicationCollector
 from gemps_server.replication.recovery import Held, replica_names
 from gemps_server.replication.status import ReplicationStatus
 from gemps_server.security import Tickets
 
-# The replica, its election and etcd's client (requests, etcd3gw: a tenth of a server's start-up)
-# are imported by a server with replicas only.
+# The replica, its election, its credential and etcd's client (cryptography, requests, etcd3gw: a
+# fifth of a server's start-up) are imported by a server with replicas only.
 if TYPE_CHECKING:
     from gemps_server.replication.election import Election
 
@@ -106,10 +104,12 @@ class Replicated:
         self._state = state
         self._restored_epoch = 0  # the epoch of the checkpoint restored at start
         self._election: Election | None = None
-        # The replicas prove themselves to each other with the job's credential (handshake.py).
-        handshake = Handshake(credential(config), config.partition, config.replicas)
+        from gemps_server.replication.credentials import credential
+        from gemps_server.replication.handshake import Handshake
         from gemps_server.replication.replica import Replica
 
+        # The replicas prove themselves to each other with the job's credential (handshake.py).
+        handshake = Handshake(credential(config), config.partition, config.replicas)
         self.replica = Replica(state, applier, config.replicas, config.replica_timeout, handshake, tickets)
         self.port = 0
         # A backup checkpoints too (a job whose every replica restarts resumes from the newest
@@ -155,6 +155,7 @@ class Replicated:
         (epoch, version): the replica holding the newest state takes over a job restarted whole)."""
         from gemps_server.replication.election import Election, Member
         from gemps_server.replication.etcd_client import EtcdAccess, check_access
+        from gemps_server.replication.handshake import member_name
         from gemps_server.replication.replica import Replica, listen
 
         config = self._config

@@ -38,8 +38,7 @@ from gemps_server.domain.errors import ResourceExhausted
 from gemps_server.logs import Throttle, event
 from gemps_server.memory_budget import MIB
 from gemps_server.metrics import ServerMetrics
-from gemps_server.revocation import revocations_for
-from gemps_server.security import tls_context
+from gemps_server.security import revocations, tls_context
 from gemps_server.service import ParameterService
 from gemps_server.wire.data_plane_calls import Connection, HandshakeStart, Limits
 from gemps_server.wire.data_plane_io import Channel
@@ -85,6 +84,7 @@ class DataPlaneServer:
             config.data_plane_buffers, config.slow_upload_buffers, config.max_workers, config.max_reply_mb << 20
         )
         self._tls = tls_context(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls else None
+        revoked = revocations(config.tls_crl, config.tls_client_ca)
         self._loop = Loop()
         self._handshakes = (
             Handshakes(
@@ -93,7 +93,7 @@ class DataPlaneServer:
                 config.tls_handshake_threads,
                 config.max_handshakes_per_source,
                 config.handshake_cpu_per_source,
-                revocations_for(config.tls_crl, config.tls_client_ca).refusal if config.tls_crl else None,
+                revoked.refusal if revoked is not None else None,
             )
             if self._tls is not None
             else None

@@ -23,8 +23,7 @@ from gemps_server.descriptors import connection_budget, raise_open_file_limit
 from gemps_server.listening import hostport, listening
 from gemps_server.logs import event
 from gemps_server.metrics import ServerMetrics
-from gemps_server.revocation import revocations_for
-from gemps_server.security import exposure_warnings, server_credentials
+from gemps_server.security import exposure_warnings, revocations, server_credentials
 from gemps_server.wire.grpc_servicer import GempsServicer, add_to_server
 from gemps_server.wire.health import FAREWELL_SECONDS, HealthServicer
 
@@ -75,7 +74,7 @@ class GrpcDoor:
             config.max_concurrent_rpcs,
             config.max_unauthenticated_rpcs,
             on_refused=self._metrics.refusal,
-            revocations=revocations_for(config.tls_crl, config.tls_client_ca) if config.tls_crl else None,
+            revocations=revocations(config.tls_crl, config.tls_client_ca),
         )
         limit = config.max_message_bytes
         # Connections within the open-file budget (descriptors.py); those that never finish their
