@@ -48,7 +48,8 @@ demo: bytecode  ## the main job: train GEM on this machine (server + 4 local wor
 # long tail: a durability bug, three order or port races and two tests' timing assumptions, all
 # fixed now (docs/guides/testing.md). Two met the 25-minute target (18.3 min in CI, 18.8 here from
 # a fresh clone, 2026-11-27), so two stay: `make test TEST_WORKERS=3` runs three. On the slower
-# machines of 2026-11-28 two take 36-38.5 min from a fresh clone (docs/guides/testing.md).
+# machines of 2026-11-28 two take 34-38.5 min from a fresh clone, and three are no faster there: the
+# cores are as busy as they can be, so only less CPU work helps (docs/guides/testing.md).
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
