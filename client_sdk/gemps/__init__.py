@@ -6,7 +6,6 @@ torch helper and is imported only when you use it. `gemps.options` builds config
 from flags and GEMPS_* variables, for your own workers as for gemps' commands.
 """
 
-import importlib
 import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
