@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -61,6 +62,7 @@ def test_gemps_and_ddp_reach_the_ci_target_on_the_rig_and_every_metric_is_writte
         assert result["final"]["accuracy"] >= 0.8 and result["snapshots"] >= 5
         assert 0.5 < result["goodput"] <= 1.0 and result["samples_applied"] > 0
         assert result["bytes_per_sample"] > 0 and result["restarts"] == 0
+        assert result["machine"]["step_ms"] > 0 and result["machine"]["cores"] == os.cpu_count()
         assert result["cell"]["snapshot_every"] == 1.0
         times = [point["t"] for point in result["curve"]]
         assert statistics.median(b - a for a, b in itertools.pairwise(times)) < 1.5, (key, times)  # not the default 2 s

@@ -279,6 +279,9 @@ def test_the_report_takes_the_median_and_says_never(tmp_path: Path) -> None:
     assert report.median_time(data["cells"].values()) == 20.0  # type: ignore[arg-type]
     rows = report.table(data)
     assert "20.0 s (10.0, never, 20.0)" in rows[2] and "9.0 KB" in rows[2]
+    assert rows[2].endswith("| 3.0 | - |")  # the load, then no seed with its host's step recorded
+    data["cells"]["1"]["machine"] = {"cpu": "AMD EPYC", "cores": 2, "step_ms": 5.62}
+    assert report.table(data)[2].endswith("| -, 5.6, - |")  # each seed's, in the times' order
     data["cells"]["2"] = result(2, None)
     assert report.median_time(list(data["cells"].values())) is None
     report.figure(data, tmp_path / "f.png", "digits")

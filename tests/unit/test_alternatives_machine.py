@@ -22,7 +22,9 @@ def test_a_step_of_the_workload_is_timed_on_this_machine() -> None:
     found = machine.fingerprint("digits")
     assert found["cores"] == os.cpu_count()
     assert found["cpu"] and found["step_ms"] > 0
-    assert machine.fingerprint("digits") is found  # once per process
+    assert machine.fingerprint("digits") is found  # once per process: the command's check
+    now = machine.measure("digits")  # each cell's own record: measured again, just before it runs
+    assert now is not found and now["cpu"] == found["cpu"] and now["step_ms"] > 0
 
 
 def test_cells_of_a_machine_of_another_speed_or_cpu_are_told_apart() -> None:

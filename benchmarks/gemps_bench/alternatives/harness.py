@@ -56,6 +56,7 @@ def run_cell(cell: Cell, out: Path, learning_rate: float, target: float) -> dict
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     the_system = system(cell.system)
+    host = machine.measure(cell.workload)  # before the run, the machine idle: its speed this minute
     with Rig(scenario, run_dir, the_system) as rig:
         plan = RunPlan(
             chosen, scenario.workers, cell.seed, learning_rate, run_dir, duration + STARTUP_TIMEOUT_S,
@@ -87,7 +88,7 @@ def run_cell(cell: Cell, out: Path, learning_rate: float, target: float) -> dict
         quotas={"worker_cpu": scenario.worker_cpu, "coordinator_cpu": scenario.coordinator_cpu,
                 "workers": scenario.workers, "link": scenario.link},
         curve=curve, load_average=_load_average(), ranks_ready_at_start=ready,
-        machine=machine.fingerprint(cell.workload),
+        machine=host,
     )  # fmt: skip
     (run_dir / "cell.json").write_text(json.dumps(result, indent=1))
     return result

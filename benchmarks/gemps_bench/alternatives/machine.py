@@ -28,8 +28,15 @@ WARM_UP = 2
 
 @functools.cache
 def fingerprint(name: str) -> dict[str, Any]:
+    """`measure(name)` once per process: what the command compares with the recorded cells."""
+    return measure(name)
+
+
+def measure(name: str) -> dict[str, Any]:
     """This machine's CPU, cores and the CPU milliseconds of one step of workload `name` (forward,
-    backward, SGD at its per-worker batch) on one thread; once per process (about 2 s for charlm)."""
+    backward, SGD at its per-worker batch) on one thread, now (about 2 s for charlm). A shared host's
+    step is not constant: here it went from 2.9 to 5.6 ms within the hour (2026-11-29), so each
+    cell records the one measured just before it runs."""
     chosen = workload(name)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -54,8 +54,8 @@ def median_time(results: list[dict[str, Any]]) -> float | None:
 def table(data: dict[str, Any]) -> list[str]:
     rows = [
         "| scenario | system | lr | seeds | time to target (median; each seed) | final held-out (mean) | goodput "
-        "| bytes/sample | restarts | load |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| bytes/sample | restarts | load | step ms (each seed) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (scenario, name), results in grouped(data).items():
         metric = "accuracy" if results[0]["cell"]["workload"] == "digits" else "loss"
@@ -70,9 +70,17 @@ def table(data: dict[str, Any]) -> list[str]:
             f"{NEVER if median is None else f'{median:.1f} s'} ({each}) | {final} | "
             f"{_percent(statistics.mean(goodputs)) if goodputs else '-'} | "
             f"{_bytes(statistics.median(per_sample)) if per_sample else '-'} | "
-            f"{sum(r['restarts'] for r in results)} | {max(r['load_average'][0] for r in results):.1f} |"
+            f"{sum(r['restarts'] for r in results)} | {max(r['load_average'][0] for r in results):.1f} | "
+            f"{_host_steps(results)} |"
         )
     return rows
+
+
+def _host_steps(results: list[dict[str, Any]]) -> str:
+    """Each seed's host speed (machine.measure's step, ms; "-": recorded before cells had one): a
+    row's seeds on a host twice as slow are not the same measurement."""
+    steps = [r.get("machine", {}).get("step_ms") for r in results]
+    return "-" if not any(steps) else ", ".join("-" if step is None else f"{step:.1f}" for step in steps)
 
 
 #: the issue's goals: in these scenarios gemps' best setting at least this much sooner than the best peer
