@@ -270,12 +270,15 @@ def gone_if_foreign(target: str) -> Iterator[None]:
 def foreign_as_gone(target: str, error: GempsError, *, announced: bool = False) -> GempsError:
     """`error` of a call to a server this client was registered with, as gone_if_foreign raises it:
     UNIMPLEMENTED (another gRPC service) as the server being unavailable, anything else as it is.
+    A server holding another job's θ (other_job: it refused a registration of this client's job)
+    is so too: the address belongs to another job now, and the call goes on elsewhere (the next
+    replica of a set), never registering there (DESIGN §3d, "One job, one θ").
     At an address partition 0 `announced` (not the user's), a spec that does not match is so too:
     partition 0 took the model, so that is another job's gemps server, which took the port of a
     partition that died (a restarted partition of this job holds the same slice)."""
     if error.code == grpc.StatusCode.UNIMPLEMENTED:
         what = f"another gRPC service ({error.message or 'UNIMPLEMENTED'})"
-    elif announced and error.reason == Reason.SPEC_MISMATCH:
+    elif error.reason == Reason.OTHER_JOB or (announced and error.reason == Reason.SPEC_MISMATCH):
         what = f"another job's gemps server ({error.message})"
     else:
         return error

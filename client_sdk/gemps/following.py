@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from gemps import errors
-from gemps.primary_watch import PrimaryWatch, Watched
+from gemps.primary_watch import PROBE_SECONDS, PrimaryWatch, Watched
 from gemps.records import Evaluation, Registration, ServerStatus
 from gemps.transport import (
     CommitCall,
@@ -27,7 +27,9 @@ from gemps.transport import (
     Pulled,
     Registered,
     Transport,
+    call_deadline,
 )
+from gemps_proto.jobs import describe_job
 from gemps_proto.reasons import Reason
 
 log = logging.getLogger("gemps.client")
@@ -62,6 +64,7 @@ class FollowingTransport:
         # Whether a call succeeded since the last move: only the first move after one is worth a
         # warning (going round a replica set during a failover moves several times a second).
         self._answered = True
+        self._other_jobs: set[str] = set()  # addresses found holding another job's θ (warned once each)
 
     @property
     def target(self) -> str:
@@ -116,15 +119,21 @@ class FollowingTransport:
                 self._follow()
             transport = self.transport
         # Once registered here (or at an address a server of ours announced), another gRPC service
-        # at the address (UNIMPLEMENTED; at an announced one, another job's gemps server too) is
-        # whoever took the port since the server died: gone, retried, on every call (registering
-        # again too), and the partition looked up again.
+        # at the address (UNIMPLEMENTED; another job's gemps server, which refused our job: other_job;
+        # at an announced address a spec mismatch too) is whoever took the port since the server
+        # died: gone, retried, on every call (registering again too), and the partition looked up
+        # again: the next replica of a set. Never registered with (DESIGN §3d, "One job, one θ").
         with self.watch.watching(transport) if self.watch is not None else _unwatched(transport) as watched:
             try:
                 result = call(transport)
             except errors.GempsError as error:
-                known = self.announced or (self.registered is not None and self.registered() is not None)
+                other_job = error.reason == Reason.OTHER_JOB
+                known = other_job or self.announced or (self.registered is not None and self.registered() is not None)
                 failure = errors.foreign_as_gone(transport.target, error, announced=self.announced) if known else error
+                if other_job:  # said once per address: a set is gone round many times while it fails over
+                    level = logging.DEBUG if transport.target in self._other_jobs else logging.WARNING
+                    self._other_jobs.add(transport.target)
+                    log.log(level, "%s holds another job's θ: skipped (%s)", transport.target, error.message)
                 if watched.took_over:  # interrupted: its partition's primary is elsewhere now
                     failure = _taken_over(transport.target, watched.took_over, error)
                 if isinstance(failure, errors.RETRIED):
@@ -147,13 +156,36 @@ class FollowingTransport:
         moved = self.follow() if self.follow is not None else None
         if moved is None:
             return
+        registration = self.registered() if self.registered is not None else None
+        if registration is not None and registration.job:
+            self._prove_same_job(moved, registration.job)
         level = logging.WARNING if self._answered else logging.DEBUG
         log.log(level, "%s moved to %s: following it", self.transport.target, moved.target)
         self.transport.close()
         self.transport, self.moves, self._answered = moved, self.moves + 1, False
-        registration = self.registered() if self.registered is not None else None
         if registration is not None:
             moved.resume(registration)
+
+    def _prove_same_job(self, moved: Transport, job: str) -> None:
+        """Before a byte of a commit goes to where the server moved: its Status names `job`, or
+        no job yet (a partition restarted without its checkpoint: registering again sets it).
+        Otherwise (another job's server, one that does not say) the move is not made: unavailable,
+        retried at the next address (DESIGN §3d, "One job, one θ")."""
+        try:
+            with call_deadline(PROBE_SECONDS):
+                held = moved.status().job
+        except errors.GempsError as error:
+            unproven = f"did not say which job it holds ({error.message})"
+        else:
+            if held in ("", job):
+                return
+            unproven = f"holds job {describe_job(held)}'s central variable, not this worker's job {describe_job(job)}"
+            if moved.target not in self._other_jobs:  # said once per address: a set is gone round often
+                self._other_jobs.add(moved.target)
+                log.warning("%s %s: not followed", moved.target, unproven)
+        moved.close()
+        self._suspect = True  # the next call looks again: the next replica of a set
+        raise errors.ServerUnavailableError(f"UNAVAILABLE: {moved.target} {unproven}: not followed")
 
 
 class _unwatched(contextlib.nullcontext[Watched]):

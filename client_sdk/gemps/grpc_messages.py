@@ -30,6 +30,7 @@ def register_request(
     buffer_spec: tuple[ParameterSpec, ...] = (),
     buffers: Buffers | None = None,
     client_id: str = "",
+    job: str = "",
     streamed: bool = False,
 ) -> bytes:
     """A Register request; for RegisterStream (`streamed`) the initial tensors' dtype and shape
@@ -40,6 +41,7 @@ def register_request(
         omit_parameters=omit_parameters,
         buffer_spec=shared.spec_to_proto(buffer_spec),
         client_id=client_id,
+        job=job,
         versions=shared.versions_to_proto(versions.THIS),  # the server refuses a client it cannot serve
     )
     with_buffers = bool(buffer_spec) and buffers is not None

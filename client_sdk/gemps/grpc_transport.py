@@ -173,6 +173,7 @@ class GrpcTransport:
             buffer_spec=enrolment.buffer_spec,
             buffers=enrolment.buffers if values is not None else None,  # with θ's, or not at all
             client_id=enrolment.client_id,
+            job=enrolment.job,
             streamed=streamed,
         )
         with _typed_errors():

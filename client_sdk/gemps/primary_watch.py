@@ -17,6 +17,12 @@ connection may stay silent for many seconds more after the heal (TCP's retransmi
 so the call is woken the same way and retried on a new connection (the set's next replica first,
 which refuses it and names the primary).
 
+A replica is followed only when it proves it is this job's (DESIGN §3d, "One job, one θ"): its
+Status names the job this client registered with, and an epoch no older than the one that last
+acknowledged this session. Anything else that says it is primary (an address of the list now
+another job's primary, a resumed ex-primary that has not yet noticed its lease is gone) is
+skipped, with a WARNING naming it once.
+
 One daemon thread per watch, started with the first watched call of a replicated partition; a call
 costs two assignments under a lock. A partition that is not replicated is never watched: there is
 nowhere to go, and its attempt deadline stays the bound.
@@ -35,6 +41,7 @@ from typing import Protocol
 from gemps.records import ServerStatus
 from gemps.resolver import Replicas
 from gemps.transport import call_deadline
+from gemps_proto.jobs import describe_job
 from gemps_proto.status import PRIMARY
 
 log = logging.getLogger("gemps.client")
@@ -75,10 +82,13 @@ class PrimaryWatch:
         self,
         replicas: Callable[[], Replicas | None],
         probe: Probe,
+        job: Callable[[], str] = lambda: "",
         after: float = AFTER_SECONDS,
         every: float = EVERY_SECONDS,
     ) -> None:
         self.replicas, self.probe, self.after, self.every = replicas, probe, after, every
+        self.job = job  # the session's job ("": not registered yet, any primary will do)
+        self._skipped: set[tuple[str, str, int]] = set()  # (address, job, epoch) found not ours: warned
         self.epoch = 0  # of the primary that last acknowledged a commit of this session (0: none yet)
         self._lock = threading.Condition()
         self._call: Watched | None = None
@@ -144,11 +154,11 @@ class PrimaryWatch:
             if address == waiting_on:
                 continue
             try:
-                replication = self.probe(address).replication
+                status = self.probe(address)
             except Exception as error:  # down, or not answering either: ask the next one
                 log.debug("asked %s whether it is primary: %s", address, error)
                 continue
-            if replication is not None and replication.role == PRIMARY:
+            if self._ours(address, status):
                 assert replicas is not None
                 replicas.prefer(address)
                 return address
@@ -160,13 +170,31 @@ class PrimaryWatch:
         if not self.epoch:
             return ""
         try:
-            replication = self.probe(waiting_on).replication
+            status = self.probe(waiting_on)
         except Exception as error:  # not answering: the call's own deadline and keepalives decide
             log.debug("asked %s whether it is primary again: %s", waiting_on, error)
             return ""
-        if replication is not None and replication.role == PRIMARY and replication.epoch > self.epoch:
-            return waiting_on
-        return ""
+        newer = status.replication is not None and status.replication.epoch > self.epoch
+        return waiting_on if newer and self._ours(waiting_on, status) else ""
+
+    def _ours(self, address: str, status: ServerStatus) -> bool:
+        """Whether `address` is a primary of this session's job, under the epoch that last
+        acknowledged this session or a newer one. One that says it is primary but is not (another
+        job's; an older epoch's: it has not noticed that its lease is gone) is warned of once."""
+        replication = status.replication
+        if replication is None or replication.role != PRIMARY:
+            return False
+        job = self.job()
+        if job and status.job != job:
+            why = f"holds job {describe_job(status.job)}'s central variable, not this worker's job {describe_job(job)}"
+        elif replication.epoch < self.epoch:
+            why = f"under epoch {replication.epoch}, older than epoch {self.epoch} that acknowledged this worker"
+        else:
+            return True
+        if (address, status.job, replication.epoch) not in self._skipped:
+            self._skipped.add((address, status.job, replication.epoch))
+            log.warning("%s says it is primary but %s: not followed", address, why)
+        return False
 
 
 class StatusOnly(Protocol):

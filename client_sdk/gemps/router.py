@@ -132,6 +132,9 @@ class PartitionRouter:
         # client (the ledger's scope), and never one of the 32-hex-digit ids older checkpoints hold.
         self._request_prefix = uuid.uuid4().hex[:16] + "-"
         self._replicas: dict[int, Replicas] = {}  # partitions announced as replica sets, by index
+        # The job whose θ this client trains (gemps_proto.jobs): fixed by its first registration,
+        # sent at every later one and checked before a replica is followed (DESIGN §3d).
+        self.job = ""
 
     @property
     def registration(self) -> Registration | None:
@@ -322,6 +325,7 @@ class PartitionRouter:
         session = self.sessions[index]
         registered = session.register(enrolment)
         if index == 0:
+            self.job = self.job or registered.registration.job
             self._adopt(registered.registration.layout)
         self._received_buffers(registered.buffers)
         session.hold(registered, enrolment.values)
@@ -336,9 +340,10 @@ class PartitionRouter:
                 return None
         if index > 0:
             session = self.sessions[index]
-            return Enrolment(self.spec, self.worker_name, self.client_id, values[session.start : session.stop])
+            mine = values[session.start : session.stop]
+            return Enrolment(self.spec, self.worker_name, self.client_id, mine, job=self.job)
         return Enrolment(
-            self.spec, self.worker_name, self.client_id, values, self.buffer_spec, self.buffers, self.layout
+            self.spec, self.worker_name, self.client_id, values, self.buffer_spec, self.buffers, self.layout, self.job
         )
 
     def _adopt(self, layout: Layout | None) -> None:
@@ -360,7 +365,7 @@ class PartitionRouter:
         """Partition `index`'s session: it follows the partition when it moves, and (replicated)
         leaves a primary that stopped answering for the replica that took over. Partition 0 is at
         the address the user gave; the others where partition 0 announces them."""
-        watch = PrimaryWatch(lambda: self._replica_set(index), self._probes)
+        watch = PrimaryWatch(lambda: self._replica_set(index), self._probes, lambda: self.job)
         return ServerSession(transport, self.retrier, lambda: self._follow(index), watch, announced=index > 0)
 
     def _replica_set(self, index: int) -> Replicas | None:

@@ -42,6 +42,7 @@ class Enrolment:
     buffer_spec: tuple[ParameterSpec, ...] = ()
     buffers: Buffers | None = None
     layout: Layout | None = None  # the layout the client holds: registering again may not change it
+    job: str = ""  # the job the client registered with first ("": none yet): another job's server refuses
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,8 @@ class Reason(str, enum.Enum):
     BAD_SPEC = "bad_spec"  # an empty, unnamed, repeated or negative-shaped parameter spec
     BAD_DTYPE = "bad_dtype"  # a dtype the central variable or the wire does not support
     SPEC_MISMATCH = "spec_mismatch"  # a spec that differs from the central variable's
+    OTHER_JOB = "other_job"  # a client of another job than the one whose θ this server holds
+    BAD_JOB = "bad_job"  # a job identity past its length limit or with characters outside [A-Za-z0-9_-]
     NOT_INITIALIZED = "not_initialized"  # no worker has set the central variable yet
     INITIALIZING = "initializing"  # another worker is setting the central variable: retry shortly
     UNKNOWN_WORKER = "unknown_worker"  # never registered, left, or evicted

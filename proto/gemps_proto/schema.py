@@ -337,6 +337,7 @@ class Registration:
     layout: Layout | None = None  # set when θ is partitioned (version is then this partition's)
     data_plane: DataPlane | None = None  # set when the server offers its data plane
     versions: Versions | None = None  # the server's (gemps_proto.versions); None: not said
+    job: str = ""  # the job whose θ the server holds: sent in every later registration ("": not said)
 
 
 @dataclass(frozen=True)

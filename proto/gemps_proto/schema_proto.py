@@ -174,6 +174,7 @@ def registration_to_proto(registration: Registration) -> pb.RegisterResponse:
         layout=layout_to_proto(registration.layout),
         data_plane=data_plane_to_proto(registration.data_plane),
         versions=None if registration.versions is None else versions_to_proto(registration.versions),
+        job=registration.job,
     )
 
 
@@ -188,6 +189,7 @@ def registration_from_proto(message: pb.RegisterResponse) -> Registration:
         layout=layout_from_proto(message),
         data_plane=data_plane_from_proto(message),
         versions=versions_from_proto(message),
+        job=message.job,
     )
 
 
@@ -269,6 +271,7 @@ def status_to_proto(status: ServerStatus) -> pb.StatusResponse:
         worker_state_bytes=status.worker_state_bytes,
         shared_rule_state_bytes=status.shared_rule_state_bytes,
         restored=None if status.restored is None else pb.RestoredCheckpoint(**dataclasses.asdict(status.restored)),
+        job=status.job,
     )
 
 
@@ -314,6 +317,7 @@ def status_from_proto(message: pb.StatusResponse) -> ServerStatus:
             if message.HasField("restored")
             else None
         ),
+        job=message.job,
     )
 
 

@@ -243,3 +243,4 @@ class ServerStatus:
     shared_rule_state_bytes: int = 0  # what the rule keeps for the workers together (compact GEM's references)
     recent: RecentCommits = RecentCommits()  # commits of the last minute: the rate, training loss, staleness
     restored: RestoredCheckpoint | None = None  # the checkpoint restored at start (None: it started without one)
+    job: str = ""  # the job whose θ this server holds ("" until θ is initialised; RegisterResponse.job)

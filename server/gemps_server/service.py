@@ -159,8 +159,10 @@ class ParameterService:
         buffer_spec: tuple[ParameterSpec, ...] = (),
         initial_buffers: EncodedBuffers | None = None,
         client_id: str = "",
+        job: str = "",
     ) -> tuple[RegistrationOutcome, Registration]:
-        """Admit a worker; `include_parameters` False when its reply leaves θ out (it pulls θ next)."""
+        """Admit a worker; `include_parameters` False when its reply leaves θ out (it pulls θ next);
+        `job`: the one its client knows ("" none): refused where θ is another job's."""
         self._replicas.require_primary()
         if not self._registrations.allow():
             self._metrics.refusal(Reason.REGISTRATION_RATE)
@@ -172,7 +174,7 @@ class ParameterService:
         state = self._state
         registered = await self._applier.submit(
             lambda: state.register(
-                worker_name, spec, initial, include_parameters, buffer_spec, initial_buffers, client_id=client_id
+                worker_name, spec, initial, include_parameters, buffer_spec, initial_buffers, client_id, job
             )
         )
         worker = registered.worker
@@ -199,6 +201,7 @@ class ParameterService:
             initialized_central=registered.initialized_theta,
             layout=self.layout(),
             data_plane=self.data_plane.for_worker(worker),
+            job=state.job,
         )
         return registered, registration
 

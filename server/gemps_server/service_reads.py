@@ -105,4 +105,5 @@ def server_status(
         worker_state_bytes=state.worker_state_bytes,
         shared_rule_state_bytes=state.shared_rule_state_bytes,
         restored=state.restored,
+        job=state.job,
     )

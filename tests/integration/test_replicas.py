@@ -155,12 +155,12 @@ def role_of(target: str) -> str:
 
 
 def primary_and_backup(
-    start: StartServerProcess, etcd: LocalEtcd, job: str
+    start: StartServerProcess, etcd: LocalEtcd, job: str, **options: Any
 ) -> tuple[ServerProcess, ServerProcess, str]:
-    """Two replica processes, once one is primary and the other its backup, seeded and in sync
-    (a backup's role comes before its seed; under load that took seconds): (primary, backup, the
-    target workers are given)."""
-    servers = [replica_process(start, etcd, index, job) for index in range(2)]
+    """Two replica processes (with `options`), once one is primary and the other its backup, seeded
+    and in sync (a backup's role comes before its seed; under load that took seconds): (primary,
+    backup, the target workers are given)."""
+    servers = [replica_process(start, etcd, index, job, **options) for index in range(2)]
     targets = [server.target for server in servers]
 
     def in_sync() -> bool:

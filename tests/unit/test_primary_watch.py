@@ -25,11 +25,16 @@ class BlockedCall:
         self.woken.set()
 
 
-class Answers:
-    """Each replica's role and epoch as Status says it; counts the questions put to each."""
+OURS = "our-job"
 
-    def __init__(self, roles: dict[str, tuple[str, int]]) -> None:
+
+class Answers:
+    """Each replica's role and epoch as Status says it, and its job (ours unless `jobs` says);
+    counts the questions put to each."""
+
+    def __init__(self, roles: dict[str, tuple[str, int]], jobs: dict[str, str] | None = None) -> None:
         self.roles = roles
+        self.jobs = jobs or {}
         self.asked = {address: 0 for address in roles}
         self.asked_enough = threading.Event()
 
@@ -39,13 +44,14 @@ class Answers:
             self.asked_enough.set()
         role, epoch = self.roles[address]
         replication = ReplicationStatus(address, role, epoch=epoch, replicas=2)
-        return ServerStatus(True, 1, 1, 4, TrainingConfig(), 1, 0, (), 1.0, None, replication=replication)
+        job = self.jobs.get(address, OURS)
+        return ServerStatus(True, 1, 1, 4, TrainingConfig(), 1, 0, (), 1.0, None, replication=replication, job=job)
 
 
 def watched_call(answers: Answers, acknowledged_epoch: int) -> tuple[BlockedCall, str]:
     """A call to WAITED_ON under watch until it is woken or every replica was asked 5 times: the
     call, and the replica the watch moved it to ("" when it was not woken)."""
-    watch = PrimaryWatch(lambda: replicas, answers, after=0.01, every=0.01)
+    watch = PrimaryWatch(lambda: replicas, answers, lambda: OURS, after=0.01, every=0.01)
     replicas = Replicas([WAITED_ON, OTHER])
     watch.epoch = acknowledged_epoch
     call = BlockedCall(WAITED_ON)
@@ -82,5 +88,26 @@ def test_a_primary_still_under_the_acknowledging_epoch_is_waited_for() -> None:
 
 def test_no_replica_primary_yet_leaves_the_call_waiting() -> None:
     answers = Answers({WAITED_ON: (CANDIDATE, 3), OTHER: (CANDIDATE, 3)})
+    call, took_over = watched_call(answers, acknowledged_epoch=3)
+    assert answers.asked_enough.is_set() and not call.woken.is_set() and took_over == ""
+
+
+def test_another_jobs_primary_is_not_followed() -> None:
+    """An address of the list that is now another job's primary (issue 77, item 1)."""
+    answers = Answers({WAITED_ON: (PRIMARY, 3), OTHER: (PRIMARY, 9)}, jobs={OTHER: "their-job"})
+    call, took_over = watched_call(answers, acknowledged_epoch=3)
+    assert answers.asked_enough.is_set() and not call.woken.is_set() and took_over == ""
+
+
+def test_a_primary_under_an_older_epoch_than_acknowledged_is_not_followed() -> None:
+    """A resumed ex-primary that has not yet noticed its lease is gone (issue 77, item 9)."""
+    answers = Answers({WAITED_ON: (PRIMARY, 5), OTHER: (PRIMARY, 4)})
+    call, took_over = watched_call(answers, acknowledged_epoch=5)
+    assert answers.asked_enough.is_set() and not call.woken.is_set() and took_over == ""
+
+
+def test_a_server_of_another_job_waited_on_is_not_called_again_under_its_newer_epoch() -> None:
+    """The address waited on now answers for another job, under a newer epoch of that job's."""
+    answers = Answers({WAITED_ON: (PRIMARY, 8), OTHER: (BACKUP, 3)}, jobs={WAITED_ON: "their-job"})
     call, took_over = watched_call(answers, acknowledged_epoch=3)
     assert answers.asked_enough.is_set() and not call.woken.is_set() and took_over == ""

@@ -123,7 +123,7 @@ class Layout(_message.Message):
     def __init__(self, index: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[Partition, _Mapping]]] = ..., num_parameters: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("spec", "initial_parameters", "worker_name", "omit_parameters", "buffer_spec", "initial_buffers", "client_id", "initial_integer_buffers", "versions")
+    __slots__ = ("spec", "initial_parameters", "worker_name", "omit_parameters", "buffer_spec", "initial_buffers", "client_id", "initial_integer_buffers", "job", "versions")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     INITIAL_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class RegisterRequest(_message.Message):
     INITIAL_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     INITIAL_INTEGER_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     spec: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
     initial_parameters: Tensor
@@ -141,8 +142,9 @@ class RegisterRequest(_message.Message):
     initial_buffers: Tensor
     client_id: str
     initial_integer_buffers: Tensor
+    job: str
     versions: Versions
-    def __init__(self, spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., initial_parameters: _Optional[_Union[Tensor, _Mapping]] = ..., worker_name: _Optional[str] = ..., omit_parameters: _Optional[bool] = ..., buffer_spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., initial_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., client_id: _Optional[str] = ..., initial_integer_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ...) -> None: ...
+    def __init__(self, spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., initial_parameters: _Optional[_Union[Tensor, _Mapping]] = ..., worker_name: _Optional[str] = ..., omit_parameters: _Optional[bool] = ..., buffer_spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., initial_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., client_id: _Optional[str] = ..., initial_integer_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., job: _Optional[str] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ...) -> None: ...
 
 class RegisterChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -153,7 +155,7 @@ class RegisterChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[RegisterRequest, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "lease_ttl_seconds", "config", "shard", "version", "parameters", "initialized_central", "buffers", "history", "integer_buffers", "layout", "data_plane", "versions")
+    __slots__ = ("worker_id", "lease_ttl_seconds", "config", "shard", "version", "parameters", "initialized_central", "buffers", "history", "integer_buffers", "job", "layout", "data_plane", "versions")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +166,7 @@ class RegisterResponse(_message.Message):
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     INTEGER_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -177,10 +180,11 @@ class RegisterResponse(_message.Message):
     buffers: Tensor
     history: str
     integer_buffers: Tensor
+    job: str
     layout: Layout
     data_plane: DataPlane
     versions: Versions
-    def __init__(self, worker_id: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., initialized_central: _Optional[bool] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., history: _Optional[str] = ..., integer_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., data_plane: _Optional[_Union[DataPlane, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., initialized_central: _Optional[bool] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., history: _Optional[str] = ..., integer_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., job: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., data_plane: _Optional[_Union[DataPlane, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ...) -> None: ...
 
 class Versions(_message.Message):
     __slots__ = ("software", "protocol", "oldest_protocol")
@@ -473,7 +477,7 @@ class ReplicationStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., replicas: _Optional[int] = ..., primary: _Optional[str] = ..., backups: _Optional[_Iterable[_Union[BackupLag, _Mapping]]] = ..., forwarded: _Optional[int] = ..., applied: _Optional[int] = ..., failovers: _Optional[int] = ..., unavailable: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("initialized", "version", "active_workers", "num_parameters", "config", "commits_applied", "commits_rejected", "spec", "uptime_seconds", "last_evaluation", "learning_rate", "buffer_spec", "workers", "lease_ttl_seconds", "gradient_noise", "replication", "data_plane", "layout", "versions", "memory_budget_bytes", "rule_state_bytes", "recent", "gem_state", "worker_state_bytes", "shared_rule_state_bytes", "restored")
+    __slots__ = ("initialized", "version", "active_workers", "num_parameters", "config", "commits_applied", "commits_rejected", "spec", "uptime_seconds", "last_evaluation", "learning_rate", "buffer_spec", "workers", "lease_ttl_seconds", "gradient_noise", "replication", "data_plane", "layout", "versions", "memory_budget_bytes", "rule_state_bytes", "recent", "gem_state", "worker_state_bytes", "shared_rule_state_bytes", "restored", "job")
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -500,6 +504,7 @@ class StatusResponse(_message.Message):
     WORKER_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHARED_RULE_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESTORED_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     initialized: bool
     version: int
     active_workers: int
@@ -526,7 +531,8 @@ class StatusResponse(_message.Message):
     worker_state_bytes: int
     shared_rule_state_bytes: int
     restored: RestoredCheckpoint
-    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., active_workers: _Optional[int] = ..., num_parameters: _Optional[int] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., commits_applied: _Optional[int] = ..., commits_rejected: _Optional[int] = ..., spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., learning_rate: _Optional[float] = ..., buffer_spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., lease_ttl_seconds: _Optional[float] = ..., gradient_noise: _Optional[_Union[GradientNoise, _Mapping]] = ..., replication: _Optional[_Union[ReplicationStatus, _Mapping]] = ..., data_plane: _Optional[_Union[DataPlane, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., rule_state_bytes: _Optional[int] = ..., recent: _Optional[_Union[RecentCommits, _Mapping]] = ..., gem_state: _Optional[str] = ..., worker_state_bytes: _Optional[int] = ..., shared_rule_state_bytes: _Optional[int] = ..., restored: _Optional[_Union[RestoredCheckpoint, _Mapping]] = ...) -> None: ...
+    job: str
+    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., active_workers: _Optional[int] = ..., num_parameters: _Optional[int] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., commits_applied: _Optional[int] = ..., commits_rejected: _Optional[int] = ..., spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., learning_rate: _Optional[float] = ..., buffer_spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., lease_ttl_seconds: _Optional[float] = ..., gradient_noise: _Optional[_Union[GradientNoise, _Mapping]] = ..., replication: _Optional[_Union[ReplicationStatus, _Mapping]] = ..., data_plane: _Optional[_Union[DataPlane, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., rule_state_bytes: _Optional[int] = ..., recent: _Optional[_Union[RecentCommits, _Mapping]] = ..., gem_state: _Optional[str] = ..., worker_state_bytes: _Optional[int] = ..., shared_rule_state_bytes: _Optional[int] = ..., restored: _Optional[_Union[RestoredCheckpoint, _Mapping]] = ..., job: _Optional[str] = ...) -> None: ...
 
 class RestoredCheckpoint(_message.Message):
     __slots__ = ("version", "path")

@@ -18,6 +18,7 @@ import dataclasses
 
 import numpy as np
 
+from gemps_proto.jobs import new_job
 from gemps_proto.schema import Buffers
 from gemps_server.domain import validation
 from gemps_server.domain.errors import ServiceError
@@ -47,6 +48,7 @@ def take(state: ServerState, *, workers: bool = True) -> ReplicaImage:
         buffer_spec=state.buffer_spec,
         buffers=state.buffers,  # never changed in place: no copy needed
         partition=state.partition,
+        job=state.job,
     )
     if not workers:
         return ReplicaImage(state.history, state.partition, central, ledger=state.ledger.export())
@@ -94,6 +96,8 @@ def restore(state: ServerState, image: StateImage) -> list[str]:
         else:
             warnings.append(f"rule state of {image.rule!r} not restored into rule {state.rule_name!r}")
     state.ledger.restore(dict(image.receipts))  # the ledger of a server not initialised: empty
+    if not image.job:  # a checkpoint from before jobs: this θ is a job of its own from now on
+        image = dataclasses.replace(image, job=new_job())
     state.install(_held(image, theta, buffers, rule, state.ledger, state.noise, state.history))
     return warnings
 
@@ -168,6 +172,7 @@ def _held(
         ledger=ledger,
         noise=noise,
         history=history,
+        job=image.job,
     )
 
 

@@ -33,6 +33,7 @@ class Joined:
     initial: EncodedTensor | None = None
     initial_buffers: EncodedBuffers | None = None
     displaced: str = ""  # the idle worker it replaced in a full registry ("" none)
+    job: str = ""  # with `initial`: the job θ was initialised for (ServerState.job)
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,7 @@ class StateImage:
     buffer_spec: tuple[ParameterSpec, ...] = ()
     buffers: Buffers = field(default_factory=Buffers)  # by kind, each flat in buffer_spec order
     partition: PartitionOf = ALL_OF_THETA
+    job: str = ""  # the job whose θ this is (ServerState.job; "" in checkpoints from before jobs)
 
     @property
     def num_parameters(self) -> int:
@@ -205,3 +206,4 @@ class Held:
     ledger: CommitLedger
     noise: NoiseEstimator
     history: str
+    job: str  # "" while θ is not initialised

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gemps_proto.jobs import new_job
 from gemps_proto.reasons import Reason
 from gemps_proto.schedules import learning_rate_at
 from gemps_proto.schema import Buffers, ParameterSpec, TrainingConfig
@@ -78,6 +79,7 @@ class ServerState:
         # Versions count in this process's history: a restarted server may reach the same number
         # with other values (commits lost since its checkpoint), so "unchanged" needs both.
         self.history = uuid.uuid4().hex
+        self.job = ""  # the job whose θ this is, fixed when θ is initialised (gemps_proto.jobs)
         self.buffer_spec: tuple[ParameterSpec, ...] = ()
         self.restored: RestoredCheckpoint | None = None  # the checkpoint restored at start: Status says it
         self._initializer_until = 0.0  # monotonic deadline of the worker asked for initial values
@@ -184,13 +186,18 @@ class ServerState:
         buffer_spec: Sequence[ParameterSpec] = (),
         initial_buffers: EncodedBuffers | None = None,
         client_id: str = "",
+        job: str = "",
     ) -> RegistrationOutcome:
         """Admit a worker; `encode_theta` False when its reply will not carry θ (it pulls θ apart).
         The first worker's `initial_buffers` become the central buffers. A client holds one
         registration: `client_id`'s previous one, if any, is replaced (a retried Register whose
-        reply was lost leaves no orphan holding rule state), its commit receipts carried over."""
+        reply was lost leaves no orphan holding rule state), its commit receipts carried over.
+        `job`: the client's job, if it knows one: refused where θ is another job's (before the spec
+        is compared: another job's model is no mismatch of this one's)."""
         validation.check_name("worker_name", worker_name)
         validation.check_client_id(client_id)
+        validation.check_job(job)
+        validation.check_same_job(self.job, job)
         validation.check_spec(spec, buffer_spec)
         first = self.rule is None
         # The worker that initialised theta already holds it: no P-sized encoding for its reply.
@@ -201,7 +208,7 @@ class ServerState:
         # without its rule state, no θ without the worker that set it.
         try:
             if first:
-                self._initialize(spec, initial, buffer_spec, initial_buffers, client_id)
+                self._initialize(spec, initial, buffer_spec, initial_buffers, client_id, job)
             else:
                 validation.check_same_spec((self.spec, self.buffer_spec), (spec, buffer_spec))
             encoded = encode_theta and not initialized
@@ -216,7 +223,10 @@ class ServerState:
             raise
         first_values = (initial, initial_buffers) if first else (None, None)
         displaced_id = displaced.worker_id if displaced is not None else ""
-        joined = Joined(worker.worker_id, worker_name, client_id, spec, buffer_spec, *first_values, displaced_id)
+        joined = Joined(
+            worker.worker_id, worker_name, client_id, spec, buffer_spec, *first_values, displaced_id,
+            self.job if first else "",
+        )  # fmt: skip
         self.journal.append(joined)
         return RegistrationOutcome(worker, snapshot, initialized, displaced)
 
@@ -266,7 +276,9 @@ class ServerState:
             if self.rule is None:
                 if entry.initial is None:
                     raise ValueError(f"journal: worker {entry.worker_id} joined before θ was initialised")
-                self._initialize(entry.spec, entry.initial, entry.buffer_spec, entry.initial_buffers, entry.client_id)
+                self._initialize(
+                    entry.spec, entry.initial, entry.buffer_spec, entry.initial_buffers, entry.client_id, entry.job
+                )
             self._admit(entry.name, entry.client_id, entry.worker_id, entry.displaced)
 
     def install(self, held: Held) -> None:
@@ -276,6 +288,7 @@ class ServerState:
         core.rule, core.theta, self.spec, self.buffer_spec = held.rule, held.theta, held.spec, held.buffer_spec
         core.buffers, core.version, core.commits_applied = held.buffers, held.version, held.commits_applied
         self.bounds, core.ledger, core.noise, self.history = held.bounds, held.ledger, held.noise, held.history
+        self.job = held.job
         core.forget_snapshot()
         self._initializer_until, self._initializer = 0.0, ""
         core.copies = self._new_copies()  # copies of the θ replaced are no worker's: their next replies are whole
@@ -351,7 +364,7 @@ class ServerState:
     def _undo(self, first: bool) -> None:
         """Forget θ again after the first registration failed part-way: nothing else was held before it."""
         if first:  # as _initialize found it (the initializer's grace period untouched)
-            self.core.rule, self.spec, self.buffer_spec, self.bounds = None, (), (), (0, 0)
+            self.core.rule, self.spec, self.buffer_spec, self.bounds, self.job = None, (), (), (0, 0), ""
             self.core.theta, self.core.buffers = np.empty(0, dtype=np.float32), Buffers()
             self.core.forget_snapshot()  # no encoding of that θ is served
 
@@ -375,7 +388,9 @@ class ServerState:
         buffer_spec: Sequence[ParameterSpec] = (),
         initial_buffers: EncodedBuffers | None = None,
         client_id: str = "",
+        job: str = "",
     ) -> None:
+        """θ from the first worker's `initial` values, for `job` (a new job unless it names one)."""
         if initial is None:
             now = time.monotonic()
             # The client asked for the values is asked again (its upload may never have reached
@@ -403,5 +418,6 @@ class ServerState:
         core.theta = values.copy()
         core.rule = self.new_rule(core.theta.size)
         self.bounds = (start, stop)
+        self.job = job or new_job()
         core.version = 0
         self.memory.settle(4 * core.theta.size, self.worker_state_bytes, self.registry.max_workers)

@@ -270,7 +270,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         if include and self.service.initialized:
             await self._hold_reply(context)
         registered, registration = await self.service.register(
-            request.worker_name, spec, initial, include, buffer_spec, initial_buffers, request.client_id
+            request.worker_name, spec, initial, include, buffer_spec, initial_buffers, request.client_id, request.job
         )
         return messages.registered_to_proto(
             registered,

@@ -1,0 +1,181 @@
+"""One job, one θ (issue 77, items 1 and 2; DESIGN §3d). A worker's replica list may hold an
+address that now belongs to another job (a pod address reused by another job's primary, a stale
+list). Before, the primary watch and the list's round robin followed anything whose Status said
+PRIMARY; there the worker's commit was refused as "worker not found", the SDK registered again
+with its own θ, and every later commit was acknowledged into the other job's θ (250 of 271 with
+a primary merely paused 1.5 s, shorter than its lease). Now every server names the job its θ is
+(fixed when θ is initialised, kept by every replica), a client sends the job of its first
+registration at every later one and follows a replica only when its Status names that job: the
+other job's server is skipped with a WARNING naming it, whatever its model."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+import gemps
+import gemps.records
+from gemps_proto.jobs import valid_job
+from gemps_proto.reasons import METADATA_KEY
+from gemps_proto.schema_proto import tensor_to_proto
+from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
+from gemps_server.replication.local_etcd import LocalEtcd
+from gemps_worker.cluster import ServerProcess
+from tests.helpers import CommitLoops, stop_process, wait_for
+from tests.integration.conftest import NUM_PARAMETERS, SPEC, StartServer, StartServerProcess, open_stub
+from tests.integration.test_replicas import LEASE, PARAMETERS, primary_and_backup
+
+#: job A's lease in the first test: longer than the pause, so its primary stays primary throughout
+LONG_LEASE = 6.0
+
+
+def _other_job(start: StartServerProcess, etcd: LocalEtcd, name: str, parameters: int) -> ServerProcess:
+    """Job B: a replicated pair whose θ (zeros of `parameters` values) one client initialised; its primary."""
+    primary, _, target = primary_and_backup(start, etcd, name)
+    with gemps.Client(target, name="b-owner", timeout=10) as owner:
+        owner.register({"w": np.zeros(parameters, np.float32)})
+    return primary
+
+
+def _untouched(server: ServerProcess, parameters: int) -> str:
+    """ "" when job B's θ is as its owner registered it, else what it holds."""
+    with gemps.Client(server.target, timeout=10) as observer:
+        pulled = observer.pull()
+    if pulled.version == 0 and pulled.flat.size == parameters and not pulled.flat.any():
+        return ""
+    return f"job B's θ moved: version {pulled.version}, values {pulled.flat.min()}..{pulled.flat.max()}"
+
+
+def _warned_of(caplog: pytest.LogCaptureFixture, address: str) -> bool:
+    """Whether a WARNING named `address` as another job's server that was not followed."""
+    return any(
+        record.levelno == logging.WARNING and address in record.getMessage() and "job" in record.getMessage()
+        for record in caplog.records
+    )
+
+
+def _counted_exactly(target: str, loops: CommitLoops) -> str:
+    """ "" when job A's θ holds every acknowledged commit once (updates of ones under downpour)."""
+    with gemps.Client(target, timeout=10) as observer:
+        pulled = observer.pull()
+    if pulled.flat.min() == pulled.flat.max() == pulled.version == sum(loops.acked):
+        return ""
+    return f"job A: θ {pulled.flat.min()}..{pulled.flat.max()} at version {pulled.version}, acknowledged {loops.acked}"
+
+
+def test_a_paused_primary_does_not_send_its_workers_to_another_jobs_primary(
+    start_server_process: StartServerProcess, etcd: LocalEtcd, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Job A's primary pauses for longer than the watch waits and shorter than its lease: its
+    workers ask the list's other addresses; job B's primary, the same model, says PRIMARY. It is
+    skipped with a WARNING naming it, and A's workers go on at A's primary once it resumes."""
+    caplog.set_level(logging.WARNING, logger="gemps.client")
+    theirs = _other_job(start_server_process, etcd, "theirs-same-model", PARAMETERS)
+    ours, _, target = primary_and_backup(start_server_process, etcd, "ours-paused", replica_lease=LONG_LEASE)
+    clients = [gemps.Client(f"{target}|{theirs.target}", name=f"a{i}") for i in range(2)]
+    ones = np.ones(PARAMETERS, np.float32)
+    loops = CommitLoops(clients, {"w": np.zeros(PARAMETERS, np.float32)}, ones, kind="update").start()
+    try:
+        loops.wait_each(5, 60, "5 commits per worker of job A")
+        stop_process(ours.pid)
+        # The watch asks the other replicas once a call waited a second: B's primary answers PRIMARY.
+        wait_for(
+            lambda: _warned_of(caplog, theirs.target) or _untouched(theirs, PARAMETERS) != "",
+            30,
+            "job A's workers to look at job B's primary",
+        )
+        os.kill(ours.pid, signal.SIGCONT)
+        loops.wait_each(3, 60, "3 more commits per worker of job A, once its primary resumed")
+    finally:
+        loops.stop(timeout=30)
+        os.kill(ours.pid, signal.SIGCONT)
+    assert not loops.failures, loops.failures
+    assert _untouched(theirs, PARAMETERS) == ""
+    assert _counted_exactly(target, loops) == ""
+    assert _warned_of(caplog, theirs.target)
+
+
+def test_a_failover_skips_another_jobs_primary_of_another_model(
+    start_server_process: StartServerProcess, etcd: LocalEtcd, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Job A's primary is killed; job B's primary, another model, is on A's list. The workers used
+    to register there, be refused for the spec and die (FailedPreconditionError) although A's
+    backup took over within the lease: now they skip B and commit to A's new primary."""
+    caplog.set_level(logging.WARNING, logger="gemps.client")
+    theirs = _other_job(start_server_process, etcd, "theirs-other-model", 2 * PARAMETERS)
+    ours, survivor, target = primary_and_backup(start_server_process, etcd, "ours-killed")
+    clients = [gemps.Client(f"{target}|{theirs.target}", name=f"a{i}", timeout=30) for i in range(2)]
+    ones = np.ones(PARAMETERS, np.float32)
+    loops = CommitLoops(clients, {"w": np.zeros(PARAMETERS, np.float32)}, ones, kind="update").start()
+    try:
+        loops.wait_each(5, 60, "5 commits per worker of job A")
+        ours.kill()
+        loops.wait_each(5, 30 + 10 * LEASE, "5 commits per worker at job A's promoted backup")
+    finally:
+        loops.stop(timeout=30)
+    assert not loops.failures, loops.failures
+    assert _untouched(theirs, 2 * PARAMETERS) == ""
+    assert _counted_exactly(survivor.target, loops) == ""
+    assert _warned_of(caplog, theirs.target)
+
+
+def _register(stub: pb_grpc.ParameterServerStub, job: str = "", client_id: str = "") -> pb.RegisterResponse:
+    initial = tensor_to_proto(np.zeros(NUM_PARAMETERS, np.float32))
+    return stub.Register(pb.RegisterRequest(spec=SPEC, initial_parameters=initial, job=job, client_id=client_id))
+
+
+def _refusal(stub: pb_grpc.ParameterServerStub, job: str) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as refused:
+        _register(stub, job)
+    metadata: Any = refused.value.trailing_metadata()
+    return refused.value.code(), dict(metadata or ())[METADATA_KEY]
+
+
+def test_a_server_names_its_job_keeps_it_across_a_restart_and_refuses_another(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """The job is fixed when θ is initialised (the first registration's, when it names one), said by
+    Register and Status, kept by the checkpoint; a registration of another job is refused
+    FAILED_PRECONDITION (other_job) and one that is no job identity INVALID_ARGUMENT (bad_job),
+    the server's workers and θ untouched."""
+    server = start_server(checkpoint_dir=str(tmp_path))
+    stub = open_stub(server.target)
+    job = _register(stub, job="job-of-the-first-client").job
+    assert job == "job-of-the-first-client" == stub.Status(pb.StatusRequest()).job
+    assert _register(stub, job=job, client_id="second").job == job  # the same job: admitted
+    assert _refusal(stub, "another-job") == (grpc.StatusCode.FAILED_PRECONDITION, "other_job")
+    assert _refusal(stub, "not a job!") == (grpc.StatusCode.INVALID_ARGUMENT, "bad_job")
+    status = stub.Status(pb.StatusRequest())
+    assert (status.active_workers, status.version) == (2, 0)
+    server.stop()  # its final checkpoint holds the job
+    stub = open_stub(start_server(checkpoint_dir=str(tmp_path)).target)
+    assert stub.Status(pb.StatusRequest()).job == job
+    assert _refusal(stub, "another-job") == (grpc.StatusCode.FAILED_PRECONDITION, "other_job")
+    assert _register(stub).job == job  # a client new to the job joins it
+
+
+def test_a_fresh_server_makes_up_a_job_and_a_backup_holds_its_primarys(
+    start_server_process: StartServerProcess, etcd: LocalEtcd
+) -> None:
+    """With no job named, the first registration's θ gets a new one; the backup, seeded and replaying
+    the primary's journal, answers with the same."""
+    primary, backup, target = primary_and_backup(start_server_process, etcd, "job-on-backups")
+    with gemps.Client(target, timeout=10) as client:
+        client.register({"w": np.zeros(PARAMETERS, np.float32)})
+        job = client.status().job
+    assert valid_job(job)
+    wait_for(lambda: _status(backup).job == job, 30, "the backup to hold its primary's job")
+    assert _status(primary).job == job
+
+
+def _status(server: ServerProcess) -> gemps.records.ServerStatus:
+    with gemps.Client(server.target, timeout=10) as client:
+        return client.status()
