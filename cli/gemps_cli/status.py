@@ -108,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
     say(f"server          {args.server}{answered}")
     say(f"software        {(status.versions or versions.LEGACY).describe()}")
     say(f"initialized     {status.initialized}")
+    if status.job:  # which job's θ: a worker follows only servers that name it (DESIGN §3)
+        say(f"job             {status.job}")
     say(f"version         {status.version}")
     if status.restored is not None:  # a stack started over an old checkpoints volume trains on from it
         say(f"restored        version {status.restored.version} from {status.restored.path}, when this server started")

@@ -51,6 +51,7 @@ def test_a_restored_checkpoint_is_logged_at_start_and_shown_by_status(
         client.register(PARAMS)
         client.commit(np.ones(4, np.float32))
         client.commit(np.ones(4, np.float32))
+        job = client.status().job
     wait_for(lambda: (found := load_latest(directory)) is not None and found[1].version == 2, what="checkpoint 2")
     assert "restored" not in status_of(first.target)  # it started without one
     first.stop()
@@ -60,3 +61,4 @@ def test_a_restored_checkpoint_is_logged_at_start_and_shown_by_status(
     assert "checkpoint restored" in restarted.log() and "version=2" in restarted.log()
     shown = status_of(restarted.target)
     assert f"\nrestored        version 2 from {found[0]}, when this server started\n" in shown, shown
+    assert f"\njob             {job}\n" in shown, shown  # the job's θ, restored: the same job
