@@ -345,6 +345,7 @@ class ServerState:
         except BaseException:
             rule.remove_worker(worker_id)
             raise
+        self.core.copies.fit()  # the workers' state comes first: reply copies that no longer fit go
         self.ledger.activate(worker.scope)
         return worker, displaced
 
