@@ -78,7 +78,6 @@ class ServerState:
         # Versions count in this process's history: a restarted server may reach the same number
         # with other values (commits lost since its checkpoint), so "unchanged" needs both.
         self.history = uuid.uuid4().hex
-        self.buffer_spec: tuple[ParameterSpec, ...] = ()
         self.restored: RestoredCheckpoint | None = None  # the checkpoint restored at start: Status says it
         self._initializer_until = 0.0  # monotonic deadline of the worker asked for initial values
         self._initializer = ""  # its client id ("" when it sent none)
@@ -100,6 +99,15 @@ class ServerState:
     def noise(self) -> NoiseEstimator:
         """The gradient noise scale (noise.py)."""
         return self.core.noise
+
+    @property
+    def buffer_spec(self) -> tuple[ParameterSpec, ...]:
+        """The buffers' names, shapes and kinds (the core names one in a refusal of its delta)."""
+        return self.core.buffer_spec
+
+    @buffer_spec.setter
+    def buffer_spec(self, buffer_spec: tuple[ParameterSpec, ...]) -> None:
+        self.core.buffer_spec = buffer_spec
 
     @property
     def copies(self) -> WorkerCopies:
