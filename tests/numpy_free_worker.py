@@ -4,11 +4,12 @@
 
 Registers a model with a float32 memoryview, a nested list and buffers (an integer counter and a
 float mean), commits by name (lists), flat (`array.array` of float32, then of float64) and with a
-buffer delta, pulls, and asks for what needs numpy; then prints JSON: θ and the buffers as the
-client received them (lists), the types and shapes of what `named()` returned, and each refusal's
-class and message. `--large N`: one tensor of N values, registered, committed twice and pulled
-(past 1 MiB the gRPC plane streams them). tests/integration/test_sdk_without_numpy.py compares θ
-with a numpy client's: the same worker run `--with-numpy`.
+buffer delta, pulls, and asks for what needs numpy, and for a counter past int64; then prints
+JSON: θ and the buffers as the client received them (lists), the types and shapes of what
+`named()` returned, and each refusal's class and message. `--large N`: one tensor of N values,
+registered, committed twice and pulled (past 1 MiB the gRPC plane streams them).
+tests/integration/test_sdk_without_numpy.py compares θ with a numpy client's: the same worker run
+`--with-numpy`.
 """
 
 from __future__ import annotations
@@ -74,7 +75,15 @@ def run(target: str) -> dict[str, Any]:
             "nan": refusal(lambda: client.commit([float("nan")] + [0.0] * 7)),
             "misspelled": refusal(lambda: client.commit({"w": BY_NAME["w"], "bias": BY_NAME["b"]})),
             "text": refusal(lambda: client.commit({"w": BY_NAME["w"], "b": ["a", "b"]})),
+            "delta_past_int64": refusal(
+                lambda: client.commit(BY_NAME, buffer_delta={**BUFFER_DELTA, "count": [2**64]})
+            ),
         }
+        with gemps.Client(target) as other:  # refused before it sends anything
+            past_int64: dict[str, list[Any]] = {"count": [2**64], "mean": [0.0, 1.0]}
+            found["refused"]["count_past_int64"] = refusal(
+                lambda: other.register({"w": INITIAL_W, "b": INITIAL_B}, past_int64)
+            )
     found["refused"]["compression"] = refusal(lambda: gemps.Client(target, compression="int8"))
     found["refused"]["bfloat16"] = refusal(lambda: gemps.Client(target, wire_dtype="bfloat16"))
     found["refused"]["reply_compression"] = refusal(lambda: gemps.Client(target, reply_compression="int4"))

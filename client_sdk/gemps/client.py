@@ -52,7 +52,7 @@ from gemps_proto import vectors
 from gemps_proto.grpc_framing import DEFAULT_CHUNK_BYTES
 from gemps_proto.reasons import Reason
 from gemps_proto.reply_differences import REPLY_COMPRESSIONS
-from gemps_proto.schema import PayloadKind, buffer_spec_of, flatten, spec_of
+from gemps_proto.schema import PayloadKind, buffer_numbers, buffer_spec_of, flatten, spec_of
 from gemps_proto.tensor_codec import WIRE_DTYPE_NAMES
 from gemps_proto.vectors import ArrayLike
 
@@ -225,13 +225,14 @@ class Client:
 
         The first worker's values initialise the central variable and buffers; later workers must
         have the same names, shapes and buffer kinds, and receive the central ones instead. Integer
-        buffers (batch norm's `num_batches_tracked`) are kept and carried as int64, exactly; the
-        others as float32. A later worker listing the same entries in another order is refused
+        buffers (batch norm's `num_batches_tracked`) are kept and carried as int64, exactly (a value
+        int64 cannot hold: Int64RangeError, a ValueError naming the buffer, before anything is
+        sent); the others as float32. A later worker listing the same entries in another order is refused
         (FailedPreconditionError naming the central variable's order): its flat payloads would
         be laid out in the other.
         """
         named = {k: vectors.as_float32(v) for k, v in parameters.items()}
-        named_buffers = {k: vectors.as_numbers(v) for k, v in (buffers or {}).items()}
+        named_buffers = {k: buffer_numbers(k, v) for k, v in (buffers or {}).items()}
         spec, buffer_spec = spec_of(named), buffer_spec_of(named_buffers)
         try:
             self._router.register(spec, flatten(named), buffer_spec, Buffers.of(named_buffers, buffer_spec))

@@ -18,7 +18,7 @@ from typing import Any
 from gemps.errors import FailedPreconditionError, InvalidArgumentError, NamedPayloadError
 from gemps_proto import vectors
 from gemps_proto.reasons import Reason
-from gemps_proto.schema import Buffers, ParameterSpec, buffer_counts
+from gemps_proto.schema import Buffers, ParameterSpec, buffer_counts, buffer_numbers
 from gemps_proto.vectors import ArrayLike, Vector
 
 # How many offending entries a message spells out before summarising (a model has thousands).
@@ -43,6 +43,8 @@ def buffer_delta(delta: ArrayLike | Mapping[str, Any] | Buffers, spec: Sequence[
         return buffers_by_name("buffer_delta", delta, spec)
     try:
         return Buffers.of(delta, spec)
+    except vectors.Int64RangeError:
+        raise  # a value beyond int64, not a shape that does not fit
     except ValueError as error:
         raise InvalidArgumentError(
             f"buffer_delta shape {list(vectors.shape(delta))} does not fit the buffer spec "
@@ -134,7 +136,9 @@ def _array(what: str, name: str, value: Any, *, float32: bool) -> Vector:
     not numbers ("payload" itself when `name` is empty)."""
     whose = f"{what} {name!r}" if name else what
     try:
-        array = vectors.as_float32(value) if float32 else vectors.as_numbers(value)
+        array = vectors.as_float32(value) if float32 else buffer_numbers(name, value)
+    except vectors.Int64RangeError:
+        raise  # an integer buffer's value beyond int64, named with its buffer
     except (TypeError, ValueError) as error:
         raise InvalidArgumentError(
             f"{whose} is not an array of numbers: {error}", InvalidArgumentError.code, Reason.BAD_DTYPE

@@ -167,15 +167,24 @@ def integral(value: Vector) -> bool:
     return vectors.is_integral(value)
 
 
+def buffer_numbers(name: str, value: Any) -> vectors.Vector:
+    """A buffer's values in their own kind (vectors.as_numbers: Python integers as int64), an
+    integer int64 cannot hold refused naming the buffer (Int64RangeError), numpy or not."""
+    try:
+        return vectors.as_numbers(value)
+    except vectors.Int64RangeError as error:
+        raise vectors.Int64RangeError(f"buffer {name!r}: {error}") from None
+
+
 def _buffer_values(entry: ParameterSpec, value: Any) -> vectors.Vector:
-    """A buffer's values in its kind: float32, or int64 (ValueError naming the buffer for a value
-    int64 cannot hold)."""
+    """A buffer's values in its kind: float32, or int64 (Int64RangeError naming the buffer for a
+    value int64 cannot hold)."""
     if not entry.integer:
         return vectors.as_float32(value)
     try:
         return vectors.as_int64(value)
-    except ValueError as error:
-        raise ValueError(f"buffer {entry.name!r}: {error}") from None
+    except vectors.Int64RangeError as error:
+        raise vectors.Int64RangeError(f"buffer {entry.name!r}: {error}") from None
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,15 @@ _FLOAT_FORMATS = frozenset("efd")
 _BYTE_ORDER = "@=<"
 
 
+class Int64RangeError(ValueError):
+    """A value an integer buffer's int64 cannot hold (beyond its range, NaN, inf), refused by name
+    where numpy's cast would wrap it, make it up, or keep it as a float or an object."""
+
+
+def _outside_int64(value: object) -> Int64RangeError:
+    return Int64RangeError(f"{value} is outside int64's range [-2**63, 2**63 - 1]")
+
+
 class NumpyRequiredError(ImportError):
     """A feature that computes on every value, asked for where numpy is not installed."""
 
@@ -128,9 +137,16 @@ def as_float32(value: Any) -> Vector:
 
 def as_numbers(value: Any) -> Vector:
     """An array-like's values in their own kind: integers (and booleans) as they are, the rest float
-    (numpy's own dtype with numpy). Without numpy, TypeError or ValueError for what is not numbers."""
+    (numpy's own dtype with numpy). Python integers are int64 on both paths, Int64RangeError for one
+    it cannot hold (numpy made them objects past 64 bits, floats when uint64's met negative ones).
+    Without numpy, TypeError or ValueError for what is not numbers."""
     if HAVE_NUMPY:
-        return np.asarray(value)
+        values = np.asarray(value)
+        if values.size and values.dtype.kind in "fO":  # Python integers numpy typed as no integer dtype?
+            numbers = values.tolist() if values.dtype.kind == "O" else value
+            if _only_integers(numbers):
+                return np.asarray(as_int64_exactly(numbers))
+        return values
     return _converted(value, None)
 
 
@@ -144,30 +160,28 @@ def is_integral(value: Any) -> bool:
 
 def as_int64(value: Any) -> Vector:
     """Values as int64, in their shape: integers as they are, floating ones rounded to the nearest
-    (half to even, as numpy's rint); ValueError for a value int64 cannot hold (beyond its range,
-    NaN, inf), which numpy's cast would wrap or make up without a word."""
+    (half to even, as numpy's rint); Int64RangeError for a value int64 cannot hold (beyond its
+    range, NaN, inf), which numpy's cast would wrap or make up without a word."""
     if not HAVE_NUMPY:
         return as_int64_exactly(value)
     values = np.asarray(value)
     if values.dtype.kind == "O":  # Python integers beyond 64 bits (or mixed with them): checked one by one
         return np.asarray(as_int64_exactly(values.tolist()))
     if values.dtype.kind not in "iub":
-        values = np.rint(values.astype(np.float64))
+        rounded = np.rint(values.astype(np.float64))
         # 2**63 itself is a float64: the range is [-2**63, 2**63).
-        if values.size and not (np.isfinite(values).all() and values.min() >= -(2.0**63) and values.max() < 2.0**63):
-            raise ValueError("a value int64 cannot hold (NaN, inf, or beyond +-2**63)")
+        held = np.isfinite(rounded) & (rounded >= -(2.0**63)) & (rounded < 2.0**63)
+        if not held.all():
+            raise _outside_int64(values[~held].flat[0])
+        values = rounded
     elif values.dtype == np.uint64 and values.size and values.max() > np.iinfo(np.int64).max:
-        raise ValueError(f"a value int64 cannot hold ({int(values.max())} > 2**63 - 1)")
+        raise _outside_int64(int(values.max()))
     return values.astype(np.int64)
 
 
 def as_int64_exactly(value: Any) -> memoryview:
-    """as_int64 by the standard library: each number converted on its own (array's range check,
-    round() refusing NaN and inf)."""
-    try:
-        return _converted(value, INT64_FORMAT)
-    except (OverflowError, ValueError) as error:
-        raise ValueError(f"a value int64 cannot hold ({error})") from None
+    """as_int64 by the standard library: each number converted on its own (_int64_of)."""
+    return _converted(value, INT64_FORMAT)
 
 
 def shape(value: Any) -> tuple[int, ...]:
@@ -308,9 +322,28 @@ def _whole(view: memoryview, own: str) -> memoryview:
 
 def _shaped_numbers(numbers: Iterable[Any], code: str, dims: Sequence[int]) -> memoryview:
     if code == INT64_FORMAT:
-        numbers = [n if isinstance(n, int) else round(n) for n in numbers]  # round(): half to even, as rint
+        numbers = [_int64_of(number) for number in numbers]
     values = memoryview(array.array(code, numbers))
     return _shaped(values, dims) if len(dims) != 1 else values
+
+
+def _int64_of(number: Any) -> int:
+    """A number as int64 holds it: an integer as it is, a float rounded half to even (as numpy's
+    rint); Int64RangeError for one outside int64's range, NaN or inf (array's own check would raise
+    a bare OverflowError, round() a ValueError of its own)."""
+    whole = number if isinstance(number, int) else round(number) if math.isfinite(number) else None
+    if whole is None or not -(2**63) <= whole < 2**63:
+        raise _outside_int64(number)
+    return int(whole)
+
+
+def _only_integers(value: Any) -> bool:
+    """Whether a number or nested sequences of numbers hold Python integers (booleans too) alone."""
+    if isinstance(value, int):
+        return True
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        return False
+    return all(_only_integers(item) for item in value)
 
 
 def _has_buffer(value: object) -> bool:

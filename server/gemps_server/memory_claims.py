@@ -5,14 +5,19 @@ A server's budget (memory_budget.py) is settled from what the process may still 
 is initialised; the rule's per-worker vectors are allocated lazily, so a job settling after
 another saw the other's future state as free, and both admitted it. Now each server, when it
 settles, writes a *claim* in a folder its user's gemps servers on the host share (tmpfs,
---memory-claims-dir): the bytes of rule state it could ever admit, and its resident memory then.
-A server settling later subtracts what each live claimant has not taken yet: its claim less what
-its resident memory grew since (floor 0); what it took, the host's available memory no longer
-has. A claim whose process is gone, or whose pid another process holds now (its start time in
-/proc/<pid>/stat differs), is removed. Settling holds a lock on the folder, so two servers
-settling at once see each other. Claims of one supervisor's processes (the same
---supervisor-pid) are not subtracted from each other: their --memory-share divides the host
-between them already. A server that cannot use the folder says so and settles as before.
+--memory-claims-dir): the bytes of rule state it could ever admit, and its anonymous resident
+memory then (RssAnon). A server settling later subtracts what each live claimant has not taken
+yet: its claim less what its anonymous memory grew since (floor 0); what it took, the host's
+available memory no longer has. Not its whole resident memory (VmRSS): that counts the θ regions
+its local workers share with it (RssShmem), the clients' memory, which the host's available
+memory had lost already, so a job whose workers ran on the host seemed to have taken its claim
+and the next job admitted that memory again (issue 77, item 7); nor the files it maps (RssFile,
+page cache, which the host counts as available). A claim whose process is gone, or whose pid
+another process holds now (its start time in /proc/<pid>/stat differs), is removed. Settling
+holds a lock on the folder, so two servers settling at once see each other. Claims of one
+supervisor's processes (the same --supervisor-pid) are not subtracted from each other: their
+--memory-share divides the host between them already. A server that cannot use the folder says
+so and settles as before.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ class Claim:
     pid: int
     started: int  # the process's start time (/proc/<pid>/stat field 22): a reused pid is not it
     bytes: int
-    resident: int  # its resident bytes when it claimed
+    resident: int  # its anonymous resident bytes when it claimed (Processes.resident)
     group: int  # its supervisor's pid (0: none): one supervisor's processes share by --memory-share
 
 
@@ -90,12 +95,15 @@ class Processes:
         return int(stat.rsplit(")", 1)[1].split()[19])  # after the name (which may hold spaces): field 3 on
 
     def resident(self, pid: int) -> int | None:
-        """Its resident bytes (VmRSS), None when they cannot be read."""
-        with contextlib.suppress(OSError):
-            for line in (self.root / str(pid) / "status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        return None
+        """What it allocated and holds: its anonymous resident bytes (RssAnon; VmRSS on a kernel
+        before 4.5, which has no RssAnon), None when they cannot be read."""
+        try:
+            lines = (self.root / str(pid) / "status").read_text().splitlines()
+        except OSError:
+            return None
+        fields = {name: rest for name, _, rest in (line.partition(":") for line in lines)}
+        found = fields.get("RssAnon", fields.get("VmRSS"))
+        return None if found is None else int(found.split()[0]) * 1024
 
 
 class MemoryClaims:

@@ -4,6 +4,7 @@ partitions and after a failover, the worker's copy is the server's record and tr
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import numpy as np
@@ -22,6 +23,7 @@ from tests.integration.test_replicas import replica_options, wait_replicated
 
 P = 3 * block_quantisation.BLOCK + 5  # several blocks, the last one short, an odd count (int4's padding)
 CODES = {"int8": INT8_BLOCK, "int4": INT4_BLOCK}
+MIB = 1 << 20
 
 
 def updates(count: int, size: int = P, seed: int = 0) -> list[np.ndarray]:
@@ -162,3 +164,36 @@ def test_a_new_primary_answers_whole_then_differences(start_server: StartServer,
         np.testing.assert_array_equal(whole(copy), bits)  # the worker's copy is the new primary's record
     sent = sent_bytes(backup)
     assert sent["bfloat16"] == 2 * P and sent["int8"] == 2 * expected_payload_nbytes(INT8_BLOCK, [P])
+
+
+def held_for_workers(server: InProcessServer) -> int:
+    """Bytes of the workers' rule state and of their reply copies (Status, gemps_reply_copy_bytes)."""
+    with gemps.Client(server.target) as observer:
+        rule_state = observer.status().rule_state_bytes
+    return rule_state + int(scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics")["gemps_reply_copy_bytes"])
+
+
+def test_reply_copies_stay_within_the_memory_budget_as_workers_join(start_server: StartServer) -> None:
+    """Issue 77, item 7: a copy was kept where the budget had room beside the registered workers'
+    rule state, but a worker registering later was admitted by its rule state alone, the copies
+    kept: 5 GEM workers joining one by one under a budget of 43 MiB (5 workers' state and 3 MiB)
+    held 48 MiB, 1.12x the budget. Now a registration drops the longest unrenewed copies that no
+    longer fit (the workers come first): their next replies are θ whole, and differences follow
+    where a copy fits again."""
+    size = 1 << 20  # θ of 4 MiB: GEM's state 8 MiB a worker, a difference reply's copy 2 MiB
+    budget = 43 * MIB
+    server = start_server(rule="gem", memory_budget_mb=budget // MIB)
+    with contextlib.ExitStack() as stack:
+        reader = stack.enter_context(gemps.Client(server.target))
+        clients = []
+        for _ in range(5):
+            clients.append(stack.enter_context(gemps.Client(server.target, reply_compression="int8")))
+            clients[-1].register({"w": np.zeros(size, np.float32)})
+            for client in clients:
+                client.commit(np.full(size, 1e-3, np.float32))
+                assert held_for_workers(server) <= budget
+        assert server.server.state.copies.nbytes == 2 * size  # one copy fits beside 5 workers' state
+        for client in clients:  # each worker's θ is the server's, whole or from the copy kept
+            copy = client.commit(np.full(size, 1e-3, np.float32)).parameters.flat
+            assert close_to(copy, reader.pull().flat, block_quantisation.INT8_LEVELS)
+    assert held_for_workers(server) <= budget

@@ -5,9 +5,11 @@ name; a model without buffers sees no new field on the wire."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -209,3 +211,59 @@ def test_a_float_spec_for_an_integer_buffer_is_a_mismatch(server: InProcessServe
         first.register(PARAMS, COUNTED)
         with pytest.raises(gemps.FailedPreconditionError, match=r"num_batches_tracked.* int64"):
             second.register(PARAMS, {**COUNTED, "bn.num_batches_tracked": np.array(0.0, np.float32)})
+
+
+def past_int64(value: int) -> str:
+    """The SDK's refusal of `value` in the counter, with or without numpy."""
+    return f"buffer 'bn.num_batches_tracked': {value} is outside int64's range [-2**63, 2**63 - 1]"
+
+
+@pytest.mark.parametrize(("counter", "value"), [(2**64, 2**64), ([1, 2**63], 2**63)], ids=["2**64", "2**63 by 1"])
+def test_an_integer_buffer_int64_cannot_hold_is_refused_by_name_before_anything_is_sent(
+    server: InProcessServer, counter: int | list[int], value: int
+) -> None:
+    """Issue 77, item 7: numpy typed 2**64 as an object and [1, 2**63] as float64, so the counter
+    registered as a float32 buffer (no integer buffer at all), silently; without numpy it was a
+    bare OverflowError. Now the SDK refuses it naming the buffer and int64's range (the same error
+    without numpy: test_sdk_without_numpy.py), registering nothing; a delta likewise."""
+    with gemps.Client(server.target) as client:
+        with pytest.raises(ValueError, match=re.escape(past_int64(value))):
+            client.register(PARAMS, {**COUNTED, "bn.num_batches_tracked": counter})
+        assert not client.status().initialized  # nothing was sent
+        client.register(PARAMS, COUNTED)
+        delta: dict[str, Any] = {name: np.zeros_like(values) for name, values in BUFFERS.items()}
+        with pytest.raises(ValueError, match=re.escape(past_int64(2**64))):
+            client.commit(GRADIENT, buffer_delta={**delta, "bn.num_batches_tracked": 2**64})
+        assert client.pull().version == 0
+
+
+def test_a_raw_clients_integer_delta_past_int64_is_refused_naming_the_buffer(server: InProcessServer) -> None:
+    """Issue 77, item 7: no int64 on the wire holds 2**64, but a delta can take a buffer past
+    2**63 - 1; the server refused it without saying which buffer."""
+    stub = open_stub(server.target)
+    top = np.array(2**63 - 1, "<i8")
+    registered = stub.Register(
+        pb.RegisterRequest(
+            spec=[pb.ParameterSpec(name="w", shape=[2], dtype=pb.DTYPE_FLOAT32)],
+            initial_parameters=tensor_to_proto(np.zeros(2, np.float32)),
+            buffer_spec=[pb.ParameterSpec(name="bn.num_batches_tracked", dtype=pb.DTYPE_INT64)],
+            initial_integer_buffers=pb.Tensor(dtype=pb.DTYPE_INT64, data=top.tobytes()),
+        )
+    )
+    step = pb.Tensor(
+        dtype=pb.DTYPE_INT64, shape=[1], data=np.array([1], "<i8").tobytes()
+    )  # flat, as the server holds them
+    commit = pb.CommitRequest(
+        worker_id=registered.worker_id,
+        kind=pb.PAYLOAD_KIND_GRADIENT,
+        payload=tensor_to_proto(np.zeros(2, np.float32)),
+        integer_buffer_delta=step,
+    )
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Commit(commit)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        "integer_buffer_delta makes buffer 'bn.num_batches_tracked' leave int64's range [-2**63, 2**63 - 1] "
+        f"({2**63 - 1} + 1)"
+    ) in str(refused.value.details())
+    assert stub.Status(pb.StatusRequest()).version == 0

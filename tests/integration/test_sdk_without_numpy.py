@@ -69,6 +69,14 @@ def test_what_is_refused_without_numpy_says_what_to_install(start_server: StartS
         assert option.replace("bfloat16", "wire_dtype") in message and "pip install 'gemps[numpy]'" in message
     reference = worker(servers(start_server, 1)[0].target, "--with-numpy")
     assert all(reference["refused"][option] == ["", "nothing raised"] for option in NUMPY_OPTIONS)
+    # A counter past int64 (issue 77, item 7): a bare OverflowError here, registered silently as a
+    # float buffer with numpy; now the same refusal in both worlds, naming the buffer, before sending.
+    past_int64 = [
+        "Int64RangeError",
+        "buffer 'count': 18446744073709551616 is outside int64's range [-2**63, 2**63 - 1]",
+    ]
+    for refusal in ("count_past_int64", "delta_past_int64"):
+        assert alone["refused"][refusal] == reference["refused"][refusal] == past_int64, refusal
 
 
 def test_a_model_past_a_megabyte_streams_without_numpy(start_server: StartServer, plane: str) -> None:

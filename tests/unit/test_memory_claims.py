@@ -24,11 +24,13 @@ HELD = PER_WORKER + THETA // 2  # and a difference reply's bfloat16 copy: what a
 RESERVE = RESERVED_VECTORS * THETA + RESERVED_BYTES
 
 
-def process(proc: Path, pid: int, started: int = 1000, resident: int = 100 * MIB) -> None:
-    """Process `pid` as /proc shows it (its name holds a space and a parenthesis, as names may)."""
+def process(proc: Path, pid: int, started: int = 1000, resident: int = 100 * MIB, shared: int = 0) -> None:
+    """Process `pid` as /proc shows it (its name holds a space and a parenthesis, as names may):
+    `resident` bytes of its own (RssAnon), `shared` of its clients' shared memory mapped (RssShmem)."""
     (proc / str(pid)).mkdir(parents=True, exist_ok=True)
     (proc / str(pid) / "stat").write_text(f"{pid} (gemps) server) S 1 {pid} {pid} 0 -1 " + "0 " * 13 + f"{started} 0\n")
-    (proc / str(pid) / "status").write_text(f"Name:\tgemps\nVmRSS:\t{resident // 1024} kB\n")
+    kib = {"VmRSS": (resident + shared) // 1024, "RssAnon": resident // 1024, "RssShmem": shared // 1024}
+    (proc / str(pid) / "status").write_text("Name:\tgemps\n" + "".join(f"{k}:\t{v} kB\n" for k, v in kib.items()))
 
 
 def server(folder: Path, proc: Path, pid: int, probe: Headroom = HOST, **options: int) -> MemoryBudget:
@@ -38,8 +40,10 @@ def server(folder: Path, proc: Path, pid: int, probe: Headroom = HOST, **options
 
 
 def test_processes_reads_start_time_and_resident_memory(tmp_path: Path) -> None:
-    process(tmp_path, 7, started=4242, resident=300 * MIB)
-    assert Processes(tmp_path).started(7) == 4242 and Processes(tmp_path).resident(7) == 300 * MIB
+    process(tmp_path, 7, started=4242, resident=300 * MIB, shared=200 * MIB)
+    assert Processes(tmp_path).started(7) == 4242 and Processes(tmp_path).resident(7) == 300 * MIB  # not RssShmem
+    (tmp_path / "7" / "status").write_text("Name:\tgemps\nVmRSS:\t1024 kB\n")  # a kernel before 4.5
+    assert Processes(tmp_path).resident(7) == MIB
     assert Processes(tmp_path).started(8) is None and Processes(tmp_path).resident(8) is None
     mine = Processes().started(os.getpid())
     assert mine is not None and mine > 0
@@ -68,6 +72,13 @@ def test_a_second_job_admits_what_the_first_left_not_the_whole_host(tmp_path: Pa
     third.settle(THETA, PER_WORKER, max_workers=1)
     assert third.bytes == 10 * GIB - (claimed - 2 * GIB) - (300 * HELD + RESERVE) - RESERVE
     assert "claimed by 2 other gemps servers (pids 101, 102)" in third.describe()
+
+    # Its local workers' θ regions (RssShmem) are their memory, not taken of its claim (issue 77,
+    # item 7): the first still holds back its claim less 2 GiB, as the third found.
+    process(proc, 101, resident=100 * MIB + 2 * GIB, shared=1 * GIB)
+    fourth = server(folder, proc, 104, probe=Headroom(HOST.bytes - 2 * GIB, HOST.source))
+    fourth.settle(THETA, PER_WORKER, max_workers=1)
+    assert third.bytes is not None and fourth.bytes == third.bytes - (HELD + RESERVE)  # and the third's claim
 
 
 def test_a_dead_claimant_or_a_reused_pid_holds_nothing_back(tmp_path: Path) -> None:

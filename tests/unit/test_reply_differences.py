@@ -214,6 +214,23 @@ def test_a_copy_is_kept_only_where_the_memory_budget_leaves_room_beside_the_rule
     assert third.reply is not None and third.reply.copy != 0 and state.copies.held(other) is not None
 
 
+def test_a_registration_drops_the_copies_renewed_longest_ago_that_no_longer_fit() -> None:
+    """Issue 77, item 7: copies kept while there was room stayed when a later worker's rule state
+    took it (1.12x the budget at 5 workers). Now the registration drops the copies renewed longest
+    ago until the rest fit; those workers' next replies are θ whole."""
+    state, workers, _ = gem_state(3)
+    state.memory.bytes = state.rule_state_bytes // 3 * 4 + 2 * 2 * P  # a fourth worker's state, and 2 copies
+    for version, worker in enumerate([*workers, workers[0]]):  # the first renews its copy last
+        commit = Commit(
+            worker, version, PayloadKind.UPDATE.value, encoded(np.zeros(P, np.float32)), reply_dtype=INT8_BLOCK
+        )
+        state.commit_and_reply(commit, keep_bytes)
+    assert len(state.copies) == 3 and state.rule_state_bytes + state.copies.nbytes <= state.memory.bytes
+    state.register("w3", SPEC, None)
+    assert state.rule_state_bytes + state.copies.nbytes <= state.memory.bytes
+    assert [worker for worker in workers if state.copies.held(worker) is not None] == [workers[0], workers[2]]
+
+
 # -- θ beyond bfloat16's range (issue 61, item 10) ---------------------------------------------------
 
 BEYOND = np.array([3.4e38, -3.4e38, 3.3961e38, np.finfo(np.float32).max, 1.0, -2.5], np.float32)

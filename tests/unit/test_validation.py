@@ -123,19 +123,29 @@ def both(floats: np.ndarray, integers: list[int]) -> EncodedBuffers:
 
 def test_buffers_after_a_delta() -> None:
     central = Buffers(np.array([1.0, 2.0], np.float32), np.array([2**24], np.int64))
-    assert validation.buffers_after(central, None) is central
-    updated = validation.buffers_after(central, both(np.array([0.5, -1.0], np.float32), [1]))
+    assert validation.buffers_after(central, None, MIXED_BUFFERS) is central
+    updated = validation.buffers_after(central, both(np.array([0.5, -1.0], np.float32), [1]), MIXED_BUFFERS)
     assert updated.floats.tolist() == [1.5, 1.0] and central.floats.tolist() == [1.0, 2.0]
     assert updated.integers.tolist() == [2**24 + 1]  # exact: float32 would stay at 2**24
-    only_integers = validation.buffers_after(central, EncodedBuffers(None, both(central.floats, [3]).integers))
+    only_integers = validation.buffers_after(
+        central, EncodedBuffers(None, both(central.floats, [3]).integers), MIXED_BUFFERS
+    )
     assert only_integers.floats is central.floats and only_integers.integers.tolist() == [2**24 + 3]
     wrong_shape = both(np.ones(3, np.float32), [1])
-    refused(InvalidArgument, Reason.BAD_SHAPE, validation.buffers_after, central, wrong_shape)
+    refused(InvalidArgument, Reason.BAD_SHAPE, validation.buffers_after, central, wrong_shape, MIXED_BUFFERS)
     overflow = both(np.array([3e38, 0.0], np.float32), [0])
     near_top = Buffers(np.array([3e38, 0.0], np.float32), np.array([0], np.int64))
-    refused(InvalidArgument, Reason.NON_FINITE, validation.buffers_after, near_top, overflow)
-    top = Buffers(central.floats, np.array([2**63 - 1], np.int64))
-    refused(InvalidArgument, Reason.BAD_PAYLOAD, validation.buffers_after, top, both(central.floats * 0, [1]))
+    refused(InvalidArgument, Reason.NON_FINITE, validation.buffers_after, near_top, overflow, MIXED_BUFFERS)
+
+
+@pytest.mark.parametrize(("central", "step"), [(2**63 - 1, 1), (-(2**63), -1), (2**62, 2**62)])
+def test_an_integer_delta_past_int64_is_refused_naming_its_buffer(central: int, step: int) -> None:
+    """Issue 77, item 7: the refusal said "a buffer"; with several integer buffers, which one?"""
+    spec = (ParameterSpec("bn1.num_batches_tracked", (2,), INT64), *BUFFERS, ParameterSpec("bn2.count", (), INT64))
+    buffers = Buffers(np.array([1.0, 2.0], np.float32), np.array([5, 6, central], np.int64))
+    delta = both(buffers.floats * 0, [0, 0, step])
+    error = refused(InvalidArgument, Reason.BAD_PAYLOAD, validation.buffers_after, buffers, delta, spec)
+    assert f"buffer 'bn2.count' leave int64's range [-2**63, 2**63 - 1] ({central} + {step})" in error.message
 
 
 def test_commit_fields() -> None:

@@ -99,6 +99,17 @@ def test_what_int64_cannot_hold_is_refused_not_wrapped(given: Any) -> None:
         vectors.as_int64(given)
 
 
+@pytest.mark.parametrize(
+    ("given", "value"), [([2**64], 2**64), ([1, 2**63], 2**63), (-(2**64), -(2**64)), ([[0], [2**64 + 5]], 2**64 + 5)]
+)
+def test_python_integers_are_int64_or_refused_with_its_range(given: Any, value: int) -> None:
+    """Issue 77, item 7: numpy made 2**64 an object and [1, 2**63] float64, so an integer buffer
+    became a float one; the standard library's path raised a bare OverflowError. Both refuse alike."""
+    with pytest.raises(vectors.Int64RangeError, match=rf"^{value} is outside int64's range \[-2\*\*63, 2\*\*63 - 1\]$"):
+        vectors.as_numbers(given)
+    assert values_of(vectors.as_numbers([1, 2**62])) == [1, 2**62] and vectors.is_integral(vectors.as_numbers([1]))
+
+
 def test_int64s_own_ends_are_kept_exactly() -> None:
     ends = [2**63 - 1, -(2**63), 0]
     assert values_of(vectors.as_int64(ends)) == ends

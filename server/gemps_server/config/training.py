@@ -89,7 +89,7 @@ class WorkerOptions:
         default=0,
         metadata={
             "help": "memory for the rule's per-worker state (GEM: 8 bytes per parameter per worker, compact about 2), "
-            "MiB; "
+            "MiB, and for difference replies' copies of θ (2 bytes per parameter) in what the workers' state leaves; "
             "a registration past it is refused RESOURCE_EXHAUSTED (memory_budget). 0: what the server may still "
             "use when θ is initialised (the tightest of RLIMIT_AS, its cgroup's limit and available memory), "
             "less a reserve for θ's copies",

@@ -25,7 +25,7 @@ import numpy as np
 
 from gemps_proto.reasons import Reason
 from gemps_proto.reply_differences import DIFFERENCE_DTYPES, WHOLE_DTYPE
-from gemps_proto.schema import Buffers, PayloadKind
+from gemps_proto.schema import Buffers, ParameterSpec, PayloadKind
 from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor, encode, wire_view
 from gemps_server.domain import validation
 from gemps_server.domain.errors import Aborted, FailedPrecondition, InvalidArgument
@@ -61,6 +61,7 @@ class CommitCore:
         self.version = 0
         self.commits_applied = 0
         self.buffers = Buffers()  # replaced, never changed in place
+        self.buffer_spec: tuple[ParameterSpec, ...] = ()  # their names and kinds, in the buffers' order
         self.ledger = CommitLedger(capacity=registry.max_workers)
         self._journal: Journal = NoJournal()
         self._recording = False  # a commit's entry is built only for a journal that records it
@@ -176,7 +177,7 @@ class CommitCore:
         kind_of, values, peak = validation.validated_payload(
             kind, payload, base_version, self.theta.size, self.version, payload_peak
         )
-        buffers = validation.buffers_after(self.buffers, buffer_delta)  # checked before θ moves
+        buffers = validation.buffers_after(self.buffers, buffer_delta, self.buffer_spec)  # checked before θ moves
         staleness = self.version - base_version
         window = self.noise.window(kind_of, self.theta.size, len(self.registry), num_samples)
         try:  # the rule writes into spare buffers and swaps them in only if every value is finite

@@ -80,7 +80,6 @@ class ServerState:
         # with other values (commits lost since its checkpoint), so "unchanged" needs both.
         self.history = uuid.uuid4().hex
         self.job = ""  # the job whose θ this is, fixed when θ is initialised (gemps_proto.jobs)
-        self.buffer_spec: tuple[ParameterSpec, ...] = ()
         self.restored: RestoredCheckpoint | None = None  # the checkpoint restored at start: Status says it
         self._initializer_until = 0.0  # monotonic deadline of the worker asked for initial values
         self._initializer = ""  # its client id ("" when it sent none)
@@ -102,6 +101,15 @@ class ServerState:
     def noise(self) -> NoiseEstimator:
         """The gradient noise scale (noise.py)."""
         return self.core.noise
+
+    @property
+    def buffer_spec(self) -> tuple[ParameterSpec, ...]:
+        """The buffers' names, shapes and kinds (the core names one in a refusal of its delta)."""
+        return self.core.buffer_spec
+
+    @buffer_spec.setter
+    def buffer_spec(self, buffer_spec: tuple[ParameterSpec, ...]) -> None:
+        self.core.buffer_spec = buffer_spec
 
     @property
     def copies(self) -> WorkerCopies:
@@ -358,6 +366,7 @@ class ServerState:
         except BaseException:
             rule.remove_worker(worker_id)
             raise
+        self.core.copies.fit()  # the workers' state comes first: reply copies that no longer fit go
         self.ledger.activate(worker.scope)
         return worker, displaced
 

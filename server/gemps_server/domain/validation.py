@@ -272,10 +272,11 @@ def initial_buffers(
     return Buffers(np.array(floats, dtype=np.float32, copy=True), np.array(integers, dtype=np.int64, copy=True))
 
 
-def buffers_after(buffers: Buffers, delta: EncodedBuffers | None) -> Buffers:
-    """The central `buffers` once `delta` is added (DOWNPOUR for buffers: see docs): new arrays,
-    checked for shape, finiteness and (integers) int64's range; `buffers` itself when there is
-    no delta. Integer buffers add exactly."""
+def buffers_after(buffers: Buffers, delta: EncodedBuffers | None, buffer_spec: Sequence[ParameterSpec]) -> Buffers:
+    """The central `buffers` (laid out as `buffer_spec` says) once `delta` is added (DOWNPOUR for
+    buffers: see docs): new arrays, checked for shape, finiteness and (integers) int64's range,
+    naming the buffer a sum would leave it; `buffers` itself when there is no delta. Integer
+    buffers add exactly."""
     if delta is None:
         return buffers
     floats, integers = buffers.floats, buffers.integers
@@ -290,10 +291,26 @@ def buffers_after(buffers: Buffers, delta: EncodedBuffers | None) -> Buffers:
         steps = decoded_int64(delta.integers, "integer_buffer_delta")
         _check_delta_shape("integer_buffer_delta", steps, integers)
         added = integers + steps  # wraps around on overflow: refused just below
-        if ((integers ^ added) & (steps ^ added) < 0).any():  # the sign flipped against both addends
-            raise InvalidArgument("integer_buffer_delta makes a buffer leave int64's range", Reason.BAD_PAYLOAD)
+        wrapped = (integers ^ added) & (steps ^ added) < 0  # the sign flipped against both addends
+        if wrapped.any():
+            first = int(np.argmax(wrapped))
+            raise InvalidArgument(
+                f"integer_buffer_delta makes buffer {_integer_entry(buffer_spec, first)!r} leave int64's range "
+                f"[-2**63, 2**63 - 1] ({integers[first]} + {steps[first]}); nothing changed",
+                Reason.BAD_PAYLOAD,
+            )
         integers = added
     return Buffers(floats, integers)
+
+
+def _integer_entry(buffer_spec: Sequence[ParameterSpec], index: int) -> str:
+    """The name of the integer buffer holding value `index` of the flat integer buffers (which
+    the spec's integer entries lay out, in order)."""
+    for entry in (entry for entry in buffer_spec if entry.integer):
+        if index < entry.size:
+            return entry.name
+        index -= entry.size
+    raise AssertionError(f"{index} values past the integer buffers of {list(buffer_spec)}")
 
 
 def _check_delta_shape(what: str, values: np.ndarray, central: np.ndarray) -> None:

@@ -7,7 +7,9 @@ in bfloat16 as a new copy (gemps_proto.reply_differences has the arithmetic both
 
 2 bytes a parameter per worker that asks, beside the rule's state, shown as
 gemps_reply_copy_bytes, and held within the memory budget the rule's state is (memory_budget.py):
-the registered workers' state comes first, a copy is kept only in what it leaves. Soft state,
+the registered workers' state comes first, a copy is kept only in what it leaves, and a worker
+admitted later (by its rule state alone) makes the copies renewed longest ago go until the rest
+fit again (`fit`; issue 77, item 7: they had stayed, 1.12x the budget with 5 workers). Soft state,
 never checkpointed nor replicated: a restarted server or a new primary holds no copies, so each
 worker's next reply is whole (one bfloat16 θ), as after a lost reply or a new registration. A copy
 the budget has no room for, or that cannot be allocated (MemoryError), is not kept: that reply is
@@ -77,6 +79,12 @@ class WorkerCopies:
     def held(self, worker_id: str) -> tuple[int, np.ndarray] | None:
         """The number and bits of the copy kept for `worker_id`, if any."""
         return self._copies.get(worker_id)
+
+    def fit(self) -> None:
+        """Forget copies, those renewed longest ago first, until the rest fit in the budget beside
+        the workers' rule state (grown by a registration): their workers' next replies are whole."""
+        while self._copies and not self._room(0):
+            self.forget(next(iter(self._copies)))  # kept in the order last renewed (_keep re-inserts)
 
     def _room(self, more: int) -> bool:
         budget = None if self._memory is None else self._memory.bytes
