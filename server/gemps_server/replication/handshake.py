@@ -35,6 +35,7 @@ from gemps_proto.proofs import BACKUP_ROLE, NONCE_BYTES, PRIMARY_ROLE, ReplicaSe
 from gemps_server.replication import frames
 from gemps_server.replication.credentials import Credential
 from gemps_server.replication.tls_stream import SerialSSLSocket
+from gemps_server.security import presented_by
 
 #: admission proofs' nonces remembered (a replay of a newer one than these is vouched for once more)
 ADMITTED_NONCES_KEPT = 4096
@@ -110,11 +111,12 @@ class Handshake:
         return True
 
     def _certificate_refusal(self, sock: socket.socket, peer: str) -> str:
-        """Why the `peer`'s certificate is refused: one the job's --tls-crl revokes ('' if not)."""
+        """Why the `peer`'s certificate is refused: one the job's --tls-crl revokes, or a CA of its
+        chain ('' if not)."""
         revocations = self._credential.revocations
         if revocations is None or not isinstance(sock, ssl.SSLSocket):
             return ""
-        refusal = revocations.refusal(sock.getpeercert(binary_form=True))
+        refusal = revocations.refusal(*presented_by(sock))
         return f"the {peer}'s {refusal}" if refusal else ""
 
     # -- the primary's side ----------------------------------------------------------------------
