@@ -38,6 +38,7 @@ def _certificate(
     *,
     ca: bool = False,
     server: bool = False,
+    serial: int | None = None,
 ) -> x509.Certificate:
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
     issuer_name, issuer_key = issuer if issuer is not None else (name, key)
@@ -47,7 +48,7 @@ def _certificate(
         .subject_name(name)
         .issuer_name(issuer_name)
         .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
+        .serial_number(serial or x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
@@ -60,35 +61,61 @@ def _certificate(
     return builder.sign(issuer_key, hashes.SHA256())
 
 
-def issue_ca(directory: Path, name: str) -> tuple[Issued, tuple[x509.Name, ec.EllipticCurvePrivateKey]]:
+Signer = tuple[x509.Name, ec.EllipticCurvePrivateKey]
+
+
+def issue_ca(directory: Path, name: str, parent: Signer | None = None) -> tuple[Issued, Signer]:
+    """A CA's certificate: self-signed (a root), or signed by `parent` (an intermediate)."""
     key = ec.generate_private_key(ec.SECP256R1())
-    certificate = _certificate(name, key, None, ca=True)
+    certificate = _certificate(name, key, parent, ca=True)
     return _write(directory, name, certificate, key), (certificate.subject, key)
 
 
-def issue(directory: Path, name: str, ca: tuple[x509.Name, ec.EllipticCurvePrivateKey], server: bool = False) -> Issued:
+def issue(directory: Path, name: str, ca: Signer, server: bool = False, serial: int | None = None) -> Issued:
     key = ec.generate_private_key(ec.SECP256R1())
-    return _write(directory, name, _certificate(name, key, ca, server=server), key)
+    return _write(directory, name, _certificate(name, key, ca, server=server, serial=serial), key)
 
 
 @dataclass
 class Authority:
-    """A CA in `folder`: `issue(name)` a certificate it signs, `revoke(path, *certs)` a CRL."""
+    """A CA in `folder`: `issue(name)` a certificate it signs, `revoke(path, *certs)` a CRL;
+    with `parent`, an intermediate CA that `parent` signed (its certificates then present the
+    intermediate's too: `issue` writes the chain)."""
 
     folder: Path
     name: str = "gemps-test-ca"
+    parent: Authority | None = None
 
     def __post_init__(self) -> None:
-        self.ca, self._signer = issue_ca(self.folder, self.name)
+        self.ca, self._signer = issue_ca(self.folder, self.name, self.parent.signer if self.parent else None)
 
-    def issue(self, name: str, server: bool = False) -> Issued:
-        return issue(self.folder, name, self._signer, server=server)
+    def issue(self, name: str, server: bool = False, serial: int | None = None) -> Issued:
+        issued = issue(self.folder, name, self._signer, server=server, serial=serial)
+        if self.parent is not None:  # the leaf, then the intermediate: what a client presents
+            issued.cert.write_bytes(issued.cert.read_bytes() + self.ca.cert.read_bytes())
+        return issued
+
+    @property
+    def signer(self) -> Signer:
+        """The CA's name and key (a test that signs something of its own)."""
+        return self._signer
+
+    def intermediate(self, name: str) -> Authority:
+        """An intermediate CA this one signs."""
+        return Authority(self.folder, name, self)
 
     def revoke(
         self, path: Path, *revoked: Issued, der: bool = False, next_update: datetime.datetime | None = None
     ) -> Path:
         """Write a CRL of this CA listing `revoked` to `path` (whole, then renamed: as a publisher
         would) and return it."""
+        partial = path.with_name(path.name + ".new")
+        partial.write_bytes(self.crl(*revoked, der=der, next_update=next_update))
+        os.replace(partial, path)
+        return path
+
+    def crl(self, *revoked: Issued, der: bool = False, next_update: datetime.datetime | None = None) -> bytes:
+        """A CRL of this CA listing `revoked` (their first certificate: the leaf)."""
         issuer, key = self._signer
         builder = (
             x509.CertificateRevocationListBuilder()
@@ -101,11 +128,7 @@ class Authority:
             entry = x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(NOW).build()
             builder = builder.add_revoked_certificate(entry)
         crl = builder.sign(key, hashes.SHA256())
-        encoding = serialization.Encoding.DER if der else serialization.Encoding.PEM
-        partial = path.with_name(path.name + ".new")
-        partial.write_bytes(crl.public_bytes(encoding))
-        os.replace(partial, path)
-        return path
+        return crl.public_bytes(serialization.Encoding.DER if der else serialization.Encoding.PEM)
 
 
 def serial_of(certificate: Issued) -> int:

@@ -4,10 +4,11 @@ Every call passes here before a byte of its request is read:
 
 - a method that needs a token (everything but health checks) without the right one is refused
   UNAUTHENTICATED (security.py);
-- with --tls-crl, a call over a connection whose client certificate the list revokes is refused
-  UNAUTHENTICATED (revocation.py) before its handler runs: grpcio takes no CRL and tells an
-  interceptor nothing of the connection, so the handler is wrapped to look at the call's own
-  certificate first;
+- with --tls-crl, a call over a connection whose client certificate the list revokes (or a CA of
+  the chain it presented) is refused UNAUTHENTICATED (revocation.py) before its handler runs, the
+  connection's every call, so one open before the revocation too: grpcio takes no CRL and tells
+  an interceptor nothing of the connection, so the handler is wrapped to look at the call's own
+  certificates first;
 - the rest take a place in one of two budgets of calls in progress, or are refused
   RESOURCE_EXHAUSTED: calls that need no token (`grpc.health.v1.Health`) in a small budget of
   their own, `--max-unauthenticated-rpcs`, and everything else in `--max-concurrent-rpcs`.
@@ -34,7 +35,13 @@ import grpc
 from gemps_proto.reasons import BUSY_DETAILS, Reason
 from gemps_proto.reasons import METADATA_KEY as REASON_KEY
 from gemps_server.logs import Throttle, event
-from gemps_server.security import OPEN_METHOD_PREFIXES, UNAUTHENTICATED_REFUSAL, BearerToken, refusal_handler
+from gemps_server.security import (
+    OPEN_METHOD_PREFIXES,
+    UNAUTHENTICATED_REFUSAL,
+    BearerToken,
+    call_certificates,
+    refusal_handler,
+)
 
 if TYPE_CHECKING:
     from gemps_server.revocation import Revocations
@@ -137,8 +144,7 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
         assert revocations is not None
 
         async def check(context: grpc.aio.ServicerContext[Any, Any]) -> None:
-            presented = list(context.auth_context().get("x509_pem_cert") or ())
-            refusal = revocations.refusal(presented[0] if presented else None)
+            refusal = revocations.refusal(*call_certificates(context))
             if refusal:
                 self._count(Reason.REVOKED_CERTIFICATE, method, refusal)
                 trailing = ((REASON_KEY, Reason.REVOKED_CERTIFICATE.value),)

@@ -50,18 +50,22 @@ from gemps_server.parts import (
     PortFile,
 )
 from gemps_server.replication.layer import layer
-from gemps_server.security import Tickets
+from gemps_server.security import Tickets, revocations
 from gemps_server.service import ParameterService
 from gemps_server.wire.data_plane import DataPlaneServer
 from gemps_server.wire.grpc_server import SERVICE_NAME, GrpcDoor
 from gemps_server.wire.grpc_servicer import GempsServicer
 from gemps_server.wire.health import HealthServicer
 from gemps_server.wire.streams import Pace
+from gemps_server.wire.worker_certificates import WorkerCertificates
 
 log = logging.getLogger("gemps.server")
 
 # Lease checks run this often relative to the TTL, so eviction lags the TTL by at most a quarter.
 LEASE_CHECKS_PER_TTL = 4
+# With --tls-crl, the certificates of this many registrations per --max-workers are kept (the
+# local socket's connections answer for them: wire/worker_certificates.py).
+REGISTRATIONS_KEPT = 4
 # Exit status when the final checkpoint failed and acknowledged commits were lost (2: cannot start).
 EXIT_CHECKPOINT_LOST = 3
 
@@ -111,18 +115,24 @@ class ParameterServer:
             replicas=self.replication,
             tickets=tickets,
         )
+        # With --tls-crl: the certificate each worker registered with (the local socket's: it has no TLS).
+        revoked = revocations(config.tls_crl, config.tls_client_ca)
+        certificates = WorkerCertificates(revoked, REGISTRATIONS_KEPT * config.max_workers) if revoked else None
         self.servicer = GempsServicer(
             self.service,
             self.metrics,
             config.max_streamed_payloads,
             Pace(config.stream_idle_timeout, config.min_stream_bytes_per_second),
             reply_budget_bytes=config.max_reply_mb * 1024 * 1024,
+            certificates=certificates,
         )
         # Its Watch streams are bounded, and end at shutdown (health.py).
         self.health = HealthServicer(
             config.max_watches, config.max_watches_per_connection, on_refused=self.metrics.refusal
         )
-        self.data_plane = DataPlaneServer(config, self.service, self.metrics) if config.data_plane_on else None
+        self.data_plane = (
+            DataPlaneServer(config, self.service, self.metrics, certificates) if config.data_plane_on else None
+        )
         self._grpc = GrpcDoor(config, self.servicer, self.health, self.metrics)
         self._metrics_endpoint = MetricsEndpoint(config, self.metrics)
         self._data_plane_door = DataPlaneDoor(config, self.data_plane, self.service) if self.data_plane else None

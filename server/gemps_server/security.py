@@ -70,6 +70,27 @@ def revocations(crl: str, ca: str) -> Revocations | None:
     return revocations_for(crl, ca)
 
 
+def call_certificates(context: grpc.aio.ServicerContext[Any, Any]) -> tuple[bytes, ...]:
+    """What the client of a gRPC call presented over TLS, its own certificate first, then the rest
+    of its chain (PEM; grpcio shows the peer's certificates, not the path it was verified by)."""
+    properties = context.auth_context()
+    return tuple(blob for key in ("x509_pem_cert", "x509_pem_cert_chain") for blob in properties.get(key) or ())
+
+
+def presented_by(sock: ssl.SSLSocket) -> tuple[bytes, ...]:
+    """The certificates a TLS peer was verified by, its own first (DER): the whole path to the CA
+    where Python shows it (public from 3.13; the same method of the ssl object before), its own
+    alone otherwise."""
+    public = getattr(sock, "get_verified_chain", None)
+    if public is not None:  # Python 3.13+: DER bytes
+        return tuple(bytes(certificate) for certificate in public())
+    native = getattr(sock, "_sslobj", None)
+    if native is not None and hasattr(native, "get_verified_chain"):  # 3.10-3.12: _ssl.Certificate objects
+        return tuple(certificate.public_bytes(ssl._ssl.ENCODING_DER) for certificate in native.get_verified_chain())  # type: ignore[attr-defined]
+    own = sock.getpeercert(binary_form=True)
+    return (own,) if own else ()
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True

@@ -135,7 +135,7 @@ def test_a_replica_refuses_a_revoked_peer_on_the_replication_stream(ca: Authorit
         client.load_cert_chain(own.cert, own.key)
         client.load_verify_locations(cafile=str(ca.ca.cert))
         client.check_hostname = False
-        return Credential(b"k" * 32, server, client, str(own.cert), None, revocations)
+        return Credential(b"k" * 32, server, client, str(own.cert), None, revocations, own.cert.read_bytes())
 
     def handshake_between(primary: Issued, backup: Issued) -> tuple[BaseException | None, BaseException | None]:
         listener = socket.create_server(("127.0.0.1", 0))

@@ -21,8 +21,10 @@ class SecurityOptions:
     tls_crl: str = field(
         default="",
         metadata={
-            "help": "certificate revocation list(s) of --tls-client-ca (PEM or DER): client and replica "
-            "certificates it lists are refused; re-read when the file changes"
+            "help": "certificate revocation list(s) of --tls-client-ca (PEM, one or more; or one DER list; an "
+            "intermediate CA's list needs that CA in --tls-client-ca): a worker or replica whose certificate, or "
+            "a CA of its chain, is listed is refused on its next call, request or replication frame, connections "
+            "open before included; re-read within a second when the file changes, no restart"
         },
     )
     auth_token: str = field(

@@ -18,7 +18,8 @@ log = logging.getLogger("gemps.server")
 class Coordinator:
     """The loop a replica runs in a daemon thread, every `interval` (default lease_seconds / 4):
 
-    - primary: renew; when that fails for good (or holds() turns False) call on_demoted once;
+    - primary: renew; when that fails for good (or holds() turns False) call on_demoted once; when
+      `revoked()` says why (--tls-crl lists its certificate), resign, then on_demoted;
     - otherwise: read who is primary and report changes through on_primary(member, epoch) (None
       and 0 when there is none; the epoch recorded on disk first: epoch_record.py); when there is
       none, campaign, and on a win call on_promoted(epoch).
@@ -34,9 +35,11 @@ class Coordinator:
         on_primary: Callable[[Member | None, int], None],
         interval: float | None = None,
         unfit: Callable[[], str] = lambda: "",
+        revoked: Callable[[], str] = lambda: "",
     ) -> None:
         self.election = election
         self.unfit = unfit  # why this replica must not campaign now ('' when it may)
+        self.revoked = revoked  # why this replica, primary, must step down now ('' when it need not)
         self._unfit_said = ""
         self.on_promoted = on_promoted
         self.on_demoted = on_demoted
@@ -73,6 +76,12 @@ class Coordinator:
             self._outage = False
 
     def _keep(self) -> None:
+        revoked = self.revoked()
+        if revoked:  # every backup refuses it now: one they accept is to lead (it does not campaign)
+            log.error("%s steps down as its partition's primary: %s", self.election.me.name, revoked)
+            self.election.resign()  # holds() turns False at once, if etcd cannot be told
+            self._demote()
+            return
         renewed = self.election.renew()
         # not renewed, or the epoch lost elsewhere (a fenced in-sync write, a resign)
         if not renewed or not self.election.holds() or self.election.epoch != self._epoch:

@@ -42,6 +42,7 @@ class Credential:
     certificate: str = ""  # with TLS: the certificate this replica presents, and when it is valid
     valid: tuple[datetime.datetime, datetime.datetime] | None = None
     revocations: Revocations | None = None  # --tls-crl: certificates neither side accepts from the other
+    presented: bytes = b""  # with TLS: the certificate (PEM, its chain after it if the file has one) it presents
 
     def unfit(self, now: datetime.datetime | None = None) -> str:
         """Why this replica must not lead its partition now ('' when it may): a certificate out of
@@ -52,11 +53,16 @@ class Credential:
             return f"its certificate {self.certificate} expired at {self.valid[1]:%Y-%m-%d %H:%M:%S} UTC"
         if self.valid is not None and now < self.valid[0]:
             return f"its certificate {self.certificate} is not valid before {self.valid[0]:%Y-%m-%d %H:%M:%S} UTC"
-        if self.revocations is not None and self.certificate:  # revoked: every backup would refuse it too
-            revoked = self.revocations.refusal(Path(self.certificate).read_bytes())
-            if revoked:
-                return f"its own {revoked}"
-        return ""
+        return self.revoked()
+
+    def revoked(self) -> str:
+        """Why --tls-crl revokes the certificate this replica presents, or a CA of its chain ('' if
+        it does not): every backup would refuse it, so a primary steps down (coordinator.py). The
+        certificate read at start: its TLS contexts present that one, whatever the file holds now."""
+        if self.revocations is None or not self.presented:
+            return ""
+        revoked = self.revocations.refusal(self.presented)
+        return f"its own {revoked}" if revoked else ""
 
 
 def credential(config: ServerConfig) -> Credential:
@@ -94,7 +100,8 @@ def credential(config: ServerConfig) -> Credential:
     for context in (server, client):
         context.sslsocket_class = SerialSSLSocket  # a reader and a writer thread share each stream
     revoked = revocations(config.tls_crl, config.tls_client_ca)
-    return Credential(key, server, client, config.tls_cert, validity(config.tls_cert), revoked)
+    presented = Path(config.tls_cert).read_bytes()
+    return Credential(key, server, client, config.tls_cert, validity(config.tls_cert), revoked, presented)
 
 
 def validity(certificate: str) -> tuple[datetime.datetime, datetime.datetime]:

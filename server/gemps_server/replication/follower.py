@@ -2,7 +2,8 @@
 
 Each entry is applied through the applier (one operation at a time, like the primary's) with
 `ServerState.replay`, then acknowledged by position. A frame of another epoch than the primary's
-this backup dialled ends the stream: a replica never applies anything from an older primary.
+this backup dialled ends the stream: a replica never applies anything from an older primary; so
+does any frame once --tls-crl revokes the primary's certificate (handshake.certificate_check).
 When the stream ends for any reason the replica (replica.py) decides what next: dial again, or
 campaign.
 """
@@ -129,10 +130,13 @@ class Follower:
         deadline = time.monotonic() + CONNECT_SECONDS
         sock, ticket_key = self._handshake.join(sock, hello, self.epoch, self._primary_name, self.primary, deadline)
         self._sock = sock
+        revoked = self._handshake.certificate_check(sock, "primary")  # asked at each frame: a beat at least
         sock.settimeout(SEED_SECONDS)  # the primary encodes its image first: no beats meanwhile
         position = 0
         while not self._stopped:
             frame = frames.receive(sock)
+            if why := revoked():
+                raise Refused(why)
             if frame.kind == frames.REFUSED:
                 raise ConnectionError(f"refused by the primary: {frame.header.get('reason', '')}")
             if int(frame.header.get("epoch", -1)) != self.epoch:

@@ -21,9 +21,10 @@ backup of a name is attached and alive, a second peer under that name is refused
 peer past the partition's R-1 backups (the in-sync set never lists more than R replicas). A
 backup is let go when its connection breaks, when it acknowledges what it was never sent, when it
 leaves an entry unacknowledged for `timeout` seconds, or runs far behind for long (lag.py), or
-falls an image behind while it catches up (links.py). An in-sync one leaves the set in etcd
-first: until then commits wait for it, so a backup that could still be promoted never misses an
-acknowledged commit. It is re-seeded when it comes back.
+falls an image behind while it catches up (links.py), or when --tls-crl comes to revoke its
+certificate (its stream closed at once). An in-sync one leaves the set in etcd first: until then
+commits wait for it, so a backup that could still be promoted never misses an acknowledged
+commit. It is re-seeded when it comes back.
 """
 
 from __future__ import annotations
@@ -172,13 +173,14 @@ class Forwarder:
 
     # -- backups ----------------------------------------------------------------------------------
 
-    def attach(self, peer: Peer, sock: socket.socket) -> str:
+    def attach(self, peer: Peer, sock: socket.socket, revoked: Callable[[], str] = lambda: "") -> str:
         """Seed a backup that said hello on `sock`, then forward every later entry to it; "" when
-        it is attached, else why it is refused (the caller says so to the peer and closes `sock`)."""
+        it is attached, else why it is refused (the caller says so to the peer and closes `sock`).
+        `revoked()`: why its certificate is refused now (--tls-crl): asked while it is attached."""
         with self._lock:
             refusal, dead = self._refusal(peer)
             if not refusal:
-                link = Link(peer, sock, self.timeout)
+                link = Link(peer, sock, self.timeout, revoked)
                 self._links[peer.name] = link
             # One line per backup's name every few seconds, one for every other name together.
             throttled = peer.name if peer.name in self._links else ""
@@ -299,12 +301,20 @@ class Forwarder:
                 self._give_up_awaited(now)
             with self._lock:
                 links = list(self._links.values())
+            # a revoked certificate (it may read the list's file: not under the lock)
+            revoked = {link.peer.name: why for link in links if not link.closed and (why := link.revoked())}
+            with self._lock:
                 for link in links:
                     if link.lag is not None and link.in_sync and not link.closed and not link.slow:
                         link.slow = link.lag.add(now, self._age(link, now), self._last, link.acked)
-                troubles = {link.peer.name: "" if link.closed else self._trouble(link, now) for link in links}
+                troubles = {
+                    link.peer.name: "" if link.closed else revoked.get(link.peer.name) or self._trouble(link, now)
+                    for link in links
+                }
             for link in links:
                 why = troubles[link.peer.name]
+                if link.peer.name in revoked:  # not a frame more, whatever etcd says (until told, commits wait)
+                    self._lost(link, why)
                 if link.in_sync and (link.closed or why):
                     self._change(link, join=False, why=why or "connection lost")
                 elif why:

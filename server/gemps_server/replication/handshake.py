@@ -35,6 +35,7 @@ from gemps_proto.proofs import BACKUP_ROLE, NONCE_BYTES, PRIMARY_ROLE, ReplicaSe
 from gemps_server.replication import frames
 from gemps_server.replication.credentials import Credential
 from gemps_server.replication.tls_stream import SerialSSLSocket
+from gemps_server.security import presented_by
 
 #: admission proofs' nonces remembered (a replay of a newer one than these is vouched for once more)
 ADMITTED_NONCES_KEPT = 4096
@@ -79,6 +80,10 @@ class Handshake:
         """Why this replica must not lead now ('' when it may: Credential.unfit)."""
         return self._credential.unfit()
 
+    def revoked(self) -> str:
+        """Why this replica, primary, must step down now ('' when it need not: Credential.revoked)."""
+        return self._credential.revoked()
+
     def _session(self, epoch: int, primary_address: str, backup_nonce: bytes, primary_nonce: bytes) -> ReplicaSession:
         return ReplicaSession(self._credential.key, self.partition, epoch, primary_address, backup_nonce, primary_nonce)
 
@@ -109,13 +114,23 @@ class Handshake:
                 self._admitted_nonces.popitem(last=False)
         return True
 
-    def _certificate_refusal(self, sock: socket.socket, peer: str) -> str:
-        """Why the `peer`'s certificate is refused: one the job's --tls-crl revokes ('' if not)."""
+    def certificate_check(self, sock: socket.socket, peer: str) -> Callable[[], str]:
+        """Why the `peer` on `sock` is refused now: its certificate (or its chain's) is one the job's
+        --tls-crl revokes ('' while it is not). Asked at the handshake, then again while the stream
+        lasts (a revocation ends an open stream: forwarder.py, follower.py)."""
         revocations = self._credential.revocations
-        if revocations is None or not isinstance(sock, ssl.SSLSocket):
-            return ""
-        refusal = revocations.refusal(sock.getpeercert(binary_form=True))
-        return f"the {peer}'s {refusal}" if refusal else ""
+        presented = presented_by(sock) if isinstance(sock, ssl.SSLSocket) else ()
+        if revocations is None or not presented:
+            return _accepted
+
+        def refusal() -> str:
+            why = revocations.refusal(*presented)
+            return f"the {peer}'s {why}" if why else ""
+
+        return refusal
+
+    def _certificate_refusal(self, sock: socket.socket, peer: str) -> str:
+        return self.certificate_check(sock, peer)()
 
     # -- the primary's side ----------------------------------------------------------------------
 
@@ -223,6 +238,10 @@ class Handshake:
         if welcome.kind != frames.WELCOME:
             raise Refused(f"expected the primary's welcome, not {welcome.kind!r}")
         return sock, session.unseal(str(welcome.header.get("tickets", "")))
+
+
+def _accepted() -> str:
+    return ""
 
 
 def _serial(sock: ssl.SSLSocket) -> ssl.SSLSocket:

@@ -16,6 +16,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gemps_server.replication import frames
@@ -42,9 +43,12 @@ class Peer:
 class Link:
     """One attached backup: its socket, what is queued for it, how far it applied."""
 
-    def __init__(self, peer: Peer, sock: socket.socket, send_stall: float) -> None:
+    def __init__(
+        self, peer: Peer, sock: socket.socket, send_stall: float, revoked: Callable[[], str] = lambda: ""
+    ) -> None:
         self.peer = peer
         self.sock = sock
+        self.revoked = revoked  # why its certificate is refused now (--tls-crl), asked while it is attached
         # A peer that stops reading fails the send blocked on it (SO_SNDTIMEO: sends only, so acks
         # are still waited for as long as the monitor allows).
         self.send_stall = seconds = max(send_stall, SEND_STALL_FLOOR)

@@ -83,7 +83,12 @@ class Replica:
         """Take part in `election` (as its member), taking backups on `listener` when primary."""
         self._election, self._listener, self.me = election, listener, election.me
         self._coordinator = Coordinator(
-            election, self._promoted, self._demoted, self._primary_is, unfit=self._handshake.unfit
+            election,
+            self._promoted,
+            self._demoted,
+            self._primary_is,
+            unfit=self._handshake.unfit,
+            revoked=self._handshake.revoked,
         )
         threading.Thread(target=self._accept, name="gemps-replication-listen", daemon=True).start()
         self._coordinator.start()
@@ -325,7 +330,8 @@ class Replica:
         if forwarder is None or forwarder.epoch != int(header["epoch"]):
             sock.close()
             return
-        refusal = forwarder.attach(peer, sock)  # one backup per name, R-1 at most (it logs refusals)
+        revoked = self._handshake.certificate_check(sock, "backup")
+        refusal = forwarder.attach(peer, sock, revoked)  # one backup per name, R-1 at most (it logs refusals)
         if refusal:
             with contextlib.suppress(OSError):
                 frames.send(sock, frames.Frame(frames.REFUSED, {"reason": refusal, "epoch": self.epoch}))

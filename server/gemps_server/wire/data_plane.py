@@ -38,7 +38,7 @@ from gemps_server.domain.errors import ResourceExhausted
 from gemps_server.logs import Throttle, event
 from gemps_server.memory_budget import MIB
 from gemps_server.metrics import ServerMetrics
-from gemps_server.security import revocations, tls_context
+from gemps_server.security import tls_context
 from gemps_server.service import ParameterService
 from gemps_server.wire.data_plane_calls import Connection, HandshakeStart, Limits
 from gemps_server.wire.data_plane_io import Channel
@@ -49,6 +49,7 @@ from gemps_server.wire.shared_memory_budget import SharedMemoryBudget
 from gemps_server.wire.status_codes import error_header
 from gemps_server.wire.streams import Pace
 from gemps_server.wire.tls_handshakes import Handshakes
+from gemps_server.wire.worker_certificates import WorkerCertificates
 
 log = logging.getLogger("gemps.server")
 
@@ -67,7 +68,13 @@ DIED_IN_QUEUE = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.
 class DataPlaneServer:
     """`start()` binds and serves on a thread of its own; `stop(grace)` ends it gracefully."""
 
-    def __init__(self, config: ServerConfig, service: ParameterService, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        service: ParameterService,
+        metrics: ServerMetrics,
+        certificates: WorkerCertificates | None = None,
+    ) -> None:
         self._config = config
         self._service = service
         self._metrics = metrics
@@ -84,7 +91,8 @@ class DataPlaneServer:
             config.data_plane_buffers, config.slow_upload_buffers, config.max_workers, config.max_reply_mb << 20
         )
         self._tls = tls_context(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls else None
-        revoked = revocations(config.tls_crl, config.tls_client_ca)
+        # With --tls-crl: checked after each TLS handshake, then at each HELLO and request.
+        self._certificates = certificates
         self._loop = Loop()
         self._handshakes = (
             Handshakes(
@@ -93,7 +101,7 @@ class DataPlaneServer:
                 config.tls_handshake_threads,
                 config.max_handshakes_per_source,
                 config.handshake_cpu_per_source,
-                revoked.refusal if revoked is not None else None,
+                certificates.revocations.refusal if certificates is not None else None,
             )
             if self._tls is not None
             else None
@@ -255,6 +263,7 @@ class DataPlaneServer:
         channel = Channel(sock)
         connection = Connection(channel, self._service, self._metrics, self._limits, self._lanes, accepted_at)
         connection.handshake = handshake
+        connection.certificates = self._certificates
         self._metrics.data_plane_connections.inc()
 
         def body(task: Task) -> Body:

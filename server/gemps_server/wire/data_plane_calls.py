@@ -66,6 +66,7 @@ from gemps_server.wire.shared_memory import SharedRegion
 from gemps_server.wire.shared_memory_budget import SharedMemoryBudget
 from gemps_server.wire.status_codes import error_header, error_of, internal, status_of
 from gemps_server.wire.streams import Pace
+from gemps_server.wire.worker_certificates import ConnectionCertificates, WorkerCertificates
 
 Steps = Generator[Wait, Any, Any]
 # Under TLS, how a connection gets its handshake done by a deadline (tls_handshakes.Handshakes.run).
@@ -121,6 +122,9 @@ class Connection:
         self.on_proven: Callable[[], None] = _nothing  # called once its HELLO proved a ticket
         # Under TLS: its handshake by a deadline, done off the loop's thread (tls_handshakes.py).
         self.handshake: HandshakeStart | None = None
+        # With --tls-crl: whose certificates its requests answer for, once its HELLO proved a ticket.
+        self.certificates: WorkerCertificates | None = None
+        self._answers_for: ConnectionCertificates | None = None
 
     def serve(self, task: Task) -> Generator[Wait, Any, None]:
         """The TLS handshake, the HELLO, then requests until the peer leaves, a guard closes the
@@ -171,7 +175,20 @@ class Connection:
         yield Write(pieces([self._protocol.send(Answer(ticket, here))]), self._limits.handshake_timeout, deadline)
         hello = yield from self._handshake_event()
         assert isinstance(hello, HelloReceived), hello
+        if self.certificates is not None:
+            self._answers_for = self.certificates.of_connection(hello.worker_id, self.channel.sock)
+            if (distrusted := self._distrusted()) is not None:
+                raise (yield from self._refuse(distrusted.error, distrusted.refusal))
         yield from self._send(worker_id=hello.worker_id)
+
+    def _distrusted(self) -> Unread | None:
+        """With --tls-crl, once the certificate this connection answers for is revoked: the refusal
+        of its HELLO or of each request after (then it closes: worker_certificates.py)."""
+        refused = self._answers_for.refusal() if self._answers_for is not None else None
+        if refused is None:
+            return None
+        revoked = refused.reason is Reason.REVOKED_CERTIFICATE
+        return Unread(refused, "revoked_certificate" if revoked else "unauthenticated")
 
     def _handshake_event(self) -> Generator[Wait, Any, ServerEvent]:
         """The handshake's next frame, read within the handshake's time, with no descriptor."""
@@ -228,6 +245,8 @@ class Connection:
             event = yield from self._event(self._limits.stream_timeout)
             if isinstance(event, ProtocolError):
                 raise Unread(error_of(event), event.refusal)
+            if (distrusted := self._distrusted()) is not None:
+                raise distrusted
             self._no_descriptors(unread=True)
             if isinstance(event, CommitHeader):
                 yield from self._commit(event)

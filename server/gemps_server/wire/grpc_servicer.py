@@ -30,6 +30,7 @@ from gemps_server.domain.applier import ApplierStopped
 from gemps_server.domain.errors import ServiceError
 from gemps_server.domain.records import Snapshot
 from gemps_server.metrics import ServerMetrics
+from gemps_server.security import call_certificates
 from gemps_server.service import ParameterService
 from gemps_server.wire import messages, streams
 from gemps_server.wire.messages import MalformedRequest, WithTensor
@@ -37,6 +38,7 @@ from gemps_server.wire.reply_budget import ReplyBudget
 from gemps_server.wire.status_codes import internal, status_of
 from gemps_server.wire.stream_buffers import BufferPool
 from gemps_server.wire.streams import CHUNK_CLASSES, Chunk, Pace
+from gemps_server.wire.worker_certificates import WorkerCertificates
 
 F = TypeVar("F", bound=Callable[..., Any])
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -179,8 +181,11 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         max_streamed_payloads: int,
         pace: Pace,
         reply_budget_bytes: int,
+        certificates: WorkerCertificates | None = None,
     ) -> None:
         self.service = service
+        # With --tls-crl: each registration's certificate, for the data plane's local socket.
+        self._certificates = certificates
         self.metrics = metrics
         # Replies carrying θ that gRPC holds until their client reads them (reply_budget.py).
         self._replies = ReplyBudget(reply_budget_bytes)
@@ -272,6 +277,8 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         registered, registration = await self.service.register(
             request.worker_name, spec, initial, include, buffer_spec, initial_buffers, request.client_id, request.job
         )
+        if self._certificates is not None:
+            self._certificates.registered(registration.worker_id, call_certificates(context))
         return messages.registered_to_proto(
             registered,
             registration,

@@ -38,6 +38,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
+from gemps_server.security import presented_by
 from gemps_server.token_bucket import TokenBucket
 from gemps_server.wire.data_plane_io import PeerClosed, Revoked, Stalled
 from gemps_server.wire.data_plane_loop import Handshake, Loop, Task, Wait
@@ -70,8 +71,9 @@ class _Job:
 
 
 Finished = Callable[[_Job, BaseException | None], None]
-# Why a handshaken peer's certificate (DER; None without one) is refused: '' when it is not (--tls-crl).
-CertificateCheck = Callable[[bytes | None], str]
+# Why a handshaken peer is refused, given its certificates (DER, its own first: revocation.presented_by):
+# '' when it is not (--tls-crl).
+CertificateCheck = Callable[..., str]
 
 
 class Handshakes:
@@ -253,7 +255,7 @@ class _Thread:
                 job.sock.setblocking(False)  # the descriptor's flag is shared: already so, but say it
                 job.tls = self._context.wrap_socket(job.sock, server_side=True, do_handshake_on_connect=False)
             job.tls.do_handshake()
-            refusal = self._check(job.tls.getpeercert(binary_form=True)) if self._check is not None else ""
+            refusal = self._check(*presented_by(job.tls)) if self._check is not None else ""
             if refusal:
                 error = Revoked(refusal)
         except ssl.SSLWantReadError:
