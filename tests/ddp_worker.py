@@ -10,8 +10,8 @@ after, the version, the names the server holds; with `--fsdp`, the error RemoteO
 an FSDP model instead. `--given inner` gives RemoteOptimizer the model inside the DDP wrapper,
 `--given separate` an unwrapped model with process_group=None (each rank its own gemps worker);
 `--poison` makes the last step's inputs NaN, which gemps refuses (the record says how each rank
-failed); `--overlap` keeps one commit in flight (RemoteOptimizer(..., overlap=True)), and the record
-ends with θ after the last commit was flushed.
+failed), `--poison-step K` step K's (from 0); `--overlap` keeps one commit in flight
+(RemoteOptimizer(..., overlap=True)), and the record ends with θ after the last commit was flushed.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from gemps.pytorch import RemoteOptimizer
 
 
 def run(
-    rank: int, world: int, target: str, steps: int, fsdp: bool, given: str, poison: bool, overlap: bool = False
+    rank: int, world: int, target: str, steps: int, fsdp: bool, given: str, poisoned: int, overlap: bool = False
 ) -> dict[str, Any]:
     torch.manual_seed(rank)  # different on each rank: DDP broadcasts rank 0's at wrapping
     model = nn.Linear(3, 1)
@@ -57,7 +57,7 @@ def run(
     for step in range(steps):
         before = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
         optimizer.zero_grad()
-        value = float("nan") if poison and step == steps - 1 else float(rank + 1)  # a NaN gradient: refused
+        value = float("nan") if step == poisoned else float(rank + 1)  # a NaN gradient: refused
         loss = ddp(torch.full((2, 3), value)).sum()
         loss.backward()
         gradient = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]).tolist()
@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--poison", action="store_true", help="the last step's inputs NaN: refused")
+    parser.add_argument("--poison-step", type=int, default=-1, help="this step's inputs NaN (from 0)")
     parser.add_argument("--given", choices=["ddp", "inner", "separate"], default="ddp", help="to RemoteOptimizer")
     parser.add_argument("--overlap", action="store_true", help="one commit in flight while the next step computes")
     args = parser.parse_args()
@@ -101,7 +102,8 @@ def main() -> None:
     os.environ["MASTER_PORT"] = str(args.port)
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
     try:
-        record = run(args.rank, args.world, args.target, args.steps, args.fsdp, args.given, args.poison, args.overlap)
+        poisoned = args.steps - 1 if args.poison else args.poison_step
+        record = run(args.rank, args.world, args.target, args.steps, args.fsdp, args.given, poisoned, args.overlap)
     finally:
         dist.destroy_process_group()
     with open(args.out, "w") as out:

@@ -11,8 +11,8 @@ copied through a protobuf message.
 
 from __future__ import annotations
 
-from gemps.records import Buffers, ParameterSpec, Registration
-from gemps.transport import CommitCall, Committed, PullCall, Pulled
+from gemps.records import Buffers, ParameterSpec
+from gemps.transport import CommitCall, Committed, PullCall, Pulled, Registered
 from gemps_proto import grpc_framing, vectors, versions
 from gemps_proto import schema_proto as shared
 from gemps_proto.reply_differences import DIFFERENCE_DTYPES
@@ -89,12 +89,13 @@ def buffers_from_proto(reply: pb.RegisterResponse | pb.PullResponse | pb.CommitR
     )
 
 
-def register_reply(data: bytes) -> tuple[Registration, Vector | None, Buffers | None]:
-    """The registration, the central variable (None for the worker whose values set it) and the
-    central buffers (None when the model has none)."""
+def register_reply(data: bytes) -> Registered:
+    """The registration, the central variable (None for the worker whose values set it), the
+    central buffers (None when the model has none), and the version and history θ counts in."""
     reply, parameters = grpc_framing.parse_with_tensor(pb.RegisterResponse, grpc_framing.REGISTER_REPLY_FIELD, data)
     registration = shared.registration_from_proto(reply)
-    return registration, None if parameters is None else parameters.decode(), buffers_from_proto(reply)
+    theta = None if parameters is None else parameters.decode()
+    return Registered(registration, theta, buffers_from_proto(reply), registration.version, reply.history)
 
 
 def pull_request(call: PullCall, wire_dtype: int) -> bytes:

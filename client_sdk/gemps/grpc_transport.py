@@ -17,7 +17,7 @@ import grpc
 from gemps import errors
 from gemps import grpc_messages as messages
 from gemps.channel_security import ChannelSecurity
-from gemps.records import Buffers, Evaluation, Layout, Registration, ServerStatus
+from gemps.records import Evaluation, Layout, Registration, ServerStatus
 from gemps.transport import CommitCall, Committed, Enrolment, PullCall, Pulled, Registered, refuse_non_finite, time_left
 from gemps_proto import schema_proto as shared
 from gemps_proto import vectors
@@ -141,30 +141,28 @@ class GrpcTransport:
         values, buffers = enrolment.values, enrolment.buffers
         nbytes = values.nbytes + (buffers.nbytes if buffers is not None else 0)
         if nbytes <= STREAM_THRESHOLD_BYTES:
-            registration, theta, central_buffers = self._send_register(enrolment, values)
-            return Registered(registration, theta, central_buffers, registration.version)
+            return self._send_register(enrolment, values)
         streamed = self.streams(nbytes)
         try:
-            registration, theta, central_buffers = self._send_register(enrolment, None, omit_parameters=streamed)
+            registered = self._send_register(enrolment, None, omit_parameters=streamed)
         except errors.GempsError as error:
             if error.reason != Reason.NOT_INITIALIZED:
                 raise
             # Ours initialise θ, unless another worker's got there first; streamed, in pieces:
             # the server accepts messages of --max-message-mb at most.
-            registration, theta, central_buffers = self._send_register(
-                enrolment, values, omit_parameters=streamed, streamed=streamed
-            )
+            registered = self._send_register(enrolment, values, omit_parameters=streamed, streamed=streamed)
+        registration = registered.registration
         if not streamed or registration.initialized_central:
-            return Registered(registration, theta, central_buffers, registration.version)
+            return registered
         # θ is another worker's: read it in pieces.
         pulled = self.pull(PullCall(registration.worker_id, -1, known_history, _held_size(values, registration.layout)))
         assert pulled.parameters is not None
-        buffers_now = pulled.buffers if pulled.buffers is not None else central_buffers
+        buffers_now = pulled.buffers if pulled.buffers is not None else registered.buffers
         return Registered(registration, pulled.parameters, buffers_now, pulled.version, pulled.history)
 
     def _send_register(
         self, enrolment: Enrolment, values: Vector | None, omit_parameters: bool = False, streamed: bool = False
-    ) -> tuple[Registration, Vector | None, Buffers | None]:
+    ) -> Registered:
         request = messages.register_request(
             enrolment.spec,
             enrolment.worker_name,
@@ -185,10 +183,10 @@ class GrpcTransport:
                 frames = itertools.chain((request,), *(data_frames(part, self.chunk_bytes) for part in parts))
                 reply = self._register_stream(frames, timeout=self.deadline(), metadata=self.metadata)
         registered = messages.register_reply(reply)
-        refusal = errors.incompatible_server(self.target, registered[0].versions)
+        refusal = errors.incompatible_server(self.target, registered.registration.versions)
         if refusal is not None:  # a server that registered us anyway: leave it as we found it
             with contextlib.suppress(errors.GempsError):
-                self.leave(registered[0].worker_id)
+                self.leave(registered.registration.worker_id)
             raise refusal
         return registered
 

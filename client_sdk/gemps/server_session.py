@@ -133,16 +133,17 @@ class ServerSession:
 
     def commit(self, call: CommitCall, enrolment: Enrolment | None) -> Committed:
         """Commit to this server (retrying); with `enrolment` again if it forgot us, then with the
-        base version clamped to the registration's (the server may have restarted older); or,
-        refused as ahead of the server's version, once more after pulling θ (`_resynchronised`)."""
+        base version `_rebased` on the registration's; or, refused as ahead of the server's
+        version, once more after pulling θ (`_resynchronised`)."""
+        counted_in = self.history  # the history the call's base version counts in
         try:
             return self.retrier.call(self.link.commit, call)
         except errors.GempsError as error:
             if errors.base_version_ahead(error):
                 return self._resynchronised(call, error)
             registered = self._register_again(error, enrolment)
-        version = registered.registration.version
-        call = replace(call, worker_id=self.worker_id, base_version=min(call.base_version, version))
+        base = self._rebased(call.base_version, counted_in, registered.registration.version)
+        call = replace(call, worker_id=self.worker_id, base_version=base)
         committed = self.retrier.call(self.link.commit, call)
         return committed if committed.buffers is not None else replace(committed, buffers=registered.buffers)
 
@@ -151,6 +152,7 @@ class ServerSession:
         pull gets now: the server went back in history under this worker (a failover to a replica
         without commits never acknowledged that a pull had shown). Repeating the refused commit
         left every worker refused for as long as they tried (issue 41)."""
+        counted_in = self.history
         pulled = self.retrier.call(self.link.pull, replace(self.pull_call(), known_version=-1))
         if pulled.parameters is None:  # cannot be (no version named): the refusal as it came
             raise error
@@ -160,8 +162,22 @@ class ServerSession:
             self.target, pulled.version, call.base_version, self.worker_id,
         )  # fmt: skip
         self.received(pulled.version, pulled.parameters, pulled.history)
-        base = min(call.base_version, pulled.version)  # the server's history may have moved on since
+        base = self._rebased(call.base_version, counted_in, pulled.version)
         return self.retrier.call(self.link.commit, replace(call, base_version=base))
+
+    def _rebased(self, base: int, counted_in: str, version: int) -> int:
+        """The base version of a commit made at `base` of history `counted_in`, sent again now that
+        this client holds the server's θ of `version` (registered again, or pulled). In the same
+        history (a lease that expired, a failover to a replica) `base` names a θ of it: the
+        commits since still count, up to `version` (a failover may have lost some). In another (a
+        server restarted, from an older checkpoint or not) `base` names no θ of the new one: the
+        commit is taken as made at `version`. Kept, `base` counted the new history's commits past
+        that number as staleness this worker met (issue 77: 96 after a restart from an older
+        checkpoint, and LocalSteps' job betas took β1 from 0.81 to 0.066). A server that names
+        no history is taken as the same one."""
+        if counted_in and self.history and counted_in != self.history:
+            return version
+        return min(base, version)
 
     def status(self) -> ServerStatus:
         return self.retrier.call(self.link.status)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import gemps
-from gemps.pytorch import RemoteModel, RemoteOptimizer
+from gemps.pytorch import InFlightCommitError, RemoteModel, RemoteOptimizer
 from gemps_worker.datasets import load_digits
 from gemps_worker.held_out import evaluate
 from gemps_worker.training import StepRecord, WorkerHooks, WorkerOptions, run_worker
@@ -74,10 +74,41 @@ def test_an_error_of_the_commit_in_flight_is_raised_by_the_next_step(server: InP
         layer_of(model).weight.grad[0, 0] = float("nan")  # type: ignore[index]  # refused by the client, on the commit thread
         remote.step(num_samples=8, loss=1.0)  # returns the first commit's result; the NaN one is in flight
         with pytest.raises(gemps.InvalidArgumentError, match=r"NaN|non-finite|finite"):
-            remote.step(loss=backward(model, x, y), num_samples=8)
-        assert server.server.state.version == 1  # the refused commit touched nothing
+            remote.step(loss=backward(model, x, y), num_samples=8)  # sent all the same, after the refusal
         remote.step(loss=backward(model, x, y), num_samples=8)  # the worker goes on
-        assert remote.flush() is not None and server.server.state.version == 2
+        assert remote.flush() is not None and server.server.state.version == 3  # the refused commit touched nothing
+
+
+def test_the_step_that_raises_a_refusal_in_flight_still_sends_its_gradients_and_says_so(
+    server: InProcessServer,
+) -> None:
+    """Issue 77 item 3: step 3 raises step 2's refusal after it gathered its own gradients (and
+    counted its buffers sent): they are sent all the same, and the error names both steps."""
+    model = linear()
+    x, y = torch.randn(8, 64), torch.zeros(8, dtype=torch.long)
+    with RemoteModel(model, server.target, overlap=True) as remote:
+        remote.step(loss=backward(model, x, y), num_samples=8)  # step 1, at version 0
+        backward(model, x, y)
+        layer_of(model).weight.grad[0, 0] = float("nan")  # type: ignore[index]
+        first = remote.step(num_samples=8, loss=1.0)  # step 2, computed at version 0: refused in flight
+        assert first is not None and first.version == 1 == remote.version
+        with pytest.raises(gemps.InvalidArgumentError) as raised:  # the refusal's class, as before
+            remote.step(loss=backward(model, x, y), num_samples=8)  # step 3, computed at version 1
+        error = raised.value
+        assert error.reason == gemps.Reason.NON_FINITE and "NaN" in str(error)
+        assert "step 2's commit (its gradients computed at version 0) failed" in str(error)
+        assert "step 3's gradients (computed at version 1) were sent after it all the same" in str(error)
+        assert isinstance(error, InFlightCommitError) and (error.step, error.base_version, error.sent_step) == (2, 0, 3)
+        assert remote.in_flight  # step 3's commit, not dropped
+        third = remote.flush()
+        assert third is not None and third.version == 2 == server.server.state.version == remote.version
+        assert third.staleness == 0  # computed at version 1, applied on it: steps 1 and 3 applied, once each
+        backward(model, x, y)
+        layer_of(model).weight.grad[0, 0] = float("nan")  # type: ignore[index]
+        remote.step(num_samples=8, loss=1.0)  # step 4, refused in flight
+        with pytest.raises(InFlightCommitError, match=r"step 4's commit .* failed: .*NaN.*; no later step's gradients"):
+            remote.flush()
+    assert server.server.state.version == 2
 
 
 def test_the_worker_refuses_overlap_where_its_mode_commits_local_steps() -> None:

@@ -97,6 +97,26 @@ def test_a_ddp_group_overlaps_its_commits_as_one_worker(start_server: StartServe
         torch.testing.assert_close(torch.from_numpy(observer.pull().flat.copy()), torch.tensor(records[0]["flushed"]))
 
 
+def test_a_ddp_group_sends_the_step_after_a_refusal_in_flight_on_every_rank(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """Issue 77 item 3 in a process group: step 2's NaN commit is refused in flight; step 3 raises
+    that on every rank (the leader's error, GroupLeaderError's on rank 1), each naming both steps,
+    and step 3's gradients are sent all the same: both ranks load its reply."""
+    server = start_server(rule="downpour", learning_rate=1.0)
+    leader, other = ddp_ranks(server.target, tmp_path, "--steps", "4", "--overlap", "--poison-step", "1")
+    named = "step 2's commit (its gradients computed at version 0) failed: "
+    assert leader["failed"].startswith(f"InFlightInvalidArgumentError: {named}payload contains NaN or Inf")
+    assert other["failed"].startswith(f"InFlightGroupLeaderError: {named}the gemps worker's leader (group rank 0)")
+    for record in (leader, other):
+        assert record["failed"].endswith("step 3's gradients (computed at version 1) were sent after it all the same")
+        assert [step["version"] for step in record["steps"]] == [0, 1]  # steps 1 and 2; step 3 raised
+    assert leader["flushed"] == other["flushed"]
+    with gemps.Client(server.target) as observer:
+        assert observer.status().commits_applied == 2  # steps 1 and 3
+        torch.testing.assert_close(torch.from_numpy(observer.pull().flat.copy()), torch.tensor(leader["flushed"]))
+
+
 @pytest.mark.parametrize("given", ["ddp", "inner"])
 def test_a_ddp_group_is_one_worker_whose_all_reduced_gradient_is_applied_once(
     start_server: StartServer, tmp_path: Path, given: str

@@ -64,3 +64,23 @@ def test_an_optimizer_without_betas_is_left_as_it_is() -> None:
     kept = JobBetas(True, optimizer.param_groups)
     kept.after_commit(staleness=3)
     assert "betas" not in optimizer.param_groups[0] and optimizer.param_groups[0]["momentum"] == 0.9
+
+
+def test_the_beta1_a_scheduler_writes_after_a_step_is_raised_before_the_next() -> None:
+    optimizer = adamw()
+    kept = JobBetas(True, optimizer.param_groups)
+    for _ in range(40):
+        kept.after_commit(staleness=1)
+    for written in (0.85, 0.8):  # OneCycleLR's cycle_momentum, after each step, no commit between
+        optimizer.param_groups[0]["betas"] = (written, 0.99)
+        kept.before_step()
+        assert optimizer.param_groups[0]["betas"][0] == pytest.approx(written**2, abs=1e-3)
+    optimizer.param_groups[0]["betas"] = (0.75, 0.99)  # written after the last step: the user's now
+    assert kept.users(optimizer.state_dict())["param_groups"][0]["betas"] == (0.75, 0.99)
+
+
+def test_off_a_checkpoint_keeps_the_betas_a_scheduler_set_last() -> None:
+    optimizer = adamw()
+    kept = JobBetas(False, optimizer.param_groups)
+    optimizer.param_groups[0]["betas"] = (0.8, 0.99)  # a scheduler's
+    assert kept.users(optimizer.state_dict())["param_groups"][0]["betas"] == (0.8, 0.99)  # not the first ones

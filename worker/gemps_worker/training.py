@@ -8,7 +8,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Protocol
 
@@ -23,10 +23,23 @@ from gemps.records import Registration
 from gemps.resolver import Target
 from gemps.retry import DEFAULT_PATIENCE, RetryPolicy
 from gemps.wire_options import PLANES
-from gemps_proto.ranges import COUNT, FLOAT32_MAX, MAX_SECONDS, RANGE, SECONDS_OR_ZERO, Range, out_of_range
+from gemps_proto.ranges import (
+    COUNT,
+    COUNT_OR_ZERO,
+    FLOAT32_MAX,
+    INT64_MAX,
+    MAX_SECONDS,
+    RANGE,
+    SECONDS,
+    SECONDS_OR_ZERO,
+    THREADS,
+    Range,
+    out_of_range,
+)
 from gemps_proto.reply_differences import REPLY_COMPRESSIONS
 from gemps_proto.tensor_codec import COMPRESSIONS, WIRE_DTYPE_NAMES
 from gemps_worker.datasets import DATASETS, Dataset, load_dataset
+from gemps_worker.mode_options import read_by, unread_options
 from gemps_worker.models import MODELS, build_model
 from gemps_worker.modes import LOCAL_OPTIMIZERS, MODES, Committed, Diverged, LocalTraining, WorkerMode, create_mode
 from gemps_worker.progress import WorkerProgress
@@ -61,23 +74,26 @@ class WorkerOptions:
     local_optimizer: str = field(
         default="sgd",
         metadata={
-            "help": "agn, dynsgd, easgd: optimizer of the local steps (sgd; momentum: sgd with the server's mu; "
-            "adam; momentum and adam keep their state across windows)",
+            "help": f"{read_by('local_optimizer')}: optimizer of the local steps (sgd; momentum: sgd with the "
+            "server's mu; adam; momentum and adam keep their state across windows); refused in another mode",
             "choices": tuple(LOCAL_OPTIMIZERS),
         },
     )
     local_learning_rate: float = field(
         default=0.0,
         metadata={
-            "help": "agn, dynsgd, easgd: local steps' learning rate; 0: sgd and momentum the server's eta, adam 0.001"
+            "help": f"{read_by('local_learning_rate')}: local steps' learning rate; 0: sgd and momentum the "
+            "server's eta, adam 0.001; refused in another mode",
+            RANGE: Range(0, FLOAT32_MAX),
         },
     )
     outer_learning_rate: float = field(
         default=0.0,
         metadata={
-            "help": "agn, dynsgd, dylu: the accumulated update of the local steps is committed times this (an "
-            "outer learning rate; with --reply-compression and --compression, GEM with local steps across slow "
-            "links); 0: the mode's own (agn 1/lambda, dynsgd and dylu 1)",
+            "help": f"{read_by('outer_learning_rate')}: the accumulated update of the local steps is committed "
+            "times this (an outer learning rate; with --reply-compression and --compression, GEM with local steps "
+            "across slow links); 0: the mode's own (agn 1/lambda, dynsgd and dylu 1); refused in modes gradient "
+            "and easgd, which commit no window's update",
             RANGE: Range(0, FLOAT32_MAX),
         },
     )
@@ -96,8 +112,10 @@ class WorkerOptions:
             "the gradient is one step staler, which GEM sees): a slow link's round trip off the step's time"
         },
     )
-    epochs: int = field(default=1, metadata={"help": "passes over this worker's shard"})
-    max_steps: int = field(default=0, metadata={"help": "stop after this many commits (0: no limit)"})
+    epochs: int = field(default=1, metadata={"help": "passes over this worker's shard", RANGE: COUNT})
+    max_steps: int = field(
+        default=0, metadata={"help": "stop after this many commits (0: no limit)", RANGE: COUNT_OR_ZERO}
+    )
     max_seconds: float = field(
         default=0.0,
         metadata={
@@ -106,10 +124,10 @@ class WorkerOptions:
             RANGE: SECONDS_OR_ZERO,
         },
     )
-    seed: int = field(default=0, metadata={"help": "seed for this worker's data order"})
+    seed: int = field(default=0, metadata={"help": "seed for this worker's data order", RANGE: Range(0, INT64_MAX)})
     name: str = field(default="", metadata={"help": "worker name shown in server logs"})
     device: str = field(default="auto", metadata={"help": "torch device: auto (CUDA when present), cpu, cuda"})
-    threads: int = field(default=1, metadata={"help": "torch CPU threads for this worker"})
+    threads: int = field(default=1, metadata={"help": "torch CPU threads for this worker", RANGE: THREADS})
     wire_dtype: str = field(
         default="float32",
         metadata={"help": "how commits and replies travel", "choices": tuple(WIRE_DTYPE_NAMES)},
@@ -143,20 +161,25 @@ class WorkerOptions:
         default=DEFAULT_PATIENCE,
         metadata={
             "help": "seconds the worker goes on retrying a server that does not answer (down, restarting, "
-            "failing over) before it gives up with an error; the default outlasts a server's restart"
+            "failing over) before it gives up with an error; the default outlasts a server's restart",
+            RANGE: SECONDS,
         },
     )
     log_every: float = field(
         default=10.0,
-        metadata={"help": "seconds between progress lines (commits, version, loss, samples/s, staleness); 0: none"},
+        metadata={
+            "help": "seconds between progress lines (commits, version, loss, samples/s, staleness); 0: none",
+            RANGE: SECONDS_OR_ZERO,
+        },
     )
     metrics_port: int = field(default=-1, metadata={"help": "serve this worker's /metrics here (-1: off)"})
     report_file: str = field(default="", metadata={"help": "append one JSON line per commit here"})
 
     def problems(self) -> list[str]:
-        """One line per option outside its range (local steps below one, say), and options that
-        do not go together."""
-        found = out_of_range(self)
+        """One line per option outside its range (local steps below one, a NaN learning rate, say),
+        and options that do not go together (one the mode does not read: gemps_worker.mode_options)."""
+        defaults = {option.name: option.default for option in fields(self)}
+        found = out_of_range(self) + unread_options(self.mode, asdict(self), defaults)
         if self.overlap and self.mode != WorkerMode.GRADIENT.value:
             found.append(
                 f"overlap: mode {self.mode} commits its local steps' update in one call; only mode gradient overlaps "

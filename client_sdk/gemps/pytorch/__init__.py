@@ -70,12 +70,14 @@ except ImportError as missing:
 from gemps.pytorch.groups import GroupLeaderError
 from gemps.pytorch.local_steps import LocalSteps
 from gemps.pytorch.optimizer import RemoteOptimizer
+from gemps.pytorch.overlap import InFlightCommitError
 from gemps.pytorch.remote import RemoteModel, load_central
 from gemps.pytorch.schedules import ServerOwnsLearningRateError, ServerSchedule
 from gemps.pytorch.values import persistent_buffers, trained_parameters
 
 __all__ = [
     "GroupLeaderError",
+    "InFlightCommitError",
     "LocalSteps",
     "RemoteModel",
     "RemoteOptimizer",

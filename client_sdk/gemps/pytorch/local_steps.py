@@ -128,6 +128,7 @@ class LocalSteps(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.job_betas.before_step()  # over the β1 a scheduler wrote since the step before
         self.optimizer.step()
         if loss is not None:
             self._losses.append(float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss))

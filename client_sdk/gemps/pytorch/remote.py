@@ -3,17 +3,18 @@ docstring, gemps.pytorch), and load_central. RemoteOptimizer, its torch.optim fa
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from gemps.client import Client
-from gemps.errors import PartiallyAppliedError
+from gemps.errors import GempsError, PartiallyAppliedError
 from gemps.pytorch.batches import BatchCounter, warn_without_loss
 from gemps.pytorch.groups import AUTO as GROUP_AUTO
 from gemps.pytorch.groups import GroupLeaderError, GroupWorker, Outcome, process_group_of
-from gemps.pytorch.overlap import InFlight, Staging, copies_done
+from gemps.pytorch.overlap import InFlight, InFlightCommitError, Staging, copies_done
 from gemps.pytorch.refusals import check_weight_decay
 from gemps.pytorch.threads import AUTO, ThreadKeeper, Threads, requested
 from gemps.pytorch.values import (
@@ -30,6 +31,8 @@ from gemps.pytorch.values import (
 )
 from gemps.pytorch.wrappers import unwrapped
 from gemps.records import Buffers, CentralVariable, CommitResult, Registration, TrainingConfig
+
+log = logging.getLogger("gemps.pytorch")
 
 Called = tuple[Outcome | None, BaseException | None]  # what the leader's call made: outcome, failure
 
@@ -101,6 +104,8 @@ class RemoteModel:
         self._in_flight: InFlight[Called] | None = InFlight() if overlap else None
         self._staging = Staging(self._grad) if overlap else None
         self._launched = False
+        self._steps = 0  # step() calls so far: an overlapped commit's error names its step
+        self._flying: tuple[int, int] = (0, 0)  # the step whose commit is in flight, its base version
         try:
             self._exchange(
                 lambda: self.client.register(
@@ -155,6 +160,7 @@ class RemoteModel:
         (gemps.pytorch.batches); without `loss`, the mean loss those forwards returned (a Hugging Face
         model's `output.loss`), or when they returned none a WARNING once that the server's loss
         metrics stay empty."""
+        self._steps += 1
         seen, returned = self._batches.take(), self._batches.take_loss()
         if self._group is not None:  # the group's gradient is every rank's batches'
             seen = self._group.samples(seen)
@@ -183,7 +189,8 @@ class RemoteModel:
 
     def _overlapped(self, grad: torch.Tensor, loss: float | None, num_samples: int | None) -> CommitResult | None:
         """This step's commit sent on the commit thread once the one in flight was loaded; the
-        result of that one (None: there was none)."""
+        result of that one (None: there was none). When that one failed, this step's gradients
+        are sent all the same and its error (InFlightCommitError) says so."""
         delta: Buffers | None = None
         ready = copies_done([])
         if self._client is not None:  # what this step sends, taken before the reply's θ and buffers load
@@ -193,7 +200,6 @@ class RemoteModel:
             delta = self._buffer_delta()
             ready = copies_done(self._gpus)
         base = self._version  # the θ these gradients were computed at, one reply older than the next
-        previous = self.flush()
 
         def commit() -> CommitResult:
             ready()  # the gradients' copies into pinned memory, on the commit thread
@@ -201,10 +207,22 @@ class RemoteModel:
                 grad.numpy(), loss=loss, num_samples=num_samples, base_version=base, buffer_delta=delta
             )
 
+        try:
+            previous = self._take_in_flight(sent=(self._steps, base))
+        except InFlightCommitError:
+            self._launch(commit, base)  # gathered, their buffers' change counted sent: not lost with the failure
+            raise
+        except Exception as error:  # local (the devices, the process group), not the commit's: nothing is sent
+            error.add_note(f"gemps: step {self._steps}'s gradients (overlap) were not sent")
+            raise
+        self._launch(commit, base)
+        return previous
+
+    def _launch(self, commit: Callable[[], CommitResult], base: int) -> None:
+        """`commit` on the commit thread (the leader's; every rank counts it in flight)."""
         if self._in_flight is not None and self._client is not None:
             self._in_flight.submit(lambda: self._called(commit))
-        self._launched = True
-        return previous
+        self._launched, self._flying = True, (self._steps, base)
 
     @property
     def in_flight(self) -> bool:
@@ -213,13 +231,22 @@ class RemoteModel:
 
     def flush(self) -> CommitResult | None:
         """Wait for the commit in flight (overlap) and load the central variable its reply carries;
-        its result, or None when none is in flight. Its error, if it failed, is raised here."""
+        its result, or None when none is in flight. Its error, if it failed, is raised here (an
+        InFlightCommitError naming its step)."""
+        return self._take_in_flight(sent=None)
+
+    def _take_in_flight(self, sent: tuple[int, int] | None) -> CommitResult | None:
+        """flush(); `sent`: the step (and its base version) whose gradients will be sent after
+        it, which a failure's error names."""
         if not self._launched:
             return None
         self._launched = False
         taken = self._in_flight.take() if self._in_flight is not None and self._client is not None else None
         outcome, failure = taken if taken is not None else (None, None)
-        result = self._settled(outcome, failure, load=True).result
+        try:
+            result = self._settled(outcome, failure, load=True).result
+        except GempsError as error:  # the commit's own (on other ranks: the leader's, as GroupLeaderError)
+            raise InFlightCommitError.of(error, *self._flying, sent) from error
         assert isinstance(result, CommitResult)
         return result
 
@@ -282,6 +309,8 @@ class RemoteModel:
             self._threads.close()
         if failure is not None and raise_failure:
             raise failure
+        if failure is not None:  # not raised over the error leaving the block, but not kept silent either
+            log.warning("the commit in flight failed as the block was left on an error: %s", failure)
 
     def _unbind(self) -> None:
         """Undo what binding did, when registering failed."""
