@@ -24,7 +24,7 @@ from gemps_worker.supervisor import RestartPolicy, supervise
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 behaviour, folder = sys.argv[1], Path(sys.argv[2])
-policy = RestartPolicy(quick_s=float(sys.argv[3]), first_delay_s=float(sys.argv[4]), give_up_after=3,
+policy = RestartPolicy(quick_s=float(sys.argv[3]), first_delay_s=float(sys.argv[4]), give_up_after=4,
                        stop_grace_s=0.2, final_codes=frozenset({3}))
 
 def work() -> int:
@@ -58,13 +58,14 @@ def lives(tmp_path: Path) -> int:
     return len(list(tmp_path.glob("life-*")))
 
 
-def test_quick_failures_back_off_doubling_then_end_it_with_the_workers_code(tmp_path: Path) -> None:
+def test_quick_failures_back_off_from_the_second_then_end_it_with_the_workers_code(tmp_path: Path) -> None:
     run = subprocess.run(supervisor(tmp_path, "fail"), capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1 and lives(tmp_path) == 3, run.stderr
+    assert run.returncode == 1 and lives(tmp_path) == 4, run.stderr
     assert "exited with code 1 after" in run.stderr
-    assert ") in 0.01 s: quick failure 1 in a row of the 3" in run.stderr
-    assert ") in 0.02 s: quick failure 2 in a row of the 3" in run.stderr
-    assert "giving up: the worker failed 3 times in a row within 10 s of its start" in run.stderr
+    assert ") now: quick failure 1 in a row of the 4" in run.stderr  # one kill soon after a start: no loop
+    assert ") in 0.01 s: quick failure 2 in a row of the 4" in run.stderr
+    assert ") in 0.02 s: quick failure 3 in a row of the 4" in run.stderr
+    assert "giving up: the worker failed 4 times in a row within 10 s of its start" in run.stderr
 
 
 def test_a_worker_that_lived_past_quick_s_is_restarted_at_once_until_it_exits_0(tmp_path: Path) -> None:
@@ -80,8 +81,8 @@ def test_a_final_code_ends_it_at_once_and_a_crash_is_a_failure(tmp_path: Path) -
     crashed = tmp_path / "crashed"
     crashed.mkdir()
     run = subprocess.run(supervisor(crashed, "crash"), capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1 and lives(crashed) == 3
-    assert run.stderr.count("RuntimeError: a crash in the worker") == 3  # each life's traceback
+    assert run.returncode == 1 and lives(crashed) == 4
+    assert run.stderr.count("RuntimeError: a crash in the worker") == 4  # each life's traceback
 
 
 def test_sigterm_while_backing_off_leaves_without_another_worker(tmp_path: Path) -> None:
@@ -95,7 +96,7 @@ def test_sigterm_while_backing_off_leaves_without_another_worker(tmp_path: Path)
     finally:
         process.kill()
         process.wait()
-    assert lives(tmp_path) == 1 and "while waiting to restart the worker: leaving" in log.read_text()
+    assert lives(tmp_path) == 2 and "while waiting to restart the worker: leaving" in log.read_text()
 
 
 def test_a_worker_deaf_to_sigterm_is_killed_after_the_grace(tmp_path: Path) -> None:

@@ -16,9 +16,10 @@ What a user can count on:
 - **Exit codes**: 0 (the worker finished) and the caller's `final_codes` (the reference worker's
   refused options, its divergence) end the supervisor with that code; any other code or a signal
   is a failure, and a new worker is forked.
-- **No hot loop**: a worker that fails within `quick_s` of its start is a quick failure; the next
-  waits `first_delay_s`, doubling to `max_delay_s`, and after `give_up_after` quick failures in a
-  row the supervisor exits with the last one's status, saying why.
+- **No hot loop**: a worker that fails within `quick_s` of its start is a quick failure; the first
+  is restarted at once (a kill soon after a start is no loop), the second after `first_delay_s`,
+  each further one after twice the wait before (at most `max_delay_s`), and after `give_up_after`
+  quick failures in a row the supervisor exits with the last one's status, saying why.
 - **Logs** (logger gemps.worker): "worker pid N started (life L)", "restarting worker (pid N died
   with signal 9 (SIGKILL) after 63.2 s) now" or "in 4 s (...)".
 
@@ -60,7 +61,7 @@ class RestartPolicy:
     """When a supervisor forks its next worker, and when it stops trying."""
 
     quick_s: float = 10.0  # a worker that fails sooner after its start is a quick failure
-    first_delay_s: float = 1.0  # the wait after the first quick failure in a row, doubling
+    first_delay_s: float = 1.0  # the wait after the second quick failure in a row, doubling
     max_delay_s: float = 30.0
     give_up_after: int = 5  # quick failures in a row
     stop_grace_s: float = 30.0  # after a stop signal is passed on, the worker is killed after this
@@ -76,8 +77,9 @@ class SupervisorOptions:
         metadata={
             "help": "run the worker as a child of a supervisor that has imported torch and loaded the data once, "
             "and forks a new worker at once when one dies (SIGKILL, a crash, a non-zero exit): back in a second "
-            "or two instead of a fresh start's import of torch; quick failures back off (1 s doubling to 30 s) "
-            "and 5 in a row end it; SIGTERM to the supervisor stops the worker, whose exit code it returns"
+            "or two instead of a fresh start's import of torch; failures within 10 s of a start back off from the "
+            "second in a row (1 s, doubling to 30 s) and 5 in a row end it; SIGTERM to the supervisor stops the "
+            "worker, whose exit code it returns"
         },
     )
 
@@ -144,14 +146,16 @@ class _Supervisor:
                     quick, self.policy.quick_s, ended,
                 )  # fmt: skip
                 return exit_code(status)
-            delay = min(self.policy.max_delay_s, self.policy.first_delay_s * 2 ** (quick - 1)) if quick else 0.0
-            if delay:
+            # the first quick failure restarts at once too: a kill soon after a start is no loop
+            delay = min(self.policy.max_delay_s, self.policy.first_delay_s * 2 ** (quick - 2)) if quick > 1 else 0.0
+            when = f"in {delay:g} s" if delay else "now"
+            if quick:
                 log.warning(
-                    "restarting worker (%s) in %g s: quick failure %d in a row of the %d that end the supervisor",
-                    ended, delay, quick, self.policy.give_up_after,
+                    "restarting worker (%s) %s: quick failure %d in a row of the %d that end the supervisor",
+                    ended, when, quick, self.policy.give_up_after,
                 )  # fmt: skip
             else:
-                log.warning("restarting worker (%s) now", ended)
+                log.warning("restarting worker (%s) %s", ended, when)
 
     def _fork(self) -> int:
         self.lives += 1
