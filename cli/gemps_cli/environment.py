@@ -66,6 +66,7 @@ TRAINING_OPTIONS = frozenset(
         "GEMPS_SEED",
         "GEMPS_SERVER",
         "GEMPS_STARTUP_TIMEOUT",
+        "GEMPS_SUPERVISE",
         "GEMPS_THREADS",
         "GEMPS_WIRE_DTYPE",
         "GEMPS_WORKERS",

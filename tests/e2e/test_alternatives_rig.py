@@ -82,3 +82,24 @@ def test_a_snapshot_interval_that_is_not_positive_is_refused_naming_it(tmp_path:
     done = alternatives("--snapshot-every", "0", "--results", str(tmp_path))
     assert done.returncode == 2 and "--snapshot-every must be positive, not 0.0" in done.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_a_killed_gemps_worker_is_forked_again_by_its_supervisor_and_commits_again(tmp_path: Path) -> None:
+    """Scenario (d)'s first kill (worker 0 at 5 s) on the real rig: the kill spares the worker's
+    supervisor, which forks a new worker at once; the rig starts nothing (issue 77, item 11)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    done = alternatives(
+        "--scenarios", "d", "--systems", "gemps-gem", "--workload", "digits", "--seeds", "0", "--lr", "0.05",
+        "--duration-s", str(DURATION_S), "--target", "ci", "--runs", str(tmp_path / "runs"), "--results", str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    (result,) = json.loads((tmp_path / "digits.json").read_text())["cells"].values()
+    assert result["restarts"] == 1 and result["processes"] == 9
+    (recovery,) = result["recoveries"]
+    assert recovery["rank"] == 0 and recovery["applied_s"] is not None, result["recoveries"]
+    (run,) = (tmp_path / "runs").iterdir()
+    logged = (run / "logs" / "worker-0.log").read_text()
+    assert "restarting worker (pid" in logged and "died with signal 9 (SIGKILL)" in logged
+    assert [e["action"] for e in json.loads((run / "events.json").read_text())] == ["kill", "restart"]

@@ -171,6 +171,22 @@ def test_cell_metrics_has_every_figure(tmp_path: Path) -> None:
     assert found["restarts"] == 1 and found["processes"] == 2
 
 
+def test_each_kill_records_the_seconds_to_the_ranks_next_start_and_first_applied_step(tmp_path: Path) -> None:
+    """Scenario (d)'s cost per kill, apart from the rest of the run: rank 1 killed at 105 (5 s into
+    the run), its next process logs "start" at 107.5 and its first applied step at 109 (a step
+    before it computed but not applied: local steps); rank 2's kill at 165 has no process after it."""
+    applied = [(105.0, "kill", 1), (110.0, "restart", 1), (130.0, "kill", -1), (165.0, "kill", 2)]
+    events = [{"t": t, "at_s": t - 100, "action": action, "target": target} for t, action, target in applied]
+    (tmp_path / "events.json").write_text(json.dumps(events))
+    _write_log(tmp_path / "worker-1.jsonl", [(90, "start", 0, 0), (104, "step", 10, 10)], rank=1)
+    _write_log(tmp_path / "worker-1.jsonl", [(107.5, "start", 0, 0), (108, "step", 10, 0), (109, "step", 20, 20)], 1)
+    _write_log(tmp_path / "worker-2.jsonl", [(90, "start", 0, 0), (164, "step", 10, 10)], rank=2)
+    assert metrics.recoveries(tmp_path, 100.0) == [
+        {"rank": 1, "at_s": 5.0, "started_s": 2.5, "applied_s": 4.0},
+        {"rank": 2, "at_s": 65.0, "started_s": None, "applied_s": None},
+    ]
+
+
 def test_progress_log_and_snapshots_follow_the_contract(tmp_path: Path) -> None:
     log = ProgressLog(tmp_path, 3)
     (tmp_path / "go").touch()
@@ -221,6 +237,10 @@ def test_systems_build_their_command_lines(tmp_path: Path) -> None:
     # a worker's kill spares its elastic agent (the process the rig started), which restarts the group
     assert Ddp().killed(1, [42, 43], 42) == [43] and Ddp().restarts_itself(1)
     assert Ddp().killed(-1, [42, 43], 42) == [42, 43] and not Ddp().restarts_itself(-1)
+    # a gemps worker runs under its supervisor (the process the rig started), spared by a worker
+    # kill: it forks the next worker itself, warm
+    assert "--supervise" in plain
+    assert Gemps("gemps-gem").killed(1, [42, 43], 42) == [43] and Gemps("gemps-gem").restarts_itself(1)
     replicated = Gemps("gemps-gem")
     server = replicated.coordinator(replace(plan, replicas=2)).argv
     assert server[server.index("--replicas") + 1] == "2" and replicated.restarts_itself(-1)

@@ -90,6 +90,7 @@ def test_every_commands_options_are_known() -> None:
     from gemps_worker.demo import DemoOptions
     from gemps_worker.evaluation_loop import EvaluatorOptions
     from gemps_worker.on_ray.options import RayJobOptions
+    from gemps_worker.supervisor import SupervisorOptions
     from gemps_worker.training import WorkerOptions
 
     def names(kind: type[Any]) -> set[str]:
@@ -97,7 +98,7 @@ def test_every_commands_options_are_known() -> None:
 
     server = names(ServerConfig)
     training = set[str]().union(
-        *(names(kind) for kind in (WorkerOptions, EvaluatorOptions, DemoOptions, RayJobOptions))
+        *(names(kind) for kind in (WorkerOptions, SupervisorOptions, EvaluatorOptions, DemoOptions, RayJobOptions))
     )
     assert set(environment.TRAINING_OPTIONS) == training - server
     assert not set(environment.NOT_OPTIONS) & (training | server)

@@ -15,6 +15,9 @@ Goodput = worker-seconds whose work was applied / worker-seconds provisioned, wh
   gemps commits lost to a server restarted from its last checkpoint (scenario e).
 Lost: start-up and restarts, pauses (a step's seconds while its slot was stopped, from
 events.json), killed processes' unapplied steps, rollbacks.
+
+Recoveries: each worker kill's seconds to the rank's next process's start and first applied step
+(`recoveries`): what a kill costs, apart from the rest of the run.
 """
 
 from __future__ import annotations
@@ -122,6 +125,28 @@ def _rollback_time(processes: list[Incarnation], process: Incarnation) -> float 
     return max(checkpoints) if checkpoints else None
 
 
+def recoveries(run_dir: Path, started: float) -> list[dict[str, Any]]:
+    """Each worker kill the rig applied (events.json): the rank, when (seconds into the run), and
+    the seconds from the kill to the rank's next process's "start" line (set up: imported,
+    registered or rendezvoused) and to its first applied step (None: not within the run)."""
+    path = run_dir / "events.json"
+    events = json.loads(path.read_text()) if path.exists() else []
+    processes = incarnations(run_dir)
+    found = []
+    for kill in (e for e in events if e["action"] == "kill" and e["target"] >= 0):
+        later = sorted(
+            (p for p in processes if p.rank == kill["target"] and p.lines[0]["t"] > kill["t"]),
+            key=lambda p: float(p.lines[0]["t"]),
+        )
+        applied = [line["t"] for p in later for line in p.lines if line["event"] == "step" and line["applied"] > 0]
+        found.append({
+            "rank": kill["target"], "at_s": kill["t"] - started,
+            "started_s": later[0].lines[0]["t"] - kill["t"] if later else None,
+            "applied_s": min(applied) - kill["t"] if applied else None,
+        })  # fmt: skip
+    return found
+
+
 def time_to_target(curve: list[dict[str, float]], chosen: Workload, target: float) -> float | None:
     """Seconds from the run's start to the first evaluated snapshot at the target; None: never."""
     return next((point["t"] for point in curve if chosen.reached(point, target)), None)
@@ -161,6 +186,7 @@ def cell_metrics(
         "bytes_per_sample": total_bytes / applied if applied else None,
         "processes": len(processes),
         "restarts": len(processes) - len({p.rank for p in processes}),
+        "recoveries": recoveries(run_dir, started),
         "snapshots": len(curve),
         "wall_s": ended - started,
     }

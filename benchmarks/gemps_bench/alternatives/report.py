@@ -19,8 +19,15 @@ def line(result: dict[str, Any]) -> str:
         f"{cell['scenario']} {cell['system']} {cell['workload']} seed {cell['seed']} lr {result['learning_rate']}: "
         f"target {'never' if reached is None else f'{reached:.1f} s'}, final loss {final['loss']} accuracy "
         f"{final['accuracy']}, goodput {_percent(result['goodput'])}, {_bytes(result['bytes_per_sample'])}/sample, "
-        f"restarts {result['restarts']}, load {result['load_average'][0]}"
+        f"restarts {result['restarts']}{_recovered(result)}, load {result['load_average'][0]}"
     )
+
+
+def _recovered(result: dict[str, Any]) -> str:
+    """Each kill's seconds to the killed rank's first applied step again (cells before 2026-11-29: none)."""
+    kills = result.get("recoveries") or []
+    each = ", ".join("never" if k["applied_s"] is None else f"{k['applied_s']:.1f}" for k in kills)
+    return f" (first applied step again {each} s after each kill)" if kills else ""
 
 
 def search_score(result: dict[str, Any], metric: str) -> tuple[float, float]:

@@ -12,6 +12,11 @@ per rank, and an observer beside the server that pulls θ for the snapshots.
   delayed-nesterov`, its defaults: epsilon 0.7, beta 0.9, N the workers registered) and dynamic local
   updates on the workers (`--mode dylu`, H = 8 for the fastest), float32 both ways: the setting of
   docs/RESULTS.md "Delayed Nesterov and dynamic local updates".
+
+Each worker runs under its supervisor (`--supervise`, gemps_worker.supervisor, as `gemps worker
+--supervise on`): a worker kill kills the worker it forked and spares the supervisor, which forks
+a new one at once, its imports and data already in memory (until 2026-11-29 the rig killed the
+whole slot and started it again 5 s later, torch imported anew: 16-22 s a kill on a slow host).
 """
 
 from __future__ import annotations
@@ -84,7 +89,7 @@ class Gemps(System):
 
     def worker(self, plan: RunPlan, rank: int) -> Launch:
         setting = self.setting
-        extra = ["--mode", setting.mode, "--local-steps", str(setting.local_steps)]
+        extra = ["--supervise", "--mode", setting.mode, "--local-steps", str(setting.local_steps)]
         extra += ["--outer-learning-rate", repr(setting.outer_learning_rate), "--compression", setting.compression]
         rate = setting.local_rate_per_eta * plan.learning_rate
         extra += ["--local-optimizer", setting.local_optimizer, "--local-learning-rate", repr(rate)]
@@ -99,15 +104,17 @@ class Gemps(System):
         return Launch([plan.python, *argv, "--coordinator", servers, "--role", role])
 
     def killed(self, target: int, pids: list[int], launched_pid: int) -> list[int]:
-        """With replicas, a coordinator kill kills the primary's process alone (its title says
-        `primary`): the supervisor starts it again, and the backup takes over meanwhile."""
+        """A worker kill kills the worker, not its supervisor (the process the rig launched),
+        which forks a new one. With replicas, a coordinator kill kills the primary's process alone
+        (its title says `primary`): the server's supervisor starts it again, and the backup takes
+        over meanwhile."""
         if target != COORDINATOR:
-            return pids
+            return [pid for pid in pids if pid != launched_pid]
         primary = [pid for pid in pids if b"primary" in _command_line(pid)]
         return primary or pids
 
     def restarts_itself(self, target: int) -> bool:
-        return target == COORDINATOR and self.replicated
+        return target != COORDINATOR or self.replicated
 
 
 def _command_line(pid: int) -> bytes:

@@ -5,10 +5,15 @@ the workload's model through the SDK's RemoteModel, trained by the reference wor
 
 A commit's reply comes once the server applied it, so the samples a commit covers are counted
 applied then; samples of local steps not yet committed when the process dies are lost.
+
+With `--supervise`, a worker runs under gemps_worker.supervisor: this process imports torch and
+loads the workload's data once, then forks the worker, and forks a new one at once when it is
+killed (the rig kills the worker and spares the supervisor, as it spares DDP's elastic agent).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import replace
 
@@ -26,6 +31,8 @@ from gemps_bench.alternatives.contract import (
 )
 from gemps_bench.alternatives.workloads import loss, workload
 from gemps_worker.modes import LOCAL_OPTIMIZERS, MODES, LocalTraining, create_mode
+from gemps_worker.signals import configure_logging
+from gemps_worker.supervisor import supervise
 
 
 def train(args: WorkerArgs, mode_name: str, local: LocalTraining, compression: str) -> None:
@@ -81,16 +88,27 @@ def main() -> None:
     parser.add_argument(
         "--local-learning-rate", type=float, default=0.0, help="of the local steps (0: sgd the server's eta)"
     )
+    parser.add_argument("--supervise", action="store_true", help="a worker under a supervisor that restarts it warm")
     args = parse_worker_args(parser)
     extra, _ = parser.parse_known_args()
     torch.set_num_threads(1)
     if args.role == "coordinator":
         observe(args)
-    else:
-        steps, rate = extra.local_steps, extra.local_learning_rate
-        local = LocalTraining(dynsgd_steps=steps, dylu_steps=steps, outer_learning_rate=extra.outer_learning_rate,
-                              optimizer=extra.local_optimizer, learning_rate=rate)  # fmt: skip
+        return
+    steps, rate = extra.local_steps, extra.local_learning_rate
+    local = LocalTraining(dynsgd_steps=steps, dylu_steps=steps, outer_learning_rate=extra.outer_learning_rate,
+                          optimizer=extra.local_optimizer, learning_rate=rate)  # fmt: skip
+    if not extra.supervise:
         train(args, extra.mode, local, extra.compression)
+        return
+    configure_logging()  # the supervisor's lines: each restart, and why
+    workload(args.workload).data()  # loaded (and cached) once, before the forks
+
+    def life() -> int:
+        train(args, extra.mode, local, extra.compression)
+        return 0
+
+    sys.exit(supervise(life))
 
 
 if __name__ == "__main__":
