@@ -50,14 +50,21 @@ def pair(
     return primary, backup
 
 
+def revocable_pair(
+    start_server: StartServer, etcd: LocalEtcd, ca: Authority, folder: Path, job: str, on_primary: bool = True
+) -> tuple[dict[str, Issued], Path, tuple[InProcessServer, InProcessServer]]:
+    """Certificates for two replicas and an unrelated peer, a list that revokes the unrelated one
+    (given to the backup, and to the primary when `on_primary`), and the pair in sync."""
+    own = {name: ca.issue(name, server=True) for name in ("replica-0", "replica-1", "unrelated")}
+    crl = ca.revoke(folder / "crl.pem", own["unrelated"])
+    first, second = tls(ca, own["replica-0"], crl if on_primary else None), tls(ca, own["replica-1"], crl)
+    return own, crl, pair(start_server, etcd, job, first, second)
+
+
 def test_a_backup_revoked_while_attached_is_let_go_and_refused_again(
     start_server: StartServer, etcd: LocalEtcd, ca: Authority, tmp_path: Path
 ) -> None:
-    own = {name: ca.issue(name, server=True) for name in ("replica-0", "replica-1", "unrelated")}
-    crl = ca.revoke(tmp_path / "crl.pem", own["unrelated"])
-    primary, backup = pair(
-        start_server, etcd, "crl-backup", tls(ca, own["replica-0"], crl), tls(ca, own["replica-1"], crl)
-    )
+    own, crl, (primary, backup) = revocable_pair(start_server, etcd, ca, tmp_path, "crl-backup")
     ca.revoke(crl, own["unrelated"], own["replica-1"])
     wait_for(lambda: status_of(primary).backups == (), IN_FORCE_WITHIN, "the revoked backup let go")
     assert "backup's certificate CN=replica-1" in primary.log()
@@ -68,11 +75,7 @@ def test_a_backup_revoked_while_attached_is_let_go_and_refused_again(
 def test_a_primary_revoked_while_leading_steps_down_and_its_backup_leads(
     start_server: StartServer, etcd: LocalEtcd, ca: Authority, tmp_path: Path
 ) -> None:
-    own = {name: ca.issue(name, server=True) for name in ("replica-0", "replica-1", "unrelated")}
-    crl = ca.revoke(tmp_path / "crl.pem", own["unrelated"])
-    primary, backup = pair(
-        start_server, etcd, "crl-primary", tls(ca, own["replica-0"], crl), tls(ca, own["replica-1"], crl)
-    )
+    own, crl, (primary, backup) = revocable_pair(start_server, etcd, ca, tmp_path, "crl-primary")
     ca.revoke(crl, own["unrelated"], own["replica-0"])
     wait_for(lambda: status_of(backup).role == PRIMARY, IN_FORCE_WITHIN, "the backup leading")
     assert status_of(primary).role != PRIMARY
@@ -84,11 +87,7 @@ def test_a_backup_lets_go_of_a_primary_its_list_revokes(
 ) -> None:
     """The list on the backup alone (the primary has none, so it does not step down): the backup
     ends the stream it follows, and does not follow that primary again."""
-    own = {name: ca.issue(name, server=True) for name in ("replica-0", "replica-1", "unrelated")}
-    crl = ca.revoke(tmp_path / "crl.pem", own["unrelated"])
-    primary, backup = pair(
-        start_server, etcd, "crl-follower", tls(ca, own["replica-0"], None), tls(ca, own["replica-1"], crl)
-    )
+    own, crl, (primary, backup) = revocable_pair(start_server, etcd, ca, tmp_path, "crl-follower", on_primary=False)
     ca.revoke(crl, own["unrelated"], own["replica-0"])
     wait_for(lambda: status_of(primary).backups == (), IN_FORCE_WITHIN, "the backup gone from the primary")
     wait_for(
@@ -105,11 +104,7 @@ def test_after_a_failover_a_worker_goes_on_over_tls_where_the_local_socket_does_
     new primary after a failover did not register it, so its local socket refuses it and the
     worker goes on, without registering again, over the TCP port, whose TLS shows its
     certificate (worker_certificates.py)."""
-    own = {name: ca.issue(name, server=True) for name in ("replica-0", "replica-1", "unrelated")}
-    crl = ca.revoke(tmp_path / "crl.pem", own["unrelated"])
-    primary, backup = pair(
-        start_server, etcd, "crl-failover", tls(ca, own["replica-0"], crl), tls(ca, own["replica-1"], crl)
-    )
+    _, _, (primary, backup) = revocable_pair(start_server, etcd, ca, tmp_path, "crl-failover")
     worker = ca.issue("worker")
     ones = np.ones(PARAMETERS, np.float32)
     with gemps.Client(
