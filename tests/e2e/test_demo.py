@@ -25,6 +25,13 @@ def test_demo_trains_and_writes_its_outputs(tmp_path: Path, partitions: int) -> 
     assert accuracy >= 90.0, result.stdout
     assert "commits/s" in result.stdout  # live progress was shown
     assert "workers pay)" in result.stdout  # with the server's noise scale (docs/OBSERVABILITY.md)
+    # Not on a terminal, the bar prints a line per tenth of the run its looks reach, whatever the
+    # host's speed: a line per 5 s showed a fast host's run as its first and last lines, and where
+    # the last look had no noise estimate (as near convergence), none showed one.
+    tenths = [
+        int(version) * 10 // (2 * 8 * 22) for version in re.findall(r"^\[[#.]+\] +\d+% v(\d+)", result.stdout, re.M)
+    ]
+    assert tenths == sorted(set(tenths)) and tenths[-1] == 10, result.stdout
     with np.load(out / "model.npz", allow_pickle=False) as checkpoint:  # no pickle inside
         assert int(checkpoint["__version__"]) == 2 * 8 * 22
         assert checkpoint["0.weight"].shape == (16, 1, 3, 3)
