@@ -184,13 +184,22 @@ class FloodProcess:
     GIL from the client measured beside it), until the block ends; `attempts` then."""
 
     def __init__(
-        self, port: int, kind: str, threads: int = 2, source: str = "127.0.0.1", cpus: set[int] | None = None
+        self,
+        port: int,
+        kind: str,
+        threads: int = 2,
+        source: str = "127.0.0.1",
+        cpus: set[int] | None = None,
+        nice: int = 0,
     ) -> None:
-        """`cpus`: the CPUs it runs on (None: those of this process)."""
+        """`cpus`: the CPUs it runs on (None: those of this process); `nice`: added to its niceness
+        (19: it runs on what the server and its clients leave, as an attacker's own machine would)."""
         context = multiprocessing.get_context("spawn")
         self._stop, self._attempts = context.Event(), context.Value("q", 0)
         self._process = context.Process(
-            target=_flood_until, args=(port, kind, threads, source, cpus, self._stop, self._attempts), daemon=True
+            target=_flood_until,
+            args=(port, kind, threads, source, cpus, nice, self._stop, self._attempts),
+            daemon=True,
         )
         self.attempts = 0
 
@@ -205,10 +214,11 @@ class FloodProcess:
 
 
 def _flood_until(
-    port: int, kind: str, threads: int, source: str, cpus: set[int] | None, stop: Any, attempts: Any
+    port: int, kind: str, threads: int, source: str, cpus: set[int] | None, nice: int, stop: Any, attempts: Any
 ) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)
+    os.nice(nice)  # before the flooders start: Linux keeps a niceness per thread, and new ones inherit it
     running = Flood(port, kind, threads, source).start()
     stop.wait()
     running.stop()
