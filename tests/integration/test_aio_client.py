@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,6 +26,19 @@ SIZE = 64
 COMMITS = 200
 ONES = np.ones(SIZE, np.float32)
 ZEROS = {"w": np.zeros(SIZE, np.float32)}
+
+
+class CommitSaysWhenStarted(gemps.Client):
+    """The blocking client, which says when a commit's call begins: past the AsyncClient's queue and
+    its gate, so the call runs to its end whatever its awaitable does after."""
+
+    def __init__(self, target: str, **options: Any) -> None:
+        super().__init__(target, **options)
+        self.commit_started = threading.Event()
+
+    def commit(self, *args: Any, **options: Any) -> gemps.CommitResult:
+        self.commit_started.set()
+        return super().commit(*args, **options)
 
 
 def central_of(target: str) -> gemps.CentralVariable:
@@ -95,13 +109,16 @@ def test_a_commit_cancelled_after_it_left_says_it_was_applied() -> None:
     with ServerProcess(rule="downpour", learning_rate=1.0, log_level="warning") as server:
 
         async def train() -> None:
-            async with AsyncClient(server.target, timeout=60) as client:
+            blocking = CommitSaysWhenStarted(server.target, timeout=60)
+            async with AsyncClient(blocking) as client:
                 await client.register(ZEROS)
                 stop_process(server.pid)
                 try:
                     sent = client.commit(ONES, kind="update")
                     queued = client.commit(ONES, kind="update")  # behind it: never sent
-                    await asyncio.sleep(0.5)  # the first is on the wire, the server stopped
+                    # The first under way, the server stopped (a 0.5 s sleep here assumed the thread
+                    # would have begun it by then).
+                    assert await asyncio.to_thread(blocking.commit_started.wait, 60)
                     assert not sent.done(), sent.result()
                     assert sent.cancel() and queued.cancel()
                     for cancelled in (sent, queued):
