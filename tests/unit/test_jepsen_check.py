@@ -174,7 +174,9 @@ def test_a_jobs_theta_holding_more_than_its_workers_could_account_for_is_wrong_t
     assert "WRONG θ: 4 commits more than its workers could account for" in summary(trial)
     found = totals([trial])
     assert (found["ok"], found["acknowledged"], found["wrong_theta"], found["trials_with_wrong_theta"]) == (0, 30, 4, 1)
-    assert table([trial]).splitlines()[1].split()[:7] == ["1", "2", "30", "0", "4", "4", "0"]
+    assert table([trial]).splitlines()[1].split()[:8] == ["1", "2", "30", "0", "4", "4", "0", "0"]
+    said = summary({**trial, "verdict": job_a})
+    assert "job A: VIOLATION" in said and "WRONG θ: 4 acknowledged by another job's server" in said
 
 
 def test_the_report_sums_violations_and_recovery_by_fault() -> None:
