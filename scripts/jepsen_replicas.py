@@ -2,9 +2,13 @@
 hosts, each a replicated job (R = 2, some R = 3) whose primary, backups and etcd are killed, paused,
 parted, slowed and healed, and etcd restarted empty, in an order drawn from the trial's seed;
 counting workers commit throughout, and a checker compares what they were told with what the
-replicas hold (gemps_bench.jepsen).
+replicas hold (gemps_bench.jepsen). Beside it, unless `--second-job none`, a second job (issue 77,
+item 1): two replicas of its own under another etcd job name, a counting worker, faults on its
+primary and backup drawn after the first job's; each job's workers' replica list ends with the
+other job's primary. The checker then also says when a job's θ holds commits its own workers
+cannot account for (wrong θ).
 
-    sudo .venv/bin/python scripts/jepsen_replicas.py [--trials 20] [--seed 1] \
+    sudo .venv/bin/python scripts/jepsen_replicas.py [--trials 20] [--seed 1] [--second-job 2] \
         [--out docs/results/jepsen_replicas.json]
 
 Trial i runs seed `--seed` + i (its plan: `--seed S --trials 1` runs it again). Progress goes to
@@ -27,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from gemps_bench.jepsen.plan import LONG_PAUSE, draw
-from gemps_bench.jepsen.report import table, totals
+from gemps_bench.jepsen.report import clean, summary, table, totals
 from gemps_bench.jepsen.trial import TrialOptions, run_trial
 
 from gemps_worker.simulated_hosts import unavailable_reason
@@ -45,6 +49,15 @@ def _span(text: str) -> tuple[float, float] | None:
     return low, high
 
 
+def _second_job(text: str) -> int | None:
+    """A count of faults (0 or more) on the second job, or "none": no second job."""
+    if text.strip() == "none":
+        return None
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"a count of faults (0 or more) or none, not {text!r}")
+    return int(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--trials", type=int, default=20, help="how many trials (default 20)")
@@ -59,6 +72,10 @@ def main() -> None:
     parser.add_argument("--long-pause", type=_span, default=LONG_PAUSE,
                         help=f"each trial ends with the primary paused LOW,HIGH seconds (default {low:g},{high:g}); "
                         "0 for none")  # fmt: skip
+    parser.add_argument("--second-job", type=_second_job, default=2, metavar="FAULTS",
+                        help="a second job beside the first, with FAULTS faults on its primary or backup (default 2); "
+                        "none: a single job")  # fmt: skip
+    parser.add_argument("--second-job-workers", type=int, default=1, help="the second job's workers (default 1)")
     wedged = "a worker waiting this many seconds while a safe primary existed is wedged (default 10)"
     parser.add_argument("--wedge-after", type=float, default=10.0, help=wedged)
     parser.add_argument("--keep", action="store_true", help="keep every trial's logs (default: failed trials' only)")
@@ -67,15 +84,18 @@ def main() -> None:
     if reason is not None:
         sys.exit(f"jepsen_replicas: {reason}")
     replicas = tuple(int(r) for r in args.replicas.split(","))
-    options = TrialOptions(workers=args.workers, wedge_after=args.wedge_after)
+    if args.workers < 1 or args.second_job_workers < 1:
+        parser.error(f"--workers and --second-job-workers: 1 or more, not {args.workers}, {args.second_job_workers}")
+    options = TrialOptions(
+        workers=args.workers, second_job_workers=args.second_job_workers, wedge_after=args.wedge_after
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
     results: list[dict[str, Any]] = []
     commit = _commit()  # before the first record is written: --out may be a tracked file
     for index in range(args.trials):
         seed = args.seed + index
-        plan = draw(
-            seed, episodes=args.episodes, replicas=replicas, stale_wipe=args.stale_wipe, long_pause=args.long_pause
-        )
+        plan = draw(seed, episodes=args.episodes, replicas=replicas, stale_wipe=args.stale_wipe,
+                    long_pause=args.long_pause, second_job=args.second_job)  # fmt: skip
         print(
             f"trial {index + 1}/{args.trials}: seed {seed}, R = {plan.replicas}, {' '.join(plan.kinds())}", flush=True
         )
@@ -86,8 +106,7 @@ def main() -> None:
         except Exception as error:  # the rig failed, not a verdict: say so and go on
             result = {"seed": seed, "replicas": plan.replicas, "plan": plan.to_json(), "error": repr(error)[:2000]}
         result["seconds"] = round(time.monotonic() - began, 1)
-        verdict = result.get("verdict")
-        if verdict is not None and verdict["ok"] and not args.keep:
+        if clean(result) and not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
         else:
             result["logs"] = str(folder)
@@ -97,7 +116,7 @@ def main() -> None:
         record = {"commit": commit, "argv": sys.argv[1:], "totals": totals(results), "trials": results}
         args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(table(results))
-    sys.exit(0 if all(r.get("verdict", {}).get("ok") for r in results) else 1)
+    sys.exit(0 if all(clean(r) for r in results) else 1)
 
 
 def _commit() -> str:
@@ -109,15 +128,9 @@ def _commit() -> str:
 
 
 def _line(result: dict[str, Any]) -> str:
-    verdict = result.get("verdict")
-    if verdict is None:
+    if not result.get("verdict"):
         return f"rig error after {result['seconds']} s: {result['error'][:300]}"
-    epochs = verdict["epochs"]
-    return (
-        f"{'ok' if verdict['ok'] else 'VIOLATION'}: {verdict['acknowledged']} acknowledged, {verdict['lost']} lost, "
-        f"{verdict['applied_twice']} applied twice, two primaries under {list(epochs['two_primaries'])}, "
-        f"epochs reused {epochs['reused']}, {len(verdict['wedged'])} waits wedged ({result['seconds']} s)"
-    )
+    return f"{summary(result)} ({result['seconds']} s)"
 
 
 if __name__ == "__main__":

@@ -98,19 +98,22 @@ class GrpcTransport:
         self.streaming = streaming
         self.chunk_bytes = chunk_bytes
         self.metadata = security.metadata
-        self.channel = security.channel(
-            target,
-            options=[
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-                ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
-                ("grpc.keepalive_time_ms", KEEPALIVE_MS[0]),
-                ("grpc.keepalive_timeout_ms", KEEPALIVE_MS[1]),
-                ("grpc.keepalive_permit_without_calls", 0),  # an idle connection stays silent
-                ("grpc.http2.max_pings_without_data", 0),  # a call waiting for its reply sends no data
-            ],
-        )
+        self._security = security
+        self._options: list[tuple[str, object]] = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS[0]),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_MS[1]),
+            ("grpc.keepalive_permit_without_calls", 0),  # an idle connection stays silent
+            ("grpc.http2.max_pings_without_data", 0),  # a call waiting for its reply sends no data
+        ]
+        self._open_channel()
+
+    def _open_channel(self) -> None:
+        """A new channel to the server (its connection made by the first call) and the calls on it."""
+        self.channel = self._security.channel(self._target, options=self._options)
         self.stub = pb_grpc.ParameterServerStub(self.channel)
         self._register = self.channel.unary_unary(_METHOD + "Register", _raw, _raw)
         self._register_stream = self.channel.stream_unary(_METHOD + "RegisterStream", _raw, _raw)
@@ -282,7 +285,11 @@ class GrpcTransport:
             self.stub.ReportEvaluation(report, timeout=self.deadline(), metadata=self.metadata)
 
     def interrupt(self) -> None:
-        self.channel.close()  # ends every call in flight on it (CANCELLED)
+        """End every call in flight (CANCELLED: its channel closed); the next call goes on a new
+        channel, a new connection (the session may stay with this server: issue 77)."""
+        woken = self.channel
+        self._open_channel()
+        woken.close()
 
     def close(self) -> None:
         self.channel.close()

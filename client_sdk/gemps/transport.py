@@ -180,8 +180,9 @@ class Transport(Protocol):
         ...
 
     def interrupt(self) -> None:
-        """Wake a call of another thread blocked on this server (it fails); the transport is not
-        used again (gemps.primary_watch: another replica took over from a primary that stopped)."""
+        """Wake a call of another thread blocked on this server (it fails; gemps.primary_watch:
+        another replica took over from a primary that stopped, or it won its lease again); the
+        next call goes on a new connection (the session stays here when no move is proven)."""
         ...
 
     def close(self) -> None: ...

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 from gemps_bench.jepsen.check import Safety, check, epochs, primaries_seen, promotions, recovery, wedged
-from gemps_bench.jepsen.plan import LONG_PAUSE, draw
-from gemps_bench.jepsen.report import table, totals
+from gemps_bench.jepsen.plan import LONG_PAUSE, SECOND_JOB_MENU, draw
+from gemps_bench.jepsen.report import clean, summary, table, totals
 from gemps_bench.jepsen.trial import Schedule
 
 from gemps_worker.simulated_hosts import Host
@@ -130,6 +130,55 @@ def test_a_long_pause_of_the_primary_ends_a_plan_and_leaves_its_episodes_as_they
     assert pause.at > max(step.at for step in plain.steps)  # alone: after every episode is healed
 
 
+def test_a_second_jobs_faults_are_drawn_last_and_leave_the_first_jobs_as_they_were() -> None:
+    """Issue 77 item 1: job B's faults (its primary or backup killed, paused, parted) come after
+    every draw of job A's, at times anywhere in A's faults, numbered apart from them."""
+    for seed in range(1, 21):
+        alone, beside = draw(seed, long_pause=LONG_PAUSE), draw(seed, long_pause=LONG_PAUSE, second_job=2)
+        assert [step for step in beside.steps if step.job == "A"] == list(alone.steps)
+        assert (alone.second_job, beside.second_job, beside.replicas) == (False, True, alone.replicas)
+        theirs = [step for step in beside.steps if step.job == "B"]
+        starts = [step for step in theirs if step.kind != "heal"]
+        assert len(starts) == 2 and len(theirs) == 4  # each healed
+        assert all(step.role in SECOND_JOB_MENU[step.kind] for step in starts)
+        assert {step.fault for step in theirs}.isdisjoint(step.fault for step in alone.steps)
+        assert all(0 <= step.at <= alone.duration for step in starts)
+    labels = draw(7, episodes=3, stale_wipe=0.0, second_job=2).kinds()
+    assert [label for label in labels if "@" not in label] == draw(7, episodes=3, stale_wipe=0.0).kinds()
+    assert sum(label.endswith("@B") for label in labels) == 2
+    assert draw(7, second_job=0).second_job and draw(7, second_job=0).steps == draw(7).steps
+    assert draw(7, second_job=1).to_json()["second_job"] is True
+
+
+def test_a_jobs_theta_holding_more_than_its_workers_could_account_for_is_wrong_theta() -> None:
+    """Job A's workers followed job B's primary (on their list) and were acknowledged there: A's
+    θ lacks those commits (lost) and B's holds more than B's workers account for (wrong θ)."""
+    safety = Safety([], [line(0.0, True)], HOSTS, 0.0, 10.0)
+
+    def judged(histories: list[dict[str, Any]], version: int, own: list[str] | None) -> dict[str, Any]:
+        observed = {"version": version, "theta_min": float(version), "theta_max": float(version)}
+        return check(histories, observed, {"A:1": {"version": version}}, safety, [], [], own=own)
+
+    strayed = history(10, runs=[[5, "A:1", 0.1, 5.0, 6], [3, "C:1", 5.1, 10.0, 4]])  # C:1: job B's primary
+    job_a = judged([strayed], 6, own=list(HOSTS))
+    assert (job_a["lost"], job_a["acknowledged_elsewhere"], job_a["wrong_theta"], job_a["ok"]) == (4, 4, 0, False)
+    own_b = history(20, in_doubt=1, runs=[[4, "C:1", 0.1, 10.0, 20]])
+    job_b = judged([own_b], 25, own=["C:1", "D:1"])
+    assert (job_b["applied_twice"], job_b["wrong_theta"], job_b["lost"], job_b["ok"]) == (4, 4, 0, False)
+    assert judged([own_b], 25, own=None)["wrong_theta"] == 0  # one job: applied twice
+    fine = judged([history(10)], 10, own=list(HOSTS))
+    assert (fine["wrong_theta"], fine["acknowledged_elsewhere"], fine["ok"]) == (0, 0, True)
+    trial = {"seed": 1, "replicas": 2, "faults": [], "verdict": fine, "second_job": {"verdict": job_b}}
+    assert not clean(trial) and clean({**trial, "second_job": {"verdict": fine}})
+    assert "job A: ok" in summary(trial) and "job B: VIOLATION" in summary(trial)
+    assert "WRONG θ: 4 commits more than its workers could account for" in summary(trial)
+    found = totals([trial])
+    assert (found["ok"], found["acknowledged"], found["wrong_theta"], found["trials_with_wrong_theta"]) == (0, 30, 4, 1)
+    assert table([trial]).splitlines()[1].split()[:8] == ["1", "2", "30", "0", "4", "4", "0", "0"]
+    said = summary({**trial, "verdict": job_a})
+    assert "job A: VIOLATION" in said and "WRONG θ: 4 acknowledged by another job's server" in said
+
+
 def test_the_report_sums_violations_and_recovery_by_fault() -> None:
     recovered = {"kind": "kill:primary", "safe_after_s": 0.0, "resumed_s": 2.0}
     trials = [
@@ -161,25 +210,34 @@ def unelected(t: float) -> dict[str, Any]:
 
 
 @dataclass
+class Replicas:
+    """A job's replica hosts, as Schedule reads them of a rig's job."""
+
+    replica_hosts: list[Host]
+
+
+@dataclass
 class Views:
     """What Schedule reads of a rig: the monitor's latest views (`fresh`, when set: those it gives
-    once every replica answered after a fault's start) and the hosts."""
+    once every replica answered after a fault's start) and the hosts, of job A alone."""
 
     views: dict[str, dict[str, Any]]
-    replica_hosts: list[Host] = field(
-        default_factory=lambda: [Host(n, f"ns-{n}", f"10.0.0.{i}", n) for i, n in enumerate(("r0", "r1"))]
+    jobs: dict[str, Replicas] = field(
+        default_factory=lambda: {
+            "A": Replicas([Host(n, f"ns-{n}", f"10.0.0.{i}", n) for i, n in enumerate(("r0", "r1"))])
+        }
     )
     etcd_host: Host = field(default_factory=lambda: Host("e", "ns-e", "10.0.0.9", "e"))
     fresh: dict[str, dict[str, Any]] | None = None
 
-    def latest_views(self) -> dict[str, dict[str, Any]]:
+    def latest_views(self, job: str | None = None) -> dict[str, dict[str, Any]]:
         return self.views
 
-    def fresh_views(self, after: float, silenced: Collection[str] = ()) -> dict[str, dict[str, Any]]:
+    def fresh_views(self, job: str, after: float, silenced: Collection[str] = ()) -> dict[str, dict[str, Any]]:
         return self.views if self.fresh is None else self.fresh
 
     def host_of(self, target: str) -> Host:
-        return next(host for host in self.replica_hosts if host.name == HOSTS[target])
+        return next(host for host in self.jobs["A"].replica_hosts if host.name == HOSTS[target])
 
 
 def test_with_no_primary_known_the_old_primary_is_faulted_at_once() -> None:

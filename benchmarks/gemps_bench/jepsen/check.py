@@ -6,6 +6,11 @@ the replicas hold and said (the primary's θ, the monitor's views, the replicas'
   adds 1 to θ, so θ's range must also equal the version. Every commit that ended in an error is in
   doubt, refusals too (one may answer the retry of an attempt that was applied), so a worker
   refused over and over hides commits applied twice: that count is a lower bound.
+- **wrong θ** (a trial with a second job, issue 77 item 1): the job's θ holds more commits than
+  its own workers could account for (applied - (acknowledged + in doubt), when positive: the
+  count cannot tell another job's commits from this job's applied twice, so both are reported),
+  and **acknowledged elsewhere**: acknowledgements this job's workers had from a server that is
+  not one of its replicas (the other job's, on their replica list): commits in the wrong θ.
 - **two primaries under one epoch**: an epoch under which two replicas acknowledged commits (from
   the histories), logged becoming primary, or said they were primary (Status, as the monitor saw);
   **stale acknowledgements**: a worker acknowledged under an epoch older than one it had already
@@ -25,9 +30,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
+
+from gemps_bench.jepsen.plan import FIRST_JOB
 
 GRID = 0.1  # seconds: the resolution safety is computed at
 EFFECT = 1.0  # seconds: a fault shows in the workers' waits within this
@@ -51,6 +58,12 @@ def promotions(logs: Mapping[str, str]) -> list[dict[str, Any]]:
                 stamp = datetime.fromisoformat(record["time"].replace("Z", "+00:00")).timestamp()
                 found.append({"t": stamp, "host": host, "epoch": int(record["epoch"])})
     return sorted(found, key=lambda promotion: promotion["t"])
+
+
+def label(fault: Mapping[str, Any]) -> str:
+    """A fault's `kind:role`, `@B` when it hit the second job's replicas (plan.Step.label)."""
+    job = fault.get("job", FIRST_JOB)
+    return f"{fault['kind']}:{fault['role']}" + ("" if job == FIRST_JOB else f"@{job}")
 
 
 class Safety:
@@ -113,7 +126,7 @@ def recovery(
         safe = safety.first_safe(fault["start"])
         entry: dict[str, Any] = {
             "fault": fault["id"],
-            "kind": f"{fault['kind']}:{fault['role']}",
+            "kind": label(fault),
             "host": fault["host"],
         }
         if safe is None:
@@ -191,17 +204,22 @@ def check(
     promoted: Sequence[Mapping[str, Any]],
     wedge_after: float = 10.0,
     statuses: Iterable[tuple[int, str]] = (),
+    own: Collection[str] | None = None,
 ) -> dict[str, Any]:
-    """The verdict of one trial (see the module's docstring); "ok" when nothing was violated."""
+    """The verdict of one trial, or of one of its jobs whose replicas are at `own` when another
+    job ran beside it (see the module's docstring); "ok" when nothing was violated."""
     acknowledged = sum(int(h["acknowledged"]) for h in histories)
     in_doubt = sum(int(h["in_doubt"]) for h in histories)
     versions = {target: int(v["version"]) for target, v in final_views.items() if v}
     # No primary at the end: the best any replica holds bounds what was kept.
     applied = int(observed["version"]) if observed else max(versions.values(), default=0)
     theta_ok = observed is None or observed["theta_min"] == observed["theta_max"] == observed["version"]
+    excess = max(0, applied - acknowledged - in_doubt)
+    elsewhere = 0 if own is None else sum(run[4] for h in histories for run in h["runs"] if run[1] not in own)
     verdict: dict[str, Any] = {
         "acknowledged": acknowledged, "in_doubt": in_doubt, "applied": applied,
-        "lost": max(0, acknowledged - applied), "applied_twice": max(0, applied - acknowledged - in_doubt),
+        "lost": max(0, acknowledged - applied), "applied_twice": excess,
+        "wrong_theta": 0 if own is None else excess, "acknowledged_elsewhere": elsewhere,
         "theta_counts_commits": theta_ok, "primary_at_end": observed is not None, "final_versions": versions,
         "epochs": epochs(histories, promoted, statuses), "recovery": recovery(faults, histories, safety),
         "wedged": wedged(histories, safety, wedge_after),
@@ -209,7 +227,7 @@ def check(
     }  # fmt: skip
     found = verdict["epochs"]
     verdict["ok"] = not (
-        verdict["lost"] or verdict["applied_twice"] or not theta_ok or found["two_primaries"]
+        verdict["lost"] or excess or elsewhere or not theta_ok or found["two_primaries"]
         or found["stale_acks"] or found["reused"] or verdict["wedged"]
     )  # fmt: skip
     return verdict

@@ -1,5 +1,6 @@
-"""One trial end to end: the rig up, workers committing, the plan's faults applied at their times,
-everything healed, the verdict (gemps_bench.jepsen.check)."""
+"""One trial end to end: the rig up (with a second job when the plan has one), workers committing,
+the plan's faults applied at their times, everything healed, each job's verdict
+(gemps_bench.jepsen.check)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from gemps_bench.jepsen.check import Safety, check, primaries_seen, promotions
-from gemps_bench.jepsen.plan import Plan, Step
-from gemps_bench.jepsen.rig import Heal, Rig
+from gemps_bench.jepsen.plan import FIRST_JOB, SECOND_JOB, SECOND_JOB_REPLICAS, Plan, Step
+from gemps_bench.jepsen.rig import Heal, Rig, only
 from gemps_worker.simulated_hosts import Host, SimulatedNetwork
 
 
 @dataclass(frozen=True)
 class TrialOptions:
     workers: int = 3
+    second_job_workers: int = 1  # the second job's counting workers (with a plan that has one)
     parameters: int = 20_000  # float32 each: an 80 kB commit
     warmup: float = 2.0  # seconds of commits before the first fault
     settle: float = 30.0  # seconds the replicas may take to settle once everything is healed
@@ -34,15 +36,15 @@ class Schedule:
         self.rig, self.rng = rig, random.Random(seed)
         self.faults: dict[int, dict[str, Any]] = {}
         self.heals: dict[int, Heal] = {}
-        # The primary the monitor last showed, when a step looked (or before the first fault: one
-        # fault's resolution must not wait for a primary while a later fault's heal is due).
-        self.last_primary: Host | None = self.primary()
+        # Each job's primary the monitor last showed, when a step looked (or before the first fault:
+        # one fault's resolution must not wait for a primary while a later fault's heal is due).
+        self.last_primary: dict[str, Host | None] = {job: self.primary(job) for job in rig.jobs}
 
     def busy(self) -> set[str]:
         return {self.faults[fault]["host"] for fault in self.heals}
 
-    def resolve(self, role: str, wait: float = 10.0) -> Host | None:
-        """The host `role` names now, if it is not under another fault. With no primary known now
+    def resolve(self, role: str, job: str = FIRST_JOB, wait: float = 10.0) -> Host | None:
+        """The host `role` (of job `job`) names now, if it is not under another fault. With no primary known now
         (an election under way) the primary is the one last seen: after etcd is wiped no replica
         becomes primary until every one reports, so waiting for one here (as this did, up to 10 s)
         also held back the heal of a paused backup queued behind this step, and with it the
@@ -55,20 +57,20 @@ class Schedule:
         deadline = time.monotonic() + wait
         # Views from after the fault's start: a backup promoted a moment ago is the primary now (the
         # CI's pinned trial once SIGKILLed, as `kill:backup`, a replica primary for 0.35 s).
-        primary = self.primary(self.rig.fresh_views(time.time(), silenced=busy))
-        while primary is None and self.last_primary is None and role == "primary" and time.monotonic() < deadline:
+        primary = self.primary(job, self.rig.fresh_views(job, time.time(), silenced=busy))
+        while primary is None and self.last_primary[job] is None and role == "primary" and time.monotonic() < deadline:
             time.sleep(0.1)
-            primary = self.primary()
-        self.last_primary = primary = primary or self.last_primary
+            primary = self.primary(job)
+        self.last_primary[job] = primary = primary or self.last_primary[job]
         if role == "primary":
             return primary if primary is not None and primary.name not in busy else None
-        backups = [h for h in self.rig.replica_hosts if h is not primary and h.name not in busy]
+        backups = [h for h in self.rig.jobs[job].replica_hosts if h is not primary and h.name not in busy]
         return self.rng.choice(backups) if backups else None
 
-    def primary(self, views: Mapping[str, Mapping[str, Any] | None] | None = None) -> Host | None:
-        """The replica the monitor last saw as primary (the newest epoch's, if several), in `views`
-        (default: the monitor's last line)."""
-        views = self.rig.latest_views() if views is None else views
+    def primary(self, job: str, views: Mapping[str, Mapping[str, Any] | None] | None = None) -> Host | None:
+        """Job `job`'s replica the monitor last saw as primary (the newest epoch's, if several), in
+        `views` (default: the monitor's last line)."""
+        views = self.rig.latest_views(job) if views is None else views
         primaries = sorted((v["epoch"], target) for target, v in views.items() if v and v.get("role") == "primary")
         return self.rig.host_of(primaries[-1][1]) if primaries else None
 
@@ -80,8 +82,9 @@ class Schedule:
                 heal()
                 self.faults[step.fault]["end"] = now
             return
-        host = self.resolve(step.role)
-        record: dict[str, Any] = {"id": step.fault, "kind": step.kind, "role": step.role, "at": step.at}
+        host = self.resolve(step.role, step.job)
+        record: dict[str, Any] = {"id": step.fault, "kind": step.kind, "role": step.role, "job": step.job}
+        record["at"] = step.at
         if host is None:
             self.faults[step.fault] = {**record, "host": None, "skipped": "no such host free of other faults"}
             return
@@ -122,20 +125,35 @@ def run_trial(
 ) -> dict[str, Any]:
     """Run `plan` on fresh simulated hosts (logs and data in `folder`); the trial's record."""
     with SimulatedNetwork() as network:
-        rig = Rig(network, folder, plan.replicas, env)
+        rig = Rig(network, folder, env)
+        rig.add_job(FIRST_JOB, plan.replicas)
+        if plan.second_job:
+            rig.add_job(SECOND_JOB, SECOND_JOB_REPLICAS)
         try:
             return _run(rig, plan, options, say)
         finally:
             rig.close()
 
 
-def _run(rig: Rig, plan: Plan, options: TrialOptions, say: Callable[[str], None]) -> dict[str, Any]:
+def _all_settled(rig: Rig, since: float) -> bool:
+    return all(settled(rig.latest_views(name), len(job.replica_hosts), since) for name, job in rig.jobs.items())
+
+
+def _start(rig: Rig, options: TrialOptions) -> None:
+    """etcd, every job's replicas (all at once: a fresh job elects its first primary once all its
+    replicas started), the monitor and the workers."""
     rig.start_etcd()
-    with ThreadPoolExecutor(plan.replicas) as pool:
-        list(pool.map(rig.start_replica, range(plan.replicas)))
-    rig.settle()
+    replicas = [(job, index) for job in rig.jobs.values() for index in range(len(job.replica_hosts))]
+    with ThreadPoolExecutor(len(replicas)) as pool:
+        list(pool.map(lambda replica: replica[0].start_replica(replica[1]), replicas))
+    with ThreadPoolExecutor(len(rig.jobs)) as pool:
+        list(pool.map(lambda job: job.settle(), rig.jobs.values()))
     rig.start_monitor()
-    rig.start_workers(options.workers, options.parameters)
+    rig.start_workers({FIRST_JOB: options.workers, SECOND_JOB: options.second_job_workers}, options.parameters)
+
+
+def _run(rig: Rig, plan: Plan, options: TrialOptions, say: Callable[[str], None]) -> dict[str, Any]:
+    _start(rig, options)
     time.sleep(options.warmup)
     schedule = Schedule(rig, plan.seed)
     began = time.time()
@@ -144,42 +162,66 @@ def _run(rig: Rig, plan: Plan, options: TrialOptions, say: Callable[[str], None]
         schedule.step(step)
         if step.kind != "heal":
             fault = schedule.faults[step.fault]
-            say(f"  {step.at:6.2f} s  {step.kind}:{step.role} -> {fault['host'] or 'skipped'}")
+            say(f"  {step.at:6.2f} s  {step.label} -> {fault['host'] or 'skipped'}")
     schedule.heal_all()
     healed = time.time()
-    settled_s = wait_until(lambda: settled(rig.latest_views(), plan.replicas, healed), options.settle)
+    settled_s = wait_until(lambda: _all_settled(rig, healed), options.settle)
     # Every worker acknowledged again (or, after wedge_after seconds, wedged: the checker says so).
     resumed_s = wait_until(lambda: rig.acknowledged_since(healed), options.wedge_after + 1.0)
     say(f"  healed; settled after {settled_s} s, every worker acknowledged again after {resumed_s} s")
     time.sleep(options.quiet)
     histories = rig.stop_workers()
     stopped = time.time()
-    wait_until(lambda: settled(rig.latest_views(), plan.replicas, stopped), 10.0)  # the backups apply the last
-    observed = rig.observe()
+    wait_until(lambda: _all_settled(rig, stopped), 10.0)  # the backups apply the last
+    observed = {name: job.observe() for name, job in rig.jobs.items()}
     timeline = rig.stop_monitor()
-    hosts = {target: rig.host_of(target).name for target in rig.targets}
-    start = min(float(h["started"]) for h in histories)
-    end = max(float(h["ended"]) for h in histories)
     faults = sorted(schedule.faults.values(), key=lambda f: f["at"])
-    safety = Safety(faults, timeline, hosts, start, end)
-    final = timeline[-1]["views"] if timeline else {}
-    promoted = promotions(rig.logs())
-    statuses = primaries_seen(timeline, hosts)
-    verdict = check(histories, observed, final, safety, faults, promoted, options.wedge_after, statuses)
+    verdicts = {
+        name: _verdict(rig, name, histories[name], observed[name], timeline, faults, options) for name in rig.jobs
+    }
     for fault in faults:  # times relative to the first fault, for reading
         fault.update({k: round(fault[k] - began, 2) for k in ("start", "end") if k in fault})
-    # Each worker's waits of a second or more (the last: from its last acknowledgement to its end),
-    # relative to the first fault: what recovery and wedges were read from.
-    verdict["long_waits"] = [
-        [
-            [round(a - began, 2), round(b - began, 2)]
-            for a, b in [*h["stalls"], [h["last_ack"] or h["started"], h["ended"]]]
-            if b - a >= 1
+    for name, verdict in verdicts.items():
+        # Each worker's waits of a second or more (the last: from its last acknowledgement to its
+        # end), relative to the first fault: what recovery and wedges were read from.
+        verdict["long_waits"] = [
+            [
+                [round(a - began, 2), round(b - began, 2)]
+                for a, b in [*h["stalls"], [h["last_ack"] or h["started"], h["ended"]]]
+                if b - a >= 1
+            ]
+            for h in histories[name]
         ]
-        for h in histories
-    ]
-    return {
+    record = {
         "seed": plan.seed, "replicas": plan.replicas, "plan": plan.to_json(), "faults": faults,
         "healed_at_s": round(healed - began, 2), "settled_after_heal_s": settled_s,
-        "resumed_after_heal_s": resumed_s, "verdict": verdict,
+        "resumed_after_heal_s": resumed_s, "verdict": verdicts[FIRST_JOB],
     }  # fmt: skip
+    if plan.second_job:
+        second = {"replicas": SECOND_JOB_REPLICAS, "workers": options.second_job_workers}
+        record["second_job"] = {**second, "verdict": verdicts[SECOND_JOB]}
+    return record
+
+
+def _verdict(
+    rig: Rig,
+    name: str,
+    histories: list[dict[str, Any]],
+    observed: dict[str, Any] | None,
+    timeline: list[dict[str, Any]],
+    faults: list[dict[str, Any]],
+    options: TrialOptions,
+) -> dict[str, Any]:
+    """Job `name`'s verdict: its workers' histories against its replicas' views, logs and θ, under
+    the faults on its replicas and etcd."""
+    job = rig.jobs[name]
+    hosts = {target: rig.host_of(target).name for target in job.targets}
+    mine = [{"t": line["t"], "views": only(line["views"], hosts)} for line in timeline]
+    own_faults = [fault for fault in faults if fault["job"] == name or fault["role"] == "etcd"]
+    start = min(float(h["started"]) for h in histories)
+    end = max(float(h["ended"]) for h in histories)
+    safety = Safety(own_faults, mine, hosts, start, end)
+    final = mine[-1]["views"] if mine else {}
+    own = job.targets if len(rig.jobs) > 1 else None  # with another job: what was acknowledged elsewhere
+    return check(histories, observed, final, safety, own_faults, promotions(job.logs()), options.wedge_after,
+                 primaries_seen(mine, hosts), own)  # fmt: skip
