@@ -50,6 +50,7 @@ from gemps.transport import Transport, call_deadline, refuse_non_finite
 from gemps.wire_options import check_wire_options, resolve_plane, resolve_shared_memory
 from gemps_proto import vectors
 from gemps_proto.grpc_framing import DEFAULT_CHUNK_BYTES
+from gemps_proto.jobs import check_job
 from gemps_proto.reasons import Reason
 from gemps_proto.reply_differences import REPLY_COMPRESSIONS
 from gemps_proto.schema import PayloadKind, buffer_numbers, buffer_spec_of, flatten, spec_of
@@ -106,6 +107,7 @@ class Client:
         shared_memory: bool | None = None,
         connect: Callable[[str], Transport] | None = None,
         metrics_registry: CollectorRegistry | None = None,
+        job: str = "",
     ) -> None:
         """`patience` is how long, in seconds, a call goes on retrying a server that does not
         answer (down, restarting, failing over, busy) before it raises the last failure, naming
@@ -152,7 +154,12 @@ class Client:
         by default the one `plane` picks, with the options above.
 
         `metrics_registry`, a prometheus_client CollectorRegistry: the client's own metrics go
-        there (commit latency, θ's bytes sent and received, retries: gemps.metrics)."""
+        there (commit latency, θ's bytes sent and received, retries: gemps.metrics).
+
+        `job` names the job this worker trains (1-64 of [A-Za-z0-9_-]; the same for all its
+        workers): a server whose θ is another job's refuses it from the first registration on, and
+        the first worker's names a new θ. "" (the default): the job of the first server that
+        registers this client, which a replica list holding another job's primary may be (DESIGN §3)."""
         check_wire_options(wire_dtype, streaming, chunk_bytes, compression, reply_compression)
         self.plane = resolve_plane(plane)
         self.shared_memory = resolve_shared_memory(shared_memory)
@@ -193,6 +200,7 @@ class Client:
             client_id=self.client_id,
             compressor=None if compression is None else Compressor(compression),
             reply_code=0 if reply_compression is None else REPLY_COMPRESSIONS[reply_compression],
+            job=check_job(job),
         )
         self._retrier.target = self._router.target
 

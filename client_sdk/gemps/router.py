@@ -110,6 +110,7 @@ class PartitionRouter:
         client_id: str,
         compressor: Compressor | None = None,
         reply_code: int = 0,
+        job: str = "",
     ) -> None:
         self.resolver = resolver
         self.compressor = compressor  # commits compressed, with their residuals (compression.py)
@@ -132,9 +133,9 @@ class PartitionRouter:
         # client (the ledger's scope), and never one of the 32-hex-digit ids older checkpoints hold.
         self._request_prefix = uuid.uuid4().hex[:16] + "-"
         self._replicas: dict[int, Replicas] = {}  # partitions announced as replica sets, by index
-        # The job whose θ this client trains (gemps_proto.jobs): fixed by its first registration,
-        # sent at every later one and checked before a replica is followed (DESIGN §3d).
-        self.job = ""
+        # The job whose θ this client trains (gemps_proto.jobs): the one named, else fixed by its
+        # first registration; sent at every registration and checked before a replica is followed.
+        self.job = job
 
     @property
     def registration(self) -> Registration | None:

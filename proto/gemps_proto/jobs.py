@@ -30,6 +30,13 @@ def valid_job(job: str) -> bool:
     return _JOB.fullmatch(job) is not None
 
 
+def check_job(job: str) -> str:
+    """`job` when it is "" (none named) or may name a job; else a ValueError naming it."""
+    if job and not valid_job(job):
+        raise ValueError(f"job must be 1-{MAX_JOB_LENGTH} characters of [A-Za-z0-9_-], not {job[:80]!r}")
+    return job
+
+
 def describe_job(job: str) -> str:
     """A job identity for messages: its first 12 characters (enough to tell jobs apart)."""
     return job[:12] if job else "(none)"

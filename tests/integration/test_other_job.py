@@ -184,3 +184,25 @@ def test_a_fresh_server_makes_up_a_job_and_a_backup_holds_its_primarys(
 def _status(server: ServerProcess) -> gemps.records.ServerStatus:
     with gemps.Client(server.target, timeout=10) as client:
         return client.status()
+
+
+def test_a_worker_that_names_its_job_never_registers_with_another_jobs_primary(
+    start_server_process: StartServerProcess, etcd: LocalEtcd, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A first registration trusts whoever answers as primary unless the worker names its job
+    (`Client(job=...)`): its list starts with job B's replicas, whose primary answers first, and
+    it goes on to job A's, whose θ a worker of that name initialised (the Jepsen suite's seed 7:
+    a worker starting while its job had no primary registered with the other's)."""
+    caplog.set_level(logging.WARNING, logger="gemps.client")
+    theirs = _other_job(start_server_process, etcd, "theirs-first", PARAMETERS)
+    _, _, target = primary_and_backup(start_server_process, etcd, "ours-named")
+    with gemps.Client(target, name="a-first", timeout=30, job="ours-named") as first:
+        first.register({"w": np.zeros(PARAMETERS, np.float32)})
+        assert first.status().job == "ours-named"
+    with gemps.Client(f"{theirs}|{target}", name="a-late", timeout=60, job="ours-named") as late:
+        late.register({"w": np.zeros(PARAMETERS, np.float32)})
+        assert late.commit(np.ones(PARAMETERS, np.float32), kind="update").version == 1
+    assert _untouched(theirs, PARAMETERS) == ""
+    assert any("other_job" in record.getMessage() or "another job" in record.getMessage() for record in caplog.records)
+    with pytest.raises(ValueError, match="job must be"):
+        gemps.Client(target, job="not a job")

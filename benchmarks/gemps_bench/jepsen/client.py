@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> History:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop_file = Path(args.stop_file)
     with gemps.Client(
-        args.target, name=args.name, timeout=args.call_timeout, attempt_timeout=args.timeout, stop=stop
+        args.target, name=args.name, timeout=args.call_timeout, attempt_timeout=args.timeout, stop=stop, job=args.job
     ) as client:
         client.register({"theta": np.zeros(args.parameters, np.float32)})
         history = History(started=time.time())
@@ -109,6 +109,7 @@ def main() -> None:
     parser.add_argument("--target", required=True, help="every replica of the partition, A|B")
     parser.add_argument("--observe", action="store_true", help="print the primary's version and θ's range")
     parser.add_argument("--name", default="counter")
+    parser.add_argument("--job", default="", help="the job it trains (gemps.Client's job; default: none named)")
     parser.add_argument("--parameters", type=int, default=20_000)
     parser.add_argument("--out", default="worker.json")
     parser.add_argument("--stop-file", default="stop")

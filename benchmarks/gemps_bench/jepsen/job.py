@@ -114,7 +114,10 @@ class Job:
         """`count` counting workers, their replica list this job's replicas, then `foreign` if given."""
         target = "|".join(filter(None, [self.target, foreign]))
         for index in range(count):
+            # Named: a worker registering while its job has no primary is refused by the other's
+            # (seed 7 before: one registered there, its commits all in the other job's θ).
             argv = self.site.python("gemps_bench.jepsen.client", "--target", target, "--name", f"{self.prefix}w{index}",
+                                    "--job", self.etcd_job,
                                     "--parameters", str(parameters), "--out", str(self._file(f"w{index}.json")),
                                     "--stop-file", str(self.site.folder / "stop"))  # fmt: skip
             env = {**self.site.env, "PYTHONUNBUFFERED": "1"}
