@@ -9,7 +9,10 @@ promotion, on every route, every acknowledged commit applied once.
 A primary paused while its backup is out of sync (dropped, or not seeded yet) must be waited for:
 the backup lacks commits only the paused primary holds. Under a loaded suite a backup not seeded
 yet took over after five leases (the rule for a job whose in-sync replicas all died) and the
-acknowledged commits were gone."""
+acknowledged commits were gone.
+
+A primary paused past its lease and resumed says it is no longer primary from its first answer
+(issue 77, item 9), not from its coordinator's next renewal."""
 
 from __future__ import annotations
 
@@ -17,15 +20,20 @@ import os
 import signal
 import time
 
+import grpc
 import numpy as np
 import pytest
 
 import gemps
-from gemps_proto.status import PRIMARY
+from gemps_proto.reasons import Reason
+from gemps_proto.schema_proto import replication_from_proto
+from gemps_proto.status import CANDIDATE, PRIMARY
+from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.replication.election import ORPHANED_LEASES
 from gemps_server.replication.local_etcd import LocalEtcd
-from tests.helpers import CommitLoops, stop_process, wait_for
-from tests.integration.conftest import StartServerProcess
+from tests.helpers import CommitLoops, scrape_series, stop_process, wait_for
+from tests.integration.conftest import StartServerProcess, open_stub
+from tests.integration.test_failover_workers import reason_of
 from tests.integration.test_replicas import LEASE, PARAMETERS, primary_and_backup, replication_of, role_of
 
 pytestmark = pytest.mark.usefixtures("plane")
@@ -106,3 +114,47 @@ def test_a_paused_primary_whose_backup_is_out_of_sync_is_waited_for_and_loses_no
 def _live(target: str) -> int:
     replication = replication_of(target)
     return 0 if replication is None else replication.live
+
+
+@pytest.mark.parametrize("plane", ["tcp"], indirect=True)
+def test_a_resumed_ex_primary_answers_status_as_no_primary_before_it_hears_from_etcd(
+    start_server_process: StartServerProcess, etcd: LocalEtcd, plane: str
+) -> None:
+    """Issue 77 item 9: a primary paused past its lease, its backup promoted meanwhile, answered
+    Status right after it resumed as the primary of its old epoch with its old backup in sync (a
+    watcher could follow it) until its coordinator's next renewal failed: one etcd round trip,
+    here the etcd client's whole timeout, as etcd is paused while it resumes. Now its role is
+    what its lease allows, read when Status is answered: not primary, no backups, in Status and
+    in metrics; and a commit it is sent then is refused `not_primary`."""
+    primary, backup, target = primary_and_backup(start_server_process, etcd, "resumed")
+    with gemps.Client(target, name="w") as worker:
+        worker.register({"w": np.zeros(PARAMETERS, np.float32)})
+        worker.commit(np.ones(PARAMETERS, np.float32), kind="update")
+        registration = worker.registration
+    assert registration is not None
+    stub = open_stub(primary.target)  # connected before the pause: asked at once on resuming
+    before = replication_from_proto(stub.Status(pb.StatusRequest(), timeout=10))
+    assert before is not None and before.role == PRIMARY and before.live == 2, before
+    stop_process(primary.pid)
+    try:
+        wait_for(lambda: role_of(backup.target) == PRIMARY, 30, "the backup promoted", poll=0.02)
+        etcd.pause()
+        try:
+            os.kill(primary.pid, signal.SIGCONT)
+            resumed = replication_from_proto(stub.Status(pb.StatusRequest(), timeout=10))
+            roles = scrape_series(f"http://127.0.0.1:{primary.metrics_port}/metrics")
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Commit(pb.CommitRequest(worker_id=registration.worker_id, base_version=1), timeout=10)
+        finally:
+            etcd.resume()
+    finally:
+        os.kill(primary.pid, signal.SIGCONT)
+    assert resumed is not None and resumed.role == CANDIDATE, resumed
+    assert resumed.backups == () and resumed.live == 0 and not resumed.under_replicated, resumed
+    assert [value for series, value in roles.items() if _role_series(series, PRIMARY)] == [0.0], roles
+    assert [value for series, value in roles.items() if _role_series(series, CANDIDATE)] == [1.0], roles
+    assert reason_of(refused.value) == Reason.NOT_PRIMARY.value
+
+
+def _role_series(series: str, role: str) -> bool:
+    return series.startswith("gemps_replica_role{") and f'role="{role}"' in series

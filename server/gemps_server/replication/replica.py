@@ -109,13 +109,27 @@ class Replica:
 
     # -- what the service asks (gemps_server.replicas.Replicas) ------------------------------------
 
+    def leads(self) -> bool:
+        """Whether this replica is primary and knows its lease valid now: the election's local
+        deadline (holds(): the last renewal sent + 80 % of the lease, on the monotonic clock), read
+        at the call. A primary paused past its lease is not one, though its coordinator only
+        demotes it at its next tick, an etcd round trip after it resumes (issue 77, item 9)."""
+        return self.role == PRIMARY and self._started and self._election.holds()
+
     def require_primary(self) -> None:
-        if self.role == PRIMARY and self._started and self._election.holds():
+        if self.leads():
             return
-        primary = self._primary.address if self._primary is not None and self.role == BACKUP else ""
+        role = self.role
+        if role == PRIMARY:
+            raise Unavailable(
+                f"replica {self.me.name}'s lease as primary of epoch {self.epoch} has run out (another replica may "
+                "hold the partition now): retry at another replica",
+                Reason.NOT_PRIMARY,
+            )
+        primary = self._primary.address if self._primary is not None and role == BACKUP else ""
         where = f"; the primary is at {primary}" if primary else "; no primary is known yet"
         raise Unavailable(
-            f"replica {self.me.name} is a {self.role}, not its partition's primary{where}: retry at another replica",
+            f"replica {self.me.name} is a {role}, not its partition's primary{where}: retry at another replica",
             Reason.NOT_PRIMARY,
         )
 
@@ -134,14 +148,19 @@ class Replica:
             forwarder.when_replicated(position, done)
 
     def status(self) -> ReplicationStatus:
-        forwarder, follower = self._forwarder, self._follower
+        """The role its lease allows now (`leads`): a primary whose lease ran out reports itself a
+        candidate, without backups, before its coordinator demotes it (what metrics and Status show)."""
+        forwarder, follower, primary, role = self._forwarder, self._follower, self._primary, self.role
+        lapsed = role == PRIMARY and not self.leads()
+        if lapsed:
+            role, primary = CANDIDATE, None
         return ReplicationStatus(
             name=self.me.name,
-            role=self.role,
+            role=role,
             epoch=self.epoch,
             replicas=self.replicas,
-            primary=self._primary.address if self._primary is not None else "",
-            backups=forwarder.lags() if forwarder is not None else (),
+            primary=primary.address if primary is not None else "",
+            backups=forwarder.lags() if forwarder is not None and not lapsed else (),
             forwarded=forwarder.forwarded if forwarder is not None else 0,
             applied=self.applied + (follower.applied if follower is not None else 0),
             failovers=self.failovers,
@@ -340,7 +359,7 @@ class Replica:
             event(log, "backup joining", backup=peer.name, epoch=forwarder.epoch)
 
     def _refusal(self, hello: frames.Frame) -> str:
-        if self.role != PRIMARY or self._forwarder is None:
+        if not self.leads() or self._forwarder is None:
             # It lives and reaches this replica: awaited should this one be promoted (_alive_in_sync).
             name = str(hello.header.get("name", ""))
             if not self._handshake.name_refusal(name, self.me.name):  # the partition's names only: bounded
