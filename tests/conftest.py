@@ -48,14 +48,6 @@ SERIAL_GROUPS = {
     "test_jepsen_replicas.py": "hosts",
     "test_experiment_on_links.py": "hosts",
     "test_bench.py": "hosts",  # measures throughput: alone with the simulated hosts, not beside them
-    # Sockets on 127.0.0.2 and 127.0.0.3: relays bound to a replication port's number there, and
-    # floods connecting from there (thousands of ephemeral ports). Side by side a flood's port once
-    # was the number a relay needed (EADDRINUSE, a fresh clone's suite, 2026-11-29).
-    "test_replication_hostile.py": "loopback-aliases",
-    "test_data_plane_tls_flood.py": "loopback-aliases",
-    "test_replica_trust.py": "loopback-aliases",
-    "test_replica_tls.py": "loopback-aliases",
-    "test_door.py": "loopback-aliases",
 }
 
 # Modules whose figures depend on having the machine to themselves (how many workers' steps
