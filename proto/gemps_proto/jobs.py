@@ -33,7 +33,7 @@ def valid_job(job: str) -> bool:
 def check_job(job: str) -> str:
     """`job` when it is "" (none named) or may name a job; else a ValueError naming it."""
     if job and not valid_job(job):
-        raise ValueError(f"job must be 1-{MAX_JOB_LENGTH} characters of [A-Za-z0-9_-], not {job[:80]!r}")
+        raise ValueError(f"bad job {job[:80]!r}: a job must be 1-{MAX_JOB_LENGTH} characters of [A-Za-z0-9_-]")
     return job
 
 

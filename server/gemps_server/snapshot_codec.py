@@ -29,7 +29,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from gemps_proto.jobs import valid_job
+from gemps_proto.jobs import check_job
 from gemps_proto.schema import Buffers, ParameterSpec, buffer_counts
 from gemps_proto.tensor_codec import FLOAT32, INT64
 from gemps_server.domain.ledger import MAX_REQUEST_ID_LENGTH
@@ -159,9 +159,10 @@ def take_state(metadata: Mapping[str, str], tensors: Tensors, rule: str | None =
     spec = parse_spec(metadata["spec"], names)
     buffer_spec = parse_spec(metadata.get("buffer_spec", "[]"), names, allow_empty=True, integers=True)
     partition = parse_partition(metadata.get("partition", '{"index": 0, "count": 1}'), spec)
-    job = metadata.get("job", "")  # "": a snapshot from before jobs
-    if job and not valid_job(job):
-        raise SnapshotError(f"bad job {job[:80]!r}")
+    try:
+        job = check_job(metadata.get("job", ""))  # "": a snapshot from before jobs
+    except ValueError as error:
+        raise SnapshotError(str(error)) from None
     start, stop = partition.bounds(sum(entry.size for entry in spec))
     theta = take(tensors, THETA_KEY, np.float32, (stop - start,))
     float_count, integer_count = buffer_counts(buffer_spec)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gemps_proto.jobs import MAX_JOB_LENGTH, describe_job, valid_job
+from gemps_proto import jobs
 from gemps_proto.reasons import Reason
 from gemps_proto.reply_differences import DIFFERENCE_DTYPES
 from gemps_proto.schema import Buffers, Evaluation, ParameterSpec, PayloadKind, buffer_counts
@@ -59,10 +59,10 @@ def check_client_id(client_id: str) -> None:
 
 def check_job(job: str) -> None:
     """InvalidArgument unless `job` is empty (none said) or a job identity (gemps_proto.jobs)."""
-    if job and not valid_job(job):
-        raise InvalidArgument(
-            f"job must be at most {MAX_JOB_LENGTH} characters of [A-Za-z0-9_-], not {job[:80]!r}", Reason.BAD_JOB
-        )
+    try:
+        jobs.check_job(job)
+    except ValueError as error:
+        raise InvalidArgument(str(error), Reason.BAD_JOB) from None
 
 
 def check_same_job(held: str, job: str) -> None:
@@ -70,7 +70,7 @@ def check_same_job(held: str, job: str) -> None:
     its address belongs to another job now (a reused address, a stale replica list)."""
     if job and held and job != held:
         raise FailedPrecondition(
-            f"this server holds job {describe_job(held)}'s central variable, not job {describe_job(job)}'s: "
+            f"this server holds job {jobs.describe_job(held)}'s central variable, not job {jobs.describe_job(job)}'s: "
             "the address belongs to another job now",
             Reason.OTHER_JOB,
         )

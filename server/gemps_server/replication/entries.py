@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gemps_proto.jobs import valid_job
+from gemps_proto.jobs import check_job
 from gemps_proto.schema import ParameterSpec
 from gemps_proto.tensor_codec import EncodedBuffers, EncodedTensor
 from gemps_server import commit_frame
@@ -77,19 +77,13 @@ def decode(frame: Frame) -> tuple[Entry, int, int]:
             initial=_tensor(j["initial"], blobs),
             initial_buffers=_buffers(j["initial_buffers"], blobs),
             displaced=str(j["displaced"]),
-            job=_job(j["job"]),
+            job=check_job(str(j["job"])),
         )
         return joined, position, epoch
     except (KeyError, TypeError, ValueError, IndexError) as error:
         if isinstance(error, BadEntry):
             raise
         raise BadEntry(f"malformed journal entry: {type(error).__name__}: {error}") from None
-
-
-def _job(raw: object) -> str:
-    if not (raw == "" or (isinstance(raw, str) and valid_job(raw))):
-        raise ValueError(f"bad job {str(raw)[:80]!r}")
-    return str(raw)
 
 
 def _specs(spec: Sequence[ParameterSpec]) -> list[list[Any]]:
