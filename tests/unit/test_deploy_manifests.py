@@ -359,7 +359,9 @@ def run_healthcheck(*args: str, env: dict[str, str] | None = None) -> subprocess
 
 
 def test_healthcheck_reports_a_serving_server_and_fails_without_one() -> None:
-    with InProcessServer() as server:
+    # the port from this xdist worker's reserved band: an ephemeral one may be another worker's
+    # server by the time "gone" asks it
+    with InProcessServer(port=free_port()) as server:
         serving = run_healthcheck("--target", server.target)
         own = run_healthcheck(env={"GEMPS_HOST": "0.0.0.0", "GEMPS_PORT": str(server.port)})
         upstream = run_healthcheck("--upstream", env={"GEMPS_SERVER": server.target})
@@ -376,7 +378,7 @@ def test_healthcheck_upstream_replica_set_is_healthy_while_one_replica_serves() 
     """GEMPS_SERVER="a|b" (replicas, deploy/compose.replicas.yml): a worker is healthy while it can
     reach one of them."""
     dead = f"127.0.0.1:{free_port()}"
-    with InProcessServer() as server:
+    with InProcessServer(port=free_port()) as server:  # reserved: see the test above
         one_up = run_healthcheck("--upstream", "--timeout", "2", env={"GEMPS_SERVER": f"{dead}|{server.target}"})
     assert one_up.returncode == 0, one_up.stdout + one_up.stderr
     assert "unhealthy" in one_up.stdout and "SERVING" in one_up.stdout  # the dead one said so, then the live one
