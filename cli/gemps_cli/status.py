@@ -283,7 +283,8 @@ def replication_lines(replication: ReplicationStatus | None) -> list[str]:
         return [head, f"UNAVAILABLE: {r.unavailable}"] if r.unavailable else [head]
     under = " UNDER-REPLICATED" if r.under_replicated else ""
     head = f"primary {r.name}, epoch {r.epoch}, {r.live}/{r.replicas} replicas live{under}"
-    return [head] + [
+    stalled = [f"UNAVAILABLE: {r.unavailable}"] if r.unavailable else []  # the in-sync set's floor
+    return [head, *stalled] + [
         f"backup {backup.name:<16} {'in sync' if backup.in_sync else 'OUT OF SYNC':<11}  "
         f"lag {backup.lag_commits} commits, {_age(backup.lag_seconds)}"
         for backup in r.backups

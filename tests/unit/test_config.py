@@ -113,6 +113,17 @@ def test_each_option_group_checks_its_own_options() -> None:
     assert ReplicationOptions(replicas=2, job="a/b").problems() == [
         "job 'a/b': letters, digits, '-' and '_' only (it names keys in etcd)"
     ]
+    assert ReplicationOptions(replicas=2, min_in_sync=3).problems() == [
+        "min_in_sync 3 is more than the 2 replicas: at most 2"
+    ]
+
+
+def test_the_in_sync_floor_is_half_the_replicas_rounded_up_unless_given() -> None:
+    """--min-in-sync 0 (the default): 1 of 1 or 2, 2 of 3 or 4, 3 of 5; a value given is used as is."""
+    floors = [ReplicationOptions(replicas=r).in_sync_floor for r in (1, 2, 3, 4, 5)]
+    assert floors == [1, 1, 2, 2, 3]
+    assert ReplicationOptions(replicas=2, min_in_sync=2).in_sync_floor == 2
+    assert ReplicationOptions(replicas=3, min_in_sync=1).in_sync_floor == 1
     assert SecurityOptions(tls_client_ca="/nowhere/ca.pem").problems() == [
         "tls_client_ca (mutual TLS) needs tls_cert and tls_key",
         "tls_client_ca '/nowhere/ca.pem' is not a readable file",

@@ -31,7 +31,11 @@ def applier() -> Iterator[Applier]:
 
 
 def primary(
-    applier: Applier, in_sync: list[list[Peer]], awaited: tuple[Peer, ...] = (), attach_within: float = 0.0
+    applier: Applier,
+    in_sync: list[list[Peer]],
+    awaited: tuple[Peer, ...] = (),
+    attach_within: float = 0.0,
+    min_in_sync: int = 1,
 ) -> tuple[ServerState, Forwarder, str]:
     state = ServerState(training("downpour"), WorkerRegistry(max_workers=4, lease_ttl=3600))
 
@@ -49,6 +53,7 @@ def primary(
         backups=1,
         awaited=awaited,
         attach_within=attach_within,
+        min_in_sync=min_in_sync,
     )
     state.journal = journal
     worker = state.register("w", (ParameterSpec("w", (P,)),), encoded(np.zeros(P, np.float32))).worker.worker_id
@@ -142,6 +147,68 @@ def test_an_awaited_replica_that_does_not_attach_in_time_is_dropped_and_commits_
     journal.when_replicated(commit(state, worker, 1), lambda error: acknowledged.set())
     assert acknowledged.wait(10)  # after attach_within: the etcd write leaves it out first
     assert in_sync == [[]] and journal.lags() == ()
+    journal.close()
+
+
+def seed_in_sync(
+    journal: Forwarder, in_sync: list[list[Peer]], peer: Peer, ours: socket.socket, theirs: socket.socket
+) -> int:
+    """Attach `peer` on `ours`, acknowledge its seed from `theirs`, wait until it is listed: the seed's position."""
+    assert journal.attach(peer, ours) == ""
+    seed = frames.receive(theirs)
+    assert seed.kind == frames.SEED
+    frames.send(theirs, frames.Frame(frames.ACK, {"position": seed.header["position"]}))
+    wait_for(lambda: bool(in_sync) and in_sync[-1] == [peer], 10, f"{peer.name} in sync")
+    return int(seed.header["position"])
+
+
+def test_a_floor_of_two_keeps_a_lost_backup_listed_and_commits_wait_for_its_successor(applier: Applier) -> None:
+    """--min-in-sync 2 (issue 77, Jepsen seed 19): the only backup's connection breaks. It is not
+    dropped (it could still be promoted, holding every acknowledged commit), nothing is acknowledged
+    while the primary alone holds it, Status says why, and the backup's next hello takes its place:
+    once it is seeded, what waited is acknowledged."""
+    in_sync: list[list[Peer]] = []
+    state, journal, worker = primary(applier, in_sync, min_in_sync=2)
+    backup = Peer("backup", "i1")
+    first = commit(state, worker, 0)
+    waited: list[BaseException | None] = []
+    journal.when_replicated(first, waited.append)
+    assert waited == []  # no backup in the set yet: the primary alone holds it
+    ours, theirs = socket.socketpair()
+    with ours:
+        assert seed_in_sync(journal, in_sync, backup, ours, theirs) >= first
+        wait_for(lambda: waited == [None], 10, "the first commit acknowledged once the backup holds it")
+        theirs.close()  # the backup goes away
+        wait_for(lambda: "disconnected" in journal.stalled(), 10, "the lost backup kept in the set")
+    assert "--min-in-sync 2" in journal.stalled()
+    second = commit(state, worker, 1)
+    acknowledged = threading.Event()
+    journal.when_replicated(second, lambda error: acknowledged.set())
+    assert not acknowledged.wait(0.5)  # the primary alone holds it
+    assert all(written == [backup] for written in in_sync)  # never written out of the set
+    assert [(lag.name, lag.in_sync) for lag in journal.lags()] == [("backup", True)]
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        assert seed_in_sync(journal, in_sync, backup, ours, theirs) >= second  # its successor
+        assert acknowledged.wait(10)
+        assert journal.stalled() == ""
+    journal.close()
+
+
+def test_a_floor_of_two_keeps_the_awaited_replica_listed_when_it_does_not_attach_in_time(applier: Applier) -> None:
+    """Unlike --min-in-sync 1 (the test above it): a new primary whose only other replica does not
+    attach keeps it listed and acknowledges nothing alone."""
+    in_sync: list[list[Peer]] = []
+    old_primary = Peer("old-primary", "i0")
+    state, journal, worker = primary(applier, in_sync, awaited=(old_primary,), attach_within=0.2, min_in_sync=2)
+    acknowledged = threading.Event()
+    journal.when_replicated(commit(state, worker, 1), lambda error: acknowledged.set())
+    assert not acknowledged.wait(1.0)  # five times attach_within
+    assert in_sync == [] and [(lag.name, lag.in_sync) for lag in journal.lags()] == [("old-primary", True)]
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        seed_in_sync(journal, in_sync, old_primary, ours, theirs)
+        assert acknowledged.wait(10)
     journal.close()
 
 

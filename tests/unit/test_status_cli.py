@@ -116,3 +116,14 @@ def test_a_replica_waiting_for_others_to_report_says_why_there_is_no_primary(
     out = shown([server], monkeypatch, capsys)
     assert "\nreplication     candidate r1, epoch 7, no primary known (2 replicas configured)\n" in out
     assert f"\n  UNAVAILABLE: {why}\n" in out
+
+
+def test_a_primary_whose_in_sync_floor_holds_commits_says_so_above_its_backups(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (server,) = memory_cluster(4, partitions=1)
+    why = "no commit is acknowledged until r1 (disconnected) or another backup applies it: --min-in-sync 2 keeps ..."
+    backups = (BackupLag("r1", True, 12, 7.5),)
+    server.replication = ReplicationStatus("r0", PRIMARY, epoch=4, replicas=2, backups=backups, unavailable=why)
+    out = shown([server], monkeypatch, capsys)
+    assert f"primary r0, epoch 4, 2/2 replicas live\n  UNAVAILABLE: {why}\n  backup r1" in out

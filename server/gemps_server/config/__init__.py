@@ -90,7 +90,12 @@ class ServerConfig(
         found += PartitionOptions.problems(self) or self._partition_port_problems()
         # One problem of the replicas at a time, as ReplicationOptions reports them: its credential and TLS
         # count only once this replica's role is sound.
-        found += self.replica_role_problems() or self._replica_trust_problems() or self.job_name_problems()
+        found += (
+            self.replica_role_problems()
+            or self.min_in_sync_problems()
+            or self._replica_trust_problems()
+            or self.job_name_problems()
+        )
         found += CoordinationOptions.problems(self) or self.endpoint_problems(self.etcd, self.replicas > 1)
         return found
 

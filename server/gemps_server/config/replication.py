@@ -90,9 +90,28 @@ class ReplicationOptions:
         },
     )
 
+    min_in_sync: int = field(
+        default=0,
+        metadata={
+            "help": "replicas (the primary one of them) that must hold a commit before it is acknowledged: the "
+            "in-sync set never shrinks below it, so a primary whose backups are out of reach waits for one "
+            "rather than acknowledge what too few hold. 1 serves on with the primary alone, whose death then "
+            "loses what it acknowledged; 0: half the replicas, rounded up (1 of 2, 2 of 3, 3 of 5)",
+            DEFAULT_TEXT: "half of --replicas, rounded up",
+            RANGE: Range(0, 9),
+        },
+    )
+
     def problems(self) -> list[str]:
         """The first problem of the replica options: each check assumes the ones before it passed."""
-        return self.replica_role_problems() or self.job_name_problems()
+        return self.replica_role_problems() or self.min_in_sync_problems() or self.job_name_problems()
+
+    def min_in_sync_problems(self) -> list[str]:
+        """More replicas asked to hold a commit than there are: none would ever be acknowledged."""
+        if self.replicas > 1 and self.min_in_sync > self.replicas:
+            count = self.replicas
+            return [f"min_in_sync {self.min_in_sync} is more than the {count} replicas: at most {count}"]
+        return []
 
     def replica_role_problems(self) -> list[str]:
         """Whether this process can learn its role: a replica that exists, and etcd to elect the primary."""
@@ -126,6 +145,11 @@ class ReplicationOptions:
         if self.replicas > 1 and not self.job.replace("-", "").replace("_", "").isalnum():
             return [f"job {self.job!r}: letters, digits, '-' and '_' only (it names keys in etcd)"]
         return []
+
+    @property
+    def in_sync_floor(self) -> int:
+        """--min-in-sync as it applies: half the replicas, rounded up, for 0."""
+        return self.min_in_sync or (self.replicas + 1) // 2
 
     @property
     def replica(self) -> int:

@@ -25,6 +25,7 @@ falls an image behind while it catches up (links.py), or when --tls-crl comes to
 certificate (its stream closed at once). An in-sync one leaves the set in etcd first: until then
 commits wait for it, so a backup that could still be promoted never misses an acknowledged
 commit. It is re-seeded when it comes back.
+The set never shrinks below --min-in-sync replicas (floor.py).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from gemps_server.domain.replica_image import ReplicaImage
 from gemps_server.domain.state import ServerState
 from gemps_server.logs import Throttle, event
 from gemps_server.replication import entries, frames, image_codec
+from gemps_server.replication.floor import InSyncFloor
 from gemps_server.replication.lag import LagWindow
 from gemps_server.replication.links import SEEDING_SECONDS, Link
 from gemps_server.replication.links import Peer as Peer  # what a backup says it is (follower.py too)
@@ -81,6 +83,7 @@ class Forwarder:
         backups: int,
         awaited: Iterable[Peer] = (),
         attach_within: float = 0.0,
+        min_in_sync: int = 1,
     ) -> None:
         self._state = state
         self._applier = applier
@@ -89,6 +92,7 @@ class Forwarder:
         self._holds = holds
         self.timeout = timeout
         self._backups = backups
+        self._floor = InSyncFloor(min_in_sync, backups)
         self._lock = threading.Lock()
         self._last = 0
         self._links: dict[str, Link] = {}
@@ -142,10 +146,12 @@ class Forwarder:
 
     def _replicated(self) -> int:
         """The highest position every in-sync backup applied (with none: the last; with a replica
-        still awaited: none)."""
+        still awaited, or fewer in the set than --min-in-sync asks: none)."""
         if self._awaited:
             return 0
         acked = [link.acked for link in self._links.values() if link.in_sync]
+        if self._floor.above(len(acked)):
+            return 0
         return min(acked) if acked else self._last
 
     def _fenced(self) -> BaseException | None:
@@ -225,8 +231,11 @@ class Forwarder:
             if not why:
                 return f"a backup named {peer.name} is attached and alive: one per name", None
             return f"the backup named {peer.name} before it is let go ({why}): retry", old
-        if old is not None:  # closed, and still in the in-sync set until etcd says otherwise
+        if old is not None and not (old.in_sync and self._floor_holds(old)):
+            # closed, and still in the in-sync set until etcd says otherwise
             return f"the backup named {peer.name} before it is leaving the in-sync set: retry", None
+        if old is not None:  # kept in the set by --min-in-sync: this hello takes its place (no ack meanwhile)
+            del self._links[peer.name]
         if len(self._links) >= self._backups:
             return f"{self._backups} backups are attached already (--replicas {self._backups + 1})", None
         return "", None
@@ -336,10 +345,15 @@ class Forwarder:
                 name for name in self._awaited
                 if waited > (self.timeout if name in attached else min(self._attach_within, self.timeout))
             ]  # fmt: skip
-            if not late:
-                return
             members = [link.peer for link in self._links.values() if link.in_sync]
             members += [peer for name, peer in self._awaited.items() if name not in late]
+            kept = late[: self._floor.missing(len(members))]
+            late = late[len(kept) :]
+            members += [self._awaited[name] for name in kept]
+        for name in kept:
+            self._floor.log_kept(name, f"did not attach in time ({waited:.1f} s after the promotion)", self.epoch)
+        if not late:
+            return
         if not self._set_in_sync(members):
             return  # fenced off, or etcd unreachable: commits wait; the lease decides
         with self._lock:
@@ -355,6 +369,11 @@ class Forwarder:
         with self._lock:
             members = [other.peer for other in self._links.values() if other.in_sync and other is not link]
             members += [peer for name, peer in self._awaited.items() if name != link.peer.name]
+        if not join and self._floor.above(len(members)):  # listed still: commits wait for it
+            self._floor.log_kept(link.peer.name, why, self.epoch)
+            if link.queued_bytes > link.queue_limit or time.monotonic() - link.heard > self.timeout:
+                link.close()  # memory bounded; a hello of its takes its place, seeded anew
+            return
         if join:
             if len(members) >= self._backups:  # never more than R in the set (the primary is one)
                 return
@@ -373,6 +392,11 @@ class Forwarder:
         event(log, "backup in sync" if join else "backup dropped", level=level, backup=link.peer.name, reason=why,
               epoch=self.epoch)  # fmt: skip
         self._release()
+
+    def _floor_holds(self, link: Link) -> bool:
+        """Whether --min-in-sync keeps `link` in the set: the others listed are too few (lock held)."""
+        others = sum(1 for other in self._links.values() if other.in_sync and other is not link)
+        return self._floor.above(others + sum(1 for name in self._awaited if name != link.peer.name))
 
     # -- what status reads ------------------------------------------------------------------------
 
@@ -393,6 +417,17 @@ class Forwarder:
             oldest = self._appended[0][1] if self._appended else now
             lags += [BackupLag(name, True, self._last, now - oldest) for name in self._awaited]
         return tuple(sorted(lags, key=lambda lag: lag.name))
+
+    def stalled(self) -> str:
+        """Why commits wait now that the set's floor keeps an out-of-reach backup in it ("": none is)."""
+        now = time.monotonic()
+        with self._lock:
+            held = [
+                (link.peer.name, None if link.closed else self._age(link, now))
+                for link in self._links.values()
+                if link.in_sync and (link.closed or self._age(link, now) > self.timeout) and self._floor_holds(link)
+            ]  # fmt: skip
+        return self._floor.describe(held)
 
     def close(self) -> None:
         """This replica stopped being primary: every waiting commit is refused, every backup let go."""

@@ -110,7 +110,9 @@ class Replicated:
 
         # The replicas prove themselves to each other with the job's credential (handshake.py).
         handshake = Handshake(credential(config), config.partition, config.replicas)
-        self.replica = Replica(state, applier, config.replicas, config.replica_timeout, handshake, tickets)
+        self.replica = Replica(
+            state, applier, config.replicas, config.replica_timeout, handshake, tickets, config.in_sync_floor
+        )
         self.port = 0
         # A backup checkpoints too (a job whose every replica restarts resumes from the newest
         # state any of them saw): its replayed commits go through the commit core, whose hook

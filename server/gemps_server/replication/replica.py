@@ -51,12 +51,14 @@ class Replica:
         timeout: float,
         handshake: Handshake,
         tickets: Tickets,
+        min_in_sync: int = 1,
     ) -> None:
         self._state, self._applier = state, applier
         # The data plane's ticket key: sent with a primary's seed, adopted by its backups.
         self._tickets = tickets
         self.replicas = replicas
         self._timeout = timeout
+        self._min_in_sync = min_in_sync
         self._handshake = handshake
         self.me = Member("", "", "", "")  # known once started
         self._lock = threading.RLock()  # role changes come from the coordinator and the follower's end
@@ -164,6 +166,7 @@ class Replica:
             forwarded=forwarder.forwarded if forwarder is not None else 0,
             applied=self.applied + (follower.applied if follower is not None else 0),
             failovers=self.failovers,
+            unavailable=forwarder.stalled() if forwarder is not None and not lapsed else "",
         )
 
     # -- the coordinator's news (its thread) ----------------------------------------------------------
@@ -183,6 +186,7 @@ class Replica:
                 awaited=awaited,
                 # a live replica that reaches etcd sees the new primary within a tick (a quarter lease)
                 attach_within=self._election.lease_seconds / 2,
+                min_in_sync=self._min_in_sync,
             )
             if awaited:
                 event(log, "awaiting backups", backups=",".join(peer.name for peer in awaited), epoch=epoch)
