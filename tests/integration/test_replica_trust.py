@@ -166,7 +166,8 @@ def seed_of(server: InProcessServer) -> bytes:
 
 class FakePrimary:
     """Elected in etcd as partition 0's primary (it holds no credential); to each backup that dials
-    it, it sends `reply` frames (a seed of its own θ among them), and keeps what the backup sent."""
+    it, it opens its door whatever the admission, sends `reply` frames (a seed of its own θ among
+    them), and keeps what the backup sent."""
 
     def __init__(self, etcd: LocalEtcd, job: str, replies: list[frames.Frame]) -> None:
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -187,6 +188,7 @@ class FakePrimary:
                 with sock, contextlib.suppress(OSError):
                     sock.settimeout(5)
                     self.heard += sock.recv(1 << 16)
+                    sock.sendall(frames.DOOR_OPEN)
                     for reply in self.replies:
                         frames.send(sock, reply)
                     time.sleep(0.5)  # time to read it all
