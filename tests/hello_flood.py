@@ -3,7 +3,7 @@ slowed by the test's interpreter): `concurrent` connections at once to 127.0.0.1
 127.0.0.1, each sending its opening bytes as soon as it connects and then nothing; one the replica
 closes is dialled again at once. Opening bytes: `frame`, a gemps hello without any proof of the
 job's credential; `tls`, the start of a TLS ClientHello that never ends. On SIGTERM it prints how
-many connections it made and exits.
+many connections sent their opening bytes and exits.
 
     python -m tests.hello_flood PORT EPOCH CONCURRENT frame|tls
 """
@@ -45,7 +45,7 @@ class Flood:
     def __init__(self, port: int, epoch: int, concurrent: int, kind: str) -> None:
         self.port, self.epoch, self.kind = port, epoch, kind
         self.selector = selectors.DefaultSelector()
-        self.dialled = 0
+        self.opened = 0  # connections that sent their opening bytes
         self.stopped = False
         for _ in range(concurrent):
             self.dial()
@@ -60,7 +60,6 @@ class Flood:
         except OSError:
             sock.close()
             return
-        self.dialled += 1
         self.selector.register(sock, selectors.EVENT_WRITE, "connecting")
 
     def replace(self, sock: socket.socket) -> None:
@@ -82,6 +81,7 @@ class Flood:
                     except OSError:
                         self.replace(sock)
                         continue
+                    self.opened += 1
                     self.selector.modify(sock, selectors.EVENT_READ, "held")
                     continue
                 try:
@@ -104,7 +104,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, stop)
     print("flooding", flush=True)
     flood.run()
-    print(f"dialled {flood.dialled}", flush=True)
+    print(f"opened {flood.opened}", flush=True)
 
 
 if __name__ == "__main__":
