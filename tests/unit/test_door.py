@@ -21,6 +21,8 @@ from gemps_server.replication.handshake import Refused
 from tests.helpers import wait_for
 
 GOOD_NONCE = b"n" * 32
+#: the most a test waits for the door's thread to do what it does at once
+PATIENCE = 30.0
 
 
 def admission(nonce: bytes = GOOD_NONCE) -> bytes:
@@ -41,7 +43,11 @@ class Doorway:
 
 
 @contextlib.contextmanager
-def doorway(places: int, per_address: int, seconds: float = 30.0) -> Iterator[Doorway]:
+def doorway(
+    places: int, per_address: int, seconds: float = 30.0, held: threading.Event | None = None
+) -> Iterator[Doorway]:
+    """`held`: the door's thread waits for it at each connection it turns away (after counting it)."""
+
     def judge(preamble: bytes, host: str) -> str:
         if frames.PREAMBLE.unpack(preamble)[3] != GOOD_NONCE:
             raise Refused("no proof", reason="unproven")
@@ -53,6 +59,8 @@ def doorway(places: int, per_address: int, seconds: float = 30.0) -> Iterator[Do
 
     def turn(reason: str, host: str, why: str) -> None:
         turned[reason] += 1
+        if held is not None:
+            held.wait(PATIENCE)
 
     door = Door(
         listener, judge, lambda sock, host, name: entered.append((sock, name)), turn, places, per_address, seconds
@@ -84,10 +92,10 @@ def closed(sock: socket.socket) -> bool:
 def test_past_its_address_places_a_newcomer_takes_the_oldest_ones() -> None:
     with doorway(places=8, per_address=2) as way:
         first, second = way.dial(), way.dial()
-        wait_for(lambda: way.door.waiting == 2, 5, "both waiting")
+        wait_for(lambda: way.door.waiting == 2, PATIENCE, "both waiting")
         third = way.dial()
-        wait_for(lambda: way.turned["displaced"] == 1, 5, "the oldest displaced")
-        wait_for(lambda: closed(first), 5, "the oldest's socket closed (the door counts, then closes)")
+        wait_for(lambda: way.turned["displaced"] == 1, PATIENCE, "the oldest displaced")
+        wait_for(lambda: closed(first), PATIENCE, "the oldest's socket closed (the door counts, then closes)")
         assert not closed(second) and not closed(third)
         assert way.door.waiting == 2
         for sock in (first, second, third):
@@ -98,10 +106,10 @@ def test_past_every_place_the_fullest_address_gives_way() -> None:
     with doorway(places=3, per_address=2) as way:
         flood = [way.dial("127.0.0.1"), way.dial("127.0.0.1")]
         other = way.dial("127.0.0.2")
-        wait_for(lambda: way.door.waiting == 3, 5, "all three waiting")
+        wait_for(lambda: way.door.waiting == 3, PATIENCE, "all three waiting")
         newcomer = way.dial("127.0.0.3")
-        wait_for(lambda: way.turned["displaced"] == 1, 5, "one displaced")
-        wait_for(lambda: closed(flood[0]), 5, "the fullest address's oldest socket closed")
+        wait_for(lambda: way.turned["displaced"] == 1, PATIENCE, "one displaced")
+        wait_for(lambda: closed(flood[0]), PATIENCE, "the fullest address's oldest socket closed")
         assert not closed(flood[1]) and not closed(other) and not closed(newcomer)
         for sock in (*flood, other, newcomer):
             sock.close()
@@ -110,16 +118,16 @@ def test_past_every_place_the_fullest_address_gives_way() -> None:
 def test_an_admission_is_handed_on_and_whatever_else_opens_is_refused_at_once() -> None:
     with doorway(places=4, per_address=2) as way:
         silent = [way.dial(), way.dial()]  # the address's places taken
-        wait_for(lambda: way.door.waiting == 2, 5, "the silent ones waiting")
+        wait_for(lambda: way.door.waiting == 2, PATIENCE, "the silent ones waiting")
         backup = way.dial()  # displaces one of them, then shows its admission
         backup.sendall(admission())
-        assert frames.door_answer(backup, time.monotonic() + 5) is None  # the door opened
-        wait_for(lambda: len(way.entered) == 1, 5, "the backup handed on")
+        assert frames.door_answer(backup, time.monotonic() + PATIENCE) is None  # the door opened
+        wait_for(lambda: len(way.entered) == 1, PATIENCE, "the backup handed on")
         assert way.entered[0][1] == "partition-0-replica-1"
         for opening in (b"\x16\x03\x01\x02\x00", admission(b"x" * 32)):  # a ClientHello's start; no proof
             with way.dial() as stranger:
                 stranger.sendall(opening)
-                refusal = frames.door_answer(stranger, time.monotonic() + 5)
+                refusal = frames.door_answer(stranger, time.monotonic() + PATIENCE)
                 assert refusal is not None and refusal.kind == frames.REFUSED
         assert way.turned["unproven"] == 2  # (and those that waited for their bytes displaced a silent one each)
         for sock in (*silent, backup):
@@ -130,6 +138,25 @@ def test_an_admission_is_handed_on_and_whatever_else_opens_is_refused_at_once() 
 def test_a_connection_that_shows_no_admission_in_time_is_closed(sent: bytes) -> None:
     with doorway(places=4, per_address=2, seconds=0.2) as way, way.dial() as sock:
         sock.sendall(sent)
-        wait_for(lambda: way.turned["silent"] == 1, 5, "closed at its deadline")
-        wait_for(lambda: closed(sock), 5, "its socket closed (the door counts, then closes)")
+        wait_for(lambda: way.turned["silent"] == 1, PATIENCE, "closed at its deadline")
+        wait_for(lambda: closed(sock), PATIENCE, "its socket closed (the door counts, then closes)")
         assert way.door.waiting == 0
+
+
+def test_an_admission_that_arrived_is_judged_not_displaced() -> None:
+    """A backup's connection waiting for its admission, which arrives while newcomers from its
+    address queue up: accepted in one batch, they displaced it with its admission unread (a silent
+    flood's bursts from a backup's own address kept it out). What it sent is read first now."""
+    go_on = threading.Event()
+    with doorway(places=8, per_address=2, held=go_on) as way:
+        silent = [way.dial(), way.dial()]
+        wait_for(lambda: way.door.waiting == 2, PATIENCE, "the address's places taken")
+        backup = way.dial()  # displaces the oldest silent one: the door's thread is held there
+        wait_for(lambda: way.turned["displaced"] == 1, PATIENCE, "the door's thread held")
+        newcomers = [way.dial(), way.dial()]  # in the listener's queue: enough to displace the backup
+        backup.sendall(admission())
+        go_on.set()
+        assert frames.door_answer(backup, time.monotonic() + PATIENCE) is None  # the door opened
+        wait_for(lambda: len(way.entered) == 1, PATIENCE, "the backup handed on (the door answers, then hands on)")
+        for sock in (*silent, backup, *newcomers):
+            sock.close()

@@ -11,8 +11,9 @@ Before that, a connection holds a descriptor and what it sent of an admission (P
 bytes at most), no thread, for PREAMBLE_SECONDS at most, on one of PLACES places,
 PLACES_PER_ADDRESS from one address. A newcomer always gets a place: past its address's share
 the oldest of that address's is closed for it, past all of them the oldest of the address holding
-most. The bounds used to be places for handshakes, 2 per address, each a thread for 5 s: hellos
-from the backup's own address took both places as fast as they were freed, and a backup whose
+most (unless what that one has sent by now decides it: an admission that arrived is judged).
+The bounds used to be places for handshakes, 2 per address, each a thread for 5 s: hellos from
+the backup's own address took both places as fast as they were freed, and a backup whose
 hello came a few milliseconds after its connection was displaced before it was read, at every
 dial. Now a hello without the proof leaves at once, so a flood of them holds no place at all; a
 backup's admission comes within a round trip of its connection (under a flood it is there when the
@@ -196,15 +197,28 @@ class Door:
     # -- places ----------------------------------------------------------------------------------------
 
     def _wait(self, waiting: _Waiting) -> None:
-        mine = self._by_address.setdefault(waiting.host, {})
-        if len(mine) >= self.per_address:
-            self._turn_away(next(iter(mine.values())), DISPLACED, "its address's places were taken by newer ones")
-        elif len(self._waiting) >= self.places:
-            fullest = max(self._by_address.values(), key=len)
-            self._turn_away(next(iter(fullest.values())), DISPLACED, "every place was taken by newer connections")
+        self._make_room(waiting.host)
         self._waiting[waiting.sock] = waiting
         self._by_address.setdefault(waiting.host, {})[waiting.sock] = waiting
         self._selector.register(waiting.sock, selectors.EVENT_READ, waiting)
+
+    def _make_room(self, host: str) -> None:
+        """Free a place for a newcomer from `host`, if it needs one: past its address's share the
+        oldest of that address's, past all of them the oldest of the fullest address's. What the
+        one to go has sent by now is read first: an admission that has arrived is judged, never
+        displaced (a batch of accepts from the backup's own address would push it out unread)."""
+        while True:
+            mine = self._by_address.get(host, {})
+            if len(mine) >= self.per_address:
+                oldest, why = next(iter(mine.values())), "its address's places were taken by newer ones"
+            elif len(self._waiting) >= self.places:
+                fullest = max(self._by_address.values(), key=len)
+                oldest, why = next(iter(fullest.values())), "every place was taken by newer connections"
+            else:
+                return
+            self._examine(oldest)
+            if oldest.sock in self._waiting:  # nothing that decides it: it goes
+                self._turn_away(oldest, DISPLACED, why)
 
     def _forget(self, waiting: _Waiting) -> None:
         if self._waiting.pop(waiting.sock, None) is None:
