@@ -51,17 +51,21 @@ PORT_SHARES = 16
 _next_port = itertools.count()
 
 
-def free_port() -> int:
+def free_port(*aliases: str) -> int:
     """A TCP port free right now on loopback, for a test that needs the number up front (a server
     restarted on its port, a command line): from this xdist worker's share of a band the suite keeps
     out of the ephemeral range (tests/reserved_ports.py), so no other test's connection is given it
-    between pick and bind, nor while a restarted server is down, and no other worker picks it."""
+    between pick and bind, nor while a restarted server is down, and no other worker picks it.
+    `aliases`: loopback addresses (127.0.0.2) where the test binds the same number too, a relay for a
+    server that advertises that address: free there as well. A number the kernel picked for
+    127.0.0.1 is no such port: on an alias it may be any test's connection's (a flood dialling from
+    127.0.0.2 takes thousands) or another worker's relay (EADDRINUSE in a fresh clone's suite)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
     share_size = len(TEST_PORTS) // PORT_SHARES
     share_start = TEST_PORTS.start + (int(worker) if worker.isdigit() else 0) % PORT_SHARES * share_size
     for _ in range(share_size):
         port = share_start + next(_next_port) % share_size
-        if port_free(port):
+        if all(port_free(port, host) for host in ("127.0.0.1", *aliases)):
             return port
     pytest.fail(f"no free port in {share_start}-{share_start + share_size - 1}")
 

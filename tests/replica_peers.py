@@ -1,5 +1,6 @@
 """A backup's side of the replication handshake, spoken by tests' peers (real frames on real
-sockets): the key credentials.py derives, and a join that proves it to a real primary."""
+sockets): the key credentials.py derives, an admission at a real primary's door, and a join that
+proves the key to it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,35 @@ def key_of(secret: str, job: str) -> bytes:
     return hmac.new(secret.encode(), b"gemps-replication-v1\0" + job.encode(), hashlib.sha256).digest()
 
 
+def handshake_of(
+    primary: InProcessServer, secret: str = TEST_REPLICATION_SECRET, job: str = "", replicas: int = 0
+) -> Handshake:
+    """A backup's handshake of `primary`'s partition (of `replicas`, default the primary's) holding
+    the key `secret` derives for `job` (default the primary's)."""
+    config = primary.server.config
+    key = key_of(secret, job or config.job)
+    return Handshake(Credential(key), config.partition, replicas or config.replicas)
+
+
+def knocked(
+    primary: InProcessServer, name: str, secret: str = TEST_REPLICATION_SECRET, job: str = "", replicas: int = 0
+) -> socket.socket:
+    """A connection to `primary`'s replication listener whose door opened to the admission of
+    backup `name` (holding the key of `secret` and `job`, as one of `replicas`: handshake_of): its
+    hello comes next. handshake.Refused when it did not open."""
+    status = primary.server.replication.status()
+    assert status is not None
+    port = primary.server.replication_port
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        deadline = time.monotonic() + CONNECT_SECONDS
+        handshake_of(primary, secret, job, replicas).knock(sock, name, status.epoch, f"127.0.0.1:{port}", deadline)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def joined(
     primary: InProcessServer, name: str, incarnation: str = "i", secret: str = TEST_REPLICATION_SECRET
 ) -> tuple[socket.socket, bytes]:
@@ -32,9 +62,8 @@ def joined(
     hello = {"name": name, "incarnation": incarnation, "address": "127.0.0.1:1", "replication": "127.0.0.1:2"}
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     try:
-        handshake = Handshake(Credential(key_of(secret, primary.server.config.job)), 0, primary.server.config.replicas)
         deadline = time.monotonic() + CONNECT_SECONDS
-        return handshake.join(sock, hello, status.epoch, status.name, f"127.0.0.1:{port}", deadline)
+        return handshake_of(primary, secret).join(sock, hello, status.epoch, status.name, f"127.0.0.1:{port}", deadline)
     except BaseException:
         sock.close()
         raise

@@ -1,5 +1,6 @@
 """A TCP proxy whose answers arrive late: each chunk the upstream sends back, and its hang-up, is
-held `delay` seconds before it is passed on (a loaded or distant service, without tc or namespaces)."""
+held `delay` seconds before it is passed on (a loaded or distant service, without tc or namespaces);
+with `request_delay`, what the client sends is held too (a distant client)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ def _pipe(source: socket.socket, sink: socket.socket, delay: float) -> None:
 
 
 @contextlib.contextmanager
-def slow_proxy(upstream: tuple[str, int], delay: float) -> Iterator[int]:
-    """Listen on 127.0.0.1 (the port is yielded) and relay each connection to `upstream`, its
-    answers each `delay` seconds late; closed on exit."""
-    listener = socket.create_server(("127.0.0.1", 0))
+def slow_proxy(
+    upstream: tuple[str, int], delay: float, request_delay: float = 0.0, listen: tuple[str, int] = ("127.0.0.1", 0)
+) -> Iterator[int]:
+    """Listen at `listen` (the port is yielded) and relay each connection to `upstream`, its
+    answers each `delay` seconds late and its requests `request_delay` seconds; closed on exit."""
+    listener = socket.create_server(listen)
     listener.settimeout(0.2)
     stop = threading.Event()
     opened: list[socket.socket] = []
@@ -39,7 +42,7 @@ def slow_proxy(upstream: tuple[str, int], delay: float) -> Iterator[int]:
                 return
             server = socket.create_connection(upstream)
             opened.extend((client, server))
-            threading.Thread(target=_pipe, args=(client, server, 0.0), daemon=True).start()
+            threading.Thread(target=_pipe, args=(client, server, request_delay), daemon=True).start()
             threading.Thread(target=_pipe, args=(server, client, delay), daemon=True).start()
 
     thread = threading.Thread(target=serve, daemon=True)

@@ -24,6 +24,7 @@ from gemps_proto.reasons import METADATA_KEY
 from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
+from gemps_server.replication import frames
 from gemps_server.replication.credentials import Credential
 from gemps_server.replication.handshake import Handshake, Refused
 from gemps_server.revocation import RECHECK_SECONDS, revocations_for
@@ -141,11 +142,17 @@ def test_a_replica_refuses_a_revoked_peer_on_the_replication_stream(ca: Authorit
         listener = socket.create_server(("127.0.0.1", 0))
         outcome: list[BaseException | None] = [None]
 
-        def admit() -> None:
+        def admit() -> None:  # the primary's door (replication/door.py, without its places), then its handshake
             sock, _ = listener.accept()
             try:
-                Handshake(credential(primary), 0, 2).admit(
-                    sock, "partition-0-replica-0", "a", 1, b"t" * 32, time.monotonic() + 5, lambda hello: ""
+                handshake = Handshake(credential(primary), 0, 2)
+                sock.settimeout(5)
+                name, _ = handshake.admission(
+                    sock.recv(frames.PREAMBLE.size, socket.MSG_WAITALL), "a", "partition-0-replica-0"
+                )
+                sock.sendall(frames.DOOR_OPEN)
+                handshake.admit(
+                    sock, "partition-0-replica-0", "a", 1, b"t" * 32, time.monotonic() + 5, lambda hello: "", name
                 )
             except BaseException as error:  # what the primary's side ended with
                 outcome[0] = error

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import secrets
-import socket
 import stat
 import uuid
 from pathlib import Path
@@ -25,7 +24,7 @@ from gemps_server.replication.status import PRIMARY
 from tests.helpers import TEST_REPLICATION_SECRET, InProcessServer, server_config, wait_for
 from tests.integration.conftest import StartServer, StartServerProcess
 from tests.integration.test_replicas import replica_options, status_of, wait_replicated
-from tests.replica_peers import joined, key_of
+from tests.replica_peers import joined, key_of, knocked
 from tests.replica_reports import report_fresh
 
 
@@ -38,13 +37,18 @@ def join(primary: InProcessServer, secret: str, job: str, name: str) -> bytes:
 
 
 def impostor(primary: InProcessServer, secret: str, job: str, name: str) -> frames.Frame:
-    """Say hello as `name` and prove `secret` without checking the primary's proof (as a peer
-    that wants in would): the primary's last word (REFUSED, or WELCOME)."""
+    """Knock as the partition's backup holding the key of `secret` and `job`, say hello as `name`
+    and prove the key without checking the primary's proof (as a peer that wants in would): the
+    primary's last word (REFUSED, at its door or after the hello, or WELCOME)."""
     status = status_of(primary)
     address = f"127.0.0.1:{primary.server.replication_port}"
     nonce = secrets.token_bytes(NONCE_BYTES)
     hello = {"name": name, "incarnation": "i", "address": "127.0.0.1:1", "replication": "127.0.0.1:2"}
-    with socket.create_connection(("127.0.0.1", primary.server.replication_port), timeout=5) as sock:
+    try:
+        knocking = knocked(primary, "partition-0-replica-1", secret, job)
+    except Refused as refused:
+        return frames.Frame(frames.REFUSED, {"reason": str(refused)})
+    with knocking as sock:
         frames.send(sock, frames.Frame(frames.HELLO, dict(hello, epoch=status.epoch, nonce=nonce.hex())))
         challenge = frames.receive(sock)
         if challenge.kind != frames.CHALLENGE:
@@ -107,9 +111,28 @@ def test_a_peer_is_refused_without_the_key_or_under_a_name_not_its_own(
     assert status_of(primary).backups == ()
 
 
-def test_a_backup_does_not_follow_a_primary_that_proves_another_key(primary: InProcessServer) -> None:
-    with pytest.raises(Refused, match="did not prove it holds this job's replication credential"):
+def test_a_backup_holding_another_key_is_refused_at_the_door(primary: InProcessServer) -> None:
+    """(A primary proving another key to a backup: test_replica_trust.py's fake primary.)"""
+    with pytest.raises(Refused, match="no proof of the replication credential"):
         join(primary, "another-secret-0123456789", job_of(primary), "partition-0-replica-1")
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("partition-0-replica-0", "partition-0-replica-0 is the primary's own name"),
+        ("partition-0-replica-2", "'partition-0-replica-2' is not a replica of partition 0 (of 2)"),
+    ],
+    ids=["the-primarys-index", "no-such-index"],
+)
+def test_an_admission_under_an_index_that_is_no_backup_is_refused_at_the_door(
+    primary: InProcessServer, name: str, why: str
+) -> None:
+    """An admission names its replica by index (no name crosses before TLS): the primary's own, or
+    past the partition's replicas (proved with the key, as a peer of 3 replicas), is refused."""
+    with pytest.raises(Refused, match=re.escape(why)):
+        knocked(primary, name, replicas=3).close()
+    assert status_of(primary).backups == ()
 
 
 def test_a_session_seals_for_its_two_ends_only() -> None:

@@ -45,8 +45,13 @@ def test_replicas_with_tls_replicate_every_commit_inside_tls(
         wait_replicated([primary, backup])
         assert primary.server.state.version == backup.server.state.version == 4
         assert status_of(backup).applied >= 4
-        stream = bytes(relay.sent + relay.received)
-    assert stream.startswith(b"\x16\x03")  # a TLS handshake record, not a frame
+        sent, received = bytes(relay.sent), bytes(relay.received)
+    # Past the admission and the door's answer (in clear: a MAC, a nonce, an index, the epoch), a
+    # TLS handshake record, not a frame.
+    assert sent.startswith(frames.PREAMBLE_MAGIC) and received.startswith(frames.DOOR_OPEN)
+    assert sent[frames.PREAMBLE.size :].startswith(b"\x16\x03")
+    assert received[len(frames.DOOR_OPEN) :].startswith(b"\x16\x03")
+    stream = sent + received
     for clear in (b'"kind":', b"partition-0-replica", np.full(PARAMETERS, 29.0, np.float32).tobytes()[:16]):
         assert clear not in stream
 
@@ -61,7 +66,7 @@ def test_a_plain_tcp_peer_or_another_cas_certificate_is_refused(
     port = primary.server.replication_port
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         frames.send(sock, old_hello(status_of(primary).epoch, ""))
-        assert answers(sock) == []  # closed: a TLS handshake it was not
+        assert answers(sock) == [frames.REFUSED]  # at the door: no admission (no TLS before it)
     # A replica whose certificate another CA signed (it holds the replication secret) is no backup.
     rogue = dict(options, tls_cert=str(pki.rogue_client.cert), tls_key=str(pki.rogue_client.key))
     stranger = start_server(rule="downpour", **replica_options(etcd, 1, "tls-refuse", **rogue))

@@ -27,7 +27,7 @@ from gemps_server.replication import frames, image_codec
 from gemps_server.replication.election import Election, Member, partition_prefix
 from gemps_server.replication.layer import Replicated
 from gemps_server.replication.local_etcd import LocalEtcd
-from tests.helpers import TEST_REPLICATION_SECRET, InProcessServer, server_outcome, wait_for
+from tests.helpers import TEST_REPLICATION_SECRET, InProcessServer, free_port, server_outcome, wait_for
 from tests.integration.conftest import StartServer
 from tests.integration.test_replicas import replica_options, status_of, wait_replicated
 from tests.replica_reports import report_fresh
@@ -126,9 +126,11 @@ def relayed_pair(
     start_server: StartServer, etcd: LocalEtcd, job: str, **options: Any
 ) -> Iterator[tuple[Relay, list[InProcessServer]]]:
     """A primary that advertises its replication port on 127.0.0.2, where a relay records what
-    crosses to it from 127.0.0.1, and its backup, in sync through the relay."""
+    crosses to it from 127.0.0.1, and its backup, in sync through the relay. The port is from the
+    suite's reserved band (free_port), as the relay binds its number on the alias too."""
     report_fresh(etcd.endpoint, job, replicas=2)  # a fresh job elects once every replica reported
-    primary = start_server(rule="downpour", advertise_host="127.0.0.2", **replica_options(etcd, 0, job, **options))
+    listen = {"advertise_host": "127.0.0.2", "replication_port": free_port("127.0.0.2")}
+    primary = start_server(rule="downpour", **replica_options(etcd, 0, job, **listen, **options))
     wait_replicated([primary])
     port = primary.server.replication_port
     relay = Relay(("127.0.0.2", port), ("127.0.0.1", port))
@@ -166,7 +168,8 @@ def seed_of(server: InProcessServer) -> bytes:
 
 class FakePrimary:
     """Elected in etcd as partition 0's primary (it holds no credential); to each backup that dials
-    it, it sends `reply` frames (a seed of its own θ among them), and keeps what the backup sent."""
+    it, it opens its door whatever the admission, sends `reply` frames (a seed of its own θ among
+    them), and keeps what the backup sent."""
 
     def __init__(self, etcd: LocalEtcd, job: str, replies: list[frames.Frame]) -> None:
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -187,6 +190,7 @@ class FakePrimary:
                 with sock, contextlib.suppress(OSError):
                     sock.settimeout(5)
                     self.heard += sock.recv(1 << 16)
+                    sock.sendall(frames.DOOR_OPEN)
                     for reply in self.replies:
                         frames.send(sock, reply)
                     time.sleep(0.5)  # time to read it all

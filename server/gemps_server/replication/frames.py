@@ -52,6 +52,15 @@ REFUSED = "refused"
 BEAT_SECONDS = 0.5
 SILENCE_SECONDS = 4 * BEAT_SECONDS
 
+#: backup -> primary, before anything else (and before TLS, in clear): its admission at the
+#: listener's door (door.py, handshake.py): a magic, the epoch it dials, its replica index, a nonce
+#: and the job's key's MAC of them (gemps_proto.proofs.replica_admission); no name, no frame
+PREAMBLE = struct.Struct("<8sQH32s32s")
+PREAMBLE_MAGIC = b"gemps\x00r2"
+#: primary -> backup: the door opened (the handshake follows, in TLS when the job runs it); else a
+#: REFUSED frame. Read as a frame's prefix it would claim a header past MAX_HEADER_BYTES: no frame
+DOOR_OPEN = b"gemps-open\x00\x00"
+
 
 class StreamClosed(ConnectionError):
     """The peer closed the stream, or sent something that is not a frame."""
@@ -95,6 +104,20 @@ def send(sock: socket.socket, frame: Frame) -> None:
             buffers[0] = buffers[0][sent:]
 
 
+def encoded(frame: Frame) -> bytes:
+    """`frame`'s bytes in one buffer (a small frame, sent without blocking: door.py)."""
+    return b"".join(bytes(buffer) for buffer in frame.encode())
+
+
+def door_answer(sock: socket.socket, deadline: float) -> Frame | None:
+    """What the primary's door answered an admission: None when it opened, else its frame (a
+    REFUSED one, from a gemps replica), by `deadline`."""
+    prefix = bytes(_read(sock, _PREFIX.size, deadline))
+    if prefix == DOOR_OPEN:
+        return None
+    return _rest(sock, prefix, HELLO_HEADER_BYTES, 0, deadline)
+
+
 def receive(
     sock: socket.socket,
     *,
@@ -105,7 +128,14 @@ def receive(
     """The next frame; StreamClosed at the end of the stream, on a malformed frame or one past the
     bounds (checked before anything past the prefix is read). `deadline` (time.monotonic()): the
     whole frame must have arrived by then (socket.timeout otherwise), however slowly it trickles."""
-    header_bytes, body_bytes = _PREFIX.unpack(_read(sock, _PREFIX.size, deadline))
+    return _rest(sock, _read(sock, _PREFIX.size, deadline), max_header, max_body, deadline)
+
+
+def _rest(
+    sock: socket.socket, prefix: bytes | bytearray, max_header: int, max_body: int, deadline: float | None
+) -> Frame:
+    """The frame whose prefix was read."""
+    header_bytes, body_bytes = _PREFIX.unpack(prefix)
     if header_bytes > max_header or body_bytes > max_body:
         raise StreamClosed(
             f"replication frame of {header_bytes} + {body_bytes} bytes (at most {max_header} + {max_body} here): "

@@ -2,8 +2,12 @@
 backup reads anything of a primary's state, each proves to the other that it knows the job's
 replication key (credentials.py), without sending it or anything it could be replayed from.
 
-    backup  -> primary  HELLO      its name, incarnation and addresses, the epoch, a nonce, and an
-                                   admission proof (only for the listener's places: greetings.py)
+    backup  -> primary  ADMISSION  in clear, before TLS: the epoch it dials, its replica index, a
+                                   nonce, and the key's MAC of them and of the primary's address
+                                   (the listener's door reads it: door.py)
+    primary -> backup   DOOR_OPEN  or a REFUSED frame
+    backup  -> primary  HELLO      its name (the one its admission proved), incarnation and
+                                   addresses, the epoch, a nonce
     primary -> backup   CHALLENGE  the epoch, a nonce, the primary's proof
     backup  -> primary  PROOF      the backup's proof
     primary -> backup   WELCOME    the data-plane ticket key, sealed under this session
@@ -16,7 +20,9 @@ primary's handshake from another address (where etcd, rewritten, sent the backup
 A backup's name must be one of its partition's replicas other than the primary, so a peer holding
 the key still cannot pose as the primary to it. The ticket key is XORed with an HMAC of the session
 (the key, both nonces): a reader of the stream learns nothing of it. With TLS (mutual: both sides'
-certificates chain to --tls-client-ca) all of it runs inside the TLS session, as does the stream.
+certificates chain to --tls-client-ca) all but the admission and the door's answer runs inside the
+TLS session, as does the stream: the admission names no replica (an index), and an admission is
+taken once (its nonce is remembered), so one read off the wire opens nothing.
 """
 
 from __future__ import annotations
@@ -37,12 +43,17 @@ from gemps_server.replication.credentials import Credential
 from gemps_server.replication.tls_stream import SerialSSLSocket
 from gemps_server.security import presented_by
 
-#: admission proofs' nonces remembered (a replay of a newer one than these is vouched for once more)
+#: admissions' nonces remembered (a replay of an older one than these is taken once more)
 ADMITTED_NONCES_KEPT = 4096
 
 
 class Refused(ConnectionError):
-    """The peer may not take part: what it is told (a primary sends it in a REFUSED frame)."""
+    """The peer may not take part: what it is told (a primary sends it in a REFUSED frame), and
+    `reason`, the metric's word for it."""
+
+    def __init__(self, message: str, reason: str = "refused") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def member_name(partition: int, replica: int) -> str:
@@ -96,23 +107,35 @@ class Handshake:
             return f"{name} is the primary's own name"
         return ""
 
-    def _admissible(self, hello: dict[str, Any], epoch: int, address: str, name: str) -> bool:
-        """Whether `hello` carries its admission proof, for a nonce not seen before (a replayed
-        hello is not vouched for; the handshake itself would refuse it anyway)."""
-        try:
-            nonce = bytes.fromhex(str(hello.get("nonce", "")))
-        except ValueError:
-            return False
+    def admission(self, preamble: bytes, address: str, me: str) -> tuple[str, int]:
+        """The door's check of an admission (frames.PREAMBLE) to the replica `me` listening at
+        `address`: the name it proves and the epoch it dials. Refused (reason `unproven`: no
+        proof; `refused`: a name that may not be a backup; `replayed`: taken before)."""
+        _magic, epoch, index, nonce, proof = frames.PREAMBLE.unpack(preamble)
+        name = member_name(self.partition, index)
         expected = proofs.replica_admission(self._credential.key, self.partition, epoch, address, name, nonce)
-        if len(nonce) != NONCE_BYTES or not proofs.matches(_proof({"proof": hello.get("admit", "")}), expected):
-            return False
+        if not proofs.matches(proof, expected):
+            raise Refused(
+                "no proof of the replication credential (--replication-secret-file / --auth-token) in its admission "
+                f"to {address}",
+                reason="unproven",
+            )
+        why = self.name_refusal(name, me)
+        if why:
+            raise Refused(why)
         with self._lock:
             if nonce in self._admitted_nonces:
-                return False
+                raise Refused("its admission was taken before: a replay", reason="replayed")
             self._admitted_nonces[nonce] = None
             if len(self._admitted_nonces) > ADMITTED_NONCES_KEPT:
                 self._admitted_nonces.popitem(last=False)
-        return True
+        return name, epoch
+
+    def _index(self, name: str) -> int:
+        for replica in range(self.replicas):
+            if member_name(self.partition, replica) == name:
+                return replica
+        raise Refused(f"{name[:80]!r} is not a replica of partition {self.partition} (of {self.replicas})")
 
     def certificate_check(self, sock: socket.socket, peer: str) -> Callable[[], str]:
         """Why the `peer` on `sock` is refused now: its certificate (or its chain's) is one the job's
@@ -143,18 +166,18 @@ class Handshake:
         ticket_key: bytes,
         deadline: float,
         refusal: Callable[[frames.Frame], str],
-        vouched: Callable[[], None] = lambda: None,
+        admitted: str,
     ) -> tuple[socket.socket, dict[str, Any]]:
-        """Take a backup's handshake on `sock` (TLS first, when the job runs it) by `deadline`, as
-        the primary `me` of `epoch` listening at `address`: the (wrapped) socket and its hello.
+        """Take the handshake of the backup whose admission proved the name `admitted` (its door
+        opened: door.py) on `sock` (TLS first, when the job runs it) by `deadline`, as the primary
+        `me` of `epoch` listening at `address`: the (wrapped) socket and its hello.
         `refusal(hello)`: why this replica takes no backup now ('' if it does). Refused (the peer
-        was told why) or another error: the socket is closed. `vouched()` is called once the hello
-        carries a fresh admission proof (greetings.py)."""
+        was told why) or another error: the socket is closed."""
         try:
             if self._credential.server_tls is not None:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 sock = _serial(self._credential.server_tls.wrap_socket(sock, server_side=True))
-            return sock, self._admitted(sock, me, address, epoch, ticket_key, deadline, refusal, vouched)
+            return sock, self._admitted(sock, me, address, epoch, ticket_key, deadline, refusal, admitted)
         except Refused as refused:
             with contextlib.suppress(OSError):
                 frames.send(sock, frames.Frame(frames.REFUSED, {"reason": str(refused), "epoch": epoch}))
@@ -173,17 +196,17 @@ class Handshake:
         ticket_key: bytes,
         deadline: float,
         refusal: Callable[[frames.Frame], str],
-        vouched: Callable[[], None],
+        admitted: str,
     ) -> dict[str, Any]:
         hello = frames.receive(sock, max_header=frames.HELLO_HEADER_BYTES, max_body=0, deadline=deadline)
         if hello.kind != frames.HELLO:
             raise Refused("the first frame must be a hello")
         name = str(hello.header.get("name", ""))
-        if self._admissible(hello.header, epoch, address, name):
-            vouched()
         # (the certificate's check waits for the hello: a refusal sent before the peer's hello was
         # read would be lost to the reset that closing over unread bytes sends)
         why = self._certificate_refusal(sock, "backup") or refusal(hello) or self.name_refusal(name, me)
+        if not why and name != admitted:
+            why = f"its hello names {name[:80]!r}, not {admitted}, whom its admission proved"
         if why:
             raise Refused(why)
         session = self._session(epoch, address, _nonce(hello.header), proofs.nonce())
@@ -208,6 +231,7 @@ class Handshake:
         """Prove this backup (`hello`: its name and addresses) to the primary named `primary` of
         `epoch` that it dialled at `address`, and have it prove itself first: the (wrapped) socket
         and the ticket key it sent. ConnectionError: a refusal, or a peer that proved nothing."""
+        self.knock(sock, str(hello["name"]), epoch, address, deadline)
         if self._credential.client_tls is not None:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             sock = _serial(self._credential.client_tls.wrap_socket(sock))
@@ -216,11 +240,7 @@ class Handshake:
                 sock.close()
                 raise Refused(refused)
         nonce = proofs.nonce()
-        admission = proofs.replica_admission(
-            self._credential.key, self.partition, epoch, address, str(hello["name"]), nonce
-        )
-        opening = dict(hello, epoch=epoch, nonce=nonce.hex(), admit=admission.hex())
-        frames.send(sock, frames.Frame(frames.HELLO, opening))
+        frames.send(sock, frames.Frame(frames.HELLO, dict(hello, epoch=epoch, nonce=nonce.hex())))
         challenge = frames.receive(sock, max_header=frames.HELLO_HEADER_BYTES, max_body=0, deadline=deadline)
         _refused(challenge)
         try:
@@ -238,6 +258,22 @@ class Handshake:
         if welcome.kind != frames.WELCOME:
             raise Refused(f"expected the primary's welcome, not {welcome.kind!r}")
         return sock, session.unseal(str(welcome.header.get("tickets", "")))
+
+    def knock(self, sock: socket.socket, name: str, epoch: int, address: str, deadline: float) -> None:
+        """Show the door of the primary of `epoch` dialled at `address` this replica's admission as
+        `name` (frames.PREAMBLE), and wait for it to open. Refused: it said why, or is no gemps
+        primary (a door that answers with anything else)."""
+        nonce = proofs.nonce()
+        proof = proofs.replica_admission(self._credential.key, self.partition, epoch, address, name, nonce)
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        sock.sendall(frames.PREAMBLE.pack(frames.PREAMBLE_MAGIC, epoch, self._index(name), nonce, proof))
+        try:
+            answer = frames.door_answer(sock, deadline)
+        except frames.StreamClosed as closed:
+            raise Refused(f"the replica at {address} did not open its door ({closed}): not followed") from None
+        if answer is not None:
+            _refused(answer)
+            raise Refused(f"the replica at {address} answered a {answer.kind!r} frame at its door: not followed")
 
 
 def _accepted() -> str:

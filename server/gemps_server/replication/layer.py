@@ -71,7 +71,8 @@ def layer(
     if config.replicas == 1:
         return Unreplicated()
     replicated = Replicated(config, state, applier, tickets, checkpointer)
-    ReplicationCollector(metrics.registry, replicated.status, replicated.waiting_for)
+    refusals = replicated.replica.refusals.counts
+    ReplicationCollector(metrics.registry, replicated.status, replicated.waiting_for, refusals)
     return replicated
 
 
@@ -158,7 +159,8 @@ class Replicated:
         from gemps_server.replication.election import Election, Member
         from gemps_server.replication.etcd_client import EtcdAccess, check_access
         from gemps_server.replication.handshake import member_name
-        from gemps_server.replication.replica import Replica, listen
+        from gemps_server.replication.listener import listen
+        from gemps_server.replication.replica import Replica
 
         config = self._config
         bound: list[socket.socket] = []

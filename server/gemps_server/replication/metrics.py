@@ -3,7 +3,7 @@ scrape and registered into the server's registry beside the other concerns' metr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -13,6 +13,8 @@ from gemps_server.replication.status import PRIMARY, ROLES, ReplicationStatus
 ReplicationReading = Callable[[], ReplicationStatus | None]
 #: the replicas a partition without an in-sync list in etcd waits for (layer.Replicated.waiting_for)
 WaitingReading = Callable[[], tuple[str, ...]]
+#: connections the replication listener turned away, by reason (listener.Refusals.counts)
+RefusalsReading = Callable[[], Mapping[str, int]]
 
 
 class ReplicationCollector:
@@ -24,10 +26,15 @@ class ReplicationCollector:
     Registers itself into `registry`; make one per registry, when the partition is replicated."""
 
     def __init__(
-        self, registry: CollectorRegistry, provider: ReplicationReading, waiting: WaitingReading = tuple
+        self,
+        registry: CollectorRegistry,
+        provider: ReplicationReading,
+        waiting: WaitingReading = tuple,
+        refusals: RefusalsReading = dict,
     ) -> None:
         self._provider = provider
         self._waiting = waiting
+        self._refusals = refusals
         registry.register(self)
 
     def collect(self) -> Iterator[Metric]:
@@ -45,6 +52,15 @@ class ReplicationCollector:
         if status.role == PRIMARY:  # what only a primary knows: its backups
             yield from _primary_families(status)
         yield from _replication_counters(status)
+        refused = CounterMetricFamily(
+            "gemps_replication_refusals",
+            "Connections the replication listener closed or refused before or during a backup's handshake, by "
+            "reason (DESIGN §3d, the door).",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self._refusals().items()):
+            refused.add_metric([reason], count)
+        yield refused
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -10,7 +10,6 @@ whether it may answer a worker now, and when a commit may be acknowledged.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 import threading
@@ -23,14 +22,13 @@ from gemps_server.domain.applier import Applier
 from gemps_server.domain.errors import Unavailable
 from gemps_server.domain.journal import NoJournal
 from gemps_server.domain.state import ServerState
-from gemps_server.logs import Throttle, event
-from gemps_server.replication import frames
+from gemps_server.logs import event
 from gemps_server.replication.coordinator import Coordinator
 from gemps_server.replication.election import Election, Member
 from gemps_server.replication.follower import CONNECT_SECONDS, Follower, _on_applier
 from gemps_server.replication.forwarder import Done, Forwarder, Peer
-from gemps_server.replication.greetings import Greeting, Greetings
-from gemps_server.replication.handshake import Handshake, Refused
+from gemps_server.replication.handshake import Handshake
+from gemps_server.replication.listener import Listener, Refusals
 from gemps_server.replication.status import BACKUP, CANDIDATE, PRIMARY, ReplicationStatus
 from gemps_server.security import Tickets
 
@@ -74,8 +72,7 @@ class Replica:
         self._heard_from: dict[str, float] = {}
         self._stopped = False
         self._started = False
-        self._greetings = Greetings()  # connections not vouched for yet (greetings.py)
-        self._refusal_log = Throttle(interval=1.0)  # an unknown peer's every try must not be a line
+        self.refusals = Refusals()  # what its replication listener turned away (listener.py)
 
     @staticmethod
     def incarnation() -> str:
@@ -83,7 +80,7 @@ class Replica:
 
     def start(self, election: Election, listener: socket.socket) -> None:
         """Take part in `election` (as its member), taking backups on `listener` when primary."""
-        self._election, self._listener, self.me = election, listener, election.me
+        self._election, self.me = election, election.me
         self._coordinator = Coordinator(
             election,
             self._promoted,
@@ -92,7 +89,10 @@ class Replica:
             unfit=self._handshake.unfit,
             revoked=self._handshake.revoked,
         )
-        threading.Thread(target=self._accept, name="gemps-replication-listen", daemon=True).start()
+        self._listener = Listener(
+            listener, self._handshake, self.me, self._tickets, self.refusals, self._refusal, lambda: self._forwarder
+        )
+        self._listener.start()
         self._coordinator.start()
         self._started = True
 
@@ -107,7 +107,7 @@ class Replica:
                 self._forwarder.close()
             if self._follower is not None:
                 self._follower.stop()
-        self._listener.close()
+        self._listener.stop()
 
     # -- what the service asks (gemps_server.replicas.Replicas) ------------------------------------
 
@@ -299,86 +299,15 @@ class Replica:
 
         _on_applier(self._applier, swap)
 
-    # -- the replication listener --------------------------------------------------------------------
+    # -- the replication listener's questions (listener.py) -------------------------------------------
 
-    def _accept(self) -> None:
-        while not self._stopped:
-            try:
-                sock, address = self._listener.accept()
-            except OSError:
-                return
-            host = str(address[0])
-            greeting, displaced = self._greetings.place(sock, host)
-            if displaced is not None:  # its thread's handshake ends at once (and says so, rate limited)
-                with contextlib.suppress(OSError):
-                    displaced.sock.shutdown(socket.SHUT_RDWR)
-            if greeting is None:
-                self._warn("replication connection refused", peer=host, reason="too many handshakes under way")
-                sock.close()
-                continue
-            threading.Thread(target=self._greet, args=(greeting,), name="gemps-replication-hello", daemon=True).start()
-
-    def _warn(self, what: str, **fields: str) -> None:
-        """A warning about a peer not (yet) trusted: at most one a second of each kind."""
-        suppressed = self._refusal_log.allow(what)
-        if suppressed is not None:
-            event(log, what, level=logging.WARNING, suppressed=suppressed or None, **fields)
-
-    def _greet(self, greeting: Greeting) -> None:
-        """A backup's handshake (handshake.py), in CONNECT_SECONDS and a handshake's bytes at most,
-        before anything is taken for it; then the forwarder seeds it. Its place among the greetings
-        is left once its hello carries the admission proof, or when the handshake ends."""
-        sock, host = greeting.sock, greeting.host
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            deadline = time.monotonic() + CONNECT_SECONDS
-            sock, header = self._handshake.admit(
-                sock, self.me.name, self.me.replication, self.epoch, self._tickets.key, deadline, self._refusal,
-                vouched=lambda: self._greetings.release(greeting),
-            )  # fmt: skip
-            sock.settimeout(None)
-            peer = Peer(
-                str(header["name"]), str(header["incarnation"]), str(header["address"]), str(header["replication"])
-            )
-        except Refused as refused:
-            self._warn("backup refused", peer=host, reason=str(refused))
-            return
-        except (OSError, ValueError, KeyError, TypeError) as error:  # ssl.SSLError included
-            self._warn("replication hello failed", peer=host, error=f"{type(error).__name__}: {error}")
-            sock.close()  # closed already past the handshake's start
-            return
-        finally:
-            self._greetings.release(greeting)
-        forwarder = self._forwarder
-        if forwarder is None or forwarder.epoch != int(header["epoch"]):
-            sock.close()
-            return
-        revoked = self._handshake.certificate_check(sock, "backup")
-        refusal = forwarder.attach(peer, sock, revoked)  # one backup per name, R-1 at most (it logs refusals)
-        if refusal:
-            with contextlib.suppress(OSError):
-                frames.send(sock, frames.Frame(frames.REFUSED, {"reason": refusal, "epoch": self.epoch}))
-            sock.close()
-        else:
-            event(log, "backup joining", backup=peer.name, epoch=forwarder.epoch)
-
-    def _refusal(self, hello: frames.Frame) -> str:
+    def _refusal(self, name: str, epoch: object) -> str:
+        """Why this replica takes no backup `name` (proven) dialling `epoch` now ('' when it does)."""
         if not self.leads() or self._forwarder is None:
             # It lives and reaches this replica: awaited should this one be promoted (_alive_in_sync).
-            name = str(hello.header.get("name", ""))
             if not self._handshake.name_refusal(name, self.me.name):  # the partition's names only: bounded
                 self._heard_from[name] = time.monotonic()
             return f"{self.me.name} is not primary"
-        if hello.header.get("epoch") != self.epoch:
-            return f"epoch {str(hello.header.get('epoch'))[:20]} is not the primary's ({self.epoch})"
+        if epoch != self.epoch:
+            return f"epoch {str(epoch)[:20]} is not the primary's ({self.epoch})"
         return ""
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """The replication listener, bound (port 0: a free one)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(16)
-    return sock
