@@ -98,6 +98,7 @@ NOT_OPTIONS: Mapping[str, str] = {
     "GEMPS_REQUIRE_ETCD": "the tests: fail, not skip, without etcd",
     "GEMPS_REQUIRE_PROMETHEUS": "the tests: fail, not skip, without Prometheus",
     "GEMPS_REQUIRE_CONTAINERS": "the tests: fail, not skip, without the container tests' base images (CI)",
+    "GEMPS_REQUIRE_PEERS": "the tests: fail, not skip, without the comparison peers' virtualenv (CI)",
     "GEMPS_SKIP_CONTAINER_TESTS": "the tests: skip the container tests",
     "GEMPS_TEST_CRASH_FROM": "the tests: a server that crashes on purpose",
     "GEMPS_CONTAINER_RIG": "tools/install-system-deps",
