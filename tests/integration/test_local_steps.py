@@ -28,7 +28,7 @@ def test_the_users_adamw_groups_step_locally_and_their_update_is_committed_every
     model = linear()
     weight0, bias0 = layer_of(model).weight.detach().clone(), layer_of(model).bias.detach().clone()
     inner = torch.optim.AdamW(decay_groups(model, 0.5), lr=0.1, betas=(0.9, 0.95))
-    with LocalSteps(model, inner, server.target, steps=4) as optimizer:
+    with LocalSteps(model, inner, server.target, steps=4, look_ahead=0) as optimizer:
         assert optimizer.param_groups is inner.param_groups  # a scheduler on either moves the same lr
         for step in range(1, 9):
             optimizer.zero_grad()
@@ -53,7 +53,7 @@ def test_local_adamw_learns_digits_through_gem(start_server: StartServer) -> Non
     x, y = torch.from_numpy(data.train_x), torch.from_numpy(data.train_y)
     model = linear()
     inner = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
-    with LocalSteps(model, inner, server.target, steps=4) as optimizer:
+    with LocalSteps(model, inner, server.target, steps=4, look_ahead=0) as optimizer:
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=200)  # the inner lr is the user's
         train_steps(model, optimizer, x, y, 200, after_step=scheduler.step)
         assert optimizer.last_result is not None and optimizer.last_result.version == 50
@@ -65,7 +65,7 @@ def test_a_state_dict_loaded_into_it_keeps_the_users_groups_and_state(server: In
     any resume): the user's AdamW still holds the groups a scheduler moves and the moments."""
     model = linear()
     inner = torch.optim.AdamW(model.parameters(), lr=0.1)
-    with LocalSteps(model, inner, server.target, steps=4) as optimizer:
+    with LocalSteps(model, inner, server.target, steps=4, look_ahead=0) as optimizer:
         optimizer.zero_grad()
         model(torch.zeros(2, 1, 8, 8)).sum().backward()
         optimizer.step()
@@ -161,3 +161,17 @@ def test_an_optimizer_of_other_tensors_or_missing_some_is_refused(server: InProc
 def test_remote_optimizer_refusing_adam_settings_points_to_local_steps(server: InProcessServer) -> None:
     with pytest.raises(TypeError, match=r"gemps.pytorch.LocalSteps\(model, torch.optim.AdamW"):
         RemoteOptimizer(linear(), server.target, betas=(0.9, 0.95))
+
+
+def test_the_defaults_are_the_guides_recipe_one_step_a_window_started_ahead(start_server: StartServer) -> None:
+    """Issue 78: the defaults were 8 steps and no look-ahead, where the guide recommends 1 and 1
+    for several asynchronous AdamW workers: a user who took the defaults ran another recipe."""
+    server = start_server(rule="downpour")
+    model = linear()
+    with LocalSteps(model, torch.optim.AdamW(model.parameters(), lr=1e-3), server.target) as optimizer:
+        assert (optimizer.steps, optimizer.look_ahead.share) == (1, 1.0)
+        for step in range(1, 4):
+            optimizer.zero_grad()
+            model(torch.zeros(2, 1, 8, 8)).sum().backward()
+            optimizer.step(loss=1.0)
+            assert server.server.state.version == step  # every local step is its window: committed at once
