@@ -175,3 +175,33 @@ def test_the_defaults_are_the_guides_recipe_one_step_a_window_started_ahead(star
             model(torch.zeros(2, 1, 8, 8)).sum().backward()
             optimizer.step(loss=1.0)
             assert server.server.state.version == step  # every local step is its window: committed at once
+
+
+def test_an_update_commits_result_and_its_staleness_are_the_remote_models_last_result(
+    start_server: StartServer,
+) -> None:
+    """Issue 78: `optimizer.remote.last_result` (what RemoteOptimizer's step sets) said nothing of
+    LocalSteps' commits: their staleness was not exposed where a gradient commit's is."""
+    server = start_server(rule="downpour")
+    model = linear()
+    zeros = np.zeros(650, dtype=np.float32)
+    with (
+        gemps.Client(server.target, name="other") as other,
+        LocalSteps(model, torch.optim.AdamW(model.parameters()), server.target, steps=1) as optimizer,
+    ):
+        other.register({k: v.detach().numpy() for k, v in linear().named_parameters()})
+        assert optimizer.remote.last_result is None  # nothing committed yet
+        for _ in range(2):
+            other.commit(zeros, kind="update")
+            other.commit(zeros, kind="update")
+            optimizer.zero_grad()
+            model(torch.zeros(2, 1, 8, 8)).sum().backward()
+            optimizer.step(loss=1.0)
+        result = optimizer.remote.last_result
+        assert result is not None and (result.version, result.staleness) == (6, 2)  # the other's 2 commits met
+        assert optimizer.last_result is result
+    remote = RemoteOptimizer(linear(), server.target)
+    with remote:
+        remote.step()  # a gradient commit's result is there too
+        assert remote.remote.last_result is not None and remote.remote.last_result.version == 7
+        assert remote.last_result is remote.remote.last_result

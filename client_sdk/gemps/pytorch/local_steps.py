@@ -99,7 +99,11 @@ class LocalSteps(torch.optim.Optimizer):
         self._start = self.remote.parameters_vector()
         self._taken = 0  # local steps since the window's start
         self._losses: list[float] = []
-        self.last_result: CommitResult | None = None
+
+    @property
+    def last_result(self) -> CommitResult | None:
+        """The last window's commit result (`remote.last_result`): its version, the staleness it met, π."""
+        return self.remote.last_result
 
     @property
     def version(self) -> int:
@@ -149,7 +153,7 @@ class LocalSteps(torch.optim.Optimizer):
         update = (self.remote.parameters_vector() - self._start) * self.outer_learning_rate
         loss = sum(self._losses) / len(self._losses) if self._losses else None
         self._taken, self._losses = 0, []
-        result = self.last_result = self.remote.commit_update(update, loss=loss)
+        result = self.remote.commit_update(update, loss=loss)
         replied = self.remote.parameters_vector()
         self.job_betas.after_commit(result.staleness)
         self._start = self.look_ahead.start(replied, result.version, result.staleness)

@@ -106,6 +106,8 @@ class RemoteModel:
         self._launched = False
         self._steps = 0  # step() calls so far: an overlapped commit's error names its step
         self._flying: tuple[int, int] = (0, 0)  # the step whose commit is in flight, its base version
+        # The last commit's result, of gradients or of an update (its version, staleness, π): None before one
+        self.last_result: CommitResult | None = None
         try:
             self._exchange(
                 lambda: self.client.register(
@@ -368,6 +370,8 @@ class RemoteModel:
             raise failure
         if outcome.error:
             raise GroupLeaderError(f"the gemps worker's leader (group rank 0) failed: {outcome.error}")
+        if isinstance(outcome.result, CommitResult):
+            self.last_result = outcome.result
         return outcome
 
     @torch.no_grad()
