@@ -5,13 +5,15 @@ and the server's θ loaded; against a real server."""
 from __future__ import annotations
 
 import itertools
+import logging
+import threading
 
 import numpy as np
 import pytest
 import torch
 
 import gemps
-from gemps.pytorch import LocalSteps, RemoteOptimizer
+from gemps.pytorch import LocalSteps, RemoteOptimizer, batches
 from gemps_worker.datasets import load_digits
 from gemps_worker.held_out import evaluate
 from gemps_worker.nanogpt import decay_groups
@@ -205,3 +207,34 @@ def test_an_update_commits_result_and_its_staleness_are_the_remote_models_last_r
         remote.step()  # a gradient commit's result is there too
         assert remote.remote.last_result is not None and remote.remote.last_result.version == 7
         assert remote.last_result is remote.remote.last_result
+
+
+def test_the_first_window_committed_without_a_loss_is_said_once(
+    start_server: StartServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 78: Hugging Face's Trainer calls `step()` without the loss, so every commit carried
+    none, silently (only `gemps status` counted them). One WARNING per process says how to pass it."""
+    monkeypatch.setattr(batches, "_warned_window", threading.Event())  # this process may have warned already
+    server = start_server(rule="downpour")
+    caplog.set_level(logging.WARNING, logger="gemps.pytorch")
+
+    def window_of(optimizer: LocalSteps, model: torch.nn.Module, loss: float | None) -> None:
+        optimizer.zero_grad()
+        model(torch.zeros(2, 1, 8, 8)).sum().backward()
+        optimizer.step(loss=loss)
+
+    model = linear()
+    with LocalSteps(model, torch.optim.AdamW(model.parameters()), server.target, steps=1) as optimizer:
+        window_of(optimizer, model, 1.0)
+        assert not [record for record in caplog.records if record.name == "gemps.pytorch"]  # a loss: nothing said
+        window_of(optimizer, model, None)
+        window_of(optimizer, model, None)
+    second = linear()
+    with LocalSteps(second, torch.optim.AdamW(second.parameters()), server.target, steps=1) as optimizer:
+        window_of(optimizer, second, None)
+    said = [record for record in caplog.records if record.name == "gemps.pytorch"]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, [record.getMessage() for record in said]
+    message = said[0].getMessage()
+    assert "optimizer.step(loss=loss.detach())" in message and "Trainer" in message
+    with gemps.Client(server.target) as observer:
+        assert observer.status().version == 4  # the windows were committed all the same

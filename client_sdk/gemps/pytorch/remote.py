@@ -138,6 +138,11 @@ class RemoteModel:
         return self._version
 
     @property
+    def leads(self) -> bool:
+        """Whether this process talks to the server: not one of a process group's other ranks."""
+        return self._client is not None
+
+    @property
     def config(self) -> TrainingConfig:
         """The server's training config as it last registered this worker (a restarted server may
         run another), on every rank of a process group."""
