@@ -76,8 +76,8 @@ def gradients_only_line(status: ServerStatus) -> str:
     """What η scales: every rule turns a gradient g into -η·g and takes an update commit as given
     (gemps_server.domain.rules.base), so under DOWNPOUR an update of +1 moves θ by 1 whatever η."""
     return (
-        "scales gradient commits only: an update commit (LocalSteps, a worker's local steps) goes to rule "
-        f"{status.config.rule} unscaled"
+        "multiplies gradient commits only: an update commit (LocalSteps, a worker's local steps) reaches rule "
+        f"{status.config.rule} without it"
     )
 
 

@@ -77,6 +77,6 @@ def test_status_says_the_learning_rate_scales_gradient_commits_only(start_server
         shown = status_of(server.target)
     assert (
         "learning rate   0.05 now (constant schedule)\n"
-        "                scales gradient commits only: an update commit (LocalSteps, a worker's local steps) "
-        "goes to rule downpour unscaled\n"
+        "                multiplies gradient commits only: an update commit (LocalSteps, a worker's local steps) "
+        "reaches rule downpour without it\n"
     ) in shown, shown
