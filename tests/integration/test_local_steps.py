@@ -238,3 +238,40 @@ def test_the_first_window_committed_without_a_loss_is_said_once(
     assert "optimizer.step(loss=loss.detach())" in message and "Trainer" in message
     with gemps.Client(server.target) as observer:
         assert observer.status().version == 4  # the windows were committed all the same
+
+
+class ReturnsItsLoss(torch.nn.Module):
+    """A model whose forward returns {"logits", "loss"}, as a Hugging Face model given labels does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = linear()
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.layer(inputs)
+        return {"logits": logits, "loss": torch.nn.functional.cross_entropy(logits, labels)}
+
+
+def test_a_window_without_step_loss_commits_the_loss_its_forwards_returned(
+    start_server: StartServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 78: under Hugging Face's Trainer `step()` gets no loss, and every commit carried none;
+    the model's forward returns it (`output.loss`), so the window's commit carries their mean."""
+    monkeypatch.setattr(batches, "_warned_window", threading.Event())
+    server = start_server(rule="downpour")
+    caplog.set_level(logging.WARNING, logger="gemps.pytorch")
+    model = ReturnsItsLoss()
+    inputs, labels = torch.zeros(4, 1, 8, 8), torch.tensor([0, 1, 2, 3])
+    returned: list[float] = []
+    with LocalSteps(model, torch.optim.AdamW(model.parameters()), server.target, steps=2) as optimizer:
+        for _ in range(4):
+            optimizer.zero_grad()
+            loss = model(inputs, labels)["loss"]
+            loss.backward()
+            returned.append(float(loss.detach()))
+            optimizer.step()  # as the Trainer calls it: no loss
+        with gemps.Client(server.target) as observer:
+            (worker,) = observer.status().workers
+    assert worker.recent.commits == 2 and worker.recent.loss_commits == 2, worker.recent
+    assert worker.recent.loss == pytest.approx(np.mean(returned), rel=1e-5)
+    assert not [record for record in caplog.records if record.name == "gemps.pytorch"]  # nothing to say

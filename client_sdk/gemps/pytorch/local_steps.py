@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from gemps.client import Client
-from gemps.pytorch.batches import warn_window_without_loss
 from gemps.pytorch.job_betas import JobBetas
 from gemps.pytorch.look_ahead import LookAhead
 from gemps.pytorch.remote import RemoteModel
@@ -153,8 +152,6 @@ class LocalSteps(torch.optim.Optimizer):
             return None
         update = (self.remote.parameters_vector() - self._start) * self.outer_learning_rate
         loss = sum(self._losses) / len(self._losses) if self._losses else None
-        if loss is None and self.remote.leads:
-            warn_window_without_loss()
         self._taken, self._losses = 0, []
         result = self.remote.commit_update(update, loss=loss)
         replied = self.remote.parameters_vector()
