@@ -72,6 +72,15 @@ def schedule_line(status: ServerStatus) -> str:
     return f"{status.config.lr_schedule or schedules.CONSTANT} schedule" + (f": {listed}" if listed else "")
 
 
+def gradients_only_line(status: ServerStatus) -> str:
+    """What η scales: every rule turns a gradient g into -η·g and takes an update commit as given
+    (gemps_server.domain.rules.base), so under DOWNPOUR an update of +1 moves θ by 1 whatever η."""
+    return (
+        "multiplies gradient commits only: an update commit (LocalSteps, a worker's local steps) reaches rule "
+        f"{status.config.rule} without it"
+    )
+
+
 def reach(args: argparse.Namespace) -> tuple[Client, ServerStatus, str]:
     """A client of the first address given that answers Status, that Status and the address;
     GempsError naming each address's failure when none answers."""
@@ -128,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         say(f"GEM state       {gem_state_line(status)}")
     say(f"rule            {status.config.rule} ({settings})")
     say(f"learning rate   {status.learning_rate:g} now ({schedule_line(status)})")
+    say(f"                {gradients_only_line(status)}")
     # Partitions' sums add up to the whole of θ's; with some partitions unreachable, partition 0's slice only.
     noise = client.gradient_noise(statuses).describe(status.active_workers)
     what = noise.removeprefix("noise scale").lstrip(":").strip()

@@ -38,7 +38,7 @@ def test_the_beta1_a_scheduler_writes_each_step_is_raised_to_the_jobs_pace(start
     written: list[tuple[float, float]] = []  # the betas the scheduler wrote after each step
     with (
         gemps.Client(server.target, name="other") as other,
-        LocalSteps(model, inner, server.target, steps=1, job_betas=True) as optimizer,
+        LocalSteps(model, inner, server.target, steps=1, look_ahead=0, job_betas=True) as optimizer,
     ):
         other.register({name: p.detach().numpy() for name, p in linear().named_parameters()})
         scheduler = torch.optim.lr_scheduler.OneCycleLR(
@@ -73,7 +73,7 @@ def test_a_restart_from_an_older_checkpoint_leaves_the_pace_and_staleness_as_the
     retry = gemps.RetryPolicy(max_attempts=60, initial_backoff=0.05, max_backoff=0.5)
     with (
         gemps.Client(server.target, name="other", retry=retry) as other,
-        LocalSteps(model, inner, server.target, steps=1, job_betas=True, retry=retry) as optimizer,
+        LocalSteps(model, inner, server.target, steps=1, look_ahead=0, job_betas=True, retry=retry) as optimizer,
     ):
         other.register({name: p.detach().numpy() for name, p in linear().named_parameters()})
 

@@ -5,13 +5,15 @@ and the server's θ loaded; against a real server."""
 from __future__ import annotations
 
 import itertools
+import logging
+import threading
 
 import numpy as np
 import pytest
 import torch
 
 import gemps
-from gemps.pytorch import LocalSteps, RemoteOptimizer
+from gemps.pytorch import LocalSteps, RemoteOptimizer, batches
 from gemps_worker.datasets import load_digits
 from gemps_worker.held_out import evaluate
 from gemps_worker.nanogpt import decay_groups
@@ -28,7 +30,7 @@ def test_the_users_adamw_groups_step_locally_and_their_update_is_committed_every
     model = linear()
     weight0, bias0 = layer_of(model).weight.detach().clone(), layer_of(model).bias.detach().clone()
     inner = torch.optim.AdamW(decay_groups(model, 0.5), lr=0.1, betas=(0.9, 0.95))
-    with LocalSteps(model, inner, server.target, steps=4) as optimizer:
+    with LocalSteps(model, inner, server.target, steps=4, look_ahead=0) as optimizer:
         assert optimizer.param_groups is inner.param_groups  # a scheduler on either moves the same lr
         for step in range(1, 9):
             optimizer.zero_grad()
@@ -53,7 +55,7 @@ def test_local_adamw_learns_digits_through_gem(start_server: StartServer) -> Non
     x, y = torch.from_numpy(data.train_x), torch.from_numpy(data.train_y)
     model = linear()
     inner = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
-    with LocalSteps(model, inner, server.target, steps=4) as optimizer:
+    with LocalSteps(model, inner, server.target, steps=4, look_ahead=0) as optimizer:
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=200)  # the inner lr is the user's
         train_steps(model, optimizer, x, y, 200, after_step=scheduler.step)
         assert optimizer.last_result is not None and optimizer.last_result.version == 50
@@ -65,7 +67,7 @@ def test_a_state_dict_loaded_into_it_keeps_the_users_groups_and_state(server: In
     any resume): the user's AdamW still holds the groups a scheduler moves and the moments."""
     model = linear()
     inner = torch.optim.AdamW(model.parameters(), lr=0.1)
-    with LocalSteps(model, inner, server.target, steps=4) as optimizer:
+    with LocalSteps(model, inner, server.target, steps=4, look_ahead=0) as optimizer:
         optimizer.zero_grad()
         model(torch.zeros(2, 1, 8, 8)).sum().backward()
         optimizer.step()
@@ -161,3 +163,115 @@ def test_an_optimizer_of_other_tensors_or_missing_some_is_refused(server: InProc
 def test_remote_optimizer_refusing_adam_settings_points_to_local_steps(server: InProcessServer) -> None:
     with pytest.raises(TypeError, match=r"gemps.pytorch.LocalSteps\(model, torch.optim.AdamW"):
         RemoteOptimizer(linear(), server.target, betas=(0.9, 0.95))
+
+
+def test_the_defaults_are_the_guides_recipe_one_step_a_window_started_ahead(start_server: StartServer) -> None:
+    """Issue 78: the defaults were 8 steps and no look-ahead, where the guide recommends 1 and 1
+    for several asynchronous AdamW workers: a user who took the defaults ran another recipe."""
+    server = start_server(rule="downpour")
+    model = linear()
+    with LocalSteps(model, torch.optim.AdamW(model.parameters(), lr=1e-3), server.target) as optimizer:
+        assert (optimizer.steps, optimizer.look_ahead.share) == (1, 1.0)
+        for step in range(1, 4):
+            optimizer.zero_grad()
+            model(torch.zeros(2, 1, 8, 8)).sum().backward()
+            optimizer.step(loss=1.0)
+            assert server.server.state.version == step  # every local step is its window: committed at once
+
+
+def test_an_update_commits_result_and_its_staleness_are_the_remote_models_last_result(
+    start_server: StartServer,
+) -> None:
+    """Issue 78: `optimizer.remote.last_result` (what RemoteOptimizer's step sets) said nothing of
+    LocalSteps' commits: their staleness was not exposed where a gradient commit's is."""
+    server = start_server(rule="downpour")
+    model = linear()
+    zeros = np.zeros(650, dtype=np.float32)
+    with (
+        gemps.Client(server.target, name="other") as other,
+        LocalSteps(model, torch.optim.AdamW(model.parameters()), server.target, steps=1) as optimizer,
+    ):
+        other.register({k: v.detach().numpy() for k, v in linear().named_parameters()})
+        assert optimizer.remote.last_result is None  # nothing committed yet
+        for _ in range(2):
+            other.commit(zeros, kind="update")
+            other.commit(zeros, kind="update")
+            optimizer.zero_grad()
+            model(torch.zeros(2, 1, 8, 8)).sum().backward()
+            optimizer.step(loss=1.0)
+        result = optimizer.remote.last_result
+        assert result is not None and (result.version, result.staleness) == (6, 2)  # the other's 2 commits met
+        assert optimizer.last_result is result
+    remote = RemoteOptimizer(linear(), server.target)
+    with remote:
+        remote.step()  # a gradient commit's result is there too
+        assert remote.remote.last_result is not None and remote.remote.last_result.version == 7
+        assert remote.last_result is remote.remote.last_result
+
+
+def test_the_first_window_committed_without_a_loss_is_said_once(
+    start_server: StartServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 78: Hugging Face's Trainer calls `step()` without the loss, so every commit carried
+    none, silently (only `gemps status` counted them). One WARNING per process says how to pass it."""
+    monkeypatch.setattr(batches, "_warned_window", threading.Event())  # this process may have warned already
+    server = start_server(rule="downpour")
+    caplog.set_level(logging.WARNING, logger="gemps.pytorch")
+
+    def window_of(optimizer: LocalSteps, model: torch.nn.Module, loss: float | None) -> None:
+        optimizer.zero_grad()
+        model(torch.zeros(2, 1, 8, 8)).sum().backward()
+        optimizer.step(loss=loss)
+
+    model = linear()
+    with LocalSteps(model, torch.optim.AdamW(model.parameters()), server.target, steps=1) as optimizer:
+        window_of(optimizer, model, 1.0)
+        assert not [record for record in caplog.records if record.name == "gemps.pytorch"]  # a loss: nothing said
+        window_of(optimizer, model, None)
+        window_of(optimizer, model, None)
+    second = linear()
+    with LocalSteps(second, torch.optim.AdamW(second.parameters()), server.target, steps=1) as optimizer:
+        window_of(optimizer, second, None)
+    said = [record for record in caplog.records if record.name == "gemps.pytorch"]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, [record.getMessage() for record in said]
+    message = said[0].getMessage()
+    assert "optimizer.step(loss=loss.detach())" in message and "Trainer" in message
+    with gemps.Client(server.target) as observer:
+        assert observer.status().version == 4  # the windows were committed all the same
+
+
+class ReturnsItsLoss(torch.nn.Module):
+    """A model whose forward returns {"logits", "loss"}, as a Hugging Face model given labels does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = linear()
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.layer(inputs)
+        return {"logits": logits, "loss": torch.nn.functional.cross_entropy(logits, labels)}
+
+
+def test_a_window_without_step_loss_commits_the_loss_its_forwards_returned(
+    start_server: StartServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 78: under Hugging Face's Trainer `step()` gets no loss, and every commit carried none;
+    the model's forward returns it (`output.loss`), so the window's commit carries their mean."""
+    monkeypatch.setattr(batches, "_warned_window", threading.Event())
+    server = start_server(rule="downpour")
+    caplog.set_level(logging.WARNING, logger="gemps.pytorch")
+    model = ReturnsItsLoss()
+    inputs, labels = torch.zeros(4, 1, 8, 8), torch.tensor([0, 1, 2, 3])
+    returned: list[float] = []
+    with LocalSteps(model, torch.optim.AdamW(model.parameters()), server.target, steps=2) as optimizer:
+        for _ in range(4):
+            optimizer.zero_grad()
+            loss = model(inputs, labels)["loss"]
+            loss.backward()
+            returned.append(float(loss.detach()))
+            optimizer.step()  # as the Trainer calls it: no loss
+        with gemps.Client(server.target) as observer:
+            (worker,) = observer.status().workers
+    assert worker.recent.commits == 2 and worker.recent.loss_commits == 2, worker.recent
+    assert worker.recent.loss == pytest.approx(np.mean(returned), rel=1e-5)
+    assert not [record for record in caplog.records if record.name == "gemps.pytorch"]  # nothing to say

@@ -129,9 +129,10 @@ def remote_model(ran: Ran) -> None:
 
 
 def local_steps(ran: Ran) -> None:
-    """The SDK page's LocalSteps: windows of 2 local steps over the 3 batches, the last one
-    unfinished and committed by close()."""
-    assert ran.status.version == 2 and ran.status.active_workers == 0
+    """The SDK page's LocalSteps with its defaults, the recipe: a window of 1 local step per batch,
+    each committed, the last one's result read from `last_result`."""
+    assert ran.status.version == 3 and ran.status.active_workers == 0
+    assert ran.namespace["optimizer"].last_result.version == 3
 
 
 def client(ran: Ran) -> None:

@@ -62,3 +62,21 @@ def test_a_restored_checkpoint_is_logged_at_start_and_shown_by_status(
     shown = status_of(restarted.target)
     assert f"\nrestored        version 2 from {found[0]}, when this server started\n" in shown, shown
     assert f"\njob             {job}\n" in shown, shown  # the job's θ, restored: the same job
+
+
+def test_status_says_the_learning_rate_scales_gradient_commits_only(start_server: StartServer) -> None:
+    """Issue 78: under DOWNPOUR an update of +1 at eta 0.05 moved θ by 1 while `gemps status`
+    showed the rate as though it applied: every rule takes an update commit unscaled by eta."""
+    server = start_server(rule="downpour", learning_rate=0.05)
+    with gemps.Client(server.target) as client:
+        client.register(PARAMS)
+        client.commit(np.ones(4, np.float32), kind="update")
+        np.testing.assert_array_equal(client.pull().flat, np.ones(4, np.float32))  # moved by 1, not by 0.05
+        client.commit(np.ones(4, np.float32))  # a gradient: -0.05 each
+        np.testing.assert_allclose(client.pull().flat, np.full(4, 0.95, np.float32))
+        shown = status_of(server.target)
+    assert (
+        "learning rate   0.05 now (constant schedule)\n"
+        "                multiplies gradient commits only: an update commit (LocalSteps, a worker's local steps) "
+        "reaches rule downpour without it\n"
+    ) in shown, shown

@@ -9,8 +9,8 @@
     optimizer.close()
 
 `RemoteModel` is the same with the commit's figures returned (`remote.step(loss=...)`).
-`LocalSteps(model, torch.optim.AdamW(...), address, steps=8)` keeps the user's own optimizer for
-local steps and commits their update (gemps.pytorch.local_steps): the path for models that need Adam.
+`LocalSteps(model, torch.optim.AdamW(...), address)` keeps the user's own optimizer for local
+steps and commits their update (gemps.pytorch.local_steps): the path for models that need Adam.
 
 What travels, for any torch.nn.Module (gemps.pytorch.values):
 - the parameters that train (`requires_grad=True`), in `named_parameters()` order, are the

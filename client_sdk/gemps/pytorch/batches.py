@@ -18,7 +18,10 @@ the one 0-dimensional floating tensor of a returned tuple: nanoGPT's, or a Huggi
 with return_dict=False), which the step sends when the caller gave none. Otherwise the loss is
 not reachable (the optimizer never sees it and gemps does not patch torch), so the first step
 without `loss=` logs one WARNING per process naming `optimizer.step(loss=loss)` and
-`scaler.step(optimizer, loss=loss)` (the dashboards' loss panel stays empty).
+`scaler.step(optimizer, loss=loss)` (the dashboards' loss panel stays empty). An update commit
+(LocalSteps' window) carries the losses given to its `step(loss=)`, averaged, else those its
+training forwards returned (a Hugging Face model's under the Trainer, which gives `step()` none):
+the first committed with neither logs one WARNING per process of its own.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 log = logging.getLogger("gemps.pytorch")
 
 _warned = threading.Event()  # once per process: every worker's loop would say the same
+_warned_window = threading.Event()  # LocalSteps' windows: the same, once per process
 
 
 class BatchCounter:
@@ -102,4 +106,19 @@ def warn_without_loss() -> None:
         "loss panel) stay empty: call optimizer.step(loss=loss) (with a GradScaler: scaler.step(optimizer, "
         "loss=loss); or step(closure) returning it; RemoteModel.step(loss=loss)), or return it from the model's "
         "forward (output.loss, output['loss'], or a scalar tensor in a returned tuple, as nanoGPT's (logits, loss))"
+    )
+
+
+def warn_window_without_loss() -> None:
+    """A WARNING, once per process, that an update commit (LocalSteps' window) carries no loss
+    (issue 78: under Hugging Face's Trainer every commit carried none, and only `gemps status` said so)."""
+    if _warned_window.is_set():
+        return
+    _warned_window.set()
+    log.warning(
+        "gemps: LocalSteps commits a window with no loss, so the server's loss metrics (gemps_training_loss, "
+        "the dashboards' loss panel) stay empty and `gemps status` counts commits that carried none: call "
+        "optimizer.step(loss=loss.detach()) in your loop (or step(closure) returning it), or return it from "
+        "the model's forward (output.loss, output['loss'], or nanoGPT's (logits, loss)), as Hugging Face "
+        "models do under the Trainer, which calls step() without it"
     )

@@ -11,16 +11,19 @@ the server returns: the server's rule is the outer optimizer (GEM energy-matches
 state (Adam's moments) carries over from window to window, as DiLoCo's inner optimizer's does.
 
     optimizer = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    optimizer = LocalSteps(model, optimizer, "ps:50051", steps=8)
+    optimizer = LocalSteps(model, optimizer, "ps:50051")  # steps=1, look_ahead=1: the recipe
     for inputs, targets in loader:                # the training loop does not change
         optimizer.zero_grad()
         loss = F.cross_entropy(model(inputs), targets)
         loss.backward()
-        optimizer.step(loss=loss)
+        optimizer.step(loss=loss.detach())
 
-Several asynchronous AdamW workers: `look_ahead=1` starts each window where θ is headed while the
-others commit (gemps.pytorch.look_ahead); without it their stale steps cost a transformer much of
-its loss at equal samples (docs/RESULTS.md, "Adam through asynchrony").
+The defaults are the SDK guide's recipe for several asynchronous AdamW workers: one local step a
+window, each window started where θ is headed while the others commit (`look_ahead=1`:
+gemps.pytorch.look_ahead); without the look-ahead their stale steps cost a transformer much of its
+loss at equal samples, and longer windows lose more (docs/RESULTS.md, "Adam through asynchrony").
+Across slow links the recipe is another, with fewer commits: `steps=8, look_ahead=0`, an outer
+learning rate of 0.35 over Adam at 3e-3 (docs/guides/slow-links.md).
 
 The inner learning rate is the user's: `param_groups` are the inner optimizer's, so a torch LR
 scheduler on either moves it. `close()` (the `with` block's end) commits an unfinished window's
@@ -52,15 +55,16 @@ class LocalSteps(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         client: Client | str,
         *,
-        steps: int = 8,
+        steps: int = 1,
         outer_learning_rate: float = 1.0,
-        look_ahead: float = 0.0,
+        look_ahead: float = 1.0,
         job_betas: bool = False,
         name: str = "",
         **options: Any,
     ) -> None:
-        """`look_ahead`: start each window that share of θ's expected move ahead of the reply
-        (gemps.pytorch.look_ahead; 1 with several asynchronous AdamW workers, 0: at the reply).
+        """`steps` and `look_ahead` default to the recipe for several asynchronous AdamW workers
+        (1 and 1). `look_ahead`: start each window that share of θ's expected move ahead of the
+        reply (gemps.pytorch.look_ahead; 0: at the reply; a worker alone is never ahead).
         `job_betas`: the optimizer's β1 spans the job's samples, not this worker's: raised to the
         power of the job's commits per this worker's (gemps.pytorch.job_betas; with look_ahead).
         `options` as RemoteModel takes them (`threads=`, gemps.Client's when `client` is an address)."""
@@ -95,7 +99,11 @@ class LocalSteps(torch.optim.Optimizer):
         self._start = self.remote.parameters_vector()
         self._taken = 0  # local steps since the window's start
         self._losses: list[float] = []
-        self.last_result: CommitResult | None = None
+
+    @property
+    def last_result(self) -> CommitResult | None:
+        """The last window's commit result (`remote.last_result`): its version, the staleness it met, π."""
+        return self.remote.last_result
 
     @property
     def version(self) -> int:
@@ -145,7 +153,7 @@ class LocalSteps(torch.optim.Optimizer):
         update = (self.remote.parameters_vector() - self._start) * self.outer_learning_rate
         loss = sum(self._losses) / len(self._losses) if self._losses else None
         self._taken, self._losses = 0, []
-        result = self.last_result = self.remote.commit_update(update, loss=loss)
+        result = self.remote.commit_update(update, loss=loss)
         replied = self.remote.parameters_vector()
         self.job_betas.after_commit(result.staleness)
         self._start = self.look_ahead.start(replied, result.version, result.staleness)

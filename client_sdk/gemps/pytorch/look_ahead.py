@@ -35,7 +35,7 @@ class LookAhead:
     def start(self, replied: torch.Tensor, version: int, staleness: int) -> torch.Tensor:
         """The θ to start from after a reply of `version` to a commit that met `staleness`."""
         if self.share == 0:
-            return replied  # off (the default): no copy of θ kept
+            return replied  # off: no copy of θ kept
         previous, previous_version, previous_staleness = self._replied, self._version, self._staleness
         self._replied, self._version, self._staleness = replied.clone(), version, staleness
         if previous is None or version <= previous_version:

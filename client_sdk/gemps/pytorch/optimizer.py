@@ -43,7 +43,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
         super().__init__(self.remote.trained, defaults={})
         self._bound = True
         self._guard_groups()
-        self.last_result: CommitResult | None = None
+
+    @property
+    def last_result(self) -> CommitResult | None:
+        """The last commit's result (`remote.last_result`): with overlap, that of the commit loaded last."""
+        return self.remote.last_result
 
     @property
     def version(self) -> int:
@@ -94,7 +98,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
             commit.setdefault("loss", loss)  # a tensor is detached before float(): torch warns otherwise
-        self.last_result = self.remote.step(**commit)
+        self.remote.step(**commit)
         return loss
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ import torch
 _SERVER_RULE = (
     "the server's update rule owns it (`gemps server --rule`, and its options: `gemps server --help`); to train "
     "with your own Adam(W) and its settings, take local steps with it: gemps.pytorch.LocalSteps(model, "
-    "torch.optim.AdamW(...), address, steps=8)"
+    "torch.optim.AdamW(...), address)"
 )
 _ELSEWHERE = {
     "lr": "the server owns the learning rate: `gemps server --learning-rate` (its schedule: --lr-* flags)",
@@ -57,7 +57,7 @@ def refuse_not_a_model(model: object) -> None:
             f"RemoteOptimizer takes the model itself (its buffers travel too), not parameter groups{listed}: it "
             "trains one group, every parameter of the model that requires grad, whose update the gemps server "
             "owns. Give RemoteOptimizer(model, address), or keep your optimizer and its groups for local steps: "
-            "gemps.pytorch.LocalSteps(model, optimizer, address, steps=8). With RemoteOptimizer the learning rate "
+            "gemps.pytorch.LocalSteps(model, optimizer, address). With RemoteOptimizer the learning rate "
             "and its schedule are the server's "
             f"(`gemps server --learning-rate`, --lr-* flags), and {WEIGHT_DECAY_WHERE}. To leave a parameter "
             "untrained, set its requires_grad=False."

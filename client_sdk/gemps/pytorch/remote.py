@@ -11,7 +11,7 @@ import torch
 
 from gemps.client import Client
 from gemps.errors import GempsError, PartiallyAppliedError
-from gemps.pytorch.batches import BatchCounter, warn_without_loss
+from gemps.pytorch.batches import BatchCounter, warn_window_without_loss, warn_without_loss
 from gemps.pytorch.groups import AUTO as GROUP_AUTO
 from gemps.pytorch.groups import GroupLeaderError, GroupWorker, Outcome, process_group_of
 from gemps.pytorch.overlap import InFlight, InFlightCommitError, Staging, copies_done
@@ -106,6 +106,8 @@ class RemoteModel:
         self._launched = False
         self._steps = 0  # step() calls so far: an overlapped commit's error names its step
         self._flying: tuple[int, int] = (0, 0)  # the step whose commit is in flight, its base version
+        # The last commit's result, of gradients or of an update (its version, staleness, π): None before one
+        self.last_result: CommitResult | None = None
         try:
             self._exchange(
                 lambda: self.client.register(
@@ -134,6 +136,11 @@ class RemoteModel:
     def version(self) -> int:
         """Version of the central variable the model holds."""
         return self._version
+
+    @property
+    def leads(self) -> bool:
+        """Whether this process talks to the server: not one of a process group's other ranks."""
+        return self._client is not None
 
     @property
     def config(self) -> TrainingConfig:
@@ -258,10 +265,15 @@ class RemoteModel:
         With `load` (the default) the model then holds the returned central variable; without,
         the model keeps its own values (elastic averaging keeps a local variable). `num_samples`:
         the samples the update was trained on, for the server's metrics and Status; without it,
-        those of the model's training forwards since the last commit.
+        those of the model's training forwards since the last commit. `loss`: without it, the mean
+        of the losses those forwards returned (a Hugging Face model's `output.loss`: under the
+        Trainer, which calls `step()` without one); with neither, one WARNING per process.
         """
         seen = self._batches.take()
-        self._batches.take_loss()  # a window's losses are the caller's to average
+        returned = self._batches.take_loss()
+        loss = returned if loss is None else loss  # the caller's first: LocalSteps averages step(loss=)
+        if loss is None and self.leads:
+            warn_window_without_loss()
         if self._group is not None:
             seen = self._group.samples(seen)
         num_samples = seen if num_samples is None else num_samples
@@ -368,6 +380,8 @@ class RemoteModel:
             raise failure
         if outcome.error:
             raise GroupLeaderError(f"the gemps worker's leader (group rank 0) failed: {outcome.error}")
+        if isinstance(outcome.result, CommitResult):
+            self.last_result = outcome.result
         return outcome
 
     @torch.no_grad()
