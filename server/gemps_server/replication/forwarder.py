@@ -367,8 +367,7 @@ class Forwarder:
 
     def _change(self, link: Link, join: bool, why: str) -> None:
         with self._lock:
-            members = [other.peer for other in self._links.values() if other.in_sync and other is not link]
-            members += [peer for name, peer in self._awaited.items() if name != link.peer.name]
+            members = self._listed_besides(link)
         if not join and self._floor.above(len(members)):  # listed still: commits wait for it
             self._floor.log_kept(link.peer.name, why, self.epoch)
             if link.queued_bytes > link.queue_limit or time.monotonic() - link.heard > self.timeout:
@@ -393,10 +392,14 @@ class Forwarder:
               epoch=self.epoch)  # fmt: skip
         self._release()
 
+    def _listed_besides(self, link: Link) -> list[Peer]:
+        """The backups the in-sync set lists other than `link`'s: in sync, or awaited (lock held)."""
+        members = [other.peer for other in self._links.values() if other.in_sync and other is not link]
+        return members + [peer for name, peer in self._awaited.items() if name != link.peer.name]
+
     def _floor_holds(self, link: Link) -> bool:
         """Whether --min-in-sync keeps `link` in the set: the others listed are too few (lock held)."""
-        others = sum(1 for other in self._links.values() if other.in_sync and other is not link)
-        return self._floor.above(others + sum(1 for name in self._awaited if name != link.peer.name))
+        return self._floor.above(len(self._listed_besides(link)))
 
     # -- what status reads ------------------------------------------------------------------------
 
