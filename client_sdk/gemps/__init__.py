@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from gemps import grpc_logs  # noqa: F401  first: gRPC's C core reads its verbosity when grpc is imported
 from gemps.errors import (
+    CallCancelledError,
     CommitSupersededError,
     DeadlineExceededError,
     FailedPreconditionError,
@@ -54,6 +55,7 @@ __all__ = [
     "CentralVariable",
     "Client",
     "CommitResult",
+    "CallCancelledError",
     "CommitSupersededError",
     "DeadlineExceededError",
     "Evaluation",

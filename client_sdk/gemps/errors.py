@@ -108,6 +108,15 @@ class ServerUnavailableError(GempsError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class CallCancelledError(ServerUnavailableError):
+    """The call ended CANCELLED, which this client never asks for (the primary watch, which ends
+    calls itself, says so in its own words): what sat across it ended it, a server on its way out
+    or a proxy between. Retried as when unreachable: every call is safe to make again (a commit is
+    known by its request id)."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
 class DeadlineExceededError(GempsError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -184,6 +193,7 @@ _BY_CODE: dict[grpc.StatusCode, type[GempsError]] = {
         UnauthenticatedError,
         ResourceExhaustedError,
         ServerUnavailableError,
+        CallCancelledError,
         DeadlineExceededError,
         CommitSupersededError,
     )

@@ -55,3 +55,14 @@ def test_the_client_default_timeout_outlasts_its_patience(monkeypatch: pytest.Mo
     assert (short.patience, short.timeout, short.attempt_timeout) == (5, 10, 10)
     client.close()
     short.close()
+
+
+def test_a_call_ended_cancelled_by_what_sat_across_it_is_made_again() -> None:
+    """The client ends none of its calls CANCELLED (the primary watch says so in its own words), so
+    one that ends so was ended by a server on its way out or a proxy: retried, not raised (a Ray
+    worker's registration failed a job so once, as its partition's node was lost)."""
+    cancelled = errors.from_status(grpc.StatusCode.CANCELLED, "CANCELLED")
+    assert isinstance(cancelled, errors.CallCancelledError) and cancelled.code == grpc.StatusCode.CANCELLED
+    calls, attempt = attempts_failing_with([cancelled, errors.from_status_number(1, "CANCELLED")])
+    assert Retrier("leaving", QUICK, patience=30.0).call(attempt) == "answered"
+    assert len(calls) == 3
