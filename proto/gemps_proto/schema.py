@@ -74,7 +74,12 @@ class TrainingConfig:
     workers. Defaults are the GEM paper's."""
 
     rule: str = _option("gem", "commit rule")
-    learning_rate: float = _option(0.05, "eta: a gradient g is applied as -eta*g", within=POSITIVE_FACTOR)
+    learning_rate: float = _option(
+        0.05,
+        "eta: a gradient g is applied as -eta*g; an update commit (a worker's own steps) reaches the rule "
+        "without eta",
+        within=POSITIVE_FACTOR,
+    )
     # The rule's options by name (its declarations: gemps_proto.rule_options, one flag each). The
     # server announces every option of its rule, those not set at their defaults (with_rule_defaults).
     rule_options: Mapping[str, float] = field(

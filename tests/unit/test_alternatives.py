@@ -380,3 +380,17 @@ def test_a_system_without_a_learning_rate_is_named_before_any_cell_runs(
     assert command.main(argv) == 2
     assert ran == []  # ddp has its rate, but the sweep does not start to stop at gemps-gem
     assert "no learning rate for gemps-gem, hivemind on digits" in capsys.readouterr().err
+
+
+def test_scenario_files_keep_their_path_and_names_that_would_collide_are_refused(tmp_path: Path) -> None:
+    mine = tmp_path / "mine.json"
+    mine.write_text(
+        json.dumps({"name": "mine", "description": "(a), its server at 0.35 of a core", "coordinator_cpu": 0.35})
+    )
+    assert command._scenarios(["a", str(mine)]) == {"a": None, "mine": str(mine.resolve())}
+    copied = tmp_path / "copy.json"
+    copied.write_text(json.dumps({"name": "b", "description": "a copy of (b) that keeps its name"}))
+    with pytest.raises(ValueError, match=r"copy.json is named 'b', as a shipped scenario is"):
+        command._scenarios([str(copied)])
+    with pytest.raises(ValueError, match=r"two scenarios are named 'mine'"):
+        command._scenarios([str(mine), str(mine)])

@@ -168,7 +168,7 @@ def test_help_text_survives_markdown(cli_page: str) -> None:
     addresses = flag_rows(cli_page, "server")["--partition-addresses"][3]
     assert r"\{index\}" in addresses  # attr_list would take `{index}` for an attribute
     learning_rate = flag_rows(cli_page, "server")["--learning-rate"][3]
-    assert learning_rate.startswith(r"eta: a gradient g is applied as -eta\*g (range `(0, ")
+    assert learning_rate.startswith(r"eta: a gradient g is applied as -eta\*g; an update commit (a worker's own steps)")
 
 
 def test_every_table_row_has_its_headers_cell_count(cli_page: str, metrics_page: str) -> None:

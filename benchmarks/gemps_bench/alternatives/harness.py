@@ -41,6 +41,7 @@ class Cell:
     learning_rate: float | None = None  # None: the workload's chosen one (the search's result)
     duration_s: float | None = None  # None: the scenario's for the workload
     snapshot_every: float = SNAPSHOT_EVERY  # seconds between two snapshots (the curve's resolution)
+    scenario_file: str | None = None  # the JSON file `scenario` was read from; None: a shipped one
 
     def label(self) -> str:
         return f"{self.scenario}-{self.system}-{self.workload}-s{self.seed}-lr{self.learning_rate}"
@@ -49,7 +50,7 @@ class Cell:
 def run_cell(cell: Cell, out: Path, learning_rate: float, target: float) -> dict[str, Any]:
     """Run `cell` on the rig into out/<label>/ (replacing an earlier run of it) and return its
     metrics, also written to cell.json there."""
-    scenario = load(cell.scenario)
+    scenario = load(cell.scenario_file or cell.scenario)
     chosen = workload(cell.workload)
     duration = cell.duration_s or scenario.duration(cell.workload)
     run_dir = out / cell.label()

@@ -24,7 +24,7 @@ from gemps_bench.alternatives import machine, report
 from gemps_bench.alternatives.contract import SNAPSHOT_EVERY
 from gemps_bench.alternatives.harness import Cell, run_cell
 from gemps_bench.alternatives.rig import unavailable_reason
-from gemps_bench.alternatives.scenario import load
+from gemps_bench.alternatives.scenario import SCENARIOS_DIR, load
 from gemps_bench.alternatives.systems.registry import system, system_names
 from gemps_bench.alternatives.workloads import targets, workload
 
@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         chosen = workload(args.workload)
-        scenarios = [load(name).name for name in _names(args.scenarios)]
+        scenarios = _scenarios(_names(args.scenarios))
         systems = [system(name).name for name in _names(args.systems)]
         seeds = [int(seed) for seed in _names(args.seeds)]
     except ValueError as error:
@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_cells(
     name: str,
-    scenarios: list[str],
+    scenarios: dict[str, str | None],
     seeds: list[int],
     rates: dict[str, float],
     args: argparse.Namespace,
@@ -120,13 +120,32 @@ def _run_cells(
     """Run every cell asked for (each system at its rate), merging each into the workload's JSON as
     it ends."""
     results = args.results / f"{name}.json"
-    for scenario in scenarios:
+    for scenario, file in scenarios.items():
         for system_name, rate in rates.items():
             for seed in seeds:
-                cell = Cell(scenario, system_name, name, seed, rate, args.duration_s, args.snapshot_every)
+                cell = Cell(scenario, system_name, name, seed, rate, args.duration_s, args.snapshot_every, file)
                 result = run_cell(cell, args.runs, rate, target)
                 _merge(results, result)
                 print(report.line(result), flush=True)
+
+
+def _scenarios(given: list[str]) -> dict[str, str | None]:
+    """Each scenario's name (the results' key) and the JSON file it is read from, absolute (cells
+    run in their own folders); None for a shipped one given by name. ValueError for two of one
+    name, or a file named as a shipped scenario: their cells would replace each other's."""
+    chosen: dict[str, str | None] = {}
+    for name_or_path in given:
+        name, path = load(name_or_path).name, Path(name_or_path)
+        file = str(path.resolve()) if path.suffix else None
+        if name in chosen:
+            raise ValueError(f"two scenarios are named {name!r}: their cells would share one place in the results")
+        if file is not None and (SCENARIOS_DIR / f"{name}.json").is_file() and path.resolve().parent != SCENARIOS_DIR:
+            raise ValueError(
+                f"{name_or_path} is named {name!r}, as a shipped scenario is: give it a name of its own "
+                "(its cells would replace the shipped one's in the results)"
+            )
+        chosen[name] = file
+    return chosen
 
 
 def _search(name: str, system_name: str, args: argparse.Namespace, target: float) -> dict[str, Any]:
