@@ -11,6 +11,8 @@ worker. What differs is only when and where Adam's step is taken:
   make S = N - 1; S = 0 is `single` with the shards interleaved);
 - `mean:K`: one AdamW on the server, one step on the mean of K commits (a K-times larger batch),
   each worker's gradient taken at the θ of its own last reply (stale by at most one step);
+- `ddp:K`: the same step with every gradient taken at the newest θ: DDP with AdamW on K machines
+  at a global batch of K times the batch (the reference a team with K machines would run);
 - `dc:S`: `stale:S` with the delay compensated as DC-ASGD-a does (Zheng et al. 2017): the gradient
   g computed at θ_then, fed as g + λ·g⊙g⊙(θ_now - θ_then)/√ms, ms the running mean of g⊙g
   (β 0.95), λ `--dc-lambda`: the diagonal of the Hessian approximated by g⊙g;
@@ -25,6 +27,8 @@ worker. What differs is only when and where Adam's step is taken:
   `--rule delayed-nesterov`: asynchronous Local-SGD's outer step, Liu et al. 2024; the rule's own
   code, N the workers, ε `--dn-learning-rate`, β `--dn-momentum`): AdamW inside, Nesterov outside,
   as DiLoCo pairs them;
+- `as:H`: the same windows, applied by the server's adaptive-staleness rule (its own code): each
+  divided by its staleness plus one, the commits since its window started (N in turn: N);
 - `gem:H`: the same windows times `--gem-outer`, applied by the server's GEM rule at its defaults
   (its own code: μ 0.9, κ 1, π_max 5; `gemps worker --mode dynsgd --local-optimizer adam`, the
   comparison's gemps-gem-local).
@@ -60,9 +64,10 @@ from torch.nn.utils import parameters_to_vector
 from gemps.pytorch.job_betas import JobBetas
 from gemps.pytorch.look_ahead import LookAhead
 from gemps.pytorch.values import copy_into
+from gemps_server.domain.rules.adaptive_staleness import AdaptiveStalenessRule
 from gemps_server.domain.rules.base import CommitRule
 from gemps_server.domain.rules.delayed_nesterov import DelayedNesterovRule
-from gemps_server.domain.rules.gem import GemRule
+from gemps_server.domain.rules.gem import GEM_OWN_STEP, GemRule
 from gemps_worker.held_out import evaluate
 from gemps_worker.nanogpt import BATCH, adamw, char_gpt, cosine_schedule, shard_batches
 from gemps_worker.text_data import stdlib_text
@@ -75,9 +80,11 @@ def _comparison_adam(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer
 
 
 #: --model: (the model, its optimizer)
-MODELS: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[torch.nn.Module, float], torch.optim.Optimizer]]] = {
-    "nanogpt": (lambda: char_gpt(0), adamw),
-    "comparison": (lambda: workload("charlm").build_model(0), _comparison_adam),
+MODELS: dict[
+    str, tuple[Callable[[int], torch.nn.Module], Callable[[torch.nn.Module, float], torch.optim.Optimizer]]
+] = {
+    "nanogpt": (char_gpt, adamw),
+    "comparison": (workload("charlm").build_model, _comparison_adam),
 }
 
 
@@ -94,19 +101,20 @@ def load(model: torch.nn.Module, theta: torch.Tensor) -> None:
 class Data:
     """The text, and the model the workers train on it (--model)."""
 
-    def __init__(self, model: str = "nanogpt") -> None:
+    def __init__(self, model: str = "nanogpt", seed: int = 0) -> None:
         self.train_x, self.train_y, self.test_x, self.test_y = stdlib_text()
         self._build, self._optimizer = MODELS[model]
+        self.seed = seed
 
     def build(self) -> torch.nn.Module:
-        return self._build()
+        return self._build(self.seed)
 
     def optimizer_of(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
         return self._optimizer(model, lr)
 
     def batches(self, rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Endless mini-batches of rank's shard (the same split for every variant)."""
-        return shard_batches(self.train_x, self.train_y, rank, world)
+        return shard_batches(self.train_x, self.train_y, rank, world, self.seed)
 
     def held_out(self, model: torch.nn.Module, theta: torch.Tensor) -> float:
         load(model, theta)
@@ -133,12 +141,11 @@ def server_adam(
     warmup: int | None = None,
     workers: int = WORKERS,
 ) -> list[list[float]]:
-    """`single`, `stale:S`, `dc:S` and `mean:K`: one AdamW holds θ; workers hand it gradients."""
+    """`single`, `stale:S`, `dc:S`, `mean:K` and `ddp:K`: one AdamW holds θ; workers hand it gradients."""
     central, worker = data.build(), data.build()
     optimizer = data.optimizer_of(central, lr)
-    schedule = (
-        None if warmup is None else cosine_schedule(optimizer, steps // (amount if variant == "mean" else 1), warmup)
-    )
+    batched = variant in ("mean", "ddp")  # one step per `amount` gradients
+    schedule = None if warmup is None else cosine_schedule(optimizer, steps // (amount if batched else 1), warmup)
     world = 1 if variant == "single" else workers
     streams = [data.batches(rank, world) for rank in range(world)]
     history = collections.deque([flat(central)], maxlen=amount + 1)  # stale:S, θ of the last S+1 versions
@@ -148,7 +155,7 @@ def server_adam(
     curve = []
     for step in range(1, steps + 1):
         rank = step % world
-        at = replied[rank] if variant == "mean" else history[0]
+        at = {"mean": replied[rank], "ddp": history[-1]}.get(variant, history[0])
         grads = gradient(worker, at, next(streams[rank]))
         if variant == "dc":
             moved = history[-1] - at
@@ -161,8 +168,8 @@ def server_adam(
                 for g, q, m, d in zip(grads, square, mean_square, _split(moved, grads), strict=True)
             ]
         summed = grads if not summed else [a + g for a, g in zip(summed, grads, strict=True)]
-        if variant != "mean" or step % amount == 0:
-            scale = amount if variant == "mean" else 1
+        if not batched or step % amount == 0:
+            scale = amount if batched else 1
             for p, g in zip(central.parameters(), summed, strict=True):
                 p.grad = g / scale
             optimizer.step()
@@ -230,17 +237,17 @@ def local_adam(
                 if step in evals:
                     curve.append([step * BATCH, data.held_out(probe, theta)])
             delta = flat(model) - start
-            theta = theta + delta if outer is None else _outer_step(outer, theta, delta * scale, rank)
-            staleness, version = version - based[rank], version + 1
+            staleness, version = version - based[rank], version + 1  # commits since its window's start
+            theta = theta + delta if outer is None else _outer_step(outer, theta, delta * scale, rank, staleness)
             starts[rank], based[rank] = aheads[rank].start(theta, version, staleness), version
             paces[rank].after_commit(staleness)
     return curve
 
 
-def _outer_step(rule: CommitRule, theta: torch.Tensor, delta: torch.Tensor, rank: int) -> torch.Tensor:
+def _outer_step(rule: CommitRule, theta: torch.Tensor, delta: torch.Tensor, rank: int, staleness: int) -> torch.Tensor:
     """θ after the server's rule applies one worker's window (copies both ways: the rule reuses
     the θ it returned last as scratch)."""
-    updated, _ = rule.step_scaled(theta.numpy().copy(), delta.numpy(), 1.0, f"worker-{rank}", staleness=0)
+    updated, _ = rule.step_scaled(theta.numpy().copy(), delta.numpy(), 1.0, f"worker-{rank}", staleness=staleness)
     return torch.from_numpy(updated.copy())
 
 
@@ -261,16 +268,28 @@ def main() -> None:
     )
     parser.add_argument("--ahead", type=float, default=1.0, help="ahead:H's share of θ's expected move")
     parser.add_argument("--gem-outer", type=float, default=0.35, help="gem:H's factor on each window's update")
+    parser.add_argument(
+        "--gem-momentum", type=float, default=0.9, help="gem:H's proxy momentum μ (0: the window itself)"
+    )
+    parser.add_argument("--gem-kappa", type=float, default=1.0, help="gem:H's κ, the proxy's amplification")
+    parser.add_argument("--gem-pi-max", type=float, default=5.0, help="gem:H's clamp on π")
+    parser.add_argument(
+        "--gem-own-step",
+        choices=GEM_OWN_STEP,
+        default="counted",
+        help="whether gem:H's c counts the worker's own previous window",
+    )
     parser.add_argument("--workers", type=int, default=WORKERS, help="N, the workers taking turns")
     parser.add_argument("--fresh", action="store_true", help="every window starts at the newest θ (no staleness)")
     parser.add_argument("--model", choices=tuple(MODELS), default="nanogpt", help="what the workers train")
+    parser.add_argument("--seed", type=int, default=0, help="the model's initialisation and the data's split and order")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    held = [v for v in args.variants if v.partition(":")[0] not in ("local", "ahead", "job", "dn", "gem")]
+    held = [v for v in args.variants if v.partition(":")[0] not in ("local", "ahead", "job", "dn", "as", "gem")]
     if args.fresh and held:
-        parser.error(f"--fresh is for windows of local steps (local, ahead, job, dn, gem), not {', '.join(held)}")
+        parser.error(f"--fresh is for windows of local steps (local, ahead, job, dn, as, gem), not {', '.join(held)}")
     torch.set_num_threads(1)
-    data = Data(args.model)
+    data = Data(args.model, args.seed)
     steps = args.samples // BATCH
     evals = [steps * (i + 1) // args.evaluations for i in range(args.evaluations)]
     results = []
@@ -283,23 +302,36 @@ def main() -> None:
             curve = local_adam(
                 data, int(amount), steps, args.learning_rate, evals, ahead=factor, job_betas=job, **windows
             )
-        elif name in ("dn", "gem"):
+        elif name in ("dn", "gem", "as"):
             outer, scale = _rule(name, args, data), args.gem_outer if name == "gem" else 1.0
             curve = local_adam(data, int(amount), steps, args.learning_rate, evals, outer, scale=scale, **windows)
-        elif name in ("single", "stale", "dc", "mean"):
+        elif name in ("single", "stale", "dc", "mean", "ddp"):
             amounts = int(amount or 0), steps, args.learning_rate, evals
             curve = server_adam(data, name, *amounts, args.dc_lambda, args.warmup, args.workers)
         else:
             parser.error(
-                f"unknown variant {variant!r}: single, stale:S, dc:S, mean:K, local:H, ahead:H, job:H, dn:H or gem:H"
+                f"unknown variant {variant!r}: single, stale:S, dc:S, mean:K, ddp:K, "
+                "local:H, ahead:H, job:H, dn:H, as:H or gem:H"
             )
-        settings = {"model": args.model, "learning_rate": args.learning_rate, "dc_lambda": args.dc_lambda, **windows}
+        settings = {
+            "model": args.model,
+            "seed": args.seed,
+            "learning_rate": args.learning_rate,
+            "dc_lambda": args.dc_lambda,
+            **windows,
+        }
         if name == "dn":
             settings.update(dn_learning_rate=args.dn_learning_rate, dn_momentum=args.dn_momentum)
         if name in ("ahead", "job"):
             settings.update(ahead=args.ahead)
         if name == "gem":
-            settings.update(gem_outer=args.gem_outer)
+            settings.update(
+                gem_outer=args.gem_outer,
+                gem_momentum=args.gem_momentum,
+                gem_kappa=args.gem_kappa,
+                gem_pi_max=args.gem_pi_max,
+                gem_own_step=args.gem_own_step,
+            )
         results.append({"variant": variant, **settings, "curve": curve})
         print(f"{variant:>10}: held-out loss {curve[-1][1]:.4f} after {curve[-1][0]:,} samples "
               f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
@@ -309,10 +341,19 @@ def main() -> None:
 
 
 def _rule(name: str, args: argparse.Namespace, data: Data) -> CommitRule:
-    """dn:H's or gem:H's outer rule, the server's own code, over the model's parameters."""
+    """dn:H's, as:H's or gem:H's outer rule, the server's own code, over the model's parameters."""
     size = sum(p.numel() for p in data.build().parameters())
+    if name == "as":
+        return AdaptiveStalenessRule(size, learning_rate=1.0)
     if name == "gem":
-        return GemRule(size, learning_rate=1.0, momentum=0.9, kappa=1.0, pi_max=5.0)
+        return GemRule(
+            size,
+            learning_rate=1.0,
+            momentum=args.gem_momentum,
+            kappa=args.gem_kappa,
+            pi_max=args.gem_pi_max,
+            own_step=args.gem_own_step,
+        )
     return DelayedNesterovRule(
         size,
         learning_rate=1.0,

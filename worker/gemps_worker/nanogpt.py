@@ -60,11 +60,12 @@ def cosine_schedule(
 
 
 def shard_batches(
-    inputs: np.ndarray, targets: np.ndarray, rank: int, world: int
+    inputs: np.ndarray, targets: np.ndarray, rank: int, world: int, seed: int = 0
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless mini-batches of `rank`'s shard of a fixed random split (each worker's own epochs)."""
-    shard = np.array_split(np.random.default_rng(7).permutation(len(inputs)), world)[rank]
-    rng = np.random.default_rng(1000 + rank)
+    """Endless mini-batches of `rank`'s shard of a fixed random split (each worker's own epochs);
+    `seed` draws another split and order."""
+    shard = np.array_split(np.random.default_rng(7 + seed).permutation(len(inputs)), world)[rank]
+    rng = np.random.default_rng((1000 + rank, seed) if seed else 1000 + rank)
     while True:
         order = rng.permutation(shard)
         for start in range(0, len(order) - BATCH + 1, BATCH):

@@ -1,0 +1,60 @@
+"""The replay of asynchronous AdamW workers (scripts/adam_staleness.py, issue 78 item 2), reduced for
+CI: each scheme through the script as the records ran it, on a few hundred samples.
+
+With one worker every scheme is one AdamW worker: DDP's step on one gradient is `single`'s to the
+bit; a window applied by the energy-matched rule (GEM with μ 0, c excluding the worker's own step:
+π = 1 where nothing else moved θ) or by the adaptive-staleness rule (staleness 0) is downpour's to
+the bit, and lands where one AdamW worker's step does, up to rounding. With 16 workers in turn the
+schemes learn, the energy-matched one about as DDP does, and a stale scheme is not DDP's
+computation (the gradient's θ tells them apart)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "adam_staleness.py"
+ENERGY_MATCHED = ("--gem-outer", "1", "--gem-momentum", "0", "--gem-kappa", "1", "--gem-own-step", "excluded")
+
+
+def replay(tmp_path: Path, name: str, *arguments: str) -> dict[str, list[float]]:
+    """Each variant's held-out losses, by variant."""
+    record = tmp_path / f"{name}.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *arguments, "--evaluations", "2", "--json", str(record)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    results = json.loads(record.read_text())["results"]
+    return {result["variant"]: [loss for _, loss in result["curve"]] for result in results}
+
+
+def test_with_one_worker_every_scheme_is_one_adamw_worker(tmp_path: Path) -> None:
+    variants = ("single", "ddp:1", "local:1", "gem:1", "as:1")
+    losses = replay(tmp_path, "one", "--variants", *variants, "--workers", "1", "--samples", "320", *ENERGY_MATCHED)
+    assert losses["ddp:1"] == losses["single"], losses
+    # The rules' π is 1 here (nothing else moved θ; staleness 0): their θ is downpour's to the bit.
+    assert losses["gem:1"] == losses["as:1"] == losses["local:1"], losses
+    # θ + (θ' - θ) rounds, and AdamW's normalised step makes a rounding of a tiny gradient a whole
+    # step: apart by under 2 % here, not to the bit.
+    assert all(abs(a - b) < 0.02 * b for a, b in zip(losses["local:1"], losses["single"], strict=True)), losses
+
+
+def test_sixteen_workers_in_turn_run_every_scheme_and_learn(tmp_path: Path) -> None:
+    variants = ("ddp:16", "mean:16", "gem:1")
+    losses = replay(
+        tmp_path, "many", "--variants", *variants, "--workers", "16", "--samples", "1024", "--warmup", "2",
+        *ENERGY_MATCHED,
+    )  # fmt: skip
+    assert set(losses) == set(variants)
+    for variant, curve in losses.items():  # each learns (from about 4.2 nats, a uniform guess)
+        assert curve[-1] < curve[0] < 4.2, (variant, curve)
+    # Each window damped by what the other 15 moved θ since it started: a round of 16 commits moves
+    # θ about one AdamW step, as DDP's step on their 16 gradients does (3.908 and 3.913 here).
+    assert abs(losses["gem:1"][-1] - losses["ddp:16"][-1]) < 0.02 * losses["ddp:16"][-1], losses
+    # DDP takes every gradient at the newest θ, `mean` at each worker's last reply: not the same run.
+    assert losses["ddp:16"] != losses["mean:16"], losses
