@@ -29,9 +29,12 @@ worker. What differs is only when and where Adam's step is taken:
   as DiLoCo pairs them;
 - `as:H`: the same windows, applied by the server's adaptive-staleness rule (its own code): each
   divided by its staleness plus one, the commits since its window started (N in turn: N);
-- `gem:H`: the same windows times `--gem-outer`, applied by the server's GEM rule at its defaults
-  (its own code: μ 0.9, κ 1, π_max 5; `gemps worker --mode dynsgd --local-optimizer adam`, the
-  comparison's gemps-gem-local).
+- `gem:H`: the same windows times `--gem-outer`, applied by the server's GEM rule (its own code), by
+  default at its defaults (μ 0.9, κ 1, π_max 5; `gemps worker --mode dynsgd --local-optimizer adam`,
+  the comparison's gemps-gem-local). `--gem-momentum 0 --gem-own-step excluded --gem-outer 1` is
+  GEM's energy matched to the worker's own AdamW window (issue 78, item 1): π = max(0, κ - c/|Δ|),
+  c = |θ - s_i| what the others moved θ since worker i's last commit, so a round of N commits moves
+  θ about κ times one AdamW step, as DDP's step on their N gradients does.
 
 `--workers` sets N (4); `--fresh` starts every window at the newest θ instead of the worker's last
 reply: the same turns without staleness, what asynchrony costs measured by its absence.
