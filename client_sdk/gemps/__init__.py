@@ -52,10 +52,10 @@ __version__ = importlib.metadata.version("gemps")  # pyproject.toml's, the one d
 
 __all__ = [
     "BackupLag",
+    "CallCancelledError",
     "CentralVariable",
     "Client",
     "CommitResult",
-    "CallCancelledError",
     "CommitSupersededError",
     "DeadlineExceededError",
     "Evaluation",
