@@ -76,8 +76,7 @@ class TrainingConfig:
     rule: str = _option("gem", "commit rule")
     learning_rate: float = _option(
         0.05,
-        "eta: a gradient g is applied as -eta*g; an update commit (a worker's own steps) reaches the rule "
-        "without eta",
+        "eta: a gradient g is applied as -eta*g; an update commit (a worker's own steps) reaches the rule without eta",
         within=POSITIVE_FACTOR,
     )
     # The rule's options by name (its declarations: gemps_proto.rule_options, one flag each). The
