@@ -96,29 +96,32 @@ def returned_loss(output: Any) -> torch.Tensor | None:
     return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
 
 
+def _warn_once(said: threading.Event, message: str) -> None:
+    """`message` as a WARNING, the first time only in this process (every worker's loop would say it)."""
+    if not said.is_set():
+        said.set()
+        log.warning(message)
+
+
 def warn_without_loss() -> None:
     """A WARNING, once per process, that commits carry no loss."""
-    if _warned.is_set():
-        return
-    _warned.set()
-    log.warning(
+    _warn_once(
+        _warned,
         "gemps: this step commits no loss, so the server's loss metrics (gemps_training_loss, the dashboards' "
         "loss panel) stay empty: call optimizer.step(loss=loss) (with a GradScaler: scaler.step(optimizer, "
         "loss=loss); or step(closure) returning it; RemoteModel.step(loss=loss)), or return it from the model's "
-        "forward (output.loss, output['loss'], or a scalar tensor in a returned tuple, as nanoGPT's (logits, loss))"
+        "forward (output.loss, output['loss'], or a scalar tensor in a returned tuple, as nanoGPT's (logits, loss))",
     )
 
 
 def warn_window_without_loss() -> None:
     """A WARNING, once per process, that an update commit (LocalSteps' window) carries no loss
     (issue 78: under Hugging Face's Trainer every commit carried none, and only `gemps status` said so)."""
-    if _warned_window.is_set():
-        return
-    _warned_window.set()
-    log.warning(
+    _warn_once(
+        _warned_window,
         "gemps: LocalSteps commits a window with no loss, so the server's loss metrics (gemps_training_loss, "
         "the dashboards' loss panel) stay empty and `gemps status` counts commits that carried none: call "
         "optimizer.step(loss=loss.detach()) in your loop (or step(closure) returning it), or return it from "
         "the model's forward (output.loss, output['loss'], or nanoGPT's (logits, loss)), as Hugging Face "
-        "models do under the Trainer, which calls step() without it"
+        "models do under the Trainer, which calls step() without it",
     )

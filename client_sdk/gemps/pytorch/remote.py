@@ -138,11 +138,6 @@ class RemoteModel:
         return self._version
 
     @property
-    def leads(self) -> bool:
-        """Whether this process talks to the server: not one of a process group's other ranks."""
-        return self._client is not None
-
-    @property
     def config(self) -> TrainingConfig:
         """The server's training config as it last registered this worker (a restarted server may
         run another), on every rank of a process group."""
@@ -272,7 +267,7 @@ class RemoteModel:
         seen = self._batches.take()
         returned = self._batches.take_loss()
         loss = returned if loss is None else loss  # the caller's first: LocalSteps averages step(loss=)
-        if loss is None and self.leads:
+        if loss is None and self._client is not None:  # a group's other ranks send nothing
             warn_window_without_loss()
         if self._group is not None:
             seen = self._group.samples(seen)
