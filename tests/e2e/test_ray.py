@@ -17,8 +17,10 @@ import json
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,14 +177,33 @@ def partition_state(folder: Path) -> dict[str, Any]:
     return dict(json.loads((folder / STATE_FILE).read_text()))
 
 
+def listen_when_free(host: str, port: int, *, within: float) -> socket.socket:
+    """Listen on host:port as soon as its holder lets go of it, as a process binding a free port."""
+    deadline = time.monotonic() + within
+    while True:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((host, port))
+        except OSError:
+            listener.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
+            continue
+        listener.listen()
+        return listener
+
+
 def test_killed_worker_and_partition_actors_come_back_and_no_commit_is_applied_twice(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     """Ray restarts a killed worker actor (it registers again and carries on) and a killed partition
-    actor (its server again on the same node and port, from its newest checkpoint; the workers
-    retry and carry on). The invariants of the chaos tests: the partition left alone applied every
-    acknowledged commit exactly once; each partition's θ counts its own applied commits (none
-    applied twice); the restarted partition resumed from its newest checkpoint, never older."""
+    actor (its server again on the same node and port, from its newest checkpoint, and on a fresh
+    metrics port since another process took the old one; the workers retry and carry on). The
+    invariants of the chaos tests: the partition left alone applied every acknowledged commit
+    exactly once; each partition's θ counts its own applied commits (none applied twice); the
+    restarted partition resumed from its newest checkpoint, never older."""
     acks = tmp_path / "acks"
     acks.mkdir()
     options = small_job(tmp_path, checkpoint_every=1)
@@ -209,6 +230,9 @@ def test_killed_worker_and_partition_actors_come_back_and_no_commit_is_applied_t
         folder1 = Path(second.folder)
         acked_before = [acks_of(acks, w) for w in range(2)]
         ray.kill(job.partition_actors[1], no_restart=False)
+        # Another process takes its metrics port as a free one while it is down (it happened: a Ray
+        # worker of another job): the restart must serve on a fresh one, not wait for it forever.
+        squatter = listen_when_free(second.host, second.metrics_port, within=60.0)
         wait_for(lambda: partition_state(folder1)["starts"] == 2, 180, "partition 1 restarted")
 
         def new_endpoint() -> bool:
@@ -218,6 +242,15 @@ def test_killed_worker_and_partition_actors_come_back_and_no_commit_is_applied_t
         wait_for(new_endpoint, 60, "partition 1's new endpoint")
         restarted = job.partitions[1]
         assert (restarted.node_id, restarted.port) == (second.node_id, second.port)  # its bundle's node, its port
+        assert restarted.metrics_port not in (second.metrics_port, -1)  # a fresh one: the old one is held
+        squatter.close()
+        targets = tmp_path / "out" / "prometheus-targets.json"
+        wait_for(
+            lambda: f"{second.host}:{restarted.metrics_port}" in targets.read_text(),
+            60,
+            "the new metrics port in the Prometheus targets",
+        )
+        assert 'partition="1"' in scrape(f"{second.host}:{restarted.metrics_port}")
         assert restarted.pid != second.pid
         # The driver saw its new life: its process died, not its node.
         partition_restarts = [r for r in job.faults.restarts if r.actor == "partition 1"]

@@ -4,6 +4,7 @@ training run per life, without a cluster: the cluster-wide behaviour is tests/e2
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +21,7 @@ from gemps_worker.on_ray import actors
 from gemps_worker.on_ray.addresses import ADDRESSES_FILE, layout, write_addresses
 from gemps_worker.on_ray.faults import EVALUATOR, FaultLog, partition_name, why, worker_name
 from gemps_worker.on_ray.records import ActorPlace, WorkerContext
+from gemps_worker.on_ray.tether import earlier_ports
 
 
 def place(node: str, pid: int) -> ActorPlace:
@@ -147,3 +149,34 @@ def test_a_partition_restarted_where_its_checkpoints_are_not_refuses_to_start_fr
         actors.PartitionServer(
             1, 2, job="j1", work_dir=str(tmp_path), host="127.0.0.1", server_options={}, startup_timeout=1.0
         )
+
+
+def listening(port: int = 0) -> socket.socket:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", port))
+    listener.listen()
+    return listener
+
+
+def test_a_restarted_partition_keeps_its_free_ports_and_takes_a_fresh_one_where_another_process_listens(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A Ray worker bound the partition's old metrics port as a free one while the partition was
+    down: the restart waited for it forever (its server could not listen there). Now the held port
+    becomes a fresh one, named in a WARNING; the free one is kept."""
+    with listening() as other:
+        free = listening()
+        free_port = free.getsockname()[1]
+        free.close()  # what the dead server held, released
+        held = other.getsockname()[1]
+        chosen = earlier_ports("127.0.0.1", {"port": free_port, "metrics_port": held}, "partition 1", wait=0.3)
+    assert chosen == {"port": free_port, "metrics_port": 0}
+    assert f"partition 1: its earlier metrics port 127.0.0.1:{held} is held by another process" in caplog.text
+
+
+def test_a_port_released_while_the_restart_waits_is_kept() -> None:
+    """The earlier life's own server may hold its port a moment longer as it dies."""
+    holder = listening()
+    port = holder.getsockname()[1]
+    threading.Timer(0.3, holder.close).start()
+    assert earlier_ports("127.0.0.1", {"port": port}, "partition 0", wait=10.0) == {"port": port}

@@ -43,7 +43,7 @@ from gemps_worker.on_ray.records import (
     WorkerContext,
     WorkerOutcome,
 )
-from gemps_worker.on_ray.tether import TetheredServer, exit_with_raylet, life_of, stop_earlier
+from gemps_worker.on_ray.tether import TetheredServer, earlier_ports, exit_with_raylet, life_of, stop_earlier
 from gemps_worker.signals import configure_logging
 
 log = logging.getLogger("gemps.ray")
@@ -99,7 +99,8 @@ class PartitionServer:
     nodes) and announces them from its addresses file, which `announce` rewrites when one moved.
     When the server exits by itself, the actor exits with it and Ray restarts the actor
     (`max_restarts`), which starts the server again on the same ports from its newest checkpoint,
-    as `gemps server --partitions K` restarts a partition locally. The server never outlives its
+    as `gemps server --partitions K` restarts a partition locally (on a fresh one where another
+    process took one meanwhile; the driver announces it). The server never outlives its
     actor, nor the actor its raylet, and a restart stops an earlier life's server still running on
     its machine before it takes the folder (gemps_worker.on_ray.tether). When its node was lost, Ray
     restarts it on another node: there it starts on fresh ports from the newest checkpoint in
@@ -137,8 +138,11 @@ class PartitionServer:
                 f"{self.folder}: its checkpoints stayed on the node it left. Give --work-dir on storage "
                 "every node sees so that a partition can move"
             )
-        ports = state if state.get("node") == node_id() else {}  # another node: fresh ports
         self.host = host or node_address()
+        which = f"partition {index}" + (f" replica {self.replica}" if self.replica >= 0 else "")
+        stop_earlier(state.get("server"), which)  # its ports and folder are then free
+        earlier = state if state.get("node") == node_id() else {}  # another node: fresh ports
+        ports = {key: earlier.get(key, 0) for key in ("port", "metrics_port")}
         partition: dict[str, object] = {}
         if count > 1:
             partition = {"partitions": count, "partition_index": index}
@@ -156,15 +160,11 @@ class PartitionServer:
             ),
             **self._etcd_access(etcd_pems),
             "host": self.host,
-            "port": ports.get("port", 0),
-            "metrics_port": ports.get("metrics_port", 0),
             "checkpoint_dir": str(self.folder),
         }
         self.starts = int(state.get("starts", 0)) + 1
-        which = f"partition {index}" + (f" replica {self.replica}" if self.replica >= 0 else "")
-        stop_earlier(state.get("server"), which)
         options["supervisor_pid"] = os.getpid()  # it dies with this actor
-        self.tether = TetheredServer(lambda: self._start(options, startup_timeout), which)
+        self.tether = TetheredServer(lambda: self._start(options, ports, startup_timeout, which), which)
         self.server = self.tether.server
         self._write_state(self.server.port, self.server.metrics_port)
         self._observer: Client | None = None
@@ -184,9 +184,14 @@ class PartitionServer:
             options["replication_secret_file"] = str(path)
         return options
 
-    def _start(self, options: Mapping[str, Any], startup_timeout: float) -> ServerProcess:
+    def _start(
+        self, options: Mapping[str, Any], ports: Mapping[str, int], startup_timeout: float, which: str
+    ) -> ServerProcess:
         for attempt in range(1, START_ATTEMPTS + 1):
-            server = ServerProcess(log_path=self.folder / SERVER_LOG, startup_timeout=startup_timeout, **options)
+            chosen = earlier_ports(self.host, ports, which)  # each attempt: taken since the last one?
+            server = ServerProcess(
+                log_path=self.folder / SERVER_LOG, startup_timeout=startup_timeout, **{**options, **chosen}
+            )
             try:
                 return server.start()
             except RuntimeError:  # exited before serving: e.g. its port not yet released

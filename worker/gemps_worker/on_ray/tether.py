@@ -21,6 +21,10 @@ failed five times with DirectoryInUse. Three ties now:
    earlier server is named by the machine's boot id, its pid and its start time, never by a pid
    alone (reused) or across machines (a pid elsewhere names nothing here). A lock whose holder is
    dead needs none of this: the kernel drops a flock when its holder exits (directory_lock.py).
+4. A restarted life on the same machine serves on the earlier life's ports (the layout and the
+   workers name them), unless another process took one meanwhile (a port that a Ray worker or a
+   test bound as a free one, while the partition was down): then it waits PORT_WAIT_SECONDS for
+   it and serves on a fresh one, which the driver announces as it does a moved partition's.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -43,6 +48,7 @@ WATCH_SECONDS = 0.1  # how often an actor looks at its server and its raylet
 STOP_SECONDS = 30.0  # a server's graceful stop when its raylet is gone, before SIGKILL
 TAKEOVER_SECONDS = 30.0  # what a restarted life gives an earlier life's server to stop
 KILL_SECONDS = 5.0  # then for SIGKILL to take effect
+PORT_WAIT_SECONDS = 5.0  # for an earlier life's port that another process holds
 RAYLET = "raylet"  # the raylet's process name (/proc/PID/comm)
 
 
@@ -192,3 +198,37 @@ def stop_earlier(life: Mapping[str, object] | None, what: str) -> None:
 def _signal(pid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError):  # gone meanwhile
         os.kill(pid, signum)
+
+
+def bindable(host: str, port: int) -> bool:
+    """Nothing listens on host:port now: a listener refuses the bind even with SO_REUSEADDR, a
+    socket of a dead server's connections (TIME_WAIT) does not."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError:  # a name this machine cannot resolve: the server's start says so
+        return True
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError:
+            return False
+    return True
+
+
+def earlier_ports(host: str, ports: Mapping[str, int], what: str, wait: float = PORT_WAIT_SECONDS) -> dict[str, int]:
+    """The earlier life's `ports` (by server option), each kept where it is free within `wait`
+    seconds and 0 (a fresh one) where another process holds it (point 4 above)."""
+    deadline = time.monotonic() + wait
+    while True:
+        taken = [name for name, port in ports.items() if port > 0 and not bindable(host, port)]
+        if not taken or time.monotonic() >= deadline:
+            break
+        time.sleep(WATCH_SECONDS)
+    for name in taken:
+        log.warning(
+            "%s: its earlier %s %s:%d is held by another process; it serves on a fresh one, which the "
+            "driver announces",
+            what, name.replace("_", " "), host, ports[name],
+        )  # fmt: skip
+    return {name: 0 if name in taken else port for name, port in ports.items()}
