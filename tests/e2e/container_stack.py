@@ -332,6 +332,10 @@ def built_stack(name: str, **variables: str) -> Stack:
         "BUILDAH_FORMAT": "docker",  # keep the Dockerfiles' HEALTHCHECK (OCI images have none)
         "GEMPS_HOST_PORT": str(grpc_port),
         "PROMETHEUS_HOST_PORT": str(prometheus_port),
+        # A quarter of a core per worker (the stack's default is one): four to eight workers at a
+        # core each took both of the suite's cores from the tests beside them (145 s of CPU in the
+        # 88 s of the getting-started test alone), and none of these tests is about their speed.
+        "GEMPS_WORKER_CPUS": "0.25",
         **variables,
     }
     stack = Stack(f"gemps-{name}-{os.getpid()}", env, grpc_port, prometheus_port)
