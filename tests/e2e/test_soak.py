@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # settling: it follows the requests in flight (±10 MB) and climbs by 5-9% over the first minutes
 # on slower machines before levelling off (1.1 % in a 60 s run here, 1,077 commits/s). A leak worth
 # the name fails this bound: a KiB per commit is 32 MB between 30 s and 60 s at 1,077 commits/s, 26 %
-# of the ~125 MB baseline (on a host at half that rate, 13 %: 1.2 KiB a commit fails there). It ran 90 s until 2026-11-29: two cores for 30 s more
-# of a suite that must fit 25 minutes.
+# of the ~125 MB baseline (on a host at half that rate, 13 %: 1.2 KiB a commit fails there). It ran
+# 90 s until 2026-11-29: two cores for 30 s more of a suite that must fit 25 minutes.
 SHORT_RUN_GROWTH_PCT = 15.0
 
 
