@@ -14,9 +14,9 @@ import argparse
 import json
 import os
 
+from gemps_bench.counts import parse_counts
 from gemps_bench.gemps_load import GempsClientFactory
 from gemps_bench.loadgen import LoadPlan, run_load
-from gemps_bench.suite import parse_counts
 
 from gemps_worker.cluster import ServerProcess
 

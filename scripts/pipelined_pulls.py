@@ -25,8 +25,8 @@ from typing import Any
 
 import grpc
 import numpy as np
+from gemps_bench.counts import parse_counts
 from gemps_bench.honest_worker import commit_latencies, in_threads
-from gemps_bench.suite import parse_counts
 
 import gemps
 from gemps import errors

@@ -34,11 +34,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from gemps_bench.counts import parse_counts
 from gemps_bench.echo import EchoClient, EchoServer
 from gemps_bench.gemps_load import GempsClientFactory
 from gemps_bench.loadgen import LoadPlan, run_load
 from gemps_bench.procfs import cpu_seconds, partition_pids
-from gemps_bench.suite import parse_counts
 
 import gemps
 from gemps_worker.cluster import ServerProcess

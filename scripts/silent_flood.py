@@ -21,8 +21,8 @@ import socket
 from multiprocessing.synchronize import Event
 
 import numpy as np
+from gemps_bench.counts import parse_counts
 from gemps_bench.honest_worker import commit_rate
-from gemps_bench.suite import parse_counts
 
 import gemps
 from gemps_worker.cluster import ServerProcess, free_port

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gemps_bench.counts import parse_counts
 from gemps_bench.honest_worker import commit_latencies
 from gemps_bench.replica_security import replica_security
-from gemps_bench.suite import parse_counts
 from gemps_bench.tls_flood import FloodProcess
 
 import gemps

@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gemps_bench.counts import parse_counts
 from gemps_bench.echo import EchoClientFactory, EchoServer
 from gemps_bench.echo_tcp import LENGTH, TcpEchoClientFactory, TcpEchoServer
 from gemps_bench.loadgen import ClientFactory, LoadPlan, run_load
 from gemps_bench.loopback import LoopbackServer
-from gemps_bench.suite import parse_counts
 
 CANDIDATES = ("grpc-unary", "tcp-threads", "tcp-asyncio", "zmq", "flight")
 

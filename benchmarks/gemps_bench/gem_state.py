@@ -29,8 +29,8 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 import gemps
+from gemps_bench.counts import parse_counts
 from gemps_bench.procfs import cpu_seconds, private_rss
-from gemps_bench.suite import parse_counts
 from gemps_worker.cluster import ServerProcess
 
 STATES = ("exact", "compact")

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from gemps_bench.suite import parse_counts
+from gemps_bench.counts import parse_counts
 from gemps_proto.schema import PayloadKind, TrainingConfig
 from gemps_server.domain.rules import GEM_STATES, create_rule
 from gemps_server.domain.rules.gem import GEM_KERNELS

@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 from gemps_bench import cross_host, replicas
+from gemps_bench.counts import parse_counts
 from gemps_bench.main import DESCRIPTION, run_bench, run_cross_host_bench, run_replicas_bench
-from gemps_bench.suite import FULL, QUICK, SYSTEMS, parse_counts, select
+from gemps_bench.suite import FULL, QUICK, SYSTEMS, select
 
 from gemps_worker.simulated_hosts import rate_bits_per_second, unavailable_reason
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from gemps_bench.counts import parse_counts
 from gemps_bench.results import LoadResult, jain_index, share_in_window, whole_count_ceiling
-from gemps_bench.suite import parse_counts
 
 
 def test_jain_index_spans_one_to_one_over_n() -> None:
