@@ -32,6 +32,13 @@ GEMPS_VARIANTS: dict[str, dict[str, str]] = {
     "gemps-no-noise": {"noise_window": "1"},  # without the gradient noise scale's sums (its cost: the difference)
     "gemps-2p": {"partitions": "2"},  # θ split across 2 server processes
     "gemps-4p": {"partitions": "4"},  # and 4 (on this 2-core machine: oversubscribed)
+    # What a big model meets (issue 79): GEM's compact state, the transformer recipe's rule, and
+    # int8 codes both ways (the recipe's encoding), each alone against the defaults.
+    "gemps-compact": {"gem_state": "compact"},
+    "gemps-downpour": {"rule": "downpour"},
+    "gemps-int8": {"compression": "int8"},
+    "gemps-downpour-tcp": {"rule": "downpour", "shared_memory": "off"},
+    "gemps-recipe-tcp": {"rule": "downpour", "compression": "int8", "shared_memory": "off"},  # between hosts
 }
 PARTITIONED = ("gemps-2p", "gemps-4p")
 # torch-rpc: TensorPipe as it picks on one host (shared memory, cross-memory attach);
@@ -167,22 +174,31 @@ class SuiteResults:
 
 
 def _gemps(system: str, clients: int, plan: LoadPlan, results: SuiteResults) -> None:
-    """gemps with the gem rule, as the variant `system` says."""
+    """gemps with the gem rule (exact state, float32 both ways), as the variant `system` says."""
     variant = GEMPS_VARIANTS[system]
     wire, kernel = variant.get("wire", "float32"), variant.get("kernel", "auto")
     plane, partitions = variant.get("plane", "auto"), int(variant.get("partitions", "1"))
     shared_memory = variant.get("shared_memory", "on") == "on"
     noise_window = int(variant.get("noise_window", "0"))
+    rule, gem_state = variant.get("rule", "gem"), variant.get("gem_state", "exact")
+    compression = variant.get("compression", "none")  # the commit's codes and the reply's alike
     with ServerProcess(
-        rule="gem",
+        rule=rule,
         gem_kernel=kernel,
+        gem_state=gem_state,
         noise_window=noise_window,
         metrics_port=-1,
         log_level="warning",
         max_workers=max(256, clients),
         partitions=partitions,
     ) as server:
-        options = (("wire_dtype", wire), ("plane", plane), ("shared_memory", shared_memory))
+        options: tuple[tuple[str, Any], ...] = (
+            ("wire_dtype", wire),
+            ("plane", plane),
+            ("shared_memory", shared_memory),
+        )
+        if compression != "none":
+            options += (("compression", compression), ("reply_compression", compression))
         result = run_load(system, GempsClientFactory(server.target, plan.num_parameters, options), plan, server.pid)
     results.add(
         result,
@@ -192,6 +208,9 @@ def _gemps(system: str, clients: int, plan: LoadPlan, results: SuiteResults) -> 
         plane=plane,
         shared_memory=shared_memory,
         noise_window=noise_window,
+        rule=rule,
+        gem_state=gem_state,
+        compression=compression,
     )
 
 

@@ -21,6 +21,11 @@ SYSTEMS = {
     "gemps-no-noise",
     "gemps-2p",
     "gemps-4p",
+    "gemps-compact",
+    "gemps-downpour",
+    "gemps-int8",
+    "gemps-downpour-tcp",
+    "gemps-recipe-tcp",
     "torch-rpc",
     "torch-rpc-tcp",
     "reference-p2p",
@@ -65,6 +70,15 @@ def test_quick_bench_measures_every_system_and_writes_the_report(tmp_path: Path)
             assert run["partitions"] == int(run["system"][-2]) and run["busiest_partition_cpu_ms_per_commit"] > 0
             assert run["busiest_partition_cpu_ms_per_commit"] <= run["server_cpu_ms_per_commit"]
     assert "## Partitions of θ" in tables and "| 300,000 | 2 | 4 |" in tables
+    # What `gemps plan` is fitted to: each path's rule, state, codes and transport as its variant says.
+    paths = {
+        run["system"]: (run["rule"], run["gem_state"], run["compression"], run["shared_memory"])
+        for run in data["runs"]
+        if "rule" in run
+    }
+    assert paths["gemps"] == ("gem", "exact", "none", True)
+    assert paths["gemps-compact"] == ("gem", "compact", "none", True)
+    assert paths["gemps-recipe-tcp"] == ("downpour", "exact", "int8", False)
 
 
 def test_a_chosen_cell_runs_alone(tmp_path: Path) -> None:
