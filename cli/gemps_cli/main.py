@@ -39,6 +39,11 @@ COMMANDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "ray_job",
         ("ray", "server", "torch"),
     ),
+    "plan": (
+        "project what a job needs (partitions, local steps, server cores and memory) and its commits/s",
+        "plan",
+        (),
+    ),
     "bench": (
         "benchmark gemps against the transport and memory ceilings and peer parameter servers",
         "bench",

@@ -1,0 +1,144 @@
+"""`gemps plan`'s model (gemps_bench.capacity): each limit where it should bind, the choices it
+makes, the fit it is calibrated by, and its default calibration held to the recorded bench run."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from gemps_bench.capacity import ENCODING_BYTES, HEADROOM, TARGET_WAIT, Calibration, Curve, Job, PathCost, fit, plan
+from gemps_bench.measured_costs import MEASURED, RECORDED_RUNS
+
+ROOT = Path(__file__).resolve().parents[2]
+MS = 1e-3
+# GEM: 0.2 ms + 2 ns a parameter on the server, 0.1 ms + 1 ns on the client, 100 MB + 12 bytes a
+# parameter of memory beside the workers' state
+COSTS = PathCost(Curve.line(0.2 * MS, 2e-9), Curve.line(0.1 * MS, 1e-9), Curve.line(100e6, 12.0))
+CALIBRATION = Calibration({"gem/float32": COSTS, "downpour/float32": COSTS}, "synthetic")
+
+
+def test_workers_that_only_commit_on_one_host_share_its_cores_with_the_server() -> None:
+    job = Job(parameters=1_000_000, workers=8, host_cores=2, partitions=1, local_steps=1)
+    result = plan(job, CALIBRATION)
+    server, client = 0.2 * MS + 2e-3, 0.1 * MS + 1e-3  # 2.2 ms and 1.1 ms a commit
+    assert result.limited_by == "partition CPU"  # 1/2.2 ms = 455/s < 2 cores / 3.3 ms = 606/s
+    assert result.commits_per_s == pytest.approx(1 / server)
+    one_core = plan(Job(parameters=1_000_000, workers=8, host_cores=1, partitions=1, local_steps=1), CALIBRATION)
+    assert one_core.limited_by == "host cores" and one_core.commits_per_s == pytest.approx(1 / (server + client))
+
+
+def test_partitions_split_the_busiest_ones_cpu_and_pay_their_fixed_cost_each() -> None:
+    job = Job(parameters=100_000_000, workers=16, host_cores=64, partitions=4, local_steps=1)
+    result = plan(job, CALIBRATION)
+    assert result.seconds_per_commit["server CPU"] == pytest.approx(0.2 * MS + 2e-9 * 25_000_000)
+    assert result.server_cores == 4
+    # memory: each partition's own line at its quarter, and every worker's GEM state (8 bytes a parameter)
+    assert result.server_memory_bytes == int(4 * (100e6 + 12 * 25_000_000) + 8 * 16 * 100_000_000)
+
+
+def test_the_fewest_local_steps_then_the_fewest_partitions_that_keep_up_are_chosen() -> None:
+    # 16 workers stepping 0.5 s; a partition holding all 124M spends 0.25 s a commit
+    job = Job(parameters=124_000_000, workers=16, step_seconds=0.5, link_bytes_per_second=10e9 / 8)
+    result = plan(job, CALIBRATION)
+    assert result.limited_by == "workers" and result.waiting_share <= TARGET_WAIT
+    assert result.headroom >= HEADROOM
+    fewer_partitions = plan(replace(job, partitions=result.partitions - 1, local_steps=result.local_steps), CALIBRATION)
+    assert fewer_partitions.headroom < HEADROOM
+    fewer_steps = plan(replace(job, local_steps=result.local_steps - 1), CALIBRATION)
+    assert fewer_steps.waiting_share > TARGET_WAIT
+
+
+def test_a_slow_link_asks_for_local_steps_and_codes_shrink_the_bytes() -> None:
+    slow = Job(parameters=124_000_000, workers=4, step_seconds=0.5, link_bytes_per_second=10e9 / 8, partitions=4)
+    float32 = plan(slow, CALIBRATION)
+    assert float32.seconds_per_commit["transfer"] == pytest.approx(2 * 124e6 * 4 / (10e9 / 8))  # 0.79 s both ways
+    assert float32.local_steps > 1 and float32.waiting_share <= 0.1
+    int8 = plan(replace(slow, encoding="int8"), CALIBRATION)
+    assert int8.commit_bytes == int(124_000_000 * ENCODING_BYTES["int8"])
+    assert int8.local_steps < float32.local_steps
+    assert int8.path == "gem/float32"  # int8's own CPU not measured here: the nearest path's, said so
+
+
+def test_a_link_shared_by_every_worker_limits_a_partitions_host() -> None:
+    job = Job(parameters=10_000_000, workers=64, step_seconds=0.01, link_bytes_per_second=1e9 / 8, partitions=1)
+    result = plan(job, CALIBRATION)
+    assert result.limited_by == "link"
+    assert result.commits_per_s == pytest.approx((1e9 / 8) / (2 * 4 * 10_000_000))
+
+
+def test_downpour_holds_no_worker_state() -> None:
+    gem = plan(Job(parameters=10_000_000, workers=100, partitions=1, local_steps=1), CALIBRATION)
+    downpour = plan(Job(parameters=10_000_000, workers=100, partitions=1, local_steps=1, rule="downpour"), CALIBRATION)
+    assert gem.server_memory_bytes - downpour.server_memory_bytes == 8 * 100 * 10_000_000
+
+
+@pytest.mark.parametrize(
+    ("job", "named"),
+    [
+        (Job(parameters=0, workers=1), "--params"),
+        (Job(parameters=10, workers=0), "--workers"),
+        (Job(parameters=10, workers=1, step_seconds=float("nan")), "--step-seconds"),
+        (Job(parameters=10, workers=1, link_bytes_per_second=-1.0), "--link"),
+        (Job(parameters=10, workers=1, rule="sgd"), "--rule"),
+        (Job(parameters=10, workers=1, encoding="int3"), "--encoding"),
+        (Job(parameters=10, workers=1, partitions=0), "--partitions"),
+        (Job(parameters=10, workers=1, local_steps=1000), "--local-steps"),
+    ],
+)
+def test_a_job_that_cannot_be_is_refused_naming_the_option(job: Job, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        plan(job, CALIBRATION)
+
+
+def test_the_fit_recovers_lines_from_bench_runs_and_subtracts_the_workers_state() -> None:
+    def run(size: int, partitions: int = 1, **extra: object) -> dict[str, object]:
+        share = size / partitions
+        return {
+            "system": "gemps", "num_parameters": size, "clients": 4, "partitions": partitions,
+            "busiest_partition_cpu_ms_per_commit": (0.3 + 2.5e-6 * share) if partitions > 1 else float("nan"),
+            "server_cpu_ms_per_commit": 0.3 + 2.5e-6 * share, "client_cpu_ms_per_commit": 0.1 + 1e-6 * size,
+            "server_peak_rss_bytes": partitions * (120e6 + 12 * share) + 8 * 4 * size, **extra,
+        }  # fmt: skip
+
+    runs: list[dict[str, object]] = [run(1_000_000), run(10_000_000), run(100_000_000, 4), {"system": "echo-tcp"}]
+    runs.append(run(1_000_000, compression="int8", rule="downpour") | {"server_peak_rss_bytes": 120e6 + 12e6})
+    calibration = fit(runs, "synthetic runs")
+    gem = calibration.paths["gem/float32"]
+    for parameters in (1e6, 25e6, 300e6):  # between the sizes measured, and past them
+        assert gem.server_cpu.at(parameters) == pytest.approx(0.3e-3 + 2.5e-9 * parameters)
+        assert gem.client_cpu.at(parameters) == pytest.approx(0.1e-3 + 1e-9 * parameters)
+        assert gem.server_memory.at(parameters) == pytest.approx(120e6 + 12.0 * parameters)
+    assert set(calibration.paths) == {"gem/float32", "downpour/int8"}
+    alone = calibration.paths["downpour/int8"].client_cpu  # one size measured: the cost scales with it
+    assert alone.at(2e6) == pytest.approx(2 * (0.1e-3 + 1e-9 * 1e6))
+
+
+def test_the_default_calibration_is_the_fit_of_the_recorded_bench_run() -> None:
+    runs = [run for path in RECORDED_RUNS for run in json.loads((ROOT / path).read_text())["runs"]]
+    refit = fit(runs, MEASURED.source)
+    assert set(refit.paths) == set(MEASURED.paths)
+    for name, cost in MEASURED.paths.items():
+        for curve in ("server_cpu", "client_cpu", "server_memory"):
+            mine, again = (sum(getattr(c, curve).points, ()) for c in (cost, refit.paths[name]))
+            assert mine == pytest.approx(again), (name, curve)
+
+
+def test_the_check_script_projects_every_gemps_cell_of_the_recorded_run_and_says_how_far_off() -> None:
+    """scripts/plan_check.py on the recorded run: a row per gemps cell, and a non-zero exit where one
+    is off by more than its tolerance (the data plane over TCP at 100M: 1.33x)."""
+    script = ROOT / "scripts" / "plan_check.py"
+    strict = subprocess.run([sys.executable, str(script), str(ROOT / RECORDED_RUNS[0])], capture_output=True, text=True)
+    worst = re.search(r"worst: (\d+)% off \(tolerance 25%\)", strict.stdout)
+    assert strict.returncode == 1 and worst is not None and 25 < int(worst.group(1)) < 40, strict.stdout + strict.stderr
+    lenient = subprocess.run(
+        [sys.executable, str(script), str(ROOT / RECORDED_RUNS[0]), "--tolerance", "0.35"],
+        capture_output=True,
+        text=True,
+    )
+    assert lenient.returncode == 0
+    assert sum(line.lstrip().startswith("gemps") for line in lenient.stdout.splitlines()) == 21
