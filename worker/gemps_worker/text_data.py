@@ -59,11 +59,17 @@ def windows(tokens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndar
     return tokens[offsets], tokens[offsets + 1]
 
 
-def split_text(files: list[Path]) -> tuple[np.ndarray, np.ndarray]:
-    """(training tokens, held-out tokens): the files concatenated, held out by file."""
+def split_bytes(files: list[Path]) -> tuple[bytes, bytes]:
+    """(training text, held-out text): the files concatenated, held out by file."""
     train = [f.read_bytes() for i, f in enumerate(files) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
     held = [f.read_bytes() for i, f in enumerate(files) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
-    return encode(b"".join(train)), encode(b"".join(held))
+    return b"".join(train), b"".join(held)
+
+
+def split_text(files: list[Path]) -> tuple[np.ndarray, np.ndarray]:
+    """(training tokens, held-out tokens): the files concatenated, held out by file."""
+    train, held = split_bytes(files)
+    return encode(train), encode(held)
 
 
 def stdlib_text(root: Path | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
