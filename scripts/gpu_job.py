@@ -97,7 +97,7 @@ def adamw(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.AdamW
 def train(args: argparse.Namespace) -> None:
     """One process: a gemps worker (`--role worker`) or the AdamW process alone (`--role alone`)."""
     torch.set_num_threads(args.threads)
-    train_bytes, _ = byte_text()
+    train_bytes, held = byte_text()
     model = gpt2(args).to(args.device)
     inner = adamw(model, args)
     scheduler = cosine_schedule(inner, args.steps, args.warmup)
@@ -137,7 +137,7 @@ def train(args: argparse.Namespace) -> None:
     if isinstance(optimizer, LocalSteps):
         optimizer.close()
     else:
-        record["held_out_loss"] = held_out_loss(model, byte_text()[1], args.context, args.device)
+        record["held_out_loss"] = held_out_loss(model, held, args.context, args.device)
     Path(args.out).write_text(json.dumps(record))
 
 

@@ -19,25 +19,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gemps_bench.capacity import Calibration, Job, fit, plan
+from gemps_bench.capacity import Calibration, Job, fit, path_of, plan
 from gemps_bench.measured_costs import MEASURED
-
-
-def rule_of(run: dict[str, Any]) -> str:
-    return "gem-compact" if run.get("gem_state") == "compact" else str(run.get("rule", "gem"))
 
 
 def rows(runs: list[dict[str, Any]], calibration: Calibration, cores: int) -> list[dict[str, Any]]:
     checked = []
     for run in runs:
-        if not str(run.get("system", "")).startswith("gemps") or rule_of(run) not in ("gem", "gem-compact", "downpour"):
+        path = path_of(run)  # the cells the calibration can use are the cells it can project
+        if path is None:
             continue
-        if run.get("wire_dtype", "float32") != "float32" or run.get("plane", "auto") != "auto":
-            continue
-        compression = str(run.get("compression", "none"))
+        rule, encoding = path.removesuffix("+tcp").split("/")
         job = Job(
-            parameters=run["num_parameters"], workers=run["clients"], rule=rule_of(run),
-            encoding="float32" if compression == "none" else compression, partitions=int(run.get("partitions") or 1),
+            parameters=run["num_parameters"], workers=run["clients"], rule=rule, encoding=encoding,
+            partitions=int(run.get("partitions") or 1),
             local_steps=1, host_cores=cores, shared_memory=bool(run.get("shared_memory", True)),
         )  # fmt: skip
         projected = plan(job, calibration)

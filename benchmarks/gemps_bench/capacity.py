@@ -217,7 +217,7 @@ def fit(runs: Iterable[Mapping[str, Any]], source: str) -> Calibration:
     GEM state) against the parameters a partition holds."""
     points: dict[str, list[tuple[float, float, float, float, float]]] = {}
     for run in runs:
-        path = _path_of(run)
+        path = path_of(run)
         if path is None:
             continue
         partitions = int(run.get("partitions") or 1)
@@ -233,7 +233,7 @@ def fit(runs: Iterable[Mapping[str, Any]], source: str) -> Calibration:
     return Calibration({path: _fit_path(values) for path, values in points.items()}, source)
 
 
-def _path_of(run: Mapping[str, Any]) -> str | None:
+def path_of(run: Mapping[str, Any]) -> str | None:
     """ "RULE/ENCODING" of a gemps run the calibration can use (float32 or int8, over the data plane)."""
     if not str(run.get("system", "")).startswith("gemps") or run.get("wire_dtype", "float32") != "float32":
         return None
