@@ -7,13 +7,18 @@ results.json; the default one is this project's run written down in docs/PERFORM
 cost of a commit as the model grows").
 
 The model, per commit of a job of N parameters over K partitions (each a process with a core):
-- the busiest partition spends s(N/K) of CPU, a worker c(N), each a measured curve;
+- the busiest partition spends s(N/K) of CPU, a worker c(N), each a measured curve; a commit holds
+  its partition h(N/K) >= s(N/K): over TCP the partition also waits for the worker's side of the
+  exchange (at 100M on loopback a third longer than its CPU), measured as the bench's latency
+  per client where its clients queue there;
 - the bytes are N times the encoding's bytes per value each way, split over the K partitions;
-- a worker's cycle is its H local steps (H·S) plus the commit's time: its own CPU, the bytes over
-  its link both ways, the partition's CPU (no overlap of the two: a bound on the waiting);
+- a worker's cycle is its H local steps (H·S) plus the commit's time: its own CPU and the
+  partition's (or the hold, where longer), the bytes over its link up and down (no overlap of the
+  steps and the commit: a bound on the waiting);
 - commits/s is the least of what the workers offer (W per cycle), what the busiest partition
-  applies (one core), what each partition's link carries and, on loopback (no --link: every
-  process on one host, as `gemps bench` runs), what the host's cores do for servers and clients.
+  applies (one commit per hold), what each partition's link carries (each direction its own: a
+  commit's bytes up, the reply's down) and, on loopback (no --link: every process on one host, as
+  `gemps bench` runs), what the host's cores do for servers and clients.
 That closed-loop minimum overstates commits/s near the knee, where workers queue at the server.
 """
 
@@ -68,6 +73,9 @@ class PathCost:
     server_cpu: Curve  # seconds of one partition's CPU per commit, by the parameters it holds
     client_cpu: Curve  # seconds of a worker's CPU per commit (its SDK: codes, copies, sockets)
     server_memory: Curve  # bytes a partition holds beyond its workers' state, by its parameters
+    # seconds a commit holds its partition, by the parameters it holds: at least its CPU; over TCP
+    # also the partition's waits for the worker's side of the exchange, which its CPU leaves out
+    server_hold: Curve | None = None  # None: its CPU
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,7 @@ class Job:
     workers: int
     step_seconds: float = 0.0  # a worker's time per local step (0: workers that only commit)
     link_bytes_per_second: float | None = None  # every host's link; None: loopback, one host
+    worker_link_bytes_per_second: float | None = None  # a worker's host's link, where not the same
     rule: str = "gem"
     encoding: str = "float32"
     partitions: int | None = None  # None: the fewest that keep up, up to MAX_PARTITIONS
@@ -114,6 +123,12 @@ class Job:
             found.append(f"--step-seconds must be a finite number >= 0, not {self.step_seconds}")
         if self.link_bytes_per_second is not None and not self.link_bytes_per_second > 0:
             found.append(f"--link must be a positive rate, not {self.link_bytes_per_second}")
+        if self.worker_link_bytes_per_second is not None and not (
+            self.worker_link_bytes_per_second > 0 and self.link_bytes_per_second is not None
+        ):
+            found.append(
+                f"--worker-link must be a positive rate, given with --link, not {self.worker_link_bytes_per_second}"
+            )
         if self.rule not in RULES:
             found.append(f"--rule must be one of {', '.join(RULES)}, not {self.rule!r}")
         if self.encoding not in ENCODING_BYTES:
@@ -134,8 +149,13 @@ class Plan:
     server_cores: int
     server_memory_bytes: int  # all partitions together
     commits_per_s: float
+    # Between hosts, the same where the workers' transfers fall into step (all upload, then all
+    # download: each direction's link shared by every commit, then idle while the other is busy):
+    # measured so from 10M up with workers that only commit (docs/guides/sizing.md); on one host
+    # the same as commits_per_s
+    commits_per_s_in_step: float
     waiting_share: float  # of a worker's time, waiting for its commit (1 with no step time: it only commits)
-    limited_by: str  # what sets commits_per_s: workers, partition CPU, link, host cores
+    limited_by: str  # what sets commits_per_s: workers, partition, link, host cores
     headroom: float  # what the servers could apply over what the workers offer
     commit_bytes: int  # a commit's bytes up (the reply as much again)
     seconds_per_commit: dict[str, float] = field(default_factory=dict)  # the cycle's parts
@@ -176,19 +196,26 @@ def _project(job: Job, calibration: Calibration, partitions: int, local_steps: i
     cost = calibration.paths[path]
     share = job.parameters / partitions
     server = cost.server_cpu.at(share)
+    hold = server if cost.server_hold is None else max(server, cost.server_hold.at(share))
     client = cost.client_cpu.at(job.parameters)
     commit_bytes = job.parameters * ENCODING_BYTES[job.encoding]
-    transfer = 0.0 if job.link_bytes_per_second is None else 2 * commit_bytes / job.link_bytes_per_second
+    transfer = 0.0  # a commit's bytes up and the reply's down: the slower of the worker's link and a partition's
+    if job.link_bytes_per_second is not None:
+        worker_link = job.worker_link_bytes_per_second or job.link_bytes_per_second
+        transfer = 2 * max(commit_bytes / worker_link, commit_bytes / partitions / job.link_bytes_per_second)
     compute = local_steps * job.step_seconds
-    cycle = compute + client + transfer + server
-    limits = {"workers": job.workers / cycle, "partition CPU": 1.0 / server}
-    if job.link_bytes_per_second is not None:  # each partition's host: every worker's share, both ways
-        limits["link"] = job.link_bytes_per_second / (2 * commit_bytes / partitions)
+    cycle = compute + max(client + server, hold) + transfer
+    limits = {"workers": job.workers / cycle, "partition": 1.0 / hold}
+    if job.link_bytes_per_second is not None:  # each partition's host: its share of every commit, each way
+        limits["link"] = job.link_bytes_per_second / (commit_bytes / partitions)
     else:  # one host: its cores run the partitions' and the workers' CPU
         limits["host cores"] = job.host_cores / (partitions * server + client)
     limited_by = min(limits, key=lambda name: limits[name])
     commits_per_s = limits[limited_by]
     servers = min(rate for name, rate in limits.items() if name != "workers")  # what the servers apply
+    in_step = commits_per_s
+    if job.link_bytes_per_second is not None:  # every worker's commit and reply at the same moments
+        in_step = min(commits_per_s, job.link_bytes_per_second / (2 * commit_bytes / partitions))
     waiting = 0.0 if compute == 0 else max(0.0, 1.0 - compute * commits_per_s / job.workers)
     state = STATE_BYTES_PER_WORKER[job.rule] * job.workers + SHARED_STATE_BYTES[job.rule]
     memory = partitions * cost.server_memory.at(share) + state * job.parameters
@@ -198,11 +225,18 @@ def _project(job: Job, calibration: Calibration, partitions: int, local_steps: i
         server_cores=partitions,
         server_memory_bytes=int(memory),
         commits_per_s=commits_per_s,
+        commits_per_s_in_step=in_step,
         waiting_share=waiting if compute else 1.0,
         limited_by=limited_by,
         headroom=servers / limits["workers"],
         commit_bytes=int(commit_bytes),
-        seconds_per_commit={"local steps": compute, "client CPU": client, "transfer": transfer, "server CPU": server},
+        seconds_per_commit={
+            "local steps": compute,
+            "client CPU": client,
+            "transfer": transfer,
+            "server CPU": server,
+            "server hold": hold,
+        },
         path=path,
         calibration=calibration.source,
     )
@@ -214,8 +248,9 @@ def _project(job: Job, calibration: Calibration, partitions: int, local_steps: i
 def fit(runs: Iterable[Mapping[str, Any]], source: str) -> Calibration:
     """A calibration from bench runs (results.json's "runs"): per path, straight lines through the
     busiest partition's server CPU, the client CPU and the server's peak memory (less its workers'
-    GEM state) against the parameters a partition holds."""
-    points: dict[str, list[tuple[float, float, float, float, float]]] = {}
+    GEM state) against the parameters a partition holds, and the hold: a commit's median latency
+    over the clients that queue for it (the bench's closed loop), at least the partition's CPU."""
+    points: dict[str, list[tuple[float, float, float, float, float, float]]] = {}
     for run in runs:
         path = path_of(run)
         if path is None:
@@ -229,7 +264,8 @@ def fit(runs: Iterable[Mapping[str, Any]], source: str) -> Calibration:
         state = (STATE_BYTES_PER_WORKER[rule] * run["clients"] + SHARED_STATE_BYTES[rule]) * run["num_parameters"]
         memory = (run["server_peak_rss_bytes"] - state) / partitions
         client = run["client_cpu_ms_per_commit"] / 1e3  # a worker's, by the whole model
-        points.setdefault(path, []).append((share, busiest / 1e3, run["num_parameters"], client, memory))
+        hold = max(busiest, run["latency_p50_ms"] / run["clients"]) / 1e3
+        points.setdefault(path, []).append((share, busiest / 1e3, run["num_parameters"], client, memory, hold))
     return Calibration({path: _fit_path(values) for path, values in points.items()}, source)
 
 
@@ -240,6 +276,8 @@ def path_of(run: Mapping[str, Any]) -> str | None:
     if run.get("plane", "auto") != "auto" or run.get("noise_window", 0) or run.get("gem_kernel", "auto") != "auto":
         return None
     compression = str(run.get("compression", "none"))
+    if str(run.get("reply_compression", compression)) != compression:  # codes one way only: no path of ours
+        return None
     rule = "gem-compact" if run.get("gem_state") == "compact" else str(run.get("rule", "gem"))
     if rule not in RULES:
         return None
@@ -247,10 +285,13 @@ def path_of(run: Mapping[str, Any]) -> str | None:
     return f"{rule}/{'float32' if compression == 'none' else compression}{transport}"
 
 
-def _fit_path(values: list[tuple[float, float, float, float, float]]) -> PathCost:
-    shares, busiest, sizes, client, memory = (list(column) for column in zip(*values, strict=True))
+def _fit_path(values: list[tuple[float, float, float, float, float, float]]) -> PathCost:
+    shares, busiest, sizes, client, memory, hold = (list(column) for column in zip(*values, strict=True))
     return PathCost(
-        server_cpu=_curve(shares, busiest), client_cpu=_curve(sizes, client), server_memory=_curve(shares, memory)
+        server_cpu=_curve(shares, busiest),
+        client_cpu=_curve(sizes, client),
+        server_memory=_curve(shares, memory),
+        server_hold=_curve(shares, hold),
     )
 
 

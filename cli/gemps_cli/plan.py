@@ -51,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="every host's link (e.g. 10gbit): workers and partitions on hosts of their own; "
         "default: all on this host over loopback, as `gemps bench` runs",
     )  # fmt: skip
+    parser.add_argument(
+        "--worker-link", type=_rate, default=None, metavar="RATE",
+        help="with --link: a worker's host's link, where it differs from the partitions' (default: --link)",
+    )  # fmt: skip
     parser.add_argument("--rule", choices=RULES, default="gem", help="the server's rule and GEM state (default gem)")
     parser.add_argument(
         "--encoding", choices=tuple(ENCODING_BYTES), default="float32", help="a commit's values, both ways"
@@ -83,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
             calibration = fit(json.loads(args.calibration.read_text())["runs"], str(args.calibration))
         job = Job(
             parameters=args.params, workers=args.workers, step_seconds=args.step_seconds,
-            link_bytes_per_second=args.link, rule=args.rule, encoding=args.encoding, partitions=args.partitions,
-            local_steps=args.local_steps, host_cores=args.host_cores,
+            link_bytes_per_second=args.link, worker_link_bytes_per_second=args.worker_link, rule=args.rule,
+            encoding=args.encoding, partitions=args.partitions, local_steps=args.local_steps,
+            host_cores=args.host_cores,
         )  # fmt: skip
         result = plan(job, calibration)
     except (OSError, ValueError, KeyError) as error:
@@ -105,12 +110,18 @@ def describe(job: Job, result: Plan) -> str:
             f"  partitions        {result.partitions} (a server core each)",
             f"  local steps       {result.local_steps} per commit",
             f"  server memory     {result.server_memory_bytes / 2**30:.2f} GiB in all",
-            f"  commits/s         {result.commits_per_s:.1f} (limited by {result.limited_by})",
+            f"  commits/s         {result.commits_per_s:.1f} (limited by {result.limited_by})" + _in_step(result),
             f"  waiting           {result.waiting_share:.0%} of a worker's time",
             f"  a commit          {result.commit_bytes / 2**20:.1f} MiB each way; {parts}",
             f"projected from {result.path} costs measured in {result.calibration}" + _nearest(job, result),
         ]
     )
+
+
+def _in_step(result: Plan) -> str:
+    if result.commits_per_s_in_step >= result.commits_per_s:
+        return ""
+    return f"; {result.commits_per_s_in_step:.1f} where the workers' transfers fall into step"
 
 
 def _nearest(job: Job, result: Plan) -> str:

@@ -22,6 +22,7 @@ def projected_row(model: str, step: float, gigabits: int, encoding: str) -> str:
         model, f"{step:g}", str(gigabits), encoding, str(result.partitions), str(result.local_steps),
         f"{result.server_memory_bytes / 2**30:.1f}", f"{result.commits_per_s:.2f}", f"{result.waiting_share:.0%}",
         f"{seconds['client CPU']:.2f}", f"{seconds['transfer']:.2f}", f"{seconds['server CPU']:.2f}",
+        f"{seconds['server hold']:.2f}",
     ]  # fmt: skip
     return "| " + " | ".join(cells) + " |"
 
