@@ -127,6 +127,22 @@ def link_figures(system: str, partitions: int, result: LoadResult, rate: str) ->
     }
 
 
+def path_fields(system: str) -> dict[str, Any]:
+    """What a gemps cell ran, as `gemps bench` records its cells (gemps_bench.capacity.path_of reads
+    them): the rule, the wire, the codes each way, the data plane over TCP (between hosts)."""
+    if system not in GEMPS_OPTIONS:
+        return {}
+    options = dict(GEMPS_OPTIONS[system])
+    compression = str(options.get("compression", "none"))
+    return {
+        "rule": "gem",
+        "wire_dtype": options["wire_dtype"],
+        "compression": compression,
+        "reply_compression": str(options.get("reply_compression", "none")),
+        "shared_memory": False,
+    }
+
+
 def _load_argv(system: str, target: str, plan: LoadPlan, server_pids: Sequence[int]) -> list[str]:
     return [
         *(sys.executable, "-m", "gemps_bench.cross_host", "--system", system, "--target", target),
@@ -179,6 +195,9 @@ class CrossHostRun:
         if partitions > 1:
             addresses = ",".join(f"{h.address}:{PORT}" for h in self.servers[:partitions])
             options |= {"partitions": partitions, "partition_index": index, "partition_addresses": addresses}
+            # The simulated hosts share this machine's memory: without a share the first partition's
+            # budget claims all of it, and the others admit no worker at 100M (RESOURCE_EXHAUSTED).
+            options |= {"memory_share": partitions}
         log = self.logs / f"{system}-k{partitions}-p{index}.log"
         return ServerProcess(log_path=log, command=host.command(GEMPS_COMMAND), **options)
 
@@ -226,7 +245,7 @@ def _cell(run: CrossHostRun, data: dict[str, Any], system: str, partitions: int,
         progress(f"{system} K={partitions} P={plan.num_parameters:,} n={plan.clients} failed: {error}")
         data["skipped"].append(cell | {"why": str(error)})
         return
-    summary = result.summary() | link_figures(system, partitions, result, run.spec.rate)
+    summary = result.summary() | link_figures(system, partitions, result, run.spec.rate) | path_fields(system)
     data["runs"].append(summary)
     progress(
         f"{system:>14} K={partitions} P={plan.num_parameters:>10,} n={plan.clients}: "

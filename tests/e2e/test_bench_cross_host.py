@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gemps_bench.capacity import path_of
 
 from gemps_worker.simulated_hosts import unavailable_reason
 
@@ -43,6 +44,7 @@ def test_a_tiny_cross_host_bench_measures_each_cell_and_writes_the_table(tmp_pat
         if run["system"] == "gemps":
             assert run["server_shared_rss_bytes"] == 0, run  # between hosts: the data plane over TCP
             assert run["client_cpu_ms_per_commit"] > 0 and run["server_cpu_ms_per_commit"] > 0, run
+            assert path_of(run) == "gem/float32+tcp", run  # gemps plan projects this cell over TCP
         assert 0 < run["machine_busy_fraction"] <= 1, run
     two = next(r for r in data["runs"] if r["partitions"] == 2)
     assert 0 < two["busiest_partition_cpu_ms_per_commit"] < two["server_cpu_ms_per_commit"], two  # each partition's
