@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from gemps_bench.procfs import WindowCpu, tree_peak_rss
+from gemps_bench.procfs import WindowCpu, peak_rss, resident_bytes, tree_peak_rss
 from gemps_bench.results import LoadResult, share_in_window
 from gemps_server.allocator import keep_large_allocations
 
@@ -66,6 +66,10 @@ class _ClientRecord:
     # CPU seconds this record's client process used inside the window (all its client threads),
     # on one record per process: on 2 cores the clients share the machine with the server.
     process_cpu_seconds: float | None = None
+    # On the same record: how far the process's resident memory rose over its clients' run (its
+    # peak less what it held before making them), per client in it: a worker's own memory for a
+    # model of this size (its gradient, θ's copy, codes and buffers), without the interpreter's.
+    process_growth_bytes_per_client: int | None = None
 
 
 def pre_made_gradient(num_parameters: int, seed: int) -> np.ndarray:
@@ -124,6 +128,7 @@ def _client_process(
     factory: ClientFactory, indices: list[int], plan: LoadPlan, start: _Start, out: mp.Queue[_ClientRecord]
 ) -> None:
     keep_large_allocations()  # as gemps' server and workers do: see gemps_proto/allocator.py
+    before = resident_bytes(os.getpid())
     ready = threading.Barrier(len(indices) + 1)
     records: list[_ClientRecord] = []
     threads = [
@@ -141,8 +146,11 @@ def _client_process(
         start.connected.abort()  # a client failed to connect: its record says why
     for thread in threads:
         thread.join()
+    peak = peak_rss(os.getpid())
+    growth = None if before is None or peak is None else (peak - before) // len(indices)
     for index, record in enumerate(records):
         record.process_cpu_seconds = window_cpu if index == 0 else None
+        record.process_growth_bytes_per_client = growth if index == 0 else None
         out.put(record)
 
 
@@ -240,6 +248,7 @@ def _windowed(
         if record.staleness:
             staleness += [record.staleness[i] for i in inside]
     cpu = [r.process_cpu_seconds for r in records if r.process_cpu_seconds is not None]
+    growth = [r.process_growth_bytes_per_client for r in records if r.process_growth_bytes_per_client is not None]
     return LoadResult(
         system=system,
         num_parameters=plan.num_parameters,
@@ -251,4 +260,5 @@ def _windowed(
         server_peak_rss_bytes=rss,
         staleness=staleness or None,
         client_cpu_seconds=sum(cpu) if cpu else None,
+        client_peak_growth_bytes=max(growth) if growth else None,
     )

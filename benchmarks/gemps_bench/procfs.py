@@ -24,6 +24,11 @@ def peak_rss(pid: int) -> int | None:
     return _status_field(pid, "VmHWM")
 
 
+def resident_bytes(pid: int) -> int | None:
+    """The process's resident set size now (VmRSS), bytes; None once it has exited."""
+    return _status_field(pid, "VmRSS")
+
+
 def shared_rss(pid: int) -> int | None:
     """Resident shared memory the process maps (RssShmem), bytes: a gemps server's share of the
     memory its local clients attached (theirs, mapped here); None once it has exited."""

@@ -58,6 +58,9 @@ class LoadResult:
     server_child_cpu_seconds: list[float] | None = None
     staleness: list[int] | None = None  # per commit, where the system reports it
     client_cpu_seconds: float | None = None  # CPU time the client processes used inside the window
+    # The most a client's process grew in resident memory from before its clients to its peak, per
+    # client: what a worker holds for a model of this size (loadgen's client processes)
+    client_peak_growth_bytes: int | None = None
     machine_busy_fraction: float | None = None  # of every core on the machine, busy inside the window
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -124,6 +127,7 @@ class LoadResult:
             "server_shared_rss_bytes": self.server_shared_rss_bytes,
             "server_cpu_ms_per_commit": self.server_cpu_ms_per_commit,
             "client_cpu_ms_per_commit": self.client_cpu_ms_per_commit,
+            "client_peak_growth_bytes": self.client_peak_growth_bytes,
             "busiest_partition_cpu_ms_per_commit": self.busiest_child_cpu_ms_per_commit,
             "machine_busy_fraction": self.machine_busy_fraction,
             "notes": self.notes,

@@ -59,6 +59,8 @@ def test_quick_bench_measures_every_system_and_writes_the_report(tmp_path: Path)
     }
     for run in gemps_runs:  # GEM's FIFO: every other client commits once between two of yours
         assert abs(run["mean_staleness"] - (run["clients"] - 1)) < 0.5, run
+        # a worker's own memory: at least its gradient (4 bytes a parameter), and its θ's copy
+        assert run["client_peak_growth_bytes"] >= 4 * run["num_parameters"], run
     cost = data["worker_cost"]
     assert cost["worker_peak_rss_mb"] > 0 and cost["worker_startup_to_first_commit_s"] > 0
     tables = (out / "tables.md").read_text()
