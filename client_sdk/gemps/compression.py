@@ -34,9 +34,14 @@ class Compressor:
         of that sum (the residual to keep once `server` has applied the commit: `applied`)."""
         vectors.require("compression")  # the client refused it without numpy: numpy's arrays from here
         held = self._residuals.get(server)
-        total = vectors.as_float32(values) if held is None or held.shape != values.shape else values + held
+        if held is None or held.shape != values.shape:
+            total = vectors.as_float32(values)
+            data, sent = quantised_with_values(total, self.dtype)
+            return data, total - sent  # `total` may be the caller's own values: left as they are
+        total = values + held
         data, sent = quantised_with_values(total, self.dtype)
-        return data, total - sent
+        total -= sent  # the sum is this encoder's own: the residual in its place (a θ-sized array less)
+        return data, total
 
     def applied(self, server: int, residual: Vector) -> None:
         self._residuals[server] = residual

@@ -86,8 +86,17 @@ def difference(theta: np.ndarray, bits: np.ndarray, dtype: int) -> tuple[bytes, 
 
 
 def advance(bits: np.ndarray, step: np.ndarray) -> np.ndarray:
-    """The copy after a difference reply whose code decoded to `step` (decode_payload: checked)."""
-    return _advanced(copy_values(bits), step)
+    """The copy after a difference reply whose code decoded to `step` (decode_payload: checked):
+    `bits` moved in place and returned, CHUNK_BLOCKS blocks at a time, so that no temporary is θ's
+    size (elementwise: the same bits as all at once). The caller's copy is its own to change."""
+    from gemps_proto.block_quantisation import BLOCK
+
+    held_bits, steps = bits.reshape(-1), step.reshape(-1)
+    chunk = CHUNK_BLOCKS * BLOCK
+    for start in range(0, held_bits.size, chunk):
+        stop = min(start + chunk, held_bits.size)
+        held_bits[start:stop] = _advanced(copy_values(held_bits[start:stop]), steps[start:stop])
+    return bits
 
 
 def _advanced(held: np.ndarray, step: np.ndarray) -> np.ndarray:

@@ -4,6 +4,8 @@ with compressed updates against its plain float64 reference."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -157,3 +159,38 @@ def test_the_values_in_hand_are_what_decoding_the_bytes_reads(dtype: int, count:
     data, decoded = quantised_with_values(values, dtype)
     assert data == encode_payload(values, dtype)
     assert decoded.tobytes() == decode_payload(dtype, (count,), data).tobytes()
+
+
+@pytest.mark.parametrize("dtype", [INT8_BLOCK, INT4_BLOCK])
+def test_chunk_by_chunk_the_codes_are_the_whole_payloads_at_once(dtype: int) -> None:
+    """The encoder codes CHUNK values at a time (no payload-sized temporary): across several
+    chunks, a zero block and a short last block, every scale and code is what the definition
+    gives for the whole payload at once (a float64 reference: largest |value| / levels, rounded
+    half to even)."""
+    count = 3 * bq.CHUNK + bq.BLOCK + 77
+    rng = np.random.default_rng(7)
+    values = (rng.standard_normal(count) * rng.choice([1e-3, 1.0, 1e3], count)).astype(np.float32)
+    values[bq.CHUNK - bq.BLOCK : bq.CHUNK] = 0.0  # a zero block at a chunk's end
+    levels = LEVELS[dtype]
+    padded = np.concatenate([values, np.zeros(-count % bq.BLOCK, np.float32)]).reshape(-1, bq.BLOCK)
+    scales = (np.abs(padded).max(axis=1) / np.float32(levels)).astype(np.float32)
+    codes = np.clip(np.rint(padded / np.where(scales > 0, scales, 1)[:, None]), -levels, levels).reshape(-1)[:count]
+    data = encode_payload(values, dtype)
+    assert np.frombuffer(data, "<f4", count=scales.size).tobytes() == scales.tobytes()
+    expected = codes.astype(np.int8).astype(np.float32) * np.repeat(scales, bq.BLOCK)[:count]  # code 0 is +0
+    assert decode_payload(dtype, (count,), data).tobytes() == expected.tobytes()
+
+
+def test_coding_a_payload_holds_little_beyond_its_bytes_and_their_values() -> None:
+    """A worker's peak memory for a large model is bounded by what the codes must hold: the bytes
+    and the values they decode to (the residual's), and at most 1.5 bytes a value beside them."""
+    count = 4_000_000
+    values = np.random.default_rng(1).standard_normal(count).astype(np.float32)
+    tracemalloc.start()
+    try:
+        data, decoded = quantised_with_values(values, INT8_BLOCK)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    kept = len(data) + decoded.nbytes  # 1 and 4 bytes a value
+    assert peak <= kept + 1.5 * count, f"{peak / count:.1f} bytes a value at the peak, {kept / count:.1f} kept"
