@@ -3,6 +3,7 @@ commit path, before and after, measured on the same machine at the same time (it
 
     .venv/bin/python scripts/bench_trees.py 3cca615 HEAD --sizes 100K,1M --clients 8 --rounds 2
     .venv/bin/python scripts/bench_trees.py 3cca615 16a1039 --systems gemps,echo-tcp --json /tmp/ab.json
+    .venv/bin/python scripts/bench_trees.py HEAD . --quick --sizes 10K --clients 1   # do both trees run? (seconds)
 
 Each ref is checked out once as a detached worktree under --trees (the working tree itself with
 `.`: uncommitted changes included), its compiled loops built in place from the sources its own
@@ -67,7 +68,7 @@ def run_bench(tree: Path, args: argparse.Namespace, out: Path) -> list[dict[str,
     """One `gemps bench` of `tree`'s code; its runs (results.json)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(tree / d) for d in PACKAGE_DIRS))
     command = [sys.executable, "-m", "gemps_cli", "bench", "--sizes", args.sizes, "--clients", args.clients]
-    command += ["--systems", args.systems, "--out", str(out)]
+    command += ["--systems", args.systems, "--out", str(out), *(["--quick"] if args.quick else [])]
     subprocess.run(command, check=True, env=env, cwd=tree, stdout=subprocess.DEVNULL)
     runs: list[dict[str, object]] = json.loads((out / "results.json").read_text())["runs"]
     return runs
@@ -82,6 +83,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="runs of each tree, alternated")
     parser.add_argument("--trees", type=Path, default=Path("/tmp/gemps-trees"), help="where worktrees are made")
     parser.add_argument("--json", type=Path, help="write every run here too")
+    parser.add_argument("--quick", action="store_true", help="gemps bench --quick's windows (1 s): do the trees run?")
     args = parser.parse_args()
     trees = {ref: tree_of(ref, args.trees) for ref in args.refs}
     every: list[dict[str, object]] = []

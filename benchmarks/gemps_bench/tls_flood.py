@@ -1,5 +1,5 @@
-"""A flood of TLS handshakes at a data port (issue 42, item 4): what scripts/tls_flood.py measures
-an honest worker beside, and what tests/integration/test_data_plane_tls_flood.py floods with.
+"""A flood of TLS handshakes at a data port (issue 42, item 4): what scripts/tls_flood.py (at commit
+745f064) measured an honest worker beside, and what tests/integration/test_data_plane_tls_flood.py floods with.
 
 Five kinds of flooder, each a thread of its own that connects (from `source`) as fast as it can:
 - "hello": sends a ClientHello (one made once, replayed: costs the flooder nothing, the server a

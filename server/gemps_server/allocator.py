@@ -91,8 +91,8 @@ def one_arena() -> bool:
     several arenas, and trim() gets less of it back from a thread's arena than from the main one:
     after 16 refused requests of 40 MiB, 38-82 MiB stayed resident with glibc's arenas, -3 to 8
     MiB with one. It costs no throughput measurable here (8 clients committing 100K to 10M
-    parameters, alternated) and lowers peak RSS by 2-13% (scripts/allocator_ab.py;
-    docs/RELIABILITY.md)."""
+    parameters, alternated) and lowers peak RSS by 2-13% (scripts/allocator_ab.py, removed;
+    at commit 745f064; docs/RELIABILITY.md)."""
     if "MALLOC_ARENA_MAX" in os.environ:
         return False
     mallopt = _mallopt()

@@ -1,5 +1,5 @@
-"""`python -m gemps_bench.alternatives` (or scripts/alternatives.py): run cells of the comparison on
-the rig, merge them into docs/results/alternatives/<workload>.json, and draw the figure.
+"""`python -m gemps_bench.alternatives`: run cells of the comparison on the rig, merge them into
+docs/results/alternatives/<workload>.json, and draw the figure.
 
     python -m gemps_bench.alternatives --scenarios b --systems gemps-gem,ddp --workload digits --seeds 0,1,2
     python -m gemps_bench.alternatives --search --systems gemps-gem,ddp --workload digits
