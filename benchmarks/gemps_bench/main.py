@@ -7,6 +7,8 @@ from pathlib import Path
 
 from gemps_bench import report
 from gemps_bench.cross_host import CrossHostSpec, run_cross_host
+from gemps_bench.failover import FailoverSpec, run_failover
+from gemps_bench.failover import table as failover_table
 from gemps_bench.replicas import ReplicasSpec, run_replicas
 from gemps_bench.suite import FULL, QUICK, SuiteSpec, run_suite
 
@@ -82,6 +84,17 @@ def run_replicas_bench(out: Path, spec: ReplicasSpec | None = None, mode: str = 
         sections += ["", "## Skipped", *[_skipped_line(skip) for skip in data["skipped"]]]
     tables = results_path.with_suffix(".md")
     tables.write_text("\n".join(sections) + "\n")
+    print(f"results: {results_path}\ntables: {tables}")
+    return 0
+
+
+def run_failover_bench(out: Path, spec: FailoverSpec | None = None) -> int:
+    """`gemps bench --failover`: run `spec` (none: rebuild the table from OUT/failover.json), then
+    write OUT/failover.md."""
+    results_path = out / "failover.json"
+    data = run_failover(spec, results_path) if spec is not None else json.loads(results_path.read_text())
+    tables = out / "failover.md"
+    tables.write_text("\n".join(["## Failover (two replicas over loopback, one worker)", *failover_table(data)]) + "\n")
     print(f"results: {results_path}\ntables: {tables}")
     return 0
 

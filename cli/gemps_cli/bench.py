@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from gemps_bench import cross_host, replicas
+from gemps_bench import cross_host, failover, replicas
 from gemps_bench.counts import parse_counts
-from gemps_bench.main import DESCRIPTION, run_bench, run_cross_host_bench, run_replicas_bench
+from gemps_bench.main import DESCRIPTION, run_bench, run_cross_host_bench, run_failover_bench, run_replicas_bench
 from gemps_bench.suite import FULL, QUICK, SYSTEMS, select
 
 from gemps_worker.simulated_hosts import rate_bits_per_second, unavailable_reason
@@ -72,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "replication stream inside it too; writes OUT/replicas-MODE-tls.json",
     )
     parser.add_argument(
+        "--failover",
+        action="store_true",
+        help="how long a replicated partition takes to fail over instead: two replicas over loopback, one worker, "
+        "the primary killed, then started again (default sizes 1M,10M,100M; --quick: 100K); writes "
+        "OUT/failover.json and .md",
+    )
+    parser.add_argument(
         "--profile",
         type=Path,
         default=None,
@@ -92,6 +99,8 @@ def link_rate(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.failover:
+        return _run_failover(args)
     if args.replicas is not None:
         return _run_replicas(args)
     if args.link is not None:
@@ -151,3 +160,14 @@ def _run_replicas(args: argparse.Namespace) -> int:
         print(f"gemps bench --replicas: {error}", file=sys.stderr)
         return 2
     return run_replicas_bench(args.out, spec)
+
+
+def _run_failover(args: argparse.Namespace) -> int:
+    if args.report_only:
+        return run_failover_bench(args.out, None)
+    try:
+        spec = failover.FailoverSpec(tuple(args.sizes or ((100_000,) if args.quick else failover.FailoverSpec().sizes)))
+    except ValueError as error:
+        print(f"gemps bench --failover: {error}", file=sys.stderr)
+        return 2
+    return run_failover_bench(args.out, spec)

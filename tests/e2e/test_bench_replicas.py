@@ -97,3 +97,22 @@ def test_a_tiny_replicas_bench_with_tls_runs_every_process_on_tls(tmp_path: Path
     # The run's certificates, made for it (a server on TLS would have refused a plain client's load).
     security = out / "replicas-loopback-tls-quick.logs" / "security"
     assert sorted(path.name for path in security.glob("*.pem")) == ["ca.pem", "replica.pem"]
+
+
+def test_a_tiny_failover_bench_kills_the_primary_and_times_the_survivor_taking_over(tmp_path: Path) -> None:
+    """`gemps bench --failover --quick`: the worker's commits go on at the survivor after the kill,
+    the survivor says it is primary, and the restarted replica comes back as its backup in sync."""
+    try:
+        find_etcd()
+    except EtcdNotInstalled as error:
+        pytest.skip(str(error))
+    out = tmp_path / "bench"
+    command = [sys.executable, "-m", "gemps_cli", "bench", "--failover", "--quick", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = json.loads((out / "failover.json").read_text())["runs"]
+    assert run["num_parameters"] == 100_000
+    assert run["promoted_s"] is not None and run["promoted_s"] > 0, run
+    assert 0 < run["commit_round_trip_s"] < run["resumed_s"], run  # the commit waited out the failover
+    assert run["rejoined_s"] > 0 and run["registered_s"] > 0, run
+    assert "| 100,000 |" in (out / "failover.md").read_text()
