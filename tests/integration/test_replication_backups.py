@@ -7,6 +7,7 @@ real sockets. etcd's in-sync set is watched throughout: it never holds more than
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -279,3 +280,24 @@ def test_hellos_that_never_read_their_seed_hold_at_most_one_image(start_server: 
                 sampler.join(10)
                 for sock in socks:
                     sock.close()
+
+
+def test_a_backup_keeps_up_with_entries_larger_than_the_queues_floor(
+    start_server: StartServer, etcd: LocalEtcd, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A model past 16M float32 parameters: its θ at registration, and each commit, is one journal
+    entry larger than the 64 MiB a backup's queue held at least. The backup seeded before θ existed
+    was let go ("not keeping up") at the first such entry and re-seeded, and a primary killed
+    meanwhile had no backup to take over (`gemps bench --failover` at 100M, docs/PERFORMANCE.md)."""
+    servers = [start_server(rule="gem", **replica_options(etcd, index, "large-entries")) for index in range(R)]
+    primary = wait_replicated(servers)
+    size = (80 << 20) // 4  # 80 MiB of float32 a commit
+    with caplog.at_level(logging.WARNING, logger="gemps.server"), gemps.Client(primary.target, name="w") as worker:
+        worker.register({"theta": np.zeros(size, np.float32)})
+        for _ in range(2):
+            worker.commit(np.full(size, 1e-3, np.float32))
+        backup = next(server for server in servers if server is not primary)
+        wait_for(lambda: status_of(backup).applied >= 3, 30, "the backup applied the registration and both commits")
+    dropped = [record.getMessage() for record in caplog.records if "backup dropped" in record.getMessage()]
+    assert not dropped, dropped
+    assert all(member.in_sync for member in status_of(primary).backups), status_of(primary)

@@ -51,7 +51,7 @@ from gemps_server.logs import Throttle, event
 from gemps_server.replication import entries, frames, image_codec
 from gemps_server.replication.floor import InSyncFloor
 from gemps_server.replication.lag import LagWindow
-from gemps_server.replication.links import SEEDING_SECONDS, Link
+from gemps_server.replication.links import ENTRIES_BEHIND, SEEDING_SECONDS, Link
 from gemps_server.replication.links import Peer as Peer  # what a backup says it is (follower.py too)
 from gemps_server.replication.status import BackupLag
 
@@ -125,6 +125,7 @@ class Forwarder:
             with self._lock:  # the senders subtract what they sent
                 for link in links:
                     link.queued_bytes += size
+                    link.queue_limit = max(link.queue_limit, ENTRIES_BEHIND * size)
             for link in links:
                 link.outbox.put(frame)
             self.forwarded += 1

@@ -2,8 +2,11 @@
 how far it applied, and what it may cost the primary (DESIGN §3d).
 
 A backup costs at most one image while its seed is sent (the image's tensors go from memory to
-the socket, never encoded into a second copy), and entries queued up to the larger of an image's
-bytes and QUEUE_FLOOR_BYTES: past that, seeding it again costs less than catching it up. A send
+the socket, never encoded into a second copy), and entries queued up to the largest of an image's
+bytes, QUEUE_FLOOR_BYTES and ENTRIES_BEHIND of the largest entry forwarded: past that, seeding it
+again costs less than catching it up. The last is for a backup seeded before θ was: its image was
+empty, and a model past 16M parameters sends entries of θ's size (its registration, each float32
+commit) that a 64 MiB queue could not hold one of: the backup was let go at the first. A send
 that makes no progress for SEND_STALL seconds (a peer that does not read) fails, and the link is
 let go with whatever it held.
 """
@@ -24,6 +27,9 @@ from gemps_server.replication.lag import LagWindow
 
 #: bytes of entries a backup's queue may hold at least (an image's bytes when that is more)
 QUEUE_FLOOR_BYTES = 64 << 20
+#: a backup's queue holds at least this many of the largest entry forwarded to it: the one on its
+#: way and the next (a re-seed would send at least θ, which such an entry is the size of)
+ENTRIES_BEHIND = 2
 #: seconds a send to a backup may make no progress at least (--replica-timeout when longer)
 SEND_STALL_FLOOR = 5.0
 #: how long a seeded backup may take to adopt its seed and acknowledge it
@@ -65,7 +71,7 @@ class Link:
         self.closed = False
         self.outbox: queue.SimpleQueue[frames.Frame | None] = queue.SimpleQueue()
         self.queued_bytes = 0  # of the entries in `outbox` (the sender subtracts what it sent)
-        self.queue_limit = QUEUE_FLOOR_BYTES  # raised to the seed's bytes once they are known
+        self.queue_limit = QUEUE_FLOOR_BYTES  # raised to the seed's bytes, and ENTRIES_BEHIND entries', as they come
 
     @property
     def seeded(self) -> bool:
