@@ -6,6 +6,7 @@ real sockets. etcd's in-sync set is watched throughout: it never holds more than
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -14,6 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import pytest
@@ -128,10 +130,10 @@ def test_a_peer_under_a_live_backups_name_or_a_name_past_r_minus_1_is_refused(
     assert backup.server.state.version == primary.server.state.version == 5
 
 
-def lone_primary(start_server: StartServer, etcd: LocalEtcd, job: str) -> InProcessServer:
+def lone_primary(start_server: StartServer, etcd: LocalEtcd, job: str, **options: Any) -> InProcessServer:
     """Replica 0 of R, once primary, with no real backup: the fakes are its only peers."""
     report_fresh(etcd.endpoint, job, replicas=2)  # a fresh job elects once every replica reported
-    primary = start_server(rule="downpour", **replica_options(etcd, 0, job))
+    primary = start_server(rule="downpour", **replica_options(etcd, 0, job, **options))
     wait_replicated([primary])
     return primary
 
@@ -301,3 +303,45 @@ def test_a_backup_keeps_up_with_entries_larger_than_the_queues_floor(
     dropped = [record.getMessage() for record in caplog.records if "backup dropped" in record.getMessage()]
     assert not dropped, dropped
     assert all(member.in_sync for member in status_of(primary).backups), status_of(primary)
+
+
+def test_a_backup_taking_in_a_large_entry_is_given_time_for_its_size(
+    start_server: StartServer, etcd: LocalEtcd
+) -> None:
+    """A backup acknowledges nothing while it reads and applies an entry, and one of θ's size takes
+    a while at any rate (a backup took 7 s to apply a 100M-parameter registration in `gemps bench
+    --failover`, and was dropped at --replica-timeout's default 5 s). Here --replica-timeout 1 s and
+    a 200 MB registration: the fake backup acknowledges nothing for 1.5 s after it. It was dropped
+    ("no ack for 1.5 s"); now it is allowed 1 s and the entry's bytes at 100 MiB/s, and kept."""
+    job = "large-entry"
+    primary = lone_primary(start_server, etcd, job, replica_timeout=1.0)
+    size = 50_000_000  # float32: 200 MB
+    with say_hello(primary, BACKUP_NAME) as sock:
+        seed = first_frame(sock)
+        assert seed.kind == frames.SEED
+        frames.send(sock, frames.Frame(frames.ACK, {"position": int(seed.header["position"])}))
+        sock.settimeout(None)
+        wait_for(lambda: any(b.in_sync for b in status_of(primary).backups), 10, "the backup in sync")
+        entries: list[int] = []
+        applied = threading.Event()
+
+        def backup() -> None:  # beats at once; the entry after 1.5 s of reading and applying it
+            position = int(seed.header["position"])
+            with contextlib.suppress(OSError):
+                while True:
+                    frame = frames.receive(sock)
+                    if frame.kind == frames.ENTRY:
+                        position = int(frame.header["position"])
+                        entries.append(sum(memoryview(blob).nbytes for blob in frame.blobs))
+                        time.sleep(1.5)
+                    frames.send(sock, frames.Frame(frames.ACK, {"position": position}))
+                    if entries:
+                        applied.set()
+
+        threading.Thread(target=backup, daemon=True).start()
+        with gemps.Client(primary.target, name="w", timeout=30) as worker:
+            worker.register({"theta": np.zeros(size, np.float32)})
+        assert applied.wait(30), "the registration's entry was forwarded and acknowledged"
+        assert entries[0] >= 4 * size, entries  # θ in it (a drop would have come during the 1.5 s)
+        assert [b.in_sync for b in status_of(primary).backups] == [True], status_of(primary)
+    assert "backup dropped" not in primary.log(), primary.log()

@@ -126,6 +126,7 @@ class Forwarder:
                 for link in links:
                     link.queued_bytes += size
                     link.queue_limit = max(link.queue_limit, ENTRIES_BEHIND * size)
+                    link.largest_entry = max(link.largest_entry, size)
             for link in links:
                 link.outbox.put(frame)
             self.forwarded += 1
@@ -296,10 +297,13 @@ class Forwarder:
         if not link.seeded:
             late = link.seed_sent is not None and now - link.seed_sent > SEEDING_SECONDS
             return f"its seed not acknowledged {SEEDING_SECONDS:g} s after it was sent" if late else ""
-        if (quiet := now - link.heard) > self.timeout:
-            return f"no ack for {quiet:.1f} s (--replica-timeout {self.timeout:g})"
-        if link.in_sync and (waiting := self._age(link, now)) > self.timeout:
-            return f"an entry unacknowledged for {waiting:.1f} s (--replica-timeout {self.timeout:g})"
+        allowed = link.timeout(self.timeout)
+        why = f"--replica-timeout {self.timeout:g}"
+        why += f", {allowed:.1f} s for its entries" if allowed > self.timeout else ""
+        if (quiet := now - link.heard) > allowed:
+            return f"no ack for {quiet:.1f} s ({why})"
+        if link.in_sync and (waiting := self._age(link, now)) > allowed:
+            return f"an entry unacknowledged for {waiting:.1f} s ({why})"
         return link.slow if link.in_sync else ""
 
     def _watch(self) -> None:
@@ -316,7 +320,7 @@ class Forwarder:
             with self._lock:
                 for link in links:
                     if link.lag is not None and link.in_sync and not link.closed and not link.slow:
-                        link.slow = link.lag.add(now, self._age(link, now), self._last, link.acked)
+                        link.slow = link.lag.add(now, self._age(link, now), self._last, link.acked, link.entry_seconds)
                 troubles = {
                     link.peer.name: "" if link.closed else revoked.get(link.peer.name) or self._trouble(link, now)
                     for link in links
@@ -371,7 +375,7 @@ class Forwarder:
             members = self._listed_besides(link)
         if not join and self._floor.above(len(members)):  # listed still: commits wait for it
             self._floor.log_kept(link.peer.name, why, self.epoch)
-            if link.queued_bytes > link.queue_limit or time.monotonic() - link.heard > self.timeout:
+            if link.queued_bytes > link.queue_limit or time.monotonic() - link.heard > link.timeout(self.timeout):
                 link.close()  # memory bounded; a hello of its takes its place, seeded anew
             return
         if join:
@@ -429,7 +433,8 @@ class Forwarder:
             held = [
                 (link.peer.name, None if link.closed else self._age(link, now))
                 for link in self._links.values()
-                if link.in_sync and (link.closed or self._age(link, now) > self.timeout) and self._floor_holds(link)
+                if link.in_sync and (link.closed or self._age(link, now) > link.timeout(self.timeout))
+                and self._floor_holds(link)
             ]  # fmt: skip
         return self._floor.describe(held)
 

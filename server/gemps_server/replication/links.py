@@ -30,6 +30,10 @@ QUEUE_FLOOR_BYTES = 64 << 20
 #: a backup's queue holds at least this many of the largest entry forwarded to it: the one on its
 #: way and the next (a re-seed would send at least θ, which such an entry is the size of)
 ENTRIES_BEHIND = 2
+#: the slowest a backup may take in an entry (read it, apply it) and not be late for its size: it
+#: acknowledges nothing meanwhile, so --replica-timeout is lengthened by the largest entry's bytes
+#: at this rate (at 100M float32 parameters, 4 s: applying θ's registration took a backup 7 s here)
+ENTRY_BYTES_PER_SECOND = 100 << 20
 #: seconds a send to a backup may make no progress at least (--replica-timeout when longer)
 SEND_STALL_FLOOR = 5.0
 #: how long a seeded backup may take to adopt its seed and acknowledge it
@@ -72,6 +76,16 @@ class Link:
         self.outbox: queue.SimpleQueue[frames.Frame | None] = queue.SimpleQueue()
         self.queued_bytes = 0  # of the entries in `outbox` (the sender subtracts what it sent)
         self.queue_limit = QUEUE_FLOOR_BYTES  # raised to the seed's bytes, and ENTRIES_BEHIND entries', as they come
+        self.largest_entry = 0  # bytes of the largest entry queued for it
+
+    @property
+    def entry_seconds(self) -> float:
+        """What its largest entry may take it at ENTRY_BYTES_PER_SECOND: an honest backup is that far behind."""
+        return self.largest_entry / ENTRY_BYTES_PER_SECOND
+
+    def timeout(self, replica_timeout: float) -> float:
+        """How long it may leave an entry (or a heartbeat) unacknowledged: --replica-timeout and entry_seconds."""
+        return replica_timeout + self.entry_seconds
 
     @property
     def seeded(self) -> bool:
