@@ -34,7 +34,17 @@ worker. What differs is only when and where Adam's step is taken:
   the comparison's gemps-gem-local). `--gem-momentum 0 --gem-own-step excluded --gem-outer 1` is
   GEM's energy matched to the worker's own AdamW window (issue 78, item 1): π = max(0, κ - c/|Δ|),
   c = |θ - s_i| what the others moved θ since worker i's last commit, so a round of N commits moves
-  θ about κ times one AdamW step, as DDP's step on their N gradients does.
+  θ about κ times one AdamW step, as DDP's step on their N gradients does;
+- `dana:H`: `local:H` with DANA-Zero's look-ahead (Hakimi et al. 2019, "Taming Momentum in a
+  Distributed Asynchronous Environment", arXiv:1907.11612): the master keeps every worker's
+  momentum v^j and sends θ̂ = θ - ημ·Σ_j v^j, θ moved by the momentum part of every worker's next
+  update, its own included (one worker: Nesterov). With AdamW workers and windows of H steps, worker
+  i's window starts at θ + Σ_{j≠i} u_j(H) + u_i(1), u_j(H) what worker j's AdamW moves θ over its
+  next H steps on its momentum alone (DanaLookAhead): the others' next windows land before i's
+  commit, its own steps after the first it takes itself. The update is added to θ in full.
+
+`dn:H` is also DN+DyLU (Liu et al. 2024, Eq. 6): DyLU gives worker i H_i = ⌊v_i / v_max · H⌋ local
+steps, v the workers' speeds, and N equal workers in turn all take H.
 
 `--workers` sets N (4); `--fresh` starts every window at the newest θ instead of the worker's last
 reply: the same turns without staleness, what asynchrony costs measured by its absence.
@@ -55,6 +65,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -104,16 +115,19 @@ def load(model: torch.nn.Module, theta: torch.Tensor) -> None:
 class Data:
     """The text, and the model the workers train on it (--model)."""
 
-    def __init__(self, model: str = "nanogpt", seed: int = 0) -> None:
+    def __init__(self, model: str = "nanogpt", seed: int = 0, beta1: float | None = None) -> None:
         self.train_x, self.train_y, self.test_x, self.test_y = stdlib_text()
         self._build, self._optimizer = MODELS[model]
-        self.seed = seed
+        self.seed, self.beta1 = seed, beta1
 
     def build(self) -> torch.nn.Module:
         return self._build(self.seed)
 
     def optimizer_of(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-        return self._optimizer(model, lr)
+        optimizer = self._optimizer(model, lr)
+        for group in optimizer.param_groups if self.beta1 is not None else ():  # --beta1
+            group["betas"] = (self.beta1, group["betas"][1])
+        return optimizer
 
     def batches(self, rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Endless mini-batches of rank's shard (the same split for every variant)."""
@@ -204,13 +218,14 @@ def local_adam(
     workers: int = WORKERS,
     scale: float = 1.0,
     fresh: bool = False,
+    dana: bool = False,
 ) -> list[list[float]]:
     """`local:H`: each worker its own AdamW for H steps; the window's update added to θ in full,
     or (`dn:H`, `gem:H`) times `scale` handed to `outer`, the server's rule. `ahead` (`ahead:H`):
     each window starts `ahead` of θ's expected move past the reply, as LocalSteps' look_ahead does
     (its own code, gemps.pytorch.look_ahead); `job_betas` (`job:H`): with each worker's β1 kept to
-    the job's pace, as LocalSteps' job_betas does (gemps.pytorch.job_betas). `fresh`: each window
-    starts at the newest θ."""
+    the job's pace, as LocalSteps' job_betas does (gemps.pytorch.job_betas). `dana` (`dana:H`): each
+    window starts at DANA's look-ahead (DanaLookAhead). `fresh`: each window starts at the newest θ."""
     models = [data.build() for _ in range(workers)]
     optimizers = [data.optimizer_of(model, lr) for model in models]
     # Each worker runs nanoGPT's schedule over its own share of the steps, as its own train.py would.
@@ -224,6 +239,7 @@ def local_adam(
     based = [0] * workers  # the version each worker's window started from
     aheads = [LookAhead(ahead) for _ in range(workers)]
     paces = [JobBetas(job_betas, optimizer.param_groups) for optimizer in optimizers]
+    dana_ahead = DanaLookAhead(theta, workers, window) if dana else None
     curve, step, version = [], 0, 0
     while step < steps:
         for rank, (model, optimizer, schedule) in enumerate(zip(models, optimizers, schedules, strict=True)):
@@ -243,8 +259,56 @@ def local_adam(
             staleness, version = version - based[rank], version + 1  # commits since its window's start
             theta = theta + delta if outer is None else _outer_step(outer, theta, delta * scale, rank, staleness)
             starts[rank], based[rank] = aheads[rank].start(theta, version, staleness), version
+            if dana_ahead is not None:
+                starts[rank] = dana_ahead.start(theta, rank, model, optimizer)
             paces[rank].after_commit(staleness)
     return curve
+
+
+class DanaLookAhead:
+    """dana:H's window starts (DANA-Zero's θ̂ with each worker's AdamW in place of its momentum SGD).
+
+    DANA's master adds every worker's momentum term -ημv^j, the part of its next update known before
+    its gradient is. For AdamW that part is its first moment decayed one step further, and over a
+    window of H steps (the gradients to come taken as zero, the second moment as it stands):
+
+        u_j = -Σ_{k=1..H} lr·β1^k·m_j/(1 - β1^(t+k)) / (√v_j/√(1 - β2^(t+k)) + ε)
+
+    (t the worker's steps so far, lr the one its schedule sets next; the weight decay's own small
+    move is left out). Worker i's window starts at θ + Σ_{j≠i} u_j(H) + u_i(1): the others' windows
+    all land before its commit, in turn, and of its own only the first step's momentum is ahead of
+    its gradient (Nesterov's; its later steps it takes itself). H = 1: θ + Σ_j u_j, DANA-Zero's θ̂.
+    A worker's u_j changes only when its window ends, so each is kept until then."""
+
+    def __init__(self, theta: torch.Tensor, workers: int, window: int) -> None:
+        self.window = window
+        self.moves = [torch.zeros_like(theta) for _ in range(workers)]
+
+    def start(
+        self, theta: torch.Tensor, rank: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> torch.Tensor:
+        """Where worker `rank`'s next window starts, its own window just ended at `optimizer`'s state."""
+        self.moves[rank] = momentum_move(model, optimizer, self.window)
+        own = self.moves[rank] if self.window == 1 else momentum_move(model, optimizer, 1)
+        return theta + torch.stack([*(move for j, move in enumerate(self.moves) if j != rank), own]).sum(dim=0)
+
+
+def momentum_move(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> torch.Tensor:
+    """u: what `optimizer` (Adam or AdamW) moves `model`'s parameters over `steps` steps on its first
+    moment alone (DanaLookAhead), as one vector in parameters_to_vector's order."""
+    group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
+    pieces = []
+    for p in model.parameters():
+        state, group = optimizer.state.get(p, {}), group_of[p]
+        move = torch.zeros_like(p)
+        if state:  # no step yet: no moment, no move
+            (beta1, beta2), done = group["betas"], int(state["step"])
+            first, root = state["exp_avg"], state["exp_avg_sq"].sqrt()
+            for k in range(1, steps + 1):
+                step_size = group["lr"] * beta1**k / (1 - beta1 ** (done + k))
+                move -= step_size * first / (root / math.sqrt(1 - beta2 ** (done + k)) + group["eps"])
+        pieces.append(move.flatten())
+    return torch.cat(pieces)
 
 
 def _outer_step(rule: CommitRule, theta: torch.Tensor, delta: torch.Tensor, rank: int, staleness: int) -> torch.Tensor:
@@ -286,13 +350,18 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="every window starts at the newest θ (no staleness)")
     parser.add_argument("--model", choices=tuple(MODELS), default="nanogpt", help="what the workers train")
     parser.add_argument("--seed", type=int, default=0, help="the model's initialisation and the data's split and order")
+    parser.add_argument("--beta1", type=float, help="Adam's β1 instead of the model's optimizer's (nanoGPT's 0.9)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    held = [v for v in args.variants if v.partition(":")[0] not in ("local", "ahead", "job", "dn", "as", "gem")]
+    if args.beta1 is not None and not 0 <= args.beta1 < 1:
+        parser.error(f"--beta1 must be at least 0 and below 1, not {args.beta1}")
+    held = [v for v in args.variants if v.partition(":")[0] not in ("local", "ahead", "job", "dana", "dn", "as", "gem")]
     if args.fresh and held:
-        parser.error(f"--fresh is for windows of local steps (local, ahead, job, dn, as, gem), not {', '.join(held)}")
+        parser.error(
+            f"--fresh is for windows of local steps (local, ahead, job, dana, dn, as, gem), not {', '.join(held)}"
+        )
     torch.set_num_threads(1)
-    data = Data(args.model, args.seed)
+    data = Data(args.model, args.seed, args.beta1)
     steps = args.samples // BATCH
     evals = [steps * (i + 1) // args.evaluations for i in range(args.evaluations)]
     results = []
@@ -300,10 +369,18 @@ def main() -> None:
         name, _, amount = variant.partition(":")
         started = time.monotonic()
         windows = {"warmup": args.warmup, "workers": args.workers, "fresh": args.fresh}
-        if name in ("local", "ahead", "job"):
+        if name in ("local", "ahead", "job", "dana"):
             factor, job = (args.ahead if name in ("ahead", "job") else 0.0), name == "job"
             curve = local_adam(
-                data, int(amount), steps, args.learning_rate, evals, ahead=factor, job_betas=job, **windows
+                data,
+                int(amount),
+                steps,
+                args.learning_rate,
+                evals,
+                ahead=factor,
+                job_betas=job,
+                dana=name == "dana",
+                **windows,
             )
         elif name in ("dn", "gem", "as"):
             outer, scale = _rule(name, args, data), args.gem_outer if name == "gem" else 1.0
@@ -314,7 +391,7 @@ def main() -> None:
         else:
             parser.error(
                 f"unknown variant {variant!r}: single, stale:S, dc:S, mean:K, ddp:K, "
-                "local:H, ahead:H, job:H, dn:H, as:H or gem:H"
+                "local:H, ahead:H, job:H, dana:H, dn:H, as:H or gem:H"
             )
         settings = {
             "model": args.model,
@@ -322,6 +399,7 @@ def main() -> None:
             "learning_rate": args.learning_rate,
             "dc_lambda": args.dc_lambda,
             **windows,
+            **({} if args.beta1 is None else {"beta1": args.beta1}),
         }
         if name == "dn":
             settings.update(dn_learning_rate=args.dn_learning_rate, dn_momentum=args.dn_momentum)

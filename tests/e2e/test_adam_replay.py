@@ -6,17 +6,31 @@ bit; a window applied by the energy-matched rule (GEM with μ 0, c excluding the
 π = 1 where nothing else moved θ) or by the adaptive-staleness rule (staleness 0) is downpour's to
 the bit, and lands where one AdamW worker's step does, up to rounding. With 16 workers in turn the
 schemes learn, the energy-matched one about as DDP does, and a stale scheme is not DDP's
-computation (the gradient's θ tells them apart)."""
+computation (the gradient's θ tells them apart). DANA's look-ahead (`dana:H`) starts a window where
+the workers' AdamW moments, worked out by hand in float64, say θ is headed."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "adam_staleness.py"
 ENERGY_MATCHED = ("--gem-outer", "1", "--gem-momentum", "0", "--gem-kappa", "1", "--gem-own-step", "excluded")
+
+
+def load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("adam_staleness", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def replay(tmp_path: Path, name: str, *arguments: str) -> dict[str, list[float]]:
@@ -58,3 +72,47 @@ def test_sixteen_workers_in_turn_run_every_scheme_and_learn(tmp_path: Path) -> N
     assert abs(losses["gem:1"][-1] - losses["ddp:16"][-1]) < 0.02 * losses["ddp:16"][-1], losses
     # DDP takes every gradient at the newest θ, `mean` at each worker's last reply: not the same run.
     assert losses["ddp:16"] != losses["mean:16"], losses
+
+
+def momentum_moves(gradients: list[float], window: int, lr: float = 0.01) -> list[float]:
+    """By hand in float64: AdamW's first and second moments after one step on each gradient, then
+    the move of `window` more steps on the first moment alone (its gradients taken as zero)."""
+    beta1, beta2, eps = 0.9, 0.99, 1e-8
+    moves = []
+    for g in gradients:
+        first, second = (1 - beta1) * g, (1 - beta2) * g * g
+        terms = (
+            lr * beta1**k * first / (1 - beta1 ** (1 + k)) / (math.sqrt(second / (1 - beta2 ** (1 + k))) + eps)
+            for k in range(1, window + 1)
+        )
+        moves.append(-sum(terms))
+    return moves
+
+
+def test_dana_starts_a_window_where_the_workers_moments_say_theta_is_headed() -> None:
+    """Two workers, each one AdamW step into training: worker 0's next window starts at θ plus
+    worker 1's momentum move over a whole window and its own over one step (DANA-Zero's θ̂ at H = 1)."""
+    script = load_script()
+    grads = ([0.5, -2.0, 1e-3], [-0.25, 4.0, 3.0])
+    models, optimizers = [], []
+    for g in grads:
+        model = torch.nn.Linear(3, 1, bias=False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+        model.weight.grad = torch.tensor([g])
+        optimizer.step()
+        models.append(model)
+        optimizers.append(optimizer)
+    theta = [1.0, 2.0, 3.0]
+    for window in (1, 3):
+        ahead = script.DanaLookAhead(torch.tensor(theta), 2, window)
+        # Worker 1 first: worker 0's move is not known yet, so only its own first step's is ahead.
+        first = ahead.start(torch.tensor(theta), 1, models[1], optimizers[1]).tolist()
+        assert close(first, [t + own for t, own in zip(theta, momentum_moves(grads[1], 1), strict=True)]), first
+        started = ahead.start(torch.tensor(theta), 0, models[0], optimizers[0]).tolist()
+        moves = zip(theta, momentum_moves(grads[0], 1), momentum_moves(grads[1], window), strict=True)
+        assert close(started, [t + own + other for t, own, other in moves]), (window, started)
+
+
+def close(got: list[float], expected: list[float]) -> bool:
+    """Equal to float32's precision."""
+    return all(abs(a - b) < 1e-6 * abs(b) for a, b in zip(got, expected, strict=True))
