@@ -105,31 +105,37 @@ def main() -> None:
 
 
 def table(runs: list[dict[str, object]], refs: list[str]) -> str:
-    """Medians per (ref, size): gemps' figures, and its commits/s over echo-tcp's of the same round."""
+    """Medians per (gemps system, size, ref): its figures, and its commits/s over echo-tcp's of the
+    same round. Every gemps variant the runs hold (gemps-int8, gemps-tcp, ...), not gemps alone."""
     lines = [
-        "| tree | P | server CPU ms/commit | client CPU ms/commit | commits/s | vs echo-tcp (same round) |",
-        "|---|---|---|---|---|---|",
+        "| tree | system | P | server CPU ms/commit | client CPU ms/commit | commits/s | vs echo-tcp (same round) |",
+        "|---|---|---|---|---|---|---|",
     ]
+    systems = sorted({str(r["system"]) for r in runs if str(r["system"]).startswith("gemps")})
     sizes = sorted({int(str(r["num_parameters"])) for r in runs})
-    for size in sizes:
-        for ref in refs:
-            mine = [r for r in runs if r["ref"] == ref and r["num_parameters"] == size and r["system"] == "gemps"]
-            if not mine:
-                continue
-            medians = [statistics.median(float(str(r[f])) for r in mine) for f in FIGURES]
-            ratios = []
-            for r in mine:
-                echo = [
-                    e
-                    for e in runs
-                    if e["system"] == "echo-tcp" and e["ref"] == ref and e["round"] == r["round"]
-                    if e["num_parameters"] == size
-                ]
-                if echo:
-                    ratios.append(float(str(r["commits_per_second"])) / float(str(echo[0]["commits_per_second"])))
-            ratio = f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "n/a"
-            lines.append(f"| {ref} | {size:,} | {medians[0]:.3f} | {medians[1]:.3f} | {medians[2]:.1f} | {ratio} |")
+    for system in systems:
+        for size in sizes:
+            for ref in refs:
+                mine = [r for r in runs if r["ref"] == ref and r["num_parameters"] == size and r["system"] == system]
+                if mine:
+                    lines.append(_row(runs, mine, ref, system, size))
     return "\n".join(lines)
+
+
+def _row(runs: list[dict[str, object]], mine: list[dict[str, object]], ref: str, system: str, size: int) -> str:
+    medians = [statistics.median(float(str(r[f])) for r in mine) for f in FIGURES]
+    ratios = []
+    for r in mine:
+        echo = [
+            e
+            for e in runs
+            if e["system"] == "echo-tcp" and e["ref"] == ref and e["round"] == r["round"]
+            if e["num_parameters"] == size
+        ]
+        if echo:
+            ratios.append(float(str(r["commits_per_second"])) / float(str(echo[0]["commits_per_second"])))
+    ratio = f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "n/a"
+    return f"| {ref} | {system} | {size:,} | {medians[0]:.3f} | {medians[1]:.3f} | {medians[2]:.1f} | {ratio} |"
 
 
 if __name__ == "__main__":

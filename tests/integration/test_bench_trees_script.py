@@ -23,7 +23,7 @@ def test_the_working_tree_is_benched_and_tabled(tmp_path: Path) -> None:
     (run,) = json.loads(runs_file.read_text())
     assert (run["ref"], run["round"], run["system"], run["num_parameters"]) == (".", 0, "gemps", 10_000)
     # The table's row: the run's medians (one run: its own figures), no echo-tcp run to compare with.
-    row = re.search(r"^\| \. \| 10,000 \| (\S+) \| (\S+) \| (\S+) \| n/a \|$", done.stdout, re.MULTILINE)
+    row = re.search(r"^\| \. \| gemps \| 10,000 \| (\S+) \| (\S+) \| (\S+) \| n/a \|$", done.stdout, re.MULTILINE)
     assert row is not None, done.stdout
     server_ms, client_ms, commits_per_second = (float(value) for value in row.groups())
     assert server_ms == round(run["server_cpu_ms_per_commit"], 3) and server_ms > 0
