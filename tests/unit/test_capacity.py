@@ -171,3 +171,19 @@ def test_the_check_script_projects_every_gemps_cell_of_the_recorded_runs_and_say
         assert sum(line.lstrip().startswith("gemps") for line in check.stdout.splitlines()) == cells
     strict = [sys.executable, str(script), str(ROOT / RECORDED_RUNS[0]), "--tolerance", "0.1"]
     assert subprocess.run(strict, capture_output=True, text=True).returncode == 1
+
+
+def test_the_cross_host_check_projects_each_cell_on_its_links(tmp_path: Path) -> None:
+    """scripts/plan_check.py on the recorded cross-host run (docs/guides/sizing.md's table): every
+    gemps cell projected on the run's links (the partitions' 1 Gbit/s, the clients' host's 4),
+    each within 25 % where the guide says it is, by the figure it names."""
+    out = tmp_path / "check.json"
+    recorded = ROOT / "docs" / "results" / "plan" / "cross-host.json"
+    script = ROOT / "scripts" / "plan_check.py"
+    subprocess.run([sys.executable, str(script), str(recorded), "--json", str(out)], capture_output=True, check=False)
+    rows = {(row["system"], row["parameters"], row["partitions"]): row for row in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 12
+    for partitions in (1, 2, 4):  # 1M: the workers' transfers interleave
+        assert rows["gemps", 1_000_000, partitions]["commits_ratio"] == pytest.approx(1, abs=0.25)
+    assert rows["gemps", 100_000_000, 1]["commits_ratio_in_step"] == pytest.approx(1, abs=0.25)  # in step
+    assert all(row["memory_ratio"] == pytest.approx(1, abs=0.07) for row in rows.values())
