@@ -37,9 +37,14 @@ def tree_of(ref: str, trees: Path) -> Path:
     """A checkout of `ref` (the working tree for "."), with its compiled loops built."""
     if ref == ".":
         return REPO
-    commit = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short=10", ref], check=True, capture_output=True, text=True
-    ).stdout.strip()
+    found = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", "--short=10", f"{ref}^{{commit}}"],
+        capture_output=True,
+        text=True,
+    )
+    if found.returncode != 0:
+        raise SystemExit(f"bench_trees.py: {ref!r} names no commit of this repository (git rev-parse)")
+    commit = found.stdout.strip()
     tree = trees / commit
     if not tree.exists():
         trees.mkdir(parents=True, exist_ok=True)

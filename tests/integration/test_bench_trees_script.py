@@ -29,3 +29,14 @@ def test_the_working_tree_is_benched_and_tabled(tmp_path: Path) -> None:
     assert server_ms == round(run["server_cpu_ms_per_commit"], 3) and server_ms > 0
     assert client_ms == round(run["client_cpu_ms_per_commit"], 3) and client_ms > 0
     assert commits_per_second == round(run["commits_per_second"], 1) and commits_per_second > 0
+
+
+def test_a_ref_that_names_no_commit_is_refused_naming_it(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "no-such-ref", ".", "--trees", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1 and "'no-such-ref' names no commit" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
