@@ -4,6 +4,7 @@ commit path, before and after, measured on the same machine at the same time (it
     .venv/bin/python scripts/bench_trees.py 3cca615 HEAD --sizes 100K,1M --clients 8 --rounds 2
     .venv/bin/python scripts/bench_trees.py 3cca615 16a1039 --systems gemps,echo-tcp --json /tmp/ab.json
     .venv/bin/python scripts/bench_trees.py HEAD . --quick --sizes 10K --clients 1   # do both trees run? (seconds)
+    .venv/bin/python scripts/bench_trees.py HEAD . --link 1gbit --sizes 10M --clients 2 --systems gemps
 
 Each ref is checked out once as a detached worktree under --trees (the working tree itself with
 `.`: uncommitted changes included), its compiled loops built in place from the sources its own
@@ -74,8 +75,15 @@ def run_bench(tree: Path, args: argparse.Namespace, out: Path) -> list[dict[str,
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(tree / d) for d in PACKAGE_DIRS))
     command = [sys.executable, "-m", "gemps_cli", "bench", "--sizes", args.sizes, "--clients", args.clients]
     command += ["--systems", args.systems, "--out", str(out), *(["--quick"] if args.quick else [])]
+    if args.link:  # between simulated hosts (root): a partition count is a system of its own here
+        command += ["--link", args.link, "--partitions", args.partitions]
     subprocess.run(command, check=True, env=env, cwd=tree, stdout=subprocess.DEVNULL)
-    runs: list[dict[str, object]] = json.loads((out / "results.json").read_text())["runs"]
+    runs: list[dict[str, object]] = json.loads(
+        (out / ("cross-host.json" if args.link else "results.json")).read_text()
+    )["runs"]
+    for run in runs:  # between hosts gemps' partition counts are one system's cells: named as loopback's
+        if args.link and int(str(run.get("partitions") or 1)) > 1:
+            run["system"] = f"{run['system']}-{run['partitions']}p"
     return runs
 
 
@@ -89,6 +97,8 @@ def main() -> None:
     parser.add_argument("--trees", type=Path, default=Path("/tmp/gemps-trees"), help="where worktrees are made")
     parser.add_argument("--json", type=Path, help="write every run here too")
     parser.add_argument("--quick", action="store_true", help="gemps bench --quick's windows (1 s): do the trees run?")
+    parser.add_argument("--link", help="gemps bench --link RATE: between simulated hosts (root), e.g. 1gbit")
+    parser.add_argument("--partitions", default="1,2,4", help="with --link: gemps' partition counts")
     args = parser.parse_args()
     trees = {ref: tree_of(ref, args.trees) for ref in args.refs}
     every: list[dict[str, object]] = []

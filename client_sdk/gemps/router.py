@@ -2,9 +2,9 @@
 
 θ may be partitioned across several server processes (docs/ARCHITECTURE.md): the client is given
 one address, learns the layout from that server's Register (or Status) reply, and then sends each
-commit's slices to their partitions concurrently (every call started, then each awaited: a
-transport's futures and streams run them, no thread of ours per partition), tracks each
-partition's version, and assembles θ from the replies. Buffers live on partition 0.
+commit's slices to their partitions concurrently (gemps.fan_out: every call started, then each
+awaited; a large one's exchanges on a thread per partition), tracks each partition's version, and
+assembles θ from the replies. Buffers live on partition 0.
 
 Partitions can move (restarted on another machine, on fresh ports). When one stops answering, its
 transport (gemps.following) asks the router where it is now: partition 0 through the client's resolver
@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from gemps import errors
 from gemps.compression import Compressor
+from gemps.fan_out import FanOut
 from gemps.primary_watch import PrimaryWatch, ReplicaProbes
 from gemps.records import (
     Buffers,
@@ -120,6 +121,7 @@ class PartitionRouter:
         self.retrier = retrier
         self.worker_name = worker_name
         self.client_id = client_id
+        self._calls = FanOut()  # one call to each partition at once
         self._probes = ReplicaProbes(connect)  # a replicated partition's other replicas, asked while a call waits
         self.sessions = [self._session(0, connect(self.target))]
         self.layout: Layout | None = None  # how θ is partitioned; None: one server holds it all
@@ -275,6 +277,7 @@ class PartitionRouter:
         for session in self.sessions:
             session.link.close()
         self._probes.close()
+        self._calls.close()
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -298,27 +301,15 @@ class PartitionRouter:
         return [session.version if behind is None else max(0, session.version - behind) for session in self.sessions]
 
     def _fan_out(self, start: Callable[[int], Pending[T]], blocking: Callable[[int], T]) -> list[T | errors.GempsError]:
-        """One call per server (by index), concurrently: start them all, then wait for each. A
-        call that failed in a way worth another attempt is done again with `blocking` (retries,
-        registering again); another failure takes its call's place in the list, so that what the
-        other servers did is known. One server: `blocking`, whose failure is raised."""
-        if len(self.sessions) == 1:
-            return [blocking(0)]
-        started = [start(index) for index in range(len(self.sessions))]
-        results: list[T | errors.GempsError] = []
-        for index, pending in enumerate(started):
-            try:
-                results.append(pending.result())
-            except errors.GempsError as error:
-                if not errors.worth_another_attempt(error):
-                    results.append(error)
-                    continue
-                self.sessions[index].link.suspect(error)  # its next call looks where the server is first
-                try:
-                    results.append(blocking(index))
-                except errors.GempsError as again:
-                    results.append(again)
-        return results
+        """One call per server, concurrently (gemps.fan_out); a failed one retried by `blocking`."""
+        sessions = self.sessions
+        return self._calls.calls(
+            len(sessions),
+            start,
+            blocking,
+            lambda index, error: sessions[index].link.suspect(error),
+            nbytes=4 * sum(session.size for session in sessions),  # θ's float32 bytes: a payload's or a reply's
+        )
 
     def _register_at(self, index: int, initial: Vector) -> None:
         enrolment = self._enrolment(index, initial)
