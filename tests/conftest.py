@@ -48,6 +48,7 @@ SERIAL_GROUPS = {
     "test_jepsen_replicas.py": "hosts",
     "test_experiment_on_links.py": "hosts",
     "test_bench.py": "hosts",  # measures throughput: alone with the simulated hosts, not beside them
+    "test_data_plane_patience.py": "hosts",
 }
 
 # Modules whose figures depend on having the machine to themselves (how many workers' steps
@@ -83,6 +84,7 @@ FAULT_MODULES = frozenset(
         "test_simulated_hosts.py",
         "test_shutdown.py",
         "test_data_plane_durability.py",
+        "test_data_plane_patience.py",
         "test_data_plane_hostile.py",
         "test_data_plane_starvation.py",
         "test_hostile_budgets.py",

@@ -27,7 +27,7 @@ from typing import NoReturn, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
-from gemps import errors
+from gemps import errors, patient_writes
 from gemps.transport import refuse_non_finite, time_left
 from gemps_proto import proofs, vectors
 from gemps_proto.data_plane_events import (
@@ -45,7 +45,7 @@ from gemps_proto.data_plane_events import (
     ServerProven,
 )
 from gemps_proto.data_plane_frames import Op
-from gemps_proto.data_plane_protocol import TLS_PIECE, ClientConnection, advance
+from gemps_proto.data_plane_protocol import TLS_PIECE, ClientConnection
 from gemps_proto.reasons import Reason
 from gemps_proto.tensor_codec import EncodedTensor, TensorDecodeError, expected_payload_nbytes
 from gemps_proto.v1 import parameter_server_pb2 as pb
@@ -91,9 +91,9 @@ SHARED_MEMORY = sys.platform == "linux" and hasattr(os, "memfd_create") and hasa
 #: A server whose machine died (or whose cable was cut) sends nothing, not even a reset: a reply
 #: awaited would wait out the call's whole deadline before the client tried another replica. So
 #: a silent peer is probed (idle seconds, interval, probes: keepalive), and bytes it leaves
-#: unacknowledged this long fail the connection (milliseconds: TCP_USER_TIMEOUT).
+#: unacknowledged UNACKNOWLEDGED_MS fail the connection (TCP_USER_TIMEOUT; gemps.patient_writes
+#: for a request the server takes in late).
 KEEPALIVE = (2, 1, 3)
-UNACKNOWLEDGED_MS = 5000
 
 
 def keep_alive(sock: socket.socket) -> None:
@@ -101,7 +101,7 @@ def keep_alive(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     idle, interval, probes = KEEPALIVE
     options = (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", probes))
-    for option, value in (*options, ("TCP_USER_TIMEOUT", UNACKNOWLEDGED_MS)):
+    for option, value in (*options, ("TCP_USER_TIMEOUT", patient_writes.UNACKNOWLEDGED_MS)):
         if hasattr(socket, option):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
@@ -367,14 +367,13 @@ class DataConnection:
 
     def _write(self, views: list[memoryview]) -> None:
         """Every byte of `views`, from their own memory: one sendmsg for a header and θ's bytes on
-        a plain socket (resumed where a partial one stopped), TLS_PIECE at a time under TLS."""
-        if isinstance(self.sock, ssl.SSLSocket):
-            for view in views:
-                for start in range(0, len(view), TLS_PIECE):
-                    self.sock.sendall(view[start : start + TLS_PIECE])
-            return
-        while views:
-            advance(views, self.sock.sendmsg(views))
+        a plain socket (resumed where a partial one stopped), TLS_PIECE at a time under TLS; to a
+        server that takes them in late for as long as the call's time allows (gemps.patient_writes)."""
+        sock = self.sock
+        if isinstance(sock, ssl.SSLSocket):  # a record written whole or not at all; retried as it was
+            patient_writes.write_all(sock, views, lambda pending: sock.send(pending[0][:TLS_PIECE]))
+        else:
+            patient_writes.write_all(sock, views, sock.sendmsg)
 
 
 def _why(error: OSError) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from gemps_bench.procfs import partition_pids
 
-from gemps import Client, CommitResult, data_plane_connection
+from gemps import Client, CommitResult, patient_writes
 from gemps_worker.cluster import ServerProcess
 from tests.helpers import free_port, wait_for
 
@@ -33,7 +33,7 @@ def test_a_large_commit_reaches_the_other_partition_while_the_first_reads_nothin
     # A socket whose peer takes nothing in fails after UNACKNOWLEDGED_MS (5 s): the slices sent in
     # turn then reached partition 1 anyway, through partition 0's failed attempt and its retry.
     # Longer than the test here, so that only sending side by side gets partition 1 its slice.
-    monkeypatch.setattr(data_plane_connection, "UNACKNOWLEDGED_MS", 600_000)
+    monkeypatch.setattr(patient_writes, "UNACKNOWLEDGED_MS", 600_000)
     options = {"partitions": 2, "rule": "downpour", "port": free_port(), "log_path": tmp_path / "server.log"}
     with ServerProcess(**options) as server:  # type: ignore[arg-type]
         client = Client(server.target, plane="data", shared_memory=False, timeout=120, attempt_timeout=120)

@@ -1,0 +1,79 @@
+"""A data-plane request the server takes in late is waited for; one it never acknowledges is not
+(gemps.patient_writes).
+
+Tens of workers at 100M parameters wait seconds for one of the server's upload buffers, the
+server acknowledging their bytes but reading none. Linux counted that full window against the
+socket's 5 s TCP_USER_TIMEOUT: the connection failed and the worker sent its payload again from
+the start. A server gone mid-upload (its cable cut) must still be noticed within seconds, not
+when the call's time is spent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from gemps import Client, CommitResult, patient_writes
+from gemps_worker.cluster import ServerProcess
+from gemps_worker.processes import GEMPS_COMMAND
+from gemps_worker.simulated_hosts import SimulatedNetwork
+from tests.helpers import free_port
+
+# 64 MB of float32: more than the kernel's buffers of a socket take in at once (on loopback here up to
+# 4 MB sent and 32 MB received: net.ipv4.tcp_wmem, tcp_rmem), so the write waits for the server.
+SIZE = 16_000_000
+
+
+def test_an_upload_the_server_takes_in_late_is_waited_for_not_sent_again(tmp_path: Path) -> None:
+    """The server paused (SIGSTOP: its kernel acknowledges, it reads nothing) for longer than the
+    5 s a socket allows unacknowledged bytes, while a commit is written: the attempt goes on and the
+    commit is applied once, with no retry (before: the connection failed, and it was sent again)."""
+    with ServerProcess(rule="downpour", port=free_port(), log_path=tmp_path / "server.log") as server:
+        client = Client(server.target, plane="data", shared_memory=False, timeout=120, attempt_timeout=60)
+        try:
+            client.register({"w": np.zeros(SIZE, np.float32)})
+            done: list[CommitResult] = []
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                committing = threading.Thread(target=lambda: done.append(client.commit(np.ones(SIZE), kind="update")))
+                committing.start()
+                time.sleep(patient_writes.UNACKNOWLEDGED_MS / 1000 + 3)  # the scenario: a server busy this long
+                assert not done
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            committing.join(60)
+            assert done and done[0].version == 1
+            assert client.retries == 0  # the one attempt, not a second one after a failed connection
+            np.testing.assert_array_equal(client.pull().flat, np.ones(SIZE, np.float32))
+        finally:
+            client.close()
+
+
+def test_a_server_gone_mid_upload_fails_the_attempt_within_seconds(network: SimulatedNetwork, tmp_path: Path) -> None:
+    """The server's cable cut while a commit crosses a 100 Mbit/s link (64 MB: 5 s): its bytes go
+    unacknowledged, and the attempt fails UNAVAILABLE within seconds of the 5 s, not at its 60 s."""
+    server_host, workers_host = network.add_host("s", rate="100mbit"), network.add_host("w", rate="100mbit")
+    command = server_host.command(GEMPS_COMMAND)
+    with ServerProcess(
+        command=command, host=server_host.address, port=50051, data_port=51051, rule="downpour",
+        log_path=tmp_path / "server.log",
+    ):  # fmt: skip
+        argv = [sys.executable, "-m", "tests.upload_probe", f"{server_host.address}:50051", str(SIZE)]
+        probe = subprocess.Popen(workers_host.command(argv), stdout=subprocess.PIPE, text=True)
+        assert probe.stdout is not None
+        assert json.loads(probe.stdout.readline()) == {"registered": True}
+        time.sleep(1.5)  # the scenario: the commit under way on the link
+        network.cut(server_host)
+        output, _ = probe.communicate(timeout=90)
+    outcome = json.loads(output)
+    assert "UNAVAILABLE: data plane of" in outcome["error"], outcome
+    assert "acknowledged none of the request's bytes" in outcome["error"], outcome
+    assert outcome["failed_after_s"] < 20, outcome  # its attempt's timeout is 60 s
