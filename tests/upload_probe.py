@@ -2,8 +2,9 @@
 
     python -m tests.upload_probe HOST:PORT VALUES
 
-registers VALUES float32 values over the data plane, prints {"registered": true}, commits an
-update of ones in one attempt (no retry), and prints how it ended: its error, if any, and when.
+registers VALUES float32 values over the data plane, prints {"registered": true}, waits for a line
+on its standard input, commits an update of ones in one attempt (no retry), and prints how it
+ended: its error, if any, and when.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def main() -> None:
     client = Client(target, shared_memory=False, timeout=120, attempt_timeout=60, retry=RetryPolicy(max_attempts=1))
     client.register({"w": np.zeros(size, np.float32)})
     print(json.dumps({"registered": True}), flush=True)
+    sys.stdin.readline()  # the test's go: what it sets up around the commit is in place
     started = time.monotonic()
     try:
         client.commit(np.ones(size, np.float32), kind="update")

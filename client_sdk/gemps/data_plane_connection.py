@@ -16,6 +16,7 @@ DeadlineExceededError, an ERROR frame the error the gRPC path would have raised.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import mmap
 import os
@@ -325,14 +326,14 @@ class DataConnection:
         """Socket failures as the session's retryable errors, the connection closed (its state is unknown)."""
         try:
             yield
-        except TimeoutError:
+        except OSError as error:  # ConnectionError, ssl.SSLError, a closed socket, a timeout
             self.close()
-            raise errors.DeadlineExceededError(
-                f"DEADLINE_EXCEEDED: data plane of {self.address} sent nothing within the timeout",
-                errors.DeadlineExceededError.code,
-            ) from None
-        except OSError as error:  # ConnectionError, ssl.SSLError, and a closed socket
-            self.close()
+            if isinstance(error, TimeoutError) and error.errno is None:  # the socket's timeout: the call's time
+                raise errors.DeadlineExceededError(
+                    f"DEADLINE_EXCEEDED: data plane of {self.address} sent nothing within the timeout",
+                    errors.DeadlineExceededError.code,
+                ) from None
+            # the kernel's ETIMEDOUT among them: no keepalive answered, or bytes unacknowledged (KEEPALIVE)
             raise errors.ServerUnavailableError(
                 f"UNAVAILABLE: data plane of {self.address}: {_why(error)}", errors.ServerUnavailableError.code
             ) from None
@@ -377,4 +378,6 @@ class DataConnection:
 
 
 def _why(error: OSError) -> str:
+    if error.errno == errno.ETIMEDOUT:
+        return "the connection timed out: the server acknowledged nothing for seconds (its machine gone or cut off?)"
     return error.strerror or str(error) or type(error).__name__

@@ -51,7 +51,9 @@ def write_all(sock: socket.socket, views: list[memoryview], send: Callable[[list
             sock.settimeout(POLL_SECONDS if left is None else min(POLL_SECONDS, left))
             try:
                 advance(views, send(views))
-            except TimeoutError:
+            except TimeoutError as error:
+                if error.errno is not None:  # the kernel's (ETIMEDOUT): the connection itself failed
+                    raise
                 waiting = unacknowledged_ms(sock)
                 if waiting is not None and waiting > UNACKNOWLEDGED_MS:
                     raise ConnectionResetError(

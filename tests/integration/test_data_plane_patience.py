@@ -17,7 +17,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -57,23 +59,48 @@ def test_an_upload_the_server_takes_in_late_is_waited_for_not_sent_again(tmp_pat
             client.close()
 
 
+def one_attempt(network: SimulatedNetwork, tmp_path: Path, size: int, prepare: Callable[[ServerProcess], None]) -> Any:
+    """A server on host s, the probe on host w (100 Mbit/s each): the probe registers `size` values,
+    `prepare(server)` sets the scene, the probe's one attempt at a commit starts, and 1.5 s later
+    the server's cable is cut; how the attempt ended."""
+    server_host, workers_host = network.add_host("s", rate="100mbit"), network.add_host("w", rate="100mbit")
+    with ServerProcess(
+        command=server_host.command(GEMPS_COMMAND), host=server_host.address, port=50051, data_port=51051,
+        rule="downpour", log_path=tmp_path / "server.log",
+    ) as server:  # fmt: skip
+        argv = [sys.executable, "-m", "tests.upload_probe", f"{server_host.address}:50051", str(size)]
+        probe = subprocess.Popen(workers_host.command(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert probe.stdin is not None and probe.stdout is not None
+        assert json.loads(probe.stdout.readline()) == {"registered": True}
+        try:
+            prepare(server)
+            probe.stdin.write("go\n")
+            probe.stdin.flush()
+            time.sleep(1.5)  # the scenario: the commit under way (or sent and awaiting its reply)
+            network.cut(server_host)
+            output, _ = probe.communicate(timeout=90)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+    return json.loads(output)
+
+
 def test_a_server_gone_mid_upload_fails_the_attempt_within_seconds(network: SimulatedNetwork, tmp_path: Path) -> None:
     """The server's cable cut while a commit crosses a 100 Mbit/s link (64 MB: 5 s): its bytes go
     unacknowledged, and the attempt fails UNAVAILABLE within seconds of the 5 s, not at its 60 s."""
-    server_host, workers_host = network.add_host("s", rate="100mbit"), network.add_host("w", rate="100mbit")
-    command = server_host.command(GEMPS_COMMAND)
-    with ServerProcess(
-        command=command, host=server_host.address, port=50051, data_port=51051, rule="downpour",
-        log_path=tmp_path / "server.log",
-    ):  # fmt: skip
-        argv = [sys.executable, "-m", "tests.upload_probe", f"{server_host.address}:50051", str(SIZE)]
-        probe = subprocess.Popen(workers_host.command(argv), stdout=subprocess.PIPE, text=True)
-        assert probe.stdout is not None
-        assert json.loads(probe.stdout.readline()) == {"registered": True}
-        time.sleep(1.5)  # the scenario: the commit under way on the link
-        network.cut(server_host)
-        output, _ = probe.communicate(timeout=90)
-    outcome = json.loads(output)
+    outcome = one_attempt(network, tmp_path, SIZE, lambda server: None)
     assert "UNAVAILABLE: data plane of" in outcome["error"], outcome
     assert "acknowledged none of the request's bytes" in outcome["error"], outcome
     assert outcome["failed_after_s"] < 20, outcome  # its attempt's timeout is 60 s
+
+
+def test_a_server_gone_while_its_reply_is_awaited_is_unavailable_not_a_deadline(
+    network: SimulatedNetwork, tmp_path: Path
+) -> None:
+    """A small commit sent to a paused server (its kernel takes it in), then the server's cable cut:
+    the keepalives go unanswered, and the attempt fails within seconds as UNAVAILABLE, saying the
+    connection timed out (before: DEADLINE_EXCEEDED "sent nothing within the timeout", its 60 s
+    timeout far off)."""
+    outcome = one_attempt(network, tmp_path, 1000, lambda server: os.kill(server.pid, signal.SIGSTOP))
+    assert "UNAVAILABLE: data plane of" in outcome["error"], outcome
+    assert "the connection timed out" in outcome["error"], outcome
+    assert outcome["failed_after_s"] < 20, outcome
