@@ -47,13 +47,11 @@ class FanOut:
         *,
         nbytes: int,
     ) -> list[T | errors.GempsError]:
-        """One call per server (by index), concurrently: start them all, then wait for each. A
-        call that failed in a way worth another attempt is done again with `blocking` (retries,
-        registering again) once `suspect` has been told; another failure takes its call's place in
-        the list, so that what the other servers did is known. One server: `blocking`, whose
-        failure is raised. `nbytes`: what the call moves, which decides whether threads carry it."""
-        if count == 1:
-            return [blocking(0)]
+        """One call per server (by index; `count` of them, two or more), concurrently: start them
+        all, then wait for each. A call that failed in a way worth another attempt is done again
+        with `blocking` (retries, registering again) once `suspect` has been told; another failure
+        takes its call's place in the list, so that what the other servers did is known. `nbytes`:
+        what the call moves, which decides whether threads carry it."""
         if nbytes >= THREADED_BYTES:
             outcomes = self._threaded(count, start)
         else:

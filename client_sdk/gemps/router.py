@@ -301,8 +301,11 @@ class PartitionRouter:
         return [session.version if behind is None else max(0, session.version - behind) for session in self.sessions]
 
     def _fan_out(self, start: Callable[[int], Pending[T]], blocking: Callable[[int], T]) -> list[T | errors.GempsError]:
-        """One call per server, concurrently (gemps.fan_out); a failed one retried by `blocking`."""
+        """One call per server, concurrently (gemps.fan_out); a failed one retried by `blocking`.
+        One server: `blocking`, whose failure is raised."""
         sessions = self.sessions
+        if len(sessions) == 1:
+            return [blocking(0)]
         return self._calls.calls(
             len(sessions),
             start,
