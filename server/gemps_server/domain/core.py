@@ -34,14 +34,12 @@ from gemps_server.domain.ledger import CommitLedger, Receipt
 from gemps_server.domain.noise import NoiseEstimator
 from gemps_server.domain.records import Commit, CommitOutcome, R, ReplyWriter, Snapshot
 from gemps_server.domain.rules import ApplyStats, CommitRule, NonFiniteUpdate
-from gemps_server.domain.rules.gem import GemRule
-from gemps_server.domain.rules.overflow import SAFE_MAGNITUDE
 from gemps_server.domain.worker_copies import WorkerCopies
 from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.native import copy_max_abs, native_commit, setup_core
 
-# What the compiled core (csrc/core.c) makes and compares against, defined here in Python.
-setup_core(GemRule, ApplyStats, Receipt, PayloadKind.GRADIENT, Snapshot, CommitOutcome, SAFE_MAGNITUDE)
+# What the compiled core (csrc/core.c) makes and passes, defined here in Python.
+setup_core(ApplyStats, Receipt, PayloadKind.GRADIENT)
 
 
 class CommitCore:
@@ -80,6 +78,11 @@ class CommitCore:
     @journal.setter
     def journal(self, journal: Journal) -> None:
         self._journal, self._recording = journal, not isinstance(journal, NoJournal)
+
+    @property
+    def recording(self) -> bool:
+        """Whether a journal records the commits (the compiled core leaves those to this module)."""
+        return self._recording
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -200,9 +203,9 @@ class CommitCore:
                 buffer_delta, payload_peak,
             )  # fmt: skip
             position = self.journal.append(Committed(commit))
-        return self._applied_outcome(staleness, stats, position)
+        return self.applied_outcome(staleness, stats, position)
 
-    def _applied_outcome(self, staleness: int, stats: ApplyStats, position: int = 0) -> CommitOutcome:
+    def applied_outcome(self, staleness: int, stats: ApplyStats, position: int = 0) -> CommitOutcome:
         """An applied commit's outcome: this version's snapshot, its figures, its journal position
         (the compiled core's too)."""
         snapshot = self.with_buffers(self.snapshot)
