@@ -8,14 +8,16 @@
  * core_commit(core, commit, reply, out) returns (outcome, reply's result) when it applied the
  * commit, or None, having changed nothing, for every other case: a refusal, a retry the ledger
  * answers, a late attempt, another rule, kernel or dtype, a buffer delta, a difference reply, a
- * journal to record (CommitCore.recording), an update whose bound sends it out of place. The
- * Python core then runs the commit as it always does, so every refusal and rare path is the
- * reference's own, and this function only ever repeats, faster, what the Python core would have
- * done. The tests hold the two to each other bit for bit (tests/unit/test_commit_core.py).
+ * an update whose bound sends it out of place. The Python core then runs the commit as it always
+ * does, so every refusal and rare path is the reference's own, and this function only ever repeats,
+ * faster, what the Python core would have done. The tests hold the two to each other bit for bit
+ * (tests/unit/test_commit_core.py). A replicated primary journals what it applied here as the
+ * Python core does (CommitCore.journalled), and a backup replays its primary's commits through here
+ * too (CommitCore.replay, no reply): lone, primary and backup run the same compiled path.
  *
  * What it saves is the interpreter between the steps: the checks, the bound, the kernel's
- * arguments, the statistics and the recent windows run here; the outcome, the ledger's receipt and
- * the noise estimate are kept by the Python code that defines them, called from here. */
+ * arguments, the statistics and the recent windows run here; the outcome, the ledger's receipt,
+ * the journal and the noise estimate are kept by the Python code that defines them, called from here. */
 #include "core_books.h"
 #include "core_checks.h"
 
@@ -79,8 +81,9 @@ stepped(Commit *c, PyObject *out, const GemBoundsOf *of, double theta_bound, dou
     return c->window != NULL ? noise_measured(c, sums.payload_square, sums.window_square) : 0;
 }
 
-/* After the step: the counts, the worker's lease and windows, the version, the receipt, the hook
- * (CommitCore.commit's tail), then the outcome (CommitCore.applied_outcome) and the reply. */
+/* After the step: the counts, the worker's lease and windows, the version, the receipt, the hook,
+ * the journal's entry (CommitCore.commit's tail), then the outcome (CommitCore.applied_outcome) and
+ * the reply (none for a backup's replay: `reply` None). */
 static PyObject *
 applied(Commit *c, PyObject *reply, PyObject *out)
 {
@@ -96,13 +99,17 @@ applied(Commit *c, PyObject *reply, PyObject *out)
     PyObject *done = hook == NULL || hook == Py_None ? Py_XNewRef(hook) : PyObject_CallFunction(hook, "L", c->version + 1);
     Py_XDECREF(hook);
     Py_XDECREF(done);
-    PyObject *staleness_object = done == NULL ? NULL : PyLong_FromLongLong(staleness);
+    PyObject *position = done == NULL                   ? NULL
+                         : c->recording ? PyObject_CallMethodOneArg(core, s_journalled, c->commit)
+                                        : PyLong_FromLong(0);
+    PyObject *staleness_object = position == NULL ? NULL : PyLong_FromLongLong(staleness);
     PyObject *outcome = staleness_object == NULL ? NULL
-                                                 : PyObject_CallMethodObjArgs(core, s_applied_outcome,
-                                                                              staleness_object, c->stats, NULL);
+                                                 : PyObject_CallMethodObjArgs(core, s_applied_outcome, staleness_object,
+                                                                              c->stats, position, NULL);
+    Py_XDECREF(position);
     Py_XDECREF(staleness_object);
-    if (outcome == NULL) {
-        return NULL;
+    if (outcome == NULL || reply == Py_None) {
+        return outcome == NULL ? NULL : Py_BuildValue("(NO)", outcome, Py_None);
     }
     /* the reply's θ: the mirror the pass wrote (`out`), else θ itself, while it holds this version */
     PyObject *data = out != Py_None ? PyMemoryView_FromObject(out)
@@ -153,7 +160,7 @@ bound_inputs(Commit *c, PyObject *commit, GemBoundsOf *of)
 }
 
 /* core_commit(core, commit, reply, out): (outcome, reply's result), or None (nothing changed: the
- * Python core's to run). */
+ * Python core's to run); reply None: no reply, (outcome, None). */
 PyObject *
 core_commit(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -170,7 +177,7 @@ core_commit(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     double theta_bound = 0.0, proxy_bound = 0.0;
     int handled = checked(c.core, commit, &c);
     if (handled == HANDLED) {
-        handled = bound_inputs(&c, commit, &of);
+        handled = bound_inputs(&c, c.commit, &of);
     }
     if (handled == HANDLED) { /* in place only (the bound holds), else the Python core, out of place */
         handled = gem_in_place_bounds(&of, &theta_bound, &proxy_bound) ? HANDLED : NOT_HANDLED;

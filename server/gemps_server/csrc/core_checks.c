@@ -19,9 +19,18 @@ checked(PyObject *core, PyObject *commit, Commit *c)
     ONLY_IF(native); /* GEM's exact state on the compiled kernel, s_i taken before the step */
     PyObject *recording = PyObject_GetAttr(core, s_recording);
     CHECK(recording == NULL ? -1 : 0);
-    const int journalled = recording == Py_True;
+    c->recording = recording == Py_True;
     Py_DECREF(recording);
-    ONLY_IF(!journalled); /* a journal to record: the Python core's */
+    PyObject *volatile_payload = PyObject_GetAttr(commit, s_payload_volatile);
+    CHECK(volatile_payload == NULL ? -1 : 0);
+    const int landed_first = c->recording && volatile_payload == Py_True;
+    Py_DECREF(volatile_payload);
+    if (landed_first) { /* the journal must hold the bytes applied: copied out of the client's memory first */
+        c->landed = PyObject_CallMethodOneArg(core, s_landed, commit);
+        CHECK(c->landed == NULL ? -1 : 0);
+        commit = c->landed;
+    }
+    c->commit = commit;
     CHECK(attr_long(commit, s_reply_dtype, &reply_dtype));
     CHECK(attr_long(commit, s_held_copy, &held_copy));
     ONLY_IF(reply_dtype == FLOAT32_DTYPE && held_copy == 0);

@@ -46,6 +46,7 @@ release(Commit *c)
             PyBuffer_Release(views[i]);
         }
     }
+    Py_XDECREF(c->landed);
     Py_XDECREF(c->rule);
     Py_XDECREF(c->theta);
     Py_XDECREF(c->registry);

@@ -18,6 +18,7 @@ applier thread, one call at a time; the event loop only reads `snapshot`, replac
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 
@@ -81,7 +82,7 @@ class CommitCore:
 
     @property
     def recording(self) -> bool:
-        """Whether a journal records the commits (the compiled core leaves those to this module)."""
+        """Whether a journal records the commits (the compiled core journals them too)."""
         return self._recording
 
     # -- reads ---------------------------------------------------------------------------------
@@ -202,8 +203,12 @@ class CommitCore:
                 worker_id, base_version, kind, payload, request_id, sequence, reply_dtype, loss, num_samples,
                 buffer_delta, payload_peak,
             )  # fmt: skip
-            position = self.journal.append(Committed(commit))
+            position = self.journalled(commit)
         return self.applied_outcome(staleness, stats, position)
+
+    def journalled(self, commit: Commit) -> int:
+        """Record applied `commit` in the journal (the compiled core's commits too): its position."""
+        return self.journal.append(Committed(commit))
 
     def applied_outcome(self, staleness: int, stats: ApplyStats, position: int = 0) -> CommitOutcome:
         """An applied commit's outcome: this version's snapshot, its figures, its journal position
@@ -232,6 +237,12 @@ class CommitCore:
             return outcome, reply(outcome, data)
         return outcome, reply(outcome, self.theta_bytes(commit.reply_dtype) if out is None else out.data)
 
+    def replay(self, commit: Commit) -> None:
+        """Apply a primary's journalled `commit` here, a backup (ServerState.replay): through the
+        compiled core where it takes it, as on the primary, with no reply; else `commit_record`."""
+        if self.compiled is None or self.compiled(self, commit, None, None) is None:
+            self.commit_record(commit)
+
     def commit_record(self, commit: Commit, out: np.ndarray | None = None) -> CommitOutcome:
         """`commit` as the wire and the journal hold it: its worker's slot looked up, then `commit()`."""
         return self.commit(
@@ -250,6 +261,12 @@ class CommitCore:
             payload_peak=commit.payload_peak,
             payload_volatile=commit.payload_volatile,
         )
+
+    def landed(self, commit: Commit) -> Commit:
+        """`commit` with its payload copied out of its client's memory, as `commit` copies it for a
+        journal (_landed): what the compiled core applies and journals while a journal records."""
+        payload, peak = self._landed(self.require_rule(), commit.payload)
+        return dataclasses.replace(commit, payload=payload, payload_peak=peak, payload_volatile=False)
 
     def _landed(self, rule: CommitRule, payload: EncodedTensor) -> tuple[EncodedTensor, float | None]:
         """A payload in memory its client can still write (its shared memory), and its peak: read
