@@ -141,18 +141,11 @@ def gem_bounds(
     return (theta, proxy) if largest < SAFE_MAGNITUDE else None  # None for NaN too
 
 
-def gem_stats(
-    samples: np.ndarray,
-    size: int,
-    moving: int,
-    pi_sum: float,
-    at_zero: int,
-    at_max: int,
-    proxy_energy: float,
-    central_energy: float,
-) -> tuple[float, ...]:
-    """ApplyStats' six figures from a compiled GEM pass's sums and pi's sample (NaN where Delta = 0):
-    pi's over the `moving` parameters, the energies' over all `size` (csrc/gem_rule.c computes them)."""
+def gem_stats(samples: np.ndarray, size: int, sums: tuple[float, ...]) -> tuple[float, ...]:
+    """ApplyStats' six figures from a compiled GEM pass's sums (moving, pi_sum, at_zero, at_max,
+    proxy_energy, central_energy) and pi's sample (NaN where Delta = 0): pi's over the `moving`
+    parameters, the energies' over all `size` (csrc/gem_rule.c computes them)."""
+    moving, pi_sum, at_zero, at_max, proxy_energy, central_energy = sums
     if moving == 0:  # nothing moved: no pi to speak of
         return 0.0, 0.0, 0.0, 0.0, proxy_energy / size, central_energy / size
     sample = np.sort(samples[~np.isnan(samples)])

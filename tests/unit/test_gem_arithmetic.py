@@ -52,7 +52,7 @@ def test_gems_statistics_are_the_references_bit_for_bit() -> None:
             size, kept = count * 3, int(np.count_nonzero(~np.isnan(samples)))
             moving = size if kept == count else kept * 3  # a pass's: NaN in the sample only where Delta = 0
             sums = (moving, float(rng.uniform(0, 5 * size)), float(rng.integers(0, moving + 1)), 2.0, 0.7, 1.3)
-            want = reference_rules.gem_stats(samples.copy(), size, *sums)  # type: ignore[arg-type]
+            want = reference_rules.gem_stats(samples.copy(), size, sums)
             got = native.compiled.gem_stats(samples.copy(), size, *sums)
             assert repr(got) == repr(want), (count, still)
 
