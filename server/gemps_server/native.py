@@ -115,7 +115,7 @@ native_commit: Callable[[Any, Any, Any, Any], Any] | None = None if compiled is 
 
 
 def setup_core(*types_and_values: object) -> None:
-    """Hand the compiled commit core the Python types and values it uses (once, by domain/core.py:
-    GemRule, ApplyStats, Receipt, PayloadKind.GRADIENT, Snapshot, CommitOutcome, SAFE_MAGNITUDE)."""
+    """Hand the compiled commit core the Python types and values it makes and passes (once, by
+    domain/core.py: ApplyStats, Receipt, PayloadKind.GRADIENT)."""
     if compiled is not None:
         compiled.core_setup(*types_and_values)

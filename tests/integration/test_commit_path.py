@@ -251,7 +251,9 @@ def test_a_replicated_commit_crosses_each_file_once_as_documented(
     """A commit to a replicated pair's primary: its servicer to the port that waits (the primary's
     stack), then the backup's follower to its rule (two threads: the follower hands the entry to
     the applier's); the acknowledgement comes back on the primary's forwarder."""
-    servers = [start_server(rule="gem", **replica_options(etcd, index, "path")) for index in range(2)]
+    # The Python core, as above: the compiled one (a primary's and a backup's too) runs no rule step to record.
+    options = {"rule": "gem", "commit_core": PYTHON_CORE}
+    servers = [start_server(**options, **replica_options(etcd, index, "path")) for index in range(2)]
     primary = wait_replicated(servers)
     backup = next(server for server in servers if server is not primary)
     stacks = StacksOfReplication(monkeypatch)

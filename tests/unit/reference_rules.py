@@ -114,3 +114,46 @@ class WorkerSideGemWorker:
         self.previous_central = central.copy()
         scaled: np.ndarray = pi.astype(F32) * delta
         return scaled
+
+
+#: rules/overflow.py's: an update runs in place only below half of float32's largest; each bound
+#: is widened by 1 + 2**-20 for float32's rounding
+SAFE_MAGNITUDE = float(np.finfo(np.float32).max) / 2
+ROUNDING = 1.0 + 2.0**-20
+
+
+def gem_bounds(
+    scale: float,
+    payload_peak: float,
+    theta_peak: float,
+    momentum: float,
+    kappa: float,
+    pi_max: float,
+    proxy_peak: float,
+    last_seen_peak: float,
+) -> tuple[float, float] | None:
+    """GEM's bounds on max |theta| and max |m_i| after an in-place commit, None when a value it
+    computes could reach SAFE_MAGNITUDE (DESIGN §1's overflow rule: csrc/gem_rule.c computes them)."""
+    delta = abs(scale) * payload_peak * ROUNDING
+    proxy = (abs(momentum) * proxy_peak + delta) * ROUNDING
+    theta = (theta_peak + abs(pi_max) * delta) * ROUNDING
+    largest = max(delta, proxy * max(1.0, abs(kappa)), theta_peak + last_seen_peak, theta)
+    return (theta, proxy) if largest < SAFE_MAGNITUDE else None  # None for NaN too
+
+
+def gem_stats(samples: np.ndarray, size: int, sums: tuple[float, ...]) -> tuple[float, ...]:
+    """ApplyStats' six figures from a compiled GEM pass's sums (moving, pi_sum, at_zero, at_max,
+    proxy_energy, central_energy) and pi's sample (NaN where Delta = 0): pi's over the `moving`
+    parameters, the energies' over all `size` (csrc/gem_rule.c computes them)."""
+    moving, pi_sum, at_zero, at_max, proxy_energy, central_energy = sums
+    if moving == 0:  # nothing moved: no pi to speak of
+        return 0.0, 0.0, 0.0, 0.0, proxy_energy / size, central_energy / size
+    sample = np.sort(samples[~np.isnan(samples)])
+    middle = sample.size // 2
+    if sample.size == 0:
+        median = pi_sum / moving
+    elif sample.size % 2:
+        median = float(sample[middle])
+    else:
+        median = (float(sample[middle - 1]) + float(sample[middle])) / 2
+    return pi_sum / moving, median, at_zero / moving, at_max / moving, proxy_energy / size, central_energy / size

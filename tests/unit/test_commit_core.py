@@ -5,6 +5,7 @@ when the rule holds what it reads to the checked peak and no journal must replay
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,8 @@ import pytest
 
 from gemps_proto.schema import ParameterSpec, PayloadKind
 from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor
-from gemps_server.domain.journal import Committed
+from gemps_server.commit_frame import frame_of
+from gemps_server.domain.journal import Committed, Entry
 from gemps_server.domain.records import Commit, CommitOutcome
 from gemps_server.domain.rules import RuleRuntime
 from gemps_server.domain.state import ServerState
@@ -86,9 +88,12 @@ def test_a_rule_that_cannot_hold_a_shared_payload_reads_a_copy() -> None:
 WORKERS = 3
 
 
-def twin_states(rule: str = "gem", **options: Any) -> tuple[tuple[ServerState, ServerState], list[list[str]]]:
+def twin_states(
+    rule: str = "gem", journalled: bool = False, **options: Any
+) -> tuple[tuple[ServerState, ServerState], list[list[str]]]:
     """Two states alike in everything but the commit core: (compiled, Python), and each one's
-    worker ids (registered in the same order: the same slots)."""
+    worker ids (registered in the same order: the same slots); `journalled`: each a replicated
+    primary's, a journal recording every change from the first registration on."""
     pair, ids = [], []
     for compiled in (True, False):
         clock = CLOCKS[compiled]
@@ -96,6 +101,8 @@ def twin_states(rule: str = "gem", **options: Any) -> tuple[tuple[ServerState, S
         runtime = RuleRuntime(gem_kernel="auto")
         state = ServerState(training(rule, **options), WorkerRegistry(8, lease_ttl=60.0, clock=clock), runtime)
         state.core.compiled = state.core.compiled if compiled else None
+        if journalled:
+            state.journal = Forwarded()
         spec = (ParameterSpec("w", (P,)),)
         registered = [
             state.register(f"w{i}", spec, encoded(THETA) if i == 0 else None, client_id=f"c{i}").worker.worker_id
@@ -105,6 +112,18 @@ def twin_states(rule: str = "gem", **options: Any) -> tuple[tuple[ServerState, S
         pair.append(state)
     assert pair[0].core.compiled is not None, "the compiled core was not built"
     return (pair[0], pair[1]), ids
+
+
+class Forwarded(Entries):
+    """A journal that copies each commit's payload as it is appended, as a replicated primary's
+    forwarder does (commit_frame.frame_of: the wire reuses the payload's buffer)."""
+
+    def append(self, entry: Entry) -> int:
+        if isinstance(entry, Committed):
+            payload = entry.commit.payload
+            copied = EncodedTensor(payload.dtype, payload.shape, bytes(payload.data))
+            entry = Committed(dataclasses.replace(entry.commit, payload=copied))
+        return super().append(entry)
 
 
 class Clock:
@@ -201,8 +220,8 @@ def test_the_compiled_core_applies_commits_as_the_python_core_does(noise_window:
 
 def test_what_the_compiled_core_leaves_to_the_python_core_it_does_not_touch() -> None:
     """A retry, a late attempt, another reply dtype, a buffer delta, a base version ahead, a payload
-    not finite, an unknown worker, one that overflows in place, a journal to record: None, nothing
-    changed (the Python core then answers each as it always did)."""
+    not finite, an unknown worker, one that overflows in place: None, nothing changed (the Python
+    core then answers each as it always did)."""
     (compiled, _), ids = twin_states()
     core = compiled.core
     memory = np.full(P, 0.01, np.float32)
@@ -226,10 +245,6 @@ def test_what_the_compiled_core_leaves_to_the_python_core_it_does_not_touch() ->
     for what, commit in cases.items():
         assert core.compiled(core, commit, lambda o, d: None, None) is None, what
         assert held(compiled) == before, what
-    compiled.journal = Entries()
-    fresh = dataclasses.replace(first, request_id="g", sequence=7)
-    assert core.compiled(core, fresh, lambda o, d: None, None) is None, "a journal to record"
-    assert held(compiled) == before
 
 
 def test_other_rules_go_through_the_python_core() -> None:
@@ -238,3 +253,68 @@ def test_other_rules_go_through_the_python_core() -> None:
     commit = Commit(ids[0][0], 0, PayloadKind.UPDATE.value, payload, "r", 1)
     assert compiled.core.compiled is not None
     assert compiled.core.compiled(compiled.core, commit, lambda o, d: None, None) is None
+
+
+def journal_of(state: ServerState, ids: list[str]) -> list[Any]:
+    """The state's journal entries: a commit as the bytes of the frame a replicated primary
+    forwards (commit_frame.frame_of), its worker named by its registration order; others by kind."""
+    journal = state.journal
+    assert isinstance(journal, Entries)
+    names = {worker_id: f"worker-{index}" for index, worker_id in enumerate(ids)}
+    return [
+        frame_of(dataclasses.replace(entry.commit, worker_id=names[entry.commit.worker_id]))
+        if isinstance(entry, Committed)
+        else type(entry).__name__
+        for entry in journal.entries
+    ]
+
+
+def test_a_replicated_primary_and_its_backups_run_the_compiled_core() -> None:
+    """A journal recording (a replicated primary) and a backup replaying it run the compiled core,
+    which journals the entries and leaves the state the Python core does, bit for bit (issue 80:
+    every replicated server ran the Python core); a payload in its client's memory copied first,
+    as the Python core copies it, so the journal holds the bytes applied."""
+    (compiled, python), ids = twin_states(journalled=True)
+    rng = [np.random.default_rng(11), np.random.default_rng(11)]
+    handled = 0
+    for index in range(40):
+        base = max(0, compiled.version - index % 3)
+        for side, state in enumerate((compiled, python)):
+            commit = a_commit(index, ids[side][index % WORKERS], base, rng[side], np.empty(P, np.float32))
+            if side == 0:
+                assert state.core.compiled is not None
+                done = state.core.compiled(state.core, commit, lambda o, d: bytes(d), None)
+                handled += done is not None
+            if side == 1 or done is None:
+                done = state.core.commit_and_reply(commit, lambda o, d: bytes(d), None)
+        assert held(compiled) == held(python), f"after commit {index}"
+    assert handled >= 35, f"the compiled core applied {handled} of 40"
+    assert journal_of(compiled, ids[0]) == journal_of(python, ids[1])
+    journal = compiled.journal
+    assert isinstance(journal, Entries)
+    backups = []
+    for core_compiled in (True, False):
+        clock = Clock()
+        backup = ServerState(training(), WorkerRegistry(8, lease_ttl=60.0, clock=clock), RuleRuntime(gem_kernel="auto"))
+        native = backup.core.compiled
+        assert native is not None
+        backup.core.compiled = Counted(native) if core_compiled else None
+        for entry in journal.entries:
+            backup.replay(entry)
+        backups.append(backup)
+    replayed, reference = backups
+    assert isinstance(replayed.core.compiled, Counted) and replayed.core.compiled.applied >= 35
+    assert replayed.theta_copy().tobytes() == reference.theta_copy().tobytes() == compiled.theta_copy().tobytes()
+    assert held(replayed)["workers"] == held(reference)["workers"] == held(compiled)["workers"]
+
+
+class Counted:
+    """A compiled core that counts the commits it applied (those it left return None)."""
+
+    def __init__(self, native: Callable[..., Any]) -> None:
+        self.native, self.applied = native, 0
+
+    def __call__(self, *arguments: Any) -> Any:
+        done = self.native(*arguments)
+        self.applied += done is not None
+        return done

@@ -35,7 +35,7 @@ def test_a_busy_minute_is_a_dozen_buckets_whatever_the_rate() -> None:
         window.add(step * 0.001 + 100.0, staleness=1, loss=1.0, num_samples=1, stats=ONE)
     summary = window.summary(200.0)  # the buckets from 145 s on: 55 s of commits, one a millisecond
     assert (summary.seconds, summary.commits, summary.staleness, summary.loss) == (55.0, 55_000, 1.0, 1.0)
-    assert len(window._rows) <= 12
+    assert len(window.rows) <= 12
 
 
 def test_the_window_averages_how_the_rule_scaled_each_commit() -> None:

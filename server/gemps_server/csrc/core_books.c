@@ -1,29 +1,13 @@
-/* The compiled commit core's bookkeeping, each the Python code it names, step for step: a
- * worker's lease and counts and the recent windows (WorkerRegistry.committed, RecentWindow.add),
- * the ledger's receipt (CommitLedger.record), the noise estimate's window (NoiseEstimator.window
- * and record), and the frozen records it makes (ApplyStats, Receipt) as their dataclasses' own
- * __init__ would. */
-#include "core.h"
+/* The compiled commit core's bookkeeping: a worker's lease and counts and the recent windows
+ * (WorkerRegistry.committed, RecentWindow.add: the same operations in the same order, on the
+ * windows' public `rows` and `ring`), the frozen records it makes (ApplyStats, Receipt) as their
+ * dataclasses' own __init__ would; the ledger's receipt and the noise estimate's window through
+ * their own public methods (CommitLedger.record, NoiseEstimator.window, NoiseWindow.applied). */
+#include "core_books.h"
 
 #define BUCKETS 12 /* domain/recent.py */
 #define SUMS 9
 #define BUCKET_SECONDS (60.0 / BUCKETS) /* gemps_proto.status.RECENT_SECONDS / BUCKETS */
-
-/* A frozen dataclass of `type` with `fields` set from `values`, in order (its __init__ sets them
- * with object.__setattr__ past the frozen check; the generic setter is that). */
-PyObject *
-frozen_record(PyObject *type, PyObject *const *fields, PyObject *const *values, int count)
-{
-    PyObject *empty = PyTuple_New(0);
-    PyObject *record = empty == NULL ? NULL : ((PyTypeObject *)type)->tp_new((PyTypeObject *)type, empty, NULL);
-    Py_XDECREF(empty);
-    for (int i = 0; record != NULL && i < count; i++) {
-        if (PyObject_GenericSetAttr(record, fields[i], values[i]) < 0) {
-            Py_CLEAR(record);
-        }
-    }
-    return record;
-}
 
 /* ApplyStats(scaling_mean, scaling_median, fraction_at_zero, fraction_at_max, proxy_energy, central_energy) */
 PyObject *
@@ -69,7 +53,7 @@ floor_divided(double vx, double wx)
 static int
 recent_add(PyObject *recent, double now, long long staleness, PyObject *loss, long long samples, const double stats[6])
 {
-    PyObject *rows_object = PyObject_GetAttr(recent, s__rows), *ring_object = PyObject_GetAttr(recent, s__ring);
+    PyObject *rows_object = PyObject_GetAttr(recent, s_rows), *ring_object = PyObject_GetAttr(recent, s_ring);
     Py_buffer rows_view, ring_view;
     int rows_held = 0, ring_held = 0, done = -1;
     if (rows_object != NULL && ring_object != NULL &&
@@ -128,7 +112,7 @@ registry_committed(Commit *c, long long staleness, const double stats[6])
     if (c->num_samples != Py_None && (samples = PyLong_AsLongLong(c->num_samples)) == -1 && PyErr_Occurred()) {
         return -1;
     }
-    PyObject *clock = PyObject_GetAttr(c->registry, s__clock);
+    PyObject *clock = PyObject_GetAttr(c->registry, s_clock);
     PyObject *now = clock == NULL ? NULL : PyObject_CallNoArgs(clock);
     Py_XDECREF(clock);
     if (now == NULL) {
@@ -147,14 +131,10 @@ registry_committed(Commit *c, long long staleness, const double stats[6])
     return done ? 0 : -1;
 }
 
-/* CommitLedger.record(scope, request_id, Receipt(version, staleness, stats, sequence)); the
- * checks made sure a numbered receipt is kept as it is (no earlier receipt numbers it higher). */
+/* CommitLedger.record(scope, request_id, Receipt(version, staleness, stats, sequence)). */
 int
 ledger_record(Commit *c, long long version, long long staleness)
 {
-    if (!PyUnicode_GET_LENGTH(c->request_id)) {
-        return 0;
-    }
     PyObject *fields[4] = {s_version, s_staleness, s_stats, s_sequence};
     PyObject *values[4] = {PyLong_FromLongLong(version), PyLong_FromLongLong(staleness), Py_NewRef(c->stats),
                            PyLong_FromLongLong(c->sequence)};
@@ -162,73 +142,44 @@ ledger_record(Commit *c, long long version, long long staleness)
     for (int i = 0; i < 4; i++) {
         Py_XDECREF(values[i]);
     }
-    PyObject *entry = receipt == NULL ? NULL : PyTuple_Pack(2, c->request_id, receipt);
+    PyObject *done = receipt == NULL ? NULL : PyObject_CallMethodObjArgs(c->ledger, s_record, c->scope,
+                                                                         c->request_id, receipt, NULL);
     Py_XDECREF(receipt);
-    PyObject *last = entry == NULL ? NULL : PyObject_GetAttr(c->ledger, s__last);
-    PyObject *departed = last == NULL ? NULL : PyObject_GetAttr(c->ledger, s__departed);
-    int done = departed != NULL && PyDict_SetItem(last, c->scope, entry) == 0 ? 0 : -1;
-    if (done == 0) { /* `_departed.pop(scope, None)`: a scope holds a worker again */
-        const int held = PyDict_Contains(departed, c->scope);
-        PyObject *popped = held == 1 ? PyObject_CallMethod(departed, "pop", "O", c->scope) : NULL;
-        done = held < 0 || (held == 1 && popped == NULL) ? -1 : 0;
-        Py_XDECREF(popped);
-    }
-    Py_XDECREF(entry);
-    Py_XDECREF(last);
-    Py_XDECREF(departed);
-    return done;
+    Py_XDECREF(done);
+    return done == NULL ? -1 : 0;
 }
 
-/* NoiseEstimator.window for this commit (a gradient's, once it will be applied here): in a window
- * under way, its next commit here; a window to start (or to start over, after a refused commit) by
- * the estimator's own code, which sizes and allocates it. Its buffer, stride and mode; none when
- * the estimate is off or for an update. */
+/* NoiseEstimator.window for a gradient commit that will be applied here (none for an update, which
+ * the estimate does not measure): the window's buffer, stride and mode, or none when it is off. */
 int
-noise_commit_window(PyObject *core, Commit *c, Py_ssize_t size, Py_ssize_t *wstride, int *mode)
+noise_window_of(Commit *c, Py_ssize_t size, Py_ssize_t *wstride, int *mode)
 {
-    long long option, pending, count, chosen_size, stride, chosen;
+    long long stride, chosen;
     *wstride = 1;
     *mode = WINDOW_START;
-    c->noise = PyObject_GetAttr(core, s_noise);
-    if (c->noise == NULL || attr_long(c->noise, s_option, &option) < 0) {
-        return -1;
-    }
-    if (option == NOISE_WINDOW_OFF || c->kind != GRADIENT_KIND) {
+    if (c->kind != GRADIENT_KIND) {
         return 0;
     }
-    if (attr_long(c->noise, s__pending, &pending) < 0 || attr_long(c->noise, s__count, &count) < 0 ||
-        attr_long(c->noise, s__size, &chosen_size) < 0) {
+    const Py_ssize_t registered = PyObject_Length(c->registry);
+    PyObject *parameters = registered < 0 ? NULL : PyLong_FromSsize_t(size);
+    PyObject *workers = parameters == NULL ? NULL : PyLong_FromSsize_t(registered);
+    c->noise = workers == NULL ? NULL : PyObject_GetAttr(c->core, s_noise);
+    c->window = c->noise == NULL ? NULL
+                                 : PyObject_CallMethodObjArgs(c->noise, s_window, gradient_kind, parameters, workers,
+                                                              c->num_samples, NULL);
+    Py_XDECREF(parameters);
+    Py_XDECREF(workers);
+    if (c->window == NULL) {
         return -1;
     }
-    PyObject *total;
-    if (pending || count == 0) { /* the estimator starts the window: NoiseWindow(total, stride, mode, ...) */
-        const Py_ssize_t registered = PyObject_Length(c->registry);
-        PyObject *parameters = registered < 0 ? NULL : PyLong_FromSsize_t(size);
-        PyObject *workers = parameters == NULL ? NULL : PyLong_FromSsize_t(registered);
-        c->window = workers == NULL ? NULL
-                                    : PyObject_CallMethodObjArgs(c->noise, s_window, gradient_kind, parameters, workers,
-                                                                 c->num_samples, NULL);
-        Py_XDECREF(parameters);
-        Py_XDECREF(workers);
-        if (c->window == NULL || attr_long(c->window, s_stride, &stride) < 0 ||
-            attr_long(c->window, s_mode, &chosen) < 0) {
-            return -1;
-        }
-        total = PyObject_GetAttr(c->window, s_total);
-    } else { /* its next commit: WINDOW_ADD, or WINDOW_LAST for its last */
-        if (PyObject_SetAttr(c->noise, s__pending, Py_True) < 0 || attr_long(c->noise, s__stride, &stride) < 0) {
-            return -1;
-        }
-        chosen = count == chosen_size - 1 ? WINDOW_LAST : WINDOW_ADD;
-        c->window = Py_NewRef(Py_True); /* a window is under way: noise_commit_record closes it */
-        total = PyObject_GetAttr(c->noise, s__total);
+    if (c->window == Py_None) {
+        Py_CLEAR(c->window);
+        return 0;
     }
-    if (total == NULL) {
-        return -1;
-    }
-    const int viewed = float_view(total, &c->total_view, &c->have_total, 1);
-    Py_DECREF(total);
-    if (viewed < 0) {
+    PyObject *total = PyObject_GetAttr(c->window, s_total);
+    const int viewed = total != NULL && float_view(total, &c->total_view, &c->have_total, 1) == 0;
+    Py_XDECREF(total);
+    if (!viewed || attr_long(c->window, s_stride, &stride) < 0 || attr_long(c->window, s_mode, &chosen) < 0) {
         return -1;
     }
     if (stride < 1 || chosen < WINDOW_START || chosen > WINDOW_LAST ||
@@ -241,35 +192,17 @@ noise_commit_window(PyObject *core, Commit *c, Py_ssize_t size, Py_ssize_t *wstr
     return 0;
 }
 
-/* NoiseEstimator.record: the commit of the window under way is applied and its sums measured. */
+/* The window's sums measured in the pass, handed back (CommitRule.step: window.applied(window)). */
 int
-noise_commit_record(Commit *c, double payload_square, double window_square)
+noise_measured(Commit *c, double payload_square, double window_square)
 {
-    double small, inverse_batch, scale;
-    long long assumed, count, size, batch = 0, default_batch;
-    PyObject *noise = c->noise;
-    if (attr_double(noise, s__small, &small) < 0 || attr_double(noise, s__inverse_batch, &inverse_batch) < 0 ||
-        attr_double(noise, s__scale, &scale) < 0 || attr_long(noise, s__assumed, &assumed) < 0 ||
-        attr_long(noise, s__count, &count) < 0 || attr_long(noise, s__size, &size) < 0 ||
-        attr_long(noise, s_default_batch, &default_batch) < 0) {
+    if (set_double(c->window, s_payload_square, payload_square) < 0 ||
+        set_double(c->window, s_window_square, window_square) < 0) {
         return -1;
     }
-    if (c->num_samples != Py_None && (batch = PyLong_AsLongLong(c->num_samples)) == -1 && PyErr_Occurred()) {
-        return -1;
-    }
-    count += 1;
-    const int closes = count == size;
-    if (PyObject_SetAttr(noise, s__pending, Py_False) < 0 || set_double(noise, s__small, small + payload_square * scale) < 0 ||
-        set_double(noise, s__inverse_batch, inverse_batch + 1.0 / (double)(batch ? batch : default_batch)) < 0 ||
-        set_long(noise, s__assumed, assumed + !batch) < 0 || set_long(noise, s__count, closes ? 0 : count) < 0) {
-        return -1;
-    }
-    if (closes) {
-        PyObject *closed = PyObject_CallMethod(noise, "_close", "d", window_square * scale);
-        if (closed == NULL) {
-            return -1;
-        }
-        Py_DECREF(closed);
-    }
-    return 0;
+    PyObject *applied = PyObject_GetAttr(c->window, s_applied);
+    PyObject *done = applied == NULL ? NULL : PyObject_CallOneArg(applied, c->window);
+    Py_XDECREF(applied);
+    Py_XDECREF(done);
+    return done == NULL ? -1 : 0;
 }

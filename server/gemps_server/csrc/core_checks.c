@@ -1,26 +1,36 @@
 /* The compiled commit core's checks (CommitCore.commit's, in its order, on what the common case
  * needs): anything else is NOT_HANDLED, and the Python core answers it. */
-#include "core.h"
+#include "core_checks.h"
 
 /* The checks of CommitCore.commit, in its order, on what this commit needs (NOT_HANDLED for
- * anything the Python core answers otherwise): the ledger, the payload, the base version. */
+ * anything the Python core answers otherwise): the rule, the worker, the ledger, the payload, the
+ * base version. The registry and the ledger answer through their own public methods. */
 int
 checked(PyObject *core, PyObject *commit, Commit *c)
 {
     long long reply_dtype, held_copy, dtype;
     c->rule = PyObject_GetAttr(core, s_rule);
     CHECK(c->rule == NULL ? -1 : 0);
-    ONLY_IF(Py_TYPE(c->rule) == (PyTypeObject *)gem_rule_type);
+    ONLY_IF(c->rule != Py_None); /* θ not initialised yet */
     PyObject *native_step = PyObject_GetAttr(c->rule, s_native_step);
     CHECK(native_step == NULL ? -1 : 0);
     const int native = native_step == Py_True;
     Py_DECREF(native_step);
-    ONLY_IF(native); /* the compiled kernel, s_i taken before the step */
-    PyObject *recording = PyObject_GetAttr(core, s__recording);
+    ONLY_IF(native); /* GEM's exact state on the compiled kernel, s_i taken before the step */
+    PyObject *recording = PyObject_GetAttr(core, s_recording);
     CHECK(recording == NULL ? -1 : 0);
-    const int journalled = recording == Py_True;
+    c->recording = recording == Py_True;
     Py_DECREF(recording);
-    ONLY_IF(!journalled);
+    PyObject *volatile_payload = PyObject_GetAttr(commit, s_payload_volatile);
+    CHECK(volatile_payload == NULL ? -1 : 0);
+    const int landed_first = c->recording && volatile_payload == Py_True;
+    Py_DECREF(volatile_payload);
+    if (landed_first) { /* the journal must hold the bytes applied: copied out of the client's memory first */
+        c->landed = PyObject_CallMethodOneArg(core, s_landed, commit);
+        CHECK(c->landed == NULL ? -1 : 0);
+        commit = c->landed;
+    }
+    c->commit = commit;
     CHECK(attr_long(commit, s_reply_dtype, &reply_dtype));
     CHECK(attr_long(commit, s_held_copy, &held_copy));
     ONLY_IF(reply_dtype == FLOAT32_DTYPE && held_copy == 0);
@@ -36,13 +46,9 @@ checked(PyObject *core, PyObject *commit, Commit *c)
     CHECK(c->worker_id == NULL ? -1 : 0);
     c->registry = PyObject_GetAttr(core, s_registry);
     CHECK(c->registry == NULL ? -1 : 0);
-    PyObject *workers = PyObject_GetAttr(c->registry, s__workers);
-    CHECK(workers == NULL ? -1 : 0);
-    c->record = PyDict_GetItemWithError(workers, c->worker_id);
-    Py_XINCREF(c->record);
-    Py_DECREF(workers);
-    CHECK(c->record == NULL && PyErr_Occurred() ? -1 : 0);
-    ONLY_IF(c->record != NULL);
+    c->record = PyObject_CallMethodOneArg(c->registry, s_find, c->worker_id);
+    CHECK(c->record == NULL ? -1 : 0);
+    ONLY_IF(c->record != Py_None);
     /* the ledger's scope: the worker's client, else the worker itself (WorkerRecord.scope) */
     PyObject *client = PyObject_GetAttr(c->record, s_client_id);
     CHECK(client == NULL ? -1 : 0);
@@ -50,35 +56,18 @@ checked(PyObject *core, PyObject *commit, Commit *c)
     c->ledger = PyObject_GetAttr(core, s_ledger);
     CHECK(c->ledger == NULL ? -1 : 0);
     CHECK(attr_long(commit, s_sequence, &c->sequence));
-    PyObject *last = PyObject_GetAttr(c->ledger, s__last);
-    CHECK(last == NULL ? -1 : 0);
-    PyObject *found = PyDict_GetItemWithError(last, c->scope); /* (request id, receipt) */
-    Py_XINCREF(found);
-    Py_DECREF(last);
-    CHECK(found == NULL && PyErr_Occurred() ? -1 : 0);
-    int fresh = 1;
-    if (found != NULL) {
-        const int same = PyUnicode_GET_LENGTH(c->request_id) &&
-                         PyUnicode_Compare(PyTuple_GET_ITEM(found, 0), c->request_id) == 0;
-        long long applied = 0;
-        if (!same && attr_long(PyTuple_GET_ITEM(found, 1), s_sequence, &applied) < 0) {
-            Py_DECREF(found);
-            return FAILED;
-        }
-        /* not a retry, not a late attempt, not an unnumbered commit after numbered ones (whose
-         * receipt keeps the number: CommitLedger.record, left to the Python core) */
-        fresh = !same && !(c->sequence && c->sequence <= applied) && !(!c->sequence && applied);
-        Py_DECREF(found);
-    }
+    /* neither a retry the ledger answers nor a late attempt it refuses (CommitLedger.lookup, .superseded) */
+    PyObject *sequence = PyLong_FromLongLong(c->sequence);
+    PyObject *receipt = sequence == NULL ? NULL : PyObject_CallMethodObjArgs(c->ledger, s_lookup, c->scope,
+                                                                             c->request_id, NULL);
+    PyObject *late = receipt == NULL ? NULL : PyObject_CallMethodObjArgs(c->ledger, s_superseded, c->scope,
+                                                                         sequence, NULL);
+    const int fresh = receipt == Py_None && late == Py_None;
+    Py_XDECREF(sequence);
+    Py_XDECREF(receipt);
+    Py_XDECREF(late);
+    CHECK(late == NULL ? -1 : 0);
     ONLY_IF(fresh);
-    if (PyUnicode_GET_LENGTH(c->request_id)) { /* receipts of old checkpoints, by request id alone */
-        PyObject *legacy = PyObject_GetAttr(c->ledger, s__legacy);
-        CHECK(legacy == NULL ? -1 : 0);
-        const int known = PySequence_Contains(legacy, c->request_id);
-        Py_DECREF(legacy);
-        CHECK(known);
-        ONLY_IF(!known);
-    }
     CHECK(attr_long(commit, s_kind, &c->kind));
     ONLY_IF(c->kind == GRADIENT_KIND || c->kind == UPDATE_KIND);
     PyObject *payload = PyObject_GetAttr(commit, s_payload);

@@ -1,10 +1,9 @@
-/* The compiled commit core's Python objects: what core_setup() hands it, the attribute names it
- * reads and writes, and the helpers that read and write them. */
-#include "core.h"
+/* The compiled commit core's Python objects: what core_setup() hands it, the public names it
+ * reads, writes and calls, and the helpers that read and write them. */
+#include "core_objects.h"
 
-/* The Python objects the core calls, set once by core_setup(). */
-PyObject *gem_rule_type, *apply_stats_type, *receipt_type, *gradient_kind, *snapshot_type, *commit_outcome_type;
-double safe_magnitude;
+/* The Python objects the core makes or passes, set once by core_setup(). */
+PyObject *apply_stats_type, *receipt_type, *gradient_kind;
 
 #define DEFINE(name) PyObject *s_##name;
 NAMES(DEFINE)
@@ -25,19 +24,13 @@ intern_names(void)
 PyObject *
 core_setup(PyObject *self, PyObject *args)
 {
-    PyObject *gem, *stats, *receipt, *gradient, *snapshot, *outcome;
-    double safe;
-    if (!PyArg_ParseTuple(args, "OOOOOOd", &gem, &stats, &receipt, &gradient, &snapshot, &outcome, &safe) ||
-        intern_names() < 0) {
+    PyObject *stats, *receipt, *gradient;
+    if (!PyArg_ParseTuple(args, "OOO", &stats, &receipt, &gradient) || intern_names() < 0) {
         return NULL;
     }
-    Py_XSETREF(gem_rule_type, Py_NewRef(gem));
     Py_XSETREF(apply_stats_type, Py_NewRef(stats));
     Py_XSETREF(receipt_type, Py_NewRef(receipt));
     Py_XSETREF(gradient_kind, Py_NewRef(gradient));
-    Py_XSETREF(snapshot_type, Py_NewRef(snapshot));
-    Py_XSETREF(commit_outcome_type, Py_NewRef(outcome));
-    safe_magnitude = safe;
     Py_RETURN_NONE;
 }
 
@@ -53,6 +46,7 @@ release(Commit *c)
             PyBuffer_Release(views[i]);
         }
     }
+    Py_XDECREF(c->landed);
     Py_XDECREF(c->rule);
     Py_XDECREF(c->theta);
     Py_XDECREF(c->registry);
@@ -128,4 +122,20 @@ float_view(PyObject *object, Py_buffer *view, int *held, int writable)
     }
     *held = 1;
     return 0;
+}
+
+/* A frozen dataclass of `type` with `fields` set from `values`, in order (its __init__ sets them
+ * with object.__setattr__ past the frozen check; the generic setter is that). */
+PyObject *
+frozen_record(PyObject *type, PyObject *const *fields, PyObject *const *values, int count)
+{
+    PyObject *empty = PyTuple_New(0);
+    PyObject *record = empty == NULL ? NULL : ((PyTypeObject *)type)->tp_new((PyTypeObject *)type, empty, NULL);
+    Py_XDECREF(empty);
+    for (int i = 0; record != NULL && i < count; i++) {
+        if (PyObject_GenericSetAttr(record, fields[i], values[i]) < 0) {
+            Py_CLEAR(record);
+        }
+    }
+    return record;
 }

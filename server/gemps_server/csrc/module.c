@@ -1,5 +1,5 @@
 /* The extension module gemps_server._native: the server's compiled loops, one method table for
- * the files of this folder (gem_exact.c, checks.c, compact_gem.c, compact_codes.c). */
+ * the files of this folder (gem_exact.c, gem_rule.c, checks.c, core*.c, compact_gem.c, compact_codes.c). */
 #include "module.h"
 
 static PyMethodDef methods[] = {
@@ -39,9 +39,15 @@ static PyMethodDef methods[] = {
      "avx2 or baseline, the best supported by default; a name given chooses it (they write the same bytes)."},
     {"compact_encode", compact_encode, METH_VARARGS,
      "compact_encode(float32 values, uint8 codes, float32 scales) -> the largest block peak: block_codes.encode."},
+    {"gem_bounds", gem_bounds, METH_VARARGS,
+     "gem_bounds(scale, payload_peak, theta_peak, momentum, kappa, pi_max, proxy_peak, last_seen_peak) ->\n"
+     "(bound on max |new theta|, bound on max |new m_i|) when GEM's commit may run in place (no value it computes\n"
+     "can reach half of float32's largest), else None (NaN too)."},
+    {"gem_stats", gem_stats, METH_VARARGS,
+     "gem_stats(samples, size, moving, pi_sum, at_zero, at_max, proxy_energy, central_energy) -> ApplyStats'\n"
+     "six figures from a GEM pass's sums and pi's sample (NaN where Delta = 0; reordered)."},
     {"core_setup", core_setup, METH_VARARGS,
-     "core_setup(GemRule, ApplyStats, Receipt, PayloadKind.GRADIENT, Snapshot, CommitOutcome, SAFE_MAGNITUDE):\n"
-     "the types and values core_commit uses."},
+     "core_setup(ApplyStats, Receipt, PayloadKind.GRADIENT): the types and values core_commit makes and passes."},
     {"core_commit", (PyCFunction)(void (*)(void))core_commit, METH_FASTCALL,
      "core_commit(core, commit, reply, out) -> (outcome, reply's result) when the compiled commit core applied\n"
      "the commit (GEM's exact state, in place), else None with nothing changed (domain/core.py runs it)."},

@@ -18,6 +18,7 @@ applier thread, one call at a time; the event loop only reads `snapshot`, replac
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 
@@ -34,14 +35,12 @@ from gemps_server.domain.ledger import CommitLedger, Receipt
 from gemps_server.domain.noise import NoiseEstimator
 from gemps_server.domain.records import Commit, CommitOutcome, R, ReplyWriter, Snapshot
 from gemps_server.domain.rules import ApplyStats, CommitRule, NonFiniteUpdate
-from gemps_server.domain.rules.gem import GemRule
-from gemps_server.domain.rules.overflow import SAFE_MAGNITUDE
 from gemps_server.domain.worker_copies import WorkerCopies
 from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.native import copy_max_abs, native_commit, setup_core
 
-# What the compiled core (csrc/core.c) makes and compares against, defined here in Python.
-setup_core(GemRule, ApplyStats, Receipt, PayloadKind.GRADIENT, Snapshot, CommitOutcome, SAFE_MAGNITUDE)
+# What the compiled core (csrc/core.c) makes and passes, defined here in Python.
+setup_core(ApplyStats, Receipt, PayloadKind.GRADIENT)
 
 
 class CommitCore:
@@ -80,6 +79,11 @@ class CommitCore:
     @journal.setter
     def journal(self, journal: Journal) -> None:
         self._journal, self._recording = journal, not isinstance(journal, NoJournal)
+
+    @property
+    def recording(self) -> bool:
+        """Whether a journal records the commits (the compiled core journals them too)."""
+        return self._recording
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -199,10 +203,14 @@ class CommitCore:
                 worker_id, base_version, kind, payload, request_id, sequence, reply_dtype, loss, num_samples,
                 buffer_delta, payload_peak,
             )  # fmt: skip
-            position = self.journal.append(Committed(commit))
-        return self._applied_outcome(staleness, stats, position)
+            position = self.journalled(commit)
+        return self.applied_outcome(staleness, stats, position)
 
-    def _applied_outcome(self, staleness: int, stats: ApplyStats, position: int = 0) -> CommitOutcome:
+    def journalled(self, commit: Commit) -> int:
+        """Record applied `commit` in the journal (the compiled core's commits too): its position."""
+        return self.journal.append(Committed(commit))
+
+    def applied_outcome(self, staleness: int, stats: ApplyStats, position: int = 0) -> CommitOutcome:
         """An applied commit's outcome: this version's snapshot, its figures, its journal position
         (the compiled core's too)."""
         snapshot = self.with_buffers(self.snapshot)
@@ -229,6 +237,12 @@ class CommitCore:
             return outcome, reply(outcome, data)
         return outcome, reply(outcome, self.theta_bytes(commit.reply_dtype) if out is None else out.data)
 
+    def replay(self, commit: Commit) -> None:
+        """Apply a primary's journalled `commit` here, a backup (ServerState.replay): through the
+        compiled core where it takes it, as on the primary, with no reply; else `commit_record`."""
+        if self.compiled is None or self.compiled(self, commit, None, None) is None:
+            self.commit_record(commit)
+
     def commit_record(self, commit: Commit, out: np.ndarray | None = None) -> CommitOutcome:
         """`commit` as the wire and the journal hold it: its worker's slot looked up, then `commit()`."""
         return self.commit(
@@ -247,6 +261,12 @@ class CommitCore:
             payload_peak=commit.payload_peak,
             payload_volatile=commit.payload_volatile,
         )
+
+    def landed(self, commit: Commit) -> Commit:
+        """`commit` with its payload copied out of its client's memory, as `commit` copies it for a
+        journal (_landed): what the compiled core applies and journals while a journal records."""
+        payload, peak = self._landed(self.require_rule(), commit.payload)
+        return dataclasses.replace(commit, payload=payload, payload_peak=peak, payload_volatile=False)
 
     def _landed(self, rule: CommitRule, payload: EncodedTensor) -> tuple[EncodedTensor, float | None]:
         """A payload in memory its client can still write (its shared memory), and its peak: read

@@ -4,7 +4,7 @@ One `RecentCommits` window is kept for the server (every commit applied here) an
 registered worker (workers.py). Each is BUCKETS rows of sums in one float64 array, a ring
 (whatever the commit rate): a commit adds to the newest row, or starts a row for its bucket over
 the oldest one. The applier adds (here, or the compiled commit core: csrc/core_books.c, the same
-operations in the same order); Status reads from the event loop without a lock: the rows are
+operations in the same order, on `rows` and `ring`); Status reads from the event loop without a lock: the rows are
 copied in one step (under the GIL), and a row read while a commit adds to it is off by that one
 commit, which a minute's figures do not notice.
 """
@@ -32,15 +32,15 @@ _NEWEST, _USED = 0, 1
 class RecentWindow:
     """Commits applied since `start` (a monotonic time), the last RECENT_SECONDS of them kept."""
 
-    __slots__ = ("_at", "_cells", "_ring", "_rows", "_start")
+    __slots__ = ("_at", "_cells", "_start", "ring", "rows")
 
     def __init__(self, start: float) -> None:
         self._start = start
-        self._rows = np.zeros((BUCKETS, _SUMS), dtype=np.float64)
-        self._ring = np.array([BUCKETS - 1, 0], dtype=np.int64)
+        self.rows = np.zeros((BUCKETS, _SUMS), dtype=np.float64)
+        self.ring = np.array([BUCKETS - 1, 0], dtype=np.int64)
         # The same memory as memoryviews: one element read or written costs a fraction of numpy's.
-        self._cells = self._rows.data.cast("B").cast("d")
-        self._at = self._ring.data.cast("B").cast("q")
+        self._cells = self.rows.data.cast("B").cast("d")
+        self._at = self.ring.data.cast("B").cast("q")
 
     def add(self, now: float, staleness: int, loss: float | None, num_samples: int | None, stats: ApplyStats) -> None:
         """One commit applied at `now`, with what it reported and how the rule scaled it."""
@@ -49,7 +49,7 @@ class RecentWindow:
         row = at[_NEWEST] * _SUMS
         if not at[_USED] or cells[row] != index:
             newest = (at[_NEWEST] + 1) % BUCKETS
-            self._rows[newest] = 0.0
+            self.rows[newest] = 0.0
             row = newest * _SUMS
             cells[row] = index
             at[_NEWEST], at[_USED] = newest, min(at[_USED] + 1, BUCKETS)
@@ -66,7 +66,7 @@ class RecentWindow:
     def summary(self, now: float) -> RecentCommits:
         """The commits of the buckets within a minute of `now`, over the span they cover."""
         first = now // BUCKET_SECONDS - (BUCKETS - 1)  # the oldest bucket still counted
-        rows, ring = self._rows.copy(), self._ring.copy()
+        rows, ring = self.rows.copy(), self.ring.copy()
         newest, used = int(ring[_NEWEST]), int(ring[_USED])
         ordered = [rows[(newest - used + 1 + k) % BUCKETS].tolist() for k in range(used)]  # oldest first
         kept = [bucket for bucket in ordered if bucket[0] >= first]

@@ -276,7 +276,7 @@ class ServerState:
         operation through the same code, with what the primary decided (worker ids, evictions)
         taken from the entry instead of decided again."""
         if isinstance(entry, Committed):
-            self.core.commit_record(entry.commit)
+            self.core.replay(entry.commit)
         elif isinstance(entry, Departed):
             for worker_id in entry.worker_ids:
                 self._forget(worker_id)

@@ -60,7 +60,7 @@ class WorkerRegistry:
     def __init__(self, max_workers: int, lease_ttl: float, clock: Callable[[], float] = time.monotonic):
         self.max_workers = max_workers
         self.lease_ttl = lease_ttl
-        self._clock = clock
+        self.clock = clock  # monotonic seconds: leases and the recent windows
         self._workers: dict[str, WorkerRecord] = {}
         self._by_client: dict[str, str] = {}  # client id -> its registered worker's id
         self._by_slot: list[WorkerRecord | None] = []  # the worker holding each slot (None: free)
@@ -91,7 +91,7 @@ class WorkerRegistry:
             slot = heapq.heappop(self._free_slots)
         else:
             slot, self._next_slot = self._next_slot, self._next_slot + 1
-        now = self._clock()
+        now = self.clock()
         worker_id = worker_id or uuid.uuid4().hex
         record = WorkerRecord(
             worker_id, name, slot, now, last_commit=now, client_id=client_id, recent=RecentWindow(now)
@@ -112,6 +112,10 @@ class WorkerRegistry:
             return self._workers[worker_id]
         except KeyError:
             raise self._unknown(worker_id) from None
+
+    def find(self, worker_id: str) -> WorkerRecord | None:
+        """`worker_id`'s record, None when it is not registered (the compiled commit core asks)."""
+        return self._workers.get(worker_id)
 
     def slot_of(self, worker_id: str) -> int:
         """The slot `worker_id` holds (what the commit core indexes workers by); -1 if none (the
@@ -136,7 +140,7 @@ class WorkerRegistry:
 
     def touch(self, worker_id: str, committed: bool = False) -> WorkerRecord:
         record = self.get(worker_id)
-        record.last_seen = self._clock()
+        record.last_seen = self.clock()
         if committed:
             record.last_commit = record.last_seen
         return record
@@ -147,13 +151,13 @@ class WorkerRegistry:
         """`record`'s commit was applied now, with what it reported and how the rule scaled it:
         its lease, counts and recent commits."""
         record.commits += 1
-        record.last_seen = record.last_commit = now = self._clock()
+        record.last_seen = record.last_commit = now = self.clock()
         record.recent.add(now, staleness, loss, num_samples, stats)
         self.recent.add(now, staleness, loss, num_samples, stats)
 
     def recent_commits(self) -> RecentCommits:
         """Every commit applied here in the last minute (Status: the rate and training loss)."""
-        return self.recent.summary(self._clock())
+        return self.recent.summary(self.clock())
 
     def shard(self, record: WorkerRecord, count: int) -> Shard:
         """`record`'s data shard of `count` (0: no sharding, the slot seeds its order): its slot
@@ -178,14 +182,14 @@ class WorkerRegistry:
         if not candidates:
             return None
         idle = min(candidates, key=lambda record: record.last_commit)
-        return idle if self._clock() - idle.last_commit > self.lease_ttl else None
+        return idle if self.clock() - idle.last_commit > self.lease_ttl else None
 
     def listing(self, num_shards: int = 0) -> tuple[WorkerStatus, ...]:
         """The registered workers by slot, each with its shard's index of `num_shards`, how long ago
         it was last seen and last committed, and its commits of the last minute. Status reads it on
         the event loop while the applier's thread may add or remove a worker: the dict is copied in
         one step (under the GIL) before it is walked."""
-        now = self._clock()
+        now = self.clock()
         return tuple(
             WorkerStatus(
                 w.name,
@@ -218,7 +222,7 @@ class WorkerRegistry:
         """Replace every worker and slot by `image`'s, each worker seen and committed now; a
         ValueError naming the problem, with nothing changed, when the image is inconsistent."""
         self.check(image)
-        now = self._clock()
+        now = self.clock()
         self._workers = {
             w.worker_id: WorkerRecord(w.worker_id, w.name, w.slot, now, w.commits, now, w.client_id, RecentWindow(now))
             for w in image.workers
@@ -249,5 +253,5 @@ class WorkerRegistry:
             raise ValueError("the free slots are not in heap order")
 
     def expired(self) -> list[str]:
-        deadline = self._clock() - self.lease_ttl
+        deadline = self.clock() - self.lease_ttl
         return [w.worker_id for w in self._workers.values() if w.last_seen < deadline]

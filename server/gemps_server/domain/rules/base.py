@@ -158,6 +158,8 @@ class CommitRule(ABC):
     options: ClassVar[tuple[RuleOption, ...]] = ()
     #: float32 vectors of P parameters kept per registered worker (for memory accounting).
     vectors_per_worker: ClassVar[int] = 0
+    #: whether the compiled commit core (csrc/core.c) runs this rule's commits itself: GEM's exact state
+    native_step = False
 
     def __init__(self, num_parameters: int, *, learning_rate: float, schedule: Schedule = constant_schedule) -> None:
         self.num_parameters = num_parameters

@@ -44,8 +44,8 @@ from gemps_server.domain.rules.base import (
     constant_schedule,
 )
 from gemps_server.domain.rules.momentum import MOMENTUM
-from gemps_server.domain.rules.overflow import ROUNDING, SAFE_MAGNITUDE, OverflowGuard
-from gemps_server.native import all_finite, compiled, max_abs, median_in_place
+from gemps_server.domain.rules.overflow import OverflowGuard
+from gemps_server.native import all_finite, compiled, max_abs
 
 EPSILON = np.float32(1e-16)
 #: how GEM's update runs: `auto` (compiled if built, else numpy), `compiled`, `numpy`
@@ -104,8 +104,9 @@ class GemBase(OverflowGuard, CommitRule):
         if kernel == "compiled" and compiled is None:
             raise ValueError("gem kernel 'compiled' is not built here (no C compiler at install?): use auto or numpy")
         self.kernel = "compiled" if kernel != "numpy" and compiled is not None else "numpy"
-        self._stride = base.sample_stride(num_parameters)
-        self._samples = np.empty(-(-num_parameters // self._stride), dtype=np.float32)  # pi at the sampled parameters
+        # pi at every sample_stride-th parameter, written by the compiled passes (the commit core's too)
+        self.sample_stride = base.sample_stride(num_parameters)
+        self.samples = np.empty(-(-num_parameters // self.sample_stride), dtype=np.float32)
         self._allocate(num_parameters)
 
     def _allocate(self, num_parameters: int) -> None:
@@ -122,18 +123,11 @@ class GemBase(OverflowGuard, CommitRule):
         central_energy: float,
     ) -> ApplyStats:
         """ApplyStats from a compiled pass's sums and pi's sample: pi's over the `moving` parameters
-        (Delta != 0; the sample holds NaN at the others), the energies' over all `size` of them."""
-        if moving == 0:  # a commit of zeros: nothing moved, no pi to speak of
-            return ApplyStats(0.0, 0.0, 0.0, 0.0, proxy_energy / size, central_energy / size)
-        sample = self._samples if moving == size else self._samples[~np.isnan(self._samples)]
-        return ApplyStats(
-            scaling_mean=pi_sum / moving,
-            scaling_median=median_in_place(sample) if sample.size else pi_sum / moving,
-            fraction_at_zero=at_zero / moving,
-            fraction_at_max=at_max / moving,
-            proxy_energy=proxy_energy / size,
-            central_energy=central_energy / size,
-        )
+        (Delta != 0; the sample holds NaN at the others), the energies' over all `size` of them
+        (csrc/gem_rule.c, the compiled commit core's own)."""
+        assert compiled is not None
+        figures = (moving, pi_sum, at_zero, at_max, proxy_energy, central_energy)
+        return ApplyStats(*compiled.gem_stats(self.samples, size, *figures))
 
 
 class GemRule(GemBase):
@@ -147,7 +141,7 @@ class GemRule(GemBase):
         block = min(BLOCK, max(1, num_parameters))
         # Block-sized scratch, reused by every block of every commit.
         self._delta, self._movement, self._pi, self._denominator = (np.empty(block, dtype=np.float32) for _ in range(4))
-        self._sampled = np.arange(0, num_parameters, self._stride)
+        self._sampled = np.arange(0, num_parameters, self.sample_stride)
         self._spare_proxy: np.ndarray | None = None  # the next m_i is written here
 
     @property
@@ -167,6 +161,11 @@ class GemRule(GemBase):
 
     def remove_worker(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
+
+    def state_of(self, worker_id: str) -> _WorkerState:
+        """Worker `worker_id`'s m_i and s_i and the bounds on them, as held (the compiled commit
+        core moves them in place: csrc/core.c)."""
+        return self._workers[worker_id]
 
     def worker_state(self, worker_id: str) -> dict[str, np.ndarray]:
         """m_i and s_i, and the bounds on their magnitudes the compiled kernel keeps."""
@@ -268,12 +267,15 @@ class GemRule(GemBase):
         |m_i'| <= mu max|m_i| + |Delta|, pi <= pi_max, |theta - s_i| <= max|theta| + max|s_i|,
         |theta'| <= max|theta| + pi_max |Delta|. The bounds stand in for the peaks of the in-place
         pass (which does not measure them), widened by ROUNDING for float32's rounding; a bound
-        that has grown too loose sends a commit out of place, which measures the peaks again."""
-        delta = abs(scale) * (max_abs(update) if update_peak is None else update_peak) * ROUNDING
-        proxy = (abs(self.momentum) * state.proxy_peak + delta) * ROUNDING
-        theta = (theta_peak + abs(self.pi_max) * delta) * ROUNDING
-        largest = max(delta, proxy * max(1.0, abs(self.kappa)), theta_peak + state.last_seen_peak, theta)
-        return (theta, proxy) if largest < SAFE_MAGNITUDE else None  # None for NaN too
+        that has grown too loose sends a commit out of place, which measures the peaks again.
+        csrc/gem_rule.c's, the compiled commit core's own (tests/unit/reference_rules.py: in Python)."""
+        assert compiled is not None
+        payload_peak = max_abs(update) if update_peak is None else update_peak
+        options = (self.momentum, self.kappa, self.pi_max)
+        bounds: tuple[float, float] | None = compiled.gem_bounds(
+            scale, payload_peak, theta_peak, *options, state.proxy_peak, state.last_seen_peak
+        )
+        return bounds
 
     def _take_spare_proxy(self, like: np.ndarray) -> np.ndarray:
         spare, self._spare_proxy = self._spare_proxy, None
@@ -302,7 +304,7 @@ class GemRule(GemBase):
         (finite, pi_sum, at_zero, at_max, proxy_energy, central_energy, theta_peak, proxy_peak, payload_square,
          window_square, moving) = compiled.gem_update(
             theta, state.proxy, state.last_seen_theta, np.ascontiguousarray(update, np.float32), theta_out, proxy_out,
-            *(float(np.float32(v)) for v in values), self._stride, self._samples, out, total, stride, mode, held,
+            *(float(np.float32(v)) for v in values), self.sample_stride, self.samples, out, total, stride, mode, held,
         )  # fmt: skip
         if window is not None:
             window.payload_square, window.window_square = payload_square, window_square

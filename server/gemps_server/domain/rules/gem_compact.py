@@ -254,13 +254,13 @@ class CompactGemRule(GemBase):
         )  # fmt: skip
         if (
             not largest * ROUNDING < SAFE_MAGNITUDE
-            and not compiled.compact_gem_update(*arguments, 0, self._stride, self._samples)[0]
+            and not compiled.compact_gem_update(*arguments, 0, self.sample_stride, self.samples)[0]
         ):
             raise NonFiniteUpdate(
                 "the update would make the central variable or the worker's GEM state overflow (or NaN)"
             )
         total, stride, mode = (None, 1, 0) if window is None else (window.total, window.stride, window.mode)
-        written = compiled.compact_gem_update(*arguments, 1, self._stride, self._samples, out, total, stride, mode)
+        written = compiled.compact_gem_update(*arguments, 1, self.sample_stride, self.samples, out, total, stride, mode)
         (finite, pi_sum, at_zero, at_max, proxy_energy, central_energy, new_peak, _, _, payload_square,
          window_square, moving) = written  # fmt: skip
         assert finite, "compact GEM wrote a value that is not finite after its check"
