@@ -187,3 +187,19 @@ def test_the_cross_host_check_projects_each_cell_on_its_links(tmp_path: Path) ->
         assert rows["gemps", 1_000_000, partitions]["commits_ratio"] == pytest.approx(1, abs=0.25)
     assert rows["gemps", 100_000_000, 1]["commits_ratio_in_step"] == pytest.approx(1, abs=0.25)  # in step
     assert all(row["memory_ratio"] == pytest.approx(1, abs=0.07) for row in rows.values())
+
+
+def test_the_cross_host_check_after_the_fan_out_holds_the_partitioned_cells(tmp_path: Path) -> None:
+    """The recorded cross-host run after gemps.fan_out (docs/guides/sizing.md's second table): at 10M
+    K = 2 within 25 % by the projection (1.76x before the fix), 1M's three cells still within it."""
+    out = tmp_path / "check.json"
+    recorded = ROOT / "docs" / "results" / "plan" / "cross-host-b.json"
+    script = ROOT / "scripts" / "plan_check.py"
+    subprocess.run([sys.executable, str(script), str(recorded), "--json", str(out)], capture_output=True, check=False)
+    rows = {(row["system"], row["parameters"], row["partitions"]): row for row in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 8
+    for partitions in (1, 2, 4):
+        assert rows["gemps", 1_000_000, partitions]["commits_ratio"] == pytest.approx(1, abs=0.25)
+    assert rows["gemps", 10_000_000, 2]["commits_ratio"] == pytest.approx(1, abs=0.25)
+    assert rows["gemps", 10_000_000, 4]["commits_ratio_in_step"] == pytest.approx(1, abs=0.25)
+    assert all(row["memory_ratio"] == pytest.approx(1, abs=0.07) for row in rows.values())
