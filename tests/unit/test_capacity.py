@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from gemps_bench.capacity import ENCODING_BYTES, HEADROOM, TARGET_WAIT, Calibration, Curve, Job, PathCost, fit, plan
@@ -173,15 +174,20 @@ def test_the_check_script_projects_every_gemps_cell_of_the_recorded_runs_and_say
     assert subprocess.run(strict, capture_output=True, text=True).returncode == 1
 
 
+def cross_host_rows(tmp_path: Path, recorded: str) -> dict[tuple[str, int, int], dict[str, Any]]:
+    """scripts/plan_check.py's rows for a recorded cross-host run (docs/results/plan/), by cell."""
+    out = tmp_path / "check.json"
+    script = ROOT / "scripts" / "plan_check.py"
+    path = ROOT / "docs" / "results" / "plan" / recorded
+    subprocess.run([sys.executable, str(script), str(path), "--json", str(out)], capture_output=True, check=False)
+    return {(row["system"], row["parameters"], row["partitions"]): row for row in json.loads(out.read_text())["rows"]}
+
+
 def test_the_cross_host_check_projects_each_cell_on_its_links(tmp_path: Path) -> None:
     """scripts/plan_check.py on the recorded cross-host run (docs/guides/sizing.md's table): every
     gemps cell projected on the run's links (the partitions' 1 Gbit/s, the clients' host's 4),
     each within 25 % where the guide says it is, by the figure it names."""
-    out = tmp_path / "check.json"
-    recorded = ROOT / "docs" / "results" / "plan" / "cross-host.json"
-    script = ROOT / "scripts" / "plan_check.py"
-    subprocess.run([sys.executable, str(script), str(recorded), "--json", str(out)], capture_output=True, check=False)
-    rows = {(row["system"], row["parameters"], row["partitions"]): row for row in json.loads(out.read_text())["rows"]}
+    rows = cross_host_rows(tmp_path, "cross-host.json")
     assert len(rows) == 12
     for partitions in (1, 2, 4):  # 1M: the workers' transfers interleave
         assert rows["gemps", 1_000_000, partitions]["commits_ratio"] == pytest.approx(1, abs=0.25)
@@ -192,11 +198,7 @@ def test_the_cross_host_check_projects_each_cell_on_its_links(tmp_path: Path) ->
 def test_the_cross_host_check_after_the_fan_out_holds_the_partitioned_cells(tmp_path: Path) -> None:
     """The recorded cross-host run after gemps.fan_out (docs/guides/sizing.md's second table): at 10M
     K = 2 within 25 % by the projection (1.76x before the fix), 1M's three cells still within it."""
-    out = tmp_path / "check.json"
-    recorded = ROOT / "docs" / "results" / "plan" / "cross-host-b.json"
-    script = ROOT / "scripts" / "plan_check.py"
-    subprocess.run([sys.executable, str(script), str(recorded), "--json", str(out)], capture_output=True, check=False)
-    rows = {(row["system"], row["parameters"], row["partitions"]): row for row in json.loads(out.read_text())["rows"]}
+    rows = cross_host_rows(tmp_path, "cross-host-b.json")
     assert len(rows) == 8
     for partitions in (1, 2, 4):
         assert rows["gemps", 1_000_000, partitions]["commits_ratio"] == pytest.approx(1, abs=0.25)
