@@ -18,6 +18,7 @@ then noticed when the call's time is spent, not within seconds.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import time
@@ -59,9 +60,10 @@ def write_all(sock: socket.socket, views: list[memoryview], send: Callable[[list
                     raise ConnectionResetError(
                         f"the server acknowledged none of the request's bytes for {waiting / 1000:.1f} s"
                     ) from None
-    finally:
-        sock.settimeout(limit)
-        _user_timeout(sock, UNACKNOWLEDGED_MS)
+    finally:  # a socket closed meanwhile (another thread's wake) keeps the failure that brought us here
+        with contextlib.suppress(OSError):
+            sock.settimeout(limit)
+            _user_timeout(sock, UNACKNOWLEDGED_MS)
 
 
 def unacknowledged_ms(sock: socket.socket) -> int | None:
