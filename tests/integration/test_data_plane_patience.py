@@ -59,10 +59,16 @@ def test_an_upload_the_server_takes_in_late_is_waited_for_not_sent_again(tmp_pat
             client.close()
 
 
-def one_attempt(network: SimulatedNetwork, tmp_path: Path, size: int, prepare: Callable[[ServerProcess], None]) -> Any:
+def one_attempt(
+    network: SimulatedNetwork,
+    tmp_path: Path,
+    size: int,
+    prepare: Callable[[ServerProcess], None],
+    cut_after_s: float = 1.5,
+) -> Any:
     """A server on host s, the probe on host w (100 Mbit/s each): the probe registers `size` values,
-    `prepare(server)` sets the scene, the probe's one attempt at a commit starts, and 1.5 s later
-    the server's cable is cut; how the attempt ended."""
+    `prepare(server)` sets the scene, the probe's one attempt at a commit starts, and `cut_after_s`
+    later the server's cable is cut; how the attempt ended."""
     server_host, workers_host = network.add_host("s", rate="100mbit"), network.add_host("w", rate="100mbit")
     with ServerProcess(
         command=server_host.command(GEMPS_COMMAND), host=server_host.address, port=50051, data_port=51051,
@@ -76,7 +82,7 @@ def one_attempt(network: SimulatedNetwork, tmp_path: Path, size: int, prepare: C
             prepare(server)
             probe.stdin.write("go\n")
             probe.stdin.flush()
-            time.sleep(1.5)  # the scenario: the commit under way (or sent and awaiting its reply)
+            time.sleep(cut_after_s)  # the scenario: the commit under way (or sent and awaiting its reply)
             network.cut(server_host)
             output, _ = probe.communicate(timeout=90)
         finally:
@@ -104,3 +110,16 @@ def test_a_server_gone_while_its_reply_is_awaited_is_unavailable_not_a_deadline(
     assert "UNAVAILABLE: data plane of" in outcome["error"], outcome
     assert "the connection timed out" in outcome["error"], outcome
     assert outcome["failed_after_s"] < 20, outcome
+
+
+def test_a_server_gone_while_its_full_window_holds_the_upload_fails_the_attempt_within_seconds(
+    network: SimulatedNetwork, tmp_path: Path
+) -> None:
+    """A 64 MB commit to a paused server: its kernel takes in what its buffers hold (36 MB: 3 s at
+    100 Mbit/s), then offers a window of nothing, and the worker's kernel probes it. Then the
+    server's cable is cut. Every byte sent was acknowledged, so only the probes go unanswered: the
+    attempt fails UNAVAILABLE within seconds, not at its 60 s (before: the call's time spent)."""
+    outcome = one_attempt(network, tmp_path, SIZE, lambda server: os.kill(server.pid, signal.SIGSTOP), cut_after_s=6)
+    assert "UNAVAILABLE: data plane of" in outcome["error"], outcome
+    assert "answered none of the window probes" in outcome["error"], outcome
+    assert outcome["failed_after_s"] < 25, outcome  # its attempt's timeout is 60 s
