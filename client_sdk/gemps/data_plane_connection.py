@@ -329,9 +329,12 @@ class DataConnection:
         except OSError as error:  # ConnectionError, ssl.SSLError, a closed socket, a timeout
             self.close()
             if isinstance(error, TimeoutError) and error.errno is None:  # the socket's timeout: the call's time
+                # a write's own words (patient_writes: the server took in no more), else a reply awaited
+                what = (
+                    str(error) if str(error) not in ("", "timed out") else "the server sent nothing within the timeout"
+                )
                 raise errors.DeadlineExceededError(
-                    f"DEADLINE_EXCEEDED: data plane of {self.address} sent nothing within the timeout",
-                    errors.DeadlineExceededError.code,
+                    f"DEADLINE_EXCEEDED: data plane of {self.address}: {what}", errors.DeadlineExceededError.code
                 ) from None
             # the kernel's ETIMEDOUT among them: no keepalive answered, or bytes unacknowledged (KEEPALIVE)
             raise errors.ServerUnavailableError(

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
-from gemps import Client, CommitResult, patient_writes
+from gemps import Client, CommitResult, DeadlineExceededError, RetryPolicy, patient_writes
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.processes import GEMPS_COMMAND
 from gemps_worker.simulated_hosts import SimulatedNetwork
@@ -123,3 +124,23 @@ def test_a_server_gone_while_its_full_window_holds_the_upload_fails_the_attempt_
     assert "UNAVAILABLE: data plane of" in outcome["error"], outcome
     assert "answered none of the window probes" in outcome["error"], outcome
     assert outcome["failed_after_s"] < 25, outcome  # its attempt's timeout is 60 s
+
+
+def test_an_upload_the_server_never_takes_in_within_the_calls_time_says_so(tmp_path: Path) -> None:
+    """The server paused past the attempt's 3 s while a 64 MB commit is written: the attempt ends
+    DEADLINE_EXCEEDED saying the server took in no more of the request (before: "sent nothing within
+    the timeout", as if a reply were awaited), and the server, resumed, applied nothing."""
+    with ServerProcess(rule="downpour", port=free_port(), log_path=tmp_path / "server.log") as server:
+        client = Client(server.target, plane="data", shared_memory=False, timeout=3, retry=RetryPolicy(max_attempts=1))
+        try:
+            client.register({"w": np.zeros(SIZE, np.float32)})
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(DeadlineExceededError) as failed:
+                    client.commit(np.ones(SIZE), kind="update")
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            assert "took in no more of the request within the call's time" in str(failed.value), failed.value
+            assert client.pull().version == 0
+        finally:
+            client.close()
