@@ -35,7 +35,6 @@ from prometheus_client import disable_created_metrics
 from prometheus_client.parser import text_string_to_metric_families
 
 from gemps.client import Client
-from gemps_proto.rule_options import CATALOG
 from gemps_proto.schema import TrainingConfig
 from gemps_proto.schema_proto import tensor_from_proto, tensor_to_proto
 from gemps_proto.tensor_codec import EncodedTensor
@@ -43,6 +42,7 @@ from gemps_server import logs
 from gemps_server.app import ParameterServer
 from gemps_server.config import ServerConfig
 from gemps_server.domain.journal import Entry
+from gemps_server.domain.rules import rule_catalog, with_rule_defaults
 from tests.reserved_ports import TEST_PORTS
 
 #: how many xdist workers' shares TEST_PORTS is cut into (more workers wrap around: still distinct
@@ -87,7 +87,7 @@ TRAINING_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingConfig))
 def training_names() -> frozenset[str]:
     """The names `gemps server` takes for the training config: its fields and every option a
     registered rule declares (a test's rule included while registered)."""
-    return TRAINING_FIELDS | {option.name for option in CATALOG.declared()}
+    return TRAINING_FIELDS | {option.name for option in rule_catalog().declared()}
 
 
 def wait_for(
@@ -272,7 +272,7 @@ def training(rule: str = "gem", **changes: Any) -> TrainingConfig:
 
 def rule_option(config: TrainingConfig, name: str) -> float:
     """The value of the rule's option `name` in `config` (its default where the config sets none)."""
-    return config.with_rule_defaults().rule_options[name]
+    return with_rule_defaults(config).rule_options[name]
 
 
 def start_partitions(start: Callable[..., InProcessServer], count: int, **options: Any) -> list[InProcessServer]:

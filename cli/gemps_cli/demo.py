@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from gemps import options
 from gemps_cli import environment
-from gemps_cli.checked import checked_options
-from gemps_server.domain.rules import rule_names
+from gemps_cli.checked import add_training_arguments, checked_options
 from gemps_worker import demo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = demo.__doc__
-    options.add_arguments(parser, demo.DemoOptions, choices={"rule": rule_names()})
+    add_training_arguments(parser, demo.DemoOptions)
     environment.add_strict_flag(parser)
     parser.set_defaults(run=run)
 

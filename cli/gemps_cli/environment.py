@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 from gemps import options, variables
 from gemps_server.config import ServerConfig
+from gemps_server.domain.rules import rule_catalog
 
 log = logging.getLogger("gemps.config")
 
@@ -80,7 +81,8 @@ TRAINING_OPTIONS = frozenset(
 
 def known_options() -> frozenset[str]:
     """Every GEMPS_* variable that is an option of some gemps command."""
-    return TRAINING_OPTIONS | {options.env_var(f.name) for f in options.options_of(ServerConfig)}
+    server = options.options_of(ServerConfig, rule_catalog().fields)
+    return TRAINING_OPTIONS | {options.env_var(f.name) for f in server}
 
 
 # GEMPS_* variables that are no command's option, and who reads them (the SDK's others, such as

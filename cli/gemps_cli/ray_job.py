@@ -23,11 +23,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from gemps import options
 from gemps_cli import environment
-from gemps_cli.checked import checked_options
+from gemps_cli.checked import add_training_arguments, checked_options
 from gemps_server.checkpoint_files import export_state_dict
-from gemps_server.domain.rules import rule_names
 from gemps_server.replication import LocalEtcd
 from gemps_worker.on_ray import JobFailed, RayJobOptions, RayJobResult, run_job
 from gemps_worker.on_ray.actors import TrainFunction
@@ -40,7 +38,7 @@ PRINT_EVERY = 5.0  # seconds between progress lines
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
-    options.add_arguments(parser, RayJobOptions, choices={"rule": rule_names()})
+    add_training_arguments(parser, RayJobOptions)
     environment.add_strict_flag(parser)
     parser.add_argument(
         "--train",

@@ -9,12 +9,12 @@ from collections.abc import Mapping, Sequence
 from gemps import options
 from gemps_cli import environment
 from gemps_server.config import ServerConfig
-from gemps_server.domain.rules import rule_names
+from gemps_server.domain.rules import rule_catalog, rule_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Run the gemps parameter server (flag > GEMPS_* environment variable > default)."
-    options.add_arguments(parser, ServerConfig, choices={"rule": rule_names()})
+    options.add_arguments(parser, ServerConfig, choices={"rule": rule_names()}, declared=rule_catalog().fields)
     environment.add_strict_flag(parser)
     parser.set_defaults(run=run)
 
@@ -23,7 +23,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) 
     """The configuration `gemps server ARGV` runs with (raises ValueError for invalid values)."""
     parser = argparse.ArgumentParser(prog="gemps server")
     add_arguments(parser)
-    return options.from_sources(ServerConfig, parser.parse_args(argv), environ)
+    return options.from_sources(ServerConfig, parser.parse_args(argv), environ, rule_catalog().fields)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from gemps_server import app
 
     try:
-        config = options.from_sources(ServerConfig, args)
+        config = options.from_sources(ServerConfig, args, declared=rule_catalog().fields)
     except ValueError as error:
         print(f"gemps server: {error}", file=sys.stderr)
         return 2
@@ -50,5 +50,5 @@ def run(args: argparse.Namespace) -> int:
         process_title.show(process_title.supervisor_title(config))
 
         return PartitionSupervisor(config).run()
-    asyncio.run(app.serve(config, origins=options.origins(ServerConfig, args)))
+    asyncio.run(app.serve(config, origins=options.origins(ServerConfig, args, declared=rule_catalog().fields)))
     return 0

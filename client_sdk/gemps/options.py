@@ -9,7 +9,9 @@ A field whose default is a dataclass (`field(default_factory=TrainingConfig)`) c
 that dataclass's fields as flags of their own, so a configuration composed of others is still
 one flat list of options. A field whose metadata names options declared elsewhere
 (gemps_proto.rule_options.DECLARED: TrainingConfig.rule_options, the commit rules' options)
-contributes one flag per declared option, and holds those given as a name -> value map.
+contributes one flag per option of the `declared` fields the caller hands over (the server's
+rule registry: `rule_catalog().fields`), and holds those given as a name -> value map; none where
+no caller hands any (what a program knows of the rules is what it passes, not what it imported).
 `origins` says where each value came from (for a log of the configuration), and
 `unknown_variables` finds the GEMPS_* variables nothing reads, each with the closest known name:
 a misspelled variable would otherwise leave its option at the default.
@@ -76,20 +78,20 @@ def _nested(f: dataclasses.Field[Any]) -> type[Any] | None:
     return None
 
 
-def _declared(f: dataclasses.Field[Any]) -> DeclaredFields | None:
-    """What gives the options a field holds as a map (DECLARED), or None for a plain option."""
-    found: DeclaredFields | None = f.metadata.get(DECLARED)
-    return found
+def _holds_declared(f: dataclasses.Field[Any]) -> bool:
+    """Whether a field holds options declared elsewhere as a map (DECLARED), not a plain option."""
+    return DECLARED in f.metadata
 
 
-def options_of(options: type[Any]) -> Iterator[dataclasses.Field[Any]]:
-    """The plain option fields of `options`, composed dataclasses and declared options flattened in place."""
+def options_of(options: type[Any], declared: DeclaredFields | None = None) -> Iterator[dataclasses.Field[Any]]:
+    """The plain option fields of `options`, composed dataclasses flattened in place, and the
+    `declared` options in place of the field that holds them (none without `declared`)."""
     for f in dataclasses.fields(options):
-        nested, declared = _nested(f), _declared(f)
+        nested = _nested(f)
         if nested is not None:
-            yield from options_of(nested)
-        elif declared is not None:
-            yield from declared()
+            yield from options_of(nested, declared)
+        elif _holds_declared(f):
+            yield from declared() if declared is not None else ()
         else:
             yield f
 
@@ -108,11 +110,17 @@ def _default_text(f: dataclasses.Field[Any]) -> str:
     return str(f.metadata.get(DEFAULT_TEXT, repr(f.default)))
 
 
-def add_arguments(parser: argparse.ArgumentParser, options: type[Any], choices: Choices | None = None) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    options: type[Any],
+    choices: Choices | None = None,
+    declared: DeclaredFields | None = None,
+) -> None:
     """One flag per option; `choices` adds valid values that the dataclass cannot know (e.g. the
-    server's rule names). Flag defaults stay None so environment and defaults can apply."""
+    server's rule names), `declared` the options declared elsewhere (e.g. the rules' options).
+    Flag defaults stay None so environment and defaults can apply."""
     choices = choices or {}
-    for f in options_of(options):
+    for f in options_of(options, declared):
         valid = choices.get(f.name, f.metadata.get("choices"))
         bounds = range_of(f)
         within = f"; range {bounds}" if bounds is not None else ""
@@ -128,18 +136,22 @@ def add_arguments(parser: argparse.ArgumentParser, options: type[Any], choices: 
 
 
 def from_sources(
-    options: type[T], args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
+    options: type[T],
+    args: argparse.Namespace | None = None,
+    environ: Mapping[str, str] | None = None,
+    declared: DeclaredFields | None = None,
 ) -> T:
-    """Build `options` with precedence flag > GEMPS_* environment variable > default."""
+    """Build `options` with precedence flag > GEMPS_* environment variable > default (`declared`:
+    the options declared elsewhere that a DECLARED field holds, as add_arguments was given them)."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for f in dataclasses.fields(options):  # type: ignore[arg-type]
-        nested, declared = _nested(f), _declared(f)
+        nested = _nested(f)
         if nested is not None:
-            values[f.name] = from_sources(nested, args, environ)
+            values[f.name] = from_sources(nested, args, environ, declared)
             continue
-        if declared is not None:  # only those given: the dataclass says what the others are
-            found = {d.name: _lookup(d, args, environ) for d in declared()}
+        if _holds_declared(f):  # only those given: the dataclass says what the others are
+            found = {d.name: _lookup(d, args, environ) for d in (declared() if declared is not None else ())}
             values[f.name] = {name: value for name, (origin, value) in found.items() if origin != DEFAULT}
             continue
         origin, value = _lookup(f, args, environ)
@@ -149,12 +161,15 @@ def from_sources(
 
 
 def origins(
-    options: type[Any], args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
+    options: type[Any],
+    args: argparse.Namespace | None = None,
+    environ: Mapping[str, str] | None = None,
+    declared: DeclaredFields | None = None,
 ) -> dict[str, str]:
     """Where each option of `options` takes its value from, as `from_sources` decides: FLAG,
-    ENVIRONMENT or DEFAULT (composed dataclasses flattened, as `values_of`)."""
+    ENVIRONMENT or DEFAULT (composed dataclasses and `declared` options flattened, as `values_of`)."""
     environ = os.environ if environ is None else environ
-    return {f.name: _lookup(f, args, environ)[0] for f in options_of(options)}
+    return {f.name: _lookup(f, args, environ)[0] for f in options_of(options, declared)}
 
 
 def _lookup(f: dataclasses.Field[Any], args: argparse.Namespace | None, environ: Mapping[str, str]) -> tuple[str, Any]:
@@ -220,7 +235,7 @@ def values_of(instance: object) -> dict[str, object]:
         value = getattr(instance, f.name)
         if _nested(f) is not None:
             out.update(values_of(value))
-        elif _declared(f) is not None:
+        elif _holds_declared(f):
             out.update(value)
         else:
             out[f.name] = value

@@ -1,15 +1,16 @@
-"""A commit rule's own options: how a rule declares each, and the catalog of the rules this process knows.
+"""A commit rule's own options: how a rule declares each, and the catalog a set of rules makes.
 
 Every rule takes the learning rate and its schedule (TrainingConfig's fields); a rule's own knobs
 (GEM's mu, kappa and pi_max, the momentum rule's mu) are its options. The rules are the server's:
-each declares its options (RuleOption: name, default, range, help) and the server's rule registry
-(gemps_server.domain.rules) enters them here as it registers the rule. Everything else reads them
-from the config or from here, so a rule with options of its own widens nothing: the wire carries
-them as one name -> value map (TrainingConfig.rule_options), checkpoint metadata, Status, logs
-and the info metric list that map (TrainingConfig.as_dict), and gemps.options makes a flag and a
-GEMPS_* variable of each option declared here (`--momentum`, `GEMPS_MOMENTUM`) for the commands
-that start a server. A process that never imports the server's rules (an SDK client) has an
-empty catalog: it reads the values it is sent, and checks none.
+each declares its options (RuleOption: name, default, range, help), and the server's rule registry
+(gemps_server.domain.rules) builds its RuleCatalog from the rules registered there. Everything else
+reads them from the config or from that catalog, handed to it: the wire carries them as one name
+-> value map (TrainingConfig.rule_options), checkpoint metadata, Status, logs and the info metric
+list that map (TrainingConfig.as_dict), and gemps.options makes a flag and a GEMPS_* variable of
+each option of the catalog it is given (`--momentum`, `GEMPS_MOMENTUM`) for the commands that start
+a server. There is no catalog of the process: a TrainingConfig checks its own fields the same in
+every process, whatever it imported, and a rule's options are checked by the catalog of the rules
+that run them (the server's).
 """
 
 from __future__ import annotations
@@ -182,11 +183,9 @@ def _rules(names: Sequence[str]) -> str:
     return f"rule{'s' if len(names) > 1 else ''} {', '.join(names)}"
 
 
-#: The rules of this process: the server's rule registry declares each here.
-CATALOG = RuleCatalog()
-
-#: The metadata key of a field whose value maps names to values of options declared elsewhere:
-#: a callable that gives those options as dataclass fields (gemps.options makes a flag of each).
+#: The metadata key of a field whose value maps names to values of options declared elsewhere
+#: (TrainingConfig.rule_options: a catalog's): gemps.options makes a flag of each option of the
+#: catalog it is given (RuleCatalog.fields), and none without one.
 DECLARED = "declared"
 
 DeclaredFields = Callable[[], Iterable[dataclasses.Field[Any]]]

@@ -26,7 +26,7 @@ from typing import Any
 
 from gemps_proto import vectors
 from gemps_proto.ranges import FLOAT32_MAX, INT64_MAX, RANGE, UINT32_MAX, Range, out_of_range
-from gemps_proto.rule_options import CATALOG, DECLARED, OptionValues
+from gemps_proto.rule_options import DECLARED, OptionValues
 from gemps_proto.schedules import CONSTANT, SCHEDULES
 from gemps_proto.tensor_codec import FLOAT32, INT64
 from gemps_proto.vectors import ArrayLike, Vector
@@ -80,9 +80,10 @@ class TrainingConfig:
         within=POSITIVE_FACTOR,
     )
     # The rule's options by name (its declarations: gemps_proto.rule_options, one flag each). The
-    # server announces every option of its rule, those not set at their defaults (with_rule_defaults).
+    # server announces every option of its rule, those not set at their defaults (its registry's
+    # with_rule_defaults).
     rule_options: Mapping[str, float] = field(
-        default_factory=OptionValues, metadata={"help": "the rule's own options", DECLARED: CATALOG.fields}
+        default_factory=OptionValues, metadata={"help": "the rule's own options", DECLARED: "the rule's options"}
     )
     batch_size: int = _option(64, "mini-batch size announced to workers", within=Range(1, UINT32_MAX))
     # eta at central version v (commits applied): learning_rate * warm-up(v) * decay(v), see schedules.py
@@ -97,19 +98,15 @@ class TrainingConfig:
         object.__setattr__(self, "rule_options", OptionValues(self.rule_options))
 
     def problems(self) -> list[str]:
-        """What is wrong with these values (empty when nothing is): each outside its range (declared
-        with the field, or with the rule's option), an option the rule does not take, an unknown
-        schedule, and lr_min above learning_rate. The rule name is the server's to check (its registry)."""
-        found = out_of_range(self) + CATALOG.problems(self.rule, self.rule_options)
+        """What is wrong with these values (empty when nothing is): each outside its range, an
+        unknown schedule, and lr_min above learning_rate; the same in every process. The rule's
+        name and options are the server's to check (its registry: gemps_server.domain.rules)."""
+        found = out_of_range(self)
         if self.lr_schedule not in SCHEDULES:
             found.append(f"unknown lr_schedule {self.lr_schedule!r} (choose from {', '.join(SCHEDULES)})")
         if self.lr_min > self.learning_rate:
             found.append("lr_min must be in [0, learning_rate]")
         return found
-
-    def with_rule_defaults(self) -> TrainingConfig:
-        """This config with every option of its rule, those not set at their defaults (as announced)."""
-        return dataclasses.replace(self, rule_options=CATALOG.resolved(self.rule, self.rule_options))
 
     @classmethod
     def from_flat(cls, values: Mapping[str, Any]) -> TrainingConfig:

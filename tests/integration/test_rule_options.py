@@ -19,10 +19,10 @@ from gemps_cli.main import main as gemps_main
 import gemps
 from gemps.options import env_var
 from gemps_proto.ranges import Range
-from gemps_proto.rule_options import CATALOG, RuleOption
+from gemps_proto.rule_options import RuleOption
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.checkpoint_files import load_latest
-from gemps_server.domain.rules import register_rule, rule_names, unregister_rule
+from gemps_server.domain.rules import register_rule, rule_catalog, rule_names, unregister_rule
 from gemps_server.domain.rules.base import Schedule, constant_schedule
 from gemps_server.domain.rules.downpour import DownpourRule
 from tests.helpers import scrape_series
@@ -64,7 +64,7 @@ def damped() -> Iterator[type[DampedRule]]:
     register_rule(DampedRule)
     yield DampedRule
     unregister_rule(DampedRule.name)
-    assert DampedRule.name not in rule_names() and not CATALOG.knows(DampedRule.name)
+    assert DampedRule.name not in rule_names() and not rule_catalog().knows(DampedRule.name)
 
 
 def test_each_option_is_a_flag_and_a_variable_of_its_own(damped: type[DampedRule]) -> None:

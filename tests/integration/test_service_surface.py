@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gemps.options import flag, options_of
 from gemps_server.config import ServerConfig
+from gemps_server.domain.rules import rule_catalog
 from gemps_worker.cluster import ServerProcess
 from tests.helpers import InProcessServer
 
@@ -43,7 +44,7 @@ def test_server_help_documents_every_option() -> None:
     help_text = subprocess.run(
         [sys.executable, "-m", "gemps_cli", "server", "--help"], capture_output=True, text=True, check=True
     ).stdout
-    for field in options_of(ServerConfig):
+    for field in options_of(ServerConfig, rule_catalog().fields):
         assert flag(field.name) in help_text, field.name
         assert f"GEMPS_{field.name.upper()}" in help_text, field.name
 

@@ -24,6 +24,7 @@ from gemps import options
 from gemps.options import UnknownVariable
 from gemps_server.config import ServerConfig
 from gemps_server.config_log import REDACTED, log_configuration
+from gemps_server.domain.rules import rule_catalog
 
 ROOT = Path(__file__).resolve().parents[2]
 # Misspellings the docs and tests use on purpose (the issue's).
@@ -94,7 +95,7 @@ def test_every_commands_options_are_known() -> None:
     from gemps_worker.training import WorkerOptions
 
     def names(kind: type[Any]) -> set[str]:
-        return {options.env_var(f.name) for f in options.options_of(kind)}
+        return {options.env_var(f.name) for f in options.options_of(kind, rule_catalog().fields)}
 
     server = names(ServerConfig)
     training = set[str]().union(
@@ -148,10 +149,10 @@ def test_origins_say_where_each_value_came_from() -> None:
     server_command.add_arguments(parser)
     args = parser.parse_args(["--port", "6000"])
     environ = {"GEMPS_RULE": "downpour", "GEMPS_PORT": "7000"}
-    found = options.origins(ServerConfig, args, environ)
+    found = options.origins(ServerConfig, args, environ, rule_catalog().fields)
     assert (found["port"], found["rule"], found["learning_rate"]) == ("flag", "environment", "default")
-    assert set(found) == {f.name for f in options.options_of(ServerConfig)}
-    config = options.from_sources(ServerConfig, args, environ)  # the same precedence
+    assert set(found) == {f.name for f in options.options_of(ServerConfig, rule_catalog().fields)}
+    config = options.from_sources(ServerConfig, args, environ, rule_catalog().fields)  # the same precedence
     assert (config.port, config.training.rule) == (6000, "downpour")
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 import gemps_server.domain.rules  # noqa: F401  (the rules' options, as a server announces them)
+from gemps_server.domain.rules import with_rule_defaults
 from gemps_worker.experiment.analysis import base_name
 from gemps_worker.experiment.suite import (
     AGN_CHOSEN,
@@ -141,7 +142,7 @@ def test_the_local_steps_that_hold_accuracy_are_measured_on_equal_samples() -> N
     local = {c.name: c for c in SUITES["local-steps"](10)}
     for n in (10, 30):
         proxy, adam = local[f"gem-n{n}-local8-proxy"], local[f"gem-n{n}-local8-adam"]
-        eta, mu = proxy.training.learning_rate, proxy.training.with_rule_defaults().rule_options["momentum"]
+        eta, mu = proxy.training.learning_rate, with_rule_defaults(proxy.training).rule_options["momentum"]
         assert proxy.local_learning_rate == pytest.approx(eta / (1 - mu)) == pytest.approx(0.5)  # the proxy's pace
         assert (proxy.local_optimizer, proxy.dynsgd_steps, proxy.outer_learning_rate) == ("sgd", 8, 0.5)
         assert (adam.local_optimizer, adam.local_learning_rate, adam.outer_learning_rate) == ("adam", 0.003, 0.35)

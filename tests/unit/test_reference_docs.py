@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from gemps import options
 from gemps_proto.ranges import DEFAULT_TEXT
 from gemps_server.config import ServerConfig
+from gemps_server.domain.rules import rule_catalog
 from gemps_worker.metrics import EvaluatorMetrics, WorkerMetrics
 from tests.unit.test_metrics import busy_registry
 
@@ -123,7 +124,7 @@ def test_a_flag_a_command_gains_is_on_the_page(cli_page: str, monkeypatch: pytes
 def test_every_server_option_has_its_variable_and_default(cli_page: str) -> None:
     """From ServerConfig's fields, not from the parser: flag, variable and default of each."""
     rows = flag_rows(cli_page, "server")
-    for field in options.options_of(ServerConfig):
+    for field in options.options_of(ServerConfig, rule_catalog().fields):
         _flag, variable, default, _description = rows[options.flag(field.name)]
         assert variable == f"`{options.env_var(field.name)}`", field.name
         if DEFAULT_TEXT in field.metadata:

@@ -5,15 +5,26 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import pickle
 import re
+import subprocess
+import sys
 
 import pytest
 
 from gemps_proto.ranges import Range
-from gemps_proto.rule_options import CATALOG, OptionValues, RuleCatalog, RuleOption
+from gemps_proto.rule_options import OptionValues, RuleCatalog, RuleOption
 from gemps_proto.schema import TrainingConfig
-from gemps_server.domain.rules import create_rule, register_rule, rule_names, unregister_rule
+from gemps_server.domain.rules import (
+    create_rule,
+    register_rule,
+    rule_catalog,
+    rule_names,
+    training_problems,
+    unregister_rule,
+    with_rule_defaults,
+)
 from gemps_server.domain.rules.base import Schedule, constant_schedule
 from gemps_server.domain.rules.downpour import DownpourRule
 from gemps_server.domain.rules.momentum import MOMENTUM
@@ -25,10 +36,10 @@ BUILT_IN_OPTIONS = ["momentum", "kappa", "pi_max", "dn_learning_rate", "nesterov
 
 
 def test_the_built_in_rules_declare_their_options_once() -> None:
-    assert [o.name for o in CATALOG.declared()] == BUILT_IN_OPTIONS
-    assert CATALOG.rules_taking("momentum") == ["gem", "momentum", "nesterov", "delayed-nesterov"]
-    assert [CATALOG.options_of(rule) for rule in ("downpour", "adaptive-staleness")] == [(), ()]
-    assert all(CATALOG.knows(rule) for rule in rule_names())
+    assert [o.name for o in rule_catalog().declared()] == BUILT_IN_OPTIONS
+    assert rule_catalog().rules_taking("momentum") == ["gem", "momentum", "nesterov", "delayed-nesterov"]
+    assert [rule_catalog().options_of(rule) for rule in ("downpour", "adaptive-staleness")] == [(), ()]
+    assert all(rule_catalog().knows(rule) for rule in rule_names())
 
 
 def test_an_option_the_rule_does_not_take_is_refused_where_the_rule_is_made() -> None:
@@ -41,13 +52,13 @@ def test_an_option_the_rule_does_not_take_is_refused_where_the_rule_is_made() ->
 
 
 def test_the_announced_config_carries_every_option_of_its_rule() -> None:
-    assert training("gem", kappa=2.0).with_rule_defaults().rule_options == {
+    assert with_rule_defaults(training("gem", kappa=2.0)).rule_options == {
         "momentum": 0.9,
         "kappa": 2.0,
         "pi_max": 5.0,
     }
-    assert training("downpour").with_rule_defaults().rule_options == {}
-    assert training("not-a-rule", x=1.0).with_rule_defaults().rule_options == {"x": 1.0}  # the server's to refuse
+    assert with_rule_defaults(training("downpour")).rule_options == {}
+    assert with_rule_defaults(training("not-a-rule", x=1.0)).rule_options == {"x": 1.0}  # the server's to refuse
 
 
 def test_as_dict_lists_the_options_by_name_and_from_flat_reads_them_back() -> None:
@@ -129,7 +140,7 @@ def test_the_registry_refuses_a_rule_it_could_not_make_or_name() -> None:
     with pytest.raises(ValueError, match="names an option like a training config field: batch_size"):
         register_rule(ClashingRule)
     assert {"local-test", "not-taking-it-test", "clashing-test"}.isdisjoint(rule_names())
-    assert [o.name for o in CATALOG.declared()] == BUILT_IN_OPTIONS
+    assert [o.name for o in rule_catalog().declared()] == BUILT_IN_OPTIONS
 
 
 def test_a_config_with_rule_options_pickles_and_copies() -> None:
@@ -140,3 +151,32 @@ def test_a_config_with_rule_options_pickles_and_copies() -> None:
         assert again == config and again.rule_options == {"momentum": 0.5}
         with pytest.raises(TypeError, match="read-only"):
             again.rule_options["momentum"] = 0.1  # type: ignore[index]
+
+
+CONFIG_PROBLEMS = """
+import json, sys
+from gemps_proto.schema import TrainingConfig
+if sys.argv[1] == "with-rules":
+    import gemps_server.domain.rules  # noqa: F401  (the server's registry, imported or not)
+bad = TrainingConfig(learning_rate=0.0, rule_options={"kappa": -1.0, "damping": 2.0})
+print(json.dumps(bad.problems()))
+"""
+
+
+def test_a_training_configs_own_check_is_the_same_whatever_the_process_imported() -> None:
+    """TrainingConfig.problems answered from a catalog of the process that importing the server's
+    rules filled: in an SDK's process it said nothing of the rule's options, in a server's it
+    refused them. Now it checks its own fields alike everywhere; the rule's options are the
+    registry's to check (training_problems), handed its catalog."""
+    said = [
+        json.loads(subprocess.run([sys.executable, "-c", CONFIG_PROBLEMS, how], capture_output=True, text=True,
+                                  check=True).stdout)
+        for how in ("alone", "with-rules")
+    ]  # fmt: skip
+    assert said[0] == said[1] == ["learning_rate 0.0 is outside (0, 3.4e+38]"], said
+    registry = training_problems(TrainingConfig(learning_rate=0.0, rule_options={"kappa": -1.0, "damping": 2.0}))
+    assert registry == [
+        "learning_rate 0.0 is outside (0, 3.4e+38]",
+        "kappa -1.0 is outside (0, 3.4e+38]",
+        "rule 'gem' takes no option 'damping' (its options: momentum, kappa, pi_max)",
+    ]

@@ -10,7 +10,7 @@ import pytest
 
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
 from gemps_server.domain.records import Commit
-from gemps_server.domain.rules import create_rule, rule_class, rule_names
+from gemps_server.domain.rules import create_rule, rule_class, rule_names, with_rule_defaults
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
 from tests.helpers import encoded, rule_option, training
@@ -38,7 +38,7 @@ def run_random_sequence(params: TrainingConfig, seed: int, steps: int = 300) -> 
     chooser = random.Random(seed)
     theta0 = rng.normal(size=P).astype(np.float32)
     state = make_state(params)
-    options = params.with_rule_defaults().rule_options  # a rule's options (the reference ignores others')
+    options = with_rule_defaults(params).rule_options  # a rule's options (the reference ignores others')
     hyper = (options.get(name, math.nan) for name in ("momentum", "kappa", "pi_max"))
     dn = ("dn_learning_rate", "nesterov_period", "momentum_activation")  # delayed-nesterov's
     ref = ReferenceServer(

@@ -22,7 +22,7 @@ from gemps_proto.status import (
     WorkerStatus,
 )
 from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_server.domain.rules import rule_class, rule_names
+from gemps_server.domain.rules import rule_class, rule_names, training_problems, with_rule_defaults
 
 # Python type of each protobuf scalar type the schema uses.
 SCALARS = {
@@ -179,7 +179,7 @@ def test_training_config_problems_name_the_field() -> None:
     assert schema.TrainingConfig().problems() == []
     out_of_range = {"momentum": 1.0, "kappa": -1.0, "pi_max": 0.0}
     bad = schema.TrainingConfig(learning_rate=0.0, rule_options=out_of_range, batch_size=0)
-    problems = " ".join(bad.problems())
+    problems = " ".join(training_problems(bad))  # the server's check: its fields, then its rule's options
     for name in ("learning_rate", "momentum", "kappa", "pi_max", "batch_size"):
         assert name in problems
     from gemps import options
@@ -216,7 +216,7 @@ def test_each_rule_takes_its_hyperparameters_from_the_training_config(name: str)
     taken = rule_class(name).hyperparameters()
     assert "learning_rate" in taken  # every rule turns a gradient into -eta * g
     # The config it is announced with carries each: a field, or the rule's option by its own name.
-    assert set(taken) <= set(schema.TrainingConfig(rule=name).with_rule_defaults().as_dict())
+    assert set(taken) <= set(with_rule_defaults(schema.TrainingConfig(rule=name)).as_dict())
     assert rule_class(name).undeclared_options() == []  # each option is a constructor parameter
 
 

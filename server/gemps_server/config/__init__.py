@@ -27,6 +27,7 @@ from gemps_server.config.partitions import PartitionOptions
 from gemps_server.config.replication import ReplicationOptions
 from gemps_server.config.security import SecurityOptions
 from gemps_server.config.training import TrainingOptions, WorkerOptions
+from gemps_server.domain.rules import with_rule_defaults
 
 __all__ = [
     "CheckpointOptions",
@@ -79,7 +80,7 @@ class ServerConfig(
         if problems:
             raise ValueError("invalid server configuration: " + "; ".join(problems))
         # The config announced, checkpointed and shown carries every option of the rule.
-        object.__setattr__(self, "training", self.training.with_rule_defaults())
+        object.__setattr__(self, "training", with_rule_defaults(self.training))
 
     def problems(self) -> list[str]:
         """Every group's problems and those of groups together, in the order they have always been

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from gemps_proto.ranges import INT64_MAX, RANGE, SECONDS, UINT32_MAX, Range
 from gemps_proto.schema import TrainingConfig
 from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NOISE_WINDOW_HELP, NOISE_WINDOWS
-from gemps_server.domain.rules import GEM_STATES, rule_names
+from gemps_server.domain.rules import GEM_STATES, training_problems
 from gemps_server.domain.rules.gem import GEM_KERNELS, GEM_OWN_STEP
 from gemps_server.memory_budget import MIB
 from gemps_server.memory_claims import AUTO, OFF, option_problems
@@ -23,16 +23,13 @@ class TrainingOptions:
     """The training configuration (gemps_proto.schema.TrainingConfig) the server announces at Register:
     its fields are flags of their own (`--learning-rate`, `GEMPS_LEARNING_RATE`), and so is each
     option a registered rule declares (`--momentum`); one given for a rule that does not take it
-    is refused (TrainingConfig.problems)."""
+    is refused (the rule registry's training_problems)."""
 
     training: TrainingConfig = field(default_factory=TrainingConfig)
 
     def problems(self) -> list[str]:
-        """An unknown rule, then the training config's own problems (its ranges and its rule's options included)."""
-        found = []
-        if self.training.rule not in rule_names():
-            found.append(f"unknown rule {self.training.rule!r} (choose from {', '.join(rule_names())})")
-        return found + self.training.problems()
+        """An unknown rule, then the training config's own problems, then its rule's options'."""
+        return training_problems(self.training)
 
 
 @dataclass(frozen=True)

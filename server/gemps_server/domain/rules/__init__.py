@@ -2,19 +2,20 @@
 
 A rule subclasses CommitRule, names itself (`name`), declares its own options (`options`: each a
 gemps_proto.rule_options.RuleOption and a keyword-only constructor parameter of its name) and is
-registered: the built-in ones below, another with `register_rule`. Registering enters its options
-in gemps_proto.rule_options.CATALOG, which the flags (`--NAME`, `GEMPS_NAME`), the checks of a
-training config and the announced defaults read. Every rule also takes the learning rate and
+registered: the built-in ones below, another with `register_rule`. The registered rules make the
+catalog of options (`rule_catalog`) that the flags (`--NAME`, `GEMPS_NAME`), the checks of a
+training config's options (`training_problems`) and the announced defaults (`with_rule_defaults`)
+read. Every rule also takes the learning rate and
 `schedule`, eta's factor over central versions, which `from_config` builds from the config's lr_*
 fields (gemps_proto.schedules); a constructor that overrides CommitRule's passes it on.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
-from gemps_proto.rule_options import CATALOG
+from gemps_proto.rule_options import RuleCatalog
 from gemps_proto.schema import TrainingConfig
 from gemps_server.domain.rules.adaptive_staleness import AdaptiveStalenessRule
 from gemps_server.domain.rules.base import ApplyStats, CommitRule, NonFiniteUpdate
@@ -25,6 +26,7 @@ from gemps_server.domain.rules.gem_compact import CompactGemRule
 from gemps_server.domain.rules.momentum import MomentumRule, NesterovRule
 
 _RULES: dict[str, type[CommitRule]] = {}
+_CATALOG = RuleCatalog()  # the options of the rules in _RULES, entered and withdrawn with them
 # What a rule option may not be called: the training config's own fields (one flag, one key each).
 _RESERVED = frozenset(f.name for f in fields(TrainingConfig))
 
@@ -41,14 +43,14 @@ def register_rule(rule: type[CommitRule]) -> None:
     missing = rule.undeclared_options()
     if missing:
         raise ValueError(f"rule {rule.name!r}'s constructor takes no keyword-only {', '.join(missing)}")
-    CATALOG.declare(rule.name, rule.options)
+    _CATALOG.declare(rule.name, rule.options)
     _RULES[rule.name] = rule
 
 
 def unregister_rule(name: str) -> None:
     """Forget the rule `name` and its options (a rule registered for a while, as a test's)."""
     _RULES.pop(name, None)
-    CATALOG.withdraw(name)
+    _CATALOG.withdraw(name)
 
 
 for _rule in (GemRule, DownpourRule, AdaptiveStalenessRule, MomentumRule, NesterovRule, DelayedNesterovRule):
@@ -57,6 +59,25 @@ for _rule in (GemRule, DownpourRule, AdaptiveStalenessRule, MomentumRule, Nester
 
 def rule_names() -> list[str]:
     return list(_RULES)
+
+
+def rule_catalog() -> RuleCatalog:
+    """The options of the registered rules (gemps.options makes flags of its `fields`)."""
+    return _CATALOG
+
+
+def training_problems(config: TrainingConfig) -> list[str]:
+    """What is wrong with `config` for the server: an unknown rule, its own fields' problems, and
+    its options as its rule takes them (an option it does not take, a value out of range)."""
+    found = []
+    if config.rule not in _RULES:
+        found.append(f"unknown rule {config.rule!r} (choose from {', '.join(_RULES)})")
+    return found + config.problems() + _CATALOG.problems(config.rule, config.rule_options)
+
+
+def with_rule_defaults(config: TrainingConfig) -> TrainingConfig:
+    """`config` with every option of its rule, those not set at their defaults (as announced)."""
+    return replace(config, rule_options=_CATALOG.resolved(config.rule, config.rule_options))
 
 
 #: how GEM keeps each worker's m_i and s_i: exact (float32, gem.py) or compact (8-bit codes, gem_compact.py)
@@ -108,7 +129,10 @@ __all__ = [
     "RuleRuntime",
     "create_rule",
     "register_rule",
+    "rule_catalog",
     "rule_class",
     "rule_names",
+    "training_problems",
     "unregister_rule",
+    "with_rule_defaults",
 ]
