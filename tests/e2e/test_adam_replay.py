@@ -26,6 +26,8 @@ ENERGY_MATCHED = ("--gem-outer", "1", "--gem-momentum", "0", "--gem-kappa", "1",
 
 
 def load_script() -> ModuleType:
+    if str(SCRIPT.parent) not in sys.path:  # it imports its sibling modules, as when run as a script
+        sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("adam_staleness", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
