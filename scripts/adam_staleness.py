@@ -11,6 +11,13 @@ worker. What differs is only when and where Adam's step is taken:
   make S = N - 1; S = 0 is `single` with the shards interleaved);
 - `mean:K`: one AdamW on the server, one step on the mean of K commits (a K-times larger batch),
   each worker's gradient taken at the θ of its own last reply (stale by at most one step);
+- `pred:K`: `mean:K` with one-step weight prediction, as SpecTrain (Chen et al. 2018, "Efficient and
+  Robust Parallel DNN Training through Model Parallelism on Multi-GPU Platform", arXiv:1809.02839)
+  and PipeMare (Yang et al. 2021, arXiv:1910.05124) predict the weights a delayed gradient meets,
+  the last server step's move standing for their smoothed gradient: each worker's gradient taken at
+  θ_r + p·l·(θ_r - θ_b), θ_r its last reply, θ_b the θ of the server step before it, l how many
+  server steps landed between its previous reply and its previous commit's use (N in turn, K = N:
+  0 for the rank whose commit completes a round, 1 for the others), p `--prediction` (0: `mean:K`);
 - `ddp:K`: the same step with every gradient taken at the newest θ: DDP with AdamW on K machines
   at a global batch of K times the batch (the reference a team with K machines would run);
 - `dc:S`: `stale:S` with the delay compensated as DC-ASGD-a does (Zheng et al. 2017): the gradient
@@ -65,13 +72,13 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from adam_look_ahead import DanaLookAhead  # beside this script (its directory is on sys.path when run)
 from gemps_bench.alternatives.workloads import workload
 from torch.nn.utils import parameters_to_vector
 
@@ -157,22 +164,33 @@ def server_adam(
     dc_lambda: float = 0.0,
     warmup: int | None = None,
     workers: int = WORKERS,
+    prediction: float = 1.0,
 ) -> list[list[float]]:
-    """`single`, `stale:S`, `dc:S`, `mean:K` and `ddp:K`: one AdamW holds θ; workers hand it gradients."""
+    """`single`, `stale:S`, `dc:S`, `mean:K`, `pred:K` and `ddp:K`: one AdamW holds θ; workers hand it
+    gradients. `prediction` is pred:K's share of the move it predicts."""
     central, worker = data.build(), data.build()
     optimizer = data.optimizer_of(central, lr)
-    batched = variant in ("mean", "ddp")  # one step per `amount` gradients
+    batched = variant in ("mean", "pred", "ddp")  # one step per `amount` gradients
     schedule = None if warmup is None else cosine_schedule(optimizer, steps // (amount if batched else 1), warmup)
     world = 1 if variant == "single" else workers
     streams = [data.batches(rank, world) for rank in range(world)]
     history = collections.deque([flat(central)], maxlen=amount + 1)  # stale:S, θ of the last S+1 versions
-    replied = [flat(central)] * world  # mean:K, the θ each worker last received
+    replied = [history[0]] * world  # mean:K and pred:K, the θ each worker last received
+    # pred:K: θ before the newest server step, and for each worker θ before its reply's, the server
+    # steps before its reply and how many landed between its previous reply and its previous commit.
+    before, server_steps = history[0], 0
+    replied_before, replied_at, lags = [before] * world, [0] * world, [0] * world
     summed: list[torch.Tensor] = []
     mean_square: list[torch.Tensor] = []
     curve = []
     for step in range(1, steps + 1):
         rank = step % world
-        at = {"mean": replied[rank], "ddp": history[-1]}.get(variant, history[0])
+        at = {"mean": replied[rank], "pred": replied[rank], "ddp": history[-1]}.get(variant, history[0])
+        if variant == "pred":
+            lead = prediction * lags[rank]
+            if lead:
+                at = at + lead * (at - replied_before[rank])
+            lags[rank] = server_steps - replied_at[rank]
         grads = gradient(worker, at, next(streams[rank]))
         if variant == "dc":
             moved = history[-1] - at
@@ -189,12 +207,13 @@ def server_adam(
             scale = amount if batched else 1
             for p, g in zip(central.parameters(), summed, strict=True):
                 p.grad = g / scale
+            before = history[-1]
             optimizer.step()
             if schedule is not None:
                 schedule.step()
-            summed = []
+            summed, server_steps = [], server_steps + 1
         history.append(flat(central))
-        replied[rank] = history[-1]
+        replied[rank], replied_before[rank], replied_at[rank] = history[-1], before, server_steps
         if step in evals:
             curve.append([step * BATCH, data.held_out(worker, history[-1])])
     return curve
@@ -265,52 +284,6 @@ def local_adam(
     return curve
 
 
-class DanaLookAhead:
-    """dana:H's window starts (DANA-Zero's θ̂ with each worker's AdamW in place of its momentum SGD).
-
-    DANA's master adds every worker's momentum term -ημv^j, the part of its next update known before
-    its gradient is. For AdamW that part is its first moment decayed one step further, and over a
-    window of H steps (the gradients to come taken as zero, the second moment as it stands):
-
-        u_j = -Σ_{k=1..H} lr·β1^k·m_j/(1 - β1^(t+k)) / (√v_j/√(1 - β2^(t+k)) + ε)
-
-    (t the worker's steps so far, lr the one its schedule sets next; the weight decay's own small
-    move is left out). Worker i's window starts at θ + Σ_{j≠i} u_j(H) + u_i(1): the others' windows
-    all land before its commit, in turn, and of its own only the first step's momentum is ahead of
-    its gradient (Nesterov's; its later steps it takes itself). H = 1: θ + Σ_j u_j, DANA-Zero's θ̂.
-    A worker's u_j changes only when its window ends, so each is kept until then."""
-
-    def __init__(self, theta: torch.Tensor, workers: int, window: int) -> None:
-        self.window = window
-        self.moves = [torch.zeros_like(theta) for _ in range(workers)]
-
-    def start(
-        self, theta: torch.Tensor, rank: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-    ) -> torch.Tensor:
-        """Where worker `rank`'s next window starts, its own window just ended at `optimizer`'s state."""
-        self.moves[rank] = momentum_move(model, optimizer, self.window)
-        own = self.moves[rank] if self.window == 1 else momentum_move(model, optimizer, 1)
-        return theta + torch.stack([*(move for j, move in enumerate(self.moves) if j != rank), own]).sum(dim=0)
-
-
-def momentum_move(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> torch.Tensor:
-    """u: what `optimizer` (Adam or AdamW) moves `model`'s parameters over `steps` steps on its first
-    moment alone (DanaLookAhead), as one vector in parameters_to_vector's order."""
-    group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
-    pieces = []
-    for p in model.parameters():
-        state, group = optimizer.state.get(p, {}), group_of[p]
-        move = torch.zeros_like(p)
-        if state:  # no step yet: no moment, no move
-            (beta1, beta2), done = group["betas"], int(state["step"])
-            first, root = state["exp_avg"], state["exp_avg_sq"].sqrt()
-            for k in range(1, steps + 1):
-                step_size = group["lr"] * beta1**k / (1 - beta1 ** (done + k))
-                move -= step_size * first / (root / math.sqrt(1 - beta2 ** (done + k)) + group["eps"])
-        pieces.append(move.flatten())
-    return torch.cat(pieces)
-
-
 def _outer_step(rule: CommitRule, theta: torch.Tensor, delta: torch.Tensor, rank: int, staleness: int) -> torch.Tensor:
     """θ after the server's rule applies one worker's window (copies both ways: the rule reuses
     the θ it returned last as scratch)."""
@@ -325,6 +298,9 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--evaluations", type=int, default=8)
     parser.add_argument("--dc-lambda", type=float, default=1.0, help="dc:S's compensation factor")
+    parser.add_argument(
+        "--prediction", type=float, default=1.0, help="pred:K's share of the move it predicts (0: mean:K)"
+    )
     parser.add_argument("--dn-learning-rate", type=float, default=0.7, help="dn:H's outer learning rate ε")
     parser.add_argument("--dn-momentum", type=float, default=0.9, help="dn:H's outer Nesterov momentum β")
     parser.add_argument(
@@ -385,12 +361,12 @@ def main() -> None:
         elif name in ("dn", "gem", "as"):
             outer, scale = _rule(name, args, data), args.gem_outer if name == "gem" else 1.0
             curve = local_adam(data, int(amount), steps, args.learning_rate, evals, outer, scale=scale, **windows)
-        elif name in ("single", "stale", "dc", "mean", "ddp"):
+        elif name in ("single", "stale", "dc", "mean", "pred", "ddp"):
             amounts = int(amount or 0), steps, args.learning_rate, evals
-            curve = server_adam(data, name, *amounts, args.dc_lambda, args.warmup, args.workers)
+            curve = server_adam(data, name, *amounts, args.dc_lambda, args.warmup, args.workers, args.prediction)
         else:
             parser.error(
-                f"unknown variant {variant!r}: single, stale:S, dc:S, mean:K, ddp:K, "
+                f"unknown variant {variant!r}: single, stale:S, dc:S, mean:K, pred:K, ddp:K, "
                 "local:H, ahead:H, job:H, dana:H, dn:H, as:H or gem:H"
             )
         settings = {
@@ -403,6 +379,8 @@ def main() -> None:
         }
         if name == "dn":
             settings.update(dn_learning_rate=args.dn_learning_rate, dn_momentum=args.dn_momentum)
+        if name == "pred":
+            settings.update(prediction=args.prediction)
         if name in ("ahead", "job"):
             settings.update(ahead=args.ahead)
         if name == "gem":

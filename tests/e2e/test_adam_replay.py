@@ -6,8 +6,10 @@ bit; a window applied by the energy-matched rule (GEM with μ 0, c excluding the
 π = 1 where nothing else moved θ) or by the adaptive-staleness rule (staleness 0) is downpour's to
 the bit, and lands where one AdamW worker's step does, up to rounding. With 16 workers in turn the
 schemes learn, the energy-matched one about as DDP does, and a stale scheme is not DDP's
-computation (the gradient's θ tells them apart). DANA's look-ahead (`dana:H`) starts a window where
-the workers' AdamW moments, worked out by hand in float64, say θ is headed."""
+computation (the gradient's θ tells them apart). Weight prediction (`pred:K`) at a share of 0 is
+`mean:K` to the bit, and moves θ off it once a worker's gradient is predicted. DANA's look-ahead
+(`dana:H`) starts a window where the workers' AdamW moments, worked out by hand in float64, say θ
+is headed."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ ENERGY_MATCHED = ("--gem-outer", "1", "--gem-momentum", "0", "--gem-kappa", "1",
 
 
 def load_script() -> ModuleType:
+    if str(SCRIPT.parent) not in sys.path:  # it imports its sibling modules, as when run as a script
+        sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("adam_staleness", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -72,6 +76,31 @@ def test_sixteen_workers_in_turn_run_every_scheme_and_learn(tmp_path: Path) -> N
     assert abs(losses["gem:1"][-1] - losses["ddp:16"][-1]) < 0.02 * losses["ddp:16"][-1], losses
     # DDP takes every gradient at the newest θ, `mean` at each worker's last reply: not the same run.
     assert losses["ddp:16"] != losses["mean:16"], losses
+
+
+def test_weight_prediction_at_share_zero_is_mean_and_otherwise_moves_theta_ahead() -> None:
+    """Two workers in turn, one server step a round: from the third round worker 1's gradient is
+    taken at its reply plus the last server step's move (it waited on one server step last time)."""
+    script = load_script()
+    data = script.Data()
+    thetas: list[torch.Tensor] = []
+
+    def keep_theta(model: torch.nn.Module, theta: torch.Tensor) -> float:
+        """θ where the held-out loss would be: the bit-for-bit witness, and no evaluation's seconds."""
+        thetas.append(theta)
+        return 0.0
+
+    data.held_out = keep_theta
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the script runs
+    try:
+        for variant, share in (("pred", 0.0), ("mean", 1.0), ("pred", 1.0)):
+            script.server_adam(data, variant, 2, 6, 3e-3, [6], workers=2, prediction=share)
+    finally:
+        torch.set_num_threads(threads)
+    unpredicted, mean, predicted = thetas
+    assert torch.equal(unpredicted, mean)
+    assert not torch.equal(predicted, mean)
 
 
 def momentum_moves(gradients: list[float], window: int, lr: float = 0.01) -> list[float]:
