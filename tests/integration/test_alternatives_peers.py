@@ -32,6 +32,8 @@ DEADLINE_S = 90.0
 EXTRA_FLAGS = {"hivemind": ["--target-batch-size", "1280"]}
 #: chance on the digits' ten classes is 0.1
 ABOVE_CHANCE = 0.3
+#: each local optimizer's rate for this run: gemps' η for the contract's SGD, the Adam grid's 2e-3 for AdamW
+RATES = {"sgd": "0.05", "adamw": "0.002"}
 
 
 def _python(system: str) -> Path:
@@ -45,12 +47,16 @@ def _python(system: str) -> Path:
 
 
 def _argv(python: Path, system: str, run_dir: Path, port: int, rank: int, role: str) -> list[str]:
-    module = f"gemps_bench.alternatives.peers.{system}"
+    """The entry's program (its own name unless it names one) with its local optimizer."""
+    entry = SYSTEMS[system]
+    program, optimizer = str(entry.get("program", system)), str(entry.get("optimizer", "sgd"))
+    module = f"gemps_bench.alternatives.peers.{program}"
     deadline = DEADLINE_S + 15 if role == "coordinator" else DEADLINE_S
     return [
         str(python), "-m", module, "--workload", "digits", "--rank", str(rank), "--world", str(WORKERS),
-        "--seed", "0", "--batch", "32", "--lr", "0.05", "--run-dir", str(run_dir), "--deadline-s", str(deadline),
-        "--coordinator", f"127.0.0.1:{port}", "--role", role, *EXTRA_FLAGS.get(system, []),
+        "--seed", "0", "--batch", "32", "--lr", RATES[optimizer], "--optimizer", optimizer, "--run-dir", str(run_dir),
+        "--deadline-s", str(deadline), "--coordinator", f"127.0.0.1:{port}", "--role", role,
+        *EXTRA_FLAGS.get(program, []),
     ]  # fmt: skip
 
 
@@ -138,9 +144,14 @@ def test_peer_trains_the_digits_and_snapshots_it(system: str, tmp_path: Path) ->
 
 
 def test_every_peer_is_a_module_run_by_the_peers_interpreter() -> None:
-    """The manifest the harness reads (systems/peers.py): each system a module here, by its name."""
+    """The manifest the harness reads (systems/peers.py): each system a module here, by its name or
+    the program its entry names, the Adam-path ones with nanoGPT's AdamW."""
     peers = MANIFEST.parent
-    assert set(SYSTEMS) == {"torchft_ddp", "torchft_localsgd", "torchft_diloco", "hivemind"}
+    common = {"python": ".venv-peers/bin/python", "coordinator": True, "snapshot_rank": 0}
+    adamw = {"torchft_ddp_adamw": "torchft_ddp", "hivemind_adamw": "hivemind"}
+    assert set(SYSTEMS) == {"torchft_ddp", "torchft_localsgd", "torchft_diloco", "hivemind", *adamw}
     for system, entry in SYSTEMS.items():
-        assert (peers / f"{system}.py").is_file(), system
-        assert entry == {"python": ".venv-peers/bin/python", "coordinator": True, "snapshot_rank": 0}, system
+        program = adamw.get(system, system)
+        assert (peers / f"{program}.py").is_file(), system
+        expected = {**common, "program": program, "optimizer": "adamw"} if system in adamw else common
+        assert entry == expected, system

@@ -3,8 +3,8 @@ progress log and its snapshots.
 
 Every system's worker is a process started as `python -m MODULE --workload W --rank R --world N
 --seed S --batch B --lr LR --run-dir DIR --deadline-s T [--snapshot-every S] [--coordinator HOST:PORT]
-[--role worker|coordinator]`. Once set up, it waits at the start gate (`ProgressLog.wait_for_go`); then it
-appends one JSON line per step to DIR/worker-R.jsonl (`ProgressLog`) and, on the
+[--role worker|coordinator] [--optimizer sgd|adamw]`. Once set up, it waits at the start gate
+(`ProgressLog.wait_for_go`); then it appends one JSON line per step to DIR/worker-R.jsonl (`ProgressLog`) and, on the
 snapshotting rank, writes DIR/snapshots/<wall time>.pt at most every --snapshot-every seconds
 (`Snapshots`); the harness reads both after the run. Importable without gemps_server.
 """
@@ -24,6 +24,12 @@ import torch
 from torch import nn
 
 from gemps_bench.alternatives.workloads import WORKLOADS
+from gemps_worker.nanogpt import adamw
+
+#: the local optimizers a worker program steps (--optimizer): the contract's SGD with momentum 0.9, or
+#: nanoGPT's AdamW (gemps_worker.nanogpt: betas 0.9/0.99, weight decay 0.1 on matrices), both at --lr
+OPTIMIZERS = ("sgd", "adamw")
+MOMENTUM = 0.9
 
 #: seconds between two snapshots of one run, at least (the default of --snapshot-every)
 SNAPSHOT_EVERY = 2.0
@@ -47,6 +53,7 @@ class WorkerArgs:
     coordinator: str
     role: str
     snapshot_every: float = SNAPSHOT_EVERY
+    optimizer: str = "sgd"
 
 
 def worker_parser(description: str) -> argparse.ArgumentParser:
@@ -63,6 +70,7 @@ def worker_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--snapshot-every", type=float, default=SNAPSHOT_EVERY, help="seconds between snapshots")
     parser.add_argument("--coordinator", default="", help="HOST:PORT of the system's coordinator, where it has one")
     parser.add_argument("--role", default="worker", choices=ROLES)
+    parser.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="the local optimizer, at --lr")
     return parser
 
 
@@ -84,7 +92,17 @@ def parse_worker_args(parser: argparse.ArgumentParser, argv: Sequence[str] | Non
         args.coordinator,
         args.role,
         args.snapshot_every,
+        args.optimizer,
     )
+
+
+def local_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The local optimizer `--optimizer name` over `model`'s parameters at `lr` (OPTIMIZERS)."""
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
+    if name == "adamw":
+        return adamw(model, lr)
+    raise ValueError(f"unknown --optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
 
 
 def worker_argv(
@@ -98,13 +116,16 @@ def worker_argv(
     run_dir: Path,
     deadline_s: float,
     snapshot_every: float = SNAPSHOT_EVERY,
+    optimizer: str = "sgd",
 ) -> list[str]:
-    """The flags of `parse_worker_args` for a program run as `python -m module` (without the python)."""
-    return [
+    """The flags of `parse_worker_args` for a program run as `python -m module` (without the python);
+    `--optimizer` only where it is not the contract's SGD (the command lines of SGD systems as before)."""
+    argv = [
         "-m", module, "--workload", workload, "--rank", str(rank), "--world", str(world), "--seed", str(seed),
         "--batch", str(batch), "--lr", repr(lr), "--run-dir", str(run_dir), "--deadline-s", repr(deadline_s),
         "--snapshot-every", repr(snapshot_every),
     ]  # fmt: skip
+    return argv if optimizer == "sgd" else [*argv, "--optimizer", optimizer]
 
 
 class ProgressLog:

@@ -5,9 +5,10 @@ docs/results/alternatives/<workload>.json, and draw the figure.
     python -m gemps_bench.alternatives --search --systems gemps-gem,ddp --workload digits
     python -m gemps_bench.alternatives --report-only --workload digits
 
---search runs the learning-rate search (scenario a, seed 0, each rate of the workload's grid, the
-same grid for every system), records each system's best in learning_rates.json and its run as the
-system's (a) cell of seed 0; runs use the recorded rate (--lr overrides it).
+--search runs the learning-rate search (scenario a, seed 0, each rate of the system's grid:
+`System.learning_rates`, the workload's SGD grid, or one AdamW grid shared by every Adam-path
+system), records each system's best in learning_rates.json and its run as the system's (a) cell of
+seed 0; runs use the recorded rate (--lr overrides it).
 """
 
 from __future__ import annotations
@@ -149,11 +150,11 @@ def _scenarios(given: list[str]) -> dict[str, str | None]:
 
 
 def _search(name: str, system_name: str, args: argparse.Namespace, target: float) -> dict[str, Any]:
-    """The system's run in scenario a, seed 0, at the rate of the grid with the shortest time to
+    """The system's run in scenario a, seed 0, at the rate of its grid with the shortest time to
     target (none reaching it: the best final held-out metric)."""
     chosen = workload(name)
     results = []
-    for rate in chosen.learning_rates:
+    for rate in system(system_name).learning_rates(chosen):
         cell = Cell("a", system_name, name, 0, rate, args.duration_s, args.snapshot_every)
         results.append(run_cell(cell, args.runs / "search", rate, target))
         print(report.line(results[-1]), flush=True)

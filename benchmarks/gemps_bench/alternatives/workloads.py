@@ -45,7 +45,8 @@ class Workload:
     name: str
     metric: str  # "accuracy" (higher is better) or "loss" (lower is better), on the held-out set
     batch: int  # samples per worker per step, the same for every system
-    # the learning-rate search grid: the same size and values for every system (docs: the rule)
+    # the learning-rate search grid of every SGD system (the same size and values; docs: the rule);
+    # the Adam-path systems share their own (systems/base.py, ADAMW_LEARNING_RATES)
     learning_rates: tuple[float, ...]
 
     def data(self) -> Dataset:

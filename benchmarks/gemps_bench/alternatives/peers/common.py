@@ -26,11 +26,16 @@ from types import FrameType
 import torch
 from torch import nn
 
-from gemps_bench.alternatives.contract import ProgressLog, Snapshots, WorkerArgs, parse_worker_args, worker_parser
+from gemps_bench.alternatives.contract import (
+    ProgressLog,
+    Snapshots,
+    WorkerArgs,
+    local_optimizer,
+    parse_worker_args,
+    worker_parser,
+)
 from gemps_bench.alternatives.workloads import Workload, workload
 
-#: the local optimizer's momentum (CONTRACT.md: SGD with momentum 0.9 unless a peer documents otherwise)
-MOMENTUM = 0.9
 #: seconds past the deadline after which a worker still inside a step exits anyway
 EXIT_GRACE_S = 10.0
 
@@ -72,8 +77,10 @@ class PeerWorker:
     def seconds_left(self) -> float:
         return max(0.0, self.deadline_monotonic - time.monotonic())
 
-    def local_optimizer(self) -> torch.optim.SGD:
-        return torch.optim.SGD(self.model.parameters(), lr=self.args.lr, momentum=MOMENTUM)
+    def local_optimizer(self) -> torch.optim.Optimizer:
+        """The manifest entry's `--optimizer` at `--lr`: the contract's SGD with momentum 0.9, or
+        nanoGPT's AdamW (contract.local_optimizer)."""
+        return local_optimizer(self.args.optimizer, self.model, self.args.lr)
 
     def snapshot(self, model: nn.Module | None = None) -> None:
         """A snapshot of the shared model as this worker holds it now (rate-limited by Snapshots)."""

@@ -9,7 +9,8 @@ Set up as hivemind's Quick Start ("Decentralized Training") does:
   each worker builds its `initial_peers` (`/ip4/HOST/tcp/PORT/p2p/ID`, HOST as the worker reaches it);
 - every worker is a peer with its own DHT (listening on every address, any port) and a
   `hivemind.Optimizer(dht, run_id, batch_size_per_step=--batch, target_batch_size=T,
-  optimizer=<the contract's SGD>, use_local_updates=True, matchmaking_time=3.0,
+  optimizer=<the manifest entry's --optimizer: the contract's SGD for `hivemind`, nanoGPT's
+  AdamW for `hivemind_adamw`>, use_local_updates=True, matchmaking_time=3.0,
   averaging_timeout=10.0, verbose=True)`: the Quick Start's settings (local updates every step, the parameters
   averaged in the background once the swarm has processed T samples; "3-5 s for small local runs",
   the Optimizer's configuration guide says of matchmaking_time), its other options at their defaults;

@@ -15,8 +15,9 @@ local_sgd integration tests):
   It advertises the address its route to the Lighthouse leaves from (`common.own_address`),
   as its host name too and with Gloo bound to that interface (`advertise_as_hostname`), so peers
   in other network namespaces reach its stores, manager and Gloo pairs;
-- ddp: `torchft.DistributedDataParallel` + `torchft.Optimizer` around the contract's SGD (momentum
-  0.9), the Manager's asynchronous quorum (its default);
+- ddp: `torchft.DistributedDataParallel` + `torchft.Optimizer` around the manifest entry's local
+  optimizer (`--optimizer`: the contract's SGD with momentum 0.9 for `torchft_ddp`, nanoGPT's AdamW
+  for `torchft_ddp_adamw`), the Manager's asynchronous quorum (its default);
 - localsgd: `LocalSGD(manager, model, SGD, sync_every=H)`; diloco: `DiLoCo(manager, [model], inner
   AdamW, outer SGD(lr=0.7, momentum=0.9, nesterov=True), sync_every=H)`, the outer optimizer of
   train_diloco.py; both with a synchronous quorum (`use_async_quorum=False`, required by DiLoCo).
@@ -26,6 +27,10 @@ local_sgd integration tests):
   x {1/2, 1, 2}) mapped onto the example's 4e-4, so DiLoCo gets the same tuning budget around its
   documented point. With the contract's SGD inside, the outer Nesterov step (0.7, momentum 0.9)
   multiplies the much larger inner changes and the digits CNN diverged to chance within a minute.
+  DiLoCo stays on that mapped grid rather than the Adam-path systems' (systems/base.py,
+  ADAMW_LEARNING_RATES): its recorded rates (learning_rates.json) keep their meaning, and its inner
+  rate lives on another scale: the outer step (0.7, Nesterov) multiplies H = 20 inner steps' change,
+  where an Adam-path worker's every AdamW step is applied as it is.
 
 What the progress log counts as applied: a DDP step's samples once its `should_commit` said yes (the
 Manager's step advanced); LocalSGD's and DiLoCo's local steps once the sync that ends their round
@@ -62,9 +67,8 @@ from torchft._torchft import LighthouseServer
 from torchft.checkpointing.pg_transport import PGTransport
 from torchft.local_sgd import DiLoCo, LocalSGD
 
-from gemps_bench.alternatives.contract import ProgressLog, WorkerArgs
+from gemps_bench.alternatives.contract import MOMENTUM, ProgressLog, WorkerArgs
 from gemps_bench.alternatives.peers.common import (
-    MOMENTUM,
     PeerWorker,
     coordinator_endpoint,
     deadline_monotonic,
@@ -153,6 +157,8 @@ def train(args: WorkerArgs, algorithm: str, sync_every: int, quorum_retries: int
         raise ValueError(f"--sync-every must be at least 1, got {sync_every}")
     if pg_timeout_s <= 0:
         raise ValueError(f"--pg-timeout-s must be positive, got {pg_timeout_s}")
+    if algorithm == "diloco" and args.optimizer != "sgd":
+        raise ValueError(f"--optimizer {args.optimizer}: DiLoCo's inner optimizer is train_diloco.py's AdamW already")
     peer = prepare_worker(args)
     host, port = coordinator_endpoint(args)
     address = own_address(host)

@@ -18,6 +18,14 @@ from gemps_bench.alternatives.workloads import Workload
 
 COORDINATOR = -1  # the slot of a system's coordinator (server, rendezvous, lighthouse)
 
+#: The learning-rate grid of every Adam-path system (its workers step nanoGPT's AdamW at the searched
+#: rate: gemps-adam, ddp-adamw, ddp-adamw-bf16, torchft_ddp_adamw, hivemind_adamw), one grid for all
+#: of them so each gets the same search. Its centre is the recipe's 1e-3 (gemps_worker.nanogpt's
+#: LEARNING_RATE); docs/RESULTS.md "Many workers" found DDP-AdamW best at 3e-3 at a global batch of
+#: 16 x N for N = 4, 16 and 64 (1e-3: 1.764 against 1.569 at N = 4; 6e-3 worse than 3e-3 at 16), so
+#: the grid doubles from 5e-4 to 4e-3: both sides of 1e-3, and 2e-3 and 4e-3 about the 3e-3 found best.
+ADAMW_LEARNING_RATES = (5e-4, 1e-3, 2e-3, 4e-3)
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -50,6 +58,13 @@ class System(ABC):
     name: str
     #: the slot a coordinator kill kills: the coordinator's own, or a worker's that hosts it (DDP's rank 0)
     coordinator_slot: int = COORDINATOR
+    #: the workers' local optimizer (the contract's `--optimizer`): "sgd", or "adamw" on the Adam path
+    optimizer: str = "sgd"
+
+    def learning_rates(self, workload: Workload) -> tuple[float, ...]:
+        """The rates the search tries for this system: the workload's grid (SGD rates, gemps' η
+        0.05 x {1/2, 1, 2}), or ADAMW_LEARNING_RATES for a system whose workers step AdamW at it."""
+        return ADAMW_LEARNING_RATES if self.optimizer == "adamw" else workload.learning_rates
 
     def coordinator(self, plan: RunPlan) -> Launch | None:
         """The coordinator's process (started first, and started again after a coordinator kill), or none."""

@@ -1,6 +1,8 @@
 """PyTorch DDP under torchrun: one elastic agent per worker slot (`--nnodes W --nproc-per-node 1`),
 c10d rendezvous hosted by slot 0's agent, `--max-restarts` so a failed worker restarts the group
-(torchrun's own restart story), gloo between the workers.
+(torchrun's own restart story), gloo between the workers. Three systems: `ddp` (SGD with momentum
+0.9), `ddp-adamw` (nanoGPT's AdamW) and `ddp-adamw-bf16` (the same, its gradients all-reduced in
+bfloat16 by torch's `bf16_compress_hook`): `VARIANTS`.
 
 A kill of worker i kills its training process and spares its agent, which notices and restarts
 the group (every agent re-rendezvouses); a coordinator kill kills slot 0 whole, agent and the
@@ -15,11 +17,20 @@ from gemps_bench.alternatives.systems.base import COORDINATOR, Launch, RunPlan, 
 RENDEZVOUS_PORT = 29400
 MAX_RESTARTS = 100  # more than any scenario's kills
 PROGRAM = "gemps_bench.alternatives.systems.ddp_program"
+#: each DDP system's local optimizer and communication hook (ddp_program's --optimizer, --comm-hook)
+VARIANTS: dict[str, tuple[str, str]] = {
+    "ddp": ("sgd", "none"),
+    "ddp-adamw": ("adamw", "none"),
+    "ddp-adamw-bf16": ("adamw", "bf16"),
+}
 
 
 class Ddp(System):
-    name = "ddp"
     coordinator_slot = 0
+
+    def __init__(self, name: str = "ddp") -> None:
+        self.name = name
+        self.optimizer, self.comm_hook = VARIANTS[name]
 
     def worker(self, plan: RunPlan, rank: int) -> Launch:
         address = plan.worker_addresses[rank]
@@ -33,8 +44,10 @@ class Ddp(System):
             torchrun += ["--rdzv-conf", "is_host=true"]
         program = worker_argv(
             PROGRAM, plan.workload.name, rank, plan.workers, plan.seed, plan.workload.batch,
-            plan.learning_rate, plan.run_dir, plan.deadline_s, plan.snapshot_every,
+            plan.learning_rate, plan.run_dir, plan.deadline_s, plan.snapshot_every, self.optimizer,
         )  # fmt: skip
+        if self.comm_hook != "none":
+            program += ["--comm-hook", self.comm_hook]
         # gloo picks the interface of the host's one cable, inside the slot's namespace
         return Launch([*torchrun, *program], env={"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"})
 

@@ -11,7 +11,11 @@ per rank, and an observer beside the server that pulls θ for the snapshots.
 - gemps-dn-dylu: asynchronous Local-SGD with delayed Nesterov on the server (`--rule
   delayed-nesterov`, its defaults: epsilon 0.7, beta 0.9, N the workers registered) and dynamic local
   updates on the workers (`--mode dylu`, H = 8 for the fastest), float32 both ways: the setting of
-  docs/RESULTS.md "Delayed Nesterov and dynamic local updates".
+  docs/RESULTS.md "Delayed Nesterov and dynamic local updates";
+- gemps-adam: the SDK's recipe for asynchronous AdamW workers (docs/guides/sdk.md, "LocalSteps"):
+  each worker steps nanoGPT's AdamW at the searched rate (ADAMW_LEARNING_RATES) inside `LocalSteps`
+  at its defaults (steps=1, look_ahead=1), the server `--rule downpour` (each update applied as
+  sent), float32 both ways.
 
 Each worker runs under its supervisor (`--supervise`, gemps_worker.supervisor, as `gemps worker
 --supervise on`): a worker kill kills the worker it forked and spares the supervisor, which forks
@@ -43,6 +47,7 @@ class Setting:
     compression: str = "none"
     local_optimizer: str = "sgd"
     local_rate_per_eta: float = 0.0  # the local steps' rate over the searched eta (0: sgd at eta)
+    optimizer: str = "sgd"  # mode local-steps: the optimizer LocalSteps wraps (the contract's --optimizer)
 
 
 SETTINGS: dict[str, Setting] = {
@@ -57,6 +62,7 @@ SETTINGS: dict[str, Setting] = {
         local_rate_per_eta=0.06,
     ),
     "gemps-dn-dylu": Setting(rule="delayed-nesterov", mode="dylu", local_steps=8),
+    "gemps-adam": Setting(rule="downpour", mode="local-steps", optimizer="adamw"),
 }
 
 
@@ -64,6 +70,7 @@ class Gemps(System):
     def __init__(self, name: str) -> None:
         self.name = name
         self.setting = SETTINGS[name]
+        self.optimizer = self.setting.optimizer
         self.replicated = False  # set by coordinator(): the plan says
 
     def coordinator(self, plan: RunPlan) -> Launch:
@@ -93,6 +100,8 @@ class Gemps(System):
         extra += ["--outer-learning-rate", repr(setting.outer_learning_rate), "--compression", setting.compression]
         rate = setting.local_rate_per_eta * plan.learning_rate
         extra += ["--local-optimizer", setting.local_optimizer, "--local-learning-rate", repr(rate)]
+        if setting.optimizer != "sgd":
+            extra += ["--optimizer", setting.optimizer]
         return Launch([*self._program(plan, rank).argv, *extra])
 
     def _program(self, plan: RunPlan, rank: int, role: str = "worker") -> Launch:

@@ -1,7 +1,9 @@
 """A gemps worker of the comparison (`python -m gemps_bench.alternatives.systems.gemps_program`):
 the workload's model through the SDK's RemoteModel, trained by the reference worker's modes
-(gemps_worker.modes: `gradient`, or `dynsgd` local steps), logged per the contract; and, with
-`--role coordinator`, the observer that pulls θ every 2 s and writes it as a snapshot.
+(gemps_worker.modes: `gradient`, or `dynsgd` local steps), or `--mode local-steps`: the SDK's
+`LocalSteps` at its defaults (steps=1, look_ahead=1) around the contract's `--optimizer` (nanoGPT's
+AdamW for gemps-adam), logged per the contract; and, with `--role coordinator`, the observer that
+pulls θ every 2 s and writes it as a snapshot.
 
 A commit's reply comes once the server applied it, so the samples a commit covers are counted
 applied then; samples of local steps not yet committed when the process dies are lost.
@@ -21,11 +23,12 @@ import torch
 
 from gemps.client import Client
 from gemps.errors import GempsError
-from gemps.pytorch import RemoteModel, load_central
+from gemps.pytorch import LocalSteps, RemoteModel, load_central
 from gemps_bench.alternatives.contract import (
     ProgressLog,
     Snapshots,
     WorkerArgs,
+    local_optimizer,
     parse_worker_args,
     worker_parser,
 )
@@ -34,14 +37,15 @@ from gemps_worker.modes import LOCAL_OPTIMIZERS, MODES, LocalTraining, create_mo
 from gemps_worker.signals import configure_logging
 from gemps_worker.supervisor import supervise
 
+#: the mode of the SDK's LocalSteps (beside gemps_worker.modes' MODES)
+LOCAL_STEPS = "local-steps"
+
 
 def train(args: WorkerArgs, mode_name: str, local: LocalTraining, compression: str) -> None:
     started = time.monotonic()
     chosen = replace(workload(args.workload), batch=args.batch)
     model = chosen.build_model()
-    codes = None if compression == "none" else compression
-    client = Client(args.coordinator, name=f"w{args.rank}", compression=codes, reply_compression=codes)
-    with RemoteModel(model, client, threads=1) as remote:
+    with RemoteModel(model, _client(args, compression), threads=1) as remote:
         mode = create_mode(mode_name, remote, remote.registration.config.learning_rate, local)
         log = ProgressLog(args.run_dir, args.rank)
         log.wait_for_go(args.run_dir)
@@ -57,6 +61,38 @@ def train(args: WorkerArgs, mode_name: str, local: LocalTraining, compression: s
             committed = mode.on_batch(batch_loss, len(inputs))
             pending += len(inputs)
             applied, pending = (pending, 0) if committed is not None else (0, pending)
+            log.step(len(inputs), applied)
+        log.close()
+
+
+def _client(args: WorkerArgs, compression: str) -> Client:
+    codes = None if compression == "none" else compression
+    return Client(args.coordinator, name=f"w{args.rank}", compression=codes, reply_compression=codes)
+
+
+def train_local_steps(args: WorkerArgs, compression: str) -> None:
+    """The SDK's recipe: `--optimizer` at `--lr` wrapped in LocalSteps (its defaults), each window's
+    update committed. No pull after the gate: registration loaded θ, and no worker commits before
+    the gate opens (a worker started again after a kill registers at the newest θ)."""
+    started = time.monotonic()
+    chosen = replace(workload(args.workload), batch=args.batch)
+    model = chosen.build_model()
+    inner = local_optimizer(args.optimizer, model, args.lr)
+    with LocalSteps(model, inner, _client(args, compression), threads=1) as optimizer:
+        log = ProgressLog(args.run_dir, args.rank)
+        log.wait_for_go(args.run_dir)
+        pending = 0
+        for inputs, targets in chosen.batches(args.rank, args.world, args.seed):
+            if time.monotonic() - started >= args.deadline_s:
+                break
+            optimizer.zero_grad()
+            batch_loss = loss(model, inputs, targets)
+            batch_loss.backward()  # type: ignore[no-untyped-call]
+            before = optimizer.last_result
+            optimizer.step(loss=batch_loss.detach())
+            pending += len(inputs)
+            committed = optimizer.last_result is not before  # a window ended: its samples are applied
+            applied, pending = (pending, 0) if committed else (0, pending)
             log.step(len(inputs), applied)
         log.close()
 
@@ -78,7 +114,7 @@ def observe(args: WorkerArgs) -> None:
 
 def main() -> None:
     parser = worker_parser(__doc__ or "")
-    parser.add_argument("--mode", default="gradient", choices=MODES)
+    parser.add_argument("--mode", default="gradient", choices=(*MODES, LOCAL_STEPS))
     parser.add_argument(
         "--local-steps", type=int, default=4, help="dynsgd: local steps per commit; dylu: the fastest worker's"
     )
@@ -98,16 +134,19 @@ def main() -> None:
     steps, rate = extra.local_steps, extra.local_learning_rate
     local = LocalTraining(dynsgd_steps=steps, dylu_steps=steps, outer_learning_rate=extra.outer_learning_rate,
                           optimizer=extra.local_optimizer, learning_rate=rate)  # fmt: skip
+
+    def life() -> int:
+        if extra.mode == LOCAL_STEPS:
+            train_local_steps(args, extra.compression)
+        else:
+            train(args, extra.mode, local, extra.compression)
+        return 0
+
     if not extra.supervise:
-        train(args, extra.mode, local, extra.compression)
+        life()
         return
     configure_logging()  # the supervisor's lines: each restart, and why
     workload(args.workload).data()  # loaded (and cached) once, before the forks
-
-    def life() -> int:
-        train(args, extra.mode, local, extra.compression)
-        return 0
-
     sys.exit(supervise(life))
 
 

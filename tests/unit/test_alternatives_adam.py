@@ -1,0 +1,113 @@
+"""The comparison's Adam path (issue 78, item 3): each system's learning-rate grid as it declares it
+(the SGD systems the workload's, the Adam-path ones one AdamW grid), the search running that grid,
+and the command lines that give the workers nanoGPT's AdamW (and DDP its bf16 hook)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gemps_bench.alternatives import main as command
+from gemps_bench.alternatives.contract import local_optimizer, parse_worker_args, worker_argv, worker_parser
+from gemps_bench.alternatives.systems.base import ADAMW_LEARNING_RATES, RunPlan
+from gemps_bench.alternatives.systems.peers import manifest
+from gemps_bench.alternatives.systems.registry import system, system_names
+from gemps_bench.alternatives.workloads import WORKLOADS, workload
+
+ADAM_PATH = {"gemps-adam", "ddp-adamw", "ddp-adamw-bf16", "torchft_ddp_adamw", "hivemind_adamw"}
+
+
+def plan(tmp_path: Path) -> RunPlan:
+    return RunPlan(workload("charlm"), 8, 0, 1e-3, tmp_path, 90.0, "10.0.0.1", tuple(f"10.0.1.{i}" for i in range(8)))
+
+
+def program_flags(argv: list[str]) -> list[str]:
+    """A launch's worker-program flags: after its last `-m MODULE` (DDP's comes after torchrun's own)."""
+    last = len(argv) - 1 - argv[::-1].index("-m")
+    return argv[last + 2 :]
+
+
+def test_every_system_declares_its_grid_the_sgd_ones_the_workloads_unchanged() -> None:
+    assert set(system_names()) >= ADAM_PATH
+    assert ADAMW_LEARNING_RATES == (5e-4, 1e-3, 2e-3, 4e-3)
+    for name in system_names():
+        for chosen in WORKLOADS.values():
+            expected = ADAMW_LEARNING_RATES if name in ADAM_PATH else (0.025, 0.05, 0.1)
+            assert system(name).learning_rates(chosen) == expected, (name, chosen.name)
+    # DiLoCo's inner AdamW keeps its mapping of the SGD grid (4e-4 at 0.05): its recorded rate keeps its meaning
+    assert system("torchft_diloco").optimizer == "sgd"
+
+
+def test_the_search_runs_each_systems_own_grid_and_keeps_the_recorded_rates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command's own order of work, the rig's runs replaced by their results (they run for real in
+    tests/integration/test_alternatives_adam.py and tests/e2e/test_alternatives_rig.py)."""
+    ran: list[tuple[str, float]] = []
+
+    def fake_run(cell: Any, runs: Path, rate: float, target: float) -> dict[str, Any]:
+        ran.append((cell.system, rate))
+        final = 2.0 - rate if cell.system == "ddp-adamw" else 2.0 + rate  # AdamW's best: its largest rate
+        return {"cell": {"scenario": cell.scenario, "system": cell.system, "workload": cell.workload,
+                         "seed": cell.seed}, "time_to_target_s": None, "final": {"accuracy": 0.3, "loss": final},
+                "goodput": 1.0, "bytes_per_sample": 100.0, "restarts": 0, "load_average": [1.0],
+                "learning_rate": rate, "duration_s": 60.0}  # fmt: skip
+
+    monkeypatch.setattr(command, "run_cell", fake_run)
+    monkeypatch.setattr(command, "unavailable_reason", lambda: None)
+    recorded = {"charlm": {"ddp": 0.025, "torchft_diloco": 0.05}, "digits": {"gemps-gem": 0.1}}
+    (tmp_path / "learning_rates.json").write_text(json.dumps(recorded))
+    argv = ["--search", "--systems", "ddp,ddp-adamw", "--workload", "charlm", "--results", str(tmp_path)]
+    assert command.main(argv) == 0
+    assert ran == [("ddp", r) for r in (0.025, 0.05, 0.1)] + [("ddp-adamw", r) for r in ADAMW_LEARNING_RATES]
+    rates = json.loads((tmp_path / "learning_rates.json").read_text())
+    assert rates == {"charlm": {"ddp": 0.025, "torchft_diloco": 0.05, "ddp-adamw": 4e-3}, "digits": {"gemps-gem": 0.1}}
+    table = (tmp_path / "charlm.md").read_text()
+    assert "| a | ddp | 0.025 |" in table and "| a | ddp-adamw | 0.004 |" in table
+
+
+def test_the_adam_path_systems_give_their_workers_adamw_and_the_sgd_ones_nothing_new(tmp_path: Path) -> None:
+    chosen = plan(tmp_path)
+    for name in system_names():
+        flags = program_flags(system(name).worker(chosen, 1).argv)
+        parsed = parse_worker_args(worker_parser(""), flags)
+        assert parsed.optimizer == ("adamw" if name in ADAM_PATH else "sgd"), name
+        assert ("--optimizer" in flags) == (name in ADAM_PATH), name  # the SGD systems' command lines as before
+    server = system("gemps-adam").coordinator(chosen)
+    worker = system("gemps-adam").worker(chosen, 0).argv
+    assert server is not None and server.argv[server.argv.index("--rule") + 1] == "downpour"
+    assert worker[worker.index("--mode") + 1] == "local-steps" and "--supervise" in worker
+    assert parse_worker_args(worker_parser(""), program_flags(worker)).lr == 1e-3  # AdamW's own rate, as searched
+    hooked = system("ddp-adamw-bf16").worker(chosen, 0).argv
+    assert hooked[hooked.index("--comm-hook") + 1] == "bf16"
+    assert "--comm-hook" not in system("ddp-adamw").worker(chosen, 0).argv
+    assert "--comm-hook" not in system("ddp").worker(chosen, 0).argv
+    for name, program in (("torchft_ddp_adamw", "torchft_ddp"), ("hivemind_adamw", "hivemind")):
+        argv = system(name).worker(chosen, 0).argv
+        assert argv[argv.index("-m") + 1] == f"gemps_bench.alternatives.peers.{program}", name
+
+
+def test_the_local_optimizers_are_the_contracts_sgd_and_nanogpts_adamw() -> None:
+    model = workload("charlm").build_model()
+    sgd = local_optimizer("sgd", model, 0.05)
+    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.9 and sgd.defaults["lr"] == 0.05
+    adamw = local_optimizer("adamw", model, 2e-3)
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["betas"] == (0.9, 0.99)
+    decays = {group["weight_decay"]: group for group in adamw.param_groups}
+    assert set(decays) == {0.1, 0.0} and all(p.dim() >= 2 for p in decays[0.1]["params"])
+    assert all(p.dim() < 2 for p in decays[0.0]["params"]) and all(g["lr"] == 2e-3 for g in adamw.param_groups)
+    with pytest.raises(ValueError, match="unknown --optimizer 'lamb'; choose from sgd, adamw"):
+        local_optimizer("lamb", model, 1e-3)
+    flags = worker_argv("m", "digits", 0, 1, 0, 32, 1e-3, Path("run"), 5.0)
+    with pytest.raises(SystemExit):
+        parse_worker_args(worker_parser(""), [*flags[2:], "--optimizer", "lamb"])
+
+
+def test_a_manifest_entry_with_an_unknown_optimizer_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "peers.json"
+    path.write_text(json.dumps({"torchft_ddp_lamb": {"program": "torchft_ddp", "optimizer": "lamb"}}))
+    with pytest.raises(ValueError, match="torchft_ddp_lamb's optimizer 'lamb'; choose from sgd, adamw"):
+        manifest(path)
