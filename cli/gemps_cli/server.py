@@ -8,13 +8,14 @@ from collections.abc import Mapping, Sequence
 
 from gemps import options
 from gemps_cli import environment
+from gemps_cli.checked import add_training_arguments
 from gemps_server.config import ServerConfig
-from gemps_server.domain.rules import rule_catalog, rule_names
+from gemps_server.domain.rules import rule_catalog
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Run the gemps parameter server (flag > GEMPS_* environment variable > default)."
-    options.add_arguments(parser, ServerConfig, choices={"rule": rule_names()}, declared=rule_catalog().fields)
+    add_training_arguments(parser, ServerConfig)
     environment.add_strict_flag(parser)
     parser.set_defaults(run=run)
 
