@@ -9,6 +9,9 @@ that).
 
     .venv/bin/python scripts/ray_nodes.py --out docs/results/ray-nodes.json --figure docs/results/ray-nodes.png
 
+With --replot RUNS.json it measures nothing: it reads recorded runs, prints each run's figures
+again from its samples, and draws the figure (how tests/unit/test_ray_nodes_script.py runs it).
+
 With --node-loss VERSION it measures a fault instead (docs/RAY.md's fault table): the same job on
 a head with no CPUs and 3 nodes of 1 CPU, run without a fault and with the node that holds
 workers and no partition lost once partition 0 reaches VERSION, alternating:
@@ -32,22 +35,22 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Every node's address as Ray gives it to actors is then loopback (read when ray is imported).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-from gemps_server.checkpoint_files import load_latest
-from gemps_worker.on_ray import RayJob, RayJobOptions, run_job
-from gemps_worker.on_ray.faults import partition_name, worker_name
-from gemps_worker.on_ray.local import RemoveNode, local_cluster, resumed_after
-from gemps_worker.on_ray.run import follow_job
+if TYPE_CHECKING:  # Ray is imported where a run measures, so --replot starts without it
+    from gemps_worker.on_ray import RayJobOptions
 
 TOTAL_CPUS = 3
 SLICE = 0.25
 
 
 def one_run(nodes: int, options: RayJobOptions) -> dict[str, Any]:
+    from gemps_worker.on_ray import run_job
+    from gemps_worker.on_ray.local import local_cluster
+
     with local_cluster(nodes, TOTAL_CPUS / nodes):
         started = time.time()
         result = run_job(options)
@@ -68,6 +71,12 @@ def node_loss_run(version: int | None, options: RayJobOptions, partition: int | 
     partition 0 reaches `version`. Seconds after the loss: until Ray marked the node dead, the
     driver saw each lost actor's new life, a lost worker's first commit, partition 0's version
     moved again; and the commits a moved partition lost (its final version behind the other's)."""
+    from gemps_server.checkpoint_files import load_latest
+    from gemps_worker.on_ray import RayJob
+    from gemps_worker.on_ray.faults import partition_name, worker_name
+    from gemps_worker.on_ray.local import RemoveNode, local_cluster, resumed_after
+    from gemps_worker.on_ray.run import follow_job
+
     with local_cluster(4, TOTAL_CPUS / 3, head_cpus=0) as cluster:
         started, clock = time.time(), time.monotonic()  # the job's seconds count from here, as run_job's
         with RayJob(options) as job:
@@ -162,9 +171,14 @@ def main() -> int:
     parser.add_argument(
         "--lose-partition", type=int, default=None, metavar="INDEX", help="with --node-loss: partition INDEX's node"
     )
+    parser.add_argument("--replot", type=Path, default=None, metavar="RUNS", help="draw recorded runs again (above)")
     args = parser.parse_args()
+    if args.replot is not None:
+        return replot(args.replot, Path(args.figure))
     if args.node_loss:
         return measure_node_loss(args)
+    from gemps_worker.on_ray import RayJobOptions
+
     runs = []
     for repeat in range(args.repeats):
         for nodes in (1, 3):
@@ -182,7 +196,17 @@ def main() -> int:
     return 0
 
 
+def replot(recorded: Path, figure: Path) -> int:
+    runs = json.loads(recorded.read_text())
+    for run in runs:
+        print(f"{run['nodes']} node(s), run {run['repeat'] + 1}: {json.dumps(figures(run))}", flush=True)
+    plot(runs, figure)
+    return 0
+
+
 def measure_node_loss(args: argparse.Namespace) -> int:
+    from gemps_worker.on_ray import RayJobOptions
+
     runs = []
     for repeat in range(args.repeats):
         for version in (None, args.node_loss):
