@@ -88,7 +88,8 @@ from gemps.pytorch.values import copy_into
 from gemps_server.domain.rules.adaptive_staleness import AdaptiveStalenessRule
 from gemps_server.domain.rules.base import CommitRule
 from gemps_server.domain.rules.delayed_nesterov import DelayedNesterovRule
-from gemps_server.domain.rules.gem import GEM_OWN_STEP, GemRule
+from gemps_server.domain.rules.gem import GemRule
+from gemps_server.domain.rules.gem_base import GEM_OWN_STEP
 from gemps_worker.held_out import evaluate
 from gemps_worker.nanogpt import BATCH, adamw, char_gpt, cosine_schedule, shard_batches
 from gemps_worker.text_data import stdlib_text

@@ -20,7 +20,7 @@ import numpy as np
 from gemps_bench.counts import parse_counts
 from gemps_proto.schema import PayloadKind, TrainingConfig
 from gemps_server.domain.rules import GEM_STATES, create_rule
-from gemps_server.domain.rules.gem import GEM_KERNELS
+from gemps_server.domain.rules.gem_base import GEM_KERNELS
 from gemps_server.domain.rules.gem_compact import compact_builds
 
 # theta, m_i, s_i read and written, Delta read: 7 float32 vectors per commit.
@@ -32,7 +32,7 @@ def milliseconds_per_commit(kernel: str, size: int, repeats: int, state: str = "
     rng = np.random.default_rng(0)
     theta = rng.standard_normal(size, dtype=np.float32)
     gradient = rng.standard_normal(size, dtype=np.float32) * np.float32(1e-3)
-    rule = create_rule(TrainingConfig(), size, state, kernel=kernel)
+    rule = create_rule(TrainingConfig(), size, gem_state=state, gem_kernel=kernel)
     names = [f"w{index}" for index in range(workers)]
     for name in names:
         rule.add_worker(name, theta)

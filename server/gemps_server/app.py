@@ -14,6 +14,7 @@ import asyncio
 # the process exited 1 (issue 42, item 2). So it is imported now.
 import concurrent.futures.thread  # noqa: F401
 import contextlib
+import dataclasses
 import logging
 import signal
 import threading
@@ -32,7 +33,7 @@ from gemps_server.config_log import log_configuration
 from gemps_server.descriptors import reserve
 from gemps_server.domain.applier import Applier
 from gemps_server.domain.records import PartitionOf
-from gemps_server.domain.rules import RuleRuntime, rule_class
+from gemps_server.domain.rules import RuleRuntime
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.lifecycle import Stack, Step, Task, Together
@@ -81,7 +82,9 @@ class ParameterServer:
         # Other jobs on this host see what this one may take (memory_claims.py); one supervisor's share.
         claims = MemoryClaims(claims_folder, group=config.supervisor_pid) if claims_folder is not None else None
         memory = MemoryBudget(config.memory_budget_mb, share=config.memory_share, claims=claims)
-        largest = rule_class(config.training.rule, config.gem_state).worker_state_bytes(config.max_parameters)
+        # The server's settings by name: each rule reads its own (GEM its kernel, own step and state's form).
+        runtime = RuleRuntime(**{field.name: getattr(config, field.name) for field in dataclasses.fields(config)})
+        largest = runtime.form(config.training.rule).worker_state_bytes(config.max_parameters)
         if config.memory_budget_mb or config.max_parameters != DEFAULT_MAX_PARAMETERS:
             # A WARNING when they cannot all fit; with both defaults (2**28 values, no budget set)
             # it would fire on every machine: the bound is then set, and said, once θ's size is known.
@@ -89,7 +92,7 @@ class ParameterServer:
         self.state = ServerState(
             config.training,
             WorkerRegistry(config.max_workers, config.lease_ttl),
-            rule_runtime=RuleRuntime(config.gem_kernel, config.gem_own_step, config.gem_state),
+            rule_runtime=runtime,
             partition=PartitionOf(config.partition, config.partitions),
             max_parameters=config.max_parameters,
             noise_window=config.noise_window,

@@ -309,12 +309,13 @@ def test_memory_is_two_bytes_per_worker_per_parameter_and_two_shared_copies_of_t
     held = sum(value.nbytes for value in rule.worker_state("w0").values() if value.ndim)
     assert held == CompactGemRule.worker_state_bytes(size) == 2 * size + 8 * 11
     assert rule.shared_state_bytes == 2 * 4 * size
-    assert rule_class("gem", "compact") is CompactGemRule and rule_class("gem") is GemRule
-    assert rule_class("downpour", "compact").worker_state_bytes(size) == 0
+    compact = RuleRuntime(gem_state="compact")
+    assert compact.form("gem") is CompactGemRule and RuleRuntime().form("gem") is GemRule is rule_class("gem")
+    assert compact.form("downpour").worker_state_bytes(size) == 0
     assert GemRule.worker_state_bytes(size) == 8 * size
     assert GEM_STATES == ("exact", "compact")
     with pytest.raises(ValueError, match="unknown gem state 'small'"):
-        rule_class("gem", "small")
+        RuleRuntime(gem_state="small").form("gem")
     if compiled is not None:
         with pytest.raises(ValueError, match="avx1024 is not one this CPU runs"):
             compact_builds("avx1024")

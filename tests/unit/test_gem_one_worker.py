@@ -18,7 +18,8 @@ from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
 from gemps_server.config.training import WorkerOptions
 from gemps_server.domain.records import Commit
 from gemps_server.domain.rules import RuleRuntime
-from gemps_server.domain.rules.gem import GEM_OWN_STEP, GemRule
+from gemps_server.domain.rules.gem import GemRule
+from gemps_server.domain.rules.gem_base import GEM_OWN_STEP
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.native import compiled

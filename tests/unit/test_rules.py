@@ -181,7 +181,7 @@ def test_compiled_kernel_equals_numpy_pass() -> None:
     theta0 = rng.normal(size=size).astype(np.float32)
     results = []
     for kernel in ("numpy", "compiled"):
-        rule = create_rule(training("gem", kappa=2.0), size, kernel=kernel)
+        rule = create_rule(training("gem", kappa=2.0), size, gem_kernel=kernel)
         theta = theta0.copy()
         rule.add_worker("a", theta)
         rule.add_worker("b", theta)
@@ -205,7 +205,7 @@ def test_compiled_statistics_are_exact_and_match_numpy_below_the_sample_size(kap
     theta0 = rng.normal(size=size).astype(np.float32)
     per_kernel = []
     for kernel in ("numpy", "compiled"):
-        rule = create_rule(training("gem", kappa=kappa, momentum=momentum), size, kernel=kernel)
+        rule = create_rule(training("gem", kappa=kappa, momentum=momentum), size, gem_kernel=kernel)
         theta = theta0.copy()
         rule.add_worker("a", theta)
         rule.add_worker("b", theta)
@@ -243,7 +243,7 @@ def test_pi_statistics_count_only_the_parameters_a_commit_moves(kernel: str) -> 
     config = training("gem")
     rng = np.random.default_rng(5)
     theta = rng.normal(size=size).astype(np.float32)
-    rule = create_rule(config, size, kernel=kernel)
+    rule = create_rule(config, size, gem_kernel=kernel)
     for worker in "ab":
         rule.add_worker(worker, theta)
     moving = rng.random(size) < 0.1
@@ -272,7 +272,7 @@ def rng_gradient(seed: int, size: int) -> np.ndarray:
 
 def test_unknown_gem_kernel_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown gem kernel 'cuda'"):
-        create_rule(training("gem"), 4, kernel="cuda")
+        create_rule(training("gem"), 4, gem_kernel="cuda")
 
 
 @pytest.mark.parametrize("rule_name", rule_names())
@@ -283,7 +283,7 @@ def test_out_gets_the_new_theta_whichever_rule_writes_it(rule_name: str, kernel:
     size = 3000
     rng = np.random.default_rng(7)
     theta0 = rng.normal(size=size).astype(np.float32)
-    plain, writing = (create_rule(training(rule_name), size, kernel=kernel) for _ in range(2))
+    plain, writing = (create_rule(training(rule_name), size, gem_kernel=kernel) for _ in range(2))
     theta_plain, theta_written = theta0.copy(), theta0.copy()
     for rule, theta in ((plain, theta_plain), (writing, theta_written)):
         rule.add_worker("a", theta)

@@ -9,7 +9,7 @@ from gemps_proto.ranges import INT64_MAX, RANGE, SECONDS, UINT32_MAX, Range
 from gemps_proto.schema import TrainingConfig
 from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NOISE_WINDOW_HELP, NOISE_WINDOWS
 from gemps_server.domain.rules import GEM_STATES, training_problems
-from gemps_server.domain.rules.gem import GEM_KERNELS, GEM_OWN_STEP
+from gemps_server.domain.rules.gem_base import GEM_KERNELS, GEM_OWN_STEP
 from gemps_server.memory_budget import MIB
 from gemps_server.memory_claims import AUTO, OFF, option_problems
 from gemps_server.native import compiled

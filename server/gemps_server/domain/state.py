@@ -176,8 +176,8 @@ class ServerState:
 
     @property
     def gem_state(self) -> str:
-        """--gem-state where the rule is GEM, else ""."""
-        return self.rule_runtime.gem_state if self.rule_name == "gem" else ""
+        """How the rule's form keeps its workers' state (GEM's --gem-state), else ""."""
+        return self.rule_runtime.form(self.rule_name).state_form
 
     def theta_bound(self) -> float | None:
         """The rule's bound on max |θ| (CommitRule.theta_bound: kept for θ itself, not a copy)."""

@@ -12,7 +12,8 @@ fields (gemps_proto.schedules); a constructor that overrides CommitRule's passes
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from collections.abc import Mapping
+from dataclasses import fields, replace
 from typing import Any, ClassVar
 
 from gemps_proto.rule_options import RuleCatalog
@@ -22,7 +23,7 @@ from gemps_server.domain.rules.base import ApplyStats, CommitRule, NonFiniteUpda
 from gemps_server.domain.rules.delayed_nesterov import DelayedNesterovRule
 from gemps_server.domain.rules.downpour import DownpourRule
 from gemps_server.domain.rules.gem import GemRule
-from gemps_server.domain.rules.gem_compact import CompactGemRule
+from gemps_server.domain.rules.gem_base import GEM_STATES
 from gemps_server.domain.rules.momentum import MomentumRule, NesterovRule
 
 _RULES: dict[str, type[CommitRule]] = {}
@@ -80,45 +81,43 @@ def with_rule_defaults(config: TrainingConfig) -> TrainingConfig:
     return replace(config, rule_options=_CATALOG.resolved(config.rule, config.rule_options))
 
 
-#: how GEM keeps each worker's m_i and s_i: exact (float32, gem.py) or compact (8-bit codes, gem_compact.py)
-GEM_STATES = ("exact", "compact")
-
-
-def rule_class(name: str, gem_state: str = "exact") -> type[CommitRule]:
-    """The rule called `name` (GEM's in the form `gem_state` names); ValueError listing the valid
-    names otherwise."""
-    if gem_state not in GEM_STATES:
-        raise ValueError(f"unknown gem state {gem_state!r}; valid: {', '.join(GEM_STATES)}")
+def rule_class(name: str) -> type[CommitRule]:
+    """The rule called `name`; ValueError listing the valid names otherwise."""
     try:
-        found = _RULES[name]
+        return _RULES[name]
     except KeyError:
         raise ValueError(f"unknown commit rule {name!r}; valid rules: {', '.join(_RULES)}") from None
-    return CompactGemRule if found is GemRule and gem_state == "compact" else found
 
 
-def create_rule(
-    config: TrainingConfig, num_parameters: int, gem_state: str = "exact", **run_options: Any
-) -> CommitRule:
-    """`config.rule`'s rule with its options; `run_options` (e.g. `kernel`) go to rules that take them."""
-    return rule_class(config.rule, gem_state).from_config(config, num_parameters, **run_options)
+def create_rule(config: TrainingConfig, num_parameters: int, **settings: Any) -> CommitRule:
+    """`config.rule`'s rule with its options, in the form and with the run options the server's
+    `settings` give it (by the server's option names, e.g. gem_kernel: CommitRule.form,
+    run_options; none: the rule's defaults)."""
+    return RuleRuntime(**settings).create(config, num_parameters)
 
 
-@dataclass(frozen=True)
 class RuleRuntime:
-    """How the server runs GEM, not what it computes (the server's options of the same names):
-    its kernel, what its c counts of a worker's own step, and how it keeps each worker's state."""
+    """How the server runs its rule, not what it computes: the server's settings by name (its
+    options: e.g. GEM's gem_kernel, gem_own_step, gem_state), of which each rule reads its own
+    (CommitRule.form, CommitRule.run_options)."""
 
-    gem_kernel: str = "numpy"
-    gem_own_step: str = "counted"
-    gem_state: str = "exact"
     DEFAULT: ClassVar[RuleRuntime]
 
+    def __init__(self, **settings: Any) -> None:
+        self.settings: Mapping[str, Any] = dict(settings)
+
+    def form(self, name: str) -> type[CommitRule]:
+        """The class that runs the rule `name` under these settings."""
+        return rule_class(name).form(self.settings)
+
     def create(self, config: TrainingConfig, num_parameters: int) -> CommitRule:
-        options = {"kernel": self.gem_kernel, "own_step": self.gem_own_step}
-        return create_rule(config, num_parameters, self.gem_state, **options)
+        form = self.form(config.rule)
+        return form.from_config(config, num_parameters, **form.run_options(self.settings))
 
 
-RuleRuntime.DEFAULT = RuleRuntime()
+# A ServerState made without the server's settings (tests, tools) runs GEM's numpy kernel: the
+# reference the compiled passes are held to.
+RuleRuntime.DEFAULT = RuleRuntime(gem_kernel="numpy")
 
 
 __all__ = [

@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
@@ -160,6 +160,8 @@ class CommitRule(ABC):
     vectors_per_worker: ClassVar[int] = 0
     #: whether the compiled commit core (csrc/core.c) runs this rule's commits itself: GEM's exact state
     native_step = False
+    #: how this form keeps its workers' state, where the rule has several (GEM's `--gem-state`)
+    state_form: ClassVar[str] = ""
 
     def __init__(self, num_parameters: int, *, learning_rate: float, schedule: Schedule = constant_schedule) -> None:
         self.num_parameters = num_parameters
@@ -193,6 +195,18 @@ class CommitRule(ABC):
         chosen["schedule"] = partial(schedule_factor, config)
         chosen.update({key: value for key, value in run_options.items() if key in accepted})
         return cls(num_parameters, learning_rate=config.learning_rate, **chosen)
+
+    @classmethod
+    def form(cls, settings: Mapping[str, Any]) -> type[CommitRule]:
+        """The class that runs this rule under the server's `settings` (its options by name: how a
+        rule runs, not what it computes), for a rule of several forms; ValueError for a setting it
+        reads that names none. The rule itself by default."""
+        return cls
+
+    @classmethod
+    def run_options(cls, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """The constructor options this rule takes from the server's `settings`: none by default."""
+        return {}
 
     def add_worker(self, worker_id: str, theta: np.ndarray) -> None:  # noqa: B027 (optional hook)
         """A worker registered while the central variable is `theta`."""

@@ -29,37 +29,25 @@ No commit can make theta, m_i or s_i NaN or infinite (finite payloads can overfl
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
-from gemps_proto.rule_options import RuleOption
-from gemps_proto.schema import POSITIVE_FACTOR
-from gemps_server.domain.rules import base
 from gemps_server.domain.rules.base import (
     ApplyStats,
     CommitRule,
     NoiseWindow,
     NonFiniteUpdate,
-    Schedule,
-    constant_schedule,
 )
-from gemps_server.domain.rules.momentum import MOMENTUM
-from gemps_server.domain.rules.overflow import OverflowGuard
+from gemps_server.domain.rules.gem_base import EPSILON, GEM_STATES, GemBase
+from gemps_server.domain.rules.gem_compact import CompactGemRule
 from gemps_server.native import all_finite, compiled, max_abs
 
-EPSILON = np.float32(1e-16)
-#: how GEM's update runs: `auto` (compiled if built, else numpy), `compiled`, `numpy`
-GEM_KERNELS = ("auto", "compiled", "numpy")
-#: what c = |theta - s_i| counts of worker i's own previous step: `counted` (s_i taken before it
-#: is applied: the paper's reference code) or `excluded` (s_i taken after)
-GEM_OWN_STEP = ("counted", "excluded")
 #: parameters per block: 256 KiB per float32 vector, so a block's vectors stay in cache (fastest of 4K-1M here)
 BLOCK = 65_536
 #: what `worker_state` returns per worker: m_i, s_i and the bounds on their magnitudes
 WORKER_STATE = ("proxy", "last_seen_theta", "proxy_peak", "last_seen_peak")
-#: GEM's options besides the proxy's momentum (Appendix B's kappa; pi's clamp)
-KAPPA = RuleOption("kappa", 1.0, POSITIVE_FACTOR, "kappa: GEM's proxy amplification")
-PI_MAX = RuleOption("pi_max", 5.0, POSITIVE_FACTOR, "clamp on GEM's scaling factor pi")
 
 
 class _WorkerState:
@@ -74,64 +62,21 @@ class _WorkerState:
         self.last_seen_peak = theta_peak  # max |s_i|
 
 
-class GemBase(OverflowGuard, CommitRule):
-    """What both forms of GEM's per-worker state share (exact: GemRule below; compact:
-    gem_compact.CompactGemRule): the options, the kernel, what c counts of a worker's own
-    step, and the statistics a compiled pass sums. A form sets up its own buffers in `_allocate`."""
-
-    name = "gem"
-    options = (MOMENTUM, KAPPA, PI_MAX)
-
-    def __init__(
-        self,
-        num_parameters: int,
-        *,
-        learning_rate: float,
-        momentum: float,
-        kappa: float,
-        pi_max: float,
-        schedule: Schedule = constant_schedule,
-        kernel: str = "auto",
-        own_step: str = "counted",
-    ) -> None:
-        super().__init__(num_parameters, learning_rate=learning_rate, schedule=schedule)
-        self.momentum, self.kappa, self.pi_max = momentum, kappa, pi_max
-        if own_step not in GEM_OWN_STEP:
-            raise ValueError(f"unknown gem own_step {own_step!r}; valid: {', '.join(GEM_OWN_STEP)}")
-        self.own_step = own_step
-        if kernel not in GEM_KERNELS:
-            raise ValueError(f"unknown gem kernel {kernel!r}; valid: {', '.join(GEM_KERNELS)}")
-        if kernel == "compiled" and compiled is None:
-            raise ValueError("gem kernel 'compiled' is not built here (no C compiler at install?): use auto or numpy")
-        self.kernel = "compiled" if kernel != "numpy" and compiled is not None else "numpy"
-        # pi at every sample_stride-th parameter, written by the compiled passes (the commit core's too)
-        self.sample_stride = base.sample_stride(num_parameters)
-        self.samples = np.empty(-(-num_parameters // self.sample_stride), dtype=np.float32)
-        self._allocate(num_parameters)
-
-    def _allocate(self, num_parameters: int) -> None:
-        """The form's own buffers (called once the common ones are set)."""
-
-    def summed_stats(
-        self,
-        size: int,
-        moving: int,
-        pi_sum: float,
-        at_zero: int,
-        at_max: int,
-        proxy_energy: float,
-        central_energy: float,
-    ) -> ApplyStats:
-        """ApplyStats from a compiled pass's sums and pi's sample: pi's over the `moving` parameters
-        (Delta != 0; the sample holds NaN at the others), the energies' over all `size` of them
-        (csrc/gem_rule.c, the compiled commit core's own)."""
-        assert compiled is not None
-        figures = (moving, pi_sum, at_zero, at_max, proxy_energy, central_energy)
-        return ApplyStats(*compiled.gem_stats(self.samples, size, *figures))
-
-
 class GemRule(GemBase):
+    """GEM with each worker's state exact (float32); the rule registered as "gem", whose `form` is
+    the compact one where the server keeps the state in codes."""
+
     vectors_per_worker = 2
+    state_form = "exact"
+
+    @classmethod
+    def form(cls, settings: Mapping[str, Any]) -> type[CommitRule]:
+        """GEM's form for the server's --gem-state (exact, the default, or compact)."""
+        state = settings.get("gem_state", "exact")
+        forms: dict[str, type[CommitRule]] = {GemRule.state_form: GemRule, CompactGemRule.state_form: CompactGemRule}
+        if state not in forms:
+            raise ValueError(f"unknown gem state {state!r}; valid: {', '.join(GEM_STATES)}")
+        return forms[state]
 
     def _allocate(self, num_parameters: int) -> None:
         self._workers: dict[str, _WorkerState] = {}

@@ -43,7 +43,7 @@ from gemps_server.domain.rules.base import (
     NoiseWindow,
     NonFiniteUpdate,
 )
-from gemps_server.domain.rules.gem import EPSILON, GemBase
+from gemps_server.domain.rules.gem_base import EPSILON, GemBase
 from gemps_server.domain.rules.overflow import ROUNDING, SAFE_MAGNITUDE
 from gemps_server.native import all_finite, compiled, copy_max_abs, max_abs
 
@@ -78,6 +78,8 @@ class _CompactWorker:
 
 
 class CompactGemRule(GemBase):
+    state_form = "compact"
+
     def _allocate(self, num_parameters: int) -> None:
         self._workers: dict[str, _CompactWorker] = {}
         # References by generation % 2, with a bound on max |R| each; the second is made at the first refresh.
