@@ -86,7 +86,7 @@ from gemps.pytorch.job_betas import JobBetas
 from gemps.pytorch.look_ahead import LookAhead
 from gemps.pytorch.values import copy_into
 from gemps_server.domain.rules.adaptive_staleness import AdaptiveStalenessRule
-from gemps_server.domain.rules.base import CommitRule
+from gemps_server.domain.rules.base import CommitRule, StepContext
 from gemps_server.domain.rules.delayed_nesterov import DelayedNesterovRule
 from gemps_server.domain.rules.gem import GemRule
 from gemps_server.domain.rules.gem_base import GEM_OWN_STEP
@@ -288,7 +288,7 @@ def local_adam(
 def _outer_step(rule: CommitRule, theta: torch.Tensor, delta: torch.Tensor, rank: int, staleness: int) -> torch.Tensor:
     """θ after the server's rule applies one worker's window (copies both ways: the rule reuses
     the θ it returned last as scratch)."""
-    updated, _ = rule.step_scaled(theta.numpy().copy(), delta.numpy(), 1.0, f"worker-{rank}", staleness=staleness)
+    updated, _ = rule.step_scaled(theta.numpy().copy(), delta.numpy(), 1.0, StepContext(f"worker-{rank}", staleness))
     return torch.from_numpy(updated.copy())
 
 

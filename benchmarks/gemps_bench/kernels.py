@@ -18,8 +18,9 @@ import time
 import numpy as np
 
 from gemps_bench.counts import parse_counts
-from gemps_proto.schema import PayloadKind, TrainingConfig
+from gemps_proto.schema import TrainingConfig
 from gemps_server.domain.rules import GEM_STATES, create_rule
+from gemps_server.domain.rules.base import StepContext
 from gemps_server.domain.rules.gem_base import GEM_KERNELS
 from gemps_server.domain.rules.gem_compact import compact_builds
 
@@ -37,11 +38,11 @@ def milliseconds_per_commit(kernel: str, size: int, repeats: int, state: str = "
     for name in names:
         rule.add_worker(name, theta)
     for name in names:  # pages touched, caches warm
-        theta, _ = rule.step(theta, gradient, PayloadKind.GRADIENT, name, 0)
+        theta, _ = rule.step(theta, gradient, StepContext(name, 0))
     best = float("inf")
     for index in range(repeats):
         started = time.perf_counter()
-        theta, _ = rule.step(theta, gradient, PayloadKind.GRADIENT, names[index % workers], 0)
+        theta, _ = rule.step(theta, gradient, StepContext(names[index % workers], 0))
         best = min(best, time.perf_counter() - started)
     return best * 1e3
 

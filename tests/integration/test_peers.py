@@ -13,8 +13,8 @@ from gemps_bench.peers import common, reference_p2p, torch_rpc
 from gemps_bench.peers.common import ChildSpec, PeerConfig, PeerError, client_gradient, initial_theta, run_processes
 from gemps_bench.results import LoadResult
 
-from gemps_proto.schema import PayloadKind
 from gemps_server.domain.rules import create_rule
+from gemps_server.domain.rules.base import StepContext
 from tests.helpers import free_port, training
 
 PEERS = [pytest.param(torch_rpc, id="torch-rpc"), pytest.param(reference_p2p, id="reference-p2p")]
@@ -79,7 +79,7 @@ def test_server_applies_gemps_gem_rule(peer: ModuleType) -> None:
     rule.add_worker("client", theta)
     gradient = client_gradient(size, seed, 0)
     for _ in range(commits):
-        theta, _ = rule.step(theta, gradient, PayloadKind.GRADIENT, "client", 0)
+        theta, _ = rule.step(theta, gradient, StepContext("client", 0))
     np.testing.assert_array_equal(result.extra["final_theta"][0], theta)
 
 

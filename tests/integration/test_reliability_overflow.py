@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 from gemps_proto.reasons import METADATA_KEY
-from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
+from gemps_proto.schema import ParameterSpec, TrainingConfig
 from gemps_proto.schema_proto import tensor_to_proto
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_server.checkpoint_files import Checkpoint, CheckpointError, list_checkpoints, load, save
 from gemps_server.domain.records import StateImage
 from gemps_server.domain.rules import create_rule
+from gemps_server.domain.rules.base import StepContext
 from gemps_server.domain.rules.gem import GemRule
 from gemps_server.domain.rules.overflow import OverflowGuard
 from tests.helpers import InProcessServer, scrape_series
@@ -113,11 +114,11 @@ def test_out_of_place_updates_match_in_place_ones_bit_for_bit(rule: str) -> None
         made.add_worker("a", theta)
     for step in range(6):
         gradient = rng.standard_normal(5000).astype(np.float32)
-        thetas[0], stats = in_place.step(thetas[0], gradient, PayloadKind.GRADIENT, "a", 0, step)
+        thetas[0], stats = in_place.step(thetas[0], gradient, StepContext("a", 0, version=step))
         # A loose bound on |θ| (it only ever errs high) sends the commit out of place.
         guard = cast(OverflowGuard, out_of_place)  # the rules mix in rules/overflow.py's OverflowGuard
         guard.remember_peak(thetas[1], 1e38 if step % 2 == 0 else float(np.abs(thetas[1]).max()))
-        thetas[1], other_stats = out_of_place.step(thetas[1], gradient, PayloadKind.GRADIENT, "a", 0, step)
+        thetas[1], other_stats = out_of_place.step(thetas[1], gradient, StepContext("a", 0, version=step))
         np.testing.assert_array_equal(thetas[0], thetas[1])
         assert stats == other_stats
 

@@ -10,7 +10,7 @@ import pytest
 
 from gemps_proto.schema import PayloadKind
 from gemps_server.domain.rules import create_rule
-from gemps_server.domain.rules.base import CommitRule, NonFiniteUpdate
+from gemps_server.domain.rules.base import CommitRule, NonFiniteUpdate, StepContext
 from gemps_server.domain.rules.delayed_nesterov import DelayedNesterovRule
 from tests.helpers import training
 
@@ -47,7 +47,7 @@ def made(**options: float) -> CommitRule:
 
 def commit(rule: CommitRule, theta: np.ndarray, update: list[float], worker: str = "a") -> np.ndarray:
     """The worker's accumulated local update Δ = θ_local - θ_pulled, committed as an update."""
-    new, _ = rule.step(theta, np.array(update, F32), PayloadKind.UPDATE, worker, 0)
+    new, _ = rule.step(theta, np.array(update, F32), StepContext(worker, 0, kind=PayloadKind.UPDATE))
     return new
 
 
@@ -112,7 +112,7 @@ def test_a_gradient_commit_enters_as_minus_eta_g() -> None:
     rule = create_rule(training("delayed-nesterov", learning_rate=0.1, dn_learning_rate=1.0, momentum=0.0), 3)
     theta = np.zeros(3, F32)
     rule.add_worker("a", theta)
-    theta, stats = rule.step(theta, np.array([1.0, -2.0, 0.5], F32), PayloadKind.GRADIENT, "a", 0)
+    theta, stats = rule.step(theta, np.array([1.0, -2.0, 0.5], F32), StepContext("a", 0))
     np.testing.assert_allclose(theta, [-0.1, 0.2, -0.05], rtol=1e-6)
     assert stats.scaling_mean == 1.0  # ε/N
 

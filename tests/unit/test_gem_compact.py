@@ -15,6 +15,7 @@ import pytest
 from gemps_proto.schema import PayloadKind
 from gemps_server.domain.rules import GEM_STATES, CommitRule, NonFiniteUpdate, RuleRuntime, rule_class
 from gemps_server.domain.rules import block_codes as codes
+from gemps_server.domain.rules.base import StepContext
 from gemps_server.domain.rules.gem import GemRule
 from gemps_server.domain.rules.gem_compact import REFRESH_PER_WORKER, CompactGemRule, compact_builds
 from gemps_server.native import compiled
@@ -139,7 +140,7 @@ def run_commits(
     for version in range(commits):
         gradient = (rng.standard_normal(theta.size).astype(np.float32) + 0.3) * scales
         worker = f"w{rng.integers(workers)}"
-        theta, applied = rule.step(theta, gradient, PayloadKind.GRADIENT, worker, 3, version=version)
+        theta, applied = rule.step(theta, gradient, StepContext(worker, 3, version=version))
         stats.append((applied.scaling_mean, applied.fraction_at_zero, applied.fraction_at_max))
     return theta, stats
 
@@ -225,7 +226,7 @@ def test_one_worker_moves_almost_as_the_exact_rule(kernel: str) -> None:
         steps = []
         for version in range(12):
             before = theta.copy()
-            theta, _ = rule.step(theta, np.ones(3, np.float32), PayloadKind.GRADIENT, "w", 0, version=version)
+            theta, _ = rule.step(theta, np.ones(3, np.float32), StepContext("w", 0, version=version))
             steps.append(float(before[0] - theta[0]))
         thetas[name] = np.array(steps)
     np.testing.assert_allclose(thetas["exact"][:4], [0.05, 0.045, 0.0905, 0.0815], rtol=1e-3)
@@ -239,11 +240,11 @@ def test_a_commit_that_would_overflow_is_refused_and_changes_nothing(kernel: str
     theta, _ = run_commits(rule, np.ones(size, np.float32), 3, 10, seed=9)
     big = np.zeros(size, np.float32)
     big[-1] = 2e38  # past the in-place bound, yet finite: applied after the dry run
-    theta, _ = rule.step(theta, big, PayloadKind.UPDATE, "w1", 0, version=10)
+    theta, _ = rule.step(theta, big, StepContext("w1", 0, version=10, kind=PayloadKind.UPDATE))
     assert np.isfinite(theta).all() and theta[-1] > 1e38
     before, theta_before = state_of(rule, 3), theta.copy()
     with pytest.raises(NonFiniteUpdate):  # m_i = mu * 2e38 + 2e38 is past float32's largest
-        rule.step(theta, big, PayloadKind.UPDATE, "w1", 0, version=11)
+        rule.step(theta, big, StepContext("w1", 0, version=11, kind=PayloadKind.UPDATE))
     np.testing.assert_array_equal(theta, theta_before)
     assert state_of(rule, 3) == before
 
@@ -265,8 +266,8 @@ def test_a_backup_given_the_state_applies_the_same_commits_to_the_same_bits(kern
     for version in range(23, 60):
         gradient = rng.standard_normal(size).astype(np.float32)
         worker = f"w{rng.integers(workers)}"
-        theta, _ = primary.step(theta, gradient, PayloadKind.GRADIENT, worker, 1, version=version)
-        mirrored, _ = backup.step(mirrored, gradient, PayloadKind.GRADIENT, worker, 1, version=version)
+        theta, _ = primary.step(theta, gradient, StepContext(worker, 1, version=version))
+        mirrored, _ = backup.step(mirrored, gradient, StepContext(worker, 1, version=version))
     np.testing.assert_array_equal(theta, mirrored)
     assert state_of(backup, workers) == state_of(primary, workers)
 
@@ -334,8 +335,8 @@ def replayed_pi(
         compact.add_worker(name, theta0)
     theta, compact_thetas, errors = theta0.copy(), [], []
     for version, (gradient, name) in enumerate(zip(gradients, workers, strict=True)):
-        after_exact, _ = exact.step(theta.copy(), gradient, PayloadKind.GRADIENT, name, 3, version=version)
-        after_compact, _ = compact.step(theta.copy(), gradient, PayloadKind.GRADIENT, name, 3, version=version)
+        after_exact, _ = exact.step(theta.copy(), gradient, StepContext(name, 3, version=version))
+        after_compact, _ = compact.step(theta.copy(), gradient, StepContext(name, 3, version=version))
         delta = -np.float64(HYPER["learning_rate"]) * gradient
         readable = np.abs(delta) > 2.0**-10 * np.abs(theta)  # θ + πΔ rounded keeps π to about 2**-13
         with np.errstate(divide="ignore", invalid="ignore"):

@@ -18,6 +18,7 @@ from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
 from gemps_server.config.training import WorkerOptions
 from gemps_server.domain.records import Commit
 from gemps_server.domain.rules import RuleRuntime
+from gemps_server.domain.rules.base import StepContext
 from gemps_server.domain.rules.gem import GemRule
 from gemps_server.domain.rules.gem_base import GEM_OWN_STEP
 from gemps_server.domain.state import ServerState
@@ -132,7 +133,7 @@ def test_own_step_excluded_counts_only_the_other_workers_steps(kernel: str) -> N
             rule.add_worker(str(w), theta)
         expected = gem_reference(gradients, own_step, workers)
         for k, (w, g) in enumerate(zip(workers, gradients, strict=True)):
-            theta, _ = rule.step_scaled(theta, g.astype(np.float32), -ETA, str(w), staleness=0)
+            theta, _ = rule.step_scaled(theta, g.astype(np.float32), -ETA, StepContext(str(w), 0))
             np.testing.assert_allclose(theta, expected[k], rtol=1e-4, atol=1e-6, err_msg=f"{own_step}, commit {k}")
 
 
@@ -144,7 +145,7 @@ def test_own_step_excluded_holds_out_of_place(kernel: str) -> None:
     theta = np.array([1e38, 0.0, 0.0, 0.0], np.float32)  # |theta| + |s_i| past the in-place bound
     rule.add_worker("a", theta)
     for _ in range(3):
-        theta, _ = rule.step_scaled(theta, np.ones(4, np.float32), -ETA, "a", staleness=0)
+        theta, _ = rule.step_scaled(theta, np.ones(4, np.float32), -ETA, StepContext("a", 0))
         last_seen = rule.worker_state("a")["last_seen_theta"]
         np.testing.assert_array_equal(last_seen, theta)  # counted would keep the theta before the step
         kept = theta[1]

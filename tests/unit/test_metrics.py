@@ -15,6 +15,7 @@ from gemps_proto.schema import PayloadKind, TrainingConfig
 from gemps_proto.status import RecentCommits, WorkerStatus
 from gemps_proto.tensor_codec import FLOAT32, INT8_BLOCK
 from gemps_server.domain.rules import ApplyStats, create_rule, rule_names
+from gemps_server.domain.rules.base import StepContext
 from gemps_server.metrics import COMMIT_REJECTION_REASONS, MAX_DATASET_LABEL, ServerMetrics, exposed
 from gemps_server.replication.metrics import ReplicationCollector
 from gemps_server.replication.status import BACKUP, PRIMARY, BackupLag, ReplicationStatus
@@ -49,7 +50,7 @@ def test_gem_energies_match_the_reference(kappa: float, pi_max: float, momentum:
         proxies[w] = F32(momentum) * proxies[w] + delta
         expected = reference_energies(theta, seen[w], proxies[w], delta, kappa, pi_max)
         seen[w] = theta.copy()
-        theta, stats = rule.step(theta, delta.copy(), PayloadKind.UPDATE, w, staleness=0)
+        theta, stats = rule.step(theta, delta.copy(), StepContext(w, 0, kind=PayloadKind.UPDATE))
         assert stats.proxy_energy == pytest.approx(expected[0], rel=1e-4)
         assert stats.central_energy == pytest.approx(expected[1], rel=1e-4)
 
@@ -59,7 +60,7 @@ def test_a_first_commit_complies_exactly() -> None:
     rule = create_rule(training("gem", kappa=2.0), 4)
     theta = np.zeros(4, F32)
     rule.add_worker("a", theta)
-    theta, stats = rule.step(theta, np.array([0.1, -0.2, 0.3, 0.4], F32), PayloadKind.UPDATE, "a", staleness=0)
+    theta, stats = rule.step(theta, np.array([0.1, -0.2, 0.3, 0.4], F32), StepContext("a", 0, kind=PayloadKind.UPDATE))
     assert stats.proxy_energy == pytest.approx(2 * 0.25)
     assert stats.central_energy == pytest.approx(stats.proxy_energy)
 
@@ -70,8 +71,8 @@ def test_central_energy_exceeds_the_proxy_when_others_overshot() -> None:
     rule.add_worker("a", theta)
     rule.add_worker("b", theta)
     for _ in range(5):
-        theta, _ = rule.step(theta, np.full(3, 1.0, F32), PayloadKind.UPDATE, "a", staleness=0)
-    theta, stats = rule.step(theta, np.full(3, 0.5, F32), PayloadKind.UPDATE, "b", staleness=5)
+        theta, _ = rule.step(theta, np.full(3, 1.0, F32), StepContext("a", 0, kind=PayloadKind.UPDATE))
+    theta, stats = rule.step(theta, np.full(3, 0.5, F32), StepContext("b", 5, kind=PayloadKind.UPDATE))
     assert stats.fraction_at_zero == 1.0
     assert stats.proxy_energy == pytest.approx(0.5)
     assert stats.central_energy > stats.proxy_energy  # pi = 0: the others' movement alone
@@ -82,7 +83,7 @@ def test_rules_without_a_proxy_report_no_energy(rule_name: str) -> None:
     rule = create_rule(training(rule_name), 3)
     theta = np.zeros(3, F32)
     rule.add_worker("a", theta)
-    theta, stats = rule.step(theta, np.ones(3, F32), PayloadKind.UPDATE, "a", staleness=1)
+    theta, stats = rule.step(theta, np.ones(3, F32), StepContext("a", 1, kind=PayloadKind.UPDATE))
     assert math.isnan(stats.proxy_energy) and math.isnan(stats.central_energy)
     metrics = ServerMetrics()
     metrics.applied(1, stats, loss=None, num_samples=None, queued_seconds=0.0, apply_seconds=0.0)

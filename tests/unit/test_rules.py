@@ -11,6 +11,7 @@ import pytest
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
 from gemps_server.domain.records import Commit
 from gemps_server.domain.rules import create_rule, rule_class, rule_names, with_rule_defaults
+from gemps_server.domain.rules.base import StepContext
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
 from tests.helpers import encoded, rule_option, training
@@ -115,7 +116,7 @@ def test_gem_first_commit_of_a_worker_is_unscaled() -> None:
     theta = np.zeros(4, np.float32)
     rule.add_worker("a", theta)
     update = np.array([0.1, -0.2, 0.3, 0.0], np.float32)
-    theta, stats = rule.step(theta, update.copy(), PayloadKind.UPDATE, "a", staleness=0)
+    theta, stats = rule.step(theta, update.copy(), StepContext("a", 0, kind=PayloadKind.UPDATE))
     np.testing.assert_allclose(theta, update)
     # The zero entry's pi (0 / eps = 0) says nothing of the commit: the statistics leave it out (issue 47).
     assert stats.fraction_at_zero == 0.0
@@ -129,9 +130,9 @@ def test_gem_scales_down_stale_updates_once_central_moved() -> None:
     rule.add_worker("a", theta)
     rule.add_worker("b", theta)
     for _ in range(5):
-        theta, _ = rule.step(theta, np.full(3, 1.0, np.float32), PayloadKind.UPDATE, "a", staleness=0)
+        theta, _ = rule.step(theta, np.full(3, 1.0, np.float32), StepContext("a", 0, kind=PayloadKind.UPDATE))
     before = theta.copy()
-    theta, stats = rule.step(theta, np.full(3, 0.5, np.float32), PayloadKind.UPDATE, "b", staleness=5)
+    theta, stats = rule.step(theta, np.full(3, 0.5, np.float32), StepContext("b", 5, kind=PayloadKind.UPDATE))
     np.testing.assert_array_equal(theta, before)
     assert stats.fraction_at_zero == 1.0 and stats.scaling_mean == 0.0
 
@@ -158,7 +159,7 @@ def test_gem_in_blocks_equals_gem_in_one_pass(monkeypatch: pytest.MonkeyPatch) -
         stats = []
         for i in range(20):
             gradient = random_gradient(np.random.default_rng(i))
-            theta, commit_stats = rule.step(theta, gradient, PayloadKind.GRADIENT, "ab"[i % 2], 0)
+            theta, commit_stats = rule.step(theta, gradient, StepContext("ab"[i % 2], 0))
             stats.append(commit_stats)
         results.append((theta, stats))
     (blocked, blocked_stats), (whole, whole_stats) = results
@@ -187,7 +188,7 @@ def test_compiled_kernel_equals_numpy_pass() -> None:
         rule.add_worker("b", theta)
         stats = []
         for i in range(12):
-            theta, commit_stats = rule.step(theta, rng_gradient(i, size), PayloadKind.GRADIENT, "ab"[i % 2], 0)
+            theta, commit_stats = rule.step(theta, rng_gradient(i, size), StepContext("ab"[i % 2], 0))
             stats.append(commit_stats)
         results.append((theta, stats))
     np.testing.assert_array_equal(results[0][0], results[1][0])
@@ -211,7 +212,7 @@ def test_compiled_statistics_are_exact_and_match_numpy_below_the_sample_size(kap
         rule.add_worker("b", theta)
         stats = []
         for i in range(8):
-            theta, commit_stats = rule.step(theta, rng_gradient(i, size), PayloadKind.GRADIENT, "ab"[i % 2], 1)
+            theta, commit_stats = rule.step(theta, rng_gradient(i, size), StepContext("ab"[i % 2], 1))
             stats.append(commit_stats)
         per_kernel.append(stats)
     for numpy_stats, compiled_stats in zip(*per_kernel, strict=True):
@@ -253,14 +254,14 @@ def test_pi_statistics_count_only_the_parameters_a_commit_moves(kernel: str) -> 
         update = np.where(moving, rng.normal(size=size) * 0.1, 0.0).astype(np.float32)
         state = {name: np.array(value, copy=True) for name, value in rule.worker_state(worker).items()}
         pi = gem_pi_reference(config, state, theta, update.astype(np.float64))[moving]
-        theta, stats = rule.step(theta, update, PayloadKind.UPDATE, worker, staleness=1)
+        theta, stats = rule.step(theta, update, StepContext(worker, 1, kind=PayloadKind.UPDATE))
         assert stats.scaling_mean == pytest.approx(pi.mean(), rel=1e-4)
         assert stats.scaling_median == pytest.approx(np.median(pi), rel=1e-4, abs=1e-6)
         assert stats.fraction_at_zero == pytest.approx(np.mean(pi <= 0), abs=2 / pi.size)
         assert stats.fraction_at_max == pytest.approx(np.mean(pi >= rule_option(config, "pi_max")), abs=2 / pi.size)
         shares.append((stats.fraction_at_zero, stats.fraction_at_max))
     assert max(zero for zero, _ in shares) > 0  # the reference was checked where pi clips too
-    _, nothing = rule.step(theta, np.zeros(size, np.float32), PayloadKind.UPDATE, "a", staleness=1)
+    _, nothing = rule.step(theta, np.zeros(size, np.float32), StepContext("a", 1, kind=PayloadKind.UPDATE))
     assert (nothing.scaling_mean, nothing.scaling_median, nothing.fraction_at_zero, nothing.fraction_at_max) == (
         0.0, 0.0, 0.0, 0.0,
     )  # fmt: skip
@@ -290,8 +291,8 @@ def test_out_gets_the_new_theta_whichever_rule_writes_it(rule_name: str, kernel:
     out = np.full(size, np.nan, np.float32)
     for step in range(6):
         payload = rng_gradient(step, size) * (1e30 if step == 3 else 1)  # one out-of-place pass (loose bound)
-        theta_plain, _ = plain.step(theta_plain, payload, PayloadKind.GRADIENT, "a", 0, step)
-        theta_written, _ = writing.step(theta_written, payload, PayloadKind.GRADIENT, "a", 0, step, out=out)
+        theta_plain, _ = plain.step(theta_plain, payload, StepContext("a", 0, version=step))
+        theta_written, _ = writing.step(theta_written, payload, StepContext("a", 0, version=step, out=out))
         np.testing.assert_array_equal(theta_written, theta_plain)
         np.testing.assert_array_equal(out, theta_plain)
     assert writing.writes_out == (rule_name == "gem" and kernel == "compiled")

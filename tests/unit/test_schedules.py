@@ -12,6 +12,7 @@ from gemps_proto.schedules import SCHEDULES, learning_rate_at
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
 from gemps_server.domain.records import Commit
 from gemps_server.domain.rules import create_rule, rule_names
+from gemps_server.domain.rules.base import StepContext
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.metrics import ServerMetrics
@@ -128,7 +129,7 @@ def test_every_rule_scales_a_gradient_by_eta_at_the_version_it_is_applied_at(rul
         # A worker's first commit, not stale: every rule applies Delta = -eta*g as it is (GEM's
         # pi is kappa = 1 there, the momentum rule's velocity starts at 0), Nesterov's look-ahead
         # (1 + mu)*Delta, delayed-nesterov's (one worker: a momentum step each commit) eps*(1 + beta)*Delta.
-        theta, _ = made.step(theta, gradient, PayloadKind.GRADIENT, "a", staleness=0, version=version)
+        theta, _ = made.step(theta, gradient, StepContext("a", 0, version=version))
         first = F32(1 + rule_option(config, "momentum")) if rule == "nesterov" else F32(1)
         if rule == "delayed-nesterov":
             first = F32(rule_option(config, "dn_learning_rate") * (1 + rule_option(config, "momentum")))
@@ -140,7 +141,7 @@ def test_updates_are_applied_as_sent_whatever_the_schedule() -> None:
     made = create_rule(training("downpour", **SCHEDULED), 2)
     theta = np.zeros(2, F32)
     made.add_worker("a", theta)
-    theta, _ = made.step(theta, np.array([1.0, -2.0], F32), PayloadKind.UPDATE, "a", staleness=0, version=7)
+    theta, _ = made.step(theta, np.array([1.0, -2.0], F32), StepContext("a", 0, version=7, kind=PayloadKind.UPDATE))
     np.testing.assert_array_equal(theta, [1.0, -2.0])
 
 
@@ -163,8 +164,8 @@ def test_the_momentum_rule_keeps_each_gradients_eta_in_its_velocity() -> None:
     made = create_rule(training("momentum", momentum=0.5, **SCHEDULED), 1)
     theta = np.zeros(1, F32)
     made.add_worker("a", theta)
-    theta, _ = made.step(theta, np.ones(1, F32), PayloadKind.GRADIENT, "a", 0, version=1)  # v = -0.5
-    theta, _ = made.step(theta, np.ones(1, F32), PayloadKind.GRADIENT, "a", 0, version=2)  # v = -0.25 - 0.25
+    theta, _ = made.step(theta, np.ones(1, F32), StepContext("a", 0, version=1))  # v = -0.5
+    theta, _ = made.step(theta, np.ones(1, F32), StepContext("a", 0, version=2))  # v = -0.25 - 0.25
     np.testing.assert_array_equal(theta, [-1.0])
 
 

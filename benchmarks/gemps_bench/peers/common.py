@@ -32,6 +32,7 @@ from gemps_bench.results import LoadResult, share_in_window
 from gemps_proto.schema import PayloadKind, TrainingConfig
 from gemps_server.allocator import keep_large_allocations
 from gemps_server.domain.rules import CommitRule, create_rule
+from gemps_server.domain.rules.base import StepContext
 from gemps_worker.cluster import free_port
 
 LOCALHOST = "127.0.0.1"
@@ -120,7 +121,9 @@ class PeerState:
         staleness = self.staleness(client_id)
         np.multiply(gradient, self._scale, out=gradient)  # in place: no P-sized copy per commit
         # In place, unless the update comes near float32's range (then a new array: see rules/base.py).
-        self.theta, _ = self._rule.step(self.theta, gradient, PayloadKind.UPDATE, client_id, staleness)  # scaled above
+        self.theta, _ = self._rule.step(
+            self.theta, gradient, StepContext(client_id, staleness, kind=PayloadKind.UPDATE)
+        )  # scaled above
         self.version += 1
         self._version_sent[client_id] = self.version
         return staleness

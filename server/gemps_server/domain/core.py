@@ -34,7 +34,7 @@ from gemps_server.domain.journal import Committed, Journal, NoJournal
 from gemps_server.domain.ledger import CommitLedger, Receipt
 from gemps_server.domain.noise import NoiseEstimator
 from gemps_server.domain.records import Commit, CommitOutcome, R, ReplyWriter, Snapshot
-from gemps_server.domain.rules import ApplyStats, CommitRule, NonFiniteUpdate
+from gemps_server.domain.rules import ApplyStats, CommitRule, NonFiniteUpdate, StepContext
 from gemps_server.domain.worker_copies import WorkerCopies
 from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.native import copy_max_abs, native_commit, setup_core
@@ -185,9 +185,8 @@ class CommitCore:
         staleness = self.version - base_version
         window = self.noise.window(kind_of, self.theta.size, len(self.registry), num_samples)
         try:  # the rule writes into spare buffers and swaps them in only if every value is finite
-            self.theta, stats = rule.step(
-                self.theta, values, kind_of, worker_id, staleness, self.version, peak, out, window
-            )
+            context = StepContext(worker_id, staleness, self.version, kind_of, peak, out, window)
+            self.theta, stats = rule.step(self.theta, values, context)
         except NonFiniteUpdate as error:
             raise InvalidArgument(f"commit refused, nothing changed: {error}", Reason.NON_FINITE) from None
         self.buffers = buffers

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from gemps_proto.rule_options import RuleCatalog
 from gemps_proto.schema import TrainingConfig
 from gemps_server.domain.rules.adaptive_staleness import AdaptiveStalenessRule
-from gemps_server.domain.rules.base import ApplyStats, CommitRule, NonFiniteUpdate
+from gemps_server.domain.rules.base import ApplyStats, CommitRule, NonFiniteUpdate, StepContext
 from gemps_server.domain.rules.delayed_nesterov import DelayedNesterovRule
 from gemps_server.domain.rules.downpour import DownpourRule
 from gemps_server.domain.rules.gem import GemRule
@@ -126,6 +126,7 @@ __all__ = [
     "CommitRule",
     "NonFiniteUpdate",
     "RuleRuntime",
+    "StepContext",
     "create_rule",
     "register_rule",
     "rule_catalog",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gemps_server.domain.rules.base import ApplyStats, CommitRule, NoiseWindow
+from gemps_server.domain.rules.base import ApplyStats, CommitRule, StepContext
 from gemps_server.domain.rules.overflow import OverflowGuard
 
 
@@ -16,12 +16,9 @@ class AdaptiveStalenessRule(OverflowGuard, CommitRule):
         theta: np.ndarray,
         update: np.ndarray,
         scale: float,
-        worker_id: str,
-        staleness: int,
-        update_peak: float | None = None,
-        out: np.ndarray | None = None,
-        window: NoiseWindow | None = None,
+        context: StepContext,
     ) -> tuple[np.ndarray, ApplyStats]:
+        staleness, update_peak = context.staleness, context.payload_peak
         bound = self.in_place_bound(self.peak_of(theta), self.update_peak(update, scale, update_peak))
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused by checked()
             delta = np.multiply(update, np.float32(scale), out=self.scratch(update))

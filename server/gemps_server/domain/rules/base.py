@@ -137,6 +137,22 @@ class NoiseWindow:
         self.payload_square, self.window_square = noise_window(payload, self.total, self.stride, self.mode)
 
 
+@dataclass(frozen=True, slots=True)
+class StepContext:
+    """A commit's step besides θ and its payload: whose commit, computed `staleness` commits ago,
+    applied at central version `version` (the one before it), a gradient or an update, and what
+    the caller has ready for the rule: the payload's peak (max |payload|, where the wire measured
+    it), `out` (a float32 array of P that receives the new θ too) and the noise scale's `window`."""
+
+    worker_id: str
+    staleness: int = 0
+    version: int = 0
+    kind: PayloadKind = PayloadKind.GRADIENT
+    payload_peak: float | None = None
+    out: np.ndarray | None = None
+    window: NoiseWindow | None = None
+
+
 class NonFiniteUpdate(ValueError):
     """The commit would make the central variable or the rule's state NaN or infinite (finite
     inputs can overflow float32): the rule refused it and changed nothing."""
@@ -257,37 +273,25 @@ class CommitRule(ABC):
         """eta at central version `version`: learning_rate times the schedule's factor."""
         return self.learning_rate * self.schedule(version)
 
-    def step(
-        self,
-        theta: np.ndarray,
-        payload: np.ndarray,
-        kind: PayloadKind,
-        worker_id: str,
-        staleness: int,
-        version: int = 0,
-        payload_peak: float | None = None,
-        out: np.ndarray | None = None,
-        window: NoiseWindow | None = None,
-    ) -> tuple[np.ndarray, ApplyStats]:
-        """theta after this worker's commit, computed `staleness` commits ago and applied at central
-        version `version` (the one before it; a gradient g moves theta by -eta(version)*g), with
-        how it was scaled: a new array, or `theta` moved in place when no value can overflow. The
-        rule may keep `theta`: the caller uses only the array returned. Raises NonFiniteUpdate,
-        with nothing changed, when theta or the rule's state would not be finite.
-        `payload_peak`: max |payload| when the caller already knows it (from its finiteness check).
-        `out`: as numpy's `out=`, a float32 array of P that receives the new theta; the rule's own
-        array is still the one returned (the rule keeps it, and `out` may be memory another
-        process reads). A rule that `writes_out` fills it as it computes theta, with no pass of
-        its own; for the others this copies it (contents undefined after NonFiniteUpdate).
-        `window`: the noise scale's sums to measure for this commit, in the rule's pass where it
-        `folds_noise`, else in a pass of their own once the commit is applied; then handed back."""
-        scale = -self.learning_rate_at(version) if kind is PayloadKind.GRADIENT else 1.0
-        folded = window if self.folds_noise else None
-        updated, stats = self.step_scaled(theta, payload, scale, worker_id, staleness, payload_peak, out, folded)
-        if out is not None and not self.writes_out:
-            np.copyto(out, updated)
+    def step(self, theta: np.ndarray, payload: np.ndarray, context: StepContext) -> tuple[np.ndarray, ApplyStats]:
+        """theta after this commit (`context`: whose, how stale, at which version; a gradient g
+        moves theta by -eta(version)*g), with how it was scaled: a new array, or `theta` moved in
+        place when no value can overflow. The rule may keep `theta`: the caller uses only the array
+        returned. Raises NonFiniteUpdate, with nothing changed, when theta or the rule's state would
+        not be finite. `context.out`: as numpy's `out=`, a float32 array of P that receives the new
+        theta; the rule's own array is still the one returned (the rule keeps it, and `out` may be
+        memory another process reads). A rule that `writes_out` fills it as it computes theta, with
+        no pass of its own; for the others this copies it (contents undefined after
+        NonFiniteUpdate). `context.window`: the noise scale's sums to measure for this commit, in
+        the rule's pass where it `folds_noise`, else in a pass of their own once the commit is
+        applied; then handed back."""
+        scale = -self.learning_rate_at(context.version) if context.kind is PayloadKind.GRADIENT else 1.0
+        updated, stats = self.step_scaled(theta, payload, scale, context)
+        if context.out is not None and not self.writes_out:
+            np.copyto(context.out, updated)
+        window = context.window
         if window is not None:
-            if folded is None:
+            if not self.folds_noise:
                 window.measure(payload)
             window.applied(window)
         return updated, stats
@@ -311,16 +315,9 @@ class CommitRule(ABC):
 
     @abstractmethod
     def step_scaled(
-        self,
-        theta: np.ndarray,
-        update: np.ndarray,
-        scale: float,
-        worker_id: str,
-        staleness: int,
-        update_peak: float | None = None,
-        out: np.ndarray | None = None,
-        window: NoiseWindow | None = None,
+        self, theta: np.ndarray, update: np.ndarray, scale: float, context: StepContext
     ) -> tuple[np.ndarray, ApplyStats]:
-        """`step`'s work with Delta = scale * update, the one method a rule implements; `out` is
-        for rules that `writes_out`, `window` for rules that `folds_noise` (the others ignore them:
-        `step` copies theta to `out` and measures the window)."""
+        """`step`'s work with Delta = scale * update, the one method a rule implements
+        (`context.payload_peak` is max |update|); `context.out` is for rules that `writes_out`,
+        `context.window` for rules that `folds_noise` (the others leave them: `step` copies theta
+        to `out` and measures the window)."""

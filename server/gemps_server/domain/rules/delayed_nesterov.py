@@ -37,9 +37,9 @@ from gemps_proto.schema import POSITIVE_FACTOR
 from gemps_server.domain.rules.base import (
     ApplyStats,
     CommitRule,
-    NoiseWindow,
     NonFiniteUpdate,
     Schedule,
+    StepContext,
     constant_schedule,
 )
 from gemps_server.domain.rules.momentum import MOMENTUM
@@ -141,11 +141,7 @@ class DelayedNesterovRule(OverflowGuard, CommitRule):
         theta: np.ndarray,
         update: np.ndarray,
         scale: float,
-        worker_id: str,
-        staleness: int,
-        update_peak: float | None = None,
-        out: np.ndarray | None = None,
-        window: NoiseWindow | None = None,
+        context: StepContext,
     ) -> tuple[np.ndarray, ApplyStats]:
         period = self.period()
         activation = min(self.momentum_activation, 1.0 / period)

@@ -39,6 +39,7 @@ from gemps_server.domain.rules.base import (
     CommitRule,
     NoiseWindow,
     NonFiniteUpdate,
+    StepContext,
 )
 from gemps_server.domain.rules.gem_base import EPSILON, GEM_STATES, GemBase
 from gemps_server.domain.rules.gem_compact import CompactGemRule
@@ -146,12 +147,9 @@ class GemRule(GemBase):
         theta: np.ndarray,
         update: np.ndarray,
         scale: float,
-        worker_id: str,
-        staleness: int,
-        update_peak: float | None = None,
-        out: np.ndarray | None = None,
-        window: NoiseWindow | None = None,
+        context: StepContext,
     ) -> tuple[np.ndarray, ApplyStats]:
+        worker_id, update_peak, out, window = context.worker_id, context.payload_peak, context.out, context.window
         state = self._workers[worker_id]
         if theta.size == 0:
             return theta, ApplyStats.constant(0.0)

@@ -42,6 +42,7 @@ from gemps_server.domain.rules.base import (
     ApplyStats,
     NoiseWindow,
     NonFiniteUpdate,
+    StepContext,
 )
 from gemps_server.domain.rules.gem_base import EPSILON, GemBase
 from gemps_server.domain.rules.overflow import ROUNDING, SAFE_MAGNITUDE
@@ -206,12 +207,9 @@ class CompactGemRule(GemBase):
         theta: np.ndarray,
         update: np.ndarray,
         scale: float,
-        worker_id: str,
-        staleness: int,
-        update_peak: float | None = None,
-        out: np.ndarray | None = None,
-        window: NoiseWindow | None = None,
+        context: StepContext,
     ) -> tuple[np.ndarray, ApplyStats]:
+        worker_id, update_peak, out, window = context.worker_id, context.payload_peak, context.out, context.window
         worker = self._workers[worker_id]
         if theta.size == 0:
             return theta, ApplyStats.constant(0.0)

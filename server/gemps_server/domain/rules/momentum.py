@@ -15,7 +15,7 @@ import numpy as np
 
 from gemps_proto.ranges import Range
 from gemps_proto.rule_options import RuleOption
-from gemps_server.domain.rules.base import ApplyStats, CommitRule, NoiseWindow, Schedule, constant_schedule
+from gemps_server.domain.rules.base import ApplyStats, CommitRule, Schedule, StepContext, constant_schedule
 from gemps_server.domain.rules.overflow import OverflowGuard
 from gemps_server.native import max_abs
 
@@ -51,12 +51,9 @@ class MomentumRule(OverflowGuard, CommitRule):
         theta: np.ndarray,
         update: np.ndarray,
         scale: float,
-        worker_id: str,
-        staleness: int,
-        update_peak: float | None = None,
-        out: np.ndarray | None = None,
-        window: NoiseWindow | None = None,
+        context: StepContext,
     ) -> tuple[np.ndarray, ApplyStats]:
+        update_peak = context.payload_peak
         velocity_bound = self.in_place_bound(
             abs(self.momentum) * self._velocity_peak, self.update_peak(update, scale, update_peak)
         )
