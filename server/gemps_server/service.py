@@ -220,7 +220,7 @@ class ParameterService:
         """The current snapshot, encoded in `reply_dtype` unless the caller already has its version."""
         snapshot, encode = self._current(worker_id, known_version, reply_dtype)
         if encode:  # on the applier: theta may be moving
-            snapshot = await self._applier.submit(functools.partial(self._state.encoded, reply_dtype))
+            snapshot = await self._applier.submit(functools.partial(self._state.core.encoded, reply_dtype))
         return snapshot
 
     def pull_then(self, worker_id: str, known_version: int, reply_dtype: int, deliver: Deliver[Snapshot]) -> None:
@@ -235,7 +235,7 @@ class ParameterService:
         def encoded(timed: Timed[Snapshot] | None, error: BaseException | None) -> None:
             deliver(None if timed is None else timed.result, error)
 
-        self._applier.submit_then(functools.partial(self._state.encoded, reply_dtype), encoded)
+        self._applier.submit_then(functools.partial(self._state.core.encoded, reply_dtype), encoded)
 
     def _current(self, worker_id: str, known_version: int, reply_dtype: int) -> tuple[Snapshot, bool]:
         """The current snapshot, and whether the applier must encode it in `reply_dtype` first."""

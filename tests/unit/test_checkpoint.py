@@ -290,9 +290,9 @@ def gradient(value: float = 1.0) -> EncodedTensor:
 def test_a_retried_commit_is_applied_once() -> None:
     state = new_state()
     worker = register(state)
-    first = state.commit(Commit(worker, 0, PayloadKind.GRADIENT, gradient(), request_id="r1"))
+    first = state.core.commit_record(Commit(worker, 0, PayloadKind.GRADIENT, gradient(), request_id="r1"))
     theta = state.theta_copy()
-    again = state.commit(Commit(worker, 0, PayloadKind.GRADIENT, gradient(), request_id="r1"))
+    again = state.core.commit_record(Commit(worker, 0, PayloadKind.GRADIENT, gradient(), request_id="r1"))
     assert again.duplicate and not first.duplicate
     assert (again.snapshot.version, again.staleness, again.stats) == (1, first.staleness, first.stats)
     np.testing.assert_array_equal(state.theta_copy(), theta)
@@ -300,10 +300,10 @@ def test_a_retried_commit_is_applied_once() -> None:
     # Even from a new registration of the same client (lease expired, server restarted).
     state.leave(worker)
     other = register(state)
-    assert state.commit(Commit(other, 0, PayloadKind.GRADIENT, gradient(), request_id="r1")).duplicate
-    assert not state.commit(Commit(other, 1, PayloadKind.GRADIENT, gradient(), request_id="r2")).duplicate
+    assert state.core.commit_record(Commit(other, 0, PayloadKind.GRADIENT, gradient(), request_id="r1")).duplicate
+    assert not state.core.commit_record(Commit(other, 1, PayloadKind.GRADIENT, gradient(), request_id="r2")).duplicate
     with pytest.raises(InvalidArgument, match="request_id has 129 characters"):
-        state.commit(Commit(other, 2, PayloadKind.GRADIENT, gradient(), request_id="x" * 129))
+        state.core.commit_record(Commit(other, 2, PayloadKind.GRADIENT, gradient(), request_id="x" * 129))
 
 
 @pytest.mark.parametrize("rule", ["gem", "momentum"])
@@ -311,18 +311,20 @@ def test_restore_continues_exactly_where_the_checkpoint_was(rule: str) -> None:
     live = new_state(rule)
     worker = register(live)
     for version in range(3):
-        live.commit(Commit(worker, version, PayloadKind.GRADIENT, gradient(version + 1.0), request_id=f"r{version}"))
+        live.core.commit_record(
+            Commit(worker, version, PayloadKind.GRADIENT, gradient(version + 1.0), request_id=f"r{version}")
+        )
     snapshot = images.checkpoint(live)
     restored = new_state(rule)
     assert images.restore(restored, snapshot) == []
     assert (restored.version, restored.commits_applied) == (3, 3)
     np.testing.assert_array_equal(restored.theta_copy(), live.theta_copy())
     again = register(restored)  # the same client, registered again
-    assert restored.commit(Commit(again, 0, PayloadKind.GRADIENT, gradient(), request_id="r2")).duplicate
+    assert restored.core.commit_record(Commit(again, 0, PayloadKind.GRADIENT, gradient(), request_id="r2")).duplicate
     # The same next commit moves both identically (GEM: a new worker's first commit in both).
     fresh = register(live)
-    a = live.commit(Commit(fresh, 3, PayloadKind.GRADIENT, gradient(0.5), request_id="n"))
-    b = restored.commit(Commit(again, 3, PayloadKind.GRADIENT, gradient(0.5), request_id="n"))
+    a = live.core.commit_record(Commit(fresh, 3, PayloadKind.GRADIENT, gradient(0.5), request_id="n"))
+    b = restored.core.commit_record(Commit(again, 3, PayloadKind.GRADIENT, gradient(0.5), request_id="n"))
     assert a.snapshot == b.snapshot
 
 

@@ -62,7 +62,9 @@ def primary(
 
 def commit(state: ServerState, worker: str, number: int) -> int:
     payload = encoded(np.ones(P, np.float32))
-    outcome = state.commit(Commit(worker, state.version, PayloadKind.UPDATE, payload, request_id=f"r{number}"))
+    outcome = state.core.commit_record(
+        Commit(worker, state.version, PayloadKind.UPDATE, payload, request_id=f"r{number}")
+    )
     return outcome.position
 
 

@@ -77,7 +77,7 @@ def served(
     worker = state.register("w", [ParameterSpec("w", theta0.shape)], encoded(theta0)).worker.worker_id
     thetas = []
     for version, g in enumerate(gradients):
-        state.commit(Commit(worker, version, PayloadKind.GRADIENT, encoded(g.astype(np.float32))))
+        state.core.commit_record(Commit(worker, version, PayloadKind.GRADIENT, encoded(g.astype(np.float32))))
         thetas.append(state.theta_copy().astype(np.float64))
     return thetas
 

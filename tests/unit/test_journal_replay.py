@@ -101,7 +101,7 @@ def test_a_replayed_journal_gives_the_same_state_bit_for_bit(rule: str) -> None:
             num_samples=32,
             buffer_delta=steps(1),
         )
-        primary.commit(commit)
+        primary.core.commit_record(commit)
     primary.leave(workers[1])
     third = primary.register("c", SPEC, None, buffer_spec=BUFFER_SPEC, client_id="cc")
     clock.now = 100.0  # every lease ran out
@@ -142,12 +142,14 @@ def test_refusals_and_duplicates_are_not_journalled() -> None:
     primary.journal = journal
     worker = primary.register("a", SPEC, encoded(np.zeros(P, np.float32))).worker.worker_id
     commit = Commit(worker, 0, PayloadKind.UPDATE, encoded(np.ones(P, np.float32)), request_id="r1", sequence=1)
-    applied = primary.commit(commit)
+    applied = primary.core.commit_record(commit)
     assert applied.position == 2 and journal.last == 2 and applied.epoch == 7  # replies carry the epoch
-    retried = primary.commit(commit)
+    retried = primary.core.commit_record(commit)
     assert retried.duplicate and retried.position == 2  # waits for what is journalled, adds nothing
     with pytest.raises(InvalidArgument):
-        primary.commit(Commit(worker, 0, PayloadKind.UPDATE, encoded(np.full(P, np.nan, np.float32)), request_id="r2"))
+        primary.core.commit_record(
+            Commit(worker, 0, PayloadKind.UPDATE, encoded(np.full(P, np.nan, np.float32)), request_id="r2")
+        )
     assert journal.last == 2
     assert [type(entries.decode(frame)[0]) for frame in journal.frames] == [Joined, Committed]
 

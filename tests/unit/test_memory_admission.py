@@ -51,7 +51,7 @@ def refused(state: ServerState, reason: Reason, client_id: str = "") -> str:
 
 def gradient(state: ServerState, worker_id: str, request_id: str) -> None:
     payload = encoded(np.ones(P, np.float32))
-    state.commit(Commit(worker_id, state.version, PayloadKind.GRADIENT, payload, request_id=request_id))
+    state.core.commit_record(Commit(worker_id, state.version, PayloadKind.GRADIENT, payload, request_id=request_id))
 
 
 def test_a_registration_past_the_memory_budget_is_refused_and_leaves_nothing() -> None:

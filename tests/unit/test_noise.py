@@ -81,7 +81,7 @@ def served(
     worker = state.register("w", [ParameterSpec("w", (size,))], encoded(np.zeros(size, np.float32))).worker
     start, stop = partition.bounds(size)
     for g in gradients:
-        state.commit(Commit(worker.worker_id, state.version, PayloadKind.GRADIENT, encoded(g[start:stop])))
+        state.core.commit_record(Commit(worker.worker_id, state.version, PayloadKind.GRADIENT, encoded(g[start:stop])))
     return state.noise.estimate
 
 
@@ -194,7 +194,7 @@ def test_a_refused_commit_is_not_measured_and_its_window_starts_again(rule: str)
     worker = state.register("w", [ParameterSpec("w", (4,))], encoded(big)).worker.worker_id
 
     def commit(gradient: np.ndarray) -> None:
-        state.commit(Commit(worker, state.version, PayloadKind.GRADIENT, encoded(gradient)))
+        state.core.commit_record(Commit(worker, state.version, PayloadKind.GRADIENT, encoded(gradient)))
 
     commit(np.zeros(4, np.float32))  # the window's first commit
     with pytest.raises(InvalidArgument):  # θ - g would overflow: refused, nothing changed

@@ -90,10 +90,10 @@ def seeded(rule: str = "gem", kernel: str = "numpy", seed: int = 1, commits: int
     """A state with 3 workers (one with a client id), one more that left, and `commits` commits."""
     state, load = new_state(rule, kernel), Workload(seed)
     load.register(state, 4)
-    state.commit(load.commit(3, 0))  # the fourth commits once and leaves: a departed scope, a free slot
+    state.core.commit_record(load.commit(3, 0))  # the fourth commits once and leaves: a departed scope, a free slot
     state.leave(load.workers.pop())
     for index in range(commits):
-        state.commit(load.commit(index, state.version))
+        state.core.commit_record(load.commit(index, state.version))
     return state, load
 
 
@@ -155,7 +155,7 @@ def test_an_adopted_image_goes_on_bit_for_bit(rule: str, kernel: str) -> None:
         assert len(set(proxies)) == 3 and b"\x00" * 4 * P not in proxies
     for index in range(20, 30):
         commit = load.commit(index, primary.version)
-        a, b = primary.commit(commit), backup.commit(commit)
+        a, b = primary.core.commit_record(commit), backup.core.commit_record(commit)
         assert (a.staleness, stats_bytes(a.stats), a.duplicate) == (b.staleness, stats_bytes(b.stats), b.duplicate)
         assert a.snapshot.version == b.snapshot.version
     assert raw(backup) == raw(primary)
@@ -163,11 +163,11 @@ def test_an_adopted_image_goes_on_bit_for_bit(rule: str, kernel: str) -> None:
     assert noise_bytes(backup) == noise_bytes(primary) and primary.noise.estimate.windows > 3
     # The backup recognises a retry of the last commit as the primary would.
     assert load.last is not None
-    retried = backup.commit(load.last)
+    retried = backup.core.commit_record(load.last)
     assert retried.duplicate and backup.version == primary.version
-    assert stats_bytes(retried.stats) == stats_bytes(primary.commit(load.last).stats)
+    assert stats_bytes(retried.stats) == stats_bytes(primary.core.commit_record(load.last).stats)
     # One more commit on one side only: the two differ, and the digest says so.
-    primary.commit(load.commit(30, primary.version))
+    primary.core.commit_record(load.commit(30, primary.version))
     assert raw(backup)["theta"] != raw(primary)["theta"]
     assert digest(images.take(backup)) != digest(images.take(primary))
 
@@ -178,7 +178,7 @@ def test_the_image_is_a_copy_taken_at_its_version() -> None:
     before = digest(image)
     assert image.state is not None and image.noise is not None
     theta, noise = image.state.theta.tobytes(), image.noise.total.tobytes()
-    primary.commit(load.commit(20, primary.version))
+    primary.core.commit_record(load.commit(20, primary.version))
     assert digest(image) == digest(decode(encode(image))) == before  # (the bytes' header order varies)
     assert (image.state.theta.tobytes(), image.noise.total.tobytes()) == (theta, noise)
     assert digest(images.take(primary)) != before
@@ -236,9 +236,9 @@ def test_adopting_replaces_an_initialised_state() -> None:
     with pytest.raises(NotFound):
         target.registry.get(old.workers[0])
     commit = load.commit(20, primary.version)  # the primary's workers carry on with it
-    assert stats_bytes(target.commit(commit).stats) == stats_bytes(primary.commit(commit).stats)
+    assert stats_bytes(target.core.commit_record(commit).stats) == stats_bytes(primary.core.commit_record(commit).stats)
     # Nothing of the replaced state is served: its snapshot encodings are gone.
-    assert target.encoded(FLOAT32).data(FLOAT32) == primary.encoded(FLOAT32).data(FLOAT32)
+    assert target.core.encoded(FLOAT32).data(FLOAT32) == primary.core.encoded(FLOAT32).data(FLOAT32)
 
 
 @pytest.mark.parametrize(
@@ -296,7 +296,7 @@ def test_whether_the_noise_batch_was_assumed_crosses_and_an_older_image_reads_as
     num_samples (these do not); an image from before that field reads as none assumed."""
     primary, load = seeded()
     for index in range(21, 27):  # gradients that report no num_samples: at least one whole window of 3
-        primary.commit(dataclasses.replace(load.commit(index, primary.version), num_samples=None))
+        primary.core.commit_record(dataclasses.replace(load.commit(index, primary.version), num_samples=None))
     image = images.take(primary)
     assert image.noise is not None and image.noise.estimate.batch_size_assumed and image.noise.assumed > 0
     crossed = decode(encode(image)).noise

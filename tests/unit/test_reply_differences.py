@@ -100,7 +100,7 @@ def test_gem_with_compressed_commits_and_difference_replies_matches_a_float64_re
         before = None if kept is None else copy_values(kept[1])  # the server's record before this commit
         commit = Commit(worker, state.version, PayloadKind.GRADIENT.value, payload, request_id=f"c{step}",
                         reply_dtype=code, held_copy=copies[worker].number)  # fmt: skip
-        outcome, data = state.commit_and_reply(commit, keep_bytes)
+        outcome, data = state.core.commit_and_reply(commit, keep_bytes)
         reference.commit(worker, payload.decode_payload())
         theta = state.theta_copy()
         np.testing.assert_allclose(theta, reference.theta, rtol=1e-4, atol=1e-5, err_msg=f"step {step}")
@@ -129,13 +129,13 @@ def test_a_commit_that_names_another_copy_is_answered_whole_and_starts_a_new_one
     state, (worker,), _ = gem_state(1)
     gradient = EncodedTensor(INT8_BLOCK, (P,), encode_payload(np.ones(P, np.float32), INT8_BLOCK))
     first = Commit(worker, 0, PayloadKind.GRADIENT.value, gradient, request_id="a", reply_dtype=INT8_BLOCK)
-    outcome, _ = state.commit_and_reply(first, keep_bytes)
+    outcome, _ = state.core.commit_and_reply(first, keep_bytes)
     assert outcome.reply is not None and outcome.reply.dtype == BFLOAT16 and outcome.reply.difference_of == 0
     number = outcome.reply.copy
     second = dataclasses.replace(first, request_id="b", base_version=1, held_copy=number)
-    outcome, _ = state.commit_and_reply(second, keep_bytes)  # its reply is lost
+    outcome, _ = state.core.commit_and_reply(second, keep_bytes)  # its reply is lost
     assert outcome.reply is not None and outcome.reply.difference_of == number
-    outcome, data = state.commit_and_reply(second, keep_bytes)  # the retry, naming the copy before
+    outcome, data = state.core.commit_and_reply(second, keep_bytes)  # the retry, naming the copy before
     assert outcome.duplicate and state.version == 2
     assert outcome.reply is not None and outcome.reply.dtype == BFLOAT16 and outcome.reply.difference_of == 0
     assert bytes(data) == whole(state.theta_copy()).tobytes()
@@ -145,7 +145,7 @@ def test_leaving_registering_again_or_a_new_image_forgets_the_copies() -> None:
     state, (worker, other), _ = gem_state(2)
     for name in (worker, other):
         commit = Commit(name, 0, PayloadKind.UPDATE.value, encoded(np.zeros(P, np.float32)), reply_dtype=INT8_BLOCK)
-        state.commit_and_reply(commit, keep_bytes)
+        state.core.commit_and_reply(commit, keep_bytes)
     assert len(state.copies) == 2 and state.copies.nbytes == 2 * 2 * P
     state.leave(worker)
     assert state.copies.held(worker) is None and state.copies.nbytes == 2 * P
@@ -203,14 +203,14 @@ def test_a_copy_is_kept_only_where_the_memory_budget_leaves_room_beside_the_rule
         name: Commit(name, 0, PayloadKind.UPDATE.value, encoded(np.zeros(P, np.float32)), reply_dtype=INT8_BLOCK)
         for name in (worker, other)
     }
-    first, _ = state.commit_and_reply(commits[worker], keep_bytes)
+    first, _ = state.core.commit_and_reply(commits[worker], keep_bytes)
     assert first.reply is not None and first.reply.copy != 0 and state.copies.nbytes == 2 * P
-    second, data = state.commit_and_reply(commits[other], keep_bytes)
+    second, data = state.core.commit_and_reply(commits[other], keep_bytes)
     assert second.reply is not None and (second.reply.dtype, second.reply.copy) == (BFLOAT16, 0)
     assert bytes(data) == whole(state.theta_copy()).tobytes()  # θ whole all the same
     assert state.copies.held(other) is None and state.copies.unkept == 1
     state.leave(worker)  # its rule state and its copy go
-    third, _ = state.commit_and_reply(dataclasses.replace(commits[other], base_version=2), keep_bytes)
+    third, _ = state.core.commit_and_reply(dataclasses.replace(commits[other], base_version=2), keep_bytes)
     assert third.reply is not None and third.reply.copy != 0 and state.copies.held(other) is not None
 
 
@@ -224,7 +224,7 @@ def test_a_registration_drops_the_copies_renewed_longest_ago_that_no_longer_fit(
         commit = Commit(
             worker, version, PayloadKind.UPDATE.value, encoded(np.zeros(P, np.float32)), reply_dtype=INT8_BLOCK
         )
-        state.commit_and_reply(commit, keep_bytes)
+        state.core.commit_and_reply(commit, keep_bytes)
     assert len(state.copies) == 3 and state.rule_state_bytes + state.copies.nbytes <= state.memory.bytes
     state.register("w3", SPEC, None)
     assert state.rule_state_bytes + state.copies.nbytes <= state.memory.bytes

@@ -67,7 +67,7 @@ def run_random_sequence(params: TrainingConfig, seed: int, steps: int = 300) -> 
         is_gradient = chooser.random() < 0.8
         payload = random_gradient(rng)
         kind = PayloadKind.GRADIENT if is_gradient else PayloadKind.UPDATE
-        outcome = state.commit(Commit(worker, base, kind, encoded(payload)))
+        outcome = state.core.commit_record(Commit(worker, base, kind, encoded(payload)))
         ref.commit(worker, payload, base, is_gradient)
         assert outcome.snapshot.version == ref.version
         assert outcome.staleness == ref.version - 1 - base
@@ -104,7 +104,7 @@ def test_gem_equals_worker_side_reference_code_rearranged() -> None:
     for _ in range(400):
         worker = chooser.choice(sorted(workers))
         gradient = random_gradient(rng)
-        outcome = state.commit(Commit(worker, versions[worker], PayloadKind.GRADIENT, encoded(gradient)))
+        outcome = state.core.commit_record(Commit(worker, versions[worker], PayloadKind.GRADIENT, encoded(gradient)))
         central = central + workers[worker].scaled_update(central, gradient)
         versions[worker] = outcome.snapshot.version
         np.testing.assert_allclose(state.theta_copy(), central, rtol=RTOL, atol=ATOL)

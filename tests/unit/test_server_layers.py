@@ -68,14 +68,14 @@ def test_the_reply_is_written_while_theta_holds_the_commits_version() -> None:
 
     gradient = np.full(5, 2.0, np.float32)
     commit = Commit(worker_id=worker, base_version=0, kind=PayloadKind.GRADIENT.value, payload=encoded(gradient))
-    outcome, reply = state.commit_and_reply(commit, writer)
+    outcome, reply = state.core.commit_and_reply(commit, writer)
     assert reply == "reply" and outcome.snapshot.version == 1
     expected = (np.arange(5, dtype=np.float32) - 0.5 * gradient).astype(np.float32)
     assert seen == [(1, 1, expected.tobytes())]
     # in the commit's reply dtype
     nothing = encoded(np.zeros(5, np.float32))
     update = Commit(worker_id=worker, base_version=1, kind=PayloadKind.UPDATE.value, payload=nothing)
-    state.commit_and_reply(dataclasses.replace(update, reply_dtype=BFLOAT16), writer)
+    state.core.commit_and_reply(dataclasses.replace(update, reply_dtype=BFLOAT16), writer)
     assert seen[-1] == (2, 2, encode(expected, BFLOAT16))
 
 
@@ -83,9 +83,9 @@ def test_a_duplicates_reply_carries_the_current_theta() -> None:
     state, worker = registered_state()
     payload = encoded(np.ones(5, np.float32))
     commit = Commit(worker_id=worker, base_version=0, kind=PayloadKind.UPDATE.value, payload=payload, request_id="r1")
-    state.commit(commit)
-    state.commit(Commit(worker_id=worker, base_version=1, kind=PayloadKind.UPDATE.value, payload=payload))
-    outcome, theta = state.commit_and_reply(commit, lambda outcome, theta: bytes(theta))
+    state.core.commit_record(commit)
+    state.core.commit_record(Commit(worker_id=worker, base_version=1, kind=PayloadKind.UPDATE.value, payload=payload))
+    outcome, theta = state.core.commit_and_reply(commit, lambda outcome, theta: bytes(theta))
     assert outcome.duplicate and outcome.snapshot.version == 2
     assert theta == (np.arange(5, dtype=np.float32) + 2).tobytes()
 
@@ -100,7 +100,7 @@ def test_the_unary_writer_frames_the_commit_response(dtype: int) -> None:
         payload=encoded(np.ones(5, np.float32)),
         reply_dtype=dtype,
     )
-    outcome, reply = state.commit_and_reply(commit, messages.commit_reply(dtype, 5))
+    outcome, reply = state.core.commit_and_reply(commit, messages.commit_reply(dtype, 5))
     response = pb.CommitResponse.FromString(reply)
     assert response.version == outcome.snapshot.version == 1
     assert response.parameters.dtype == dtype and list(response.parameters.shape) == [5]
@@ -111,10 +111,12 @@ def test_the_stream_writer_copies_theta_into_the_streams_buffer() -> None:
     state, worker = registered_state()
     buffer = Buffer(np.empty(0, np.uint8))
     commit = Commit(worker_id=worker, base_version=0, kind=PayloadKind.UPDATE.value, payload=encoded(np.ones(5)))
-    _, data = state.commit_and_reply(commit, messages.stream_commit_reply(buffer))
+    _, data = state.core.commit_and_reply(commit, messages.stream_commit_reply(buffer))
     assert bytes(data) == (np.arange(5, dtype=np.float32) + 1).tobytes()
     assert np.shares_memory(np.frombuffer(data, np.uint8), buffer.bytes)  # in the pooled buffer, not a new copy
-    state.commit(Commit(worker_id=worker, base_version=1, kind=PayloadKind.UPDATE.value, payload=encoded(np.ones(5))))
+    state.core.commit_record(
+        Commit(worker_id=worker, base_version=1, kind=PayloadKind.UPDATE.value, payload=encoded(np.ones(5)))
+    )
     assert bytes(data) == (np.arange(5, dtype=np.float32) + 1).tobytes()  # θ moved on; the reply did not
 
 
@@ -125,11 +127,11 @@ def test_the_buffer_writer_copies_nothing_when_the_rule_wrote_theta_there() -> N
     buffer = Buffer(np.full(20, 0xFF, np.uint8))
     floats = buffer.bytes.view(np.float32)
     commit = Commit(worker_id=worker, base_version=0, kind=PayloadKind.UPDATE.value, payload=encoded(np.ones(5)))
-    _, data = state.commit_and_reply(commit, messages.stream_commit_reply(buffer), out=floats)
+    _, data = state.core.commit_and_reply(commit, messages.stream_commit_reply(buffer), out=floats)
     assert bytes(data) == (np.arange(5, dtype=np.float32) + 1).tobytes()
     assert np.frombuffer(data, np.uint8).ctypes.data == buffer.bytes.ctypes.data
     again = Commit(worker_id=worker, base_version=1, kind=PayloadKind.UPDATE.value, payload=encoded(np.ones(5)))
-    _, data = state.commit_and_reply(again, messages.stream_commit_reply(buffer))
+    _, data = state.core.commit_and_reply(again, messages.stream_commit_reply(buffer))
     assert bytes(data) == (np.arange(5, dtype=np.float32) + 2).tobytes()
 
 

@@ -29,7 +29,7 @@ traffic), the sample 2-4% of the applier's CPU per commit, 1-3% of the server's.
 Everything is a sum over parameters, so partitions of θ each estimate their slice and the whole
 is the sum (status.GradientNoise.combined). Update commits (local-step modes) are not measured:
 an update is several steps' movement, not a gradient at a batch (docs/OBSERVABILITY.md).
-Runs on the applier, like ServerState.commit; `estimate` is replaced whole, for other threads.
+Runs on the applier, like CommitCore.commit; `estimate` is replaced whole, for other threads.
 """
 
 from __future__ import annotations

@@ -32,13 +32,9 @@ from gemps_server.domain.ledger import CommitLedger
 from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NoiseEstimator
 from gemps_server.domain.records import (
     ALL_OF_THETA,
-    Commit,
-    CommitOutcome,
     Held,
     PartitionOf,
-    R,
     RegistrationOutcome,
-    ReplyWriter,
     Snapshot,
 )
 from gemps_server.domain.room import capacity, check_room, out_of_memory
@@ -237,24 +233,6 @@ class ServerState:
         )  # fmt: skip
         self.journal.append(joined)
         return RegistrationOutcome(worker, snapshot, initialized, displaced)
-
-    def commit(self, commit: Commit, out: np.ndarray | None = None) -> CommitOutcome:
-        """Apply one worker's commit through the core (CommitCore.commit, DESIGN §1)."""
-        return self.core.commit_record(commit, out)
-
-    def commit_and_reply(
-        self, commit: Commit, reply: ReplyWriter[R], out: np.ndarray | None = None
-    ) -> tuple[CommitOutcome, R]:
-        """`commit`, with its reply written while θ holds its version (CommitCore.commit_and_reply)."""
-        return self.core.commit_and_reply(commit, reply, out)
-
-    def theta_bytes(self, dtype: int) -> bytes | memoryview:
-        """θ's bytes in `dtype` now (CommitCore.theta_bytes: on the applier, within the operation)."""
-        return self.core.theta_bytes(dtype)
-
-    def encoded(self, dtype: int) -> Snapshot:
-        """The current snapshot, with `dtype`'s encoding produced if it is not there yet."""
-        return self.core.encoded(dtype)
 
     def leave(self, worker_id: str) -> WorkerRecord:
         worker = self.registry.get(worker_id)
