@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         calibration = MEASURED
         if args.calibration is not None:
-            calibration = fit(json.loads(args.calibration.read_text())["runs"], str(args.calibration))
+            calibration = fit(_runs(args.calibration), str(args.calibration))
         job = Job(
             parameters=args.params, workers=args.workers, step_seconds=args.step_seconds,
             link_bytes_per_second=args.link, worker_link_bytes_per_second=args.worker_link, rule=args.rule,
@@ -92,11 +92,25 @@ def run(args: argparse.Namespace) -> int:
             host_cores=args.host_cores,
         )  # fmt: skip
         result = plan(job, calibration)
-    except (OSError, ValueError, KeyError) as error:
+    except (OSError, ValueError) as error:
         print(f"gemps plan: {error}", file=sys.stderr)
+        return 2
+    except KeyError as missing:  # only a calibration's runs are read by key
+        print(f"gemps plan: --calibration {args.calibration}: a run has no field {missing}", file=sys.stderr)
         return 2
     print(json.dumps(result.as_json(), indent=1) if args.json else describe(job, result))
     return 0
+
+
+def _runs(path: Path) -> list[dict[str, object]]:
+    """The bench runs of `path`, a `gemps bench` results.json; ValueError naming it otherwise."""
+    try:
+        runs = json.loads(path.read_text())["runs"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ValueError(f"--calibration {path} is not a `gemps bench` results.json (no list of runs)") from None
+    if not isinstance(runs, list):
+        raise ValueError(f"--calibration {path} is not a `gemps bench` results.json (its runs are no list)")
+    return runs
 
 
 def describe(job: Job, result: Plan) -> str:
@@ -121,7 +135,10 @@ def describe(job: Job, result: Plan) -> str:
 def _in_step(result: Plan) -> str:
     if result.commits_per_s_in_step >= result.commits_per_s:
         return ""
-    return f"; {result.commits_per_s_in_step:.1f} where the workers' transfers fall into step"
+    return (
+        f"; {result.commits_per_s_in_step:.1f} where the workers' transfers fall into step: between hosts"
+        " expect a figure between the two (which end holds depends on how the commits fall)"
+    )
 
 
 def _nearest(job: Job, result: Plan) -> str:

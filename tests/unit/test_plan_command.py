@@ -1,0 +1,45 @@
+"""`gemps plan` as a user runs it: the plan in words or as JSON, and a job or a calibration it
+cannot use refused with exit 2 and a line naming what is wrong."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def gemps_plan(*arguments: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "gemps_cli", "plan", *arguments]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_between_hosts_the_plan_gives_both_ends_of_its_range() -> None:
+    done = gemps_plan("--params", "100M", "--workers", "2", "--partitions", "4", "--local-steps", "1",
+                      "--link", "1gbit", "--worker-link", "4gbit")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    line = next(line for line in done.stdout.splitlines() if line.lstrip().startswith("commits/s"))
+    assert "where the workers' transfers fall into step" in line and "between the two" in line
+    as_json = gemps_plan("--params", "100M", "--workers", "2", "--partitions", "4", "--local-steps", "1",
+                         "--link", "1gbit", "--worker-link", "4gbit", "--json")  # fmt: skip
+    planned = json.loads(as_json.stdout)
+    assert planned["commits_per_s_in_step"] < planned["commits_per_s"]
+    assert f"{planned['commits_per_s']:.1f}" in line and f"{planned['commits_per_s_in_step']:.1f}" in line
+    assert planned["server_memory_bytes"] > 4 * 100_000_000  # θ at least, in float32
+
+
+def test_a_job_it_cannot_plan_is_refused_naming_the_option() -> None:
+    done = gemps_plan("--params", "1M", "--workers", "2", "--partitions", "0")
+    assert done.returncode == 2 and "--partitions" in done.stderr and done.stdout == ""
+
+
+def test_a_calibration_that_is_no_bench_results_file_is_refused_naming_it(tmp_path: Path) -> None:
+    not_bench = tmp_path / "notes.json"
+    not_bench.write_text('{"x": 1}')
+    done = gemps_plan("--params", "1M", "--workers", "2", "--calibration", str(not_bench))
+    assert done.returncode == 2
+    assert f"--calibration {not_bench} is not a `gemps bench` results.json" in done.stderr
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({"runs": [{"system": "gemps", "wire_dtype": "float32"}]}))
+    done = gemps_plan("--params", "1M", "--workers", "2", "--calibration", str(partial))
+    assert done.returncode == 2 and "a run has no field 'num_parameters'" in done.stderr
