@@ -47,7 +47,9 @@ def test_each_process_is_charged_to_the_kind_its_command_line_names(tmp_path: Pa
     kinds = figures["kinds"]  # rounded to a tenth
     assert kinds["gemps servers"]["cpu_s"] >= own["gemps servers"]["cpu_s"] - 0.05, kinds
     assert kinds["etcd"]["cpu_s"] >= own["etcd"]["cpu_s"] - 0.05 and "test runners" not in kinds, kinds
-    assert figures["exit"] == 0 and figures["cpu_s"] >= kinds["etcd"]["cpu_s"] + kinds["gemps servers"]["cpu_s"]
+    # Each figure rounded to a tenth: the two kinds' may come to 0.1 more than the rounded total.
+    both = kinds["etcd"]["cpu_s"] + kinds["gemps servers"]["cpu_s"]
+    assert figures["exit"] == 0 and figures["cpu_s"] >= both - 0.1 - 1e-9, figures
     assert "cores busy on average" in ran.stderr and "gemps servers" in ran.stderr
 
 
