@@ -5,6 +5,7 @@ commit path, before and after, measured on the same machine at the same time (it
     .venv/bin/python scripts/bench_trees.py 3cca615 16a1039 --systems gemps,echo-tcp --json /tmp/ab.json
     .venv/bin/python scripts/bench_trees.py HEAD . --quick --sizes 10K --clients 1   # do both trees run? (seconds)
     .venv/bin/python scripts/bench_trees.py HEAD . --link 1gbit --sizes 10M --clients 2 --systems gemps
+    .venv/bin/python scripts/bench_trees.py HEAD . --replicas 1,2 --repeats 2 --sizes 100K,1M   # replication's cost
 
 Each ref is checked out once as a detached worktree under --trees (the working tree itself with
 `.`: uncommitted changes included), its compiled loops built in place from the sources its own
@@ -12,8 +13,10 @@ pyproject.toml lists (the build an install makes), and its `gemps bench` run wit
 on PYTHONPATH: the same virtualenv, the tree's own server, SDK and load generator. Rounds alternate
 the trees (A B A B ...), so a drift in the machine's load falls on both. Prints a table of the
 medians per tree and size: server and client CPU milliseconds per commit, commits/s and, where
-echo-tcp ran in the same invocation, commits/s as a ratio to it. docs/PERFORMANCE.md keeps the
-tables this printed.
+echo-tcp ran in the same invocation, commits/s as a ratio to it. With --replicas, `gemps bench
+--replicas` instead (fresh servers for each run, the replica counts alternated inside each
+invocation): the primary's and the backups' CPU per commit, and the primary's over the lone
+server's of the same invocation and repeat. docs/PERFORMANCE.md keeps the tables this printed.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import tomllib
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = ("proto", "server", "client_sdk", "worker", "cli", "benchmarks")
 FIGURES = ("server_cpu_ms_per_commit", "client_cpu_ms_per_commit", "commits_per_second")
+REPLICA_FIGURES = ("replicas", "repeat", "primary_cpu_ms_per_commit", "backup_cpu_ms_per_commit", "commits_per_second")
 
 
 def tree_of(ref: str, trees: Path) -> Path:
@@ -77,10 +81,12 @@ def run_bench(tree: Path, args: argparse.Namespace, out: Path) -> list[dict[str,
     command += ["--systems", args.systems, "--out", str(out), *(["--quick"] if args.quick else [])]
     if args.link:  # between simulated hosts (root): a partition count is a system of its own here
         command += ["--link", args.link, "--partitions", args.partitions]
+    if args.replicas:
+        command = [sys.executable, "-m", "gemps_cli", "bench", "--replicas", args.replicas, "--sizes", args.sizes]
+        command += ["--repeats", str(args.repeats), "--out", str(out)]
     subprocess.run(command, check=True, env=env, cwd=tree, stdout=subprocess.DEVNULL)
-    runs: list[dict[str, object]] = json.loads(
-        (out / ("cross-host.json" if args.link else "results.json")).read_text()
-    )["runs"]
+    results = "replicas-loopback.json" if args.replicas else "cross-host.json" if args.link else "results.json"
+    runs: list[dict[str, object]] = json.loads((out / results).read_text())["runs"]
     for run in runs:  # between hosts gemps' partition counts are one system's cells: named as loopback's
         if args.link and int(str(run.get("partitions") or 1)) > 1:
             run["system"] = f"{run['system']}-{run['partitions']}p"
@@ -99,6 +105,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="gemps bench --quick's windows (1 s): do the trees run?")
     parser.add_argument("--link", help="gemps bench --link RATE: between simulated hosts (root), e.g. 1gbit")
     parser.add_argument("--partitions", default="1,2,4", help="with --link: gemps' partition counts")
+    parser.add_argument("--replicas", help="gemps bench --replicas R,R (loopback): replication's cost instead")
+    parser.add_argument("--repeats", type=int, default=2, help="with --replicas: runs of each replica count")
     args = parser.parse_args()
     trees = {ref: tree_of(ref, args.trees) for ref in args.refs}
     every: list[dict[str, object]] = []
@@ -113,10 +121,11 @@ def main() -> None:
             for run in runs:
                 run.update(ref=ref, round=round_index)
                 every.append(run)
-                print(json.dumps({k: run[k] for k in ("ref", "system", "num_parameters", *FIGURES)}), flush=True)
+                shown = REPLICA_FIGURES if args.replicas else ("system", *FIGURES)
+                print(json.dumps({k: run[k] for k in ("ref", "num_parameters", *shown)}), flush=True)
             if args.json:  # as it goes: a run stopped part-way keeps what it measured
                 args.json.write_text(json.dumps(every, indent=1))
-    print(table(every, args.refs))
+    print(replicas_table(every, args.refs) if args.replicas else table(every, args.refs))
 
 
 def table(runs: list[dict[str, object]], refs: list[str]) -> str:
@@ -134,6 +143,35 @@ def table(runs: list[dict[str, object]], refs: list[str]) -> str:
                 mine = [r for r in runs if r["ref"] == ref and r["num_parameters"] == size and r["system"] == system]
                 if mine:
                     lines.append(_row(runs, mine, ref, system, size))
+    return "\n".join(lines)
+
+
+def replicas_table(runs: list[dict[str, object]], refs: list[str]) -> str:
+    """Medians per (size, ref, replica count): the primary's and the backups' CPU per commit, and
+    the primary's over the lone server's (R = 1) of the same invocation and repeat, each pair."""
+    lines = [
+        "| tree | P | R | primary CPU ms/commit | backup CPU ms/commit | commits/s | primary / lone (each pair) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for size in sorted({int(str(r["num_parameters"])) for r in runs}):
+        for ref in refs:
+            mine = [r for r in runs if r["ref"] == ref and r["num_parameters"] == size]
+            for count in sorted({int(str(r["replicas"])) for r in mine}):
+                cells = [r for r in mine if r["replicas"] == count]
+                primary = statistics.median(float(str(r["primary_cpu_ms_per_commit"])) for r in cells)
+                backups = [float(str(r["backup_cpu_ms_per_commit"])) for r in cells if r["backup_cpu_ms_per_commit"]]
+                backup = f"{statistics.median(backups):.3f}" if backups else "-"
+                rate = statistics.median(float(str(r["commits_per_second"])) for r in cells)
+                ratios = sorted(
+                    float(str(r["primary_cpu_ms_per_commit"])) / float(str(lone["primary_cpu_ms_per_commit"]))
+                    for r in cells
+                    for lone in mine
+                    if lone["replicas"] == 1 and (lone["round"], lone["repeat"]) == (r["round"], r["repeat"])
+                )
+                ratio = (
+                    f"{statistics.median(ratios):.2f}x ({', '.join(f'{x:.2f}' for x in ratios)})" if count > 1 else ""
+                )
+                lines.append(f"| {ref} | {size:,} | {count} | {primary:.3f} | {backup} | {rate:.1f} | {ratio} |")
     return "\n".join(lines)
 
 

@@ -91,11 +91,13 @@ def _tensor(tensor: EncodedTensor) -> pb.Tensor:
     return pb.Tensor(dtype=tensor.dtype, shape=tensor.shape, data=bytes(tensor.data))  # type: ignore[arg-type]
 
 
-def frame_of(commit: Commit) -> tuple[bytes, bytes]:
-    """`commit` as a COMMIT frame: its start (preamble and header) and a copy of its payload (taken
-    now: the wire reuses the buffer the payload is in once the commit returns)."""
-    payload = bytes(commit.payload.data)
-    return frame_start(Op.COMMIT, commit_to_proto(commit).SerializeToString(), len(payload)), payload
+def frame_of(commit: Commit) -> tuple[bytes, Blob]:
+    """`commit` as a COMMIT frame: its start (preamble and header) and its payload: a copy taken now
+    (the wire reuses the buffer the payload is in once the commit returns), or the payload itself
+    when its buffer is the commit's own (`payload_owned`: landed out of a client's shared memory)."""
+    payload = commit.payload.data if commit.payload_owned else bytes(commit.payload.data)
+    size = memoryview(payload).nbytes
+    return frame_start(Op.COMMIT, commit_to_proto(commit).SerializeToString(), size), payload
 
 
 def commit_of(parts: Sequence[Blob]) -> Commit:

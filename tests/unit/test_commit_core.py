@@ -71,6 +71,33 @@ def test_a_shared_payload_is_copied_before_a_journal_records_it() -> None:
     assert np.frombuffer(entry.commit.payload.data, np.float32).tolist() == [0.5] * P
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_journalled_shared_payload_is_copied_once_into_a_buffer_its_entry_keeps(compiled: bool) -> None:
+    """A replicated primary copies a payload out of its client's memory once (issue 80: it was
+    copied into the core's reused landing, then again into the journal's frame): each commit's
+    entry holds its own copy, which the frame sends as it is, and which the next commit's landing
+    leaves alone; the frame's bytes are those of a copied payload's."""
+    state, worker_id = registered()
+    state.core.compiled = state.core.compiled if compiled else None
+    journal = Entries()
+    state.journal = journal
+    memory, payload = shared_payload(np.full(P, 0.5))
+    first = Commit(worker_id, 0, PayloadKind.GRADIENT.value, payload, "r1", 1, payload_volatile=True)
+    state.core.commit_and_reply(first, lambda outcome, data: None)
+    memory[:] = 0.25  # the client's next gradient, in the same memory
+    second = dataclasses.replace(first, base_version=1, request_id="r2", sequence=2)
+    state.core.commit_and_reply(second, lambda outcome, data: None)
+    landed = [entry.commit for entry in journal.entries if isinstance(entry, Committed)]
+    assert [np.frombuffer(commit.payload.data, np.float32)[0] for commit in landed] == [0.5, 0.25]
+    for commit in landed:
+        assert commit.payload_owned and not commit.payload_volatile
+        start, framed = frame_of(commit)
+        held = np.frombuffer(commit.payload.data, np.float32)
+        assert np.shares_memory(np.frombuffer(framed, np.float32), held)  # no second copy
+        assert not np.shares_memory(held, memory)
+        assert (start, bytes(framed)) == frame_of(dataclasses.replace(commit, payload_owned=False))
+
+
 def test_a_rule_that_cannot_hold_a_shared_payload_reads_a_copy() -> None:
     """downpour reads the payload with numpy (more than once): the core copies it first, so the
     checks and the step see the same values."""

@@ -4,6 +4,9 @@ into the same Commit."""
 
 from __future__ import annotations
 
+import dataclasses
+import socket
+
 import numpy as np
 import pytest
 
@@ -14,7 +17,7 @@ from gemps_proto.schema import Buffers, PayloadKind
 from gemps_proto.tensor_codec import FLOAT32
 from gemps_server.commit_frame import commit_of, frame_of
 from gemps_server.domain.journal import Committed
-from gemps_server.replication import entries
+from gemps_server.replication import entries, frames
 
 
 def sdk_frame(buffers: Buffers | None = None) -> tuple[bytes, bytes]:
@@ -61,3 +64,27 @@ def test_what_is_not_a_commit_frame_is_refused_by_name() -> None:
         commit_of([frame_start(Op.COMMIT, b"\xff\xff\xff", len(payload)), payload])
     with pytest.raises(ValueError, match="its start and its payload"):
         commit_of([start])
+
+
+@pytest.mark.parametrize("buffers", [None, Buffers(np.ones(3, np.float32), np.arange(2, dtype=np.int64))])
+def test_a_commits_entry_is_sent_as_the_generic_encoding_writes_it(buffers: Buffers | None) -> None:
+    """entries.encoded writes a commit's header without json per commit (issue 80): the bytes a
+    backup is sent are those of the frame's generic encoding, and a commit whose payload the
+    journal keeps as it is (landed into its own buffer) is framed as one copied."""
+    start, payload = sdk_frame(buffers)
+    commit = commit_of([start, payload])
+    for entry in (commit, dataclasses.replace(commit, payload_owned=True)):
+        sent = b"".join(entries.encoded(Committed(entry), 123456789, 42))
+        assert sent == b"".join(
+            bytes(view) for view in frames.buffers(entries.encode(Committed(commit), 123456789, 42))
+        )
+        frame = through_a_socket(sent)
+        decoded, position, epoch = entries.decode(frame)
+        assert (position, epoch, decoded) == (123456789, 42, Committed(commit))
+
+
+def through_a_socket(sent: bytes) -> frames.Frame:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.sendall(sent)
+        return frames.receive(theirs)

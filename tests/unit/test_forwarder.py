@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -12,10 +13,11 @@ import pytest
 
 from gemps_proto.schema import ParameterSpec, PayloadKind
 from gemps_server.domain.applier import Applier
+from gemps_server.domain.journal import Committed
 from gemps_server.domain.records import Commit
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
-from gemps_server.replication import frames, links
+from gemps_server.replication import entries, frames, links
 from gemps_server.replication.forwarder import Forwarder, Peer
 from tests.helpers import encoded, training, wait_for
 
@@ -224,3 +226,72 @@ def test_a_seed_of_more_tensors_than_one_sendmsg_takes_arrives_whole() -> None:
         received = frames.receive(theirs)
         sender.join()
     assert [bytes(blob) for blob in received.blobs] == blobs
+
+
+def entry_now(sock: socket.socket) -> frames.Frame:
+    """The next entry on `sock` (beats passed over), read without waiting: BlockingIOError if none is there."""
+    sock.setblocking(False)
+    try:
+        frame = frames.receive(sock)
+        while frame.kind == frames.BEAT:
+            frame = frames.receive(sock)
+        return frame
+    finally:
+        sock.setblocking(True)
+
+
+def test_an_entry_is_on_the_backups_socket_when_its_commit_returns(applier: Applier) -> None:
+    """With nothing queued before it, the thread that applies a commit writes its entry to the
+    backup's socket itself (issue 80: a sender thread was woken for each): the whole entry is
+    there to read the moment the commit returns."""
+    in_sync: list[list[Peer]] = []
+    state, journal, worker = primary(applier, in_sync)
+    ours, theirs = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)  # room for an entry of 400 KB
+    with ours, theirs:
+        seed_in_sync(journal, in_sync, Peer("backup", "i1"), ours, theirs)
+        for number in range(3):
+            position = commit(state, worker, number)
+            entry = entry_now(theirs)
+            assert (entry.kind, entry.header["position"]) == (frames.ENTRY, position)
+            frames.send(theirs, frames.Frame(frames.ACK, {"position": position}))
+    journal.close()
+
+
+def test_entries_the_socket_cannot_take_at_once_follow_whole_and_in_order(applier: Applier) -> None:
+    """What the socket does not take at once goes to the sender thread, and so does every entry
+    after it until that is written: a backup that reads nothing while 12 entries of 400 KB are
+    appended (its socket holds about half of one; beats fall due meanwhile) then reads them all
+    gets each whole, in order, and beats only between frames; one acknowledgement of the last
+    acknowledges every commit."""
+    in_sync: list[list[Peer]] = []
+    state, journal, worker = primary(applier, in_sync)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        seed_in_sync(journal, in_sync, Peer("backup", "i1"), ours, theirs)
+        positions: list[int] = []
+        acknowledged: list[BaseException | None] = []
+        for number in range(12):
+            payload = encoded(np.full(P, number + 1.0, np.float32))
+            position = state.core.commit_record(
+                Commit(worker, state.version, PayloadKind.UPDATE, payload, f"r{number}")
+            ).position
+            journal.when_replicated(position, acknowledged.append)
+            positions.append(position)
+            if number == 5:
+                time.sleep(2 * frames.BEAT_SECONDS)  # a beat is due: it must wait for the queue
+        received: list[tuple[int, float, float]] = []
+        while len(received) < len(positions):
+            frame = frames.receive(theirs)
+            if frame.kind == frames.ENTRY:
+                entry, position, epoch = entries.decode(frame)
+                assert isinstance(entry, Committed) and epoch == 3
+                values = np.frombuffer(entry.commit.payload.data, np.float32)
+                received.append((position, float(values[0]), float(values[-1])))
+            else:
+                assert frame.kind == frames.BEAT
+        assert received == [(position, n + 1.0, n + 1.0) for n, position in enumerate(positions)]
+        assert acknowledged == []
+        frames.send(theirs, frames.Frame(frames.ACK, {"position": positions[-1]}))
+        wait_for(lambda: acknowledged == [None] * len(positions), 10, "every commit acknowledged")
+    journal.close()

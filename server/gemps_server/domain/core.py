@@ -200,7 +200,7 @@ class CommitCore:
         if self._recording:
             commit = Commit(
                 worker_id, base_version, kind, payload, request_id, sequence, reply_dtype, loss, num_samples,
-                buffer_delta, payload_peak,
+                buffer_delta, payload_peak, payload_owned=payload_volatile,  # landed, into its own buffer
             )  # fmt: skip
             position = self.journalled(commit)
         return self.applied_outcome(staleness, stats, position)
@@ -265,20 +265,27 @@ class CommitCore:
         """`commit` with its payload copied out of its client's memory, as `commit` copies it for a
         journal (_landed): what the compiled core applies and journals while a journal records."""
         payload, peak = self._landed(self.require_rule(), commit.payload)
-        return dataclasses.replace(commit, payload=payload, payload_peak=peak, payload_volatile=False)
+        owned = self._recording  # landed into a buffer of its own, which the journal keeps
+        return dataclasses.replace(
+            commit, payload=payload, payload_peak=peak, payload_volatile=False, payload_owned=owned
+        )
 
     def _landed(self, rule: CommitRule, payload: EncodedTensor) -> tuple[EncodedTensor, float | None]:
         """A payload in memory its client can still write (its shared memory), and its peak: read
         where it lies when the rule holds what it reads of it to the peak checked first
         (CommitRule.holds_payload: one pass fewer over P values, and no copy), else copied here
         first, so the checks, the rule and the journal (a backup replays the same bytes) see bytes
-        the client cannot change any more."""
+        the client cannot change any more. For a journal, into a buffer of the commit's own: its entry
+        keeps it (the one copy of the payload the primary makes: commit_frame.frame_of)."""
         if payload.dtype == FLOAT32 and rule.holds_payload and not self._recording:
             return payload, None  # measured by the checks; the rule reads each value once
         size = memoryview(payload.data).nbytes
-        if self._landing.nbytes < size:
-            self._landing = np.empty(-(-size // 4), dtype=np.float32)
-        landing = self._landing[: size // 4] if payload.dtype == FLOAT32 else self._landing.view(np.uint8)[:size]
+        if self._recording:
+            landing = np.empty(size // 4, np.float32) if payload.dtype == FLOAT32 else np.empty(size, np.uint8)
+        else:
+            if self._landing.nbytes < size:
+                self._landing = np.empty(-(-size // 4), dtype=np.float32)
+            landing = self._landing[: size // 4] if payload.dtype == FLOAT32 else self._landing.view(np.uint8)[:size]
         if payload.dtype == FLOAT32:
             peak: float | None = copy_max_abs(np.frombuffer(payload.data, np.float32), landing)
         else:

@@ -95,6 +95,9 @@ class Commit:
     # The payload lies in memory its client can still write (its shared memory): the core reads
     # it once, or copies it first (CommitCore._landed).
     payload_volatile: bool = False
+    # The payload's buffer is this commit's alone (landed for a journal: CommitCore._landed): the
+    # journal's entry holds it as it is, with no copy of its own (commit_frame.frame_of).
+    payload_owned: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """The primary's side of replication: the journal that forwards, the backups' links, and when a
 commit may be acknowledged (DESIGN §3d).
 
-Every entry the state appends is framed at once (its payload copied: the wire reuses its buffers)
-and queued for every attached backup, whose sender thread writes it while the applier goes on
-with the next commit: forwarding is pipelined. A backup acknowledges positions as it applies them.
+Every entry the state appends is framed at once (its payload copied unless the commit owns it) and
+written to every attached backup's socket by the appending thread, or queued for the backup's
+sender thread (links.py): forwarding is pipelined. A backup acknowledges positions it applied.
 A commit's reply waits (`when_replicated`) until every backup in the in-sync set acknowledged its
 position, and is refused instead when this replica no longer holds its lease (fencing).
 
@@ -120,15 +120,15 @@ class Forwarder:
             if links:
                 self._appended.append((position, time.monotonic()))
         if links:
-            frame = entries.encode(entry, position, self.epoch)
-            size = sum(memoryview(blob).nbytes for blob in frame.blobs)
-            with self._lock:  # the senders subtract what they sent
+            views = entries.encoded(entry, position, self.epoch)
+            size = sum(view.nbytes for view in views[1:])  # the blobs: the frame's prefix and header aside
+            with self._lock:
                 for link in links:
-                    link.queued_bytes += size
                     link.queue_limit = max(link.queue_limit, ENTRIES_BEHIND * size)
                     link.largest_entry = max(link.largest_entry, size)
             for link in links:
-                link.outbox.put(frame)
+                if (error := link.forward(position, views, size)) is not None:
+                    self._lost(link, f"sending: {error}")
             self.forwarded += 1
         return position
 
@@ -252,19 +252,18 @@ class Forwarder:
             link.seed_sent = time.monotonic()
             # The backup reads nothing while it adopts its seed: entries wait in the outbox (bounded).
             link.seed_acked.wait()
+            link.written()  # the seed: from now on an entry is written as it is appended, when nothing is queued
             while not link.closed:
                 try:
-                    frame = link.outbox.get(timeout=frames.BEAT_SECONDS)
+                    outgoing = link.outbox.get(timeout=frames.BEAT_SECONDS)
                 except queue.Empty:
-                    frame = frames.Frame(frames.BEAT, {"epoch": self.epoch})
-                if frame is None:
+                    link.beat(self.epoch)  # when one is due
+                    continue
+                if outgoing is None:
                     return
-                if frame.kind == frames.ENTRY:
-                    link.sent = int(frame.header["position"])  # before it can be acknowledged
-                frames.send(link.sock, frame)
-                sent = sum(memoryview(blob).nbytes for blob in frame.blobs)
-                with self._lock:
-                    link.queued_bytes -= sent
+                link.sent = outgoing.position  # before it can be acknowledged
+                frames.send_buffers(link.sock, outgoing.views)
+                link.written(outgoing.entry_bytes)
         except (BlockingIOError, TimeoutError):  # SO_SNDTIMEO: not a byte taken for that long
             self._lost(link, f"sending: it read nothing for {link.send_stall:g} s")
         except OSError as error:

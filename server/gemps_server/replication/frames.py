@@ -5,13 +5,15 @@
 
 The header says what the frame is (`kind`) and the lengths of the blobs the body holds, in order
 (a commit's payload, a seed's image): bytes are sent as they are, never inside JSON. Blocking
-sockets, one reader and one writer thread per peer: a replication stream is one connection per
+sockets, one reader and one writer thread per peer (a primary's entries also written without
+waiting by the thread that appends them: `send_some`): a replication stream is one connection per
 backup, not thousands of clients (the data plane's single-threaded loop answers that problem).
 """
 
 from __future__ import annotations
 
 import json
+import select
 import socket
 import ssl
 import struct
@@ -79,29 +81,66 @@ class Frame:
         """The frame's bytes as buffers for one sendmsg (the blobs are not copied)."""
         header = dict(self.header, kind=self.kind, blobs=[memoryview(blob).nbytes for blob in self.blobs])
         raw = json.dumps(header, separators=(",", ":")).encode()
-        body = sum(header["blobs"])
-        return [_PREFIX.pack(len(raw), body) + raw, *self.blobs]
+        return [started(raw, sum(header["blobs"])), *self.blobs]
+
+
+def started(header: bytes, body_bytes: int) -> bytes:
+    """A frame's start: its prefix and its JSON `header` (the header's `blobs` add up to `body_bytes`)."""
+    return _PREFIX.pack(len(header), body_bytes) + header
 
 
 #: an SSL socket has no sendmsg: buffers up to this size are joined into one write (one record)
 _JOIN_BYTES = 1 << 16
 
 
+def buffers(frame: Frame) -> list[memoryview]:
+    """`frame`'s bytes as byte views for `send_buffers`/`send_some` (encoded once, sent to every backup)."""
+    return [memoryview(buffer).cast("B") for buffer in frame.encode()]
+
+
 def send(sock: socket.socket, frame: Frame) -> None:
-    buffers = [memoryview(buffer).cast("B") for buffer in frame.encode()]
+    send_buffers(sock, buffers(frame))
+
+
+def send_buffers(sock: socket.socket, views: list[memoryview]) -> None:
+    """Write `views` whole (blocking; within the socket's send timeout)."""
     if isinstance(sock, ssl.SSLSocket):
-        if sum(buffer.nbytes for buffer in buffers) <= _JOIN_BYTES:
-            buffers = [memoryview(b"".join(buffers))]
-        for buffer in buffers:
-            sock.sendall(buffer)
+        if sum(view.nbytes for view in views) <= _JOIN_BYTES:
+            views = [memoryview(b"".join(views))]
+        for view in views:
+            sock.sendall(view)
         return
-    while buffers:
-        sent = sock.sendmsg(buffers[:MAX_BUFFERS])
-        while buffers and sent >= buffers[0].nbytes:
-            sent -= buffers[0].nbytes
-            buffers.pop(0)
-        if buffers and sent:
-            buffers[0] = buffers[0][sent:]
+    while views:
+        views = _past(views, sock.sendmsg(views[:MAX_BUFFERS]))
+
+
+def send_some(sock: socket.socket, views: list[memoryview]) -> list[memoryview]:
+    """Write what plain `sock` takes now, without waiting: what is left of `views` ([]: all sent)."""
+    while views:
+        try:
+            views = _past(views, sock.sendmsg(views[:MAX_BUFFERS], [], socket.MSG_DONTWAIT))
+        except BlockingIOError:  # full: nothing taken
+            break
+    return views
+
+
+def _past(views: list[memoryview], sent: int) -> list[memoryview]:
+    """What is left of `views` once their first `sent` bytes were written."""
+    done = 0
+    while done < len(views) and sent >= views[done].nbytes:
+        sent -= views[done].nbytes
+        done += 1
+    rest = views[done:]
+    if rest and sent:
+        rest[0] = rest[0][sent:]
+    return rest
+
+
+def arrived(sock: socket.socket) -> bool:
+    """Whether bytes of a next frame are on `sock` already (asked without waiting)."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    return bool(select.select([sock], [], [], 0)[0])
 
 
 def encoded(frame: Frame) -> bytes:

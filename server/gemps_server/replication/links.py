@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -38,6 +39,15 @@ ENTRY_BYTES_PER_SECOND = 100 << 20
 SEND_STALL_FLOOR = 5.0
 #: how long a seeded backup may take to adopt its seed and acknowledge it
 SEEDING_SECONDS = 120.0
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A journal entry's bytes on their way to one backup, queued for its sender thread."""
+
+    position: int
+    views: list[memoryview]  # the frame's bytes (frames.buffers), or what is left of them
+    entry_bytes: int  # what it adds to the link's queued_bytes
 
 
 @dataclass(frozen=True)
@@ -73,8 +83,17 @@ class Link:
         self.lag: LagWindow | None = None  # while in sync
         self.slow = ""  # the lag rule's verdict, once it has one
         self.closed = False
-        self.outbox: queue.SimpleQueue[frames.Frame | None] = queue.SimpleQueue()
-        self.queued_bytes = 0  # of the entries in `outbox` (the sender subtracts what it sent)
+        self.outbox: queue.SimpleQueue[Outgoing | None] = queue.SimpleQueue()
+        self.queued_bytes = 0  # of the entries in `outbox` (the sender subtracts what it sent); under `writing`
+        # Who writes to the socket. The thread that appends an entry writes it there itself when
+        # nothing is queued for the sender (`pending` 0: the seed counts until acknowledged) and the
+        # socket takes it without waiting; the sender thread writes the rest, in order, and beats.
+        # `writing` guards `pending` and those direct writes. TLS: always the sender (one TLS
+        # write's retry must come from the same caller: tls_stream.py).
+        self.writing = threading.Lock()
+        self.pending = 1
+        self.direct = not isinstance(sock, ssl.SSLSocket)
+        self.wrote = time.monotonic()  # the last frame written to it: the sender beats after BEAT_SECONDS quiet
         self.queue_limit = QUEUE_FLOOR_BYTES  # raised to the seed's bytes, and ENTRIES_BEHIND entries', as they come
         self.largest_entry = 0  # bytes of the largest entry queued for it
 
@@ -104,6 +123,43 @@ class Link:
     def base(self) -> int:
         """The position it holds: its seed's until it acknowledged further."""
         return self.acked if self.seed_position is None else max(self.acked, self.seed_position)
+
+    def forward(self, position: int, views: list[memoryview], entry_bytes: int) -> OSError | None:
+        """Hand entry `position` (its frame's bytes) to the socket now, on the appending thread,
+        when nothing is queued before it and the socket takes it whole without waiting (no thread
+        woken per commit), else queue it, or what is left of it, for the sender thread. The error
+        when the socket failed: the link is to be let go."""
+        with self.writing:
+            if self.pending == 0 and self.direct and not self.closed:
+                self.sent = position  # before it can be acknowledged
+                try:
+                    views = frames.send_some(self.sock, views)
+                except OSError as error:
+                    return error
+                if not views:
+                    self.wrote = time.monotonic()
+                    return None
+            self.pending += 1
+            self.queued_bytes += entry_bytes
+            self.outbox.put(Outgoing(position, views, entry_bytes))
+        return None
+
+    def beat(self, epoch: int) -> None:
+        """On the sender's thread: a beat of `epoch`, when nothing was written for BEAT_SECONDS and
+        nothing is queued (no entry's bytes are on their way: it would fall between them)."""
+        with self.writing:
+            if self.pending or time.monotonic() - self.wrote < frames.BEAT_SECONDS:
+                return
+            self.pending += 1
+        frames.send(self.sock, frames.Frame(frames.BEAT, {"epoch": epoch}))
+        self.written()
+
+    def written(self, entry_bytes: int = 0) -> None:
+        """The sender wrote one of what it held (its seed, a beat, or a queued entry of `entry_bytes`)."""
+        with self.writing:
+            self.pending -= 1
+            self.queued_bytes -= entry_bytes
+            self.wrote = time.monotonic()
 
     def close(self) -> None:
         if not self.closed:
