@@ -13,7 +13,6 @@ is headed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -23,18 +22,14 @@ from types import ModuleType
 
 import torch
 
+from tests.script_modules import load_script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "adam_staleness.py"
 ENERGY_MATCHED = ("--gem-outer", "1", "--gem-momentum", "0", "--gem-kappa", "1", "--gem-own-step", "excluded")
 
 
-def load_script() -> ModuleType:
-    if str(SCRIPT.parent) not in sys.path:  # it imports its sibling modules, as when run as a script
-        sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("adam_staleness", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load_replay() -> ModuleType:
+    return load_script(SCRIPT, "adam_staleness")
 
 
 def replay(tmp_path: Path, name: str, *arguments: str) -> dict[str, list[float]]:
@@ -81,7 +76,7 @@ def test_sixteen_workers_in_turn_run_every_scheme_and_learn(tmp_path: Path) -> N
 def test_weight_prediction_at_share_zero_is_mean_and_otherwise_moves_theta_ahead() -> None:
     """Two workers in turn, one server step a round: from the third round worker 1's gradient is
     taken at its reply plus the last server step's move (it waited on one server step last time)."""
-    script = load_script()
+    script = load_replay()
     data = script.Data()
     thetas: list[torch.Tensor] = []
 
@@ -121,7 +116,7 @@ def momentum_moves(gradients: list[float], window: int, lr: float = 0.01) -> lis
 def test_dana_starts_a_window_where_the_workers_moments_say_theta_is_headed() -> None:
     """Two workers, each one AdamW step into training: worker 0's next window starts at θ plus
     worker 1's momentum move over a whole window and its own over one step (DANA-Zero's θ̂ at H = 1)."""
-    script = load_script()
+    script = load_replay()
     grads = ([0.5, -2.0, 1e-3], [-0.25, 4.0, 3.0])
     models, optimizers = [], []
     for g in grads:

@@ -5,13 +5,11 @@ Whether every query returns data from a real Prometheus is tests/e2e/test_observ
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -37,6 +35,7 @@ from gemps_server.metrics import ServerMetrics
 from gemps_server.replication.metrics import ReplicationCollector
 from gemps_server.replication.status import PRIMARY, BackupLag, ReplicationStatus
 from gemps_worker.metrics import WorkerMetrics
+from tests.script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy" / "grafana"
@@ -46,14 +45,7 @@ GRID_WIDTH = 24
 
 
 def load_generator() -> ModuleType:
-    if str(GRAFANA) not in sys.path:  # generate.py imports its sibling modules, as when run as a script
-        sys.path.insert(0, str(GRAFANA))
-    spec = importlib.util.spec_from_file_location("gemps_grafana_generate", GRAFANA / "generate.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(GRAFANA / "generate.py", "gemps_grafana_generate")
 
 
 @pytest.fixture(scope="module")

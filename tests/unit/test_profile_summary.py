@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import ModuleType
+
+from tests.script_modules import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "profile_server.py"
 
 
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("profile_server", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load_profile_script() -> ModuleType:
+    return load_script(SCRIPT, "profile_server")
 
 
 SUPERVISOR = 'process 100:"python -m gemps_cli server --partitions 2"'
@@ -35,7 +32,7 @@ RAW = "\n".join(
 def test_samples_are_counted_per_thread_and_named_by_their_process(tmp_path: Path) -> None:
     raw = tmp_path / "server.txt"
     raw.write_text(RAW + "\n")
-    summary = load_script().summarize(raw, {100: "server", 101: "partition 1"})
+    summary = load_profile_script().summarize(raw, {100: "server", 101: "partition 1"})
     headers = [line for line in summary.splitlines() if line.startswith("== thread")]
     assert headers == [
         "== thread MainThread: 14 samples, 5 busy",
@@ -49,5 +46,5 @@ def test_samples_are_counted_per_thread_and_named_by_their_process(tmp_path: Pat
 def test_a_process_missing_from_the_names_is_named_by_its_pid(tmp_path: Path) -> None:
     raw = tmp_path / "server.txt"
     raw.write_text(RAW + "\n")
-    summary = load_script().summarize(raw)
+    summary = load_profile_script().summarize(raw)
     assert "== thread process 101 MainThread: 3 samples, 3 busy" in summary
