@@ -5,28 +5,45 @@ nanoGPT's character recipe (gemps_worker.nanogpt: a 4-layer character GPT, its A
 betas, its warm-up and cosine schedule) on the standard library's source:
 
 - `alone`: one process, the user's AdamW, no server, `--samples` samples;
-- `gemps`: `gemps server --rule downpour` and `--workers` processes, each the same AdamW wrapped in
-  LocalSteps (`--local-steps` a commit, `--look-ahead`), each on its own shard for its share of
-  `--samples` x `--gemps-factor` (its schedule over its own share, as its own train.py would plan).
+- `ddp` (`--reference ddp`, instead of `alone`): DDP-AdamW's computation on `--workers` machines in
+  one process: each step one AdamW step on the mean gradient of every worker's batch from its own
+  shard (a global batch of `--workers` x 16), `--samples` samples at `--reference-learning-rate` and
+  `--reference-warmup`: the reference a team with that many machines would run (issue 78). Its
+  losses at equal samples are DDP's; its times are one process's, so no "sooner" is judged against it;
+- `gemps`: `gemps server --rule downpour` (`--rule`, `--server-option NAME=VALUE`) and `--workers`
+  processes, each the same AdamW (β1 `--beta1`) wrapped in LocalSteps (`--local-steps` a commit,
+  `--look-ahead`), each on its own shard for its share of `--samples` x `--gemps-factor` (its
+  schedule over its own share, as its own train.py would plan).
 
 An observer pulls θ every `--snapshot-every` s (the alone process saves its own); every snapshot is
 evaluated on the held-out text after the runs. The record says, at equal samples, the held-out loss
-of both (issue bar: within 2 %), and the wall time each took to reach the alone worker's final loss
-(issue bar: 2x sooner). Needs root for the quotas (cgroup v1 cpu), as the comparison's rig does.
+of both at the end and at the middle (issue bar: within 2 %), and the wall time each took to reach
+the alone worker's final loss (issue bar: 2x sooner). Needs root for the quotas (cgroup v1 cpu), as
+the comparison's rig does.
 
     sudo .venv/bin/python scripts/adam_workers.py --samples 204800 --gemps-factor 1 2 \\
         --json docs/results/adam/workers.json
+
+GEM energy-matched to each worker's AdamW step, 16 workers of a tenth of a core, against DDP-AdamW at
+a global batch of 256 (docs/RESULTS.md, "The energy-matched rule through the real server at 16 workers"):
+
+    sudo .venv/bin/python scripts/adam_workers.py --workers 16 --cpu 0.1 --alone-cpu 0.3 \\
+        --samples 204800 --gemps-factor 1 --rule gem --server-option momentum=0 --server-option kappa=2 \\
+        --server-option pi_max=1 --server-option gem_own_step=excluded --look-ahead 0 --beta1 0.5 \\
+        --reference ddp --reference-learning-rate 3e-3 --reference-warmup 20 --snapshot-every 20
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +57,11 @@ from gemps.errors import GempsError
 from gemps.pytorch import LocalSteps
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.held_out import evaluate
-from gemps_worker.nanogpt import BATCH, LEARNING_RATE, adamw, char_gpt, cosine_schedule, shard_batches
+from gemps_worker.nanogpt import BATCH, BETAS, LEARNING_RATE, adamw, char_gpt, cosine_schedule, shard_batches
 from gemps_worker.text_data import stdlib_text
 
 SCRIPT = Path(__file__).resolve()
+REFERENCES = ("alone", "ddp")  # what the gemps workers are held against
 
 
 def wait_for_go(folder: Path, name: str) -> None:
@@ -54,16 +72,17 @@ def wait_for_go(folder: Path, name: str) -> None:
 
 
 def train(args: argparse.Namespace) -> None:
-    """One process: `alone` (saving its own snapshots) or one gemps worker of `args.world`."""
+    """One process: a reference, `alone` or `ddp` (saving its own snapshots), or one gemps worker of `args.world`."""
     torch.set_num_threads(1)
     train_x, train_y, _, _ = stdlib_text()
     model = char_gpt(0)
-    inner = adamw(model, args.learning_rate)
+    inner = adamw(model, args.learning_rate, args.beta1)
     steps = args.samples // BATCH // args.world
     schedule = cosine_schedule(inner, steps, args.warmup)
-    batches = shard_batches(train_x, train_y, args.rank, args.world)
+    batches = ddp_batches(train_x, train_y, args.world) if args.role == "ddp" else \
+        shard_batches(train_x, train_y, args.rank, args.world)  # fmt: skip
     folder = Path(args.folder)
-    if args.role == "alone":
+    if args.role in REFERENCES:
         optimizer: torch.optim.Optimizer = inner
     else:
         optimizer = LocalSteps(model, inner, args.target, steps=args.local_steps, look_ahead=args.look_ahead,
@@ -77,13 +96,23 @@ def train(args: argparse.Namespace) -> None:
         loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step(loss=loss) if isinstance(optimizer, LocalSteps) else optimizer.step()
         schedule.step()
-        if args.role == "alone" and (time.time() - saved >= args.snapshot_every or step == steps):
+        if args.role in REFERENCES and (time.time() - saved >= args.snapshot_every or step == steps):
             saved = time.time()
             vector = torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
-            np.save(folder / f"snapshot-{saved:.3f}-{step * BATCH}.npy", vector)
+            samples_per_step = BATCH * (args.world if args.role == "ddp" else 1)
+            np.save(folder / f"snapshot-{saved:.3f}-{step * samples_per_step}.npy", vector)
     if isinstance(optimizer, LocalSteps):
         optimizer.close()
     (folder / f"done-{args.role}-{args.rank}").touch()
+
+
+def ddp_batches(inputs: np.ndarray, targets: np.ndarray, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """DDP's global batch: every one of `world` ranks' mini-batch from its own shard, together (the
+    mean loss over them is the mean of the ranks' losses, so its gradient is DDP's all-reduced one)."""
+    streams = [shard_batches(inputs, targets, rank, world) for rank in range(world)]
+    while True:
+        parts = [next(stream) for stream in streams]
+        yield torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
 
 def observe(target: str, folder: Path, every: float, workers: int, samples_per_commit: int) -> None:
@@ -103,13 +132,17 @@ def observe(target: str, folder: Path, every: float, workers: int, samples_per_c
 
 def launch(args: argparse.Namespace, groups: Groups | None, role: str, rank: int, world: int, samples: int,
            folder: Path, target: str = "") -> subprocess.Popen[bytes]:  # fmt: skip
+    ddp = role == "ddp"
+    learning_rate = args.reference_learning_rate if ddp and args.reference_learning_rate else args.learning_rate
+    warmup = args.reference_warmup if ddp and args.reference_warmup is not None else args.warmup
+    beta1 = BETAS[0] if role in REFERENCES else args.beta1  # the reference is nanoGPT's AdamW as written
     argv = [sys.executable, str(SCRIPT), "--role", role, "--rank", str(rank), "--world", str(world),
             "--samples", str(samples), "--folder", str(folder), "--target", target,
-            "--learning-rate", repr(args.learning_rate), "--warmup", str(args.warmup),
+            "--learning-rate", repr(learning_rate), "--warmup", str(warmup), "--beta1", repr(beta1),
             "--local-steps", str(args.local_steps), "--look-ahead", repr(args.look_ahead),
             "--snapshot-every", repr(args.snapshot_every)]  # fmt: skip
     if groups is not None:
-        cpu = args.alone_cpu if role == "alone" and args.alone_cpu is not None else args.cpu
+        cpu = args.alone_cpu if role in REFERENCES and args.alone_cpu is not None else args.cpu
         argv = [*groups.add(f"{role}{rank}", cpu).enter_argv(), *argv]
     return subprocess.Popen(argv, stdout=sys.stderr, stderr=sys.stderr)
 
@@ -144,15 +177,17 @@ def curve(folder: Path, went: float) -> list[list[float]]:
     return points
 
 
-def run_alone(args: argparse.Namespace, groups: Groups | None, folder: Path) -> list[list[float]]:
-    processes = [launch(args, groups, "alone", 0, 1, args.samples, folder)]
+def run_reference(args: argparse.Namespace, groups: Groups | None, folder: Path) -> list[list[float]]:
+    world = args.workers if args.reference == "ddp" else 1
+    processes = [launch(args, groups, args.reference, 0, world, args.samples, folder)]
     went = start_and_wait(processes, folder)
     finish(processes)
     return curve(folder, went)
 
 
 def run_gemps(args: argparse.Namespace, groups: Groups | None, folder: Path, samples: int) -> list[list[float]]:
-    with ServerProcess(rule="downpour", metrics_port=-1, log_path=folder / "server.log") as server:
+    options = dict(option.split("=", 1) for option in args.server_option)
+    with ServerProcess(rule=args.rule, metrics_port=-1, log_path=folder / "server.log", **options) as server:
         processes = [launch(args, groups, "worker", r, args.workers, samples, folder, server.target)
                      for r in range(args.workers)]  # fmt: skip
         went = start_and_wait(processes, folder)
@@ -161,17 +196,31 @@ def run_gemps(args: argparse.Namespace, groups: Groups | None, folder: Path, sam
     return curve(folder, went)
 
 
-def summary(alone: list[list[float]], gemps: dict[float, list[list[float]]]) -> dict[str, Any]:
-    """The issue's two bars, from the curves."""
-    final_time, final_samples, final_loss = alone[-1]
-    result: dict[str, Any] = {"alone": {"samples": final_samples, "loss": final_loss, "seconds": final_time}}
+def loss_at(points: list[list[float]], samples: float) -> float | None:
+    """The held-out loss at `samples`, linear between the snapshots either side (None outside them)."""
+    for (_, before, low), (_, after, high) in itertools.pairwise(points):
+        if before <= samples <= after:
+            return round(low + (high - low) * (samples - before) / max(after - before, 1), 4)
+    return None
+
+
+def summary(reference: str, curve: list[list[float]], gemps: dict[float, list[list[float]]]) -> dict[str, Any]:
+    """The issue's bars, from the curves: the loss at equal samples, at the end and at the middle,
+    and (against one worker alone, whose times are a worker's) how much sooner its final loss came."""
+    final_time, final_samples, final_loss = curve[-1]
+    middle = loss_at(curve, final_samples / 2)
+    result: dict[str, Any] = {reference: {"samples": final_samples, "loss": final_loss, "seconds": final_time,
+                                          "loss_at_middle": middle}}  # fmt: skip
     for factor, points in gemps.items():
         reached = next((t for t, _, loss in points if loss <= final_loss), None)
+        at_middle = loss_at(points, final_samples / 2)
         result[f"gemps x{factor:g}"] = {
             "samples": points[-1][1], "loss": points[-1][2], "seconds": points[-1][0],
-            "loss_vs_alone": round(points[-1][2] / final_loss - 1, 4),
-            "seconds_to_alone_loss": reached,
-            "sooner": None if reached is None else round(final_time / max(reached, 1e-9), 2),
+            f"loss_vs_{reference}": round(points[-1][2] / final_loss - 1, 4),
+            "loss_at_middle": at_middle,
+            f"middle_vs_{reference}": None if middle is None or at_middle is None else round(at_middle / middle - 1, 4),
+            f"seconds_to_{reference}_loss": reached,
+            "sooner": None if reached is None or reference != "alone" else round(final_time / max(reached, 1e-9), 2),
         }  # fmt: skip
     return result
 
@@ -184,15 +233,24 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--cpu", type=float, default=0.4, help="each process's quota, in cores")
     parser.add_argument("--alone-cpu", type=float,
-                        help="the alone worker's quota, in cores (default: --cpu); its losses at equal samples "
+                        help="the reference's quota, in cores (default: --cpu); its losses at equal samples "
                              "do not depend on it, its times do")  # fmt: skip
     parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE)
     parser.add_argument("--warmup", type=int, default=100, help="warm-up steps of nanoGPT's schedule")
+    parser.add_argument("--beta1", type=float, default=BETAS[0], help="the gemps workers' AdamW β1 (nanoGPT's 0.9)")
+    parser.add_argument("--rule", default="downpour", help="the server's --rule")
+    parser.add_argument("--server-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="another server option (kappa=2: --kappa 2), repeatable")  # fmt: skip
+    parser.add_argument("--reference", choices=REFERENCES, default="alone",
+                        help="one AdamW worker alone, or DDP-AdamW's computation on --workers machines")  # fmt: skip
+    parser.add_argument("--reference-learning-rate", type=float,
+                        help="the reference's AdamW rate (default: --learning-rate)")  # fmt: skip
+    parser.add_argument("--reference-warmup", type=int, help="the reference's warm-up steps (default: --warmup)")
     parser.add_argument("--local-steps", type=int, default=1, help="LocalSteps' steps a commit")
     parser.add_argument("--look-ahead", type=float, default=1.0, help="LocalSteps' look_ahead")
     parser.add_argument("--snapshot-every", type=float, default=5.0, help="seconds between snapshots")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--role", choices=("main", "alone", "worker"), default="main", help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=("main", *REFERENCES, "worker"), default="main", help=argparse.SUPPRESS)
     for hidden in ("--rank", "--world"):
         parser.add_argument(hidden, type=int, default=0, help=argparse.SUPPRESS)
     for hidden in ("--folder", "--target"):
@@ -207,6 +265,9 @@ def main() -> None:
     cores = os.cpu_count() or 1
     if args.alone_cpu is not None and not 0 < args.alone_cpu <= cores - 0.1:
         parser.error(f"--alone-cpu is {args.alone_cpu:g} cores: give more than 0 and at most {cores - 0.1:g}")
+    malformed = [option for option in args.server_option if "=" not in option]
+    if malformed:
+        parser.error(f"--server-option takes NAME=VALUE (kappa=2): {malformed[0]!r} has no '='")
     if args.workers * args.cpu > cores - 0.1:
         parser.error(f"--workers x --cpu is {args.workers * args.cpu:g} cores: keep it under {cores - 0.1:g} "
                      f"(this machine has {cores}), so that every process gets its share")  # fmt: skip
@@ -214,9 +275,10 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="adam-workers-") as scratch:
             root = Path(scratch)
-            (root / "alone").mkdir()
-            alone = run_alone(args, groups, root / "alone")
-            print(f"alone: loss {alone[-1][2]:.4f} after {alone[-1][1]:,} samples, {alone[-1][0]:.0f} s", flush=True)
+            (root / args.reference).mkdir()
+            reference = run_reference(args, groups, root / args.reference)
+            last = reference[-1]
+            print(f"{args.reference}: loss {last[2]:.4f} after {last[1]:,} samples, {last[0]:.0f} s", flush=True)
             gemps = {}
             for factor in args.gemps_factor:
                 folder = root / f"gemps-x{factor:g}"
@@ -227,8 +289,8 @@ def main() -> None:
     finally:
         groups.close()
     result = {"settings": {k: v for k, v in vars(args).items() if k not in ("role", "rank", "world", "folder",
-              "target", "json")}, "summary": summary(alone, gemps),
-              "alone": alone, "gemps": {f"x{f:g}": c for f, c in gemps.items()}}  # fmt: skip
+              "target", "json")}, "summary": summary(args.reference, reference, gemps),
+              args.reference: reference, "gemps": {f"x{f:g}": c for f, c in gemps.items()}}  # fmt: skip
     print(json.dumps(result["summary"], indent=1))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -37,9 +37,9 @@ def decay_groups(model: torch.nn.Module, weight_decay: float = WEIGHT_DECAY) -> 
     ]
 
 
-def adamw(model: torch.nn.Module, learning_rate: float = LEARNING_RATE) -> torch.optim.AdamW:
-    """nanoGPT's AdamW: its groups, its betas."""
-    return torch.optim.AdamW(decay_groups(model), lr=learning_rate, betas=BETAS)
+def adamw(model: torch.nn.Module, learning_rate: float = LEARNING_RATE, beta1: float = BETAS[0]) -> torch.optim.AdamW:
+    """nanoGPT's AdamW: its groups, its betas (`beta1` another β1, β2 its own)."""
+    return torch.optim.AdamW(decay_groups(model), lr=learning_rate, betas=(beta1, BETAS[1]))
 
 
 def cosine_schedule(

@@ -1,0 +1,68 @@
+"""scripts/adam_workers.py's reference and figures without a run (tests/e2e/test_adam_workers.py runs
+it): DDP's global batch is every rank's own mini-batch together, the loss at the middle is read
+between snapshots, and a DDP reference judges losses only, not times."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+
+from gemps_worker.nanogpt import BATCH, shard_batches
+from tests.script_modules import load_script
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "adam_workers.py"
+
+
+@pytest.fixture(scope="module")
+def script() -> ModuleType:
+    return load_script(SCRIPT, "adam_workers")
+
+
+def test_ddps_batch_is_every_ranks_own_batch_together(script: ModuleType) -> None:
+    inputs = np.arange(400 * 3, dtype=np.int64).reshape(400, 3)
+    targets = inputs + 1
+    world = 4
+    together = list(itertools.islice(script.ddp_batches(inputs, targets, world), 3))
+    ranks = [list(itertools.islice(shard_batches(inputs, targets, rank, world), 3)) for rank in range(world)]
+    for step, (x, y) in enumerate(together):
+        assert x.shape == (world * BATCH, 3)
+        assert torch.equal(x, torch.cat([ranks[rank][step][0] for rank in range(world)]))
+        assert torch.equal(y, torch.cat([ranks[rank][step][1] for rank in range(world)]))
+
+
+def test_the_loss_at_given_samples_lies_between_the_snapshots_either_side(script: ModuleType) -> None:
+    curve = [[1.0, 0, 4.0], [2.0, 100, 3.0], [3.0, 300, 2.0]]
+    assert script.loss_at(curve, 100) == 3.0
+    assert script.loss_at(curve, 200) == 2.5
+    assert script.loss_at(curve, 400) is None
+
+
+def test_a_ddp_reference_is_held_to_losses_at_the_end_and_the_middle_and_not_to_times(script: ModuleType) -> None:
+    ddp = [[10.0, 0, 4.0], [20.0, 100, 3.0], [30.0, 200, 2.0]]
+    gemps = {1.0: [[5.0, 0, 4.0], [8.0, 100, 3.3], [12.0, 200, 2.1]]}
+    summary = script.summary("ddp", ddp, gemps)["gemps x1"]
+    assert summary["loss_vs_ddp"] == pytest.approx(0.05)
+    assert summary["middle_vs_ddp"] == pytest.approx(0.1)
+    assert summary["sooner"] is None  # one process's times are not DDP's on 16 machines
+    alone = script.summary("alone", ddp, {1.0: [[5.0, 0, 4.0], [8.0, 100, 2.5], [12.0, 200, 1.9]]})["gemps x1"]
+    assert alone["loss_vs_alone"] == pytest.approx(-0.05) and alone["sooner"] == pytest.approx(30 / 12)
+
+
+def test_the_ddp_reference_steps_on_every_ranks_batch_and_counts_their_samples(tmp_path: Path) -> None:
+    """The reference's own process (`--role ddp`, as the script launches it): 4 steps of 4 ranks'
+    batches are 256 samples, its last snapshot says so, and it says it is done."""
+    (tmp_path / "go").touch()
+    argv = [sys.executable, str(SCRIPT), "--role", "ddp", "--rank", "0", "--world", "4", "--samples", "256",
+            "--folder", str(tmp_path), "--warmup", "1", "--snapshot-every", "60"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    snapshots = sorted(tmp_path.glob("snapshot-*.npy"))
+    assert [path.stem.split("-")[2] for path in snapshots] == [str(4 * 4 * BATCH)]
+    assert (tmp_path / "done-ddp-0").exists() and (tmp_path / "ready-ddp-0").exists()
