@@ -27,7 +27,7 @@ the comparison's rig does.
 GEM energy-matched to each worker's AdamW step, 16 workers of a tenth of a core, against DDP-AdamW at
 a global batch of 256 (docs/RESULTS.md, "The energy-matched rule through the real server at 16 workers"):
 
-    sudo .venv/bin/python scripts/adam_workers.py --workers 16 --cpu 0.1 --alone-cpu 0.3 \\
+    sudo .venv/bin/python scripts/adam_workers.py --workers 16 --cpu 0.1 --alone-cpu 1.8 \\
         --samples 204800 --gemps-factor 1 --rule gem --server-option momentum=0 --server-option kappa=2 \\
         --server-option pi_max=1 --server-option gem_own_step=excluded --look-ahead 0 --beta1 0.5 \\
         --reference ddp --reference-learning-rate 3e-3 --reference-warmup 20 --snapshot-every 20
@@ -133,7 +133,9 @@ def observe(target: str, folder: Path, every: float, workers: int, samples_per_c
 def launch(args: argparse.Namespace, groups: Groups | None, role: str, rank: int, world: int, samples: int,
            folder: Path, target: str = "") -> subprocess.Popen[bytes]:  # fmt: skip
     ddp = role == "ddp"
-    learning_rate = args.reference_learning_rate if ddp and args.reference_learning_rate else args.learning_rate
+    learning_rate = (
+        args.reference_learning_rate if ddp and args.reference_learning_rate is not None else args.learning_rate
+    )
     warmup = args.reference_warmup if ddp and args.reference_warmup is not None else args.warmup
     beta1 = BETAS[0] if role in REFERENCES else args.beta1  # the reference is nanoGPT's AdamW as written
     argv = [sys.executable, str(SCRIPT), "--role", role, "--rank", str(rank), "--world", str(world),
@@ -259,15 +261,23 @@ def main() -> None:
     if args.role != "main":
         train(args)
         return
+    if not 0 <= args.beta1 < 1:
+        parser.error(f"--beta1 is {args.beta1:g}: AdamW's β1 lies in [0, 1)")
+    if args.reference != "ddp" and (args.reference_learning_rate is not None or args.reference_warmup is not None):
+        parser.error("--reference-learning-rate and --reference-warmup set the DDP reference: add --reference ddp")
+    if args.reference_learning_rate is not None and not args.reference_learning_rate > 0:
+        parser.error(f"--reference-learning-rate is {args.reference_learning_rate:g}: give a rate above 0")
+    if args.reference_warmup is not None and args.reference_warmup < 0:
+        parser.error(f"--reference-warmup is {args.reference_warmup}: give 0 or more steps")
+    malformed = [option for option in args.server_option if "=" not in option]
+    if malformed:
+        parser.error(f"--server-option takes NAME=VALUE (kappa=2): {malformed[0]!r} has no '='")
     reason = unavailable_reason()
     if reason is not None:
         parser.error(f"CPU quotas are needed to give each worker its share: {reason}")
     cores = os.cpu_count() or 1
     if args.alone_cpu is not None and not 0 < args.alone_cpu <= cores - 0.1:
         parser.error(f"--alone-cpu is {args.alone_cpu:g} cores: give more than 0 and at most {cores - 0.1:g}")
-    malformed = [option for option in args.server_option if "=" not in option]
-    if malformed:
-        parser.error(f"--server-option takes NAME=VALUE (kappa=2): {malformed[0]!r} has no '='")
     if args.workers * args.cpu > cores - 0.1:
         parser.error(f"--workers x --cpu is {args.workers * args.cpu:g} cores: keep it under {cores - 0.1:g} "
                      f"(this machine has {cores}), so that every process gets its share")  # fmt: skip

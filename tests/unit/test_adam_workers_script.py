@@ -66,3 +66,18 @@ def test_the_ddp_reference_steps_on_every_ranks_batch_and_counts_their_samples(t
     snapshots = sorted(tmp_path.glob("snapshot-*.npy"))
     assert [path.stem.split("-")[2] for path in snapshots] == [str(4 * 4 * BATCH)]
     assert (tmp_path / "done-ddp-0").exists() and (tmp_path / "ready-ddp-0").exists()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        (["--reference-learning-rate", "3e-3"], "add --reference ddp"),
+        (["--reference", "ddp", "--reference-learning-rate", "0"], "give a rate above 0"),
+        (["--reference", "ddp", "--reference-warmup", "-1"], "give 0 or more steps"),
+        (["--beta1", "1"], "lies in [0, 1)"),
+        (["--server-option", "kappa"], "takes NAME=VALUE"),
+    ],
+)
+def test_settings_it_cannot_use_as_meant_are_refused_naming_them(arguments: list[str], said: str) -> None:
+    done = subprocess.run([sys.executable, str(SCRIPT), *arguments], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and said in done.stderr, done.stderr
