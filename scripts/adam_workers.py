@@ -99,8 +99,7 @@ def train(args: argparse.Namespace) -> None:
         if args.role in REFERENCES and (time.time() - saved >= args.snapshot_every or step == steps):
             saved = time.time()
             vector = torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
-            samples_per_step = BATCH * (args.world if args.role == "ddp" else 1)
-            np.save(folder / f"snapshot-{saved:.3f}-{step * samples_per_step}.npy", vector)
+            np.save(folder / f"snapshot-{saved:.3f}-{step * BATCH * args.world}.npy", vector)  # alone: world 1
     if isinstance(optimizer, LocalSteps):
         optimizer.close()
     (folder / f"done-{args.role}-{args.rank}").touch()
