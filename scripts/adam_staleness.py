@@ -59,7 +59,9 @@ reply: the same turns without staleness, what asynchrony costs measured by its a
 The model is gemps_worker.models.CharGpt at nanoGPT's shape scaled down (4 layers, 4 heads, width
 96: 0.46M parameters; pre-norm blocks, GELU, tied embeddings, GPT-2's initialisation; no dropout),
 AdamW as nanoGPT's configure_optimizers builds it (betas 0.9/0.99, weight decay 0.1 on matrices).
-`--model comparison` replays the comparison's character LM instead (gemps_bench.alternatives'
+`--model user` replays the setting a new user tried from the guide (issue 78): nanoGPT scaled to 2
+layers of width 128 (4 heads, 0.42M parameters) at batch 32 a worker. `--model comparison` replays
+the comparison's character LM instead (gemps_bench.alternatives'
 charlm: CharGpt with 6 layers of width 128, 1.2M parameters) with its workers' local optimizer
 (torch.optim.Adam at the given rate, no weight decay).
 
@@ -75,6 +77,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +94,7 @@ from gemps_server.domain.rules.delayed_nesterov import DelayedNesterovRule
 from gemps_server.domain.rules.gem import GemRule
 from gemps_server.domain.rules.gem_base import GEM_OWN_STEP
 from gemps_worker.held_out import evaluate
-from gemps_worker.nanogpt import BATCH, adamw, char_gpt, cosine_schedule, shard_batches
+from gemps_worker.nanogpt import BATCH, SHAPES, adamw, char_gpt, cosine_schedule, shard_batches
 from gemps_worker.text_data import stdlib_text
 
 WORKERS = 4  # unless --workers
@@ -101,12 +104,22 @@ def _comparison_adam(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer
     return torch.optim.Adam(model.parameters(), lr=lr)  # gemps_worker.modes' local Adam
 
 
-#: --model: (the model, its optimizer)
-MODELS: dict[
-    str, tuple[Callable[[int], torch.nn.Module], Callable[[torch.nn.Module, float], torch.optim.Optimizer]]
-] = {
-    "nanogpt": (char_gpt, adamw),
-    "comparison": (workload("charlm").build_model, _comparison_adam),
+class Model(NamedTuple):
+    """What the workers train (--model): the model from a seed, its optimizer at a rate, the batch."""
+
+    build: Callable[[int], torch.nn.Module]
+    optimizer: Callable[[torch.nn.Module, float], torch.optim.Optimizer]
+    batch: int = BATCH
+
+
+def _user_gpt(seed: int) -> torch.nn.Module:
+    return char_gpt(seed, SHAPES["user"])
+
+
+MODELS = {
+    "nanogpt": Model(char_gpt, adamw),
+    "user": Model(_user_gpt, adamw, SHAPES["user"].batch),
+    "comparison": Model(workload("charlm").build_model, _comparison_adam),
 }
 
 
@@ -125,7 +138,7 @@ class Data:
 
     def __init__(self, model: str = "nanogpt", seed: int = 0, beta1: float | None = None) -> None:
         self.train_x, self.train_y, self.test_x, self.test_y = stdlib_text()
-        self._build, self._optimizer = MODELS[model]
+        self._build, self._optimizer, self.batch = MODELS[model]
         self.seed, self.beta1 = seed, beta1
 
     def build(self) -> torch.nn.Module:
@@ -139,7 +152,7 @@ class Data:
 
     def batches(self, rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Endless mini-batches of rank's shard (the same split for every variant)."""
-        return shard_batches(self.train_x, self.train_y, rank, world, self.seed)
+        return shard_batches(self.train_x, self.train_y, rank, world, self.seed, self.batch)
 
     def held_out(self, model: torch.nn.Module, theta: torch.Tensor) -> float:
         load(model, theta)
@@ -216,7 +229,7 @@ def server_adam(
         history.append(flat(central))
         replied[rank], replied_before[rank], replied_at[rank] = history[-1], before, server_steps
         if step in evals:
-            curve.append([step * BATCH, data.held_out(worker, history[-1])])
+            curve.append([step * data.batch, data.held_out(worker, history[-1])])
     return curve
 
 
@@ -274,7 +287,7 @@ def local_adam(
                     schedule.step()
                 step += 1
                 if step in evals:
-                    curve.append([step * BATCH, data.held_out(probe, theta)])
+                    curve.append([step * data.batch, data.held_out(probe, theta)])
             delta = flat(model) - start
             staleness, version = version - based[rank], version + 1  # commits since its window's start
             theta = theta + delta if outer is None else _outer_step(outer, theta, delta * scale, rank, staleness)
@@ -339,7 +352,7 @@ def main() -> None:
         )
     torch.set_num_threads(1)
     data = Data(args.model, args.seed, args.beta1)
-    steps = args.samples // BATCH
+    steps = args.samples // data.batch
     evals = [steps * (i + 1) // args.evaluations for i in range(args.evaluations)]
     results = []
     for variant in args.variants:
@@ -397,7 +410,9 @@ def main() -> None:
               f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"batch": BATCH, "workers": args.workers, "results": results}, indent=1) + "\n")
+        args.json.write_text(
+            json.dumps({"batch": data.batch, "workers": args.workers, "results": results}, indent=1) + "\n"
+        )
 
 
 def _rule(name: str, args: argparse.Namespace, data: Data) -> CommitRule:

@@ -7,7 +7,7 @@ betas, its warm-up and cosine schedule) on the standard library's source:
 - `alone`: one process, the user's AdamW, no server, `--samples` samples;
 - `ddp` (`--reference ddp`, instead of `alone`): DDP-AdamW's computation on `--workers` machines in
   one process: each step one AdamW step on the mean gradient of every worker's batch from its own
-  shard (a global batch of `--workers` x 16), `--samples` samples at `--reference-learning-rate` and
+  shard (a global batch of `--workers` x the batch), `--samples` samples at `--reference-learning-rate` and
   `--reference-warmup`: the reference a team with that many machines would run (issue 78). Its
   losses at equal samples are DDP's; its times are one process's, so no "sooner" is judged against it;
 - `gemps`: `gemps server --rule downpour` (`--rule`, `--server-option NAME=VALUE`) and `--workers`
@@ -57,7 +57,7 @@ from gemps.errors import GempsError
 from gemps.pytorch import LocalSteps
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.held_out import evaluate
-from gemps_worker.nanogpt import BATCH, BETAS, LEARNING_RATE, adamw, char_gpt, cosine_schedule, shard_batches
+from gemps_worker.nanogpt import BETAS, LEARNING_RATE, SHAPES, adamw, char_gpt, cosine_schedule, shard_batches
 from gemps_worker.text_data import stdlib_text
 
 SCRIPT = Path(__file__).resolve()
@@ -75,12 +75,13 @@ def train(args: argparse.Namespace) -> None:
     """One process: a reference, `alone` or `ddp` (saving its own snapshots), or one gemps worker of `args.world`."""
     torch.set_num_threads(1)
     train_x, train_y, _, _ = stdlib_text()
-    model = char_gpt(0)
+    shape = SHAPES[args.shape]
+    model = char_gpt(0, shape)
     inner = adamw(model, args.learning_rate, args.beta1)
-    steps = args.samples // BATCH // args.world
+    steps = args.samples // shape.batch // args.world
     schedule = cosine_schedule(inner, steps, args.warmup)
-    batches = ddp_batches(train_x, train_y, args.world) if args.role == "ddp" else \
-        shard_batches(train_x, train_y, args.rank, args.world)  # fmt: skip
+    batches = ddp_batches(train_x, train_y, args.world, shape.batch) if args.role == "ddp" else \
+        shard_batches(train_x, train_y, args.rank, args.world, batch=shape.batch)  # fmt: skip
     folder = Path(args.folder)
     if args.role in REFERENCES:
         optimizer: torch.optim.Optimizer = inner
@@ -99,16 +100,19 @@ def train(args: argparse.Namespace) -> None:
         if args.role in REFERENCES and (time.time() - saved >= args.snapshot_every or step == steps):
             saved = time.time()
             vector = torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
-            np.save(folder / f"snapshot-{saved:.3f}-{step * BATCH * args.world}.npy", vector)  # alone: world 1
+            np.save(folder / f"snapshot-{saved:.3f}-{step * shape.batch * args.world}.npy", vector)  # alone: world 1
     if isinstance(optimizer, LocalSteps):
         optimizer.close()
     (folder / f"done-{args.role}-{args.rank}").touch()
 
 
-def ddp_batches(inputs: np.ndarray, targets: np.ndarray, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """DDP's global batch: every one of `world` ranks' mini-batch from its own shard, together (the
-    mean loss over them is the mean of the ranks' losses, so its gradient is DDP's all-reduced one)."""
-    streams = [shard_batches(inputs, targets, rank, world) for rank in range(world)]
+def ddp_batches(
+    inputs: np.ndarray, targets: np.ndarray, world: int, batch: int = SHAPES["project"].batch
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """DDP's global batch: every one of `world` ranks' mini-batch of `batch` from its own shard,
+    together (the mean loss over them is the mean of the ranks' losses, so its gradient is DDP's
+    all-reduced one)."""
+    streams = [shard_batches(inputs, targets, rank, world, batch=batch) for rank in range(world)]
     while True:
         parts = [next(stream) for stream in streams]
         yield torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
@@ -141,7 +145,7 @@ def launch(args: argparse.Namespace, groups: Groups | None, role: str, rank: int
             "--samples", str(samples), "--folder", str(folder), "--target", target,
             "--learning-rate", repr(learning_rate), "--warmup", str(warmup), "--beta1", repr(beta1),
             "--local-steps", str(args.local_steps), "--look-ahead", repr(args.look_ahead),
-            "--snapshot-every", repr(args.snapshot_every)]  # fmt: skip
+            "--snapshot-every", repr(args.snapshot_every), "--shape", args.shape]  # fmt: skip
     if groups is not None:
         cpu = args.alone_cpu if role in REFERENCES and args.alone_cpu is not None else args.cpu
         argv = [*groups.add(f"{role}{rank}", cpu).enter_argv(), *argv]
@@ -165,10 +169,10 @@ def finish(processes: list[subprocess.Popen[bytes]]) -> None:
             raise SystemExit(f"a training process exited with status {process.returncode}: see its output above")
 
 
-def curve(folder: Path, went: float) -> list[list[float]]:
+def curve(folder: Path, went: float, shape: str) -> list[list[float]]:
     """[seconds since go, samples, held-out loss] of every snapshot, in time order."""
     _, _, test_x, test_y = stdlib_text()
-    model, points = char_gpt(0), []
+    model, points = char_gpt(0, SHAPES[shape]), []
     for path in sorted(folder.glob("snapshot-*.npy"), key=lambda p: float(p.stem.split("-")[1])):
         _, at, samples = path.stem.split("-")
         flat = np.load(path)
@@ -183,7 +187,7 @@ def run_reference(args: argparse.Namespace, groups: Groups | None, folder: Path)
     processes = [launch(args, groups, args.reference, 0, world, args.samples, folder)]
     went = start_and_wait(processes, folder)
     finish(processes)
-    return curve(folder, went)
+    return curve(folder, went, args.shape)
 
 
 def run_gemps(args: argparse.Namespace, groups: Groups | None, folder: Path, samples: int) -> list[list[float]]:
@@ -192,9 +196,9 @@ def run_gemps(args: argparse.Namespace, groups: Groups | None, folder: Path, sam
         processes = [launch(args, groups, "worker", r, args.workers, samples, folder, server.target)
                      for r in range(args.workers)]  # fmt: skip
         went = start_and_wait(processes, folder)
-        observe(server.target, folder, args.snapshot_every, args.workers, args.local_steps * BATCH)
+        observe(server.target, folder, args.snapshot_every, args.workers, args.local_steps * SHAPES[args.shape].batch)
         finish(processes)
-    return curve(folder, went)
+    return curve(folder, went, args.shape)
 
 
 def loss_at(points: list[list[float]], samples: float) -> float | None:
@@ -249,6 +253,9 @@ def main() -> None:
     parser.add_argument("--reference-warmup", type=int, help="the reference's warm-up steps (default: --warmup)")
     parser.add_argument("--local-steps", type=int, default=1, help="LocalSteps' steps a commit")
     parser.add_argument("--look-ahead", type=float, default=1.0, help="LocalSteps' look_ahead")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="project",
+                        help="the GPT and batch: the project's (4 layers, width 96, batch 16) or the user's "
+                        "of issue 78 (2 layers, width 128, batch 32)")  # fmt: skip
     parser.add_argument("--snapshot-every", type=float, default=5.0, help="seconds between snapshots")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--role", choices=("main", *REFERENCES, "worker"), default="main", help=argparse.SUPPRESS)

@@ -57,6 +57,22 @@ def test_with_one_worker_every_scheme_is_one_adamw_worker(tmp_path: Path) -> Non
     assert all(abs(a - b) < 0.02 * b for a, b in zip(losses["local:1"], losses["single"], strict=True)), losses
 
 
+def test_the_users_setting_replays_its_own_gpt_at_its_batch_of_32(tmp_path: Path) -> None:
+    """`--model user`: the 2-layer GPT of width 128 a new user tried (issue 78) at batch 32: 640
+    samples are 20 steps of 32, read at the middle and the end, and DDP on one machine is `single`."""
+    record = tmp_path / "user.json"
+    argv = [sys.executable, str(SCRIPT), "--model", "user", "--variants", "single", "ddp:1", "--workers", "1",
+            "--samples", "640", "--evaluations", "2", "--json", str(record)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    written = json.loads(record.read_text())
+    assert written["batch"] == 32
+    curves = {result["variant"]: result["curve"] for result in written["results"]}
+    assert [samples for samples, _ in curves["single"]] == [320, 640]
+    assert curves["ddp:1"] == curves["single"]
+    assert curves["single"][-1][1] < curves["single"][0][1] < 4.2  # it learns, from about a uniform guess
+
+
 def test_sixteen_workers_in_turn_run_every_scheme_and_learn(tmp_path: Path) -> None:
     variants = ("ddp:16", "mean:16", "gem:1")
     losses = replay(

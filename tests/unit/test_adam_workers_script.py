@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from gemps_worker.nanogpt import BATCH, shard_batches
+from gemps_worker.nanogpt import BATCH, SHAPES, char_gpt, shard_batches
 from tests.script_modules import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "adam_workers.py"
@@ -25,14 +25,18 @@ def script() -> ModuleType:
     return load_script(SCRIPT, "adam_workers")
 
 
-def test_ddps_batch_is_every_ranks_own_batch_together(script: ModuleType) -> None:
-    inputs = np.arange(400 * 3, dtype=np.int64).reshape(400, 3)
+@pytest.mark.parametrize("shape", ["project", "user"])
+def test_ddps_batch_is_every_ranks_own_batch_together(script: ModuleType, shape: str) -> None:
+    inputs = np.arange(800 * 3, dtype=np.int64).reshape(800, 3)
     targets = inputs + 1
-    world = 4
-    together = list(itertools.islice(script.ddp_batches(inputs, targets, world), 3))
-    ranks = [list(itertools.islice(shard_batches(inputs, targets, rank, world), 3)) for rank in range(world)]
+    world, batch = 4, SHAPES[shape].batch
+    together = list(itertools.islice(script.ddp_batches(inputs, targets, world, batch), 3))
+    ranks = [
+        list(itertools.islice(shard_batches(inputs, targets, rank, world, batch=batch), 3)) for rank in range(world)
+    ]
+    assert batch == {"project": BATCH, "user": 32}[shape]
     for step, (x, y) in enumerate(together):
-        assert x.shape == (world * BATCH, 3)
+        assert x.shape == (world * batch, 3)
         assert torch.equal(x, torch.cat([ranks[rank][step][0] for rank in range(world)]))
         assert torch.equal(y, torch.cat([ranks[rank][step][1] for rank in range(world)]))
 
@@ -55,16 +59,20 @@ def test_a_ddp_reference_is_held_to_losses_at_the_end_and_the_middle_and_not_to_
     assert alone["loss_vs_alone"] == pytest.approx(-0.05) and alone["sooner"] == pytest.approx(30 / 12)
 
 
-def test_the_ddp_reference_steps_on_every_ranks_batch_and_counts_their_samples(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shape", ["project", "user"])
+def test_the_ddp_reference_steps_on_every_ranks_batch_and_counts_their_samples(tmp_path: Path, shape: str) -> None:
     """The reference's own process (`--role ddp`, as the script launches it): 4 steps of 4 ranks'
-    batches are 256 samples, its last snapshot says so, and it says it is done."""
+    batches (256 samples at the project's batch of 16, 512 at the user's 32), its last snapshot says
+    so, and it says it is done."""
     (tmp_path / "go").touch()
-    argv = [sys.executable, str(SCRIPT), "--role", "ddp", "--rank", "0", "--world", "4", "--samples", "256",
-            "--folder", str(tmp_path), "--warmup", "1", "--snapshot-every", "60"]  # fmt: skip
+    samples = 4 * 4 * SHAPES[shape].batch
+    argv = [sys.executable, str(SCRIPT), "--role", "ddp", "--rank", "0", "--world", "4", "--samples", str(samples),
+            "--folder", str(tmp_path), "--warmup", "1", "--snapshot-every", "60", "--shape", shape]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     snapshots = sorted(tmp_path.glob("snapshot-*.npy"))
-    assert [path.stem.split("-")[2] for path in snapshots] == [str(4 * 4 * BATCH)]
+    assert [path.stem.split("-")[2] for path in snapshots] == [str(samples)]
+    assert np.load(snapshots[0]).size == sum(p.numel() for p in char_gpt(0, SHAPES[shape]).parameters())
     assert (tmp_path / "done-ddp-0").exists() and (tmp_path / "ready-ddp-0").exists()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,10 +23,28 @@ BETAS = (0.9, 0.99)  # nanoGPT's shakespeare_char: beta2 0.99 for its small batc
 LEARNING_RATE = 1e-3
 
 
-def char_gpt(seed: int = 0) -> CharGpt:
-    """4 layers, 4 heads, width 96: 0.46M parameters."""
+@dataclass(frozen=True)
+class Shape:
+    """A character GPT's size and the batch each worker trains it at."""
+
+    layers: int
+    width: int
+    heads: int
+    batch: int
+
+
+#: --shape: the project's measurements (0.46M parameters, batch 16), and the user's of issue 78 (nanoGPT
+#: scaled to 2 layers of width 128 at batch 32, as a new user tried it from the guide: 0.42M parameters)
+SHAPES = {
+    "project": Shape(layers=4, width=96, heads=4, batch=BATCH),
+    "user": Shape(layers=2, width=128, heads=4, batch=32),
+}
+
+
+def char_gpt(seed: int = 0, shape: Shape = SHAPES["project"]) -> CharGpt:
+    """The GPT of `shape` (by default 4 layers, 4 heads, width 96: 0.46M parameters)."""
     torch.manual_seed(seed)
-    return CharGpt(VOCABULARY, CONTEXT, width=96, layers=4, heads=4)
+    return CharGpt(VOCABULARY, CONTEXT, width=shape.width, layers=shape.layers, heads=shape.heads)
 
 
 def decay_groups(model: torch.nn.Module, weight_decay: float = WEIGHT_DECAY) -> list[dict[str, Any]]:
@@ -60,14 +79,14 @@ def cosine_schedule(
 
 
 def shard_batches(
-    inputs: np.ndarray, targets: np.ndarray, rank: int, world: int, seed: int = 0
+    inputs: np.ndarray, targets: np.ndarray, rank: int, world: int, seed: int = 0, batch: int = BATCH
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless mini-batches of `rank`'s shard of a fixed random split (each worker's own epochs);
-    `seed` draws another split and order."""
+    """Endless mini-batches of `batch` windows from `rank`'s shard of a fixed random split (each
+    worker's own epochs); `seed` draws another split and order."""
     shard = np.array_split(np.random.default_rng(7 + seed).permutation(len(inputs)), world)[rank]
     rng = np.random.default_rng((1000 + rank, seed) if seed else 1000 + rank)
     while True:
         order = rng.permutation(shard)
-        for start in range(0, len(order) - BATCH + 1, BATCH):
-            index = order[start : start + BATCH]
+        for start in range(0, len(order) - batch + 1, batch):
+            index = order[start : start + batch]
             yield torch.from_numpy(inputs[index]), torch.from_numpy(targets[index])
