@@ -7,9 +7,10 @@ betas, its warm-up and cosine schedule) on the standard library's source:
 - `alone`: one process, the user's AdamW, no server, `--samples` samples;
 - `ddp` (`--reference ddp`, instead of `alone`): DDP-AdamW's computation on `--workers` machines in
   one process: each step one AdamW step on the mean gradient of every worker's batch from its own
-  shard (a global batch of `--workers` x the batch), `--samples` samples at `--reference-learning-rate` and
-  `--reference-warmup`: the reference a team with that many machines would run (issue 78). Its
-  losses at equal samples are DDP's; its times are one process's, so no "sooner" is judged against it;
+  shard (a global batch of `--workers` x the batch), `--samples` samples: the reference a team with
+  that many machines would run (issue 78). Its losses at equal samples are DDP's; its times are one
+  process's, so no "sooner" is judged against it. Either reference trains at `--reference-learning-rate`
+  and `--reference-warmup` where given (else the workers' `--learning-rate` and `--warmup`);
 - `gemps`: `gemps server --rule downpour` (`--rule`, `--server-option NAME=VALUE`) and `--workers`
   processes, each the same AdamW (β1 `--beta1`) wrapped in LocalSteps (`--local-steps` a commit,
   `--look-ahead`), each on its own shard for its share of `--samples` x `--gemps-factor` (its
@@ -31,6 +32,13 @@ a global batch of 256 (docs/RESULTS.md, "The energy-matched rule through the rea
         --samples 204800 --gemps-factor 1 --rule gem --server-option momentum=0 --server-option kappa=2 \\
         --server-option pi_max=1 --server-option gem_own_step=excluded --look-ahead 0 --beta1 0.5 \\
         --reference ddp --reference-learning-rate 3e-3 --reference-warmup 20 --snapshot-every 20
+
+The user's setting of issue 78 (`--shape user`: 2 layers of width 128 at batch 32), 4 workers against
+one AdamW worker at nanoGPT's 1e-3 and 100 warm-up steps (docs/RESULTS.md, "The user's own setting"):
+
+    sudo .venv/bin/python scripts/adam_workers.py --shape user --workers 4 --cpu 0.45 --alone-cpu 1.8 \
+        --samples 204800 --gemps-factor 1 --learning-rate 1.5e-3 --warmup 200 \
+        --reference-learning-rate 1e-3 --reference-warmup 100 --snapshot-every 10
 """
 
 from __future__ import annotations
@@ -135,11 +143,11 @@ def observe(target: str, folder: Path, every: float, workers: int, samples_per_c
 
 def launch(args: argparse.Namespace, groups: Groups | None, role: str, rank: int, world: int, samples: int,
            folder: Path, target: str = "") -> subprocess.Popen[bytes]:  # fmt: skip
-    ddp = role == "ddp"
+    reference = role in REFERENCES
     learning_rate = (
-        args.reference_learning_rate if ddp and args.reference_learning_rate is not None else args.learning_rate
+        args.reference_learning_rate if reference and args.reference_learning_rate is not None else args.learning_rate
     )
-    warmup = args.reference_warmup if ddp and args.reference_warmup is not None else args.warmup
+    warmup = args.reference_warmup if reference and args.reference_warmup is not None else args.warmup
     beta1 = BETAS[0] if role in REFERENCES else args.beta1  # the reference is nanoGPT's AdamW as written
     argv = [sys.executable, str(SCRIPT), "--role", role, "--rank", str(rank), "--world", str(world),
             "--samples", str(samples), "--folder", str(folder), "--target", target,
@@ -249,7 +257,7 @@ def main() -> None:
     parser.add_argument("--reference", choices=REFERENCES, default="alone",
                         help="one AdamW worker alone, or DDP-AdamW's computation on --workers machines")  # fmt: skip
     parser.add_argument("--reference-learning-rate", type=float,
-                        help="the reference's AdamW rate (default: --learning-rate)")  # fmt: skip
+                        help="the reference's AdamW rate, alone or DDP's (default: --learning-rate)")  # fmt: skip
     parser.add_argument("--reference-warmup", type=int, help="the reference's warm-up steps (default: --warmup)")
     parser.add_argument("--local-steps", type=int, default=1, help="LocalSteps' steps a commit")
     parser.add_argument("--look-ahead", type=float, default=1.0, help="LocalSteps' look_ahead")
@@ -269,8 +277,6 @@ def main() -> None:
         return
     if not 0 <= args.beta1 < 1:
         parser.error(f"--beta1 is {args.beta1:g}: AdamW's β1 lies in [0, 1)")
-    if args.reference != "ddp" and (args.reference_learning_rate is not None or args.reference_warmup is not None):
-        parser.error("--reference-learning-rate and --reference-warmup set the DDP reference: add --reference ddp")
     if args.reference_learning_rate is not None and not args.reference_learning_rate > 0:
         parser.error(f"--reference-learning-rate is {args.reference_learning_rate:g}: give a rate above 0")
     if args.reference_warmup is not None and args.reference_warmup < 0:

@@ -79,7 +79,7 @@ def test_the_ddp_reference_steps_on_every_ranks_batch_and_counts_their_samples(t
 @pytest.mark.parametrize(
     ("arguments", "said"),
     [
-        (["--reference-learning-rate", "3e-3"], "add --reference ddp"),
+        (["--reference-learning-rate=-3e-3"], "give a rate above 0"),
         (["--reference", "ddp", "--reference-learning-rate", "0"], "give a rate above 0"),
         (["--reference", "ddp", "--reference-warmup", "-1"], "give 0 or more steps"),
         (["--beta1", "1"], "lies in [0, 1)"),
