@@ -95,24 +95,29 @@ def accuracy(model: BertForSequenceClassification) -> float:
     return float((predicted == held_out.labels).float().mean())
 
 
-def arguments(folder: str, epochs: float, seed: int, batch: int = BATCH) -> TrainingArguments:
+def arguments(
+    folder: str, epochs: float, seed: int, batch: int = BATCH, learning_rate: float = LEARNING_RATE
+) -> TrainingArguments:
     """The Trainer's arguments as a user writes them: its AdamW's learning rate, weight decay, and
     its default linear schedule."""
     return TrainingArguments(
-        output_dir=folder, learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, num_train_epochs=epochs,
+        output_dir=folder, learning_rate=learning_rate, weight_decay=WEIGHT_DECAY, num_train_epochs=epochs,
         per_device_train_batch_size=batch, save_strategy="no", report_to="none", use_cpu=True,
         disable_tqdm=True, logging_strategy="no", seed=seed, dataloader_drop_last=True,
     )  # fmt: skip
 
 
-def train_worker(variant: str, address: str, index: int, workers: int, epochs: float, seed: int) -> dict[str, Any]:
-    """One Trainer on its part of the training set, through the server at `address`."""
+def train_worker(
+    variant: str, address: str, index: int, workers: int, epochs: float, seed: int, learning_rate: float
+) -> dict[str, Any]:
+    """One Trainer on its part of the training set, through the server at `address`, its AdamW at
+    `learning_rate`."""
     torch.set_num_threads(1)
     model = tiny_bert(seed)
     data = DigitTokens(train=True, part=index, parts=workers)
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as folder:
-        args = arguments(folder, epochs, seed * 1000 + index)
+        args = arguments(folder, epochs, seed * 1000 + index, learning_rate=learning_rate)
         optimizer: RemoteOptimizer | LocalSteps
         if variant == "remote":  # the SDK guide's way for gradients: the server's η and schedule
             optimizer = RemoteOptimizer(model, address, name=f"w{index}")
@@ -132,7 +137,10 @@ def train_worker(variant: str, address: str, index: int, workers: int, epochs: f
             trainer.train()
         finally:
             optimizer.close()  # LocalSteps commits an unfinished window first; both leave
-    return {"worker": index, "seconds": time.monotonic() - started}
+    # The rate the Trainer's schedule starts from, as AdamW's group holds it (what --gemps-learning-rate
+    # set); RemoteOptimizer's belongs to the server, which refuses it to be read as a group's.
+    start = optimizer.param_groups[0]["initial_lr"] if isinstance(optimizer, LocalSteps) else None
+    return {"worker": index, "seconds": time.monotonic() - started, "learning_rate": start}
 
 
 def run_alone(epochs: float, seed: int, batch: int = BATCH) -> dict[str, Any]:
@@ -146,11 +154,15 @@ def run_alone(epochs: float, seed: int, batch: int = BATCH) -> dict[str, Any]:
     return {"accuracy": accuracy(model), "seconds": time.monotonic() - started}
 
 
-def run_through_gemps(variant: str, workers: int, epochs: float, seed: int, rule: str) -> dict[str, Any]:
-    """`workers` Trainer processes on one server; the held-out accuracy of the server's θ."""
+def run_through_gemps(
+    variant: str, workers: int, epochs: float, seed: int, rule: str, learning_rate: float = LEARNING_RATE
+) -> dict[str, Any]:
+    """`workers` Trainer processes on one server (each its AdamW at `learning_rate`); the held-out
+    accuracy of the server's θ."""
     rule = "gem" if variant == "remote" else rule
     with ServerProcess(rule=rule, learning_rate=0.05) as server:
-        command = [sys.executable, __file__, "--worker", variant, server.target, str(workers), str(epochs), str(seed)]
+        command = [sys.executable, __file__, "--worker", variant, server.target, str(workers), str(epochs), str(seed),
+                   repr(learning_rate)]  # fmt: skip
         started = time.monotonic()
         processes = [subprocess.Popen([*command, str(index)], stdout=subprocess.PIPE) for index in range(workers)]
         reports = []
@@ -169,8 +181,10 @@ def run_through_gemps(variant: str, workers: int, epochs: float, seed: int, rule
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        variant, address, workers, epochs, seed, index = sys.argv[2:8]
-        report = train_worker(variant, address, int(index), int(workers), float(epochs), int(seed))
+        variant, address, workers, epochs, seed, learning_rate, index = sys.argv[2:9]
+        report = train_worker(
+            variant, address, int(index), int(workers), float(epochs), int(seed), float(learning_rate)
+        )
         print(json.dumps(report), flush=True)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -179,20 +193,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=float, default=8.0, help="passes over the training set, all workers together")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--rule", default="downpour", choices=["downpour", "gem"], help="the server's rule for local:H")
+    parser.add_argument(
+        "--gemps-learning-rate",
+        type=float,
+        default=LEARNING_RATE,
+        help="the Trainer's learning_rate in the workers through gemps (alone and ddp keep 1e-3)",
+    )
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
+    if not args.gemps_learning_rate > 0:
+        parser.error(f"--gemps-learning-rate is {args.gemps_learning_rate:g}: give a rate above 0")
     for variant in args.variants:
         if variant not in ("alone", "ddp", "remote") and not variant.startswith(("local:", "ahead:", "job:")):
             parser.error(f"unknown variant {variant!r}: alone, ddp, remote, local:H, ahead:H or job:H")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    results: dict[str, Any] = {"workers": args.workers, "epochs": args.epochs, "rule": args.rule, "runs": {}}
+    results: dict[str, Any] = {
+        "workers": args.workers, "epochs": args.epochs, "rule": args.rule,
+        "gemps_learning_rate": args.gemps_learning_rate, "runs": {},
+    }  # fmt: skip
     for variant in args.variants:
         runs = []
         for seed in args.seeds:
             if variant in ("alone", "ddp"):
                 run = run_alone(args.epochs, seed, BATCH * (args.workers if variant == "ddp" else 1))
             else:
-                run = run_through_gemps(variant, args.workers, args.epochs, seed, args.rule)
+                run = run_through_gemps(variant, args.workers, args.epochs, seed, args.rule, args.gemps_learning_rate)
             runs.append(run)
             print(
                 f"{variant} seed {seed}: held-out accuracy {run['accuracy']:.4f} in {run['seconds']:.0f} s", flush=True

@@ -26,3 +26,25 @@ def test_the_users_adamw_through_local_steps_learns_as_adamw_alone(tmp_path: Pat
     assert alone > CHANCE + 0.05, result.stdout  # it learns (0.17 after 2 epochs; 0.35 after 8)
     assert abs(through_gemps - alone) <= 0.01, result.stdout  # the issue's bar: within 1 point
     assert "local:1 seed 0: held-out accuracy" in result.stdout
+
+
+def test_the_workers_trainer_starts_from_the_rate_given_to_them(tmp_path: Path) -> None:
+    """`--gemps-learning-rate` is the workers' Trainer's `learning_rate` (the reference keeps 1e-3):
+    AdamW's group starts its schedule there."""
+    out = tmp_path / "figures.json"
+    command = [
+        sys.executable, str(ROOT / "scripts" / "hf_classifier.py"), "--variants", "local:1", "--workers", "2",
+        "--epochs", "0.5", "--gemps-learning-rate", "2e-3", "--json", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    written = json.loads(out.read_text())
+    workers = written["runs"]["local:1"]["runs"][0]["workers"]
+    assert [worker["learning_rate"] for worker in workers] == [2e-3, 2e-3]
+    assert written["gemps_learning_rate"] == 2e-3
+
+
+def test_a_rate_it_cannot_train_at_is_refused_naming_it() -> None:
+    command = [sys.executable, str(ROOT / "scripts" / "hf_classifier.py"), "--gemps-learning-rate", "0"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "--gemps-learning-rate is 0" in result.stderr, result.stderr
