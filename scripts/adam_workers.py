@@ -36,8 +36,8 @@ a global batch of 256 (docs/RESULTS.md, "The energy-matched rule through the rea
 The user's setting of issue 78 (`--shape user`: 2 layers of width 128 at batch 32), 4 workers against
 one AdamW worker at nanoGPT's 1e-3 and 100 warm-up steps (docs/RESULTS.md, "The user's own setting"):
 
-    sudo .venv/bin/python scripts/adam_workers.py --shape user --workers 4 --cpu 0.45 --alone-cpu 1.8 \
-        --samples 204800 --gemps-factor 1 --learning-rate 1.5e-3 --warmup 200 \
+    sudo .venv/bin/python scripts/adam_workers.py --shape user --workers 4 --cpu 0.45 --alone-cpu 1.8 \\
+        --samples 204800 --gemps-factor 1 --learning-rate 1.5e-3 --warmup 200 \\
         --reference-learning-rate 1e-3 --reference-warmup 100 --snapshot-every 10
 """
 
@@ -148,7 +148,7 @@ def launch(args: argparse.Namespace, groups: Groups | None, role: str, rank: int
         args.reference_learning_rate if reference and args.reference_learning_rate is not None else args.learning_rate
     )
     warmup = args.reference_warmup if reference and args.reference_warmup is not None else args.warmup
-    beta1 = BETAS[0] if role in REFERENCES else args.beta1  # the reference is nanoGPT's AdamW as written
+    beta1 = BETAS[0] if reference else args.beta1  # the reference is nanoGPT's AdamW as written
     argv = [sys.executable, str(SCRIPT), "--role", role, "--rank", str(rank), "--world", str(world),
             "--samples", str(samples), "--folder", str(folder), "--target", target,
             "--learning-rate", repr(learning_rate), "--warmup", str(warmup), "--beta1", repr(beta1),
