@@ -20,6 +20,8 @@ worker. What differs is only when and where Adam's step is taken:
   0 for the rank whose commit completes a round, 1 for the others), p `--prediction` (0: `mean:K`);
 - `ddp:K`: the same step with every gradient taken at the newest θ: DDP with AdamW on K machines
   at a global batch of K times the batch (the reference a team with K machines would run);
+- `rounds:K`: `ddp:K`'s computation by the server's `adamw` rule and its schedule (scripts/
+  adam_rounds.py: N workers waiting for each round of K, as the SDK makes them);
 - `dc:S`: `stale:S` with the delay compensated as DC-ASGD-a does (Zheng et al. 2017): the gradient
   g computed at θ_then, fed as g + λ·g⊙g⊙(θ_now - θ_then)/√ms, ms the running mean of g⊙g
   (β 0.95), λ `--dc-lambda`: the diagonal of the Hessian approximated by g⊙g;
@@ -82,6 +84,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from adam_look_ahead import DanaLookAhead  # beside this script (its directory is on sys.path when run)
+from adam_rounds import rounds_adam
 from gemps_bench.alternatives.workloads import workload
 from torch.nn.utils import parameters_to_vector
 
@@ -378,9 +381,13 @@ def main() -> None:
         elif name in ("single", "stale", "dc", "mean", "pred", "ddp"):
             amounts = int(amount or 0), steps, args.learning_rate, evals
             curve = server_adam(data, name, *amounts, args.dc_lambda, args.warmup, args.workers, args.prediction)
+        elif name == "rounds":
+            curve = rounds_adam(
+                data, gradient, int(amount), steps, args.learning_rate, evals, args.warmup, args.workers
+            )
         else:
             parser.error(
-                f"unknown variant {variant!r}: single, stale:S, dc:S, mean:K, pred:K, ddp:K, "
+                f"unknown variant {variant!r}: single, stale:S, dc:S, mean:K, pred:K, ddp:K, rounds:K, "
                 "local:H, ahead:H, job:H, dana:H, dn:H, as:H or gem:H"
             )
         settings = {

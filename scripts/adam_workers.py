@@ -33,6 +33,14 @@ a global batch of 256 (docs/RESULTS.md, "The energy-matched rule through the rea
         --server-option pi_max=1 --server-option gem_own_step=excluded --look-ahead 0 --beta1 0.5 \\
         --reference ddp --reference-learning-rate 3e-3 --reference-warmup 20 --snapshot-every 20
 
+AdamW on the server, DDP's computation a round of 16 gradients at a time (`--rule adamw`: the workers
+commit gradients through RemoteOptimizer; the server takes --learning-rate, --warmup in rounds,
+nanoGPT's betas and decay and its cosine after the warm-up), against DDP-AdamW at a global batch of 256:
+
+    sudo .venv/bin/python scripts/adam_workers.py --workers 16 --cpu 0.1 --alone-cpu 1.8 \\
+        --samples 204800 --gemps-factor 1 --rule adamw --learning-rate 3e-3 --warmup 20 \\
+        --reference ddp --snapshot-every 20
+
 The user's setting of issue 78 (`--shape user`: 2 layers of width 128 at batch 32), 4 workers against
 one AdamW worker at nanoGPT's 1e-3 and 100 warm-up steps (docs/RESULTS.md, "The user's own setting"):
 
@@ -62,7 +70,7 @@ from gemps_bench.alternatives.cgroups import Groups, unavailable_reason
 
 from gemps.client import Client
 from gemps.errors import GempsError
-from gemps.pytorch import LocalSteps
+from gemps.pytorch import LocalSteps, RemoteOptimizer
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.held_out import evaluate
 from gemps_worker.nanogpt import BETAS, LEARNING_RATE, SHAPES, adamw, char_gpt, cosine_schedule, shard_batches
@@ -93,6 +101,8 @@ def train(args: argparse.Namespace) -> None:
     folder = Path(args.folder)
     if args.role in REFERENCES:
         optimizer: torch.optim.Optimizer = inner
+    elif args.rule == "adamw":  # gradients: the server's AdamW and schedule (server_options)
+        optimizer = RemoteOptimizer(model, args.target, name=f"w{args.rank}")
     else:
         optimizer = LocalSteps(model, inner, args.target, steps=args.local_steps, look_ahead=args.look_ahead,
                                name=f"w{args.rank}")  # fmt: skip
@@ -103,13 +113,14 @@ def train(args: argparse.Namespace) -> None:
         optimizer.zero_grad()
         loss = F.cross_entropy(model(inputs), targets)
         loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step(loss=loss) if isinstance(optimizer, LocalSteps) else optimizer.step()
-        schedule.step()
+        optimizer.step(loss=loss) if isinstance(optimizer, LocalSteps | RemoteOptimizer) else optimizer.step()
+        if not isinstance(optimizer, RemoteOptimizer):  # else the server's schedule
+            schedule.step()
         if args.role in REFERENCES and (time.time() - saved >= args.snapshot_every or step == steps):
             saved = time.time()
             vector = torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
             np.save(folder / f"snapshot-{saved:.3f}-{step * shape.batch * args.world}.npy", vector)  # alone: world 1
-    if isinstance(optimizer, LocalSteps):
+    if isinstance(optimizer, LocalSteps | RemoteOptimizer):
         optimizer.close()
     (folder / f"done-{args.role}-{args.rank}").touch()
 
@@ -153,7 +164,7 @@ def launch(args: argparse.Namespace, groups: Groups | None, role: str, rank: int
             "--samples", str(samples), "--folder", str(folder), "--target", target,
             "--learning-rate", repr(learning_rate), "--warmup", str(warmup), "--beta1", repr(beta1),
             "--local-steps", str(args.local_steps), "--look-ahead", repr(args.look_ahead),
-            "--snapshot-every", repr(args.snapshot_every), "--shape", args.shape]  # fmt: skip
+            "--snapshot-every", repr(args.snapshot_every), "--shape", args.shape, "--rule", args.rule]  # fmt: skip
     if groups is not None:
         cpu = args.alone_cpu if role in REFERENCES and args.alone_cpu is not None else args.cpu
         argv = [*groups.add(f"{role}{rank}", cpu).enter_argv(), *argv]
@@ -198,8 +209,21 @@ def run_reference(args: argparse.Namespace, groups: Groups | None, folder: Path)
     return curve(folder, went, args.shape)
 
 
+def server_options(args: argparse.Namespace, samples: int) -> dict[str, Any]:
+    """The server's options: under `adamw`, the workers' rate, nanoGPT's betas and decay, a warm-up of
+    --warmup rounds and nanoGPT's cosine after it to a tenth at the run's end; then --server-option's."""
+    options: dict[str, Any] = {}
+    if args.rule == "adamw":
+        commits = samples // SHAPES[args.shape].batch
+        options = {"learning_rate": args.learning_rate, "adam_beta1": args.beta1, "adam_beta2": BETAS[1],
+                   "adam_weight_decay": 0.1, "lr_schedule": "warmup-cosine",
+                   "lr_warmup_commits": args.warmup * args.workers, "lr_total_commits": commits,
+                   "lr_min": args.learning_rate / 10}  # fmt: skip
+    return options | dict(option.split("=", 1) for option in args.server_option)
+
+
 def run_gemps(args: argparse.Namespace, groups: Groups | None, folder: Path, samples: int) -> list[list[float]]:
-    options = dict(option.split("=", 1) for option in args.server_option)
+    options = server_options(args, samples)
     with ServerProcess(rule=args.rule, metrics_port=-1, log_path=folder / "server.log", **options) as server:
         processes = [launch(args, groups, "worker", r, args.workers, samples, folder, server.target)
                      for r in range(args.workers)]  # fmt: skip

@@ -44,6 +44,7 @@ from gemps.records import (
 )
 from gemps.resolver import Target, as_resolver
 from gemps.retry import NO_RETRY, Retrier, RetryPolicy, resolve_patience
+from gemps.rounds import RoundWaits, waits_for_round
 from gemps.router import PartitionRouter
 from gemps.serialised import serialised
 from gemps.transport import Transport, call_deadline, refuse_non_finite
@@ -186,6 +187,7 @@ class Client:
             server_name=server_name,
         )
         self._calls = threading.RLock()  # held by each call (gemps.serialised)
+        self._rounds = RoundWaits()
         self._max_message_bytes = min(max_message_mb * 1024 * 1024, 2**31 - 1)
         self._retrier = Retrier("", self.retry, stop, self.patience)
         self._metrics = client_metrics(
@@ -264,6 +266,7 @@ class Client:
         """
         return self._router.pull()
 
+    @waits_for_round  # outside the commit's deadline: each of the round's pulls has its own
     @serialised
     def commit(
         self,
@@ -285,7 +288,8 @@ class Client:
         `buffer_delta`, for a model with buffers: how they changed since the central ones were
         last loaded (flat in buffer spec order, by name, or as Buffers by kind: integer buffers'
         changes are rounded to int64); the server adds it to its buffers.
-        Returns the new central variable and buffers (one round trip per step). With partitions,
+        Returns the new central variable and buffers (one round trip per step; under a rule that
+        moves θ a round of commits at a time, `adamw`, once the round closed: gemps.rounds). With partitions,
         the slices are applied independently: complete when every partition has applied its own;
         when one refuses after another applied, PartiallyAppliedError says which did, and θ holds
         their replies. A payload or delta with NaN or Inf is refused here (InvalidArgumentError,

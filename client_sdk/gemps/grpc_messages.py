@@ -178,6 +178,7 @@ def committed_from_proto(reply: pb.CommitResponse, parameters: Vector) -> Commit
         epoch=reply.epoch,
         copy=reply.copy,
         difference_of=reply.difference_of,
+        round_pending=reply.round_pending,
     )
 
 

@@ -68,6 +68,9 @@ class CommitResult:
     scaling_at_max: float = 0.0  # fraction clamped at pi_max
     # Per partition, the epoch of the primary that acknowledged it (replicated partitions; else 0s).
     epochs: tuple[int, ...] = ()
+    # A rule that moves θ a round of commits at a time (adamw): the commits the round still needed
+    # (the most of any partition's); `parameters` is then θ once it moved (gemps.rounds). Else 0.
+    round_pending: int = 0
 
 
 __all__ = [

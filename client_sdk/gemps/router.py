@@ -79,6 +79,7 @@ def merge_commit_figures(replies: Sequence[Committed], sizes: Sequence[int], cen
             scaling_at_zero=reply.scaling_at_zero,
             scaling_at_max=reply.scaling_at_max,
             epochs=(reply.epoch,),
+            round_pending=reply.round_pending,
         )
     total = sum(sizes)
 
@@ -94,6 +95,7 @@ def merge_commit_figures(replies: Sequence[Committed], sizes: Sequence[int], cen
         scaling_at_zero=weighted("scaling_at_zero"),
         scaling_at_max=weighted("scaling_at_max"),
         epochs=tuple(reply.epoch for reply in replies),
+        round_pending=max(reply.round_pending for reply in replies),
     )
 
 

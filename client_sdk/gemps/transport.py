@@ -122,6 +122,7 @@ class Committed:
     # `parameters` is a difference from (0: `parameters` is θ whole); both 0 for other replies.
     copy: int = 0
     difference_of: int = 0
+    round_pending: int = 0  # commits before θ moves, for a rule of rounds (else 0)
 
 
 class Pending(Protocol[Reply]):

@@ -237,6 +237,12 @@ class ParameterService:
 
         self._applier.submit_then(functools.partial(self._state.core.encoded, reply_dtype), encoded)
 
+    def unchanged(self, known_version: int, version: int | None = None) -> bool:
+        """Whether a caller holding θ at `known_version` holds θ at `version` (the current one by
+        default): a pull's reply then carries none (a rule of rounds keeps θ over several versions)."""
+        core = self._state.core
+        return core.same_theta(known_version, core.version if version is None else version)
+
     def _current(self, worker_id: str, known_version: int, reply_dtype: int) -> tuple[Snapshot, bool]:
         """The current snapshot, and whether the applier must encode it in `reply_dtype` first."""
         self._replicas.require_primary()
@@ -246,7 +252,7 @@ class ParameterService:
             state.registry.touch(worker_id)
         check_reply_dtype(reply_dtype)
         snapshot = state.snapshot
-        changed = known_version != snapshot.version
+        changed = not self.unchanged(known_version, snapshot.version)
         if changed:  # the reply carries θ
             self._metrics.tensor_bytes("sent", reply_dtype, expected_nbytes(reply_dtype, [state.num_parameters]))
         return snapshot, changed and snapshot.data(reply_dtype) is None

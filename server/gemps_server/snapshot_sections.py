@@ -51,7 +51,9 @@ from gemps_server.snapshot_codec import (
 WORKER_PREFIX = "worker."  # worker.<its index in registration order>.<name>
 RECEIPT_COUNTS, RECEIPT_STATS = "receipts.counts", "receipts.stats"  # the ledger's last, then legacy
 NOISE_TOTAL, NOISE_NUMBERS = "noise.total", "noise.numbers"
-STAT_FIELDS = tuple(f.name for f in dataclasses.fields(ApplyStats))
+# A receipt's figures as a duplicate's reply repeats them: what a round said (`pending`, `kept_theta`)
+# was the original reply's alone, and images from before they were added keep loading.
+STAT_FIELDS = tuple(f.name for f in dataclasses.fields(ApplyStats) if f.name not in ("pending", "kept_theta"))
 NOISE_COUNT_FIELDS = ("stride", "size", "count", "pending", "windows", "window", "assumed", "batch_size_assumed")
 # A seed from before the last two (issue 43): no commit taken as lacking num_samples.
 NOISE_COUNT_FIELDS_BEFORE = len(NOISE_COUNT_FIELDS) - 2
@@ -169,7 +171,7 @@ def take_ledger(metadata: Mapping[str, str], tensors: Tensors) -> LedgerImage:
     if np.any(counts < 0):
         raise SnapshotError("a receipt with a negative version, staleness or sequence")
     receipts = [
-        Receipt(int(version), int(staleness), ApplyStats(*(float(x) for x in row)), int(sequence))
+        Receipt(int(version), int(staleness), ApplyStats(*row.tolist()), int(sequence))
         for (version, staleness, sequence), row in zip(counts, stats, strict=True)
     ]
     scopes = []

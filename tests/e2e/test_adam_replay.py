@@ -9,7 +9,7 @@ schemes learn, the energy-matched one about as DDP does, and a stale scheme is n
 computation (the gradient's θ tells them apart). Weight prediction (`pred:K`) at a share of 0 is
 `mean:K` to the bit, and moves θ off it once a worker's gradient is predicted. DANA's look-ahead
 (`dana:H`) starts a window where the workers' AdamW moments, worked out by hand in float64, say θ
-is headed."""
+is headed. The server's adamw rule over rounds (`rounds:K`) is DDP's computation."""
 
 from __future__ import annotations
 
@@ -156,3 +156,15 @@ def test_dana_starts_a_window_where_the_workers_moments_say_theta_is_headed() ->
 def close(got: list[float], expected: list[float]) -> bool:
     """Equal to float32's precision."""
     return all(abs(a - b) < 1e-6 * abs(b) for a, b in zip(got, expected, strict=True))
+
+
+def test_the_adamw_rules_rounds_are_ddps_computation(tmp_path: Path) -> None:
+    """`rounds:K` (scripts/adam_rounds.py): the server's adamw rule, each round's K gradients taken
+    on its θ, is DDP's step on their mean. With the comparison's model (Adam, no decay, so both
+    decay alike) at a constant rate the two curves agree to float32's rounding; they learn."""
+    losses = replay(
+        tmp_path, "rounds", "--model", "comparison", "--variants", "ddp:4", "rounds:4", "--workers", "4",
+        "--samples", "512",
+    )  # fmt: skip
+    assert all(abs(a - b) < 1e-3 * b for a, b in zip(losses["rounds:4"], losses["ddp:4"], strict=True)), losses
+    assert losses["rounds:4"][-1] < losses["rounds:4"][0], losses

@@ -42,7 +42,9 @@ def initial(seed: int) -> dict[str, np.ndarray]:
 def train(targets_of: StartServer, count: int, rule: str) -> tuple[CentralVariable, list[int]]:
     """A fixed sequence of commits from several workers, one at a time, on `count` partitions;
     returns the final central variable (read by an observer) and the staleness of each commit."""
-    servers = start_partitions(targets_of, count, rule=rule, learning_rate=0.1, num_shards=0)
+    # adamw: a step every commit, so that one thread's commits in turn need not wait for a round
+    rounds = {"round_size": 1} if rule == "adamw" else {}
+    servers = start_partitions(targets_of, count, rule=rule, learning_rate=0.1, num_shards=0, **rounds)
     target = servers[0].target
     rng = np.random.default_rng(7)
     clients = [Client(target, name=f"w{i}", timeout=10) for i in range(WORKERS)]

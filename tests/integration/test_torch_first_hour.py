@@ -63,6 +63,8 @@ def test_a_torch_optimizers_arguments_are_refused_naming_where_gemps_sets_them(s
     model = nn.Linear(4, 2)
     with pytest.raises(TypeError, match=r"betas: the server's update rule owns it \(`gemps server --rule`"):
         RemoteOptimizer(model, server.target, betas=(0.9, 0.95))
+    with pytest.raises(TypeError, match=r"eps: .*`gemps server --rule adamw --adam-beta1 0\.9 --adam-beta2"):
+        RemoteOptimizer(model, server.target, eps=1e-6)
     with pytest.raises(TypeError, match=r"RemoteOptimizer does not take a torch optimizer's momentum: .*--momentum"):
         RemoteOptimizer(model, server.target, momentum=0.9)
     with pytest.raises(TypeError, match=r"colour: not an option of RemoteOptimizer, RemoteModel or gemps\.Client"):
@@ -94,7 +96,7 @@ def test_a_loops_lr_assignment_names_the_warmup_cosine_and_minimum_flags(server:
         for param_group in optimizer.param_groups:
             param_group["lr"] = 6e-4
     message = str(refused.value)
-    for flag in ("--lr-warmup-commits W", "--lr-schedule cosine", "--lr-total-commits T", "--lr-min MIN"):
+    for flag in ("--lr-warmup-commits W", "--lr-schedule warmup-cosine", "--lr-total-commits T", "--lr-min MIN"):
         assert flag in message, message
 
 

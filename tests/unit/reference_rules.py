@@ -27,6 +27,7 @@ class ReferenceServer:
         dn_learning_rate: float = 0.7,
         nesterov_period: float = 0,
         momentum_activation: float = 0.0,
+        decayed: np.ndarray | None = None,
     ) -> None:
         self.rule = rule
         self.theta = theta0.astype(F32).copy()
@@ -44,6 +45,8 @@ class ReferenceServer:
         )
         self.b = np.zeros_like(self.theta)
         self.k = 0
+        # adamw, in float64 (torch.optim.AdamW's defaults): moments, steps, round's sum and start
+        self.adam = AdamWReference(self.theta.size, decayed=decayed)
 
     def register(self, worker: str) -> None:
         self.m[worker] = np.zeros_like(self.theta)
@@ -73,6 +76,15 @@ class ReferenceServer:
             self.theta = self.theta + (self.mu * self.v + delta)
         elif self.rule == "delayed-nesterov":
             self.delayed_nesterov(delta)
+        elif self.rule == "adamw":  # every registered worker has an m here
+            self.theta = self.adam.commit(
+                self.theta,
+                payload if is_gradient else -payload,
+                base_version,
+                self.version,
+                len(self.m),
+                float(self.eta),
+            )
         else:
             raise ValueError(self.rule)
         self.version += 1
@@ -91,6 +103,45 @@ class ReferenceServer:
             self.k = 0
         else:
             self.theta = (self.theta + F32(self.epsilon) * (delta / F32(n) + F32(c * self.beta) * self.v)).astype(F32)
+
+
+class AdamWReference:
+    """DESIGN §1's adamw in float64: a round of K gradients on the round's θ (K the workers
+    registered), their mean's torch.optim.AdamW step; a gradient older than the round, dropped.
+    `decayed`: where the weight decay applies (the matrices'; everywhere when not given)."""
+
+    def __init__(
+        self,
+        size: int,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+        decay: float = 0.01,
+        decayed: np.ndarray | None = None,
+    ) -> None:
+        self.beta1, self.beta2, self.eps = beta1, beta2, eps
+        self.decay = decay * (np.ones(size) if decayed is None else decayed.astype(np.float64))
+        self.m, self.v, self.total = np.zeros(size), np.zeros(size), np.zeros(size)
+        self.steps = self.buffered = self.round_start = 0
+
+    def commit(
+        self, theta: np.ndarray, gradient: np.ndarray, base_version: int, version: int, workers: int, lr: float
+    ) -> np.ndarray:
+        if base_version < self.round_start:
+            return theta
+        self.total += gradient.astype(np.float64)
+        self.buffered += 1
+        if self.buffered < max(1, workers):
+            return theta
+        mean = self.total / self.buffered
+        self.steps += 1
+        self.m = self.beta1 * self.m + (1 - self.beta1) * mean
+        self.v = self.beta2 * self.v + (1 - self.beta2) * mean**2
+        m_hat, v_hat = self.m / (1 - self.beta1**self.steps), self.v / (1 - self.beta2**self.steps)
+        moved = theta.astype(np.float64) * (1 - lr * self.decay) - lr * m_hat / (np.sqrt(v_hat) + self.eps)
+        self.total[:] = 0.0
+        self.buffered, self.round_start = 0, version + 1
+        return moved.astype(F32)
 
 
 class WorkerSideGemWorker:

@@ -17,7 +17,8 @@ from gemps_bench.alternatives.systems.peers import manifest
 from gemps_bench.alternatives.systems.registry import system, system_names
 from gemps_bench.alternatives.workloads import WORKLOADS, workload
 
-ADAM_PATH = {"gemps-adam", "ddp-adamw", "ddp-adamw-bf16", "torchft_ddp_adamw", "hivemind_adamw"}
+ADAM_PATH = {"gemps-adam", "gemps-adamw", "ddp-adamw", "ddp-adamw-bf16", "torchft_ddp_adamw", "hivemind_adamw"}
+ON_THE_SERVER = {"gemps-adamw"}  # AdamW is the server's rule: its workers commit gradients
 
 
 def plan(tmp_path: Path) -> RunPlan:
@@ -74,13 +75,19 @@ def test_the_adam_path_systems_give_their_workers_adamw_and_the_sgd_ones_nothing
     for name in system_names():
         flags = program_flags(system(name).worker(chosen, 1).argv)
         parsed = parse_worker_args(worker_parser(""), flags)
-        assert parsed.optimizer == ("adamw" if name in ADAM_PATH else "sgd"), name
-        assert ("--optimizer" in flags) == (name in ADAM_PATH), name  # the SGD systems' command lines as before
+        workers_adamw = name in ADAM_PATH - ON_THE_SERVER
+        assert parsed.optimizer == ("adamw" if workers_adamw else "sgd"), name
+        assert ("--optimizer" in flags) == workers_adamw, name  # the SGD systems' command lines as before
     server = system("gemps-adam").coordinator(chosen)
     worker = system("gemps-adam").worker(chosen, 0).argv
     assert server is not None and server.argv[server.argv.index("--rule") + 1] == "downpour"
     assert worker[worker.index("--mode") + 1] == "local-steps" and "--supervise" in worker
     assert parse_worker_args(worker_parser(""), program_flags(worker)).lr == 1e-3  # AdamW's own rate, as searched
+    rounds = system("gemps-adamw").coordinator(chosen)
+    assert rounds is not None
+    assert [rounds.argv[rounds.argv.index(flag) + 1] for flag in ("--rule", "--backup-workers", "--learning-rate")] == [
+        "adamw", "1", "0.001",
+    ]  # fmt: skip
     hooked = system("ddp-adamw-bf16").worker(chosen, 0).argv
     assert hooked[hooked.index("--comm-hook") + 1] == "bf16"
     assert "--comm-hook" not in system("ddp-adamw").worker(chosen, 0).argv

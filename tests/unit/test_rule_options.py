@@ -32,7 +32,11 @@ from tests.helpers import training
 
 STEPS = RuleOption("steps", 4, Range(1, 64), "local steps")
 #: the built-in rules' options: GEM's, then delayed-nesterov's own (it shares momentum)
-BUILT_IN_OPTIONS = ["momentum", "kappa", "pi_max", "dn_learning_rate", "nesterov_period", "momentum_activation"]
+BUILT_IN_OPTIONS = [
+    *("momentum", "kappa", "pi_max", "dn_learning_rate", "nesterov_period", "momentum_activation"),
+    *("adam_beta1", "adam_beta2", "adam_epsilon", "adam_weight_decay", "adam_decay_vectors", "gradient_clip"),
+    *("round_size", "backup_workers"),
+]
 
 
 def test_the_built_in_rules_declare_their_options_once() -> None:

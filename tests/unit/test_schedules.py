@@ -57,6 +57,27 @@ def test_warmup_multiplies_the_decay_counted_from_version_zero() -> None:
     assert etas(stepped, range(5)) == pytest.approx([0.2, 0.4, 0.3, 0.4, 0.2])
 
 
+def test_warmup_cosine_is_nanogpts_get_lr_its_cosine_counted_from_the_warmups_end() -> None:
+    """nanoGPT's train.py get_lr(it) (warmup_iters W, lr_decay_iters T), but for its warm-up of
+    (it + 1)/(W + 1), which here is (v + 1)/W, every schedule's."""
+    warmup, total, top, bottom = 10, 200, 3e-3, 3e-4
+    config = training(learning_rate=top, lr_schedule="warmup-cosine", lr_warmup_commits=warmup,
+                      lr_total_commits=total, lr_min=bottom)  # fmt: skip
+
+    def get_lr(it: int) -> float:
+        if it < warmup:
+            return top * (it + 1) / warmup
+        if it > total:
+            return bottom
+        ratio = (it - warmup) / (total - warmup)
+        return bottom + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (top - bottom)
+
+    assert etas(config, range(0, 260, 3)) == pytest.approx([get_lr(v) for v in range(0, 260, 3)])
+    assert learning_rate_at(config, warmup) == pytest.approx(top)  # the cosine starts at the warm-up's end
+    (problem,) = training(lr_schedule="warmup-cosine", lr_warmup_commits=50, lr_total_commits=50).problems()
+    assert "lr_total_commits (50) must be above lr_warmup_commits (50)" in problem
+
+
 def test_the_factors_are_torch_schedulers_closed_forms() -> None:
     torch = pytest.importorskip("torch")
     schedulers = torch.optim.lr_scheduler
@@ -110,6 +131,7 @@ def test_invalid_schedule_values_name_the_field(changes: dict[str, Any], field: 
 
 
 def test_valid_schedules_have_no_problems() -> None:
+    assert "warmup-cosine" in SCHEDULES
     for name in SCHEDULES:
         assert training(lr_schedule=name, lr_warmup_commits=10, lr_gamma=1.0, lr_min=0.05).problems() == []
 
@@ -133,7 +155,13 @@ def test_every_rule_scales_a_gradient_by_eta_at_the_version_it_is_applied_at(rul
         first = F32(1 + rule_option(config, "momentum")) if rule == "nesterov" else F32(1)
         if rule == "delayed-nesterov":
             first = F32(rule_option(config, "dn_learning_rate") * (1 + rule_option(config, "momentum")))
-        expected = F32(1.0) - first * F32(learning_rate_at(config, version)) * gradient
+        eta = learning_rate_at(config, version)
+        expected = F32(1.0) - first * F32(eta) * gradient
+        if rule == "adamw":  # one worker: a step each commit; AdamW's first moves eta*g/(|g| + eps), after the decay
+            decayed = 1.0 - eta * rule_option(config, "adam_weight_decay")
+            expected = F32(decayed) - F32(eta) * gradient / (
+                np.abs(gradient) + F32(rule_option(config, "adam_epsilon"))
+            )
         np.testing.assert_allclose(theta, expected, rtol=1e-6)
 
 

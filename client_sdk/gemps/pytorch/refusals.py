@@ -23,12 +23,19 @@ _SERVER_RULE = (
     "with your own Adam(W) and its settings, take local steps with it: gemps.pytorch.LocalSteps(model, "
     "torch.optim.AdamW(...), address)"
 )
+# AdamW's own settings: the server's adamw rule takes them.
+_SERVER_ADAM = (
+    "the server's update rule owns it (`gemps server --rule`, and its options: `gemps server --help`): "
+    "`gemps server --rule adamw --adam-beta1 0.9 --adam-beta2 0.999 --adam-epsilon 1e-8` runs AdamW on the "
+    "server, one step on each round of the workers' gradients (DDP-AdamW's computation); or keep your own "
+    "Adam(W) for local steps: gemps.pytorch.LocalSteps(model, torch.optim.AdamW(...), address)"
+)
 _ELSEWHERE = {
     "lr": "the server owns the learning rate: `gemps server --learning-rate` (its schedule: --lr-* flags)",
     "learning_rate": "the server owns the learning rate: `gemps server --learning-rate` (its schedule: --lr-* flags)",
     "momentum": "the server's rule applies the momentum: `gemps server --momentum` (GEM's mu)",
-    "betas": _SERVER_RULE,
-    "eps": _SERVER_RULE,
+    "betas": _SERVER_ADAM,
+    "eps": _SERVER_ADAM,
     "amsgrad": _SERVER_RULE,
     "nesterov": "`gemps server --rule nesterov`",
     "dampening": _SERVER_RULE,

@@ -206,11 +206,12 @@ def equivalent(scheduler: object) -> tuple[list[str] | None, str]:
     return None, ""
 
 
-#: a warm-up then a cosine decay to a floor, as `gemps server` flags (the refusal of a write to `lr`)
+#: a warm-up then a cosine decay to a floor, as `gemps server` flags (the refusal of a write to `lr`):
+#: nanoGPT's get_lr, the cosine counted from the warm-up's end
 SCHEDULE_FLAGS = (
     "gemps server --learning-rate LR",
     "--lr-warmup-commits W",
-    f"--lr-schedule {schedules.COSINE}",
+    f"--lr-schedule {schedules.WARMUP_COSINE}",
     "--lr-total-commits T",
     "--lr-min MIN",
 )

@@ -327,7 +327,7 @@ class CommitResponseChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[CommitResponse, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("version", "parameters", "staleness", "scaling_mean", "scaling_median", "scaling_at_zero", "scaling_at_max", "buffers", "integer_buffers", "epoch", "copy", "difference_of")
+    __slots__ = ("version", "parameters", "staleness", "scaling_mean", "scaling_median", "scaling_at_zero", "scaling_at_max", "buffers", "integer_buffers", "epoch", "copy", "difference_of", "round_pending")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +340,7 @@ class CommitResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
     DIFFERENCE_OF_FIELD_NUMBER: _ClassVar[int]
+    ROUND_PENDING_FIELD_NUMBER: _ClassVar[int]
     version: int
     parameters: Tensor
     staleness: int
@@ -352,7 +353,8 @@ class CommitResponse(_message.Message):
     epoch: int
     copy: int
     difference_of: int
-    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., staleness: _Optional[int] = ..., scaling_mean: _Optional[float] = ..., scaling_median: _Optional[float] = ..., scaling_at_zero: _Optional[float] = ..., scaling_at_max: _Optional[float] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., integer_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., epoch: _Optional[int] = ..., copy: _Optional[int] = ..., difference_of: _Optional[int] = ...) -> None: ...
+    round_pending: int
+    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., staleness: _Optional[int] = ..., scaling_mean: _Optional[float] = ..., scaling_median: _Optional[float] = ..., scaling_at_zero: _Optional[float] = ..., scaling_at_max: _Optional[float] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., integer_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., epoch: _Optional[int] = ..., copy: _Optional[int] = ..., difference_of: _Optional[int] = ..., round_pending: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id",)

@@ -65,6 +65,8 @@ class CommitCore:
         self._journal: Journal = NoJournal()
         self._recording = False  # a commit's entry is built only for a journal that records it
         self._latest: weakref.ref[Snapshot] = weakref.ref(Snapshot(0))  # dead at once: see `snapshot`
+        # The versions, first to last, that held one θ: commits a rule of rounds took without moving it.
+        self._unmoved = (0, -1)
         # Told the version after each applied commit, on the thread that applied it (the
         # checkpoint schedule: Checkpointer.committed): a primary's commits and a backup's replays.
         self.on_applied: Callable[[int], None] | None = None
@@ -100,6 +102,13 @@ class CommitCore:
     def forget_snapshot(self) -> None:
         """No encoding of the θ held until now is served any more (θ was replaced)."""
         self._latest = weakref.ref(Snapshot(0))  # dead at once
+        self._unmoved = (0, -1)
+
+    def same_theta(self, known_version: int, version: int) -> bool:
+        """Whether θ at `known_version` is θ at `version`, the current one: the same version, or
+        both within the commits a rule of rounds took since θ last moved (a pull then carries no θ)."""
+        first, last = self._unmoved  # one read: the applier replaces the pair, never changes it
+        return known_version == version or (last == version and first <= known_version <= version)
 
     def require_rule(self) -> CommitRule:
         if self.rule is None:
@@ -193,6 +202,9 @@ class CommitCore:
         self.commits_applied += 1
         self.registry.committed(worker, staleness, loss, num_samples, stats)  # lease, counts, rate, pi
         self.version += 1  # its snapshot is encoded when a reply asks (encoded(), theta_bytes())
+        if stats.kept_theta:  # θ did not move: this version holds the previous one's θ
+            first, last = self._unmoved
+            self._unmoved = (first if last == self.version - 1 else self.version - 1, self.version)
         self.ledger.record(worker.scope, request_id, Receipt(self.version, staleness, stats, sequence))
         if self.on_applied is not None:
             self.on_applied(self.version)

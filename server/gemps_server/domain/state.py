@@ -272,6 +272,8 @@ class ServerState:
         adopts through this); no encoding of the θ replaced is served, no initializer is awaited."""
         core = self.core
         core.rule, core.theta, self.spec, self.buffer_spec = held.rule, held.theta, held.spec, held.buffer_spec
+        if held.rule is not None:
+            held.rule.take_spec(held.spec, held.bounds)
         core.buffers, core.version, core.commits_applied = held.buffers, held.version, held.commits_applied
         self.bounds, core.ledger, core.noise, self.history = held.bounds, held.ledger, held.noise, held.history
         self.job = held.job
@@ -404,6 +406,7 @@ class ServerState:
         core.buffers = buffers
         core.theta = values.copy()
         core.rule = self.new_rule(core.theta.size)
+        core.rule.take_spec(self.spec, (start, stop))
         self.bounds = (start, stop)
         self.job = job or new_job()
         core.version = 0

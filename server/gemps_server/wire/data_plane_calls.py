@@ -327,12 +327,12 @@ class Connection:
         # reply budget, held before the snapshot is taken (data_plane_replies.py).
         task = self._task
         assert task is not None
-        room = pull_room(dtype, service.num_parameters, sent=not pull.shared and known != service.version)
+        room = pull_room(dtype, service.num_parameters, sent=not pull.shared and not service.unchanged(known))
         if room:
             yield from reply_room(self._lanes.replies, task, room)
         try:
             snapshot = yield Call(lambda deliver: service.pull_then(request.worker_id, known, dtype, deliver))
-            unchanged = known == snapshot.version
+            unchanged = service.unchanged(known, snapshot.version)
             reply = messages.pull_stream_header_to_proto(
                 snapshot, unchanged, dtype, service.num_parameters, service.history
             ).header

@@ -216,11 +216,11 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         """The snapshot a Pull replies with, and whether it is unchanged for the caller; a reply
         with θ holds its budget first (before the snapshot is taken: waiting pins no version)."""
         known = self._known_version(request)
-        held = known != self.service.version
+        held = not self.service.unchanged(known)
         if held:
             await self._hold_reply(context)
         snapshot = await self.service.pull(request.worker_id, known, reply_dtype_from_proto(request.reply_dtype))
-        unchanged = known == snapshot.version
+        unchanged = self.service.unchanged(known, snapshot.version)
         if not unchanged and not held:  # the version moved since the check above
             await self._hold_reply(context)
         return snapshot, unchanged

@@ -155,6 +155,8 @@ def outcome_header(outcome: CommitOutcome) -> pb.CommitResponse:
         scaling_at_max=stats.fraction_at_max,
         epoch=outcome.epoch,
     )
+    if not outcome.duplicate:  # a retry's reply is today's θ: nothing to wait for
+        header.round_pending = stats.pending
     if outcome.reply is not None:  # a difference-reply client's copy: which it is, and from which
         header.copy, header.difference_of = outcome.reply.copy, outcome.reply.difference_of
     set_buffers(header, outcome.snapshot)

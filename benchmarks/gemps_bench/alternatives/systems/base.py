@@ -19,11 +19,12 @@ from gemps_bench.alternatives.workloads import Workload
 COORDINATOR = -1  # the slot of a system's coordinator (server, rendezvous, lighthouse)
 
 #: The learning-rate grid of every Adam-path system (its workers step nanoGPT's AdamW at the searched
-#: rate: gemps-adam, ddp-adamw, ddp-adamw-bf16, torchft_ddp_adamw, hivemind_adamw), one grid for all
-#: of them so each gets the same search. Its centre is the recipe's 1e-3 (gemps_worker.nanogpt's
-#: LEARNING_RATE); docs/RESULTS.md "Many workers" found DDP-AdamW best at 3e-3 at a global batch of
-#: 16 x N for N = 4, 16 and 64 (1e-3: 1.764 against 1.569 at N = 4; 6e-3 worse than 3e-3 at 16), so
-#: the grid doubles from 5e-4 to 4e-3: both sides of 1e-3, and 2e-3 and 4e-3 about the 3e-3 found best.
+#: rate, or its server does: gemps-adam, gemps-adamw, ddp-adamw, ddp-adamw-bf16, torchft_ddp_adamw,
+#: hivemind_adamw), one grid for all of them so each gets the same search. Its centre is the recipe's
+#: 1e-3 (gemps_worker.nanogpt's LEARNING_RATE); docs/RESULTS.md "Many workers" found DDP-AdamW best at
+#: 3e-3 at a global batch of 16 x N for N = 4, 16 and 64 (1e-3: 1.764 against 1.569 at N = 4; 6e-3
+#: worse than 3e-3 at 16), so the grid doubles from 5e-4 to 4e-3: both sides of 1e-3, and 2e-3 and
+#: 4e-3 about the 3e-3 found best.
 ADAMW_LEARNING_RATES = (5e-4, 1e-3, 2e-3, 4e-3)
 
 

@@ -15,7 +15,11 @@ per rank, and an observer beside the server that pulls θ for the snapshots.
 - gemps-adam: the SDK's recipe for asynchronous AdamW workers (docs/guides/sdk.md, "LocalSteps"):
   each worker steps nanoGPT's AdamW at the searched rate (ADAMW_LEARNING_RATES) inside `LocalSteps`
   at its defaults (steps=1, look_ahead=1), the server `--rule downpour` (each update applied as
-  sent), float32 both ways.
+  sent), float32 both ways;
+- gemps-adamw: AdamW on the server, a round of gradients a step with one backup worker (`--rule adamw
+  --backup-workers 1`, nanoGPT's betas 0.9/0.99 and decay 0.1, at the searched rate): the workers
+  commit gradients and wait for each round (docs/guides/sdk.md, "Many AdamW workers"); a round
+  closes at the first N - 1 gradients, so none waits for the slowest.
 
 Each worker runs under its supervisor (`--supervise`, gemps_worker.supervisor, as `gemps worker
 --supervise on`): a worker kill kills the worker it forked and spares the supervisor, which forks
@@ -47,7 +51,8 @@ class Setting:
     compression: str = "none"
     local_optimizer: str = "sgd"
     local_rate_per_eta: float = 0.0  # the local steps' rate over the searched eta (0: sgd at eta)
-    optimizer: str = "sgd"  # mode local-steps: the optimizer LocalSteps wraps (the contract's --optimizer)
+    optimizer: str = "sgd"  # what steps at the searched rate: mode local-steps' inner optimizer, or the server's
+    server: tuple[tuple[str, object], ...] = ()  # the server's options besides its rule
 
 
 SETTINGS: dict[str, Setting] = {
@@ -63,6 +68,11 @@ SETTINGS: dict[str, Setting] = {
     ),
     "gemps-dn-dylu": Setting(rule="delayed-nesterov", mode="dylu", local_steps=8),
     "gemps-adam": Setting(rule="downpour", mode="local-steps", optimizer="adamw"),
+    "gemps-adamw": Setting(
+        rule="adamw",
+        optimizer="adamw",
+        server=(("adam_beta2", 0.99), ("adam_weight_decay", 0.1), ("backup_workers", 1)),
+    ),
 }
 
 
@@ -88,6 +98,7 @@ class Gemps(System):
             # scenario e: a primary and a backup, each its own process (the supervisor starts a
             # private etcd and restarts a replica that dies), in the coordinator's slot
             "replicas": plan.replicas,
+            **dict(self.setting.server),
         }
         return Launch([plan.python, "-m", "gemps_cli", "server", *to_argv(options)])
 
@@ -100,7 +111,7 @@ class Gemps(System):
         extra += ["--outer-learning-rate", repr(setting.outer_learning_rate), "--compression", setting.compression]
         rate = setting.local_rate_per_eta * plan.learning_rate
         extra += ["--local-optimizer", setting.local_optimizer, "--local-learning-rate", repr(rate)]
-        if setting.optimizer != "sgd":
+        if setting.mode == "local-steps":
             extra += ["--optimizer", setting.optimizer]
         return Launch([*self._program(plan, rank).argv, *extra])
 

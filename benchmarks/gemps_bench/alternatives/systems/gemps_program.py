@@ -50,6 +50,7 @@ def train(args: WorkerArgs, mode_name: str, local: LocalTraining, compression: s
         log = ProgressLog(args.run_dir, args.rank)
         log.wait_for_go(args.run_dir)
         remote.pull()  # θ as it is at the start, not as it was at registration
+        rounds = remote.registration.config.rule == "adamw"  # whose late gradients are dropped (π 0)
         pending = 0
         for inputs, targets in chosen.batches(args.rank, args.world, args.seed):
             if time.monotonic() - started >= args.deadline_s:
@@ -61,6 +62,8 @@ def train(args: WorkerArgs, mode_name: str, local: LocalTraining, compression: s
             committed = mode.on_batch(batch_loss, len(inputs))
             pending += len(inputs)
             applied, pending = (pending, 0) if committed is not None else (0, pending)
+            if rounds and committed is not None and committed.result.scaling_mean == 0.0:
+                applied = 0  # a gradient its round had moved on from: dropped, not applied
             log.step(len(inputs), applied)
         log.close()
 

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from gemps_proto.rule_options import RuleCatalog
 from gemps_proto.schema import TrainingConfig
+from gemps_server.domain.rules.adamw import AdamWRule
 from gemps_server.domain.rules.adaptive_staleness import AdaptiveStalenessRule
 from gemps_server.domain.rules.base import ApplyStats, CommitRule, NonFiniteUpdate, StepContext
 from gemps_server.domain.rules.delayed_nesterov import DelayedNesterovRule
@@ -54,7 +55,15 @@ def unregister_rule(name: str) -> None:
     _CATALOG.withdraw(name)
 
 
-for _rule in (GemRule, DownpourRule, AdaptiveStalenessRule, MomentumRule, NesterovRule, DelayedNesterovRule):
+for _rule in (
+    GemRule,
+    DownpourRule,
+    AdaptiveStalenessRule,
+    MomentumRule,
+    NesterovRule,
+    DelayedNesterovRule,
+    AdamWRule,
+):
     register_rule(_rule)
 
 

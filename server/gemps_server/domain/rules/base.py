@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
@@ -30,7 +30,7 @@ import numpy as np
 
 from gemps_proto.rule_options import RuleOption, option_problems
 from gemps_proto.schedules import schedule_factor
-from gemps_proto.schema import PayloadKind, TrainingConfig
+from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
 from gemps_server.native import noise_window
 
 #: eta's factor at a central version (eta(v) = learning_rate * schedule(v))
@@ -72,6 +72,9 @@ class ApplyStats:
     variable's movement over worker i's round trip: what the other workers moved it since i's
     last commit plus what this commit adds. GEM picks pi so the two are equal wherever pi is not
     clamped; central above proxy means the others already spent more than the proxy's energy.
+    A rule that moves theta a round of commits at a time (adamw) says too: `pending`, the commits
+    the round this commit joined still needs before theta moves (0 when this commit moved it, joined
+    no round, or the rule moves theta at every commit), and `kept_theta`, theta as it was before.
     """
 
     scaling_mean: float
@@ -80,6 +83,8 @@ class ApplyStats:
     fraction_at_max: float
     proxy_energy: float = math.nan
     central_energy: float = math.nan
+    pending: int = 0
+    kept_theta: bool = False
 
     @classmethod
     def constant(cls, scale: float, scale_max: float = float("inf")) -> ApplyStats:
@@ -226,6 +231,10 @@ class CommitRule(ABC):
 
     def add_worker(self, worker_id: str, theta: np.ndarray) -> None:  # noqa: B027 (optional hook)
         """A worker registered while the central variable is `theta`."""
+
+    def take_spec(self, spec: Sequence[ParameterSpec], bounds: tuple[int, int]) -> None:  # noqa: B027 (optional hook)
+        """The model's parameters, and the values of them this θ holds (`bounds`: a partition's
+        start and stop in the whole; (0, P) unpartitioned), once the server knows them."""
 
     def remove_worker(self, worker_id: str) -> None:  # noqa: B027 (optional hook)
         """A worker left or was evicted: free its state."""

@@ -44,6 +44,7 @@ from gemps_server.domain.rules.base import (
 )
 from gemps_server.domain.rules.momentum import MOMENTUM
 from gemps_server.domain.rules.overflow import OverflowGuard
+from gemps_server.domain.rules.registered import RegisteredWorkers
 from gemps_server.native import max_abs
 
 # Not "outer_learning_rate": that is the worker's flag (GEMPS_OUTER_LEARNING_RATE, what a worker
@@ -71,7 +72,7 @@ MOMENTUM_ACTIVATION = RuleOption(
 STATE = ("momentum", "buffer", "buffered")
 
 
-class DelayedNesterovRule(OverflowGuard, CommitRule):
+class DelayedNesterovRule(RegisteredWorkers, OverflowGuard, CommitRule):
     name = "delayed-nesterov"
     options = (DN_LEARNING_RATE, MOMENTUM, NESTEROV_PERIOD, MOMENTUM_ACTIVATION)
 
@@ -99,21 +100,14 @@ class DelayedNesterovRule(OverflowGuard, CommitRule):
         self._momentum = np.zeros(num_parameters, dtype=np.float32)
         self._buffer = np.zeros(num_parameters, dtype=np.float32)
         self._buffered = 0  # k
-        self._workers: set[str] = set()
         # The next momentum and buffer are written out of place here, and swapped in once θ is finite.
         self._spare_momentum = np.empty(0, dtype=np.float32)
         self._spare_buffer = np.empty(0, dtype=np.float32)
         self._step = np.empty(0, dtype=np.float32)
 
-    def add_worker(self, worker_id: str, theta: np.ndarray) -> None:
-        self._workers.add(worker_id)
-
-    def remove_worker(self, worker_id: str) -> None:
-        self._workers.discard(worker_id)
-
     def period(self) -> int:
         """N for the next commit: the option's, or the workers registered (at least one)."""
-        return self.nesterov_period or max(1, len(self._workers))
+        return self.nesterov_period or max(1, self.registered())
 
     def global_state(self, workers: bool = True) -> dict[str, np.ndarray]:
         return {

@@ -1,0 +1,107 @@
+"""Waiting for a round: under a rule that moves θ a round of commits at a time (the server's
+`adamw`), a commit's reply says how many commits the round it joined still needs (`round_pending`)
+and carries θ as the round found it. The worker's next gradient belongs on θ after the round: one
+taken before the round closes arrives after it, and the server drops it as stale. So the commit
+hands θ back once it moved, pulling until then: the server answers a pull of the θ the caller
+holds with no payload, whatever commits the round took meanwhile. The pulls start 1 ms apart and
+double up to an eighth of the client's recent waits (at least 20 ms, at most 0.5 s): every worker
+of a round polls while it waits, and a server whose rounds take seconds would otherwise spend its
+CPU answering them (16 workers polling every 20 ms kept a server of 0.3 of a core busy enough to
+halve its rounds' pace on the comparison's rig). A dropped gradient's reply says 0: its θ is the
+open round's, to take the next gradient on.
+
+A round can be left waiting for commits that will not come: workers that left or were evicted
+after the round counted them, when every live worker already committed to it. So a wait ends
+after four times the longest round this client has waited for (at least IDLE_SECONDS; the first
+one after ROUND_WAIT_SECONDS), with a WARNING: the caller gets θ as it is, and its next gradient,
+taken on that θ, joins the same round and helps close it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
+
+from gemps.records import CentralVariable, CommitResult
+
+log = logging.getLogger("gemps.rounds")
+
+#: the longest a commit waits for its round to close
+ROUND_WAIT_SECONDS = 60.0
+#: the shortest wait before a commit gives up on its round
+IDLE_SECONDS = 1.0
+#: the pulls' first pause, and the bounds of the longest (an eighth of the recent waits between them)
+FIRST_PAUSE, LONGEST_PAUSE, SLOWEST_PAUSE = 0.001, 0.02, 0.5
+
+
+class RoundWaits:
+    """One client's waits for its rounds, and the longest it saw (what a wait is bounded by)."""
+
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
+    ) -> None:
+        self.clock, self.sleep = clock, sleep
+        self.longest: float | None = None  # the longest wait for a round that closed, in seconds
+        self.recent = 0.0  # the waits for rounds that closed, a running mean (1/4 the newest's weight)
+
+    def longest_pause(self) -> float:
+        """The pulls' pause once it stopped doubling."""
+        return min(SLOWEST_PAUSE, max(LONGEST_PAUSE, self.recent / 8))
+
+    def limit(self) -> float:
+        """How long the next wait goes on before it gives up on its round."""
+        if self.longest is None:
+            return ROUND_WAIT_SECONDS
+        return min(ROUND_WAIT_SECONDS, max(IDLE_SECONDS, 4 * self.longest))
+
+    def after(self, result: CommitResult, pull: Callable[[], CentralVariable]) -> CommitResult:
+        """`result` with θ once it moved after this commit's round; `result` itself when the
+        commit moved θ or the rule has no rounds."""
+        if not result.round_pending:
+            return result
+        started, limit, pause, longest_pause = self.clock(), self.limit(), FIRST_PAUSE, self.longest_pause()
+        held = result.parameters
+        while True:
+            self.sleep(pause)
+            pause = min(longest_pause, 2 * pause)
+            central = pull()
+            waited = self.clock() - started
+            if central.version != held.version:  # θ moved
+                self.longest = waited if self.longest is None else max(self.longest, waited)
+                self.recent = waited if self.recent == 0 else 0.75 * self.recent + 0.25 * waited
+                return dataclasses.replace(result, parameters=central)
+            if waited >= limit:
+                log.warning(
+                    "θ did not move for %.1f s after a commit its round needed %d more for: going on from "
+                    "θ as it is (version %d), whose gradient joins that round",
+                    *(waited, result.round_pending, held.version),
+                )
+                return result
+
+
+class WaitsForRounds(Protocol):
+    """A client whose commits wait for their round: its waits, and its pull (a call of its own)."""
+
+    @property
+    def _rounds(self) -> RoundWaits: ...
+
+    def pull(self) -> CentralVariable: ...
+
+
+P = ParamSpec("P")
+C = TypeVar("C", bound=WaitsForRounds)
+
+
+def waits_for_round(commit: Callable[Concatenate[C, P], CommitResult]) -> Callable[Concatenate[C, P], CommitResult]:
+    """`commit`, then the wait for its round (RoundWaits.after): each pull a call of the client's
+    own, with its own deadline, so a round slower than the client's `timeout` is no failure."""
+
+    @functools.wraps(commit)
+    def committed(self: C, /, *args: P.args, **kwargs: P.kwargs) -> CommitResult:
+        return self._rounds.after(commit(self, *args, **kwargs), self.pull)
+
+    return committed

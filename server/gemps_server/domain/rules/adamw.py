@@ -1,0 +1,255 @@
+"""AdamW on the server, a round of gradients at a time, with backup workers: DDP-AdamW's
+computation, asynchronous only in that no round waits for its slowest workers.
+
+Synchronous stochastic optimisation with backup workers (Chen, Pan, Monga, Bengio and Jozefowicz
+2016, "Revisiting Distributed Synchronous SGD", Algorithm 1-2): N workers compute gradients on
+the same θ; a round closes at the first K of them, and one optimizer step is taken on their
+mean; the N - K slowest gradients of the round, computed on a θ the round has since moved, are
+dropped. With K = N (no backups) and workers that wait for each round, this is exactly data
+parallel training at a global batch of N x b; AdamW (Loshchilov and Hutter 2019) is the step,
+as torch.optim.AdamW computes it.
+
+Each commit, in FIFO order, at central version v (`version` counts commits, as every rule's;
+r0 is the version at which θ last moved, k the gradients buffered since):
+
+    base_version < r0:  dropped: computed on a θ this round has moved away from (π = 0)
+    else:               G ← G + g ;  k ← k + 1
+    if k ≥ K:           t ← t + 1 ;  ḡ = G / k
+                        m ← β1·m + (1 - β1)·ḡ ;  u ← β2·u + (1 - β2)·ḡ²
+                        θ ← θ·(1 - η(v)·λ) - η(v)/(1 - β1^t) · m / (√u / √(1 - β2^t) + ε)
+                        (ḡ first scaled to L2 norm c where it is longer, with `gradient_clip` c)
+                        G ← 0 ;  k ← 0 ;  r0 ← v + 1
+
+An update commit (local steps) enters as the pseudo-gradient g = -Δ (DiLoCo's sign). K is
+`round_size`, or with 0 (the default) the workers registered less `backup_workers` (at least 1).
+The reply to a gradient the round took says how many commits it still needs (ApplyStats.pending):
+the SDK then waits for θ to move before it hands θ back, so each worker's next gradient is taken on
+the round's θ. A dropped gradient's reply is θ of the round open now, to take the next one on.
+η(v) is the config's learning rate and schedule at the closing commit's version: a warm-up of
+W steps is W x K commits.
+
+Weight decay λ applies to the tensors of 2 or more dimensions (nanoGPT's and the Trainer's groups:
+no biases, no norms' gains; every parameter with adam_decay_vectors 1, or before the server told the
+rule its spec: take_spec).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from gemps_proto.ranges import FLOAT32_MAX, INT32_MAX, Range
+from gemps_proto.rule_options import RuleOption
+from gemps_proto.schema import ParameterSpec, PayloadKind
+from gemps_server.domain.rules.base import (
+    ApplyStats,
+    CommitRule,
+    NonFiniteUpdate,
+    Schedule,
+    StepContext,
+    constant_schedule,
+)
+from gemps_server.domain.rules.overflow import OverflowGuard
+from gemps_server.domain.rules.registered import RegisteredWorkers
+from gemps_server.native import max_abs
+
+# torch.optim.AdamW's defaults.
+ADAM_BETA1 = RuleOption("adam_beta1", 0.9, Range(0, 1, high_open=True), "beta1: adamw's first-moment decay")
+ADAM_BETA2 = RuleOption("adam_beta2", 0.999, Range(0, 1, high_open=True), "beta2: adamw's second-moment decay")
+ADAM_EPSILON = RuleOption("adam_epsilon", 1e-8, Range(0, 1, low_open=True), "epsilon: adamw's denominator term")
+ADAM_WEIGHT_DECAY = RuleOption(
+    "adam_weight_decay", 0.01, Range(0, 1), "lambda: adamw's decoupled weight decay (on every parameter)"
+)
+ROUND_SIZE = RuleOption(
+    "round_size", 0, Range(0, INT32_MAX), "K: adamw's gradients a step; 0: the workers registered less the backups"
+)
+ADAM_DECAY_VECTORS = RuleOption(
+    "adam_decay_vectors",
+    0,
+    Range(0, 1),
+    "1: adamw's weight decay on every parameter; 0: on tensors of 2 or more dimensions alone (nanoGPT's and "
+    "the Trainer's groups: no biases, no norms' gains)",
+)
+GRADIENT_CLIP = RuleOption(
+    "gradient_clip",
+    0.0,
+    Range(0, FLOAT32_MAX),
+    "adamw's bound on the round's mean gradient's L2 norm, as DDP clips after its all-reduce; 0: none",
+)
+BACKUP_WORKERS = RuleOption(
+    "backup_workers",
+    0,
+    Range(0, INT32_MAX),
+    "adamw's workers a round does not wait for (with round_size 0); their late gradients are dropped",
+)
+
+CHUNK = 1 << 20  # values summed at a time in float64 for the clip's norm
+
+#: the rule's state, all of it outliving the workers' registrations (a checkpoint keeps it)
+STATE = ("first_moment", "second_moment", "gradient_sum", "steps", "buffered", "round_start")
+_VECTORS = STATE[:3]
+_COUNTS = STATE[3:]
+
+
+class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
+    name = "adamw"
+    options = (
+        *(ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON, ADAM_WEIGHT_DECAY, ADAM_DECAY_VECTORS),
+        *(GRADIENT_CLIP, ROUND_SIZE, BACKUP_WORKERS),
+    )
+
+    def __init__(
+        self,
+        num_parameters: int,
+        *,
+        learning_rate: float,
+        adam_beta1: float,
+        adam_beta2: float,
+        adam_epsilon: float,
+        adam_weight_decay: float,
+        adam_decay_vectors: int,
+        gradient_clip: float,
+        round_size: int,
+        backup_workers: int,
+        schedule: Schedule = constant_schedule,
+    ) -> None:
+        super().__init__(num_parameters, learning_rate=learning_rate, schedule=schedule)
+        if round_size and backup_workers:
+            raise ValueError(
+                f"backup_workers {backup_workers} with round_size {round_size}: a fixed round size already says "
+                "how many gradients a step waits for (set one of them)"
+            )
+        self.beta1, self.beta2, self.epsilon = adam_beta1, adam_beta2, adam_epsilon
+        self.weight_decay, self.decay_vectors, self.gradient_clip = adam_weight_decay, adam_decay_vectors, gradient_clip
+        self._decayed: list[tuple[int, int]] | None = None  # the ranges of θ decayed; None: all of it
+        self.round_size, self.backup_workers = round_size, backup_workers
+        self._vectors = {key: np.zeros(num_parameters, dtype=np.float32) for key in _VECTORS}
+        self._steps = 0  # t: AdamW steps taken
+        self._buffered = 0  # k: gradients in the round's sum
+        self._round_start = 0  # r0: the version at which θ last moved
+        # The next moments and sum are written here, and swapped in once they and θ are finite.
+        self._spares = {key: np.empty(0, dtype=np.float32) for key in _VECTORS}
+
+    def take_spec(self, spec: Sequence[ParameterSpec], bounds: tuple[int, int]) -> None:
+        """The ranges of this θ (the values `bounds` holds of the whole) the decay applies to: every
+        parameter's with adam_decay_vectors, else those of tensors of 2 or more dimensions."""
+        start, stop = bounds
+        ranges: list[tuple[int, int]] = []
+        offset = 0
+        for parameter in spec:
+            low, high = max(offset, start), min(offset + parameter.size, stop)
+            if high > low and (self.decay_vectors or len(parameter.shape) >= 2):
+                if ranges and ranges[-1][1] == low - start:  # one range for neighbours
+                    ranges[-1] = (ranges[-1][0], high - start)
+                else:
+                    ranges.append((low - start, high - start))
+            offset += parameter.size
+        self._decayed = ranges
+
+    def period(self) -> int:
+        """K for the round open now: the option's, or the workers registered less the backups (at least one)."""
+        return self.round_size or max(1, self.registered() - self.backup_workers)
+
+    def global_state(self, workers: bool = True) -> dict[str, np.ndarray]:
+        counts = (self._steps, self._buffered, self._round_start)
+        # float64 holds every count a run reaches exactly (float32 would round past 2**24 versions)
+        return {key: vector.copy() for key, vector in self._vectors.items()} | {
+            key: np.array(count, dtype=np.float64) for key, count in zip(_COUNTS, counts, strict=True)
+        }
+
+    def load_global_state(self, state: dict[str, np.ndarray]) -> None:
+        shape = [self.num_parameters]
+        fits = set(state) == set(STATE) and all(list(state[key].shape) == shape for key in _VECTORS)
+        counts = [float(state[key].reshape(-1)[0]) if fits and state[key].size == 1 else math.nan for key in _COUNTS]
+        if not (fits and all(count.is_integer() and count >= 0 for count in counts)):
+            raise ValueError(
+                f"adamw rule state must be {', '.join(map(repr, _VECTORS))} of shape {shape} and "
+                f"{', '.join(map(repr, _COUNTS))}, whole numbers >= 0; got {sorted(state)}"
+            )
+        for key in _VECTORS:
+            np.copyto(self._vectors[key], state[key])
+        self._steps, self._buffered, self._round_start = (int(count) for count in counts)
+
+    def step_scaled(
+        self, theta: np.ndarray, update: np.ndarray, scale: float, context: StepContext
+    ) -> tuple[np.ndarray, ApplyStats]:
+        period = self.period()
+        if context.version - context.staleness < self._round_start:  # taken on a θ this round moved
+            return theta, dataclasses.replace(ApplyStats.constant(0.0), kept_theta=True)
+        total = self._spare_of("gradient_sum")
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below
+            if context.kind is PayloadKind.GRADIENT:
+                np.add(self._vectors["gradient_sum"], update, out=total)
+            else:  # an update Δ is the pseudo-gradient -Δ
+                np.subtract(self._vectors["gradient_sum"], update, out=total)
+        if not math.isfinite(max_abs(total)):
+            raise NonFiniteUpdate("the gradient would make adamw's sum of the round overflow to infinity")
+        buffered = self._buffered + 1
+        if buffered < period:
+            self._swap("gradient_sum", total)
+            self._buffered = buffered
+            stats = ApplyStats.constant(1.0 / period)
+            return theta, dataclasses.replace(stats, pending=period - buffered, kept_theta=True)
+        updated = self._adamw_step(
+            theta, self._clipped(total / np.float32(buffered)), self.learning_rate_at(context.version)
+        )
+        self._vectors["gradient_sum"].fill(0.0)  # `total`, the spare, is written over next round
+        self._steps += 1
+        self._buffered, self._round_start = 0, context.version + 1
+        return updated, ApplyStats.constant(1.0 / buffered)
+
+    def _adamw_step(self, theta: np.ndarray, mean: np.ndarray, learning_rate: float) -> np.ndarray:
+        """θ after one AdamW step on the round's `mean` gradient, with the moments it makes swapped
+        in; NonFiniteUpdate with nothing changed when any of them is not finite."""
+        first, second = self._spare_of("first_moment"), self._spare_of("second_moment")
+        steps = self._steps + 1
+        updated = self.take_spare(theta)
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.multiply(self._vectors["first_moment"], np.float32(self.beta1), out=first)
+            first += np.float32(1 - self.beta1) * mean
+            np.multiply(self._vectors["second_moment"], np.float32(self.beta2), out=second)
+            second += np.float32(1 - self.beta2) * mean * mean
+            # torch.optim.AdamW's order: decay, then m̂'s step over √û + ε
+            denominator = np.sqrt(second) / np.float32(math.sqrt(1 - self.beta2**steps))
+            denominator += np.float32(self.epsilon)
+            self._decay(theta, np.float32(1 - learning_rate * self.weight_decay), updated)
+            updated -= np.float32(learning_rate / (1 - self.beta1**steps)) * first / denominator
+        if not (math.isfinite(max_abs(first)) and math.isfinite(max_abs(second))):
+            self.keep_spare(updated)
+            raise NonFiniteUpdate("the gradient would make adamw's moments overflow to infinity")
+        updated = self.checked(theta, updated)
+        self._swap("first_moment", first)
+        self._swap("second_moment", second)
+        return updated
+
+    def _decay(self, theta: np.ndarray, factor: np.float32, out: np.ndarray) -> None:
+        """out ← θ, times `factor` where the decay applies."""
+        if self._decayed is None:
+            np.multiply(theta, factor, out=out)
+            return
+        np.copyto(out, theta)
+        for low, high in self._decayed:
+            out[low:high] *= factor
+
+    def _clipped(self, mean: np.ndarray) -> np.ndarray:
+        """`mean` scaled to the L2 norm `gradient_clip` where it is longer (torch's clip_grad_norm_)."""
+        if not self.gradient_clip:
+            return mean
+        chunks = range(0, mean.size, CHUNK)  # float64 sums without a float64 copy of all P values
+        norm = math.sqrt(
+            sum(float(np.dot(part, part)) for part in (mean[i : i + CHUNK].astype(np.float64) for i in chunks))
+        )
+        if norm > self.gradient_clip:
+            mean *= np.float32(self.gradient_clip / (norm + 1e-6))
+        return mean
+
+    def _spare_of(self, key: str) -> np.ndarray:
+        if self._spares[key].shape != self._vectors[key].shape:
+            self._spares[key] = np.empty_like(self._vectors[key])
+        return self._spares[key]
+
+    def _swap(self, key: str, new: np.ndarray) -> None:
+        self._spares[key], self._vectors[key] = self._vectors[key], new

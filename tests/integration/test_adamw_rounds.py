@@ -1,0 +1,121 @@
+"""The adamw rule through a real server and the SDK (issue 78): workers that commit gradients get
+θ back once their round closed, so N workers train as DDP-AdamW does at a global batch of N x b;
+with a backup worker, no round waits for the slowest, whose late gradients are dropped."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+import gemps
+from gemps.records import CommitResult
+from tests.integration.conftest import StartServer
+
+P = 64
+WORKERS = 4
+ROUNDS = 12
+LEARNING_RATE = 0.05
+
+
+def gradient_of(worker: int) -> Callable[[np.ndarray], np.ndarray]:
+    """A worker's gradient at θ: of its own quadratic, so it depends on the θ it was taken on."""
+    rng = np.random.default_rng(worker)
+    scale, centre = rng.uniform(0.5, 2.0, P).astype(np.float32), rng.normal(size=P).astype(np.float32)
+    return lambda theta: (scale * (theta - centre)).astype(np.float32)
+
+
+def train(
+    target: str, plane: str, worker: int, rounds: int, ready: threading.Barrier, delay: float = 0.0
+) -> list[CommitResult]:
+    gradient = gradient_of(worker)
+    results = []
+    with gemps.Client(target, name=f"w{worker}", plane=plane) as client:
+        client.register({"theta": np.zeros(P, np.float32)})
+        ready.wait(timeout=60)  # every worker registered: a round is all four
+        central = client.pull()
+        for _ in range(rounds):
+            time.sleep(delay)
+            results.append(client.commit(gradient(np.asarray(central.flat)), num_samples=1))
+            central = results[-1].parameters
+        client.leave()
+    return results
+
+
+def run_workers(target: str, plane: str, delays: list[float], rounds: list[int]) -> list[list[CommitResult]]:
+    ready = threading.Barrier(len(delays))
+    results: list[list[CommitResult]] = [[] for _ in delays]
+
+    def work(worker: int) -> None:
+        results[worker] = train(target, plane, worker, rounds[worker], ready, delays[worker])
+
+    threads = [threading.Thread(target=work, args=(worker,)) for worker in range(len(delays))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+    return results
+
+
+@pytest.mark.parametrize("plane", ["grpc", "data"])
+def test_four_workers_take_ddp_adamws_steps_on_the_mean_of_each_rounds_gradients(
+    start_server: StartServer, plane: str
+) -> None:
+    server = start_server(rule="adamw", learning_rate=LEARNING_RATE, adam_weight_decay=0.1)
+    results = run_workers(server.target, plane, [0.0] * WORKERS, [ROUNDS] * WORKERS)
+
+    # Every commit joined a round on that round's θ (none dropped), and got θ after the round:
+    # the one that closed it at once, the others once θ moved.
+    for result in (result for each in results for result in each):
+        assert result.scaling_mean == pytest.approx(1 / WORKERS), result
+        assert result.round_pending == 0 or result.parameters.version > result.version, result
+    assert sum(result.round_pending == 0 for each in results for result in each) == ROUNDS
+    # DDP-AdamW: each step on the mean of the four workers' gradients at the same θ.
+    theta = torch.zeros(P, requires_grad=True)
+    optimizer = torch.optim.AdamW([theta], lr=LEARNING_RATE, weight_decay=0.1)
+    for _ in range(ROUNDS):
+        at = theta.detach().numpy()
+        theta.grad = torch.from_numpy(np.mean([gradient_of(worker)(at) for worker in range(WORKERS)], axis=0))
+        optimizer.step()
+    with gemps.Client(server.target) as observer:
+        central = observer.pull()
+    assert central.version == WORKERS * ROUNDS
+    np.testing.assert_allclose(np.asarray(central.flat), theta.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_with_a_backup_worker_the_rounds_go_at_the_fast_workers_pace(start_server: StartServer) -> None:
+    server = start_server(rule="adamw", learning_rate=LEARNING_RATE, backup_workers=1)
+    # Three that take 10 ms a gradient (200 each), one that takes 0.5 s (4); a round: the first three.
+    results = run_workers(server.target, "grpc", [0.01, 0.01, 0.01, 0.5], [200, 200, 200, 4])
+    slow = results[3]
+    # Rounds went on while the slow worker computed, so its gradients came in on a θ they had
+    # moved since (three commits a round), and were dropped.
+    assert all(result.staleness >= 9 and result.scaling_at_zero == 1.0 for result in slow), [
+        (result.staleness, result.scaling_mean) for result in slow
+    ]
+    # While it was there, every fast worker's gradient joined a round, one of three (once it left,
+    # a round is two of the three: the one backup is then a fast worker).
+    joined = [result.scaling_mean for each in results[:3] for result in each if result.version < slow[-1].version]
+    assert len(joined) >= 9 and all(share == pytest.approx(1 / 3) for share in joined), sorted(set(joined))
+
+
+def test_a_round_slower_than_the_clients_timeout_is_waited_for_not_failed(start_server: StartServer) -> None:
+    """The round's wait is no part of the commit's deadline: each of its pulls has its own."""
+    server = start_server(rule="adamw", learning_rate=LEARNING_RATE)
+    gradient = gradient_of(0)
+    with gemps.Client(server.target, name="quick", timeout=1.0) as quick, gemps.Client(server.target) as slow:
+        for client in (quick, slow):
+            client.register({"theta": np.zeros(P, np.float32)})
+        late = threading.Timer(2.5, lambda: slow.commit(gradient(np.zeros(P, np.float32))))
+        late.start()
+        started = time.monotonic()
+        result = quick.commit(gradient(np.zeros(P, np.float32)))  # its round closes with the slow one's, 2.5 s on
+        late.join()
+        assert result.round_pending == 1 and result.parameters.version == 2
+        assert time.monotonic() - started >= 2.0
+        np.testing.assert_array_equal(np.asarray(result.parameters.flat), np.asarray(quick.pull().flat))

@@ -1,0 +1,82 @@
+"""The SDK's wait for a round (gemps.rounds): θ handed back once it moved, pulls spaced out, and a
+round that cannot close (its workers gone) given up after a bound the client learns."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from gemps.records import CentralVariable, CommitResult
+from gemps.rounds import IDLE_SECONDS, LONGEST_PAUSE, ROUND_WAIT_SECONDS, SLOWEST_PAUSE, RoundWaits
+
+
+def central(version: int) -> CentralVariable:
+    return CentralVariable(version, np.full(3, float(version), np.float32), ())
+
+
+def committed(version: int, pending: int) -> CommitResult:
+    return CommitResult(version, 0, 0.25, central(version), round_pending=pending)
+
+
+class Clock:
+    """A clock that moves only when the wait sleeps; pulls see θ move at `moves_at` seconds."""
+
+    def __init__(self, moves_at: float | None) -> None:
+        self.now, self.moves_at = 0.0, moves_at
+        self.pauses: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.pauses.append(seconds)
+        self.now += seconds
+
+    def pull(self) -> CentralVariable:
+        return central(9 if self.moves_at is not None and self.now >= self.moves_at else 5)
+
+
+def waits(clock: Clock) -> RoundWaits:
+    return RoundWaits(clock=lambda: clock.now, sleep=clock.sleep)
+
+
+def test_a_commit_that_moved_theta_or_joined_no_round_is_handed_back_as_it_came() -> None:
+    clock = Clock(moves_at=0.0)
+    result = committed(5, pending=0)
+    assert waits(clock).after(result, clock.pull) is result and clock.pauses == []
+
+
+def test_theta_is_handed_back_once_it_moved_the_pulls_spaced_out_to_20_ms() -> None:
+    clock = Clock(moves_at=0.5)
+    rounds = waits(clock)
+    result = rounds.after(committed(5, pending=3), clock.pull)
+    assert result.parameters.version == 9 and result.version == 5  # the commit's own figures kept
+    assert clock.pauses[:3] == [0.001, 0.002, 0.004] and max(clock.pauses) == LONGEST_PAUSE
+    assert rounds.longest == pytest.approx(clock.now) and 0.5 <= clock.now < 0.5 + LONGEST_PAUSE
+
+
+def test_the_pulls_slow_down_to_an_eighth_of_the_recent_waits_so_a_server_is_not_kept_busy() -> None:
+    rounds = waits(clock := Clock(moves_at=3.0))
+    rounds.after(committed(5, pending=3), clock.pull)
+    slowest = rounds.longest_pause()
+    assert rounds.recent == pytest.approx(clock.now) and slowest == pytest.approx(clock.now / 8)
+    again = Clock(moves_at=3.0)
+    rounds.clock, rounds.sleep = (lambda: again.now), again.sleep
+    rounds.after(committed(5, pending=3), again.pull)
+    assert max(again.pauses) == slowest and len(again.pauses) < 20  # not 150 pulls of 20 ms
+    assert RoundWaits().longest_pause() == LONGEST_PAUSE and SLOWEST_PAUSE == 0.5
+
+
+def test_a_round_that_does_not_close_is_given_up_at_four_times_the_longest_seen(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rounds = waits(clock := Clock(moves_at=0.1))
+    rounds.after(committed(5, pending=1), clock.pull)
+    assert rounds.limit() == IDLE_SECONDS  # four times 0.1 s, at least a second
+    rounds.longest = 2.0
+    stuck = Clock(moves_at=None)  # the workers it waits for are gone
+    rounds.clock, rounds.sleep = (lambda: stuck.now), stuck.sleep
+    with caplog.at_level(logging.WARNING, logger="gemps.rounds"):
+        result = rounds.after(held := committed(5, pending=2), stuck.pull)
+    assert result is held and 8.0 <= stuck.now < 8.0 + LONGEST_PAUSE
+    assert "its round needed 2 more" in caplog.text and "joins that round" in caplog.text
+    assert waits(Clock(None)).limit() == ROUND_WAIT_SECONDS  # before any round: the longest wait
