@@ -4,10 +4,10 @@ started from (what the SDK's wait for the round gives them), applied by the rule
 the server's own learning-rate schedule (gemps_proto.schedules), as a user would run it:
 
     gemps server --rule adamw --learning-rate LR --adam-beta2 0.99 --adam-weight-decay 0.1 \\
-        --round-size K --lr-schedule warmup-cosine --lr-warmup-commits W*K --lr-total-commits STEPS \\
+        --round-size K --lr-schedule warmup-cosine --lr-warmup-commits (W+1)*K --lr-total-commits STEPS \\
         --lr-min LR/10
 
-(W the warm-up in rounds, STEPS the run's commits). The rule decays the matrices alone, as nanoGPT's
+(W nanoGPT's warm-up steps, STEPS the run's commits). The rule decays the matrices alone, as nanoGPT's
 AdamW, which `ddp:K` runs, does. The comparison's model (`--model comparison`: Adam, no
 decay) at a constant rate is `ddp:K`'s computation, to float32's rounding."""
 
@@ -40,9 +40,12 @@ Gradient = Callable[[torch.nn.Module, torch.Tensor, tuple[torch.Tensor, torch.Te
 def server_schedule(
     lr: float, round_size: int, steps: int, warmup: int | None, betas: tuple[float, float], decay: float
 ) -> TrainingConfig:
-    """The server's config for `rounds:K`: the `adamw` rule at the model's betas, a warm-up of
-    `warmup` rounds and nanoGPT's cosine after it to a tenth of the rate at the run's `steps`
-    commits (constant without a warm-up)."""
+    """The server's config for `rounds:K`: the `adamw` rule at the model's betas, nanoGPT's warm-up
+    of `warmup` steps and its cosine after it to a tenth of the rate at the run's `steps` commits
+    (constant without a warm-up). nanoGPT's warm-up rises as (s + 1)/(W + 1) at step s; the server's,
+    (v + 1)/W' at version v, is that at each round's closing commit (v = K(s + 1) - 1) with W' = (W + 1)K.
+    A warm-up of W·K commits reaches the top one round early, which at 3e-3 ended 0.6-7.2 % above
+    DDP where (W + 1)K ended 0.0-0.4 % above (docs/RESULTS.md)."""
     options = {"adam_beta1": betas[0], "adam_beta2": betas[1], "adam_weight_decay": decay, "round_size": round_size}
     if warmup is None:
         return TrainingConfig(rule="adamw", learning_rate=lr, rule_options=options)
@@ -51,7 +54,7 @@ def server_schedule(
         learning_rate=lr,
         rule_options=options,
         lr_schedule="warmup-cosine",
-        lr_warmup_commits=warmup * round_size,
+        lr_warmup_commits=(warmup + 1) * round_size,  # nanoGPT's (s + 1)/(W + 1) at each round's close
         lr_total_commits=steps,
         lr_min=lr / 10,
     )

@@ -210,14 +210,15 @@ def run_reference(args: argparse.Namespace, groups: Groups | None, folder: Path)
 
 
 def server_options(args: argparse.Namespace, samples: int) -> dict[str, Any]:
-    """The server's options: under `adamw`, the workers' rate, nanoGPT's betas and decay, a warm-up of
-    --warmup rounds and nanoGPT's cosine after it to a tenth at the run's end; then --server-option's."""
+    """The server's options: under `adamw`, the workers' rate, nanoGPT's betas and decay, its warm-up of
+    --warmup steps ((W + 1) rounds of commits: scripts/adam_rounds.py says why) and its cosine after it
+    to a tenth at the run's end; then --server-option's."""
     options: dict[str, Any] = {}
     if args.rule == "adamw":
         commits = samples // SHAPES[args.shape].batch
         options = {"learning_rate": args.learning_rate, "adam_beta1": args.beta1, "adam_beta2": BETAS[1],
                    "adam_weight_decay": 0.1, "lr_schedule": "warmup-cosine",
-                   "lr_warmup_commits": args.warmup * args.workers, "lr_total_commits": commits,
+                   "lr_warmup_commits": (args.warmup + 1) * args.workers, "lr_total_commits": commits,
                    "lr_min": args.learning_rate / 10}  # fmt: skip
     return options | dict(option.split("=", 1) for option in args.server_option)
 

@@ -17,6 +17,7 @@ from gemps.records import CommitResult
 from tests.integration.conftest import StartServer
 
 P = 64
+SHAPE = (8, 8)  # P values
 WORKERS = 4
 ROUNDS = 12
 LEARNING_RATE = 0.05
@@ -35,7 +36,7 @@ def train(
     gradient = gradient_of(worker)
     results = []
     with gemps.Client(target, name=f"w{worker}", plane=plane) as client:
-        client.register({"theta": np.zeros(P, np.float32)})
+        client.register({"theta": np.zeros(SHAPE, np.float32)})  # a matrix: the rule's decay applies to it
         ready.wait(timeout=60)  # every worker registered: a round is all four
         central = client.pull()
         for _ in range(rounds):
