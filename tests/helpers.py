@@ -187,8 +187,12 @@ class InProcessServer:
     _running: ClassVar[int] = 0  # servers of this class started and not yet stopped
     _level_before: ClassVar[int] = logging.NOTSET  # the logger's level before the first started
 
-    def __init__(self, **options: Any) -> None:
-        self.config = server_config(**{"host": "127.0.0.1", "port": 0, "metrics_port": 0, "data_port": 0, **options})
+    def __init__(self, config: ServerConfig | None = None, **options: Any) -> None:
+        """From `config` as given (a command's, parsed: its ports its own), or else from `options`."""
+        if config is not None and options:
+            raise TypeError(f"InProcessServer: a config or options, not both ({sorted(options)})")
+        defaults = {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "data_port": 0}
+        self.config = config if config is not None else server_config(**{**defaults, **options})
         self.server = ParameterServer(self.config)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="in-process-server", daemon=True)

@@ -7,13 +7,16 @@ namespace; the block's "127.0.0.1:50051" becomes the server's address. Each bloc
 server, since θ's shape differs between blocks, and runs in a folder of its own. A block is checked
 by the one entry of CHECKS whose marker it contains: a new block without one fails, so none is
 skipped silently; a block that reads a file the pages say another command wrote (the demo's
-`runs/demo/model.npz`) has it written first by that command's own code (PREPARE).
+`runs/demo/model.npz`) has it written first by that command's own code (PREPARE). A block right
+below a ```bash block of `gemps server FLAGS` runs against a server of those flags, parsed by the
+command's own parser (its ports 0).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,6 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from gemps_cli.server import parse_config
 from torch import nn
 
 from gemps.client import Client
@@ -43,6 +47,8 @@ README_ADDRESS = "127.0.0.1:50051"
 FEATURES, CLASSES = 64, 10  # the README's Linear(64, 10)
 BATCHES, BATCH_SIZE = 3, 8
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
+# A `gemps server` command in the ```bash block just above a block (nothing but blank lines between)
+SERVER_ABOVE = re.compile(r"^```bash\n\.venv/bin/gemps server (?P<flags>[^`]*?)\n```\s*\Z", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,7 @@ class Block:
     page: str  # the page's path from the repository's root
     line: int  # the page's line just before the code (the fence), so line numbers in tracebacks match
     code: str
+    server: tuple[str, ...] = ()  # the flags of the `gemps server` command right above it, if any
 
     @property
     def name(self) -> str:
@@ -57,7 +64,16 @@ class Block:
 
 
 def python_blocks(text: str, page: str = "README.md") -> list[Block]:
-    return [Block(page, text.count("\n", 0, match.start()) + 1, match.group(1)) for match in BLOCK.finditer(text)]
+    return [
+        Block(page, text.count("\n", 0, match.start()) + 1, match.group(1), server_above(text[: match.start()]))
+        for match in BLOCK.finditer(text)
+    ]
+
+
+def server_above(text: str) -> tuple[str, ...]:
+    """The flags of the `gemps server` command a page's text ends with, in a ```bash block (else ())."""
+    command = SERVER_ABOVE.search(text)
+    return tuple(shlex.split(command["flags"].replace("\\\n", " "))) if command else ()
 
 
 @dataclass
@@ -78,6 +94,12 @@ class Batches:
             yield inputs, torch.randint(CLASSES, (BATCH_SIZE,), generator=generator)
 
 
+def my_transformer() -> nn.Module:
+    """Stands in for the SDK page's `MyTransformer()`: matrices, and vectors AdamW's decay leaves (a
+    bias, a layer norm's gain and shift)."""
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, CLASSES))
+
+
 def my_resnet() -> nn.Module:
     """Stands in for the README's `MyResNet()`: small, with batch norm (buffers the server keeps)."""
     return nn.Sequential(nn.Linear(FEATURES, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, CLASSES))
@@ -89,6 +111,7 @@ def namespace(batches: Batches) -> dict[str, Any]:
         "__name__": "readme",
         "my_batches": batches,
         "MyResNet": my_resnet,
+        "MyTransformer": my_transformer,
         "grad_w": np.full((CLASSES, FEATURES), 0.1, np.float32),
         "grad_b": np.full(CLASSES, 0.1, np.float32),
         "update_vector": np.full(CLASSES * FEATURES + CLASSES, 0.01, np.float32),
@@ -120,6 +143,21 @@ def readme_optimizer(ran: Ran) -> None:
 def remote_optimizer(ran: Ran) -> None:
     trained_one_commit_per_batch(ran)
     assert ran.status.buffer_spec  # the batch norm's statistics live on the server too
+
+
+def server_adamw(ran: Ran) -> None:
+    """The page's `gemps server --rule adamw ...` and its loop: one worker, so every gradient closes
+    its round, and AdamW's step moved θ each time; the model holds θ as the server does."""
+    trained_one_commit_per_batch(ran)
+    config = ran.namespace["optimizer"].remote.registration.config
+    assert (config.rule, config.rule_options["backup_workers"]) == ("adamw", 1)  # the command's flags
+    model = ran.namespace["model"]
+    with Client(ran.target) as client:
+        central = client.pull().named()
+    assert set(central) == set(model.state_dict())
+    for name, tensor in model.state_dict().items():
+        np.testing.assert_array_equal(tensor.numpy(), central[name])
+    assert ran.namespace["optimizer"].last_result.scaling_mean == 1.0  # taken, not dropped
 
 
 def remote_model(ran: Ran) -> None:
@@ -189,6 +227,7 @@ def write_demo_model(target: str) -> None:
 CHECKS: dict[str, Callable[[Ran], None]] = {
     "optimizer.step(loss=loss)": readme_optimizer,
     "MyResNet()": remote_optimizer,
+    "MyTransformer()": server_adamw,
     "RemoteModel(": remote_model,
     "LocalSteps(": local_steps,
     "gemps.Client(": client,
@@ -221,12 +260,20 @@ def test_the_pages_are_read() -> None:
     assert {block.page for block in BLOCKS} >= {"README.md", "docs/getting-started.md", "docs/guides/sdk.md"}
 
 
+def test_a_server_command_right_above_a_block_is_read() -> None:
+    command = "```bash\n.venv/bin/gemps server --rule adamw \\\n    --learning-rate 3e-3\n```\n"
+    page = f"Run:\n\n{command}\n```python\nx = 1\n```\n"
+    assert python_blocks(page)[0].server == ("--rule", "adamw", "--learning-rate", "3e-3")
+    assert python_blocks(page.replace("```\n\n```python", "```\n\nThen:\n\n```python"))[0].server == ()
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda block: block.name)
 def test_readme_block_runs(
     block: Block, start_server: StartServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     check = check_of(block)
-    server = start_server()
+    ports = ("--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--data-port", "0")
+    server = start_server(config=parse_config([*block.server, *ports])) if block.server else start_server()
     monkeypatch.setattr(sys, "argv", ["readme"])  # a block's parse_args() reads sys.argv, pytest's here
     for name in [name for name in os.environ if name.startswith("GEMPS_")]:
         monkeypatch.delenv(name)  # and options.from_sources the environment

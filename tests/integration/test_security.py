@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -196,7 +197,7 @@ def test_registrations_per_minute(start_server: StartServer) -> None:
     [({}, True), ({"auth_token": TOKEN}, False)],
     ids=["neither", "token"],
 )
-def test_warns_loudly_when_listening_beyond_loopback_unprotected(options: dict[str, object], warned: bool) -> None:
+def test_warns_loudly_when_listening_beyond_loopback_unprotected(options: dict[str, Any], warned: bool) -> None:
     with InProcessServer(host="0.0.0.0", **options) as server:
         log = server.log()
     assert "WARNING" in log and "insecure listener" in log  # with a token only: about clear text

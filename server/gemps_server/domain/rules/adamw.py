@@ -25,8 +25,8 @@ An update commit (local steps) enters as the pseudo-gradient g = -Δ (DiLoCo's s
 The reply to a gradient the round took says how many commits it still needs (ApplyStats.pending):
 the SDK then waits for θ to move before it hands θ back, so each worker's next gradient is taken on
 the round's θ. A dropped gradient's reply is θ of the round open now, to take the next one on.
-η(v) is the config's learning rate and schedule at the closing commit's version: a warm-up of
-W steps is W x K commits.
+η(v) is the config's learning rate and schedule at the closing commit's version: nanoGPT's warm-up
+of W steps is (W + 1) x K commits (its rate rises as (s + 1)/(W + 1), the server's as (v + 1)/W').
 
 Weight decay λ applies to the tensors of 2 or more dimensions (nanoGPT's and the Trainer's groups:
 no biases, no norms' gains; every parameter with adam_decay_vectors 1, or before the server told the
