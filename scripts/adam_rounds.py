@@ -9,32 +9,23 @@ the server's own learning-rate schedule (gemps_proto.schedules), as a user would
 
 (W nanoGPT's warm-up steps, STEPS the run's commits). The rule decays the matrices alone, as nanoGPT's
 AdamW, which `ddp:K` runs, does. The comparison's model (`--model comparison`: Adam, no
-decay) at a constant rate is `ddp:K`'s computation, to float32's rounding."""
+decay) at a constant rate is `ddp:K`'s computation, to float32's rounding.
+
+`windows:H` is the same rule over rounds of local steps: each worker's window of H AdamW steps from
+the round's θ, committed as an update, the round closing with DiLoCo's outer Nesterov step on their
+mean (r 1, μ 0: θ + their mean):
+
+    gemps server --rule adamw --outer-rate R --outer-momentum MU     (workers: LocalSteps(..., steps=H))"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Protocol
-
 import torch
+from adam_replay_data import Data, flat, gradient, load
 
-from gemps_proto.schema import ParameterSpec, TrainingConfig
+from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
 from gemps_server.domain.rules import create_rule
-from gemps_server.domain.rules.base import StepContext
-
-
-class Replayed(Protocol):
-    """What the replay's Data gives (scripts/adam_staleness.py)."""
-
-    batch: int
-
-    def build(self) -> torch.nn.Module: ...
-    def optimizer_of(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer: ...
-    def batches(self, rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
-    def held_out(self, model: torch.nn.Module, theta: torch.Tensor) -> float: ...
-
-
-Gradient = Callable[[torch.nn.Module, torch.Tensor, tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]
+from gemps_server.domain.rules.base import CommitRule, StepContext
+from gemps_worker.nanogpt import cosine_schedule
 
 
 def server_schedule(
@@ -61,8 +52,7 @@ def server_schedule(
 
 
 def rounds_adam(
-    data: Replayed,
-    gradient: Gradient,
+    data: Data,
     round_size: int,
     steps: int,
     lr: float,
@@ -75,10 +65,8 @@ def rounds_adam(
     central, worker = data.build(), data.build()
     groups = data.optimizer_of(central, lr).param_groups
     betas, decay = groups[0]["betas"], max(group["weight_decay"] for group in groups)
-    theta = torch.nn.utils.parameters_to_vector(central.parameters()).detach().numpy().copy()
-    rule = create_rule(server_schedule(lr, round_size, steps, warmup, betas, decay), theta.size)
-    spec = [ParameterSpec(name, tuple(p.shape)) for name, p in central.named_parameters()]
-    rule.take_spec(spec, (0, theta.size))  # as the server does: the decay on the matrices alone
+    theta = flat(central).numpy().copy()
+    rule = _rule_of(central, server_schedule(lr, round_size, steps, warmup, betas, decay))
     streams = [data.batches(rank, workers) for rank in range(workers)]
     round_start, curve = 0, []
     for step in range(1, steps + 1):
@@ -91,4 +79,58 @@ def rounds_adam(
             round_start = step
         if step in evals:
             curve.append([step * data.batch, data.held_out(worker, torch.from_numpy(theta.copy()))])
+    return curve
+
+
+def _rule_of(model: torch.nn.Module, config: TrainingConfig) -> CommitRule:
+    """The server's rule for `model`'s θ, told its spec as the server tells it (the decay on the
+    matrices alone)."""
+    size = sum(p.numel() for p in model.parameters())
+    rule = create_rule(config, size)
+    rule.take_spec([ParameterSpec(name, tuple(p.shape)) for name, p in model.named_parameters()], (0, size))
+    return rule
+
+
+def rounds_local(
+    data: Data,
+    window: int,
+    steps: int,
+    lr: float,
+    evals: list[int],
+    warmup: int | None,
+    workers: int,
+    outer: dict[str, float],
+) -> list[list[float]]:
+    """`windows:H`: rounds of the N workers' windows of H local AdamW steps, each from the θ its
+    round started at (each worker its own moments, and nanoGPT's schedule over its own share of the
+    steps, as LocalSteps' workers run), committed as updates; the rule's round closes at the N-th
+    with `outer`'s outer_rate and outer_momentum (DiLoCo's outer Nesterov step on their mean).
+    Held-out loss at each round's close once an evaluation point is passed, as [samples, loss]
+    (the middle and the end fall on closes for whole rounds)."""
+    models = [data.build() for _ in range(workers)]
+    optimizers = [data.optimizer_of(model, lr) for model in models]
+    schedules = [None if warmup is None else cosine_schedule(o, steps // workers, warmup) for o in optimizers]
+    streams = [data.batches(rank, workers) for rank in range(workers)]
+    probe = data.build()
+    rule = _rule_of(probe, TrainingConfig(rule="adamw", rule_options={"round_size": workers, **outer}))
+    theta, step, version = flat(probe).numpy().copy(), 0, 0
+    curve: list[list[float]] = []
+    while step < steps:
+        start = torch.from_numpy(theta.copy())
+        for rank, (model, optimizer, schedule) in enumerate(zip(models, optimizers, schedules, strict=True)):
+            load(model, start)
+            for _ in range(window):
+                inputs, targets = next(streams[rank])
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(inputs), targets).backward()  # type: ignore[no-untyped-call]
+                optimizer.step()
+                if schedule is not None:
+                    schedule.step()
+                step += 1
+            delta = (flat(model) - start).numpy()
+            context = StepContext(f"worker-{rank}", staleness=rank, version=version, kind=PayloadKind.UPDATE)
+            theta, _ = rule.step(theta, delta, context)
+            version += 1
+        while len(curve) < len(evals) and evals[len(curve)] <= step:
+            curve.append([step * data.batch, data.held_out(probe, torch.from_numpy(theta.copy()))])
     return curve

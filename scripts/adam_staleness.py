@@ -22,6 +22,10 @@ worker. What differs is only when and where Adam's step is taken:
   at a global batch of K times the batch (the reference a team with K machines would run);
 - `rounds:K`: `ddp:K`'s computation by the server's `adamw` rule and its schedule (scripts/
   adam_rounds.py: N workers waiting for each round of K, as the SDK makes them);
+- `windows:H`: rounds of the N workers' windows of H local AdamW steps, each from the round's θ
+  (each worker its own moments and schedule), committed as updates to the server's `adamw` rule
+  with `--outer-rate` r and `--outer-momentum` μ (scripts/adam_rounds.py): DiLoCo's outer Nesterov
+  step on their mean (r 1, μ 0: the models averaged, local AdamW);
 - `dc:S`: `stale:S` with the delay compensated as DC-ASGD-a does (Zheng et al. 2017): the gradient
   g computed at θ_then, fed as g + λ·g⊙g⊙(θ_now - θ_then)/√ms, ms the running mean of g⊙g
   (β 0.95), λ `--dc-lambda`: the diagonal of the Hessian approximated by g⊙g;
@@ -77,98 +81,24 @@ import argparse
 import collections
 import json
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from adam_look_ahead import DanaLookAhead  # beside this script (its directory is on sys.path when run)
-from adam_rounds import rounds_adam
-from gemps_bench.alternatives.workloads import workload
-from torch.nn.utils import parameters_to_vector
+from adam_replay_data import MODELS, Data, flat, gradient, load
+from adam_rounds import rounds_adam, rounds_local
 
 from gemps.pytorch.job_betas import JobBetas
 from gemps.pytorch.look_ahead import LookAhead
-from gemps.pytorch.values import copy_into
 from gemps_server.domain.rules.adaptive_staleness import AdaptiveStalenessRule
 from gemps_server.domain.rules.base import CommitRule, StepContext
 from gemps_server.domain.rules.delayed_nesterov import DelayedNesterovRule
 from gemps_server.domain.rules.gem import GemRule
 from gemps_server.domain.rules.gem_base import GEM_OWN_STEP
-from gemps_worker.held_out import evaluate
-from gemps_worker.nanogpt import BATCH, SHAPES, adamw, char_gpt, cosine_schedule, shard_batches
-from gemps_worker.text_data import stdlib_text
+from gemps_worker.nanogpt import cosine_schedule
 
 WORKERS = 4  # unless --workers
-
-
-def _comparison_adam(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.Adam(model.parameters(), lr=lr)  # gemps_worker.modes' local Adam
-
-
-class Model(NamedTuple):
-    """What the workers train (--model): the model from a seed, its optimizer at a rate, the batch."""
-
-    build: Callable[[int], torch.nn.Module]
-    optimizer: Callable[[torch.nn.Module, float], torch.optim.Optimizer]
-    batch: int = BATCH
-
-
-def _user_gpt(seed: int) -> torch.nn.Module:
-    return char_gpt(seed, SHAPES["user"])
-
-
-MODELS = {
-    "nanogpt": Model(char_gpt, adamw),
-    "user": Model(_user_gpt, adamw, SHAPES["user"].batch),
-    "comparison": Model(workload("charlm").build_model, _comparison_adam),
-}
-
-
-def flat(model: torch.nn.Module) -> torch.Tensor:
-    return parameters_to_vector(model.parameters()).detach()
-
-
-def load(model: torch.nn.Module, theta: torch.Tensor) -> None:
-    """Copy θ into the model's own parameters (vector_to_parameters would make them views of θ)."""
-    with torch.no_grad():
-        copy_into(list(model.parameters()), theta)
-
-
-class Data:
-    """The text, and the model the workers train on it (--model)."""
-
-    def __init__(self, model: str = "nanogpt", seed: int = 0, beta1: float | None = None) -> None:
-        self.train_x, self.train_y, self.test_x, self.test_y = stdlib_text()
-        self._build, self._optimizer, self.batch = MODELS[model]
-        self.seed, self.beta1 = seed, beta1
-
-    def build(self) -> torch.nn.Module:
-        return self._build(self.seed)
-
-    def optimizer_of(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-        optimizer = self._optimizer(model, lr)
-        for group in optimizer.param_groups if self.beta1 is not None else ():  # --beta1
-            group["betas"] = (self.beta1, group["betas"][1])
-        return optimizer
-
-    def batches(self, rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Endless mini-batches of rank's shard (the same split for every variant)."""
-        return shard_batches(self.train_x, self.train_y, rank, world, self.seed, self.batch)
-
-    def held_out(self, model: torch.nn.Module, theta: torch.Tensor) -> float:
-        load(model, theta)
-        return round(evaluate(model, self.test_x, self.test_y)[0], 4)
-
-
-def gradient(
-    model: torch.nn.Module, theta: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]
-) -> list[torch.Tensor]:
-    load(model, theta)
-    model.zero_grad()
-    F.cross_entropy(model(batch[0]), batch[1]).backward()  # type: ignore[no-untyped-call]
-    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
 def server_adam(
@@ -326,6 +256,8 @@ def main() -> None:
         help="nanoGPT's schedule: this many warm-up steps, then a cosine decay to a tenth of the rate "
         "over the run (each worker's own share of it); constant when not given",
     )
+    parser.add_argument("--outer-rate", type=float, default=1.0, help="windows:H's outer_rate (1: averaged)")
+    parser.add_argument("--outer-momentum", type=float, default=0.0, help="windows:H's outer_momentum (Nesterov)")
     parser.add_argument("--ahead", type=float, default=1.0, help="ahead:H's share of θ's expected move")
     parser.add_argument("--gem-outer", type=float, default=0.35, help="gem:H's factor on each window's update")
     parser.add_argument(
@@ -382,13 +314,16 @@ def main() -> None:
             amounts = int(amount or 0), steps, args.learning_rate, evals
             curve = server_adam(data, name, *amounts, args.dc_lambda, args.warmup, args.workers, args.prediction)
         elif name == "rounds":
-            curve = rounds_adam(
-                data, gradient, int(amount), steps, args.learning_rate, evals, args.warmup, args.workers
-            )
+            curve = rounds_adam(data, int(amount), steps, args.learning_rate, evals, args.warmup, args.workers)
+        elif name == "windows":
+            curve = rounds_local(
+                data, int(amount), steps, args.learning_rate, evals, args.warmup, args.workers,
+                {"outer_rate": args.outer_rate, "outer_momentum": args.outer_momentum},
+            )  # fmt: skip
         else:
             parser.error(
                 f"unknown variant {variant!r}: single, stale:S, dc:S, mean:K, pred:K, ddp:K, rounds:K, "
-                "local:H, ahead:H, job:H, dana:H, dn:H, as:H or gem:H"
+                "windows:H, local:H, ahead:H, job:H, dana:H, dn:H, as:H or gem:H"
             )
         settings = {
             "model": args.model,
@@ -400,6 +335,8 @@ def main() -> None:
         }
         if name == "dn":
             settings.update(dn_learning_rate=args.dn_learning_rate, dn_momentum=args.dn_momentum)
+        if name == "windows":
+            settings.update(outer_rate=args.outer_rate, outer_momentum=args.outer_momentum)
         if name == "pred":
             settings.update(prediction=args.prediction)
         if name in ("ahead", "job"):

@@ -33,6 +33,14 @@ a global batch of 256 (docs/RESULTS.md, "The energy-matched rule through the rea
         --server-option pi_max=1 --server-option gem_own_step=excluded --look-ahead 0 --beta1 0.5 \\
         --reference ddp --reference-learning-rate 3e-3 --reference-warmup 20 --snapshot-every 20
 
+Rounds of 16 workers' windows of 8 local AdamW steps, averaged (`--server-option outer_rate=1`: each
+worker LocalSteps over its own AdamW and schedule), int8 codes both ways:
+
+    sudo .venv/bin/python scripts/adam_workers.py --workers 16 --cpu 0.1 --alone-cpu 1.8 \\
+        --samples 204800 --gemps-factor 1 --rule adamw --server-option outer_rate=1 --local-steps 8 \\
+        --compression int8 --learning-rate 1e-3 --warmup 20 --reference ddp --reference-learning-rate 3e-3 \\
+        --snapshot-every 20
+
 AdamW on the server, DDP's computation a round of 16 gradients at a time (`--rule adamw`: the workers
 commit gradients through RemoteOptimizer; the server takes --learning-rate, --warmup in rounds,
 nanoGPT's betas and decay and its cosine after the warm-up), against DDP-AdamW at a global batch of 256:
@@ -101,11 +109,12 @@ def train(args: argparse.Namespace) -> None:
     folder = Path(args.folder)
     if args.role in REFERENCES:
         optimizer: torch.optim.Optimizer = inner
-    elif args.rule == "adamw":  # gradients: the server's AdamW and schedule (server_options)
+    elif args.rule == "adamw" and not averaged(args):  # gradients: the server's AdamW and schedule
         optimizer = RemoteOptimizer(model, args.target, name=f"w{args.rank}")
     else:
+        codes = {"compression": args.compression, "reply_compression": args.compression}
         optimizer = LocalSteps(model, inner, args.target, steps=args.local_steps, look_ahead=args.look_ahead,
-                               name=f"w{args.rank}")  # fmt: skip
+                               name=f"w{args.rank}", **codes)  # fmt: skip
     wait_for_go(folder, f"{args.role}-{args.rank}")
     saved = time.time()
     for step in range(1, steps + 1):
@@ -164,6 +173,8 @@ def launch(args: argparse.Namespace, groups: Groups | None, role: str, rank: int
             "--samples", str(samples), "--folder", str(folder), "--target", target,
             "--learning-rate", repr(learning_rate), "--warmup", str(warmup), "--beta1", repr(beta1),
             "--local-steps", str(args.local_steps), "--look-ahead", repr(args.look_ahead),
+            *(("--compression", args.compression) if args.compression else ()),
+            *(f"--server-option={option}" for option in args.server_option),
             "--snapshot-every", repr(args.snapshot_every), "--shape", args.shape, "--rule", args.rule]  # fmt: skip
     if groups is not None:
         cpu = args.alone_cpu if role in REFERENCES and args.alone_cpu is not None else args.cpu
@@ -209,12 +220,18 @@ def run_reference(args: argparse.Namespace, groups: Groups | None, folder: Path)
     return curve(folder, went, args.shape)
 
 
+def averaged(args: argparse.Namespace) -> bool:
+    """Under `adamw` with `--server-option outer_rate=R`: rounds of LocalSteps' windows, averaged
+    (each worker its own AdamW and schedule), where without it the workers commit gradients."""
+    return args.rule == "adamw" and any(option.startswith("outer_rate=") for option in args.server_option)
+
+
 def server_options(args: argparse.Namespace, samples: int) -> dict[str, Any]:
-    """The server's options: under `adamw`, the workers' rate, nanoGPT's betas and decay, its warm-up of
-    --warmup steps ((W + 1) rounds of commits: scripts/adam_rounds.py says why) and its cosine after it
-    to a tenth at the run's end; then --server-option's."""
+    """The server's options: under `adamw` with gradients, the workers' rate, nanoGPT's betas and
+    decay, its warm-up of --warmup steps ((W + 1) rounds of commits: scripts/adam_rounds.py says why)
+    and its cosine after it to a tenth at the run's end; then --server-option's."""
     options: dict[str, Any] = {}
-    if args.rule == "adamw":
+    if args.rule == "adamw" and not averaged(args):
         commits = samples // SHAPES[args.shape].batch
         options = {"learning_rate": args.learning_rate, "adam_beta1": args.beta1, "adam_beta2": BETAS[1],
                    "adam_weight_decay": 0.1, "lr_schedule": "warmup-cosine",
@@ -286,6 +303,8 @@ def main() -> None:
     parser.add_argument("--reference-warmup", type=int, help="the reference's warm-up steps (default: --warmup)")
     parser.add_argument("--local-steps", type=int, default=1, help="LocalSteps' steps a commit")
     parser.add_argument("--look-ahead", type=float, default=1.0, help="LocalSteps' look_ahead")
+    parser.add_argument("--compression", choices=("int8", "int4"),
+                        help="LocalSteps' codes both ways (compression, reply_compression); else float32")  # fmt: skip
     parser.add_argument("--shape", choices=tuple(SHAPES), default="project",
                         help="the GPT and batch: the project's (4 layers, width 96, batch 16) or the user's "
                         "of issue 78 (2 layers, width 128, batch 32)")  # fmt: skip

@@ -33,7 +33,7 @@ class Reason(str, enum.Enum):
     NOT_INITIALIZED = "not_initialized"  # no worker has set the central variable yet
     INITIALIZING = "initializing"  # another worker is setting the central variable: retry shortly
     UNKNOWN_WORKER = "unknown_worker"  # never registered, left, or evicted
-    BAD_KIND = "bad_kind"  # a payload kind other than gradient or update
+    BAD_KIND = "bad_kind"  # a payload kind other than gradient or update, or one the server's rule does not take
     BAD_PAYLOAD = "bad_payload"  # tensor bytes that do not match their dtype and shape
     BAD_SHAPE = "bad_shape"  # a payload that is not flat [P]
     BAD_VERSION = "bad_version"  # a base version below zero or ahead of the server's

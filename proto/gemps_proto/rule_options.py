@@ -24,6 +24,10 @@ from typing import Any, NoReturn
 from gemps_proto.ranges import RANGE, Range
 
 _NAME = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
+#: The option a rule declares when it moves θ a round of commits at a time (adamw's K): a client
+#: that finds it in its registration's TrainingConfig.rule_options knows θ holds still while a
+#: round is open (gemps.pytorch.LocalSteps then never looks ahead).
+ROUND_SIZE = "round_size"
 
 
 @dataclass(frozen=True)

@@ -168,3 +168,17 @@ def test_the_adamw_rules_rounds_are_ddps_computation(tmp_path: Path) -> None:
     )  # fmt: skip
     assert all(abs(a - b) < 1e-3 * b for a, b in zip(losses["rounds:4"], losses["ddp:4"], strict=True)), losses
     assert losses["rounds:4"][-1] < losses["rounds:4"][0], losses
+
+
+def test_rounds_of_local_windows_are_averaged_by_the_adamw_rule(tmp_path: Path) -> None:
+    """`windows:H` (scripts/adam_rounds.py): with one worker, rounds of one window of one step,
+    averaged (`--outer-rate 1`), are one AdamW worker (`single`) up to the rounding of θ + (θ' - θ)
+    (as `local:1` is); with 4 workers the averaged rounds learn, and the outer rate is used."""
+    one = replay(tmp_path, "one", "--variants", "windows:1", "single", "--workers", "1", "--samples", "320")
+    assert all(abs(a - b) < 0.02 * b for a, b in zip(one["windows:1"], one["single"], strict=True)), one
+    four = replay(tmp_path, "four", "--variants", "windows:2", "--workers", "4", "--samples", "512")
+    half = replay(
+        tmp_path, "half", "--variants", "windows:2", "--workers", "4", "--samples", "512", "--outer-rate", "0.5"
+    )
+    assert four["windows:2"][-1] < four["windows:2"][0], four
+    assert four["windows:2"][-1] != half["windows:2"][-1], (four, half)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import gemps
+from gemps.pytorch import LocalSteps
 from gemps.records import CommitResult
 from tests.integration.conftest import StartServer
 
@@ -120,3 +121,67 @@ def test_a_round_slower_than_the_clients_timeout_is_waited_for_not_failed(start_
         assert result.round_pending == 1 and result.parameters.version == 2
         assert time.monotonic() - started >= 2.0
         np.testing.assert_array_equal(np.asarray(result.parameters.flat), np.asarray(quick.pull().flat))
+
+
+def test_with_an_outer_rate_rounds_of_updates_are_averaged_and_a_gradient_refused(start_server: StartServer) -> None:
+    """Local AdamW through the server (`--outer-rate 1`): each round of the workers' window updates
+    moves θ by their mean; a gradient, which that would average as if it were an update, is refused."""
+    server = start_server(rule="adamw", learning_rate=LEARNING_RATE, outer_rate=1.0)
+    deltas = [np.random.default_rng(worker).normal(size=P).astype(np.float32) for worker in range(2)]
+    with gemps.Client(server.target, name="w0") as first, gemps.Client(server.target, name="w1") as second:
+        for client in (first, second):
+            client.register({"theta": np.ones(SHAPE, np.float32)})
+        with pytest.raises(gemps.FailedPreconditionError, match="a gradient, where adamw with outer_rate 1"):
+            first.commit(deltas[0])
+        assert first.pull().version == 0  # refused: nothing changed
+        waiting = threading.Thread(target=lambda: first.commit(deltas[0], kind="update"))
+        waiting.start()  # its round needs the second's update too
+        second.commit(deltas[1], kind="update")
+        waiting.join(timeout=60)
+        central = second.pull()
+    assert central.version == 2
+    np.testing.assert_allclose(np.asarray(central.flat), 1 + (deltas[0] + deltas[1]) / 2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("codes", [None, "int8"])
+def test_local_steps_under_rounds_start_each_window_at_the_rounds_theta(
+    start_server: StartServer, codes: str | None
+) -> None:
+    """LocalSteps' look-ahead (on by default) extrapolates θ's move past a reply; under rounds θ does
+    not move while a round is open, so every window starts at θ as the round left it. With int8
+    codes both ways (the slow-link setting) the θ a worker holds stays the server's, to the codes'
+    precision: the round's θ comes by a pull, not by the commit's reply."""
+    server = start_server(rule="adamw", outer_rate=1.0)
+    ready, models, failures = threading.Barrier(2), [torch.nn.Linear(4, 2) for _ in range(2)], []
+    held: list[np.ndarray] = [np.empty(0), np.empty(0)]
+    with torch.no_grad():
+        models[1].load_state_dict(models[0].state_dict())
+
+    def work(worker: int) -> None:
+        model = models[worker]
+        adamw = torch.optim.AdamW(model.parameters(), lr=0.01)
+        with LocalSteps(model, adamw, server.target, steps=2, compression=codes, reply_compression=codes) as optimizer:
+            ready.wait(timeout=60)  # both registered: a round is both windows
+            for step in range(12):
+                optimizer.zero_grad()
+                model(torch.full((3, 4), float(worker + step))).square().mean().backward()
+                optimizer.step()
+                result = optimizer.last_result
+                if step % 2 and result is not None:  # committed: the model holds the window's start
+                    held[worker] = optimizer.remote.parameters_vector().numpy()
+                    if not np.array_equal(held[worker], result.parameters.flat):
+                        failures.append(
+                            f"worker {worker}, window {step // 2}: off θ by {held[worker] - result.parameters.flat}"
+                        )
+
+    threads = [threading.Thread(target=work, args=(worker,)) for worker in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not failures, failures
+    with gemps.Client(server.target) as observer:
+        central = observer.pull()
+    assert central.version == 12  # 6 windows each, 6 rounds
+    for theta in held:  # the last round's θ, as each worker holds it
+        np.testing.assert_allclose(theta, central.flat, atol=0 if codes is None else 1e-2 * np.abs(central.flat).max())

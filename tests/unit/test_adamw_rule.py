@@ -4,6 +4,8 @@ whole by a checkpoint and by a refused commit."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -153,6 +155,42 @@ def test_an_update_commit_enters_as_the_pseudo_gradient_minus_delta() -> None:
     moved, _ = by_update.step(theta.copy(), delta, StepContext("w0", kind=PayloadKind.UPDATE))
     expected, _ = by_gradient.step(theta.copy(), -delta, StepContext("w0"))
     np.testing.assert_array_equal(moved, expected)
+
+
+@pytest.mark.parametrize("rate,momentum", [(1.0, 0.0), (0.7, 0.0), (0.7, 0.9)])
+def test_with_an_outer_rate_a_round_of_updates_is_diloco_s_outer_step(rate: float, momentum: float) -> None:
+    """A round of update commits (local AdamW windows) closes with torch's Nesterov SGD step on
+    their mean pseudo-gradient -Δ (DiLoCo's outer step; momentum 0 and rate 1: the workers' models
+    averaged), against torch in float64; no AdamW step is taken."""
+    rule = made(outer_rate=rate, outer_momentum=momentum)
+    rng = np.random.default_rng(4)
+    theta = rng.normal(size=P).astype(np.float32)
+    reference = torch.tensor(theta.astype(np.float64), requires_grad=True)
+    outer = torch.optim.SGD([reference], lr=rate, momentum=momentum, nesterov=momentum > 0)
+    version = 0
+    for _ in range(5):
+        deltas = gradients(rng, 4)
+        for index, delta in enumerate(deltas):
+            context = StepContext(f"w{index}", staleness=index, version=version, kind=PayloadKind.UPDATE)
+            theta, stats = rule.step(theta, delta, context)
+            version += 1
+            assert stats.pending == 3 - index
+        reference.grad = torch.from_numpy(-np.mean(np.asarray(deltas, np.float64), axis=0))
+        outer.step()
+    np.testing.assert_allclose(theta, reference.detach().numpy(), rtol=1e-5, atol=1e-4)
+    assert not rule.global_state()["second_moment"].any()  # no AdamW step was taken
+
+
+def test_an_outer_momentum_without_an_outer_rate_is_refused() -> None:
+    with pytest.raises(ValueError, match=re.escape("outer_momentum 0.9 with outer_rate 0")):
+        made(outer_momentum=0.9)
+
+
+def test_with_an_outer_rate_a_gradient_is_refused_naming_why() -> None:
+    assert made().refusal(PayloadKind.GRADIENT) is None
+    averaging = made(outer_rate=1.0)
+    assert averaging.refusal(PayloadKind.UPDATE) is None
+    assert "outer_rate 1" in (averaging.refusal(PayloadKind.GRADIENT) or "")
 
 
 def test_a_checkpointed_state_mid_round_continues_as_the_rule_would_have() -> None:

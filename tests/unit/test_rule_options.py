@@ -35,7 +35,7 @@ STEPS = RuleOption("steps", 4, Range(1, 64), "local steps")
 BUILT_IN_OPTIONS = [
     *("momentum", "kappa", "pi_max", "dn_learning_rate", "nesterov_period", "momentum_activation"),
     *("adam_beta1", "adam_beta2", "adam_epsilon", "adam_weight_decay", "adam_decay_vectors", "gradient_clip"),
-    *("round_size", "backup_workers"),
+    *("round_size", "backup_workers", "outer_rate", "outer_momentum"),
 ]
 
 

@@ -44,6 +44,7 @@ from gemps.pytorch.look_ahead import LookAhead
 from gemps.pytorch.remote import RemoteModel
 from gemps.pytorch.values import copy_into
 from gemps.records import CommitResult
+from gemps_proto.rule_options import ROUND_SIZE
 
 
 class LocalSteps(torch.optim.Optimizer):
@@ -65,8 +66,10 @@ class LocalSteps(torch.optim.Optimizer):
         """`steps` and `look_ahead` default to the recipe for several asynchronous AdamW workers
         (1 and 1). `look_ahead`: start each window that share of θ's expected move ahead of the
         reply (gemps.pytorch.look_ahead; 0: at the reply; a worker alone is never ahead).
-        `job_betas`: the optimizer's β1 spans the job's samples, not this worker's: raised to the
-        power of the job's commits per this worker's (gemps.pytorch.job_betas; with look_ahead).
+        Under a server of rounds (`--rule adamw`), where θ does not move while a round is open, no
+        window looks ahead. `job_betas`: the optimizer's β1 spans the job's samples, not this
+        worker's: raised to the power of the job's commits per this worker's
+        (gemps.pytorch.job_betas; with look_ahead).
         `options` as RemoteModel takes them (`threads=`, gemps.Client's when `client` is an address)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             kind = type(optimizer).__name__
@@ -156,7 +159,12 @@ class LocalSteps(torch.optim.Optimizer):
         result = self.remote.commit_update(update, loss=loss)
         replied = self.remote.parameters_vector()
         self.job_betas.after_commit(result.staleness)
-        self._start = self.look_ahead.start(replied, result.version, result.staleness)
+        # Under rounds θ stays where the reply left it until the round this worker's next window
+        # joins has closed, the window's commit included: where θ is headed is the reply itself.
+        if ROUND_SIZE in self.remote.registration.config.rule_options:
+            self._start = replied
+        else:
+            self._start = self.look_ahead.start(replied, result.version, result.staleness)
         if self._start is not replied:
             with torch.no_grad():
                 copy_into(self.remote.trained, self._start)

@@ -190,6 +190,9 @@ class CommitCore:
         kind_of, values, peak = validation.validated_payload(
             kind, payload, base_version, self.theta.size, self.version, payload_peak
         )
+        refusal = rule.refusal(kind_of)
+        if refusal is not None:
+            raise FailedPrecondition(f"commit refused, nothing changed: {refusal}", Reason.BAD_KIND)
         buffers = validation.buffers_after(self.buffers, buffer_delta, self.buffer_spec)  # checked before θ moves
         staleness = self.version - base_version
         window = self.noise.window(kind_of, self.theta.size, len(self.registry), num_samples)

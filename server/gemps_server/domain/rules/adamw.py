@@ -20,7 +20,10 @@ r0 is the version at which θ last moved, k the gradients buffered since):
                         (ḡ first scaled to L2 norm c where it is longer, with `gradient_clip` c)
                         G ← 0 ;  k ← 0 ;  r0 ← v + 1
 
-An update commit (local steps) enters as the pseudo-gradient g = -Δ (DiLoCo's sign). K is
+An update commit (local steps) enters as the pseudo-gradient g = -Δ (DiLoCo's sign). With
+`outer_rate` r > 0 a round of updates (each worker's window of local AdamW steps from the round's θ)
+closes with DiLoCo's outer step instead (Douillard et al. 2023): torch's Nesterov SGD at rate r and
+momentum `outer_momentum` on ḡ, its momentum held in m; gradients are then refused. K is
 `round_size`, or with 0 (the default) the workers registered less `backup_workers` (at least 1).
 The reply to a gradient the round took says how many commits it still needs (ApplyStats.pending):
 the SDK then waits for θ to move before it hands θ back, so each worker's next gradient is taken on
@@ -41,6 +44,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gemps_proto import rule_options
 from gemps_proto.ranges import FLOAT32_MAX, INT32_MAX, Range
 from gemps_proto.rule_options import RuleOption
 from gemps_proto.schema import ParameterSpec, PayloadKind
@@ -61,10 +65,13 @@ ADAM_BETA1 = RuleOption("adam_beta1", 0.9, Range(0, 1, high_open=True), "beta1: 
 ADAM_BETA2 = RuleOption("adam_beta2", 0.999, Range(0, 1, high_open=True), "beta2: adamw's second-moment decay")
 ADAM_EPSILON = RuleOption("adam_epsilon", 1e-8, Range(0, 1, low_open=True), "epsilon: adamw's denominator term")
 ADAM_WEIGHT_DECAY = RuleOption(
-    "adam_weight_decay", 0.01, Range(0, 1), "lambda: adamw's decoupled weight decay (on every parameter)"
+    "adam_weight_decay", 0.01, Range(0, 1), "lambda: adamw's decoupled weight decay (see adam_decay_vectors)"
 )
 ROUND_SIZE = RuleOption(
-    "round_size", 0, Range(0, INT32_MAX), "K: adamw's gradients a step; 0: the workers registered less the backups"
+    rule_options.ROUND_SIZE,
+    0,
+    Range(0, INT32_MAX),
+    "K: adamw's commits a round (a step); 0: the workers registered less the backups",
 )
 ADAM_DECAY_VECTORS = RuleOption(
     "adam_decay_vectors",
@@ -78,6 +85,20 @@ GRADIENT_CLIP = RuleOption(
     0.0,
     Range(0, FLOAT32_MAX),
     "adamw's bound on the round's mean gradient's L2 norm, as DDP clips after its all-reduce; 0: none",
+)
+OUTER_RATE = RuleOption(
+    "outer_rate",
+    0.0,
+    Range(0, FLOAT32_MAX),
+    "r: how adamw's round of updates (local steps) moves theta: 0, an AdamW step on their pseudo-gradient -delta; "
+    "r > 0, DiLoCo's outer SGD at rate r (with outer_momentum) on it (1, no momentum: the models averaged)",
+)
+OUTER_MOMENTUM = RuleOption(
+    "outer_momentum",
+    0.0,
+    Range(0, 1, high_open=True),
+    "mu: with outer_rate r > 0, Nesterov momentum on the rounds of updates (DiLoCo's outer step, mu 0.9 "
+    "and r 0.7 in its paper); 0: none",
 )
 BACKUP_WORKERS = RuleOption(
     "backup_workers",
@@ -98,7 +119,7 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
     name = "adamw"
     options = (
         *(ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON, ADAM_WEIGHT_DECAY, ADAM_DECAY_VECTORS),
-        *(GRADIENT_CLIP, ROUND_SIZE, BACKUP_WORKERS),
+        *(GRADIENT_CLIP, ROUND_SIZE, BACKUP_WORKERS, OUTER_RATE, OUTER_MOMENTUM),
     )
 
     def __init__(
@@ -114,6 +135,8 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         gradient_clip: float,
         round_size: int,
         backup_workers: int,
+        outer_rate: float,
+        outer_momentum: float,
         schedule: Schedule = constant_schedule,
     ) -> None:
         super().__init__(num_parameters, learning_rate=learning_rate, schedule=schedule)
@@ -126,6 +149,12 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         self.weight_decay, self.decay_vectors, self.gradient_clip = adam_weight_decay, adam_decay_vectors, gradient_clip
         self._decayed: list[tuple[int, int]] | None = None  # the ranges of θ decayed; None: all of it
         self.round_size, self.backup_workers = round_size, backup_workers
+        if outer_momentum and not outer_rate:
+            raise ValueError(
+                f"outer_momentum {outer_momentum:g} with outer_rate 0: the momentum is that of the outer step on "
+                "rounds of updates, which an outer_rate > 0 turns on (0.7 in DiLoCo's paper)"
+            )
+        self.outer_rate, self.outer_momentum = outer_rate, outer_momentum
         self._vectors = {key: np.zeros(num_parameters, dtype=np.float32) for key in _VECTORS}
         self._steps = 0  # t: AdamW steps taken
         self._buffered = 0  # k: gradients in the round's sum
@@ -148,6 +177,14 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
                     ranges.append((low - start, high - start))
             offset += parameter.size
         self._decayed = ranges
+
+    def refusal(self, kind: PayloadKind) -> str | None:
+        if self.outer_rate and kind is PayloadKind.GRADIENT:
+            return (
+                f"a gradient, where adamw with outer_rate {self.outer_rate:g} averages rounds of updates "
+                "(local steps: gemps.pytorch.LocalSteps, gemps worker --mode dynsgd); outer_rate 0 takes gradients"
+            )
+        return None
 
     def period(self) -> int:
         """K for the round open now: the option's, or the workers registered less the backups (at least one)."""
@@ -193,13 +230,35 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
             self._buffered = buffered
             stats = ApplyStats.constant(1.0 / period)
             return theta, dataclasses.replace(stats, pending=period - buffered, kept_theta=True)
-        updated = self._adamw_step(
-            theta, self._clipped(total / np.float32(buffered)), self.learning_rate_at(context.version)
-        )
+        mean = total / np.float32(buffered)
+        if self.outer_rate and context.kind is PayloadKind.UPDATE:
+            updated = self._outer_step(theta, mean)
+        else:
+            updated = self._adamw_step(theta, self._clipped(mean), self.learning_rate_at(context.version))
         self._vectors["gradient_sum"].fill(0.0)  # `total`, the spare, is written over next round
         self._steps += 1
         self._buffered, self._round_start = 0, context.version + 1
         return updated, ApplyStats.constant(1.0 / buffered)
+
+    def _outer_step(self, theta: np.ndarray, mean: np.ndarray) -> np.ndarray:
+        """θ - r·(ḡ + μ·b) with b ← μ·b + ḡ (torch's Nesterov SGD; μ 0: θ + r·mean Δ), ḡ = `mean`,
+        the round's mean pseudo-gradient -Δ. The first moment, which no AdamW step uses under
+        outer_rate, is b."""
+        updated = self.take_spare(theta)
+        velocity = self._spare_of("first_moment")
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.multiply(self._vectors["first_moment"], np.float32(self.outer_momentum), out=velocity)
+            velocity += mean
+            np.multiply(velocity, np.float32(self.outer_momentum), out=updated)
+            updated += mean
+            updated *= np.float32(-self.outer_rate)
+            updated += theta
+        if not math.isfinite(max_abs(velocity)):
+            self.keep_spare(updated)
+            raise NonFiniteUpdate("the update would make adamw's outer momentum overflow to infinity")
+        updated = self.checked(theta, updated)
+        self._swap("first_moment", velocity)
+        return updated
 
     def _adamw_step(self, theta: np.ndarray, mean: np.ndarray, learning_rate: float) -> np.ndarray:
         """θ after one AdamW step on the round's `mean` gradient, with the moments it makes swapped

@@ -236,6 +236,11 @@ class CommitRule(ABC):
         """The model's parameters, and the values of them this θ holds (`bounds`: a partition's
         start and stop in the whole; (0, P) unpartitioned), once the server knows them."""
 
+    def refusal(self, kind: PayloadKind) -> str | None:
+        """Why this rule, as configured, takes no commit of `kind` (the server refuses it, nothing
+        changed); None, the default: it takes both kinds."""
+        return None
+
     def remove_worker(self, worker_id: str) -> None:  # noqa: B027 (optional hook)
         """A worker left or was evicted: free its state."""
 
