@@ -21,7 +21,7 @@ from gemps.resolver import REPLICA_SEPARATOR
 from gemps.retry import NO_RETRY
 from gemps.router import resolve_address
 from gemps_cli.connection import add_connection_flags, connect
-from gemps_proto import schedules, versions
+from gemps_proto import rule_options, schedules, versions
 from gemps_proto.status import PRIMARY, RecentCommits, most_damped, slowest
 
 
@@ -72,12 +72,26 @@ def schedule_line(status: ServerStatus) -> str:
     return f"{status.config.lr_schedule or schedules.CONSTANT} schedule" + (f": {listed}" if listed else "")
 
 
-def gradients_only_line(status: ServerStatus) -> str:
+def rate_use_line(status: ServerStatus) -> str:
     """What η scales: every rule turns a gradient g into -η·g and takes an update commit as given
-    (gemps_server.domain.rules.base), so under DOWNPOUR an update of +1 moves θ by 1 whatever η."""
+    (gemps_server.domain.rules.base), so under DOWNPOUR an update of +1 moves θ by 1 whatever η;
+    a rule of rounds (adamw) takes AdamW's step at η on each round's mean, or with an outer rate
+    closes its rounds of updates at that rate, η unused."""
+    options, rule = status.config.rule_options, status.config.rule
+    if options.get(rule_options.OUTER_RATE, 0.0) > 0:
+        outer = options[rule_options.OUTER_RATE]
+        return (
+            f"unused: rule {rule} takes update commits alone, each round's mean moved by its outer step "
+            f"(outer_rate {outer:g}), and refuses gradients"
+        )
+    if rule_options.ROUND_SIZE in options:
+        return (
+            f"AdamW's rate in rule {rule}: one step on the mean of each round's commits (a gradient as it is, "
+            "an update commit as its pseudo-gradient -update)"
+        )
     return (
         "multiplies gradient commits only: an update commit (LocalSteps, a worker's local steps) reaches rule "
-        f"{status.config.rule} without it"
+        f"{rule} without it"
     )
 
 
@@ -137,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         say(f"GEM state       {gem_state_line(status)}")
     say(f"rule            {status.config.rule} ({settings})")
     say(f"learning rate   {status.learning_rate:g} now ({schedule_line(status)})")
-    say(f"                {gradients_only_line(status)}")
+    say(f"                {rate_use_line(status)}")
     # Partitions' sums add up to the whole of θ's; with some partitions unreachable, partition 0's slice only.
     noise = client.gradient_noise(statuses).describe(status.active_workers)
     what = noise.removeprefix("noise scale").lstrip(":").strip()

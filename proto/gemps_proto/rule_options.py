@@ -28,6 +28,9 @@ _NAME = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
 #: that finds it in its registration's TrainingConfig.rule_options knows θ holds still while a
 #: round is open (gemps.pytorch.LocalSteps then never looks ahead).
 ROUND_SIZE = "round_size"
+#: The option with which such a rule closes its rounds of update commits with an outer step of
+#: that rate on their mean, its own learning rate unused (adamw's DiLoCo rounds; 0: off).
+OUTER_RATE = "outer_rate"
 
 
 @dataclass(frozen=True)

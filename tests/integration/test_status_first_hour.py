@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import gemps
 from gemps_server.checkpoint_files import load_latest
@@ -80,3 +81,26 @@ def test_status_says_the_learning_rate_scales_gradient_commits_only(start_server
         "                multiplies gradient commits only: an update commit (LocalSteps, a worker's local steps) "
         "reaches rule downpour without it\n"
     ) in shown, shown
+
+
+@pytest.mark.parametrize(
+    "options,says",
+    [
+        ({}, "AdamW's rate in rule adamw: one step on the mean of each round's commits"),
+        (
+            {"outer_rate": 0.7},
+            "unused: rule adamw takes update commits alone, each round's mean moved by its outer step",
+        ),
+    ],
+    ids=["gradients", "outer-rate"],
+)
+def test_status_says_what_the_learning_rate_does_under_rounds(
+    start_server: StartServer, options: dict[str, float], says: str
+) -> None:
+    """Under adamw η is AdamW's rate on each round's mean, updates included, or unused when an
+    outer rate closes the rounds of updates: the line that says η scales gradients alone is not its."""
+    server = start_server(rule="adamw", learning_rate=0.05, **options)
+    with gemps.Client(server.target) as client:
+        client.register(PARAMS)
+        shown = status_of(server.target)
+    assert f"learning rate   0.05 now (constant schedule)\n                {says}" in shown, shown

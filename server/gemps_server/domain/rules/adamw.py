@@ -87,7 +87,7 @@ GRADIENT_CLIP = RuleOption(
     "adamw's bound on the round's mean gradient's L2 norm, as DDP clips after its all-reduce; 0: none",
 )
 OUTER_RATE = RuleOption(
-    "outer_rate",
+    rule_options.OUTER_RATE,
     0.0,
     Range(0, FLOAT32_MAX),
     "r: how adamw's round of updates (local steps) moves theta: 0, an AdamW step on their pseudo-gradient -delta; "
