@@ -204,8 +204,8 @@ class PartitionSupervisor:
                 return EXIT_CANNOT_START
             if not self._start_all():
                 return self._stop_all() or EXIT_CANNOT_START
+            self._say_where()  # before the port file: whoever waits on it finds the line logged
             self._write_port_file()
-            self._say_where()
             while not self._stopping.wait(POLL_SECONDS):
                 self._keep_etcd_alive()
                 # Every partition each poll, none waited for: replicas that died together start

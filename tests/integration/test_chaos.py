@@ -18,7 +18,7 @@ import pytest
 import gemps
 from gemps_server.checkpoint_files import list_checkpoints
 from gemps_worker.cluster import LocalCluster, ServerProcess
-from tests.helpers import CommitLoops, free_port, scrape_series, wait_for
+from tests.helpers import CommitLoops, free_port, scrape_series, stop_process, wait_for
 
 torch = pytest.importorskip("torch")
 
@@ -166,7 +166,7 @@ def test_a_paused_server_makes_clients_time_out_retry_and_carry_on() -> None:
         ]
         loops = CommitLoops(clients, {"w": np.zeros(1000, np.float32)}, np.full(1000, 0.01, np.float32)).start()
         loops.wait_each(10, 60, "commits before the pause")
-        os.kill(server.pid, signal.SIGSTOP)
+        stop_process(server.pid)
         try:
             wait_for(lambda: all(c.retries >= 1 for c in clients) or loops.failures, 60, "every client timing out")
         finally:

@@ -25,7 +25,7 @@ from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_server.replication.local_etcd import LocalEtcd
 from gemps_worker.cluster import ServerProcess
 from tests.data_plane_client import DataPlaneClient
-from tests.helpers import scrape_series, start_partitions
+from tests.helpers import scrape_series, start_partitions, stop_process
 from tests.integration.conftest import StartServer, open_stub
 from tests.integration.test_replicas import commit_until_backup_matches, replica_options
 
@@ -133,7 +133,7 @@ def test_registering_again_forgets_the_residual(start_server: StartServer) -> No
 def commit_across_a_pause(server: ServerProcess, client: gemps.Client, update: np.ndarray) -> gemps.CommitResult:
     """`update` committed while the server is paused (SIGSTOP for 2 s): its attempt times out and
     is sent again (asserted), both reaching the server once it resumes."""
-    os.kill(server.pid, signal.SIGSTOP)
+    stop_process(server.pid)
     resume = threading.Timer(2.0, os.kill, (server.pid, signal.SIGCONT))
     resume.start()
     try:

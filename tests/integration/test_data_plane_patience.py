@@ -28,7 +28,7 @@ from gemps import Client, CommitResult, DeadlineExceededError, RetryPolicy, pati
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.processes import GEMPS_COMMAND
 from gemps_worker.simulated_hosts import SimulatedNetwork
-from tests.helpers import free_port
+from tests.helpers import free_port, stop_process
 
 # 64 MB of float32: more than the kernel's buffers of a socket take in at once (on loopback here up to
 # 4 MB sent and 32 MB received: net.ipv4.tcp_wmem, tcp_rmem), so the write waits for the server.
@@ -44,7 +44,7 @@ def test_an_upload_the_server_takes_in_late_is_waited_for_not_sent_again(tmp_pat
         try:
             client.register({"w": np.zeros(SIZE, np.float32)})
             done: list[CommitResult] = []
-            os.kill(server.pid, signal.SIGSTOP)
+            stop_process(server.pid)
             try:
                 committing = threading.Thread(target=lambda: done.append(client.commit(np.ones(SIZE), kind="update")))
                 committing.start()
@@ -107,7 +107,7 @@ def test_a_server_gone_while_its_reply_is_awaited_is_unavailable_not_a_deadline(
     the keepalives go unanswered, and the attempt fails within seconds as UNAVAILABLE, saying the
     connection timed out (before: DEADLINE_EXCEEDED "sent nothing within the timeout", its 60 s
     timeout far off)."""
-    outcome = one_attempt(network, tmp_path, 1000, lambda server: os.kill(server.pid, signal.SIGSTOP))
+    outcome = one_attempt(network, tmp_path, 1000, lambda server: stop_process(server.pid))
     assert "UNAVAILABLE: data plane of" in outcome["error"], outcome
     assert "the connection timed out" in outcome["error"], outcome
     assert outcome["failed_after_s"] < 20, outcome
@@ -120,7 +120,7 @@ def test_a_server_gone_while_its_full_window_holds_the_upload_fails_the_attempt_
     100 Mbit/s), then offers a window of nothing, and the worker's kernel probes it. Then the
     server's cable is cut. Every byte sent was acknowledged, so only the probes go unanswered: the
     attempt fails UNAVAILABLE within seconds, not at its 60 s (before: the call's time spent)."""
-    outcome = one_attempt(network, tmp_path, SIZE, lambda server: os.kill(server.pid, signal.SIGSTOP), cut_after_s=6)
+    outcome = one_attempt(network, tmp_path, SIZE, lambda server: stop_process(server.pid), cut_after_s=6)
     assert "UNAVAILABLE: data plane of" in outcome["error"], outcome
     assert "answered none of the window probes" in outcome["error"], outcome
     assert outcome["failed_after_s"] < 25, outcome  # its attempt's timeout is 60 s
@@ -134,7 +134,7 @@ def test_an_upload_the_server_never_takes_in_within_the_calls_time_says_so(tmp_p
         client = Client(server.target, plane="data", shared_memory=False, timeout=3, retry=RetryPolicy(max_attempts=1))
         try:
             client.register({"w": np.zeros(SIZE, np.float32)})
-            os.kill(server.pid, signal.SIGSTOP)
+            stop_process(server.pid)
             try:
                 with pytest.raises(DeadlineExceededError) as failed:
                     client.commit(np.ones(SIZE), kind="update")

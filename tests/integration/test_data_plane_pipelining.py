@@ -27,7 +27,7 @@ from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_worker.cluster import ServerProcess
 from tests.data_plane_client import DataPlaneClient, commit_header
-from tests.helpers import InProcessServer, wait_for
+from tests.helpers import InProcessServer, stop_process, wait_for
 from tests.integration.conftest import StartServer, StartServerProcess, open_stub
 from tests.integration.test_data_plane_hostile import refusals
 
@@ -143,7 +143,7 @@ def stopped(server: ServerProcess) -> contextlib.AbstractContextManager[None]:
 
     @contextlib.contextmanager
     def held() -> Iterator[None]:
-        os.kill(server.pid, signal.SIGSTOP)
+        stop_process(server.pid)
         try:
             wait_for(lambda: state() == "T", timeout=5, what="the server stopped")
             yield

@@ -27,7 +27,7 @@ from gemps_server.replication.recovery import Held
 from gemps_server.replication.status import PRIMARY, ReplicationStatus
 from gemps_worker.cluster import ServerProcess
 from tests.etcd_server import etcd_server
-from tests.helpers import wait_for
+from tests.helpers import stop_process, wait_for
 from tests.integration.conftest import StartServerProcess
 from tests.integration.test_replicas import counting, primary_and_backup
 
@@ -189,12 +189,12 @@ def test_replicas_lose_no_acknowledged_commit_when_etcd_restarts_empty_while_a_b
     loops = counting(target, workers=2, timeout=30)
     loops.wait_each(10, 60, "10 commits per worker")
     wait_for(lambda: not replication(primary).under_replicated, 30, "the backup in sync")
-    os.kill(backup.pid, signal.SIGSTOP)
+    stop_process(backup.pid)
     try:
         wait_for(lambda: replication(primary).under_replicated, 30, "the stopped backup dropped")
         loops.wait_each(20, 30, "commits acknowledged by the primary alone")
         restart_empty(etcd)
-        os.kill(primary.pid, signal.SIGSTOP)
+        stop_process(primary.pid)
     finally:
         os.kill(backup.pid, signal.SIGCONT)
     try:

@@ -11,7 +11,7 @@ import signal
 import gemps
 from gemps_server.replication.local_etcd import LocalEtcd
 from gemps_server.replication.status import PRIMARY, ReplicationStatus
-from tests.helpers import wait_for
+from tests.helpers import stop_process, wait_for
 from tests.integration.conftest import StartServerProcess
 from tests.integration.test_replicas import counting, primary_and_backup, replication_of
 
@@ -27,7 +27,7 @@ def test_the_primary_alone_acknowledges_nothing_and_its_death_loses_no_acknowled
     loops = counting(target, workers=3, timeout=30)
     loops.wait_each(10, 60, "10 commits per worker")
     wait_for(lambda: (s := replication_of(primary.target)) is not None and not s.under_replicated, 30, "in sync")
-    os.kill(backup.pid, signal.SIGSTOP)
+    stop_process(backup.pid)
     try:
         seen: list[ReplicationStatus] = []
         dropped_at: list[int] = []  # commits acknowledged when the primary was first seen alone

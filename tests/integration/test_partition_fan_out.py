@@ -20,7 +20,7 @@ from gemps_bench.procfs import partition_pids
 
 from gemps import Client, CommitResult, patient_writes
 from gemps_worker.cluster import ServerProcess
-from tests.helpers import free_port, wait_for
+from tests.helpers import free_port, stop_process, wait_for
 
 # 16M values a partition: 64 MB of float32, more than the kernel's buffers of a socket take in (on loopback
 # here up to 4 MB sent and 32 MB received: net.ipv4.tcp_wmem, tcp_rmem).
@@ -42,7 +42,7 @@ def test_a_large_commit_reaches_the_other_partition_while_the_first_reads_nothin
             client.register({"w": np.zeros(SIZE, np.float32)})
             first = partition_pids(server.pid)[0]
             done: list[CommitResult] = []
-            os.kill(first, signal.SIGSTOP)
+            stop_process(first)
             try:
                 committing = threading.Thread(
                     target=lambda: done.append(client.commit(np.ones(SIZE, np.float32), kind="update"))

@@ -24,7 +24,7 @@ from gemps_server.replication import image_codec
 from gemps_server.replication.local_etcd import LocalEtcd
 from gemps_server.replication.status import BACKUP, PRIMARY, ReplicationStatus
 from gemps_worker.cluster import ServerProcess
-from tests.helpers import CommitLoops, InProcessServer, replication_secret_file, wait_for
+from tests.helpers import CommitLoops, InProcessServer, replication_secret_file, stop_process, wait_for
 from tests.integration.conftest import StartServer, StartServerProcess
 
 LEASE = 1.0  # seconds: short, so failovers in tests take about this long
@@ -235,7 +235,7 @@ def test_a_backup_paused_past_the_timeout_is_dropped_then_reseeded(
     # In sync when it stops: on a loaded machine a backup late for the timeout is dropped and
     # re-seeded on its own, and commits acknowledged then would prove nothing about the pause.
     wait_for(lambda: not replication().under_replicated, 30, "the backup in sync", explain=lambda: repr(replication()))
-    os.kill(backup.pid, signal.SIGSTOP)
+    stop_process(backup.pid)
     stopped = time.monotonic()
     try:
         wait_for(lambda: replication().under_replicated, 30, "the stopped backup dropped from the in-sync set")

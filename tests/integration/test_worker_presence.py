@@ -20,7 +20,7 @@ import pytest
 from gemps_cli.main import main as gemps_main
 
 from gemps import Client
-from tests.helpers import InProcessServer
+from tests.helpers import InProcessServer, stop_process
 from tests.integration.conftest import StartServer, StartServerProcess
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,7 +79,7 @@ def test_exit_is_not_held_up_by_an_unreachable_server(start_server_process: Star
     worker = start_worker(server.target, "--wait")
     try:
         assert worker.stdout is not None and worker.stdout.readline() == "committed\n"
-        os.kill(server.pid, signal.SIGSTOP)
+        stop_process(server.pid)
         started = time.monotonic()
         _, err = worker.communicate("end\n", timeout=60)
         took = time.monotonic() - started
