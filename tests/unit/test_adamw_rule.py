@@ -12,7 +12,7 @@ import torch
 
 from gemps_proto.schema import ParameterSpec, PayloadKind
 from gemps_server.domain.records import Commit
-from gemps_server.domain.rules import CommitRule, NonFiniteUpdate, create_rule
+from gemps_server.domain.rules import CommitRule, NonFiniteUpdate, create_rule, training_problems
 from gemps_server.domain.rules.adamw import AdamWRule
 from gemps_server.domain.rules.base import ApplyStats, StepContext
 from gemps_server.domain.state import ServerState
@@ -184,6 +184,21 @@ def test_with_an_outer_rate_a_round_of_updates_is_diloco_s_outer_step(rate: floa
 def test_an_outer_momentum_without_an_outer_rate_is_refused() -> None:
     with pytest.raises(ValueError, match=re.escape("outer_momentum 0.9 with outer_rate 0")):
         made(outer_momentum=0.9)
+
+
+@pytest.mark.parametrize(
+    "option,value",
+    [("adam_beta1", 0.5), ("adam_beta2", 0.99), ("adam_epsilon", 1e-6), ("adam_weight_decay", 0.1),
+     ("adam_decay_vectors", 1), ("gradient_clip", 1.0)],
+)  # fmt: skip
+def test_an_adamw_step_option_given_with_an_outer_rate_is_refused_naming_it(option: str, value: float) -> None:
+    """Under outer_rate no AdamW step is taken: an option of that step, set, would be accepted and
+    unused; the server's checks refuse it, naming it and the outer rate. Set without an outer rate,
+    or left at its default under one, it is taken."""
+    assert training_problems(training("adamw", **{option: value})) == []
+    assert training_problems(training("adamw", outer_rate=0.7)) == []
+    (problem,) = training_problems(training("adamw", outer_rate=0.7, **{option: value}))
+    assert problem.startswith(f"{option} with outer_rate 0.7: "), problem
 
 
 def test_with_an_outer_rate_a_gradient_is_refused_naming_why() -> None:

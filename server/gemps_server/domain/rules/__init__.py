@@ -78,11 +78,15 @@ def rule_catalog() -> RuleCatalog:
 
 def training_problems(config: TrainingConfig) -> list[str]:
     """What is wrong with `config` for the server: an unknown rule, its own fields' problems, and
-    its options as its rule takes them (an option it does not take, a value out of range)."""
+    its options as its rule takes them (an option it does not take, a value out of range), then
+    those set that the rule would leave unused (CommitRule.idle_options)."""
     found = []
     if config.rule not in _RULES:
         found.append(f"unknown rule {config.rule!r} (choose from {', '.join(_RULES)})")
-    return found + config.problems() + _CATALOG.problems(config.rule, config.rule_options)
+    found += config.problems() + _CATALOG.problems(config.rule, config.rule_options)
+    if found or config.rule not in _RULES:
+        return found
+    return _RULES[config.rule].idle_options(config.rule_options)  # of options in range, as set
 
 
 def with_rule_defaults(config: TrainingConfig) -> TrainingConfig:

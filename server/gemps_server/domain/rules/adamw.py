@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -107,6 +107,9 @@ BACKUP_WORKERS = RuleOption(
     "adamw's workers a round does not wait for (with round_size 0); their late gradients are dropped",
 )
 
+#: what shapes the AdamW step alone, which a round of updates under outer_rate never takes
+ADAMW_STEP_OPTIONS = (ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON, ADAM_WEIGHT_DECAY, ADAM_DECAY_VECTORS, GRADIENT_CLIP)
+
 CHUNK = 1 << 20  # values summed at a time in float64 for the clip's norm
 
 #: the rule's state, all of it outliving the workers' registrations (a checkpoint keeps it)
@@ -117,10 +120,7 @@ _COUNTS = STATE[3:]
 
 class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
     name = "adamw"
-    options = (
-        *(ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON, ADAM_WEIGHT_DECAY, ADAM_DECAY_VECTORS),
-        *(GRADIENT_CLIP, ROUND_SIZE, BACKUP_WORKERS, OUTER_RATE, OUTER_MOMENTUM),
-    )
+    options = (*ADAMW_STEP_OPTIONS, ROUND_SIZE, BACKUP_WORKERS, OUTER_RATE, OUTER_MOMENTUM)
 
     def __init__(
         self,
@@ -161,6 +161,18 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         self._round_start = 0  # r0: the version at which θ last moved
         # The next moments and sum are written here, and swapped in once they and θ are finite.
         self._spares = {key: np.empty(0, dtype=np.float32) for key in _VECTORS}
+
+    @classmethod
+    def idle_options(cls, given: Mapping[str, float]) -> list[str]:
+        rate = given.get(OUTER_RATE.name, OUTER_RATE.default)
+        idle = [option.name for option in ADAMW_STEP_OPTIONS if option.name in given]
+        if not (rate and idle):
+            return []
+        return [
+            f"{', '.join(idle)} with outer_rate {rate:g}: a round of updates then closes with the outer SGD step "
+            "(outer_rate, outer_momentum) and no AdamW step uses them: give them to the workers' own AdamW "
+            "(LocalSteps), or set outer_rate 0 for an AdamW step on each round"
+        ]
 
     def take_spec(self, spec: Sequence[ParameterSpec], bounds: tuple[int, int]) -> None:
         """The ranges of this θ (the values `bounds` holds of the whole) the decay applies to: every

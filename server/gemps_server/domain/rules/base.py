@@ -218,6 +218,13 @@ class CommitRule(ABC):
         return cls(num_parameters, learning_rate=config.learning_rate, **chosen)
 
     @classmethod
+    def idle_options(cls, given: Mapping[str, float]) -> list[str]:
+        """Why options among `given` (those the user set, each in range) would go unused by this
+        rule as `given` configures it: the server refuses them at start-up (training_problems), so
+        nothing set is silently ignored. None, the default: every option it takes is used."""
+        return []
+
+    @classmethod
     def form(cls, settings: Mapping[str, Any]) -> type[CommitRule]:
         """The class that runs this rule under the server's `settings` (its options by name: how a
         rule runs, not what it computes), for a rule of several forms; ValueError for a setting it
