@@ -123,9 +123,9 @@ class AsyncClient:
         """As `Client.register`."""
         return self._call(self.client.register, parameters, buffers)
 
-    def pull(self) -> asyncio.Future[CentralVariable]:
+    def pull(self, *, wait: float = 0.0) -> asyncio.Future[CentralVariable]:
         """As `Client.pull`."""
-        return self._call(self.client.pull)
+        return self._call(functools.partial(self.client.pull, wait=wait))
 
     def commit(
         self, payload: ArrayLike | Mapping[str, ArrayLike], /, **options: Unpack[CommitOptions]

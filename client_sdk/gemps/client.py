@@ -44,7 +44,7 @@ from gemps.records import (
 )
 from gemps.resolver import Target, as_resolver
 from gemps.retry import NO_RETRY, Retrier, RetryPolicy, resolve_patience
-from gemps.rounds import RoundWaits, waits_for_round
+from gemps.rounds import RoundWaits, check_pull_wait, longest_hold, waits_for_round
 from gemps.router import PartitionRouter
 from gemps.serialised import serialised
 from gemps.transport import Transport, call_deadline, refuse_non_finite
@@ -187,7 +187,7 @@ class Client:
             server_name=server_name,
         )
         self._calls = threading.RLock()  # held by each call (gemps.serialised)
-        self._rounds = RoundWaits()
+        self._rounds = RoundWaits(hold=longest_hold(self.attempt_timeout))
         self._max_message_bytes = min(max_message_mb * 1024 * 1024, 2**31 - 1)
         self._retrier = Retrier("", self.retry, stop, self.patience)
         self._metrics = client_metrics(
@@ -258,13 +258,17 @@ class Client:
         return self.registration
 
     @serialised
-    def pull(self) -> CentralVariable:
+    def pull(self, *, wait: float = 0.0) -> CentralVariable:
         """The newest central variable (no payload is sent when ours is already current).
 
         Works without registering too (an observer such as an evaluator): such a read-only
         pull holds no lease and takes the parameter spec from the server's Status.
+
+        `wait`: seconds (at most 10, below `attempt_timeout`) the server may hold its reply while
+        our θ is current, answering once a commit moves θ; 0: at once, as an older server does.
         """
-        return self._router.pull()
+        check_pull_wait(wait, self.attempt_timeout)
+        return self._router.pull(wait)
 
     @waits_for_round  # outside the commit's deadline: each of the round's pulls has its own
     @serialised

@@ -105,6 +105,7 @@ def pull_request(call: PullCall, wire_dtype: int) -> bytes:
         known_version=call.known_version,
         reply_dtype=wire_dtype,  # type: ignore[arg-type]
         known_history=call.known_history,
+        wait_seconds=call.wait_seconds,
     )
     return request.SerializeToString()
 

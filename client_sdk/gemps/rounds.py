@@ -3,12 +3,17 @@
 and carries θ as the round found it. The worker's next gradient belongs on θ after the round: one
 taken before the round closes arrives after it, and the server drops it as stale. So the commit
 hands θ back once it moved, pulling until then: the server answers a pull of the θ the caller
-holds with no payload, whatever commits the round took meanwhile. The pulls start 1 ms apart and
-double up to an eighth of the client's recent waits (at least 20 ms, at most 0.5 s): every worker
-of a round polls while it waits, and a server whose rounds take seconds would otherwise spend its
-CPU answering them (16 workers polling every 20 ms kept a server of 0.3 of a core busy enough to
-halve its rounds' pace on the comparison's rig). A dropped gradient's reply says 0: its θ is the
-open round's, to take the next gradient on.
+holds with no payload, whatever commits the round took meanwhile.
+
+Each pull asks the server to hold its reply until θ moves (`Client.pull(wait=...)`, PullRequest.
+wait_seconds, up to `hold`: below the client's attempt timeout): the worker hears of the round's
+close as the closing commit is counted, with one call, where polls heard of it at their next pull
+and kept the server answering them meanwhile. A reply that comes back unchanged well before its
+wait (a server older than wait_seconds, or one stopping) is polled as before: the pulls start 1 ms
+apart and double up to an eighth of the client's recent waits (at least 20 ms, at most 0.5 s),
+since 16 workers polling every 20 ms kept a server of 0.3 of a core busy enough to halve its
+rounds' pace on the comparison's rig. A dropped gradient's reply says 0: its θ is the open round's,
+to take the next gradient on.
 
 A round can be left waiting for commits that will not come: workers that left or were evicted
 after the round counted them, when every live worker already committed to it. So a wait ends
@@ -27,6 +32,7 @@ from collections.abc import Callable
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 from gemps.records import CentralVariable, CommitResult
+from gemps_proto.schema import MAX_PULL_WAIT_SECONDS, PULL_WAITS
 
 log = logging.getLogger("gemps.rounds")
 
@@ -38,13 +44,29 @@ IDLE_SECONDS = 1.0
 FIRST_PAUSE, LONGEST_PAUSE, SLOWEST_PAUSE = 0.001, 0.02, 0.5
 
 
+def check_pull_wait(wait: float, attempt_timeout: float) -> None:
+    """ValueError unless a pull may ask the server to hold it `wait` seconds: within PULL_WAITS,
+    and below `attempt_timeout`, whose deadline the held attempt keeps."""
+    if not (PULL_WAITS.admits(wait) and wait < attempt_timeout):
+        raise ValueError(f"wait {wait!r} must be within {PULL_WAITS} and below attempt_timeout ({attempt_timeout:g} s)")
+
+
+def longest_hold(attempt_timeout: float) -> float:
+    """How long a round's pulls ask to be held: the most a server holds, and half the attempt's deadline."""
+    return min(MAX_PULL_WAIT_SECONDS, attempt_timeout / 2)
+
+
 class RoundWaits:
     """One client's waits for its rounds, and the longest it saw (what a wait is bounded by)."""
 
     def __init__(
-        self, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        hold: float = MAX_PULL_WAIT_SECONDS,
     ) -> None:
         self.clock, self.sleep = clock, sleep
+        self.hold = hold  # the longest a pull asks the server to hold it (below the attempt's deadline)
         self.longest: float | None = None  # the longest wait for a round that closed, in seconds
         self.recent = 0.0  # the waits for rounds that closed, a running mean (1/4 the newest's weight)
 
@@ -58,18 +80,20 @@ class RoundWaits:
             return ROUND_WAIT_SECONDS
         return min(ROUND_WAIT_SECONDS, max(IDLE_SECONDS, 4 * self.longest))
 
-    def after(self, result: CommitResult, pull: Callable[[], CentralVariable]) -> CommitResult:
-        """`result` with θ once it moved after this commit's round; `result` itself when the
+    def after(self, result: CommitResult, pull: Callable[[float], CentralVariable]) -> CommitResult:
+        """`result` with θ once it moved after this commit's round (`pull(wait)`: the client's
+        pull, held up to `wait` seconds by the server until θ moves); `result` itself when the
         commit moved θ or the rule has no rounds."""
         if not result.round_pending:
             return result
         started, limit, pause, longest_pause = self.clock(), self.limit(), FIRST_PAUSE, self.longest_pause()
         held = result.parameters
         while True:
-            self.sleep(pause)
-            pause = min(longest_pause, 2 * pause)
-            central = pull()
-            waited = self.clock() - started
+            asked = min(self.hold, max(0.0, limit - (self.clock() - started)))
+            before = self.clock()
+            central = pull(asked)
+            now = self.clock()
+            waited = now - started
             if central.version != held.version:  # θ moved
                 self.longest = waited if self.longest is None else max(self.longest, waited)
                 self.recent = waited if self.recent == 0 else 0.75 * self.recent + 0.25 * waited
@@ -81,6 +105,9 @@ class RoundWaits:
                     *(waited, result.round_pending, held.version),
                 )
                 return result
+            if now - before < asked / 2:  # answered before its wait: a server that holds no pull
+                self.sleep(pause)
+                pause = min(longest_pause, 2 * pause)
 
 
 class WaitsForRounds(Protocol):
@@ -89,7 +116,7 @@ class WaitsForRounds(Protocol):
     @property
     def _rounds(self) -> RoundWaits: ...
 
-    def pull(self) -> CentralVariable: ...
+    def pull(self, *, wait: float = 0.0) -> CentralVariable: ...
 
 
 P = ParamSpec("P")
@@ -102,6 +129,6 @@ def waits_for_round(commit: Callable[Concatenate[C, P], CommitResult]) -> Callab
 
     @functools.wraps(commit)
     def committed(self: C, /, *args: P.args, **kwargs: P.kwargs) -> CommitResult:
-        return self._rounds.after(commit(self, *args, **kwargs), self.pull)
+        return self._rounds.after(commit(self, *args, **kwargs), lambda wait: self.pull(wait=wait))
 
     return committed

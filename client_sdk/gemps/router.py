@@ -170,9 +170,10 @@ class PartitionRouter:
         self.central = self._assemble()
         return self.central
 
-    def pull(self) -> CentralVariable:
+    def pull(self, wait: float = 0.0) -> CentralVariable:
         """The newest central variable from every server (no payload when ours is current);
-        unregistered, with the parameter spec and layout from the server's Status."""
+        unregistered, with the parameter spec and layout from the server's Status. `wait`: how
+        long each server may hold its reply while our slice of θ is current (until it moves)."""
         if self.registration is None and not self.spec:
             status = self.status()
             if not status.initialized:
@@ -186,7 +187,7 @@ class PartitionRouter:
             self._adopt(status.layout)
         sessions = self.sessions
         replies = _all_or_raise(
-            self._fan_out(lambda i: sessions[i].start_pull(), lambda i: sessions[i].pull(self._enrolment(i)))
+            self._fan_out(lambda i: sessions[i].start_pull(wait), lambda i: sessions[i].pull(self._enrolment(i), wait))
         )
         changed = False
         for session, pulled in zip(sessions, replies, strict=True):

@@ -109,18 +109,19 @@ class ServerSession:
             values = committed.parameters
         self.received(committed.version, values)
 
-    def pull_call(self) -> PullCall:
-        return PullCall(self.worker_id, self.version, self.history, self.size)
+    def pull_call(self, wait: float = 0.0) -> PullCall:
+        return PullCall(self.worker_id, self.version, self.history, self.size, wait)
 
-    def start_pull(self) -> Pending[Pulled]:
-        return self.link.start_pull(self.pull_call())
+    def start_pull(self, wait: float = 0.0) -> Pending[Pulled]:
+        return self.link.start_pull(self.pull_call(wait))
 
-    def pull(self, enrolment: Enrolment | None) -> Pulled:
-        """Pull this server's slice (retrying); registered: with `enrolment` again if it forgot us."""
+    def pull(self, enrolment: Enrolment | None, wait: float = 0.0) -> Pulled:
+        """Pull this server's slice (retrying); registered: with `enrolment` again if it forgot us.
+        `wait`: how long the server may hold a reply that would be unchanged (PullRequest.wait_seconds)."""
         if self.registration is None:
-            return self.retrier.call(self.link.pull, self.pull_call())
+            return self.retrier.call(self.link.pull, self.pull_call(wait))
         try:
-            return self.retrier.call(self.link.pull, self.pull_call())
+            return self.retrier.call(self.link.pull, self.pull_call(wait))
         except errors.GempsError as error:
             registered = self._register_again(error, enrolment)
         pulled = self.retrier.call(self.link.pull, self.pull_call())  # the new worker id

@@ -63,6 +63,7 @@ class PullCall:
     known_version: int  # of the slice held; -1: none
     known_history: str
     size: int  # how many values the server holds
+    wait_seconds: float = 0.0  # how long the server may hold a reply that would be unchanged (until θ moves)
 
 
 @dataclass(frozen=True)

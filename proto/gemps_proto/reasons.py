@@ -53,6 +53,7 @@ class Reason(str, enum.Enum):
     MEMORY_BUDGET = "memory_budget"  # a registration whose rule state is past the server's --memory-budget-mb
     OUT_OF_MEMORY = "out_of_memory"  # the server could not allocate a registration's state: nothing was kept
     SHARED_MEMORY_LIMIT = "shared_memory_limit"  # shared memory past the server's --max-shared-memory (the socket then)
+    BAD_WAIT = "bad_wait"  # a pull's wait_seconds below zero, not a number, or past MAX_PULL_WAIT_SECONDS
     INTERNAL = "internal"  # the server failed on a request it took (a bug, in its log): it may or may not have applied
 
     def __str__(self) -> str:

@@ -66,6 +66,12 @@ POSITIVE_FACTOR = Range(0, FLOAT32_MAX, low_open=True)
 VERSIONS = Range(0, INT64_MAX, unit="versions")
 SOME_VERSIONS = Range(1, INT64_MAX, unit="versions")
 
+#: The longest a Pull may ask the server to hold its reply until θ moves (PullRequest.wait_seconds):
+#: a worker waiting for its round asks again after it; a held pull keeps one of the server's
+#: concurrent calls (--max-concurrent-rpcs) or its data-plane connection meanwhile.
+MAX_PULL_WAIT_SECONDS = 10.0
+PULL_WAITS = Range(0, MAX_PULL_WAIT_SECONDS, unit="seconds")
+
 
 @dataclass(frozen=True)
 class TrainingConfig:

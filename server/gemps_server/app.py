@@ -223,6 +223,7 @@ class ParameterServer:
         were acknowledged that no checkpoint holds (logged with the versions lost). A part that
         fails to stop (out of descriptors, say) is logged, the others stopped all the same: it
         changes nothing to the outcome, which is whether what was acknowledged is durable."""
+        self.service.waits.stop()  # a pull held until θ moves is answered now, not at the end of the grace
         with contextlib.suppress(Exception):  # each part was stopped, its failure logged: durability decides
             await self._parts.stop(self.config.shutdown_grace if grace is None else grace)
         if self._final is not None and not self._final.durable:

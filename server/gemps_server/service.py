@@ -15,11 +15,12 @@ directly.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -39,7 +40,7 @@ from gemps_server.domain.applier import Applier, Deliver, Timed
 from gemps_server.domain.errors import ResourceExhausted, ServiceError
 from gemps_server.domain.records import Commit, CommitOutcome, R, RegistrationOutcome, ReplyWriter, Snapshot
 from gemps_server.domain.state import ServerState
-from gemps_server.domain.validation import check_evaluation, check_reply_dtype, check_upload
+from gemps_server.domain.validation import check_evaluation, check_pull_wait, check_reply_dtype, check_upload
 from gemps_server.domain.workers import WorkerRecord
 from gemps_server.logs import Throttle, event
 from gemps_server.metrics import ServerMetrics
@@ -47,6 +48,7 @@ from gemps_server.partition_addresses import PartitionAddresses
 from gemps_server.replicas import NO_REPLICAS, Replicas, acknowledged
 from gemps_server.security import RateLimiter, Tickets
 from gemps_server.service_reads import DataPlaneOffer, partition_layout, server_status
+from gemps_server.theta_waits import ThetaWaits
 
 log = logging.getLogger("gemps.server")
 
@@ -89,6 +91,8 @@ class ParameterService:
         # A misbehaving client can send thousands of bad requests a second: log at most one line
         # per (method, reason) a second, counting the lines left out; the metrics count every one.
         self._rejection_log = Throttle(interval=1.0)
+        # Pulls held until θ moves (PullRequest.wait_seconds): half the concurrent calls at most.
+        self.waits = ThetaWaits(limit=config.max_concurrent_rpcs // 2)
 
     # -- what the wire reads (no ordering needed: the event loop reads, the applier writes) -----
 
@@ -216,18 +220,37 @@ class ParameterService:
         worker = self._state.registry.get(worker_id)
         return self.data_plane.tickets.issue(worker.worker_id, worker.client_id)
 
-    async def pull(self, worker_id: str, known_version: int, reply_dtype: int) -> Snapshot:
-        """The current snapshot, encoded in `reply_dtype` unless the caller already has its version."""
-        snapshot, encode = self._current(worker_id, known_version, reply_dtype)
+    async def pull(self, worker_id: str, known_version: int, reply_dtype: int, wait: float = 0.0) -> Snapshot:
+        """The current snapshot, encoded in `reply_dtype` unless the caller already has its version;
+        with `wait` seconds, once θ moved past `known_version` if it has not yet (or they passed)."""
+        snapshot, encode = self._current(worker_id, known_version, reply_dtype, wait)
+        if wait and self.unchanged(known_version, snapshot.version):
+            loop, moved = asyncio.get_running_loop(), asyncio.Event()
+
+            def wake() -> None:  # from the thread that counted the commit
+                loop.call_soon_threadsafe(moved.set)
+
+            forget = self.when_moved(known_version, wait, wake)
+            if forget is not None:
+                try:
+                    await asyncio.wait_for(moved.wait(), wait)
+                except TimeoutError:
+                    pass  # answered unchanged
+                finally:
+                    forget()
+            snapshot, encode = self._current(worker_id, known_version, reply_dtype)
         if encode:  # on the applier: theta may be moving
             snapshot = await self._applier.submit(functools.partial(self._state.core.encoded, reply_dtype))
         return snapshot
 
-    def pull_then(self, worker_id: str, known_version: int, reply_dtype: int, deliver: Deliver[Snapshot]) -> None:
+    def pull_then(
+        self, worker_id: str, known_version: int, reply_dtype: int, deliver: Deliver[Snapshot], wait: float = 0.0
+    ) -> None:
         """pull() for the data plane's loop (a thread that cannot await: the caller that needs
         this half): `deliver` gets the snapshot, at once unless the applier must encode it first
-        (then from the applier's thread)."""
-        snapshot, encode = self._current(worker_id, known_version, reply_dtype)
+        (then from the applier's thread). The data plane holds a pull itself (`when_moved`) before
+        it calls this; `wait` is checked here all the same."""
+        snapshot, encode = self._current(worker_id, known_version, reply_dtype, wait)
         if not encode:
             deliver(snapshot, None)
             return
@@ -237,13 +260,22 @@ class ParameterService:
 
         self._applier.submit_then(functools.partial(self._state.core.encoded, reply_dtype), encoded)
 
+    def when_moved(self, known_version: int, wait: float, wake: Callable[[], None]) -> Callable[[], bool] | None:
+        """Hold a pull of θ at `known_version` for up to `wait` seconds (the caller's timer):
+        ThetaWaits.hold, `wake` called from the thread that counted the commit that moved θ.
+        None: no `wait`, or no hold (answer now); InvalidArgument for a `wait` out of range."""
+        check_pull_wait(wait)
+        return self.waits.hold(lambda: self.unchanged(known_version), wake) if wait else None
+
     def unchanged(self, known_version: int, version: int | None = None) -> bool:
         """Whether a caller holding θ at `known_version` holds θ at `version` (the current one by
         default): a pull's reply then carries none (a rule of rounds keeps θ over several versions)."""
         core = self._state.core
         return core.same_theta(known_version, core.version if version is None else version)
 
-    def _current(self, worker_id: str, known_version: int, reply_dtype: int) -> tuple[Snapshot, bool]:
+    def _current(
+        self, worker_id: str, known_version: int, reply_dtype: int, wait: float = 0.0
+    ) -> tuple[Snapshot, bool]:
         """The current snapshot, and whether the applier must encode it in `reply_dtype` first."""
         self._replicas.require_primary()
         state = self._state
@@ -251,6 +283,7 @@ class ParameterService:
         if worker_id:
             state.registry.touch(worker_id)
         check_reply_dtype(reply_dtype)
+        check_pull_wait(wait)
         snapshot = state.snapshot
         changed = not self.unchanged(known_version, snapshot.version)
         if changed:  # the reply carries θ
@@ -321,6 +354,8 @@ class ParameterService:
                     suppressed=suppressed,
                 )
             return outcome, built
+        if not outcome.stats.kept_theta:
+            self.waits.moved()  # the pulls held for θ to move (a round's waiting workers)
         self._metrics.applied(
             outcome.staleness,
             outcome.stats,

@@ -31,8 +31,23 @@ class Clock:
         self.pauses.append(seconds)
         self.now += seconds
 
-    def pull(self) -> CentralVariable:
+    def pull(self, wait: float = 0.0) -> CentralVariable:
+        """A server that holds no pull (older than PullRequest.wait_seconds): answered at once."""
         return central(9 if self.moves_at is not None and self.now >= self.moves_at else 5)
+
+
+class HoldingServer(Clock):
+    """A server that holds a pull until θ moves (at `moves_at`) or its wait passes."""
+
+    def __init__(self, moves_at: float | None) -> None:
+        super().__init__(moves_at)
+        self.waits: list[float] = []
+
+    def pull(self, wait: float = 0.0) -> CentralVariable:
+        self.waits.append(wait)
+        until = self.now + wait if self.moves_at is None else min(self.now + wait, max(self.now, self.moves_at))
+        self.now = until
+        return super().pull()
 
 
 def waits(clock: Clock) -> RoundWaits:
@@ -80,3 +95,25 @@ def test_a_round_that_does_not_close_is_given_up_at_four_times_the_longest_seen(
     assert result is held and 8.0 <= stuck.now < 8.0 + LONGEST_PAUSE
     assert "its round needed 2 more" in caplog.text and "joins that round" in caplog.text
     assert waits(Clock(None)).limit() == ROUND_WAIT_SECONDS  # before any round: the longest wait
+
+
+def test_a_server_that_holds_pulls_answers_the_wait_in_one_pull_with_no_sleep() -> None:
+    """Each pull asks the server to hold it (at most `hold`): θ moving at 0.5 s is handed back at
+    0.5 s, from one pull and no pause, where polling took tens of pulls."""
+    server = HoldingServer(moves_at=0.5)
+    rounds = RoundWaits(clock=lambda: server.now, sleep=server.sleep, hold=2.0)
+    result = rounds.after(committed(5, pending=3), server.pull)
+    assert result.parameters.version == 9 and server.now == pytest.approx(0.5)
+    assert server.waits == [2.0] and server.pauses == []
+
+
+def test_a_held_wait_asks_no_further_than_the_round_s_limit(caplog: pytest.LogCaptureFixture) -> None:
+    """A round that does not close: holds of `hold` seconds up to the limit, the last one shorter,
+    then the warning; no poll in between."""
+    server = HoldingServer(moves_at=None)
+    rounds = RoundWaits(clock=lambda: server.now, sleep=server.sleep, hold=3.0)
+    rounds.longest = 2.0  # the limit: 8 s
+    with caplog.at_level(logging.WARNING, logger="gemps.rounds"):
+        result = rounds.after(held := committed(5, pending=2), server.pull)
+    assert result is held and server.now == pytest.approx(8.0)
+    assert server.waits == pytest.approx([3.0, 3.0, 2.0]) and server.pauses == []

@@ -247,16 +247,18 @@ class DataPlaneError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "known_version", "reply_dtype", "known_history")
+    __slots__ = ("worker_id", "known_version", "reply_dtype", "known_history", "wait_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KNOWN_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     known_version: int
     reply_dtype: DType
     known_history: str
-    def __init__(self, worker_id: _Optional[str] = ..., known_version: _Optional[int] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., known_history: _Optional[str] = ...) -> None: ...
+    wait_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., known_version: _Optional[int] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., known_history: _Optional[str] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("version", "parameters", "unchanged", "buffers", "history", "integer_buffers")

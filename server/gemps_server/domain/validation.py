@@ -16,7 +16,7 @@ import numpy as np
 from gemps_proto import jobs
 from gemps_proto.reasons import Reason
 from gemps_proto.reply_differences import DIFFERENCE_DTYPES
-from gemps_proto.schema import Buffers, Evaluation, ParameterSpec, PayloadKind, buffer_counts
+from gemps_proto.schema import PULL_WAITS, Buffers, Evaluation, ParameterSpec, PayloadKind, buffer_counts
 from gemps_proto.tensor_codec import (
     WIRE_DTYPE_NAMES,
     EncodedBuffers,
@@ -334,6 +334,12 @@ def check_reply_dtype(dtype: int, *, commit: bool = False) -> None:
         supported = ", ".join(dtype_name(d) for d in allowed)
         what = "a commit's" if commit else "a pull's (difference replies are a commit's)"
         raise InvalidArgument(f"reply_dtype {dtype_name(dtype)} is not one of {what}: {supported}", Reason.BAD_DTYPE)
+
+
+def check_pull_wait(seconds: float) -> None:
+    """InvalidArgument for a pull's wait_seconds outside [0, MAX_PULL_WAIT_SECONDS] or not a number."""
+    if not PULL_WAITS.admits(seconds):
+        raise InvalidArgument(f"wait_seconds {seconds!r} is not within {PULL_WAITS}", Reason.BAD_WAIT)
 
 
 def check_request_id(request_id: str) -> None:

@@ -60,7 +60,7 @@ from gemps_server.service import ParameterService
 from gemps_server.wire import messages, shared_memory
 from gemps_server.wire.data_plane_io import Channel, Hangup, PeerClosed, Revoked, Stalled, Unread, close_fds, pieces
 from gemps_server.wire.data_plane_loop import Call, ReadInto, Task, Wait, Write
-from gemps_server.wire.data_plane_replies import pull_room, reply_room, write_reply
+from gemps_server.wire.data_plane_replies import held_until_moved, pull_room, reply_room, write_reply
 from gemps_server.wire.data_plane_uploads import Held, Lanes
 from gemps_server.wire.shared_memory import SharedRegion
 from gemps_server.wire.shared_memory_budget import SharedMemoryBudget
@@ -322,16 +322,18 @@ class Connection:
     def _pull(self, pull: PullRequested) -> Steps:
         service, request = self._service, pull.request
         known = request.known_version if request.known_history == service.history else -1
-        dtype = reply_dtype_from_proto(request.reply_dtype)
+        dtype, wait = reply_dtype_from_proto(request.reply_dtype), request.wait_seconds
         # No pooled buffer: θ goes from the version's shared encoding, what it pins bounded by the
         # reply budget, held before the snapshot is taken (data_plane_replies.py).
         task = self._task
         assert task is not None
+        if wait and service.unchanged(known):  # held first: θ may then come with the reply (its room below)
+            yield from held_until_moved(task, wait, lambda wake: service.when_moved(known, wait, wake))
         room = pull_room(dtype, service.num_parameters, sent=not pull.shared and not service.unchanged(known))
         if room:
             yield from reply_room(self._lanes.replies, task, room)
         try:
-            snapshot = yield Call(lambda deliver: service.pull_then(request.worker_id, known, dtype, deliver))
+            snapshot = yield Call(lambda deliver: service.pull_then(request.worker_id, known, dtype, deliver, wait))
             unchanged = service.unchanged(known, snapshot.version)
             reply = messages.pull_stream_header_to_proto(
                 snapshot, unchanged, dtype, service.num_parameters, service.history

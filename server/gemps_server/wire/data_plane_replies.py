@@ -21,6 +21,10 @@ So a reply holds no pooled buffer while its reader lags:
 
 Past the window a reply is held to the pace of any transfer (--stream-idle-timeout,
 --min-stream-rate-mb), as before.
+
+A pull that asks to wait (PullRequest.wait_seconds) while θ is the one it holds parks its
+connection until a commit moves θ or the wait passes (`held_until_moved`), holding no buffer and
+no reply room meanwhile: the room is taken after, for the θ it then carries.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from __future__ import annotations
 import array
 import contextlib
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 from gemps_proto.tensor_codec import WIRE_DTYPE_NAMES, expected_nbytes
@@ -119,3 +123,27 @@ def requests_waiting(channel: Channel) -> bool:
     with contextlib.suppress(OSError):
         fcntl.ioctl(channel.sock.fileno(), FIONREAD, count, True)
     return count[0] > 0
+
+
+def held_until_moved(
+    task: Task, wait: float, when_moved: Callable[[Callable[[], None]], Callable[[], bool] | None]
+) -> Steps:
+    """Park `task` until θ moves (`when_moved(wake)`: ParameterService.when_moved for the pull's
+    version and `wait`; None: answer now) or `wait` seconds pass, whichever first: both resume it
+    on the loop's thread, the first alone."""
+    resumed = False
+
+    def resume_once() -> None:
+        nonlocal resumed
+        if not resumed:  # on the loop's thread, both ways: no lock
+            resumed = True
+            task.resume()
+
+    forget = when_moved(lambda: task.loop.post(resume_once))
+    if forget is None:
+        return
+    task.loop.call_later(wait, resume_once)
+    try:
+        yield Parked()
+    finally:  # a connection closed meanwhile: its wait forgotten
+        forget()

@@ -219,7 +219,8 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         held = not self.service.unchanged(known)
         if held:
             await self._hold_reply(context)
-        snapshot = await self.service.pull(request.worker_id, known, reply_dtype_from_proto(request.reply_dtype))
+        dtype = reply_dtype_from_proto(request.reply_dtype)
+        snapshot = await self.service.pull(request.worker_id, known, dtype, request.wait_seconds)
         unchanged = self.service.unchanged(known, snapshot.version)
         if not unchanged and not held:  # the version moved since the check above
             await self._hold_reply(context)
