@@ -14,6 +14,12 @@ and this client's CPU milliseconds per commit, and for each server thread its bu
 waiting in epoll, a futex, a condition or the GIL) with the frames that hold them. With
 `--partitions K` the server is a supervisor and K partition processes: py-spy follows them
 (`--subprocesses`), CPU is summed over all of them, and threads are named by their partition.
+`--count-calls` counts instead the calls the data plane's thread makes per commit, every Python
+function and C function by name (scripts/call_counts/: a profile hook in the server, exact but
+slow, so the rates it prints then are not the server's):
+
+    .venv/bin/python scripts/profile_server.py --size 100K --clients 8 --seconds 5 --count-calls
+
 docs/PERFORMANCE.md keeps the profiles this printed.
 """
 
@@ -23,6 +29,7 @@ import argparse
 import collections
 import contextlib
 import functools
+import os
 import re
 import shutil
 import subprocess
@@ -30,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +64,7 @@ IDLE_FRAMES = (
     "clock_nanosleep",
 )
 WARM_UP_COMMITS = 20
+CALL_COUNTER = Path(__file__).resolve().parent / "call_counts"  # its sitecustomize.py
 
 
 def tree_cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -136,6 +144,32 @@ def summarize(raw: Path, process_names: dict[int, str] | None = None, top: int =
     return "\n".join(lines)
 
 
+def count_calls(environment: MutableMapping[str, str]) -> Path:
+    """Have the server processes started from here count their data-plane thread's calls (into
+    files beside the path returned, one a process: call_counts/sitecustomize.py)."""
+    counts = Path(tempfile.mkdtemp(prefix="gemps-calls-")) / "calls"
+    paths = [str(CALL_COUNTER), *filter(None, [environment.get("PYTHONPATH")])]
+    environment.update(GEMPS_COUNT_CALLS=str(counts), PYTHONPATH=os.pathsep.join(paths))
+    return counts
+
+
+def calls_per_commit(counts: Path, top: int = 40) -> str:
+    """The counts' table per commit: the process whose data-plane thread applied commits (counted
+    by CommitCore.commit_and_reply), its calls a commit in all, Python's apart, and the `top` rows."""
+    for found in sorted(counts.parent.glob(counts.name + ".*")):
+        rows = [line.split("\t") for line in found.read_text().splitlines()]
+        commits = sum(int(n) for n, where, name in rows if name == "commit_and_reply" and where.endswith("core.py"))
+        if not commits:
+            continue
+        every = sum(int(n) for n, _, _ in rows) / commits
+        python = sum(int(n) for n, where, _ in rows if where != "C") / commits
+        lines = [f"{commits} commits on the data plane's thread: {every:.1f} calls a commit, {python:.1f} of Python"]
+        here = str(Path(__file__).resolve().parents[1]) + os.sep  # a file of this checkout by its path in it
+        lines += [f"  {int(n) / commits:7.2f}  {where.removeprefix(here)}  {name}" for n, where, name in rows[:top]]
+        return "\n".join(lines)
+    return f"no process counted a commit on the data plane's thread ({counts.parent})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--system", choices=("gemps", "echo"), default="gemps")
@@ -148,6 +182,9 @@ def main() -> None:
     parser.add_argument("--raw", type=Path, default=None, help="keep py-spy's raw samples here")
     parser.add_argument("--no-profile", action="store_true", help="measure rates and CPU only")
     parser.add_argument("--summarize", type=Path, default=None, help="only print the summary of this raw file")
+    parser.add_argument(
+        "--count-calls", action="store_true", help="count the data plane's calls per commit instead (no py-spy)"
+    )
     args = parser.parse_args()
     if args.summarize:
         print(summarize(args.summarize))
@@ -157,9 +194,19 @@ def main() -> None:
     if args.clients < 1 or (args.clients > 1 and (args.system != "gemps" or args.partitions > 1)):
         parser.error("--clients must be at least 1, and more than 1 only with --system gemps and one partition")
     size = parse_counts(args.size)[0]
+    if args.count_calls and args.system != "gemps":
+        parser.error("--count-calls counts a gemps server's data plane: give it with --system gemps")
+    counts = count_calls(os.environ) if args.count_calls else None
     if args.clients > 1:
-        profile_under_load(size, args.clients, args.seconds, args.raw, args.no_profile)
-        return
+        profile_under_load(size, args.clients, args.seconds, args.raw, args.no_profile or counts is not None)
+    else:
+        profile_one(args, size, args.no_profile or counts is not None)
+    if counts is not None:
+        print(calls_per_commit(counts))
+
+
+def profile_one(args: argparse.Namespace, size: int, no_profile: bool) -> None:
+    """One client (this process) in a closed loop; py-spy on the server unless `no_profile`."""
     gradient = np.random.default_rng(0).standard_normal(size, dtype=np.float32) * np.float32(1e-3)
     raw = args.raw or Path(tempfile.mkdtemp(prefix="gemps-profile-")) / "server.txt"
     with contextlib.ExitStack() as running:
@@ -176,7 +223,7 @@ def main() -> None:
             echo_client = EchoClient(echo.target, streamed=False, chunk_bytes=1 << 20)
             running.callback(echo_client.close)
             pids, commit = {"server": echo.pid}, functools.partial(echo_client.commit, gradient)
-        spy = None if args.no_profile else record(pids["server"], args.seconds - 1, raw, len(pids) > 1)
+        spy = None if no_profile else record(pids["server"], args.seconds - 1, raw, len(pids) > 1)
         figures = closed_loop(commit, pids, args.seconds)
         if spy is not None:
             spy.wait()  # before the server stops: its shutdown is not part of the profile

@@ -201,6 +201,17 @@ def expected_nbytes(dtype: int, shape: Sequence[int]) -> int:
 def expected_payload_nbytes(dtype: int, shape: Sequence[int]) -> int:
     """Bytes a commit payload of this dtype and shape has (θ's wire dtypes, or blockwise codes);
     raises TensorDecodeError for another dtype."""
+    if len(shape) == 1:  # a commit's: asked twice a commit, for θ's few dtypes and one size
+        return _flat_payload_nbytes(dtype, shape[0])
+    return _payload_nbytes(dtype, shape)
+
+
+@functools.lru_cache(maxsize=64)  # keys of two ints: bounded whatever the wire sends
+def _flat_payload_nbytes(dtype: int, size: int) -> int:
+    return _payload_nbytes(dtype, (size,))
+
+
+def _payload_nbytes(dtype: int, shape: Sequence[int]) -> int:
     if any(d < 0 for d in shape):
         raise TensorDecodeError(f"negative dimension in shape {list(shape)}")
     if dtype in _CODE_DTYPES:

@@ -99,7 +99,7 @@ class ParameterServer:
             memory=memory,
             compiled_core=config.compiled_core,
         )
-        self.applier = Applier(observer=lambda timing: self.metrics.applier_ran(timing.run_seconds, timing.cpu_seconds))
+        self.applier = Applier(observer=self.metrics.applier_ran)
         self._observe_state()
         self.checkpointer = (
             Checkpointer(config, self.state, self.applier, self.metrics) if config.checkpoint_dir else None

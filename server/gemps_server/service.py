@@ -338,9 +338,9 @@ class ParameterService:
     def _committed(self, commit: Commit, timed: Timed[tuple[CommitOutcome, R]]) -> tuple[CommitOutcome, R]:
         """A commit's bookkeeping once the applier ran it, whichever wire it came through."""
         outcome, built = timed.result
-        self._metrics.tensor_bytes("received", commit.payload.dtype, len(commit.payload.data))
-        sent = outcome.reply_dtype(commit.reply_dtype)
-        self._metrics.tensor_bytes("sent", sent, expected_payload_nbytes(sent, [self._state.num_parameters]))
+        traffic, sent = self._metrics.traffic, outcome.reply_dtype(commit.reply_dtype)  # per commit: no facade
+        traffic.tensor_bytes("received", commit.payload.dtype, len(commit.payload.data))
+        traffic.tensor_bytes("sent", sent, expected_payload_nbytes(sent, (self._state.num_parameters,)))
         if outcome.duplicate:
             self._metrics.duplicate()
             suppressed = self._rejection_log.allow(("Commit", "duplicate"))

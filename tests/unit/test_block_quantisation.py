@@ -15,8 +15,10 @@ from hypothesis.extra.numpy import arrays
 from gemps.compression import Compressor
 from gemps_proto import block_quantisation as bq
 from gemps_proto.schema import ParameterSpec
+from gemps_proto import tensor_codec
 from gemps_proto.tensor_codec import (
     COMPRESSIONS,
+    FLOAT32,
     INT4_BLOCK,
     INT8_BLOCK,
     TOPK_BLOCK,
@@ -194,3 +196,19 @@ def test_coding_a_payload_holds_little_beyond_its_bytes_and_their_values() -> No
         tracemalloc.stop()
     kept = len(data) + decoded.nbytes  # 1 and 4 bytes a value
     assert peak <= kept + 1.5 * count, f"{peak / count:.1f} bytes a value at the peak, {kept / count:.1f} kept"
+
+
+def test_payload_sizes_asked_per_commit_are_remembered_for_few_keys_and_shapes_unremembered() -> None:
+    """expected_payload_nbytes remembers flat sizes (asked twice a commit) under keys of two ints,
+    at most 64 of them whatever sizes the wire announces, and answers as it computes them: a
+    negative size, an unknown dtype or a shape of several dimensions refused or counted each time."""
+    for size in range(1, 1_000):
+        assert expected_payload_nbytes(FLOAT32, [size]) == 4 * size
+        assert expected_payload_nbytes(FLOAT32, (size,)) == 4 * size
+    assert tensor_codec._flat_payload_nbytes.cache_info().currsize <= 64
+    assert expected_payload_nbytes(FLOAT32, (3, 5)) == 60
+    for _ in range(2):
+        with pytest.raises(TensorDecodeError, match="negative"):
+            expected_payload_nbytes(FLOAT32, [-1])
+        with pytest.raises(TensorDecodeError, match="unsupported dtype"):
+            expected_payload_nbytes(999, [5])

@@ -188,3 +188,23 @@ def test_created_series_go_when_prometheus_client_disables_them() -> None:
         prometheus_client.enable_created_metrics()
     assert "_created" not in text
     assert "gemps_commit_staleness_created" in generate_latest(metrics.registry).decode()
+
+
+@pytest.mark.parametrize("plane", ["grpc", "data"])
+def test_one_call_records_what_its_three_events_record(plane: str) -> None:
+    """TrafficMetrics.call (the data plane's one call a request) is rpc(), message_received() and
+    message_sent() to the sample."""
+    apart, together = ServerMetrics(), ServerMetrics()
+    for seconds, received, sent in ((2**-11, 3, 5), (0.25, 400_000, 17), (30.0, 0, 0)):
+        apart.rpc("Commit", seconds, plane)
+        apart.message_received("Commit", received, plane)
+        apart.message_sent("Commit", sent, plane)
+        together.traffic.call("Commit", seconds, received, sent, plane)
+
+    def served(metrics: ServerMetrics) -> Samples:  # the server's own series (not the process's, nor times)
+        found = samples(metrics.registry).items()
+        return {key: value for key, value in found if key[0].startswith("gemps_") and not key[0].endswith("_created")}
+
+    recorded = served(together)
+    assert recorded == served(apart)
+    assert recorded[("gemps_rpc_duration_seconds_count", (("method", "Commit"), ("plane", plane)))] == 3

@@ -48,3 +48,24 @@ def test_a_process_missing_from_the_names_is_named_by_its_pid(tmp_path: Path) ->
     raw.write_text(RAW + "\n")
     summary = load_profile_script().summarize(raw)
     assert "== thread process 101 MainThread: 3 samples, 3 busy" in summary
+
+
+def test_calls_are_read_per_commit_from_the_process_whose_data_plane_applied_them(tmp_path: Path) -> None:
+    """--count-calls: the process that counted commits is read (a client's file, none), its calls a
+    commit in all and of Python, most first; the hook is on the server's PYTHONPATH first."""
+    script = load_profile_script()
+    environment = {"PYTHONPATH": "/elsewhere"}
+    counts = script.count_calls(environment)
+    assert environment["GEMPS_COUNT_CALLS"] == str(counts)
+    assert environment["PYTHONPATH"].split(":") == [str(SCRIPT.parent / "call_counts"), "/elsewhere"]
+    assert (SCRIPT.parent / "call_counts" / "sitecustomize.py").exists()
+    assert script.calls_per_commit(counts).startswith("no process counted a commit")
+    Path(f"{counts}.1").write_text("40\tC\tlen\n")  # a process that applied nothing
+    Path(f"{counts}.2").write_text(
+        "60\tC\tisinstance\n30\t/x/server/gemps_server/wire/data_plane_calls.py\trequest\n"
+        "10\t/x/server/gemps_server/domain/core.py\tcommit_and_reply\n"
+    )
+    summary = script.calls_per_commit(counts).splitlines()
+    assert summary[0] == "10 commits on the data plane's thread: 10.0 calls a commit, 4.0 of Python"
+    assert summary[1].split() == ["6.00", "C", "isinstance"]
+    assert summary[2].split()[0] == "3.00" and summary[2].endswith("request")

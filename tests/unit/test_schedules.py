@@ -12,7 +12,7 @@ from gemps_proto.schedules import SCHEDULES, learning_rate_at
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
 from gemps_server.domain.records import Commit
 from gemps_server.domain.rules import create_rule, rule_names
-from gemps_server.domain.rules.base import StepContext
+from gemps_server.domain.rules.base import StepContext, constant_schedule
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.metrics import ServerMetrics
@@ -211,3 +211,15 @@ def test_the_learning_rate_gauge_reads_eta_at_the_live_version() -> None:
     )
     for version[0] in (0, 5, 10, 20):
         assert metrics.registry.get_sample_value("gemps_learning_rate") == learning_rate_at(config, version[0])
+
+
+def test_a_rule_takes_the_constant_schedule_as_itself_and_any_other_from_its_config() -> None:
+    """The factor is asked on every commit: a constant schedule without a warm-up is the plain
+    function, every other schedule (or a warm-up) the config's, each giving eta as configured."""
+    from gemps_server.domain.rules.base import constant_schedule
+
+    plain = create_rule(training(learning_rate=0.05), 4)
+    assert plain.schedule is constant_schedule and plain.learning_rate_at(12_345) == 0.05
+    warmed = create_rule(training(learning_rate=0.05, lr_warmup_commits=10), 4)
+    assert warmed.schedule is not constant_schedule
+    assert [warmed.learning_rate_at(v) for v in (0, 4, 9, 50)] == pytest.approx([0.005, 0.025, 0.05, 0.05])

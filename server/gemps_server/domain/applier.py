@@ -36,8 +36,9 @@ class Timed(Generic[T]):
     timing: Timing
 
 
-# Called after each operation, on the thread that ran it (the utilisation metric).
-Observer = Callable[[Timing], None]
+# Called after each operation, on the thread that ran it, with its run and CPU seconds (the
+# utilisation metric).
+Observer = Callable[[float, float], None]
 # Hands an outcome (or the exception that refused it) to whoever submitted it, not waiting for it.
 Deliver = Callable[[T | None, BaseException | None], None]
 
@@ -150,7 +151,7 @@ class Applier:
                 self._pending -= 1
         timing = Timing(0.0, time.perf_counter() - started, time.thread_time() - cpu)
         if self._observer is not None:
-            self._observer(timing)
+            self._observer(timing.run_seconds, timing.cpu_seconds)
         return Timed(result, timing)
 
     def stop(self) -> None:
@@ -180,7 +181,7 @@ class Applier:
         with self._pending_lock:
             self._pending -= 1
         if self._observer is not None:
-            self._observer(timing)
+            self._observer(timing.run_seconds, timing.cpu_seconds)
         outcome = Timed(result, timing) if error is None else None
         result = None  # nothing of it held here once delivered
         deliver(outcome, error)

@@ -121,6 +121,13 @@ class TrafficMetrics:
     def rpc(self, method: str, seconds: float, plane: str = "grpc") -> None:
         self.rpc_duration.observe(seconds, self._children[plane, method])
 
+    def call(self, method: str, seconds: float, received: int, sent: int, plane: str = "grpc") -> None:
+        """One call's rpc(), message_received() and message_sent() together (a data-plane request's)."""
+        child = self._children[plane, method]
+        self.rpc_duration.observe(seconds, child)
+        self.received.inc(received, child)
+        self.sent.inc(sent, child)
+
     def message_received(self, method: str, size: int, plane: str = "grpc") -> None:
         self.received.inc(size, self._children[plane, method])
 

@@ -31,6 +31,8 @@ Piece = bytes | bytearray | memoryview
 # Room for one descriptor's ancillary data per read (two, by alignment, on 64-bit Linux): a peer
 # that passes more has the rest closed by the kernel (MSG_CTRUNC), and is refused.
 FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize) if hasattr(socket, "CMSG_SPACE") else 0
+# As a plain int: `flags & socket.MSG_CTRUNC` makes an enum.IntFlag, a few microseconds per read.
+MSG_CTRUNC = int(getattr(socket, "MSG_CTRUNC", 0))
 
 
 class Hangup(Exception):
@@ -112,11 +114,13 @@ class Channel:
     def _receive_fds(self, view: memoryview) -> int:
         """recvmsg: the bytes into `view`, the descriptors into `fds`; Hangup past `fd_budget`."""
         count, ancillary, flags, _address = self.sock.recvmsg_into([view], FD_SPACE)
+        cut = bool(flags & MSG_CTRUNC)  # more than fit: the kernel closed the rest
+        if not ancillary and not cut:  # no descriptor: every frame but an ATTACH
+            return count
         passed = array.array("i")
         for level, kind, data in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 passed.frombytes(data[: len(data) - len(data) % passed.itemsize])
-        cut = bool(flags & socket.MSG_CTRUNC)  # more than fit: the kernel closed the rest
         if (passed and len(self.fds) + len(passed) > self.fd_budget) or (cut and not self.fd_budget):
             close_fds(passed)
             raise Hangup("descriptors")
