@@ -103,6 +103,7 @@ NOT_OPTIONS: Mapping[str, str] = {
     "GEMPS_REQUIRE_PEERS": "the tests: fail, not skip, without the comparison peers' virtualenv (CI)",
     "GEMPS_SKIP_CONTAINER_TESTS": "the tests: skip the container tests",
     "GEMPS_TEST_CRASH_FROM": "the tests: a server that crashes on purpose",
+    "GEMPS_COUNT_CALLS": "scripts/profile_server.py --count-calls: a server counting its data plane's calls",
     "GEMPS_CONTAINER_RIG": "tools/install-system-deps",
     "GEMPS_TOOLS_DIR": "tools/install-system-deps",
     "GEMPS_TOOLS_BIN": "tools/install-system-deps",
