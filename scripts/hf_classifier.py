@@ -96,28 +96,37 @@ def accuracy(model: BertForSequenceClassification) -> float:
 
 
 def arguments(
-    folder: str, epochs: float, seed: int, batch: int = BATCH, learning_rate: float = LEARNING_RATE
+    folder: str, epochs: float, seed: int, batch: int = BATCH, learning_rate: float = LEARNING_RATE, warmup: float = 0
 ) -> TrainingArguments:
     """The Trainer's arguments as a user writes them: its AdamW's learning rate, weight decay, and
-    its default linear schedule."""
+    its default linear schedule (with `warmup`: the Trainer's warmup_steps, a share of its steps
+    below 1)."""
     return TrainingArguments(
         output_dir=folder, learning_rate=learning_rate, weight_decay=WEIGHT_DECAY, num_train_epochs=epochs,
+        warmup_steps=int(warmup) if warmup >= 1 else warmup,
         per_device_train_batch_size=batch, save_strategy="no", report_to="none", use_cpu=True,
         disable_tqdm=True, logging_strategy="no", seed=seed, dataloader_drop_last=True,
     )  # fmt: skip
 
 
 def train_worker(
-    variant: str, address: str, index: int, workers: int, epochs: float, seed: int, learning_rate: float
+    variant: str,
+    address: str,
+    index: int,
+    workers: int,
+    epochs: float,
+    seed: int,
+    learning_rate: float,
+    warmup: float = 0,
 ) -> dict[str, Any]:
     """One Trainer on its part of the training set, through the server at `address`, its AdamW at
-    `learning_rate`."""
+    `learning_rate` after `warmup` (warmup_steps)."""
     torch.set_num_threads(1)
     model = tiny_bert(seed)
     data = DigitTokens(train=True, part=index, parts=workers)
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as folder:
-        args = arguments(folder, epochs, seed * 1000 + index, learning_rate=learning_rate)
+        args = arguments(folder, epochs, seed * 1000 + index, learning_rate=learning_rate, warmup=warmup)
         optimizer: RemoteOptimizer | LocalSteps
         if variant == "remote":  # the SDK guide's way for gradients: the server's η and schedule
             optimizer = RemoteOptimizer(model, address, name=f"w{index}")
@@ -140,7 +149,11 @@ def train_worker(
     # The rate the Trainer's schedule starts from, as AdamW's group holds it (what --gemps-learning-rate
     # set); RemoteOptimizer's belongs to the server, which refuses it to be read as a group's.
     start = optimizer.param_groups[0]["initial_lr"] if isinstance(optimizer, LocalSteps) else None
-    return {"worker": index, "seconds": time.monotonic() - started, "learning_rate": start}
+    steps = trainer.state.max_steps
+    return {
+        "worker": index, "seconds": time.monotonic() - started, "learning_rate": start, "steps": steps,
+        "warmup_steps": args.get_warmup_steps(steps),  # the schedule's, as the Trainer read --gemps-warmup
+    }  # fmt: skip
 
 
 def run_alone(epochs: float, seed: int, batch: int = BATCH) -> dict[str, Any]:
@@ -155,14 +168,20 @@ def run_alone(epochs: float, seed: int, batch: int = BATCH) -> dict[str, Any]:
 
 
 def run_through_gemps(
-    variant: str, workers: int, epochs: float, seed: int, rule: str, learning_rate: float = LEARNING_RATE
+    variant: str,
+    workers: int,
+    epochs: float,
+    seed: int,
+    rule: str,
+    learning_rate: float = LEARNING_RATE,
+    warmup: float = 0,
 ) -> dict[str, Any]:
-    """`workers` Trainer processes on one server (each its AdamW at `learning_rate`); the held-out
-    accuracy of the server's θ."""
+    """`workers` Trainer processes on one server (each its AdamW at `learning_rate` after `warmup`);
+    the held-out accuracy of the server's θ."""
     rule = "gem" if variant == "remote" else rule
     with ServerProcess(rule=rule, learning_rate=0.05) as server:
         command = [sys.executable, __file__, "--worker", variant, server.target, str(workers), str(epochs), str(seed),
-                   repr(learning_rate)]  # fmt: skip
+                   repr(learning_rate), repr(warmup)]  # fmt: skip
         started = time.monotonic()
         processes = [subprocess.Popen([*command, str(index)], stdout=subprocess.PIPE) for index in range(workers)]
         reports = []
@@ -181,9 +200,9 @@ def run_through_gemps(
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        variant, address, workers, epochs, seed, learning_rate, index = sys.argv[2:9]
+        variant, address, workers, epochs, seed, learning_rate, warmup, index = sys.argv[2:10]
         report = train_worker(
-            variant, address, int(index), int(workers), float(epochs), int(seed), float(learning_rate)
+            variant, address, int(index), int(workers), float(epochs), int(seed), float(learning_rate), float(warmup)
         )
         print(json.dumps(report), flush=True)
         return 0
@@ -199,8 +218,17 @@ def main(argv: list[str] | None = None) -> int:
         default=LEARNING_RATE,
         help="the Trainer's learning_rate in the workers through gemps (alone and ddp keep 1e-3)",
     )
+    parser.add_argument(
+        "--gemps-warmup",
+        type=float,
+        default=0.0,
+        help="the Trainer's warmup_steps in the workers through gemps: steps, or below 1 a share of its steps "
+        "(alone and ddp keep none, the Trainer's default)",
+    )
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
+    if not args.gemps_warmup >= 0 or (args.gemps_warmup >= 1 and args.gemps_warmup != int(args.gemps_warmup)):
+        parser.error(f"--gemps-warmup is {args.gemps_warmup:g}: give whole steps, or a share of the steps in [0, 1)")
     if not args.gemps_learning_rate > 0:
         parser.error(f"--gemps-learning-rate is {args.gemps_learning_rate:g}: give a rate above 0")
     for variant in args.variants:
@@ -209,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     results: dict[str, Any] = {
         "workers": args.workers, "epochs": args.epochs, "rule": args.rule,
-        "gemps_learning_rate": args.gemps_learning_rate, "runs": {},
+        "gemps_learning_rate": args.gemps_learning_rate, "gemps_warmup": args.gemps_warmup, "runs": {},
     }  # fmt: skip
     for variant in args.variants:
         runs = []
@@ -217,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
             if variant in ("alone", "ddp"):
                 run = run_alone(args.epochs, seed, BATCH * (args.workers if variant == "ddp" else 1))
             else:
-                run = run_through_gemps(variant, args.workers, args.epochs, seed, args.rule, args.gemps_learning_rate)
+                run = run_through_gemps(
+                    variant, args.workers, args.epochs, seed, args.rule, args.gemps_learning_rate, args.gemps_warmup
+                )
             runs.append(run)
             print(
                 f"{variant} seed {seed}: held-out accuracy {run['accuracy']:.4f} in {run['seconds']:.0f} s", flush=True

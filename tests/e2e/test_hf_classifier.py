@@ -5,9 +5,12 @@ full runs are in docs/RESULTS.md, "A transformer classifier under the Trainer").
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CHANCE = 0.10  # ten classes
@@ -28,23 +31,28 @@ def test_the_users_adamw_through_local_steps_learns_as_adamw_alone(tmp_path: Pat
     assert "local:1 seed 0: held-out accuracy" in result.stdout
 
 
-def test_the_workers_trainer_starts_from_the_rate_given_to_them(tmp_path: Path) -> None:
+def test_the_workers_trainer_starts_from_the_rate_and_the_warm_up_given_to_them(tmp_path: Path) -> None:
     """`--gemps-learning-rate` is the workers' Trainer's `learning_rate` (the reference keeps 1e-3):
-    AdamW's group starts its schedule there."""
+    AdamW's group starts its schedule there; `--gemps-warmup` its warmup_steps, a share of its steps."""
     out = tmp_path / "figures.json"
     command = [
         sys.executable, str(ROOT / "scripts" / "hf_classifier.py"), "--variants", "local:1", "--workers", "2",
-        "--epochs", "0.5", "--gemps-learning-rate", "2e-3", "--json", str(out),
+        "--epochs", "0.5", "--gemps-learning-rate", "2e-3", "--gemps-warmup", "0.5", "--json", str(out),
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     written = json.loads(out.read_text())
     workers = written["runs"]["local:1"]["runs"][0]["workers"]
     assert [worker["learning_rate"] for worker in workers] == [2e-3, 2e-3]
-    assert written["gemps_learning_rate"] == 2e-3
+    assert written["gemps_learning_rate"] == 2e-3 and written["gemps_warmup"] == 0.5
+    assert all(worker["steps"] > 1 and worker["warmup_steps"] == math.ceil(worker["steps"] / 2) for worker in workers)
 
 
-def test_a_rate_it_cannot_train_at_is_refused_naming_it() -> None:
-    command = [sys.executable, str(ROOT / "scripts" / "hf_classifier.py"), "--gemps-learning-rate", "0"]
+@pytest.mark.parametrize(
+    ("option", "value", "refusal"),
+    [("--gemps-learning-rate", "0", "--gemps-learning-rate is 0"), ("--gemps-warmup", "2.5", "--gemps-warmup is 2.5")],
+)
+def test_a_rate_or_a_warm_up_it_cannot_train_with_is_refused_naming_it(option: str, value: str, refusal: str) -> None:
+    command = [sys.executable, str(ROOT / "scripts" / "hf_classifier.py"), option, value]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2 and "--gemps-learning-rate is 0" in result.stderr, result.stderr
+    assert result.returncode == 2 and refusal in result.stderr, result.stderr
