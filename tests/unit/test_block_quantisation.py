@@ -14,8 +14,8 @@ from hypothesis.extra.numpy import arrays
 
 from gemps.compression import Compressor
 from gemps_proto import block_quantisation as bq
-from gemps_proto.schema import ParameterSpec
 from gemps_proto import tensor_codec
+from gemps_proto.schema import ParameterSpec
 from gemps_proto.tensor_codec import (
     COMPRESSIONS,
     FLOAT32,

@@ -216,7 +216,6 @@ def test_the_learning_rate_gauge_reads_eta_at_the_live_version() -> None:
 def test_a_rule_takes_the_constant_schedule_as_itself_and_any_other_from_its_config() -> None:
     """The factor is asked on every commit: a constant schedule without a warm-up is the plain
     function, every other schedule (or a warm-up) the config's, each giving eta as configured."""
-    from gemps_server.domain.rules.base import constant_schedule
 
     plain = create_rule(training(learning_rate=0.05), 4)
     assert plain.schedule is constant_schedule and plain.learning_rate_at(12_345) == 0.05
