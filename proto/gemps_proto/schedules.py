@@ -60,18 +60,31 @@ class ScheduleConfig(Protocol):
     def lr_min(self) -> float: ...
 
 
+def _no_warmup(config: ScheduleConfig) -> bool:
+    return config.lr_warmup_commits <= 0
+
+
+def _no_decay(config: ScheduleConfig) -> bool:
+    """An empty name (the protocol's default: a server that announces no schedule) is the constant schedule."""
+    return config.lr_schedule in (CONSTANT, "")
+
+
+def is_constant(config: ScheduleConfig) -> bool:
+    """η is learning_rate at every version: the constant schedule, no warm-up."""
+    return _no_warmup(config) and _no_decay(config)
+
+
 def warmup_factor(config: ScheduleConfig, version: int) -> float:
     """min(1, (v + 1) / W): linear warm-up over lr_warmup_commits versions (1 when there is none)."""
-    if config.lr_warmup_commits <= 0:
+    if _no_warmup(config):
         return 1.0
     return min(1.0, (version + 1) / config.lr_warmup_commits)
 
 
 def decay_factor(config: ScheduleConfig, version: int) -> float:
-    """The schedule's decay at `version`, relative to learning_rate. An empty name (the
-    protocol's default: a server that announces no schedule) is the constant schedule."""
+    """The schedule's decay at `version`, relative to learning_rate (1 for the constant schedule)."""
     name = config.lr_schedule
-    if name in (CONSTANT, ""):
+    if _no_decay(config):
         return 1.0
     if name == STEP:
         return float(config.lr_gamma ** (version // config.lr_step_size))

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from gemps_proto.rule_options import RuleOption, option_problems
-from gemps_proto.schedules import CONSTANT, schedule_factor
+from gemps_proto.schedules import is_constant, schedule_factor
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
 from gemps_server.native import noise_window
 
@@ -214,8 +214,7 @@ class CommitRule(ABC):
         accepted = inspect.signature(cls.__init__).parameters
         chosen: dict[str, Any] = {o.name: o.kind(config.rule_options.get(o.name, o.default)) for o in cls.options}
         # The constant schedule as itself: the factor is asked on every commit (three calls fewer).
-        constant = config.lr_schedule in (CONSTANT, "") and config.lr_warmup_commits <= 0
-        chosen["schedule"] = constant_schedule if constant else partial(schedule_factor, config)
+        chosen["schedule"] = constant_schedule if is_constant(config) else partial(schedule_factor, config)
         chosen.update({key: value for key, value in run_options.items() if key in accepted})
         return cls(num_parameters, learning_rate=config.learning_rate, **chosen)
 
