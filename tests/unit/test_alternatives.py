@@ -357,7 +357,7 @@ def test_a_search_records_the_rate_and_redraws_the_table_and_figure(
         return {"cell": {"scenario": cell.scenario, "system": cell.system, "workload": cell.workload,
                          "seed": cell.seed}, "time_to_target_s": reached, "final": {"accuracy": 0.9, "loss": 0.3},
                 "goodput": 1.0, "bytes_per_sample": 100.0, "restarts": 0, "load_average": [1.0],
-                "learning_rate": rate, "duration_s": 60.0}  # fmt: skip
+                "learning_rate": rate, "duration_s": 60.0, "target": target}  # fmt: skip
 
     monkeypatch.setattr(command, "run_cell", fake_run)
     monkeypatch.setattr(command, "unavailable_reason", lambda: None)

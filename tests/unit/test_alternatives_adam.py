@@ -15,7 +15,7 @@ from gemps_bench.alternatives.contract import local_optimizer, parse_worker_args
 from gemps_bench.alternatives.systems.base import ADAMW_LEARNING_RATES, RunPlan
 from gemps_bench.alternatives.systems.peers import manifest
 from gemps_bench.alternatives.systems.registry import system, system_names
-from gemps_bench.alternatives.workloads import WORKLOADS, workload
+from gemps_bench.alternatives.workloads import WORKLOADS, targets, workload
 
 ADAM_PATH = {"gemps-adam", "gemps-adamw", "ddp-adamw", "ddp-adamw-bf16", "torchft_ddp_adamw", "hivemind_adamw"}
 ON_THE_SERVER = {"gemps-adamw"}  # AdamW is the server's rule: its workers commit gradients
@@ -55,7 +55,7 @@ def test_the_search_runs_each_systems_own_grid_and_keeps_the_recorded_rates(
         return {"cell": {"scenario": cell.scenario, "system": cell.system, "workload": cell.workload,
                          "seed": cell.seed}, "time_to_target_s": None, "final": {"accuracy": 0.3, "loss": final},
                 "goodput": 1.0, "bytes_per_sample": 100.0, "restarts": 0, "load_average": [1.0],
-                "learning_rate": rate, "duration_s": 60.0}  # fmt: skip
+                "learning_rate": rate, "duration_s": 60.0, "target": target}  # fmt: skip
 
     monkeypatch.setattr(command, "run_cell", fake_run)
     monkeypatch.setattr(command, "unavailable_reason", lambda: None)
@@ -118,3 +118,35 @@ def test_a_manifest_entry_with_an_unknown_optimizer_is_refused_naming_it(tmp_pat
     path.write_text(json.dumps({"torchft_ddp_lamb": {"program": "torchft_ddp", "optimizer": "lamb"}}))
     with pytest.raises(ValueError, match="torchft_ddp_lamb's optimizer 'lamb'; choose from sgd, adamw"):
         manifest(path)
+
+
+def test_a_deeper_target_is_chosen_by_name_and_never_mixed_with_another_in_one_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--target deep` measures charlm's cells to the loss read from one AdamW worker's curve
+    (targets.json); a name the workload lacks is refused naming the ones it has, and cells of one
+    target are refused a folder of another's, where the table's times would mean two things."""
+    ran: list[float] = []
+
+    def fake_run(cell: Any, runs: Path, rate: float, target: float) -> dict[str, Any]:
+        ran.append(target)
+        return {"cell": {"scenario": cell.scenario, "system": cell.system, "workload": cell.workload,
+                         "seed": cell.seed}, "time_to_target_s": 9.0, "final": {"accuracy": 0.3, "loss": 2.0},
+                "goodput": 1.0, "bytes_per_sample": 100.0, "restarts": 0, "load_average": [1.0],
+                "learning_rate": rate, "duration_s": 60.0, "target": target}  # fmt: skip
+
+    monkeypatch.setattr(command, "run_cell", fake_run)
+    monkeypatch.setattr(command, "unavailable_reason", lambda: None)
+    deep = targets()["charlm"]["deep"]
+    assert deep < targets()["charlm"]["target"]
+    argv = ["--systems", "ddp-adamw", "--workload", "charlm", "--lr", "2e-3", "--results", str(tmp_path)]
+    assert command.main([*argv, "--target", "deep"]) == 0
+    assert ran == [deep] and f"Time to target: to held-out loss {deep:g}." in (tmp_path / "charlm.md").read_text()
+    assert command.main([*argv, "--target", "target"]) == 2
+    said = capsys.readouterr().err
+    assert f"holds cells measured to {deep:g}, not 2.5" in said and "their own --results folder" in said
+    assert command.main([*argv, "--target", "deeper"]) == 2
+    assert "no target 'deeper' for charlm in targets.json: choose from target, ci, deep" in capsys.readouterr().err
+    assert command.main(["--workload", "digits", "--target", "deep", "--results", str(tmp_path)]) == 2
+    assert "no target 'deep' for digits in targets.json: choose from target, ci" in capsys.readouterr().err
+    assert ran == [deep]

@@ -48,7 +48,7 @@ def test_the_command_refuses_to_mix_machines_before_any_cell_runs(
         return {"cell": {"scenario": cell.scenario, "system": cell.system, "workload": cell.workload,
                          "seed": cell.seed}, "time_to_target_s": 5.0, "final": {"accuracy": 0.98, "loss": 0.1},
                 "goodput": 1.0, "bytes_per_sample": 100.0, "restarts": 0, "load_average": [1.0],
-                "learning_rate": rate, "duration_s": 60.0, **recorded(step_ms)}  # fmt: skip
+                "learning_rate": rate, "duration_s": 60.0, "target": 0.97, **recorded(step_ms)}  # fmt: skip
 
     def fake_run(cell: Any, runs: Path, rate: float, target: float) -> dict[str, Any]:
         ran.append(cell.system)

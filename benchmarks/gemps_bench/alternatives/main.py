@@ -44,7 +44,9 @@ def parser() -> argparse.ArgumentParser:
     made.add_argument("--duration-s", type=float, default=None, help="seconds a run lasts (default: the scenario's)")
     made.add_argument("--snapshot-every", type=float, default=SNAPSHOT_EVERY,
                       help="seconds between two snapshots of a run: the resolution of its time to target")  # fmt: skip
-    made.add_argument("--target", choices=("target", "ci"), default="target", help="which target of targets.json")
+    made.add_argument("--target", default="target",
+                      help="which of the workload's targets in targets.json: target, ci (lenient, for CI), "
+                      "deep (charlm's, read from one AdamW worker's curve)")  # fmt: skip
     made.add_argument("--search", action="store_true", help="the learning-rate search instead of the cells")
     made.add_argument("--runs", type=Path, default=Path("runs/alternatives"), help="folder for the runs' files")
     made.add_argument("--results", type=Path, default=RESULTS, help="folder for the JSON and the figure")
@@ -63,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         chosen = workload(args.workload)
+        target = _target(chosen.name, args.target)
         scenarios = _scenarios(_names(args.scenarios))
         systems = [system(name).name for name in _names(args.systems)]
         seeds = [int(seed) for seed in _names(args.seeds)]
@@ -80,7 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"alternatives: {other}: give this machine's cells their own --results folder, or "
                   "--mixed-machines", file=sys.stderr)  # fmt: skip
             return 2
-        target = targets()[chosen.name][args.target]
+        other = _other_target(results, target)
+        if other is not None:  # one table's times to target would measure different things
+            print(f"alternatives: {other}: give cells of --target {args.target} their own --results folder",
+                  file=sys.stderr)  # fmt: skip
+            return 2
         rates_path = args.results / "learning_rates.json"
         rates: dict[str, dict[str, float]] = json.loads(rates_path.read_text()) if rates_path.exists() else {}
         if args.search:
@@ -103,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"alternatives: no results at {results} yet: run some cells first", file=sys.stderr)
         return 2
     data = json.loads(results.read_text())
-    lines = [*report.table(data), "", "Against the goals (medians of the seeds):", "", *report.goals(data)]
+    goals = ["Against the goals (medians of the seeds):", "", *report.goals(data)]
+    lines = [report.target(data), "", *report.table(data), "", *goals]
     (args.results / f"{chosen.name}.md").write_text("\n".join(lines) + "\n")
     report.figure(data, args.results / f"{chosen.name}.png", chosen.name)
     print(f"results: {results}")
@@ -159,6 +167,24 @@ def _search(name: str, system_name: str, args: argparse.Namespace, target: float
         results.append(run_cell(cell, args.runs / "search", rate, target))
         print(report.line(results[-1]), flush=True)
     return report.search_best(results, chosen.metric)
+
+
+def _target(name: str, which: str) -> float:
+    """The workload's held-out target called `which` in targets.json; ValueError naming the choices."""
+    known = targets()[name]
+    if which not in known:
+        raise ValueError(f"no target {which!r} for {name} in targets.json: choose from {', '.join(known)}")
+    return known[which]
+
+
+def _other_target(results: Path, target: float) -> str | None:
+    """Why `target` is not the one the recorded cells in `results` were measured to (None: it is)."""
+    if not results.exists():
+        return None
+    recorded = sorted({cell["target"] for cell in json.loads(results.read_text())["cells"].values()})
+    if recorded in ([], [target]):
+        return None
+    return f"{results} holds cells measured to {', '.join(f'{t:g}' for t in recorded)}, not {target:g}"
 
 
 def _other_machine(results: Path, name: str) -> str | None:

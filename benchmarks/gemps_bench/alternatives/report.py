@@ -58,6 +58,13 @@ def median_time(results: list[dict[str, Any]]) -> float | None:
     return None if value == float("inf") else value
 
 
+def target(data: dict[str, Any]) -> str:
+    """The held-out target the cells' times are measured to (a folder's cells share one: main.py)."""
+    cells = list(data["cells"].values())
+    metric = "accuracy" if cells and cells[0]["cell"]["workload"] == "digits" else "loss"
+    return f"Time to target: to held-out {metric} {', '.join(f'{t:g}' for t in sorted({c['target'] for c in cells}))}."
+
+
 def table(data: dict[str, Any]) -> list[str]:
     rows = [
         "| scenario | system | lr | seeds | time to target (median; each seed) | final held-out (mean) | goodput "
