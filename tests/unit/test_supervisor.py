@@ -9,12 +9,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from gemps_worker.supervisor import RestartPolicy, supervise
-from tests.helpers import wait_for
+from tests.helpers import stop_process, wait_for
 
 # A supervisor whose worker does what argv[1] says; argv[2] is a folder for its files.
 PROGRAM = """
@@ -97,6 +98,34 @@ def test_sigterm_while_backing_off_leaves_without_another_worker(tmp_path: Path)
         process.kill()
         process.wait()
     assert lives(tmp_path) == 2 and "while waiting to restart the worker: leaving" in log.read_text()
+
+
+def test_pauses_longer_than_a_poll_stop_nothing(tmp_path: Path) -> None:
+    """SIGSTOP ... SIGCONT of the supervisor and its worker (a paused host, the comparison's
+    scenario (c)), each pause longer than the supervisor's 1-s poll: CPython's sigtimedwait then
+    returns a siginfo never written, which was read as a stop signal and ended the worker."""
+    log = tmp_path / "supervisor.log"
+    with log.open("w") as output:
+        process = subprocess.Popen(supervisor(tmp_path, "wait-for-sigterm"), stderr=output)
+    try:
+        wait_for(lambda: (tmp_path / "ready").exists(), timeout=60, what="the worker", explain=log.read_text)
+        worker = int((tmp_path / "life-1").read_text())
+        for pause in range(3):
+            stop_process(process.pid)
+            stop_process(worker)
+            time.sleep(2.0)
+            os.kill(worker, signal.SIGCONT)
+            os.kill(process.pid, signal.SIGCONT)
+            time.sleep(1.0)  # the supervisor reads its signals again
+            ended = (tmp_path / "terminated").exists() or process.poll() is not None
+            assert not ended and "passing" not in log.read_text(), f"after pause {pause + 1}: {log.read_text()}"
+        process.send_signal(signal.SIGTERM)  # a stop signal still stops it
+        assert process.wait(timeout=60) == 0, log.read_text()
+    finally:
+        process.kill()
+        process.wait()
+    assert lives(tmp_path) == 1 and (tmp_path / "terminated").exists()
+    assert "signal 15: passing SIGTERM on to worker pid" in log.read_text()
 
 
 def test_a_worker_deaf_to_sigterm_is_killed_after_the_grace(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ What a user can count on:
   is restarted at once (a kill soon after a start is no loop), the second after `first_delay_s`,
   each further one after twice the wait before (at most `max_delay_s`), and after `give_up_after`
   quick failures in a row the supervisor exits with the last one's status, saying why.
+- **Pauses**: SIGSTOP ... SIGCONT of the supervisor or its worker, however long, stops nothing.
 - **Logs** (logger gemps.worker): "worker pid N started (life L)", "restarting worker (pid N died
   with signal 9 (SIGKILL) after 63.2 s) now" or "in 4 s (...)".
 
@@ -53,6 +54,9 @@ log = logging.getLogger("gemps.worker")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _WATCHED = {*STOP_SIGNALS, signal.SIGCHLD}
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# How a signal was sent (<asm-generic/siginfo.h>): kill() SI_USER, the kernel (a hangup) SI_KERNEL,
+# sigqueue() SI_QUEUE, tkill()/tgkill() SI_TKILL.
+_SENT = frozenset({0, 0x80, -1, -6})
 _POLL_S = 1.0  # the longest the supervisor sleeps between looks at its worker
 
 
@@ -207,27 +211,40 @@ class _Supervisor:
                 log.warning("worker pid %d still there %g s after the signal: killed", pid, self.policy.stop_grace_s)
                 os.kill(pid, signal.SIGKILL)
                 kill_at = float("inf")
-            got = signal.sigtimedwait(_WATCHED, min(_POLL_S, max(0.0, kill_at - now)))
-            if got is None or got.si_signo == signal.SIGCHLD:
+            got = _stop_signal(min(_POLL_S, max(0.0, kill_at - now)))
+            if got is None:
                 continue
             if stopped_by is None:
-                stopped_by = got.si_signo
-                passed = signal.SIGINT if got.si_signo == signal.SIGINT else signal.SIGTERM  # a hangup too
-                log.info("signal %d: passing %s on to worker pid %d", got.si_signo, passed.name, pid)
+                stopped_by = got
+                passed = signal.SIGINT if got == signal.SIGINT else signal.SIGTERM  # a hangup too
+                log.info("signal %d: passing %s on to worker pid %d", got, passed.name, pid)
                 os.kill(pid, passed)
                 kill_at = time.monotonic() + self.policy.stop_grace_s
             else:
-                log.warning("signal %d again: killing worker pid %d", got.si_signo, pid)
+                log.warning("signal %d again: killing worker pid %d", got, pid)
                 os.kill(pid, signal.SIGKILL)
 
     def _signal_within(self, seconds: float) -> int | None:
         """A stop signal received within `seconds` (SIGCHLD and others ignored), or None."""
         until = time.monotonic() + seconds
         while (left := until - time.monotonic()) > 0:
-            got = signal.sigtimedwait(_WATCHED, left)
-            if got is not None and got.si_signo in STOP_SIGNALS:
-                return got.si_signo
+            got = _stop_signal(left)
+            if got is not None:
+                return got
         return None
+
+
+def _stop_signal(seconds: float) -> int | None:
+    """A stop signal (STOP_SIGNALS) received within `seconds`, or None: SIGCHLD, the timeout, and
+    what CPython's sigtimedwait returns when a SIGSTOP ... SIGCONT of this process outlasts its
+    timeout: it leaves its EINTR retry and fills the result from a siginfo never written (signal
+    numbers such as 437918234, and codes as random). Read as a stop, that pause ended the worker
+    (a paused host, a debugger, `kill -STOP`, the comparison's scenario (c)). A stop signal is one
+    sent as signals are sent (its code one of _SENT), so stale memory is not taken for one."""
+    got = signal.sigtimedwait(_WATCHED, seconds)
+    if got is None or got.si_signo not in STOP_SIGNALS or got.si_code not in _SENT:
+        return None
+    return got.si_signo
 
 
 def _die_with_parent(signum: int = signal.SIGTERM) -> None:
