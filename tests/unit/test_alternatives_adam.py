@@ -17,8 +17,9 @@ from gemps_bench.alternatives.systems.peers import manifest
 from gemps_bench.alternatives.systems.registry import system, system_names
 from gemps_bench.alternatives.workloads import WORKLOADS, targets, workload
 
-ADAM_PATH = {"gemps-adam", "gemps-adamw", "ddp-adamw", "ddp-adamw-bf16", "torchft_ddp_adamw", "hivemind_adamw"}
-ON_THE_SERVER = {"gemps-adamw"}  # AdamW is the server's rule: its workers commit gradients
+ADAM_PATH = {"gemps-adam", "gemps-adamw", "gemps-adamw-int8", "ddp-adamw", "ddp-adamw-bf16"}
+ADAM_PATH |= {"torchft_ddp_adamw", "hivemind_adamw"}
+ON_THE_SERVER = {"gemps-adamw", "gemps-adamw-int8"}  # AdamW is the server's rule: its workers commit gradients
 
 
 def plan(tmp_path: Path) -> RunPlan:
@@ -88,6 +89,11 @@ def test_the_adam_path_systems_give_their_workers_adamw_and_the_sgd_ones_nothing
     assert [rounds.argv[rounds.argv.index(flag) + 1] for flag in ("--rule", "--backup-workers", "--learning-rate")] == [
         "adamw", "1", "0.001",
     ]  # fmt: skip
+    coded = system("gemps-adamw-int8")
+    assert coded.coordinator(chosen) == rounds  # the same server: only the workers' codes differ
+    for name, codes in (("gemps-adamw-int8", "int8"), ("gemps-adamw", "none")):
+        argv = system(name).worker(chosen, 0).argv
+        assert argv[argv.index("--compression") + 1] == codes, name
     hooked = system("ddp-adamw-bf16").worker(chosen, 0).argv
     assert hooked[hooked.index("--comm-hook") + 1] == "bf16"
     assert "--comm-hook" not in system("ddp-adamw").worker(chosen, 0).argv

@@ -111,7 +111,7 @@ def workload(name: str) -> Workload:
 
 def targets(path: Path = TARGETS_FILE) -> dict[str, dict[str, float]]:
     """{workload: {"target": held-out value, "ci": the CI run's lenient value, and others by name
-    (charlm's "deep": one AdamW worker's loss on a whole core at 61 s)}} from targets.json."""
+    (charlm's "deep": what one AdamW worker on a whole core reaches in 66 s)}} from targets.json."""
     loaded: dict[str, dict[str, float]] = json.loads(path.read_text())
     unknown = sorted(set(loaded) - set(WORKLOADS))
     if unknown:

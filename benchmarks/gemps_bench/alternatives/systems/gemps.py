@@ -19,7 +19,8 @@ per rank, and an observer beside the server that pulls θ for the snapshots.
 - gemps-adamw: AdamW on the server, a round of gradients a step with one backup worker (`--rule adamw
   --backup-workers 1`, nanoGPT's betas 0.9/0.99 and decay 0.1, at the searched rate): the workers
   commit gradients and wait for each round (docs/guides/sdk.md, "Many AdamW workers"); a round
-  closes at the first N - 1 gradients, so none waits for the slowest.
+  closes at the first N - 1 gradients, so none waits for the slowest;
+- gemps-adamw-int8: the same, commits and replies in int8 codes (gemps-gem-int8's), for slow links.
 
 Each worker runs under its supervisor (`--supervise`, gemps_worker.supervisor, as `gemps worker
 --supervise on`): a worker kill kills the worker it forked and spares the supervisor, which forks
@@ -55,6 +56,9 @@ class Setting:
     server: tuple[tuple[str, object], ...] = ()  # the server's options besides its rule
 
 
+#: gemps-adamw's server: nanoGPT's betas and decay, a round closing at the first N - 1 gradients
+ADAMW_SERVER: tuple[tuple[str, object], ...] = (("adam_beta2", 0.99), ("adam_weight_decay", 0.1), ("backup_workers", 1))
+
 SETTINGS: dict[str, Setting] = {
     "gemps-gem": Setting(),
     "gemps-gem-int8": Setting(compression="int8"),
@@ -68,11 +72,8 @@ SETTINGS: dict[str, Setting] = {
     ),
     "gemps-dn-dylu": Setting(rule="delayed-nesterov", mode="dylu", local_steps=8),
     "gemps-adam": Setting(rule="downpour", mode="local-steps", optimizer="adamw"),
-    "gemps-adamw": Setting(
-        rule="adamw",
-        optimizer="adamw",
-        server=(("adam_beta2", 0.99), ("adam_weight_decay", 0.1), ("backup_workers", 1)),
-    ),
+    "gemps-adamw": Setting(rule="adamw", optimizer="adamw", server=ADAMW_SERVER),
+    "gemps-adamw-int8": Setting(rule="adamw", optimizer="adamw", server=ADAMW_SERVER, compression="int8"),
 }
 
 
