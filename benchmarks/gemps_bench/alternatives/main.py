@@ -181,7 +181,7 @@ def _other_target(results: Path, target: float) -> str | None:
     """Why `target` is not the one the recorded cells in `results` were measured to (None: it is)."""
     if not results.exists():
         return None
-    recorded = sorted({cell["target"] for cell in json.loads(results.read_text())["cells"].values()})
+    recorded = report.recorded_targets(json.loads(results.read_text()))
     if recorded in ([], [target]):
         return None
     return f"{results} holds cells measured to {', '.join(f'{t:g}' for t in recorded)}, not {target:g}"

@@ -58,11 +58,16 @@ def median_time(results: list[dict[str, Any]]) -> float | None:
     return None if value == float("inf") else value
 
 
+def recorded_targets(data: dict[str, Any]) -> list[float]:
+    """The held-out targets the cells' times were measured to (a folder's cells share one: main.py)."""
+    return sorted({cell["target"] for cell in data["cells"].values()})
+
+
 def target(data: dict[str, Any]) -> str:
-    """The held-out target the cells' times are measured to (a folder's cells share one: main.py)."""
+    """The table's first line: what its times to target are measured to."""
     cells = list(data["cells"].values())
     metric = "accuracy" if cells and cells[0]["cell"]["workload"] == "digits" else "loss"
-    return f"Time to target: to held-out {metric} {', '.join(f'{t:g}' for t in sorted({c['target'] for c in cells}))}."
+    return f"Time to target: to held-out {metric} {', '.join(f'{t:g}' for t in recorded_targets(data))}."
 
 
 def table(data: dict[str, Any]) -> list[str]:
