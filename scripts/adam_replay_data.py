@@ -14,7 +14,7 @@ from torch.nn.utils import parameters_to_vector
 
 from gemps.pytorch.values import copy_into
 from gemps_worker.held_out import evaluate
-from gemps_worker.nanogpt import BATCH, SHAPES, adamw, char_gpt, shard_batches
+from gemps_worker.nanogpt import BATCH, SHAPES, adamw, char_gpt, cosine_schedule, shard_batches
 from gemps_worker.text_data import stdlib_text
 
 
@@ -51,22 +51,58 @@ def load(model: torch.nn.Module, theta: torch.Tensor) -> None:
         copy_into(list(model.parameters()), theta)
 
 
-class Data:
-    """The text, and the model the workers train on it (--model)."""
+def linear_schedule(
+    optimizer: torch.optim.Optimizer, iterations: int, warmup: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The Trainer's default (transformers' get_linear_schedule_with_warmup): a linear warm-up over
+    `warmup` steps, then a linear decay to 0 at `iterations`."""
 
-    def __init__(self, model: str = "nanogpt", seed: int = 0, beta1: float | None = None) -> None:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return step / max(1, warmup)
+        return max(0.0, (iterations - step) / max(1, iterations - warmup))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+#: --schedule: nanoGPT's (warm-up, cosine to a tenth) or the Trainer's (warm-up, linear to 0)
+SCHEDULES = {"cosine": cosine_schedule, "linear": linear_schedule}
+
+
+class Data:
+    """The text, and the model the workers train on it (--model), with its optimizer's betas where
+    given (--beta1, --beta2) and its schedule's shape (--schedule)."""
+
+    def __init__(
+        self,
+        model: str = "nanogpt",
+        seed: int = 0,
+        beta1: float | None = None,
+        beta2: float | None = None,
+        schedule: str = "cosine",
+    ) -> None:
         self.train_x, self.train_y, self.test_x, self.test_y = stdlib_text()
         self._build, self._optimizer, self.batch = MODELS[model]
-        self.seed, self.beta1 = seed, beta1
+        self.seed, self.beta1, self.beta2, self._schedule = seed, beta1, beta2, SCHEDULES[schedule]
 
     def build(self) -> torch.nn.Module:
         return self._build(self.seed)
 
     def optimizer_of(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
         optimizer = self._optimizer(model, lr)
-        for group in optimizer.param_groups if self.beta1 is not None else ():  # --beta1
-            group["betas"] = (self.beta1, group["betas"][1])
+        for group in optimizer.param_groups:
+            beta1, beta2 = group["betas"]
+            group["betas"] = (beta1 if self.beta1 is None else self.beta1, beta2 if self.beta2 is None else self.beta2)
         return optimizer
+
+    def schedule_of(
+        self, optimizer: torch.optim.Optimizer, iterations: int, warmup: int | None
+    ) -> torch.optim.lr_scheduler.LambdaLR | None:
+        """The rate's schedule over `iterations` steps (--schedule), or none (a constant rate) where
+        no warm-up is given under the cosine; the linear decays with or without one."""
+        if warmup is None and self._schedule is cosine_schedule:
+            return None
+        return self._schedule(optimizer, iterations, warmup or 0)
 
     def batches(self, rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Endless mini-batches of rank's shard (the same split for every variant)."""

@@ -25,7 +25,6 @@ from adam_replay_data import Data, flat, gradient, load
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
 from gemps_server.domain.rules import create_rule
 from gemps_server.domain.rules.base import CommitRule, StepContext
-from gemps_worker.nanogpt import cosine_schedule
 
 
 def server_schedule(
@@ -109,7 +108,7 @@ def rounds_local(
     (the middle and the end fall on closes for whole rounds)."""
     models = [data.build() for _ in range(workers)]
     optimizers = [data.optimizer_of(model, lr) for model in models]
-    schedules = [None if warmup is None else cosine_schedule(o, steps // workers, warmup) for o in optimizers]
+    schedules = [data.schedule_of(o, steps // workers, warmup) for o in optimizers]
     streams = [data.batches(rank, workers) for rank in range(workers)]
     probe = data.build()
     rule = _rule_of(probe, TrainingConfig(rule="adamw", rule_options={"round_size": workers, **outer}))

@@ -86,7 +86,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from adam_look_ahead import DanaLookAhead  # beside this script (its directory is on sys.path when run)
-from adam_replay_data import MODELS, Data, flat, gradient, load
+from adam_replay_data import MODELS, SCHEDULES, Data, flat, gradient, load
 from adam_rounds import rounds_adam, rounds_local
 
 from gemps.pytorch.job_betas import JobBetas
@@ -96,7 +96,6 @@ from gemps_server.domain.rules.base import CommitRule, StepContext
 from gemps_server.domain.rules.delayed_nesterov import DelayedNesterovRule
 from gemps_server.domain.rules.gem import GemRule
 from gemps_server.domain.rules.gem_base import GEM_OWN_STEP
-from gemps_worker.nanogpt import cosine_schedule
 
 WORKERS = 4  # unless --workers
 
@@ -118,7 +117,7 @@ def server_adam(
     central, worker = data.build(), data.build()
     optimizer = data.optimizer_of(central, lr)
     batched = variant in ("mean", "pred", "ddp")  # one step per `amount` gradients
-    schedule = None if warmup is None else cosine_schedule(optimizer, steps // (amount if batched else 1), warmup)
+    schedule = data.schedule_of(optimizer, steps // (amount if batched else 1), warmup)
     world = 1 if variant == "single" else workers
     streams = [data.batches(rank, world) for rank in range(world)]
     history = collections.deque([flat(central)], maxlen=amount + 1)  # stale:S, θ of the last S+1 versions
@@ -195,7 +194,7 @@ def local_adam(
     models = [data.build() for _ in range(workers)]
     optimizers = [data.optimizer_of(model, lr) for model in models]
     # Each worker runs nanoGPT's schedule over its own share of the steps, as its own train.py would.
-    schedules = [None if warmup is None else cosine_schedule(o, steps // workers, warmup) for o in optimizers]
+    schedules = [data.schedule_of(o, steps // workers, warmup) for o in optimizers]
     streams = [data.batches(rank, workers) for rank in range(workers)]
     theta, probe = flat(models[0]), data.build()
     for rank in range(workers):
@@ -276,17 +275,27 @@ def main() -> None:
     parser.add_argument("--model", choices=tuple(MODELS), default="nanogpt", help="what the workers train")
     parser.add_argument("--seed", type=int, default=0, help="the model's initialisation and the data's split and order")
     parser.add_argument("--beta1", type=float, help="Adam's β1 instead of the model's optimizer's (nanoGPT's 0.9)")
+    parser.add_argument("--beta2", type=float, help="Adam's β2 instead of the model's optimizer's (nanoGPT's 0.99)")
+    parser.add_argument(
+        "--schedule",
+        choices=tuple(SCHEDULES),
+        default="cosine",
+        help="the rate's shape after --warmup: nanoGPT's cosine to a tenth, or the Trainer's linear to 0 "
+        "(which decays from the start when no --warmup is given)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    if args.beta1 is not None and not 0 <= args.beta1 < 1:
-        parser.error(f"--beta1 must be at least 0 and below 1, not {args.beta1}")
+    for name in ("beta1", "beta2"):
+        beta = getattr(args, name)
+        if beta is not None and not 0 <= beta < 1:
+            parser.error(f"--{name} must be at least 0 and below 1, not {beta}")
     held = [v for v in args.variants if v.partition(":")[0] not in ("local", "ahead", "job", "dana", "dn", "as", "gem")]
     if args.fresh and held:
         parser.error(
             f"--fresh is for windows of local steps (local, ahead, job, dana, dn, as, gem), not {', '.join(held)}"
         )
     torch.set_num_threads(1)
-    data = Data(args.model, args.seed, args.beta1)
+    data = Data(args.model, args.seed, args.beta1, args.beta2, args.schedule)
     steps = args.samples // data.batch
     evals = [steps * (i + 1) // args.evaluations for i in range(args.evaluations)]
     results = []
@@ -332,6 +341,8 @@ def main() -> None:
             "dc_lambda": args.dc_lambda,
             **windows,
             **({} if args.beta1 is None else {"beta1": args.beta1}),
+            **({} if args.beta2 is None else {"beta2": args.beta2}),
+            **({} if args.schedule == "cosine" else {"schedule": args.schedule}),
         }
         if name == "dn":
             settings.update(dn_learning_rate=args.dn_learning_rate, dn_momentum=args.dn_momentum)

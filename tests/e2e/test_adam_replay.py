@@ -182,3 +182,30 @@ def test_rounds_of_local_windows_are_averaged_by_the_adamw_rule(tmp_path: Path) 
     )
     assert four["windows:2"][-1] < four["windows:2"][0], four
     assert four["windows:2"][-1] != half["windows:2"][-1], (four, half)
+
+
+def test_the_trainers_schedule_and_betas_are_what_the_replay_runs_when_asked() -> None:
+    """`--schedule linear` is the Trainer's default (a linear warm-up, then a linear decay to 0 at the
+    run's end, decaying from the start without a warm-up); `--beta1`/`--beta2` replace the model's
+    optimizer's betas, each alone; the cosine without a warm-up stays a constant rate (no schedule)."""
+    load_replay()  # puts scripts/ on the path, as running it does
+    from adam_replay_data import Data
+
+    linear = Data("user", beta2=0.999, schedule="linear")
+    model = linear.build()
+    optimizer = linear.optimizer_of(model, 1e-3)
+    assert {tuple(group["betas"]) for group in optimizer.param_groups} == {(0.9, 0.999)}
+    schedule = linear.schedule_of(optimizer, 10, None)
+    assert schedule is not None
+    rates = []
+    for _ in range(11):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert [round(rate / 1e-3, 6) for rate in rates] == [round(1 - step / 10, 6) for step in range(11)]
+    warmed = linear.optimizer_of(model, 1e-3)
+    factor = linear.schedule_of(warmed, 10, 2).lr_lambdas[0]  # type: ignore[union-attr]
+    assert [factor(step) for step in (0, 1, 2, 6, 10)] == [0.0, 0.5, 1.0, 0.5, 0.0]
+    cosine = Data("user", beta1=0.5)
+    assert cosine.schedule_of(cosine.optimizer_of(model, 1e-3), 10, None) is None
+    assert {tuple(group["betas"]) for group in cosine.optimizer_of(model, 1e-3).param_groups} == {(0.5, 0.99)}
