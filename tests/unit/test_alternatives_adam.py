@@ -16,8 +16,9 @@ from gemps_bench.alternatives.systems.base import ADAMW_LEARNING_RATES, RunPlan
 from gemps_bench.alternatives.systems.peers import manifest
 from gemps_bench.alternatives.systems.registry import system, system_names
 from gemps_bench.alternatives.workloads import WORKLOADS, targets, workload
+from gemps_cli.server import parse_config
 
-ADAM_PATH = {"gemps-adam", "gemps-adamw", "gemps-adamw-int8", "ddp-adamw", "ddp-adamw-bf16"}
+ADAM_PATH = {"gemps-adam", "gemps-adamw", "gemps-adamw-int8", "gemps-adamw-windows", "ddp-adamw", "ddp-adamw-bf16"}
 ADAM_PATH |= {"torchft_ddp_adamw", "hivemind_adamw"}
 ON_THE_SERVER = {"gemps-adamw", "gemps-adamw-int8"}  # AdamW is the server's rule: its workers commit gradients
 
@@ -101,6 +102,33 @@ def test_the_adam_path_systems_give_their_workers_adamw_and_the_sgd_ones_nothing
     for name, program in (("torchft_ddp_adamw", "torchft_ddp"), ("hivemind_adamw", "hivemind")):
         argv = system(name).worker(chosen, 0).argv
         assert argv[argv.index("-m") + 1] == f"gemps_bench.alternatives.peers.{program}", name
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_the_slow_link_windows_are_the_guides_recipe_and_every_gemps_server_starts_as_given(tmp_path: Path) -> None:
+    """gemps-adamw-windows: each worker's AdamW in LocalSteps(steps=8), int8 both ways, the server's
+    rounds averaged (outer_rate 1), none waiting for the slowest; gemps-adam keeps a step a commit.
+    Every gemps system's server command is one `gemps server` accepts as it stands (an option the
+    rule would leave idle, as AdamW's betas under outer_rate, is refused there)."""
+    chosen = plan(tmp_path)
+    windows = system("gemps-adamw-windows")
+    worker = windows.worker(chosen, 0).argv
+    assert [flag(worker, name) for name in ("--mode", "--local-steps", "--compression", "--optimizer")] == [
+        "local-steps", "8", "int8", "adamw",
+    ]  # fmt: skip
+    assert flag(system("gemps-adam").worker(chosen, 0).argv, "--local-steps") == "1"
+    server = windows.coordinator(chosen)
+    assert server is not None
+    training = parse_config(server.argv[server.argv.index("server") + 1 :]).training
+    options = training.rule_options
+    assert (training.rule, options["outer_rate"], options["backup_workers"]) == ("adamw", 1.0, 1)
+    for name in system_names():
+        launch = system(name).coordinator(chosen)
+        if name.startswith("gemps") and launch is not None:
+            parse_config(launch.argv[launch.argv.index("server") + 1 :])  # raises ValueError naming a problem
 
 
 def test_the_local_optimizers_are_the_contracts_sgd_and_nanogpts_adamw() -> None:

@@ -20,7 +20,12 @@ per rank, and an observer beside the server that pulls θ for the snapshots.
   --backup-workers 1`, nanoGPT's betas 0.9/0.99 and decay 0.1, at the searched rate): the workers
   commit gradients and wait for each round (docs/guides/sdk.md, "Many AdamW workers"); a round
   closes at the first N - 1 gradients, so none waits for the slowest;
-- gemps-adamw-int8: the same, commits and replies in int8 codes (gemps-gem-int8's), for slow links.
+- gemps-adamw-int8: the same, commits and replies in int8 codes (gemps-gem-int8's), for slow links;
+- gemps-adamw-windows: the SDK's AdamW recipe for slow links (docs/guides/sdk.md, "Many AdamW
+  workers", its rounds of local windows): each worker's nanoGPT AdamW at the searched rate inside
+  `LocalSteps(steps=8)`, int8 codes both ways, the server `--rule adamw --outer-rate 1
+  --backup-workers 1` (each round's first N - 1 windows averaged): 8x fewer commits than a step a
+  commit, each a quarter of float32's bytes.
 
 Each worker runs under its supervisor (`--supervise`, gemps_worker.supervisor, as `gemps worker
 --supervise on`): a worker kill kills the worker it forked and spares the supervisor, which forks
@@ -47,7 +52,7 @@ class Setting:
 
     rule: str = "gem"
     mode: str = "gradient"
-    local_steps: int = 4
+    local_steps: int = 4  # dynsgd's and dylu's; mode local-steps' `steps` (the SDK recipe's 1, or a window)
     outer_learning_rate: float = 0.0
     compression: str = "none"
     local_optimizer: str = "sgd"
@@ -71,9 +76,17 @@ SETTINGS: dict[str, Setting] = {
         local_rate_per_eta=0.06,
     ),
     "gemps-dn-dylu": Setting(rule="delayed-nesterov", mode="dylu", local_steps=8),
-    "gemps-adam": Setting(rule="downpour", mode="local-steps", optimizer="adamw"),
+    "gemps-adam": Setting(rule="downpour", mode="local-steps", local_steps=1, optimizer="adamw"),
     "gemps-adamw": Setting(rule="adamw", optimizer="adamw", server=ADAMW_SERVER),
     "gemps-adamw-int8": Setting(rule="adamw", optimizer="adamw", server=ADAMW_SERVER, compression="int8"),
+    "gemps-adamw-windows": Setting(
+        rule="adamw",
+        mode="local-steps",
+        local_steps=8,
+        optimizer="adamw",
+        compression="int8",
+        server=(("outer_rate", 1.0), ("backup_workers", 1)),  # AdamW's own options belong to the workers here
+    ),
 }
 
 

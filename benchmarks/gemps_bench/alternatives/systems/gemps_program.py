@@ -1,9 +1,9 @@
 """A gemps worker of the comparison (`python -m gemps_bench.alternatives.systems.gemps_program`):
 the workload's model through the SDK's RemoteModel, trained by the reference worker's modes
 (gemps_worker.modes: `gradient`, or `dynsgd` local steps), or `--mode local-steps`: the SDK's
-`LocalSteps` at its defaults (steps=1, look_ahead=1) around the contract's `--optimizer` (nanoGPT's
-AdamW for gemps-adam), logged per the contract; and, with `--role coordinator`, the observer that
-pulls θ every 2 s and writes it as a snapshot.
+`LocalSteps` (`--local-steps` a window, look_ahead=1) around the contract's `--optimizer`
+(nanoGPT's AdamW for gemps-adam and gemps-adamw-windows), logged per the contract; and, with
+`--role coordinator`, the observer that pulls θ every 2 s and writes it as a snapshot.
 
 A commit's reply comes once the server applied it, so the samples a commit covers are counted
 applied then; samples of local steps not yet committed when the process dies are lost.
@@ -73,15 +73,16 @@ def _client(args: WorkerArgs, compression: str) -> Client:
     return Client(args.coordinator, name=f"w{args.rank}", compression=codes, reply_compression=codes)
 
 
-def train_local_steps(args: WorkerArgs, compression: str) -> None:
-    """The SDK's recipe: `--optimizer` at `--lr` wrapped in LocalSteps (its defaults), each window's
-    update committed. No pull after the gate: registration loaded θ, and no worker commits before
-    the gate opens (a worker started again after a kill registers at the newest θ)."""
+def train_local_steps(args: WorkerArgs, compression: str, steps: int) -> None:
+    """The SDK's recipe: `--optimizer` at `--lr` wrapped in LocalSteps (`steps` a window, its other
+    defaults), each window's update committed. No pull after the gate: registration loaded θ, and
+    no worker commits before the gate opens (a worker started again after a kill registers at the
+    newest θ)."""
     started = time.monotonic()
     chosen = replace(workload(args.workload), batch=args.batch)
     model = chosen.build_model()
     inner = local_optimizer(args.optimizer, model, args.lr)
-    with LocalSteps(model, inner, _client(args, compression), threads=1) as optimizer:
+    with LocalSteps(model, inner, _client(args, compression), steps=steps, threads=1) as optimizer:
         log = ProgressLog(args.run_dir, args.rank)
         log.wait_for_go(args.run_dir)
         pending = 0
@@ -119,7 +120,10 @@ def main() -> None:
     parser = worker_parser(__doc__ or "")
     parser.add_argument("--mode", default="gradient", choices=(*MODES, LOCAL_STEPS))
     parser.add_argument(
-        "--local-steps", type=int, default=4, help="dynsgd: local steps per commit; dylu: the fastest worker's"
+        "--local-steps",
+        type=int,
+        help="dynsgd and local-steps: local steps per commit (4; local-steps: LocalSteps' 1); "
+        "dylu: the fastest worker's (4)",
     )
     parser.add_argument("--outer-learning-rate", type=float, default=0.0, help="dynsgd: the update's factor")
     parser.add_argument("--compression", default="none", help="commits and replies in these codes (int8)")
@@ -135,12 +139,14 @@ def main() -> None:
         observe(args)
         return
     steps, rate = extra.local_steps, extra.local_learning_rate
+    if steps is None:  # each mode's own default: LocalSteps' a step a commit, the reference modes' 4
+        steps = 1 if extra.mode == LOCAL_STEPS else 4
     local = LocalTraining(dynsgd_steps=steps, dylu_steps=steps, outer_learning_rate=extra.outer_learning_rate,
                           optimizer=extra.local_optimizer, learning_rate=rate)  # fmt: skip
 
     def life() -> int:
         if extra.mode == LOCAL_STEPS:
-            train_local_steps(args, extra.compression)
+            train_local_steps(args, extra.compression, steps)
         else:
             train(args, extra.mode, local, extra.compression)
         return 0
