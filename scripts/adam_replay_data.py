@@ -71,7 +71,9 @@ SCHEDULES = {"cosine": cosine_schedule, "linear": linear_schedule}
 
 class Data:
     """The text, and the model the workers train on it (--model), with its optimizer's betas where
-    given (--beta1, --beta2) and its schedule's shape (--schedule)."""
+    given (--beta1, --beta2) and the decay of its decaying groups (--weight-decay), its schedule's
+    shape (--schedule) and a worker's batch where given (--batch: windows a step, instead of the
+    model's own)."""
 
     def __init__(
         self,
@@ -80,10 +82,14 @@ class Data:
         beta1: float | None = None,
         beta2: float | None = None,
         schedule: str = "cosine",
+        batch: int | None = None,
+        weight_decay: float | None = None,
     ) -> None:
         self.train_x, self.train_y, self.test_x, self.test_y = stdlib_text()
-        self._build, self._optimizer, self.batch = MODELS[model]
+        self._build, self._optimizer, own_batch = MODELS[model]
+        self.batch = own_batch if batch is None else batch
         self.seed, self.beta1, self.beta2, self._schedule = seed, beta1, beta2, SCHEDULES[schedule]
+        self.weight_decay = weight_decay
 
     def build(self) -> torch.nn.Module:
         return self._build(self.seed)
@@ -93,6 +99,8 @@ class Data:
         for group in optimizer.param_groups:
             beta1, beta2 = group["betas"]
             group["betas"] = (beta1 if self.beta1 is None else self.beta1, beta2 if self.beta2 is None else self.beta2)
+            if self.weight_decay is not None and group["weight_decay"] > 0:  # the groups that decay
+                group["weight_decay"] = self.weight_decay
         return optimizer
 
     def schedule_of(

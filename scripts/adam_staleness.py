@@ -283,8 +283,16 @@ def main() -> None:
         help="the rate's shape after --warmup: nanoGPT's cosine to a tenth, or the Trainer's linear to 0 "
         "(which decays from the start when no --warmup is given)",
     )
+    parser.add_argument("--batch", type=int, help="windows a worker's step, instead of the model's own batch")
+    parser.add_argument(
+        "--weight-decay", type=float, help="AdamW's decay of the groups that decay, instead of the model's (0.1)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.weight_decay is not None and args.weight_decay < 0:
+        parser.error(f"--weight-decay must be at least 0, not {args.weight_decay}")
+    if args.batch is not None and args.batch < 1:
+        parser.error(f"--batch must be at least 1, not {args.batch}")
     for name in ("beta1", "beta2"):
         beta = getattr(args, name)
         if beta is not None and not 0 <= beta < 1:
@@ -295,7 +303,7 @@ def main() -> None:
             f"--fresh is for windows of local steps (local, ahead, job, dana, dn, as, gem), not {', '.join(held)}"
         )
     torch.set_num_threads(1)
-    data = Data(args.model, args.seed, args.beta1, args.beta2, args.schedule)
+    data = Data(args.model, args.seed, args.beta1, args.beta2, args.schedule, args.batch, args.weight_decay)
     steps = args.samples // data.batch
     evals = [steps * (i + 1) // args.evaluations for i in range(args.evaluations)]
     results = []
@@ -343,6 +351,8 @@ def main() -> None:
             **({} if args.beta1 is None else {"beta1": args.beta1}),
             **({} if args.beta2 is None else {"beta2": args.beta2}),
             **({} if args.schedule == "cosine" else {"schedule": args.schedule}),
+            **({} if args.batch is None else {"batch": args.batch}),
+            **({} if args.weight_decay is None else {"weight_decay": args.weight_decay}),
         }
         if name == "dn":
             settings.update(dn_learning_rate=args.dn_learning_rate, dn_momentum=args.dn_momentum)

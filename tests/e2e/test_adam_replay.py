@@ -209,3 +209,20 @@ def test_the_trainers_schedule_and_betas_are_what_the_replay_runs_when_asked() -
     cosine = Data("user", beta1=0.5)
     assert cosine.schedule_of(cosine.optimizer_of(model, 1e-3), 10, None) is None
     assert {tuple(group["betas"]) for group in cosine.optimizer_of(model, 1e-3).param_groups} == {(0.5, 0.99)}
+
+
+def test_a_workers_batch_and_weight_decay_are_what_the_replay_runs_when_asked() -> None:
+    """`--batch` replaces the model's batch in every worker's stream; `--weight-decay` replaces the
+    decay of the groups that decay (nanoGPT's matrices) and leaves the others (biases, norms) at 0."""
+    load_replay()
+    from adam_replay_data import Data
+
+    model_default = Data("user")
+    asked = Data("user", batch=3, weight_decay=0.01)
+    assert model_default.batch == 32 and asked.batch == 3
+    inputs, targets = next(asked.batches(0, 4))
+    assert inputs.shape[0] == targets.shape[0] == 3
+    model = asked.build()
+    decays = sorted({group["weight_decay"] for group in model_default.optimizer_of(model, 1e-3).param_groups})
+    assert decays == [0.0, 0.1]
+    assert sorted({group["weight_decay"] for group in asked.optimizer_of(model, 1e-3).param_groups}) == [0.0, 0.01]
