@@ -346,19 +346,43 @@ def test_the_goals_table_sets_gemps_best_setting_against_the_best_peer() -> None
     assert rows[4] == "| d | gemps-gem 4.5 s (1 seed) | ddp never (1 seed) | > 20.00x | first, 1.5x sooner | yes |"
 
 
+def test_the_no_fault_goal_holds_gemps_to_the_soonest_ddp_and_never_passes_a_gemps_that_never_arrived() -> None:
+    """(a)'s goal is DDP's: with the Adam path's `ddp-adamw` in the cells (no plain `ddp`), gemps is
+    held to it; a gemps setting that never reached the target does not meet it; cells with no DDP
+    system at all say so, not "yes"."""
+
+    def result(system: str, reached: float | None, seed: int = 0) -> dict[str, object]:
+        cell = {"scenario": "a", "system": system, "workload": "charlm", "seed": seed}
+        return {"cell": cell, "time_to_target_s": reached, "duration_s": 420.0}
+
+    def goal_row(*cells: dict[str, object]) -> str:
+        return report.goals({"cells": {str(i): c for i, c in enumerate(cells)}})[2]
+
+    never = goal_row(result("gemps-adamw", 365.5, 1), result("gemps-adamw", None, 2),
+                     result("ddp-adamw", 406.6, 1), result("ddp-adamw", 393.8, 2))  # fmt: skip
+    assert never == "| a | gemps-adamw never (2 seeds) | ddp-adamw 400.2 s (2 seeds) | - | within 1.2x of DDP | no |"
+    held = goal_row(result("gemps-adamw", 470.0), result("ddp-adamw", 400.0), result("ddp-adamw-bf16", 380.0))
+    assert held.endswith("| within 1.2x of DDP | no |"), held  # 470 > 1.2 x 380, the better DDP
+    within = goal_row(result("gemps-adamw", 450.0), result("ddp-adamw-bf16", 380.0))
+    assert within.endswith("| within 1.2x of DDP | yes |"), within
+    alone = goal_row(result("gemps-adamw", 300.0), result("torchft_ddp_adamw", 250.0))
+    assert alone.endswith("| within 1.2x of DDP: no DDP cell | no |"), alone
+
+
+def fake_run(cell: Any, runs: Path, rate: float, target: float) -> dict[str, Any]:
+    """A cell's result as the rig writes it, without running it: only rate 0.05 reaches the target."""
+    reached = {0.05: 40.0}.get(rate)
+    return {"cell": {"scenario": cell.scenario, "system": cell.system, "workload": cell.workload,
+                     "seed": cell.seed}, "time_to_target_s": reached, "final": {"accuracy": 0.9, "loss": 0.3},
+            "goodput": 1.0, "bytes_per_sample": 100.0, "restarts": 0, "load_average": [1.0],
+            "learning_rate": rate, "duration_s": 60.0, "target": target}  # fmt: skip
+
+
 def test_a_search_records_the_rate_and_redraws_the_table_and_figure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The command's own order of work, the rig's runs replaced by their results (the rig runs for
     real in tests/e2e/test_alternatives_rig.py)."""
-
-    def fake_run(cell: Any, runs: Path, rate: float, target: float) -> dict[str, Any]:
-        reached = {0.05: 40.0}.get(rate)  # only one rate of the grid reaches the target
-        return {"cell": {"scenario": cell.scenario, "system": cell.system, "workload": cell.workload,
-                         "seed": cell.seed}, "time_to_target_s": reached, "final": {"accuracy": 0.9, "loss": 0.3},
-                "goodput": 1.0, "bytes_per_sample": 100.0, "restarts": 0, "load_average": [1.0],
-                "learning_rate": rate, "duration_s": 60.0, "target": target}  # fmt: skip
-
     monkeypatch.setattr(command, "run_cell", fake_run)
     monkeypatch.setattr(command, "unavailable_reason", lambda: None)
     argv = ["--search", "--systems", "ddp", "--workload", "digits", "--results", str(tmp_path)]
@@ -367,6 +391,26 @@ def test_a_search_records_the_rate_and_redraws_the_table_and_figure(
     assert json.loads((tmp_path / "digits.json").read_text())["cells"]["a/ddp/0"]["time_to_target_s"] == 40.0
     assert "40.0 s" in (tmp_path / "digits.md").read_text()  # the table is drawn after the search
     assert (tmp_path / "digits.png").stat().st_size > 0
+
+
+def test_the_systems_of_one_seed_run_back_to_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deciding pair's cells of one seed meet the host at one moment: seed by seed, every system
+    of the seed, not every seed of one system and then the other's."""
+    ran: list[tuple[str, str, int]] = []
+
+    def recorded(cell: Any, runs: Path, rate: float, target: float) -> dict[str, Any]:
+        ran.append((cell.scenario, cell.system, cell.seed))
+        return fake_run(cell, runs, rate, target)
+
+    monkeypatch.setattr(command, "run_cell", recorded)
+    monkeypatch.setattr(command, "unavailable_reason", lambda: None)
+    argv = ["--scenarios", "a,b", "--systems", "gemps-gem,ddp", "--workload", "digits", "--seeds", "1,2",
+            "--lr", "0.05", "--results", str(tmp_path)]  # fmt: skip
+    assert command.main(argv) == 0
+    assert ran == [
+        ("a", "gemps-gem", 1), ("a", "ddp", 1), ("a", "gemps-gem", 2), ("a", "ddp", 2),
+        ("b", "gemps-gem", 1), ("b", "ddp", 1), ("b", "gemps-gem", 2), ("b", "ddp", 2),
+    ]  # fmt: skip
 
 
 def test_a_system_without_a_learning_rate_is_named_before_any_cell_runs(
