@@ -19,8 +19,9 @@ from gemps_bench.alternatives.workloads import WORKLOADS, targets, workload
 from gemps_cli.server import parse_config
 
 ADAM_PATH = {"gemps-adam", "gemps-adamw", "gemps-adamw-int8", "gemps-adamw-windows", "ddp-adamw", "ddp-adamw-bf16"}
-ADAM_PATH |= {"torchft_ddp_adamw", "hivemind_adamw"}
-ON_THE_SERVER = {"gemps-adamw", "gemps-adamw-int8"}  # AdamW is the server's rule: its workers commit gradients
+ADAM_PATH |= {"torchft_ddp_adamw", "hivemind_adamw", "gemps-adamw-all"}
+# AdamW is the server's rule: its workers commit gradients
+ON_THE_SERVER = {"gemps-adamw", "gemps-adamw-int8", "gemps-adamw-all"}
 
 
 def plan(tmp_path: Path) -> RunPlan:
@@ -92,6 +93,10 @@ def test_the_adam_path_systems_give_their_workers_adamw_and_the_sgd_ones_nothing
     ]  # fmt: skip
     coded = system("gemps-adamw-int8")
     assert coded.coordinator(chosen) == rounds  # the same server: only the workers' codes differ
+    waiting = system("gemps-adamw-all").coordinator(chosen)  # every round waits for all 8: DDP's computation
+    expected = list(rounds.argv)
+    expected[expected.index("--backup-workers") + 1] = "0"
+    assert waiting is not None and list(waiting.argv) == expected
     for name, codes in (("gemps-adamw-int8", "int8"), ("gemps-adamw", "none")):
         argv = system(name).worker(chosen, 0).argv
         assert argv[argv.index("--compression") + 1] == codes, name

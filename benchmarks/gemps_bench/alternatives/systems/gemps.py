@@ -20,6 +20,8 @@ per rank, and an observer beside the server that pulls θ for the snapshots.
   --backup-workers 1`, nanoGPT's betas 0.9/0.99 and decay 0.1, at the searched rate): the workers
   commit gradients and wait for each round (docs/guides/sdk.md, "Many AdamW workers"); a round
   closes at the first N - 1 gradients, so none waits for the slowest;
+- gemps-adamw-all: gemps-adamw with every round waiting for all N gradients (`--backup-workers 0`):
+  DDP's computation, to tell what the backup worker costs or saves;
 - gemps-adamw-int8: the same, commits and replies in int8 codes (gemps-gem-int8's), for slow links;
 - gemps-adamw-windows: the SDK's AdamW recipe for slow links (docs/guides/sdk.md, "Many AdamW
   workers", its rounds of local windows): each worker's nanoGPT AdamW at the searched rate inside
@@ -78,6 +80,7 @@ SETTINGS: dict[str, Setting] = {
     "gemps-dn-dylu": Setting(rule="delayed-nesterov", mode="dylu", local_steps=8),
     "gemps-adam": Setting(rule="downpour", mode="local-steps", local_steps=1, optimizer="adamw"),
     "gemps-adamw": Setting(rule="adamw", optimizer="adamw", server=ADAMW_SERVER),
+    "gemps-adamw-all": Setting(rule="adamw", optimizer="adamw", server=(*ADAMW_SERVER[:2], ("backup_workers", 0))),
     "gemps-adamw-int8": Setting(rule="adamw", optimizer="adamw", server=ADAMW_SERVER, compression="int8"),
     "gemps-adamw-windows": Setting(
         rule="adamw",
