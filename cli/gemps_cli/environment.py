@@ -11,6 +11,7 @@ known when it is an option of any gemps command, or one of the variables read el
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -79,6 +80,7 @@ TRAINING_OPTIONS = frozenset(
 )
 
 
+@functools.cache  # what the code declares: the same for the process' life (NOT_OPTIONS asks once a name)
 def known_options() -> frozenset[str]:
     """Every GEMPS_* variable that is an option of some gemps command."""
     server = options.options_of(ServerConfig, rule_catalog().fields)
