@@ -314,7 +314,9 @@ def test_a_backup_taking_in_a_large_entry_is_given_time_for_its_size(
     a 200 MB registration: the fake backup acknowledges nothing for 1.5 s after it. It was dropped
     ("no ack for 1.5 s"); now it is allowed 1 s and the entry's bytes at 100 MiB/s, and kept."""
     job = "large-entry"
-    primary = lone_primary(start_server, etcd, job, replica_timeout=1.0)
+    # A lease that outlasts the registration: landing 200 MB in this process on a loaded host once
+    # delayed the renewal past the tests' 1-s lease, and the new epoch never forwarded the entry.
+    primary = lone_primary(start_server, etcd, job, replica_timeout=1.0, replica_lease=15.0)
     size = 50_000_000  # float32: 200 MB
     with say_hello(primary, BACKUP_NAME) as sock:
         seed = first_frame(sock)
