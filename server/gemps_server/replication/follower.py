@@ -1,7 +1,8 @@
 """A backup's side of replication: dial the primary, adopt its image, apply its journal, acknowledge.
 
 Each entry is applied through the applier (one operation at a time, like the primary's) with
-`ServerState.replay`, then acknowledged by position. A frame of another epoch than the primary's
+`ServerState.replay`, on the follower's own thread while nothing else runs there (as a primary
+applies a commit on its data plane's thread), then acknowledged by position. A frame of another epoch than the primary's
 this backup dialled ends the stream: a replica never applies anything from an older primary; so
 does any frame once --tls-crl revokes the primary's certificate (handshake.certificate_check).
 When the stream ends for any reason the replica (replica.py) decides what next: dial again, or
@@ -47,8 +48,10 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def _on_applier(applier: Applier, operation: Callable[[], T]) -> T:
-    """Run `operation` on the applier and wait for it (the follower is a thread of its own)."""
+def _on_applier(applier: Applier, operation: Callable[[], T], inline: bool = False) -> T:
+    """Run `operation` on the applier and wait for it (the follower is a thread of its own);
+    `inline`: on this thread when nothing else is queued or running there (as the primary applies
+    a commit on its data plane's thread), with no hand-over to the applier's thread and back."""
     finished = threading.Event()
     outcome: list[Timed[T] | None] = [None]
     failure: list[BaseException | None] = [None]
@@ -57,7 +60,7 @@ def _on_applier(applier: Applier, operation: Callable[[], T]) -> T:
         outcome[0], failure[0] = timed, error
         finished.set()
 
-    applier.submit_then(operation, deliver)
+    applier.submit_then(operation, deliver, inline=inline)
     finished.wait()
     if failure[0] is not None:
         raise failure[0]
@@ -170,7 +173,7 @@ class Follower:
                 pass  # answered with the position applied so far
             elif frame.kind == frames.ENTRY and self.seeded:
                 entry, position, _epoch = entries.decode(frame)
-                _on_applier(self._applier, functools.partial(self._state.replay, entry))
+                _on_applier(self._applier, functools.partial(self._state.replay, entry), inline=True)
                 self.applied += 1
                 unacknowledged, since = unacknowledged + 1, since if unacknowledged else time.monotonic()
                 if unacknowledged < ACK_EVERY and time.monotonic() - since < ACK_WITHIN and frames.arrived(sock):
