@@ -6,6 +6,7 @@ entry, and its primary the wait); queued behind the applier when something runs 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -42,16 +43,19 @@ def test_an_idle_backup_replays_on_its_follower_thread_and_a_busy_one_on_its_app
         outcome = state.core.commit_record(Commit(worker, state.version, PayloadKind.UPDATE, payload, f"r{number}"))
         journal.when_replicated(outcome.position, replicated.append)
 
+    def acknowledged(count: int) -> Callable[[], bool]:
+        return lambda: len(replicated) == count
+
     for number in range(3):  # one at a time: the backup's applier idle at each
         commit(number)
-        wait_for(lambda: len(replicated) == number + 1, 10, f"commit {number} acknowledged")
+        wait_for(acknowledged(number + 1), 10, f"commit {number} acknowledged")
     assert threads == ["gemps-replication-follow"] * 3
     release = threading.Event()
     backup_applier.submit_then(release.wait, lambda timed, error: None)  # busy: the next entry waits its turn
     commit(3)
     wait_for(lambda: backup_applier.depth == 1, 10, "the entry queued behind the applier's operation")
     release.set()
-    wait_for(lambda: len(replicated) == 4, 10, "commit 3 acknowledged")
+    wait_for(acknowledged(4), 10, "commit 3 acknowledged")
     assert threads[3] != "gemps-replication-follow"
     assert replicated == [None] * 4
     assert backup.theta_copy().tobytes() == state.theta_copy().tobytes()
