@@ -50,8 +50,14 @@ def test_an_idle_backup_replays_on_its_follower_thread_and_a_busy_one_on_its_app
         commit(number)
         wait_for(acknowledged(number + 1), 10, f"commit {number} acknowledged")
     assert threads == ["gemps-replication-follow"] * 3
-    release = threading.Event()
-    backup_applier.submit_then(release.wait, lambda timed, error: None)  # busy: the next entry waits its turn
+    running, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # busy: the next entry waits its turn
+        running.set()
+        release.wait()
+
+    backup_applier.submit_then(hold, lambda timed, error: None)
+    assert running.wait(10)
     commit(3)
     wait_for(lambda: backup_applier.depth == 1, 10, "the entry queued behind the applier's operation")
     release.set()

@@ -2,9 +2,10 @@
 
 Each entry is applied through the applier (one operation at a time, like the primary's) with
 `ServerState.replay`, on the follower's own thread while nothing else runs there (as a primary
-applies a commit on its data plane's thread), then acknowledged by position. A frame of another epoch than the primary's
-this backup dialled ends the stream: a replica never applies anything from an older primary; so
-does any frame once --tls-crl revokes the primary's certificate (handshake.certificate_check).
+applies a commit on its data plane's thread), then acknowledged by position. A frame of another
+epoch than the primary's this backup dialled ends the stream: a replica never applies anything
+from an older primary; so does any frame once --tls-crl revokes the primary's certificate
+(handshake.certificate_check).
 When the stream ends for any reason the replica (replica.py) decides what next: dial again, or
 campaign.
 """
