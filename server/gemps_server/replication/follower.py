@@ -51,8 +51,7 @@ def split_address(address: str) -> tuple[str, int]:
 
 def _on_applier(applier: Applier, operation: Callable[[], T], inline: bool = False) -> T:
     """Run `operation` on the applier and wait for it (the follower is a thread of its own);
-    `inline`: on this thread when nothing else is queued or running there (as the primary applies
-    a commit on its data plane's thread), with no hand-over to the applier's thread and back."""
+    `inline`: on this thread when nothing else is queued or running there (the module's docstring)."""
     finished = threading.Event()
     outcome: list[Timed[T] | None] = [None]
     failure: list[BaseException | None] = [None]
