@@ -39,6 +39,8 @@ GEMPS_VARIANTS: dict[str, dict[str, str]] = {
     "gemps-int8": {"compression": "int8"},
     "gemps-downpour-tcp": {"rule": "downpour", "shared_memory": "off"},
     "gemps-recipe-tcp": {"rule": "downpour", "compression": "int8", "shared_memory": "off"},  # between hosts
+    # AdamW on the server, a round of the clients' gradients a step (the many-workers recipe)
+    "gemps-adamw": {"rule": "adamw"},
 }
 PARTITIONED = ("gemps-2p", "gemps-4p")
 # torch-rpc: TensorPipe as it picks on one host (shared memory, cross-memory attach);
