@@ -176,6 +176,7 @@ def main() -> None:
     parser.add_argument("--size", default="100K", help="float32 parameters, e.g. 100K or 1M")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of the measured loop")
     parser.add_argument("--partitions", type=int, default=1, help="run the server as K partition processes")
+    parser.add_argument("--rule", default="gem", help="the gemps server's --rule (e.g. adamw: rounds of the clients)")
     parser.add_argument(
         "--clients", type=int, default=1, help="more than 1: that many SDK clients from the bench's load generator"
     )
@@ -197,8 +198,10 @@ def main() -> None:
     if args.count_calls and args.system != "gemps":
         parser.error("--count-calls counts a gemps server's data plane: give it with --system gemps")
     counts = count_calls(os.environ) if args.count_calls else None
+    if args.rule != "gem" and args.system != "gemps":
+        parser.error("--rule is a gemps server's: give it with --system gemps")
     if args.clients > 1:
-        profile_under_load(size, args.clients, args.seconds, args.raw, args.no_profile or counts is not None)
+        profile_under_load(size, args, args.no_profile or counts is not None)
     else:
         profile_one(args, size, args.no_profile or counts is not None)
     if counts is not None:
@@ -212,7 +215,9 @@ def profile_one(args: argparse.Namespace, size: int, no_profile: bool) -> None:
     with contextlib.ExitStack() as running:
         if args.system == "gemps":
             partitioned = {"partitions": args.partitions} if args.partitions > 1 else {}
-            server = running.enter_context(ServerProcess(metrics_port=-1, log_level="warning", **partitioned))
+            server = running.enter_context(
+                ServerProcess(rule=args.rule, metrics_port=-1, log_level="warning", **partitioned)
+            )
             client = running.enter_context(gemps.Client(server.target))
             client.register({"theta": np.zeros(size, np.float32)})
             pids = {"server": server.pid}
@@ -237,13 +242,13 @@ def profile_one(args: argparse.Namespace, size: int, no_profile: bool) -> None:
             print("py-spy recorded nothing (no ptrace rights here?)", file=sys.stderr)
 
 
-def profile_under_load(size: int, clients: int, seconds: float, raw: Path | None, no_profile: bool) -> None:
-    """The bench's closed loop (gemps_bench.loadgen), `clients` SDK clients; py-spy on the server
-    through the measured window (after a warm-up)."""
-    warmup = 3.0
-    raw = raw or Path(tempfile.mkdtemp(prefix="gemps-profile-")) / "server.txt"
+def profile_under_load(size: int, args: argparse.Namespace, no_profile: bool) -> None:
+    """The bench's closed loop (gemps_bench.loadgen), `args.clients` SDK clients; py-spy on the
+    server through the measured window (after a warm-up)."""
+    warmup, clients, seconds = 3.0, args.clients, args.seconds
+    raw = args.raw or Path(tempfile.mkdtemp(prefix="gemps-profile-")) / "server.txt"
     spies: list[subprocess.Popen[bytes]] = []
-    with ServerProcess(metrics_port=-1, log_level="warning", max_workers=max(256, clients)) as server:
+    with ServerProcess(rule=args.rule, metrics_port=-1, log_level="warning", max_workers=max(256, clients)) as server:
         if not no_profile:
             timer = threading.Timer(warmup, lambda: spies.append(record(server.pid, seconds - 1, raw, False)))
             timer.start()

@@ -26,6 +26,7 @@ SYSTEMS = {
     "gemps-int8",
     "gemps-downpour-tcp",
     "gemps-recipe-tcp",
+    "gemps-adamw",
     "torch-rpc",
     "torch-rpc-tcp",
     "reference-p2p",
@@ -81,6 +82,7 @@ def test_quick_bench_measures_every_system_and_writes_the_report(tmp_path: Path)
     assert paths["gemps"] == ("gem", "exact", "none", True)
     assert paths["gemps-compact"] == ("gem", "compact", "none", True)
     assert paths["gemps-recipe-tcp"] == ("downpour", "exact", "int8", False)
+    assert paths["gemps-adamw"] == ("adamw", "exact", "none", True)
 
 
 def test_a_chosen_cell_runs_alone(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 /* The extension module gemps_server._native: the server's compiled loops, one method table for
- * the files of this folder (gem_exact.c, gem_rule.c, checks.c, core*.c, compact_gem.c, compact_codes.c). */
+ * the files of this folder (gem_exact.c, gem_rule.c, checks.c, core*.c, compact_gem.c, compact_codes.c,
+ * adamw.c). */
 #include "module.h"
 
 static PyMethodDef methods[] = {
@@ -46,6 +47,14 @@ static PyMethodDef methods[] = {
     {"gem_stats", gem_stats, METH_VARARGS,
      "gem_stats(samples, size, moving, pi_sum, at_zero, at_max, proxy_energy, central_energy) -> ApplyStats'\n"
      "six figures from a GEM pass's sums and pi's sample (NaN where Delta = 0; reordered)."},
+    {"adamw_sum", adamw_sum, METH_VARARGS,
+     "adamw_sum(total, gradient, out, subtract) -> max |out| (NaN when a value is not): out = total + gradient, or\n"
+     "total - gradient with subtract (float32 buffers of one size; out apart from both)."},
+    {"adamw_step", adamw_step, METH_VARARGS,
+     "adamw_step(gradient, m, v, theta, m_out, v_out, theta_out, (divisor, beta1, 1 - beta1, beta2, 1 - beta2,\n"
+     "sqrt(1 - beta2^t), epsilon, step size), decay, decay_all, ranges) -> (max |m'|, max |v'|, max |theta'|), each NaN\n"
+     "when a value is not finite: one AdamW step on gradient / divisor in numpy's float32 order (rules/adamw.py),\n"
+     "theta times decay over every parameter (decay_all) or the sorted int64 pairs (low, high) of `ranges`."},
     {"core_setup", core_setup, METH_VARARGS,
      "core_setup(ApplyStats, Receipt, PayloadKind.GRADIENT): the types and values core_commit makes and passes."},
     {"core_commit", (PyCFunction)(void (*)(void))core_commit, METH_FASTCALL,

@@ -26,6 +26,9 @@ int gem_in_place_bounds(const GemBoundsOf *of, double *theta_bound, double *prox
 int gem_figures(float *samples, Py_ssize_t count, Py_ssize_t size, const Sums *sums, double figures[6]);
 PyObject *gem_bounds(PyObject *self, PyObject *args);
 PyObject *gem_stats(PyObject *self, PyObject *args);
+/* adamw.c: the adamw rule's passes */
+PyObject *adamw_sum(PyObject *self, PyObject *args);
+PyObject *adamw_step(PyObject *self, PyObject *args);
 /* core.c, core_objects.c */
 PyObject *core_setup(PyObject *self, PyObject *args);
 PyObject *core_commit(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

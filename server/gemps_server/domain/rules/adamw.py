@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -58,7 +59,7 @@ from gemps_server.domain.rules.base import (
 )
 from gemps_server.domain.rules.overflow import OverflowGuard
 from gemps_server.domain.rules.registered import RegisteredWorkers
-from gemps_server.native import max_abs
+from gemps_server.native import compiled, max_abs
 
 # torch.optim.AdamW's defaults.
 ADAM_BETA1 = RuleOption("adam_beta1", 0.9, Range(0, 1, high_open=True), "beta1: adamw's first-moment decay")
@@ -118,6 +119,19 @@ _VECTORS = STATE[:3]
 _COUNTS = STATE[3:]
 
 
+class Coefficients(NamedTuple):
+    """An AdamW step's float32 scalars, computed once for both kernels (csrc/adamw.c takes them in this order)."""
+
+    divisor: np.float32  # the round's gradients: mean = sum / divisor
+    beta1: np.float32
+    rest1: np.float32  # 1 - beta1
+    beta2: np.float32
+    rest2: np.float32  # 1 - beta2
+    bias2_root: np.float32  # sqrt(1 - beta2^t)
+    epsilon: np.float32
+    step_size: np.float32  # lr / (1 - beta1^t)
+
+
 class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
     name = "adamw"
     options = (*ADAMW_STEP_OPTIONS, ROUND_SIZE, BACKUP_WORKERS, OUTER_RATE, OUTER_MOMENTUM)
@@ -148,6 +162,9 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         self.beta1, self.beta2, self.epsilon = adam_beta1, adam_beta2, adam_epsilon
         self.weight_decay, self.decay_vectors, self.gradient_clip = adam_weight_decay, adam_decay_vectors, gradient_clip
         self._decayed: list[tuple[int, int]] | None = None  # the ranges of θ decayed; None: all of it
+        self._decayed_bounds = np.empty(0, dtype=np.int64)  # the same, flat, for the compiled pass
+        # csrc/adamw.c's passes where built; numpy ("numpy": the reference they are held to, bit for bit)
+        self.kernel = "compiled" if compiled is not None else "numpy"
         self.round_size, self.backup_workers = round_size, backup_workers
         if outer_momentum and not outer_rate:
             raise ValueError(
@@ -189,6 +206,7 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
                     ranges.append((low - start, high - start))
             offset += parameter.size
         self._decayed = ranges
+        self._decayed_bounds = np.array(ranges, dtype=np.int64).reshape(-1)
 
     def refusal(self, kind: PayloadKind) -> str | None:
         if self.outer_rate and kind is PayloadKind.GRADIENT:
@@ -229,12 +247,8 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         if context.version - context.staleness < self._round_start:  # taken on a θ this round moved
             return theta, dataclasses.replace(ApplyStats.constant(0.0), kept_theta=True)
         total = self._spare_of("gradient_sum")
-        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below
-            if context.kind is PayloadKind.GRADIENT:
-                np.add(self._vectors["gradient_sum"], update, out=total)
-            else:  # an update Δ is the pseudo-gradient -Δ
-                np.subtract(self._vectors["gradient_sum"], update, out=total)
-        if not math.isfinite(max_abs(total)):
+        # an update Δ is the pseudo-gradient -Δ
+        if not math.isfinite(self._summed(update, context.kind is not PayloadKind.GRADIENT, total)):
             raise NonFiniteUpdate("the gradient would make adamw's sum of the round overflow to infinity")
         buffered = self._buffered + 1
         if buffered < period:
@@ -242,11 +256,13 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
             self._buffered = buffered
             stats = ApplyStats.constant(1.0 / period)
             return theta, dataclasses.replace(stats, pending=period - buffered, kept_theta=True)
-        mean = total / np.float32(buffered)
         if self.outer_rate and context.kind is PayloadKind.UPDATE:
-            updated = self._outer_step(theta, mean)
+            updated = self._outer_step(theta, total / np.float32(buffered))
+        elif self.gradient_clip:  # the mean first, for its norm
+            clipped = self._clipped(total / np.float32(buffered))
+            updated = self._adamw_step(theta, clipped, 1, self.learning_rate_at(context.version))
         else:
-            updated = self._adamw_step(theta, self._clipped(mean), self.learning_rate_at(context.version))
+            updated = self._adamw_step(theta, total, buffered, self.learning_rate_at(context.version))
         self._vectors["gradient_sum"].fill(0.0)  # `total`, the spare, is written over next round
         self._steps += 1
         self._buffered, self._round_start = 0, context.version + 1
@@ -272,29 +288,79 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         self._swap("first_moment", velocity)
         return updated
 
-    def _adamw_step(self, theta: np.ndarray, mean: np.ndarray, learning_rate: float) -> np.ndarray:
-        """θ after one AdamW step on the round's `mean` gradient, with the moments it makes swapped
-        in; NonFiniteUpdate with nothing changed when any of them is not finite."""
+    def _summed(self, update: np.ndarray, subtract: bool, out: np.ndarray) -> float:
+        """out ← the round's sum + `update` (- with `subtract`); max |out| (NaN: not finite)."""
+        total = self._vectors["gradient_sum"]
+        if self.kernel == "compiled" and _flat_float32(update):
+            assert compiled is not None
+            return float(compiled.adamw_sum(total, update.reshape(-1), out, subtract))
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused by the caller
+            (np.subtract if subtract else np.add)(total, update, out=out)
+        return max_abs(out)
+
+    def _adamw_step(self, theta: np.ndarray, gradient: np.ndarray, divisor: int, learning_rate: float) -> np.ndarray:
+        """θ after one AdamW step on the mean gradient `gradient` / `divisor`, with the moments it
+        makes swapped in; NonFiniteUpdate with nothing changed when any of them is not finite."""
         first, second = self._spare_of("first_moment"), self._spare_of("second_moment")
-        steps = self._steps + 1
         updated = self.take_spare(theta)
-        with np.errstate(over="ignore", invalid="ignore"):
-            np.multiply(self._vectors["first_moment"], np.float32(self.beta1), out=first)
-            first += np.float32(1 - self.beta1) * mean
-            np.multiply(self._vectors["second_moment"], np.float32(self.beta2), out=second)
-            second += np.float32(1 - self.beta2) * mean * mean
-            # torch.optim.AdamW's order: decay, then m̂'s step over √û + ε
-            denominator = np.sqrt(second) / np.float32(math.sqrt(1 - self.beta2**steps))
-            denominator += np.float32(self.epsilon)
-            self._decay(theta, np.float32(1 - learning_rate * self.weight_decay), updated)
-            updated -= np.float32(learning_rate / (1 - self.beta1**steps)) * first / denominator
-        if not (math.isfinite(max_abs(first)) and math.isfinite(max_abs(second))):
+        coefficients = self.coefficients(divisor, learning_rate, self._steps + 1)
+        decay = np.float32(1 - learning_rate * self.weight_decay)
+        moments = self._vectors["first_moment"], self._vectors["second_moment"]
+        if self.kernel == "compiled":
+            assert compiled is not None
+            decay_all, bounds = self._decayed is None, self._decayed_bounds
+            peaks = compiled.adamw_step(
+                gradient, *moments, theta, first, second, updated, coefficients, decay, decay_all, bounds
+            )
+        else:
+            peaks = self._adamw_numpy(gradient, moments, theta, (first, second, updated), coefficients, decay)
+        first_peak, second_peak, theta_peak = peaks
+        if not (math.isfinite(first_peak) and math.isfinite(second_peak)):
             self.keep_spare(updated)
             raise NonFiniteUpdate("the gradient would make adamw's moments overflow to infinity")
-        updated = self.checked(theta, updated)
+        updated = self.checked(theta, updated, theta_peak)
         self._swap("first_moment", first)
         self._swap("second_moment", second)
         return updated
+
+    def coefficients(self, divisor: int, learning_rate: float, steps: int) -> Coefficients:
+        """The float32 scalars of AdamW step `steps` on a sum of `divisor` gradients."""
+        beta1, beta2 = self.beta1, self.beta2
+        return Coefficients(
+            divisor=np.float32(divisor),
+            beta1=np.float32(beta1),
+            rest1=np.float32(1 - beta1),
+            beta2=np.float32(beta2),
+            rest2=np.float32(1 - beta2),
+            bias2_root=np.float32(math.sqrt(1 - beta2**steps)),
+            epsilon=np.float32(self.epsilon),
+            step_size=np.float32(learning_rate / (1 - beta1**steps)),
+        )
+
+    def _adamw_numpy(
+        self,
+        gradient: np.ndarray,
+        moments: tuple[np.ndarray, np.ndarray],
+        theta: np.ndarray,
+        outputs: tuple[np.ndarray, np.ndarray, np.ndarray],
+        c: Coefficients,
+        decay: np.float32,
+    ) -> tuple[float, float, float]:
+        """The step in numpy, the reference csrc/adamw.c is held to: the new moments and θ into
+        `outputs`, and their peaks."""
+        first, second, updated = outputs
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused by the caller
+            mean = gradient / c.divisor
+            np.multiply(moments[0], c.beta1, out=first)
+            first += c.rest1 * mean
+            np.multiply(moments[1], c.beta2, out=second)
+            second += c.rest2 * mean * mean
+            # torch.optim.AdamW's order: decay, then m̂'s step over √û + ε
+            denominator = np.sqrt(second) / c.bias2_root
+            denominator += c.epsilon
+            self._decay(theta, decay, updated)
+            updated -= c.step_size * first / denominator
+        return max_abs(first), max_abs(second), max_abs(updated)
 
     def _decay(self, theta: np.ndarray, factor: np.float32, out: np.ndarray) -> None:
         """out ← θ, times `factor` where the decay applies."""
@@ -324,3 +390,7 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
 
     def _swap(self, key: str, new: np.ndarray) -> None:
         self._spares[key], self._vectors[key] = self._vectors[key], new
+
+
+def _flat_float32(values: np.ndarray) -> bool:
+    return values.dtype == np.float32 and values.flags.c_contiguous

@@ -49,10 +49,11 @@ class OverflowGuard:
         """Keep `array` (the previous theta, or a refused result) for the next `take_spare`."""
         self._spare = array
 
-    def checked(self, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    def checked(self, old: np.ndarray, new: np.ndarray, peak: float | None = None) -> np.ndarray:
         """`new` as the next theta when it is finite (the rule keeps `old` as its spare); otherwise
-        keeps `new` as the spare and raises NonFiniteUpdate."""
-        peak = max_abs(new)  # NaN when a value is not
+        keeps `new` as the spare and raises NonFiniteUpdate. `peak`: max_abs(new), where the pass
+        that wrote it measured it."""
+        peak = max_abs(new) if peak is None else peak  # NaN when a value is not
         if not math.isfinite(peak):
             self.keep_spare(new)
             raise NonFiniteUpdate("the update would make the central variable overflow to infinity (or NaN)")
