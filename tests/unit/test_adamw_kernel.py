@@ -1,6 +1,8 @@
 """The adamw rule's compiled passes (csrc/adamw.c) write the bits of its numpy reference
-(rules/adamw.py `_adamw_numpy`): the round's sum, the AdamW step, and the peaks the rule refuses
-an overflow by; whole runs of the rule agree bit for bit on either kernel."""
+(rules/adamw_passes.py `numpy_step`): the round's sum, the AdamW step (the last gradient added in
+its pass, or not; in place, or not), and the peaks the rule refuses an overflow by; whole runs of
+the rule agree bit for bit on either kernel, the compiled one holding no spares where nothing can
+overflow."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from gemps_proto.schema import ParameterSpec, PayloadKind
 from gemps_server import native
 from gemps_server.domain.rules import NonFiniteUpdate, create_rule
 from gemps_server.domain.rules.adamw import AdamWRule
+from gemps_server.domain.rules.adamw_passes import numpy_step
 from gemps_server.domain.rules.base import StepContext
 from tests.helpers import training
 
@@ -35,79 +38,106 @@ def spread(rng: np.random.Generator, size: int) -> np.ndarray:
     return (rng.standard_normal(size) * 10.0 ** rng.uniform(-20, 3, size)).astype(np.float32)
 
 
+NONE = np.empty(0, np.float32)
+
+
 @pytest.mark.parametrize("size", [1, 1023, 1025, 70_001])
 @pytest.mark.parametrize("decayed", [None, [], [(0, 1)], [(3, 700), (900, 1000), (1200, 70_001)]])
 def test_the_compiled_step_writes_numpys_bits_and_peaks(size: int, decayed: list[tuple[int, int]] | None) -> None:
+    """The sum alone or with the last gradient added (either sign), out of place and in place."""
     rng = np.random.default_rng(size)
     rule = made("numpy", size, adam_beta1=0.8, adam_beta2=0.95, adam_weight_decay=0.1)
-    gradient, first, theta = spread(rng, size), spread(rng, size), rng.standard_normal(size).astype(np.float32)
+    total, gradient, first, theta = spread(rng, size), spread(rng, size), spread(rng, size), spread(rng, size)
     second = np.abs(spread(rng, size))
-    ranges = [(low, min(high, size)) for low, high in decayed or [] if low < size]
-    coefficients = rule.coefficients(7, 2e-3, 5)
-    decay = np.float32(1 - 2e-3 * 0.1)
-    rule._decayed = None if decayed is None else ranges  # what take_spec leaves (tested in test_adamw_rule.py)
-    expected = (np.empty(size, np.float32), np.empty(size, np.float32), np.empty(size, np.float32))
-    peaks = rule._adamw_numpy(gradient, (first, second), theta, expected, coefficients, decay)
-    written = tuple(np.empty(size, np.float32) for _ in range(3))
-    bounds = np.array(ranges, np.int64).reshape(-1)
+    ranges = None if decayed is None else [(low, min(high, size)) for low, high in decayed if low < size]
+    c, decay = rule.coefficients(7, 2e-3, 5), np.float32(1 - 2e-3 * 0.1)
+    bounds = np.array(ranges or [], np.int64).reshape(-1)
     assert native.compiled is not None
-    compiled_peaks = native.compiled.adamw_step(
-        gradient, first, second, theta, *written, coefficients, decay, decayed is None, bounds
-    )
-    for new, reference in zip(written, expected, strict=True):
-        np.testing.assert_array_equal(bits(new), bits(reference))
-    assert compiled_peaks == peaks
+    for last, sign in ((NONE, 0.0), (gradient, 1.0), (gradient, -1.0)):
+        summed = total + np.float32(sign) * gradient if last.size else total
+        expected = (np.empty(size, np.float32), np.empty(size, np.float32), np.empty(size, np.float32))
+        peaks = numpy_step(summed, (first, second), theta, expected, c, decay, ranges)
+        inputs = first.copy(), second.copy(), theta.copy()
+        for outputs in ((np.empty_like(first), np.empty_like(first), np.empty_like(first)), inputs):
+            step = (total, last, sign < 0, *inputs, *outputs, c, decay, ranges is None, bounds)
+            assert native.compiled.adamw_step(*step) == peaks
+            for new, reference in zip(outputs, expected, strict=True):
+                np.testing.assert_array_equal(bits(new), bits(reference))
 
 
 def test_a_step_that_overflows_reports_which_peak_is_not_finite() -> None:
     rule = made("numpy", 5)
     gradient = np.array([1e30, 1.0, -2.0, 0.0, 3e38], np.float32)  # squares to inf; a mean of inf
     moments = np.zeros(5, np.float32), np.zeros(5, np.float32)
-    theta = np.ones(5, np.float32)
-    for kernel in ("numpy", "compiled"):
-        outputs = (np.empty(5, np.float32), np.empty(5, np.float32), np.empty(5, np.float32))
-        if kernel == "numpy":
-            peaks = rule._adamw_numpy(gradient, moments, theta, outputs, rule.coefficients(1, 1e-3, 1), np.float32(1))
-        else:
-            assert native.compiled is not None
-            arguments = (*outputs, rule.coefficients(1, 1e-3, 1), np.float32(1), True, np.empty(0, np.int64))
-            peaks = native.compiled.adamw_step(gradient, *moments, theta, *arguments)
-        assert math.isfinite(peaks[0]) and math.isnan(peaks[1]), (kernel, peaks)
+    theta, c = np.ones(5, np.float32), rule.coefficients(1, 1e-3, 1)
+    outputs = (np.empty(5, np.float32), np.empty(5, np.float32), np.empty(5, np.float32))
+    peaks = numpy_step(gradient, moments, theta, outputs, c, np.float32(1), None)
+    assert native.compiled is not None
+    step = (gradient, NONE, False, *moments, theta, *outputs, c, np.float32(1), True, np.empty(0, np.int64))
+    for found in (peaks, native.compiled.adamw_step(*step)):
+        assert math.isfinite(found[0]) and math.isnan(found[1]), found
 
 
 @pytest.mark.parametrize("subtract", [False, True])
-def test_the_compiled_sum_is_numpys_and_finds_an_overflow(subtract: bool) -> None:
+def test_the_compiled_sum_is_numpys_in_place_or_not_and_finds_an_overflow(subtract: bool) -> None:
     rng = np.random.default_rng(3)
     total, gradient = spread(rng, 70_001), spread(rng, 70_001)
-    out = np.empty_like(total)
-    assert native.compiled is not None
-    peak = native.compiled.adamw_sum(total, gradient, out, subtract)
     expected = total - gradient if subtract else total + gradient
-    np.testing.assert_array_equal(bits(out), bits(expected))
-    assert peak == float(np.abs(expected).max())
+    assert native.compiled is not None
+    out = np.empty_like(total)
+    for target in (out, total.copy()):
+        source = total if target is out else target
+        peak = native.compiled.adamw_sum(source, gradient, target, subtract)
+        np.testing.assert_array_equal(bits(target), bits(expected))
+        assert peak == float(np.abs(expected).max())
     total[65_000] = 3e38
     gradient[65_000] = -3e38 if subtract else 3e38
     assert math.isnan(native.compiled.adamw_sum(total, gradient, out, subtract))
 
 
-def test_the_passes_refuse_buffers_that_do_not_fit_or_share_memory() -> None:
+def test_the_passes_refuse_buffers_that_do_not_fit_or_share_memory_but_their_own() -> None:
     assert native.compiled is not None
     values = np.ones(8, np.float32)
     rule = made("numpy", 8)
-    step = (rule.coefficients(1, 1e-3, 1), np.float32(1), True, np.empty(0, np.int64))
-    with pytest.raises(ValueError, match="own"):
-        native.compiled.adamw_sum(values, values.copy(), values, False)
+    tail = (rule.coefficients(1, 1e-3, 1), np.float32(1), True, np.empty(0, np.int64))
+    with pytest.raises(ValueError, match="apart"):  # out is the gradient
+        native.compiled.adamw_sum(values.copy(), values, values, False)
+    shifted = np.ones(9, np.float32)
+    with pytest.raises(ValueError, match="apart"):  # out overlaps the sum, one value along
+        native.compiled.adamw_sum(shifted[:8], values, shifted[1:], False)
     with pytest.raises(ValueError, match="one size"):
         native.compiled.adamw_sum(values, values[:4].copy(), np.empty(8, np.float32), False)
-    outputs = [np.empty(8, np.float32) for _ in range(3)]
-    with pytest.raises(ValueError, match="own"):
-        native.compiled.adamw_step(values, values, values, values, outputs[0], outputs[0], outputs[2], *step)
-    unsorted = (*step[:3], np.array([4, 6, 0, 2], np.int64))
+    moments = [np.zeros(8, np.float32), np.zeros(8, np.float32)]
+    theta, total = np.ones(8, np.float32), np.ones(8, np.float32)
+    head = (total, NONE, False, *moments, theta)
+    with pytest.raises(ValueError, match="apart"):  # m' written over v
+        native.compiled.adamw_step(*head, moments[1], np.empty(8, np.float32), np.empty(8, np.float32), *tail)
+    with pytest.raises(ValueError, match="apart"):  # θ' written over the sum
+        native.compiled.adamw_step(*head, *moments, total, *tail)
     with pytest.raises(ValueError, match="sorted"):
-        native.compiled.adamw_step(values, values, values, values, *outputs, *unsorted)
-    beyond = (*step[:3], np.array([4, 9], np.int64))
+        native.compiled.adamw_step(*head, *moments, theta, *tail[:3], np.array([4, 6, 0, 2], np.int64))
     with pytest.raises(ValueError, match="sorted"):
-        native.compiled.adamw_step(values, values, values, values, *outputs, *beyond)
+        native.compiled.adamw_step(*head, *moments, theta, *tail[:3], np.array([4, 9], np.int64))
+    native.compiled.adamw_step(*head, *moments, theta, *tail)  # in place: each output its own input
+
+
+def test_rounds_that_cannot_overflow_run_in_place_with_no_spares() -> None:
+    size = 4_000
+    rules = [made(kernel, size, round_size=4) for kernel in ("numpy", "compiled")]
+    rng = np.random.default_rng(2)
+    start = rng.standard_normal(size).astype(np.float32)
+    thetas = [start.copy(), start.copy()]  # each rule owns its θ (the compiled one writes it in place)
+    for version in range(12):
+        payload = spread(rng, size)
+        peak = float(np.abs(payload).max())
+        for index, rule in enumerate(rules):
+            context = StepContext("w0", version=version, payload_peak=peak)
+            moved, _ = rule.step(thetas[index], payload, context)
+            assert (moved is thetas[index]) == (index == 1 or version % 4 != 3)  # the compiled rule: in place
+            thetas[index] = moved
+        np.testing.assert_array_equal(bits(thetas[0]), bits(thetas[1]))
+    assert rules[0].shared_state_bytes == 6 * 4 * size  # the moments, the sum and a spare of each
+    assert rules[1].shared_state_bytes == 3 * 4 * size
 
 
 @pytest.mark.parametrize("options", [{}, {"gradient_clip": 0.5}, {"adam_decay_vectors": 1}])
@@ -120,12 +150,14 @@ def test_whole_runs_agree_bit_for_bit_on_either_kernel(options: dict[str, float]
     for rule in rules:
         rule.take_spec(spec, (500, 5_500))
     rng = np.random.default_rng(11)
-    thetas = [rng.standard_normal(size).astype(np.float32)] * 2
+    start = rng.standard_normal(size).astype(np.float32)
+    thetas = [start.copy(), start.copy()]  # each rule owns its θ (the compiled one writes it in place)
     refused: list[tuple[int, str]] = []
     for version in range(31):
         kind = PayloadKind.UPDATE if version % 7 == 3 else PayloadKind.GRADIENT
         payload = spread(rng, size) if version != 14 else np.full(size, 1e25, np.float32)  # closes a round
-        context = StepContext("w0", version=version, kind=kind)
+        peak = float(np.abs(payload).max()) if version % 2 else None  # the checks measure it, or not
+        context = StepContext("w0", version=version, kind=kind, payload_peak=peak)
         for index, rule in enumerate(rules):
             try:
                 thetas[index], _ = rule.step(thetas[index], payload, context)

@@ -1,9 +1,11 @@
 /* The adamw rule's passes (domain/rules/adamw.py): a gradient added to the round's sum, and the
- * AdamW step that closes a round, each one pass over the parameters that also finds the peaks
- * the rule checks for overflow. numpy took 4 passes for the first and about 15, with 6 temporaries
- * of P values, for the second (1.9 s a round at 124M parameters: docs/PERFORMANCE.md). Each value
- * is computed with numpy's float32 operations in numpy's order (-ffp-contract=off: no fused
- * multiply-add), so both write the same bits (tests/unit/test_adamw_kernel.py). */
+ * AdamW step that closes a round (with the round's last gradient added on the way), each one pass
+ * over the parameters that also finds the peaks the rule checks for overflow. numpy took 4 passes
+ * for the first and about 15, with 6 temporaries of P values, for the second (docs/PERFORMANCE.md).
+ * Each value is computed with numpy's float32 operations in numpy's order (-ffp-contract=off: no
+ * fused multiply-add), so both write the same bits (tests/unit/test_adamw_kernel.py). A pass may
+ * write in place (an output the very buffer of its own input: the rule's bounds showed that no
+ * value can overflow). */
 #include "module.h"
 
 /* A pass's peaks: max |x| of each output, and the sum of x - x, which only a value that is not
@@ -23,16 +25,18 @@ static int
 overlap(const Py_buffer *a, const Py_buffer *b)
 {
     const char *x = (const char *)a->buf, *y = (const char *)b->buf;
-    return x < y + b->len && y < x + a->len;
+    return a->len && b->len && x < y + b->len && y < x + a->len;
 }
 
-/* No output shares a byte with another output or an input. */
+/* No output shares a byte with another output or an input, but for output i and input own[i]
+ * (-1: none), which may be one buffer (the pass reads each value before it writes it). */
 static int
-apart(Py_buffer *const *outputs, int outs, Py_buffer *const *inputs, int ins)
+apart(Py_buffer *const *outputs, const int *own, int outs, Py_buffer *const *inputs, int ins)
 {
     for (int i = 0; i < outs; i++) {
         for (int j = 0; j < ins; j++) {
-            if (overlap(outputs[i], inputs[j])) {
+            const int same = j == own[i] && outputs[i]->buf == inputs[j]->buf && outputs[i]->len == inputs[j]->len;
+            if (!same && overlap(outputs[i], inputs[j])) {
                 return 0;
             }
         }
@@ -46,20 +50,20 @@ apart(Py_buffer *const *outputs, int outs, Py_buffer *const *inputs, int ins)
 }
 
 /* out = total + g (or total - g: an update enters as the pseudo-gradient -Delta; a + (-1 * b) is
- * a - b to the bit in IEEE arithmetic), and its peak. */
+ * a - b to the bit in IEEE arithmetic), and its peak; out may be total. */
 __attribute__((target_clones("avx2", "default"))) static void
-sum_pass(const float *restrict total, const float *restrict g, float *restrict out, Py_ssize_t n, int subtract,
-         Peaks *peaks)
+sum_pass(const float *total, const float *g, float *out, Py_ssize_t n, int subtract, Peaks *peaks)
 {
     const float sign = subtract ? -1.0f : 1.0f;
     float peak = 0.0f, nonfinite = 0.0f;
     for (Py_ssize_t start = 0; start < n; start += BLOCK) {
-        const Py_ssize_t end = start + BLOCK < n ? start + BLOCK : n;
-        float block_peak = 0.0f;
+        const Py_ssize_t length = start + BLOCK < n ? BLOCK : n - start;
+        const float *restrict read = g + start, *sums = total + start;
+        float *written = out + start, block_peak = 0.0f;
 #pragma omp simd reduction(+ : nonfinite) reduction(max : block_peak)
-        for (Py_ssize_t j = start; j < end; j++) {
-            const float value = total[j] + sign * g[j];
-            out[j] = value;
+        for (Py_ssize_t j = 0; j < length; j++) {
+            const float value = sums[j] + sign * read[j];
+            written[j] = value;
             nonfinite += value - value;
             const float size = fabsf(value);
             block_peak = size > block_peak ? size : block_peak;
@@ -80,10 +84,11 @@ adamw_sum(PyObject *self, PyObject *args)
     }
     PyObject *result = NULL;
     Py_buffer *const inputs[2] = {&total, &gradient}, *const outputs[1] = {&out};
+    const int own[1] = {0};
     if (total.len != gradient.len || total.len != out.len || total.len % (Py_ssize_t)sizeof(float)) {
         PyErr_SetString(PyExc_ValueError, "adamw_sum: float32 buffers of one size");
-    } else if (out.len && !apart(outputs, 1, inputs, 2)) {
-        PyErr_SetString(PyExc_ValueError, "adamw_sum: the output is a buffer of its own (the inputs only read)");
+    } else if (!apart(outputs, own, 1, inputs, 2)) {
+        PyErr_SetString(PyExc_ValueError, "adamw_sum: the output is the sum's own buffer or apart from both");
     } else {
         Peaks peaks = {{0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f}};
         const Py_ssize_t n = total.len / (Py_ssize_t)sizeof(float);
@@ -98,28 +103,44 @@ adamw_sum(PyObject *self, PyObject *args)
     return result;
 }
 
-/* The step's float32 coefficients, as the rule computes them (rules/adamw.py: _coefficients). */
+/* The step's float32 coefficients, as the rule computes them (rules/adamw.py: coefficients). */
 typedef struct {
     float divisor, beta1, rest1, beta2, rest2, bias2_root, epsilon, step_size;
 } Coefficients;
 
+/* The round's sum (with the last gradient added: total + sign * g; g NULL: total alone) and the
+ * step's inputs and outputs. */
+typedef struct {
+    const float *total, *g, *m, *v, *theta;
+    float *m_out, *v_out, *theta_out;
+    float sign;
+} Step;
+
 /* One AdamW step over [start, end), theta multiplied by `decay` (1: not decayed):
- *   mean = g / divisor;  m' = m*b1 + (1-b1)*mean;  v' = v*b2 + ((1-b2)*mean)*mean;
+ *   mean = (total + sign*g) / divisor;  m' = m*b1 + (1-b1)*mean;  v' = v*b2 + ((1-b2)*mean)*mean;
  *   theta' = theta*decay - (step_size*m') / (sqrt(v') / bias2_root + eps)
  * (numpy's order, rules/adamw.py _adamw_numpy), each output's peak into `peaks`. */
 __attribute__((target_clones("avx2", "default"))) static void
-step_pass(const float *restrict g, const float *restrict m, const float *restrict v, const float *restrict theta,
-          float *restrict m_out, float *restrict v_out, float *restrict theta_out, Py_ssize_t start, Py_ssize_t end,
-          float decay, const Coefficients *c, Peaks *peaks)
+step_pass(const Step *s, Py_ssize_t start, Py_ssize_t end, float decay, const Coefficients *c, Peaks *peaks)
 {
     const float divisor = c->divisor, beta1 = c->beta1, rest1 = c->rest1, beta2 = c->beta2, rest2 = c->rest2;
-    const float bias2_root = c->bias2_root, epsilon = c->epsilon, step_size = c->step_size;
+    const float bias2_root = c->bias2_root, epsilon = c->epsilon, step_size = c->step_size, sign = s->sign;
+    float zeros[BLOCK];
+    if (s->g == NULL) { /* no gradient to add: t + (-0) is t, bit for bit (and +0 would make -0 of it +0) */
+        for (Py_ssize_t j = 0; j < BLOCK; j++) {
+            zeros[j] = -0.0f;
+        }
+    }
     for (Py_ssize_t block = start; block < end; block += BLOCK) {
-        const Py_ssize_t stop = block + BLOCK < end ? block + BLOCK : end;
+        const Py_ssize_t length = block + BLOCK < end ? BLOCK : end - block;
+        const float *restrict g = s->g == NULL ? zeros : s->g + block;
+        const float *total = s->total + block, *m = s->m + block, *v = s->v + block, *theta = s->theta + block;
+        float *m_out = s->m_out + block, *v_out = s->v_out + block, *theta_out = s->theta_out + block;
         float peak_m = 0.0f, peak_v = 0.0f, peak_t = 0.0f, bad_m = 0.0f, bad_v = 0.0f, bad_t = 0.0f;
 #pragma omp simd reduction(+ : bad_m, bad_v, bad_t) reduction(max : peak_m, peak_v, peak_t)
-        for (Py_ssize_t j = block; j < stop; j++) {
-            const float mean = g[j] / divisor;
+        for (Py_ssize_t j = 0; j < length; j++) {
+            const float sum = total[j] + sign * g[j];
+            const float mean = sum / divisor;
             const float first = m[j] * beta1 + rest1 * mean;
             const float second = v[j] * beta2 + (rest2 * mean) * mean;
             const float denominator = sqrtf(second) / bias2_root + epsilon;
@@ -144,7 +165,7 @@ step_pass(const float *restrict g, const float *restrict m, const float *restric
     }
 }
 
-/* The ranges decayed: sorted, disjoint pairs (low, high) of int64, or all of theta when none given. */
+/* The ranges decayed: sorted, disjoint pairs (low, high) of int64 within [0, n]. */
 static int
 valid_ranges(const Py_buffer *ranges, Py_ssize_t n)
 {
@@ -162,57 +183,65 @@ valid_ranges(const Py_buffer *ranges, Py_ssize_t n)
     return 1;
 }
 
+/* The step over [0, n): theta decayed everywhere (decay_all), or only inside the ranges (between
+ * them x * 1 is x, bit for bit). */
+static void
+step_ranges(const Step *s, Py_ssize_t n, float decay, int decay_all, const int64_t *bounds, Py_ssize_t pairs,
+            const Coefficients *c, Peaks *peaks)
+{
+    if (decay_all) {
+        step_pass(s, 0, n, decay, c, peaks);
+        return;
+    }
+    Py_ssize_t at = 0;
+    for (Py_ssize_t i = 0; i < pairs; i++) {
+        step_pass(s, at, bounds[2 * i], 1.0f, c, peaks);
+        step_pass(s, bounds[2 * i], bounds[2 * i + 1], decay, c, peaks);
+        at = bounds[2 * i + 1];
+    }
+    step_pass(s, at, n, 1.0f, c, peaks);
+}
+
 PyObject *
 adamw_step(PyObject *self, PyObject *args)
 {
-    Py_buffer g, m, v, theta, m_out, v_out, theta_out, ranges;
+    Py_buffer total, g, m, v, theta, m_out, v_out, theta_out, ranges;
     Coefficients c;
     float decay;
-    int decay_all;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*w*w*w*(ffffffff)fpy*", &g, &m, &v, &theta, &m_out, &v_out, &theta_out,
-                          &c.divisor, &c.beta1, &c.rest1, &c.beta2, &c.rest2, &c.bias2_root, &c.epsilon,
-                          &c.step_size, &decay, &decay_all, &ranges)) {
+    int subtract, decay_all;
+    Step s;
+    if (!PyArg_ParseTuple(args, "y*y*py*y*y*w*w*w*(ffffffff)fpy*", &total, &g, &subtract, &m, &v, &theta,
+                          &m_out, &v_out, &theta_out, &c.divisor, &c.beta1, &c.rest1, &c.beta2, &c.rest2,
+                          &c.bias2_root, &c.epsilon, &c.step_size, &decay, &decay_all, &ranges)) {
         return NULL;
     }
     PyObject *result = NULL;
-    const Py_ssize_t len = g.len, n = len / (Py_ssize_t)sizeof(float);
-    Py_buffer *const inputs[4] = {&g, &m, &v, &theta}, *const outputs[3] = {&m_out, &v_out, &theta_out};
-    if (m.len != len || v.len != len || theta.len != len || m_out.len != len || v_out.len != len ||
+    const Py_ssize_t len = total.len, n = len / (Py_ssize_t)sizeof(float);
+    Py_buffer *const inputs[5] = {&total, &g, &m, &v, &theta}, *const outputs[3] = {&m_out, &v_out, &theta_out};
+    const int own[3] = {2, 3, 4}; /* m' may be m, v' v, theta' theta */
+    if ((g.len && g.len != len) || m.len != len || v.len != len || theta.len != len || m_out.len != len || v_out.len != len ||
         theta_out.len != len || len % (Py_ssize_t)sizeof(float) || !valid_ranges(&ranges, n)) {
         PyErr_SetString(PyExc_ValueError,
-                        "adamw_step: float32 buffers of one size, and the ranges decayed as sorted int64 pairs");
-    } else if (len && !apart(outputs, 3, inputs, 4)) {
-        PyErr_SetString(PyExc_ValueError, "adamw_step: the outputs are buffers of their own (the inputs only read)");
+                        "adamw_step: float32 buffers of one size (the gradient may be empty: none), and the ranges "
+                        "decayed as sorted int64 pairs");
+    } else if (!apart(outputs, own, 3, inputs, 5)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "adamw_step: each output its input's own buffer (m, v, theta) or apart from every other");
     } else {
         Peaks peaks = {{0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f}};
-        const float *in[4] = {(const float *)g.buf, (const float *)m.buf, (const float *)v.buf,
-                              (const float *)theta.buf};
-        float *out[3] = {(float *)m_out.buf, (float *)v_out.buf, (float *)theta_out.buf};
-        const int64_t *bounds = (const int64_t *)ranges.buf;
+        s.total = (const float *)total.buf, s.g = g.len ? (const float *)g.buf : NULL;
+        s.sign = subtract ? -1.0f : 1.0f;
+        s.m = (const float *)m.buf, s.v = (const float *)v.buf, s.theta = (const float *)theta.buf;
+        s.m_out = (float *)m_out.buf, s.v_out = (float *)v_out.buf, s.theta_out = (float *)theta_out.buf;
         const Py_ssize_t pairs = ranges.len / (Py_ssize_t)(2 * sizeof(int64_t));
         MAYBE_RELEASE_GIL(n);
-        if (decay_all) {
-            step_pass(in[0], in[1], in[2], in[3], out[0], out[1], out[2], 0, n, decay, &c, &peaks);
-        } else { /* between the ranges theta is not decayed: x * 1 is x, bit for bit */
-            Py_ssize_t at = 0;
-            for (Py_ssize_t i = 0; i < pairs; i++) {
-                step_pass(in[0], in[1], in[2], in[3], out[0], out[1], out[2], at, bounds[2 * i], 1.0f, &c, &peaks);
-                step_pass(in[0], in[1], in[2], in[3], out[0], out[1], out[2], bounds[2 * i], bounds[2 * i + 1], decay,
-                          &c, &peaks);
-                at = bounds[2 * i + 1];
-            }
-            step_pass(in[0], in[1], in[2], in[3], out[0], out[1], out[2], at, n, 1.0f, &c, &peaks);
-        }
+        step_ranges(&s, n, decay, decay_all, (const int64_t *)ranges.buf, pairs, &c, &peaks);
         MAYBE_RESTORE_GIL()
         result = Py_BuildValue("(ddd)", peak_or_nan(&peaks, 0), peak_or_nan(&peaks, 1), peak_or_nan(&peaks, 2));
     }
-    PyBuffer_Release(&g);
-    PyBuffer_Release(&m);
-    PyBuffer_Release(&v);
-    PyBuffer_Release(&theta);
-    PyBuffer_Release(&m_out);
-    PyBuffer_Release(&v_out);
-    PyBuffer_Release(&theta_out);
-    PyBuffer_Release(&ranges);
+    Py_buffer *const all[9] = {&total, &g, &m, &v, &theta, &m_out, &v_out, &theta_out, &ranges};
+    for (int i = 0; i < 9; i++) {
+        PyBuffer_Release(all[i]);
+    }
     return result;
 }

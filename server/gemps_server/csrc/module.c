@@ -49,12 +49,14 @@ static PyMethodDef methods[] = {
      "six figures from a GEM pass's sums and pi's sample (NaN where Delta = 0; reordered)."},
     {"adamw_sum", adamw_sum, METH_VARARGS,
      "adamw_sum(total, gradient, out, subtract) -> max |out| (NaN when a value is not): out = total + gradient, or\n"
-     "total - gradient with subtract (float32 buffers of one size; out apart from both)."},
+     "total - gradient with subtract (float32 buffers of one size; out is total itself or apart from both)."},
     {"adamw_step", adamw_step, METH_VARARGS,
-     "adamw_step(gradient, m, v, theta, m_out, v_out, theta_out, (divisor, beta1, 1 - beta1, beta2, 1 - beta2,\n"
-     "sqrt(1 - beta2^t), epsilon, step size), decay, decay_all, ranges) -> (max |m'|, max |v'|, max |theta'|), each NaN\n"
-     "when a value is not finite: one AdamW step on gradient / divisor in numpy's float32 order (rules/adamw.py),\n"
-     "theta times decay over every parameter (decay_all) or the sorted int64 pairs (low, high) of `ranges`."},
+     "adamw_step(total, gradient, subtract, m, v, theta, m_out, v_out, theta_out, (divisor, beta1, 1 - beta1,\n"
+     "beta2, 1 - beta2, sqrt(1 - beta2^t), epsilon, step size), decay, decay_all, ranges) -> (max |m'|, max |v'|,\n"
+     "max |theta'|), each NaN when a value is not finite: one AdamW step on (total +- gradient) / divisor (an empty\n"
+     "gradient: total / divisor) in numpy's float32 order (rules/adamw.py), theta times decay over every parameter\n"
+     "(decay_all) or the sorted int64 pairs (low, high) of `ranges`; each output m, v or theta itself (in place) or\n"
+     "apart from every buffer."},
     {"core_setup", core_setup, METH_VARARGS,
      "core_setup(ApplyStats, Receipt, PayloadKind.GRADIENT): the types and values core_commit makes and passes."},
     {"core_commit", (PyCFunction)(void (*)(void))core_commit, METH_FASTCALL,

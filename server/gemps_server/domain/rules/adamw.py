@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
 
 import numpy as np
 
@@ -49,6 +48,13 @@ from gemps_proto import rule_options
 from gemps_proto.ranges import FLOAT32_MAX, INT32_MAX, Range
 from gemps_proto.rule_options import RuleOption
 from gemps_proto.schema import ParameterSpec, PayloadKind
+from gemps_server.domain.rules.adamw_passes import (
+    Coefficients,
+    coefficients,
+    numpy_step,
+    step_in_place,
+    sum_in_place,
+)
 from gemps_server.domain.rules.base import (
     ApplyStats,
     CommitRule,
@@ -119,19 +125,6 @@ _VECTORS = STATE[:3]
 _COUNTS = STATE[3:]
 
 
-class Coefficients(NamedTuple):
-    """An AdamW step's float32 scalars, computed once for both kernels (csrc/adamw.c takes them in this order)."""
-
-    divisor: np.float32  # the round's gradients: mean = sum / divisor
-    beta1: np.float32
-    rest1: np.float32  # 1 - beta1
-    beta2: np.float32
-    rest2: np.float32  # 1 - beta2
-    bias2_root: np.float32  # sqrt(1 - beta2^t)
-    epsilon: np.float32
-    step_size: np.float32  # lr / (1 - beta1^t)
-
-
 class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
     name = "adamw"
     options = (*ADAMW_STEP_OPTIONS, ROUND_SIZE, BACKUP_WORKERS, OUTER_RATE, OUTER_MOMENTUM)
@@ -176,8 +169,12 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         self._steps = 0  # t: AdamW steps taken
         self._buffered = 0  # k: gradients in the round's sum
         self._round_start = 0  # r0: the version at which θ last moved
-        # The next moments and sum are written here, and swapped in once they and θ are finite.
+        # The next moments and sum are written here, and swapped in once they and θ are finite
+        # (out of place: adamw_passes.py); allocated the first time a pass needs them.
         self._spares = {key: np.empty(0, dtype=np.float32) for key in _VECTORS}
+        # Bounds on max |G| and on max |m|, max |u| (None: not known, measured when needed).
+        self._sum_peak: float | None = 0.0
+        self._moment_peaks: tuple[float, float] | None = (0.0, 0.0)
 
     @classmethod
     def idle_options(cls, given: Mapping[str, float]) -> list[str]:
@@ -239,6 +236,12 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         for key in _VECTORS:
             np.copyto(self._vectors[key], state[key])
         self._steps, self._buffered, self._round_start = (int(count) for count in counts)
+        self._sum_peak, self._moment_peaks = None, None
+
+    @property
+    def shared_state_bytes(self) -> int:
+        """Bytes of the moments, the round's sum and the spares the out-of-place passes allocated."""
+        return sum(vector.nbytes for vector in (*self._vectors.values(), *self._spares.values()))
 
     def step_scaled(
         self, theta: np.ndarray, update: np.ndarray, scale: float, context: StepContext
@@ -246,24 +249,26 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         period = self.period()
         if context.version - context.staleness < self._round_start:  # taken on a θ this round moved
             return theta, dataclasses.replace(ApplyStats.constant(0.0), kept_theta=True)
-        total = self._spare_of("gradient_sum")
-        # an update Δ is the pseudo-gradient -Δ
-        if not math.isfinite(self._summed(update, context.kind is not PayloadKind.GRADIENT, total)):
-            raise NonFiniteUpdate("the gradient would make adamw's sum of the round overflow to infinity")
+        subtract = context.kind is not PayloadKind.GRADIENT  # an update Δ is the pseudo-gradient -Δ
+        last = _Last(update.reshape(-1), subtract, _bound(context.payload_peak))
         buffered = self._buffered + 1
         if buffered < period:
-            self._swap("gradient_sum", total)
+            self._add(last)
             self._buffered = buffered
             stats = ApplyStats.constant(1.0 / period)
             return theta, dataclasses.replace(stats, pending=period - buffered, kept_theta=True)
+        learning_rate = self.learning_rate_at(context.version)
         if self.outer_rate and context.kind is PayloadKind.UPDATE:
-            updated = self._outer_step(theta, total / np.float32(buffered))
+            updated = self._outer_step(theta, self._summed(last) / np.float32(buffered))
         elif self.gradient_clip:  # the mean first, for its norm
-            clipped = self._clipped(total / np.float32(buffered))
-            updated = self._adamw_step(theta, clipped, 1, self.learning_rate_at(context.version))
+            clipped = self._clipped(self._summed(last) / np.float32(buffered))
+            updated = self._adamw_step(theta, clipped, None, 1, learning_rate)
+        elif self.kernel == "compiled" and _flat_float32(last.values):  # the last gradient added in the step's pass
+            updated = self._adamw_step(theta, self._vectors["gradient_sum"], last, buffered, learning_rate)
         else:
-            updated = self._adamw_step(theta, total, buffered, self.learning_rate_at(context.version))
-        self._vectors["gradient_sum"].fill(0.0)  # `total`, the spare, is written over next round
+            updated = self._adamw_step(theta, self._summed(last), None, buffered, learning_rate)
+        self._vectors["gradient_sum"].fill(0.0)  # a spare written for this step is written over next round
+        self._sum_peak = 0.0
         self._steps += 1
         self._buffered, self._round_start = 0, context.version + 1
         return updated, ApplyStats.constant(1.0 / buffered)
@@ -288,88 +293,94 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         self._swap("first_moment", velocity)
         return updated
 
-    def _summed(self, update: np.ndarray, subtract: bool, out: np.ndarray) -> float:
-        """out ← the round's sum + `update` (- with `subtract`); max |out| (NaN: not finite)."""
+    def _add(self, last: _Last) -> None:
+        """The round's sum G ← G ± g, in place where the bound allows; NonFiniteUpdate with nothing
+        changed where it would overflow."""
         total = self._vectors["gradient_sum"]
-        if self.kernel == "compiled" and _flat_float32(update):
-            assert compiled is not None
-            return float(compiled.adamw_sum(total, update.reshape(-1), out, subtract))
-        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused by the caller
-            (np.subtract if subtract else np.add)(total, update, out=out)
-        return max_abs(out)
+        in_place = self._compiles(last) and last.bound >= 0 and sum_in_place(self._sum_bound(), last.bound)
+        out = total if in_place else self._spare_of("gradient_sum")
+        self._sum_peak = self._sum_into(last, out)
+        if out is not total:
+            self._swap("gradient_sum", out)
 
-    def _adamw_step(self, theta: np.ndarray, gradient: np.ndarray, divisor: int, learning_rate: float) -> np.ndarray:
-        """θ after one AdamW step on the mean gradient `gradient` / `divisor`, with the moments it
-        makes swapped in; NonFiniteUpdate with nothing changed when any of them is not finite."""
-        first, second = self._spare_of("first_moment"), self._spare_of("second_moment")
-        updated = self.take_spare(theta)
-        coefficients = self.coefficients(divisor, learning_rate, self._steps + 1)
+    def _summed(self, last: _Last) -> np.ndarray:
+        """G ± g in the sum's spare (G as it was), for a pass that needs the round's whole sum first."""
+        out = self._spare_of("gradient_sum")
+        self._sum_into(last, out)
+        return out
+
+    def _sum_into(self, last: _Last, out: np.ndarray) -> float:
+        """out ← G ± g (`out` may be G itself); max |out|; NonFiniteUpdate where it would overflow."""
+        total = self._vectors["gradient_sum"]
+        if self._compiles(last):
+            assert compiled is not None
+            peak = float(compiled.adamw_sum(total, last.values, out, last.subtract))
+        else:
+            with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below
+                (np.subtract if last.subtract else np.add)(total, last.values, out=out)
+            peak = max_abs(out)
+        if not math.isfinite(peak):
+            raise NonFiniteUpdate("the gradient would make adamw's sum of the round overflow to infinity")
+        return peak
+
+    def _adamw_step(
+        self, theta: np.ndarray, gradient: np.ndarray, last: _Last | None, divisor: int, learning_rate: float
+    ) -> np.ndarray:
+        """θ after one AdamW step on the mean (`gradient` ± `last`'s) / `divisor`, the moments it
+        makes swapped in (or written in place); NonFiniteUpdate with nothing changed when any of
+        them would not be finite."""
+        c = self.coefficients(divisor, learning_rate, self._steps + 1)
         decay = np.float32(1 - learning_rate * self.weight_decay)
         moments = self._vectors["first_moment"], self._vectors["second_moment"]
+        in_place = (
+            last is not None
+            and last.bound >= 0
+            and step_in_place(
+                self._sum_bound(), last.bound, self._moment_bounds(), self.peak_of(theta), c, float(decay)
+            )
+        )
+        if in_place:
+            first, second, updated = *moments, theta
+        else:
+            first, second = self._spare_of("first_moment"), self._spare_of("second_moment")
+            updated = self.take_spare(theta)
         if self.kernel == "compiled":
             assert compiled is not None
-            decay_all, bounds = self._decayed is None, self._decayed_bounds
-            peaks = compiled.adamw_step(
-                gradient, *moments, theta, first, second, updated, coefficients, decay, decay_all, bounds
-            )
+            values, subtract = (last.values, last.subtract) if last else (_NONE, False)
+            ranges = (decay, self._decayed is None, self._decayed_bounds)
+            peaks = compiled.adamw_step(gradient, values, subtract, *moments, theta, first, second, updated, c, *ranges)
         else:
-            peaks = self._adamw_numpy(gradient, moments, theta, (first, second, updated), coefficients, decay)
+            peaks = numpy_step(gradient, moments, theta, (first, second, updated), c, decay, self._decayed)
         first_peak, second_peak, theta_peak = peaks
+        if in_place:  # finite: the bound showed it
+            self._moment_peaks = (first_peak, second_peak)
+            self.remember_peak(theta, theta_peak)
+            return theta
         if not (math.isfinite(first_peak) and math.isfinite(second_peak)):
             self.keep_spare(updated)
             raise NonFiniteUpdate("the gradient would make adamw's moments overflow to infinity")
         updated = self.checked(theta, updated, theta_peak)
         self._swap("first_moment", first)
         self._swap("second_moment", second)
+        self._moment_peaks = (first_peak, second_peak)
         return updated
 
     def coefficients(self, divisor: int, learning_rate: float, steps: int) -> Coefficients:
         """The float32 scalars of AdamW step `steps` on a sum of `divisor` gradients."""
-        beta1, beta2 = self.beta1, self.beta2
-        return Coefficients(
-            divisor=np.float32(divisor),
-            beta1=np.float32(beta1),
-            rest1=np.float32(1 - beta1),
-            beta2=np.float32(beta2),
-            rest2=np.float32(1 - beta2),
-            bias2_root=np.float32(math.sqrt(1 - beta2**steps)),
-            epsilon=np.float32(self.epsilon),
-            step_size=np.float32(learning_rate / (1 - beta1**steps)),
-        )
+        return coefficients(divisor, learning_rate, steps, (self.beta1, self.beta2), self.epsilon)
 
-    def _adamw_numpy(
-        self,
-        gradient: np.ndarray,
-        moments: tuple[np.ndarray, np.ndarray],
-        theta: np.ndarray,
-        outputs: tuple[np.ndarray, np.ndarray, np.ndarray],
-        c: Coefficients,
-        decay: np.float32,
-    ) -> tuple[float, float, float]:
-        """The step in numpy, the reference csrc/adamw.c is held to: the new moments and θ into
-        `outputs`, and their peaks."""
-        first, second, updated = outputs
-        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused by the caller
-            mean = gradient / c.divisor
-            np.multiply(moments[0], c.beta1, out=first)
-            first += c.rest1 * mean
-            np.multiply(moments[1], c.beta2, out=second)
-            second += c.rest2 * mean * mean
-            # torch.optim.AdamW's order: decay, then m̂'s step over √û + ε
-            denominator = np.sqrt(second) / c.bias2_root
-            denominator += c.epsilon
-            self._decay(theta, decay, updated)
-            updated -= c.step_size * first / denominator
-        return max_abs(first), max_abs(second), max_abs(updated)
+    def _compiles(self, last: _Last) -> bool:
+        return self.kernel == "compiled" and _flat_float32(last.values)
 
-    def _decay(self, theta: np.ndarray, factor: np.float32, out: np.ndarray) -> None:
-        """out ← θ, times `factor` where the decay applies."""
-        if self._decayed is None:
-            np.multiply(theta, factor, out=out)
-            return
-        np.copyto(out, theta)
-        for low, high in self._decayed:
-            out[low:high] *= factor
+    def _sum_bound(self) -> float:
+        if self._sum_peak is None:
+            self._sum_peak = max_abs(self._vectors["gradient_sum"])
+        return self._sum_peak
+
+    def _moment_bounds(self) -> tuple[float, float]:
+        if self._moment_peaks is None:
+            self._moment_peaks = (max_abs(self._vectors["first_moment"]), max_abs(self._vectors["second_moment"]))
+        return self._moment_peaks
 
     def _clipped(self, mean: np.ndarray) -> np.ndarray:
         """`mean` scaled to the L2 norm `gradient_clip` where it is longer (torch's clip_grad_norm_)."""
@@ -390,6 +401,23 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
 
     def _swap(self, key: str, new: np.ndarray) -> None:
         self._spares[key], self._vectors[key] = self._vectors[key], new
+
+
+@dataclasses.dataclass(frozen=True)
+class _Last:
+    """A round's newest commit: its values, whether they enter as -Δ, and their max |value| as the
+    commit's checks measured it (-1: not known; the passes then write no state in place)."""
+
+    values: np.ndarray
+    subtract: bool
+    bound: float
+
+
+_NONE = np.empty(0, np.float32)  # no gradient to add in the step's pass
+
+
+def _bound(peak: float | None) -> float:
+    return peak if peak is not None and math.isfinite(peak) else -1.0
 
 
 def _flat_float32(values: np.ndarray) -> bool:
