@@ -25,7 +25,7 @@ from tests.integration.conftest import NUM_PARAMETERS, SPEC, StartServer, open_s
 
 HUGE = np.full(NUM_PARAMETERS, 3e38, np.float32)  # finite float32, near its largest
 RULES = [("gem", "auto"), ("gem", "numpy"), ("downpour", "auto"), ("adaptive-staleness", "auto"), ("momentum", "auto")]
-RULES += [("nesterov", "auto"), ("delayed-nesterov", "auto")]
+RULES += [("nesterov", "auto"), ("delayed-nesterov", "auto"), ("adamw", "auto")]  # adamw: in place where it can
 
 
 def rule_state(server: InProcessServer) -> dict[str, bytes]:
