@@ -263,7 +263,7 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         elif self.gradient_clip:  # the mean first, for its norm
             clipped = self._clipped(self._summed(last) / np.float32(buffered))
             updated = self._adamw_step(theta, clipped, None, 1, learning_rate)
-        elif self.kernel == "compiled" and _flat_float32(last.values):  # the last gradient added in the step's pass
+        elif self._compiles(last):  # the last gradient added in the step's pass
             updated = self._adamw_step(theta, self._vectors["gradient_sum"], last, buffered, learning_rate)
         else:
             updated = self._adamw_step(theta, self._summed(last), None, buffered, learning_rate)
@@ -349,7 +349,8 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
             values, subtract = (last.values, last.subtract) if last else (_NONE, False)
             ranges = (decay, self._decayed is None, self._decayed_bounds)
             peaks = compiled.adamw_step(gradient, values, subtract, *moments, theta, first, second, updated, c, *ranges)
-        else:
+        else:  # the numpy step takes the round's whole sum (step_scaled adds the last gradient first)
+            assert last is None
             peaks = numpy_step(gradient, moments, theta, (first, second, updated), c, decay, self._decayed)
         first_peak, second_peak, theta_peak = peaks
         if in_place:  # finite: the bound showed it
