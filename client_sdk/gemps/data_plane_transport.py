@@ -27,7 +27,6 @@ are `MOVES`): not offered, offered, connected, shared, fell back, closed.
 
 from __future__ import annotations
 
-import functools
 import logging
 import random
 import ssl
@@ -38,6 +37,7 @@ from gemps import grpc_messages as messages
 from gemps.channel_security import ChannelSecurity
 from gemps.data_plane_connection import SHARED_MEMORY, DataConnection, ServerNotProven, Unreachable, target_host
 from gemps.data_plane_link import MOVES, OPEN, RETRY_CONNECT_TIMEOUT, RETRY_FIRST, RETRY_JITTER, RETRY_MAX, Link
+from gemps.data_plane_replies import read_committed, read_pulled
 from gemps.grpc_transport import GrpcTransport
 from gemps.records import Evaluation, Registration, ServerStatus
 from gemps.transport import (
@@ -57,8 +57,7 @@ from gemps_proto import vectors
 from gemps_proto.data_plane_frames import Op
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import DataPlane
-from gemps_proto.tensor_codec import FLOAT32, EncodedTensor
-from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_proto.tensor_codec import FLOAT32
 
 log = logging.getLogger("gemps.client")
 _now = time.monotonic  # the retries' clock (a seam for tests)
@@ -376,7 +375,7 @@ class DataPlaneTransport:
             connection.send(Op.COMMIT, header, data, finite="payload" if on_copy else None)
         except errors.GempsError as error:
             return Failed(error)
-        return Deferred(lambda: _committed(connection, self.grpc.timeout))
+        return Deferred(lambda: read_committed(connection, self.grpc.timeout))
 
     def commit(self, call: CommitCall) -> Committed:
         return self.start_commit(call).result()
@@ -390,7 +389,7 @@ class DataPlaneTransport:
             connection.send(Op.PULL, messages.pull_request(call, self.grpc.wire_dtype))
         except errors.GempsError as error:
             return Failed(error)
-        return Deferred(lambda: _pulled(connection, self.grpc.timeout))
+        return Deferred(lambda: read_pulled(connection, self.grpc.timeout))
 
     def pull(self, call: PullCall) -> Pulled:
         return self.start_pull(call).result()
@@ -425,25 +424,3 @@ class DataPlaneTransport:
         """Close the connection (the next call opens another)."""
         if self.state in OPEN:
             self._become(Link.OFFERED)
-
-
-def _committed(connection: DataConnection, timeout: float | None = None) -> Committed:
-    """A COMMIT's reply: the CommitResponse (θ announced, buffers whole), then θ's bytes."""
-    connection.bound(timeout)
-    header, payload_bytes = connection.receive(Op.COMMIT)
-    reply = connection.parse(pb.CommitResponse, header)
-    values = connection.receive_tensor(reply.parameters, payload_bytes, functools.partial(messages.reply_values, reply))
-    return messages.committed_from_proto(reply, values)
-
-
-def _pulled(connection: DataConnection, timeout: float | None = None) -> Pulled:
-    """A PULL's reply: the PullResponse, then θ's bytes unless it is unchanged."""
-    connection.bound(timeout)
-    header, payload_bytes = connection.receive(Op.PULL)
-    reply = connection.parse(pb.PullResponse, header)
-    if reply.unchanged:
-        if payload_bytes:
-            connection.protocol_error(f"an unchanged pull with {payload_bytes} bytes of payload")
-        return messages.pulled_from_proto(reply, None)
-    values = connection.receive_tensor(reply.parameters, payload_bytes, EncodedTensor.decode)
-    return messages.pulled_from_proto(reply, values)

@@ -133,6 +133,7 @@ def commit_message(call: CommitCall, wire_dtype: int) -> pb.CommitRequest:
         sequence=call.sequence,
         reply_dtype=call.reply_code or wire_dtype,  # type: ignore[arg-type]
         held_copy=call.held_copy,
+        known_history=call.known_history,
     )
     if call.buffer_delta is not None:
         shared.set_buffers(header.buffer_delta, header.integer_buffer_delta, call.buffer_delta)
@@ -164,9 +165,9 @@ def commit_request(
     )
 
 
-def committed_from_proto(reply: pb.CommitResponse, parameters: Vector) -> Committed:
+def committed_from_proto(reply: pb.CommitResponse, parameters: Vector | None) -> Committed:
     """A Commit reply's figures (unary or streamed) with its central variable (or, for a difference
-    reply, the difference's values), decoded by the caller (`reply_values`)."""
+    reply, the difference's values), decoded by the caller (`reply_values`); None when `unchanged`."""
     return Committed(
         version=reply.version,
         staleness=reply.staleness,
@@ -185,8 +186,10 @@ def committed_from_proto(reply: pb.CommitResponse, parameters: Vector) -> Commit
 
 def reply_values(reply: pb.CommitResponse, parameters: EncodedTensor) -> Vector:
     """A Commit reply's float32 values: θ, or a difference reply's difference (a block code);
-    TensorDecodeError for a code where θ was due, θ where a difference was, or bytes that no
-    encoder writes."""
+    TensorDecodeError for a code where θ was due, θ where a difference was, θ in a reply that says
+    it is unchanged, or bytes that no encoder writes."""
+    if reply.unchanged:
+        raise TensorDecodeError("a commit reply that says θ is unchanged, and carries it")
     if (parameters.dtype in DIFFERENCE_DTYPES) != bool(reply.difference_of):
         said = f"a difference from copy {reply.difference_of}" if reply.difference_of else "θ whole"
         raise TensorDecodeError(f"a commit reply in {dtype_name(parameters.dtype)} that says it is {said}")
@@ -196,5 +199,8 @@ def reply_values(reply: pb.CommitResponse, parameters: EncodedTensor) -> Vector:
 def commit_reply(data: bytes) -> Committed:
     """The reply's figures and the central variable (a read-only view of `data`)."""
     reply, parameters = grpc_framing.parse_with_tensor(pb.CommitResponse, grpc_framing.COMMIT_REPLY_FIELD, data)
-    assert parameters is not None, "a CommitResponse always carries the central variable"
+    if parameters is None:
+        if not reply.unchanged:
+            raise TensorDecodeError("a commit reply with no θ that does not say it is unchanged")
+        return committed_from_proto(reply, None)
     return committed_from_proto(reply, reply_values(reply, parameters))

@@ -310,6 +310,8 @@ def _read_pull_stream(replies: Iterator[bytes]) -> Pulled:
 
 def _read_commit_stream(replies: Iterator[bytes]) -> Committed:
     header = pb.CommitResponseChunk.FromString(next(replies)).header
+    if header.unchanged:  # θ as the call said it holds: no pieces follow
+        return messages.committed_from_proto(header, None)
     parameters = _read_pieces(header.parameters, replies, pb.CommitResponseChunk)
     return messages.committed_from_proto(header, messages.reply_values(header, parameters))
 

@@ -32,17 +32,20 @@ class HeldCopy:
         copy it names, or θ whole as the new copy. A difference from a copy this client does not
         hold is refused (GempsError) and the copy forgotten, so the next commit asks for θ whole."""
         vectors.require("reply_compression")  # the client refused it without numpy: numpy's arrays from here
+        values = committed.parameters
+        if values is None:  # a client of difference replies never says it holds θ: none is unchanged
+            raise errors.GempsError("the server's reply to a copy of θ carries no values")
         if committed.difference_of:
             held, bits = self.number, self._bits
-            if committed.difference_of != held or bits is None or bits.size != committed.parameters.size:
+            if committed.difference_of != held or bits is None or bits.size != values.size:
                 self.forget()
                 raise errors.GempsError(
                     f"the server's commit reply is a difference from copy {committed.difference_of} of θ, "
                     f"but this client holds copy {held or 'none'}: the next commit asks for θ whole"
                 )
-            self._bits = advance(bits, committed.parameters)
+            self._bits = advance(bits, values)
         else:
-            self._bits = whole(committed.parameters.reshape(-1))
+            self._bits = whole(values.reshape(-1))
         self.number = committed.copy
         return copy_values(self._bits)
 

@@ -128,7 +128,7 @@ class ClientMetrics(NoMetrics):
         size = vectors.size(call.payload)
         sent = size * self.width if call.encoded is None else expected_payload_nbytes(call.encoded[0], [size])
         self.sent.labels("commit").inc(sent)
-        reply = vectors.size(committed.parameters)
+        reply = 0 if committed.parameters is None else vectors.size(committed.parameters)
         if not call.reply_code:
             self.values_received("commit", reply)
             return

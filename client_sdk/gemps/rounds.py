@@ -1,6 +1,7 @@
 """Waiting for a round: under a rule that moves θ a round of commits at a time (the server's
 `adamw`), a commit's reply says how many commits the round it joined still needs (`round_pending`)
-and carries θ as the round found it. The worker's next gradient belongs on θ after the round: one
+and carries no θ: the θ the round found, which the commit named as held (CommitRequest.known_history),
+is the one the client holds. The worker's next gradient belongs on θ after the round: one
 taken before the round closes arrives after it, and the server drops it as stale. So the commit
 hands θ back once it moved, pulling until then: the server answers a pull of the θ the caller
 holds with no payload, whatever commits the round took meanwhile.

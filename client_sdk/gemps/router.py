@@ -228,6 +228,7 @@ class PartitionRouter:
                 sessions[i].worker_id, bases[i], kind, slices[i], loss, num_samples, request_id,
                 buffer_delta if i == 0 else None,  # buffers live on partition 0
                 self._sequence, _wire_of(encoded[i]), self.reply_code, sessions[i].copy.number, deferred,
+                sessions[i].known_history(bases[i], self.reply_code),
             )
             for i in range(len(sessions))
         ]  # fmt: skip
@@ -241,7 +242,7 @@ class PartitionRouter:
                 refusals[index] = outcome
                 continue
             replies[index] = outcome  # kept also when another partition refused: θ moved there
-            sessions[index].took(outcome)
+            sessions[index].took(outcome, calls[index])
             if self.compressor is not None and (done := encoded[index]) is not None:
                 self.compressor.applied(index, done[1])  # this server applied it: its residual moves on
             self._received_buffers(outcome.buffers)

@@ -99,14 +99,30 @@ class ServerSession:
         if history:
             self.history = history
 
-    def took(self, committed: Committed) -> None:
+    def known_history(self, base_version: int, reply_code: int = 0) -> str:
+        """What a commit made at `base_version` names as its history (CommitCall.known_history):
+        this server's when the client holds its θ of that version (not for difference replies,
+        whose copy moves apart), so a reply of the same θ may carry none; else none."""
+        return self.history if base_version == self.version and not reply_code else ""
+
+    def took(self, committed: Committed, call: CommitCall) -> None:
         """Hold the θ a commit's reply gave: θ itself, or the copy a difference reply moved (a
-        reply to a copy has a number; θ whole numbered 0 is one the server could not keep)."""
+        reply to a copy has a number; θ whole numbered 0 is one the server could not keep), or the
+        θ held when the reply says it is unchanged from the one `call` said it holds (named only
+        for the θ held: a call sent again after registering again names its new base's)."""
+        values = committed.parameters
+        if values is None:
+            if not call.known_history:
+                raise errors.GempsError(
+                    f"{self.target} answered commit {call.request_id!r} with no θ, as unchanged from "
+                    f"version {call.base_version}, which this client did not say it holds"
+                )
+            self.version = committed.version  # the same θ, numbered on
+            return
         if committed.copy or committed.difference_of:
             values = self.copy.took(committed)
         else:
             self.copy.forget()
-            values = committed.parameters
         self.received(committed.version, values)
 
     def pull_call(self, wait: float = 0.0) -> PullCall:
@@ -144,7 +160,7 @@ class ServerSession:
                 return self._resynchronised(call, error)
             registered = self._register_again(error, enrolment)
         base = self._rebased(call.base_version, counted_in, registered.registration.version)
-        call = replace(call, worker_id=self.worker_id, base_version=base)
+        call = replace(call, worker_id=self.worker_id, base_version=base, known_history=self._named(call, base))
         committed = self.retrier.call(self.link.commit, call)
         return committed if committed.buffers is not None else replace(committed, buffers=registered.buffers)
 
@@ -164,7 +180,12 @@ class ServerSession:
         )  # fmt: skip
         self.received(pulled.version, pulled.parameters, pulled.history)
         base = self._rebased(call.base_version, counted_in, pulled.version)
-        return self.retrier.call(self.link.commit, replace(call, base_version=base))
+        call = replace(call, base_version=base, known_history=self._named(call, base))
+        return self.retrier.call(self.link.commit, call)
+
+    def _named(self, call: CommitCall, base: int) -> str:
+        """The history a commit sent again from `base` names: as it named one, if it still may."""
+        return self.known_history(base) if call.known_history else ""
 
     def _rebased(self, base: int, counted_in: str, version: int) -> int:
         """The base version of a commit made at `base` of history `counted_in`, sent again now that

@@ -97,6 +97,9 @@ class CommitCall:
     # The payload is not checked yet: the transport refuses NaN or Inf before it sends anything
     # (where it copies the payload anyway, on that copy). A router of one server leaves it there.
     check_finite: bool = False
+    # This server's history, sent when the client holds its θ of `base_version`: a reply whose θ is
+    # still that one carries none (Committed.parameters None). Empty: θ always comes back.
+    known_history: str = ""
 
     def wire(self, wire_dtype: int) -> tuple[int, bytes | memoryview]:
         """The payload's dtype and wire bytes: as compressed (`encoded`), else in `wire_dtype`
@@ -108,7 +111,8 @@ class CommitCall:
 
 @dataclass(frozen=True)
 class Committed:
-    """One server's reply to a commit: its figures, its θ after the commit and its buffers."""
+    """One server's reply to a commit: its figures, its θ after the commit (None: the θ of the
+    call's base version, which the call said it holds: CommitCall.known_history) and its buffers."""
 
     version: int
     staleness: int
@@ -116,7 +120,7 @@ class Committed:
     scaling_median: float
     scaling_at_zero: float
     scaling_at_max: float
-    parameters: Vector
+    parameters: Vector | None
     buffers: Buffers | None
     epoch: int = 0  # the epoch of the primary that acknowledged it (0: not replicated)
     # Difference replies: the copy the client holds once it applied this reply, and the copy

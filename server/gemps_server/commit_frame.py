@@ -43,10 +43,13 @@ def commit_from_proto(
     payload_peak: float | None = None,
     *,
     volatile: bool = False,
+    history: str = "",
 ) -> Commit:
     """The domain's Commit; `payload` when it was received apart (a view, or CommitStream's pieces),
     its max |value| when the wire measured it, and whether it lies in memory its client can still
-    write (`volatile`: its shared memory)."""
+    write (`volatile`: its shared memory). `history`: the server's (ServerState.history), which the
+    request's known_history must name for its client to hold θ of its base version (a journal's
+    entry is replayed with none: a replay sends no reply)."""
     return Commit(
         worker_id=request.worker_id,
         base_version=request.base_version,
@@ -61,6 +64,7 @@ def commit_from_proto(
         payload_peak=payload_peak,
         held_copy=request.held_copy,
         payload_volatile=volatile,
+        base_held=bool(history) and request.known_history == history,
     )
 
 

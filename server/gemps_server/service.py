@@ -340,7 +340,8 @@ class ParameterService:
         outcome, built = timed.result
         traffic, sent = self._metrics.traffic, outcome.reply_dtype(commit.reply_dtype)  # per commit: no facade
         traffic.tensor_bytes("received", commit.payload.dtype, len(commit.payload.data))
-        traffic.tensor_bytes("sent", sent, expected_payload_nbytes(sent, (self._state.num_parameters,)))
+        if not outcome.unchanged:  # else its reply carries no θ
+            traffic.tensor_bytes("sent", sent, expected_payload_nbytes(sent, (self._state.num_parameters,)))
         if outcome.duplicate:
             self._metrics.duplicate()
             suppressed = self._rejection_log.allow(("Commit", "duplicate"))

@@ -17,7 +17,8 @@ from gemps import grpc_messages as messages
 from gemps.channel_security import ChannelSecurity
 from gemps.client import Client
 from gemps.data_plane_connection import DataConnection, ServerNotProven, target_host
-from gemps.data_plane_transport import DataPlaneTransport, _committed, _pulled
+from gemps.data_plane_replies import read_committed, read_pulled
+from gemps.data_plane_transport import DataPlaneTransport
 from gemps.grpc_transport import GrpcTransport
 from gemps.transport import CommitCall, PullCall
 from gemps.wire_options import resolve_plane
@@ -106,9 +107,10 @@ def test_a_commit_reply_reads_as_the_grpc_reply_does(pair: tuple[DataConnection,
     grpc_framing.announce(reply.parameters, dtype, THETA.size)
     server.sendall(frame_start(Op.COMMIT | REPLY, reply.SerializeToString(), len(data)) + data)
     connection.send(Op.COMMIT, b"")
-    committed = _committed(connection)
+    committed = read_committed(connection)
     assert not connection.awaiting and not connection.closed
     np.testing.assert_array_equal(committed.parameters, unary.parameters)
+    assert committed.parameters is not None
     assert committed.parameters.dtype == np.float32 and not committed.parameters.flags.writeable
     assert committed.buffers is not None and unary.buffers is not None
     np.testing.assert_array_equal(committed.buffers.floats, unary.buffers.floats)
@@ -122,8 +124,33 @@ def test_an_unchanged_pull_carries_no_theta(pair: tuple[DataConnection, socket.s
     reply = pb.PullResponse(version=9, unchanged=True, history="h")
     server.sendall(frame_start(Op.PULL | REPLY, reply.SerializeToString()))
     connection.send(Op.PULL, b"")
-    pulled = _pulled(connection)
+    pulled = read_pulled(connection)
     assert (pulled.version, pulled.parameters, pulled.buffers, pulled.history) == (9, None, None, "h")
+
+
+def test_an_unchanged_commit_reply_carries_no_theta(pair: tuple[DataConnection, socket.socket]) -> None:
+    connection, server = pair
+    reply = commit_response()
+    reply.unchanged, reply.round_pending = True, 3
+    server.sendall(frame_start(Op.COMMIT | REPLY, reply.SerializeToString()))
+    connection.send(Op.COMMIT, b"")
+    committed = read_committed(connection)
+    assert (committed.parameters, committed.round_pending) == (None, 3) and not connection.awaiting
+
+
+@pytest.mark.parametrize("op", [Op.COMMIT, Op.PULL])
+def test_an_unchanged_reply_with_bytes_after_it_is_a_protocol_error(
+    pair: tuple[DataConnection, socket.socket], op: Op
+) -> None:
+    connection, server = pair
+    reply = (
+        pb.CommitResponse(version=3, unchanged=True) if op is Op.COMMIT else pb.PullResponse(version=3, unchanged=True)
+    )
+    server.sendall(frame_start(op | REPLY, reply.SerializeToString(), 8) + bytes(8))
+    connection.send(op, b"")
+    with pytest.raises(errors.GempsError, match="an unchanged reply with 8 bytes of payload") as raised:
+        (read_committed if op is Op.COMMIT else read_pulled)(connection)
+    assert not errors.worth_another_attempt(raised.value) and connection.closed
 
 
 def test_a_refusal_is_the_error_grpc_would_raise(pair: tuple[DataConnection, socket.socket]) -> None:
@@ -134,7 +161,7 @@ def test_a_refusal_is_the_error_grpc_would_raise(pair: tuple[DataConnection, soc
     server.sendall(frame_start(Op.ERROR, refusal.SerializeToString()))
     connection.send(Op.COMMIT, b"")
     with pytest.raises(errors.WorkerNotFoundError) as raised:
-        _committed(connection)
+        read_committed(connection)
     same = errors.from_status(grpc.StatusCode.NOT_FOUND, "unknown worker", "unknown_worker")
     assert (raised.value.message, raised.value.code, raised.value.reason) == (same.message, same.code, same.reason)
     assert raised.value.reason == Reason.UNKNOWN_WORKER and errors.server_forgot_worker(raised.value)
@@ -151,7 +178,7 @@ def test_a_connection_lost_mid_reply_is_retried_as_unavailable(pair: tuple[DataC
     server.recv(20, socket.MSG_WAITALL)  # read: a peer closing with bytes unread resets instead
     server.close()
     with pytest.raises(errors.ServerUnavailableError, match="closed by the server after 100 of 4000 bytes"):
-        _committed(connection)
+        read_committed(connection)
     assert connection.closed and errors.worth_another_attempt(errors.ServerUnavailableError("x"))
 
 
@@ -162,7 +189,7 @@ def test_a_reply_of_another_size_than_announced_is_a_protocol_error(pair: tuple[
     server.sendall(frame_start(Op.COMMIT | REPLY, reply.SerializeToString(), 12))
     connection.send(Op.COMMIT, b"")
     with pytest.raises(errors.GempsError, match="12 bytes of payload; the header announced 4000") as raised:
-        _committed(connection)
+        read_committed(connection)
     assert not errors.worth_another_attempt(raised.value) and connection.closed
 
 

@@ -285,7 +285,7 @@ class PullResponseChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullResponse, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("worker_id", "base_version", "kind", "payload", "loss", "num_samples", "request_id", "reply_dtype", "buffer_delta", "integer_buffer_delta", "sequence", "held_copy")
+    __slots__ = ("worker_id", "base_version", "kind", "payload", "loss", "num_samples", "request_id", "reply_dtype", "buffer_delta", "integer_buffer_delta", "sequence", "held_copy", "known_history")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +298,7 @@ class CommitRequest(_message.Message):
     INTEGER_BUFFER_DELTA_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     HELD_COPY_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_HISTORY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     base_version: int
     kind: PayloadKind
@@ -310,7 +311,8 @@ class CommitRequest(_message.Message):
     integer_buffer_delta: Tensor
     sequence: int
     held_copy: int
-    def __init__(self, worker_id: _Optional[str] = ..., base_version: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., payload: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., request_id: _Optional[str] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., buffer_delta: _Optional[_Union[Tensor, _Mapping]] = ..., integer_buffer_delta: _Optional[_Union[Tensor, _Mapping]] = ..., sequence: _Optional[int] = ..., held_copy: _Optional[int] = ...) -> None: ...
+    known_history: str
+    def __init__(self, worker_id: _Optional[str] = ..., base_version: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., payload: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., request_id: _Optional[str] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., buffer_delta: _Optional[_Union[Tensor, _Mapping]] = ..., integer_buffer_delta: _Optional[_Union[Tensor, _Mapping]] = ..., sequence: _Optional[int] = ..., held_copy: _Optional[int] = ..., known_history: _Optional[str] = ...) -> None: ...
 
 class CommitChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -329,7 +331,7 @@ class CommitResponseChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[CommitResponse, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("version", "parameters", "staleness", "scaling_mean", "scaling_median", "scaling_at_zero", "scaling_at_max", "buffers", "integer_buffers", "epoch", "copy", "difference_of", "round_pending")
+    __slots__ = ("version", "parameters", "staleness", "scaling_mean", "scaling_median", "scaling_at_zero", "scaling_at_max", "buffers", "integer_buffers", "epoch", "copy", "difference_of", "round_pending", "unchanged")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -343,6 +345,7 @@ class CommitResponse(_message.Message):
     COPY_FIELD_NUMBER: _ClassVar[int]
     DIFFERENCE_OF_FIELD_NUMBER: _ClassVar[int]
     ROUND_PENDING_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     version: int
     parameters: Tensor
     staleness: int
@@ -356,7 +359,8 @@ class CommitResponse(_message.Message):
     copy: int
     difference_of: int
     round_pending: int
-    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., staleness: _Optional[int] = ..., scaling_mean: _Optional[float] = ..., scaling_median: _Optional[float] = ..., scaling_at_zero: _Optional[float] = ..., scaling_at_max: _Optional[float] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., integer_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., epoch: _Optional[int] = ..., copy: _Optional[int] = ..., difference_of: _Optional[int] = ..., round_pending: _Optional[int] = ...) -> None: ...
+    unchanged: bool
+    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., staleness: _Optional[int] = ..., scaling_mean: _Optional[float] = ..., scaling_median: _Optional[float] = ..., scaling_at_zero: _Optional[float] = ..., scaling_at_max: _Optional[float] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., integer_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., epoch: _Optional[int] = ..., copy: _Optional[int] = ..., difference_of: _Optional[int] = ..., round_pending: _Optional[int] = ..., unchanged: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id",)

@@ -155,13 +155,16 @@ class CommitCore:
         buffer_delta: EncodedBuffers | None = None,
         payload_peak: float | None = None,
         payload_volatile: bool = False,
+        base_held: bool = False,
     ) -> CommitOutcome:
         """Apply one commit of the worker registered in `slot` as `worker_id` (DESIGN §1): θ moves
         by the rule's step and the version goes up by one, or a refusal (a ServiceError) leaves
         everything as it was. A retry of a commit already applied changes nothing and answers as
         the original did. `out` (float32, P), as numpy's: it receives θ after the commit too (see
         CommitRule.step). `payload_peak`: max |payload| (NaN: not finite) where the wire measured it.
-        `payload_volatile`: the payload lies in memory its client can still write (_landed)."""
+        `payload_volatile`: the payload lies in memory its client can still write (_landed).
+        `base_held`: its client holds θ of `base_version` (Commit.base_held): when θ after the
+        commit is still that θ, the outcome says `unchanged` and `out` is left as it was."""
         rule = self.require_rule()
         validation.check_reply_dtype(reply_dtype, commit=True)
         validation.check_request_id(request_id)
@@ -196,8 +199,10 @@ class CommitCore:
         buffers = validation.buffers_after(self.buffers, buffer_delta, self.buffer_spec)  # checked before θ moves
         staleness = self.version - base_version
         window = self.noise.window(kind_of, self.theta.size, len(self.registry), num_samples)
+        # θ now is the θ its client holds: if the rule keeps it, the reply need not carry it.
+        held = base_held and reply_dtype not in DIFFERENCE_DTYPES and self.same_theta(base_version, self.version)
         try:  # the rule writes into spare buffers and swaps them in only if every value is finite
-            context = StepContext(worker_id, staleness, self.version, kind_of, peak, out, window)
+            context = StepContext(worker_id, staleness, self.version, kind_of, peak, out, window, held)
             self.theta, stats = rule.step(self.theta, values, context)
         except NonFiniteUpdate as error:
             raise InvalidArgument(f"commit refused, nothing changed: {error}", Reason.NON_FINITE) from None
@@ -218,17 +223,20 @@ class CommitCore:
                 buffer_delta, payload_peak, payload_owned=payload_volatile,  # landed, into its own buffer
             )  # fmt: skip
             position = self.journalled(commit)
-        return self.applied_outcome(staleness, stats, position)
+        return self.applied_outcome(staleness, stats, position, unchanged=held and stats.kept_theta)
 
     def journalled(self, commit: Commit) -> int:
         """Record applied `commit` in the journal (the compiled core's commits too): its position."""
         return self.journal.append(Committed(commit))
 
-    def applied_outcome(self, staleness: int, stats: ApplyStats, position: int = 0) -> CommitOutcome:
+    def applied_outcome(
+        self, staleness: int, stats: ApplyStats, position: int = 0, *, unchanged: bool = False
+    ) -> CommitOutcome:
         """An applied commit's outcome: this version's snapshot, its figures, its journal position
-        (the compiled core's too)."""
+        (the compiled core's too), and whether its reply carries no θ (`unchanged`)."""
         snapshot = self.with_buffers(self.snapshot)
-        return CommitOutcome(snapshot, staleness, stats, position=position, epoch=self.journal.epoch)
+        epoch = self.journal.epoch
+        return CommitOutcome(snapshot, staleness, stats, position=position, epoch=epoch, unchanged=unchanged)
 
     def commit_and_reply(
         self, commit: Commit, reply: ReplyWriter[R], out: np.ndarray | None = None
@@ -244,6 +252,8 @@ class CommitCore:
             if done is not None:  # None: it changed nothing, and leaves the commit to the code below
                 return done
         outcome = self.commit_record(commit, out)
+        if outcome.unchanged:  # its client holds this θ: the reply carries none
+            return outcome, reply(outcome, b"")
         if commit.reply_dtype in DIFFERENCE_DTYPES:  # a difference from the worker's copy, or θ whole
             outcome, data = self.copies.reply(
                 outcome, commit.worker_id, commit.held_copy, commit.reply_dtype, self.theta, self._whole_copy
@@ -274,6 +284,7 @@ class CommitCore:
             buffer_delta=commit.buffer_delta,
             payload_peak=commit.payload_peak,
             payload_volatile=commit.payload_volatile,
+            base_held=commit.base_held,
         )
 
     def landed(self, commit: Commit) -> Commit:

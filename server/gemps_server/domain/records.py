@@ -98,6 +98,9 @@ class Commit:
     # The payload's buffer is this commit's alone (landed for a journal: CommitCore._landed): the
     # journal's entry holds it as it is, with no copy of its own (commit_frame.frame_of).
     payload_owned: bool = False
+    # Its client holds θ of `base_version` in this server's history (CommitRequest.known_history):
+    # a reply whose θ is still that one carries none (CommitOutcome.unchanged).
+    base_held: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,9 @@ class CommitOutcome:
     position: int = 0
     epoch: int = 0  # the epoch of the primary that applied it (0: no replicas)
     reply: CopyReply | None = None  # a reply to a client that holds a copy (reply_differences)
+    # θ after it is the θ of the commit's base version, which its client holds (Commit.base_held):
+    # the reply carries no θ.
+    unchanged: bool = False
 
     def reply_dtype(self, asked: int) -> int:
         """The dtype the reply's θ is in: `asked` (the commit's reply_dtype), unless the reply is

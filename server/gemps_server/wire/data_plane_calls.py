@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from gemps_proto import grpc_framing, proofs
+from gemps_proto import proofs
 from gemps_proto.data_plane_events import (
     NEED_DATA,
     Answer,
@@ -295,7 +295,8 @@ class Connection:
         try:
             buffer = held.buffer
             data = buffer.take(expected).data  # the payload, landed in the buffer
-            commit = commit_from_proto(request, EncodedTensor(dtype, shape, data), _peak(data, dtype))
+            payload = EncodedTensor(dtype, shape, data)
+            commit = commit_from_proto(request, payload, _peak(data, dtype), history=service.history)
             # The reply's θ is placed in the pooled buffer while θ holds the commit's version, then sent.
             writer = messages.stream_commit_reply(buffer)
             outcome, theta = yield Call(lambda deliver: service.commit_then(commit, writer, deliver))
@@ -309,7 +310,7 @@ class Connection:
         assert isinstance(self._protocol.next_event(), PayloadComplete)
         region, service = self._region, self._service
         assert region is not None
-        commit = commit_from_proto(header.request, payload, volatile=True)
+        commit = commit_from_proto(header.request, payload, volatile=True, history=service.history)
         writer: ReplyWriter[memoryview]
         mirror: np.ndarray | None
         if commit.reply_dtype == FLOAT32:  # the rule writes θ into the client's memory (a mirror)
@@ -437,10 +438,8 @@ def _nothing() -> None:
 
 
 def _reply_header(outcome: CommitOutcome, reply_dtype: int, service: ParameterService) -> bytes:
-    """A commit's reply header: its outcome, and θ announced in the reply's dtype."""
-    reply = messages.outcome_header(outcome)
-    grpc_framing.announce(reply.parameters, outcome.reply_dtype(reply_dtype), service.num_parameters)
-    return reply.SerializeToString()
+    """A commit's reply header: its outcome, and θ announced in the reply's dtype (unless unchanged)."""
+    return messages.stream_header_to_proto(outcome, reply_dtype, service.num_parameters).header.SerializeToString()
 
 
 def _peak(data: memoryview, dtype: int) -> float | None:

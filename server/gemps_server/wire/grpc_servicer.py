@@ -313,7 +313,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
 
     @rpc
     async def Commit(self, received: WithTensor[pb.CommitRequest], context: Context) -> bytes:  # type: ignore[override]
-        commit = commit_from_proto(received.message, received.tensor)
+        commit = commit_from_proto(received.message, received.tensor, history=self.service.history)
         await self._hold_reply(context)
         # Framed by the state on the applier, straight from θ at the commit's version.
         _, reply = await self.service.commit(
@@ -333,7 +333,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         async with self._stream_buffers.buffer() as buffer:
             expected = self.service.expected_payload_bytes
             payload = await streams.receive_payload(header, requests, self._pace, buffer, expected)
-            commit = commit_from_proto(header, payload)
+            commit = commit_from_proto(header, payload, history=self.service.history)
             outcome, data = await self.service.commit(commit, messages.stream_commit_reply(buffer))
             yield messages.stream_header_to_proto(outcome, dtype, self.service.num_parameters)
             for frame in data_frames(data):  # framed as they go: one piece at a time

@@ -154,6 +154,7 @@ def outcome_header(outcome: CommitOutcome) -> pb.CommitResponse:
         scaling_at_zero=stats.fraction_at_zero,
         scaling_at_max=stats.fraction_at_max,
         epoch=outcome.epoch,
+        unchanged=outcome.unchanged,
     )
     if not outcome.duplicate:  # a retry's reply is today's θ: nothing to wait for
         header.round_pending = stats.pending
@@ -164,7 +165,10 @@ def outcome_header(outcome: CommitOutcome) -> pb.CommitResponse:
 
 
 def outcome_to_proto(outcome: CommitOutcome, dtype: int, theta: bytes | memoryview, num_parameters: int) -> bytes:
-    """The serialized CommitResponse, with `theta`: the commit's version of θ, in the reply's `dtype`."""
+    """The serialized CommitResponse, with `theta`: the commit's version of θ, in the reply's `dtype`
+    (none when the outcome is `unchanged`)."""
+    if outcome.unchanged:
+        return outcome_header(outcome).SerializeToString()
     return framing.with_tensor(outcome_header(outcome), framing.COMMIT_REPLY_FIELD, dtype, [num_parameters], theta)
 
 
@@ -198,9 +202,10 @@ def written_there(outcome: CommitOutcome, theta: bytes | memoryview) -> memoryvi
 
 def stream_header_to_proto(outcome: CommitOutcome, reply_dtype: int, num_parameters: int) -> pb.CommitResponseChunk:
     """CommitStream's first reply: the CommitResponse whose parameters say dtype and shape; the
-    data follows in pieces."""
+    data follows in pieces (none, and parameters unset, when the outcome is `unchanged`)."""
     header = outcome_header(outcome)
-    framing.announce(header.parameters, outcome.reply_dtype(reply_dtype), num_parameters)
+    if not outcome.unchanged:
+        framing.announce(header.parameters, outcome.reply_dtype(reply_dtype), num_parameters)
     return pb.CommitResponseChunk(header=header)
 
 

@@ -147,7 +147,9 @@ class StepContext:
     """A commit's step besides θ and its payload: whose commit, computed `staleness` commits ago,
     applied at central version `version` (the one before it), a gradient or an update, and what
     the caller has ready for the rule: the payload's peak (max |payload|, where the wire measured
-    it), `out` (a float32 array of P that receives the new θ too) and the noise scale's `window`."""
+    it), `out` (a float32 array of P that receives the new θ too) and the noise scale's `window`.
+    `out_if_moved`: `out` need receive θ only when the step moves it (a rule of rounds may keep θ):
+    the reply then carries none, its client holding θ as it is."""
 
     worker_id: str
     staleness: int = 0
@@ -156,6 +158,7 @@ class StepContext:
     payload_peak: float | None = None
     out: np.ndarray | None = None
     window: NoiseWindow | None = None
+    out_if_moved: bool = False
 
 
 class NonFiniteUpdate(ValueError):
@@ -309,7 +312,7 @@ class CommitRule(ABC):
         applied; then handed back."""
         scale = -self.learning_rate_at(context.version) if context.kind is PayloadKind.GRADIENT else 1.0
         updated, stats = self.step_scaled(theta, payload, scale, context)
-        if context.out is not None and not self.writes_out:
+        if context.out is not None and not self.writes_out and not (stats.kept_theta and context.out_if_moved):
             np.copyto(context.out, updated)
         window = context.window
         if window is not None:
