@@ -45,6 +45,8 @@ SYSTEMS = (
     *("echo-tcp", "gemps", "gemps-bfloat16", "gemps-int8", "gemps-int4", "gemps-int8-both", "gemps-int4-both"),
     *("gemps-topk-int4", "torch-rpc-tcp", "reference-p2p"),
 )
+#: run when asked (--systems), not by default: the adamw rule's rounds between hosts
+OPTIONAL_SYSTEMS = ("gemps-adamw",)
 #: gemps' variants as the clients' options (the gemps system: float32 both ways)
 GEMPS_OPTIONS: dict[str, tuple[tuple[str, object], ...]] = {
     "gemps": (("wire_dtype", "float32"),),
@@ -54,7 +56,11 @@ GEMPS_OPTIONS: dict[str, tuple[tuple[str, object], ...]] = {
     "gemps-int8-both": (("wire_dtype", "float32"), ("compression", "int8"), ("reply_compression", "int8")),
     "gemps-int4-both": (("wire_dtype", "float32"), ("compression", "int4"), ("reply_compression", "int4")),
     "gemps-topk-int4": (("wire_dtype", "float32"), ("compression", "topk"), ("reply_compression", "int4")),
+    "gemps-adamw": (("wire_dtype", "float32"),),
 }
+#: the server's rule where it is not GEM: AdamW on the server, a round of the clients' gradients a
+#: step (a commit that joins a round is answered with no θ: its reply bytes are not θ's each commit)
+RULES = {"gemps-adamw": "adamw"}
 PEERS = ("torch-rpc-tcp", "reference-p2p")
 PORT, DATA_PORT = 50051, 51051  # gemps' ports on each partition host
 CLIENTS_HOST = "clients"
@@ -73,9 +79,10 @@ class CrossHostSpec:
 
     def __post_init__(self) -> None:
         rate_bits_per_second(self.rate)
-        unknown = sorted(set(self.systems) - set(SYSTEMS))
+        known = (*SYSTEMS, *OPTIONAL_SYSTEMS)
+        unknown = sorted(set(self.systems) - set(known))
         if unknown:
-            raise ValueError(f"not run between hosts: {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+            raise ValueError(f"not run between hosts: {', '.join(unknown)}; choose from {', '.join(known)}")
         if not self.partitions or min(self.partitions) < 1:
             raise ValueError(f"partition counts must be >= 1: {self.partitions}")
 
@@ -135,7 +142,7 @@ def path_fields(system: str) -> dict[str, Any]:
     options = dict(GEMPS_OPTIONS[system])
     compression = str(options.get("compression", "none"))
     return {
-        "rule": "gem",
+        "rule": RULES.get(system, "gem"),
         "wire_dtype": options["wire_dtype"],
         "compression": compression,
         "reply_compression": str(options.get("reply_compression", "none")),
@@ -189,8 +196,8 @@ class CrossHostRun:
     def _partition(self, system: str, partitions: int, index: int, plan: LoadPlan) -> ServerProcess:
         host = self.servers[index]
         options: dict[str, Any] = {
-            "host": host.address, "port": PORT, "data_port": DATA_PORT, "rule": "gem", "metrics_port": -1,
-            "log_level": "warning", "max_workers": max(256, plan.clients),
+            "host": host.address, "port": PORT, "data_port": DATA_PORT, "rule": RULES.get(system, "gem"),
+            "metrics_port": -1, "log_level": "warning", "max_workers": max(256, plan.clients),
         }  # fmt: skip
         if partitions > 1:
             addresses = ",".join(f"{h.address}:{PORT}" for h in self.servers[:partitions])

@@ -24,7 +24,8 @@ def _counts(text: str) -> list[int]:
 def _systems(text: str) -> list[str]:
     """Systems of the loopback suite or of the cross-host one (--link): each checks its own."""
     chosen = [part.strip() for part in text.split(",") if part.strip()]
-    known = (*SYSTEMS, *(system for system in cross_host.SYSTEMS if system not in SYSTEMS))
+    between_hosts = (*cross_host.SYSTEMS, *cross_host.OPTIONAL_SYSTEMS)
+    known = (*SYSTEMS, *(system for system in between_hosts if system not in SYSTEMS))
     unknown = sorted(set(chosen) - set(known))
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown systems {', '.join(unknown)}; choose from {', '.join(known)}")
@@ -48,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="RATE",
         help="between simulated hosts instead (root): each partition's host on a link of RATE (e.g. 1gbit); "
-        f"systems {', '.join(cross_host.SYSTEMS)}; writes OUT/cross-host.json and OUT/cross-host.md",
+        f"systems {', '.join(cross_host.SYSTEMS)} (and, asked for, {', '.join(cross_host.OPTIONAL_SYSTEMS)}); "
+        "writes OUT/cross-host.json and OUT/cross-host.md",
     )
     parser.add_argument(
         "--partitions", type=_counts, default=None, help="with --link: gemps' partition counts (default 1,2,4)"
