@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 import gemps
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
+from tests.helpers import start_partitions
 from tests.integration.conftest import StartServer
 
 P = 32
@@ -56,10 +57,10 @@ def workers(target: str, options: dict[str, object]) -> Iterator[list[tuple[gemp
             client.close()
 
 
-@pytest.mark.parametrize("way", list(WAYS))
-def test_a_commit_that_joins_a_round_gets_no_theta_back(start_server: StartServer, way: str) -> None:
-    server = start_server(rule="adamw", learning_rate=0.05)
-    with workers(server.target, WAYS[way]) as pair, ThreadPoolExecutor(1) as executor:
+def rounds_of_two(target: str, options: dict[str, object]) -> None:
+    """ROUNDS rounds of both workers' gradients: the first commit of each joins the round and gets
+    no θ back, the second closes it and gets θ whole; both then hold the server's θ, bit for bit."""
+    with workers(target, options) as pair, ThreadPoolExecutor(1) as executor:
         (first, first_bytes), (second, second_bytes) = pair
         for round_ in range(ROUNDS):
             gradient = np.full(P, round_ + 1.0, np.float32)
@@ -72,13 +73,25 @@ def test_a_commit_that_joins_a_round_gets_no_theta_back(start_server: StartServe
             assert joined.round_pending == 1 and closed.round_pending == 0, (joined, closed)
             assert received_by_commits(first_bytes) == before[0], "the joining commit's reply carried θ"
             assert received_by_commits(second_bytes) == before[1] + 4 * P, "the closing commit's reply: θ whole"
-            with gemps.Client(server.target) as observer:
+            with gemps.Client(target) as observer:
                 central = observer.pull()
             assert central.version == 2 * (round_ + 1)
             for result in (joined, closed):  # each holds the server's θ, bit for bit
                 assert result.parameters.version == central.version
                 np.testing.assert_array_equal(np.asarray(result.parameters.flat), np.asarray(central.flat))
         assert not np.array_equal(np.asarray(central.flat), np.zeros(P, np.float32))  # θ moved every round
+
+
+@pytest.mark.parametrize("way", list(WAYS))
+def test_a_commit_that_joins_a_round_gets_no_theta_back(start_server: StartServer, way: str) -> None:
+    server = start_server(rule="adamw", learning_rate=0.05)
+    rounds_of_two(server.target, WAYS[way])
+
+
+def test_on_partitions_each_servers_reply_carries_no_theta_while_its_round_is_open(start_server: StartServer) -> None:
+    """Two partitions, each its own round: the SDK keeps each slice it holds, numbered on."""
+    servers = start_partitions(start_server, 2, rule="adamw", learning_rate=0.05, num_shards=0)
+    rounds_of_two(servers[0].target, {})
 
 
 def commit_request(worker_id: str, base_version: int, known_history: str, **fields: object) -> pb.CommitRequest:
