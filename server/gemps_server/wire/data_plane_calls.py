@@ -439,7 +439,7 @@ def _nothing() -> None:
 
 def _reply_header(outcome: CommitOutcome, reply_dtype: int, service: ParameterService) -> bytes:
     """A commit's reply header: its outcome, and θ announced in the reply's dtype (unless unchanged)."""
-    return messages.stream_header_to_proto(outcome, reply_dtype, service.num_parameters).header.SerializeToString()
+    return messages.announced_header(outcome, reply_dtype, service.num_parameters).SerializeToString()
 
 
 def _peak(data: memoryview, dtype: int) -> float | None:

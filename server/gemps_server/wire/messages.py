@@ -200,13 +200,19 @@ def written_there(outcome: CommitOutcome, theta: bytes | memoryview) -> memoryvi
     return memoryview(theta)
 
 
-def stream_header_to_proto(outcome: CommitOutcome, reply_dtype: int, num_parameters: int) -> pb.CommitResponseChunk:
-    """CommitStream's first reply: the CommitResponse whose parameters say dtype and shape; the
-    data follows in pieces (none, and parameters unset, when the outcome is `unchanged`)."""
+def announced_header(outcome: CommitOutcome, reply_dtype: int, num_parameters: int) -> pb.CommitResponse:
+    """The CommitResponse whose parameters say dtype and shape, θ's data to follow apart (in
+    CommitStream's pieces, or after a data-plane frame's header); parameters unset, and nothing to
+    follow, when the outcome is `unchanged`."""
     header = outcome_header(outcome)
     if not outcome.unchanged:
         framing.announce(header.parameters, outcome.reply_dtype(reply_dtype), num_parameters)
-    return pb.CommitResponseChunk(header=header)
+    return header
+
+
+def stream_header_to_proto(outcome: CommitOutcome, reply_dtype: int, num_parameters: int) -> pb.CommitResponseChunk:
+    """CommitStream's first reply: announced_header in a chunk; the data follows in pieces."""
+    return pb.CommitResponseChunk(header=announced_header(outcome, reply_dtype, num_parameters))
 
 
 def pull_to_proto(snapshot: Snapshot, reply_dtype: int, num_parameters: int, history: str = "") -> bytes:
