@@ -38,6 +38,7 @@ from gemps.server_session import ServerSession, refuse_partition_count_change
 from gemps.transport import CommitCall, Committed, Enrolment, Pending, Transport, refuse_non_finite
 from gemps_proto import vectors
 from gemps_proto.reasons import Reason
+from gemps_proto.rule_options import ROUND_SIZE
 from gemps_proto.schema import PayloadKind
 from gemps_proto.tensor_codec import num_elements
 from gemps_proto.vectors import Vector
@@ -223,12 +224,14 @@ class PartitionRouter:
         request_id = f"{self._request_prefix}{self._sequence}"
         slices, bases = self._slices(flat), self._base_versions(base_version)
         encoded = [self._encoded(i, part) for i, part in enumerate(slices)]
+        # Under a rule of rounds a reply may be θ unchanged: the commit says which θ it holds.
+        rounds = self.registration is not None and ROUND_SIZE in self.registration.config.rule_options
         calls = [
             CommitCall(
                 sessions[i].worker_id, bases[i], kind, slices[i], loss, num_samples, request_id,
                 buffer_delta if i == 0 else None,  # buffers live on partition 0
                 self._sequence, _wire_of(encoded[i]), self.reply_code, sessions[i].copy.number, deferred,
-                sessions[i].known_history(bases[i], self.reply_code),
+                sessions[i].known_history(bases[i], self.reply_code) if rounds else "",
             )
             for i in range(len(sessions))
         ]  # fmt: skip
