@@ -2,18 +2,74 @@
 recorded in RECORDED_RUNS (docs/PERFORMANCE.md, "The cost of a commit as the model grows"), written
 out so that the command reads no file; tests/unit/test_capacity.py refits the files and holds these
 to them. Each path: the busiest partition's CPU seconds per commit, a worker's, and a partition's
-bytes beside its workers' GEM state, each a Curve through the sizes measured (parameters, cost; the
-mean of both runs where both measured a size). Another host's costs: `gemps plan --calibration
-its/results.json`."""
+bytes beside its workers' GEM state (under rounds the round's step too), each a Curve through the
+sizes measured (parameters, cost; the mean of the runs where several measured a size). Another
+host's costs: `gemps plan --calibration its/results.json`."""
 
 from __future__ import annotations
 
 from gemps_bench.capacity import Calibration, Curve, PathCost
 
-RECORDED_RUNS = ("docs/results/plan/bench.json", "docs/results/plan/bench-b.json")
+RECORDED_RUNS = ("docs/results/plan/bench.json", "docs/results/plan/bench-b.json", "docs/results/plan/bench-adamw.json")
 
 MEASURED = Calibration(
     {
+        "adamw/float32": PathCost(
+            Curve(
+                (
+                    (1000000.0, 0.0026669297926300395),
+                    (10000000.0, 0.024158764695895524),
+                    (100000000.0, 0.29225924925609753),
+                )
+            ),
+            Curve(
+                (
+                    (1000000.0, 0.002757225433526012),
+                    (10000000.0, 0.021761194029850744),
+                    (100000000.0, 0.4248780487804877),
+                )
+            ),
+            Curve(((1000000.0, 78712064.0), (10000000.0, 194810368.0), (100000000.0, 1267205120.0))),
+            Curve(
+                (
+                    (1000000.0, 0.0030043575382947794),
+                    (10000000.0, 0.025856525889925375),
+                    (100000000.0, 0.35286900535365856),
+                )
+            ),
+            Curve(
+                (
+                    (1000000.0, 0.0009535790000001487),
+                    (10000000.0, 0.010192568999999985),
+                    (100000000.0, 0.11486544200000014),
+                )
+            ),
+        ),
+        "adamw/float32+tcp": PathCost(
+            Curve(
+                (
+                    (1000000.0, 0.0035091403238255024),
+                    (10000000.0, 0.037484656445960655),
+                    (100000000.0, 0.6548709486086954),
+                )
+            ),
+            Curve(
+                (
+                    (1000000.0, 0.0038105891126025354),
+                    (10000000.0, 0.02615720524017467),
+                    (100000000.0, 0.49086956521739133),
+                )
+            ),
+            Curve(((1000000.0, 63061248.0), (10000000.0, 72008192.0), (100000000.0, 865825792.0))),
+            Curve(
+                (
+                    (1000000.0, 0.0038829285415734527),
+                    (10000000.0, 0.03901849924072049),
+                    (100000000.0, 0.7212839920869565),
+                )
+            ),
+            Curve(((1000000.0, 0.000920166), (10000000.0, 0.011039779000000305), (100000000.0, 0.1022553360000007))),
+        ),
         "downpour/float32": PathCost(
             Curve(
                 (
@@ -37,6 +93,7 @@ MEASURED = Calibration(
                     (100000000.0, 0.1711038696257674),
                 )
             ),
+            None,
         ),
         "downpour/float32+tcp": PathCost(
             Curve(
@@ -61,6 +118,7 @@ MEASURED = Calibration(
                     (100000000.0, 0.42763549750088714),
                 )
             ),
+            None,
         ),
         "downpour/int8+tcp": PathCost(
             Curve(
@@ -81,6 +139,7 @@ MEASURED = Calibration(
             Curve(
                 ((1000000.0, 0.010463856502610724), (10000000.0, 0.1045844610016502), (100000000.0, 1.7192996222511283))
             ),
+            None,
         ),
         "gem-compact/float32": PathCost(
             Curve(
@@ -105,6 +164,7 @@ MEASURED = Calibration(
                     (100000000.0, 0.3045901639344263),
                 )
             ),
+            None,
         ),
         "gem/float32": PathCost(
             Curve(
@@ -153,6 +213,7 @@ MEASURED = Calibration(
                     (100000000.0, 0.20547180387825498),
                 )
             ),
+            None,
         ),
         "gem/float32+tcp": PathCost(
             Curve(
@@ -177,6 +238,7 @@ MEASURED = Calibration(
                     (100000000.0, 0.5393328603740883),
                 )
             ),
+            None,
         ),
         "gem/int8": PathCost(
             Curve(
@@ -197,7 +259,8 @@ MEASURED = Calibration(
                     (100000000.0, 1.3118607885007805),
                 )
             ),
+            None,
         ),
     },
-    "gemps bench on a 2-core host, 2 clients, 1M-100M parameters (2026-11-29, docs/results/plan/)",
+    "gemps bench, 2-core host, 1M-100M, 2 clients (2026-11-29), adamw rounds of 8/4 (2026-12-02): docs/results/plan/",
 )

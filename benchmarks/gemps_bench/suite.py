@@ -18,6 +18,7 @@ from gemps_bench.echo_tcp import TcpEchoClientFactory, TcpEchoServer
 from gemps_bench.gemps_load import GempsClientFactory
 from gemps_bench.loadgen import LoadPlan, run_load
 from gemps_bench.results import LoadResult
+from gemps_bench.round_step import round_step_seconds
 from gemps_proto.grpc_framing import DEFAULT_CHUNK_BYTES
 from gemps_worker.cluster import ServerProcess
 
@@ -41,6 +42,7 @@ GEMPS_VARIANTS: dict[str, dict[str, str]] = {
     "gemps-recipe-tcp": {"rule": "downpour", "compression": "int8", "shared_memory": "off"},  # between hosts
     # AdamW on the server, a round of the clients' gradients a step (the many-workers recipe)
     "gemps-adamw": {"rule": "adamw"},
+    "gemps-adamw-tcp": {"rule": "adamw", "shared_memory": "off"},  # and between hosts
 }
 PARTITIONED = ("gemps-2p", "gemps-4p")
 # torch-rpc: TensorPipe as it picks on one host (shared memory, cross-memory attach);
@@ -202,6 +204,9 @@ def _gemps(system: str, clients: int, plan: LoadPlan, results: SuiteResults) -> 
         if compression != "none":
             options += (("compression", compression), ("reply_compression", compression))
         result = run_load(system, GempsClientFactory(server.target, plan.num_parameters, options), plan, server.pid)
+    # A round's step, told apart from its commits' own cost (`gemps plan` projects rounds of any size)
+    share = plan.num_parameters // partitions  # each partition's rule steps its own slice
+    rounds = {"round_step_ms": 1e3 * round_step_seconds(share)} if rule == "adamw" else {}
     results.add(
         result,
         wire_dtype=wire,
@@ -213,6 +218,7 @@ def _gemps(system: str, clients: int, plan: LoadPlan, results: SuiteResults) -> 
         rule=rule,
         gem_state=gem_state,
         compression=compression,
+        **rounds,
     )
 
 

@@ -11,7 +11,17 @@ import os
 import sys
 from pathlib import Path
 
-from gemps_bench.capacity import ENCODING_BYTES, MAX_LOCAL_STEPS, MAX_PARTITIONS, RULES, Job, Plan, fit, plan
+from gemps_bench.capacity import (
+    ENCODING_BYTES,
+    MAX_LOCAL_STEPS,
+    MAX_PARTITIONS,
+    ROUND_RULES,
+    RULES,
+    Job,
+    Plan,
+    fit,
+    plan,
+)
 from gemps_bench.counts import parse_counts
 from gemps_bench.measured_costs import MEASURED
 
@@ -19,6 +29,7 @@ from gemps_worker.simulated_hosts import rate_bits_per_second
 
 EPILOG = """examples:
   gemps plan --params 124M --workers 16 --step-seconds 0.5 --link 10gbit --rule downpour --encoding int8
+  gemps plan --params 124M --workers 16 --step-seconds 0.5 --link 10gbit --rule adamw   # rounds of gradients
   gemps plan --params 1M --workers 8    # workers that only commit on this host: what `gemps bench` measures
   gemps plan --params 10M --workers 4 --calibration runs/bench/results.json --json"""
 
@@ -55,7 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker-link", type=_rate, default=None, metavar="RATE",
         help="with --link: a worker's host's link, where it differs from the partitions' (default: --link)",
     )  # fmt: skip
-    parser.add_argument("--rule", choices=RULES, default="gem", help="the server's rule and GEM state (default gem)")
+    parser.add_argument(
+        "--rule", choices=RULES, default="gem",
+        help="the server's rule and GEM state (default gem); adamw: rounds, every worker in step",
+    )  # fmt: skip
     parser.add_argument(
         "--encoding", choices=tuple(ENCODING_BYTES), default="float32", help="a commit's values, both ways"
     )
@@ -64,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--local-steps", type=int, default=None,
-        help=f"steps per commit (default: the fewest that keep a worker's wait under 10 %%, up to {MAX_LOCAL_STEPS})",
+        help=f"steps per commit (default: the fewest that keep a worker's wait under 10 %%, up to {MAX_LOCAL_STEPS}; "
+        "under --rule adamw 1, a gradient a commit: H plans rounds of H-step windows, the server's --outer-rate)",
     )  # fmt: skip
     parser.add_argument(
         "--host-cores",
@@ -122,13 +137,23 @@ def describe(job: Job, result: Plan) -> str:
         [
             f"{job.parameters:,} parameters, {job.workers} workers {where}, rule {job.rule}, {job.encoding} both ways",
             f"  partitions        {result.partitions} (a server core each)",
-            f"  local steps       {result.local_steps} per commit",
+            f"  local steps       {result.local_steps} per commit" + _rounds(job, result),
             f"  server memory     {result.server_memory_bytes / 2**30:.2f} GiB in all",
             f"  commits/s         {result.commits_per_s:.1f} (limited by {result.limited_by})" + _in_step(result),
             f"  waiting           {result.waiting_share:.0%} of a worker's time",
             f"  a commit          {result.commit_bytes / 2**20:.1f} MiB each way; {parts}",
             f"projected from {result.path} costs measured in {result.calibration}" + _nearest(job, result),
         ]
+    )
+
+
+def _rounds(job: Job, result: Plan) -> str:
+    if job.rule not in ROUND_RULES:
+        return ""
+    step = result.seconds_per_commit["round step"]
+    return (
+        f"\n  a round           {job.workers} commits in step, then the round's step ({step * 1e3:.1f} ms on the"
+        f" busiest partition): {job.workers / result.commits_per_s:.3f} s"
     )
 
 

@@ -27,6 +27,7 @@ SYSTEMS = {
     "gemps-downpour-tcp",
     "gemps-recipe-tcp",
     "gemps-adamw",
+    "gemps-adamw-tcp",
     "torch-rpc",
     "torch-rpc-tcp",
     "reference-p2p",
@@ -83,6 +84,11 @@ def test_quick_bench_measures_every_system_and_writes_the_report(tmp_path: Path)
     assert paths["gemps-compact"] == ("gem", "compact", "none", True)
     assert paths["gemps-recipe-tcp"] == ("downpour", "exact", "int8", False)
     assert paths["gemps-adamw"] == ("adamw", "exact", "none", True)
+    assert paths["gemps-adamw-tcp"] == ("adamw", "exact", "none", False)
+    # under rounds, the round's step on the rule alone: what `gemps plan` takes out of a commit's costs
+    steps = {run["system"]: run.get("round_step_ms") for run in data["runs"] if run["system"].startswith("gemps")}
+    assert all(steps[system] > 0 for system in ("gemps-adamw", "gemps-adamw-tcp")), steps
+    assert {system for system, step in steps.items() if step is not None} == {"gemps-adamw", "gemps-adamw-tcp"}
 
 
 def test_a_chosen_cell_runs_alone(tmp_path: Path) -> None:

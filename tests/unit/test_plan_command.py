@@ -43,3 +43,15 @@ def test_a_calibration_that_is_no_bench_results_file_is_refused_naming_it(tmp_pa
     partial.write_text(json.dumps({"runs": [{"system": "gemps", "wire_dtype": "float32"}]}))
     done = gemps_plan("--params", "1M", "--workers", "2", "--calibration", str(partial))
     assert done.returncode == 2 and "a run has no field 'num_parameters'" in done.stderr
+
+
+def test_rounds_are_planned_with_every_worker_in_step_from_the_measured_adamw_costs() -> None:
+    arguments = ("--params", "124M", "--workers", "16", "--step-seconds", "0.5", "--link", "10gbit", "--rule", "adamw")
+    done = gemps_plan(*arguments)
+    assert done.returncode == 0, done.stderr
+    planned = json.loads(gemps_plan(*arguments, "--json").stdout)
+    assert planned["path"] == "adamw/float32+tcp" and planned["local_steps"] == 1
+    assert planned["commits_per_s_in_step"] == planned["commits_per_s"]
+    round_line = next(line for line in done.stdout.splitlines() if line.lstrip().startswith("a round"))
+    assert f"{16 / planned['commits_per_s']:.3f} s" in round_line and "16 commits in step" in round_line
+    assert planned["server_memory_bytes"] > 16 * 124_000_000  # θ, AdamW's two moments and the round's sum
