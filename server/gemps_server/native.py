@@ -90,17 +90,23 @@ def noise_sample(size: int, stride: int) -> np.ndarray:
     return indices[indices < size]
 
 
-def noise_window(update: np.ndarray, window: np.ndarray, stride: int, mode: int) -> tuple[float, float]:
+def noise_window(
+    update: np.ndarray, window: np.ndarray, stride: int, mode: int, bound: float = -1.0
+) -> tuple[float, float]:
     """(|u|^2, |w + u|^2, or |u|^2 when `mode` starts the window) with u the update's sampled
     values (noise_sample) and w the noise scale's window sum (float32, noise_window_size), which
     `mode` writes: WINDOW_START w = u, WINDOW_ADD w += u, WINDOW_LAST leaves it (a window's last
     commit needs only the norm). One compiled pass for contiguous float32, numpy otherwise (GEM's
-    compiled pass folds the same sums into its own: gem_update's `window`)."""
+    compiled pass folds the same sums into its own: gem_update's `window`). `bound` >= 0: the
+    update lies in memory its sender can still write, and each value is read within it (a NaN as
+    -bound), as the rule's pass read it (csrc/shared.h: held_block)."""
     flat = update.reshape(-1)
     if compiled is not None and update.dtype == np.float32 and update.flags.c_contiguous:
-        payload, total = compiled.noise_window(flat, window, stride, mode)
+        payload, total = compiled.noise_window(flat, window, stride, mode, bound)
         return float(payload), float(total)
     sampled = flat if stride == 1 else flat[noise_sample(flat.size, stride)]
+    if bound >= 0:
+        sampled = np.clip(np.nan_to_num(sampled, nan=-bound), -bound, bound)
     slots = window[: sampled.size]
     payload = float(np.dot(sampled, sampled))
     if mode == WINDOW_START:

@@ -16,7 +16,7 @@ from gemps_server import native
 from gemps_server.domain.rules import NonFiniteUpdate, create_rule
 from gemps_server.domain.rules.adamw import AdamWRule
 from gemps_server.domain.rules.adamw_passes import numpy_step
-from gemps_server.domain.rules.base import StepContext
+from gemps_server.domain.rules.base import NoiseWindow, StepContext
 from tests.helpers import training
 
 pytestmark = pytest.mark.skipif(native.compiled is None, reason="test_native.py fails where it was not built")
@@ -170,3 +170,73 @@ def test_whole_runs_agree_bit_for_bit_on_either_kernel(options: dict[str, float]
     assert states[0]["steps"] == 10
     for key, value in states[0].items():
         np.testing.assert_array_equal(value, states[1][key])
+
+
+def held(values: np.ndarray, bound: float) -> np.ndarray:
+    """What a pass reads of `values` held within `bound` (csrc/shared.h's held_block): a NaN as -bound."""
+    finite: np.ndarray = np.nan_to_num(values, nan=-bound, posinf=bound, neginf=-bound)
+    result: np.ndarray = np.clip(finite, -bound, bound).astype(np.float32)
+    return result
+
+
+def written_after_its_check(rng: np.random.Generator, size: int) -> tuple[np.ndarray, float]:
+    """A gradient whose peak was checked, then written by its client before the pass read it:
+    values past that peak, infinities and NaNs."""
+    gradient = spread(rng, size)
+    peak = float(np.abs(gradient).max())
+    changed = gradient.copy()
+    changed[::97], changed[5::101], changed[7::103], changed[11::107] = 3e38, np.inf, -np.inf, np.nan
+    return changed, peak
+
+
+@pytest.mark.parametrize("subtract", [False, True])
+def test_the_passes_read_a_gradient_within_its_checked_peak(subtract: bool) -> None:
+    """A gradient in its client's shared memory is read where it lies (the rule `holds_payload`):
+    values its client wrote after the commit's check are read within the peak checked, as GEM's
+    pass reads them, so the sum, the moments and θ stay finite and are those of the held values."""
+    rng = np.random.default_rng(7)
+    size = 70_001
+    gradient, peak = written_after_its_check(rng, size)
+    total, first, theta = spread(rng, size), spread(rng, size), spread(rng, size)
+    second = np.abs(spread(rng, size))
+    assert native.compiled is not None
+    out = np.empty_like(total)
+    found = native.compiled.adamw_sum(total, gradient, out, subtract, peak)
+    expected = total - held(gradient, peak) if subtract else total + held(gradient, peak)
+    np.testing.assert_array_equal(bits(out), bits(expected))
+    assert found == float(np.abs(expected).max())
+    rule = made("numpy", size)
+    c, decay, ranges = rule.coefficients(3, 2e-3, 4), np.float32(1 - 2e-4), np.empty(0, np.int64)
+    reference = (np.empty(size, np.float32), np.empty(size, np.float32), np.empty(size, np.float32))
+    numpy_step(expected, (first, second), theta, reference, c, decay, None)
+    outputs = (np.empty(size, np.float32), np.empty(size, np.float32), np.empty(size, np.float32))
+    native.compiled.adamw_step(total, gradient, subtract, first, second, theta, *outputs, c, decay, True, ranges, peak)
+    for new, wanted in zip(outputs, reference, strict=True):
+        assert np.isfinite(new).all()
+        np.testing.assert_array_equal(bits(new), bits(wanted))
+
+
+def test_the_rule_holds_a_shared_gradient_and_measures_its_noise_so() -> None:
+    """The compiled adamw rule reads a payload in its client's memory where it lies: the commit
+    core copies it no more (CommitRule.holds_payload), the round's sum and step read it within the
+    peak the checks measured, and the noise scale's window measures the same held values."""
+    size = 5_000
+    rule = made("compiled", size, round_size=2)
+    assert rule.holds_payload and not made("numpy", size).holds_payload
+    rng = np.random.default_rng(11)
+    theta = rng.standard_normal(size).astype(np.float32)
+    reference = made("numpy", size, round_size=2)
+    reference_theta = theta.copy()
+    stride = 1
+    for version in range(4):
+        gradient, peak = written_after_its_check(rng, size)
+        window = native.noise_window_size(size, stride)
+        measured = NoiseWindow(np.zeros(window, np.float32), stride, native.WINDOW_START, lambda _: None)
+        context = StepContext("w0", version=version, payload_peak=peak, window=measured)
+        theta, _ = rule.step(theta, gradient, context)
+        honest = held(gradient, peak)  # what a client that left its memory alone would have sent
+        reference_theta, _ = reference.step(
+            reference_theta, honest, StepContext("w0", version=version, payload_peak=peak)
+        )
+        np.testing.assert_array_equal(bits(theta), bits(reference_theta))
+        assert measured.payload_square == pytest.approx(float(np.dot(honest, honest)), rel=1e-5)

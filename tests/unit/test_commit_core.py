@@ -13,6 +13,7 @@ import pytest
 
 from gemps_proto.schema import ParameterSpec, PayloadKind
 from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor
+from gemps_server import native
 from gemps_server.commit_frame import frame_of
 from gemps_server.domain.journal import Committed, Entry
 from gemps_server.domain.records import Commit, CommitOutcome
@@ -43,16 +44,20 @@ def commit_volatile(state: ServerState, worker_id: str, payload: EncodedTensor, 
     state.core.commit(slot, worker_id, request_id, 0, state.version, kind, payload, FLOAT32, payload_volatile=True)
 
 
-def test_a_shared_payload_gives_theta_the_bits_a_copied_one_gives() -> None:
-    """Read where it lies (GEM's compiled pass holds it) or copied first: the same θ, bit for bit."""
+@pytest.mark.parametrize("rule", ["gem", "adamw"])
+def test_a_shared_payload_gives_theta_the_bits_a_copied_one_gives(rule: str) -> None:
+    """Read where it lies (GEM's compiled pass holds it, as adamw's passes do) or copied first: the
+    same θ, bit for bit, and nothing copied into the core's landing when the rule holds it."""
     gradient = np.random.default_rng(0).standard_normal(P).astype(np.float32)
     results = []
     for volatile in (False, True):
-        state, worker_id = registered()
+        state, worker_id = registered(rule)
+        assert state.rule is not None and state.rule.holds_payload == (native.compiled is not None)
         _, payload = shared_payload(gradient)
         slot = state.registry.slot_of(worker_id)
         kind = PayloadKind.GRADIENT.value
         state.core.commit(slot, worker_id, "r1", 1, 0, kind, payload, FLOAT32, payload_volatile=volatile)
+        assert (state.core._landing.size == 0) == state.rule.holds_payload  # read where it lies: never landed
         results.append(state.theta_copy())
     np.testing.assert_array_equal(results[0], results[1])
 

@@ -182,6 +182,29 @@ def test_the_compiled_window_pass_is_numpys(mode: int, stride: int) -> None:
     np.testing.assert_allclose(window, expected_window, rtol=1e-6)
 
 
+@pytest.mark.parametrize("stride", [1, 7])
+@pytest.mark.parametrize("mode", [WINDOW_START, WINDOW_ADD, WINDOW_LAST])
+def test_a_window_measured_within_a_bound_reads_what_a_rule_held(mode: int, stride: int) -> None:
+    """A payload its client may still write (a rule that holds_payload): the window reads each value
+    it samples within the peak the commit's checks measured, a NaN as its negative, so what the
+    client wrote after the check moves the estimate no further than that peak (on either pass)."""
+    rng = np.random.default_rng(5)
+    update = rng.normal(size=5_000).astype(np.float32)
+    bound = float(np.abs(update).max())
+    update[::3], update[1::5], update[2::7] = 3e38, np.nan, -np.inf  # written after the check
+    window = rng.normal(size=noise_window_size(5_000, stride)).astype(np.float32)
+    held = np.clip(np.nan_to_num(update, nan=-bound), -bound, bound).astype(np.float64)
+    expected_window = window.copy()
+    expected = noise_window(held, expected_window, stride, mode)  # numpy's path, on the held values
+    numpy_window = window.copy()
+    numpy_found = noise_window(update.astype(np.float64), numpy_window, stride, mode, bound)
+    found = noise_window(update, window, stride, mode, bound)
+    for measured, written in ((found, window), (numpy_found, numpy_window)):
+        assert all(math.isfinite(value) for value in measured)
+        np.testing.assert_allclose(measured, expected, rtol=1e-5)
+        np.testing.assert_allclose(written, expected_window, rtol=1e-6)
+
+
 @pytest.mark.parametrize("rule", ["gem", "downpour"])
 def test_a_refused_commit_is_not_measured_and_its_window_starts_again(rule: str) -> None:
     state = ServerState(

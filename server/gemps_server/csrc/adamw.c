@@ -50,15 +50,16 @@ apart(Py_buffer *const *outputs, const int *own, int outs, Py_buffer *const *inp
 }
 
 /* out = total + g (or total - g: an update enters as the pseudo-gradient -Delta; a + (-1 * b) is
- * a - b to the bit in IEEE arithmetic), and its peak; out may be total. */
+ * a - b to the bit in IEEE arithmetic), and its peak; out may be total. bound >= 0: g may still be
+ * written by its sender (a client's shared memory), each value read once within it (held_block). */
 __attribute__((target_clones("avx2", "default"))) static void
-sum_pass(const float *total, const float *g, float *out, Py_ssize_t n, int subtract, Peaks *peaks)
+sum_pass(const float *total, const float *g, float *out, Py_ssize_t n, int subtract, float bound, Peaks *peaks)
 {
     const float sign = subtract ? -1.0f : 1.0f;
-    float peak = 0.0f, nonfinite = 0.0f;
+    float peak = 0.0f, nonfinite = 0.0f, held[BLOCK];
     for (Py_ssize_t start = 0; start < n; start += BLOCK) {
         const Py_ssize_t length = start + BLOCK < n ? BLOCK : n - start;
-        const float *restrict read = g + start, *sums = total + start;
+        const float *restrict read = held_block(g + start, length, bound, held), *sums = total + start;
         float *written = out + start, block_peak = 0.0f;
 #pragma omp simd reduction(+ : nonfinite) reduction(max : block_peak)
         for (Py_ssize_t j = 0; j < length; j++) {
@@ -79,7 +80,8 @@ adamw_sum(PyObject *self, PyObject *args)
 {
     Py_buffer total, gradient, out;
     int subtract;
-    if (!PyArg_ParseTuple(args, "y*y*w*p", &total, &gradient, &out, &subtract)) {
+    float bound = -1.0f; /* >= 0: the gradient held within it */
+    if (!PyArg_ParseTuple(args, "y*y*w*p|f", &total, &gradient, &out, &subtract, &bound)) {
         return NULL;
     }
     PyObject *result = NULL;
@@ -93,7 +95,8 @@ adamw_sum(PyObject *self, PyObject *args)
         Peaks peaks = {{0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f}};
         const Py_ssize_t n = total.len / (Py_ssize_t)sizeof(float);
         MAYBE_RELEASE_GIL(n);
-        sum_pass((const float *)total.buf, (const float *)gradient.buf, (float *)out.buf, n, subtract, &peaks);
+        sum_pass((const float *)total.buf, (const float *)gradient.buf, (float *)out.buf, n, subtract, bound,
+                 &peaks);
         MAYBE_RESTORE_GIL()
         result = PyFloat_FromDouble(peak_or_nan(&peaks, 0));
     }
@@ -113,7 +116,7 @@ typedef struct {
 typedef struct {
     const float *total, *g, *m, *v, *theta;
     float *m_out, *v_out, *theta_out;
-    float sign;
+    float sign, bound; /* bound >= 0: g held within it (held_block) */
 } Step;
 
 /* One AdamW step over [start, end), theta multiplied by `decay` (1: not decayed):
@@ -125,7 +128,7 @@ step_pass(const Step *s, Py_ssize_t start, Py_ssize_t end, float decay, const Co
 {
     const float divisor = c->divisor, beta1 = c->beta1, rest1 = c->rest1, beta2 = c->beta2, rest2 = c->rest2;
     const float bias2_root = c->bias2_root, epsilon = c->epsilon, step_size = c->step_size, sign = s->sign;
-    float zeros[BLOCK];
+    float zeros[BLOCK], held[BLOCK];
     if (s->g == NULL) { /* no gradient to add: t + (-0) is t, bit for bit (and +0 would make -0 of it +0) */
         for (Py_ssize_t j = 0; j < BLOCK; j++) {
             zeros[j] = -0.0f;
@@ -133,7 +136,7 @@ step_pass(const Step *s, Py_ssize_t start, Py_ssize_t end, float decay, const Co
     }
     for (Py_ssize_t block = start; block < end; block += BLOCK) {
         const Py_ssize_t length = block + BLOCK < end ? BLOCK : end - block;
-        const float *restrict g = s->g == NULL ? zeros : s->g + block;
+        const float *restrict g = s->g == NULL ? zeros : held_block(s->g + block, length, s->bound, held);
         const float *total = s->total + block, *m = s->m + block, *v = s->v + block, *theta = s->theta + block;
         float *m_out = s->m_out + block, *v_out = s->v_out + block, *theta_out = s->theta_out + block;
         float peak_m = 0.0f, peak_v = 0.0f, peak_t = 0.0f, bad_m = 0.0f, bad_v = 0.0f, bad_t = 0.0f;
@@ -210,9 +213,10 @@ adamw_step(PyObject *self, PyObject *args)
     float decay;
     int subtract, decay_all;
     Step s;
-    if (!PyArg_ParseTuple(args, "y*y*py*y*y*w*w*w*(ffffffff)fpy*", &total, &g, &subtract, &m, &v, &theta,
+    s.bound = -1.0f;
+    if (!PyArg_ParseTuple(args, "y*y*py*y*y*w*w*w*(ffffffff)fpy*|f", &total, &g, &subtract, &m, &v, &theta,
                           &m_out, &v_out, &theta_out, &c.divisor, &c.beta1, &c.rest1, &c.beta2, &c.rest2,
-                          &c.bias2_root, &c.epsilon, &c.step_size, &decay, &decay_all, &ranges)) {
+                          &c.bias2_root, &c.epsilon, &c.step_size, &decay, &decay_all, &ranges, &s.bound)) {
         return NULL;
     }
     PyObject *result = NULL;

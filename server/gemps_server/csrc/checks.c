@@ -3,14 +3,38 @@
  * pass); each one pass, without the GIL when long (RELEASE_GIL_FROM). */
 #include "module.h"
 
-/* The noise window alone (block_noise over every block): for the rules without a compiled pass. */
+/* A block of u as block_noise reads it: u itself, or (bound >= 0) the runs it samples, each value
+ * read once within the bound (held_block) into `held` at its place in the block; no other value. */
+static const float *
+held_runs(const float *u, Py_ssize_t start, Py_ssize_t length, Py_ssize_t wstride, float bound,
+          const SampleCursor *cursor, float *restrict held)
+{
+    if (bound < 0.0f || wstride == 1) {
+        return held_block(u, length, bound, held);
+    }
+    for (Py_ssize_t at = cursor->at; at < start + length; at += wstride * NOISE_RUN) {
+        const Py_ssize_t stop = at + NOISE_RUN < start + length ? at + NOISE_RUN : start + length;
+        held_block(u + (at - start), stop - at, bound, held + (at - start));
+    }
+    return held;
+}
+
+/* The noise window alone (block_noise over every block): for the rules without a compiled pass.
+ * bound >= 0: the payload lies in memory its sender can still write, and the values sampled are
+ * read once each, within the bound (held_block), as the rule's pass read them. */
 __attribute__((target_clones("avx2", "default"))) static void
-noise_pass(const float *restrict u, float *restrict w, Py_ssize_t n, Py_ssize_t wstride, int mode, Sums *restrict sums)
+noise_pass(const float *u, float *restrict w, Py_ssize_t n, Py_ssize_t wstride, int mode, float bound,
+           Sums *restrict sums)
 {
     SampleCursor cursor = {0, 0};
+    float held[BLOCK];
     for (Py_ssize_t start = 0; start < n; start += BLOCK) {
         const Py_ssize_t length = start + BLOCK < n ? BLOCK : n - start;
-        block_noise(u + start, w, start, length, wstride, mode, &cursor, sums);
+        if (wstride > 1 && cursor.at >= start + length) {
+            continue; /* no sampled run in this block: block_noise would read none of it */
+        }
+        const float *bu = held_runs(u + start, start, length, wstride, bound, &cursor, held);
+        block_noise(bu, w, start, length, wstride, mode, &cursor, sums);
     }
 }
 
@@ -20,7 +44,8 @@ noise_window(PyObject *self, PyObject *args)
     Py_buffer update, window;
     Py_ssize_t wstride;
     int mode;
-    if (!PyArg_ParseTuple(args, "y*w*ni", &update, &window, &wstride, &mode)) {
+    float bound = -1.0f; /* >= 0: hold the payload's values within it (held_block) */
+    if (!PyArg_ParseTuple(args, "y*w*ni|f", &update, &window, &wstride, &mode, &bound)) {
         return NULL;
     }
     PyObject *result = NULL;
@@ -33,7 +58,7 @@ noise_window(PyObject *self, PyObject *args)
     } else {
         Sums sums = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0f, 0.0f, 0.0, 0.0};
         MAYBE_RELEASE_GIL(window_size(n, wstride));
-        noise_pass((const float *)update.buf, (float *)window.buf, n, wstride, mode, &sums);
+        noise_pass((const float *)update.buf, (float *)window.buf, n, wstride, mode, bound, &sums);
         MAYBE_RESTORE_GIL()
         result = Py_BuildValue("(dd)", sums.payload_square, sums.window_square);
     }

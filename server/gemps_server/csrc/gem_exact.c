@@ -46,25 +46,6 @@
         centrals[j] = movement + pi * denominator;                                                       \
     } while (0)
 
-/* A block of the payload as the pass reads it: `u` itself, or (bound >= 0: memory its sender can
- * still write, a client's shared memory) each value read once into `held`, within the bound the
- * caller checked before the pass (max |payload|; a NaN written since reads as -bound). Whatever
- * the sender writes meanwhile, the pass sees values the bound covers, so the in-place pass's
- * overflow bound holds, and GEM's update and the noise sums read the same values. */
-static inline __attribute__((always_inline)) const float *
-held_block(const float *u, Py_ssize_t length, float bound, float *restrict held)
-{
-    if (bound < 0.0f) {
-        return u;
-    }
-    for (Py_ssize_t j = 0; j < length; j++) {
-        float value = u[j];
-        value = value > -bound ? value : -bound; /* ternaries: max and min, a NaN to -bound */
-        held[j] = value < bound ? value : bound;
-    }
-    return held;
-}
-
 /* The pass itself, in place: only when the caller has shown that no value can overflow (gem.py's
  * bound, which also stands in for the peaks: they are not measured here). Built for AVX2 and for the x86-64 baseline, picked at load time (ifunc). Each block
  * runs twice: first the update, one parameter at a time in gem.py's order, leaving pi and the

@@ -43,6 +43,26 @@ enum { WINDOW_START = 0, WINDOW_ADD = 1, WINDOW_LAST = 2 };
 #define BLOCK 1024 /* parameters per block: its scratch stays in L1, its float32 partial sums accurate */
 #define NOISE_RUN 16 /* a multiple of BLOCK's divisors: blocks start on a run */
 
+/* A block of the payload as the pass reads it: `u` itself, or (bound >= 0: memory its sender can
+ * still write, a client's shared memory) each value read once into `held`, within the bound the
+ * caller checked before the pass (max |payload|; a NaN written since reads as -bound). Whatever
+ * the sender writes meanwhile, the pass sees values the bound covers, so the in-place pass's
+ * overflow bound holds, and GEM's update and the noise sums read the same values (gem_exact.c;
+ * adamw.c's passes and checks.c's noise window alike). */
+static inline __attribute__((always_inline)) const float *
+held_block(const float *u, Py_ssize_t length, float bound, float *restrict held)
+{
+    if (bound < 0.0f) {
+        return u;
+    }
+    for (Py_ssize_t j = 0; j < length; j++) {
+        float value = u[j];
+        value = value > -bound ? value : -bound; /* ternaries: max and min, a NaN to -bound */
+        held[j] = value < bound ? value : bound;
+    }
+    return held;
+}
+
 /* The window's length for n parameters: n, or NOISE_RUN per sampled run (the last may be short). */
 static Py_ssize_t
 window_size(Py_ssize_t n, Py_ssize_t wstride)

@@ -239,6 +239,10 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         self._sum_peak, self._moment_peaks = None, None
 
     @property
+    def holds_payload(self) -> bool:
+        return self.kernel == "compiled"  # the compiled passes read each value once, held to the peak
+
+    @property
     def shared_state_bytes(self) -> int:
         """Bytes of the moments, the round's sum and the spares the out-of-place passes allocated."""
         return sum(vector.nbytes for vector in (*self._vectors.values(), *self._spares.values()))
@@ -314,7 +318,7 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         total = self._vectors["gradient_sum"]
         if self._compiles(last):
             assert compiled is not None
-            peak = float(compiled.adamw_sum(total, last.values, out, last.subtract))
+            peak = float(compiled.adamw_sum(total, last.values, out, last.subtract, last.bound))
         else:
             with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below
                 (np.subtract if last.subtract else np.add)(total, last.values, out=out)
@@ -346,8 +350,8 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
             updated = self.take_spare(theta)
         if self.kernel == "compiled":
             assert compiled is not None
-            values, subtract = (last.values, last.subtract) if last else (_NONE, False)
-            ranges = (decay, self._decayed is None, self._decayed_bounds)
+            values, subtract, bound = (last.values, last.subtract, last.bound) if last else (_NONE, False, -1.0)
+            ranges = (decay, self._decayed is None, self._decayed_bounds, bound)
             peaks = compiled.adamw_step(gradient, values, subtract, *moments, theta, first, second, updated, c, *ranges)
         else:  # the numpy step takes the round's whole sum (step_scaled adds the last gradient first)
             assert last is None
@@ -407,7 +411,9 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
 @dataclasses.dataclass(frozen=True)
 class _Last:
     """A round's newest commit: its values, whether they enter as -Δ, and their max |value| as the
-    commit's checks measured it (-1: not known; the passes then write no state in place)."""
+    commit's checks measured it (-1: not known; the passes then write no state in place). The
+    compiled passes read each value once within that bound: the values may lie in their client's
+    shared memory, which it can still write (CommitRule.holds_payload)."""
 
     values: np.ndarray
     subtract: bool

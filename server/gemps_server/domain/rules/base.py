@@ -137,9 +137,10 @@ class NoiseWindow:
     payload_square: float = math.nan
     window_square: float = math.nan
 
-    def measure(self, payload: np.ndarray) -> None:
-        """The sums in a pass of their own (for rules whose pass does not fold them in)."""
-        self.payload_square, self.window_square = noise_window(payload, self.total, self.stride, self.mode)
+    def measure(self, payload: np.ndarray, bound: float = -1.0) -> None:
+        """The sums in a pass of their own (for rules whose pass does not fold them in); `bound` >= 0:
+        each value read within it, as a rule that `holds_payload` read it (native.noise_window)."""
+        self.payload_square, self.window_square = noise_window(payload, self.total, self.stride, self.mode, bound)
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,8 +317,9 @@ class CommitRule(ABC):
             np.copyto(context.out, updated)
         window = context.window
         if window is not None:
-            if not self.folds_noise:
-                window.measure(payload)
+            if not self.folds_noise:  # a payload the rule held to its peak is measured so too
+                peak = context.payload_peak
+                window.measure(payload, peak if self.holds_payload and peak is not None and peak >= 0 else -1.0)
             window.applied(window)
         return updated, stats
 
