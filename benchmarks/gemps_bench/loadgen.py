@@ -127,7 +127,10 @@ class _Start:
 def _client_process(
     factory: ClientFactory, indices: list[int], plan: LoadPlan, start: _Start, out: mp.Queue[_ClientRecord]
 ) -> None:
-    keep_large_allocations()  # as gemps' server and workers do: see gemps_proto/allocator.py
+    # The clients' best case, as the echo ceilings get it (gemps_server/allocator.py). An SDK worker
+    # keeps its process's allocator, so its large replies land in fresh pages (docs/PERFORMANCE.md,
+    # "What the bench's clients do not pay").
+    keep_large_allocations()
     before = resident_bytes(os.getpid())
     ready = threading.Barrier(len(indices) + 1)
     records: list[_ClientRecord] = []
