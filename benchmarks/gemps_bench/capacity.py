@@ -357,7 +357,7 @@ def fit(runs: Iterable[Mapping[str, Any]], source: str) -> Calibration:
     points: dict[str, list[tuple[float, ...]]] = {}
     for run in runs:
         path = path_of(run)
-        if path is None:
+        if path is None or (path.split("/")[0] in ROUND_RULES and "round_step_ms" not in run):  # step unmeasured
             continue
         partitions = int(run.get("partitions") or 1)
         share = run["num_parameters"] / partitions
@@ -390,7 +390,7 @@ def path_of(run: Mapping[str, Any]) -> str | None:
     if str(run.get("reply_compression", compression)) != compression:  # codes one way only: no path of ours
         return None
     rule = "gem-compact" if run.get("gem_state") == "compact" else str(run.get("rule", "gem"))
-    if rule not in RULES or (rule in ROUND_RULES and "round_step_ms" not in run):  # a round's step unmeasured
+    if rule not in RULES:
         return None
     transport = "" if run.get("shared_memory", True) else "+tcp"
     return f"{rule}/{'float32' if compression == 'none' else compression}{transport}"
