@@ -205,8 +205,8 @@ def plan(job: Job, calibration: Calibration) -> Plan:
     )  # fmt: skip
     partition_choices = [job.partitions] if job.partitions else range(1, MAX_PARTITIONS + 1)
     least: Plan | None = None
+    project = _project_rounds if job.rule in ROUND_RULES else _project
     for local_steps in step_choices:
-        project = _project_rounds if job.rule in ROUND_RULES else _project
         candidates = [project(job, calibration, partitions, local_steps) for partitions in partition_choices]
         keeping_up = [candidate for candidate in candidates if candidate.headroom >= HEADROOM]
         chosen = keeping_up[0] if keeping_up else max(candidates, key=lambda candidate: candidate.commits_per_s)
@@ -357,21 +357,21 @@ def fit(runs: Iterable[Mapping[str, Any]], source: str) -> Calibration:
     points: dict[str, list[tuple[float, ...]]] = {}
     for run in runs:
         path = path_of(run)
-        if path is None or (path.split("/")[0] in ROUND_RULES and "round_step_ms" not in run):  # step unmeasured
+        rule = "" if path is None else path.split("/")[0]  # the workers' GEM state is the rule's, not a line
+        if path is None or (rule in ROUND_RULES and "round_step_ms" not in run):  # a round's step unmeasured
             continue
         partitions = int(run.get("partitions") or 1)
         share = run["num_parameters"] / partitions
         busiest = run.get("busiest_partition_cpu_ms_per_commit", math.nan)
         if busiest is None or math.isnan(busiest):  # one process: the server's own
             busiest = run["server_cpu_ms_per_commit"]
-        rule = path.split("/")[0]  # the workers' GEM state is the rule's, not a line of the fit
         state = (STATE_BYTES_PER_WORKER[rule] * run["clients"] + SHARED_STATE_BYTES[rule]) * run["num_parameters"]
         memory = (run["server_peak_rss_bytes"] - state) / partitions
         client = run["client_cpu_ms_per_commit"] / 1e3  # a worker's, by the whole model
-        busiest, latency, clients = busiest / 1e3, run["latency_p50_ms"] / 1e3, run["clients"]
-        step = run.get("round_step_ms", 0.0) / 1e3 if rule in ROUND_RULES else 0.0
+        busiest, latency, clients, step = busiest / 1e3, run["latency_p50_ms"] / 1e3, run["clients"], 0.0
         if rule in ROUND_RULES:  # a round: every client's commit, the step, a client's own CPU (in and out)
             # (its clients' latencies are two modes, the closing commit's short: a round is n commits' time)
+            step = run["round_step_ms"] / 1e3
             busiest, latency = busiest - step / clients, clients / run["commits_per_second"] - step - client
         hold = max(busiest, latency / clients)
         points.setdefault(path, []).append((share, busiest, run["num_parameters"], client, memory, hold, step))
