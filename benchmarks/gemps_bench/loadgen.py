@@ -128,8 +128,10 @@ def _client_process(
     factory: ClientFactory, indices: list[int], plan: LoadPlan, start: _Start, out: mp.Queue[_ClientRecord]
 ) -> None:
     # The clients' best case, as the echo ceilings get it (gemps_server/allocator.py). An SDK worker
-    # keeps its process's allocator, so its large replies land in fresh pages (docs/PERFORMANCE.md,
-    # "What the bench's clients do not pay").
+    # keeps its process's allocator; its connections keep the buffers its replies land in
+    # (gemps/reply_buffers.py). A client thread's arena cannot hold a buffer past 64 MiB, so past
+    # 16M float32s these threads too map such buffers afresh (docs/PERFORMANCE.md, "A reply into
+    # pages kept").
     keep_large_allocations()
     before = resident_bytes(os.getpid())
     ready = threading.Barrier(len(indices) + 1)

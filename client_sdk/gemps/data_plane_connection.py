@@ -29,6 +29,7 @@ from typing import NoReturn, TypeVar
 from google.protobuf.message import DecodeError, Message
 
 from gemps import errors, patient_writes
+from gemps.reply_buffers import ReplyBuffers
 from gemps.transport import refuse_non_finite, time_left
 from gemps_proto import proofs, vectors
 from gemps_proto.data_plane_events import (
@@ -119,6 +120,7 @@ class DataConnection:
         self.local = sock.family == getattr(socket, "AF_UNIX", None)
         self._shared: mmap.mmap | None = None  # the attached shared memory
         self._shared_view = memoryview(b"")  # its bytes (slicing an mmap itself would copy them)
+        self._replies = ReplyBuffers()  # where replies' payloads land: pages kept, not faulted in anew
 
     @property
     def awaiting(self) -> bool:
@@ -269,8 +271,8 @@ class DataConnection:
         self, announced: pb.Tensor, payload_bytes: int, decode: Callable[[EncodedTensor], Vector]
     ) -> Vector:
         """The payload the reply's header announced (θ, or a difference reply's code), read straight
-        into a new buffer, as `decode` reads it (a protocol error when it cannot): read-only
-        values, like the gRPC path's."""
+        into a buffer no one else holds (reply_buffers.py), as `decode` reads it (a protocol error
+        when it cannot): read-only values, like the gRPC path's."""
         shape = tuple(announced.shape)
         try:
             nbytes = expected_payload_nbytes(announced.dtype, shape)
@@ -278,7 +280,7 @@ class DataConnection:
             self.protocol_error(str(error))
         if nbytes != payload_bytes:
             self.protocol_error(f"{payload_bytes} bytes of payload; the header announced {nbytes}")
-        data = vectors.writable_bytes(nbytes)  # aligned: float32 values alias it
+        data = self._replies.take(nbytes)  # aligned: float32 values alias it
         if self._shared is not None:
             if nbytes > len(self._shared_view):
                 self.protocol_error(f"{nbytes} bytes announced, {len(self._shared_view)} shared")

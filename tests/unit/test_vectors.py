@@ -159,6 +159,19 @@ def test_finite_values_are_told_from_nan_and_inf(given: list[float], finite: boo
     assert vectors.all_finite(vectors.as_float32(given)) is finite
 
 
+@pytest.mark.parametrize("at", [0, vectors.FINITE_BLOCK - 1, vectors.FINITE_BLOCK, 3 * vectors.FINITE_BLOCK + 6])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_large_vector_is_checked_to_its_last_value(implementation: str, at: int, bad: float) -> None:
+    values = vectors.as_float32(array.array("f", [1.0]) * (3 * vectors.FINITE_BLOCK + 8))  # numpy's: block by block
+    assert vectors.all_finite(values)
+    values[at] = bad
+    assert not vectors.all_finite(values)
+    if implementation == "numpy":
+        assert isinstance(values, np.ndarray)
+        assert not vectors.all_finite(values.reshape(-1, 8))  # any shape, one piece
+        assert not vectors.all_finite(values[::-1])  # not one piece: checked whole
+
+
 def test_the_wire_bytes_are_little_endian_float32_and_int64() -> None:
     assert bytes(vectors.little_endian_float32([[1.5, -2.0]])) == struct.pack("<2f", 1.5, -2.0)
     assert bytes(vectors.little_endian_float32(array.array("d", [0.25]))) == struct.pack("<f", 0.25)
