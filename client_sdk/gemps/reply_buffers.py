@@ -14,7 +14,7 @@ connection holds at most two buffers of its largest reply, one of them the calle
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from gemps_proto import vectors
 
@@ -47,14 +47,13 @@ class ReplyBuffers:
         holds any more, else a new one (kept in place of the oldest)."""
         if nbytes < SMALLEST_KEPT or not vectors.HAVE_NUMPY:
             return vectors.writable_bytes(nbytes)
-        import numpy as np
-
         for index in range(len(self._kept)):  # no name bound to a buffer while its count is read
             if self._kept[index].nbytes >= nbytes and self.unheld(index):
                 return self._kept[index][:nbytes].data
-        new = np.empty(nbytes, np.uint8)
+        view = vectors.writable_bytes(nbytes)
+        new = cast("np.ndarray", view.obj)  # with numpy, the view's array: kept, its view handed out
         self._kept = [*self._kept[-(KEPT - 1) :], new] if self._kept else [new]
-        return new.data
+        return view
 
     def unheld(self, index: int) -> bool:
         """Nothing but this object holds the kept buffer `index` (a view, an array made from it)."""
