@@ -52,7 +52,7 @@ class ReplyBuffers:
                 return self._kept[index][:nbytes].data
         view = vectors.writable_bytes(nbytes)
         new = cast("np.ndarray", view.obj)  # with numpy, the view's array: kept, its view handed out
-        self._kept = [*self._kept[-(KEPT - 1) :], new] if self._kept else [new]
+        self._kept = [*self._kept[-(KEPT - 1) :], new]  # the oldest let go (an empty list slices empty)
         return view
 
     def unheld(self, index: int) -> bool:
