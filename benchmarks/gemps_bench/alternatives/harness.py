@@ -26,10 +26,17 @@ from gemps_bench.alternatives.systems.base import COORDINATOR, RunPlan
 from gemps_bench.alternatives.systems.registry import system
 from gemps_bench.alternatives.workloads import Workload, workload
 
-#: seconds the harness waits for every rank to be set up before it opens the start gate anyway
+#: seconds the harness waits for every rank to be set up before it gives the cell up
 STARTUP_TIMEOUT_S = 240.0
+#: lines of each log a cell that did not start quotes
+LOG_TAIL_LINES = 5
 #: snapshots evaluated per run at most (evenly spread; the first reaching the target is found among them)
 MAX_EVALUATIONS = 200  # a 90-s run at --snapshot-every 0.5 with its start-up
+
+
+class CellNotStarted(RuntimeError):
+    """Some rank was not set up within STARTUP_TIMEOUT_S: the cell is not run (its figures would
+    be of fewer workers than its scenario's, or of none)."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,7 @@ def run_cell(cell: Cell, out: Path, learning_rate: float, target: float) -> dict
             rig.start_outside(COORDINATOR, observer, "observer")
         for rank in range(scenario.workers):
             rig.start(rank, the_system.worker(plan, rank))
-        ready = _open_gate(run_dir, scenario.workers)
+        ready = _open_gate(run_dir, scenario.workers, cell.label(), rig.logs)
         started = time.time()
         for event in scenario.events(cell.seed, duration):
             _sleep_until(started + event.at_s)
@@ -110,18 +117,33 @@ def evaluate_snapshots(run_dir: Path, chosen: Workload, started: float) -> list[
     return curve
 
 
-def _open_gate(run_dir: Path, workers: int) -> int:
-    """Wait until every rank logged its "start" (at most STARTUP_TIMEOUT_S), then create the gate
-    file (contract.GO_FILE); returns how many ranks were ready."""
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    ready = 0
-    while time.monotonic() < deadline:
-        ready = sum(1 for rank in range(workers) if (run_dir / f"worker-{rank}.jsonl").exists())
-        if ready == workers:
+def _open_gate(run_dir: Path, workers: int, label: str, logs: Path, timeout: float = STARTUP_TIMEOUT_S) -> int:
+    """Wait until every rank logged its "start" (at most `timeout` seconds), then create the gate
+    file (contract.GO_FILE) and return how many ranks were ready; CellNotStarted, quoting the
+    logs of the coordinator and of the ranks missing, when one was not."""
+    deadline = time.monotonic() + timeout
+    missing = list(range(workers))
+    while True:
+        missing = [rank for rank in missing if not (run_dir / f"worker-{rank}.jsonl").exists()]
+        if not missing or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
+    if missing:
+        quoted = [_log_tail(logs / f"{name}.log") for name in ("coordinator", *(f"worker-{r}" for r in missing[:2]))]
+        raise CellNotStarted(
+            f"{label}: rank(s) {', '.join(map(str, missing))} of {workers} not set up within {timeout:.0f} s; "
+            "the cell is not run\n" + "\n".join(quoted)
+        )
     (run_dir / GO_FILE).touch()
-    return ready
+    return workers
+
+
+def _log_tail(path: Path) -> str:
+    """The last LOG_TAIL_LINES lines of a log, headed by its path (or that it is absent)."""
+    if not path.exists():
+        return f"{path}: no log"
+    lines = path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+    return "\n".join([f"{path} ends:", *(f"    {line}" for line in lines)])
 
 
 def _sleep_until(when: float) -> None:

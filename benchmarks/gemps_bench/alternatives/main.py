@@ -23,7 +23,7 @@ from typing import Any
 
 from gemps_bench.alternatives import machine, report
 from gemps_bench.alternatives.contract import SNAPSHOT_EVERY
-from gemps_bench.alternatives.harness import Cell, run_cell
+from gemps_bench.alternatives.harness import Cell, CellNotStarted, run_cell
 from gemps_bench.alternatives.rig import unavailable_reason
 from gemps_bench.alternatives.scenario import SCENARIOS_DIR, load
 from gemps_bench.alternatives.systems.registry import system, system_names
@@ -105,7 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "run --search or give --lr", file=sys.stderr)  # fmt: skip
                 return 2
             rated = {name: rate for name, rate in chosen_rates.items() if rate is not None}
-            _run_cells(chosen.name, scenarios, seeds, rated, args, target)
+            try:
+                _run_cells(chosen.name, scenarios, seeds, rated, args, target)
+            except CellNotStarted as error:  # the cells before it are merged; the rest are not run
+                print(f"alternatives: {error}", file=sys.stderr)
+                return 1
     if not results.exists():
         print(f"alternatives: no results at {results} yet: run some cells first", file=sys.stderr)
         return 2
