@@ -16,6 +16,7 @@ import pytest
 from gemps_bench.alternatives import harness
 from gemps_bench.alternatives import main as command
 from gemps_bench.alternatives.contract import GO_FILE, ProgressLog
+from gemps_bench.alternatives.systems import peers
 
 from tests.unit.test_alternatives import fake_run
 
@@ -69,10 +70,28 @@ def test_the_command_exits_1_on_a_cell_not_started_keeping_the_cells_before_it(
 
     monkeypatch.setattr(command, "run_cell", run)
     monkeypatch.setattr(command, "unavailable_reason", lambda: None)
-    argv = ["--scenarios", "a", "--systems", "gemps-gem,ddp,hivemind", "--workload", "digits", "--seeds", "0",
+    argv = ["--scenarios", "a", "--systems", "gemps-gem,ddp,gemps-adam", "--workload", "digits", "--seeds", "0",
             "--lr", "0.05", "--results", str(tmp_path)]  # fmt: skip
     assert command.main(argv) == 1
     assert ran == ["gemps-gem", "ddp"]  # the sweep stops at the cell that did not start
     assert "alternatives: a-ddp-digits-s0: rank(s) 0 of 8 not set up" in capsys.readouterr().err
     merged = json.loads((tmp_path / "digits.json").read_text())
     assert list(merged["cells"]) == ["a/gemps-gem/0"]
+
+
+def test_a_peer_whose_interpreter_is_missing_is_named_before_any_cell_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkout without the peers' virtualenv (`make peers-venv`) ran torchft's cell anyway, every
+    rank's exec failing: refused up front, naming what builds it."""
+    ran: list[str] = []
+    monkeypatch.setattr(command, "run_cell", lambda cell, *rest: ran.append(cell.system))
+    monkeypatch.setattr(command, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(peers, "REPOSITORY", tmp_path)  # a checkout without .venv-peers
+    argv = ["--scenarios", "e", "--systems", "gemps-adamw,torchft_ddp_adamw", "--workload", "charlm",
+            "--seeds", "1", "--lr", "2e-3", "--results", str(tmp_path)]  # fmt: skip
+    assert command.main(argv) == 2
+    assert ran == []
+    error = capsys.readouterr().err
+    assert "torchft_ddp_adamw runs .venv-peers/bin/python, which is not there: `make peers-venv` builds it" in error
+    assert error.count("alternatives: ") == 1  # gemps-adamw needs no other interpreter

@@ -91,6 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rates_path = args.results / "learning_rates.json"
         rates: dict[str, dict[str, float]] = json.loads(rates_path.read_text()) if rates_path.exists() else {}
         if args.search:
+            if _unavailable(systems):
+                return 2
             for name in systems:  # each system's rate recorded as soon as it is searched
                 run = _search(chosen.name, name, args, target)
                 rates.setdefault(chosen.name, {})[name] = run["learning_rate"]
@@ -103,6 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if unrated:  # said before any cell runs, not hours into a sweep
                 print(f"alternatives: no learning rate for {', '.join(unrated)} on {chosen.name}: "
                       "run --search or give --lr", file=sys.stderr)  # fmt: skip
+                return 2
+            if _unavailable(systems):
                 return 2
             rated = {name: rate for name, rate in chosen_rates.items() if rate is not None}
             try:
@@ -143,6 +147,15 @@ def _run_cells(
                 result = run_cell(cell, args.runs, rate, target)
                 _merge(results, result)
                 print(report.line(result), flush=True)
+
+
+def _unavailable(systems: list[str]) -> bool:
+    """Whether a system cannot run here, each said with what is missing (before any cell runs,
+    not as a cell of no worker later)."""
+    reasons = [reason for reason in (system(name).unavailable() for name in systems) if reason]
+    for reason in reasons:
+        print(f"alternatives: {reason}", file=sys.stderr)
+    return bool(reasons)
 
 
 def _scenarios(given: list[str]) -> dict[str, str | None]:

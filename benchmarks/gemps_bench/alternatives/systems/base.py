@@ -67,6 +67,10 @@ class System(ABC):
         0.05 x {1/2, 1, 2}), or ADAMW_LEARNING_RATES for a system whose workers step AdamW at it."""
         return ADAMW_LEARNING_RATES if self.optimizer == "adamw" else workload.learning_rates
 
+    def unavailable(self) -> str | None:
+        """Why this system cannot run on this machine (what is missing, and how to get it), or None."""
+        return None
+
     def coordinator(self, plan: RunPlan) -> Launch | None:
         """The coordinator's process (started first, and started again after a coordinator kill), or none."""
         return None

@@ -45,6 +45,11 @@ class Peer(System):
         self.entry = entry
         self.optimizer = entry.optimizer
 
+    def unavailable(self) -> str | None:
+        if self.entry.python and not (REPOSITORY / self.entry.python).exists():
+            return f"{self.name} runs {self.entry.python}, which is not there: `make peers-venv` builds it"
+        return None
+
     def python(self, plan: RunPlan) -> str:
         return str(REPOSITORY / self.entry.python) if self.entry.python else plan.python
 
