@@ -95,3 +95,17 @@ def test_a_peer_whose_interpreter_is_missing_is_named_before_any_cell_runs(
     error = capsys.readouterr().err
     assert "torchft_ddp_adamw runs .venv-peers/bin/python, which is not there: `make peers-venv` builds it" in error
     assert error.count("alternatives: ") == 1  # gemps-adamw needs no other interpreter
+
+
+def test_a_search_cell_not_started_exits_1_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def not_started(*args: Any) -> dict[str, Any]:
+        raise harness.CellNotStarted("a-ddp-digits-s0: rank(s) 3 of 8 not set up within 240 s")
+
+    monkeypatch.setattr(command, "_search", not_started)
+    monkeypatch.setattr(command, "unavailable_reason", lambda: None)
+    argv = ["--search", "--systems", "ddp", "--workload", "digits", "--results", str(tmp_path)]
+    assert command.main(argv) == 1
+    assert "alternatives: a-ddp-digits-s0: rank(s) 3 of 8 not set up" in capsys.readouterr().err
+    assert not (tmp_path / "learning_rates.json").exists()

@@ -88,32 +88,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"alternatives: {other}: give cells of --target {args.target} their own --results folder",
                   file=sys.stderr)  # fmt: skip
             return 2
-        rates_path = args.results / "learning_rates.json"
-        rates: dict[str, dict[str, float]] = json.loads(rates_path.read_text()) if rates_path.exists() else {}
-        if args.search:
-            if _unavailable(systems):
-                return 2
-            for name in systems:  # each system's rate recorded as soon as it is searched
-                run = _search(chosen.name, name, args, target)
-                rates.setdefault(chosen.name, {})[name] = run["learning_rate"]
-                args.results.mkdir(parents=True, exist_ok=True)
-                rates_path.write_text(json.dumps(rates, indent=1) + "\n")
-                _merge(results, run)  # the chosen rate's run is the system's (a) cell, seed 0
-        else:
-            chosen_rates = {name: args.lr or rates.get(chosen.name, {}).get(name) for name in systems}
-            unrated = [name for name, rate in chosen_rates.items() if rate is None]
-            if unrated:  # said before any cell runs, not hours into a sweep
-                print(f"alternatives: no learning rate for {', '.join(unrated)} on {chosen.name}: "
-                      "run --search or give --lr", file=sys.stderr)  # fmt: skip
-                return 2
-            if _unavailable(systems):
-                return 2
-            rated = {name: rate for name, rate in chosen_rates.items() if rate is not None}
-            try:
-                _run_cells(chosen.name, scenarios, seeds, rated, args, target)
-            except CellNotStarted as error:  # the cells before it are merged; the rest are not run
-                print(f"alternatives: {error}", file=sys.stderr)
-                return 1
+        try:
+            failed = _sweep(chosen.name, systems, scenarios, seeds, args, target)
+        except CellNotStarted as error:  # the cells before it are merged; the rest are not run
+            print(f"alternatives: {error}", file=sys.stderr)
+            return 1
+        if failed:
+            return failed
     if not results.exists():
         print(f"alternatives: no results at {results} yet: run some cells first", file=sys.stderr)
         return 2
@@ -123,6 +104,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.results / f"{chosen.name}.md").write_text("\n".join(lines) + "\n")
     report.figure(data, args.results / f"{chosen.name}.png", chosen.name)
     print(f"results: {results}")
+    return 0
+
+
+def _sweep(
+    name: str,
+    systems: list[str],
+    scenarios: dict[str, str | None],
+    seeds: list[int],
+    args: argparse.Namespace,
+    target: float,
+) -> int:
+    """The search, or the cells, asked for: 0 once run, 2 when refused before any ran."""
+    results = args.results / f"{name}.json"
+    rates_path = args.results / "learning_rates.json"
+    rates: dict[str, dict[str, float]] = json.loads(rates_path.read_text()) if rates_path.exists() else {}
+    if args.search:
+        if _unavailable(systems):
+            return 2
+        for system_name in systems:  # each system's rate recorded as soon as it is searched
+            run = _search(name, system_name, args, target)
+            rates.setdefault(name, {})[system_name] = run["learning_rate"]
+            args.results.mkdir(parents=True, exist_ok=True)
+            rates_path.write_text(json.dumps(rates, indent=1) + "\n")
+            _merge(results, run)  # the chosen rate's run is the system's (a) cell, seed 0
+        return 0
+    chosen_rates = {system_name: args.lr or rates.get(name, {}).get(system_name) for system_name in systems}
+    unrated = [system_name for system_name, rate in chosen_rates.items() if rate is None]
+    if unrated:  # said before any cell runs, not hours into a sweep
+        print(f"alternatives: no learning rate for {', '.join(unrated)} on {name}: "
+              "run --search or give --lr", file=sys.stderr)  # fmt: skip
+        return 2
+    if _unavailable(systems):
+        return 2
+    rated = {system_name: rate for system_name, rate in chosen_rates.items() if rate is not None}
+    _run_cells(name, scenarios, seeds, rated, args, target)
     return 0
 
 
