@@ -119,9 +119,15 @@ def _sweep(
     results = args.results / f"{name}.json"
     rates_path = args.results / "learning_rates.json"
     rates: dict[str, dict[str, float]] = json.loads(rates_path.read_text()) if rates_path.exists() else {}
+    chosen_rates = {system_name: args.lr or rates.get(name, {}).get(system_name) for system_name in systems}
+    unrated = [system_name for system_name, rate in chosen_rates.items() if rate is None]
+    if unrated and not args.search:  # said before any cell runs, not hours into a sweep
+        print(f"alternatives: no learning rate for {', '.join(unrated)} on {name}: "
+              "run --search or give --lr", file=sys.stderr)  # fmt: skip
+        return 2
+    if _unavailable(systems):
+        return 2
     if args.search:
-        if _unavailable(systems):
-            return 2
         for system_name in systems:  # each system's rate recorded as soon as it is searched
             run = _search(name, system_name, args, target)
             rates.setdefault(name, {})[system_name] = run["learning_rate"]
@@ -129,14 +135,6 @@ def _sweep(
             rates_path.write_text(json.dumps(rates, indent=1) + "\n")
             _merge(results, run)  # the chosen rate's run is the system's (a) cell, seed 0
         return 0
-    chosen_rates = {system_name: args.lr or rates.get(name, {}).get(system_name) for system_name in systems}
-    unrated = [system_name for system_name, rate in chosen_rates.items() if rate is None]
-    if unrated:  # said before any cell runs, not hours into a sweep
-        print(f"alternatives: no learning rate for {', '.join(unrated)} on {name}: "
-              "run --search or give --lr", file=sys.stderr)  # fmt: skip
-        return 2
-    if _unavailable(systems):
-        return 2
     rated = {system_name: rate for system_name, rate in chosen_rates.items() if rate is not None}
     _run_cells(name, scenarios, seeds, rated, args, target)
     return 0
