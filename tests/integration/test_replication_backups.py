@@ -291,7 +291,12 @@ def test_a_backup_keeps_up_with_entries_larger_than_the_queues_floor(
     entry larger than the 64 MiB a backup's queue held at least. The backup seeded before θ existed
     was let go ("not keeping up") at the first such entry and re-seeded, and a primary killed
     meanwhile had no backup to take over (`gemps bench --failover` at 100M, docs/PERFORMANCE.md)."""
-    servers = [start_server(rule="gem", **replica_options(etcd, index, "large-entries")) for index in range(R)]
+    # A lease and a timeout that outlast 80 MiB landing in this process (the servers share its
+    # interpreter): on a loaded host the primary lost its 1-s lease during the registration, and this
+    # client, given the primary's address alone (not the set's), retried the new backup until its
+    # patience ran out (600 s); under more load the backup's ack came after --replica-timeout's 2 s.
+    options = {"replica_lease": 15.0, "replica_timeout": 10.0}
+    servers = [start_server(rule="gem", **replica_options(etcd, i, "large-entries", **options)) for i in range(R)]
     primary = wait_replicated(servers)
     size = (80 << 20) // 4  # 80 MiB of float32 a commit
     with caplog.at_level(logging.WARNING, logger="gemps.server"), gemps.Client(primary.target, name="w") as worker:
