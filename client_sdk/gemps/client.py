@@ -374,8 +374,10 @@ class Client:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        """Leave (retried as any call), then close; a block ending on an error only closes (2 s at most)."""
         try:
-            self.leave()
+            if exc_info[0] is None:
+                self.leave()
         except errors.GempsError as error:
             log.warning("leave failed while closing: %s", error)
         finally:

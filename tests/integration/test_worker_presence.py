@@ -17,9 +17,11 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from gemps_cli.main import main as gemps_main
 
 from gemps import Client
+from gemps.pytorch import RemoteModel
 from tests.helpers import InProcessServer, stop_process
 from tests.integration.conftest import StartServer, StartServerProcess
 
@@ -114,3 +116,39 @@ def test_gemps_status_says_when_each_worker_was_last_seen(
     assert [(w.name, w.shard, w.commits) for w in statuses.workers] == [("busy", 0, 1), ("quiet", 1, 0)]
     assert statuses.lease_ttl_seconds == 60.0
     assert all(0 <= w.seconds_since_seen <= w.seconds_since_commit for w in statuses.workers)
+
+
+def test_a_block_left_on_an_error_does_not_wait_out_the_patience_to_leave(start_server: StartServer) -> None:
+    """A `with Client(...)` block that ends on an error, its server gone meanwhile: one attempt to
+    leave (close's, within its short deadline), not `leave()`'s retries until the client's patience
+    runs out. Before, the error reached its caller only after the patience (300 s by default: a test
+    whose server had failed over waited 600 s, the commit's retries and then the leave's)."""
+    server = start_server(lease_ttl=LONG_LEASE)
+    client = Client(server.target, name="failing", patience=5)
+    with pytest.raises(RuntimeError, match="the program's own error"), client:
+        client.register({"w": np.zeros(2, np.float32)})
+        server.stop()
+        raise RuntimeError("the program's own error")
+    assert client.retries == 0  # before: every attempt of the 5 s of patience retried
+
+
+def test_a_remote_models_block_left_on_an_error_does_not_wait_out_the_patience_to_leave(
+    start_server: StartServer,
+) -> None:
+    """The same through gemps.pytorch.RemoteModel, which opened its client: its error is not held up."""
+    server = start_server(lease_ttl=LONG_LEASE)
+    remote = RemoteModel(torch.nn.Linear(3, 2), server.target, name="failing", patience=5)
+    with pytest.raises(RuntimeError, match="the program's own error"), remote:
+        server.stop()
+        raise RuntimeError("the program's own error")
+    assert remote.client.retries == 0
+
+
+def test_a_block_left_on_an_error_still_leaves_a_server_that_answers(start_server: StartServer) -> None:
+    server = start_server(lease_ttl=LONG_LEASE)
+    with pytest.raises(KeyboardInterrupt), Client(server.target, name="interrupted") as worker:
+        worker.register({"w": np.zeros(2, np.float32)})
+        raise KeyboardInterrupt
+    with Client(server.target) as observer:
+        assert observer.status().active_workers == 0  # it left: not held until LONG_LEASE
+    assert "worker left" in server.log()

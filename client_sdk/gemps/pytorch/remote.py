@@ -294,9 +294,11 @@ class RemoteModel:
     def close(self) -> None:
         """Wait for a commit in flight, leave the server (and close the connection if this helper
         opened it); the commit's error, if it failed, is raised once the rest is done."""
-        self._close(raise_failure=True)
+        self._close(on_error=False)
 
-    def _close(self, *, raise_failure: bool) -> None:
+    def _close(self, *, on_error: bool) -> None:
+        """Flush, leave and close. `on_error`: the block ends on an error, which a failure here does
+        not replace, and the leave is one attempt (Client.__exit__), not the patience's retries."""
         failure: BaseException | None = None
         try:
             self.flush()
@@ -307,14 +309,16 @@ class RemoteModel:
         try:
             if self._client is None:
                 pass  # a process group's other rank: its leader leaves for the group
+            elif self._owns_client and on_error:
+                self._client.close()  # one attempt to leave (Client.__exit__ on an error)
             elif self._owns_client:
                 self._client.__exit__(None, None, None)
-            else:
+            elif not on_error:  # on an error, the user's own client leaves as its own block says
                 self._client.leave()
         finally:
             self._batches.close()
             self._threads.close()
-        if failure is not None and raise_failure:
+        if failure is not None and not on_error:
             raise failure
         if failure is not None:  # not raised over the error leaving the block, but not kept silent either
             log.warning("the commit in flight failed as the block was left on an error: %s", failure)
@@ -330,7 +334,7 @@ class RemoteModel:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._close(raise_failure=exc_info[0] is None)  # an error already leaving is not replaced
+        self._close(on_error=exc_info[0] is not None)
 
     def _buffer_delta(self) -> Buffers | None:
         """How the buffers changed since last loaded or sent; None when they did not (or there are none)."""
