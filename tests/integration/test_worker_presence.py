@@ -14,6 +14,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,7 +23,7 @@ import torch
 from gemps_cli.main import main as gemps_main
 
 from gemps import Client
-from gemps.pytorch import RemoteModel
+from gemps.pytorch import LocalSteps, RemoteModel, RemoteOptimizer
 from tests.helpers import InProcessServer, stop_process
 from tests.integration.conftest import StartServer, StartServerProcess
 
@@ -132,15 +134,26 @@ def test_a_block_left_on_an_error_does_not_wait_out_the_patience_to_leave(start_
     assert client.retries == 0  # before: every attempt of the 5 s of patience retried
 
 
-def test_a_remote_models_block_left_on_an_error_does_not_wait_out_the_patience_to_leave(
-    start_server: StartServer,
+# gemps.pytorch's wrappers that open their client: each block's error is not held up by leaving.
+WRAPPERS: dict[str, Callable[[torch.nn.Module, str], Any]] = {
+    "RemoteModel": lambda model, target: RemoteModel(model, target, name="failing", patience=5),
+    "RemoteOptimizer": lambda model, target: RemoteOptimizer(model, target, name="failing", patience=5),
+    "LocalSteps": lambda model, target: LocalSteps(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), target, name="failing", patience=5
+    ),
+}
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_torch_wrappers_block_left_on_an_error_does_not_wait_out_the_patience_to_leave(
+    start_server: StartServer, wrapper: str
 ) -> None:
-    """The same through gemps.pytorch.RemoteModel, which opened its client: its error is not held up."""
     server = start_server(lease_ttl=LONG_LEASE)
-    remote = RemoteModel(torch.nn.Linear(3, 2), server.target, name="failing", patience=5)
-    with pytest.raises(RuntimeError, match="the program's own error"), remote:
+    made = WRAPPERS[wrapper](torch.nn.Linear(3, 2), server.target)
+    with pytest.raises(RuntimeError, match="the program's own error"), made:
         server.stop()
         raise RuntimeError("the program's own error")
+    remote: RemoteModel = made if isinstance(made, RemoteModel) else made.remote
     assert remote.client.retries == 0
 
 

@@ -183,8 +183,8 @@ class LocalSteps(torch.optim.Optimizer):
     def __exit__(self, *exc_info: object) -> None:
         if exc_info[0] is None:
             self.close()
-        else:  # an error is leaving: leave without committing a window that may be half-done
-            self.remote.close()
+        else:  # an error is leaving: leave (one attempt) without committing a window that may be half-done
+            self.remote.__exit__(*exc_info)
 
 
 def _check_same_parameters(optimizer: torch.optim.Optimizer, trained: list[torch.nn.Parameter]) -> None:

@@ -109,4 +109,4 @@ class RemoteOptimizer(torch.optim.Optimizer):
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        self.remote.__exit__(*exc_info)  # on an error, one attempt to leave (Client.__exit__)
