@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -19,8 +18,8 @@ from gemps_proto.tensor_codec import INT8_BLOCK, expected_payload_nbytes
 from gemps_worker.datasets import load_digits
 from gemps_worker.modes import AgnMode, EasgdMode
 from gemps_worker.training import StepRecord, WorkerHooks, WorkerOptions, run_worker
-from tests.helpers import InProcessServer, scrape_series, stop_process, wait_for
-from tests.integration.conftest import StartServer, StartServerProcess
+from tests.helpers import InProcessServer, scrape_series, wait_for
+from tests.integration.conftest import StartServer
 
 
 # Local SGD in agn/easgd has no momentum: it gets a larger step than GEM's momentum proxy.
@@ -226,39 +225,6 @@ def test_sigterm_stops_a_worker_waiting_for_an_unreachable_server() -> None:
             worker.kill()
     assert worker.returncode == 0, output
     assert "stopped while retrying" in output and "stopped by signal" in output
-
-
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_second_signal_stops_a_worker_whose_server_hangs_at_once(
-    start_server_process: StartServerProcess, signum: signal.Signals
-) -> None:
-    """The first signal lets the step finish; against a server that hangs (SIGSTOPped: connections
-    open, nothing answered) the step's commit waits for its attempt's timeout (60 s: a user's Ctrl-C
-    took a minute). A second signal ends the worker at once, exit 128 + the signal, leaving in one
-    short attempt (Client.__exit__ on an error)."""
-    server = start_server_process()
-    argv = [sys.executable, "-m", "gemps_cli", "worker", "--server", server.target, "--epochs", "1000", "--name", "w"]
-    worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert worker.stdout is not None
-    seen: list[str] = []
-    try:
-        with gemps.Client(server.target) as observer:
-            wait_for(lambda: observer.status().version >= 5, timeout=60.0)
-        stop_process(server.pid)
-        time.sleep(1.0)  # the worker's commit is waiting on the stopped server now
-        worker.send_signal(signum)
-        for line in worker.stdout:
-            seen.append(line)
-            if "finishing the current step" in line:
-                break
-        worker.send_signal(signum)
-        output, _ = worker.communicate(timeout=20)  # before: the commit's 60-s attempt first
-    finally:
-        os.kill(server.pid, signal.SIGCONT)
-        worker.kill()
-    output = "".join(seen) + output
-    assert worker.returncode == 128 + signum, output
-    assert f"signal {int(signum)} again: stopping now" in output
 
 
 def test_max_seconds_ends_training_after_that_long_whatever_the_epochs(start_server: StartServer) -> None:

@@ -12,16 +12,11 @@ log = logging.getLogger("gemps.worker")
 
 
 def stop_on_signals() -> threading.Event:
-    """SIGTERM/SIGINT set the returned event: the loop finishes its step, then leaves cleanly. A
-    second signal stops at once (SystemExit, 128 + the signal): a step whose server hangs would
-    hold the process until its call's attempt timed out (60 s by default)."""
+    """SIGTERM/SIGINT set the returned event: the loop finishes its step, then leaves cleanly."""
     stop = threading.Event()
 
     def request_stop(signum: int, frame: FrameType | None) -> None:
-        if stop.is_set():
-            log.warning("signal %d again: stopping now", signum)
-            raise SystemExit(128 + signum)  # the SDK's blocks, left on it, leave in one short attempt
-        log.info("signal %d: finishing the current step, then leaving (a second signal stops at once)", signum)
+        log.info("signal %d: finishing the current step, then leaving", signum)
         stop.set()
 
     signal.signal(signal.SIGTERM, request_stop)
