@@ -8,12 +8,12 @@ address and learns the rest from that server.
 
 Every call has a deadline, its `timeout`, which bounds the whole call: its attempts, the waits
 between them, registering again and the data plane's fallbacks. Retries UNAVAILABLE and
-DEADLINE_EXCEEDED with exponential backoff
-and jitter, re-registers transparently when the server has forgotten this worker (lease expiry,
-server restart), never has one commit applied twice (each commit carries a request id that its
-retries reuse; the server deduplicates), and raises typed GempsError subclasses instead of raw
-grpc errors. TLS (optionally with a client certificate) and a bearer token come from arguments
-or from GEMPS_* environment variables, so reference workers in containers need no code.
+DEADLINE_EXCEEDED with exponential backoff and jitter, re-registers transparently when the server
+has forgotten this worker (lease expiry, server restart), never has one commit applied twice (each
+commit carries a request id that its retries reuse; the server deduplicates), and raises typed
+GempsError subclasses instead of raw grpc errors. TLS (optionally with a client certificate) and a
+bearer token come from arguments or GEMPS_* environment variables: reference workers in containers
+need no code.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from gemps.retry import NO_RETRY, Retrier, RetryPolicy, resolve_patience
 from gemps.rounds import RoundWaits, check_pull_wait, longest_hold, waits_for_round
 from gemps.router import PartitionRouter
 from gemps.serialised import serialised
+from gemps.stop_grace import StopGrace
 from gemps.transport import Transport, call_deadline, refuse_non_finite
 from gemps.wire_options import check_wire_options, resolve_plane, resolve_shared_memory
 from gemps_proto import vectors
@@ -110,32 +111,30 @@ class Client:
         metrics_registry: CollectorRegistry | None = None,
         job: str = "",
     ) -> None:
-        """`patience` is how long, in seconds, a call goes on retrying a server that does not
-        answer (down, restarting, failing over, busy) before it raises the last failure, naming
-        this option (default: GEMPS_PATIENCE, else 300 s, which outlasts a server's restart).
-        `timeout` bounds each call as a whole, in seconds (default: `patience` + 60): its
-        attempts, the waits to retry them, registering again and falling back to gRPC all count,
-        and so does waiting for another thread's call of this client; once it is spent the call
-        raises DeadlineExceededError (with the last failure's message), whatever `retry` or
-        `patience` would still allow. `attempt_timeout` bounds each attempt within it (None: the
-        whole `timeout` when given, else 60), so that an attempt a server leaves unanswered (a
-        paused process) is retried while the call has time left. `retry` spaces the retries
-        (and may cap their number). TLS and token arguments left out come
-        from GEMPS_* environment variables (see `ChannelSecurity`); PEM arguments are paths or bytes.
-        Setting `stop` (e.g. from a SIGTERM handler) ends a wait to retry with StoppedError.
+        """`patience` is how long, in seconds, a call goes on retrying a server that does not answer
+        (down, restarting, failing over, busy) before it raises the last failure, naming this option
+        (default: GEMPS_PATIENCE, else 300 s, which outlasts a server's restart). `timeout` bounds each
+        call as a whole, in seconds (default: `patience` + 60): its attempts, the waits to retry them,
+        registering again and falling back to gRPC all count, and so does waiting for another thread's
+        call of this client; once it is spent the call raises DeadlineExceededError (with the last
+        failure's message), whatever `retry` or `patience` would still allow. `attempt_timeout` bounds
+        each attempt within it (None: the whole `timeout` when given, else 60), so that an attempt a
+        server leaves unanswered (a paused process) is retried while the call has time left. `retry`
+        spaces the retries (and may cap their number). TLS and token arguments left out come from
+        GEMPS_* environment variables (see `ChannelSecurity`); PEM arguments are paths or bytes.
+        Setting `stop` (e.g. from a SIGTERM handler) ends a wait to retry with StoppedError, and a call
+        still in flight 10 s later too (gemps.stop_grace: a server that hangs).
 
-        `wire_dtype` is how commits and replies travel: "float32", or "bfloat16" (half the
-        bytes; values rounded to bfloat16 both ways, the central variable stays float32).
-        `compression` sends commits in fewer bytes: "int8" (a quarter of float32's) or "int4"
-        (an eighth), a scale per 256 values, or "topk" (each 256 values' 16 largest in int8: a
-        28th); what the codes round away or leave out is added to the next commit (error
-        feedback, gemps.compression). None: commits in `wire_dtype`.
-        `reply_compression` has commit replies send only what changed: "int8" or "int4" codes of
-        the difference between θ and the copy of θ this client holds, which both ends keep in
-        bfloat16 values and move alike (gemps_proto.reply_differences); θ whole in bfloat16 on
-        the first commit and after a lost reply, a new registration or a failover. What commits
-        return is then that copy. Registrations and pulls still carry θ whole. None: replies in
-        `wire_dtype`.
+        `wire_dtype` is how commits and replies travel: "float32", or "bfloat16" (half the bytes;
+        values rounded to bfloat16 both ways, the central variable stays float32). `compression` sends
+        commits in fewer bytes: "int8" (a quarter of float32's) or "int4" (an eighth), a scale per 256
+        values, or "topk" (each 256 values' 16 largest in int8: a 28th); what the codes round away or
+        leave out is added to the next commit (error feedback, gemps.compression). None: commits in
+        `wire_dtype`. `reply_compression` has commit replies send only what changed: "int8" or "int4"
+        codes of the difference between θ and the copy of θ this client holds, which both ends keep in
+        bfloat16 values and move alike (gemps_proto.reply_differences); θ whole in bfloat16 on the
+        first commit and after a lost reply, a new registration or a failover. What commits return is
+        then that copy. Registrations and pulls still carry θ whole. None: replies in `wire_dtype`.
         `streaming` picks Commit or CommitStream: "auto" streams payloads past 1 MiB in pieces
         of `chunk_bytes`; "always"; "never". With a partitioned server, per partition.
 
@@ -151,8 +150,7 @@ class Client:
         asked again when it stops answering (partitions other than 0 are found again through the
         layout partition 0 announces).
 
-        `connect` opens the transport to the server process at an address (gemps.transport);
-        by default the one `plane` picks, with the options above.
+        `connect` opens the transport to the server process at an address (default: `plane`'s).
 
         `metrics_registry`, a prometheus_client CollectorRegistry: the client's own metrics go
         there (commit latency, θ's bytes sent and received, retries: gemps.metrics).
@@ -205,6 +203,7 @@ class Client:
             job=check_job(job),
         )
         self._retrier.target = self._router.target
+        self._stop_grace = StopGrace(stop, self._router.interrupt, self._calls)
 
     def _connect(self, address: str) -> Transport:
         """The transport to one server process: gRPC, and its data plane unless plane="grpc"."""
@@ -368,6 +367,7 @@ class Client:
         if self.registration is not None:
             with call_deadline(at_exit.EXIT_DEADLINE_SECONDS):
                 self.leave_at_exit()
+        self._stop_grace.close()
         self._router.close()
 
     def __enter__(self) -> Client:

@@ -7,8 +7,8 @@ awaited; a large one's exchanges on a thread per partition), tracks each partiti
 assembles θ from the replies. Buffers live on partition 0.
 
 Partitions can move (restarted on another machine, on fresh ports). When one stops answering, its
-transport (gemps.following) asks the router where it is now: partition 0 through the client's resolver
-(gemps.resolver), any other through the layout partition 0 announces now.
+transport (gemps.following) asks the router where it is now: partition 0 through the client's
+resolver (gemps.resolver), any other through the layout partition 0 announces now.
 """
 
 from __future__ import annotations
@@ -178,8 +178,7 @@ class PartitionRouter:
         if self.registration is None and not self.spec:
             status = self.status()
             if not status.initialized:
-                # Refused here, not by the pull: a worker may initialise θ in between, and a spec
-                # taken from this Status would then not be θ's.
+                # Refused here, not by the pull: a worker may initialise θ in between (the spec then not θ's).
                 raise errors.FailedPreconditionError(
                     "central variable not initialised: no worker has registered yet",
                     reason=Reason.NOT_INITIALIZED,
@@ -279,6 +278,11 @@ class PartitionRouter:
 
     def report_evaluation(self, evaluation: Evaluation) -> None:
         self.sessions[0].report_evaluation(evaluation)
+
+    def interrupt(self) -> None:
+        """End every call in flight, on every server (each fails as unavailable)."""
+        for session in self.sessions:
+            session.link.interrupt()
 
     def close(self) -> None:
         for session in self.sessions:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -14,12 +15,13 @@ import torch
 
 import gemps
 from gemps.pytorch import RemoteModel
+from gemps.stop_grace import STOP_GRACE_SECONDS
 from gemps_proto.tensor_codec import INT8_BLOCK, expected_payload_nbytes
 from gemps_worker.datasets import load_digits
 from gemps_worker.modes import AgnMode, EasgdMode
 from gemps_worker.training import StepRecord, WorkerHooks, WorkerOptions, run_worker
-from tests.helpers import InProcessServer, scrape_series, wait_for
-from tests.integration.conftest import StartServer
+from tests.helpers import InProcessServer, scrape_series, stop_process, wait_for
+from tests.integration.conftest import StartServer, StartServerProcess
 
 
 # Local SGD in agn/easgd has no momentum: it gets a larger step than GEM's momentum proxy.
@@ -225,6 +227,34 @@ def test_sigterm_stops_a_worker_waiting_for_an_unreachable_server() -> None:
             worker.kill()
     assert worker.returncode == 0, output
     assert "stopped while retrying" in output and "stopped by signal" in output
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_a_worker_whose_server_hangs_within_the_grace(
+    start_server_process: StartServerProcess, signum: signal.Signals
+) -> None:
+    """The signal lets the step finish; against a server that hangs (SIGSTOPped: connections open,
+    nothing answered) the step's commit waited for its attempt's timeout, 60 s: a user's Ctrl-C took
+    a minute. The client given the stop ends a call still in flight STOP_GRACE_SECONDS after it was
+    set, and the worker leaves (one short attempt) and ends as stopped."""
+    server = start_server_process()
+    argv = [sys.executable, "-m", "gemps_cli", "worker", "--server", server.target, "--epochs", "1000", "--name", "w"]
+    worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with gemps.Client(server.target) as observer:
+            wait_for(lambda: observer.status().version >= 5, timeout=60.0)
+        stop_process(server.pid)
+        time.sleep(1.0)  # the worker's commit is waiting on the stopped server now
+        signalled = time.monotonic()
+        worker.send_signal(signum)
+        output, _ = worker.communicate(timeout=STOP_GRACE_SECONDS + 25)  # before: the commit's 60-s attempt
+        took = time.monotonic() - signalled
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        worker.kill()
+    assert worker.returncode == 0, output
+    assert "stopped by signal" in output and "ending the call in flight" in output, output
+    assert took >= STOP_GRACE_SECONDS - 1, (took, output)  # the step was given its grace
 
 
 def test_max_seconds_ends_training_after_that_long_whatever_the_epochs(start_server: StartServer) -> None:

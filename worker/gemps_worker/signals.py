@@ -12,7 +12,8 @@ log = logging.getLogger("gemps.worker")
 
 
 def stop_on_signals() -> threading.Event:
-    """SIGTERM/SIGINT set the returned event: the loop finishes its step, then leaves cleanly."""
+    """SIGTERM/SIGINT set the returned event: the loop finishes its step, then leaves cleanly (a
+    client given it ends a call its server leaves hanging 10 s after: gemps.stop_grace)."""
     stop = threading.Event()
 
     def request_stop(signum: int, frame: FrameType | None) -> None:
