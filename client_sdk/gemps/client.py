@@ -157,8 +157,8 @@ class Client:
 
         `job` names the job this worker trains (1-64 of [A-Za-z0-9_-]; the same for all its
         workers): a server whose θ is another job's refuses it from the first registration on, and
-        the first worker's names a new θ. "" (the default): the job of the first server that
-        registers this client, which a replica list holding another job's primary may be (DESIGN §3)."""
+        the first worker's names a new θ. "" (the default): the job most of a replica list holds,
+        else the first server's to register this client (gemps.job_vote; DESIGN §3d)."""
         check_wire_options(wire_dtype, streaming, chunk_bytes, compression, reply_compression)
         self.plane = resolve_plane(plane)
         self.shared_memory = resolve_shared_memory(shared_memory)

@@ -21,6 +21,7 @@ from typing import TypeVar
 from gemps import errors
 from gemps.compression import Compressor
 from gemps.fan_out import FanOut
+from gemps.job_vote import listed_job
 from gemps.primary_watch import PrimaryWatch, ReplicaProbes
 from gemps.records import (
     Buffers,
@@ -138,9 +139,7 @@ class PartitionRouter:
         # client (the ledger's scope), and never one of the 32-hex-digit ids older checkpoints hold.
         self._request_prefix = uuid.uuid4().hex[:16] + "-"
         self._replicas: dict[int, Replicas] = {}  # partitions announced as replica sets, by index
-        # The job whose θ this client trains (gemps_proto.jobs): the one named, else fixed by its
-        # first registration; sent at every registration and checked before a replica is followed.
-        self.job = job
+        self.job = job  # its θ's (gemps_proto.jobs): named, else the list's (gemps.job_vote) or the first server's
 
     @property
     def registration(self) -> Registration | None:
@@ -165,6 +164,7 @@ class PartitionRouter:
         self.registered_with, self.buffers = initial, buffers
         if self.compressor is not None:
             self.compressor.reset()
+        self.job = self.job or listed_job(self.resolver, self._probes)  # sent at every registration, and followed
         self._register_at(0, initial)  # its reply tells the layout, which adds the others
         for index in range(1, len(self.sessions)):
             self._register_at(index, initial)

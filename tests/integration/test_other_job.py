@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -206,3 +208,81 @@ def test_a_worker_that_names_its_job_never_registers_with_another_jobs_primary(
     assert any("other_job" in record.getMessage() or "another job" in record.getMessage() for record in caplog.records)
     with pytest.raises(ValueError, match="job must be"):
         gemps.Client(target, job="not a job")
+
+
+def _lone_other_job(start: StartServerProcess) -> str:
+    """Job B: one server (not replicated) whose θ, of job A's model, a client initialised."""
+    server = start()
+    with gemps.Client(server.target, name="b-owner", timeout=10) as owner:
+        owner.register({"w": np.zeros(PARAMETERS, np.float32)})
+    return server.target
+
+
+def _initialised_pair(start: StartServerProcess, etcd: LocalEtcd, name: str) -> str:
+    """Job A: a replicated pair whose θ one client initialised, once both replicas name its job."""
+    primary, backup, target = primary_and_backup(start, etcd, name)
+    with gemps.Client(target, name="a-owner", timeout=10) as owner:
+        owner.register({"w": np.zeros(PARAMETERS, np.float32)})
+        job = owner.status().job
+    wait_for(lambda: _status(backup).job == job == _status(primary).job, 30, "both replicas to name job A")
+    return target
+
+
+def test_a_worker_naming_no_job_takes_the_job_most_of_its_list_holds(
+    start_server_process: StartServerProcess, etcd: LocalEtcd, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker that names no job, given a list whose first address is another job's server (the
+    same model) and whose other two are its job's replicas: it registered with the first, silently
+    training job B's θ. Now the list is asked first: job A, held at 2 of its 3 addresses, is taken
+    as if named, B refuses the worker (other_job) and its commits land in A's θ."""
+    caplog.set_level(logging.WARNING, logger="gemps.client")
+    theirs = _lone_other_job(start_server_process)
+    ours = _initialised_pair(start_server_process, etcd, "ours-voted")
+    with gemps.Client(f"{theirs}|{ours}", name="a-unnamed", timeout=60) as worker:
+        worker.register({"w": np.zeros(PARAMETERS, np.float32)})
+        assert worker.commit(np.ones(PARAMETERS, np.float32), kind="update").version == 1
+        assert worker.status().job == _status_of(ours).job
+    assert _untouched(theirs, PARAMETERS) == ""
+    assert any(
+        theirs in record.getMessage() and "this worker takes job" in record.getMessage() for record in caplog.records
+    )
+
+
+def test_a_worker_naming_no_job_whose_list_holds_two_jobs_equally_is_refused_naming_them(
+    start_server_process: StartServerProcess, etcd: LocalEtcd
+) -> None:
+    """One address of job B, one of job A: nothing says which is the worker's. It is refused before
+    it registers anywhere (FAILED_PRECONDITION, other_job), the message naming both addresses and
+    how to name the job; job B's θ untouched."""
+    theirs = _lone_other_job(start_server_process)
+    ours = _initialised_pair(start_server_process, etcd, "ours-tied").split("|")[0]
+    worker = gemps.Client(f"{theirs}|{ours}", name="a-unnamed", timeout=30)
+    with worker, pytest.raises(gemps.FailedPreconditionError) as refused:
+        worker.register({"w": np.zeros(PARAMETERS, np.float32)})
+    assert refused.value.reason == gemps.Reason.OTHER_JOB
+    assert theirs in refused.value.message and ours in refused.value.message and "job=" in refused.value.message
+    assert _untouched(theirs, PARAMETERS) == ""
+
+
+def _status_of(target: str) -> gemps.records.ServerStatus:
+    with gemps.Client(target, timeout=10) as client:
+        return client.status()
+
+
+def test_the_reference_worker_names_its_job_and_another_jobs_server_refuses_it(
+    start_server_process: StartServerProcess,
+) -> None:
+    """`gemps worker --job` (GEMPS_JOB): the worker sends its job from its first registration on, so
+    a server whose θ is another job's refuses it, touching nothing (the address is taken for one
+    whose server is gone: the worker ends once its patience is spent, exit 1, naming both jobs); a
+    job that is no job identity is refused before anything is loaded (exit 2)."""
+    theirs = _lone_other_job(start_server_process)
+    command = [sys.executable, "-m", "gemps_cli", "worker", "--server", theirs, "--max-steps", "3", "--patience", "5"]
+    refused = subprocess.run([*command, "--job", "ours-named"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    assert "not job ours-named's" in refused.stderr and "another job" in refused.stderr, refused.stderr[-3000:]
+    assert _untouched(theirs, PARAMETERS) == ""
+    bad = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, env={**os.environ, "GEMPS_JOB": "no job"}
+    )
+    assert bad.returncode == 2 and "job: 'no job' is not a job" in bad.stderr, bad.stderr[-3000:]

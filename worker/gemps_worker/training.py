@@ -23,6 +23,7 @@ from gemps.records import Registration
 from gemps.resolver import Target
 from gemps.retry import DEFAULT_PATIENCE, RetryPolicy
 from gemps.wire_options import PLANES
+from gemps_proto.jobs import MAX_JOB_LENGTH, valid_job
 from gemps_proto.ranges import (
     COUNT,
     COUNT_OR_ZERO,
@@ -126,6 +127,14 @@ class WorkerOptions:
     )
     seed: int = field(default=0, metadata={"help": "seed for this worker's data order", RANGE: Range(0, INT64_MAX)})
     name: str = field(default="", metadata={"help": "worker name shown in server logs"})
+    job: str = field(
+        default="",
+        metadata={
+            "help": "the job this worker trains (1-64 of [A-Za-z0-9_-], the same for all its workers): a server "
+            "holding another job's central variable refuses it ('': the job most of --server's replica list holds, "
+            "else the first server's; docs/guides/replicas.md)"
+        },
+    )
     device: str = field(default="auto", metadata={"help": "torch device: auto (CUDA when present), cpu, cuda"})
     threads: int = field(default=1, metadata={"help": "torch CPU threads for this worker", RANGE: THREADS})
     wire_dtype: str = field(
@@ -180,6 +189,8 @@ class WorkerOptions:
         and options that do not go together (one the mode does not read: gemps_worker.mode_options)."""
         defaults = {option.name: option.default for option in fields(self)}
         found = out_of_range(self) + unread_options(self.mode, asdict(self), defaults)
+        if self.job and not valid_job(self.job):
+            found.append(f"job: {self.job[:80]!r} is not a job: 1-{MAX_JOB_LENGTH} characters of [A-Za-z0-9_-]")
         if self.overlap and self.mode != WorkerMode.GRADIENT.value:
             found.append(
                 f"overlap: mode {self.mode} commits its local steps' update in one call; only mode gradient overlaps "
@@ -292,6 +303,7 @@ def run_worker(
                 plane=options.plane,
                 retry=retry,
                 patience=options.patience,
+                job=options.job,
             ),
             threads=options.threads,  # --threads is the operator's: set as given, never moved
             overlap=options.overlap,
