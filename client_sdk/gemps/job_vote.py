@@ -16,6 +16,9 @@ seed 7). So before that registration every address of the list is asked which jo
 - otherwise (one job among the answers, at no more than half the addresses; no θ anywhere yet;
   no answer) nothing changes: the first registration fixes the job. A list most of whose
   addresses are silent cannot tell a stale address from the job's own: only a named job can.
+
+An observer (a pull before any registration: an evaluator's) takes the list's job so too, and
+passes over a server of another job for the list's next address (`status_of_job`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from gemps import errors
 from gemps.resolver import REPLICA_SEPARATOR, Replicas, Resolver
@@ -78,3 +81,31 @@ def listed_job(resolver: Resolver, probe: Callable[[str], NamesJob]) -> str:
         ", ".join(others), named, describe_job(job), count, len(resolver.addresses), NAMING,
     )  # fmt: skip
     return job
+
+
+S = TypeVar("S", bound=NamesJob)
+
+
+def status_of_job(
+    resolver: Resolver, job: str, status: Callable[[], S], moving_on: Callable[[errors.GempsError], None]
+) -> S:
+    """An observer's first Status (a pull before any registration: an evaluator's), from a server of
+    `job` when one is known: one of another job's (an address another job took) is passed over,
+    `moving_on` told so that the next call goes to the list's next address, once round the list;
+    then FailedPreconditionError (other_job). An observer would otherwise read that job's θ, and
+    report its evaluations there."""
+    for _ in range(len(resolver.addresses) + 1 if isinstance(resolver, Replicas) else 1):
+        found = status()
+        if not job or not found.job or found.job == job:
+            return found
+        passed = errors.ServerUnavailableError(
+            f"a server of the list holds job {describe_job(found.job)}'s central variable, not this client's job "
+            f"{describe_job(job)}: passed over",
+            reason=Reason.OTHER_JOB,
+        )
+        log.warning("%s", passed.message)
+        moving_on(passed)
+    raise errors.FailedPreconditionError(
+        f"no address of {resolver!r} answered with job {describe_job(job)}'s central variable",
+        reason=Reason.OTHER_JOB,
+    )

@@ -21,7 +21,7 @@ from typing import TypeVar
 from gemps import errors
 from gemps.compression import Compressor
 from gemps.fan_out import FanOut
-from gemps.job_vote import listed_job
+from gemps.job_vote import listed_job, status_of_job
 from gemps.primary_watch import PrimaryWatch, ReplicaProbes
 from gemps.records import (
     Buffers,
@@ -175,8 +175,9 @@ class PartitionRouter:
         """The newest central variable from every server (no payload when ours is current);
         unregistered, with the parameter spec and layout from the server's Status. `wait`: how
         long each server may hold its reply while our slice of θ is current (until it moves)."""
-        if self.registration is None and not self.spec:
-            status = self.status()
+        if self.registration is None and not self.spec:  # an observer: from a server of its job (gemps.job_vote)
+            self.job = self.job or listed_job(self.resolver, self._probes)
+            status = status_of_job(self.resolver, self.job, self.status, self.sessions[0].link.suspect)
             if not status.initialized:
                 # Refused here, not by the pull: a worker may initialise θ in between (the spec then not θ's).
                 raise errors.FailedPreconditionError(
@@ -438,12 +439,10 @@ class PartitionRouter:
 
 def _all_or_raise(outcomes: Sequence[T | errors.GempsError]) -> list[T]:
     """Every call's result, or the first failure raised."""
-    results = []
     for outcome in outcomes:
         if isinstance(outcome, errors.GempsError):
             raise outcome
-        results.append(outcome)
-    return results
+    return [outcome for outcome in outcomes if not isinstance(outcome, errors.GempsError)]
 
 
 def _wire_of(encoded: tuple[tuple[int, bytes], Vector] | None) -> tuple[int, bytes] | None:

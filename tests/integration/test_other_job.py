@@ -286,3 +286,22 @@ def test_the_reference_worker_names_its_job_and_another_jobs_server_refuses_it(
         command, capture_output=True, text=True, timeout=120, env={**os.environ, "GEMPS_JOB": "no job"}
     )
     assert bad.returncode == 2 and "job: 'no job' is not a job" in bad.stderr, bad.stderr[-3000:]
+
+
+def test_an_observer_naming_no_job_reads_and_reports_to_the_job_most_of_its_list_holds(
+    start_server_process: StartServerProcess, etcd: LocalEtcd
+) -> None:
+    """An evaluator's client pulls before any registration: given a list whose first address is
+    another job's server (the same model), it read that job's θ and reported its held-out figures
+    there. Now it passes that server over for the job most of its list holds."""
+    theirs = _lone_other_job(start_server_process)
+    ours = _initialised_pair(start_server_process, etcd, "ours-observed")
+    with gemps.Client(ours, name="a-worker", timeout=30) as worker:
+        worker.register({"w": np.zeros(PARAMETERS, np.float32)})
+        worker.commit(np.ones(PARAMETERS, np.float32), kind="update")
+    with gemps.Client(f"{theirs}|{ours}", name="evaluator", timeout=60) as observer:
+        pulled = observer.pull()
+        assert pulled.version == 1 and pulled.flat.min() == 1.0  # job A's θ, one commit of ones
+        observer.report_evaluation(pulled.version, loss=0.5, accuracy=0.9, num_samples=10)
+    assert _status_of(theirs).last_evaluation is None
+    assert _untouched(theirs, PARAMETERS) == ""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from gemps import errors
-from gemps.job_vote import listed_job
+from gemps.job_vote import listed_job, status_of_job
 from gemps.resolver import Replicas, StaticAddress
 from gemps_proto.reasons import Reason
 
@@ -66,3 +66,13 @@ def test_one_address_or_no_list_is_not_asked() -> None:
     assert listed_job(Replicas(["a:1"]), probe) == ""
     assert listed_job(StaticAddress("a:1"), probe) == ""
     assert asked == []
+
+
+def test_an_observer_passes_over_another_jobs_server_once_round_the_list() -> None:
+    answers, passed = [Answer("theirs"), Answer("ours")], list[errors.GempsError]()
+    found = status_of_job(Replicas(["c:1", "a:1"]), "ours", lambda: answers.pop(0), passed.append)
+    assert found == Answer("ours") and len(passed) == 1 and passed[0].reason == Reason.OTHER_JOB
+    assert status_of_job(Replicas(["c:1", "a:1"]), "", lambda: Answer("theirs"), passed.append) == Answer("theirs")
+    with pytest.raises(errors.FailedPreconditionError, match="job ours's"):
+        status_of_job(Replicas(["c:1", "a:1"]), "ours", lambda: Answer("theirs"), passed.append)
+    assert len(passed) == 1 + 3  # the list's two addresses and one more, then refused
