@@ -210,7 +210,7 @@ class ParameterServer:
             metrics_port=self.metrics_port if self.metrics_port else None,
             tls="mutual" if config.tls_client_ca else config.tls,
             auth="token" if self._grpc.authenticates else None,
-            version=self.state.version,
+            version=self.state.core.version,
             checkpoint_dir=config.checkpoint_dir or None,
             partition=f"{config.partition} of {config.partitions}" if config.partitions > 1 else None,
         )
@@ -233,12 +233,12 @@ class ParameterServer:
                 log,
                 "stopped without a final checkpoint",
                 level=logging.ERROR,
-                version=self.state.version,
+                version=self.state.core.version,
                 newest_checkpoint=newest,
-                lost=f"{(newest or 0) + 1}..{self.state.version}",
+                lost=f"{(newest or 0) + 1}..{self.state.core.version}",
             )
             return False
-        event(log, "stopped", version=self.state.version, active=len(self.state.registry))
+        event(log, "stopped", version=self.state.core.version, active=len(self.state.registry))
         return True
 
     async def wait_closed(self) -> None:
@@ -271,16 +271,16 @@ class ParameterServer:
         self.metrics.describe_server(self.config.training)
 
         self.metrics.observe(
-            version=lambda: state.version,
-            parameters=lambda: state.num_parameters,
+            version=lambda: state.core.version,
+            parameters=lambda: state.core.num_parameters,
             # Read at scrape time from another thread: a stale-by-one value is fine for a gauge.
             rule_state_bytes=lambda: state.rule_state_bytes,
             shared_rule_state_bytes=lambda: state.shared_rule_state_bytes,
-            reply_copy_bytes=lambda: state.copies.nbytes,
-            reply_copies_unkept=lambda: state.copies.unkept,
+            reply_copy_bytes=lambda: state.core.copies.nbytes,
+            reply_copies_unkept=lambda: state.core.copies.unkept,
             active_workers=lambda: len(state.registry),
             queue_depth=lambda: self.applier.depth,
-            gradient_noise=lambda: state.noise.estimate,
+            gradient_noise=lambda: state.core.noise.estimate,
             workers=state.registry.listing,  # the stragglers' rankings
         )
 

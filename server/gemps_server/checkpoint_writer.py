@@ -168,7 +168,7 @@ class Checkpointer:
             await self.write()
             if self.failed:
                 await _wait(self._stopping, FAILURE_BACKOFF_SECONDS)
-            elif not self._due_by_count(self._state.version):
+            elif not self._due_by_count(self._state.core.version):
                 self._due.clear()  # set by commits during the write, against the previous checkpoint
                 self._requested = False
 
@@ -176,7 +176,7 @@ class Checkpointer:
         """Write a checkpoint if the version moved since the last one; returns its path."""
         async with self._lock:
             state = self._state
-            if not state.initialized or state.version == self.last_version:
+            if not state.core.initialized or state.core.version == self.last_version:
                 return None
             view = self._view()
             checkpoint = await self._applier.submit(view) if applier_running else view()

@@ -35,7 +35,7 @@ class CheckpointDirectory:
 
     async def start(self) -> None:
         self.restored = self._checkpointer.restore()
-        tune_for(4 * self._state.num_parameters)  # see allocator.py
+        tune_for(4 * self._state.core.num_parameters)  # see allocator.py
 
     async def stop(self, grace: float) -> None:
         self._checkpointer.close()  # after the final checkpoint
@@ -60,7 +60,7 @@ class FinalCheckpoint:
             await self._checkpointer.write_final()
         finally:  # from what was written, whatever failed
             state = self._state
-            self.durable = self._checkpointer.last_version == state.version or not state.initialized
+            self.durable = self._checkpointer.last_version == state.core.version or not state.core.initialized
 
 
 class CheckpointSchedule:

@@ -99,7 +99,7 @@ class ParameterService:
     @property
     def initialized(self) -> bool:
         """Whether θ holds values (the first worker registered, or a checkpoint was restored)."""
-        return self._state.initialized
+        return self._state.core.initialized
 
     def initial_upload_failed(self) -> None:
         """The first worker's upload of θ's initial values broke off (refused, stalled, its client
@@ -125,7 +125,7 @@ class ParameterService:
     @property
     def num_parameters(self) -> int:
         """P held here: the length of θ (this partition's range), 0 before it is initialised."""
-        return self._state.num_parameters
+        return self._state.core.num_parameters
 
     def require_primary(self) -> None:
         """Unavailable (not_primary) unless this replica is its partition's primary (or the
@@ -145,7 +145,7 @@ class ParameterService:
 
     @property
     def version(self) -> int:
-        return self._state.version
+        return self._state.core.version
 
     @property
     def history(self) -> str:
@@ -187,11 +187,11 @@ class ParameterService:
         if (displaced := registered.displaced) is not None:
             self._evicted([displaced], reason="server full; no commit for longer than the lease")
         if registered.initialized_theta:
-            tune_for(4 * state.num_parameters)
+            tune_for(4 * state.core.num_parameters)
             event(
                 log,
                 "central variable initialised",
-                parameters=state.num_parameters,
+                parameters=state.core.num_parameters,
                 tensors=len(state.spec),
                 worker_id=worker.worker_id,
             )
@@ -284,10 +284,10 @@ class ParameterService:
             state.registry.touch(worker_id)
         check_reply_dtype(reply_dtype)
         check_pull_wait(wait)
-        snapshot = state.snapshot
+        snapshot = state.core.snapshot
         changed = not self.unchanged(known_version, snapshot.version)
         if changed:  # the reply carries θ
-            self._metrics.tensor_bytes("sent", reply_dtype, expected_nbytes(reply_dtype, [state.num_parameters]))
+            self._metrics.tensor_bytes("sent", reply_dtype, expected_nbytes(reply_dtype, [state.core.num_parameters]))
         return snapshot, changed and snapshot.data(reply_dtype) is None
 
     async def commit(self, commit: Commit, reply: ReplyWriter[R]) -> tuple[CommitOutcome, R]:
@@ -297,7 +297,7 @@ class ParameterService:
         self._replicas.require_primary()
         apply = functools.partial(self._state.core.commit_and_reply, commit, reply)
         # Small models: applied on the event loop when the applier is idle (see Applier.submit_timed).
-        inline = self._state.num_parameters <= INLINE_MAX_PARAMETERS
+        inline = self._state.core.num_parameters <= INLINE_MAX_PARAMETERS
         timed = await self._applier.submit_timed(apply, inline=inline)
         committed = self._committed(commit, timed)
         await acknowledged(self._replicas, committed[0].position)
@@ -341,7 +341,7 @@ class ParameterService:
         traffic, sent = self._metrics.traffic, outcome.reply_dtype(commit.reply_dtype)  # per commit: no facade
         traffic.tensor_bytes("received", commit.payload.dtype, len(commit.payload.data))
         if not outcome.unchanged:  # else its reply carries no θ
-            traffic.tensor_bytes("sent", sent, expected_payload_nbytes(sent, (self._state.num_parameters,)))
+            traffic.tensor_bytes("sent", sent, expected_payload_nbytes(sent, (self._state.core.num_parameters,)))
         if outcome.duplicate:
             self._metrics.duplicate()
             suppressed = self._rejection_log.allow(("Commit", "duplicate"))
@@ -393,7 +393,7 @@ class ParameterService:
 
     def report_evaluation(self, evaluation: Evaluation) -> None:
         self._replicas.require_primary()
-        check_evaluation(evaluation, self._state.version)
+        check_evaluation(evaluation, self._state.core.version)
         self.last_evaluation = evaluation
         self._metrics.evaluated(evaluation.dataset, evaluation.version, evaluation.loss, evaluation.accuracy)
         event(

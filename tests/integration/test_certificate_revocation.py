@@ -70,7 +70,7 @@ def test_grpc_refuses_a_revoked_client_and_a_new_revocation_on_its_next_call(
     assert "CN=stolen-worker" in error.details() and "revoked" in error.details()
     trailing: dict[str, str] = dict(error.trailing_metadata() or ())
     assert trailing[METADATA_KEY] == "revoked_certificate"
-    assert server.server.state.version == 0 and len(server.server.state.core.registry) == 0  # nothing taken
+    assert server.server.state.core.version == 0 and len(server.server.state.core.registry) == 0  # nothing taken
     channel = tls_channel(server.target, ca.ca.cert, honest)
     stub = pb_grpc.ParameterServerStub(channel)
     assert stub.Status(pb.StatusRequest(), timeout=10) is not None
@@ -113,7 +113,7 @@ def test_the_data_plane_closes_a_revoked_certificate_after_its_handshake(
     with DataPlaneClient(port, tls=client_context(ca.ca, honest)) as client:
         client.hello(reply.worker_id, reply.data_plane.ticket)
         client.commit(reply.worker_id, np.ones(P, np.float32), 0)
-    assert server.server.state.version == 1
+    assert server.server.state.core.version == 1
     with (
         pytest.raises((ssl.SSLError, ConnectionError)),
         DataPlaneClient(port, tls=client_context(ca.ca, stolen)) as bad,

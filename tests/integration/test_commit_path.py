@@ -145,7 +145,7 @@ def one_step(
     torch.manual_seed(0)
     model = torch.nn.Linear(features, 300 if features > 64 else 10)
     with RemoteModel(model, target) as remote:
-        recorder.watch(server_state().rule)
+        recorder.watch(server_state().core.rule)
         model(torch.randn(8, features)).square().mean().backward()
         with sdk:
             remote.step()
@@ -262,7 +262,7 @@ def test_a_replicated_commit_crosses_each_file_once_as_documented(
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 10)
     with RemoteModel(model, primary.target) as remote:
-        recorder.watch(wait_for(lambda: backup.server.state.rule, 30, "the backup replayed the registration"))
+        recorder.watch(wait_for(lambda: backup.server.state.core.rule, 30, "the backup replayed the registration"))
         model(torch.randn(8, 64)).square().mean().backward()
         remote.step()
     assert stacks.waiting is not None and stacks.acknowledged is not None and stacks.following is not None

@@ -129,7 +129,7 @@ def test_the_ledger_is_shared_with_grpc_one_request_id_applies_once(downpour: In
         grpc_commit(stub, reply.worker_id, gradient, 1, request_id="r-2")
         retried = client.commit(reply.worker_id, gradient, 1, request_id="r-2").message(pb.CommitResponse)
         assert isinstance(retried, pb.CommitResponse) and retried.version == 2
-    assert downpour.server.state.commits_applied == 2
+    assert downpour.server.state.core.commits_applied == 2
 
 
 def test_fifo_across_planes_every_commit_applied_once(downpour: InProcessServer) -> None:
@@ -158,7 +158,7 @@ def test_fifo_across_planes_every_commit_applied_once(downpour: InProcessServer)
     for side in versions.values():
         assert len(side) == count and all(a < b for a, b in itertools.pairwise(side))
     assert sorted(versions["data"] + versions["grpc"]) == list(range(1, 2 * count + 1))
-    assert downpour.server.state.commits_applied == 2 * count
+    assert downpour.server.state.core.commits_applied == 2 * count
 
 
 def test_a_nan_payload_is_refused_like_grpc_and_the_connection_stays_usable(downpour: InProcessServer) -> None:
@@ -246,7 +246,7 @@ def test_a_wrong_size_announced_is_refused_unread_and_closed(downpour: InProcess
         assert frame.error is not None and frame.error.reason == Reason.BAD_PAYLOAD.value
         assert client.closed_by_server()
     np.testing.assert_array_equal(grpc_theta(stub)[1], before[1])
-    assert downpour.server.state.version == 0
+    assert downpour.server.state.core.version == 0
 
 
 def test_a_wrong_ticket_is_refused_before_any_payload_is_read(downpour: InProcessServer) -> None:
@@ -271,7 +271,7 @@ def test_a_wrong_ticket_is_refused_before_any_payload_is_read(downpour: InProces
         frame = client.commit(other.worker_id, np.zeros(P, np.float32), 0)
         assert frame.error is not None and frame.error.code == grpc.StatusCode.UNAUTHENTICATED.value[0]
         assert client.closed_by_server()
-    assert downpour.server.state.version == 0
+    assert downpour.server.state.core.version == 0
     series = scrape_series(f"http://127.0.0.1:{downpour.metrics_port}/metrics")
     assert series['gemps_data_plane_refusals_total{reason="unauthenticated"}'] == 3
     assert series['gemps_data_plane_refusals_total{reason="unknown_worker"}'] == 1
@@ -324,7 +324,7 @@ def test_each_partition_announces_its_own_data_plane(start_server: StartServer) 
     (gradient,) = gradients(1)
     start = 0
     for server, reply in zip(servers, replies, strict=True):
-        size = server.server.state.num_parameters
+        size = server.server.state.core.num_parameters
         with connected(reply) as client:
             frame = client.commit(reply.worker_id, gradient[start : start + size], 0)
             np.testing.assert_allclose(

@@ -146,7 +146,7 @@ def test_oversized_header_and_lying_payload_lengths_are_refused_unread(server: I
             frame = client.receive()
             assert frame.op == Op.ERROR, frame_bytes[:24]
             assert client.closed_by_server()
-    assert server.server.state.version == 0
+    assert server.server.state.core.version == 0
     counted = refusals(server)
     assert counted["refused_unread"] == 4 and counted["bad_frame"] == 2
     settled(server, baseline)
@@ -195,7 +195,7 @@ def test_a_slow_sender_is_closed_after_the_stream_timeout(server: InProcessServe
                 continue
         assert answer is not None and answer.error is not None and answer.error.reason == "stream_idle"
     assert refusals(server)["stream_timeout"] == 2
-    assert server.server.state.version == 0
+    assert server.server.state.core.version == 0
     settled(server, baseline)
 
 
@@ -238,5 +238,5 @@ def test_a_client_killed_mid_frame_leaves_nothing(server: InProcessServer) -> No
         client.sock.sendall(whole[:cut])
         client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset
         client.close()
-    assert server.server.state.version == 0
+    assert server.server.state.core.version == 0
     settled(server, baseline)

@@ -202,7 +202,7 @@ def test_descriptors_with_any_other_frame_and_shared_frames_without_memory_are_r
         assert frame.op == Op.ERROR and client.closed_by_server()
     counted = refusals(server)
     assert counted["refused_unread"] == 2 and counted["descriptors"] == 1 and counted["bad_attach"] == 1
-    assert server.server.state.version == 0
+    assert server.server.state.core.version == 0
     wait_for(lambda: passed_fds() <= baseline, timeout=10, what="descriptors closed")
 
 

@@ -109,7 +109,7 @@ def test_slow_uploads_in_progress_do_not_hold_an_honest_workers_commits(start_se
             with Committing(client) as honest:
                 honest.more(50, "50 honest commits while four uploads are in progress", timeout=25)
             assert client.planes == ["data"] and transport_of(client).shared == (route == "shared")
-            assert server.server.state.version == honest.acked  # none of the uploads applied yet
+            assert server.server.state.core.version == honest.acked  # none of the uploads applied yet
         # Each upload's window passes (its pooled buffer was the newcomers' share): two move to the
         # slow lane, two find it full.
         wait_for(lambda: refusals(server).get("slow_upload", 0) == 2, 20, "two uploads refused: slow lane full")
@@ -194,7 +194,7 @@ def test_a_worker_that_fell_back_returns_to_the_data_plane(start_server: StartSe
             wait_for(lambda: client.planes == ["data"] or honest.failures, 20, "the worker back on the data plane")
             honest.more(5, "commits on the data plane again")
             assert transport.returns == 1 and transport.shared == (route == "shared")
-        assert server.server.state.version == honest.acked  # each commit applied once
+        assert server.server.state.core.version == honest.acked  # each commit applied once
     finally:
         holder.close()
     assert refusals(server)["too_many_connections"] >= 1

@@ -54,4 +54,4 @@ def test_mutual_tls_on_the_data_plane(start_server: StartServer, pki: Pki) -> No
         plain.sock.sendall(b"GMDP" + bytes(16))
         assert plain.closed_by_server()
     wait_for(lambda: refusals(server)["tls"] == 3, timeout=10, what="three TLS refusals counted")
-    assert server.server.state.version == 1
+    assert server.server.state.core.version == 1

@@ -77,7 +77,7 @@ def test_commit_stream_replies_with_the_difference_in_pieces(start_server: Start
         for update in updates(4):
             copy = client.commit(update, kind="update").parameters.flat
         assert close_to(copy, reader.pull().flat, block_quantisation.INT8_LEVELS)
-        number, bits = server.server.state.copies.held(client._router.sessions[0].worker_id)  # type: ignore[misc]
+        number, bits = server.server.state.core.copies.held(client._router.sessions[0].worker_id)  # type: ignore[misc]
         assert number == client._router.sessions[0].copy.number
         np.testing.assert_array_equal(whole(copy), bits)
     sent = sent_bytes(server)
@@ -132,13 +132,13 @@ def test_partitions_each_keep_their_copy(start_server: StartServer) -> None:
         assert close_to(copy, reader.pull().flat, block_quantisation.INT4_LEVELS)
         numbers = [session.copy.number for session in client._router.sessions]
         for session, server in zip(client._router.sessions, servers, strict=True):  # each slice's copy: its record
-            number, bits = server.server.state.copies.held(session.worker_id)  # type: ignore[misc]
+            number, bits = server.server.state.core.copies.held(session.worker_id)  # type: ignore[misc]
             assert number == session.copy.number
             np.testing.assert_array_equal(whole(session.flat), bits)
     assert 0 not in numbers and numbers[0] != numbers[1]
     for server in servers:  # each partition: one whole reply of its slice, then int4 differences
         sent = sent_bytes(server)
-        size = server.server.state.num_parameters
+        size = server.server.state.core.num_parameters
         assert sent["bfloat16"] == 2 * size and sent["int4"] == 5 * expected_payload_nbytes(INT4_BLOCK, [size])
 
 
@@ -153,13 +153,13 @@ def test_a_new_primary_answers_whole_then_differences(start_server: StartServer,
         client.register({"w": np.zeros(P, np.float32)})
         for update in updates(3):
             client.commit(update, kind="update")
-        assert len(backup.server.state.copies) == 0
+        assert len(backup.server.state.core.copies) == 0
         primary.stop(grace=1.0)  # resigns: the backup takes over
         for update in updates(3, seed=1):
             copy = client.commit(update, kind="update").parameters.flat
-        theta = backup.server.state.theta_copy()
+        theta = backup.server.state.core.theta_copy()
         assert close_to(copy, theta, block_quantisation.INT8_LEVELS)
-        number, bits = backup.server.state.copies.held(client._router.sessions[0].worker_id)  # type: ignore[misc]
+        number, bits = backup.server.state.core.copies.held(client._router.sessions[0].worker_id)  # type: ignore[misc]
         assert number == client._router.sessions[0].copy.number
         np.testing.assert_array_equal(whole(copy), bits)  # the worker's copy is the new primary's record
     sent = sent_bytes(backup)
@@ -192,7 +192,7 @@ def test_reply_copies_stay_within_the_memory_budget_as_workers_join(start_server
             for client in clients:
                 client.commit(np.full(size, 1e-3, np.float32))
                 assert held_for_workers(server) <= budget
-        assert server.server.state.copies.nbytes == 2 * size  # one copy fits beside 5 workers' state
+        assert server.server.state.core.copies.nbytes == 2 * size  # one copy fits beside 5 workers' state
         for client in clients:  # each worker's θ is the server's, whole or from the copy kept
             copy = client.commit(np.full(size, 1e-3, np.float32)).parameters.flat
             assert close_to(copy, reader.pull().flat, block_quantisation.INT8_LEVELS)

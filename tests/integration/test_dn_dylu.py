@@ -108,7 +108,7 @@ def test_the_options_are_flags_status_lists_them_and_a_checkpoint_restores_the_s
         }  # fmt: skip
     assert gemps_main(["status", "--server", first.target]) == 0
     assert "rule            delayed-nesterov (learning_rate=" in capsys.readouterr().out
-    rule = first.server.state.rule
+    rule = first.server.state.core.rule
     assert rule is not None
     before = {key: value.copy() for key, value in rule.global_state().items()}
     first.stop()
@@ -116,7 +116,7 @@ def test_the_options_are_flags_status_lists_them_and_a_checkpoint_restores_the_s
     assert found is not None and found[1].version == 4
 
     second = start_server(**options)
-    rule = second.server.state.rule
+    rule = second.server.state.core.rule
     assert rule is not None
     restored = rule.global_state()
     assert set(restored) == {"momentum", "buffer", "buffered"} and restored["buffered"] == 1

@@ -109,7 +109,7 @@ def test_an_old_attempt_delivered_after_later_commits_is_refused_and_touches_not
     assert deliver_late(stub, registration, "commit-3", 3) == (grpc.StatusCode.OK, "", 3)
     assert deliver_late(stub, registration, "commit-4", 4) == (grpc.StatusCode.OK, "", 4)
     np.testing.assert_array_equal(theta(stub), np.full(P, 4.0, np.float32))  # θ counts 4 commits
-    assert downpour.server.state.commits_applied == 4
+    assert downpour.server.state.core.commits_applied == 4
 
 
 def test_a_late_attempt_from_before_the_client_registered_again_is_refused(downpour: InProcessServer) -> None:

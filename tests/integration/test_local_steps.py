@@ -36,8 +36,8 @@ def test_the_users_adamw_groups_step_locally_and_their_update_is_committed_every
             optimizer.zero_grad()
             (model(torch.zeros(2, 1, 8, 8)) * 0).sum().backward()  # zero gradients: only the decay moves θ
             optimizer.step(loss=1.0)
-            assert server.server.state.version == step // 4  # a commit after the 4th and the 8th
-        central = server.server.state.theta_copy()
+            assert server.server.state.core.version == step // 4  # a commit after the 4th and the 8th
+        central = server.server.state.core.theta_copy()
         shrink = (1 - 0.1 * 0.5) ** 8  # AdamW's decoupled decay, lr x weight_decay a step, 8 steps
         np.testing.assert_allclose(central[:640], (weight0 * shrink).reshape(-1).numpy(), rtol=1e-5)
         np.testing.assert_allclose(central[640:], bias0.numpy(), rtol=1e-6)  # the no-decay group: untouched
@@ -45,7 +45,7 @@ def test_the_users_adamw_groups_step_locally_and_their_update_is_committed_every
         optimizer.zero_grad()
         (model(torch.zeros(2, 1, 8, 8)) * 0).sum().backward()
         optimizer.step()  # one step of an unfinished window: close() commits it
-    assert server.server.state.version == 3
+    assert server.server.state.core.version == 3
     assert len(inner.state) == 2 and all(s["step"] == 9 for s in inner.state.values())  # Adam's state carried over
 
 
@@ -91,7 +91,7 @@ def test_with_look_ahead_a_window_starts_where_theta_is_headed_and_only_its_step
         gemps.Client(server.target, name="other") as other,
         LocalSteps(model, torch.optim.SGD(model.parameters(), lr=0.1), server.target, steps=1, look_ahead=1.0) as a,
     ):
-        theta0 = server.server.state.theta_copy()
+        theta0 = server.server.state.core.theta_copy()
         other.register({k: v.detach().numpy() for k, v in other_model.named_parameters()})
 
         def a_step() -> torch.Tensor:
@@ -105,13 +105,13 @@ def test_with_look_ahead_a_window_starts_where_theta_is_headed_and_only_its_step
             other.commit(ones, kind="update")
             other.commit(ones, kind="update")
             started = a_step()
-        replied = server.server.state.theta_copy()
+        replied = server.server.state.core.theta_copy()
         np.testing.assert_allclose(replied, theta0 + 4, rtol=1e-6)  # the other's 4 commits, none of A's
         # θ moved 2 in 3 versions; A's commits meet 2 others' each: its window starts 4/3 ahead
         np.testing.assert_allclose(started.numpy(), replied + 4 / 3, rtol=1e-5)
         assert a.last_result is not None and (a.last_result.version, a.last_result.staleness) == (7, 2)
         a_step()  # from the look-ahead start: its update is still 0, θ does not jump
-        np.testing.assert_allclose(server.server.state.theta_copy(), theta0 + 4, rtol=1e-6)
+        np.testing.assert_allclose(server.server.state.core.theta_copy(), theta0 + 4, rtol=1e-6)
 
 
 def test_with_job_betas_the_workers_beta1_follows_the_jobs_commits_per_its_own(start_server: StartServer) -> None:
@@ -176,7 +176,7 @@ def test_the_defaults_are_the_guides_recipe_one_step_a_window_started_ahead(star
             optimizer.zero_grad()
             model(torch.zeros(2, 1, 8, 8)).sum().backward()
             optimizer.step(loss=1.0)
-            assert server.server.state.version == step  # every local step is its window: committed at once
+            assert server.server.state.core.version == step  # every local step is its window: committed at once
 
 
 def test_an_update_commits_result_and_its_staleness_are_the_remote_models_last_result(

@@ -46,7 +46,7 @@ def test_each_step_returns_the_commit_before_it_and_close_waits_for_the_last(ser
         local = torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
         np.testing.assert_array_equal(local, last.parameters.flat)  # the model holds the last reply's θ
         remote.step(loss=backward(model, x, y), num_samples=256)  # in flight when the model closes
-    assert server.server.state.version == 31  # close() waited for it: acknowledged, applied once
+    assert server.server.state.core.version == 31  # close() waited for it: acknowledged, applied once
     # commit t was computed at θ of version t-2: the server counts the step it waited in flight
     assert results[0].staleness == 0 and {r.staleness for r in results[1:]} == {1}
 
@@ -60,7 +60,7 @@ def test_overlapped_training_learns_as_the_waiting_worker_does(start_server: Sta
         model = linear()
         with RemoteOptimizer(model, server.target, overlap=overlap) as optimizer:
             train_steps(model, optimizer, x, y, 150)
-        assert server.server.state.version == 150
+        assert server.server.state.core.version == 150
         accuracy[overlap] = evaluate(model, data.test_x, data.test_y)[1]
     assert accuracy[True] > 0.85 and abs(accuracy[True] - accuracy[False]) < 0.03, accuracy
 
@@ -76,7 +76,8 @@ def test_an_error_of_the_commit_in_flight_is_raised_by_the_next_step(server: InP
         with pytest.raises(gemps.InvalidArgumentError, match=r"NaN|non-finite|finite"):
             remote.step(loss=backward(model, x, y), num_samples=8)  # sent all the same, after the refusal
         remote.step(loss=backward(model, x, y), num_samples=8)  # the worker goes on
-        assert remote.flush() is not None and server.server.state.version == 3  # the refused commit touched nothing
+        # the refused commit touched nothing
+        assert remote.flush() is not None and server.server.state.core.version == 3
 
 
 def test_the_step_that_raises_a_refusal_in_flight_still_sends_its_gradients_and_says_so(
@@ -101,14 +102,14 @@ def test_the_step_that_raises_a_refusal_in_flight_still_sends_its_gradients_and_
         assert isinstance(error, InFlightCommitError) and (error.step, error.base_version, error.sent_step) == (2, 0, 3)
         assert remote.in_flight  # step 3's commit, not dropped
         third = remote.flush()
-        assert third is not None and third.version == 2 == server.server.state.version == remote.version
+        assert third is not None and third.version == 2 == server.server.state.core.version == remote.version
         assert third.staleness == 0  # computed at version 1, applied on it: steps 1 and 3 applied, once each
         backward(model, x, y)
         layer_of(model).weight.grad[0, 0] = float("nan")  # type: ignore[index]
         remote.step(num_samples=8, loss=1.0)  # step 4, refused in flight
         with pytest.raises(InFlightCommitError, match=r"step 4's commit .* failed: .*NaN.*; no later step's gradients"):
             remote.flush()
-    assert server.server.state.version == 2
+    assert server.server.state.core.version == 2
 
 
 def test_the_worker_refuses_overlap_where_its_mode_commits_local_steps() -> None:
@@ -121,6 +122,6 @@ def test_the_reference_worker_overlaps_sends_max_steps_and_reports_the_last(serv
     options = WorkerOptions(server=server.target, overlap=True, max_steps=12, epochs=5, metrics_port=-1)
     summary = run_worker(options, hooks=WorkerHooks(on_step=records.append))
     # --max-steps counts the commit in flight: 12 sent, the last reported once flushed
-    assert server.server.state.version == summary.steps == len(records) == 12
+    assert server.server.state.core.version == summary.steps == len(records) == 12
     assert [r.version for r in records] == list(range(1, 13)) and summary.final_version == 12
     assert records[0].staleness == 0 and all(r.staleness == 1 for r in records[1:])  # one worker, one step late

@@ -88,7 +88,7 @@ def test_a_retried_register_leaves_no_orphan_holding_rule_state(server: InProces
     second = register(stub, "client-a").worker_id  # the first reply was lost: the client retried
     assert first != second
     assert stub.Status(pb.StatusRequest()).active_workers == 1
-    rule = server.server.state.rule
+    rule = server.server.state.core.rule
     assert isinstance(rule, GemRule) and list(rule._workers) == [second]
     with pytest.raises(grpc.RpcError) as refused:
         commit(stub, first, "step-1")

@@ -30,7 +30,7 @@ RULES += [("nesterov", "auto"), ("delayed-nesterov", "auto"), ("adamw", "auto")]
 
 def rule_state(server: InProcessServer) -> dict[str, bytes]:
     """Every float the rule keeps (per worker and global), as bytes."""
-    rule = server.server.state.rule
+    rule = server.server.state.core.rule
     found = {key: value.tobytes() for key, value in rule.global_state().items()} if rule is not None else {}
     if isinstance(rule, GemRule):
         for worker_id, worker in rule._workers.items():
@@ -58,19 +58,19 @@ def test_a_commit_that_would_overflow_theta_is_refused_and_changes_nothing(
     state = server.server.state
     refusal: grpc.RpcError | None = None
     for _ in range(100):  # 3e38 at eta 0.05: a few dozen commits at most before θ would overflow
-        version, theta, kept = state.version, state.theta_copy(), rule_state(server)
+        version, theta, kept = state.core.version, state.core.theta_copy(), rule_state(server)
         try:
             commit(stub, worker_id, version, HUGE, kind)
         except grpc.RpcError as error:
             refusal = error
             break
-        assert np.isfinite(state.theta_copy()).all(), "an accepted commit made θ non-finite"
+        assert np.isfinite(state.core.theta_copy()).all(), "an accepted commit made θ non-finite"
     assert refusal is not None, "every commit was accepted"
     assert refusal.code() == grpc.StatusCode.INVALID_ARGUMENT, refusal.details()
     metadata: Any = refusal.trailing_metadata()
     assert dict(metadata or ())[METADATA_KEY] == "non_finite"
-    assert state.version == version
-    np.testing.assert_array_equal(state.theta_copy(), theta)  # bit for bit
+    assert state.core.version == version
+    np.testing.assert_array_equal(state.core.theta_copy(), theta)  # bit for bit
     assert rule_state(server) == kept
     status = stub.Status(pb.StatusRequest())
     assert status.commits_rejected == 1
@@ -81,8 +81,8 @@ def test_a_commit_that_would_overflow_theta_is_refused_and_changes_nothing(
     # update overflow.
     honest = np.full(NUM_PARAMETERS, 1e-3, np.float32)
     if rule not in ("momentum", "nesterov", "delayed-nesterov"):
-        assert commit(stub, other, state.version, honest, pb.PAYLOAD_KIND_GRADIENT).version == version + 1
-    assert np.isfinite(state.theta_copy()).all()
+        assert commit(stub, other, state.core.version, honest, pb.PAYLOAD_KIND_GRADIENT).version == version + 1
+    assert np.isfinite(state.core.theta_copy()).all()
     # Every checkpoint written loads.
     server.stop()
     for _, path in list_checkpoints(tmp_path):

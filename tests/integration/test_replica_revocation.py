@@ -119,6 +119,6 @@ def test_after_a_failover_a_worker_goes_on_over_tls_where_the_local_socket_does_
         for _ in range(3):
             client.commit(ones, kind="update")
         assert not shared_now(client)
-    assert backup.server.state.version == 4
+    assert backup.server.state.core.version == 4
     refused = sum(count for reason, count in refusals(backup).items() if reason.startswith("unauthenticated"))
     assert refused >= 1 and "did not register at this server" in backup.log()

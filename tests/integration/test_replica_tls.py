@@ -43,7 +43,7 @@ def test_replicas_with_tls_replicate_every_commit_inside_tls(
             for _ in range(4):
                 assert worker.commit(theta, kind="update").version > 0  # acknowledged: both applied it
         wait_replicated([primary, backup])
-        assert primary.server.state.version == backup.server.state.version == 4
+        assert primary.server.state.core.version == backup.server.state.core.version == 4
         assert status_of(backup).applied >= 4
         sent, received = bytes(relay.sent), bytes(relay.received)
     # Past the admission and the door's answer (in clear: a MAC, a nonce, an index, the epoch), a

@@ -147,7 +147,7 @@ def test_nothing_secret_crosses_the_stream_readable(start_server: StartServer, e
     with relayed_pair(start_server, etcd, "wiretap", auth_token=TOKEN) as (relay, (primary, backup)):
         commit_some(primary, 5, token=TOKEN)
         wait_replicated([primary, backup])
-        assert backup.server.state.version == 5  # the stream works through the relay
+        assert backup.server.state.core.version == 5  # the stream works through the relay
         key = ticket_key(primary)
         assert ticket_key(backup) == key  # the backup adopted the primary's key, sealed
         stream = bytes(relay.sent + relay.received)
@@ -215,8 +215,8 @@ def test_a_fake_primary_is_not_followed(start_server: StartServer, etcd: LocalEt
     try:
         backup = start_server(rule="downpour", **replica_options(etcd, 1, job, auth_token=TOKEN))
         # It dials, is not convinced, and dials again: the first seed was read (or refused) by then.
-        wait_for(lambda: fake.served >= 2 or backup.server.state.version > 0, 30, "a second dial")
-        assert backup.server.state.version == 0, "the backup adopted a fake primary's state"
+        wait_for(lambda: fake.served >= 2 or backup.server.state.core.version > 0, 30, "a second dial")
+        assert backup.server.state.core.version == 0, "the backup adopted a fake primary's state"
         assert "seeded" not in backup.log()
         assert TOKEN.encode() not in fake.heard and TEST_REPLICATION_SECRET.encode() not in fake.heard
     finally:

@@ -90,7 +90,7 @@ def commit_until_backup_matches(
     assert not loops.failures, loops.failures
     wait_replicated(servers)
     backup = next(server for server in servers if server is not primary)
-    assert primary.server.state.version == backup.server.state.version == sum(loops.acked)
+    assert primary.server.state.core.version == backup.server.state.core.version == sum(loops.acked)
     assert digest(primary) == digest(backup)
     return backup, loops
 
@@ -136,8 +136,8 @@ def test_a_primary_that_stops_hands_over_and_no_commit_is_lost_or_applied_twice(
     assert status_of(backup).role == PRIMARY
     # Every reply carries the epoch of the primary that acknowledged it: the new one's is later.
     assert after == (status_of(backup).epoch,) and before[0] < after[0]
-    theta = backup.server.state.theta_copy()
-    assert theta.min() == theta.max() == backup.server.state.version == sum(loops.acked) + 2
+    theta = backup.server.state.core.theta_copy()
+    assert theta.min() == theta.max() == backup.server.state.core.version == sum(loops.acked) + 2
 
 
 def replica_process(start: StartServerProcess, etcd: LocalEtcd, index: int, job: str, **options: Any) -> ServerProcess:

@@ -127,7 +127,7 @@ def test_a_peer_under_a_live_backups_name_or_a_name_past_r_minus_1_is_refused(
     assert seen[-1] == [identity(primary), identity(backup)]
     # A line per backup's name every 5 s, and one for every other name together: not one a try.
     assert primary.log().count("backup refused") <= 3
-    assert backup.server.state.version == primary.server.state.version == 5
+    assert backup.server.state.core.version == primary.server.state.core.version == 5
 
 
 def lone_primary(start_server: StartServer, etcd: LocalEtcd, job: str, **options: Any) -> InProcessServer:

@@ -176,7 +176,7 @@ def drop_first_commit_reply(server: InProcessServer, monkeypatch: pytest.MonkeyP
 
     def receive_or_drop(self: DataConnection, op: int) -> tuple[bytes, int]:
         if op == Op.COMMIT and not dropped:
-            wait_for(lambda: server.server.state.version >= 1, 10, "the commit applied")
+            wait_for(lambda: server.server.state.core.version >= 1, 10, "the commit applied")
             self.sock.close()  # its reply (maybe already here) is lost with it
             dropped.append(1)
         return receive(self, op)
@@ -192,7 +192,7 @@ def test_a_commit_is_applied_once_when_its_connection_drops_before_the_reply(
         client.register(model(50))
         result = client.commit(np.ones(50, np.float32))  # dropped, retried with the same request id
         assert drop_first_commit_reply == [1] and client.retries >= 1
-        assert result.version == 1 and server.server.state.version == 1  # applied once
+        assert result.version == 1 and server.server.state.core.version == 1  # applied once
         np.testing.assert_array_equal(result.parameters.flat, client.pull().flat)
         assert client.commit(np.ones(50, np.float32)).version == 2  # on a new connection
         assert client.planes == ["data"]

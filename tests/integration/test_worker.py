@@ -57,7 +57,7 @@ def test_a_worker_with_compressed_commits_and_replies_trains_and_moves_the_codes
     assert last < 0.7 * first, (first, last)
     series = scrape_series(f"http://127.0.0.1:{server.metrics_port}/metrics")
     wire = 'gemps_wire_bytes_total{{direction="{}",encoding="{}"}}'
-    size = server.server.state.num_parameters
+    size = server.server.state.core.num_parameters
     assert series[wire.format("received", "int8")] == 60 * expected_payload_nbytes(INT8_BLOCK, [size])
     assert series[wire.format("sent", "int8")] == 59 * expected_payload_nbytes(INT8_BLOCK, [size])
     assert series[wire.format("sent", "bfloat16")] == 2 * size

@@ -260,12 +260,12 @@ def test_the_versions_of_an_open_round_hold_one_theta_so_a_pull_of_it_carries_no
 
     assert [commit(worker, 0).pending for worker in workers] == [2, 1, 0]  # the third closed round 1 at version 3
     assert not core.same_theta(2, 3) and core.same_theta(3, 3)
-    held = state.theta_copy()
+    held = state.core.theta_copy()
     assert commit(workers[0], 3).pending == 2 and commit(workers[1], 0).pending == 0  # the second: dropped
     assert commit(workers[1], 4).pending == 1
-    np.testing.assert_array_equal(state.theta_copy(), held)
+    np.testing.assert_array_equal(state.core.theta_copy(), held)
     # Versions 3 to 6 hold one θ: a caller holding any of them has the current one.
     assert [core.same_theta(known, 6) for known in range(2, 8)] == [False, True, True, True, True, False]
     assert commit(workers[2], 5).pending == 0  # closes round 2: θ moved at version 7
     assert not core.same_theta(6, 7) and core.same_theta(7, 7)
-    assert not np.array_equal(state.theta_copy(), held)
+    assert not np.array_equal(state.core.theta_copy(), held)

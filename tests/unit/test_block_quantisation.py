@@ -146,9 +146,9 @@ def test_gem_with_compressed_updates_is_gem_on_what_they_decode_to() -> None:
         worker, dtype = workers[step % 3], (INT8_BLOCK, INT4_BLOCK, TOPK_BLOCK)[step // 3 % 3]
         gradient = rng.standard_normal(size).astype(np.float32)
         data = encode_payload(gradient, dtype)
-        state.core.commit_record(Commit(worker, state.version, 1, EncodedTensor(dtype, (size,), data)))
+        state.core.commit_record(Commit(worker, state.core.version, 1, EncodedTensor(dtype, (size,), data)))
         reference.commit(worker, decode_payload(dtype, (size,), data), reference.version)
-    np.testing.assert_allclose(state.theta_copy(), reference.theta, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(state.core.theta_copy(), reference.theta, rtol=2e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [INT8_BLOCK, INT4_BLOCK, TOPK_BLOCK])

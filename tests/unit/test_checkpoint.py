@@ -291,12 +291,12 @@ def test_a_retried_commit_is_applied_once() -> None:
     state = new_state()
     worker = register(state)
     first = state.core.commit_record(Commit(worker, 0, PayloadKind.GRADIENT, gradient(), request_id="r1"))
-    theta = state.theta_copy()
+    theta = state.core.theta_copy()
     again = state.core.commit_record(Commit(worker, 0, PayloadKind.GRADIENT, gradient(), request_id="r1"))
     assert again.duplicate and not first.duplicate
     assert (again.snapshot.version, again.staleness, again.stats) == (1, first.staleness, first.stats)
-    np.testing.assert_array_equal(state.theta_copy(), theta)
-    assert state.commits_applied == 1
+    np.testing.assert_array_equal(state.core.theta_copy(), theta)
+    assert state.core.commits_applied == 1
     # Even from a new registration of the same client (lease expired, server restarted).
     state.leave(worker)
     other = register(state)
@@ -317,8 +317,8 @@ def test_restore_continues_exactly_where_the_checkpoint_was(rule: str) -> None:
     snapshot = images.checkpoint(live)
     restored = new_state(rule)
     assert images.restore(restored, snapshot) == []
-    assert (restored.version, restored.commits_applied) == (3, 3)
-    np.testing.assert_array_equal(restored.theta_copy(), live.theta_copy())
+    assert (restored.core.version, restored.core.commits_applied) == (3, 3)
+    np.testing.assert_array_equal(restored.core.theta_copy(), live.core.theta_copy())
     again = register(restored)  # the same client, registered again
     assert restored.core.commit_record(Commit(again, 0, PayloadKind.GRADIENT, gradient(), request_id="r2")).duplicate
     # The same next commit moves both identically (GEM: a new worker's first commit in both).

@@ -41,7 +41,7 @@ def shared_payload(values: np.ndarray) -> tuple[np.ndarray, EncodedTensor]:
 
 def commit_volatile(state: ServerState, worker_id: str, payload: EncodedTensor, request_id: str) -> None:
     slot, kind = state.registry.slot_of(worker_id), PayloadKind.GRADIENT.value
-    state.core.commit(slot, worker_id, request_id, 0, state.version, kind, payload, FLOAT32, payload_volatile=True)
+    state.core.commit(slot, worker_id, request_id, 0, state.core.version, kind, payload, FLOAT32, payload_volatile=True)
 
 
 @pytest.mark.parametrize("rule", ["gem", "adamw"])
@@ -52,13 +52,13 @@ def test_a_shared_payload_gives_theta_the_bits_a_copied_one_gives(rule: str) -> 
     results = []
     for volatile in (False, True):
         state, worker_id = registered(rule)
-        assert state.rule is not None and state.rule.holds_payload == (native.compiled is not None)
+        assert state.core.rule is not None and state.core.rule.holds_payload == (native.compiled is not None)
         _, payload = shared_payload(gradient)
         slot = state.registry.slot_of(worker_id)
         kind = PayloadKind.GRADIENT.value
         state.core.commit(slot, worker_id, "r1", 1, 0, kind, payload, FLOAT32, payload_volatile=volatile)
-        assert (state.core._landing.size == 0) == state.rule.holds_payload  # read where it lies: never landed
-        results.append(state.theta_copy())
+        assert (state.core._landing.size == 0) == state.core.rule.holds_payload  # read where it lies: never landed
+        results.append(state.core.theta_copy())
     np.testing.assert_array_equal(results[0], results[1])
 
 
@@ -67,7 +67,7 @@ def test_a_shared_payload_is_copied_before_a_journal_records_it() -> None:
     commit changes nothing a backup will replay."""
     state, worker_id = registered()
     journal = Entries()
-    state.journal = journal
+    state.core.journal = journal
     memory, payload = shared_payload(np.full(P, 0.5))
     commit_volatile(state, worker_id, payload, "r1")
     memory[:] = np.nan  # the client scribbles once the reply is out
@@ -85,7 +85,7 @@ def test_a_journalled_shared_payload_is_copied_once_into_a_buffer_its_entry_keep
     state, worker_id = registered()
     state.core.compiled = state.core.compiled if compiled else None
     journal = Entries()
-    state.journal = journal
+    state.core.journal = journal
     memory, payload = shared_payload(np.full(P, 0.5))
     first = Commit(worker_id, 0, PayloadKind.GRADIENT.value, payload, "r1", 1, payload_volatile=True)
     state.core.commit_and_reply(first, lambda outcome, data: None)
@@ -108,11 +108,11 @@ def test_a_rule_that_cannot_hold_a_shared_payload_reads_a_copy() -> None:
     checks and the step see the same values."""
     state, worker_id = registered("downpour")
     _, payload = shared_payload(np.full(P, 2.0))
-    assert not state.rule.holds_payload  # type: ignore[union-attr]
-    before = state.theta_copy()
+    assert not state.core.rule.holds_payload  # type: ignore[union-attr]
+    before = state.core.theta_copy()
     commit_volatile(state, worker_id, payload, "r1")
     assert state.core._landing[:P].tolist() == [2.0] * P  # what the step read: the core's own copy
-    np.testing.assert_allclose(state.theta_copy(), before - 0.05 * 2.0, rtol=1e-6)
+    np.testing.assert_allclose(state.core.theta_copy(), before - 0.05 * 2.0, rtol=1e-6)
 
 
 # -- the compiled core (csrc/core.c) against this module, bit for bit ---------------------------------
@@ -134,7 +134,7 @@ def twin_states(
         state = ServerState(training(rule, **options), WorkerRegistry(8, lease_ttl=60.0, clock=clock), runtime)
         state.core.compiled = state.core.compiled if compiled else None
         if journalled:
-            state.journal = Forwarded()
+            state.core.journal = Forwarded()
         spec = (ParameterSpec("w", (P,)),)
         registered = [
             state.register(f"w{i}", spec, encoded(THETA) if i == 0 else None, client_id=f"c{i}").worker.worker_id
@@ -175,20 +175,20 @@ CLOCKS = {True: Clock(), False: Clock()}  # the compiled twin's, the Python twin
 def held(state: ServerState) -> dict[str, Any]:
     """Everything a commit may change, as bytes and text (the twins' random worker ids named by
     their slots, which registering in the same order makes the same)."""
-    rule = state.rule
+    rule = state.core.rule
     assert rule is not None
     registered = state.registry.export().workers
-    noise = state.noise.export()
+    noise = state.core.noise.export()
     found: dict[str, Any] = {
-        "theta": state.theta_copy().tobytes(),
-        "version": state.version,
-        "commits": state.commits_applied,
+        "theta": state.core.theta_copy().tobytes(),
+        "version": state.core.version,
+        "commits": state.core.commits_applied,
         "bound": repr(rule.theta_bound(state.core.theta)),
         "workers": [
             {name: np.asarray(value).tobytes() for name, value in sorted(rule.worker_state(w.worker_id).items())}
             for w in registered
         ],
-        "ledger": repr(state.ledger.export()),
+        "ledger": repr(state.core.ledger.export()),
         "registry": repr(state.registry.export()),
         "listing": repr(state.registry.listing()),
         "recent": repr(state.registry.recent_commits()),
@@ -229,7 +229,7 @@ def test_the_compiled_core_applies_commits_as_the_python_core_does(noise_window:
     rng = [np.random.default_rng(7), np.random.default_rng(7)]
     handled = 0
     for index in range(60):
-        base = max(0, compiled.version - index % 4)  # stale by 0 to 3
+        base = max(0, compiled.core.version - index % 4)  # stale by 0 to 3
         replies = []
         for side, state in enumerate((compiled, python)):
             memory = np.empty(P, np.float32)
@@ -290,7 +290,7 @@ def test_other_rules_go_through_the_python_core() -> None:
 def journal_of(state: ServerState, ids: list[str]) -> list[Any]:
     """The state's journal entries: a commit as the bytes of the frame a replicated primary
     forwards (commit_frame.frame_of), its worker named by its registration order; others by kind."""
-    journal = state.journal
+    journal = state.core.journal
     assert isinstance(journal, Entries)
     names = {worker_id: f"worker-{index}" for index, worker_id in enumerate(ids)}
     return [
@@ -310,7 +310,7 @@ def test_a_replicated_primary_and_its_backups_run_the_compiled_core() -> None:
     rng = [np.random.default_rng(11), np.random.default_rng(11)]
     handled = 0
     for index in range(40):
-        base = max(0, compiled.version - index % 3)
+        base = max(0, compiled.core.version - index % 3)
         for side, state in enumerate((compiled, python)):
             commit = a_commit(index, ids[side][index % WORKERS], base, rng[side], np.empty(P, np.float32))
             if side == 0:
@@ -322,7 +322,7 @@ def test_a_replicated_primary_and_its_backups_run_the_compiled_core() -> None:
         assert held(compiled) == held(python), f"after commit {index}"
     assert handled >= 35, f"the compiled core applied {handled} of 40"
     assert journal_of(compiled, ids[0]) == journal_of(python, ids[1])
-    journal = compiled.journal
+    journal = compiled.core.journal
     assert isinstance(journal, Entries)
     backups = []
     for core_compiled in (True, False):
@@ -336,7 +336,11 @@ def test_a_replicated_primary_and_its_backups_run_the_compiled_core() -> None:
         backups.append(backup)
     replayed, reference = backups
     assert isinstance(replayed.core.compiled, Counted) and replayed.core.compiled.applied >= 35
-    assert replayed.theta_copy().tobytes() == reference.theta_copy().tobytes() == compiled.theta_copy().tobytes()
+    assert (
+        replayed.core.theta_copy().tobytes()
+        == reference.core.theta_copy().tobytes()
+        == compiled.core.theta_copy().tobytes()
+    )
     assert held(replayed)["workers"] == held(reference)["workers"] == held(compiled)["workers"]
 
 

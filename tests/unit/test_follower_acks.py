@@ -94,7 +94,9 @@ def test_entries_that_arrive_together_are_acknowledged_together(
     rng = np.random.default_rng(5)
     for number in range(5):
         payload = encoded(rng.standard_normal(P).astype(np.float32))
-        outcome = state.core.commit_record(Commit(worker, state.version, PayloadKind.UPDATE, payload, f"r{number}"))
+        outcome = state.core.commit_record(
+            Commit(worker, state.core.version, PayloadKind.UPDATE, payload, f"r{number}")
+        )
         journal.when_replicated(outcome.position, replicated.append)
     release.set()
     wait_for(lambda: replicated == [None] * 5, 10, "the five commits acknowledged")
@@ -103,7 +105,7 @@ def test_entries_that_arrive_together_are_acknowledged_together(
     expected = [last] if every >= 5 else [*range(seeded + every, last + 1, every), last]
     assert entries[: len(expected)] == expected
     assert set(entries[len(expected) :]) <= {last}  # beats answered since: the same position
-    assert backup.theta_copy().tobytes() == state.theta_copy().tobytes()
+    assert backup.core.theta_copy().tobytes() == state.core.theta_copy().tobytes()
     stream.stop()
     journal.close()
     stream.join(10)

@@ -40,7 +40,9 @@ def test_an_idle_backup_replays_on_its_follower_thread_and_a_busy_one_on_its_app
 
     def commit(number: int) -> None:
         payload = encoded(rng.standard_normal(P).astype(np.float32))
-        outcome = state.core.commit_record(Commit(worker, state.version, PayloadKind.UPDATE, payload, f"r{number}"))
+        outcome = state.core.commit_record(
+            Commit(worker, state.core.version, PayloadKind.UPDATE, payload, f"r{number}")
+        )
         journal.when_replicated(outcome.position, replicated.append)
 
     def acknowledged(count: int) -> Callable[[], bool]:
@@ -64,7 +66,7 @@ def test_an_idle_backup_replays_on_its_follower_thread_and_a_busy_one_on_its_app
     wait_for(acknowledged(4), 10, "commit 3 acknowledged")
     assert threads[3] != "gemps-replication-follow"
     assert replicated == [None] * 4
-    assert backup.theta_copy().tobytes() == state.theta_copy().tobytes()
+    assert backup.core.theta_copy().tobytes() == state.core.theta_copy().tobytes()
     stream.stop()
     journal.close()
     stream.join(10)

@@ -57,7 +57,7 @@ def primary(
         attach_within=attach_within,
         min_in_sync=min_in_sync,
     )
-    state.journal = journal
+    state.core.journal = journal
     worker = state.register("w", (ParameterSpec("w", (P,)),), encoded(np.zeros(P, np.float32))).worker.worker_id
     return state, journal, worker
 
@@ -65,7 +65,7 @@ def primary(
 def commit(state: ServerState, worker: str, number: int) -> int:
     payload = encoded(np.ones(P, np.float32))
     outcome = state.core.commit_record(
-        Commit(worker, state.version, PayloadKind.UPDATE, payload, request_id=f"r{number}")
+        Commit(worker, state.core.version, PayloadKind.UPDATE, payload, request_id=f"r{number}")
     )
     return outcome.position
 
@@ -274,7 +274,7 @@ def test_entries_the_socket_cannot_take_at_once_follow_whole_and_in_order(applie
         for number in range(12):
             payload = encoded(np.full(P, number + 1.0, np.float32))
             position = state.core.commit_record(
-                Commit(worker, state.version, PayloadKind.UPDATE, payload, f"r{number}")
+                Commit(worker, state.core.version, PayloadKind.UPDATE, payload, f"r{number}")
             ).position
             journal.when_replicated(position, acknowledged.append)
             positions.append(position)

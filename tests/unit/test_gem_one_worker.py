@@ -78,7 +78,7 @@ def served(
     thetas = []
     for version, g in enumerate(gradients):
         state.core.commit_record(Commit(worker, version, PayloadKind.GRADIENT, encoded(g.astype(np.float32))))
-        thetas.append(state.theta_copy().astype(np.float64))
+        thetas.append(state.core.theta_copy().astype(np.float64))
     return thetas
 
 

@@ -45,7 +45,7 @@ def test_a_server_initialised_by_a_client_of_a_job_takes_that_job() -> None:
 def test_a_backup_replaying_the_journal_and_one_seeded_with_an_image_hold_the_primarys_job() -> None:
     primary, replayed, seeded = (new_state("gem", Clock()) for _ in range(3))
     journal = ListJournal()
-    primary.journal = journal
+    primary.core.journal = journal
     primary.register("a", SPEC, encoded(np.zeros(P, np.float32)))
     replay_all(primary, replayed, journal)
     images.adopt(seeded, image_codec.decode(image_codec.encode(images.take(primary))))
@@ -71,7 +71,7 @@ def test_a_checkpoint_keeps_the_job_and_one_from_before_jobs_becomes_a_job_of_it
 def test_a_journal_entry_naming_no_job_identity_is_refused() -> None:
     state = new_state("downpour", Clock())
     journal = ListJournal()
-    state.journal = journal
+    state.core.journal = journal
     state.register("a", SPEC, encoded(np.zeros(P, np.float32)))
     frame = journal.frames[0]
     joined = {**frame.header["joined"], "job": "a job"}

@@ -79,7 +79,7 @@ def test_a_replayed_journal_gives_the_same_state_bit_for_bit(rule: str) -> None:
     clock = Clock()
     primary, backup = new_state(rule, clock), new_state(rule, Clock())
     journal = ListJournal()
-    primary.journal = journal
+    primary.core.journal = journal
     rng = np.random.default_rng(1)
     initial = rng.standard_normal(P).astype(np.float32)
     first = primary.register(
@@ -93,7 +93,7 @@ def test_a_replayed_journal_gives_the_same_state_bit_for_bit(rule: str) -> None:
         dtype = BFLOAT16 if index % 3 == 0 else 1
         commit = Commit(
             worker_id=workers[index % 2],
-            base_version=max(0, primary.version - index % 4),
+            base_version=max(0, primary.core.version - index % 4),
             kind=PayloadKind.GRADIENT,
             payload=EncodedTensor(dtype, (P,), data),
             request_id=f"r{index}",
@@ -107,19 +107,19 @@ def test_a_replayed_journal_gives_the_same_state_bit_for_bit(rule: str) -> None:
     clock.now = 100.0  # every lease ran out
     assert len(primary.evict_expired()) == 2
     replay_all(primary, backup, journal)
-    assert backup.version == primary.version == 30
-    assert backup.theta_copy().tobytes() == primary.theta_copy().tobytes()
-    assert backup.ledger.entries() == primary.ledger.entries()
+    assert backup.core.version == primary.core.version == 30
+    assert backup.core.theta_copy().tobytes() == primary.core.theta_copy().tobytes()
+    assert backup.core.ledger.entries() == primary.core.ledger.entries()
     assert len(backup.registry) == len(primary.registry) == 0
     assert third.worker.worker_id not in backup.registry
-    assert backup.buffers.integers.tolist() == primary.buffers.integers.tolist() == [30]
+    assert backup.core.buffers.integers.tolist() == primary.core.buffers.integers.tolist() == [30]
 
 
 def test_replay_takes_the_primarys_worker_ids_and_displacements() -> None:
     clock = Clock()
     primary, backup = new_state("downpour", clock, max_workers=2), new_state("downpour", Clock(), max_workers=2)
     journal = ListJournal()
-    primary.journal = journal
+    primary.core.journal = journal
     a = primary.register("a", SPEC, encoded(np.zeros(P, np.float32))).worker.worker_id
     clock.now = 5.0
     b = primary.register("b", SPEC, None).worker.worker_id
@@ -139,7 +139,7 @@ def test_replay_takes_the_primarys_worker_ids_and_displacements() -> None:
 def test_refusals_and_duplicates_are_not_journalled() -> None:
     primary = new_state("downpour", Clock())
     journal = ListJournal()
-    primary.journal = journal
+    primary.core.journal = journal
     worker = primary.register("a", SPEC, encoded(np.zeros(P, np.float32))).worker.worker_id
     commit = Commit(worker, 0, PayloadKind.UPDATE, encoded(np.ones(P, np.float32)), request_id="r1", sequence=1)
     applied = primary.core.commit_record(commit)

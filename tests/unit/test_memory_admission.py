@@ -37,12 +37,12 @@ def new_state(budget: MemoryBudget, clock: Clock | None = None) -> tuple[ServerS
     registry = WorkerRegistry(8, lease_ttl=10.0, clock=clock or Clock())
     state = ServerState(training("gem", learning_rate=0.1), registry, memory=budget)
     journal = Entries()
-    state.journal = journal
+    state.core.journal = journal
     return state, journal
 
 
 def refused(state: ServerState, reason: Reason, client_id: str = "") -> str:
-    initial = None if state.initialized else encoded(THETA)
+    initial = None if state.core.initialized else encoded(THETA)
     with pytest.raises(ResourceExhausted) as refusal:
         state.register("late", SPEC, initial, client_id=client_id)
     assert refusal.value.reason is reason
@@ -51,7 +51,9 @@ def refused(state: ServerState, reason: Reason, client_id: str = "") -> str:
 
 def gradient(state: ServerState, worker_id: str, request_id: str) -> None:
     payload = encoded(np.ones(P, np.float32))
-    state.core.commit_record(Commit(worker_id, state.version, PayloadKind.GRADIENT, payload, request_id=request_id))
+    state.core.commit_record(
+        Commit(worker_id, state.core.version, PayloadKind.GRADIENT, payload, request_id=request_id)
+    )
 
 
 def test_a_registration_past_the_memory_budget_is_refused_and_leaves_nothing() -> None:
@@ -59,7 +61,7 @@ def test_a_registration_past_the_memory_budget_is_refused_and_leaves_nothing() -
     first = state.register("a", SPEC, encoded(THETA)).worker
     second = state.register("b", SPEC, None).worker
     gradient(state, first.worker_id, "1")
-    theta = state.theta_copy()
+    theta = state.core.theta_copy()
     message = refused(state, Reason.MEMORY_BUDGET)
     assert "--memory-budget-mb" in message and "2 MiB (--memory-budget-mb)" in message
     assert len(state.registry) == 2 and state.rule_state_bytes == 2 * MIB
@@ -67,7 +69,7 @@ def test_a_registration_past_the_memory_budget_is_refused_and_leaves_nothing() -
         first.worker_id,
         second.worker_id,
     ]
-    assert np.array_equal(state.theta_copy(), theta) and state.version == 1
+    assert np.array_equal(state.core.theta_copy(), theta) and state.core.version == 1
     gradient(state, second.worker_id, "2")  # the earlier workers are untouched
     state.leave(first.worker_id)
     assert state.register("c", SPEC, None).worker.slot == first.slot  # room again
@@ -90,7 +92,7 @@ def test_a_first_worker_the_budget_cannot_hold_leaves_theta_uninitialised() -> N
     state, journal = new_state(MemoryBudget(probe=lambda: Headroom(0, "a test's probe")))
     message = refused(state, Reason.MEMORY_BUDGET)
     assert "a test's probe" in message
-    assert not state.initialized and state.num_parameters == 0 and not state.spec
+    assert not state.core.initialized and state.core.num_parameters == 0 and not state.spec
     assert len(state.registry) == 0 and journal.entries == []
 
 
@@ -153,7 +155,7 @@ UNDER_A_LIMIT = textwrap.dedent(
     except MemoryError:
         refusal = "MemoryError"
     print(json.dumps({{"refusal": refusal, "admitted": admitted, "registered": len(state.registry),
-                      "rule_workers": len(state.rule._workers), "theta": float(state.core.theta[0])}}))
+                      "rule_workers": len(state.core.rule._workers), "theta": float(state.core.theta[0])}}))
     """
 )
 

@@ -81,8 +81,10 @@ def served(
     worker = state.register("w", [ParameterSpec("w", (size,))], encoded(np.zeros(size, np.float32))).worker
     start, stop = partition.bounds(size)
     for g in gradients:
-        state.core.commit_record(Commit(worker.worker_id, state.version, PayloadKind.GRADIENT, encoded(g[start:stop])))
-    return state.noise.estimate
+        state.core.commit_record(
+            Commit(worker.worker_id, state.core.version, PayloadKind.GRADIENT, encoded(g[start:stop]))
+        )
+    return state.core.noise.estimate
 
 
 @pytest.mark.parametrize(("rule", "kernel"), RULES)
@@ -217,15 +219,15 @@ def test_a_refused_commit_is_not_measured_and_its_window_starts_again(rule: str)
     worker = state.register("w", [ParameterSpec("w", (4,))], encoded(big)).worker.worker_id
 
     def commit(gradient: np.ndarray) -> None:
-        state.core.commit_record(Commit(worker, state.version, PayloadKind.GRADIENT, encoded(gradient)))
+        state.core.commit_record(Commit(worker, state.core.version, PayloadKind.GRADIENT, encoded(gradient)))
 
     commit(np.zeros(4, np.float32))  # the window's first commit
     with pytest.raises(InvalidArgument):  # θ - g would overflow: refused, nothing changed
         commit(-big)
-    assert state.noise.estimate.windows == 0
+    assert state.core.noise.estimate.windows == 0
     commit(np.ones(4, np.float32))  # starts the window again (the refused one may have moved its sum)
     commit(np.ones(4, np.float32) * 3)
-    assert state.noise.estimate.windows == 1
+    assert state.core.noise.estimate.windows == 1
     # One window of g = 1 and 3 at B = BATCH: |G_s|^2 = (4 + 36)/2 = 20, |G_b|^2 = 16 (k = 2).
-    assert state.noise.estimate.gradient_square == pytest.approx(2 * 16 - 20)
-    assert state.noise.estimate.noise_trace == pytest.approx((20 - 16) * 2 * BATCH)
+    assert state.core.noise.estimate.gradient_square == pytest.approx(2 * 16 - 20)
+    assert state.core.noise.estimate.noise_trace == pytest.approx((20 - 16) * 2 * BATCH)

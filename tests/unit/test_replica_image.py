@@ -93,7 +93,7 @@ def seeded(rule: str = "gem", kernel: str = "numpy", seed: int = 1, commits: int
     state.core.commit_record(load.commit(3, 0))  # the fourth commits once and leaves: a departed scope, a free slot
     state.leave(load.workers.pop())
     for index in range(commits):
-        state.core.commit_record(load.commit(index, state.version))
+        state.core.commit_record(load.commit(index, state.core.version))
     return state, load
 
 
@@ -113,7 +113,7 @@ def ledger_bytes(ledger: LedgerImage) -> str:
 
 def noise_bytes(state: ServerState) -> bytes:
     """The noise estimator's state (windows and averages), exactly."""
-    n = state.noise.export()
+    n = state.core.noise.export()
     e = n.estimate
     numbers = [n.scale, n.small, n.inverse_batch, *n.gradient_square, *n.noise_trace]
     numbers += [e.gradient_square, e.noise_trace, e.batch_size, n.stride, n.size, n.count, n.pending, e.windows]
@@ -123,19 +123,19 @@ def noise_bytes(state: ServerState) -> bytes:
 
 def raw(state: ServerState) -> dict[str, bytes | str]:
     """What must be equal between replicas, as bytes (reprs for the ledger: its NaN energies too)."""
-    assert state.rule is not None
+    assert state.core.rule is not None
     image = images.checkpoint(state)
     found: dict[str, bytes | str] = {
-        "theta": state.theta_copy().tobytes(),
+        "theta": state.core.theta_copy().tobytes(),
         "buffers": image.buffers.floats.tobytes() + image.buffers.integers.tobytes(),
-        "ledger": ledger_bytes(state.ledger.export()),
+        "ledger": ledger_bytes(state.core.ledger.export()),
         "workers": repr(state.registry.export()),
-        "counts": repr((state.version, state.commits_applied, state.history)),
+        "counts": repr((state.core.version, state.core.commits_applied, state.history)),
     }
     for worker in state.registry.export().workers:
-        for name, value in state.rule.worker_state(worker.worker_id).items():
+        for name, value in state.core.rule.worker_state(worker.worker_id).items():
             found[f"{worker.worker_id}.{name}"] = value.tobytes()
-    for name, value in state.rule.global_state().items():
+    for name, value in state.core.rule.global_state().items():
         found[f"rule.{name}"] = value.tobytes()
     return found
 
@@ -150,24 +150,24 @@ def test_an_adopted_image_goes_on_bit_for_bit(rule: str, kernel: str) -> None:
     assert raw(backup) == raw(primary)
     assert digest(images.take(backup)) == digest(image)
     if rule == "gem":  # per-worker state came across (and differs between workers)
-        assert primary.rule is not None and backup.rule is not None
-        proxies = [backup.rule.worker_state(worker)["proxy"].tobytes() for worker in load.workers]
+        assert primary.core.rule is not None and backup.core.rule is not None
+        proxies = [backup.core.rule.worker_state(worker)["proxy"].tobytes() for worker in load.workers]
         assert len(set(proxies)) == 3 and b"\x00" * 4 * P not in proxies
     for index in range(20, 30):
-        commit = load.commit(index, primary.version)
+        commit = load.commit(index, primary.core.version)
         a, b = primary.core.commit_record(commit), backup.core.commit_record(commit)
         assert (a.staleness, stats_bytes(a.stats), a.duplicate) == (b.staleness, stats_bytes(b.stats), b.duplicate)
         assert a.snapshot.version == b.snapshot.version
     assert raw(backup) == raw(primary)
     assert digest(images.take(backup)) == digest(images.take(primary))
-    assert noise_bytes(backup) == noise_bytes(primary) and primary.noise.estimate.windows > 3
+    assert noise_bytes(backup) == noise_bytes(primary) and primary.core.noise.estimate.windows > 3
     # The backup recognises a retry of the last commit as the primary would.
     assert load.last is not None
     retried = backup.core.commit_record(load.last)
-    assert retried.duplicate and backup.version == primary.version
+    assert retried.duplicate and backup.core.version == primary.core.version
     assert stats_bytes(retried.stats) == stats_bytes(primary.core.commit_record(load.last).stats)
     # One more commit on one side only: the two differ, and the digest says so.
-    primary.core.commit_record(load.commit(30, primary.version))
+    primary.core.commit_record(load.commit(30, primary.core.version))
     assert raw(backup)["theta"] != raw(primary)["theta"]
     assert digest(images.take(backup)) != digest(images.take(primary))
 
@@ -178,7 +178,7 @@ def test_the_image_is_a_copy_taken_at_its_version() -> None:
     before = digest(image)
     assert image.state is not None and image.noise is not None
     theta, noise = image.state.theta.tobytes(), image.noise.total.tobytes()
-    primary.core.commit_record(load.commit(20, primary.version))
+    primary.core.commit_record(load.commit(20, primary.core.version))
     assert digest(image) == digest(decode(encode(image))) == before  # (the bytes' header order varies)
     assert (image.state.theta.tobytes(), image.noise.total.tobytes()) == (theta, noise)
     assert digest(images.take(primary)) != before
@@ -219,13 +219,18 @@ def test_an_image_of_a_server_nobody_registered_with() -> None:
     assert not decoded.initialized and decoded.history == empty.history
     target, load = seeded()
     images.adopt(target, decoded)
-    assert not target.initialized and target.version == 0 and len(target.registry) == 0 and len(target.ledger) == 0
-    assert target.num_parameters == 0 and target.history == empty.history
+    assert (
+        not target.core.initialized
+        and target.core.version == 0
+        and len(target.registry) == 0
+        and len(target.core.ledger) == 0
+    )
+    assert target.core.num_parameters == 0 and target.history == empty.history
     with pytest.raises(NotFound):
         target.registry.get(load.workers[0])
     again = Workload(5)
     again.register(target)  # initialised again by the first registration, as a fresh server would be
-    assert target.initialized and target.num_parameters == P
+    assert target.core.initialized and target.core.num_parameters == P
 
 
 def test_adopting_replaces_an_initialised_state() -> None:
@@ -235,7 +240,7 @@ def test_adopting_replaces_an_initialised_state() -> None:
     assert raw(target) == raw(primary)
     with pytest.raises(NotFound):
         target.registry.get(old.workers[0])
-    commit = load.commit(20, primary.version)  # the primary's workers carry on with it
+    commit = load.commit(20, primary.core.version)  # the primary's workers carry on with it
     assert stats_bytes(target.core.commit_record(commit).stats) == stats_bytes(primary.core.commit_record(commit).stats)
     # Nothing of the replaced state is served: its snapshot encodings are gone.
     assert target.core.encoded(FLOAT32).data(FLOAT32) == primary.core.encoded(FLOAT32).data(FLOAT32)
@@ -296,7 +301,7 @@ def test_whether_the_noise_batch_was_assumed_crosses_and_an_older_image_reads_as
     num_samples (these do not); an image from before that field reads as none assumed."""
     primary, load = seeded()
     for index in range(21, 27):  # gradients that report no num_samples: at least one whole window of 3
-        primary.core.commit_record(dataclasses.replace(load.commit(index, primary.version), num_samples=None))
+        primary.core.commit_record(dataclasses.replace(load.commit(index, primary.core.version), num_samples=None))
     image = images.take(primary)
     assert image.noise is not None and image.noise.estimate.batch_size_assumed and image.noise.assumed > 0
     crossed = decode(encode(image)).noise
@@ -319,7 +324,7 @@ def test_another_partitions_or_rules_image_is_refused() -> None:
     with pytest.raises(ValueError, match="rule 'gem'"):
         images.adopt(new_state("momentum", partition=half), image)
     images.adopt(new_state(partition=half), image)  # its own partition's
-    assert not other.initialized
+    assert not other.core.initialized
 
 
 def test_an_image_holds_no_rule_state_of_unknown_workers() -> None:
@@ -366,9 +371,9 @@ def test_gem_peaks_of_a_numpy_kernels_image_are_raised_for_the_compiled_kernel()
     primary, load = seeded("gem", "numpy")  # the numpy kernel keeps no bounds: its peaks stay 0
     backup = new_state("gem", "compiled")
     images.adopt(backup, decode(encode(images.take(primary))))
-    assert backup.rule is not None and primary.rule is not None
+    assert backup.core.rule is not None and primary.core.rule is not None
     for worker in load.workers:
-        assert primary.rule.worker_state(worker)["proxy_peak"] == 0.0
-        state = backup.rule.worker_state(worker)
+        assert primary.core.rule.worker_state(worker)["proxy_peak"] == 0.0
+        state = backup.core.rule.worker_state(worker)
         assert state["proxy_peak"] == np.abs(state["proxy"]).max() > 0.0
         assert state["last_seen_peak"] == np.abs(state["last_seen_theta"]).max() > 0.0

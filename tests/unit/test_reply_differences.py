@@ -96,17 +96,17 @@ def test_gem_with_compressed_commits_and_difference_replies_matches_a_float64_re
         worker = workers[rng.integers(len(workers))]
         gradient = (held[worker] - target).astype(np.float32)  # the quadratic's, at the worker's θ
         payload = EncodedTensor(code, (P,), encode_payload(gradient, code))
-        kept = state.copies.held(worker)
+        kept = state.core.copies.held(worker)
         before = None if kept is None else copy_values(kept[1])  # the server's record before this commit
-        commit = Commit(worker, state.version, PayloadKind.GRADIENT.value, payload, request_id=f"c{step}",
+        commit = Commit(worker, state.core.version, PayloadKind.GRADIENT.value, payload, request_id=f"c{step}",
                         reply_dtype=code, held_copy=copies[worker].number)  # fmt: skip
         outcome, data = state.core.commit_and_reply(commit, keep_bytes)
         reference.commit(worker, payload.decode_payload())
-        theta = state.theta_copy()
+        theta = state.core.theta_copy()
         np.testing.assert_allclose(theta, reference.theta, rtol=1e-4, atol=1e-5, err_msg=f"step {step}")
         reply = reply_of(outcome, data)
         held[worker] = copies[worker].took(reply)
-        number, bits = state.copies.held(worker)  # type: ignore[misc]
+        number, bits = state.core.copies.held(worker)  # type: ignore[misc]
         assert copies[worker].number == number
         np.testing.assert_array_equal(whole(held[worker]), bits)  # the same bits on both ends
         if reply.difference_of:
@@ -119,7 +119,7 @@ def test_gem_with_compressed_commits_and_difference_replies_matches_a_float64_re
         else:
             np.testing.assert_array_equal(held[worker], copy_values(whole(theta)))  # θ whole, in bfloat16
     assert differences == 120 - len(workers)  # one whole reply per worker, then differences only
-    loss0, loss = np.mean((theta0 - target) ** 2), np.mean((state.theta_copy() - target) ** 2)
+    loss0, loss = np.mean((theta0 - target) ** 2), np.mean((state.core.theta_copy() - target) ** 2)
     assert loss < 0.05 * loss0  # and the copies train: GEM converges from them
 
 
@@ -136,9 +136,9 @@ def test_a_commit_that_names_another_copy_is_answered_whole_and_starts_a_new_one
     outcome, _ = state.core.commit_and_reply(second, keep_bytes)  # its reply is lost
     assert outcome.reply is not None and outcome.reply.difference_of == number
     outcome, data = state.core.commit_and_reply(second, keep_bytes)  # the retry, naming the copy before
-    assert outcome.duplicate and state.version == 2
+    assert outcome.duplicate and state.core.version == 2
     assert outcome.reply is not None and outcome.reply.dtype == BFLOAT16 and outcome.reply.difference_of == 0
-    assert bytes(data) == whole(state.theta_copy()).tobytes()
+    assert bytes(data) == whole(state.core.theta_copy()).tobytes()
 
 
 def test_leaving_registering_again_or_a_new_image_forgets_the_copies() -> None:
@@ -146,11 +146,11 @@ def test_leaving_registering_again_or_a_new_image_forgets_the_copies() -> None:
     for name in (worker, other):
         commit = Commit(name, 0, PayloadKind.UPDATE.value, encoded(np.zeros(P, np.float32)), reply_dtype=INT8_BLOCK)
         state.core.commit_and_reply(commit, keep_bytes)
-    assert len(state.copies) == 2 and state.copies.nbytes == 2 * 2 * P
+    assert len(state.core.copies) == 2 and state.core.copies.nbytes == 2 * 2 * P
     state.leave(worker)
-    assert state.copies.held(worker) is None and state.copies.nbytes == 2 * P
+    assert state.core.copies.held(worker) is None and state.core.copies.nbytes == 2 * P
     images.adopt(state, images.take(state))  # as a backup takes its primary's image: no copies
-    assert len(state.copies) == 0 and state.copies.nbytes == 0
+    assert len(state.core.copies) == 0 and state.core.copies.nbytes == 0
 
 
 def test_pulls_take_no_difference_codes() -> None:
@@ -204,14 +204,14 @@ def test_a_copy_is_kept_only_where_the_memory_budget_leaves_room_beside_the_rule
         for name in (worker, other)
     }
     first, _ = state.core.commit_and_reply(commits[worker], keep_bytes)
-    assert first.reply is not None and first.reply.copy != 0 and state.copies.nbytes == 2 * P
+    assert first.reply is not None and first.reply.copy != 0 and state.core.copies.nbytes == 2 * P
     second, data = state.core.commit_and_reply(commits[other], keep_bytes)
     assert second.reply is not None and (second.reply.dtype, second.reply.copy) == (BFLOAT16, 0)
-    assert bytes(data) == whole(state.theta_copy()).tobytes()  # θ whole all the same
-    assert state.copies.held(other) is None and state.copies.unkept == 1
+    assert bytes(data) == whole(state.core.theta_copy()).tobytes()  # θ whole all the same
+    assert state.core.copies.held(other) is None and state.core.copies.unkept == 1
     state.leave(worker)  # its rule state and its copy go
     third, _ = state.core.commit_and_reply(dataclasses.replace(commits[other], base_version=2), keep_bytes)
-    assert third.reply is not None and third.reply.copy != 0 and state.copies.held(other) is not None
+    assert third.reply is not None and third.reply.copy != 0 and state.core.copies.held(other) is not None
 
 
 def test_a_registration_drops_the_copies_renewed_longest_ago_that_no_longer_fit() -> None:
@@ -225,10 +225,10 @@ def test_a_registration_drops_the_copies_renewed_longest_ago_that_no_longer_fit(
             worker, version, PayloadKind.UPDATE.value, encoded(np.zeros(P, np.float32)), reply_dtype=INT8_BLOCK
         )
         state.core.commit_and_reply(commit, keep_bytes)
-    assert len(state.copies) == 3 and state.rule_state_bytes + state.copies.nbytes <= state.memory.bytes
+    assert len(state.core.copies) == 3 and state.rule_state_bytes + state.core.copies.nbytes <= state.memory.bytes
     state.register("w3", SPEC, None)
-    assert state.rule_state_bytes + state.copies.nbytes <= state.memory.bytes
-    assert [worker for worker in workers if state.copies.held(worker) is not None] == [workers[0], workers[2]]
+    assert state.rule_state_bytes + state.core.copies.nbytes <= state.memory.bytes
+    assert [worker for worker in workers if state.core.copies.held(worker) is not None] == [workers[0], workers[2]]
 
 
 # -- θ beyond bfloat16's range (issue 61, item 10) ---------------------------------------------------

@@ -78,7 +78,7 @@ def run_random_sequence(params: TrainingConfig, seed: int, steps: int = 300) -> 
         ref.commit(worker, payload, base, is_gradient)
         assert outcome.snapshot.version == ref.version
         assert outcome.staleness == ref.version - 1 - base
-        np.testing.assert_allclose(state.theta_copy(), ref.theta, rtol=RTOL, atol=ATOL, err_msg=f"step {step}")
+        np.testing.assert_allclose(state.core.theta_copy(), ref.theta, rtol=RTOL, atol=ATOL, err_msg=f"step {step}")
         base_versions[worker] = outcome.snapshot.version
 
 
@@ -114,7 +114,7 @@ def test_gem_equals_worker_side_reference_code_rearranged() -> None:
         outcome = state.core.commit_record(Commit(worker, versions[worker], PayloadKind.GRADIENT, encoded(gradient)))
         central = central + workers[worker].scaled_update(central, gradient)
         versions[worker] = outcome.snapshot.version
-        np.testing.assert_allclose(state.theta_copy(), central, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(state.core.theta_copy(), central, rtol=RTOL, atol=ATOL)
 
 
 def test_gem_first_commit_of_a_worker_is_unscaled() -> None:

@@ -184,8 +184,8 @@ def test_the_server_applies_each_commit_with_eta_at_its_version() -> None:
         seen.append(state.learning_rate)
         state.core.commit_record(Commit(worker, version, int(PayloadKind.GRADIENT), encoded(np.ones(3, F32))))
     assert seen == [0.5, 0.5, 0.25, 0.25]
-    np.testing.assert_array_equal(state.theta_copy(), np.full(3, -1.5, F32))
-    assert (state.version, state.learning_rate) == (4, 0.125)
+    np.testing.assert_array_equal(state.core.theta_copy(), np.full(3, -1.5, F32))
+    assert (state.core.version, state.learning_rate) == (4, 0.125)
 
 
 def test_the_momentum_rule_keeps_each_gradients_eta_in_its_velocity() -> None:

@@ -63,7 +63,7 @@ def test_the_reply_is_written_while_theta_holds_the_commits_version() -> None:
     seen: list[tuple[int, int, bytes]] = []
 
     def writer(outcome: CommitOutcome, theta: bytes | memoryview) -> str:
-        seen.append((outcome.snapshot.version, state.version, bytes(theta)))
+        seen.append((outcome.snapshot.version, state.core.version, bytes(theta)))
         return "reply"
 
     gradient = np.full(5, 2.0, np.float32)

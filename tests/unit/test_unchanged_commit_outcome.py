@@ -54,7 +54,7 @@ def test_a_commit_that_joins_the_round_and_holds_its_theta_is_answered_unchanged
     assert not outcome.unchanged and theta == memory.tobytes() and not (memory == SENTINEL).any()
     outcome, memory, theta = committed(state, third, 0, held=True)  # closes the round: θ moved
     assert not outcome.unchanged and outcome.stats.pending == 0
-    np.testing.assert_array_equal(memory, state.theta_copy())
+    np.testing.assert_array_equal(memory, state.core.theta_copy())
     assert theta == memory.tobytes() and not np.array_equal(memory, np.zeros(P, np.float32))
 
 
@@ -64,7 +64,7 @@ def test_a_dropped_gradient_gets_the_rounds_theta_though_it_says_it_holds_its_ow
     committed(state, second, 0, held=True)  # θ moved at version 2
     outcome, memory, _ = committed(state, first, 0, held=True)  # taken on θ of version 0: dropped
     assert outcome.stats.pending == 0 and outcome.stats.kept_theta and not outcome.unchanged
-    np.testing.assert_array_equal(memory, state.theta_copy())
+    np.testing.assert_array_equal(memory, state.core.theta_copy())
     outcome, _, _ = committed(state, first, 2, held=True)  # on θ of the round: joins it
     assert outcome.unchanged and outcome.snapshot.version == 4
 

@@ -90,6 +90,20 @@ class CommitCore:
     # -- reads ---------------------------------------------------------------------------------
 
     @property
+    def initialized(self) -> bool:
+        """Whether θ is initialised (a rule holds it)."""
+        return self.rule is not None
+
+    @property
+    def num_parameters(self) -> int:
+        """P: the values of θ held here (0 until it is initialised)."""
+        return self.theta.size
+
+    def theta_copy(self) -> np.ndarray:
+        """A copy of θ now, the caller's own (θ itself changes with the next commit)."""
+        return self.theta.copy()
+
+    @property
     def snapshot(self) -> Snapshot:
         """The current version's snapshot: the one replies are still sending, if any is (so its
         encodings are shared), else a new one without encodings."""

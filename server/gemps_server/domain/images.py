@@ -35,23 +35,23 @@ def take(state: ServerState, *, workers: bool = True) -> ReplicaImage:
     leave it as it is). `workers` False: without the registered workers and what is theirs
     (their rule state, the noise estimate, the bound on θ), which a checkpoint does not keep and
     whose copy would cost the applier (per-worker state is P-sized per worker)."""
-    rule = state.rule
+    rule = state.core.rule
     if rule is None:
         return ReplicaImage(state.history, state.partition)
     central = StateImage(
-        version=state.version,
-        commits_applied=state.commits_applied,
+        version=state.core.version,
+        commits_applied=state.core.commits_applied,
         spec=state.spec,
-        theta=state.theta_copy(),
+        theta=state.core.theta_copy(),
         rule=state.rule_name,
         rule_state=rule.global_state(workers=workers),
-        buffer_spec=state.buffer_spec,
-        buffers=state.buffers,  # never changed in place: no copy needed
+        buffer_spec=state.core.buffer_spec,
+        buffers=state.core.buffers,  # never changed in place: no copy needed
         partition=state.partition,
         job=state.job,
     )
     if not workers:
-        return ReplicaImage(state.history, state.partition, central, ledger=state.ledger.export())
+        return ReplicaImage(state.history, state.partition, central, ledger=state.core.ledger.export())
     registry = state.registry.export()
     per_worker = {worker.worker_id: rule.worker_state(worker.worker_id) for worker in registry.workers}
     return ReplicaImage(
@@ -60,8 +60,8 @@ def take(state: ServerState, *, workers: bool = True) -> ReplicaImage:
         state=central,
         workers=registry,
         worker_rule_state={worker_id: held for worker_id, held in per_worker.items() if held},
-        ledger=state.ledger.export(),
-        noise=state.noise.export(),
+        ledger=state.core.ledger.export(),
+        noise=state.core.noise.export(),
         theta_bound=state.theta_bound(),
     )
 
@@ -81,7 +81,7 @@ def restore(state: ServerState, image: StateImage) -> list[str]:
 
     Workers are not restored: they register again, with fresh per-worker rule state.
     """
-    if state.rule is not None:
+    if state.core.rule is not None:
         raise RuntimeError("restore() needs a server that is not initialised yet")
     if image.partition != state.partition:
         raise ValueError(f"the checkpoint holds {image.partition}; this server serves {state.partition}")
@@ -95,10 +95,10 @@ def restore(state: ServerState, image: StateImage) -> list[str]:
                 warnings.append(f"rule state not restored: {error}")
         else:
             warnings.append(f"rule state of {image.rule!r} not restored into rule {state.rule_name!r}")
-    state.ledger.restore(dict(image.receipts))  # the ledger of a server not initialised: empty
+    state.core.ledger.restore(dict(image.receipts))  # the ledger of a server not initialised: empty
     if not image.job:  # a checkpoint from before jobs: this θ is a job of its own from now on
         image = dataclasses.replace(image, job=new_job())
-    state.install(_held(image, theta, buffers, rule, state.ledger, state.noise, state.history))
+    state.install(_held(image, theta, buffers, rule, state.core.ledger, state.core.noise, state.history))
     return warnings
 
 

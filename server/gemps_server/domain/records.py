@@ -27,7 +27,7 @@ class Snapshot:
     the first time a reply asks for it (on the applier, while theta holds this version) and then
     shared by every reply of that version. Read from the event loop; written on the applier.
 
-    The state holds the current snapshot weakly (ServerState.snapshot): its encodings live as
+    The commit core holds the current snapshot weakly (CommitCore.snapshot): its encodings live as
     long as a reply that sends them, so an idle server holds no copy of θ beyond θ itself.
 
     `buffers` are the model's buffers at this version (never changed in place; empty for a model

@@ -27,15 +27,13 @@ from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor
 from gemps_server.domain import validation
 from gemps_server.domain.core import CommitCore
 from gemps_server.domain.errors import FailedPrecondition, Unavailable
-from gemps_server.domain.journal import Committed, Departed, Entry, Joined, Journal
-from gemps_server.domain.ledger import CommitLedger
+from gemps_server.domain.journal import Committed, Departed, Entry, Joined
 from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NoiseEstimator
 from gemps_server.domain.records import (
     ALL_OF_THETA,
     Held,
     PartitionOf,
     RegistrationOutcome,
-    Snapshot,
 )
 from gemps_server.domain.room import capacity, check_room, out_of_memory
 from gemps_server.domain.rules import CommitRule, RuleRuntime
@@ -83,59 +81,7 @@ class ServerState:
         noise = NoiseEstimator(noise_window, training.batch_size)
         self.core = CommitCore(registry, noise, self._new_copies(), compiled=compiled_core)
 
-    # -- what the core holds, read (and, for images and replicas, replaced) here -----------------
-
-    @property
-    def rule(self) -> CommitRule | None:
-        return self.core.rule
-
-    @property
-    def ledger(self) -> CommitLedger:
-        return self.core.ledger
-
-    @property
-    def noise(self) -> NoiseEstimator:
-        """The gradient noise scale (noise.py)."""
-        return self.core.noise
-
-    @property
-    def buffer_spec(self) -> tuple[ParameterSpec, ...]:
-        """The buffers' names, shapes and kinds (the core names one in a refusal of its delta)."""
-        return self.core.buffer_spec
-
-    @buffer_spec.setter
-    def buffer_spec(self, buffer_spec: tuple[ParameterSpec, ...]) -> None:
-        self.core.buffer_spec = buffer_spec
-
-    @property
-    def copies(self) -> WorkerCopies:
-        """What difference-reply workers hold of θ (worker_copies.py)."""
-        return self.core.copies
-
-    @property
-    def journal(self) -> Journal:
-        """Where every change is recorded for the replicas (journal.py); none without replicas."""
-        return self.core.journal
-
-    @journal.setter
-    def journal(self, journal: Journal) -> None:
-        self.core.journal = journal
-
-    @property
-    def commits_applied(self) -> int:
-        return self.core.commits_applied
-
-    @property
-    def initialized(self) -> bool:
-        return self.core.rule is not None
-
-    @property
-    def num_parameters(self) -> int:
-        return self.core.theta.size
-
-    @property
-    def version(self) -> int:
-        return self.core.version
+    # -- what the state computes from the core (what the core holds is read there: state.core) ---
 
     @property
     def learning_rate(self) -> float:
@@ -143,22 +89,9 @@ class ServerState:
         return learning_rate_at(self._training, self.core.version)
 
     @property
-    def snapshot(self) -> Snapshot:
-        """The current version's snapshot (CommitCore.snapshot)."""
-        return self.core.snapshot
-
-    @property
-    def buffers(self) -> Buffers:
-        """The central buffers: replaced by commits, never changed in place (no copy needed)."""
-        return self.core.buffers
-
-    def theta_copy(self) -> np.ndarray:
-        return self.core.theta.copy()
-
-    @property
     def worker_state_bytes(self) -> int:
         """Bytes of rule state one registered worker holds (GEM: m_i and s_i; 0 for the others)."""
-        return 0 if self.rule is None else self.rule.worker_state_bytes(self.num_parameters)
+        return 0 if self.core.rule is None else self.core.rule.worker_state_bytes(self.core.num_parameters)
 
     @property
     def rule_state_bytes(self) -> int:
@@ -168,7 +101,7 @@ class ServerState:
     @property
     def shared_rule_state_bytes(self) -> int:
         """Bytes the rule keeps for its workers together (compact GEM's references), outside the budget."""
-        return 0 if self.rule is None else self.rule.shared_state_bytes
+        return 0 if self.core.rule is None else self.core.rule.shared_state_bytes
 
     @property
     def gem_state(self) -> str:
@@ -177,7 +110,7 @@ class ServerState:
 
     def theta_bound(self) -> float | None:
         """The rule's bound on max |θ| (CommitRule.theta_bound: kept for θ itself, not a copy)."""
-        return None if self.rule is None else self.rule.theta_bound(self.core.theta)
+        return None if self.core.rule is None else self.core.rule.theta_bound(self.core.theta)
 
     # -- operations run by the applier --------------------------------------------------------
 
@@ -203,7 +136,7 @@ class ServerState:
         validation.check_job(job)
         validation.check_same_job(self.job, job)
         validation.check_spec(spec, buffer_spec)
-        first = self.rule is None
+        first = self.core.rule is None
         # The worker that initialised theta already holds it: no P-sized encoding for its reply.
         initialized = first and initial is not None
         # Everything a registration allocates (θ for the first, its reply's encoding, the worker's
@@ -214,9 +147,9 @@ class ServerState:
             if first:
                 self._initialize(spec, initial, buffer_spec, initial_buffers, client_id, job)
             else:
-                validation.check_same_spec((self.spec, self.buffer_spec), (spec, buffer_spec))
+                validation.check_same_spec((self.spec, self.core.buffer_spec), (spec, buffer_spec))
             encoded = encode_theta and not initialized
-            snapshot = self.core.encoded(FLOAT32) if encoded else self.core.with_buffers(self.snapshot)
+            snapshot = self.core.encoded(FLOAT32) if encoded else self.core.with_buffers(self.core.snapshot)
             worker, displaced = self._admit(worker_name, client_id, budgeted=True)
         except MemoryError:
             refusal = out_of_memory(self.worker_state_bytes)  # named before a first θ is forgotten
@@ -231,13 +164,13 @@ class ServerState:
             worker.worker_id, worker_name, client_id, spec, buffer_spec, *first_values, displaced_id,
             self.job if first else "",
         )  # fmt: skip
-        self.journal.append(joined)
+        self.core.journal.append(joined)
         return RegistrationOutcome(worker, snapshot, initialized, displaced)
 
     def leave(self, worker_id: str) -> WorkerRecord:
         worker = self.registry.get(worker_id)
         self._forget(worker_id)
-        self.journal.append(Departed((worker_id,)))
+        self.core.journal.append(Departed((worker_id,)))
         return worker
 
     def evict_expired(self) -> list[WorkerRecord]:
@@ -246,7 +179,7 @@ class ServerState:
             evicted.append(self.registry.get(worker_id))
             self._forget(worker_id)
         if evicted:
-            self.journal.append(Departed(tuple(worker.worker_id for worker in evicted)))
+            self.core.journal.append(Departed(tuple(worker.worker_id for worker in evicted)))
         return evicted
 
     def replay(self, entry: Entry) -> None:
@@ -259,7 +192,7 @@ class ServerState:
             for worker_id in entry.worker_ids:
                 self._forget(worker_id)
         else:
-            if self.rule is None:
+            if self.core.rule is None:
                 if entry.initial is None:
                     raise ValueError(f"journal: worker {entry.worker_id} joined before θ was initialised")
                 self._initialize(
@@ -271,7 +204,7 @@ class ServerState:
         """Hold `held` from now on, all of it at once (on the applier: images.py restores and
         adopts through this); no encoding of the θ replaced is served, no initializer is awaited."""
         core = self.core
-        core.rule, core.theta, self.spec, self.buffer_spec = held.rule, held.theta, held.spec, held.buffer_spec
+        core.rule, core.theta, self.spec, core.buffer_spec = held.rule, held.theta, held.spec, held.buffer_spec
         if held.rule is not None:
             held.rule.take_spec(held.spec, held.bounds)
         core.buffers, core.version, core.commits_applied = held.buffers, held.version, held.commits_applied
@@ -292,21 +225,17 @@ class ServerState:
 
     def new_noise(self) -> NoiseEstimator:
         """A fresh noise estimate with this server's window and batch size."""
-        return NoiseEstimator(self.noise.option, self._training.batch_size)
+        return NoiseEstimator(self.core.noise.option, self._training.batch_size)
 
     # -- checks, readable from the event loop ------------------------------------------------
 
     def require_initialized(self) -> CommitRule:
-        if self.rule is None:
-            raise FailedPrecondition(
-                "central variable not initialised: no worker has registered yet", Reason.NOT_INITIALIZED
-            )
-        return self.rule
+        return self.core.require_rule()
 
     def expected_payload_bytes(self, dtype: int, shape: tuple[int, ...]) -> int:
         """Bytes a payload of this dtype and shape must have; InvalidArgument unless it is flat [P]."""
         self.require_initialized()
-        return validation.expected_payload_bytes(dtype, shape, self.num_parameters)
+        return validation.expected_payload_bytes(dtype, shape, self.core.num_parameters)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -323,7 +252,7 @@ class ServerState:
         budget) is full, unless `displaced_id` says which one the primary displaced ("" none);
         the worker and the one displaced. Its rule state is allocated first: a refusal or a
         MemoryError leaves every worker as it was (a replica replays unbudgeted: the primary decided)."""
-        rule = self.rule
+        rule = self.core.rule
         assert rule is not None
         previous = self.registry.of_client(client_id)
         leaving = [previous.worker_id] if previous is not None else []
@@ -347,22 +276,22 @@ class ServerState:
             rule.remove_worker(worker_id)
             raise
         self.core.copies.fit()  # the workers' state comes first: reply copies that no longer fit go
-        self.ledger.activate(worker.scope)
+        self.core.ledger.activate(worker.scope)
         return worker, displaced
 
     def _undo(self, first: bool) -> None:
         """Forget θ again after the first registration failed part-way: nothing else was held before it."""
         if first:  # as _initialize found it (the initializer's grace period untouched)
-            self.core.rule, self.spec, self.buffer_spec, self.bounds, self.job = None, (), (), (0, 0), ""
+            self.core.rule, self.spec, self.core.buffer_spec, self.bounds, self.job = None, (), (), (0, 0), ""
             self.core.theta, self.core.buffers = np.empty(0, dtype=np.float32), Buffers()
             self.core.forget_snapshot()  # no encoding of that θ is served
 
     def _forget(self, worker_id: str) -> None:
         worker = self.registry.remove(worker_id)
         if worker is not None:
-            self.ledger.depart(worker.scope)
-        if self.rule is not None:
-            self.rule.remove_worker(worker_id)
+            self.core.ledger.depart(worker.scope)
+        if self.core.rule is not None:
+            self.core.rule.remove_worker(worker_id)
         self.core.copies.forget(worker_id)
 
     def release_initializer(self) -> None:
@@ -401,8 +330,8 @@ class ServerState:
         buffers = validation.initial_buffers(buffer_spec, initial_buffers, self.partition)
         start, stop = self.partition.bounds(sum(s.size for s in spec))
         self.spec = tuple(spec)
-        self.buffer_spec = tuple(buffer_spec)
         core = self.core
+        core.buffer_spec = tuple(buffer_spec)
         core.buffers = buffers
         core.theta = values.copy()
         core.rule = self.new_rule(core.theta.size)

@@ -167,7 +167,7 @@ class Follower:
                     primary=self.primary,
                     epoch=self.epoch,
                     position=position,
-                    version=self._state.version,
+                    version=self._state.core.version,
                 )
             elif frame.kind == frames.BEAT:
                 pass  # answered with the position applied so far

@@ -109,7 +109,7 @@ class Forwarder:
         self._monitor = threading.Thread(target=self._watch, name="gemps-replication-monitor", daemon=True)
         self._monitor.start()
 
-    # -- the journal (state.journal), on the applier --------------------------------------------
+    # -- the journal (state.core.journal), on the applier ---------------------------------------
 
     def append(self, entry: Entry) -> int:
         with self._lock:

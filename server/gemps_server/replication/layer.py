@@ -147,7 +147,7 @@ class Replicated:
         the two reads cannot pair a new epoch with the old state's version."""
         while True:
             epoch = self._held_epoch()
-            version = self._state.version
+            version = self._state.core.version
             if self._held_epoch() == epoch:
                 return epoch, version
 

@@ -199,8 +199,8 @@ class Replica:
             self._held_epoch = epoch
             self.failovers += 1
         # Worth a warning only when it took over from another primary (not at a job's start).
-        level = logging.WARNING if self._state.version else logging.INFO
-        event(log, "primary", level=level, replica=self.me.name, epoch=epoch, version=self._state.version)
+        level = logging.WARNING if self._state.core.version else logging.INFO
+        event(log, "primary", level=level, replica=self.me.name, epoch=epoch, version=self._state.core.version)
 
     def _alive_in_sync(self) -> list[Peer]:
         """The replicas of the in-sync list this one won with, but itself, that are alive: within
@@ -295,7 +295,7 @@ class Replica:
 
     def _set_journal(self, journal: Forwarder | NoJournal) -> None:
         def swap() -> None:
-            self._state.journal = journal
+            self._state.core.journal = journal
 
         _on_applier(self._applier, swap)
 
