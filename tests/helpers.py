@@ -48,7 +48,10 @@ from tests.reserved_ports import TEST_PORTS
 #: how many xdist workers' shares TEST_PORTS is cut into (more workers wrap around: still distinct
 #: from the ephemeral range, only no longer from each other's)
 PORT_SHARES = 16
-_next_port = itertools.count()
+# Each run walks its share from a place of its own: two pytest sessions on one host (a helper's
+# beside the suite) have the same xdist worker names, and from one start they picked the same
+# numbers in the same order, each taking the other's between pick and bind.
+_next_port = itertools.count(os.getpid())
 
 
 def free_port(*aliases: str) -> int:

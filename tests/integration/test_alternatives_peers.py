@@ -24,9 +24,11 @@ ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = ROOT / "benchmarks/gemps_bench/alternatives/peers/peers.json"
 SYSTEMS: dict[str, dict[str, object]] = json.loads(MANIFEST.read_text())
 WORKERS = 2
-#: seconds each worker runs from its start: importing torch and the peer takes most of the first half
-#: on a loaded 2-core machine
-DEADLINE_S = 90.0
+#: seconds each worker runs from its start (was 90: a fifth of the suite's test time went to these
+#: six runs). At 50, the six run two at a time beside a busy loop on this 2-core host (2026-12-04)
+#: set up in 5-21 s and trained 29-45 s: 132-5,205 steps a worker where 10 are asked, 10-23
+#: snapshots where 2 are. 60 leaves a host at half that speed about 18 s of training.
+DEADLINE_S = 60.0
 #: a peer's own flags for this short run: hivemind's epoch cut from the Quick Start's 10,000 samples
 #: (~150 steps of each of 2 workers, more than the run may make here) so that epochs complete in it
 EXTRA_FLAGS = {"hivemind": ["--target-batch-size", "1280"]}

@@ -335,9 +335,23 @@ def _collect(out: mp.Queue[tuple[str, str, Any]], processes: dict[str, BaseProce
             _check_alive(processes, missing, gone_since)
             continue
         if status != "ok":
-            raise PeerError(f"process {name} failed:\n{payload}")
+            raise PeerError(f"process {name} failed{_killed_beside(processes, name)}:\n{payload}")
         reports[name] = payload
     return reports
+
+
+def _killed_beside(processes: dict[str, BaseProcess], failed: str, wait_s: float = 1.0) -> str:
+    """The others of the run that a signal ended, named: a failure is often only the echo of one
+    (a trainer's SIGABRT in TensorPipe reaches its server as an EOF), and the caller may judge by
+    the cause. Each gets up to `wait_s` to be reaped: its death and the failure arrive together."""
+    give_up = time.monotonic() + wait_s
+    killed = []
+    for other, process in processes.items():
+        if other != failed:
+            process.join(timeout=max(0.0, give_up - time.monotonic()))
+            if process.exitcode is not None and process.exitcode < 0:
+                killed.append(f"{other} exited with code {process.exitcode}")
+    return f" ({', '.join(killed)} meanwhile)" if killed else ""
 
 
 def _check_alive(processes: dict[str, BaseProcess], missing: list[str], gone_since: dict[str, float]) -> None:
