@@ -253,23 +253,29 @@ def test_an_unreachable_data_port_falls_back_to_grpc_with_one_warning(
 ) -> None:
     assert server.server.data_plane is not None
     server.server.data_plane.stop(0)  # still offered at Register; nothing listens there now
-    with caplog.at_level(logging.WARNING, logger="gemps.client"), gemps.Client(server.target) as client:
-        client.register(model(8))
-        for version in (1, 2, 3):
-            assert client.commit(np.ones(8, np.float32)).version == version
-        assert client.pull().version == 3
-        assert client.planes == ["grpc"]
-    warnings = [r.getMessage() for r in caplog.records if "data plane" in r.getMessage()]
-    assert len(warnings) == 1, warnings
-    assert "cannot be used (Connection refused)" in warnings[0]
-    assert f"127.0.0.1:{server.server.data_port}" in warnings[0] and "using gRPC" in warnings[0]
-    with (
-        gemps.Client(
-            server.target, plane="data", retry=gemps.RetryPolicy(max_attempts=2, initial_backoff=0.01)
-        ) as strict,
-        pytest.raises(gemps.ServerUnavailableError, match="data plane"),
-    ):
-        strict.register(model(8))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        # Held bound, not listening: a connection there is refused, and no other test's server is
+        # given the freed port (the other runner's gRPC server was, once, 5 ms later: "it answers in
+        # another protocol"). No SO_REUSEADDR: with it, a gRPC server's bind (which sets it too)
+        # shares a port nobody listens on.
+        holder.bind(("127.0.0.1", server.server.data_port))
+        with caplog.at_level(logging.WARNING, logger="gemps.client"), gemps.Client(server.target) as client:
+            client.register(model(8))
+            for version in (1, 2, 3):
+                assert client.commit(np.ones(8, np.float32)).version == version
+            assert client.pull().version == 3
+            assert client.planes == ["grpc"]
+        warnings = [r.getMessage() for r in caplog.records if "data plane" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert "cannot be used (Connection refused)" in warnings[0]
+        assert f"127.0.0.1:{server.server.data_port}" in warnings[0] and "using gRPC" in warnings[0]
+        with (
+            gemps.Client(
+                server.target, plane="data", retry=gemps.RetryPolicy(max_attempts=2, initial_backoff=0.01)
+            ) as strict,
+            pytest.raises(gemps.ServerUnavailableError, match="data plane"),
+        ):
+            strict.register(model(8))
 
 
 def test_mutual_tls_and_a_token_on_the_data_plane(start_server: StartServer, pki: Pki) -> None:
