@@ -39,9 +39,7 @@ def rendezvous_ports_from_the_suites_band() -> Iterator[None]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("run", "system"), RUNS, ids=["torch-rpc-tcp", "reference-p2p"])
 def test_two_clients_commit_inside_the_window(run: Callable[..., LoadResult], system: str) -> None:
-    result = _again_if_torch_rpc_aborted(
-        lambda: run(10_000, clients=2, duration=2.0, warmup=0.5), system == torch_rpc.SYSTEM_TCP
-    )
+    result = run(10_000, clients=2, duration=2.0, warmup=0.5)  # torch RPC's own aborts: run again by it
 
     assert result.system == system
     assert (result.num_parameters, result.clients, result.seconds) == (10_000, 2, 2.0)
@@ -57,28 +55,16 @@ def test_two_clients_commit_inside_the_window(run: Callable[..., LoadResult], sy
     assert result.notes
 
 
-def _again_if_torch_rpc_aborted(measure: Callable[[], LoadResult], torch_rpc_runs: bool) -> LoadResult:
-    """`measure()`, once more if torch RPC's own process aborted (SIGABRT in TensorPipe, its trainers
-    then EPIPE: 1 of 6 fresh clones' full runs at stop 57, on TCP too; std::bad_alloc in a trainer
-    joining over shared memory, twice in a row, in a fresh clone's full run on 2026-12-01): not the
-    peer's code. Every assertion is kept."""
-    try:
-        return measure()
-    except PeerError as crashed:
-        if not torch_rpc_runs or "exited with code -6" not in str(crashed):
-            raise
-        return measure()
-
-
 # Room for more tries: torch RPC's start-up gather gives up after 60 s when a trainer hangs while
 # joining (once in a full run here, the trainer then aborting in TensorPipe), and the harness then
-# runs the peer again on another port (gemps_bench.peers.common.on_a_free_port); an abort, once more.
+# runs the peer again on another port (gemps_bench.peers.common.on_a_free_port); an abort, once more
+# (common.once_more_if_aborted).
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("peer", PEERS)
 def test_server_applies_gemps_gem_rule(peer: ModuleType) -> None:
     size, seed = 10_000, 3
     config = PeerConfig(size, clients=1, duration=0.5, warmup=0.1, seed=seed, keep_final_theta=True)
-    result = _again_if_torch_rpc_aborted(lambda: peer.measure(config), peer is torch_rpc)
+    result = peer.measure(config)
 
     commits = result.extra["total_commits"][0]
     assert commits > 0

@@ -7,7 +7,7 @@ import os
 import time
 
 import pytest
-from gemps_bench.peers.common import ChildSpec, PeerError, run_processes
+from gemps_bench.peers.common import ChildSpec, PeerError, once_more_if_aborted, run_processes
 
 
 def _abort() -> None:
@@ -36,3 +36,22 @@ def test_a_failure_of_its_own_names_no_other_process() -> None:
     with pytest.raises(PeerError) as failed:
         run_processes(children, timeout=30.0, preload=[])
     assert "process ps failed:\n" in str(failed.value) and "a fault of its own" in str(failed.value)
+
+
+def _ok() -> None:
+    time.sleep(0.1)
+
+
+def test_a_run_whose_process_aborted_runs_once_more_and_says_why() -> None:
+    """A peer's own native abort (TensorPipe's SIGABRT) costs one more run, noted; not a lost cell."""
+    runs: list[list[ChildSpec]] = [[ChildSpec("trainer1", _abort, ())], [ChildSpec("trainer1", _ok, ())]]
+    reports, first = once_more_if_aborted(lambda: run_processes(runs.pop(0), timeout=30.0, preload=[]))
+    assert not runs and set(reports) == {"trainer1"}
+    assert first == "process trainer1 exited with code -6 without reporting"
+
+
+def test_a_run_that_failed_on_its_own_is_not_run_again() -> None:
+    runs: list[list[ChildSpec]] = [[ChildSpec("ps", _fail, ())], [ChildSpec("ps", _ok, ())]]
+    with pytest.raises(PeerError, match="a fault of its own"):
+        once_more_if_aborted(lambda: run_processes(runs.pop(0), timeout=30.0, preload=[]))
+    assert len(runs) == 1

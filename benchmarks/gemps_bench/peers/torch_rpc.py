@@ -58,6 +58,7 @@ from gemps_bench.peers.common import (
     client_gradient,
     commit_loop,
     on_a_free_port,
+    once_more_if_aborted,
     own_peak_rss,
     own_window_cpu,
     run_processes,
@@ -191,7 +192,9 @@ def measure(config: PeerConfig, tcp: bool = False) -> LoadResult:
         ]
         return run_processes(children, config.deadline_seconds(), preload=["torch", "torch.distributed.rpc", __name__])
 
-    reports = on_a_free_port(on)
+    # TensorPipe aborts now and then (SIGABRT, its trainers then EPIPE; std::bad_alloc joining over
+    # shared memory): 1 in about 6 full test runs, in the peers' tests and `gemps bench --quick`.
+    reports, aborted = once_more_if_aborted(lambda: on_a_free_port(on))
     server, clients = reports[PS_NAME]
     transport = "uv transport (TCP) and basic channel only" if tcp else "shm transport and CMA channel on one host"
     notes = (
@@ -201,6 +204,8 @@ def measure(config: PeerConfig, tcp: bool = False) -> LoadResult:
         "the server applies gemps' GEM rule under a threading.Lock (not FIFO; no batching) and replies with a copy "
         "of theta"
     )
+    if aborted is not None:
+        notes += f"; measured on a second run, its first having aborted in torch's own code ({aborted})"
     return build_result(SYSTEM_TCP if tcp else SYSTEM, config, clients, server, notes)
 
 
