@@ -111,9 +111,10 @@ def server_adam(
     warmup: int | None = None,
     workers: int = WORKERS,
     prediction: float = 1.0,
+    stop: int | None = None,
 ) -> list[list[float]]:
     """`single`, `stale:S`, `dc:S`, `mean:K`, `pred:K` and `ddp:K`: one AdamW holds θ; workers hand it
-    gradients. `prediction` is pred:K's share of the move it predicts."""
+    gradients. `prediction` is pred:K's share of the move it predicts; `stop` as local_adam's."""
     central, worker = data.build(), data.build()
     optimizer = data.optimizer_of(central, lr)
     batched = variant in ("mean", "pred", "ddp")  # one step per `amount` gradients
@@ -129,7 +130,7 @@ def server_adam(
     summed: list[torch.Tensor] = []
     mean_square: list[torch.Tensor] = []
     curve = []
-    for step in range(1, steps + 1):
+    for step in range(1, (steps if stop is None else min(stop, steps)) + 1):
         rank = step % world
         at = {"mean": replied[rank], "pred": replied[rank], "ddp": history[-1]}.get(variant, history[0])
         if variant == "pred":
@@ -184,13 +185,15 @@ def local_adam(
     scale: float = 1.0,
     fresh: bool = False,
     dana: bool = False,
+    stop: int | None = None,
 ) -> list[list[float]]:
     """`local:H`: each worker its own AdamW for H steps; the window's update added to θ in full,
     or (`dn:H`, `gem:H`) times `scale` handed to `outer`, the server's rule. `ahead` (`ahead:H`):
     each window starts `ahead` of θ's expected move past the reply, as LocalSteps' look_ahead does
     (its own code, gemps.pytorch.look_ahead); `job_betas` (`job:H`): with each worker's β1 kept to
     the job's pace, as LocalSteps' job_betas does (gemps.pytorch.job_betas). `dana` (`dana:H`): each
-    window starts at DANA's look-ahead (DanaLookAhead). `fresh`: each window starts at the newest θ."""
+    window starts at DANA's look-ahead (DanaLookAhead). `fresh`: each window starts at the newest θ.
+    `stop`: end after this many of the `steps` the schedules are planned for (a read early in a long run)."""
     models = [data.build() for _ in range(workers)]
     optimizers = [data.optimizer_of(model, lr) for model in models]
     # Each worker runs nanoGPT's schedule over its own share of the steps, as its own train.py would.
@@ -206,7 +209,7 @@ def local_adam(
     paces = [JobBetas(job_betas, optimizer.param_groups) for optimizer in optimizers]
     dana_ahead = DanaLookAhead(theta, workers, window) if dana else None
     curve, step, version = [], 0, 0
-    while step < steps:
+    while step < (steps if stop is None else min(stop, steps)):
         for rank, (model, optimizer, schedule) in enumerate(zip(models, optimizers, schedules, strict=True)):
             start = theta if fresh else starts[rank]
             load(model, start)
@@ -287,6 +290,12 @@ def main() -> None:
     parser.add_argument(
         "--weight-decay", type=float, help="AdamW's decay of the groups that decay, instead of the model's (0.1)"
     )
+    parser.add_argument(
+        "--stop-at",
+        type=int,
+        help="end after this many samples of the --samples the schedules plan for (a read early in a long run; "
+        "not for rounds:K and windows:H)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.weight_decay is not None and args.weight_decay < 0:
@@ -302,9 +311,17 @@ def main() -> None:
         parser.error(
             f"--fresh is for windows of local steps (local, ahead, job, dana, dn, as, gem), not {', '.join(held)}"
         )
+    stoppable = ("local", "ahead", "job", "dana", "single", "stale", "dc", "mean", "pred", "ddp")
+    unstoppable = [v for v in args.variants if v.partition(":")[0] not in stoppable]
+    if args.stop_at is not None and (unstoppable or not 0 < args.stop_at <= args.samples):
+        parser.error(
+            f"--stop-at is for {', '.join(stoppable)}, at most --samples: not {args.stop_at} "
+            f"with {' '.join(args.variants)}"
+        )
     torch.set_num_threads(1)
     data = Data(args.model, args.seed, args.beta1, args.beta2, args.schedule, args.batch, args.weight_decay)
     steps = args.samples // data.batch
+    stop = None if args.stop_at is None else args.stop_at // data.batch
     evals = [steps * (i + 1) // args.evaluations for i in range(args.evaluations)]
     results = []
     for variant in args.variants:
@@ -322,6 +339,7 @@ def main() -> None:
                 ahead=factor,
                 job_betas=job,
                 dana=name == "dana",
+                stop=stop,
                 **windows,
             )
         elif name in ("dn", "gem", "as"):
@@ -329,7 +347,9 @@ def main() -> None:
             curve = local_adam(data, int(amount), steps, args.learning_rate, evals, outer, scale=scale, **windows)
         elif name in ("single", "stale", "dc", "mean", "pred", "ddp"):
             amounts = int(amount or 0), steps, args.learning_rate, evals
-            curve = server_adam(data, name, *amounts, args.dc_lambda, args.warmup, args.workers, args.prediction)
+            curve = server_adam(
+                data, name, *amounts, args.dc_lambda, args.warmup, args.workers, args.prediction, stop=stop
+            )
         elif name == "rounds":
             curve = rounds_adam(data, int(amount), steps, args.learning_rate, evals, args.warmup, args.workers)
         elif name == "windows":
@@ -353,6 +373,7 @@ def main() -> None:
             **({} if args.schedule == "cosine" else {"schedule": args.schedule}),
             **({} if args.batch is None else {"batch": args.batch}),
             **({} if args.weight_decay is None else {"weight_decay": args.weight_decay}),
+            **({} if args.stop_at is None else {"stop_at": args.stop_at}),
         }
         if name == "dn":
             settings.update(dn_learning_rate=args.dn_learning_rate, dn_momentum=args.dn_momentum)

@@ -158,6 +158,25 @@ def close(got: list[float], expected: list[float]) -> bool:
     return all(abs(a - b) < 1e-6 * abs(b) for a, b in zip(got, expected, strict=True))
 
 
+def test_a_run_stopped_early_reads_the_long_runs_curve_not_a_short_runs(tmp_path: Path) -> None:
+    """`--stop-at`: the issue's 51,200 samples are read inside a run planned for 204,800; a run that
+    stops there is that run's curve up to there (the schedules planned for the whole run), which a
+    run planned for the short length is not (its cosine ends sooner)."""
+    common = ("--model", "user", "--variants", "ahead:1", "ddp:4", "--workers", "4", "--warmup", "4")
+    whole = replay(tmp_path, "whole", *common, "--samples", "1280")
+    stopped = replay(tmp_path, "stopped", *common, "--samples", "1280", "--stop-at", "640")
+    short = replay(tmp_path, "short", *common, "--samples", "640")
+    assert stopped == {variant: losses[:1] for variant, losses in whole.items()}, (stopped, whole)
+    assert short["ahead:1"] != stopped["ahead:1"] and short["ddp:4"] != stopped["ddp:4"], (short, stopped)
+    refused = subprocess.run(
+        [sys.executable, str(SCRIPT), "--variants", "windows:2", "--samples", "512", "--stop-at", "256"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert refused.returncode == 2 and "--stop-at is for" in refused.stderr and "windows:2" in refused.stderr
+
+
 def test_the_adamw_rules_rounds_are_ddps_computation(tmp_path: Path) -> None:
     """`rounds:K` (scripts/adam_rounds.py): the server's adamw rule, each round's K gradients taken
     on its θ, is DDP's step on their mean. With the comparison's model (Adam, no decay, so both
