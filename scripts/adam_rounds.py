@@ -99,13 +99,15 @@ def rounds_local(
     warmup: int | None,
     workers: int,
     outer: dict[str, float],
+    stop: int | None = None,
 ) -> list[list[float]]:
     """`windows:H`: rounds of the N workers' windows of H local AdamW steps, each from the θ its
     round started at (each worker its own moments, and nanoGPT's schedule over its own share of the
     steps, as LocalSteps' workers run), committed as updates; the rule's round closes at the N-th
     with `outer`'s outer_rate and outer_momentum (DiLoCo's outer Nesterov step on their mean).
     Held-out loss at each round's close once an evaluation point is passed, as [samples, loss]
-    (the middle and the end fall on closes for whole rounds)."""
+    (the middle and the end fall on closes for whole rounds). `stop`: end after that many of the
+    `steps` the schedules plan for."""
     models = [data.build() for _ in range(workers)]
     optimizers = [data.optimizer_of(model, lr) for model in models]
     schedules = [data.schedule_of(o, steps // workers, warmup) for o in optimizers]
@@ -114,7 +116,7 @@ def rounds_local(
     rule = _rule_of(probe, TrainingConfig(rule="adamw", rule_options={"round_size": workers, **outer}))
     theta, step, version = flat(probe).numpy().copy(), 0, 0
     curve: list[list[float]] = []
-    while step < steps:
+    while step < (steps if stop is None else min(stop, steps)):
         start = torch.from_numpy(theta.copy())
         for rank, (model, optimizer, schedule) in enumerate(zip(models, optimizers, schedules, strict=True)):
             load(model, start)

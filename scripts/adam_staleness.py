@@ -294,7 +294,7 @@ def main() -> None:
         "--stop-at",
         type=int,
         help="end after this many samples of the --samples the schedules plan for (a read early in a long run; "
-        "not for rounds:K and windows:H)",
+        "not for rounds:K)",
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -311,7 +311,7 @@ def main() -> None:
         parser.error(
             f"--fresh is for windows of local steps (local, ahead, job, dana, dn, as, gem), not {', '.join(held)}"
         )
-    stoppable = ("local", "ahead", "job", "dana", "single", "stale", "dc", "mean", "pred", "ddp")
+    stoppable = ("local", "ahead", "job", "dana", "single", "stale", "dc", "mean", "pred", "ddp", "windows")
     unstoppable = [v for v in args.variants if v.partition(":")[0] not in stoppable]
     if args.stop_at is not None and (unstoppable or not 0 < args.stop_at <= args.samples):
         parser.error(
@@ -355,7 +355,7 @@ def main() -> None:
         elif name == "windows":
             curve = rounds_local(
                 data, int(amount), steps, args.learning_rate, evals, args.warmup, args.workers,
-                {"outer_rate": args.outer_rate, "outer_momentum": args.outer_momentum},
+                {"outer_rate": args.outer_rate, "outer_momentum": args.outer_momentum}, stop,
             )  # fmt: skip
         else:
             parser.error(

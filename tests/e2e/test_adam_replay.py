@@ -169,12 +169,12 @@ def test_a_run_stopped_early_reads_the_long_runs_curve_not_a_short_runs(tmp_path
     assert stopped == {variant: losses[:1] for variant, losses in whole.items()}, (stopped, whole)
     assert short["ahead:1"] != stopped["ahead:1"] and short["ddp:4"] != stopped["ddp:4"], (short, stopped)
     refused = subprocess.run(
-        [sys.executable, str(SCRIPT), "--variants", "windows:2", "--samples", "512", "--stop-at", "256"],
+        [sys.executable, str(SCRIPT), "--variants", "rounds:2", "--samples", "512", "--stop-at", "256"],
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert refused.returncode == 2 and "--stop-at is for" in refused.stderr and "windows:2" in refused.stderr
+    assert refused.returncode == 2 and "--stop-at is for" in refused.stderr and "rounds:2" in refused.stderr
 
 
 def test_the_adamw_rules_rounds_are_ddps_computation(tmp_path: Path) -> None:
