@@ -116,7 +116,7 @@ def rounds_local(
     rule = _rule_of(probe, TrainingConfig(rule="adamw", rule_options={"round_size": workers, **outer}))
     theta, step, version = flat(probe).numpy().copy(), 0, 0
     curve: list[list[float]] = []
-    while step < (steps if stop is None else min(stop, steps)):
+    while step < (stop or steps):
         start = torch.from_numpy(theta.copy())
         for rank, (model, optimizer, schedule) in enumerate(zip(models, optimizers, schedules, strict=True)):
             load(model, start)

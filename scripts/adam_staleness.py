@@ -130,7 +130,7 @@ def server_adam(
     summed: list[torch.Tensor] = []
     mean_square: list[torch.Tensor] = []
     curve = []
-    for step in range(1, (steps if stop is None else min(stop, steps)) + 1):
+    for step in range(1, (stop or steps) + 1):
         rank = step % world
         at = {"mean": replied[rank], "pred": replied[rank], "ddp": history[-1]}.get(variant, history[0])
         if variant == "pred":
@@ -209,7 +209,7 @@ def local_adam(
     paces = [JobBetas(job_betas, optimizer.param_groups) for optimizer in optimizers]
     dana_ahead = DanaLookAhead(theta, workers, window) if dana else None
     curve, step, version = [], 0, 0
-    while step < (steps if stop is None else min(stop, steps)):
+    while step < (stop or steps):
         for rank, (model, optimizer, schedule) in enumerate(zip(models, optimizers, schedules, strict=True)):
             start = theta if fresh else starts[rank]
             load(model, start)
@@ -321,8 +321,10 @@ def main() -> None:
     torch.set_num_threads(1)
     data = Data(args.model, args.seed, args.beta1, args.beta2, args.schedule, args.batch, args.weight_decay)
     steps = args.samples // data.batch
-    stop = None if args.stop_at is None else args.stop_at // data.batch
     evals = [steps * (i + 1) // args.evaluations for i in range(args.evaluations)]
+    stop = None if args.stop_at is None else args.stop_at // data.batch
+    if stop is not None and stop < evals[0]:
+        parser.error(f"--stop-at {args.stop_at} ends before the first evaluation, at {evals[0] * data.batch} samples")
     results = []
     for variant in args.variants:
         name, _, amount = variant.partition(":")

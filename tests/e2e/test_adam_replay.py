@@ -175,6 +175,24 @@ def test_a_run_stopped_early_reads_the_long_runs_curve_not_a_short_runs(tmp_path
         timeout=600,
     )
     assert refused.returncode == 2 and "--stop-at is for" in refused.stderr and "rounds:2" in refused.stderr
+    before = subprocess.run(  # a stop before the first evaluation would read nothing
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--variants",
+            "ahead:1",
+            "--samples",
+            "512",
+            "--stop-at",
+            "10",
+            "--evaluations",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert before.returncode == 2 and "ends before the first evaluation, at 256 samples" in before.stderr, before.stderr
 
 
 def test_the_adamw_rules_rounds_are_ddps_computation(tmp_path: Path) -> None:
