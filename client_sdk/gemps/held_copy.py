@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 from gemps import errors
+from gemps.reply_buffers import ReplyBuffers
 from gemps.transport import Committed
 from gemps_proto import vectors
 from gemps_proto.reply_differences import advance, copy_values, whole
@@ -26,6 +27,9 @@ class HeldCopy:
     def __init__(self) -> None:
         self.number = 0
         self._bits: np.ndarray | None = None
+        # Where the copy's float32 values are written for the caller: pages kept, not faulted in
+        # afresh each reply (at 100M parameters a new 400 MB array a commit; reply_buffers.py).
+        self._values = ReplyBuffers()
 
     def took(self, committed: Committed) -> Vector:
         """The copy's float32 values once `committed`'s reply moved it: a difference applied to the
@@ -47,7 +51,7 @@ class HeldCopy:
         else:
             self._bits = whole(values.reshape(-1))
         self.number = committed.copy
-        return copy_values(self._bits)
+        return copy_values(self._bits, vectors.float32s(self._values.take(4 * self._bits.size)))
 
     def forget(self) -> None:
         self.number, self._bits = 0, None

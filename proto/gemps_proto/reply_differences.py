@@ -47,9 +47,9 @@ DIFFERENCE_DTYPES = frozenset(REPLY_COMPRESSIONS.values())
 WHOLE_DTYPE = BFLOAT16
 
 
-def copy_values(bits: np.ndarray) -> np.ndarray:
-    """A copy's float32 values (exact: bfloat16 is float32's upper half)."""
-    return bfloat16_to_float32(bits)
+def copy_values(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """A copy's float32 values (exact: bfloat16 is float32's upper half), in `out` when given."""
+    return bfloat16_to_float32(bits, out)
 
 
 def whole(theta: np.ndarray) -> np.ndarray:

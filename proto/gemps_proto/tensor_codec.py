@@ -272,11 +272,12 @@ def float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
     return out.reshape(np.shape(values))
 
 
-def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
-    """float32 values of bfloat16 bits (exact: bfloat16 is float32's upper half)."""
-    out = np.empty(bits.shape, dtype="<u4")
-    np.left_shift(bits, 16, out=out, dtype="<u4")
-    return out.view("<f4")
+def bfloat16_to_float32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """float32 values of bfloat16 bits (exact: bfloat16 is float32's upper half), written into `out`
+    (uint32 or float32, of `bits`' size) when given."""
+    words = np.empty(bits.shape, dtype="<u4") if out is None else out.view("<u4").reshape(bits.shape)
+    np.left_shift(bits, 16, out=words, dtype="<u4")
+    return words.view("<f4")
 
 
 def encode(values: Vector, dtype: int = FLOAT32) -> bytes:

@@ -7,10 +7,13 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gemps
 from gemps.pytorch import LocalSteps, RemoteOptimizer, batches
@@ -112,6 +115,49 @@ def test_with_look_ahead_a_window_starts_where_theta_is_headed_and_only_its_step
         assert a.last_result is not None and (a.last_result.version, a.last_result.staleness) == (7, 2)
         a_step()  # from the look-ahead start: its update is still 0, θ does not jump
         np.testing.assert_allclose(server.server.state.core.theta_copy(), theta0 + 4, rtol=1e-6)
+
+
+class NewTensorsOfSize(TorchDispatchMode):
+    """The torch operations that make a new tensor of `size` values (a fresh storage, not a view or an
+    in-place result): at 100M parameters each θ-sized one is 400 MB of pages to fault in."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size, self.made = size, list[str]()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        held = {t.untyped_storage().data_ptr() for t in tensors}
+        for made in pytree.tree_leaves(out):
+            fresh = isinstance(made, torch.Tensor) and made.untyped_storage().data_ptr() not in held
+            if fresh and made.numel() == self.size:
+                self.made.append(str(func))
+        return out
+
+
+def test_a_window_started_ahead_makes_three_theta_sized_tensors_a_commit(start_server: StartServer) -> None:
+    """A commit with the look-ahead's arithmetic (another worker moves θ between): θ read before and
+    after (two), and the look-ahead's one temporary; the update and the look-ahead are in place."""
+    server = start_server(rule="downpour")
+    model, other_model = linear(), linear()
+    with (
+        gemps.Client(server.target, name="other") as other,
+        LocalSteps(model, torch.optim.SGD(model.parameters(), lr=0.1), server.target, steps=1, look_ahead=1.0) as a,
+    ):
+        other.register({k: v.detach().numpy() for k, v in other_model.named_parameters()})
+        counted = NewTensorsOfSize(650)
+        for round_ in range(3):  # the first reply gives no pace; the later ones start ahead
+            other.commit(np.ones(650, dtype=np.float32), kind="update")
+            a.zero_grad()
+            (model(torch.zeros(2, 1, 8, 8)) * 0).sum().backward()
+            if round_ < 2:
+                a.step()
+                continue
+            with counted:
+                a.step()
+        assert a.last_result is not None and a.last_result.staleness == 1  # the look-ahead's arithmetic ran
+        assert len(counted.made) <= 3, counted.made
 
 
 def test_with_job_betas_the_workers_beta1_follows_the_jobs_commits_per_its_own(start_server: StartServer) -> None:

@@ -153,7 +153,7 @@ class LocalSteps(torch.optim.Optimizer):
         the central variable the server returns, and start the next window from it."""
         if self._taken == 0:
             return None
-        update = (self.remote.parameters_vector() - self._start) * self.outer_learning_rate
+        update = self.remote.parameters_vector().sub_(self._start).mul_(self.outer_learning_rate)  # a copy: in place
         loss = sum(self._losses) / len(self._losses) if self._losses else None
         self._taken, self._losses = 0, []
         result = self.remote.commit_update(update, loss=loss)
