@@ -18,7 +18,7 @@ SGD and Deep Gradient Compression keep theirs). The residual is soft state:
 from __future__ import annotations
 
 from gemps_proto import vectors
-from gemps_proto.tensor_codec import COMPRESSIONS, quantised_with_values
+from gemps_proto.tensor_codec import COMPRESSIONS, quantised_subtracting
 from gemps_proto.vectors import Vector
 
 
@@ -35,13 +35,11 @@ class Compressor:
         vectors.require("compression")  # the client refused it without numpy: numpy's arrays from here
         held = self._residuals.get(server)
         if held is None or held.shape != values.shape:
-            total = vectors.as_float32(values)
-            data, sent = quantised_with_values(total, self.dtype)
-            return data, total - sent  # `total` may be the caller's own values: left as they are
-        total = values + held
-        data, sent = quantised_with_values(total, self.dtype)
-        total -= sent  # the sum is this encoder's own: the residual in its place (a θ-sized array less)
-        return data, total
+            total = vectors.copy(vectors.as_float32(values))  # the caller's values are left as they are
+        else:
+            total = vectors.as_float32(values + held)  # this encoder's own
+        # The residual in the sum's place, block by block: no θ-sized array of the decoded values.
+        return quantised_subtracting(total, self.dtype), total
 
     def applied(self, server: int, residual: Vector) -> None:
         self._residuals[server] = residual

@@ -87,29 +87,47 @@ _NIBBLE_PAIRS = np.array([[(b & 0x0F) - 16 * (b & 0x08 > 0), (b >> 4) - 16 * (b 
 _NIBBLE_PAIR_WORDS = _NIBBLE_PAIRS.view(np.uint16).reshape(256)
 
 
-def encode_int8(values: np.ndarray) -> bytes:
-    """DTYPE_INT8_BLOCK bytes of finite float32 values."""
-    return int8_with_values(values)[0]
+def _subtract_values(values: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> None:
+    """values -= code x scale, in place and CHUNK values at a time: the same bits as
+    `values - _values(codes, scales)` without its temporary of the values' size."""
+    flat = values.reshape(-1)  # a view: the callers' values are contiguous
+    for start in range(0, flat.size, CHUNK):
+        stop = min(start + CHUNK, flat.size)
+        flat[start:stop] -= _values(codes[start:stop], scales[start // BLOCK :])
 
 
-def int8_with_values(values: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """encode_int8's bytes, and the float32 values decode_int8 reads from them (made from the
-    codes in hand, not by parsing the bytes again: the same bits)."""
+def _int8_codes(values: np.ndarray) -> tuple[bytearray, np.ndarray, np.ndarray]:
+    """DTYPE_INT8_BLOCK bytes of finite float32 values, and views of their scales and codes."""
     count = np.size(values)
     data = bytearray(int8_nbytes(count))  # the scales, then the codes, written in place
     scales = np.frombuffer(data, dtype="<f4", count=blocks(count))
     codes = np.frombuffer(data, dtype=np.int8, count=count, offset=4 * scales.size)
     _codes(values, INT8_LEVELS, scales, codes)
+    return data, scales, codes
+
+
+def encode_int8(values: np.ndarray) -> bytes:
+    """DTYPE_INT8_BLOCK bytes of finite float32 values."""
+    return bytes(_int8_codes(values)[0])
+
+
+def int8_with_values(values: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """encode_int8's bytes, and the float32 values decode_int8 reads from them (made from the
+    codes in hand, not by parsing the bytes again: the same bits)."""
+    data, scales, codes = _int8_codes(values)
     return bytes(data), _values(codes, scales)
 
 
-def encode_int4(values: np.ndarray) -> bytes:
-    """DTYPE_INT4_BLOCK bytes of finite float32 values."""
-    return int4_with_values(values)[0]
+def int8_subtracting(values: np.ndarray) -> bytes:
+    """encode_int8's bytes of contiguous `values`, which are left holding what the codes lose (the
+    values less what decode_int8 reads: the same bits as int8_with_values' difference)."""
+    data, scales, codes = _int8_codes(values)
+    _subtract_values(values, codes, scales)
+    return bytes(data)
 
 
-def int4_with_values(values: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """encode_int4's bytes, and the float32 values decode_int4 reads from them (as int8_with_values)."""
+def _int4_codes(values: np.ndarray) -> tuple[bytes, np.ndarray, np.ndarray]:
+    """DTYPE_INT4_BLOCK bytes of finite float32 values, and their scales and codes (one a value)."""
     count = np.size(values)
     scales, codes = np.empty(blocks(count), np.float32), np.empty(count, np.int8)
     _codes(values, INT4_LEVELS, scales, codes)
@@ -117,7 +135,25 @@ def int4_with_values(values: np.ndarray) -> tuple[bytes, np.ndarray]:
     if nibbles.size % 2:
         nibbles = np.append(nibbles, np.uint8(0))
     packed = nibbles[0::2] | (nibbles[1::2] << 4)
-    return scales.astype("<f4").tobytes() + packed.astype(np.uint8).tobytes(), _values(codes, scales)
+    return scales.astype("<f4").tobytes() + packed.astype(np.uint8).tobytes(), scales, codes
+
+
+def encode_int4(values: np.ndarray) -> bytes:
+    """DTYPE_INT4_BLOCK bytes of finite float32 values."""
+    return _int4_codes(values)[0]
+
+
+def int4_with_values(values: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """encode_int4's bytes, and the float32 values decode_int4 reads from them (as int8_with_values)."""
+    data, scales, codes = _int4_codes(values)
+    return data, _values(codes, scales)
+
+
+def int4_subtracting(values: np.ndarray) -> bytes:
+    """encode_int4's bytes of contiguous `values`, left holding what the codes lose (as int8_subtracting)."""
+    data, scales, codes = _int4_codes(values)
+    _subtract_values(values, codes, scales)
+    return data
 
 
 def _checked_scales(data: bytes | bytearray | memoryview, count: int) -> np.ndarray:

@@ -72,6 +72,13 @@ def topk_with_values(values: np.ndarray) -> tuple[bytes, np.ndarray]:
     return data, _scatter(count, positions, codes, scales[block_of])
 
 
+def topk_subtracting(values: np.ndarray) -> bytes:
+    """encode_topk's bytes of contiguous `values`, which are left holding what the codes lose."""
+    data, decoded = topk_with_values(values)
+    values -= decoded.reshape(values.shape)
+    return data
+
+
 def _largest(grid: np.ndarray) -> np.ndarray:
     """Positions (row-major, so each block's ascending) of each row's KEPT largest values: those
     above the row's KEPT-th largest, then as many equal to it as are missing, first ones first (a

@@ -58,13 +58,14 @@ ENCODING_NAMES: dict[int, str] = {dtype: name for name, dtype in (*WIRE_DTYPE_NA
 @dataclass(frozen=True)
 class _Codes:
     """A payload encoding's functions (block_quantisation's, block_topk's): its byte count for a value
-    count, its decoder (bytes, count -> values), its encoder, and its encoder that also gives the
-    values the bytes decode to."""
+    count, its decoder (bytes, count -> values), its encoder, its encoder that also gives the
+    values the bytes decode to, and its encoder that leaves in the values what the codes lose."""
 
     nbytes: Callable[[int], int]
     decode: Callable[[bytes | bytearray | memoryview, int], Vector]
     encode: Callable[[Vector], bytes]
     with_values: Callable[[np.ndarray], tuple[bytes, np.ndarray]]
+    subtracting: Callable[[np.ndarray], bytes]
 
 
 _CODE_DTYPES = frozenset({INT8_BLOCK, INT4_BLOCK, TOPK_BLOCK})
@@ -82,15 +83,21 @@ def _codes(dtype: int) -> _Codes:
             block_quantisation.decode_int8,
             block_quantisation.encode_int8,
             block_quantisation.int8_with_values,
+            block_quantisation.int8_subtracting,
         ),
         INT4_BLOCK: _Codes(
             block_quantisation.int4_nbytes,
             block_quantisation.decode_int4,
             block_quantisation.encode_int4,
             block_quantisation.int4_with_values,
+            block_quantisation.int4_subtracting,
         ),
         TOPK_BLOCK: _Codes(
-            block_topk.topk_nbytes, block_topk.decode_topk, block_topk.encode_topk, block_topk.topk_with_values
+            block_topk.topk_nbytes,
+            block_topk.decode_topk,
+            block_topk.encode_topk,
+            block_topk.topk_with_values,
+            block_topk.topk_subtracting,
         ),
     }[dtype]
 
@@ -231,6 +238,15 @@ def quantised_with_values(values: np.ndarray, dtype: int) -> tuple[bytes, np.nda
     the values decode_payload reads from those bytes, shaped as `values`, without reading them again."""
     data, decoded = _codes(dtype).with_values(values)
     return data, decoded.reshape(np.shape(values))
+
+
+def quantised_subtracting(values: np.ndarray, dtype: int) -> bytes:
+    """quantised_with_values' bytes of contiguous float32 `values` (the caller's to change), which
+    are left holding what the codes lose: the values less what decode_payload reads, the same bits
+    as that difference, without a temporary of their size (a worker's error feedback at 100M)."""
+    if not (values.flags.c_contiguous and values.dtype == np.float32):
+        raise ValueError("quantised_subtracting changes its values in place: contiguous float32 only")
+    return _codes(dtype).subtracting(values)
 
 
 def expected_int64_nbytes(dtype: int, shape: Sequence[int]) -> int:

@@ -27,6 +27,7 @@ from gemps_proto.tensor_codec import (
     decode_payload,
     encode_payload,
     expected_payload_nbytes,
+    quantised_subtracting,
     quantised_with_values,
 )
 from gemps_server.domain.records import Commit
@@ -161,6 +162,40 @@ def test_the_values_in_hand_are_what_decoding_the_bytes_reads(dtype: int, count:
     data, decoded = quantised_with_values(values, dtype)
     assert data == encode_payload(values, dtype)
     assert decoded.tobytes() == decode_payload(dtype, (count,), data).tobytes()
+
+
+@pytest.mark.parametrize("dtype", [INT8_BLOCK, INT4_BLOCK, TOPK_BLOCK])
+@pytest.mark.parametrize("count", [0, 1, 257, 2 * bq.CHUNK + bq.BLOCK + 77])
+def test_coded_in_place_the_values_keep_exactly_what_the_codes_lose(dtype: int, count: int) -> None:
+    """quantised_subtracting (the SDK's error feedback) gives quantised_with_values' bytes and leaves
+    in the values, bit for bit, their difference from what the bytes decode to, across chunks."""
+    rng = np.random.default_rng(count)
+    values = (rng.standard_normal(count) * rng.choice([0.0, 1e-30, 1e-3, 1.0, 1e30], count)).astype(np.float32)
+    data, decoded = quantised_with_values(values, dtype)
+    left = values.copy()
+    assert quantised_subtracting(left, dtype) == data
+    assert left.tobytes() == (values - decoded).tobytes()
+    with pytest.raises(ValueError, match="contiguous float32 only"):
+        quantised_subtracting(values[::2].copy().astype(np.float64), dtype)
+
+
+def test_a_commits_codes_hold_no_array_of_the_decoded_values() -> None:
+    """A worker's error feedback at 100M: the sum of its update and residual becomes the next
+    residual in place; beside it only the bytes (a byte a value, twice while copied out) and a
+    chunk's temporaries, where it held the decoded values too (4 bytes a value)."""
+    count = 4_000_000
+    rng = np.random.default_rng(2)
+    compressor = Compressor("int8")
+    data, left = compressor.encode(0, rng.standard_normal(count).astype(np.float32))
+    compressor.applied(0, left)
+    update = rng.standard_normal(count).astype(np.float32)
+    tracemalloc.start()
+    try:
+        data, left = compressor.encode(0, update)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= left.nbytes + 2 * len(data) + 0.5 * count, f"{peak / count:.1f} bytes a value at the peak"
 
 
 @pytest.mark.parametrize("dtype", [INT8_BLOCK, INT4_BLOCK])
