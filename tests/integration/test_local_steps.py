@@ -160,6 +160,23 @@ def test_a_window_started_ahead_makes_three_theta_sized_tensors_a_commit(start_s
         assert len(counted.made) <= 3, counted.made
 
 
+def test_a_vector_of_a_parameters_own_storage_is_copied_before_it_is_changed(
+    start_server: StartServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LocalSteps changes in place the vector parameters_vector() gives. Were torch's
+    parameters_to_vector to hand back a lone parameter's own storage, the window's start would be
+    the model itself and the next update zero: every window after the first lost, silently."""
+    server = start_server(rule="downpour")  # an update applied as given
+    model = torch.nn.Linear(8, 8, bias=False)
+    theta0 = model.weight.detach().reshape(-1).clone()
+    monkeypatch.setattr(torch.nn.utils, "parameters_to_vector", lambda parameters: next(iter(parameters)).view(-1))
+    with LocalSteps(model, torch.optim.SGD(model.parameters(), lr=0.1), server.target, look_ahead=0) as optimizer:
+        for _ in range(2):  # two windows of one step: each moves every weight by -0.1
+            model.weight.grad = torch.ones_like(model.weight)
+            optimizer.step()
+        np.testing.assert_allclose(server.server.state.core.theta_copy(), (theta0 - 0.2).numpy(), atol=1e-6)
+
+
 def test_with_job_betas_the_workers_beta1_follows_the_jobs_commits_per_its_own(start_server: StartServer) -> None:
     """Another worker commits twice between each of A's: the job takes 3 commits per A's, so A's
     AdamW moves toward β1 = 0.9 ** 3 (β2 as set); a checkpoint of A keeps the user's betas."""

@@ -284,8 +284,12 @@ class RemoteModel:
 
     def parameters_vector(self) -> torch.Tensor:
         """The model's parameters as one flat float32 CPU vector (a copy), in spec order."""
-        # torch.cat (inside) always copies, so no clone: one θ-sized allocation less (two on a GPU).
-        return torch.nn.utils.parameters_to_vector(self._parameters).detach().to("cpu", torch.float32)
+        # torch.cat (inside) copies, so no clone: one θ-sized allocation less (two on a GPU). Callers
+        # change the vector in place, so a parameter's own storage handed back is copied after all.
+        vector = torch.nn.utils.parameters_to_vector(self._parameters).detach().to("cpu", torch.float32)
+        if any(vector.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in self._parameters):
+            return vector.clone()
+        return vector
 
     def pull(self) -> int:
         """Load the newest central variable into the model; returns its version."""
