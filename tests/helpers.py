@@ -124,6 +124,15 @@ def wait_for(
         time.sleep(poll)
 
 
+def settled(read: Callable[[], T], expected: T, timeout: float = 10.0) -> T:
+    """`read()` once it gives `expected`, else its value at the deadline. A server counts a call
+    once the call's reply has left, so a client can hold the reply before the count moves."""
+    deadline = time.monotonic() + timeout
+    while (value := read()) != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
+
+
 def gemps_export(*source: str, out: Path) -> subprocess.CompletedProcess[str]:
     """`gemps export SOURCE... --out OUT` in a process of its own, as a user runs it."""
     return subprocess.run(

@@ -6,6 +6,7 @@ tells them apart by their titles (item 6)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import subprocess
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from gemps_cli import server as server_command
 import gemps
 from gemps_server.config.listen import DATA_PORT_OFFSET, METRICS_PORT_OFFSET, REPLICATION_PORT_OFFSET
 from gemps_worker.processes import GEMPS_COMMAND, launch, wait_for_port_file
-from tests.helpers import port_free, scrape_series, wait_for
+from tests.helpers import port_free, scrape_series, settled, wait_for
 from tests.reserved_ports import SIDE_BY_SIDE_GRPC
 
 STARTUP_SECONDS = 60.0
@@ -98,9 +99,14 @@ def test_two_servers_with_default_ports_both_serve_the_data_plane(servers: Serve
             client.register({"w": np.zeros(8, np.float32)})
             assert client.planes == ["data"]
             assert client.commit(np.ones(8, np.float32)).version == 1
-        series = scrape_series(f"http://127.0.0.1:{port + METRICS_PORT_OFFSET}/metrics")
-        commits = [v for name, v in series.items() if "Commit" in name and 'plane="data"' in name and "_count{" in name]
-        assert commits == [1.0]
+        url = f"http://127.0.0.1:{port + METRICS_PORT_OFFSET}/metrics"
+        assert settled(functools.partial(data_plane_commits, url), [1.0]) == [1.0]
+
+
+def data_plane_commits(url: str) -> list[float]:
+    """The counts of the data plane's Commit calls on the /metrics page at `url`."""
+    series = scrape_series(url)
+    return [v for name, v in series.items() if "Commit" in name and 'plane="data"' in name and "_count{" in name]
 
 
 def test_an_explicit_data_port_in_use_is_still_a_clear_error(servers: Servers) -> None:
