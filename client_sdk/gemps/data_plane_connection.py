@@ -51,9 +51,10 @@ from gemps_proto.data_plane_protocol import TLS_PIECE, ClientConnection
 from gemps_proto.reasons import Reason
 from gemps_proto.tensor_codec import EncodedTensor, TensorDecodeError, expected_payload_nbytes
 from gemps_proto.v1 import parameter_server_pb2 as pb
-from gemps_proto.vectors import Vector
 
 M = TypeVar("M", bound=Message)
+#: what a reply's payload is read as (`receive_tensor`): θ's values, or a difference reply's code
+Read = TypeVar("Read")
 Payload = bytes | memoryview
 
 #: a socket's timeout is set again only when the call's time left differs from it by more than
@@ -267,12 +268,10 @@ class DataConnection:
         refusal = event.error
         raise errors.from_status_number(refusal.code, refusal.message, refusal.reason)
 
-    def receive_tensor(
-        self, announced: pb.Tensor, payload_bytes: int, decode: Callable[[EncodedTensor], Vector]
-    ) -> Vector:
+    def receive_tensor(self, announced: pb.Tensor, payload_bytes: int, decode: Callable[[EncodedTensor], Read]) -> Read:
         """The payload the reply's header announced (θ, or a difference reply's code), read straight
         into a buffer no one else holds (reply_buffers.py), as `decode` reads it (a protocol error
-        when it cannot): read-only values, like the gRPC path's."""
+        when it cannot: TensorDecodeError), from read-only bytes."""
         shape = tuple(announced.shape)
         try:
             nbytes = expected_payload_nbytes(announced.dtype, shape)
@@ -289,10 +288,9 @@ class DataConnection:
             self._protocol.payload_into(data)
             assert isinstance(self._event(), PayloadComplete)
         try:
-            values = decode(EncodedTensor(announced.dtype, shape, data.toreadonly()))
+            return decode(EncodedTensor(announced.dtype, shape, data.toreadonly()))
         except TensorDecodeError as error:
             self.protocol_error(str(error))
-        return vectors.read_only(values)
 
     def parse(self, message_class: type[M], header: bytes) -> M:
         try:

@@ -9,9 +9,11 @@ import functools
 from gemps import grpc_messages as messages
 from gemps.data_plane_connection import DataConnection
 from gemps.transport import Committed, Pulled
+from gemps_proto import vectors
 from gemps_proto.data_plane_frames import Op
 from gemps_proto.tensor_codec import EncodedTensor
 from gemps_proto.v1 import parameter_server_pb2 as pb
+from gemps_proto.vectors import Vector
 
 
 def read_committed(connection: DataConnection, timeout: float | None = None) -> Committed:
@@ -33,8 +35,13 @@ def read_pulled(connection: DataConnection, timeout: float | None = None) -> Pul
     reply = connection.parse(pb.PullResponse, header)
     if _unchanged(connection, reply.unchanged, payload_bytes):
         return messages.pulled_from_proto(reply, None)
-    values = connection.receive_tensor(reply.parameters, payload_bytes, EncodedTensor.decode)
+    values = connection.receive_tensor(reply.parameters, payload_bytes, _read_only_values)
     return messages.pulled_from_proto(reply, values)
+
+
+def _read_only_values(tensor: EncodedTensor) -> Vector:
+    """θ's float32 values, read-only like the gRPC path's (a bfloat16 reply's are decoded anew)."""
+    return vectors.read_only(tensor.decode())
 
 
 def _unchanged(connection: DataConnection, unchanged: bool, payload_bytes: int) -> bool:

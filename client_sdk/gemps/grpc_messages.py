@@ -11,14 +11,28 @@ copied through a protobuf message.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 from gemps.records import Buffers, ParameterSpec
 from gemps.transport import CommitCall, Committed, PullCall, Pulled, Registered
 from gemps_proto import grpc_framing, vectors, versions
 from gemps_proto import schema_proto as shared
 from gemps_proto.reply_differences import DIFFERENCE_DTYPES
-from gemps_proto.tensor_codec import FLOAT32, INT64, EncodedTensor, TensorDecodeError, dtype_name, encode, wire_view
+from gemps_proto.tensor_codec import (
+    FLOAT32,
+    INT64,
+    EncodedTensor,
+    TensorDecodeError,
+    checked_block_codes,
+    dtype_name,
+    encode,
+    wire_view,
+)
 from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.vectors import Vector
+
+if TYPE_CHECKING:
+    from gemps_proto.block_quantisation import BlockCodes
 
 
 def register_request(
@@ -165,9 +179,10 @@ def commit_request(
     )
 
 
-def committed_from_proto(reply: pb.CommitResponse, parameters: Vector | None) -> Committed:
+def committed_from_proto(reply: pb.CommitResponse, parameters: Vector | BlockCodes | None) -> Committed:
     """A Commit reply's figures (unary or streamed) with its central variable (or, for a difference
-    reply, the difference's values), decoded by the caller (`reply_values`); None when `unchanged`."""
+    reply, the difference's code), read by the caller (`reply_values`); None when `unchanged`."""
+    values, difference = (None, cast("BlockCodes", parameters)) if reply.difference_of else (parameters, None)
     return Committed(
         version=reply.version,
         staleness=reply.staleness,
@@ -175,25 +190,28 @@ def committed_from_proto(reply: pb.CommitResponse, parameters: Vector | None) ->
         scaling_median=reply.scaling_median,
         scaling_at_zero=reply.scaling_at_zero,
         scaling_at_max=reply.scaling_at_max,
-        parameters=parameters,
+        parameters=cast("Vector | None", values),
         buffers=buffers_from_proto(reply),
         epoch=reply.epoch,
         copy=reply.copy,
         difference_of=reply.difference_of,
         round_pending=reply.round_pending,
+        difference=difference,
     )
 
 
-def reply_values(reply: pb.CommitResponse, parameters: EncodedTensor) -> Vector:
-    """A Commit reply's float32 values: θ, or a difference reply's difference (a block code);
-    TensorDecodeError for a code where θ was due, θ where a difference was, θ in a reply that says
-    it is unchanged, or bytes that no encoder writes."""
+def reply_values(reply: pb.CommitResponse, parameters: EncodedTensor) -> Vector | BlockCodes:
+    """A Commit reply's θ (read-only float32 values), or a difference reply's code, checked and not
+    decoded (the held copy reads it as it moves); TensorDecodeError for a code where θ was due, θ
+    where a difference was, θ in a reply that says it is unchanged, or bytes no encoder writes."""
     if reply.unchanged:
         raise TensorDecodeError("a commit reply that says θ is unchanged, and carries it")
     if (parameters.dtype in DIFFERENCE_DTYPES) != bool(reply.difference_of):
         said = f"a difference from copy {reply.difference_of}" if reply.difference_of else "θ whole"
         raise TensorDecodeError(f"a commit reply in {dtype_name(parameters.dtype)} that says it is {said}")
-    return parameters.decode_payload()
+    if reply.difference_of:
+        return checked_block_codes(parameters.dtype, parameters.shape, parameters.data)
+    return vectors.read_only(parameters.decode())
 
 
 def commit_reply(data: bytes) -> Committed:

@@ -36,22 +36,33 @@ class HeldCopy:
         copy it names, or θ whole as the new copy. A difference from a copy this client does not
         hold is refused (GempsError) and the copy forgotten, so the next commit asks for θ whole."""
         vectors.require("reply_compression")  # the client refused it without numpy: numpy's arrays from here
-        values = committed.parameters
-        if values is None:  # a client of difference replies never says it holds θ: none is unchanged
-            raise errors.GempsError("the server's reply to a copy of θ carries no values")
+        code = committed.difference
         if committed.difference_of:
             held, bits = self.number, self._bits
-            if committed.difference_of != held or bits is None or bits.size != values.size:
+            if code is None:
+                raise errors.GempsError("the server's reply to a copy of θ carries no difference")
+            if committed.difference_of != held or bits is None or bits.size != code.size:
                 self.forget()
                 raise errors.GempsError(
                     f"the server's commit reply is a difference from copy {committed.difference_of} of θ, "
                     f"but this client holds copy {held or 'none'}: the next commit asks for θ whole"
                 )
-            self._bits = advance(bits, values)
-        else:
-            self._bits = whole(values.reshape(-1))
+            try:
+                values = advance(bits, code, self._values_for(bits.size))  # the copy moved in place
+            except BaseException:  # half moved (memory, an interrupt): the next reply starts it whole
+                self.forget()
+                raise
+            self.number = committed.copy
+            return values
+        if committed.parameters is None:  # a client of difference replies never says it holds θ
+            raise errors.GempsError("the server's reply to a copy of θ carries no values")
+        self._bits = whole(committed.parameters.reshape(-1))
         self.number = committed.copy
-        return copy_values(self._bits, vectors.float32s(self._values.take(4 * self._bits.size)))
+        return copy_values(self._bits, self._values_for(self._bits.size))
+
+    def _values_for(self, size: int) -> Vector:
+        """Where the copy's `size` float32 values are written for the caller (kept pages)."""
+        return vectors.float32s(self._values.take(4 * size))
 
     def forget(self) -> None:
         self.number, self._bits = 0, None

@@ -129,6 +129,8 @@ class ClientMetrics(NoMetrics):
         sent = size * self.width if call.encoded is None else expected_payload_nbytes(call.encoded[0], [size])
         self.sent.labels("commit").inc(sent)
         reply = 0 if committed.parameters is None else vectors.size(committed.parameters)
+        if committed.difference is not None:
+            reply = committed.difference.size
         if not call.reply_code:
             self.values_received("commit", reply)
             return

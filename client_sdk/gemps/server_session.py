@@ -111,7 +111,7 @@ class ServerSession:
         θ held when the reply says it is unchanged from the one `call` said it holds (named only
         for the θ held: a call sent again after registering again names its new base's)."""
         values = committed.parameters
-        if values is None:
+        if values is None and committed.difference is None:
             if not call.known_history:
                 raise errors.GempsError(
                     f"{self.target} answered commit {call.request_id!r} with no θ, as unchanged from "
@@ -123,6 +123,7 @@ class ServerSession:
             values = self.copy.took(committed)
         else:
             self.copy.forget()
+        assert values is not None  # a difference comes with the copy's number (committed_from_proto)
         self.received(committed.version, values)
 
     def pull_call(self, wait: float = 0.0) -> PullCall:

@@ -18,7 +18,7 @@ import contextvars
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from gemps import errors
 from gemps.records import Buffers, Evaluation, Layout, ParameterSpec, Registration, ServerStatus
@@ -26,6 +26,9 @@ from gemps_proto.reasons import Reason
 from gemps_proto.schema import PayloadKind
 from gemps_proto.tensor_codec import all_finite, wire_view
 from gemps_proto.vectors import Vector
+
+if TYPE_CHECKING:
+    from gemps_proto.block_quantisation import BlockCodes
 
 Reply = TypeVar("Reply", covariant=True)
 
@@ -112,7 +115,8 @@ class CommitCall:
 @dataclass(frozen=True)
 class Committed:
     """One server's reply to a commit: its figures, its θ after the commit (None: the θ of the
-    call's base version, which the call said it holds: CommitCall.known_history) and its buffers."""
+    call's base version, which the call said it holds: CommitCall.known_history, or a difference
+    reply's, whose θ is the held copy moved by `difference`) and its buffers."""
 
     version: int
     staleness: int
@@ -124,10 +128,12 @@ class Committed:
     buffers: Buffers | None
     epoch: int = 0  # the epoch of the primary that acknowledged it (0: not replicated)
     # Difference replies: the copy the client holds once it applied this reply, and the copy
-    # `parameters` is a difference from (0: `parameters` is θ whole); both 0 for other replies.
+    # `difference` is a difference from (0: `parameters` is θ whole); both 0 for other replies.
     copy: int = 0
     difference_of: int = 0
     round_pending: int = 0  # commits before θ moves, for a rule of rounds (else 0)
+    # A difference reply's code, checked and not decoded: the copy reads it a run of blocks at a time.
+    difference: BlockCodes | None = None
 
 
 class Pending(Protocol[Reply]):

@@ -18,6 +18,8 @@ adds to its next commit (the SDK's error feedback), so over commits nothing is l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 #: values per scale: 1.6% of int8's bytes, 3% of int4's
@@ -163,19 +165,39 @@ def _checked_scales(data: bytes | bytearray | memoryview, count: int) -> np.ndar
     return scales
 
 
-def decode_int8(data: bytes | bytearray | memoryview, count: int) -> np.ndarray:
-    """float32 values of DTYPE_INT8_BLOCK bytes holding `count` of them (their length checked by
-    the caller); QuantisedPayloadError for a scale or code no encoder writes."""
+@dataclass(frozen=True)
+class BlockCodes:
+    """A payload's scales and its codes (an int8 a value), checked as the decoders check them: the
+    values read all at once (`values()`) or a run of whole blocks at a time, the same bits either
+    way, so a reader of θ's size needs no float32 array of θ's size (a difference reply's copy)."""
+
+    scales: np.ndarray
+    codes: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return int(self.codes.size)
+
+    def values(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """float32 code x scale of the values from `start` (a block's first) to `stop`."""
+        if start % BLOCK:
+            raise ValueError(f"values are read from a block's first, not from {start}")
+        return _values(self.codes[start:stop], self.scales[start // BLOCK :])
+
+
+def int8_codes(data: bytes | bytearray | memoryview, count: int) -> BlockCodes:
+    """The scales and codes of DTYPE_INT8_BLOCK bytes holding `count` values (their length checked
+    by the caller), views of `data`; QuantisedPayloadError for a scale or code no encoder writes."""
     scales = _checked_scales(data, count)
     codes = np.frombuffer(data, dtype=np.int8, count=count, offset=4 * scales.size)
     if count and codes.min() < -INT8_LEVELS:
         raise QuantisedPayloadError(f"an int8 code is -128: codes lie in [-{INT8_LEVELS}, {INT8_LEVELS}]")
-    return _values(codes, scales)
+    return BlockCodes(scales, codes)
 
 
-def decode_int4(data: bytes | bytearray | memoryview, count: int) -> np.ndarray:
-    """float32 values of DTYPE_INT4_BLOCK bytes holding `count` of them (their length checked by
-    the caller); QuantisedPayloadError for a scale, code or padding no encoder writes."""
+def int4_codes(data: bytes | bytearray | memoryview, count: int) -> BlockCodes:
+    """The scales and codes (unpacked, an int8 a value) of DTYPE_INT4_BLOCK bytes holding `count`
+    values; QuantisedPayloadError for a scale, code or padding no encoder writes."""
     scales = _checked_scales(data, count)
     packed = np.frombuffer(data, dtype=np.uint8, offset=4 * scales.size)
     if count % 2 and packed[-1] >> 4 != 0:
@@ -183,4 +205,14 @@ def decode_int4(data: bytes | bytearray | memoryview, count: int) -> np.ndarray:
     codes = np.take(_NIBBLE_PAIR_WORDS, packed).view(np.int8)[:count]
     if count and codes.min() < -INT4_LEVELS:
         raise QuantisedPayloadError(f"an int4 code is -8: codes lie in [-{INT4_LEVELS}, {INT4_LEVELS}]")
-    return _values(codes, scales)
+    return BlockCodes(scales, codes)
+
+
+def decode_int8(data: bytes | bytearray | memoryview, count: int) -> np.ndarray:
+    """float32 values of DTYPE_INT8_BLOCK bytes holding `count` of them (int8_codes' checks)."""
+    return int8_codes(data, count).values()
+
+
+def decode_int4(data: bytes | bytearray | memoryview, count: int) -> np.ndarray:
+    """float32 values of DTYPE_INT4_BLOCK bytes holding `count` of them (int4_codes' checks)."""
+    return int4_codes(data, count).values()

@@ -6,7 +6,7 @@ DTYPE_INT4_BLOCK) holds a *copy* of θ whose values are bfloat16 numbers, and th
 same copy for that worker. A reply is then
 
     code = Q(θ - copy)                      blockwise int8 or int4 (block_quantisation.py)
-    copy <- bfloat16(copy + decode(code))   on both sides, from the same bytes, by `advance`
+    copy <- bfloat16(copy + decode(code))   on both sides, from the same bytes (`advance` on the client)
 
 so the copy never drifts from the server's record (both sides run the same float32 add and the
 same rounding), and what a reply's code rounds away is in the next reply's difference (the copy
@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from gemps_proto.block_quantisation import BlockCodes
 
 from gemps_proto.tensor_codec import (
     BFLOAT16,
@@ -85,18 +87,25 @@ def difference(theta: np.ndarray, bits: np.ndarray, dtype: int) -> tuple[bytes, 
     return bytes(data), after.reshape(bits.shape)
 
 
-def advance(bits: np.ndarray, step: np.ndarray) -> np.ndarray:
-    """The copy after a difference reply whose code decoded to `step` (decode_payload: checked):
-    `bits` moved in place and returned, CHUNK_BLOCKS blocks at a time, so that no temporary is θ's
-    size (elementwise: the same bits as all at once). The caller's copy is its own to change."""
+def advance(bits: np.ndarray, code: BlockCodes, out: np.ndarray) -> np.ndarray:
+    """The copy after a difference reply whose code is `code` (checked: tensor_codec's
+    checked_block_codes): `bits` moved in place, and the new copy's float32 values written into
+    `out` (P float32), which is returned. CHUNK_BLOCKS blocks at a time, the code read as it goes,
+    so that no temporary is θ's size: neither the difference's values (a new 400 MB array at 100M
+    parameters, its pages faulted in each reply) nor a second pass for the values (elementwise and
+    blockwise: the same bits as decoding the code whole, then moving the copy, then reading it)."""
     from gemps_proto.block_quantisation import BLOCK
 
-    held_bits, steps = bits.reshape(-1), step.reshape(-1)
+    held_bits, values = bits.reshape(-1), out.reshape(-1)
     chunk = CHUNK_BLOCKS * BLOCK
     for start in range(0, held_bits.size, chunk):
         stop = min(start + chunk, held_bits.size)
-        held_bits[start:stop] = _advanced(copy_values(held_bits[start:stop]), steps[start:stop])
-    return bits
+        held = copy_values(held_bits[start:stop], values[start:stop])  # `out` as the sum's room
+        held += code.values(start, stop)  # the same float32 add as the server's (_advanced)
+        moved = float32_to_bfloat16(held)
+        held_bits[start:stop] = moved
+        copy_values(moved, held)
+    return out
 
 
 def _advanced(held: np.ndarray, step: np.ndarray) -> np.ndarray:

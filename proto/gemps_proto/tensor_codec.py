@@ -21,6 +21,8 @@ from gemps_proto.vectors import Vector
 
 if TYPE_CHECKING or vectors.HAVE_NUMPY:  # the SDK alone carries float32 only (gemps_proto.vectors)
     import numpy as np
+if TYPE_CHECKING:
+    from gemps_proto.block_quantisation import BlockCodes
 
 # gemps.v1.DType's values, by number: the codec (and the server's domain, which uses it) knows
 # nothing of protobuf messages. tests/unit/test_codec_and_registry.py checks them against the .proto.
@@ -144,11 +146,7 @@ def decode_payload(dtype: int, shape: tuple[int, ...], data: bytes | bytearray |
     checked: TensorDecodeError for a scale, code or length no encoder writes)."""
     if dtype not in _CODE_DTYPES:
         return decode(dtype, shape, data)
-    expected = expected_payload_nbytes(dtype, shape)
-    if len(data) != expected:
-        raise TensorDecodeError(
-            f"{len(data)} bytes of data but shape {list(shape)} of {dtype_name(dtype)} needs {expected}"
-        )
+    _check_payload_length(dtype, shape, data)
     codes = _codes(dtype)
     from gemps_proto.block_quantisation import QuantisedPayloadError
 
@@ -156,6 +154,30 @@ def decode_payload(dtype: int, shape: tuple[int, ...], data: bytes | bytearray |
         return vectors.shaped(codes.decode(data, num_elements(shape)), shape)
     except QuantisedPayloadError as error:
         raise TensorDecodeError(f"{dtype_name(dtype)}: {error}") from None
+
+
+def checked_block_codes(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> BlockCodes:
+    """The scales and codes of blockwise int8 or int4 bytes, checked as decode_payload checks them
+    (TensorDecodeError), not decoded: their values are read a run of blocks at a time (BlockCodes)."""
+    vectors.require(f"{dtype_name(dtype)} payloads")
+    from gemps_proto.block_quantisation import QuantisedPayloadError, int4_codes, int8_codes
+
+    readers = {INT8_BLOCK: int8_codes, INT4_BLOCK: int4_codes}
+    if dtype not in readers:
+        raise TensorDecodeError(f"{dtype_name(dtype)} where blockwise int8 or int4 codes were expected")
+    _check_payload_length(dtype, shape, data)
+    try:
+        return readers[dtype](data, num_elements(shape))
+    except QuantisedPayloadError as error:
+        raise TensorDecodeError(f"{dtype_name(dtype)}: {error}") from None
+
+
+def _check_payload_length(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> None:
+    expected = expected_payload_nbytes(dtype, shape)
+    if len(data) != expected:
+        raise TensorDecodeError(
+            f"{len(data)} bytes of data but shape {list(shape)} of {dtype_name(dtype)} needs {expected}"
+        )
 
 
 def decode_int64(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> Vector:

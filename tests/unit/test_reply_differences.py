@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gemps import errors
-from gemps.grpc_messages import reply_values
+from gemps.grpc_messages import committed_from_proto, reply_values
 from gemps.held_copy import HeldCopy
 from gemps.transport import Committed
 from gemps_proto import block_quantisation, reply_differences
@@ -22,6 +22,7 @@ from gemps_proto.tensor_codec import (
     INT8_BLOCK,
     EncodedTensor,
     TensorDecodeError,
+    checked_block_codes,
     decode_payload,
     encode_payload,
     float32_to_bfloat16,
@@ -49,11 +50,26 @@ def gem_state(workers: int) -> tuple[ServerState, list[str], np.ndarray]:
 
 
 def reply_of(outcome: CommitOutcome, data: bytes | memoryview) -> Committed:
-    """What the SDK makes of the reply the state wrote (the wire's decode, the reply's numbers)."""
+    """What the SDK makes of the reply the state wrote (the wire's reading, the reply's numbers)."""
     assert outcome.reply is not None
-    values = decode_payload(outcome.reply.dtype, (P,), bytes(data))
-    copy, difference_of = outcome.reply.copy, outcome.reply.difference_of
-    return Committed(outcome.snapshot.version, outcome.staleness, 0, 0, 0, 0, values, None, 0, copy, difference_of)
+    numbers = pb.CommitResponse(
+        version=outcome.snapshot.version, copy=outcome.reply.copy, difference_of=outcome.reply.difference_of
+    )
+    return committed_from_proto(numbers, reply_values(numbers, EncodedTensor(outcome.reply.dtype, (P,), bytes(data))))
+
+
+def difference_reply(version: int, data: bytes, count: int, copy: int, difference_of: int) -> Committed:
+    """A difference reply as the SDK reads it: its code checked, not decoded."""
+    code = checked_block_codes(INT8_BLOCK, (count,), data)
+    return Committed(version, 0, 0, 0, 0, 0, None, None, 0, copy=copy, difference_of=difference_of, difference=code)
+
+
+def advanced(bits: np.ndarray, dtype: int, data: bytes) -> np.ndarray:
+    """The copy `bits` moved (in place) by a difference reply of `data` in `dtype`, as the SDK moves it."""
+    out = np.empty(bits.size, np.float32)
+    values = advance(bits, checked_block_codes(dtype, (bits.size,), data), out)
+    np.testing.assert_array_equal(values, copy_values(bits))  # the moved copy's values, written as it moved
+    return bits
 
 
 def keep_bytes(outcome: CommitOutcome, theta: bytes | memoryview) -> bytes:
@@ -164,7 +180,7 @@ def test_the_sdk_refuses_a_difference_from_a_copy_it_does_not_hold_and_asks_whol
     theta = np.linspace(-1, 1, P, dtype=np.float32)
     copy.took(Committed(1, 0, 0, 0, 0, 0, copy_values(whole(theta)), None, 0, copy=7))
     data, _ = difference(theta + 0.01, whole(theta), INT8_BLOCK)
-    stray = Committed(2, 0, 0, 0, 0, 0, decode_payload(INT8_BLOCK, (P,), data), None, 0, copy=9, difference_of=8)
+    stray = difference_reply(2, data, P, copy=9, difference_of=8)
     with pytest.raises(errors.GempsError, match="difference from copy 8 of θ, but this client holds copy 7"):
         copy.took(stray)
     assert copy.number == 0  # the next commit names no copy: its reply is θ whole
@@ -186,8 +202,7 @@ def test_a_copys_values_land_in_kept_pages_and_never_over_a_theta_the_caller_hol
         number = next(replies)
         theta[:] += rng.standard_normal(size).astype(np.float32) * 1e-2
         data, server_bits = difference(theta, server_bits, INT8_BLOCK)
-        values = decode_payload(INT8_BLOCK, (size,), data)
-        return Committed(number, 0, 0, 0, 0, 0, values, None, 0, copy=number, difference_of=number - 1)
+        return difference_reply(number, data, size, copy=number, difference_of=number - 1)
 
     held = [copy.took(Committed(1, 0, 0, 0, 0, 0, copy_values(server_bits), None, 0, copy=1))]
     held += [copy.took(next_reply()) for _ in range(3)]  # the caller keeps every θ
@@ -207,13 +222,38 @@ def test_a_copys_values_land_in_kept_pages_and_never_over_a_theta_the_caller_hol
         del loaded
 
 
+def test_a_difference_reply_is_read_into_the_copy_with_no_float32_array_of_thetas_size() -> None:
+    """From the reply's bytes to the copy's values, as the SDK reads a reply: the code is checked,
+    then read a chunk at a time as the copy moves. It was decoded whole first, a float32 array of θ's
+    size a reply (at 85M parameters, 340 MB whose pages were faulted in on every other commit)."""
+    size = 8 * reply_differences.CHUNK_BLOCKS * block_quantisation.BLOCK
+    rng = np.random.default_rng(4)
+    theta = rng.standard_normal(size).astype(np.float32)
+    copy, server_bits = HeldCopy(), whole(theta)
+    copy.took(Committed(1, 0, 0, 0, 0, 0, copy_values(server_bits), None, 0, copy=1))
+    for number in range(2, 6):  # the first two fill the kept pages; each θ let go before the next reply
+        theta += rng.standard_normal(size).astype(np.float32) * np.float32(1e-2)
+        data, server_bits = difference(theta, server_bits, INT8_BLOCK)
+        numbers = pb.CommitResponse(version=number, copy=number, difference_of=number - 1)
+        tracemalloc.start()
+        loaded = copy.took(
+            committed_from_proto(numbers, reply_values(numbers, EncodedTensor(INT8_BLOCK, (size,), data)))
+        )
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        np.testing.assert_array_equal(loaded, copy_values(server_bits))
+        if number > 3:
+            assert peak < 2 * size, f"{peak:,} bytes allocated reading a reply of θ's {4 * size:,} in float32"
+        del loaded
+
+
 def test_both_ends_advance_a_copy_to_the_same_bits() -> None:
     rng = np.random.default_rng(0)
     bits = whole(rng.standard_normal(P).astype(np.float32))
     for code in (INT8_BLOCK, INT4_BLOCK):
         theta = copy_values(bits) + rng.standard_normal(P).astype(np.float32) * 1e-2
         data, server = difference(theta, bits, code)
-        np.testing.assert_array_equal(advance(bits, decode_payload(code, (P,), data)), server)
+        np.testing.assert_array_equal(advanced(bits.copy(), code, data), server)
 
 
 def test_the_sdk_refuses_a_reply_whose_encoding_and_numbers_disagree() -> None:
@@ -228,7 +268,9 @@ def test_the_sdk_refuses_a_reply_whose_encoding_and_numbers_disagree() -> None:
     hostile[:4] = np.float32(np.inf).tobytes()  # the first block's scale
     with pytest.raises(TensorDecodeError, match="scale"):
         reply_values(pb.CommitResponse(copy=3, difference_of=2), EncodedTensor(INT8_BLOCK, (P,), bytes(hostile)))
-    np.testing.assert_array_equal(reply_values(pb.CommitResponse(copy=3, difference_of=2), code), np.ones(P))
+    checked = reply_values(pb.CommitResponse(copy=3, difference_of=2), code)
+    assert not isinstance(checked, np.ndarray)  # the code, read as the copy moves
+    np.testing.assert_array_equal(checked.values(), np.ones(P))
 
 
 def test_a_copy_is_kept_only_where_the_memory_budget_leaves_room_beside_the_rule_state() -> None:
@@ -292,7 +334,7 @@ def test_a_difference_reply_near_float32s_largest_keeps_the_copy_finite(dtype: i
     theta[::3] = np.float32(3.4e38)  # θ moves past bfloat16's largest value
     data, after = difference(theta, bits, dtype)
     assert np.isfinite(copy_values(after)).all()
-    np.testing.assert_array_equal(advance(bits, np.asarray(decode_payload(dtype, (P,), data))), after)
+    np.testing.assert_array_equal(advanced(bits, dtype, data), after)
 
 
 # -- a difference reply's transients (issue 61, item 9) -----------------------------------------------
@@ -318,7 +360,7 @@ def test_a_difference_taken_a_chunk_at_a_time_is_the_same_bytes_and_bits_as_at_o
     data, after = difference(theta, bits, dtype)
     assert data == expected
     np.testing.assert_array_equal(after, float32_to_bfloat16(held + step))
-    np.testing.assert_array_equal(advance(bits, decode_payload(dtype, (count,), data)), after)
+    np.testing.assert_array_equal(advanced(bits.copy(), dtype, data), after)
     theta_2d, bits_2d = theta[: 8 * 256].reshape(8, 256), bits[: 8 * 256].reshape(8, 256)
     data_2d, after_2d = difference(theta_2d, bits_2d, dtype)  # a shaped θ: the copy keeps its shape
     assert after_2d.shape == (8, 256) and data_2d == difference(theta[: 8 * 256], bits[: 8 * 256], dtype)[0]
@@ -349,13 +391,17 @@ def test_a_difference_reply_moves_the_copy_in_place_without_a_temporary_of_its_s
     count = 8 * block_quantisation.BLOCK * reply_differences.CHUNK_BLOCKS + 5
     rng = np.random.default_rng(3)
     bits = whole(rng.standard_normal(count).astype(np.float32))
-    step = (rng.standard_normal(count) * 1e-2).astype(np.float32)
-    expected = float32_to_bfloat16(copy_values(bits) + step)
+    code = checked_block_codes(
+        INT8_BLOCK, (count,), encode_payload(rng.standard_normal(count).astype(np.float32) * 1e-2, INT8_BLOCK)
+    )
+    expected = float32_to_bfloat16(copy_values(bits) + code.values())
+    out, before = np.empty(count, np.float32), bits.__array_interface__["data"][0]
     tracemalloc.start()
     try:
-        moved = advance(bits, step)
+        values = advance(bits, code, out)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak <= 2 * count, f"{peak / count:.1f} bytes a value beside the copy and the step"
-    assert moved is bits and moved.tobytes() == expected.tobytes()
+    assert peak <= 2 * count, f"{peak / count:.1f} bytes a value beside the copy and the code"
+    assert bits.__array_interface__["data"][0] == before and bits.tobytes() == expected.tobytes()
+    assert values is out and out.tobytes() == copy_values(expected).tobytes()
