@@ -160,6 +160,39 @@ def test_a_window_started_ahead_makes_three_theta_sized_tensors_a_commit(start_s
         assert len(counted.made) <= 3, counted.made
 
 
+@pytest.mark.parametrize("look_ahead", [1.0, 0.0])
+def test_once_its_vectors_are_kept_a_window_makes_no_theta_sized_tensor_a_commit(
+    start_server: StartServer, look_ahead: float
+) -> None:
+    """The update, the reply read off the model and the look-ahead's start are written into vectors
+    the worker keeps (vector_pool.py): after the first commits none is new (3 a commit before, each
+    340 MB of fresh pages at 85M parameters). The windows still start where the arithmetic says."""
+    server = start_server(rule="downpour")
+    model, other_model = linear(), linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (
+        gemps.Client(server.target, name="other") as other,
+        LocalSteps(model, optimizer, server.target, steps=1, look_ahead=look_ahead) as a,
+    ):
+        other.register({k: v.detach().numpy() for k, v in other_model.named_parameters()})
+        counted = NewTensorsOfSize(650)
+        for round_ in range(5):  # the first reply gives no pace; then the vectors come round again
+            other.commit(np.ones(650, dtype=np.float32), kind="update")
+            a.zero_grad()
+            (model(torch.zeros(2, 1, 8, 8)) * 0).sum().backward()  # no step of A's own: θ is the other's
+            if round_ < 3:
+                a.step()
+                continue
+            with counted:
+                a.step()
+            replied = server.server.state.core.theta_copy()
+            started = torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
+            # θ moved 1 in 2 versions (the other's +1, then A's zero), and A's commit met 1 other's:
+            # A starts half a move ahead, or at the reply
+            np.testing.assert_allclose(started, replied + 0.5 * look_ahead, rtol=1e-6)
+        assert counted.made == []
+
+
 def test_a_vector_of_a_parameters_own_storage_is_copied_before_it_is_changed(
     start_server: StartServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

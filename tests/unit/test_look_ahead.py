@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gemps.pytorch.look_ahead import LookAhead
+from gemps.pytorch.vector_pool import KEPT, VectorPool
 
 
 def test_the_first_reply_is_where_the_window_starts() -> None:
@@ -55,3 +56,41 @@ def test_alone_or_after_a_restore_the_window_starts_at_the_reply() -> None:
 def test_a_share_that_is_not_a_number_at_least_zero_is_refused(share: object) -> None:
     with pytest.raises(ValueError, match="look_ahead must be a number >= 0"):
         LookAhead(share)  # type: ignore[arg-type]
+
+
+def test_with_a_pool_the_start_is_the_same_bits_computed_in_the_previous_replys_room() -> None:
+    """A LocalSteps worker passes its VectorPool: the start is then computed over the reply kept
+    before (no θ-sized temporary), to the bit what the plain arithmetic gives."""
+    rng = torch.Generator().manual_seed(0)
+    replies = [torch.randn(1000, generator=rng) for _ in range(3)]
+    plain, pooled, vectors = LookAhead(1.0), LookAhead(1.0), VectorPool()
+    for version, reply in zip((3, 7, 12), replies, strict=True):
+        expected = plain.start(reply.clone(), version, staleness=2)
+        previous = pooled.kept
+        start = pooled.start(reply.clone(), version, staleness=2, vectors=vectors)
+        assert torch.equal(start, expected)
+        if previous is not None:
+            assert start is previous  # written over the reply kept before: nothing new
+    assert len(vectors) == 0
+
+
+def test_with_a_pool_a_reply_dropped_goes_back_to_it() -> None:
+    ahead, vectors = LookAhead(1.0), VectorPool()
+    first = torch.zeros(8)
+    ahead.start(first, version=5, staleness=0, vectors=vectors)
+    second = torch.ones(8)
+    assert ahead.start(second, version=6, staleness=0, vectors=vectors) is second  # alone: no pace to follow
+    assert vectors.take(8) is first  # dropped, so the pool's to hand out again
+
+
+def test_a_pool_keeps_a_vector_once_and_never_a_view() -> None:
+    vectors, vector = VectorPool(), torch.empty(16)
+    vectors.give(vector)
+    vectors.give(vector)  # given twice by two owners: two takes must not both get it
+    assert len(vectors) == 1 and vectors.take(16) is vector and vectors.take(16) is not vector
+    vectors.give(torch.empty(32)[:16])  # a view: its storage is not the pool's to write
+    vectors.give(torch.empty(16, dtype=torch.float64))
+    assert len(vectors) == 0
+    for _ in range(5):
+        vectors.give(torch.empty(16))
+    assert len(vectors) == KEPT

@@ -43,6 +43,7 @@ from gemps.pytorch.job_betas import JobBetas
 from gemps.pytorch.look_ahead import LookAhead
 from gemps.pytorch.remote import RemoteModel
 from gemps.pytorch.values import copy_into
+from gemps.pytorch.vector_pool import VectorPool
 from gemps.records import CommitResult
 from gemps_proto.rule_options import ROUND_SIZE
 
@@ -99,9 +100,16 @@ class LocalSteps(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.defaults = optimizer.defaults
-        self._start = self.remote.parameters_vector()
+        # The window's start, the update and the replies, written again commit after commit (vector_pool.py).
+        self._vectors = VectorPool()
+        self._start = self.remote.parameters_vector(out=self._vectors.take(self._size))
         self._taken = 0  # local steps since the window's start
         self._losses: list[float] = []
+
+    @property
+    def _size(self) -> int:
+        """P: the values of the model's trained parameters, the central variable's."""
+        return sum(p.numel() for p in self.remote.trained)
 
     @property
     def last_result(self) -> CommitResult | None:
@@ -153,18 +161,24 @@ class LocalSteps(torch.optim.Optimizer):
         the central variable the server returns, and start the next window from it."""
         if self._taken == 0:
             return None
-        update = self.remote.parameters_vector().sub_(self._start).mul_(self.outer_learning_rate)  # a copy: in place
+        vectors = self._vectors
+        update = self.remote.parameters_vector(out=vectors.take(self._size)).sub_(self._start)  # in place
+        if self.outer_learning_rate != 1.0:  # times 1.0 changes no bit: a pass over θ saved
+            update.mul_(self.outer_learning_rate)
         loss = sum(self._losses) / len(self._losses) if self._losses else None
         self._taken, self._losses = 0, []
         result = self.remote.commit_update(update, loss=loss)
-        replied = self.remote.parameters_vector()
+        replied = self.remote.parameters_vector(out=update)  # the update's room: sent, read no more
         self.job_betas.after_commit(result.staleness)
+        started, kept = self._start, self.look_ahead.kept
         # Under rounds θ stays where the reply left it until the round this worker's next window
         # joins has closed, the window's commit included: where θ is headed is the reply itself.
         if ROUND_SIZE in self.remote.registration.config.rule_options:
             self._start = replied
         else:
-            self._start = self.look_ahead.start(replied, result.version, result.staleness)
+            self._start = self.look_ahead.start(replied, result.version, result.staleness, vectors)
+        if started is not kept:  # the look-ahead's own goes back through it (or holds the new start)
+            vectors.give(started)
         if self._start is not replied:
             with torch.no_grad():
                 copy_into(self.remote.trained, self._start)

@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from gemps.pytorch.vector_pool import VectorPool
+
 
 class LookAhead:
     """Where the next window starts, given each reply (`share` 0: the reply itself)."""
@@ -32,18 +34,37 @@ class LookAhead:
         self._version = -1
         self._staleness: int | None = None
 
-    def start(self, replied: torch.Tensor, version: int, staleness: int) -> torch.Tensor:
-        """The θ to start from after a reply of `version` to a commit that met `staleness`."""
+    @property
+    def kept(self) -> torch.Tensor | None:
+        """The last reply passed to `start`, which the next one measures the pace from."""
+        return self._replied
+
+    def start(
+        self, replied: torch.Tensor, version: int, staleness: int, vectors: VectorPool | None = None
+    ) -> torch.Tensor:
+        """The θ to start from after a reply of `version` to a commit that met `staleness`. With the
+        caller's `vectors`, `replied` is this object's once passed: the next start is computed over
+        it in place (no θ-sized temporary), or it goes back to `vectors` when dropped; without, it is
+        only read."""
         if self.share == 0:
             return replied  # off: no copy of θ kept
         previous, previous_version, previous_staleness = self._replied, self._version, self._staleness
-        # Kept without a copy: a reply is never written after (its caller only reads a window's start).
+        # Kept without a copy: its caller only reads a window's start, and writes no reply it passed.
         self._replied, self._version, self._staleness = replied, version, staleness
         if previous is None or version <= previous_version:
-            return replied  # nothing to measure the pace by yet, or θ was restored to an older version
+            return self._dropped(previous, replied, vectors)  # no pace yet, or θ restored to an older version
         expected = staleness if previous_staleness is None else min(staleness, previous_staleness)
         if expected <= 0:
-            return replied  # no one else commits: θ does not move before this worker's next commit
-        # In place, one θ-sized temporary: at 100M parameters each is 400 MB of fresh pages to fault in.
-        ahead = torch.sub(replied, previous).div_(version - previous_version)  # the pace a version
-        return ahead.mul_(self.share * expected).add_(replied)
+            return self._dropped(previous, replied, vectors)  # no one else commits: θ stays till the next
+        # In place, one θ-sized temporary (none with `vectors`): at 100M parameters each is 400 MB of
+        # fresh pages to fault in. The same operations in the same order either way: the same bits.
+        room = previous if vectors is not None and previous is not replied else None
+        ahead = torch.sub(replied, previous) if room is None else torch.sub(replied, previous, out=room)
+        return ahead.div_(version - previous_version).mul_(self.share * expected).add_(replied)
+
+    @staticmethod
+    def _dropped(previous: torch.Tensor | None, replied: torch.Tensor, vectors: VectorPool | None) -> torch.Tensor:
+        """The window starts at `replied`; the reply kept before it goes back to `vectors`, if any."""
+        if previous is not None and previous is not replied and vectors is not None:
+            vectors.give(previous)
+        return replied

@@ -22,6 +22,7 @@ from gemps.pytorch.values import (
     check_trainable,
     copy_into,
     gather_gradients,
+    gather_values,
     host_array,
     host_tensor,
     load_buffers,
@@ -282,8 +283,11 @@ class RemoteModel:
         assert isinstance(result, CommitResult)
         return result
 
-    def parameters_vector(self) -> torch.Tensor:
-        """The model's parameters as one flat float32 CPU vector (a copy), in spec order."""
+    def parameters_vector(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's parameters as one flat float32 CPU vector (a copy), in spec order: written
+        into `out` (float32, on the CPU, P values) when given, which is returned."""
+        if out is not None:
+            return gather_values(self._parameters, out)
         # torch.cat (inside) copies, so no clone: one θ-sized allocation less (two on a GPU). Callers
         # change the vector in place, so a parameter's own storage handed back is copied after all.
         vector = torch.nn.utils.parameters_to_vector(self._parameters).detach().to("cpu", torch.float32)

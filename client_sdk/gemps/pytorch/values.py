@@ -117,6 +117,17 @@ def gather_gradients(parameters: Sequence[torch.Tensor], out: torch.Tensor) -> N
         offset += n
 
 
+def gather_values(parameters: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Each parameter's values into its range of the float32 CPU vector `out`, converted from its
+    dtype and device (a blocking copy: `out` holds them on return); `out` returned."""
+    offset = 0
+    for p in parameters:
+        n = p.numel()
+        out[offset : offset + n].copy_(p.detach().reshape(-1))
+        offset += n
+    return out
+
+
 def host_tensor(values: np.ndarray) -> torch.Tensor:
     """A CPU tensor sharing `values`' memory, to read from (a reply's θ is read-only, which
     torch.from_numpy warns about: nothing writes through this tensor)."""
