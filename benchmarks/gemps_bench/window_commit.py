@@ -4,8 +4,9 @@ On a lent H200 the 85M-parameter GPT-2 job spent 96 % of a worker's step in its 
 each). This measures that commit alone, on CPU: a model of `--params` parameters (square linear
 layers of 1,024, random gradients, no forward), an AdamW step and the window's commit to a real
 `gemps server --rule downpour`, int8 both ways by default, `--commits` times. It prints the
-seconds of each commit and the process's user and system CPU over the measured ones: a θ-sized
-array the worker allocates arrives as fresh pages the kernel faults in, which shows as system time.
+seconds of each commit and the process's user and system CPU over the measured ones (a θ-sized
+array the worker allocates arrives as fresh pages the kernel faults in, which shows as system
+time), and the server's CPU a commit, spent while the worker waits for its reply.
 
     python -m gemps_bench.window_commit --params 85M --commits 7
     PYTHONPATH=<tree's packages> python benchmarks/gemps_bench/window_commit.py ...   # another tree's SDK
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from gemps.pytorch import LocalSteps
+from gemps_bench import procfs
 from gemps_bench.counts import parse_counts
 from gemps_worker.cluster import ServerProcess
 
@@ -44,9 +46,15 @@ def cpu_seconds() -> tuple[float, float]:
     return usage.ru_utime, usage.ru_stime
 
 
+def server_cpu_seconds(pid: int) -> float:
+    """The server's CPU so far, user and system: its process and its partitions' (procfs)."""
+    return sum(procfs.cpu_seconds(each) or 0.0 for each in (pid, *procfs.children(pid)))
+
+
 def measure(parameters: int, commits: int, compression: str, partitions: int) -> dict[str, Any]:
     """Each measured commit's seconds (the step that commits: AdamW's step, then the commit and its
-    reply loaded) and the user and system CPU seconds a commit, over the measured ones."""
+    reply loaded), the worker's user and system CPU seconds a commit and the server's CPU seconds a
+    commit (it decodes, applies and codes the reply while the worker waits), over the measured ones."""
     model = model_of(parameters)
     codes = None if compression == "none" else compression
     with ServerProcess(rule="downpour", partitions=partitions) as server:
@@ -58,10 +66,12 @@ def measure(parameters: int, commits: int, compression: str, partitions: int) ->
             for commit in range(WARM_COMMITS + commits):
                 if commit == WARM_COMMITS:
                     user, system = cpu_seconds()
+                    served = server_cpu_seconds(server.pid)
                 began = time.perf_counter()
                 optimizer.step(loss=1.0)  # steps=1: every step commits
                 seconds.append(time.perf_counter() - began)
             user_after, system_after = cpu_seconds()
+            served_after = server_cpu_seconds(server.pid)
     measured = seconds[WARM_COMMITS:]
     return {
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -71,6 +81,7 @@ def measure(parameters: int, commits: int, compression: str, partitions: int) ->
         "median_commit_seconds": statistics.median(measured),
         "user_cpu_seconds_a_commit": (user_after - user) / commits,
         "system_cpu_seconds_a_commit": (system_after - system) / commits,
+        "server_cpu_seconds_a_commit": (served_after - served) / commits,
     }
 
 

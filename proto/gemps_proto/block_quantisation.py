@@ -71,12 +71,13 @@ def _codes(values: np.ndarray, levels: int, scales: np.ndarray, codes: np.ndarra
         codes[start:stop] = ratio.reshape(-1)[: stop - start]
 
 
-def _values(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """float32 code x scale for each value (codes of one block share its scale), with no temporary."""
+def _values(codes: np.ndarray, scales: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """float32 code x scale for each value (codes of one block share its scale), with no temporary:
+    into `out` (float32, a value each code) when given."""
     count = codes.size
     full = count - count % BLOCK
     rows = full // BLOCK
-    values = np.empty(count, np.float32)
+    values = np.empty(count, np.float32) if out is None else out
     np.multiply(codes[:full].reshape(rows, BLOCK), scales[:rows, None], out=values[:full].reshape(rows, BLOCK))
     if full < count:  # the last block, short
         np.multiply(codes[full:], scales[rows], out=values[full:])
@@ -178,11 +179,12 @@ class BlockCodes:
     def size(self) -> int:
         return int(self.codes.size)
 
-    def values(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """float32 code x scale of the values from `start` (a block's first) to `stop`."""
+    def values(self, start: int = 0, stop: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """float32 code x scale of the values from `start` (a block's first) to `stop`, into `out`
+        (float32, one a value) when given."""
         if start % BLOCK:
             raise ValueError(f"values are read from a block's first, not from {start}")
-        return _values(self.codes[start:stop], self.scales[start // BLOCK :])
+        return _values(self.codes[start:stop], self.scales[start // BLOCK :], out)
 
 
 def int8_codes(data: bytes | bytearray | memoryview, count: int) -> BlockCodes:
@@ -208,11 +210,13 @@ def int4_codes(data: bytes | bytearray | memoryview, count: int) -> BlockCodes:
     return BlockCodes(scales, codes)
 
 
-def decode_int8(data: bytes | bytearray | memoryview, count: int) -> np.ndarray:
-    """float32 values of DTYPE_INT8_BLOCK bytes holding `count` of them (int8_codes' checks)."""
-    return int8_codes(data, count).values()
+def decode_int8(data: bytes | bytearray | memoryview, count: int, out: np.ndarray | None = None) -> np.ndarray:
+    """float32 values of DTYPE_INT8_BLOCK bytes holding `count` of them (int8_codes' checks), into
+    `out` (float32, `count` of them) when given."""
+    return int8_codes(data, count).values(out=out)
 
 
-def decode_int4(data: bytes | bytearray | memoryview, count: int) -> np.ndarray:
-    """float32 values of DTYPE_INT4_BLOCK bytes holding `count` of them (int4_codes' checks)."""
-    return int4_codes(data, count).values()
+def decode_int4(data: bytes | bytearray | memoryview, count: int, out: np.ndarray | None = None) -> np.ndarray:
+    """float32 values of DTYPE_INT4_BLOCK bytes holding `count` of them (int4_codes' checks), into
+    `out` when given."""
+    return int4_codes(data, count).values(out=out)

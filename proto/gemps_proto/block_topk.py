@@ -94,15 +94,20 @@ def _largest(grid: np.ndarray) -> np.ndarray:
     return np.flatnonzero(above | tied)
 
 
-def _scatter(count: int, positions: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    values = np.zeros(count, np.float32)
+def _scatter(
+    count: int, positions: np.ndarray, codes: np.ndarray, scales: np.ndarray, out: np.ndarray | None = None
+) -> np.ndarray:
+    values = np.zeros(count, np.float32) if out is None else out
+    if out is not None:
+        values.fill(0.0)
     values[positions] = codes.astype(np.float32) * scales
     return values
 
 
-def decode_topk(data: bytes | bytearray | memoryview, count: int) -> np.ndarray:
+def decode_topk(data: bytes | bytearray | memoryview, count: int, out: np.ndarray | None = None) -> np.ndarray:
     """float32 values of DTYPE_TOPK_BLOCK bytes holding `count` of them (their length checked by the
-    caller); QuantisedPayloadError for a scale, index or code no encoder writes."""
+    caller), into `out` (float32, `count` of them) when given; QuantisedPayloadError for a scale,
+    index or code no encoder writes."""
     rows, total = blocks(count), kept(count)
     scales = np.frombuffer(data, dtype="<f4", count=rows)
     if rows and not (np.isfinite(scales).all() and (scales >= 0).all()):
@@ -116,4 +121,4 @@ def decode_topk(data: bytes | bytearray | memoryview, count: int) -> np.ndarray:
         raise QuantisedPayloadError(f"an index of the last block is past its {count - (rows - 1) * BLOCK} values")
     if total > 1 and not np.all((np.diff(indices) > 0) | (rank[1:] == 0)):
         raise QuantisedPayloadError("a block's indices are not strictly ascending (one repeats or goes back)")
-    return _scatter(count, block_of * BLOCK + indices, codes, scales[block_of])
+    return _scatter(count, block_of * BLOCK + indices, codes, scales[block_of], out)

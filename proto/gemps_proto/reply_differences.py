@@ -59,9 +59,13 @@ def whole(theta: np.ndarray) -> np.ndarray:
     return float32_to_bfloat16(theta)
 
 
-def difference(theta: np.ndarray, bits: np.ndarray, dtype: int) -> tuple[bytes, np.ndarray]:
+def difference(
+    theta: np.ndarray, bits: np.ndarray, dtype: int, *, in_place: bool = False
+) -> tuple[bytearray, np.ndarray]:
     """The reply's code of θ - copy in `dtype`, and the copy after it: what `advance` makes of the
-    code's decoded values on the client, the very same bits.
+    code's decoded values on the client, the very same bits. `in_place`: the copy after is `bits`
+    itself, moved (the server's own record, which it replaces anyway: no 2 bytes a value more, nor
+    their pages faulted in); else a new array and `bits` as it was.
 
     CHUNK_BLOCKS blocks at a time, so that its float32 temporaries (the copy's values, the difference,
     the quantiser's, the step) are each a chunk's, not θ's: they are not in the memory budget.
@@ -75,7 +79,7 @@ def difference(theta: np.ndarray, bits: np.ndarray, dtype: int) -> tuple[bytes, 
     count, chunk = values.size, CHUNK_BLOCKS * BLOCK
     scales_end = 4 * blocks(count)
     data = bytearray(expected_payload_nbytes(dtype, (count,)))  # B scales, then the codes (block_quantisation.py)
-    after = held_bits.copy()  # each chunk's new copy written over (numpy is the caller's: no import here)
+    after = held_bits if in_place else held_bits.copy()  # each chunk read, then written over (numpy: the caller's)
     for start in range(0, count, chunk):
         stop = min(start + chunk, count)
         held = copy_values(held_bits[start:stop])
@@ -84,7 +88,7 @@ def difference(theta: np.ndarray, bits: np.ndarray, dtype: int) -> tuple[bytes, 
         data[4 * (start // BLOCK) : 4 * (start // BLOCK) + head] = part[:head]
         data[codes_at : codes_at + len(part) - head] = part[head:]
         after[start:stop] = _advanced(held, step)
-    return bytes(data), after.reshape(bits.shape)
+    return data, after.reshape(bits.shape)
 
 
 def advance(bits: np.ndarray, code: BlockCodes, out: np.ndarray) -> np.ndarray:

@@ -64,13 +64,14 @@ class _Codes:
     values the bytes decode to, and its encoder that leaves in the values what the codes lose."""
 
     nbytes: Callable[[int], int]
-    decode: Callable[[bytes | bytearray | memoryview, int], Vector]
+    decode: Callable[[bytes | bytearray | memoryview, int, np.ndarray | None], Vector]
     encode: Callable[[Vector], bytes]
     with_values: Callable[[np.ndarray], tuple[bytes, np.ndarray]]
     subtracting: Callable[[np.ndarray], bytes]
 
 
-_CODE_DTYPES = frozenset({INT8_BLOCK, INT4_BLOCK, TOPK_BLOCK})
+#: the commit payloads that are codes, decoded to float32 (decode_payload), never θ's wire dtype
+CODE_DTYPES = frozenset({INT8_BLOCK, INT4_BLOCK, TOPK_BLOCK})
 
 
 @functools.cache
@@ -141,17 +142,20 @@ def decode(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryv
     return vectors.shaped(vectors.float32s(data), shape)
 
 
-def decode_payload(dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> Vector:
+def decode_payload(
+    dtype: int, shape: tuple[int, ...], data: bytes | bytearray | memoryview, out: np.ndarray | None = None
+) -> Vector:
     """float32 values of a commit payload in any of its dtypes (θ's, or blockwise codes,
-    checked: TensorDecodeError for a scale, code or length no encoder writes)."""
-    if dtype not in _CODE_DTYPES:
+    checked: TensorDecodeError for a scale, code or length no encoder writes). Codes are decoded
+    into `out` (float32, a value each) when given: float32 and bfloat16 never are."""
+    if dtype not in CODE_DTYPES:
         return decode(dtype, shape, data)
     _check_payload_length(dtype, shape, data)
     codes = _codes(dtype)
     from gemps_proto.block_quantisation import QuantisedPayloadError
 
     try:
-        return vectors.shaped(codes.decode(data, num_elements(shape)), shape)
+        return vectors.shaped(codes.decode(data, num_elements(shape), out), shape)
     except QuantisedPayloadError as error:
         raise TensorDecodeError(f"{dtype_name(dtype)}: {error}") from None
 
@@ -203,9 +207,10 @@ class EncodedTensor:
         """float32 values (aliasing `data` for float32); raises TensorDecodeError."""
         return decode(self.dtype, self.shape, self.data)
 
-    def decode_payload(self) -> Vector:
-        """A commit payload's float32 values, whatever its dtype (decode_payload); raises TensorDecodeError."""
-        return decode_payload(self.dtype, self.shape, self.data)
+    def decode_payload(self, out: np.ndarray | None = None) -> Vector:
+        """A commit payload's float32 values, whatever its dtype, codes into `out` when given
+        (decode_payload); raises TensorDecodeError."""
+        return decode_payload(self.dtype, self.shape, self.data, out)
 
     def decode_int64(self) -> Vector:
         """int64 values (aliasing `data`); raises TensorDecodeError unless it is an int64 tensor."""
@@ -243,14 +248,14 @@ def _flat_payload_nbytes(dtype: int, size: int) -> int:
 def _payload_nbytes(dtype: int, shape: Sequence[int]) -> int:
     if any(d < 0 for d in shape):
         raise TensorDecodeError(f"negative dimension in shape {list(shape)}")
-    if dtype in _CODE_DTYPES:
+    if dtype in CODE_DTYPES:
         return _codes(dtype).nbytes(num_elements(shape))
     return expected_nbytes(dtype, shape)
 
 
 def encode_payload(values: Vector, dtype: int) -> bytes:
     """Raw wire bytes of a commit payload's finite float32 values in `dtype` (θ's or blockwise codes)."""
-    if dtype in _CODE_DTYPES:
+    if dtype in CODE_DTYPES:
         return _codes(dtype).encode(values)
     return encode(values, dtype)
 

@@ -15,6 +15,7 @@ def test_it_measures_each_commit_after_the_warm_ones_and_the_cpu_they_took() -> 
     assert figures["parameters"] == 316 * 316  # one square layer of about 100K
     assert len(figures["commit_seconds"]) == 3 and all(s > 0 for s in figures["commit_seconds"])
     assert figures["user_cpu_seconds_a_commit"] > 0 and figures["system_cpu_seconds_a_commit"] >= 0
+    assert figures["server_cpu_seconds_a_commit"] > 0  # the server's own process, read from procfs
 
 
 @pytest.mark.parametrize(("text", "number"), [("85M", 85_000_000), ("100K", 100_000), ("1.5M", 1_500_000), ("42", 42)])

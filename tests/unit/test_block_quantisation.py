@@ -30,6 +30,7 @@ from gemps_proto.tensor_codec import (
     quantised_subtracting,
     quantised_with_values,
 )
+from gemps_server.domain.errors import InvalidArgument
 from gemps_server.domain.records import Commit
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
@@ -247,3 +248,32 @@ def test_payload_sizes_asked_per_commit_are_remembered_for_few_keys_and_shapes_u
             expected_payload_nbytes(FLOAT32, [-1])
         with pytest.raises(TensorDecodeError, match="unsupported dtype"):
             expected_payload_nbytes(999, [5])
+
+
+@pytest.mark.parametrize("rule", ["downpour", "gem"])
+def test_the_server_decodes_a_coded_commit_into_memory_it_keeps(rule: str) -> None:
+    """Each coded commit's values were a new float32 array of θ's size (at 100M parameters 400 MB of
+    fresh pages a commit); now the core decodes them into memory it keeps, from the second commit on.
+    A payload of another size is refused as before, θ untouched, the kept memory unread."""
+    size = 1 << 20
+    state = ServerState(training(rule, learning_rate=0.05), WorkerRegistry(max_workers=4, lease_ttl=3600))
+    worker = state.register("w", [ParameterSpec("w", (size,))], encoded(np.zeros(size, np.float32))).worker.worker_id
+    kind = 2 if rule == "downpour" else 1  # an update, as LocalSteps sends; a gradient
+    rng = np.random.default_rng(0)
+    for step in range(3):
+        data = encode_payload(rng.standard_normal(size).astype(np.float32) * np.float32(1e-3), INT8_BLOCK)
+        before = state.core.theta_copy()
+        tracemalloc.start()
+        state.core.commit_record(Commit(worker, state.core.version, kind, EncodedTensor(INT8_BLOCK, (size,), data)))
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert not np.array_equal(state.core.theta_copy(), before)
+        if step:
+            assert peak < size, f"{peak / size:.2f} bytes a value held applying a coded commit"
+    theta = state.core.theta_copy()
+    longer = encode_payload(np.ones(size + 1, np.float32), INT8_BLOCK)
+    with pytest.raises(InvalidArgument, match=r"payload shape \[1048577\] does not match"):
+        state.core.commit_record(
+            Commit(worker, state.core.version, kind, EncodedTensor(INT8_BLOCK, (size + 1,), longer))
+        )
+    np.testing.assert_array_equal(state.core.theta_copy(), theta)

@@ -58,13 +58,13 @@ def reply_of(outcome: CommitOutcome, data: bytes | memoryview) -> Committed:
     return committed_from_proto(numbers, reply_values(numbers, EncodedTensor(outcome.reply.dtype, (P,), bytes(data))))
 
 
-def difference_reply(version: int, data: bytes, count: int, copy: int, difference_of: int) -> Committed:
+def difference_reply(version: int, data: bytes | bytearray, count: int, copy: int, difference_of: int) -> Committed:
     """A difference reply as the SDK reads it: its code checked, not decoded."""
     code = checked_block_codes(INT8_BLOCK, (count,), data)
     return Committed(version, 0, 0, 0, 0, 0, None, None, 0, copy=copy, difference_of=difference_of, difference=code)
 
 
-def advanced(bits: np.ndarray, dtype: int, data: bytes) -> np.ndarray:
+def advanced(bits: np.ndarray, dtype: int, data: bytes | bytearray) -> np.ndarray:
     """The copy `bits` moved (in place) by a difference reply of `data` in `dtype`, as the SDK moves it."""
     out = np.empty(bits.size, np.float32)
     values = advance(bits, checked_block_codes(dtype, (bits.size,), data), out)
@@ -366,6 +366,35 @@ def test_a_difference_taken_a_chunk_at_a_time_is_the_same_bytes_and_bits_as_at_o
     assert after_2d.shape == (8, 256) and data_2d == difference(theta[: 8 * 256], bits[: 8 * 256], dtype)[0]
     with pytest.raises(ValueError, match="int8 or int4 block codes"):
         difference(theta, bits, BFLOAT16)
+
+
+def test_a_coded_commit_answered_with_a_difference_holds_little_beyond_the_replys_bytes() -> None:
+    """The server's side of a window's commit with int8 both ways: the payload decoded into memory
+    the core keeps, the worker's copy moved in place, the reply's code handed on without a copy of
+    its bytes: the code's byte a value, beside a chunk's temporaries (1.2 bytes a value here). It
+    held 3.6 (θ's values decoded, the new copy, the code twice)."""
+    size = 16 * reply_differences.CHUNK_BLOCKS * block_quantisation.BLOCK  # the chunks' ~20 MB: 1.2 a value
+    config = training("downpour", learning_rate=ETA)
+    state = ServerState(config, WorkerRegistry(max_workers=4, lease_ttl=3600))
+    spec = (ParameterSpec("w", (size,)),)
+    worker = state.register("w", spec, encoded(np.zeros(size, np.float32))).worker.worker_id
+    copy, rng = HeldCopy(), np.random.default_rng(8)
+    for step in range(4):
+        update = rng.standard_normal(size).astype(np.float32) * np.float32(1e-2)
+        payload = EncodedTensor(INT8_BLOCK, (size,), encode_payload(update, INT8_BLOCK))
+        commit = Commit(worker, state.core.version, PayloadKind.UPDATE.value, payload, request_id=f"c{step}",
+                        reply_dtype=INT8_BLOCK, held_copy=copy.number)  # fmt: skip
+        tracemalloc.start()
+        outcome, data = state.core.commit_and_reply(commit, keep_bytes)
+        peak = tracemalloc.get_traced_memory()[1] - len(data)  # keep_bytes' own copy of the reply aside
+        tracemalloc.stop()
+        numbers = pb.CommitResponse(version=outcome.snapshot.version, copy=outcome.reply.copy,  # type: ignore[union-attr]
+                                    difference_of=outcome.reply.difference_of)  # type: ignore[union-attr]  # fmt: skip
+        dtype = outcome.reply.dtype  # type: ignore[union-attr]
+        copy.took(committed_from_proto(numbers, reply_values(numbers, EncodedTensor(dtype, (size,), data))))
+        if step >= 2:  # a difference (the first reply is θ whole), the decoding memory kept
+            assert numbers.difference_of
+            assert peak < 3 * size, f"{peak / size:.2f} bytes a value held by the server's side of a commit"
 
 
 def test_a_difference_replys_arithmetic_holds_a_chunk_not_several_thetas() -> None:

@@ -218,11 +218,12 @@ def check_upload(
 # -- tensors ---------------------------------------------------------------------------------
 
 
-def decoded(tensor: EncodedTensor, what: str, *, payload: bool = False) -> np.ndarray:
-    """`tensor`'s values (a commit `payload`'s in any of its dtypes, blockwise codes included, else
-    θ's wire dtypes only); InvalidArgument (BAD_PAYLOAD) naming `what` when they do not decode."""
+def decoded(tensor: EncodedTensor, what: str, *, payload: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+    """`tensor`'s values (a commit `payload`'s in any of its dtypes, blockwise codes included, and
+    codes into `out` when given; else θ's wire dtypes only); InvalidArgument (BAD_PAYLOAD) naming
+    `what` when they do not decode."""
     try:
-        return tensor.decode_payload() if payload else tensor.decode()
+        return tensor.decode_payload(out) if payload else tensor.decode()
     except TensorDecodeError as error:
         raise InvalidArgument(f"{what}: {error}", Reason.BAD_PAYLOAD) from None
 
@@ -386,12 +387,15 @@ def validated_payload(
     num_parameters: int,
     version: int,
     payload_peak: float | None = None,
+    out: np.ndarray | None = None,
 ) -> tuple[PayloadKind, np.ndarray, float]:
     """A commit's kind, its values and max |value| (which the rules' overflow bounds use), checked
     in the protocol's order against P and the server's `version`; `payload_peak` where the wire
-    measured it (NaN: a value is not finite), else measured here."""
+    measured it (NaN: a value is not finite), else measured here. A coded payload's values are
+    decoded into `out` (float32, P of them) when given and of its size."""
     kind_of = payload_kind(kind)
-    values = decoded(payload, "payload", payload=True)
+    fits = out is not None and all(d >= 0 for d in payload.shape) and math.prod(payload.shape) == out.size
+    values = decoded(payload, "payload", payload=True, out=out if fits else None)
     check_payload_shape(values.shape, num_parameters)
     if base_version < 0:
         raise InvalidArgument(f"base_version {base_version} is negative", Reason.BAD_VERSION)

@@ -55,7 +55,7 @@ class WorkerCopies:
         reply_dtype: int,
         theta: np.ndarray,
         whole: Callable[[], bytes],
-    ) -> tuple[CommitOutcome, bytes]:
+    ) -> tuple[CommitOutcome, bytes | memoryview]:
         """`outcome` with how its reply moves `worker_id`'s copy, and the reply's bytes: the
         difference θ - copy in `reply_dtype` when the worker holds the copy we keep (`held_copy`),
         else `whole()` (θ's bfloat16 bytes at this version) as a new copy."""
@@ -63,9 +63,13 @@ class WorkerCopies:
         number = next(self._numbers)
         try:
             if kept is not None and held_copy == kept[0] and kept[1].size == theta.size:
-                data, bits = difference(theta, kept[1], reply_dtype)
+                try:
+                    code, bits = difference(theta, kept[1], reply_dtype, in_place=True)
+                except BaseException:  # moved part-way in place: never the base of a difference again
+                    self.forget(worker_id)
+                    raise
                 self._keep(worker_id, number, bits)
-                return dataclasses.replace(outcome, reply=CopyReply(reply_dtype, number, kept[0])), data
+                return dataclasses.replace(outcome, reply=CopyReply(reply_dtype, number, kept[0])), memoryview(code)
             data = whole()
             if self._room(2 * theta.size - (0 if kept is None else kept[1].nbytes)):
                 self._keep(worker_id, number, np.frombuffer(data, "<u2").copy())
