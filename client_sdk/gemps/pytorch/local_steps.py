@@ -102,14 +102,9 @@ class LocalSteps(torch.optim.Optimizer):
         self.defaults = optimizer.defaults
         # The window's start, the update and the replies, written again commit after commit (vector_pool.py).
         self._vectors = VectorPool()
-        self._start = self.remote.parameters_vector(out=self._vectors.take(self._size))
+        self._start = self.remote.parameters_vector()
         self._taken = 0  # local steps since the window's start
         self._losses: list[float] = []
-
-    @property
-    def _size(self) -> int:
-        """P: the values of the model's trained parameters, the central variable's."""
-        return sum(p.numel() for p in self.remote.trained)
 
     @property
     def last_result(self) -> CommitResult | None:
@@ -162,7 +157,7 @@ class LocalSteps(torch.optim.Optimizer):
         if self._taken == 0:
             return None
         vectors = self._vectors
-        update = self.remote.parameters_vector(out=vectors.take(self._size)).sub_(self._start)  # in place
+        update = self.remote.parameters_vector(out=vectors.take(self._start.numel())).sub_(self._start)  # in place
         if self.outer_learning_rate != 1.0:  # times 1.0 changes no bit: a pass over θ saved
             update.mul_(self.outer_learning_rate)
         loss = sum(self._losses) / len(self._losses) if self._losses else None

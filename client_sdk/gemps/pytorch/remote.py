@@ -284,16 +284,11 @@ class RemoteModel:
         return result
 
     def parameters_vector(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The model's parameters as one flat float32 CPU vector (a copy), in spec order: written
-        into `out` (float32, on the CPU, P values) when given, which is returned."""
-        if out is not None:
-            return gather_values(self._parameters, out)
-        # torch.cat (inside) copies, so no clone: one θ-sized allocation less (two on a GPU). Callers
-        # change the vector in place, so a parameter's own storage handed back is copied after all.
-        vector = torch.nn.utils.parameters_to_vector(self._parameters).detach().to("cpu", torch.float32)
-        if any(vector.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in self._parameters):
-            return vector.clone()
-        return vector
+        """The model's parameters as one flat float32 CPU vector, in spec order: a copy, the caller's
+        to change (written into `out`, float32 on the CPU with P values, when given)."""
+        if out is None:
+            out = torch.empty(sum(p.numel() for p in self._parameters), dtype=torch.float32)
+        return gather_values(self._parameters, out)
 
     def pull(self) -> int:
         """Load the newest central variable into the model; returns its version."""
