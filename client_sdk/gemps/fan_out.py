@@ -10,6 +10,10 @@ K = 4 gave 2.1x K = 1's commits/s, not 4x). So where a call moves more than a li
 each partition's exchange runs whole on a thread of its own (daemon threads kept for the client's
 life: a blocked read never holds up the interpreter's exit); a small call stays on the caller's
 thread, where a thread's hand-off would cost more than it saves.
+
+The same threads carry a commit's per-partition work on either side of its calls (`each`): each
+slice coded, each reply read into its copy (at 85M parameters, int8 both ways and 4 partitions,
+most of a worker's CPU a commit: in numpy, whose passes let go of the GIL).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ class FanOut:
         takes its call's place in the list, so that what the other servers did is known. `nbytes`:
         what the call moves, which decides whether threads carry it."""
         if nbytes >= THREADED_BYTES:
-            outcomes = self._threaded(count, start)
+            outcomes = [done.result() for done in self.each(count, lambda index: _outcome(start(index)), nbytes=nbytes)]
         else:
             outcomes = [_outcome(pending) for pending in [start(index) for index in range(count)]]
         results: list[T | errors.GempsError] = []
@@ -67,27 +71,32 @@ class FanOut:
             results.append(outcome)
         return results
 
+    def each(self, count: int, work: Callable[[int], T], *, nbytes: int) -> list[Future[T]]:
+        """`work(index)` for each of `count` servers, all ended when this returns: each its own
+        future, whose `result()` is its value or raises what it raised. Server 0's on this thread,
+        each other's on one of ours (in this call's context: its deadline) where `nbytes`, what the
+        work moves or reads, is THREADED_BYTES or more; else all on this thread, in turn."""
+        threaded = count > 1 and nbytes >= THREADED_BYTES
+        while threaded and len(self._inboxes) < count - 1:
+            inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(inbox,), name="gemps-partition-call", daemon=True).start()
+            self._inboxes.append(inbox)
+        futures: list[Future[T]] = [Future() for _ in range(count)]
+        for index in range(1, count) if threaded else ():
+            self._inboxes[index - 1].put(
+                functools.partial(_settle, futures[index], contextvars.copy_context(), work, index)
+            )
+        for index in range(1) if threaded else range(count):
+            _settle(futures[index], contextvars.copy_context(), work, index)
+        for future in futures:
+            future.exception()  # waits until it is done; raises nothing
+        return futures
+
     def close(self) -> None:
         """Let the threads end (each after the exchange it may be carrying)."""
         for inbox in self._inboxes:
             inbox.put(None)
         self._inboxes = []
-
-    def _threaded(self, count: int, start: Callable[[int], Pending[T]]) -> list[T | errors.GempsError]:
-        """Server 0's exchange on this thread, each other's on one of ours, in this call's context
-        (its deadline: gemps.transport.time_left)."""
-        while len(self._inboxes) < count - 1:
-            inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-            threading.Thread(target=_serve, args=(inbox,), name="gemps-partition-call", daemon=True).start()
-            self._inboxes.append(inbox)
-        futures: list[Future[T | errors.GempsError]] = []
-        for index in range(1, count):
-            future: Future[T | errors.GempsError] = Future()
-            work = functools.partial(_settle, future, contextvars.copy_context(), start, index)
-            self._inboxes[index - 1].put(work)
-            futures.append(future)
-        first = _outcome(start(0))
-        return [first, *(future.result() for future in futures)]
 
 
 def _outcome(pending: Pending[T]) -> T | errors.GempsError:
@@ -97,14 +106,9 @@ def _outcome(pending: Pending[T]) -> T | errors.GempsError:
         return error
 
 
-def _settle(
-    future: Future[T | errors.GempsError],
-    context: contextvars.Context,
-    start: Callable[[int], Pending[T]],
-    index: int,
-) -> None:
+def _settle(future: Future[T], context: contextvars.Context, work: Callable[[int], T], index: int) -> None:
     try:
-        future.set_result(context.run(lambda: _outcome(start(index))))
+        future.set_result(context.run(work, index))
     except BaseException as error:  # a bug's exception reaches the caller's thread, not this one's end
         future.set_exception(error)
 

@@ -210,9 +210,8 @@ class PartitionRouter:
         base_version: int | None,
         buffer_delta: Buffers | None,
     ) -> CommitResult:
-        """Each server's slice of `flat`, concurrently; θ, versions and figures from the replies.
-        Every attempt carries the same request id and number, so each server applies it at most
-        once, also when an old attempt arrives after later commits (see CommitCall)."""
+        """Each server's slice of `flat`, concurrently; θ, versions and figures from the replies. Every
+        attempt has the same request id and number: each server applies it at most once (CommitCall)."""
         sessions = self.sessions
         # One server sent the payload as it is: its transport checks it where it copies it anyway
         # (the shared memory). Else here, before any server sees it: no partition applies a commit
@@ -223,20 +222,26 @@ class PartitionRouter:
         self._sequence += 1
         request_id = f"{self._request_prefix}{self._sequence}"
         slices, bases = self._slices(flat), self._base_versions(base_version)
-        encoded = [self._encoded(i, part) for i, part in enumerate(slices)]
+        size = 4 * vectors.size(flat)  # large: each slice coded, each reply read, on a thread (fan_out.py)
+        encoded = self._encoded(slices, size)
         # Under a rule of rounds a reply may be θ unchanged: the commit says which θ it holds.
         rounds = self.registration is not None and ROUND_SIZE in self.registration.config.rule_options
         calls = [
             CommitCall(
                 sessions[i].worker_id, bases[i], kind, slices[i], loss, num_samples, request_id,
                 buffer_delta if i == 0 else None,  # buffers live on partition 0
-                self._sequence, _wire_of(encoded[i]), self.reply_code, sessions[i].copy.number, deferred,
+                self._sequence, encoded[i][0], self.reply_code, sessions[i].copy.number, deferred,
                 sessions[i].known_history(bases[i], self.reply_code) if rounds else "",
             )
             for i in range(len(sessions))
         ]  # fmt: skip
         outcomes = self._fan_out(
             lambda i: sessions[i].start_commit(calls[i]), lambda i: sessions[i].commit(calls[i], self._enrolment(i))
+        )
+        taken = self._calls.each(
+            len(sessions),
+            lambda i: None if isinstance(got := outcomes[i], errors.GempsError) else sessions[i].took(got, calls[i]),
+            nbytes=size if self.reply_code else 0,
         )
         replies: dict[int, Committed] = {}
         refusals: dict[int, errors.GempsError] = {}
@@ -245,9 +250,9 @@ class PartitionRouter:
                 refusals[index] = outcome
                 continue
             replies[index] = outcome  # kept also when another partition refused: θ moved there
-            sessions[index].took(outcome, calls[index])
-            if self.compressor is not None and (done := encoded[index]) is not None:
-                self.compressor.applied(index, done[1])  # this server applied it: its residual moves on
+            taken[index].result()  # raises what reading its reply raised
+            if self.compressor is not None and (residual := encoded[index][1]) is not None:
+                self.compressor.applied(index, residual)  # this server applied it: its residual moves on
             self._received_buffers(outcome.buffers)
         if refusals:
             refusal = next(iter(refusals.values()))
@@ -258,12 +263,12 @@ class PartitionRouter:
         self.central = self._assemble()
         return merge_commit_figures(list(replies.values()), [session.size for session in sessions], self.central)
 
-    def _encoded(self, index: int, part: Vector) -> tuple[tuple[int, bytes], Vector] | None:
-        """Server `index`'s slice compressed once for every attempt, and the residual it leaves."""
-        if self.compressor is None:
-            return None
-        data, residual = self.compressor.encode(index, part)
-        return (self.compressor.dtype, data), residual
+    def _encoded(self, slices: list[Vector], nbytes: int) -> list[tuple[tuple[int, bytes] | None, Vector | None]]:
+        """Each server's slice compressed once for every attempt, and the residual it leaves."""
+        if (compressor := self.compressor) is None:
+            return [(None, None)] * len(slices)
+        coded = self._calls.each(len(slices), lambda i: compressor.encode(i, slices[i]), nbytes=nbytes)
+        return [((compressor.dtype, data), residual) for data, residual in (done.result() for done in coded)]
 
     def leave(self) -> None:
         for session in self.sessions:
@@ -338,9 +343,8 @@ class PartitionRouter:
         session.hold(registered, enrolment.values)
 
     def _enrolment(self, index: int, values: Vector | None = None) -> Enrolment | None:
-        """What server `index` registers with: by default our newest copy of θ, which
-        re-initialises a server that lost its state (None before registering). The first gets
-        all of θ and the buffers."""
+        """What server `index` registers with: by default our newest copy of θ, which re-initialises
+        a server that lost its state (None before registering). The first gets all of θ and the buffers."""
         if values is None:
             values = self.central.flat if self.central is not None else self.registered_with
             if values is None:
@@ -443,7 +447,3 @@ def _all_or_raise(outcomes: Sequence[T | errors.GempsError]) -> list[T]:
         if isinstance(outcome, errors.GempsError):
             raise outcome
     return [outcome for outcome in outcomes if not isinstance(outcome, errors.GempsError)]
-
-
-def _wire_of(encoded: tuple[tuple[int, bytes], Vector] | None) -> tuple[int, bytes] | None:
-    return None if encoded is None else encoded[0]

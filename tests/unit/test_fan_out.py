@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -97,3 +98,30 @@ def test_a_bug_in_a_partitions_call_reaches_the_caller() -> None:
             fan.calls(2, start, never, lambda i, e: None, nbytes=THREADED_BYTES)
     finally:
         fan.close()
+
+
+@pytest.mark.parametrize("nbytes", [THREADED_BYTES - 1, THREADED_BYTES])
+def test_each_servers_work_ends_before_each_returns_and_its_failure_is_its_own(nbytes: int) -> None:
+    ran: dict[int, str] = {}
+
+    def work(index: int) -> int:
+        time.sleep(0.05 * (3 - index))  # the later servers' work ends first
+        ran[index] = threading.current_thread().name
+        if index == 1:
+            raise ValueError("server 1's slice")
+        return index * 10
+
+    fan = FanOut()
+    try:
+        done = fan.each(3, work, nbytes=nbytes)
+    finally:
+        fan.close()
+    assert sorted(ran) == [0, 1, 2]  # every server's work had ended: none is left running
+    assert done[0].result() == 0 and done[2].result() == 20
+    with pytest.raises(ValueError, match="server 1's slice"):
+        done[1].result()
+    caller = threading.current_thread().name
+    if nbytes >= THREADED_BYTES:  # server 0's on the caller's thread, each other's on one of ours
+        assert ran == {0: caller, 1: "gemps-partition-call", 2: "gemps-partition-call"}
+    else:
+        assert set(ran.values()) == {caller}
