@@ -7,8 +7,9 @@ This measures that worker: one `gemps server` (DOWNPOUR, so the server's step is
 client process at a time (`gemps.Client` over the data plane, TCP or shared memory) that commits a
 gradient of SIZE float32s, two commits of warm-up (their replies land in new memory whatever the
 SDK does) and COMMITS measured, holding each reply's θ until the next arrives, as a worker loading
-it into its model does. Printed: the client process's CPU milliseconds per measured commit (user
-and system, their median) and its page faults per commit; and the run's wall time. The tree
+it into its model does; with --partitions K, θ in K server processes, assembled by the client.
+Printed: the client process's CPU milliseconds per measured commit (user and system, their median)
+and its page faults per commit; and the run's wall time. The tree
 measured is the one first on PYTHONPATH, so two trees alternated in a shell loop give a before and
 after on the same host at the same time:
 
@@ -66,9 +67,9 @@ def client_run(target: str, size: int, commits: int, shared_memory: bool) -> dic
     }
 
 
-def measure(size: int, commits: int, transport: str) -> dict[str, float | int | str]:
-    """One server, one client process (this module with --client): its figures and wall time."""
-    with ServerProcess(rule="downpour", learning_rate=1e-3, metrics_port=-1) as server:
+def measure(size: int, commits: int, transport: str, partitions: int = 1) -> dict[str, float | int | str]:
+    """One server (of `partitions`), one client process (this module with --client): its figures and wall time."""
+    with ServerProcess(rule="downpour", learning_rate=1e-3, metrics_port=-1, partitions=partitions) as server:
         start = time.monotonic()
         child = subprocess.run(
             [
@@ -83,7 +84,9 @@ def measure(size: int, commits: int, transport: str) -> dict[str, float | int | 
     if child.returncode != 0:
         raise RuntimeError(f"the client process failed ({child.returncode}): {child.stderr[-2000:]}")
     figures: dict[str, float | int | str] = json.loads(child.stdout)
-    return figures | {"size": size, "commits": commits, "transport": transport, "wall_seconds": wall}
+    return figures | {
+        "size": size, "commits": commits, "transport": transport, "partitions": partitions, "wall_seconds": wall,
+    }  # fmt: skip
 
 
 def _size(text: str) -> int:
@@ -99,14 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=_size, default=_size("100M"), help="float32s in θ (default 100M)")
     parser.add_argument("--commits", type=int, default=6, help="commits measured after two of warm-up (default 6)")
     parser.add_argument("--transport", choices=("tcp", "shared"), default="tcp", help="the data plane's (default tcp)")
+    parser.add_argument("--partitions", type=int, default=1, help="server processes θ is split across (default 1)")
     parser.add_argument("--client", metavar="TARGET", help=argparse.SUPPRESS)  # the client process's own run
     args = parser.parse_args(argv)
     if args.commits < 1:
         parser.error("--commits: at least 1")
+    if args.partitions < 1:
+        parser.error(f"--partitions {args.partitions}: at least 1")
     if args.client:
         print(json.dumps(client_run(args.client, args.size, args.commits, args.transport == "shared")))
     else:
-        print(json.dumps(measure(args.size, args.commits, args.transport)))
+        print(json.dumps(measure(args.size, args.commits, args.transport, args.partitions)))
     return 0
 
 

@@ -8,7 +8,9 @@ page of it faulted in as the reply is written, which at GPT-2 small's 124M param
 as much CPU as the copy itself (docs/PERFORMANCE.md, "A reply into pages kept"). Two are kept: a
 client that holds its last θ until the next one lands (the copy a difference reply moves, the
 slices a client of rounds keeps for an `unchanged` reply) alternates between them. So a
-connection holds at most two buffers of its largest reply, one of them the caller's θ anyway.
+connection holds at most two buffers of its largest reply, one of them the caller's θ anyway. The
+same holds for the copy a difference reply moves (held_copy.py) and for θ assembled from a
+partitioned θ's slices (router.py).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from gemps.records import (
     Registration,
     ServerStatus,
 )
+from gemps.reply_buffers import ReplyBuffers
 from gemps.resolver import REPLICA_SEPARATOR, Replicas, Resolver
 from gemps.retry import Retrier
 from gemps.server_session import ServerSession, refuse_partition_count_change
@@ -126,6 +127,7 @@ class PartitionRouter:
         self.worker_name = worker_name
         self.client_id = client_id
         self._calls = FanOut()  # one call to each partition at once
+        self._assembled = ReplyBuffers()  # where θ is assembled from the slices: pages kept, not mapped anew
         self._probes = ReplicaProbes(connect)  # a replicated partition's other replicas, asked while a call waits
         self.sessions = [self._session(0, connect(self.target))]
         self.layout: Layout | None = None  # how θ is partitioned; None: one server holds it all
@@ -361,7 +363,7 @@ class PartitionRouter:
         """Take the layout a server announced: each session's range, and transports to partitions
         not reached yet (addresses relative to the one this client was given)."""
         if layout is None:
-            self.sessions[0].start, self.sessions[0].stop = 0, self._num_parameters()
+            self.sessions[0].start, self.sessions[0].stop = 0, sum(num_elements(entry.shape) for entry in self.spec)
             return
         if self.layout is None:
             for index in range(len(self.sessions), len(layout.partitions)):
@@ -425,9 +427,9 @@ class PartitionRouter:
         """The central variable from the slices held (one server: its θ as received, no copy)."""
         if len(self.sessions) == 1:
             flat = self.sessions[0].flat
-        else:
-            # read-only, like a single server's, which is a view of the reply
-            flat = vectors.read_only(vectors.concatenate([session.flat for session in self.sessions]))
+        else:  # read-only, as a single server's (a view of its reply); in pages kept (reply_buffers.py)
+            kept = self._assembled.take(4 * sum(session.size for session in self.sessions))
+            flat = vectors.read_only(vectors.concatenate([session.flat for session in self.sessions], into=kept))
         versions = tuple(session.version for session in self.sessions)
         return CentralVariable(
             versions[0], flat, self.spec, self.buffers.floats, self.buffer_spec, versions, self.buffers.integers
@@ -436,9 +438,6 @@ class PartitionRouter:
     def _received_buffers(self, buffers: Buffers | None) -> None:
         if buffers is not None:  # replies leave them out for a model without buffers
             self.buffers = buffers
-
-    def _num_parameters(self) -> int:
-        return sum(num_elements(entry.shape) for entry in self.spec)
 
 
 def _all_or_raise(outcomes: Sequence[T | errors.GempsError]) -> list[T]:

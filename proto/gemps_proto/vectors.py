@@ -214,14 +214,19 @@ def shaped(values: Vector, new_shape: Sequence[int]) -> Vector:
     return _shaped(values, new_shape)
 
 
-def concatenate(parts: Sequence[Vector], integers: bool = False) -> Vector:
-    """Flat values one after another, as one new flat vector of float32 (int64 with `integers`)."""
+def concatenate(parts: Sequence[Vector], integers: bool = False, into: memoryview | None = None) -> Vector:
+    """Flat values one after another, as one new flat vector of float32 (int64 with `integers`);
+    float32 values written into `into` (writable bytes of their size) and viewed there, when given."""
     if HAVE_NUMPY:
         if not parts:
             return empty_int64() if integers else empty_float32()
-        return np.concatenate([part.reshape(-1) for part in parts])
+        flat = [part.reshape(-1) for part in parts]
+        return np.concatenate(flat) if into is None else np.concatenate(flat, out=np.frombuffer(into, dtype="<f4"))
     code = INT64_FORMAT if integers else FLOAT32_FORMAT
-    return _cast(memoryview(bytearray().join([_flat(part) for part in parts])), code)  # one copy
+    joined = bytearray().join([_flat(part) for part in parts])  # one copy
+    if into is not None:
+        into[:] = joined  # a second, which only a client without numpy makes
+    return _cast(memoryview(joined if into is None else into), code)
 
 
 def copy(values: Vector) -> Vector:

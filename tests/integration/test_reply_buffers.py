@@ -39,14 +39,15 @@ def test_a_kept_reply_is_never_written_by_the_next(
         np.testing.assert_allclose(values[-1], RATE * sum(range(1, 7)), rtol=1e-2)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shared"])
-def test_a_worker_past_the_heaps_reach_faults_in_no_page_a_commit(transport: str) -> None:
+@pytest.mark.parametrize(("transport", "partitions"), [("tcp", 1), ("shared", 1), ("tcp", 2)])
+def test_a_worker_past_the_heaps_reach_faults_in_no_page_a_commit(transport: str, partitions: int) -> None:
     """`python -m gemps_bench.sdk_replies`: a client process on its own allocator, θ of 40 MB (past
     glibc's largest mmap threshold, 32 MiB, so a new buffer is mapped afresh each time), holding
     each reply until the next. Before, it faulted in every reply's pages, and the finiteness
     check's mask of a byte a value, at every commit: 57 pages a commit through shared memory and
-    568 over TCP (one run each, the pages huge where the kernel could make them so)."""
-    figures = sdk_replies.measure(10_000_000, commits=3, transport=transport)
+    568 over TCP (one run each, the pages huge where the kernel could make them so). With θ in 2
+    partitions the client assembled it into a new array of θ's size each commit."""
+    figures = sdk_replies.measure(10_000_000, commits=3, transport=transport, partitions=partitions)
     cpu, faults = figures["client_cpu_ms_per_commit"], figures["page_faults_per_commit"]
     assert isinstance(cpu, float) and cpu > 0, figures
     assert isinstance(faults, int | float) and faults <= 4, figures

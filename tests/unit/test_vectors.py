@@ -123,6 +123,13 @@ def test_a_buffer_int64_cannot_hold_is_named() -> None:
         Buffers.of({"bn.num_batches_tracked": [2**63]}, spec)
 
 
+def test_values_concatenated_into_given_bytes_are_viewed_there() -> None:
+    room = memoryview(bytearray(16))
+    joined = vectors.concatenate([vectors.as_float32([1.0, 2.0]), vectors.as_float32([[3.0], [4.0]])], into=room)
+    assert values_of(joined) == [1.0, 2.0, 3.0, 4.0]
+    assert values_of(vectors.float32s(room)) == [1.0, 2.0, 3.0, 4.0]  # written where it was given, not copied
+
+
 def test_flat_values_are_shaped_concatenated_and_copied() -> None:
     flat = vectors.as_float32([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
     assert values_of(vectors.shaped(flat, (2, 3))) == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
