@@ -82,11 +82,11 @@ class FanOut:
             threading.Thread(target=_serve, args=(inbox,), name="gemps-partition-call", daemon=True).start()
             self._inboxes.append(inbox)
         futures: list[Future[T]] = [Future() for _ in range(count)]
-        for index in range(1, count) if threaded else ():
-            self._inboxes[index - 1].put(
-                functools.partial(_settle, futures[index], contextvars.copy_context(), work, index)
-            )
-        for index in range(1) if threaded else range(count):
+        if threaded:
+            for index in range(1, count):
+                work_there = functools.partial(_settle, futures[index], contextvars.copy_context(), work, index)
+                self._inboxes[index - 1].put(work_there)
+        for index in range(1 if threaded else count):  # here: server 0's, or every server's in turn
             _settle(futures[index], contextvars.copy_context(), work, index)
         for future in futures:
             future.exception()  # waits until it is done; raises nothing
