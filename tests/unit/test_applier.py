@@ -4,6 +4,7 @@ an operation once its result is delivered (a commit's payload and reply are θ-s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import random
 import threading
@@ -74,22 +75,29 @@ def test_nothing_of_an_operation_outlives_its_result() -> None:
         applier.stop()
 
 
-def test_threads_and_an_event_loop_never_overlap_and_keep_each_submitters_order() -> None:
-    """Inline runs on several threads and on the event loop, and queued runs on the applier's
-    thread, at once: never two operations at a time, and each submitter's in its order."""
+@dataclasses.dataclass
+class Hammered:
+    """What one round of submitters on threads and an event loop saw."""
+
+    overlaps: list[str]  # operations that found another one running
+    done: dict[str, list[int]]  # each submitter's operations, in the order they ran
+    inline_threads: set[str]  # the threads that had an operation run inline (not queued)
+
+
+def _hammered(seed: int, count: int = 200) -> Hammered:
+    """Inline runs on 4 threads and on the event loop, and queued runs on the applier's thread, at once."""
     applier = Applier()
     applier.start()
     running = threading.Lock()  # taken without waiting: fails if another operation is running
-    overlaps: list[str] = []
-    done: dict[str, list[int]] = {}
+    seen = Hammered([], {}, set())
 
     def operation(submitter: str, i: int) -> Callable[[], int]:
         def run() -> int:
             if not running.acquire(blocking=False):
-                overlaps.append(f"{submitter}:{i}")
+                seen.overlaps.append(f"{submitter}:{i}")
                 return i
             try:
-                done.setdefault(submitter, []).append(i)
+                seen.done.setdefault(submitter, []).append(i)
                 time.sleep(0.0002 if i % 2 == 0 else 0)  # long enough, now and then, to be caught
             finally:
                 running.release()
@@ -97,16 +105,14 @@ def test_threads_and_an_event_loop_never_overlap_and_keep_each_submitters_order(
 
         return run
 
-    count = 200
-    inline_runs: list[str] = []
-    pauses = random.Random(27)
+    pauses = random.Random(seed)
 
     def hammer(name: str) -> None:
         for i in range(count):
             timed = run_blocking(applier, operation(name, i), inline=i % 3 != 0)
             assert timed.result == i
             if timed.timing.queued_seconds == 0.0:
-                inline_runs.append(name)
+                seen.inline_threads.add(name)
             time.sleep(pauses.random() * 0.0004)  # so that the applier is idle now and then: inline runs
 
     async def loop_side() -> None:
@@ -124,10 +130,21 @@ def test_threads_and_an_event_loop_never_overlap_and_keep_each_submitters_order(
             thread.join(timeout=60)
     finally:
         applier.stop()
-    assert not overlaps
-    assert len(set(inline_runs)) > 1  # the case in point: inline runs on several threads
-    assert set(done) == {"loop", *(f"thread-{n}" for n in range(4))}
-    assert all(order == list(range(count)) for order in done.values())
+    return seen
+
+
+def test_threads_and_an_event_loop_never_overlap_and_keep_each_submitters_order() -> None:
+    """Never two operations at a time, and each submitter's in its order. The case in point is
+    inline runs on several threads at once, which needs the applier idle now and then: a loaded
+    host may keep it busy for a whole round, so up to three rounds are run until one has them."""
+    for seed in (27, 28, 29):
+        seen = _hammered(seed)
+        assert not seen.overlaps
+        assert set(seen.done) == {"loop", *(f"thread-{n}" for n in range(4))}
+        assert all(order == list(range(200)) for order in seen.done.values())
+        if len(seen.inline_threads) > 1:
+            break
+    assert len(seen.inline_threads) > 1, "no round had inline runs on more than one thread"
 
 
 def test_run_blocking_raises_the_operations_error_and_refuses_after_stop() -> None:

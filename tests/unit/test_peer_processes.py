@@ -4,6 +4,7 @@ echo of another process's death says so, so a caller can tell torch RPC's own ab
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -12,6 +13,10 @@ from gemps_bench.peers.common import ChildSpec, PeerError, once_more_if_aborted,
 
 def _abort() -> None:
     os.abort()  # as TensorPipe's SIGABRT ends a trainer
+
+
+def _segfault() -> None:
+    os.kill(os.getpid(), signal.SIGSEGV)  # native code ended by a signal other than its own abort
 
 
 def _fail_once_the_other_is_gone() -> None:
@@ -48,6 +53,16 @@ def test_a_run_whose_process_aborted_runs_once_more_and_says_why() -> None:
     reports, first = once_more_if_aborted(lambda: run_processes(runs.pop(0), timeout=30.0, preload=[]))
     assert not runs and set(reports) == {"trainer1"}
     assert first == "process trainer1 exited with code -6 without reporting"
+
+
+def test_a_run_whose_server_another_signal_ended_runs_once_more() -> None:
+    """Once, in a loaded suite, torch RPC's server died by a signal other than SIGABRT, and its
+    trainer failed on the closed connection: the peer's own native code too, so one more run."""
+    first_run = [ChildSpec("ps", _segfault, ()), ChildSpec("trainer1", _fail_once_the_other_is_gone, ())]
+    runs: list[list[ChildSpec]] = [first_run, [ChildSpec("ps", _ok, ()), ChildSpec("trainer1", _ok, ())]]
+    reports, first = once_more_if_aborted(lambda: run_processes(runs.pop(0), timeout=30.0, preload=[]))
+    assert not runs and set(reports) == {"ps", "trainer1"}
+    assert first is not None and f"exited with code -{int(signal.SIGSEGV)}" in first
 
 
 def test_a_run_that_failed_on_its_own_is_not_run_again() -> None:

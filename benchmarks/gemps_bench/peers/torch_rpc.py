@@ -193,7 +193,8 @@ def measure(config: PeerConfig, tcp: bool = False) -> LoadResult:
         return run_processes(children, config.deadline_seconds(), preload=["torch", "torch.distributed.rpc", __name__])
 
     # TensorPipe aborts now and then (SIGABRT, its trainers then EPIPE; std::bad_alloc joining over
-    # shared memory): 1 in about 6 full test runs, in the peers' tests and `gemps bench --quick`.
+    # shared memory; once, under load, its server ended by another signal): 1 in about 6 full test
+    # runs, in the peers' tests and `gemps bench --quick`.
     reports, aborted = once_more_if_aborted(lambda: on_a_free_port(on))
     server, clients = reports[PS_NAME]
     transport = "uv transport (TCP) and basic channel only" if tcp else "shm transport and CMA channel on one host"
@@ -205,7 +206,7 @@ def measure(config: PeerConfig, tcp: bool = False) -> LoadResult:
         "of theta"
     )
     if aborted is not None:
-        notes += f"; measured on a second run, its first having aborted in torch's own code ({aborted})"
+        notes += f"; measured on a second run, its first having ended by a signal in torch's own code ({aborted})"
     return build_result(SYSTEM_TCP if tcp else SYSTEM, config, clients, server, notes)
 
 
