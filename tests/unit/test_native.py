@@ -45,6 +45,24 @@ def test_median_in_place_is_the_rules_median(size: int, clamped: float) -> None:
     assert native.median_in_place(values.copy()) == median(values)  # exactly: the same two values
 
 
+@pytest.mark.parametrize("size", [1023, 1024, 7692, 7693, 8192, 8193])
+@pytest.mark.parametrize("order", ["shuffled", "sorted", "reversed", "periodic"])
+def test_the_median_through_its_bracket_or_without_it_is_exact(size: int, order: str) -> None:
+    """Past 1,024 values the median is selected among those inside a bracket that a spread sample of
+    them gives (csrc/checks.c, bracketed_kth). Ordered values, and values repeating at the sample's
+    stride (so the sample represents them badly: the bracket misses and the whole selection runs),
+    give the same value as the rule's median."""
+    rng = np.random.default_rng(size)
+    values = np.clip(rng.normal(0.8, 0.5, size), 0.0, 1.0).astype(np.float32)  # a third clamped at 1
+    if order == "sorted":
+        values.sort()
+    elif order == "reversed":
+        values = np.sort(values)[::-1].copy()
+    elif order == "periodic":
+        values = np.resize(rng.random(size // 256 or 1, dtype=np.float32), size)
+    assert native.median_in_place(values.copy()) == median(values)
+
+
 def test_copy_max_abs_copies_and_finds_the_peak_or_a_value_that_is_not_finite() -> None:
     source = np.random.default_rng(0).standard_normal(100_003).astype(np.float32)
     target = np.empty_like(source)
