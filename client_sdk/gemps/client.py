@@ -146,9 +146,8 @@ class Client:
         socket; `shared_memory` False (or GEMPS_SHARED_MEMORY=off) keeps it on TCP.
 
         `target` is where the server is: "host:port" (the simple default), or, for a server that
-        can move to another machine, a callable returning that or a `gemps.resolver.Resolver`,
-        asked again when it stops answering (partitions other than 0 are found again through the
-        layout partition 0 announces).
+        can move to another machine, a callable returning that or a `gemps.resolver.Resolver`, asked
+        again when it stops answering (other partitions are found again through partition 0's layout).
 
         `connect` opens the transport to the server process at an address (default: `plane`'s).
 
