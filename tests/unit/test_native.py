@@ -45,8 +45,11 @@ def test_median_in_place_is_the_rules_median(size: int, clamped: float) -> None:
     assert native.median_in_place(values.copy()) == median(values)  # exactly: the same two values
 
 
+BRACKET_ORDERS = ["shuffled", "sorted", "reversed", "periodic", "zeros-below-half", "zeros-at-half", "zeros-past-half"]
+
+
 @pytest.mark.parametrize("size", [1023, 1024, 7692, 7693, 8192, 8193])
-@pytest.mark.parametrize("order", ["shuffled", "sorted", "reversed", "periodic", "zeros-below-half", "zeros-at-half", "zeros-past-half"])
+@pytest.mark.parametrize("order", BRACKET_ORDERS)
 def test_the_median_through_its_bracket_or_without_it_is_exact(size: int, order: str) -> None:
     """Past 1,024 values the median is selected among those inside a bracket that a spread sample of
     them gives (csrc/checks.c, bracketed_kth). Ordered values, values repeating at the sample's
