@@ -192,6 +192,17 @@ select_kth(float *values, Py_ssize_t n, Py_ssize_t k)
     return values[k];
 }
 
+/* The largest of values[0..n) (n >= 1): after select_kth(values, ., k), the k-th's predecessor. */
+static float
+largest_of(const float *values, Py_ssize_t n)
+{
+    float largest = values[0];
+    for (Py_ssize_t j = 1; j < n; j++) {
+        largest = values[j] > largest ? values[j] : largest;
+    }
+    return largest;
+}
+
 /* The bracket: a spread sample of BRACKET_SAMPLE values, whose ranks BRACKET_SPREAD either side of
  * the k-th's place bound a range that holds the k-th value of all but rarely (the sample is
  * evenly spread, not random: where it is not representative the whole selection runs instead). */
@@ -240,10 +251,7 @@ bracketed_kth(const float *data, Py_ssize_t n, Py_ssize_t k, float *found, float
     }
     *found = select_kth(inside, kept, at);
     if (lower != NULL) { /* the largest of the `at` values select_kth left below it */
-        *lower = inside[0];
-        for (Py_ssize_t j = 1; j < at; j++) {
-            *lower = inside[j] > *lower ? inside[j] : *lower;
-        }
+        *lower = largest_of(inside, at);
     }
     return 1;
 }
@@ -254,11 +262,8 @@ double
 median_of(float *data, Py_ssize_t n)
 {
     float upper, lower;
-    if (n % 2 && bracketed_kth(data, n, n / 2, &upper, NULL)) {
-        return upper;
-    }
-    if (n % 2 == 0 && bracketed_kth(data, n, n / 2, &upper, &lower)) {
-        return ((double)lower + (double)upper) / 2.0;
+    if (bracketed_kth(data, n, n / 2, &upper, n % 2 ? NULL : &lower)) {
+        return n % 2 ? (double)upper : ((double)lower + (double)upper) / 2.0;
     }
     double middle = 0.0;
     /* pi is mostly clamped with several workers (at 0 or pi_max): when one extreme holds more
@@ -288,11 +293,7 @@ median_of(float *data, Py_ssize_t n)
         if (n % 2) {
             middle = upper;
         } else { /* the lower middle: the largest of the n/2 values select_kth left below it */
-            lower = data[0];
-            for (Py_ssize_t j = 1; j < n / 2; j++) {
-                lower = data[j] > lower ? data[j] : lower;
-            }
-            middle = ((double)lower + (double)upper) / 2.0;
+            middle = ((double)largest_of(data, n / 2) + (double)upper) / 2.0;
         }
     }
     return middle;
