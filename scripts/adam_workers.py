@@ -16,11 +16,12 @@ betas, its warm-up and cosine schedule) on the standard library's source:
   `--look-ahead`), each on its own shard for its share of `--samples` x `--gemps-factor` (its
   schedule over its own share, as its own train.py would plan).
 
-An observer pulls θ every `--snapshot-every` s (the alone process saves its own); every snapshot is
-evaluated on the held-out text after the runs. The record says, at equal samples, the held-out loss
-of both at the end and at the middle (issue bar: within 2 %), and the wall time each took to reach
-the alone worker's final loss (issue bar: 2x sooner). Needs root for the quotas (cgroup v1 cpu), as
-the comparison's rig does.
+Every process starts from the model of `--seed` and trains on that seed's split and order of the
+data (0: the records' runs). An observer pulls θ every `--snapshot-every` s (the alone process
+saves its own); every snapshot is evaluated on the held-out text after the runs. The record says,
+at equal samples, the held-out loss of both at the end and at the middle (issue bar: within 2 %),
+and the wall time each took to reach the alone worker's final loss (issue bar: 2x sooner). Needs
+root for the quotas (cgroup v1 cpu), as the comparison's rig does.
 
     sudo .venv/bin/python scripts/adam_workers.py --samples 204800 --gemps-factor 1 2 \\
         --json docs/results/adam/workers.json
@@ -100,12 +101,12 @@ def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     train_x, train_y, _, _ = stdlib_text()
     shape = SHAPES[args.shape]
-    model = char_gpt(0, shape)
+    model = char_gpt(args.seed, shape)
     inner = adamw(model, args.learning_rate, args.beta1)
     steps = args.samples // shape.batch // args.world
     schedule = cosine_schedule(inner, steps, args.warmup)
-    batches = ddp_batches(train_x, train_y, args.world, shape.batch) if args.role == "ddp" else \
-        shard_batches(train_x, train_y, args.rank, args.world, batch=shape.batch)  # fmt: skip
+    batches = ddp_batches(train_x, train_y, args.world, shape.batch, args.seed) if args.role == "ddp" else \
+        shard_batches(train_x, train_y, args.rank, args.world, args.seed, shape.batch)  # fmt: skip
     folder = Path(args.folder)
     if args.role in REFERENCES:
         optimizer: torch.optim.Optimizer = inner
@@ -135,12 +136,12 @@ def train(args: argparse.Namespace) -> None:
 
 
 def ddp_batches(
-    inputs: np.ndarray, targets: np.ndarray, world: int, batch: int = SHAPES["project"].batch
+    inputs: np.ndarray, targets: np.ndarray, world: int, batch: int = SHAPES["project"].batch, seed: int = 0
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """DDP's global batch: every one of `world` ranks' mini-batch of `batch` from its own shard,
     together (the mean loss over them is the mean of the ranks' losses, so its gradient is DDP's
     all-reduced one)."""
-    streams = [shard_batches(inputs, targets, rank, world, batch=batch) for rank in range(world)]
+    streams = [shard_batches(inputs, targets, rank, world, seed, batch) for rank in range(world)]
     while True:
         parts = [next(stream) for stream in streams]
         yield torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
@@ -170,7 +171,7 @@ def launch(args: argparse.Namespace, groups: Groups | None, role: str, rank: int
     warmup = args.reference_warmup if reference and args.reference_warmup is not None else args.warmup
     beta1 = BETAS[0] if reference else args.beta1  # the reference is nanoGPT's AdamW as written
     argv = [sys.executable, str(SCRIPT), "--role", role, "--rank", str(rank), "--world", str(world),
-            "--samples", str(samples), "--folder", str(folder), "--target", target,
+            "--samples", str(samples), "--folder", str(folder), "--target", target, "--seed", str(args.seed),
             "--learning-rate", repr(learning_rate), "--warmup", str(warmup), "--beta1", repr(beta1),
             "--local-steps", str(args.local_steps), "--look-ahead", repr(args.look_ahead),
             *(("--compression", args.compression) if args.compression else ()),
@@ -286,6 +287,7 @@ def main() -> None:
     parser.add_argument("--gemps-factor", type=float, nargs="+", default=[1.0, 2.0],
                         help="gemps runs of these multiples of --samples (1: equal samples)")  # fmt: skip
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0, help="the model's initialisation, the shards' split and order")
     parser.add_argument("--cpu", type=float, default=0.4, help="each process's quota, in cores")
     parser.add_argument("--alone-cpu", type=float,
                         help="the reference's quota, in cores (default: --cpu); its losses at equal samples "
@@ -319,6 +321,8 @@ def main() -> None:
     if args.role != "main":
         train(args)
         return
+    if args.seed < 0:
+        parser.error(f"--seed is {args.seed}: give 0 or more")
     if not 0 <= args.beta1 < 1:
         parser.error(f"--beta1 is {args.beta1:g}: AdamW's β1 lies in [0, 1)")
     if args.reference_learning_rate is not None and not args.reference_learning_rate > 0:

@@ -25,15 +25,18 @@ def script() -> ModuleType:
     return load_script(SCRIPT, "adam_workers")
 
 
-@pytest.mark.parametrize("shape", ["project", "user"])
-def test_ddps_batch_is_every_ranks_own_batch_together(script: ModuleType, shape: str) -> None:
+@pytest.mark.parametrize(("shape", "seed"), [("project", 0), ("user", 0), ("project", 2)])
+def test_ddps_batch_is_every_ranks_own_batch_together(script: ModuleType, shape: str, seed: int) -> None:
+    """At every --seed: the workers' shards of that seed, together (seed 2 is another split)."""
     inputs = np.arange(800 * 3, dtype=np.int64).reshape(800, 3)
     targets = inputs + 1
     world, batch = 4, SHAPES[shape].batch
-    together = list(itertools.islice(script.ddp_batches(inputs, targets, world, batch), 3))
+    together = list(itertools.islice(script.ddp_batches(inputs, targets, world, batch, seed), 3))
     ranks = [
-        list(itertools.islice(shard_batches(inputs, targets, rank, world, batch=batch), 3)) for rank in range(world)
+        list(itertools.islice(shard_batches(inputs, targets, rank, world, seed, batch), 3)) for rank in range(world)
     ]
+    if seed:
+        assert not torch.equal(together[0][0], next(script.ddp_batches(inputs, targets, world, batch))[0])
     assert batch == {"project": BATCH, "user": 32}[shape]
     for step, (x, y) in enumerate(together):
         assert x.shape == (world * batch, 3)
@@ -76,6 +79,26 @@ def test_the_ddp_reference_steps_on_every_ranks_batch_and_counts_their_samples(t
     assert (tmp_path / "done-ddp-0").exists() and (tmp_path / "ready-ddp-0").exists()
 
 
+def test_each_seed_starts_its_processes_from_its_own_model(tmp_path: Path) -> None:
+    """`--seed` reaches the processes the script launches: one step of the DDP reference at seeds 0
+    and 1 (the same data order would not make them differ by the model alone, so both differ)."""
+    snapshots = []
+    for seed in (0, 1):
+        folder = tmp_path / str(seed)
+        folder.mkdir()
+        (folder / "go").touch()
+        argv = [sys.executable, str(SCRIPT), "--role", "ddp", "--rank", "0", "--world", "1", "--samples", "16",
+                "--folder", str(folder), "--warmup", "1", "--snapshot-every", "60", "--seed", str(seed)]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+        snapshots.append(np.load(next(folder.glob("snapshot-*.npy"))))
+    assert not np.array_equal(snapshots[0], snapshots[1])
+    first = char_gpt(1, SHAPES["project"])
+    moved = np.abs(snapshots[1] - torch.nn.utils.parameters_to_vector(first.parameters()).detach().numpy())
+    assert moved.max() < 0.01  # one AdamW step at warm-up's rate from seed 1's model, not from seed 0's
+    assert moved.max() < 0.1 * np.abs(snapshots[0] - snapshots[1]).max()
+
+
 @pytest.mark.parametrize(
     ("arguments", "said"),
     [
@@ -83,6 +106,7 @@ def test_the_ddp_reference_steps_on_every_ranks_batch_and_counts_their_samples(t
         (["--reference", "ddp", "--reference-learning-rate", "0"], "give a rate above 0"),
         (["--reference", "ddp", "--reference-warmup", "-1"], "give 0 or more steps"),
         (["--beta1", "1"], "lies in [0, 1)"),
+        (["--seed", "-1"], "--seed is -1: give 0 or more"),
         (["--server-option", "kappa"], "takes NAME=VALUE"),
     ],
 )
