@@ -5,6 +5,8 @@ and the command lines that give the workers nanoGPT's AdamW (and DDP its bf16 ho
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,8 @@ from gemps_bench.alternatives.systems.registry import system, system_names
 from gemps_bench.alternatives.workloads import WORKLOADS, targets, workload
 from gemps_cli.server import parse_config
 
-ADAM_PATH = {"gemps-adam", "gemps-adamw", "gemps-adamw-int8", "gemps-adamw-windows", "ddp-adamw", "ddp-adamw-bf16"}
+ADAM_PATH = {"gemps-adam", "gemps-adamw", "gemps-adamw-int8", "gemps-adamw-windows", "gemps-adamw-windows-long"}
+ADAM_PATH |= {"ddp-adamw", "ddp-adamw-bf16"}
 ADAM_PATH |= {"torchft_ddp_adamw", "hivemind_adamw", "gemps-adamw-all"}
 # AdamW is the server's rule: its workers commit gradients
 ON_THE_SERVER = {"gemps-adamw", "gemps-adamw-int8", "gemps-adamw-all"}
@@ -124,7 +127,11 @@ def test_the_slow_link_windows_are_the_guides_recipe_and_every_gemps_server_star
     assert [flag(worker, name) for name in ("--mode", "--local-steps", "--compression", "--optimizer")] == [
         "local-steps", "8", "int8", "adamw",
     ]  # fmt: skip
-    assert flag(system("gemps-adam").worker(chosen, 0).argv, "--local-steps") == "1"
+    assert "--beta1" not in worker  # nanoGPT's 0.9: a cell is a short run
+    long_run = system("gemps-adamw-windows-long").worker(chosen, 0).argv
+    assert flag(long_run, "--beta1") == "0.95" and long_run[: long_run.index("--beta1")] == worker
+    every_step = system("gemps-adam").worker(chosen, 0).argv
+    assert flag(every_step, "--local-steps") == "1" and "--beta1" not in every_step
     server = windows.coordinator(chosen)
     assert server is not None
     training = parse_config(server.argv[server.argv.index("server") + 1 :]).training
@@ -147,6 +154,9 @@ def test_the_local_optimizers_are_the_contracts_sgd_and_nanogpts_adamw() -> None
     assert all(p.dim() < 2 for p in decays[0.0]["params"]) and all(g["lr"] == 2e-3 for g in adamw.param_groups)
     with pytest.raises(ValueError, match="unknown --optimizer 'lamb'; choose from sgd, adamw"):
         local_optimizer("lamb", model, 1e-3)
+    assert local_optimizer("adamw", model, 2e-3, beta1=0.95).defaults["betas"] == (0.95, 0.99)
+    with pytest.raises(ValueError, match=r"a β1 of 0\.95 is AdamW's; --optimizer sgd steps with momentum 0\.9"):
+        local_optimizer("sgd", model, 0.05, beta1=0.95)
     flags = worker_argv("m", "digits", 0, 1, 0, 32, 1e-3, Path("run"), 5.0)
     with pytest.raises(SystemExit):
         parse_worker_args(worker_parser(""), [*flags[2:], "--optimizer", "lamb"])
@@ -189,3 +199,19 @@ def test_a_deeper_target_is_chosen_by_name_and_never_mixed_with_another_in_one_t
     assert command.main(["--workload", "digits", "--target", "deep", "--results", str(tmp_path)]) == 2
     assert "no target 'deep' for digits in targets.json: choose from target, ci" in capsys.readouterr().err
     assert ran == [deep]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--mode", "gradient", "--optimizer", "adamw", "--beta1", "0.95"],  # no local AdamW to give it to
+        ["--mode", "local-steps", "--beta1", "0.95"],  # the contract's SGD
+        ["--mode", "local-steps", "--optimizer", "adamw", "--beta1", "1.0"],  # outside [0, 1)
+    ],
+)
+def test_the_gemps_programs_beta1_is_refused_where_no_adamw_would_use_it(flags: list[str], tmp_path: Path) -> None:
+    program = "gemps_bench.alternatives.systems.gemps_program"
+    argv = [sys.executable, *worker_argv(program, "charlm", 0, 1, 0, 16, 1e-3, tmp_path, 5.0), *flags]
+    finished = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert finished.returncode == 2
+    assert "--beta1" in finished.stderr and "for --mode local-steps --optimizer adamw" in finished.stderr

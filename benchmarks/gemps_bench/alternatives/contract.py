@@ -96,12 +96,15 @@ def parse_worker_args(parser: argparse.ArgumentParser, argv: Sequence[str] | Non
     )
 
 
-def local_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    """The local optimizer `--optimizer name` over `model`'s parameters at `lr` (OPTIMIZERS)."""
+def local_optimizer(name: str, model: nn.Module, lr: float, beta1: float | None = None) -> torch.optim.Optimizer:
+    """The local optimizer `--optimizer name` over `model`'s parameters at `lr` (OPTIMIZERS); AdamW's
+    β1 `beta1` where given (nanoGPT's 0.9 otherwise)."""
     if name == "sgd":
+        if beta1 is not None:
+            raise ValueError(f"a β1 of {beta1:g} is AdamW's; --optimizer sgd steps with momentum {MOMENTUM:g}")
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
     if name == "adamw":
-        return adamw(model, lr)
+        return adamw(model, lr) if beta1 is None else adamw(model, lr, beta1)
     raise ValueError(f"unknown --optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
 
 

@@ -73,15 +73,15 @@ def _client(args: WorkerArgs, compression: str) -> Client:
     return Client(args.coordinator, name=f"w{args.rank}", compression=codes, reply_compression=codes)
 
 
-def train_local_steps(args: WorkerArgs, compression: str, steps: int) -> None:
-    """The SDK's recipe: `--optimizer` at `--lr` wrapped in LocalSteps (`steps` a window, its other
-    defaults), each window's update committed. No pull after the gate: registration loaded θ, and
-    no worker commits before the gate opens (a worker started again after a kill registers at the
-    newest θ)."""
+def train_local_steps(args: WorkerArgs, compression: str, steps: int, beta1: float | None) -> None:
+    """The SDK's recipe: `--optimizer` at `--lr` (AdamW's β1 `beta1` where given) wrapped in
+    LocalSteps (`steps` a window, its other defaults), each window's update committed. No pull after
+    the gate: registration loaded θ, and no worker commits before the gate opens (a worker started
+    again after a kill registers at the newest θ)."""
     started = time.monotonic()
     chosen = replace(workload(args.workload), batch=args.batch)
     model = chosen.build_model()
-    inner = local_optimizer(args.optimizer, model, args.lr)
+    inner = local_optimizer(args.optimizer, model, args.lr, beta1)
     with LocalSteps(model, inner, _client(args, compression), steps=steps, threads=1) as optimizer:
         log = ProgressLog(args.run_dir, args.rank)
         log.wait_for_go(args.run_dir)
@@ -131,9 +131,12 @@ def main() -> None:
     parser.add_argument(
         "--local-learning-rate", type=float, default=0.0, help="of the local steps (0: sgd the server's eta)"
     )
+    parser.add_argument("--beta1", type=float, help="local-steps with --optimizer adamw: AdamW's β1 (nanoGPT's 0.9)")
     parser.add_argument("--supervise", action="store_true", help="a worker under a supervisor that restarts it warm")
     args = parse_worker_args(parser)
     extra, _ = parser.parse_known_args()
+    if extra.beta1 is not None and (extra.mode != LOCAL_STEPS or args.optimizer != "adamw" or not 0 <= extra.beta1 < 1):
+        parser.error(f"--beta1 {extra.beta1:g}: AdamW's β1 in [0, 1), for --mode local-steps --optimizer adamw")
     torch.set_num_threads(1)
     if args.role == "coordinator":
         observe(args)
@@ -146,7 +149,7 @@ def main() -> None:
 
     def life() -> int:
         if extra.mode == LOCAL_STEPS:
-            train_local_steps(args, extra.compression, steps)
+            train_local_steps(args, extra.compression, steps, extra.beta1)
         else:
             train(args, extra.mode, local, extra.compression)
         return 0
