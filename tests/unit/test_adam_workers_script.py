@@ -80,8 +80,8 @@ def test_the_ddp_reference_steps_on_every_ranks_batch_and_counts_their_samples(t
 
 
 def test_each_seed_starts_its_processes_from_its_own_model(tmp_path: Path) -> None:
-    """`--seed` reaches the processes the script launches: one step of the DDP reference at seeds 0
-    and 1 (the same data order would not make them differ by the model alone, so both differ)."""
+    """`--seed` reaches a process the script launches: after one step of the DDP reference, the
+    snapshot at seed 1 lies next to seed 1's model and far from seed 0's run."""
     snapshots = []
     for seed in (0, 1):
         folder = tmp_path / str(seed)
