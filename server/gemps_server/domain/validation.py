@@ -25,6 +25,7 @@ from gemps_proto.tensor_codec import (
     dtype_name,
     expected_payload_nbytes,
 )
+from gemps_server.coded_payloads import decoded_payload
 from gemps_server.domain.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from gemps_server.domain.ledger import MAX_CLIENT_ID_LENGTH, MAX_REQUEST_ID_LENGTH, valid_client_id
 from gemps_server.domain.records import PartitionOf
@@ -218,12 +219,11 @@ def check_upload(
 # -- tensors ---------------------------------------------------------------------------------
 
 
-def decoded(tensor: EncodedTensor, what: str, *, payload: bool = False, out: np.ndarray | None = None) -> np.ndarray:
-    """`tensor`'s values (a commit `payload`'s in any of its dtypes, blockwise codes included, and
-    codes into `out` when given; else θ's wire dtypes only); InvalidArgument (BAD_PAYLOAD) naming
-    `what` when they do not decode."""
+def decoded(tensor: EncodedTensor, what: str) -> np.ndarray:
+    """`tensor`'s values in θ's wire dtypes; InvalidArgument (BAD_PAYLOAD) naming `what` when they
+    do not decode."""
     try:
-        return tensor.decode_payload(out) if payload else tensor.decode()
+        return tensor.decode()
     except TensorDecodeError as error:
         raise InvalidArgument(f"{what}: {error}", Reason.BAD_PAYLOAD) from None
 
@@ -395,7 +395,10 @@ def validated_payload(
     decoded into `out` (float32, P of them) when given and of its size."""
     kind_of = payload_kind(kind)
     fits = out is not None and all(d >= 0 for d in payload.shape) and math.prod(payload.shape) == out.size
-    values = decoded(payload, "payload", payload=True, out=out if fits else None)
+    try:  # in any of a payload's dtypes, blockwise codes included (into `out`, when it fits)
+        values, decoded_peak = decoded_payload(payload, out if fits else None)
+    except TensorDecodeError as error:
+        raise InvalidArgument(f"payload: {error}", Reason.BAD_PAYLOAD) from None
     check_payload_shape(values.shape, num_parameters)
     if base_version < 0:
         raise InvalidArgument(f"base_version {base_version} is negative", Reason.BAD_VERSION)
@@ -403,8 +406,8 @@ def validated_payload(
         raise InvalidArgument(
             f"base_version {base_version} is ahead of the server's version {version}", Reason.BAD_VERSION
         )
-    # NaN when a value is not finite: one pass for both (made by the wire, where it made one)
-    peak = max_abs(values) if payload_peak is None else payload_peak
+    # NaN when a value is not finite: one pass for both (made by the wire or the decoder, where one did)
+    peak = payload_peak if payload_peak is not None else decoded_peak if decoded_peak is not None else max_abs(values)
     if not math.isfinite(peak):
         raise InvalidArgument("payload contains NaN or Inf", Reason.NON_FINITE)
     return kind_of, values, peak
