@@ -8,7 +8,8 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
-# A C compiler for the server's compiled loops (server/gemps_server/csrc/), in this stage only:
+# A C compiler for the server's compiled loops (server/gemps_server/csrc/) and the codec's
+# (proto/gemps_proto/csrc/), in this stage only:
 # the runtime stage gets the built extension, not the compiler. Python's headers come with the
 # official image; a Debian-based stand-in needs python3-dev for them. Unpinned (DL3008): whichever
 # gcc the base image's Debian has builds it the same, and none of it reaches the runtime stage.
@@ -35,7 +36,7 @@ COPY cli cli
 # Not needed to run, so left behind: pip, setuptools and the libraries' own test suites. The
 # import check fails the build if the compiled loops were not built (their build is optional).
 RUN /opt/gemps/bin/pip install --no-cache-dir --no-deps . \
-    && /opt/gemps/bin/python -c "import gemps_server._native" \
+    && /opt/gemps/bin/python -c "import gemps_server._native, gemps_proto._codes" \
     && /opt/gemps/bin/pip uninstall --yes --quiet pip setuptools \
     && find /opt/gemps/lib -depth -type d -name tests -path '*/site-packages/*' -exec rm -rf {} +
 

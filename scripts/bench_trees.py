@@ -63,7 +63,8 @@ def build_native(tree: Path) -> None:
     project = tomllib.loads((tree / "pyproject.toml").read_text())
     for module in project.get("tool", {}).get("setuptools", {}).get("ext-modules", []):
         package, _, name = module["name"].rpartition(".")
-        target = tree / "server" / Path(*package.split(".")) / (name + sysconfig.get_config_var("EXT_SUFFIX"))
+        folder = next(d for d in PACKAGE_DIRS if (tree / d / package.split(".")[0]).is_dir())
+        target = tree / folder / Path(*package.split(".")) / (name + sysconfig.get_config_var("EXT_SUFFIX"))
         sources = [tree / source for source in module["sources"]]
         newest = max(path.stat().st_mtime for path in sources + [tree / dep for dep in module.get("depends", [])])
         if target.exists() and target.stat().st_mtime > newest:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gemps_proto import compiled_codes
+
 #: values per scale: 1.6% of int8's bytes, 3% of int4's
 BLOCK = 256
 #: values coded at a time (whole blocks): a chunk's float32 temporaries, 256 KB each, stay in the caches
@@ -123,7 +125,30 @@ def int8_with_values(values: np.ndarray) -> tuple[bytes, np.ndarray]:
 
 def int8_subtracting(values: np.ndarray) -> bytes:
     """encode_int8's bytes of contiguous `values`, which are left holding what the codes lose (the
-    values less what decode_int8 reads: the same bits as int8_with_values' difference)."""
+    values less what decode_int8 reads: the same bits as int8_with_values' difference). Compiled
+    where built (compiled_codes), up to a block with a value not finite, which and every block after
+    it this code codes."""
+    compiled = compiled_codes.compiled
+    flat = values.reshape(-1)
+    if compiled is None or values.dtype != np.float32 or not flat.flags.c_contiguous:
+        return _int8_subtracting(values)
+    count = flat.size
+    data = bytearray(int8_nbytes(count))
+    coded = compiled.subtracting_int8(flat, data)
+    if coded < blocks(count):
+        splice_int8(data, count, coded, _int8_subtracting(flat[coded * BLOCK :]))
+    return bytes(data)
+
+
+def splice_int8(data: bytearray, count: int, first: int, rest: bytes | bytearray) -> None:
+    """Write `rest`, the DTYPE_INT8_BLOCK bytes of the values from block `first` on, into `data`,
+    those of all `count` values (blocks are coded alone: the same bytes as coding them all)."""
+    total = blocks(count)
+    data[4 * first : 4 * total] = rest[: 4 * (total - first)]
+    data[4 * total + first * BLOCK :] = rest[4 * (total - first) :]
+
+
+def _int8_subtracting(values: np.ndarray) -> bytes:
     data, scales, codes = _int8_codes(values)
     _subtract_values(values, codes, scales)
     return bytes(data)

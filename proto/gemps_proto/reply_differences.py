@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from gemps_proto.block_quantisation import BlockCodes
 
+from gemps_proto import compiled_codes
 from gemps_proto.tensor_codec import (
     BFLOAT16,
     INT4_BLOCK,
@@ -71,10 +72,26 @@ def difference(
     the quantiser's, the step) are each a chunk's, not θ's: they are not in the memory budget.
     The codes are blockwise (a scale per BLOCK values, each value coded alone) and the rest is
     elementwise, so whole blocks at a time give the same bytes and bits as θ at once."""
-    from gemps_proto.block_quantisation import BLOCK, blocks
-
     if dtype not in DIFFERENCE_DTYPES:
         raise ValueError(f"a difference reply is in int8 or int4 block codes, not dtype {dtype}")
+    compiled, values = compiled_codes.compiled, theta.reshape(-1)
+    if compiled is None or dtype != INT8_BLOCK or str(theta.dtype) != "float32" or not values.flags.c_contiguous:
+        return _difference(theta, bits, dtype, in_place=in_place)
+    from gemps_proto.block_quantisation import BLOCK, blocks, int8_nbytes, splice_int8
+
+    after = bits if in_place else bits.copy()
+    held = after.reshape(-1)
+    data = bytearray(int8_nbytes(values.size))
+    coded = compiled.difference_int8(values, held, data)  # up to a block whose difference is not finite
+    if coded < blocks(values.size):
+        rest, _ = _difference(values[coded * BLOCK :], held[coded * BLOCK :], dtype, in_place=True)
+        splice_int8(data, values.size, coded, rest)
+    return data, after
+
+
+def _difference(theta: np.ndarray, bits: np.ndarray, dtype: int, *, in_place: bool) -> tuple[bytearray, np.ndarray]:
+    from gemps_proto.block_quantisation import BLOCK, blocks
+
     values, held_bits = theta.reshape(-1), bits.reshape(-1)
     count, chunk = values.size, CHUNK_BLOCKS * BLOCK
     scales_end = 4 * blocks(count)
@@ -101,6 +118,10 @@ def advance(bits: np.ndarray, code: BlockCodes, out: np.ndarray) -> np.ndarray:
     from gemps_proto.block_quantisation import BLOCK
 
     held_bits, values = bits.reshape(-1), out.reshape(-1)
+    compiled = compiled_codes.compiled
+    if compiled is not None and held_bits.flags.c_contiguous and values.flags.c_contiguous:
+        compiled.advance(held_bits, code.scales, code.codes, values)  # the arithmetic below, in one pass
+        return out
     chunk = CHUNK_BLOCKS * BLOCK
     for start in range(0, held_bits.size, chunk):
         stop = min(start + chunk, held_bits.size)

@@ -1,6 +1,6 @@
 /* The extension module gemps_server._native: the server's compiled loops, one method table for
  * the files of this folder (gem_exact.c, gem_rule.c, checks.c, core*.c, compact_gem.c, compact_codes.c,
- * adamw.c, wire_codes.c). */
+ * adamw.c). */
 #include "module.h"
 
 static PyMethodDef methods[] = {
@@ -57,12 +57,6 @@ static PyMethodDef methods[] = {
      "gradient: total / divisor) in numpy's float32 order (rules/adamw.py), theta times decay over every parameter\n"
      "(decay_all) or the sorted int64 pairs (low, high) of `ranges`; each output m, v or theta itself (in place) or\n"
      "apart from every buffer."},
-    {"wire_decode_int8", wire_decode_int8, METH_VARARGS,
-     "wire_decode_int8(DTYPE_INT8_BLOCK bytes, float32 out) -> max |value| with out the values (block_quantisation's\n"
-     "decode); -1.0 for a scale not finite or negative, -2.0 for a code of -128 (out then partly written)."},
-    {"wire_difference_int8", wire_difference_int8, METH_VARARGS,
-     "wire_difference_int8(float32 theta, uint16 copy, DTYPE_INT8_BLOCK bytes) -> blocks coded: reply_differences'\n"
-     "difference in place (the code written, the copy moved), up to the first block whose difference is not finite."},
     {"core_setup", core_setup, METH_VARARGS,
      "core_setup(ApplyStats, Receipt, PayloadKind.GRADIENT): the types and values core_commit makes and passes."},
     {"core_commit", (PyCFunction)(void (*)(void))core_commit, METH_FASTCALL,

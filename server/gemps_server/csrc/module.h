@@ -38,8 +38,5 @@ PyObject *compact_gem_update(PyObject *self, PyObject *args);
 PyObject *compact_rebase(PyObject *self, PyObject *args);
 PyObject *compact_encode(PyObject *self, PyObject *args);
 PyObject *compact_kernel(PyObject *self, PyObject *args);
-/* wire_codes.c: the wire's blockwise int8 codes */
-PyObject *wire_decode_int8(PyObject *self, PyObject *args);
-PyObject *wire_difference_int8(PyObject *self, PyObject *args);
 
 #endif

@@ -26,8 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gemps_proto.reply_differences import WHOLE_DTYPE
-from gemps_server.coded_payloads import moved_copy_difference
+from gemps_proto.reply_differences import WHOLE_DTYPE, difference
 from gemps_server.domain.records import CommitOutcome, CopyReply
 from gemps_server.memory_budget import MemoryBudget
 
@@ -65,7 +64,7 @@ class WorkerCopies:
         try:
             if kept is not None and held_copy == kept[0] and kept[1].size == theta.size:
                 try:
-                    code, bits = moved_copy_difference(theta, kept[1], reply_dtype)
+                    code, bits = difference(theta, kept[1], reply_dtype, in_place=True)
                 except BaseException:  # moved part-way in place: never the base of a difference again
                     self.forget(worker_id)
                     raise

@@ -1,0 +1,22 @@
+"""The codec's compiled passes (csrc/codes.c, the module gemps_proto._codes), None where not built.
+
+The extension is optional, as the server's (`pip install` builds it where a C compiler is at hand
+and goes on without it). block_quantisation and reply_differences take a pass from it where one
+covers the call and keep their numpy code as the reference it is held to, byte for byte and bit
+for bit (tests/unit/test_wire_codes.py): a test sets `compiled` to None to run the numpy code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+def _load() -> ModuleType | None:
+    try:
+        return importlib.import_module("gemps_proto._codes")
+    except ImportError:  # built without a C compiler
+        return None
+
+
+compiled = _load()
