@@ -12,11 +12,13 @@ import importlib
 from types import ModuleType
 
 
-def _load() -> ModuleType | None:
+def optional_extension(name: str) -> ModuleType | None:
+    """The compiled module `name`, or None where the install built none (no C compiler at hand):
+    this one and the server's loops (gemps_server.native)."""
     try:
-        return importlib.import_module("gemps_proto._codes")
-    except ImportError:  # built without a C compiler
+        return importlib.import_module(name)
+    except ImportError:
         return None
 
 
-compiled = _load()
+compiled = optional_extension("gemps_proto._codes")

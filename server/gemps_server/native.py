@@ -7,25 +7,16 @@ without it elsewhere. `compiled` is the module, or None.
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from gemps_proto.compiled_codes import optional_extension
 from gemps_proto.tensor_codec import all_finite as numpy_all_finite
 
-
-def _load() -> ModuleType | None:
-    try:
-        return importlib.import_module("gemps_server._native")
-    except ImportError:  # built without a C compiler
-        return None
-
-
-compiled = _load()
+compiled = optional_extension("gemps_server._native")
 
 
 def all_finite(values: np.ndarray) -> bool:
