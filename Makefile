@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: bytecode peers-venv demo test test-fast docs docs-serve lint typecheck unit integration e2e proto dashboards system-deps soak experiment bench clean
+.PHONY: bytecode peers-venv demo test test-long test-fast docs docs-serve lint typecheck unit integration e2e proto dashboards system-deps system-deps-all soak experiment bench clean
 
 # pip byte-compiles what it installs on one core (torch, ray and transformers hold tens of thousands
 # of modules); compileall does it after, on every core. Left to first imports instead, the several
@@ -64,15 +64,24 @@ bytecode: $(BIN)/.installed
 
 # The type checks (near 2 minutes of one core from a fresh clone) and the documentation site's
 # strict build run beside the tests at the lowest priority (nice 19): they take what the tests leave
-# idle (the parallel run's waits, the half core the tests that run alone do not use), not CPU the
-# parallel run would have used. Their output is printed at the end; either failing fails the target.
-test: lint system-deps bytecode  ## everything CI runs: lint, types, docs, unit + integration + e2e tests (the target: 25 min on 2 cores from a fresh clone)
+# idle (the parallel run's waits), not CPU the parallel run would have used. Their output is printed
+# at the end; either failing fails the target.
+# The long suites' reduced runs (tests marked `long` in tests/conftest.py: containers, Ray clusters,
+# simulated hosts, the experiments, the comparison's peers, the tests that need the machine alone)
+# are `make test-long`'s: 61 % of the suite's test time, where `make test` must fit 25 minutes from
+# a fresh clone on a host at half this one's speed. CI (.ci/run) runs both.
+test: lint system-deps bytecode  ## lint, types, docs, and every unit, integration and end-to-end test but the long suites' (the target: 25 min on 2 cores at half speed, from a fresh clone)
 	@nice -n 19 $(MAKE) --no-print-directory typecheck docs > $(VENV)/checks.log 2>&1 & checks=$$!; \
-	GEMPS_REQUIRE_PROMETHEUS=1 GEMPS_REQUIRE_ETCD=1 $(BIN)/python -m pytest $(PARALLEL) -m "not alone" --durations=20; \
-	tests=$$?; if test $$tests -eq 0; then \
-		GEMPS_REQUIRE_PROMETHEUS=1 GEMPS_REQUIRE_ETCD=1 $(BIN)/python -m pytest -m alone; tests=$$?; fi; \
-	wait $$checks; checked=$$?; echo "== make typecheck docs (beside the tests, at the lowest priority): exit $$checked"; \
+	GEMPS_REQUIRE_PROMETHEUS=1 GEMPS_REQUIRE_ETCD=1 $(BIN)/python -m pytest $(PARALLEL) -m "not long" --durations=20; \
+	tests=$$?; wait $$checks; checked=$$?; echo "== make typecheck docs (beside the tests, at the lowest priority): exit $$checked"; \
 	cat $(VENV)/checks.log; test $$tests -eq 0 && test $$checked -eq 0
+
+# The rest of what CI runs after `make test` (about 20 minutes here): the long suites' reduced runs,
+# in parallel but for their groups, then the tests that need the machine to themselves, one at a time.
+# The peers' tests run from their own virtualenv (built first), so here they fail rather than skip.
+test-long: system-deps-all bytecode peers-venv  ## the long suites' reduced runs: containers, Ray, simulated hosts, experiments, peers (CI runs it after `make test`)
+	GEMPS_REQUIRE_PROMETHEUS=1 GEMPS_REQUIRE_ETCD=1 GEMPS_REQUIRE_PEERS=1 $(BIN)/python -m pytest $(PARALLEL) -m "long and not alone" --durations=20
+	GEMPS_REQUIRE_PROMETHEUS=1 GEMPS_REQUIRE_ETCD=1 $(BIN)/python -m pytest -m alone
 
 test-fast: bytecode  ## the inner loop (about 2 minutes): unit + integration tests that inject no faults
 	$(BIN)/python -m pytest $(PARALLEL) -m "not faults" tests/unit tests/integration
@@ -85,8 +94,11 @@ docs: $(BIN)/.installed  ## build the documentation site into site/ (strict; the
 docs-serve: $(BIN)/.installed  ## serve the documentation site at http://127.0.0.1:8000, rebuilt as pages change
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict --dev-addr 127.0.0.1:8000
 
-system-deps:  ## Prometheus + promtool, etcd, sshfs (apt; sudo when not root)
+system-deps:  ## what `make test` needs beyond Python: Prometheus + promtool, etcd (apt; sudo when not root)
 	tools/install-system-deps
+
+system-deps-all:  ## and what `make test-long` needs: sshfs, iptables, podman + podman-compose and their base images
+	tools/install-system-deps --all
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .

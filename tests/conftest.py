@@ -8,8 +8,13 @@ memory, the simulated hosts' links and the CPU they are measured with).
 
 Tests that inject faults (killed processes, parted links, full disks, hostile peers) are marked
 `faults`; `make test-fast` leaves them out for the inner loop. Tests whose figures need the
-machine to themselves are marked `alone`: `make test` runs them after the parallel run, one at a
-time.
+machine to themselves are marked `alone`: they run after the parallel run, one at a time.
+
+The long suites' reduced runs are marked `long`: `make test` leaves them out, `make test-long` runs
+them, and CI (.ci/run) runs both. They are the serial groups' modules (containers, Ray clusters,
+simulated hosts), the `alone` tests, and the experiments and peers named in LONG_MODULES: 61 % of
+the suite's test time in 26 of its 275 modules (2026-12-05), where `make test` must fit 25 minutes
+on a host at half this one's speed (docs/guides/testing.md).
 """
 
 from __future__ import annotations
@@ -73,6 +78,19 @@ ALONE_MODULES = frozenset(
     }
 )
 
+# Long suites' reduced runs beyond the groups and the alone tests (`make test-long`): training runs
+# judged by their loss (the Adam replay, the comparison's peers, each run for a fixed deadline) and
+# the soak's 100 clients.
+LONG_MODULES = frozenset(
+    {
+        "test_adam_replay.py",
+        "test_alternatives_peers.py",
+        "test_soak.py",
+        *SERIAL_GROUPS,
+        *ALONE_MODULES,
+    }
+)
+
 # Modules whose tests inject faults (left out of `make test-fast`).
 FAULT_MODULES = frozenset(
     {
@@ -106,7 +124,8 @@ FAULT_MODULES = frozenset(
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "faults: injects a fault (left out of `make test-fast`)")
-    config.addinivalue_line("markers", "alone: needs the machine to itself (`make test` runs it after the rest)")
+    config.addinivalue_line("markers", "alone: needs the machine to itself (run after the rest, one at a time)")
+    config.addinivalue_line("markers", "long: a long suite's reduced run (`make test-long`, which CI runs)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
@@ -119,15 +138,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.alone)
         if module in FAULT_MODULES:
             item.add_marker(pytest.mark.faults)
+        if module in LONG_MODULES or item.get_closest_marker("alone") is not None:  # alone: also a test's own mark
+            item.add_marker(pytest.mark.long)
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """`pytest -m alone` (`make test`'s serial phase) reads only the modules that hold alone tests:
-    importing the whole suite to deselect all but 17 of its 2,169 tests took 24 s of CPU there."""
-    if config.getoption("markexpr") != "alone" or not _is_test_module(collection_path):
+    """`pytest -m alone` (`make test-long`'s serial phase) reads only the modules that hold alone
+    tests: importing the whole suite to deselect all but 17 of its 2,169 tests took 24 s of CPU
+    there. `-m "not long"` (`make test`) leaves the long modules unread likewise."""
+    markexpr = config.getoption("markexpr")
+    if markexpr not in ("alone", "not long") or not _is_test_module(collection_path):
         return None
+    if markexpr == "not long":
+        return True if collection_path.name in LONG_MODULES else None  # None: other hooks still decide
     holds_alone = collection_path.name in ALONE_MODULES or "pytest.mark.alone" in collection_path.read_text()
-    return None if holds_alone else True  # None: other hooks and options still decide for the rest
+    return None if holds_alone else True
 
 
 def _is_test_module(path: Path) -> bool:
