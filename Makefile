@@ -68,7 +68,7 @@ bytecode: $(BIN)/.installed
 # at the end; either failing fails the target.
 # The long suites' reduced runs (tests marked `long` in tests/conftest.py: containers, Ray clusters,
 # simulated hosts, the experiments, the comparison's peers, the tests that need the machine alone)
-# are `make test-long`'s: 61 % of the suite's test time, where `make test` must fit 25 minutes from
+# are `make test-long`'s: 65 % of the suite's test time, where `make test` must fit 25 minutes from
 # a fresh clone on a host at half this one's speed. CI (.ci/run) runs both.
 test: lint system-deps bytecode  ## lint, types, docs, and every unit, integration and end-to-end test but the long suites' (the target: 25 min on 2 cores at half speed, from a fresh clone)
 	@nice -n 19 $(MAKE) --no-print-directory typecheck docs > $(VENV)/checks.log 2>&1 & checks=$$!; \

@@ -12,8 +12,8 @@ machine to themselves are marked `alone`: they run after the parallel run, one a
 
 The long suites' reduced runs are marked `long`: `make test` leaves them out, `make test-long` runs
 them, and CI (.ci/run) runs both. They are the serial groups' modules (containers, Ray clusters,
-simulated hosts), the `alone` tests, and the experiments and peers named in LONG_MODULES: 61 % of
-the suite's test time in 26 of its 275 modules (2026-12-05), where `make test` must fit 25 minutes
+simulated hosts), the `alone` tests, and the experiments and peers named in LONG_MODULES: 65 % of
+the suite's test time in 31 of its 275 modules (2026-12-05), where `make test` must fit 25 minutes
 on a host at half this one's speed (docs/guides/testing.md).
 """
 
@@ -78,14 +78,20 @@ ALONE_MODULES = frozenset(
     }
 )
 
-# Long suites' reduced runs beyond the groups and the alone tests (`make test-long`): training runs
-# judged by their loss (the Adam replay, the comparison's peers, each run for a fixed deadline) and
-# the soak's 100 clients.
+# Long suites' reduced runs beyond the groups and the alone tests (`make test-long`): the comparison's
+# peers (each run for a fixed deadline), the soak's 100 clients, and the experiments' scripts run
+# reduced (the Adam replay, local steps' accuracy, the Trainer's classifier, the GPT-2 job on CPU,
+# the noise scale along a run, ResNet's batch norm).
 LONG_MODULES = frozenset(
     {
-        "test_adam_replay.py",
         "test_alternatives_peers.py",
         "test_soak.py",
+        "test_adam_replay.py",
+        "test_local_steps_accuracy.py",
+        "test_hf_classifier.py",
+        "test_gpu_job.py",
+        "test_noise_scale_script.py",
+        "test_resnet_batchnorm.py",
         *SERIAL_GROUPS,
         *ALONE_MODULES,
     }
@@ -143,16 +149,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """`pytest -m alone` (`make test-long`'s serial phase) reads only the modules that hold alone
-    tests: importing the whole suite to deselect all but 17 of its 2,169 tests took 24 s of CPU
-    there. `-m "not long"` (`make test`) leaves the long modules unread likewise."""
+    """Each phase of `make test` and `make test-long` reads only the modules that can hold its tests:
+    importing the whole suite to deselect all but 17 of its 2,169 tests took 24 s of CPU in the
+    alone phase. None: other hooks and options still decide."""
     markexpr = config.getoption("markexpr")
-    if markexpr not in ("alone", "not long") or not _is_test_module(collection_path):
+    if not _is_test_module(collection_path):
         return None
-    if markexpr == "not long":
-        return True if collection_path.name in LONG_MODULES else None  # None: other hooks still decide
-    holds_alone = collection_path.name in ALONE_MODULES or "pytest.mark.alone" in collection_path.read_text()
-    return None if holds_alone else True
+    if markexpr == "not long":  # `make test`
+        return True if collection_path.name in LONG_MODULES else None
+    if markexpr == "long and not alone":  # `make test-long`'s parallel phase: elsewhere only alone tests are long
+        return None if collection_path.name in LONG_MODULES else True
+    if markexpr == "alone":  # its serial phase
+        holds_alone = collection_path.name in ALONE_MODULES or "pytest.mark.alone" in collection_path.read_text()
+        return None if holds_alone else True
+    return None
 
 
 def _is_test_module(path: Path) -> bool:
