@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from adam_replay_data import Data, flat, gradient, load
 
+from gemps.pytorch import Beta1Ramp
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
 from gemps_server.domain.rules import create_rule
 from gemps_server.domain.rules.base import CommitRule, StepContext
@@ -100,6 +101,7 @@ def rounds_local(
     workers: int,
     outer: dict[str, float],
     stop: int | None = None,
+    beta1_ramp: tuple[float, float] | None = None,
 ) -> list[list[float]]:
     """`windows:H`: rounds of the N workers' windows of H local AdamW steps, each from the θ its
     round started at (each worker its own moments, and nanoGPT's schedule over its own share of the
@@ -111,6 +113,10 @@ def rounds_local(
     models = [data.build() for _ in range(workers)]
     optimizers = [data.optimizer_of(model, lr) for model in models]
     schedules = [data.schedule_of(o, steps // workers, warmup) for o in optimizers]
+    ramps = None  # the windows recipe's β1, raised over the first `share` of each worker's steps
+    if beta1_ramp is not None:
+        to, share = beta1_ramp
+        ramps = [Beta1Ramp(o, to, max(1, round(share * (steps // workers)))) for o in optimizers]
     streams = [data.batches(rank, workers) for rank in range(workers)]
     probe = data.build()
     rule = _rule_of(probe, TrainingConfig(rule="adamw", rule_options={"round_size": workers, **outer}))
@@ -127,6 +133,8 @@ def rounds_local(
                 optimizer.step()
                 if schedule is not None:
                     schedule.step()
+                if ramps is not None:
+                    ramps[rank].step()
                 step += 1
             delta = (flat(model) - start).numpy()
             context = StepContext(f"worker-{rank}", staleness=rank, version=version, kind=PayloadKind.UPDATE)

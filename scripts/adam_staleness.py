@@ -278,6 +278,12 @@ def main() -> None:
     parser.add_argument("--model", choices=tuple(MODELS), default="nanogpt", help="what the workers train")
     parser.add_argument("--seed", type=int, default=0, help="the model's initialisation and the data's split and order")
     parser.add_argument("--beta1", type=float, help="Adam's β1 instead of the model's optimizer's (nanoGPT's 0.9)")
+    parser.add_argument(
+        "--beta1-to", type=float, help="windows:H: each worker's β1 rises to this (gemps.pytorch.Beta1Ramp)"
+    )
+    parser.add_argument(
+        "--beta1-ramp", type=float, default=0.25, help="windows:H: the share of each worker's steps it rises over"
+    )
     parser.add_argument("--beta2", type=float, help="Adam's β2 instead of the model's optimizer's (nanoGPT's 0.99)")
     parser.add_argument(
         "--schedule",
@@ -306,6 +312,13 @@ def main() -> None:
         beta = getattr(args, name)
         if beta is not None and not 0 <= beta < 1:
             parser.error(f"--{name} must be at least 0 and below 1, not {beta}")
+    if args.beta1_to is not None:
+        others = [v for v in args.variants if v.partition(":")[0] != "windows"]
+        if others or not 0 <= args.beta1_to < 1 or not 0 < args.beta1_ramp <= 1:
+            parser.error(
+                f"--beta1-to is a β1 in [0, 1) for windows:H, reached over --beta1-ramp of the steps (above 0, "
+                f"at most 1): not {args.beta1_to:g} over {args.beta1_ramp:g} with {' '.join(args.variants)}"
+            )
     held = [v for v in args.variants if v.partition(":")[0] not in ("local", "ahead", "job", "dana", "dn", "as", "gem")]
     if args.fresh and held:
         parser.error(
@@ -358,6 +371,7 @@ def main() -> None:
             curve = rounds_local(
                 data, int(amount), steps, args.learning_rate, evals, args.warmup, args.workers,
                 {"outer_rate": args.outer_rate, "outer_momentum": args.outer_momentum}, stop,
+                None if args.beta1_to is None else (args.beta1_to, args.beta1_ramp),
             )  # fmt: skip
         else:
             parser.error(
@@ -381,6 +395,8 @@ def main() -> None:
             settings.update(dn_learning_rate=args.dn_learning_rate, dn_momentum=args.dn_momentum)
         if name == "windows":
             settings.update(outer_rate=args.outer_rate, outer_momentum=args.outer_momentum)
+            if args.beta1_to is not None:
+                settings.update(beta1_to=args.beta1_to, beta1_ramp=args.beta1_ramp)
         if name == "pred":
             settings.update(prediction=args.prediction)
         if name in ("ahead", "job"):

@@ -79,7 +79,7 @@ from gemps_bench.alternatives.cgroups import Groups, unavailable_reason
 
 from gemps.client import Client
 from gemps.errors import GempsError
-from gemps.pytorch import LocalSteps, RemoteOptimizer
+from gemps.pytorch import Beta1Ramp, LocalSteps, RemoteOptimizer
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.held_out import evaluate
 from gemps_worker.nanogpt import BETAS, LEARNING_RATE, SHAPES, adamw, char_gpt, cosine_schedule, shard_batches
@@ -105,6 +105,8 @@ def train(args: argparse.Namespace) -> None:
     inner = adamw(model, args.learning_rate, args.beta1)
     steps = args.samples // shape.batch // args.world
     schedule = cosine_schedule(inner, steps, args.warmup)
+    ramped = args.beta1_to is not None and args.role not in REFERENCES  # the windows recipe's β1
+    ramp = Beta1Ramp(inner, args.beta1_to, max(1, round(args.beta1_ramp * steps))) if ramped else None
     batches = ddp_batches(train_x, train_y, args.world, shape.batch, args.seed) if args.role == "ddp" else \
         shard_batches(train_x, train_y, args.rank, args.world, args.seed, shape.batch)  # fmt: skip
     folder = Path(args.folder)
@@ -126,6 +128,8 @@ def train(args: argparse.Namespace) -> None:
         optimizer.step(loss=loss) if isinstance(optimizer, LocalSteps | RemoteOptimizer) else optimizer.step()
         if not isinstance(optimizer, RemoteOptimizer):  # else the server's schedule
             schedule.step()
+        if ramp is not None:
+            ramp.step()
         if args.role in REFERENCES and (time.time() - saved >= args.snapshot_every or step == steps):
             saved = time.time()
             vector = torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
@@ -173,6 +177,8 @@ def launch(args: argparse.Namespace, groups: Groups | None, role: str, rank: int
     argv = [sys.executable, str(SCRIPT), "--role", role, "--rank", str(rank), "--world", str(world),
             "--samples", str(samples), "--folder", str(folder), "--target", target, "--seed", str(args.seed),
             "--learning-rate", repr(learning_rate), "--warmup", str(warmup), "--beta1", repr(beta1),
+            *(() if reference or args.beta1_to is None else ("--beta1-to", repr(args.beta1_to))),
+            "--beta1-ramp", repr(args.beta1_ramp),
             "--local-steps", str(args.local_steps), "--look-ahead", repr(args.look_ahead),
             *(("--compression", args.compression) if args.compression else ()),
             *(f"--server-option={option}" for option in args.server_option),
@@ -295,6 +301,10 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE)
     parser.add_argument("--warmup", type=int, default=100, help="warm-up steps of nanoGPT's schedule")
     parser.add_argument("--beta1", type=float, default=BETAS[0], help="the gemps workers' AdamW β1 (nanoGPT's 0.9)")
+    parser.add_argument("--beta1-to", type=float,
+                        help="the gemps workers' β1 rises from --beta1 to this (gemps.pytorch.Beta1Ramp)")  # fmt: skip
+    parser.add_argument("--beta1-ramp", type=float, default=0.25,
+                        help="the share of each worker's steps --beta1-to is reached over (a quarter)")  # fmt: skip
     parser.add_argument("--rule", default="downpour", help="the server's --rule")
     parser.add_argument("--server-option", action="append", default=[], metavar="NAME=VALUE",
                         help="another server option (kappa=2: --kappa 2), repeatable")  # fmt: skip
@@ -325,6 +335,10 @@ def main() -> None:
         parser.error(f"--seed is {args.seed}: give 0 or more")
     if not 0 <= args.beta1 < 1:
         parser.error(f"--beta1 is {args.beta1:g}: AdamW's β1 lies in [0, 1)")
+    if args.beta1_to is not None and not 0 <= args.beta1_to < 1:
+        parser.error(f"--beta1-to is {args.beta1_to:g}: AdamW's β1 lies in [0, 1)")
+    if not 0 < args.beta1_ramp <= 1:
+        parser.error(f"--beta1-ramp is {args.beta1_ramp:g}: a share of the steps, above 0 and at most 1")
     if args.reference_learning_rate is not None and not args.reference_learning_rate > 0:
         parser.error(f"--reference-learning-rate is {args.reference_learning_rate:g}: give a rate above 0")
     if args.reference_warmup is not None and args.reference_warmup < 0:

@@ -221,6 +221,20 @@ def test_rounds_of_local_windows_are_averaged_by_the_adamw_rule(tmp_path: Path) 
     assert four["windows:2"][-1] != half["windows:2"][-1], (four, half)
 
 
+def test_a_beta1_ramp_is_what_the_windows_run_when_asked(tmp_path: Path) -> None:
+    """`--beta1-to` (gemps.pytorch.Beta1Ramp in every worker): a ramp to the β1 the workers start at
+    changes nothing, to the bit; a ramp to another moves the curve; given to another variant, or
+    outside [0, 1), it is refused, naming it."""
+    windows = ("--variants", "windows:2", "--workers", "4", "--samples", "512", "--beta1", "0.5")
+    plain = replay(tmp_path, "plain", *windows)
+    level = replay(tmp_path, "level", *windows, "--beta1-to", "0.5", "--beta1-ramp", "0.5")
+    rising = replay(tmp_path, "rising", *windows, "--beta1-to", "0.95", "--beta1-ramp", "0.5")
+    assert level == plain and rising["windows:2"][-1] != plain["windows:2"][-1], (plain, rising)
+    for refused in (["--variants", "ahead:1", "--beta1-to", "0.95"], ["--variants", "windows:2", "--beta1-to", "1"]):
+        done = subprocess.run([sys.executable, str(SCRIPT), *refused], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and "--beta1-to is a β1 in [0, 1) for windows:H" in done.stderr, done.stderr
+
+
 def test_the_trainers_schedule_and_betas_are_what_the_replay_runs_when_asked() -> None:
     """`--schedule linear` is the Trainer's default (a linear warm-up, then a linear decay to 0 at the
     run's end, decaying from the start without a warm-up); `--beta1`/`--beta2` replace the model's

@@ -47,12 +47,13 @@ So `gemps export` and `client.pull().state_dict()` give a state dict that loads 
 `model.load_state_dict(..., strict=True)` when the model has no frozen parameters.
 
 Its modules, each of one job: `remote` (RemoteModel, load_central), `optimizer` (RemoteOptimizer),
-`local_steps` (LocalSteps), `overlap` (one commit in flight), `values` (a
-model's values as the wire carries them), `batches` (the samples a step counts, the warning
-without a loss), `threads` (torch's intra-op threads), `schedules` (the learning rate the server
-owns), `trainer_arguments` (a Hugging Face Trainer's arguments that do not train, said once),
-`refusals` (a torch optimizer's arguments refused, each naming where gemps sets it), `wrappers`
-(the model inside torch.compile's and DDP's wrappers), `groups` (a process group as one gemps worker).
+`local_steps` (LocalSteps), `beta1_ramp` (Adam's β1 raised over a run's first steps), `overlap`
+(one commit in flight), `values` (a model's values as the wire carries them), `batches` (the
+samples a step counts, the warning without a loss), `threads` (torch's intra-op threads),
+`schedules` (the learning rate the server owns), `trainer_arguments` (a Hugging Face Trainer's
+arguments that do not train, said once), `refusals` (a torch optimizer's arguments refused, each
+naming where gemps sets it), `wrappers` (the model inside torch.compile's and DDP's wrappers),
+`groups` (a process group as one gemps worker).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ except ImportError as missing:
         name=missing.name,
     ) from missing
 
+from gemps.pytorch.beta1_ramp import Beta1Ramp
 from gemps.pytorch.groups import GroupLeaderError
 from gemps.pytorch.local_steps import LocalSteps
 from gemps.pytorch.optimizer import RemoteOptimizer
@@ -76,6 +78,7 @@ from gemps.pytorch.schedules import ServerOwnsLearningRateError, ServerSchedule
 from gemps.pytorch.values import persistent_buffers, trained_parameters
 
 __all__ = [
+    "Beta1Ramp",
     "GroupLeaderError",
     "InFlightCommitError",
     "LocalSteps",
