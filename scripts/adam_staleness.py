@@ -281,9 +281,7 @@ def main() -> None:
     parser.add_argument(
         "--beta1-to", type=float, help="windows:H: each worker's β1 rises to this (gemps.pytorch.Beta1Ramp)"
     )
-    parser.add_argument(
-        "--beta1-ramp", type=float, default=0.25, help="windows:H: the share of each worker's steps it rises over"
-    )
+    parser.add_argument("--beta1-ramp", type=float, help="windows:H: the share of each worker's steps it rises over")
     parser.add_argument("--beta2", type=float, help="Adam's β2 instead of the model's optimizer's (nanoGPT's 0.99)")
     parser.add_argument(
         "--schedule",
@@ -312,6 +310,9 @@ def main() -> None:
         beta = getattr(args, name)
         if beta is not None and not 0 <= beta < 1:
             parser.error(f"--{name} must be at least 0 and below 1, not {beta}")
+    if args.beta1_ramp is not None and args.beta1_to is None:
+        parser.error(f"--beta1-ramp {args.beta1_ramp:g} without --beta1-to: give the β1 it rises to")
+    args.beta1_ramp = 0.25 if args.beta1_ramp is None else args.beta1_ramp  # a quarter: the guide's recipe
     if args.beta1_to is not None:
         others = [v for v in args.variants if v.partition(":")[0] != "windows"]
         if others or not 0 <= args.beta1_to < 1 or not 0 < args.beta1_ramp <= 1:

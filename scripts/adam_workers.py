@@ -303,7 +303,7 @@ def main() -> None:
     parser.add_argument("--beta1", type=float, default=BETAS[0], help="the gemps workers' AdamW β1 (nanoGPT's 0.9)")
     parser.add_argument("--beta1-to", type=float,
                         help="the gemps workers' β1 rises from --beta1 to this (gemps.pytorch.Beta1Ramp)")  # fmt: skip
-    parser.add_argument("--beta1-ramp", type=float, default=0.25,
+    parser.add_argument("--beta1-ramp", type=float,
                         help="the share of each worker's steps --beta1-to is reached over (a quarter)")  # fmt: skip
     parser.add_argument("--rule", default="downpour", help="the server's --rule")
     parser.add_argument("--server-option", action="append", default=[], metavar="NAME=VALUE",
@@ -337,6 +337,11 @@ def main() -> None:
         parser.error(f"--beta1 is {args.beta1:g}: AdamW's β1 lies in [0, 1)")
     if args.beta1_to is not None and not 0 <= args.beta1_to < 1:
         parser.error(f"--beta1-to is {args.beta1_to:g}: AdamW's β1 lies in [0, 1)")
+    if args.beta1_to is not None and args.rule == "adamw" and not averaged(args):
+        parser.error("--beta1-to ramps the workers' own AdamW: under --rule adamw they commit gradients")
+    if args.beta1_ramp is not None and args.beta1_to is None:
+        parser.error(f"--beta1-ramp {args.beta1_ramp:g} without --beta1-to: give the β1 it rises to")
+    args.beta1_ramp = 0.25 if args.beta1_ramp is None else args.beta1_ramp
     if not 0 < args.beta1_ramp <= 1:
         parser.error(f"--beta1-ramp is {args.beta1_ramp:g}: a share of the steps, above 0 and at most 1")
     if args.reference_learning_rate is not None and not args.reference_learning_rate > 0:

@@ -233,6 +233,9 @@ def test_a_beta1_ramp_is_what_the_windows_run_when_asked(tmp_path: Path) -> None
     for refused in (["--variants", "ahead:1", "--beta1-to", "0.95"], ["--variants", "windows:2", "--beta1-to", "1"]):
         done = subprocess.run([sys.executable, str(SCRIPT), *refused], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and "--beta1-to is a β1 in [0, 1) for windows:H" in done.stderr, done.stderr
+    alone = ["--variants", "windows:2", "--beta1-ramp", "0.5"]  # a ramp with nothing to rise to
+    done = subprocess.run([sys.executable, str(SCRIPT), *alone], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--beta1-ramp 0.5 without --beta1-to" in done.stderr, done.stderr
 
 
 def test_the_trainers_schedule_and_betas_are_what_the_replay_runs_when_asked() -> None:
