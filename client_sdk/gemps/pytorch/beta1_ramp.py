@@ -4,9 +4,9 @@ Workers that commit windows of local AdamW steps in rounds (`gemps server --rule
 --outer-rate 1`) keep their AdamW moments while θ is replaced by the round's mean, so a longer β1
 carries each worker's direction across the rounds. Measured on the character GPT (docs/RESULTS.md,
 "Rounds of local steps"), β1 0.95 from the first step ends a long run lowest but is behind 0.9 for
-its first third; rising from 0.9 to 0.95 over the first quarter of the steps is ahead of both for
-the first half and within the windows' bar at the end. `Beta1Ramp` is that schedule, stepped like
-a torch learning-rate scheduler: after each of the optimizer's steps.
+its first third; rising from 0.9 to 0.95 over the first quarter of the steps is level with 0.9 in a
+short run and within the windows' bar at the middle and the end of a long one. `Beta1Ramp` is that
+schedule, stepped like a torch learning-rate scheduler: after each of the optimizer's steps.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class Beta1Ramp:
             group["betas"] = (beta1, *tuple(group["betas"])[1:])
 
     def state_dict(self) -> dict[str, Any]:
+        """The ramp's target, length, each group's starting β1 and the steps taken (for a checkpoint)."""
         return {"to": self.to, "steps": self.steps, "starts": list(self.starts), "done": self.done}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
