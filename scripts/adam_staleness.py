@@ -89,6 +89,7 @@ from adam_look_ahead import DanaLookAhead  # beside this script (its directory i
 from adam_replay_data import MODELS, SCHEDULES, Data, flat, gradient, load
 from adam_rounds import rounds_adam, rounds_local
 
+from gemps.pytorch.beta1_ramp import RECIPE_SHARE
 from gemps.pytorch.job_betas import JobBetas
 from gemps.pytorch.look_ahead import LookAhead
 from gemps_server.domain.rules.adaptive_staleness import AdaptiveStalenessRule
@@ -312,7 +313,7 @@ def main() -> None:
             parser.error(f"--{name} must be at least 0 and below 1, not {beta}")
     if args.beta1_ramp is not None and args.beta1_to is None:
         parser.error(f"--beta1-ramp {args.beta1_ramp:g} without --beta1-to: give the β1 it rises to")
-    args.beta1_ramp = 0.25 if args.beta1_ramp is None else args.beta1_ramp  # a quarter: the guide's recipe
+    args.beta1_ramp = RECIPE_SHARE if args.beta1_ramp is None else args.beta1_ramp  # the guide's recipe
     if args.beta1_to is not None:
         others = [v for v in args.variants if v.partition(":")[0] != "windows"]
         if others or not 0 <= args.beta1_to < 1 or not 0 < args.beta1_ramp <= 1:

@@ -80,6 +80,7 @@ from gemps_bench.alternatives.cgroups import Groups, unavailable_reason
 from gemps.client import Client
 from gemps.errors import GempsError
 from gemps.pytorch import Beta1Ramp, LocalSteps, RemoteOptimizer
+from gemps.pytorch.beta1_ramp import RECIPE_SHARE
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.held_out import evaluate
 from gemps_worker.nanogpt import BETAS, LEARNING_RATE, SHAPES, adamw, char_gpt, cosine_schedule, shard_batches
@@ -177,8 +178,8 @@ def launch(args: argparse.Namespace, groups: Groups | None, role: str, rank: int
     argv = [sys.executable, str(SCRIPT), "--role", role, "--rank", str(rank), "--world", str(world),
             "--samples", str(samples), "--folder", str(folder), "--target", target, "--seed", str(args.seed),
             "--learning-rate", repr(learning_rate), "--warmup", str(warmup), "--beta1", repr(beta1),
-            *(() if reference or args.beta1_to is None else ("--beta1-to", repr(args.beta1_to))),
-            "--beta1-ramp", repr(args.beta1_ramp),
+            *(() if reference or args.beta1_to is None else
+              ("--beta1-to", repr(args.beta1_to), "--beta1-ramp", repr(args.beta1_ramp))),
             "--local-steps", str(args.local_steps), "--look-ahead", repr(args.look_ahead),
             *(("--compression", args.compression) if args.compression else ()),
             *(f"--server-option={option}" for option in args.server_option),
@@ -341,7 +342,7 @@ def main() -> None:
         parser.error("--beta1-to ramps the workers' own AdamW: under --rule adamw they commit gradients")
     if args.beta1_ramp is not None and args.beta1_to is None:
         parser.error(f"--beta1-ramp {args.beta1_ramp:g} without --beta1-to: give the β1 it rises to")
-    args.beta1_ramp = 0.25 if args.beta1_ramp is None else args.beta1_ramp
+    args.beta1_ramp = RECIPE_SHARE if args.beta1_ramp is None else args.beta1_ramp
     if not 0 < args.beta1_ramp <= 1:
         parser.error(f"--beta1-ramp is {args.beta1_ramp:g}: a share of the steps, above 0 and at most 1")
     if args.reference_learning_rate is not None and not args.reference_learning_rate > 0:

@@ -14,6 +14,9 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
+#: the windows recipe's ramp: β1 0.9 to 0.95 over this share of each worker's planned steps
+RECIPE_SHARE = 0.25
+
 
 class _Stepped(Protocol):
     param_groups: list[dict[str, Any]]
