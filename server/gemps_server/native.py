@@ -1,7 +1,8 @@
-"""The server's compiled loops (csrc/, the module _native), numpy in their place where not built.
+"""The server's compiled loops (csrc/, the module _native; the codec's passes, gemps_proto._codes),
+numpy and the shared codec in their place where not built.
 
-The extension is optional: `pip install` builds it where a C compiler is at hand and goes on
-without it elsewhere. `compiled` is the module, or None.
+The extensions are optional: `pip install` builds them where a C compiler is at hand and goes on
+without them elsewhere. `compiled` is the server's module, or None.
 """
 
 from __future__ import annotations
@@ -13,8 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from gemps_proto import compiled_codes
+from gemps_proto.block_quantisation import int8_nbytes
 from gemps_proto.compiled_codes import optional_extension
+from gemps_proto.tensor_codec import INT8_BLOCK, EncodedTensor
 from gemps_proto.tensor_codec import all_finite as numpy_all_finite
+from gemps_proto.vectors import Vector
 
 compiled = optional_extension("gemps_server._native")
 
@@ -51,6 +56,30 @@ def copy_max_abs(source: np.ndarray, target: np.ndarray) -> float:
         return float(compiled.copy_max_abs(source.reshape(-1), target.reshape(-1)))
     np.copyto(target, source)
     return max_abs(target)
+
+
+def decoded_payload(payload: EncodedTensor, out: np.ndarray | None = None) -> tuple[Vector, float | None]:
+    """A commit payload's values, as `payload.decode_payload(out)` (TensorDecodeError where they do
+    not decode), and their max |value| where it was measured on the way (else None, for the rules'
+    overflow bounds): int8 codes of a flat payload are checked, decoded into `out` and measured in
+    one compiled pass, each byte read once (a payload its sender can still write cannot pass a check
+    with one byte and be used with another), where the codec's decode would leave the peak to one
+    more pass. A payload the compiled pass refuses is decoded by the codec again, which words the
+    refusal, so the errors are the codec's, word for word."""
+    codes = compiled_codes.compiled
+    if (
+        codes is not None
+        and out is not None
+        and payload.dtype == INT8_BLOCK
+        and payload.shape == (out.size,)
+        and out.dtype == np.float32
+        and out.flags.c_contiguous
+        and memoryview(payload.data).nbytes == int8_nbytes(out.size)
+    ):
+        peak: float = codes.decode_int8(payload.data, out)
+        if peak >= 0.0:  # else refused (-1.0 a scale, -2.0 a code): the codec words why
+            return out, peak
+    return payload.decode_payload(out), None
 
 
 def median_in_place(values: np.ndarray) -> float:

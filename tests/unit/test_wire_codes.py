@@ -1,6 +1,6 @@
 """The codec's compiled passes (proto/gemps_proto/csrc/codes.c, gemps_proto.compiled_codes) are its
 numpy code, byte for byte and bit for bit: a commit payload decoded and measured (the server's
-gemps_server.coded_payloads), a refusal worded, a worker's int8 codes with its residual, a
+gemps_server.native.decoded_payload), a refusal worded, a worker's int8 codes with its residual, a
 difference reply coded with the server's copy moved, and a client's copy moved by a reply."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from gemps_proto.tensor_codec import (
     encode_payload,
 )
 from gemps_server import native
-from gemps_server.coded_payloads import decoded_payload
+from gemps_server.native import decoded_payload
 
 T = TypeVar("T")
 

@@ -25,11 +25,10 @@ from gemps_proto.tensor_codec import (
     dtype_name,
     expected_payload_nbytes,
 )
-from gemps_server.coded_payloads import decoded_payload
 from gemps_server.domain.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from gemps_server.domain.ledger import MAX_CLIENT_ID_LENGTH, MAX_REQUEST_ID_LENGTH, valid_client_id
 from gemps_server.domain.records import PartitionOf
-from gemps_server.native import all_finite, max_abs
+from gemps_server.native import all_finite, decoded_payload, max_abs
 
 # How many spec differences a FAILED_PRECONDITION message spells out before summarising.
 MAX_LISTED_DIFFERENCES = 5
