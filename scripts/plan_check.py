@@ -2,7 +2,8 @@
 commits/s and server memory the planner projects for that cell (its size, clients, rule, encoding,
 partitions; workers that only commit, on this host's cores) beside what the bench measured.
 
-The costs come from `--calibration` (another bench run's results.json: an out-of-sample check), or
+The costs come from `--calibration` (other bench runs' results.json files: an out-of-sample check, or
+a calibration of another day), or
 by default from the planner's own calibration (gemps_bench.measured_costs). Prints a table and,
 with --json, writes the rows; exits 1 when a row is off by more than --tolerance (default 25 %).
 A results file of `gemps bench --link RATE` (cross-host.json) is projected on its links, where a
@@ -65,6 +66,13 @@ def rows(
     return checked
 
 
+def coded_by_numpy(run: dict[str, Any]) -> bool:
+    """Whether a run's codes went through the codec's numpy passes, at 3-7x the CPU of the compiled
+    ones the default calibration's were (docs/guides/sizing.md): its `codes` says (gemps_bench.suite.CODES),
+    and runs recorded before 2026-12-05 say nothing, so theirs were numpy's."""
+    return str(run.get("compression", "none")) != "none" and run.get("codes") != "compiled"
+
+
 def ratio_to_range(low: float, high: float) -> float:
     """A projected range's ratio to the measured, given as the ratios of its ends: 1 where the
     measured lies within it, else the nearer end's."""
@@ -95,7 +103,10 @@ def main() -> int:
         nargs="?",
         help="a `gemps bench` results.json or cross-host.json: the measurements checked",
     )
-    parser.add_argument("--calibration", type=Path, default=None, help="the results.json the costs are fitted from")
+    parser.add_argument(
+        "--calibration", type=Path, nargs="+", default=None,
+        help="the results.json files the costs are fitted from (default: the planner's own calibration)",
+    )  # fmt: skip
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="the bench host's cores")
     parser.add_argument("--tolerance", type=float, default=0.25)
     parser.add_argument("--json", type=Path, default=None)
@@ -111,7 +122,8 @@ def main() -> int:
         parser.error("give a results.json to check, or --refit")
     calibration = MEASURED
     if args.calibration is not None:
-        calibration = fit(json.loads(args.calibration.read_text())["runs"], str(args.calibration))
+        runs = [run for path in args.calibration for run in json.loads(path.read_text())["runs"]]
+        calibration = fit(runs, ", ".join(str(path) for path in args.calibration))
     measured = json.loads(args.results.read_text())
     links = (measured.get("link_bytes_per_second"), measured.get("clients_link_bytes_per_second"))
     checked = rows(measured["runs"], calibration, args.cores, *links)
@@ -135,6 +147,9 @@ def main() -> int:
             f"{row['system']:>18} {row['partitions']:>2} {row['parameters']:>11,} {row['clients']:>2} "
             + " ".join(f"{figure:>9.2f}" for figure in figures)
         )
+    numpy_codes = sum(coded_by_numpy(run) for run in measured["runs"] if path_of(run) is not None)
+    if numpy_codes and args.calibration is None:
+        print(f"{numpy_codes} cells of codes through the codec's numpy passes: the default calibration's are compiled")
     judged = "the range from in step to staggered" if between_hosts else "the projection"
     print(f"worst: {worst:.0%} off by {judged} (tolerance {args.tolerance:.0%}); costs from {calibration.source}")
     if args.json:

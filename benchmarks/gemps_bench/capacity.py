@@ -103,9 +103,10 @@ class Calibration:
 
     def path(self, rule: str, encoding: str, *, tcp: bool) -> str:
         """The measured path nearest to this one: itself, else the encoding under GEM (codes cost
-        more CPU than any rule: int8 both ways is 4-9x float32's), else the rule's float32, else
-        GEM's (the encoding's bytes still count; its codes' CPU is then not); each over TCP
-        ("+tcp": between hosts) where that was measured, else through shared memory."""
+        more CPU than any rule: int8 both ways is 1.9-3.8x float32's compiled, 4-9x in numpy), else
+        the rule's float32, else GEM's (the encoding's bytes still count; its codes' CPU is then
+        not); each over TCP ("+tcp": between hosts) where that was measured, else through shared
+        memory."""
         rounds = rule in ROUND_RULES  # another rule's costs say nothing of a round's
         names = (f"{rule}/{encoding}", f"{rule}/float32") if rounds else (
             f"{rule}/{encoding}", f"gem/{encoding}", f"{rule}/float32", "gem/float32"

@@ -35,7 +35,7 @@ from gemps_bench.echo_tcp import TcpEchoClientFactory, TcpEchoServer
 from gemps_bench.gemps_load import GempsClientFactory
 from gemps_bench.loadgen import STRAGGLER_GRACE, ClientFactory, LoadPlan, run_load
 from gemps_bench.results import LoadResult
-from gemps_bench.suite import FULL, QUICK, available_bytes, progress
+from gemps_bench.suite import CODES, FULL, QUICK, available_bytes, progress
 from gemps_proto.tensor_codec import COMPRESSIONS, expected_payload_nbytes
 from gemps_worker.cluster import ServerProcess
 from gemps_worker.processes import GEMPS_COMMAND
@@ -146,6 +146,7 @@ def path_fields(system: str) -> dict[str, Any]:
         "wire_dtype": options["wire_dtype"],
         "compression": compression,
         "reply_compression": str(options.get("reply_compression", "none")),
+        "codes": CODES,
         "shared_memory": False,
     }
 

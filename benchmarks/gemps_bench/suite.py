@@ -19,6 +19,7 @@ from gemps_bench.gemps_load import GempsClientFactory
 from gemps_bench.loadgen import LoadPlan, run_load
 from gemps_bench.results import LoadResult
 from gemps_bench.round_step import round_step_seconds
+from gemps_proto import compiled_codes
 from gemps_proto.grpc_framing import DEFAULT_CHUNK_BYTES
 from gemps_worker.cluster import ServerProcess
 
@@ -45,6 +46,9 @@ GEMPS_VARIANTS: dict[str, dict[str, str]] = {
     "gemps-adamw-tcp": {"rule": "adamw", "shared_memory": "off"},  # and between hosts
 }
 PARTITIONED = ("gemps-2p", "gemps-4p")
+# The codec's passes this install runs (its server too, from the same tree): int8 codes cost 3-7x the
+# CPU through numpy's (docs/PERFORMANCE.md, "`gemps plan` refitted"), so a run says which it ran.
+CODES = "numpy" if compiled_codes.compiled is None else "compiled"
 # torch-rpc: TensorPipe as it picks on one host (shared memory, cross-memory attach);
 # torch-rpc-tcp: what it does between machines (its uv transport and basic channel).
 PEERS = ("torch-rpc", "torch-rpc-tcp", "reference-p2p")
@@ -218,6 +222,7 @@ def _gemps(system: str, clients: int, plan: LoadPlan, results: SuiteResults) -> 
         rule=rule,
         gem_state=gem_state,
         compression=compression,
+        codes=CODES,
         **rounds,
     )
 

@@ -25,6 +25,7 @@ from gemps_bench.capacity import (
 from gemps_bench.counts import parse_counts
 from gemps_bench.measured_costs import MEASURED
 
+from gemps_proto import compiled_codes
 from gemps_worker.simulated_hosts import rate_bits_per_second
 
 EPILOG = """examples:
@@ -32,6 +33,13 @@ EPILOG = """examples:
   gemps plan --params 124M --workers 16 --step-seconds 0.5 --link 10gbit --rule adamw   # rounds of gradients
   gemps plan --params 1M --workers 8    # workers that only commit on this host: what `gemps bench` measures
   gemps plan --params 10M --workers 4 --calibration runs/bench/results.json --json"""
+# The default calibration's int8 costs are the codec's compiled passes (a C compiler at install).
+NUMPY_CODES = (
+    "gemps plan: this install's int8 codes are numpy's (no C compiler when it was installed), which cost "
+    "3-7x the CPU projected here; reinstall with a C compiler at hand, or measure this install with "
+    "`gemps bench --sizes 1M,10M --clients 2 --systems gemps-int8,gemps-recipe-tcp --out DIR` and plan "
+    "with --calibration DIR/results.json"
+)
 
 
 def _count(text: str) -> int:
@@ -114,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"gemps plan: --calibration {args.calibration}: a run has no field {missing}", file=sys.stderr)
         return 2
     print(json.dumps(result.as_json(), indent=1) if args.json else describe(job, result))
+    if args.calibration is None and job.encoding == "int8" and compiled_codes.compiled is None:
+        print(NUMPY_CODES, file=sys.stderr)
     return 0
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from gemps_bench.cross_host import CrossHostSpec, link_figures
+from gemps_bench.cross_host import CrossHostSpec, link_figures, path_fields
 from gemps_bench.results import LoadResult
+from gemps_bench.suite import CODES
 
 from gemps_worker.simulated_hosts import rate_bits_per_second
 
@@ -59,3 +60,14 @@ def test_the_links_share_is_payload_one_way_over_k_links() -> None:
     both = link_figures("gemps-int8-both", 1, result, "1gbit")
     assert (both["commit_bytes_per_commit"], both["reply_bytes_per_commit"]) == (1_015_628, 1_015_628)
     assert both["link_fraction"] == pytest.approx(40 * 1_015_628 / 125e6)
+
+
+def test_a_cells_record_says_what_gemps_plan_is_fitted_to_the_codes_included() -> None:
+    """gemps_bench.capacity.path_of reads a cross-host cell's rule, wire, codes each way and
+    transport; `codes` says which of the codec's passes ran (numpy's cost 3-7x the compiled CPU)."""
+    both = path_fields("gemps-int8-both")
+    assert both == {
+        "rule": "gem", "wire_dtype": "float32", "compression": "int8", "reply_compression": "int8",
+        "codes": CODES, "shared_memory": False,
+    }  # fmt: skip
+    assert CODES in ("compiled", "numpy") and path_fields("echo-tcp") == {}

@@ -55,3 +55,22 @@ def test_rounds_are_planned_with_every_worker_in_step_from_the_measured_adamw_co
     round_line = next(line for line in done.stdout.splitlines() if line.lstrip().startswith("a round"))
     assert f"{16 / planned['commits_per_s']:.3f} s" in round_line and "16 commits in step" in round_line
     assert planned["server_memory_bytes"] > 16 * 124_000_000  # θ, AdamW's two moments and the round's sum
+
+
+def test_an_install_without_the_compiled_codes_is_told_its_int8_costs_are_above_the_plans() -> None:
+    """The default calibration's int8 costs are the codec's compiled passes: an install that built
+    none (no C compiler) runs numpy's, at several times the CPU, and `gemps plan` says so."""
+    without = "import sys; sys.modules['gemps_proto._codes'] = None; from gemps_cli.main import main; sys.exit(main())"
+
+    def plan_without_codes(*arguments: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-c", without, "plan", *arguments]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+    arguments = ("--params", "10M", "--workers", "4", "--encoding", "int8")
+    numpy_codes = plan_without_codes(*arguments)
+    assert numpy_codes.returncode == 0, numpy_codes.stderr
+    assert "int8 codes are numpy's" in numpy_codes.stderr and "--calibration" in numpy_codes.stderr
+    compiled = gemps_plan(*arguments)
+    assert compiled.returncode == 0 and compiled.stderr == "" and compiled.stdout == numpy_codes.stdout
+    float32 = plan_without_codes(*arguments[:-2])
+    assert float32.returncode == 0 and float32.stderr == ""  # float32 plans use no codes
