@@ -1,18 +1,14 @@
 """What the attack scripts measure (docs/RELIABILITY.md, issue 42): an honest worker's commits
-while attackers run, and the attackers' threads themselves.
+while attackers run.
 
     latencies = commit_latencies(client, size, window)   # one per commit done in `window` s
     rate = commit_rate(client, size, window)             # commits per second
-    in_threads(work, count, stop, total)                 # `count` attackers until `stop`
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
-from multiprocessing.synchronize import Event
-from typing import Any
 
 import numpy as np
 
@@ -45,14 +41,3 @@ def commit_rate(client: gemps.Client, size: int, window: float) -> float:
     started = time.monotonic()
     done = len(commit_latencies(client, size, window))
     return done / (time.monotonic() - started)
-
-
-def in_threads(work: Callable[[list[int]], None], count: int, stop: Event, total: Any) -> None:
-    """Run `work(counter)` in `count` daemon threads, each with a counter of its own ([0]), until
-    `stop`; then `total.value` (a multiprocessing Value("i")) is what they counted together."""
-    counters = [[0] for _ in range(count)]
-    threads = [threading.Thread(target=work, args=(counter,), daemon=True) for counter in counters]
-    for thread in threads:
-        thread.start()
-    stop.wait()
-    total.value = sum(counter[0] for counter in counters)
