@@ -61,6 +61,9 @@ steps, v the workers' speeds, and N equal workers in turn all take H.
 
 `--workers` sets N (4); `--fresh` starts every window at the newest θ instead of the worker's last
 reply: the same turns without staleness, what asynchrony costs measured by its absence.
+`--seed` takes one seed or several: every variant runs at each (the replay is deterministic per
+seed), and the output and `--json` record give each variant's last held-out loss over the seeds as
+their mean and its standard error; comparing two settings paired by seed is two such runs.
 
 The model is gemps_worker.models.CharGpt at nanoGPT's shape scaled down (4 layers, 4 heads, width
 96: 0.46M parameters; pre-norm blocks, GELU, tied embeddings, GPT-2's initialisation; no dropout),
@@ -80,25 +83,24 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
+import statistics
 import time
-from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from adam_look_ahead import DanaLookAhead  # beside this script (its directory is on sys.path when run)
-from adam_replay_data import MODELS, SCHEDULES, Data, flat, gradient, load
+from adam_replay_data import Data, flat, gradient, load
+from adam_replay_options import WORKERS, parsed
 from adam_rounds import rounds_adam, rounds_local
 
-from gemps.pytorch.beta1_ramp import RECIPE_SHARE
 from gemps.pytorch.job_betas import JobBetas
 from gemps.pytorch.look_ahead import LookAhead
 from gemps_server.domain.rules.adaptive_staleness import AdaptiveStalenessRule
 from gemps_server.domain.rules.base import CommitRule, StepContext
 from gemps_server.domain.rules.delayed_nesterov import DelayedNesterovRule
 from gemps_server.domain.rules.gem import GemRule
-from gemps_server.domain.rules.gem_base import GEM_OWN_STEP
-
-WORKERS = 4  # unless --workers
 
 
 def server_adam(
@@ -242,183 +244,125 @@ def _outer_step(rule: CommitRule, theta: torch.Tensor, delta: torch.Tensor, rank
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", nargs="+", default=["single", "stale:3", "mean:4", "local:1"])
-    parser.add_argument("--samples", type=int, default=12_800, help="samples per variant (all workers together)")
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--evaluations", type=int, default=8)
-    parser.add_argument("--dc-lambda", type=float, default=1.0, help="dc:S's compensation factor")
-    parser.add_argument(
-        "--prediction", type=float, default=1.0, help="pred:K's share of the move it predicts (0: mean:K)"
-    )
-    parser.add_argument("--dn-learning-rate", type=float, default=0.7, help="dn:H's outer learning rate ε")
-    parser.add_argument("--dn-momentum", type=float, default=0.9, help="dn:H's outer Nesterov momentum β")
-    parser.add_argument(
-        "--warmup",
-        type=int,
-        help="nanoGPT's schedule: this many warm-up steps, then a cosine decay to a tenth of the rate "
-        "over the run (each worker's own share of it); constant when not given",
-    )
-    parser.add_argument("--outer-rate", type=float, default=1.0, help="windows:H's outer_rate (1: averaged)")
-    parser.add_argument("--outer-momentum", type=float, default=0.0, help="windows:H's outer_momentum (Nesterov)")
-    parser.add_argument("--ahead", type=float, default=1.0, help="ahead:H's share of θ's expected move")
-    parser.add_argument("--gem-outer", type=float, default=0.35, help="gem:H's factor on each window's update")
-    parser.add_argument(
-        "--gem-momentum", type=float, default=0.9, help="gem:H's proxy momentum μ (0: the window itself)"
-    )
-    parser.add_argument("--gem-kappa", type=float, default=1.0, help="gem:H's κ, the proxy's amplification")
-    parser.add_argument("--gem-pi-max", type=float, default=5.0, help="gem:H's clamp on π")
-    parser.add_argument(
-        "--gem-own-step",
-        choices=GEM_OWN_STEP,
-        default="counted",
-        help="whether gem:H's c counts the worker's own previous window",
-    )
-    parser.add_argument("--workers", type=int, default=WORKERS, help="N, the workers taking turns")
-    parser.add_argument("--fresh", action="store_true", help="every window starts at the newest θ (no staleness)")
-    parser.add_argument("--model", choices=tuple(MODELS), default="nanogpt", help="what the workers train")
-    parser.add_argument("--seed", type=int, default=0, help="the model's initialisation and the data's split and order")
-    parser.add_argument("--beta1", type=float, help="Adam's β1 instead of the model's optimizer's (nanoGPT's 0.9)")
-    parser.add_argument(
-        "--beta1-to", type=float, help="windows:H: each worker's β1 rises to this (gemps.pytorch.Beta1Ramp)"
-    )
-    parser.add_argument("--beta1-ramp", type=float, help="windows:H: the share of each worker's steps it rises over")
-    parser.add_argument("--beta2", type=float, help="Adam's β2 instead of the model's optimizer's (nanoGPT's 0.99)")
-    parser.add_argument(
-        "--schedule",
-        choices=tuple(SCHEDULES),
-        default="cosine",
-        help="the rate's shape after --warmup: nanoGPT's cosine to a tenth, or the Trainer's linear to 0 "
-        "(which decays from the start when no --warmup is given)",
-    )
-    parser.add_argument("--batch", type=int, help="windows a worker's step, instead of the model's own batch")
-    parser.add_argument(
-        "--weight-decay", type=float, help="AdamW's decay of the groups that decay, instead of the model's (0.1)"
-    )
-    parser.add_argument(
-        "--stop-at",
-        type=int,
-        help="end after this many samples of the --samples the schedules plan for (a read early in a long run; "
-        "not for rounds:K)",
-    )
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    if args.weight_decay is not None and args.weight_decay < 0:
-        parser.error(f"--weight-decay must be at least 0, not {args.weight_decay}")
-    if args.batch is not None and args.batch < 1:
-        parser.error(f"--batch must be at least 1, not {args.batch}")
-    for name in ("beta1", "beta2"):
-        beta = getattr(args, name)
-        if beta is not None and not 0 <= beta < 1:
-            parser.error(f"--{name} must be at least 0 and below 1, not {beta}")
-    if args.beta1_ramp is not None and args.beta1_to is None:
-        parser.error(f"--beta1-ramp {args.beta1_ramp:g} without --beta1-to: give the β1 it rises to")
-    args.beta1_ramp = RECIPE_SHARE if args.beta1_ramp is None else args.beta1_ramp  # the guide's recipe
-    if args.beta1_to is not None:
-        others = [v for v in args.variants if v.partition(":")[0] != "windows"]
-        if others or not 0 <= args.beta1_to < 1 or not 0 < args.beta1_ramp <= 1:
-            parser.error(
-                f"--beta1-to is a β1 in [0, 1) for windows:H, reached over --beta1-ramp of the steps (above 0, "
-                f"at most 1): not {args.beta1_to:g} over {args.beta1_ramp:g} with {' '.join(args.variants)}"
-            )
-    held = [v for v in args.variants if v.partition(":")[0] not in ("local", "ahead", "job", "dana", "dn", "as", "gem")]
-    if args.fresh and held:
-        parser.error(
-            f"--fresh is for windows of local steps (local, ahead, job, dana, dn, as, gem), not {', '.join(held)}"
-        )
-    stoppable = ("local", "ahead", "job", "dana", "single", "stale", "dc", "mean", "pred", "ddp", "windows")
-    unstoppable = [v for v in args.variants if v.partition(":")[0] not in stoppable]
-    if args.stop_at is not None and (unstoppable or not 0 < args.stop_at <= args.samples):
-        parser.error(
-            f"--stop-at is for {', '.join(stoppable)}, at most --samples: not {args.stop_at} "
-            f"with {' '.join(args.variants)}"
-        )
+    args = parsed(__doc__)
     torch.set_num_threads(1)
-    data = Data(args.model, args.seed, args.beta1, args.beta2, args.schedule, args.batch, args.weight_decay)
+    results, batch = [], 0
+    for seed in args.seed:
+        data = Data(args.model, seed, args.beta1, args.beta2, args.schedule, args.batch, args.weight_decay)
+        batch = data.batch
+        for variant in args.variants:
+            started = time.monotonic()
+            curve = _curve(args, data, variant)
+            results.append({"variant": variant, **_settings(args, variant, seed), "curve": curve})
+            print(f"{variant:>10}: held-out loss {curve[-1][1]:.4f} after {curve[-1][0]:,} samples, seed {seed} "
+                  f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
+    summary = seeds_summary(results) if len(args.seed) > 1 else {}
+    for variant, figures in summary.items():
+        print(f"{variant:>10}: mean held-out loss {figures['mean']:.4f} ± {figures['standard_error']:.4f} "
+              f"(standard error) over seeds {' '.join(map(str, figures['seeds']))}", flush=True)  # fmt: skip
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        record = {
+            "batch": batch,
+            "workers": args.workers,
+            "results": results,
+            **({"summary": summary} if summary else {}),
+        }
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def seeds_summary(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each variant's last held-out loss over its seeds: their mean and its standard error."""
+    finals: dict[str, list[tuple[int, float]]] = collections.defaultdict(list)
+    for result in results:
+        finals[result["variant"]].append((result["seed"], result["curve"][-1][1]))
+    summary = {}
+    for variant, read in finals.items():
+        losses = [loss for _, loss in read]
+        error = statistics.stdev(losses) / math.sqrt(len(losses)) if len(losses) > 1 else 0.0
+        summary[variant] = {
+            "seeds": [seed for seed, _ in read],
+            "mean": statistics.fmean(losses),
+            "standard_error": error,
+        }
+    return summary
+
+
+def _curve(args: argparse.Namespace, data: Data, variant: str) -> list[list[float]]:
+    """One variant's held-out losses, [samples, loss] at each evaluation, on `data`'s seed."""
+    name, _, amount = variant.partition(":")
     steps = args.samples // data.batch
     evals = [steps * (i + 1) // args.evaluations for i in range(args.evaluations)]
     stop = None if args.stop_at is None else args.stop_at // data.batch
-    if stop is not None and stop < evals[0]:
-        parser.error(f"--stop-at {args.stop_at} ends before the first evaluation, at {evals[0] * data.batch} samples")
-    results = []
-    for variant in args.variants:
-        name, _, amount = variant.partition(":")
-        started = time.monotonic()
-        windows = {"warmup": args.warmup, "workers": args.workers, "fresh": args.fresh}
-        if name in ("local", "ahead", "job", "dana"):
-            factor, job = (args.ahead if name in ("ahead", "job") else 0.0), name == "job"
-            curve = local_adam(
-                data,
-                int(amount),
-                steps,
-                args.learning_rate,
-                evals,
-                ahead=factor,
-                job_betas=job,
-                dana=name == "dana",
-                stop=stop,
-                **windows,
-            )
-        elif name in ("dn", "gem", "as"):
-            outer, scale = _rule(name, args, data), args.gem_outer if name == "gem" else 1.0
-            curve = local_adam(data, int(amount), steps, args.learning_rate, evals, outer, scale=scale, **windows)
-        elif name in ("single", "stale", "dc", "mean", "pred", "ddp"):
-            amounts = int(amount or 0), steps, args.learning_rate, evals
-            curve = server_adam(
-                data, name, *amounts, args.dc_lambda, args.warmup, args.workers, args.prediction, stop=stop
-            )
-        elif name == "rounds":
-            curve = rounds_adam(data, int(amount), steps, args.learning_rate, evals, args.warmup, args.workers)
-        elif name == "windows":
-            curve = rounds_local(
-                data, int(amount), steps, args.learning_rate, evals, args.warmup, args.workers,
-                {"outer_rate": args.outer_rate, "outer_momentum": args.outer_momentum}, stop,
-                None if args.beta1_to is None else (args.beta1_to, args.beta1_ramp),
-            )  # fmt: skip
-        else:
-            parser.error(
-                f"unknown variant {variant!r}: single, stale:S, dc:S, mean:K, pred:K, ddp:K, rounds:K, "
-                "windows:H, local:H, ahead:H, job:H, dana:H, dn:H, as:H or gem:H"
-            )
-        settings = {
-            "model": args.model,
-            "seed": args.seed,
-            "learning_rate": args.learning_rate,
-            "dc_lambda": args.dc_lambda,
+    windows = {"warmup": args.warmup, "workers": args.workers, "fresh": args.fresh}
+    if name in ("local", "ahead", "job", "dana"):
+        factor, job = (args.ahead if name in ("ahead", "job") else 0.0), name == "job"
+        return local_adam(
+            data,
+            int(amount),
+            steps,
+            args.learning_rate,
+            evals,
+            ahead=factor,
+            job_betas=job,
+            dana=name == "dana",
+            stop=stop,
             **windows,
-            **({} if args.beta1 is None else {"beta1": args.beta1}),
-            **({} if args.beta2 is None else {"beta2": args.beta2}),
-            **({} if args.schedule == "cosine" else {"schedule": args.schedule}),
-            **({} if args.batch is None else {"batch": args.batch}),
-            **({} if args.weight_decay is None else {"weight_decay": args.weight_decay}),
-            **({} if args.stop_at is None else {"stop_at": args.stop_at}),
-        }
-        if name == "dn":
-            settings.update(dn_learning_rate=args.dn_learning_rate, dn_momentum=args.dn_momentum)
-        if name == "windows":
-            settings.update(outer_rate=args.outer_rate, outer_momentum=args.outer_momentum)
-            if args.beta1_to is not None:
-                settings.update(beta1_to=args.beta1_to, beta1_ramp=args.beta1_ramp)
-        if name == "pred":
-            settings.update(prediction=args.prediction)
-        if name in ("ahead", "job"):
-            settings.update(ahead=args.ahead)
-        if name == "gem":
-            settings.update(
-                gem_outer=args.gem_outer,
-                gem_momentum=args.gem_momentum,
-                gem_kappa=args.gem_kappa,
-                gem_pi_max=args.gem_pi_max,
-                gem_own_step=args.gem_own_step,
-            )
-        results.append({"variant": variant, **settings, "curve": curve})
-        print(f"{variant:>10}: held-out loss {curve[-1][1]:.4f} after {curve[-1][0]:,} samples "
-              f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps({"batch": data.batch, "workers": args.workers, "results": results}, indent=1) + "\n"
         )
+    if name in ("dn", "gem", "as"):
+        outer, scale = _rule(name, args, data), args.gem_outer if name == "gem" else 1.0
+        return local_adam(data, int(amount), steps, args.learning_rate, evals, outer, scale=scale, **windows)
+    if name in ("single", "stale", "dc", "mean", "pred", "ddp"):
+        amounts = int(amount or 0), steps, args.learning_rate, evals
+        return server_adam(data, name, *amounts, args.dc_lambda, args.warmup, args.workers, args.prediction, stop=stop)
+    if name == "rounds":
+        return rounds_adam(data, int(amount), steps, args.learning_rate, evals, args.warmup, args.workers)
+    if name == "windows":
+        return rounds_local(
+            data, int(amount), steps, args.learning_rate, evals, args.warmup, args.workers,
+            {"outer_rate": args.outer_rate, "outer_momentum": args.outer_momentum}, stop,
+            None if args.beta1_to is None else (args.beta1_to, args.beta1_ramp),
+        )  # fmt: skip
+    raise ValueError(f"unknown variant {variant!r}")  # parsed() refuses it first
+
+
+def _settings(args: argparse.Namespace, variant: str, seed: int) -> dict[str, Any]:
+    """What a variant's run was given, as its record keeps it."""
+    name = variant.partition(":")[0]
+    settings = {
+        "model": args.model,
+        "seed": seed,
+        "learning_rate": args.learning_rate,
+        "dc_lambda": args.dc_lambda,
+        "warmup": args.warmup,
+        "workers": args.workers,
+        "fresh": args.fresh,
+        **({} if args.beta1 is None else {"beta1": args.beta1}),
+        **({} if args.beta2 is None else {"beta2": args.beta2}),
+        **({} if args.schedule == "cosine" else {"schedule": args.schedule}),
+        **({} if args.batch is None else {"batch": args.batch}),
+        **({} if args.weight_decay is None else {"weight_decay": args.weight_decay}),
+        **({} if args.stop_at is None else {"stop_at": args.stop_at}),
+    }
+    if name == "dn":
+        settings.update(dn_learning_rate=args.dn_learning_rate, dn_momentum=args.dn_momentum)
+    if name == "windows":
+        settings.update(outer_rate=args.outer_rate, outer_momentum=args.outer_momentum)
+        if args.beta1_to is not None:
+            settings.update(beta1_to=args.beta1_to, beta1_ramp=args.beta1_ramp)
+    if name == "pred":
+        settings.update(prediction=args.prediction)
+    if name in ("ahead", "job"):
+        settings.update(ahead=args.ahead)
+    if name == "gem":
+        settings.update(
+            gem_outer=args.gem_outer,
+            gem_momentum=args.gem_momentum,
+            gem_kappa=args.gem_kappa,
+            gem_pi_max=args.gem_pi_max,
+            gem_own_step=args.gem_own_step,
+        )
+    return settings
 
 
 def _rule(name: str, args: argparse.Namespace, data: Data) -> CommitRule:

@@ -280,3 +280,33 @@ def test_a_workers_batch_and_weight_decay_are_what_the_replay_runs_when_asked() 
     decays = sorted({group["weight_decay"] for group in model_default.optimizer_of(model, 1e-3).param_groups})
     assert decays == [0.0, 0.1]
     assert sorted({group["weight_decay"] for group in asked.optimizer_of(model, 1e-3).param_groups}) == [0.0, 0.01]
+
+
+def test_several_seeds_run_each_as_alone_and_summarise_their_mean(tmp_path: Path) -> None:
+    """`--seed 0 1`: each seed's run is the run `--seed` alone gives, to the bit, and the record
+    and the output give each variant's mean over the seeds with its standard error. A repeated
+    seed, or an unknown variant after a known one, is refused before anything runs."""
+    record = tmp_path / "seeds.json"
+    common = ["--model", "user", "--variants", "single", "--workers", "1", "--samples", "640", "--evaluations", "2"]
+    both = subprocess.run(
+        [sys.executable, str(SCRIPT), *common, "--seed", "0", "1", "--json", str(record)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert both.returncode == 0, both.stdout + both.stderr[-3000:]
+    written = json.loads(record.read_text())
+    runs = {result["seed"]: result["curve"] for result in written["results"]}
+    alone = replay(tmp_path, "alone", *common, "--seed", "1")
+    assert sorted(runs) == [0, 1] and [loss for _, loss in runs[1]] == alone["single"], (runs, alone)
+    finals = [runs[0][-1][1], runs[1][-1][1]]
+    summary = written["summary"]["single"]
+    assert summary["seeds"] == [0, 1] and summary["mean"] == sum(finals) / 2, summary
+    assert math.isclose(summary["standard_error"], abs(finals[0] - finals[1]) / 2), summary
+    assert f"mean held-out loss {sum(finals) / 2:.4f}" in both.stdout, both.stdout
+    for wrong, said in (
+        (["--seed", "3", "3"], "--seed takes distinct seeds of at least 0, not 3 3"),
+        (["--variants", "single", "lone:1"], "unknown variant 'lone:1'"),
+    ):
+        done = subprocess.run([sys.executable, str(SCRIPT), *wrong], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and said in done.stderr and "held-out loss" not in done.stdout, done.stderr
