@@ -100,6 +100,9 @@ def parsed(description: str, argv: Sequence[str] | None = None) -> argparse.Name
         parser.error(f"--weight-decay must be at least 0, not {args.weight_decay}")
     if args.batch is not None and args.batch < 1:
         parser.error(f"--batch must be at least 1, not {args.batch}")
+    for name in ("workers", "evaluations", "samples"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, not {getattr(args, name)}")
     for name in ("beta1", "beta2"):
         beta = getattr(args, name)
         if beta is not None and not 0 <= beta < 1:

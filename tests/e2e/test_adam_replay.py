@@ -285,7 +285,7 @@ def test_a_workers_batch_and_weight_decay_are_what_the_replay_runs_when_asked() 
 def test_several_seeds_run_each_as_alone_and_summarise_their_mean(tmp_path: Path) -> None:
     """`--seed 0 1`: each seed's run is the run `--seed` alone gives, to the bit, and the record
     and the output give each variant's mean over the seeds with its standard error. A repeated
-    seed, or an unknown variant after a known one, is refused before anything runs."""
+    seed, an unknown variant after a known one, or no evaluation, is refused before anything runs."""
     record = tmp_path / "seeds.json"
     common = ["--model", "user", "--variants", "single", "--workers", "1", "--samples", "640", "--evaluations", "2"]
     both = subprocess.run(
@@ -307,6 +307,7 @@ def test_several_seeds_run_each_as_alone_and_summarise_their_mean(tmp_path: Path
     for wrong, said in (
         (["--seed", "3", "3"], "--seed takes distinct seeds of at least 0, not 3 3"),
         (["--variants", "single", "lone:1"], "unknown variant 'lone:1'"),
+        (["--evaluations", "0"], "--evaluations must be at least 1, not 0"),
     ):
         done = subprocess.run([sys.executable, str(SCRIPT), *wrong], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and said in done.stderr and "held-out loss" not in done.stdout, done.stderr
