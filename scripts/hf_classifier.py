@@ -9,7 +9,9 @@ linear schedule, `learning_rate=1e-3`, weight decay 0.01) for the same number of
 
 - `alone`: one Trainer, its own AdamW, no gemps (the reference);
 - `ddp`: what DDP computes with `--workers N` (the mean of N workers' gradients at the same θ, one
-  AdamW step each): one Trainer at batch N x 32, so N times fewer steps for the same samples;
+  AdamW step each): one Trainer at batch N x 32, so N times fewer steps for the same samples, its
+  AdamW at `--ddp-learning-rate` after `--ddp-warmup` (the Trainer's 1e-3 and no warm-up unless
+  given: a batch N times larger wants its own, searched);
 - `remote`: the SDK guide's way until now: RemoteOptimizer and ServerSchedule, `--rule gem`;
 - `local:H`: the Trainer's own AdamW (`trainer.create_optimizer()`: its weight-decay groups; the
   Trainer then builds its schedule on it) wrapped in LocalSteps (H local steps a commit; 1: every
@@ -156,15 +158,24 @@ def train_worker(
     }  # fmt: skip
 
 
-def run_alone(epochs: float, seed: int, batch: int = BATCH) -> dict[str, Any]:
-    """One Trainer on the whole training set; at batch N x 32 it takes DDP's steps for N workers."""
+def run_alone(
+    epochs: float, seed: int, batch: int = BATCH, learning_rate: float = LEARNING_RATE, warmup: float = 0
+) -> dict[str, Any]:
+    """One Trainer on the whole training set, its AdamW at `learning_rate` after `warmup`
+    (warmup_steps); at batch N x 32 it takes DDP's steps for N workers."""
     torch.set_num_threads(1)
     model = tiny_bert(seed)
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as folder:
-        args = arguments(folder, epochs, seed * 1000, batch)
-        Trainer(model=model, args=args, train_dataset=DigitTokens(train=True)).train()
-    return {"accuracy": accuracy(model), "seconds": time.monotonic() - started}
+        args = arguments(folder, epochs, seed * 1000, batch, learning_rate=learning_rate, warmup=warmup)
+        trainer = Trainer(model=model, args=args, train_dataset=DigitTokens(train=True))
+        trainer.train()
+    start = trainer.optimizer.param_groups[0]["initial_lr"]  # the rate its schedule started from
+    steps = trainer.state.max_steps
+    return {
+        "accuracy": accuracy(model), "seconds": time.monotonic() - started, "learning_rate": start,
+        "steps": steps, "warmup_steps": args.get_warmup_steps(steps),
+    }  # fmt: skip
 
 
 def run_through_gemps(
@@ -216,34 +227,54 @@ def main(argv: list[str] | None = None) -> int:
         "--gemps-learning-rate",
         type=float,
         default=LEARNING_RATE,
-        help="the Trainer's learning_rate in the workers through gemps (alone and ddp keep 1e-3)",
+        help="the Trainer's learning_rate in the workers through gemps (alone keeps 1e-3; ddp: --ddp-learning-rate)",
+    )
+    parser.add_argument(
+        "--ddp-learning-rate",
+        type=float,
+        default=LEARNING_RATE,
+        help="ddp's learning_rate: AdamW's at the batch of N workers (the Trainer's 1e-3 unless given)",
     )
     parser.add_argument(
         "--gemps-warmup",
         type=float,
         default=0.0,
         help="the Trainer's warmup_steps in the workers through gemps: steps, or below 1 a share of its steps "
-        "(alone and ddp keep none, the Trainer's default)",
+        "(alone keeps none, the Trainer's default; ddp: --ddp-warmup)",
+    )
+    parser.add_argument(
+        "--ddp-warmup",
+        type=float,
+        default=0.0,
+        help="ddp's warmup_steps: steps, or below 1 a share of its steps (none unless given, as the Trainer alone)",
     )
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
-    if not args.gemps_warmup >= 0 or (args.gemps_warmup >= 1 and args.gemps_warmup != int(args.gemps_warmup)):
-        parser.error(f"--gemps-warmup is {args.gemps_warmup:g}: give whole steps, or a share of the steps in [0, 1)")
-    if not args.gemps_learning_rate > 0:
-        parser.error(f"--gemps-learning-rate is {args.gemps_learning_rate:g}: give a rate above 0")
+    for option, warmup in (("--gemps-warmup", args.gemps_warmup), ("--ddp-warmup", args.ddp_warmup)):
+        if not warmup >= 0 or (warmup >= 1 and warmup != int(warmup)):
+            parser.error(f"{option} is {warmup:g}: give whole steps, or a share of the steps in [0, 1)")
+    for option, rate in (
+        ("--gemps-learning-rate", args.gemps_learning_rate),
+        ("--ddp-learning-rate", args.ddp_learning_rate),
+    ):
+        if not rate > 0:
+            parser.error(f"{option} is {rate:g}: give a rate above 0")
     for variant in args.variants:
         if variant not in ("alone", "ddp", "remote") and not variant.startswith(("local:", "ahead:", "job:")):
             parser.error(f"unknown variant {variant!r}: alone, ddp, remote, local:H, ahead:H or job:H")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     results: dict[str, Any] = {
         "workers": args.workers, "epochs": args.epochs, "rule": args.rule,
-        "gemps_learning_rate": args.gemps_learning_rate, "gemps_warmup": args.gemps_warmup, "runs": {},
+        "gemps_learning_rate": args.gemps_learning_rate, "gemps_warmup": args.gemps_warmup,
+        "ddp_learning_rate": args.ddp_learning_rate, "ddp_warmup": args.ddp_warmup, "runs": {},
     }  # fmt: skip
     for variant in args.variants:
         runs = []
         for seed in args.seeds:
-            if variant in ("alone", "ddp"):
-                run = run_alone(args.epochs, seed, BATCH * (args.workers if variant == "ddp" else 1))
+            if variant == "alone":
+                run = run_alone(args.epochs, seed)
+            elif variant == "ddp":
+                run = run_alone(args.epochs, seed, BATCH * args.workers, args.ddp_learning_rate, args.ddp_warmup)
             else:
                 run = run_through_gemps(
                     variant, args.workers, args.epochs, seed, args.rule, args.gemps_learning_rate, args.gemps_warmup

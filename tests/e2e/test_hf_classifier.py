@@ -48,9 +48,33 @@ def test_the_workers_trainer_starts_from_the_rate_and_the_warm_up_given_to_them(
     assert all(worker["steps"] > 1 and worker["warmup_steps"] == math.ceil(worker["steps"] / 2) for worker in workers)
 
 
+def test_ddp_takes_its_own_rate_and_warm_up_and_the_trainer_alone_keeps_its_defaults(tmp_path: Path) -> None:
+    """`--ddp-learning-rate` and `--ddp-warmup` are the rate and warm-up of DDP's computation (one
+    Trainer at N workers' batch), as its AdamW's group and its schedule start from them; the Trainer
+    alone, the reference, keeps 1e-3 and no warm-up."""
+    out = tmp_path / "figures.json"
+    command = [
+        sys.executable, str(ROOT / "scripts" / "hf_classifier.py"), "--variants", "alone", "ddp", "--workers", "2",
+        "--epochs", "0.5", "--ddp-learning-rate", "3e-3", "--ddp-warmup", "0.5", "--json", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    written = json.loads(out.read_text())
+    assert written["ddp_learning_rate"] == 3e-3 and written["ddp_warmup"] == 0.5
+    ddp, alone = written["runs"]["ddp"]["runs"][0], written["runs"]["alone"]["runs"][0]
+    assert ddp["learning_rate"] == 3e-3 and ddp["steps"] > 1 and ddp["warmup_steps"] == math.ceil(ddp["steps"] / 2)
+    assert alone["learning_rate"] == 1e-3 and alone["warmup_steps"] == 0
+    assert alone["steps"] == 2 * ddp["steps"]  # batch 32 against 2 x 32: twice the steps for the same samples
+
+
 @pytest.mark.parametrize(
     ("option", "value", "refusal"),
-    [("--gemps-learning-rate", "0", "--gemps-learning-rate is 0"), ("--gemps-warmup", "2.5", "--gemps-warmup is 2.5")],
+    [
+        ("--gemps-learning-rate", "0", "--gemps-learning-rate is 0"),
+        ("--ddp-learning-rate", "-1", "--ddp-learning-rate is -1"),
+        ("--ddp-warmup", "-0.5", "--ddp-warmup is -0.5"),
+        ("--gemps-warmup", "2.5", "--gemps-warmup is 2.5"),
+    ],
 )
 def test_a_rate_or_a_warm_up_it_cannot_train_with_is_refused_naming_it(option: str, value: str, refusal: str) -> None:
     command = [sys.executable, str(ROOT / "scripts" / "hf_classifier.py"), option, value]
