@@ -188,6 +188,10 @@ def test_training_survives_killing_the_primary_container(replicated_stack: Repli
     if now != roles:
         print(f"roles moved before the kill (a lease lapsed): {roles} -> {now}")
     primary, backup = roles_of(now)
+    # A backup out of the in-sync set is never promoted (it may lack acknowledged commits): after a
+    # move, the old primary is re-seeded first.
+    wait_for(lambda: stack.in_sync(primary, backup), 120, "the backup in sync, before the kill", poll=1.0,
+             tolerate=(Exception,))  # fmt: skip
     followed = stack.replica_status(backup).replication
     assert followed is not None and followed.role == BACKUP, followed
     epoch_before = followed.epoch
