@@ -12,6 +12,8 @@ gamma = lr_gamma, T = lr_total_commits and eta_min = lr_min:
               = gamma ** floor(v / S)                                        step
               = (eta_min + (eta0 - eta_min) * (1 + cos(pi * min(v, T) / T)) / 2) / eta0   cosine
               = 1 for v < W, then cosine's with v - W over T - W versions              warmup-cosine
+              = 1 for v < W, then (eta_min + (eta0 - eta_min) * (T - min(v, T)) / (T - W)) / eta0
+                                                                                       warmup-linear
 
 Each factor is torch.optim.lr_scheduler's closed form with the version as its step count:
 warmup is LinearLR(start_factor=1/W, total_iters=W-1) (the first commit gets eta0/W, commit W
@@ -21,7 +23,11 @@ would rise again. Warm-up and decay multiply (LambdaLR with their product as lr_
 count from version 0, so T includes the warm-up. `warmup-cosine` counts the cosine from the
 warm-up's end instead, as nanoGPT's get_lr and Hugging Face's get_cosine_schedule_with_warmup do
 (T > W): a schedule ported from them keeps its shape (under `cosine` the same W and T give 4 % less
-of the rate over a run of 200 steps with a warm-up of 10, 7.5 % less at its middle).
+of the rate over a run of 200 steps with a warm-up of 10, 7.5 % less at its middle). `warmup-linear`
+is Hugging Face's get_linear_schedule_with_warmup (its Trainer's default, lr_scheduler_type
+"linear"): from the warm-up's end the rate falls in a straight line to eta_min (HF's: 0) at T, and
+stays there. From version W on both give the same factor; in the warm-up HF's is v/W (0 at the
+first step), the server's (v + 1)/W.
 
 Workers that take local SGD steps (agn, easgd) use the same eta at the version they last loaded.
 """
@@ -35,8 +41,11 @@ CONSTANT = "constant"
 STEP = "step"
 COSINE = "cosine"
 WARMUP_COSINE = "warmup-cosine"
+WARMUP_LINEAR = "warmup-linear"
 #: the schedules by name (TrainingConfig.lr_schedule)
-SCHEDULES = (CONSTANT, STEP, COSINE, WARMUP_COSINE)
+SCHEDULES = (CONSTANT, STEP, COSINE, WARMUP_COSINE, WARMUP_LINEAR)
+#: the schedules whose decay starts at the warm-up's end (lr_total_commits must be above it)
+AFTER_WARMUP = (WARMUP_COSINE, WARMUP_LINEAR)
 
 
 class ScheduleConfig(Protocol):
@@ -93,6 +102,10 @@ def decay_factor(config: ScheduleConfig, version: int) -> float:
         total = config.lr_total_commits - start
         cosine = (1 + math.cos(math.pi * min(max(version - start, 0), total) / total)) / 2
         return (config.lr_min + (config.learning_rate - config.lr_min) * cosine) / config.learning_rate
+    if name == WARMUP_LINEAR:
+        start, total = config.lr_warmup_commits, config.lr_total_commits
+        remaining = (total - min(max(version, start), total)) / (total - start)
+        return (config.lr_min + (config.learning_rate - config.lr_min) * remaining) / config.learning_rate
     raise ValueError(f"unknown lr_schedule {name!r} (choose from {', '.join(SCHEDULES)})")
 
 
@@ -112,6 +125,7 @@ SCHEDULE_FIELDS = {
     STEP: ("lr_step_size", "lr_gamma"),
     COSINE: ("lr_total_commits", "lr_min"),
     WARMUP_COSINE: ("lr_total_commits", "lr_min"),
+    WARMUP_LINEAR: ("lr_total_commits", "lr_min"),
 }
 #: every field a schedule may read besides learning_rate
 ALL_FIELDS = frozenset({"lr_warmup_commits", *(name for names in SCHEDULE_FIELDS.values() for name in names)})

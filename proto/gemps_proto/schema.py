@@ -27,7 +27,7 @@ from typing import Any
 from gemps_proto import vectors
 from gemps_proto.ranges import FLOAT32_MAX, INT64_MAX, RANGE, UINT32_MAX, Range, out_of_range
 from gemps_proto.rule_options import DECLARED, OptionValues
-from gemps_proto.schedules import CONSTANT, SCHEDULES, WARMUP_COSINE
+from gemps_proto.schedules import AFTER_WARMUP, CONSTANT, SCHEDULES
 from gemps_proto.tensor_codec import FLOAT32, INT64
 from gemps_proto.vectors import ArrayLike, Vector
 from gemps_proto.versions import Versions
@@ -98,10 +98,10 @@ class TrainingConfig:
     lr_step_size: int = _option(1000, "step: multiply eta by lr_gamma every this many versions", within=SOME_VERSIONS)
     lr_gamma: float = _option(0.1, "step: the factor", within=Range(0, 1, low_open=True))
     lr_total_commits: int = _option(
-        10000, "cosine, warmup-cosine: versions until eta reaches lr_min", within=SOME_VERSIONS
+        10000, "cosine, warmup-cosine, warmup-linear: versions until eta reaches lr_min", within=SOME_VERSIONS
     )
     lr_min: float = _option(
-        0.0, "cosine, warmup-cosine: the final eta, at most learning_rate", within=Range(0, FLOAT32_MAX)
+        0.0, "cosine, warmup-cosine, warmup-linear: the final eta, at most learning_rate", within=Range(0, FLOAT32_MAX)
     )
 
     def __post_init__(self) -> None:
@@ -116,9 +116,9 @@ class TrainingConfig:
             found.append(f"unknown lr_schedule {self.lr_schedule!r} (choose from {', '.join(SCHEDULES)})")
         if self.lr_min > self.learning_rate:
             found.append("lr_min must be in [0, learning_rate]")
-        if self.lr_schedule == WARMUP_COSINE and self.lr_total_commits <= self.lr_warmup_commits:
+        if self.lr_schedule in AFTER_WARMUP and self.lr_total_commits <= self.lr_warmup_commits:
             found.append(
-                f"lr_schedule {WARMUP_COSINE} decays after the warm-up: lr_total_commits ({self.lr_total_commits}) "
+                f"lr_schedule {self.lr_schedule} decays after the warm-up: lr_total_commits ({self.lr_total_commits}) "
                 f"must be above lr_warmup_commits ({self.lr_warmup_commits})"
             )
         return found

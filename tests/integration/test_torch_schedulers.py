@@ -111,8 +111,13 @@ def test_the_mnist_examples_step_lr_line_reads_a_gemps_error_and_the_rest_trains
         ),
         pytest.param(
             lambda o: lr_scheduler.LinearLR(o, start_factor=1.0, end_factor=0.1),
-            "gemps has no schedule like LinearLR's (a linear decay to 0.1·lr)",
+            "--lr-schedule warmup-linear --lr-total-commits <5*K> --lr-min <0.1*LR>\n",
             id="LinearLR-decay",
+        ),
+        pytest.param(
+            lambda o: lr_scheduler.LinearLR(o, start_factor=0.5, end_factor=0.1),
+            "gemps has no schedule like LinearLR's (a linear ramp from 0.5·lr to 0.1·lr)",
+            id="LinearLR-ramp",
         ),
         pytest.param(lambda o: lr_scheduler.ReduceLROnPlateau(o), "no schedule like ReduceLROnPlateau's", id="plateau"),
         pytest.param(
@@ -207,10 +212,16 @@ def test_hugging_faces_own_schedule_is_refused_naming_server_schedule_which_read
     server = start_server(learning_rate=0.1, lr_schedule="step", lr_step_size=2, lr_gamma=0.5)
     model = nn.Linear(4, 2)
     with RemoteOptimizer(model, server.target) as optimizer:
-        for kind in ("linear", "constant", "cosine"):
+        for kind, same in [
+            ("linear", "--lr-warmup-commits <3*K> --lr-schedule warmup-linear --lr-total-commits <10*K>\n"),
+            ("constant", "--lr-schedule constant\n"),
+            ("cosine", "--lr-warmup-commits <3*K> --lr-schedule warmup-cosine --lr-total-commits <10*K>\n"),
+            ("polynomial", "gemps has none like this one"),
+        ]:
             with pytest.raises(gemps.pytorch.ServerOwnsLearningRateError) as refused:
-                get_scheduler(kind, optimizer, num_warmup_steps=0, num_training_steps=10)
+                get_scheduler(kind, optimizer, num_warmup_steps=3, num_training_steps=10)
             assert "Trainer(..., optimizers=(optimizer, gemps.pytorch.ServerSchedule(optimizer)))" in str(refused.value)
+            assert same in str(refused.value), kind
         schedule = ServerSchedule(optimizer)
         read = []
         for _ in range(3):
@@ -252,3 +263,46 @@ def test_momentum_and_weight_decay_read_as_the_server_applies_them_and_refuse_a_
         with pytest.raises(KeyError):
             group["nesterov"]
         assert group.keys() == {"params"}
+
+
+def test_the_flags_named_for_the_trainers_linear_schedule_give_it_from_the_warmups_end(
+    start_server: StartServer,
+) -> None:
+    """The Trainer's default schedule (transformers' linear, W = 2 and T = 6 of its steps), refused
+    on RemoteOptimizer with the flags of the server's `warmup-linear`; a server started with them
+    (K = 1: one worker) applies, step by step from the warm-up's end, the rate HF's would have set,
+    read back by ServerSchedule and seen in θ's moves."""
+    warmup, total, top = 2, 6, 0.1
+    model = nn.Linear(1, 1, bias=False)
+    reference = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=top)
+    hugging_face = get_scheduler("linear", reference, num_warmup_steps=warmup, num_training_steps=total)
+    expected = []
+    for _ in range(total + 2):
+        expected.append(reference.param_groups[0]["lr"])
+        reference.step()
+        hugging_face.step()
+    server = start_server(
+        rule="downpour",
+        learning_rate=top,
+        lr_schedule="warmup-linear",
+        lr_warmup_commits=warmup,
+        lr_total_commits=total,
+    )
+    with RemoteOptimizer(model, server.target) as optimizer:
+        with pytest.raises(gemps.pytorch.ServerOwnsLearningRateError) as refused:
+            get_scheduler("linear", optimizer, num_warmup_steps=warmup, num_training_steps=total)
+        named = f"--lr-warmup-commits <{warmup}*K> --lr-schedule warmup-linear --lr-total-commits <{total}*K>"
+        assert named in str(refused.value)
+        schedule = ServerSchedule(optimizer)
+        rates, moves = [], []
+        for _ in range(total + 2):
+            rates.append(schedule.get_last_lr()[0])
+            before = model.weight.item()
+            optimizer.zero_grad()
+            model(torch.ones(1, 1)).sum().backward()  # the gradient is 1
+            optimizer.step()
+            schedule.step()
+            moves.append(before - model.weight.item())
+    assert rates[warmup:] == pytest.approx(expected[warmup:])
+    assert rates[:warmup] == pytest.approx([top * (v + 1) / warmup for v in range(warmup)])
+    assert moves == pytest.approx(rates, abs=1e-6)

@@ -78,6 +78,33 @@ def test_warmup_cosine_is_nanogpts_get_lr_its_cosine_counted_from_the_warmups_en
     assert "lr_total_commits (50) must be above lr_warmup_commits (50)" in problem
 
 
+def test_warmup_linear_is_hugging_faces_linear_schedule_from_the_warmups_end() -> None:
+    """transformers' get_linear_schedule_with_warmup (the Trainer's default schedule), stepped as
+    the Trainer steps it: the same rate at every step from the warm-up's end, 0 from T on; in the
+    warm-up HF's step v gets v/W of the rate, the server's version v (v + 1)/W, every schedule's."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    warmup, total, top = 10, 200, 3e-3
+    optimizer = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=top)
+    scheduler = transformers.get_linear_schedule_with_warmup(optimizer, warmup, total)
+    hugging_face = []
+    for _ in range(260):
+        hugging_face.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    config = training(learning_rate=top, lr_schedule="warmup-linear", lr_warmup_commits=warmup, lr_total_commits=total)
+    assert etas(config, range(warmup, 260)) == pytest.approx(hugging_face[warmup:], abs=1e-12)
+    assert etas(config, range(warmup)) == pytest.approx([top * (v + 1) / warmup for v in range(warmup)])
+    assert learning_rate_at(config, total) == learning_rate_at(config, 10**9) == 0.0
+    floored = training(learning_rate=1.0, lr_schedule="warmup-linear", lr_warmup_commits=2, lr_total_commits=6,
+                       lr_min=0.2)  # fmt: skip
+    assert etas(floored, range(8)) == pytest.approx([0.5, 1.0, 1.0, 0.8, 0.6, 0.4, 0.2, 0.2])
+    (problem,) = training(lr_schedule="warmup-linear", lr_warmup_commits=50, lr_total_commits=50).problems()
+    assert (
+        "warmup-linear decays after the warm-up: lr_total_commits (50) must be above lr_warmup_commits (50)" in problem
+    )
+
+
 def test_the_factors_are_torch_schedulers_closed_forms() -> None:
     torch = pytest.importorskip("torch")
     schedulers = torch.optim.lr_scheduler
@@ -131,7 +158,7 @@ def test_invalid_schedule_values_name_the_field(changes: dict[str, Any], field: 
 
 
 def test_valid_schedules_have_no_problems() -> None:
-    assert "warmup-cosine" in SCHEDULES
+    assert {"warmup-cosine", "warmup-linear"} <= set(SCHEDULES)
     for name in SCHEDULES:
         assert training(lr_schedule=name, lr_warmup_commits=10, lr_gamma=1.0, lr_min=0.05).problems() == []
 

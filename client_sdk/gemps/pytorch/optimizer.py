@@ -66,10 +66,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._guard_groups()
 
     def _guard_groups(self) -> None:
-        self.param_groups = [
-            ServerOwnedGroup(group, self._config, lambda: self.learning_rate, self.remote.weight_decay)
-            for group in self.param_groups
-        ]
+        """The groups, and the defaults (transformers' polynomial schedule reads defaults["lr"] before
+        it builds its scheduler: torch's KeyError there, not the refusal that names the flags)."""
+
+        def guarded(group: dict[str, Any]) -> dict[str, Any]:
+            return ServerOwnedGroup(group, self._config, lambda: self.learning_rate, self.remote.weight_decay)
+
+        self.param_groups = [guarded(group) for group in self.param_groups]
+        self.defaults = guarded(self.defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused: the central variable is the model's trained parameters, one group whose update

@@ -154,17 +154,24 @@ def refusal(scheduler: object | None, config: TrainingConfig) -> str:
     name = type(scheduler).__name__
     flags, caveat = equivalent(scheduler)
     if _built_by_transformers(scheduler):
+        same = (
+            f"this one's is\n\n    gemps server --learning-rate LR {' '.join(flags)}\n\nwhere K is the commits all "
+            "workers together make between two of the Trainer's optimizer steps (N for N workers committing once "
+            f"a step each){caveat}"
+            if flags is not None
+            else f"gemps has none like this one{caveat}"
+        )
         advice = (
             "Hugging Face's Trainer builds this schedule itself (TrainingArguments.lr_scheduler_type, 'linear' by "
             "default) when given optimizers=(optimizer, None): give it the server's schedule instead, "
             "Trainer(..., optimizers=(optimizer, gemps.pytorch.ServerSchedule(optimizer))), whose get_last_lr() "
-            "is the server's η, and set the server's with `gemps server --learning-rate ... --lr-schedule ...`."
+            f"is the server's η, and set the server's with `gemps server`: {same}."
         )
     elif flags is None:
         advice = (
             f"Remove the scheduler: gemps has no schedule like {name}'s{caveat}. The server's are constant, "
-            "step (exponential decay too: --lr-step-size 1), cosine, each with an optional linear warm-up "
-            "(`gemps server --help`)."
+            "step (exponential decay too: --lr-step-size 1), cosine, a linear decay after the warm-up, each with "
+            "an optional linear warm-up (`gemps server --help`)."
         )
     else:
         advice = (
@@ -185,6 +192,8 @@ def equivalent(scheduler: object) -> tuple[list[str] | None, str]:
     """The `gemps server` flags that give `scheduler`'s schedule in commits (None: gemps cannot
     express it), and a caveat on how close they are ("" or a clause starting with "; ")."""
     lr_scheduler = torch.optim.lr_scheduler
+    if _built_by_transformers(scheduler):
+        return _transformers_equivalent(scheduler)
     if isinstance(scheduler, lr_scheduler.StepLR | lr_scheduler.ExponentialLR):
         step_size = getattr(scheduler, "step_size", 1)  # ExponentialLR: StepLR with a step of 1
         return _step(step_size, scheduler.gamma, "")
@@ -197,8 +206,14 @@ def equivalent(scheduler: object) -> tuple[list[str] | None, str]:
             f"--lr-min {scheduler.eta_min:g}",
         ], "; the server's cosine moves at every commit, and holds at --lr-min after T_max where torch's rises"
     if isinstance(scheduler, lr_scheduler.LinearLR):
+        if scheduler.end_factor != 1 and scheduler.start_factor == 1:
+            return [
+                f"--lr-schedule {schedules.WARMUP_LINEAR}",
+                f"--lr-total-commits {_times_k(scheduler.total_iters)}",
+                f"--lr-min <{scheduler.end_factor:g}*LR>",
+            ], ""
         if scheduler.end_factor != 1:
-            return None, f" (a linear decay to {scheduler.end_factor:g}·lr)"
+            return None, f" (a linear ramp from {scheduler.start_factor:g}·lr to {scheduler.end_factor:g}·lr)"
         return [f"--lr-warmup-commits {_times_k(scheduler.total_iters)}"], (
             f"; the server's warm-up starts from LR/W rather than {scheduler.start_factor:g}·LR, and "
             "multiplies any --lr-schedule"
@@ -215,6 +230,36 @@ SCHEDULE_FLAGS = (
     "--lr-total-commits T",
     "--lr-min MIN",
 )
+
+
+#: transformers' schedules (the lambdas of its get_scheduler) that the server's give, by function name
+_TRANSFORMERS_SCHEDULES = {
+    "_get_linear_schedule_with_warmup_lr_lambda": schedules.WARMUP_LINEAR,
+    "_get_cosine_schedule_with_warmup_lr_lambda": schedules.WARMUP_COSINE,
+    "_get_constant_schedule_with_warmup_lr_lambda": schedules.CONSTANT,
+    "_get_constant_lambda": schedules.CONSTANT,
+}
+
+
+def _transformers_equivalent(scheduler: Any) -> tuple[list[str] | None, str]:
+    """`equivalent` for a schedule transformers built: its lambda is a functools.partial whose
+    keywords are the schedule's steps (transformers.optimization)."""
+    function = scheduler.lr_lambdas[0]
+    name = _TRANSFORMERS_SCHEDULES.get(getattr(getattr(function, "func", function), "__name__", ""))
+    keywords = getattr(function, "keywords", None) or {}
+    if name is None or keywords.get("num_cycles", 0.5) != 0.5:
+        return None, ""
+    flags = (
+        [f"--lr-warmup-commits {_times_k(keywords['num_warmup_steps'])}"] if keywords.get("num_warmup_steps") else []
+    )
+    if name != schedules.CONSTANT:
+        flags += [f"--lr-schedule {name}", f"--lr-total-commits {_times_k(keywords['num_training_steps'])}"]
+        if keywords.get("min_lr_rate"):
+            flags.append(f"--lr-min <{keywords['min_lr_rate']:g}*LR>")
+    caveat = (
+        "; the server's warm-up gives version v (v + 1)/W of LR where the Trainer's step v gets v/W" if flags else ""
+    )
+    return flags or [f"--lr-schedule {schedules.CONSTANT}"], caveat
 
 
 def _built_by_transformers(scheduler: object) -> bool:
