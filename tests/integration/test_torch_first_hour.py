@@ -87,6 +87,39 @@ def test_weight_decay_is_applied_by_the_worker_to_the_gradient_it_commits(start_
     torch.testing.assert_close(after, before * (1 - 0.5 * 0.1))
 
 
+def test_under_adamw_weight_decay_is_the_servers_and_the_workers_is_refused(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """The server's adamw applies AdamW's decoupled decay itself (--adam-weight-decay): a worker's
+    `weight_decay=` would add L2 decay to its gradients on top, so it is refused naming the flag;
+    the group reads, and the Trainer's arguments are held to, the server's decay (76fbd22 read 0
+    and told a Trainer user to give RemoteOptimizer the Trainer's 0.01: decay applied twice)."""
+    from transformers import TrainingArguments
+
+    from gemps.pytorch.trainer_arguments import unused
+
+    server = start_server(rule="adamw", learning_rate=1e-3, adam_weight_decay=0.02)
+    model = nn.Linear(4, 2)
+    with pytest.raises(
+        ValueError, match=r"weight_decay=0\.1: the server's rule adamw applies AdamW's decoupled"
+    ) as refused:
+        RemoteOptimizer(model, server.target, weight_decay=0.1)
+    assert "0.02 now (`gemps server --adam-weight-decay`)" in str(refused.value)
+    with RemoteOptimizer(model, server.target) as optimizer:
+        group = optimizer.param_groups[0]
+        assert group["weight_decay"] == group.get("weight_decay") == 0.02
+        with pytest.raises(ValueError, match=r"cannot be set here .*--adam-weight-decay"):
+            group["weight_decay"] = 0.1
+        config = optimizer.remote.config
+        held = TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-3, weight_decay=0.02, use_cpu=True)
+        assert unused(held, config, 0.0) == []
+        other = TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-3, weight_decay=0.01, use_cpu=True)
+        (said,) = unused(other, config, 0.0)
+        assert said.startswith(
+            "weight_decay=0.01: the server's rule adamw applies AdamW's decoupled weight decay, 0.02"
+        )
+
+
 def test_a_loops_lr_assignment_names_the_warmup_cosine_and_minimum_flags(server: InProcessServer) -> None:
     """nanoGPT's loop: `for param_group in optimizer.param_groups: param_group['lr'] = lr`."""
     with (

@@ -34,7 +34,8 @@ pinned staging vector and non-blocking copies when a parameter lives on a GPU.
 A step without `num_samples=` sends the samples of the model's inputs since the last step, and
 one without `loss=` sends the loss the model's forward returned (output.loss, or nanoGPT's
 `(logits, loss)`), else logs a WARNING once saying how to pass it (gemps.pytorch.batches).
-`weight_decay=` is applied by the worker, to the gradient it commits (gemps.pytorch.refusals).
+`weight_decay=` is applied by the worker, to the gradient it commits (under `--rule adamw`, which
+applies AdamW's own, it is refused: gemps.pytorch.refusals).
 Binding a model sets torch's intra-op threads so that the workers of one machine do not
 oversubscribe its cores, unless they were set otherwise (`threads=`, gemps.pytorch.threads).
 

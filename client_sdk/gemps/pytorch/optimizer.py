@@ -26,7 +26,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
     that line, naming the `gemps server` flags that give its schedule (gemps.pytorch.schedules).
     Reading `param_groups[0]["lr"]` (or `.get("lr")`: what Lightning's LearningRateMonitor logs)
     gives `learning_rate`, the server's η at the version the model holds; `momentum` reads as the
-    server applies it, `weight_decay` as the worker does (`weight_decay=`: gemps.pytorch.refusals).
+    server applies it, `weight_decay` as the worker does (`weight_decay=`), or the server's rule
+    (adamw's --adam-weight-decay): gemps.pytorch.refusals.
     Hugging Face's Trainer takes `optimizers=(optimizer, ServerSchedule(optimizer))`
     (examples/hf_trainer_gemps.py).
     """

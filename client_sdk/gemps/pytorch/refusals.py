@@ -4,7 +4,8 @@ does instead (issue 60: a new user's first hour).
 A training script that swaps `torch.optim.AdamW(...)` for `RemoteOptimizer(...)` brings the torch
 optimizer's arguments along: parameter groups (nanoGPT's `configure_optimizers` gives two, one with
 weight decay and one without), `lr=`, `betas=`, `momentum=`. The server owns the learning rate,
-its schedule and the update rule; weight decay is the worker's (RemoteModel's `weight_decay`).
+its schedule and the update rule; weight decay is the worker's (RemoteModel's `weight_decay`),
+except under a rule that applies AdamW's decoupled decay itself (adamw: `--adam-weight-decay`).
 Each such argument is refused with a TypeError that says where its setting lives, rather than
 Python's "unexpected keyword argument" from deep inside gemps.Client, or a silent default.
 """
@@ -16,6 +17,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+
+from gemps_proto.schema import TrainingConfig
 
 # Where each torch optimizer setting lives with gemps.
 _SERVER_RULE = (
@@ -102,6 +105,30 @@ def keywords(*functions: Any) -> set[str]:
         for name, parameter in inspect.signature(function).parameters.items()
         if parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD) and name != "self"
     }
+
+
+#: the option of a server rule that applies AdamW's decoupled weight decay itself (rule adamw)
+RULE_WEIGHT_DECAY = "adam_weight_decay"
+
+
+def rule_weight_decay(config: TrainingConfig) -> float | None:
+    """The decoupled weight decay the server's rule applies itself (adamw's); None for the rules
+    that apply none, under which weight decay is the worker's (RemoteOptimizer's weight_decay=)."""
+    value = config.rule_options.get(RULE_WEIGHT_DECAY)
+    return None if value is None else float(value)
+
+
+def refuse_weight_decay_twice(config: TrainingConfig, weight_decay: float) -> None:
+    """ValueError when the worker's `weight_decay` would add L2 decay to its gradients while the
+    server's rule applies AdamW's decoupled decay: a user who gave it meant AdamW's."""
+    applied = rule_weight_decay(config)
+    if weight_decay and applied is not None:
+        raise ValueError(
+            f"weight_decay={weight_decay:g}: the server's rule {config.rule} applies AdamW's decoupled weight decay "
+            f"itself, {applied:g} now (`gemps server --adam-weight-decay`); RemoteOptimizer's weight_decay would add "
+            f"{weight_decay:g}·θ to each gradient on top (L2 decay, which Adam scales per parameter). Leave "
+            "weight_decay at 0 and set the server's"
+        )
 
 
 def check_weight_decay(weight_decay: float) -> float:

@@ -15,7 +15,7 @@ from gemps.pytorch.batches import BatchCounter, warn_window_without_loss, warn_w
 from gemps.pytorch.groups import AUTO as GROUP_AUTO
 from gemps.pytorch.groups import GroupLeaderError, GroupWorker, Outcome, process_group_of
 from gemps.pytorch.overlap import InFlight, InFlightCommitError, Staging, copies_done
-from gemps.pytorch.refusals import check_weight_decay
+from gemps.pytorch.refusals import check_weight_decay, refuse_weight_decay_twice
 from gemps.pytorch.threads import AUTO, ThreadKeeper, Threads, requested
 from gemps.pytorch.values import (
     buffer_values,
@@ -68,9 +68,10 @@ class RemoteModel:
         wrapper's group or the initialised default one; a ProcessGroup; None: this process alone);
         `weight_decay` λ adds λ·θ to each trained parameter's gradient before `step` commits it
         (torch.optim.SGD's weight_decay, on the worker: the server applies none, and its η, schedule
-        and GEM's π scale it with the gradient); `overlap` keeps one commit in flight while the
-        next step computes (gemps.pytorch.overlap: `step()` then returns the result of the commit
-        before, None at the first, and `flush()` waits for the last);
+        and GEM's π scale it with the gradient; refused under a rule that applies AdamW's own, adamw);
+        `overlap` keeps one commit in flight while the next step computes (gemps.pytorch.overlap:
+        `step()` then returns the result of the commit before, None at the first, and `flush()`
+        waits for the last);
         `client_options` go to gemps.Client when `client` is an address (wire_dtype="bfloat16", ...)."""
         self.model = model
         self.weight_decay = check_weight_decay(weight_decay)
@@ -116,6 +117,8 @@ class RemoteModel:
                 ),
                 load=True,
             )
+            assert self._registered is not None
+            refuse_weight_decay_twice(self._registered.config, self.weight_decay)
         except BaseException:
             self._unbind()
             raise

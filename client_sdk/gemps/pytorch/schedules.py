@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from gemps.errors import GempsError
+from gemps.pytorch.refusals import rule_weight_decay
 from gemps.pytorch.trainer_arguments import warn_unused
 from gemps_proto import schedules
 from gemps_proto.schema import TrainingConfig
@@ -61,12 +62,23 @@ class ServerOwnsLearningRateError(GempsError, TypeError):
 
 def server_setting(key: str, config: TrainingConfig, weight_decay: float = 0.0) -> float | None:
     """What is applied for a torch group setting other than `lr` (None: not one it knows):
-    `momentum` is the server rule's μ (0 for rules without one), `weight_decay` the worker's
-    (RemoteOptimizer's `weight_decay=`: the server applies none). Lightning's
-    LearningRateMonitor(log_momentum=True, log_weight_decay=True) reads them."""
+    `momentum` is the server rule's μ (0 for rules without one), `weight_decay` the server rule's
+    decoupled decay where it applies one (adamw's), else the worker's (RemoteOptimizer's
+    `weight_decay=`). Lightning's LearningRateMonitor(log_momentum=True, log_weight_decay=True)
+    reads them."""
     if key == "momentum":
         return config.rule_options.get("momentum", 0.0)  # the option of rules with a momentum
-    return weight_decay if key == "weight_decay" else None
+    if key != "weight_decay":
+        return None
+    applied = rule_weight_decay(config)
+    return weight_decay if applied is None else applied
+
+
+def _where_set(key: str, config: TrainingConfig) -> str:
+    """Where the setting `key` (one of _SETTINGS) is set under `config`'s rule."""
+    if key == "weight_decay" and rule_weight_decay(config) is not None:
+        return f"the server's rule {config.rule} applies AdamW's decoupled decay: `gemps server --adam-weight-decay`"
+    return _SETTINGS[key]
 
 
 class ServerOwnedGroup(dict[str, Any]):
@@ -123,7 +135,8 @@ class ServerOwnedGroup(dict[str, Any]):
         if key in _SETTINGS:
             raise ValueError(
                 f"the gemps server owns the update: RemoteOptimizer's group {key!r} reads what the server applies "
-                f"({server_setting(key, self.config(), self.weight_decay):g}) and cannot be set here ({_SETTINGS[key]})"
+                f"({server_setting(key, self.config(), self.weight_decay):g}) and cannot be set here "
+                f"({_where_set(key, self.config())})"
             )
 
     def update(self, *others: Any, **values: Any) -> None:

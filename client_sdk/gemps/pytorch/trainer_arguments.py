@@ -17,6 +17,7 @@ import logging
 import sys
 from typing import Any
 
+from gemps.pytorch.refusals import rule_weight_decay
 from gemps_proto.schema import TrainingConfig
 
 log = logging.getLogger("gemps.pytorch")
@@ -57,7 +58,13 @@ def unused(arguments: Any, config: TrainingConfig, weight_decay: float) -> list[
             f"learning_rate={arguments.learning_rate:g}: the gemps server's is {config.learning_rate:g} "
             "(`gemps server --learning-rate`; the Trainer logs the server's η)"
         )
-    if arguments.weight_decay != weight_decay:
+    applied = rule_weight_decay(config)  # the server rule's own decoupled decay (adamw's), if any
+    if applied is not None and arguments.weight_decay != applied:
+        said.append(
+            f"weight_decay={arguments.weight_decay:g}: the server's rule {config.rule} applies AdamW's decoupled "
+            f"weight decay, {applied:g} (`gemps server --adam-weight-decay`)"
+        )
+    elif applied is None and arguments.weight_decay != weight_decay:
         said.append(
             f"weight_decay={arguments.weight_decay:g}: RemoteOptimizer(model, address, weight_decay=...) applies "
             f"it ({weight_decay:g} now)"
