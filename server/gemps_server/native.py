@@ -16,12 +16,11 @@ import numpy as np
 
 from gemps_proto import compiled_codes
 from gemps_proto.block_quantisation import int8_nbytes
-from gemps_proto.compiled_codes import optional_extension
 from gemps_proto.tensor_codec import INT8_BLOCK, EncodedTensor
 from gemps_proto.tensor_codec import all_finite as numpy_all_finite
 from gemps_proto.vectors import Vector
 
-compiled = optional_extension("gemps_server._native")
+compiled = compiled_codes.optional_extension("gemps_server._native")
 
 
 def all_finite(values: np.ndarray) -> bool:
