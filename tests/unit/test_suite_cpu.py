@@ -46,7 +46,9 @@ def test_each_process_is_charged_to_the_kind_its_command_line_names(tmp_path: Pa
     assert driving["kind"] == "workers, scripts, other", driving
     kinds = figures["kinds"]  # rounded to a tenth
     assert kinds["gemps servers"]["cpu_s"] >= own["gemps servers"]["cpu_s"] - 0.05, kinds
-    assert kinds["etcd"]["cpu_s"] >= own["etcd"]["cpu_s"] - 0.05 and "test runners" not in kinds, kinds
+    # Not `"test runners" not in kinds`: another test's `python -m pytest --collect-only`
+    # (test_suite_split), started meanwhile in a parallel run, is one (CI of 76fbd22).
+    assert kinds["etcd"]["cpu_s"] >= own["etcd"]["cpu_s"] - 0.05, kinds
     # Each figure rounded to a tenth: the two kinds' may come to 0.1 more than the rounded total.
     both = kinds["etcd"]["cpu_s"] + kinds["gemps servers"]["cpu_s"]
     assert figures["exit"] == 0 and figures["cpu_s"] >= both - 0.1 - 1e-9, figures
