@@ -13,6 +13,10 @@ linear schedule, `learning_rate=1e-3`, weight decay 0.01) for the same number of
   AdamW at `--ddp-learning-rate` after `--ddp-warmup` (the Trainer's 1e-3 and no warm-up unless
   given: a batch N times larger wants its own, searched);
 - `remote`: the SDK guide's way until now: RemoteOptimizer and ServerSchedule, `--rule gem`;
+- `adamw:K`: RemoteOptimizer and ServerSchedule on `--rule adamw --round-size K` (1: each gradient
+  a step of the server's AdamW, as it arrives; 0: rounds of every worker's, DDP's computation), the
+  Trainer's linear schedule on the server (`--lr-schedule warmup-linear` over every commit of the
+  run, its warm-up `--gemps-warmup`'s share of them) at `--gemps-learning-rate`;
 - `local:H`: the Trainer's own AdamW (`trainer.create_optimizer()`: its weight-decay groups; the
   Trainer then builds its schedule on it) wrapped in LocalSteps (H local steps a commit; 1: every
   step) on a server with `--rule downpour` (the window's update added in full) or `--rule gem`;
@@ -29,12 +33,14 @@ linear schedule, `learning_rate=1e-3`, weight decay 0.01) for the same number of
     python scripts/hf_classifier.py --variants local:1 local:4 --workers 4 --epochs 8 --json out.json
     python scripts/hf_classifier.py --variants ddp ahead:1 --workers 4 --epochs 8 --seeds 0 1 2
     python scripts/hf_classifier.py --variants alone job:1 --workers 4 --epochs 24 --seeds 0 1 2 3 4 5
+    python scripts/hf_classifier.py --variants adamw:1 adamw:0 --workers 4 --epochs 8 --seeds 0 1 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -130,7 +136,7 @@ def train_worker(
     with tempfile.TemporaryDirectory() as folder:
         args = arguments(folder, epochs, seed * 1000 + index, learning_rate=learning_rate, warmup=warmup)
         optimizer: RemoteOptimizer | LocalSteps
-        if variant == "remote":  # the SDK guide's way for gradients: the server's η and schedule
+        if variant == "remote" or variant.startswith("adamw:"):  # gradients: the server's η and schedule
             optimizer = RemoteOptimizer(model, address, name=f"w{index}")
             trainer = Trainer(
                 model=model, args=args, train_dataset=data, optimizers=(optimizer, ServerSchedule(optimizer))
@@ -178,6 +184,21 @@ def run_alone(
     }  # fmt: skip
 
 
+def server_adamw(round_size: int, workers: int, epochs: float, learning_rate: float, warmup: float) -> dict[str, Any]:
+    """The server of `adamw:K`: AdamW at the Trainer's settings (betas, epsilon, its weight decay,
+    which the rule's default is), and the Trainer's linear schedule over every commit of the run:
+    each worker's steps as the Trainer counts them (whole batches of its part, over the epochs),
+    with `warmup` (steps, or below 1 a share) counted in them."""
+    total = sum(
+        math.ceil(len(DigitTokens(train=True, part=index, parts=workers)) // BATCH * epochs) for index in range(workers)
+    )
+    warm = int(warmup * total) if warmup < 1 else int(warmup)
+    return {
+        "rule": "adamw", "round_size": round_size, "learning_rate": learning_rate, "adam_weight_decay": WEIGHT_DECAY,
+        "lr_schedule": "warmup-linear", "lr_total_commits": total, "lr_warmup_commits": warm,
+    }  # fmt: skip
+
+
 def run_through_gemps(
     variant: str,
     workers: int,
@@ -187,11 +208,14 @@ def run_through_gemps(
     learning_rate: float = LEARNING_RATE,
     warmup: float = 0,
 ) -> dict[str, Any]:
-    """`workers` Trainer processes on one server (each its AdamW at `learning_rate` after `warmup`);
-    the held-out accuracy of the server's θ."""
-    rule = "gem" if variant == "remote" else rule
-    with ServerProcess(rule=rule, learning_rate=0.05) as server:
-        command = [sys.executable, __file__, "--worker", variant, server.target, str(workers), str(epochs), str(seed),
+    """`workers` Trainer processes on one server (each its AdamW at `learning_rate` after `warmup`,
+    or under `adamw:K` the server's); the held-out accuracy of the server's θ."""
+    options: dict[str, Any] = {"rule": "gem" if variant == "remote" else rule, "learning_rate": 0.05}
+    if variant.startswith("adamw:"):
+        options = server_adamw(int(variant.split(":", 1)[1]), workers, epochs, learning_rate, warmup)
+    with ServerProcess(**options) as server:
+        worker = "remote" if variant.startswith("adamw:") else variant
+        command = [sys.executable, __file__, "--worker", worker, server.target, str(workers), str(epochs), str(seed),
                    repr(learning_rate), repr(warmup)]  # fmt: skip
         started = time.monotonic()
         processes = [subprocess.Popen([*command, str(index)], stdout=subprocess.PIPE) for index in range(workers)]
@@ -206,7 +230,13 @@ def run_through_gemps(
         with Client(server.target) as observer:
             central = observer.pull()
         load_central(model, central)
-    return {"accuracy": accuracy(model), "seconds": seconds, "version": central.version, "workers": reports}
+    settings = {
+        key: options[key] for key in ("rule", "round_size", "lr_total_commits", "lr_warmup_commits") if key in options
+    }
+    return {
+        "accuracy": accuracy(model), "seconds": seconds, "version": central.version, "workers": reports,
+        "server": settings,
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,8 +290,14 @@ def main(argv: list[str] | None = None) -> int:
         if not rate > 0:
             parser.error(f"{option} is {rate:g}: give a rate above 0")
     for variant in args.variants:
-        if variant not in ("alone", "ddp", "remote") and not variant.startswith(("local:", "ahead:", "job:")):
-            parser.error(f"unknown variant {variant!r}: alone, ddp, remote, local:H, ahead:H or job:H")
+        kind, _, steps = variant.partition(":")
+        known = variant in ("alone", "ddp", "remote") or (
+            kind in ("local", "ahead", "job", "adamw") and steps.isdigit()
+        )
+        if not known or (kind != "adamw" and steps == "0"):
+            parser.error(
+                f"unknown variant {variant!r}: alone, ddp, remote, local:H, ahead:H, job:H (H >= 1) or adamw:K"
+            )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     results: dict[str, Any] = {
         "workers": args.workers, "epochs": args.epochs, "rule": args.rule,
