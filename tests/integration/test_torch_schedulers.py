@@ -222,6 +222,10 @@ def test_hugging_faces_own_schedule_is_refused_naming_server_schedule_which_read
                 get_scheduler(kind, optimizer, num_warmup_steps=3, num_training_steps=10)
             assert "Trainer(..., optimizers=(optimizer, gemps.pytorch.ServerSchedule(optimizer)))" in str(refused.value)
             assert same in str(refused.value), kind
+        with pytest.raises(gemps.pytorch.ServerOwnsLearningRateError) as refused:
+            get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=10)
+        assert "--lr-schedule warmup-linear --lr-total-commits <10*K>\n" in str(refused.value)
+        assert "warm-up" not in str(refused.value).split("where K")[1].split(".")[0]  # no warm-up: no caveat on it
         schedule = ServerSchedule(optimizer)
         read = []
         for _ in range(3):

@@ -269,10 +269,8 @@ def _transformers_equivalent(scheduler: Any) -> tuple[list[str] | None, str]:
         flags += [f"--lr-schedule {name}", f"--lr-total-commits {_times_k(keywords['num_training_steps'])}"]
         if keywords.get("min_lr_rate"):
             flags.append(f"--lr-min <{keywords['min_lr_rate']:g}*LR>")
-    caveat = (
-        "; the server's warm-up gives version v (v + 1)/W of LR where the Trainer's step v gets v/W" if flags else ""
-    )
-    return flags or [f"--lr-schedule {schedules.CONSTANT}"], caveat
+    offset = "; the server's warm-up gives version v (v + 1)/W of LR where the Trainer's step v gets v/W"
+    return flags or [f"--lr-schedule {schedules.CONSTANT}"], offset if keywords.get("num_warmup_steps") else ""
 
 
 def _built_by_transformers(scheduler: object) -> bool:
