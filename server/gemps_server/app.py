@@ -99,13 +99,12 @@ class ParameterServer:
             memory=memory,
             compiled_core=config.compiled_core,
         )
-        self.applier = Applier(observer=self.metrics.applier_ran)
+        self.checkpointer: Checkpointer | None = None
+        self.applier = Applier(observer=self._applier_ran)
         self._observe_state()
         self.checkpointer = (
             Checkpointer(config, self.state, self.applier, self.metrics) if config.checkpoint_dir else None
         )
-        if self.checkpointer is not None:  # every applied commit, a primary's or a replayed one
-            self.state.core.on_applied = self.checkpointer.committed
         # Data-plane tickets: one key for every replica of the partition (a backup adopts its primary's).
         tickets = Tickets()
         # Who answers and when a commit is acknowledged: this process alone, or its partition's replicas.
@@ -245,6 +244,15 @@ class ParameterServer:
         await self._grpc.wait_closed()
 
     # -- the parts that are a call or two ------------------------------------------------------------
+
+    def _applier_ran(self, run_seconds: float, cpu_seconds: float) -> None:
+        """After each operation on the applier (a commit, a backup's replay, an adoption...), on its
+        thread: the applier's time counted, and the checkpoint schedule told the version reached
+        (Checkpointer.committed: due once --checkpoint-every versions went by). The commit core
+        carries out neither."""
+        self.metrics.applier_ran(run_seconds, cpu_seconds)
+        if self.checkpointer is not None:
+            self.checkpointer.committed(self.state.core.version)
 
     async def _start_applier(self) -> None:
         self.applier.start()

@@ -141,8 +141,9 @@ class Checkpointer:
         self._task = asyncio.create_task(self._run(), name="gemps-checkpoints")
 
     def committed(self, version: int) -> None:
-        """After each applied commit, on whichever thread applied it (the commit core's hook, on a
-        primary and on a backup replaying): checkpoint when N commits went by. The event loop is
+        """After each operation on the applier, on whichever thread ran it (commits on a primary,
+        replays on a backup: the server's applier observer), with the version reached: checkpoint
+        when N commits went by. The event loop is
         woken only then, once (a loop already closed is a server stopping: its final checkpoint
         comes after)."""
         if self._requested or not self._due_by_count(version) or self._loop is None:

@@ -81,7 +81,7 @@ stepped(Commit *c, PyObject *out, const GemBoundsOf *of, double theta_bound, dou
     return c->window != NULL ? noise_measured(c, sums.payload_square, sums.window_square) : 0;
 }
 
-/* After the step: the counts, the worker's lease and windows, the version, the receipt, the hook,
+/* After the step: the counts, the worker's lease and windows, the version, the receipt,
  * the journal's entry (CommitCore.commit's tail), then the outcome (CommitCore.applied_outcome) and
  * the reply (none for a backup's replay: `reply` None). */
 static PyObject *
@@ -95,13 +95,7 @@ applied(Commit *c, PyObject *reply, PyObject *out)
         set_long(core, s_version, c->version + 1) < 0 || ledger_record(c, c->version + 1, staleness) < 0) {
         return NULL;
     }
-    PyObject *hook = PyObject_GetAttr(core, s_on_applied);
-    PyObject *done = hook == NULL || hook == Py_None ? Py_XNewRef(hook) : PyObject_CallFunction(hook, "L", c->version + 1);
-    Py_XDECREF(hook);
-    Py_XDECREF(done);
-    PyObject *position = done == NULL                   ? NULL
-                         : c->recording ? PyObject_CallMethodOneArg(core, s_journalled, c->commit)
-                                        : PyLong_FromLong(0);
+    PyObject *position = c->recording ? PyObject_CallMethodOneArg(core, s_journalled, c->commit) : PyLong_FromLong(0);
     PyObject *staleness_object = position == NULL ? NULL : PyLong_FromLongLong(staleness);
     PyObject *outcome = staleness_object == NULL ? NULL
                                                  : PyObject_CallMethodObjArgs(core, s_applied_outcome, staleness_object,

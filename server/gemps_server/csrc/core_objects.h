@@ -18,7 +18,7 @@ extern PyObject *apply_stats_type, *receipt_type, *gradient_kind;
 
 /* The public attributes and methods it uses (never a name that starts with `_`), interned once. */
 #define NAMES(X)                                                                                                    \
-    X(rule) X(theta) X(version) X(commits_applied) X(registry) X(ledger) X(noise) X(recording) X(on_applied) X(worker_id)       \
+    X(rule) X(theta) X(version) X(commits_applied) X(registry) X(ledger) X(noise) X(recording) X(worker_id)       \
         X(base_version) X(kind) X(payload) X(request_id) X(sequence) X(reply_dtype) X(loss) X(num_samples)          \
         X(buffer_delta) X(payload_peak) X(payload_volatile) X(held_copy) X(dtype) X(shape) X(data) X(client_id) X(native_step)         \
         X(momentum) X(kappa) X(pi_max) X(proxy) X(last_seen_theta) X(proxy_peak) X(last_seen_peak) X(samples)      \

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable
 
 import numpy as np
 
@@ -67,9 +66,6 @@ class CommitCore:
         self._latest: weakref.ref[Snapshot] = weakref.ref(Snapshot(0))  # dead at once: see `snapshot`
         # The versions, first to last, that held one θ: commits a rule of rounds took without moving it.
         self._unmoved = (0, -1)
-        # Told the version after each applied commit, on the thread that applied it (the
-        # checkpoint schedule: Checkpointer.committed): a primary's commits and a backup's replays.
-        self.on_applied: Callable[[int], None] | None = None
         # Where a payload its client can still write is copied before it is read (_landed).
         self._landing = np.empty(0, dtype=np.float32)
         # Where a coded payload (int8, int4, top-k) is decoded: P float32 values each commit, which at
@@ -236,8 +232,6 @@ class CommitCore:
             first, last = self._unmoved
             self._unmoved = (first if last == self.version - 1 else self.version - 1, self.version)
         self.ledger.record(worker.scope, request_id, Receipt(self.version, staleness, stats, sequence))
-        if self.on_applied is not None:
-            self.on_applied(self.version)
         position = 0
         if self._recording:
             commit = Commit(

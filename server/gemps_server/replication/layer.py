@@ -8,7 +8,8 @@ replica there), stopped first (the replica resigns, so a backup takes over at on
 replica needs of the server is wired here, not in app.py: the data-plane ticket key it shares
 with the service, its metrics collector, the epoch each checkpoint records, and the restored
 checkpoint's (epoch, version) its election reads. A backup's replayed commits reach the checkpoint
-schedule as a primary's do: through the commit core's hook (CommitCore.on_applied).
+schedule as a primary's do: through the applier, which tells it the version after each operation
+(ParameterServer._applier_ran).
 """
 
 from __future__ import annotations
