@@ -97,15 +97,12 @@ def decay_factor(config: ScheduleConfig, version: int) -> float:
         return 1.0
     if name == STEP:
         return float(config.lr_gamma ** (version // config.lr_step_size))
-    if name in (COSINE, WARMUP_COSINE):
-        start = config.lr_warmup_commits if name == WARMUP_COSINE else 0  # the cosine's version 0
-        total = config.lr_total_commits - start
-        cosine = (1 + math.cos(math.pi * min(max(version - start, 0), total) / total)) / 2
-        return (config.lr_min + (config.learning_rate - config.lr_min) * cosine) / config.learning_rate
-    if name == WARMUP_LINEAR:
-        start, total = config.lr_warmup_commits, config.lr_total_commits
-        remaining = (total - min(max(version, start), total)) / (total - start)
-        return (config.lr_min + (config.learning_rate - config.lr_min) * remaining) / config.learning_rate
+    if name in (COSINE, WARMUP_COSINE, WARMUP_LINEAR):
+        start = config.lr_warmup_commits if name in AFTER_WARMUP else 0  # the decay's version 0
+        span = config.lr_total_commits - start
+        done = min(max(version - start, 0), span) / span  # of the decay, from 0 to 1 (held there)
+        left = 1 - done if name == WARMUP_LINEAR else (1 + math.cos(math.pi * done)) / 2
+        return (config.lr_min + (config.learning_rate - config.lr_min) * left) / config.learning_rate
     raise ValueError(f"unknown lr_schedule {name!r} (choose from {', '.join(SCHEDULES)})")
 
 
