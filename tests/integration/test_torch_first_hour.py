@@ -120,6 +120,20 @@ def test_under_adamw_weight_decay_is_the_servers_and_the_workers_is_refused(
         )
 
 
+def test_a_weight_decay_refused_after_registering_leaves_the_users_own_client(start_server: StartServer) -> None:
+    """The refusal above comes once the worker has registered (the server's rule is in its
+    reply): a client the user passed is theirs to keep, but not registered as a worker that will
+    never commit (it was counted among the server's workers until its lease ran out)."""
+    server = start_server(rule="adamw", learning_rate=1e-3)
+    with gemps.Client(server.target) as client, gemps.Client(server.target) as observer:
+        with pytest.raises(ValueError, match=r"weight_decay=0\.1: the server's rule adamw"):
+            RemoteOptimizer(nn.Linear(4, 2), client, weight_decay=0.1)
+        assert observer.status().workers == ()
+        with RemoteOptimizer(nn.Linear(4, 2), client) as optimizer:  # the client still serves its user
+            assert optimizer.param_groups[0]["weight_decay"] == 0.01
+            assert len(observer.status().workers) == 1
+
+
 def test_a_loops_lr_assignment_names_the_warmup_cosine_and_minimum_flags(server: InProcessServer) -> None:
     """nanoGPT's loop: `for param_group in optimizer.param_groups: param_group['lr'] = lr`."""
     with (

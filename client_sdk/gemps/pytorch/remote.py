@@ -3,6 +3,7 @@ docstring, gemps.pytorch), and load_central. RemoteOptimizer, its torch.optim fa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -331,11 +332,18 @@ class RemoteModel:
             log.warning("the commit in flight failed as the block was left on an error: %s", failure)
 
     def _unbind(self) -> None:
-        """Undo what binding did, when registering failed."""
+        """Undo what binding did, when registering failed or what it replied was refused: a client
+        opened here is closed (it leaves), the user's own leaves if it registered here (one attempt:
+        its lease ends it otherwise) and stays theirs."""
         self._batches.close()
         self._threads.close()
-        if self._owns_client and self._client is not None:
+        if self._client is None:
+            return
+        if self._owns_client:
             self._client.close()
+        elif self._registered is not None:
+            with contextlib.suppress(Exception):  # the refusal being raised is what the user needs
+                self._client.leave()
 
     def __enter__(self) -> RemoteModel:
         return self
