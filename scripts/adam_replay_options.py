@@ -88,6 +88,11 @@ def parsed(description: str, argv: Sequence[str] | None = None) -> argparse.Name
         help="end after this many samples of the --samples the schedules plan for (a read early in a long run; "
         "not for rounds:K)",
     )
+    parser.add_argument(
+        "--round-momentum",
+        action="store_true",
+        help="windows:H: each worker's AdamW first moment set from the round's move (LocalSteps' default under rounds)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     unknown = [v for v in args.variants if v.partition(":")[0] not in VARIANTS]
@@ -96,6 +101,8 @@ def parsed(description: str, argv: Sequence[str] | None = None) -> argparse.Name
             f"unknown variant {unknown[0]!r}: single, stale:S, dc:S, mean:K, pred:K, ddp:K, rounds:K, "
             "windows:H, local:H, ahead:H, job:H, dana:H, dn:H, as:H or gem:H"
         )
+    if args.round_momentum and any(v.partition(":")[0] != "windows" for v in args.variants):
+        parser.error(f"--round-momentum is for windows:H: not with {' '.join(args.variants)}")
     if args.weight_decay is not None and args.weight_decay < 0:
         parser.error(f"--weight-decay must be at least 0, not {args.weight_decay}")
     if args.batch is not None and args.batch < 1:

@@ -23,6 +23,7 @@ import torch
 from adam_replay_data import Data, flat, gradient, load
 
 from gemps.pytorch import Beta1Ramp
+from gemps.pytorch.round_momentum import set_from_move
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
 from gemps_server.domain.rules import create_rule
 from gemps_server.domain.rules.base import CommitRule, StepContext
@@ -102,6 +103,7 @@ def rounds_local(
     outer: dict[str, float],
     stop: int | None = None,
     beta1_ramp: tuple[float, float] | None = None,
+    round_momentum: bool = False,
 ) -> list[list[float]]:
     """`windows:H`: rounds of the N workers' windows of H local AdamW steps, each from the θ its
     round started at (each worker its own moments, and nanoGPT's schedule over its own share of the
@@ -109,7 +111,8 @@ def rounds_local(
     with `outer`'s outer_rate and outer_momentum (DiLoCo's outer Nesterov step on their mean).
     Held-out loss at each round's close once an evaluation point is passed, as [samples, loss]
     (the middle and the end fall on closes for whole rounds). `stop`: end after that many of the
-    `steps` the schedules plan for."""
+    `steps` the schedules plan for. `round_momentum`: each worker's first moment set from the
+    round's move after it closes (LocalSteps' default under rounds: gemps.pytorch.round_momentum)."""
     models = [data.build() for _ in range(workers)]
     optimizers = [data.optimizer_of(model, lr) for model in models]
     schedules = [data.schedule_of(o, steps // workers, warmup) for o in optimizers]
@@ -140,6 +143,10 @@ def rounds_local(
             context = StepContext(f"worker-{rank}", staleness=rank, version=version, kind=PayloadKind.UPDATE)
             theta, _ = rule.step(theta, delta, context)
             version += 1
+        if round_momentum:  # every worker waited for the round: its θ is each one's next start
+            end = torch.from_numpy(theta.copy())
+            for model, optimizer in zip(models, optimizers, strict=True):
+                set_from_move(optimizer, list(model.parameters()), start, end, window)
         while len(curve) < len(evals) and evals[len(curve)] <= step:
             curve.append([step * data.batch, data.held_out(probe, torch.from_numpy(theta.copy()))])
     return curve

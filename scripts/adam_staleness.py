@@ -321,7 +321,7 @@ def _curve(args: argparse.Namespace, data: Data, variant: str) -> list[list[floa
         return rounds_local(
             data, int(amount), steps, args.learning_rate, evals, args.warmup, args.workers,
             {"outer_rate": args.outer_rate, "outer_momentum": args.outer_momentum}, stop,
-            None if args.beta1_to is None else (args.beta1_to, args.beta1_ramp),
+            None if args.beta1_to is None else (args.beta1_to, args.beta1_ramp), args.round_momentum,
         )  # fmt: skip
     raise ValueError(f"unknown variant {variant!r}")  # parsed() refuses it first
 
@@ -350,6 +350,8 @@ def _settings(args: argparse.Namespace, variant: str, seed: int) -> dict[str, An
         settings.update(outer_rate=args.outer_rate, outer_momentum=args.outer_momentum)
         if args.beta1_to is not None:
             settings.update(beta1_to=args.beta1_to, beta1_ramp=args.beta1_ramp)
+        if args.round_momentum:
+            settings.update(round_momentum=True)
     if name == "pred":
         settings.update(prediction=args.prediction)
     if name in ("ahead", "job"):

@@ -238,6 +238,19 @@ def test_a_beta1_ramp_is_what_the_windows_run_when_asked(tmp_path: Path) -> None
     assert done.returncode == 2 and "--beta1-ramp 0.5 without --beta1-to" in done.stderr, done.stderr
 
 
+def test_the_rounds_move_as_momentum_is_what_the_windows_run_when_asked(tmp_path: Path) -> None:
+    """`--round-momentum` (gemps.pytorch.round_momentum in every worker after each round) moves the
+    curve and still trains; given to another variant it is refused, naming it."""
+    windows = ("--variants", "windows:2", "--workers", "4", "--samples", "512")
+    plain = replay(tmp_path, "plain", *windows)
+    moved = replay(tmp_path, "moved", *windows, "--round-momentum")
+    assert moved["windows:2"][-1] != plain["windows:2"][-1], (plain, moved)
+    assert moved["windows:2"][-1] < moved["windows:2"][0], moved
+    wrong = ["--variants", "ahead:1", "--round-momentum"]
+    done = subprocess.run([sys.executable, str(SCRIPT), *wrong], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--round-momentum is for windows:H: not with ahead:1" in done.stderr, done.stderr
+
+
 def test_the_trainers_schedule_and_betas_are_what_the_replay_runs_when_asked() -> None:
     """`--schedule linear` is the Trainer's default (a linear warm-up, then a linear decay to 0 at the
     run's end, decaying from the start without a warm-up); `--beta1`/`--beta2` replace the model's

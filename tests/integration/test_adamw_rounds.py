@@ -185,3 +185,47 @@ def test_local_steps_under_rounds_start_each_window_at_the_rounds_theta(
     assert central.version == 12  # 6 windows each, 6 rounds
     for theta in held:  # the last round's θ, as each worker holds it
         np.testing.assert_allclose(theta, central.flat, atol=0 if codes is None else 1e-2 * np.abs(central.flat).max())
+
+
+def test_local_steps_under_rounds_of_windows_set_adamws_momentum_from_the_rounds_move(
+    start_server: StartServer,
+) -> None:
+    """Under `--outer-rate`, after each round a worker's AdamW first moment is what, with its own
+    second moment, steps θ along the round's move (gemps.pytorch.round_momentum): the reply less
+    the window's start. Elsewhere it is off, and asking for it there is refused, naming why."""
+    server = start_server(rule="adamw", outer_rate=1.0)
+    model = torch.nn.Linear(4, 2)
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    with LocalSteps(model, adamw, server.target, steps=2) as optimizer:
+        assert optimizer.round_momentum
+        for window in range(3):
+            start = optimizer.remote.parameters_vector().clone()
+            for step in range(2):
+                optimizer.zero_grad()
+                model(torch.full((3, 4), float(window + step))).square().mean().backward()
+                optimizer.step()
+            end = optimizer.remote.parameters_vector()
+            assert not torch.equal(start, end)
+            at = 0
+            for p in model.parameters():  # AdamW's next step, from the moments as set: the move per step
+                state, size = adamw.state[p], p.numel()
+                t, (beta1, beta2) = float(state["step"]), adamw.param_groups[0]["betas"]
+                root = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt() + adamw.param_groups[0]["eps"]
+                theta = start[at : at + size].view_as(p)
+                step = -0.01 * (state["exp_avg"] / (1 - beta1**t) / root + 0.1 * theta)
+                torch.testing.assert_close(step, (end - start)[at : at + size].view_as(p) / 2, rtol=1e-4, atol=1e-8)
+                at += size
+
+    def fresh(kind: type[torch.optim.SGD | torch.optim.AdamW]) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        other = torch.nn.Linear(4, 2)
+        return other, kind(other.parameters(), lr=0.01)
+
+    with LocalSteps(*fresh(torch.optim.SGD), server.target) as other:
+        assert not other.round_momentum  # where it cannot apply, the default leaves it off
+    with pytest.raises(ValueError, match=r"round_momentum=True: .*not of SGD"):
+        LocalSteps(*fresh(torch.optim.SGD), server.target, round_momentum=True)
+    downpour = start_server(rule="downpour")
+    with LocalSteps(*fresh(torch.optim.AdamW), downpour.target) as elsewhere:
+        assert not elsewhere.round_momentum
+    with pytest.raises(ValueError, match=r"round_momentum=True: the server's rule downpour .*--outer-rate"):
+        LocalSteps(*fresh(torch.optim.AdamW), downpour.target, round_momentum=True)

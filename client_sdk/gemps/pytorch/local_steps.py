@@ -42,10 +42,11 @@ from gemps.client import Client
 from gemps.pytorch.job_betas import JobBetas
 from gemps.pytorch.look_ahead import LookAhead
 from gemps.pytorch.remote import RemoteModel
+from gemps.pytorch.round_momentum import problem, set_from_move
 from gemps.pytorch.values import copy_into
 from gemps.pytorch.vector_pool import VectorPool
-from gemps.records import CommitResult
-from gemps_proto.rule_options import ROUND_SIZE
+from gemps.records import CommitResult, TrainingConfig
+from gemps_proto.rule_options import OUTER_RATE, ROUND_SIZE
 
 
 class LocalSteps(torch.optim.Optimizer):
@@ -61,6 +62,7 @@ class LocalSteps(torch.optim.Optimizer):
         outer_learning_rate: float = 1.0,
         look_ahead: float = 1.0,
         job_betas: bool = False,
+        round_momentum: bool | None = None,
         name: str = "",
         **options: Any,
     ) -> None:
@@ -70,7 +72,10 @@ class LocalSteps(torch.optim.Optimizer):
         Under a server of rounds (`--rule adamw`), where θ does not move while a round is open, no
         window looks ahead. `job_betas`: the optimizer's β1 spans the job's samples, not this
         worker's: raised to the power of the job's commits per this worker's
-        (gemps.pytorch.job_betas; with look_ahead).
+        (gemps.pytorch.job_betas; with look_ahead). `round_momentum`: under a server of rounds of
+        windows (`--rule adamw --outer-rate r`), each round sets the optimizer's first moment from
+        the round's move (gemps.pytorch.round_momentum); None (the default): there, wherever the
+        optimizer is AdamW; True refuses a server or an optimizer it cannot apply to.
         `options` as RemoteModel takes them (`threads=`, gemps.Client's when `client` is an address)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             kind = type(optimizer).__name__
@@ -88,6 +93,7 @@ class LocalSteps(torch.optim.Optimizer):
         self.remote = RemoteModel(model, client, name=name, **options)
         try:
             _check_same_parameters(optimizer, self.remote.trained)
+            self.round_momentum = _round_momentum(round_momentum, optimizer, self.remote.registration.config)
         except ValueError:
             self.remote.close()  # refused: not left registered (nor counted among this machine's workers)
             raise
@@ -161,7 +167,7 @@ class LocalSteps(torch.optim.Optimizer):
         if self.outer_learning_rate != 1.0:  # times 1.0 changes no bit: a pass over θ saved
             update.mul_(self.outer_learning_rate)
         loss = sum(self._losses) / len(self._losses) if self._losses else None
-        self._taken, self._losses = 0, []
+        taken, self._taken, self._losses = self._taken, 0, []
         result = self.remote.commit_update(update, loss=loss)
         replied = self.remote.parameters_vector(out=update)  # the update's room: sent, read no more
         self.job_betas.after_commit(result.staleness)
@@ -169,6 +175,8 @@ class LocalSteps(torch.optim.Optimizer):
         # Under rounds θ stays where the reply left it until the round this worker's next window
         # joins has closed, the window's commit included: where θ is headed is the reply itself.
         if ROUND_SIZE in self.remote.registration.config.rule_options:
+            if self.round_momentum:  # the round has closed: `replied` is its θ
+                set_from_move(self.optimizer, self.remote.trained, started, replied, taken)
             self._start = replied
         else:
             self._start = self.look_ahead.start(replied, result.version, result.staleness, vectors)
@@ -210,3 +218,17 @@ def _check_same_parameters(optimizer: torch.optim.Optimizer, trained: list[torch
             f"{len(central - stepped)} trained parameter(s) of the model are in none of the optimizer's groups: "
             "they would never move locally; add them to a group, or set requires_grad=False to freeze them"
         )
+
+
+def _round_momentum(wanted: bool | None, optimizer: torch.optim.Optimizer, config: TrainingConfig) -> bool:
+    """Whether each round sets `optimizer`'s first moment from θ's move (`round_momentum`);
+    ValueError naming why when `wanted` is True and it cannot."""
+    if wanted is not None and not isinstance(wanted, bool):
+        raise TypeError(f"round_momentum must be True, False or None (where it applies), not {wanted!r}")
+    if wanted is False:
+        return False
+    rounds = config.rule_options.get(OUTER_RATE, 0) > 0
+    why = problem(optimizer) if rounds else f"the server's rule {config.rule} takes no rounds of windows (--outer-rate)"
+    if why is not None and wanted:
+        raise ValueError(f"round_momentum=True: {why}")
+    return why is None
