@@ -118,7 +118,7 @@ def train(args: argparse.Namespace) -> None:
     else:
         codes = {"compression": args.compression, "reply_compression": args.compression}
         optimizer = LocalSteps(model, inner, args.target, steps=args.local_steps, look_ahead=args.look_ahead,
-                               name=f"w{args.rank}", **codes)  # fmt: skip
+                               round_momentum=args.round_momentum, name=f"w{args.rank}", **codes)  # fmt: skip
     wait_for_go(folder, f"{args.role}-{args.rank}")
     saved = time.time()
     for step in range(1, steps + 1):
@@ -181,6 +181,7 @@ def launch(args: argparse.Namespace, groups: Groups | None, role: str, rank: int
             *(() if reference or args.beta1_to is None else
               ("--beta1-to", repr(args.beta1_to), "--beta1-ramp", repr(args.beta1_ramp))),
             "--local-steps", str(args.local_steps), "--look-ahead", repr(args.look_ahead),
+            *(("--round-momentum",) if args.round_momentum and not reference else ()),
             *(("--compression", args.compression) if args.compression else ()),
             *(f"--server-option={option}" for option in args.server_option),
             "--snapshot-every", repr(args.snapshot_every), "--shape", args.shape, "--rule", args.rule]  # fmt: skip
@@ -306,6 +307,8 @@ def main() -> None:
                         help="the gemps workers' β1 rises from --beta1 to this (gemps.pytorch.Beta1Ramp)")  # fmt: skip
     parser.add_argument("--beta1-ramp", type=float,
                         help="the share of each worker's steps --beta1-to is reached over (a quarter)")  # fmt: skip
+    parser.add_argument("--round-momentum", action="store_true",
+                        help="the gemps workers' LocalSteps(round_momentum=True) (rounds of windows)")  # fmt: skip
     parser.add_argument("--rule", default="downpour", help="the server's --rule")
     parser.add_argument("--server-option", action="append", default=[], metavar="NAME=VALUE",
                         help="another server option (kappa=2: --kappa 2), repeatable")  # fmt: skip
@@ -342,6 +345,8 @@ def main() -> None:
         parser.error("--beta1-to ramps the workers' own AdamW: under --rule adamw they commit gradients")
     if args.beta1_ramp is not None and args.beta1_to is None:
         parser.error(f"--beta1-ramp {args.beta1_ramp:g} without --beta1-to: give the β1 it rises to")
+    if args.round_momentum and not averaged(args):
+        parser.error("--round-momentum is for rounds of windows: --rule adamw --server-option outer_rate=R")
     args.beta1_ramp = RECIPE_SHARE if args.beta1_ramp is None else args.beta1_ramp
     if not 0 < args.beta1_ramp <= 1:
         parser.error(f"--beta1-ramp is {args.beta1_ramp:g}: a share of the steps, above 0 and at most 1")

@@ -190,13 +190,14 @@ def test_local_steps_under_rounds_start_each_window_at_the_rounds_theta(
 def test_local_steps_under_rounds_of_windows_set_adamws_momentum_from_the_rounds_move(
     start_server: StartServer,
 ) -> None:
-    """Under `--outer-rate`, after each round a worker's AdamW first moment is what, with its own
-    second moment, steps θ along the round's move (gemps.pytorch.round_momentum): the reply less
-    the window's start. Elsewhere it is off, and asking for it there is refused, naming why."""
+    """With `round_momentum=True` under `--outer-rate`, after each round a worker's AdamW first
+    moment is what, with its own second moment, steps θ along the round's move
+    (gemps.pytorch.round_momentum): the reply less the window's start. Off by default; asked for
+    where it cannot apply, it is refused, naming why."""
     server = start_server(rule="adamw", outer_rate=1.0)
     model = torch.nn.Linear(4, 2)
     adamw = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-    with LocalSteps(model, adamw, server.target, steps=2) as optimizer:
+    with LocalSteps(model, adamw, server.target, steps=2, round_momentum=True) as optimizer:
         assert optimizer.round_momentum
         for window in range(3):
             start = optimizer.remote.parameters_vector().clone()
@@ -220,12 +221,10 @@ def test_local_steps_under_rounds_of_windows_set_adamws_momentum_from_the_rounds
         other = torch.nn.Linear(4, 2)
         return other, kind(other.parameters(), lr=0.01)
 
-    with LocalSteps(*fresh(torch.optim.SGD), server.target) as other:
-        assert not other.round_momentum  # where it cannot apply, the default leaves it off
+    with LocalSteps(*fresh(torch.optim.AdamW), server.target) as other:
+        assert not other.round_momentum  # off by default, even where it applies
     with pytest.raises(ValueError, match=r"round_momentum=True: .*not of SGD"):
         LocalSteps(*fresh(torch.optim.SGD), server.target, round_momentum=True)
     downpour = start_server(rule="downpour")
-    with LocalSteps(*fresh(torch.optim.AdamW), downpour.target) as elsewhere:
-        assert not elsewhere.round_momentum
     with pytest.raises(ValueError, match=r"round_momentum=True: the server's rule downpour .*--outer-rate"):
         LocalSteps(*fresh(torch.optim.AdamW), downpour.target, round_momentum=True)

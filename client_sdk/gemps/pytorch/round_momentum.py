@@ -2,12 +2,15 @@
 
 Under `gemps server --rule adamw --outer-rate r` every worker's window starts at the round's θ,
 but each worker's AdamW keeps the first moment m of its own steps alone, so its next window goes on
-along its own last one while θ went along the round's mean of them. After each round LocalSteps
-sets m to what, with the worker's own second moment v, moves θ along the round's move per local
-step. AdamW's step is -lr·(m̂/(√v̂ + ε) + λ·θ) (m̂, v̂ the bias-corrected moments, λ the decoupled
-weight decay), so with d the move per step, m̂ = -(d/lr + λ·θ)·(√v̂ + ε), and m = m̂·(1 - β1^t).
-The move is the round's reply less the window's start: no byte more crosses the wire. The
-replay measured it (docs/RESULTS.md, "The round's move as each worker's momentum").
+along its own last one while θ went along the round's mean of them. After each round
+`LocalSteps(..., round_momentum=True)` sets m to what, with the worker's own second moment v,
+moves θ along the round's move per local step. AdamW's step is -lr·(m̂/(√v̂ + ε) + λ·θ) (m̂, v̂
+the bias-corrected moments, λ the decoupled weight decay), so with d the move per step,
+m̂ = -(d/lr + λ·θ)·(√v̂ + ε), and m = m̂·(1 - β1^t).
+The move is the round's reply less the window's start: no byte more crosses the wire. With a
+warm-up and a decaying schedule it takes the windows level with a commit a step; at a constant rate
+without a warm-up it costs, so it is asked for (docs/RESULTS.md, "The round's move as each
+worker's momentum").
 """
 
 from __future__ import annotations
