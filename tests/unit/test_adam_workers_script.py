@@ -110,6 +110,7 @@ def test_each_seed_starts_its_processes_from_its_own_model(tmp_path: Path) -> No
         (["--beta1-to", "0.95", "--beta1-ramp", "0"], "--beta1-ramp is 0: a share of the steps"),
         (["--beta1-ramp", "0.5"], "--beta1-ramp 0.5 without --beta1-to"),
         (["--rule", "adamw", "--beta1-to", "0.95"], "under --rule adamw they commit gradients"),
+        (["--rule", "adamw", "--round-momentum"], "--round-momentum is for rounds of windows"),
         (["--seed", "-1"], "--seed is -1: give 0 or more"),
         (["--server-option", "kappa"], "takes NAME=VALUE"),
     ],
