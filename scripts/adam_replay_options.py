@@ -91,7 +91,7 @@ def parsed(description: str, argv: Sequence[str] | None = None) -> argparse.Name
     parser.add_argument(
         "--round-momentum",
         action="store_true",
-        help="windows:H: each worker's AdamW first moment set from the round's move (LocalSteps' default under rounds)",
+        help="windows:H: each worker's AdamW first moment set from the round's move (LocalSteps' round_momentum=True)",
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

@@ -112,7 +112,7 @@ def rounds_local(
     Held-out loss at each round's close once an evaluation point is passed, as [samples, loss]
     (the middle and the end fall on closes for whole rounds). `stop`: end after that many of the
     `steps` the schedules plan for. `round_momentum`: each worker's first moment set from the
-    round's move after it closes (LocalSteps' default under rounds: gemps.pytorch.round_momentum)."""
+    round's move after it closes (LocalSteps' round_momentum=True: gemps.pytorch.round_momentum)."""
     models = [data.build() for _ in range(workers)]
     optimizers = [data.optimizer_of(model, lr) for model in models]
     schedules = [data.schedule_of(o, steps // workers, warmup) for o in optimizers]
