@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "suite_cpu.py"
-# Spends a second of CPU (not of wall: a loaded machine only makes it longer), so samples see it.
-BUSY = "import time\nwhile time.process_time() < 1.0: pass"
+# Spends a second of CPU (not of wall: a loaded machine only makes it longer), then stays 3 s, so a
+# sample reads that CPU before it ends: one that ended between two passes over /proc kept the CPU
+# of the first pass's read, 0 (a fresh clone's `make test`, 19ea08a, with a pass slowed by load).
+BUSY = "import time\nwhile time.process_time() < 1.0: pass\ntime.sleep(3)"
 
 
 def profile(tmp_path: Path, *command: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
