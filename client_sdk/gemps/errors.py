@@ -249,17 +249,18 @@ def server_forgot_worker(error: GempsError) -> bool:
     return error.reason in FORGOTTEN_REASONS
 
 
-def base_version_ahead(error: GempsError) -> bool:
-    """A commit refused for its base version (the SDK sends none below zero: ahead of the server's).
-    The server's history went back under the worker: a failover to a replica that lacks commits
-    it never acknowledged, though a pull had shown them. Pulling θ again fixes it."""
+def version_ahead(error: GempsError) -> bool:
+    """A commit refused for its base version (the SDK sends none below zero), or an evaluation for
+    its version: ahead of the server's. The server's history went back under the client: a
+    failover to a replica that lacks commits it never acknowledged, though a pull had shown them,
+    or a restart from a checkpoint older than what a pull had shown. Pulling θ again fixes it."""
     return error.reason == Reason.BAD_VERSION
 
 
 def worth_another_attempt(error: GempsError) -> bool:
     """Whether a call that failed so may succeed when done again (after registering again, or
     pulling θ again)."""
-    return isinstance(error, RETRIED) or server_forgot_worker(error) or base_version_ahead(error)
+    return isinstance(error, RETRIED) or server_forgot_worker(error) or version_ahead(error)
 
 
 @contextlib.contextmanager

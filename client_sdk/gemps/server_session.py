@@ -157,7 +157,7 @@ class ServerSession:
         try:
             return self.retrier.call(self.link.commit, call)
         except errors.GempsError as error:
-            if errors.base_version_ahead(error):
+            if errors.version_ahead(error):
                 return self._resynchronised(call, error)
             registered = self._register_again(error, enrolment)
         base = self._rebased(call.base_version, counted_in, registered.registration.version)

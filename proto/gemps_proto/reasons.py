@@ -36,7 +36,7 @@ class Reason(str, enum.Enum):
     BAD_KIND = "bad_kind"  # a payload kind other than gradient or update, or one the server's rule does not take
     BAD_PAYLOAD = "bad_payload"  # tensor bytes that do not match their dtype and shape
     BAD_SHAPE = "bad_shape"  # a payload that is not flat [P]
-    BAD_VERSION = "bad_version"  # a base version below zero or ahead of the server's
+    BAD_VERSION = "bad_version"  # a base version below zero; a commit's base or an evaluation's ahead of the server's
     NON_FINITE = "non_finite"  # NaN or Inf in a payload or in initial parameters
     BAD_REQUEST_ID = "bad_request_id"  # a request id past its length limit
     SUPERSEDED = "superseded"  # a late attempt of a commit its client has moved past (a later one was applied)

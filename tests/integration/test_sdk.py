@@ -170,7 +170,8 @@ def test_evaluation_reports_reach_status(server: InProcessServer) -> None:
         with pytest.raises(gemps.InvalidArgumentError, match="outside \\[0, 1\\]") as info:
             evaluator.report_evaluation(version=1, loss=0.25, accuracy=1.5, num_samples=100)
         assert info.value.reason == "bad_evaluation"
-        with pytest.raises(gemps.InvalidArgumentError, match="ahead of the server's version 1"):
+        with pytest.raises(gemps.InvalidArgumentError, match="ahead of the server's version 1") as info:
             evaluator.report_evaluation(version=7, loss=0.25, accuracy=0.5, num_samples=100)
+        assert info.value.reason == "bad_version"
         assert evaluator.status().last_evaluation.accuracy == 0.9  # type: ignore[union-attr]
     assert "evaluation version=1 held_out_loss=0.25 held_out_accuracy=0.9" in server.log()

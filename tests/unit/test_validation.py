@@ -191,8 +191,10 @@ def test_evaluations() -> None:
         Evaluation(version=3, loss=math.nan, accuracy=0.9, num_samples=10),
         Evaluation(version=3, loss=-1.0, accuracy=0.9, num_samples=10),
         Evaluation(version=3, loss=0.5, accuracy=1.5, num_samples=10),
-        Evaluation(version=4, loss=0.5, accuracy=0.9, num_samples=10),
     ):
         refused(InvalidArgument, Reason.BAD_EVALUATION, validation.check_evaluation, report, 3)
+    # ahead of the server's: its history went back under the evaluator, as under a worker's commit
+    ahead = Evaluation(version=4, loss=0.5, accuracy=0.9, num_samples=10)
+    refused(InvalidArgument, Reason.BAD_VERSION, validation.check_evaluation, ahead, 3)
     long_label = Evaluation(version=3, loss=0.5, accuracy=0.9, num_samples=10, dataset="d" * 257)
     refused(InvalidArgument, Reason.TOO_LONG, validation.check_evaluation, long_label, 3)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gemps.client import Client
-from gemps.errors import FailedPreconditionError
+from gemps.errors import FailedPreconditionError, InvalidArgumentError, version_ahead
 from gemps.pytorch import load_central, trained_parameters
 from gemps.records import ParameterSpec
 from gemps.resolver import Target
@@ -82,7 +82,16 @@ def run_evaluator(
             if central.version != last_version:
                 load_central(model, central)
                 loss, accuracy = evaluate(model, data.test_x, data.test_y)
-                client.report_evaluation(central.version, loss, accuracy, len(data.test_x), data.name)
+                try:
+                    client.report_evaluation(central.version, loss, accuracy, len(data.test_x), data.name)
+                except InvalidArgumentError as error:
+                    if not version_ahead(error):
+                        raise
+                    # The server went back while this θ was evaluated (a restart from an older
+                    # checkpoint): its figures describe a θ no longer there. Evaluate θ as it is now.
+                    log.warning("version %d is gone from the server (%s): evaluating θ again", central.version, error)
+                    last_version = -1
+                    continue
                 result = EvaluationResult(central.version, loss, accuracy)
                 results.append(result)
                 last_version = central.version

@@ -413,7 +413,10 @@ def validated_payload(
 
 
 def check_evaluation(report: Evaluation, current_version: int) -> None:
-    """InvalidArgument (BAD_EVALUATION) for a held-out evaluation the server cannot have produced."""
+    """InvalidArgument for a held-out evaluation the server cannot have produced: BAD_EVALUATION for
+    figures out of range, BAD_VERSION for a version ahead of the server's (as a commit's base: the
+    server's history went back under the evaluator, a restore from a checkpoint, and it evaluates
+    θ again)."""
     check_name("dataset", report.dataset)
     if not (math.isfinite(report.loss) and report.loss >= 0):
         raise InvalidArgument(f"held-out loss {report.loss} must be finite and >= 0", Reason.BAD_EVALUATION)
@@ -422,5 +425,5 @@ def check_evaluation(report: Evaluation, current_version: int) -> None:
     if report.version > current_version:
         raise InvalidArgument(
             f"evaluated version {report.version} is ahead of the server's version {current_version}",
-            Reason.BAD_EVALUATION,
+            Reason.BAD_VERSION,
         )
