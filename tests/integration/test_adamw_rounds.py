@@ -192,11 +192,12 @@ def test_local_steps_under_rounds_of_windows_set_adamws_momentum_from_the_rounds
 ) -> None:
     """With `round_momentum=True` under `--outer-rate`, after each round a worker's AdamW first
     moment is what, with its own second moment, steps θ along the round's move
-    (gemps.pytorch.round_momentum): the reply less the window's start. Off by default; asked for
-    where it cannot apply, it is refused, naming why."""
+    (gemps.pytorch.round_momentum): the reply less the window's start. On by default where it
+    applies, off where it does not; asked for there, it is refused, naming why. β2 0.5: v averages
+    1/(1 - β2) = 2 steps by the first round's close, from which the moments are set."""
     server = start_server(rule="adamw", outer_rate=1.0)
     model = torch.nn.Linear(4, 2)
-    adamw = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.5), weight_decay=0.1)
     with LocalSteps(model, adamw, server.target, steps=2, round_momentum=True) as optimizer:
         assert optimizer.round_momentum
         for window in range(3):
@@ -222,9 +223,17 @@ def test_local_steps_under_rounds_of_windows_set_adamws_momentum_from_the_rounds
         return other, kind(other.parameters(), lr=0.01)
 
     with LocalSteps(*fresh(torch.optim.AdamW), server.target) as other:
-        assert not other.round_momentum  # off by default, even where it applies
+        assert other.round_momentum  # on by default where it applies ...
+    with LocalSteps(*fresh(torch.optim.AdamW), server.target, round_momentum=False) as other:
+        assert not other.round_momentum  # ... unless turned off
+    with LocalSteps(*fresh(torch.optim.SGD), server.target) as other:
+        assert not other.round_momentum  # ... and off, unasked, where it does not
     with pytest.raises(ValueError, match=r"round_momentum=True: .*not of SGD"):
         LocalSteps(*fresh(torch.optim.SGD), server.target, round_momentum=True)
     downpour = start_server(rule="downpour")
+    with LocalSteps(*fresh(torch.optim.AdamW), downpour.target) as other:
+        assert not other.round_momentum
     with pytest.raises(ValueError, match=r"round_momentum=True: the server's rule downpour .*--outer-rate"):
         LocalSteps(*fresh(torch.optim.AdamW), downpour.target, round_momentum=True)
+    with pytest.raises(TypeError, match=r"round_momentum must be True, False or None"):
+        LocalSteps(*fresh(torch.optim.AdamW), server.target, round_momentum="yes")  # type: ignore[arg-type]

@@ -11,19 +11,20 @@ from gemps.pytorch.round_momentum import problem, set_from_move
 STEPS = 8
 
 
-def stepped_adamw() -> tuple[list[torch.nn.Parameter], torch.optim.AdamW]:
-    """Three parameters in two groups (decayed, not), in another order than the model's, the last never
-    stepped; three AdamW steps on seeded gradients."""
+def stepped_adamw(steps: int = 100) -> tuple[list[torch.nn.Parameter], torch.optim.AdamW]:
+    """Three parameters in two groups (decayed, β2 0.99; not, β2 0.95), in another order than the
+    model's, the last never stepped; `steps` AdamW steps on seeded gradients (100: past both groups'
+    1/(1 - β2), from which their moments are set)."""
     generator = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(3, 2, generator=generator)) for _ in range(2)]
     idle = torch.nn.Parameter(torch.randn(4, generator=generator))
     params.append(idle)
     groups = [
         {"params": [params[1]], "weight_decay": 0.1},
-        {"params": [params[0], idle], "weight_decay": 0.0, "betas": (0.8, 0.999)},
+        {"params": [params[0], idle], "weight_decay": 0.0, "betas": (0.8, 0.95)},
     ]
     optimizer = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.99))
-    for _ in range(3):
+    for _ in range(steps):
         for p in params[:2]:
             p.grad = torch.randn(p.shape, generator=generator)
         optimizer.step()
@@ -76,3 +77,19 @@ def test_no_move_leaves_only_the_decay_in_the_moment(steps: int) -> None:
     undecayed = optimizer.state[params[0]]["exp_avg"]
     assert torch.count_nonzero(undecayed) == 0
     assert torch.count_nonzero(optimizer.state[params[1]]["exp_avg"]) > 0
+
+
+def test_a_second_moment_of_fewer_than_one_over_one_minus_beta2_steps_is_not_read() -> None:
+    """Before 1/(1 - β2) steps v̂ is a few gradients' and the moments set from it cost (8 workers at a
+    constant rate without a warm-up, docs/results/adam/round_momentum.json): m stays AdamW's own."""
+    params, optimizer = stepped_adamw(99)  # past the β2 0.95 group's 20 steps, not the β2 0.99 one's 100
+    start = torch.cat([p.detach().reshape(-1) for p in params])
+    end = start + 1e-3
+    before = [optimizer.state[p]["exp_avg"].clone() for p in params[:2]]
+    set_from_move(optimizer, params, start, end, STEPS)
+    assert torch.equal(optimizer.state[params[1]]["exp_avg"], before[1])  # β2 0.99, 99 steps: left
+    assert not torch.equal(optimizer.state[params[0]]["exp_avg"], before[0])  # β2 0.95: set
+    optimizer.step()  # the 100th
+    before = [optimizer.state[p]["exp_avg"].clone() for p in params[:2]]
+    set_from_move(optimizer, params, start, end, STEPS)
+    assert not torch.equal(optimizer.state[params[1]]["exp_avg"], before[1])

@@ -62,7 +62,7 @@ class LocalSteps(torch.optim.Optimizer):
         outer_learning_rate: float = 1.0,
         look_ahead: float = 1.0,
         job_betas: bool = False,
-        round_momentum: bool = False,
+        round_momentum: bool | None = None,
         name: str = "",
         **options: Any,
     ) -> None:
@@ -74,8 +74,9 @@ class LocalSteps(torch.optim.Optimizer):
         worker's: raised to the power of the job's commits per this worker's
         (gemps.pytorch.job_betas; with look_ahead). `round_momentum`: under a server of rounds of
         windows (`--rule adamw --outer-rate r`), each round sets the optimizer's first moment from
-        the round's move (gemps.pytorch.round_momentum): the windows recipe's, with a warm-up and a
-        decaying schedule (at a constant rate it costs); refused, naming why, where it cannot apply.
+        the round's move (gemps.pytorch.round_momentum). None (the default): wherever it applies
+        (AdamW, or Adam without its L2 decay, under rounds of windows); True: refused, naming why,
+        where it cannot; False: never.
         `options` as RemoteModel takes them (`threads=`, gemps.Client's when `client` is an address)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             kind = type(optimizer).__name__
@@ -220,14 +221,15 @@ def _check_same_parameters(optimizer: torch.optim.Optimizer, trained: list[torch
         )
 
 
-def _round_momentum(wanted: bool, optimizer: torch.optim.Optimizer, config: TrainingConfig) -> bool:
-    """`round_momentum` as asked; ValueError naming why when it is True and cannot apply."""
-    if not isinstance(wanted, bool):
-        raise TypeError(f"round_momentum must be True or False, not {wanted!r}")
-    if not wanted:
+def _round_momentum(wanted: bool | None, optimizer: torch.optim.Optimizer, config: TrainingConfig) -> bool:
+    """`round_momentum` as asked (None: wherever it applies); ValueError naming why when it is True
+    and cannot apply."""
+    if wanted is not None and not isinstance(wanted, bool):
+        raise TypeError(f"round_momentum must be True, False or None (wherever it applies), not {wanted!r}")
+    if wanted is False:
         return False
     rounds = config.rule_options.get(OUTER_RATE, 0) > 0
     why = problem(optimizer) if rounds else f"the server's rule {config.rule} takes no rounds of windows (--outer-rate)"
-    if why is not None:
+    if why is not None and wanted:
         raise ValueError(f"round_momentum=True: {why}")
-    return True
+    return why is None
