@@ -29,6 +29,9 @@ WORKERS = 4
 ROUNDS = 6  # the hang this guards against came in about half the runs
 QUIET = ("--port", "0", "--data-port", "0", "--metrics-port", "-1")
 FEW_RETRIES = gemps.RetryPolicy(max_attempts=2, initial_backoff=0.05, max_backoff=0.1)
+#: a grace a held shutdown would spend whole; half of it bounds a prompt one on a loaded host (a
+#: stop under two busy test workers took over 5 s where it takes under 1 alone)
+GRACE = 60.0
 
 
 def committing(target: str, acknowledged: list[int], stop: threading.Event) -> None:
@@ -86,7 +89,7 @@ def test_an_open_health_watch_does_not_hold_shutdown_for_the_grace_period(start_
     channel = grpc.insecure_channel(server.target)
     watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
     statuses = [next(watch).status]  # SERVING: the stream is open
-    grace = 20.0
+    grace = GRACE
     started = time.monotonic()
     server.stop(grace=grace)
     took = time.monotonic() - started
@@ -94,15 +97,15 @@ def test_an_open_health_watch_does_not_hold_shutdown_for_the_grace_period(start_
     channel.close()
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     assert statuses == [serving, not_serving]
-    assert took < grace / 4, f"shutdown took {took:.1f} s of a {grace:g} s grace period"
+    assert took < grace / 2, f"shutdown took {took:.1f} s of a {grace:g} s grace period"
 
 
 def test_a_watch_whose_client_never_reads_does_not_hold_shutdown() -> None:
     """Issue 28, item 4: a Watch on a connection whose receive window is zero. The server's write
     of its first status never completes, and a graceful stop waited the whole grace for the
-    stream (20.2 s of 20 here). Now, once no call carrying work is left, Watch streams get a
+    stream (20.2 s of a 20-s grace). Now, once no call carrying work is left, Watch streams get a
     moment to take NOT_SERVING and the rest are cancelled; reading watchers still end cleanly."""
-    grace = 20.0
+    grace = GRACE
     server = ServerProcess(shutdown_grace=grace)
     with server:
         unread = RawConnection(server.port, receive_window=0)
@@ -113,14 +116,14 @@ def test_a_watch_whose_client_never_reads_does_not_hold_shutdown() -> None:
         reader = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
         statuses = [next(reader).status]
         started = time.monotonic()
-        code = server.stop(timeout=60)
+        code = server.stop(timeout=2 * grace)
         took = time.monotonic() - started
         statuses += [reply.status for reply in reader]  # the reading watcher still ends cleanly
         channel.close()
         unread.close()
         assert code == 0, server.log()[-3000:]
     assert statuses == [health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING]
-    assert took < grace / 4, f"shutdown took {took:.1f} s of a {grace:g} s grace period"
+    assert took < grace / 2, f"shutdown took {took:.1f} s of a {grace:g} s grace period"
 
 
 def test_a_sigterm_the_moment_the_port_file_appears_is_a_graceful_stop(tmp_path: Path) -> None:
