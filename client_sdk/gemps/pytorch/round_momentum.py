@@ -55,8 +55,8 @@ def set_from_move(
     steps: int,
 ) -> None:
     """Each parameter's m from θ's move `end - start` (flat vectors in `parameters`' order) over
-    `steps` local steps, with its own v and its group's lr, β and decay; a parameter the optimizer
-    has not stepped `averaged` times yet (its v still a few gradients') is left as it is."""
+    `steps` local steps, with its own v and its group's lr, β and decay; a parameter whose v has not
+    `averaged` enough steps yet (still a few gradients') is left as it is."""
     decoupled = isinstance(optimizer, torch.optim.AdamW)
     offsets, at = {}, 0
     for parameter in parameters:
