@@ -14,8 +14,10 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
-#: the windows recipe's ramp: β1 0.9 to 0.95 over this share of each worker's planned steps
+#: the windows recipe's ramp: β1 from the optimizer's (nanoGPT's 0.9) to RECIPE_TO over this share
+#: of each worker's planned steps (`LocalSteps(..., planned_steps=N)` runs it: window_recipe.py)
 RECIPE_SHARE = 0.25
+RECIPE_TO = 0.95
 
 
 class _Stepped(Protocol):

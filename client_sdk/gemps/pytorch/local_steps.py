@@ -11,18 +11,21 @@ the server returns: the server's rule is the outer optimizer (GEM energy-matches
 state (Adam's moments) carries over from window to window, as DiLoCo's inner optimizer's does.
 
     optimizer = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    optimizer = LocalSteps(model, optimizer, "ps:50051")  # steps=1, look_ahead=1: the recipe
+    optimizer = LocalSteps(model, optimizer, "ps:50051")  # under --rule downpour: steps=1, look_ahead=1
     for inputs, targets in loader:                # the training loop does not change
         optimizer.zero_grad()
         loss = F.cross_entropy(model(inputs), targets)
         loss.backward()
         optimizer.step(loss=loss.detach())
 
-The defaults are the SDK guide's recipe for several asynchronous AdamW workers: one local step a
+The defaults are the SDK guide's recipe for the server's rule (window_recipe.py). For several
+asynchronous AdamW workers: one local step a
 window, each window started where θ is headed while the others commit (`look_ahead=1`:
 gemps.pytorch.look_ahead); without the look-ahead their stale steps cost a transformer much of its
 loss at equal samples, and longer windows lose more (docs/RESULTS.md, "Adam through asynchrony").
-Across slow links the recipe is another, with fewer commits: `steps=8, look_ahead=0`, an outer
+Under rounds of windows (`--rule adamw --outer-rate r`) windows of 8 steps from each round's θ, the
+round's move as the optimizer's momentum, and with `planned_steps` β1's ramp. Across slow links
+with GEM the recipe is another: `steps=8, look_ahead=0`, an outer
 learning rate of 0.35 over Adam at 3e-3 (docs/guides/slow-links.md).
 
 The inner learning rate is the user's: `param_groups` are the inner optimizer's, so a torch LR
@@ -42,11 +45,15 @@ from gemps.client import Client
 from gemps.pytorch.job_betas import JobBetas
 from gemps.pytorch.look_ahead import LookAhead
 from gemps.pytorch.remote import RemoteModel
-from gemps.pytorch.round_momentum import problem, set_from_move
+from gemps.pytorch.round_momentum import set_from_move
 from gemps.pytorch.values import copy_into
 from gemps.pytorch.vector_pool import VectorPool
-from gemps.records import CommitResult, TrainingConfig
-from gemps_proto.rule_options import OUTER_RATE, ROUND_SIZE
+from gemps.pytorch.window_recipe import check_steps, recipe_ramp, round_momentum_wanted, window_steps
+from gemps.records import CommitResult
+from gemps_proto.rule_options import ROUND_SIZE
+
+#: where LocalSteps.state_dict keeps the β1 ramp's progress beside the user's optimizer's state
+RAMP_KEY = "gemps_beta1_ramp"
 
 
 class LocalSteps(torch.optim.Optimizer):
@@ -58,16 +65,19 @@ class LocalSteps(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         client: Client | str,
         *,
-        steps: int = 1,
+        steps: int | None = None,
         outer_learning_rate: float = 1.0,
         look_ahead: float = 1.0,
         job_betas: bool = False,
         round_momentum: bool | None = None,
+        planned_steps: int | None = None,
         name: str = "",
         **options: Any,
     ) -> None:
-        """`steps` and `look_ahead` default to the recipe for several asynchronous AdamW workers
-        (1 and 1). `look_ahead`: start each window that share of θ's expected move ahead of the
+        """What is left out is the SDK guide's recipe for the server's rule (window_recipe.py):
+        `steps` None is 1 (a commit a step, the recipe for several asynchronous AdamW workers) or,
+        under a server of rounds of windows (`--rule adamw --outer-rate r`), 8.
+        `look_ahead`: start each window that share of θ's expected move ahead of the
         reply (gemps.pytorch.look_ahead; 0: at the reply; a worker alone is never ahead).
         Under a server of rounds (`--rule adamw`), where θ does not move while a round is open, no
         window looks ahead. `job_betas`: the optimizer's β1 spans the job's samples, not this
@@ -76,13 +86,14 @@ class LocalSteps(torch.optim.Optimizer):
         windows (`--rule adamw --outer-rate r`), each round sets the optimizer's first moment from
         the round's move (gemps.pytorch.round_momentum). None (the default): wherever it applies
         (AdamW, or Adam without its L2 decay, under rounds of windows); True: refused, naming why,
-        where it cannot; False: never.
+        where it cannot; False: never. `planned_steps`: this worker's planned optimizer steps, under
+        rounds of windows: β1 rises from the optimizer's to 0.95 over their first quarter, stepped
+        with each step (gemps.pytorch.Beta1Ramp; refused where the server takes no windows).
         `options` as RemoteModel takes them (`threads=`, gemps.Client's when `client` is an address)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             kind = type(optimizer).__name__
             raise TypeError(f"LocalSteps takes a torch optimizer (torch.optim.AdamW(...)), not {kind}")
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be a whole number of local steps >= 1, not {steps!r}")
+        check_steps(steps)  # before registering; None waits for the server's rule
         if not (math.isfinite(outer_learning_rate) and outer_learning_rate > 0):
             raise ValueError(f"outer_learning_rate must be a number > 0, not {outer_learning_rate!r}")
         ahead = LookAhead(look_ahead)
@@ -94,12 +105,14 @@ class LocalSteps(torch.optim.Optimizer):
         self.remote = RemoteModel(model, client, name=name, **options)
         try:
             _check_same_parameters(optimizer, self.remote.trained)
-            self.round_momentum = _round_momentum(round_momentum, optimizer, self.remote.registration.config)
-        except ValueError:
+            config = self.remote.registration.config
+            self.round_momentum = round_momentum_wanted(round_momentum, optimizer, config)
+            self.ramp = recipe_ramp(planned_steps, optimizer, config)
+        except (ValueError, TypeError):
             self.remote.close()  # refused: not left registered (nor counted among this machine's workers)
             raise
         self.optimizer = optimizer
-        self.steps, self.outer_learning_rate = steps, outer_learning_rate
+        self.steps, self.outer_learning_rate = window_steps(steps, config), outer_learning_rate
         self.look_ahead = ahead
         self.job_betas = JobBetas(job_betas, optimizer.param_groups)
         super().__init__(self.remote.trained, defaults={})
@@ -125,14 +138,22 @@ class LocalSteps(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The user's optimizer's (its moments, its groups' lr and betas as the user set them): what
-        a checkpoint of it holds."""
-        return self.job_betas.users(self.optimizer.state_dict())
+        a checkpoint of it holds; with `planned_steps`, the β1 ramp's progress under RAMP_KEY too."""
+        state = self.job_betas.users(self.optimizer.state_dict())
+        if self.ramp is not None:
+            state[RAMP_KEY] = self.ramp.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Into the user's optimizer, whose groups and state stay this one's. torch's own would give
         this optimizer new groups apart from the user's: a scheduler would then move an lr nothing
         reads (accelerate loads a state dict into each optimizer it prepares: under Hugging Face's
-        Trainer the linear schedule never reached AdamW), and a resumed Adam would start over."""
+        Trainer the linear schedule never reached AdamW), and a resumed Adam would start over.
+        A saved β1 ramp resumes where it was; without `planned_steps` here, β1 stays as saved."""
+        state_dict = dict(state_dict)
+        ramp = state_dict.pop(RAMP_KEY, None)
+        if ramp is not None and self.ramp is not None:
+            self.ramp.load_state_dict(ramp)
         self.optimizer.load_state_dict(state_dict)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
         self.job_betas.rebind(self.optimizer.param_groups)
@@ -151,6 +172,8 @@ class LocalSteps(torch.optim.Optimizer):
                 loss = closure()
         self.job_betas.before_step()  # over the β1 a scheduler wrote since the step before
         self.optimizer.step()
+        if self.ramp is not None:
+            self.ramp.step()
         if loss is not None:
             self._losses.append(float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss))
         self._taken += 1
@@ -219,17 +242,3 @@ def _check_same_parameters(optimizer: torch.optim.Optimizer, trained: list[torch
             f"{len(central - stepped)} trained parameter(s) of the model are in none of the optimizer's groups: "
             "they would never move locally; add them to a group, or set requires_grad=False to freeze them"
         )
-
-
-def _round_momentum(wanted: bool | None, optimizer: torch.optim.Optimizer, config: TrainingConfig) -> bool:
-    """`round_momentum` as asked (None: wherever it applies); ValueError naming why when it is True
-    and cannot apply."""
-    if wanted is not None and not isinstance(wanted, bool):
-        raise TypeError(f"round_momentum must be True, False or None (wherever it applies), not {wanted!r}")
-    if wanted is False:
-        return False
-    rounds = config.rule_options.get(OUTER_RATE, 0) > 0
-    why = problem(optimizer) if rounds else f"the server's rule {config.rule} takes no rounds of windows (--outer-rate)"
-    if why is not None and wanted:
-        raise ValueError(f"round_momentum=True: {why}")
-    return why is None
