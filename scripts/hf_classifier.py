@@ -25,6 +25,10 @@ linear schedule, `learning_rate=1e-3`, weight decay 0.01) for the same number of
 - `job:H`: `ahead:H` with LocalSteps' `job_betas=True` (each worker's β1 raised to the power of
   the job's commits per its own, so its momentum spans the job's samples that the Trainer's β1
   spans alone: gemps.pytorch.job_betas).
+- `win:H`: the SDK guide's rounds of windows ("Fewer commits, few workers"): the Trainer's own AdamW
+  in LocalSteps(steps=H, planned_steps=its steps) from each round's θ, the round's move as its
+  momentum and β1 raised to 0.95 over the first quarter of its steps (LocalSteps' recipe there), on
+  `--rule adamw --outer-rate 1` (the round: every worker's window, averaged).
 
 `--workers N` runs N Trainers as processes on one server, each on its own N-th of the training set
 (so N workers see the samples one worker would); the held-out accuracy is then the server's θ's.
@@ -34,6 +38,7 @@ linear schedule, `learning_rate=1e-3`, weight decay 0.01) for the same number of
     python scripts/hf_classifier.py --variants ddp ahead:1 --workers 4 --epochs 8 --seeds 0 1 2
     python scripts/hf_classifier.py --variants alone job:1 --workers 4 --epochs 24 --seeds 0 1 2 3 4 5
     python scripts/hf_classifier.py --variants adamw:1 adamw:0 --workers 4 --epochs 8 --seeds 0 1 2
+    python scripts/hf_classifier.py --variants win:8 --workers 4 --epochs 8 --seeds 0 1 2 --gemps-learning-rate 4e-3
 """
 
 from __future__ import annotations
@@ -145,9 +150,10 @@ def train_worker(
             trainer = Trainer(model=model, args=args, train_dataset=data)
             kind, steps = variant.split(":", 1)
             ahead = 1.0 if kind in ("ahead", "job") else 0.0  # LocalSteps' look-ahead: windows start where θ is headed
+            planned = planned_steps(len(data), epochs) if kind == "win" else None  # the recipe's β1 ramp
             optimizer = LocalSteps(
                 model, trainer.create_optimizer(), address, steps=int(steps), look_ahead=ahead,
-                job_betas=kind == "job", name=f"w{index}",
+                job_betas=kind == "job", planned_steps=planned, name=f"w{index}",
             )  # fmt: skip
             trainer.optimizer = optimizer
         try:
@@ -162,6 +168,11 @@ def train_worker(
         "worker": index, "seconds": time.monotonic() - started, "learning_rate": start, "steps": steps,
         "warmup_steps": args.get_warmup_steps(steps),  # the schedule's, as the Trainer read --gemps-warmup
     }  # fmt: skip
+
+
+def planned_steps(samples: int, epochs: float) -> int:
+    """A worker's optimizer steps over `samples` for `epochs`: whole batches, as the Trainer counts them."""
+    return math.ceil(samples // BATCH * epochs)
 
 
 def run_alone(
@@ -189,9 +200,8 @@ def server_adamw(round_size: int, workers: int, epochs: float, learning_rate: fl
     which the rule's default is), and the Trainer's linear schedule over every commit of the run:
     each worker's steps as the Trainer counts them (whole batches of its part, over the epochs),
     with `warmup` (steps, or below 1 a share) counted in them."""
-    total = sum(
-        math.ceil(len(DigitTokens(train=True, part=index, parts=workers)) // BATCH * epochs) for index in range(workers)
-    )
+    parts = (DigitTokens(train=True, part=index, parts=workers) for index in range(workers))
+    total = sum(planned_steps(len(part), epochs) for part in parts)
     warm = int(warmup * total) if warmup < 1 else int(warmup)
     return {
         "rule": "adamw", "round_size": round_size, "learning_rate": learning_rate, "adam_weight_decay": WEIGHT_DECAY,
@@ -213,6 +223,8 @@ def run_through_gemps(
     options: dict[str, Any] = {"rule": "gem" if variant == "remote" else rule, "learning_rate": 0.05}
     if variant.startswith("adamw:"):
         options = server_adamw(int(variant.split(":", 1)[1]), workers, epochs, learning_rate, warmup)
+    elif variant.startswith("win:"):  # rounds of every worker's window, averaged (AdamW is the workers')
+        options = {"rule": "adamw", "outer_rate": 1.0}
     with ServerProcess(**options) as server:
         worker = "remote" if variant.startswith("adamw:") else variant
         command = [sys.executable, __file__, "--worker", worker, server.target, str(workers), str(epochs), str(seed),
@@ -231,7 +243,9 @@ def run_through_gemps(
             central = observer.pull()
         load_central(model, central)
     settings = {
-        key: options[key] for key in ("rule", "round_size", "lr_total_commits", "lr_warmup_commits") if key in options
+        key: options[key]
+        for key in ("rule", "round_size", "outer_rate", "lr_total_commits", "lr_warmup_commits")
+        if key in options
     }
     return {
         "accuracy": accuracy(model), "seconds": seconds, "version": central.version, "workers": reports,
@@ -292,11 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variants:
         kind, _, steps = variant.partition(":")
         known = variant in ("alone", "ddp", "remote") or (
-            kind in ("local", "ahead", "job", "adamw") and steps.isdigit()
+            kind in ("local", "ahead", "job", "adamw", "win") and steps.isdigit()
         )
         if not known or (kind != "adamw" and steps == "0"):
             parser.error(
-                f"unknown variant {variant!r}: alone, ddp, remote, local:H, ahead:H, job:H (H >= 1) or adamw:K"
+                f"unknown variant {variant!r}: alone, ddp, remote, local:H, ahead:H, job:H, win:H (H >= 1) or adamw:K"
             )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     results: dict[str, Any] = {

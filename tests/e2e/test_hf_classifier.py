@@ -80,6 +80,16 @@ def test_adamw_runs_the_trainers_linear_schedule_on_the_server_over_every_commit
     assert run["version"] == total > 2
 
 
+def test_windows_run_the_guides_rounds_of_windows_under_the_trainer(tmp_path: Path) -> None:
+    """`win:H`: each Trainer's AdamW in LocalSteps(steps=H, planned_steps=its steps) on `--rule adamw
+    --outer-rate 1`: a round is every worker's window, so the server's version counts each worker's
+    windows (its last one unfinished, committed at close)."""
+    written, _ = classify(tmp_path, "--variants", "win:2", "--workers", "2", "--epochs", "0.5")
+    (run,) = written["runs"]["win:2"]["runs"]
+    assert run["server"] == {"rule": "adamw", "outer_rate": 1.0}
+    assert run["version"] == sum(math.ceil(worker["steps"] / 2) for worker in run["workers"]) > 2
+
+
 @pytest.mark.parametrize(
     ("option", "value", "refusal"),
     [
@@ -89,6 +99,7 @@ def test_adamw_runs_the_trainers_linear_schedule_on_the_server_over_every_commit
         ("--gemps-warmup", "2.5", "--gemps-warmup is 2.5"),
         ("--variants", "adamw:x", "unknown variant 'adamw:x'"),
         ("--variants", "local:0", "unknown variant 'local:0'"),
+        ("--variants", "win:0", "unknown variant 'win:0'"),
     ],
 )
 def test_a_rate_or_a_warm_up_it_cannot_train_with_is_refused_naming_it(option: str, value: str, refusal: str) -> None:
