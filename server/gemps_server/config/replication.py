@@ -60,7 +60,9 @@ class ReplicationOptions:
         default=3.0,
         metadata={
             "help": "seconds a primary's etcd lease lasts: a dead or cut-off primary is replaced after about this "
-            "long, and stops acknowledging commits before it is",
+            "long, and stops acknowledging commits before it is. etcd counts whole seconds (a fraction is rounded "
+            "up for it); a replica refuses to start where etcd grants no lease this short (its shortest is 1.5 of "
+            "its --election-timeout: 2 s at etcd's default; the private etcd's is 1 s)",
             RANGE: Range(1.0, 3600.0, unit="s"),
         },
     )

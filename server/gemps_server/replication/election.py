@@ -38,7 +38,6 @@ import base64
 import contextlib
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -49,7 +48,7 @@ from etcd3gw.client import Etcd3Client
 from etcd3gw.lease import Lease
 
 from gemps_server.replication.epoch_record import EpochRecord, EpochRecordError
-from gemps_server.replication.etcd_client import CoordinationUnavailable, EtcdAccess, EtcdEndpoints
+from gemps_server.replication.etcd_client import CoordinationUnavailable, EtcdAccess, EtcdEndpoints, lease_ttl
 from gemps_server.replication.member import Member, new_incarnation, partition_prefix
 from gemps_server.replication.recovery import Held, Report, Unavailable, Verdict, judge
 
@@ -117,7 +116,7 @@ class Election:
         self.timeout = timeout
         self.primary_key = f"{self.prefix}/primary"
         self.in_sync_key = f"{self.prefix}/in-sync"
-        self._ttl = max(1, math.ceil(lease_seconds))  # etcd grants whole seconds
+        self._ttl = lease_ttl(lease_seconds)
         self._etcd = EtcdEndpoints(endpoints, timeout, access)  # access: TLS files and an etcd user
         self._lock = threading.Lock()  # guards _term and _holds_until (the Coordinator's thread and callers)
         self._term: _Term | None = None
@@ -169,7 +168,7 @@ class Election:
             if unclean and (not self._orphaned(listed) or self._newer_elsewhere()):
                 return None
         sent_at = time.monotonic()  # the lease's clock starts no earlier than its grant was sent
-        lease_id = self._call("lease grant", lambda client: client.lease(self._ttl).id)
+        lease_id = self._etcd.grant(self._ttl)
         value = json.dumps({**json.loads(self.me.to_json()), "base": base}, sort_keys=True)
         members = listed if listed is not None and not unclean else [self.me.identity]
         txn = {
@@ -246,7 +245,7 @@ class Election:
                     return
             else:
                 self._presence = None  # expired, or etcd lost it: a new lease
-        lease_id = self._presence or self._call("lease grant", lambda client: client.lease(self._ttl).id)
+        lease_id = self._presence or self._etcd.grant(self._ttl)
         key = self.members_prefix + self.me.name
         self._call("presence", lambda client: client.put(key, report.to_json(), lease=Lease(lease_id, client)))
         self._presence, self._reported = lease_id, report

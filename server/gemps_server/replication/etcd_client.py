@@ -8,13 +8,16 @@ whose password buys a token from the gateway (POST /v3/auth/authenticate) sent w
 request and bought again when etcd refuses it (tokens expire after minutes unused, and etcd
 forgets them all when its auth is turned off and on).
 `EtcdEndpoints.check` tells at start-up whether etcd takes these credentials, naming the option
-to fix when it does not.
+to fix when it does not, and whether it grants a lease as short as --replica-lease asks: etcd
+raises a shorter TTL to its own shortest lease, 1.5 of its --election-timeout in whole seconds (2 s
+at its default 1000 ms), so a primary lost under `--replica-lease 1` was replaced after 2 s, silently.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +52,32 @@ class CoordinationUnavailable(Exception):
 class EtcdAccessRefused(ValueError):
     """etcd answered, and refused these credentials: the server cannot start (the message names
     the option to fix)."""
+
+
+class EtcdLeaseRefused(ValueError):
+    """etcd answered, and grants no lease as short as --replica-lease asks: the server cannot start
+    (a lost primary would be replaced later than the option says; the message says what to change)."""
+
+
+def lease_ttl(seconds: float) -> int:
+    """The TTL a lease of `seconds` asks of etcd, which counts whole seconds: rounded up."""
+    return max(1, math.ceil(seconds))
+
+
+def granted_lease(client: Etcd3Client, ttl: int) -> tuple[int, int]:
+    """A new lease of `ttl` seconds: its id, and the TTL etcd granted (its shortest, if longer)."""
+    result = client.post(client.get_url("/lease/grant"), json={"TTL": ttl, "ID": 0})
+    return int(result["ID"]), int(result["TTL"])
+
+
+def longer_lease(url: str, asked: int, granted: int) -> str:
+    """What to say of an etcd at `url` that granted `granted` seconds where `asked` were asked."""
+    return (
+        f"etcd at {url} grants no lease shorter than {granted} s, and --replica-lease asks {asked} s: a lost "
+        f"primary would be replaced after {granted} s. Give --replica-lease {granted} or more, or start etcd "
+        f"with --election-timeout of at most {asked * 1000 * 2 // 3} ms (its shortest lease is 1.5 election "
+        "timeouts, rounded up to a whole second: 2 s at its default of 1000 ms)"
+    )
 
 
 @dataclass(frozen=True)
@@ -183,6 +212,7 @@ class EtcdEndpoints:
         self._clients = _clients(endpoints, timeout, access or EtcdAccess())
         self._access = access or EtcdAccess()
         self._current = 0  # the endpoint calls go to; the next one after a failure
+        self._longer_lease_told = False  # warned that etcd granted a longer lease than asked
 
     def call(self, what: str, request: Callable[[Etcd3Client], T]) -> T:
         """Run one request against the current endpoint; errors become CoordinationUnavailable,
@@ -198,10 +228,21 @@ class EtcdEndpoints:
             self._current = (index + 1) % len(self._clients)
             raise CoordinationUnavailable(f"etcd {what} at {client.base_url}: {error!r}") from error
 
-    def check(self, key: str) -> list[str]:
+    def grant(self, ttl: int) -> int:
+        """A new lease of `ttl` seconds (its id). Longer where etcd's shortest is longer: checked at
+        start-up (`check`), so only an etcd changed since is warned of, once."""
+        lease_id, granted = self.call("lease grant", lambda client: granted_lease(client, ttl))
+        if granted > ttl and not self._longer_lease_told:
+            self._longer_lease_told = True
+            log.warning("%s", longer_lease(self._clients[0].base_url, ttl, granted))
+        return lease_id
+
+    def check(self, key: str, lease: int | None = None) -> list[str]:
         """Read `key` from every endpoint, as the replica will: EtcdAccessRefused when one answers
         and refuses these credentials (naming the option to fix); the endpoints that did not
-        answer, as lines to warn of (etcd may be starting: the election waits for it)."""
+        answer, as lines to warn of (etcd may be starting: the election waits for it). With
+        `lease` (seconds): EtcdLeaseRefused when one grants no lease that short (a probe lease,
+        revoked at once)."""
         silent = []
         for client in self._clients:
             try:
@@ -226,7 +267,20 @@ class EtcdEndpoints:
                 continue
             if response.status_code != 200:
                 raise EtcdAccessRefused(_refusal(client.base_url, self._access, response))
+            if lease is not None:
+                self._check_lease(client, lease)
         return silent
+
+    @staticmethod
+    def _check_lease(client: Etcd3Client, ttl: int) -> None:
+        try:
+            lease_id, granted = granted_lease(client, ttl)
+            client.post(client.get_url("/kv/lease/revoke"), json={"ID": lease_id})
+        except (Etcd3Exception, OSError, ValueError, KeyError) as error:  # read above: the election retries
+            log.warning("etcd at %s granted no probe lease: %r", client.base_url, error)
+            return
+        if granted > ttl:
+            raise EtcdLeaseRefused(longer_lease(client.base_url, ttl, granted))
 
     def close(self) -> None:
         """Close the HTTP connections."""
@@ -236,12 +290,12 @@ class EtcdEndpoints:
             client.session.close()
 
 
-def check_access(endpoints: str, access: EtcdAccess, key: str, timeout: float) -> None:
-    """At start: EtcdAccessRefused when etcd refuses `access` (EtcdEndpoints.check); a warning for
-    each endpoint that does not answer yet."""
+def check_access(endpoints: str, access: EtcdAccess, key: str, timeout: float, lease: int | None = None) -> None:
+    """At start: EtcdAccessRefused when etcd refuses `access`, EtcdLeaseRefused when it grants no
+    `lease` that short (EtcdEndpoints.check); a warning for each endpoint that does not answer yet."""
     etcd = EtcdEndpoints(endpoints, timeout, access)
     try:
-        for line in etcd.check(key):
+        for line in etcd.check(key, lease):
             log.warning("%s", line)
     finally:
         etcd.close()

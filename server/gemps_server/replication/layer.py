@@ -158,7 +158,7 @@ class Replicated:
         """Listen for backups, then take part in the election (with the restored checkpoint's
         (epoch, version): the replica holding the newest state takes over a job restarted whole)."""
         from gemps_server.replication.election import Election, Member
-        from gemps_server.replication.etcd_client import EtcdAccess, check_access
+        from gemps_server.replication.etcd_client import EtcdAccess, check_access, lease_ttl
         from gemps_server.replication.handshake import member_name
         from gemps_server.replication.listener import listen
         from gemps_server.replication.replica import Replica
@@ -189,7 +189,9 @@ class Replicated:
                     me.name,
                 )
             access = EtcdAccess.of(config)  # refused credentials: a start-up error naming the option
-            await asyncio.to_thread(check_access, config.etcd, access, f"{prefix}/primary", config.replica_lease / 3)
+            lease = lease_ttl(config.replica_lease)  # refused at start where etcd grants no lease that short
+            timeout = config.replica_lease / 3
+            await asyncio.to_thread(check_access, config.etcd, access, f"{prefix}/primary", timeout, lease)
             election = Election(
                 config.etcd,
                 prefix,

@@ -36,6 +36,10 @@ log = logging.getLogger("gemps.server")
 START_TIMEOUT = 10.0
 #: how long a stop waits for etcd to exit after SIGTERM before killing it
 STOP_TIMEOUT = 5.0
+#: etcd's raft timing (ms). Its shortest lease is 1.5 election timeouts in whole seconds: at its
+#: defaults (100, 1000) 2 s, so `--replica-lease 1` would last 2. One member has no peer to elect
+#: against, so a shorter timeout costs it nothing; at 600 ms the shortest lease is 1 s.
+HEARTBEAT_MS, ELECTION_TIMEOUT_MS = 100, 600
 _START_ATTEMPTS = 3  # a probed free port can be taken before etcd binds it: rare, so retry
 
 
@@ -152,6 +156,8 @@ class LocalEtcd:
             f"--initial-advertise-peer-urls={peer_url}",
             f"--initial-cluster={self.name}={peer_url}",
             "--initial-cluster-state=new",
+            f"--heartbeat-interval={HEARTBEAT_MS}",
+            f"--election-timeout={ELECTION_TIMEOUT_MS}",
             "--logger=zap",
             "--log-outputs=stderr",
             "--log-level=error",
