@@ -20,8 +20,13 @@ RUN apt-get update \
     && mkdir -p /var/lib/etcd-gemps \
     && chown etcd-gemps:etcd-gemps /var/lib/etcd-gemps
 # One member listening on every address; ETCD_* variables (etcd's own) override any of these.
+# Its raft timing is `gemps server --replicas`' own etcd's (local_etcd.py): etcd raises a lease to
+# 1.5 election timeouts in whole seconds, 2 s at its default 1000 ms, so GEMPS_REPLICA_LEASE=1
+# would be refused; one member elects against nobody, and at 600 ms its shortest lease is 1 s.
 ENV ETCD_NAME=etcd \
     ETCD_LOGGER=zap \
+    ETCD_HEARTBEAT_INTERVAL=100 \
+    ETCD_ELECTION_TIMEOUT=600 \
     ETCD_DATA_DIR=/var/lib/etcd-gemps \
     ETCD_LISTEN_CLIENT_URLS=http://0.0.0.0:2379 \
     ETCD_ADVERTISE_CLIENT_URLS=http://etcd:2379 \

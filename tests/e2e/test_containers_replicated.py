@@ -162,6 +162,11 @@ def roles_of(roles: dict[str, str]) -> tuple[str, str]:
 
 def test_training_survives_killing_the_primary_container(replicated_stack: ReplicatedStack) -> None:
     stack = replicated_stack
+    # The etcd service grants a lease as short as GEMPS_REPLICA_LEASE may ask (1 s): at etcd's
+    # default raft timing it granted 2 s at least, and a replica asking 1 s refused to start.
+    (etcd,) = stack.containers("etcd")
+    granted = run(["podman", "exec", etcd, "etcdctl", "--endpoints=http://127.0.0.1:2379", "lease", "grant", "1"], 60)
+    assert "granted with TTL(1s)" in granted.stdout, granted
     # One primary, one backup in its in-sync set, and commits flowing.
     roles = primary_and_backup(stack, 180, "one primary and one backup")
     primary, backup = roles_of(roles)

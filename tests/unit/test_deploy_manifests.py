@@ -23,6 +23,7 @@ import yaml
 from gemps_cli.server import parse_config
 
 from gemps import __version__
+from gemps_server.replication import local_etcd
 from tests.helpers import InProcessServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,6 +125,15 @@ def test_the_etcd_image_is_debians_etcd_on_the_servers_base_image_unprivileged()
     assert any(line.startswith("HEALTHCHECK ") for line in lines)
     assert 'CMD ["etcdctl", "--endpoints=http://127.0.0.1:2379", "endpoint", "health"]' in lines
     assert 'ENTRYPOINT ["etcd"]' in lines
+
+
+def test_the_etcd_image_grants_the_leases_of_the_servers_own_etcd() -> None:
+    """The image's raft timing is local_etcd's, so its shortest lease is 1 s too: at etcd's default
+    election timeout (1000 ms) GEMPS_REPLICA_LEASE=1 would be refused (etcd grants 2 s at least).
+    tests/e2e/test_containers_replicated.py asks the running image for a 1-s lease."""
+    settings = dict(re.findall(r"\b(ETCD_[A-Z_]+)=(\S+)", " ".join(instructions(DEPLOY / "etcd.Dockerfile"))))
+    assert settings["ETCD_HEARTBEAT_INTERVAL"] == str(local_etcd.HEARTBEAT_MS)
+    assert settings["ETCD_ELECTION_TIMEOUT"] == str(local_etcd.ELECTION_TIMEOUT_MS)
 
 
 def test_the_build_context_leaves_out_the_venv_and_git() -> None:
