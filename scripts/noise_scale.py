@@ -19,11 +19,19 @@ replay's settings); the classifier is scripts/hf_classifier.py's BERT under the 
 
     python scripts/noise_scale.py --job classifier --epochs 8 --seeds 0 1 2
     python scripts/noise_scale.py --job gpt --samples 204800 --warmup 200 --learning-rate 1.5e-3
+
+With `--gauge` (the GPT) the worker's steps go through LocalSteps to a `gemps server --rule
+downpour` (one worker: the same AdamW steps, θ kept by the server), and each point also reads the
+server's noise-scale gauge, which LocalSteps' gradient sums feed (windows of 8 local steps, a moving
+average of about 20 windows: docs/OBSERVABILITY.md, "Update commits"), beside this probe's:
+
+    python scripts/noise_scale.py --job gpt --samples 51200 --warmup 100 --gauge
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -37,6 +45,9 @@ import torch
 import torch.nn.functional as F
 from adam_replay_data import Data, flat, load  # beside this script (its directory is on sys.path when run)
 
+from gemps.pytorch import LocalSteps
+from gemps.pytorch.noise_sums import DEFAULT_WINDOW
+from gemps_worker.cluster import ServerProcess
 from gemps_worker.nanogpt import shard_batches
 
 Batch = Any  # a job's mini-batch: (windows, targets) for the GPT, the Trainer's dict for the classifier
@@ -74,22 +85,35 @@ def gpt_run(args: argparse.Namespace, seed: int) -> list[dict[str, float]]:
     probes = shard_batches(data.train_x, data.train_y, 0, 1, PROBE_SEED + seed, data.batch)
     marks = _marks(steps, args.points)
     points = []
-    for step in range(1, steps + 1):
-        inputs, targets = next(stream)
-        model.zero_grad()
-        _gpt_loss(model, (inputs, targets)).backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-        if schedule is not None:
-            schedule.step()
-        if step in marks:
-            theta = flat(model)
-            load(probe, theta)
-            point = noise_scale(probe, _gpt_loss, [next(probes) for _ in range(args.probes)], data.batch)
-            points.append(
-                {"step": step, "samples": step * data.batch, "held_out_loss": data.held_out(probe, theta), **point}
-            )
-            _say(points[-1])
+    with contextlib.ExitStack() as stack:
+        stepper: torch.optim.Optimizer = optimizer
+        if args.gauge:  # the same steps through a server, whose gauge LocalSteps' sums feed
+            server = stack.enter_context(ServerProcess(rule="downpour", learning_rate=1.0))
+            window = args.noise_window
+            stepper = stack.enter_context(LocalSteps(model, optimizer, server.target, steps=1, noise_window=window))
+        for step in range(1, steps + 1):
+            inputs, targets = next(stream)
+            stepper.zero_grad()
+            _gpt_loss(model, (inputs, targets)).backward()  # type: ignore[no-untyped-call]
+            stepper.step()
+            if schedule is not None:
+                schedule.step()
+            if step in marks:
+                theta = flat(model)
+                load(probe, theta)
+                point = noise_scale(probe, _gpt_loss, [next(probes) for _ in range(args.probes)], data.batch)
+                point |= _gauge(stepper) if isinstance(stepper, LocalSteps) else {}
+                points.append(
+                    {"step": step, "samples": step * data.batch, "held_out_loss": data.held_out(probe, theta), **point}
+                )
+                _say(points[-1])
     return points
+
+
+def _gauge(optimizer: LocalSteps) -> dict[str, float]:
+    """The server's estimate now, in the worker's batches (NaN before it has one)."""
+    noise = optimizer.remote.client.gradient_noise()
+    return {"gauge_windows": noise.windows, "gauge_per_batch": noise.useful_workers}
 
 
 def _gpt_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -167,10 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, help="gpt: windows a step (default: the model's 32)")
     parser.add_argument("--learning-rate", type=float, default=1.5e-3, help="gpt: AdamW's peak rate")
     parser.add_argument("--warmup", type=int, default=200, help="gpt: warm-up steps before nanoGPT's cosine")
+    parser.add_argument("--gauge", action="store_true", help="gpt: also read a gemps server's gauge (above)")
+    parser.add_argument("--noise-window", type=int, default=DEFAULT_WINDOW, help="--gauge: LocalSteps' noise_window")
     parser.add_argument("--json", type=Path, help="write every point here")
     args = parser.parse_args(argv)
     if args.points < 1 or args.probes < 2:
         parser.error("--points must be at least 1 and --probes at least 2 (the estimate needs two batches)")
+    if args.gauge and args.job != "gpt":
+        parser.error("--gauge reads the gauge along the GPT's run (--job gpt)")
     torch.set_num_threads(1)
     run = gpt_run if args.job == "gpt" else classifier_run
     settings = {key: value for key, value in vars(args).items() if key != "json"}
@@ -182,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     for seed, points in runs.items():  # a point's estimate is noisy (K batches): the median over the run
         middle = statistics.median(point["per_batch"] for point in points)
         print(f"seed {seed}: B/b {middle:.3g} (the median of {len(points)} points)", flush=True)
+        read = [point["gauge_per_batch"] for point in points if math.isfinite(point.get("gauge_per_batch", math.nan))]
+        if read:
+            print(f"seed {seed}: the gauge's B/b {statistics.median(read):.3g} (the median of {len(read)} points)")
     return 0
 
 

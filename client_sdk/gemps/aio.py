@@ -40,6 +40,7 @@ from gemps.records import (
     CentralVariable,
     CommitResult,
     GradientNoise,
+    GradientSums,
     Registration,
     ServerStatus,
 )
@@ -64,6 +65,7 @@ class CommitOptions(TypedDict, total=False):
     num_samples: int | None
     base_version: int | None
     buffer_delta: Delta | None
+    gradient_sums: Sequence[GradientSums] | None
 
 
 class AsyncClient:

@@ -37,6 +37,7 @@ from gemps.records import (
     CommitResult,
     Evaluation,
     GradientNoise,
+    GradientSums,
     Layout,
     ParameterSpec,
     Registration,
@@ -279,6 +280,7 @@ class Client:
         num_samples: int | None = None,
         base_version: int | None = None,
         buffer_delta: ArrayLike | Mapping[str, ArrayLike] | Buffers | None = None,
+        gradient_sums: Sequence[GradientSums] | None = None,
     ) -> CommitResult:
         """Send a gradient (the server applies -eta*g) or an update (applied as given).
 
@@ -289,7 +291,8 @@ class Client:
         partitions, partition 0's: the others' are taken as many versions behind their own).
         `buffer_delta`, for a model with buffers: how they changed since the central ones were
         last loaded (flat in buffer spec order, by name, or as Buffers by kind: integer buffers'
-        changes are rounded to int64); the server adds it to its buffers.
+        changes are rounded to int64); the server adds it to its buffers. `gradient_sums`, with an
+        update: one per partition of θ, for the noise scale (gemps_proto.gradient_sums; LocalSteps').
         Returns the new central variable and buffers (one round trip per step; under a rule that
         moves θ a round of commits at a time, `adamw`, once the round closed: gemps.rounds). With partitions,
         the slices are applied independently: complete when every partition has applied its own;
@@ -305,13 +308,10 @@ class Client:
         started = time.monotonic()  # its latency, when the client has metrics
         try:
             return self._router.commit(
-                flat,
-                kind=PAYLOAD_KINDS[kind],
-                loss=loss,
-                num_samples=num_samples,
-                base_version=base_version,
+                flat, kind=PAYLOAD_KINDS[kind], loss=loss, num_samples=num_samples, base_version=base_version,
                 buffer_delta=None if buffer_delta is None else self._buffer_delta(buffer_delta),
-            )
+                gradient_sums=gradient_sums,
+            )  # fmt: skip
         finally:
             self._metrics.commit_took(time.monotonic() - started)
 

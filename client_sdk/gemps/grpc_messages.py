@@ -151,6 +151,8 @@ def commit_message(call: CommitCall, wire_dtype: int) -> pb.CommitRequest:
     )
     if call.buffer_delta is not None:
         shared.set_buffers(header.buffer_delta, header.integer_buffer_delta, call.buffer_delta)
+    if call.gradient_sums is not None:
+        header.gradient_sums.CopyFrom(shared.gradient_sums_to_proto(call.gradient_sums))
     return header
 
 

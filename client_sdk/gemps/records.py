@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from gemps.tied_names import expanded
 from gemps_proto import vectors
+from gemps_proto.gradient_sums import GradientSums
 from gemps_proto.schema import (
     Buffers,
     Evaluation,
@@ -80,6 +81,7 @@ __all__ = [
     "CommitResult",
     "Evaluation",
     "GradientNoise",
+    "GradientSums",
     "Layout",
     "ParameterSpec",
     "Partition",

@@ -39,6 +39,7 @@ from gemps.retry import Retrier
 from gemps.server_session import ServerSession, refuse_partition_count_change
 from gemps.transport import CommitCall, Committed, Enrolment, Pending, Transport, refuse_non_finite
 from gemps_proto import vectors
+from gemps_proto.gradient_sums import GradientSums, per_partition
 from gemps_proto.reasons import Reason
 from gemps_proto.rule_options import ROUND_SIZE
 from gemps_proto.schema import PayloadKind
@@ -182,10 +183,8 @@ class PartitionRouter:
             status = status_of_job(self.resolver, self.job, self.status, self.sessions[0].link.suspect)
             if not status.initialized:
                 # Refused here, not by the pull: a worker may initialise θ in between (the spec then not θ's).
-                raise errors.FailedPreconditionError(
-                    "central variable not initialised: no worker has registered yet",
-                    reason=Reason.NOT_INITIALIZED,
-                )
+                message = "central variable not initialised: no worker has registered yet"
+                raise errors.FailedPreconditionError(message, reason=Reason.NOT_INITIALIZED)
             self.spec, self.buffer_spec = status.spec, status.buffer_spec
             self._adopt(status.layout)
         sessions = self.sessions
@@ -211,10 +210,12 @@ class PartitionRouter:
         num_samples: int | None,
         base_version: int | None,
         buffer_delta: Buffers | None,
+        gradient_sums: Sequence[GradientSums] | None = None,
     ) -> CommitResult:
         """Each server's slice of `flat`, concurrently; θ, versions and figures from the replies. Every
         attempt has the same request id and number: each server applies it at most once (CommitCall)."""
         sessions = self.sessions
+        sums = per_partition(gradient_sums, len(sessions))
         # One server sent the payload as it is: its transport checks it where it copies it anyway
         # (the shared memory). Else here, before any server sees it: no partition applies a commit
         # another would refuse, and no compressor encodes what is refused.
@@ -233,7 +234,7 @@ class PartitionRouter:
                 sessions[i].worker_id, bases[i], kind, slices[i], loss, num_samples, request_id,
                 buffer_delta if i == 0 else None,  # buffers live on partition 0
                 self._sequence, encoded[i][0], self.reply_code, sessions[i].copy.number, deferred,
-                sessions[i].known_history(bases[i], self.reply_code) if rounds else "",
+                sessions[i].known_history(bases[i], self.reply_code) if rounds else "", sums[i],
             )
             for i in range(len(sessions))
         ]  # fmt: skip

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from gemps import errors
 from gemps.records import Buffers, Evaluation, Layout, ParameterSpec, Registration, ServerStatus
+from gemps_proto.gradient_sums import GradientSums
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import PayloadKind
 from gemps_proto.tensor_codec import all_finite, wire_view
@@ -103,6 +104,7 @@ class CommitCall:
     # This server's history, sent when the client holds its θ of `base_version`: a reply whose θ is
     # still that one carries none (Committed.parameters None). Empty: θ always comes back.
     known_history: str = ""
+    gradient_sums: GradientSums | None = None  # an update's window of local steps, measured (gemps_proto.gradient_sums)
 
     def wire(self, wire_dtype: int) -> tuple[int, bytes | memoryview]:
         """The payload's dtype and wire bytes: as compressed (`encoded`), else in `wire_dtype`

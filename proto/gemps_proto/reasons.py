@@ -42,6 +42,7 @@ class Reason(str, enum.Enum):
     SUPERSEDED = "superseded"  # a late attempt of a commit its client has moved past (a later one was applied)
     BAD_CLIENT_ID = "bad_client_id"  # a client id past its length limit or with spaces or controls
     BAD_EVALUATION = "bad_evaluation"  # an evaluator's figures out of range
+    BAD_GRADIENT_SUMS = "bad_gradient_sums"  # gradient sums no local steps have, or sent with a gradient commit
     TOO_LONG = "too_long"  # a worker name or dataset label past its length limit
     STREAM_IDLE = "stream_idle"  # a stream silent for --stream-idle-timeout, or slower than --min-stream-rate-mb
     TOO_LARGE = "too_large"  # a model of more values than the server's --max-parameters

@@ -14,6 +14,7 @@ from typing import TypeVar
 from google.protobuf.message import Message
 
 from gemps_proto import vectors
+from gemps_proto.gradient_sums import GradientSums
 from gemps_proto.rule_options import LEGACY_NAMES, legacy_options
 from gemps_proto.schema import (
     Buffers,
@@ -328,3 +329,15 @@ def recent_to_proto(recent: RecentCommits) -> pb.RecentCommits:
 def recent_from_proto(message: pb.RecentCommits) -> RecentCommits:
     """An unset message (a server from before it) reads as no commits over no time."""
     return RecentCommits(**{field.name: getattr(message, field.name) for field in dataclasses.fields(RecentCommits)})
+
+
+def gradient_sums_to_proto(sums: GradientSums) -> pb.GradientSums:
+    return pb.GradientSums(**dataclasses.asdict(sums))
+
+
+def gradient_sums_from_proto(request: pb.CommitRequest) -> GradientSums | None:
+    """The request's sums; None when it carries none."""
+    if not request.HasField("gradient_sums"):
+        return None
+    sums = request.gradient_sums
+    return GradientSums(**{field.name: getattr(sums, field.name) for field in dataclasses.fields(GradientSums)})

@@ -113,7 +113,10 @@ class GradientNoise:
         if registered == 0:
             return "no workers registered"
         if self.windows == 0:
-            return "no gradient commits measured yet (local-step updates are not measured)"
+            return (
+                "no gradient commits measured yet, nor update commits with gradient sums "
+                "(LocalSteps and gemps worker send them)"
+            )
         if self.windows < MIN_NOISE_WINDOWS:
             return f"{self.windows} of the {MIN_NOISE_WINDOWS} windows of {self.window} commits it needs"
         if not self.gradient_square > 0.0:

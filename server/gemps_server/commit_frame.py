@@ -65,6 +65,7 @@ def commit_from_proto(
         held_copy=request.held_copy,
         payload_volatile=volatile,
         base_held=bool(history) and request.known_history == history,
+        gradient_sums=shared.gradient_sums_from_proto(request),
     )
 
 
@@ -86,6 +87,8 @@ def commit_to_proto(commit: Commit) -> pb.CommitRequest:
         for field, tensor in ((request.buffer_delta, delta.floats), (request.integer_buffer_delta, delta.integers)):
             if tensor is not None:
                 field.CopyFrom(_tensor(tensor))
+    if commit.gradient_sums is not None:  # a backup folds them into its estimate as the primary did
+        request.gradient_sums.CopyFrom(shared.gradient_sums_to_proto(commit.gradient_sums))
     request.payload.dtype = commit.payload.dtype  # type: ignore[assignment]
     request.payload.shape.extend(commit.payload.shape)  # announced: its bytes follow the header
     return request

@@ -82,3 +82,14 @@ def test_each_job_is_measured_at_its_points_along_one_workers_run(tmp_path: Path
     for points in classifier["runs"].values():
         assert [point["step"] for point in points] == [5, 11]  # 11 steps of 32 in a quarter of 1,438 digits
         assert all(point["trace"] > 0 and 0 <= point["accuracy"] <= 1 for point in points)
+
+
+def test_with_gauge_the_servers_estimate_from_local_steps_sums_is_read_at_each_point(tmp_path: Path) -> None:
+    """--gauge: the GPT's AdamW steps through LocalSteps to a real `gemps server`, whose gauge its
+    gradient sums feed (a window of 8 local steps each): read beside the probe at each point."""
+    gpt = _run(tmp_path, "--job", "gpt", "--samples", "384", "--batch", "4", "--warmup", "4", "--gauge")
+    points = gpt["runs"]["0"]
+    assert [point["step"] for point in points] == [48, 96]
+    assert [point["gauge_windows"] for point in points] == [6, 12]  # every 8th step's commit carried sums
+    assert points[0]["gauge_per_batch"] is None  # fewer than 10 windows: no estimate yet (NaN, null in JSON)
+    assert all(point["trace"] > 0 for point in points)

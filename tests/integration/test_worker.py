@@ -23,6 +23,8 @@ from gemps_worker.training import StepRecord, WorkerHooks, WorkerOptions, run_wo
 from tests.helpers import InProcessServer, scrape_series, stop_process, wait_for
 from tests.integration.conftest import StartServer, StartServerProcess
 
+WINDOWS = {"gradient": 30, "agn": 15, "easgd": 14}  # easgd's last window has no commit after it
+
 
 # Local SGD in agn/easgd has no momentum: it gets a larger step than GEM's momentum proxy.
 @pytest.mark.parametrize(
@@ -40,7 +42,11 @@ def test_each_mode_trains_against_a_real_server(mode: str, rule: str, eta: float
     first, last = np.mean([r.loss for r in records[:10]]), np.mean([r.loss for r in records[-10:]])
     assert last < 0.7 * first, (first, last)
     with gemps.Client(server.target) as client:
-        assert client.status().active_workers == 0  # left cleanly
+        status = client.status()
+    assert status.active_workers == 0  # left cleanly
+    # The noise scale's windows: the server's own of 2 gradient commits, else the worker's of 8
+    # local steps (120 here), whose sums its update commits carry (issue 78: before, none).
+    assert status.gradient_noise.windows == WINDOWS[mode], status.gradient_noise
 
 
 def test_a_worker_with_compressed_commits_and_replies_trains_and_moves_the_codes(start_server: StartServer) -> None:

@@ -9,19 +9,23 @@ import socket
 import numpy as np
 import pytest
 
+from gemps_proto.gradient_sums import GradientSums
 from gemps_proto.schema import ParameterSpec, PayloadKind
 from gemps_proto.tensor_codec import BFLOAT16, INT64, EncodedBuffers, EncodedTensor, encode
 from gemps_server.domain.errors import InvalidArgument
 from gemps_server.domain.journal import Committed, Departed, Entry, Joined
 from gemps_server.domain.records import Commit
+from gemps_server.domain.rules import RuleRuntime
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
+from gemps_server.native import native_commit
 from gemps_server.replication import entries, frames
 from tests.helpers import encoded, training
 
 P = 64
 SPEC = (ParameterSpec("w", (P,)),)
 BUFFER_SPEC = (ParameterSpec("steps", (1,), INT64),)
+native_built = native_commit is not None  # the compiled core (and GEM's compiled kernel) were built here
 
 
 class ListJournal:
@@ -164,3 +168,23 @@ def test_a_malformed_entry_is_refused_with_a_clear_error() -> None:
         ours.sendall(b"\xff\xff\xff\xff" + b"\0" * 8)
         with pytest.raises(frames.StreamClosed, match="not from a gemps replica"):
             frames.receive(theirs)
+
+
+@pytest.mark.parametrize("rule", ["gem", "downpour"])  # gem: a commit with sums is not the compiled core's
+def test_a_backup_folds_an_update_commits_gradient_sums_in_as_its_primary_did(rule: str) -> None:
+    config, runtime = training(rule, learning_rate=0.1), RuleRuntime(gem_kernel="auto")
+    primary, backup = (ServerState(config, WorkerRegistry(3, lease_ttl=10.0), runtime) for _ in range(2))
+    journal = ListJournal()
+    primary.core.journal = journal
+    worker = primary.register("a", SPEC, encoded(np.zeros(P, np.float32))).worker.worker_id
+    assert primary.core.rule is not None and primary.core.rule.native_step == (rule == "gem" and native_built)
+    rng = np.random.default_rng(3)
+    for index in range(12):
+        sums = GradientSums(float(rng.uniform(10.0, 20.0)), float(rng.uniform(0.0, 30.0)), 4, 4, 4 * 32)
+        payload = encoded(rng.standard_normal(P).astype(np.float32))
+        commit = Commit(worker, primary.core.version, PayloadKind.UPDATE, payload, f"r{index}", gradient_sums=sums)
+        primary.core.commit_record(commit)
+    replay_all(primary, backup, journal)
+    assert primary.core.noise.estimate.windows == 12  # every commit's sums, the compiled core's kind too
+    assert backup.core.noise.estimate == primary.core.noise.estimate
+    assert backup.core.theta_copy().tobytes() == primary.core.theta_copy().tobytes()

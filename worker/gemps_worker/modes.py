@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from gemps.pytorch import RemoteModel
-from gemps.records import CommitResult, ServerStatus
+from gemps.pytorch.noise_sums import DEFAULT_WINDOW, sums_of
+from gemps.records import CommitResult, GradientSums, ServerStatus
 from gemps_proto.schedules import schedule_factor
 from gemps_proto.schema import TrainingConfig
 
@@ -102,6 +103,8 @@ def server_momentum(config: TrainingConfig) -> float:
 
 
 class TrainingMode(ABC):
+    sends_updates = True  # its commits are updates: it measures the noise scale's sums itself
+
     def __init__(self, remote: RemoteModel, learning_rate: float, optimizer: str = "sgd") -> None:
         if optimizer not in LOCAL_OPTIMIZERS:
             raise ValueError(f"unknown local optimizer {optimizer!r}; choose from {', '.join(LOCAL_OPTIMIZERS)}")
@@ -113,6 +116,20 @@ class TrainingMode(ABC):
         self.adam = torch.optim.Adam(remote.trained, lr=learning_rate) if optimizer == "adam" else None
         self.momentum = server_momentum(remote.registration.config) if optimizer == "momentum" else 0.0
         self._velocity: dict[int, torch.Tensor] = {}  # by parameter index, for "momentum"
+        # The noise scale's sums of the local steps' gradients, sent with update commits (the
+        # server cannot measure an update): the samples they trained on, counted as they go.
+        self._noise = sums_of(remote, DEFAULT_WINDOW) if self.sends_updates else None
+        self._trained_samples = 0
+
+    def _measured(self, batch_size: int) -> None:
+        """This local step's gradients (just computed) into the noise scale's window."""
+        if self._noise is not None:
+            self._noise.step()
+        self._trained_samples += batch_size
+
+    def _sums(self) -> list[GradientSums] | None:
+        """The noise scale's sums for the update commit about to go: once a window is full."""
+        return None if self._noise is None else self._noise.take(self._trained_samples)
 
     def local_learning_rate(self) -> float:
         """eta for a local step: the learning rate scaled by the server's schedule at the central
@@ -155,6 +172,7 @@ class TrainingMode(ABC):
 
 
 class GradientMode(TrainingMode):
+    sends_updates = False  # gradients: the server measures them
     _in_flight_loss = 0.0  # with overlap: the loss of the commit in flight
 
     def on_batch(self, loss_of_batch: LossFunction, batch_size: int) -> Committed | None:
@@ -199,6 +217,7 @@ class AccumulatedMode(TrainingMode):
             self._start = self.remote.parameters_vector()
         self._losses.append(self._backward(loss_of_batch))
         self._samples += batch_size
+        self._measured(batch_size)
         self._local_step()
         if len(self._losses) < self.local_steps:
             return None
@@ -206,7 +225,7 @@ class AccumulatedMode(TrainingMode):
         steps, loss = len(self._losses), sum(self._losses) / len(self._losses)
         samples, self._start, self._losses, self._samples = self._samples, None, [], 0
         sent = time.monotonic()
-        result = self.remote.commit_update(update, loss=loss, num_samples=samples)
+        result = self.remote.commit_update(update, loss=loss, num_samples=samples, gradient_sums=self._sums())
         self.committed(result, time.monotonic() - sent)
         return Committed(result, loss, steps)
 
@@ -295,14 +314,16 @@ class EasgdMode(TrainingMode):
     def on_batch(self, loss_of_batch: LossFunction, batch_size: int) -> Committed | None:
         loss = self._backward(loss_of_batch)  # g(x), at x before any elastic move
         self._losses.append(loss)
-        if self._step % self.period == 0:
+        if self._step % self.period == 0:  # the window's sums: of the steps before this one's
+            sums = self._sums()
             central = torch.from_numpy(self.remote.client.pull().flat.copy())
             local = self.remote.parameters_vector()
             elastic = self.alpha * (local - central)
-            self._result = self.remote.commit_update(elastic, loss=loss, load=False)
+            self._result = self.remote.commit_update(elastic, loss=loss, load=False, gradient_sums=sums)
             with torch.no_grad():  # x <- x - e: the local variable is pulled toward the centre
                 device = next(self.remote.model.parameters()).device
                 torch.nn.utils.vector_to_parameters((local - elastic).to(device), self.remote.trained)
+        self._measured(batch_size)
         self._local_step()  # x <- x - eta g(x)
         self._step += 1
         if self._step % self.period != 0 or self._result is None:

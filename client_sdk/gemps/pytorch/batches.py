@@ -44,6 +44,7 @@ class BatchCounter:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._samples = 0
+        self.counted = 0  # every sample counted since the model was wrapped (never taken)
         self._losses: torch.Tensor | None = None  # the returned losses' sum since the last take
         self._returned_count = 0
         self._handles = [
@@ -57,6 +58,7 @@ class BatchCounter:
         first = next((value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)), None)
         if first is not None and first.dim() > 0:
             self._samples += int(first.shape[0])
+            self.counted += int(first.shape[0])
 
     def _returned(self, _module: torch.nn.Module, _args: tuple[Any, ...], output: Any) -> None:
         if not torch.is_grad_enabled():

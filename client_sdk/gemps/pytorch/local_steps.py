@@ -44,6 +44,7 @@ import torch
 from gemps.client import Client
 from gemps.pytorch.job_betas import JobBetas
 from gemps.pytorch.look_ahead import LookAhead
+from gemps.pytorch.noise_sums import DEFAULT_WINDOW, check_window, sums_of
 from gemps.pytorch.remote import RemoteModel
 from gemps.pytorch.round_momentum import set_from_move
 from gemps.pytorch.values import copy_into
@@ -71,6 +72,7 @@ class LocalSteps(torch.optim.Optimizer):
         job_betas: bool = False,
         round_momentum: bool | None = None,
         planned_steps: int | None = None,
+        noise_window: int = DEFAULT_WINDOW,
         name: str = "",
         **options: Any,
     ) -> None:
@@ -89,11 +91,14 @@ class LocalSteps(torch.optim.Optimizer):
         where it cannot; False: never. `planned_steps`: this worker's planned optimizer steps, under
         rounds of windows: β1 rises from the optimizer's to 0.95 over their first quarter, stepped
         with each step (gemps.pytorch.Beta1Ramp; refused where the server takes no windows).
+        `noise_window`: local steps per window of the gradient sums sent for the server's noise
+        scale (gemps.pytorch.noise_sums; 0: none sent; not measured in a process group).
         `options` as RemoteModel takes them (`threads=`, gemps.Client's when `client` is an address)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             kind = type(optimizer).__name__
             raise TypeError(f"LocalSteps takes a torch optimizer (torch.optim.AdamW(...)), not {kind}")
         check_steps(steps)  # before registering; None waits for the server's rule
+        check_window(noise_window)
         if not (math.isfinite(outer_learning_rate) and outer_learning_rate > 0):
             raise ValueError(f"outer_learning_rate must be a number > 0, not {outer_learning_rate!r}")
         ahead = LookAhead(look_ahead)
@@ -124,6 +129,9 @@ class LocalSteps(torch.optim.Optimizer):
         self._vectors = VectorPool()
         self._start = self.remote.parameters_vector()
         self._taken = 0  # local steps since the window's start
+        self._noise = sums_of(self.remote, noise_window)
+        if self._noise is not None:
+            self._noise.start(self.remote.samples_seen or 0)
         self._losses: list[float] = []
 
     @property
@@ -170,6 +178,8 @@ class LocalSteps(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._noise is not None:  # the gradients as the optimizer is about to read them
+            self._noise.step()
         self.job_betas.before_step()  # over the β1 a scheduler wrote since the step before
         self.optimizer.step()
         if self.ramp is not None:
@@ -192,7 +202,9 @@ class LocalSteps(torch.optim.Optimizer):
             update.mul_(self.outer_learning_rate)
         loss = sum(self._losses) / len(self._losses) if self._losses else None
         taken, self._taken, self._losses = self._taken, 0, []
-        result = self.remote.commit_update(update, loss=loss)
+        seen = self.remote.samples_seen
+        sums = None if self._noise is None or seen is None else self._noise.take(seen)
+        result = self.remote.commit_update(update, loss=loss, gradient_sums=sums)
         replied = self.remote.parameters_vector(out=update)  # the update's room: sent, read no more
         self.job_betas.after_commit(result.staleness)
         started, kept = self._start, self.look_ahead.kept

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from gemps.pytorch.values import (
     wire_dtype,
 )
 from gemps.pytorch.wrappers import unwrapped
-from gemps.records import Buffers, CentralVariable, CommitResult, Registration, TrainingConfig
+from gemps.records import Buffers, CentralVariable, CommitResult, GradientSums, Registration, TrainingConfig
 
 log = logging.getLogger("gemps.pytorch")
 
@@ -258,7 +258,13 @@ class RemoteModel:
         return result
 
     def commit_update(
-        self, update: torch.Tensor, loss: float | None = None, *, load: bool = True, num_samples: int | None = None
+        self,
+        update: torch.Tensor,
+        loss: float | None = None,
+        *,
+        load: bool = True,
+        num_samples: int | None = None,
+        gradient_sums: Sequence[GradientSums] | None = None,
     ) -> CommitResult:
         """Commit a flat update (applied as given, e.g. accumulated local steps).
 
@@ -268,6 +274,7 @@ class RemoteModel:
         those of the model's training forwards since the last commit. `loss`: without it, the mean
         of the losses those forwards returned (a Hugging Face model's `output.loss`: under the
         Trainer, which calls `step()` without one); with neither, one WARNING per process.
+        `gradient_sums`: the noise scale's, one per partition (Client.commit; gemps.pytorch.noise_sums).
         """
         seen = self._batches.take()
         returned = self._batches.take_loss()
@@ -280,12 +287,23 @@ class RemoteModel:
         update_values = host_array(update).reshape(-1)
         result = self._exchange(
             lambda: self.client.commit(
-                update_values, kind="update", loss=loss, num_samples=num_samples, buffer_delta=self._buffer_delta()
+                update_values,
+                kind="update",
+                loss=loss,
+                num_samples=num_samples,
+                buffer_delta=self._buffer_delta(),
+                gradient_sums=gradient_sums,
             ),
             load=load,
         ).result
         assert isinstance(result, CommitResult)
         return result
+
+    @property
+    def samples_seen(self) -> int | None:
+        """Samples the model's training forwards saw since it was wrapped; None in a process group
+        (its gradient is every rank's batches')."""
+        return self._batches.counted if self._group is None else None
 
     def parameters_vector(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The model's parameters as one flat float32 CPU vector, in spec order: a copy, the caller's

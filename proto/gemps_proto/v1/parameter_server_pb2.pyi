@@ -285,7 +285,7 @@ class PullResponseChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullResponse, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("worker_id", "base_version", "kind", "payload", "loss", "num_samples", "request_id", "reply_dtype", "buffer_delta", "integer_buffer_delta", "sequence", "held_copy", "known_history")
+    __slots__ = ("worker_id", "base_version", "kind", "payload", "loss", "num_samples", "request_id", "reply_dtype", "buffer_delta", "integer_buffer_delta", "sequence", "held_copy", "known_history", "gradient_sums")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +299,7 @@ class CommitRequest(_message.Message):
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     HELD_COPY_FIELD_NUMBER: _ClassVar[int]
     KNOWN_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_SUMS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     base_version: int
     kind: PayloadKind
@@ -312,7 +313,22 @@ class CommitRequest(_message.Message):
     sequence: int
     held_copy: int
     known_history: str
-    def __init__(self, worker_id: _Optional[str] = ..., base_version: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., payload: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., request_id: _Optional[str] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., buffer_delta: _Optional[_Union[Tensor, _Mapping]] = ..., integer_buffer_delta: _Optional[_Union[Tensor, _Mapping]] = ..., sequence: _Optional[int] = ..., held_copy: _Optional[int] = ..., known_history: _Optional[str] = ...) -> None: ...
+    gradient_sums: GradientSums
+    def __init__(self, worker_id: _Optional[str] = ..., base_version: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., payload: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., request_id: _Optional[str] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., buffer_delta: _Optional[_Union[Tensor, _Mapping]] = ..., integer_buffer_delta: _Optional[_Union[Tensor, _Mapping]] = ..., sequence: _Optional[int] = ..., held_copy: _Optional[int] = ..., known_history: _Optional[str] = ..., gradient_sums: _Optional[_Union[GradientSums, _Mapping]] = ...) -> None: ...
+
+class GradientSums(_message.Message):
+    __slots__ = ("square_sum", "difference_square", "steps", "differences", "samples")
+    SQUARE_SUM_FIELD_NUMBER: _ClassVar[int]
+    DIFFERENCE_SQUARE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    DIFFERENCES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    square_sum: float
+    difference_square: float
+    steps: int
+    differences: int
+    samples: int
+    def __init__(self, square_sum: _Optional[float] = ..., difference_square: _Optional[float] = ..., steps: _Optional[int] = ..., differences: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class CommitChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -39,6 +39,11 @@ checked(PyObject *core, PyObject *commit, Commit *c)
     const int no_delta = delta == Py_None;
     Py_DECREF(delta);
     ONLY_IF(no_delta);
+    PyObject *sums = PyObject_GetAttr(commit, s_gradient_sums); /* the noise scale's, checked in Python */
+    CHECK(sums == NULL ? -1 : 0);
+    const int no_sums = sums == Py_None;
+    Py_DECREF(sums);
+    ONLY_IF(no_sums);
     c->request_id = PyObject_GetAttr(commit, s_request_id);
     CHECK(c->request_id == NULL ? -1 : 0);
     ONLY_IF(PyUnicode_Check(c->request_id) && PyUnicode_GET_LENGTH(c->request_id) <= MAX_REQUEST_ID_LENGTH);

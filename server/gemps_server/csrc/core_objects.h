@@ -18,15 +18,15 @@ extern PyObject *apply_stats_type, *receipt_type, *gradient_kind;
 
 /* The public attributes and methods it uses (never a name that starts with `_`), interned once. */
 #define NAMES(X)                                                                                                    \
-    X(rule) X(theta) X(version) X(commits_applied) X(registry) X(ledger) X(noise) X(recording) X(worker_id)       \
+    X(rule) X(theta) X(version) X(commits_applied) X(registry) X(ledger) X(noise) X(recording) X(worker_id)         \
         X(base_version) X(kind) X(payload) X(request_id) X(sequence) X(reply_dtype) X(loss) X(num_samples)          \
-        X(buffer_delta) X(payload_peak) X(payload_volatile) X(held_copy) X(dtype) X(shape) X(data) X(client_id) X(native_step)         \
-        X(momentum) X(kappa) X(pi_max) X(proxy) X(last_seen_theta) X(proxy_peak) X(last_seen_peak) X(samples)      \
-        X(sample_stride) X(total) X(stride) X(mode) X(payload_square) X(window_square) X(applied)                 \
-        X(scaling_mean) X(scaling_median) X(fraction_at_zero) X(fraction_at_max) X(proxy_energy)                  \
-        X(central_energy) X(rows) X(ring) X(commits) X(clock) X(recent) X(last_seen) X(last_commit) X(staleness)  \
-        X(stats) X(find) X(lookup) X(superseded) X(record) X(window) X(state_of) X(theta_bound) X(remember_peak)  \
-        X(applied_outcome) X(journalled) X(landed)
+        X(buffer_delta) X(gradient_sums) X(payload_peak) X(payload_volatile) X(held_copy) X(dtype) X(shape)         \
+        X(data) X(client_id) X(native_step) X(momentum) X(kappa) X(pi_max) X(proxy) X(last_seen_theta)              \
+        X(proxy_peak) X(last_seen_peak) X(samples) X(sample_stride) X(total) X(stride) X(mode)                      \
+        X(payload_square) X(window_square) X(applied) X(scaling_mean) X(scaling_median) X(fraction_at_zero)         \
+        X(fraction_at_max) X(proxy_energy) X(central_energy) X(rows) X(ring) X(commits) X(clock) X(recent)          \
+        X(last_seen) X(last_commit) X(staleness) X(stats) X(find) X(lookup) X(superseded) X(record) X(window)       \
+        X(state_of) X(theta_bound) X(remember_peak) X(applied_outcome) X(journalled) X(landed)
 #define DECLARE(name) extern PyObject *s_##name;
 NAMES(DECLARE)
 #undef DECLARE

@@ -23,6 +23,7 @@ import weakref
 
 import numpy as np
 
+from gemps_proto.gradient_sums import GradientSums
 from gemps_proto.reasons import Reason
 from gemps_proto.reply_differences import DIFFERENCE_DTYPES, WHOLE_DTYPE
 from gemps_proto.schema import Buffers, ParameterSpec, PayloadKind
@@ -169,6 +170,7 @@ class CommitCore:
         payload_peak: float | None = None,
         payload_volatile: bool = False,
         base_held: bool = False,
+        gradient_sums: GradientSums | None = None,
     ) -> CommitOutcome:
         """Apply one commit of the worker registered in `slot` as `worker_id` (DESIGN §1): θ moves
         by the rule's step and the version goes up by one, or a refusal (a ServiceError) leaves
@@ -177,7 +179,8 @@ class CommitCore:
         CommitRule.step). `payload_peak`: max |payload| (NaN: not finite) where the wire measured it.
         `payload_volatile`: the payload lies in memory its client can still write (_landed).
         `base_held`: its client holds θ of `base_version` (Commit.base_held): when θ after the
-        commit is still that θ, the outcome says `unchanged` and `out` is left as it was."""
+        commit is still that θ, the outcome says `unchanged` and `out` is left as it was.
+        `gradient_sums`: an update commit's worker-measured noise sums (Commit.gradient_sums)."""
         rule = self.require_rule()
         validation.check_reply_dtype(reply_dtype, commit=True)
         validation.check_request_id(request_id)
@@ -215,6 +218,7 @@ class CommitCore:
         if refusal is not None:
             raise FailedPrecondition(f"commit refused, nothing changed: {refusal}", Reason.BAD_KIND)
         buffers = validation.buffers_after(self.buffers, buffer_delta, self.buffer_spec)  # checked before θ moves
+        validation.check_gradient_sums(kind_of, gradient_sums)
         staleness = self.version - base_version
         window = self.noise.window(kind_of, self.theta.size, len(self.registry), num_samples)
         # θ now is the θ its client holds: if the rule keeps it, the reply need not carry it.
@@ -227,6 +231,8 @@ class CommitCore:
         self.buffers = buffers
         self.commits_applied += 1
         self.registry.committed(worker, staleness, loss, num_samples, stats)  # lease, counts, rate, pi
+        if gradient_sums is not None:
+            self.noise.reported(gradient_sums)
         self.version += 1  # its snapshot is encoded when a reply asks (encoded(), theta_bytes())
         if stats.kept_theta:  # θ did not move: this version holds the previous one's θ
             first, last = self._unmoved
@@ -237,6 +243,7 @@ class CommitCore:
             commit = Commit(
                 worker_id, base_version, kind, payload, request_id, sequence, reply_dtype, loss, num_samples,
                 buffer_delta, payload_peak, payload_owned=payload_volatile,  # landed, into its own buffer
+                gradient_sums=gradient_sums,
             )  # fmt: skip
             position = self.journalled(commit)
         return self.applied_outcome(staleness, stats, position, unchanged=held and stats.kept_theta)
@@ -301,6 +308,7 @@ class CommitCore:
             payload_peak=commit.payload_peak,
             payload_volatile=commit.payload_volatile,
             base_held=commit.base_held,
+            gradient_sums=commit.gradient_sums,
         )
 
     def landed(self, commit: Commit) -> Commit:

@@ -27,8 +27,12 @@ window's sum is a vector of the sample's size held here. Measured at 1M paramete
 traffic), the sample 2-4% of the applier's CPU per commit, 1-3% of the server's.
 
 Everything is a sum over parameters, so partitions of θ each estimate their slice and the whole
-is the sum (status.GradientNoise.combined). Update commits (local-step modes) are not measured:
-an update is several steps' movement, not a gradient at a batch (docs/OBSERVABILITY.md).
+is the sum (status.GradientNoise.combined). An update commit is several steps' movement, not a
+gradient at a batch: the server cannot measure it, so LocalSteps' worker measures its own window of
+k local steps (their Σ|g_i|^2 and second differences over this server's slice, whose estimate
+leaves out the drift of a θ the worker's steps move: gemps_proto.gradient_sums) and sends the sums
+with the commit that follows (`gemps worker`'s local-step modes do the same); `reported` folds them
+into the same averages. Updates sent without them are not measured (docs/OBSERVABILITY.md).
 Runs on the applier, like CommitCore.commit; `estimate` is replaced whole, for other threads.
 """
 
@@ -40,6 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gemps_proto.gradient_sums import GradientSums
 from gemps_proto.ranges import UINT32_MAX, Range
 from gemps_proto.schema import PayloadKind
 from gemps_proto.status import GradientNoise
@@ -150,6 +155,14 @@ class NoiseEstimator:
             self._count = 0
             self._close(window.window_square * self._scale)
 
+    def reported(self, sums: GradientSums) -> None:
+        """An applied update commit's window of its worker's local steps (checked: GradientSums.problem),
+        measured by the worker; into the same averages as the server's own windows."""
+        if self.option == NOISE_WINDOW_OFF:
+            return
+        batch = sums.samples / sums.steps if sums.samples else self.default_batch
+        self._average(sums.gradient_square, sums.noise * batch, sums.steps, batch, assumed=not sums.samples)
+
     def export(self) -> NoiseImage:
         """A copy of the state (for a replica, on the applier)."""
         return NoiseImage(
@@ -194,6 +207,10 @@ class NoiseEstimator:
         batch = k / self._inverse_batch  # B_s: the harmonic mean of its batch sizes
         gradient_square = (k * large - small) / (k - 1)
         noise_trace = (small - large) * k * batch / (k - 1)
+        self._average(gradient_square, noise_trace, k, batch, self._assumed > 0)
+
+    def _average(self, gradient_square: float, noise_trace: float, k: int, batch: float, assumed: bool) -> None:
+        """One window's estimates of |G|^2 and tr(Σ) into the averages (k gradients of `batch` samples)."""
         if not (math.isfinite(gradient_square) and math.isfinite(noise_trace)):
             return  # squares of finite float32 values can overflow: the window is dropped
         self._gradient_square.add(gradient_square)
@@ -204,5 +221,5 @@ class NoiseEstimator:
             batch_size=batch,
             windows=self.estimate.windows + 1,
             window=k,
-            batch_size_assumed=self._assumed > 0,
+            batch_size_assumed=assumed,
         )

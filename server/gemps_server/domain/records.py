@@ -12,6 +12,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from gemps_proto.gradient_sums import GradientSums
 from gemps_proto.schema import Buffers, ParameterSpec, partition_bounds
 from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor
 from gemps_server.domain.ledger import CommitLedger, Receipt
@@ -98,6 +99,9 @@ class Commit:
     # The payload's buffer is this commit's alone (landed for a journal: CommitCore._landed): the
     # journal's entry holds it as it is, with no copy of its own (commit_frame.frame_of).
     payload_owned: bool = False
+    # An update commit's window of its worker's local steps, measured by the worker for the noise
+    # scale's estimate (gemps_proto.gradient_sums); None: not measured.
+    gradient_sums: GradientSums | None = None
     # Its client holds θ of `base_version` in this server's history (CommitRequest.known_history):
     # a reply whose θ is still that one carries none (CommitOutcome.unchanged).
     base_held: bool = False

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gemps_proto import jobs
+from gemps_proto.gradient_sums import GradientSums
 from gemps_proto.reasons import Reason
 from gemps_proto.reply_differences import DIFFERENCE_DTYPES
 from gemps_proto.schema import PULL_WAITS, Buffers, Evaluation, ParameterSpec, PayloadKind, buffer_counts
@@ -410,6 +411,16 @@ def validated_payload(
     if not math.isfinite(peak):
         raise InvalidArgument("payload contains NaN or Inf", Reason.NON_FINITE)
     return kind_of, values, peak
+
+
+def check_gradient_sums(kind: PayloadKind, sums: GradientSums | None) -> None:
+    """InvalidArgument (BAD_GRADIENT_SUMS) for sums no window of local steps has, or sent with a
+    gradient commit (the server measures those itself: domain/noise.py)."""
+    if sums is None:
+        return
+    problem = "the server measures gradient commits itself" if kind is PayloadKind.GRADIENT else sums.problem()
+    if problem:
+        raise InvalidArgument(f"commit refused, nothing changed: {problem}", Reason.BAD_GRADIENT_SUMS)
 
 
 def check_evaluation(report: Evaluation, current_version: int) -> None:
