@@ -202,8 +202,7 @@ class LocalSteps(torch.optim.Optimizer):
             update.mul_(self.outer_learning_rate)
         loss = sum(self._losses) / len(self._losses) if self._losses else None
         taken, self._taken, self._losses = self._taken, 0, []
-        seen = self.remote.samples_seen
-        sums = None if self._noise is None or seen is None else self._noise.take(seen)
+        sums = None if self._noise is None else self._noise.take(self.remote.samples_seen or 0)
         result = self.remote.commit_update(update, loss=loss, gradient_sums=sums)
         replied = self.remote.parameters_vector(out=update)  # the update's room: sent, read no more
         self.job_betas.after_commit(result.staleness)
