@@ -3,7 +3,7 @@ boundary is the point; raw stubs for sending malformed requests."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import grpc
@@ -21,6 +21,24 @@ from tests.helpers import InProcessServer, free_port
 
 StartServer = Callable[..., InProcessServer]
 StartServerProcess = Callable[..., ServerProcess]
+
+#: the last lines of each child server's log shown under a failed test (the logs go with the test)
+LOG_LINES_ON_FAILURE = 150
+_SERVER_PROCESSES = pytest.StashKey[list[ServerProcess]]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Under a failed test, the last lines of each server process it started: a replica's view of
+    an election is in its log, which goes with its temporary folder once the test is over."""
+    report = yield
+    if report.when == "call" and report.failed:
+        for server in item.stash.get(_SERVER_PROCESSES, []):
+            lines = server.log().splitlines()[-LOG_LINES_ON_FAILURE:]
+            report.sections.append((f"{server.target}'s log, its last {len(lines)} lines", "\n".join(lines)))
+    return report
 
 
 @pytest.fixture
@@ -60,11 +78,13 @@ def plane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
 
 
 @pytest.fixture
-def start_server_process() -> Iterator[StartServerProcess]:
-    """Start `gemps server` child processes; all are stopped after the test. Their gRPC port comes
-    from the suite's band (free_port) unless given: a test may restart a server on its port, which
-    another test's socket could otherwise be given while it is down."""
+def start_server_process(request: pytest.FixtureRequest) -> Iterator[StartServerProcess]:
+    """Start `gemps server` child processes; all are stopped after the test (their logs' last
+    lines shown under a failure). Their gRPC port comes from the suite's band (free_port) unless
+    given: a test may restart a server on its port, which another test's socket could otherwise be
+    given while it is down."""
     started: list[ServerProcess] = []
+    request.node.stash[_SERVER_PROCESSES] = started
 
     def start(**options: Any) -> ServerProcess:
         server = ServerProcess(**{"port": free_port(), **options}).start()

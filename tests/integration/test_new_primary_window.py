@@ -45,6 +45,16 @@ def test_a_new_primary_killed_after_its_first_acknowledgement_loses_nothing(
         for address, server in servers.items()
         if (status := replication_of(address)) is not None and status.role == PRIMARY and status.epoch == new_epoch
     )
+    # Its first acknowledgements waited for the other replica, seeded and listed in sync: at once
+    # here. Unless that replica, slowed by a loaded host, did not attach within half a lease: then
+    # the new primary dropped it from the set and acknowledges alone (DESIGN §3d), and killed now
+    # it would leave no replica that may be promoted, by design. So: once it is listed again.
+    wait_for(
+        lambda: (status := replication_of(promoted.target)) is not None and status.live == 2,
+        60,
+        "the new primary's backup in sync",
+        explain=lambda: repr(replication_of(promoted.target)),
+    )
     os.kill(promoted.pid, signal.SIGKILL)  # right after its first acknowledgements
     survivor = next(server for server in servers.values() if server is not promoted)
     before = sum(counters.acked)
