@@ -269,3 +269,33 @@ def test_the_versions_of_an_open_round_hold_one_theta_so_a_pull_of_it_carries_no
     assert commit(workers[2], 5).pending == 0  # closes round 2: θ moved at version 7
     assert not core.same_theta(6, 7) and core.same_theta(7, 7)
     assert not np.array_equal(state.core.theta_copy(), held)
+
+
+def test_a_worker_silent_for_two_rounds_of_commits_no_longer_sizes_the_round() -> None:
+    """A worker killed without leaving stays registered for its lease (60 s here by default). Its
+    rounds are sized by the workers still committing: once 2N commits came without one of its,
+    they close on the live workers' gradients alone; a worker not committed yet is counted."""
+    state = ServerState(training("adamw", learning_rate=3e-3), WorkerRegistry(max_workers=8, lease_ttl=3600))
+    spec = [ParameterSpec("w", (P,))]
+
+    def joined(name: str) -> str:
+        return state.register(name, spec, encoded(np.ones(P, np.float32)), client_id=name * 8).worker.worker_id
+
+    a, b, ghost = (joined(name) for name in "abc")
+    core, rng, sent = state.core, np.random.default_rng(7), iter(range(1, 1000))
+
+    def commit(worker: str) -> int:
+        commit = Commit(worker, core.version, PayloadKind.GRADIENT, encoded(gradients(rng, 1)[0]), f"r{next(sent)}")
+        return core.commit_record(commit).stats.pending
+
+    assert [commit(worker) for worker in (a, b, ghost)] == [2, 1, 0]  # round 1: the three of them
+    restarted = joined("d")  # the ghost's process, started again: a new registration
+    sizes = []
+    for _ in range(5):  # each round: the three live ones, then (as the SDK does after waiting) a again
+        pending = [commit(worker) for worker in (a, b, restarted)]
+        sizes.append(pending[0] + 1)
+        while pending[-1]:
+            pending.append(commit(a))
+    # The ghost counted while its last commit is among the last 2N = 8 versions; then no longer.
+    assert sizes == [4, 4, 3, 3, 3]
+    assert len(state.registry) == 4  # still registered: only the round's size changed

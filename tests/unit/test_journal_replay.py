@@ -12,6 +12,7 @@ import pytest
 from gemps_proto.gradient_sums import GradientSums
 from gemps_proto.schema import ParameterSpec, PayloadKind
 from gemps_proto.tensor_codec import BFLOAT16, INT64, EncodedBuffers, EncodedTensor, encode
+from gemps_server.domain import images
 from gemps_server.domain.errors import InvalidArgument
 from gemps_server.domain.journal import Committed, Departed, Entry, Joined
 from gemps_server.domain.records import Commit
@@ -19,7 +20,7 @@ from gemps_server.domain.rules import RuleRuntime
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.native import native_commit
-from gemps_server.replication import entries, frames
+from gemps_server.replication import entries, frames, image_codec
 from tests.helpers import encoded, training
 
 P = 64
@@ -188,3 +189,50 @@ def test_a_backup_folds_an_update_commits_gradient_sums_in_as_its_primary_did(ru
     assert primary.core.noise.estimate.windows == 12  # every commit's sums, the compiled core's kind too
     assert backup.core.noise.estimate == primary.core.noise.estimate
     assert backup.core.theta_copy().tobytes() == primary.core.theta_copy().tobytes()
+
+
+def test_a_backup_sizes_adamws_rounds_by_the_live_workers_as_its_primary_did() -> None:
+    """The round's size follows the workers still committing (a silent one drops out after 2N
+    commits): a backup replaying the journal, and one seeded from an image while the silent
+    worker still counted, close every round at the commit the primary closed it at."""
+    primary, replayed, seeded = (new_state("adamw", Clock(), max_workers=4) for _ in range(3))
+    journal = ListJournal()
+    primary.core.journal = journal
+    rng = np.random.default_rng(4)
+    a, b, ghost = (
+        primary.register(name, SPEC, encoded(np.zeros(P, np.float32)), client_id=name * 4).worker.worker_id
+        for name in "abc"
+    )
+    core, pending, sent = primary.core, [], 0
+
+    def commit(worker: str) -> None:
+        nonlocal sent
+        sent += 1
+        payload = encoded(rng.standard_normal(P).astype(np.float32))
+        pending.append(
+            core.commit_record(Commit(worker, core.version, PayloadKind.GRADIENT, payload, f"r{sent}")).stats.pending
+        )
+
+    for worker in (a, b, ghost):
+        commit(worker)
+    restarted = primary.register("d", SPEC, None, client_id="dddd").worker.worker_id
+    image, taken_at = None, 0
+    for round_index in range(5):
+        if round_index == 1:  # the ghost still counts: its last commit is within the last 2N versions
+            image, taken_at = image_codec.decode(image_codec.encode(images.take(primary))), journal.last
+        for worker in (a, b, restarted):
+            commit(worker)
+        while pending[-1]:
+            commit(a)
+    assert pending[-4:] == [0, 2, 1, 0]  # a round of the three live workers by then
+    replay_all(primary, replayed, journal)
+    assert image is not None
+    images.adopt(seeded, image)
+    replay_all(primary, seeded, journal, start=taken_at)
+    for backup in (replayed, seeded):
+        assert backup.core.version == core.version
+        assert backup.core.theta_copy().tobytes() == core.theta_copy().tobytes()
+        assert backup.core.rule is not None and core.rule is not None
+        assert backup.core.rule.global_state().keys() == core.rule.global_state().keys()
+        for key, value in core.rule.global_state().items():
+            assert backup.core.rule.global_state()[key].tobytes() == value.tobytes(), key

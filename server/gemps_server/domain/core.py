@@ -224,7 +224,8 @@ class CommitCore:
         # θ now is the θ its client holds: if the rule keeps it, the reply need not carry it.
         held = base_held and reply_dtype not in DIFFERENCE_DTYPES and self.same_theta(base_version, self.version)
         try:  # the rule writes into spare buffers and swaps them in only if every value is finite
-            context = StepContext(worker_id, staleness, self.version, kind_of, peak, out, window, held)
+            live = self.live_workers(worker.scope) if rule.counts_live_workers else None
+            context = StepContext(worker_id, staleness, self.version, kind_of, peak, out, window, held, live)
             self.theta, stats = rule.step(self.theta, values, context)
         except NonFiniteUpdate as error:
             raise InvalidArgument(f"commit refused, nothing changed: {error}", Reason.NON_FINITE) from None
@@ -247,6 +248,20 @@ class CommitCore:
             )  # fmt: skip
             position = self.journalled(commit)
         return self.applied_outcome(staleness, stats, position, unchanged=held and stats.kept_theta)
+
+    def live_workers(self, committing: str) -> int:
+        """The registered workers still committing: the scope `committing` now, those not committed
+        yet, and those whose last commit produced one of the last 2N versions (N the workers
+        registered; in rounds every live worker commits once a round). One that died without
+        leaving (SIGKILL, a lost node) stays registered for its lease: a round sized by the workers
+        then no longer waits for it after 2N commits (DESIGN §1, `adamw`). From the registry and the
+        ledger alone, which a backup replays and adopts as they are: the same count on every replica."""
+        window = 2 * len(self.registry)
+        return sum(
+            1
+            for scope in self.registry.scopes()
+            if scope == committing or (last := self.ledger.last_version(scope)) is None or self.version - last < window
+        )
 
     def journalled(self, commit: Commit) -> int:
         """Record applied `commit` in the journal (the compiled core's commits too): its position."""

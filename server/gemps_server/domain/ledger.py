@@ -130,6 +130,11 @@ class CommitLedger:
             return None
         return found[1].sequence
 
+    def last_version(self, scope: str) -> int | None:
+        """The version `scope`'s last commit produced (None: none is held for it)."""
+        found = self._last.get(scope)
+        return None if found is None else found[1].version
+
     def record(self, scope: str, request_id: str, receipt: Receipt) -> None:
         if not request_id:
             return

@@ -24,7 +24,10 @@ An update commit (local steps) enters as the pseudo-gradient g = -Δ (DiLoCo's s
 `outer_rate` r > 0 a round of updates (each worker's window of local AdamW steps from the round's θ)
 closes with DiLoCo's outer step instead (Douillard et al. 2023): torch's Nesterov SGD at rate r and
 momentum `outer_momentum` on ḡ, its momentum held in m; gradients are then refused. K is
-`round_size`, or with 0 (the default) the workers registered less `backup_workers` (at least 1).
+`round_size`, or with 0 (the default) the workers registered less `backup_workers` (at least 1), and
+never more than the workers still committing: a worker killed without leaving stays registered for
+its lease, and no commit of its among the last 2N versions (N registered) leaves it out of K
+(CommitCore.live_workers), so the rounds go on without it instead of waiting.
 The reply to a gradient the round took says how many commits it still needs (ApplyStats.pending):
 the SDK then waits for θ to move before it hands θ back, so each worker's next gradient is taken on
 the round's θ. A dropped gradient's reply is θ of the round open now, to take the next one on.
@@ -159,6 +162,7 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         # csrc/adamw.c's passes where built; numpy ("numpy": the reference they are held to, bit for bit)
         self.kernel = "compiled" if compiled is not None else "numpy"
         self.round_size, self.backup_workers = round_size, backup_workers
+        self.counts_live_workers = not round_size  # K follows the workers still committing
         if outer_momentum and not outer_rate:
             raise ValueError(
                 f"outer_momentum {outer_momentum:g} with outer_rate 0: the momentum is that of the outer step on "
@@ -213,9 +217,13 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
             )
         return None
 
-    def period(self) -> int:
-        """K for the round open now: the option's, or the workers registered less the backups (at least one)."""
-        return self.round_size or max(1, self.registered() - self.backup_workers)
+    def period(self, live: int | None = None) -> int:
+        """K for the round open now: the option's, or the workers registered less the backups, and
+        never more than the workers still committing (`live`, as StepContext.live_workers counts
+        them: one killed without leaving stays registered for its lease), at least one. The backups
+        are the slowest, silent ones first: a straggler the backups cover still leaves K as it was."""
+        registered = self.registered()
+        return self.round_size or max(1, min(registered - self.backup_workers, registered if live is None else live))
 
     def global_state(self, workers: bool = True) -> dict[str, np.ndarray]:
         counts = (self._steps, self._buffered, self._round_start)
@@ -250,7 +258,7 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
     def step_scaled(
         self, theta: np.ndarray, update: np.ndarray, scale: float, context: StepContext
     ) -> tuple[np.ndarray, ApplyStats]:
-        period = self.period()
+        period = self.period(context.live_workers)
         if context.version - context.staleness < self._round_start:  # taken on a θ this round moved
             return theta, dataclasses.replace(ApplyStats.constant(0.0), kept_theta=True)
         subtract = context.kind is not PayloadKind.GRADIENT  # an update Δ is the pseudo-gradient -Δ

@@ -150,7 +150,9 @@ class StepContext:
     the caller has ready for the rule: the payload's peak (max |payload|, where the wire measured
     it), `out` (a float32 array of P that receives the new θ too) and the noise scale's `window`.
     `out_if_moved`: `out` need receive θ only when the step moves it (a rule of rounds may keep θ):
-    the reply then carries none, its client holding θ as it is."""
+    the reply then carries none, its client holding θ as it is. `live_workers`: for a rule that
+    `counts_live_workers`, the registered workers that committed lately (CommitCore.live_workers);
+    None where it is not counted."""
 
     worker_id: str
     staleness: int = 0
@@ -160,6 +162,7 @@ class StepContext:
     out: np.ndarray | None = None
     window: NoiseWindow | None = None
     out_if_moved: bool = False
+    live_workers: int | None = None
 
 
 class NonFiniteUpdate(ValueError):
@@ -187,6 +190,8 @@ class CommitRule(ABC):
     native_step = False
     #: how this form keeps its workers' state, where the rule has several (GEM's `--gem-state`)
     state_form: ClassVar[str] = ""
+    #: whether its steps need StepContext.live_workers (a group of commits as large as the live workers)
+    counts_live_workers = False
 
     def __init__(self, num_parameters: int, *, learning_rate: float, schedule: Schedule = constant_schedule) -> None:
         self.num_parameters = num_parameters
