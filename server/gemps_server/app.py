@@ -62,8 +62,10 @@ from gemps_server.wire.worker_certificates import WorkerCertificates
 
 log = logging.getLogger("gemps.server")
 
-# Lease checks run this often relative to the TTL, so eviction lags the TTL by at most a quarter.
+# Lease checks run this often relative to the TTL, so eviction lags the TTL by at most a quarter,
+# and at least every LEASE_CHECK_SECONDS: a superseded worker (domain/workers.py) goes in seconds.
 LEASE_CHECKS_PER_TTL = 4
+LEASE_CHECK_SECONDS = 1.0
 # With --tls-crl, the certificates of this many registrations per --max-workers are kept (the
 # local socket's connections answer for them: wire/worker_certificates.py).
 REGISTRATIONS_KEPT = 4
@@ -298,7 +300,7 @@ class ParameterServer:
             await asyncio.to_thread(trim)  # off the event loop: it walks the heap
 
     async def _expire_leases(self) -> None:
-        period = self.config.lease_ttl / LEASE_CHECKS_PER_TTL
+        period = min(self.config.lease_ttl / LEASE_CHECKS_PER_TTL, LEASE_CHECK_SECONDS)
         while True:
             await asyncio.sleep(period)
             await self.service.evict_expired()

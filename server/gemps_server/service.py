@@ -185,7 +185,7 @@ class ParameterService:
         shard = state.registry.shard(worker, self.config.num_shards)  # wrapped; shared when workers outnumber shards
         await self._addresses.refreshed()  # the layout as announced now (the file: read off the loop)
         if (displaced := registered.displaced) is not None:
-            self._evicted([displaced], reason="server full; no commit for longer than the lease")
+            self._evicted([displaced], reason=registered.displaced_because)
         if registered.initialized_theta:
             tune_for(4 * state.core.num_parameters)
             event(
@@ -415,8 +415,9 @@ class ParameterService:
             self._replicas.require_primary()
         except ServiceError:
             return
-        state = self._state
-        self._evicted(await self._applier.submit(state.evict_expired), reason="lease expired")
+        evicted = await self._applier.submit(self._state.evict_expired)
+        for reason in dict.fromkeys(reason for _, reason in evicted):
+            self._evicted([worker for worker, why in evicted if why == reason], reason)
 
     def _evicted(self, workers: list[WorkerRecord], reason: str) -> None:
         """Count and log workers the server forgot without their leaving."""

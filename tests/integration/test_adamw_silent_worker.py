@@ -6,11 +6,10 @@ no commit among the last 2N versions no longer sizes the round (CommitCore.live_
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 import gemps
+from tests.integration.commit_threads import commit_together
 from tests.integration.conftest import StartServer
 
 P = 64
@@ -24,28 +23,12 @@ def test_the_rounds_go_on_without_a_worker_killed_without_leaving(start_server: 
     try:
         for client in clients.values():
             client.register({"w": np.zeros(P, np.float32)})
-        pending: dict[str, list[int]] = {name: [] for name in ("a", "b", "ghost")}
-
-        def commit(name: str, client: gemps.Client, count: int) -> None:
-            for _ in range(count):
-                pending[name].append(client.commit(gradient).round_pending)
-
-        rounds = [threading.Thread(target=commit, args=(name, clients[name], 3)) for name in ("a", "b", "ghost")]
-        for thread in rounds:
-            thread.start()
-        for thread in rounds:
-            thread.join(timeout=60)
+        commit_together(clients, gradient, 3)
         # The ghost is silent from now on and never leaves (its client stays open, as a SIGKILLed
         # process's registration stays); its process, started again, registers anew.
         clients["restarted"] = gemps.Client(server.target, name="restarted", timeout=120)
         clients["restarted"].register({"w": np.zeros(P, np.float32)})
-        pending = {name: [] for name in ("a", "b", "restarted")}
-        live = [threading.Thread(target=commit, args=(name, clients[name], COMMITS)) for name in pending]
-        for thread in live:
-            thread.start()
-        for thread in live:
-            thread.join(timeout=120)
-        assert not any(thread.is_alive() for thread in live)
+        pending = commit_together({name: clients[name] for name in ("a", "b", "restarted")}, gradient, COMMITS)
         # A round's first commit says K - 1: the ghost counted (4 a round) at first, then no longer.
         later = [value for values in pending.values() for value in values[COMMITS // 2 :]]
         assert max(later) == 2, pending

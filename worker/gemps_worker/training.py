@@ -126,7 +126,10 @@ class WorkerOptions:
         },
     )
     seed: int = field(default=0, metadata={"help": "seed for this worker's data order", RANGE: Range(0, INT64_MAX)})
-    name: str = field(default="", metadata={"help": "worker name shown in server logs"})
+    name: str = field(
+        default="",
+        metadata={"help": "worker name in server logs; a restart under it replaces its dead registration in seconds"},
+    )
     job: str = field(
         default="",
         metadata={

@@ -75,7 +75,8 @@ class WorkerOptions:
         default=60.0,
         metadata={
             "help": "seconds without a commit or pull before a worker is evicted; on a full server, a worker "
-            "this long without a commit gives its place to a newcomer",
+            "this long without a commit gives its place to a newcomer (a named worker whose restart registered "
+            "under its name goes sooner, once silent for 4x its recent pace)",
             RANGE: SECONDS,
         },
     )

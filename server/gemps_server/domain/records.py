@@ -18,7 +18,7 @@ from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor
 from gemps_server.domain.ledger import CommitLedger, Receipt
 from gemps_server.domain.noise import NoiseEstimator
 from gemps_server.domain.rules import ApplyStats, CommitRule
-from gemps_server.domain.workers import WorkerRecord
+from gemps_server.domain.workers import SERVER_FULL, SUPERSEDED, WorkerRecord
 
 R = TypeVar("R")
 
@@ -148,7 +148,14 @@ class RegistrationOutcome:
     worker: WorkerRecord
     snapshot: Snapshot
     initialized_theta: bool  # this worker's initial parameters became the central variable
-    displaced: WorkerRecord | None = None  # an idle worker evicted to make room (workers.idlest)
+    displaced: WorkerRecord | None = None  # its dead namesake, or an idle worker evicted to make room
+
+    @property
+    def displaced_because(self) -> str:
+        """Why `displaced` went: this worker's name superseded it (a silent namesake is the only one
+        displaced then, and an idlest one is past its pace too), or the server was full."""
+        displaced = self.displaced
+        return SUPERSEDED if displaced is not None and displaced.name == self.worker.name != "" else SERVER_FULL
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from gemps_server.domain.records import (
 from gemps_server.domain.room import capacity, check_room, out_of_memory
 from gemps_server.domain.rules import CommitRule, RuleRuntime
 from gemps_server.domain.worker_copies import WorkerCopies
-from gemps_server.domain.workers import WorkerRecord, WorkerRegistry
+from gemps_server.domain.workers import LEASE_EXPIRED, SUPERSEDED, WorkerRecord, WorkerRegistry
 from gemps_server.memory_budget import MemoryBudget
 
 # How long the worker told to initialise the central variable has to send its values, while
@@ -173,13 +173,16 @@ class ServerState:
         self.core.journal.append(Departed((worker_id,)))
         return worker
 
-    def evict_expired(self) -> list[WorkerRecord]:
+    def evict_expired(self) -> list[tuple[WorkerRecord, str]]:
+        """Forget the workers the registry finds gone (their lease out, or superseded), each with why."""
+        registry = self.registry
+        gone = dict.fromkeys(registry.superseded(), SUPERSEDED) | dict.fromkeys(registry.expired(), LEASE_EXPIRED)
         evicted = []
-        for worker_id in self.registry.expired():
-            evicted.append(self.registry.get(worker_id))
+        for worker_id, reason in gone.items():
+            evicted.append((self.registry.get(worker_id), reason))
             self._forget(worker_id)
         if evicted:
-            self.core.journal.append(Departed(tuple(worker.worker_id for worker in evicted)))
+            self.core.journal.append(Departed(tuple(worker.worker_id for worker, _ in evicted)))
         return evicted
 
     def replay(self, entry: Entry) -> None:
@@ -248,8 +251,9 @@ class ServerState:
         budgeted: bool = False,
     ) -> tuple[WorkerRecord, WorkerRecord | None]:
         """Add a worker (a new id unless `worker_id` is given), replacing its client's previous
-        registration, and the idlest worker when the registry (or, when `budgeted`, the memory
-        budget) is full, unless `displaced_id` says which one the primary displaced ("" none);
+        registration, and a silent worker of its name (its process's dead registration:
+        WorkerRegistry.silent_namesake), else the idlest when the registry (or, when `budgeted`, the
+        memory budget) is full, unless `displaced_id` says which one the primary displaced ("" none);
         the worker and the one displaced. Its rule state is allocated first: a refusal or a
         MemoryError leaves every worker as it was (a replica replays unbudgeted: the primary decided)."""
         rule = self.core.rule
@@ -260,7 +264,9 @@ class ServerState:
         room = capacity(most, self.memory, self.worker_state_bytes) if budgeted else most
         if displaced_id is None:
             full = len(self.registry) - len(leaving) >= room
-            displaced = self.registry.idlest(excluding=leaving) if full else None
+            displaced = self.registry.silent_namesake(name, excluding=leaving)  # its dead self, restarted
+            if displaced is None and full:
+                displaced = self.registry.idlest(excluding=leaving)
         else:
             displaced = self.registry.get(displaced_id) if displaced_id else None
         leaving += [displaced.worker_id] if displaced is not None else []

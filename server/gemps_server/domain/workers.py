@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -14,6 +15,18 @@ from gemps_proto.status import RecentCommits, WorkerStatus
 from gemps_server.domain.errors import NotFound, ResourceExhausted
 from gemps_server.domain.recent import RecentWindow
 from gemps_server.domain.rules.base import ApplyStats
+
+# A registration that a newer one of its name supersedes (its process restarted: a new client id,
+# the same name) is gone once silent for SUPERSEDED_GAPS times the longest of its last PACE_GAPS
+# gaps between requests (its pace now, not a start-up's waits), at least SUPERSEDED_FLOOR_SECONDS
+# and at most the lease. A live worker of that name is heard from well within that and keeps its
+# place; one whose pace is not known yet keeps the whole lease.
+SUPERSEDED_GAPS = 4
+PACE_GAPS = 16
+SUPERSEDED_FLOOR_SECONDS = 1.0
+LEASE_EXPIRED = "lease expired"
+SUPERSEDED = "superseded by a newer registration of its name"
+SERVER_FULL = "server full; no commit for longer than the lease"
 
 
 @dataclass
@@ -26,6 +39,23 @@ class WorkerRecord:
     last_commit: float = 0.0  # when it last committed (registered, before its first commit)
     client_id: str = ""  # the client's identity across its registrations ("" when it sent none)
     recent: RecentWindow = field(default_factory=lambda: RecentWindow(0.0))  # its commits of the last minute
+    registered: float = 0.0  # when it registered here (a replica: when it took the worker over)
+    # Its last PACE_GAPS gaps between requests (the wait from registering to its first request,
+    # which may hold a model's set-up, is not one); None: no request since registering.
+    gaps: deque[float] | None = None
+
+    def heard(self, now: float) -> None:
+        """A request from this worker now: its lease, and its pace."""
+        if self.gaps is None:
+            self.gaps = deque(maxlen=PACE_GAPS)
+        else:
+            self.gaps.append(now - self.last_seen)
+        self.last_seen = now
+
+    @property
+    def pace(self) -> float:
+        """The longest of its recent gaps between requests; 0 while none is known."""
+        return max(self.gaps) if self.gaps else 0.0
 
     @property
     def scope(self) -> str:
@@ -98,7 +128,7 @@ class WorkerRegistry:
         now = self.clock()
         worker_id = worker_id or uuid.uuid4().hex
         record = WorkerRecord(
-            worker_id, name, slot, now, last_commit=now, client_id=client_id, recent=RecentWindow(now)
+            worker_id, name, slot, now, last_commit=now, client_id=client_id, recent=RecentWindow(now), registered=now
         )
         self._workers[record.worker_id] = record
         if client_id:
@@ -137,14 +167,14 @@ class WorkerRegistry:
 
     def _unknown(self, worker_id: str) -> NotFound:
         return NotFound(
-            f"unknown worker {worker_id!r}: never registered, left, or evicted after "
-            f"{self.lease_ttl:g}s without a commit; register again",
+            f"unknown worker {worker_id!r}: never registered, left, evicted after {self.lease_ttl:g}s "
+            "without a request, or silent after a newer registration of its name; register again",
             Reason.UNKNOWN_WORKER,
         )
 
     def touch(self, worker_id: str, committed: bool = False) -> WorkerRecord:
         record = self.get(worker_id)
-        record.last_seen = self.clock()
+        record.heard(self.clock())
         if committed:
             record.last_commit = record.last_seen
         return record
@@ -155,7 +185,8 @@ class WorkerRegistry:
         """`record`'s commit was applied now, with what it reported and how the rule scaled it:
         its lease, counts and recent commits."""
         record.commits += 1
-        record.last_seen = record.last_commit = now = self.clock()
+        record.heard(now := self.clock())
+        record.last_commit = now
         record.recent.add(now, staleness, loss, num_samples, stats)
         self.recent.add(now, staleness, loss, num_samples, stats)
 
@@ -228,7 +259,9 @@ class WorkerRegistry:
         self.check(image)
         now = self.clock()
         self._workers = {
-            w.worker_id: WorkerRecord(w.worker_id, w.name, w.slot, now, w.commits, now, w.client_id, RecentWindow(now))
+            w.worker_id: WorkerRecord(
+                w.worker_id, w.name, w.slot, now, w.commits, now, w.client_id, RecentWindow(now), registered=now
+            )
             for w in image.workers
         }
         self._by_client = {w.client_id: w.worker_id for w in image.workers if w.client_id}
@@ -257,5 +290,41 @@ class WorkerRegistry:
             raise ValueError("the free slots are not in heap order")
 
     def expired(self) -> list[str]:
+        """The workers silent for longer than the lease."""
         deadline = self.clock() - self.lease_ttl
         return [w.worker_id for w in self._workers.values() if w.last_seen < deadline]
+
+    def superseded(self) -> list[str]:
+        """The named workers not heard from since a newer registration of their name, and silent
+        past their pace (SUPERSEDED_GAPS): a restarted process registers under the name its dead
+        one held, which need not wait out the lease."""
+        now = self.clock()
+        newest: dict[str, float] = {}  # a name's latest registration
+        for w in self._workers.values():
+            if w.name:
+                newest[w.name] = max(newest.get(w.name, w.registered), w.registered)
+        return [
+            w.worker_id
+            for w in self._workers.values()
+            if w.name and newest[w.name] > w.last_seen and self._past_its_pace(w, now)
+        ]
+
+    def silent_namesake(self, name: str, excluding: Sequence[str] = ()) -> WorkerRecord | None:
+        """A registered worker of `name` (not "") silent past its pace, if any (the longest silent):
+        a registration of that name now supersedes it at once, its slot and shard free for it."""
+        now = self.clock()
+        silent = [
+            w
+            for w in self._workers.values()
+            if name and w.name == name and w.worker_id not in excluding and self._past_its_pace(w, now)
+        ]
+        return min(silent, key=lambda record: record.last_seen, default=None)
+
+    def _past_its_pace(self, record: WorkerRecord, now: float) -> bool:
+        return now - record.last_seen > self._superseded_silence(record)
+
+    def _superseded_silence(self, record: WorkerRecord) -> float:
+        pace = record.pace
+        if pace <= 0.0:  # not known yet
+            return self.lease_ttl
+        return min(self.lease_ttl, max(SUPERSEDED_FLOOR_SECONDS, SUPERSEDED_GAPS * pace))

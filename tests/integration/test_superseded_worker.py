@@ -1,0 +1,49 @@
+"""A worker killed without leaving and started again under its name (a supervisor's restart, the
+rig's kill a minute), under adamw with a backup worker: the dead registration stood for the whole
+lease (60 s by default), so the round waited for every live worker, the backup's place taken by the
+dead one (issue 78). A registration not heard from since a newer one of its name, silent for more
+than its own pace allows, is now forgotten within seconds (WorkerRegistry.superseded)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import gemps
+from tests.integration.commit_threads import commit_together
+from tests.integration.conftest import StartServer
+
+P = 64
+COMMITS = 8  # by each live worker once the dead one is gone
+
+
+@pytest.mark.parametrize("restart_seconds", [0.0, 3.0])  # within the dead one's pace (1 s here), well past it
+def test_a_restart_under_the_dead_workers_name_frees_the_backups_place(
+    start_server: StartServer, restart_seconds: float
+) -> None:
+    server = start_server(rule="adamw", learning_rate=0.01, backup_workers=1)  # the lease 60 s
+    gradient = np.full(P, 0.1, np.float32)
+    names = ("w0", "w1", "w2")
+    clients = {name: gemps.Client(server.target, name=name, timeout=120) for name in names}
+    try:
+        for client in clients.values():
+            client.register({"w": np.zeros(P, np.float32)})
+        commit_together(clients, gradient, 4)  # w2's pace is known: then it is killed (silent, never leaving)
+        time.sleep(restart_seconds)
+        restarted = clients["w2 restarted"] = gemps.Client(server.target, name="w2", timeout=120)
+        shard = restarted.register({"w": np.zeros(P, np.float32)}).shard
+        if restart_seconds:  # the registration took the dead one's place: its slot, its shard
+            assert restarted.status().active_workers == 3 and shard.index == 2
+        deadline = time.monotonic() + 20  # well within the lease
+        while (active := restarted.status().active_workers) > 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert active == 3, "the dead registration of w2 is still there"
+        pending = commit_together({key: clients[key] for key in ("w0", "w1", "w2 restarted")}, gradient, COMMITS)
+        # A round's first commit says K - 1: K = 3 registered - 1 backup = 2 (the dead one counted: 3).
+        later = [value for values in pending.values() for value in values[COMMITS // 2 :]]
+        assert max(later) == 1, pending
+    finally:
+        for client in clients.values():
+            client.close()

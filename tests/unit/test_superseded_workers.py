@@ -1,0 +1,149 @@
+"""A worker killed without leaving, whose process starts again under the same name (a supervisor's
+restart, compose's `restart: on-failure`, the rig's kills): the restart is a new registration, and
+the dead one's stood for the whole lease (60 s by default), counted in the workers a round waits
+for (adamw) and holding a slot. It is forgotten once silent after the newer registration for
+SUPERSEDED_GAPS times its pace (its recent gaps between requests); a live worker of the name keeps its
+place, and so does an unnamed one or one whose pace is not known yet."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gemps_server.domain.journal import Departed
+from gemps_server.domain.workers import (
+    PACE_GAPS,
+    SUPERSEDED,
+    SUPERSEDED_FLOOR_SECONDS,
+    SUPERSEDED_GAPS,
+    WorkerRecord,
+    WorkerRegistry,
+)
+from gemps_server.replication import entries
+from tests.helpers import encoded
+from tests.unit.test_journal_replay import SPEC, Clock, ListJournal, new_state, replay_all
+
+
+def paced(registry: WorkerRegistry, clock: Clock, record: WorkerRecord, gap: float, requests: int = 3) -> None:
+    """`requests` requests from `record`, `gap` seconds apart (its first right away)."""
+    for _ in range(requests):
+        registry.touch(record.worker_id)
+        clock.now += gap
+
+
+def test_a_restart_under_the_dead_workers_name_supersedes_it_after_its_own_pace() -> None:
+    clock = Clock()
+    registry = WorkerRegistry(max_workers=8, lease_ttl=60, clock=clock)
+    dead, other = registry.add("w1"), registry.add("w2")
+    paced(registry, clock, dead, 0.5)  # its pace: 0.5 s; then silent (killed)
+    restarted = registry.add("w1")
+    assert registry.superseded() == []  # silent for 0.5 s: within its pace
+    clock.now = dead.last_seen + SUPERSEDED_GAPS * 0.5 - 0.01
+    assert registry.superseded() == []
+    clock.now = dead.last_seen + SUPERSEDED_GAPS * 0.5 + 0.01
+    assert registry.superseded() == [dead.worker_id]
+    assert registry.expired() == []  # the lease itself is far from over
+    assert restarted.worker_id not in registry.superseded() and other.worker_id not in registry.superseded()
+
+
+def test_a_live_worker_of_the_same_name_keeps_its_place() -> None:
+    clock = Clock()
+    registry = WorkerRegistry(max_workers=8, lease_ttl=60, clock=clock)
+    first = registry.add("trainer")
+    paced(registry, clock, first, 0.2)
+    second = registry.add("trainer")  # another live worker given the same name
+    for _ in range(50):
+        clock.now += 0.2
+        registry.touch(first.worker_id)
+        registry.touch(second.worker_id)
+        assert registry.superseded() == []
+
+
+def test_the_floor_the_lease_and_what_is_not_known() -> None:
+    clock = Clock()
+    registry = WorkerRegistry(max_workers=8, lease_ttl=30, clock=clock)
+    fast, slow, fresh, unnamed = registry.add("fast"), registry.add("slow"), registry.add("fresh"), registry.add("")
+    paced(registry, clock, fast, 0.01)  # 4 x 0.01 s: the floor holds
+    paced(registry, clock, slow, 20.0)  # 4 x 20 s: the lease holds
+    registry.touch(fresh.worker_id)  # one request: no gap known, the lease holds
+    paced(registry, clock, unnamed, 0.01)
+    for name in ("fast", "slow", "fresh", ""):
+        registry.add(name)
+    clock.now = fast.last_seen + SUPERSEDED_FLOOR_SECONDS - 0.01
+    assert fast.worker_id not in registry.superseded()
+    clock.now = fast.last_seen + SUPERSEDED_FLOOR_SECONDS + 0.01
+    assert fast.worker_id in registry.superseded()
+    for waiting in (slow, fresh, unnamed):  # each waits out the lease, superseded or not
+        clock.now = waiting.last_seen + 29.9
+        assert waiting.worker_id not in registry.superseded() + registry.expired()
+        clock.now = waiting.last_seen + 30.1
+        assert waiting.worker_id in registry.expired()
+
+
+def test_a_worker_taken_over_from_an_image_keeps_the_whole_lease() -> None:
+    """A new primary adopts the registry with no pace known: it times nothing it did not see."""
+    clock = Clock()
+    primary = WorkerRegistry(max_workers=8, lease_ttl=60, clock=clock)
+    dead = primary.add("w1")
+    paced(primary, clock, dead, 0.5)
+    primary.add("w1")
+    taken_over = WorkerRegistry(max_workers=8, lease_ttl=60, clock=clock)
+    taken_over.adopt(primary.export())
+    clock.now += 59
+    assert taken_over.superseded() == [] and primary.superseded() == [dead.worker_id]
+
+
+def test_the_primary_journals_the_eviction_and_a_backup_forgets_the_same_worker() -> None:
+    clock = Clock()
+    primary, backup = new_state("gem", clock), new_state("gem", Clock())  # lease 10 s
+    journal = ListJournal()
+    primary.core.journal = journal
+    dead = primary.register("w1", SPEC, encoded(np.zeros(64, np.float32))).worker
+    alive = primary.register("w2", SPEC, None).worker
+    paced(primary.registry, clock, dead, 0.5)
+    restarted = primary.register("w1", SPEC, None).worker
+    clock.now = dead.last_seen + SUPERSEDED_GAPS * 0.5 + 0.01
+    assert [(worker.worker_id, why) for worker, why in primary.evict_expired()] == [(dead.worker_id, SUPERSEDED)]
+    assert isinstance(entries.decode(journal.frames[-1])[0], Departed)
+    replay_all(primary, backup, journal)
+    assert backup.registry.scopes() == primary.registry.scopes() == [alive.worker_id, restarted.worker_id]
+
+
+def test_a_restart_registering_after_its_pace_ran_out_takes_the_dead_ones_place_at_once() -> None:
+    """Its slot, so its data shard too: the dead one's shard is read again, not shared with another."""
+    clock = Clock()
+    primary, backup = new_state("gem", clock, max_workers=4), new_state("gem", Clock(), max_workers=4)
+    journal = ListJournal()
+    primary.core.journal = journal
+    first = primary.register("w0", SPEC, encoded(np.zeros(64, np.float32))).worker
+    dead, live = primary.register("w1", SPEC, None).worker, primary.register("w2", SPEC, None).worker
+    for worker in (first, dead, live):
+        paced(primary.registry, clock, worker, 0.25)
+    clock.now += SUPERSEDED_GAPS * 0.25  # w1 died a moment ago; w2 is busy
+    primary.registry.touch(live.worker_id)
+    namesake_of_the_live_one = primary.register("w2", SPEC, None)
+    assert namesake_of_the_live_one.displaced is None
+    restarted = primary.register("w1", SPEC, None)
+    assert restarted.displaced is dead and restarted.displaced_because == SUPERSEDED
+    assert restarted.worker.slot == dead.slot and dead.worker_id not in primary.registry
+    replay_all(primary, backup, journal)
+    assert backup.registry.scopes() == primary.registry.scopes()
+    assert backup.registry.slot_of(restarted.worker.worker_id) == dead.slot
+
+
+def test_its_pace_is_its_recent_gaps_not_a_start_ups_waits() -> None:
+    """The rig's workers waited seconds for the first rounds while the others started (16 processes
+    importing torch on 2 cores): timed by their longest gap ever, a dead one stood 12-13 s after its
+    restart registered, where its pace of the minute before was a fraction of a second."""
+    clock = Clock()
+    registry = WorkerRegistry(max_workers=8, lease_ttl=60, clock=clock)
+    dead = registry.add("w1")
+    registry.touch(dead.worker_id)
+    clock.now += 4.0  # the first round, waiting for the others to start
+    paced(registry, clock, dead, 0.2, requests=PACE_GAPS)
+    assert dead.pace == pytest.approx(4.0)
+    paced(registry, clock, dead, 0.2, requests=1)
+    assert dead.pace == pytest.approx(0.2)
+    clock.now += 5.0  # killed; restarted 5 s later
+    restarted = registry.add("w1")
+    assert registry.silent_namesake("w1", excluding=[restarted.worker_id]) is dead
