@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import torch
 import gemps
 from gemps.pytorch import LocalSteps
 from gemps.records import CommitResult
+from tests.integration.commit_threads import run_together
 from tests.integration.conftest import StartServer
 
 P = 64
@@ -55,12 +57,7 @@ def run_workers(target: str, plane: str, delays: list[float], rounds: list[int])
     def work(worker: int) -> None:
         results[worker] = train(target, plane, worker, rounds[worker], ready, delays[worker])
 
-    threads = [threading.Thread(target=work, args=(worker,)) for worker in range(len(delays))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not any(thread.is_alive() for thread in threads)
+    run_together([partial(work, worker) for worker in range(len(delays))])
     return results
 
 
@@ -174,11 +171,7 @@ def test_local_steps_under_rounds_start_each_window_at_the_rounds_theta(
                             f"worker {worker}, window {step // 2}: off θ by {held[worker] - result.parameters.flat}"
                         )
 
-    threads = [threading.Thread(target=work, args=(worker,)) for worker in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
+    run_together([partial(work, worker) for worker in range(2)])
     assert not failures, failures
     with gemps.Client(server.target) as observer:
         central = observer.pull()
