@@ -94,7 +94,7 @@ docs: $(BIN)/.installed  ## build the documentation site into site/ (strict; the
 docs-serve: $(BIN)/.installed  ## serve the documentation site at http://127.0.0.1:8000, rebuilt as pages change
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict --dev-addr 127.0.0.1:8000
 
-system-deps:  ## what `make test` needs beyond Python: Prometheus + promtool, etcd (apt; sudo when not root)
+system-deps:  ## what `make test` needs beyond Python: Prometheus + promtool, etcd, iptables (apt; sudo when not root)
 	tools/install-system-deps
 
 system-deps-all:  ## and what `make test-long` needs: sshfs, iptables, podman + podman-compose and their base images
