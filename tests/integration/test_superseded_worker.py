@@ -2,7 +2,8 @@
 rig's kill a minute), under adamw with a backup worker: the dead registration stood for the whole
 lease (60 s by default), so the round waited for every live worker, the backup's place taken by the
 dead one (issue 78). A registration not heard from since a newer one of its name, silent for more
-than its own pace allows, is now forgotten within seconds (WorkerRegistry.superseded)."""
+than its own pace allows, is now forgotten within seconds (WorkerRegistry.superseded). Under GEM,
+the default, the pace comes from commits, which the compiled core books."""
 
 from __future__ import annotations
 
@@ -47,4 +48,28 @@ def test_a_restart_under_the_dead_workers_name_frees_the_backups_place(
         assert sorted(pending["w0"] + pending["w1"]) == [0, 1], pending
     finally:
         for client in clients.values():
+            client.close()
+
+
+@pytest.mark.parametrize("commit_core", ["compiled", "python"])
+def test_a_restart_takes_the_place_of_a_dead_worker_paced_by_its_commits(
+    start_server: StartServer, commit_core: str
+) -> None:
+    """GEM on a lone server, the compose stack's: the dead worker only committed, and the compiled
+    core, which books a commit in C, kept its lease but not its pace, so the restart stood beside it
+    for the whole lease."""
+    server = start_server(commit_core=commit_core)  # the lease 60 s
+    dead = gemps.Client(server.target, name="w0", timeout=30)
+    live = gemps.Client(server.target, name="w1", timeout=30)
+    restarted = gemps.Client(server.target, name="w0", timeout=30)
+    try:
+        slot = dead.register({"w": np.zeros(P, np.float32)}).shard.index
+        live.register({"w": np.zeros(P, np.float32)})
+        for _ in range(PACE_GAPS + 1):  # its pace: the gaps between its commits, then it is killed
+            dead.commit({"w": np.full(P, 0.1, np.float32)})
+        time.sleep(4.0)  # well past 4x its pace (the 1-s floor: gaps of milliseconds, or a stall of up to 1 s)
+        shard = restarted.register({"w": np.zeros(P, np.float32)}).shard
+        assert (restarted.status().active_workers, shard.index) == (2, slot), "the restart stood beside the dead w0"
+    finally:
+        for client in (dead, live, restarted):
             client.close()

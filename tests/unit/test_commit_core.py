@@ -190,6 +190,7 @@ def held(state: ServerState) -> dict[str, Any]:
         ],
         "ledger": repr(state.core.ledger.export()),
         "registry": repr(state.registry.export()),
+        "paces": [repr(pace(state, w.worker_id)) for w in registered],  # what a restart under its name is timed by
         "listing": repr(state.registry.listing()),
         "recent": repr(state.registry.recent_commits()),
         "noise": (noise.total.tobytes(), repr(dataclasses.replace(noise, total=np.empty(0)))),
@@ -198,6 +199,12 @@ def held(state: ServerState) -> dict[str, Any]:
         for key in ("ledger", "registry"):
             found[key] = found[key].replace(worker.worker_id, f"slot-{worker.slot}")
     return found
+
+
+def pace(state: ServerState, worker_id: str) -> tuple[float, float, list[float]]:
+    record = state.registry.find(worker_id)
+    assert record is not None
+    return record.last_seen, record.last_commit, list(record.gaps or ())
 
 
 def figures(outcome: CommitOutcome) -> str:

@@ -120,11 +120,14 @@ registry_committed(Commit *c, long long staleness, const double stats[6])
     }
     const double at = PyFloat_AsDouble(now);
     PyObject *window = PyObject_GetAttr(c->record, s_recent), *server = PyObject_GetAttr(c->registry, s_recent);
-    const int done = window != NULL && server != NULL && !PyErr_Occurred() &&
-                     PyObject_SetAttr(c->record, s_last_seen, now) == 0 &&
-                     PyObject_SetAttr(c->record, s_last_commit, now) == 0 &&
+    PyObject *heard = NULL; /* WorkerRecord.heard(now): its lease and its pace (a restart supersedes by it) */
+    if (window != NULL && server != NULL && !PyErr_Occurred()) {
+        heard = PyObject_CallMethodOneArg(c->record, s_heard, now);
+    }
+    const int done = heard != NULL && PyObject_SetAttr(c->record, s_last_commit, now) == 0 &&
                      recent_add(window, at, staleness, c->loss, samples, stats) == 0 &&
                      recent_add(server, at, staleness, c->loss, samples, stats) == 0;
+    Py_XDECREF(heard);
     Py_XDECREF(window);
     Py_XDECREF(server);
     Py_DECREF(now);

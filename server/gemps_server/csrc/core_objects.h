@@ -25,7 +25,7 @@ extern PyObject *apply_stats_type, *receipt_type, *gradient_kind;
         X(proxy_peak) X(last_seen_peak) X(samples) X(sample_stride) X(total) X(stride) X(mode)                      \
         X(payload_square) X(window_square) X(applied) X(scaling_mean) X(scaling_median) X(fraction_at_zero)         \
         X(fraction_at_max) X(proxy_energy) X(central_energy) X(rows) X(ring) X(commits) X(clock) X(recent)          \
-        X(last_seen) X(last_commit) X(staleness) X(stats) X(find) X(lookup) X(superseded) X(record) X(window)       \
+        X(heard) X(last_commit) X(staleness) X(stats) X(find) X(lookup) X(superseded) X(record) X(window)           \
         X(state_of) X(theta_bound) X(remember_peak) X(applied_outcome) X(journalled) X(landed)
 #define DECLARE(name) extern PyObject *s_##name;
 NAMES(DECLARE)
