@@ -9,6 +9,8 @@ everything is torn down. What the tests need, and when they skip: container_stac
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 from collections.abc import Iterator
 
@@ -29,6 +31,7 @@ from tests.e2e.container_stack import (
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.timeout(900)  # the first test builds the images (minutes on a fresh machine)
+LEASE_SECONDS = 600
 
 
 @pytest.mark.parametrize("required", ["", "1"])
@@ -51,7 +54,8 @@ def test_a_base_image_no_registry_answers_for_skips_them_unless_required(
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    yield from running_stack("e2e", WORKERS)
+    # A lease longer than any restart under load: only superseding can evict a killed worker here.
+    yield from running_stack("e2e", WORKERS, GEMPS_LEASE_TTL=str(LEASE_SECONDS))
 
 
 def image_of(service: str) -> str:
@@ -121,6 +125,38 @@ def test_training_progresses_through_status_and_prometheus(stack: Stack) -> None
         tolerate=(Exception,),
     )
     assert (stack.query("sum(gemps_worker_commits_total)") or 0) > 0
+
+
+def test_a_killed_worker_started_again_takes_its_own_place(stack: Stack) -> None:
+    """A worker's process killed (as the kernel's out-of-memory killer ends one over its memory
+    limit): compose's `restart: on-failure` starts the same container again, named after it, and the
+    restart supersedes its dead registration in seconds, where an unnamed one held its slot and
+    data shard for the lease."""
+    stack.wait_for_workers(WORKERS)
+    victim = stack.containers("worker")[0]
+    hostname, pid = run(
+        ["podman", "inspect", victim, "--format", "{{.Config.Hostname}} {{.State.Pid}}"], 60
+    ).stdout.split()
+    os.kill(int(pid), signal.SIGKILL)
+    wait_for(
+        lambda: int(run(["podman", "inspect", victim, "--format", "{{.RestartCount}}"], 60).stdout) >= 1,
+        60,
+        f"{victim} to be started again (restart: on-failure)",
+        poll=1.0,
+        explain=stack.diagnostics,
+    )
+    (ps,) = stack.containers("ps")
+
+    def superseded() -> str | None:
+        logs = run(["podman", "logs", ps], 60)
+        lines = [line for line in (logs.stdout + logs.stderr).splitlines() if "worker evicted" in line]
+        return next((line for line in lines if f"name={hostname}" in line), None)
+
+    line = wait_for(
+        superseded, 180, f"the server to evict {victim}'s dead registration", poll=1.0, explain=stack.diagnostics
+    )
+    assert "superseded by a newer registration of its name" in line, line
+    stack.wait_for_workers(WORKERS, timeout=30)  # its restart in its place, not beside it
 
 
 def test_workers_scale_down_and_up_while_training(stack: Stack) -> None:
