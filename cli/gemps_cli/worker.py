@@ -1,11 +1,15 @@
 """`gemps worker`: one reference worker, configured by flags or GEMPS_* variables; with
 `--supervise on`, run under a supervisor that forks a new one at once when it dies
-(gemps_worker.supervisor: the imports and the data paid once)."""
+(gemps_worker.supervisor: the imports and the data paid once), every life under one name (the
+worker's, else the supervisor's host and pid), so a new life supersedes the dead one's registration."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import os
+import socket
 
 import torch
 
@@ -49,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OPTIONS
     if not supervised:
         return train(worker_options)
+    if not worker_options.name:  # its lives are one worker: each takes the last one's place (DESIGN §3)
+        worker_options = dataclasses.replace(worker_options, name=f"{socket.gethostname()}-{os.getpid()}")
+        log.info("supervised worker named %s: a new life takes a dead one's place", worker_options.name)
     try:  # once, in the supervisor: each worker it forks starts with the data in memory
         data = load_dataset(worker_options.dataset, worker_options.data_dir, worker_options.download)
     except (ValueError, DatasetError) as error:

@@ -3,15 +3,20 @@ warm supervisor and commits again; SIGTERM to the supervisor ends both (issue 77
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import gemps
 from tests.helpers import InProcessServer, wait_for
+from tests.integration.conftest import StartServer
 
 
 def _children(pid: int) -> list[int]:
@@ -37,13 +42,24 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_killed_worker_is_forked_again_and_commits_and_sigterm_ends_both(
-    server: InProcessServer, tmp_path: Path
-) -> None:
+@dataclass
+class Supervised:
+    """`gemps worker --supervise on` whose first life was SIGKILLed and whose second has committed."""
+
+    supervisor: subprocess.Popen[bytes]
+    first: int  # the killed life's pid
+    output: Path  # the supervisor's and its workers' log
+
+    def explain(self) -> str:
+        return self.output.read_text()
+
+
+@contextlib.contextmanager
+def first_life_killed(server: InProcessServer, tmp_path: Path, *flags: str) -> Iterator[Supervised]:
     report, output = tmp_path / "commits.jsonl", tmp_path / "worker.log"
     command = [
         sys.executable, "-m", "gemps_cli", "worker", "--supervise", "on", "--server", server.target,
-        "--model", "mlp", "--epochs", "100000", "--name", "w", "--report-file", str(report), "--log-every", "0",
+        "--model", "mlp", "--epochs", "100000", "--report-file", str(report), "--log-every", "0", *flags,
     ]  # fmt: skip
     with output.open("w") as log:
         supervisor = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -54,18 +70,46 @@ def test_a_killed_worker_is_forked_again_and_commits_and_sigterm_ends_both(
         (first,) = _children(supervisor.pid)
         os.kill(first, signal.SIGKILL)
         wait_for(lambda: _first_commits(report) >= 2, timeout=120, what="the second worker's commit", explain=explain)
-        (second,) = _children(supervisor.pid)
-        assert second != first
-        with gemps.Client(server.target) as observer:  # the new worker trains on: θ moves on its commits
-            version = observer.status().version
-            wait_for(lambda: observer.status().version > version, timeout=60, what="more commits", explain=explain)
-        supervisor.send_signal(signal.SIGTERM)
-        assert supervisor.wait(timeout=60) == 0, explain()  # the worker left cleanly: its exit code
+        yield Supervised(supervisor, first, output)
     finally:
         supervisor.kill()
         supervisor.wait()
+
+
+def test_a_killed_worker_is_forked_again_and_commits_and_sigterm_ends_both(
+    server: InProcessServer, tmp_path: Path
+) -> None:
+    with first_life_killed(server, tmp_path, "--name", "w") as run:
+        (second,) = _children(run.supervisor.pid)
+        assert second != run.first
+        with gemps.Client(server.target) as observer:  # the new worker trains on: θ moves on its commits
+            version = observer.status().version
+            wait_for(lambda: observer.status().version > version, timeout=60, what="more commits", explain=run.explain)
+        run.supervisor.send_signal(signal.SIGTERM)
+        assert run.supervisor.wait(timeout=60) == 0, run.explain()  # the worker left cleanly: its exit code
     assert not _alive(second)
-    logged = output.read_text()
-    assert f"restarting worker (pid {first} died with signal 9 (SIGKILL) after" in logged
+    logged = run.explain()
+    assert f"restarting worker (pid {run.first} died with signal 9 (SIGKILL) after" in logged
     assert "passing SIGTERM on to worker" in logged and "stopped by signal" in logged
     assert "worker left" in server.log()  # the second life left cleanly, not evicted
+
+
+def test_an_unnamed_supervised_workers_next_life_takes_the_dead_ones_place(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """Without --name, every life of one supervisor is named after it (host and pid): a killed
+    life's registration is superseded by the next one's in seconds, where an unnamed one held its
+    slot and data shard for the lease (here longer than the test waits)."""
+    server = start_server(lease_ttl=600)
+    with first_life_killed(server, tmp_path) as run, gemps.Client(server.target) as observer:
+        wait_for(
+            lambda: observer.status().active_workers == 1,
+            timeout=120,
+            what="the dead life's registration forgotten",
+            explain=server.log,
+        )
+        name = f"{socket.gethostname()}-{run.supervisor.pid}"
+        assert f"supervised worker named {name}" in run.explain()
+    evicted = [line for line in server.log().splitlines() if "worker evicted" in line]
+    assert len(evicted) == 1 and f"name={name}" in evicted[0], evicted
+    assert "superseded by a newer registration of its name" in evicted[0]

@@ -83,7 +83,8 @@ class SupervisorOptions:
             "and forks a new worker at once when one dies (SIGKILL, a crash, a non-zero exit): back in a second "
             "or two instead of a fresh start's import of torch; failures within 10 s of a start back off from the "
             "second in a row (1 s, doubling to 30 s) and 5 in a row end it; SIGTERM to the supervisor stops the "
-            "worker, whose exit code it returns"
+            "worker, whose exit code it returns. Every life registers under --name, else HOST-PID (the "
+            "supervisor's), so a new life takes a dead one's place in seconds, not after the server's lease"
         },
     )
 
