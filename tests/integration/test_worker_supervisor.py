@@ -34,6 +34,11 @@ def _first_commits(report: Path) -> int:
     return sum(1 for line in report.read_text().splitlines() if line.strip() and json.loads(line)["step"] == 1)
 
 
+def _steps(report: Path) -> int:
+    """How many steps the lives have reported (a line each)."""
+    return len(report.read_text().splitlines()) if report.exists() else 0
+
+
 def _alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
     try:
@@ -65,7 +70,8 @@ def first_life_killed(server: InProcessServer, tmp_path: Path, *flags: str) -> I
         supervisor = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         explain = output.read_text
-        wait_for(lambda: _first_commits(report) >= 1 or supervisor.poll() is not None, timeout=120, explain=explain)
+        # Three steps: two gaps between its commits, its pace (one killed sooner stands for the lease).
+        wait_for(lambda: _steps(report) >= 3 or supervisor.poll() is not None, timeout=120, explain=explain)
         assert supervisor.poll() is None, explain()
         (first,) = _children(supervisor.pid)
         os.kill(first, signal.SIGKILL)
