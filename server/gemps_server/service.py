@@ -196,6 +196,8 @@ class ParameterService:
                 worker_id=worker.worker_id,
             )
         worker_events.joined(self._metrics, worker, shard, len(state.registry), registered.snapshot.version)
+        if registered.shared_name:
+            worker_events.name_shared(worker)
         registration = Registration(
             worker_id=worker.worker_id,
             lease_ttl_seconds=self.config.lease_ttl,

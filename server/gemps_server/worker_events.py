@@ -4,6 +4,7 @@ The service (service.py) decides; this writes the lines operators read ("worker 
 left", "worker evicted") and counts them in the metrics. A worker given a data shard another
 registered worker holds (more workers than --num-shards: the indices wrap) is a WARNING and
 `gemps_shared_shard_registrations_total`: the two read the same batches, which nothing else shows.
+So is a name found shared by two live processes ("worker name shared"), which defeats superseding.
 """
 
 from __future__ import annotations
@@ -45,6 +46,21 @@ def joined(metrics: ServerMetrics, worker: WorkerRecord, shard: Shard, active: i
             active=active,
             detail="more workers than --num-shards: workers holding one shard read the same batches",
         )
+
+
+def name_shared(worker: WorkerRecord) -> None:
+    """`worker`'s client registered again after a newer registration of its name superseded it as
+    a dead process's (domain/namesakes.py): two live processes share its name. Said once a name."""
+    event(
+        log,
+        "worker name shared",
+        level=logging.WARNING,
+        worker_id=worker.worker_id,
+        name=worker.name,
+        detail="another live process registers under this name (give each worker its own --name, GEMPS_NAME or "
+        "Client(name=...)); its registration now holds the whole lease until its pace shows, so a restart "
+        "under it waits that long for its dead namesake's place",
+    )
 
 
 def left(metrics: ServerMetrics, worker: WorkerRecord, active: int) -> None:

@@ -73,3 +73,52 @@ def test_a_restart_takes_the_place_of_a_dead_worker_paced_by_its_commits(
     finally:
         for client in (dead, live, restarted):
             client.close()
+
+
+def test_a_restart_takes_the_place_of_a_worker_killed_before_its_pace_showed(start_server: StartServer) -> None:
+    """Killed in its set-up (an out-of-memory kill at a big model's first step), the dead worker
+    never made a request, so it had no pace and stood for the whole lease: under adamw it was
+    counted among the workers still committing (not committed yet), so every round waited for it."""
+    server = start_server(rule="adamw", learning_rate=0.01)  # the lease 60 s, no backup workers
+    gradient = np.full(P, 0.1, np.float32)
+    live = gemps.Client(server.target, name="w0", timeout=120)
+    dead = gemps.Client(server.target, name="w1", timeout=120)
+    restarted = gemps.Client(server.target, name="w1", timeout=120)
+    try:
+        live.register({"w": np.zeros(P, np.float32)})
+        slot = dead.register({"w": np.zeros(P, np.float32)}).shard.index  # then killed, before a request
+        time.sleep(1.5)  # the restart's start-up, past the 1-s floor
+        shard = restarted.register({"w": np.zeros(P, np.float32)}).shard
+        assert (restarted.status().active_workers, shard.index) == (2, slot), "the restart stood beside the dead w1"
+        # One round of K = 2: the first commit says K - 1 = 1, the second closes it.
+        pending = commit_together({"w0": live, "w1": restarted}, gradient, 1)
+        assert sorted(pending["w0"] + pending["w1"]) == [0, 1], pending
+    finally:
+        for client in (live, dead, restarted):
+            client.close()
+
+
+def test_two_live_workers_of_one_name_are_told_of_and_keep_their_places(
+    start_server: StartServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same --name given to two live workers: the second's registration takes the first, still
+    in its set-up, for a dead one. The first's next request finds itself forgotten and registers
+    again: its name is then known shared, the server warns once, and both keep their places."""
+    server = start_server()
+    first = gemps.Client(server.target, name="trainer", timeout=30)
+    second = gemps.Client(server.target, name="trainer", timeout=30)
+    try:
+        first.register({"w": np.zeros(P, np.float32)})
+        time.sleep(1.5)  # the first still loading its data
+        second.register({"w": np.zeros(P, np.float32)})
+        assert second.status().active_workers == 1  # the first taken for a dead process
+        with caplog.at_level("WARNING", logger="gemps.server"):
+            first.commit({"w": np.full(P, 0.1, np.float32)})  # refused (unknown_worker), registered again, committed
+            time.sleep(2.5)  # past the floor, the lease check twice
+            second.commit({"w": np.full(P, 0.1, np.float32)})
+            assert second.status().active_workers == 2
+        warnings = [record.getMessage() for record in caplog.records if "worker name shared" in record.getMessage()]
+        assert len(warnings) == 1 and "name=trainer" in warnings[0], warnings
+    finally:
+        for client in (first, second):
+            client.close()

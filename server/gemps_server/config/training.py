@@ -76,7 +76,7 @@ class WorkerOptions:
         metadata={
             "help": "seconds without a commit or pull before a worker is evicted; on a full server, a worker "
             "this long without a commit gives its place to a newcomer (a named worker whose restart registered "
-            "under its name goes sooner, once silent for 4x its recent pace)",
+            "under its name goes sooner, once silent for 4x its recent pace, or 1 s before its pace shows)",
             RANGE: SECONDS,
         },
     )

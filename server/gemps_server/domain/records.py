@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor
 from gemps_server.domain.ledger import CommitLedger, Receipt
 from gemps_server.domain.noise import NoiseEstimator
 from gemps_server.domain.rules import ApplyStats, CommitRule
-from gemps_server.domain.workers import SERVER_FULL, SUPERSEDED, WorkerRecord
+from gemps_server.domain.workers import WorkerRecord
 
 R = TypeVar("R")
 
@@ -149,13 +149,19 @@ class RegistrationOutcome:
     snapshot: Snapshot
     initialized_theta: bool  # this worker's initial parameters became the central variable
     displaced: WorkerRecord | None = None  # its dead namesake, or an idle worker evicted to make room
+    displaced_because: str = ""  # why: SUPERSEDED or SERVER_FULL (workers.py); "" when none was
+    # Its name, when this client's return found it shared by live processes (domain/namesakes.py): once.
+    shared_name: str = ""
 
-    @property
-    def displaced_because(self) -> str:
-        """Why `displaced` went: this worker's name superseded it (a silent namesake is the only one
-        displaced then, and an idlest one is past its pace too), or the server was full."""
-        displaced = self.displaced
-        return SUPERSEDED if displaced is not None and displaced.name == self.worker.name != "" else SERVER_FULL
+
+class Admitted(NamedTuple):
+    """A worker entered in the registry (ServerState._admit), with the one it displaced and why,
+    and its name when its client's return found the name shared."""
+
+    worker: WorkerRecord
+    displaced: WorkerRecord | None
+    because: str
+    shared_name: str
 
 
 @dataclass(frozen=True)

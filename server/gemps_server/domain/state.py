@@ -31,6 +31,7 @@ from gemps_server.domain.journal import Committed, Departed, Entry, Joined
 from gemps_server.domain.noise import NOISE_WINDOW_AUTO, NoiseEstimator
 from gemps_server.domain.records import (
     ALL_OF_THETA,
+    Admitted,
     Held,
     PartitionOf,
     RegistrationOutcome,
@@ -38,7 +39,7 @@ from gemps_server.domain.records import (
 from gemps_server.domain.room import capacity, check_room, out_of_memory
 from gemps_server.domain.rules import CommitRule, RuleRuntime
 from gemps_server.domain.worker_copies import WorkerCopies
-from gemps_server.domain.workers import LEASE_EXPIRED, SUPERSEDED, WorkerRecord, WorkerRegistry
+from gemps_server.domain.workers import LEASE_EXPIRED, SERVER_FULL, SUPERSEDED, WorkerRecord, WorkerRegistry
 from gemps_server.memory_budget import MemoryBudget
 
 # How long the worker told to initialise the central variable has to send its values, while
@@ -150,7 +151,7 @@ class ServerState:
                 validation.check_same_spec((self.spec, self.core.buffer_spec), (spec, buffer_spec))
             encoded = encode_theta and not initialized
             snapshot = self.core.encoded(FLOAT32) if encoded else self.core.with_buffers(self.core.snapshot)
-            worker, displaced = self._admit(worker_name, client_id, budgeted=True)
+            admitted = self._admit(worker_name, client_id, budgeted=True)
         except MemoryError:
             refusal = out_of_memory(self.worker_state_bytes)  # named before a first θ is forgotten
             self._undo(first)
@@ -159,13 +160,14 @@ class ServerState:
             self._undo(first)
             raise
         first_values = (initial, initial_buffers) if first else (None, None)
+        worker, displaced = admitted.worker, admitted.displaced
         displaced_id = displaced.worker_id if displaced is not None else ""
         joined = Joined(
             worker.worker_id, worker_name, client_id, spec, buffer_spec, *first_values, displaced_id,
             self.job if first else "",
         )  # fmt: skip
         self.core.journal.append(joined)
-        return RegistrationOutcome(worker, snapshot, initialized, displaced)
+        return RegistrationOutcome(worker, snapshot, initialized, displaced, admitted.because, admitted.shared_name)
 
     def leave(self, worker_id: str) -> WorkerRecord:
         worker = self.registry.get(worker_id)
@@ -179,7 +181,10 @@ class ServerState:
         gone = dict.fromkeys(registry.superseded(), SUPERSEDED) | dict.fromkeys(registry.expired(), LEASE_EXPIRED)
         evicted = []
         for worker_id, reason in gone.items():
-            evicted.append((self.registry.get(worker_id), reason))
+            worker = registry.get(worker_id)
+            evicted.append((worker, reason))
+            if reason == SUPERSEDED:
+                registry.shared_names.superseded(worker.client_id, worker.name)
             self._forget(worker_id)
         if evicted:
             self.core.journal.append(Departed(tuple(worker.worker_id for worker, _ in evicted)))
@@ -249,41 +254,47 @@ class ServerState:
         worker_id: str = "",
         displaced_id: str | None = None,
         budgeted: bool = False,
-    ) -> tuple[WorkerRecord, WorkerRecord | None]:
+    ) -> Admitted:
         """Add a worker (a new id unless `worker_id` is given), replacing its client's previous
         registration, and a silent worker of its name (its process's dead registration:
         WorkerRegistry.silent_namesake), else the idlest when the registry (or, when `budgeted`, the
-        memory budget) is full, unless `displaced_id` says which one the primary displaced ("" none);
-        the worker and the one displaced. Its rule state is allocated first: a refusal or a
-        MemoryError leaves every worker as it was (a replica replays unbudgeted: the primary decided)."""
+        memory budget) is full, unless `displaced_id` says which one the primary displaced ("" none).
+        Its rule state is allocated first: a refusal or a MemoryError leaves every worker as it was
+        (a replica replays unbudgeted: the primary decided)."""
         rule = self.core.rule
         assert rule is not None
-        previous = self.registry.of_client(client_id)
+        registry = self.registry
+        previous = registry.of_client(client_id)
         leaving = [previous.worker_id] if previous is not None else []
-        most = self.registry.max_workers
+        most = registry.max_workers
         room = capacity(most, self.memory, self.worker_state_bytes) if budgeted else most
+        shared_name, namesake, because = "", None, ""
         if displaced_id is None:
-            full = len(self.registry) - len(leaving) >= room
-            displaced = self.registry.silent_namesake(name, excluding=leaving)  # its dead self, restarted
+            full = len(registry) - len(leaving) >= room
+            shared_name = registry.shared_names.returned(client_id)  # before its namesakes are timed
+            displaced = namesake = registry.silent_namesake(name, excluding=leaving)  # its dead self, restarted
+            because = SUPERSEDED
             if displaced is None and full:
-                displaced = self.registry.idlest(excluding=leaving)
-        else:
-            displaced = self.registry.get(displaced_id) if displaced_id else None
+                displaced, because = registry.idlest(excluding=leaving), SERVER_FULL
+        else:  # a replica replaying its primary's choice, which the primary logged
+            displaced = registry.get(displaced_id) if displaced_id else None
         leaving += [displaced.worker_id] if displaced is not None else []
         if budgeted:
-            check_room(len(self.registry) - len(leaving), most, self.memory, self.worker_state_bytes)
+            check_room(len(registry) - len(leaving), most, self.memory, self.worker_state_bytes)
         worker_id = worker_id or uuid.uuid4().hex
         rule.add_worker(worker_id, self.core.theta)  # may raise MemoryError: nothing else changed yet
         try:
             for gone in leaving:
                 self._forget(gone)
-            worker = self.registry.add(name, client_id, worker_id=worker_id)
+            worker = registry.add(name, client_id, worker_id=worker_id)
         except BaseException:
             rule.remove_worker(worker_id)
             raise
+        if namesake is not None:
+            registry.shared_names.superseded(namesake.client_id, namesake.name)
         self.core.copies.fit()  # the workers' state comes first: reply copies that no longer fit go
         self.core.ledger.activate(worker.scope)
-        return worker, displaced
+        return Admitted(worker, displaced, because if displaced is not None else "", shared_name)
 
     def _undo(self, first: bool) -> None:
         """Forget θ again after the first registration failed part-way: nothing else was held before it."""

@@ -13,6 +13,7 @@ from gemps_proto.reasons import Reason
 from gemps_proto.schema import Shard
 from gemps_proto.status import RecentCommits, WorkerStatus
 from gemps_server.domain.errors import NotFound, ResourceExhausted
+from gemps_server.domain.namesakes import SharedNames
 from gemps_server.domain.recent import RecentWindow
 from gemps_server.domain.rules.base import ApplyStats
 
@@ -20,7 +21,9 @@ from gemps_server.domain.rules.base import ApplyStats
 # the same name) is gone once silent for SUPERSEDED_GAPS times the longest of its last PACE_GAPS
 # gaps between requests (its pace now, not a start-up's waits), at least SUPERSEDED_FLOOR_SECONDS
 # and at most the lease. A live worker of that name is heard from well within that and keeps its
-# place; one whose pace is not known yet keeps the whole lease.
+# place. One whose pace is not known yet (killed in its set-up, or at its first step) is gone after
+# the floor, unless its name is found shared by live processes (namesakes.py) or it was taken over
+# from an image (a new primary times nothing it did not see): then it keeps the whole lease.
 SUPERSEDED_GAPS = 4
 PACE_GAPS = 16
 SUPERSEDED_FLOOR_SECONDS = 1.0
@@ -43,6 +46,7 @@ class WorkerRecord:
     # Its last PACE_GAPS gaps between requests (the wait from registering to its first request,
     # which may hold a model's set-up, is not one); None: no request since registering.
     gaps: deque[float] | None = None
+    taken_over: bool = False  # adopted from a replica image, not seen registering here
 
     def heard(self, now: float) -> None:
         """A request from this worker now: its lease, and its pace."""
@@ -97,6 +101,7 @@ class WorkerRegistry:
         self._free_slots: list[int] = []  # min-heap of slots released by departed workers
         self._next_slot = 0
         self.recent = RecentWindow(clock())  # every commit applied here in the last minute, whoever left since
+        self.shared_names = SharedNames()  # names more than one live process registers under
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -260,10 +265,11 @@ class WorkerRegistry:
         now = self.clock()
         self._workers = {
             w.worker_id: WorkerRecord(
-                w.worker_id, w.name, w.slot, now, w.commits, now, w.client_id, RecentWindow(now), registered=now
+                w.worker_id, w.name, w.slot, now, w.commits, now, w.client_id, RecentWindow(now), registered=now,
+                taken_over=True,
             )
             for w in image.workers
-        }
+        }  # fmt: skip
         self._by_client = {w.client_id: w.worker_id for w in image.workers if w.client_id}
         self._by_slot = [None] * image.next_slot
         for record in self._workers.values():
@@ -325,6 +331,7 @@ class WorkerRegistry:
 
     def _superseded_silence(self, record: WorkerRecord) -> float:
         pace = record.pace
-        if pace <= 0.0:  # not known yet
-            return self.lease_ttl
+        if pace <= 0.0:  # not known yet: a name is one process's, unless found shared
+            keeps_lease = record.taken_over or record.name in self.shared_names
+            return self.lease_ttl if keeps_lease else min(self.lease_ttl, SUPERSEDED_FLOOR_SECONDS)
         return min(self.lease_ttl, max(SUPERSEDED_FLOOR_SECONDS, SUPERSEDED_GAPS * pace))
