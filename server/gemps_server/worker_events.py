@@ -4,7 +4,8 @@ The service (service.py) decides; this writes the lines operators read ("worker 
 left", "worker evicted") and counts them in the metrics. A worker given a data shard another
 registered worker holds (more workers than --num-shards: the indices wrap) is a WARNING and
 `gemps_shared_shard_registrations_total`: the two read the same batches, which nothing else shows.
-So is a name found shared by two live processes ("worker name shared"), which defeats superseding.
+A name found shared by two live processes is a WARNING too ("worker name shared"): it keeps a
+restart under that name waiting for its dead namesake's lease.
 """
 
 from __future__ import annotations
