@@ -16,11 +16,14 @@ since 16 workers polling every 20 ms kept a server of 0.3 of a core busy enough 
 rounds' pace on the comparison's rig. A dropped gradient's reply says 0: its θ is the open round's,
 to take the next gradient on.
 
-A round can be left waiting for commits that will not come: workers that left or were evicted
-after the round counted them, when every live worker already committed to it. So a wait ends
-after four times the longest round this client has waited for (at least IDLE_SECONDS; the first
-one after ROUND_WAIT_SECONDS), with a WARNING: the caller gets θ as it is, and its next gradient,
-taken on that θ, joins the same round and helps close it.
+A round can be left holding every commit it waits for with nobody to close it: a worker left or
+was evicted after the others committed to it, and they wait for θ. The server answers their held
+pulls as it departs, saying so (PullResponse.round_closable, from every server of θ): the wait ends
+at once, and the caller's next gradient, taken on θ as it is, closes the round (the others' are
+dropped as stale, a gradient each). A round can also wait for commits that will not come, from a
+worker killed without leaving, until the server stops counting it: so a wait ends after four times
+the longest round this client has waited for (at least IDLE_SECONDS; the first one after
+ROUND_WAIT_SECONDS), with a WARNING; the caller's next gradient joins the same round.
 """
 
 from __future__ import annotations
@@ -81,10 +84,16 @@ class RoundWaits:
             return ROUND_WAIT_SECONDS
         return min(ROUND_WAIT_SECONDS, max(IDLE_SECONDS, 4 * self.longest))
 
-    def after(self, result: CommitResult, pull: Callable[[float], CentralVariable]) -> CommitResult:
+    def after(
+        self,
+        result: CommitResult,
+        pull: Callable[[float], CentralVariable],
+        closable: Callable[[], bool] = lambda: False,
+    ) -> CommitResult:
         """`result` with θ once it moved after this commit's round (`pull(wait)`: the client's
-        pull, held up to `wait` seconds by the server until θ moves); `result` itself when the
-        commit moved θ or the rule has no rounds."""
+        pull, held up to `wait` seconds by the server until θ moves; `closable()`: whether that
+        pull said the round holds every commit it waits for); `result` itself when the commit
+        moved θ, the rule has no rounds, or the round waits for no other commit."""
         if not result.round_pending:
             return result
         started, limit, pause, longest_pause = self.clock(), self.limit(), FIRST_PAUSE, self.longest_pause()
@@ -99,6 +108,13 @@ class RoundWaits:
                 self.longest = waited if self.longest is None else max(self.longest, waited)
                 self.recent = waited if self.recent == 0 else 0.75 * self.recent + 0.25 * waited
                 return dataclasses.replace(result, parameters=central)
+            if closable():
+                log.info(
+                    "the round has every commit it waits for (a worker left after the others committed to it): "
+                    "going on from θ as it is (version %d), whose gradient closes that round",
+                    held.version,
+                )
+                return result
             if waited >= limit:
                 log.warning(
                     "θ did not move for %.1f s after a commit its round needed %d more for: going on from "
@@ -111,11 +127,22 @@ class RoundWaits:
                 pause = min(longest_pause, 2 * pause)
 
 
+class TellsOfRounds(Protocol):
+    """What a client's last pull heard of the round open on its servers (gemps.router)."""
+
+    @property
+    def round_closable(self) -> bool: ...
+
+
 class WaitsForRounds(Protocol):
-    """A client whose commits wait for their round: its waits, and its pull (a call of its own)."""
+    """A client whose commits wait for their round: its waits, its pull (a call of its own), and
+    what that pull heard of the round."""
 
     @property
     def _rounds(self) -> RoundWaits: ...
+
+    @property
+    def _router(self) -> TellsOfRounds: ...
 
     def pull(self, *, wait: float = 0.0) -> CentralVariable: ...
 
@@ -130,6 +157,9 @@ def waits_for_round(commit: Callable[Concatenate[C, P], CommitResult]) -> Callab
 
     @functools.wraps(commit)
     def committed(self: C, /, *args: P.args, **kwargs: P.kwargs) -> CommitResult:
-        return self._rounds.after(commit(self, *args, **kwargs), lambda wait: self.pull(wait=wait))
+        router = self._router
+        return self._rounds.after(
+            commit(self, *args, **kwargs), lambda wait: self.pull(wait=wait), lambda: router.round_closable
+        )
 
     return committed

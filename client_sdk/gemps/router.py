@@ -137,6 +137,7 @@ class PartitionRouter:
         self.registered_with: Vector | None = None  # the initial values registered
         self.buffers = Buffers()  # the newest central buffers received (partition 0's)
         self.central: CentralVariable | None = None  # the newest central variable received
+        self.round_closable = False  # the last pull's: each server's open round has every commit it waits for
         self._sequence = 0  # the number of this client's last commit (see CommitCall.sequence)
         # Request ids: a prefix of this router's own, random, then the commit's number: unique per
         # client (the ledger's scope), and never one of the 32-hex-digit ids older checkpoints hold.
@@ -197,6 +198,7 @@ class PartitionRouter:
                 session.received(pulled.version, pulled.parameters, pulled.history)
                 self._received_buffers(pulled.buffers)
                 changed = True
+        self.round_closable = all(pulled.round_closable for pulled in replies)  # gemps.rounds
         if changed or self.central is None:
             self.central = self._assemble()
         return self.central
@@ -409,8 +411,7 @@ class PartitionRouter:
                 return None
         if address == self.sessions[index].target:
             return None
-        if index == 0:
-            self.target = address
+        self.target = address if index == 0 else self.target
         return self.connect(address)
 
     def _address_of(self, index: int, layout: Layout) -> str:
@@ -437,8 +438,7 @@ class PartitionRouter:
         )
 
     def _received_buffers(self, buffers: Buffers | None) -> None:
-        if buffers is not None:  # replies leave them out for a model without buffers
-            self.buffers = buffers
+        self.buffers = self.buffers if buffers is None else buffers  # left out for a model without buffers
 
 
 def _all_or_raise(outcomes: Sequence[T | errors.GempsError]) -> list[T]:

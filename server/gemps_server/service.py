@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -42,9 +41,10 @@ from gemps_server.domain.records import Commit, CommitOutcome, R, RegistrationOu
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.validation import check_evaluation, check_pull_wait, check_reply_dtype, check_upload
 from gemps_server.domain.workers import WorkerRecord
-from gemps_server.logs import Throttle, event
+from gemps_server.logs import event
 from gemps_server.metrics import ServerMetrics
 from gemps_server.partition_addresses import PartitionAddresses
+from gemps_server.refusals import Refusals
 from gemps_server.replicas import NO_REPLICAS, Replicas, acknowledged
 from gemps_server.security import RateLimiter, Tickets
 from gemps_server.service_reads import DataPlaneOffer, partition_layout, server_status
@@ -56,10 +56,6 @@ log = logging.getLogger("gemps.server")
 # Commits of models up to this size (about 0.2 ms of GEM's update) may run on the event loop
 # when the applier is idle; larger ones always go to its thread, so the loop keeps serving.
 INLINE_MAX_PARAMETERS = 250_000
-
-
-# The RPCs that commit: a refusal of either counts as a rejected commit (Status, metrics).
-COMMIT_METHODS = frozenset({"Commit", "CommitStream"})
 
 
 class ParameterService:
@@ -82,15 +78,12 @@ class ParameterService:
         # Registrations carry a ticket once the data plane listens; its key is shared with
         # replication when replicated (its partition's one key).
         self.data_plane = DataPlaneOffer(tickets or Tickets())
-        self._rejected_lock = threading.Lock()  # refusals are counted from several threads
         self._registrations = RateLimiter(config.max_registrations_per_minute)
         self._started = time.monotonic()
         self._addresses = PartitionAddresses(config.partition_addresses, config.partitions)
-        self.commits_rejected = 0
         self.last_evaluation: Evaluation | None = None
-        # A misbehaving client can send thousands of bad requests a second: log at most one line
-        # per (method, reason) a second, counting the lines left out; the metrics count every one.
-        self._rejection_log = Throttle(interval=1.0)
+        self._refusals = Refusals(metrics)  # counted and logged, throttled
+        self.rejected = self._refusals.rejected
         # Pulls held until θ moves (PullRequest.wait_seconds): half the concurrent calls at most.
         self.waits = ThetaWaits(limit=config.max_concurrent_rpcs // 2)
 
@@ -126,6 +119,11 @@ class ParameterService:
     def num_parameters(self) -> int:
         """P held here: the length of θ (this partition's range), 0 before it is initialised."""
         return self._state.core.num_parameters
+
+    @property
+    def round_closable(self) -> bool:
+        """Whether the round open now holds every commit it waits for (CommitCore.round_closable)."""
+        return self._state.core.round_closable
 
     def require_primary(self) -> None:
         """Unavailable (not_primary) unless this replica is its partition's primary (or the
@@ -186,6 +184,7 @@ class ParameterService:
         await self._addresses.refreshed()  # the layout as announced now (the file: read off the loop)
         if (displaced := registered.displaced) is not None:
             self._evicted([displaced], reason=registered.displaced_because)
+            self._workers_changed()
         if registered.initialized_theta:
             tune_for(4 * state.core.num_parameters)
             event(
@@ -267,7 +266,8 @@ class ParameterService:
         ThetaWaits.hold, `wake` called from the thread that counted the commit that moved θ.
         None: no `wait`, or no hold (answer now); InvalidArgument for a `wait` out of range."""
         check_pull_wait(wait)
-        return self.waits.hold(lambda: self.unchanged(known_version), wake) if wait else None
+        unmoved = lambda: self.unchanged(known_version) and not self.round_closable  # noqa: E731
+        return self.waits.hold(unmoved, wake) if wait else None
 
     def unchanged(self, known_version: int, version: int | None = None) -> bool:
         """Whether a caller holding θ at `known_version` holds θ at `version` (the current one by
@@ -345,17 +345,7 @@ class ParameterService:
         if not outcome.unchanged:  # else its reply carries no θ
             traffic.tensor_bytes("sent", sent, expected_payload_nbytes(sent, (self._state.core.num_parameters,)))
         if outcome.duplicate:
-            self._metrics.duplicate()
-            suppressed = self._rejection_log.allow(("Commit", "duplicate"))
-            if suppressed is not None:
-                event(
-                    log,
-                    "duplicate commit",
-                    worker_id=commit.worker_id,
-                    request_id=commit.request_id,
-                    version=outcome.snapshot.version,
-                    suppressed=suppressed,
-                )
+            self._refusals.duplicate(commit.worker_id, commit.request_id, outcome.snapshot.version)
             return outcome, built
         if not outcome.stats.kept_theta:
             self.waits.moved()  # the pulls held for θ to move (a round's waiting workers)
@@ -373,6 +363,7 @@ class ParameterService:
         self._replicas.require_primary()
         state = self._state
         worker = await self._applier.submit(lambda: state.leave(worker_id))
+        self._workers_changed()
         worker_events.left(self._metrics, worker, len(state.registry))
 
     async def status(self) -> ServerStatus:
@@ -380,7 +371,7 @@ class ParameterService:
         return server_status(
             self.config,
             self._state,
-            commits_rejected=self.commits_rejected,
+            commits_rejected=self._refusals.commits_rejected,
             uptime_seconds=time.monotonic() - self._started,
             last_evaluation=self.last_evaluation,
             layout=self.layout(),
@@ -418,27 +409,16 @@ class ParameterService:
         except ServiceError:
             return
         evicted = await self._applier.submit(self._state.evict_expired)
+        self._workers_changed()
         for reason in dict.fromkeys(reason for _, reason in evicted):
             self._evicted([worker for worker, why in evicted if why == reason], reason)
+
+    def _workers_changed(self) -> None:
+        """Workers left: the pulls held for θ to move are answered if the round they wait on now
+        holds every commit it waits for (their next commits close it: PullResponse.round_closable)."""
+        if self.round_closable:
+            self.waits.moved()
 
     def _evicted(self, workers: list[WorkerRecord], reason: str) -> None:
         """Count and log workers the server forgot without their leaving."""
         worker_events.evicted(self._metrics, workers, reason, self.config.lease_ttl, len(self._state.registry))
-
-    def rejected(self, method: str, error: ServiceError, status: str) -> None:
-        """Count and log (throttled) a request refused with gRPC status `status`."""
-        if method in COMMIT_METHODS:
-            with self._rejected_lock:
-                self.commits_rejected += 1
-            self._metrics.rejected(error.reason)
-        suppressed = self._rejection_log.allow((method, error.reason))
-        if suppressed is not None:
-            event(
-                log,
-                "rejected",
-                method=method,
-                code=status,
-                reason=error.reason.value,
-                detail=error.message,
-                suppressed=suppressed,
-            )

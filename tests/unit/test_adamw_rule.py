@@ -299,3 +299,44 @@ def test_a_worker_silent_for_two_rounds_of_commits_no_longer_sizes_the_round() -
     # The ghost counted while its last commit is among the last 2N = 8 versions; then no longer.
     assert sizes == [4, 4, 3, 3, 3]
     assert len(state.registry) == 4  # still registered: only the round's size changed
+
+
+def test_a_departure_that_leaves_the_round_all_it_waits_for_makes_it_closable_until_theta_moves() -> None:
+    """Three workers, two committed to the round (K 3): the third leaving makes K 2, which the round
+    holds, and nobody commits while the two wait for θ. The core says so (CommitCore.round_closable,
+    what a held pull is answered with) until the next commit closes the round; a dropped commit in
+    between moves no θ and leaves it said; a registration that raises K again takes it back."""
+    state = ServerState(training("adamw", learning_rate=3e-3), WorkerRegistry(max_workers=8, lease_ttl=3600))
+    spec = [ParameterSpec("w", (P,))]
+
+    def joined(name: str) -> str:
+        return state.register(name, spec, encoded(np.ones(P, np.float32)), client_id=name * 8).worker.worker_id
+
+    a, b, leaving = (joined(name) for name in "abc")
+    core, rng = state.core, np.random.default_rng(11)
+
+    def commit(worker: str, base: int) -> ApplyStats:
+        return core.commit_record(Commit(worker, base, PayloadKind.GRADIENT, encoded(gradients(rng, 1)[0]))).stats
+
+    assert not core.round_closable  # no commit in the round
+    assert [commit(worker, 0).pending for worker in (a, b)] == [2, 1]
+    assert not core.round_closable  # it waits for the third
+    state.leave(leaving)
+    assert core.round_closable and core.version == 2
+    late = joined("d")  # K 3 again: the newcomer's commit is awaited
+    assert not core.round_closable
+    state.leave(late)
+    assert core.round_closable
+    held = core.theta_copy()
+    assert commit(a, 0).pending == 0  # on the round's θ: the third gradient of a round of 2 closes it
+    assert not np.array_equal(core.theta_copy(), held) and not core.round_closable
+    assert commit(a, 3).pending == 1  # round 2 (from version 3): a, then b leaves: K 1, which it holds
+    state.leave(b)
+    assert core.round_closable
+    held = core.theta_copy()
+    assert commit(a, 0).pending == 0 and core.round_closable  # taken before round 2 began: dropped
+    np.testing.assert_array_equal(core.theta_copy(), held)
+    assert commit(a, 4).pending == 0 and not core.round_closable  # closes it
+    assert not np.array_equal(core.theta_copy(), held)
+    state.leave(a)  # a round with nothing in it is not closable
+    assert not core.round_closable

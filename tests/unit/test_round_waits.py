@@ -117,3 +117,34 @@ def test_a_held_wait_asks_no_further_than_the_round_s_limit(caplog: pytest.LogCa
         result = rounds.after(held := committed(5, pending=2), server.pull)
     assert result is held and server.now == pytest.approx(8.0)
     assert server.waits == pytest.approx([3.0, 3.0, 2.0]) and server.pauses == []
+
+
+class DepartingServer(Clock):
+    """A server whose θ never moves: the worker its round waits for leaves at `left_at`, and a
+    held pull is answered then, the round closable from then on."""
+
+    def __init__(self, left_at: float) -> None:
+        super().__init__(moves_at=None)
+        self.left_at = left_at
+
+    def pull(self, wait: float = 0.0) -> CentralVariable:
+        self.now = min(self.now + wait, max(self.now, self.left_at))
+        return super().pull()
+
+    def closable(self) -> bool:
+        return self.now >= self.left_at
+
+
+def test_a_round_a_departure_left_closable_ends_the_wait_when_the_server_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The worker the round waited for leaves at 0.3 s, the others waiting: the server answers the
+    held pull then, saying the round holds every commit it waits for. The commit is handed back at
+    once, θ as it is, with no warning, where it waited out the limit (60 s in a first round)."""
+    server = DepartingServer(left_at=0.3)
+    rounds = RoundWaits(clock=lambda: server.now, sleep=server.sleep, hold=2.0)
+    with caplog.at_level(logging.INFO, logger="gemps.rounds"):
+        result = rounds.after(held := committed(5, pending=2), server.pull, server.closable)
+    assert result is held and server.now == pytest.approx(0.3) and server.pauses == []
+    assert [record.levelno for record in caplog.records] == [logging.INFO]
+    assert "has every commit it waits for" in caplog.text and rounds.longest is None  # no round closed

@@ -67,6 +67,8 @@ class CommitCore:
         self._latest: weakref.ref[Snapshot] = weakref.ref(Snapshot(0))  # dead at once: see `snapshot`
         # The versions, first to last, that held one θ: commits a rule of rounds took without moving it.
         self._unmoved = (0, -1)
+        # The version at which a departure left the open round every commit it waits for (-1: none).
+        self._closable_at = -1
         # Where a payload its client can still write is copied before it is read (_landed).
         self._landing = np.empty(0, dtype=np.float32)
         # Where a coded payload (int8, int4, top-k) is decoded: P float32 values each commit, which at
@@ -116,7 +118,7 @@ class CommitCore:
     def forget_snapshot(self) -> None:
         """No encoding of the θ held until now is served any more (θ was replaced)."""
         self._latest = weakref.ref(Snapshot(0))  # dead at once
-        self._unmoved = (0, -1)
+        self._unmoved, self._closable_at = (0, -1), -1
 
     def same_theta(self, known_version: int, version: int) -> bool:
         """Whether θ at `known_version` is θ at `version`, the current one: the same version, or
@@ -262,6 +264,23 @@ class CommitCore:
             for scope in self.registry.scopes()
             if scope == committing or (last := self.ledger.last_version(scope)) is None or self.version - last < window
         )
+
+    @property
+    def round_closable(self) -> bool:
+        """Whether the round open now holds every commit it waits for, as `workers_changed` found
+        it, θ unmoved since: a pull's unchanged reply says so (PullResponse.round_closable)."""
+        at = self._closable_at  # one read: the applier replaces it
+        return at >= 0 and self.same_theta(at, self.version)
+
+    def workers_changed(self) -> bool:
+        """Once workers joined or left (on the applier): whether the round open now holds every
+        commit it waits for, so the next commit closes it (workers left after the others committed
+        to it, and nobody commits while they wait for θ); `round_closable` until θ moves."""
+        rule = self.rule
+        live = self.live_workers("") if rule is not None and rule.counts_live_workers else None
+        closable = rule is not None and rule.round_closable(live)
+        self._closable_at = self.version if closable else -1
+        return closable
 
     def journalled(self, commit: Commit) -> int:
         """Record applied `commit` in the journal (the compiled core's commits too): its position."""

@@ -337,7 +337,7 @@ class Connection:
             snapshot = yield Call(lambda deliver: service.pull_then(request.worker_id, known, dtype, deliver, wait))
             unchanged = service.unchanged(known, snapshot.version)
             reply = messages.pull_stream_header_to_proto(
-                snapshot, unchanged, dtype, service.num_parameters, service.history
+                snapshot, unchanged, dtype, service.num_parameters, service.history, service.round_closable
             ).header
             data = b"" if unchanged else snapshot.data(dtype) or b""
             if pull.shared:

@@ -293,7 +293,7 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         reply_dtype = reply_dtype_from_proto(request.reply_dtype)
         snapshot, unchanged = await self._pull(request, context)
         if unchanged:
-            return messages.unchanged_to_proto(snapshot.version, self.service.history)
+            return messages.unchanged_to_proto(snapshot.version, self.service.history, self.service.round_closable)
         return messages.pull_to_proto(snapshot, reply_dtype, self.service.num_parameters, self.service.history)
 
     @rpc
@@ -304,8 +304,9 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         pull holds no copy of θ of its own, however many run at once."""
         reply_dtype = reply_dtype_from_proto(request.reply_dtype)
         snapshot, unchanged = await self._pull(request, context)
+        service = self.service
         yield messages.pull_stream_header_to_proto(
-            snapshot, unchanged, reply_dtype, self.service.num_parameters, self.service.history
+            snapshot, unchanged, reply_dtype, service.num_parameters, service.history, service.round_closable
         )
         if not unchanged:
             for frame in data_frames(snapshot.data(reply_dtype) or b""):

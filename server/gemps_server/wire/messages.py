@@ -222,17 +222,22 @@ def pull_to_proto(snapshot: Snapshot, reply_dtype: int, num_parameters: int, his
 
 
 def pull_stream_header_to_proto(
-    snapshot: Snapshot, unchanged: bool, reply_dtype: int, num_parameters: int, history: str = ""
+    snapshot: Snapshot,
+    unchanged: bool,
+    reply_dtype: int,
+    num_parameters: int,
+    history: str = "",
+    closable: bool = False,
 ) -> pb.PullResponseChunk:
     """PullStream's first reply: the PullResponse whose parameters say dtype and shape (unless
-    `unchanged`); the data follows in pieces."""
+    `unchanged`: then whether the round open now is `closable`); the data follows in pieces."""
     if unchanged:
-        return pb.PullResponseChunk(header=unchanged_to_proto(snapshot.version, history))
+        return pb.PullResponseChunk(header=unchanged_to_proto(snapshot.version, history, closable))
     header = pb.PullResponse(version=snapshot.version, history=history)
     set_buffers(header, snapshot)
     framing.announce(header.parameters, reply_dtype, num_parameters)
     return pb.PullResponseChunk(header=header)
 
 
-def unchanged_to_proto(version: int, history: str = "") -> pb.PullResponse:
-    return pb.PullResponse(version=version, unchanged=True, history=history)
+def unchanged_to_proto(version: int, history: str = "", closable: bool = False) -> pb.PullResponse:
+    return pb.PullResponse(version=version, unchanged=True, history=history, round_closable=closable)

@@ -225,6 +225,9 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         registered = self.registered()
         return self.round_size or max(1, min(registered - self.backup_workers, registered if live is None else live))
 
+    def round_closable(self, live_workers: int | None) -> bool:
+        return 0 < self._buffered >= self.period(live_workers)
+
     def global_state(self, workers: bool = True) -> dict[str, np.ndarray]:
         counts = (self._steps, self._buffered, self._round_start)
         # float64 holds every count a run reaches exactly (float32 would round past 2**24 versions)

@@ -261,6 +261,13 @@ class CommitRule(ABC):
     def remove_worker(self, worker_id: str) -> None:  # noqa: B027 (optional hook)
         """A worker left or was evicted: free its state."""
 
+    def round_closable(self, live_workers: int | None) -> bool:
+        """A rule of rounds: whether the round open now already holds every commit it waits for
+        (`live_workers` still committing, as StepContext.live_workers), so that the next commit
+        closes it: workers that left after the others committed to it. False, the default: θ
+        moves at every commit."""
+        return False
+
     @classmethod
     def worker_state_bytes(cls, num_parameters: int) -> int:
         """Bytes of state one registered worker holds for a model of `num_parameters` (memory accounting)."""
