@@ -17,28 +17,31 @@ import pytest
 
 import gemps
 from gemps.records import CommitResult
-from tests.helpers import wait_for
+from tests.helpers import start_partitions, wait_for
 from tests.integration.commit_threads import commit_together
 from tests.integration.conftest import StartServer
 
 P = 32
 
 
-@pytest.mark.parametrize("plane", ["grpc", "data"])
+@pytest.mark.parametrize("plane,partitions", [("grpc", 1), ("data", 1), ("data", 2)])
 def test_the_workers_waiting_on_a_round_a_departure_completed_go_on_at_once(
-    start_server: StartServer, plane: str, caplog: pytest.LogCaptureFixture
+    start_server: StartServer, plane: str, partitions: int, caplog: pytest.LogCaptureFixture
 ) -> None:
-    server = start_server(rule="adamw", learning_rate=0.01)  # no backups: K = the workers registered
+    """Partitioned, each server's round is told apart: a worker goes on once every one says so."""
+    # No backups: K = the workers registered.
+    servers = start_partitions(start_server, partitions, rule="adamw", learning_rate=0.01)
     gradient = np.full(P, 0.1, np.float32)
     names = ("a", "b", "leaving")
-    clients = {name: gemps.Client(server.target, name=name, plane=plane, timeout=120) for name in names}
+    clients = {name: gemps.Client(servers[0].target, name=name, plane=plane, timeout=120) for name in names}
     caplog.set_level(logging.INFO, logger="gemps.rounds")
     try:
         for client in clients.values():
             client.register({"w": np.zeros(P, np.float32)})
         with ThreadPoolExecutor(2) as executor:
             waiting = {name: executor.submit(clients[name].commit, gradient) for name in ("a", "b")}
-            wait_for(lambda: len(server.server.service.waits) == 2, 30, "both commits' round waits held")
+            held = lambda: all(len(server.server.service.waits) == 2 for server in servers)  # noqa: E731
+            wait_for(held, 30, "both commits' round waits held")
             assert not any(result.done() for result in waiting.values())  # K = 3: the round waits for "leaving"
             left = time.monotonic()
             clients.pop("leaving").close()  # leaves: K = 2, and the round has its 2
