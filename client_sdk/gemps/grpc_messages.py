@@ -126,7 +126,7 @@ def pull_request(call: PullCall, wire_dtype: int) -> bytes:
 
 def pulled_from_proto(reply: pb.PullResponse, parameters: Vector | None) -> Pulled:
     """A Pull reply (unary or streamed) with its central variable, decoded by the caller."""
-    return Pulled(reply.version, parameters, buffers_from_proto(reply), reply.history, reply.round_closable)
+    return Pulled(reply.version, parameters, buffers_from_proto(reply), reply.history, reply.round_takes_next)
 
 
 def pull_reply(data: bytes) -> Pulled:

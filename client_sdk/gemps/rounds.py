@@ -16,14 +16,16 @@ since 16 workers polling every 20 ms kept a server of 0.3 of a core busy enough 
 rounds' pace on the comparison's rig. A dropped gradient's reply says 0: its θ is the open round's,
 to take the next gradient on.
 
-A round can be left holding every commit it waits for with nobody to close it: a worker left or
-was evicted after the others committed to it, and they wait for θ. The server answers their held
-pulls as it departs, saying so (PullResponse.round_closable, from every server of θ): the wait ends
-at once, and the caller's next gradient, taken on θ as it is, closes the round (the others' are
-dropped as stale, a gradient each). A round can also wait for commits that will not come, from a
-worker killed without leaving, until the server stops counting it: so a wait ends after four times
-the longest round this client has waited for (at least IDLE_SECONDS; the first one after
-ROUND_WAIT_SECONDS), with a WARNING; the caller's next gradient joins the same round.
+A round can want the waiting workers' next gradients rather than others': a worker left or was
+evicted after the others committed to it, so it holds every commit it waits for and nobody commits
+to close it; or its size (round_size) is above the workers, so it needs more than one gradient of
+each. The server answers the held pulls as that happens, saying so (PullResponse.round_takes_next,
+from every server of θ): the wait ends at once, and the caller's next gradient, taken on θ as it
+is, goes to the round (after a departure, the first closes it and the others' are dropped as stale,
+a gradient each). A round can also wait for commits that will not come, from a worker killed
+without leaving, until the server stops counting it: so a wait ends after four times the longest
+round this client has waited for (at least IDLE_SECONDS; the first one after ROUND_WAIT_SECONDS),
+with a WARNING; the caller's next gradient joins the same round.
 """
 
 from __future__ import annotations
@@ -88,12 +90,12 @@ class RoundWaits:
         self,
         result: CommitResult,
         pull: Callable[[float], CentralVariable],
-        closable: Callable[[], bool] = lambda: False,
+        takes_next: Callable[[], bool] = lambda: False,
     ) -> CommitResult:
         """`result` with θ once it moved after this commit's round (`pull(wait)`: the client's
-        pull, held up to `wait` seconds by the server until θ moves; `closable()`: whether that
-        pull said the round holds every commit it waits for); `result` itself when the commit
-        moved θ, the rule has no rounds, or the round waits for no other commit."""
+        pull, held up to `wait` seconds by the server until θ moves; `takes_next()`: whether that
+        pull said the round takes this client's next commit); `result` itself when the commit
+        moved θ, the rule has no rounds, or the round takes the next commit."""
         if not result.round_pending:
             return result
         started, limit, pause, longest_pause = self.clock(), self.limit(), FIRST_PAUSE, self.longest_pause()
@@ -108,11 +110,9 @@ class RoundWaits:
                 self.longest = waited if self.longest is None else max(self.longest, waited)
                 self.recent = waited if self.recent == 0 else 0.75 * self.recent + 0.25 * waited
                 return dataclasses.replace(result, parameters=central)
-            if closable():
-                log.info(
-                    "the round has every commit it waits for (a worker left after the others committed to it): "
-                    "going on from θ as it is (version %d), whose gradient closes that round",
-                    held.version,
+            if takes_next():  # the normal flow of a round_size above the workers: not logged above DEBUG
+                log.debug(
+                    "the round takes this worker's next gradient: going on from θ as it is (version %d)", held.version
                 )
                 return result
             if waited >= limit:
@@ -131,7 +131,7 @@ class TellsOfRounds(Protocol):
     """What a client's last pull heard of the round open on its servers (gemps.router)."""
 
     @property
-    def round_closable(self) -> bool: ...
+    def round_takes_next(self) -> bool: ...
 
 
 class WaitsForRounds(Protocol):
@@ -159,7 +159,7 @@ def waits_for_round(commit: Callable[Concatenate[C, P], CommitResult]) -> Callab
     def committed(self: C, /, *args: P.args, **kwargs: P.kwargs) -> CommitResult:
         router = self._router
         return self._rounds.after(
-            commit(self, *args, **kwargs), lambda wait: self.pull(wait=wait), lambda: router.round_closable
+            commit(self, *args, **kwargs), lambda wait: self.pull(wait=wait), lambda: router.round_takes_next
         )
 
     return committed

@@ -137,7 +137,7 @@ class PartitionRouter:
         self.registered_with: Vector | None = None  # the initial values registered
         self.buffers = Buffers()  # the newest central buffers received (partition 0's)
         self.central: CentralVariable | None = None  # the newest central variable received
-        self.round_closable = False  # the last pull's: each server's open round has every commit it waits for
+        self.round_takes_next = False  # the last pull's: each server's open round takes our next commit
         self._sequence = 0  # the number of this client's last commit (see CommitCall.sequence)
         # Request ids: a prefix of this router's own, random, then the commit's number: unique per
         # client (the ledger's scope), and never one of the 32-hex-digit ids older checkpoints hold.
@@ -198,7 +198,7 @@ class PartitionRouter:
                 session.received(pulled.version, pulled.parameters, pulled.history)
                 self._received_buffers(pulled.buffers)
                 changed = True
-        self.round_closable = all(pulled.round_closable for pulled in replies)  # gemps.rounds
+        self.round_takes_next = all(pulled.round_takes_next for pulled in replies)  # gemps.rounds
         if changed or self.central is None:
             self.central = self._assemble()
         return self.central

@@ -76,7 +76,7 @@ class Pulled:
     parameters: Vector | None  # None: unchanged since `known_version`
     buffers: Buffers | None
     history: str
-    round_closable: bool = False  # unchanged, and the open round has every commit it waits for (gemps.rounds)
+    round_takes_next: bool = False  # unchanged, and the open round takes our next commit on it (gemps.rounds)
 
 
 @dataclass(frozen=True)

@@ -120,10 +120,9 @@ class ParameterService:
         """P held here: the length of θ (this partition's range), 0 before it is initialised."""
         return self._state.core.num_parameters
 
-    @property
-    def round_closable(self) -> bool:
-        """Whether the round open now holds every commit it waits for (CommitCore.round_closable)."""
-        return self._state.core.round_closable
+    def round_takes_next(self, worker_id: str) -> bool:
+        """Whether the round open now takes `worker_id`'s next commit (CommitCore.round_takers)."""
+        return worker_id in self._state.core.round_takers()
 
     def require_primary(self) -> None:
         """Unavailable (not_primary) unless this replica is its partition's primary (or the
@@ -231,7 +230,7 @@ class ParameterService:
             def wake() -> None:  # from the thread that counted the commit
                 loop.call_soon_threadsafe(moved.set)
 
-            forget = self.when_moved(known_version, wait, wake)
+            forget = self.when_moved(known_version, wait, wake, worker_id)
             if forget is not None:
                 try:
                     await asyncio.wait_for(moved.wait(), wait)
@@ -261,13 +260,15 @@ class ParameterService:
 
         self._applier.submit_then(functools.partial(self._state.core.encoded, reply_dtype), encoded)
 
-    def when_moved(self, known_version: int, wait: float, wake: Callable[[], None]) -> Callable[[], bool] | None:
+    def when_moved(
+        self, known_version: int, wait: float, wake: Callable[[], None], worker_id: str = ""
+    ) -> Callable[[], bool] | None:
         """Hold a pull of θ at `known_version` for up to `wait` seconds (the caller's timer):
         ThetaWaits.hold, `wake` called from the thread that counted the commit that moved θ.
         None: no `wait`, or no hold (answer now); InvalidArgument for a `wait` out of range."""
         check_pull_wait(wait)
-        unmoved = lambda: self.unchanged(known_version) and not self.round_closable  # noqa: E731
-        return self.waits.hold(unmoved, wake) if wait else None
+        unmoved = lambda: self.unchanged(known_version) and not self.round_takes_next(worker_id)  # noqa: E731
+        return self.waits.hold(unmoved, wake, worker_id) if wait else None
 
     def unchanged(self, known_version: int, version: int | None = None) -> bool:
         """Whether a caller holding θ at `known_version` holds θ at `version` (the current one by
@@ -349,6 +350,8 @@ class ParameterService:
             return outcome, built
         if not outcome.stats.kept_theta:
             self.waits.moved()  # the pulls held for θ to move (a round's waiting workers)
+        elif takers := self._state.core.round_takers():
+            self.waits.moved(takers)  # those the round wants the next commits of
         self._metrics.applied(
             outcome.staleness,
             outcome.stats,
@@ -415,9 +418,9 @@ class ParameterService:
 
     def _workers_changed(self) -> None:
         """Workers left: the pulls held for θ to move are answered if the round they wait on now
-        holds every commit it waits for (their next commits close it: PullResponse.round_closable)."""
-        if self.round_closable:
-            self.waits.moved()
+        takes their next commits (PullResponse.round_takes_next)."""
+        if takers := self._state.core.round_takers():
+            self.waits.moved(takers)
 
     def _evicted(self, workers: list[WorkerRecord], reason: str) -> None:
         """Count and log workers the server forgot without their leaving."""

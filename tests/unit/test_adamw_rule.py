@@ -301,11 +301,11 @@ def test_a_worker_silent_for_two_rounds_of_commits_no_longer_sizes_the_round() -
     assert len(state.registry) == 4  # still registered: only the round's size changed
 
 
-def test_a_departure_that_leaves_the_round_all_it_waits_for_makes_it_closable_until_theta_moves() -> None:
+def test_a_departure_that_leaves_the_round_all_it_waits_for_has_it_take_their_next_commits() -> None:
     """Three workers, two committed to the round (K 3): the third leaving makes K 2, which the round
-    holds, and nobody commits while the two wait for θ. The core says so (CommitCore.round_closable,
-    what a held pull is answered with) until the next commit closes the round; a dropped commit in
-    between moves no θ and leaves it said; a registration that raises K again takes it back."""
+    holds, and nobody commits while the two wait for θ. The core names them (CommitCore.round_takers,
+    what their held pulls are answered with) until the next commit closes the round; a dropped
+    commit in between moves no θ and leaves them named; a registration that raises K again does not."""
     state = ServerState(training("adamw", learning_rate=3e-3), WorkerRegistry(max_workers=8, lease_ttl=3600))
     spec = [ParameterSpec("w", (P,))]
 
@@ -318,25 +318,48 @@ def test_a_departure_that_leaves_the_round_all_it_waits_for_makes_it_closable_un
     def commit(worker: str, base: int) -> ApplyStats:
         return core.commit_record(Commit(worker, base, PayloadKind.GRADIENT, encoded(gradients(rng, 1)[0]))).stats
 
-    assert not core.round_closable  # no commit in the round
+    assert core.round_takers() == set()  # no commit in the round
     assert [commit(worker, 0).pending for worker in (a, b)] == [2, 1]
-    assert not core.round_closable  # it waits for the third
+    assert core.round_takers() == set()  # it waits for the third
     state.leave(leaving)
-    assert core.round_closable and core.version == 2
+    assert core.round_takers() == {a, b} and core.version == 2
     late = joined("d")  # K 3 again: the newcomer's commit is awaited
-    assert not core.round_closable
+    assert core.round_takers() == set()
     state.leave(late)
-    assert core.round_closable
+    assert core.round_takers() == {a, b}
     held = core.theta_copy()
     assert commit(a, 0).pending == 0  # on the round's θ: the third gradient of a round of 2 closes it
-    assert not np.array_equal(core.theta_copy(), held) and not core.round_closable
+    assert not np.array_equal(core.theta_copy(), held) and core.round_takers() == set()
     assert commit(a, 3).pending == 1  # round 2 (from version 3): a, then b leaves: K 1, which it holds
+    assert core.round_takers() == set()
     state.leave(b)
-    assert core.round_closable
+    assert core.round_takers() == {a}
     held = core.theta_copy()
-    assert commit(a, 0).pending == 0 and core.round_closable  # taken before round 2 began: dropped
+    assert commit(a, 0).pending == 0 and core.round_takers() == {a}  # taken before round 2 began: dropped
     np.testing.assert_array_equal(core.theta_copy(), held)
-    assert commit(a, 4).pending == 0 and not core.round_closable  # closes it
+    assert commit(a, 4).pending == 0 and core.round_takers() == set()  # closes it
     assert not np.array_equal(core.theta_copy(), held)
-    state.leave(a)  # a round with nothing in it is not closable
-    assert not core.round_closable
+    state.leave(a)  # a round with nothing in it takes nothing
+    assert core.round_takers() == set()
+
+
+def test_a_round_size_above_the_workers_takes_the_next_commits_of_those_short_of_their_share() -> None:
+    """round_size 4, two workers: a round needs two gradients of each, and the SDK waits for θ after
+    each commit. The core names the workers that gave the round fewer than their share, ⌈4 / 2⌉:
+    their next commits go to it (none can overfill it, so none is dropped), the others wait."""
+    state = ServerState(
+        training("adamw", learning_rate=3e-3, round_size=4), WorkerRegistry(max_workers=8, lease_ttl=3600)
+    )
+    spec = [ParameterSpec("w", (P,))]
+    a, b = (
+        state.register(name, spec, encoded(np.ones(P, np.float32)), client_id=name * 8).worker.worker_id
+        for name in "ab"
+    )
+    core, rng = state.core, np.random.default_rng(13)
+    takers = []
+    for round_start in (0, 4):
+        for worker in (a, b, a, b):
+            commit = Commit(worker, round_start, PayloadKind.GRADIENT, encoded(gradients(rng, 1)[0]))
+            core.commit_record(commit)
+            takers.append(core.round_takers())
+    assert takers == [{a}, {a, b}, {b}, set()] * 2 and core.version == 8

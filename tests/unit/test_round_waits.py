@@ -131,20 +131,20 @@ class DepartingServer(Clock):
         self.now = min(self.now + wait, max(self.now, self.left_at))
         return super().pull()
 
-    def closable(self) -> bool:
+    def takes_next(self) -> bool:
         return self.now >= self.left_at
 
 
-def test_a_round_a_departure_left_closable_ends_the_wait_when_the_server_says_so(
+def test_a_round_that_takes_the_waiting_workers_next_gradient_ends_the_wait_when_the_server_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The worker the round waited for leaves at 0.3 s, the others waiting: the server answers the
-    held pull then, saying the round holds every commit it waits for. The commit is handed back at
-    once, θ as it is, with no warning, where it waited out the limit (60 s in a first round)."""
+    held pull then, saying the round takes their next commits. The commit is handed back at once,
+    θ as it is, with no warning, where it waited out the limit (60 s in a first round)."""
     server = DepartingServer(left_at=0.3)
     rounds = RoundWaits(clock=lambda: server.now, sleep=server.sleep, hold=2.0)
-    with caplog.at_level(logging.INFO, logger="gemps.rounds"):
-        result = rounds.after(held := committed(5, pending=2), server.pull, server.closable)
+    with caplog.at_level(logging.DEBUG, logger="gemps.rounds"):
+        result = rounds.after(held := committed(5, pending=2), server.pull, server.takes_next)
     assert result is held and server.now == pytest.approx(0.3) and server.pauses == []
-    assert [record.levelno for record in caplog.records] == [logging.INFO]
-    assert "has every commit it waits for" in caplog.text and rounds.longest is None  # no round closed
+    assert [record.levelno for record in caplog.records] == [logging.DEBUG]  # no warning
+    assert "takes this worker's next gradient" in caplog.text and rounds.longest is None  # no round closed

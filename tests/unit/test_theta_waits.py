@@ -57,3 +57,16 @@ def test_a_stopping_server_wakes_every_wait_and_holds_none_after() -> None:
     waits.hold(lambda: True, wakes.wake)
     waits.stop()
     assert wakes.count == 2 and waits.hold(lambda: True, wakes.wake) is None
+
+
+def test_a_round_that_wants_some_workers_next_commits_wakes_their_waits_alone() -> None:
+    """θ unmoved, the round wanting a's and c's next commits: their waits are woken, b's stays
+    held until θ moves (woken, it would answer unchanged and its client poll)."""
+    waits = ThetaWaits(limit=4)
+    wakes = {name: Wakes() for name in "abc"}
+    for name, wake in wakes.items():
+        assert waits.hold(lambda: True, wake.wake, name) is not None
+    waits.moved(frozenset({"a", "c"}))
+    assert [wakes[name].count for name in "abc"] == [1, 0, 1] and len(waits) == 1
+    waits.moved()
+    assert [wakes[name].count for name in "abc"] == [1, 1, 1] and len(waits) == 0

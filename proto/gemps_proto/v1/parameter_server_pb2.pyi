@@ -261,22 +261,22 @@ class PullRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., known_version: _Optional[int] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., known_history: _Optional[str] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("version", "parameters", "unchanged", "buffers", "history", "integer_buffers", "round_closable")
+    __slots__ = ("version", "parameters", "unchanged", "buffers", "history", "integer_buffers", "round_takes_next")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     INTEGER_BUFFERS_FIELD_NUMBER: _ClassVar[int]
-    ROUND_CLOSABLE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TAKES_NEXT_FIELD_NUMBER: _ClassVar[int]
     version: int
     parameters: Tensor
     unchanged: bool
     buffers: Tensor
     history: str
     integer_buffers: Tensor
-    round_closable: bool
-    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., unchanged: _Optional[bool] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., history: _Optional[str] = ..., integer_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., round_closable: _Optional[bool] = ...) -> None: ...
+    round_takes_next: bool
+    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Union[Tensor, _Mapping]] = ..., unchanged: _Optional[bool] = ..., buffers: _Optional[_Union[Tensor, _Mapping]] = ..., history: _Optional[str] = ..., integer_buffers: _Optional[_Union[Tensor, _Mapping]] = ..., round_takes_next: _Optional[bool] = ...) -> None: ...
 
 class PullResponseChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -67,8 +67,8 @@ class CommitCore:
         self._latest: weakref.ref[Snapshot] = weakref.ref(Snapshot(0))  # dead at once: see `snapshot`
         # The versions, first to last, that held one θ: commits a rule of rounds took without moving it.
         self._unmoved = (0, -1)
-        # The version at which a departure left the open round every commit it waits for (-1: none).
-        self._closable_at = -1
+        # The workers whose next commit the open round takes, and the version they were found at.
+        self._takers: tuple[int, frozenset[str]] = (-1, frozenset())
         # Where a payload its client can still write is copied before it is read (_landed).
         self._landing = np.empty(0, dtype=np.float32)
         # Where a coded payload (int8, int4, top-k) is decoded: P float32 values each commit, which at
@@ -118,7 +118,7 @@ class CommitCore:
     def forget_snapshot(self) -> None:
         """No encoding of the θ held until now is served any more (θ was replaced)."""
         self._latest = weakref.ref(Snapshot(0))  # dead at once
-        self._unmoved, self._closable_at = (0, -1), -1
+        self._unmoved, self._takers = (0, -1), (-1, frozenset())
 
     def same_theta(self, known_version: int, version: int) -> bool:
         """Whether θ at `known_version` is θ at `version`, the current one: the same version, or
@@ -241,6 +241,8 @@ class CommitCore:
             first, last = self._unmoved
             self._unmoved = (first if last == self.version - 1 else self.version - 1, self.version)
         self.ledger.record(worker.scope, request_id, Receipt(self.version, staleness, stats, sequence))
+        if stats.kept_theta:  # a round took it, or dropped it
+            self.check_round()
         position = 0
         if self._recording:
             commit = Commit(
@@ -265,22 +267,20 @@ class CommitCore:
             if scope == committing or (last := self.ledger.last_version(scope)) is None or self.version - last < window
         )
 
-    @property
-    def round_closable(self) -> bool:
-        """Whether the round open now holds every commit it waits for, as `workers_changed` found
-        it, θ unmoved since: a pull's unchanged reply says so (PullResponse.round_closable)."""
-        at = self._closable_at  # one read: the applier replaces it
-        return at >= 0 and self.same_theta(at, self.version)
+    def round_takers(self) -> frozenset[str]:
+        """The workers whose next commit the round open now takes rather than others', as
+        `check_round` found them, θ unmoved since: a pull's unchanged reply tells each
+        (PullResponse.round_takes_next), and the service answers the held pulls."""
+        at, takers = self._takers  # one read: the applier replaces the pair
+        return takers if takers and self.same_theta(at, self.version) else frozenset()
 
-    def workers_changed(self) -> bool:
-        """Once workers joined or left (on the applier): whether the round open now holds every
-        commit it waits for, so the next commit closes it (workers left after the others committed
-        to it, and nobody commits while they wait for θ); `round_closable` until θ moves."""
-        rule = self.rule
-        live = self.live_workers("") if rule is not None and rule.counts_live_workers else None
-        closable = rule is not None and rule.round_closable(live)
-        self._closable_at = self.version if closable else -1
-        return closable
+    def check_round(self) -> None:
+        """Once workers joined or left, and after each commit that kept θ (on the applier): which
+        workers waiting for θ to move the round open now takes the next commit of
+        (CommitRule.round_takers: workers left after the others committed to it, or it needs more
+        than one gradient of each worker still committing); `round_takers` until θ moves."""
+        takers = self.rule.round_takers(self.live_workers("")) if self.rule is not None else frozenset()
+        self._takers = (self.version, takers)
 
     def journalled(self, commit: Commit) -> int:
         """Record applied `commit` in the journal (the compiled core's commits too): its position."""

@@ -167,14 +167,14 @@ class ServerState:
             self.job if first else "",
         )  # fmt: skip
         self.core.journal.append(joined)
-        self.core.workers_changed()
+        self.core.check_round()
         return RegistrationOutcome(worker, snapshot, initialized, displaced, admitted.because, admitted.shared_name)
 
     def leave(self, worker_id: str) -> WorkerRecord:
         worker = self.registry.get(worker_id)
         self._forget(worker_id)
         self.core.journal.append(Departed((worker_id,)))
-        self.core.workers_changed()
+        self.core.check_round()
         return worker
 
     def evict_expired(self) -> list[tuple[WorkerRecord, str]]:
@@ -190,7 +190,7 @@ class ServerState:
             self._forget(worker_id)
         if evicted:
             self.core.journal.append(Departed(tuple(worker.worker_id for worker, _ in evicted)))
-            self.core.workers_changed()
+            self.core.check_round()
         return evicted
 
     def replay(self, entry: Entry) -> None:

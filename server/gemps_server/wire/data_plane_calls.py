@@ -321,7 +321,7 @@ class Connection:
         yield from self._send(_reply_header(outcome, commit.reply_dtype, service), theta)
 
     def _pull(self, pull: PullRequested) -> Steps:
-        service, request = self._service, pull.request
+        service, request, worker_id = self._service, pull.request, pull.request.worker_id
         known = request.known_version if request.known_history == service.history else -1
         dtype, wait = reply_dtype_from_proto(request.reply_dtype), request.wait_seconds
         # No pooled buffer: θ goes from the version's shared encoding, what it pins bounded by the
@@ -329,15 +329,15 @@ class Connection:
         task = self._task
         assert task is not None
         if wait and service.unchanged(known):  # held first: θ may then come with the reply (its room below)
-            yield from held_until_moved(task, wait, lambda wake: service.when_moved(known, wait, wake))
+            yield from held_until_moved(task, wait, lambda wake: service.when_moved(known, wait, wake, worker_id))
         room = pull_room(dtype, service.num_parameters, sent=not pull.shared and not service.unchanged(known))
         if room:
             yield from reply_room(self._lanes.replies, task, room)
         try:
-            snapshot = yield Call(lambda deliver: service.pull_then(request.worker_id, known, dtype, deliver, wait))
-            unchanged = service.unchanged(known, snapshot.version)
+            snapshot = yield Call(lambda deliver: service.pull_then(worker_id, known, dtype, deliver, wait))
+            unchanged, takes_next = service.unchanged(known, snapshot.version), service.round_takes_next(worker_id)
             reply = messages.pull_stream_header_to_proto(
-                snapshot, unchanged, dtype, service.num_parameters, service.history, service.round_closable
+                snapshot, unchanged, dtype, service.num_parameters, service.history, takes_next
             ).header
             data = b"" if unchanged else snapshot.data(dtype) or b""
             if pull.shared:

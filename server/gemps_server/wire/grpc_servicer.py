@@ -293,7 +293,8 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         reply_dtype = reply_dtype_from_proto(request.reply_dtype)
         snapshot, unchanged = await self._pull(request, context)
         if unchanged:
-            return messages.unchanged_to_proto(snapshot.version, self.service.history, self.service.round_closable)
+            takes_next = self.service.round_takes_next(request.worker_id)
+            return messages.unchanged_to_proto(snapshot.version, self.service.history, takes_next)
         return messages.pull_to_proto(snapshot, reply_dtype, self.service.num_parameters, self.service.history)
 
     @rpc
@@ -306,7 +307,8 @@ class GempsServicer(pb_grpc.ParameterServerServicer):
         snapshot, unchanged = await self._pull(request, context)
         service = self.service
         yield messages.pull_stream_header_to_proto(
-            snapshot, unchanged, reply_dtype, service.num_parameters, service.history, service.round_closable
+            *(snapshot, unchanged, reply_dtype, service.num_parameters, service.history),
+            service.round_takes_next(request.worker_id),
         )
         if not unchanged:
             for frame in data_frames(snapshot.data(reply_dtype) or b""):

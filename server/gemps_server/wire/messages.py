@@ -227,17 +227,17 @@ def pull_stream_header_to_proto(
     reply_dtype: int,
     num_parameters: int,
     history: str = "",
-    closable: bool = False,
+    takes_next: bool = False,
 ) -> pb.PullResponseChunk:
     """PullStream's first reply: the PullResponse whose parameters say dtype and shape (unless
-    `unchanged`: then whether the round open now is `closable`); the data follows in pieces."""
+    `unchanged`: then whether the round open now `takes_next`); the data follows in pieces."""
     if unchanged:
-        return pb.PullResponseChunk(header=unchanged_to_proto(snapshot.version, history, closable))
+        return pb.PullResponseChunk(header=unchanged_to_proto(snapshot.version, history, takes_next))
     header = pb.PullResponse(version=snapshot.version, history=history)
     set_buffers(header, snapshot)
     framing.announce(header.parameters, reply_dtype, num_parameters)
     return pb.PullResponseChunk(header=header)
 
 
-def unchanged_to_proto(version: int, history: str = "", closable: bool = False) -> pb.PullResponse:
-    return pb.PullResponse(version=version, unchanged=True, history=history, round_closable=closable)
+def unchanged_to_proto(version: int, history: str = "", takes_next: bool = False) -> pb.PullResponse:
+    return pb.PullResponse(version=version, unchanged=True, history=history, round_takes_next=takes_next)

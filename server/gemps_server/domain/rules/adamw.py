@@ -47,10 +47,14 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from gemps_proto import rule_options
-from gemps_proto.ranges import FLOAT32_MAX, INT32_MAX, Range
-from gemps_proto.rule_options import RuleOption
 from gemps_proto.schema import ParameterSpec, PayloadKind
+from gemps_server.domain.rules.adamw_options import (
+    ADAMW_STEP_OPTIONS,
+    BACKUP_WORKERS,
+    OUTER_MOMENTUM,
+    OUTER_RATE,
+    ROUND_SIZE,
+)
 from gemps_server.domain.rules.adamw_passes import (
     Coefficients,
     coefficients,
@@ -69,56 +73,6 @@ from gemps_server.domain.rules.base import (
 from gemps_server.domain.rules.overflow import OverflowGuard
 from gemps_server.domain.rules.registered import RegisteredWorkers
 from gemps_server.native import compiled, max_abs
-
-# torch.optim.AdamW's defaults.
-ADAM_BETA1 = RuleOption("adam_beta1", 0.9, Range(0, 1, high_open=True), "beta1: adamw's first-moment decay")
-ADAM_BETA2 = RuleOption("adam_beta2", 0.999, Range(0, 1, high_open=True), "beta2: adamw's second-moment decay")
-ADAM_EPSILON = RuleOption("adam_epsilon", 1e-8, Range(0, 1, low_open=True), "epsilon: adamw's denominator term")
-ADAM_WEIGHT_DECAY = RuleOption(
-    "adam_weight_decay", 0.01, Range(0, 1), "lambda: adamw's decoupled weight decay (see adam_decay_vectors)"
-)
-ROUND_SIZE = RuleOption(
-    rule_options.ROUND_SIZE,
-    0,
-    Range(0, INT32_MAX),
-    "K: adamw's commits a round (a step); 0: the workers registered less the backups",
-)
-ADAM_DECAY_VECTORS = RuleOption(
-    "adam_decay_vectors",
-    0,
-    Range(0, 1),
-    "1: adamw's weight decay on every parameter; 0: on tensors of 2 or more dimensions alone (nanoGPT's and "
-    "the Trainer's groups: no biases, no norms' gains)",
-)
-GRADIENT_CLIP = RuleOption(
-    "gradient_clip",
-    0.0,
-    Range(0, FLOAT32_MAX),
-    "adamw's bound on the round's mean gradient's L2 norm, as DDP clips after its all-reduce; 0: none",
-)
-OUTER_RATE = RuleOption(
-    rule_options.OUTER_RATE,
-    0.0,
-    Range(0, FLOAT32_MAX),
-    "r: how adamw's round of updates (local steps) moves theta: 0, an AdamW step on their pseudo-gradient -delta; "
-    "r > 0, DiLoCo's outer SGD at rate r (with outer_momentum) on it (1, no momentum: the models averaged)",
-)
-OUTER_MOMENTUM = RuleOption(
-    "outer_momentum",
-    0.0,
-    Range(0, 1, high_open=True),
-    "mu: with outer_rate r > 0, Nesterov momentum on the rounds of updates (DiLoCo's outer step, mu 0.9 "
-    "and r 0.7 in its paper); 0: none",
-)
-BACKUP_WORKERS = RuleOption(
-    "backup_workers",
-    0,
-    Range(0, INT32_MAX),
-    "adamw's workers a round does not wait for (with round_size 0); their late gradients are dropped",
-)
-
-#: what shapes the AdamW step alone, which a round of updates under outer_rate never takes
-ADAMW_STEP_OPTIONS = (ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON, ADAM_WEIGHT_DECAY, ADAM_DECAY_VECTORS, GRADIENT_CLIP)
 
 CHUNK = 1 << 20  # values summed at a time in float64 for the clip's norm
 
@@ -172,6 +126,9 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         self._vectors = {key: np.zeros(num_parameters, dtype=np.float32) for key in _VECTORS}
         self._steps = 0  # t: AdamW steps taken
         self._buffered = 0  # k: gradients in the round's sum
+        # The round's gradients by worker: who waits for it, and how many of each it holds (no
+        # checkpoint keeps them: after a restore, nobody is told to go on: round_takers).
+        self._joined: dict[str, int] = {}
         self._round_start = 0  # r0: the version at which θ last moved
         # The next moments and sum are written here, and swapped in once they and θ are finite
         # (out of place: adamw_passes.py); allocated the first time a pass needs them.
@@ -225,8 +182,16 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         registered = self.registered()
         return self.round_size or max(1, min(registered - self.backup_workers, registered if live is None else live))
 
-    def round_closable(self, live_workers: int | None) -> bool:
-        return 0 < self._buffered >= self.period(live_workers)
+    def round_takers(self, live_workers: int) -> frozenset[str]:
+        """Every worker in the round when it holds every commit it waits for (workers left after
+        the others committed to it: the next commit closes it); else those that gave it fewer
+        gradients than their share of K, ⌈K / live⌉ (a round_size above the workers: each owes
+        more than one a round)."""
+        period = self.period(live_workers if self.counts_live_workers else None)
+        if self._buffered >= period:
+            return frozenset(self._joined)
+        share = -(-period // max(1, live_workers))
+        return frozenset(worker for worker, count in self._joined.items() if count < share)
 
     def global_state(self, workers: bool = True) -> dict[str, np.ndarray]:
         counts = (self._steps, self._buffered, self._round_start)
@@ -247,6 +212,7 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         for key in _VECTORS:
             np.copyto(self._vectors[key], state[key])
         self._steps, self._buffered, self._round_start = (int(count) for count in counts)
+        self._joined = {}
         self._sum_peak, self._moment_peaks = None, None
 
     @property
@@ -270,6 +236,7 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         if buffered < period:
             self._add(last)
             self._buffered = buffered
+            self._joined[context.worker_id] = self._joined.get(context.worker_id, 0) + 1
             stats = ApplyStats.constant(1.0 / period)
             return theta, dataclasses.replace(stats, pending=period - buffered, kept_theta=True)
         learning_rate = self.learning_rate_at(context.version)
@@ -285,7 +252,7 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         self._vectors["gradient_sum"].fill(0.0)  # a spare written for this step is written over next round
         self._sum_peak = 0.0
         self._steps += 1
-        self._buffered, self._round_start = 0, context.version + 1
+        self._buffered, self._round_start, self._joined = 0, context.version + 1, {}
         return updated, ApplyStats.constant(1.0 / buffered)
 
     def _outer_step(self, theta: np.ndarray, mean: np.ndarray) -> np.ndarray:

@@ -261,12 +261,11 @@ class CommitRule(ABC):
     def remove_worker(self, worker_id: str) -> None:  # noqa: B027 (optional hook)
         """A worker left or was evicted: free its state."""
 
-    def round_closable(self, live_workers: int | None) -> bool:
-        """A rule of rounds: whether the round open now already holds every commit it waits for
-        (`live_workers` still committing, as StepContext.live_workers), so that the next commit
-        closes it: workers that left after the others committed to it. False, the default: θ
-        moves at every commit."""
-        return False
+    def round_takers(self, live_workers: int) -> frozenset[str]:
+        """A rule of rounds: the workers waiting for the round open now whose next commit, on the
+        θ they hold, it takes rather than others' (`live_workers` still committing, as
+        StepContext.live_workers counts them). None, the default: θ moves at every commit."""
+        return frozenset()
 
     @classmethod
     def worker_state_bytes(cls, num_parameters: int) -> int:
