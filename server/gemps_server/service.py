@@ -183,7 +183,7 @@ class ParameterService:
         await self._addresses.refreshed()  # the layout as announced now (the file: read off the loop)
         if (displaced := registered.displaced) is not None:
             self._evicted([displaced], reason=registered.displaced_because)
-            self._workers_changed()
+            self._wake_round_takers()
         if registered.initialized_theta:
             tune_for(4 * state.core.num_parameters)
             event(
@@ -350,8 +350,8 @@ class ParameterService:
             return outcome, built
         if not outcome.stats.kept_theta:
             self.waits.moved()  # the pulls held for θ to move (a round's waiting workers)
-        elif takers := self._state.core.round_takers():
-            self.waits.moved(takers)  # those the round wants the next commits of
+        else:  # a round took it (or dropped it): it may want some waiting workers' next commits
+            self._wake_round_takers()
         self._metrics.applied(
             outcome.staleness,
             outcome.stats,
@@ -366,7 +366,7 @@ class ParameterService:
         self._replicas.require_primary()
         state = self._state
         worker = await self._applier.submit(lambda: state.leave(worker_id))
-        self._workers_changed()
+        self._wake_round_takers()
         worker_events.left(self._metrics, worker, len(state.registry))
 
     async def status(self) -> ServerStatus:
@@ -412,13 +412,13 @@ class ParameterService:
         except ServiceError:
             return
         evicted = await self._applier.submit(self._state.evict_expired)
-        self._workers_changed()
+        self._wake_round_takers()
         for reason in dict.fromkeys(reason for _, reason in evicted):
             self._evicted([worker for worker, why in evicted if why == reason], reason)
 
-    def _workers_changed(self) -> None:
-        """Workers left: the pulls held for θ to move are answered if the round they wait on now
-        takes their next commits (PullResponse.round_takes_next)."""
+    def _wake_round_takers(self) -> None:
+        """After a commit that kept θ, or workers leaving: the held pulls of the workers whose next
+        commits the open round takes are answered (PullResponse.round_takes_next)."""
         if takers := self._state.core.round_takers():
             self.waits.moved(takers)
 
