@@ -68,8 +68,10 @@ def through_a_socket(frame: frames.Frame) -> frames.Frame:
         return frames.receive(theirs)
 
 
-def replay_all(primary: ServerState, backup: ServerState, journal: ListJournal, start: int = 0) -> None:
-    for frame in journal.frames[start:]:
+def replay_all(
+    primary: ServerState, backup: ServerState, journal: ListJournal, start: int = 0, stop: int | None = None
+) -> None:
+    for frame in journal.frames[start:stop]:
         entry, _position, epoch = entries.decode(through_a_socket(frame))
         assert epoch == 7
         backup.replay(entry)
@@ -236,3 +238,34 @@ def test_a_backup_sizes_adamws_rounds_by_the_live_workers_as_its_primary_did() -
         assert backup.core.rule.global_state().keys() == core.rule.global_state().keys()
         for key, value in core.rule.global_state().items():
             assert backup.core.rule.global_state()[key].tobytes() == value.tobytes(), key
+
+
+def test_a_backup_names_the_rounds_takers_as_its_primary_did_after_joins_and_departures() -> None:
+    """A departure after the others committed leaves adamw's round holding every commit it waits
+    for: the primary names the waiting workers (their next commit closes it), and a join takes that
+    back. A backup replaying the journal names the same workers after each entry, so once promoted
+    it tells their pulls to go on (not the SDK's wait limit)."""
+    primary, backup = new_state("adamw", Clock()), new_state("adamw", Clock())
+    journal = ListJournal()
+    primary.core.journal = journal
+    rng = np.random.default_rng(5)
+    a, b, c = (
+        primary.register(name, SPEC, encoded(np.zeros(P, np.float32)), client_id=name * 4).worker.worker_id
+        for name in "abc"
+    )
+    for index, worker in enumerate((a, b)):
+        payload = encoded(rng.standard_normal(P).astype(np.float32))
+        primary.core.commit_record(Commit(worker, primary.core.version, PayloadKind.GRADIENT, payload, f"r{index}"))
+    named = [(journal.last, primary.core.round_takers())]  # the round waits for c
+    primary.leave(c)
+    named.append((journal.last, primary.core.round_takers()))
+    late = primary.register("d", SPEC, None, client_id="dddd").worker.worker_id
+    named.append((journal.last, primary.core.round_takers()))  # the round waits for d
+    primary.leave(late)
+    named.append((journal.last, primary.core.round_takers()))
+    assert [takers for _, takers in named] == [frozenset(), {a, b}, frozenset(), {a, b}]
+    replayed = 0
+    for position, takers in named:
+        replay_all(primary, backup, journal, start=replayed, stop=position)
+        replayed = position
+        assert backup.core.round_takers() == takers, position

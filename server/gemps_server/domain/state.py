@@ -199,7 +199,8 @@ class ServerState:
         taken from the entry instead of decided again."""
         if isinstance(entry, Committed):
             self.core.replay(entry.commit)
-        elif isinstance(entry, Departed):
+            return
+        if isinstance(entry, Departed):
             for worker_id in entry.worker_ids:
                 self._forget(worker_id)
         else:
@@ -210,6 +211,7 @@ class ServerState:
                     entry.spec, entry.initial, entry.buffer_spec, entry.initial_buffers, entry.client_id, entry.job
                 )
             self._admit(entry.name, entry.client_id, entry.worker_id, entry.displaced)
+        self.core.check_round()  # as the primary did after the join or departure: a promoted backup names the takers
 
     def install(self, held: Held) -> None:
         """Hold `held` from now on, all of it at once (on the applier: images.py restores and
