@@ -141,7 +141,7 @@ def test_a_primary_that_stops_hands_over_and_no_commit_is_lost_or_applied_twice(
 
 
 def replica_process(start: StartServerProcess, etcd: LocalEtcd, index: int, job: str, **options: Any) -> ServerProcess:
-    return start(**replica_options(etcd, index, job, rule="downpour", **options))
+    return start(**replica_options(etcd, index, job, **{"rule": "downpour", **options}))
 
 
 def replication_of(target: str) -> ReplicationStatus | None:
@@ -214,6 +214,36 @@ def test_sigkill_of_the_primary_loses_no_acknowledged_commit(
     # At most two moves worth a warning per worker: to the primary at registration, to the new one.
     moved = [r for r in caplog.records if r.levelno == logging.WARNING and "following it" in r.getMessage()]
     assert 0 < len(moved) <= 2 * workers, [r.getMessage() for r in moved]
+
+
+def test_adamws_rounds_go_on_at_the_promoted_backup_after_a_sigkill(
+    start_server_process: StartServerProcess, etcd: LocalEtcd, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The recipe for many AdamW workers (`--rule adamw`: a round of every worker's gradient, then
+    one AdamW step) under replication: the primary is SIGKILLed in the middle of the rounds. The
+    promoted backup holds the open round as the primary did (its sum, its workers), so every
+    acknowledged commit counts once, the workers' waits for their round end there, and none runs
+    out (the SDK's WARNING: a round stood until its wait's limit)."""
+    caplog.set_level(logging.WARNING, logger="gemps")
+    primary, survivor, target = primary_and_backup(start_server_process, etcd, "rounds", rule="adamw")
+    workers = 4
+    clients = [gemps.Client(target, name=f"w{i}", timeout=5) for i in range(workers)]
+    loops = CommitLoops(clients, {"w": np.zeros(PARAMETERS, np.float32)}, np.ones(PARAMETERS, np.float32)).start()
+    loops.wait_each(1, 60, "every worker registered")
+    loops.wait_each(6, 60, "6 rounds of the 4")
+    os.kill(primary.pid, signal.SIGKILL)
+    killed_at = [list(epochs) for epochs in loops.epochs]
+    loops.wait_each(6, 60, "6 more rounds, at the promoted backup")
+    loops.stop()
+    assert not loops.failures, loops.failures
+    with gemps.Client(survivor.target, timeout=5) as observer:
+        status = observer.status()
+    assert status.replication is not None and status.replication.role == PRIMARY
+    assert status.version == sum(loops.acked)  # each acknowledged commit applied once, none lost
+    assert all(len(set(epochs)) == 1 for epochs in killed_at)  # the first 6 rounds at one primary
+    assert [epochs[-1] for epochs in loops.epochs] == [status.replication.epoch] * workers
+    stood = [r.getMessage() for r in caplog.records if r.name == "gemps.rounds" and r.levelno >= logging.WARNING]
+    assert not stood, stood
 
 
 def test_a_backup_paused_past_the_timeout_is_dropped_then_reseeded(
