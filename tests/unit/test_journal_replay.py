@@ -193,18 +193,25 @@ def test_a_backup_folds_an_update_commits_gradient_sums_in_as_its_primary_did(ru
     assert backup.core.theta_copy().tobytes() == primary.core.theta_copy().tobytes()
 
 
+def journalled_adamw(names: str) -> tuple[ServerState, ListJournal, list[str]]:
+    """An adamw primary of up to 4 workers whose journal keeps its entries, with a worker of each
+    name in `names` registered (its client id the name four times): the primary, its journal, their ids."""
+    primary, journal = new_state("adamw", Clock(), max_workers=4), ListJournal()
+    primary.core.journal = journal
+    workers = [
+        primary.register(name, SPEC, encoded(np.zeros(P, np.float32)), client_id=name * 4).worker.worker_id
+        for name in names
+    ]
+    return primary, journal, workers
+
+
 def test_a_backup_sizes_adamws_rounds_by_the_live_workers_as_its_primary_did() -> None:
     """The round's size follows the workers still committing (a silent one drops out after 2N
     commits): a backup replaying the journal, and one seeded from an image while the silent
     worker still counted, close every round at the commit the primary closed it at."""
-    primary, replayed, seeded = (new_state("adamw", Clock(), max_workers=4) for _ in range(3))
-    journal = ListJournal()
-    primary.core.journal = journal
+    primary, journal, (a, b, ghost) = journalled_adamw("abc")
+    replayed, seeded = (new_state("adamw", Clock(), max_workers=4) for _ in range(2))
     rng = np.random.default_rng(4)
-    a, b, ghost = (
-        primary.register(name, SPEC, encoded(np.zeros(P, np.float32)), client_id=name * 4).worker.worker_id
-        for name in "abc"
-    )
     core, pending, sent = primary.core, [], 0
 
     def commit(worker: str) -> None:
@@ -245,14 +252,9 @@ def test_a_backup_names_the_rounds_takers_as_its_primary_did_after_joins_and_dep
     for: the primary names the waiting workers (their next commit closes it), and a join takes that
     back. A backup replaying the journal names the same workers after each entry, so once promoted
     it tells their pulls to go on (not the SDK's wait limit)."""
-    primary, backup = new_state("adamw", Clock()), new_state("adamw", Clock())
-    journal = ListJournal()
-    primary.core.journal = journal
+    primary, journal, (a, b, c) = journalled_adamw("abc")
+    backup = new_state("adamw", Clock(), max_workers=4)
     rng = np.random.default_rng(5)
-    a, b, c = (
-        primary.register(name, SPEC, encoded(np.zeros(P, np.float32)), client_id=name * 4).worker.worker_id
-        for name in "abc"
-    )
     for index, worker in enumerate((a, b)):
         payload = encoded(rng.standard_normal(P).astype(np.float32))
         primary.core.commit_record(Commit(worker, primary.core.version, PayloadKind.GRADIENT, payload, f"r{index}"))
