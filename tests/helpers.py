@@ -309,7 +309,11 @@ class CommitLoops:
     commits and `versions[i]` the versions its replies carried; `failures` collects what any raised."""
 
     def __init__(
-        self, clients: list[Client], parameters: dict[str, np.ndarray], payload: np.ndarray, kind: str = "gradient"
+        self,
+        clients: list[Client],
+        parameters: dict[str, np.ndarray],
+        payload: np.ndarray | Callable[[], np.ndarray],  # or what makes each commit's
+        kind: str = "gradient",
     ) -> None:
         self.clients = clients
         self.acked = [0] * len(clients)
@@ -330,7 +334,8 @@ class CommitLoops:
         try:
             client.register(self._parameters)
             while not self._stop.is_set():
-                committed = client.commit(self._payload, kind=self._kind)
+                payload = self._payload() if callable(self._payload) else self._payload
+                committed = client.commit(payload, kind=self._kind)
                 self.versions[index].append(committed.version)
                 self.epochs[index].append(committed.epochs[0] if committed.epochs else 0)
                 self.acked[index] += 1

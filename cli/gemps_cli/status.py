@@ -22,7 +22,7 @@ from gemps.retry import NO_RETRY
 from gemps.router import resolve_address
 from gemps_cli.connection import add_connection_flags, connect
 from gemps_proto import rule_options, schedules, versions
-from gemps_proto.status import PRIMARY, RecentCommits, most_damped, slowest
+from gemps_proto.status import PRIMARY, RecentCommits, Rounds, most_damped, slowest
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +95,19 @@ def rate_use_line(status: ServerStatus) -> str:
     )
 
 
+def rounds_line(rounds: Rounds, recent: RecentCommits) -> str:
+    """A rule of rounds' progress: its steps (the rounds closed), the open round, and the share of
+    the recent commits that came after their round closed (a straggler's, whose place a backup took)."""
+    late = recent.scaling_at_zero if recent.commits else 0.0  # each such commit is scaled by 0 throughout
+    dropped = (
+        f"; {late:.0%} of the commits of the last {_age(recent.seconds)} came after their round closed and were "
+        "dropped (a backup's place)"
+        if late
+        else ""
+    )
+    return f"{rounds.closed} closed, a step each; the open one holds {rounds.held} of {rounds.size} commits{dropped}"
+
+
 def reach(args: argparse.Namespace) -> tuple[Client, ServerStatus, str]:
     """A client of the first address given that answers Status, that Status and the address;
     GempsError naming each address's failure when none answers."""
@@ -152,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
     say(f"rule            {status.config.rule} ({settings})")
     say(f"learning rate   {status.learning_rate:g} now ({schedule_line(status)})")
     say(f"                {rate_use_line(status)}")
+    if status.rounds is not None:
+        say(f"rounds          {rounds_line(status.rounds, status.recent)}")
     # Partitions' sums add up to the whole of θ's; with some partitions unreachable, partition 0's slice only.
     noise = client.gradient_noise(statuses).describe(status.active_workers)
     what = noise.removeprefix("noise scale").lstrip(":").strip()

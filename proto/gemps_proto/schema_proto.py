@@ -33,6 +33,7 @@ from gemps_proto.status import (
     RecentCommits,
     ReplicationStatus,
     RestoredCheckpoint,
+    Rounds,
     ServerStatus,
     WorkerStatus,
 )
@@ -273,6 +274,7 @@ def status_to_proto(status: ServerStatus) -> pb.StatusResponse:
         shared_rule_state_bytes=status.shared_rule_state_bytes,
         restored=None if status.restored is None else pb.RestoredCheckpoint(**dataclasses.asdict(status.restored)),
         job=status.job,
+        rounds=None if status.rounds is None else pb.Rounds(**dataclasses.asdict(status.rounds)),
     )
 
 
@@ -319,6 +321,11 @@ def status_from_proto(message: pb.StatusResponse) -> ServerStatus:
             else None
         ),
         job=message.job,
+        rounds=(
+            Rounds(message.rounds.closed, message.rounds.size, message.rounds.held)
+            if message.HasField("rounds")
+            else None
+        ),
     )
 
 

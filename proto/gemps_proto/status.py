@@ -217,6 +217,15 @@ class RestoredCheckpoint:
 
 
 @dataclass(frozen=True)
+class Rounds:
+    """A rule of rounds' progress (adamw; gemps.v1.Rounds): rounds closed, and the open one."""
+
+    closed: int  # rounds closed since θ was initialised: AdamW steps (outer steps on rounds of updates)
+    size: int  # K: the commits the open round closes at, as counted at the last commit, registration or departure
+    held: int  # the commits the open round holds
+
+
+@dataclass(frozen=True)
 class ServerStatus:
     """The server's state for humans and tools (gemps.v1.StatusResponse)."""
 
@@ -247,3 +256,4 @@ class ServerStatus:
     recent: RecentCommits = RecentCommits()  # commits of the last minute: the rate, training loss, staleness
     restored: RestoredCheckpoint | None = None  # the checkpoint restored at start (None: it started without one)
     job: str = ""  # the job whose θ this server holds ("" until θ is initialised; RegisterResponse.job)
+    rounds: Rounds | None = None  # a rule of rounds' (adamw): None for the other rules, and servers before it

@@ -292,6 +292,7 @@ class ParameterServer:
             queue_depth=lambda: self.applier.depth,
             gradient_noise=lambda: state.core.noise.estimate,
             workers=state.registry.listing,  # the stragglers' rankings
+            rounds=state.rounds,
         )
 
     async def _trim_heap(self) -> None:

@@ -106,4 +106,5 @@ def server_status(
         shared_rule_state_bytes=state.shared_rule_state_bytes,
         restored=state.restored,
         job=state.job,
+        rounds=state.rounds(),
     )

@@ -38,7 +38,7 @@ from gemps_proto.v1 import parameter_server_pb2 as pb
 from gemps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from gemps_server.replication.metrics import ReplicationCollector
 from gemps_worker.cluster import ServerProcess
-from tests.helpers import free_port, wait_for
+from tests.helpers import CommitLoops, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRAPE_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
@@ -109,6 +109,18 @@ def test_promtool_finds_nothing_wrong_with_live_metrics(tmp_path: Path) -> None:
     assert 'gemps_heldout_accuracy_ratio{dataset="test-set"} 0.75' in text
     assert re.search(r'^gemps_gem_energy_count\{side="proxy"\} 5\.0$', text, re.M)
     assert "_created" not in text  # no shadow series next to every counter
+
+
+def test_promtool_finds_nothing_wrong_with_a_rule_of_rounds_page() -> None:
+    """adamw's rounds (metrics/rounds.py): one worker, so each of its 5 commits closes a round."""
+    promtool = require_tool("promtool")
+    with ServerProcess(rule="adamw") as server:
+        small_training(server.target)
+        text = fetch(f"http://127.0.0.1:{server.metrics_port}/metrics")
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and result.stdout + result.stderr == "", result.stdout + result.stderr
+    for series in ("gemps_rounds_closed_total 5.0", "gemps_round_size 1.0", "gemps_round_held 0.0"):
+        assert re.search(f"^{re.escape(series)}$", text, re.M), text
 
 
 def test_project_scrape_config_passes_promtool() -> None:
@@ -274,13 +286,20 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
     worker_ports = [free_port() for _ in range(WORKERS)]
     with (
         ServerProcess(rule="gem", log_path=logs / "server.log") as server,
+        ServerProcess(rule="adamw", backup_workers=1, log_path=logs / "rounds-server.log") as rounds_server,
         processes() as children,
         replica_exporter() as replica,
     ):
+        gem = f'instance="127.0.0.1:{server.metrics_port}"'  # the run's figures are the GEM server's
         prometheus_port = free_port()
         config = scrape_config_for_test(
             {
-                "gemps-server": [f"127.0.0.1:{server.metrics_port}", replica],
+                # The rounds panels (adamw's) read a second, real server whose workers commit in rounds.
+                "gemps-server": [
+                    f"127.0.0.1:{server.metrics_port}",
+                    replica,
+                    f"127.0.0.1:{rounds_server.metrics_port}",
+                ],
                 "gemps-worker": [f"127.0.0.1:{port}" for port in worker_ports],
                 "gemps-evaluator": [],  # `gemps evaluate` serves no /metrics yet
                 "prometheus": [f"127.0.0.1:{prometheus_port}"],
@@ -303,6 +322,11 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
                 args = ["--server", server.target, "--epochs", str(EPOCHS), "--name", f"w{i}", "--seed", str(i)]
                 workers.append(run(f"worker{i}", "worker", *args, "--metrics-port", str(port)))
             run("evaluator", "evaluate", "--server", server.target, "--interval", "1")
+            rounds = CommitLoops(
+                [gemps.Client(rounds_server.target, name=f"r{i}") for i in range(3)],
+                {"w": np.zeros(64, np.float32)},
+                lambda: np.random.default_rng().standard_normal(64).astype(np.float32),  # a noise scale to sum
+            ).start()
             with gemps.Client(server.target) as observer:
                 wait_for(lambda: observer.status().initialized, 60, "the first registration")
             send_unknown_worker_commit(server.target)
@@ -325,9 +349,13 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
                 # ... and the noise scale's gauges: NaN until enough windows are measured, and again once the
                 # workers leave (on a loaded machine no scrape fell between the two once).
                 noise = prometheus.instant('gemps_gradient_square{job="gemps-server"} > 0')
-                return len(moving) == WORKERS and len(energy) > 0 and len(noise) > 0
+                # ... and the rounds of the adamw server while they closed.
+                closing = prometheus.instant('increase(gemps_rounds_closed_total{job="gemps-server"}[10s]) > 0')
+                return len(moving) == WORKERS and len(energy) > 0 and len(noise) > 0 and len(closing) > 0
 
             wait_for(workers_seen_training, 120, "prometheus to see every worker training", poll=0.5)
+            rounds.stop()
+            assert not rounds.failures, rounds.failures
             for worker in workers:  # SIGTERM: finish the step, leave cleanly, exit 0
                 worker.send_signal(signal.SIGTERM)
             for worker in workers:
@@ -337,7 +365,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
             assert final_version >= WORKERS * MIN_COMMITS_PER_WORKER
             wait_for(
                 lambda: (
-                    prometheus.value("gemps_central_version") == final_version
+                    prometheus.value(f"gemps_central_version{{{gem}}}") == final_version
                     and prometheus.value("max(gemps_heldout_evaluated_version)") is not None
                 ),
                 30,
@@ -360,11 +388,11 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
             named = {m for _, _, expr in queries for m in re.findall(r"\b((?:gemps|process)_[a-z0-9_]+)", expr)}
             assert named - known == set()
             # The figures behind the panels are the run's own.
-            rejected = prometheus.value('gemps_commits_total{outcome="rejected",reason="unknown_worker"}')
+            rejected = prometheus.value(f'gemps_commits_total{{outcome="rejected",reason="unknown_worker",{gem}}}')
             assert rejected == 1
-            assert prometheus.value('sum(gemps_commits_total{outcome="applied"})') == final_version
-            assert prometheus.value("gemps_training_loss_count") == final_version
-            assert prometheus.value("gemps_registrations_total") == WORKERS
+            assert prometheus.value(f'sum(gemps_commits_total{{outcome="applied",{gem}}})') == final_version
+            assert prometheus.value(f"gemps_training_loss_count{{{gem}}}") == final_version
+            assert prometheus.value(f"gemps_registrations_total{{{gem}}}") == WORKERS
             # Both workers were discovered and scraped while they trained.
             window = f"{int(end - started) + 5}s"
             scraped = prometheus.instant(f'max_over_time(up{{job="gemps-worker"}}[{window}])')

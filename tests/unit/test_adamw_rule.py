@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gemps_proto.schema import ParameterSpec, PayloadKind
+from gemps_proto.status import Rounds
 from gemps_server.domain.records import Commit
 from gemps_server.domain.rules import CommitRule, NonFiniteUpdate, create_rule, training_problems
 from gemps_server.domain.rules.adamw import AdamWRule
@@ -363,3 +364,34 @@ def test_a_round_size_above_the_workers_takes_the_next_commits_of_those_short_of
             core.commit_record(commit)
             takers.append(core.round_takers())
     assert takers == [{a}, {a, b}, {b}, set()] * 2 and core.version == 8
+
+
+def test_the_rounds_progress_is_the_steps_taken_and_the_open_rounds_size_and_commits() -> None:
+    """What Status and the metrics show (CommitRule.rounds): rounds closed, K as the last commit
+    counted it (the registered less the backups; a registration moves it at once), the commits held."""
+    state = ServerState(
+        training("adamw", learning_rate=3e-3, backup_workers=1), WorkerRegistry(max_workers=8, lease_ttl=3600)
+    )
+    spec = [ParameterSpec("w", (P,))]
+    assert state.rounds() is None  # no θ, no rule yet
+    a, b, c = (
+        state.register(name, spec, encoded(np.ones(P, np.float32)), client_id=name * 8).worker.worker_id
+        for name in "abc"
+    )
+    core, rng, seen = state.core, np.random.default_rng(17), []
+    for worker in (a, b, c, a, b):  # K 2: c's gradient comes after the first round closed, dropped
+        base = 0 if worker == c else core.version
+        core.commit_record(Commit(worker, base, PayloadKind.GRADIENT, encoded(gradients(rng, 1)[0])))
+        seen.append(state.rounds())
+    assert [(r.closed, r.size, r.held) for r in seen if r is not None] == [
+        (0, 2, 1),
+        (1, 2, 0),
+        (1, 2, 0),
+        (1, 2, 1),
+        (2, 2, 0),
+    ]
+    state.register("d", spec, None, client_id="d" * 8)
+    assert state.rounds() == Rounds(closed=2, size=3, held=0)  # K follows the registration
+    gem = ServerState(training("gem", learning_rate=0.1), WorkerRegistry(8, 60.0))
+    gem.register("g", spec, encoded(np.ones(P, np.float32)))
+    assert gem.rounds() is None  # a rule whose every commit moves θ

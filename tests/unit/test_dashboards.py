@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gemps_proto.reasons import Reason
-from gemps_proto.status import RecentCommits, WorkerStatus
+from gemps_proto.status import RecentCommits, Rounds, WorkerStatus
 from gemps_server.config import ServerConfig
 from gemps_server.domain.rules import ApplyStats
 from gemps_server.metrics import ServerMetrics
@@ -179,6 +179,7 @@ def exposed_sample_names() -> set[str]:
         active_workers=lambda: 1,
         queue_depth=int,
         workers=lambda: (straggler,),
+        rounds=lambda: Rounds(closed=7, size=3, held=1),  # a rule of rounds' (adamw)
     )
     stats = ApplyStats.of(np.array([0.0, 1.0, 5.0], np.float32), 5.0, proxy_energy=0.1, central_energy=0.2)
     metrics.applied(2, stats, loss=0.5, num_samples=64, queued_seconds=1e-4, apply_seconds=2e-4)

@@ -18,6 +18,7 @@ from gemps_proto.status import (
     BackupLag,
     GradientNoise,
     ReplicationStatus,
+    Rounds,
     ServerStatus,
     WorkerStatus,
 )
@@ -121,8 +122,13 @@ def test_training_config_and_status_survive_the_wire() -> None:
             applied=3,
             failovers=2,
         ),
+        rounds=Rounds(closed=12, size=15, held=3),
     )
     assert shared.status_from_proto(shared.status_to_proto(status)) == status
+    assert shared.status_from_proto(shared.status_to_proto(dataclasses.replace(status, rounds=None))).rounds is None
+    assert shared.status_from_proto(shared.status_to_proto(dataclasses.replace(status, rounds=Rounds(0, 1, 0)))) == (
+        dataclasses.replace(status, rounds=Rounds(0, 1, 0))  # a rule of rounds before its first: still said
+    )
     assert shared.status_from_proto(shared.status_to_proto(dataclasses.replace(status, last_evaluation=None))) == (
         dataclasses.replace(status, last_evaluation=None)
     )

@@ -503,7 +503,7 @@ class ReplicationStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., replicas: _Optional[int] = ..., primary: _Optional[str] = ..., backups: _Optional[_Iterable[_Union[BackupLag, _Mapping]]] = ..., forwarded: _Optional[int] = ..., applied: _Optional[int] = ..., failovers: _Optional[int] = ..., unavailable: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("initialized", "version", "active_workers", "num_parameters", "config", "commits_applied", "commits_rejected", "spec", "uptime_seconds", "last_evaluation", "learning_rate", "buffer_spec", "workers", "lease_ttl_seconds", "gradient_noise", "replication", "data_plane", "layout", "versions", "memory_budget_bytes", "rule_state_bytes", "recent", "gem_state", "worker_state_bytes", "shared_rule_state_bytes", "restored", "job")
+    __slots__ = ("initialized", "version", "active_workers", "num_parameters", "config", "commits_applied", "commits_rejected", "spec", "uptime_seconds", "last_evaluation", "learning_rate", "buffer_spec", "workers", "lease_ttl_seconds", "gradient_noise", "replication", "data_plane", "layout", "versions", "memory_budget_bytes", "rule_state_bytes", "recent", "gem_state", "worker_state_bytes", "shared_rule_state_bytes", "restored", "job", "rounds")
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -531,6 +531,7 @@ class StatusResponse(_message.Message):
     SHARED_RULE_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESTORED_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
     initialized: bool
     version: int
     active_workers: int
@@ -558,7 +559,18 @@ class StatusResponse(_message.Message):
     shared_rule_state_bytes: int
     restored: RestoredCheckpoint
     job: str
-    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., active_workers: _Optional[int] = ..., num_parameters: _Optional[int] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., commits_applied: _Optional[int] = ..., commits_rejected: _Optional[int] = ..., spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., learning_rate: _Optional[float] = ..., buffer_spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., lease_ttl_seconds: _Optional[float] = ..., gradient_noise: _Optional[_Union[GradientNoise, _Mapping]] = ..., replication: _Optional[_Union[ReplicationStatus, _Mapping]] = ..., data_plane: _Optional[_Union[DataPlane, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., rule_state_bytes: _Optional[int] = ..., recent: _Optional[_Union[RecentCommits, _Mapping]] = ..., gem_state: _Optional[str] = ..., worker_state_bytes: _Optional[int] = ..., shared_rule_state_bytes: _Optional[int] = ..., restored: _Optional[_Union[RestoredCheckpoint, _Mapping]] = ..., job: _Optional[str] = ...) -> None: ...
+    rounds: Rounds
+    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., active_workers: _Optional[int] = ..., num_parameters: _Optional[int] = ..., config: _Optional[_Union[TrainingConfig, _Mapping]] = ..., commits_applied: _Optional[int] = ..., commits_rejected: _Optional[int] = ..., spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., learning_rate: _Optional[float] = ..., buffer_spec: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., lease_ttl_seconds: _Optional[float] = ..., gradient_noise: _Optional[_Union[GradientNoise, _Mapping]] = ..., replication: _Optional[_Union[ReplicationStatus, _Mapping]] = ..., data_plane: _Optional[_Union[DataPlane, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., rule_state_bytes: _Optional[int] = ..., recent: _Optional[_Union[RecentCommits, _Mapping]] = ..., gem_state: _Optional[str] = ..., worker_state_bytes: _Optional[int] = ..., shared_rule_state_bytes: _Optional[int] = ..., restored: _Optional[_Union[RestoredCheckpoint, _Mapping]] = ..., job: _Optional[str] = ..., rounds: _Optional[_Union[Rounds, _Mapping]] = ...) -> None: ...
+
+class Rounds(_message.Message):
+    __slots__ = ("closed", "size", "held")
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    closed: int
+    size: int
+    held: int
+    def __init__(self, closed: _Optional[int] = ..., size: _Optional[int] = ..., held: _Optional[int] = ...) -> None: ...
 
 class RestoredCheckpoint(_message.Message):
     __slots__ = ("version", "path")

@@ -22,7 +22,7 @@ from gemps_proto.jobs import new_job
 from gemps_proto.reasons import Reason
 from gemps_proto.schedules import learning_rate_at
 from gemps_proto.schema import Buffers, ParameterSpec, TrainingConfig
-from gemps_proto.status import RestoredCheckpoint
+from gemps_proto.status import RestoredCheckpoint, Rounds
 from gemps_proto.tensor_codec import FLOAT32, EncodedBuffers, EncodedTensor
 from gemps_server.domain import validation
 from gemps_server.domain.core import CommitCore
@@ -108,6 +108,10 @@ class ServerState:
     def gem_state(self) -> str:
         """How the rule's form keeps its workers' state (GEM's --gem-state), else ""."""
         return self.rule_runtime.form(self.rule_name).state_form
+
+    def rounds(self) -> Rounds | None:
+        """A rule of rounds' progress (CommitRule.rounds), for Status and the metrics; else None."""
+        return None if self.core.rule is None else self.core.rule.rounds()
 
     def theta_bound(self) -> float | None:
         """The rule's bound on max |θ| (CommitRule.theta_bound: kept for θ itself, not a copy)."""

@@ -8,13 +8,14 @@ from prometheus_client import CollectorRegistry
 
 from gemps_proto.reasons import Reason
 from gemps_proto.schema import TrainingConfig
-from gemps_proto.status import GradientNoise, WorkerStatus
+from gemps_proto.status import GradientNoise, Rounds, WorkerStatus
 from gemps_server.domain.rules import ApplyStats
 from gemps_server.metrics.commits import CommitMetrics
 from gemps_server.metrics.evaluation import EvaluationMetrics
 from gemps_server.metrics.info import ServerInfo
 from gemps_server.metrics.noise import NoiseMetrics
 from gemps_server.metrics.reliability import ReliabilityMetrics
+from gemps_server.metrics.rounds import RoundsCollector
 from gemps_server.metrics.scaling import ScalingMetrics
 from gemps_server.metrics.state import Reading, StateMetrics
 from gemps_server.metrics.stragglers import StragglerCollector
@@ -39,6 +40,7 @@ class ServerMetrics:
         self.traffic = TrafficMetrics(self.registry)
         self.state = StateMetrics(self.registry)
         self.stragglers = StragglerCollector(self.registry)
+        self.rounds = RoundsCollector(self.registry)
         self.noise = NoiseMetrics(self.registry)
         self.reliability = ReliabilityMetrics(self.registry)
         self.evaluation = EvaluationMetrics(self.registry)
@@ -66,13 +68,16 @@ class ServerMetrics:
         reply_copies_unkept: Reading = float,
         gradient_noise: Callable[[], GradientNoise] = GradientNoise,
         workers: Callable[[], Sequence[WorkerStatus]] = tuple,
+        rounds: Callable[[], Rounds | None] = lambda: None,
     ) -> None:
         """Gauges that read the live state when scraped, so they can never go stale (eta: the
-        described training config's schedule at the live version; the stragglers: `workers`)."""
+        described training config's schedule at the live version; the stragglers: `workers`; a
+        rule of rounds' progress: `rounds`)."""
         state = (version, parameters, rule_state_bytes, active_workers, queue_depth)
         self.state.observe(*state, shared_rule_state_bytes, reply_copy_bytes, reply_copies_unkept)
         self.noise.observe(gradient_noise, active_workers)
         self.stragglers.observe(workers)
+        self.rounds.observe(rounds)
 
     # -- events ----------------------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from gemps_proto.schema import ParameterSpec, PayloadKind
+from gemps_proto.status import Rounds
 from gemps_server.domain.rules.adamw_options import (
     ADAMW_STEP_OPTIONS,
     BACKUP_WORKERS,
@@ -130,6 +131,7 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         # checkpoint keeps them: after a restore, nobody is told to go on: round_takers).
         self._joined: dict[str, int] = {}
         self._round_start = 0  # r0: the version at which θ last moved
+        self._live: int | None = None  # the workers still committing, as last counted (a commit, round_takers)
         # The next moments and sum are written here, and swapped in once they and θ are finite
         # (out of place: adamw_passes.py); allocated the first time a pass needs them.
         self._spares = {key: np.empty(0, dtype=np.float32) for key in _VECTORS}
@@ -186,12 +188,17 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         """Every worker in the round when it holds every commit it waits for (workers left after
         the others committed to it: the next commit closes it); else those that gave it fewer
         gradients than their share of K, ⌈K / live⌉ (a round_size above the workers: each owes
-        more than one a round)."""
-        period = self.period(live_workers if self.counts_live_workers else None)
+        more than one a round). The core asks after each registration and departure: `rounds()`
+        says this K from then on."""
+        live = live_workers if self.counts_live_workers else None
+        period, self._live = self.period(live), live
         if self._buffered >= period:
             return frozenset(self._joined)
         share = -(-period // max(1, live_workers))
         return frozenset(worker for worker, count in self._joined.items() if count < share)
+
+    def rounds(self) -> Rounds:
+        return Rounds(self._steps, self.period(self._live), self._buffered)
 
     def global_state(self, workers: bool = True) -> dict[str, np.ndarray]:
         counts = (self._steps, self._buffered, self._round_start)
@@ -227,7 +234,7 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
     def step_scaled(
         self, theta: np.ndarray, update: np.ndarray, scale: float, context: StepContext
     ) -> tuple[np.ndarray, ApplyStats]:
-        period = self.period(context.live_workers)
+        period, self._live = self.period(context.live_workers), context.live_workers
         if context.version - context.staleness < self._round_start:  # taken on a θ this round moved
             return theta, dataclasses.replace(ApplyStats.constant(0.0), kept_theta=True)
         subtract = context.kind is not PayloadKind.GRADIENT  # an update Δ is the pseudo-gradient -Δ

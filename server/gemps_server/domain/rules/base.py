@@ -31,6 +31,7 @@ import numpy as np
 from gemps_proto.rule_options import RuleOption, option_problems
 from gemps_proto.schedules import is_constant, schedule_factor
 from gemps_proto.schema import ParameterSpec, PayloadKind, TrainingConfig
+from gemps_proto.status import Rounds
 from gemps_server.native import noise_window
 
 #: eta's factor at a central version (eta(v) = learning_rate * schedule(v))
@@ -266,6 +267,11 @@ class CommitRule(ABC):
         θ they hold, it takes rather than others' (`live_workers` still committing, as
         StepContext.live_workers counts them). None, the default: θ moves at every commit."""
         return frozenset()
+
+    def rounds(self) -> Rounds | None:
+        """A rule of rounds: the rounds it closed and the open one's size and commits, for Status
+        (read from the event loop: a figure stale by a commit is fine there). None, the default."""
+        return None
 
     @classmethod
     def worker_state_bytes(cls, num_parameters: int) -> int:
