@@ -49,28 +49,6 @@ def training_dashboard() -> dashboard_builders.Dashboard:
             minimum=0,
         )
     )
-    d.with_row(dashboard_builders.Row("Rounds (--rule adamw)"))
-    d.with_panel(
-        timeseries(
-            "Rounds closed per second",
-            "A rule of rounds (adamw) closes a round at K commits and takes one AdamW step on their mean "
-            "(one outer step on rounds of updates): the model's steps a second, where the central version counts "
-            "commits. Empty for the other rules.",
-            [Query(f"rate(gemps_rounds_closed_total[{RATE}])", "rounds (steps) / s")],
-            minimum=0,
-        )
-    )
-    d.with_panel(
-        timeseries(
-            "Round size K and the commits the open round holds",
-            "K: the commits a round closes at (--round-size, else the workers registered less --backup-workers, "
-            "never more than those still committing), and the commits the open round holds. A gradient that "
-            "arrives after its round closed (a straggler's, whose place a backup took) is dropped: pi at 0 below. "
-            "Empty for the other rules.",
-            [Query("gemps_round_size", "K"), Query("gemps_round_held", "held")],
-            minimum=0,
-        )
-    )
     d.with_row(dashboard_builders.Row("GEM scaling factor pi (paper Figure 3)"))
     d.with_panel(
         timeseries(
@@ -165,4 +143,34 @@ def training_dashboard() -> dashboard_builders.Dashboard:
         ),
     ):
         d.with_panel(timeseries(title, description, [Query(metric, STRAGGLER)], width=8, minimum=0))
+    rounds_row(d)
     return d
+
+
+def rounds_row(d: dashboard_builders.Dashboard) -> None:
+    """A rule of rounds' progress (adamw: metrics/rounds.py). Empty under the other rules (nothing
+    exported): the row is collapsed and last, as the server dashboard's Replication row, so a stack
+    of another rule shows no panel reading "No data"; a click on it opens it."""
+    row = dashboard_builders.Row("Rounds (--rule adamw)")
+    row.with_panel(
+        timeseries(
+            "Rounds closed per second",
+            "A rule of rounds (adamw) closes a round at K commits and takes one AdamW step on their mean "
+            "(one outer step on rounds of updates): the model's steps a second, where the central version counts "
+            "commits.",
+            [Query(f"rate(gemps_rounds_closed_total[{RATE}])", "rounds (steps) / s")],
+            minimum=0,
+        )
+    )
+    row.with_panel(
+        timeseries(
+            "Round size K and the commits the open round holds",
+            "K: the commits a round closes at (--round-size, else the workers registered less --backup-workers, "
+            "never more than those still committing), and the commits the open round holds. A gradient that "
+            "arrives after its round closed (a straggler's, whose place a backup took) is dropped: pi at 0 in the "
+            "row above.",
+            [Query("gemps_round_size", "K"), Query("gemps_round_held", "held")],
+            minimum=0,
+        )
+    )
+    d.with_row(row)  # last: every panel is inside it, collapsed

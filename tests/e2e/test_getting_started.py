@@ -1,10 +1,10 @@
 """docs/getting-started.md's containers, run as the page writes them (issue 60, item 5), with
 podman-compose standing in for `docker compose` as the page says: `up --scale worker=4`, `gemps
 status`, `--scale worker=8`, `gemps export` and the podman teardown, in the page's order. Between
-them: every panel of the dashboards (but the collapsed Replication row, which has data only with
-replicas) has data while training runs; the workers train for the page's minutes; a server
-started again over the stack's checkpoints volume says it restored one; and the teardown leaves
-no container, volume or network of the stack.
+them: every panel of the dashboards (but the collapsed rows, Replication and Rounds, which have data
+only with replicas and under `--rule adamw`) has data while training runs; the workers train for
+the page's minutes; a server started again over the stack's checkpoints volume says it restored
+one; and the teardown leaves no container, volume or network of the stack.
 
 What differs from the page, and why: a project name and host ports of the test's own (other
 stacks may run on this machine), the images built first with the workplace's torch pin
