@@ -255,16 +255,21 @@ class CommitCore:
 
     def live_workers(self, committing: str) -> int:
         """The registered workers still committing: the scope `committing` now, those not committed
-        yet, and those whose last commit produced one of the last 2N versions (N the workers
-        registered; in rounds every live worker commits once a round). One that died without
-        leaving (SIGKILL, a lost node) stays registered for its lease: a round sized by the workers
-        then no longer waits for it after 2N commits (DESIGN §1, `adamw`). From the registry and the
-        ledger alone, which a backup replays and adopts as they are: the same count on every replica."""
+        since they registered, and those whose last commit produced one of the last 2N versions (N
+        the workers registered; in rounds every live worker commits once a round). One that died
+        without leaving (SIGKILL, a lost node) stays registered for its lease: a round sized by the
+        workers then no longer waits for it after 2N commits (DESIGN §1, `adamw`). One registered
+        again (after a restart, whose checkpoint kept its client's last receipt) counts until its
+        first commit here. From the registry and the ledger alone, which a backup replays and
+        adopts as they are: the same count on every replica."""
         window = 2 * len(self.registry)
         return sum(
             1
-            for scope in self.registry.scopes()
-            if scope == committing or (last := self.ledger.last_version(scope)) is None or self.version - last < window
+            for worker in self.registry.records()
+            if worker.scope == committing
+            or not worker.commits
+            or (last := self.ledger.last_version(worker.scope)) is None
+            or self.version - last < window
         )
 
     def round_takers(self) -> frozenset[str]:

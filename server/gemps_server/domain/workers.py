@@ -109,6 +109,10 @@ class WorkerRegistry:
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self._workers
 
+    def records(self) -> list[WorkerRecord]:
+        """The registered workers' records, in registration order."""
+        return list(self._workers.values())
+
     def scopes(self) -> list[str]:
         """Each registered worker's scope (WorkerRecord.scope), in registration order."""
         return [record.scope for record in self._workers.values()]

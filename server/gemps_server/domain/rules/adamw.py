@@ -27,7 +27,10 @@ momentum `outer_momentum` on ḡ, its momentum held in m; gradients are then ref
 `round_size`, or with 0 (the default) the workers registered less `backup_workers` (at least 1), and
 never more than the workers still committing: a worker killed without leaving stays registered for
 its lease, and no commit of its among the last 2N versions (N registered) leaves it out of K
-(CommitCore.live_workers), so the rounds go on without it instead of waiting.
+(CommitCore.live_workers), so the rounds go on without it instead of waiting. A checkpoint keeps
+the K of the round open when it was taken (the workers are not kept: they register again): after a
+restore K stays that until as many workers registered again (or one left), so the first worker
+back gives a round as many gradients as the job did, not steps of its own batch alone.
 The reply to a gradient the round took says how many commits it still needs (ApplyStats.pending):
 the SDK then waits for θ to move before it hands θ back, so each worker's next gradient is taken on
 the round's θ. A dropped gradient's reply is θ of the round open now, to take the next one on.
@@ -81,6 +84,9 @@ CHUNK = 1 << 20  # values summed at a time in float64 for the clip's norm
 STATE = ("first_moment", "second_moment", "gradient_sum", "steps", "buffered", "round_start")
 _VECTORS = STATE[:3]
 _COUNTS = STATE[3:]
+#: K kept for the workers that register again after a restore (0: none); optional, since
+#: checkpoints written before it lack it
+KEPT_SIZE = "round_size_kept"
 
 
 class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
@@ -132,6 +138,7 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         self._joined: dict[str, int] = {}
         self._round_start = 0  # r0: the version at which θ last moved
         self._live: int | None = None  # the workers still committing, as last counted (a commit, round_takers)
+        self._kept = 0  # K after a restore until the job's workers are back (0: K follows the workers)
         # The next moments and sum are written here, and swapped in once they and θ are finite
         # (out of place: adamw_passes.py); allocated the first time a pass needs them.
         self._spares = {key: np.empty(0, dtype=np.float32) for key in _VECTORS}
@@ -181,8 +188,19 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         never more than the workers still committing (`live`, as StepContext.live_workers counts
         them: one killed without leaving stays registered for its lease), at least one. The backups
         are the slowest, silent ones first: a straggler the backups cover still leaves K as it was."""
+        if self.round_size or self._kept:
+            return self.round_size or self._kept
         registered = self.registered()
-        return self.round_size or max(1, min(registered - self.backup_workers, registered if live is None else live))
+        return max(1, min(registered - self.backup_workers, registered if live is None else live))
+
+    def add_worker(self, worker_id: str, theta: np.ndarray) -> None:
+        super().add_worker(worker_id, theta)
+        if self.registered() - self.backup_workers >= self._kept:  # the job's workers are back
+            self._kept = 0
+
+    def remove_worker(self, worker_id: str) -> None:
+        super().remove_worker(worker_id)
+        self._kept = 0  # the job shrank: K follows the workers again
 
     def round_takers(self, live_workers: int) -> frozenset[str]:
         """Every worker in the round when it holds every commit it waits for (workers left after
@@ -201,24 +219,29 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         return Rounds(self._steps, self.period(self._live), self._buffered)
 
     def global_state(self, workers: bool = True) -> dict[str, np.ndarray]:
-        counts = (self._steps, self._buffered, self._round_start)
+        # A checkpoint (no workers) keeps the open round's K for the workers that will register
+        # again; an image for a backup, which adopts the workers too, carries what this rule keeps.
+        kept = self._kept if workers else (0 if self.round_size else self.period(self._live))
+        counts = (self._steps, self._buffered, self._round_start, kept)
         # float64 holds every count a run reaches exactly (float32 would round past 2**24 versions)
         return {key: vector.copy() for key, vector in self._vectors.items()} | {
-            key: np.array(count, dtype=np.float64) for key, count in zip(_COUNTS, counts, strict=True)
+            key: np.array(count, dtype=np.float64) for key, count in zip((*_COUNTS, KEPT_SIZE), counts, strict=True)
         }
 
     def load_global_state(self, state: dict[str, np.ndarray]) -> None:
         shape = [self.num_parameters]
-        fits = set(state) == set(STATE) and all(list(state[key].shape) == shape for key in _VECTORS)
-        counts = [float(state[key].reshape(-1)[0]) if fits and state[key].size == 1 else math.nan for key in _COUNTS]
+        kept = np.zeros(1) if KEPT_SIZE not in state else state[KEPT_SIZE]
+        fits = set(state) - {KEPT_SIZE} == set(STATE) and all(list(state[key].shape) == shape for key in _VECTORS)
+        given = [state[key] for key in _COUNTS] + [kept] if fits else []
+        counts = [float(count.reshape(-1)[0]) if count.size == 1 else math.nan for count in given]
         if not (fits and all(count.is_integer() and count >= 0 for count in counts)):
             raise ValueError(
                 f"adamw rule state must be {', '.join(map(repr, _VECTORS))} of shape {shape} and "
-                f"{', '.join(map(repr, _COUNTS))}, whole numbers >= 0; got {sorted(state)}"
+                f"{', '.join(map(repr, _COUNTS))} (and {KEPT_SIZE!r}), whole numbers >= 0; got {sorted(state)}"
             )
         for key in _VECTORS:
             np.copyto(self._vectors[key], state[key])
-        self._steps, self._buffered, self._round_start = (int(count) for count in counts)
+        self._steps, self._buffered, self._round_start, self._kept = (int(count) for count in counts)
         self._joined = {}
         self._sum_peak, self._moment_peaks = None, None
 
