@@ -266,9 +266,9 @@ class CommitCore:
         return sum(
             1
             for worker in self.registry.records()
-            if worker.scope == committing
-            or not worker.commits
-            or (last := self.ledger.last_version(worker.scope)) is None
+            if not worker.commits
+            or (scope := worker.scope) == committing
+            or (last := self.ledger.last_version(scope)) is None
             or self.version - last < window
         )
 
