@@ -19,7 +19,7 @@ to take the next gradient on.
 A round can want the waiting workers' next gradients rather than others': a worker left or was
 evicted after the others committed to it, so it holds every commit it waits for and nobody commits
 to close it; or its size (round_size) is above the workers, so it needs more than one gradient of
-each. The server answers the held pulls as that happens, saying so (PullResponse.round_takes_next,
+some. The server answers the held pulls as that happens, saying so (PullResponse.round_takes_next,
 from every server of θ): the wait ends at once, and the caller's next gradient, taken on θ as it
 is, goes to the round (after a departure, the first closes it and the others' are dropped as stale,
 a gradient each). A round can also wait for commits that will not come, from a worker killed

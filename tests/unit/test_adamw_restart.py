@@ -7,6 +7,7 @@ while K is kept holds it as its primary does."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from gemps_proto.schema import PayloadKind
 from gemps_proto.status import Rounds
@@ -131,3 +132,28 @@ def test_a_backup_seeded_while_k_is_kept_holds_it_as_its_primary_does() -> None:
         join(state, "c")
         join(state, "d")
     assert size(backup) == size(primary) == 4
+
+
+@pytest.mark.parametrize("round_size", [5, 6, 7, 8, 9])
+def test_a_round_above_the_workers_names_no_more_takers_than_it_still_needs(round_size: int) -> None:
+    """Four workers, K above them: each commits once a round unprompted, then again only once the
+    core names it (its held pull answered), a named one's gradient arriving after the commits of
+    those already computing theirs. When the round closes no named worker may still be computing:
+    its gradient would come after the round closed, and be dropped (K 6 had named every worker
+    for ⌈6 / 4⌉ = 2 gradients: 8 a round, 2 of them dropped)."""
+    state = adamw_state(round_size=round_size)
+    workers = [join(state, name) for name in "abcd"]
+    core = state.core
+    for _ in range(3):  # rounds
+        steps, given, waiting = rounds(state).closed, 0, []
+        in_flight = list(workers)  # each computing its first gradient of the round
+        while rounds(state).closed == steps:
+            assert in_flight, f"the round stalled at {rounds(state).held} of {round_size}"
+            worker = in_flight.pop(0)
+            commit(state, worker)
+            given += 1
+            waiting.append(worker)
+            told = [name for name in waiting if name in core.round_takers()]
+            waiting = [name for name in waiting if name not in told]
+            in_flight += told
+        assert (given, in_flight) == (round_size, [])

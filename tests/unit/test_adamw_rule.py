@@ -346,8 +346,9 @@ def test_a_departure_that_leaves_the_round_all_it_waits_for_has_it_take_their_ne
 
 def test_a_round_size_above_the_workers_takes_the_next_commits_of_those_short_of_their_share() -> None:
     """round_size 4, two workers: a round needs two gradients of each, and the SDK waits for θ after
-    each commit. The core names the workers that gave the round fewer than their share, ⌈4 / 2⌉:
-    their next commits go to it (none can overfill it, so none is dropped), the others wait."""
+    each commit. The core names as many workers as the round still needs, those that gave it the
+    fewest first: their next commits go to it (none can overfill it, so none is dropped), the
+    others wait."""
     state = ServerState(
         training("adamw", learning_rate=3e-3, round_size=4), WorkerRegistry(max_workers=8, lease_ttl=3600)
     )

@@ -204,16 +204,22 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
 
     def round_takers(self, live_workers: int) -> frozenset[str]:
         """Every worker in the round when it holds every commit it waits for (workers left after
-        the others committed to it: the next commit closes it); else those that gave it fewer
-        gradients than their share of K, ⌈K / live⌉ (a round_size above the workers: each owes
-        more than one a round). The core asks after each registration and departure: `rounds()`
+        the others committed to it: the next commit closes it); else as many as it still needs
+        beyond one from each live worker not in it yet (K above the workers: a round_size, or K
+        kept after a restore), those that gave it the fewest gradients first, the earliest among
+        equals: a worker named before and still computing stays named, and counts, so the round
+        is never given more than K and none is dropped (⌈K / live⌉ each gave K 6 from 4 workers 8
+        gradients, 2 dropped). The core asks after each registration and departure: `rounds()`
         says this K from then on."""
         live = live_workers if self.counts_live_workers else None
         period, self._live = self.period(live), live
         if self._buffered >= period:
             return frozenset(self._joined)
-        share = -(-period // max(1, live_workers))
-        return frozenset(worker for worker, count in self._joined.items() if count < share)
+        needed = period - self._buffered - max(0, live_workers - len(self._joined))
+        if needed <= 0:
+            return frozenset()
+        fewest = sorted(self._joined, key=self._joined.__getitem__)  # stable: first committed first
+        return frozenset(fewest[:needed])
 
     def rounds(self) -> Rounds:
         return Rounds(self._steps, self.period(self._live), self._buffered)
