@@ -166,7 +166,8 @@ def rounds_row(d: dashboard_builders.Dashboard) -> None:
         timeseries(
             "Round size K and the commits the open round holds",
             "K: the commits a round closes at (--round-size, else the workers registered less --backup-workers, "
-            "never more than those still committing), and the commits the open round holds. A gradient that "
+            "never more than those still committing; after a restart from a checkpoint the K it kept, until as "
+            "many workers registered again), and the commits the open round holds. A gradient that "
             "arrives after its round closed (a straggler's, whose place a backup took) is dropped: pi at 0 in the "
             "row above.",
             [Query("gemps_round_size", "K"), Query("gemps_round_held", "held")],
