@@ -9,12 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gemps_proto.schema import PayloadKind
+from gemps_proto.schema import ParameterSpec, PayloadKind
 from gemps_proto.status import Rounds
 from gemps_server import snapshot_codec
 from gemps_server.domain import images
 from gemps_server.domain.records import Commit
+from gemps_server.domain.rules import create_rule
 from gemps_server.domain.rules.adamw import KEPT_SIZE
+from gemps_server.domain.rules.base import StepContext
 from gemps_server.domain.state import ServerState
 from gemps_server.domain.workers import WorkerRegistry
 from gemps_server.replication import image_codec
@@ -157,3 +159,24 @@ def test_a_round_above_the_workers_names_no_more_takers_than_it_still_needs(roun
             waiting = [name for name in waiting if name not in told]
             in_flight += told
         assert (given, in_flight) == (round_size, [])
+
+
+def test_a_partition_names_the_same_takers_whatever_order_the_commits_reached_it() -> None:
+    """K 3, two workers, each commits once: one server of all of θ names the earliest of the two
+    (the round needs one more), so the order of arrival decides. A worker of a partitioned θ goes
+    on only once every partition named it, and commits may reach two partitions in other orders:
+    a partition names every worker short of ⌈3 / 2⌉, the same set whatever the order."""
+    named: dict[str, list[frozenset[str]]] = {"whole": [], "partition": []}
+    for order in ("ab", "ba"):
+        for kind, bounds in (("whole", (0, P)), ("partition", (0, P // 2))):
+            rule = create_rule(training("adamw", learning_rate=3e-3, round_size=3), bounds[1])
+            rule.take_spec([ParameterSpec("w", (P,))], bounds)
+            theta = np.zeros(bounds[1], np.float32)
+            for worker in "ab":
+                rule.add_worker(worker, theta)
+            for version, worker in enumerate(order):
+                rule.step(
+                    theta, np.ones(bounds[1], np.float32), StepContext(worker, staleness=version, version=version)
+                )
+            named[kind].append(rule.round_takers(2))
+    assert named == {"whole": [{"a"}, {"b"}], "partition": [{"a", "b"}, {"a", "b"}]}

@@ -27,10 +27,9 @@ momentum `outer_momentum` on ḡ, its momentum held in m; gradients are then ref
 `round_size`, or with 0 (the default) the workers registered less `backup_workers` (at least 1), and
 never more than the workers still committing: a worker killed without leaving stays registered for
 its lease, and no commit of its among the last 2N versions (N registered) leaves it out of K
-(CommitCore.live_workers), so the rounds go on without it instead of waiting. A checkpoint keeps
-the K of the round open when it was taken (the workers are not kept: they register again): after a
-restore K stays that until as many workers registered again (or one left), so the first worker
-back gives a round as many gradients as the job did, not steps of its own batch alone.
+(CommitCore.live_workers), so the rounds go on without it instead of waiting. After a restore K is
+the checkpoint's until as many workers registered again (or one left): the first one back gives a
+round as many gradients as the job did, not steps of its own batch alone.
 The reply to a gradient the round took says how many commits it still needs (ApplyStats.pending):
 the SDK then waits for θ to move before it hands θ back, so each worker's next gradient is taken on
 the round's θ. A dropped gradient's reply is θ of the round open now, to take the next one on.
@@ -139,6 +138,7 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         self._round_start = 0  # r0: the version at which θ last moved
         self._live: int | None = None  # the workers still committing, as last counted (a commit, round_takers)
         self._kept = 0  # K after a restore until the job's workers are back (0: K follows the workers)
+        self._whole = True  # this server holds all of θ (take_spec): no other partition names takers
         # The next moments and sum are written here, and swapped in once they and θ are finite
         # (out of place: adamw_passes.py); allocated the first time a pass needs them.
         self._spares = {key: np.empty(0, dtype=np.float32) for key in _VECTORS}
@@ -174,6 +174,7 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
             offset += parameter.size
         self._decayed = ranges
         self._decayed_bounds = np.array(ranges, dtype=np.int64).reshape(-1)
+        self._whole = bounds == (0, offset)
 
     def refusal(self, kind: PayloadKind) -> str | None:
         if self.outer_rate and kind is PayloadKind.GRADIENT:
@@ -205,16 +206,19 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
     def round_takers(self, live_workers: int) -> frozenset[str]:
         """Every worker in the round when it holds every commit it waits for (workers left after
         the others committed to it: the next commit closes it); else as many as it still needs
-        beyond one from each live worker not in it yet (K above the workers: a round_size, or K
-        kept after a restore), those that gave it the fewest gradients first, the earliest among
-        equals: a worker named before and still computing stays named, and counts, so the round
-        is never given more than K and none is dropped (⌈K / live⌉ each gave K 6 from 4 workers 8
-        gradients, 2 dropped). The core asks after each registration and departure: `rounds()`
-        says this K from then on."""
+        beyond one from each live worker not in it yet (K above the workers), those that gave it
+        the fewest first, the earliest among equals: one named and still computing stays named,
+        and counts, so none is dropped (⌈K / live⌉ each gave K 6 from 4 workers 8 gradients). A
+        partition names every worker short of ⌈K / live⌉ still: commits may reach partitions in
+        other orders, and a worker waits for every one's word (PullResponse.round_takes_next).
+        The core asks after each registration and departure: `rounds()` says this K from then on."""
         live = live_workers if self.counts_live_workers else None
         period, self._live = self.period(live), live
         if self._buffered >= period:
             return frozenset(self._joined)
+        if not self._whole:
+            share = -(-period // max(1, live_workers))
+            return frozenset(worker for worker, count in self._joined.items() if count < share)
         needed = period - self._buffered - max(0, live_workers - len(self._joined))
         if needed <= 0:
             return frozenset()
