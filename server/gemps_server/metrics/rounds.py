@@ -51,7 +51,8 @@ class RoundsCollector(Collector):
             GaugeMetricFamily(
                 "gemps_round_size",
                 "K: the commits the open round closes at (--round-size, else the workers registered less "
-                "--backup-workers and never more than those still committing), as counted at the last commit, "
+                "--backup-workers and never more than those still committing; after a restart from a checkpoint "
+                "the K it kept, until as many workers registered again), as counted at the last commit, "
                 "registration or departure.",
             ),
             GaugeMetricFamily("gemps_round_held", "Commits the open round holds."),

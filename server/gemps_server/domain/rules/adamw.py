@@ -174,7 +174,7 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
             offset += parameter.size
         self._decayed = ranges
         self._decayed_bounds = np.array(ranges, dtype=np.int64).reshape(-1)
-        self._whole = bounds == (0, offset)
+        self._whole = start == 0 and stop == offset
 
     def refusal(self, kind: PayloadKind) -> str | None:
         if self.outer_rate and kind is PayloadKind.GRADIENT:
