@@ -17,10 +17,12 @@ from gemps_cli.main import main as gemps_main
 
 import gemps
 from gemps_server.checkpoint_files import load_latest
+from gemps_server.domain.rules.delayed_nesterov import DelayedNesterovRule
 from gemps_worker.datasets import load_digits
 from gemps_worker.held_out import evaluate_central
 from gemps_worker.models import build_model
 from gemps_worker.training import StepRecord, WorkerHooks, WorkerOptions, WorkerSummary, run_worker
+from tests.helpers import free_port
 from tests.integration.conftest import StartServer
 
 DN = {"rule": "delayed-nesterov", "dn_learning_rate": 0.7, "momentum": 0.9}
@@ -119,7 +121,8 @@ def test_the_options_are_flags_status_lists_them_and_a_checkpoint_restores_the_s
     rule = second.server.state.core.rule
     assert rule is not None
     restored = rule.global_state()
-    assert set(restored) == {"momentum", "buffer", "buffered"} and restored["buffered"] == 1
+    assert set(restored) == {"momentum", "buffer", "buffered", "period_kept"} and restored["buffered"] == 1
+    assert restored["period_kept"] == 0  # N is the option's: nothing kept for the workers
     for key, value in before.items():
         np.testing.assert_array_equal(restored[key], value)
     with gemps.Client(second.target) as client:
@@ -128,3 +131,41 @@ def test_the_options_are_flags_status_lists_them_and_a_checkpoint_restores_the_s
         reply = client.commit(updates[4], kind="update")
     # The 5th commit continues the buffered cycle: a plain step ε·Δ/N, the momentum not reapplied.
     np.testing.assert_allclose(reply.parameters.flat, theta + np.float32(0.7) * updates[4] / 3, rtol=1e-6)
+
+
+def test_after_a_restart_the_first_worker_back_takes_its_share_of_the_jobs_cycle(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """N from the registrations (the default): three workers, a cycle; the server restarts on its
+    ports from its final checkpoint while they stay up. The first one back commits: θ moves by its
+    share ε·Δ/3 of the job's cycle, not by a cycle of its own (N the one worker registered: a
+    momentum step at each of its commits), until as many are back; then N follows them again."""
+    ports = {"port": free_port(), "data_port": free_port()}
+    options = {**DN, "checkpoint_dir": tmp_path, "checkpoint_every": 0, "checkpoint_interval": 0, **ports}
+    server = start_server(**options)
+    update = np.full(4, 0.1, np.float32)
+    clients = {name: gemps.Client(server.target, name=name) for name in "abcd"}
+    try:
+        for name in "abc":
+            clients[name].register({"w": np.zeros(4, np.float32)})
+        for name in "abc":
+            clients[name].commit(update, kind="update")  # one cycle of three: the momentum set
+        server.stop()  # the final checkpoint; the workers stay up
+        second = start_server(**options)
+        rule = second.server.state.core.rule
+        assert isinstance(rule, DelayedNesterovRule)
+        first = clients["a"]
+        theta = first.pull().flat.copy()  # registering again
+        moved = first.commit(update, kind="update").parameters.flat
+        np.testing.assert_allclose(moved, theta + np.float32(0.7) * update / 3, rtol=1e-6)
+        assert rule.period() == 3
+        clients["b"].pull()
+        clients["c"].pull()  # the job's three are back: N follows the registrations from here
+        clients["d"].register({"w": np.zeros(4, np.float32)})
+        assert rule.period() == 4
+        theta = clients["d"].pull().flat.copy()
+        moved = clients["d"].commit(update, kind="update").parameters.flat
+        np.testing.assert_allclose(moved, theta + np.float32(0.7) * update / 4, rtol=1e-6)
+    finally:
+        for client in clients.values():
+            client.close()

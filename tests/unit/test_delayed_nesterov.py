@@ -11,7 +11,7 @@ import pytest
 from gemps_proto.schema import PayloadKind
 from gemps_server.domain.rules import create_rule
 from gemps_server.domain.rules.base import CommitRule, NonFiniteUpdate, StepContext
-from gemps_server.domain.rules.delayed_nesterov import DelayedNesterovRule
+from gemps_server.domain.rules.delayed_nesterov import KEPT_PERIOD, DelayedNesterovRule
 from tests.helpers import training
 
 F32 = np.float32
@@ -117,6 +117,40 @@ def test_a_gradient_commit_enters_as_minus_eta_g() -> None:
     assert stats.scaling_mean == 1.0  # ε/N
 
 
+def test_a_restore_keeps_the_jobs_n_for_the_first_worker_back_as_algorithm_3_goes_on() -> None:
+    """N from three registrations; a checkpoint (no workers), a restore, one worker back: its
+    commits go on as Algorithm 3 with the job's N = 3 (not cycles of one, a momentum step at each
+    commit) until as many registered again; a departure has N follow the workers at once."""
+    options = {"dn_learning_rate": 0.7, "momentum": 0.5}
+    first, second, third = made(**options), made(**options), made(**options)
+    paper = PaperDelayedNesterov([1.0, 2.0, -1.0], 0.7, 0.5, 3, 0.0)
+    theta = paper.theta.astype(F32)
+    for worker in "abc":
+        first.add_worker(worker, theta)
+    for update in UPDATES[:4]:  # a cycle and one commit of the next
+        theta = commit(first, theta, update)
+        paper.receive(-np.array(update, np.float64))
+    saved = first.global_state(workers=False)
+    assert saved[KEPT_PERIOD] == 3
+    for rule in (second, third):  # as a checkpoint file gives it back: the counts of shape [1]
+        rule.load_global_state({key: value.reshape(-1).copy() for key, value in saved.items()})
+    second.add_worker("a", theta)
+    for index, update in enumerate(UPDATES[4:]):  # the open cycle closes at the second of these
+        theta = commit(second, theta, update)
+        paper.receive(-np.array(update, np.float64))
+        np.testing.assert_allclose(theta, paper.theta, rtol=1e-6, atol=1e-6, err_msg=f"commit {index}")
+    assert isinstance(second, DelayedNesterovRule) and isinstance(third, DelayedNesterovRule)
+    second.add_worker("b", theta)
+    assert second.period() == 3
+    second.add_worker("c", theta)
+    second.add_worker("d", theta)  # the job's three are back: N follows the registrations
+    assert second.period() == 4 and second.global_state()[KEPT_PERIOD] == 0
+    third.add_worker("a", theta)
+    third.add_worker("b", theta)
+    third.remove_worker("b")  # the job shrank
+    assert third.period() == 1
+
+
 def test_the_state_round_trips_through_global_state_mid_cycle() -> None:
     options = {"dn_learning_rate": 0.7, "momentum": 0.9, "nesterov_period": 3}
     first, second = made(**options), made(**options)
@@ -126,7 +160,8 @@ def test_the_state_round_trips_through_global_state_mid_cycle() -> None:
     for update in UPDATES[:4]:  # a cycle and one commit of the next: every part of the state is set
         theta = commit(first, theta, update)
     saved = first.global_state(workers=False)
-    assert set(saved) == {"momentum", "buffer", "buffered"} and saved["buffered"] == 1
+    assert set(saved) == {"momentum", "buffer", "buffered", KEPT_PERIOD} and saved["buffered"] == 1
+    assert saved[KEPT_PERIOD] == 0  # N is the option's: nothing kept for the workers
     assert np.abs(saved["momentum"]).max() > 0 and np.abs(saved["buffer"]).max() > 0
     # As a checkpoint file gives it back: the count of shape [1].
     second.load_global_state({key: value.reshape(-1).copy() for key, value in saved.items()})
@@ -145,6 +180,7 @@ def test_a_state_that_does_not_fit_is_refused_by_name() -> None:
         {**good, "buffer": np.zeros(4, F32)},
         {**good, "buffered": np.array(1.5, F32)},
         {**good, "buffered": np.array(-1.0, F32)},
+        {**good, KEPT_PERIOD: np.array(2.5)},
     ):
         with pytest.raises(ValueError, match="delayed-nesterov rule state must be 'momentum' and 'buffer'"):
             rule.load_global_state(bad)

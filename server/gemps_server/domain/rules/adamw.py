@@ -137,7 +137,6 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         self._joined: dict[str, int] = {}
         self._round_start = 0  # r0: the version at which θ last moved
         self._live: int | None = None  # the workers still committing, as last counted (a commit, round_takers)
-        self._kept = 0  # K after a restore until the job's workers are back (0: K follows the workers)
         self._whole = True  # this server holds all of θ (take_spec): no other partition names takers
         # The next moments and sum are written here, and swapped in once they and θ are finite
         # (out of place: adamw_passes.py); allocated the first time a pass needs them.
@@ -189,19 +188,10 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         never more than the workers still committing (`live`, as StepContext.live_workers counts
         them: one killed without leaving stays registered for its lease), at least one. The backups
         are the slowest, silent ones first: a straggler the backups cover still leaves K as it was."""
-        if self.round_size or self._kept:
-            return self.round_size or self._kept
+        if self.round_size or self.kept_group():
+            return self.round_size or self.kept_group()
         registered = self.registered()
         return max(1, min(registered - self.backup_workers, registered if live is None else live))
-
-    def add_worker(self, worker_id: str, theta: np.ndarray) -> None:
-        super().add_worker(worker_id, theta)
-        if self.registered() - self.backup_workers >= self._kept:  # the job's workers are back
-            self._kept = 0
-
-    def remove_worker(self, worker_id: str) -> None:
-        super().remove_worker(worker_id)
-        self._kept = 0  # the job shrank: K follows the workers again
 
     def round_takers(self, live_workers: int) -> frozenset[str]:
         """Every worker in the round when it holds every commit it waits for (workers left after
@@ -229,9 +219,7 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         return Rounds(self._steps, self.period(self._live), self._buffered)
 
     def global_state(self, workers: bool = True) -> dict[str, np.ndarray]:
-        # A checkpoint (no workers) keeps the open round's K for the workers that will register
-        # again; an image for a backup, which adopts the workers too, carries what this rule keeps.
-        kept = self._kept if workers else (0 if self.round_size else self.period(self._live))
+        kept = self.group_to_keep(workers, 0 if self.round_size else self.period(self._live))
         counts = (self._steps, self._buffered, self._round_start, kept)
         # float64 holds every count a run reaches exactly (float32 would round past 2**24 versions)
         return {key: vector.copy() for key, vector in self._vectors.items()} | {
@@ -251,7 +239,8 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
             )
         for key in _VECTORS:
             np.copyto(self._vectors[key], state[key])
-        self._steps, self._buffered, self._round_start, self._kept = (int(count) for count in counts)
+        self._steps, self._buffered, self._round_start, kept_size = (int(count) for count in counts)
+        self.keep_group(kept_size)
         self._joined = {}
         self._sum_peak, self._moment_peaks = None, None
 

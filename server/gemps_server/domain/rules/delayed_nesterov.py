@@ -22,7 +22,8 @@ commit in between; the shares of a cycle add up to one momentum step.
 N is `nesterov_period`, or with 0 (the default, the paper's choice of N = number of workers) the
 workers registered when a commit is applied: a cycle closes at the first commit that finds
 k ≥ N, and with N from the registrations c is used as min(c, 1/N) (an explicit N with c above
-1/N is refused at start).
+1/N is refused at start). After a restore N is the checkpoint's until as many workers registered
+again (or one left): the first one back takes its share of a cycle, not a cycle a commit.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ MOMENTUM_ACTIVATION = RuleOption(
 
 #: the rule's state, all of it outliving the workers' registrations (a checkpoint keeps it)
 STATE = ("momentum", "buffer", "buffered")
+#: N kept for the workers that register again after a restore (0: none); optional, since
+#: checkpoints written before it lack it
+KEPT_PERIOD = "period_kept"
 
 
 class DelayedNesterovRule(RegisteredWorkers, OverflowGuard, CommitRule):
@@ -106,29 +110,36 @@ class DelayedNesterovRule(RegisteredWorkers, OverflowGuard, CommitRule):
         self._step = np.empty(0, dtype=np.float32)
 
     def period(self) -> int:
-        """N for the next commit: the option's, or the workers registered (at least one)."""
-        return self.nesterov_period or max(1, self.registered())
+        """N for the next commit: the option's, or the one a restore kept, or the workers
+        registered (at least one)."""
+        return self.nesterov_period or self.kept_group() or max(1, self.registered())
 
     def global_state(self, workers: bool = True) -> dict[str, np.ndarray]:
+        kept = self.group_to_keep(workers, 0 if self.nesterov_period else self.period())
         return {
             "momentum": self._momentum.copy(),
             "buffer": self._buffer.copy(),
             "buffered": np.array(self._buffered, dtype=np.float32),
+            KEPT_PERIOD: np.array(kept, dtype=np.float64),  # float64: any count exactly
         }
 
     def load_global_state(self, state: dict[str, np.ndarray]) -> None:
         shape = list(self._momentum.shape)
-        fits = set(state) == set(STATE) and all(list(state[key].shape) == shape for key in ("momentum", "buffer"))
-        # One number: 0-d as global_state gives it, of shape [1] as a checkpoint file gives it back.
-        buffered = float(state["buffered"].reshape(-1)[0]) if fits and state["buffered"].size == 1 else math.nan
-        if not (fits and buffered.is_integer() and buffered >= 0):
+        fits = set(state) - {KEPT_PERIOD} == set(STATE) and all(
+            list(state[key].shape) == shape for key in ("momentum", "buffer")
+        )
+        # One number each: 0-d as global_state gives it, of shape [1] as a checkpoint file gives it back.
+        counts = [state.get(key, np.zeros(1)) for key in ("buffered", KEPT_PERIOD)] if fits else [np.empty(0)] * 2
+        buffered, kept = (float(count.reshape(-1)[0]) if count.size == 1 else math.nan for count in counts)
+        if not (fits and all(count.is_integer() and count >= 0 for count in (buffered, kept))):
             raise ValueError(
-                f"delayed-nesterov rule state must be 'momentum' and 'buffer' of shape {shape} and 'buffered', "
-                f"a whole number >= 0; got {sorted(state)}"
+                f"delayed-nesterov rule state must be 'momentum' and 'buffer' of shape {shape} and 'buffered' "
+                f"(and {KEPT_PERIOD!r}), whole numbers >= 0; got {sorted(state)}"
             )
         np.copyto(self._momentum, state["momentum"])
         np.copyto(self._buffer, state["buffer"])
         self._buffered = int(buffered)
+        self.keep_group(int(kept))
 
     def step_scaled(
         self,
