@@ -26,8 +26,8 @@ from tests.unit.test_journal_replay import SPEC
 P = SPEC[0].size
 
 
-def adamw_state(**options: float) -> ServerState:
-    return ServerState(training("adamw", learning_rate=3e-3, **options), WorkerRegistry(8, lease_ttl=3600))
+def server_state(rule: str = "adamw", **options: float) -> ServerState:
+    return ServerState(training(rule, learning_rate=3e-3, **options), WorkerRegistry(8, lease_ttl=3600))
 
 
 def join(state: ServerState, name: str) -> str:
@@ -43,17 +43,17 @@ def commit(state: ServerState, worker: str) -> int:
     return core.commit_record(Commit(worker, core.version, PayloadKind.GRADIENT, gradient, request)).stats.pending
 
 
-def restarted(names: str = "abc", drop_kept: bool = False, **options: float) -> ServerState:
+def restarted(names: str = "abc", drop_kept: bool = False, rule: str = "adamw", **options: float) -> ServerState:
     """A server of `names` that took a round of commits each, then checkpointed; a new one restored
     from it (`drop_kept`: from a checkpoint written before the kept K)."""
-    state = adamw_state(**options)
+    state = server_state(rule, **options)
     workers = [join(state, name) for name in names]
     for worker in workers:
         commit(state, worker)
     tensors, metadata = snapshot_codec.state_parts(images.checkpoint(state))
     if drop_kept:
         tensors = {key: value for key, value in tensors.items() if KEPT_SIZE not in key}
-    restored = adamw_state(**options)
+    restored = server_state(rule, **options)
     assert images.restore(restored, snapshot_codec.take_state(metadata, dict(tensors))) == []
     return restored
 
@@ -124,7 +124,7 @@ def test_workers_registered_again_count_as_committing_though_their_receipts_are_
 def test_a_backup_seeded_while_k_is_kept_holds_it_as_its_primary_does() -> None:
     primary = restarted("abc")
     a = join(primary, "a")
-    backup = adamw_state()
+    backup = server_state()
     images.adopt(backup, image_codec.decode(image_codec.encode(images.take(primary))))
     assert size(backup) == size(primary) == 3
     commit(primary, a)
@@ -143,7 +143,7 @@ def test_a_round_above_the_workers_names_no_more_takers_than_it_still_needs(roun
     those already computing theirs. When the round closes no named worker may still be computing:
     its gradient would come after the round closed, and be dropped (K 6 had named every worker
     for ⌈6 / 4⌉ = 2 gradients: 8 a round, 2 of them dropped)."""
-    state = adamw_state(round_size=round_size)
+    state = server_state(round_size=round_size)
     workers = [join(state, name) for name in "abcd"]
     core = state.core
     for _ in range(3):  # rounds

@@ -9,10 +9,13 @@ import numpy as np
 import pytest
 
 from gemps_proto.schema import PayloadKind
+from gemps_server.domain import images
 from gemps_server.domain.rules import create_rule
 from gemps_server.domain.rules.base import CommitRule, NonFiniteUpdate, StepContext
 from gemps_server.domain.rules.delayed_nesterov import KEPT_PERIOD, DelayedNesterovRule
+from gemps_server.replication import image_codec
 from tests.helpers import training
+from tests.unit.test_adamw_restart import join, restarted, server_state
 
 F32 = np.float32
 
@@ -149,6 +152,21 @@ def test_a_restore_keeps_the_jobs_n_for_the_first_worker_back_as_algorithm_3_goe
     third.add_worker("b", theta)
     third.remove_worker("b")  # the job shrank
     assert third.period() == 1
+
+
+def test_a_backup_seeded_while_n_is_kept_holds_it_as_its_primary_does() -> None:
+    """Through a checkpoint file and a replica image, as a server and its backup carry them."""
+    primary = restarted("abc", rule="delayed-nesterov")
+    join(primary, "a")
+    backup = server_state("delayed-nesterov")
+    images.adopt(backup, image_codec.decode(image_codec.encode(images.take(primary))))
+    rules = [state.core.rule for state in (primary, backup)]
+    assert all(isinstance(rule, DelayedNesterovRule) and rule.period() == 3 for rule in rules)
+    for state in (primary, backup):
+        join(state, "b")
+        join(state, "c")
+        join(state, "d")
+    assert all(isinstance(rule, DelayedNesterovRule) and rule.period() == 4 for rule in rules)
 
 
 def test_the_state_round_trips_through_global_state_mid_cycle() -> None:
