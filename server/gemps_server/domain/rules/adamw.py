@@ -188,8 +188,8 @@ class AdamWRule(RegisteredWorkers, OverflowGuard, CommitRule):
         never more than the workers still committing (`live`, as StepContext.live_workers counts
         them: one killed without leaving stays registered for its lease), at least one. The backups
         are the slowest, silent ones first: a straggler the backups cover still leaves K as it was."""
-        if self.round_size or self.kept_group():
-            return self.round_size or self.kept_group()
+        if fixed := self.round_size or self.kept_group():
+            return fixed
         registered = self.registered()
         return max(1, min(registered - self.backup_workers, registered if live is None else live))
 
