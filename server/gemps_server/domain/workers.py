@@ -113,10 +113,6 @@ class WorkerRegistry:
         """The registered workers' records, in registration order."""
         return list(self._workers.values())
 
-    def scopes(self) -> list[str]:
-        """Each registered worker's scope (WorkerRecord.scope), in registration order."""
-        return [record.scope for record in self._workers.values()]
-
     def of_client(self, client_id: str) -> WorkerRecord | None:
         """The registered worker of `client_id`, if any (never for "")."""
         worker_id = self._by_client.get(client_id) if client_id else None
